@@ -1,0 +1,79 @@
+/* Model config: defaults, derived keys and validation. YAML and JSON
+ * parsing live in config_io.c. */
+#include "config.h"
+
+#include <math.h>
+#include <string.h>
+
+void nl_config_init(nl_config *cfg)
+{
+    memset(cfg, 0, sizeof *cfg);
+    cfg->vocab_chunk = 32768;
+    cfg->num_experts = 8;
+    cfg->top_k = 2;
+    cfg->max_seq_len = 2048;
+    cfg->rope_base = 10000.0;
+    cfg->norm_eps = 1e-6;
+    cfg->aux_loss_coef = 0.01;
+}
+
+void nl_config_fill_derived(nl_config *cfg)
+{
+    if (cfg->vocab_size == 0)
+        cfg->vocab_size = NL_DEFAULT_VOCAB;
+    if (cfg->hidden_dim <= 0)
+        return;
+    if (cfg->num_heads == 0)
+        cfg->num_heads = cfg->hidden_dim / 64 > 0 ? cfg->hidden_dim / 64 : 1;
+    if (cfg->num_kv_heads == 0)
+        cfg->num_kv_heads = cfg->num_heads / 4 > 0 ? cfg->num_heads / 4 : 1;
+    if (cfg->ffn_dim == 0)
+        cfg->ffn_dim = 4 * cfg->hidden_dim;
+}
+
+#define BAD(...) return nl_error_set(err, NL_ERR_INVALID, __VA_ARGS__)
+
+nl_status nl_config_validate(const nl_config *c, int require_size, nl_error *err)
+{
+    if (c->vocab_size < 1 || c->vocab_size > NL_CONFIG_MAX_VOCAB)
+        BAD("vocab_size: %lld is outside 1..%lld", (long long)c->vocab_size,
+            (long long)NL_CONFIG_MAX_VOCAB);
+    if (c->vocab_chunk < 1 || c->vocab_chunk > NL_CONFIG_MAX_VOCAB)
+        BAD("vocab_chunk: %lld is outside 1..%lld", (long long)c->vocab_chunk,
+            (long long)NL_CONFIG_MAX_VOCAB);
+    if (c->num_experts < 1 || c->num_experts > NL_CONFIG_MAX_EXPERTS)
+        BAD("num_experts: %d is outside 1..%d", c->num_experts, NL_CONFIG_MAX_EXPERTS);
+    if (c->top_k < 1 || c->top_k > c->num_experts)
+        BAD("top_k: %d must be in 1..num_experts (%d)", c->top_k, c->num_experts);
+    if (c->max_seq_len < 1 || c->max_seq_len > NL_CONFIG_MAX_SEQ)
+        BAD("max_seq_len: %d is outside 1..%d", c->max_seq_len, NL_CONFIG_MAX_SEQ);
+    if (!(c->rope_base > 1.0) || !isfinite(c->rope_base))
+        BAD("rope_base: %g must be a finite number above 1", c->rope_base);
+    if (!(c->norm_eps > 0.0) || !(c->norm_eps < 1.0))
+        BAD("norm_eps: %g must be in (0, 1)", c->norm_eps);
+    if (!(c->aux_loss_coef >= 0.0) || !isfinite(c->aux_loss_coef))
+        BAD("aux_loss_coef: %g must be a finite number >= 0", c->aux_loss_coef);
+    if (c->hidden_dim == 0 && c->num_layers == 0 && !require_size)
+        return NL_OK; /* to be sized by the coordinator */
+    if (c->hidden_dim < 1 || c->hidden_dim > NL_CONFIG_MAX_DIM)
+        BAD("hidden_dim: %d is outside 1..%d", c->hidden_dim, NL_CONFIG_MAX_DIM);
+    if (c->num_layers < 1 || c->num_layers > NL_CONFIG_MAX_LAYERS)
+        BAD("num_layers: %d is outside 1..%d", c->num_layers, NL_CONFIG_MAX_LAYERS);
+    if (c->num_heads < 1 || c->num_heads > c->hidden_dim)
+        BAD("num_heads: %d is outside 1..hidden_dim (%d)", c->num_heads, c->hidden_dim);
+    if (c->hidden_dim % c->num_heads != 0)
+        BAD("num_heads: %d does not divide hidden_dim %d", c->num_heads, c->hidden_dim);
+    int hd = c->hidden_dim / c->num_heads;
+    if (hd % 2 != 0)
+        BAD("num_heads: head_dim = hidden_dim / num_heads = %d must be even (RoPE rotates pairs)",
+            hd);
+    if (hd > NL_CONFIG_MAX_HEAD_DIM)
+        BAD("num_heads: head_dim = %d is above the supported %d", hd, NL_CONFIG_MAX_HEAD_DIM);
+    if (c->num_kv_heads < 1 || c->num_kv_heads > c->num_heads)
+        BAD("num_kv_heads: %d is outside 1..num_heads (%d)", c->num_kv_heads, c->num_heads);
+    if (c->num_heads % c->num_kv_heads != 0)
+        BAD("num_kv_heads: %d does not divide num_heads %d", c->num_kv_heads, c->num_heads);
+    if (c->ffn_dim < 1 || c->ffn_dim > 16 * NL_CONFIG_MAX_DIM)
+        BAD("ffn_dim: %d is outside 1..%d", c->ffn_dim, 16 * NL_CONFIG_MAX_DIM);
+    return NL_OK;
+}

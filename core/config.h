@@ -1,0 +1,73 @@
+/* The model config: the keys and defaults of DESIGN.md section 2, read
+ * from YAML (libyaml) or from the JSON stored in a checkpoint, validated
+ * with errors that name the key at fault. */
+#ifndef NL_CONFIG_H
+#define NL_CONFIG_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../base/status.h"
+
+typedef struct nl_config {
+    int64_t vocab_size;  /* active vocabulary; default NL_DEFAULT_VOCAB */
+    int64_t vocab_chunk; /* table rows grow in multiples of this; 32768 */
+    int hidden_dim;      /* d; 0 = to be sized by the coordinator */
+    int num_layers;      /* L; 0 = to be sized by the coordinator */
+    int num_heads;       /* H; default d / 64 */
+    int num_kv_heads;    /* G; default max(1, H / 4) */
+    int ffn_dim;         /* F; default 4 d */
+    int num_experts;     /* E; default 8 */
+    int top_k;           /* default 2 */
+    int max_seq_len;     /* default 2048 */
+    double rope_base;    /* default 10000 */
+    double norm_eps;     /* default 1e-6 */
+    double aux_loss_coef; /* default 0.01 */
+} nl_config;
+
+/* Vocabulary used when neither the config nor a tokenizer gives one: the
+ * 256 byte values. */
+#define NL_DEFAULT_VOCAB 256
+
+/* Hard upper bounds accepted from any file, so that a hostile config
+ * cannot ask for absurd allocations. */
+#define NL_CONFIG_MAX_DIM 65536
+#define NL_CONFIG_MAX_LAYERS 4096
+#define NL_CONFIG_MAX_EXPERTS 256
+#define NL_CONFIG_MAX_VOCAB (1LL << 26)
+#define NL_CONFIG_MAX_SEQ (1 << 20)
+#define NL_CONFIG_MAX_HEAD_DIM 256
+
+/* Every field unset (0); rope_base, norm_eps, aux_loss_coef, vocab_chunk,
+ * num_experts, top_k, max_seq_len get their defaults. */
+void nl_config_init(nl_config *cfg);
+
+/* Fill the defaults that derive from other keys (H from d, G from H, F
+ * from d, vocab_size) where they are still unset. Needs hidden_dim. */
+void nl_config_fill_derived(nl_config *cfg);
+
+/* Check every rule; the message names the key, e.g.
+ * "num_kv_heads: 3 does not divide num_heads 8". `require_size` demands
+ * hidden_dim and num_layers (a model to build, not one to be sized). */
+nl_status nl_config_validate(const nl_config *cfg, int require_size, nl_error *err);
+
+/* Parse YAML text / a YAML file: a flat mapping of the keys above.
+ * Unknown keys and wrong types are errors naming the key. Defaults are
+ * filled and the result validated (with require_size = 0). */
+nl_status nl_config_parse_yaml(nl_config *cfg, const char *text, size_t len, nl_error *err);
+nl_status nl_config_load_yaml(nl_config *cfg, const char *path, nl_error *err);
+
+/* JSON form stored in checkpoint metadata. nl_config_to_json returns a
+ * malloc'd string the caller frees. */
+char *nl_config_to_json(const nl_config *cfg);
+nl_status nl_config_from_json(nl_config *cfg, const char *json, nl_error *err);
+
+/* Derived sizes. */
+static inline int nl_config_head_dim(const nl_config *c) { return c->hidden_dim / c->num_heads; }
+/* Capacity rows C = ceil(vocab_size / vocab_chunk) * vocab_chunk. */
+static inline int64_t nl_config_capacity(const nl_config *c)
+{
+    return (c->vocab_size + c->vocab_chunk - 1) / c->vocab_chunk * c->vocab_chunk;
+}
+
+#endif

@@ -1,0 +1,104 @@
+/* The compute backend interface: one table of function pointers plus a
+ * context, filled by the CPU backend (kernels/cpu) and later by the CUDA
+ * backend (kernels/cuda). Model code above this layer calls only these
+ * slots, so it never knows which device runs it.
+ *
+ * Conventions (after llm.c): outputs first, then inputs and weights, then
+ * sizes. Pointers are device pointers of this backend. A weight W of shape
+ * [out, in] maps y = x W^T. Rows are contiguous; N is the number of rows
+ * (tokens), C the row width. Ops never allocate in the hot path; scratch
+ * comes from the caller. Optional slots may be NULL.
+ *
+ * Ownership: nl_backend_*_new returns a backend the caller owns and frees
+ * with nl_backend_destroy(&be). */
+#ifndef NL_BACKEND_H
+#define NL_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../base/status.h"
+
+typedef struct nl_backend nl_backend;
+
+/* Shape of one attention call. Queries are the T newest positions of each
+ * sequence; keys and values live in a cache of capacity kv_cap rows per
+ * sequence that already holds `past` positions and now also the T new
+ * ones (written by the caller before the call). Query t of a sequence sits
+ * at absolute position past + t and attends keys 0 .. past + t. */
+typedef struct nl_attn_shape {
+    int B;      /* sequences */
+    int T;      /* new positions per sequence */
+    int past;   /* positions already in the cache */
+    int kv_cap; /* cache rows per sequence (>= past + T) */
+    int H;      /* query heads */
+    int G;      /* key/value heads, H % G == 0 */
+    int hd;     /* head dimension */
+} nl_attn_shape;
+
+struct nl_backend {
+    const char *name; /* "cpu", "cuda:0" */
+    void *ctx;        /* backend-private state */
+    void (*destroy)(nl_backend *be); /* frees ctx and the table itself */
+
+    /* ---- memory (device) ---- */
+    void *(*alloc)(nl_backend *be, size_t bytes); /* zero-filled, 64-byte aligned; NULL on failure */
+    void (*free)(nl_backend *be, void *p);        /* p may be NULL */
+    void (*upload)(nl_backend *be, void *dst, const void *src, size_t bytes);
+    void (*download)(nl_backend *be, void *dst, const void *src, size_t bytes);
+    void (*sync)(nl_backend *be); /* wait for queued work */
+
+    /* ---- linear algebra ----
+     * C[M,N] = alpha * op(A) op(B) + beta * C, row-major, where op(X) is X
+     * or X^T as trans_a / trans_b say; lda, ldb, ldc are row strides. */
+    void (*gemm)(nl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                 const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc);
+
+    /* ---- forward ops ---- */
+    /* out[n, :] = table[tokens[n], :]; (N, C). Tokens are checked by the caller. */
+    void (*embedding_forward)(nl_backend *be, float *out, const int32_t *tokens,
+                              const float *table, int N, int C);
+    /* out = inp * rsqrt(mean(inp^2) + eps) * w; rstd (N) may be NULL. (N, C) */
+    void (*rmsnorm_forward)(nl_backend *be, float *out, float *rstd, const float *inp,
+                            const float *w, int N, int C, float eps);
+    /* Rotate pairs (2i, 2i+1) of every head of x in place. x is (N, row)
+     * with `heads` heads of hd starting at column col0 of each row; row n
+     * sits at position pos[n]. */
+    void (*rope_forward)(nl_backend *be, float *x, const int32_t *pos, int N, int row, int col0,
+                         int heads, int hd, float base);
+    /* Tiled causal attention with online softmax.
+     * q:   (B, T, q_stride) with head h at column h*hd
+     * k,v: (B, kv_cap, kv_stride) with kv head g at column g*hd
+     * out: (B, T, H*hd); lse: (B, H, T) log-sum-exp of the scaled scores,
+     * kept for the backward pass (may be NULL). */
+    void (*attention_forward)(nl_backend *be, float *out, float *lse, const float *q,
+                              int q_stride, const float *k, const float *v, int kv_stride,
+                              nl_attn_shape s);
+    /* Row-wise softmax in place. (N, C) */
+    void (*softmax_forward)(nl_backend *be, float *x, int N, int C);
+    /* out[n, j] = silu(gu[n, j]) * gu[n, F + j]: gu is (N, 2F) with the gate
+     * in the first F columns and the up projection in the last F. */
+    void (*swiglu_forward)(nl_backend *be, float *out, const float *gu, int N, int F);
+    /* out[i, :] = src[idx[i], :]; (n, C) */
+    void (*gather_rows)(nl_backend *be, float *out, const float *src, const int32_t *idx, int n,
+                        int C);
+    /* dst[idx[i], :] += scale[i] * src[i, :]; indices are distinct within
+     * one call. (n, C) */
+    void (*scatter_add_rows)(nl_backend *be, float *dst, const float *src, const int32_t *idx,
+                             const float *scale, int n, int C);
+    /* y += x, n elements */
+    void (*add_inplace)(nl_backend *be, float *y, const float *x, size_t n);
+};
+
+/* Create the CPU backend with `threads` worker threads (0: all cores). */
+nl_status nl_backend_cpu_new(nl_backend **out, int threads, nl_error *err);
+
+/* Free a backend made by any nl_backend_*_new and set *be to NULL. Safe
+ * on NULL and on an already-destroyed pointer. */
+void nl_backend_destroy(nl_backend **be);
+
+/* Measure this backend's sgemm throughput in GFLOP/s on an M x N x K
+ * product, repeated for about `seconds`. */
+double nl_backend_gemm_gflops(nl_backend *be, int M, int N, int K, double seconds);
+
+#endif

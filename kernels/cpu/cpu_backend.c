@@ -1,0 +1,225 @@
+/* The CPU backend: GEMM through oneDNN's dnnl_sgemm, the other ops as
+ * plain C loops that the compiler vectorises, threaded with OpenMP. */
+#include "../backend.h"
+#include "cpu_ops.h"
+
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <oneapi/dnnl/dnnl.h>
+
+typedef struct cpu_ctx {
+    int threads;
+} cpu_ctx;
+
+/* ---------------------------------------------------------------- memory */
+
+static void *cpu_alloc(nl_backend *be, size_t bytes)
+{
+    (void)be;
+    size_t rounded = (bytes + 63) & ~(size_t)63;
+    if (rounded == 0)
+        rounded = 64;
+    void *p = aligned_alloc(64, rounded);
+    if (p)
+        memset(p, 0, rounded);
+    return p;
+}
+
+static void cpu_free(nl_backend *be, void *p)
+{
+    (void)be;
+    free(p);
+}
+
+static void cpu_copy(nl_backend *be, void *dst, const void *src, size_t bytes)
+{
+    (void)be;
+    if (bytes)
+        memcpy(dst, src, bytes);
+}
+
+static void cpu_sync(nl_backend *be) { (void)be; }
+
+/* ---------------------------------------------------------------- gemm */
+
+static void cpu_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                     const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc)
+{
+    (void)be;
+    if (M <= 0 || N <= 0)
+        return;
+    if (K <= 0) {
+        /* dnnl rejects K == 0; the product is empty, so only scale C */
+        for (int i = 0; i < M; i++)
+            for (int j = 0; j < N; j++)
+                C[(size_t)i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[(size_t)i * ldc + j];
+        return;
+    }
+    dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb, beta, C,
+               ldc);
+}
+
+/* ---------------------------------------------------------------- elementwise */
+
+#define PAR_ROWS(n) if ((n) >= 64)
+
+static void cpu_embedding_forward(nl_backend *be, float *out, const int32_t *tokens,
+                                  const float *table, int N, int C)
+{
+    (void)be;
+#pragma omp parallel for PAR_ROWS(N)
+    for (int n = 0; n < N; n++)
+        memcpy(out + (size_t)n * C, table + (size_t)tokens[n] * C, (size_t)C * sizeof(float));
+}
+
+static void cpu_rmsnorm_forward(nl_backend *be, float *out, float *rstd, const float *inp,
+                                const float *w, int N, int C, float eps)
+{
+    (void)be;
+#pragma omp parallel for PAR_ROWS(N)
+    for (int n = 0; n < N; n++) {
+        const float *x = inp + (size_t)n * C;
+        float *y = out + (size_t)n * C;
+        float ss = 0.0f;
+        for (int i = 0; i < C; i++)
+            ss += x[i] * x[i];
+        float r = 1.0f / sqrtf(ss / (float)C + eps);
+        for (int i = 0; i < C; i++)
+            y[i] = x[i] * r * w[i];
+        if (rstd)
+            rstd[n] = r;
+    }
+}
+
+static void cpu_rope_forward(nl_backend *be, float *x, const int32_t *pos, int N, int row,
+                             int col0, int heads, int hd, float base)
+{
+    (void)be;
+    int half = hd / 2;
+#pragma omp parallel for PAR_ROWS(N)
+    for (int n = 0; n < N; n++) {
+        float *r = x + (size_t)n * row + col0;
+        for (int i = 0; i < half; i++) {
+            double freq = pow((double)base, -2.0 * i / (double)hd);
+            double ang = (double)pos[n] * freq;
+            float c = (float)cos(ang), s = (float)sin(ang);
+            for (int h = 0; h < heads; h++) {
+                float *p = r + (size_t)h * hd + 2 * i;
+                float a = p[0], b = p[1];
+                p[0] = a * c - b * s;
+                p[1] = a * s + b * c;
+            }
+        }
+    }
+}
+
+static void cpu_softmax_forward(nl_backend *be, float *x, int N, int C)
+{
+    (void)be;
+#pragma omp parallel for PAR_ROWS(N)
+    for (int n = 0; n < N; n++) {
+        float *r = x + (size_t)n * C;
+        float m = -INFINITY;
+        for (int i = 0; i < C; i++)
+            m = r[i] > m ? r[i] : m;
+        float s = 0.0f;
+        for (int i = 0; i < C; i++) {
+            r[i] = expf(r[i] - m);
+            s += r[i];
+        }
+        float inv = 1.0f / s;
+        for (int i = 0; i < C; i++)
+            r[i] *= inv;
+    }
+}
+
+static void cpu_swiglu_forward(nl_backend *be, float *out, const float *gu, int N, int F)
+{
+    (void)be;
+#pragma omp parallel for PAR_ROWS(N)
+    for (int n = 0; n < N; n++) {
+        const float *g = gu + (size_t)n * 2 * F;
+        const float *u = g + F;
+        float *o = out + (size_t)n * F;
+        for (int j = 0; j < F; j++)
+            o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    }
+}
+
+static void cpu_gather_rows(nl_backend *be, float *out, const float *src, const int32_t *idx,
+                            int n, int C)
+{
+    (void)be;
+#pragma omp parallel for PAR_ROWS(n)
+    for (int i = 0; i < n; i++)
+        memcpy(out + (size_t)i * C, src + (size_t)idx[i] * C, (size_t)C * sizeof(float));
+}
+
+static void cpu_scatter_add_rows(nl_backend *be, float *dst, const float *src, const int32_t *idx,
+                                 const float *scale, int n, int C)
+{
+    (void)be;
+#pragma omp parallel for PAR_ROWS(n)
+    for (int i = 0; i < n; i++) {
+        float *d = dst + (size_t)idx[i] * C;
+        const float *s = src + (size_t)i * C;
+        float a = scale ? scale[i] : 1.0f;
+        for (int j = 0; j < C; j++)
+            d[j] += a * s[j];
+    }
+}
+
+static void cpu_add_inplace(nl_backend *be, float *y, const float *x, size_t n)
+{
+    (void)be;
+#pragma omp parallel for if (n >= 65536)
+    for (size_t i = 0; i < n; i++)
+        y[i] += x[i];
+}
+
+/* ---------------------------------------------------------------- table */
+
+static void cpu_destroy(nl_backend *be)
+{
+    free(be->ctx);
+    free(be);
+}
+
+nl_status nl_backend_cpu_new(nl_backend **out, int threads, nl_error *err)
+{
+    *out = NULL;
+    if (threads < 0)
+        return nl_error_set(err, NL_ERR_INVALID, "threads: %d is negative", threads);
+    nl_backend *be = calloc(1, sizeof *be);
+    cpu_ctx *ctx = calloc(1, sizeof *ctx);
+    if (!be || !ctx) {
+        free(be);
+        free(ctx);
+        return nl_error_set(err, NL_ERR_NOMEM, "cpu backend: out of memory");
+    }
+    ctx->threads = threads > 0 ? threads : omp_get_num_procs();
+    omp_set_num_threads(ctx->threads);
+    be->name = "cpu";
+    be->ctx = ctx;
+    be->destroy = cpu_destroy;
+    be->alloc = cpu_alloc;
+    be->free = cpu_free;
+    be->upload = cpu_copy;
+    be->download = cpu_copy;
+    be->sync = cpu_sync;
+    be->gemm = cpu_gemm;
+    be->embedding_forward = cpu_embedding_forward;
+    be->rmsnorm_forward = cpu_rmsnorm_forward;
+    be->rope_forward = cpu_rope_forward;
+    be->attention_forward = nl_cpu_attention_forward;
+    be->softmax_forward = cpu_softmax_forward;
+    be->swiglu_forward = cpu_swiglu_forward;
+    be->gather_rows = cpu_gather_rows;
+    be->scatter_add_rows = cpu_scatter_add_rows;
+    be->add_inplace = cpu_add_inplace;
+    *out = be;
+    return NL_OK;
+}

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The test command: install dependencies, build, run every test (unit,
+# integration, fuzz-corpus replays), then rebuild with ASan + UBSan and run
+# the unit and integration tests again. Exits non-zero on any failure.
+#   scripts/test.sh            everything
+#   scripts/test.sh --quick    the plain build and its tests only
+set -euo pipefail
+cd "$(dirname "$0")/.."
+JOBS=${JOBS:-$(nproc)}
+QUICK=0
+[ "${1:-}" = "--quick" ] && QUICK=1
+
+bash scripts/install-deps.sh
+
+echo "== build (release) =="
+cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake --build build -j "$JOBS"
+echo "== tests (release) =="
+(cd build && ctest --output-on-failure -j "$JOBS" --timeout 600)
+
+if [ "$QUICK" -eq 0 ]; then
+  echo "== build (ASan + UBSan) =="
+  cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DNL_SANITIZE=ON -DNL_CUDA=OFF >/dev/null
+  cmake --build build-asan -j "$JOBS"
+  echo "== tests (ASan + UBSan) =="
+  export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1
+  export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+  (cd build-asan && ctest --output-on-failure -j "$JOBS" --timeout 900 -L 'unit|integration|fuzz')
+fi
+echo "== all tests passed =="
