@@ -86,6 +86,14 @@ struct nl_backend {
      * one call. (n, C) */
     void (*scatter_add_rows)(nl_backend *be, float *dst, const float *src, const int32_t *idx,
                              const float *scale, int n, int C);
+    /* dst[r, 0:cols] = src[r, 0:cols] for r < rows, with row strides (floats). */
+    void (*copy_rows)(nl_backend *be, float *dst, int dst_stride, const float *src, int src_stride,
+                      int rows, int cols);
+    /* Mixture-of-experts combine: for each token n and each of its k
+     * choices i (in order), x[n, :] += w[n*k + i] * y[slot[n*k + i], :].
+     * y holds the expert outputs in dispatch order. (N, C) */
+    void (*moe_combine)(nl_backend *be, float *x, const float *y, const int32_t *slot,
+                        const float *w, int N, int k, int C);
     /* y += x, n elements */
     void (*add_inplace)(nl_backend *be, float *y, const float *x, size_t n);
 };

@@ -172,6 +172,32 @@ static void cpu_scatter_add_rows(nl_backend *be, float *dst, const float *src, c
     }
 }
 
+static void cpu_copy_rows(nl_backend *be, float *dst, int dst_stride, const float *src,
+                          int src_stride, int rows, int cols)
+{
+    (void)be;
+#pragma omp parallel for PAR_ROWS(rows)
+    for (int r = 0; r < rows; r++)
+        memcpy(dst + (size_t)r * dst_stride, src + (size_t)r * src_stride,
+               (size_t)cols * sizeof(float));
+}
+
+static void cpu_moe_combine(nl_backend *be, float *x, const float *y, const int32_t *slot,
+                            const float *w, int N, int k, int C)
+{
+    (void)be;
+#pragma omp parallel for PAR_ROWS(N)
+    for (int n = 0; n < N; n++) {
+        float *xr = x + (size_t)n * C;
+        for (int i = 0; i < k; i++) {
+            const float a = w[(size_t)n * k + i];
+            const float *yr = y + (size_t)slot[(size_t)n * k + i] * C;
+            for (int j = 0; j < C; j++)
+                xr[j] += a * yr[j];
+        }
+    }
+}
+
 static void cpu_add_inplace(nl_backend *be, float *y, const float *x, size_t n)
 {
     (void)be;
@@ -219,6 +245,8 @@ nl_status nl_backend_cpu_new(nl_backend **out, int threads, nl_error *err)
     be->swiglu_forward = cpu_swiglu_forward;
     be->gather_rows = cpu_gather_rows;
     be->scatter_add_rows = cpu_scatter_add_rows;
+    be->copy_rows = cpu_copy_rows;
+    be->moe_combine = cpu_moe_combine;
     be->add_inplace = cpu_add_inplace;
     *out = be;
     return NL_OK;

@@ -1,0 +1,56 @@
+/* The forward pass of one stage (layers [l0, l1) of an nl_model), with an
+ * optional KV cache for incremental decoding.
+ *
+ * A stage that holds the embedding takes token ids; any other stage takes
+ * the hidden states (B*T, d) of the stage before it. A stage that holds
+ * the head produces logits over the active vocabulary; any other produces
+ * hidden states. Activations live in an nl_runstate allocated once for a
+ * maximum number of rows; nothing is allocated per call.
+ *
+ * Ownership: runstates and caches are created by *_new and freed by
+ * *_destroy(&p); they borrow the model's backend. */
+#ifndef NL_FORWARD_H
+#define NL_FORWARD_H
+
+#include "model.h"
+
+/* Keys and values of every layer of a stage for B sequences of up to cap
+ * positions: k and v are (layers, B, cap, G hd) each. */
+typedef struct nl_kvcache {
+    nl_backend *be;
+    int n_layers, B, cap, kv_dim;
+    int len; /* positions filled, the same for every sequence */
+    float *k, *v;
+} nl_kvcache;
+
+nl_status nl_kvcache_new(nl_kvcache **out, const nl_model *m, int B, int cap, nl_error *err);
+void nl_kvcache_destroy(nl_kvcache **kv);
+/* Bytes a cache of this shape takes. */
+size_t nl_kvcache_bytes(const nl_config *cfg, int n_layers, int B, int cap);
+
+typedef struct nl_runstate nl_runstate;
+
+/* Activations for up to max_rows = B*T rows through the stage. */
+nl_status nl_runstate_new(nl_runstate **out, const nl_model *m, int max_rows, nl_error *err);
+void nl_runstate_destroy(nl_runstate **rs);
+
+typedef struct nl_forward_args {
+    int B, T;
+    const int32_t *tokens; /* host (B*T), for a stage with the embedding */
+    const float *x_in;     /* device (B*T, d), for any other stage */
+    nl_kvcache *kv;        /* NULL: no cache, positions start at 0 */
+    int last_only;         /* head: logits for the last position of each sequence only */
+} nl_forward_args;
+
+/* Run the stage. On success the output is at nl_runstate_output: logits
+ * (B*T or B rows with last_only, vocab_size columns) for a stage with the
+ * head, else hidden states (B*T, d). *aux_loss (may be NULL) gets the sum
+ * over this stage's layers of the load-balancing loss. With a cache, the
+ * new positions are appended and kv->len grows by T. */
+nl_status nl_forward(nl_model *m, nl_runstate *rs, const nl_forward_args *a, float *aux_loss,
+                     nl_error *err);
+
+/* Device pointer to the last forward's output and its row width. */
+const float *nl_runstate_output(const nl_runstate *rs, int *cols);
+
+#endif

@@ -1,0 +1,202 @@
+/* The model and its forward pass: init determinism across stage slices,
+ * KV-cache decoding against the full forward, a split pipeline against
+ * the whole model, and input validation. Numerics against PyTorch are in
+ * test_golden. */
+#include "check.h"
+#include "core/forward.h"
+#include "core/model.h"
+
+static nl_config test_config(void)
+{
+    nl_config c;
+    nl_config_init(&c);
+    c.hidden_dim = 64;
+    c.num_layers = 3;
+    c.num_heads = 4;
+    c.num_kv_heads = 2;
+    c.ffn_dim = 96;
+    c.vocab_size = 300;
+    c.vocab_chunk = 128;
+    c.max_seq_len = 64;
+    nl_config_fill_derived(&c);
+    return c;
+}
+
+/* init, then widen the matrices so attention and routing are decisive */
+static nl_model *make_model(nl_backend *be, const nl_config *c, int l0, int l1, int embed,
+                            int head)
+{
+    nl_error err = {0};
+    nl_model *m = NULL;
+    CHECK_OK(nl_model_new(&m, be, c, l0, l1, embed, head, &err), &err);
+    if (!m)
+        return NULL;
+    CHECK_OK(nl_model_init_random(m, 1234, &err), &err);
+    for (int i = 0; i < m->n_table; i++) {
+        const nl_param *p = &m->table[i];
+        float *x = nl_model_param_data(m, p);
+        for (size_t j = 0; j < nl_param_numel(p); j++)
+            x[j] *= p->kind == NL_PARAM_NORM ? 1.0f : 8.0f;
+    }
+    return m;
+}
+
+static void test_init_slices(nl_backend *be, const nl_config *c)
+{
+    nl_model *whole = make_model(be, c, 0, c->num_layers, 1, 1);
+    nl_model *mid = make_model(be, c, 1, 2, 0, 0);
+    nl_model *last = make_model(be, c, 2, 3, 0, 1);
+    if (!whole || !mid || !last)
+        goto out;
+    CHECK(mid->n_table == 7 + 3 * c->num_experts, "middle stage holds one layer: %d tensors",
+          mid->n_table);
+    CHECK(whole->n_table == 2 + 3 * (7 + 3 * c->num_experts) + 1, "whole model: %d tensors",
+          whole->n_table);
+    nl_model *parts[] = {mid, last};
+    for (int s = 0; s < 2; s++)
+        for (int i = 0; i < parts[s]->n_table; i++) {
+            const nl_param *p = &parts[s]->table[i];
+            const nl_param *q = nl_model_find_param(whole, p->name);
+            CHECK(q && nl_param_numel(p) == nl_param_numel(q), "%s in whole model", p->name);
+            if (q)
+                CHECK(memcmp(nl_model_param_data(parts[s], p), nl_model_param_data(whole, q),
+                             nl_param_numel(p) * 4) == 0,
+                      "%s: stage init equals whole-model init", p->name);
+        }
+    const nl_param *emb = nl_model_find_param(whole, "tok_embeddings.weight");
+    CHECK(emb && emb->shape[0] == 384 && emb->shape[1] == 64, "capacity rows 384");
+    CHECK(nl_model_find_param(whole, "layers.2.moe.experts.7.w_down.weight") != NULL, "names");
+out:
+    nl_model_destroy(&whole);
+    nl_model_destroy(&mid);
+    nl_model_destroy(&last);
+}
+
+static void test_kv_decode(nl_backend *be, const nl_config *c)
+{
+    enum { B = 2, T = 13, P = 5 };
+    nl_error err = {0};
+    nl_model *m = make_model(be, c, 0, c->num_layers, 1, 1);
+    nl_runstate *rs = NULL;
+    nl_kvcache *kv = NULL;
+    int32_t tokens[B * T];
+    for (int i = 0; i < B * T; i++)
+        tokens[i] = (i * 37 + 11) % (int)c->vocab_size;
+    const int V = (int)c->vocab_size;
+    float *full = malloc((size_t)B * T * V * 4);
+    if (!m)
+        goto out;
+    CHECK_OK(nl_runstate_new(&rs, m, B * T, &err), &err);
+    nl_forward_args a = {.B = B, .T = T, .tokens = tokens};
+    float aux = 0;
+    CHECK_OK(nl_forward(m, rs, &a, &aux, &err), &err);
+    memcpy(full, nl_runstate_output(rs, NULL), (size_t)B * T * V * 4);
+    CHECK(aux > 0.5f * c->num_layers, "aux loss %g is near num_layers (E * sum frac p)", aux);
+
+    /* prefill P positions, then one at a time */
+    CHECK_OK(nl_kvcache_new(&kv, m, B, T, &err), &err);
+    int32_t step[B * P];
+    for (int b = 0; b < B; b++)
+        memcpy(step + b * P, tokens + b * T, P * sizeof(int32_t));
+    nl_forward_args pre = {.B = B, .T = P, .tokens = step, .kv = kv};
+    CHECK_OK(nl_forward(m, rs, &pre, NULL, &err), &err);
+    const float *out = nl_runstate_output(rs, NULL);
+    for (int b = 0; b < B; b++) {
+        double e = check_rel_err(out + (size_t)b * P * V, full + (size_t)b * T * V, (size_t)P * V);
+        CHECK(e < 1e-5, "prefill logits of sequence %d: rel err %g", b, e);
+    }
+    for (int t = P; t < T; t++) {
+        int32_t one[B] = {tokens[t], tokens[T + t]};
+        nl_forward_args dec = {.B = B, .T = 1, .tokens = one, .kv = kv};
+        CHECK_OK(nl_forward(m, rs, &dec, NULL, &err), &err);
+        out = nl_runstate_output(rs, NULL);
+        for (int b = 0; b < B; b++) {
+            double e = check_rel_err(out + (size_t)b * V, full + ((size_t)b * T + t) * V, V);
+            CHECK(e < 1e-5, "decode step %d sequence %d: rel err %g", t, b, e);
+        }
+    }
+    CHECK(kv->len == T, "cache holds %d positions", kv->len);
+    int32_t more[B] = {1, 2};
+    nl_forward_args over = {.B = B, .T = 1, .tokens = more, .kv = kv};
+    CHECK(nl_forward(m, rs, &over, NULL, &err) == NL_ERR_RANGE, "full cache refused");
+out:
+    free(full);
+    nl_kvcache_destroy(&kv);
+    nl_runstate_destroy(&rs);
+    nl_model_destroy(&m);
+}
+
+static void test_split(nl_backend *be, const nl_config *c)
+{
+    enum { B = 3, T = 9 };
+    nl_error err = {0};
+    nl_model *whole = make_model(be, c, 0, 3, 1, 1);
+    nl_model *s0 = make_model(be, c, 0, 1, 1, 0);
+    nl_model *s1 = make_model(be, c, 1, 3, 0, 1);
+    nl_runstate *r = NULL, *r0 = NULL, *r1 = NULL;
+    int32_t tokens[B * T];
+    for (int i = 0; i < B * T; i++)
+        tokens[i] = (i * 91 + 3) % (int)c->vocab_size;
+    if (!whole || !s0 || !s1)
+        goto out;
+    CHECK_OK(nl_runstate_new(&r, whole, B * T, &err), &err);
+    CHECK_OK(nl_runstate_new(&r0, s0, B * T, &err), &err);
+    CHECK_OK(nl_runstate_new(&r1, s1, B * T, &err), &err);
+    float aux = 0, aux0 = 0, aux1 = 0;
+    nl_forward_args a = {.B = B, .T = T, .tokens = tokens};
+    CHECK_OK(nl_forward(whole, r, &a, &aux, &err), &err);
+    CHECK_OK(nl_forward(s0, r0, &a, &aux0, &err), &err);
+    int cols = 0;
+    nl_forward_args b = {.B = B, .T = T, .x_in = nl_runstate_output(r0, &cols)};
+    CHECK(cols == c->hidden_dim, "first stage emits hidden states (%d cols)", cols);
+    CHECK_OK(nl_forward(s1, r1, &b, &aux1, &err), &err);
+    size_t n = (size_t)B * T * c->vocab_size;
+    double d = check_max_abs_diff(nl_runstate_output(r1, NULL), nl_runstate_output(r, NULL), n);
+    CHECK(d < 1e-6, "[0,1) then [1,3) equals [0,3): max diff %g", d);
+    CHECK(fabsf(aux0 + aux1 - aux) < 1e-6f, "aux loss splits: %g + %g vs %g", aux0, aux1, aux);
+
+    /* last_only gives the last row of each sequence */
+    nl_forward_args lo = {.B = B, .T = T, .tokens = tokens, .last_only = 1};
+    float *keep = malloc(n * 4);
+    memcpy(keep, nl_runstate_output(r, NULL), n * 4);
+    CHECK_OK(nl_forward(whole, r, &lo, NULL, &err), &err);
+    for (int s = 0; s < B; s++) {
+        const float *got = nl_runstate_output(r, NULL) + (size_t)s * c->vocab_size;
+        const float *want = keep + ((size_t)s * T + T - 1) * c->vocab_size;
+        CHECK(check_max_abs_diff(got, want, (size_t)c->vocab_size) < 1e-5, "last_only row %d", s);
+    }
+    free(keep);
+
+    /* bad input */
+    int32_t bad[B * T];
+    memcpy(bad, tokens, sizeof bad);
+    bad[5] = (int32_t)c->vocab_size;
+    nl_forward_args ba = {.B = B, .T = T, .tokens = bad};
+    CHECK(nl_forward(whole, r, &ba, NULL, &err) == NL_ERR_RANGE && strstr(err.msg, "token 300"),
+          "out-of-vocabulary token refused: %s", err.msg);
+    nl_forward_args big = {.B = B, .T = T + 1, .tokens = tokens};
+    CHECK(nl_forward(whole, r, &big, NULL, &err) == NL_ERR_SHAPE, "too many rows refused");
+out:
+    nl_runstate_destroy(&r);
+    nl_runstate_destroy(&r0);
+    nl_runstate_destroy(&r1);
+    nl_model_destroy(&whole);
+    nl_model_destroy(&s0);
+    nl_model_destroy(&s1);
+}
+
+int main(void)
+{
+    nl_error err = {0};
+    nl_backend *be = NULL;
+    CHECK_OK(nl_backend_cpu_new(&be, 2, &err), &err);
+    if (!be)
+        return check_done("test_model");
+    nl_config c = test_config();
+    CHECK_OK(nl_config_validate(&c, 1, &err), &err);
+    test_init_slices(be, &c);
+    test_kv_decode(be, &c);
+    test_split(be, &c);
+    nl_backend_destroy(&be);
+    return check_done("test_model");
+}
