@@ -1,18 +1,44 @@
-/* neuroctl: the client. Local single-process tools for now. */
+/* neuroctl: the client. It runs the local single-process tools and (with
+ * --coordinator) submits jobs to a cluster. */
 #include <stdio.h>
 #include <string.h>
 
+#include "commands.h"
+
+static const struct {
+    const char *name;
+    int (*run)(int argc, char **argv);
+    const char *help;
+} commands[] = {
+    {"init", nl_cmd_init, "write a freshly initialised model checkpoint"},
+    {"forward", nl_cmd_forward, "logits and aux loss for a batch of tokens"},
+    {"generate", nl_cmd_generate, "generate tokens from a prompt with the KV cache"},
+    {"bench", nl_cmd_bench, "measure forward, decode and GEMM throughput"},
+};
+
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: neuroctl COMMAND [options]\n");
+    fprintf(f, "usage: neuroctl COMMAND [options]   (neuroctl COMMAND --help for its flags)\n\n"
+               "commands:\n");
+    for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
+        fprintf(f, "  %-12s %s\n", commands[i].name, commands[i].help);
 }
 
 int main(int argc, char **argv)
 {
-    if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0) {
-        usage(argc < 2 ? stderr : stdout);
-        return argc < 2 ? 2 : 0;
+    if (argc < 2) {
+        usage(stderr);
+        return 2;
     }
-    fprintf(stderr, "neuroctl: unknown command '%s'\n", argv[1]);
+    if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 ||
+        strcmp(argv[1], "help") == 0) {
+        usage(stdout);
+        return 0;
+    }
+    for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
+        if (strcmp(argv[1], commands[i].name) == 0)
+            return commands[i].run(argc - 1, argv + 1);
+    fprintf(stderr, "neuroctl: unknown command '%s'\n\n", argv[1]);
+    usage(stderr);
     return 2;
 }

@@ -206,6 +206,19 @@ int64_t nl_config_param_count(const nl_config *c)
     return 2 * nl_config_capacity(c) * d + d + per_layer * c->num_layers;
 }
 
+double nl_config_forward_flops(const nl_config *c, int B, int T, int past)
+{
+    const double d = c->hidden_dim, hd = nl_config_head_dim(c), H = c->num_heads;
+    const double G = c->num_kv_heads, F = c->ffn_dim, E = c->num_experts, k = c->top_k;
+    const double tokens = (double)B * T;
+    const double per_token = 2 * d * (H + 2 * G) * hd + 2 * H * hd * d + 2 * d * E +
+                             k * (2 * d * 2 * F + 2 * F * d);
+    /* keys seen, summed over the new positions: sum_{t} (past + t + 1) */
+    const double keys = (double)B * ((double)past * T + (double)T * (T + 1) / 2);
+    const double attn = 4 * H * hd * keys;
+    return c->num_layers * (tokens * per_token + attn) + tokens * 2 * d * (double)c->vocab_size;
+}
+
 /* ---------------------------------------------------------------- init */
 
 void nl_model_init_table_rows(const nl_param *p, uint64_t seed, int64_t vocab_chunk, int64_t row0,

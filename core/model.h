@@ -98,4 +98,10 @@ static inline size_t nl_param_numel(const nl_param *p)
  * tables, norm). */
 int64_t nl_config_param_count(const nl_config *cfg);
 
+/* Matrix FLOPs of a forward pass of a whole model over B sequences of T
+ * new positions after `past` cached ones: projections, routed experts
+ * (top_k per token), router, attention scores and values (causal), and
+ * the head over the active vocabulary. */
+double nl_config_forward_flops(const nl_config *cfg, int B, int T, int past);
+
 #endif

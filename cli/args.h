@@ -1,0 +1,33 @@
+/* Command-line flags for neuroctl subcommands: `--name value` and bare
+ * `--switch` flags checked against a table, with typed getters that
+ * refuse malformed numbers and name the flag. */
+#ifndef NL_CLI_ARGS_H
+#define NL_CLI_ARGS_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+typedef struct nl_flag {
+    const char *name;  /* without the leading "--" */
+    int takes_value;   /* 0: a switch */
+    const char *help;  /* one line, shown by --help */
+    const char *value; /* set by nl_args_parse: the value, or "1" for a switch */
+} nl_flag;
+
+/* Parse argv[1..] (argv[0] is the subcommand). Positional arguments are
+ * collected into pos (up to max_pos). Returns 0, or prints the problem to
+ * stderr and returns 2 (usage error); returns 1 after printing help when
+ * --help is given. */
+int nl_args_parse(int argc, char **argv, nl_flag *flags, const char *usage, const char **pos,
+                  int max_pos, int *n_pos);
+void nl_args_help(FILE *f, const char *usage, const nl_flag *flags);
+
+const char *nl_args_get(const nl_flag *flags, const char *name);
+/* Each returns 0 and sets *out (left alone when the flag is absent), or
+ * prints "--name: ..." and returns 2. */
+int nl_args_int(const nl_flag *flags, const char *name, long long lo, long long hi, long long *out);
+int nl_args_double(const nl_flag *flags, const char *name, double lo, double hi, double *out);
+/* Sizes like 512M, 8G, 1024 (bytes). */
+int nl_args_size(const nl_flag *flags, const char *name, uint64_t *out);
+
+#endif

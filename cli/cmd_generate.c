@@ -1,0 +1,284 @@
+/* neuroctl generate (local) and neuroctl bench. */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "args.h"
+#include "commands.h"
+#include "core/checkpoint.h"
+#include "core/forward.h"
+#include "core/sampler.h"
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* "1,2,3" -> ids. Returns the count, or -1 after printing the fault. */
+static int parse_ids(const char *s, int32_t **out)
+{
+    int cap = 16, n = 0;
+    int32_t *ids = malloc((size_t)cap * sizeof *ids);
+    while (ids && *s) {
+        char *end = NULL;
+        errno = 0;
+        long v = strtol(s, &end, 10);
+        if (errno || end == s || v < 0 || v > INT32_MAX || (*end && *end != ',')) {
+            fprintf(stderr, "--prompt-tokens: '%s' is not a comma-separated list of ids\n", s);
+            free(ids);
+            return -1;
+        }
+        if (n == cap) {
+            int32_t *t = realloc(ids, (size_t)(cap *= 2) * sizeof *ids);
+            if (!t)
+                break;
+            ids = t;
+        }
+        ids[n++] = (int32_t)v;
+        s = *end ? end + 1 : end;
+    }
+    if (!ids || n == 0) {
+        fprintf(stderr, "--prompt-tokens: no ids given\n");
+        free(ids);
+        return -1;
+    }
+    *out = ids;
+    return n;
+}
+
+/* Generate up to max_new tokens after the prompt with the KV cache,
+ * calling emit for each. */
+static nl_status generate(nl_model *m, const int32_t *prompt, int P, int max_new,
+                          nl_sampler *smp, void (*emit)(int32_t, void *), void *ctx,
+                          nl_error *err)
+{
+    nl_backend *be = m->be;
+    const int V = (int)m->cfg.vocab_size;
+    int cap = P + max_new;
+    nl_runstate *rs = NULL;
+    nl_kvcache *kv = NULL;
+    float *logits = malloc((size_t)V * sizeof(float));
+    nl_status st = NL_OK;
+    if (cap > m->cfg.max_seq_len)
+        cap = m->cfg.max_seq_len;
+    if (!logits)
+        return nl_error_set(err, NL_ERR_NOMEM, "generate: out of memory");
+    if (P >= cap) {
+        st = nl_error_set(err, NL_ERR_RANGE, "generate: prompt of %d tokens leaves no room in "
+                                             "max_seq_len %d", P, m->cfg.max_seq_len);
+        goto out;
+    }
+    if ((st = nl_runstate_new(&rs, m, P, err)) != NL_OK ||
+        (st = nl_kvcache_new(&kv, m, 1, cap, err)) != NL_OK)
+        goto out;
+    nl_forward_args a = {.B = 1, .T = P, .tokens = prompt, .kv = kv, .last_only = 1};
+    int32_t next = 0; /* read by the next forward */
+    for (int i = 0; i < max_new && kv->len < cap; i++) {
+        if ((st = nl_forward(m, rs, &a, NULL, err)) != NL_OK)
+            goto out;
+        be->download(be, logits, nl_runstate_output(rs, NULL), (size_t)V * sizeof(float));
+        next = nl_sampler_sample(smp, logits);
+        emit(next, ctx);
+        a.T = 1;
+        a.tokens = &next;
+    }
+out:
+    free(logits);
+    nl_kvcache_destroy(&kv);
+    nl_runstate_destroy(&rs);
+    return st;
+}
+
+static void print_id(int32_t id, void *ctx)
+{
+    int *count = ctx;
+    printf("%s%d", (*count)++ ? " " : "", id);
+    fflush(stdout);
+}
+
+int nl_cmd_generate(int argc, char **argv)
+{
+    nl_flag flags[] = {{"model", 1, "checkpoint (safetensors)", NULL},
+                       {"prompt-tokens", 1, "prompt as comma-separated token ids, e.g. 1,2,3", NULL},
+                       {"max-new", 1, "tokens to generate (default 32)", NULL},
+                       {"temperature", 1, "sampling temperature; 0 is greedy (default 0.8)", NULL},
+                       {"top-p", 1, "nucleus sampling mass in (0, 1] (default 0.95)", NULL},
+                       {"seed", 1, "sampling seed (default 0)", NULL},
+                       {"threads", 1, "worker threads (default: all cores)", NULL},
+                       {0}};
+    const char *usage = "neuroctl generate --model MODEL --prompt-tokens 1,2,3 --max-new N "
+                        "[--temperature X] [--top-p P] [--seed S] [--threads N]";
+    int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
+    if (rc)
+        return rc == 1 ? 0 : rc;
+    const char *model = nl_args_get(flags, "model"), *ptoks = nl_args_get(flags, "prompt-tokens");
+    long long max_new = 32, seed = 0, threads = 0;
+    double temp = 0.8, top_p = 0.95;
+    if (!model || !ptoks) {
+        nl_args_help(stderr, usage, flags);
+        return 2;
+    }
+    if ((rc = nl_args_int(flags, "max-new", 1, 1 << 20, &max_new)) ||
+        (rc = nl_args_int(flags, "seed", 0, INT64_MAX, &seed)) ||
+        (rc = nl_args_int(flags, "threads", 0, 1024, &threads)) ||
+        (rc = nl_args_double(flags, "temperature", 0.0, 100.0, &temp)) ||
+        (rc = nl_args_double(flags, "top-p", 1e-6, 1.0, &top_p)))
+        return rc;
+    int32_t *prompt = NULL;
+    int P = parse_ids(ptoks, &prompt);
+    if (P < 0)
+        return 2;
+    nl_error err = {0};
+    nl_backend *be = NULL;
+    nl_model *m = NULL;
+    nl_sampler smp = {0};
+    int count = 0;
+    rc = 1;
+    if (nl_backend_cpu_new(&be, (int)threads, &err) != NL_OK ||
+        nl_checkpoint_load(&m, be, model, 0, -1, 1, 1, NULL, &err) != NL_OK ||
+        nl_sampler_init(&smp, (int)m->cfg.vocab_size, (float)temp, (float)top_p, (uint64_t)seed,
+                        &err) != NL_OK ||
+        generate(m, prompt, P, (int)max_new, &smp, print_id, &count, &err) != NL_OK)
+        goto out;
+    printf("\n");
+    rc = 0;
+out:
+    if (rc && count)
+        printf("\n");
+    nl_sampler_free(&smp);
+    nl_model_destroy(&m);
+    nl_backend_destroy(&be);
+    free(prompt);
+    if (rc)
+        fprintf(stderr, "neuroctl generate: %s (%s)\n", err.msg, nl_status_str(err.status));
+    return rc;
+}
+
+/* ---------------------------------------------------------------- bench */
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+int nl_cmd_bench(int argc, char **argv)
+{
+    nl_flag flags[] = {{"config", 1, "model config (YAML), e.g. configs/bench-small.yaml", NULL},
+                       {"batch", 1, "sequences per forward (default 8)", NULL},
+                       {"seq", 1, "positions per sequence (default 256)", NULL},
+                       {"threads", 1, "worker threads (default: all cores)", NULL},
+                       {"decode-tokens", 1, "tokens timed in the decode run (default 128)", NULL},
+                       {"repeats", 1, "timed forward passes; the median is reported (default 5)",
+                        NULL},
+                       {0}};
+    const char *usage = "neuroctl bench --config CFG.yaml [--batch B] [--seq T] [--threads N]";
+    int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
+    if (rc)
+        return rc == 1 ? 0 : rc;
+    const char *cfg_path = nl_args_get(flags, "config");
+    long long B = 8, T = 256, threads = 0, ndec = 128, reps = 5;
+    if (!cfg_path) {
+        nl_args_help(stderr, usage, flags);
+        return 2;
+    }
+    if ((rc = nl_args_int(flags, "batch", 1, 4096, &B)) ||
+        (rc = nl_args_int(flags, "seq", 1, 1 << 20, &T)) ||
+        (rc = nl_args_int(flags, "threads", 0, 1024, &threads)) ||
+        (rc = nl_args_int(flags, "decode-tokens", 1, 1 << 16, &ndec)) ||
+        (rc = nl_args_int(flags, "repeats", 1, 1000, &reps)))
+        return rc;
+    nl_error err = {0};
+    nl_config cfg;
+    nl_backend *be = NULL;
+    nl_model *m = NULL;
+    nl_runstate *rs = NULL, *rs1 = NULL;
+    nl_kvcache *kv = NULL;
+    int32_t *tokens = NULL;
+    double *times = calloc((size_t)reps, sizeof *times);
+    float *logits = NULL;
+    rc = 1;
+    if (!times || nl_config_load_yaml(&cfg, cfg_path, &err) != NL_OK ||
+        nl_config_validate(&cfg, 1, &err) != NL_OK ||
+        nl_backend_cpu_new(&be, (int)threads, &err) != NL_OK ||
+        nl_model_new(&m, be, &cfg, 0, cfg.num_layers, 1, 1, &err) != NL_OK ||
+        nl_model_init_random(m, 1, &err) != NL_OK ||
+        nl_runstate_new(&rs, m, (int)(B * T), &err) != NL_OK)
+        goto out;
+    tokens = malloc((size_t)(B * T) * sizeof *tokens);
+    logits = malloc((size_t)cfg.vocab_size * sizeof *logits);
+    if (!tokens || !logits) {
+        nl_error_set(&err, NL_ERR_NOMEM, "out of memory");
+        goto out;
+    }
+    nl_rng r;
+    nl_rng_seed(&r, 7, 0);
+    for (long long i = 0; i < B * T; i++)
+        tokens[i] = (int32_t)nl_rng_below(&r, (uint64_t)cfg.vocab_size);
+    double peak = nl_backend_gemm_gflops(be, 2048, 2048, 2048, 1.5);
+
+    /* forward: one warm-up, then the median of `reps` */
+    nl_forward_args a = {.B = (int)B, .T = (int)T, .tokens = tokens};
+    if (nl_forward(m, rs, &a, NULL, &err) != NL_OK)
+        goto out;
+    for (long long i = 0; i < reps; i++) {
+        double t0 = now_s();
+        if (nl_forward(m, rs, &a, NULL, &err) != NL_OK)
+            goto out;
+        be->sync(be);
+        times[i] = now_s() - t0;
+    }
+    qsort(times, (size_t)reps, sizeof *times, cmp_double);
+    const double fwd_s = times[reps / 2];
+    const double fwd_flops = nl_config_forward_flops(&cfg, (int)B, (int)T, 0);
+
+    /* decode at batch 1: prefill 16 tokens, then time ndec single steps */
+    const int P = 16;
+    if (P + ndec > cfg.max_seq_len)
+        ndec = cfg.max_seq_len - P;
+    if (nl_runstate_new(&rs1, m, P, &err) != NL_OK ||
+        nl_kvcache_new(&kv, m, 1, (int)(P + ndec), &err) != NL_OK)
+        goto out;
+    nl_forward_args pre = {.B = 1, .T = P, .tokens = tokens, .kv = kv, .last_only = 1};
+    if (nl_forward(m, rs1, &pre, NULL, &err) != NL_OK)
+        goto out;
+    int32_t next = tokens[P];
+    nl_forward_args dec = {.B = 1, .T = 1, .tokens = &next, .kv = kv, .last_only = 1};
+    double t0 = now_s();
+    for (long long i = 0; i < ndec; i++) {
+        if (nl_forward(m, rs1, &dec, NULL, &err) != NL_OK)
+            goto out;
+        be->download(be, logits, nl_runstate_output(rs1, NULL), (size_t)cfg.vocab_size * 4);
+        int32_t best = 0;
+        for (int v = 1; v < cfg.vocab_size; v++)
+            best = logits[v] > logits[best] ? v : best;
+        next = best;
+    }
+    const double dec_s = now_s() - t0;
+
+    printf("{\"config\":\"%s\",\"batch\":%lld,\"seq\":%lld,\"threads\":%d,"
+           "\"params\":%" PRId64 ",\"forward_tok_s\":%.1f,\"forward_gflops\":%.1f,"
+           "\"forward_ms\":%.2f,\"decode_tok_s\":%.1f,\"gemm_peak_gflops\":%.1f,"
+           "\"forward_peak_frac\":%.3f}\n",
+           cfg_path, B, T, threads ? (int)threads : 0, nl_config_param_count(&cfg),
+           (double)(B * T) / fwd_s, fwd_flops / fwd_s / 1e9, fwd_s * 1e3, (double)ndec / dec_s,
+           peak, fwd_flops / fwd_s / 1e9 / peak);
+    rc = 0;
+out:
+    free(times);
+    free(tokens);
+    free(logits);
+    nl_kvcache_destroy(&kv);
+    nl_runstate_destroy(&rs);
+    nl_runstate_destroy(&rs1);
+    nl_model_destroy(&m);
+    nl_backend_destroy(&be);
+    if (rc)
+        fprintf(stderr, "neuroctl bench: %s (%s)\n", err.msg, nl_status_str(err.status));
+    return rc;
+}

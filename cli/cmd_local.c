@@ -1,0 +1,195 @@
+/* neuroctl's local single-process tools: init, forward, generate, bench. */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "args.h"
+#include "commands.h"
+#include "core/checkpoint.h"
+#include "core/forward.h"
+#include "core/safetensors.h"
+#include "core/sampler.h"
+
+static int fail(const char *cmd, const nl_error *err)
+{
+    fprintf(stderr, "neuroctl %s: %s (%s)\n", cmd, err->msg, nl_status_str(err->status));
+    return 1;
+}
+
+static int threads_flag(const nl_flag *flags, int *threads)
+{
+    long long t = 0;
+    int rc = nl_args_int(flags, "threads", 0, 1024, &t);
+    *threads = (int)t;
+    return rc;
+}
+
+/* ---------------------------------------------------------------- init */
+
+int nl_cmd_init(int argc, char **argv)
+{
+    nl_flag flags[] = {
+        {"config", 1, "model config (YAML); hidden_dim and num_layers are required", NULL},
+        {"out", 1, "checkpoint to write (safetensors)", NULL},
+        {"seed", 1, "initialisation seed (default 0)", NULL},
+        {0}};
+    const char *usage = "neuroctl init --config CFG.yaml --out MODEL.safetensors [--seed N]";
+    int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
+    if (rc)
+        return rc == 1 ? 0 : rc;
+    const char *cfg_path = nl_args_get(flags, "config"), *out = nl_args_get(flags, "out");
+    long long seed = 0;
+    if (!cfg_path || !out) {
+        nl_args_help(stderr, usage, flags);
+        return 2;
+    }
+    if ((rc = nl_args_int(flags, "seed", 0, INT64_MAX, &seed)))
+        return rc;
+    nl_error err = {0};
+    nl_config cfg;
+    nl_backend *be = NULL;
+    nl_model *m = NULL;
+    rc = 1;
+    if (nl_config_load_yaml(&cfg, cfg_path, &err) != NL_OK)
+        goto out;
+    if (nl_config_validate(&cfg, 1, &err) != NL_OK) {
+        nl_error_prefix(&err, "%s", cfg_path);
+        goto out;
+    }
+    if (nl_backend_cpu_new(&be, 0, &err) != NL_OK ||
+        nl_model_new(&m, be, &cfg, 0, cfg.num_layers, 1, 1, &err) != NL_OK ||
+        nl_model_init_random(m, (uint64_t)seed, &err) != NL_OK ||
+        nl_checkpoint_save(m, out, 0, &err) != NL_OK)
+        goto out;
+    printf("wrote %s: %" PRId64 " parameters (d=%d, L=%d, H=%d, G=%d, F=%d, E=%d, vocab %" PRId64
+           ", capacity %" PRId64 ")\n",
+           out, nl_config_param_count(&cfg), cfg.hidden_dim, cfg.num_layers, cfg.num_heads,
+           cfg.num_kv_heads, cfg.ffn_dim, cfg.num_experts, cfg.vocab_size, m->capacity);
+    rc = 0;
+out:
+    nl_model_destroy(&m);
+    nl_backend_destroy(&be);
+    return rc ? fail("init", &err) : 0;
+}
+
+/* ---------------------------------------------------------------- forward */
+
+/* Read `tokens` (I32 or I64, [B, T]) from a safetensors file. */
+static nl_status read_tokens(const char *path, int32_t **out, int *B, int *T, nl_error *err)
+{
+    nl_st_file *f = NULL;
+    nl_status st = nl_st_open(&f, path, err);
+    if (st != NL_OK)
+        return st;
+    const nl_st_entry *e = nl_st_find(f, "tokens");
+    if (!e) {
+        st = nl_error_set(err, NL_ERR_NOTFOUND, "%s: no tensor 'tokens'", path);
+        goto out;
+    }
+    if (e->dtype != NL_DTYPE_I32 && e->dtype != NL_DTYPE_I64) {
+        st = nl_error_set(err, NL_ERR_DTYPE, "%s: 'tokens' is %s, not I32 or I64", path,
+                          nl_dtype_name(e->dtype));
+        goto out;
+    }
+    if (e->ndim != 2 || e->shape[0] < 1 || e->shape[1] < 1 || e->shape[0] > (1 << 20) ||
+        e->shape[1] > (1 << 20) || e->shape[0] * e->shape[1] > (1 << 24)) {
+        st = nl_error_set(err, NL_ERR_SHAPE, "%s: 'tokens' must be [B, T] with 1..2^24 entries",
+                          path);
+        goto out;
+    }
+    const size_t n = (size_t)(e->shape[0] * e->shape[1]);
+    int32_t *t = malloc(n * sizeof *t);
+    if (!t) {
+        st = nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", path);
+        goto out;
+    }
+    const void *data = nl_st_tensor_data(f, e);
+    for (size_t i = 0; i < n; i++) {
+        int64_t v;
+        if (e->dtype == NL_DTYPE_I32) {
+            int32_t x;
+            memcpy(&x, (const char *)data + 4 * i, 4);
+            v = x;
+        } else {
+            memcpy(&v, (const char *)data + 8 * i, 8);
+        }
+        if (v < INT32_MIN || v > INT32_MAX) {
+            free(t);
+            st = nl_error_set(err, NL_ERR_RANGE, "%s: token %" PRId64 " at index %zu is out of range",
+                              path, v, i);
+            goto out;
+        }
+        t[i] = (int32_t)v;
+    }
+    *out = t;
+    *B = (int)e->shape[0];
+    *T = (int)e->shape[1];
+out:
+    nl_st_close(&f);
+    return st;
+}
+
+int nl_cmd_forward(int argc, char **argv)
+{
+    nl_flag flags[] = {{"model", 1, "checkpoint (safetensors)", NULL},
+                       {"tokens", 1, "input: safetensors with 'tokens' I32/I64 [B, T]", NULL},
+                       {"out", 1, "output: 'logits' F32 [B, T, vocab] and 'aux_loss' F32 []", NULL},
+                       {"threads", 1, "worker threads (default: all cores)", NULL},
+                       {0}};
+    const char *usage = "neuroctl forward --model MODEL --tokens IN.safetensors --out "
+                        "OUT.safetensors [--threads N]";
+    int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL), threads = 0;
+    if (rc)
+        return rc == 1 ? 0 : rc;
+    const char *model = nl_args_get(flags, "model"), *in = nl_args_get(flags, "tokens"),
+               *out = nl_args_get(flags, "out");
+    if (!model || !in || !out) {
+        nl_args_help(stderr, usage, flags);
+        return 2;
+    }
+    if ((rc = threads_flag(flags, &threads)))
+        return rc;
+    nl_error err = {0};
+    nl_backend *be = NULL;
+    nl_model *m = NULL;
+    nl_runstate *rs = NULL;
+    nl_st_writer *w = NULL;
+    int32_t *tokens = NULL;
+    float *logits = NULL;
+    int B = 0, T = 0;
+    rc = 1;
+    if (read_tokens(in, &tokens, &B, &T, &err) != NL_OK ||
+        nl_backend_cpu_new(&be, threads, &err) != NL_OK ||
+        nl_checkpoint_load(&m, be, model, 0, -1, 1, 1, NULL, &err) != NL_OK ||
+        nl_runstate_new(&rs, m, B * T, &err) != NL_OK)
+        goto out;
+    float aux = 0.0f;
+    nl_forward_args a = {.B = B, .T = T, .tokens = tokens};
+    if (nl_forward(m, rs, &a, &aux, &err) != NL_OK) {
+        nl_error_prefix(&err, "%s", in);
+        goto out;
+    }
+    const size_t n = (size_t)B * T * m->cfg.vocab_size;
+    logits = malloc(n * sizeof(float));
+    if (!logits) {
+        nl_error_set(&err, NL_ERR_NOMEM, "out of memory for logits");
+        goto out;
+    }
+    be->download(be, logits, nl_runstate_output(rs, NULL), n * sizeof(float));
+    int64_t shape[3] = {B, T, m->cfg.vocab_size};
+    if (nl_st_writer_new(&w, &err) != NL_OK ||
+        nl_st_writer_add(w, "logits", NL_DTYPE_F32, 3, shape, logits, &err) != NL_OK ||
+        nl_st_writer_add(w, "aux_loss", NL_DTYPE_F32, 0, shape, &aux, &err) != NL_OK ||
+        nl_st_writer_write(w, out, &err) != NL_OK)
+        goto out;
+    rc = 0;
+out:
+    nl_st_writer_destroy(&w);
+    free(logits);
+    free(tokens);
+    nl_runstate_destroy(&rs);
+    nl_model_destroy(&m);
+    nl_backend_destroy(&be);
+    return rc ? fail("forward", &err) : 0;
+}

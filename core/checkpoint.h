@@ -1,0 +1,26 @@
+/* Model checkpoints: the safetensors files of DESIGN.md section 2, with
+ * the tensor names and `__metadata__` (format "neurollm/1", the config as
+ * JSON, the step). Loading a stage checks that every tensor it holds is
+ * present with the shape its config implies. */
+#ifndef NL_CHECKPOINT_H
+#define NL_CHECKPOINT_H
+
+#include <stdint.h>
+
+#include "model.h"
+
+#define NL_CHECKPOINT_FORMAT "neurollm/1"
+
+/* Write every parameter of the stage to `path` atomically. */
+nl_status nl_checkpoint_save(const nl_model *m, const char *path, int64_t step, nl_error *err);
+
+/* Read and validate the metadata only: format, config, step. */
+nl_status nl_checkpoint_read_config(const char *path, nl_config *cfg, int64_t *step,
+                                    nl_error *err);
+
+/* Build the stage [l0, l1) (with the embedding and/or head as asked) from
+ * the checkpoint at `path`. l1 < 0 means "to the last layer". */
+nl_status nl_checkpoint_load(nl_model **out, nl_backend *be, const char *path, int l0, int l1,
+                             int has_embed, int has_head, int64_t *step, nl_error *err);
+
+#endif

@@ -1,0 +1,91 @@
+/* Greedy, temperature and top-p sampling. */
+#include "sampler.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+nl_status nl_sampler_init(nl_sampler *s, int vocab, float temperature, float top_p, uint64_t seed,
+                          nl_error *err)
+{
+    s->probs = NULL;
+    s->order = NULL;
+    if (!(temperature >= 0.0f) || !isfinite(temperature))
+        return nl_error_set(err, NL_ERR_INVALID, "temperature: %g must be a finite number >= 0",
+                            temperature);
+    if (!(top_p > 0.0f && top_p <= 1.0f))
+        return nl_error_set(err, NL_ERR_INVALID, "top-p: %g must be in (0, 1]", top_p);
+    if (vocab < 1)
+        return nl_error_set(err, NL_ERR_INVALID, "sampler: vocabulary %d", vocab);
+    s->temperature = temperature;
+    s->top_p = top_p;
+    s->vocab = vocab;
+    nl_rng_seed(&s->rng, seed, 0x5A3B1E);
+    s->probs = malloc((size_t)vocab * sizeof *s->probs);
+    s->order = malloc((size_t)vocab * sizeof *s->order);
+    if (!s->probs || !s->order) {
+        nl_sampler_free(s);
+        return nl_error_set(err, NL_ERR_NOMEM, "sampler: out of memory");
+    }
+    return NL_OK;
+}
+
+void nl_sampler_free(nl_sampler *s)
+{
+    free(s->probs);
+    free(s->order);
+    s->probs = NULL;
+    s->order = NULL;
+}
+
+static const float *sort_probs; /* qsort has no context argument */
+
+static int by_prob_desc(const void *a, const void *b)
+{
+    float pa = sort_probs[*(const int32_t *)a], pb = sort_probs[*(const int32_t *)b];
+    if (pa != pb)
+        return pa < pb ? 1 : -1;
+    return *(const int32_t *)a - *(const int32_t *)b;
+}
+
+int32_t nl_sampler_sample(nl_sampler *s, const float *logits)
+{
+    const int V = s->vocab;
+    int32_t best = 0;
+    for (int i = 1; i < V; i++)
+        if (logits[i] > logits[best])
+            best = i;
+    if (s->temperature == 0.0f)
+        return best;
+    /* softmax at temperature */
+    double sum = 0.0;
+    for (int i = 0; i < V; i++) {
+        s->probs[i] = expf((logits[i] - logits[best]) / s->temperature);
+        sum += s->probs[i];
+    }
+    double u = nl_rng_uniform(&s->rng);
+    if (s->top_p >= 1.0f) {
+        double acc = 0.0, target = u * sum;
+        for (int i = 0; i < V; i++) {
+            acc += s->probs[i];
+            if (acc > target)
+                return i;
+        }
+        return best;
+    }
+    /* nucleus: the smallest set of most likely tokens whose mass reaches top_p */
+    for (int i = 0; i < V; i++)
+        s->order[i] = i;
+    sort_probs = s->probs;
+    qsort(s->order, (size_t)V, sizeof *s->order, by_prob_desc);
+    double keep = 0.0;
+    int n = 0;
+    while (n < V && keep < s->top_p * sum)
+        keep += s->probs[s->order[n++]];
+    double acc = 0.0, target = u * keep;
+    for (int i = 0; i < n; i++) {
+        acc += s->probs[s->order[i]];
+        if (acc > target)
+            return s->order[i];
+    }
+    return s->order[0];
+}

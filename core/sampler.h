@@ -1,0 +1,28 @@
+/* Next-token sampling from logits: greedy, temperature, and top-p
+ * (nucleus), drawn from a seeded stream so a run repeats exactly. */
+#ifndef NL_SAMPLER_H
+#define NL_SAMPLER_H
+
+#include <stdint.h>
+
+#include "../base/status.h"
+#include "rng.h"
+
+typedef struct nl_sampler {
+    float temperature; /* 0: greedy (argmax, ties to the lower id) */
+    float top_p;       /* in (0, 1]; 1 keeps the whole distribution */
+    nl_rng rng;
+    int vocab;
+    float *probs;      /* (vocab) scratch */
+    int32_t *order;    /* (vocab) scratch for top-p */
+} nl_sampler;
+
+/* Check the settings (temperature >= 0 and finite, top_p in (0, 1]) and
+ * allocate scratch for a vocabulary. */
+nl_status nl_sampler_init(nl_sampler *s, int vocab, float temperature, float top_p, uint64_t seed,
+                          nl_error *err);
+void nl_sampler_free(nl_sampler *s);
+/* Pick a token id from host logits (vocab). */
+int32_t nl_sampler_sample(nl_sampler *s, const float *logits);
+
+#endif
