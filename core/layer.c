@@ -1,0 +1,239 @@
+/* One transformer block's forward pass, and its activation buffers. The
+ * backward pass is in core/layer_backward.c. */
+#include "layer.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* ---------------------------------------------------------------- buffers */
+
+typedef struct acts_dims {
+    size_t N, d, qkv, hq, E, k, F;
+} acts_dims;
+
+static acts_dims dims_of(const nl_config *c, int N)
+{
+    const size_t hd = (size_t)nl_config_head_dim(c);
+    acts_dims s = {.N = (size_t)N,
+                   .d = (size_t)c->hidden_dim,
+                   .qkv = ((size_t)c->num_heads + 2 * (size_t)c->num_kv_heads) * hd,
+                   .hq = (size_t)c->num_heads * hd,
+                   .E = (size_t)c->num_experts,
+                   .k = (size_t)c->top_k,
+                   .F = (size_t)c->ffn_dim};
+    return s;
+}
+
+size_t nl_layer_acts_floats(const nl_config *cfg, int N)
+{
+    acts_dims s = dims_of(cfg, N);
+    /* x_in, xn1, h1, xn2, x_out, rstd1, rstd2, qkv, att, lse, probs,
+     * xe, gu, hs, ye, and the three dispatch tables */
+    return s.N * (5 * s.d + 2 + s.qkv + s.hq + (size_t)cfg->num_heads + s.E) +
+           s.N * s.k * (s.d + 2 * s.F + s.F + s.d + 3);
+}
+
+nl_status nl_layer_acts_alloc(nl_layer_acts *a, nl_backend *be, const nl_config *cfg, int N,
+                              int training, nl_error *err)
+{
+    memset(a, 0, sizeof *a);
+    acts_dims s = dims_of(cfg, N);
+    int ok = 1;
+#define DEV(ptr, n) ok &= ((ptr) = be->alloc(be, (n) * sizeof *(ptr))) != NULL
+#define HOST(ptr, n) ok &= ((ptr) = calloc((n), sizeof *(ptr))) != NULL
+    DEV(a->x_in, s.N * s.d);
+    DEV(a->xn1, s.N * s.d);
+    DEV(a->qkv, s.N * s.qkv);
+    DEV(a->att, s.N * s.hq);
+    DEV(a->xn2, s.N * s.d);
+    DEV(a->probs, s.N * s.E);
+    DEV(a->xe, s.N * s.k * s.d);
+    DEV(a->gu, s.N * s.k * 2 * s.F);
+    DEV(a->hs, s.N * s.k * s.F);
+    DEV(a->ye, s.N * s.k * s.d);
+    DEV(a->perm_d, s.N * s.k);
+    DEV(a->slot_d, s.N * s.k);
+    DEV(a->w_d, s.N * s.k);
+    if (training) {
+        DEV(a->h1, s.N * s.d);
+        DEV(a->x_out, s.N * s.d);
+        DEV(a->rstd1, s.N);
+        DEV(a->rstd2, s.N);
+        DEV(a->lse, s.N * (size_t)cfg->num_heads);
+    } else {
+        a->h1 = a->x_out = a->x_in;
+    }
+    HOST(a->probs_h, s.N * s.E);
+    HOST(a->choice, s.N * s.k);
+    HOST(a->w, s.N * s.k);
+    HOST(a->perm, s.N * s.k);
+    HOST(a->slot, s.N * s.k);
+    HOST(a->counts, s.E);
+    HOST(a->offsets, s.E + 1);
+    HOST(a->frac, s.E);
+#undef DEV
+#undef HOST
+    if (!ok) {
+        nl_layer_acts_free(a, be);
+        return nl_error_set(err, NL_ERR_NOMEM, "activations: cannot allocate %zu rows", s.N);
+    }
+    return NL_OK;
+}
+
+void nl_layer_acts_free(nl_layer_acts *a, nl_backend *be)
+{
+    if (a->h1 != a->x_in)
+        be->free(be, a->h1);
+    if (a->x_out != a->x_in)
+        be->free(be, a->x_out);
+    void *dev[] = {a->x_in, a->xn1,   a->rstd1,  a->qkv,  a->att, a->lse, a->xn2,
+                   a->rstd2, a->probs, a->xe,    a->gu,   a->hs,  a->ye,  a->perm_d,
+                   a->slot_d, a->w_d};
+    for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
+        be->free(be, dev[i]);
+    free(a->probs_h);
+    free(a->choice);
+    free(a->w);
+    free(a->perm);
+    free(a->slot);
+    free(a->counts);
+    free(a->offsets);
+    free(a->frac);
+    memset(a, 0, sizeof *a);
+}
+
+/* ---------------------------------------------------------------- router */
+
+/* Top-k of each row of probs_h, ties to the lower expert index; fill the
+ * dispatch tables grouped by expert (token order within an expert). */
+static void route(nl_layer_acts *a, int N, int E, int k)
+{
+    const float *p = a->probs_h;
+    memset(a->counts, 0, (size_t)E * sizeof *a->counts);
+    for (int n = 0; n < N; n++) {
+        const float *row = p + (size_t)n * E;
+        int32_t *ch = a->choice + (size_t)n * k;
+        float sum = 0.0f;
+        for (int i = 0; i < k; i++) {
+            int best = -1;
+            for (int e = 0; e < E; e++) {
+                int taken = 0;
+                for (int j = 0; j < i; j++)
+                    taken |= ch[j] == e;
+                if (!taken && (best < 0 || row[e] > row[best]))
+                    best = e;
+            }
+            ch[i] = best;
+            sum += row[best];
+            a->counts[best]++;
+        }
+        for (int i = 0; i < k; i++)
+            a->w[(size_t)n * k + i] = row[ch[i]] / sum;
+    }
+    a->offsets[0] = 0;
+    for (int e = 0; e < E; e++)
+        a->offsets[e + 1] = a->offsets[e] + a->counts[e];
+    int fill[NL_CONFIG_MAX_EXPERTS];
+    memcpy(fill, a->offsets, (size_t)E * sizeof *fill);
+    for (int n = 0; n < N; n++)
+        for (int i = 0; i < k; i++) {
+            int s = fill[a->choice[(size_t)n * k + i]]++;
+            a->perm[s] = n;
+            a->slot[(size_t)n * k + i] = s;
+        }
+}
+
+/* ---------------------------------------------------------------- blocks */
+
+static void attention_block(nl_model *m, int li, nl_layer_acts *a, int B, int T, int past,
+                            nl_kvcache *kv, const int32_t *pos_d)
+{
+    nl_backend *be = m->be;
+    const nl_config *c = &m->cfg;
+    const nl_layer_weights *w = &m->layers[li - m->l0];
+    const int N = B * T, d = c->hidden_dim, hd = nl_config_head_dim(c);
+    const int H = c->num_heads, G = c->num_kv_heads, qkv = (H + 2 * G) * hd;
+
+    be->rmsnorm_forward(be, a->xn1, a->rstd1, a->x_in, w->attention_norm, N, d,
+                        (float)c->norm_eps);
+    be->gemm(be, 0, 1, N, qkv, d, 1.0f, a->xn1, d, w->wqkv, d, 0.0f, a->qkv, qkv);
+    /* q and k heads are adjacent columns: rotate them in one call */
+    be->rope_forward(be, a->qkv, pos_d, N, qkv, 0, H + G, hd, (float)c->rope_base);
+
+    nl_attn_shape s = {.B = B, .T = T, .past = past, .kv_cap = T, .H = H, .G = G, .hd = hd};
+    const float *k = a->qkv + H * hd, *v = a->qkv + (H + G) * hd;
+    int kv_stride = qkv;
+    if (kv) {
+        const size_t layer = (size_t)(li - m->l0) * kv->B * kv->cap * kv->kv_dim;
+        float *kc = kv->k + layer, *vc = kv->v + layer;
+        for (int b = 0; b < B; b++) {
+            const size_t dst = ((size_t)b * kv->cap + past) * kv->kv_dim;
+            const float *src = a->qkv + (size_t)b * T * qkv;
+            be->copy_rows(be, kc + dst, kv->kv_dim, src + H * hd, qkv, T, G * hd);
+            be->copy_rows(be, vc + dst, kv->kv_dim, src + (H + G) * hd, qkv, T, G * hd);
+        }
+        k = kc;
+        v = vc;
+        kv_stride = kv->kv_dim;
+        s.kv_cap = kv->cap;
+    }
+    be->attention_forward(be, a->att, a->lse, a->qkv, qkv, k, v, kv_stride, s);
+    if (a->h1 != a->x_in)
+        be->copy_rows(be, a->h1, d, a->x_in, d, N, d);
+    be->gemm(be, 0, 1, N, d, H * hd, 1.0f, a->att, H * hd, w->wo, H * hd, 1.0f, a->h1, d);
+}
+
+static float moe_block(nl_model *m, int li, nl_layer_acts *a, int N, const float *global_frac,
+                       double aux_rows)
+{
+    nl_backend *be = m->be;
+    const nl_config *c = &m->cfg;
+    const nl_layer_weights *w = &m->layers[li - m->l0];
+    const int d = c->hidden_dim, E = c->num_experts, k = c->top_k, F = c->ffn_dim;
+
+    be->rmsnorm_forward(be, a->xn2, a->rstd2, a->h1, w->ffn_norm, N, d, (float)c->norm_eps);
+    be->gemm(be, 0, 1, N, E, d, 1.0f, a->xn2, d, w->router, d, 0.0f, a->probs, E);
+    be->softmax_forward(be, a->probs, N, E);
+    be->download(be, a->probs_h, a->probs, (size_t)N * E * sizeof(float));
+    route(a, N, E, k);
+    be->upload(be, a->perm_d, a->perm, (size_t)N * k * sizeof(int32_t));
+    be->upload(be, a->slot_d, a->slot, (size_t)N * k * sizeof(int32_t));
+    be->upload(be, a->w_d, a->w, (size_t)N * k * sizeof(float));
+
+    /* grouped dispatch: each expert runs only on the rows routed to it */
+    be->gather_rows(be, a->xe, a->xn2, a->perm_d, N * k, d);
+    const size_t expert_floats = 3 * (size_t)F * d;
+    for (int e = 0; e < E; e++) {
+        const int n = a->counts[e], o = a->offsets[e];
+        if (n == 0)
+            continue;
+        const float *wgu = w->experts + e * expert_floats; /* (2F, d) */
+        const float *wdown = wgu + 2 * (size_t)F * d;      /* (d, F) */
+        float *gu = a->gu + (size_t)o * 2 * F, *hs = a->hs + (size_t)o * F;
+        be->gemm(be, 0, 1, n, 2 * F, d, 1.0f, a->xe + (size_t)o * d, d, wgu, d, 0.0f, gu, 2 * F);
+        be->swiglu_forward(be, hs, gu, n, F);
+        be->gemm(be, 0, 1, n, d, F, 1.0f, hs, F, wdown, F, 0.0f, a->ye + (size_t)o * d, d);
+    }
+    if (a->x_out != a->h1)
+        be->copy_rows(be, a->x_out, d, a->h1, d, N, d);
+    be->moe_combine(be, a->x_out, a->ye, a->slot_d, a->w_d, N, k, d);
+
+    /* load-balancing loss: E * sum_e frac_e * mean_p_e, in double */
+    double aux = 0.0;
+    for (int e = 0; e < E; e++) {
+        a->frac[e] = global_frac ? global_frac[e] : (float)((double)a->counts[e] / ((double)N * k));
+        double psum = 0.0;
+        for (int n = 0; n < N; n++)
+            psum += a->probs_h[(size_t)n * E + e];
+        aux += (double)a->frac[e] * psum / aux_rows;
+    }
+    return (float)(E * aux);
+}
+
+float nl_layer_forward(nl_model *m, int li, nl_layer_acts *a, int B, int T, int past,
+                       nl_kvcache *kv, const int32_t *pos_d, const float *global_frac,
+                       double aux_rows)
+{
+    attention_block(m, li, a, B, T, past, kv, pos_d);
+    return moe_block(m, li, a, B * T, global_frac, aux_rows);
+}

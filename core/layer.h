@@ -1,0 +1,65 @@
+/* One transformer block (attention + mixture of experts) forward and
+ * backward, over activation buffers the caller provides. The inference
+ * forward (core/forward.c) passes one reused set with the residual stream
+ * updated in place; training (core/train.c) passes one set per layer and
+ * microbatch so the backward finds what the forward saved. */
+#ifndef NL_LAYER_H
+#define NL_LAYER_H
+
+#include "forward.h"
+#include "model.h"
+
+/* Activations of one layer for N = B*T rows. Device pointers unless
+ * marked host. In the inference set x_in, h1 and x_out are the same
+ * buffer and rstd1, rstd2 and lse are NULL. */
+typedef struct nl_layer_acts {
+    float *x_in;   /* (N, d) layer input */
+    float *xn1;    /* (N, d) attention_norm(x_in) */
+    float *rstd1;  /* (N) or NULL */
+    float *qkv;    /* (N, (H + 2G) hd), q and k rotated */
+    float *att;    /* (N, H hd) attention output */
+    float *lse;    /* (B, H, T) or NULL */
+    float *h1;     /* (N, d) x_in + att Wo^T */
+    float *xn2;    /* (N, d) ffn_norm(h1) */
+    float *rstd2;  /* (N) or NULL */
+    float *probs;  /* (N, E) router softmax */
+    float *xe;     /* (N k, d) expert inputs in dispatch order */
+    float *gu;     /* (N k, 2F) gate | up */
+    float *hs;     /* (N k, F) silu(gate) * up */
+    float *ye;     /* (N k, d) expert outputs */
+    float *x_out;  /* (N, d) h1 + sum_i w_i expert_i */
+    int32_t *perm_d, *slot_d; /* (N k) dispatch tables, device copies */
+    float *w_d;               /* (N k) */
+    /* host: routing decisions */
+    float *probs_h;   /* (N, E) */
+    int32_t *choice;  /* (N k) expert of each (token, choice) */
+    float *w;         /* (N k) renormalised weights */
+    int32_t *perm;    /* (N k) token row of each dispatch slot, grouped by expert */
+    int32_t *slot;    /* (N k) dispatch slot of each (token, choice) */
+    int *counts;      /* (E) tokens routed to each expert */
+    int *offsets;     /* (E + 1) first slot of each expert */
+    float *frac;      /* (E) share of assignments used by the aux loss */
+} nl_layer_acts;
+
+/* Floats of device memory one layer's saved activations take for N rows
+ * (training layout, with separate residual buffers). */
+size_t nl_layer_acts_floats(const nl_config *cfg, int N);
+
+/* Allocate a set for N rows; `training` gives separate residual buffers
+ * and the saved statistics, else x_in == h1 == x_out and no rstd/lse.
+ * nl_layer_acts_free releases what _alloc made (NULL-safe fields). */
+nl_status nl_layer_acts_alloc(nl_layer_acts *a, nl_backend *be, const nl_config *cfg, int N,
+                              int training, nl_error *err);
+void nl_layer_acts_free(nl_layer_acts *a, nl_backend *be);
+
+/* Forward one layer `li` of the model over a->x_in, writing a->x_out.
+ * pos_d: (N) device positions. kv may be NULL. global_frac: when non-NULL
+ * the aux loss uses these batch-level assignment shares (E) instead of
+ * this call's own. Returns this call's aux-loss contribution
+ * E * sum_e frac_e * sum_n p[n, e] / aux_rows (aux_rows = N for a plain
+ * forward; the batch's rows when it is one microbatch of many). */
+float nl_layer_forward(nl_model *m, int li, nl_layer_acts *a, int B, int T, int past,
+                       nl_kvcache *kv, const int32_t *pos_d, const float *global_frac,
+                       double aux_rows);
+
+#endif
