@@ -62,4 +62,37 @@ float nl_layer_forward(nl_model *m, int li, nl_layer_acts *a, int B, int T, int 
                        nl_kvcache *kv, const int32_t *pos_d, const float *global_frac,
                        double aux_rows);
 
+/* Scratch for the backward pass of one layer over N rows (device unless
+ * marked host), shared by every layer of a stage. */
+typedef struct nl_layer_grads_scratch {
+    float *dh1;    /* (N, d) */
+    float *dxn;    /* (N, d) */
+    float *dqkv;   /* (N, (H + 2G) hd) */
+    float *datt;   /* (N, H hd) */
+    float *dye;    /* (N k, d) */
+    float *dhs;    /* (N k, F) */
+    float *dgu;    /* (N k, 2F) */
+    float *dxe;    /* (N k, d) */
+    float *dw;     /* (N k) */
+    float *ones;   /* (N k) all 1 */
+    float *dl;     /* (N, E) router logits gradient */
+    int32_t *neg_pos_d; /* (N) negated positions: RoPE's inverse rotation */
+    float *dw_h;   /* (N k) host */
+    float *dl_h;   /* (N, E) host */
+} nl_layer_grads_scratch;
+
+nl_status nl_layer_scratch_alloc(nl_layer_grads_scratch *s, nl_backend *be, const nl_config *cfg,
+                                 int N, nl_error *err);
+void nl_layer_scratch_free(nl_layer_grads_scratch *s, nl_backend *be);
+size_t nl_layer_scratch_floats(const nl_config *cfg, int N);
+
+/* Backward of layer li over the activations its forward saved in a:
+ * given dy = dLoss/dx_out (N, d), write dx = dLoss/dx_in (N, d) (dx must
+ * not alias dy) and add the parameter gradients into `grads` (same layout
+ * as m->params). neg_pos_d in the scratch must hold -position of each row.
+ * aux_scale = aux_loss_coef * E / (rows in the whole batch): the gradient
+ * of the loss with respect to each router probability through the aux
+ * term is aux_scale * frac_e. */
+void nl_layer_backward(nl_model *m, int li, const nl_layer_acts *a, nl_layer_grads_scratch *s,
+                       float *grads, const float *dy, float *dx, int B, int T, float aux_scale);
 #endif

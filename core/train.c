@@ -1,0 +1,442 @@
+/* The stage trainer: saved activations per microbatch slot, the backward
+ * pass through head, layers and embedding, and AdamW. */
+#include "train.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct train_slot {
+    int B, T;
+    nl_layer_acts *acts; /* n_layers sets (no recompute) */
+    float **x_in;        /* n_layers saved inputs (recompute) */
+    float *x_final;      /* (N, d) stage output (owned only with recompute) */
+    int32_t *tokens_d;   /* (N) */
+    float *xnf, *rstdf;  /* head: (N, d), (N) */
+    float *logits;       /* head: (N, V), the loss gradient after the forward */
+} train_slot;
+
+struct nl_trainer {
+    nl_model *m;
+    nl_backend *be;
+    int max_rows, n_slots, recompute, n_layers;
+    float *grads, *mom[2];
+    int64_t adam_t, batch_rows;
+    train_slot *slots;
+    nl_layer_acts work; /* recompute and counting passes */
+    nl_layer_grads_scratch sc;
+    float *dbuf[2];       /* (N, d) ping-pong input gradients */
+    const float *input_grad;
+    int32_t *pos_h, *pos_d, *neg_pos_h;
+    int32_t *targets_h, *targets_d;
+    float *losses_d, *losses_h;
+    int64_t *counts;      /* (n_layers, E) counting pass */
+    float *global_frac;   /* (n_layers, E) */
+    int use_global;
+    int inject_nan;
+};
+
+nl_adamw_opts nl_adamw_defaults(void)
+{
+    nl_adamw_opts o = {.beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f};
+    return o;
+}
+
+double nl_lr_at(int64_t step, int64_t total, int64_t warmup, double lr, double min_lr)
+{
+    if (warmup > 0 && step < warmup)
+        return lr * (double)(step + 1) / (double)warmup;
+    if (total - warmup <= 1)
+        return lr;
+    double progress = (double)(step - warmup) / (double)(total - warmup - 1);
+    if (progress > 1.0)
+        progress = 1.0;
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + cos(M_PI * progress));
+}
+
+/* ---------------------------------------------------------------- setup */
+
+static nl_status slot_alloc(nl_trainer *t, train_slot *s, nl_error *err)
+{
+    nl_backend *be = t->be;
+    const nl_config *c = &t->m->cfg;
+    const size_t N = (size_t)t->max_rows, d = (size_t)c->hidden_dim;
+    nl_status st = NL_OK;
+    int ok = 1;
+    if (!t->recompute) {
+        s->acts = calloc((size_t)t->n_layers, sizeof *s->acts);
+        ok &= s->acts != NULL;
+        for (int l = 0; ok && l < t->n_layers; l++) {
+            st = nl_layer_acts_alloc(&s->acts[l], be, c, t->max_rows, 1, err);
+            if (st != NL_OK)
+                return st;
+            if (l > 0) { /* this layer's input is the previous layer's output */
+                be->free(be, s->acts[l].x_in);
+                s->acts[l].x_in = s->acts[l - 1].x_out;
+            }
+        }
+        if (ok)
+            s->x_final = t->n_layers ? s->acts[t->n_layers - 1].x_out : NULL;
+    } else {
+        s->x_in = calloc((size_t)t->n_layers, sizeof *s->x_in);
+        ok &= s->x_in != NULL;
+        for (int l = 0; ok && l < t->n_layers; l++)
+            ok &= (s->x_in[l] = be->alloc(be, N * d * sizeof(float))) != NULL;
+    }
+    if (ok && (t->recompute || t->n_layers == 0))
+        ok &= (s->x_final = be->alloc(be, N * d * sizeof(float))) != NULL;
+    ok &= (s->tokens_d = be->alloc(be, N * sizeof(int32_t))) != NULL;
+    if (t->m->has_head) {
+        ok &= (s->xnf = be->alloc(be, N * d * sizeof(float))) != NULL;
+        ok &= (s->rstdf = be->alloc(be, N * sizeof(float))) != NULL;
+        ok &= (s->logits = be->alloc(be, N * (size_t)c->vocab_size * sizeof(float))) != NULL;
+    }
+    if (!ok)
+        return nl_error_set(err, NL_ERR_NOMEM, "trainer: cannot allocate activations for %d rows",
+                            t->max_rows);
+    return NL_OK;
+}
+
+static void slot_free(nl_trainer *t, train_slot *s)
+{
+    nl_backend *be = t->be;
+    int owns_final = t->recompute || t->n_layers == 0;
+    if (s->acts) {
+        for (int l = t->n_layers - 1; l >= 0; l--) {
+            if (l > 0)
+                s->acts[l].x_in = NULL; /* owned by layer l - 1 */
+            if (s->acts[l].x_in || s->acts[l].x_out)
+                nl_layer_acts_free(&s->acts[l], be);
+        }
+        free(s->acts);
+    }
+    if (s->x_in) {
+        for (int l = 0; l < t->n_layers; l++)
+            be->free(be, s->x_in[l]);
+        free(s->x_in);
+    }
+    if (owns_final)
+        be->free(be, s->x_final);
+    be->free(be, s->tokens_d);
+    be->free(be, s->xnf);
+    be->free(be, s->rstdf);
+    be->free(be, s->logits);
+}
+
+nl_status nl_trainer_new(nl_trainer **out, nl_model *m, int max_rows, int slots, int recompute,
+                         nl_error *err)
+{
+    *out = NULL;
+    if (max_rows < 1 || slots < 1 || slots > 1024)
+        return nl_error_set(err, NL_ERR_INVALID, "trainer: %d rows in %d slots", max_rows, slots);
+    nl_trainer *t = calloc(1, sizeof *t);
+    if (!t)
+        return nl_error_set(err, NL_ERR_NOMEM, "trainer: out of memory");
+    nl_backend *be = m->be;
+    const nl_config *c = &m->cfg;
+    const size_t N = (size_t)max_rows, d = (size_t)c->hidden_dim, E = (size_t)c->num_experts;
+    nl_status st = NL_OK;
+    t->m = m;
+    t->be = be;
+    t->max_rows = max_rows;
+    t->n_slots = slots;
+    t->recompute = recompute;
+    t->n_layers = m->l1 - m->l0;
+    int ok = 1;
+    ok &= (t->grads = be->alloc(be, m->n_params * sizeof(float))) != NULL;
+    ok &= (t->mom[0] = be->alloc(be, m->n_params * sizeof(float))) != NULL;
+    ok &= (t->mom[1] = be->alloc(be, m->n_params * sizeof(float))) != NULL;
+    ok &= (t->dbuf[0] = be->alloc(be, N * d * sizeof(float))) != NULL;
+    ok &= (t->dbuf[1] = be->alloc(be, N * d * sizeof(float))) != NULL;
+    ok &= (t->pos_d = be->alloc(be, N * sizeof(int32_t))) != NULL;
+    ok &= (t->targets_d = be->alloc(be, N * sizeof(int32_t))) != NULL;
+    ok &= (t->losses_d = be->alloc(be, N * sizeof(float))) != NULL;
+    ok &= (t->pos_h = calloc(N, sizeof(int32_t))) != NULL;
+    ok &= (t->neg_pos_h = calloc(N, sizeof(int32_t))) != NULL;
+    ok &= (t->targets_h = calloc(N, sizeof(int32_t))) != NULL;
+    ok &= (t->losses_h = calloc(N, sizeof(float))) != NULL;
+    ok &= (t->counts = calloc((size_t)t->n_layers * E + 1, sizeof(int64_t))) != NULL;
+    ok &= (t->global_frac = calloc((size_t)t->n_layers * E + 1, sizeof(float))) != NULL;
+    ok &= (t->slots = calloc((size_t)slots, sizeof *t->slots)) != NULL;
+    if (!ok) {
+        st = nl_error_set(err, NL_ERR_NOMEM, "trainer: cannot allocate %zu parameters' state",
+                          m->n_params);
+        goto fail;
+    }
+    if ((st = nl_layer_acts_alloc(&t->work, be, c, max_rows, 1, err)) != NL_OK ||
+        (st = nl_layer_scratch_alloc(&t->sc, be, c, max_rows, err)) != NL_OK)
+        goto fail;
+    for (int i = 0; i < slots; i++)
+        if ((st = slot_alloc(t, &t->slots[i], err)) != NL_OK)
+            goto fail;
+    *out = t;
+    return NL_OK;
+fail:
+    nl_trainer_destroy(&t);
+    return st;
+}
+
+void nl_trainer_destroy(nl_trainer **tp)
+{
+    if (!tp || !*tp)
+        return;
+    nl_trainer *t = *tp;
+    nl_backend *be = t->be;
+    for (int i = 0; t->slots && i < t->n_slots; i++)
+        slot_free(t, &t->slots[i]);
+    free(t->slots);
+    if (t->work.x_in)
+        nl_layer_acts_free(&t->work, be);
+    if (t->sc.dh1)
+        nl_layer_scratch_free(&t->sc, be);
+    void *dev[] = {t->grads, t->mom[0], t->mom[1], t->dbuf[0], t->dbuf[1],
+                   t->pos_d, t->targets_d, t->losses_d};
+    for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
+        be->free(be, dev[i]);
+    free(t->pos_h);
+    free(t->neg_pos_h);
+    free(t->targets_h);
+    free(t->losses_h);
+    free(t->counts);
+    free(t->global_frac);
+    free(t);
+    *tp = NULL;
+}
+
+/* ---------------------------------------------------------------- steps */
+
+void nl_trainer_begin_step(nl_trainer *t, int64_t batch_rows)
+{
+    t->batch_rows = batch_rows;
+    t->use_global = 0;
+    t->be->scale(t->be, t->grads, 0.0f, t->m->n_params);
+    memset(t->counts, 0, (size_t)t->n_layers * t->m->cfg.num_experts * sizeof *t->counts);
+}
+
+static nl_status check_rows(nl_trainer *t, int B, int T, nl_error *err)
+{
+    if (B < 1 || T < 1 || (long)B * T > t->max_rows)
+        return nl_error_set(err, NL_ERR_SHAPE, "trainer: microbatch %d x %d is outside 1..%d rows",
+                            B, T, t->max_rows);
+    if (T > t->m->cfg.max_seq_len)
+        return nl_error_set(err, NL_ERR_RANGE, "trainer: %d positions exceed max_seq_len %d", T,
+                            t->m->cfg.max_seq_len);
+    if (t->batch_rows < (int64_t)B * T)
+        return nl_error_set(err, NL_ERR_STATE, "trainer: no step begun for %d rows", B * T);
+    return NL_OK;
+}
+
+static void set_positions(nl_trainer *t, int B, int T)
+{
+    for (int n = 0; n < B * T; n++) {
+        t->pos_h[n] = n % T;
+        t->neg_pos_h[n] = -(n % T);
+    }
+    t->be->upload(t->be, t->pos_d, t->pos_h, (size_t)B * T * sizeof(int32_t));
+    t->be->upload(t->be, t->sc.neg_pos_d, t->neg_pos_h, (size_t)B * T * sizeof(int32_t));
+}
+
+/* Embed tokens (checked) or copy hidden states into dst. */
+static nl_status stage_input(nl_trainer *t, float *dst, int32_t *tokens_d, int N,
+                             const int32_t *tokens, const float *x_in, nl_error *err)
+{
+    nl_model *m = t->m;
+    const int d = m->cfg.hidden_dim;
+    if (m->has_embed) {
+        if (!tokens)
+            return nl_error_set(err, NL_ERR_INVALID, "trainer: first stage needs tokens");
+        for (int n = 0; n < N; n++)
+            if (tokens[n] < 0 || tokens[n] >= m->cfg.vocab_size)
+                return nl_error_set(err, NL_ERR_RANGE, "token %d at row %d is outside 0..%lld",
+                                    tokens[n], n, (long long)m->cfg.vocab_size - 1);
+        t->be->upload(t->be, tokens_d, tokens, (size_t)N * sizeof(int32_t));
+        t->be->embedding_forward(t->be, dst, tokens_d, m->tok_embeddings, N, d);
+        return NL_OK;
+    }
+    if (!x_in)
+        return nl_error_set(err, NL_ERR_INVALID, "trainer: stage needs hidden states");
+    t->be->copy_rows(t->be, dst, d, x_in, d, N, d);
+    return NL_OK;
+}
+
+nl_status nl_trainer_count_routes(nl_trainer *t, int B, int T, const int32_t *tokens,
+                                  const float *x_in, nl_error *err)
+{
+    nl_status st = check_rows(t, B, T, err);
+    if (st != NL_OK)
+        return st;
+    const int N = B * T, d = t->m->cfg.hidden_dim, E = t->m->cfg.num_experts;
+    nl_layer_acts *w = &t->work;
+    if ((st = stage_input(t, w->x_in, t->slots[0].tokens_d, N, tokens, x_in, err)) != NL_OK)
+        return st;
+    set_positions(t, B, T);
+    for (int l = 0; l < t->n_layers; l++) {
+        nl_layer_forward(t->m, t->m->l0 + l, w, B, T, 0, NULL, t->pos_d, NULL, (double)N);
+        for (int e = 0; e < E; e++)
+            t->counts[(size_t)l * E + e] += w->counts[e];
+        t->be->copy_rows(t->be, w->x_in, d, w->x_out, d, N, d);
+    }
+    return NL_OK;
+}
+
+void nl_trainer_use_counts(nl_trainer *t)
+{
+    const int E = t->m->cfg.num_experts, k = t->m->cfg.top_k;
+    for (size_t i = 0; i < (size_t)t->n_layers * E; i++)
+        t->global_frac[i] = (float)((double)t->counts[i] / ((double)t->batch_rows * k));
+    t->use_global = 1;
+}
+
+const float *nl_trainer_count_output(const nl_trainer *t)
+{
+    return t->work.x_in;
+}
+
+nl_status nl_trainer_forward(nl_trainer *t, int slot, int B, int T, const int32_t *tokens,
+                             const float *x_in, const int32_t *targets, double *ce_sum,
+                             double *aux, nl_error *err)
+{
+    nl_model *m = t->m;
+    nl_backend *be = t->be;
+    const nl_config *c = &m->cfg;
+    const int N = B * T, d = c->hidden_dim, E = c->num_experts;
+    nl_status st = check_rows(t, B, T, err);
+    if (st != NL_OK)
+        return st;
+    if (slot < 0 || slot >= t->n_slots)
+        return nl_error_set(err, NL_ERR_RANGE, "trainer: slot %d of %d", slot, t->n_slots);
+    train_slot *s = &t->slots[slot];
+    s->B = B;
+    s->T = T;
+    float *first = t->recompute ? (t->n_layers ? s->x_in[0] : s->x_final)
+                                : (t->n_layers ? s->acts[0].x_in : s->x_final);
+    if ((st = stage_input(t, first, s->tokens_d, N, tokens, x_in, err)) != NL_OK)
+        return st;
+    set_positions(t, B, T);
+    double a = 0.0;
+    for (int l = 0; l < t->n_layers; l++) {
+        const float *gf = t->use_global ? t->global_frac + (size_t)l * E : NULL;
+        nl_layer_acts *la = t->recompute ? &t->work : &s->acts[l];
+        if (t->recompute)
+            be->copy_rows(be, la->x_in, d, s->x_in[l], d, N, d);
+        a += nl_layer_forward(m, m->l0 + l, la, B, T, 0, NULL, t->pos_d, gf,
+                              (double)t->batch_rows);
+        if (t->recompute)
+            be->copy_rows(be, l + 1 < t->n_layers ? s->x_in[l + 1] : s->x_final, d, la->x_out, d,
+                          N, d);
+    }
+    if (aux)
+        *aux += a;
+    if (!m->has_head)
+        return NL_OK;
+    /* head and loss: the logits become their gradient in place */
+    if (!targets)
+        return nl_error_set(err, NL_ERR_INVALID, "trainer: last stage needs targets");
+    const int V = (int)c->vocab_size;
+    for (int n = 0; n < N; n++)
+        if (targets[n] < 0 || targets[n] >= V)
+            return nl_error_set(err, NL_ERR_RANGE, "target %d at row %d is outside 0..%d",
+                                targets[n], n, V - 1);
+    be->upload(be, t->targets_d, targets, (size_t)N * sizeof(int32_t));
+    be->rmsnorm_forward(be, s->xnf, s->rstdf, s->x_final, m->norm, N, d, (float)c->norm_eps);
+    be->gemm(be, 0, 1, N, V, d, 1.0f, s->xnf, d, m->lm_head, d, 0.0f, s->logits, V);
+    be->cross_entropy(be, s->logits, t->losses_d, t->targets_d, N, V,
+                      1.0f / (float)t->batch_rows);
+    be->download(be, t->losses_h, t->losses_d, (size_t)N * sizeof(float));
+    double sum = 0.0;
+    for (int n = 0; n < N; n++)
+        sum += t->losses_h[n];
+    if (ce_sum)
+        *ce_sum += sum;
+    return NL_OK;
+}
+
+const float *nl_trainer_output(const nl_trainer *t, int slot)
+{
+    return t->slots[slot].x_final;
+}
+
+nl_status nl_trainer_backward(nl_trainer *t, int slot, const float *dy, nl_error *err)
+{
+    nl_model *m = t->m;
+    nl_backend *be = t->be;
+    const nl_config *c = &m->cfg;
+    if (slot < 0 || slot >= t->n_slots || t->slots[slot].B == 0)
+        return nl_error_set(err, NL_ERR_STATE, "trainer: no forward in slot %d", slot);
+    train_slot *s = &t->slots[slot];
+    const int B = s->B, T = s->T, N = B * T, d = c->hidden_dim, E = c->num_experts;
+    int cur = 0;
+    if (m->has_head) {
+        const int V = (int)c->vocab_size;
+        float *dlm = t->grads + (m->lm_head - m->params);
+        be->gemm(be, 1, 0, V, d, N, 1.0f, s->logits, V, s->xnf, d, 1.0f, dlm, d);
+        be->gemm(be, 0, 0, N, d, V, 1.0f, s->logits, V, m->lm_head, d, 0.0f, t->sc.dxn, d);
+        be->scale(be, t->dbuf[0], 0.0f, (size_t)N * d);
+        be->rmsnorm_backward(be, t->dbuf[0], t->grads + (m->norm - m->params), t->sc.dxn,
+                             s->x_final, m->norm, s->rstdf, N, d);
+    } else {
+        if (!dy)
+            return nl_error_set(err, NL_ERR_INVALID, "trainer: stage backward needs dy");
+        be->copy_rows(be, t->dbuf[0], d, dy, d, N, d);
+    }
+    set_positions(t, B, T);
+    const float aux_scale = (float)(c->aux_loss_coef * E / (double)t->batch_rows);
+    for (int l = t->n_layers - 1; l >= 0; l--) {
+        const nl_layer_acts *la = &s->acts[l];
+        if (t->recompute) {
+            const float *gf = t->use_global ? t->global_frac + (size_t)l * E : NULL;
+            be->copy_rows(be, t->work.x_in, d, s->x_in[l], d, N, d);
+            nl_layer_forward(m, m->l0 + l, &t->work, B, T, 0, NULL, t->pos_d, gf,
+                             (double)t->batch_rows);
+            la = &t->work;
+        }
+        nl_layer_backward(m, m->l0 + l, la, &t->sc, t->grads, t->dbuf[cur], t->dbuf[1 - cur], B, T,
+                          aux_scale);
+        cur = 1 - cur;
+    }
+    if (m->has_embed)
+        be->embedding_backward(be, t->grads + (m->tok_embeddings - m->params), t->dbuf[cur],
+                               s->tokens_d, N, d);
+    t->input_grad = t->dbuf[cur];
+    if (t->inject_nan) {
+        float nan = NAN;
+        be->upload(be, t->grads, &nan, sizeof nan);
+        t->inject_nan = 0;
+    }
+    return NL_OK;
+}
+
+const float *nl_trainer_input_grad(const nl_trainer *t)
+{
+    return t->input_grad;
+}
+
+double nl_trainer_grad_sumsq(const nl_trainer *t)
+{
+    return t->be->sumsq(t->be, t->grads, t->m->n_params);
+}
+
+void nl_trainer_step(nl_trainer *t, float lr, float grad_scale, nl_adamw_opts o)
+{
+    nl_model *m = t->m;
+    t->adam_t++;
+    const float bc1 = (float)(1.0 - pow(o.beta1, (double)t->adam_t));
+    const float bc2 = (float)(1.0 - pow(o.beta2, (double)t->adam_t));
+    for (int i = 0; i < m->n_table; i++) {
+        const nl_param *p = &m->table[i];
+        const float wd = p->kind == NL_PARAM_NORM ? 0.0f : o.weight_decay;
+        t->be->adamw(t->be, m->params + p->offset, t->grads + p->offset, t->mom[0] + p->offset,
+                     t->mom[1] + p->offset, nl_param_numel(p), lr, o.beta1, o.beta2, o.eps, wd,
+                     bc1, bc2, grad_scale);
+    }
+}
+
+float *nl_trainer_moment(const nl_trainer *t, int which)
+{
+    return t->mom[which ? 1 : 0];
+}
+
+int64_t nl_trainer_adam_steps(const nl_trainer *t) { return t->adam_t; }
+void nl_trainer_set_adam_steps(nl_trainer *t, int64_t steps) { t->adam_t = steps; }
+float *nl_trainer_grads(const nl_trainer *t) { return t->grads; }
+void nl_trainer_inject_nan(nl_trainer *t) { t->inject_nan = 1; }

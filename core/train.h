@@ -1,0 +1,101 @@
+/* Training one stage: forward passes that keep what the backward needs,
+ * the backward pass of the stage's layers (and of the embedding and the
+ * head where it holds them), gradient accumulation over microbatches,
+ * global-norm clipping inputs, and AdamW with its moments.
+ *
+ * The same object serves a whole model in one process (neuroctl train)
+ * and one pipeline stage: a stage takes the gradient of its output and
+ * hands back the gradient of its input.
+ *
+ * The loss of a step is DESIGN.md section 2's over the whole batch:
+ * mean cross-entropy over its B*T rows plus aux_loss_coef times the
+ * summed load-balancing losses, whose assignment shares frac_e are the
+ * batch's. With several microbatches those shares come from a counting
+ * pass (nl_trainer_count_routes) so the result does not depend on how the
+ * batch is split.
+ *
+ * Ownership: nl_trainer_new borrows the model (which must outlive it);
+ * nl_trainer_destroy(&t) frees the trainer only. */
+#ifndef NL_TRAIN_H
+#define NL_TRAIN_H
+
+#include <stdint.h>
+
+#include "layer.h"
+#include "model.h"
+
+typedef struct nl_trainer nl_trainer;
+
+typedef struct nl_adamw_opts {
+    float beta1, beta2, eps, weight_decay;
+} nl_adamw_opts;
+
+/* DESIGN.md section 2: beta1 0.9, beta2 0.95, eps 1e-8, decay 0.1. */
+nl_adamw_opts nl_adamw_defaults(void);
+
+/* Learning rate at `step` (0-based) of `total`: linear warm-up over
+ * `warmup` steps to lr, then cosine decay to min_lr at the last step. */
+double nl_lr_at(int64_t step, int64_t total, int64_t warmup, double lr, double min_lr);
+
+/* max_rows: rows (B*T) of the largest microbatch; slots: microbatches in
+ * flight at once (1 in one process, up to the stages downstream in 1F1B);
+ * recompute: keep only each layer's input and recompute the rest in the
+ * backward pass. */
+nl_status nl_trainer_new(nl_trainer **out, nl_model *m, int max_rows, int slots, int recompute,
+                         nl_error *err);
+void nl_trainer_destroy(nl_trainer **t);
+
+/* Start a step over a batch of batch_rows rows: zero the gradients and
+ * the route counts. */
+void nl_trainer_begin_step(nl_trainer *t, int64_t batch_rows);
+
+/* Counting pass for one microbatch (forward only, nothing kept): add this
+ * microbatch's expert assignments to the step's counts. Input as for
+ * nl_trainer_forward. After all microbatches, nl_trainer_use_counts makes
+ * the following forwards use the batch's shares. */
+nl_status nl_trainer_count_routes(nl_trainer *t, int B, int T, const int32_t *tokens,
+                                  const float *x_in, nl_error *err);
+void nl_trainer_use_counts(nl_trainer *t);
+/* Output of the last counting pass (device, (B*T, d)) for the next stage. */
+const float *nl_trainer_count_output(const nl_trainer *t);
+
+/* Forward of one microbatch into slot `slot`. tokens (host) for a stage
+ * with the embedding, else x_in (device (B*T, d)); targets (host) for a
+ * stage with the head. Adds this microbatch's share to *ce_sum (sum of
+ * row losses; NULL if not the last stage) and *aux (its part of the
+ * batch's aux loss). */
+nl_status nl_trainer_forward(nl_trainer *t, int slot, int B, int T, const int32_t *tokens,
+                             const float *x_in, const int32_t *targets, double *ce_sum,
+                             double *aux, nl_error *err);
+/* Hidden states the forward of `slot` produced (device, (B*T, d)). */
+const float *nl_trainer_output(const nl_trainer *t, int slot);
+
+/* Backward of the microbatch in `slot`: dy is the gradient of the stage
+ * output (device, (B*T, d)), or NULL for the stage with the head (which
+ * starts from its loss). Accumulates parameter gradients. */
+nl_status nl_trainer_backward(nl_trainer *t, int slot, const float *dy, nl_error *err);
+/* Gradient of the stage input of the last backward (device, (B*T, d)). */
+const float *nl_trainer_input_grad(const nl_trainer *t);
+
+/* Sum of squares of this stage's accumulated gradients (non-finite if
+ * any gradient is). */
+double nl_trainer_grad_sumsq(const nl_trainer *t);
+
+/* One AdamW step of every parameter with gradients scaled by grad_scale
+ * (the clipping factor). Weight decay applies to matrices and tables,
+ * not to norm gains. */
+void nl_trainer_step(nl_trainer *t, float lr, float grad_scale, nl_adamw_opts o);
+
+/* Optimizer state, for checkpoints: moments (device, n_params each) and
+ * the number of AdamW steps taken. */
+float *nl_trainer_moment(const nl_trainer *t, int which /* 0: m, 1: v */);
+int64_t nl_trainer_adam_steps(const nl_trainer *t);
+void nl_trainer_set_adam_steps(nl_trainer *t, int64_t steps);
+/* Accumulated gradients (device, n_params, parameter layout). */
+float *nl_trainer_grads(const nl_trainer *t);
+
+/* Test hook: when set, the next backward writes NaN into the gradient of
+ * its first parameter (to exercise the non-finite guard). */
+void nl_trainer_inject_nan(nl_trainer *t);
+
+#endif
