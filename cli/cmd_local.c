@@ -60,7 +60,7 @@ int nl_cmd_init(int argc, char **argv)
     if (nl_backend_cpu_new(&be, 0, &err) != NL_OK ||
         nl_model_new(&m, be, &cfg, 0, cfg.num_layers, 1, 1, &err) != NL_OK ||
         nl_model_init_random(m, (uint64_t)seed, &err) != NL_OK ||
-        nl_checkpoint_save(m, out, 0, &err) != NL_OK)
+        nl_checkpoint_save(m, out, 0, NULL, &err) != NL_OK)
         goto out;
     printf("wrote %s: %" PRId64 " parameters (d=%d, L=%d, H=%d, G=%d, F=%d, E=%d, vocab %" PRId64
            ", capacity %" PRId64 ")\n",

@@ -13,7 +13,9 @@ static const struct {
     {"init", nl_cmd_init, "write a freshly initialised model checkpoint"},
     {"forward", nl_cmd_forward, "logits and aux loss for a batch of tokens"},
     {"generate", nl_cmd_generate, "generate tokens from a prompt with the KV cache"},
-    {"bench", nl_cmd_bench, "measure forward, decode and GEMM throughput"},
+    {"grad", nl_cmd_grad, "loss and the gradient of every weight for one batch"},
+    {"train", nl_cmd_train, "train a model in this process"},
+    {"bench", nl_cmd_bench, "measure forward, decode, training and GEMM throughput"},
 };
 
 static void usage(FILE *f)

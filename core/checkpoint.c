@@ -9,22 +9,50 @@
 
 #include "safetensors.h"
 
-nl_status nl_checkpoint_save(const nl_model *m, const char *path, int64_t step, nl_error *err)
+nl_status nl_checkpoint_save(const nl_model *m, const char *path, int64_t step,
+                             const nl_ckpt_optim *opt, nl_error *err)
 {
     nl_status st = NL_OK;
     nl_st_writer *w = NULL;
     char *cfg_json = NULL;
-    float *host = malloc(m->n_params * sizeof(float) + 1);
+    const size_t n = m->n_params;
+    char(*names)[NL_PARAM_NAME_MAX + 8] = NULL;
+    float *host = malloc((opt ? 3 : 1) * n * sizeof(float) + 1);
     if (!host)
-        return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory for %zu parameters", path,
-                            m->n_params);
-    m->be->download(m->be, host, m->params, m->n_params * sizeof(float));
+        return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory for %zu parameters", path, n);
+    m->be->download(m->be, host, m->params, n * sizeof(float));
+    if (opt) {
+        m->be->download(m->be, host + n, opt->m, n * sizeof(float));
+        m->be->download(m->be, host + 2 * n, opt->v, n * sizeof(float));
+        names = calloc(2 * (size_t)m->n_table, sizeof *names);
+        if (!names) {
+            st = nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", path);
+            goto out;
+        }
+    }
     st = nl_st_writer_new(&w, err);
     if (st != NL_OK)
         goto out;
     for (int i = 0; i < m->n_table && st == NL_OK; i++) {
         const nl_param *p = &m->table[i];
         st = nl_st_writer_add(w, p->name, NL_DTYPE_F32, p->ndim, p->shape, host + p->offset, err);
+    }
+    for (int i = 0; opt && i < m->n_table && st == NL_OK; i++) {
+        const nl_param *p = &m->table[i];
+        snprintf(names[2 * i], sizeof names[0], "optim.m.%s", p->name);
+        snprintf(names[2 * i + 1], sizeof names[0], "optim.v.%s", p->name);
+        st = nl_st_writer_add(w, names[2 * i], NL_DTYPE_F32, p->ndim, p->shape,
+                              host + n + p->offset, err);
+        if (st == NL_OK)
+            st = nl_st_writer_add(w, names[2 * i + 1], NL_DTYPE_F32, p->ndim, p->shape,
+                                  host + 2 * n + p->offset, err);
+    }
+    if (opt && st == NL_OK) {
+        char adam_s[32];
+        snprintf(adam_s, sizeof adam_s, "%" PRId64, opt->adam_steps);
+        st = nl_st_writer_set_meta(w, "adam_steps", adam_s, err);
+        if (st == NL_OK && opt->train_json)
+            st = nl_st_writer_set_meta(w, "train", opt->train_json, err);
     }
     cfg_json = nl_config_to_json(&m->cfg);
     char step_s[32];
@@ -42,6 +70,7 @@ nl_status nl_checkpoint_save(const nl_model *m, const char *path, int64_t step, 
 out:
     nl_st_writer_destroy(&w);
     free(cfg_json);
+    free(names);
     free(host);
     return st;
 }
@@ -125,6 +154,60 @@ nl_status nl_checkpoint_load(nl_model **out, nl_backend *be, const char *path, i
 out:
     free(host);
     nl_model_destroy(&m);
+    nl_st_close(&f);
+    return st;
+}
+
+nl_status nl_checkpoint_load_optim(const nl_model *m, const char *path, float *mom_m, float *mom_v,
+                                   int64_t *adam_steps, char **train_json, nl_error *err)
+{
+    nl_st_file *f = NULL;
+    float *host = NULL;
+    char name[NL_PARAM_NAME_MAX + 8];
+    if (train_json)
+        *train_json = NULL;
+    nl_status st = nl_st_open(&f, path, err);
+    if (st != NL_OK)
+        return st;
+    const char *s = nl_st_metadata(f, "adam_steps");
+    if (!s) {
+        st = nl_error_set(err, NL_ERR_NOTFOUND, "%s: no optimizer state (metadata 'adam_steps')",
+                          path);
+        goto out;
+    }
+    char *end = NULL;
+    errno = 0;
+    long long t = strtoll(s, &end, 10);
+    if (errno || end == s || *end || t < 0) {
+        st = nl_error_set(err, NL_ERR_FORMAT, "%s: metadata 'adam_steps' is '%s'", path, s);
+        goto out;
+    }
+    host = malloc(2 * m->n_params * sizeof(float) + 1);
+    if (!host) {
+        st = nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", path);
+        goto out;
+    }
+    for (int i = 0; i < m->n_table && st == NL_OK; i++) {
+        const nl_param *p = &m->table[i];
+        snprintf(name, sizeof name, "optim.m.%s", p->name);
+        st = nl_st_read(f, name, NL_DTYPE_F32, p->ndim, p->shape, host + p->offset, err);
+        snprintf(name, sizeof name, "optim.v.%s", p->name);
+        if (st == NL_OK)
+            st = nl_st_read(f, name, NL_DTYPE_F32, p->ndim, p->shape, host + m->n_params + p->offset,
+                            err);
+    }
+    if (st != NL_OK) {
+        nl_error_prefix(err, "%s", path);
+        goto out;
+    }
+    m->be->upload(m->be, mom_m, host, m->n_params * sizeof(float));
+    m->be->upload(m->be, mom_v, host + m->n_params, m->n_params * sizeof(float));
+    *adam_steps = t;
+    const char *tj = nl_st_metadata(f, "train");
+    if (train_json && tj && !(*train_json = strdup(tj)))
+        st = nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", path);
+out:
+    free(host);
     nl_st_close(&f);
     return st;
 }

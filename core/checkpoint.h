@@ -11,8 +11,27 @@
 
 #define NL_CHECKPOINT_FORMAT "neurollm/1"
 
-/* Write every parameter of the stage to `path` atomically. */
-nl_status nl_checkpoint_save(const nl_model *m, const char *path, int64_t step, nl_error *err);
+/* Optimizer state saved beside the weights: the AdamW moments of every
+ * parameter (device pointers in the model's layout) under the names
+ * `optim.m.<name>` and `optim.v.<name>`, the number of AdamW steps, and
+ * free-form training metadata (JSON text, may be NULL). */
+typedef struct nl_ckpt_optim {
+    const float *m, *v;
+    int64_t adam_steps;
+    const char *train_json;
+} nl_ckpt_optim;
+
+/* Write every parameter of the stage (and, with opt, its optimizer state)
+ * to `path` atomically. */
+nl_status nl_checkpoint_save(const nl_model *m, const char *path, int64_t step,
+                             const nl_ckpt_optim *opt, nl_error *err);
+
+/* Read the optimizer state of a checkpoint into the moments (device, the
+ * model's layout) of a model loaded from it. NL_ERR_NOTFOUND when the file
+ * has none. *train_json (may be NULL) gets a malloc'd copy of the training
+ * metadata, or NULL. */
+nl_status nl_checkpoint_load_optim(const nl_model *m, const char *path, float *mom_m, float *mom_v,
+                                   int64_t *adam_steps, char **train_json, nl_error *err);
 
 /* Read and validate the metadata only: format, config, step. */
 nl_status nl_checkpoint_read_config(const char *path, nl_config *cfg, int64_t *step,

@@ -1,0 +1,439 @@
+/* neuroctl grad and neuroctl train (in this process). */
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "args.h"
+#include "commands.h"
+#include "core/checkpoint.h"
+#include "core/data.h"
+#include "core/safetensors.h"
+#include "core/train.h"
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Read an integer tensor `name` ([B, T], I32 or I64) from an open file. */
+static nl_status read_ids(nl_st_file *f, const char *path, const char *name, int32_t **out, int *B,
+                          int *T, nl_error *err)
+{
+    const nl_st_entry *e = nl_st_find(f, name);
+    if (!e)
+        return nl_error_set(err, NL_ERR_NOTFOUND, "%s: no tensor '%s'", path, name);
+    if (e->dtype != NL_DTYPE_I32 && e->dtype != NL_DTYPE_I64)
+        return nl_error_set(err, NL_ERR_DTYPE, "%s: '%s' is %s, not I32 or I64", path, name,
+                            nl_dtype_name(e->dtype));
+    if (e->ndim != 2 || e->shape[0] < 1 || e->shape[1] < 1 || e->shape[0] * e->shape[1] > (1 << 24))
+        return nl_error_set(err, NL_ERR_SHAPE, "%s: '%s' must be [B, T] with 1..2^24 entries", path,
+                            name);
+    const size_t n = (size_t)(e->shape[0] * e->shape[1]);
+    int32_t *t = malloc(n * sizeof *t);
+    if (!t)
+        return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", path);
+    const char *data = nl_st_tensor_data(f, e);
+    for (size_t i = 0; i < n; i++) {
+        int64_t v;
+        if (e->dtype == NL_DTYPE_I32) {
+            int32_t x;
+            memcpy(&x, data + 4 * i, 4);
+            v = x;
+        } else {
+            memcpy(&v, data + 8 * i, 8);
+        }
+        if (v < INT32_MIN || v > INT32_MAX) {
+            free(t);
+            return nl_error_set(err, NL_ERR_RANGE, "%s: '%s'[%zu] = %" PRId64 " is out of range",
+                                path, name, i, v);
+        }
+        t[i] = (int32_t)v;
+    }
+    *out = t;
+    *B = (int)e->shape[0];
+    *T = (int)e->shape[1];
+    return NL_OK;
+}
+
+/* ---------------------------------------------------------------- grad */
+
+int nl_cmd_grad(int argc, char **argv)
+{
+    nl_flag flags[] = {{"model", 1, "checkpoint (safetensors)", NULL},
+                       {"batch", 1, "input: 'tokens' and 'targets', I32/I64 [B, T]", NULL},
+                       {"out", 1, "output: every weight's gradient, and loss, ce_loss, aux_loss",
+                        NULL},
+                       {"threads", 1, "worker threads (default: all cores)", NULL},
+                       {0}};
+    const char *usage = "neuroctl grad --model MODEL --batch IN.safetensors --out GRADS.safetensors "
+                        "[--threads N]";
+    int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
+    if (rc)
+        return rc == 1 ? 0 : rc;
+    const char *model = nl_args_get(flags, "model"), *in = nl_args_get(flags, "batch"),
+               *out = nl_args_get(flags, "out");
+    long long threads = 0;
+    if (!model || !in || !out) {
+        nl_args_help(stderr, usage, flags);
+        return 2;
+    }
+    if ((rc = nl_args_int(flags, "threads", 0, 1024, &threads)))
+        return rc;
+    nl_error err = {0};
+    nl_st_file *f = NULL;
+    nl_backend *be = NULL;
+    nl_model *m = NULL;
+    nl_trainer *tr = NULL;
+    nl_st_writer *w = NULL;
+    int32_t *tokens = NULL, *targets = NULL;
+    float *grads = NULL;
+    int B = 0, T = 0, B2 = 0, T2 = 0;
+    rc = 1;
+    if (nl_st_open(&f, in, &err) != NL_OK ||
+        read_ids(f, in, "tokens", &tokens, &B, &T, &err) != NL_OK ||
+        read_ids(f, in, "targets", &targets, &B2, &T2, &err) != NL_OK)
+        goto out;
+    if (B != B2 || T != T2) {
+        nl_error_set(&err, NL_ERR_SHAPE, "%s: tokens [%d, %d] and targets [%d, %d] differ", in, B,
+                     T, B2, T2);
+        goto out;
+    }
+    if (nl_backend_cpu_new(&be, (int)threads, &err) != NL_OK ||
+        nl_checkpoint_load(&m, be, model, 0, -1, 1, 1, NULL, &err) != NL_OK ||
+        nl_trainer_new(&tr, m, B * T, 1, 0, &err) != NL_OK)
+        goto out;
+    double ce = 0.0, aux = 0.0;
+    nl_trainer_begin_step(tr, (int64_t)B * T);
+    if (nl_trainer_forward(tr, 0, B, T, tokens, NULL, targets, &ce, &aux, &err) != NL_OK ||
+        nl_trainer_backward(tr, 0, NULL, &err) != NL_OK) {
+        nl_error_prefix(&err, "%s", in);
+        goto out;
+    }
+    grads = malloc(m->n_params * sizeof(float) + 1);
+    if (!grads) {
+        nl_error_set(&err, NL_ERR_NOMEM, "out of memory");
+        goto out;
+    }
+    be->download(be, grads, nl_trainer_grads(tr), m->n_params * sizeof(float));
+    float ce_loss = (float)(ce / ((double)B * T)), aux_loss = (float)aux;
+    float loss = (float)(ce / ((double)B * T) + m->cfg.aux_loss_coef * aux);
+    int64_t scalar[1] = {0};
+    if (nl_st_writer_new(&w, &err) != NL_OK)
+        goto out;
+    for (int i = 0; i < m->n_table; i++) {
+        const nl_param *p = &m->table[i];
+        if (nl_st_writer_add(w, p->name, NL_DTYPE_F32, p->ndim, p->shape, grads + p->offset,
+                             &err) != NL_OK)
+            goto out;
+    }
+    if (nl_st_writer_add(w, "loss", NL_DTYPE_F32, 0, scalar, &loss, &err) != NL_OK ||
+        nl_st_writer_add(w, "ce_loss", NL_DTYPE_F32, 0, scalar, &ce_loss, &err) != NL_OK ||
+        nl_st_writer_add(w, "aux_loss", NL_DTYPE_F32, 0, scalar, &aux_loss, &err) != NL_OK ||
+        nl_st_writer_write(w, out, &err) != NL_OK)
+        goto out;
+    rc = 0;
+out:
+    nl_st_writer_destroy(&w);
+    nl_st_close(&f);
+    free(grads);
+    free(tokens);
+    free(targets);
+    nl_trainer_destroy(&tr);
+    nl_model_destroy(&m);
+    nl_backend_destroy(&be);
+    if (rc)
+        fprintf(stderr, "neuroctl grad: %s (%s)\n", err.msg, nl_status_str(err.status));
+    return rc;
+}
+
+/* ---------------------------------------------------------------- train */
+
+typedef struct train_opts {
+    const char *model, *data, *log, *out, *resume, *ckpt_dir;
+    long long steps, batch, seq, micro, seed, warmup, eval_every, eval_batches, ckpt_every;
+    long long threads, recompute;
+    double lr, min_lr, holdout;
+} train_opts;
+
+static void fmt_eta(char *buf, size_t n, double s)
+{
+    if (!(s >= 0) || s > 1e7)
+        snprintf(buf, n, "?");
+    else if (s >= 3600)
+        snprintf(buf, n, "%dh%02dm", (int)(s / 3600), (int)fmod(s / 60, 60));
+    else if (s >= 60)
+        snprintf(buf, n, "%dm%02ds", (int)(s / 60), (int)fmod(s, 60));
+    else
+        snprintf(buf, n, "%.0fs", s);
+}
+
+/* Mean cross-entropy over eval_batches held-out batches. */
+static nl_status eval_loss(nl_trainer *tr, const nl_dataset *ds, const train_opts *o,
+                           int32_t *tokens, int32_t *targets, double *loss, nl_error *err)
+{
+    const int B = (int)o->batch, T = (int)o->seq, mb = (int)(o->batch / o->micro);
+    double ce = 0.0;
+    nl_status st = NL_OK;
+    for (long long i = 0; i < o->eval_batches && st == NL_OK; i++) {
+        st = nl_dataset_batch(ds, 1, (uint64_t)o->seed, (uint64_t)i, B, T, tokens, targets, err);
+        nl_trainer_begin_step(tr, (int64_t)B * T);
+        for (int j = 0; j < o->micro && st == NL_OK; j++)
+            st = nl_trainer_forward(tr, 0, mb, T, tokens + (size_t)j * mb * T, NULL,
+                                    targets + (size_t)j * mb * T, &ce, NULL, err);
+    }
+    *loss = ce / ((double)o->eval_batches * B * T);
+    return st;
+}
+
+static char *train_json(const train_opts *o)
+{
+    char *s = malloc(512);
+    if (s)
+        snprintf(s, 512,
+                 "{\"seed\":%lld,\"steps\":%lld,\"batch\":%lld,\"seq\":%lld,\"microbatches\":%lld,"
+                 "\"lr\":%.9g,\"min_lr\":%.9g,\"warmup\":%lld}",
+                 o->seed, o->steps, o->batch, o->seq, o->micro, o->lr, o->min_lr, o->warmup);
+    return s;
+}
+
+static nl_status save_ckpt(nl_model *m, nl_trainer *tr, const train_opts *o, const char *path,
+                           int64_t step, nl_error *err)
+{
+    char *tj = train_json(o);
+    nl_ckpt_optim opt = {.m = nl_trainer_moment(tr, 0), .v = nl_trainer_moment(tr, 1),
+                         .adam_steps = nl_trainer_adam_steps(tr), .train_json = tj};
+    nl_status st = nl_checkpoint_save(m, path, step, &opt, err);
+    free(tj);
+    return st;
+}
+
+static int run_train(const train_opts *o)
+{
+    nl_error err = {0};
+    nl_backend *be = NULL;
+    nl_model *m = NULL;
+    nl_trainer *tr = NULL;
+    nl_dataset *ds = NULL;
+    FILE *logf = NULL;
+    int32_t *tokens = NULL, *targets = NULL;
+    int64_t start = 0;
+    int rc = 1;
+    const int B = (int)o->batch, T = (int)o->seq, M = (int)o->micro, mb = B / M;
+    const char *src = o->resume ? o->resume : o->model;
+    if (nl_backend_cpu_new(&be, (int)o->threads, &err) != NL_OK ||
+        nl_checkpoint_load(&m, be, src, 0, -1, 1, 1, &start, &err) != NL_OK ||
+        nl_trainer_new(&tr, m, mb * T, 1, (int)o->recompute, &err) != NL_OK ||
+        nl_dataset_load(&ds, o->data, m->cfg.vocab_size, o->holdout, &err) != NL_OK)
+        goto out;
+    if (o->resume) {
+        int64_t adam = 0;
+        if (nl_checkpoint_load_optim(m, o->resume, nl_trainer_moment(tr, 0),
+                                     nl_trainer_moment(tr, 1), &adam, NULL, &err) != NL_OK)
+            goto out;
+        nl_trainer_set_adam_steps(tr, adam);
+        fprintf(stderr, "resuming %s at step %" PRId64 " (%" PRId64 " optimizer steps)\n",
+                o->resume, start, adam);
+    } else {
+        start = 0;
+    }
+    if (start >= o->steps) {
+        nl_error_set(&err, NL_ERR_INVALID, "--steps %lld: the checkpoint is already at step %" PRId64,
+                     o->steps, start);
+        goto out;
+    }
+    tokens = malloc((size_t)B * T * sizeof *tokens);
+    targets = malloc((size_t)B * T * sizeof *targets);
+    if (!tokens || !targets) {
+        nl_error_set(&err, NL_ERR_NOMEM, "out of memory");
+        goto out;
+    }
+    if (o->log && !(logf = fopen(o->log, o->resume ? "a" : "w"))) {
+        nl_error_set(&err, NL_ERR_IO, "%s: cannot open the log", o->log);
+        goto out;
+    }
+    fprintf(stderr,
+            "training %" PRId64 " parameters on %zu tokens (%zu held out): %lld steps of %d x %d "
+            "in %d microbatches\n",
+            nl_config_param_count(&m->cfg), ds->n_train, ds->n - ds->n_train, o->steps, B, T, M);
+    const nl_adamw_opts adam = nl_adamw_defaults();
+    const int tty = isatty(2);
+    const char *inject = getenv("NL_TEST_INJECT_NAN_STEP"); /* test hook */
+    double t_begin = now_s();
+    int64_t skipped = 0;
+    for (int64_t step = start; step < o->steps; step++) {
+        double t0 = now_s();
+        const double lr = nl_lr_at(step, o->steps, o->warmup, o->lr, o->min_lr);
+        double ce = 0.0, aux = 0.0;
+        if (nl_dataset_batch(ds, 0, (uint64_t)o->seed, (uint64_t)step, B, T, tokens, targets,
+                             &err) != NL_OK)
+            goto out;
+        nl_trainer_begin_step(tr, (int64_t)B * T);
+        if (M > 1) { /* the batch's expert shares, so the split does not matter */
+            for (int j = 0; j < M; j++)
+                if (nl_trainer_count_routes(tr, mb, T, tokens + (size_t)j * mb * T, NULL, &err) !=
+                    NL_OK)
+                    goto out;
+            nl_trainer_use_counts(tr);
+        }
+        for (int j = 0; j < M; j++) {
+            if (inject && atoll(inject) == step && j == M - 1)
+                nl_trainer_inject_nan(tr);
+            if (nl_trainer_forward(tr, 0, mb, T, tokens + (size_t)j * mb * T, NULL,
+                                   targets + (size_t)j * mb * T, &ce, &aux, &err) != NL_OK ||
+                nl_trainer_backward(tr, 0, NULL, &err) != NL_OK)
+                goto out;
+        }
+        const double ce_loss = ce / ((double)B * T);
+        const double loss = ce_loss + m->cfg.aux_loss_coef * aux;
+        const double sumsq = nl_trainer_grad_sumsq(tr), norm = sqrt(sumsq);
+        const int skip = !isfinite(loss) || !isfinite(sumsq);
+        if (skip) {
+            skipped++;
+            fprintf(stderr, "%sstep %" PRId64 ": non-finite %s; step skipped, weights unchanged\n",
+                    tty ? "\n" : "", step + 1, isfinite(loss) ? "gradient" : "loss");
+        } else {
+            const double clip = 1.0 / (norm + 1e-6);
+            nl_trainer_step(tr, (float)lr, (float)(clip < 1.0 ? clip : 1.0), adam);
+        }
+        const double dt = now_s() - t0, tok_s = (double)B * T / dt;
+        double ev = NAN;
+        const int do_eval = o->eval_every > 0 && ((step + 1) % o->eval_every == 0 ||
+                                                  step + 1 == o->steps);
+        if (do_eval && eval_loss(tr, ds, o, tokens, targets, &ev, &err) != NL_OK)
+            goto out;
+        char eta[32];
+        const double per = (now_s() - t_begin) / (double)(step + 1 - start);
+        fmt_eta(eta, sizeof eta, per * (double)(o->steps - step - 1));
+        fprintf(stderr, "%sstep %" PRId64 "/%lld | loss %.4f | %.0f tok/s | lr %.2e | eta %s",
+                tty ? "\r" : "", step + 1, o->steps, loss, tok_s, lr, eta);
+        if (do_eval)
+            fprintf(stderr, " | eval %.4f", ev);
+        fprintf(stderr, "%s", tty && !do_eval ? "   " : "\n");
+        if (logf) {
+            fprintf(logf,
+                    "{\"step\":%" PRId64 ",\"loss\":%.9g,\"ce_loss\":%.9g,\"aux_loss\":%.9g,"
+                    "\"lr\":%.9g,\"grad_norm\":%.9g,\"tokens_per_s\":%.1f,\"skipped\":%s",
+                    step + 1, loss, ce_loss, aux, lr, norm, tok_s, skip ? "true" : "false");
+            if (do_eval)
+                fprintf(logf, ",\"eval_loss\":%.9g", ev);
+            fprintf(logf, "}\n");
+            fflush(logf);
+        }
+        if (o->ckpt_every > 0 && (step + 1) % o->ckpt_every == 0 && step + 1 < o->steps) {
+            char path[4096];
+            snprintf(path, sizeof path, "%s/step-%06" PRId64 ".safetensors", o->ckpt_dir,
+                     step + 1);
+            if (save_ckpt(m, tr, o, path, step + 1, &err) != NL_OK)
+                goto out;
+            fprintf(stderr, "%scheckpoint %s\n", tty ? "\n" : "", path);
+        }
+    }
+    if (tty)
+        fprintf(stderr, "\n");
+    if (o->out) {
+        if (save_ckpt(m, tr, o, o->out, o->steps, &err) != NL_OK)
+            goto out;
+        fprintf(stderr, "wrote %s\n", o->out);
+    }
+    if (skipped)
+        fprintf(stderr, "%" PRId64 " step(s) skipped for non-finite values\n", skipped);
+    rc = 0;
+out:
+    if (logf)
+        fclose(logf);
+    free(tokens);
+    free(targets);
+    nl_dataset_destroy(&ds);
+    nl_trainer_destroy(&tr);
+    nl_model_destroy(&m);
+    nl_backend_destroy(&be);
+    if (rc)
+        fprintf(stderr, "\nneuroctl train: %s (%s)\n", err.msg, nl_status_str(err.status));
+    return rc;
+}
+
+int nl_cmd_train(int argc, char **argv)
+{
+    nl_flag flags[] = {
+        {"model", 1, "checkpoint to start from (safetensors)", NULL},
+        {"data", 1, "training text (bytes are ids) or .tok file of little-endian uint32 ids", NULL},
+        {"steps", 1, "optimizer steps in all (a resumed run continues to this step)", NULL},
+        {"batch", 1, "sequences per step (default 8)", NULL},
+        {"seq", 1, "positions per sequence (default 256)", NULL},
+        {"microbatches", 1, "split each batch into M microbatches (default 1)", NULL},
+        {"lr", 1, "peak learning rate (default 3e-4)", NULL},
+        {"min-lr", 1, "learning rate at the end of the cosine decay (default lr / 10)", NULL},
+        {"warmup", 1, "linear warm-up steps (default steps / 10)", NULL},
+        {"seed", 1, "data-order seed (default 0)", NULL},
+        {"holdout", 1, "share of the data held out for evaluation (default 0.1)", NULL},
+        {"eval-every", 1, "evaluate held-out loss every K steps (default 0: never)", NULL},
+        {"eval-batches", 1, "held-out batches per evaluation (default 4)", NULL},
+        {"checkpoint-every", 1, "write a checkpoint every K steps (default 0: never)", NULL},
+        {"checkpoint-dir", 1, "where checkpoints go (default: checkpoints)", NULL},
+        {"log", 1, "append one JSON object per step to this file", NULL},
+        {"out", 1, "final checkpoint (weights and optimizer state)", NULL},
+        {"resume", 1, "continue from this checkpoint (weights, moments, step)", NULL},
+        {"recompute", 0, "recompute each layer's activations in the backward pass", NULL},
+        {"threads", 1, "worker threads (default: all cores)", NULL},
+        {0}};
+    const char *usage = "neuroctl train --model MODEL --data DATA --steps N --batch B --seq T "
+                        "[--microbatches M] [--lr X] [--warmup W] [--seed S] [--eval-every K] "
+                        "[--checkpoint-every K] [--log LOG.jsonl] [--out FINAL.safetensors] "
+                        "[--resume CKPT] [--threads N]";
+    int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
+    if (rc)
+        return rc == 1 ? 0 : rc;
+    train_opts o = {.batch = 8, .seq = 256, .micro = 1, .eval_batches = 4, .lr = 3e-4,
+                    .holdout = 0.1, .warmup = -1, .min_lr = -1};
+    o.model = nl_args_get(flags, "model");
+    o.data = nl_args_get(flags, "data");
+    o.log = nl_args_get(flags, "log");
+    o.out = nl_args_get(flags, "out");
+    o.resume = nl_args_get(flags, "resume");
+    o.ckpt_dir = nl_args_get(flags, "checkpoint-dir");
+    o.recompute = nl_args_get(flags, "recompute") != NULL;
+    if ((!o.model && !o.resume) || !o.data || !nl_args_get(flags, "steps")) {
+        nl_args_help(stderr, usage, flags);
+        return 2;
+    }
+    if ((rc = nl_args_int(flags, "steps", 1, INT32_MAX, &o.steps)) ||
+        (rc = nl_args_int(flags, "batch", 1, 65536, &o.batch)) ||
+        (rc = nl_args_int(flags, "seq", 1, 1 << 20, &o.seq)) ||
+        (rc = nl_args_int(flags, "microbatches", 1, 65536, &o.micro)) ||
+        (rc = nl_args_int(flags, "seed", 0, INT64_MAX, &o.seed)) ||
+        (rc = nl_args_int(flags, "warmup", 0, INT32_MAX, &o.warmup)) ||
+        (rc = nl_args_int(flags, "eval-every", 0, INT32_MAX, &o.eval_every)) ||
+        (rc = nl_args_int(flags, "eval-batches", 1, 1 << 20, &o.eval_batches)) ||
+        (rc = nl_args_int(flags, "checkpoint-every", 0, INT32_MAX, &o.ckpt_every)) ||
+        (rc = nl_args_int(flags, "threads", 0, 1024, &o.threads)) ||
+        (rc = nl_args_double(flags, "lr", 0.0, 10.0, &o.lr)) ||
+        (rc = nl_args_double(flags, "min-lr", 0.0, 10.0, &o.min_lr)) ||
+        (rc = nl_args_double(flags, "holdout", 0.0, 0.5, &o.holdout)))
+        return rc;
+    if (o.batch % o.micro != 0) {
+        fprintf(stderr, "--microbatches: %lld does not divide --batch %lld\n", o.micro, o.batch);
+        return 2;
+    }
+    if (o.eval_every > 0 && o.holdout <= 0.0) {
+        fprintf(stderr, "--eval-every needs held-out data (--holdout > 0)\n");
+        return 2;
+    }
+    if (o.warmup < 0)
+        o.warmup = o.steps / 10;
+    if (o.min_lr < 0)
+        o.min_lr = o.lr / 10;
+    if (!o.ckpt_dir)
+        o.ckpt_dir = "checkpoints";
+    if (o.ckpt_every > 0 && mkdir(o.ckpt_dir, 0755) != 0 && access(o.ckpt_dir, W_OK) != 0) {
+        fprintf(stderr, "--checkpoint-dir: cannot create or write %s\n", o.ckpt_dir);
+        return 1;
+    }
+    return run_train(&o);
+}
