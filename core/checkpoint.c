@@ -17,13 +17,20 @@ nl_status nl_checkpoint_save(const nl_model *m, const char *path, int64_t step,
     char *cfg_json = NULL;
     const size_t n = m->n_params;
     char(*names)[NL_PARAM_NAME_MAX + 8] = NULL;
-    float *host = malloc((opt ? 3 : 1) * n * sizeof(float) + 1);
-    if (!host)
-        return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory for %zu parameters", path, n);
-    m->be->download(m->be, host, m->params, n * sizeof(float));
+    /* weights and moments, referenced in place when the backend's memory
+     * is host memory, else staged through one host copy */
+    const float *src[3] = {m->params, opt ? opt->m : NULL, opt ? opt->v : NULL};
+    float *host = NULL;
+    if (!m->be->host_memory) {
+        host = malloc((opt ? 3 : 1) * n * sizeof(float) + 1);
+        if (!host)
+            return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory for %zu parameters", path, n);
+        for (int i = 0; i < (opt ? 3 : 1); i++) {
+            m->be->download(m->be, host + i * n, src[i], n * sizeof(float));
+            src[i] = host + i * n;
+        }
+    }
     if (opt) {
-        m->be->download(m->be, host + n, opt->m, n * sizeof(float));
-        m->be->download(m->be, host + 2 * n, opt->v, n * sizeof(float));
         names = calloc(2 * (size_t)m->n_table, sizeof *names);
         if (!names) {
             st = nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", path);
@@ -35,17 +42,17 @@ nl_status nl_checkpoint_save(const nl_model *m, const char *path, int64_t step,
         goto out;
     for (int i = 0; i < m->n_table && st == NL_OK; i++) {
         const nl_param *p = &m->table[i];
-        st = nl_st_writer_add(w, p->name, NL_DTYPE_F32, p->ndim, p->shape, host + p->offset, err);
+        st = nl_st_writer_add(w, p->name, NL_DTYPE_F32, p->ndim, p->shape, src[0] + p->offset, err);
     }
     for (int i = 0; opt && i < m->n_table && st == NL_OK; i++) {
         const nl_param *p = &m->table[i];
         snprintf(names[2 * i], sizeof names[0], "optim.m.%s", p->name);
         snprintf(names[2 * i + 1], sizeof names[0], "optim.v.%s", p->name);
-        st = nl_st_writer_add(w, names[2 * i], NL_DTYPE_F32, p->ndim, p->shape,
-                              host + n + p->offset, err);
+        st = nl_st_writer_add(w, names[2 * i], NL_DTYPE_F32, p->ndim, p->shape, src[1] + p->offset,
+                              err);
         if (st == NL_OK)
             st = nl_st_writer_add(w, names[2 * i + 1], NL_DTYPE_F32, p->ndim, p->shape,
-                                  host + 2 * n + p->offset, err);
+                                  src[2] + p->offset, err);
     }
     if (opt && st == NL_OK) {
         char adam_s[32];
@@ -135,20 +142,24 @@ nl_status nl_checkpoint_load(nl_model **out, nl_backend *be, const char *path, i
     st = nl_model_new(&m, be, &cfg, l0, l1 < 0 ? cfg.num_layers : l1, has_embed, has_head, err);
     if (st != NL_OK)
         goto out;
-    host = malloc(m->n_params * sizeof(float) + 1);
-    if (!host) {
-        st = nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", path);
-        goto out;
+    float *dst = m->params; /* straight into place on a host-memory backend */
+    if (!be->host_memory) {
+        dst = host = malloc(m->n_params * sizeof(float) + 1);
+        if (!host) {
+            st = nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", path);
+            goto out;
+        }
     }
     for (int i = 0; i < m->n_table && st == NL_OK; i++) {
         const nl_param *p = &m->table[i];
-        st = nl_st_read(f, p->name, NL_DTYPE_F32, p->ndim, p->shape, host + p->offset, err);
+        st = nl_st_read(f, p->name, NL_DTYPE_F32, p->ndim, p->shape, dst + p->offset, err);
     }
     if (st != NL_OK) {
         nl_error_prefix(err, "%s", path);
         goto out;
     }
-    be->upload(be, m->params, host, m->n_params * sizeof(float));
+    if (host)
+        be->upload(be, m->params, host, m->n_params * sizeof(float));
     *out = m;
     m = NULL;
 out:
@@ -182,26 +193,31 @@ nl_status nl_checkpoint_load_optim(const nl_model *m, const char *path, float *m
         st = nl_error_set(err, NL_ERR_FORMAT, "%s: metadata 'adam_steps' is '%s'", path, s);
         goto out;
     }
-    host = malloc(2 * m->n_params * sizeof(float) + 1);
-    if (!host) {
-        st = nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", path);
-        goto out;
+    float *dst[2] = {mom_m, mom_v};
+    if (!m->be->host_memory) {
+        host = malloc(2 * m->n_params * sizeof(float) + 1);
+        if (!host) {
+            st = nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", path);
+            goto out;
+        }
+        dst[0] = host;
+        dst[1] = host + m->n_params;
     }
     for (int i = 0; i < m->n_table && st == NL_OK; i++) {
         const nl_param *p = &m->table[i];
-        snprintf(name, sizeof name, "optim.m.%s", p->name);
-        st = nl_st_read(f, name, NL_DTYPE_F32, p->ndim, p->shape, host + p->offset, err);
-        snprintf(name, sizeof name, "optim.v.%s", p->name);
-        if (st == NL_OK)
-            st = nl_st_read(f, name, NL_DTYPE_F32, p->ndim, p->shape, host + m->n_params + p->offset,
-                            err);
+        for (int j = 0; j < 2 && st == NL_OK; j++) {
+            snprintf(name, sizeof name, "optim.%c.%s", j ? 'v' : 'm', p->name);
+            st = nl_st_read(f, name, NL_DTYPE_F32, p->ndim, p->shape, dst[j] + p->offset, err);
+        }
     }
     if (st != NL_OK) {
         nl_error_prefix(err, "%s", path);
         goto out;
     }
-    m->be->upload(m->be, mom_m, host, m->n_params * sizeof(float));
-    m->be->upload(m->be, mom_v, host + m->n_params, m->n_params * sizeof(float));
+    if (host) {
+        m->be->upload(m->be, mom_m, host, m->n_params * sizeof(float));
+        m->be->upload(m->be, mom_v, host + m->n_params, m->n_params * sizeof(float));
+    }
     *adam_steps = t;
     const char *tj = nl_st_metadata(f, "train");
     if (train_json && tj && !(*train_json = strdup(tj)))

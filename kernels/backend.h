@@ -40,6 +40,7 @@ struct nl_backend {
     const char *name; /* "cpu", "cuda:0" */
     void *ctx;        /* backend-private state */
     void (*destroy)(nl_backend *be); /* frees ctx and the table itself */
+    int host_memory;  /* 1 when device pointers are ordinary host memory */
 
     /* ---- memory (device) ---- */
     void *(*alloc)(nl_backend *be, size_t bytes); /* zero-filled, 64-byte aligned; NULL on failure */
@@ -47,6 +48,8 @@ struct nl_backend {
     void (*upload)(nl_backend *be, void *dst, const void *src, size_t bytes);
     void (*download)(nl_backend *be, void *dst, const void *src, size_t bytes);
     void (*sync)(nl_backend *be); /* wait for queued work */
+    /* Bytes allocated through this backend now and at most so far. */
+    void (*mem_stats)(nl_backend *be, size_t *in_use, size_t *peak);
 
     /* ---- linear algebra ----
      * C[M,N] = alpha * op(A) op(B) + beta * C, row-major, where op(X) is X

@@ -5,6 +5,7 @@
 
 #include <math.h>
 #include <omp.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -12,26 +13,54 @@
 
 typedef struct cpu_ctx {
     int threads;
+    size_t in_use, peak; /* bytes handed out by cpu_alloc */
 } cpu_ctx;
+
+/* Each block carries its size in a 64-byte header, for the accounting. */
+#define HEADER 64
 
 /* ---------------------------------------------------------------- memory */
 
 static void *cpu_alloc(nl_backend *be, size_t bytes)
 {
-    (void)be;
+    cpu_ctx *ctx = be->ctx;
     size_t rounded = (bytes + 63) & ~(size_t)63;
     if (rounded == 0)
         rounded = 64;
-    void *p = aligned_alloc(64, rounded);
-    if (p)
-        memset(p, 0, rounded);
-    return p;
+    if (rounded > SIZE_MAX - HEADER)
+        return NULL;
+    char *p = aligned_alloc(64, rounded + HEADER);
+    if (!p)
+        return NULL;
+    memset(p + HEADER, 0, rounded);
+    memcpy(p, &rounded, sizeof rounded);
+#pragma omp atomic
+    ctx->in_use += rounded;
+    if (ctx->in_use > ctx->peak)
+        ctx->peak = ctx->in_use;
+    return p + HEADER;
 }
 
 static void cpu_free(nl_backend *be, void *p)
 {
-    (void)be;
-    free(p);
+    cpu_ctx *ctx = be->ctx;
+    if (!p)
+        return;
+    char *base = (char *)p - HEADER;
+    size_t rounded;
+    memcpy(&rounded, base, sizeof rounded);
+#pragma omp atomic
+    ctx->in_use -= rounded;
+    free(base);
+}
+
+static void cpu_mem_stats(nl_backend *be, size_t *in_use, size_t *peak)
+{
+    cpu_ctx *ctx = be->ctx;
+    if (in_use)
+        *in_use = ctx->in_use;
+    if (peak)
+        *peak = ctx->peak;
 }
 
 static void cpu_copy(nl_backend *be, void *dst, const void *src, size_t bytes)
@@ -236,6 +265,8 @@ nl_status nl_backend_cpu_new(nl_backend **out, int threads, nl_error *err)
     be->upload = cpu_copy;
     be->download = cpu_copy;
     be->sync = cpu_sync;
+    be->mem_stats = cpu_mem_stats;
+    be->host_memory = 1;
     be->gemm = cpu_gemm;
     be->embedding_forward = cpu_embedding_forward;
     be->rmsnorm_forward = cpu_rmsnorm_forward;
