@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "memory.h"
 #include "rng.h"
 
 /* ---------------------------------------------------------------- layout */
@@ -199,11 +200,7 @@ const nl_param *nl_model_find_param(const nl_model *m, const char *name)
 
 int64_t nl_config_param_count(const nl_config *c)
 {
-    const int64_t d = c->hidden_dim, hd = nl_config_head_dim(c);
-    const int64_t per_layer = 2 * d + (c->num_heads + 2LL * c->num_kv_heads) * hd * d +
-                              d * c->num_heads * hd + (int64_t)c->num_experts * d +
-                              3LL * c->num_experts * c->ffn_dim * d;
-    return 2 * nl_config_capacity(c) * d + d + per_layer * c->num_layers;
+    return nl_stage_param_count(c, c->num_layers, 1, 1);
 }
 
 double nl_config_forward_flops(const nl_config *c, int B, int T, int past)
