@@ -270,37 +270,19 @@ static int run_train(const train_opts *o)
     for (int64_t step = start; step < o->steps; step++) {
         double t0 = now_s();
         const double lr = nl_lr_at(step, o->steps, o->warmup, o->lr, o->min_lr);
-        double ce = 0.0, aux = 0.0;
+        nl_step_result r;
         if (nl_dataset_batch(ds, 0, (uint64_t)o->seed, (uint64_t)step, B, T, tokens, targets,
                              &err) != NL_OK)
             goto out;
-        nl_trainer_begin_step(tr, (int64_t)B * T);
-        if (M > 1) { /* the batch's expert shares, so the split does not matter */
-            for (int j = 0; j < M; j++)
-                if (nl_trainer_count_routes(tr, mb, T, tokens + (size_t)j * mb * T, NULL, &err) !=
-                    NL_OK)
-                    goto out;
-            nl_trainer_use_counts(tr);
-        }
-        for (int j = 0; j < M; j++) {
-            if (inject && atoll(inject) == step && j == M - 1)
-                nl_trainer_inject_nan(tr);
-            if (nl_trainer_forward(tr, 0, mb, T, tokens + (size_t)j * mb * T, NULL,
-                                   targets + (size_t)j * mb * T, &ce, &aux, &err) != NL_OK ||
-                nl_trainer_backward(tr, 0, NULL, &err) != NL_OK)
-                goto out;
-        }
-        const double ce_loss = ce / ((double)B * T);
-        const double loss = ce_loss + m->cfg.aux_loss_coef * aux;
-        const double sumsq = nl_trainer_grad_sumsq(tr), norm = sqrt(sumsq);
-        const int skip = !isfinite(loss) || !isfinite(sumsq);
-        if (skip) {
+        if (inject && atoll(inject) == step)
+            nl_trainer_inject_nan(tr);
+        if (nl_trainer_step_local(tr, tokens, targets, B, T, M, (float)lr, 1.0f, adam, &r, &err) !=
+            NL_OK)
+            goto out;
+        if (r.skipped) {
             skipped++;
             fprintf(stderr, "%sstep %" PRId64 ": non-finite %s; step skipped, weights unchanged\n",
-                    tty ? "\n" : "", step + 1, isfinite(loss) ? "gradient" : "loss");
-        } else {
-            const double clip = 1.0 / (norm + 1e-6);
-            nl_trainer_step(tr, (float)lr, (float)(clip < 1.0 ? clip : 1.0), adam);
+                    tty ? "\n" : "", step + 1, isfinite(r.loss) ? "gradient" : "loss");
         }
         const double dt = now_s() - t0, tok_s = (double)B * T / dt;
         double ev = NAN;
@@ -312,7 +294,7 @@ static int run_train(const train_opts *o)
         const double per = (now_s() - t_begin) / (double)(step + 1 - start);
         fmt_eta(eta, sizeof eta, per * (double)(o->steps - step - 1));
         fprintf(stderr, "%sstep %" PRId64 "/%lld | loss %.4f | %.0f tok/s | lr %.2e | eta %s",
-                tty ? "\r" : "", step + 1, o->steps, loss, tok_s, lr, eta);
+                tty ? "\r" : "", step + 1, o->steps, r.loss, tok_s, lr, eta);
         if (do_eval)
             fprintf(stderr, " | eval %.4f", ev);
         fprintf(stderr, "%s", tty && !do_eval ? "   " : "\n");
@@ -320,7 +302,8 @@ static int run_train(const train_opts *o)
             fprintf(logf,
                     "{\"step\":%" PRId64 ",\"loss\":%.9g,\"ce_loss\":%.9g,\"aux_loss\":%.9g,"
                     "\"lr\":%.9g,\"grad_norm\":%.9g,\"tokens_per_s\":%.1f,\"skipped\":%s",
-                    step + 1, loss, ce_loss, aux, lr, norm, tok_s, skip ? "true" : "false");
+                    step + 1, r.loss, r.ce_loss, r.aux_loss, lr, r.grad_norm, tok_s,
+                    r.skipped ? "true" : "false");
             if (do_eval)
                 fprintf(logf, ",\"eval_loss\":%.9g", ev);
             fprintf(logf, "}\n");

@@ -440,3 +440,47 @@ int64_t nl_trainer_adam_steps(const nl_trainer *t) { return t->adam_t; }
 void nl_trainer_set_adam_steps(nl_trainer *t, int64_t steps) { t->adam_t = steps; }
 float *nl_trainer_grads(const nl_trainer *t) { return t->grads; }
 void nl_trainer_inject_nan(nl_trainer *t) { t->inject_nan = 1; }
+
+nl_status nl_trainer_step_local(nl_trainer *t, const int32_t *tokens, const int32_t *targets,
+                                int B, int T, int M, float lr, float clip_norm, nl_adamw_opts o,
+                                nl_step_result *res, nl_error *err)
+{
+    memset(res, 0, sizeof *res);
+    if (M < 1 || B % M != 0)
+        return nl_error_set(err, NL_ERR_INVALID, "microbatches: %d does not divide batch %d", M, B);
+    if (!t->m->has_embed || !t->m->has_head)
+        return nl_error_set(err, NL_ERR_STATE, "local step needs the whole model");
+    const int mb = B / M;
+    const size_t rows = (size_t)mb * T;
+    nl_status st = NL_OK;
+    double ce = 0.0, aux = 0.0;
+    nl_trainer_begin_step(t, (int64_t)B * T);
+    if (M > 1) { /* the batch's expert shares, so the split does not change the loss */
+        for (int j = 0; j < M && st == NL_OK; j++)
+            st = nl_trainer_count_routes(t, mb, T, tokens + j * rows, NULL, err);
+        if (st != NL_OK)
+            return st;
+        nl_trainer_use_counts(t);
+    }
+    for (int j = 0; j < M && st == NL_OK; j++) {
+        st = nl_trainer_forward(t, 0, mb, T, tokens + j * rows, NULL, targets + j * rows, &ce,
+                                &aux, err);
+        if (st == NL_OK)
+            st = nl_trainer_backward(t, 0, NULL, err);
+    }
+    if (st != NL_OK)
+        return st;
+    res->ce_loss = ce / ((double)B * T);
+    res->aux_loss = aux;
+    res->loss = res->ce_loss + t->m->cfg.aux_loss_coef * aux;
+    const double sumsq = nl_trainer_grad_sumsq(t);
+    res->grad_norm = sqrt(sumsq);
+    if (!isfinite(res->loss) || !isfinite(sumsq)) {
+        res->skipped = 1;
+        return NL_OK;
+    }
+    /* as torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), at most 1 */
+    const double clip = clip_norm / (res->grad_norm + 1e-6);
+    nl_trainer_step(t, lr, (float)(clip < 1.0 ? clip : 1.0), o);
+    return NL_OK;
+}

@@ -94,6 +94,22 @@ void nl_trainer_set_adam_steps(nl_trainer *t, int64_t steps);
 /* Accumulated gradients (device, n_params, parameter layout). */
 float *nl_trainer_grads(const nl_trainer *t);
 
+/* What one optimizer step saw. */
+typedef struct nl_step_result {
+    double loss, ce_loss, aux_loss; /* loss = ce_loss + aux_loss_coef * aux_loss */
+    double grad_norm;               /* before clipping */
+    int skipped;                    /* non-finite loss or gradient: no update */
+} nl_step_result;
+
+/* One whole training step of a whole model in this process over a batch of
+ * B sequences of T tokens (host, (B, T)) split into M microbatches: the
+ * counting pass when M > 1, forward and backward of each microbatch,
+ * global-norm clipping at clip_norm, and AdamW at lr, unless the loss or
+ * a gradient is not finite, in which case the weights stay as they were. */
+nl_status nl_trainer_step_local(nl_trainer *t, const int32_t *tokens, const int32_t *targets,
+                                int B, int T, int M, float lr, float clip_norm, nl_adamw_opts o,
+                                nl_step_result *res, nl_error *err);
+
 /* Test hook: when set, the next backward writes NaN into the gradient of
  * its first parameter (to exercise the non-finite guard). */
 void nl_trainer_inject_nan(nl_trainer *t);
