@@ -1,0 +1,139 @@
+/* Numerics against PyTorch: golden files written by
+ * tests/golden/gen_golden.py (from DESIGN.md section 2, not from this
+ * code) hold a model, a batch, the expected logits and aux loss, and the
+ * expected loss and gradient of every weight. */
+#include "check.h"
+#include "core/checkpoint.h"
+#include "core/forward.h"
+#include "core/safetensors.h"
+#include "core/train.h"
+
+static const char *const configs[] = {"odd", "t1", "long", "topk3"};
+
+static int read_ints(nl_st_file *f, const char *name, int32_t **out, int *B, int *T)
+{
+    const nl_st_entry *e = nl_st_find(f, name);
+    if (!e || e->dtype != NL_DTYPE_I64 || e->ndim != 2)
+        return -1;
+    *B = (int)e->shape[0];
+    *T = (int)e->shape[1];
+    const int64_t *src = nl_st_tensor_data(f, e);
+    *out = malloc((size_t)*B * *T * sizeof(int32_t));
+    for (int i = 0; i < *B * *T; i++) {
+        int64_t v;
+        memcpy(&v, src + i, sizeof v);
+        (*out)[i] = (int32_t)v;
+    }
+    return 0;
+}
+
+static float scalar(nl_st_file *f, const char *name)
+{
+    const nl_st_entry *e = nl_st_find(f, name);
+    float v = NAN;
+    if (e && e->dtype == NL_DTYPE_F32 && e->ndim == 0)
+        memcpy(&v, nl_st_tensor_data(f, e), sizeof v);
+    return v;
+}
+
+static void check_config(nl_backend *be, const char *name)
+{
+    char path[4][1024];
+    const char *kinds[4] = {"model", "batch", "forward", "grads"};
+    for (int i = 0; i < 4; i++)
+        snprintf(path[i], sizeof path[i], "%s/tests/golden/data/%s.%s.safetensors",
+                 check_source_dir(), name, kinds[i]);
+    nl_error err = {0};
+    nl_model *m = NULL;
+    nl_st_file *fb = NULL, *ff = NULL, *fg = NULL;
+    nl_runstate *rs = NULL;
+    nl_trainer *tr = NULL;
+    int32_t *tok = NULL, *tgt = NULL;
+    int B = 0, T = 0, B2 = 0, T2 = 0;
+    CHECK_OK(nl_checkpoint_load(&m, be, path[0], 0, -1, 1, 1, NULL, &err), &err);
+    CHECK_OK(nl_st_open(&fb, path[1], &err), &err);
+    CHECK_OK(nl_st_open(&ff, path[2], &err), &err);
+    CHECK_OK(nl_st_open(&fg, path[3], &err), &err);
+    if (!m || !fb || !ff || !fg)
+        goto out;
+    CHECK(read_ints(fb, "tokens", &tok, &B, &T) == 0 && read_ints(fb, "targets", &tgt, &B2, &T2) == 0,
+          "%s: batch", name);
+    if (!tok || !tgt)
+        goto out;
+    const int V = (int)m->cfg.vocab_size;
+
+    /* forward */
+    CHECK_OK(nl_runstate_new(&rs, m, B * T, &err), &err);
+    float aux = 0;
+    nl_forward_args a = {.B = B, .T = T, .tokens = tok};
+    CHECK_OK(nl_forward(m, rs, &a, &aux, &err), &err);
+    const nl_st_entry *el = nl_st_find(ff, "logits");
+    CHECK(el && el->ndim == 3 && el->shape[0] == B && el->shape[1] == T && el->shape[2] == V,
+          "%s: golden logits shape", name);
+    if (el) {
+        double e = check_rel_err(nl_runstate_output(rs, NULL), nl_st_tensor_data(ff, el),
+                                 (size_t)B * T * V);
+        CHECK(e < 1e-4, "%s: logits rel err %g", name, e);
+        printf("%s: logits rel err %.3g\n", name, e);
+    }
+    float want_aux = scalar(ff, "aux_loss");
+    CHECK(fabsf(aux - want_aux) <= 1e-5f * fabsf(want_aux), "%s: aux_loss %.8g vs %.8g", name, aux,
+          want_aux);
+
+    /* loss and gradients */
+    CHECK_OK(nl_trainer_new(&tr, m, B * T, 1, 0, &err), &err);
+    if (!tr)
+        goto out;
+    double ce = 0, aux2 = 0;
+    nl_trainer_begin_step(tr, (int64_t)B * T);
+    CHECK_OK(nl_trainer_forward(tr, 0, B, T, tok, NULL, tgt, &ce, &aux2, &err), &err);
+    CHECK_OK(nl_trainer_backward(tr, 0, NULL, &err), &err);
+    const double ce_loss = ce / ((double)B * T), loss = ce_loss + m->cfg.aux_loss_coef * aux2;
+    const double w_loss = scalar(fg, "loss"), w_ce = scalar(fg, "ce_loss"),
+                 w_aux = scalar(fg, "aux_loss");
+    CHECK(fabs(loss - w_loss) <= 1e-5 * fabs(w_loss), "%s: loss %.8g vs %.8g", name, loss, w_loss);
+    CHECK(fabs(ce_loss - w_ce) <= 1e-5 * fabs(w_ce), "%s: ce_loss %.8g vs %.8g", name, ce_loss,
+          w_ce);
+    CHECK(fabs(aux2 - w_aux) <= 1e-5 * fabs(w_aux), "%s: aux_loss %.8g vs %.8g", name, aux2, w_aux);
+    const float *g = nl_trainer_grads(tr);
+    double worst = 0;
+    const char *worst_name = "";
+    for (int i = 0; i < m->n_table; i++) {
+        const nl_param *p = &m->table[i];
+        const nl_st_entry *e = nl_st_find(fg, p->name);
+        CHECK(e && e->dtype == NL_DTYPE_F32 && (size_t)(e->nbytes / 4) == nl_param_numel(p),
+              "%s: golden gradient %s", name, p->name);
+        if (!e)
+            continue;
+        double r = check_rel_err(g + p->offset, nl_st_tensor_data(fg, e), nl_param_numel(p));
+        CHECK(r < 1e-3, "%s: gradient of %s rel err %g", name, p->name, r);
+        if (r > worst) {
+            worst = r;
+            worst_name = p->name;
+        }
+    }
+    printf("%s: loss %.6f (golden %.6f), worst gradient rel err %.3g (%s)\n", name, loss, w_loss,
+           worst, worst_name);
+out:
+    free(tok);
+    free(tgt);
+    nl_trainer_destroy(&tr);
+    nl_runstate_destroy(&rs);
+    nl_st_close(&fb);
+    nl_st_close(&ff);
+    nl_st_close(&fg);
+    nl_model_destroy(&m);
+}
+
+int main(void)
+{
+    nl_error err = {0};
+    nl_backend *be = NULL;
+    CHECK_OK(nl_backend_cpu_new(&be, 2, &err), &err);
+    if (!be)
+        return check_done("test_golden");
+    for (size_t i = 0; i < sizeof configs / sizeof configs[0]; i++)
+        check_config(be, configs[i]);
+    nl_backend_destroy(&be);
+    return check_done("test_golden");
+}
