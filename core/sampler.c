@@ -1,4 +1,5 @@
 /* Greedy, temperature and top-p sampling. */
+#define _GNU_SOURCE /* qsort_r */
 #include "sampler.h"
 
 #include <math.h>
@@ -37,11 +38,10 @@ void nl_sampler_free(nl_sampler *s)
     s->order = NULL;
 }
 
-static const float *sort_probs; /* qsort has no context argument */
-
-static int by_prob_desc(const void *a, const void *b)
+static int by_prob_desc(const void *a, const void *b, void *ctx)
 {
-    float pa = sort_probs[*(const int32_t *)a], pb = sort_probs[*(const int32_t *)b];
+    const float *probs = ctx;
+    float pa = probs[*(const int32_t *)a], pb = probs[*(const int32_t *)b];
     if (pa != pb)
         return pa < pb ? 1 : -1;
     return *(const int32_t *)a - *(const int32_t *)b;
@@ -75,8 +75,7 @@ int32_t nl_sampler_sample(nl_sampler *s, const float *logits)
     /* nucleus: the smallest set of most likely tokens whose mass reaches top_p */
     for (int i = 0; i < V; i++)
         s->order[i] = i;
-    sort_probs = s->probs;
-    qsort(s->order, (size_t)V, sizeof *s->order, by_prob_desc);
+    qsort_r(s->order, (size_t)V, sizeof *s->order, by_prob_desc, s->probs);
     double keep = 0.0;
     int n = 0;
     while (n < V && keep < s->top_p * sum)

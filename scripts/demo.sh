@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The main job: train a small model on English text (Debian's fortunes)
+# with visible progress, save a checkpoint, and generate text from it.
+# Everything lands in out/demo/. Safe to run again.
+#   scripts/demo.sh [--steps N] [--threads N]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STEPS=600
+THREADS=$(nproc)
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --steps) STEPS=$2; shift 2 ;;
+    --threads) THREADS=$2; shift 2 ;;
+    *) echo "usage: scripts/demo.sh [--steps N] [--threads N]" >&2; exit 2 ;;
+  esac
+done
+
+bash scripts/install-deps.sh
+cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake --build build -j "$(nproc)" --target neuroctl
+NEUROCTL=build/cli/neuroctl
+OUT=out/demo
+mkdir -p "$OUT"
+
+# English text: every fortune file Debian ships, as plain text.
+DATA=$OUT/fortunes.txt
+if [ ! -s "$DATA" ]; then
+  find /usr/share/games/fortunes -type f ! -name '*.dat' ! -name '*.u8' ! -name '*.pdat' \
+    -exec cat {} + | tr -d '\r' > "$DATA"
+fi
+echo "data: $(wc -c < "$DATA") bytes of fortunes"
+
+$NEUROCTL init --config configs/tiny.yaml --out "$OUT/init.safetensors" --seed 1
+$NEUROCTL train --model "$OUT/init.safetensors" --data "$DATA" --steps "$STEPS" --batch 16 \
+  --seq 128 --lr 2e-3 --warmup 30 --eval-every 100 --log "$OUT/train.jsonl" \
+  --out "$OUT/model.safetensors" --threads "$THREADS"
+
+# Generate: prompts are bytes (the model is byte-level), printed as text.
+for prompt in "The " "Q: What is " "A man "; do
+  ids=$(printf '%s' "$prompt" | od -An -tu1 -v | tr -s ' \n' ',' | sed 's/^,//; s/,$//')
+  out=$($NEUROCTL generate --model "$OUT/model.safetensors" --prompt-tokens "$ids" \
+        --max-new 120 --temperature 0.7 --top-p 0.9 --seed 3 --threads "$THREADS")
+  printf '\n--- %s' "$prompt"
+  for id in $out; do printf "\\$(printf '%03o' "$id")"; done
+  printf '\n'
+done
