@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Integration test of neuroctl's local tools as real processes: init,
+# forward, generate, grad, train with resume (bit-identical), the
+# non-finite guard through its test hook, and clear errors on bad input.
+set -uo pipefail
+NEUROCTL="$NL_BUILD_DIR/cli/neuroctl"
+SRC="$NL_SOURCE_DIR"
+W=$(mktemp -d)
+trap 'rm -rf "$W"' EXIT
+pass=0
+fail=0
+ok() { pass=$((pass + 1)); }
+bad() { fail=$((fail + 1)); echo "FAIL: $*" >&2; }
+check() { if "$@"; then ok; else bad "$*"; fi; }
+
+cat > "$W/cfg.yaml" <<'YAML'
+hidden_dim: 32
+num_layers: 2
+num_heads: 2
+num_kv_heads: 1
+ffn_dim: 48
+num_experts: 4
+vocab_size: 256
+vocab_chunk: 128
+max_seq_len: 64
+YAML
+check "$NEUROCTL" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 3
+
+# data: a repetitive text so a tiny model can learn
+for i in $(seq 1 200); do echo "the quick brown fox $i jumps over the lazy dog"; done > "$W/data.txt"
+
+# generate: greedy twice gives the same ids; ids are in the vocabulary
+a=$("$NEUROCTL" generate --model "$W/m.safetensors" --prompt-tokens 116,104,101 --max-new 8 --temperature 0)
+b=$("$NEUROCTL" generate --model "$W/m.safetensors" --prompt-tokens 116,104,101 --max-new 8 --temperature 0)
+check test "$a" = "$b"
+check test "$(echo "$a" | wc -w)" -eq 8
+
+# train 20 straight vs 10 + resume + 10: bit-identical weights and moments
+common=(--data "$W/data.txt" --steps 20 --batch 4 --seq 16 --microbatches 2 --lr 1e-3 --seed 5 --threads 2)
+check "$NEUROCTL" train --model "$W/m.safetensors" "${common[@]}" --out "$W/straight.safetensors" --log "$W/straight.jsonl"
+check "$NEUROCTL" train --model "$W/m.safetensors" "${common[@]}" --checkpoint-every 10 --checkpoint-dir "$W/ck" --out "$W/unused.safetensors"
+check test -s "$W/ck/step-000010.safetensors"
+check "$NEUROCTL" train --resume "$W/ck/step-000010.safetensors" "${common[@]}" --out "$W/resumed.safetensors"
+check cmp "$W/straight.safetensors" "$W/resumed.safetensors"
+check test "$(wc -l < "$W/straight.jsonl")" -eq 20
+first=$(head -1 "$W/straight.jsonl" | sed 's/.*"loss":\([0-9.e+-]*\).*/\1/')
+last=$(tail -1 "$W/straight.jsonl" | sed 's/.*"loss":\([0-9.e+-]*\).*/\1/')
+check awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a) }'
+
+# eval loss appears where asked
+check "$NEUROCTL" train --model "$W/m.safetensors" --data "$W/data.txt" --steps 4 --batch 2 --seq 16 --eval-every 2 --log "$W/eval.jsonl" --threads 2
+check test "$(grep -c '"eval_loss"' "$W/eval.jsonl")" -eq 2
+
+# the non-finite guard: step 2 gets a NaN gradient, is skipped, the run goes on
+NL_TEST_INJECT_NAN_STEP=1 "$NEUROCTL" train --model "$W/m.safetensors" --data "$W/data.txt" --steps 3 --batch 2 --seq 16 --log "$W/nan.jsonl" --out "$W/nan.safetensors" --threads 2 2> "$W/nan.err"
+check test $? -eq 0
+check grep -q '"step":2,.*"skipped":true' "$W/nan.jsonl"
+check grep -q '"step":3,.*"skipped":false' "$W/nan.jsonl"
+check grep -q 'step skipped' "$W/nan.err"
+
+# grad writes every weight and the losses
+printf '' > /dev/null
+python3 - "$W" <<'PY' || bad "make batch file"
+import json, struct, sys
+w = sys.argv[1]
+def save(path, tensors):
+    header, blobs, off = {}, [], 0
+    for name, (dtype, shape, data) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [off, off + len(data)]}
+        blobs.append(data); off += len(data)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    open(path, "wb").write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+toks = [1, 2, 3, 4, 5, 6]
+save(w + "/batch.safetensors", {
+    "tokens": ("I64", [2, 3], struct.pack("<6q", *toks)),
+    "targets": ("I32", [2, 3], struct.pack("<6i", *[t + 1 for t in toks])),
+})
+save(w + "/bad_tokens.safetensors", {"tokens": ("I64", [1, 2], struct.pack("<2q", 5, 999))})
+PY
+check "$NEUROCTL" grad --model "$W/m.safetensors" --batch "$W/batch.safetensors" --out "$W/g.safetensors"
+check "$NEUROCTL" forward --model "$W/m.safetensors" --tokens "$W/batch.safetensors" --out "$W/f.safetensors"
+
+# bad input: clear errors that name the fault, exit code 1 or 2, no crash
+out=$("$NEUROCTL" forward --model "$W/m.safetensors" --tokens "$W/bad_tokens.safetensors" --out "$W/x.safetensors" 2>&1); rc=$?
+check test $rc -eq 1
+check grep -q "token 999" <<< "$out"
+out=$("$NEUROCTL" forward --model "$W/nope.safetensors" --tokens "$W/batch.safetensors" --out "$W/x.safetensors" 2>&1); rc=$?
+check test $rc -eq 1
+check grep -q "nope.safetensors" <<< "$out"
+head -c 100 "$W/m.safetensors" > "$W/trunc.safetensors"
+out=$("$NEUROCTL" generate --model "$W/trunc.safetensors" --prompt-tokens 1 --max-new 2 2>&1); rc=$?
+check test $rc -eq 1
+check grep -q "trunc.safetensors" <<< "$out"
+"$NEUROCTL" train --model "$W/m.safetensors" --data "$W/data.txt" --steps 2 --batch 3 --microbatches 2 >/dev/null 2>&1
+check test $? -eq 2
+"$NEUROCTL" frobnicate >/dev/null 2>&1
+check test $? -eq 2
+"$NEUROCTL" generate --model "$W/m.safetensors" --prompt-tokens 1,x >/dev/null 2>&1
+check test $? -eq 2
+
+echo "test_cli_local: $pass passed, $fail failed"
+[ "$fail" -eq 0 ]
