@@ -53,6 +53,14 @@ nl_status nl_config_validate(const nl_config *c, int require_size, nl_error *err
         BAD("norm_eps: %g must be in (0, 1)", c->norm_eps);
     if (!(c->aux_loss_coef >= 0.0) || !isfinite(c->aux_loss_coef))
         BAD("aux_loss_coef: %g must be a finite number >= 0", c->aux_loss_coef);
+    /* 0 means "derive from hidden_dim"; a negative value is never valid,
+     * even in a config still to be sized. */
+    if (c->num_heads < 0)
+        BAD("num_heads: %d must not be negative", c->num_heads);
+    if (c->num_kv_heads < 0)
+        BAD("num_kv_heads: %d must not be negative", c->num_kv_heads);
+    if (c->ffn_dim < 0)
+        BAD("ffn_dim: %d must not be negative", c->ffn_dim);
     if (c->hidden_dim == 0 && c->num_layers == 0 && !require_size)
         return NL_OK; /* to be sized by the coordinator */
     if (c->hidden_dim < 1 || c->hidden_dim > NL_CONFIG_MAX_DIM)
