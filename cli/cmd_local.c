@@ -178,8 +178,11 @@ int nl_cmd_forward(int argc, char **argv)
     }
     be->download(be, logits, nl_runstate_output(rs, NULL), n * sizeof(float));
     int64_t shape[3] = {B, T, m->cfg.vocab_size};
-    if (nl_st_writer_new(&w, &err) != NL_OK ||
-        nl_st_writer_add(w, "logits", NL_DTYPE_F32, 3, shape, logits, &err) != NL_OK ||
+    if (!(w = nl_st_writer_new())) {
+        nl_error_set(&err, NL_ERR_NOMEM, "out of memory");
+        goto out;
+    }
+    if (nl_st_writer_add(w, "logits", NL_DTYPE_F32, 3, shape, logits, &err) != NL_OK ||
         nl_st_writer_add(w, "aux_loss", NL_DTYPE_F32, 0, shape, &aux, &err) != NL_OK ||
         nl_st_writer_write(w, out, &err) != NL_OK)
         goto out;

@@ -125,8 +125,10 @@ int nl_cmd_grad(int argc, char **argv)
     float ce_loss = (float)(ce / ((double)B * T)), aux_loss = (float)aux;
     float loss = (float)(ce / ((double)B * T) + m->cfg.aux_loss_coef * aux);
     int64_t scalar[1] = {0};
-    if (nl_st_writer_new(&w, &err) != NL_OK)
+    if (!(w = nl_st_writer_new())) {
+        nl_error_set(&err, NL_ERR_NOMEM, "out of memory");
         goto out;
+    }
     for (int i = 0; i < m->n_table; i++) {
         const nl_param *p = &m->table[i];
         if (nl_st_writer_add(w, p->name, NL_DTYPE_F32, p->ndim, p->shape, grads + p->offset,

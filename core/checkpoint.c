@@ -37,9 +37,10 @@ nl_status nl_checkpoint_save(const nl_model *m, const char *path, int64_t step,
             goto out;
         }
     }
-    st = nl_st_writer_new(&w, err);
-    if (st != NL_OK)
+    if (!(w = nl_st_writer_new())) {
+        st = nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", path);
         goto out;
+    }
     for (int i = 0; i < m->n_table && st == NL_OK; i++) {
         const nl_param *p = &m->table[i];
         st = nl_st_writer_add(w, p->name, NL_DTYPE_F32, p->ndim, p->shape, src[0] + p->offset, err);
