@@ -3,6 +3,7 @@
  * KT, and only a QT x KT score block exists at a time, so memory grows with
  * T, never with T^2. */
 #include "cpu_ops.h"
+#include "cpu_math.h"
 
 #include <math.h>
 #include <string.h>
@@ -11,7 +12,9 @@
 #define KT 64  /* keys per block */
 #define HD_MAX 256
 
-/* One (sequence, head, query tile): rows t0 .. t0+nq-1 of the new positions. */
+/* One (sequence, head, query tile): rows t0 .. t0+nq-1 of the new positions.
+ * Each key block is transposed into kt so the score loop runs along keys
+ * (contiguous, vectorised); the value loop runs along the head dimension. */
 static void attend_tile(float *out, float *lse, const float *q, int q_stride, const float *k,
                         const float *v, int kv_stride, const nl_attn_shape *s, int b, int h, int t0,
                         int nq)
@@ -22,13 +25,16 @@ static void attend_tile(float *out, float *lse, const float *q, int q_stride, co
     float acc[QT][HD_MAX];
     float m[QT], l[QT];
     float sc[QT][KT];
-    const float *qrow[QT];
+    float kt[HD_MAX][KT];
+    float qs[QT][HD_MAX];
 
     for (int i = 0; i < nq; i++) {
         m[i] = -INFINITY;
         l[i] = 0.0f;
         memset(acc[i], 0, (size_t)hd * sizeof(float));
-        qrow[i] = q + ((size_t)b * s->T + t0 + i) * q_stride + (size_t)h * hd;
+        const float *qr = q + ((size_t)b * s->T + t0 + i) * q_stride + (size_t)h * hd;
+        for (int c = 0; c < hd; c++)
+            qs[i][c] = qr[c] * scale;
     }
     const float *kb = k + (size_t)b * s->kv_cap * kv_stride + (size_t)g * hd;
     const float *vb = v + (size_t)b * s->kv_cap * kv_stride + (size_t)g * hd;
@@ -36,37 +42,44 @@ static void attend_tile(float *out, float *lse, const float *q, int q_stride, co
     const int kend = s->past + t0 + nq;
     for (int j0 = 0; j0 < kend; j0 += KT) {
         const int nk = kend - j0 < KT ? kend - j0 : KT;
-        for (int i = 0; i < nq; i++) {
-            const int lim = s->past + t0 + i; /* last key this query may see */
-            float bmax = -INFINITY;
-            for (int j = 0; j < nk; j++) {
-                if (j0 + j > lim) {
-                    sc[i][j] = -INFINITY;
-                    continue;
-                }
-                const float *kr = kb + (size_t)(j0 + j) * kv_stride;
-                float d = 0.0f;
-                for (int c = 0; c < hd; c++)
-                    d += qrow[i][c] * kr[c];
-                d *= scale;
-                sc[i][j] = d;
-                bmax = d > bmax ? d : bmax;
-            }
-            if (bmax == -INFINITY)
-                continue; /* whole block masked for this row */
-            const float mnew = bmax > m[i] ? bmax : m[i];
-            const float corr = expf(m[i] - mnew); /* 0 when m was -inf */
-            l[i] *= corr;
+        for (int j = 0; j < nk; j++) {
+            const float *kr = kb + (size_t)(j0 + j) * kv_stride;
             for (int c = 0; c < hd; c++)
-                acc[i][c] *= corr;
-            for (int j = 0; j < nk; j++) {
-                if (sc[i][j] == -INFINITY)
-                    continue;
-                const float p = expf(sc[i][j] - mnew);
-                l[i] += p;
+                kt[c][j] = kr[c];
+        }
+        for (int i = 0; i < nq; i++) {
+            const int lim = s->past + t0 + i - j0; /* last key (in block) this query sees */
+            if (lim < 0)
+                continue;                          /* whole block in this row's future */
+            const int nv = lim + 1 < nk ? lim + 1 : nk;
+            float *srow = sc[i];
+            for (int j = 0; j < KT; j++)
+                srow[j] = 0.0f;
+            for (int c = 0; c < hd; c++) {
+                const float qc = qs[i][c];
+                const float *kc = kt[c];
+                for (int j = 0; j < KT; j++)
+                    srow[j] += qc * kc[j];
+            }
+            float bmax = -INFINITY;
+            for (int j = 0; j < nv; j++)
+                bmax = srow[j] > bmax ? srow[j] : bmax;
+            const float mnew = bmax > m[i] ? bmax : m[i];
+            const float corr = m[i] == -INFINITY ? 0.0f : nl_expf(m[i] - mnew);
+            float psum = 0.0f;
+            for (int j = 0; j < nv; j++) {
+                srow[j] = nl_expf(srow[j] - mnew);
+                psum += srow[j];
+            }
+            l[i] = l[i] * corr + psum;
+            float *ai = acc[i];
+            for (int c = 0; c < hd; c++)
+                ai[c] *= corr;
+            for (int j = 0; j < nv; j++) {
+                const float p = srow[j];
                 const float *vr = vb + (size_t)(j0 + j) * kv_stride;
                 for (int c = 0; c < hd; c++)
-                    acc[i][c] += p * vr[c];
+                    ai[c] += p * vr[c];
             }
             m[i] = mnew;
         }

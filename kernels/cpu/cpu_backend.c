@@ -1,6 +1,7 @@
 /* The CPU backend: GEMM through oneDNN's dnnl_sgemm, the other ops as
  * plain C loops that the compiler vectorises, threaded with OpenMP. */
 #include "../backend.h"
+#include "cpu_math.h"
 #include "cpu_ops.h"
 
 #include <math.h>
@@ -156,7 +157,7 @@ static void cpu_softmax_forward(nl_backend *be, float *x, int N, int C)
             m = r[i] > m ? r[i] : m;
         float s = 0.0f;
         for (int i = 0; i < C; i++) {
-            r[i] = expf(r[i] - m);
+            r[i] = nl_expf(r[i] - m);
             s += r[i];
         }
         float inv = 1.0f / s;
@@ -174,7 +175,7 @@ static void cpu_swiglu_forward(nl_backend *be, float *out, const float *gu, int 
         const float *u = g + F;
         float *o = out + (size_t)n * F;
         for (int j = 0; j < F; j++)
-            o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+            o[j] = g[j] / (1.0f + nl_expf(-g[j])) * u[j];
     }
 }
 
