@@ -98,6 +98,18 @@ static inline size_t nl_param_numel(const nl_param *p)
  * tables, norm). */
 int64_t nl_config_param_count(const nl_config *cfg);
 
+/* Grow the active vocabulary of a stage to vocab_size (>= the current).
+ * When it passes the capacity C, tok_embeddings and lm_head grow to the
+ * next multiple of vocab_chunk: old rows stay bit-identical, new rows are
+ * drawn from their per-block streams of `seed` as nl_model_init_random
+ * would, and every buffer in `moments` (device, n_moments of them, laid
+ * out like the parameters; may be NULL) is re-laid out the same way with
+ * zeros in the new rows. Other parameters are untouched, so logits over
+ * the old vocabulary do not change. The model's parameter block (and the
+ * moment buffers) are replaced; pointers into the old ones are stale. */
+nl_status nl_model_grow_vocab(nl_model *m, int64_t vocab_size, uint64_t seed, float **moments,
+                              int n_moments, nl_error *err);
+
 /* Matrix FLOPs of a forward pass of a whole model over B sequences of T
  * new positions after `past` cached ones: projections, routed experts
  * (top_k per token), router, attention scores and values (causal), and
