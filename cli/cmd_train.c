@@ -12,6 +12,7 @@
 #include "commands.h"
 #include "core/checkpoint.h"
 #include "core/data.h"
+#include "core/memory.h"
 #include "core/safetensors.h"
 #include "core/train.h"
 
@@ -229,10 +230,13 @@ static int run_train(const train_opts *o)
     int rc = 1;
     const int B = (int)o->batch, T = (int)o->seq, M = (int)o->micro, mb = B / M;
     const char *src = o->resume ? o->resume : o->model;
-    if (nl_backend_cpu_new(&be, (int)o->threads, &err) != NL_OK ||
+    nl_config cfg;
+    /* the data first: its load-time peak does not stack on the model's */
+    if (nl_checkpoint_read_config(src, &cfg, NULL, &err) != NL_OK ||
+        nl_dataset_load(&ds, o->data, cfg.vocab_size, o->holdout, &err) != NL_OK ||
+        nl_backend_cpu_new(&be, (int)o->threads, &err) != NL_OK ||
         nl_checkpoint_load(&m, be, src, 0, -1, 1, 1, &start, &err) != NL_OK ||
-        nl_trainer_new(&tr, m, mb * T, 1, (int)o->recompute, &err) != NL_OK ||
-        nl_dataset_load(&ds, o->data, m->cfg.vocab_size, o->holdout, &err) != NL_OK)
+        nl_trainer_new(&tr, m, mb * T, 1, (int)o->recompute, &err) != NL_OK)
         goto out;
     if (o->resume) {
         int64_t adam = 0;
@@ -260,10 +264,14 @@ static int run_train(const train_opts *o)
         nl_error_set(&err, NL_ERR_IO, "%s: cannot open the log", o->log);
         goto out;
     }
+    nl_mem_opts mo = {.training = 1, .micro_rows = mb * T, .in_flight = 1,
+                      .recompute = (int)o->recompute};
+    nl_mem_estimate me = nl_memory_estimate(&m->cfg, m->cfg.num_layers, 1, 1, &mo);
     fprintf(stderr,
             "training %" PRId64 " parameters on %zu tokens (%zu held out): %lld steps of %d x %d "
-            "in %d microbatches\n",
-            nl_config_param_count(&m->cfg), ds->n_train, ds->n - ds->n_train, o->steps, B, T, M);
+            "in %d microbatches; memory model: %.1f MiB (+ %.1f MiB of data)\n",
+            nl_config_param_count(&m->cfg), ds->n_train, ds->n - ds->n_train, o->steps, B, T, M,
+            (double)me.total / (1 << 20), (double)ds->n * 4 / (1 << 20));
     const nl_adamw_opts adam = nl_adamw_defaults();
     const int tty = isatty(2);
     const char *inject = getenv("NL_TEST_INJECT_NAN_STEP"); /* test hook */
