@@ -21,7 +21,9 @@ void nl_config_fill_derived(nl_config *cfg)
 {
     if (cfg->vocab_size == 0)
         cfg->vocab_size = NL_DEFAULT_VOCAB;
-    if (cfg->hidden_dim <= 0)
+    /* Out of range: left for nl_config_validate to refuse (4 d would
+     * overflow an int). */
+    if (cfg->hidden_dim <= 0 || cfg->hidden_dim > NL_CONFIG_MAX_DIM)
         return;
     if (cfg->num_heads == 0)
         cfg->num_heads = cfg->hidden_dim / 64 > 0 ? cfg->hidden_dim / 64 : 1;

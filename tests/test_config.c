@@ -71,6 +71,8 @@ static const struct bad {
     {"num_experts: 0\n", {"num_experts"}},
     {"hidden_dim: 512\n", {"num_layers", "outside"}},
     {"hidden_dim: 100000\nnum_layers: 1\n", {"hidden_dim", "outside"}},
+    /* Found by fuzz_config: 4 d overflowed an int before validation. */
+    {"hidden_dim: 1474836483\nnum_layers: 1\n", {"line 1", "hidden_dim", "outside"}},
     {"hiden_dim: 512\n", {"line 1", "unknown key 'hiden_dim'"}},
     {"top_k: 2\n\nfoo: 1\n", {"line 3", "unknown key 'foo'"}},
     {"hidden_dim: abc\n", {"hidden_dim", "expected an integer", "'abc'"}},
