@@ -96,6 +96,54 @@ struct nl_backend {
                         const float *w, int N, int k, int C);
     /* y += x, n elements */
     void (*add_inplace)(nl_backend *be, float *y, const float *x, size_t n);
+
+    /* ---- backward ops ----
+     * Gradients named d<x>. "+=" means the op accumulates into the output
+     * (callers zero it first when they want a plain result). */
+    /* dtable[tokens[n], :] += dout[n, :]; tokens may repeat. (N, C) */
+    void (*embedding_backward)(nl_backend *be, float *dtable, const float *dout,
+                               const int32_t *tokens, int N, int C);
+    /* Given out = inp * rstd * w (rstd saved by the forward):
+     * dinp += (w * dout) * rstd - inp * rstd^3 / C * sum(w * dout * inp)
+     * dw   += sum over rows of dout * inp * rstd. (N, C) */
+    void (*rmsnorm_backward)(nl_backend *be, float *dinp, float *dw, const float *dout,
+                             const float *inp, const float *w, const float *rstd, int N, int C);
+    /* Flash-attention backward for the forward of the same shape (no
+     * cache: past == 0, kv_cap == T). q/k/v/dq/dk/dv share the layout of
+     * the forward's q/k/v (row strides q_stride, kv_stride); out and dout
+     * are (B, T, H hd); lse is the forward's (B, H, T). Scores are
+     * recomputed tile by tile from lse, never stored whole.
+     * dq, dk, dv are overwritten (not accumulated). */
+    void (*attention_backward)(nl_backend *be, float *dq, float *dk, float *dv, const float *dout,
+                               const float *q, int q_stride, const float *k, const float *v,
+                               int kv_stride, const float *out, const float *lse, nl_attn_shape s);
+    /* gu = [g | u] (N, 2F), h = silu(g) * u:
+     * dgu[:, :F] = dh * u * silu'(g), dgu[:, F:] = dh * silu(g). Overwrites dgu. */
+    void (*swiglu_backward)(nl_backend *be, float *dgu, const float *dh, const float *gu, int N,
+                            int F);
+    /* Backward of moe_combine: dy[slot[n*k+i], :] = w[n*k+i] * dx[n, :]
+     * (overwrites, each slot is written once) and
+     * dw[n*k+i] = dot(dx[n, :], y[slot[n*k+i], :]). (N, C) */
+    void (*moe_combine_backward)(nl_backend *be, float *dy, float *dw, const float *dx,
+                                 const float *y, const int32_t *slot, const float *w, int N, int k,
+                                 int C);
+    /* Cross-entropy over rows of logits (N, V) with targets[n] in [0, V):
+     * losses[n] = logsumexp(logits[n]) - logits[n, targets[n]], and the
+     * logits are overwritten in place by their gradient
+     * scale * (softmax(logits[n]) - onehot(targets[n])). */
+    void (*cross_entropy)(nl_backend *be, float *logits, float *losses, const int32_t *targets,
+                          int N, int V, float scale);
+    /* Sum of squares of x in double precision (inf or nan if any element
+     * is not finite). */
+    double (*sumsq)(nl_backend *be, const float *x, size_t n);
+    /* y *= a, n elements */
+    void (*scale)(nl_backend *be, float *y, float a, size_t n);
+    /* One AdamW update of n parameters with gradient g * grad_scale:
+     *   m = b1 m + (1 - b1) g';  v = b2 v + (1 - b2) g'^2
+     *   p -= lr * (m / bc1 / (sqrt(v / bc2) + eps) + wd * p)
+     * where bc1 = 1 - b1^t and bc2 = 1 - b2^t are given by the caller. */
+    void (*adamw)(nl_backend *be, float *p, const float *g, float *m, float *v, size_t n, float lr,
+                  float b1, float b2, float eps, float wd, float bc1, float bc2, float grad_scale);
 };
 
 /* Create the CPU backend with `threads` worker threads (0: all cores). */
