@@ -280,6 +280,15 @@ nl_status nl_backend_cpu_new(nl_backend **out, int threads, nl_error *err)
     be->copy_rows = cpu_copy_rows;
     be->moe_combine = cpu_moe_combine;
     be->add_inplace = cpu_add_inplace;
+    be->embedding_backward = nl_cpu_embedding_backward;
+    be->rmsnorm_backward = nl_cpu_rmsnorm_backward;
+    be->attention_backward = nl_cpu_attention_backward;
+    be->swiglu_backward = nl_cpu_swiglu_backward;
+    be->moe_combine_backward = nl_cpu_moe_combine_backward;
+    be->cross_entropy = nl_cpu_cross_entropy;
+    be->sumsq = nl_cpu_sumsq;
+    be->scale = nl_cpu_scale;
+    be->adamw = nl_cpu_adamw;
     *out = be;
     return NL_OK;
 }
