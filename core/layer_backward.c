@@ -130,7 +130,7 @@ static void moe_backward(nl_model *m, int li, const nl_layer_acts *a, nl_layer_g
         be->gemm(be, 0, 0, n, d, 2 * F, 1.0f, dgu, 2 * F, wgu, d, 0.0f, s->dxe + (size_t)o * d, d);
     }
     /* each token's input gradient is the sum over its k dispatch slots */
-    be->scale(be, s->dxn, 0.0f, (size_t)N * d);
+    be->zero(be, s->dxn, (size_t)N * d * sizeof(float));
     be->moe_combine(be, s->dxn, s->dxe, a->slot_d, s->ones, N, k, d);
 
     be->download(be, s->dw_h, s->dw, (size_t)N * k * sizeof(float));

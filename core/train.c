@@ -209,7 +209,7 @@ void nl_trainer_begin_step(nl_trainer *t, int64_t batch_rows)
 {
     t->batch_rows = batch_rows;
     t->use_global = 0;
-    t->be->scale(t->be, t->grads, 0.0f, t->m->n_params);
+    t->be->zero(t->be, t->grads, t->m->n_params * sizeof(float));
     memset(t->counts, 0, (size_t)t->n_layers * t->m->cfg.num_experts * sizeof *t->counts);
 }
 
@@ -371,7 +371,7 @@ nl_status nl_trainer_backward(nl_trainer *t, int slot, const float *dy, nl_error
         float *dlm = t->grads + (m->lm_head - m->params);
         be->gemm(be, 1, 0, V, d, N, 1.0f, s->logits, V, s->xnf, d, 1.0f, dlm, d);
         be->gemm(be, 0, 0, N, d, V, 1.0f, s->logits, V, m->lm_head, d, 0.0f, t->sc.dxn, d);
-        be->scale(be, t->dbuf[0], 0.0f, (size_t)N * d);
+        be->zero(be, t->dbuf[0], (size_t)N * d * sizeof(float));
         be->rmsnorm_backward(be, t->dbuf[0], t->grads + (m->norm - m->params), t->sc.dxn,
                              s->x_final, m->norm, s->rstdf, N, d);
     } else {

@@ -48,6 +48,8 @@ struct nl_backend {
     void (*upload)(nl_backend *be, void *dst, const void *src, size_t bytes);
     void (*download)(nl_backend *be, void *dst, const void *src, size_t bytes);
     void (*sync)(nl_backend *be); /* wait for queued work */
+    /* Set `bytes` bytes at p to zero (unlike scaling by 0, this clears NaN). */
+    void (*zero)(nl_backend *be, void *p, size_t bytes);
     /* Bytes allocated through this backend now and at most so far. */
     void (*mem_stats)(nl_backend *be, size_t *in_use, size_t *peak);
 

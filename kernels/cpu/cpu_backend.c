@@ -73,6 +73,19 @@ static void cpu_copy(nl_backend *be, void *dst, const void *src, size_t bytes)
 
 static void cpu_sync(nl_backend *be) { (void)be; }
 
+static void cpu_zero(nl_backend *be, void *p, size_t bytes)
+{
+    (void)be;
+    char *c = p;
+    const size_t chunk = 1 << 20;
+    const long n = (long)((bytes + chunk - 1) / chunk);
+#pragma omp parallel for if (n > 1)
+    for (long i = 0; i < n; i++) {
+        size_t o = (size_t)i * chunk;
+        memset(c + o, 0, bytes - o < chunk ? bytes - o : chunk);
+    }
+}
+
 /* ---------------------------------------------------------------- gemm */
 
 static void cpu_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
@@ -267,6 +280,7 @@ nl_status nl_backend_cpu_new(nl_backend **out, int threads, nl_error *err)
     be->download = cpu_copy;
     be->sync = cpu_sync;
     be->mem_stats = cpu_mem_stats;
+    be->zero = cpu_zero;
     be->host_memory = 1;
     be->gemm = cpu_gemm;
     be->embedding_forward = cpu_embedding_forward;
