@@ -148,8 +148,9 @@ _MAX_HEADER = 100 << 20
 def save_safetensors(path, tensors, metadata=None):
     """Write {name: tensor} (F32/F64/I32/I64, any rank incl. 0) to path.
 
-    metadata values must be strings. Tensors are laid out in name order; the
-    header is padded with spaces so the data starts 8-byte aligned.
+    metadata values must be strings. Tensors are laid out by element size
+    (largest first), then name, and the header is padded with spaces so the
+    data starts 8-byte aligned: every tensor is aligned to its element size.
     """
     header, blobs, offset = {}, [], 0
     if metadata:
@@ -157,7 +158,8 @@ def save_safetensors(path, tensors, metadata=None):
             if not isinstance(k, str) or not isinstance(v, str):
                 raise TypeError("__metadata__ keys and values must be str")
         header["__metadata__"] = dict(metadata)
-    for name in sorted(tensors):
+    for name in sorted(tensors, key=lambda n: (-tensors[n].element_size(),
+                                               n)):
         t = tensors[name]
         if name == "__metadata__":
             raise ValueError("tensor may not be named __metadata__")
@@ -208,7 +210,8 @@ def load_safetensors(path):
                 or not all(isinstance(s, int) and s >= 0 for s in shape)
                 or not isinstance(begin, int) or not isinstance(end, int)
                 or not 0 <= begin <= end <= len(data)):
-            raise ValueError("%s: %s has a bad shape or offsets" % (path, name))
+            raise ValueError("%s: %s has a bad shape or offsets" %
+                             (path, name))
         npdt, tdt = _DTYPES[st]
         numel = math.prod(shape)
         if end - begin != numel * np.dtype(npdt).itemsize:
@@ -294,7 +297,7 @@ def rope_tables(pos0, t, head_dim, base, dtype):
 
 
 def apply_rope(x, cos, sin):
-    """Rotate pairs (2i, 2i+1) of x [B, T, heads, hd] by the tables [T, hd/2]."""
+    """Rotate pairs (2i, 2i+1) of x [B, T, heads, hd] by cos/sin [T, hd/2]."""
     xp = x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
     x0, x1 = xp[..., 0], xp[..., 1]
     c, s = cos[None, :, None, :], sin[None, :, None, :]
