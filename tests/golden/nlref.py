@@ -1,0 +1,536 @@
+"""NeuroLLM reference model in PyTorch, written from DESIGN.md section 2 only.
+
+It is the independent yardstick the C runtime is tested against: the golden
+vectors (gen_golden.py), their self-check (check_golden.py) and the speed
+baseline (bench/torch_baseline.py) all use it. Three parts:
+
+  * a small safetensors reader/writer (F32, F64, I32, I64; 0-dim scalars;
+    string-valued __metadata__), no third-party package needed;
+  * the model: NeuroLLM, an nn.Module whose state_dict() names are exactly
+    the checkpoint names of DESIGN section 2, with sparse expert dispatch and
+    an optional KV cache for decoding; loss() returns (loss, ce, aux);
+  * checkpoint load/save with __metadata__ {format, config, step}.
+
+Needs only torch, numpy and the standard library (Debian python3-torch).
+"""
+
+import json
+import math
+import struct
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ---------------------------------------------------------------- config --
+
+CONFIG_KEYS = ("vocab_size", "vocab_chunk", "hidden_dim", "num_layers",
+               "num_heads", "num_kv_heads", "ffn_dim", "num_experts", "top_k",
+               "max_seq_len", "rope_base", "norm_eps", "aux_loss_coef")
+INT_KEYS = ("vocab_size", "vocab_chunk", "hidden_dim", "num_layers",
+            "num_heads", "num_kv_heads", "ffn_dim", "num_experts", "top_k",
+            "max_seq_len")
+
+
+def make_config(**kw):
+    """A complete config dict: given keys plus the DESIGN section 2 defaults.
+
+    vocab_size, hidden_dim and num_layers have no default and must be given.
+    """
+    unknown = set(kw) - set(CONFIG_KEYS)
+    if unknown:
+        raise ValueError("unknown config keys: %s" % sorted(unknown))
+    for key in ("vocab_size", "hidden_dim", "num_layers"):
+        if key not in kw:
+            raise ValueError("config key %s has no default" % key)
+    d = int(kw["hidden_dim"])
+    cfg = {"vocab_size": int(kw["vocab_size"]),
+           "vocab_chunk": int(kw.get("vocab_chunk", 32768)),
+           "hidden_dim": d,
+           "num_layers": int(kw["num_layers"])}
+    cfg["num_heads"] = int(kw.get("num_heads", d // 64))
+    cfg["num_kv_heads"] = int(kw.get("num_kv_heads",
+                                     max(1, cfg["num_heads"] // 4)))
+    cfg["ffn_dim"] = int(kw.get("ffn_dim", 4 * d))
+    cfg["num_experts"] = int(kw.get("num_experts", 8))
+    cfg["top_k"] = int(kw.get("top_k", 2))
+    cfg["max_seq_len"] = int(kw.get("max_seq_len", 2048))
+    cfg["rope_base"] = float(kw.get("rope_base", 10000.0))
+    cfg["norm_eps"] = float(kw.get("norm_eps", 1e-6))
+    cfg["aux_loss_coef"] = float(kw.get("aux_loss_coef", 0.01))
+    check_config(cfg)
+    return cfg
+
+
+def check_config(cfg):
+    """Raise ValueError when the config breaks a DESIGN section 2 rule."""
+    for key in CONFIG_KEYS:
+        if key not in cfg:
+            raise ValueError("config lacks key %s" % key)
+    for key in INT_KEYS:
+        if int(cfg[key]) != cfg[key] or cfg[key] < 1:
+            raise ValueError("config %s must be a positive integer" % key)
+    d, h, g = cfg["hidden_dim"], cfg["num_heads"], cfg["num_kv_heads"]
+    if d % h or (d // h) % 2:
+        raise ValueError("hidden_dim %d / num_heads %d must be an even "
+                         "head_dim" % (d, h))
+    if h % g:
+        raise ValueError("num_heads %d not divisible by num_kv_heads %d" %
+                         (h, g))
+    if cfg["top_k"] > cfg["num_experts"]:
+        raise ValueError("top_k %d > num_experts %d" %
+                         (cfg["top_k"], cfg["num_experts"]))
+    if cfg["rope_base"] <= 0 or cfg["norm_eps"] <= 0:
+        raise ValueError("rope_base and norm_eps must be positive")
+
+
+def capacity_rows(cfg):
+    """C = ceil(vocab_size / vocab_chunk) * vocab_chunk."""
+    chunk = cfg["vocab_chunk"]
+    return -(-cfg["vocab_size"] // chunk) * chunk
+
+
+def weight_shapes(cfg):
+    """Checkpoint name -> shape for every weight, in DESIGN order."""
+    d, L = cfg["hidden_dim"], cfg["num_layers"]
+    h, g = cfg["num_heads"], cfg["num_kv_heads"]
+    hd = d // h
+    f, e_n, c = cfg["ffn_dim"], cfg["num_experts"], capacity_rows(cfg)
+    shapes = {"tok_embeddings.weight": (c, d)}
+    for l in range(L):
+        p = "layers.%d." % l
+        shapes[p + "attention_norm.weight"] = (d,)
+        shapes[p + "attention.wq.weight"] = (h * hd, d)
+        shapes[p + "attention.wk.weight"] = (g * hd, d)
+        shapes[p + "attention.wv.weight"] = (g * hd, d)
+        shapes[p + "attention.wo.weight"] = (d, h * hd)
+        shapes[p + "ffn_norm.weight"] = (d,)
+        shapes[p + "moe.router.weight"] = (e_n, d)
+        for e in range(e_n):
+            q = p + "moe.experts.%d." % e
+            shapes[q + "w_gate.weight"] = (f, d)
+            shapes[q + "w_up.weight"] = (f, d)
+            shapes[q + "w_down.weight"] = (d, f)
+    shapes["norm.weight"] = (d,)
+    shapes["lm_head.weight"] = (c, d)
+    return shapes
+
+
+def init_weights(cfg, generator=None, dtype=torch.float32):
+    """DESIGN initialisation: normal(0, 0.02) matrices, wo and w_down scaled
+    by 1/sqrt(2L), norm weights 1."""
+    out = {}
+    out_scale = 1.0 / math.sqrt(2.0 * cfg["num_layers"])
+    for name, shape in weight_shapes(cfg).items():
+        if len(shape) == 1:
+            out[name] = torch.ones(shape, dtype=dtype)
+            continue
+        std = 0.02
+        if name.endswith("wo.weight") or name.endswith("w_down.weight"):
+            std *= out_scale
+        out[name] = torch.randn(shape, generator=generator, dtype=dtype) * std
+    return out
+
+
+# ----------------------------------------------------------- safetensors --
+
+_DTYPES = {  # safetensors name -> (numpy little-endian dtype, torch dtype)
+    "F32": ("<f4", torch.float32),
+    "F64": ("<f8", torch.float64),
+    "I32": ("<i4", torch.int32),
+    "I64": ("<i8", torch.int64),
+}
+_TORCH_TO_ST = {v[1]: k for k, v in _DTYPES.items()}
+_MAX_HEADER = 100 << 20
+
+
+def save_safetensors(path, tensors, metadata=None):
+    """Write {name: tensor} (F32/F64/I32/I64, any rank incl. 0) to path.
+
+    metadata values must be strings. Tensors are laid out by element size
+    (largest first), then name, and the header is padded with spaces so the
+    data starts 8-byte aligned: every tensor is aligned to its element size.
+    """
+    header, blobs, offset = {}, [], 0
+    if metadata:
+        for k, v in metadata.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise TypeError("__metadata__ keys and values must be str")
+        header["__metadata__"] = dict(metadata)
+    for name in sorted(tensors, key=lambda n: (-tensors[n].element_size(),
+                                               n)):
+        t = tensors[name]
+        if name == "__metadata__":
+            raise ValueError("tensor may not be named __metadata__")
+        if t.dtype not in _TORCH_TO_ST:
+            raise TypeError("%s: unsupported dtype %s" % (name, t.dtype))
+        st = _TORCH_TO_ST[t.dtype]
+        data = (t.detach().cpu().contiguous().numpy()
+                .astype(_DTYPES[st][0], copy=False).tobytes())
+        header[name] = {"dtype": st, "shape": list(t.shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    hbytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    hbytes += b" " * ((-(8 + len(hbytes))) % 8)
+    with open(path, "wb") as fp:
+        fp.write(struct.pack("<Q", len(hbytes)))
+        fp.write(hbytes)
+        for data in blobs:
+            fp.write(data)
+
+
+def load_safetensors(path):
+    """Read path; return ({name: tensor}, metadata dict). Validates the
+    header, dtypes, shapes and that offsets tile the data section exactly."""
+    with open(path, "rb") as fp:
+        raw = fp.read()
+    if len(raw) < 8:
+        raise ValueError("%s: shorter than the 8-byte header length" % path)
+    (hlen,) = struct.unpack("<Q", raw[:8])
+    if hlen > _MAX_HEADER or 8 + hlen > len(raw):
+        raise ValueError("%s: header length %d out of range" % (path, hlen))
+    header = json.loads(raw[8:8 + hlen].decode("utf-8"))
+    if not isinstance(header, dict):
+        raise ValueError("%s: header is not a JSON object" % path)
+    data = memoryview(raw)[8 + hlen:]
+    metadata = header.pop("__metadata__", None) or {}
+    if not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError("%s: __metadata__ values must be strings" % path)
+    spans, tensors = [], {}
+    for name, info in header.items():
+        st = info.get("dtype")
+        if st not in _DTYPES:
+            raise ValueError("%s: %s has unsupported dtype %r" %
+                             (path, name, st))
+        shape = info.get("shape")
+        begin, end = info.get("data_offsets", (None, None))
+        if (not isinstance(shape, list)
+                or not all(isinstance(s, int) and s >= 0 for s in shape)
+                or not isinstance(begin, int) or not isinstance(end, int)
+                or not 0 <= begin <= end <= len(data)):
+            raise ValueError("%s: %s has a bad shape or offsets" %
+                             (path, name))
+        npdt, tdt = _DTYPES[st]
+        numel = math.prod(shape)
+        if end - begin != numel * np.dtype(npdt).itemsize:
+            raise ValueError("%s: %s byte size %d does not match shape %s" %
+                             (path, name, end - begin, shape))
+        arr = np.frombuffer(data[begin:end], dtype=npdt, count=numel)
+        tensors[name] = torch.from_numpy(
+            arr.astype(npdt[1:], copy=True)).reshape(shape).to(tdt)
+        spans.append((begin, end))
+    spans.sort()
+    pos = 0
+    for begin, end in spans:
+        if begin != pos:
+            raise ValueError("%s: tensor data overlaps or leaves a hole at "
+                             "byte %d" % (path, pos))
+        pos = end
+    if pos != len(data):
+        raise ValueError("%s: %d trailing bytes after the tensors" %
+                         (path, len(data) - pos))
+    return tensors, metadata
+
+
+def save_checkpoint(path, cfg, weights, step=0):
+    """Write a neurollm/1 checkpoint: the weights (as F32) and metadata."""
+    check_config(cfg)
+    shapes = weight_shapes(cfg)
+    if set(weights) != set(shapes):
+        raise ValueError("weights do not match config: missing %s, extra %s" %
+                         (sorted(set(shapes) - set(weights))[:3],
+                          sorted(set(weights) - set(shapes))[:3]))
+    out = {k: v.detach().to(torch.float32) for k, v in weights.items()}
+    meta = {"format": "neurollm/1",
+            "config": json.dumps({k: cfg[k] for k in CONFIG_KEYS}),
+            "step": str(int(step))}
+    save_safetensors(path, out, meta)
+
+
+def load_checkpoint(path):
+    """Read a neurollm/1 checkpoint; return (cfg, weights, step)."""
+    tensors, meta = load_safetensors(path)
+    if meta.get("format") != "neurollm/1":
+        raise ValueError("%s: format %r is not neurollm/1" %
+                         (path, meta.get("format")))
+    cfg = make_config(**json.loads(meta["config"]))
+    for name, shape in weight_shapes(cfg).items():
+        if name not in tensors:
+            raise ValueError("%s: missing tensor %s" % (path, name))
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError("%s: %s has shape %s, config wants %s" %
+                             (path, name, tuple(tensors[name].shape), shape))
+    return cfg, tensors, int(meta.get("step", "0"))
+
+
+# ----------------------------------------------------------------- model --
+
+
+class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * w."""
+
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) \
+            * self.weight
+
+
+def rope_tables(pos0, t, head_dim, base, dtype):
+    """cos, sin [t, head_dim/2] for positions pos0..pos0+t-1.
+
+    Angle pos * base^(-2i/hd) is computed in float64, and cos/sin are rounded
+    to float32 (what the C runtime does) before any use, also in double runs.
+    """
+    i = torch.arange(head_dim // 2, dtype=torch.float64)
+    inv = torch.pow(torch.tensor(float(base), dtype=torch.float64),
+                    -2.0 * i / head_dim)
+    pos = torch.arange(pos0, pos0 + t, dtype=torch.float64)
+    ang = pos[:, None] * inv[None, :]
+    return (torch.cos(ang).to(torch.float32).to(dtype),
+            torch.sin(ang).to(torch.float32).to(dtype))
+
+
+def apply_rope(x, cos, sin):
+    """Rotate pairs (2i, 2i+1) of x [B, T, heads, hd] by cos/sin [T, hd/2]."""
+    xp = x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
+    x0, x1 = xp[..., 0], xp[..., 1]
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), -1).reshape(x.shape)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        d = cfg["hidden_dim"]
+        self.h, self.g = cfg["num_heads"], cfg["num_kv_heads"]
+        self.hd = d // self.h
+        self.base = cfg["rope_base"]
+        self.wq = nn.Linear(d, self.h * self.hd, bias=False)
+        self.wk = nn.Linear(d, self.g * self.hd, bias=False)
+        self.wv = nn.Linear(d, self.g * self.hd, bias=False)
+        self.wo = nn.Linear(self.h * self.hd, d, bias=False)
+        self._rope = None  # (cos, sin) for positions 0..n-1
+
+    def rope(self, pos0, t, dtype):
+        """cos, sin for positions pos0..pos0+t-1, from a cached table."""
+        tab = self._rope
+        if tab is None or tab[0].dtype != dtype or tab[0].shape[0] < pos0 + t:
+            n = max(pos0 + t, 2 * (0 if tab is None else tab[0].shape[0]), 64)
+            tab = self._rope = rope_tables(0, n, self.hd, self.base, dtype)
+        return tab[0][pos0:pos0 + t], tab[1][pos0:pos0 + t]
+
+    def forward(self, a, cache=None):
+        """a [B, T, d]; cache: None or a dict {'k','v'} of [B, S, G, hd]
+        (rotated keys) that is extended in place. Returns [B, T, d]."""
+        b, t, _ = a.shape
+        pos0 = 0 if cache is None or cache.get("k") is None \
+            else cache["k"].shape[1]
+        q = self.wq(a).view(b, t, self.h, self.hd)
+        k = self.wk(a).view(b, t, self.g, self.hd)
+        v = self.wv(a).view(b, t, self.g, self.hd)
+        cos, sin = self.rope(pos0, t, a.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            if pos0:
+                k = torch.cat((cache["k"], k), 1)
+                v = torch.cat((cache["v"], v), 1)
+            cache["k"], cache["v"] = k, v
+        rep = self.h // self.g  # query head h reads kv head h // rep
+        kh = k.repeat_interleave(rep, 2).transpose(1, 2)  # [B, H, S, hd]
+        vh = v.repeat_interleave(rep, 2).transpose(1, 2)
+        qh = q.transpose(1, 2)  # [B, H, T, hd]
+        s = torch.matmul(qh, kh.transpose(-1, -2)) / math.sqrt(self.hd)
+        n_keys = kh.shape[2]
+        qpos = torch.arange(pos0, pos0 + t)[:, None]
+        kpos = torch.arange(n_keys)[None, :]
+        s = s.masked_fill(kpos > qpos, float("-inf"))
+        o = torch.matmul(torch.softmax(s, -1), vh)  # [B, H, T, hd]
+        return self.wo(o.transpose(1, 2).reshape(b, t, self.h * self.hd))
+
+
+class Expert(nn.Module):
+    """W_down(silu(W_gate f) * (W_up f))."""
+
+    def __init__(self, d, f):
+        super().__init__()
+        self.w_gate = nn.Linear(d, f, bias=False)
+        self.w_up = nn.Linear(d, f, bias=False)
+        self.w_down = nn.Linear(f, d, bias=False)
+
+    def forward(self, x):
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+def route(probs, k):
+    """Top-k of probs [N, E] with ties to the lower expert index.
+
+    Returns (indices [N, k], renormalised weights [N, k]); the weights are
+    differentiable through probs.
+    """
+    # A stable sort of -p keeps equal probabilities in index order.
+    _, order = torch.sort(-probs.detach(), dim=-1, stable=True)
+    idx = order[:, :k]
+    sel = probs.gather(1, idx)
+    return idx, sel / sel.sum(-1, keepdim=True)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        d = cfg["hidden_dim"]
+        self.n_exp, self.k = cfg["num_experts"], cfg["top_k"]
+        self.router = nn.Linear(d, self.n_exp, bias=False)
+        self.experts = nn.ModuleList(
+            Expert(d, cfg["ffn_dim"]) for _ in range(self.n_exp))
+
+    def forward(self, f):
+        """f [B, T, d] -> (moe output [B, T, d], aux scalar)."""
+        shape = f.shape
+        x = f.reshape(-1, shape[-1])
+        n = x.shape[0]
+        probs = torch.softmax(self.router(x), -1)  # [N, E]
+        idx, w = route(probs, self.k)
+        # Sparse dispatch: group the N*k (token, slot) assignments by expert.
+        flat = idx.reshape(-1)
+        _, order = torch.sort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.n_exp)
+        tok = order // self.k
+        wsel = w.reshape(-1)[order]
+        out = torch.zeros_like(x)
+        start = 0
+        for e, cnt in enumerate(counts.tolist()):
+            if cnt:
+                rows = tok[start:start + cnt]
+                y = self.experts[e](x[rows]) * wsel[start:start + cnt, None]
+                out.index_add_(0, rows, y)
+            start += cnt
+        frac = counts.to(x.dtype) / float(n * self.k)  # not differentiable
+        aux = self.n_exp * (frac * probs.mean(0)).sum()
+        return out.reshape(shape), aux
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        d, eps = cfg["hidden_dim"], cfg["norm_eps"]
+        self.attention_norm = RMSNorm(d, eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(d, eps)
+        self.moe = MoE(cfg)
+
+    def forward(self, x, cache=None):
+        h1 = x + self.attention(self.attention_norm(x), cache)
+        y, aux = self.moe(self.ffn_norm(h1))
+        return h1 + y, aux
+
+
+class Embedding(nn.Module):
+    """tok_embeddings: a [C, d] table indexed by token id."""
+
+    def __init__(self, rows, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, d))
+
+    def forward(self, tokens):
+        return self.weight[tokens]
+
+
+class Head(nn.Module):
+    """lm_head: a [C, d] table of which only rows [:vocab_size] are used."""
+
+    def __init__(self, rows, d, vocab):
+        super().__init__()
+        self.vocab = vocab
+        self.weight = nn.Parameter(torch.empty(rows, d))
+
+    def forward(self, x):
+        return F.linear(x, self.weight[:self.vocab])
+
+
+class NeuroLLM(nn.Module):
+    """The DESIGN section 2 model; state_dict() uses the checkpoint names."""
+
+    def __init__(self, cfg, weights=None):
+        super().__init__()
+        check_config(cfg)
+        self.cfg = dict(cfg)
+        c, d = capacity_rows(cfg), cfg["hidden_dim"]
+        self.tok_embeddings = Embedding(c, d)
+        self.layers = nn.ModuleList(Block(cfg)
+                                    for _ in range(cfg["num_layers"]))
+        self.norm = RMSNorm(d, cfg["norm_eps"])
+        self.lm_head = Head(c, d, cfg["vocab_size"])
+        if weights is None:
+            weights = init_weights(cfg)
+        self.load_weights(weights)
+
+    def load_weights(self, weights):
+        """Copy {checkpoint name: tensor}; names and shapes must match."""
+        own = dict(self.named_parameters())
+        if set(own) != set(weights):
+            raise ValueError("weight names differ: missing %s, extra %s" %
+                             (sorted(set(own) - set(weights))[:3],
+                              sorted(set(weights) - set(own))[:3]))
+        with torch.no_grad():
+            for name, p in own.items():
+                if p.shape != weights[name].shape:
+                    raise ValueError("%s: shape %s, want %s" %
+                                     (name, tuple(weights[name].shape),
+                                      tuple(p.shape)))
+                p.copy_(weights[name])
+
+    def forward(self, tokens, caches=None):
+        """tokens [B, T] int64 -> (logits [B, T, vocab_size], sum of aux_l).
+
+        caches: None (positions start at 0), or a list with one dict per
+        layer (start with [{} for each layer]) that is extended in place;
+        positions then start at the cache length.
+        """
+        x = self.tok_embeddings(tokens)
+        aux = x.new_zeros(())
+        for l, layer in enumerate(self.layers):
+            x, a = layer(x, None if caches is None else caches[l])
+            aux = aux + a
+        return self.lm_head(self.norm(x)), aux
+
+
+def loss_fn(logits, aux, targets, cfg):
+    """(loss, mean cross-entropy, summed aux); loss = ce + coef * aux."""
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                         targets.reshape(-1))
+    return ce + cfg["aux_loss_coef"] * aux, ce, aux
+
+
+def forward_loss(model, tokens, targets):
+    """Run the model and return (loss, ce, aux, logits)."""
+    logits, aux = model(tokens)
+    loss, ce, aux = loss_fn(logits, aux, targets, model.cfg)
+    return loss, ce, aux, logits
+
+
+def router_margins(model, tokens):
+    """Per layer, the smallest gap between the k-th and (k+1)-th router logit
+    over all tokens (infinite when top_k == num_experts). Small gaps make the
+    routing fragile under rounding; gen_golden.py rejects such seeds."""
+    gaps = []
+    with torch.no_grad():
+        x = model.tok_embeddings(tokens)
+        for layer in model.layers:
+            h1 = x + layer.attention(layer.attention_norm(x))
+            f = layer.ffn_norm(h1)
+            logits = layer.moe.router(f).reshape(-1, layer.moe.n_exp)
+            k = layer.moe.k
+            if k < layer.moe.n_exp:
+                top, _ = torch.sort(logits, -1, descending=True)
+                gaps.append(float((top[:, k - 1] - top[:, k]).min()))
+            else:
+                gaps.append(float("inf"))
+            y, _ = layer.moe(f)
+            x = h1 + y
+    return gaps
