@@ -6,6 +6,7 @@
 #include "kernels/backend.h"
 
 #include <stdint.h>
+#include <time.h>
 
 #define TOL_ANALYTIC 1e-5
 #define TOL_FD 1e-4
@@ -642,6 +643,43 @@ static void test_adamw(nl_backend *be, size_t n)
     free(rp), free(rm), free(rv), free(rdp);
 }
 
+/* ================================================================ timing */
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Opt-in (NL_BENCH_ATTN=1): best of 10 forward and backward calls on the
+ * interleaved layout at B=8 T=256 H=8 G=2 hd=32. Prints only; checks
+ * nothing, so it is not part of the test's verdict. */
+static void bench_attention(nl_backend *be)
+{
+    const nl_attn_shape s = {.B = 8, .T = 256, .kv_cap = 256, .H = 8, .G = 2, .hd = 32};
+    const int qs = (s.H + 2 * s.G) * s.hd;
+    const size_t n = (size_t)s.B * s.T * qs, no = (size_t)s.B * s.T * s.H * s.hd;
+    float *qkv = malloc(n * 4), *dqkv = malloc(n * 4), *out = malloc(no * 4);
+    float *dout = malloc(no * 4), *lse = malloc((size_t)s.B * s.H * s.T * 4);
+    fill(qkv, n, 1.0f), fill(dout, no, 1.0f);
+    const float *k = qkv + s.H * s.hd, *v = qkv + (s.H + s.G) * s.hd;
+    double fwd = 1e9, bwd = 1e9;
+    for (int r = 0; r < 10; r++) {
+        double t0 = now_s();
+        be->attention_forward(be, out, lse, qkv, qs, k, v, qs, s);
+        double t1 = now_s();
+        be->attention_backward(be, dqkv, dqkv + s.H * s.hd, dqkv + (s.H + s.G) * s.hd, dout, qkv,
+                               qs, k, v, qs, out, lse, s);
+        double t2 = now_s();
+        fwd = t1 - t0 < fwd ? t1 - t0 : fwd;
+        bwd = t2 - t1 < bwd ? t2 - t1 : bwd;
+    }
+    printf("bench attention B=8 T=256 H=8 G=2 hd=32: forward %.1f ms, backward %.1f ms\n",
+           fwd * 1e3, bwd * 1e3);
+    free(qkv), free(dqkv), free(out), free(dout), free(lse);
+}
+
 /* ================================================================ main */
 
 int main(void)
@@ -690,6 +728,10 @@ int main(void)
 
     test_adamw(be, 70001);
     test_adamw(be, 7);
+
+    const char *bench = getenv("NL_BENCH_ATTN");
+    if (bench && *bench == '1')
+        bench_attention(be);
 
     nl_backend_destroy(&be);
     return check_done("test_backward_kernels");

@@ -177,6 +177,9 @@ void nl_cpu_attention_backward(nl_backend *be, float *dq, float *dk, float *dv, 
                                int kv_stride, const float *out, const float *lse, nl_attn_shape s)
 {
     (void)be;
+    /* the model's config check bounds hd; never run off the stack tiles */
+    if (s.B <= 0 || s.T <= 0 || s.G <= 0 || s.H % s.G != 0 || s.hd <= 0 || s.hd > HD_MAX)
+        return;
     const bwd_args a = {.dq = dq,
                         .dk = dk,
                         .dv = dv,
