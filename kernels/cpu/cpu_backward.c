@@ -5,6 +5,7 @@
  * weight gradient summed over rows) split the work by column blocks
  * instead of rows, so no two threads write the same float. This file is
  * built with -fno-math-errno so that sqrtf vectorises. */
+#include "cpu_math.h"
 #include "cpu_ops.h"
 
 #include <math.h>
@@ -84,7 +85,7 @@ void nl_cpu_swiglu_backward(nl_backend *be, float *dgu, const float *dh, const f
         const float *g = gu + (size_t)n * 2 * F, *u = g + F, *d = dh + (size_t)n * F;
         float *dg = dgu + (size_t)n * 2 * F, *du = dg + F;
         for (int j = 0; j < F; j++) {
-            const float sig = 1.0f / (1.0f + expf(-g[j]));
+            const float sig = 1.0f / (1.0f + nl_expf(-g[j]));
             const float silu = g[j] * sig;
             dg[j] = d[j] * u[j] * sig * (1.0f + g[j] * (1.0f - sig));
             du[j] = d[j] * silu;
@@ -136,7 +137,7 @@ void nl_cpu_cross_entropy(nl_backend *be, float *logits, float *losses, const in
         /* the sum runs in double: V may be large and the terms span decades */
         double sum = 0.0;
         for (int i = 0; i < V; i++) {
-            x[i] = expf(x[i] - m);
+            x[i] = nl_expf(x[i] - m);
             sum += x[i];
         }
         losses[n] = (float)((double)m + log(sum) - (double)xt);
