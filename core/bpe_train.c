@@ -398,7 +398,10 @@ static nl_status load_words(trainer *tr, const nl_bpe_corpus *c)
 static nl_status count_pairs(trainer *tr)
 {
     void *tmp;
-    nl_status st = pm_rehash(tr, 1 << 16);
+    size_t slots = 1024;
+    while (slots < 2 * tr->n_words && slots < ((size_t)1 << 30))
+        slots *= 2;
+    nl_status st = pm_rehash(tr, slots);
     for (size_t w = 0; w < tr->n_words && st == NL_OK; w++) {
         const int32_t *s = tr->sym + tr->w_off[w];
         for (size_t i = 0; i + 1 < tr->w_len[w] && st == NL_OK; i++) {

@@ -172,27 +172,30 @@ static void cache_free(nl_tok_cache *c)
 
 nl_status nl_tokenizer_set_cache(nl_tokenizer *t, size_t max_words, nl_error *err)
 {
-    nl_tok_cache *c = &t->cache;
-    cache_free(c);
-    if (max_words == 0)
-        return NL_OK;
-    if (max_words > ((size_t)1 << 24))
-        max_words = (size_t)1 << 24;
+    (void)err; /* the cache is allocated on first use */
+    cache_free(&t->cache);
+    t->cache.max_words = max_words > ((size_t)1 << 24) ? (size_t)1 << 24 : max_words;
+    return NL_OK;
+}
+
+static nl_status cache_alloc(nl_tok_cache *c, nl_error *err)
+{
     size_t slots = 16;
-    while (slots < 2 * max_words)
+    while (slots < 2 * c->max_words)
         slots *= 2;
     c->slots = calloc(slots, sizeof *c->slots);
-    c->bytes_cap = max_words * 16;
-    c->ids_cap = max_words * 8;
+    c->bytes_cap = c->max_words * 16;
+    c->ids_cap = c->max_words * 8;
     c->bytes = malloc(c->bytes_cap);
     c->ids = malloc(c->ids_cap * sizeof *c->ids);
     if (!c->slots || !c->bytes || !c->ids) {
+        size_t max_words = c->max_words;
         cache_free(c);
+        c->max_words = max_words;
         return nl_error_set(err, NL_ERR_NOMEM, "tokenizer: out of memory for a cache of %zu words",
                             max_words);
     }
     c->mask = slots - 1;
-    c->max_words = max_words;
     return NL_OK;
 }
 
@@ -592,6 +595,11 @@ nl_status nl_tokenizer_encode_into(nl_tokenizer *t, const void *text, size_t len
     nl_tok_cache *c = &t->cache;
     size_t n = 0;
     *n_out = 0;
+    if (c->max_words && !c->slots && len > 0) {
+        nl_status st = cache_alloc(c, err);
+        if (st != NL_OK)
+            return st;
+    }
     for (size_t pos = 0; pos < len;) {
         size_t end = nl_tokenizer_split_next(s, len, pos), wl = end - pos, k = 0;
         const int32_t *ids = NULL;

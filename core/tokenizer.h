@@ -68,8 +68,8 @@ nl_status nl_tokenizer_token_bytes(const nl_tokenizer *t, int32_t id, const uint
  * initialise a new embedding row from its parts. NL_ERR_RANGE otherwise. */
 nl_status nl_tokenizer_merge_pair(const nl_tokenizer *t, int32_t id, int32_t *a, int32_t *b);
 
-/* Size of the encoder's word cache in words (0 disables it). Memory is
- * bounded by about 300 bytes per word. */
+/* Size of the encoder's word cache in words (0 disables it; at most
+ * 2^24). It is allocated on the first encode: about 100 bytes per word. */
 nl_status nl_tokenizer_set_cache(nl_tokenizer *t, size_t max_words, nl_error *err);
 
 /* ---- encoding and decoding ---- */
