@@ -252,6 +252,110 @@ static void test_train_by_hand(void)
     nl_tokenizer_destroy(&t);
 }
 
+/* Naive trainer: recount every pair over every word occurrence before
+ * each merge (dense counts, ids stay small here). Returns merges made. */
+static int naive_train(const char *text, size_t len, int nmerges, int32_t (*out)[2])
+{
+    int32_t *sym = malloc(len * sizeof *sym);
+    size_t *wend = malloc((len + 1) * sizeof *wend), nw = 0;
+    int maxid = NL_TOKEN_FIRST_MERGE + nmerges;
+    int64_t *cnt = malloc((size_t)maxid * maxid * sizeof *cnt);
+    for (size_t i = 0; i < len; i++)
+        sym[i] = (uint8_t)text[i];
+    for (size_t pos = 0; pos < len;)
+        pos = wend[nw++] = nl_tokenizer_split_next(text, len, pos);
+    int made = 0;
+    for (; made < nmerges; made++) {
+        memset(cnt, 0, (size_t)maxid * maxid * sizeof *cnt);
+        for (size_t w = 0, start = 0; w < nw; start = wend[w++])
+            for (size_t i = start; i + 1 < wend[w]; i++)
+                cnt[(size_t)sym[i] * maxid + sym[i + 1]]++;
+        int64_t best = 1; /* min_count 2 */
+        int ba = -1, bb = -1;
+        for (int a = 0; a < maxid; a++)
+            for (int b = 0; b < maxid; b++)
+                if (cnt[(size_t)a * maxid + b] > best) {
+                    best = cnt[(size_t)a * maxid + b];
+                    ba = a;
+                    bb = b;
+                }
+        if (ba < 0)
+            break;
+        out[made][0] = ba;
+        out[made][1] = bb;
+        int32_t id = NL_TOKEN_FIRST_MERGE + made;
+        size_t wr = 0, rd = 0;
+        for (size_t w = 0; w < nw; w++) {
+            size_t end = wend[w];
+            while (rd < end) {
+                if (rd + 1 < end && sym[rd] == ba && sym[rd + 1] == bb) {
+                    sym[wr++] = id;
+                    rd += 2;
+                } else {
+                    sym[wr++] = sym[rd++];
+                }
+            }
+            wend[w] = wr;
+        }
+    }
+    free(sym);
+    free(wend);
+    free(cnt);
+    return made;
+}
+
+/* The incremental trainer against the naive one, in one run and in two
+ * learning steps (which must give the same merges as one). */
+static void test_train_vs_naive(void)
+{
+    enum { LEN = 30000, MERGES = 160 };
+    static const char *syll[] = {"th", "e", "an", "in", "er", "s", "t", "o", "qu", "x", "a"};
+    static const char *seps[] = {" ", " ", " ", "\n", ", ", ". ", "  ", "'s ", "1", "42 "};
+    char *text = malloc(LEN + 16);
+    size_t len = 0;
+    while (len < LEN) {
+        int k = 1 + (int)(rnd() % 4);
+        for (int i = 0; i < k; i++) {
+            const char *p = syll[rnd() % 11];
+            memcpy(text + len, p, strlen(p));
+            len += strlen(p);
+        }
+        const char *q = seps[rnd() % 10];
+        memcpy(text + len, q, strlen(q));
+        len += strlen(q);
+    }
+    int32_t(*want)[2] = malloc(MERGES * sizeof *want);
+    int nwant = naive_train(text, len, MERGES, want);
+    nl_error err = {0};
+    nl_tokenizer *one = NULL, *two = NULL;
+    CHECK_OK(nl_tokenizer_train(&one, text, len, NL_TOKEN_FIRST_MERGE + MERGES, NULL, &err), &err);
+    CHECK_OK(nl_tokenizer_train(&two, text, len, NL_TOKEN_FIRST_MERGE + MERGES / 3, NULL, &err),
+             &err);
+    if (two)
+        CHECK_OK(nl_tokenizer_learn(two, text, len, MERGES - MERGES / 3, NULL, &err), &err);
+    CHECK(nwant == MERGES, "naive made %d merges", nwant);
+    for (int k = 0; k < 2; k++) {
+        nl_tokenizer *t = k ? two : one;
+        if (!t)
+            continue;
+        CHECK(nl_tokenizer_num_merges(t) == nwant, "%s: %d merges, naive %d", k ? "two" : "one",
+              nl_tokenizer_num_merges(t), nwant);
+        for (int r = 0; r < nwant && r < nl_tokenizer_num_merges(t); r++) {
+            int32_t a, b;
+            nl_tokenizer_merge_pair(t, NL_TOKEN_FIRST_MERGE + r, &a, &b);
+            if (a != want[r][0] || b != want[r][1]) {
+                CHECK(0, "%s: merge %d is %d %d, naive %d %d", k ? "two" : "one", r, a, b,
+                      want[r][0], want[r][1]);
+                break;
+            }
+        }
+    }
+    nl_tokenizer_destroy(&one);
+    nl_tokenizer_destroy(&two);
+    free(want);
+    free(text);
+}
+
 static int progress_calls, progress_last;
 static void on_progress(void *ctx, int32_t done, int32_t target)
 {
@@ -666,6 +770,7 @@ int main(void)
     test_split();
     test_safe_split();
     test_train_by_hand();
+    test_train_vs_naive();
     test_incremental();
     test_round_trips();
     test_runs_training();
