@@ -16,6 +16,7 @@ static const struct {
     {"grad", nl_cmd_grad, "loss and the gradient of every weight for one batch"},
     {"train", nl_cmd_train, "train a model in this process"},
     {"bench", nl_cmd_bench, "measure forward, decode, training and GEMM throughput"},
+    {"tokenizer", nl_cmd_tokenizer, "train, extend, encode and decode with a BPE tokenizer"},
 };
 
 static void usage(FILE *f)

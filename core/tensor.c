@@ -7,9 +7,9 @@ static const struct {
     const char *name;
     size_t size;
 } dtypes[NL_DTYPE_COUNT] = {
-    [NL_DTYPE_F32] = {"F32", 4}, [NL_DTYPE_F16] = {"F16", 2}, [NL_DTYPE_BF16] = {"BF16", 2},
-    [NL_DTYPE_F64] = {"F64", 8}, [NL_DTYPE_I8] = {"I8", 1},   [NL_DTYPE_U8] = {"U8", 1},
-    [NL_DTYPE_I16] = {"I16", 2}, [NL_DTYPE_I32] = {"I32", 4}, [NL_DTYPE_I64] = {"I64", 8},
+    [NL_DTYPE_F32] = {"F32", 4}, [NL_DTYPE_F16] = {"F16", 2},   [NL_DTYPE_BF16] = {"BF16", 2},
+    [NL_DTYPE_F64] = {"F64", 8}, [NL_DTYPE_I8] = {"I8", 1},     [NL_DTYPE_U8] = {"U8", 1},
+    [NL_DTYPE_I16] = {"I16", 2}, [NL_DTYPE_I32] = {"I32", 4},   [NL_DTYPE_I64] = {"I64", 8},
     [NL_DTYPE_U32] = {"U32", 4}, [NL_DTYPE_BOOL] = {"BOOL", 1},
 };
 

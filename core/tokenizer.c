@@ -1,0 +1,697 @@
+/* Byte-level BPE tokenizer: the id tables, the GPT-2 style pre-tokenizer,
+ * encoding (merges by rank, with a bounded word cache) and decoding.
+ * Learning is in bpe_train.c, the file format in tokenizer_file.c. */
+#include "tokenizer.h"
+
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tokenizer_impl.h"
+
+static const char *const special_names[3] = {"<|begin|>", "<|end|>", "<|pad|>"};
+
+/* ------------------------------------------------------------------ */
+/* id tables and the merge map                                         */
+/* ------------------------------------------------------------------ */
+
+uint64_t nl_tok_hash_bytes(const uint8_t *p, size_t n)
+{
+    const uint64_t m = 0xC6A4A7935BD1E995ull;
+    uint64_t h = 0x243F6A8885A308D3ull ^ (n * m);
+    while (n >= 8) {
+        uint64_t v;
+        memcpy(&v, p, 8);
+        h = (h ^ v) * m;
+        h ^= h >> 29;
+        p += 8;
+        n -= 8;
+    }
+    uint64_t v = 0;
+    memcpy(&v, p, n);
+    h = (h ^ v) * m;
+    h ^= h >> 32;
+    h *= 0x9E3779B97F4A7C15ull;
+    h ^= h >> 29;
+    return h;
+}
+
+static nl_status map_init(nl_tokenizer *t, size_t slots, nl_error *err)
+{
+    t->map_keys = malloc(slots * sizeof *t->map_keys);
+    t->map_vals = malloc(slots * sizeof *t->map_vals);
+    if (!t->map_keys || !t->map_vals)
+        return nl_error_set(err, NL_ERR_NOMEM, "tokenizer: out of memory for the merge map");
+    memset(t->map_keys, 0xFF, slots * sizeof *t->map_keys);
+    t->map_mask = slots - 1;
+    t->map_n = 0;
+    return NL_OK;
+}
+
+static void map_put(nl_tokenizer *t, uint64_t key, int32_t val)
+{
+    size_t i = nl_tok_hash_u64(key, t->map_mask);
+    while (t->map_keys[i] != UINT64_MAX)
+        i = (i + 1) & t->map_mask;
+    t->map_keys[i] = key;
+    t->map_vals[i] = val;
+    t->map_n++;
+}
+
+static nl_status map_grow(nl_tokenizer *t, nl_error *err)
+{
+    uint64_t *keys = t->map_keys;
+    int32_t *vals = t->map_vals;
+    size_t old = t->map_mask + 1;
+    t->map_keys = NULL;
+    t->map_vals = NULL;
+    nl_status st = map_init(t, old * 2, err);
+    if (st != NL_OK) {
+        free(t->map_keys);
+        free(t->map_vals);
+        t->map_keys = keys;
+        t->map_vals = vals;
+        t->map_mask = old - 1;
+        return st;
+    }
+    for (size_t i = 0; i < old; i++)
+        if (keys[i] != UINT64_MAX)
+            map_put(t, keys[i], vals[i]);
+    free(keys);
+    free(vals);
+    return NL_OK;
+}
+
+static nl_status grow_ids(nl_tokenizer *t, nl_error *err)
+{
+    int32_t cap = t->cap_ids > INT32_MAX / 2 ? INT32_MAX : t->cap_ids * 2;
+    size_t nm = (size_t)cap - NL_TOKEN_FIRST_MERGE;
+    int32_t *merges = realloc(t->merges, nm * 2 * sizeof *merges);
+    if (merges)
+        t->merges = merges;
+    size_t *off = realloc(t->tok_off, (size_t)cap * sizeof *off);
+    if (off)
+        t->tok_off = off;
+    uint16_t *len = realloc(t->tok_len, (size_t)cap * sizeof *len);
+    if (len)
+        t->tok_len = len;
+    if (!merges || !off || !len)
+        return nl_error_set(err, NL_ERR_NOMEM, "tokenizer: out of memory for %d ids", cap);
+    t->cap_ids = cap;
+    return NL_OK;
+}
+
+static nl_status pool_reserve(nl_tokenizer *t, size_t extra, nl_error *err)
+{
+    if (t->pool_cap - t->pool_len >= extra)
+        return NL_OK;
+    size_t cap = t->pool_cap * 2 > t->pool_len + extra ? t->pool_cap * 2 : t->pool_len + extra;
+    uint8_t *p = realloc(t->pool, cap);
+    if (!p)
+        return nl_error_set(err, NL_ERR_NOMEM, "tokenizer: out of memory for %zu token bytes", cap);
+    t->pool = p;
+    t->pool_cap = cap;
+    return NL_OK;
+}
+
+static void cache_clear(nl_tok_cache *c)
+{
+    if (c->slots)
+        memset(c->slots, 0, (c->mask + 1) * sizeof *c->slots);
+    c->n = c->bytes_len = c->ids_len = 0;
+}
+
+nl_status nl_tok_add_merge(nl_tokenizer *t, int32_t a, int32_t b, nl_error *err)
+{
+    nl_status st = NL_OK;
+    if (t->n_ids >= NL_TOKENIZER_MAX_IDS)
+        return nl_error_set(err, NL_ERR_LIMIT, "tokenizer: the id space (%d ids) is full",
+                            NL_TOKENIZER_MAX_IDS);
+    if (t->n_ids == t->cap_ids && (st = grow_ids(t, err)) != NL_OK)
+        return st;
+    if ((t->map_n + 1) * 2 > t->map_mask + 1 && (st = map_grow(t, err)) != NL_OK)
+        return st;
+    size_t la = t->tok_len[a], lb = t->tok_len[b];
+    if ((st = pool_reserve(t, la + lb, err)) != NL_OK)
+        return st;
+    if (t->cache.n)
+        cache_clear(&t->cache); /* cached words may now encode differently */
+    int32_t id = t->n_ids, rank = id - NL_TOKEN_FIRST_MERGE;
+    memcpy(t->pool + t->pool_len, t->pool + t->tok_off[a], la);
+    memcpy(t->pool + t->pool_len + la, t->pool + t->tok_off[b], lb);
+    t->tok_off[id] = t->pool_len;
+    t->tok_len[id] = (uint16_t)(la + lb);
+    t->pool_len += la + lb;
+    t->merges[2 * (size_t)rank] = a;
+    t->merges[2 * (size_t)rank + 1] = b;
+    map_put(t, nl_tok_pair_key(a, b), rank);
+    t->n_ids++;
+    return NL_OK;
+}
+
+void nl_tok_truncate(nl_tokenizer *t, int32_t n_ids)
+{
+    if (n_ids >= t->n_ids || n_ids < NL_TOKEN_FIRST_MERGE)
+        return;
+    t->pool_len = t->tok_off[n_ids];
+    t->n_ids = n_ids;
+    memset(t->map_keys, 0xFF, (t->map_mask + 1) * sizeof *t->map_keys);
+    t->map_n = 0;
+    for (int32_t r = 0; r < n_ids - NL_TOKEN_FIRST_MERGE; r++)
+        map_put(t, nl_tok_pair_key(t->merges[2 * (size_t)r], t->merges[2 * (size_t)r + 1]), r);
+    cache_clear(&t->cache);
+}
+
+static void cache_free(nl_tok_cache *c)
+{
+    free(c->slots);
+    free(c->bytes);
+    free(c->ids);
+    memset(c, 0, sizeof *c);
+}
+
+nl_status nl_tokenizer_set_cache(nl_tokenizer *t, size_t max_words, nl_error *err)
+{
+    (void)err; /* the cache is allocated on first use */
+    cache_free(&t->cache);
+    t->cache.max_words = max_words > ((size_t)1 << 24) ? (size_t)1 << 24 : max_words;
+    return NL_OK;
+}
+
+static nl_status cache_alloc(nl_tok_cache *c, nl_error *err)
+{
+    size_t slots = 16;
+    while (slots < 2 * c->max_words)
+        slots *= 2;
+    c->slots = calloc(slots, sizeof *c->slots);
+    c->bytes_cap = c->max_words * 16;
+    c->ids_cap = c->max_words * 8;
+    c->bytes = malloc(c->bytes_cap);
+    c->ids = malloc(c->ids_cap * sizeof *c->ids);
+    if (!c->slots || !c->bytes || !c->ids) {
+        size_t max_words = c->max_words;
+        cache_free(c);
+        c->max_words = max_words;
+        return nl_error_set(err, NL_ERR_NOMEM, "tokenizer: out of memory for a cache of %zu words",
+                            max_words);
+    }
+    c->mask = slots - 1;
+    return NL_OK;
+}
+
+nl_status nl_tokenizer_new_bytes(nl_tokenizer **out, nl_error *err)
+{
+    *out = NULL;
+    nl_status st = NL_OK;
+    nl_tokenizer *t = calloc(1, sizeof *t);
+    if (!t)
+        return nl_error_set(err, NL_ERR_NOMEM, "tokenizer: out of memory");
+    t->cap_ids = 1024;
+    t->merges = malloc((size_t)(t->cap_ids - NL_TOKEN_FIRST_MERGE) * 2 * sizeof *t->merges);
+    t->tok_off = malloc((size_t)t->cap_ids * sizeof *t->tok_off);
+    t->tok_len = malloc((size_t)t->cap_ids * sizeof *t->tok_len);
+    t->pool_cap = 4096;
+    t->pool = malloc(t->pool_cap);
+    if (!t->merges || !t->tok_off || !t->tok_len || !t->pool) {
+        st = nl_error_set(err, NL_ERR_NOMEM, "tokenizer: out of memory");
+        goto fail;
+    }
+    if ((st = map_init(t, 1024, err)) != NL_OK)
+        goto fail;
+    for (int i = 0; i < 256; i++) {
+        t->pool[i] = (uint8_t)i;
+        t->tok_off[i] = (size_t)i;
+        t->tok_len[i] = 1;
+    }
+    t->pool_len = 256;
+    for (int i = 0; i < 3; i++) {
+        size_t n = strlen(special_names[i]);
+        memcpy(t->pool + t->pool_len, special_names[i], n);
+        t->tok_off[NL_TOKEN_BEGIN + i] = t->pool_len;
+        t->tok_len[NL_TOKEN_BEGIN + i] = (uint16_t)n;
+        t->pool_len += n;
+    }
+    t->n_ids = NL_TOKEN_FIRST_MERGE;
+    if ((st = nl_tokenizer_set_cache(t, NL_TOKENIZER_DEFAULT_CACHE, err)) != NL_OK)
+        goto fail;
+    *out = t;
+    return NL_OK;
+fail:
+    nl_tokenizer_destroy(&t);
+    return st;
+}
+
+void nl_tokenizer_destroy(nl_tokenizer **tp)
+{
+    if (!tp || !*tp)
+        return;
+    nl_tokenizer *t = *tp;
+    free(t->merges);
+    free(t->tok_off);
+    free(t->tok_len);
+    free(t->pool);
+    free(t->map_keys);
+    free(t->map_vals);
+    free(t->ws_sym);
+    free(t->ws_rank);
+    free(t->ws_prev);
+    free(t->ws_next);
+    free(t->ws_heap);
+    cache_free(&t->cache);
+    free(t);
+    *tp = NULL;
+}
+
+int32_t nl_tokenizer_vocab_size(const nl_tokenizer *t)
+{
+    return t->n_ids;
+}
+
+int32_t nl_tokenizer_num_merges(const nl_tokenizer *t)
+{
+    return t->n_ids - NL_TOKEN_FIRST_MERGE;
+}
+
+int nl_tokenizer_is_special(int32_t id)
+{
+    return id >= NL_TOKEN_BEGIN && id <= NL_TOKEN_PAD;
+}
+
+nl_status nl_tokenizer_token_bytes(const nl_tokenizer *t, int32_t id, const uint8_t **ptr,
+                                   size_t *len)
+{
+    if (id < 0 || id >= t->n_ids)
+        return NL_ERR_RANGE;
+    *ptr = t->pool + t->tok_off[id];
+    *len = t->tok_len[id];
+    return NL_OK;
+}
+
+nl_status nl_tokenizer_merge_pair(const nl_tokenizer *t, int32_t id, int32_t *a, int32_t *b)
+{
+    if (id < NL_TOKEN_FIRST_MERGE || id >= t->n_ids)
+        return NL_ERR_RANGE;
+    *a = t->merges[2 * (size_t)(id - NL_TOKEN_FIRST_MERGE)];
+    *b = t->merges[2 * (size_t)(id - NL_TOKEN_FIRST_MERGE) + 1];
+    return NL_OK;
+}
+
+/* ------------------------------------------------------------------ */
+/* pre-tokenization                                                    */
+/* ------------------------------------------------------------------ */
+
+/* Byte classes: whitespace (tab, LF, VT, FF, CR, space), letters (ASCII
+ * letters and every byte >= 0x80), digits, and other. */
+enum { CW = 0, CL = 1, CN = 2, CO = 3 };
+
+#define ROW_OTHER CO, CO, CO, CO, CO, CO, CO, CO, CO, CO, CO, CO, CO, CO, CO, CO
+#define ROW_LETTER CL, CL, CL, CL, CL, CL, CL, CL, CL, CL, CL, CL, CL, CL, CL, CL
+static const uint8_t byte_class[256] = {
+    CO,         CO,         CO,         CO,         CO, CO, CO, CO,
+    CO,         CW,         CW,         CW,         CW, CW, CO, CO, /* 0x00 */
+    ROW_OTHER,                                                      /* 0x10 */
+    CW,         CO,         CO,         CO,         CO, CO, CO, CO,
+    CO,         CO,         CO,         CO,         CO, CO, CO, CO, /* 0x20 */
+    CN,         CN,         CN,         CN,         CN, CN, CN, CN,
+    CN,         CN,         CO,         CO,         CO, CO, CO, CO, /* 0x30 */
+    CO,         CL,         CL,         CL,         CL, CL, CL, CL,
+    CL,         CL,         CL,         CL,         CL, CL, CL, CL, /* 0x40 */
+    CL,         CL,         CL,         CL,         CL, CL, CL, CL,
+    CL,         CL,         CL,         CO,         CO, CO, CO, CO, /* 0x50 */
+    CO,         CL,         CL,         CL,         CL, CL, CL, CL,
+    CL,         CL,         CL,         CL,         CL, CL, CL, CL, /* 0x60 */
+    CL,         CL,         CL,         CL,         CL, CL, CL, CL,
+    CL,         CL,         CL,         CO,         CO, CO, CO, CO, /* 0x70 */
+    ROW_LETTER, ROW_LETTER, ROW_LETTER, ROW_LETTER,                 /* 0x80 */
+    ROW_LETTER, ROW_LETTER, ROW_LETTER, ROW_LETTER,                 /* 0xC0 */
+};
+
+/* Length of a contraction ('s 't 're 've 'm 'll 'd) at s[i] == '\'', or 0. */
+static size_t contraction_len(const uint8_t *s, size_t len, size_t i)
+{
+    if (i + 1 >= len)
+        return 0;
+    uint8_t d = s[i + 1];
+    if (d == 's' || d == 't' || d == 'm' || d == 'd')
+        return 2;
+    if (i + 2 >= len)
+        return 0;
+    uint8_t e = s[i + 2];
+    if ((d == 'r' && e == 'e') || (d == 'v' && e == 'e') || (d == 'l' && e == 'l'))
+        return 3;
+    return 0;
+}
+
+size_t nl_tokenizer_split_next(const void *text, size_t len, size_t i)
+{
+    const uint8_t *s = text;
+    uint8_t c = s[i];
+    if (c == '\'') {
+        size_t k = contraction_len(s, len, i);
+        if (k)
+            return i + k;
+    }
+    size_t j = i;
+    int cls = byte_class[c];
+    if (c == ' ' && i + 1 < len && byte_class[s[i + 1]] != CW) {
+        j = i + 1;
+        cls = byte_class[s[j]];
+    }
+    if (cls != CW) {
+        /* ` ?` then a run of letters, of digits or of other bytes */
+        j++;
+        while (j < len && byte_class[s[j]] == cls)
+            j++;
+        return j;
+    }
+    /* a whitespace run; one followed by a non-space leaves its last byte
+     * to the next word (`\s+(?!\S)`), unless it is one byte long (`\s+`) */
+    j = i + 1;
+    while (j < len && byte_class[s[j]] == CW)
+        j++;
+    if (j < len && j - i >= 2)
+        return j - 1;
+    return j;
+}
+
+size_t nl_tokenizer_safe_split(const void *text, size_t len, size_t max)
+{
+    const uint8_t *s = text;
+    if (len <= max)
+        return len;
+    for (size_t p = max; p >= 1; p--)
+        if (byte_class[s[p]] == CW && byte_class[s[p - 1]] != CW)
+            return p;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ */
+/* encoding                                                            */
+/* ------------------------------------------------------------------ */
+
+static nl_status scratch_reserve(nl_tokenizer *t, size_t n, nl_error *err)
+{
+    if (n <= t->ws_cap)
+        return NL_OK;
+    size_t cap = t->ws_cap * 2 > n ? t->ws_cap * 2 : n;
+    if (cap < 256)
+        cap = 256;
+    if (cap > SIZE_MAX / (3 * sizeof(uint64_t)))
+        return nl_error_set(err, NL_ERR_LIMIT, "tokenizer: word of %zu bytes is too long", n);
+    int32_t *sym = realloc(t->ws_sym, cap * sizeof *sym);
+    if (sym)
+        t->ws_sym = sym;
+    int32_t *rank = realloc(t->ws_rank, cap * sizeof *rank);
+    if (rank)
+        t->ws_rank = rank;
+    int32_t *prev = realloc(t->ws_prev, cap * sizeof *prev);
+    if (prev)
+        t->ws_prev = prev;
+    int32_t *next = realloc(t->ws_next, cap * sizeof *next);
+    if (next)
+        t->ws_next = next;
+    uint64_t *heap = realloc(t->ws_heap, 3 * cap * sizeof *heap);
+    if (heap)
+        t->ws_heap = heap;
+    if (!sym || !rank || !prev || !next || !heap)
+        return nl_error_set(err, NL_ERR_NOMEM, "tokenizer: out of memory for a word of %zu bytes",
+                            n);
+    t->ws_cap = cap;
+    return NL_OK;
+}
+
+static inline int32_t pair_rank(const nl_tokenizer *t, int32_t a, int32_t b)
+{
+    int32_t r = nl_tok_merge_rank(t, a, b);
+    return r < 0 ? INT32_MAX : r;
+}
+
+/* Short words: keep the rank of every adjacent pair and merge the lowest
+ * (leftmost on ties) until none is left. O(n^2) but n is small. */
+static size_t encode_short(const nl_tokenizer *t, int32_t *sym, int32_t *rk, size_t n)
+{
+    for (size_t i = 0; i + 1 < n; i++)
+        rk[i] = pair_rank(t, sym[i], sym[i + 1]);
+    while (n > 1) {
+        int32_t best = INT32_MAX;
+        size_t bi = 0;
+        for (size_t i = 0; i + 1 < n; i++)
+            if (rk[i] < best) {
+                best = rk[i];
+                bi = i;
+            }
+        if (best == INT32_MAX)
+            break;
+        sym[bi] = NL_TOKEN_FIRST_MERGE + best;
+        memmove(sym + bi + 1, sym + bi + 2, (n - bi - 2) * sizeof *sym);
+        memmove(rk + bi, rk + bi + 1, (n - bi - 2) * sizeof *rk);
+        n--;
+        if (bi > 0)
+            rk[bi - 1] = pair_rank(t, sym[bi - 1], sym[bi]);
+        if (bi + 1 < n)
+            rk[bi] = pair_rank(t, sym[bi], sym[bi + 1]);
+    }
+    return n;
+}
+
+/* Min-heap of (rank << 32 | position): the lowest rank first, leftmost on
+ * ties, exactly the order in which merges apply. */
+static void heap_push(uint64_t *h, size_t *n, uint64_t v)
+{
+    size_t i = (*n)++;
+    while (i > 0) {
+        size_t p = (i - 1) / 2;
+        if (h[p] <= v)
+            break;
+        h[i] = h[p];
+        i = p;
+    }
+    h[i] = v;
+}
+
+static uint64_t heap_pop(uint64_t *h, size_t *n)
+{
+    uint64_t top = h[0], v = h[--(*n)];
+    size_t i = 0, m = *n;
+    for (;;) {
+        size_t c = 2 * i + 1;
+        if (c >= m)
+            break;
+        if (c + 1 < m && h[c + 1] < h[c])
+            c++;
+        if (v <= h[c])
+            break;
+        h[i] = h[c];
+        i = c;
+    }
+    if (m)
+        h[i] = v;
+    return top;
+}
+
+static void push_pair(const nl_tokenizer *t, uint64_t *h, size_t *hn, const int32_t *sym, int32_t i,
+                      int32_t j)
+{
+    int32_t r = nl_tok_merge_rank(t, sym[i], sym[j]);
+    if (r >= 0)
+        heap_push(h, hn, (uint64_t)(uint32_t)r << 32 | (uint32_t)i);
+}
+
+/* Long words: a linked list of symbols and a heap of candidate merges,
+ * each checked against the current symbols when it comes out. */
+static size_t encode_long(const nl_tokenizer *t, int32_t *sym, int32_t *prev, int32_t *next,
+                          uint64_t *heap, size_t n)
+{
+    size_t hn = 0;
+    for (size_t i = 0; i < n; i++) {
+        prev[i] = (int32_t)i - 1;
+        next[i] = i + 1 < n ? (int32_t)i + 1 : -1;
+    }
+    for (size_t i = 0; i + 1 < n; i++)
+        push_pair(t, heap, &hn, sym, (int32_t)i, (int32_t)i + 1);
+    while (hn > 0) {
+        uint64_t top = heap_pop(heap, &hn);
+        int32_t r = (int32_t)(top >> 32), i = (int32_t)(uint32_t)top, j = next[i];
+        if (sym[i] < 0 || j < 0 || sym[i] != t->merges[2 * (size_t)r] ||
+            sym[j] != t->merges[2 * (size_t)r + 1])
+            continue; /* stale */
+        sym[i] = NL_TOKEN_FIRST_MERGE + r;
+        sym[j] = -1;
+        next[i] = next[j];
+        if (next[j] >= 0)
+            prev[next[j]] = i;
+        if (prev[i] >= 0)
+            push_pair(t, heap, &hn, sym, prev[i], i);
+        if (next[i] >= 0)
+            push_pair(t, heap, &hn, sym, i, next[i]);
+    }
+    size_t m = 0;
+    for (int32_t i = 0; i >= 0; i = next[i])
+        sym[m++] = sym[i];
+    return m;
+}
+
+nl_status nl_tok_encode_word(nl_tokenizer *t, const uint8_t *w, size_t len, const int32_t **ids,
+                             size_t *n, nl_error *err)
+{
+    if (len > INT32_MAX)
+        return nl_error_set(err, NL_ERR_LIMIT, "tokenizer: word of %zu bytes is too long", len);
+    nl_status st = scratch_reserve(t, len, err);
+    if (st != NL_OK)
+        return st;
+    int32_t *sym = t->ws_sym;
+    for (size_t i = 0; i < len; i++)
+        sym[i] = w[i];
+    if (t->n_ids == NL_TOKEN_FIRST_MERGE)
+        *n = len;
+    else if (len <= 64)
+        *n = encode_short(t, sym, t->ws_rank, len);
+    else
+        *n = encode_long(t, sym, t->ws_prev, t->ws_next, t->ws_heap, len);
+    *ids = sym;
+    return NL_OK;
+}
+
+static const int32_t *cache_find(const nl_tok_cache *c, const uint8_t *w, size_t len, uint64_t h,
+                                 size_t *n)
+{
+    for (size_t i = (size_t)h & c->mask;; i = (i + 1) & c->mask) {
+        const nl_tok_cache_slot *s = &c->slots[i];
+        if (s->word_len == 0)
+            return NULL;
+        if (s->hash == h && s->word_len == len && memcmp(c->bytes + s->word_off, w, len) == 0) {
+            *n = s->n_ids;
+            return c->ids + s->ids_off;
+        }
+    }
+}
+
+/* Insert a word known to be absent; empties the cache first when full. */
+static void cache_put(nl_tok_cache *c, const uint8_t *w, size_t len, uint64_t h, const int32_t *ids,
+                      size_t n)
+{
+    if (c->n >= c->max_words || c->bytes_cap - c->bytes_len < len || c->ids_cap - c->ids_len < n)
+        cache_clear(c);
+    size_t i = (size_t)h & c->mask;
+    while (c->slots[i].word_len != 0)
+        i = (i + 1) & c->mask;
+    nl_tok_cache_slot *s = &c->slots[i];
+    s->hash = h;
+    s->word_off = (uint32_t)c->bytes_len;
+    s->ids_off = (uint32_t)c->ids_len;
+    s->word_len = (uint8_t)len;
+    s->n_ids = (uint8_t)n;
+    memcpy(c->bytes + c->bytes_len, w, len);
+    memcpy(c->ids + c->ids_len, ids, n * sizeof *ids);
+    c->bytes_len += len;
+    c->ids_len += n;
+    c->n++;
+}
+
+nl_status nl_tokenizer_encode_into(nl_tokenizer *t, const void *text, size_t len, int32_t *out,
+                                   size_t cap, size_t *n_out, nl_error *err)
+{
+    const uint8_t *s = text;
+    nl_tok_cache *c = &t->cache;
+    size_t n = 0;
+    *n_out = 0;
+    if (c->max_words && !c->slots && len > 0) {
+        nl_status st = cache_alloc(c, err);
+        if (st != NL_OK)
+            return st;
+    }
+    for (size_t pos = 0; pos < len;) {
+        size_t end = nl_tokenizer_split_next(s, len, pos), wl = end - pos, k = 0;
+        const int32_t *ids = NULL;
+        int32_t one = s[pos];
+        if (wl == 1) {
+            ids = &one;
+            k = 1;
+        } else if (c->mask && wl <= NL_TOK_CACHE_MAX_WORD) {
+            uint64_t h = nl_tok_hash_bytes(s + pos, wl);
+            ids = cache_find(c, s + pos, wl, h, &k);
+            if (!ids) {
+                nl_status st = nl_tok_encode_word(t, s + pos, wl, &ids, &k, err);
+                if (st != NL_OK)
+                    return st;
+                cache_put(c, s + pos, wl, h, ids, k);
+            }
+        } else {
+            nl_status st = nl_tok_encode_word(t, s + pos, wl, &ids, &k, err);
+            if (st != NL_OK)
+                return st;
+        }
+        if (cap - n < k)
+            return nl_error_set(err, NL_ERR_LIMIT,
+                                "tokenizer: %zu ids do not fit an output of %zu ids", n + k, cap);
+        memcpy(out + n, ids, k * sizeof *ids);
+        n += k;
+        pos = end;
+    }
+    *n_out = n;
+    return NL_OK;
+}
+
+nl_status nl_tokenizer_encode(nl_tokenizer *t, const void *text, size_t len, int32_t **ids,
+                              size_t *n, nl_error *err)
+{
+    *ids = NULL;
+    *n = 0;
+    if (len > SIZE_MAX / sizeof(int32_t))
+        return nl_error_set(err, NL_ERR_LIMIT, "tokenizer: input of %zu bytes is too large", len);
+    int32_t *buf = malloc((len ? len : 1) * sizeof *buf);
+    if (!buf)
+        return nl_error_set(err, NL_ERR_NOMEM, "tokenizer: out of memory for %zu ids", len);
+    nl_status st = nl_tokenizer_encode_into(t, text, len, buf, len, n, err);
+    if (st != NL_OK) {
+        free(buf);
+        *n = 0;
+        return st;
+    }
+    int32_t *shrunk = realloc(buf, (*n ? *n : 1) * sizeof *buf);
+    *ids = shrunk ? shrunk : buf;
+    return NL_OK;
+}
+
+/* ------------------------------------------------------------------ */
+/* decoding                                                            */
+/* ------------------------------------------------------------------ */
+
+nl_status nl_tokenizer_decode_flags(const nl_tokenizer *t, const int32_t *ids, size_t n,
+                                    unsigned flags, char **out, size_t *len, nl_error *err)
+{
+    *out = NULL;
+    *len = 0;
+    size_t total = 0;
+    for (size_t i = 0; i < n; i++) {
+        int32_t id = ids[i];
+        if (id < 0 || id >= t->n_ids)
+            return nl_error_set(err, NL_ERR_RANGE,
+                                "tokenizer: id %d at position %zu is not in the vocabulary "
+                                "(ids 0..%d)",
+                                id, i, t->n_ids - 1);
+        if ((flags & NL_TOKENIZER_DECODE_STRICT) && nl_tokenizer_is_special(id))
+            return nl_error_set(err, NL_ERR_RANGE,
+                                "tokenizer: special id %d (%s) at position %zu is refused", id,
+                                special_names[id - NL_TOKEN_BEGIN], i);
+        total += t->tok_len[id];
+    }
+    char *buf = malloc(total + 1);
+    if (!buf)
+        return nl_error_set(err, NL_ERR_NOMEM, "tokenizer: out of memory for %zu bytes", total);
+    char *p = buf;
+    for (size_t i = 0; i < n; i++) {
+        memcpy(p, t->pool + t->tok_off[ids[i]], t->tok_len[ids[i]]);
+        p += t->tok_len[ids[i]];
+    }
+    *p = '\0';
+    *out = buf;
+    *len = total;
+    return NL_OK;
+}
+
+nl_status nl_tokenizer_decode(const nl_tokenizer *t, const int32_t *ids, size_t n, char **out,
+                              size_t *len, nl_error *err)
+{
+    return nl_tokenizer_decode_flags(t, ids, n, 0, out, len, err);
+}
