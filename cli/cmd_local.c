@@ -10,6 +10,7 @@
 #include "core/forward.h"
 #include "core/safetensors.h"
 #include "core/sampler.h"
+#include "core/tokenizer.h"
 
 static int fail(const char *cmd, const nl_error *err)
 {
@@ -33,8 +34,10 @@ int nl_cmd_init(int argc, char **argv)
         {"config", 1, "model config (YAML); hidden_dim and num_layers are required", NULL},
         {"out", 1, "checkpoint to write (safetensors)", NULL},
         {"seed", 1, "initialisation seed (default 0)", NULL},
+        {"tokenizer", 1, "attach this tokenizer: vocab_size becomes its size", NULL},
         {0}};
-    const char *usage = "neuroctl init --config CFG.yaml --out MODEL.safetensors [--seed N]";
+    const char *usage = "neuroctl init --config CFG.yaml --out MODEL.safetensors [--seed N] "
+                        "[--tokenizer TOK]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -50,17 +53,30 @@ int nl_cmd_init(int argc, char **argv)
     nl_config cfg;
     nl_backend *be = NULL;
     nl_model *m = NULL;
+    nl_tokenizer *tok = NULL;
+    char *tok_text = NULL, seed_s[32];
+    size_t tok_len = 0;
+    const char *tok_path = nl_args_get(flags, "tokenizer");
     rc = 1;
     if (nl_config_load_yaml(&cfg, cfg_path, &err) != NL_OK)
         goto out;
+    if (tok_path) {
+        if (nl_tokenizer_load(&tok, tok_path, &err) != NL_OK ||
+            nl_tokenizer_save_buffer(tok, &tok_text, &tok_len, &err) != NL_OK)
+            goto out;
+        cfg.vocab_size = nl_tokenizer_vocab_size(tok);
+    }
     if (nl_config_validate(&cfg, 1, &err) != NL_OK) {
         nl_error_prefix(&err, "%s", cfg_path);
         goto out;
     }
     if (nl_backend_cpu_new(&be, 0, &err) != NL_OK ||
         nl_model_new(&m, be, &cfg, 0, cfg.num_layers, 1, 1, &err) != NL_OK ||
-        nl_model_init_random(m, (uint64_t)seed, &err) != NL_OK ||
-        nl_checkpoint_save(m, out, 0, NULL, &err) != NL_OK)
+        nl_model_init_random(m, (uint64_t)seed, &err) != NL_OK)
+        goto out;
+    snprintf(seed_s, sizeof seed_s, "%lld", seed);
+    nl_ckpt_extra extra = {.tokenizer = tok_text, .init_seed = seed_s};
+    if (nl_checkpoint_save(m, out, 0, &extra, &err) != NL_OK)
         goto out;
     printf("wrote %s: %" PRId64 " parameters (d=%d, L=%d, H=%d, G=%d, F=%d, E=%d, vocab %" PRId64
            ", capacity %" PRId64 ")\n",
@@ -68,6 +84,8 @@ int nl_cmd_init(int argc, char **argv)
            cfg.num_kv_heads, cfg.ffn_dim, cfg.num_experts, cfg.vocab_size, m->capacity);
     rc = 0;
 out:
+    free(tok_text);
+    nl_tokenizer_destroy(&tok);
     nl_model_destroy(&m);
     nl_backend_destroy(&be);
     return rc ? fail("init", &err) : 0;

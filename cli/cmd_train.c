@@ -14,6 +14,8 @@
 #include "core/data.h"
 #include "core/memory.h"
 #include "core/safetensors.h"
+#include "core/fileio.h"
+#include "core/tokenizer.h"
 #include "core/train.h"
 
 static double now_s(void)
@@ -206,14 +208,68 @@ static char *train_json(const train_opts *o)
     return s;
 }
 
-static nl_status save_ckpt(nl_model *m, nl_trainer *tr, const train_opts *o, const char *path,
-                           int64_t step, nl_error *err)
+/* Metadata a run carries from its starting checkpoint into every one it writes. */
+typedef struct carried_meta {
+    char *tokenizer, *init_seed;
+} carried_meta;
+
+static nl_status save_ckpt(nl_model *m, nl_trainer *tr, const train_opts *o,
+                           const carried_meta *cm, const char *path, int64_t step, nl_error *err)
 {
     char *tj = train_json(o);
-    nl_ckpt_optim opt = {.m = nl_trainer_moment(tr, 0), .v = nl_trainer_moment(tr, 1),
-                         .adam_steps = nl_trainer_adam_steps(tr), .train_json = tj};
+    nl_ckpt_extra opt = {.m = nl_trainer_moment(tr, 0), .v = nl_trainer_moment(tr, 1),
+                         .adam_steps = nl_trainer_adam_steps(tr), .train_json = tj,
+                         .tokenizer = cm->tokenizer, .init_seed = cm->init_seed};
     nl_status st = nl_checkpoint_save(m, path, step, &opt, err);
     free(tj);
+    return st;
+}
+
+static int ends_with(const char *s, const char *suffix)
+{
+    size_t a = strlen(s), b = strlen(suffix);
+    return a >= b && strcmp(s + a - b, suffix) == 0;
+}
+
+/* Text goes through the model's tokenizer when it has one; a .tok file
+ * or a byte-level model reads ids directly. */
+static nl_status load_data(nl_dataset **ds, const train_opts *o, const char *model,
+                           const char *tok_text, int64_t vocab, nl_error *err)
+{
+    if (!tok_text || ends_with(o->data, ".tok"))
+        return nl_dataset_load(ds, o->data, vocab, o->holdout, err);
+    nl_tokenizer *tok = NULL;
+    char *text = NULL;
+    int32_t *ids = NULL;
+    size_t len = 0, n = 0;
+    nl_status st = nl_tokenizer_load_buffer(&tok, tok_text, strlen(tok_text), err);
+    if (st != NL_OK) {
+        nl_error_prefix(err, "%s: tokenizer", model);
+        return st;
+    }
+    if (nl_tokenizer_vocab_size(tok) > vocab) {
+        st = nl_error_set(err, NL_ERR_SHAPE,
+                          "%s: tokenizer has %d ids but the model's vocabulary is %lld (grow it "
+                          "with neuroctl grow)",
+                          model, nl_tokenizer_vocab_size(tok), (long long)vocab);
+        goto out;
+    }
+    if ((st = nl_file_read_all(o->data, NL_DATA_MAX_BYTES, &text, &len, err)) != NL_OK)
+        goto out;
+    double t0 = now_s();
+    if ((st = nl_tokenizer_encode(tok, text, len, &ids, &n, err)) != NL_OK) {
+        nl_error_prefix(err, "%s", o->data);
+        goto out;
+    }
+    fprintf(stderr, "tokenized %s: %zu bytes -> %zu tokens in %.1f s\n", o->data, len, n,
+            now_s() - t0);
+    /* ids are in [0, vocab) by construction; the dataset keeps uint32 */
+    st = nl_dataset_from_ids(ds, (uint32_t *)ids, n, o->holdout, err);
+    ids = NULL;
+out:
+    free(ids);
+    free(text);
+    nl_tokenizer_destroy(&tok);
     return st;
 }
 
@@ -231,9 +287,12 @@ static int run_train(const train_opts *o)
     const int B = (int)o->batch, T = (int)o->seq, M = (int)o->micro, mb = B / M;
     const char *src = o->resume ? o->resume : o->model;
     nl_config cfg;
+    carried_meta cm = {0};
     /* the data first: its load-time peak does not stack on the model's */
     if (nl_checkpoint_read_config(src, &cfg, NULL, &err) != NL_OK ||
-        nl_dataset_load(&ds, o->data, cfg.vocab_size, o->holdout, &err) != NL_OK ||
+        nl_checkpoint_meta(src, "tokenizer", &cm.tokenizer, &err) != NL_OK ||
+        nl_checkpoint_meta(src, "init_seed", &cm.init_seed, &err) != NL_OK ||
+        load_data(&ds, o, src, cm.tokenizer, cfg.vocab_size, &err) != NL_OK ||
         nl_backend_cpu_new(&be, (int)o->threads, &err) != NL_OK ||
         nl_checkpoint_load(&m, be, src, 0, -1, 1, 1, &start, &err) != NL_OK ||
         nl_trainer_new(&tr, m, mb * T, 1, (int)o->recompute, &err) != NL_OK)
@@ -323,7 +382,7 @@ static int run_train(const train_opts *o)
             char path[4096];
             snprintf(path, sizeof path, "%s/step-%06" PRId64 ".safetensors", o->ckpt_dir,
                      step + 1);
-            if (save_ckpt(m, tr, o, path, step + 1, &err) != NL_OK)
+            if (save_ckpt(m, tr, o, &cm, path, step + 1, &err) != NL_OK)
                 goto out;
             fprintf(stderr, "%scheckpoint %s\n", tty ? "\n" : "", path);
         }
@@ -331,7 +390,7 @@ static int run_train(const train_opts *o)
     if (tty)
         fprintf(stderr, "\n");
     if (o->out) {
-        if (save_ckpt(m, tr, o, o->out, o->steps, &err) != NL_OK)
+        if (save_ckpt(m, tr, o, &cm, o->out, o->steps, &err) != NL_OK)
             goto out;
         fprintf(stderr, "wrote %s\n", o->out);
     }
@@ -339,6 +398,8 @@ static int run_train(const train_opts *o)
         fprintf(stderr, "%" PRId64 " step(s) skipped for non-finite values\n", skipped);
     rc = 0;
 out:
+    free(cm.tokenizer);
+    free(cm.init_seed);
     if (logf)
         fclose(logf);
     free(tokens);

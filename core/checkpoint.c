@@ -8,10 +8,12 @@
 #include <string.h>
 
 #include "safetensors.h"
+#include "tokenizer.h"
 
 nl_status nl_checkpoint_save(const nl_model *m, const char *path, int64_t step,
-                             const nl_ckpt_optim *opt, nl_error *err)
+                             const nl_ckpt_extra *extra, nl_error *err)
 {
+    const nl_ckpt_extra *opt = extra && extra->m && extra->v ? extra : NULL;
     nl_status st = NL_OK;
     nl_st_writer *w = NULL;
     char *cfg_json = NULL;
@@ -73,6 +75,10 @@ nl_status nl_checkpoint_save(const nl_model *m, const char *path, int64_t step,
         st = nl_st_writer_set_meta(w, "config", cfg_json, err);
     if (st == NL_OK)
         st = nl_st_writer_set_meta(w, "step", step_s, err);
+    if (st == NL_OK && extra && extra->tokenizer)
+        st = nl_st_writer_set_meta(w, "tokenizer", extra->tokenizer, err);
+    if (st == NL_OK && extra && extra->init_seed)
+        st = nl_st_writer_set_meta(w, "init_seed", extra->init_seed, err);
     if (st == NL_OK)
         st = nl_st_writer_write(w, path, err);
 out:
@@ -226,5 +232,33 @@ nl_status nl_checkpoint_load_optim(const nl_model *m, const char *path, float *m
 out:
     free(host);
     nl_st_close(&f);
+    return st;
+}
+
+nl_status nl_checkpoint_meta(const char *path, const char *key, char **out, nl_error *err)
+{
+    nl_st_file *f = NULL;
+    *out = NULL;
+    nl_status st = nl_st_open(&f, path, err);
+    if (st != NL_OK)
+        return st;
+    const char *v = nl_st_metadata(f, key);
+    if (v && !(*out = strdup(v)))
+        st = nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", path);
+    nl_st_close(&f);
+    return st;
+}
+
+nl_status nl_checkpoint_tokenizer(const char *path, nl_tokenizer **out, nl_error *err)
+{
+    char *text = NULL;
+    *out = NULL;
+    nl_status st = nl_checkpoint_meta(path, "tokenizer", &text, err);
+    if (st == NL_OK && text) {
+        st = nl_tokenizer_load_buffer(out, text, strlen(text), err);
+        if (st != NL_OK)
+            nl_error_prefix(err, "%s: metadata 'tokenizer'", path);
+    }
+    free(text);
     return st;
 }

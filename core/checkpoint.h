@@ -11,20 +11,30 @@
 
 #define NL_CHECKPOINT_FORMAT "neurollm/1"
 
-/* Optimizer state saved beside the weights: the AdamW moments of every
- * parameter (device pointers in the model's layout) under the names
- * `optim.m.<name>` and `optim.v.<name>`, the number of AdamW steps, and
- * free-form training metadata (JSON text, may be NULL). */
-typedef struct nl_ckpt_optim {
+/* What a checkpoint may carry beside the weights (every field optional):
+ * - the AdamW moments of every parameter (device pointers in the model's
+ *   layout, both or neither) under `optim.m.<name>` and `optim.v.<name>`,
+ *   with the number of AdamW steps and the run's options (JSON text);
+ * - the tokenizer, as its file text in metadata `tokenizer`, so that the
+ *   checkpoint alone turns text into tokens and back;
+ * - the seed the weights were initialised from (`init_seed`), which
+ *   vocabulary growth draws new rows from. */
+typedef struct nl_ckpt_extra {
     const float *m, *v;
     int64_t adam_steps;
     const char *train_json;
-} nl_ckpt_optim;
+    const char *tokenizer;
+    const char *init_seed; /* decimal text, or NULL */
+} nl_ckpt_extra;
 
-/* Write every parameter of the stage (and, with opt, its optimizer state)
- * to `path` atomically. */
+/* Write every parameter of the stage (and what `extra` carries; may be
+ * NULL) to `path` atomically. */
 nl_status nl_checkpoint_save(const nl_model *m, const char *path, int64_t step,
-                             const nl_ckpt_optim *opt, nl_error *err);
+                             const nl_ckpt_extra *extra, nl_error *err);
+
+/* A metadata string of a checkpoint ("tokenizer", "init_seed", "train"),
+ * malloc'd into *out, or *out = NULL when the key is absent. */
+nl_status nl_checkpoint_meta(const char *path, const char *key, char **out, nl_error *err);
 
 /* Read the optimizer state of a checkpoint into the moments (device, the
  * model's layout) of a model loaded from it. NL_ERR_NOTFOUND when the file
@@ -41,5 +51,10 @@ nl_status nl_checkpoint_read_config(const char *path, nl_config *cfg, int64_t *s
  * the checkpoint at `path`. l1 < 0 means "to the last layer". */
 nl_status nl_checkpoint_load(nl_model **out, nl_backend *be, const char *path, int l0, int l1,
                              int has_embed, int has_head, int64_t *step, nl_error *err);
+
+/* The tokenizer a checkpoint carries: *out is a new tokenizer, or NULL
+ * when the checkpoint has none (a byte-level model). */
+struct nl_tokenizer;
+nl_status nl_checkpoint_tokenizer(const char *path, struct nl_tokenizer **out, nl_error *err);
 
 #endif
