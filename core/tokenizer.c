@@ -345,6 +345,8 @@ static size_t contraction_len(const uint8_t *s, size_t len, size_t i)
 size_t nl_tokenizer_split_next(const void *text, size_t len, size_t i)
 {
     const uint8_t *s = text;
+    if (i >= len)
+        return len;
     uint8_t c = s[i];
     if (c == '\'') {
         size_t k = contraction_len(s, len, i);

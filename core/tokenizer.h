@@ -95,7 +95,7 @@ nl_status nl_tokenizer_decode_flags(const nl_tokenizer *t, const int32_t *ids, s
 
 /* ---- pre-tokenization ---- */
 
-/* End (exclusive) of the word that starts at pos < len. */
+/* End (exclusive) of the word that starts at pos (len if pos >= len). */
 size_t nl_tokenizer_split_next(const void *text, size_t len, size_t pos);
 /* The largest p <= max (0 < p) at which text may be cut so that encoding
  * text[0, p) and text[p, len) separately gives the same ids as encoding

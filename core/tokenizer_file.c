@@ -46,7 +46,7 @@ nl_status nl_tokenizer_save_buffer(const nl_tokenizer *t, char **out, size_t *le
     char *buf = malloc(64 + nm * 22);
     if (!buf)
         return nl_error_set(err, NL_ERR_NOMEM, "tokenizer: out of memory saving %zu merges", nm);
-    char *p = buf + sprintf(buf, "%s %d\nmerges %zu\n", MAGIC, VERSION, nm);
+    char *p = buf + snprintf(buf, 64, "%s %d\nmerges %zu\n", MAGIC, VERSION, nm);
     for (size_t r = 0; r < nm; r++) {
         p = put_u32(p, (uint32_t)t->merges[2 * r]);
         *p++ = ' ';
