@@ -11,6 +11,7 @@
 #include "core/checkpoint.h"
 #include "core/forward.h"
 #include "core/sampler.h"
+#include "core/tokenizer.h"
 #include "core/train.h"
 
 static double now_s(void)
@@ -95,10 +96,25 @@ out:
     return st;
 }
 
-static void print_id(int32_t id, void *ctx)
+typedef struct emit_ctx {
+    int count;
+    int32_t *ids; /* every generated id, for the text line */
+    const nl_tokenizer *tok; /* NULL: no text */
+    int as_text;  /* stream text instead of ids */
+} emit_ctx;
+
+static void emit_token(int32_t id, void *ctx)
 {
-    int *count = ctx;
-    printf("%s%d", (*count)++ ? " " : "", id);
+    emit_ctx *e = ctx;
+    e->ids[e->count++] = id;
+    if (e->as_text) {
+        const uint8_t *p = NULL;
+        size_t n = 0;
+        if (nl_tokenizer_token_bytes(e->tok, id, &p, &n) == NL_OK && !nl_tokenizer_is_special(id))
+            fwrite(p, 1, n, stdout);
+    } else {
+        printf("%s%d", e->count > 1 ? " " : "", id);
+    }
     fflush(stdout);
 }
 
@@ -106,21 +122,24 @@ int nl_cmd_generate(int argc, char **argv)
 {
     nl_flag flags[] = {{"model", 1, "checkpoint (safetensors)", NULL},
                        {"prompt-tokens", 1, "prompt as comma-separated token ids, e.g. 1,2,3", NULL},
+                       {"prompt", 1, "prompt as text, through the model's tokenizer; prints text",
+                        NULL},
                        {"max-new", 1, "tokens to generate (default 32)", NULL},
                        {"temperature", 1, "sampling temperature; 0 is greedy (default 0.8)", NULL},
                        {"top-p", 1, "nucleus sampling mass in (0, 1] (default 0.95)", NULL},
                        {"seed", 1, "sampling seed (default 0)", NULL},
                        {"threads", 1, "worker threads (default: all cores)", NULL},
                        {0}};
-    const char *usage = "neuroctl generate --model MODEL --prompt-tokens 1,2,3 --max-new N "
-                        "[--temperature X] [--top-p P] [--seed S] [--threads N]";
+    const char *usage = "neuroctl generate --model MODEL (--prompt-tokens 1,2,3 | --prompt TEXT) "
+                        "[--max-new N] [--temperature X] [--top-p P] [--seed S] [--threads N]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
     const char *model = nl_args_get(flags, "model"), *ptoks = nl_args_get(flags, "prompt-tokens");
+    const char *ptext = nl_args_get(flags, "prompt");
     long long max_new = 32, seed = 0, threads = 0;
     double temp = 0.8, top_p = 0.95;
-    if (!model || !ptoks) {
+    if (!model || !ptoks == !ptext) {
         nl_args_help(stderr, usage, flags);
         return 2;
     }
@@ -131,26 +150,66 @@ int nl_cmd_generate(int argc, char **argv)
         (rc = nl_args_double(flags, "top-p", 1e-6, 1.0, &top_p)))
         return rc;
     int32_t *prompt = NULL;
-    int P = parse_ids(ptoks, &prompt);
-    if (P < 0)
+    int P = 0;
+    if (ptoks && (P = parse_ids(ptoks, &prompt)) < 0)
         return 2;
     nl_error err = {0};
     nl_backend *be = NULL;
     nl_model *m = NULL;
     nl_sampler smp = {0};
-    int count = 0;
+    nl_tokenizer *tok = NULL;
+    emit_ctx ec = {.as_text = ptext != NULL};
     rc = 1;
+    if (nl_checkpoint_tokenizer(model, &tok, &err) != NL_OK)
+        goto out;
+    if (!tok && nl_tokenizer_new_bytes(&tok, &err) != NL_OK) /* a byte-level model */
+        goto out;
     if (nl_backend_cpu_new(&be, (int)threads, &err) != NL_OK ||
-        nl_checkpoint_load(&m, be, model, 0, -1, 1, 1, NULL, &err) != NL_OK ||
-        nl_sampler_init(&smp, (int)m->cfg.vocab_size, (float)temp, (float)top_p, (uint64_t)seed,
+        nl_checkpoint_load(&m, be, model, 0, -1, 1, 1, NULL, &err) != NL_OK)
+        goto out;
+    if (nl_tokenizer_vocab_size(tok) < m->cfg.vocab_size && !ptoks) {
+        nl_error_set(&err, NL_ERR_NOTFOUND,
+                     "%s carries no tokenizer for its %lld ids: use --prompt-tokens", model,
+                     (long long)m->cfg.vocab_size);
+        goto out;
+    }
+    if (ptext) {
+        size_t n = 0;
+        if (nl_tokenizer_encode(tok, ptext, strlen(ptext), &prompt, &n, &err) != NL_OK)
+            goto out;
+        P = (int)n;
+        if (P == 0) {
+            nl_error_set(&err, NL_ERR_INVALID, "--prompt: empty");
+            goto out;
+        }
+        fputs(ptext, stdout);
+    }
+    ec.tok = tok;
+    ec.ids = malloc((size_t)max_new * sizeof *ec.ids);
+    if (!ec.ids) {
+        nl_error_set(&err, NL_ERR_NOMEM, "out of memory");
+        goto out;
+    }
+    if (nl_sampler_init(&smp, (int)m->cfg.vocab_size, (float)temp, (float)top_p, (uint64_t)seed,
                         &err) != NL_OK ||
-        generate(m, prompt, P, (int)max_new, &smp, print_id, &count, &err) != NL_OK)
+        generate(m, prompt, P, (int)max_new, &smp, emit_token, &ec, &err) != NL_OK)
         goto out;
     printf("\n");
+    /* ids given: the text follows on its own line where the ids can be decoded */
+    char *text = NULL;
+    size_t tlen = 0;
+    if (!ptext && nl_tokenizer_vocab_size(tok) >= m->cfg.vocab_size &&
+        nl_tokenizer_decode(tok, ec.ids, (size_t)ec.count, &text, &tlen, &err) == NL_OK) {
+        fwrite(text, 1, tlen, stdout);
+        printf("\n");
+    }
+    free(text);
     rc = 0;
 out:
-    if (rc && count)
+    if (rc && ec.count)
         printf("\n");
+    free(ec.ids);
+    nl_tokenizer_destroy(&tok);
     nl_sampler_free(&smp);
     nl_model_destroy(&m);
     nl_backend_destroy(&be);

@@ -214,3 +214,114 @@ out:
     nl_backend_destroy(&be);
     return rc ? fail("forward", &err) : 0;
 }
+
+/* ---------------------------------------------------------------- grow */
+
+/* Every id of `old` has the same bytes in `new`. */
+static int extends(const nl_tokenizer *old, const nl_tokenizer *new_tok, int32_t *bad)
+{
+    for (int32_t id = 0; id < nl_tokenizer_vocab_size(old); id++) {
+        const uint8_t *a = NULL, *b = NULL;
+        size_t na = 0, nb = 0;
+        if (nl_tokenizer_token_bytes(old, id, &a, &na) != NL_OK ||
+            nl_tokenizer_token_bytes(new_tok, id, &b, &nb) != NL_OK || na != nb ||
+            memcmp(a, b, na) != 0) {
+            *bad = id;
+            return 0;
+        }
+    }
+    return 1;
+}
+
+int nl_cmd_grow(int argc, char **argv)
+{
+    nl_flag flags[] = {
+        {"model", 1, "checkpoint to grow (weights, and optimizer state if it has one)", NULL},
+        {"out", 1, "grown checkpoint to write", NULL},
+        {"vocab-size", 1, "new active vocabulary", NULL},
+        {"tokenizer", 1, "new tokenizer (must extend the model's): its size is the vocabulary",
+         NULL},
+        {"seed", 1, "seed for the new rows (default: the checkpoint's init_seed, else 0)", NULL},
+        {0}};
+    const char *usage = "neuroctl grow --model MODEL --out GROWN (--vocab-size N | --tokenizer TOK) "
+                        "[--seed S]";
+    int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
+    if (rc)
+        return rc == 1 ? 0 : rc;
+    const char *model = nl_args_get(flags, "model"), *out = nl_args_get(flags, "out");
+    const char *tok_path = nl_args_get(flags, "tokenizer");
+    long long vocab = 0, seed = -1;
+    if (!model || !out || !nl_args_get(flags, "vocab-size") == !tok_path) {
+        nl_args_help(stderr, usage, flags);
+        return 2;
+    }
+    if ((rc = nl_args_int(flags, "vocab-size", 1, NL_CONFIG_MAX_VOCAB, &vocab)) ||
+        (rc = nl_args_int(flags, "seed", 0, INT64_MAX, &seed)))
+        return rc;
+    nl_error err = {0};
+    nl_backend *be = NULL;
+    nl_model *m = NULL;
+    nl_tokenizer *old_tok = NULL, *new_tok = NULL;
+    char *tok_text = NULL, *init_seed = NULL, *train = NULL;
+    float *mom[2] = {NULL, NULL};
+    int64_t step = 0, adam = 0;
+    size_t tlen = 0;
+    int has_optim = 0;
+    rc = 1;
+    if (nl_backend_cpu_new(&be, 0, &err) != NL_OK ||
+        nl_checkpoint_load(&m, be, model, 0, -1, 1, 1, &step, &err) != NL_OK ||
+        nl_checkpoint_tokenizer(model, &old_tok, &err) != NL_OK ||
+        nl_checkpoint_meta(model, "init_seed", &init_seed, &err) != NL_OK)
+        goto out;
+    if (tok_path) {
+        int32_t bad = -1;
+        if (nl_tokenizer_load(&new_tok, tok_path, &err) != NL_OK)
+            goto out;
+        if (old_tok && !extends(old_tok, new_tok, &bad)) {
+            nl_error_set(&err, NL_ERR_INVALID,
+                         "%s does not extend the model's tokenizer: id %d differs or is missing",
+                         tok_path, bad);
+            goto out;
+        }
+        vocab = nl_tokenizer_vocab_size(new_tok);
+    } else if (old_tok && nl_tokenizer_save_buffer(old_tok, &tok_text, &tlen, &err) != NL_OK) {
+        goto out;
+    }
+    if (new_tok && nl_tokenizer_save_buffer(new_tok, &tok_text, &tlen, &err) != NL_OK)
+        goto out;
+    for (int i = 0; i < 2; i++)
+        if (!(mom[i] = be->alloc(be, m->n_params * sizeof(float)))) {
+            nl_error_set(&err, NL_ERR_NOMEM, "out of memory");
+            goto out;
+        }
+    nl_status st = nl_checkpoint_load_optim(m, model, mom[0], mom[1], &adam, &train, &err);
+    if (st != NL_OK && st != NL_ERR_NOTFOUND)
+        goto out;
+    has_optim = st == NL_OK;
+    const int64_t old_vocab = m->cfg.vocab_size, old_cap = m->capacity;
+    if (seed < 0)
+        seed = init_seed ? atoll(init_seed) : 0;
+    if (nl_model_grow_vocab(m, vocab, (uint64_t)seed, mom, 2, &err) != NL_OK)
+        goto out;
+    nl_ckpt_extra extra = {.m = has_optim ? mom[0] : NULL, .v = has_optim ? mom[1] : NULL,
+                           .adam_steps = adam, .train_json = train, .tokenizer = tok_text,
+                           .init_seed = init_seed};
+    if (nl_checkpoint_save(m, out, step, &extra, &err) != NL_OK)
+        goto out;
+    printf("grew %s: vocabulary %lld -> %lld, table rows %lld -> %lld%s; wrote %s\n", model,
+           (long long)old_vocab, (long long)m->cfg.vocab_size, (long long)old_cap,
+           (long long)m->capacity, has_optim ? " (optimizer state too)" : "", out);
+    rc = 0;
+out:
+    for (int i = 0; i < 2; i++)
+        if (mom[i])
+            be->free(be, mom[i]);
+    free(tok_text);
+    free(init_seed);
+    free(train);
+    nl_tokenizer_destroy(&old_tok);
+    nl_tokenizer_destroy(&new_tok);
+    nl_model_destroy(&m);
+    nl_backend_destroy(&be);
+    return rc ? fail("grow", &err) : 0;
+}

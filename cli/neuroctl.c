@@ -15,6 +15,7 @@ static const struct {
     {"generate", nl_cmd_generate, "generate tokens from a prompt with the KV cache"},
     {"grad", nl_cmd_grad, "loss and the gradient of every weight for one batch"},
     {"train", nl_cmd_train, "train a model in this process"},
+    {"grow", nl_cmd_grow, "grow a checkpoint's vocabulary (tables and optimizer moments)"},
     {"bench", nl_cmd_bench, "measure forward, decode, training and GEMM throughput"},
     {"tokenizer", nl_cmd_tokenizer, "train, extend, encode and decode with a BPE tokenizer"},
 };
