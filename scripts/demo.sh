@@ -5,7 +5,7 @@
 #   scripts/demo.sh [--steps N] [--threads N]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STEPS=600
+STEPS=300
 THREADS=$(nproc)
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -30,17 +30,16 @@ if [ ! -s "$DATA" ]; then
 fi
 echo "data: $(wc -c < "$DATA") bytes of fortunes"
 
-$NEUROCTL init --config configs/tiny.yaml --out "$OUT/init.safetensors" --seed 1
+# A byte-level BPE tokenizer learned from the text; the checkpoint carries it.
+$NEUROCTL tokenizer train --input "$DATA" --vocab-size 2048 --out "$OUT/tokenizer.bpe" --quiet
+$NEUROCTL init --config configs/tiny.yaml --tokenizer "$OUT/tokenizer.bpe" \
+  --out "$OUT/init.safetensors" --seed 1
 $NEUROCTL train --model "$OUT/init.safetensors" --data "$DATA" --steps "$STEPS" --batch 16 \
   --seq 128 --lr 2e-3 --warmup 30 --eval-every 100 --log "$OUT/train.jsonl" \
   --out "$OUT/model.safetensors" --threads "$THREADS"
 
-# Generate: prompts are bytes (the model is byte-level), printed as text.
 for prompt in "The " "Q: What is " "A man "; do
-  ids=$(printf '%s' "$prompt" | od -An -tu1 -v | tr -s ' \n' ',' | sed 's/^,//; s/,$//')
-  out=$($NEUROCTL generate --model "$OUT/model.safetensors" --prompt-tokens "$ids" \
-        --max-new 120 --temperature 0.7 --top-p 0.9 --seed 3 --threads "$THREADS")
-  printf '\n--- %s' "$prompt"
-  for id in $out; do printf "\\$(printf '%03o' "$id")"; done
-  printf '\n'
+  printf '\n--- '
+  $NEUROCTL generate --model "$OUT/model.safetensors" --prompt "$prompt" --max-new 60 \
+    --temperature 0.7 --top-p 0.9 --seed 3 --threads "$THREADS"
 done
