@@ -32,7 +32,7 @@ typedef struct nl_mem_estimate {
 
 /* Fixed overhead of a process on the CPU backend (measured; see
  * docs/memory-model.md). */
-#define NL_MEM_RUNTIME_BYTES (48ULL << 20)
+#define NL_MEM_RUNTIME_BYTES (32ULL << 20)
 
 /* Parameters of a stage holding n_layers layers and, as flagged, the
  * embedding table and the final norm with the head. */
