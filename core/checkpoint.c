@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "memory.h"
 #include "safetensors.h"
 #include "tokenizer.h"
 
@@ -108,7 +109,7 @@ static nl_status meta_config(nl_st_file *f, const char *path, nl_config *cfg, in
     st = nl_config_validate(cfg, 1, err);
     if (st != NL_OK)
         return nl_error_prefix(err, "%s: config", path);
-    if (step) {
+    { /* the step is checked even when the caller does not want it */
         const char *s = nl_st_metadata(f, "step");
         char *end = NULL;
         errno = 0;
@@ -116,7 +117,8 @@ static nl_status meta_config(nl_st_file *f, const char *path, nl_config *cfg, in
         if (!s || errno || end == s || *end || v < 0)
             return nl_error_set(err, NL_ERR_FORMAT, "%s: metadata 'step' is %s%s%s", path,
                                 s ? "'" : "missing", s ? s : "", s ? "', not a step number" : "");
-        *step = v;
+        if (step)
+            *step = v;
     }
     return NL_OK;
 }
@@ -146,7 +148,23 @@ nl_status nl_checkpoint_load(nl_model **out, nl_backend *be, const char *path, i
     st = meta_config(f, path, &cfg, step, err);
     if (st != NL_OK)
         goto out;
-    st = nl_model_new(&m, be, &cfg, l0, l1 < 0 ? cfg.num_layers : l1, has_embed, has_head, err);
+    if (l1 < 0)
+        l1 = cfg.num_layers;
+    /* a config that asks for more parameters than the file holds is
+     * refused before anything that size is allocated */
+    uint64_t have = 0;
+    for (size_t i = 0; i < nl_st_count(f); i++)
+        have += nl_st_entry_at(f, i)->nbytes;
+    const int64_t need = nl_stage_param_count(&cfg, l1 - l0 > 0 ? l1 - l0 : 0, has_embed, has_head);
+    if (l0 >= 0 && l1 <= cfg.num_layers && (uint64_t)need * 4 > have) {
+        st = nl_error_set(err, NL_ERR_SHAPE,
+                          "%s: the config needs %lld parameters (%llu bytes) but the file holds "
+                          "only %llu bytes of tensors",
+                          path, (long long)need, (unsigned long long)need * 4,
+                          (unsigned long long)have);
+        goto out;
+    }
+    st = nl_model_new(&m, be, &cfg, l0, l1, has_embed, has_head, err);
     if (st != NL_OK)
         goto out;
     float *dst = m->params; /* straight into place on a host-memory backend */
