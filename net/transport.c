@@ -363,7 +363,7 @@ nl_status nl_sock_send_error(nl_sock *s, const nl_rx *rx, nl_status code, uint32
     nl_wire_msg_init(&m);
     m.type = NL_MSG_ERROR;
     m.u.error.code = code > 0 && code < 1000 ? (uint32_t)code : NL_ERR_INTERNAL;
-    m.u.error.req_type = req_type < NL_MSG_TYPE_MAX ? req_type : 0;
+    m.u.error.req_type = nl_wire_type_name(req_type) ? req_type : 0;
     m.u.error.message = text;
     return send_msg(s, rx->rid, rx->rid_len, &m, ZMQ_DONTWAIT, err);
 }
