@@ -17,6 +17,7 @@ static const struct {
     {"train", nl_cmd_train, "train a model in this process"},
     {"grow", nl_cmd_grow, "grow a checkpoint's vocabulary (tables and optimizer moments)"},
     {"bench", nl_cmd_bench, "measure forward, decode, training and GEMM throughput"},
+    {"keygen", nl_cmd_keygen, "write a CURVE key pair: PREFIX.key (secret) and PREFIX.pub"},
     {"tokenizer", nl_cmd_tokenizer, "train, extend, encode and decode with a BPE tokenizer"},
 };
 

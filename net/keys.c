@@ -1,0 +1,446 @@
+/* CURVE key files, Z85 and authorized_keys parsing. */
+#include "keys.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <sodium.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "../base/log.h"
+#include "../core/fileio.h"
+
+#define KEYFILE_MAX 4096
+
+/* ---- Z85 ---- */
+
+nl_status nl_key_decode(uint8_t out[NL_KEY_BYTES], const char *z85, nl_error *err)
+{
+    size_t n = z85 ? strnlen(z85, NL_KEY_Z85_LEN + 1) : 0;
+    char back[NL_KEY_Z85_LEN + 1];
+    if (!nl_wire_z85_key_ok(z85, n) || !zmq_z85_decode(out, z85))
+        return nl_error_set(err, NL_ERR_FORMAT, "'%.48s' is not a 40-character Z85 key",
+                            z85 ? z85 : "");
+    nl_key_encode(back, out);
+    if (strcmp(back, z85) != 0) /* a 5-char group above 2^32 - 1 */
+        return nl_error_set(err, NL_ERR_FORMAT, "'%.48s' is not a canonical Z85 key", z85);
+    return NL_OK;
+}
+
+void nl_key_encode(char out[NL_KEY_Z85_LEN + 1], const uint8_t key[NL_KEY_BYTES])
+{
+    zmq_z85_encode(out, key, NL_KEY_BYTES);
+}
+
+/* ---- line parsing shared by key files and authorized_keys ---- */
+
+typedef struct lines {
+    const char *p, *end;
+    int lineno;
+} lines;
+
+/* The next line that is not blank and not a comment, as [*s, *s + *n):
+ * the key token; *rest_ok says whether what follows it is blank or a
+ * comment. A comment line that looks like a '#'-leading key is reported
+ * through *looks_like_key (the line number) and skipped. */
+static bool next_key_line(lines *L, const char **s, size_t *n, bool *rest_ok, int *looks_like_key)
+{
+    while (L->p < L->end) {
+        const char *b = L->p, *e = memchr(b, '\n', (size_t)(L->end - b));
+        if (!e)
+            e = L->end;
+        L->p = e < L->end ? e + 1 : e;
+        L->lineno++;
+        while (b < e && (*b == ' ' || *b == '\t'))
+            b++;
+        while (e > b && (e[-1] == ' ' || e[-1] == '\t' || e[-1] == '\r'))
+            e--;
+        if (b == e)
+            continue;
+        if (*b == '#') {
+            if (e - b == NL_KEY_Z85_LEN && nl_wire_z85_key_ok(b, NL_KEY_Z85_LEN))
+                *looks_like_key = L->lineno;
+            continue;
+        }
+        const char *t = b;
+        while (t < e && *t != ' ' && *t != '\t')
+            t++;
+        const char *r = t;
+        while (r < e && (*r == ' ' || *r == '\t'))
+            r++;
+        *s = b;
+        *n = (size_t)(t - b);
+        *rest_ok = r == e || *r == '#';
+        return true;
+    }
+    return false;
+}
+
+static nl_status parse_key_token(uint8_t out[NL_KEY_BYTES], const char *s, size_t n, bool rest_ok,
+                                 const char *origin, int lineno, nl_error *err)
+{
+    char tok[NL_KEY_Z85_LEN + 1];
+    if (n != NL_KEY_Z85_LEN || !rest_ok)
+        return nl_error_set(err, NL_ERR_FORMAT, "%s:%d: expected one 40-character Z85 key", origin,
+                            lineno);
+    memcpy(tok, s, n);
+    tok[n] = '\0';
+    if (nl_key_decode(out, tok, err) != NL_OK)
+        return nl_error_prefix(err, "%s:%d", origin, lineno);
+    return NL_OK;
+}
+
+/* ---- keylist ---- */
+
+void nl_keylist_free(nl_keylist *kl)
+{
+    if (!kl)
+        return;
+    free(kl->keys);
+    memset(kl, 0, sizeof *kl);
+}
+
+nl_status nl_keylist_add(nl_keylist *kl, const uint8_t key[NL_KEY_BYTES], nl_error *err)
+{
+    if (kl->n >= NL_AUTHKEYS_MAX_KEYS)
+        return nl_error_set(err, NL_ERR_LIMIT, "more than %d keys", NL_AUTHKEYS_MAX_KEYS);
+    if (kl->n == kl->cap) {
+        size_t cap = kl->cap ? kl->cap * 2 : 16;
+        void *p = realloc(kl->keys, cap * NL_KEY_BYTES);
+        if (!p)
+            return nl_error_set(err, NL_ERR_NOMEM, "out of memory for %zu keys", cap);
+        kl->keys = p;
+        kl->cap = cap;
+    }
+    memcpy(kl->keys[kl->n++], key, NL_KEY_BYTES);
+    kl->sorted = false;
+    return NL_OK;
+}
+
+static int key_cmp(const void *a, const void *b)
+{
+    return memcmp(a, b, NL_KEY_BYTES);
+}
+
+void nl_keylist_sort(nl_keylist *kl)
+{
+    if (kl->n > 1)
+        qsort(kl->keys, kl->n, NL_KEY_BYTES, key_cmp);
+    size_t w = 0;
+    for (size_t i = 0; i < kl->n; i++)
+        if (w == 0 || memcmp(kl->keys[w - 1], kl->keys[i], NL_KEY_BYTES) != 0)
+            memmove(kl->keys[w++], kl->keys[i], NL_KEY_BYTES);
+    kl->n = w;
+    kl->sorted = true;
+}
+
+bool nl_keylist_has(const nl_keylist *kl, const uint8_t key[NL_KEY_BYTES])
+{
+    if (!kl || kl->n == 0)
+        return false;
+    if (kl->sorted)
+        return bsearch(key, kl->keys, kl->n, NL_KEY_BYTES, key_cmp) != NULL;
+    for (size_t i = 0; i < kl->n; i++)
+        if (memcmp(kl->keys[i], key, NL_KEY_BYTES) == 0)
+            return true;
+    return false;
+}
+
+nl_status nl_keylist_copy(nl_keylist *dst, const nl_keylist *src, nl_error *err)
+{
+    nl_keylist tmp = {0};
+    if (src->n) {
+        tmp.keys = malloc(src->n * NL_KEY_BYTES);
+        if (!tmp.keys)
+            return nl_error_set(err, NL_ERR_NOMEM, "out of memory for %zu keys", src->n);
+        memcpy(tmp.keys, src->keys, src->n * NL_KEY_BYTES);
+    }
+    tmp.n = tmp.cap = src->n;
+    tmp.sorted = src->sorted;
+    nl_keylist_free(dst);
+    *dst = tmp;
+    return NL_OK;
+}
+
+nl_status nl_keylist_parse(nl_keylist *kl, const char *text, size_t len, const char *origin,
+                           nl_error *err)
+{
+    lines L = {text, text + len, 0};
+    const char *s;
+    size_t n;
+    bool rest_ok;
+    int odd = 0;
+    nl_status st = NL_OK;
+    nl_keylist_free(kl);
+    if (len > NL_AUTHKEYS_MAX_BYTES)
+        return nl_error_set(err, NL_ERR_LIMIT, "%s: %zu bytes, limit %u", origin, len,
+                            NL_AUTHKEYS_MAX_BYTES);
+    if (memchr(text, '\0', len))
+        return nl_error_set(err, NL_ERR_FORMAT, "%s: holds a NUL byte", origin);
+    while (st == NL_OK && next_key_line(&L, &s, &n, &rest_ok, &odd)) {
+        uint8_t key[NL_KEY_BYTES];
+        st = parse_key_token(key, s, n, rest_ok, origin, L.lineno, err);
+        if (st == NL_OK)
+            st = nl_keylist_add(kl, key, err);
+    }
+    if (st != NL_OK) {
+        nl_keylist_free(kl);
+        return st;
+    }
+    if (odd)
+        NL_WARN("%s:%d: comment line looks like a key starting with '#'; it is ignored", origin,
+                odd);
+    nl_keylist_sort(kl);
+    return NL_OK;
+}
+
+nl_status nl_keylist_load(nl_keylist *kl, const char *path, nl_error *err)
+{
+    char *text = NULL;
+    size_t len = 0;
+    nl_status st = nl_file_read_all(path, NL_AUTHKEYS_MAX_BYTES, &text, &len, err);
+    if (st == NL_OK)
+        st = nl_keylist_parse(kl, text, len, path, err);
+    free(text);
+    return st;
+}
+
+/* ---- key files ---- */
+
+/* Read a small file; *mode gets its permission bits. */
+static nl_status read_small(const char *path, char *buf, size_t cap, size_t *len, mode_t *mode,
+                            nl_error *err)
+{
+    struct stat sb;
+    nl_status st = NL_OK;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return nl_error_set(err, errno == ENOENT ? NL_ERR_NOTFOUND : NL_ERR_IO,
+                            "%s: cannot open: %s", path, strerror(errno));
+    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        st = nl_error_set(err, NL_ERR_IO, "%s: not a regular file", path);
+        goto out;
+    }
+    if ((size_t)sb.st_size >= cap) {
+        st = nl_error_set(err, NL_ERR_LIMIT, "%s: %lld bytes is too large for a key file", path,
+                          (long long)sb.st_size);
+        goto out;
+    }
+    ssize_t r;
+    size_t got = 0;
+    while ((r = read(fd, buf + got, cap - 1 - got)) > 0)
+        got += (size_t)r;
+    if (r < 0) {
+        st = nl_error_set(err, NL_ERR_IO, "%s: read failed: %s", path, strerror(errno));
+        goto out;
+    }
+    buf[got] = '\0';
+    *len = got;
+    *mode = sb.st_mode & 07777;
+out:
+    close(fd);
+    return st;
+}
+
+/* Exactly one key in a key file. */
+static nl_status parse_single_key(uint8_t out[NL_KEY_BYTES], const char *text, size_t len,
+                                  const char *path, nl_error *err)
+{
+    lines L = {text, text + len, 0};
+    const char *s;
+    size_t n;
+    bool rest_ok;
+    int odd = 0;
+    if (memchr(text, '\0', len))
+        return nl_error_set(err, NL_ERR_FORMAT, "%s: holds a NUL byte", path);
+    if (!next_key_line(&L, &s, &n, &rest_ok, &odd))
+        return nl_error_set(err, NL_ERR_FORMAT, "%s: no key in the file", path);
+    nl_status st = parse_key_token(out, s, n, rest_ok, path, L.lineno, err);
+    if (st == NL_OK && next_key_line(&L, &s, &n, &rest_ok, &odd))
+        st = nl_error_set(err, NL_ERR_FORMAT, "%s:%d: more than one key in the file", path,
+                          L.lineno);
+    return st;
+}
+
+nl_status nl_keys_load_secret(nl_keypair *kp, const char *path, nl_error *err)
+{
+    char buf[KEYFILE_MAX];
+    size_t len = 0;
+    mode_t mode = 0;
+    uint8_t sec[NL_KEY_BYTES];
+    memset(kp, 0, sizeof *kp);
+    nl_status st = read_small(path, buf, sizeof buf, &len, &mode, err);
+    if (st != NL_OK)
+        return st;
+    if (mode & 077) {
+        st = nl_error_set(err, NL_ERR_AUTH,
+                          "%s: permissions %04o let others read the secret key; run chmod 600",
+                          path, (unsigned)mode);
+        goto out;
+    }
+    st = parse_single_key(sec, buf, len, path, err);
+    if (st != NL_OK)
+        goto out;
+    nl_key_encode(kp->secret_z85, sec);
+    if (zmq_curve_public(kp->public_z85, kp->secret_z85) != 0)
+        st = nl_error_set(err, NL_ERR_UNSUPPORTED, "%s: libzmq cannot derive the public key: %s",
+                          path, zmq_strerror(zmq_errno()));
+out:
+    sodium_memzero(buf, sizeof buf);
+    sodium_memzero(sec, sizeof sec);
+    if (st != NL_OK)
+        nl_keys_wipe(kp);
+    return st;
+}
+
+nl_status nl_keys_load_public(char out[NL_KEY_Z85_LEN + 1], const char *path, nl_error *err)
+{
+    char buf[KEYFILE_MAX];
+    size_t len = 0;
+    mode_t mode;
+    uint8_t pub[NL_KEY_BYTES];
+    out[0] = '\0';
+    nl_status st = read_small(path, buf, sizeof buf, &len, &mode, err);
+    if (st == NL_OK)
+        st = parse_single_key(pub, buf, len, path, err);
+    if (st == NL_OK)
+        nl_key_encode(out, pub);
+    return st;
+}
+
+nl_status nl_keys_generate(nl_keypair *kp, nl_error *err)
+{
+    /* a public key starting with '#' would read as a comment line */
+    for (int tries = 0; tries < 64; tries++) {
+        if (zmq_curve_keypair(kp->public_z85, kp->secret_z85) != 0)
+            return nl_error_set(err, NL_ERR_UNSUPPORTED, "libzmq cannot make CURVE keys: %s",
+                                zmq_strerror(zmq_errno()));
+        if (kp->public_z85[0] != '#')
+            return NL_OK;
+    }
+    return nl_error_set(err, NL_ERR_INTERNAL, "key generation kept producing '#' keys");
+}
+
+void nl_keys_wipe(nl_keypair *kp)
+{
+    if (kp)
+        sodium_memzero(kp->secret_z85, sizeof kp->secret_z85);
+}
+
+static nl_status fsync_parent(const char *path, nl_error *err)
+{
+    char dir[4096];
+    const char *slash = strrchr(path, '/');
+    if (!slash)
+        snprintf(dir, sizeof dir, ".");
+    else
+        snprintf(dir, sizeof dir, "%.*s", (int)(slash == path ? 1 : slash - path), path);
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0 || fsync(fd) != 0) {
+        nl_status st = nl_error_set(err, NL_ERR_IO, "%s: cannot sync: %s", dir, strerror(errno));
+        if (fd >= 0)
+            close(fd);
+        return st;
+    }
+    close(fd);
+    return NL_OK;
+}
+
+/* The secret goes to a 0600 temporary file, then link() (no overwrite) or
+ * rename() (overwrite) puts it in place. */
+static nl_status write_secret(const char *path, const char *secret, bool overwrite, nl_error *err)
+{
+    char tmp[4200], line[160];
+    nl_status st = NL_OK;
+    int n = snprintf(line, sizeof line,
+                     "# neurollm CURVE secret key: keep it private (mode 0600)\n%s\n", secret);
+    if (snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid()) >= (int)sizeof tmp)
+        return nl_error_set(err, NL_ERR_INVALID, "%s: path too long", path);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0)
+        return nl_error_set(err, NL_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
+    if (fchmod(fd, 0600) != 0 || write(fd, line, (size_t)n) != n || fsync(fd) != 0) {
+        st = nl_error_set(err, NL_ERR_IO, "%s: cannot write: %s", tmp, strerror(errno));
+        close(fd);
+        goto out;
+    }
+    if (close(fd) != 0) {
+        st = nl_error_set(err, NL_ERR_IO, "%s: close failed: %s", tmp, strerror(errno));
+        goto out;
+    }
+    if (overwrite ? rename(tmp, path) != 0 : link(tmp, path) != 0) {
+        st = nl_error_set(err, errno == EEXIST ? NL_ERR_STATE : NL_ERR_IO, "%s: %s", path,
+                          errno == EEXIST ? "already exists (not overwritten)" : strerror(errno));
+        goto out;
+    }
+    st = fsync_parent(path, err);
+out:
+    unlink(tmp); /* after rename it is gone already; after link it is the extra name */
+    sodium_memzero(line, sizeof line);
+    return st;
+}
+
+nl_status nl_keys_save(const nl_keypair *kp, const char *prefix, bool overwrite, nl_error *err)
+{
+    char kpath[4096], ppath[4096], pub[64];
+    if (snprintf(kpath, sizeof kpath, "%s.key", prefix) >= (int)sizeof kpath ||
+        snprintf(ppath, sizeof ppath, "%s.pub", prefix) >= (int)sizeof ppath)
+        return nl_error_set(err, NL_ERR_INVALID, "%s: path too long", prefix);
+    nl_status st = write_secret(kpath, kp->secret_z85, overwrite, err);
+    if (st != NL_OK)
+        return st;
+    int n = snprintf(pub, sizeof pub, "%s\n", kp->public_z85);
+    return nl_file_write_atomic(ppath, pub, (size_t)n, err);
+}
+
+nl_status nl_keys_ensure(const char *state_dir, nl_keypair *kp, bool *created, nl_error *err)
+{
+    char prefix[4096], kpath[4200], ppath[4200], pub[NL_KEY_Z85_LEN + 1];
+    struct stat sb;
+    if (created)
+        *created = false;
+    snprintf(prefix, sizeof prefix, "%s/coordinator", state_dir);
+    snprintf(kpath, sizeof kpath, "%s.key", prefix);
+    snprintf(ppath, sizeof ppath, "%s.pub", prefix);
+    if (mkdir(state_dir, 0700) != 0 && errno != EEXIST)
+        return nl_error_set(err, NL_ERR_IO, "%s: cannot create: %s", state_dir, strerror(errno));
+    bool have_key = stat(kpath, &sb) == 0, have_pub = stat(ppath, &sb) == 0;
+    if (!have_key && have_pub)
+        return nl_error_set(err, NL_ERR_STATE,
+                            "%s exists without %s; restore the key, or remove the .pub to make "
+                            "a new coordinator identity (nodes must then trust the new key)",
+                            ppath, kpath);
+    if (!have_key) {
+        nl_status st = nl_keys_generate(kp, err);
+        if (st == NL_OK)
+            st = nl_keys_save(kp, prefix, false, err);
+        if (st != NL_OK) {
+            nl_keys_wipe(kp);
+            return st;
+        }
+        NL_INFO("created coordinator key %s (public %s)", kpath, kp->public_z85);
+        if (created)
+            *created = true;
+        return NL_OK;
+    }
+    nl_status st = nl_keys_load_secret(kp, kpath, err);
+    if (st != NL_OK)
+        return st;
+    if (!have_pub) {
+        int n = snprintf(pub, sizeof pub, "%s", kp->public_z85);
+        char line[64];
+        snprintf(line, sizeof line, "%s\n", pub);
+        st = nl_file_write_atomic(ppath, line, (size_t)n + 1, err);
+    } else {
+        st = nl_keys_load_public(pub, ppath, err);
+        if (st == NL_OK && strcmp(pub, kp->public_z85) != 0)
+            st = nl_error_set(err, NL_ERR_AUTH, "%s does not match %s", ppath, kpath);
+    }
+    if (st != NL_OK)
+        nl_keys_wipe(kp);
+    return st;
+}

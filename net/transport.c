@@ -1,0 +1,607 @@
+/* ZeroMQ sockets with CURVE by default, whole-message send and receive,
+ * the versioned hello, and the bad-input policy (strike, answer, drop). */
+#include "transport.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "../base/log.h"
+
+#define SOFTWARE "neurollm"
+
+struct nl_net {
+    void *zctx;
+    nl_auth *auth;
+    nl_wire_limits lim;
+    atomic_uint next_domain;
+};
+
+struct nl_sock {
+    nl_net *net;
+    void *zs;
+    int type;
+    bool server, plaintext, private_domain;
+    char name[32];
+    char domain[NL_ZAP_DOMAIN_MAX];
+    char server_key[NL_KEY_Z85_LEN + 1];
+    char endpoint[256];
+    nl_wire_wbuf wbuf;
+};
+
+/* ===================== the context ===================== */
+
+nl_net_opts nl_net_opts_default(void)
+{
+    nl_net_opts o = {
+        .limits = nl_wire_limits_default(), .policy = nl_auth_policy_default(), .io_threads = 1};
+    return o;
+}
+
+nl_status nl_net_new(nl_net **out, const nl_net_opts *opts, nl_error *err)
+{
+    nl_net_opts o = opts ? *opts : nl_net_opts_default();
+    *out = NULL;
+    nl_net *n = calloc(1, sizeof *n);
+    if (!n)
+        return nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+    n->lim = o.limits;
+    n->zctx = zmq_ctx_new();
+    if (!n->zctx) {
+        free(n);
+        return nl_error_set(err, NL_ERR_IO, "zmq_ctx_new: %s", zmq_strerror(zmq_errno()));
+    }
+    if (o.io_threads > 0)
+        zmq_ctx_set(n->zctx, ZMQ_IO_THREADS, o.io_threads);
+    nl_status st = nl_auth_new(&n->auth, n->zctx, &o.policy, err);
+    if (st != NL_OK) {
+        nl_net_destroy(&n);
+        return st;
+    }
+    *out = n;
+    return NL_OK;
+}
+
+void nl_net_destroy(nl_net **np)
+{
+    if (!np || !*np)
+        return;
+    nl_net *n = *np;
+    nl_auth_destroy(&n->auth);
+    if (n->zctx)
+        zmq_ctx_term(n->zctx);
+    free(n);
+    *np = NULL;
+}
+
+nl_auth *nl_net_auth(nl_net *n)
+{
+    return n->auth;
+}
+
+void *nl_net_zmq_context(nl_net *n)
+{
+    return n->zctx;
+}
+
+const nl_wire_limits *nl_net_limits(const nl_net *n)
+{
+    return &n->lim;
+}
+
+/* ===================== sockets ===================== */
+
+static const char *zerr(void)
+{
+    return zmq_strerror(zmq_errno());
+}
+
+static nl_status setopt(nl_sock *s, int opt, const void *v, size_t len, const char *what,
+                        nl_error *err)
+{
+    if (zmq_setsockopt(s->zs, opt, v, len) != 0)
+        return nl_error_set(err, NL_ERR_IO, "socket %s: cannot set %s: %s", s->name, what, zerr());
+    return NL_OK;
+}
+
+static nl_status setint(nl_sock *s, int opt, int v, const char *what, nl_error *err)
+{
+    return setopt(s, opt, &v, sizeof v, what, err);
+}
+
+static nl_status check_opts(const nl_sock_opts *o, const char *name, nl_error *err)
+{
+    int t = o->type;
+    if (t != ZMQ_ROUTER && t != ZMQ_DEALER && t != ZMQ_PUSH && t != ZMQ_PULL && t != ZMQ_PAIR)
+        return nl_error_set(err, NL_ERR_INVALID, "socket %s: unsupported zmq type %d", name, t);
+    if (o->plaintext)
+        return NL_OK;
+    if (!o->keys || !nl_wire_z85_key_ok(o->keys->secret_z85, strlen(o->keys->secret_z85)) ||
+        !nl_wire_z85_key_ok(o->keys->public_z85, strlen(o->keys->public_z85)))
+        return nl_error_set(err, NL_ERR_AUTH, "socket %s: CURVE needs our keypair", name);
+    if (!o->curve_server &&
+        (!o->server_key || !nl_wire_z85_key_ok(o->server_key, strlen(o->server_key))))
+        return nl_error_set(err, NL_ERR_AUTH, "socket %s: a CURVE client needs the server's key",
+                            name);
+    return NL_OK;
+}
+
+static nl_status setup_security(nl_sock *s, const nl_sock_opts *o, nl_error *err)
+{
+    nl_auth *a = s->net->auth;
+    nl_status st = NL_OK;
+    if (o->curve_server) {
+        if (o->zap_domain) {
+            snprintf(s->domain, sizeof s->domain, "%s", o->zap_domain);
+        } else {
+            snprintf(s->domain, sizeof s->domain, "nl-sock-%u",
+                     atomic_fetch_add(&s->net->next_domain, 1));
+            s->private_domain = true;
+            nl_keylist none = {0};
+            st = nl_auth_set_keys(a, s->domain, &none, err);
+        }
+    }
+    if (st == NL_OK && s->server)
+        st = setopt(s, ZMQ_ZAP_DOMAIN, s->domain, strlen(s->domain), "ZAP domain", err);
+    if (st != NL_OK || o->plaintext) {
+        if (st == NL_OK && s->server)
+            st = nl_auth_allow_plaintext(a, s->domain, err);
+        return st;
+    }
+    if (o->curve_server) {
+        st = setint(s, ZMQ_CURVE_SERVER, 1, "CURVE server", err);
+    } else {
+        snprintf(s->server_key, sizeof s->server_key, "%s", o->server_key);
+        st = setopt(s, ZMQ_CURVE_SERVERKEY, o->server_key, NL_KEY_Z85_LEN + 1, "server key", err);
+        if (st == NL_OK)
+            st = setopt(s, ZMQ_CURVE_PUBLICKEY, o->keys->public_z85, NL_KEY_Z85_LEN + 1,
+                        "public key", err);
+    }
+    if (st == NL_OK)
+        st = setopt(s, ZMQ_CURVE_SECRETKEY, o->keys->secret_z85, NL_KEY_Z85_LEN + 1, "secret key",
+                    err);
+    return st;
+}
+
+nl_status nl_sock_new(nl_sock **out, nl_net *net, const nl_sock_opts *o, nl_error *err)
+{
+    *out = NULL;
+    const char *name = o->name ? o->name : "socket";
+    nl_status st = check_opts(o, name, err);
+    if (st != NL_OK)
+        return st;
+    nl_sock *s = calloc(1, sizeof *s);
+    if (!s)
+        return nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+    s->net = net;
+    s->type = o->type;
+    s->server = o->curve_server;
+    s->plaintext = o->plaintext;
+    snprintf(s->name, sizeof s->name, "%s", name);
+    s->zs = zmq_socket(net->zctx, o->type);
+    if (!s->zs) {
+        st = nl_error_set(err, NL_ERR_IO, "socket %s: %s", name, zerr());
+        goto fail;
+    }
+    int64_t maxmsg =
+        (int64_t)(net->lim.max_frame_bytes > net->lim.max_header ? net->lim.max_frame_bytes
+                                                                 : net->lim.max_header);
+    int hwm = o->hwm > 0 ? o->hwm : 64;
+    int sndtimeo = o->send_timeout_ms == 0 ? 10000 : o->send_timeout_ms;
+    st = setopt(s, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg, "MAXMSGSIZE", err);
+    if (st == NL_OK)
+        st = setint(s, ZMQ_LINGER, o->linger_ms >= 0 ? o->linger_ms : 500, "LINGER", err);
+    if (st == NL_OK)
+        st = setint(s, ZMQ_SNDHWM, hwm, "SNDHWM", err);
+    if (st == NL_OK)
+        st = setint(s, ZMQ_RCVHWM, hwm, "RCVHWM", err);
+    if (st == NL_OK)
+        st = setint(s, ZMQ_SNDTIMEO, sndtimeo < 0 ? -1 : sndtimeo, "SNDTIMEO", err);
+    if (st == NL_OK)
+        st = setint(s, ZMQ_HANDSHAKE_IVL, 10000, "HANDSHAKE_IVL", err);
+    if (st == NL_OK && o->type == ZMQ_ROUTER)
+        st = setint(s, ZMQ_ROUTER_MANDATORY, 1, "ROUTER_MANDATORY", err);
+    if (st == NL_OK)
+        st = setup_security(s, o, err);
+    if (st != NL_OK)
+        goto fail;
+    if (o->plaintext)
+        NL_WARN("INSECURE: socket %s is plaintext: no encryption, no authentication", s->name);
+    *out = s;
+    return NL_OK;
+fail:
+    nl_sock_destroy(&s);
+    return st;
+}
+
+void nl_sock_destroy(nl_sock **sp)
+{
+    if (!sp || !*sp)
+        return;
+    nl_sock *s = *sp;
+    if (s->zs)
+        zmq_close(s->zs);
+    if (s->private_domain)
+        nl_auth_drop_domain(s->net->auth, s->domain);
+    nl_wire_wbuf_free(&s->wbuf);
+    free(s);
+    *sp = NULL;
+}
+
+nl_status nl_sock_bind(nl_sock *s, const char *endpoint, nl_error *err)
+{
+    size_t len = sizeof s->endpoint;
+    if (zmq_bind(s->zs, endpoint) != 0)
+        return nl_error_set(err, NL_ERR_IO, "socket %s: cannot bind %s: %s", s->name, endpoint,
+                            zerr());
+    if (zmq_getsockopt(s->zs, ZMQ_LAST_ENDPOINT, s->endpoint, &len) != 0)
+        snprintf(s->endpoint, sizeof s->endpoint, "%s", endpoint);
+    return NL_OK;
+}
+
+const char *nl_sock_endpoint(const nl_sock *s)
+{
+    return s->endpoint;
+}
+
+nl_status nl_sock_connect(nl_sock *s, const char *endpoint, nl_error *err)
+{
+    if (zmq_connect(s->zs, endpoint) != 0)
+        return nl_error_set(err, NL_ERR_IO, "socket %s: cannot connect to %s: %s", s->name,
+                            endpoint, zerr());
+    return NL_OK;
+}
+
+nl_status nl_sock_allow(nl_sock *s, const char *const *keys, size_t n, nl_error *err)
+{
+    if (!s->server || !s->domain[0])
+        return nl_error_set(err, NL_ERR_INVALID, "socket %s does not accept peers", s->name);
+    return nl_auth_set_keys_z85(s->net->auth, s->domain, keys, n, err);
+}
+
+const char *nl_sock_domain(const nl_sock *s)
+{
+    return s->domain;
+}
+
+void *nl_sock_handle(nl_sock *s)
+{
+    return s->zs;
+}
+
+/* ===================== sending ===================== */
+
+static void release_frames(nl_wire_msg *m, int from)
+{
+    int n = m->nframes < NL_WIRE_MAX_FRAMES ? m->nframes : NL_WIRE_MAX_FRAMES;
+    for (int i = from < 0 ? 0 : from; i < n; i++)
+        if (m->frames[i].free_fn)
+            m->frames[i].free_fn(m->frames[i].t.data, m->frames[i].hint);
+}
+
+static nl_status send_failed(nl_sock *s, const char *what, nl_error *err)
+{
+    int e = zmq_errno();
+    nl_status st = e == EAGAIN ? NL_ERR_TIMEOUT : e == EHOSTUNREACH ? NL_ERR_NOTFOUND : NL_ERR_IO;
+    return nl_error_set(err, st, "socket %s: sending %s: %s", s->name, what,
+                        e == EAGAIN         ? "timed out (peer not reading?)"
+                        : e == EHOSTUNREACH ? "peer is gone"
+                                            : zmq_strerror(e));
+}
+
+static nl_status send_msg(nl_sock *s, const uint8_t *to, size_t to_len, nl_wire_msg *m, int flags,
+                          nl_error *err)
+{
+    nl_status st = nl_wire_encode(m, &s->wbuf, &s->net->lim, err);
+    int sent = 0; /* frames handed to libzmq */
+    if (st != NL_OK)
+        goto out;
+    if (s->type == ZMQ_ROUTER) {
+        if (!to || to_len == 0 || to_len > NL_ROUTING_ID_MAX) {
+            st =
+                nl_error_set(err, NL_ERR_INVALID, "socket %s: a ROUTER send needs a peer", s->name);
+            goto out;
+        }
+        if (zmq_send(s->zs, to, to_len, flags | ZMQ_SNDMORE) < 0) {
+            st = send_failed(s, "routing id", err);
+            goto out;
+        }
+    }
+    if (zmq_send(s->zs, s->wbuf.data, s->wbuf.len, flags | (m->nframes ? ZMQ_SNDMORE : 0)) < 0) {
+        st = send_failed(s, "header", err);
+        goto out;
+    }
+    for (; sent < m->nframes; sent++) {
+        nl_wire_frame *f = &m->frames[sent];
+        zmq_msg_t zm;
+        int rc = f->free_fn ? zmq_msg_init_data(&zm, f->t.data, f->len, f->free_fn, f->hint)
+                            : zmq_msg_init_size(&zm, f->len);
+        if (rc != 0) {
+            st = nl_error_set(err, NL_ERR_NOMEM, "socket %s: frame of %zu bytes", s->name, f->len);
+            goto out;
+        }
+        if (!f->free_fn)
+            memcpy(zmq_msg_data(&zm), f->t.data, f->len);
+        bool last = sent + 1 == m->nframes;
+        if (zmq_msg_send(&zm, s->zs, flags | (last ? 0 : ZMQ_SNDMORE)) < 0) {
+            st = send_failed(s, "frame", err);
+            zmq_msg_close(&zm); /* calls free_fn */
+            sent++;
+            goto out;
+        }
+    }
+out:
+    release_frames(m, sent);
+    return st;
+}
+
+nl_status nl_sock_send(nl_sock *s, const uint8_t *to, size_t to_len, nl_wire_msg *m, nl_error *err)
+{
+    return send_msg(s, to, to_len, m, 0, err);
+}
+
+nl_status nl_sock_reply(nl_sock *s, const nl_rx *rx, nl_wire_msg *m, nl_error *err)
+{
+    return send_msg(s, rx->rid, rx->rid_len, m, 0, err);
+}
+
+nl_status nl_sock_send_error(nl_sock *s, const nl_rx *rx, nl_status code, uint32_t req_type,
+                             const char *message, nl_error *err)
+{
+    nl_wire_msg m;
+    char text[1025];
+    /* keep the message inside the field's limit, cut on a UTF-8 boundary */
+    size_t n = strlen(message);
+    if (n > 1024) {
+        n = 1024;
+        while (n > 0 && ((unsigned char)message[n] & 0xc0) == 0x80)
+            n--;
+    }
+    memcpy(text, message, n);
+    text[n] = '\0';
+    nl_wire_msg_init(&m);
+    m.type = NL_MSG_ERROR;
+    m.u.error.code = code > 0 && code < 1000 ? (uint32_t)code : NL_ERR_INTERNAL;
+    m.u.error.req_type = nl_wire_type_name(req_type) ? req_type : 0;
+    m.u.error.message = text;
+    return send_msg(s, rx->rid, rx->rid_len, &m, ZMQ_DONTWAIT, err);
+}
+
+/* ===================== receiving ===================== */
+
+void nl_rx_init(nl_rx *rx)
+{
+    memset(rx, 0, sizeof *rx);
+    nl_wire_msg_init(&rx->msg);
+}
+
+static void rx_release(nl_rx *rx)
+{
+    for (int i = 0; i < rx->nparts; i++)
+        zmq_msg_close(&rx->parts[i]);
+    rx->nparts = 0;
+    rx->rid_len = 0;
+    rx->peer[0] = '\0';
+}
+
+void nl_rx_free(nl_rx *rx)
+{
+    if (!rx)
+        return;
+    rx_release(rx);
+    nl_wire_msg_free(&rx->msg);
+}
+
+static bool can_reply(const nl_sock *s)
+{
+    return s->type == ZMQ_ROUTER || s->type == ZMQ_DEALER || s->type == ZMQ_PAIR;
+}
+
+/* A bad message: count it, answer it where possible, report it. */
+static nl_status bad_message(nl_sock *s, nl_rx *rx, int hdr, nl_status st, nl_error *e,
+                             nl_error *err)
+{
+    uint32_t v = 0, t = 0;
+    if (hdr < rx->nparts)
+        nl_wire_peek(zmq_msg_data(&rx->parts[hdr]), zmq_msg_size(&rx->parts[hdr]), &v, &t);
+    nl_auth_strike(s->net->auth, rx->peer, e->msg);
+    if (can_reply(s) && t != NL_MSG_ERROR && (s->type != ZMQ_ROUTER || rx->rid_len > 0))
+        nl_sock_send_error(s, rx, st, t, e->msg, NULL);
+    NL_DEBUG("socket %s: bad message from %.48s: %s", s->name, rx->peer, e->msg);
+    return nl_error_set(err, st, "socket %s: bad message from %.48s: %s", s->name, rx->peer,
+                        e->msg);
+}
+
+static void find_peer(nl_sock *s, nl_rx *rx, int hdr)
+{
+    const char *uid = NULL;
+    if (rx->nparts > 0)
+        uid = zmq_msg_gets(&rx->parts[hdr < rx->nparts ? hdr : 0], "User-Id");
+    if (s->server)
+        snprintf(rx->peer, sizeof rx->peer, "%s", uid ? uid : "");
+    else if (s->plaintext)
+        snprintf(rx->peer, sizeof rx->peer, "plain:server");
+    else
+        snprintf(rx->peer, sizeof rx->peer, "%s", s->server_key);
+}
+
+/* Read every part of the next message; parts past the cap are freed as
+ * they come. Returns the number of parts, -1 when nothing was there. */
+static int read_parts(nl_sock *s, nl_rx *rx, bool *over)
+{
+    zmq_msg_t extra;
+    int n = 0;
+    bool more = true;
+    *over = false;
+    while (more) {
+        zmq_msg_t *m = n < NL_RX_MAX_PARTS ? &rx->parts[n] : &extra;
+        zmq_msg_init(m);
+        if (zmq_msg_recv(m, s->zs, n == 0 && !*over ? ZMQ_DONTWAIT : 0) < 0) {
+            zmq_msg_close(m);
+            return n == 0 ? -1 : n;
+        }
+        more = zmq_msg_more(m);
+        if (m == &extra) {
+            *over = true;
+            zmq_msg_close(m);
+        } else {
+            rx->nparts = ++n;
+        }
+    }
+    return n;
+}
+
+nl_status nl_sock_recv(nl_sock *s, nl_rx *rx, int timeout_ms, nl_error *err)
+{
+    nl_error e;
+    bool over;
+    rx_release(rx);
+    zmq_pollitem_t it = {s->zs, 0, ZMQ_POLLIN, 0};
+    int rc = zmq_poll(&it, 1, timeout_ms);
+    if (rc < 0 && zmq_errno() != EINTR)
+        return nl_error_set(err, NL_ERR_IO, "socket %s: poll: %s", s->name, zerr());
+    if (rc <= 0)
+        return nl_error_set(err, NL_ERR_TIMEOUT, "socket %s: no message within %d ms", s->name,
+                            timeout_ms);
+    int n = read_parts(s, rx, &over);
+    if (n < 0)
+        return nl_error_set(err, NL_ERR_TIMEOUT, "socket %s: no message", s->name);
+    int hdr = s->type == ZMQ_ROUTER ? 1 : 0;
+    find_peer(s, rx, hdr);
+    if (s->type == ZMQ_ROUTER && n >= 1) {
+        rx->rid_len = zmq_msg_size(&rx->parts[0]);
+        if (rx->rid_len > NL_ROUTING_ID_MAX)
+            rx->rid_len = 0;
+        memcpy(rx->rid, zmq_msg_data(&rx->parts[0]), rx->rid_len);
+    }
+    if (s->server && !nl_auth_allowed(s->net->auth, s->domain, rx->peer)) {
+        nl_auth_note_drop(s->net->auth);
+        return nl_error_set(err, NL_ERR_AUTH,
+                            "socket %s: dropped a message from %.48s: not admitted (removed, "
+                            "banned or unknown)",
+                            s->name, rx->peer[0] ? rx->peer : "an unidentified peer");
+    }
+    if (over) {
+        nl_error_set(&e, NL_ERR_LIMIT, "message of more than %d parts", NL_RX_MAX_PARTS);
+        return bad_message(s, rx, hdr, NL_ERR_LIMIT, &e, err);
+    }
+    nl_wire_part wp[NL_RX_MAX_PARTS];
+    for (int i = hdr; i < n; i++) {
+        wp[i - hdr].data = zmq_msg_data(&rx->parts[i]);
+        wp[i - hdr].len = zmq_msg_size(&rx->parts[i]);
+    }
+    nl_status st = nl_wire_decode(&rx->msg, wp, n - hdr, &s->net->lim, &e);
+    if (st != NL_OK)
+        return bad_message(s, rx, hdr, st, &e, err);
+    return NL_OK;
+}
+
+/* ===================== hello ===================== */
+
+static int64_t mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+nl_status nl_sock_hello(nl_sock *s, nl_role role, int timeout_ms, nl_rx *rx, nl_error *err)
+{
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    m.type = NL_MSG_HELLO;
+    m.u.hello.role = role;
+    m.u.hello.software = SOFTWARE;
+    nl_status st = nl_sock_send(s, NULL, 0, &m, err);
+    if (st != NL_OK)
+        return st;
+    int64_t deadline = mono_ms() + timeout_ms;
+    for (;;) {
+        int64_t left = deadline - mono_ms();
+        if (left <= 0)
+            return nl_error_set(err, NL_ERR_TIMEOUT, "socket %s: no answer to HELLO in %d ms",
+                                s->name, timeout_ms);
+        st = nl_sock_recv(s, rx, (int)left, err);
+        if (st == NL_ERR_TIMEOUT)
+            continue;
+        if (st != NL_OK)
+            return st;
+        if (rx->msg.type == NL_MSG_HELLO_ACK)
+            return NL_OK;
+        if (rx->msg.type == NL_MSG_ERROR) {
+            uint32_t c = rx->msg.u.error.code;
+            return nl_error_set(err, c > 0 && c < NL_STATUS_COUNT ? (nl_status)c : NL_ERR_PROTO,
+                                "socket %s: peer refused HELLO: %s", s->name,
+                                rx->msg.u.error.message);
+        }
+        NL_DEBUG("socket %s: ignoring %s while waiting for HELLO_ACK", s->name,
+                 nl_wire_type_name(rx->msg.type));
+    }
+}
+
+nl_status nl_sock_answer_hello(nl_sock *s, const nl_rx *rx, nl_role role, nl_error *err)
+{
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    m.type = NL_MSG_HELLO_ACK;
+    m.u.hello.role = role;
+    m.u.hello.software = SOFTWARE;
+    return nl_sock_reply(s, rx, &m, err);
+}
+
+/* ===================== polling, zero-copy references ===================== */
+
+nl_status nl_sock_poll(nl_sock *const *socks, bool *readable, int n, int timeout_ms, nl_error *err)
+{
+    zmq_pollitem_t items[64];
+    if (n < 1 || n > 64)
+        return nl_error_set(err, NL_ERR_INVALID, "poll: %d sockets (1 to 64)", n);
+    for (int i = 0; i < n; i++)
+        items[i] = (zmq_pollitem_t){socks[i]->zs, 0, ZMQ_POLLIN, 0};
+    int rc = zmq_poll(items, n, timeout_ms);
+    for (int i = 0; i < n; i++)
+        readable[i] = rc > 0 && (items[i].revents & ZMQ_POLLIN);
+    if (rc < 0 && zmq_errno() != EINTR)
+        return nl_error_set(err, NL_ERR_IO, "poll: %s", zerr());
+    if (rc <= 0)
+        return nl_error_set(err, NL_ERR_TIMEOUT, "poll: nothing within %d ms", timeout_ms);
+    return NL_OK;
+}
+
+static void txref_release(void *data, void *hint)
+{
+    (void)data;
+    atomic_fetch_sub(&((nl_txref *)hint)->pending, 1);
+}
+
+void nl_txref_frame(nl_wire_frame *f, nl_txref *ref, void *data, nl_dtype dtype,
+                    const int64_t *shape, int ndim)
+{
+    memset(f, 0, sizeof *f);
+    f->t.dtype = dtype;
+    f->t.ndim = ndim;
+    for (int i = 0; i < ndim && i < NL_MAX_DIMS; i++)
+        f->t.shape[i] = shape[i];
+    f->t.data = data;
+    f->free_fn = txref_release;
+    f->hint = ref;
+    atomic_fetch_add(&ref->pending, 1);
+}
+
+bool nl_txref_idle(nl_txref *ref)
+{
+    return atomic_load(&ref->pending) == 0;
+}
+
+nl_status nl_txref_wait(nl_txref *ref, int timeout_ms, nl_error *err)
+{
+    int64_t deadline = mono_ms() + timeout_ms;
+    while (!nl_txref_idle(ref)) {
+        if (timeout_ms >= 0 && mono_ms() >= deadline)
+            return nl_error_set(err, NL_ERR_TIMEOUT, "send buffer still in use after %d ms",
+                                timeout_ms);
+        nanosleep(&(struct timespec){0, 50000}, NULL);
+    }
+    return NL_OK;
+}

@@ -1,0 +1,336 @@
+/* The wire codec: the message model and pure encode/decode functions.
+ *
+ * Every message is a ZeroMQ multipart: one msgpack header, then zero or
+ * more raw little-endian tensor frames. The header is a msgpack map whose
+ * first two entries are "v" (protocol version) and "t" (message type); the
+ * other keys are the type's fields (docs/protocol.md lists them all), plus
+ * "tensors", one [dtype, [dims...]] descriptor per frame, for types that
+ * carry frames.
+ *
+ * Decoding never trusts a length: a first bounded pass walks the header
+ * bytes and enforces the limits (header size, nesting, string, array and
+ * map lengths) before anything is allocated; a second pass decodes the
+ * fields against the type's schema (type, range, duplicates, missing and
+ * unknown keys) and checks every frame against its descriptor
+ * (numel * dtype size == frame length, without overflow).
+ *
+ * Ownership of a decoded message:
+ *  - strings, token lists and job parameters live in the message's own
+ *    arena and stay valid until the next decode into the same message, or
+ *    nl_wire_msg_free;
+ *  - frames[i].t.data points into the caller's parts: it stays valid only
+ *    while the caller keeps those bytes (for nl_rx, until the next receive
+ *    or nl_rx_free).
+ * For encoding, the caller fills the fields (strings may be NULL = "") and
+ * the frames; the header is written into an nl_wire_wbuf; frames are not
+ * copied by the codec. */
+#ifndef NL_WIRE_H
+#define NL_WIRE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../base/status.h"
+#include "../core/tensor.h"
+
+#define NL_WIRE_VERSION 1u
+#define NL_WIRE_MAX_FRAMES 16 /* hard cap; limits.max_frames may be lower */
+#define NL_WIRE_MAX_DEPTH 16  /* hard cap on limits.max_depth */
+#define NL_KEY_Z85_LEN 40     /* a CURVE public key in Z85 */
+
+/* Message type codes. The numbers are part of the protocol: never reuse
+ * one. HELLO and ERROR keep their layout in every protocol version so that
+ * a peer can always say "wrong version". */
+typedef enum nl_msg_type {
+    NL_MSG_NONE = 0,
+    NL_MSG_HELLO = 1,
+    NL_MSG_HELLO_ACK = 2,
+    NL_MSG_ERROR = 3,
+    NL_MSG_JOIN = 10,
+    NL_MSG_ACCEPT = 11,
+    NL_MSG_HEARTBEAT = 12,
+    NL_MSG_LEAVE = 13,
+    NL_MSG_ASSIGN = 20,
+    NL_MSG_LAYER_LOAD = 21,
+    NL_MSG_LOAD_DONE = 22,
+    NL_MSG_ACTIVATION = 30,
+    NL_MSG_GRADIENT = 31,
+    NL_MSG_TOKEN = 32,
+    NL_MSG_JOB_SUBMIT = 40,
+    NL_MSG_JOB_STATUS = 41,
+    NL_MSG_JOB_CANCEL = 42,
+    NL_MSG_JOB_QUERY = 43,
+    NL_MSG_GRAD_NORM = 50,
+    NL_MSG_STEP = 51,
+    NL_MSG_CKPT_REQ = 52,
+    NL_MSG_CKPT_DONE = 53,
+    NL_MSG_TYPE_MAX = 64 /* codes are below this */
+} nl_msg_type;
+
+typedef enum nl_role { NL_ROLE_COORDINATOR = 1, NL_ROLE_NODE = 2, NL_ROLE_CLIENT = 3 } nl_role;
+
+typedef enum nl_node_state {
+    NL_NODE_IDLE = 0,
+    NL_NODE_LOADING,
+    NL_NODE_READY,
+    NL_NODE_BUSY,
+    NL_NODE_DRAINING,
+    NL_NODE_FAILED
+} nl_node_state;
+
+typedef enum nl_job_kind { NL_JOB_FORWARD = 0, NL_JOB_GENERATE, NL_JOB_TRAIN } nl_job_kind;
+
+typedef enum nl_job_state {
+    NL_JOB_QUEUED = 0,
+    NL_JOB_RUNNING,
+    NL_JOB_DONE,
+    NL_JOB_FAILED,
+    NL_JOB_CANCELLED
+} nl_job_state;
+
+/* ---- per-type fields (strings are NUL-terminated UTF-8) ---- */
+
+typedef struct nl_msg_hello {
+    uint32_t role;        /* nl_role */
+    const char *software; /* e.g. "neurollm 0.1.0", <= 64 bytes */
+} nl_msg_hello;           /* HELLO and HELLO_ACK */
+
+typedef struct nl_msg_error {
+    uint32_t code;       /* an nl_status value (1..999) */
+    uint32_t req_type;   /* type of the request it answers, 0 if unknown */
+    const char *message; /* <= 1024 bytes */
+} nl_msg_error;
+
+typedef struct nl_msg_join {
+    const char *pubkey; /* the node's CURVE public key, Z85 */
+    const char *device; /* "cpu" or "cuda:N" */
+    uint64_t memory_bytes;
+    double gemm_gflops;
+    uint32_t threads;
+    const char *data_endpoint; /* tcp://host:port (or ipc://) */
+} nl_msg_join;
+
+typedef struct nl_msg_accept {
+    uint32_t node_id;
+    uint32_t heartbeat_ms;
+    uint32_t timeout_ms;
+} nl_msg_accept;
+
+typedef struct nl_msg_heartbeat {
+    uint32_t node_id;
+    uint64_t seq;
+    uint32_t state; /* nl_node_state */
+    double load;    /* 0 = idle; busy fraction, >= 0 */
+} nl_msg_heartbeat;
+
+typedef struct nl_msg_leave {
+    uint32_t node_id;
+    const char *reason;
+} nl_msg_leave;
+
+typedef struct nl_msg_assign {
+    uint64_t epoch; /* placement generation; later ones replace earlier */
+    uint32_t node_id;
+    uint32_t stage, num_stages; /* stage < num_stages */
+    uint32_t layer0, layer1;    /* layers [layer0, layer1) */
+    bool has_embed, has_head;
+    const char *config_json; /* the model config, <= 48 KiB */
+    uint64_t seed;
+    const char *prev_endpoint, *prev_key; /* both "" for none */
+    const char *next_endpoint, *next_key;
+    uint64_t memory_planned;
+} nl_msg_assign;
+
+typedef struct nl_msg_layer_load { /* + one 1-D frame: a chunk of the tensor */
+    uint64_t epoch;
+    const char *name;
+    int ndim; /* the full tensor's shape */
+    int64_t shape[NL_MAX_DIMS];
+    uint64_t offset; /* first element of this chunk in the full tensor */
+    uint32_t chunk, chunks;
+} nl_msg_layer_load;
+
+typedef struct nl_msg_load_done {
+    uint64_t epoch;
+    uint32_t node_id;
+    uint32_t tensors;
+    uint64_t bytes;
+} nl_msg_load_done;
+
+typedef struct nl_msg_tensor_hop { /* ACTIVATION and GRADIENT, + one frame */
+    uint64_t job_id, step;
+    uint32_t microbatch;
+    uint64_t session_id;
+    uint64_t pos_offset;
+} nl_msg_tensor_hop;
+
+typedef struct nl_msg_token {
+    uint64_t job_id, session_id;
+    uint32_t ntokens; /* <= 4096 */
+    const uint32_t *tokens;
+    bool done;
+} nl_msg_token;
+
+typedef enum nl_param_kind {
+    NL_PARAM_INT = 0,
+    NL_PARAM_FLOAT,
+    NL_PARAM_STR,
+    NL_PARAM_BOOL
+} nl_param_kind;
+
+typedef struct nl_wire_param {
+    const char *key; /* [a-z0-9_.-], 1..64 bytes, unique */
+    nl_param_kind kind;
+    int64_t i;
+    double f;
+    const char *s;
+    bool b;
+} nl_wire_param;
+
+typedef struct nl_msg_job_submit { /* + 0..4 frames, e.g. I32 tokens */
+    uint32_t kind;                 /* nl_job_kind */
+    uint32_t nparams;              /* <= 64 */
+    const nl_wire_param *params;
+} nl_msg_job_submit;
+
+typedef struct nl_msg_job_status {
+    uint64_t job_id;
+    uint32_t state;  /* nl_job_state */
+    double progress; /* 0..1 */
+    const char *message;
+} nl_msg_job_status;
+
+typedef struct nl_msg_job_ref { /* JOB_CANCEL, JOB_QUERY (0 = all jobs) */
+    uint64_t job_id;
+} nl_msg_job_ref;
+
+typedef struct nl_msg_grad_norm {
+    uint64_t job_id, step;
+    uint32_t stage;
+    double sumsq; /* this stage's partial sum of squared gradients */
+} nl_msg_grad_norm;
+
+typedef struct nl_msg_step {
+    uint64_t job_id, step;
+    bool apply;        /* false: skip this step (e.g. non-finite norm) */
+    double clip_scale; /* multiply gradients by this, in [0, 1] */
+    double lr;
+} nl_msg_step;
+
+typedef struct nl_msg_ckpt_req {
+    uint64_t job_id, step;
+    const char *dir;
+} nl_msg_ckpt_req;
+
+typedef struct nl_msg_ckpt_done {
+    uint64_t job_id, step;
+    uint32_t stage;
+    const char *path;
+    const char *sha256; /* 64 lowercase hex digits */
+    uint64_t bytes;
+} nl_msg_ckpt_done;
+
+/* One tensor frame. t.data/len are the bytes on the wire (len == numel *
+ * dtype size). On send, free_fn (if set) is called exactly once when the
+ * transport no longer needs the bytes, whatever the outcome: the bytes are
+ * then sent without copying. Without free_fn the transport copies them. */
+typedef struct nl_wire_frame {
+    nl_tensor t;
+    size_t len;
+    void (*free_fn)(void *data, void *hint);
+    void *hint;
+} nl_wire_frame;
+
+typedef struct nl_wire_msg {
+    uint32_t version; /* decode: the version read; encode: ignored */
+    nl_msg_type type;
+    union {
+        nl_msg_hello hello;
+        nl_msg_error error;
+        nl_msg_join join;
+        nl_msg_accept accept;
+        nl_msg_heartbeat heartbeat;
+        nl_msg_leave leave;
+        nl_msg_assign assign;
+        nl_msg_layer_load layer_load;
+        nl_msg_load_done load_done;
+        nl_msg_tensor_hop hop;
+        nl_msg_token token;
+        nl_msg_job_submit job_submit;
+        nl_msg_job_status job_status;
+        nl_msg_job_ref job_ref;
+        nl_msg_grad_norm grad_norm;
+        nl_msg_step step;
+        nl_msg_ckpt_req ckpt_req;
+        nl_msg_ckpt_done ckpt_done;
+    } u;
+    int nframes;
+    nl_wire_frame frames[NL_WIRE_MAX_FRAMES];
+    /* private: the decode arena, reused across decodes */
+    uint8_t *arena;
+    size_t arena_cap, arena_used;
+} nl_wire_msg;
+
+/* Limits the decoder enforces before it allocates or trusts anything. */
+typedef struct nl_wire_limits {
+    size_t max_header;        /* header bytes (default 64 KiB) */
+    uint32_t max_depth;       /* container nesting; the schema needs 4 */
+    uint32_t max_str;         /* bytes of any one string (default 48 KiB) */
+    uint32_t max_array;       /* entries of any one array or map (4096) */
+    int max_frames;           /* <= NL_WIRE_MAX_FRAMES (16) */
+    int max_dims;             /* <= NL_MAX_DIMS (8) */
+    uint64_t max_frame_bytes; /* bytes of one frame (default 1 GiB) */
+} nl_wire_limits;
+
+nl_wire_limits nl_wire_limits_default(void);
+
+/* A raw part (header or frame) as received. */
+typedef struct nl_wire_part {
+    const void *data;
+    size_t len;
+} nl_wire_part;
+
+/* A growable output buffer for encoded headers, reused across encodes. */
+typedef struct nl_wire_wbuf {
+    uint8_t *data;
+    size_t len, cap;
+} nl_wire_wbuf;
+
+void nl_wire_wbuf_free(nl_wire_wbuf *b);
+
+/* Zero a message (no arena). */
+void nl_wire_msg_init(nl_wire_msg *m);
+/* Zero the fields and frames and set the type; keeps the arena. */
+void nl_wire_msg_reset(nl_wire_msg *m, nl_msg_type type);
+/* Free the arena; the message is then as after nl_wire_msg_init. */
+void nl_wire_msg_free(nl_wire_msg *m);
+
+/* Name of a message type ("ACTIVATION"), or NULL for an unknown code. */
+const char *nl_wire_type_name(uint32_t type);
+
+/* Encode m's header into out (replacing its contents). Checks m against
+ * the same schema the decoder enforces, and sets every frame's len from its
+ * dtype and shape. lim may be NULL (defaults). m is not otherwise changed
+ * except frames[i].len. */
+nl_status nl_wire_encode(nl_wire_msg *m, nl_wire_wbuf *out, const nl_wire_limits *lim,
+                         nl_error *err);
+
+/* Decode parts[0] (the header) and parts[1..nparts-1] (the frames) into m.
+ * An ERROR decodes whatever its version (its layout is frozen; check
+ * m->version); any other type from another version is NL_ERR_VERSION.
+ * On failure m->type holds the type code if it could be read (else
+ * NL_MSG_NONE) and m->version the version; the error says which field or
+ * limit is at fault: NL_ERR_VERSION (another protocol version),
+ * NL_ERR_LIMIT, NL_ERR_PROTO (malformed, wrong type, unknown message or
+ * key), NL_ERR_RANGE, NL_ERR_SHAPE, NL_ERR_DTYPE, NL_ERR_NOMEM. */
+nl_status nl_wire_decode(nl_wire_msg *m, const nl_wire_part *parts, int nparts,
+                         const nl_wire_limits *lim, nl_error *err);
+
+/* Read only the version and type of a header (both 0 if unreadable). */
+void nl_wire_peek(const void *header, size_t len, uint32_t *version, uint32_t *type);
+
+/* Z85 public key syntax: exactly 40 characters of the Z85 alphabet. */
+bool nl_wire_z85_key_ok(const char *s, size_t len);
+
+#endif
