@@ -155,6 +155,7 @@ static const field f_hop[] = {
     F_U32(nl_msg_tensor_hop, microbatch, U32_ANY),
     F_U64(nl_msg_tensor_hop, session_id, U64_ANY),
     F_U64(nl_msg_tensor_hop, pos_offset, 0, INT32_MAX),
+    F_F64(nl_msg_tensor_hop, aux, -1e30, 1e30),
 };
 static const field f_token[] = {
     F_U64(nl_msg_token, job_id, U64_ANY),
@@ -219,12 +220,15 @@ static const tdesc tdescs[NL_MSG_TYPE_MAX] = {
     [NL_MSG_LAYER_LOAD] = {"LAYER_LOAD", f_layer_load, NF(f_layer_load), 1, 1, 1, 1,
                            DT_FLOAT | DT(F64) | DT(I32) | DT(I64), check_layer_load},
     [NL_MSG_LOAD_DONE] = {"LOAD_DONE", f_load_done, NF(f_load_done), 0, 0, 0, 0, 0, NULL},
-    [NL_MSG_ACTIVATION] = {"ACTIVATION", f_hop, NF(f_hop), 1, 1, 1, NL_MAX_DIMS, DT_FLOAT, NULL},
+    [NL_MSG_ACTIVATION] = {"ACTIVATION", f_hop, NF(f_hop), 1, 2, 1, NL_MAX_DIMS,
+                           DT_FLOAT | DT(I32), NULL},
+    [NL_MSG_RESULT] = {"RESULT", f_hop, NF(f_hop), 1, 1, 1, NL_MAX_DIMS, DT_FLOAT, NULL},
     [NL_MSG_GRADIENT] = {"GRADIENT", f_hop, NF(f_hop), 1, 1, 1, NL_MAX_DIMS, DT_FLOAT, NULL},
     [NL_MSG_TOKEN] = {"TOKEN", f_token, NF(f_token), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_JOB_SUBMIT] = {"JOB_SUBMIT", f_job_submit, NF(f_job_submit), 0, 4, 1, NL_MAX_DIMS,
                            DT(I32) | DT(I64) | DT(F32), check_job_submit},
-    [NL_MSG_JOB_STATUS] = {"JOB_STATUS", f_job_status, NF(f_job_status), 0, 0, 0, 0, 0, NULL},
+    /* + an optional U8 frame: a JSON report (cluster status) */
+    [NL_MSG_JOB_STATUS] = {"JOB_STATUS", f_job_status, NF(f_job_status), 0, 1, 1, 1, DT(U8), NULL},
     [NL_MSG_JOB_CANCEL] = {"JOB_CANCEL", f_job_ref, NF(f_job_ref), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_JOB_QUERY] = {"JOB_QUERY", f_job_ref, NF(f_job_ref), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_GRAD_NORM] = {"GRAD_NORM", f_grad_norm, NF(f_grad_norm), 0, 0, 0, 0, 0, NULL},
@@ -585,9 +589,9 @@ static nl_status check_job_submit(const nl_wire_msg *m, const tdesc *td, nl_erro
             if (strcmp(j->params[k].key, p->key) == 0)
                 return nl_error_set(err, NL_ERR_PROTO, "%s.params: duplicate key '%s'", td->name,
                                     p->key);
-        size_t n = p->kind == NL_PARAM_STR && p->s ? strlen(p->s) : 0;
-        if ((unsigned)p->kind > NL_PARAM_BOOL || (p->kind == NL_PARAM_FLOAT && !isfinite(p->f)) ||
-            (p->kind == NL_PARAM_STR && (n > 4096 || !utf8_ok((const uint8_t *)p->s, n))))
+        size_t n = p->kind == NL_WIRE_PARAM_STR && p->s ? strlen(p->s) : 0;
+        if ((unsigned)p->kind > NL_WIRE_PARAM_BOOL || (p->kind == NL_WIRE_PARAM_FLOAT && !isfinite(p->f)) ||
+            (p->kind == NL_WIRE_PARAM_STR && (n > 4096 || !utf8_ok((const uint8_t *)p->s, n))))
             return nl_error_set(err, NL_ERR_RANGE, "%s.params.%s: bad value", td->name, p->key);
     }
     return NL_OK;
@@ -969,19 +973,19 @@ static nl_status rd_param(rd *r, nl_wire_msg *m, const tdesc *td, nl_wire_param 
         if (it.u > INT64_MAX)
             return nl_error_set(err, NL_ERR_RANGE, "%s.params.%s: integer too large", td->name,
                                 p->key);
-        p->kind = NL_PARAM_INT, p->i = (int64_t)it.u;
+        p->kind = NL_WIRE_PARAM_INT, p->i = (int64_t)it.u;
         return NL_OK;
     case IT_NEG:
-        p->kind = NL_PARAM_INT, p->i = it.i;
+        p->kind = NL_WIRE_PARAM_INT, p->i = it.i;
         return NL_OK;
     case IT_FLOAT:
-        p->kind = NL_PARAM_FLOAT, p->f = it.f;
+        p->kind = NL_WIRE_PARAM_FLOAT, p->f = it.f;
         return NL_OK;
     case IT_BOOL:
-        p->kind = NL_PARAM_BOOL, p->b = it.u != 0;
+        p->kind = NL_WIRE_PARAM_BOOL, p->b = it.u != 0;
         return NL_OK;
     case IT_STR:
-        p->kind = NL_PARAM_STR;
+        p->kind = NL_WIRE_PARAM_STR;
         return str_to_arena(m, td, p->key, &it, &p->s, err);
     default:
         return nl_error_set(err, NL_ERR_PROTO, "%s.params.%s: a %s is not a parameter value",
@@ -1275,11 +1279,11 @@ static void pack_field(msgpack_packer *pk, const field *f, const void *base)
         msgpack_pack_map(pk, n);
         for (uint32_t i = 0; i < n; i++) {
             pack_cstr(pk, p[i].key);
-            if (p[i].kind == NL_PARAM_INT)
+            if (p[i].kind == NL_WIRE_PARAM_INT)
                 msgpack_pack_int64(pk, p[i].i);
-            else if (p[i].kind == NL_PARAM_FLOAT)
+            else if (p[i].kind == NL_WIRE_PARAM_FLOAT)
                 msgpack_pack_double(pk, p[i].f);
-            else if (p[i].kind == NL_PARAM_STR)
+            else if (p[i].kind == NL_WIRE_PARAM_STR)
                 pack_cstr(pk, p[i].s);
             else
                 p[i].b ? msgpack_pack_true(pk) : msgpack_pack_false(pk);

@@ -57,6 +57,7 @@ typedef enum nl_msg_type {
     NL_MSG_ACTIVATION = 30,
     NL_MSG_GRADIENT = 31,
     NL_MSG_TOKEN = 32,
+    NL_MSG_RESULT = 33,
     NL_MSG_JOB_SUBMIT = 40,
     NL_MSG_JOB_STATUS = 41,
     NL_MSG_JOB_CANCEL = 42,
@@ -158,11 +159,15 @@ typedef struct nl_msg_load_done {
     uint64_t bytes;
 } nl_msg_load_done;
 
-typedef struct nl_msg_tensor_hop { /* ACTIVATION and GRADIENT, + one frame */
+/* ACTIVATION (+ one frame: F32 hidden states, or I32 token ids for the
+ * first stage; + an optional second I32 frame of targets), GRADIENT (+ one
+ * float frame) and RESULT (+ one float frame: logits, from the last stage) */
+typedef struct nl_msg_tensor_hop {
     uint64_t job_id, step;
     uint32_t microbatch;
     uint64_t session_id;
     uint64_t pos_offset;
+    double aux; /* load-balancing loss summed over the stages so far */
 } nl_msg_tensor_hop;
 
 typedef struct nl_msg_token {
@@ -172,16 +177,16 @@ typedef struct nl_msg_token {
     bool done;
 } nl_msg_token;
 
-typedef enum nl_param_kind {
-    NL_PARAM_INT = 0,
-    NL_PARAM_FLOAT,
-    NL_PARAM_STR,
-    NL_PARAM_BOOL
-} nl_param_kind;
+typedef enum nl_wire_param_kind {
+    NL_WIRE_PARAM_INT = 0,
+    NL_WIRE_PARAM_FLOAT,
+    NL_WIRE_PARAM_STR,
+    NL_WIRE_PARAM_BOOL
+} nl_wire_param_kind;
 
 typedef struct nl_wire_param {
     const char *key; /* [a-z0-9_.-], 1..64 bytes, unique */
-    nl_param_kind kind;
+    nl_wire_param_kind kind;
     int64_t i;
     double f;
     const char *s;

@@ -22,7 +22,7 @@ static const nl_msg_type all_types[] = {
     NL_MSG_HEARTBEAT,  NL_MSG_LEAVE,     NL_MSG_ASSIGN,    NL_MSG_LAYER_LOAD, NL_MSG_LOAD_DONE,
     NL_MSG_ACTIVATION, NL_MSG_GRADIENT,  NL_MSG_TOKEN,     NL_MSG_JOB_SUBMIT, NL_MSG_JOB_STATUS,
     NL_MSG_JOB_CANCEL, NL_MSG_JOB_QUERY, NL_MSG_GRAD_NORM, NL_MSG_STEP,       NL_MSG_CKPT_REQ,
-    NL_MSG_CKPT_DONE,
+    NL_MSG_CKPT_DONE,  NL_MSG_RESULT,
 };
 #define NTYPES (int)(sizeof all_types / sizeof all_types[0])
 
@@ -34,10 +34,10 @@ static int32_t toks_frame[2 * 5];
 static float chunk[64];
 static const uint32_t token_ids[5] = {0, 1, 50256, 7, 4294967295u};
 static const nl_wire_param params[4] = {
-    {.key = "seq_len", .kind = NL_PARAM_INT, .i = -12},
-    {.key = "temperature", .kind = NL_PARAM_FLOAT, .f = 0.75},
-    {.key = "prompt", .kind = NL_PARAM_STR, .s = "Once upon a time \xc3\xa9"},
-    {.key = "greedy", .kind = NL_PARAM_BOOL, .b = true},
+    {.key = "seq_len", .kind = NL_WIRE_PARAM_INT, .i = -12},
+    {.key = "temperature", .kind = NL_WIRE_PARAM_FLOAT, .f = 0.75},
+    {.key = "prompt", .kind = NL_WIRE_PARAM_STR, .s = "Once upon a time \xc3\xa9"},
+    {.key = "greedy", .kind = NL_WIRE_PARAM_BOOL, .b = true},
 };
 
 static void set_frame(nl_wire_frame *f, nl_dtype dt, void *data, int ndim, const int64_t *shape)
@@ -108,8 +108,9 @@ static void sample(nl_wire_msg *m, nl_msg_type t)
         m->u.load_done = (nl_msg_load_done){3, 7, 58, 123456789};
         break;
     case NL_MSG_ACTIVATION:
+    case NL_MSG_RESULT:
     case NL_MSG_GRADIENT: {
-        m->u.hop = (nl_msg_tensor_hop){11, 250, 3, 99, 17};
+        m->u.hop = (nl_msg_tensor_hop){11, 250, 3, 99, 17, 0.125};
         int64_t sh[3] = {2, 3, 16};
         set_frame(&m->frames[0], t == NL_MSG_GRADIENT ? NL_DTYPE_BF16 : NL_DTYPE_F32, act, 3, sh);
         m->nframes = 1;
@@ -213,10 +214,11 @@ static bool same_msg(const nl_wire_msg *a, const nl_wire_msg *b)
     case NL_MSG_LOAD_DONE:
         return memcmp(&p->load_done, &q->load_done, sizeof p->load_done) == 0;
     case NL_MSG_ACTIVATION:
+    case NL_MSG_RESULT:
     case NL_MSG_GRADIENT:
         return p->hop.job_id == q->hop.job_id && p->hop.step == q->hop.step &&
                p->hop.microbatch == q->hop.microbatch && p->hop.session_id == q->hop.session_id &&
-               p->hop.pos_offset == q->hop.pos_offset;
+               p->hop.pos_offset == q->hop.pos_offset && p->hop.aux == q->hop.aux;
     case NL_MSG_TOKEN:
         return p->token.job_id == q->token.job_id && p->token.session_id == q->token.session_id &&
                p->token.ntokens == q->token.ntokens && p->token.done == q->token.done &&
@@ -229,10 +231,10 @@ static bool same_msg(const nl_wire_msg *a, const nl_wire_msg *b)
             const nl_wire_param *x = &p->job_submit.params[i], *y = &q->job_submit.params[i];
             if (!seq(x->key, y->key) || x->kind != y->kind)
                 return false;
-            if ((x->kind == NL_PARAM_INT && x->i != y->i) ||
-                (x->kind == NL_PARAM_FLOAT && x->f != y->f) ||
-                (x->kind == NL_PARAM_STR && !seq(x->s, y->s)) ||
-                (x->kind == NL_PARAM_BOOL && x->b != y->b))
+            if ((x->kind == NL_WIRE_PARAM_INT && x->i != y->i) ||
+                (x->kind == NL_WIRE_PARAM_FLOAT && x->f != y->f) ||
+                (x->kind == NL_WIRE_PARAM_STR && !seq(x->s, y->s)) ||
+                (x->kind == NL_WIRE_PARAM_BOOL && x->b != y->b))
                 return false;
         }
         return true;
@@ -872,8 +874,10 @@ static void test_shapes_dtypes(void)
     CHECK_OK(dec_tensor_desc(&d, NL_MSG_ACTIVATION, "BF16", s23, 2, 12, &err), &err);
     CHECK(dec_tensor_desc(&d, NL_MSG_ACTIVATION, "F32", s23, 2, 20, &err) == NL_ERR_SHAPE,
           "24 vs 20 bytes: %s", err.msg);
-    CHECK(dec_tensor_desc(&d, NL_MSG_ACTIVATION, "I32", s23, 2, 24, &err) == NL_ERR_DTYPE,
-          "I32 activation: %s", err.msg);
+    /* token ids ride to the first stage as I32; gradients are floats only */
+    CHECK_OK(dec_tensor_desc(&d, NL_MSG_ACTIVATION, "I32", s23, 2, 24, &err), &err);
+    CHECK(dec_tensor_desc(&d, NL_MSG_GRADIENT, "I32", s23, 2, 24, &err) == NL_ERR_DTYPE,
+          "I32 gradient: %s", err.msg);
     CHECK(dec_tensor_desc(&d, NL_MSG_ACTIVATION, "Q4_0", s23, 2, 24, &err) == NL_ERR_DTYPE,
           "unknown dtype: %s", err.msg);
     const uint64_t s0[] = {2, 0};
