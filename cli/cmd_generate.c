@@ -6,7 +6,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "args.h"
+#include "base/args.h"
 #include "commands.h"
 #include "core/checkpoint.h"
 #include "core/forward.h"

@@ -4,7 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "args.h"
+#include "base/args.h"
 #include "commands.h"
 #include "core/checkpoint.h"
 #include "core/forward.h"

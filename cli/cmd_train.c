@@ -8,7 +8,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "args.h"
+#include "base/args.h"
 #include "commands.h"
 #include "core/checkpoint.h"
 #include "core/data.h"

@@ -1,4 +1,4 @@
-/* Command-line flags for neuroctl subcommands: `--name value` and bare
+/* Command-line flags for neuroctl subcommands and the daemons: `--name value` and bare
  * `--switch` flags checked against a table, with typed getters that
  * refuse malformed numbers and name the flag. */
 #ifndef NL_CLI_ARGS_H

@@ -1,0 +1,601 @@
+/* The coordinator: membership (join, heartbeats, death), sizing and
+ * placement through core/sizing and core/planner, streaming each stage's
+ * tensors, and the event loop. Jobs are in coord_jobs.c. */
+#include "coord_impl.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+#include "base/log.h"
+#include "core/checkpoint.h"
+#include "core/fileio.h"
+#include "core/sizing.h"
+
+#define CHUNK_FLOATS (1u << 20) /* 4 MiB per LAYER_LOAD frame */
+
+double coord_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+void nl_coord_opts_init(nl_coord_opts *o)
+{
+    memset(o, 0, sizeof *o);
+    o->min_nodes = 1;
+    o->heartbeat_ms = 1000;
+    o->node_timeout_ms = 5000;
+    o->job_timeout_ms = 120000;
+    o->plan_rows = 512;
+}
+
+void coord_set_state(nl_coord *c, const char *fmt, ...)
+{
+    char buf[sizeof c->state];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    if (strcmp(buf, c->state) != 0) {
+        memcpy(c->state, buf, sizeof buf);
+        NL_INFO("state: %s", c->state);
+    }
+}
+
+cnode *coord_stage_node(nl_coord *c, int stage)
+{
+    if (!c->plan || stage < 0 || stage >= c->plan->n_stages)
+        return NULL;
+    int id = c->plan->stages[stage].node_id;
+    for (int i = 0; i < COORD_MAX_NODES; i++)
+        if (c->nodes[i].life == NODE_LIVE && (int)c->nodes[i].id == id)
+            return &c->nodes[i];
+    return NULL;
+}
+
+nl_status coord_send_node(nl_coord *c, cnode *n, nl_wire_msg *m)
+{
+    nl_error err = {0};
+    nl_status st = nl_sock_send(c->ctl, n->rid, n->rid_len, m, &err);
+    if (st != NL_OK)
+        NL_WARN("send %s to node %u: %s", nl_wire_type_name(m->type), n->id, err.msg);
+    return st;
+}
+
+/* ---------------------------------------------------------------- setup */
+
+static nl_status load_model_source(nl_coord *c, nl_error *err)
+{
+    nl_config_init(&c->base);
+    if (c->o.model) {
+        nl_status st = nl_checkpoint_read_config(c->o.model, &c->cfg, NULL, err);
+        if (st == NL_OK)
+            st = nl_st_open(&c->ckpt, c->o.model, err);
+        if (st == NL_OK)
+            st = nl_checkpoint_meta(c->o.model, "tokenizer", &c->tok_text, err);
+        c->have_cfg = st == NL_OK;
+        return st;
+    }
+    if (c->o.config) {
+        nl_status st = nl_config_load_yaml(&c->base, c->o.config, err);
+        if (st != NL_OK)
+            return st;
+        if (c->base.hidden_dim > 0 && c->base.num_layers > 0) {
+            c->cfg = c->base;
+            c->have_cfg = 1;
+            return nl_config_validate(&c->cfg, 1, err);
+        }
+    }
+    nl_config_fill_derived(&c->base);
+    return NL_OK; /* sized once nodes have joined */
+}
+
+static nl_status setup_sockets(nl_coord *c, nl_error *err)
+{
+    char path[4096];
+    bool created = false;
+    nl_status st = nl_keys_ensure(c->o.state_dir, &c->keys, &created, err);
+    if (st != NL_OK)
+        return st;
+    if (created)
+        NL_INFO("created %s/coordinator.key and coordinator.pub", c->o.state_dir);
+    snprintf(path, sizeof path, "%s/authorized_keys", c->o.state_dir);
+    struct stat sb;
+    if (stat(path, &sb) != 0) {
+        const char *text = "# Z85 public keys of the nodes and clients allowed in, one per line\n";
+        if ((st = nl_file_write_atomic(path, text, strlen(text), err)) != NL_OK)
+            return st;
+        NL_WARN("%s was absent: created it empty; no node or client can join until keys are "
+                "added (then send SIGHUP)",
+                path);
+    }
+    nl_net_opts no = nl_net_opts_default();
+    if ((st = nl_net_new(&c->net, &no, err)) != NL_OK)
+        return st;
+    if (!c->o.plaintext &&
+        (st = nl_auth_watch_file(nl_net_auth(c->net), "coord", path, err)) != NL_OK)
+        return st;
+    if (c->o.plaintext && (st = nl_auth_allow_plaintext(nl_net_auth(c->net), "coord", err)) != NL_OK)
+        return st;
+    nl_sock_opts so = {.type = ZMQ_ROUTER,
+                       .keys = &c->keys,
+                       .curve_server = true,
+                       .zap_domain = "coord",
+                       .plaintext = c->o.plaintext,
+                       .name = "control",
+                       .hwm = 1000,
+                       .linger_ms = 0};
+    if ((st = nl_sock_new(&c->ctl, c->net, &so, err)) != NL_OK ||
+        (st = nl_sock_bind(c->ctl, c->o.listen, err)) != NL_OK)
+        return st;
+    snprintf(c->endpoint, sizeof c->endpoint, "%s", nl_sock_endpoint(c->ctl));
+    snprintf(path, sizeof path, "%s/endpoint", c->o.state_dir);
+    char line[300];
+    int n = snprintf(line, sizeof line, "%s\n", c->endpoint);
+    return nl_file_write_atomic(path, line, (size_t)n, err);
+}
+
+nl_status nl_coord_new(nl_coord **out, const nl_coord_opts *o, nl_error *err)
+{
+    *out = NULL;
+    nl_coord *c = calloc(1, sizeof *c);
+    if (!c)
+        return nl_error_set(err, NL_ERR_NOMEM, "coordinator: out of memory");
+    c->o = *o;
+    nl_status st = load_model_source(c, err);
+    if (st == NL_OK)
+        st = setup_sockets(c, err);
+    if (st != NL_OK) {
+        nl_coord_destroy(&c);
+        return st;
+    }
+    coord_set_state(c, "waiting for nodes (at least %d)", o->min_nodes);
+    NL_INFO("listening on %s; public key %s", c->endpoint, c->keys.public_z85);
+    *out = c;
+    return NL_OK;
+}
+
+void nl_coord_destroy(nl_coord **cp)
+{
+    if (!cp || !*cp)
+        return;
+    nl_coord *c = *cp;
+    for (int i = 0; i < COORD_MAX_JOBS; i++)
+        free(c->jobs[i].prompt);
+    nl_plan_destroy(&c->plan);
+    nl_sock_destroy(&c->ctl);
+    nl_net_destroy(&c->net);
+    nl_st_close(&c->ckpt);
+    free(c->tok_text);
+    nl_keys_wipe(&c->keys);
+    free(c);
+    *cp = NULL;
+}
+
+/* ---------------------------------------------------------------- membership */
+
+static cnode *node_by_rid(nl_coord *c, const nl_rx *rx)
+{
+    for (int i = 0; i < COORD_MAX_NODES; i++) {
+        cnode *n = &c->nodes[i];
+        if (n->life == NODE_LIVE && n->rid_len == rx->rid_len &&
+            memcmp(n->rid, rx->rid, rx->rid_len) == 0)
+            return n;
+    }
+    return NULL;
+}
+
+static void drop_plan(nl_coord *c)
+{
+    nl_plan_destroy(&c->plan);
+    c->ready = 0;
+    c->epoch++;
+    c->last_plan_try = 0;
+    for (int i = 0; i < COORD_MAX_NODES; i++) {
+        c->nodes[i].stage = -1;
+        c->nodes[i].loaded = 0;
+    }
+}
+
+/* A node is gone (dead or left): fail what it carried and plan again. */
+static void node_lost(nl_coord *c, cnode *n, int life, const char *why)
+{
+    const int stage = n->stage;
+    char msg[512];
+    if (stage >= 0 && c->plan) {
+        const nl_plan_stage *s = &c->plan->stages[stage];
+        snprintf(msg, sizeof msg, "node %u (stage %d, layers [%d, %d), %s) %s", n->id, stage, s->l0,
+                 s->l1, n->endpoint, why);
+    } else {
+        snprintf(msg, sizeof msg, "node %u (standby, %s) %s", n->id, n->endpoint, why);
+    }
+    NL_WARN("%s", msg);
+    n->life = life;
+    n->stage = -1;
+    if (stage >= 0) {
+        char jm[600];
+        snprintf(jm, sizeof jm, "%s; the job failed", msg);
+        coord_fail_jobs(c, jm);
+        drop_plan(c);
+        coord_set_state(c, "re-planning: %s", msg);
+    }
+}
+
+static void on_join(nl_coord *c, const nl_rx *rx)
+{
+    const nl_msg_join *j = &rx->msg.u.join;
+    nl_error e = {0};
+    if (!c->o.plaintext && strcmp(j->pubkey, rx->peer) != 0) {
+        nl_sock_send_error(c->ctl, rx, NL_ERR_AUTH, NL_MSG_JOIN,
+                           "JOIN names a key other than the one this connection authenticated",
+                           &e);
+        return;
+    }
+    for (int i = 0; i < COORD_MAX_NODES; i++)
+        if (c->nodes[i].life == NODE_LIVE && strcmp(c->nodes[i].key, j->pubkey) == 0)
+            node_lost(c, &c->nodes[i], NODE_LEFT, "joined again (restarted)");
+    cnode *n = NULL;
+    for (int i = 0; i < COORD_MAX_NODES && !n; i++)
+        if (c->nodes[i].life != NODE_LIVE)
+            n = &c->nodes[i];
+    if (!n) {
+        nl_sock_send_error(c->ctl, rx, NL_ERR_CAPACITY, NL_MSG_JOIN, "too many nodes", &e);
+        return;
+    }
+    memset(n, 0, sizeof *n);
+    n->life = NODE_LIVE;
+    n->id = ++c->next_node_id;
+    snprintf(n->key, sizeof n->key, "%s", j->pubkey);
+    memcpy(n->rid, rx->rid, rx->rid_len);
+    n->rid_len = rx->rid_len;
+    snprintf(n->device, sizeof n->device, "%s", j->device);
+    snprintf(n->endpoint, sizeof n->endpoint, "%s", j->data_endpoint);
+    n->memory = j->memory_bytes;
+    n->gflops = j->gemm_gflops;
+    n->threads = j->threads;
+    n->joined = n->last_seen = coord_now();
+    n->stage = -1;
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_ACCEPT);
+    m.u.accept = (nl_msg_accept){n->id, (uint32_t)c->o.heartbeat_ms, (uint32_t)c->o.node_timeout_ms};
+    if (nl_sock_reply(c->ctl, rx, &m, &e) != NL_OK)
+        NL_WARN("ACCEPT to node %u: %s", n->id, e.msg);
+    nl_wire_msg_free(&m);
+    NL_INFO("node %u joined: %s, %.1f GiB, %.1f GFLOP/s, %u threads, data %s, key %.8s...", n->id,
+            n->device, (double)n->memory / (1 << 30), n->gflops, n->threads, n->endpoint, n->key);
+    c->last_plan_try = 0;
+}
+
+static void on_leave(nl_coord *c, const nl_rx *rx)
+{
+    cnode *n = node_by_rid(c, rx);
+    if (!n)
+        return;
+    char why[300];
+    snprintf(why, sizeof why, "left (%s)", rx->msg.u.leave.reason);
+    node_lost(c, n, NODE_LEFT, why);
+}
+
+static void on_heartbeat(nl_coord *c, const nl_rx *rx)
+{
+    cnode *n = node_by_rid(c, rx);
+    nl_error e = {0};
+    if (!n || n->id != rx->msg.u.heartbeat.node_id) {
+        nl_sock_send_error(c->ctl, rx, NL_ERR_STATE, NL_MSG_HEARTBEAT, "unknown node: JOIN first",
+                           &e);
+        return;
+    }
+    n->last_seen = coord_now();
+}
+
+static void on_node_error(nl_coord *c, const nl_rx *rx)
+{
+    cnode *n = node_by_rid(c, rx);
+    const nl_msg_error *e = &rx->msg.u.error;
+    char why[1200];
+    snprintf(why, sizeof why, "node %u: %s (%s)", n ? n->id : 0, e->message,
+             nl_status_str((nl_status)e->code));
+    NL_WARN("%s", why);
+    if (!n)
+        return;
+    if (e->req_type == NL_MSG_LAYER_LOAD || e->req_type == NL_MSG_LOAD_DONE ||
+        e->req_type == NL_MSG_ASSIGN) {
+        coord_set_state(c, "loading failed: %s", why);
+        drop_plan(c);
+        c->last_plan_try = coord_now() + 5.0; /* do not spin on a broken load */
+        return;
+    }
+    coord_fail_jobs(c, why);
+}
+
+/* ---------------------------------------------------------------- planning */
+
+static void send_assign(nl_coord *c, int stage, const char *cfg_json)
+{
+    const nl_plan_stage *s = &c->plan->stages[stage];
+    cnode *n = coord_stage_node(c, stage), *prev = coord_stage_node(c, stage - 1),
+          *next = coord_stage_node(c, stage + 1);
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_ASSIGN);
+    m.u.assign = (nl_msg_assign){.epoch = c->epoch,
+                                 .node_id = n->id,
+                                 .stage = (uint32_t)stage,
+                                 .num_stages = (uint32_t)c->plan->n_stages,
+                                 .layer0 = (uint32_t)s->l0,
+                                 .layer1 = (uint32_t)s->l1,
+                                 .has_embed = s->has_embed,
+                                 .has_head = s->has_head,
+                                 .config_json = cfg_json,
+                                 .seed = c->o.seed,
+                                 .prev_endpoint = prev ? prev->endpoint : "",
+                                 .prev_key = prev ? prev->key : "",
+                                 .next_endpoint = next ? next->endpoint : "",
+                                 .next_key = next ? next->key : "",
+                                 .memory_planned = s->bytes};
+    coord_send_node(c, n, &m);
+    nl_wire_msg_free(&m);
+}
+
+/* Does checkpoint tensor `name` belong to stage s? */
+static int stage_holds(const nl_plan_stage *s, const char *name)
+{
+    int l = -1, used = 0;
+    if (strcmp(name, "tok_embeddings.weight") == 0)
+        return s->has_embed;
+    if (strcmp(name, "norm.weight") == 0 || strcmp(name, "lm_head.weight") == 0)
+        return s->has_head;
+    if (sscanf(name, "layers.%d.%n", &l, &used) == 1 && used > 0)
+        return l >= s->l0 && l < s->l1;
+    return 0; /* optimizer moments and anything else stay here */
+}
+
+static void noop_free(void *data, void *hint)
+{
+    (void)data;
+    (void)hint;
+}
+
+/* Stream the stage's tensors in chunks, then LOAD_DONE. Without a
+ * checkpoint LOAD_DONE {tensors 0} tells the node to initialise from the
+ * seed. */
+static void send_load(nl_coord *c, int stage)
+{
+    const nl_plan_stage *s = &c->plan->stages[stage];
+    cnode *n = coord_stage_node(c, stage);
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    uint32_t tensors = 0;
+    uint64_t bytes = 0;
+    double t0 = coord_now();
+    for (size_t i = 0; c->ckpt && i < nl_st_count(c->ckpt); i++) {
+        const nl_st_entry *e = nl_st_entry_at(c->ckpt, i);
+        if (!stage_holds(s, e->name) || e->dtype != NL_DTYPE_F32)
+            continue;
+        const uint64_t numel = e->nbytes / 4;
+        const uint32_t chunks = (uint32_t)((numel + CHUNK_FLOATS - 1) / CHUNK_FLOATS);
+        const char *data = nl_st_tensor_data(c->ckpt, e);
+        for (uint32_t k = 0; k < (chunks ? chunks : 1); k++) {
+            const uint64_t off = (uint64_t)k * CHUNK_FLOATS;
+            const uint64_t cnt = numel - off < CHUNK_FLOATS ? numel - off : CHUNK_FLOATS;
+            nl_wire_msg_reset(&m, NL_MSG_LAYER_LOAD);
+            m.u.layer_load.epoch = c->epoch;
+            m.u.layer_load.name = e->name;
+            m.u.layer_load.ndim = e->ndim;
+            memcpy(m.u.layer_load.shape, e->shape, sizeof e->shape);
+            m.u.layer_load.offset = off;
+            m.u.layer_load.chunk = k;
+            m.u.layer_load.chunks = chunks ? chunks : 1;
+            nl_wire_frame *f = &m.frames[0];
+            memset(f, 0, sizeof *f);
+            f->t.dtype = NL_DTYPE_F32;
+            f->t.ndim = 1;
+            f->t.shape[0] = (int64_t)cnt;
+            f->t.data = (void *)(data + off * 4); /* the mapping outlives the send */
+            f->free_fn = noop_free;
+            m.nframes = 1;
+            if (coord_send_node(c, n, &m) != NL_OK)
+                goto out;
+        }
+        tensors++;
+        bytes += e->nbytes;
+    }
+    nl_wire_msg_reset(&m, NL_MSG_LOAD_DONE);
+    m.u.load_done = (nl_msg_load_done){c->epoch, n->id, tensors, bytes};
+    coord_send_node(c, n, &m);
+    if (c->ckpt)
+        NL_INFO("stage %d: sent %u tensors (%.1f MiB) to node %u in %.2f s", stage, tensors,
+                (double)bytes / (1 << 20), n->id, coord_now() - t0);
+out:
+    nl_wire_msg_free(&m);
+}
+
+static double hop_seconds(const nl_coord *c)
+{
+    /* one request's activations over loopback-class links, plus a fixed
+     * per-message cost */
+    return 1e-4 + (double)c->o.plan_rows * c->cfg.hidden_dim * 4 / 1e9;
+}
+
+static void try_plan(nl_coord *c)
+{
+    nl_plan_node pn[COORD_MAX_NODES];
+    int n = 0;
+    uint64_t total = 0;
+    nl_error e = {0};
+    for (int i = 0; i < COORD_MAX_NODES; i++)
+        if (c->nodes[i].life == NODE_LIVE) {
+            pn[n] = (nl_plan_node){(int)c->nodes[i].id, c->nodes[i].memory,
+                                   c->nodes[i].gflops > 0 ? c->nodes[i].gflops : 1.0, 0.0};
+            total += c->nodes[i].memory;
+            n++;
+        }
+    c->last_plan_try = coord_now();
+    if (n < c->o.min_nodes || total < c->o.min_memory) {
+        coord_set_state(c, "waiting for nodes: %d of %d joined, %.2f of %.2f GiB offered", n,
+                        c->o.min_nodes, (double)total / (1 << 30),
+                        (double)c->o.min_memory / (1 << 30));
+        return;
+    }
+    nl_plan_opts po = {.mem = {.training = 0, .micro_rows = c->o.plan_rows, .in_flight = 1}};
+    if (!c->have_cfg) {
+        nl_sizing_opts so;
+        nl_sizing_opts_init(&so);
+        so.plan = po;
+        nl_sizing sz;
+        if (nl_sizing_choose(&sz, &c->base, pn, n, &so, &e) != NL_OK) {
+            coord_set_state(c, "not enough capacity to size a model: %s", e.msg);
+            return;
+        }
+        c->cfg = sz.cfg;
+        c->have_cfg = 1;
+        NL_INFO("sized the model from %.2f GiB: d=%d L=%d H=%d G=%d F=%d (%s)",
+                (double)total / (1 << 30), c->cfg.hidden_dim, c->cfg.num_layers,
+                c->cfg.num_heads, c->cfg.num_kv_heads, c->cfg.ffn_dim, sz.report);
+    }
+    for (int i = 0; i < n; i++)
+        pn[i].hop_seconds = hop_seconds(c);
+    nl_plan *plan = NULL;
+    if (nl_plan_layers(&plan, &c->cfg, pn, n, &po, &e) != NL_OK) {
+        coord_set_state(c, "not enough capacity: %s", e.msg);
+        return;
+    }
+    c->plan = plan;
+    c->epoch++;
+    char *cfg_json = nl_config_to_json(&c->cfg);
+    for (int s = 0; s < plan->n_stages; s++) {
+        cnode *node = coord_stage_node(c, s);
+        node->stage = s;
+        node->loaded = 0;
+        NL_INFO("plan %llu: stage %d on node %u: layers [%d, %d)%s%s, %.1f MiB, %.2f ms",
+                (unsigned long long)c->epoch, s, node->id, plan->stages[s].l0, plan->stages[s].l1,
+                plan->stages[s].has_embed ? " +embed" : "", plan->stages[s].has_head ? " +head" : "",
+                (double)plan->stages[s].bytes / (1 << 20), plan->stages[s].seconds * 1e3);
+    }
+    for (int i = 0; i < plan->n_standby; i++)
+        NL_INFO("plan %llu: node %d is a standby", (unsigned long long)c->epoch, plan->standby[i]);
+    for (int s = 0; s < plan->n_stages && cfg_json; s++)
+        send_assign(c, s, cfg_json);
+    for (int s = 0; s < plan->n_stages && cfg_json; s++)
+        send_load(c, s);
+    free(cfg_json);
+    coord_set_state(c, "loading %d stages (plan %llu)", plan->n_stages,
+                    (unsigned long long)c->epoch);
+}
+
+static void on_load_done(nl_coord *c, const nl_rx *rx)
+{
+    cnode *n = node_by_rid(c, rx);
+    if (!n || rx->msg.u.load_done.epoch != c->epoch || n->stage < 0)
+        return; /* a stale plan's answer */
+    n->loaded = 1;
+    NL_INFO("node %u loaded stage %d: %u tensors, %.1f MiB", n->id, n->stage,
+            rx->msg.u.load_done.tensors, (double)rx->msg.u.load_done.bytes / (1 << 20));
+    for (int s = 0; s < c->plan->n_stages; s++) {
+        cnode *m = coord_stage_node(c, s);
+        if (!m || !m->loaded)
+            return;
+    }
+    c->ready = 1;
+    coord_set_state(c, "ready: %d stages, bottleneck %.2f ms per request (plan %llu)",
+                    c->plan->n_stages, c->plan->bottleneck * 1e3, (unsigned long long)c->epoch);
+}
+
+/* ---------------------------------------------------------------- loop */
+
+static void tick(nl_coord *c)
+{
+    const double now = coord_now();
+    for (int i = 0; i < COORD_MAX_NODES; i++) {
+        cnode *n = &c->nodes[i];
+        if (n->life == NODE_LIVE && (now - n->last_seen) * 1e3 > c->o.node_timeout_ms) {
+            char why[128];
+            snprintf(why, sizeof why, "sent no heartbeat for %.1f s: dead", now - n->last_seen);
+            node_lost(c, n, NODE_DEAD, why);
+        }
+    }
+    coord_check_jobs(c, now);
+    if (!c->plan && now - c->last_plan_try > 0.5)
+        try_plan(c);
+}
+
+static void dispatch(nl_coord *c, const nl_rx *rx)
+{
+    nl_error e = {0};
+    switch (rx->msg.type) {
+    case NL_MSG_HELLO:
+        nl_sock_answer_hello(c->ctl, rx, NL_ROLE_COORDINATOR, &e);
+        break;
+    case NL_MSG_JOIN:
+        on_join(c, rx);
+        break;
+    case NL_MSG_HEARTBEAT:
+        on_heartbeat(c, rx);
+        break;
+    case NL_MSG_LEAVE:
+        on_leave(c, rx);
+        break;
+    case NL_MSG_LOAD_DONE:
+        on_load_done(c, rx);
+        break;
+    case NL_MSG_ERROR:
+        on_node_error(c, rx);
+        break;
+    case NL_MSG_RESULT:
+        coord_on_result(c, rx);
+        break;
+    case NL_MSG_TOKEN:
+        coord_on_token(c, rx);
+        break;
+    case NL_MSG_JOB_STATUS:
+        coord_on_session_ack(c, rx);
+        break;
+    case NL_MSG_JOB_SUBMIT:
+        coord_on_submit(c, rx);
+        break;
+    case NL_MSG_JOB_QUERY:
+        coord_on_query(c, rx);
+        break;
+    case NL_MSG_JOB_CANCEL:
+        coord_on_cancel(c, rx);
+        break;
+    default:
+        nl_sock_send_error(c->ctl, rx, NL_ERR_PROTO, rx->msg.type,
+                           "the coordinator does not take this message", &e);
+    }
+}
+
+nl_status nl_coord_run(nl_coord *c, volatile sig_atomic_t *stop, nl_error *err)
+{
+    nl_rx rx;
+    nl_rx_init(&rx);
+    while (!*stop) {
+        if (nl_auth_hup_take()) {
+            nl_error e = {0};
+            if (nl_auth_reload(nl_net_auth(c->net), &e) == NL_OK)
+                NL_INFO("SIGHUP: reloaded %s/authorized_keys", c->o.state_dir);
+            else
+                NL_ERROR("SIGHUP: %s", e.msg);
+        }
+        nl_error e = {0};
+        nl_status st = nl_sock_recv(c->ctl, &rx, 100, &e);
+        if (st == NL_OK)
+            dispatch(c, &rx);
+        else if (st != NL_ERR_TIMEOUT && st != NL_ERR_AUTH)
+            NL_DEBUG("receive: %s", e.msg);
+        nl_rx_free(&rx);
+        nl_rx_init(&rx);
+        tick(c);
+    }
+    nl_rx_free(&rx);
+    (void)err;
+    NL_INFO("stopping");
+    return NL_OK;
+}

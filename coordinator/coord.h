@@ -1,0 +1,42 @@
+/* The coordinator: membership, sizing, placement, loading and jobs of one
+ * cluster. The daemon (coordinator/main.c) owns one nl_coord and runs its
+ * event loop until asked to stop.
+ *
+ * Ownership: nl_coord_new returns a coordinator the caller frees with
+ * nl_coord_destroy(&c); it owns its sockets, the mapped checkpoint and
+ * every job. */
+#ifndef NL_COORD_H
+#define NL_COORD_H
+
+#include <signal.h>
+#include <stdint.h>
+
+#include "base/status.h"
+
+typedef struct nl_coord nl_coord;
+
+typedef struct nl_coord_opts {
+    const char *listen;       /* control endpoint, e.g. tcp://0.0.0.0:7000 */
+    const char *state_dir;    /* keys, authorized_keys, endpoint file */
+    const char *model;        /* checkpoint to serve, or NULL */
+    const char *config;       /* YAML config (sized, or to be sized), or NULL */
+    uint64_t seed;            /* initialisation seed without a checkpoint */
+    int min_nodes;            /* plan once this many nodes have joined */
+    uint64_t min_memory;      /* ... and they offer this many bytes */
+    int heartbeat_ms;         /* told to nodes */
+    int node_timeout_ms;      /* a node silent this long is dead */
+    int job_timeout_ms;       /* a job with no progress this long fails */
+    int plan_rows;            /* rows of one request the plan must fit */
+    int plaintext;            /* INSECURE: no CURVE */
+} nl_coord_opts;
+
+void nl_coord_opts_init(nl_coord_opts *o);
+
+nl_status nl_coord_new(nl_coord **out, const nl_coord_opts *o, nl_error *err);
+void nl_coord_destroy(nl_coord **c);
+
+/* Run until *stop becomes non-zero (set by a signal handler). SIGHUP
+ * reloads authorized_keys (nl_auth_hup_install must have been called). */
+nl_status nl_coord_run(nl_coord *c, volatile sig_atomic_t *stop, nl_error *err);
+
+#endif

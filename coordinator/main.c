@@ -1,0 +1,103 @@
+/* neurocoord: the coordinator daemon. */
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "base/args.h"
+#include "base/log.h"
+#include "net/auth.h"
+#include "coord.h"
+
+static volatile sig_atomic_t stop_flag;
+
+static void on_stop(int sig)
+{
+    (void)sig;
+    stop_flag = 1;
+}
+
+int main(int argc, char **argv)
+{
+    nl_flag flags[] = {
+        {"listen", 1, "control endpoint, e.g. tcp://0.0.0.0:7000 (port * picks a free one)", NULL},
+        {"state-dir", 1, "keys, authorized_keys and the endpoint file live here", NULL},
+        {"model", 1, "checkpoint to serve (safetensors)", NULL},
+        {"config", 1, "model config (YAML); without hidden_dim/num_layers it is sized", NULL},
+        {"seed", 1, "initialisation seed when there is no checkpoint (default 0)", NULL},
+        {"min-nodes", 1, "plan once this many nodes have joined (default 1)", NULL},
+        {"min-memory", 1, "... and they offer at least this much memory (default 0)", NULL},
+        {"heartbeat-ms", 1, "heartbeat period told to nodes (default 1000)", NULL},
+        {"node-timeout-ms", 1, "a node silent this long is dead (default 5000)", NULL},
+        {"job-timeout-ms", 1, "a job with no progress this long fails (default 120000)", NULL},
+        {"plan-rows", 1, "rows (tokens) of one request the plan must fit (default 512)", NULL},
+        {"log-level", 1, "debug, info, warn or error (default info)", NULL},
+        {"plaintext", 0, "INSECURE: no CURVE encryption or authentication", NULL},
+        {0}};
+    const char *usage = "neurocoord --listen ENDPOINT --state-dir DIR [--model MODEL.safetensors | "
+                        "--config CFG.yaml] [options]";
+    int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
+    if (rc)
+        return rc == 1 ? 0 : rc;
+    nl_coord_opts o;
+    nl_coord_opts_init(&o);
+    o.listen = nl_args_get(flags, "listen");
+    o.state_dir = nl_args_get(flags, "state-dir");
+    o.model = nl_args_get(flags, "model");
+    o.config = nl_args_get(flags, "config");
+    o.plaintext = nl_args_get(flags, "plaintext") != NULL;
+    long long seed = 0, min_nodes = 1, hb = 1000, nto = 5000, jto = 120000, rows = 512;
+    uint64_t min_mem = 0;
+    if (!o.listen || !o.state_dir || (o.model && o.config)) {
+        nl_args_help(stderr, usage, flags);
+        return 2;
+    }
+    if ((rc = nl_args_int(flags, "seed", 0, INT64_MAX, &seed)) ||
+        (rc = nl_args_int(flags, "min-nodes", 1, 256, &min_nodes)) ||
+        (rc = nl_args_int(flags, "heartbeat-ms", 10, 60000, &hb)) ||
+        (rc = nl_args_int(flags, "node-timeout-ms", 20, 3600000, &nto)) ||
+        (rc = nl_args_int(flags, "job-timeout-ms", 100, 86400000, &jto)) ||
+        (rc = nl_args_int(flags, "plan-rows", 1, 1 << 20, &rows)) ||
+        (rc = nl_args_size(flags, "min-memory", &min_mem)))
+        return rc;
+    const char *lvl = nl_args_get(flags, "log-level");
+    if (lvl) {
+        int l = nl_log_parse_level(lvl);
+        if (l < 0) {
+            fprintf(stderr, "--log-level: '%s' is not debug, info, warn or error\n", lvl);
+            return 2;
+        }
+        nl_log_set_level((nl_log_level)l);
+    }
+    if (nto <= hb) {
+        fprintf(stderr, "--node-timeout-ms must exceed --heartbeat-ms\n");
+        return 2;
+    }
+    o.seed = (uint64_t)seed;
+    o.min_nodes = (int)min_nodes;
+    o.min_memory = min_mem;
+    o.heartbeat_ms = (int)hb;
+    o.node_timeout_ms = (int)nto;
+    o.job_timeout_ms = (int)jto;
+    o.plan_rows = (int)rows;
+    nl_log_set_name("coord");
+    if (o.plaintext)
+        NL_WARN("--plaintext: the control socket is neither encrypted nor authenticated");
+    mkdir(o.state_dir, 0700);
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_stop;
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    nl_error err = {0};
+    nl_coord *c = NULL;
+    if (nl_auth_hup_install(&err) != NL_OK || nl_coord_new(&c, &o, &err) != NL_OK ||
+        nl_coord_run(c, &stop_flag, &err) != NL_OK) {
+        NL_ERROR("%s (%s)", err.msg, nl_status_str(err.status));
+        nl_coord_destroy(&c);
+        return 1;
+    }
+    nl_coord_destroy(&c);
+    return 0;
+}
