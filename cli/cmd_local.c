@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "base/args.h"
+#include "cli_io.h"
 #include "commands.h"
 #include "core/checkpoint.h"
 #include "core/forward.h"
@@ -93,61 +94,6 @@ out:
 
 /* ---------------------------------------------------------------- forward */
 
-/* Read `tokens` (I32 or I64, [B, T]) from a safetensors file. */
-static nl_status read_tokens(const char *path, int32_t **out, int *B, int *T, nl_error *err)
-{
-    nl_st_file *f = NULL;
-    nl_status st = nl_st_open(&f, path, err);
-    if (st != NL_OK)
-        return st;
-    const nl_st_entry *e = nl_st_find(f, "tokens");
-    if (!e) {
-        st = nl_error_set(err, NL_ERR_NOTFOUND, "%s: no tensor 'tokens'", path);
-        goto out;
-    }
-    if (e->dtype != NL_DTYPE_I32 && e->dtype != NL_DTYPE_I64) {
-        st = nl_error_set(err, NL_ERR_DTYPE, "%s: 'tokens' is %s, not I32 or I64", path,
-                          nl_dtype_name(e->dtype));
-        goto out;
-    }
-    if (e->ndim != 2 || e->shape[0] < 1 || e->shape[1] < 1 || e->shape[0] > (1 << 20) ||
-        e->shape[1] > (1 << 20) || e->shape[0] * e->shape[1] > (1 << 24)) {
-        st = nl_error_set(err, NL_ERR_SHAPE, "%s: 'tokens' must be [B, T] with 1..2^24 entries",
-                          path);
-        goto out;
-    }
-    const size_t n = (size_t)(e->shape[0] * e->shape[1]);
-    int32_t *t = malloc(n * sizeof *t);
-    if (!t) {
-        st = nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", path);
-        goto out;
-    }
-    const void *data = nl_st_tensor_data(f, e);
-    for (size_t i = 0; i < n; i++) {
-        int64_t v;
-        if (e->dtype == NL_DTYPE_I32) {
-            int32_t x;
-            memcpy(&x, (const char *)data + 4 * i, 4);
-            v = x;
-        } else {
-            memcpy(&v, (const char *)data + 8 * i, 8);
-        }
-        if (v < INT32_MIN || v > INT32_MAX) {
-            free(t);
-            st = nl_error_set(err, NL_ERR_RANGE, "%s: token %" PRId64 " at index %zu is out of range",
-                              path, v, i);
-            goto out;
-        }
-        t[i] = (int32_t)v;
-    }
-    *out = t;
-    *B = (int)e->shape[0];
-    *T = (int)e->shape[1];
-out:
-    nl_st_close(&f);
-    return st;
-}
-
 int nl_cmd_forward(int argc, char **argv)
 {
     nl_flag flags[] = {{"model", 1, "checkpoint (safetensors)", NULL},
@@ -177,7 +123,7 @@ int nl_cmd_forward(int argc, char **argv)
     float *logits = NULL;
     int B = 0, T = 0;
     rc = 1;
-    if (read_tokens(in, &tokens, &B, &T, &err) != NL_OK ||
+    if (nl_cli_read_ids_file(in, "tokens", &tokens, &B, &T, &err) != NL_OK ||
         nl_backend_cpu_new(&be, threads, &err) != NL_OK ||
         nl_checkpoint_load(&m, be, model, 0, -1, 1, 1, NULL, &err) != NL_OK ||
         nl_runstate_new(&rs, m, B * T, &err) != NL_OK)

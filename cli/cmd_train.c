@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "base/args.h"
+#include "cli_io.h"
 #include "commands.h"
 #include "core/checkpoint.h"
 #include "core/data.h"
@@ -23,46 +24,6 @@ static double now_s(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-/* Read an integer tensor `name` ([B, T], I32 or I64) from an open file. */
-static nl_status read_ids(nl_st_file *f, const char *path, const char *name, int32_t **out, int *B,
-                          int *T, nl_error *err)
-{
-    const nl_st_entry *e = nl_st_find(f, name);
-    if (!e)
-        return nl_error_set(err, NL_ERR_NOTFOUND, "%s: no tensor '%s'", path, name);
-    if (e->dtype != NL_DTYPE_I32 && e->dtype != NL_DTYPE_I64)
-        return nl_error_set(err, NL_ERR_DTYPE, "%s: '%s' is %s, not I32 or I64", path, name,
-                            nl_dtype_name(e->dtype));
-    if (e->ndim != 2 || e->shape[0] < 1 || e->shape[1] < 1 || e->shape[0] * e->shape[1] > (1 << 24))
-        return nl_error_set(err, NL_ERR_SHAPE, "%s: '%s' must be [B, T] with 1..2^24 entries", path,
-                            name);
-    const size_t n = (size_t)(e->shape[0] * e->shape[1]);
-    int32_t *t = malloc(n * sizeof *t);
-    if (!t)
-        return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", path);
-    const char *data = nl_st_tensor_data(f, e);
-    for (size_t i = 0; i < n; i++) {
-        int64_t v;
-        if (e->dtype == NL_DTYPE_I32) {
-            int32_t x;
-            memcpy(&x, data + 4 * i, 4);
-            v = x;
-        } else {
-            memcpy(&v, data + 8 * i, 8);
-        }
-        if (v < INT32_MIN || v > INT32_MAX) {
-            free(t);
-            return nl_error_set(err, NL_ERR_RANGE, "%s: '%s'[%zu] = %" PRId64 " is out of range",
-                                path, name, i, v);
-        }
-        t[i] = (int32_t)v;
-    }
-    *out = t;
-    *B = (int)e->shape[0];
-    *T = (int)e->shape[1];
-    return NL_OK;
 }
 
 /* ---------------------------------------------------------------- grad */
@@ -100,8 +61,8 @@ int nl_cmd_grad(int argc, char **argv)
     int B = 0, T = 0, B2 = 0, T2 = 0;
     rc = 1;
     if (nl_st_open(&f, in, &err) != NL_OK ||
-        read_ids(f, in, "tokens", &tokens, &B, &T, &err) != NL_OK ||
-        read_ids(f, in, "targets", &targets, &B2, &T2, &err) != NL_OK)
+        nl_cli_read_ids(f, in, "tokens", &tokens, &B, &T, &err) != NL_OK ||
+        nl_cli_read_ids(f, in, "targets", &targets, &B2, &T2, &err) != NL_OK)
         goto out;
     if (B != B2 || T != T2) {
         nl_error_set(&err, NL_ERR_SHAPE, "%s: tokens [%d, %d] and targets [%d, %d] differ", in, B,

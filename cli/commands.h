@@ -13,5 +13,15 @@ int nl_cmd_train(int argc, char **argv);
 int nl_cmd_grow(int argc, char **argv);
 int nl_cmd_keygen(int argc, char **argv);
 int nl_cmd_tokenizer(int argc, char **argv);
+int nl_cmd_status(int argc, char **argv);
+int nl_cmd_cluster(int argc, char **argv);
+/* The same commands against a cluster (--coordinator or --cluster given). */
+int nl_cmd_remote_forward(int argc, char **argv);
+int nl_cmd_remote_generate(int argc, char **argv);
+
+/* Poll a local cluster's status (cluster up's directory) until it is ready
+ * (returns 0) or timeout_s pass (-1); state gets the last state seen. */
+#include <stddef.h>
+int nl_remote_wait_ready(const char *dir, int timeout_s, char *state, size_t cap);
 
 #endif

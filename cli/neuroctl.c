@@ -17,6 +17,8 @@ static const struct {
     {"train", nl_cmd_train, "train a model in this process"},
     {"grow", nl_cmd_grow, "grow a checkpoint's vocabulary (tables and optimizer moments)"},
     {"bench", nl_cmd_bench, "measure forward, decode, training and GEMM throughput"},
+    {"status", nl_cmd_status, "show a cluster's nodes, plan and predicted stage times"},
+    {"cluster", nl_cmd_cluster, "start (up) or stop (down) a local cluster on this machine"},
     {"keygen", nl_cmd_keygen, "write a CURVE key pair: PREFIX.key (secret) and PREFIX.pub"},
     {"tokenizer", nl_cmd_tokenizer, "train, extend, encode and decode with a BPE tokenizer"},
 };
@@ -40,6 +42,14 @@ int main(int argc, char **argv)
         usage(stdout);
         return 0;
     }
+    /* forward and generate go to a cluster when one is named */
+    int remote = 0;
+    for (int i = 2; i < argc; i++)
+        remote |= strcmp(argv[i], "--coordinator") == 0 || strcmp(argv[i], "--cluster") == 0;
+    if (remote && strcmp(argv[1], "forward") == 0)
+        return nl_cmd_remote_forward(argc - 1, argv + 1);
+    if (remote && strcmp(argv[1], "generate") == 0)
+        return nl_cmd_remote_generate(argc - 1, argv + 1);
     for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
         if (strcmp(argv[1], commands[i].name) == 0)
             return commands[i].run(argc - 1, argv + 1);

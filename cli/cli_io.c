@@ -1,0 +1,58 @@
+/* File helpers shared by neuroctl's commands. */
+#include "cli_io.h"
+
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Read an integer tensor `name` ([B, T], I32 or I64) from an open file. */
+nl_status nl_cli_read_ids(nl_st_file *f, const char *path, const char *name, int32_t **out, int *B,
+                          int *T, nl_error *err)
+{
+    const nl_st_entry *e = nl_st_find(f, name);
+    if (!e)
+        return nl_error_set(err, NL_ERR_NOTFOUND, "%s: no tensor '%s'", path, name);
+    if (e->dtype != NL_DTYPE_I32 && e->dtype != NL_DTYPE_I64)
+        return nl_error_set(err, NL_ERR_DTYPE, "%s: '%s' is %s, not I32 or I64", path, name,
+                            nl_dtype_name(e->dtype));
+    if (e->ndim != 2 || e->shape[0] < 1 || e->shape[1] < 1 || e->shape[0] * e->shape[1] > (1 << 24))
+        return nl_error_set(err, NL_ERR_SHAPE, "%s: '%s' must be [B, T] with 1..2^24 entries", path,
+                            name);
+    const size_t n = (size_t)(e->shape[0] * e->shape[1]);
+    int32_t *t = malloc(n * sizeof *t);
+    if (!t)
+        return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", path);
+    const char *data = nl_st_tensor_data(f, e);
+    for (size_t i = 0; i < n; i++) {
+        int64_t v;
+        if (e->dtype == NL_DTYPE_I32) {
+            int32_t x;
+            memcpy(&x, data + 4 * i, 4);
+            v = x;
+        } else {
+            memcpy(&v, data + 8 * i, 8);
+        }
+        if (v < INT32_MIN || v > INT32_MAX) {
+            free(t);
+            return nl_error_set(err, NL_ERR_RANGE, "%s: '%s'[%zu] = %" PRId64 " is out of range",
+                                path, name, i, v);
+        }
+        t[i] = (int32_t)v;
+    }
+    *out = t;
+    *B = (int)e->shape[0];
+    *T = (int)e->shape[1];
+    return NL_OK;
+}
+
+
+nl_status nl_cli_read_ids_file(const char *path, const char *name, int32_t **out, int *B, int *T,
+                               nl_error *err)
+{
+    nl_st_file *f = NULL;
+    nl_status st = nl_st_open(&f, path, err);
+    if (st == NL_OK)
+        st = nl_cli_read_ids(f, path, name, out, B, T, err);
+    nl_st_close(&f);
+    return st;
+}

@@ -1,0 +1,319 @@
+/* neuroctl cluster up|down: a local cluster on this machine, a coordinator
+ * and N nodes as separate processes on loopback, with keys generated and
+ * authorised automatically. State lives in one directory:
+ *   DIR/client.key, client.pub      the client key (--cluster DIR uses it)
+ *   DIR/node-I.key, node-I.pub      each node's key
+ *   DIR/coord/                      the coordinator's state dir (keys,
+ *                                   authorized_keys, endpoint)
+ *   DIR/NAME.log, DIR/NAME.pid      each process's log and pid */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <libgen.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "base/args.h"
+#include "commands.h"
+#include "core/fileio.h"
+#include "net/keys.h"
+
+static void sleep_ms(int ms)
+{
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+/* A sibling binary: beside neuroctl (installed) or in the build tree. */
+static int find_binary(const char *name, const char *subdir, char *out, size_t cap)
+{
+    char self[4096];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (n <= 0)
+        return -1;
+    self[n] = '\0';
+    char *dir = dirname(self);
+    snprintf(out, cap, "%s/%s", dir, name);
+    if (access(out, X_OK) == 0)
+        return 0;
+    snprintf(out, cap, "%s/../%s/%s", dir, subdir, name);
+    return access(out, X_OK) == 0 ? 0 : -1;
+}
+
+/* Start argv as a daemon (own session), output to log; write its pid. */
+static pid_t spawn(char *const argv[], const char *log, const char *pidfile)
+{
+    pid_t pid = fork();
+    if (pid < 0)
+        return -1;
+    if (pid == 0) {
+        setsid();
+        int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+        int nul = open("/dev/null", O_RDONLY);
+        if (fd >= 0) {
+            dup2(fd, 1);
+            dup2(fd, 2);
+        }
+        if (nul >= 0)
+            dup2(nul, 0);
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    char line[32];
+    int len = snprintf(line, sizeof line, "%d\n", (int)pid);
+    nl_error err = {0};
+    if (nl_file_write_atomic(pidfile, line, (size_t)len, &err) != NL_OK)
+        fprintf(stderr, "cluster: %s\n", err.msg);
+    return pid;
+}
+
+static nl_status make_key(const char *dir, const char *name, char pub[NL_KEY_Z85_LEN + 1],
+                          nl_error *err)
+{
+    nl_keypair kp;
+    char prefix[4096];
+    snprintf(prefix, sizeof prefix, "%s/%s", dir, name);
+    nl_status st = nl_keys_generate(&kp, err);
+    if (st == NL_OK)
+        st = nl_keys_save(&kp, prefix, true, err);
+    memcpy(pub, kp.public_z85, NL_KEY_Z85_LEN + 1);
+    nl_keys_wipe(&kp);
+    return st;
+}
+
+static int wait_file(const char *path, int ms)
+{
+    for (int t = 0; t < ms; t += 50) {
+        if (access(path, R_OK) == 0)
+            return 0;
+        sleep_ms(50);
+    }
+    return -1;
+}
+
+/* Is pid alive and running `what`? */
+static int ours(pid_t pid, const char *what)
+{
+    char path[64], cmd[512] = {0};
+    snprintf(path, sizeof path, "/proc/%d/cmdline", (int)pid);
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return 0;
+    size_t n = fread(cmd, 1, sizeof cmd - 1, f);
+    fclose(f);
+    return n > 0 && strstr(cmd, what) != NULL;
+}
+
+static int cluster_down(const char *dir)
+{
+    DIR *d = opendir(dir);
+    if (!d) {
+        fprintf(stderr, "cluster down: no cluster directory %s\n", dir);
+        return 1;
+    }
+    pid_t pids[512];
+    char files[512][640];
+    int n = 0;
+    struct dirent *e;
+    /* nodes first, then the coordinator */
+    for (int pass = 0; pass < 2; pass++) {
+        rewinddir(d);
+        while ((e = readdir(d)) && n < 512) {
+            size_t len = strlen(e->d_name);
+            if (len < 5 || strcmp(e->d_name + len - 4, ".pid") != 0)
+                continue;
+            if ((strncmp(e->d_name, "coord", 5) == 0) != pass)
+                continue;
+            char path[600], *buf = NULL;
+            size_t blen = 0;
+            nl_error err = {0};
+            snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+            if (nl_file_read_all(path, 64, &buf, &blen, &err) != NL_OK)
+                continue;
+            pid_t pid = (pid_t)atoi(buf);
+            free(buf);
+            snprintf(files[n], sizeof files[n], "%s", path);
+            pids[n++] = pid > 1 && ours(pid, pass ? "neurocoord" : "neuronode") ? pid : 0;
+        }
+    }
+    closedir(d);
+    int stopped = 0;
+    for (int i = 0; i < n; i++) {
+        if (pids[i] > 0 && kill(pids[i], SIGTERM) == 0) {
+            for (int t = 0; t < 5000 && kill(pids[i], 0) == 0 && ours(pids[i], "neuro"); t += 50)
+                sleep_ms(50);
+            if (kill(pids[i], 0) == 0 && ours(pids[i], "neuro")) {
+                fprintf(stderr, "cluster down: pid %d ignored SIGTERM; killing it\n", (int)pids[i]);
+                kill(pids[i], SIGKILL);
+            }
+            stopped++;
+        }
+        unlink(files[i]);
+    }
+    printf("cluster down: stopped %d process(es) in %s\n", stopped, dir);
+    return 0;
+}
+
+static int cluster_up(const nl_flag *flags, const char *dir)
+{
+    long long nodes = 3, threads = 0, seed = 0, timeout = 120, node_timeout = 3000;
+    uint64_t memory = 1ULL << 30;
+    int rc;
+    if ((rc = nl_args_int(flags, "nodes", 1, 64, &nodes)) ||
+        (rc = nl_args_int(flags, "threads", 0, 1024, &threads)) ||
+        (rc = nl_args_int(flags, "seed", 0, INT64_MAX, &seed)) ||
+        (rc = nl_args_int(flags, "timeout", 1, 3600, &timeout)) ||
+        (rc = nl_args_int(flags, "node-timeout-ms", 100, 3600000, &node_timeout)) ||
+        (rc = nl_args_size(flags, "memory", &memory)))
+        return rc;
+    const char *model = nl_args_get(flags, "model"), *config = nl_args_get(flags, "config");
+    if (model && config) {
+        fprintf(stderr, "cluster up: --model and --config exclude each other\n");
+        return 2;
+    }
+    if (threads == 0) {
+        long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        threads = cores / nodes > 0 ? cores / nodes : 1; /* a fair share of the cores each */
+    }
+    char coord_bin[4096], node_bin[4096], cdir[2048], path[4096], ep[600];
+    if (find_binary("neurocoord", "coordinator", coord_bin, sizeof coord_bin) ||
+        find_binary("neuronode", "node", node_bin, sizeof node_bin)) {
+        fprintf(stderr, "cluster up: cannot find neurocoord and neuronode beside neuroctl\n");
+        return 1;
+    }
+    snprintf(cdir, sizeof cdir, "%s/coord", dir);
+    snprintf(path, sizeof path, "%s/coord.pid", dir);
+    if (access(path, F_OK) == 0) {
+        fprintf(stderr, "cluster up: %s exists: is a cluster already up? (cluster down first)\n",
+                path);
+        return 1;
+    }
+    if ((mkdir(dir, 0700) != 0 && errno != EEXIST) || (mkdir(cdir, 0700) != 0 && errno != EEXIST)) {
+        fprintf(stderr, "cluster up: cannot create %s: %s\n", cdir, strerror(errno));
+        return 1;
+    }
+    /* keys, and the coordinator's authorized_keys */
+    nl_error err = {0};
+    char pub[NL_KEY_Z85_LEN + 1], name[64];
+    char *auth = malloc((size_t)(nodes + 2) * 64 + 128);
+    size_t alen = (size_t)sprintf(auth, "# written by neuroctl cluster up\n");
+    if (make_key(dir, "client", pub, &err) != NL_OK)
+        goto fail;
+    alen += (size_t)sprintf(auth + alen, "%s  # client\n", pub);
+    for (long long i = 1; i <= nodes; i++) {
+        snprintf(name, sizeof name, "node-%lld", i);
+        if (make_key(dir, name, pub, &err) != NL_OK)
+            goto fail;
+        alen += (size_t)sprintf(auth + alen, "%s  # %s\n", pub, name);
+    }
+    snprintf(path, sizeof path, "%s/authorized_keys", cdir);
+    if (nl_file_write_atomic(path, auth, alen, &err) != NL_OK)
+        goto fail;
+    free(auth);
+    auth = NULL;
+    /* the coordinator, on a free loopback port */
+    snprintf(path, sizeof path, "%s/endpoint", cdir);
+    unlink(path);
+    char s_nodes[32], s_seed[32], s_nto[32], log[4096], pidf[4096];
+    snprintf(s_nodes, sizeof s_nodes, "%lld", nodes);
+    snprintf(s_seed, sizeof s_seed, "%lld", seed);
+    snprintf(s_nto, sizeof s_nto, "%lld", node_timeout);
+    char *cargv[16] = {coord_bin, "--listen", "tcp://127.0.0.1:*", "--state-dir", cdir,
+                       "--min-nodes", s_nodes, "--seed", s_seed, "--node-timeout-ms", s_nto};
+    int ca = 11;
+    if (model) {
+        cargv[ca++] = "--model";
+        cargv[ca++] = (char *)model;
+    } else if (config) {
+        cargv[ca++] = "--config";
+        cargv[ca++] = (char *)config;
+    }
+    cargv[ca] = NULL;
+    snprintf(log, sizeof log, "%s/coord.log", dir);
+    snprintf(pidf, sizeof pidf, "%s/coord.pid", dir);
+    if (spawn(cargv, log, pidf) < 0 || wait_file(path, 10000) != 0) {
+        fprintf(stderr, "cluster up: the coordinator did not start; see %s\n", log);
+        cluster_down(dir);
+        return 1;
+    }
+    FILE *f = fopen(path, "r");
+    if (!f || !fgets(ep, sizeof ep, f)) {
+        if (f)
+            fclose(f);
+        fprintf(stderr, "cluster up: cannot read %s\n", path);
+        cluster_down(dir);
+        return 1;
+    }
+    fclose(f);
+    ep[strcspn(ep, "\r\n")] = '\0';
+    /* the nodes */
+    char s_mem[32], s_thr[32], coord_pub[4096], key[4096];
+    snprintf(s_mem, sizeof s_mem, "%llu", (unsigned long long)memory);
+    snprintf(s_thr, sizeof s_thr, "%lld", threads);
+    snprintf(coord_pub, sizeof coord_pub, "%s/coordinator.pub", cdir);
+    for (long long i = 1; i <= nodes; i++) {
+        snprintf(name, sizeof name, "node-%lld", i);
+        snprintf(key, sizeof key, "%s/%s.key", dir, name);
+        snprintf(log, sizeof log, "%s/%s.log", dir, name);
+        snprintf(pidf, sizeof pidf, "%s/%s.pid", dir, name);
+        char *nargv[] = {node_bin, "join", ep, "--key", key, "--coordinator-key", coord_pub,
+                         "--memory", s_mem, "--threads", s_thr, "--name", name, NULL};
+        if (spawn(nargv, log, pidf) < 0) {
+            fprintf(stderr, "cluster up: cannot start %s\n", name);
+            cluster_down(dir);
+            return 1;
+        }
+    }
+    char state[512] = "";
+    fprintf(stderr, "cluster up: coordinator at %s, %lld node(s) with %lld thread(s) each; "
+                    "waiting for the plan...\n",
+            ep, nodes, threads);
+    if (nl_remote_wait_ready(dir, (int)timeout, state, sizeof state) != 0) {
+        fprintf(stderr, "cluster up: not ready after %lld s: %s (logs in %s)\n", timeout, state,
+                dir);
+        return 1;
+    }
+    printf("cluster up: %s\n  use: neuroctl status --cluster %s\n", state, dir);
+    return 0;
+fail:
+    free(auth);
+    fprintf(stderr, "cluster up: %s\n", err.msg);
+    return 1;
+}
+
+int nl_cmd_cluster(int argc, char **argv)
+{
+    nl_flag flags[] = {
+        {"dir", 1, "the cluster's directory (default .neurollm-cluster)", NULL},
+        {"nodes", 1, "up: nodes to start (default 3)", NULL},
+        {"model", 1, "up: checkpoint to serve", NULL},
+        {"config", 1, "up: model config (YAML) instead of a checkpoint", NULL},
+        {"seed", 1, "up: initialisation seed without a checkpoint (default 0)", NULL},
+        {"memory", 1, "up: memory each node offers (default 1G)", NULL},
+        {"threads", 1, "up: threads per node (default: the cores shared evenly)", NULL},
+        {"node-timeout-ms", 1, "up: a node silent this long is dead (default 3000)", NULL},
+        {"timeout", 1, "up: seconds to wait for the cluster to be ready (default 120)", NULL},
+        {0}};
+    const char *usage = "neuroctl cluster up|down [--dir DIR] [--nodes N] [--model M | --config C] "
+                        "[--memory SIZE] [--threads N]";
+    const char *pos[1] = {NULL};
+    int npos = 0;
+    int rc = nl_args_parse(argc, argv, flags, usage, pos, 1, &npos);
+    if (rc)
+        return rc == 1 ? 0 : rc;
+    const char *dir = nl_args_get(flags, "dir");
+    if (!dir)
+        dir = ".neurollm-cluster";
+    if (npos == 1 && strcmp(pos[0], "up") == 0)
+        return cluster_up(flags, dir);
+    if (npos == 1 && strcmp(pos[0], "down") == 0)
+        return cluster_down(dir);
+    nl_args_help(stderr, usage, flags);
+    return 2;
+}
