@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# The cluster as real processes on loopback: cluster up with 3 nodes;
+# forward through the pipeline equals the local forward (max abs diff
+# <= 1e-6); greedy generation equals local generation; status shows the
+# plan; SIGKILL of a node in the middle of a request gives the client a
+# clear error within the heartbeat timeout plus one second, the
+# coordinator stays up and re-plans, and the next request succeeds;
+# unauthorised node and client keys are refused; cluster down stops all.
+set -uo pipefail
+N="$NL_BUILD_DIR/cli/neuroctl"
+W=$(mktemp -d)
+C="$W/cluster"
+cleanup() { "$N" cluster down --dir "$C" >/dev/null 2>&1; pkill -f "$W" 2>/dev/null; rm -rf "$W"; }
+trap cleanup EXIT
+pass=0
+fail=0
+check() { if "$@"; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL: $*" >&2; fi; }
+PY=/usr/bin/python3
+
+cat > "$W/cfg.yaml" <<'YAML'
+hidden_dim: 64
+num_layers: 6
+num_heads: 4
+num_kv_heads: 2
+ffn_dim: 64
+num_experts: 4
+vocab_size: 256
+vocab_chunk: 256
+max_seq_len: 256
+YAML
+check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
+check "$N" cluster up --dir "$C" --nodes 3 --model "$W/m.safetensors" --memory 64M --threads 1 \
+  --node-timeout-ms 2000 --timeout 60
+"$N" status --cluster "$C" > "$W/status.txt" 2>&1
+check grep -q "ready" "$W/status.txt"
+check test "$(grep -c serving "$W/status.txt")" -eq 3
+
+# forward: the cluster against one process, same checkpoint
+$PY - "$W" <<'PY'
+import json, struct, sys
+w = sys.argv[1]
+toks = [(i * 37 + 11) % 256 for i in range(3 * 21)]
+h = json.dumps({"tokens": {"dtype": "I32", "shape": [3, 21], "data_offsets": [0, 4 * len(toks)]}}).encode()
+h += b" " * (-len(h) % 8)
+open(w + "/in.safetensors", "wb").write(struct.pack("<Q", len(h)) + h + struct.pack("<%di" % len(toks), *toks))
+PY
+check "$N" forward --model "$W/m.safetensors" --tokens "$W/in.safetensors" --out "$W/local.safetensors" --threads 1
+check "$N" forward --cluster "$C" --tokens "$W/in.safetensors" --out "$W/remote.safetensors"
+$PY - "$W/local.safetensors" "$W/remote.safetensors" <<'PY' || { fail=$((fail + 1)); echo "FAIL: forward parity" >&2; }
+import json, struct, sys
+def load(p):
+    b = open(p, "rb").read(); n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n])
+    out = {}
+    for k, v in h.items():
+        if k == "__metadata__": continue
+        s, e = v["data_offsets"]; raw = b[8 + n + s: 8 + n + e]
+        out[k] = (v["shape"], struct.unpack("<%df" % (len(raw) // 4), raw))
+    return out
+a, b = load(sys.argv[1]), load(sys.argv[2])
+assert a["logits"][0] == b["logits"][0], (a["logits"][0], b["logits"][0])
+d = max(abs(x - y) for x, y in zip(a["logits"][1], b["logits"][1]))
+print("forward: max abs diff %.3g, aux %.9g vs %.9g" % (d, a["aux_loss"][1][0], b["aux_loss"][1][0]))
+assert d <= 1e-6, d
+assert abs(a["aux_loss"][1][0] - b["aux_loss"][1][0]) <= 1e-6 * max(1, abs(a["aux_loss"][1][0]))
+PY
+
+# greedy generation: the same ids
+l=$("$N" generate --model "$W/m.safetensors" --prompt-tokens 72,101,108 --max-new 12 --temperature 0 --threads 1 | head -1)
+r=$("$N" generate --cluster "$C" --prompt-tokens 72,101,108 --max-new 12 --temperature 0 | head -1)
+check test -n "$l"
+check test "$l" = "$r"
+
+# unauthorised keys
+"$N" keygen --out "$W/stranger" >/dev/null
+out=$("$N" status --coordinator "$(cat "$C/coord/endpoint")" --key "$W/stranger.key" \
+      --coordinator-key "$C/coord/coordinator.pub" --timeout 3 2>&1); rc=$?
+check test $rc -ne 0
+NODE="$(dirname "$N")/../node/neuronode"
+timeout 20 "$NODE" join "$(cat "$C/coord/endpoint")" --key "$W/stranger.key" \
+  --coordinator-key "$C/coord/coordinator.pub" --memory 64M --threads 1 --connect-timeout 3 \
+  > "$W/stranger.log" 2>&1; rc=$?
+check test $rc -ne 0
+check test "$("$N" status --cluster "$C" | grep -c serving)" -eq 3
+
+# SIGKILL a node in the middle of a long generation
+"$N" generate --cluster "$C" --prompt-tokens 1,2,3 --max-new 240 --temperature 0.8 --timeout 30 \
+  > "$W/gen.out" 2> "$W/gen.err" &
+gen=$!
+sleep 1
+victim=$(cat "$C/node-2.pid")
+t0=$(date +%s.%N)
+kill -9 "$victim"
+wait $gen; rc=$?
+t1=$(date +%s.%N)
+check test $rc -ne 0
+check grep -q "node" "$W/gen.err"
+elapsed=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.2f", b - a }')
+echo "client saw the failure $elapsed s after the kill (timeout 2 s)"
+check awk -v e="$elapsed" 'BEGIN { exit !(e <= 3.0) }'
+check kill -0 "$(cat "$C/coord.pid")"
+# the coordinator re-plans on the two nodes left; the next request succeeds
+ok=0
+for i in $(seq 1 40); do
+  if "$N" status --cluster "$C" 2>/dev/null | grep -q "^cluster: ready"; then ok=1; break; fi
+  sleep 0.25
+done
+check test $ok -eq 1
+check "$N" forward --cluster "$C" --tokens "$W/in.safetensors" --out "$W/remote2.safetensors"
+check cmp <(tail -c 1000 "$W/remote.safetensors") <(tail -c 1000 "$W/remote2.safetensors")
+
+check "$N" cluster down --dir "$C"
+sleep 0.5
+check test -z "$(pgrep -f "$C" || true)"
+
+echo "test_cluster: $pass passed, $fail failed"
+[ "$fail" -eq 0 ]
