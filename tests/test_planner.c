@@ -1,0 +1,754 @@
+/* Tests of the layer planner and the sizer: every plan is checked against
+ * the memory model and the cost model recomputed here, small random cases
+ * against a brute force over every ordered subset of nodes and every
+ * split, the failure messages for their shortfall, and the sizing rule
+ * against the seed rule and the planner's own fit test. */
+#include <inttypes.h>
+#include <stdint.h>
+
+#include "../core/memory.h"
+#include "../core/model.h"
+#include "../core/planner.h"
+#include "../core/sizing.h"
+#include "check.h"
+
+#define MB (1024ULL * 1024ULL)
+#define GIB (1024ULL * MB)
+
+/* d=64, one head, 8 experts of F=256, a 256-row table. */
+static nl_config small_cfg(int L)
+{
+    nl_config c;
+    nl_config_init(&c);
+    c.vocab_size = 256;
+    c.vocab_chunk = 256;
+    c.hidden_dim = 64;
+    c.num_layers = L;
+    c.max_seq_len = 64;
+    nl_config_fill_derived(&c);
+    return c;
+}
+
+static nl_plan_opts train_opts(int micro_rows, int in_flight)
+{
+    nl_plan_opts o;
+    memset(&o, 0, sizeof o);
+    o.mem.training = 1;
+    o.mem.micro_rows = micro_rows;
+    o.mem.in_flight = in_flight;
+    o.seq_len = 32;
+    return o;
+}
+
+static nl_plan_node node(int id, uint64_t mem, double gflops, double hop)
+{
+    nl_plan_node n = {id, mem, gflops, hop};
+    return n;
+}
+
+/* Memory model of a stage with the given in-flight count. */
+static uint64_t plain_bytes(const nl_config *c, const nl_plan_opts *o, int n, int embed, int head,
+                            int in_flight)
+{
+    nl_mem_opts m = o->mem;
+    m.in_flight = in_flight;
+    return nl_memory_estimate(c, n, embed, head, &m).total;
+}
+
+static const nl_plan_node *find_node(const nl_plan_node *nodes, int n, int id)
+{
+    for (int i = 0; i < n; i++)
+        if (nodes[i].id == id)
+            return &nodes[i];
+    return NULL;
+}
+
+/* Every rule a plan must keep, recomputed from the public cost and memory
+ * model; returns the bottleneck recomputed (or -1 when broken). */
+static double check_plan(const nl_plan *p, const nl_config *c, const nl_plan_node *nodes, int n,
+                         const nl_plan_opts *o)
+{
+    int ok = 1, covered = 0;
+    double worst = 0;
+    char used[64] = {0};
+    const int S = p->n_stages;
+    CHECK(S >= 1 && S <= n && S <= c->num_layers, "stages %d", S);
+    for (int s = 0; s < S; s++) {
+        const nl_plan_stage *g = &p->stages[s];
+        const nl_plan_node *nd = find_node(nodes, n, g->node_id);
+        if (!nd) {
+            CHECK(0, "stage %d: unknown node %d", s, g->node_id);
+            return -1;
+        }
+        const int idx = (int)(nd - nodes), nl = g->l1 - g->l0;
+        ok &= !used[idx];
+        used[idx] = 1;
+        ok &= g->l0 == covered && nl >= 1;
+        ok &= g->has_embed == (s == 0) && g->has_head == (s == S - 1);
+        nl_mem_opts m = o->mem;
+        int kept = S - s;
+        if (o->mem.in_flight > 0 && o->mem.in_flight < kept)
+            kept = o->mem.in_flight;
+        m.in_flight = o->mem.training ? kept : m.in_flight;
+        const uint64_t bytes = nl_memory_estimate(c, nl, s == 0, s == S - 1, &m).total;
+        ok &= g->bytes == bytes && bytes <= nd->memory_bytes;
+        ok &= !o->mem.training || g->in_flight == kept;
+        const double sec = nl_plan_stage_seconds(c, o, nd, nl, s, S);
+        ok &= g->seconds == sec;
+        if (sec > worst)
+            worst = sec;
+        covered = g->l1;
+    }
+    ok &= covered == c->num_layers;
+    ok &= p->bottleneck == worst;
+    ok &= p->n_standby == n - S;
+    for (int i = 0; i < p->n_standby; i++) {
+        const nl_plan_node *nd = find_node(nodes, n, p->standby[i]);
+        ok &= nd && !used[nd - nodes];
+    }
+    CHECK(ok, "plan breaks a rule (%d stages, %d standby)", S, p->n_standby);
+    return ok ? worst : -1;
+}
+
+/* ------------------------------------------------------------ cost model */
+
+static void test_cost_model(void)
+{
+    nl_config c = small_cfg(6);
+    const int B = 3, T = 32;
+    const double whole = nl_config_forward_flops(&c, B, T, 0);
+    const double split =
+        c.num_layers * nl_plan_layer_flops(&c, B * T, T) + nl_plan_head_flops(&c, B * T);
+    CHECK(fabs(whole - split) <= 1e-12 * whole, "layers + head %g vs forward %g", split, whole);
+
+    nl_plan_opts o = train_opts(B * T, 0);
+    nl_plan_node nd = node(1, GIB, 50, 0.25);
+    /* middle stage of 3 with 2 layers: 3x forward, two hops (training) */
+    double want = 3 * 2 * nl_plan_layer_flops(&c, B * T, T) / 50e9 + 2 * 0.25;
+    double got = nl_plan_stage_seconds(&c, &o, &nd, 2, 1, 3);
+    CHECK(fabs(got - want) <= 1e-12 * want, "middle stage %g vs %g", got, want);
+    /* first stage: embedding, one hop forward and none back */
+    want =
+        3 * (2 * nl_plan_layer_flops(&c, B * T, T) + nl_plan_embed_flops(&c, B * T)) / 50e9 + 0.25;
+    got = nl_plan_stage_seconds(&c, &o, &nd, 2, 0, 3);
+    CHECK(fabs(got - want) <= 1e-12 * want, "first stage %g vs %g", got, want);
+    /* recompute adds one forward of the layers only */
+    o.mem.recompute = 1;
+    want = (4 * 2 * nl_plan_layer_flops(&c, B * T, T) + 3 * nl_plan_head_flops(&c, B * T)) / 50e9 +
+           0.25;
+    got = nl_plan_stage_seconds(&c, &o, &nd, 2, 2, 3);
+    CHECK(fabs(got - want) <= 1e-12 * want, "last stage recompute %g vs %g", got, want);
+    /* inference: one forward, hop forward only, none for a single stage */
+    o.mem.training = 0;
+    want = (2 * nl_plan_layer_flops(&c, B * T, T)) / 50e9 + 0.25;
+    got = nl_plan_stage_seconds(&c, &o, &nd, 2, 1, 3);
+    CHECK(fabs(got - want) <= 1e-12 * want, "inference middle %g vs %g", got, want);
+    want = (6 * nl_plan_layer_flops(&c, B * T, T) + nl_plan_embed_flops(&c, B * T) +
+            nl_plan_head_flops(&c, B * T)) /
+           50e9;
+    got = nl_plan_stage_seconds(&c, &o, &nd, 6, 0, 1);
+    CHECK(fabs(got - want) <= 1e-12 * want, "inference single %g vs %g", got, want);
+
+    /* in flight: S - s under 1F1B, capped by the microbatches of a step */
+    nl_plan_opts t = train_opts(64, 0);
+    CHECK(nl_plan_stage_in_flight(&t, 0, 4) == 4 && nl_plan_stage_in_flight(&t, 3, 4) == 1,
+          "1F1B in flight");
+    t.mem.in_flight = 2;
+    CHECK(nl_plan_stage_in_flight(&t, 0, 4) == 2 && nl_plan_stage_in_flight(&t, 3, 4) == 1,
+          "capped in flight");
+    nl_mem_opts m = t.mem;
+    m.in_flight = 2;
+    CHECK(nl_plan_stage_bytes(&c, &t, 3, 0, 4) == nl_memory_estimate(&c, 3, 1, 0, &m).total,
+          "stage bytes = memory model");
+}
+
+/* ------------------------------------------------------- simple placements */
+
+static void test_single_node(void)
+{
+    nl_config c = small_cfg(8);
+    nl_plan_opts o = train_opts(64, 0);
+    nl_plan_node nd = node(7, 4 * GIB, 20, 0.5);
+    nl_plan *p = NULL;
+    nl_error err = {0};
+    CHECK_OK(nl_plan_layers(&p, &c, &nd, 1, &o, &err), &err);
+    if (!p)
+        return;
+    check_plan(p, &c, &nd, 1, &o);
+    CHECK(p->n_stages == 1 && p->stages[0].l0 == 0 && p->stages[0].l1 == 8, "one stage [0, 8)");
+    CHECK(p->stages[0].has_embed && p->stages[0].has_head, "holds both tables");
+    CHECK(p->n_standby == 0 && p->exact, "no standby, exact");
+    /* no hop: nothing is sent onward */
+    const double want = 3 *
+                        (8 * nl_plan_layer_flops(&c, 64, 32) + nl_plan_embed_flops(&c, 64) +
+                         nl_plan_head_flops(&c, 64)) /
+                        20e9;
+    CHECK(fabs(p->bottleneck - want) <= 1e-12 * want, "bottleneck %g vs %g", p->bottleneck, want);
+    nl_plan_destroy(&p);
+    nl_plan_destroy(&p); /* safe twice */
+    CHECK(p == NULL, "destroy NULLs");
+}
+
+static void test_heterogeneous(void)
+{
+    nl_config c = small_cfg(16);
+    nl_plan_opts o = train_opts(64, 0);
+    nl_error err = {0};
+    nl_plan *p = NULL;
+    /* ample memory, no hops: a node 3x faster takes about 3x the layers */
+    nl_plan_node two[2] = {node(1, 4 * GIB, 10, 0), node(2, 4 * GIB, 30, 0)};
+    CHECK_OK(nl_plan_layers(&p, &c, two, 2, &o, &err), &err);
+    if (p) {
+        check_plan(p, &c, two, 2, &o);
+        CHECK(p->n_stages == 2, "both used: %d", p->n_stages);
+        int fast = 0;
+        for (int s = 0; s < p->n_stages; s++)
+            if (p->stages[s].node_id == 2)
+                fast = p->stages[s].l1 - p->stages[s].l0;
+        CHECK(fast >= 11 && fast <= 13, "fast node holds %d of 16 layers", fast);
+        /* no split does better: 1 stage on the fast node, or any k / 16 - k */
+        double best = nl_plan_stage_seconds(&c, &o, &two[1], 16, 0, 1);
+        for (int a = 0; a < 2; a++)
+            for (int k = 1; k < 16; k++) {
+                double t0 = nl_plan_stage_seconds(&c, &o, &two[a], k, 0, 2);
+                double t1 = nl_plan_stage_seconds(&c, &o, &two[1 - a], 16 - k, 1, 2);
+                double b = t0 > t1 ? t0 : t1;
+                best = b < best ? b : best;
+            }
+        CHECK(p->bottleneck == best, "bottleneck %g vs best split %g", p->bottleneck, best);
+        nl_plan_destroy(&p);
+    }
+    /* the fast node's memory holds 3 layers at most: the slow ones take the rest */
+    const uint64_t three = nl_plan_stage_bytes(&c, &o, 3, 1, 3);
+    nl_plan_node mix[3] = {node(10, 4 * GIB, 5, 0.001), node(11, three, 100, 0.001),
+                           node(12, 4 * GIB, 8, 0.001)};
+    CHECK_OK(nl_plan_layers(&p, &c, mix, 3, &o, &err), &err);
+    if (p) {
+        check_plan(p, &c, mix, 3, &o);
+        for (int s = 0; s < p->n_stages; s++)
+            if (p->stages[s].node_id == 11)
+                CHECK(p->stages[s].l1 - p->stages[s].l0 <= 3, "fast node over its memory");
+        CHECK(p->n_stages == 3, "all three used: %d", p->n_stages);
+        nl_plan_destroy(&p);
+    }
+    /* same input, same plan */
+    nl_plan *q = NULL;
+    CHECK_OK(nl_plan_layers(&p, &c, mix, 3, &o, &err), &err);
+    CHECK_OK(nl_plan_layers(&q, &c, mix, 3, &o, &err), &err);
+    if (p && q) {
+        int same = p->n_stages == q->n_stages;
+        for (int s = 0; same && s < p->n_stages; s++)
+            same =
+                p->stages[s].node_id == q->stages[s].node_id && p->stages[s].l1 == q->stages[s].l1;
+        CHECK(same, "deterministic");
+    }
+    nl_plan_destroy(&p);
+    nl_plan_destroy(&q);
+}
+
+static void test_standbys(void)
+{
+    nl_config c = small_cfg(2);
+    nl_plan_opts o = train_opts(64, 0);
+    nl_error err = {0};
+    nl_plan *p = NULL;
+    /* more nodes than layers: at most 2 stages, 3 or more standbys */
+    nl_plan_node five[5] = {node(1, GIB, 10, 0), node(2, GIB, 11, 0), node(3, GIB, 12, 0),
+                            node(4, GIB, 13, 0), node(5, GIB, 14, 0)};
+    CHECK_OK(nl_plan_layers(&p, &c, five, 5, &o, &err), &err);
+    if (p) {
+        check_plan(p, &c, five, 5, &o);
+        CHECK(p->n_stages <= 2 && p->n_standby >= 3, "%d stages, %d standby", p->n_stages,
+              p->n_standby);
+        nl_plan_destroy(&p);
+    }
+    /* a hop costlier than the work it would save: one stage, fast spares idle */
+    c = small_cfg(8);
+    nl_plan_node hop[3] = {node(1, 4 * GIB, 50, 10.0), node(2, 4 * GIB, 60, 10.0),
+                           node(3, 4 * GIB, 40, 10.0)};
+    CHECK_OK(nl_plan_layers(&p, &c, hop, 3, &o, &err), &err);
+    if (p) {
+        check_plan(p, &c, hop, 3, &o);
+        CHECK(p->n_stages == 1 && p->stages[0].node_id == 2, "one stage on the fastest node");
+        CHECK(p->n_standby == 2 && p->standby[0] == 1 && p->standby[1] == 3, "standby 1, 3");
+        nl_plan_destroy(&p);
+    }
+    /* a node far slower than the rest never helps */
+    nl_plan_node slow[2] = {node(1, 4 * GIB, 1e-3, 0), node(2, 4 * GIB, 100, 0)};
+    CHECK_OK(nl_plan_layers(&p, &c, slow, 2, &o, &err), &err);
+    if (p) {
+        check_plan(p, &c, slow, 2, &o);
+        CHECK(p->n_stages == 1 && p->stages[0].node_id == 2 && p->standby[0] == 1,
+              "slow node standby");
+        nl_plan_destroy(&p);
+    }
+}
+
+/* ----------------------------------------------------------- infeasible */
+
+static int has_number(const char *msg, uint64_t v)
+{
+    char num[32];
+    snprintf(num, sizeof num, "%" PRIu64, v);
+    return strstr(msg, num) != NULL;
+}
+
+static void test_infeasible(void)
+{
+    nl_config c = small_cfg(8);
+    nl_plan_opts o = train_opts(64, 0);
+    nl_error err = {0};
+    nl_plan *p = NULL;
+    /* too little in total: the shortfall is what one stage needs less the total */
+    const uint64_t whole = nl_plan_stage_bytes(&c, &o, 8, 0, 1);
+    nl_plan_node few[2] = {node(1, whole / 3, 10, 0), node(2, whole / 3, 10, 0)};
+    nl_status st = nl_plan_layers(&p, &c, few, 2, &o, &err);
+    CHECK(st == NL_ERR_CAPACITY && !p, "too small: %s", nl_status_str(st));
+    CHECK(strstr(err.msg, "needs") && has_number(err.msg, whole - 2 * (whole / 3)),
+          "shortfall in the message: %s", err.msg);
+
+    /* enough in total, but one layer fits no node */
+    const uint64_t one = plain_bytes(&c, &o, 1, 0, 0, 1);
+    nl_plan_node crumbs[40];
+    for (int i = 0; i < 40; i++)
+        crumbs[i] = node(100 + i, one - 1000, 10, 0);
+    nl_error_clear(&err);
+    st = nl_plan_layers(&p, &c, crumbs, 40, &o, &err);
+    CHECK(st == NL_ERR_CAPACITY, "crumbs: %s", nl_status_str(st));
+    CHECK(strstr(err.msg, "single layer") && has_number(err.msg, 1000), "layer message: %s",
+          err.msg);
+
+    /* the first stage fits, but no node holds the head with a layer */
+    nl_config big = small_cfg(2);
+    big.vocab_size = big.vocab_chunk = 65536;
+    const uint64_t first = nl_plan_stage_bytes(&big, &o, 1, 0, 2);
+    const uint64_t head1 = plain_bytes(&big, &o, 1, 0, 1, 1);
+    CHECK(head1 > first, "head stage heavier than the first");
+    nl_plan_node nohead[8];
+    for (int i = 0; i < 8; i++)
+        nohead[i] = node(i, first, 10, 0);
+    nl_error_clear(&err);
+    st = nl_plan_layers(&p, &big, nohead, 8, &o, &err);
+    CHECK(st == NL_ERR_CAPACITY && strstr(err.msg, "last stage") &&
+              has_number(err.msg, head1 - first),
+          "head message: %s", err.msg);
+
+    /* fragmentation: each node holds one layer (a middle stage), not two */
+    nl_plan_node frag[3];
+    const uint64_t f1 = nl_plan_stage_bytes(&c, &o, 1, 0, 1);
+    for (int i = 0; i < 3; i++)
+        frag[i] = node(i, f1 + 1000, 10, 0);
+    nl_error_clear(&err);
+    st = nl_plan_layers(&p, &c, frag, 3, &o, &err);
+    CHECK(st == NL_ERR_CAPACITY && strstr(err.msg, "of 8 layers fit") && strstr(err.msg, "needs"),
+          "fragmented: %s", err.msg);
+    int fits = 1;
+    CHECK_OK(nl_plan_fits(&c, frag, 3, &o, &fits, &err), &err);
+    CHECK(!fits, "fits says no");
+
+    /* bad input */
+    nl_plan_node bad[2] = {node(1, GIB, 10, 0), node(1, GIB, 10, 0)};
+    st = nl_plan_layers(&p, &c, bad, 2, &o, &err);
+    CHECK(st == NL_ERR_INVALID && strstr(err.msg, "twice"), "duplicate id: %s", err.msg);
+    bad[1] = node(2, GIB, 0, 0);
+    st = nl_plan_layers(&p, &c, bad, 2, &o, &err);
+    CHECK(st == NL_ERR_INVALID && strstr(err.msg, "node 2"), "zero gflops: %s", err.msg);
+    bad[1] = node(2, GIB, 10, -1);
+    st = nl_plan_layers(&p, &c, bad, 2, &o, &err);
+    CHECK(st == NL_ERR_INVALID && strstr(err.msg, "hop"), "negative hop: %s", err.msg);
+    st = nl_plan_layers(&p, &c, bad, 0, &o, &err);
+    CHECK(st == NL_ERR_CAPACITY && strstr(err.msg, "no nodes"), "no nodes: %s", err.msg);
+    nl_config unsized = small_cfg(0);
+    st = nl_plan_layers(&p, &unsized, few, 2, &o, &err);
+    CHECK(st == NL_ERR_INVALID && strstr(err.msg, "num_layers"), "unsized: %s", err.msg);
+}
+
+/* ---------------------------------------------------------- brute force */
+
+typedef struct brute {
+    const nl_config *c;
+    const nl_plan_node *nodes;
+    int n;
+    const nl_plan_opts *o;
+    int seq[8], cnt[8];
+    char used[8];
+    double best;
+    int best_S; /* fewest stages among plans at exactly the best */
+} brute;
+
+static void brute_split(brute *b, int S, int s, int left)
+{
+    if (s == S - 1) {
+        b->cnt[s] = left;
+        double worst = 0;
+        for (int i = 0; i < S; i++) {
+            const nl_plan_node *nd = &b->nodes[b->seq[i]];
+            if (nl_plan_stage_bytes(b->c, b->o, b->cnt[i], i, S) > nd->memory_bytes)
+                return;
+            double t = nl_plan_stage_seconds(b->c, b->o, nd, b->cnt[i], i, S);
+            worst = t > worst ? t : worst;
+        }
+        if (worst < b->best || (worst == b->best && S < b->best_S)) {
+            b->best = worst;
+            b->best_S = S;
+        }
+        return;
+    }
+    for (int k = 1; k <= left - (S - 1 - s); k++) {
+        b->cnt[s] = k;
+        brute_split(b, S, s + 1, left - k);
+    }
+}
+
+static void brute_order(brute *b, int S, int s)
+{
+    if (s == S) {
+        brute_split(b, S, 0, b->c->num_layers);
+        return;
+    }
+    for (int j = 0; j < b->n; j++) {
+        if (b->used[j])
+            continue;
+        b->used[j] = 1;
+        b->seq[s] = j;
+        brute_order(b, S, s + 1);
+        b->used[j] = 0;
+    }
+}
+
+static double brute_force(const nl_config *c, const nl_plan_node *nodes, int n,
+                          const nl_plan_opts *o, int *best_S)
+{
+    brute b = {.c = c, .nodes = nodes, .n = n, .o = o, .best = INFINITY, .best_S = 0};
+    for (int S = 1; S <= n && S <= c->num_layers; S++)
+        brute_order(&b, S, 0);
+    *best_S = b.best_S;
+    return b.best;
+}
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ULL;
+static double urand(void)
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (double)(rng_state >> 11) / 9007199254740992.0;
+}
+
+static void test_brute_force(void)
+{
+    int cases = 0, infeasible = 0, heur_equal = 0, heur_cases = 0;
+    double heur_worst = 1;
+    for (int t = 0; t < 300; t++) {
+        const int L = 1 + (int)(urand() * 8), n = 1 + (int)(urand() * 5);
+        nl_config c = small_cfg(L);
+        nl_plan_opts o = train_opts(32 + 32 * (int)(urand() * 3), (int)(urand() * 3));
+        o.mem.training = urand() < 0.75;
+        o.mem.recompute = urand() < 0.3;
+        o.mem.kv_sessions = o.mem.training ? 0 : 2;
+        o.mem.kv_len = 64;
+        const uint64_t lay =
+            nl_plan_stage_bytes(&c, &o, 2, 1, 3) - nl_plan_stage_bytes(&c, &o, 1, 1, 3);
+        const uint64_t base = nl_plan_stage_bytes(&c, &o, 0, 0, 1);
+        nl_plan_node nodes[5];
+        for (int i = 0; i < n; i++)
+            nodes[i] = node(10 * i + 3, base + (uint64_t)(urand() * (L + 1) * 1.3 * (double)lay),
+                            1 + urand() * 99, urand() < 0.4 ? 0 : urand() * 2e-4);
+        int best_S;
+        const double want = brute_force(&c, nodes, n, &o, &best_S);
+        nl_plan *p = NULL;
+        nl_error err = {0};
+        nl_status st = nl_plan_layers(&p, &c, nodes, n, &o, &err);
+        cases++;
+        if (want == INFINITY) {
+            infeasible++;
+            CHECK(st == NL_ERR_CAPACITY && strstr(err.msg, "needs"),
+                  "case %d: brute force finds none, planner: %s %s", t, nl_status_str(st), err.msg);
+            nl_plan_destroy(&p);
+            continue;
+        }
+        CHECK(st == NL_OK && p, "case %d: brute force %g, planner %s %s", t, want,
+              nl_status_str(st), err.msg);
+        if (!p)
+            continue;
+        const double got = check_plan(p, &c, nodes, n, &o);
+        CHECK(p->exact && fabs(got - want) <= 1e-9 * want, "case %d: planner %.17g brute %.17g", t,
+              got, want);
+        CHECK(p->n_stages <= best_S, "case %d: %d stages, brute force ties at %d", t, p->n_stages,
+              best_S);
+        nl_plan_destroy(&p);
+
+        /* the heuristic on the same case: valid, never better than the optimum */
+        if (n >= 2) {
+            o.max_exact_nodes = 1;
+            st = nl_plan_layers(&p, &c, nodes, n, &o, &err);
+            CHECK(st == NL_OK && p && !p->exact, "case %d heuristic: %s", t, err.msg);
+            if (p) {
+                const double h = check_plan(p, &c, nodes, n, &o);
+                CHECK(h >= want * (1 - 1e-12), "case %d: heuristic %g below optimum %g", t, h,
+                      want);
+                heur_cases++;
+                heur_equal += h <= want * (1 + 1e-9);
+                heur_worst = h / want > heur_worst ? h / want : heur_worst;
+            }
+            nl_plan_destroy(&p);
+        }
+    }
+    printf(
+        "brute force: %d cases (%d infeasible); heuristic optimal in %d of %d, worst ratio %.3f\n",
+        cases, infeasible, heur_equal, heur_cases, heur_worst);
+    CHECK(infeasible > 10 && infeasible < cases - 100, "mix of cases: %d infeasible", infeasible);
+}
+
+/* Many nodes: the heuristic against the exact search on 14 nodes. */
+static void test_many_nodes(void)
+{
+    nl_config c = small_cfg(32);
+    nl_plan_opts o = train_opts(64, 4);
+    const uint64_t lay =
+        nl_plan_stage_bytes(&c, &o, 2, 1, 3) - nl_plan_stage_bytes(&c, &o, 1, 1, 3);
+    const uint64_t base = nl_plan_stage_bytes(&c, &o, 0, 0, 1);
+    nl_plan_node nodes[40];
+    for (int i = 0; i < 40; i++)
+        nodes[i] =
+            node(i, base + (uint64_t)(urand() * 8 * (double)lay), 5 + urand() * 50, urand() * 1e-4);
+    nl_error err = {0};
+    nl_plan *ex = NULL, *he = NULL;
+    CHECK_OK(nl_plan_layers(&ex, &c, nodes, 14, &o, &err), &err); /* exact up to 16 */
+    o.max_exact_nodes = 1;
+    CHECK_OK(nl_plan_layers(&he, &c, nodes, 14, &o, &err), &err);
+    o.max_exact_nodes = 0;
+    if (ex && he) {
+        const double a = check_plan(ex, &c, nodes, 14, &o), b = check_plan(he, &c, nodes, 14, &o);
+        CHECK(ex->exact && !he->exact && b >= a * (1 - 1e-12), "heuristic %g vs exact %g", b, a);
+        printf("14 nodes, 32 layers: exact %.4g s in %d stages, heuristic %.4g s (x%.3f)\n", a,
+               ex->n_stages, b, b / a);
+    }
+    nl_plan_destroy(&ex);
+    nl_plan_destroy(&he);
+    CHECK_OK(nl_plan_layers(&he, &c, nodes, 40, &o, &err), &err);
+    if (he) {
+        check_plan(he, &c, nodes, 40, &o);
+        CHECK(he->n_stages + he->n_standby == 40, "40 nodes accounted for");
+    }
+    nl_plan_destroy(&he);
+}
+
+/* -------------------------------------------------------------- sizing */
+
+static void test_seed_rule(void)
+{
+    nl_config base, s;
+    nl_config_init(&base);
+    nl_sizing_seed(&s, &base, 10 * GIB);
+    CHECK(s.hidden_dim == 256 && s.num_layers == 8 && s.num_heads == 2 && s.num_kv_heads == 1 &&
+              s.ffn_dim == 1024 && s.vocab_size == NL_DEFAULT_VOCAB,
+          "10 GiB: d=%d L=%d H=%d G=%d", s.hidden_dim, s.num_layers, s.num_heads, s.num_kv_heads);
+    /* 100 GiB: 256 sqrt(10) = 809.5 -> 832; 8 log2(11) = 27.7 -> 28; 832 / 128 = 6
+     * does not divide 832: 4 and 8 are as near, ties go to more heads */
+    nl_sizing_seed(&s, &base, 100 * GIB);
+    CHECK(s.hidden_dim == 832 && s.num_layers == 28 && s.num_heads == 8 && s.num_kv_heads == 2,
+          "100 GiB: d=%d L=%d H=%d G=%d", s.hidden_dim, s.num_layers, s.num_heads, s.num_kv_heads);
+    /* 1000 GiB: 2560, 8 log2(101) = 53.3 -> 53, 20 heads, 5 kv */
+    nl_sizing_seed(&s, &base, 1000 * GIB);
+    CHECK(s.hidden_dim == 2560 && s.num_layers == 53 && s.num_heads == 20 && s.num_kv_heads == 5,
+          "1000 GiB: d=%d L=%d H=%d G=%d", s.hidden_dim, s.num_layers, s.num_heads, s.num_kv_heads);
+    /* tiny and huge clamp */
+    nl_sizing_seed(&s, &base, 100 * MB);
+    CHECK(s.hidden_dim == 64 && s.num_layers == 8 && s.num_heads == 1, "tiny: d=%d L=%d",
+          s.hidden_dim, s.num_layers);
+    nl_sizing_seed(&s, &base, 1000000 * GIB);
+    CHECK(s.num_layers == 64, "huge: L=%d", s.num_layers);
+    nl_error err = {0};
+    CHECK_OK(nl_config_validate(&s, 1, &err), &err);
+}
+
+/* The documented head rule, written out again: d / 128 heads (at least
+ * 1) or the nearest count dividing d with an even head_dim <= 256, ties
+ * to more heads; kv heads the largest divisor of H <= max(1, H / 4). */
+static void rule_heads(nl_config *c)
+{
+    const int d = c->hidden_dim, want = d / 128 > 0 ? d / 128 : 1;
+    int best = 0;
+    for (int h = 1; h <= d; h++)
+        if (d % h == 0 && (d / h) % 2 == 0 && d / h <= 256 &&
+            (!best || abs(h - want) <= abs(best - want)))
+            best = h;
+    c->num_heads = best;
+    c->num_kv_heads = 1;
+    for (int g = 1; g <= (best / 4 > 1 ? best / 4 : 1); g++)
+        if (best % g == 0)
+            c->num_kv_heads = g;
+    c->ffn_dim = 4 * d;
+}
+
+/* The sized shape fits; one layer more, or 64 wider, does not. */
+static void check_sized(const nl_sizing *z, const nl_plan_node *nodes, int n,
+                        const nl_sizing_opts *o)
+{
+    nl_plan_node scaled[64];
+    for (int i = 0; i < n; i++) {
+        scaled[i] = nodes[i];
+        scaled[i].memory_bytes = (uint64_t)((double)nodes[i].memory_bytes * (1 - o->headroom));
+    }
+    nl_error err = {0};
+    int fits = 0;
+    nl_config c = z->cfg;
+    CHECK_OK(nl_config_validate(&c, 1, &err), &err);
+    CHECK(c.num_heads % c.num_kv_heads == 0 && nl_config_head_dim(&c) % 2 == 0 &&
+              c.ffn_dim == 4 * c.hidden_dim && c.hidden_dim % 64 == 0 && c.num_experts == 8 &&
+              c.top_k == 2,
+          "shape rules");
+    CHECK_OK(nl_plan_fits(&c, scaled, n, &o->plan, &fits, &err), &err);
+    CHECK(fits, "sized model fits");
+    CHECK(z->need_bytes <= z->usable_bytes && z->stages >= 1, "need %" PRIu64 " of %" PRIu64,
+          z->need_bytes, z->usable_bytes);
+    if (c.num_layers < z->seed.num_layers) {
+        c.num_layers++;
+        CHECK_OK(nl_plan_fits(&c, scaled, n, &o->plan, &fits, &err), &err);
+        CHECK(!fits, "one layer more would fit (L=%d)", c.num_layers);
+    }
+    /* depth first: the seed's width is kept whenever it fits at depth 8 */
+    c = z->seed;
+    c.num_layers = NL_SIZING_MIN_DEPTH;
+    CHECK_OK(nl_plan_fits(&c, scaled, n, &o->plan, &fits, &err), &err);
+    CHECK(!fits || z->cfg.hidden_dim == z->seed.hidden_dim, "width shrank though %d fits",
+          c.hidden_dim);
+    if (z->cfg.hidden_dim < z->seed.hidden_dim) {
+        c = z->cfg;
+        c.hidden_dim += 64;
+        c.num_layers = NL_SIZING_MIN_DEPTH;
+        rule_heads(&c);
+        CHECK_OK(nl_plan_fits(&c, scaled, n, &o->plan, &fits, &err), &err);
+        CHECK(!fits, "64 wider would fit (d=%d)", c.hidden_dim);
+    }
+    c = z->cfg;
+    rule_heads(&c);
+    CHECK(c.num_heads == z->cfg.num_heads && c.num_kv_heads == z->cfg.num_kv_heads,
+          "head rule: H=%d G=%d", z->cfg.num_heads, z->cfg.num_kv_heads);
+    CHECK(strstr(z->report, "seed rule"), "report: %s", z->report);
+}
+
+static void test_sizing(void)
+{
+    nl_config base;
+    nl_config_init(&base);
+    nl_sizing_opts o;
+    nl_sizing_opts_init(&o);
+    nl_error err = {0};
+    nl_sizing z;
+
+    /* ample memory for the seed's shape with experts and optimizer: agree */
+    o.plan.mem.micro_rows = 256;
+    nl_plan_node ample[4];
+    for (int i = 0; i < 4; i++)
+        ample[i] = node(i, 4 * GIB, 100, 0);
+    CHECK_OK(nl_sizing_choose(&z, &base, ample, 4, &o, &err), &err);
+    nl_config seed;
+    nl_sizing_seed(&seed, &base, 16 * GIB);
+    CHECK(z.cfg.hidden_dim == seed.hidden_dim && z.cfg.num_layers == seed.num_layers &&
+              z.cfg.num_heads == seed.num_heads && z.cfg.num_kv_heads == seed.num_kv_heads,
+          "ample: d=%d L=%d vs seed d=%d L=%d", z.cfg.hidden_dim, z.cfg.num_layers, seed.hidden_dim,
+          seed.num_layers);
+    CHECK(strstr(z.report, "kept"), "report: %s", z.report);
+    check_sized(&z, ample, 4, &o);
+    printf("ample: %s\n", z.report);
+
+    /* long microbatches: activations of 1F1B's in-flight microbatches
+     * push the depth down, the width stays */
+    o.plan.mem.micro_rows = 8192;
+    nl_plan_node tight[8];
+    for (int i = 0; i < 8; i++)
+        tight[i] = node(i, 8 * GIB, 100, 0);
+    CHECK_OK(nl_sizing_choose(&z, &base, tight, 8, &o, &err), &err);
+    check_sized(&z, tight, 8, &o);
+    CHECK(z.cfg.num_layers < z.seed.num_layers && z.cfg.hidden_dim == z.seed.hidden_dim,
+          "tight: depth shrank (%s)", z.report);
+    printf("tight: %s\n", z.report);
+
+    /* many small nodes: the seed's width holds no layer anywhere, width shrinks */
+    o.plan.mem.micro_rows = 2048;
+    nl_plan_node small[48];
+    for (int i = 0; i < 48; i++)
+        small[i] = node(i, 700 * MB, 50, 0);
+    CHECK_OK(nl_sizing_choose(&z, &base, small, 48, &o, &err), &err);
+    check_sized(&z, small, 48, &o);
+    CHECK(z.cfg.hidden_dim < z.seed.hidden_dim, "small nodes: width kept (%s)", z.report);
+    printf("small nodes: %s\n", z.report);
+
+    /* nothing fits */
+    nl_plan_node crumbs[2] = {node(1, 20 * MB, 10, 0), node(2, 20 * MB, 10, 0)};
+    nl_status st = nl_sizing_choose(&z, &base, crumbs, 2, &o, &err);
+    CHECK(st == NL_ERR_CAPACITY && strstr(err.msg, "needs"), "crumbs: %s", err.msg);
+    o.headroom = 1.5;
+    st = nl_sizing_choose(&z, &base, ample, 4, &o, &err);
+    CHECK(st == NL_ERR_INVALID && strstr(err.msg, "headroom"), "headroom: %s", err.msg);
+}
+
+static void test_hysteresis(void)
+{
+    nl_config cur = small_cfg(10), p = cur;
+    CHECK(!nl_sizing_should_change(&cur, &p, 0), "same config");
+    p.vocab_size = 4096; /* vocabulary grows live; never an architecture change */
+    CHECK(!nl_sizing_should_change(&cur, &p, 0), "vocabulary only");
+    for (int L = 1; L <= 30; L++) {
+        p = cur;
+        p.num_layers = L;
+        const double a = (double)nl_config_param_count(&cur), b = (double)nl_config_param_count(&p);
+        const int want = b > 1.3 * a || a > 1.3 * b;
+        CHECK(nl_sizing_should_change(&cur, &p, 0) == want, "L=%d ratio %.3f", L, b / a);
+        CHECK(nl_sizing_should_change(&cur, &p, 2.0) == (b > 2 * a || a > 2 * b), "factor 2");
+    }
+    p = cur;
+    p.num_layers = 12; /* 1.2x: stays */
+    CHECK(!nl_sizing_should_change(&cur, &p, 0), "1.2x stays");
+    p.num_layers = 14; /* 1.4x: changes */
+    CHECK(nl_sizing_should_change(&cur, &p, 0), "1.4x changes");
+    nl_config none;
+    nl_config_init(&none);
+    CHECK(nl_sizing_should_change(&none, &cur, 0), "no model yet");
+
+    /* depth only, width fixed */
+    nl_sizing_opts o;
+    nl_sizing_opts_init(&o);
+    o.plan.mem.micro_rows = 256;
+    nl_error err = {0};
+    nl_sizing z;
+    nl_config live = small_cfg(2);
+    live.vocab_chunk = 32768;
+    nl_plan_node ample[2] = {node(1, 8 * GIB, 50, 0), node(2, 8 * GIB, 50, 0)};
+    CHECK_OK(nl_sizing_propose_depth(&z, &live, ample, 2, &o, &err), &err);
+    CHECK(z.cfg.hidden_dim == live.hidden_dim && z.cfg.num_heads == live.num_heads &&
+              z.cfg.num_kv_heads == live.num_kv_heads && z.cfg.ffn_dim == live.ffn_dim &&
+              z.cfg.vocab_size == live.vocab_size,
+          "width and the rest kept");
+    CHECK(z.cfg.num_layers == z.seed.num_layers && z.cfg.num_layers > 2, "grows to seed depth %d",
+          z.cfg.num_layers);
+    CHECK(nl_sizing_should_change(&live, &z.cfg, 0), "2 -> %d layers is a change",
+          z.cfg.num_layers);
+    /* a deeper model than the seed's is not cut while it fits */
+    live.num_layers = 40;
+    CHECK_OK(nl_sizing_propose_depth(&z, &live, ample, 2, &o, &err), &err);
+    CHECK(z.cfg.num_layers >= 40, "kept deep: %d", z.cfg.num_layers);
+    /* on too little memory, the deepest that fits, and no deeper */
+    const uint64_t few = nl_plan_stage_bytes(&live, &o.plan, 10, 0, 1);
+    nl_plan_node one = node(1, (uint64_t)((double)few / 0.9) + 1, 50, 0);
+    CHECK_OK(nl_sizing_propose_depth(&z, &live, &one, 1, &o, &err), &err);
+    CHECK(z.cfg.num_layers == 10, "one node: %d layers (%s)", z.cfg.num_layers, z.report);
+    printf("depth: %s\n", z.report);
+}
+
+int main(void)
+{
+    test_cost_model();
+    test_single_node();
+    test_heterogeneous();
+    test_standbys();
+    test_infeasible();
+    test_brute_force();
+    test_many_nodes();
+    test_seed_rule();
+    test_sizing();
+    test_hysteresis();
+    return check_done("test_planner");
+}
