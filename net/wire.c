@@ -206,6 +206,7 @@ static nl_status check_accept(const nl_wire_msg *m, const tdesc *td, nl_error *e
 static nl_status check_assign(const nl_wire_msg *m, const tdesc *td, nl_error *err);
 static nl_status check_layer_load(const nl_wire_msg *m, const tdesc *td, nl_error *err);
 static nl_status check_job_submit(const nl_wire_msg *m, const tdesc *td, nl_error *err);
+static nl_status check_activation(const nl_wire_msg *m, const tdesc *td, nl_error *err);
 
 static const tdesc tdescs[NL_MSG_TYPE_MAX] = {
     [NL_MSG_HELLO] = {"HELLO", f_hello, NF(f_hello), 0, 0, 0, 0, 0, NULL},
@@ -219,7 +220,8 @@ static const tdesc tdescs[NL_MSG_TYPE_MAX] = {
     [NL_MSG_LAYER_LOAD] = {"LAYER_LOAD", f_layer_load, NF(f_layer_load), 1, 1, 1, 1,
                            DT_FLOAT | DT(F64) | DT(I32) | DT(I64), check_layer_load},
     [NL_MSG_LOAD_DONE] = {"LOAD_DONE", f_load_done, NF(f_load_done), 0, 0, 0, 0, 0, NULL},
-    [NL_MSG_ACTIVATION] = {"ACTIVATION", f_hop, NF(f_hop), 1, 1, 1, NL_MAX_DIMS, DT_FLOAT, NULL},
+    [NL_MSG_ACTIVATION] = {"ACTIVATION", f_hop, NF(f_hop), 1, 2, 1, NL_MAX_DIMS, DT_FLOAT | DT(I32),
+                           check_activation},
     [NL_MSG_GRADIENT] = {"GRADIENT", f_hop, NF(f_hop), 1, 1, 1, NL_MAX_DIMS, DT_FLOAT, NULL},
     [NL_MSG_TOKEN] = {"TOKEN", f_token, NF(f_token), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_JOB_SUBMIT] = {"JOB_SUBMIT", f_job_submit, NF(f_job_submit), 0, 4, 1, NL_MAX_DIMS,
@@ -227,6 +229,8 @@ static const tdesc tdescs[NL_MSG_TYPE_MAX] = {
     [NL_MSG_JOB_STATUS] = {"JOB_STATUS", f_job_status, NF(f_job_status), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_JOB_CANCEL] = {"JOB_CANCEL", f_job_ref, NF(f_job_ref), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_JOB_QUERY] = {"JOB_QUERY", f_job_ref, NF(f_job_ref), 0, 0, 0, 0, 0, NULL},
+    [NL_MSG_JOB_RESULT] = {"JOB_RESULT", f_job_ref, NF(f_job_ref), 1, 4, 1, NL_MAX_DIMS,
+                           DT_FLOAT | DT(I32) | DT(I64), NULL},
     [NL_MSG_GRAD_NORM] = {"GRAD_NORM", f_grad_norm, NF(f_grad_norm), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_STEP] = {"STEP", f_step, NF(f_step), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_CKPT_REQ] = {"CKPT_REQ", f_ckpt_req, NF(f_ckpt_req), 0, 0, 0, 0, 0, NULL},
@@ -564,6 +568,13 @@ static nl_status check_layer_load(const nl_wire_msg *m, const tdesc *td, nl_erro
         return nl_error_set(
             err, NL_ERR_SHAPE, "%s: chunk [%llu, +%lld) lies outside the tensor of %lld elements",
             td->name, (unsigned long long)l->offset, (long long)n, (long long)total);
+    return NL_OK;
+}
+
+static nl_status check_activation(const nl_wire_msg *m, const tdesc *td, nl_error *err)
+{
+    if (m->nframes == 2 && m->frames[1].t.dtype != NL_DTYPE_I32)
+        return nl_error_set(err, NL_ERR_DTYPE, "%s: frame 1 (targets) must be I32", td->name);
     return NL_OK;
 }
 

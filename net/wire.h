@@ -61,6 +61,7 @@ typedef enum nl_msg_type {
     NL_MSG_JOB_STATUS = 41,
     NL_MSG_JOB_CANCEL = 42,
     NL_MSG_JOB_QUERY = 43,
+    NL_MSG_JOB_RESULT = 44,
     NL_MSG_GRAD_NORM = 50,
     NL_MSG_STEP = 51,
     NL_MSG_CKPT_REQ = 52,
@@ -158,7 +159,11 @@ typedef struct nl_msg_load_done {
     uint64_t bytes;
 } nl_msg_load_done;
 
-typedef struct nl_msg_tensor_hop { /* ACTIVATION and GRADIENT, + one frame */
+/* ACTIVATION: frame 0 is the hidden state (float, e.g. [B, T, d]) or, into
+ * the first stage, token ids (I32 [B, T]); an optional frame 1 carries
+ * I32 targets [B, T] along the pipeline to the last stage. GRADIENT: one
+ * float frame, the gradient of the hidden state. */
+typedef struct nl_msg_tensor_hop {
     uint64_t job_id, step;
     uint32_t microbatch;
     uint64_t session_id;
@@ -201,7 +206,7 @@ typedef struct nl_msg_job_status {
     const char *message;
 } nl_msg_job_status;
 
-typedef struct nl_msg_job_ref { /* JOB_CANCEL, JOB_QUERY (0 = all jobs) */
+typedef struct nl_msg_job_ref { /* JOB_CANCEL, JOB_QUERY (0 = all jobs), JOB_RESULT */
     uint64_t job_id;
 } nl_msg_job_ref;
 
@@ -259,7 +264,7 @@ typedef struct nl_wire_msg {
         nl_msg_token token;
         nl_msg_job_submit job_submit;
         nl_msg_job_status job_status;
-        nl_msg_job_ref job_ref;
+        nl_msg_job_ref job_ref; /* JOB_RESULT: + 1..4 frames, e.g. logits */
         nl_msg_grad_norm grad_norm;
         nl_msg_step step;
         nl_msg_ckpt_req ckpt_req;

@@ -762,8 +762,8 @@ static void test_node_data(void)
     CHECK_OK(nl_txref_wait(&ref, WAIT_OK, &err), &err);
     CHECK(recv_one(data, &rx, WAIT_NO) == NL_ERR_TIMEOUT, "stranger delivered");
     /* a frame whose encode fails is still released */
-    nl_txref_frame(&m.frames[0], &ref, act, NL_DTYPE_I32, shape, 2);
-    CHECK(nl_sock_send(p, NULL, 0, &m, &err) == NL_ERR_DTYPE, "I32 activation sent");
+    nl_txref_frame(&m.frames[0], &ref, act, NL_DTYPE_I8, shape, 2);
+    CHECK(nl_sock_send(p, NULL, 0, &m, &err) == NL_ERR_DTYPE, "I8 activation sent");
     CHECK(nl_txref_idle(&ref), "reference leaked on a failed send");
     /* new assignment without prev: its messages are dropped from now on */
     CHECK_OK(nl_sock_allow(data, NULL, 0, &err), &err);
