@@ -431,10 +431,9 @@ nl_status nl_keys_ensure(const char *state_dir, nl_keypair *kp, bool *created, n
     if (st != NL_OK)
         return st;
     if (!have_pub) {
-        int n = snprintf(pub, sizeof pub, "%s", kp->public_z85);
-        char line[64];
-        snprintf(line, sizeof line, "%s\n", pub);
-        st = nl_file_write_atomic(ppath, line, (size_t)n + 1, err);
+        char line[NL_KEY_Z85_LEN + 2];
+        int n = snprintf(line, sizeof line, "%s\n", kp->public_z85);
+        st = nl_file_write_atomic(ppath, line, (size_t)n, err);
     } else {
         st = nl_keys_load_public(pub, ppath, err);
         if (st == NL_OK && strcmp(pub, kp->public_z85) != 0)

@@ -32,6 +32,13 @@ struct nl_sock {
 
 /* ===================== the context ===================== */
 
+static int64_t mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
 nl_net_opts nl_net_opts_default(void)
 {
     nl_net_opts o = {
@@ -452,21 +459,39 @@ static int read_parts(nl_sock *s, nl_rx *rx, bool *over)
     return n;
 }
 
+/* Wait for the next message's parts. zmq_poll can report a socket readable
+ * when no whole message is there yet; then wait again, to the deadline. */
+static nl_status wait_parts(nl_sock *s, nl_rx *rx, int timeout_ms, bool *over, nl_error *err)
+{
+    int64_t deadline = mono_ms() + (timeout_ms > 0 ? timeout_ms : 0);
+    for (;;) {
+        int left = timeout_ms < 0 ? -1 : (int)(deadline - mono_ms());
+        zmq_pollitem_t it = {s->zs, 0, ZMQ_POLLIN, 0};
+        int rc = zmq_poll(&it, 1, left < 0 && timeout_ms >= 0 ? 0 : left);
+        if (rc < 0 && zmq_errno() != EINTR)
+            return nl_error_set(err, NL_ERR_IO, "socket %s: poll: %s", s->name, zerr());
+        if (rc <= 0)
+            return nl_error_set(err, NL_ERR_TIMEOUT, "socket %s: no message within %d ms", s->name,
+                                timeout_ms);
+        if (read_parts(s, rx, over) >= 0)
+            return NL_OK;
+        if (zmq_errno() != EAGAIN)
+            return nl_error_set(err, NL_ERR_IO, "socket %s: receive: %s", s->name, zerr());
+        if (timeout_ms >= 0 && mono_ms() >= deadline)
+            return nl_error_set(err, NL_ERR_TIMEOUT, "socket %s: no message within %d ms", s->name,
+                                timeout_ms);
+    }
+}
+
 nl_status nl_sock_recv(nl_sock *s, nl_rx *rx, int timeout_ms, nl_error *err)
 {
     nl_error e;
     bool over;
     rx_release(rx);
-    zmq_pollitem_t it = {s->zs, 0, ZMQ_POLLIN, 0};
-    int rc = zmq_poll(&it, 1, timeout_ms);
-    if (rc < 0 && zmq_errno() != EINTR)
-        return nl_error_set(err, NL_ERR_IO, "socket %s: poll: %s", s->name, zerr());
-    if (rc <= 0)
-        return nl_error_set(err, NL_ERR_TIMEOUT, "socket %s: no message within %d ms", s->name,
-                            timeout_ms);
-    int n = read_parts(s, rx, &over);
-    if (n < 0)
-        return nl_error_set(err, NL_ERR_TIMEOUT, "socket %s: no message", s->name);
+    nl_status st = wait_parts(s, rx, timeout_ms, &over, err);
+    if (st != NL_OK)
+        return st;
+    int n = rx->nparts;
     int hdr = s->type == ZMQ_ROUTER ? 1 : 0;
     find_peer(s, rx, hdr);
     if (s->type == ZMQ_ROUTER && n >= 1) {
@@ -491,20 +516,13 @@ nl_status nl_sock_recv(nl_sock *s, nl_rx *rx, int timeout_ms, nl_error *err)
         wp[i - hdr].data = zmq_msg_data(&rx->parts[i]);
         wp[i - hdr].len = zmq_msg_size(&rx->parts[i]);
     }
-    nl_status st = nl_wire_decode(&rx->msg, wp, n - hdr, &s->net->lim, &e);
+    st = nl_wire_decode(&rx->msg, wp, n - hdr, &s->net->lim, &e);
     if (st != NL_OK)
         return bad_message(s, rx, hdr, st, &e, err);
     return NL_OK;
 }
 
 /* ===================== hello ===================== */
-
-static int64_t mono_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 nl_status nl_sock_hello(nl_sock *s, nl_role role, int timeout_ms, nl_rx *rx, nl_error *err)
 {

@@ -159,10 +159,11 @@ typedef struct nl_msg_load_done {
     uint64_t bytes;
 } nl_msg_load_done;
 
-/* ACTIVATION (+ one frame: F32 hidden states, or I32 token ids for the
- * first stage; + an optional second I32 frame of targets), GRADIENT (+ one
- * float frame) and RESULT (+ one float frame: logits, from the last stage) */
-typedef struct nl_msg_tensor_hop {
+/* ACTIVATION: frame 0 is the hidden state (float, e.g. [B, T, d]) or, into
+ * the first stage, token ids (I32 [B, T]); an optional frame 1 carries
+ * I32 targets [B, T] along the pipeline to the last stage. GRADIENT: one
+ * float frame, the gradient of the hidden state. */
+typedef struct nl_msg_tensor_hop { /* ACTIVATION, GRADIENT, RESULT */
     uint64_t job_id, step;
     uint32_t microbatch;
     uint64_t session_id;

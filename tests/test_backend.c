@@ -74,8 +74,8 @@ static void ref_attention(float *out, const float *q, const float *k, const floa
 
 static void test_attention(nl_backend *be, int B, int T, int past, int H, int G, int hd)
 {
-    nl_attn_shape s = {.B = B, .T = T, .past = past, .kv_cap = past + T + 3, .H = H, .G = G,
-                       .hd = hd};
+    nl_attn_shape s = {
+        .B = B, .T = T, .past = past, .kv_cap = past + T + 3, .H = H, .G = G, .hd = hd};
     size_t nq = (size_t)B * T * H * hd, nk = (size_t)B * s.kv_cap * G * hd;
     float *q = malloc(nq * 4), *k = malloc(nk * 4), *v = malloc(nk * 4);
     float *o = malloc(nq * 4), *r = malloc(nq * 4), *lse = malloc((size_t)B * H * T * 4);

@@ -18,10 +18,10 @@
 #include "check.h"
 
 static const nl_msg_type all_types[] = {
-    NL_MSG_HELLO,      NL_MSG_HELLO_ACK, NL_MSG_ERROR,     NL_MSG_JOIN,       NL_MSG_ACCEPT,
-    NL_MSG_HEARTBEAT,  NL_MSG_LEAVE,     NL_MSG_ASSIGN,    NL_MSG_LAYER_LOAD, NL_MSG_LOAD_DONE,
-    NL_MSG_ACTIVATION, NL_MSG_GRADIENT,  NL_MSG_TOKEN,     NL_MSG_JOB_SUBMIT, NL_MSG_JOB_STATUS,
-    NL_MSG_JOB_CANCEL, NL_MSG_JOB_QUERY, NL_MSG_GRAD_NORM, NL_MSG_STEP,       NL_MSG_CKPT_REQ,
+    NL_MSG_HELLO,      NL_MSG_HELLO_ACK,  NL_MSG_ERROR,     NL_MSG_JOIN,       NL_MSG_ACCEPT,
+    NL_MSG_HEARTBEAT,  NL_MSG_LEAVE,      NL_MSG_ASSIGN,    NL_MSG_LAYER_LOAD, NL_MSG_LOAD_DONE,
+    NL_MSG_ACTIVATION, NL_MSG_GRADIENT,   NL_MSG_TOKEN,     NL_MSG_JOB_SUBMIT, NL_MSG_JOB_STATUS,
+    NL_MSG_JOB_CANCEL, NL_MSG_JOB_QUERY,  NL_MSG_GRAD_NORM, NL_MSG_STEP,       NL_MSG_CKPT_REQ,
     NL_MSG_CKPT_DONE,  NL_MSG_RESULT,
 };
 #define NTYPES (int)(sizeof all_types / sizeof all_types[0])
@@ -108,12 +108,16 @@ static void sample(nl_wire_msg *m, nl_msg_type t)
         m->u.load_done = (nl_msg_load_done){3, 7, 58, 123456789};
         break;
     case NL_MSG_ACTIVATION:
-    case NL_MSG_RESULT:
     case NL_MSG_GRADIENT: {
         m->u.hop = (nl_msg_tensor_hop){11, 250, 3, 99, 17, 0.125};
         int64_t sh[3] = {2, 3, 16};
         set_frame(&m->frames[0], t == NL_MSG_GRADIENT ? NL_DTYPE_BF16 : NL_DTYPE_F32, act, 3, sh);
         m->nframes = 1;
+        if (t == NL_MSG_ACTIVATION) { /* the targets ride along */
+            int64_t tsh[2] = {2, 5};
+            set_frame(&m->frames[1], NL_DTYPE_I32, toks_frame, 2, tsh);
+            m->nframes = 2;
+        }
         break;
     }
     case NL_MSG_TOKEN:
@@ -133,6 +137,13 @@ static void sample(nl_wire_msg *m, nl_msg_type t)
     case NL_MSG_JOB_QUERY:
         m->u.job_ref = (nl_msg_job_ref){11};
         break;
+    case NL_MSG_RESULT: {
+        m->u.hop = (nl_msg_tensor_hop){12, 0, 0, 0, 0, 4.25};
+        int64_t sh[2] = {6, 16};
+        set_frame(&m->frames[0], NL_DTYPE_F32, act, 2, sh);
+        m->nframes = 1;
+        break;
+    }
     case NL_MSG_GRAD_NORM:
         m->u.grad_norm = (nl_msg_grad_norm){11, 250, 2, 3.5e4};
         break;
@@ -748,6 +759,7 @@ static void test_limits(void)
     static float one[1];
     for (int nd = 8; nd <= 9; nd++) {
         sample(&m, NL_MSG_ACTIVATION);
+        m.nframes = 1;
         m.frames[0].t.ndim = nd;
         m.frames[0].t.data = one;
         for (int k = 0; k < 8; k++)
@@ -797,6 +809,7 @@ static void test_limits(void)
     lim.max_frame_bytes = 4096;
     for (int extra = 0; extra <= 1; extra++) {
         sample(&m, NL_MSG_ACTIVATION);
+        m.nframes = 1;
         m.frames[0].t.ndim = 1;
         m.frames[0].t.shape[0] = 1024 + extra;
         m.frames[0].t.data = fb;
@@ -874,10 +887,11 @@ static void test_shapes_dtypes(void)
     CHECK_OK(dec_tensor_desc(&d, NL_MSG_ACTIVATION, "BF16", s23, 2, 12, &err), &err);
     CHECK(dec_tensor_desc(&d, NL_MSG_ACTIVATION, "F32", s23, 2, 20, &err) == NL_ERR_SHAPE,
           "24 vs 20 bytes: %s", err.msg);
-    /* token ids ride to the first stage as I32; gradients are floats only */
-    CHECK_OK(dec_tensor_desc(&d, NL_MSG_ACTIVATION, "I32", s23, 2, 24, &err), &err);
+    CHECK_OK(dec_tensor_desc(&d, NL_MSG_ACTIVATION, "I32", s23, 2, 24, &err), &err); /* tokens */
     CHECK(dec_tensor_desc(&d, NL_MSG_GRADIENT, "I32", s23, 2, 24, &err) == NL_ERR_DTYPE,
           "I32 gradient: %s", err.msg);
+    CHECK(dec_tensor_desc(&d, NL_MSG_ACTIVATION, "I8", s23, 2, 6, &err) == NL_ERR_DTYPE,
+          "I8 activation: %s", err.msg);
     CHECK(dec_tensor_desc(&d, NL_MSG_ACTIVATION, "Q4_0", s23, 2, 24, &err) == NL_ERR_DTYPE,
           "unknown dtype: %s", err.msg);
     const uint64_t s0[] = {2, 0};
@@ -895,6 +909,14 @@ static void test_shapes_dtypes(void)
     const uint64_t sneg[] = {(uint64_t)INT64_MAX + 1};
     CHECK(dec_tensor_desc(&d, NL_MSG_ACTIVATION, "F32", sneg, 1, 4, &err) == NL_ERR_RANGE,
           "dim above INT64_MAX: %s", err.msg);
+    /* ACTIVATION's optional second frame holds I32 targets only */
+    sample(&m, NL_MSG_ACTIVATION);
+    m.frames[1].t.dtype = NL_DTYPE_F32;
+    CHECK(nl_wire_encode(&m, &e.hdr, NULL, &err) == NL_ERR_DTYPE, "F32 targets: %s", err.msg);
+    m.frames[2] = m.frames[0];
+    m.frames[1].t.dtype = NL_DTYPE_I32;
+    m.nframes = 3;
+    CHECK(nl_wire_encode(&m, &e.hdr, NULL, &err) == NL_ERR_PROTO, "3 frames: %s", err.msg);
     /* LAYER_LOAD: a chunk running past the end of the tensor */
     sample(&m, NL_MSG_LAYER_LOAD);
     m.u.layer_load.offset = 256 * 256 - 63;

@@ -1,0 +1,486 @@
+/* The wire schema: the field table of every message type, and the value,
+ * frame and cross-field checks that encoding and decoding both apply. */
+#include "wire_schema.h"
+
+#include <math.h>
+#include <string.h>
+
+/* the range is "lo, hi" (or U32_ANY, U64_ANY) */
+// clang-format off
+#define F_U32(S, m, ...) {#m, NL_WK_U32, 0, 0, offsetof(S, m), 0, __VA_ARGS__, 0, 0}
+#define F_U64(S, m, ...) {#m, NL_WK_U64, 0, 0, offsetof(S, m), 0, __VA_ARGS__, 0, 0}
+#define F_F64(S, m, a, b) {#m, NL_WK_F64, 0, 0, offsetof(S, m), 0, 0, 0, (a), (b)}
+#define F_BOOL(S, m) {#m, NL_WK_BOOL, 0, 0, offsetof(S, m), 0, 0, 1, 0, 0}
+#define F_STR(S, m, cs, a, b) {#m, NL_WK_STR, (cs), 0, offsetof(S, m), 0, (a), (b), 0, 0}
+#define F_LIST(S, m, kind, cnt, a, b) {#m, (kind), 0, 0, offsetof(S, m), offsetof(S, cnt), (a), (b), 0, 0}
+// clang-format on
+#define U64_ANY 0, UINT64_MAX
+#define U32_ANY 0, UINT32_MAX
+
+#define DT(x) (1u << NL_DTYPE_##x)
+#define DT_FLOAT (DT(F32) | DT(F16) | DT(BF16))
+#define NF(a) (uint8_t)(sizeof(a) / sizeof(a[0]))
+
+static const nl_wire_field f_hello[] = {
+    F_U32(nl_msg_hello, role, NL_ROLE_COORDINATOR, NL_ROLE_CLIENT),
+    F_STR(nl_msg_hello, software, NL_WCS_PRINT, 0, 64),
+};
+static const nl_wire_field f_error[] = {
+    F_U32(nl_msg_error, code, 1, 999),
+    F_U32(nl_msg_error, req_type, 0, NL_MSG_TYPE_MAX - 1),
+    F_STR(nl_msg_error, message, NL_WCS_UTF8, 0, 1024),
+};
+static const nl_wire_field f_join[] = {
+    F_STR(nl_msg_join, pubkey, NL_WCS_Z85, NL_KEY_Z85_LEN, NL_KEY_Z85_LEN),
+    F_STR(nl_msg_join, device, NL_WCS_WORD, 3, 32),
+    F_U64(nl_msg_join, memory_bytes, 1, UINT64_MAX),
+    F_F64(nl_msg_join, gemm_gflops, 0, 1e9),
+    F_U32(nl_msg_join, threads, 1, 65536),
+    F_STR(nl_msg_join, data_endpoint, NL_WCS_WORD, 7, 256),
+};
+static const nl_wire_field f_accept[] = {
+    F_U32(nl_msg_accept, node_id, U32_ANY),
+    F_U32(nl_msg_accept, heartbeat_ms, 10, 3600000),
+    F_U32(nl_msg_accept, timeout_ms, 10, 86400000),
+};
+static const nl_wire_field f_heartbeat[] = {
+    F_U32(nl_msg_heartbeat, node_id, U32_ANY),
+    F_U64(nl_msg_heartbeat, seq, U64_ANY),
+    F_U32(nl_msg_heartbeat, state, NL_NODE_IDLE, NL_NODE_FAILED),
+    F_F64(nl_msg_heartbeat, load, 0, 1e6),
+};
+static const nl_wire_field f_leave[] = {
+    F_U32(nl_msg_leave, node_id, U32_ANY),
+    F_STR(nl_msg_leave, reason, NL_WCS_UTF8, 0, 1024),
+};
+static const nl_wire_field f_assign[] = {
+    F_U64(nl_msg_assign, epoch, U64_ANY),
+    F_U32(nl_msg_assign, node_id, U32_ANY),
+    F_U32(nl_msg_assign, stage, 0, 4095),
+    F_U32(nl_msg_assign, num_stages, 1, 4096),
+    F_U32(nl_msg_assign, layer0, 0, 65536),
+    F_U32(nl_msg_assign, layer1, 0, 65536),
+    F_BOOL(nl_msg_assign, has_embed),
+    F_BOOL(nl_msg_assign, has_head),
+    F_STR(nl_msg_assign, config_json, NL_WCS_UTF8, 2, 49152),
+    F_U64(nl_msg_assign, seed, U64_ANY),
+    F_STR(nl_msg_assign, prev_endpoint, NL_WCS_WORD, 0, 256),
+    F_STR(nl_msg_assign, prev_key, NL_WCS_Z85, 0, NL_KEY_Z85_LEN),
+    F_STR(nl_msg_assign, next_endpoint, NL_WCS_WORD, 0, 256),
+    F_STR(nl_msg_assign, next_key, NL_WCS_Z85, 0, NL_KEY_Z85_LEN),
+    F_U64(nl_msg_assign, memory_planned, U64_ANY),
+};
+static const nl_wire_field f_layer_load[] = {
+    F_U64(nl_msg_layer_load, epoch, U64_ANY),
+    F_STR(nl_msg_layer_load, name, NL_WCS_WORD, 1, 256),
+    F_LIST(nl_msg_layer_load, shape, NL_WK_DIMS, ndim, 1, NL_MAX_DIMS),
+    F_U64(nl_msg_layer_load, offset, 0, INT64_MAX),
+    F_U32(nl_msg_layer_load, chunk, 0, UINT32_MAX - 1),
+    F_U32(nl_msg_layer_load, chunks, 1, UINT32_MAX),
+};
+static const nl_wire_field f_load_done[] = {
+    F_U64(nl_msg_load_done, epoch, U64_ANY),
+    F_U32(nl_msg_load_done, node_id, U32_ANY),
+    F_U32(nl_msg_load_done, tensors, U32_ANY),
+    F_U64(nl_msg_load_done, bytes, U64_ANY),
+};
+static const nl_wire_field f_hop[] = {
+    F_U64(nl_msg_tensor_hop, job_id, U64_ANY),
+    F_U64(nl_msg_tensor_hop, step, U64_ANY),
+    F_U32(nl_msg_tensor_hop, microbatch, U32_ANY),
+    F_U64(nl_msg_tensor_hop, session_id, U64_ANY),
+    F_U64(nl_msg_tensor_hop, pos_offset, 0, INT32_MAX),
+    F_F64(nl_msg_tensor_hop, aux, -1e30, 1e30),
+};
+static const nl_wire_field f_token[] = {
+    F_U64(nl_msg_token, job_id, U64_ANY),
+    F_U64(nl_msg_token, session_id, U64_ANY),
+    F_LIST(nl_msg_token, tokens, NL_WK_U32_LIST, ntokens, 0, 4096),
+    F_BOOL(nl_msg_token, done),
+};
+static const nl_wire_field f_job_submit[] = {
+    F_U32(nl_msg_job_submit, kind, NL_JOB_FORWARD, NL_JOB_TRAIN),
+    F_LIST(nl_msg_job_submit, params, NL_WK_PARAMS, nparams, 0, 64),
+};
+static const nl_wire_field f_job_status[] = {
+    F_U64(nl_msg_job_status, job_id, U64_ANY),
+    F_U32(nl_msg_job_status, state, NL_JOB_QUEUED, NL_JOB_CANCELLED),
+    F_F64(nl_msg_job_status, progress, 0, 1),
+    F_STR(nl_msg_job_status, message, NL_WCS_UTF8, 0, 1024),
+};
+static const nl_wire_field f_job_ref[] = {
+    F_U64(nl_msg_job_ref, job_id, U64_ANY),
+};
+static const nl_wire_field f_grad_norm[] = {
+    F_U64(nl_msg_grad_norm, job_id, U64_ANY),
+    F_U64(nl_msg_grad_norm, step, U64_ANY),
+    F_U32(nl_msg_grad_norm, stage, 0, 4095),
+    /* inf/NaN are allowed: they report an overflow, and the step is skipped */
+    {"sumsq", NL_WK_F64, 0, 1, offsetof(nl_msg_grad_norm, sumsq), 0, 0, 0, 0, HUGE_VAL},
+};
+static const nl_wire_field f_step[] = {
+    F_U64(nl_msg_step, job_id, U64_ANY), F_U64(nl_msg_step, step, U64_ANY),
+    F_BOOL(nl_msg_step, apply),          F_F64(nl_msg_step, clip_scale, 0, 1),
+    F_F64(nl_msg_step, lr, 0, 1000),
+};
+static const nl_wire_field f_ckpt_req[] = {
+    F_U64(nl_msg_ckpt_req, job_id, U64_ANY),
+    F_U64(nl_msg_ckpt_req, step, U64_ANY),
+    F_STR(nl_msg_ckpt_req, dir, NL_WCS_PRINT, 1, 1024),
+};
+static const nl_wire_field f_ckpt_done[] = {
+    F_U64(nl_msg_ckpt_done, job_id, U64_ANY),
+    F_U64(nl_msg_ckpt_done, step, U64_ANY),
+    F_U32(nl_msg_ckpt_done, stage, 0, 4095),
+    F_STR(nl_msg_ckpt_done, path, NL_WCS_PRINT, 1, 1024),
+    F_STR(nl_msg_ckpt_done, sha256, NL_WCS_HEX, 64, 64),
+    F_U64(nl_msg_ckpt_done, bytes, U64_ANY),
+};
+
+static nl_status check_join(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
+static nl_status check_accept(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
+static nl_status check_assign(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
+static nl_status check_layer_load(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
+static nl_status check_job_submit(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
+static nl_status check_activation(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
+
+static const nl_wire_tdesc tdescs[NL_MSG_TYPE_MAX] = {
+    [NL_MSG_HELLO] = {"HELLO", f_hello, NF(f_hello), 0, 0, 0, 0, 0, NULL},
+    [NL_MSG_HELLO_ACK] = {"HELLO_ACK", f_hello, NF(f_hello), 0, 0, 0, 0, 0, NULL},
+    [NL_MSG_ERROR] = {"ERROR", f_error, NF(f_error), 0, 0, 0, 0, 0, NULL},
+    [NL_MSG_JOIN] = {"JOIN", f_join, NF(f_join), 0, 0, 0, 0, 0, check_join},
+    [NL_MSG_ACCEPT] = {"ACCEPT", f_accept, NF(f_accept), 0, 0, 0, 0, 0, check_accept},
+    [NL_MSG_HEARTBEAT] = {"HEARTBEAT", f_heartbeat, NF(f_heartbeat), 0, 0, 0, 0, 0, NULL},
+    [NL_MSG_LEAVE] = {"LEAVE", f_leave, NF(f_leave), 0, 0, 0, 0, 0, NULL},
+    [NL_MSG_ASSIGN] = {"ASSIGN", f_assign, NF(f_assign), 0, 0, 0, 0, 0, check_assign},
+    [NL_MSG_LAYER_LOAD] = {"LAYER_LOAD", f_layer_load, NF(f_layer_load), 1, 1, 1, 1,
+                           DT_FLOAT | DT(F64) | DT(I32) | DT(I64), check_layer_load},
+    [NL_MSG_LOAD_DONE] = {"LOAD_DONE", f_load_done, NF(f_load_done), 0, 0, 0, 0, 0, NULL},
+    [NL_MSG_ACTIVATION] = {"ACTIVATION", f_hop, NF(f_hop), 1, 2, 1, NL_MAX_DIMS, DT_FLOAT | DT(I32),
+                           check_activation},
+    [NL_MSG_GRADIENT] = {"GRADIENT", f_hop, NF(f_hop), 1, 1, 1, NL_MAX_DIMS, DT_FLOAT, NULL},
+    /* the last stage's logits (F32 [B, T, V]) for a forward job, to the
+     * coordinator and on to the client */
+    [NL_MSG_RESULT] = {"RESULT", f_hop, NF(f_hop), 1, 1, 1, NL_MAX_DIMS, DT_FLOAT, NULL},
+    [NL_MSG_TOKEN] = {"TOKEN", f_token, NF(f_token), 0, 0, 0, 0, 0, NULL},
+    [NL_MSG_JOB_SUBMIT] = {"JOB_SUBMIT", f_job_submit, NF(f_job_submit), 0, 4, 1, NL_MAX_DIMS,
+                           DT(I32) | DT(I64) | DT(F32), check_job_submit},
+    /* + an optional U8 frame: a JSON report (the cluster's status) */
+    [NL_MSG_JOB_STATUS] = {"JOB_STATUS", f_job_status, NF(f_job_status), 0, 1, 1, 1, DT(U8), NULL},
+    [NL_MSG_JOB_CANCEL] = {"JOB_CANCEL", f_job_ref, NF(f_job_ref), 0, 0, 0, 0, 0, NULL},
+    [NL_MSG_JOB_QUERY] = {"JOB_QUERY", f_job_ref, NF(f_job_ref), 0, 0, 0, 0, 0, NULL},
+    [NL_MSG_GRAD_NORM] = {"GRAD_NORM", f_grad_norm, NF(f_grad_norm), 0, 0, 0, 0, 0, NULL},
+    [NL_MSG_STEP] = {"STEP", f_step, NF(f_step), 0, 0, 0, 0, 0, NULL},
+    [NL_MSG_CKPT_REQ] = {"CKPT_REQ", f_ckpt_req, NF(f_ckpt_req), 0, 0, 0, 0, 0, NULL},
+    [NL_MSG_CKPT_DONE] = {"CKPT_DONE", f_ckpt_done, NF(f_ckpt_done), 0, 0, 0, 0, 0, NULL},
+};
+
+const nl_wire_tdesc *nl_wire_schema_of(uint32_t type)
+{
+    return type < NL_MSG_TYPE_MAX && tdescs[type].name ? &tdescs[type] : NULL;
+}
+
+const char *nl_wire_type_name(uint32_t type)
+{
+    const nl_wire_tdesc *td = nl_wire_schema_of(type);
+    return td ? td->name : NULL;
+}
+
+/* ===================== value checks (shared by both directions) ===================== */
+
+static bool utf8_ok(const uint8_t *s, size_t n)
+{
+    size_t i = 0;
+    while (i < n) {
+        uint8_t c = s[i];
+        uint32_t cp;
+        size_t k;
+        if (c < 0x80) {
+            if (c == 0)
+                return false;
+            i++;
+            continue;
+        } else if ((c & 0xe0) == 0xc0) {
+            cp = c & 0x1f, k = 1;
+        } else if ((c & 0xf0) == 0xe0) {
+            cp = c & 0x0f, k = 2;
+        } else if ((c & 0xf8) == 0xf0) {
+            cp = c & 0x07, k = 3;
+        } else {
+            return false;
+        }
+        if (n - i <= k)
+            return false;
+        for (size_t j = 1; j <= k; j++) {
+            if ((s[i + j] & 0xc0) != 0x80)
+                return false;
+            cp = (cp << 6) | (s[i + j] & 0x3f);
+        }
+        static const uint32_t min_cp[4] = {0, 0x80, 0x800, 0x10000};
+        if (cp < min_cp[k] || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff))
+            return false;
+        i += k + 1;
+    }
+    return true;
+}
+
+static const char z85_chars[] =
+    "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#";
+
+bool nl_wire_z85_key_ok(const char *s, size_t len)
+{
+    if (!s || len != NL_KEY_Z85_LEN)
+        return false;
+    for (size_t i = 0; i < len; i++)
+        if (s[i] == '\0' || !strchr(z85_chars, s[i]))
+            return false;
+    return true;
+}
+
+static bool charset_ok(nl_wire_charset cs, const char *s, size_t n)
+{
+    const uint8_t *u = (const uint8_t *)s;
+    switch (cs) {
+    case NL_WCS_UTF8:
+        return utf8_ok(u, n);
+    case NL_WCS_Z85:
+        return n == 0 || nl_wire_z85_key_ok(s, n);
+    default:
+        break;
+    }
+    for (size_t i = 0; i < n; i++) {
+        uint8_t c = u[i];
+        bool ok = cs == NL_WCS_PRINT  ? (c >= 0x20 && c <= 0x7e)
+                  : cs == NL_WCS_WORD ? (c >= 0x21 && c <= 0x7e)
+                                      : ((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'));
+        if (!ok)
+            return false;
+    }
+    return true;
+}
+
+static const char *charset_what(nl_wire_charset cs)
+{
+    static const char *const what[] = {"valid UTF-8", "printable ASCII",
+                                       "printable ASCII without spaces", "lowercase hex digits",
+                                       "a Z85 key"};
+    return what[cs];
+}
+
+static nl_status check_field(const nl_wire_tdesc *td, const nl_wire_field *f, const void *base,
+                             nl_error *err)
+{
+    uint64_t u = 0;
+    switch ((nl_wire_kind)f->kind) {
+    case NL_WK_U32:
+        u = NL_WIRE_FVAL(base, f, uint32_t);
+        goto int_range;
+    case NL_WK_U64:
+        u = NL_WIRE_FVAL(base, f, uint64_t);
+    int_range:
+        if (u < f->lo || u > f->hi)
+            return nl_error_set(err, NL_ERR_RANGE, "%s.%s: %llu is outside [%llu, %llu]", td->name,
+                                f->name, (unsigned long long)u, (unsigned long long)f->lo,
+                                (unsigned long long)f->hi);
+        return NL_OK;
+    case NL_WK_F64: {
+        double d = NL_WIRE_FVAL(base, f, double);
+        if (!isfinite(d) && f->nonfinite_ok && !(d < 0))
+            return NL_OK;
+        if (!isfinite(d) || d < f->flo || d > f->fhi)
+            return nl_error_set(err, NL_ERR_RANGE, "%s.%s: %g is outside [%g, %g]", td->name,
+                                f->name, d, f->flo, f->fhi);
+        return NL_OK;
+    }
+    case NL_WK_BOOL:
+        return NL_OK;
+    case NL_WK_STR: {
+        const char *s = NL_WIRE_FVAL(base, f, const char *);
+        size_t n = s ? strlen(s) : 0;
+        if (n < f->lo || n > f->hi)
+            return nl_error_set(err, NL_ERR_RANGE,
+                                "%s.%s: string of %zu bytes, allowed %llu to %llu", td->name,
+                                f->name, n, (unsigned long long)f->lo, (unsigned long long)f->hi);
+        if (!charset_ok((nl_wire_charset)f->cs, s ? s : "", n))
+            return nl_error_set(err, NL_ERR_RANGE, "%s.%s: must be %s", td->name, f->name,
+                                charset_what((nl_wire_charset)f->cs));
+        return NL_OK;
+    }
+    case NL_WK_U32_LIST:
+    case NL_WK_PARAMS:
+        u = *(const uint32_t *)((const uint8_t *)base + f->count_off);
+        goto count_range;
+    case NL_WK_DIMS: {
+        int nd = *(const int *)((const uint8_t *)base + f->count_off);
+        u = nd < 0 ? UINT64_MAX : (uint64_t)nd;
+        const int64_t *sh = (const int64_t *)((const uint8_t *)base + f->off);
+        for (int i = 0; i < nd && i < NL_MAX_DIMS; i++)
+            if (sh[i] < 1)
+                return nl_error_set(err, NL_ERR_SHAPE, "%s.%s: dimension %d is %lld, must be >= 1",
+                                    td->name, f->name, i, (long long)sh[i]);
+        goto count_range;
+    }
+    }
+count_range:
+    if (u < f->lo || u > f->hi)
+        return nl_error_set(err, NL_ERR_LIMIT, "%s.%s: %llu entries, allowed %llu to %llu",
+                            td->name, f->name, (unsigned long long)u, (unsigned long long)f->lo,
+                            (unsigned long long)f->hi);
+    return NL_OK;
+}
+
+/* Frame descriptors against the type and the limits; with `decoding`, the
+ * bytes must match, otherwise len is computed. */
+static nl_status check_frames(nl_wire_msg *m, const nl_wire_tdesc *td, const nl_wire_limits *lim,
+                              bool decoding, nl_error *err)
+{
+    if (m->nframes < td->min_frames || m->nframes > td->max_frames)
+        return nl_error_set(err, NL_ERR_PROTO, "%s: %d tensor frames, expected %d to %d", td->name,
+                            m->nframes, td->min_frames, td->max_frames);
+    if (m->nframes > lim->max_frames)
+        return nl_error_set(err, NL_ERR_LIMIT, "%s: %d tensor frames, limit %d", td->name,
+                            m->nframes, lim->max_frames);
+    for (int i = 0; i < m->nframes; i++) {
+        nl_wire_frame *fr = &m->frames[i];
+        nl_tensor *t = &fr->t;
+        if ((int)t->dtype < 0 || t->dtype >= NL_DTYPE_COUNT || !(td->dtypes & (1u << t->dtype)))
+            return nl_error_set(err, NL_ERR_DTYPE, "%s: frame %d: dtype %s is not allowed here",
+                                td->name, i,
+                                nl_dtype_name(t->dtype) ? nl_dtype_name(t->dtype) : "?");
+        int maxd = td->max_dims < lim->max_dims ? td->max_dims : lim->max_dims;
+        if (t->ndim < td->min_dims || t->ndim > maxd)
+            return nl_error_set(err, NL_ERR_SHAPE,
+                                "%s: frame %d has %d dimensions, allowed %d to %d", td->name, i,
+                                t->ndim, td->min_dims, maxd);
+        for (int d = 0; d < t->ndim; d++)
+            if (t->shape[d] < 1)
+                return nl_error_set(err, NL_ERR_SHAPE, "%s: frame %d: dimension %d is %lld",
+                                    td->name, i, d, (long long)t->shape[d]);
+        int64_t numel = nl_shape_numel(t->shape, t->ndim);
+        size_t es = nl_dtype_size(t->dtype);
+        if (numel < 0 || (uint64_t)numel > SIZE_MAX / es)
+            return nl_error_set(err, NL_ERR_SHAPE, "%s: frame %d: shape overflows", td->name, i);
+        size_t bytes = (size_t)numel * es;
+        if (bytes > lim->max_frame_bytes)
+            return nl_error_set(err, NL_ERR_LIMIT, "%s: frame %d: %zu bytes, limit %llu", td->name,
+                                i, bytes, (unsigned long long)lim->max_frame_bytes);
+        if (decoding && fr->len != bytes)
+            return nl_error_set(
+                err, NL_ERR_SHAPE, "%s: frame %d holds %zu bytes; %s with %lld elements needs %zu",
+                td->name, i, fr->len, nl_dtype_name(t->dtype), (long long)numel, bytes);
+        if (!decoding) {
+            if (!t->data && bytes)
+                return nl_error_set(err, NL_ERR_INVALID, "%s: frame %d has no data", td->name, i);
+            fr->len = bytes;
+        }
+    }
+    return NL_OK;
+}
+
+static nl_status check_join(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err)
+{
+    const nl_msg_join *j = &m->u.join;
+    const char *d = j->device;
+    bool ok = strcmp(d, "cpu") == 0;
+    if (!ok && strncmp(d, "cuda:", 5) == 0) {
+        size_t n = strlen(d + 5);
+        ok = n >= 1 && n <= 4 && strspn(d + 5, "0123456789") == n;
+    }
+    if (!ok)
+        return nl_error_set(err, NL_ERR_RANGE, "%s.device: '%s' is not cpu or cuda:N", td->name, d);
+    if (strncmp(j->data_endpoint, "tcp://", 6) != 0 && strncmp(j->data_endpoint, "ipc://", 6) != 0)
+        return nl_error_set(err, NL_ERR_RANGE, "%s.data_endpoint: '%s' is not tcp:// or ipc://",
+                            td->name, j->data_endpoint);
+    return NL_OK;
+}
+
+static nl_status check_accept(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err)
+{
+    if (m->u.accept.timeout_ms < m->u.accept.heartbeat_ms)
+        return nl_error_set(err, NL_ERR_RANGE, "%s: timeout_ms %u is below heartbeat_ms %u",
+                            td->name, m->u.accept.timeout_ms, m->u.accept.heartbeat_ms);
+    return NL_OK;
+}
+
+static nl_status check_assign(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err)
+{
+    const nl_msg_assign *a = &m->u.assign;
+    if (a->stage >= a->num_stages)
+        return nl_error_set(err, NL_ERR_RANGE, "%s: stage %u is not below num_stages %u", td->name,
+                            a->stage, a->num_stages);
+    if (a->layer0 > a->layer1)
+        return nl_error_set(err, NL_ERR_RANGE, "%s: layer range [%u, %u) is reversed", td->name,
+                            a->layer0, a->layer1);
+    if (a->has_embed && a->stage != 0)
+        return nl_error_set(err, NL_ERR_RANGE, "%s: has_embed on stage %u", td->name, a->stage);
+    if (a->has_head && a->stage + 1 != a->num_stages)
+        return nl_error_set(err, NL_ERR_RANGE, "%s: has_head on stage %u of %u", td->name, a->stage,
+                            a->num_stages);
+    if (!a->prev_endpoint[0] != !a->prev_key[0] || !a->next_endpoint[0] != !a->next_key[0])
+        return nl_error_set(err, NL_ERR_RANGE,
+                            "%s: a neighbour's endpoint and key must both be set or both empty",
+                            td->name);
+    return NL_OK;
+}
+
+static nl_status check_layer_load(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err)
+{
+    const nl_msg_layer_load *l = &m->u.layer_load;
+    if (l->chunk >= l->chunks)
+        return nl_error_set(err, NL_ERR_RANGE, "%s: chunk %u is not below chunks %u", td->name,
+                            l->chunk, l->chunks);
+    int64_t total = nl_shape_numel(l->shape, l->ndim);
+    int64_t n = m->frames[0].t.shape[0];
+    if (total < 0 || l->offset > (uint64_t)total || (uint64_t)n > (uint64_t)total - l->offset)
+        return nl_error_set(
+            err, NL_ERR_SHAPE, "%s: chunk [%llu, +%lld) lies outside the tensor of %lld elements",
+            td->name, (unsigned long long)l->offset, (long long)n, (long long)total);
+    return NL_OK;
+}
+
+static nl_status check_activation(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err)
+{
+    if (m->nframes == 2 && m->frames[1].t.dtype != NL_DTYPE_I32)
+        return nl_error_set(err, NL_ERR_DTYPE, "%s: frame 1 (targets) must be I32", td->name);
+    return NL_OK;
+}
+
+static bool param_key_ok(const char *k)
+{
+    size_t n = k ? strlen(k) : 0;
+    return n >= 1 && n <= 64 && strspn(k, "abcdefghijklmnopqrstuvwxyz0123456789_.-") == n;
+}
+
+static nl_status check_job_submit(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err)
+{
+    const nl_msg_job_submit *j = &m->u.job_submit;
+    for (uint32_t i = 0; i < j->nparams; i++) {
+        const nl_wire_param *p = &j->params[i];
+        if (!param_key_ok(p->key))
+            return nl_error_set(err, NL_ERR_RANGE, "%s.params: key %u must be 1-64 of [a-z0-9_.-]",
+                                td->name, i);
+        for (uint32_t k = 0; k < i; k++)
+            if (strcmp(j->params[k].key, p->key) == 0)
+                return nl_error_set(err, NL_ERR_PROTO, "%s.params: duplicate key '%s'", td->name,
+                                    p->key);
+        size_t n = p->kind == NL_WIRE_PARAM_STR && p->s ? strlen(p->s) : 0;
+        if ((unsigned)p->kind > NL_WIRE_PARAM_BOOL || (p->kind == NL_WIRE_PARAM_FLOAT && !isfinite(p->f)) ||
+            (p->kind == NL_WIRE_PARAM_STR && (n > 4096 || !utf8_ok((const uint8_t *)p->s, n))))
+            return nl_error_set(err, NL_ERR_RANGE, "%s.params.%s: bad value", td->name, p->key);
+    }
+    return NL_OK;
+}
+
+nl_status nl_wire_schema_check(nl_wire_msg *m, const nl_wire_tdesc *td, const nl_wire_limits *lim,
+                               bool decoding, nl_error *err)
+{
+    for (int i = 0; i < td->nf; i++) {
+        nl_status st = check_field(td, &td->f[i], &m->u, err);
+        if (st != NL_OK)
+            return st;
+    }
+    nl_status st = check_frames(m, td, lim, decoding, err);
+    if (st == NL_OK && td->check)
+        st = td->check(m, td, err);
+    return st;
+}
