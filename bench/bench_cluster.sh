@@ -26,21 +26,24 @@ open(w + "/prefill.safetensors", "wb").write(struct.pack("<Q", len(h)) + h + str
 PY
 now() { date +%s.%N; }
 prompt=1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16
-# local
-t0=$(now); "$N" generate --model "$W/m.safetensors" --prompt-tokens $prompt --max-new "$NEW" --temperature 0 --threads 2 >/dev/null; t1=$(now)
+# decode rate = NEW / (time with NEW + 1 tokens - time with 1 token): start-up,
+# loading and the prefill cancel out
+gen_local() { "$N" generate --model "$W/m.safetensors" --prompt-tokens $prompt --max-new "$1" --temperature 0 --threads 2 >/dev/null; }
+gen_cluster() { "$N" generate --cluster "$C" --prompt-tokens $prompt --max-new "$1" --temperature 0 >/dev/null; }
+a=$(now); gen_local 1; b=$(now); gen_local $((NEW + 1)); c=$(now)
+t0=$(awk -v a="$a" -v b="$b" 'BEGIN { printf "%.6f", 0 }'); t1=$(awk -v a="$a" -v b="$b" -v c="$c" 'BEGIN { printf "%.6f", (c - b) - (b - a) }')
 "$N" forward --model "$W/m.safetensors" --tokens "$W/prefill.safetensors" --out "$W/l.safetensors" --threads 2 >/dev/null
 t2=$(now); for i in 1 2 3; do "$N" forward --model "$W/m.safetensors" --tokens "$W/prefill.safetensors" --out "$W/l.safetensors" --threads 2 >/dev/null; done; t3=$(now)
 # cluster
 "$N" cluster up --dir "$C" --nodes 3 --model "$W/m.safetensors" --memory 1G --threads 2 >/dev/null
 "$N" generate --cluster "$C" --prompt-tokens $prompt --max-new 4 --temperature 0 >/dev/null  # warm-up
-t4=$(now); "$N" generate --cluster "$C" --prompt-tokens $prompt --max-new "$NEW" --temperature 0 >/dev/null; t5=$(now)
+a=$(now); gen_cluster 1; b=$(now); gen_cluster $((NEW + 1)); c=$(now)
+t4=0; t5=$(awk -v a="$a" -v b="$b" -v c="$c" 'BEGIN { printf "%.6f", (c - b) - (b - a) }')
 t6=$(now); for i in 1 2 3; do "$N" forward --cluster "$C" --tokens "$W/prefill.safetensors" --out "$W/r.safetensors" >/dev/null; done; t7=$(now)
 "$N" status --cluster "$C" >&2
 /usr/bin/python3 - "$NEW" "$t0" "$t1" "$t2" "$t3" "$t4" "$t5" "$t6" "$t7" <<'PY'
 import json, sys
 new = int(sys.argv[1]); t = [float(x) for x in sys.argv[2:]]
-# whole-command times include process start and model load on the local side;
-# the cluster side includes the client's connection
 local_dec = new / (t[1] - t[0]); clus_dec = new / (t[5] - t[4])
 local_pre = 3 * 512 / (t[3] - t[2]); clus_pre = 3 * 512 / (t[7] - t[6])
 hop_ms = ((t[5] - t[4]) / new - (t[1] - t[0]) / new) / 4 * 1e3  # 4 hops: coord->s0->s1->s2->coord
