@@ -115,7 +115,9 @@ nl_status nl_plan_layers(nl_plan **out, const nl_config *cfg, const nl_plan_node
 void nl_plan_destroy(nl_plan **p);
 
 /* Whether some plan fits the nodes' memory (time ignored): *fits = 1/0.
- * Errors only for bad input or NL_ERR_NOMEM. */
+ * Exact up to max_exact_nodes; above, the heuristic orders (no swap
+ * search) may miss a plan that exists, never report one that does not,
+ * and agree with nl_plan_layers. Errors only for bad input or NOMEM. */
 nl_status nl_plan_fits(const nl_config *cfg, const nl_plan_node *nodes, int n_nodes,
                        const nl_plan_opts *opts, int *fits, nl_error *err);
 
