@@ -121,8 +121,9 @@ double nl_plan_stage_seconds(const nl_config *c, const nl_plan_opts *o, const nl
 
 /* ------------------------------------------------------------- context */
 
-#define N_ORDERS 5
+#define N_ORDERS 7
 #define TIE_REL 1e-9
+#define SWAP_BUDGET 4e7
 
 typedef struct plan_ctx {
     const nl_config *cfg;
@@ -142,10 +143,10 @@ typedef struct plan_ctx {
     uint32_t found_mask; /* the last dp's plan: the later stages and the first node */
     int found_node;
     /* heuristic */
-    int *order[N_ORDERS]; /* node orders, each (n) */
-    int *g;               /* ((n + 1) smax) most layers covered, by (t, r) */
-    unsigned char *took;  /* same shape: node t taken at (t, r) */
-    int *term_t;          /* (smax) first node t that completed a plan of r + 1 stages */
+    int *order[N_ORDERS + 1]; /* node orders, each (n); the last one for the swap search */
+    int *g;                   /* ((n + 1) smax) most layers covered, by (t, r) */
+    unsigned char *took;      /* same shape: node t taken at (t, r) */
+    int *term_t;              /* (smax) first node t that completed a plan of r + 1 stages */
 } plan_ctx;
 
 static void ctx_free(plan_ctx *x)
@@ -159,37 +160,47 @@ static void ctx_free(plan_ctx *x)
     free(x->cap_first);
     free(x->best);
     free(x->par);
-    for (int i = 0; i < N_ORDERS; i++)
+    for (int i = 0; i <= N_ORDERS; i++)
         free(x->order[i]);
     free(x->g);
     free(x->took);
     free(x->term_t);
 }
 
-/* Heuristic node orders: 0 throughput descending, 1 ascending, 2 memory
- * descending, 3 ascending, 4 input order; ties by input position. */
+/* Heuristic node orders, by key (throughput for even modes below 6,
+ * memory for odd) and arrangement: 0-1 descending, 2-3 ascending, 4-5
+ * "heavy ends" (descending values dealt alternately to the front and the
+ * back: the largest first, the second last, ...), 6 input order. Ties by
+ * input position. */
 static int goes_before(const nl_plan_node *nodes, int mode, int a, int b)
 {
     const nl_plan_node *x = &nodes[a], *y = &nodes[b];
     int r = 0;
-    if (mode == 0 || mode == 1)
+    if (mode < 6 && mode % 2 == 0)
         r = (x->gflops > y->gflops) - (x->gflops < y->gflops);
-    else if (mode == 2 || mode == 3)
+    else if (mode < 6)
         r = (x->memory_bytes > y->memory_bytes) - (x->memory_bytes < y->memory_bytes);
-    if (mode == 0 || mode == 2)
+    if (mode < 2 || mode == 4 || mode == 5)
         r = -r;
     return r ? r < 0 : a < b;
 }
 
-static void sort_order(int *ord, int n, const nl_plan_node *nodes, int mode)
+/* ord gets the order of mode; tmp is (n) scratch. */
+static void sort_order(int *ord, int *tmp, int n, const nl_plan_node *nodes, int mode)
 {
     for (int i = 0; i < n; i++) { /* insertion sort: n is at most a few thousand */
         int k = i;
-        while (k > 0 && goes_before(nodes, mode, i, ord[k - 1])) {
-            ord[k] = ord[k - 1];
+        while (k > 0 && goes_before(nodes, mode, i, tmp[k - 1])) {
+            tmp[k] = tmp[k - 1];
             k--;
         }
-        ord[k] = i;
+        tmp[k] = i;
+    }
+    for (int i = 0, front = 0, back = n - 1; i < n; i++) {
+        if (mode == 4 || mode == 5)
+            ord[i % 2 ? back-- : front++] = tmp[i];
+        else
+            ord[i] = tmp[i];
     }
 }
 
@@ -258,11 +269,19 @@ static nl_status ctx_init(plan_ctx *x, const nl_config *cfg, const nl_plan_node 
     x->term_t = malloc(sm * sizeof *x->term_t);
     if (!x->g || !x->took || !x->term_t)
         goto nomem;
+    int *tmp = malloc((size_t)n * sizeof(int));
+    if (!tmp)
+        goto nomem;
     for (int k = 0; k < N_ORDERS; k++) {
-        if (!(x->order[k] = malloc((size_t)n * sizeof(int))))
+        if (!(x->order[k] = malloc((size_t)n * sizeof(int)))) {
+            free(tmp);
             goto nomem;
-        sort_order(x->order[k], n, nodes, k);
+        }
+        sort_order(x->order[k], tmp, n, nodes, k);
     }
+    free(tmp);
+    if (!(x->order[N_ORDERS] = malloc((size_t)n * sizeof(int))))
+        goto nomem;
     return NL_OK;
 nomem:
     ctx_free(x);
@@ -441,6 +460,36 @@ static plan_found search_order(plan_ctx *x, int ord)
     return f;
 }
 
+/* Heuristic only: from the best order, swap pairs of nodes while that
+ * lowers the bottleneck by more than the tie margin, within a budget of
+ * DP cells (about 0.2 s). */
+static plan_found improve(plan_ctx *x, plan_found f)
+{
+    const int w = N_ORDERS;
+    int *ord = x->order[w];
+    memcpy(ord, x->order[f.ord], (size_t)x->n * sizeof *ord);
+    f.ord = w;
+    double budget = SWAP_BUDGET / ((double)x->n * x->smax);
+    for (int better = 1; better && budget > 0;) {
+        better = 0;
+        for (int i = 0; i < x->n - 1 && budget > 0; i++)
+            for (int j = i + 1; j < x->n && budget > 0; j++, budget--) {
+                int t = ord[i];
+                ord[i] = ord[j];
+                ord[j] = t;
+                if (dp_run(x, w, f.B * (1 - TIE_REL))) {
+                    f = search_order(x, w);
+                    budget -= 130; /* the bisections */
+                    better = 1;
+                } else {
+                    ord[j] = ord[i];
+                    ord[i] = t;
+                }
+            }
+    }
+    return f;
+}
+
 static plan_found search(plan_ctx *x, int timed)
 {
     plan_found f = {0, -1, INFINITY};
@@ -455,7 +504,7 @@ static plan_found search(plan_ctx *x, int timed)
         if (g.S && (!f.S || g.B < f.B * (1 - TIE_REL) || (g.B <= f.B * (1 + TIE_REL) && g.S < f.S)))
             f = g;
     }
-    return f;
+    return timed && !x->exact && f.S ? improve(x, f) : f;
 }
 
 /* ---------------------------------------------------------- validation */

@@ -179,9 +179,9 @@ static void report(nl_sizing *out, const size_ctx *s, double headroom, int seed_
     const int rows = s->po->mem.micro_rows;
     if (seed_gib > use_gib) {
         snprintf(why, sizeof why,
-                 "needs at least %.2f GiB (8-expert FFNs, gradients, AdamW moments, activations "
+                 "needs at least %.2f GiB (%d-expert FFNs, gradients, AdamW moments, activations "
                  "of %d-row microbatches) but %.2f GiB are usable after %.0f%% headroom",
-                 seed_gib, rows, use_gib, headroom * 100);
+                 seed_gib, a->num_experts, rows, use_gib, headroom * 100);
     } else {
         /* enough in all: a stage of it outgrows a node */
         uint64_t largest = 0;

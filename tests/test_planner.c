@@ -454,8 +454,11 @@ static void test_brute_force(void)
         for (int i = 0; i < n; i++)
             nodes[i] = node(10 * i + 3, base + (uint64_t)(urand() * (L + 1) * 1.3 * (double)lay),
                             1 + urand() * 99, urand() < 0.4 ? 0 : urand() * 2e-4);
-        int best_S;
+        int best_S, fits = -1;
         const double want = brute_force(&c, nodes, n, &o, &best_S);
+        nl_error ferr = {0};
+        CHECK_OK(nl_plan_fits(&c, nodes, n, &o, &fits, &ferr), &ferr);
+        CHECK(fits == (want < INFINITY), "case %d: fits %d, brute force %g", t, fits, want);
         nl_plan *p = NULL;
         nl_error err = {0};
         nl_status st = nl_plan_layers(&p, &c, nodes, n, &o, &err);
