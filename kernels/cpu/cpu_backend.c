@@ -108,6 +108,7 @@ static void cpu_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int
 /* ---------------------------------------------------------------- elementwise */
 
 #define PAR_ROWS(n) if ((n) >= 64)
+#define NL_CPU_MAX_HEAD_DIM 256 /* config.h's NL_CONFIG_MAX_HEAD_DIM */
 
 static void cpu_embedding_forward(nl_backend *be, float *out, const int32_t *tokens,
                                   const float *table, int N, int C)
@@ -141,17 +142,19 @@ static void cpu_rope_forward(nl_backend *be, float *x, const int32_t *pos, int N
                              int col0, int heads, int hd, float base)
 {
     (void)be;
-    int half = hd / 2;
+    const int half = hd / 2;
+    double freq[NL_CPU_MAX_HEAD_DIM / 2];
+    for (int i = 0; i < half; i++)
+        freq[i] = pow((double)base, -2.0 * i / (double)hd);
 #pragma omp parallel for PAR_ROWS(N)
     for (int n = 0; n < N; n++) {
         float *r = x + (size_t)n * row + col0;
         for (int i = 0; i < half; i++) {
-            double freq = pow((double)base, -2.0 * i / (double)hd);
-            double ang = (double)pos[n] * freq;
-            float c = (float)cos(ang), s = (float)sin(ang);
+            const double ang = (double)pos[n] * freq[i];
+            const float c = (float)cos(ang), s = (float)sin(ang);
             for (int h = 0; h < heads; h++) {
                 float *p = r + (size_t)h * hd + 2 * i;
-                float a = p[0], b = p[1];
+                const float a = p[0], b = p[1];
                 p[0] = a * c - b * s;
                 p[1] = a * s + b * c;
             }

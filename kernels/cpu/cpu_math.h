@@ -11,12 +11,18 @@
 
 static inline float nl_expf(float x)
 {
-    x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
-    /* n = round(x / ln2), r = x - n ln2 */
-    float fn = x * 1.44269504088896341f + (x >= 0.0f ? 0.5f : -0.5f);
-    int32_t n = (int32_t)fn;
-    float r = x - (float)n * 0.693359375f;
-    r -= (float)n * -2.12194440e-4f;
+    /* branch-free so that loops calling it vectorise: clamp by selects,
+     * round to nearest with the 1.5 * 2^23 shifter */
+    x = x < -87.3f ? -87.3f : x;
+    x = x > 88.3f ? 88.3f : x;
+    const float shifter = 12582912.0f; /* 1.5 * 2^23 */
+    float t = x * 1.44269504088896341f + shifter;
+    int32_t tb;
+    memcpy(&tb, &t, sizeof tb);
+    const int32_t n = tb - 0x4B400000; /* the bits of the shifter */
+    const float fn = t - shifter;
+    float r = x - fn * 0.693359375f;
+    r -= fn * -2.12194440e-4f;
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
