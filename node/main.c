@@ -1,0 +1,197 @@
+/* neuronode: the command line of the node daemon. `neuronode join
+ * ENDPOINT ...` turns this process into one pipeline stage of the cluster
+ * whose coordinator listens at ENDPOINT (see node/node.h). */
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "../base/log.h"
+#include "../cli/args.h"
+#include "../net/keys.h"
+#include "node.h"
+
+#define USAGE                                                                                      \
+    "neuronode join ENDPOINT --key NODE.key --coordinator-key COORD.pub --memory SIZE [flags]"
+
+static volatile sig_atomic_t stop_flag;
+
+static void on_signal(int sig)
+{
+    (void)sig;
+    stop_flag = 1;
+}
+
+static int install_signals(void)
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal; /* no SA_RESTART: a wait returns and the loop sees the flag */
+    sigemptyset(&sa.sa_mask);
+    if (sigaction(SIGINT, &sa, NULL) != 0 || sigaction(SIGTERM, &sa, NULL) != 0)
+        return -1;
+    signal(SIGPIPE, SIG_IGN);
+    return 0;
+}
+
+static void help(FILE *f, const nl_flag *flags)
+{
+    nl_args_help(f, USAGE, flags);
+    fprintf(f,
+            "\nJoins the coordinator at ENDPOINT (e.g. tcp://host:7000) and serves the layers it\n"
+            "assigns until SIGINT or SIGTERM, then sends LEAVE and exits 0. Sizes take K, M,\n"
+            "G or T suffixes (powers of 1024). Without --key, --state-dir/node.key is used\n"
+            "(created on first start). Exit status: 0 stopped, 1 failed, 2 usage error.\n");
+}
+
+/* The node's identity: --key FILE, or <state-dir>/node.key (created when
+ * absent), or with --plaintext and neither, a throwaway key for the JOIN. */
+static int load_identity(const char *key, const char *state_dir, bool plaintext, nl_keypair *kp)
+{
+    nl_error err;
+    char path[1024];
+    if (!key && state_dir) {
+        if (mkdir(state_dir, 0700) != 0 && errno != EEXIST) {
+            fprintf(stderr, "neuronode: --state-dir %s: %s\n", state_dir, strerror(errno));
+            return 1;
+        }
+        snprintf(path, sizeof path, "%s/node.key", state_dir);
+        struct stat sb;
+        if (stat(path, &sb) != 0) {
+            char prefix[1024];
+            snprintf(prefix, sizeof prefix, "%s/node", state_dir);
+            if (nl_keys_generate(kp, &err) != NL_OK ||
+                nl_keys_save(kp, prefix, false, &err) != NL_OK) {
+                fprintf(stderr, "neuronode: %s\n", err.msg);
+                return 1;
+            }
+            NL_INFO("created the node key %s (public key in %s/node.pub)", path, state_dir);
+            return 0;
+        }
+        key = path;
+    }
+    if (!key && plaintext)
+        return nl_keys_generate(kp, &err) == NL_OK ? 0 : 1;
+    if (!key) {
+        fprintf(stderr, "neuronode: --key NODE.key is required (or --state-dir; see "
+                        "`neuroctl keygen`)\n");
+        return 2;
+    }
+    if (nl_keys_load_secret(kp, key, &err) != NL_OK) {
+        fprintf(stderr, "neuronode: --key: %s\n", err.msg);
+        return 1;
+    }
+    return 0;
+}
+
+static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypair *kp)
+{
+    long long threads = 0;
+    double connect_s = 30;
+    const char *level = nl_args_get(flags, "log-level");
+    o->plaintext = nl_args_get(flags, "plaintext") != NULL;
+    o->listen = nl_args_get(flags, "listen") ? nl_args_get(flags, "listen") : "tcp://127.0.0.1:*";
+    o->name = nl_args_get(flags, "name");
+    o->device = nl_args_get(flags, "device") ? nl_args_get(flags, "device") : "cpu";
+    o->kv_budget = 256ULL << 20;
+    if (nl_args_size(flags, "memory", &o->memory_bytes) ||
+        nl_args_size(flags, "kv-budget", &o->kv_budget) ||
+        nl_args_int(flags, "threads", 0, 4096, &threads) ||
+        nl_args_double(flags, "connect-timeout", 0.001, 86400, &connect_s))
+        return 2;
+    if (!nl_args_get(flags, "memory")) {
+        fprintf(stderr, "neuronode: --memory SIZE is required (e.g. --memory 8G)\n");
+        return 2;
+    }
+    if (strcmp(o->device, "cpu") != 0) {
+        fprintf(stderr,
+                "neuronode: --device %s: this build serves on the CPU only "
+                "(--device cpu)\n",
+                o->device);
+        return 2;
+    }
+    if (level && nl_log_parse_level(level) < 0) {
+        fprintf(stderr, "neuronode: --log-level %s: use debug, info, warn, error or off\n", level);
+        return 2;
+    }
+    if (level)
+        nl_log_set_level((nl_log_level)nl_log_parse_level(level));
+    o->threads = (int)threads;
+    o->connect_timeout_ms = (int)(connect_s * 1000);
+    if (o->plaintext) {
+        NL_WARN("INSECURE: --plaintext: no encryption and no authentication on any socket");
+    } else {
+        const char *ck = nl_args_get(flags, "coordinator-key");
+        nl_error err;
+        if (!ck) {
+            fprintf(stderr, "neuronode: --coordinator-key COORD.pub is required (the "
+                            "coordinator's <state-dir>/coordinator.pub)\n");
+            return 2;
+        }
+        if (nl_keys_load_public(coord_key, ck, &err) != NL_OK) {
+            fprintf(stderr, "neuronode: --coordinator-key: %s\n", err.msg);
+            return 1;
+        }
+        o->coordinator_key = coord_key;
+    }
+    int rc =
+        load_identity(nl_args_get(flags, "key"), nl_args_get(flags, "state-dir"), o->plaintext, kp);
+    o->keys = kp;
+    return rc;
+}
+
+int main(int argc, char **argv)
+{
+    nl_flag flags[] = {
+        {"key", 1, "FILE: this node's secret key (neuroctl keygen)", NULL},
+        {"coordinator-key", 1, "FILE: the coordinator's public key (coordinator.pub)", NULL},
+        {"memory", 1, "SIZE: memory offered for weights, activations and caches (e.g. 8G)", NULL},
+        {"state-dir", 1, "DIR: holds node.key when --key is not given", NULL},
+        {"threads", 1, "N: compute threads (default: all cores)", NULL},
+        {"device", 1, "cpu (the only device of this build)", NULL},
+        {"listen", 1, "ENDPOINT: data socket (default tcp://127.0.0.1:*)", NULL},
+        {"kv-budget", 1, "SIZE: KV caches of generation sessions (default 256M)", NULL},
+        {"name", 1, "NAME: shown in log lines (default node-<id>)", NULL},
+        {"log-level", 1, "debug, info, warn, error or off (default info)", NULL},
+        {"connect-timeout", 1, "SECONDS: keep trying the coordinator this long (default 30)", NULL},
+        {"plaintext", 0, "INSECURE: no CURVE encryption or authentication (debugging only)", NULL},
+        {NULL, 0, NULL, NULL}};
+    const char *pos[2] = {NULL, NULL};
+    int npos = 0;
+    for (int i = 1; i < argc; i++)
+        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+            help(stdout, flags);
+            return 0;
+        }
+    if (argc < 2 || strcmp(argv[1], "join") != 0) {
+        fprintf(stderr, "usage: %s\n(see neuronode --help)\n", USAGE);
+        return 2;
+    }
+    int rc = nl_args_parse(argc - 1, argv + 1, flags, USAGE, pos, 1, &npos);
+    if (rc)
+        return rc == 1 ? 0 : 2;
+    if (npos != 1) {
+        fprintf(stderr, "neuronode join: the coordinator's ENDPOINT is required\n");
+        return 2;
+    }
+    nl_log_set_name(nl_args_get(flags, "name") ? nl_args_get(flags, "name") : "node");
+    nl_node_opts o = {.coordinator = pos[0], .stop = &stop_flag};
+    char coord_key[NL_KEY_Z85_LEN + 1] = "";
+    nl_keypair kp;
+    memset(&kp, 0, sizeof kp);
+    if ((rc = parse_opts(flags, &o, coord_key, &kp)) != 0)
+        return rc;
+    if (install_signals() != 0) {
+        fprintf(stderr, "neuronode: cannot install signal handlers\n");
+        return 1;
+    }
+    nl_error err;
+    nl_status st = nl_node_run(&o, &err);
+    nl_keys_wipe(&kp);
+    if (st != NL_OK && !stop_flag) {
+        fprintf(stderr, "neuronode: %s\n", err.msg);
+        return 1;
+    }
+    return 0;
+}

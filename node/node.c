@@ -1,0 +1,500 @@
+/* The neuronode event loop: joining, heartbeats, and the dispatch of
+ * control and data messages to the stage (see node.h and docs/cluster.md). */
+#include "node.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "../base/log.h"
+#include "../kernels/backend.h"
+#include "../net/transport.h"
+#include "stage.h"
+
+#define ACCEPT_WAIT_MS 10000 /* for the answer to JOIN */
+#define MAX_DRAIN 64         /* messages per socket per turn, so heartbeats keep time */
+
+typedef struct node {
+    const nl_node_opts *o;
+    nl_backend *be;
+    nl_stage *stage;
+    nl_net *net;
+    nl_sock *ctl, *data, *next;
+    double gflops;
+    int threads;
+    uint32_t node_id;
+    uint32_t heartbeat_ms, timeout_ms;
+    uint64_t hb_seq;
+    int64_t next_hb_ms;
+    int64_t window_ms; /* start of the load window (since the last heartbeat) */
+    double busy_ms;    /* time spent in forwards in that window */
+    nl_rx rx;
+    nl_wire_msg tx;
+} node;
+
+static int64_t mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static bool stopping(const node *n)
+{
+    return n->o->stop && *n->o->stop;
+}
+
+/* ===================== sending ===================== */
+
+/* Send tx on the control socket; a failure is logged (the caller goes on). */
+static nl_status send_ctl(node *n, const char *what)
+{
+    nl_error e;
+    nl_status st = nl_sock_send(n->ctl, NULL, 0, &n->tx, &e);
+    if (st != NL_OK)
+        NL_ERROR("cannot send %s to the coordinator: %s", what, e.msg);
+    return st;
+}
+
+/* ERROR {code, req_type, message} to the coordinator, logged as well. */
+static void send_error(node *n, nl_status code, nl_msg_type req_type, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+static void send_error(node *n, nl_status code, nl_msg_type req_type, const char *fmt, ...)
+{
+    char text[1025];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof text, fmt, ap);
+    va_end(ap);
+    NL_WARN("%s refused (%s): %s", nl_wire_type_name(req_type), nl_status_str(code), text);
+    nl_wire_msg_reset(&n->tx, NL_MSG_ERROR);
+    n->tx.u.error.code = code > 0 && code < 1000 ? (uint32_t)code : NL_ERR_INTERNAL;
+    n->tx.u.error.req_type = req_type;
+    n->tx.u.error.message = text;
+    send_ctl(n, "ERROR");
+}
+
+static void send_heartbeat(node *n)
+{
+    int64_t now = mono_ms();
+    double span = (double)(now - n->window_ms);
+    nl_wire_msg_reset(&n->tx, NL_MSG_HEARTBEAT);
+    n->tx.u.heartbeat.node_id = n->node_id;
+    n->tx.u.heartbeat.seq = ++n->hb_seq;
+    n->tx.u.heartbeat.state = nl_stage_state(n->stage);
+    n->tx.u.heartbeat.load = span > 0 ? (n->busy_ms < span ? n->busy_ms / span : 1.0) : 0.0;
+    send_ctl(n, "HEARTBEAT");
+    n->window_ms = now;
+    n->busy_ms = 0;
+    n->next_hb_ms = now + n->heartbeat_ms;
+}
+
+/* ===================== joining ===================== */
+
+static nl_status make_socket(node *n, nl_sock **out, int type, bool server, const char *server_key,
+                             const char *name, int linger_ms, int send_timeout_ms, nl_error *err)
+{
+    nl_sock_opts so = {.type = type,
+                       .keys = n->o->keys,
+                       .curve_server = server,
+                       .server_key = server_key,
+                       .plaintext = n->o->plaintext,
+                       .name = name,
+                       .linger_ms = linger_ms,
+                       .send_timeout_ms = send_timeout_ms};
+    return nl_sock_new(out, n->net, &so, err);
+}
+
+/* Connect control and say hello, retrying with a growing pause until the
+ * coordinator answers or connect_timeout_ms has passed. */
+static nl_status connect_control(node *n, nl_error *err)
+{
+    const nl_node_opts *o = n->o;
+    int64_t deadline = mono_ms() + o->connect_timeout_ms;
+    int wait_ms = 500;
+    for (int attempt = 1;; attempt++) {
+        nl_status st = make_socket(n, &n->ctl, ZMQ_DEALER, false, o->coordinator_key, "control",
+                                   1000, 3000, err);
+        if (st == NL_OK)
+            st = nl_sock_connect(n->ctl, o->coordinator, err);
+        if (st != NL_OK)
+            return st;
+        int64_t left = deadline - mono_ms();
+        int ms = left < wait_ms ? (int)(left > 0 ? left : 1) : wait_ms;
+        st = nl_sock_hello(n->ctl, NL_ROLE_NODE, ms, &n->rx, err);
+        if (st != NL_ERR_TIMEOUT)
+            return st;
+        nl_sock_destroy(&n->ctl);
+        if (stopping(n))
+            return nl_error_set(err, NL_ERR_TIMEOUT, "stopped while connecting to %s",
+                                o->coordinator);
+        left = deadline - mono_ms();
+        if (left <= 0)
+            return nl_error_set(err, NL_ERR_TIMEOUT,
+                                "no answer from the coordinator at %s within %d ms (is it "
+                                "running? is this node's key in its authorized_keys? is "
+                                "--coordinator-key its public key?)",
+                                o->coordinator, o->connect_timeout_ms);
+        NL_INFO("coordinator at %s not answering yet (attempt %d); retrying for %lld s more",
+                o->coordinator, attempt, (long long)(left + 999) / 1000);
+        wait_ms = wait_ms < 2000 ? wait_ms * 2 : 2000;
+    }
+}
+
+static nl_status join(node *n, nl_error *err)
+{
+    nl_wire_msg_reset(&n->tx, NL_MSG_JOIN);
+    n->tx.u.join.pubkey = n->o->keys->public_z85;
+    n->tx.u.join.device = n->o->device;
+    n->tx.u.join.memory_bytes = n->o->memory_bytes;
+    n->tx.u.join.gemm_gflops = n->gflops;
+    n->tx.u.join.threads = (uint32_t)n->threads;
+    n->tx.u.join.data_endpoint = nl_sock_endpoint(n->data);
+    nl_status st = nl_sock_send(n->ctl, NULL, 0, &n->tx, err);
+    if (st != NL_OK)
+        return st;
+    int64_t deadline = mono_ms() + ACCEPT_WAIT_MS;
+    while (!stopping(n)) {
+        int64_t left = deadline - mono_ms();
+        if (left <= 0)
+            break;
+        st = nl_sock_recv(n->ctl, &n->rx, (int)left, err);
+        if (st == NL_ERR_TIMEOUT)
+            continue;
+        if (st != NL_OK)
+            return nl_error_prefix(err, "waiting for ACCEPT");
+        const nl_wire_msg *m = &n->rx.msg;
+        if (m->type == NL_MSG_ACCEPT) {
+            n->node_id = m->u.accept.node_id;
+            n->heartbeat_ms = m->u.accept.heartbeat_ms;
+            n->timeout_ms = m->u.accept.timeout_ms;
+            return NL_OK;
+        }
+        if (m->type == NL_MSG_ERROR)
+            return nl_error_set(
+                err, NL_ERR_AUTH, "the coordinator refused JOIN: %s (%s)", m->u.error.message,
+                nl_status_str(m->u.error.code < NL_STATUS_COUNT ? (nl_status)m->u.error.code
+                                                                : NL_ERR_PROTO));
+        NL_DEBUG("ignoring %s while waiting for ACCEPT", nl_wire_type_name(m->type));
+    }
+    return nl_error_set(err, NL_ERR_TIMEOUT, "no ACCEPT from the coordinator within %d ms",
+                        ACCEPT_WAIT_MS);
+}
+
+static nl_status start(node *n, nl_error *err)
+{
+    const nl_node_opts *o = n->o;
+    nl_stage_opts so = {.memory_bytes = o->memory_bytes, .kv_budget = o->kv_budget};
+    nl_status st = nl_backend_cpu_new(&n->be, o->threads, err);
+    if (st != NL_OK)
+        return st;
+    n->threads = o->threads > 0 ? o->threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
+    if (n->threads < 1)
+        n->threads = 1;
+    n->gflops = nl_backend_gemm_gflops(n->be, 512, 512, 512, 0.3);
+    NL_INFO("device %s, %d threads: gemm %.1f GFLOP/s; offering %.1f MiB (KV budget %.1f MiB)",
+            o->device, n->threads, n->gflops, (double)o->memory_bytes / (1 << 20),
+            (double)o->kv_budget / (1 << 20));
+    if ((st = nl_stage_new(&n->stage, n->be, &so, err)) != NL_OK ||
+        (st = nl_net_new(&n->net, NULL, err)) != NL_OK ||
+        (st = make_socket(n, &n->data, ZMQ_ROUTER, true, NULL, "data", 0, 0, err)) != NL_OK ||
+        (st = nl_sock_bind(n->data, o->listen, err)) != NL_OK)
+        return st;
+    if (strncmp(nl_sock_endpoint(n->data), "tcp://0.0.0.0:", 14) == 0)
+        NL_WARN("data endpoint %s is a wildcard: other stages cannot reach it by that address; "
+                "listen on a routable address",
+                nl_sock_endpoint(n->data));
+    if ((st = connect_control(n, err)) != NL_OK || (st = join(n, err)) != NL_OK)
+        return st;
+    if (!o->name) {
+        char name[32];
+        snprintf(name, sizeof name, "node-%u", n->node_id);
+        nl_log_set_name(name);
+    }
+    NL_INFO("joined %s as node %u (data %s, heartbeat %u ms, timeout %u ms)", o->coordinator,
+            n->node_id, nl_sock_endpoint(n->data), n->heartbeat_ms, n->timeout_ms);
+    n->window_ms = mono_ms();
+    send_heartbeat(n);
+    return NL_OK;
+}
+
+/* ===================== assignment and loading ===================== */
+
+static void handle_assign(node *n, const nl_msg_assign *a)
+{
+    nl_error e;
+    if (a->node_id != n->node_id) {
+        send_error(n, NL_ERR_INVALID, NL_MSG_ASSIGN, "ASSIGN epoch %llu is for node %u; this is %u",
+                   (unsigned long long)a->epoch, a->node_id, n->node_id);
+        return;
+    }
+    nl_sock_destroy(&n->next); /* drops what was queued for the old next stage */
+    nl_status st = nl_stage_assign(n->stage, a, &e);
+    const char *prev = a->prev_key;
+    if (st == NL_OK)
+        st = nl_sock_allow(n->data, prev[0] ? &prev : NULL, prev[0] ? 1 : 0, &e);
+    if (st == NL_OK && a->next_endpoint[0]) {
+        st = make_socket(n, &n->next, ZMQ_DEALER, false, a->next_key, "next", 0, 0, &e);
+        if (st == NL_OK)
+            st = nl_sock_connect(n->next, a->next_endpoint, &e);
+    }
+    if (st != NL_OK) {
+        nl_sock_destroy(&n->next);
+        nl_sock_allow(n->data, NULL, 0, NULL);
+        send_error(n, st, NL_MSG_ASSIGN, "%s", e.msg);
+        return;
+    }
+    const nl_model *m = nl_stage_model(n->stage);
+    NL_INFO("assigned epoch %llu: stage %u of %u, layers [%u, %u)%s%s, %zu parameters (%.1f MiB, "
+            "%.1f MiB planned); prev %s, next %s",
+            (unsigned long long)a->epoch, a->stage, a->num_stages, a->layer0, a->layer1,
+            a->has_embed ? " + embedding" : "", a->has_head ? " + head" : "", m->n_params,
+            (double)m->n_params * 4 / (1 << 20), (double)a->memory_planned / (1 << 20),
+            a->prev_endpoint[0] ? a->prev_endpoint : "(coordinator)",
+            a->next_endpoint[0] ? a->next_endpoint : "(coordinator)");
+}
+
+static void handle_layer_load(node *n, const nl_wire_msg *m)
+{
+    nl_error e;
+    bool stale = false;
+    const nl_msg_layer_load *l = &m->u.layer_load;
+    nl_status st = nl_stage_load_chunk(n->stage, l, &m->frames[0], &stale, &e);
+    if (st != NL_OK)
+        send_error(n, st, NL_MSG_LAYER_LOAD, "%s", e.msg);
+    else if (stale)
+        NL_DEBUG("ignored LAYER_LOAD %s of epoch %llu (current %llu)", l->name,
+                 (unsigned long long)l->epoch, (unsigned long long)nl_stage_epoch(n->stage));
+}
+
+static void handle_load_done(node *n, const nl_msg_load_done *d)
+{
+    nl_error e;
+    nl_stage_loaded info;
+    bool stale = false;
+    nl_status st = nl_stage_load_done(n->stage, d->epoch, d->tensors, &info, &stale, &e);
+    if (st != NL_OK) {
+        send_error(n, st, NL_MSG_LOAD_DONE, "%s", e.msg);
+        return;
+    }
+    if (stale) {
+        NL_INFO("ignored LOAD_DONE of epoch %llu (current %llu)", (unsigned long long)d->epoch,
+                (unsigned long long)nl_stage_epoch(n->stage));
+        return;
+    }
+    NL_INFO("loaded epoch %llu: %u tensors, %llu bytes in %.2f s%s", (unsigned long long)d->epoch,
+            info.tensors, (unsigned long long)info.bytes, info.seconds,
+            info.from_seed ? " (initialised from the seed)" : "");
+    nl_wire_msg_reset(&n->tx, NL_MSG_LOAD_DONE);
+    n->tx.u.load_done = (nl_msg_load_done){d->epoch, n->node_id, info.tensors, info.bytes};
+    send_ctl(n, "LOAD_DONE");
+}
+
+/* ===================== jobs ===================== */
+
+static void handle_activation(node *n, const nl_wire_msg *m)
+{
+    nl_error e;
+    nl_stage_out out;
+    const nl_msg_tensor_hop *hop = &m->u.hop;
+    int64_t t0 = mono_ms();
+    nl_status st = nl_stage_forward(n->stage, hop, &m->frames[0], &out, &e);
+    n->busy_ms += (double)(mono_ms() - t0);
+    if (st != NL_OK) {
+        send_error(n, st, NL_MSG_ACTIVATION, "%s", e.msg);
+        return;
+    }
+    nl_txref *ref = nl_stage_txref(n->stage);
+    if (out.kind == NL_STAGE_OUT_TOKEN) {
+        uint32_t id = (uint32_t)out.token;
+        nl_wire_msg_reset(&n->tx, NL_MSG_TOKEN);
+        n->tx.u.token = (nl_msg_token){hop->job_id, hop->session_id, 1, &id, false};
+        send_ctl(n, "TOKEN");
+        return;
+    }
+    if (out.kind == NL_STAGE_OUT_LOGITS) {
+        nl_wire_msg_reset(&n->tx, NL_MSG_RESULT);
+        n->tx.u.hop = (nl_msg_tensor_hop){hop->job_id, 0, 0, 0, hop->pos_offset, out.aux};
+        nl_txref_frame(&n->tx.frames[0], ref, out.data, NL_DTYPE_F32, out.shape, out.ndim);
+        n->tx.nframes = 1;
+        send_ctl(n, "RESULT");
+        return;
+    }
+    if (!n->next) {
+        send_error(n, NL_ERR_STATE, NL_MSG_ACTIVATION,
+                   "job %llu: this stage has no next stage to send its hidden states to",
+                   (unsigned long long)hop->job_id);
+        return;
+    }
+    nl_wire_msg_reset(&n->tx, NL_MSG_ACTIVATION);
+    n->tx.u.hop = (nl_msg_tensor_hop){hop->job_id, 0, 0, hop->session_id, hop->pos_offset, out.aux};
+    nl_txref_frame(&n->tx.frames[0], ref, out.data, NL_DTYPE_F32, out.shape, out.ndim);
+    n->tx.nframes = 1;
+    st = nl_sock_send(n->next, NULL, 0, &n->tx, &e);
+    if (st != NL_OK)
+        send_error(n, st, NL_MSG_ACTIVATION, "job %llu: cannot send to the next stage: %s",
+                   (unsigned long long)hop->job_id, e.msg);
+}
+
+static void handle_job_submit(node *n, const nl_msg_job_submit *j)
+{
+    nl_error e;
+    nl_stage_session_params p;
+    nl_status st = nl_stage_parse_session(j, &p, &e);
+    if (st == NL_OK)
+        st = nl_stage_open_session(n->stage, &p, &e);
+    if (st != NL_OK) {
+        send_error(n, st, NL_MSG_JOB_SUBMIT, "%s", e.msg);
+        return;
+    }
+    NL_INFO("session %llu open: %d positions, KV %zu of %llu bytes in use, %d sessions",
+            (unsigned long long)p.id, p.capacity, nl_stage_kv_used(n->stage),
+            (unsigned long long)n->o->kv_budget, nl_stage_session_count(n->stage));
+    nl_wire_msg_reset(&n->tx, NL_MSG_JOB_STATUS);
+    n->tx.u.job_status = (nl_msg_job_status){p.id, NL_JOB_RUNNING, 0.0, "session open"};
+    send_ctl(n, "JOB_STATUS");
+}
+
+/* ===================== dispatch ===================== */
+
+static void on_control(node *n)
+{
+    const nl_wire_msg *m = &n->rx.msg;
+    switch (m->type) {
+    case NL_MSG_ASSIGN:
+        handle_assign(n, &m->u.assign);
+        break;
+    case NL_MSG_LAYER_LOAD:
+        handle_layer_load(n, m);
+        break;
+    case NL_MSG_LOAD_DONE:
+        handle_load_done(n, &m->u.load_done);
+        break;
+    case NL_MSG_ACTIVATION:
+        handle_activation(n, m);
+        break;
+    case NL_MSG_JOB_SUBMIT:
+        handle_job_submit(n, &m->u.job_submit);
+        break;
+    case NL_MSG_JOB_CANCEL:
+        if (nl_stage_close_session(n->stage, m->u.job_ref.job_id))
+            NL_INFO("session %llu closed", (unsigned long long)m->u.job_ref.job_id);
+        break;
+    case NL_MSG_ERROR:
+        NL_WARN("the coordinator reports an error about %s: %s (%s)",
+                nl_wire_type_name(m->u.error.req_type) ? nl_wire_type_name(m->u.error.req_type)
+                                                       : "a message",
+                m->u.error.message,
+                nl_status_str(m->u.error.code < NL_STATUS_COUNT ? (nl_status)m->u.error.code
+                                                                : NL_ERR_PROTO));
+        break;
+    case NL_MSG_HELLO_ACK:
+    case NL_MSG_ACCEPT:
+        NL_DEBUG("ignoring a late %s", nl_wire_type_name(m->type));
+        break;
+    default:
+        send_error(n, NL_ERR_UNSUPPORTED, m->type, "a node does not handle %s on control",
+                   nl_wire_type_name(m->type));
+    }
+}
+
+static void on_data(node *n)
+{
+    const nl_wire_msg *m = &n->rx.msg;
+    if (m->type == NL_MSG_ACTIVATION) {
+        handle_activation(n, m);
+        return;
+    }
+    NL_WARN("unexpected %s on data from %.48s", nl_wire_type_name(m->type), n->rx.peer);
+    if (m->type != NL_MSG_ERROR)
+        nl_sock_send_error(n->data, &n->rx, NL_ERR_UNSUPPORTED, m->type,
+                           "a node's data socket takes ACTIVATION only", NULL);
+}
+
+static void on_next(node *n)
+{
+    const nl_wire_msg *m = &n->rx.msg;
+    if (m->type == NL_MSG_ERROR)
+        NL_WARN("the next stage reports an error about %s: %s",
+                nl_wire_type_name(m->u.error.req_type) ? nl_wire_type_name(m->u.error.req_type)
+                                                       : "a message",
+                m->u.error.message);
+    else
+        NL_DEBUG("ignoring %s from the next stage", nl_wire_type_name(m->type));
+}
+
+/* Receive and handle what is waiting on one socket (bounded). */
+static void drain(node *n, nl_sock *s, void (*handle)(node *))
+{
+    nl_error e;
+    for (int i = 0; i < MAX_DRAIN && !stopping(n); i++) {
+        nl_status st = nl_sock_recv(s, &n->rx, 0, &e);
+        if (st == NL_ERR_TIMEOUT)
+            return;
+        if (st == NL_OK)
+            handle(n);
+        else /* already answered and counted by the transport */
+            NL_WARN("%s", e.msg);
+        if (mono_ms() >= n->next_hb_ms)
+            send_heartbeat(n);
+    }
+}
+
+static void serve(node *n)
+{
+    nl_error e;
+    while (!stopping(n)) {
+        int64_t now = mono_ms();
+        if (now >= n->next_hb_ms)
+            send_heartbeat(n);
+        int64_t wait = n->next_hb_ms - now;
+        int half = (int)(n->heartbeat_ms / 2 > 0 ? n->heartbeat_ms / 2 : 1);
+        nl_sock *socks[3] = {n->ctl, n->data, n->next};
+        bool readable[3] = {false, false, false};
+        int count = n->next ? 3 : 2;
+        nl_sock_poll(socks, readable, count, wait < half ? (int)(wait > 0 ? wait : 0) : half, &e);
+        if (readable[0])
+            drain(n, n->ctl, on_control);
+        if (readable[1])
+            drain(n, n->data, on_data);
+        if (count == 3 && readable[2] && n->next)
+            drain(n, n->next, on_next);
+    }
+}
+
+static void leave(node *n, const char *reason)
+{
+    NL_INFO("leaving: %s", reason);
+    nl_wire_msg_reset(&n->tx, NL_MSG_LEAVE);
+    n->tx.u.leave = (nl_msg_leave){n->node_id, reason};
+    send_ctl(n, "LEAVE");
+}
+
+nl_status nl_node_run(const nl_node_opts *o, nl_error *err)
+{
+    node n = {.o = o};
+    nl_rx_init(&n.rx);
+    nl_wire_msg_init(&n.tx);
+    if (!o->listen)
+        return nl_error_set(err, NL_ERR_INVALID, "node: no --listen endpoint");
+    nl_status st = start(&n, err);
+    if (st == NL_OK) {
+        serve(&n);
+        leave(&n, "stopped by a signal");
+    }
+    /* sockets first (their queued frames reference the stage's buffers),
+     * then the context, which waits for the LEAVE to go out */
+    nl_rx_free(&n.rx);
+    nl_sock_destroy(&n.next);
+    nl_sock_destroy(&n.data);
+    nl_sock_destroy(&n.ctl);
+    nl_net_destroy(&n.net);
+    nl_stage_destroy(&n.stage);
+    nl_backend_destroy(&n.be);
+    nl_wire_msg_free(&n.tx);
+    return st;
+}

@@ -1,0 +1,42 @@
+/* The neuronode event loop: one process, one pipeline stage.
+ *
+ * Sockets (docs/cluster.md): control, a DEALER to the coordinator (CURVE
+ * client with the coordinator's key); data, a ROUTER bound at --listen
+ * (CURVE server on a private ZAP domain admitting only the previous
+ * stage's key from ASSIGN); next, a DEALER to the next stage's data
+ * endpoint. The loop polls them with a timeout of at most half the
+ * heartbeat period, sends HEARTBEAT on time, and dispatches every message
+ * to the stage (node/stage.h). A bad message is answered with an ERROR and
+ * never ends the loop; only the stop flag (SIGINT/SIGTERM) does, with a
+ * LEAVE to the coordinator. */
+#ifndef NL_NODE_NODE_H
+#define NL_NODE_NODE_H
+
+#include <signal.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "../base/status.h"
+#include "../net/keys.h"
+
+typedef struct nl_node_opts {
+    const char *coordinator;     /* control endpoint, e.g. tcp://host:7000 */
+    const char *coordinator_key; /* the coordinator's Z85 public key (unused with plaintext) */
+    const nl_keypair *keys;      /* this node's identity */
+    bool plaintext;              /* INSECURE: no CURVE on any socket */
+    const char *device;          /* "cpu" */
+    const char *listen;          /* data endpoint to bind; NULL = tcp://127.0.0.1:* */
+    const char *name;            /* log name; NULL = "node-<id>" once accepted */
+    uint64_t memory_bytes;       /* offered to the coordinator */
+    uint64_t kv_budget;          /* KV caches of all sessions */
+    int threads;                 /* backend threads; 0 = all cores */
+    int connect_timeout_ms;      /* keep trying the coordinator this long */
+    volatile sig_atomic_t *stop; /* set by the signal handler: LEAVE and return */
+} nl_node_opts;
+
+/* Join the coordinator and serve until *stop is set: returns NL_OK after
+ * the LEAVE. A coordinator that cannot be reached in time, or that
+ * refuses the JOIN, is an error (the message says which). */
+nl_status nl_node_run(const nl_node_opts *o, nl_error *err);
+
+#endif

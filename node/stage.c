@@ -1,0 +1,730 @@
+/* One pipeline stage: the assigned model, its loading, the forward hop and
+ * the generation sessions (see stage.h). */
+#include "stage.h"
+
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "../base/log.h"
+#include "../core/forward.h"
+#include "../core/memory.h"
+#include "../core/sampler.h"
+
+#define EVICTED_MEMORY 256 /* evicted session ids remembered, for the error */
+
+typedef struct session {
+    uint64_t id;
+    nl_kvcache *kv;
+    size_t bytes;
+    bool has_sampler;
+    nl_sampler smp;
+    uint64_t used; /* the stage's tick at the last use: LRU order */
+} session;
+
+struct nl_stage {
+    nl_backend *be; /* borrowed */
+    nl_stage_opts o;
+
+    /* the assignment */
+    uint64_t epoch;
+    bool assigned;      /* an ASSIGN was received (epoch is meaningful) */
+    bool assign_failed; /* ... and refused: loads of its epoch are dropped */
+    char assign_err[NL_ERROR_MSG_MAX];
+    uint64_t seed;
+    nl_model *model;
+    uint64_t *loaded; /* elements received per table entry */
+    bool ready;
+    double t_assign;
+    int max_rows;
+
+    /* the forward */
+    nl_runstate *rs;
+    int rs_rows;
+    nl_txref tx;    /* guards the output buffer while it is being sent */
+    int32_t *tok_h; /* aligned copy of a token frame (host) */
+    size_t tok_cap;
+    float *xin_d; /* device copy of a hidden-state frame */
+    size_t xin_cap;
+    float *out_h; /* host copy of the output (backends without host memory) */
+    size_t out_cap;
+
+    /* sessions */
+    session *sess;
+    int n_sess, cap_sess;
+    size_t kv_used;
+    uint64_t tick;
+    uint64_t evicted[EVICTED_MEMORY];
+    int n_evicted, evicted_at;
+};
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* ===================== life ===================== */
+
+nl_status nl_stage_new(nl_stage **out, nl_backend *be, const nl_stage_opts *o, nl_error *err)
+{
+    *out = NULL;
+    nl_stage *s = calloc(1, sizeof *s);
+    if (!s)
+        return nl_error_set(err, NL_ERR_NOMEM, "stage: out of memory");
+    s->be = be;
+    s->o = *o;
+    if (s->o.send_wait_ms <= 0)
+        s->o.send_wait_ms = 10000;
+    *out = s;
+    return NL_OK;
+}
+
+static void session_free(nl_stage *s, session *se)
+{
+    nl_kvcache_destroy(&se->kv);
+    if (se->has_sampler)
+        nl_sampler_free(&se->smp);
+    s->kv_used -= se->bytes;
+    se->bytes = 0;
+}
+
+static void sessions_clear(nl_stage *s)
+{
+    for (int i = 0; i < s->n_sess; i++)
+        session_free(s, &s->sess[i]);
+    s->n_sess = 0;
+    s->n_evicted = s->evicted_at = 0;
+}
+
+/* Free the model and everything sized for it. The output must be idle. */
+static void drop_model(nl_stage *s)
+{
+    sessions_clear(s);
+    nl_runstate_destroy(&s->rs);
+    s->rs_rows = 0;
+    nl_model_destroy(&s->model);
+    free(s->loaded);
+    s->loaded = NULL;
+    s->be->free(s->be, s->xin_d);
+    s->xin_d = NULL;
+    s->xin_cap = 0;
+    free(s->tok_h);
+    s->tok_h = NULL;
+    s->tok_cap = 0;
+    free(s->out_h);
+    s->out_h = NULL;
+    s->out_cap = 0;
+    s->ready = false;
+}
+
+void nl_stage_destroy(nl_stage **sp)
+{
+    if (!sp || !*sp)
+        return;
+    nl_stage *s = *sp;
+    if (!nl_txref_idle(&s->tx))
+        NL_WARN("stage: freed while an output was still being sent");
+    drop_model(s);
+    free(s->sess);
+    free(s);
+    *sp = NULL;
+}
+
+nl_txref *nl_stage_txref(nl_stage *s)
+{
+    return &s->tx;
+}
+
+nl_node_state nl_stage_state(const nl_stage *s)
+{
+    return s->ready ? NL_NODE_READY : s->model ? NL_NODE_LOADING : NL_NODE_IDLE;
+}
+
+uint64_t nl_stage_epoch(const nl_stage *s)
+{
+    return s->epoch;
+}
+
+const nl_model *nl_stage_model(const nl_stage *s)
+{
+    return s->model;
+}
+
+int nl_stage_max_rows(const nl_stage *s)
+{
+    return s->max_rows;
+}
+
+/* ===================== assignment ===================== */
+
+/* Rows one forward may take: what --memory leaves after the weights, the
+ * KV budget and the runtime, at the memory model's cost per row; at least
+ * one whole sequence. */
+static int rows_limit(const nl_stage *s)
+{
+    const nl_model *m = s->model;
+    const int probe = 1024;
+    nl_mem_opts mo = {.micro_rows = probe};
+    nl_mem_estimate e = nl_memory_estimate(&m->cfg, m->l1 - m->l0, m->has_embed, m->has_head, &mo);
+    uint64_t per_row = (e.activations + e.workspace) / probe + 4 * (uint64_t)m->cfg.hidden_dim + 4;
+    uint64_t fixed = e.weights + e.runtime + s->o.kv_budget;
+    uint64_t rows = s->o.memory_bytes > fixed ? (s->o.memory_bytes - fixed) / per_row : 0;
+    if (rows < (uint64_t)m->cfg.max_seq_len) {
+        NL_WARN("stage: --memory leaves room for %llu rows of activations; allowing one sequence "
+                "of %d",
+                (unsigned long long)rows, m->cfg.max_seq_len);
+        rows = (uint64_t)m->cfg.max_seq_len;
+    }
+    return rows > (1u << 24) ? 1 << 24 : (int)rows;
+}
+
+static nl_status wait_output(nl_stage *s, const char *what, nl_error *err)
+{
+    nl_error e;
+    if (nl_txref_wait(&s->tx, s->o.send_wait_ms, &e) != NL_OK)
+        return nl_error_set(err, NL_ERR_TIMEOUT,
+                            "%s: the previous output is still being sent after %d ms (is the "
+                            "next stage or the coordinator reading?)",
+                            what, s->o.send_wait_ms);
+    return NL_OK;
+}
+
+static nl_status build_model(nl_stage *s, const nl_msg_assign *a, nl_error *err)
+{
+    nl_config cfg;
+    nl_status st = nl_config_from_json(&cfg, a->config_json, err);
+    if (st == NL_OK)
+        st = nl_config_validate(&cfg, 1, err);
+    if (st != NL_OK)
+        return nl_error_prefix(err, "ASSIGN config_json");
+    if (a->layer1 > (uint32_t)cfg.num_layers)
+        return nl_error_set(err, NL_ERR_RANGE, "ASSIGN: layers [%u, %u) exceed the model's %d",
+                            a->layer0, a->layer1, cfg.num_layers);
+    if (a->has_embed != (a->stage == 0) || a->has_head != (a->stage + 1 == a->num_stages))
+        return nl_error_set(err, NL_ERR_RANGE,
+                            "ASSIGN: stage %u of %u must hold the embedding iff first and the "
+                            "head iff last",
+                            a->stage, a->num_stages);
+    uint64_t weights = 4 * (uint64_t)nl_stage_param_count(&cfg, (int)(a->layer1 - a->layer0),
+                                                          a->has_embed, a->has_head);
+    if (weights > s->o.memory_bytes || a->memory_planned > s->o.memory_bytes)
+        return nl_error_set(err, NL_ERR_CAPACITY,
+                            "ASSIGN: layers [%u, %u) need %llu bytes of weights (%llu planned) "
+                            "but this node offers %llu (--memory)",
+                            a->layer0, a->layer1, (unsigned long long)weights,
+                            (unsigned long long)a->memory_planned,
+                            (unsigned long long)s->o.memory_bytes);
+    st = nl_model_new(&s->model, s->be, &cfg, (int)a->layer0, (int)a->layer1, a->has_embed,
+                      a->has_head, err);
+    if (st != NL_OK)
+        return nl_error_prefix(err, "ASSIGN");
+    s->loaded = calloc((size_t)s->model->n_table + 1, sizeof *s->loaded);
+    if (!s->loaded)
+        return nl_error_set(err, NL_ERR_NOMEM, "ASSIGN: out of memory");
+    s->max_rows = rows_limit(s);
+    return NL_OK;
+}
+
+nl_status nl_stage_assign(nl_stage *s, const nl_msg_assign *a, nl_error *err)
+{
+    nl_status st = wait_output(s, "ASSIGN", err);
+    if (st != NL_OK)
+        return st;
+    drop_model(s);
+    s->epoch = a->epoch;
+    s->assigned = true;
+    s->assign_failed = false;
+    s->seed = a->seed;
+    s->t_assign = now_s();
+    st = build_model(s, a, err);
+    if (st != NL_OK) {
+        drop_model(s);
+        s->assign_failed = true;
+        snprintf(s->assign_err, sizeof s->assign_err, "%s", err ? err->msg : "refused");
+    }
+    return st;
+}
+
+/* ===================== loading ===================== */
+
+static void shape_str(char *buf, size_t n, const int64_t *shape, int ndim)
+{
+    size_t at = 0;
+    at += (size_t)snprintf(buf + at, n - at, "[");
+    for (int i = 0; i < ndim && at < n; i++)
+        at += (size_t)snprintf(buf + at, n - at, i ? ", %lld" : "%lld", (long long)shape[i]);
+    if (at < n)
+        snprintf(buf + at, n - at, "]");
+}
+
+/* Is a message of this epoch for the current assignment? Sets *stale for
+ * an older one (or one whose ASSIGN was refused). */
+static nl_status check_epoch(const nl_stage *s, const char *what, uint64_t epoch, bool *stale,
+                             nl_error *err)
+{
+    *stale = false;
+    if (s->assigned && epoch < s->epoch) {
+        *stale = true;
+        return NL_OK;
+    }
+    if (!s->assigned || epoch > s->epoch)
+        return nl_error_set(err, NL_ERR_STATE, "%s for epoch %llu, but %s", what,
+                            (unsigned long long)epoch,
+                            s->assigned ? "this node holds an older assignment" : "no ASSIGN yet");
+    return NL_OK;
+}
+
+nl_status nl_stage_load_chunk(nl_stage *s, const nl_msg_layer_load *l, const nl_wire_frame *f,
+                              bool *stale, nl_error *err)
+{
+    char want[96], got[96];
+    nl_status st = check_epoch(s, "LAYER_LOAD", l->epoch, stale, err);
+    if (st != NL_OK || *stale)
+        return st;
+    if (s->assign_failed) {
+        *stale = true; /* the refused ASSIGN was already answered */
+        return NL_OK;
+    }
+    if (s->ready)
+        return nl_error_set(err, NL_ERR_STATE, "LAYER_LOAD %s: epoch %llu is already loaded",
+                            l->name, (unsigned long long)l->epoch);
+    const nl_model *m = s->model;
+    const nl_param *p = nl_model_find_param(m, l->name);
+    if (!p)
+        return nl_error_set(err, NL_ERR_NOTFOUND,
+                            "LAYER_LOAD: '%s' is not a tensor of this stage (layers [%d, %d)%s%s)",
+                            l->name, m->l0, m->l1, m->has_embed ? ", embedding" : "",
+                            m->has_head ? ", head" : "");
+    bool same = l->ndim == p->ndim;
+    for (int i = 0; same && i < p->ndim; i++)
+        same = l->shape[i] == p->shape[i];
+    if (!same) {
+        shape_str(want, sizeof want, p->shape, p->ndim);
+        shape_str(got, sizeof got, l->shape, l->ndim);
+        return nl_error_set(err, NL_ERR_SHAPE, "LAYER_LOAD %s: shape %s, but the stage's is %s",
+                            l->name, got, want);
+    }
+    if (f->t.dtype != NL_DTYPE_F32 || f->t.ndim != 1)
+        return nl_error_set(err, NL_ERR_DTYPE, "LAYER_LOAD %s: the chunk must be a 1-D F32 frame",
+                            l->name);
+    size_t idx = (size_t)(p - m->table), numel = nl_param_numel(p);
+    uint64_t n = (uint64_t)f->t.shape[0];
+    if (l->offset > numel || n > numel - l->offset)
+        return nl_error_set(err, NL_ERR_RANGE,
+                            "LAYER_LOAD %s: chunk %u [%llu, +%llu) lies outside its %zu elements",
+                            l->name, l->chunk, (unsigned long long)l->offset, (unsigned long long)n,
+                            numel);
+    if (n > numel - s->loaded[idx])
+        return nl_error_set(err, NL_ERR_RANGE,
+                            "LAYER_LOAD %s: chunk %u brings more elements than the tensor holds "
+                            "(overlapping chunks?)",
+                            l->name, l->chunk);
+    if (n)
+        s->be->upload(s->be, nl_model_param_data(m, p) + l->offset, f->t.data, n * sizeof(float));
+    s->loaded[idx] += n;
+    return NL_OK;
+}
+
+nl_status nl_stage_load_done(nl_stage *s, uint64_t epoch, uint32_t tensors, nl_stage_loaded *info,
+                             bool *stale, nl_error *err)
+{
+    memset(info, 0, sizeof *info);
+    nl_status st = check_epoch(s, "LOAD_DONE", epoch, stale, err);
+    if (st != NL_OK || *stale)
+        return st;
+    if (s->assign_failed)
+        return nl_error_set(err, NL_ERR_STATE,
+                            "LOAD_DONE: the ASSIGN of epoch %llu was refused: %s",
+                            (unsigned long long)epoch, s->assign_err);
+    if (s->ready)
+        return nl_error_set(err, NL_ERR_STATE, "LOAD_DONE: epoch %llu is already loaded",
+                            (unsigned long long)epoch);
+    nl_model *m = s->model;
+    if (tensors == 0) {
+        st = nl_model_init_random(m, s->seed, err);
+        if (st != NL_OK)
+            return nl_error_prefix(err, "LOAD_DONE: init from seed %llu",
+                                   (unsigned long long)s->seed);
+        info->from_seed = true;
+    } else {
+        for (int i = 0; i < m->n_table; i++)
+            if (s->loaded[i] != nl_param_numel(&m->table[i]))
+                return nl_error_set(err, NL_ERR_NOTFOUND,
+                                    "LOAD_DONE: tensor %s is incomplete: %llu of %zu elements "
+                                    "received",
+                                    m->table[i].name, (unsigned long long)s->loaded[i],
+                                    nl_param_numel(&m->table[i]));
+        if (tensors != (uint32_t)m->n_table)
+            return nl_error_set(err, NL_ERR_PROTO,
+                                "LOAD_DONE: says %u tensors, but the stage holds %d (all received)",
+                                tensors, m->n_table);
+    }
+    s->ready = true;
+    info->tensors = (uint32_t)m->n_table;
+    info->bytes = (uint64_t)m->n_params * sizeof(float);
+    info->seconds = now_s() - s->t_assign;
+    return NL_OK;
+}
+
+/* ===================== sessions ===================== */
+
+static session *find_session(const nl_stage *s, uint64_t id)
+{
+    for (int i = 0; i < s->n_sess; i++)
+        if (s->sess[i].id == id)
+            return &s->sess[i];
+    return NULL;
+}
+
+static void remove_session(nl_stage *s, session *se)
+{
+    session_free(s, se);
+    *se = s->sess[--s->n_sess];
+}
+
+static void forget_evicted(nl_stage *s, uint64_t id)
+{
+    for (int i = 0; i < s->n_evicted; i++)
+        if (s->evicted[i] == id)
+            s->evicted[i] = 0; /* 0 is never a session id */
+}
+
+static void evict_lru(nl_stage *s, uint64_t for_id)
+{
+    session *lru = &s->sess[0];
+    for (int i = 1; i < s->n_sess; i++)
+        if (s->sess[i].used < lru->used)
+            lru = &s->sess[i];
+    NL_INFO("stage: evicted session %llu (%zu bytes of KV cache, %d positions) to make room for "
+            "session %llu",
+            (unsigned long long)lru->id, lru->bytes, lru->kv ? lru->kv->len : 0,
+            (unsigned long long)for_id);
+    s->evicted[s->evicted_at] = lru->id;
+    s->evicted_at = (s->evicted_at + 1) % EVICTED_MEMORY;
+    if (s->n_evicted < EVICTED_MEMORY)
+        s->n_evicted++;
+    remove_session(s, lru);
+}
+
+static nl_status param_number(const nl_wire_param *p, double *out, nl_error *err)
+{
+    if (p->kind == NL_WIRE_PARAM_INT)
+        *out = (double)p->i;
+    else if (p->kind == NL_WIRE_PARAM_FLOAT)
+        *out = p->f;
+    else
+        return nl_error_set(err, NL_ERR_PROTO, "JOB_SUBMIT params.%s: not a number", p->key);
+    return NL_OK;
+}
+
+nl_status nl_stage_parse_session(const nl_msg_job_submit *j, nl_stage_session_params *p,
+                                 nl_error *err)
+{
+    bool have_id = false, have_cap = false;
+    double v = 0;
+    *p = (nl_stage_session_params){.temperature = 0.0f, .top_p = 1.0f};
+    if (j->kind != NL_JOB_GENERATE)
+        return nl_error_set(err, NL_ERR_UNSUPPORTED,
+                            "JOB_SUBMIT: a node opens generation sessions only (kind %u)", j->kind);
+    for (uint32_t i = 0; i < j->nparams; i++) {
+        const nl_wire_param *q = &j->params[i];
+        bool is_int = q->kind == NL_WIRE_PARAM_INT;
+        if (strcmp(q->key, "session") == 0) {
+            if (!is_int || q->i < 1)
+                return nl_error_set(err, NL_ERR_RANGE, "JOB_SUBMIT params.session: not an id > 0");
+            p->id = (uint64_t)q->i;
+            have_id = true;
+        } else if (strcmp(q->key, "capacity") == 0) {
+            if (!is_int || q->i < 1 || q->i > INT_MAX)
+                return nl_error_set(err, NL_ERR_RANGE,
+                                    "JOB_SUBMIT params.capacity: not a position count > 0");
+            p->capacity = (int)q->i;
+            have_cap = true;
+        } else if (strcmp(q->key, "seed") == 0) {
+            if (!is_int)
+                return nl_error_set(err, NL_ERR_PROTO, "JOB_SUBMIT params.seed: not an integer");
+            p->seed = (uint64_t)q->i;
+        } else if (strcmp(q->key, "temperature") == 0) {
+            if (param_number(q, &v, err) != NL_OK)
+                return NL_ERR_PROTO;
+            p->temperature = (float)v;
+        } else if (strcmp(q->key, "top_p") == 0) {
+            if (param_number(q, &v, err) != NL_OK)
+                return NL_ERR_PROTO;
+            p->top_p = (float)v;
+        }
+    }
+    if (!have_id || !have_cap)
+        return nl_error_set(err, NL_ERR_PROTO, "JOB_SUBMIT: generate needs params.%s",
+                            have_id ? "capacity" : "session");
+    if (!(p->temperature >= 0.0f) || p->temperature > 1e6f)
+        return nl_error_set(err, NL_ERR_RANGE, "session %llu: temperature %g must be >= 0",
+                            (unsigned long long)p->id, p->temperature);
+    if (!(p->top_p > 0.0f && p->top_p <= 1.0f))
+        return nl_error_set(err, NL_ERR_RANGE, "session %llu: top_p %g must be in (0, 1]",
+                            (unsigned long long)p->id, p->top_p);
+    return NL_OK;
+}
+
+static nl_status grow_sessions(nl_stage *s, nl_error *err)
+{
+    if (s->n_sess < s->cap_sess)
+        return NL_OK;
+    int cap = s->cap_sess ? 2 * s->cap_sess : 8;
+    session *n = realloc(s->sess, (size_t)cap * sizeof *n);
+    if (!n)
+        return nl_error_set(err, NL_ERR_NOMEM, "stage: out of memory for sessions");
+    s->sess = n;
+    s->cap_sess = cap;
+    return NL_OK;
+}
+
+nl_status nl_stage_open_session(nl_stage *s, const nl_stage_session_params *p, nl_error *err)
+{
+    unsigned long long id = (unsigned long long)p->id;
+    if (!s->ready)
+        return nl_error_set(err, NL_ERR_STATE, "session %llu: this stage has no model loaded", id);
+    const nl_model *m = s->model;
+    if (p->id == 0 || p->capacity < 1 || p->capacity > m->cfg.max_seq_len)
+        return nl_error_set(err, NL_ERR_RANGE, "session %llu: capacity %d is outside 1..%d", id,
+                            p->capacity, m->cfg.max_seq_len);
+    size_t bytes = nl_kvcache_bytes(&m->cfg, m->l1 - m->l0, 1, p->capacity);
+    if (bytes > s->o.kv_budget)
+        return nl_error_set(err, NL_ERR_CAPACITY,
+                            "session %llu: a KV cache of %d positions takes %zu bytes, more than "
+                            "the whole budget of %llu (--kv-budget)",
+                            id, p->capacity, bytes, (unsigned long long)s->o.kv_budget);
+    session *old = find_session(s, p->id);
+    if (old) {
+        NL_INFO("stage: session %llu opened again: its old cache is dropped", id);
+        remove_session(s, old);
+    }
+    nl_status st = grow_sessions(s, err);
+    if (st != NL_OK)
+        return st;
+    while (s->n_sess > 0 && s->kv_used + bytes > s->o.kv_budget)
+        evict_lru(s, p->id);
+    session se = {.id = p->id, .bytes = bytes, .used = ++s->tick};
+    st = nl_kvcache_new(&se.kv, m, 1, p->capacity, err);
+    if (st == NL_OK && m->has_head) {
+        st = nl_sampler_init(&se.smp, (int)m->cfg.vocab_size, p->temperature, p->top_p, p->seed,
+                             err);
+        se.has_sampler = st == NL_OK;
+    }
+    if (st != NL_OK) {
+        nl_kvcache_destroy(&se.kv);
+        return nl_error_prefix(err, "session %llu", id);
+    }
+    s->sess[s->n_sess++] = se;
+    s->kv_used += bytes;
+    forget_evicted(s, p->id);
+    return NL_OK;
+}
+
+bool nl_stage_close_session(nl_stage *s, uint64_t id)
+{
+    session *se = find_session(s, id);
+    if (!se)
+        return false;
+    remove_session(s, se);
+    return true;
+}
+
+bool nl_stage_session(const nl_stage *s, uint64_t id, nl_stage_session_info *info)
+{
+    const session *se = find_session(s, id);
+    if (se && info)
+        *info = (nl_stage_session_info){se->kv->cap, se->kv->len, se->bytes, se->has_sampler};
+    return se != NULL;
+}
+
+bool nl_stage_session_evicted(const nl_stage *s, uint64_t id)
+{
+    for (int i = 0; id && i < s->n_evicted; i++)
+        if (s->evicted[i] == id)
+            return true;
+    return false;
+}
+
+int nl_stage_session_count(const nl_stage *s)
+{
+    return s->n_sess;
+}
+
+size_t nl_stage_kv_used(const nl_stage *s)
+{
+    return s->kv_used;
+}
+
+/* ===================== the forward hop ===================== */
+
+/* Check frame 0 against the stage and the hop; sets *B, *T, *se. */
+static nl_status check_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wire_frame *in,
+                           const char *who, int *B, int *T, session **se, nl_error *err)
+{
+    const nl_model *m = s->model;
+    const nl_tensor *t = &in->t;
+    *se = NULL;
+    if (hop->step != 0 || hop->microbatch != 0)
+        return nl_error_set(err, NL_ERR_UNSUPPORTED,
+                            "%s: training hops (step %llu, microbatch %u) are not supported yet",
+                            who, (unsigned long long)hop->step, hop->microbatch);
+    if (m->has_embed && (t->dtype != NL_DTYPE_I32 || t->ndim != 2))
+        return nl_error_set(err, NL_ERR_SHAPE, "%s: the first stage takes I32 token ids [B, T]",
+                            who);
+    if (!m->has_embed &&
+        (t->dtype != NL_DTYPE_F32 || t->ndim != 3 || t->shape[2] != m->cfg.hidden_dim))
+        return nl_error_set(err, NL_ERR_SHAPE, "%s: this stage takes F32 hidden states [B, T, %d]",
+                            who, m->cfg.hidden_dim);
+    if (t->shape[0] < 1 || t->shape[1] < 1 || t->shape[0] > s->max_rows ||
+        t->shape[1] > m->cfg.max_seq_len || t->shape[0] * t->shape[1] > s->max_rows)
+        return nl_error_set(
+            err, NL_ERR_CAPACITY, "%s: batch %lld x %lld is outside 1..%d positions and %d rows",
+            who, (long long)t->shape[0], (long long)t->shape[1], m->cfg.max_seq_len, s->max_rows);
+    *B = (int)t->shape[0];
+    *T = (int)t->shape[1];
+    if (hop->session_id == 0) {
+        if (hop->pos_offset != 0)
+            return nl_error_set(err, NL_ERR_RANGE,
+                                "%s: pos_offset %llu without a session (no cache)", who,
+                                (unsigned long long)hop->pos_offset);
+        return NL_OK;
+    }
+    *se = find_session(s, hop->session_id);
+    if (!*se)
+        return nl_error_set(err, NL_ERR_NOTFOUND,
+                            nl_stage_session_evicted(s, hop->session_id)
+                                ? "%s: session %llu was evicted (KV budget full)"
+                                : "%s: session %llu is not open",
+                            who, (unsigned long long)hop->session_id);
+    nl_kvcache *kv = (*se)->kv;
+    if (*B != 1)
+        return nl_error_set(err, NL_ERR_SHAPE, "%s: a session takes one sequence, not %d", who, *B);
+    if (hop->pos_offset != (uint64_t)kv->len)
+        return nl_error_set(err, NL_ERR_RANGE,
+                            "%s: pos_offset %llu, but the session's cache holds %d positions", who,
+                            (unsigned long long)hop->pos_offset, kv->len);
+    if (*T > kv->cap - kv->len)
+        return nl_error_set(err, NL_ERR_CAPACITY,
+                            "%s: %d new positions overflow the session's cache (%d of %d used)",
+                            who, *T, kv->len, kv->cap);
+    return NL_OK;
+}
+
+/* Size the runstate and staging buffers for rows (grown, never shrunk). */
+static nl_status ensure_buffers(nl_stage *s, int rows, nl_error *err)
+{
+    const nl_model *m = s->model;
+    size_t d = (size_t)m->cfg.hidden_dim;
+    if (rows > s->rs_rows) {
+        nl_runstate_destroy(&s->rs);
+        s->rs_rows = 0;
+        nl_status st = nl_runstate_new(&s->rs, m, rows, err);
+        if (st != NL_OK)
+            return st;
+        s->rs_rows = rows;
+    }
+    if (m->has_embed && (size_t)rows > s->tok_cap) {
+        free(s->tok_h);
+        s->tok_cap = 0;
+        if (!(s->tok_h = malloc((size_t)rows * sizeof *s->tok_h)))
+            return nl_error_set(err, NL_ERR_NOMEM, "stage: out of memory for %d tokens", rows);
+        s->tok_cap = (size_t)rows;
+    }
+    if (!m->has_embed && (size_t)rows * d > s->xin_cap) {
+        s->be->free(s->be, s->xin_d);
+        s->xin_cap = 0;
+        if (!(s->xin_d = s->be->alloc(s->be, (size_t)rows * d * sizeof(float))))
+            return nl_error_set(err, NL_ERR_NOMEM, "stage: out of memory for %d input rows", rows);
+        s->xin_cap = (size_t)rows * d;
+    }
+    return NL_OK;
+}
+
+/* Point out->data at the output in host memory (a copy where the backend's
+ * memory is not the host's). */
+static nl_status host_output(nl_stage *s, const float *dev, size_t n, nl_stage_out *out,
+                             nl_error *err)
+{
+    if (s->be->host_memory) {
+        out->data = (float *)dev;
+        return NL_OK;
+    }
+    if (n > s->out_cap) {
+        free(s->out_h);
+        s->out_cap = 0;
+        if (!(s->out_h = malloc(n * sizeof(float))))
+            return nl_error_set(err, NL_ERR_NOMEM, "stage: out of memory for the output");
+        s->out_cap = n;
+    }
+    s->be->download(s->be, s->out_h, dev, n * sizeof(float));
+    out->data = s->out_h;
+    return NL_OK;
+}
+
+nl_status nl_stage_forward(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wire_frame *in,
+                           nl_stage_out *out, nl_error *err)
+{
+    char who[80];
+    int B = 0, T = 0;
+    session *se = NULL;
+    memset(out, 0, sizeof *out);
+    if (hop->session_id)
+        snprintf(who, sizeof who, "job %llu session %llu", (unsigned long long)hop->job_id,
+                 (unsigned long long)hop->session_id);
+    else
+        snprintf(who, sizeof who, "job %llu", (unsigned long long)hop->job_id);
+    if (!s->ready)
+        return nl_error_set(err, NL_ERR_STATE, "%s: this stage has no model loaded", who);
+    nl_status st = check_hop(s, hop, in, who, &B, &T, &se, err);
+    if (st == NL_OK)
+        st = wait_output(s, who, err);
+    if (st == NL_OK)
+        st = ensure_buffers(s, B * T, err);
+    if (st != NL_OK)
+        return st;
+    nl_model *m = s->model;
+    const size_t rows = (size_t)B * T, d = (size_t)m->cfg.hidden_dim;
+    nl_forward_args a = {.B = B, .T = T, .kv = se ? se->kv : NULL, .last_only = se && m->has_head};
+    if (m->has_embed) {
+        memcpy(s->tok_h, in->t.data, rows * sizeof(int32_t)); /* frames need not be aligned */
+        a.tokens = s->tok_h;
+    } else {
+        s->be->upload(s->be, s->xin_d, in->t.data, rows * d * sizeof(float));
+        a.x_in = s->xin_d;
+    }
+    float aux = 0.0f;
+    st = nl_forward(m, s->rs, &a, &aux, err);
+    if (st != NL_OK)
+        return nl_error_prefix(err, "%s", who);
+    if (se)
+        se->used = ++s->tick;
+    out->B = B;
+    out->T = T;
+    out->aux = hop->aux + (double)aux;
+    int cols = 0;
+    const float *res = nl_runstate_output(s->rs, &cols);
+    if (!m->has_head) {
+        out->kind = NL_STAGE_OUT_HIDDEN;
+        out->ndim = 3;
+        out->shape[0] = B, out->shape[1] = T, out->shape[2] = (int64_t)d;
+        return host_output(s, res, rows * d, out, err);
+    }
+    if (!se) {
+        out->kind = NL_STAGE_OUT_LOGITS;
+        out->ndim = 3;
+        out->shape[0] = B, out->shape[1] = T, out->shape[2] = cols;
+        return host_output(s, res, rows * (size_t)cols, out, err);
+    }
+    st = host_output(s, res, (size_t)cols, out, err); /* last_only: one row */
+    if (st != NL_OK)
+        return st;
+    out->kind = NL_STAGE_OUT_TOKEN;
+    out->token = nl_sampler_sample(&se->smp, out->data);
+    out->data = NULL;
+    return NL_OK;
+}

@@ -1,0 +1,146 @@
+/* One pipeline stage of the neuronode daemon, without sockets: the model
+ * of the layers it was assigned, their loading (streamed chunks or the
+ * seed), the forward hop, and the generation sessions with their KV
+ * caches (under a byte budget, least recently used evicted first) and,
+ * on the last stage, their samplers.
+ *
+ * The daemon (node/node.c) feeds it decoded wire messages and sends what
+ * it returns; every input is checked here and refused with a typed error
+ * whose message names the job, session or tensor at fault.
+ *
+ * Ownership: nl_stage_new returns a stage freed with nl_stage_destroy(&s);
+ * the backend is borrowed and must outlive it. The output of a forward
+ * (nl_stage_out.data) belongs to the stage and stays valid until the next
+ * forward or assignment: send it zero-copy with nl_txref_frame on
+ * nl_stage_txref(s); the stage waits for that reference to be idle before
+ * it overwrites or frees the buffer. */
+#ifndef NL_NODE_STAGE_H
+#define NL_NODE_STAGE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../core/model.h"
+#include "../net/transport.h"
+#include "../net/wire.h"
+
+typedef struct nl_stage nl_stage;
+
+typedef struct nl_stage_opts {
+    uint64_t memory_bytes; /* offered (--memory): weights + activations + KV budget */
+    uint64_t kv_budget;    /* bytes for the KV caches of all sessions (--kv-budget) */
+    int send_wait_ms;      /* longest wait for the last output to be sent; 0 = 10000 */
+} nl_stage_opts;
+
+nl_status nl_stage_new(nl_stage **out, nl_backend *be, const nl_stage_opts *o, nl_error *err);
+void nl_stage_destroy(nl_stage **sp);
+
+/* ---- assignment and loading ---- */
+
+/* Drop the previous model and sessions and build the stage's (zeroed)
+ * model from ASSIGN: config_json parsed and validated, layers [layer0,
+ * layer1), embedding and head as flagged. On failure the stage is left
+ * without a model (state IDLE). */
+nl_status nl_stage_assign(nl_stage *s, const nl_msg_assign *a, nl_error *err);
+
+/* One LAYER_LOAD chunk (frame: F32, 1-D). The name must be one of the
+ * stage's tensors with exactly the message's shape, and the chunk must lie
+ * inside it. A chunk of an older epoch is ignored: NL_OK with *stale set. */
+nl_status nl_stage_load_chunk(nl_stage *s, const nl_msg_layer_load *l, const nl_wire_frame *f,
+                              bool *stale, nl_error *err);
+
+typedef struct nl_stage_loaded {
+    uint32_t tensors; /* tensors in place (the stage's whole table) */
+    uint64_t bytes;   /* parameter bytes */
+    double seconds;   /* since the ASSIGN */
+    bool from_seed;   /* initialised from ASSIGN's seed (tensors = 0 asked) */
+} nl_stage_loaded;
+
+/* LOAD_DONE {epoch, tensors}: tensors = 0 initialises every parameter from
+ * ASSIGN's seed (nl_model_init_random); tensors > 0 requires every tensor
+ * of the stage to be complete (the error names the first that is not) and
+ * that count to be tensors. Success makes the stage READY. An older epoch
+ * is ignored (*stale). */
+nl_status nl_stage_load_done(nl_stage *s, uint64_t epoch, uint32_t tensors, nl_stage_loaded *info,
+                             bool *stale, nl_error *err);
+
+/* ---- generation sessions ---- */
+
+typedef struct nl_stage_session_params {
+    uint64_t id;  /* the generation job's id */
+    int capacity; /* positions, 1..max_seq_len */
+    float temperature, top_p;
+    uint64_t seed;
+} nl_stage_session_params;
+
+/* Read a JOB_SUBMIT {kind generate, params session, capacity, temperature,
+ * top_p, seed}: session and capacity are required, temperature defaults to
+ * 0 (greedy), top_p to 1, seed to 0; numbers may come as int or float;
+ * other keys are ignored. p->id is set as soon as it is read (for the
+ * error reply). */
+nl_status nl_stage_parse_session(const nl_msg_job_submit *j, nl_stage_session_params *p,
+                                 nl_error *err);
+
+/* Open a session: a KV cache for one sequence of p->capacity positions,
+ * accounted against the budget (least recently used sessions are evicted
+ * until it fits; one that cannot fit alone is refused with
+ * NL_ERR_CAPACITY), and on the last stage a sampler. An open session of
+ * the same id is replaced. Needs a READY stage. */
+nl_status nl_stage_open_session(nl_stage *s, const nl_stage_session_params *p, nl_error *err);
+/* Drop a session (JOB_CANCEL). Returns false if it was not open. */
+bool nl_stage_close_session(nl_stage *s, uint64_t id);
+
+typedef struct nl_stage_session_info {
+    int capacity, len; /* cache positions: capacity and filled */
+    size_t bytes;      /* KV cache bytes charged to the budget */
+    bool has_sampler;  /* the last stage's */
+} nl_stage_session_info;
+
+/* Is the session open? Fills info (may be NULL). */
+bool nl_stage_session(const nl_stage *s, uint64_t id, nl_stage_session_info *info);
+/* Was the session evicted to make room (and not opened again since)? */
+bool nl_stage_session_evicted(const nl_stage *s, uint64_t id);
+int nl_stage_session_count(const nl_stage *s);
+size_t nl_stage_kv_used(const nl_stage *s);
+
+/* ---- the forward hop ---- */
+
+typedef enum nl_stage_out_kind {
+    NL_STAGE_OUT_HIDDEN = 0, /* hidden states for the next stage: F32 [B, T, d] */
+    NL_STAGE_OUT_LOGITS,     /* last stage, no session: F32 [B, T, vocab_size] */
+    NL_STAGE_OUT_TOKEN       /* last stage, a session: the sampled id */
+} nl_stage_out_kind;
+
+typedef struct nl_stage_out {
+    nl_stage_out_kind kind;
+    float *data; /* HIDDEN, LOGITS: host memory owned by the stage */
+    int ndim;
+    int64_t shape[3];
+    double aux;    /* the hop's aux plus this stage's load-balancing loss */
+    int32_t token; /* TOKEN */
+    int B, T;      /* the batch that ran */
+} nl_stage_out;
+
+/* Run ACTIVATION {job_id, session_id, pos_offset, aux} + frame 0 (I32
+ * tokens [B, T] on the first stage, else F32 hidden states [B, T, d])
+ * through the stage. session_id 0 is a forward job without a cache
+ * (pos_offset 0); any other id must be an open session with B = 1 and
+ * pos_offset equal to its cache length. Training hops (step or
+ * microbatch != 0) are not supported yet. */
+nl_status nl_stage_forward(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wire_frame *in,
+                           nl_stage_out *out, nl_error *err);
+
+/* The reference that guards the forward's output buffer. */
+nl_txref *nl_stage_txref(nl_stage *s);
+
+/* ---- state ---- */
+
+nl_node_state nl_stage_state(const nl_stage *s); /* IDLE, LOADING or READY */
+uint64_t nl_stage_epoch(const nl_stage *s);
+const nl_model *nl_stage_model(const nl_stage *s); /* NULL before an ASSIGN */
+/* Most rows (B x T) one forward may take: from --memory minus the weights
+ * and the KV budget, and at least one sequence of max_seq_len. */
+int nl_stage_max_rows(const nl_stage *s);
+
+#endif
