@@ -8,7 +8,7 @@
 #include <sys/stat.h>
 
 #include "../base/log.h"
-#include "../cli/args.h"
+#include "../base/args.h"
 #include "../net/keys.h"
 #include "node.h"
 
