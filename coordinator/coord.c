@@ -62,9 +62,15 @@ cnode *coord_stage_node(nl_coord *c, int stage)
 nl_status coord_send_node(nl_coord *c, cnode *n, nl_wire_msg *m)
 {
     nl_error err = {0};
+    const int type = m->type;
     nl_status st = nl_sock_send(c->ctl, n->rid, n->rid_len, m, &err);
-    if (st != NL_OK)
-        NL_WARN("send %s to node %u: %s", nl_wire_type_name(m->type), n->id, err.msg);
+    if (st != NL_OK && !n->unreachable) {
+        /* a peer that is gone need not wait for its heartbeat timeout; the
+         * next tick declares it dead, outside whatever loop sent this */
+        n->unreachable = 1;
+        snprintf(n->why, sizeof n->why, "cannot be reached (%s: %s)", nl_wire_type_name(type),
+                 err.msg);
+    }
     return st;
 }
 
@@ -204,7 +210,7 @@ static void drop_plan(nl_coord *c)
 }
 
 /* A node is gone (dead or left): fail what it carried and plan again. */
-static void node_lost(nl_coord *c, cnode *n, int life, const char *why)
+void coord_node_lost(nl_coord *c, cnode *n, int life, const char *why)
 {
     const int stage = n->stage;
     char msg[512];
@@ -239,7 +245,7 @@ static void on_join(nl_coord *c, const nl_rx *rx)
     }
     for (int i = 0; i < COORD_MAX_NODES; i++)
         if (c->nodes[i].life == NODE_LIVE && strcmp(c->nodes[i].key, j->pubkey) == 0)
-            node_lost(c, &c->nodes[i], NODE_LEFT, "joined again (restarted)");
+            coord_node_lost(c, &c->nodes[i], NODE_LEFT, "joined again (restarted)");
     cnode *n = NULL;
     for (int i = 0; i < COORD_MAX_NODES && !n; i++)
         if (c->nodes[i].life != NODE_LIVE)
@@ -280,7 +286,7 @@ static void on_leave(nl_coord *c, const nl_rx *rx)
         return;
     char why[300];
     snprintf(why, sizeof why, "left (%s)", rx->msg.u.leave.reason);
-    node_lost(c, n, NODE_LEFT, why);
+    coord_node_lost(c, n, NODE_LEFT, why);
 }
 
 static void on_heartbeat(nl_coord *c, const nl_rx *rx)
@@ -438,7 +444,8 @@ static void try_plan(nl_coord *c)
             n++;
         }
     c->last_plan_try = coord_now();
-    if (n < c->o.min_nodes || total < c->o.min_memory) {
+    /* the minimums gate the first plan; later plans use whoever is left */
+    if (!c->planned_once && (n < c->o.min_nodes || total < c->o.min_memory)) {
         coord_set_state(c, "waiting for nodes: %d of %d joined, %.2f of %.2f GiB offered", n,
                         c->o.min_nodes, (double)total / (1 << 30),
                         (double)c->o.min_memory / (1 << 30));
@@ -468,6 +475,7 @@ static void try_plan(nl_coord *c)
         return;
     }
     c->plan = plan;
+    c->planned_once = 1;
     c->epoch++;
     char *cfg_json = nl_config_to_json(&c->cfg);
     for (int s = 0; s < plan->n_stages; s++) {
@@ -515,10 +523,14 @@ static void tick(nl_coord *c)
     const double now = coord_now();
     for (int i = 0; i < COORD_MAX_NODES; i++) {
         cnode *n = &c->nodes[i];
-        if (n->life == NODE_LIVE && (now - n->last_seen) * 1e3 > c->o.node_timeout_ms) {
+        if (n->life == NODE_LIVE && n->unreachable) {
+            char why[sizeof n->why];
+            memcpy(why, n->why, sizeof why);
+            coord_node_lost(c, n, NODE_DEAD, why);
+        } else if (n->life == NODE_LIVE && (now - n->last_seen) * 1e3 > c->o.node_timeout_ms) {
             char why[128];
             snprintf(why, sizeof why, "sent no heartbeat for %.1f s: dead", now - n->last_seen);
-            node_lost(c, n, NODE_DEAD, why);
+            coord_node_lost(c, n, NODE_DEAD, why);
         }
     }
     coord_check_jobs(c, now);

@@ -28,6 +28,8 @@ typedef struct cnode {
     double joined, last_seen; /* monotonic seconds */
     int stage;                /* index into the plan, -1: standby */
     int loaded;               /* LOAD_DONE received for the current epoch */
+    int unreachable;          /* a send failed: declared dead at the next tick */
+    char why[600];
 } cnode;
 
 typedef enum { JOB_FREE = 0, JOB_OPENING, JOB_RUNNING } job_phase;
@@ -61,6 +63,7 @@ struct nl_coord {
     nl_st_file *ckpt; /* mapped for the lifetime: layer chunks are sent from it */
     char *tok_text;   /* the checkpoint's tokenizer, or NULL */
     nl_plan *plan;
+    int planned_once;
     uint64_t epoch;
     int ready;
     char state[512];
@@ -72,7 +75,11 @@ struct nl_coord {
 double coord_now(void);
 cnode *coord_stage_node(nl_coord *c, int stage);
 void coord_set_state(nl_coord *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Send to a node; a node that cannot be reached is declared dead at the
+ * next tick (its jobs fail, the cluster re-plans). */
 nl_status coord_send_node(nl_coord *c, cnode *n, nl_wire_msg *m);
+/* A node is gone: fail the jobs it carried and plan again. */
+void coord_node_lost(nl_coord *c, cnode *n, int life, const char *why);
 
 /* coord_jobs.c */
 void coord_on_submit(nl_coord *c, const nl_rx *rx);

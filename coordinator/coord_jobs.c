@@ -109,6 +109,15 @@ static nl_status send_tokens(nl_coord *c, cjob *j, uint64_t session, uint64_t po
     return st;
 }
 
+static void unreachable_first(nl_coord *c, cjob *j)
+{
+    cnode *first = coord_stage_node(c, 0);
+    char why[1000];
+    snprintf(why, sizeof why, "node %u (stage 0, %s) %s", first ? first->id : 0,
+             first ? first->endpoint : "?", first ? first->why : "is gone");
+    coord_fail_job(c, j, why);
+}
+
 static const nl_wire_param *param(const nl_msg_job_submit *s, const char *key)
 {
     for (uint32_t i = 0; i < s->nparams; i++)
@@ -180,7 +189,7 @@ void coord_on_submit(nl_coord *c, const nl_rx *rx)
         j->phase = JOB_RUNNING;
         status_reply(c, rx, j->id, NL_JOB_RUNNING, "running");
         if (send_tokens(c, j, 0, 0, ids, B, T) != NL_OK)
-            coord_fail_job(c, j, "cannot reach the first stage");
+            unreachable_first(c, j);
         return;
     }
     /* generate: open a session on every stage first */
@@ -237,7 +246,7 @@ void coord_on_session_ack(nl_coord *c, const nl_rx *rx)
         return;
     j->phase = JOB_RUNNING;
     if (send_tokens(c, j, j->id, 0, j->prompt, 1, j->prompt_len) != NL_OK)
-        coord_fail_job(c, j, "cannot reach the first stage");
+        unreachable_first(c, j);
 }
 
 void coord_on_token(nl_coord *c, const nl_rx *rx)
@@ -266,7 +275,7 @@ void coord_on_token(nl_coord *c, const nl_rx *rx)
     /* the id goes back to the first stage at the next position */
     if (send_tokens(c, j, j->id, (uint64_t)(j->prompt_len + j->produced - 1), &j->fed, 1, 1) !=
         NL_OK)
-        coord_fail_job(c, j, "cannot reach the first stage");
+        unreachable_first(c, j);
 }
 
 void coord_on_result(nl_coord *c, const nl_rx *rx)
