@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The main job: train a small model on English text (Debian's fortunes)
-# with visible progress, save a checkpoint, and generate text from it.
+# with visible progress, save a checkpoint, bring up a local cluster (a
+# coordinator and 3 nodes as separate processes on loopback) serving it,
+# generate text through the pipeline, and stop the cluster.
 # Everything lands in out/demo/. Safe to run again.
 #   scripts/demo.sh [--steps N] [--threads N]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STEPS=300
+STEPS=500
 THREADS=$(nproc)
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -17,7 +19,7 @@ done
 
 bash scripts/install-deps.sh
 cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-cmake --build build -j "$(nproc)" --target neuroctl
+cmake --build build -j "$(nproc)" --target neuroctl neurocoord neuronode
 NEUROCTL=build/cli/neuroctl
 OUT=out/demo
 mkdir -p "$OUT"
@@ -38,8 +40,15 @@ $NEUROCTL train --model "$OUT/init.safetensors" --data "$DATA" --steps "$STEPS" 
   --seq 128 --lr 2e-3 --warmup 30 --eval-every 100 --log "$OUT/train.jsonl" \
   --out "$OUT/model.safetensors" --threads "$THREADS"
 
+# Serve the checkpoint from a local cluster: 3 nodes, each a pipeline stage.
+CLUSTER=$OUT/cluster
+$NEUROCTL cluster down --dir "$CLUSTER" >/dev/null 2>&1 || true
+trap '$NEUROCTL cluster down --dir "$CLUSTER" >/dev/null 2>&1 || true' EXIT
+$NEUROCTL cluster up --dir "$CLUSTER" --nodes 3 --model "$OUT/model.safetensors" --memory 512M
+$NEUROCTL status --cluster "$CLUSTER"
 for prompt in "The " "Q: What is " "A man "; do
   printf '\n--- '
-  $NEUROCTL generate --model "$OUT/model.safetensors" --prompt "$prompt" --max-new 60 \
-    --temperature 0.7 --top-p 0.9 --seed 3 --threads "$THREADS"
+  $NEUROCTL generate --cluster "$CLUSTER" --prompt "$prompt" --max-new 60 \
+    --temperature 0.7 --top-p 0.9 --seed 3
 done
+$NEUROCTL cluster down --dir "$CLUSTER"
