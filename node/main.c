@@ -117,6 +117,9 @@ static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypa
     }
     if (level)
         nl_log_set_level((nl_log_level)nl_log_parse_level(level));
+    if (o->kv_budget >= o->memory_bytes)
+        NL_WARN("--kv-budget %llu leaves nothing of --memory %llu for weights and activations",
+                (unsigned long long)o->kv_budget, (unsigned long long)o->memory_bytes);
     o->threads = (int)threads;
     o->connect_timeout_ms = (int)(connect_s * 1000);
     if (o->plaintext) {

@@ -16,6 +16,7 @@
 
 #define ACCEPT_WAIT_MS 10000 /* for the answer to JOIN */
 #define MAX_DRAIN 64         /* messages per socket per turn, so heartbeats keep time */
+#define SEND_WAIT_MS 5000    /* for the last output to leave before its buffer is reused */
 
 typedef struct node {
     const nl_node_opts *o;
@@ -91,6 +92,21 @@ static void send_heartbeat(node *n)
     n->window_ms = now;
     n->busy_ms = 0;
     n->next_hb_ms = now + n->heartbeat_ms;
+}
+
+/* Wait, heartbeating, until the stage's last output has been sent, so
+ * that the next forward or assignment may reuse its buffer. A send stuck
+ * on a dead peer is given up after SEND_WAIT_MS: the stage then refuses
+ * the work with NL_ERR_TIMEOUT, until an ASSIGN closes that socket. */
+static void wait_sent(node *n)
+{
+    nl_txref *ref = nl_stage_txref(n->stage);
+    int64_t end = mono_ms() + SEND_WAIT_MS;
+    while (!nl_txref_idle(ref) && mono_ms() < end && !stopping(n)) {
+        if (mono_ms() >= n->next_hb_ms)
+            send_heartbeat(n);
+        nanosleep(&(struct timespec){0, 100000}, NULL);
+    }
 }
 
 /* ===================== joining ===================== */
@@ -188,7 +204,9 @@ static nl_status join(node *n, nl_error *err)
 static nl_status start(node *n, nl_error *err)
 {
     const nl_node_opts *o = n->o;
-    nl_stage_opts so = {.memory_bytes = o->memory_bytes, .kv_budget = o->kv_budget};
+    nl_stage_opts so = {.memory_bytes = o->memory_bytes,
+                        .kv_budget = o->kv_budget,
+                        .send_wait_ms = 1}; /* wait_sent waited already */
     nl_status st = nl_backend_cpu_new(&n->be, o->threads, err);
     if (st != NL_OK)
         return st;
@@ -233,6 +251,7 @@ static void handle_assign(node *n, const nl_msg_assign *a)
         return;
     }
     nl_sock_destroy(&n->next); /* drops what was queued for the old next stage */
+    wait_sent(n);
     nl_status st = nl_stage_assign(n->stage, a, &e);
     const char *prev = a->prev_key;
     if (st == NL_OK)
@@ -301,6 +320,7 @@ static void handle_activation(node *n, const nl_wire_msg *m)
     nl_error e;
     nl_stage_out out;
     const nl_msg_tensor_hop *hop = &m->u.hop;
+    wait_sent(n);
     int64_t t0 = mono_ms();
     nl_status st = nl_stage_forward(n->stage, hop, &m->frames[0], &out, &e);
     n->busy_ms += (double)(mono_ms() - t0);

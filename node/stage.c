@@ -141,7 +141,9 @@ nl_txref *nl_stage_txref(nl_stage *s)
 
 nl_node_state nl_stage_state(const nl_stage *s)
 {
-    return s->ready ? NL_NODE_READY : s->model ? NL_NODE_LOADING : NL_NODE_IDLE;
+    if (s->ready)
+        return NL_NODE_READY;
+    return s->model && !s->assign_failed ? NL_NODE_LOADING : NL_NODE_IDLE;
 }
 
 uint64_t nl_stage_epoch(const nl_stage *s)
@@ -151,7 +153,7 @@ uint64_t nl_stage_epoch(const nl_stage *s)
 
 const nl_model *nl_stage_model(const nl_stage *s)
 {
-    return s->model;
+    return s->assign_failed ? NULL : s->model;
 }
 
 int nl_stage_max_rows(const nl_stage *s)
@@ -231,18 +233,23 @@ static nl_status build_model(nl_stage *s, const nl_msg_assign *a, nl_error *err)
 
 nl_status nl_stage_assign(nl_stage *s, const nl_msg_assign *a, nl_error *err)
 {
-    nl_status st = wait_output(s, "ASSIGN", err);
-    if (st != NL_OK)
-        return st;
-    drop_model(s);
     s->epoch = a->epoch;
     s->assigned = true;
     s->assign_failed = false;
     s->seed = a->seed;
     s->t_assign = now_s();
-    st = build_model(s, a, err);
-    if (st != NL_OK) {
+    nl_status st = wait_output(s, "ASSIGN", err);
+    if (st == NL_OK) {
         drop_model(s);
+        st = build_model(s, a, err);
+    }
+    if (st != NL_OK) {
+        /* a send still reading the old output keeps its buffers until the
+         * next assignment or nl_stage_destroy; nothing runs on them */
+        if (nl_txref_idle(&s->tx))
+            drop_model(s);
+        sessions_clear(s);
+        s->ready = false;
         s->assign_failed = true;
         snprintf(s->assign_err, sizeof s->assign_err, "%s", err ? err->msg : "refused");
     }
@@ -599,7 +606,7 @@ static nl_status check_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_w
         return nl_error_set(err, NL_ERR_NOTFOUND,
                             nl_stage_session_evicted(s, hop->session_id)
                                 ? "%s: session %llu was evicted (KV budget full)"
-                                : "%s: session %llu is not open",
+                                : "%s: session %llu is not open on this stage",
                             who, (unsigned long long)hop->session_id);
     nl_kvcache *kv = (*se)->kv;
     if (*B != 1)

@@ -40,8 +40,9 @@ void nl_stage_destroy(nl_stage **sp);
 
 /* Drop the previous model and sessions and build the stage's (zeroed)
  * model from ASSIGN: config_json parsed and validated, layers [layer0,
- * layer1), embedding and head as flagged. On failure the stage is left
- * without a model (state IDLE). */
+ * layer1), embedding and head as flagged. Waits (send_wait_ms) for the
+ * last output to be sent first. On failure the stage is left without a
+ * model (state IDLE) and the chunks of this epoch are dropped. */
 nl_status nl_stage_assign(nl_stage *s, const nl_msg_assign *a, nl_error *err);
 
 /* One LAYER_LOAD chunk (frame: F32, 1-D). The name must be one of the

@@ -403,6 +403,23 @@ static void test_forward(nl_model *ref)
     free(big);
     nl_stage_destroy(&small);
 
+    /* an ASSIGN while a send holds the output: refused without freeing it */
+    CHECK_OK(nl_stage_forward(s0, &hop, &f, &o1, &err), &err);
+    nl_txref_frame(&held, nl_stage_txref(s0), o1.data, NL_DTYPE_F32, o1.shape, 3);
+    a = mk_assign(8, 0, 2, 0, 2);
+    CHECK(nl_stage_assign(s0, &a, &err) == NL_ERR_TIMEOUT, "ASSIGN over a busy output: %s",
+          err.msg);
+    CHECK(nl_stage_state(s0) == NL_NODE_IDLE && !nl_stage_model(s0), "state after refusal");
+    CHECK(nl_stage_forward(s0, &hop, &f, &o2, &err) == NL_ERR_STATE, "forward after refusal: %s",
+          err.msg);
+    CHECK(nl_stage_load_done(s0, 8, 0, &info, &stale, &err) == NL_ERR_STATE &&
+              strstr(err.msg, "still being sent"),
+          "LOAD_DONE after refusal: %s", err.msg);
+    held.free_fn(held.t.data, held.hint);
+    a = mk_assign(9, 0, 2, 0, 2);
+    CHECK_OK(nl_stage_assign(s0, &a, &err), &err);
+    CHECK(nl_stage_state(s0) == NL_NODE_LOADING, "state after a later ASSIGN");
+
     nl_stage_destroy(&w);
     nl_stage_destroy(&s0);
     nl_stage_destroy(&s1);
