@@ -10,7 +10,12 @@ set -uo pipefail
 N="$NL_BUILD_DIR/cli/neuroctl"
 W=$(mktemp -d)
 C="$W/cluster"
-cleanup() { "$N" cluster down --dir "$C" >/dev/null 2>&1; pkill -f "$W" 2>/dev/null; rm -rf "$W"; }
+cleanup() {
+  "$N" cluster down --dir "$C" >/dev/null 2>&1
+  "$N" cluster down --dir "$W/cluster2" >/dev/null 2>&1
+  pkill -f "$W" 2>/dev/null
+  rm -rf "$W"
+}
 trap cleanup EXIT
 pass=0
 fail=0
@@ -118,6 +123,15 @@ check $PY "$W/compare.py" "$W/local.safetensors" "$W/remote2.safetensors"
 check "$N" cluster down --dir "$C"
 sleep 0.5
 check test -z "$(pgrep -f "$C" || true)"
+
+# without a checkpoint: nodes initialise from the shared seed, which must
+# equal neuroctl init with that seed
+C2="$W/cluster2"
+check "$N" cluster up --dir "$C2" --nodes 2 --config "$W/cfg.yaml" --seed 7 --memory 64M \
+  --threads 1 --timeout 60
+check "$N" forward --cluster "$C2" --tokens "$W/in.safetensors" --out "$W/remote3.safetensors"
+check $PY "$W/compare.py" "$W/local.safetensors" "$W/remote3.safetensors"
+check "$N" cluster down --dir "$C2"
 
 echo "test_cluster: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
