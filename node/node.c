@@ -536,7 +536,9 @@ static void drain(node *n, nl_sock *s, void (*handle)(node *))
             return;
         if (st == NL_OK)
             handle(n);
-        else /* already answered and counted by the transport */
+        else if (st == NL_ERR_AUTH) /* a peer not (or no longer) admitted */
+            NL_DEBUG("%s", e.msg);
+        else /* a bad message, already answered and counted by the transport */
             NL_WARN("%s", e.msg);
         if (mono_ms() >= n->next_hb_ms)
             send_heartbeat(n);

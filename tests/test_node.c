@@ -498,6 +498,7 @@ static void check_generation(coord *c, peer **stages, int nst, nl_model *ref, ui
     memcpy(cur, prompt, sizeof prompt);
     uint64_t pos = 0;
     int T = P;
+    int64_t t0 = mono_ms();
     for (int i = 0; i < N; i++) {
         send_tokens(c, stages[0], id, id, pos, cur, 1, T, NL_DTYPE_I32);
         nl_msg_type t = coord_next(c, stages[nst - 1], WAIT_MS);
@@ -512,6 +513,8 @@ static void check_generation(coord *c, peer **stages, int nst, nl_model *ref, ui
         T = 1;
         cur[0] = got[i];
     }
+    printf("generation through %d node(s): %.2f ms per token (d %d, %d layers, loopback)\n", nst,
+           (double)(mono_ms() - t0) / N, cfg.hidden_dim, cfg.num_layers);
     CHECK(memcmp(got, want, sizeof want) == 0, "generated ids differ: %d %d %d vs %d %d %d", got[0],
           got[1], got[2], want[0], want[1], want[2]);
     /* JOB_CANCEL drops the session on every stage */
