@@ -24,6 +24,9 @@ typedef struct node {
     nl_stage *stage;
     nl_net *net;
     nl_sock *ctl, *data, *next;
+    void *next_mon; /* PAIR reading the next socket's handshake events */
+    int mon_seq;
+    char next_ep[257], next_key[NL_KEY_Z85_LEN + 1]; /* from ASSIGN; "" = last stage */
     double gflops;
     int threads;
     uint32_t node_id;
@@ -240,6 +243,80 @@ static nl_status start(node *n, nl_error *err)
     return NL_OK;
 }
 
+/* ===================== the next stage ===================== */
+
+static void drop_next(node *n)
+{
+    if (n->next_mon) {
+        if (n->next)
+            zmq_socket_monitor(nl_sock_handle(n->next), NULL, 0);
+        zmq_close(n->next_mon);
+        n->next_mon = NULL;
+    }
+    nl_sock_destroy(&n->next); /* linger 0: queued hops are dropped and released */
+}
+
+/* Connect the next socket on first use. The coordinator sends work only
+ * after every stage answered LOAD_DONE, so the next stage has its ASSIGN
+ * (and this node's key in its allow-list) by then: connecting earlier
+ * could race it, and a refused CURVE handshake is not retried by libzmq.
+ * A monitor reports the handshake's outcome (see on_next_event). */
+static nl_status ensure_next(node *n, nl_error *err)
+{
+    char mon_ep[64];
+    if (n->next)
+        return NL_OK;
+    nl_status st = make_socket(n, &n->next, ZMQ_DEALER, false, n->next_key, "next", 0, 0, err);
+    if (st != NL_OK)
+        return st;
+    snprintf(mon_ep, sizeof mon_ep, "inproc://neuronode-next-%d", ++n->mon_seq);
+    int zero = 0;
+    if (zmq_socket_monitor(nl_sock_handle(n->next), mon_ep,
+                           ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH |
+                               ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                               ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_DISCONNECTED) ==
+            0 &&
+        (n->next_mon = zmq_socket(nl_net_zmq_context(n->net), ZMQ_PAIR)) != NULL) {
+        zmq_setsockopt(n->next_mon, ZMQ_LINGER, &zero, sizeof zero);
+        if (zmq_connect(n->next_mon, mon_ep) != 0) {
+            zmq_close(n->next_mon);
+            n->next_mon = NULL;
+        }
+    }
+    if (!n->next_mon)
+        NL_WARN("cannot watch the next socket's handshakes: %s", zmq_strerror(zmq_errno()));
+    st = nl_sock_connect(n->next, n->next_ep, err);
+    if (st != NL_OK)
+        drop_next(n);
+    return st;
+}
+
+/* A handshake event of the next socket. A refused handshake is final in
+ * libzmq (no reconnect), and the hops queued for it are lost: tell the
+ * coordinator, and start over with a new socket on the next send. */
+static void on_next_event(node *n)
+{
+    uint8_t ev[6];
+    char addr[256];
+    int len = zmq_recv(n->next_mon, ev, sizeof ev, ZMQ_DONTWAIT);
+    int alen = len < 0 ? -1 : zmq_recv(n->next_mon, addr, sizeof addr - 1, 0);
+    if (len != 6 || alen < 0) /* [event u16, value u32] + the peer's address */
+        return;
+    int event = ev[0] | ev[1] << 8;
+    if (event == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
+        NL_INFO("connected to the next stage at %s", n->next_ep);
+    } else if (event == ZMQ_EVENT_DISCONNECTED) {
+        NL_WARN("the next stage at %s disconnected", n->next_ep);
+    } else {
+        send_error(n, NL_ERR_AUTH, NL_MSG_ASSIGN,
+                   "the next stage at %s refused this node's handshake (%s): is ASSIGN's next_key "
+                   "its key, and does it admit this node's key as prev_key?",
+                   n->next_ep,
+                   event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH ? "not authorised" : "protocol error");
+        drop_next(n);
+    }
+}
+
 /* ===================== assignment and loading ===================== */
 
 static void handle_assign(node *n, const nl_msg_assign *a)
@@ -250,23 +327,20 @@ static void handle_assign(node *n, const nl_msg_assign *a)
                    (unsigned long long)a->epoch, a->node_id, n->node_id);
         return;
     }
-    nl_sock_destroy(&n->next); /* drops what was queued for the old next stage */
+    drop_next(n); /* drops what was queued for the old next stage */
+    n->next_ep[0] = n->next_key[0] = '\0';
     wait_sent(n);
     nl_status st = nl_stage_assign(n->stage, a, &e);
     const char *prev = a->prev_key;
     if (st == NL_OK)
         st = nl_sock_allow(n->data, prev[0] ? &prev : NULL, prev[0] ? 1 : 0, &e);
-    if (st == NL_OK && a->next_endpoint[0]) {
-        st = make_socket(n, &n->next, ZMQ_DEALER, false, a->next_key, "next", 0, 0, &e);
-        if (st == NL_OK)
-            st = nl_sock_connect(n->next, a->next_endpoint, &e);
-    }
     if (st != NL_OK) {
-        nl_sock_destroy(&n->next);
         nl_sock_allow(n->data, NULL, 0, NULL);
         send_error(n, st, NL_MSG_ASSIGN, "%s", e.msg);
         return;
     }
+    snprintf(n->next_ep, sizeof n->next_ep, "%s", a->next_endpoint);
+    snprintf(n->next_key, sizeof n->next_key, "%s", a->next_key);
     const nl_model *m = nl_stage_model(n->stage);
     NL_INFO("assigned epoch %llu: stage %u of %u, layers [%u, %u)%s%s, %zu parameters (%.1f MiB, "
             "%.1f MiB planned); prev %s, next %s",
@@ -344,10 +418,15 @@ static void handle_activation(node *n, const nl_wire_msg *m)
         send_ctl(n, "RESULT");
         return;
     }
-    if (!n->next) {
+    if (!n->next_ep[0]) {
         send_error(n, NL_ERR_STATE, NL_MSG_ACTIVATION,
                    "job %llu: this stage has no next stage to send its hidden states to",
                    (unsigned long long)hop->job_id);
+        return;
+    }
+    if ((st = ensure_next(n, &e)) != NL_OK) {
+        send_error(n, st, NL_MSG_ACTIVATION, "job %llu: %s", (unsigned long long)hop->job_id,
+                   e.msg);
         return;
     }
     nl_wire_msg_reset(&n->tx, NL_MSG_ACTIVATION);
@@ -457,7 +536,9 @@ static void drain(node *n, nl_sock *s, void (*handle)(node *))
             return;
         if (st == NL_OK)
             handle(n);
-        else /* already answered and counted by the transport */
+        else if (st == NL_ERR_AUTH) /* a peer not (or no longer) admitted */
+            NL_DEBUG("%s", e.msg);
+        else /* a bad message, already answered and counted by the transport */
             NL_WARN("%s", e.msg);
         if (mono_ms() >= n->next_hb_ms)
             send_heartbeat(n);
@@ -466,23 +547,34 @@ static void drain(node *n, nl_sock *s, void (*handle)(node *))
 
 static void serve(node *n)
 {
-    nl_error e;
     while (!stopping(n)) {
         int64_t now = mono_ms();
         if (now >= n->next_hb_ms)
             send_heartbeat(n);
         int64_t wait = n->next_hb_ms - now;
         int half = (int)(n->heartbeat_ms / 2 > 0 ? n->heartbeat_ms / 2 : 1);
-        nl_sock *socks[3] = {n->ctl, n->data, n->next};
-        bool readable[3] = {false, false, false};
-        int count = n->next ? 3 : 2;
-        nl_sock_poll(socks, readable, count, wait < half ? (int)(wait > 0 ? wait : 0) : half, &e);
-        if (readable[0])
+        zmq_pollitem_t it[4] = {{nl_sock_handle(n->ctl), 0, ZMQ_POLLIN, 0},
+                                {nl_sock_handle(n->data), 0, ZMQ_POLLIN, 0}};
+        int count = 2;
+        if (n->next)
+            it[count++] = (zmq_pollitem_t){nl_sock_handle(n->next), 0, ZMQ_POLLIN, 0};
+        if (n->next_mon)
+            it[count++] = (zmq_pollitem_t){n->next_mon, 0, ZMQ_POLLIN, 0};
+        if (zmq_poll(it, count, wait < half ? (wait > 0 ? wait : 0) : half) <= 0)
+            continue; /* timeout, or a signal: check the flag */
+        if (it[0].revents & ZMQ_POLLIN)
             drain(n, n->ctl, on_control);
-        if (readable[1])
+        if (it[1].revents & ZMQ_POLLIN)
             drain(n, n->data, on_data);
-        if (count == 3 && readable[2] && n->next)
-            drain(n, n->next, on_next);
+        /* handlers may have replaced the next socket: use it[] only if unchanged */
+        for (int i = 2; i < count; i++) {
+            if (!(it[i].revents & ZMQ_POLLIN))
+                continue;
+            if (n->next && it[i].socket == nl_sock_handle(n->next))
+                drain(n, n->next, on_next);
+            else if (n->next_mon && it[i].socket == n->next_mon)
+                on_next_event(n);
+        }
     }
 }
 
@@ -509,7 +601,7 @@ nl_status nl_node_run(const nl_node_opts *o, nl_error *err)
     /* sockets first (their queued frames reference the stage's buffers),
      * then the context, which waits for the LEAVE to go out */
     nl_rx_free(&n.rx);
-    nl_sock_destroy(&n.next);
+    drop_next(&n);
     nl_sock_destroy(&n.data);
     nl_sock_destroy(&n.ctl);
     nl_net_destroy(&n.net);

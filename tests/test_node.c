@@ -282,14 +282,14 @@ static peer *coord_accept(coord *c, const char *key, uint32_t node_id, char *end
 
 /* ---------------------------------------------------------------- messages */
 
-static void send_assign(coord *c, peer *p, uint32_t node_id, uint32_t stage, uint32_t nst, int l0,
-                        int l1, const char *prev_ep, const char *prev_key, const char *next_ep,
-                        const char *next_key)
+static void send_assign(coord *c, peer *p, uint64_t epoch, uint32_t node_id, uint32_t stage,
+                        uint32_t nst, int l0, int l1, const char *prev_ep, const char *prev_key,
+                        const char *next_ep, const char *next_key)
 {
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     m.type = NL_MSG_ASSIGN;
-    m.u.assign = (nl_msg_assign){.epoch = 1,
+    m.u.assign = (nl_msg_assign){.epoch = epoch,
                                  .node_id = node_id,
                                  .stage = stage,
                                  .num_stages = nst,
@@ -345,13 +345,16 @@ static void send_tokens(coord *c, peer *p, uint64_t job, uint64_t session, uint6
     coord_send(c, p, &m);
 }
 
+/* JOB_CANCEL {id}, GRAD_NORM, or LOAD_DONE {epoch 1, tensors id} (epoch
+ * from the high 32 bits of id when set) */
 static void send_simple(coord *c, peer *p, nl_msg_type type, uint64_t id)
 {
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     m.type = type;
     if (type == NL_MSG_LOAD_DONE)
-        m.u.load_done = (nl_msg_load_done){.epoch = 1, .tensors = (uint32_t)id};
+        m.u.load_done =
+            (nl_msg_load_done){.epoch = id >> 32 ? id >> 32 : 1, .tensors = (uint32_t)id};
     else
         m.u.job_ref.job_id = id;
     coord_send(c, p, &m);
@@ -374,7 +377,8 @@ static void send_session(coord *c, peer *p, uint64_t id, int capacity)
 }
 
 /* Expect LOAD_DONE from p with the stage's tensor count and bytes. */
-static void expect_loaded(coord *c, peer *p, uint32_t node_id, const nl_model *stage)
+static void expect_loaded(coord *c, peer *p, uint64_t epoch, uint32_t node_id,
+                          const nl_model *stage)
 {
     nl_msg_type t = coord_next(c, p, WAIT_MS);
     CHECK(t == NL_MSG_LOAD_DONE, "expected LOAD_DONE, got %s",
@@ -384,7 +388,7 @@ static void expect_loaded(coord *c, peer *p, uint32_t node_id, const nl_model *s
     if (t != NL_MSG_LOAD_DONE)
         return;
     const nl_msg_load_done *d = &c->rx.msg.u.load_done;
-    CHECK(d->epoch == 1 && d->node_id == node_id && d->tensors == (uint32_t)stage->n_table &&
+    CHECK(d->epoch == epoch && d->node_id == node_id && d->tensors == (uint32_t)stage->n_table &&
               d->bytes == stage->n_params * 4,
           "LOAD_DONE %llu %u %u %llu", (unsigned long long)d->epoch, d->node_id, d->tensors,
           (unsigned long long)d->bytes);
@@ -494,6 +498,7 @@ static void check_generation(coord *c, peer **stages, int nst, nl_model *ref, ui
     memcpy(cur, prompt, sizeof prompt);
     uint64_t pos = 0;
     int T = P;
+    int64_t t0 = mono_ms();
     for (int i = 0; i < N; i++) {
         send_tokens(c, stages[0], id, id, pos, cur, 1, T, NL_DTYPE_I32);
         nl_msg_type t = coord_next(c, stages[nst - 1], WAIT_MS);
@@ -508,6 +513,8 @@ static void check_generation(coord *c, peer **stages, int nst, nl_model *ref, ui
         T = 1;
         cur[0] = got[i];
     }
+    printf("generation through %d node(s): %.2f ms per token (d %d, %d layers, loopback)\n", nst,
+           (double)(mono_ms() - t0) / N, cfg.hidden_dim, cfg.num_layers);
     CHECK(memcmp(got, want, sizeof want) == 0, "generated ids differ: %d %d %d vs %d %d %d", got[0],
           got[1], got[2], want[0], want[1], want[2]);
     /* JOB_CANCEL drops the session on every stage */
@@ -640,7 +647,7 @@ static void test_one_node(void)
         dump_log(log);
         goto out;
     }
-    send_assign(&c, p, 7, 0, 1, 0, cfg.num_layers, "", "", "", "");
+    send_assign(&c, p, 1, 7, 0, 1, 0, cfg.num_layers, "", "", "", "");
     /* stream the checkpoint in chunks of 1000 elements */
     for (int i = 0; i < ref->n_table; i++) {
         const nl_param *par = &ref->table[i];
@@ -660,7 +667,7 @@ static void test_one_node(void)
     send_chunk(&c, p, 1, &foreign, junk, 0, 16, 0, 1);
     expect_error(&c, p, NL_ERR_NOTFOUND, NL_MSG_LAYER_LOAD, "layers.9.ffn_norm.weight");
     send_simple(&c, p, NL_MSG_LOAD_DONE, (uint64_t)ref->n_table);
-    expect_loaded(&c, p, 7, ref);
+    expect_loaded(&c, p, 1, 7, ref);
 
     check_forward(&c, p, p, ref, 100);
     peer *stages[1] = {p};
@@ -726,12 +733,12 @@ static void test_two_nodes(void)
     }
     if (!p[0] || !p[1] || !ref || !st0 || !st1)
         goto out;
-    send_assign(&c, p[0], 1, 0, 2, 0, 2, "", "", ep[1], kp[1].public_z85);
-    send_assign(&c, p[1], 2, 1, 2, 2, cfg.num_layers, ep[0], kp[0].public_z85, "", "");
+    send_assign(&c, p[0], 1, 1, 0, 2, 0, 2, "", "", ep[1], kp[1].public_z85);
+    send_assign(&c, p[1], 1, 2, 1, 2, 2, cfg.num_layers, ep[0], kp[0].public_z85, "", "");
     send_simple(&c, p[0], NL_MSG_LOAD_DONE, 0); /* initialise from the seed */
+    expect_loaded(&c, p[0], 1, 1, st0);
     send_simple(&c, p[1], NL_MSG_LOAD_DONE, 0);
-    expect_loaded(&c, p[0], 1, st0);
-    expect_loaded(&c, p[1], 2, st1);
+    expect_loaded(&c, p[1], 1, 2, st1);
     check_forward(&c, p[0], p[1], ref, 200);
     check_generation(&c, p, 2, ref, 77);
 
@@ -760,6 +767,22 @@ static void test_two_nodes(void)
         nl_sock_destroy(&s);
     }
     check_forward(&c, p[0], p[1], ref, 201);
+
+    /* stage 1 re-assigned with the wrong prev_key: stage 0's handshake is
+     * refused and reported; a correct ASSIGN heals it */
+    send_assign(&c, p[1], 2, 2, 1, 2, 2, cfg.num_layers, ep[0], sk.public_z85, "", "");
+    send_simple(&c, p[1], NL_MSG_LOAD_DONE, 2ULL << 32);
+    expect_loaded(&c, p[1], 2, 2, st1);
+    send_assign(&c, p[0], 2, 1, 0, 2, 0, 2, "", "", ep[1], kp[1].public_z85);
+    send_simple(&c, p[0], NL_MSG_LOAD_DONE, 2ULL << 32);
+    expect_loaded(&c, p[0], 2, 1, st0);
+    int32_t tok[3] = {5, 6, 7};
+    send_tokens(&c, p[0], 202, 0, 0, tok, 1, 3, NL_DTYPE_I32);
+    expect_error(&c, p[0], NL_ERR_AUTH, NL_MSG_ASSIGN, "refused this node's handshake");
+    send_assign(&c, p[1], 3, 2, 1, 2, 2, cfg.num_layers, ep[0], kp[0].public_z85, "", "");
+    send_simple(&c, p[1], NL_MSG_LOAD_DONE, 3ULL << 32);
+    expect_loaded(&c, p[1], 3, 2, st1);
+    check_forward(&c, p[0], p[1], ref, 203);
     for (int i = 0; i < 2; i++)
         check_leave(&c, p[i], pid[i], (uint32_t)i + 1, log[i]);
 out:
