@@ -4,9 +4,9 @@
 #   decode   greedy generation at batch 1 (tokens/s over --max-new tokens)
 #   prefill  forward of one 512-token sequence (tokens/s)
 #   hop      (cluster seconds per token - local seconds per token) / hops
-# Cores: the pipeline runs one stage at a time for a single sequence, so each
-# node gets both cores (--threads 2) and they take turns; the single process
-# also has 2 threads.
+# Cores: the 3 nodes share the 2 cores; each gets cluster up's fair share,
+# one thread (two OpenMP threads per node spin-wait and starve the stage
+# that is working: 54 tok/s against 265). The single process has 2 threads.
 #   bench/bench_cluster.sh [BUILD_DIR] [NEW_TOKENS]
 set -euo pipefail
 B=${1:-build}
@@ -35,7 +35,7 @@ t0=$(awk -v a="$a" -v b="$b" 'BEGIN { printf "%.6f", 0 }'); t1=$(awk -v a="$a" -
 "$N" forward --model "$W/m.safetensors" --tokens "$W/prefill.safetensors" --out "$W/l.safetensors" --threads 2 >/dev/null
 t2=$(now); for i in 1 2 3; do "$N" forward --model "$W/m.safetensors" --tokens "$W/prefill.safetensors" --out "$W/l.safetensors" --threads 2 >/dev/null; done; t3=$(now)
 # cluster
-"$N" cluster up --dir "$C" --nodes 3 --model "$W/m.safetensors" --memory 1G --threads 2 >/dev/null
+"$N" cluster up --dir "$C" --nodes 3 --model "$W/m.safetensors" --memory 1G >/dev/null
 "$N" generate --cluster "$C" --prompt-tokens $prompt --max-new 4 --temperature 0 >/dev/null  # warm-up
 a=$(now); gen_cluster 1; b=$(now); gen_cluster $((NEW + 1)); c=$(now)
 t4=0; t5=$(awk -v a="$a" -v b="$b" -v c="$c" 'BEGIN { printf "%.6f", (c - b) - (b - a) }')
@@ -47,7 +47,7 @@ new = int(sys.argv[1]); t = [float(x) for x in sys.argv[2:]]
 local_dec = new / (t[1] - t[0]); clus_dec = new / (t[5] - t[4])
 local_pre = 3 * 512 / (t[3] - t[2]); clus_pre = 3 * 512 / (t[7] - t[6])
 hop_ms = ((t[5] - t[4]) / new - (t[1] - t[0]) / new) / 4 * 1e3  # 4 hops: coord->s0->s1->s2->coord
-print(json.dumps({"bench": "cluster", "nodes": 3, "threads_per_node": 2, "new_tokens": new,
+print(json.dumps({"bench": "cluster", "nodes": 3, "threads_per_node": 1, "new_tokens": new,
                   "local_decode_tok_s": round(local_dec, 1), "cluster_decode_tok_s": round(clus_dec, 1),
                   "decode_ratio": round(clus_dec / local_dec, 3),
                   "local_prefill_tok_s": round(local_pre, 1), "cluster_prefill_tok_s": round(clus_pre, 1),

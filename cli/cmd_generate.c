@@ -271,7 +271,9 @@ int nl_cmd_bench(int argc, char **argv)
         nl_model_init_random(m, 1, &err) != NL_OK ||
         nl_runstate_new(&rs, m, (int)(B * T), &err) != NL_OK)
         goto out;
-    tokens = malloc((size_t)(B * T) * sizeof *tokens);
+    const int P = 16; /* decode prompt */
+    const size_t ntok = (size_t)(B * T) > (size_t)P + 1 ? (size_t)(B * T) : (size_t)P + 1;
+    tokens = malloc(ntok * sizeof *tokens);
     logits = malloc((size_t)cfg.vocab_size * sizeof *logits);
     if (!tokens || !logits) {
         nl_error_set(&err, NL_ERR_NOMEM, "out of memory");
@@ -279,7 +281,7 @@ int nl_cmd_bench(int argc, char **argv)
     }
     nl_rng r;
     nl_rng_seed(&r, 7, 0);
-    for (long long i = 0; i < B * T; i++)
+    for (size_t i = 0; i < ntok; i++)
         tokens[i] = (int32_t)nl_rng_below(&r, (uint64_t)cfg.vocab_size);
     double peak = nl_backend_gemm_gflops(be, 2048, 2048, 2048, 1.5);
 
@@ -298,8 +300,7 @@ int nl_cmd_bench(int argc, char **argv)
     const double fwd_s = times[reps / 2];
     const double fwd_flops = nl_config_forward_flops(&cfg, (int)B, (int)T, 0);
 
-    /* decode at batch 1: prefill 16 tokens, then time ndec single steps */
-    const int P = 16;
+    /* decode at batch 1: prefill P tokens, then time ndec single steps */
     if (P + ndec > cfg.max_seq_len)
         ndec = cfg.max_seq_len - P;
     if (nl_runstate_new(&rs1, m, P, &err) != NL_OK ||
