@@ -1,7 +1,9 @@
 /* File helpers shared by neuroctl's commands. */
 #include "cli_io.h"
 
+#include <errno.h>
 #include <inttypes.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -56,3 +58,36 @@ nl_status nl_cli_read_ids_file(const char *path, const char *name, int32_t **out
     nl_st_close(&f);
     return st;
 }
+
+/* "1,2,3" -> ids. Returns the count, or -1 after printing the fault. */
+int nl_cli_parse_ids(const char *s, int32_t **out)
+{
+    int cap = 16, n = 0;
+    int32_t *ids = malloc((size_t)cap * sizeof *ids);
+    while (ids && *s) {
+        char *end = NULL;
+        errno = 0;
+        long v = strtol(s, &end, 10);
+        if (errno || end == s || v < 0 || v > INT32_MAX || (*end && *end != ',')) {
+            fprintf(stderr, "--prompt-tokens: '%s' is not a comma-separated list of ids\n", s);
+            free(ids);
+            return -1;
+        }
+        if (n == cap) {
+            int32_t *t = realloc(ids, (size_t)(cap *= 2) * sizeof *ids);
+            if (!t)
+                break;
+            ids = t;
+        }
+        ids[n++] = (int32_t)v;
+        s = *end ? end + 1 : end;
+    }
+    if (!ids || n == 0) {
+        fprintf(stderr, "--prompt-tokens: no ids given\n");
+        free(ids);
+        return -1;
+    }
+    *out = ids;
+    return n;
+}
+

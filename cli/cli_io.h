@@ -13,4 +13,8 @@ nl_status nl_cli_read_ids(nl_st_file *f, const char *path, const char *name, int
 nl_status nl_cli_read_ids_file(const char *path, const char *name, int32_t **out, int *B, int *T,
                                nl_error *err);
 
+/* "1,2,3" -> a malloc'd array of ids (--prompt-tokens). Returns the count,
+ * or -1 after printing the fault to stderr. */
+int nl_cli_parse_ids(const char *s, int32_t **out);
+
 #endif

@@ -7,6 +7,7 @@
 #include <time.h>
 
 #include "base/args.h"
+#include "cli_io.h"
 #include "commands.h"
 #include "core/checkpoint.h"
 #include "core/forward.h"
@@ -19,38 +20,6 @@ static double now_s(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-/* "1,2,3" -> ids. Returns the count, or -1 after printing the fault. */
-static int parse_ids(const char *s, int32_t **out)
-{
-    int cap = 16, n = 0;
-    int32_t *ids = malloc((size_t)cap * sizeof *ids);
-    while (ids && *s) {
-        char *end = NULL;
-        errno = 0;
-        long v = strtol(s, &end, 10);
-        if (errno || end == s || v < 0 || v > INT32_MAX || (*end && *end != ',')) {
-            fprintf(stderr, "--prompt-tokens: '%s' is not a comma-separated list of ids\n", s);
-            free(ids);
-            return -1;
-        }
-        if (n == cap) {
-            int32_t *t = realloc(ids, (size_t)(cap *= 2) * sizeof *ids);
-            if (!t)
-                break;
-            ids = t;
-        }
-        ids[n++] = (int32_t)v;
-        s = *end ? end + 1 : end;
-    }
-    if (!ids || n == 0) {
-        fprintf(stderr, "--prompt-tokens: no ids given\n");
-        free(ids);
-        return -1;
-    }
-    *out = ids;
-    return n;
 }
 
 /* Generate up to max_new tokens after the prompt with the KV cache,
@@ -151,7 +120,7 @@ int nl_cmd_generate(int argc, char **argv)
         return rc;
     int32_t *prompt = NULL;
     int P = 0;
-    if (ptoks && (P = parse_ids(ptoks, &prompt)) < 0)
+    if (ptoks && (P = nl_cli_parse_ids(ptoks, &prompt)) < 0)
         return 2;
     nl_error err = {0};
     nl_backend *be = NULL;

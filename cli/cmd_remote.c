@@ -167,13 +167,8 @@ static nl_status submit(remote *r, nl_job_kind kind, const nl_wire_param *ps, in
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
     m.u.job_submit = (nl_msg_job_submit){(uint32_t)kind, (uint32_t)np, ps};
-    nl_wire_frame *f = &m.frames[0];
-    memset(f, 0, sizeof *f);
-    f->t.dtype = NL_DTYPE_I32;
-    f->t.ndim = 2;
-    f->t.shape[0] = B;
-    f->t.shape[1] = T;
-    f->t.data = (void *)ids;
+    const int64_t shape[2] = {B, T};
+    nl_wire_frame_set(&m.frames[0], ids, NL_DTYPE_I32, shape, 2);
     m.nframes = 1;
     nl_status st = nl_sock_send(r->s, NULL, 0, &m, err);
     nl_wire_msg_free(&m);
@@ -341,20 +336,12 @@ int nl_cmd_remote_generate(int argc, char **argv)
             goto out;
         fputs(ptext, stdout);
     } else {
-        /* ids: reuse the local parser's rules */
-        const char *s = ptoks;
-        prompt = malloc((strlen(s) / 2 + 2) * sizeof *prompt);
-        while (prompt && *s) {
-            char *end = NULL;
-            long v = strtol(s, &end, 10);
-            if (end == s || v < 0 || v > INT32_MAX || (*end && *end != ',')) {
-                fprintf(stderr, "--prompt-tokens: '%s' is not a comma-separated list of ids\n", s);
-                rc = 2;
-                goto out;
-            }
-            prompt[P++] = (int32_t)v;
-            s = *end ? end + 1 : end;
+        int n = nl_cli_parse_ids(ptoks, &prompt);
+        if (n < 0) {
+            rc = 2;
+            goto out;
         }
+        P = (size_t)n;
     }
     if (P == 0) {
         nl_error_set(&err, NL_ERR_INVALID, "empty prompt");

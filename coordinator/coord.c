@@ -399,13 +399,9 @@ static void send_load(nl_coord *c, int stage)
             m.u.layer_load.offset = off;
             m.u.layer_load.chunk = k;
             m.u.layer_load.chunks = chunks ? chunks : 1;
-            nl_wire_frame *f = &m.frames[0];
-            memset(f, 0, sizeof *f);
-            f->t.dtype = NL_DTYPE_F32;
-            f->t.ndim = 1;
-            f->t.shape[0] = (int64_t)cnt;
-            f->t.data = (void *)(data + off * 4); /* the mapping outlives the send */
-            f->free_fn = noop_free;
+            const int64_t elems = (int64_t)cnt;
+            nl_wire_frame_set(&m.frames[0], data + off * 4, NL_DTYPE_F32, &elems, 1);
+            m.frames[0].free_fn = noop_free; /* the mapping outlives the send: no copy */
             m.nframes = 1;
             if (coord_send_node(c, n, &m) != NL_OK)
                 goto out;

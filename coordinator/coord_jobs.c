@@ -96,13 +96,8 @@ static nl_status send_tokens(nl_coord *c, cjob *j, uint64_t session, uint64_t po
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_ACTIVATION);
     m.u.hop = (nl_msg_tensor_hop){j->id, 0, 0, session, pos, 0.0};
-    nl_wire_frame *f = &m.frames[0];
-    memset(f, 0, sizeof *f);
-    f->t.dtype = NL_DTYPE_I32;
-    f->t.ndim = 2;
-    f->t.shape[0] = B;
-    f->t.shape[1] = T;
-    f->t.data = (void *)ids; /* copied by the send */
+    const int64_t shape[2] = {B, T};
+    nl_wire_frame_set(&m.frames[0], ids, NL_DTYPE_I32, shape, 2); /* copied by the send */
     m.nframes = 1;
     nl_status st = coord_send_node(c, first, &m);
     nl_wire_msg_free(&m);
@@ -389,12 +384,8 @@ void coord_on_query(nl_coord *c, const nl_rx *rx)
     nl_wire_msg_reset(&m, NL_MSG_JOB_STATUS);
     m.u.job_status = (nl_msg_job_status){0, c->ready ? NL_JOB_RUNNING : NL_JOB_QUEUED, 0.0,
                                          c->ready ? "ready" : "not ready"};
-    nl_wire_frame *f = &m.frames[0];
-    memset(f, 0, sizeof *f);
-    f->t.dtype = NL_DTYPE_U8;
-    f->t.ndim = 1;
-    f->t.shape[0] = (int64_t)strlen(text);
-    f->t.data = text;
+    const int64_t len = (int64_t)strlen(text);
+    nl_wire_frame_set(&m.frames[0], text, NL_DTYPE_U8, &len, 1);
     m.nframes = 1;
     if (nl_sock_reply(c->ctl, rx, &m, &e) != NL_OK)
         NL_WARN("status reply: %s", e.msg);

@@ -596,12 +596,7 @@ static void txref_release(void *data, void *hint)
 void nl_txref_frame(nl_wire_frame *f, nl_txref *ref, void *data, nl_dtype dtype,
                     const int64_t *shape, int ndim)
 {
-    memset(f, 0, sizeof *f);
-    f->t.dtype = dtype;
-    f->t.ndim = ndim;
-    for (int i = 0; i < ndim && i < NL_MAX_DIMS; i++)
-        f->t.shape[i] = shape[i];
-    f->t.data = data;
+    nl_wire_frame_set(f, data, dtype, shape, ndim);
     f->free_fn = txref_release;
     f->hint = ref;
     atomic_fetch_add(&ref->pending, 1);

@@ -53,6 +53,17 @@ static const nl_wire_limits *clamp_limits(const nl_wire_limits *in, nl_wire_limi
     return out;
 }
 
+void nl_wire_frame_set(nl_wire_frame *f, const void *data, nl_dtype dtype, const int64_t *shape,
+                       int ndim)
+{
+    memset(f, 0, sizeof *f);
+    f->t.dtype = dtype;
+    f->t.ndim = ndim;
+    for (int i = 0; i < ndim && i < NL_MAX_DIMS; i++)
+        f->t.shape[i] = shape[i];
+    f->t.data = (void *)data;
+}
+
 void nl_wire_msg_init(nl_wire_msg *m)
 {
     memset(m, 0, sizeof *m);

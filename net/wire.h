@@ -306,6 +306,12 @@ typedef struct nl_wire_wbuf {
 void nl_wire_wbuf_free(nl_wire_wbuf *b);
 
 /* Zero a message (no arena). */
+/* Describe a frame: a tensor of `dtype` and `shape` at data. Without a
+ * release callback (free_fn left NULL) the send copies the bytes; set
+ * free_fn (or use nl_txref_frame) to send without copying. */
+void nl_wire_frame_set(nl_wire_frame *f, const void *data, nl_dtype dtype, const int64_t *shape,
+                       int ndim);
+
 void nl_wire_msg_init(nl_wire_msg *m);
 /* Zero the fields and frames and set the type; keeps the arena. */
 void nl_wire_msg_reset(nl_wire_msg *m, nl_msg_type type);
