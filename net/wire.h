@@ -58,6 +58,8 @@ typedef enum nl_msg_type {
     NL_MSG_GRADIENT = 31,
     NL_MSG_TOKEN = 32,
     NL_MSG_RESULT = 33,
+    NL_MSG_COUNT = 34, /* training: the forward-only expert-counting pass */
+    NL_MSG_EVAL = 35,  /* training: a held-out forward (loss only) */
     NL_MSG_JOB_SUBMIT = 40,
     NL_MSG_JOB_STATUS = 41,
     NL_MSG_JOB_CANCEL = 42,
@@ -66,6 +68,7 @@ typedef enum nl_msg_type {
     NL_MSG_STEP = 51,
     NL_MSG_CKPT_REQ = 52,
     NL_MSG_CKPT_DONE = 53,
+    NL_MSG_LOSS = 54,
     NL_MSG_TYPE_MAX = 64 /* codes are below this */
 } nl_msg_type;
 
@@ -162,7 +165,9 @@ typedef struct nl_msg_load_done {
 /* ACTIVATION: frame 0 is the hidden state (float, e.g. [B, T, d]) or, into
  * the first stage, token ids (I32 [B, T]); an optional frame 1 carries
  * I32 targets [B, T] along the pipeline to the last stage. GRADIENT: one
- * float frame, the gradient of the hidden state. */
+ * float frame, the gradient of the hidden state. COUNT and EVAL are the
+ * training job's other forward passes and carry frames as ACTIVATION.
+ * In a training job `step` is the 1-based step the hop belongs to. */
 typedef struct nl_msg_tensor_hop { /* ACTIVATION, GRADIENT, RESULT */
     uint64_t job_id, step;
     uint32_t microbatch;
@@ -229,6 +234,16 @@ typedef struct nl_msg_ckpt_req {
     const char *dir;
 } nl_msg_ckpt_req;
 
+/* LOSS: the last stage's losses of one training step (eval false) or of
+ * one evaluation (eval true), to the coordinator. */
+typedef struct nl_msg_loss {
+    uint64_t job_id, step;
+    bool eval;
+    double ce_sum; /* sum of the rows' cross-entropies (non-finite allowed) */
+    double aux;    /* the whole model's load-balancing loss (training) */
+    uint64_t rows; /* rows the sum is over */
+} nl_msg_loss;
+
 typedef struct nl_msg_ckpt_done {
     uint64_t job_id, step;
     uint32_t stage;
@@ -270,6 +285,7 @@ typedef struct nl_wire_msg {
         nl_msg_step step;
         nl_msg_ckpt_req ckpt_req;
         nl_msg_ckpt_done ckpt_done;
+        nl_msg_loss loss;
     } u;
     int nframes;
     nl_wire_frame frames[NL_WIRE_MAX_FRAMES];

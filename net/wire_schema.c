@@ -123,6 +123,15 @@ static const nl_wire_field f_step[] = {
     F_BOOL(nl_msg_step, apply),          F_F64(nl_msg_step, clip_scale, 0, 1),
     F_F64(nl_msg_step, lr, 0, 1000),
 };
+static const nl_wire_field f_loss[] = {
+    F_U64(nl_msg_loss, job_id, U64_ANY),
+    F_U64(nl_msg_loss, step, U64_ANY),
+    F_BOOL(nl_msg_loss, eval),
+    /* inf/NaN are allowed: a diverged loss is reported, and the step skipped */
+    {"ce_sum", NL_WK_F64, 0, 1, offsetof(nl_msg_loss, ce_sum), 0, 0, 0, 0, HUGE_VAL},
+    {"aux", NL_WK_F64, 0, 1, offsetof(nl_msg_loss, aux), 0, 0, 0, 0, HUGE_VAL},
+    F_U64(nl_msg_loss, rows, U64_ANY),
+};
 static const nl_wire_field f_ckpt_req[] = {
     F_U64(nl_msg_ckpt_req, job_id, U64_ANY),
     F_U64(nl_msg_ckpt_req, step, U64_ANY),
@@ -162,6 +171,10 @@ static const nl_wire_tdesc tdescs[NL_MSG_TYPE_MAX] = {
     /* the last stage's logits (F32 [B, T, V]) for a forward job, to the
      * coordinator and on to the client */
     [NL_MSG_RESULT] = {"RESULT", f_hop, NF(f_hop), 1, 1, 1, NL_MAX_DIMS, DT_FLOAT, NULL},
+    /* a training step's counting pass and an evaluation: as ACTIVATION */
+    [NL_MSG_COUNT] = {"COUNT", f_hop, NF(f_hop), 1, 1, 1, NL_MAX_DIMS, DT_FLOAT | DT(I32), NULL},
+    [NL_MSG_EVAL] = {"EVAL", f_hop, NF(f_hop), 1, 2, 1, NL_MAX_DIMS, DT_FLOAT | DT(I32),
+                     check_activation},
     [NL_MSG_TOKEN] = {"TOKEN", f_token, NF(f_token), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_JOB_SUBMIT] = {"JOB_SUBMIT", f_job_submit, NF(f_job_submit), 0, 4, 1, NL_MAX_DIMS,
                            DT(I32) | DT(I64) | DT(F32), check_job_submit},
@@ -173,6 +186,7 @@ static const nl_wire_tdesc tdescs[NL_MSG_TYPE_MAX] = {
     [NL_MSG_STEP] = {"STEP", f_step, NF(f_step), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_CKPT_REQ] = {"CKPT_REQ", f_ckpt_req, NF(f_ckpt_req), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_CKPT_DONE] = {"CKPT_DONE", f_ckpt_done, NF(f_ckpt_done), 0, 0, 0, 0, 0, NULL},
+    [NL_MSG_LOSS] = {"LOSS", f_loss, NF(f_loss), 0, 0, 0, 0, 0, NULL},
 };
 
 const nl_wire_tdesc *nl_wire_schema_of(uint32_t type)

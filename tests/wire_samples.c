@@ -10,7 +10,7 @@ const nl_msg_type all_types[] = {
     NL_MSG_HEARTBEAT,  NL_MSG_LEAVE,      NL_MSG_ASSIGN,    NL_MSG_LAYER_LOAD, NL_MSG_LOAD_DONE,
     NL_MSG_ACTIVATION, NL_MSG_GRADIENT,   NL_MSG_TOKEN,     NL_MSG_JOB_SUBMIT, NL_MSG_JOB_STATUS,
     NL_MSG_JOB_CANCEL, NL_MSG_JOB_QUERY,  NL_MSG_GRAD_NORM, NL_MSG_STEP,       NL_MSG_CKPT_REQ,
-    NL_MSG_CKPT_DONE,  NL_MSG_RESULT,
+    NL_MSG_CKPT_DONE,  NL_MSG_RESULT,    NL_MSG_COUNT,     NL_MSG_EVAL,       NL_MSG_LOSS,
 };
 const int wire_ntypes = (int)(sizeof all_types / sizeof all_types[0]);
 
@@ -94,12 +94,14 @@ void sample(nl_wire_msg *m, nl_msg_type t)
         m->u.load_done = (nl_msg_load_done){3, 7, 58, 123456789};
         break;
     case NL_MSG_ACTIVATION:
+    case NL_MSG_COUNT:
+    case NL_MSG_EVAL:
     case NL_MSG_GRADIENT: {
         m->u.hop = (nl_msg_tensor_hop){11, 250, 3, 99, 17, 0.125};
         int64_t sh[3] = {2, 3, 16};
         set_frame(&m->frames[0], t == NL_MSG_GRADIENT ? NL_DTYPE_BF16 : NL_DTYPE_F32, act, 3, sh);
         m->nframes = 1;
-        if (t == NL_MSG_ACTIVATION) { /* the targets ride along */
+        if (t == NL_MSG_ACTIVATION || t == NL_MSG_EVAL) { /* the targets ride along */
             int64_t tsh[2] = {2, 5};
             set_frame(&m->frames[1], NL_DTYPE_I32, toks_frame, 2, tsh);
             m->nframes = 2;
@@ -138,6 +140,9 @@ void sample(nl_wire_msg *m, nl_msg_type t)
         break;
     case NL_MSG_CKPT_REQ:
         m->u.ckpt_req = (nl_msg_ckpt_req){11, 250, "ckpt/step-250"};
+        break;
+    case NL_MSG_LOSS:
+        m->u.loss = (nl_msg_loss){11, 250, true, 1234.5, 0.0625, 4096};
         break;
     case NL_MSG_CKPT_DONE:
         m->u.ckpt_done =
@@ -211,6 +216,8 @@ bool same_msg(const nl_wire_msg *a, const nl_wire_msg *b)
     case NL_MSG_LOAD_DONE:
         return memcmp(&p->load_done, &q->load_done, sizeof p->load_done) == 0;
     case NL_MSG_ACTIVATION:
+    case NL_MSG_COUNT:
+    case NL_MSG_EVAL:
     case NL_MSG_RESULT:
     case NL_MSG_GRADIENT:
         return p->hop.job_id == q->hop.job_id && p->hop.step == q->hop.step &&
@@ -254,6 +261,10 @@ bool same_msg(const nl_wire_msg *a, const nl_wire_msg *b)
     case NL_MSG_CKPT_REQ:
         return p->ckpt_req.job_id == q->ckpt_req.job_id && p->ckpt_req.step == q->ckpt_req.step &&
                seq(p->ckpt_req.dir, q->ckpt_req.dir);
+    case NL_MSG_LOSS:
+        return p->loss.job_id == q->loss.job_id && p->loss.step == q->loss.step &&
+               p->loss.eval == q->loss.eval && p->loss.ce_sum == q->loss.ce_sum &&
+               p->loss.aux == q->loss.aux && p->loss.rows == q->loss.rows;
     case NL_MSG_CKPT_DONE:
         return p->ckpt_done.job_id == q->ckpt_done.job_id &&
                p->ckpt_done.step == q->ckpt_done.step && p->ckpt_done.stage == q->ckpt_done.stage &&
