@@ -186,51 +186,17 @@ static nl_status save_ckpt(nl_model *m, nl_trainer *tr, const train_opts *o,
     return st;
 }
 
-static int ends_with(const char *s, const char *suffix)
-{
-    size_t a = strlen(s), b = strlen(suffix);
-    return a >= b && strcmp(s + a - b, suffix) == 0;
-}
-
 /* Text goes through the model's tokenizer when it has one; a .tok file
  * or a byte-level model reads ids directly. */
 static nl_status load_data(nl_dataset **ds, const train_opts *o, const char *model,
                            const char *tok_text, int64_t vocab, nl_error *err)
 {
-    if (!tok_text || ends_with(o->data, ".tok"))
-        return nl_dataset_load(ds, o->data, vocab, o->holdout, err);
-    nl_tokenizer *tok = NULL;
-    char *text = NULL;
-    int32_t *ids = NULL;
-    size_t len = 0, n = 0;
-    nl_status st = nl_tokenizer_load_buffer(&tok, tok_text, strlen(tok_text), err);
-    if (st != NL_OK) {
-        nl_error_prefix(err, "%s: tokenizer", model);
-        return st;
-    }
-    if (nl_tokenizer_vocab_size(tok) > vocab) {
-        st = nl_error_set(err, NL_ERR_SHAPE,
-                          "%s: tokenizer has %d ids but the model's vocabulary is %lld (grow it "
-                          "with neuroctl grow)",
-                          model, nl_tokenizer_vocab_size(tok), (long long)vocab);
-        goto out;
-    }
-    if ((st = nl_file_read_all(o->data, NL_DATA_MAX_BYTES, &text, &len, err)) != NL_OK)
-        goto out;
-    double t0 = now_s();
-    if ((st = nl_tokenizer_encode(tok, text, len, &ids, &n, err)) != NL_OK) {
-        nl_error_prefix(err, "%s", o->data);
-        goto out;
-    }
-    fprintf(stderr, "tokenized %s: %zu bytes -> %zu tokens in %.1f s\n", o->data, len, n,
-            now_s() - t0);
-    /* ids are in [0, vocab) by construction; the dataset keeps uint32 */
-    st = nl_dataset_from_ids(ds, (uint32_t *)ids, n, o->holdout, err);
-    ids = NULL;
-out:
-    free(ids);
-    free(text);
-    nl_tokenizer_destroy(&tok);
+    nl_dataset_info info;
+    nl_status st = nl_dataset_load_model(ds, o->data, tok_text, vocab, o->holdout, model, &info,
+                                         err);
+    if (st == NL_OK && info.tokenized)
+        fprintf(stderr, "tokenized %s: %zu bytes -> %zu tokens in %.1f s\n", o->data,
+                info.text_bytes, (*ds)->n, info.encode_s);
     return st;
 }
 

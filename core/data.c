@@ -3,9 +3,11 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "fileio.h"
 #include "rng.h"
+#include "tokenizer.h"
 
 nl_status nl_dataset_from_ids(nl_dataset **out, uint32_t *ids, size_t n, double holdout,
                               nl_error *err)
@@ -103,4 +105,58 @@ nl_status nl_dataset_batch(const nl_dataset *ds, int split, uint64_t seed, uint6
         }
     }
     return NL_OK;
+}
+
+static double mono_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+nl_status nl_dataset_load_model(nl_dataset **out, const char *path, const char *tok_text,
+                                int64_t vocab_size, double holdout, const char *model,
+                                nl_dataset_info *info, nl_error *err)
+{
+    nl_dataset_info scratch;
+    if (!info)
+        info = &scratch;
+    memset(info, 0, sizeof *info);
+    *out = NULL;
+    if (!tok_text || ends_with(path, ".tok"))
+        return nl_dataset_load(out, path, vocab_size, holdout, err);
+    nl_tokenizer *tok = NULL;
+    char *text = NULL;
+    int32_t *ids = NULL;
+    size_t len = 0, n = 0;
+    nl_status st = nl_tokenizer_load_buffer(&tok, tok_text, strlen(tok_text), err);
+    if (st != NL_OK) {
+        nl_error_prefix(err, "%s: tokenizer", model);
+        return st;
+    }
+    if (nl_tokenizer_vocab_size(tok) > vocab_size) {
+        st = nl_error_set(err, NL_ERR_SHAPE,
+                          "%s: tokenizer has %d ids but the model's vocabulary is %lld (grow it "
+                          "with neuroctl grow)",
+                          model, nl_tokenizer_vocab_size(tok), (long long)vocab_size);
+        goto out;
+    }
+    if ((st = nl_file_read_all(path, NL_DATA_MAX_BYTES, &text, &len, err)) != NL_OK)
+        goto out;
+    double t0 = mono_s();
+    if ((st = nl_tokenizer_encode(tok, text, len, &ids, &n, err)) != NL_OK) {
+        nl_error_prefix(err, "%s", path);
+        goto out;
+    }
+    info->tokenized = 1;
+    info->text_bytes = len;
+    info->encode_s = mono_s() - t0;
+    /* ids are in [0, vocab) by construction; the dataset keeps uint32 */
+    st = nl_dataset_from_ids(out, (uint32_t *)ids, n, holdout, err);
+    ids = NULL;
+out:
+    free(ids);
+    free(text);
+    nl_tokenizer_destroy(&tok);
+    return st;
 }

@@ -29,6 +29,21 @@ nl_status nl_dataset_from_ids(nl_dataset **out, uint32_t *ids, size_t n, double 
                               nl_error *err);
 void nl_dataset_destroy(nl_dataset **ds);
 
+/* What nl_dataset_load_model did, for the caller to report. */
+typedef struct nl_dataset_info {
+    int tokenized;      /* the text went through the tokenizer */
+    size_t text_bytes;  /* bytes read (tokenized) */
+    double encode_s;    /* seconds spent encoding */
+} nl_dataset_info;
+
+/* Training data for a model whose checkpoint carries tokenizer text
+ * tok_text (may be NULL): text goes through that tokenizer, a `.tok` file
+ * or a model without a tokenizer reads ids directly (nl_dataset_load).
+ * `model` names the model in errors; info may be NULL. */
+nl_status nl_dataset_load_model(nl_dataset **out, const char *path, const char *tok_text,
+                                int64_t vocab_size, double holdout, const char *model,
+                                nl_dataset_info *info, nl_error *err);
+
 /* Batch `index` of a split (0: training, 1: held out): B windows of T + 1
  * consecutive tokens at offsets drawn from (seed, split, index); tokens
  * get the first T of each window and targets the last T. Both are (B, T). */
