@@ -76,18 +76,90 @@ nl_status coord_send_node(nl_coord *c, cnode *n, nl_wire_msg *m)
 
 /* ---------------------------------------------------------------- setup */
 
+static void close_source(nl_coord *c)
+{
+    for (int i = 0; i < c->n_src; i++)
+        nl_st_close(&c->src[i]);
+    free(c->src);
+    c->src = NULL;
+    c->n_src = 0;
+    c->src_manifest = 0;
+    c->src_step = c->src_adam = 0;
+    c->resumable = 0;
+    c->src_path[0] = '\0';
+}
+
+static void drop_plan(nl_coord *c);
+
+nl_status coord_use_manifest(nl_coord *c, const char *path, int reload, nl_error *err)
+{
+    nl_manifest *m = NULL;
+    nl_st_file **files = NULL;
+    char *tok = NULL, *seed = NULL;
+    nl_status st = nl_manifest_load(&m, path, err);
+    if (st == NL_OK)
+        st = nl_manifest_verify(m, err);
+    if (st == NL_OK && !(files = calloc((size_t)m->n_shards, sizeof *files)))
+        st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+    for (int i = 0; st == NL_OK && i < m->n_shards; i++)
+        st = nl_st_open(&files[i], m->shards[i].path, err);
+    if (st == NL_OK && ((m->tokenizer && !(tok = strdup(m->tokenizer))) ||
+                        (m->init_seed && !(seed = strdup(m->init_seed)))))
+        st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+    if (st != NL_OK) {
+        for (int i = 0; files && i < m->n_shards; i++)
+            nl_st_close(&files[i]);
+        free(files);
+        nl_manifest_destroy(&m);
+        return nl_error_prefix(err, "manifest %s", path);
+    }
+    close_source(c);
+    c->src = files;
+    c->n_src = m->n_shards;
+    c->src_manifest = 1;
+    c->src_step = m->step;
+    c->src_adam = m->adam_steps;
+    snprintf(c->src_path, sizeof c->src_path, "%s", path);
+    free(c->tok_text);
+    free(c->init_seed);
+    c->tok_text = tok;
+    c->init_seed = seed;
+    c->cfg = m->cfg;
+    c->have_cfg = 1;
+    NL_INFO("source: %s, step %lld, %d shards (verified)", path, (long long)m->step, m->n_shards);
+    nl_manifest_destroy(&m);
+    if (reload) {
+        drop_plan(c);
+        coord_set_state(c, "reloading from %s", path);
+    }
+    return NL_OK;
+}
+
 static nl_status load_model_source(nl_coord *c, nl_error *err)
 {
     nl_config_init(&c->base);
+    if (c->o.resume)
+        return coord_use_manifest(c, c->o.resume, 0, err);
     if (c->o.model) {
-        nl_status st = nl_checkpoint_read_config(c->o.model, &c->cfg, NULL, err);
+        c->src = calloc(1, sizeof *c->src);
+        if (!c->src)
+            return nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+        nl_status st = nl_checkpoint_read_config(c->o.model, &c->cfg, &c->src_step, err);
         if (st == NL_OK)
-            st = nl_st_open(&c->ckpt, c->o.model, err);
+            st = nl_st_open(&c->src[0], c->o.model, err);
+        c->n_src = st == NL_OK;
         if (st == NL_OK)
             st = nl_checkpoint_meta(c->o.model, "tokenizer", &c->tok_text, err);
+        if (st == NL_OK)
+            st = nl_checkpoint_meta(c->o.model, "init_seed", &c->init_seed, err);
+        snprintf(c->src_path, sizeof c->src_path, "%s", c->o.model);
         c->have_cfg = st == NL_OK;
         return st;
     }
+    char seed[32];
+    snprintf(seed, sizeof seed, "%llu", (unsigned long long)c->o.seed);
+    if (!(c->init_seed = strdup(seed)))
+        return nl_error_set(err, NL_ERR_NOMEM, "out of memory");
     if (c->o.config) {
         nl_status st = nl_config_load_yaml(&c->base, c->o.config, err);
         if (st != NL_OK)
@@ -173,12 +245,13 @@ void nl_coord_destroy(nl_coord **cp)
         return;
     nl_coord *c = *cp;
     for (int i = 0; i < COORD_MAX_JOBS; i++)
-        free(c->jobs[i].prompt);
+        coord_job_free(&c->jobs[i]);
     nl_plan_destroy(&c->plan);
     nl_sock_destroy(&c->ctl);
     nl_net_destroy(&c->net);
-    nl_st_close(&c->ckpt);
+    close_source(c);
     free(c->tok_text);
+    free(c->init_seed);
     nl_keys_wipe(&c->keys);
     free(c);
     *cp = NULL;
@@ -186,7 +259,7 @@ void nl_coord_destroy(nl_coord **cp)
 
 /* ---------------------------------------------------------------- membership */
 
-static cnode *node_by_rid(nl_coord *c, const nl_rx *rx)
+cnode *coord_node_by_rid(nl_coord *c, const nl_rx *rx)
 {
     for (int i = 0; i < COORD_MAX_NODES; i++) {
         cnode *n = &c->nodes[i];
@@ -281,7 +354,7 @@ static void on_join(nl_coord *c, const nl_rx *rx)
 
 static void on_leave(nl_coord *c, const nl_rx *rx)
 {
-    cnode *n = node_by_rid(c, rx);
+    cnode *n = coord_node_by_rid(c, rx);
     if (!n)
         return;
     char why[300];
@@ -291,7 +364,7 @@ static void on_leave(nl_coord *c, const nl_rx *rx)
 
 static void on_heartbeat(nl_coord *c, const nl_rx *rx)
 {
-    cnode *n = node_by_rid(c, rx);
+    cnode *n = coord_node_by_rid(c, rx);
     nl_error e = {0};
     if (!n || n->id != rx->msg.u.heartbeat.node_id) {
         nl_sock_send_error(c->ctl, rx, NL_ERR_STATE, NL_MSG_HEARTBEAT, "unknown node: JOIN first",
@@ -303,7 +376,7 @@ static void on_heartbeat(nl_coord *c, const nl_rx *rx)
 
 static void on_node_error(nl_coord *c, const nl_rx *rx)
 {
-    cnode *n = node_by_rid(c, rx);
+    cnode *n = coord_node_by_rid(c, rx);
     const nl_msg_error *e = &rx->msg.u.error;
     char why[1200];
     snprintf(why, sizeof why, "node %u: %s (%s)", n ? n->id : 0, e->message,
@@ -350,10 +423,17 @@ static void send_assign(nl_coord *c, int stage, const char *cfg_json)
     nl_wire_msg_free(&m);
 }
 
-/* Does checkpoint tensor `name` belong to stage s? */
-static int stage_holds(const nl_plan_stage *s, const char *name)
+/* Does source tensor `name` belong to stage s? The optimizer moments
+ * (optim.m.<name>, optim.v.<name>) go with their tensor when the source is
+ * a manifest, so that training resumes; a checkpoint's stay here. */
+static int stage_holds(const nl_coord *c, const nl_plan_stage *s, const char *name)
 {
     int l = -1, used = 0;
+    if (strncmp(name, "optim.m.", 8) == 0 || strncmp(name, "optim.v.", 8) == 0) {
+        if (!c->src_manifest)
+            return 0;
+        name += 8;
+    }
     if (strcmp(name, "tok_embeddings.weight") == 0)
         return s->has_embed;
     if (strcmp(name, "norm.weight") == 0 || strcmp(name, "lm_head.weight") == 0)
@@ -381,13 +461,14 @@ static void send_load(nl_coord *c, int stage)
     uint32_t tensors = 0;
     uint64_t bytes = 0;
     double t0 = coord_now();
-    for (size_t i = 0; c->ckpt && i < nl_st_count(c->ckpt); i++) {
-        const nl_st_entry *e = nl_st_entry_at(c->ckpt, i);
-        if (!stage_holds(s, e->name) || e->dtype != NL_DTYPE_F32)
+    for (int f = 0; f < c->n_src; f++)
+    for (size_t i = 0; i < nl_st_count(c->src[f]); i++) {
+        const nl_st_entry *e = nl_st_entry_at(c->src[f], i);
+        if (!stage_holds(c, s, e->name) || e->dtype != NL_DTYPE_F32)
             continue;
         const uint64_t numel = e->nbytes / 4;
         const uint32_t chunks = (uint32_t)((numel + CHUNK_FLOATS - 1) / CHUNK_FLOATS);
-        const char *data = nl_st_tensor_data(c->ckpt, e);
+        const char *data = nl_st_tensor_data(c->src[f], e);
         for (uint32_t k = 0; k < (chunks ? chunks : 1); k++) {
             const uint64_t off = (uint64_t)k * CHUNK_FLOATS;
             const uint64_t cnt = numel - off < CHUNK_FLOATS ? numel - off : CHUNK_FLOATS;
@@ -412,7 +493,7 @@ static void send_load(nl_coord *c, int stage)
     nl_wire_msg_reset(&m, NL_MSG_LOAD_DONE);
     m.u.load_done = (nl_msg_load_done){c->epoch, n->id, tensors, bytes};
     coord_send_node(c, n, &m);
-    if (c->ckpt)
+    if (c->n_src)
         NL_INFO("stage %d: sent %u tensors (%.1f MiB) to node %u in %.2f s", stage, tensors,
                 (double)bytes / (1 << 20), n->id, coord_now() - t0);
 out:
@@ -496,7 +577,7 @@ static void try_plan(nl_coord *c)
 
 static void on_load_done(nl_coord *c, const nl_rx *rx)
 {
-    cnode *n = node_by_rid(c, rx);
+    cnode *n = coord_node_by_rid(c, rx);
     if (!n || rx->msg.u.load_done.epoch != c->epoch || n->stage < 0)
         return; /* a stale plan's answer */
     n->loaded = 1;
@@ -508,6 +589,7 @@ static void on_load_done(nl_coord *c, const nl_rx *rx)
             return;
     }
     c->ready = 1;
+    c->resumable = c->src_manifest; /* the stages hold the manifest's weights and moments */
     coord_set_state(c, "ready: %d stages, bottleneck %.2f ms per request (plan %llu)",
                     c->plan->n_stages, c->plan->bottleneck * 1e3, (unsigned long long)c->epoch);
 }
@@ -567,6 +649,15 @@ static void dispatch(nl_coord *c, const nl_rx *rx)
         break;
     case NL_MSG_JOB_SUBMIT:
         coord_on_submit(c, rx);
+        break;
+    case NL_MSG_GRAD_NORM:
+        coord_train_on_grad_norm(c, rx);
+        break;
+    case NL_MSG_LOSS:
+        coord_train_on_loss(c, rx);
+        break;
+    case NL_MSG_CKPT_DONE:
+        coord_train_on_ckpt_done(c, rx);
         break;
     case NL_MSG_JOB_QUERY:
         coord_on_query(c, rx);

@@ -19,6 +19,7 @@ typedef struct nl_coord_opts {
     const char *listen;       /* control endpoint, e.g. tcp://0.0.0.0:7000 */
     const char *state_dir;    /* keys, authorized_keys, endpoint file */
     const char *model;        /* checkpoint to serve, or NULL */
+    const char *resume;       /* a training manifest to serve and continue, or NULL */
     const char *config;       /* YAML config (sized, or to be sized), or NULL */
     uint64_t seed;            /* initialisation seed without a checkpoint */
     int min_nodes;            /* plan once this many nodes have joined */

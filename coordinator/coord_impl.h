@@ -3,6 +3,8 @@
 #ifndef NL_COORD_IMPL_H
 #define NL_COORD_IMPL_H
 
+#include "core/data.h"
+#include "core/manifest.h"
 #include "core/planner.h"
 #include "core/safetensors.h"
 #include "net/transport.h"
@@ -34,6 +36,8 @@ typedef struct cnode {
 
 typedef enum { JOB_FREE = 0, JOB_OPENING, JOB_RUNNING } job_phase;
 
+struct ctrain; /* a training job's state (coord_train.c) */
+
 typedef struct cjob {
     int phase;
     uint64_t id;
@@ -48,6 +52,8 @@ typedef struct cjob {
     double temperature, top_p;
     int64_t seed;
     int32_t fed; /* the id fed back to the first stage */
+    /* train */
+    struct ctrain *train;
 } cjob;
 
 struct nl_coord {
@@ -60,8 +66,16 @@ struct nl_coord {
     uint32_t next_node_id;
     nl_config cfg, base;
     int have_cfg;
-    nl_st_file *ckpt; /* mapped for the lifetime: layer chunks are sent from it */
-    char *tok_text;   /* the checkpoint's tokenizer, or NULL */
+    /* where the weights come from: a checkpoint, a manifest's shards, or
+     * (none) the seed; the files stay mapped, layer chunks are sent from them */
+    char src_path[4096];
+    nl_st_file **src;
+    int n_src;
+    int src_manifest;       /* the source is a manifest: its shards carry the moments */
+    int64_t src_step, src_adam;
+    int resumable;          /* the stages hold a manifest's weights and moments, untouched */
+    char *tok_text;         /* the model's tokenizer, or NULL */
+    char *init_seed;        /* the seed the weights were first drawn from (text), or NULL */
     nl_plan *plan;
     int planned_once;
     uint64_t epoch;
@@ -81,7 +95,18 @@ nl_status coord_send_node(nl_coord *c, cnode *n, nl_wire_msg *m);
 /* A node is gone: fail the jobs it carried and plan again. */
 void coord_node_lost(nl_coord *c, cnode *n, int life, const char *why);
 
+/* Replace the source by a verified manifest (the shards' hashes are
+ * checked; a bad shard is refused by name) and, when reload is set, plan
+ * and load again from it. */
+nl_status coord_use_manifest(nl_coord *c, const char *path, int reload, nl_error *err);
+
 /* coord_jobs.c */
+cjob *coord_job_new(nl_coord *c, const nl_rx *rx, int kind);
+void coord_job_free(cjob *j);
+cjob *coord_job_find(nl_coord *c, uint64_t id);
+/* JOB_STATUS to a client, with an optional JSON report (a U8 frame). */
+void coord_status_to(nl_coord *c, const uint8_t *rid, size_t rid_len, uint64_t job, int state,
+                     double progress, const char *msg, const char *json);
 void coord_on_submit(nl_coord *c, const nl_rx *rx);
 void coord_on_query(nl_coord *c, const nl_rx *rx);
 void coord_on_cancel(nl_coord *c, const nl_rx *rx);
@@ -91,5 +116,18 @@ void coord_on_session_ack(nl_coord *c, const nl_rx *rx);
 void coord_fail_jobs(nl_coord *c, const char *why);
 void coord_fail_job(nl_coord *c, cjob *j, const char *why);
 void coord_check_jobs(nl_coord *c, double now);
+
+/* coord_train.c */
+void coord_train_submit(nl_coord *c, const nl_rx *rx);
+void coord_train_on_ack(nl_coord *c, cjob *j, const nl_rx *rx);
+void coord_train_on_grad_norm(nl_coord *c, const nl_rx *rx);
+void coord_train_on_loss(nl_coord *c, const nl_rx *rx);
+void coord_train_on_ckpt_done(nl_coord *c, const nl_rx *rx);
+/* Once a second or so: a job waiting for the cluster to load starts. */
+void coord_train_tick(nl_coord *c, cjob *j);
+/* The failure text's tail: the last checkpoint, or that there is none. */
+void coord_train_fail_note(const cjob *j, char *buf, size_t cap);
+void coord_train_free(cjob *j);
+cnode *coord_node_by_rid(nl_coord *c, const nl_rx *rx);
 
 #endif

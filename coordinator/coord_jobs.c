@@ -9,17 +9,28 @@
 #include "base/log.h"
 #include "coord_impl.h"
 
-static void status_to(nl_coord *c, const uint8_t *rid, size_t rid_len, uint64_t job, int state,
-                      double progress, const char *msg)
+void coord_status_to(nl_coord *c, const uint8_t *rid, size_t rid_len, uint64_t job, int state,
+                     double progress, const char *msg, const char *json)
 {
     nl_wire_msg m;
     nl_error e = {0};
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_STATUS);
     m.u.job_status = (nl_msg_job_status){job, (uint32_t)state, progress, msg};
+    if (json) {
+        const int64_t len = (int64_t)strlen(json);
+        nl_wire_frame_set(&m.frames[0], json, NL_DTYPE_U8, &len, 1);
+        m.nframes = 1;
+    }
     if (nl_sock_send(c->ctl, rid, rid_len, &m, &e) != NL_OK)
         NL_WARN("JOB_STATUS to a client: %s", e.msg);
     nl_wire_msg_free(&m);
+}
+
+static void status_to(nl_coord *c, const uint8_t *rid, size_t rid_len, uint64_t job, int state,
+                      double progress, const char *msg)
+{
+    coord_status_to(c, rid, rid_len, job, state, progress, msg, NULL);
 }
 
 static void status_reply(nl_coord *c, const nl_rx *rx, uint64_t job, int state, const char *msg)
@@ -27,7 +38,7 @@ static void status_reply(nl_coord *c, const nl_rx *rx, uint64_t job, int state, 
     status_to(c, rx->rid, rx->rid_len, job, state, 0.0, msg);
 }
 
-static cjob *job_find(nl_coord *c, uint64_t id)
+cjob *coord_job_find(nl_coord *c, uint64_t id)
 {
     for (int i = 0; i < COORD_MAX_JOBS; i++)
         if (c->jobs[i].phase != JOB_FREE && c->jobs[i].id == id)
@@ -35,13 +46,35 @@ static cjob *job_find(nl_coord *c, uint64_t id)
     return NULL;
 }
 
-static void job_free(cjob *j)
+void coord_job_free(cjob *j)
 {
     free(j->prompt);
+    coord_train_free(j);
     memset(j, 0, sizeof *j);
 }
 
-/* Tell every stage to drop a generation session. */
+/* A free job slot for a client's request, or NULL (answered already). */
+cjob *coord_job_new(nl_coord *c, const nl_rx *rx, int kind)
+{
+    cjob *j = NULL;
+    for (int i = 0; i < COORD_MAX_JOBS && !j; i++)
+        if (c->jobs[i].phase == JOB_FREE)
+            j = &c->jobs[i];
+    if (!j) {
+        status_reply(c, rx, 0, NL_JOB_FAILED, "too many jobs at once; try again");
+        return NULL;
+    }
+    memset(j, 0, sizeof *j);
+    j->id = ++c->next_job;
+    j->kind = kind;
+    memcpy(j->rid, rx->rid, rx->rid_len);
+    j->rid_len = rx->rid_len;
+    j->epoch = c->epoch;
+    j->last_progress = coord_now();
+    return j;
+}
+
+/* Tell every stage to drop a generation session or end a training job. */
 static void close_session(nl_coord *c, cjob *j)
 {
     nl_wire_msg m;
@@ -59,11 +92,15 @@ static void close_session(nl_coord *c, cjob *j)
 
 void coord_fail_job(nl_coord *c, cjob *j, const char *why)
 {
-    NL_WARN("job %llu failed: %s", (unsigned long long)j->id, why);
-    status_to(c, j->rid, j->rid_len, j->id, NL_JOB_FAILED, 0.0, why);
-    if (j->kind == NL_JOB_GENERATE)
+    char text[1024];
+    snprintf(text, sizeof text, "%s", why);
+    if (j->kind == NL_JOB_TRAIN)
+        coord_train_fail_note(j, text + strlen(text), sizeof text - strlen(text));
+    NL_WARN("job %llu failed: %s", (unsigned long long)j->id, text);
+    status_to(c, j->rid, j->rid_len, j->id, NL_JOB_FAILED, 0.0, text);
+    if (j->kind == NL_JOB_GENERATE || j->kind == NL_JOB_TRAIN)
         close_session(c, j);
-    job_free(j);
+    coord_job_free(j);
 }
 
 void coord_fail_jobs(nl_coord *c, const char *why)
@@ -77,6 +114,8 @@ void coord_check_jobs(nl_coord *c, double now)
 {
     for (int i = 0; i < COORD_MAX_JOBS; i++) {
         cjob *j = &c->jobs[i];
+        if (j->phase != JOB_FREE && j->kind == NL_JOB_TRAIN)
+            coord_train_tick(c, j);
         if (j->phase != JOB_FREE && (now - j->last_progress) * 1e3 > c->o.job_timeout_ms) {
             char why[128];
             snprintf(why, sizeof why, "no progress for %.0f s", now - j->last_progress);
@@ -149,13 +188,13 @@ void coord_on_submit(nl_coord *c, const nl_rx *rx)
 {
     const nl_msg_job_submit *s = &rx->msg.u.job_submit;
     char why[700];
-    if (!c->ready) {
+    if (!c->ready && s->kind != NL_JOB_TRAIN) { /* a resumed training job loads first */
         snprintf(why, sizeof why, "the cluster is not ready: %s", c->state);
         status_reply(c, rx, 0, NL_JOB_FAILED, why);
         return;
     }
-    if (s->kind != NL_JOB_FORWARD && s->kind != NL_JOB_GENERATE) {
-        status_reply(c, rx, 0, NL_JOB_FAILED, "this coordinator runs forward and generate jobs");
+    if (s->kind == NL_JOB_TRAIN) {
+        coord_train_submit(c, rx);
         return;
     }
     int B = 0, T = 0;
@@ -164,21 +203,9 @@ void coord_on_submit(nl_coord *c, const nl_rx *rx)
         status_reply(c, rx, 0, NL_JOB_FAILED, bad);
         return;
     }
-    cjob *j = NULL;
-    for (int i = 0; i < COORD_MAX_JOBS && !j; i++)
-        if (c->jobs[i].phase == JOB_FREE)
-            j = &c->jobs[i];
-    if (!j) {
-        status_reply(c, rx, 0, NL_JOB_FAILED, "too many jobs at once; try again");
+    cjob *j = coord_job_new(c, rx, (int)s->kind);
+    if (!j)
         return;
-    }
-    memset(j, 0, sizeof *j);
-    j->id = ++c->next_job;
-    j->kind = (int)s->kind;
-    memcpy(j->rid, rx->rid, rx->rid_len);
-    j->rid_len = rx->rid_len;
-    j->epoch = c->epoch;
-    j->last_progress = coord_now();
     const int32_t *ids = rx->msg.frames[0].t.data;
     if (s->kind == NL_JOB_FORWARD) {
         j->phase = JOB_RUNNING;
@@ -195,7 +222,7 @@ void coord_on_submit(nl_coord *c, const nl_rx *rx)
     j->seed = (p = param(s, "seed")) && p->kind == NL_WIRE_PARAM_INT ? p->i : 0;
     if (B != 1 || j->max_new < 1 || j->max_new > (1 << 20) || !(j->temperature >= 0) ||
         !(j->top_p > 0 && j->top_p <= 1) || j->seed < 0 || T >= c->cfg.max_seq_len) {
-        job_free(j);
+        coord_job_free(j);
         status_reply(c, rx, 0, NL_JOB_FAILED,
                      "generate needs one prompt [1, T] shorter than max_seq_len, max_new >= 1, "
                      "temperature >= 0, top_p in (0, 1], seed >= 0");
@@ -203,7 +230,7 @@ void coord_on_submit(nl_coord *c, const nl_rx *rx)
     }
     j->prompt = malloc((size_t)T * sizeof *j->prompt);
     if (!j->prompt) {
-        job_free(j);
+        coord_job_free(j);
         status_reply(c, rx, 0, NL_JOB_FAILED, "out of memory");
         return;
     }
@@ -233,7 +260,11 @@ void coord_on_submit(nl_coord *c, const nl_rx *rx)
 
 void coord_on_session_ack(nl_coord *c, const nl_rx *rx)
 {
-    cjob *j = job_find(c, rx->msg.u.job_status.job_id);
+    cjob *j = coord_job_find(c, rx->msg.u.job_status.job_id);
+    if (j && j->kind == NL_JOB_TRAIN) {
+        coord_train_on_ack(c, j, rx);
+        return;
+    }
     if (!j || j->phase != JOB_OPENING || j->epoch != c->epoch)
         return;
     j->last_progress = coord_now();
@@ -247,7 +278,7 @@ void coord_on_session_ack(nl_coord *c, const nl_rx *rx)
 void coord_on_token(nl_coord *c, const nl_rx *rx)
 {
     const nl_msg_token *t = &rx->msg.u.token;
-    cjob *j = job_find(c, t->job_id);
+    cjob *j = coord_job_find(c, t->job_id);
     if (!j || j->phase != JOB_RUNNING || t->ntokens != 1)
         return;
     j->last_progress = coord_now();
@@ -264,7 +295,7 @@ void coord_on_token(nl_coord *c, const nl_rx *rx)
     nl_wire_msg_free(&m);
     if (done) {
         close_session(c, j);
-        job_free(j);
+        coord_job_free(j);
         return;
     }
     /* the id goes back to the first stage at the next position */
@@ -275,7 +306,7 @@ void coord_on_token(nl_coord *c, const nl_rx *rx)
 
 void coord_on_result(nl_coord *c, const nl_rx *rx)
 {
-    cjob *j = job_find(c, rx->msg.u.hop.job_id);
+    cjob *j = coord_job_find(c, rx->msg.u.hop.job_id);
     cnode *last = c->plan ? coord_stage_node(c, c->plan->n_stages - 1) : NULL;
     if (!j || j->kind != NL_JOB_FORWARD || !last || last->rid_len != rx->rid_len ||
         memcmp(last->rid, rx->rid, rx->rid_len) != 0)
@@ -292,20 +323,20 @@ void coord_on_result(nl_coord *c, const nl_rx *rx)
         NL_WARN("RESULT to the client of job %llu: %s", (unsigned long long)j->id, e.msg);
     nl_wire_msg_free(&m);
     status_to(c, j->rid, j->rid_len, j->id, NL_JOB_DONE, 1.0, "done");
-    job_free(j);
+    coord_job_free(j);
 }
 
 void coord_on_cancel(nl_coord *c, const nl_rx *rx)
 {
-    cjob *j = job_find(c, rx->msg.u.job_ref.job_id);
+    cjob *j = coord_job_find(c, rx->msg.u.job_ref.job_id);
     if (!j || j->rid_len != rx->rid_len || memcmp(j->rid, rx->rid, rx->rid_len) != 0) {
         status_reply(c, rx, rx->msg.u.job_ref.job_id, NL_JOB_FAILED, "no such job of yours");
         return;
     }
-    if (j->kind == NL_JOB_GENERATE)
+    if (j->kind == NL_JOB_GENERATE || j->kind == NL_JOB_TRAIN)
         close_session(c, j);
     status_reply(c, rx, j->id, NL_JOB_CANCELLED, "cancelled");
-    job_free(j);
+    coord_job_free(j);
 }
 
 /* ---------------------------------------------------------------- status */
@@ -368,7 +399,7 @@ void coord_on_query(nl_coord *c, const nl_rx *rx)
     const uint64_t id = rx->msg.u.job_ref.job_id;
     nl_error e = {0};
     if (id != 0) {
-        cjob *j = job_find(c, id);
+        cjob *j = coord_job_find(c, id);
         status_reply(c, rx, id, j ? NL_JOB_RUNNING : NL_JOB_FAILED, j ? "running" : "no such job");
         return;
     }

@@ -24,6 +24,10 @@ int main(int argc, char **argv)
         {"state-dir", 1, "keys, authorized_keys and the endpoint file live here", NULL},
         {"model", 1, "checkpoint to serve (safetensors)", NULL},
         {"config", 1, "model config (YAML); without hidden_dim/num_layers it is sized", NULL},
+        {"resume", 1,
+         "a training manifest (or its directory): serve its weights and let the next train job "
+         "continue from its step",
+         NULL},
         {"seed", 1, "initialisation seed when there is no checkpoint (default 0)", NULL},
         {"min-nodes", 1, "plan once this many nodes have joined (default 1)", NULL},
         {"min-memory", 1, "... and they offer at least this much memory (default 0)", NULL},
@@ -35,7 +39,7 @@ int main(int argc, char **argv)
         {"plaintext", 0, "INSECURE: no CURVE encryption or authentication", NULL},
         {0}};
     const char *usage = "neurocoord --listen ENDPOINT --state-dir DIR [--model MODEL.safetensors | "
-                        "--config CFG.yaml] [options]";
+                        "--config CFG.yaml | --resume MANIFEST] [options]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -45,10 +49,11 @@ int main(int argc, char **argv)
     o.state_dir = nl_args_get(flags, "state-dir");
     o.model = nl_args_get(flags, "model");
     o.config = nl_args_get(flags, "config");
+    o.resume = nl_args_get(flags, "resume");
     o.plaintext = nl_args_get(flags, "plaintext") != NULL;
     long long seed = 0, min_nodes = 1, hb = 1000, nto = 5000, jto = 120000, rows = 512;
     uint64_t min_mem = 0;
-    if (!o.listen || !o.state_dir || (o.model && o.config)) {
+    if (!o.listen || !o.state_dir || (!!o.model + !!o.config + !!o.resume > 1)) {
         nl_args_help(stderr, usage, flags);
         return 2;
     }

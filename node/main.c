@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <signal.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 
@@ -95,6 +96,14 @@ static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypa
     o->name = nl_args_get(flags, "name");
     o->device = nl_args_get(flags, "device") ? nl_args_get(flags, "device") : "cpu";
     o->kv_budget = 256ULL << 20;
+    o->ckpt_root = nl_args_get(flags, "checkpoint-root");
+    /* test hooks: NL_TEST_INJECT_NAN_STEP=K puts a NaN into the gradient of
+     * step index K (0-based, as neuroctl train's hook), on the stage
+     * NL_TEST_INJECT_NAN_STAGE (default: every stage) */
+    const char *nan_step = getenv("NL_TEST_INJECT_NAN_STEP"),
+               *nan_stage = getenv("NL_TEST_INJECT_NAN_STAGE");
+    o->inject_nan_step = nan_step ? atoll(nan_step) + 1 : 0;
+    o->inject_nan_stage = nan_stage ? atoi(nan_stage) : -1;
     if (nl_args_size(flags, "memory", &o->memory_bytes) ||
         nl_args_size(flags, "kv-budget", &o->kv_budget) ||
         nl_args_int(flags, "threads", 0, 4096, &threads) ||
@@ -158,6 +167,10 @@ int main(int argc, char **argv)
         {"name", 1, "NAME: shown in log lines (default node-<id>)", NULL},
         {"log-level", 1, "debug, info, warn, error or off (default info)", NULL},
         {"connect-timeout", 1, "SECONDS: keep trying the coordinator this long (default 30)", NULL},
+        {"checkpoint-root", 1,
+         "DIR: training checkpoint shards may only be written under it (default: any absolute "
+         "path the coordinator names)",
+         NULL},
         {"plaintext", 0, "INSECURE: no CURVE encryption or authentication (debugging only)", NULL},
         {NULL, 0, NULL, NULL}};
     const char *pos[2] = {NULL, NULL};

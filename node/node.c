@@ -35,6 +35,8 @@ typedef struct node {
     int64_t next_hb_ms;
     int64_t window_ms; /* start of the load window (since the last heartbeat) */
     double busy_ms;    /* time spent in forwards in that window */
+    uint8_t prev_rid[NL_ROUTING_ID_MAX]; /* the previous stage on data: GRADIENTs go there */
+    size_t prev_rid_len;
     nl_rx rx;
     nl_wire_msg tx;
 } node;
@@ -209,7 +211,10 @@ static nl_status start(node *n, nl_error *err)
     const nl_node_opts *o = n->o;
     nl_stage_opts so = {.memory_bytes = o->memory_bytes,
                         .kv_budget = o->kv_budget,
-                        .send_wait_ms = 1}; /* wait_sent waited already */
+                        .send_wait_ms = 1, /* wait_sent waited already */
+                        .ckpt_root = o->ckpt_root,
+                        .inject_nan_step = o->inject_nan_step,
+                        .inject_nan_stage = o->inject_nan_stage};
     nl_status st = nl_backend_cpu_new(&n->be, o->threads, err);
     if (st != NL_OK)
         return st;
@@ -329,6 +334,7 @@ static void handle_assign(node *n, const nl_msg_assign *a)
     }
     drop_next(n); /* drops what was queued for the old next stage */
     n->next_ep[0] = n->next_key[0] = '\0';
+    n->prev_rid_len = 0;
     wait_sent(n);
     nl_status st = nl_stage_assign(n->stage, a, &e);
     const char *prev = a->prev_key;
@@ -458,6 +464,56 @@ static void handle_job_submit(node *n, const nl_msg_job_submit *j)
     send_ctl(n, "JOB_STATUS");
 }
 
+/* ===================== training ===================== */
+
+/* Where the stage's training messages go (nl_stage_send_fn). */
+static nl_status train_send(void *ctx, nl_stage_dest to, nl_wire_msg *m, nl_error *err)
+{
+    node *n = ctx;
+    if (to == NL_STAGE_TO_COORD)
+        return nl_sock_send(n->ctl, NULL, 0, m, err);
+    if (to == NL_STAGE_TO_PREV) {
+        if (!n->prev_rid_len)
+            return nl_error_set(err, NL_ERR_STATE, "no previous stage has sent to this one");
+        return nl_sock_send(n->data, n->prev_rid, n->prev_rid_len, m, err);
+    }
+    if (!n->next_ep[0])
+        return nl_error_set(err, NL_ERR_STATE, "this stage has no next stage");
+    nl_status st = ensure_next(n, err);
+    return st == NL_OK ? nl_sock_send(n->next, NULL, 0, m, err) : st;
+}
+
+/* A training message from any socket: the stage runs what it can. */
+static void handle_train(node *n, const nl_wire_msg *m)
+{
+    nl_error e;
+    int64_t t0 = mono_ms();
+    nl_status st = nl_stage_train_input(n->stage, m, train_send, n, &e);
+    n->busy_ms += (double)(mono_ms() - t0);
+    if (st != NL_OK)
+        send_error(n, st, m->type, "%s", e.msg);
+}
+
+static void handle_train_submit(node *n, const nl_msg_job_submit *j)
+{
+    nl_error e;
+    uint64_t job = 0;
+    nl_status st = nl_stage_train_begin(n->stage, j, &job, &e);
+    if (st != NL_OK) {
+        send_error(n, st, NL_MSG_JOB_SUBMIT, "%s", e.msg);
+        return;
+    }
+    nl_wire_msg_reset(&n->tx, NL_MSG_JOB_STATUS);
+    n->tx.u.job_status = (nl_msg_job_status){job, NL_JOB_RUNNING, 0.0, "training"};
+    send_ctl(n, "JOB_STATUS");
+}
+
+static bool is_train_hop(const nl_wire_msg *m)
+{
+    return m->type == NL_MSG_COUNT || m->type == NL_MSG_EVAL ||
+           (m->type == NL_MSG_ACTIVATION && m->u.hop.step != 0);
+}
+
 /* ===================== dispatch ===================== */
 
 static void on_control(node *n)
@@ -474,14 +530,28 @@ static void on_control(node *n)
         handle_load_done(n, &m->u.load_done);
         break;
     case NL_MSG_ACTIVATION:
-        handle_activation(n, m);
+    case NL_MSG_COUNT:
+    case NL_MSG_EVAL:
+        if (is_train_hop(m))
+            handle_train(n, m);
+        else
+            handle_activation(n, m);
+        break;
+    case NL_MSG_STEP:
+    case NL_MSG_CKPT_REQ:
+        handle_train(n, m);
         break;
     case NL_MSG_JOB_SUBMIT:
-        handle_job_submit(n, &m->u.job_submit);
+        if (m->u.job_submit.kind == NL_JOB_TRAIN)
+            handle_train_submit(n, &m->u.job_submit);
+        else
+            handle_job_submit(n, &m->u.job_submit);
         break;
     case NL_MSG_JOB_CANCEL:
         if (nl_stage_close_session(n->stage, m->u.job_ref.job_id))
             NL_INFO("session %llu closed", (unsigned long long)m->u.job_ref.job_id);
+        if (nl_stage_train_end(n->stage, m->u.job_ref.job_id))
+            NL_INFO("train job %llu ended", (unsigned long long)m->u.job_ref.job_id);
         break;
     case NL_MSG_ERROR:
         NL_WARN("the coordinator reports an error about %s: %s (%s)",
@@ -504,6 +574,12 @@ static void on_control(node *n)
 static void on_data(node *n)
 {
     const nl_wire_msg *m = &n->rx.msg;
+    if (is_train_hop(m)) { /* from the previous stage, which takes the gradients */
+        memcpy(n->prev_rid, n->rx.rid, n->rx.rid_len);
+        n->prev_rid_len = n->rx.rid_len;
+        handle_train(n, m);
+        return;
+    }
     if (m->type == NL_MSG_ACTIVATION) {
         handle_activation(n, m);
         return;
@@ -511,13 +587,15 @@ static void on_data(node *n)
     NL_WARN("unexpected %s on data from %.48s", nl_wire_type_name(m->type), n->rx.peer);
     if (m->type != NL_MSG_ERROR)
         nl_sock_send_error(n->data, &n->rx, NL_ERR_UNSUPPORTED, m->type,
-                           "a node's data socket takes ACTIVATION only", NULL);
+                           "a node's data socket takes ACTIVATION, COUNT and EVAL only", NULL);
 }
 
 static void on_next(node *n)
 {
     const nl_wire_msg *m = &n->rx.msg;
-    if (m->type == NL_MSG_ERROR)
+    if (m->type == NL_MSG_GRADIENT)
+        handle_train(n, m);
+    else if (m->type == NL_MSG_ERROR)
         NL_WARN("the next stage reports an error about %s: %s",
                 nl_wire_type_name(m->u.error.req_type) ? nl_wire_type_name(m->u.error.req_type)
                                                        : "a message",

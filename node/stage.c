@@ -1,6 +1,7 @@
 /* One pipeline stage: the assigned model, its loading, the forward hop and
  * the generation sessions (see stage.h). */
 #include "stage.h"
+#include "stage_impl.h"
 
 #include <limits.h>
 #include <stdio.h>
@@ -9,56 +10,7 @@
 #include <time.h>
 
 #include "../base/log.h"
-#include "../core/forward.h"
 #include "../core/memory.h"
-#include "../core/sampler.h"
-
-#define EVICTED_MEMORY 256 /* evicted session ids remembered, for the error */
-
-typedef struct session {
-    uint64_t id;
-    nl_kvcache *kv;
-    size_t bytes;
-    bool has_sampler;
-    nl_sampler smp;
-    uint64_t used; /* the stage's tick at the last use: LRU order */
-} session;
-
-struct nl_stage {
-    nl_backend *be; /* borrowed */
-    nl_stage_opts o;
-
-    /* the assignment */
-    uint64_t epoch;
-    bool assigned;      /* an ASSIGN was received (epoch is meaningful) */
-    bool assign_failed; /* ... and refused: loads of its epoch are dropped */
-    char assign_err[NL_ERROR_MSG_MAX];
-    uint64_t seed;
-    nl_model *model;
-    uint64_t *loaded; /* elements received per table entry */
-    bool ready;
-    double t_assign;
-    int max_rows;
-
-    /* the forward */
-    nl_runstate *rs;
-    int rs_rows;
-    nl_txref tx;    /* guards the output buffer while it is being sent */
-    int32_t *tok_h; /* aligned copy of a token frame (host) */
-    size_t tok_cap;
-    float *xin_d; /* device copy of a hidden-state frame */
-    size_t xin_cap;
-    float *out_h; /* host copy of the output (backends without host memory) */
-    size_t out_cap;
-
-    /* sessions */
-    session *sess;
-    int n_sess, cap_sess;
-    size_t kv_used;
-    uint64_t tick;
-    uint64_t evicted[EVICTED_MEMORY];
-    int n_evicted, evicted_at;
-};
 
 static double now_s(void)
 {
@@ -103,7 +55,13 @@ static void sessions_clear(nl_stage *s)
 /* Free the model and everything sized for it. The output must be idle. */
 static void drop_model(nl_stage *s)
 {
+    nl_stage_train_free(s); /* it borrows the model */
     sessions_clear(s);
+    for (int i = 0; i < 2; i++) {
+        free(s->mom_h[i]);
+        s->mom_h[i] = NULL;
+    }
+    s->have_moments = false;
     nl_runstate_destroy(&s->rs);
     s->rs_rows = 0;
     nl_model_destroy(&s->model);
@@ -224,7 +182,7 @@ static nl_status build_model(nl_stage *s, const nl_msg_assign *a, nl_error *err)
                       a->has_head, err);
     if (st != NL_OK)
         return nl_error_prefix(err, "ASSIGN");
-    s->loaded = calloc((size_t)s->model->n_table + 1, sizeof *s->loaded);
+    s->loaded = calloc(3 * (size_t)s->model->n_table + 1, sizeof *s->loaded);
     if (!s->loaded)
         return nl_error_set(err, NL_ERR_NOMEM, "ASSIGN: out of memory");
     s->max_rows = rows_limit(s);
@@ -237,6 +195,8 @@ nl_status nl_stage_assign(nl_stage *s, const nl_msg_assign *a, nl_error *err)
     s->assigned = true;
     s->assign_failed = false;
     s->seed = a->seed;
+    s->stage_idx = (int)a->stage;
+    s->num_stages = (int)a->num_stages;
     s->t_assign = now_s();
     nl_status st = wait_output(s, "ASSIGN", err);
     if (st == NL_OK) {
@@ -300,7 +260,9 @@ nl_status nl_stage_load_chunk(nl_stage *s, const nl_msg_layer_load *l, const nl_
         return nl_error_set(err, NL_ERR_STATE, "LAYER_LOAD %s: epoch %llu is already loaded",
                             l->name, (unsigned long long)l->epoch);
     const nl_model *m = s->model;
-    const nl_param *p = nl_model_find_param(m, l->name);
+    /* optim.m.<name> and optim.v.<name>: the moments of a resumed run */
+    int which = strncmp(l->name, "optim.m.", 8) == 0 ? 1 : strncmp(l->name, "optim.v.", 8) == 0 ? 2 : 0;
+    const nl_param *p = nl_model_find_param(m, which ? l->name + 8 : l->name);
     if (!p)
         return nl_error_set(err, NL_ERR_NOTFOUND,
                             "LAYER_LOAD: '%s' is not a tensor of this stage (layers [%d, %d)%s%s)",
@@ -318,7 +280,8 @@ nl_status nl_stage_load_chunk(nl_stage *s, const nl_msg_layer_load *l, const nl_
     if (f->t.dtype != NL_DTYPE_F32 || f->t.ndim != 1)
         return nl_error_set(err, NL_ERR_DTYPE, "LAYER_LOAD %s: the chunk must be a 1-D F32 frame",
                             l->name);
-    size_t idx = (size_t)(p - m->table), numel = nl_param_numel(p);
+    size_t idx = (size_t)(p - m->table) + (size_t)which * (size_t)m->n_table,
+           numel = nl_param_numel(p);
     uint64_t n = (uint64_t)f->t.shape[0];
     if (l->offset > numel || n > numel - l->offset)
         return nl_error_set(err, NL_ERR_RANGE,
@@ -330,7 +293,13 @@ nl_status nl_stage_load_chunk(nl_stage *s, const nl_msg_layer_load *l, const nl_
                             "LAYER_LOAD %s: chunk %u brings more elements than the tensor holds "
                             "(overlapping chunks?)",
                             l->name, l->chunk);
-    if (n)
+    if (which && !s->mom_h[which - 1] &&
+        !(s->mom_h[which - 1] = calloc(m->n_params + 1, sizeof(float))))
+        return nl_error_set(err, NL_ERR_NOMEM, "LAYER_LOAD %s: no memory for the moments",
+                            l->name);
+    if (n && which)
+        memcpy(s->mom_h[which - 1] + p->offset + l->offset, f->t.data, n * sizeof(float));
+    else if (n)
         s->be->upload(s->be, nl_model_param_data(m, p) + l->offset, f->t.data, n * sizeof(float));
     s->loaded[idx] += n;
     return NL_OK;
@@ -365,13 +334,27 @@ nl_status nl_stage_load_done(nl_stage *s, uint64_t epoch, uint32_t tensors, nl_s
                                     "received",
                                     m->table[i].name, (unsigned long long)s->loaded[i],
                                     nl_param_numel(&m->table[i]));
-        if (tensors != (uint32_t)m->n_table)
+        /* the moments come for every tensor or for none */
+        int moments = 0;
+        for (int i = m->n_table; i < 3 * m->n_table; i++)
+            moments += s->loaded[i] > 0;
+        for (int i = m->n_table; moments && i < 3 * m->n_table; i++)
+            if (s->loaded[i] != nl_param_numel(&m->table[i % m->n_table]))
+                return nl_error_set(err, NL_ERR_NOTFOUND,
+                                    "LOAD_DONE: optim.%c.%s is incomplete: %llu of %zu elements "
+                                    "received",
+                                    i < 2 * m->n_table ? 'm' : 'v', m->table[i % m->n_table].name,
+                                    (unsigned long long)s->loaded[i],
+                                    nl_param_numel(&m->table[i % m->n_table]));
+        const uint32_t want = (uint32_t)m->n_table * (moments ? 3u : 1u);
+        if (tensors != want)
             return nl_error_set(err, NL_ERR_PROTO,
-                                "LOAD_DONE: says %u tensors, but the stage holds %d (all received)",
-                                tensors, m->n_table);
+                                "LOAD_DONE: says %u tensors, but the stage received %u", tensors,
+                                want);
+        s->have_moments = moments > 0;
     }
     s->ready = true;
-    info->tensors = (uint32_t)m->n_table;
+    info->tensors = (uint32_t)m->n_table * (s->have_moments ? 3u : 1u);
     info->bytes = (uint64_t)m->n_params * sizeof(float);
     info->seconds = now_s() - s->t_assign;
     return NL_OK;

@@ -31,6 +31,9 @@ typedef struct nl_stage_opts {
     uint64_t memory_bytes; /* offered (--memory): weights + activations + KV budget */
     uint64_t kv_budget;    /* bytes for the KV caches of all sessions (--kv-budget) */
     int send_wait_ms;      /* longest wait for the last output to be sent; 0 = 10000 */
+    const char *ckpt_root; /* CKPT_REQ directories must lie under it; NULL: any absolute path */
+    int64_t inject_nan_step;  /* test hook: a NaN in the gradient of this 1-based step (0: never) */
+    int inject_nan_stage;     /* ... on this stage only (-1: any) */
 } nl_stage_opts;
 
 nl_status nl_stage_new(nl_stage **out, nl_backend *be, const nl_stage_opts *o, nl_error *err);
@@ -134,6 +137,41 @@ nl_status nl_stage_forward(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_w
 
 /* The reference that guards the forward's output buffer. */
 nl_txref *nl_stage_txref(nl_stage *s);
+
+/* ---- training (node/stage_train.c) ---- */
+
+/* Where a message a training job produced goes: the next stage (hops),
+ * the previous stage (GRADIENT), or the coordinator (GRAD_NORM, LOSS,
+ * CKPT_DONE). The callee sends it; frames without free_fn are copied. */
+typedef enum nl_stage_dest { NL_STAGE_TO_NEXT, NL_STAGE_TO_PREV, NL_STAGE_TO_COORD } nl_stage_dest;
+typedef nl_status (*nl_stage_send_fn)(void *ctx, nl_stage_dest to, nl_wire_msg *m, nl_error *err);
+
+/* JOB_SUBMIT {kind train, params: job, micro_batch, seq, microbatches,
+ * recompute, start_step (steps already applied), adam_steps, moments (take
+ * the optimizer moments that came with the weights), eval_hops (hops of
+ * one evaluation)}: make the job's trainer, replacing any earlier job.
+ * The stage keeps the activations of min(stages from here to the last,
+ * microbatches) microbatches (1F1B); the memory model must fit --memory.
+ * *job_id is set as soon as it is read. */
+nl_status nl_stage_train_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
+                               nl_error *err);
+
+/* A message of the training job: COUNT, ACTIVATION (step >= 1) and EVAL
+ * hops (checked, queued, run in order when their step and a free
+ * activation slot allow), GRADIENT (the backward of the oldest microbatch
+ * in flight), STEP (AdamW with the coordinator's learning rate and
+ * clipping scale, or a skip) and CKPT_REQ (this stage's shard written
+ * atomically to DIR/stage-<i>.safetensors, answered with CKPT_DONE and its
+ * SHA-256). What the stage produces goes out through send before this
+ * returns: hops on, gradients back, GRAD_NORM (and on the last stage LOSS)
+ * when a step's gradients are all in. */
+nl_status nl_stage_train_input(nl_stage *s, const nl_wire_msg *m, nl_stage_send_fn send, void *ctx,
+                               nl_error *err);
+
+/* JOB_CANCEL or the job's end: free its trainer. False if it is not this
+ * stage's training job. */
+bool nl_stage_train_end(nl_stage *s, uint64_t job_id);
+bool nl_stage_train_running(const nl_stage *s, uint64_t *job_id);
 
 /* ---- state ---- */
 

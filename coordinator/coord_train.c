@@ -1,0 +1,646 @@
+/* The coordinator's training job: it reads and tokenizes the data, feeds
+ * each step's microbatches to the first stage (the targets ride along to
+ * the last), sums the stages' gradient norms, decides every step (apply
+ * with the learning rate and clipping scale, or skip on a non-finite
+ * value), runs the evaluations, asks every stage for its checkpoint shard
+ * and writes the manifest last. The client sees JOB_STATUS messages with a
+ * JSON report per event (docs/cluster.md, "Training"). */
+#include <jansson.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "base/log.h"
+#include "core/train.h"
+#include "coord_impl.h"
+
+#define CLIP_NORM 1.0
+
+typedef enum { TR_LOADING = 0, TR_BEGIN, TR_STEP, TR_EVAL, TR_CKPT } tr_phase;
+
+typedef struct ctrain {
+    /* the run, as the client asked for it */
+    char data[4097], ckpt_dir[1001]; /* CKPT_REQ.dir holds at most 1024 bytes */
+    int64_t steps, batch, seq, micro, seed, warmup, eval_every, eval_batches, ckpt_every;
+    double lr, min_lr, holdout;
+    int recompute, final_ckpt;
+    /* where it is */
+    int phase, stages;
+    nl_dataset *ds;
+    int32_t *tokens, *targets; /* (batch, seq) */
+    int64_t start, step;       /* steps done */
+    int moments;
+    int64_t adam; /* AdamW steps the stages have taken */
+    int acks, norms, have_loss;
+    uint8_t *got; /* per stage: GRAD_NORM (1) or CKPT_DONE (2) in */
+    double sumsq, ce, aux, t_step, step_s;
+    nl_step_result r;
+    double lr_now, eval_loss;
+    int has_eval;
+    nl_manifest_shard *shards; /* the checkpoint being written */
+    char manifest[4096];       /* the last one written (or the one resumed) */
+    int64_t manifest_step;
+} ctrain;
+
+void coord_train_free(cjob *j)
+{
+    ctrain *t = j->train;
+    if (!t)
+        return;
+    nl_dataset_destroy(&t->ds);
+    free(t->tokens);
+    free(t->targets);
+    free(t->got);
+    for (int i = 0; t->shards && i < t->stages; i++) {
+        free(t->shards[i].file);
+        free(t->shards[i].path);
+        free(t->shards[i].node);
+    }
+    free(t->shards);
+    free(t);
+    j->train = NULL;
+}
+
+void coord_train_fail_note(const cjob *j, char *buf, size_t cap)
+{
+    const ctrain *t = j->train;
+    if (!t)
+        return;
+    if (t->manifest[0])
+        snprintf(buf, cap, "; last checkpoint: step %lld (%s)", (long long)t->manifest_step,
+                 t->manifest);
+    else
+        snprintf(buf, cap, "; no checkpoint was written by this job (it began at step %lld)",
+                 (long long)t->start);
+}
+
+/* ---------------------------------------------------------------- reports */
+
+/* JOB_STATUS running (or done) to the client with a JSON report; takes
+ * the reference to o. */
+static void report(nl_coord *c, cjob *j, int state, const char *msg, json_t *o)
+{
+    const ctrain *t = j->train;
+    char *text = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    const double progress = t->steps > 0 ? (double)t->step / (double)t->steps : 0.0;
+    coord_status_to(c, j->rid, j->rid_len, j->id, state, progress > 1 ? 1 : progress, msg, text);
+    free(text);
+}
+
+static void fail(nl_coord *c, cjob *j, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+static void fail(nl_coord *c, cjob *j, const char *fmt, ...)
+{
+    char why[900];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof why, fmt, ap);
+    va_end(ap);
+    coord_fail_job(c, j, why);
+}
+
+/* ---------------------------------------------------------------- sending */
+
+static int send_all(nl_coord *c, nl_wire_msg *m)
+{
+    for (int s = 0; s < c->plan->n_stages; s++) {
+        cnode *n = coord_stage_node(c, s);
+        if (!n || coord_send_node(c, n, m) != NL_OK)
+            return -1;
+    }
+    return 0;
+}
+
+/* A hop of `type` with microbatch j of the batch in tokens/targets to
+ * stage 0. */
+static int send_hop(nl_coord *c, cjob *j, nl_msg_type type, uint64_t step, uint32_t mb,
+                    const int32_t *tokens, const int32_t *targets)
+{
+    const ctrain *t = j->train;
+    const int64_t shape[2] = {t->batch / t->micro, t->seq};
+    cnode *first = coord_stage_node(c, 0);
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, type);
+    m.u.hop = (nl_msg_tensor_hop){j->id, step, mb, 0, 0, 0.0};
+    nl_wire_frame_set(&m.frames[0], tokens, NL_DTYPE_I32, shape, 2); /* copied by the send */
+    m.nframes = 1;
+    if (targets) {
+        nl_wire_frame_set(&m.frames[1], targets, NL_DTYPE_I32, shape, 2);
+        m.nframes = 2;
+    }
+    int rc = first && coord_send_node(c, first, &m) == NL_OK ? 0 : -1;
+    nl_wire_msg_free(&m);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- the run */
+
+static void start_step(nl_coord *c, cjob *j);
+
+static void begin(nl_coord *c, cjob *j)
+{
+    ctrain *t = j->train;
+    t->stages = c->plan->n_stages;
+    t->got = calloc((size_t)t->stages, 1);
+    t->shards = calloc((size_t)t->stages, sizeof *t->shards);
+    if (!t->got || !t->shards) {
+        fail(c, j, "out of memory");
+        return;
+    }
+    j->epoch = c->epoch;
+    if (c->resumable) { /* the stages hold a manifest's weights and moments: continue it */
+        t->start = t->step = c->src_step;
+        t->moments = 1;
+        t->adam = c->src_adam;
+        snprintf(t->manifest, sizeof t->manifest, "%s", c->src_path);
+        t->manifest_step = c->src_step;
+    }
+    c->resumable = 0; /* the weights are about to move */
+    if (t->start >= t->steps) {
+        fail(c, j, "--steps %lld: the cluster's model is already at step %lld", (long long)t->steps,
+             (long long)t->start);
+        return;
+    }
+    nl_wire_param ps[9] = {
+        {.key = "job", .kind = NL_WIRE_PARAM_INT, .i = (int64_t)j->id},
+        {.key = "micro_batch", .kind = NL_WIRE_PARAM_INT, .i = t->batch / t->micro},
+        {.key = "seq", .kind = NL_WIRE_PARAM_INT, .i = t->seq},
+        {.key = "microbatches", .kind = NL_WIRE_PARAM_INT, .i = t->micro},
+        {.key = "recompute", .kind = NL_WIRE_PARAM_BOOL, .b = t->recompute != 0},
+        {.key = "start_step", .kind = NL_WIRE_PARAM_INT, .i = t->start},
+        {.key = "adam_steps", .kind = NL_WIRE_PARAM_INT, .i = t->adam},
+        {.key = "moments", .kind = NL_WIRE_PARAM_BOOL, .b = t->moments != 0},
+        {.key = "eval_hops", .kind = NL_WIRE_PARAM_INT,
+         .i = t->eval_every > 0 ? t->eval_batches * t->micro : 0},
+    };
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
+    m.u.job_submit = (nl_msg_job_submit){NL_JOB_TRAIN, 9, ps};
+    int rc = send_all(c, &m);
+    nl_wire_msg_free(&m);
+    if (rc != 0) {
+        fail(c, j, "a stage cannot be reached");
+        return;
+    }
+    t->phase = TR_BEGIN;
+    t->acks = 0;
+    json_t *o = json_pack("{s:s,s:I,s:I,s:I,s:I,s:I,s:i,s:I,s:I,s:I}", "event", "start",
+                          "start_step", (json_int_t)t->start, "steps", (json_int_t)t->steps,
+                          "params", (json_int_t)nl_config_param_count(&c->cfg), "tokens",
+                          (json_int_t)t->ds->n_train, "held_out",
+                          (json_int_t)(t->ds->n - t->ds->n_train), "stages", t->stages, "batch",
+                          (json_int_t)t->batch, "seq", (json_int_t)t->seq, "microbatches",
+                          (json_int_t)t->micro);
+    report(c, j, NL_JOB_RUNNING, "starting", o);
+    NL_INFO("train job %llu: %lld steps of %lld x %lld in %lld microbatches on %d stages, from "
+            "step %lld%s",
+            (unsigned long long)j->id, (long long)t->steps, (long long)t->batch,
+            (long long)t->seq, (long long)t->micro, t->stages, (long long)t->start,
+            t->moments ? " (resumed with the manifest's moments)" : "");
+}
+
+static void start_step(nl_coord *c, cjob *j)
+{
+    ctrain *t = j->train;
+    nl_error e = {0};
+    const uint64_t k = (uint64_t)t->step + 1;
+    const size_t rows = (size_t)(t->batch / t->micro) * (size_t)t->seq;
+    if (nl_dataset_batch(t->ds, 0, (uint64_t)t->seed, (uint64_t)t->step, (int)t->batch,
+                         (int)t->seq, t->tokens, t->targets, &e) != NL_OK) {
+        fail(c, j, "%s", e.msg);
+        return;
+    }
+    t->t_step = coord_now();
+    t->phase = TR_STEP;
+    t->norms = t->have_loss = 0;
+    t->sumsq = t->ce = t->aux = 0.0;
+    memset(t->got, 0, (size_t)t->stages);
+    /* the batch's expert shares first (DESIGN: frac_e over the whole batch) */
+    for (int64_t mb = 0; t->micro > 1 && mb < t->micro; mb++)
+        if (send_hop(c, j, NL_MSG_COUNT, k, (uint32_t)mb, t->tokens + mb * rows, NULL) != 0)
+            goto unreachable;
+    for (int64_t mb = 0; mb < t->micro; mb++)
+        if (send_hop(c, j, NL_MSG_ACTIVATION, k, (uint32_t)mb, t->tokens + mb * rows,
+                     t->targets + mb * rows) != 0)
+            goto unreachable;
+    return;
+unreachable:
+    fail(c, j, "stage 0 cannot be reached");
+}
+
+static int due(int64_t step, int64_t every)
+{
+    return every > 0 && step % every == 0;
+}
+
+static void after_step(nl_coord *c, cjob *j);
+
+/* Every stage has reported: decide the step and tell them. */
+static void decide(nl_coord *c, cjob *j)
+{
+    ctrain *t = j->train;
+    nl_step_result *r = &t->r;
+    const double rows = (double)t->batch * (double)t->seq;
+    memset(r, 0, sizeof *r);
+    r->ce_loss = t->ce / rows;
+    r->aux_loss = t->aux;
+    r->loss = r->ce_loss + c->cfg.aux_loss_coef * t->aux;
+    r->grad_norm = sqrt(t->sumsq);
+    /* the guard: a non-finite value on any stage skips the step on all */
+    r->skipped = !isfinite(r->loss) || !isfinite(t->sumsq);
+    const double clip = CLIP_NORM / (r->grad_norm + 1e-6); /* as clip_grad_norm_ */
+    t->lr_now = nl_lr_at(t->step, t->steps, t->warmup, t->lr, t->min_lr);
+    t->step_s = coord_now() - t->t_step;
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_STEP);
+    m.u.step = (nl_msg_step){j->id, (uint64_t)t->step + 1, !r->skipped,
+                             r->skipped ? 0.0 : (clip < 1.0 ? clip : 1.0), t->lr_now};
+    int rc = send_all(c, &m);
+    nl_wire_msg_free(&m);
+    if (rc != 0) {
+        fail(c, j, "a stage cannot be reached");
+        return;
+    }
+    t->step++;
+    t->adam += !r->skipped;
+    j->last_progress = coord_now();
+    t->has_eval = 0;
+    if (t->eval_every > 0 && (due(t->step, t->eval_every) || t->step == t->steps)) {
+        /* the held-out batches, as local evaluation draws them */
+        const size_t rows_mb = (size_t)(t->batch / t->micro) * (size_t)t->seq;
+        nl_error e = {0};
+        t->phase = TR_EVAL;
+        for (int64_t i = 0; i < t->eval_batches; i++) {
+            if (nl_dataset_batch(t->ds, 1, (uint64_t)t->seed, (uint64_t)i, (int)t->batch,
+                                 (int)t->seq, t->tokens, t->targets, &e) != NL_OK) {
+                fail(c, j, "evaluation: %s", e.msg);
+                return;
+            }
+            for (int64_t mb = 0; mb < t->micro; mb++)
+                if (send_hop(c, j, NL_MSG_EVAL, (uint64_t)t->step,
+                             (uint32_t)(i * t->micro + mb), t->tokens + mb * rows_mb,
+                             t->targets + mb * rows_mb) != 0) {
+                    fail(c, j, "stage 0 cannot be reached");
+                    return;
+                }
+        }
+        return;
+    }
+    after_step(c, j);
+}
+
+static void finish(nl_coord *c, cjob *j)
+{
+    ctrain *t = j->train;
+    json_t *o = json_pack("{s:s,s:I}", "event", "done", "step", (json_int_t)t->step);
+    if (t->manifest[0] && t->manifest_step == t->step)
+        json_object_set_new(o, "manifest", json_string(t->manifest));
+    NL_INFO("train job %llu: done at step %lld", (unsigned long long)j->id, (long long)t->step);
+    report(c, j, NL_JOB_DONE, "done", o);
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOB_CANCEL); /* the stages free their trainers */
+    m.u.job_ref.job_id = j->id;
+    send_all(c, &m);
+    nl_wire_msg_free(&m);
+    coord_job_free(j);
+}
+
+/* The step (and its evaluation) is done: report it, then checkpoint, go
+ * on, or finish. */
+static void after_step(nl_coord *c, cjob *j)
+{
+    ctrain *t = j->train;
+    const nl_step_result *r = &t->r;
+    json_t *o = json_pack("{s:s,s:I,s:f,s:f,s:f,s:f,s:f,s:f,s:b}", "event", "step", "step",
+                          (json_int_t)t->step, "loss", r->loss, "ce_loss", r->ce_loss,
+                          "aux_loss", r->aux_loss, "lr", t->lr_now, "grad_norm", r->grad_norm,
+                          "tokens_per_s", (double)t->batch * (double)t->seq / t->step_s,
+                          "skipped", r->skipped);
+    if (o && !isfinite(r->loss)) /* JSON has no NaN: say it in words */
+        json_object_set_new(o, "loss", json_string(isnan(r->loss) ? "nan" : "inf"));
+    if (o && !isfinite(r->grad_norm))
+        json_object_set_new(o, "grad_norm", json_string(isnan(r->grad_norm) ? "nan" : "inf"));
+    if (o && t->has_eval)
+        json_object_set_new(o, "eval_loss", json_real(t->eval_loss));
+    char msg[64];
+    snprintf(msg, sizeof msg, "step %lld of %lld", (long long)t->step, (long long)t->steps);
+    report(c, j, NL_JOB_RUNNING, msg, o);
+    if (r->skipped)
+        NL_WARN("train job %llu: step %lld skipped: non-finite %s", (unsigned long long)j->id,
+                (long long)t->step, isfinite(r->loss) ? "gradient" : "loss");
+    const int ckpt = (due(t->step, t->ckpt_every) && t->step < t->steps) ||
+                     (t->step == t->steps && t->final_ckpt);
+    if (!ckpt) {
+        if (t->step == t->steps)
+            finish(c, j);
+        else
+            start_step(c, j);
+        return;
+    }
+    char dir[1100];
+    snprintf(dir, sizeof dir, "%s/step-%06lld", t->ckpt_dir, (long long)t->step);
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_CKPT_REQ);
+    m.u.ckpt_req = (nl_msg_ckpt_req){j->id, (uint64_t)t->step, dir};
+    int rc = strlen(dir) <= 1024 ? send_all(c, &m) : -1;
+    nl_wire_msg_free(&m);
+    if (rc != 0) {
+        fail(c, j, "cannot ask the stages for their checkpoint shards in %s", dir);
+        return;
+    }
+    t->phase = TR_CKPT;
+    memset(t->got, 0, (size_t)t->stages);
+    t->acks = 0;
+}
+
+/* Every shard is in: the manifest goes last, then it becomes the source
+ * the cluster reloads from. */
+static void write_manifest(nl_coord *c, cjob *j)
+{
+    ctrain *t = j->train;
+    nl_error e = {0};
+    char path[1100], *cfg_json = nl_config_to_json(&c->cfg), *train_json = NULL;
+    json_t *tj = json_pack("{s:I,s:I,s:I,s:I,s:I,s:f,s:f,s:I}", "seed", (json_int_t)t->seed,
+                           "steps", (json_int_t)t->steps, "batch", (json_int_t)t->batch, "seq",
+                           (json_int_t)t->seq, "microbatches", (json_int_t)t->micro, "lr", t->lr,
+                           "min_lr", t->min_lr, "warmup", (json_int_t)t->warmup);
+    train_json = tj ? json_dumps(tj, JSON_COMPACT) : NULL;
+    json_decref(tj);
+    nl_manifest mf = {.step = t->step,
+                      .adam_steps = t->adam, /* the stages step together */
+                      .cfg = c->cfg,
+                      .config_json = cfg_json,
+                      .train_json = train_json,
+                      .tokenizer = c->tok_text,
+                      .init_seed = c->init_seed,
+                      .n_shards = t->stages,
+                      .shards = t->shards};
+    snprintf(path, sizeof path, "%s/step-%06lld/manifest.json", t->ckpt_dir, (long long)t->step);
+    nl_status st = cfg_json && train_json ? NL_OK : nl_error_set(&e, NL_ERR_NOMEM, "out of memory");
+    if (st == NL_OK)
+        st = nl_manifest_write(path, &mf, &e);
+    /* the coordinator reads the shards back: the checkpoint directory must
+     * be shared with the nodes, and a reload after a failure comes from here */
+    if (st == NL_OK)
+        st = coord_use_manifest(c, path, 0, &e);
+    free(cfg_json);
+    free(train_json);
+    if (st != NL_OK) {
+        fail(c, j, "checkpoint of step %lld: %s", (long long)t->step, e.msg);
+        return;
+    }
+    snprintf(t->manifest, sizeof t->manifest, "%s", path);
+    t->manifest_step = t->step;
+    NL_INFO("train job %llu: checkpoint of step %lld: %s", (unsigned long long)j->id,
+            (long long)t->step, path);
+    json_t *o = json_pack("{s:s,s:I,s:s}", "event", "checkpoint", "step", (json_int_t)t->step,
+                          "manifest", path);
+    report(c, j, NL_JOB_RUNNING, "checkpoint", o);
+    if (t->step == t->steps)
+        finish(c, j);
+    else
+        start_step(c, j);
+}
+
+/* ---------------------------------------------------------------- messages */
+
+static const nl_wire_param *param(const nl_msg_job_submit *s, const char *key)
+{
+    for (uint32_t i = 0; i < s->nparams; i++)
+        if (strcmp(s->params[i].key, key) == 0)
+            return &s->params[i];
+    return NULL;
+}
+
+/* Read the run's parameters; NULL or the name of the one at fault. */
+static const char *read_params(ctrain *t, const nl_msg_job_submit *s, const char **resume)
+{
+    static const char *const ints[] = {"steps",      "batch",        "seq",
+                                       "microbatches", "seed",       "warmup",
+                                       "eval_every", "eval_batches", "checkpoint_every"};
+    int64_t *iv[] = {&t->steps, &t->batch,      &t->seq,          &t->micro,     &t->seed,
+                     &t->warmup, &t->eval_every, &t->eval_batches, &t->ckpt_every};
+    static const int64_t lo[] = {1, 1, 1, 1, 0, 0, 0, 1, 0};
+    static const int64_t hi[] = {INT32_MAX, 65536, 1 << 20, 65536, INT64_MAX, INT32_MAX,
+                                 INT32_MAX, 1 << 20, INT32_MAX};
+    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
+        const nl_wire_param *p = param(s, ints[i]);
+        if (!p || p->kind != NL_WIRE_PARAM_INT || p->i < lo[i] || p->i > hi[i])
+            return ints[i];
+        *iv[i] = p->i;
+    }
+    static const char *const fl[] = {"lr", "min_lr", "holdout"};
+    double *fv[] = {&t->lr, &t->min_lr, &t->holdout};
+    static const double fhi[] = {10.0, 10.0, 0.5};
+    for (size_t i = 0; i < 3; i++) {
+        const nl_wire_param *p = param(s, fl[i]);
+        double v = !p ? NAN : p->kind == NL_WIRE_PARAM_FLOAT ? p->f
+                          : p->kind == NL_WIRE_PARAM_INT     ? (double)p->i
+                                                             : NAN;
+        if (!(v >= 0.0 && v <= fhi[i]))
+            return fl[i];
+        *fv[i] = v;
+    }
+    const nl_wire_param *p;
+    if (!(p = param(s, "data")) || p->kind != NL_WIRE_PARAM_STR || !p->s[0])
+        return "data";
+    snprintf(t->data, sizeof t->data, "%s", p->s);
+    if (!(p = param(s, "checkpoint_dir")) || p->kind != NL_WIRE_PARAM_STR || p->s[0] != '/' ||
+        strlen(p->s) >= sizeof t->ckpt_dir)
+        return "checkpoint_dir (an absolute path of at most 1000 bytes)";
+    snprintf(t->ckpt_dir, sizeof t->ckpt_dir, "%s", p->s);
+    if ((p = param(s, "recompute")))
+        t->recompute = p->kind == NL_WIRE_PARAM_BOOL && p->b;
+    if ((p = param(s, "final_checkpoint")))
+        t->final_ckpt = p->kind == NL_WIRE_PARAM_BOOL && p->b;
+    *resume = (p = param(s, "resume")) && p->kind == NL_WIRE_PARAM_STR ? p->s : NULL;
+    if (t->batch % t->micro != 0)
+        return "microbatches (must divide batch)";
+    if (t->eval_every > 0 && t->holdout <= 0.0)
+        return "eval_every (needs holdout > 0)";
+    return NULL;
+}
+
+void coord_train_submit(nl_coord *c, const nl_rx *rx)
+{
+    const nl_msg_job_submit *s = &rx->msg.u.job_submit;
+    nl_error e = {0};
+    char why[700];
+    for (int i = 0; i < COORD_MAX_JOBS; i++)
+        if (c->jobs[i].phase != JOB_FREE && c->jobs[i].kind == NL_JOB_TRAIN) {
+            snprintf(why, sizeof why, "job %llu is training already; one at a time",
+                     (unsigned long long)c->jobs[i].id);
+            coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, why, NULL);
+            return;
+        }
+    cjob *j = coord_job_new(c, rx, NL_JOB_TRAIN);
+    if (!j)
+        return;
+    j->phase = JOB_RUNNING;
+    ctrain *t = j->train = calloc(1, sizeof *t);
+    if (!t) {
+        fail(c, j, "out of memory");
+        return;
+    }
+    const char *resume = NULL, *bad = read_params(t, s, &resume);
+    if (bad) {
+        fail(c, j, "train: params.%s is missing or out of range", bad);
+        return;
+    }
+    coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, "accepted", NULL);
+    if (resume) {
+        /* other jobs lose their stages to the reload */
+        for (int i = 0; i < COORD_MAX_JOBS; i++)
+            if (c->jobs[i].phase != JOB_FREE && &c->jobs[i] != j)
+                coord_fail_job(c, &c->jobs[i], "the cluster reloads to resume a training job");
+        if (coord_use_manifest(c, resume, 1, &e) != NL_OK) {
+            fail(c, j, "--resume: %s", e.msg);
+            return;
+        }
+    } else if (!c->ready) {
+        fail(c, j, "the cluster is not ready: %s", c->state);
+        return;
+    }
+    nl_dataset_info info;
+    if (nl_dataset_load_model(&t->ds, t->data, c->tok_text, c->cfg.vocab_size, t->holdout,
+                              "the cluster's model", &info, &e) != NL_OK) {
+        fail(c, j, "%s", e.msg);
+        return;
+    }
+    if (info.tokenized)
+        NL_INFO("train job %llu: tokenized %s: %zu bytes -> %zu tokens in %.1f s",
+                (unsigned long long)j->id, t->data, info.text_bytes, t->ds->n, info.encode_s);
+    const size_t n = (size_t)t->batch * (size_t)t->seq;
+    if (!(t->tokens = malloc(n * sizeof *t->tokens)) ||
+        !(t->targets = malloc(n * sizeof *t->targets))) {
+        fail(c, j, "out of memory");
+        return;
+    }
+    t->phase = TR_LOADING; /* begins at the next tick once the cluster is ready */
+    j->last_progress = coord_now();
+}
+
+void coord_train_tick(nl_coord *c, cjob *j)
+{
+    if (j->train && j->train->phase == TR_LOADING && c->ready)
+        begin(c, j);
+}
+
+/* The job and the sender a training report is about, or NULL. */
+static cjob *train_job(nl_coord *c, const nl_rx *rx, uint64_t job, uint32_t stage, int phase)
+{
+    cjob *j = coord_job_find(c, job);
+    cnode *n = coord_node_by_rid(c, rx);
+    if (!j || j->kind != NL_JOB_TRAIN || !j->train || j->train->phase != phase ||
+        j->epoch != c->epoch)
+        return NULL;
+    if (!n || n->stage != (int)stage || stage >= (uint32_t)j->train->stages) {
+        NL_WARN("a training report for job %llu claims stage %u but comes from %s",
+                (unsigned long long)job, stage, n ? "another stage" : "no stage");
+        return NULL;
+    }
+    j->last_progress = coord_now();
+    return j;
+}
+
+void coord_train_on_ack(nl_coord *c, cjob *j, const nl_rx *rx)
+{
+    cnode *n = coord_node_by_rid(c, rx);
+    ctrain *t = j->train;
+    if (!t || t->phase != TR_BEGIN || !n || n->stage < 0 || j->epoch != c->epoch ||
+        t->got[n->stage])
+        return;
+    t->got[n->stage] = 1;
+    j->last_progress = coord_now();
+    if (++t->acks == t->stages)
+        start_step(c, j);
+}
+
+void coord_train_on_grad_norm(nl_coord *c, const nl_rx *rx)
+{
+    const nl_msg_grad_norm *g = &rx->msg.u.grad_norm;
+    cjob *j = train_job(c, rx, g->job_id, g->stage, TR_STEP);
+    if (!j || g->step != (uint64_t)j->train->step + 1 || j->train->got[g->stage])
+        return;
+    ctrain *t = j->train;
+    t->got[g->stage] = 1;
+    t->sumsq += g->sumsq;
+    if (++t->norms == t->stages && t->have_loss)
+        decide(c, j);
+}
+
+void coord_train_on_loss(nl_coord *c, const nl_rx *rx)
+{
+    const nl_msg_loss *l = &rx->msg.u.loss;
+    cjob *j = coord_job_find(c, l->job_id);
+    if (!j || !j->train)
+        return;
+    ctrain *t = j->train;
+    const uint32_t last = (uint32_t)(t->stages - 1);
+    if (!l->eval) {
+        if (!(j = train_job(c, rx, l->job_id, last, TR_STEP)) ||
+            l->step != (uint64_t)t->step + 1 || t->have_loss)
+            return;
+        t->ce = l->ce_sum;
+        t->aux = l->aux;
+        t->have_loss = 1;
+        if (t->norms == t->stages)
+            decide(c, j);
+        return;
+    }
+    if (!(j = train_job(c, rx, l->job_id, last, TR_EVAL)) || l->step != (uint64_t)t->step)
+        return;
+    t->eval_loss = l->ce_sum / ((double)t->eval_batches * (double)t->batch * (double)t->seq);
+    t->has_eval = 1;
+    after_step(c, j);
+}
+
+void coord_train_on_ckpt_done(nl_coord *c, const nl_rx *rx)
+{
+    const nl_msg_ckpt_done *d = &rx->msg.u.ckpt_done;
+    cjob *j = train_job(c, rx, d->job_id, d->stage, TR_CKPT);
+    if (!j || d->step != (uint64_t)j->train->step || j->train->got[d->stage])
+        return;
+    ctrain *t = j->train;
+    cnode *n = coord_node_by_rid(c, rx);
+    nl_manifest_shard *sh = &t->shards[d->stage];
+    const nl_plan_stage *ps = &c->plan->stages[d->stage];
+    char dir[1100], node[128];
+    snprintf(dir, sizeof dir, "%s/step-%06lld/", t->ckpt_dir, (long long)t->step);
+    const char *file = d->path + strlen(dir);
+    /* the shard must be where it was asked to be, as a plain file name */
+    if (strncmp(d->path, dir, strlen(dir)) != 0 || !file[0] || strchr(file, '/')) {
+        fail(c, j, "stage %u wrote its shard to %s, not into %s", d->stage, d->path, dir);
+        return;
+    }
+    free(sh->file);
+    free(sh->path);
+    free(sh->node);
+    snprintf(node, sizeof node, "node %u %s", n->id, n->key);
+    *sh = (nl_manifest_shard){.stage = (int)d->stage,
+                              .l0 = ps->l0,
+                              .l1 = ps->l1,
+                              .has_embed = ps->has_embed,
+                              .has_head = ps->has_head,
+                              .file = strdup(file),
+                              .path = strdup(d->path),
+                              .bytes = d->bytes,
+                              .node = strdup(node)};
+    snprintf(sh->sha256, sizeof sh->sha256, "%s", d->sha256);
+    if (!sh->file || !sh->path || !sh->node) {
+        fail(c, j, "out of memory");
+        return;
+    }
+    t->got[d->stage] = 2;
+    if (++t->acks == t->stages)
+        write_manifest(c, j);
+}

@@ -1,0 +1,71 @@
+/* The inside of a pipeline stage, shared by node/stage.c (assignment,
+ * loading, inference) and node/stage_train.c (training jobs). Private to
+ * node/. */
+#ifndef NL_NODE_STAGE_IMPL_H
+#define NL_NODE_STAGE_IMPL_H
+
+#include "../core/forward.h"
+#include "../core/sampler.h"
+#include "stage.h"
+
+#define EVICTED_MEMORY 256 /* evicted session ids remembered, for the error */
+
+typedef struct session {
+    uint64_t id;
+    nl_kvcache *kv;
+    size_t bytes;
+    bool has_sampler;
+    nl_sampler smp;
+    uint64_t used; /* the stage's tick at the last use: LRU order */
+} session;
+
+struct nl_stage {
+    nl_backend *be; /* borrowed */
+    nl_stage_opts o;
+
+    /* the assignment */
+    uint64_t epoch;
+    bool assigned;      /* an ASSIGN was received (epoch is meaningful) */
+    bool assign_failed; /* ... and refused: loads of its epoch are dropped */
+    int stage_idx, num_stages;
+    char assign_err[NL_ERROR_MSG_MAX];
+    uint64_t seed;
+    nl_model *model;
+    uint64_t *loaded; /* elements received per table entry: weights, then m, then v */
+    bool ready;
+    double t_assign;
+    int max_rows;
+
+    /* the forward */
+    nl_runstate *rs;
+    int rs_rows;
+    nl_txref tx;    /* guards the output buffer while it is being sent */
+    int32_t *tok_h; /* aligned copy of a token frame (host) */
+    size_t tok_cap;
+    float *xin_d; /* device copy of a hidden-state frame */
+    size_t xin_cap;
+    float *out_h; /* host copy of the output (backends without host memory) */
+    size_t out_cap;
+
+    /* optimizer moments that came with the weights (LAYER_LOAD of
+     * optim.m.* and optim.v.*): host, n_params each, until a training job
+     * takes them */
+    float *mom_h[2];
+    bool have_moments;
+
+    /* the training job, if one runs (node/stage_train.c) */
+    struct stage_train *train;
+
+    /* sessions */
+    session *sess;
+    int n_sess, cap_sess;
+    size_t kv_used;
+    uint64_t tick;
+    uint64_t evicted[EVICTED_MEMORY];
+    int n_evicted, evicted_at;
+};
+
+/* Free the training job's state (stage_train.c); safe without one. */
+void nl_stage_train_free(nl_stage *s);
+
+#endif

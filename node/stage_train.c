@@ -1,0 +1,609 @@
+/* Training on one pipeline stage: the job's trainer, the 1F1B schedule
+ * over a step's microbatches, gradients sent upstream, the optimizer step
+ * the coordinator decides, evaluation, and the stage's checkpoint shard
+ * (see stage.h and docs/cluster.md, "Training").
+ *
+ * Inputs that cannot run yet (a microbatch whose activation slot is still
+ * in use, a hop of the next step that overtook the STEP message of this
+ * one on another socket) wait in a FIFO; a message only ever makes the
+ * stage run what has become runnable, so the schedule follows from the
+ * order in which hops arrive. */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "../base/log.h"
+#include "../core/checkpoint.h"
+#include "../core/manifest.h"
+#include "../core/memory.h"
+#include "../core/train.h"
+#include "stage_impl.h"
+
+/* A forward-type hop waiting to run: its frames copied. */
+typedef struct hop_in {
+    nl_msg_type type; /* COUNT, ACTIVATION or EVAL */
+    uint64_t step;
+    uint32_t mb;
+    double aux;
+    void *x;          /* tokens (I32, rows) on the first stage, else hidden (F32, rows x d) */
+    int32_t *targets; /* (rows), or NULL (COUNT) */
+} hop_in;
+
+typedef struct stage_train {
+    uint64_t job;
+    nl_trainer *tr;
+    int mbB, T, M, slots, eval_hops;
+    size_t rows, d;
+    int64_t applied;       /* optimizer steps applied (the step a hop needs is applied + 1) */
+    uint64_t begun;        /* the step whose gradients are being accumulated (0: none) */
+    int counted, fwd, bwd; /* this step's counting passes, forwards and backwards run */
+    int finished;          /* this step's gradients are reported; waiting for STEP */
+    double ce, aux;        /* the last stage: this step's cross-entropy sum and aux loss */
+    int evals;             /* the last stage: evaluation hops run, and their sum */
+    double eval_ce;
+    hop_in *q; /* FIFO ring of hops waiting to run */
+    int qhead, qlen, qcap;
+    float *x_d;    /* device copy of a hidden-state input (backends without host memory) */
+    float *host;   /* host copy of an output to send (likewise) */
+    nl_wire_msg tx;
+} stage_train;
+
+/* ===================== life ===================== */
+
+static void hop_free(hop_in *h)
+{
+    free(h->x);
+    free(h->targets);
+    h->x = NULL;
+    h->targets = NULL;
+}
+
+void nl_stage_train_free(nl_stage *s)
+{
+    stage_train *t = s->train;
+    if (!t)
+        return;
+    for (int i = 0; i < t->qlen; i++)
+        hop_free(&t->q[(t->qhead + i) % t->qcap]);
+    free(t->q);
+    nl_trainer_destroy(&t->tr);
+    s->be->free(s->be, t->x_d);
+    free(t->host);
+    nl_wire_msg_free(&t->tx);
+    free(t);
+    s->train = NULL;
+}
+
+bool nl_stage_train_running(const nl_stage *s, uint64_t *job_id)
+{
+    if (s->train && job_id)
+        *job_id = s->train->job;
+    return s->train != NULL;
+}
+
+bool nl_stage_train_end(nl_stage *s, uint64_t job_id)
+{
+    if (!s->train || s->train->job != job_id)
+        return false;
+    nl_stage_train_free(s);
+    return true;
+}
+
+/* An integer job parameter (required unless *v holds a default and
+ * required is false), within [lo, hi]. */
+static nl_status int_param(const nl_msg_job_submit *j, const char *key, bool required, int64_t lo,
+                           int64_t hi, int64_t *v, nl_error *err)
+{
+    for (uint32_t i = 0; i < j->nparams; i++) {
+        const nl_wire_param *p = &j->params[i];
+        if (strcmp(p->key, key) != 0)
+            continue;
+        if (p->kind == NL_WIRE_PARAM_BOOL)
+            *v = p->b;
+        else if (p->kind == NL_WIRE_PARAM_INT)
+            *v = p->i;
+        else
+            return nl_error_set(err, NL_ERR_PROTO, "train JOB_SUBMIT params.%s: not an integer",
+                                key);
+        if (*v < lo || *v > hi)
+            return nl_error_set(err, NL_ERR_RANGE,
+                                "train JOB_SUBMIT params.%s: %lld is outside [%lld, %lld]", key,
+                                (long long)*v, (long long)lo, (long long)hi);
+        return NL_OK;
+    }
+    return required ? nl_error_set(err, NL_ERR_PROTO, "train JOB_SUBMIT: no params.%s", key)
+                    : NL_OK;
+}
+
+nl_status nl_stage_train_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
+                               nl_error *err)
+{
+    int64_t job = 0, mbB = 0, T = 0, M = 0, recompute = 0, start = 0, adam = 0, moments = 0,
+            eval_hops = 0;
+    nl_status st;
+    *job_id = 0;
+    if ((st = int_param(j, "job", true, 1, INT64_MAX, &job, err)) != NL_OK)
+        return st;
+    *job_id = (uint64_t)job;
+    if (!s->ready)
+        return nl_error_set(err, NL_ERR_STATE, "train job %lld: this stage has no model loaded",
+                            (long long)job);
+    nl_model *m = s->model;
+    if ((st = int_param(j, "micro_batch", true, 1, 1 << 20, &mbB, err)) != NL_OK ||
+        (st = int_param(j, "seq", true, 1, m->cfg.max_seq_len, &T, err)) != NL_OK ||
+        (st = int_param(j, "microbatches", true, 1, 65536, &M, err)) != NL_OK ||
+        (st = int_param(j, "recompute", false, 0, 1, &recompute, err)) != NL_OK ||
+        (st = int_param(j, "start_step", false, 0, INT64_MAX / 2, &start, err)) != NL_OK ||
+        (st = int_param(j, "adam_steps", false, 0, INT64_MAX / 2, &adam, err)) != NL_OK ||
+        (st = int_param(j, "moments", false, 0, 1, &moments, err)) != NL_OK ||
+        (st = int_param(j, "eval_hops", false, 0, 1 << 30, &eval_hops, err)) != NL_OK)
+        return st;
+    if (mbB * T > (1 << 24))
+        return nl_error_set(err, NL_ERR_RANGE, "train job %lld: microbatch %lld x %lld is too big",
+                            (long long)job, (long long)mbB, (long long)T);
+    if (moments && !s->have_moments)
+        return nl_error_set(err, NL_ERR_STATE,
+                            "train job %lld: resuming needs the optimizer moments, but none came "
+                            "with this stage's weights",
+                            (long long)job);
+    /* 1F1B: a stage keeps the activations of at most as many microbatches
+     * as there are stages from it to the last */
+    int slots = s->num_stages - s->stage_idx;
+    if (slots > M)
+        slots = (int)M;
+    nl_mem_opts mo = {.training = 1, .micro_rows = (int)(mbB * T), .in_flight = slots,
+                      .recompute = (int)recompute};
+    nl_mem_estimate me = nl_memory_estimate(&m->cfg, m->l1 - m->l0, m->has_embed, m->has_head, &mo);
+    if (me.total > s->o.memory_bytes)
+        return nl_error_set(err, NL_ERR_CAPACITY,
+                            "train job %lld: layers [%d, %d) with %d microbatches of %lld x %lld "
+                            "in flight need %llu bytes (memory model), but this node offers %llu "
+                            "(--memory)",
+                            (long long)job, m->l0, m->l1, slots, (long long)mbB, (long long)T,
+                            (unsigned long long)me.total, (unsigned long long)s->o.memory_bytes);
+    nl_stage_train_free(s);
+    stage_train *t = calloc(1, sizeof *t);
+    if (!t)
+        return nl_error_set(err, NL_ERR_NOMEM, "train job %lld: out of memory", (long long)job);
+    s->train = t;
+    nl_wire_msg_init(&t->tx);
+    t->job = (uint64_t)job;
+    t->mbB = (int)mbB;
+    t->T = (int)T;
+    t->M = (int)M;
+    t->slots = slots;
+    t->eval_hops = (int)eval_hops;
+    t->rows = (size_t)(mbB * T);
+    t->d = (size_t)m->cfg.hidden_dim;
+    t->applied = start;
+    st = nl_trainer_new(&t->tr, m, (int)(mbB * T), slots, (int)recompute, err);
+    if (st == NL_OK && !s->be->host_memory &&
+        (!(t->x_d = s->be->alloc(s->be, t->rows * t->d * sizeof(float))) ||
+         !(t->host = malloc(t->rows * t->d * sizeof(float)))))
+        st = nl_error_set(err, NL_ERR_NOMEM, "train job %lld: out of memory", (long long)job);
+    if (st != NL_OK) {
+        nl_stage_train_free(s);
+        return nl_error_prefix(err, "train job %lld", (long long)job);
+    }
+    if (moments) { /* the resumed run's moments: into the trainer, then freed here */
+        for (int i = 0; i < 2; i++) {
+            s->be->upload(s->be, nl_trainer_moment(t->tr, i), s->mom_h[i],
+                          m->n_params * sizeof(float));
+            free(s->mom_h[i]);
+            s->mom_h[i] = NULL;
+        }
+        s->have_moments = false;
+        nl_trainer_set_adam_steps(t->tr, adam);
+    }
+    NL_INFO("train job %llu: stage %d of %d, %d microbatches of %d x %d, %d in flight%s, from "
+            "step %lld%s",
+            (unsigned long long)t->job, s->stage_idx, s->num_stages, t->M, t->mbB, t->T, slots,
+            recompute ? " (recompute)" : "", (long long)start,
+            moments ? " with the checkpoint's moments" : "");
+    return NL_OK;
+}
+
+/* ===================== sending ===================== */
+
+/* A host view of n floats of device memory (a copy where they differ). */
+static const float *host_view(nl_stage *s, const float *dev, size_t n)
+{
+    if (s->be->host_memory)
+        return dev;
+    s->be->download(s->be, s->train->host, dev, n * sizeof(float));
+    return s->train->host;
+}
+
+/* Send a hop (type) of this job with hidden states (rows x d, device) and
+ * optionally the targets, to the next stage or (GRADIENT) the previous. */
+static nl_status send_hop(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_msg_type type,
+                          uint64_t step, uint32_t mb, double aux, const float *x_dev,
+                          const int32_t *targets, nl_error *err)
+{
+    stage_train *t = s->train;
+    const int64_t xs[3] = {t->mbB, t->T, (int64_t)t->d}, ts[2] = {t->mbB, t->T};
+    nl_wire_msg_reset(&t->tx, type);
+    t->tx.u.hop = (nl_msg_tensor_hop){t->job, step, mb, 0, 0, aux};
+    nl_wire_frame_set(&t->tx.frames[0], host_view(s, x_dev, t->rows * t->d), NL_DTYPE_F32, xs, 3);
+    t->tx.nframes = 1;
+    if (targets) {
+        nl_wire_frame_set(&t->tx.frames[1], targets, NL_DTYPE_I32, ts, 2);
+        t->tx.nframes = 2;
+    }
+    return send(ctx, type == NL_MSG_GRADIENT ? NL_STAGE_TO_PREV : NL_STAGE_TO_NEXT, &t->tx, err);
+}
+
+/* The step's gradients are all in: report this stage's share of the
+ * norm, and on the last stage the losses. */
+static nl_status finish_step(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_error *err)
+{
+    stage_train *t = s->train;
+    const double sumsq = nl_trainer_grad_sumsq(t->tr);
+    t->finished = 1;
+    nl_wire_msg_reset(&t->tx, NL_MSG_GRAD_NORM);
+    t->tx.u.grad_norm = (nl_msg_grad_norm){t->job, t->begun, (uint32_t)s->stage_idx,
+                                           isnan(sumsq) || sumsq >= 0 ? sumsq : NAN};
+    nl_status st = send(ctx, NL_STAGE_TO_COORD, &t->tx, err);
+    if (st != NL_OK || !s->model->has_head)
+        return st;
+    nl_wire_msg_reset(&t->tx, NL_MSG_LOSS);
+    t->tx.u.loss = (nl_msg_loss){t->job, t->begun, false, t->ce, t->aux,
+                                 (uint64_t)t->M * t->rows};
+    return send(ctx, NL_STAGE_TO_COORD, &t->tx, err);
+}
+
+/* ===================== running a hop ===================== */
+
+static void begin(stage_train *t, uint64_t step)
+{
+    nl_trainer_begin_step(t->tr, (int64_t)t->M * (int64_t)t->rows);
+    t->begun = step;
+    t->counted = t->fwd = t->bwd = 0;
+    t->finished = 0;
+    t->ce = t->aux = 0.0;
+}
+
+/* The input of a hop: host tokens (first stage) or device hidden states. */
+static void hop_input(nl_stage *s, const hop_in *h, const int32_t **tokens, const float **x)
+{
+    stage_train *t = s->train;
+    *tokens = NULL;
+    *x = NULL;
+    if (s->model->has_embed) {
+        *tokens = h->x;
+    } else if (s->be->host_memory) {
+        *x = h->x;
+    } else {
+        s->be->upload(s->be, t->x_d, h->x, t->rows * t->d * sizeof(float));
+        *x = t->x_d;
+    }
+}
+
+/* Backward of the microbatch in `slot` and its gradient upstream. */
+static nl_status backward(nl_stage *s, int slot, const float *dy, uint64_t step, uint32_t mb,
+                          nl_stage_send_fn send, void *ctx, nl_error *err)
+{
+    stage_train *t = s->train;
+    nl_status st = nl_trainer_backward(t->tr, slot, dy, err);
+    if (st == NL_OK && !s->model->has_embed)
+        st = send_hop(s, send, ctx, NL_MSG_GRADIENT, step, mb, 0.0,
+                      nl_trainer_input_grad(t->tr), NULL, err);
+    if (st != NL_OK)
+        return st;
+    t->bwd++;
+    return t->bwd == t->M ? finish_step(s, send, ctx, err) : NL_OK;
+}
+
+static bool runnable(const stage_train *t, const hop_in *h)
+{
+    if (h->type == NL_MSG_EVAL)
+        return h->step == (uint64_t)t->applied && t->fwd == t->bwd;
+    if (h->step != (uint64_t)t->applied + 1 || t->finished)
+        return false;
+    if (h->type == NL_MSG_COUNT)
+        return t->counted < t->M && t->fwd == 0;
+    return (t->M == 1 || t->counted == t->M) && t->fwd - t->bwd < t->slots && t->fwd < t->M;
+}
+
+static nl_status run_hop(nl_stage *s, const hop_in *h, nl_stage_send_fn send, void *ctx,
+                         nl_error *err)
+{
+    stage_train *t = s->train;
+    nl_model *m = s->model;
+    const int32_t *tokens;
+    const float *x;
+    nl_status st = NL_OK;
+    hop_input(s, h, &tokens, &x);
+    if (h->type == NL_MSG_COUNT) {
+        if (t->begun != h->step)
+            begin(t, h->step);
+        st = nl_trainer_count_routes(t->tr, t->mbB, t->T, tokens, x, err);
+        if (st == NL_OK && !m->has_head)
+            st = send_hop(s, send, ctx, NL_MSG_COUNT, h->step, h->mb, 0.0,
+                          nl_trainer_count_output(t->tr), NULL, err);
+        if (st == NL_OK && ++t->counted == t->M)
+            nl_trainer_use_counts(t->tr);
+        return st;
+    }
+    if (h->type == NL_MSG_EVAL) {
+        double ce = 0.0;
+        if (h->mb % (uint32_t)t->M == 0) { /* a new held-out batch, as local evaluation */
+            nl_trainer_begin_step(t->tr, (int64_t)t->M * (int64_t)t->rows);
+            t->begun = 0;
+        }
+        st = nl_trainer_forward(t->tr, 0, t->mbB, t->T, tokens, x, h->targets, &ce, NULL, err);
+        if (st == NL_OK && !m->has_head)
+            return send_hop(s, send, ctx, NL_MSG_EVAL, h->step, h->mb, 0.0,
+                            nl_trainer_output(t->tr, 0), h->targets, err);
+        if (st != NL_OK)
+            return st;
+        t->eval_ce += ce;
+        if (++t->evals < t->eval_hops)
+            return NL_OK;
+        nl_wire_msg_reset(&t->tx, NL_MSG_LOSS);
+        t->tx.u.loss = (nl_msg_loss){t->job, h->step, true, t->eval_ce, 0.0,
+                                     (uint64_t)t->evals * t->rows};
+        t->evals = 0;
+        t->eval_ce = 0.0;
+        return send(ctx, NL_STAGE_TO_COORD, &t->tx, err);
+    }
+    /* a training forward */
+    if (t->begun != h->step)
+        begin(t, h->step);
+    const int slot = (int)(h->mb % (uint32_t)t->slots);
+    double ce = 0.0, a = 0.0;
+    if (s->o.inject_nan_step > 0 && h->step == (uint64_t)s->o.inject_nan_step && t->fwd == 0 &&
+        (s->o.inject_nan_stage < 0 || s->o.inject_nan_stage == s->stage_idx)) {
+        NL_WARN("test hook: a NaN goes into this stage's gradient at step %llu",
+                (unsigned long long)h->step);
+        nl_trainer_inject_nan(t->tr);
+    }
+    st = nl_trainer_forward(t->tr, slot, t->mbB, t->T, tokens, x, m->has_head ? h->targets : NULL,
+                            &ce, &a, err);
+    if (st != NL_OK)
+        return st;
+    t->fwd++;
+    if (!m->has_head)
+        return send_hop(s, send, ctx, NL_MSG_ACTIVATION, h->step, h->mb, h->aux + a,
+                        nl_trainer_output(t->tr, slot), h->targets, err);
+    t->ce += ce;
+    t->aux += h->aux + a;
+    return backward(s, slot, NULL, h->step, h->mb, send, ctx, err);
+}
+
+/* Run the queued hops that can run now, in order. */
+static nl_status drain(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_error *err)
+{
+    stage_train *t = s->train;
+    while (t->qlen > 0) {
+        hop_in *h = &t->q[t->qhead];
+        if (!runnable(t, h))
+            return NL_OK;
+        nl_status st = run_hop(s, h, send, ctx, err);
+        hop_free(h);
+        t->qhead = (t->qhead + 1) % t->qcap;
+        t->qlen--;
+        if (st != NL_OK)
+            return nl_error_prefix(err, "job %llu step %llu microbatch %u",
+                                   (unsigned long long)t->job, (unsigned long long)h->step, h->mb);
+    }
+    return NL_OK;
+}
+
+/* ===================== receiving ===================== */
+
+/* Check a forward-type hop's frames against the job and copy it into the
+ * queue. */
+static nl_status enqueue(nl_stage *s, const nl_wire_msg *m, nl_error *err)
+{
+    stage_train *t = s->train;
+    const nl_msg_tensor_hop *hop = &m->u.hop;
+    const char *what = nl_wire_type_name(m->type);
+    const bool first = s->model->has_embed, want_targets = m->type != NL_MSG_COUNT;
+    const nl_tensor *x = &m->frames[0].t;
+    const uint64_t limit = m->type == NL_MSG_EVAL ? (uint64_t)t->eval_hops : (uint64_t)t->M;
+    if (hop->microbatch >= limit)
+        return nl_error_set(err, NL_ERR_RANGE, "%s: microbatch %u of %llu", what, hop->microbatch,
+                            (unsigned long long)limit);
+    if (m->type == NL_MSG_EVAL ? hop->step < (uint64_t)t->applied
+                               : hop->step <= (uint64_t)t->applied)
+        return nl_error_set(err, NL_ERR_STATE, "%s: step %llu, but %lld steps are applied", what,
+                            (unsigned long long)hop->step, (long long)t->applied);
+    bool ok = first ? x->dtype == NL_DTYPE_I32 && x->ndim == 2
+                    : x->dtype == NL_DTYPE_F32 && x->ndim == 3 && x->shape[2] == (int64_t)t->d;
+    ok = ok && x->shape[0] == t->mbB && x->shape[1] == t->T;
+    if (!ok)
+        return nl_error_set(err, NL_ERR_SHAPE,
+                            "%s: frame 0 must be %s [%d, %d%s] for this job's microbatches", what,
+                            first ? "I32 token ids" : "F32 hidden states", t->mbB, t->T,
+                            first ? "" : ", d");
+    const nl_tensor *y = m->nframes > 1 ? &m->frames[1].t : NULL;
+    if (want_targets && (!y || y->ndim != 2 || y->shape[0] != t->mbB || y->shape[1] != t->T))
+        return nl_error_set(err, NL_ERR_SHAPE, "%s: frame 1 must be I32 targets [%d, %d]", what,
+                            t->mbB, t->T);
+    if (t->qlen == t->qcap) {
+        int cap = t->qcap ? 2 * t->qcap : 8;
+        hop_in *q = calloc((size_t)cap, sizeof *q);
+        if (!q)
+            return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", what);
+        for (int i = 0; i < t->qlen; i++)
+            q[i] = t->q[(t->qhead + i) % t->qcap];
+        free(t->q);
+        t->q = q;
+        t->qcap = cap;
+        t->qhead = 0;
+    }
+    hop_in h = {m->type, hop->step, hop->microbatch, hop->aux, NULL, NULL};
+    const size_t xbytes = m->frames[0].len, ybytes = t->rows * sizeof(int32_t);
+    if (!(h.x = malloc(xbytes)) || (want_targets && !(h.targets = malloc(ybytes)))) {
+        hop_free(&h);
+        return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", what);
+    }
+    memcpy(h.x, x->data, xbytes);
+    if (want_targets)
+        memcpy(h.targets, y->data, ybytes);
+    t->q[(t->qhead + t->qlen++) % t->qcap] = h;
+    return NL_OK;
+}
+
+static nl_status on_gradient(nl_stage *s, const nl_wire_msg *m, nl_stage_send_fn send, void *ctx,
+                             nl_error *err)
+{
+    stage_train *t = s->train;
+    const nl_msg_tensor_hop *hop = &m->u.hop;
+    const nl_tensor *g = &m->frames[0].t;
+    if (s->model->has_head)
+        return nl_error_set(err, NL_ERR_STATE, "GRADIENT: the last stage starts from its loss");
+    if (hop->step != t->begun || hop->step != (uint64_t)t->applied + 1 || t->finished)
+        return nl_error_set(err, NL_ERR_STATE, "GRADIENT of step %llu, but this stage is at step %llu",
+                            (unsigned long long)hop->step, (unsigned long long)t->applied + 1);
+    if (hop->microbatch != (uint32_t)t->bwd || t->bwd >= t->fwd)
+        return nl_error_set(err, NL_ERR_STATE,
+                            "GRADIENT of microbatch %u, but the next backward is of microbatch %d "
+                            "(%d forwards run)",
+                            hop->microbatch, t->bwd, t->fwd);
+    if (g->dtype != NL_DTYPE_F32 || g->ndim != 3 || g->shape[0] != t->mbB ||
+        g->shape[1] != t->T || g->shape[2] != (int64_t)t->d)
+        return nl_error_set(err, NL_ERR_SHAPE, "GRADIENT: the frame must be F32 [%d, %d, %zu]",
+                            t->mbB, t->T, t->d);
+    const float *dy = NULL;
+    if (s->be->host_memory && ((uintptr_t)g->data % sizeof(float)) == 0) {
+        dy = g->data;
+    } else { /* frames need not be aligned */
+        float *dst = s->be->host_memory ? t->host : t->x_d;
+        if (!dst && !(dst = t->host = malloc(t->rows * t->d * sizeof(float))))
+            return nl_error_set(err, NL_ERR_NOMEM, "GRADIENT: out of memory");
+        if (s->be->host_memory)
+            memcpy(dst, g->data, m->frames[0].len);
+        else
+            s->be->upload(s->be, dst, g->data, m->frames[0].len);
+        dy = dst;
+    }
+    const int slot = (int)(hop->microbatch % (uint32_t)t->slots);
+    nl_status st = backward(s, slot, dy, hop->step, hop->microbatch, send, ctx, err);
+    if (st != NL_OK)
+        return nl_error_prefix(err, "job %llu step %llu microbatch %u", (unsigned long long)t->job,
+                               (unsigned long long)hop->step, hop->microbatch);
+    return drain(s, send, ctx, err);
+}
+
+static nl_status on_step(nl_stage *s, const nl_msg_step *p, nl_stage_send_fn send, void *ctx,
+                         nl_error *err)
+{
+    stage_train *t = s->train;
+    if (p->step != (uint64_t)t->applied + 1 || !t->finished || t->begun != p->step)
+        return nl_error_set(err, NL_ERR_STATE,
+                            "STEP %llu, but this stage %s step %llu",
+                            (unsigned long long)p->step,
+                            t->finished ? "has finished" : "has not finished",
+                            (unsigned long long)t->applied + 1);
+    if (p->apply)
+        nl_trainer_step(t->tr, (float)p->lr, (float)p->clip_scale, nl_adamw_defaults());
+    t->applied = (int64_t)p->step;
+    t->finished = 0;
+    t->counted = t->fwd = t->bwd = 0;
+    return drain(s, send, ctx, err);
+}
+
+/* Make every missing directory of an absolute path. */
+static nl_status make_dirs(const char *dir, nl_error *err)
+{
+    char buf[1100];
+    int n = snprintf(buf, sizeof buf, "%s", dir);
+    if (n < 0 || (size_t)n >= sizeof buf)
+        return nl_error_set(err, NL_ERR_RANGE, "checkpoint directory too long");
+    for (char *p = buf + 1;; p++) {
+        const char c = *p;
+        if (c != '/' && c != '\0')
+            continue;
+        *p = '\0';
+        if (mkdir(buf, 0755) != 0 && errno != EEXIST)
+            return nl_error_set(err, NL_ERR_IO, "cannot create %s: %s", buf, strerror(errno));
+        *p = c;
+        if (c == '\0')
+            return NL_OK;
+    }
+}
+
+/* CKPT_REQ.dir: an absolute path with no ".." component, under the
+ * node's --checkpoint-root when it has one. */
+static nl_status check_ckpt_dir(const nl_stage *s, const char *dir, nl_error *err)
+{
+    const char *root = s->o.ckpt_root;
+    bool dotdot = false;
+    for (const char *p = dir; *p; p++)
+        dotdot |= p[0] == '.' && p[1] == '.' && (p == dir || p[-1] == '/') &&
+                  (p[2] == '/' || p[2] == '\0');
+    if (dir[0] != '/' || dotdot)
+        return nl_error_set(err, NL_ERR_INVALID,
+                            "CKPT_REQ: '%s' is not an absolute path without '..'", dir);
+    size_t n = root ? strlen(root) : 0;
+    while (n > 0 && root[n - 1] == '/')
+        n--;
+    if (n > 0 && (strncmp(dir, root, n) != 0 || (dir[n] != '/' && dir[n] != '\0')))
+        return nl_error_set(err, NL_ERR_AUTH,
+                            "CKPT_REQ: '%s' is outside this node's --checkpoint-root %s", dir,
+                            root);
+    return NL_OK;
+}
+
+static nl_status on_ckpt(nl_stage *s, const nl_msg_ckpt_req *r, nl_stage_send_fn send, void *ctx,
+                         nl_error *err)
+{
+    stage_train *t = s->train;
+    char path[1200], hex[65];
+    uint64_t bytes = 0;
+    if (r->step != (uint64_t)t->applied || t->fwd != t->bwd)
+        return nl_error_set(err, NL_ERR_STATE, "CKPT_REQ of step %llu, but %lld steps are applied",
+                            (unsigned long long)r->step, (long long)t->applied);
+    nl_status st = check_ckpt_dir(s, r->dir, err);
+    if (st == NL_OK)
+        st = make_dirs(r->dir, err);
+    if (st != NL_OK)
+        return st;
+    snprintf(path, sizeof path, "%s/stage-%d.safetensors", r->dir, s->stage_idx);
+    nl_ckpt_extra ex = {.m = nl_trainer_moment(t->tr, 0),
+                        .v = nl_trainer_moment(t->tr, 1),
+                        .adam_steps = nl_trainer_adam_steps(t->tr)};
+    if ((st = nl_checkpoint_save(s->model, path, (int64_t)r->step, &ex, err)) != NL_OK ||
+        (st = nl_file_sha256(path, hex, &bytes, err)) != NL_OK)
+        return st;
+    NL_INFO("job %llu: wrote %s (%.1f MiB) for step %llu", (unsigned long long)t->job, path,
+            (double)bytes / (1 << 20), (unsigned long long)r->step);
+    nl_wire_msg_reset(&t->tx, NL_MSG_CKPT_DONE);
+    t->tx.u.ckpt_done =
+        (nl_msg_ckpt_done){t->job, r->step, (uint32_t)s->stage_idx, path, hex, bytes};
+    return send(ctx, NL_STAGE_TO_COORD, &t->tx, err);
+}
+
+nl_status nl_stage_train_input(nl_stage *s, const nl_wire_msg *m, nl_stage_send_fn send, void *ctx,
+                               nl_error *err)
+{
+    stage_train *t = s->train;
+    const uint64_t job = m->type == NL_MSG_STEP       ? m->u.step.job_id
+                         : m->type == NL_MSG_CKPT_REQ ? m->u.ckpt_req.job_id
+                                                      : m->u.hop.job_id;
+    if (!t || t->job != job)
+        return nl_error_set(err, NL_ERR_STATE, "%s: job %llu is not training on this stage",
+                            nl_wire_type_name(m->type), (unsigned long long)job);
+    switch (m->type) {
+    case NL_MSG_COUNT:
+    case NL_MSG_ACTIVATION:
+    case NL_MSG_EVAL: {
+        nl_status st = enqueue(s, m, err);
+        return st == NL_OK ? drain(s, send, ctx, err) : st;
+    }
+    case NL_MSG_GRADIENT:
+        return on_gradient(s, m, send, ctx, err);
+    case NL_MSG_STEP:
+        return on_step(s, &m->u.step, send, ctx, err);
+    case NL_MSG_CKPT_REQ:
+        return on_ckpt(s, &m->u.ckpt_req, send, ctx, err);
+    default:
+        return nl_error_set(err, NL_ERR_UNSUPPORTED, "%s is not a training message",
+                            nl_wire_type_name(m->type));
+    }
+}

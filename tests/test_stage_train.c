@@ -1,0 +1,470 @@
+/* Unit tests of node/stage_train: distributed training on stages in one
+ * process, without sockets. Every message a stage sends goes through the
+ * real wire codec (encoded, then decoded on delivery) into the queue of the
+ * socket it would travel on; a test "coordinator" feeds the microbatches,
+ * sums the gradient norms and decides each step as neurocoord does.
+ * Deliveries from different sockets are interleaved at random, so hops of
+ * the next step overtake the STEP of this one.
+ *
+ *  - parity: 3 stages with M = 4 microbatches (1F1B, counting pass) and
+ *    M = 1 against nl_trainer_step_local on the whole model: every step's
+ *    loss and the final weights agree within 1e-5;
+ *  - evaluation through the pipeline equals the local held-out loss;
+ *  - the guard: a NaN in one stage's gradient skips the step everywhere;
+ *  - refusals: hops of a wrong shape, step or job, a GRADIENT out of
+ *    order, a CKPT_REQ outside --checkpoint-root. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../base/log.h"
+#include "../core/rng.h"
+#include "../core/train.h"
+#include "../net/wire.h"
+#include "../node/stage.h"
+#include "check.h"
+
+#define SEED 99
+#define NST 3
+#define MAXQ 4096
+
+static nl_backend *be;
+static nl_config cfg;
+static char *cfg_json;
+
+/* ---- a message bus: one FIFO per socket, messages stored encoded ---- */
+
+typedef struct packet {
+    uint8_t *hdr;
+    size_t hlen;
+    uint8_t *frame[NL_WIRE_MAX_FRAMES];
+    size_t flen[NL_WIRE_MAX_FRAMES];
+    int nframes;
+} packet;
+
+enum { Q_CTL, Q_DATA, Q_NEXT, Q_KINDS }; /* a stage's inputs: control, data, next */
+
+typedef struct fifo {
+    packet p[MAXQ];
+    int head, len;
+} fifo;
+
+static fifo stage_q[NST][Q_KINDS], coord_q;
+static nl_stage *stages[NST];
+static int ctx_idx[NST];
+static nl_rng rng;
+
+static void push(fifo *f, nl_wire_msg *m)
+{
+    nl_wire_wbuf wb = {0};
+    nl_error err;
+    CHECK_OK(nl_wire_encode(m, &wb, NULL, &err), &err);
+    if (f->len == MAXQ) {
+        CHECK(0, "queue full");
+        nl_wire_wbuf_free(&wb);
+        return;
+    }
+    packet *p = &f->p[(f->head + f->len++) % MAXQ];
+    p->hdr = wb.data;
+    p->hlen = wb.len;
+    p->nframes = m->nframes;
+    for (int i = 0; i < m->nframes; i++) {
+        p->flen[i] = m->frames[i].len;
+        p->frame[i] = malloc(p->flen[i] + 1);
+        memcpy(p->frame[i], m->frames[i].t.data, p->flen[i]);
+    }
+}
+
+/* Pop and decode into m (frames valid until packet_free). */
+static int pop(fifo *f, nl_wire_msg *m, packet *out)
+{
+    if (!f->len)
+        return 0;
+    *out = f->p[f->head];
+    f->head = (f->head + 1) % MAXQ;
+    f->len--;
+    nl_wire_part parts[NL_WIRE_MAX_FRAMES + 1] = {{out->hdr, out->hlen}};
+    for (int i = 0; i < out->nframes; i++)
+        parts[i + 1] = (nl_wire_part){out->frame[i], out->flen[i]};
+    nl_error err;
+    CHECK_OK(nl_wire_decode(m, parts, 1 + out->nframes, NULL, &err), &err);
+    return 1;
+}
+
+static void packet_free(packet *p)
+{
+    free(p->hdr);
+    for (int i = 0; i < p->nframes; i++)
+        free(p->frame[i]);
+}
+
+static nl_status bus_send(void *ctx, nl_stage_dest to, nl_wire_msg *m, nl_error *err)
+{
+    int s = *(int *)ctx;
+    if (to == NL_STAGE_TO_COORD)
+        push(&coord_q, m);
+    else if (to == NL_STAGE_TO_NEXT && s + 1 < NST)
+        push(&stage_q[s + 1][Q_DATA], m);
+    else if (to == NL_STAGE_TO_PREV && s > 0)
+        push(&stage_q[s - 1][Q_NEXT], m);
+    else
+        return nl_error_set(err, NL_ERR_STATE, "stage %d has no such neighbour", s);
+    return NL_OK;
+}
+
+/* Deliver queued messages to the stages, from a randomly chosen non-empty
+ * socket each time, until every stage queue is empty. */
+static void pump(int nst)
+{
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    for (;;) {
+        int cand[NST * Q_KINDS], n = 0;
+        for (int s = 0; s < nst; s++)
+            for (int k = 0; k < Q_KINDS; k++)
+                if (stage_q[s][k].len)
+                    cand[n++] = s * Q_KINDS + k;
+        if (!n)
+            break;
+        int c = cand[nl_rng_below(&rng, (uint64_t)n)];
+        packet p;
+        nl_error err;
+        if (pop(&stage_q[c / Q_KINDS][c % Q_KINDS], &m, &p)) {
+            CHECK_OK(nl_stage_train_input(stages[c / Q_KINDS], &m, bus_send, &ctx_idx[c / Q_KINDS],
+                                          &err),
+                     &err);
+            packet_free(&p);
+        }
+    }
+    nl_wire_msg_free(&m);
+}
+
+/* ---- the stages ---- */
+
+static void make_stages(int nst, const int *bounds, int64_t inject_step, int inject_stage)
+{
+    nl_error err;
+    for (int s = 0; s < nst; s++) {
+        nl_stage_opts o = {.memory_bytes = 1ULL << 30,
+                           .kv_budget = 1 << 20,
+                           .send_wait_ms = 100,
+                           .ckpt_root = "/nonexistent-root",
+                           .inject_nan_step = inject_step,
+                           .inject_nan_stage = inject_stage};
+        CHECK_OK(nl_stage_new(&stages[s], be, &o, &err), &err);
+        nl_msg_assign a = {.epoch = 1,
+                           .node_id = 1,
+                           .stage = (uint32_t)s,
+                           .num_stages = (uint32_t)nst,
+                           .layer0 = (uint32_t)bounds[s],
+                           .layer1 = (uint32_t)bounds[s + 1],
+                           .has_embed = s == 0,
+                           .has_head = s + 1 == nst,
+                           .config_json = cfg_json,
+                           .seed = SEED,
+                           .prev_endpoint = "",
+                           .prev_key = "",
+                           .next_endpoint = "",
+                           .next_key = ""};
+        nl_stage_loaded info;
+        bool stale;
+        CHECK_OK(nl_stage_assign(stages[s], &a, &err), &err);
+        CHECK_OK(nl_stage_load_done(stages[s], 1, 0, &info, &stale, &err), &err);
+        ctx_idx[s] = s;
+    }
+}
+
+static void free_stages(int nst)
+{
+    for (int s = 0; s < nst; s++)
+        nl_stage_destroy(&stages[s]);
+}
+
+static void begin_job(int nst, uint64_t job, int mbB, int T, int M, int eval_hops)
+{
+    nl_wire_param ps[6] = {
+        {.key = "job", .kind = NL_WIRE_PARAM_INT, .i = (int64_t)job},
+        {.key = "micro_batch", .kind = NL_WIRE_PARAM_INT, .i = mbB},
+        {.key = "seq", .kind = NL_WIRE_PARAM_INT, .i = T},
+        {.key = "microbatches", .kind = NL_WIRE_PARAM_INT, .i = M},
+        {.key = "eval_hops", .kind = NL_WIRE_PARAM_INT, .i = eval_hops},
+        {.key = "recompute", .kind = NL_WIRE_PARAM_BOOL, .b = false},
+    };
+    nl_msg_job_submit j = {NL_JOB_TRAIN, 6, ps};
+    for (int s = 0; s < nst; s++) {
+        uint64_t id = 0;
+        nl_error err;
+        CHECK_OK(nl_stage_train_begin(stages[s], &j, &id, &err), &err);
+        CHECK(id == job, "job id %llu", (unsigned long long)id);
+    }
+}
+
+/* Feed a hop of `type` (tokens of microbatch mb, and targets) to stage 0. */
+static void feed(uint64_t job, nl_msg_type type, uint64_t step, uint32_t mb, int32_t *tok,
+                 int32_t *tgt, int mbB, int T)
+{
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, type);
+    m.u.hop = (nl_msg_tensor_hop){job, step, mb, 0, 0, 0.0};
+    const int64_t sh[2] = {mbB, T};
+    nl_wire_frame_set(&m.frames[0], tok, NL_DTYPE_I32, sh, 2);
+    m.nframes = 1;
+    if (tgt) {
+        nl_wire_frame_set(&m.frames[1], tgt, NL_DTYPE_I32, sh, 2);
+        m.nframes = 2;
+    }
+    push(&stage_q[0][Q_CTL], &m);
+    nl_wire_msg_free(&m);
+}
+
+typedef struct coord_step {
+    int norms, have_loss, have_eval;
+    double sumsq, ce, aux, eval_ce;
+} coord_step;
+
+static void read_reports(coord_step *cs, uint64_t step)
+{
+    nl_wire_msg m;
+    packet p;
+    nl_wire_msg_init(&m);
+    while (pop(&coord_q, &m, &p)) {
+        if (m.type == NL_MSG_GRAD_NORM) {
+            CHECK(m.u.grad_norm.step == step, "GRAD_NORM of step %llu",
+                  (unsigned long long)m.u.grad_norm.step);
+            cs->sumsq += m.u.grad_norm.sumsq;
+            cs->norms++;
+        } else if (m.type == NL_MSG_LOSS && !m.u.loss.eval) {
+            cs->ce = m.u.loss.ce_sum;
+            cs->aux = m.u.loss.aux;
+            cs->have_loss = 1;
+        } else if (m.type == NL_MSG_LOSS) {
+            cs->eval_ce = m.u.loss.ce_sum;
+            cs->have_eval = 1;
+        } else {
+            CHECK(0, "unexpected %s to the coordinator", nl_wire_type_name(m.type));
+        }
+        packet_free(&p);
+    }
+    nl_wire_msg_free(&m);
+}
+
+static void random_batch(int32_t *tok, int32_t *tgt, int n)
+{
+    for (int i = 0; i < n; i++) {
+        tok[i] = (int32_t)nl_rng_below(&rng, (uint64_t)cfg.vocab_size);
+        tgt[i] = (int32_t)nl_rng_below(&rng, (uint64_t)cfg.vocab_size);
+    }
+}
+
+/* Train `steps` steps of B x T in M microbatches on NST stages and on the
+ * whole model in one process; compare. inject: 1-based step with a NaN on
+ * stage 1 (0: none). */
+static void parity(int B, int T, int M, int steps, int64_t inject)
+{
+    nl_error err;
+    const int bounds[NST + 1] = {0, 1, 2, 3};
+    const int mbB = B / M, rows = mbB * T;
+    const uint64_t job = 42;
+    const float lr = 3e-3f;
+    make_stages(NST, bounds, inject, 1);
+    begin_job(NST, job, mbB, T, M, M);
+    nl_model *whole = NULL;
+    nl_trainer *tr = NULL;
+    CHECK_OK(nl_model_new(&whole, be, &cfg, 0, cfg.num_layers, 1, 1, &err), &err);
+    CHECK_OK(nl_model_init_random(whole, SEED, &err), &err);
+    CHECK_OK(nl_trainer_new(&tr, whole, rows, 1, 0, &err), &err);
+    int32_t *tok = malloc((size_t)B * T * sizeof *tok), *tgt = malloc((size_t)B * T * sizeof *tgt);
+    double worst = 0.0;
+    for (int step = 1; step <= steps && tr; step++) {
+        random_batch(tok, tgt, B * T);
+        nl_step_result r;
+        if (step == inject)
+            nl_trainer_inject_nan(tr);
+        CHECK_OK(nl_trainer_step_local(tr, tok, tgt, B, T, M, lr, 1.0f, nl_adamw_defaults(), &r,
+                                       &err),
+                 &err);
+        for (int mb = 0; M > 1 && mb < M; mb++)
+            feed(job, NL_MSG_COUNT, (uint64_t)step, (uint32_t)mb, tok + mb * rows, NULL, mbB, T);
+        for (int mb = 0; mb < M; mb++)
+            feed(job, NL_MSG_ACTIVATION, (uint64_t)step, (uint32_t)mb, tok + mb * rows,
+                 tgt + mb * rows, mbB, T);
+        pump(NST);
+        coord_step cs = {0};
+        read_reports(&cs, (uint64_t)step);
+        CHECK(cs.norms == NST && cs.have_loss, "step %d: %d norms, loss %d", step, cs.norms,
+              cs.have_loss);
+        const double loss = cs.ce / ((double)B * T) + cfg.aux_loss_coef * cs.aux;
+        const int skip = !isfinite(loss) || !isfinite(cs.sumsq);
+        CHECK(skip == r.skipped, "step %d: skipped %d here, %d locally", step, skip, r.skipped);
+        if (!skip) {
+            const double rel = fabs(loss - r.loss) / fabs(r.loss);
+            worst = rel > worst ? rel : worst;
+            CHECK(rel < 1e-5, "step %d: loss %.9g vs local %.9g", step, loss, r.loss);
+            CHECK(fabs(sqrt(cs.sumsq) - r.grad_norm) <= 1e-4 * r.grad_norm,
+                  "step %d: grad norm %.9g vs %.9g", step, sqrt(cs.sumsq), r.grad_norm);
+        }
+        const double norm = sqrt(cs.sumsq), clip = 1.0 / (norm + 1e-6);
+        nl_wire_msg m;
+        nl_wire_msg_init(&m);
+        nl_wire_msg_reset(&m, NL_MSG_STEP);
+        m.u.step = (nl_msg_step){job, (uint64_t)step, !skip, skip ? 0.0 : (clip < 1 ? clip : 1),
+                                 lr};
+        for (int s = 0; s < NST; s++)
+            push(&stage_q[s][Q_CTL], &m);
+        nl_wire_msg_free(&m);
+        /* the next step's hops now race the STEP on the later stages */
+    }
+    pump(NST);
+    /* an evaluation through the pipeline equals the local held-out loss */
+    random_batch(tok, tgt, B * T);
+    double local_ce = 0.0;
+    nl_trainer_begin_step(tr, (int64_t)B * T);
+    for (int mb = 0; mb < M; mb++)
+        CHECK_OK(nl_trainer_forward(tr, 0, mbB, T, tok + mb * rows, NULL, tgt + mb * rows,
+                                    &local_ce, NULL, &err),
+                 &err);
+    for (int mb = 0; mb < M; mb++)
+        feed(job, NL_MSG_EVAL, (uint64_t)steps, (uint32_t)mb, tok + mb * rows, tgt + mb * rows, mbB,
+             T);
+    pump(NST);
+    coord_step cs = {0};
+    read_reports(&cs, (uint64_t)steps);
+    CHECK(cs.have_eval && fabs(cs.eval_ce - local_ce) <= 1e-5 * local_ce,
+          "eval ce %.9g vs local %.9g", cs.eval_ce, local_ce);
+    /* the weights */
+    double wrst = 0.0;
+    for (int s = 0; s < NST; s++) {
+        const nl_model *m = nl_stage_model(stages[s]);
+        for (int i = 0; m && i < m->n_table; i++) {
+            const nl_param *p = &m->table[i];
+            const nl_param *q = nl_model_find_param(whole, p->name);
+            double e = check_rel_err(nl_model_param_data(m, p), nl_model_param_data(whole, q),
+                                     nl_param_numel(p));
+            wrst = e > wrst ? e : wrst;
+            CHECK(e < 1e-5, "%s: relative error %g", p->name, e);
+        }
+    }
+    printf("parity M=%d%s: worst loss rel err %.2e, weights %.2e\n", M,
+           inject ? " (NaN injected)" : "", worst, wrst);
+    free(tok);
+    free(tgt);
+    nl_trainer_destroy(&tr);
+    nl_model_destroy(&whole);
+    free_stages(NST);
+}
+
+static void refusals(void)
+{
+    nl_error err;
+    const int bounds[NST + 1] = {0, 1, 2, 3};
+    const uint64_t job = 5;
+    make_stages(NST, bounds, 0, -1);
+    begin_job(NST, job, 2, 4, 2, 0);
+    int32_t tok[12] = {0}, tgt[12] = {0};
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    const int64_t bad[2] = {3, 4}, ok[2] = {2, 4};
+    /* wrong shape */
+    nl_wire_msg_reset(&m, NL_MSG_ACTIVATION);
+    m.u.hop = (nl_msg_tensor_hop){job, 1, 0, 0, 0, 0.0};
+    nl_wire_frame_set(&m.frames[0], tok, NL_DTYPE_I32, bad, 2);
+    nl_wire_frame_set(&m.frames[1], tgt, NL_DTYPE_I32, bad, 2);
+    m.nframes = 2;
+    m.frames[0].len = m.frames[1].len = 3 * 4 * sizeof(int32_t); /* tok and tgt are big enough */
+    CHECK(nl_stage_train_input(stages[0], &m, bus_send, &ctx_idx[0], &err) == NL_ERR_SHAPE,
+          "wrong shape: %s", err.msg);
+    /* another job */
+    nl_wire_frame_set(&m.frames[0], tok, NL_DTYPE_I32, ok, 2);
+    nl_wire_frame_set(&m.frames[1], tgt, NL_DTYPE_I32, ok, 2);
+    m.frames[0].len = m.frames[1].len = 8 * sizeof(int32_t);
+    m.u.hop.job_id = 6;
+    CHECK(nl_stage_train_input(stages[0], &m, bus_send, &ctx_idx[0], &err) == NL_ERR_STATE &&
+              strstr(err.msg, "job 6"),
+          "another job: %s", err.msg);
+    /* microbatch out of range */
+    m.u.hop.job_id = job;
+    m.u.hop.step = 1;
+    m.u.hop.microbatch = 2;
+    CHECK(nl_stage_train_input(stages[0], &m, bus_send, &ctx_idx[0], &err) == NL_ERR_RANGE,
+          "microbatch 2 of 2: %s", err.msg);
+    /* a GRADIENT before any forward */
+    float g[2 * 4 * 32] = {0};
+    const int64_t gs[3] = {2, 4, 32};
+    nl_wire_msg_reset(&m, NL_MSG_GRADIENT);
+    m.u.hop = (nl_msg_tensor_hop){job, 1, 0, 0, 0, 0.0};
+    nl_wire_frame_set(&m.frames[0], g, NL_DTYPE_F32, gs, 3);
+    m.frames[0].len = sizeof g;
+    m.nframes = 1;
+    CHECK(nl_stage_train_input(stages[1], &m, bus_send, &ctx_idx[1], &err) == NL_ERR_STATE,
+          "early GRADIENT: %s", err.msg);
+    /* a STEP before the gradients */
+    nl_wire_msg_reset(&m, NL_MSG_STEP);
+    m.u.step = (nl_msg_step){job, 1, true, 1.0, 1e-3};
+    CHECK(nl_stage_train_input(stages[1], &m, bus_send, &ctx_idx[1], &err) == NL_ERR_STATE,
+          "early STEP: %s", err.msg);
+    /* checkpoints outside --checkpoint-root, or with .. */
+    nl_wire_msg_reset(&m, NL_MSG_CKPT_REQ);
+    m.u.ckpt_req = (nl_msg_ckpt_req){job, 0, "/tmp/elsewhere"};
+    CHECK(nl_stage_train_input(stages[1], &m, bus_send, &ctx_idx[1], &err) == NL_ERR_AUTH &&
+              strstr(err.msg, "checkpoint-root"),
+          "outside the root: %s", err.msg);
+    m.u.ckpt_req.dir = "/nonexistent-root/../etc";
+    CHECK(nl_stage_train_input(stages[1], &m, bus_send, &ctx_idx[1], &err) == NL_ERR_INVALID,
+          "dot-dot: %s", err.msg);
+    /* moments asked for but none loaded */
+    nl_wire_param ps[5] = {
+        {.key = "job", .kind = NL_WIRE_PARAM_INT, .i = 9},
+        {.key = "micro_batch", .kind = NL_WIRE_PARAM_INT, .i = 2},
+        {.key = "seq", .kind = NL_WIRE_PARAM_INT, .i = 4},
+        {.key = "microbatches", .kind = NL_WIRE_PARAM_INT, .i = 1},
+        {.key = "moments", .kind = NL_WIRE_PARAM_BOOL, .b = true},
+    };
+    nl_msg_job_submit j = {NL_JOB_TRAIN, 5, ps};
+    uint64_t id = 0;
+    CHECK(nl_stage_train_begin(stages[0], &j, &id, &err) == NL_ERR_STATE && id == 9,
+          "moments without any: %s", err.msg);
+    ps[4].key = "seq";
+    ps[4].kind = NL_WIRE_PARAM_INT;
+    ps[4].i = cfg.max_seq_len + 1;
+    j.nparams = 4;
+    ps[2] = ps[4];
+    CHECK(nl_stage_train_begin(stages[0], &j, &id, &err) == NL_ERR_RANGE, "seq past max: %s",
+          err.msg);
+    CHECK(nl_stage_train_end(stages[0], job), "a refused begin dropped the running job");
+    CHECK(nl_stage_train_end(stages[1], job) && !nl_stage_train_running(stages[1], NULL),
+          "end of the job");
+    nl_wire_msg_free(&m);
+    free_stages(NST);
+}
+
+int main(void)
+{
+    nl_error err;
+    nl_log_set_name("test_stage_train");
+    nl_log_set_level(NL_LOG_ERROR);
+    nl_rng_seed(&rng, 7, 0);
+    nl_config_init(&cfg);
+    cfg.hidden_dim = 32;
+    cfg.num_layers = 3;
+    cfg.num_heads = 4;
+    cfg.num_kv_heads = 2;
+    cfg.ffn_dim = 48;
+    cfg.num_experts = 4;
+    cfg.vocab_size = 300;
+    cfg.vocab_chunk = 128;
+    cfg.max_seq_len = 32;
+    CHECK_OK(nl_config_validate(&cfg, 1, &err), &err);
+    cfg_json = nl_config_to_json(&cfg);
+    CHECK_OK(nl_backend_cpu_new(&be, 2, &err), &err);
+    if (be && cfg_json) {
+        parity(8, 8, 4, 5, 0);
+        parity(4, 8, 1, 3, 0);
+        parity(8, 8, 4, 4, 2); /* the guard */
+        refusals();
+    }
+    nl_backend_destroy(&be);
+    free(cfg_json);
+    return check_done("test_stage_train");
+}
