@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# The main job: train a small model on English text (Debian's fortunes)
-# with visible progress, save a checkpoint, bring up a local cluster (a
-# coordinator and 3 nodes as separate processes on loopback) serving it,
-# generate text through the pipeline, and stop the cluster.
+# The main job: bring up a local cluster (a coordinator and 3 nodes as
+# separate processes on loopback), train a small model across its 3
+# pipeline stages on English text (Debian's fortunes) with visible
+# progress, save a sharded checkpoint and join it into one file, generate
+# text through the pipeline, and stop the cluster.
 # Everything lands in out/demo/. Safe to run again.
-#   scripts/demo.sh [--steps N] [--threads N]
+#   scripts/demo.sh [--steps N] [--threads N]     (--threads: per node, default 1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=500
-THREADS=$(nproc)
+THREADS=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --steps) STEPS=$2; shift 2 ;;
@@ -36,16 +37,24 @@ echo "data: $(wc -c < "$DATA") bytes of fortunes"
 $NEUROCTL tokenizer train --input "$DATA" --vocab-size 2048 --out "$OUT/tokenizer.bpe" --quiet
 $NEUROCTL init --config configs/tiny.yaml --tokenizer "$OUT/tokenizer.bpe" \
   --out "$OUT/init.safetensors" --seed 1
-$NEUROCTL train --model "$OUT/init.safetensors" --data "$DATA" --steps "$STEPS" --batch 16 \
-  --seq 128 --lr 2e-3 --warmup 30 --eval-every 100 --log "$OUT/train.jsonl" \
-  --out "$OUT/model.safetensors" --threads "$THREADS"
 
-# Serve the checkpoint from a local cluster: 3 nodes, each a pipeline stage.
+# A local cluster: a coordinator and 3 nodes, each a pipeline stage with one
+# thread (3 nodes share this machine's cores).
 CLUSTER=$OUT/cluster
 $NEUROCTL cluster down --dir "$CLUSTER" >/dev/null 2>&1 || true
 trap '$NEUROCTL cluster down --dir "$CLUSTER" >/dev/null 2>&1 || true' EXIT
-$NEUROCTL cluster up --dir "$CLUSTER" --nodes 3 --model "$OUT/model.safetensors" --memory 512M
+$NEUROCTL cluster up --dir "$CLUSTER" --nodes 3 --model "$OUT/init.safetensors" --memory 512M \
+  --threads "$THREADS"
 $NEUROCTL status --cluster "$CLUSTER"
+
+# Train across the 3 stages (1F1B over 4 microbatches), with a sharded
+# checkpoint every 100 steps; the final shards are joined into one file.
+rm -rf "$OUT/checkpoints"
+$NEUROCTL train --cluster "$CLUSTER" --data "$DATA" --steps "$STEPS" --batch 16 --seq 128 \
+  --microbatches 4 --lr 2e-3 --warmup 30 --eval-every 100 --checkpoint-every 100 \
+  --checkpoint-dir "$OUT/checkpoints" --log "$OUT/train.jsonl" --out "$OUT/model.safetensors"
+
+# Generate from the trained model the nodes now hold.
 for prompt in "The " "Q: What is " "A man "; do
   printf '\n--- '
   $NEUROCTL generate --cluster "$CLUSTER" --prompt "$prompt" --max-new 60 \
