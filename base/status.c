@@ -24,6 +24,7 @@ static const char *const status_names[NL_STATUS_COUNT] = {
     [NL_ERR_STATE] = "NL_ERR_STATE",
     [NL_ERR_UNSUPPORTED] = "NL_ERR_UNSUPPORTED",
     [NL_ERR_INTERNAL] = "NL_ERR_INTERNAL",
+    [NL_ERR_INTEGRITY] = "NL_ERR_INTEGRITY",
 };
 
 const char *nl_status_str(nl_status st)

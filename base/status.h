@@ -10,23 +10,24 @@
 
 typedef enum nl_status {
     NL_OK = 0,
-    NL_ERR_NOMEM,    /* allocation failed */
-    NL_ERR_IO,       /* read, write, open, rename, fsync failed */
-    NL_ERR_PROTO,    /* malformed or unexpected message on the wire */
-    NL_ERR_AUTH,     /* peer not authorised, bad key */
-    NL_ERR_SHAPE,    /* tensor shape does not match what is expected */
-    NL_ERR_TIMEOUT,  /* a peer or operation did not answer in time */
-    NL_ERR_INVALID,  /* bad argument, config value or command-line flag */
-    NL_ERR_FORMAT,   /* malformed file (checkpoint, tokenizer, data) */
-    NL_ERR_DTYPE,    /* unsupported or unexpected element type */
-    NL_ERR_RANGE,    /* a value or offset outside its allowed range */
-    NL_ERR_NOTFOUND, /* a required tensor, key or file is missing */
-    NL_ERR_VERSION,  /* format or protocol version not supported */
-    NL_ERR_LIMIT,    /* a size limit was exceeded */
-    NL_ERR_CAPACITY, /* not enough memory or nodes for the work */
-    NL_ERR_STATE,    /* operation not valid in the current state */
+    NL_ERR_NOMEM,       /* allocation failed */
+    NL_ERR_IO,          /* read, write, open, rename, fsync failed */
+    NL_ERR_PROTO,       /* malformed or unexpected message on the wire */
+    NL_ERR_AUTH,        /* peer not authorised, bad key */
+    NL_ERR_SHAPE,       /* tensor shape does not match what is expected */
+    NL_ERR_TIMEOUT,     /* a peer or operation did not answer in time */
+    NL_ERR_INVALID,     /* bad argument, config value or command-line flag */
+    NL_ERR_FORMAT,      /* malformed file (checkpoint, tokenizer, data) */
+    NL_ERR_DTYPE,       /* unsupported or unexpected element type */
+    NL_ERR_RANGE,       /* a value or offset outside its allowed range */
+    NL_ERR_NOTFOUND,    /* a required tensor, key or file is missing */
+    NL_ERR_VERSION,     /* format or protocol version not supported */
+    NL_ERR_LIMIT,       /* a size limit was exceeded */
+    NL_ERR_CAPACITY,    /* not enough memory or nodes for the work */
+    NL_ERR_STATE,       /* operation not valid in the current state */
     NL_ERR_UNSUPPORTED, /* feature not available in this build */
-    NL_ERR_INTERNAL, /* programmer error caught at run time */
+    NL_ERR_INTERNAL,    /* programmer error caught at run time */
+    NL_ERR_INTEGRITY,   /* a hash or checksum does not match */
     NL_STATUS_COUNT
 } nl_status;
 

@@ -11,6 +11,7 @@ int nl_cmd_bench(int argc, char **argv);
 int nl_cmd_grad(int argc, char **argv);
 int nl_cmd_train(int argc, char **argv);
 int nl_cmd_grow(int argc, char **argv);
+int nl_cmd_export(int argc, char **argv);
 int nl_cmd_keygen(int argc, char **argv);
 int nl_cmd_tokenizer(int argc, char **argv);
 int nl_cmd_status(int argc, char **argv);

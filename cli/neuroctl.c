@@ -16,6 +16,7 @@ static const struct {
     {"grad", nl_cmd_grad, "loss and the gradient of every weight for one batch"},
     {"train", nl_cmd_train, "train a model in this process"},
     {"grow", nl_cmd_grow, "grow a checkpoint's vocabulary (tables and optimizer moments)"},
+    {"export", nl_cmd_export, "join a sharded checkpoint (manifest + shards) into one checkpoint"},
     {"bench", nl_cmd_bench, "measure forward, decode, training and GEMM throughput"},
     {"status", nl_cmd_status, "show a cluster's nodes, plan and predicted stage times"},
     {"cluster", nl_cmd_cluster, "start (up) or stop (down) a local cluster on this machine"},

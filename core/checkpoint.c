@@ -90,13 +90,31 @@ out:
     return st;
 }
 
-static nl_status meta_config(nl_st_file *f, const char *path, nl_config *cfg, int64_t *step,
-                             nl_error *err)
+/* A non-negative decimal metadata value: NL_ERR_NOTFOUND when absent,
+ * NL_ERR_FORMAT when it is not a count. */
+static nl_status meta_count(const nl_st_file *f, const char *path, const char *key, int64_t *out,
+                            nl_error *err)
+{
+    const char *s = nl_st_metadata(f, key);
+    if (!s)
+        return nl_error_set(err, NL_ERR_NOTFOUND, "%s: metadata '%s' is missing", path, key);
+    char *end = NULL;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (errno || end == s || *end || v < 0)
+        return nl_error_set(err, NL_ERR_FORMAT, "%s: metadata '%s' is '%s', not a count", path, key,
+                            s);
+    *out = v;
+    return NL_OK;
+}
+
+nl_status nl_checkpoint_check_meta(const nl_st_file *f, const char *path, nl_config *cfg,
+                                   int64_t *step, int64_t *adam_steps, nl_error *err)
 {
     const char *fmt = nl_st_metadata(f, "format");
     if (!fmt)
-        return nl_error_set(err, NL_ERR_FORMAT, "%s: metadata has no 'format' (not a neurollm checkpoint)",
-                            path);
+        return nl_error_set(err, NL_ERR_FORMAT,
+                            "%s: metadata has no 'format' (not a neurollm checkpoint)", path);
     if (strcmp(fmt, NL_CHECKPOINT_FORMAT) != 0)
         return nl_error_set(err, NL_ERR_VERSION, "%s: format '%s' is not %s", path, fmt,
                             NL_CHECKPOINT_FORMAT);
@@ -109,18 +127,46 @@ static nl_status meta_config(nl_st_file *f, const char *path, nl_config *cfg, in
     st = nl_config_validate(cfg, 1, err);
     if (st != NL_OK)
         return nl_error_prefix(err, "%s: config", path);
-    { /* the step is checked even when the caller does not want it */
-        const char *s = nl_st_metadata(f, "step");
-        char *end = NULL;
-        errno = 0;
-        long long v = s ? strtoll(s, &end, 10) : 0;
-        if (!s || errno || end == s || *end || v < 0)
-            return nl_error_set(err, NL_ERR_FORMAT, "%s: metadata 'step' is %s%s%s", path,
-                                s ? "'" : "missing", s ? s : "", s ? "', not a step number" : "");
-        if (step)
-            *step = v;
+    /* the step is checked even when the caller does not want it */
+    int64_t v = 0;
+    st = meta_count(f, path, "step", &v, err);
+    if (st == NL_ERR_NOTFOUND)
+        st = nl_error_set(err, NL_ERR_FORMAT, "%s: metadata 'step' is missing", path);
+    if (st != NL_OK)
+        return st;
+    if (step)
+        *step = v;
+    if (adam_steps) {
+        st = meta_count(f, path, "adam_steps", adam_steps, err);
+        if (st == NL_ERR_NOTFOUND) {
+            *adam_steps = -1;
+            st = NL_OK;
+        }
     }
-    return NL_OK;
+    return st;
+}
+
+nl_status nl_checkpoint_read_tensors(const nl_model *m, const nl_st_file *f,
+                                     const unsigned char *pick, float *w, float *mm, float *vv,
+                                     nl_error *err)
+{
+    char name[NL_PARAM_NAME_MAX + 8];
+    nl_status st = NL_OK;
+    for (int i = 0; i < m->n_table && st == NL_OK; i++) {
+        const nl_param *p = &m->table[i];
+        if (pick && !pick[i])
+            continue;
+        if (w)
+            st = nl_st_read(f, p->name, NL_DTYPE_F32, p->ndim, p->shape, w + p->offset, err);
+        for (int j = 0; j < 2 && st == NL_OK; j++) {
+            float *dst = j ? vv : mm;
+            if (!dst)
+                continue;
+            snprintf(name, sizeof name, "optim.%c.%s", j ? 'v' : 'm', p->name);
+            st = nl_st_read(f, name, NL_DTYPE_F32, p->ndim, p->shape, dst + p->offset, err);
+        }
+    }
+    return st;
 }
 
 nl_status nl_checkpoint_read_config(const char *path, nl_config *cfg, int64_t *step, nl_error *err)
@@ -129,7 +175,7 @@ nl_status nl_checkpoint_read_config(const char *path, nl_config *cfg, int64_t *s
     nl_status st = nl_st_open(&f, path, err);
     if (st != NL_OK)
         return st;
-    st = meta_config(f, path, cfg, step, err);
+    st = nl_checkpoint_check_meta(f, path, cfg, step, NULL, err);
     nl_st_close(&f);
     return st;
 }
@@ -145,7 +191,7 @@ nl_status nl_checkpoint_load(nl_model **out, nl_backend *be, const char *path, i
     nl_status st = nl_st_open(&f, path, err);
     if (st != NL_OK)
         return st;
-    st = meta_config(f, path, &cfg, step, err);
+    st = nl_checkpoint_check_meta(f, path, &cfg, step, NULL, err);
     if (st != NL_OK)
         goto out;
     if (l1 < 0)
@@ -175,10 +221,7 @@ nl_status nl_checkpoint_load(nl_model **out, nl_backend *be, const char *path, i
             goto out;
         }
     }
-    for (int i = 0; i < m->n_table && st == NL_OK; i++) {
-        const nl_param *p = &m->table[i];
-        st = nl_st_read(f, p->name, NL_DTYPE_F32, p->ndim, p->shape, dst + p->offset, err);
-    }
+    st = nl_checkpoint_read_tensors(m, f, NULL, dst, NULL, NULL, err);
     if (st != NL_OK) {
         nl_error_prefix(err, "%s", path);
         goto out;
@@ -199,25 +242,18 @@ nl_status nl_checkpoint_load_optim(const nl_model *m, const char *path, float *m
 {
     nl_st_file *f = NULL;
     float *host = NULL;
-    char name[NL_PARAM_NAME_MAX + 8];
     if (train_json)
         *train_json = NULL;
     nl_status st = nl_st_open(&f, path, err);
     if (st != NL_OK)
         return st;
-    const char *s = nl_st_metadata(f, "adam_steps");
-    if (!s) {
+    int64_t t = 0;
+    st = meta_count(f, path, "adam_steps", &t, err);
+    if (st == NL_ERR_NOTFOUND)
         st = nl_error_set(err, NL_ERR_NOTFOUND, "%s: no optimizer state (metadata 'adam_steps')",
                           path);
+    if (st != NL_OK)
         goto out;
-    }
-    char *end = NULL;
-    errno = 0;
-    long long t = strtoll(s, &end, 10);
-    if (errno || end == s || *end || t < 0) {
-        st = nl_error_set(err, NL_ERR_FORMAT, "%s: metadata 'adam_steps' is '%s'", path, s);
-        goto out;
-    }
     float *dst[2] = {mom_m, mom_v};
     if (!m->be->host_memory) {
         host = malloc(2 * m->n_params * sizeof(float) + 1);
@@ -228,13 +264,7 @@ nl_status nl_checkpoint_load_optim(const nl_model *m, const char *path, float *m
         dst[0] = host;
         dst[1] = host + m->n_params;
     }
-    for (int i = 0; i < m->n_table && st == NL_OK; i++) {
-        const nl_param *p = &m->table[i];
-        for (int j = 0; j < 2 && st == NL_OK; j++) {
-            snprintf(name, sizeof name, "optim.%c.%s", j ? 'v' : 'm', p->name);
-            st = nl_st_read(f, name, NL_DTYPE_F32, p->ndim, p->shape, dst[j] + p->offset, err);
-        }
-    }
+    st = nl_checkpoint_read_tensors(m, f, NULL, NULL, dst[0], dst[1], err);
     if (st != NL_OK) {
         nl_error_prefix(err, "%s", path);
         goto out;

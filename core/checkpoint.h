@@ -44,8 +44,7 @@ nl_status nl_checkpoint_load_optim(const nl_model *m, const char *path, float *m
                                    int64_t *adam_steps, char **train_json, nl_error *err);
 
 /* Read and validate the metadata only: format, config, step. */
-nl_status nl_checkpoint_read_config(const char *path, nl_config *cfg, int64_t *step,
-                                    nl_error *err);
+nl_status nl_checkpoint_read_config(const char *path, nl_config *cfg, int64_t *step, nl_error *err);
 
 /* Build the stage [l0, l1) (with the embedding and/or head as asked) from
  * the checkpoint at `path`. l1 < 0 means "to the last layer". */
@@ -56,5 +55,26 @@ nl_status nl_checkpoint_load(nl_model **out, nl_backend *be, const char *path, i
  * when the checkpoint has none (a byte-level model). */
 struct nl_tokenizer;
 nl_status nl_checkpoint_tokenizer(const char *path, struct nl_tokenizer **out, nl_error *err);
+
+/* ---- pieces for readers that assemble a model from several files
+ * (core/manifest.c) ---- */
+struct nl_st_file;
+
+/* Check the metadata of an open checkpoint: format, config (parsed and
+ * validated, with a size, into *cfg), step (a count, into *step unless
+ * NULL). When adam_steps is not NULL it gets the optimizer's step count,
+ * or -1 when the file has no optimizer state. Messages start with path. */
+nl_status nl_checkpoint_check_meta(const struct nl_st_file *f, const char *path, nl_config *cfg,
+                                   int64_t *step, int64_t *adam_steps, nl_error *err);
+
+/* Copy tensors of m's table from the open file into host buffers laid out
+ * like m->params: the weights into w, the AdamW moments `optim.m.<name>`
+ * and `optim.v.<name>` into mm and vv (each of the three may be NULL).
+ * pick (m->n_table flags, or NULL for every entry) selects the entries.
+ * Each tensor must be present (NL_ERR_NOTFOUND), F32 (NL_ERR_DTYPE) and
+ * of exactly the entry's shape (NL_ERR_SHAPE); messages name it. */
+nl_status nl_checkpoint_read_tensors(const nl_model *m, const struct nl_st_file *f,
+                                     const unsigned char *pick, float *w, float *mm, float *vv,
+                                     nl_error *err);
 
 #endif

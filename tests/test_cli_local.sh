@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Integration test of neuroctl's local tools as real processes: init,
-# forward, generate, grad, train with resume (bit-identical), the
-# non-finite guard through its test hook, and clear errors on bad input.
+# forward, generate, grad, train with resume (bit-identical), export of a
+# sharded checkpoint, the non-finite guard through its test hook, and
+# clear errors on bad input.
 set -uo pipefail
 NEUROCTL="$NL_BUILD_DIR/cli/neuroctl"
 SRC="$NL_SOURCE_DIR"
@@ -46,6 +47,23 @@ check test "$(wc -l < "$W/straight.jsonl")" -eq 20
 first=$(head -1 "$W/straight.jsonl" | sed 's/.*"loss":\([0-9.e+-]*\).*/\1/')
 last=$(tail -1 "$W/straight.jsonl" | sed 's/.*"loss":\([0-9.e+-]*\).*/\1/')
 check awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a) }'
+
+# export: the trained checkpoint cut into 2 shards + a manifest, as a distributed
+# run writes them (tests/make_shards.c), joins back into the same file byte for byte
+mkdir -p "$W/shards"
+check "$NL_BUILD_DIR/tests/make_shards" "$W/straight.safetensors" "$W/shards" 1
+check "$NEUROCTL" export --manifest "$W/shards" --out "$W/joined.safetensors"
+check cmp "$W/straight.safetensors" "$W/joined.safetensors"
+python3 -c 'import sys; p = sys.argv[1]; b = bytearray(open(p, "rb").read()); b[len(b) // 2] ^= 1; open(p, "wb").write(b)' "$W/shards/stage-1.safetensors"
+out=$("$NEUROCTL" export --manifest "$W/shards/manifest.json" --out "$W/corrupt.safetensors" 2>&1); rc=$?
+check test $rc -eq 1
+check grep -q "stage-1.safetensors (stage 1): sha256 mismatch.*(NL_ERR_INTEGRITY)" <<< "$out"
+check test ! -e "$W/corrupt.safetensors"
+"$NEUROCTL" export --manifest "$W/shards" >/dev/null 2>&1
+check test $? -eq 2
+"$NEUROCTL" export --manifest "$W/shards" --out "$W/x.safetensors" --frob >/dev/null 2>&1
+check test $? -eq 2
+check "$NEUROCTL" export --help
 
 # eval loss appears where asked
 check "$NEUROCTL" train --model "$W/m.safetensors" --data "$W/data.txt" --steps 4 --batch 2 --seq 16 --eval-every 2 --log "$W/eval.jsonl" --threads 2
