@@ -2,7 +2,8 @@
 # Integration test of neuroctl's local tools as real processes: init,
 # forward, generate, grad, train with resume (bit-identical), export of a
 # sharded checkpoint, the non-finite guard through its test hook, and
-# clear errors on bad input.
+# clear errors on bad input (also those of train with a cluster named:
+# usage errors, and no cluster there).
 set -uo pipefail
 NEUROCTL="$NL_BUILD_DIR/cli/neuroctl"
 SRC="$NL_SOURCE_DIR"
