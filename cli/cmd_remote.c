@@ -1,7 +1,6 @@
 /* neuroctl's cluster commands: forward, generate and status through a
  * coordinator (--coordinator ENDPOINT --key CLIENT.key --coordinator-key
  * COORD.pub, or --cluster DIR for a local cluster made by `cluster up`). */
-#include <inttypes.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,181 +10,9 @@
 #include "base/args.h"
 #include "cli_io.h"
 #include "commands.h"
-#include "core/fileio.h"
 #include "core/safetensors.h"
 #include "core/tokenizer.h"
-#include "net/transport.h"
-
-#define REMOTE_FLAGS                                                                               \
-    {"coordinator", 1, "coordinator endpoint, e.g. tcp://host:7000", NULL},                      \
-        {"key", 1, "this client's secret key file (neuroctl keygen)", NULL},                     \
-        {"coordinator-key", 1, "file with the coordinator's Z85 public key", NULL},              \
-        {"cluster", 1, "a local cluster's directory (cluster up): sets the three above", NULL},  \
-        {"timeout", 1, "seconds to wait for an answer (default 60)", NULL},                      \
-        {"plaintext", 0, "INSECURE: no CURVE (only against a --plaintext coordinator)", NULL}
-
-typedef struct remote {
-    nl_net *net;
-    nl_sock *s;
-    nl_keypair kp;
-    int timeout_ms;
-} remote;
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static void remote_close(remote *r)
-{
-    nl_sock_destroy(&r->s);
-    nl_net_destroy(&r->net);
-    nl_keys_wipe(&r->kp);
-}
-
-/* Read a one-line file (the endpoint a coordinator wrote). */
-static nl_status read_line(const char *path, char *out, size_t cap, nl_error *err)
-{
-    char *buf = NULL;
-    size_t n = 0;
-    nl_status st = nl_file_read_all(path, 4096, &buf, &n, err);
-    if (st != NL_OK)
-        return st;
-    while (n && (buf[n - 1] == '\n' || buf[n - 1] == '\r' || buf[n - 1] == ' '))
-        buf[--n] = '\0';
-    if (n == 0 || n >= cap)
-        st = nl_error_set(err, NL_ERR_FORMAT, "%s: expected one line", path);
-    else
-        memcpy(out, buf, n + 1);
-    free(buf);
-    return st;
-}
-
-static nl_status remote_open(remote *r, const nl_flag *flags, nl_error *err)
-{
-    memset(r, 0, sizeof *r);
-    char ep[512], keyp[4096], coordp[4096], coord_key[NL_KEY_Z85_LEN + 1];
-    const char *dir = nl_args_get(flags, "cluster");
-    const char *e = nl_args_get(flags, "coordinator"), *k = nl_args_get(flags, "key"),
-               *ck = nl_args_get(flags, "coordinator-key");
-    const int plain = nl_args_get(flags, "plaintext") != NULL;
-    long long t = 60;
-    if (nl_args_int(flags, "timeout", 1, 86400, &t))
-        return nl_error_set(err, NL_ERR_INVALID, "--timeout: bad value");
-    r->timeout_ms = (int)(t * 1000);
-    nl_status st = NL_OK;
-    if (dir) {
-        char p[4096];
-        snprintf(p, sizeof p, "%s/coord/endpoint", dir);
-        if ((st = read_line(p, ep, sizeof ep, err)) != NL_OK)
-            return nl_error_prefix(err, "--cluster %s (is it up?)", dir);
-        snprintf(keyp, sizeof keyp, "%s/client.key", dir);
-        snprintf(coordp, sizeof coordp, "%s/coord/coordinator.pub", dir);
-        e = ep;
-        k = keyp;
-        ck = coordp;
-    }
-    if (!e || (!plain && (!k || !ck)))
-        return nl_error_set(err, NL_ERR_INVALID,
-                            "give --coordinator, --key and --coordinator-key (or --cluster DIR)");
-    if (!plain && ((st = nl_keys_load_secret(&r->kp, k, err)) != NL_OK ||
-                   (st = nl_keys_load_public(coord_key, ck, err)) != NL_OK))
-        return st;
-    if (plain)
-        fprintf(stderr, "warning: --plaintext: nothing is encrypted or authenticated\n");
-    nl_net_opts no = nl_net_opts_default();
-    nl_sock_opts so = {.type = ZMQ_DEALER,
-                       .keys = plain ? NULL : &r->kp,
-                       .server_key = plain ? NULL : coord_key,
-                       .plaintext = plain,
-                       .name = "client",
-                       .linger_ms = 0};
-    nl_rx rx;
-    nl_rx_init(&rx);
-    if ((st = nl_net_new(&r->net, &no, err)) != NL_OK ||
-        (st = nl_sock_new(&r->s, r->net, &so, err)) != NL_OK ||
-        (st = nl_sock_connect(r->s, e, err)) != NL_OK ||
-        (st = nl_sock_hello(r->s, NL_ROLE_CLIENT, r->timeout_ms, &rx, err)) != NL_OK)
-        nl_error_prefix(err, "coordinator %s", e);
-    nl_rx_free(&rx);
-    return st;
-}
-
-/* Wait for the next message; a timeout or an ERROR becomes an error. */
-static nl_status remote_recv(remote *r, nl_rx *rx, double deadline, nl_error *err)
-{
-    for (;;) {
-        double left = deadline - now_s();
-        if (left <= 0)
-            return nl_error_set(err, NL_ERR_TIMEOUT, "no answer from the coordinator in time");
-        nl_rx_free(rx);
-        nl_rx_init(rx);
-        nl_status st = nl_sock_recv(r->s, rx, (int)(left * 1000) + 1, err);
-        if (st == NL_ERR_TIMEOUT)
-            continue;
-        if (st != NL_OK)
-            return st;
-        if (rx->msg.type == NL_MSG_ERROR)
-            return nl_error_set(err, (nl_status)rx->msg.u.error.code, "coordinator: %s",
-                                rx->msg.u.error.message);
-        return NL_OK;
-    }
-}
-
-/* Fetch the cluster status JSON (the caller frees it with json_decref). */
-static nl_status remote_status(remote *r, json_t **out, nl_error *err)
-{
-    nl_wire_msg m;
-    nl_rx rx;
-    nl_wire_msg_init(&m);
-    nl_rx_init(&rx);
-    nl_wire_msg_reset(&m, NL_MSG_JOB_QUERY);
-    m.u.job_ref.job_id = 0;
-    nl_status st = nl_sock_send(r->s, NULL, 0, &m, err);
-    nl_wire_msg_free(&m);
-    double deadline = now_s() + r->timeout_ms / 1e3;
-    while (st == NL_OK && (st = remote_recv(r, &rx, deadline, err)) == NL_OK) {
-        if (rx.msg.type != NL_MSG_JOB_STATUS || rx.msg.u.job_status.job_id != 0 ||
-            rx.msg.nframes != 1)
-            continue;
-        json_error_t je;
-        *out = json_loadb(rx.msg.frames[0].t.data, rx.msg.frames[0].len, 0, &je);
-        if (!*out)
-            st = nl_error_set(err, NL_ERR_PROTO, "status: bad JSON: %s", je.text);
-        break;
-    }
-    nl_rx_free(&rx);
-    return st;
-}
-
-static nl_status submit(remote *r, nl_job_kind kind, const nl_wire_param *ps, int np,
-                        const int32_t *ids, int B, int T, nl_error *err)
-{
-    nl_wire_msg m;
-    nl_wire_msg_init(&m);
-    nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
-    m.u.job_submit = (nl_msg_job_submit){(uint32_t)kind, (uint32_t)np, ps};
-    const int64_t shape[2] = {B, T};
-    nl_wire_frame_set(&m.frames[0], ids, NL_DTYPE_I32, shape, 2);
-    m.nframes = 1;
-    nl_status st = nl_sock_send(r->s, NULL, 0, &m, err);
-    nl_wire_msg_free(&m);
-    return st;
-}
-
-/* A JOB_STATUS that ends the job: failed or cancelled. */
-static int job_failed(const nl_rx *rx, nl_error *err)
-{
-    const nl_msg_job_status *s = &rx->msg.u.job_status;
-    if (rx->msg.type != NL_MSG_JOB_STATUS ||
-        (s->state != NL_JOB_FAILED && s->state != NL_JOB_CANCELLED))
-        return 0;
-    nl_error_set(err, NL_ERR_STATE, "job %" PRIu64 " %s: %s", s->job_id,
-                 s->state == NL_JOB_FAILED ? "failed" : "was cancelled", s->message);
-    return 1;
-}
+#include "remote.h"
 
 /* ---------------------------------------------------------------- forward */
 
@@ -193,7 +20,7 @@ int nl_cmd_remote_forward(int argc, char **argv)
 {
     nl_flag flags[] = {{"tokens", 1, "input: safetensors with 'tokens' I32/I64 [B, T]", NULL},
                        {"out", 1, "output: 'logits' F32 [B, T, vocab] and 'aux_loss' F32 []", NULL},
-                       REMOTE_FLAGS,
+                       NL_REMOTE_FLAGS,
                        {0}};
     const char *usage = "neuroctl forward --coordinator EP --key K --coordinator-key P --tokens "
                         "IN.safetensors --out OUT.safetensors";
@@ -206,7 +33,7 @@ int nl_cmd_remote_forward(int argc, char **argv)
         return 2;
     }
     nl_error err = {0};
-    remote r = {0};
+    nl_remote r = {0};
     nl_rx rx;
     nl_rx_init(&rx);
     int32_t *ids = NULL;
@@ -216,12 +43,12 @@ int nl_cmd_remote_forward(int argc, char **argv)
     nl_st_writer *w = NULL;
     rc = 1;
     if (nl_cli_read_ids_file(in, "tokens", &ids, &B, &T, &err) != NL_OK ||
-        remote_open(&r, flags, &err) != NL_OK ||
-        submit(&r, NL_JOB_FORWARD, NULL, 0, ids, B, T, &err) != NL_OK)
+        nl_remote_open(&r, flags, 60, &err) != NL_OK ||
+        nl_remote_submit(&r, NL_JOB_FORWARD, NULL, 0, ids, B, T, &err) != NL_OK)
         goto out;
-    const double deadline = now_s() + r.timeout_ms / 1e3;
-    while (remote_recv(&r, &rx, deadline, &err) == NL_OK) {
-        if (job_failed(&rx, &err))
+    const double deadline = nl_remote_now() + r.timeout_ms / 1e3;
+    while (nl_remote_recv(&r, &rx, deadline, &err) == NL_OK) {
+        if (nl_remote_job_failed(&rx, &err))
             goto out;
         if (rx.msg.type == NL_MSG_RESULT && rx.msg.nframes == 1) {
             const nl_tensor *t = &rx.msg.frames[0].t;
@@ -257,7 +84,7 @@ int nl_cmd_remote_forward(int argc, char **argv)
 out:
     nl_st_writer_destroy(&w);
     nl_rx_free(&rx);
-    remote_close(&r);
+    nl_remote_close(&r);
     free(ids);
     free(logits);
     if (rc)
@@ -269,11 +96,11 @@ out:
 
 /* The cluster's tokenizer, from its status; a byte tokenizer for a
  * byte-level model; NULL (and NL_OK) when neither applies. */
-static nl_status remote_tokenizer(remote *r, nl_tokenizer **out, int64_t *vocab, nl_error *err)
+static nl_status remote_tokenizer(nl_remote *r, nl_tokenizer **out, int64_t *vocab, nl_error *err)
 {
     json_t *st = NULL;
     *out = NULL;
-    nl_status s = remote_status(r, &st, err);
+    nl_status s = nl_remote_status(r, &st, err);
     if (s != NL_OK)
         return s;
     json_t *tok = json_object_get(st, "tokenizer");
@@ -295,7 +122,7 @@ int nl_cmd_remote_generate(int argc, char **argv)
                        {"temperature", 1, "sampling temperature; 0 is greedy (default 0.8)", NULL},
                        {"top-p", 1, "nucleus sampling mass in (0, 1] (default 0.95)", NULL},
                        {"seed", 1, "sampling seed (default 0)", NULL},
-                       REMOTE_FLAGS,
+                       NL_REMOTE_FLAGS,
                        {0}};
     const char *usage = "neuroctl generate --coordinator EP --key K --coordinator-key P "
                         "(--prompt-tokens 1,2,3 | --prompt TEXT) [--max-new N] ...";
@@ -315,7 +142,7 @@ int nl_cmd_remote_generate(int argc, char **argv)
         (rc = nl_args_double(flags, "top-p", 1e-6, 1.0, &top_p)))
         return rc;
     nl_error err = {0};
-    remote r = {0};
+    nl_remote r = {0};
     nl_rx rx;
     nl_rx_init(&rx);
     nl_tokenizer *tok = NULL;
@@ -324,12 +151,14 @@ int nl_cmd_remote_generate(int argc, char **argv)
     int64_t vocab = 0;
     int count = 0;
     rc = 1;
-    if (remote_open(&r, flags, &err) != NL_OK || remote_tokenizer(&r, &tok, &vocab, &err) != NL_OK)
+    if (nl_remote_open(&r, flags, 60, &err) != NL_OK ||
+        remote_tokenizer(&r, &tok, &vocab, &err) != NL_OK)
         goto out;
     if (ptext) {
         if (!tok) {
-            nl_error_set(&err, NL_ERR_NOTFOUND, "the cluster's model has no tokenizer: use "
-                                                "--prompt-tokens");
+            nl_error_set(&err, NL_ERR_NOTFOUND,
+                         "the cluster's model has no tokenizer: use "
+                         "--prompt-tokens");
             goto out;
         }
         if (nl_tokenizer_encode(tok, ptext, strlen(ptext), &prompt, &P, &err) != NL_OK)
@@ -354,15 +183,15 @@ int nl_cmd_remote_generate(int argc, char **argv)
         {.key = "top_p", .kind = NL_WIRE_PARAM_FLOAT, .f = top_p},
         {.key = "seed", .kind = NL_WIRE_PARAM_INT, .i = seed},
     };
-    if (!ids || submit(&r, NL_JOB_GENERATE, ps, 4, prompt, 1, (int)P, &err) != NL_OK)
+    if (!ids || nl_remote_submit(&r, NL_JOB_GENERATE, ps, 4, prompt, 1, (int)P, &err) != NL_OK)
         goto out;
-    double deadline = now_s() + r.timeout_ms / 1e3;
+    double deadline = nl_remote_now() + r.timeout_ms / 1e3;
     for (;;) {
-        if (remote_recv(&r, &rx, deadline, &err) != NL_OK || job_failed(&rx, &err))
+        if (nl_remote_recv(&r, &rx, deadline, &err) != NL_OK || nl_remote_job_failed(&rx, &err))
             goto out;
         if (rx.msg.type != NL_MSG_TOKEN)
             continue;
-        deadline = now_s() + r.timeout_ms / 1e3; /* progress */
+        deadline = nl_remote_now() + r.timeout_ms / 1e3; /* progress */
         for (uint32_t i = 0; i < rx.msg.u.token.ntokens && count < max_new; i++) {
             const int32_t id = (int32_t)rx.msg.u.token.tokens[i];
             ids[count++] = id;
@@ -392,7 +221,7 @@ out:
     if (rc && count)
         printf("\n");
     nl_rx_free(&rx);
-    remote_close(&r);
+    nl_remote_close(&r);
     nl_tokenizer_destroy(&tok);
     free(prompt);
     free(ids);
@@ -405,21 +234,21 @@ out:
 
 int nl_cmd_status(int argc, char **argv)
 {
-    nl_flag flags[] = {{"json", 0, "print the coordinator's JSON as it is", NULL}, REMOTE_FLAGS,
-                       {0}};
+    nl_flag flags[] = {
+        {"json", 0, "print the coordinator's JSON as it is", NULL}, NL_REMOTE_FLAGS, {0}};
     const char *usage = "neuroctl status --coordinator EP --key K --coordinator-key P [--json]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
     nl_error err = {0};
-    remote r = {0};
+    nl_remote r = {0};
     json_t *st = NULL;
-    if (remote_open(&r, flags, &err) != NL_OK || remote_status(&r, &st, &err) != NL_OK) {
-        remote_close(&r);
+    if (nl_remote_open(&r, flags, 60, &err) != NL_OK || nl_remote_status(&r, &st, &err) != NL_OK) {
+        nl_remote_close(&r);
         fprintf(stderr, "neuroctl status: %s (%s)\n", err.msg, nl_status_str(err.status));
         return 1;
     }
-    remote_close(&r);
+    nl_remote_close(&r);
     if (nl_args_get(flags, "json")) {
         json_object_del(st, "tokenizer");
         char *s = json_dumps(st, JSON_INDENT(2));
@@ -478,22 +307,23 @@ int nl_cmd_status(int argc, char **argv)
 
 int nl_remote_wait_ready(const char *dir, int timeout_s, char *state, size_t cap)
 {
-    const double deadline = now_s() + timeout_s;
-    nl_flag flags[] = {{"cluster", 1, "", dir}, {"timeout", 1, "", "5"}, REMOTE_FLAGS, {0}};
-    while (now_s() < deadline) {
-        remote r = {0};
+    const double deadline = nl_remote_now() + timeout_s;
+    nl_flag flags[] = {{"cluster", 1, "", dir}, {"timeout", 1, "", "5"}, NL_REMOTE_FLAGS, {0}};
+    while (nl_remote_now() < deadline) {
+        nl_remote r = {0};
         json_t *st = NULL;
         nl_error err = {0};
-        if (remote_open(&r, flags, &err) == NL_OK && remote_status(&r, &st, &err) == NL_OK) {
+        if (nl_remote_open(&r, flags, 60, &err) == NL_OK &&
+            nl_remote_status(&r, &st, &err) == NL_OK) {
             snprintf(state, cap, "%s", json_string_value(json_object_get(st, "state")));
             int ready = json_is_true(json_object_get(st, "ready"));
             json_decref(st);
-            remote_close(&r);
+            nl_remote_close(&r);
             if (ready)
                 return 0;
         } else {
             snprintf(state, cap, "%s", err.msg);
-            remote_close(&r);
+            nl_remote_close(&r);
         }
         struct timespec ts = {0, 200000000L};
         nanosleep(&ts, NULL);

@@ -1,11 +1,9 @@
 /* neuroctl grad and neuroctl train (in this process). */
 #include <inttypes.h>
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "base/args.h"
@@ -13,31 +11,26 @@
 #include "commands.h"
 #include "core/checkpoint.h"
 #include "core/data.h"
+#include "core/fileio.h"
 #include "core/memory.h"
 #include "core/safetensors.h"
-#include "core/fileio.h"
 #include "core/tokenizer.h"
 #include "core/train.h"
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
+#include "train_report.h"
 
 /* ---------------------------------------------------------------- grad */
 
 int nl_cmd_grad(int argc, char **argv)
 {
-    nl_flag flags[] = {{"model", 1, "checkpoint (safetensors)", NULL},
-                       {"batch", 1, "input: 'tokens' and 'targets', I32/I64 [B, T]", NULL},
-                       {"out", 1, "output: every weight's gradient, and loss, ce_loss, aux_loss",
-                        NULL},
-                       {"threads", 1, "worker threads (default: all cores)", NULL},
-                       {0}};
-    const char *usage = "neuroctl grad --model MODEL --batch IN.safetensors --out GRADS.safetensors "
-                        "[--threads N]";
+    nl_flag flags[] = {
+        {"model", 1, "checkpoint (safetensors)", NULL},
+        {"batch", 1, "input: 'tokens' and 'targets', I32/I64 [B, T]", NULL},
+        {"out", 1, "output: every weight's gradient, and loss, ce_loss, aux_loss", NULL},
+        {"threads", 1, "worker threads (default: all cores)", NULL},
+        {0}};
+    const char *usage =
+        "neuroctl grad --model MODEL --batch IN.safetensors --out GRADS.safetensors "
+        "[--threads N]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -128,18 +121,6 @@ typedef struct train_opts {
     double lr, min_lr, holdout;
 } train_opts;
 
-static void fmt_eta(char *buf, size_t n, double s)
-{
-    if (!(s >= 0) || s > 1e7)
-        snprintf(buf, n, "?");
-    else if (s >= 3600)
-        snprintf(buf, n, "%dh%02dm", (int)(s / 3600), (int)fmod(s / 60, 60));
-    else if (s >= 60)
-        snprintf(buf, n, "%dm%02ds", (int)(s / 60), (int)fmod(s, 60));
-    else
-        snprintf(buf, n, "%.0fs", s);
-}
-
 /* Mean cross-entropy over eval_batches held-out batches. */
 static nl_status eval_loss(nl_trainer *tr, const nl_dataset *ds, const train_opts *o,
                            int32_t *tokens, int32_t *targets, double *loss, nl_error *err)
@@ -174,13 +155,16 @@ typedef struct carried_meta {
     char *tokenizer, *init_seed;
 } carried_meta;
 
-static nl_status save_ckpt(nl_model *m, nl_trainer *tr, const train_opts *o,
-                           const carried_meta *cm, const char *path, int64_t step, nl_error *err)
+static nl_status save_ckpt(nl_model *m, nl_trainer *tr, const train_opts *o, const carried_meta *cm,
+                           const char *path, int64_t step, nl_error *err)
 {
     char *tj = train_json(o);
-    nl_ckpt_extra opt = {.m = nl_trainer_moment(tr, 0), .v = nl_trainer_moment(tr, 1),
-                         .adam_steps = nl_trainer_adam_steps(tr), .train_json = tj,
-                         .tokenizer = cm->tokenizer, .init_seed = cm->init_seed};
+    nl_ckpt_extra opt = {.m = nl_trainer_moment(tr, 0),
+                         .v = nl_trainer_moment(tr, 1),
+                         .adam_steps = nl_trainer_adam_steps(tr),
+                         .train_json = tj,
+                         .tokenizer = cm->tokenizer,
+                         .init_seed = cm->init_seed};
     nl_status st = nl_checkpoint_save(m, path, step, &opt, err);
     free(tj);
     return st;
@@ -236,8 +220,8 @@ static int run_train(const train_opts *o)
         start = 0;
     }
     if (start >= o->steps) {
-        nl_error_set(&err, NL_ERR_INVALID, "--steps %lld: the checkpoint is already at step %" PRId64,
-                     o->steps, start);
+        nl_error_set(&err, NL_ERR_INVALID,
+                     "--steps %lld: the checkpoint is already at step %" PRId64, o->steps, start);
         goto out;
     }
     tokens = malloc((size_t)B * T * sizeof *tokens);
@@ -250,8 +234,8 @@ static int run_train(const train_opts *o)
         nl_error_set(&err, NL_ERR_IO, "%s: cannot open the log", o->log);
         goto out;
     }
-    nl_mem_opts mo = {.training = 1, .micro_rows = mb * T, .in_flight = 1,
-                      .recompute = (int)o->recompute};
+    nl_mem_opts mo = {
+        .training = 1, .micro_rows = mb * T, .in_flight = 1, .recompute = (int)o->recompute};
     nl_mem_estimate me = nl_memory_estimate(&m->cfg, m->cfg.num_layers, 1, 1, &mo);
     fprintf(stderr,
             "training %" PRId64 " parameters on %zu tokens (%zu held out): %lld steps of %d x %d "
@@ -261,10 +245,10 @@ static int run_train(const train_opts *o)
     const nl_adamw_opts adam = nl_adamw_defaults();
     const int tty = isatty(2);
     const char *inject = getenv("NL_TEST_INJECT_NAN_STEP"); /* test hook */
-    double t_begin = now_s();
+    const double t_begin = nl_train_clock();
     int64_t skipped = 0;
     for (int64_t step = start; step < o->steps; step++) {
-        double t0 = now_s();
+        double t0 = nl_train_clock();
         const double lr = nl_lr_at(step, o->steps, o->warmup, o->lr, o->min_lr);
         nl_step_result r;
         if (nl_dataset_batch(ds, 0, (uint64_t)o->seed, (uint64_t)step, B, T, tokens, targets,
@@ -275,43 +259,29 @@ static int run_train(const train_opts *o)
         if (nl_trainer_step_local(tr, tokens, targets, B, T, M, (float)lr, 1.0f, adam, &r, &err) !=
             NL_OK)
             goto out;
-        if (r.skipped) {
-            skipped++;
-            fprintf(stderr, "%sstep %" PRId64 ": non-finite %s; step skipped, weights unchanged\n",
-                    tty ? "\n" : "", step + 1, isfinite(r.loss) ? "gradient" : "loss");
-        }
-        const double dt = now_s() - t0, tok_s = (double)B * T / dt;
-        double ev = NAN;
-        const int do_eval = o->eval_every > 0 && ((step + 1) % o->eval_every == 0 ||
-                                                  step + 1 == o->steps);
-        if (do_eval && eval_loss(tr, ds, o, tokens, targets, &ev, &err) != NL_OK)
+        skipped += r.skipped != 0;
+        nl_train_step rep = {.step = step + 1,
+                             .steps = o->steps,
+                             .loss = r.loss,
+                             .ce_loss = r.ce_loss,
+                             .aux_loss = r.aux_loss,
+                             .lr = lr,
+                             .grad_norm = r.grad_norm,
+                             .skipped = r.skipped,
+                             .tokens_per_s = (double)B * T / (nl_train_clock() - t0),
+                             .start_step = start,
+                             .start_time = t_begin};
+        rep.has_eval =
+            o->eval_every > 0 && ((step + 1) % o->eval_every == 0 || step + 1 == o->steps);
+        if (rep.has_eval && eval_loss(tr, ds, o, tokens, targets, &rep.eval_loss, &err) != NL_OK)
             goto out;
-        char eta[32];
-        const double per = (now_s() - t_begin) / (double)(step + 1 - start);
-        fmt_eta(eta, sizeof eta, per * (double)(o->steps - step - 1));
-        fprintf(stderr, "%sstep %" PRId64 "/%lld | loss %.4f | %.0f tok/s | lr %.2e | eta %s",
-                tty ? "\r" : "", step + 1, o->steps, r.loss, tok_s, lr, eta);
-        if (do_eval)
-            fprintf(stderr, " | eval %.4f", ev);
-        fprintf(stderr, "%s", tty && !do_eval ? "   " : "\n");
-        if (logf) {
-            fprintf(logf,
-                    "{\"step\":%" PRId64 ",\"loss\":%.9g,\"ce_loss\":%.9g,\"aux_loss\":%.9g,"
-                    "\"lr\":%.9g,\"grad_norm\":%.9g,\"tokens_per_s\":%.1f,\"skipped\":%s",
-                    step + 1, r.loss, r.ce_loss, r.aux_loss, lr, r.grad_norm, tok_s,
-                    r.skipped ? "true" : "false");
-            if (do_eval)
-                fprintf(logf, ",\"eval_loss\":%.9g", ev);
-            fprintf(logf, "}\n");
-            fflush(logf);
-        }
+        nl_train_report_step(&rep, tty, logf);
         if (o->ckpt_every > 0 && (step + 1) % o->ckpt_every == 0 && step + 1 < o->steps) {
             char path[4096];
-            snprintf(path, sizeof path, "%s/step-%06" PRId64 ".safetensors", o->ckpt_dir,
-                     step + 1);
+            snprintf(path, sizeof path, "%s/step-%06" PRId64 ".safetensors", o->ckpt_dir, step + 1);
             if (save_ckpt(m, tr, o, &cm, path, step + 1, &err) != NL_OK)
                 goto out;
-            fprintf(stderr, "%scheckpoint %s\n", tty ? "\n" : "", path);
+            nl_train_report_checkpoint(path, tty);
         }
     }
     if (tty)
@@ -321,8 +291,7 @@ static int run_train(const train_opts *o)
             goto out;
         fprintf(stderr, "wrote %s\n", o->out);
     }
-    if (skipped)
-        fprintf(stderr, "%" PRId64 " step(s) skipped for non-finite values\n", skipped);
+    nl_train_report_skipped(skipped);
     rc = 0;
 out:
     free(cm.tokenizer);
@@ -371,8 +340,14 @@ int nl_cmd_train(int argc, char **argv)
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
-    train_opts o = {.batch = 8, .seq = 256, .micro = 1, .eval_batches = 4, .lr = 3e-4,
-                    .holdout = 0.1, .warmup = -1, .min_lr = -1};
+    train_opts o = {.batch = 8,
+                    .seq = 256,
+                    .micro = 1,
+                    .eval_batches = 4,
+                    .lr = 3e-4,
+                    .holdout = 0.1,
+                    .warmup = -1,
+                    .min_lr = -1};
     o.model = nl_args_get(flags, "model");
     o.data = nl_args_get(flags, "data");
     o.log = nl_args_get(flags, "log");

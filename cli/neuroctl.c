@@ -14,7 +14,7 @@ static const struct {
     {"forward", nl_cmd_forward, "logits and aux loss for a batch of tokens"},
     {"generate", nl_cmd_generate, "generate tokens from a prompt with the KV cache"},
     {"grad", nl_cmd_grad, "loss and the gradient of every weight for one batch"},
-    {"train", nl_cmd_train, "train a model in this process"},
+    {"train", nl_cmd_train, "train a model in this process, or on a cluster (--coordinator)"},
     {"grow", nl_cmd_grow, "grow a checkpoint's vocabulary (tables and optimizer moments)"},
     {"export", nl_cmd_export, "join a sharded checkpoint (manifest + shards) into one checkpoint"},
     {"bench", nl_cmd_bench, "measure forward, decode, training and GEMM throughput"},
@@ -43,7 +43,7 @@ int main(int argc, char **argv)
         usage(stdout);
         return 0;
     }
-    /* forward and generate go to a cluster when one is named */
+    /* forward, generate and train go to a cluster when one is named */
     int remote = 0;
     for (int i = 2; i < argc; i++)
         remote |= strcmp(argv[i], "--coordinator") == 0 || strcmp(argv[i], "--cluster") == 0;
@@ -51,6 +51,8 @@ int main(int argc, char **argv)
         return nl_cmd_remote_forward(argc - 1, argv + 1);
     if (remote && strcmp(argv[1], "generate") == 0)
         return nl_cmd_remote_generate(argc - 1, argv + 1);
+    if (remote && strcmp(argv[1], "train") == 0)
+        return nl_cmd_remote_train(argc - 1, argv + 1);
     for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
         if (strcmp(argv[1], commands[i].name) == 0)
             return commands[i].run(argc - 1, argv + 1);

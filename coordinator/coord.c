@@ -378,9 +378,19 @@ static void on_node_error(nl_coord *c, const nl_rx *rx)
 {
     cnode *n = coord_node_by_rid(c, rx);
     const nl_msg_error *e = &rx->msg.u.error;
-    char why[1200];
-    snprintf(why, sizeof why, "node %u: %s (%s)", n ? n->id : 0, e->message,
-             nl_status_str((nl_status)e->code));
+    char why[1200], who[160] = "";
+    /* a node that cannot reach a neighbour names its endpoint: say whose */
+    for (int i = 0; i < COORD_MAX_NODES && !who[0]; i++) {
+        const cnode *o = &c->nodes[i];
+        const char *at = o->life != NODE_FREE && o != n && o->endpoint[0]
+                             ? strstr(e->message, o->endpoint)
+                             : NULL;
+        const char end = at ? at[strlen(o->endpoint)] : '0';
+        if (at && (end < '0' || end > '9')) /* not the prefix of a longer port */
+            snprintf(who, sizeof who, " [%s is node %u, stage %d]", o->endpoint, o->id, o->stage);
+    }
+    snprintf(why, sizeof why, "node %u: %s (%s)%s", n ? n->id : 0, e->message,
+             nl_status_str((nl_status)e->code), who);
     NL_WARN("%s", why);
     if (!n)
         return;

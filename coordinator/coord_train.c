@@ -79,6 +79,11 @@ void coord_train_fail_note(const cjob *j, char *buf, size_t cap)
 
 /* ---------------------------------------------------------------- reports */
 
+static json_t *jnum(double x)
+{
+    return isfinite(x) ? json_real(x) : json_null();
+}
+
 /* JOB_STATUS running (or done) to the client with a JSON report; takes
  * the reference to o. */
 static void report(nl_coord *c, cjob *j, int state, const char *msg, json_t *o)
@@ -319,17 +324,15 @@ static void after_step(nl_coord *c, cjob *j)
 {
     ctrain *t = j->train;
     const nl_step_result *r = &t->r;
-    json_t *o = json_pack("{s:s,s:I,s:f,s:f,s:f,s:f,s:f,s:f,s:b}", "event", "step", "step",
-                          (json_int_t)t->step, "loss", r->loss, "ce_loss", r->ce_loss,
-                          "aux_loss", r->aux_loss, "lr", t->lr_now, "grad_norm", r->grad_norm,
-                          "tokens_per_s", (double)t->batch * (double)t->seq / t->step_s,
-                          "skipped", r->skipped);
-    if (o && !isfinite(r->loss)) /* JSON has no NaN: say it in words */
-        json_object_set_new(o, "loss", json_string(isnan(r->loss) ? "nan" : "inf"));
-    if (o && !isfinite(r->grad_norm))
-        json_object_set_new(o, "grad_norm", json_string(isnan(r->grad_norm) ? "nan" : "inf"));
+    /* JSON has no NaN or infinity: a non-finite value is null */
+    json_t *o = json_pack("{s:s,s:I,s:o,s:o,s:o,s:o,s:o,s:o,s:b}", "event", "step", "step",
+                          (json_int_t)t->step, "loss", jnum(r->loss), "ce_loss", jnum(r->ce_loss),
+                          "aux_loss", jnum(r->aux_loss), "lr", jnum(t->lr_now), "grad_norm",
+                          jnum(r->grad_norm), "tokens_per_s",
+                          jnum((double)t->batch * (double)t->seq / t->step_s), "skipped",
+                          r->skipped);
     if (o && t->has_eval)
-        json_object_set_new(o, "eval_loss", json_real(t->eval_loss));
+        json_object_set_new(o, "eval_loss", jnum(t->eval_loss));
     char msg[64];
     snprintf(msg, sizeof msg, "step %lld of %lld", (long long)t->step, (long long)t->steps);
     report(c, j, NL_JOB_RUNNING, msg, o);

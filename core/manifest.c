@@ -467,12 +467,13 @@ static nl_status shard_json(json_t *arr, const nl_manifest_shard *s, int i, nl_e
     return put_str(o, where, "node", s->node, err);
 }
 
-nl_status nl_manifest_write(const char *path, const nl_manifest *m, nl_error *err)
+nl_status nl_manifest_to_json(const nl_manifest *m, char **out, nl_error *err)
 {
     nl_status st = NL_OK;
     nl_manifest *check = NULL;
     char *cfg = nl_config_to_json(&m->cfg), *text = NULL;
     json_t *root = json_object(), *arr = json_array();
+    *out = NULL;
     if (!cfg || !root || !arr || !put(root, "format", json_string(NL_MANIFEST_FORMAT)) ||
         !put(root, "step", json_integer(m->step)) ||
         !put(root, "adam_steps", json_integer(m->adam_steps))) {
@@ -498,27 +499,39 @@ nl_status nl_manifest_write(const char *path, const nl_manifest *m, nl_error *er
         goto out;
     }
     arr = NULL;
-    if (!(text = dump(root, JSON_INDENT(2)))) {
+    char *body = dump(root, JSON_INDENT(2));
+    size_t n = body ? strlen(body) : 0;
+    if (body && (text = malloc(n + 2))) { /* the text ends with a newline */
+        memcpy(text, body, n);
+        memcpy(text + n, "\n", 2);
+    }
+    free(body);
+    if (!text) {
         st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
         goto out;
     }
     /* what is written must load: the same checks as a reader's */
-    if ((st = nl_manifest_parse(&check, text, strlen(text), NULL, err)) != NL_OK)
+    if ((st = nl_manifest_parse(&check, text, n + 1, NULL, err)) != NL_OK)
         goto out;
-    size_t n = strlen(text);
-    text[n] = '\n'; /* replaces the NUL: the file ends with a newline */
-    st = nl_file_write_atomic(path, text, n + 1, err);
-    text[n] = '\0';
-    if (st != NL_OK)
-        goto out;
+    *out = text;
+    text = NULL;
 out:
-    if (st != NL_OK)
-        nl_error_prefix(err, "%s", path);
     nl_manifest_destroy(&check);
     json_decref(arr);
     json_decref(root);
     free(text);
     free(cfg);
+    return st;
+}
+
+nl_status nl_manifest_write(const char *path, const nl_manifest *m, nl_error *err)
+{
+    char *text = NULL;
+    nl_status st = nl_manifest_to_json(m, &text, err);
+    if (st != NL_OK)
+        return nl_error_prefix(err, "%s", path);
+    st = nl_file_write_atomic(path, text, strlen(text), err);
+    free(text);
     return st;
 }
 

@@ -66,6 +66,10 @@ typedef struct nl_manifest {
  * manifest that is written also loads. */
 nl_status nl_manifest_write(const char *path, const nl_manifest *m, nl_error *err);
 
+/* The text nl_manifest_write writes (malloc'd into *out, ending with a
+ * newline), after the same checks. */
+nl_status nl_manifest_to_json(const nl_manifest *m, char **out, nl_error *err);
+
 /* Parse JSON text (untrusted: every field's type and range is checked;
  * unknown keys are ignored; a wrong format string is NL_ERR_VERSION;
  * errors name the field, e.g. "shards[1].sha256"). `dir` (NULL or "" for

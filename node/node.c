@@ -27,6 +27,7 @@ typedef struct node {
     void *next_mon; /* PAIR reading the next socket's handshake events */
     int mon_seq;
     char next_ep[257], next_key[NL_KEY_Z85_LEN + 1]; /* from ASSIGN; "" = last stage */
+    char prev_ep[257]; /* from ASSIGN, for messages; "" = first stage */
     double gflops;
     int threads;
     uint32_t node_id;
@@ -346,6 +347,7 @@ static void handle_assign(node *n, const nl_msg_assign *a)
         return;
     }
     snprintf(n->next_ep, sizeof n->next_ep, "%s", a->next_endpoint);
+    snprintf(n->prev_ep, sizeof n->prev_ep, "%s", a->prev_endpoint);
     snprintf(n->next_key, sizeof n->next_key, "%s", a->next_key);
     const nl_model *m = nl_stage_model(n->stage);
     NL_INFO("assigned epoch %llu: stage %u of %u, layers [%u, %u)%s%s, %zu parameters (%.1f MiB, "
@@ -472,15 +474,23 @@ static nl_status train_send(void *ctx, nl_stage_dest to, nl_wire_msg *m, nl_erro
     node *n = ctx;
     if (to == NL_STAGE_TO_COORD)
         return nl_sock_send(n->ctl, NULL, 0, m, err);
+    nl_status st;
     if (to == NL_STAGE_TO_PREV) {
         if (!n->prev_rid_len)
             return nl_error_set(err, NL_ERR_STATE, "no previous stage has sent to this one");
-        return nl_sock_send(n->data, n->prev_rid, n->prev_rid_len, m, err);
+        st = nl_sock_send(n->data, n->prev_rid, n->prev_rid_len, m, err);
+        /* the coordinator names the node behind the endpoint */
+        return st == NL_OK ? st
+                           : nl_error_prefix(err, "cannot reach the previous stage at %s",
+                                             n->prev_ep);
     }
     if (!n->next_ep[0])
         return nl_error_set(err, NL_ERR_STATE, "this stage has no next stage");
-    nl_status st = ensure_next(n, err);
-    return st == NL_OK ? nl_sock_send(n->next, NULL, 0, m, err) : st;
+    st = ensure_next(n, err);
+    if (st == NL_OK)
+        st = nl_sock_send(n->next, NULL, 0, m, err);
+    return st == NL_OK ? st
+                       : nl_error_prefix(err, "cannot reach the next stage at %s", n->next_ep);
 }
 
 /* A training message from any socket: the stage runs what it can. */

@@ -2,7 +2,8 @@
 # Integration test of neuroctl's local tools as real processes: init,
 # forward, generate, grad, train with resume (bit-identical), export of a
 # sharded checkpoint, the non-finite guard through its test hook, and
-# clear errors on bad input.
+# clear errors on bad input (also those of train with a cluster named:
+# usage errors, and no cluster there).
 set -uo pipefail
 NEUROCTL="$NL_BUILD_DIR/cli/neuroctl"
 SRC="$NL_SOURCE_DIR"
@@ -116,6 +117,38 @@ check test $? -eq 2
 check test $? -eq 2
 "$NEUROCTL" generate --model "$W/m.safetensors" --prompt-tokens 1,x >/dev/null 2>&1
 check test $? -eq 2
+
+# train with a cluster: the local-only flags are refused with the reason,
+# local training's checks hold, and no cluster at the directory (or
+# nothing answering at its endpoint) fails cleanly within --timeout
+out=$("$NEUROCTL" train --cluster "$W/nocluster" --model "$W/m.safetensors" --data "$W/data.txt" --steps 2 2>&1); rc=$?
+check test $rc -eq 2
+check grep -qF -- "--model: a cluster trains its own model (start the coordinator with --model)" <<< "$out"
+out=$("$NEUROCTL" train --cluster "$W/nocluster" --data "$W/data.txt" --steps 2 --threads 2 2>&1); rc=$?
+check test $rc -eq 2
+check grep -qF -- "--threads: each node has its own --threads" <<< "$out"
+out=$("$NEUROCTL" train --cluster "$W/nocluster" --data "$W/data.txt" --steps 2 --batch 3 --microbatches 2 2>&1); rc=$?
+check test $rc -eq 2
+check grep -qF -- "--microbatches: 2 does not divide --batch 3" <<< "$out"
+out=$("$NEUROCTL" train --cluster "$W/nocluster" --data "$W/data.txt" --steps 2 --eval-every 1 --holdout 0 2>&1); rc=$?
+check test $rc -eq 2
+"$NEUROCTL" train --cluster "$W/nocluster" --steps 2 >/dev/null 2>&1
+check test $? -eq 2
+out=$("$NEUROCTL" train --cluster "$W/nocluster" --data "$W/nope.txt" --steps 2 2>&1); rc=$?
+check test $rc -eq 1
+check grep -q "nope.txt" <<< "$out"
+mkdir -p "$W/nocluster"
+out=$(cd "$W" && timeout 20 "$NEUROCTL" train --cluster nocluster --data data.txt --steps 2 --timeout 2 2>&1); rc=$?
+check test $rc -eq 1
+check grep -q "is it up" <<< "$out"
+check test ! -e "$W/checkpoints" # no checkpoint was asked for: no directory made
+mkdir -p "$W/deadcluster/coord"
+"$NEUROCTL" keygen --out "$W/deadcluster/client" >/dev/null 2>&1
+"$NEUROCTL" keygen --out "$W/deadcluster/coord/coordinator" >/dev/null 2>&1
+echo "ipc://$W/deadcluster/nothing.sock" > "$W/deadcluster/coord/endpoint"
+out=$(timeout 20 "$NEUROCTL" train --cluster "$W/deadcluster" --data "$W/data.txt" --steps 2 --timeout 2 2>&1); rc=$?
+check test $rc -eq 1
+check grep -q "NL_ERR_TIMEOUT" <<< "$out"
 
 echo "test_cli_local: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]

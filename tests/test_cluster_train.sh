@@ -74,6 +74,8 @@ if what == "logs":      # logs A B FIRST LAST: losses of steps FIRST..LAST
         for key in ("loss", "ce_loss", "eval_loss"):
             if key in b[k]:
                 assert key in a[k], (k, key)
+                if a[k][key] is None or b[k][key] is None:  # non-finite: null in JSON
+                    assert a[k][key] is None and b[k][key] is None, (k, key); continue
                 e = abs(a[k][key] - b[k][key]) / abs(b[k][key]); worst = max(worst, e)
                 assert e <= 1e-5, (k, key, a[k][key], b[k][key])
         assert a[k]["skipped"] == b[k]["skipped"], (k, a[k]["skipped"])
@@ -160,6 +162,12 @@ check grep -q "non-finite" "$W/nan.err"
 check "$N" cluster down --dir "$C4"
 
 # ---- SIGKILL a node mid-step, then resume on the nodes left ----
+# (a fresh cluster: a job without --resume trains the weights the cluster
+# holds, and C's have been trained)
+check "$N" cluster down --dir "$C"
+C="$W/c5"
+check "$N" cluster up --dir "$C" --nodes 3 --model "$W/m.safetensors" --memory 64M --threads 1 \
+  --node-timeout-ms 2000 --timeout 60
 # a constant learning rate (no warm-up, min-lr = lr), so that runs of different
 # lengths see the same rate at every step
 LONG=(--data "$W/data.txt" --steps 400 --batch 8 --seq 32 --microbatches 4 --lr 3e-3 --min-lr 3e-3

@@ -1,0 +1,535 @@
+/* neuroctl train against a cluster (--coordinator ... or --cluster DIR):
+ * the same flags, progress line and log as local training, but the job
+ * runs on the cluster's model. The client checks the flags, sends one
+ * JOB_SUBMIT (kind train, no frames, the options as parameters), then
+ * follows the job's JOB_STATUS messages, whose JSON frame carries the
+ * events (start, step, checkpoint, done); it writes the log itself and,
+ * with --out, joins the final checkpoint's shards into one file. Ctrl-C
+ * cancels the job. The protocol is in docs/training.md ("On a cluster"). */
+#include <errno.h>
+#include <inttypes.h>
+#include <jansson.h>
+#include <libgen.h>
+#include <limits.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "base/args.h"
+#include "commands.h"
+#include "core/manifest.h"
+#include "remote.h"
+#include "train_report.h"
+
+#define PARAM_STR_MAX 4096 /* the wire's limit on a parameter string */
+#define CANCEL_WAIT_S 5.0  /* after Ctrl-C, how long to wait for the job to end */
+#define POLL_S 0.2         /* receive in slices this long to notice Ctrl-C */
+
+typedef struct rtrain_opts {
+    const char *log, *out;
+    char *data, *resume, *ckpt_dir; /* absolute paths (malloc'd) */
+    long long steps, batch, seq, micro, seed, warmup, eval_every, eval_batches, ckpt_every;
+    int recompute, final_ckpt;
+    double lr, min_lr, holdout;
+} rtrain_opts;
+
+/* ---------------------------------------------------------------- flags */
+
+/* --model and --threads belong to local training; say why they are refused. */
+static int refuse_local_flags(int argc, char **argv, const nl_flag *flags)
+{
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--model") == 0) {
+            fprintf(stderr, "--model: a cluster trains its own model (start the coordinator "
+                            "with --model)\n");
+            return 2;
+        }
+        if (strcmp(argv[i], "--threads") == 0) {
+            fprintf(stderr, "--threads: each node has its own --threads\n");
+            return 2;
+        }
+        for (const nl_flag *fl = flags; fl->name; fl++)
+            if (strncmp(argv[i], "--", 2) == 0 && strcmp(argv[i] + 2, fl->name) == 0 &&
+                fl->takes_value)
+                i++; /* skip its value */
+    }
+    return 0;
+}
+
+/* mkdir -p */
+static int make_dirs(const char *path)
+{
+    char p[PATH_MAX];
+    if (snprintf(p, sizeof p, "%s", path) >= (int)sizeof p)
+        return -1;
+    for (char *s = p + 1; *s; s++) {
+        if (*s != '/')
+            continue;
+        *s = '\0';
+        if (mkdir(p, 0755) != 0 && errno != EEXIST)
+            return -1;
+        *s = '/';
+    }
+    return mkdir(p, 0755) != 0 && errno != EEXIST ? -1 : 0;
+}
+
+/* The absolute path of an existing file or directory, as the coordinator
+ * will open it; prints the fault (naming the flag) and returns NULL. */
+static char *abs_existing(const char *flag, const char *path)
+{
+    char *a = realpath(path, NULL);
+    if (!a) {
+        fprintf(stderr, "--%s: %s: %s\n", flag, path, strerror(errno));
+        return NULL;
+    }
+    if (strlen(a) > PARAM_STR_MAX) {
+        fprintf(stderr, "--%s: %s: the absolute path is longer than %d bytes\n", flag, path,
+                PARAM_STR_MAX);
+        free(a);
+        return NULL;
+    }
+    return a;
+}
+
+/* --checkpoint-dir, absolute: created (mkdir -p) when checkpoints will be
+ * written; otherwise only made absolute, so that a run that writes none
+ * leaves no empty directory behind. */
+static char *abs_ckpt_dir(const char *dir, int create)
+{
+    if (create && (make_dirs(dir) != 0 || access(dir, W_OK) != 0)) {
+        fprintf(stderr, "--checkpoint-dir: cannot create or write %s\n", dir);
+        return NULL;
+    }
+    if (create || access(dir, F_OK) == 0)
+        return abs_existing("checkpoint-dir", dir);
+    char cwd[PATH_MAX];
+    const char *base = dir[0] == '/' ? "" : getcwd(cwd, sizeof cwd);
+    char *a = base ? malloc(strlen(base) + strlen(dir) + 2) : NULL;
+    if (!a || strlen(base) + 1 + strlen(dir) > PARAM_STR_MAX) {
+        fprintf(stderr, "--checkpoint-dir: %s: cannot make the path absolute\n", dir);
+        free(a);
+        return NULL;
+    }
+    sprintf(a, "%s%s%s", base, base[0] ? "/" : "", dir);
+    return a;
+}
+
+/* --out's directory must be writable before hours of training. */
+static int out_writable(const char *out)
+{
+    char *copy = strdup(out);
+    const char *dir = copy ? dirname(copy) : ".";
+    int rc = access(dir, W_OK);
+    if (rc != 0)
+        fprintf(stderr, "--out: cannot write into %s: %s\n", dir, strerror(errno));
+    free(copy);
+    return rc;
+}
+
+/* Local training's defaults and checks, then the paths the cluster needs.
+ * Returns 0, 1 (a path is at fault) or 2 (usage). */
+static int read_opts(rtrain_opts *o, const nl_flag *flags)
+{
+    int rc;
+    o->log = nl_args_get(flags, "log");
+    o->out = nl_args_get(flags, "out");
+    o->recompute = nl_args_get(flags, "recompute") != NULL;
+    if ((rc = nl_args_int(flags, "steps", 1, INT32_MAX, &o->steps)) ||
+        (rc = nl_args_int(flags, "batch", 1, 65536, &o->batch)) ||
+        (rc = nl_args_int(flags, "seq", 1, 1 << 20, &o->seq)) ||
+        (rc = nl_args_int(flags, "microbatches", 1, 65536, &o->micro)) ||
+        (rc = nl_args_int(flags, "seed", 0, INT64_MAX, &o->seed)) ||
+        (rc = nl_args_int(flags, "warmup", 0, INT32_MAX, &o->warmup)) ||
+        (rc = nl_args_int(flags, "eval-every", 0, INT32_MAX, &o->eval_every)) ||
+        (rc = nl_args_int(flags, "eval-batches", 1, 1 << 20, &o->eval_batches)) ||
+        (rc = nl_args_int(flags, "checkpoint-every", 0, INT32_MAX, &o->ckpt_every)) ||
+        (rc = nl_args_double(flags, "lr", 0.0, 10.0, &o->lr)) ||
+        (rc = nl_args_double(flags, "min-lr", 0.0, 10.0, &o->min_lr)) ||
+        (rc = nl_args_double(flags, "holdout", 0.0, 0.5, &o->holdout)))
+        return rc;
+    if (o->batch % o->micro != 0) {
+        fprintf(stderr, "--microbatches: %lld does not divide --batch %lld\n", o->micro, o->batch);
+        return 2;
+    }
+    if (o->eval_every > 0 && o->holdout <= 0.0) {
+        fprintf(stderr, "--eval-every needs held-out data (--holdout > 0)\n");
+        return 2;
+    }
+    if (o->warmup < 0)
+        o->warmup = o->steps / 10;
+    if (o->min_lr < 0)
+        o->min_lr = o->lr / 10;
+    o->final_ckpt = o->out != NULL || o->ckpt_every > 0;
+    const char *dir = nl_args_get(flags, "checkpoint-dir"), *resume = nl_args_get(flags, "resume");
+    if (!(o->data = abs_existing("data", nl_args_get(flags, "data"))) ||
+        (resume && !(o->resume = abs_existing("resume", resume))) ||
+        !(o->ckpt_dir = abs_ckpt_dir(dir ? dir : "checkpoints", o->final_ckpt)) ||
+        (o->out && out_writable(o->out) != 0))
+        return 1;
+    return 0;
+}
+
+/* ---------------------------------------------------------------- watching the job */
+
+/* What the client knows of its job while it runs. */
+typedef struct watch {
+    const rtrain_opts *o;
+    FILE *log;
+    int tty;
+    uint64_t job;       /* 0 until the coordinator acknowledges the submit */
+    int acked, started; /* acknowledged; start event seen */
+    int64_t steps;      /* the run's last step */
+    int64_t start_step; /* for the ETA */
+    double start_time;  /* for the ETA */
+    int64_t skipped;    /* steps skipped for non-finite values */
+    char *last_ckpt;    /* the last checkpoint announced */
+    char *manifest;     /* the final checkpoint's manifest (done event), or NULL */
+    int ended;          /* the job reached DONE, FAILED or CANCELLED */
+    int failed;         /* refused, failed or cancelled: err says so as it is */
+} watch;
+
+static volatile sig_atomic_t interrupted;
+
+static void on_sigint(int sig)
+{
+    (void)sig;
+    interrupted = 1;
+}
+
+static double num(const json_t *o, const char *key)
+{
+    const json_t *v = json_object_get(o, key);
+    return json_is_number(v) ? json_number_value(v) : NAN; /* a non-finite loss comes as null */
+}
+
+static long long integer(const json_t *o, const char *key, long long dflt)
+{
+    const json_t *v = json_object_get(o, key);
+    return json_is_integer(v) ? (long long)json_integer_value(v) : dflt;
+}
+
+static void on_start(watch *w, const json_t *ev)
+{
+    const long long S = integer(ev, "start_step", 0);
+    w->steps = integer(ev, "steps", w->o->steps);
+    w->start_step = S;
+    w->start_time = nl_train_clock();
+    w->started = 1;
+    if (S > 0)
+        fprintf(stderr, "resuming at step %lld\n", S);
+    fprintf(stderr,
+            "training %lld parameters on %lld tokens (%lld held out): %" PRId64 " steps of %lld x "
+            "%lld in %lld microbatches on %lld pipeline stages\n",
+            integer(ev, "params", 0), integer(ev, "tokens", 0), integer(ev, "held_out", 0),
+            w->steps, integer(ev, "batch", w->o->batch), integer(ev, "seq", w->o->seq),
+            integer(ev, "microbatches", w->o->micro), integer(ev, "stages", 0));
+}
+
+static nl_status on_step(watch *w, const json_t *ev, nl_error *err)
+{
+    const long long k = integer(ev, "step", -1);
+    if (k < 1)
+        return nl_error_set(err, NL_ERR_PROTO, "job %" PRIu64 ": a step event without a step",
+                            w->job);
+    if (!w->started) { /* no start event: time from the first step seen */
+        w->start_step = k - 1;
+        w->start_time = nl_train_clock();
+        w->started = 1;
+    }
+    const json_t *ev_loss = json_object_get(ev, "eval_loss");
+    nl_train_step s = {.step = k,
+                       .steps = w->steps,
+                       .loss = num(ev, "loss"),
+                       .ce_loss = num(ev, "ce_loss"),
+                       .aux_loss = num(ev, "aux_loss"),
+                       .lr = num(ev, "lr"),
+                       .grad_norm = num(ev, "grad_norm"),
+                       .tokens_per_s = num(ev, "tokens_per_s"),
+                       .skipped = json_is_true(json_object_get(ev, "skipped")),
+                       .has_eval = ev_loss != NULL,
+                       .eval_loss = num(ev, "eval_loss"),
+                       .start_step = w->start_step,
+                       .start_time = w->start_time};
+    w->skipped += s.skipped;
+    nl_train_report_step(&s, w->tty, w->log);
+    return NL_OK;
+}
+
+/* Keep a copy of a manifest path from an event. */
+static nl_status keep_path(char **dst, const json_t *ev, nl_error *err)
+{
+    const char *p = json_string_value(json_object_get(ev, "manifest"));
+    if (!p)
+        return NL_OK;
+    free(*dst);
+    if (!(*dst = strdup(p)))
+        return nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+    return NL_OK;
+}
+
+/* The status JSON frame, if the message has one (*ev NULL if not). */
+static nl_status status_json(const watch *w, const nl_rx *rx, json_t **ev, nl_error *err)
+{
+    *ev = NULL;
+    if (rx->msg.nframes != 1 || rx->msg.frames[0].t.dtype != NL_DTYPE_U8)
+        return NL_OK;
+    json_error_t je;
+    *ev = json_loadb(rx->msg.frames[0].t.data, rx->msg.frames[0].len, 0, &je);
+    if (!*ev || !json_is_object(*ev)) {
+        json_decref(*ev);
+        *ev = NULL;
+        return nl_error_set(err, NL_ERR_PROTO, "job %" PRIu64 ": status JSON: %s", w->job,
+                            je.text[0] ? je.text : "not an object");
+    }
+    return NL_OK;
+}
+
+/* One JOB_STATUS of this job. Sets w->ended when the job is over; a
+ * failed or cancelled job is an error that carries the coordinator's
+ * message (which names the node and the last checkpoint). */
+static nl_status on_status(watch *w, const nl_rx *rx, nl_error *err)
+{
+    const nl_msg_job_status *s = &rx->msg.u.job_status;
+    const int first = !w->acked;
+    if (first) {
+        w->acked = 1;
+        w->job = s->job_id;
+        if (s->job_id == 0) { /* refused: no job was made */
+            w->ended = w->failed = 1;
+            return nl_error_set(err, NL_ERR_STATE, "the coordinator refused the job: %s",
+                                s->message);
+        }
+    } else if (s->job_id != w->job) {
+        return NL_OK;
+    }
+    if (nl_remote_job_failed(rx, err)) {
+        w->ended = w->failed = 1;
+        return err->status;
+    }
+    json_t *ev = NULL;
+    nl_status st = status_json(w, rx, &ev, err);
+    if (st != NL_OK)
+        return st;
+    const char *event = json_string_value(json_object_get(ev, "event"));
+    if (s->state == NL_JOB_DONE) {
+        w->ended = 1;
+        st = keep_path(&w->manifest, ev, err);
+    } else if (!ev) {
+        if (s->message[0] && !(first && strcmp(s->message, "running") == 0))
+            fprintf(stderr, "%s%s\n", w->tty && w->started ? "\n" : "", s->message);
+    } else if (event && strcmp(event, "start") == 0) {
+        on_start(w, ev);
+    } else if (event && strcmp(event, "step") == 0) {
+        st = on_step(w, ev, err);
+    } else if (event && strcmp(event, "checkpoint") == 0) {
+        if ((st = keep_path(&w->last_ckpt, ev, err)) == NL_OK && w->last_ckpt)
+            nl_train_report_checkpoint(w->last_ckpt, w->tty);
+    } /* other events: from a newer coordinator; nothing to show */
+    json_decref(ev);
+    return st;
+}
+
+static nl_status gave_up(const watch *w, const nl_remote *r, nl_error *err)
+{
+    if (interrupted && !w->acked)
+        return nl_error_set(err, NL_ERR_TIMEOUT,
+                            "interrupted before the coordinator acknowledged the job");
+    if (interrupted)
+        return nl_error_set(err, NL_ERR_TIMEOUT,
+                            "interrupted; the coordinator did not end job %" PRIu64
+                            " within %.0f s",
+                            w->job, CANCEL_WAIT_S);
+    if (!w->acked)
+        return nl_error_set(err, NL_ERR_TIMEOUT,
+                            "no answer from the coordinator to the submit in %d s (--timeout)",
+                            r->timeout_ms / 1000);
+    return nl_error_set(err, NL_ERR_TIMEOUT,
+                        "no message from the coordinator in %d s (--timeout); job %" PRIu64
+                        " may still be running (neuroctl status)",
+                        r->timeout_ms / 1000, w->job);
+}
+
+/* Read until the job ends. The timeout counts from the last message; after
+ * Ctrl-C the job is cancelled once and given CANCEL_WAIT_S to end. */
+static nl_status follow(nl_remote *r, watch *w, nl_error *err)
+{
+    nl_rx rx;
+    nl_rx_init(&rx);
+    nl_status st = NL_OK;
+    double last = nl_remote_now(), cancel_by = 0;
+    int cancelled = 0;
+    while (!w->ended && st == NL_OK) {
+        const double now = nl_remote_now();
+        if (interrupted && !cancel_by)
+            cancel_by = now + CANCEL_WAIT_S;
+        if (interrupted && !cancelled && w->acked) {
+            fprintf(stderr, "%sinterrupted: cancelling job %" PRIu64 "\n", w->tty ? "\n" : "",
+                    w->job);
+            cancelled = 1;
+            if ((st = nl_remote_cancel(r, w->job, err)) != NL_OK)
+                break;
+        }
+        const double limit = interrupted ? cancel_by : last + r->timeout_ms / 1e3;
+        if (now >= limit) {
+            st = gave_up(w, r, err);
+            break;
+        }
+        st = nl_remote_recv(r, &rx, now + POLL_S < limit ? now + POLL_S : limit, err);
+        if (st == NL_ERR_TIMEOUT) {
+            st = NL_OK; /* a slice passed: look at the clock and Ctrl-C again */
+            continue;
+        }
+        last = nl_remote_now();
+        if (st == NL_OK && rx.msg.type == NL_MSG_JOB_STATUS)
+            st = on_status(w, &rx, err);
+    }
+    nl_rx_free(&rx);
+    return st;
+}
+
+/* ---------------------------------------------------------------- the command */
+
+static nl_status submit(nl_remote *r, const rtrain_opts *o, nl_error *err)
+{
+    nl_wire_param ps[17] = {
+        {.key = "data", .kind = NL_WIRE_PARAM_STR, .s = o->data},
+        {.key = "steps", .kind = NL_WIRE_PARAM_INT, .i = o->steps},
+        {.key = "batch", .kind = NL_WIRE_PARAM_INT, .i = o->batch},
+        {.key = "seq", .kind = NL_WIRE_PARAM_INT, .i = o->seq},
+        {.key = "microbatches", .kind = NL_WIRE_PARAM_INT, .i = o->micro},
+        {.key = "lr", .kind = NL_WIRE_PARAM_FLOAT, .f = o->lr},
+        {.key = "min_lr", .kind = NL_WIRE_PARAM_FLOAT, .f = o->min_lr},
+        {.key = "warmup", .kind = NL_WIRE_PARAM_INT, .i = o->warmup},
+        {.key = "seed", .kind = NL_WIRE_PARAM_INT, .i = o->seed},
+        {.key = "holdout", .kind = NL_WIRE_PARAM_FLOAT, .f = o->holdout},
+        {.key = "eval_every", .kind = NL_WIRE_PARAM_INT, .i = o->eval_every},
+        {.key = "eval_batches", .kind = NL_WIRE_PARAM_INT, .i = o->eval_batches},
+        {.key = "checkpoint_every", .kind = NL_WIRE_PARAM_INT, .i = o->ckpt_every},
+        {.key = "checkpoint_dir", .kind = NL_WIRE_PARAM_STR, .s = o->ckpt_dir},
+        {.key = "recompute", .kind = NL_WIRE_PARAM_BOOL, .b = o->recompute},
+        {.key = "final_checkpoint", .kind = NL_WIRE_PARAM_BOOL, .b = o->final_ckpt},
+        {.key = "resume", .kind = NL_WIRE_PARAM_STR, .s = o->resume},
+    };
+    return nl_remote_submit(r, NL_JOB_TRAIN, ps, o->resume ? 17 : 16, NULL, 0, 0, err);
+}
+
+/* --out: join the final checkpoint's shards into one file. */
+static nl_status export_out(const watch *w, const char *out, nl_error *err)
+{
+    if (!w->manifest)
+        return nl_error_set(err, NL_ERR_NOTFOUND,
+                            "job %" PRIu64 " ended without a final checkpoint: nothing to write "
+                            "to --out %s",
+                            w->job, out);
+    nl_manifest *m = NULL;
+    nl_status st = nl_manifest_load(&m, w->manifest, err);
+    if (st == NL_OK)
+        st = nl_manifest_export(m, out, err);
+    nl_manifest_destroy(&m);
+    if (st == NL_OK)
+        fprintf(stderr, "wrote %s\n", out);
+    return st;
+}
+
+static int run(const nl_flag *flags, const rtrain_opts *o)
+{
+    nl_error err = {0};
+    nl_remote r = {0};
+    watch w = {.o = o, .tty = isatty(2), .steps = o->steps};
+    struct sigaction sa = {.sa_handler = on_sigint, .sa_flags = SA_RESETHAND}, old;
+    int rc = 1, handler = 0;
+    if (nl_remote_open(&r, flags, 600, &err) != NL_OK)
+        goto out;
+    if (o->log && !(w.log = fopen(o->log, o->resume ? "a" : "w"))) {
+        nl_error_set(&err, NL_ERR_IO, "%s: cannot open the log", o->log);
+        goto out;
+    }
+    /* from here Ctrl-C cancels the job; a second one kills the client */
+    sigemptyset(&sa.sa_mask);
+    interrupted = 0;
+    handler = sigaction(SIGINT, &sa, &old) == 0;
+    if (submit(&r, o, &err) != NL_OK || follow(&r, &w, &err) != NL_OK)
+        goto out;
+    if (w.tty)
+        fprintf(stderr, "\n");
+    if (!interrupted && o->out && export_out(&w, o->out, &err) != NL_OK)
+        goto out;
+    if (!o->out && w.manifest && (!w.last_ckpt || strcmp(w.manifest, w.last_ckpt) != 0))
+        nl_train_report_checkpoint(w.manifest, 0);
+    nl_train_report_skipped(w.skipped);
+    rc = 0;
+out:
+    if (handler)
+        sigaction(SIGINT, &old, NULL);
+    if (interrupted) {
+        rc = 130;
+        if (err.status == NL_OK) /* the job ended on its own while we waited */
+            w.failed = nl_error_set(&err, NL_ERR_STATE, "interrupted") != NL_OK;
+    }
+    if (rc && w.failed) /* the coordinator's message names the node and the last checkpoint */
+        fprintf(stderr, "%sneuroctl train: %s\n", w.tty ? "\n" : "", err.msg);
+    else if (rc)
+        fprintf(stderr, "%sneuroctl train: %s (%s)\n", w.tty ? "\n" : "", err.msg,
+                nl_status_str(err.status));
+    nl_remote_close(&r);
+    if (w.log)
+        fclose(w.log);
+    free(w.last_ckpt);
+    free(w.manifest);
+    return rc;
+}
+
+int nl_cmd_remote_train(int argc, char **argv)
+{
+    nl_flag flags[] = {
+        {"data", 1, "training text or .tok file, on a filesystem the coordinator shares", NULL},
+        {"steps", 1, "optimizer steps in all (a resumed run continues to this step)", NULL},
+        {"batch", 1, "sequences per step (default 8)", NULL},
+        {"seq", 1, "positions per sequence (default 256)", NULL},
+        {"microbatches", 1, "split each batch into M microbatches (default 1)", NULL},
+        {"lr", 1, "peak learning rate (default 3e-4)", NULL},
+        {"min-lr", 1, "learning rate at the end of the cosine decay (default lr / 10)", NULL},
+        {"warmup", 1, "linear warm-up steps (default steps / 10)", NULL},
+        {"seed", 1, "data-order seed (default 0)", NULL},
+        {"holdout", 1, "share of the data held out for evaluation (default 0.1)", NULL},
+        {"eval-every", 1, "evaluate held-out loss every K steps (default 0: never)", NULL},
+        {"eval-batches", 1, "held-out batches per evaluation (default 4)", NULL},
+        {"checkpoint-every", 1, "write a checkpoint every K steps (default 0: never)", NULL},
+        {"checkpoint-dir", 1, "where the cluster writes checkpoints (default: checkpoints)", NULL},
+        {"log", 1, "append one JSON object per step to this file", NULL},
+        {"out", 1, "join the final checkpoint's shards into this file (safetensors)", NULL},
+        {"resume", 1, "continue from this checkpoint manifest (or its directory)", NULL},
+        {"recompute", 0, "recompute each layer's activations in the backward pass", NULL},
+        NL_REMOTE_FLAGS_TIMEOUT(
+            "seconds without any message from the coordinator before giving up (default 600)"),
+        {0}};
+    const char *usage = "neuroctl train (--coordinator EP --key K --coordinator-key P | --cluster "
+                        "DIR) --data DATA --steps N [--batch B] [--seq T] [--microbatches M] "
+                        "[--lr X] [--warmup W] [--seed S] [--eval-every K] [--checkpoint-every K] "
+                        "[--log LOG.jsonl] [--out FINAL.safetensors] [--resume MANIFEST]";
+    int rc = refuse_local_flags(argc, argv, flags);
+    if (rc || (rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL)))
+        return rc == 1 ? 0 : rc;
+    rtrain_opts o = {.batch = 8,
+                     .seq = 256,
+                     .micro = 1,
+                     .eval_batches = 4,
+                     .lr = 3e-4,
+                     .holdout = 0.1,
+                     .warmup = -1,
+                     .min_lr = -1};
+    if (!nl_args_get(flags, "data") || !nl_args_get(flags, "steps")) {
+        nl_args_help(stderr, usage, flags);
+        return 2;
+    }
+    if ((rc = read_opts(&o, flags)) == 0)
+        rc = run(flags, &o);
+    free(o.data);
+    free(o.resume);
+    free(o.ckpt_dir);
+    return rc;
+}

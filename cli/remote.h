@@ -1,0 +1,67 @@
+/* neuroctl's connection to a coordinator: the flags that name one
+ * (--coordinator/--key/--coordinator-key or --cluster DIR), opening a
+ * CURVE DEALER socket and saying HELLO, receiving with a deadline,
+ * submitting and cancelling jobs, and the cluster status. Shared by the
+ * cluster commands (forward, generate, status, train). */
+#ifndef NL_CLI_REMOTE_H
+#define NL_CLI_REMOTE_H
+
+#include <jansson.h>
+#include <stdint.h>
+
+#include "base/args.h"
+#include "net/transport.h"
+
+/* The flags of a command that talks to a cluster, to put in its nl_flag
+ * table; NL_REMOTE_FLAGS_TIMEOUT names what --timeout means for it (and
+ * its default, which the command passes to nl_remote_open). */
+/* clang-format off */
+#define NL_REMOTE_FLAGS_TIMEOUT(timeout_help)                                                      \
+    {"coordinator", 1, "coordinator endpoint, e.g. tcp://host:7000", NULL},                        \
+    {"key", 1, "this client's secret key file (neuroctl keygen)", NULL},                           \
+    {"coordinator-key", 1, "file with the coordinator's Z85 public key", NULL},                    \
+    {"cluster", 1, "a local cluster's directory (cluster up): sets the three above", NULL},        \
+    {"timeout", 1, timeout_help, NULL},                                                            \
+    {"plaintext", 0, "INSECURE: no CURVE (only against a --plaintext coordinator)", NULL}
+/* clang-format on */
+#define NL_REMOTE_FLAGS NL_REMOTE_FLAGS_TIMEOUT("seconds to wait for an answer (default 60)")
+
+/* An open connection. Owns its context, socket and key pair. */
+typedef struct nl_remote {
+    nl_net *net;
+    nl_sock *s;
+    nl_keypair kp;
+    int timeout_ms; /* --timeout */
+} nl_remote;
+
+/* Monotonic seconds, for deadlines. */
+double nl_remote_now(void);
+
+/* Connect as the flags say (--timeout, default default_timeout_s) and
+ * exchange HELLO within the timeout. On failure the error names the flag
+ * or the coordinator at fault; call nl_remote_close either way. */
+nl_status nl_remote_open(nl_remote *r, const nl_flag *flags, int default_timeout_s, nl_error *err);
+/* Close and wipe the keys; safe on a zeroed or closed nl_remote. */
+void nl_remote_close(nl_remote *r);
+
+/* Wait until deadline (nl_remote_now() seconds) for the next message into
+ * rx; passing the deadline is NL_ERR_TIMEOUT, an ERROR from the
+ * coordinator becomes an error with its code and message. */
+nl_status nl_remote_recv(nl_remote *r, nl_rx *rx, double deadline, nl_error *err);
+
+/* Fetch the cluster status JSON; the caller frees it with json_decref. */
+nl_status nl_remote_status(nl_remote *r, json_t **out, nl_error *err);
+
+/* Send JOB_SUBMIT: kind, np params (borrowed), and ids as one I32 [B, T]
+ * frame, or no frame when ids is NULL. */
+nl_status nl_remote_submit(nl_remote *r, nl_job_kind kind, const nl_wire_param *ps, int np,
+                           const int32_t *ids, int B, int T, nl_error *err);
+
+/* Send JOB_CANCEL for job_id. */
+nl_status nl_remote_cancel(nl_remote *r, uint64_t job_id, nl_error *err);
+
+/* Whether rx is a JOB_STATUS that ends a job as failed or cancelled; if
+ * so, err gets "job N failed: MESSAGE" (or "was cancelled"). */
+int nl_remote_job_failed(const nl_rx *rx, nl_error *err);
+
+#endif
