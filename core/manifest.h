@@ -103,7 +103,8 @@ nl_status nl_manifest_verify(const nl_manifest *m, nl_error *err);
 /* Build the stage [l0, l1) (with the embedding and/or head as asked) on
  * backend `be` from the shards of a verified manifest: every tensor from
  * whichever shard holds it (the "re-cut": the range need not match the
- * shard boundaries), checked for shape. Each shard read must agree with
+ * shard boundaries), checked for shape. l1 < 0 means "to the last
+ * layer". Each shard read must agree with
  * the manifest on its config and step (NL_ERR_FORMAT otherwise). When
  * mom_m and mom_v are not NULL (both or neither: device buffers of the
  * new model's n_params floats, model layout) they are filled from

@@ -586,6 +586,11 @@ int main(void)
     same_stage(be, mf, ref, 1, 3, 0, 1, 1);
     same_stage(be, mf, ref, 0, 3, 1, 1, 0);
     same_stage(be, mf, ref, 1, 2, 0, 0, 1);
+    /* a backend whose memory is not the host's: the loads stage through
+     * host buffers and upload (the CPU backend's copy, told otherwise) */
+    nl_backend device = *be;
+    device.host_memory = 0;
+    same_stage(&device, mf, ref, 1, 3, 0, 1, 1);
     same_stage(be, mf, ref, 0, 0, 1, 0, 1); /* the embedding alone */
     same_stage(be, mf, ref, 3, 3, 0, 1, 1); /* the head alone */
 
