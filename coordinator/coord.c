@@ -378,7 +378,7 @@ static void on_node_error(nl_coord *c, const nl_rx *rx)
 {
     cnode *n = coord_node_by_rid(c, rx);
     const nl_msg_error *e = &rx->msg.u.error;
-    char why[1200], who[160] = "";
+    char why[1600], who[320] = "";
     /* a node that cannot reach a neighbour names its endpoint: say whose */
     for (int i = 0; i < COORD_MAX_NODES && !who[0]; i++) {
         const cnode *o = &c->nodes[i];

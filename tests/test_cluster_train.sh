@@ -175,7 +175,7 @@ LONG=(--data "$W/data.txt" --steps 400 --batch 8 --seq 32 --microbatches 4 --lr 
 "$N" train --cluster "$C" "${LONG[@]}" --checkpoint-every 5 --checkpoint-dir "$W/ck5" \
   --log "$W/killed.jsonl" 2> "$W/killed.err" &
 job=$!
-for i in $(seq 1 200); do [ -f "$W/ck5/step-000010/manifest.json" ] && break; sleep 0.1; done
+for i in $(seq 1 600); do [ -f "$W/ck5/step-000010/manifest.json" ] && break; sleep 0.1; done
 check test -f "$W/ck5/step-000010/manifest.json"
 t0=$(date +%s.%N)
 kill -9 "$(cat "$C/node-2.pid")"
