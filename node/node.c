@@ -36,6 +36,11 @@ typedef struct node {
     int64_t next_hb_ms;
     int64_t window_ms; /* start of the load window (since the last heartbeat) */
     double busy_ms;    /* time spent in forwards in that window */
+    /* a training job's time on this node, logged when it ends */
+    int64_t train_t0;          /* its first message (0: none yet) */
+    double train_busy_ms;      /* handling its messages: compute and sends */
+    double train_send_ms;      /* of which handing hops to the transport */
+    uint64_t train_hops, train_bytes;
     uint8_t prev_rid[NL_ROUTING_ID_MAX]; /* the previous stage on data: GRADIENTs go there */
     size_t prev_rid_len;
     nl_rx rx;
@@ -469,9 +474,26 @@ static void handle_job_submit(node *n, const nl_msg_job_submit *j)
 /* ===================== training ===================== */
 
 /* Where the stage's training messages go (nl_stage_send_fn). */
+static nl_status train_send_to(node *n, nl_stage_dest to, nl_wire_msg *m, nl_error *err);
+
+/* Sends, timed: what hops cost the stage (bench/bench_pipeline.sh reads
+ * the summary logged at the job's end). */
 static nl_status train_send(void *ctx, nl_stage_dest to, nl_wire_msg *m, nl_error *err)
 {
     node *n = ctx;
+    struct timespec a, b;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    nl_status st = train_send_to(n, to, m, err);
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    n->train_send_ms += (double)(b.tv_sec - a.tv_sec) * 1e3 + (double)(b.tv_nsec - a.tv_nsec) / 1e6;
+    n->train_hops++;
+    for (int i = 0; i < m->nframes; i++)
+        n->train_bytes += m->frames[i].len;
+    return st;
+}
+
+static nl_status train_send_to(node *n, nl_stage_dest to, nl_wire_msg *m, nl_error *err)
+{
     if (to == NL_STAGE_TO_COORD)
         return nl_sock_send(n->ctl, NULL, 0, m, err);
     nl_status st;
@@ -497,9 +519,16 @@ static nl_status train_send(void *ctx, nl_stage_dest to, nl_wire_msg *m, nl_erro
 static void handle_train(node *n, const nl_wire_msg *m)
 {
     nl_error e;
-    int64_t t0 = mono_ms();
+    struct timespec a, b;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    if (!n->train_t0)
+        n->train_t0 = mono_ms();
     nl_status st = nl_stage_train_input(n->stage, m, train_send, n, &e);
-    n->busy_ms += (double)(mono_ms() - t0);
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    const double ms =
+        (double)(b.tv_sec - a.tv_sec) * 1e3 + (double)(b.tv_nsec - a.tv_nsec) / 1e6;
+    n->busy_ms += ms;
+    n->train_busy_ms += ms;
     if (st != NL_OK)
         send_error(n, st, m->type, "%s", e.msg);
 }
@@ -516,6 +545,23 @@ static void handle_train_submit(node *n, const nl_msg_job_submit *j)
     nl_wire_msg_reset(&n->tx, NL_MSG_JOB_STATUS);
     n->tx.u.job_status = (nl_msg_job_status){job, NL_JOB_RUNNING, 0.0, "training"};
     send_ctl(n, "JOB_STATUS");
+}
+
+/* How the ended job's time went on this node. */
+static void train_summary(node *n, uint64_t job)
+{
+    const double wall = n->train_t0 ? (double)(mono_ms() - n->train_t0) : 0.0;
+    const double compute = n->train_busy_ms - n->train_send_ms;
+    NL_INFO("train job %llu ended: %.1f s, of which computing %.1f s (%.0f%%), sending %llu "
+            "messages (%.1f MiB) %.3f s (%.1f%%), waiting %.1f s (%.0f%%)",
+            (unsigned long long)job, wall / 1e3, compute / 1e3,
+            wall > 0 ? 100 * compute / wall : 0.0, (unsigned long long)n->train_hops,
+            (double)n->train_bytes / (1 << 20), n->train_send_ms / 1e3,
+            wall > 0 ? 100 * n->train_send_ms / wall : 0.0, (wall - n->train_busy_ms) / 1e3,
+            wall > 0 ? 100 * (wall - n->train_busy_ms) / wall : 0.0);
+    n->train_t0 = 0;
+    n->train_busy_ms = n->train_send_ms = 0;
+    n->train_hops = n->train_bytes = 0;
 }
 
 static bool is_train_hop(const nl_wire_msg *m)
@@ -561,7 +607,7 @@ static void on_control(node *n)
         if (nl_stage_close_session(n->stage, m->u.job_ref.job_id))
             NL_INFO("session %llu closed", (unsigned long long)m->u.job_ref.job_id);
         if (nl_stage_train_end(n->stage, m->u.job_ref.job_id))
-            NL_INFO("train job %llu ended", (unsigned long long)m->u.job_ref.job_id);
+            train_summary(n, m->u.job_ref.job_id);
         break;
     case NL_MSG_ERROR:
         NL_WARN("the coordinator reports an error about %s: %s (%s)",
