@@ -172,9 +172,10 @@ static int cluster_up(const nl_flag *flags, const char *dir)
         (rc = nl_args_int(flags, "node-timeout-ms", 100, 3600000, &node_timeout)) ||
         (rc = nl_args_size(flags, "memory", &memory)))
         return rc;
-    const char *model = nl_args_get(flags, "model"), *config = nl_args_get(flags, "config");
-    if (model && config) {
-        fprintf(stderr, "cluster up: --model and --config exclude each other\n");
+    const char *model = nl_args_get(flags, "model"), *config = nl_args_get(flags, "config"),
+               *resume = nl_args_get(flags, "resume");
+    if (!!model + !!config + !!resume > 1) {
+        fprintf(stderr, "cluster up: --model, --config and --resume exclude each other\n");
         return 2;
     }
     if (threads == 0) {
@@ -233,6 +234,9 @@ static int cluster_up(const nl_flag *flags, const char *dir)
     } else if (config) {
         cargv[ca++] = "--config";
         cargv[ca++] = (char *)config;
+    } else if (resume) {
+        cargv[ca++] = "--resume";
+        cargv[ca++] = (char *)resume;
     }
     cargv[ca] = NULL;
     snprintf(log, sizeof log, "%s/coord.log", dir);
@@ -294,13 +298,15 @@ int nl_cmd_cluster(int argc, char **argv)
         {"nodes", 1, "up: nodes to start (default 3)", NULL},
         {"model", 1, "up: checkpoint to serve", NULL},
         {"config", 1, "up: model config (YAML) instead of a checkpoint", NULL},
+        {"resume", 1, "up: a training manifest (or its directory) to serve and train on from", NULL},
         {"seed", 1, "up: initialisation seed without a checkpoint (default 0)", NULL},
         {"memory", 1, "up: memory each node offers (default 1G)", NULL},
         {"threads", 1, "up: threads per node (default: the cores shared evenly)", NULL},
         {"node-timeout-ms", 1, "up: a node silent this long is dead (default 3000)", NULL},
         {"timeout", 1, "up: seconds to wait for the cluster to be ready (default 120)", NULL},
         {0}};
-    const char *usage = "neuroctl cluster up|down [--dir DIR] [--nodes N] [--model M | --config C] "
+    const char *usage = "neuroctl cluster up|down [--dir DIR] [--nodes N] [--model M | --config C | "
+                        "--resume MANIFEST] "
                         "[--memory SIZE] [--threads N]";
     const char *pos[1] = {NULL};
     int npos = 0;

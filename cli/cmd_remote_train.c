@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include "base/args.h"
+#include "core/fileio.h"
 #include "commands.h"
 #include "core/manifest.h"
 #include "remote.h"
@@ -60,23 +61,6 @@ static int refuse_local_flags(int argc, char **argv, const nl_flag *flags)
     return 0;
 }
 
-/* mkdir -p */
-static int make_dirs(const char *path)
-{
-    char p[PATH_MAX];
-    if (snprintf(p, sizeof p, "%s", path) >= (int)sizeof p)
-        return -1;
-    for (char *s = p + 1; *s; s++) {
-        if (*s != '/')
-            continue;
-        *s = '\0';
-        if (mkdir(p, 0755) != 0 && errno != EEXIST)
-            return -1;
-        *s = '/';
-    }
-    return mkdir(p, 0755) != 0 && errno != EEXIST ? -1 : 0;
-}
-
 /* The absolute path of an existing file or directory, as the coordinator
  * will open it; prints the fault (naming the flag) and returns NULL. */
 static char *abs_existing(const char *flag, const char *path)
@@ -100,7 +84,7 @@ static char *abs_existing(const char *flag, const char *path)
  * leaves no empty directory behind. */
 static char *abs_ckpt_dir(const char *dir, int create)
 {
-    if (create && (make_dirs(dir) != 0 || access(dir, W_OK) != 0)) {
+    if (create && (nl_file_mkdirs(dir, NULL) != NL_OK || access(dir, W_OK) != 0)) {
         fprintf(stderr, "--checkpoint-dir: cannot create or write %s\n", dir);
         return NULL;
     }

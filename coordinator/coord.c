@@ -76,17 +76,53 @@ nl_status coord_send_node(nl_coord *c, cnode *n, nl_wire_msg *m)
 
 /* ---------------------------------------------------------------- setup */
 
+static void free_source(csource *src)
+{
+    for (int i = 0; i < src->n; i++)
+        nl_st_close(&src->files[i]);
+    free(src->files);
+    free(src);
+}
+
+/* Unmap the retired sources no send holds any more (all of them once the
+ * sockets are gone: force). */
+static void reap_sources(nl_coord *c, int force)
+{
+    for (csource **p = &c->retired; *p;) {
+        csource *r = *p;
+        if (force || nl_txref_idle(&r->ref)) {
+            *p = r->next;
+            free_source(r);
+        } else {
+            p = &r->next;
+        }
+    }
+}
+
 static void close_source(nl_coord *c)
 {
-    for (int i = 0; i < c->n_src; i++)
-        nl_st_close(&c->src[i]);
-    free(c->src);
-    c->src = NULL;
-    c->n_src = 0;
+    if (c->src) {
+        c->src->next = c->retired;
+        c->retired = c->src;
+        c->src = NULL;
+    }
+    reap_sources(c, 0);
     c->src_manifest = 0;
     c->src_step = c->src_adam = 0;
     c->resumable = 0;
     c->src_path[0] = '\0';
+}
+
+static csource *new_source(int n)
+{
+    csource *src = calloc(1, sizeof *src);
+    if (src && !(src->files = calloc((size_t)n, sizeof *src->files))) {
+        free(src);
+        return NULL;
+    }
+    if (src)
+        src->n = n;
+    return src;
 }
 
 static void drop_plan(nl_coord *c);
@@ -94,28 +130,27 @@ static void drop_plan(nl_coord *c);
 nl_status coord_use_manifest(nl_coord *c, const char *path, int reload, nl_error *err)
 {
     nl_manifest *m = NULL;
-    nl_st_file **files = NULL;
+    csource *src = NULL;
     char *tok = NULL, *seed = NULL;
     nl_status st = nl_manifest_load(&m, path, err);
     if (st == NL_OK)
         st = nl_manifest_verify(m, err);
-    if (st == NL_OK && !(files = calloc((size_t)m->n_shards, sizeof *files)))
+    if (st == NL_OK && !(src = new_source(m->n_shards)))
         st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
     for (int i = 0; st == NL_OK && i < m->n_shards; i++)
-        st = nl_st_open(&files[i], m->shards[i].path, err);
+        st = nl_st_open(&src->files[i], m->shards[i].path, err);
     if (st == NL_OK && ((m->tokenizer && !(tok = strdup(m->tokenizer))) ||
                         (m->init_seed && !(seed = strdup(m->init_seed)))))
         st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
     if (st != NL_OK) {
-        for (int i = 0; files && i < m->n_shards; i++)
-            nl_st_close(&files[i]);
-        free(files);
+        if (src)
+            free_source(src);
+        free(tok);
         nl_manifest_destroy(&m);
         return nl_error_prefix(err, "manifest %s", path);
     }
     close_source(c);
-    c->src = files;
-    c->n_src = m->n_shards;
+    c->src = src;
     c->src_manifest = 1;
     c->src_step = m->step;
     c->src_adam = m->adam_steps;
@@ -135,19 +170,25 @@ nl_status coord_use_manifest(nl_coord *c, const char *path, int reload, nl_error
     return NL_OK;
 }
 
+void coord_reload(nl_coord *c)
+{
+    if (!c->plan)
+        return;
+    drop_plan(c);
+    coord_set_state(c, "reloading from %s", c->src_path[0] ? c->src_path : "the seed");
+}
+
 static nl_status load_model_source(nl_coord *c, nl_error *err)
 {
     nl_config_init(&c->base);
     if (c->o.resume)
         return coord_use_manifest(c, c->o.resume, 0, err);
     if (c->o.model) {
-        c->src = calloc(1, sizeof *c->src);
-        if (!c->src)
+        if (!(c->src = new_source(1)))
             return nl_error_set(err, NL_ERR_NOMEM, "out of memory");
         nl_status st = nl_checkpoint_read_config(c->o.model, &c->cfg, &c->src_step, err);
         if (st == NL_OK)
-            st = nl_st_open(&c->src[0], c->o.model, err);
-        c->n_src = st == NL_OK;
+            st = nl_st_open(&c->src->files[0], c->o.model, err);
         if (st == NL_OK)
             st = nl_checkpoint_meta(c->o.model, "tokenizer", &c->tok_text, err);
         if (st == NL_OK)
@@ -250,6 +291,7 @@ void nl_coord_destroy(nl_coord **cp)
     nl_sock_destroy(&c->ctl);
     nl_net_destroy(&c->net);
     close_source(c);
+    reap_sources(c, 1); /* the sockets are gone: nothing points into them */
     free(c->tok_text);
     free(c->init_seed);
     nl_keys_wipe(&c->keys);
@@ -453,10 +495,41 @@ static int stage_holds(const nl_coord *c, const nl_plan_stage *s, const char *na
     return 0; /* optimizer moments and anything else stay here */
 }
 
-static void noop_free(void *data, void *hint)
+/* Stream the tensors of one source file that stage s holds, in chunks
+ * that point into the mapping (no copy; the source's ref counts them). */
+static nl_status send_file(nl_coord *c, const nl_plan_stage *s, cnode *n, nl_st_file *f,
+                           nl_wire_msg *m, uint32_t *tensors, uint64_t *bytes)
 {
-    (void)data;
-    (void)hint;
+    for (size_t i = 0; i < nl_st_count(f); i++) {
+        const nl_st_entry *e = nl_st_entry_at(f, i);
+        if (!stage_holds(c, s, e->name) || e->dtype != NL_DTYPE_F32)
+            continue;
+        const uint64_t numel = e->nbytes / 4;
+        const uint32_t chunks = (uint32_t)((numel + CHUNK_FLOATS - 1) / CHUNK_FLOATS);
+        const char *data = nl_st_tensor_data(f, e);
+        for (uint32_t k = 0; k < (chunks ? chunks : 1); k++) {
+            const uint64_t off = (uint64_t)k * CHUNK_FLOATS;
+            const uint64_t cnt = numel - off < CHUNK_FLOATS ? numel - off : CHUNK_FLOATS;
+            nl_wire_msg_reset(m, NL_MSG_LAYER_LOAD);
+            m->u.layer_load.epoch = c->epoch;
+            m->u.layer_load.name = e->name;
+            m->u.layer_load.ndim = e->ndim;
+            memcpy(m->u.layer_load.shape, e->shape, sizeof e->shape);
+            m->u.layer_load.offset = off;
+            m->u.layer_load.chunk = k;
+            m->u.layer_load.chunks = chunks ? chunks : 1;
+            const int64_t elems = (int64_t)cnt;
+            nl_txref_frame(&m->frames[0], &c->src->ref, (void *)(data + off * 4), NL_DTYPE_F32,
+                           &elems, 1);
+            m->nframes = 1;
+            nl_status st = coord_send_node(c, n, m);
+            if (st != NL_OK)
+                return st;
+        }
+        (*tensors)++;
+        *bytes += e->nbytes;
+    }
+    return NL_OK;
 }
 
 /* Stream the stage's tensors in chunks, then LOAD_DONE. Without a
@@ -471,39 +544,13 @@ static void send_load(nl_coord *c, int stage)
     uint32_t tensors = 0;
     uint64_t bytes = 0;
     double t0 = coord_now();
-    for (int f = 0; f < c->n_src; f++)
-    for (size_t i = 0; i < nl_st_count(c->src[f]); i++) {
-        const nl_st_entry *e = nl_st_entry_at(c->src[f], i);
-        if (!stage_holds(c, s, e->name) || e->dtype != NL_DTYPE_F32)
-            continue;
-        const uint64_t numel = e->nbytes / 4;
-        const uint32_t chunks = (uint32_t)((numel + CHUNK_FLOATS - 1) / CHUNK_FLOATS);
-        const char *data = nl_st_tensor_data(c->src[f], e);
-        for (uint32_t k = 0; k < (chunks ? chunks : 1); k++) {
-            const uint64_t off = (uint64_t)k * CHUNK_FLOATS;
-            const uint64_t cnt = numel - off < CHUNK_FLOATS ? numel - off : CHUNK_FLOATS;
-            nl_wire_msg_reset(&m, NL_MSG_LAYER_LOAD);
-            m.u.layer_load.epoch = c->epoch;
-            m.u.layer_load.name = e->name;
-            m.u.layer_load.ndim = e->ndim;
-            memcpy(m.u.layer_load.shape, e->shape, sizeof e->shape);
-            m.u.layer_load.offset = off;
-            m.u.layer_load.chunk = k;
-            m.u.layer_load.chunks = chunks ? chunks : 1;
-            const int64_t elems = (int64_t)cnt;
-            nl_wire_frame_set(&m.frames[0], data + off * 4, NL_DTYPE_F32, &elems, 1);
-            m.frames[0].free_fn = noop_free; /* the mapping outlives the send: no copy */
-            m.nframes = 1;
-            if (coord_send_node(c, n, &m) != NL_OK)
-                goto out;
-        }
-        tensors++;
-        bytes += e->nbytes;
-    }
+    for (int f = 0; c->src && f < c->src->n; f++)
+        if (send_file(c, s, n, c->src->files[f], &m, &tensors, &bytes) != NL_OK)
+            goto out;
     nl_wire_msg_reset(&m, NL_MSG_LOAD_DONE);
     m.u.load_done = (nl_msg_load_done){c->epoch, n->id, tensors, bytes};
     coord_send_node(c, n, &m);
-    if (c->n_src)
+    if (c->src)
         NL_INFO("stage %d: sent %u tensors (%.1f MiB) to node %u in %.2f s", stage, tensors,
                 (double)bytes / (1 << 20), n->id, coord_now() - t0);
 out:
@@ -591,6 +638,7 @@ static void on_load_done(nl_coord *c, const nl_rx *rx)
     if (!n || rx->msg.u.load_done.epoch != c->epoch || n->stage < 0)
         return; /* a stale plan's answer */
     n->loaded = 1;
+    coord_train_touch(c);
     NL_INFO("node %u loaded stage %d: %u tensors, %.1f MiB", n->id, n->stage,
             rx->msg.u.load_done.tensors, (double)rx->msg.u.load_done.bytes / (1 << 20));
     for (int s = 0; s < c->plan->n_stages; s++) {
@@ -609,6 +657,7 @@ static void on_load_done(nl_coord *c, const nl_rx *rx)
 static void tick(nl_coord *c)
 {
     const double now = coord_now();
+    reap_sources(c, 0);
     for (int i = 0; i < COORD_MAX_NODES; i++) {
         cnode *n = &c->nodes[i];
         if (n->life == NODE_LIVE && n->unreachable) {
@@ -695,8 +744,16 @@ nl_status nl_coord_run(nl_coord *c, volatile sig_atomic_t *stop, nl_error *err)
         }
         nl_error e = {0};
         nl_status st = nl_sock_recv(c->ctl, &rx, 100, &e);
+        const double t0 = coord_now();
         if (st == NL_OK)
             dispatch(c, &rx);
+        /* a long dispatch (hashing the shards of a checkpoint, tokenizing
+         * the data) kept this loop from hearing anyone: heartbeats that
+         * waited meanwhile must not make their nodes look dead */
+        const double stall = coord_now() - t0;
+        for (int i = 0; stall > 0.2 && i < COORD_MAX_NODES; i++)
+            if (c->nodes[i].life == NODE_LIVE)
+                c->nodes[i].last_seen += stall;
         else if (st != NL_ERR_TIMEOUT && st != NL_ERR_AUTH)
             NL_DEBUG("receive: %s", e.msg);
         nl_rx_free(&rx);

@@ -38,6 +38,16 @@ typedef enum { JOB_FREE = 0, JOB_OPENING, JOB_RUNNING } job_phase;
 
 struct ctrain; /* a training job's state (coord_train.c) */
 
+/* The mapped files of the weights' source. LAYER_LOAD chunks point into
+ * them without a copy, so a replaced source is retired, and unmapped only
+ * when libzmq has let go of every chunk (ref idle). */
+typedef struct csource {
+    nl_st_file **files;
+    int n;
+    nl_txref ref;
+    struct csource *next; /* in the retired list */
+} csource;
+
 typedef struct cjob {
     int phase;
     uint64_t id;
@@ -69,8 +79,7 @@ struct nl_coord {
     /* where the weights come from: a checkpoint, a manifest's shards, or
      * (none) the seed; the files stay mapped, layer chunks are sent from them */
     char src_path[4096];
-    nl_st_file **src;
-    int n_src;
+    struct csource *src, *retired;
     int src_manifest;       /* the source is a manifest: its shards carry the moments */
     int64_t src_step, src_adam;
     int resumable;          /* the stages hold a manifest's weights and moments, untouched */
@@ -88,6 +97,10 @@ struct nl_coord {
 
 double coord_now(void);
 cnode *coord_stage_node(nl_coord *c, int stage);
+/* The live node a message came from (by its routing id), or NULL. */
+cnode *coord_node_by_rid(nl_coord *c, const nl_rx *rx);
+/* Drop the plan: the next tick plans and loads again from the source. */
+void coord_reload(nl_coord *c);
 void coord_set_state(nl_coord *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* Send to a node; a node that cannot be reached is declared dead at the
  * next tick (its jobs fail, the cluster re-plans). */
@@ -104,6 +117,8 @@ nl_status coord_use_manifest(nl_coord *c, const char *path, int reload, nl_error
 cjob *coord_job_new(nl_coord *c, const nl_rx *rx, int kind);
 void coord_job_free(cjob *j);
 cjob *coord_job_find(nl_coord *c, uint64_t id);
+/* A job parameter by key, or NULL. */
+const nl_wire_param *coord_param(const nl_msg_job_submit *s, const char *key);
 /* JOB_STATUS to a client, with an optional JSON report (a U8 frame). */
 void coord_status_to(nl_coord *c, const uint8_t *rid, size_t rid_len, uint64_t job, int state,
                      double progress, const char *msg, const char *json);
@@ -128,6 +143,10 @@ void coord_train_tick(nl_coord *c, cjob *j);
 /* The failure text's tail: the last checkpoint, or that there is none. */
 void coord_train_fail_note(const cjob *j, char *buf, size_t cap);
 void coord_train_free(cjob *j);
-cnode *coord_node_by_rid(nl_coord *c, const nl_rx *rx);
+/* A failed or cancelled training job that changed the stages' weights:
+ * they reload from the source (the last manifest, or the checkpoint). */
+void coord_train_abandon(nl_coord *c, cjob *j);
+/* A stage loaded: a training job waiting for the cluster is making progress. */
+void coord_train_touch(nl_coord *c);
 
 #endif

@@ -100,6 +100,8 @@ void coord_fail_job(nl_coord *c, cjob *j, const char *why)
     status_to(c, j->rid, j->rid_len, j->id, NL_JOB_FAILED, 0.0, text);
     if (j->kind == NL_JOB_GENERATE || j->kind == NL_JOB_TRAIN)
         close_session(c, j);
+    if (j->kind == NL_JOB_TRAIN)
+        coord_train_abandon(c, j);
     coord_job_free(j);
 }
 
@@ -152,7 +154,7 @@ static void unreachable_first(nl_coord *c, cjob *j)
     coord_fail_job(c, j, why);
 }
 
-static const nl_wire_param *param(const nl_msg_job_submit *s, const char *key)
+const nl_wire_param *coord_param(const nl_msg_job_submit *s, const char *key)
 {
     for (uint32_t i = 0; i < s->nparams; i++)
         if (strcmp(s->params[i].key, key) == 0)
@@ -216,10 +218,10 @@ void coord_on_submit(nl_coord *c, const nl_rx *rx)
     }
     /* generate: open a session on every stage first */
     const nl_wire_param *p;
-    j->max_new = (p = param(s, "max_new")) && p->kind == NL_WIRE_PARAM_INT ? (int)p->i : 32;
-    j->temperature = (p = param(s, "temperature")) && p->kind == NL_WIRE_PARAM_FLOAT ? p->f : 0.8;
-    j->top_p = (p = param(s, "top_p")) && p->kind == NL_WIRE_PARAM_FLOAT ? p->f : 0.95;
-    j->seed = (p = param(s, "seed")) && p->kind == NL_WIRE_PARAM_INT ? p->i : 0;
+    j->max_new = (p = coord_param(s, "max_new")) && p->kind == NL_WIRE_PARAM_INT ? (int)p->i : 32;
+    j->temperature = (p = coord_param(s, "temperature")) && p->kind == NL_WIRE_PARAM_FLOAT ? p->f : 0.8;
+    j->top_p = (p = coord_param(s, "top_p")) && p->kind == NL_WIRE_PARAM_FLOAT ? p->f : 0.95;
+    j->seed = (p = coord_param(s, "seed")) && p->kind == NL_WIRE_PARAM_INT ? p->i : 0;
     if (B != 1 || j->max_new < 1 || j->max_new > (1 << 20) || !(j->temperature >= 0) ||
         !(j->top_p > 0 && j->top_p <= 1) || j->seed < 0 || T >= c->cfg.max_seq_len) {
         coord_job_free(j);
@@ -335,6 +337,8 @@ void coord_on_cancel(nl_coord *c, const nl_rx *rx)
     }
     if (j->kind == NL_JOB_GENERATE || j->kind == NL_JOB_TRAIN)
         close_session(c, j);
+    if (j->kind == NL_JOB_TRAIN)
+        coord_train_abandon(c, j);
     status_reply(c, rx, j->id, NL_JOB_CANCELLED, "cancelled");
     coord_job_free(j);
 }

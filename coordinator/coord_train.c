@@ -165,7 +165,6 @@ static void begin(nl_coord *c, cjob *j)
         snprintf(t->manifest, sizeof t->manifest, "%s", c->src_path);
         t->manifest_step = c->src_step;
     }
-    c->resumable = 0; /* the weights are about to move */
     if (t->start >= t->steps) {
         fail(c, j, "--steps %lld: the cluster's model is already at step %lld", (long long)t->steps,
              (long long)t->start);
@@ -416,14 +415,6 @@ static void write_manifest(nl_coord *c, cjob *j)
 
 /* ---------------------------------------------------------------- messages */
 
-static const nl_wire_param *param(const nl_msg_job_submit *s, const char *key)
-{
-    for (uint32_t i = 0; i < s->nparams; i++)
-        if (strcmp(s->params[i].key, key) == 0)
-            return &s->params[i];
-    return NULL;
-}
-
 /* Read the run's parameters; NULL or the name of the one at fault. */
 static const char *read_params(ctrain *t, const nl_msg_job_submit *s, const char **resume)
 {
@@ -436,7 +427,7 @@ static const char *read_params(ctrain *t, const nl_msg_job_submit *s, const char
     static const int64_t hi[] = {INT32_MAX, 65536, 1 << 20, 65536, INT64_MAX, INT32_MAX,
                                  INT32_MAX, 1 << 20, INT32_MAX};
     for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
-        const nl_wire_param *p = param(s, ints[i]);
+        const nl_wire_param *p = coord_param(s, ints[i]);
         if (!p || p->kind != NL_WIRE_PARAM_INT || p->i < lo[i] || p->i > hi[i])
             return ints[i];
         *iv[i] = p->i;
@@ -445,7 +436,7 @@ static const char *read_params(ctrain *t, const nl_msg_job_submit *s, const char
     double *fv[] = {&t->lr, &t->min_lr, &t->holdout};
     static const double fhi[] = {10.0, 10.0, 0.5};
     for (size_t i = 0; i < 3; i++) {
-        const nl_wire_param *p = param(s, fl[i]);
+        const nl_wire_param *p = coord_param(s, fl[i]);
         double v = !p ? NAN : p->kind == NL_WIRE_PARAM_FLOAT ? p->f
                           : p->kind == NL_WIRE_PARAM_INT     ? (double)p->i
                                                              : NAN;
@@ -454,20 +445,22 @@ static const char *read_params(ctrain *t, const nl_msg_job_submit *s, const char
         *fv[i] = v;
     }
     const nl_wire_param *p;
-    if (!(p = param(s, "data")) || p->kind != NL_WIRE_PARAM_STR || !p->s[0])
+    if (!(p = coord_param(s, "data")) || p->kind != NL_WIRE_PARAM_STR || !p->s[0])
         return "data";
     snprintf(t->data, sizeof t->data, "%s", p->s);
-    if (!(p = param(s, "checkpoint_dir")) || p->kind != NL_WIRE_PARAM_STR || p->s[0] != '/' ||
+    if (!(p = coord_param(s, "checkpoint_dir")) || p->kind != NL_WIRE_PARAM_STR || p->s[0] != '/' ||
         strlen(p->s) >= sizeof t->ckpt_dir)
         return "checkpoint_dir (an absolute path of at most 1000 bytes)";
     snprintf(t->ckpt_dir, sizeof t->ckpt_dir, "%s", p->s);
-    if ((p = param(s, "recompute")))
+    if ((p = coord_param(s, "recompute")))
         t->recompute = p->kind == NL_WIRE_PARAM_BOOL && p->b;
-    if ((p = param(s, "final_checkpoint")))
+    if ((p = coord_param(s, "final_checkpoint")))
         t->final_ckpt = p->kind == NL_WIRE_PARAM_BOOL && p->b;
-    *resume = (p = param(s, "resume")) && p->kind == NL_WIRE_PARAM_STR ? p->s : NULL;
+    *resume = (p = coord_param(s, "resume")) && p->kind == NL_WIRE_PARAM_STR ? p->s : NULL;
     if (t->batch % t->micro != 0)
         return "microbatches (must divide batch)";
+    if ((t->batch / t->micro) * t->seq > (1 << 24) || t->eval_batches * t->micro > (1 << 30))
+        return "batch (a microbatch of at most 2^24 rows; eval_batches x microbatches <= 2^30)";
     if (t->eval_every > 0 && t->holdout <= 0.0)
         return "eval_every (needs holdout > 0)";
     return NULL;
@@ -499,7 +492,7 @@ void coord_train_submit(nl_coord *c, const nl_rx *rx)
         fail(c, j, "train: params.%s is missing or out of range", bad);
         return;
     }
-    coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, "accepted", NULL);
+    coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, "running", NULL);
     if (resume) {
         /* other jobs lose their stages to the reload */
         for (int i = 0; i < COORD_MAX_JOBS; i++)
@@ -509,8 +502,15 @@ void coord_train_submit(nl_coord *c, const nl_rx *rx)
             fail(c, j, "--resume: %s", e.msg);
             return;
         }
+        snprintf(why, sizeof why, "verified %s; loading it onto the nodes", resume);
+        coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, why, NULL);
     } else if (!c->ready) {
         fail(c, j, "the cluster is not ready: %s", c->state);
+        return;
+    }
+    if (t->seq > c->cfg.max_seq_len) {
+        fail(c, j, "--seq %lld: the model's max_seq_len is %d", (long long)t->seq,
+             c->cfg.max_seq_len);
         return;
     }
     nl_dataset_info info;
@@ -532,6 +532,23 @@ void coord_train_submit(nl_coord *c, const nl_rx *rx)
     j->last_progress = coord_now();
 }
 
+void coord_train_abandon(nl_coord *c, cjob *j)
+{
+    if (j->train && j->train->phase >= TR_BEGIN && j->epoch == c->epoch) {
+        NL_INFO("train job %llu ended early: the stages reload their weights from %s",
+                (unsigned long long)j->id, c->src_path[0] ? c->src_path : "the seed");
+        coord_reload(c);
+    }
+}
+
+void coord_train_touch(nl_coord *c)
+{
+    for (int i = 0; i < COORD_MAX_JOBS; i++)
+        if (c->jobs[i].phase != JOB_FREE && c->jobs[i].train &&
+            c->jobs[i].train->phase == TR_LOADING)
+            c->jobs[i].last_progress = coord_now();
+}
+
 void coord_train_tick(nl_coord *c, cjob *j)
 {
     if (j->train && j->train->phase == TR_LOADING && c->ready)
@@ -551,7 +568,6 @@ static cjob *train_job(nl_coord *c, const nl_rx *rx, uint64_t job, uint32_t stag
                 (unsigned long long)job, stage, n ? "another stage" : "no stage");
         return NULL;
     }
-    j->last_progress = coord_now();
     return j;
 }
 
@@ -564,8 +580,10 @@ void coord_train_on_ack(nl_coord *c, cjob *j, const nl_rx *rx)
         return;
     t->got[n->stage] = 1;
     j->last_progress = coord_now();
-    if (++t->acks == t->stages)
-        start_step(c, j);
+    if (++t->acks < t->stages)
+        return;
+    c->resumable = 0; /* the stages took the moments; the weights are about to move */
+    start_step(c, j);
 }
 
 void coord_train_on_grad_norm(nl_coord *c, const nl_rx *rx)
@@ -575,6 +593,7 @@ void coord_train_on_grad_norm(nl_coord *c, const nl_rx *rx)
     if (!j || g->step != (uint64_t)j->train->step + 1 || j->train->got[g->stage])
         return;
     ctrain *t = j->train;
+    j->last_progress = coord_now();
     t->got[g->stage] = 1;
     t->sumsq += g->sumsq;
     if (++t->norms == t->stages && t->have_loss)
@@ -593,6 +612,7 @@ void coord_train_on_loss(nl_coord *c, const nl_rx *rx)
         if (!(j = train_job(c, rx, l->job_id, last, TR_STEP)) ||
             l->step != (uint64_t)t->step + 1 || t->have_loss)
             return;
+        j->last_progress = coord_now();
         t->ce = l->ce_sum;
         t->aux = l->aux;
         t->have_loss = 1;
@@ -602,6 +622,7 @@ void coord_train_on_loss(nl_coord *c, const nl_rx *rx)
     }
     if (!(j = train_job(c, rx, l->job_id, last, TR_EVAL)) || l->step != (uint64_t)t->step)
         return;
+    j->last_progress = coord_now();
     t->eval_loss = l->ce_sum / ((double)t->eval_batches * (double)t->batch * (double)t->seq);
     t->has_eval = 1;
     after_step(c, j);
@@ -617,14 +638,16 @@ void coord_train_on_ckpt_done(nl_coord *c, const nl_rx *rx)
     cnode *n = coord_node_by_rid(c, rx);
     nl_manifest_shard *sh = &t->shards[d->stage];
     const nl_plan_stage *ps = &c->plan->stages[d->stage];
-    char dir[1100], node[128];
-    snprintf(dir, sizeof dir, "%s/step-%06lld/", t->ckpt_dir, (long long)t->step);
-    const char *file = d->path + strlen(dir);
-    /* the shard must be where it was asked to be, as a plain file name */
-    if (strncmp(d->path, dir, strlen(dir)) != 0 || !file[0] || strchr(file, '/')) {
-        fail(c, j, "stage %u wrote its shard to %s, not into %s", d->stage, d->path, dir);
+    char want[1200], node[128];
+    /* the shard must be exactly where it was asked to be */
+    snprintf(want, sizeof want, "%s/step-%06lld/stage-%u.safetensors", t->ckpt_dir,
+             (long long)t->step, d->stage);
+    if (strcmp(d->path, want) != 0) {
+        fail(c, j, "stage %u wrote its shard to %s, not %s", d->stage, d->path, want);
         return;
     }
+    const char *file = strrchr(d->path, '/') + 1;
+    j->last_progress = coord_now();
     free(sh->file);
     free(sh->path);
     free(sh->node);

@@ -177,3 +177,26 @@ out:
     fclose(f);
     return st;
 }
+
+nl_status nl_file_mkdirs(const char *path, nl_error *err)
+{
+    char *p = strdup(path);
+    if (!p)
+        return nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+    nl_status st = NL_OK;
+    for (char *s = p + 1;; s++) {
+        const char c = *s;
+        if (c != '/' && c != '\0')
+            continue;
+        *s = '\0';
+        if (mkdir(p, 0755) != 0 && errno != EEXIST) {
+            st = nl_error_set(err, NL_ERR_IO, "cannot create %s: %s", p, strerror(errno));
+            break;
+        }
+        *s = c;
+        if (c == '\0')
+            break;
+    }
+    free(p);
+    return st;
+}

@@ -20,6 +20,9 @@ nl_status nl_atomic_commit(nl_atomic_file **af, nl_error *err);
 /* Drop the temporary file; safe on NULL. */
 void nl_atomic_abort(nl_atomic_file **af);
 
+/* Create a directory and every missing parent (mkdir -p, mode 0755). */
+nl_status nl_file_mkdirs(const char *path, nl_error *err);
+
 /* Write a whole buffer atomically. */
 nl_status nl_file_write_atomic(const char *path, const void *buf, size_t n, nl_error *err);
 

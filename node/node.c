@@ -485,6 +485,8 @@ static nl_status train_send(void *ctx, nl_stage_dest to, nl_wire_msg *m, nl_erro
     clock_gettime(CLOCK_MONOTONIC, &a);
     nl_status st = train_send_to(n, to, m, err);
     clock_gettime(CLOCK_MONOTONIC, &b);
+    if (mono_ms() >= n->next_hb_ms) /* a long run of queued hops keeps the heartbeat */
+        send_heartbeat(n);
     n->train_send_ms += (double)(b.tv_sec - a.tv_sec) * 1e3 + (double)(b.tv_nsec - a.tv_nsec) / 1e6;
     n->train_hops++;
     for (int i = 0; i < m->nframes; i++)
@@ -518,6 +520,8 @@ static nl_status train_send_to(node *n, nl_stage_dest to, nl_wire_msg *m, nl_err
 /* A training message from any socket: the stage runs what it can. */
 static void handle_train(node *n, const nl_wire_msg *m)
 {
+    if (m->type == NL_MSG_CKPT_REQ) /* writing a shard takes a while: be heard first */
+        send_heartbeat(n);
     nl_error e;
     struct timespec a, b;
     clock_gettime(CLOCK_MONOTONIC, &a);
@@ -529,7 +533,9 @@ static void handle_train(node *n, const nl_wire_msg *m)
         (double)(b.tv_sec - a.tv_sec) * 1e3 + (double)(b.tv_nsec - a.tv_nsec) / 1e6;
     n->busy_ms += ms;
     n->train_busy_ms += ms;
-    if (st != NL_OK)
+    if (st == NL_ERR_NOTFOUND) /* in flight when its job ended: nothing to answer */
+        NL_DEBUG("dropped: %s", e.msg);
+    else if (st != NL_OK)
         send_error(n, st, m->type, "%s", e.msg);
 }
 

@@ -164,7 +164,9 @@ nl_status nl_stage_train_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t
  * atomically to DIR/stage-<i>.safetensors, answered with CKPT_DONE and its
  * SHA-256). What the stage produces goes out through send before this
  * returns: hops on, gradients back, GRAD_NORM (and on the last stage LOSS)
- * when a step's gradients are all in. */
+ * when a step's gradients are all in. NL_ERR_NOTFOUND means the message
+ * is of a job this stage does not hold (ended, cancelled or never begun):
+ * a stale message, to be dropped. */
 nl_status nl_stage_train_input(nl_stage *s, const nl_wire_msg *m, nl_stage_send_fn send, void *ctx,
                                nl_error *err);
 

@@ -17,6 +17,7 @@
 
 #include "../base/log.h"
 #include "../core/checkpoint.h"
+#include "../core/fileio.h"
 #include "../core/manifest.h"
 #include "../core/memory.h"
 #include "../core/train.h"
@@ -42,7 +43,7 @@ typedef struct stage_train {
     int counted, fwd, bwd; /* this step's counting passes, forwards and backwards run */
     int finished;          /* this step's gradients are reported; waiting for STEP */
     double ce, aux;        /* the last stage: this step's cross-entropy sum and aux loss */
-    int evals;             /* the last stage: evaluation hops run, and their sum */
+    int evals;             /* evaluation hops run (the last stage: and their loss sum) */
     double eval_ce;
     hop_in *q; /* FIFO ring of hops waiting to run */
     int qhead, qlen, qcap;
@@ -336,13 +337,17 @@ static nl_status run_hop(nl_stage *s, const hop_in *h, nl_stage_send_fn send, vo
         }
         st = nl_trainer_forward(t->tr, 0, t->mbB, t->T, tokens, x, h->targets, &ce, NULL, err);
         if (st == NL_OK && !m->has_head)
-            return send_hop(s, send, ctx, NL_MSG_EVAL, h->step, h->mb, 0.0,
-                            nl_trainer_output(t->tr, 0), h->targets, err);
+            st = send_hop(s, send, ctx, NL_MSG_EVAL, h->step, h->mb, 0.0,
+                          nl_trainer_output(t->tr, 0), h->targets, err);
         if (st != NL_OK)
             return st;
         t->eval_ce += ce;
         if (++t->evals < t->eval_hops)
             return NL_OK;
+        if (!m->has_head) {
+            t->evals = 0;
+            return NL_OK;
+        }
         nl_wire_msg_reset(&t->tx, NL_MSG_LOSS);
         t->tx.u.loss = (nl_msg_loss){t->job, h->step, true, t->eval_ce, 0.0,
                                      (uint64_t)t->evals * t->rows};
@@ -382,7 +387,15 @@ static nl_status drain(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_error *
         hop_in *h = &t->q[t->qhead];
         if (!runnable(t, h))
             return NL_OK;
-        nl_status st = run_hop(s, h, send, ctx, err);
+        /* microbatches run in order: a duplicated or reordered hop would
+         * overwrite an activation slot in flight */
+        const uint32_t want = h->type == NL_MSG_COUNT        ? (uint32_t)t->counted
+                              : h->type == NL_MSG_ACTIVATION ? (uint32_t)t->fwd
+                                                             : (uint32_t)t->evals;
+        nl_status st = h->mb == want ? run_hop(s, h, send, ctx, err)
+                                     : nl_error_set(err, NL_ERR_STATE,
+                                                    "%s of microbatch %u, but the next is %u",
+                                                    nl_wire_type_name(h->type), h->mb, want);
         hop_free(h);
         t->qhead = (t->qhead + 1) % t->qcap;
         t->qlen--;
@@ -424,6 +437,10 @@ static nl_status enqueue(nl_stage *s, const nl_wire_msg *m, nl_error *err)
     if (want_targets && (!y || y->ndim != 2 || y->shape[0] != t->mbB || y->shape[1] != t->T))
         return nl_error_set(err, NL_ERR_SHAPE, "%s: frame 1 must be I32 targets [%d, %d]", what,
                             t->mbB, t->T);
+    /* at most a step's counting and training hops and an evaluation can be
+     * ahead of this stage; more is a peer that does not follow the schedule */
+    if (t->qlen >= 2 * t->M + t->eval_hops + 8)
+        return nl_error_set(err, NL_ERR_LIMIT, "%s: %d hops are waiting already", what, t->qlen);
     if (t->qlen == t->qcap) {
         int cap = t->qcap ? 2 * t->qcap : 8;
         hop_in *q = calloc((size_t)cap, sizeof *q);
@@ -508,26 +525,6 @@ static nl_status on_step(nl_stage *s, const nl_msg_step *p, nl_stage_send_fn sen
     return drain(s, send, ctx, err);
 }
 
-/* Make every missing directory of an absolute path. */
-static nl_status make_dirs(const char *dir, nl_error *err)
-{
-    char buf[1100];
-    int n = snprintf(buf, sizeof buf, "%s", dir);
-    if (n < 0 || (size_t)n >= sizeof buf)
-        return nl_error_set(err, NL_ERR_RANGE, "checkpoint directory too long");
-    for (char *p = buf + 1;; p++) {
-        const char c = *p;
-        if (c != '/' && c != '\0')
-            continue;
-        *p = '\0';
-        if (mkdir(buf, 0755) != 0 && errno != EEXIST)
-            return nl_error_set(err, NL_ERR_IO, "cannot create %s: %s", buf, strerror(errno));
-        *p = c;
-        if (c == '\0')
-            return NL_OK;
-    }
-}
-
 /* CKPT_REQ.dir: an absolute path with no ".." component, under the
  * node's --checkpoint-root when it has one. */
 static nl_status check_ckpt_dir(const nl_stage *s, const char *dir, nl_error *err)
@@ -561,16 +558,17 @@ static nl_status on_ckpt(nl_stage *s, const nl_msg_ckpt_req *r, nl_stage_send_fn
                             (unsigned long long)r->step, (long long)t->applied);
     nl_status st = check_ckpt_dir(s, r->dir, err);
     if (st == NL_OK)
-        st = make_dirs(r->dir, err);
+        st = nl_file_mkdirs(r->dir, err);
     if (st != NL_OK)
         return st;
     snprintf(path, sizeof path, "%s/stage-%d.safetensors", r->dir, s->stage_idx);
     nl_ckpt_extra ex = {.m = nl_trainer_moment(t->tr, 0),
                         .v = nl_trainer_moment(t->tr, 1),
                         .adam_steps = nl_trainer_adam_steps(t->tr)};
-    if ((st = nl_checkpoint_save(s->model, path, (int64_t)r->step, &ex, err)) != NL_OK ||
-        (st = nl_file_sha256(path, hex, &bytes, err)) != NL_OK)
-        return st;
+    if ((st = nl_checkpoint_save(s->model, path, (int64_t)r->step, &ex, err)) != NL_OK)
+        return st == NL_ERR_NOTFOUND ? nl_error_set(err, NL_ERR_IO, "%s", err->msg) : st;
+    if ((st = nl_file_sha256(path, hex, &bytes, err)) != NL_OK)
+        return nl_error_set(err, NL_ERR_IO, "%s", err->msg);
     NL_INFO("job %llu: wrote %s (%.1f MiB) for step %llu", (unsigned long long)t->job, path,
             (double)bytes / (1 << 20), (unsigned long long)r->step);
     nl_wire_msg_reset(&t->tx, NL_MSG_CKPT_DONE);
@@ -586,8 +584,8 @@ nl_status nl_stage_train_input(nl_stage *s, const nl_wire_msg *m, nl_stage_send_
     const uint64_t job = m->type == NL_MSG_STEP       ? m->u.step.job_id
                          : m->type == NL_MSG_CKPT_REQ ? m->u.ckpt_req.job_id
                                                       : m->u.hop.job_id;
-    if (!t || t->job != job)
-        return nl_error_set(err, NL_ERR_STATE, "%s: job %llu is not training on this stage",
+    if (!t || t->job != job) /* ended or never begun here: stale (see stage.h) */
+        return nl_error_set(err, NL_ERR_NOTFOUND, "%s: job %llu is not training on this stage",
                             nl_wire_type_name(m->type), (unsigned long long)job);
     switch (m->type) {
     case NL_MSG_COUNT:

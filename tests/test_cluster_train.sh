@@ -127,6 +127,44 @@ check test "$(head -1 "$W/resume.jsonl" | $PY -c 'import json,sys; print(json.lo
 check $PY "$W/cmp.py" logs "$W/resume.jsonl" "$W/remote.jsonl" 6 10
 check $PY "$W/cmp.py" weights "$W/resumed.safetensors" "$W/local.safetensors"
 
+# ---- neurocoord --resume: a cluster started from the step-5 manifest, and a
+# train job without --resume continues from it ----
+C6="$W/c6"
+check "$N" cluster up --dir "$C6" --nodes 2 --resume "$W/ck/step-000005" --memory 64M --threads 1 \
+  --node-timeout-ms 2000 --timeout 60
+check "$N" train --cluster "$C6" "${RUN[@]}" --checkpoint-dir "$W/ck6b" --log "$W/resume2.jsonl" \
+  2> "$W/resume2.err"
+check grep -q "resuming at step 5" "$W/resume2.err"
+check $PY "$W/cmp.py" logs "$W/resume2.jsonl" "$W/remote.jsonl" 6 10
+check "$N" cluster down --dir "$C6"
+
+# ---- PyTorch reads the exported checkpoint: its logits equal neuroctl forward's ----
+$PY - "$W" <<'PY'
+import json, struct, sys
+w = sys.argv[1]
+toks = [(i * 37 + 11) % 256 for i in range(2 * 16)]
+h = json.dumps({"tokens": {"dtype": "I32", "shape": [2, 16], "data_offsets": [0, 4 * len(toks)]}}).encode()
+h += b" " * (-len(h) % 8)
+open(w + "/in.safetensors", "wb").write(struct.pack("<Q", len(h)) + h + struct.pack("<%di" % len(toks), *toks))
+PY
+check "$N" forward --model "$W/export10.safetensors" --tokens "$W/in.safetensors" \
+  --out "$W/fwd.safetensors" --threads 1
+check $PY - "$W" "$NL_SOURCE_DIR/tests/golden" <<'PY'
+import sys, torch
+w, golden = sys.argv[1], sys.argv[2]
+sys.path.insert(0, golden)
+import nlref
+cfg, tensors, step = nlref.load_checkpoint(w + "/export10.safetensors")
+model = nlref.NeuroLLM(cfg, {k: v for k, v in tensors.items() if not k.startswith("optim.")})
+toks, _ = nlref.load_safetensors(w + "/in.safetensors")
+with torch.no_grad():
+    logits, aux = model(toks["tokens"].long())
+ours, _ = nlref.load_safetensors(w + "/fwd.safetensors")
+d = (logits.float() - ours["logits"]).abs().max().item()
+print("PyTorch on the exported checkpoint (step %d): max abs logit difference %.2e" % (step, d))
+assert step == 10 and d <= 1e-4, d
+PY
+
 # ---- a corrupted shard is refused by name ----
 cp -r "$W/ck/step-000005" "$W/bad"
 $PY - "$W/bad/stage-1.safetensors" <<'PY'

@@ -6,9 +6,9 @@
  * Deliveries from different sockets are interleaved at random, so hops of
  * the next step overtake the STEP of this one.
  *
- *  - parity: 3 stages with M = 4 microbatches (1F1B, counting pass) and
- *    M = 1 against nl_trainer_step_local on the whole model: every step's
- *    loss and the final weights agree within 1e-5;
+ *  - parity: 3 stages with M = 4 microbatches (1F1B, counting pass), with
+ *    M = 1, and with recompute, against nl_trainer_step_local on the whole
+ *    model: every step's loss and the final weights agree within 1e-5;
  *  - evaluation through the pipeline equals the local held-out loss;
  *  - the guard: a NaN in one stage's gradient skips the step everywhere;
  *  - refusals: hops of a wrong shape, step or job, a GRADIENT out of
@@ -181,7 +181,7 @@ static void free_stages(int nst)
         nl_stage_destroy(&stages[s]);
 }
 
-static void begin_job(int nst, uint64_t job, int mbB, int T, int M, int eval_hops)
+static void begin_job(int nst, uint64_t job, int mbB, int T, int M, int eval_hops, bool recompute)
 {
     nl_wire_param ps[6] = {
         {.key = "job", .kind = NL_WIRE_PARAM_INT, .i = (int64_t)job},
@@ -189,7 +189,7 @@ static void begin_job(int nst, uint64_t job, int mbB, int T, int M, int eval_hop
         {.key = "seq", .kind = NL_WIRE_PARAM_INT, .i = T},
         {.key = "microbatches", .kind = NL_WIRE_PARAM_INT, .i = M},
         {.key = "eval_hops", .kind = NL_WIRE_PARAM_INT, .i = eval_hops},
-        {.key = "recompute", .kind = NL_WIRE_PARAM_BOOL, .b = false},
+        {.key = "recompute", .kind = NL_WIRE_PARAM_BOOL, .b = recompute},
     };
     nl_msg_job_submit j = {NL_JOB_TRAIN, 6, ps};
     for (int s = 0; s < nst; s++) {
@@ -261,7 +261,7 @@ static void random_batch(int32_t *tok, int32_t *tgt, int n)
 /* Train `steps` steps of B x T in M microbatches on NST stages and on the
  * whole model in one process; compare. inject: 1-based step with a NaN on
  * stage 1 (0: none). */
-static void parity(int B, int T, int M, int steps, int64_t inject)
+static void parity(int B, int T, int M, int steps, int64_t inject, bool recompute)
 {
     nl_error err;
     const int bounds[NST + 1] = {0, 1, 2, 3};
@@ -269,7 +269,7 @@ static void parity(int B, int T, int M, int steps, int64_t inject)
     const uint64_t job = 42;
     const float lr = 3e-3f;
     make_stages(NST, bounds, inject, 1);
-    begin_job(NST, job, mbB, T, M, M);
+    begin_job(NST, job, mbB, T, M, M, recompute);
     nl_model *whole = NULL;
     nl_trainer *tr = NULL;
     CHECK_OK(nl_model_new(&whole, be, &cfg, 0, cfg.num_layers, 1, 1, &err), &err);
@@ -346,8 +346,8 @@ static void parity(int B, int T, int M, int steps, int64_t inject)
             CHECK(e < 1e-5, "%s: relative error %g", p->name, e);
         }
     }
-    printf("parity M=%d%s: worst loss rel err %.2e, weights %.2e\n", M,
-           inject ? " (NaN injected)" : "", worst, wrst);
+    printf("parity M=%d%s%s: worst loss rel err %.2e, weights %.2e\n", M,
+           inject ? " (NaN injected)" : "", recompute ? " (recompute)" : "", worst, wrst);
     free(tok);
     free(tgt);
     nl_trainer_destroy(&tr);
@@ -361,7 +361,7 @@ static void refusals(void)
     const int bounds[NST + 1] = {0, 1, 2, 3};
     const uint64_t job = 5;
     make_stages(NST, bounds, 0, -1);
-    begin_job(NST, job, 2, 4, 2, 0);
+    begin_job(NST, job, 2, 4, 2, 0, false);
     int32_t tok[12] = {0}, tgt[12] = {0};
     nl_wire_msg m;
     nl_wire_msg_init(&m);
@@ -380,15 +380,22 @@ static void refusals(void)
     nl_wire_frame_set(&m.frames[1], tgt, NL_DTYPE_I32, ok, 2);
     m.frames[0].len = m.frames[1].len = 8 * sizeof(int32_t);
     m.u.hop.job_id = 6;
-    CHECK(nl_stage_train_input(stages[0], &m, bus_send, &ctx_idx[0], &err) == NL_ERR_STATE &&
+    CHECK(nl_stage_train_input(stages[0], &m, bus_send, &ctx_idx[0], &err) == NL_ERR_NOTFOUND &&
               strstr(err.msg, "job 6"),
-          "another job: %s", err.msg);
+          "another job (stale): %s", err.msg);
     /* microbatch out of range */
     m.u.hop.job_id = job;
     m.u.hop.step = 1;
     m.u.hop.microbatch = 2;
     CHECK(nl_stage_train_input(stages[0], &m, bus_send, &ctx_idx[0], &err) == NL_ERR_RANGE,
           "microbatch 2 of 2: %s", err.msg);
+    /* the counting pass of microbatch 1 before 0: refused */
+    m.type = NL_MSG_COUNT;
+    m.u.hop.microbatch = 1;
+    CHECK(nl_stage_train_input(stages[0], &m, bus_send, &ctx_idx[0], &err) == NL_ERR_STATE &&
+              strstr(err.msg, "next is 0"),
+          "out of order: %s", err.msg);
+    m.type = NL_MSG_ACTIVATION;
     /* a GRADIENT before any forward */
     float g[2 * 4 * 32] = {0};
     const int64_t gs[3] = {2, 4, 32};
@@ -459,9 +466,10 @@ int main(void)
     cfg_json = nl_config_to_json(&cfg);
     CHECK_OK(nl_backend_cpu_new(&be, 2, &err), &err);
     if (be && cfg_json) {
-        parity(8, 8, 4, 5, 0);
-        parity(4, 8, 1, 3, 0);
-        parity(8, 8, 4, 4, 2); /* the guard */
+        parity(8, 8, 4, 5, 0, false);
+        parity(4, 8, 1, 3, 0, false);
+        parity(8, 8, 4, 3, 0, true); /* per-layer recompute on every stage */
+        parity(8, 8, 4, 4, 2, false); /* the guard */
         refusals();
     }
     nl_backend_destroy(&be);
