@@ -225,8 +225,9 @@ static int cluster_up(const nl_flag *flags, const char *dir)
     snprintf(s_nodes, sizeof s_nodes, "%lld", nodes);
     snprintf(s_seed, sizeof s_seed, "%lld", seed);
     snprintf(s_nto, sizeof s_nto, "%lld", node_timeout);
-    char *cargv[16] = {coord_bin, "--listen", "tcp://127.0.0.1:*", "--state-dir", cdir,
-                       "--min-nodes", s_nodes, "--seed", s_seed, "--node-timeout-ms", s_nto};
+    char *cargv[16] = {
+        coord_bin, "--listen", "tcp://127.0.0.1:*", "--state-dir", cdir, "--min-nodes", s_nodes,
+        "--seed",  s_seed,     "--node-timeout-ms", s_nto};
     int ca = 11;
     if (model) {
         cargv[ca++] = "--model";
@@ -266,8 +267,9 @@ static int cluster_up(const nl_flag *flags, const char *dir)
         snprintf(key, sizeof key, "%s/%s.key", dir, name);
         snprintf(log, sizeof log, "%s/%s.log", dir, name);
         snprintf(pidf, sizeof pidf, "%s/%s.pid", dir, name);
-        char *nargv[] = {node_bin, "join", ep, "--key", key, "--coordinator-key", coord_pub,
-                         "--memory", s_mem, "--threads", s_thr, "--name", name, NULL};
+        char *nargv[] = {node_bin,  "join",     ep,    "--key",     key,   "--coordinator-key",
+                         coord_pub, "--memory", s_mem, "--threads", s_thr, "--name",
+                         name,      NULL};
         if (spawn(nargv, log, pidf) < 0) {
             fprintf(stderr, "cluster up: cannot start %s\n", name);
             cluster_down(dir);
@@ -275,8 +277,9 @@ static int cluster_up(const nl_flag *flags, const char *dir)
         }
     }
     char state[512] = "";
-    fprintf(stderr, "cluster up: coordinator at %s, %lld node(s) with %lld thread(s) each; "
-                    "waiting for the plan...\n",
+    fprintf(stderr,
+            "cluster up: coordinator at %s, %lld node(s) with %lld thread(s) each; "
+            "waiting for the plan...\n",
             ep, nodes, threads);
     if (nl_remote_wait_ready(dir, (int)timeout, state, sizeof state) != 0) {
         fprintf(stderr, "cluster up: not ready after %lld s: %s (logs in %s)\n", timeout, state,
@@ -298,16 +301,18 @@ int nl_cmd_cluster(int argc, char **argv)
         {"nodes", 1, "up: nodes to start (default 3)", NULL},
         {"model", 1, "up: checkpoint to serve", NULL},
         {"config", 1, "up: model config (YAML) instead of a checkpoint", NULL},
-        {"resume", 1, "up: a training manifest (or its directory) to serve and train on from", NULL},
+        {"resume", 1, "up: a training manifest (or its directory) to serve and train on from",
+         NULL},
         {"seed", 1, "up: initialisation seed without a checkpoint (default 0)", NULL},
         {"memory", 1, "up: memory each node offers (default 1G)", NULL},
         {"threads", 1, "up: threads per node (default: the cores shared evenly)", NULL},
         {"node-timeout-ms", 1, "up: a node silent this long is dead (default 3000)", NULL},
         {"timeout", 1, "up: seconds to wait for the cluster to be ready (default 120)", NULL},
         {0}};
-    const char *usage = "neuroctl cluster up|down [--dir DIR] [--nodes N] [--model M | --config C | "
-                        "--resume MANIFEST] "
-                        "[--memory SIZE] [--threads N]";
+    const char *usage =
+        "neuroctl cluster up|down [--dir DIR] [--nodes N] [--model M | --config C | "
+        "--resume MANIFEST] "
+        "[--memory SIZE] [--threads N]";
     const char *pos[1] = {NULL};
     int npos = 0;
     int rc = nl_args_parse(argc, argv, flags, usage, pos, 1, &npos);

@@ -240,7 +240,8 @@ static nl_status setup_sockets(nl_coord *c, nl_error *err)
     if (!c->o.plaintext &&
         (st = nl_auth_watch_file(nl_net_auth(c->net), "coord", path, err)) != NL_OK)
         return st;
-    if (c->o.plaintext && (st = nl_auth_allow_plaintext(nl_net_auth(c->net), "coord", err)) != NL_OK)
+    if (c->o.plaintext &&
+        (st = nl_auth_allow_plaintext(nl_net_auth(c->net), "coord", err)) != NL_OK)
         return st;
     nl_sock_opts so = {.type = ZMQ_ROUTER,
                        .keys = &c->keys,
@@ -354,8 +355,7 @@ static void on_join(nl_coord *c, const nl_rx *rx)
     nl_error e = {0};
     if (!c->o.plaintext && strcmp(j->pubkey, rx->peer) != 0) {
         nl_sock_send_error(c->ctl, rx, NL_ERR_AUTH, NL_MSG_JOIN,
-                           "JOIN names a key other than the one this connection authenticated",
-                           &e);
+                           "JOIN names a key other than the one this connection authenticated", &e);
         return;
     }
     for (int i = 0; i < COORD_MAX_NODES; i++)
@@ -385,7 +385,8 @@ static void on_join(nl_coord *c, const nl_rx *rx)
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_ACCEPT);
-    m.u.accept = (nl_msg_accept){n->id, (uint32_t)c->o.heartbeat_ms, (uint32_t)c->o.node_timeout_ms};
+    m.u.accept =
+        (nl_msg_accept){n->id, (uint32_t)c->o.heartbeat_ms, (uint32_t)c->o.node_timeout_ms};
     if (nl_sock_reply(c->ctl, rx, &m, &e) != NL_OK)
         NL_WARN("ACCEPT to node %u: %s", n->id, e.msg);
     nl_wire_msg_free(&m);
@@ -598,8 +599,8 @@ static void try_plan(nl_coord *c)
         c->cfg = sz.cfg;
         c->have_cfg = 1;
         NL_INFO("sized the model from %.2f GiB: d=%d L=%d H=%d G=%d F=%d (%s)",
-                (double)total / (1 << 30), c->cfg.hidden_dim, c->cfg.num_layers,
-                c->cfg.num_heads, c->cfg.num_kv_heads, c->cfg.ffn_dim, sz.report);
+                (double)total / (1 << 30), c->cfg.hidden_dim, c->cfg.num_layers, c->cfg.num_heads,
+                c->cfg.num_kv_heads, c->cfg.ffn_dim, sz.report);
     }
     for (int i = 0; i < n; i++)
         pn[i].hop_seconds = hop_seconds(c);
@@ -618,8 +619,9 @@ static void try_plan(nl_coord *c)
         node->loaded = 0;
         NL_INFO("plan %llu: stage %d on node %u: layers [%d, %d)%s%s, %.1f MiB, %.2f ms",
                 (unsigned long long)c->epoch, s, node->id, plan->stages[s].l0, plan->stages[s].l1,
-                plan->stages[s].has_embed ? " +embed" : "", plan->stages[s].has_head ? " +head" : "",
-                (double)plan->stages[s].bytes / (1 << 20), plan->stages[s].seconds * 1e3);
+                plan->stages[s].has_embed ? " +embed" : "",
+                plan->stages[s].has_head ? " +head" : "", (double)plan->stages[s].bytes / (1 << 20),
+                plan->stages[s].seconds * 1e3);
     }
     for (int i = 0; i < plan->n_standby; i++)
         NL_INFO("plan %llu: node %d is a standby", (unsigned long long)c->epoch, plan->standby[i]);
@@ -754,8 +756,8 @@ nl_status nl_coord_run(nl_coord *c, volatile sig_atomic_t *stop, nl_error *err)
         for (int i = 0; stall > 0.2 && i < COORD_MAX_NODES; i++)
             if (c->nodes[i].life == NODE_LIVE)
                 c->nodes[i].last_seen += stall;
-        else if (st != NL_ERR_TIMEOUT && st != NL_ERR_AUTH)
-            NL_DEBUG("receive: %s", e.msg);
+            else if (st != NL_ERR_TIMEOUT && st != NL_ERR_AUTH)
+                NL_DEBUG("receive: %s", e.msg);
         nl_rx_free(&rx);
         nl_rx_init(&rx);
         tick(c);

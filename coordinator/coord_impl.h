@@ -3,12 +3,12 @@
 #ifndef NL_COORD_IMPL_H
 #define NL_COORD_IMPL_H
 
+#include "coord.h"
 #include "core/data.h"
 #include "core/manifest.h"
 #include "core/planner.h"
 #include "core/safetensors.h"
 #include "net/transport.h"
-#include "coord.h"
 
 #define COORD_MAX_NODES 256
 #define COORD_MAX_JOBS 64
@@ -80,11 +80,11 @@ struct nl_coord {
      * (none) the seed; the files stay mapped, layer chunks are sent from them */
     char src_path[4096];
     struct csource *src, *retired;
-    int src_manifest;       /* the source is a manifest: its shards carry the moments */
+    int src_manifest; /* the source is a manifest: its shards carry the moments */
     int64_t src_step, src_adam;
-    int resumable;          /* the stages hold a manifest's weights and moments, untouched */
-    char *tok_text;         /* the model's tokenizer, or NULL */
-    char *init_seed;        /* the seed the weights were first drawn from (text), or NULL */
+    int resumable;   /* the stages hold a manifest's weights and moments, untouched */
+    char *tok_text;  /* the model's tokenizer, or NULL */
+    char *init_seed; /* the seed the weights were first drawn from (text), or NULL */
     nl_plan *plan;
     int planned_once;
     uint64_t epoch;

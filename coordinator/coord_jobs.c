@@ -219,7 +219,8 @@ void coord_on_submit(nl_coord *c, const nl_rx *rx)
     /* generate: open a session on every stage first */
     const nl_wire_param *p;
     j->max_new = (p = coord_param(s, "max_new")) && p->kind == NL_WIRE_PARAM_INT ? (int)p->i : 32;
-    j->temperature = (p = coord_param(s, "temperature")) && p->kind == NL_WIRE_PARAM_FLOAT ? p->f : 0.8;
+    j->temperature =
+        (p = coord_param(s, "temperature")) && p->kind == NL_WIRE_PARAM_FLOAT ? p->f : 0.8;
     j->top_p = (p = coord_param(s, "top_p")) && p->kind == NL_WIRE_PARAM_FLOAT ? p->f : 0.95;
     j->seed = (p = coord_param(s, "seed")) && p->kind == NL_WIRE_PARAM_INT ? p->i : 0;
     if (B != 1 || j->max_new < 1 || j->max_new > (1 << 20) || !(j->temperature >= 0) ||

@@ -14,8 +14,8 @@
 #include <sys/stat.h>
 
 #include "base/log.h"
-#include "core/train.h"
 #include "coord_impl.h"
+#include "core/train.h"
 
 #define CLIP_NORM 1.0
 
@@ -110,14 +110,29 @@ static void fail(nl_coord *c, cjob *j, const char *fmt, ...)
 
 /* ---------------------------------------------------------------- sending */
 
-static int send_all(nl_coord *c, nl_wire_msg *m)
+/* Send m to every stage; -1 and *lost the stage that cannot be reached. */
+static int send_all(nl_coord *c, nl_wire_msg *m, int *lost)
 {
     for (int s = 0; s < c->plan->n_stages; s++) {
         cnode *n = coord_stage_node(c, s);
-        if (!n || coord_send_node(c, n, m) != NL_OK)
+        if (!n || coord_send_node(c, n, m) != NL_OK) {
+            *lost = s;
             return -1;
+        }
     }
     return 0;
+}
+
+/* The job fails because stage s cannot be reached: name its node. */
+static void unreachable(nl_coord *c, cjob *j, int s)
+{
+    cnode *n = coord_stage_node(c, s);
+    const nl_plan_stage *ps = &c->plan->stages[s];
+    if (n)
+        fail(c, j, "node %u (stage %d, layers [%d, %d), %s) %s", n->id, s, ps->l0, ps->l1,
+             n->endpoint, n->why[0] ? n->why : "cannot be reached");
+    else
+        fail(c, j, "stage %d has no live node", s);
 }
 
 /* A hop of `type` with microbatch j of the batch in tokens/targets to
@@ -179,33 +194,33 @@ static void begin(nl_coord *c, cjob *j)
         {.key = "start_step", .kind = NL_WIRE_PARAM_INT, .i = t->start},
         {.key = "adam_steps", .kind = NL_WIRE_PARAM_INT, .i = t->adam},
         {.key = "moments", .kind = NL_WIRE_PARAM_BOOL, .b = t->moments != 0},
-        {.key = "eval_hops", .kind = NL_WIRE_PARAM_INT,
+        {.key = "eval_hops",
+         .kind = NL_WIRE_PARAM_INT,
          .i = t->eval_every > 0 ? t->eval_batches * t->micro : 0},
     };
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
     m.u.job_submit = (nl_msg_job_submit){NL_JOB_TRAIN, 9, ps};
-    int rc = send_all(c, &m);
+    int lost = 0, rc = send_all(c, &m, &lost);
     nl_wire_msg_free(&m);
     if (rc != 0) {
-        fail(c, j, "a stage cannot be reached");
+        unreachable(c, j, lost);
         return;
     }
     t->phase = TR_BEGIN;
     t->acks = 0;
-    json_t *o = json_pack("{s:s,s:I,s:I,s:I,s:I,s:I,s:i,s:I,s:I,s:I}", "event", "start",
-                          "start_step", (json_int_t)t->start, "steps", (json_int_t)t->steps,
-                          "params", (json_int_t)nl_config_param_count(&c->cfg), "tokens",
-                          (json_int_t)t->ds->n_train, "held_out",
-                          (json_int_t)(t->ds->n - t->ds->n_train), "stages", t->stages, "batch",
-                          (json_int_t)t->batch, "seq", (json_int_t)t->seq, "microbatches",
-                          (json_int_t)t->micro);
+    json_t *o = json_pack(
+        "{s:s,s:I,s:I,s:I,s:I,s:I,s:i,s:I,s:I,s:I}", "event", "start", "start_step",
+        (json_int_t)t->start, "steps", (json_int_t)t->steps, "params",
+        (json_int_t)nl_config_param_count(&c->cfg), "tokens", (json_int_t)t->ds->n_train,
+        "held_out", (json_int_t)(t->ds->n - t->ds->n_train), "stages", t->stages, "batch",
+        (json_int_t)t->batch, "seq", (json_int_t)t->seq, "microbatches", (json_int_t)t->micro);
     report(c, j, NL_JOB_RUNNING, "starting", o);
     NL_INFO("train job %llu: %lld steps of %lld x %lld in %lld microbatches on %d stages, from "
             "step %lld%s",
-            (unsigned long long)j->id, (long long)t->steps, (long long)t->batch,
-            (long long)t->seq, (long long)t->micro, t->stages, (long long)t->start,
+            (unsigned long long)j->id, (long long)t->steps, (long long)t->batch, (long long)t->seq,
+            (long long)t->micro, t->stages, (long long)t->start,
             t->moments ? " (resumed with the manifest's moments)" : "");
 }
 
@@ -215,8 +230,8 @@ static void start_step(nl_coord *c, cjob *j)
     nl_error e = {0};
     const uint64_t k = (uint64_t)t->step + 1;
     const size_t rows = (size_t)(t->batch / t->micro) * (size_t)t->seq;
-    if (nl_dataset_batch(t->ds, 0, (uint64_t)t->seed, (uint64_t)t->step, (int)t->batch,
-                         (int)t->seq, t->tokens, t->targets, &e) != NL_OK) {
+    if (nl_dataset_batch(t->ds, 0, (uint64_t)t->seed, (uint64_t)t->step, (int)t->batch, (int)t->seq,
+                         t->tokens, t->targets, &e) != NL_OK) {
         fail(c, j, "%s", e.msg);
         return;
     }
@@ -235,7 +250,7 @@ static void start_step(nl_coord *c, cjob *j)
             goto unreachable;
     return;
 unreachable:
-    fail(c, j, "stage 0 cannot be reached");
+    unreachable(c, j, 0);
 }
 
 static int due(int64_t step, int64_t every)
@@ -266,10 +281,10 @@ static void decide(nl_coord *c, cjob *j)
     nl_wire_msg_reset(&m, NL_MSG_STEP);
     m.u.step = (nl_msg_step){j->id, (uint64_t)t->step + 1, !r->skipped,
                              r->skipped ? 0.0 : (clip < 1.0 ? clip : 1.0), t->lr_now};
-    int rc = send_all(c, &m);
+    int lost = 0, rc = send_all(c, &m, &lost);
     nl_wire_msg_free(&m);
     if (rc != 0) {
-        fail(c, j, "a stage cannot be reached");
+        unreachable(c, j, lost);
         return;
     }
     t->step++;
@@ -288,10 +303,9 @@ static void decide(nl_coord *c, cjob *j)
                 return;
             }
             for (int64_t mb = 0; mb < t->micro; mb++)
-                if (send_hop(c, j, NL_MSG_EVAL, (uint64_t)t->step,
-                             (uint32_t)(i * t->micro + mb), t->tokens + mb * rows_mb,
-                             t->targets + mb * rows_mb) != 0) {
-                    fail(c, j, "stage 0 cannot be reached");
+                if (send_hop(c, j, NL_MSG_EVAL, (uint64_t)t->step, (uint32_t)(i * t->micro + mb),
+                             t->tokens + mb * rows_mb, t->targets + mb * rows_mb) != 0) {
+                    unreachable(c, j, 0);
                     return;
                 }
         }
@@ -312,7 +326,8 @@ static void finish(nl_coord *c, cjob *j)
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_CANCEL); /* the stages free their trainers */
     m.u.job_ref.job_id = j->id;
-    send_all(c, &m);
+    int lost = 0;
+    send_all(c, &m, &lost); /* one that cannot be reached is declared dead at the tick */
     nl_wire_msg_free(&m);
     coord_job_free(j);
 }
@@ -324,12 +339,11 @@ static void after_step(nl_coord *c, cjob *j)
     ctrain *t = j->train;
     const nl_step_result *r = &t->r;
     /* JSON has no NaN or infinity: a non-finite value is null */
-    json_t *o = json_pack("{s:s,s:I,s:o,s:o,s:o,s:o,s:o,s:o,s:b}", "event", "step", "step",
-                          (json_int_t)t->step, "loss", jnum(r->loss), "ce_loss", jnum(r->ce_loss),
-                          "aux_loss", jnum(r->aux_loss), "lr", jnum(t->lr_now), "grad_norm",
-                          jnum(r->grad_norm), "tokens_per_s",
-                          jnum((double)t->batch * (double)t->seq / t->step_s), "skipped",
-                          r->skipped);
+    json_t *o = json_pack(
+        "{s:s,s:I,s:o,s:o,s:o,s:o,s:o,s:o,s:b}", "event", "step", "step", (json_int_t)t->step,
+        "loss", jnum(r->loss), "ce_loss", jnum(r->ce_loss), "aux_loss", jnum(r->aux_loss), "lr",
+        jnum(t->lr_now), "grad_norm", jnum(r->grad_norm), "tokens_per_s",
+        jnum((double)t->batch * (double)t->seq / t->step_s), "skipped", r->skipped);
     if (o && t->has_eval)
         json_object_set_new(o, "eval_loss", jnum(t->eval_loss));
     char msg[64];
@@ -353,10 +367,13 @@ static void after_step(nl_coord *c, cjob *j)
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_CKPT_REQ);
     m.u.ckpt_req = (nl_msg_ckpt_req){j->id, (uint64_t)t->step, dir};
-    int rc = strlen(dir) <= 1024 ? send_all(c, &m) : -1;
+    int lost = -1, rc = strlen(dir) <= 1024 ? send_all(c, &m, &lost) : -1;
     nl_wire_msg_free(&m);
     if (rc != 0) {
-        fail(c, j, "cannot ask the stages for their checkpoint shards in %s", dir);
+        if (lost >= 0)
+            unreachable(c, j, lost);
+        else
+            fail(c, j, "checkpoint directory %s is longer than 1024 bytes", dir);
         return;
     }
     t->phase = TR_CKPT;
@@ -418,14 +435,14 @@ static void write_manifest(nl_coord *c, cjob *j)
 /* Read the run's parameters; NULL or the name of the one at fault. */
 static const char *read_params(ctrain *t, const nl_msg_job_submit *s, const char **resume)
 {
-    static const char *const ints[] = {"steps",      "batch",        "seq",
-                                       "microbatches", "seed",       "warmup",
-                                       "eval_every", "eval_batches", "checkpoint_every"};
-    int64_t *iv[] = {&t->steps, &t->batch,      &t->seq,          &t->micro,     &t->seed,
+    static const char *const ints[] = {"steps",        "batch",        "seq",
+                                       "microbatches", "seed",         "warmup",
+                                       "eval_every",   "eval_batches", "checkpoint_every"};
+    int64_t *iv[] = {&t->steps,  &t->batch,      &t->seq,          &t->micro,     &t->seed,
                      &t->warmup, &t->eval_every, &t->eval_batches, &t->ckpt_every};
     static const int64_t lo[] = {1, 1, 1, 1, 0, 0, 0, 1, 0};
-    static const int64_t hi[] = {INT32_MAX, 65536, 1 << 20, 65536, INT64_MAX, INT32_MAX,
-                                 INT32_MAX, 1 << 20, INT32_MAX};
+    static const int64_t hi[] = {INT32_MAX, 65536,     1 << 20, 65536,    INT64_MAX,
+                                 INT32_MAX, INT32_MAX, 1 << 20, INT32_MAX};
     for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
         const nl_wire_param *p = coord_param(s, ints[i]);
         if (!p || p->kind != NL_WIRE_PARAM_INT || p->i < lo[i] || p->i > hi[i])
@@ -437,9 +454,10 @@ static const char *read_params(ctrain *t, const nl_msg_job_submit *s, const char
     static const double fhi[] = {10.0, 10.0, 0.5};
     for (size_t i = 0; i < 3; i++) {
         const nl_wire_param *p = coord_param(s, fl[i]);
-        double v = !p ? NAN : p->kind == NL_WIRE_PARAM_FLOAT ? p->f
-                          : p->kind == NL_WIRE_PARAM_INT     ? (double)p->i
-                                                             : NAN;
+        double v = !p                               ? NAN
+                   : p->kind == NL_WIRE_PARAM_FLOAT ? p->f
+                   : p->kind == NL_WIRE_PARAM_INT   ? (double)p->i
+                                                    : NAN;
         if (!(v >= 0.0 && v <= fhi[i]))
             return fl[i];
         *fv[i] = v;
@@ -609,8 +627,8 @@ void coord_train_on_loss(nl_coord *c, const nl_rx *rx)
     ctrain *t = j->train;
     const uint32_t last = (uint32_t)(t->stages - 1);
     if (!l->eval) {
-        if (!(j = train_job(c, rx, l->job_id, last, TR_STEP)) ||
-            l->step != (uint64_t)t->step + 1 || t->have_loss)
+        if (!(j = train_job(c, rx, l->job_id, last, TR_STEP)) || l->step != (uint64_t)t->step + 1 ||
+            t->have_loss)
             return;
         j->last_progress = coord_now();
         t->ce = l->ce_sum;

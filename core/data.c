@@ -67,9 +67,10 @@ nl_status nl_dataset_load(nl_dataset **out, const char *path, int64_t vocab_size
         if ((int64_t)v >= vocab_size) {
             free(buf);
             free(ids);
-            return nl_error_set(err, NL_ERR_RANGE,
-                                "%s: token %u at index %zu is outside the model's vocabulary of %lld",
-                                path, v, i, (long long)vocab_size);
+            return nl_error_set(
+                err, NL_ERR_RANGE,
+                "%s: token %u at index %zu is outside the model's vocabulary of %lld", path, v, i,
+                (long long)vocab_size);
         }
         ids[i] = v;
     }

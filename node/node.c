@@ -37,9 +37,9 @@ typedef struct node {
     int64_t window_ms; /* start of the load window (since the last heartbeat) */
     double busy_ms;    /* time spent in forwards in that window */
     /* a training job's time on this node, logged when it ends */
-    int64_t train_t0;          /* its first message (0: none yet) */
-    double train_busy_ms;      /* handling its messages: compute and sends */
-    double train_send_ms;      /* of which handing hops to the transport */
+    int64_t train_t0;     /* its first message (0: none yet) */
+    double train_busy_ms; /* handling its messages: compute and sends */
+    double train_send_ms; /* of which handing hops to the transport */
     uint64_t train_hops, train_bytes;
     uint8_t prev_rid[NL_ROUTING_ID_MAX]; /* the previous stage on data: GRADIENTs go there */
     size_t prev_rid_len;
@@ -504,17 +504,16 @@ static nl_status train_send_to(node *n, nl_stage_dest to, nl_wire_msg *m, nl_err
             return nl_error_set(err, NL_ERR_STATE, "no previous stage has sent to this one");
         st = nl_sock_send(n->data, n->prev_rid, n->prev_rid_len, m, err);
         /* the coordinator names the node behind the endpoint */
-        return st == NL_OK ? st
-                           : nl_error_prefix(err, "cannot reach the previous stage at %s",
-                                             n->prev_ep);
+        return st == NL_OK
+                   ? st
+                   : nl_error_prefix(err, "cannot reach the previous stage at %s", n->prev_ep);
     }
     if (!n->next_ep[0])
         return nl_error_set(err, NL_ERR_STATE, "this stage has no next stage");
     st = ensure_next(n, err);
     if (st == NL_OK)
         st = nl_sock_send(n->next, NULL, 0, m, err);
-    return st == NL_OK ? st
-                       : nl_error_prefix(err, "cannot reach the next stage at %s", n->next_ep);
+    return st == NL_OK ? st : nl_error_prefix(err, "cannot reach the next stage at %s", n->next_ep);
 }
 
 /* A training message from any socket: the stage runs what it can. */
@@ -527,15 +526,16 @@ static void handle_train(node *n, const nl_wire_msg *m)
     clock_gettime(CLOCK_MONOTONIC, &a);
     if (!n->train_t0)
         n->train_t0 = mono_ms();
+    if (!nl_stage_train_holds(n->stage, m)) { /* in flight when its job ended */
+        NL_DEBUG("dropped a %s of a job this stage does not train", nl_wire_type_name(m->type));
+        return;
+    }
     nl_status st = nl_stage_train_input(n->stage, m, train_send, n, &e);
     clock_gettime(CLOCK_MONOTONIC, &b);
-    const double ms =
-        (double)(b.tv_sec - a.tv_sec) * 1e3 + (double)(b.tv_nsec - a.tv_nsec) / 1e6;
+    const double ms = (double)(b.tv_sec - a.tv_sec) * 1e3 + (double)(b.tv_nsec - a.tv_nsec) / 1e6;
     n->busy_ms += ms;
     n->train_busy_ms += ms;
-    if (st == NL_ERR_NOTFOUND) /* in flight when its job ended: nothing to answer */
-        NL_DEBUG("dropped: %s", e.msg);
-    else if (st != NL_OK)
+    if (st != NL_OK)
         send_error(n, st, m->type, "%s", e.msg);
 }
 

@@ -261,7 +261,9 @@ nl_status nl_stage_load_chunk(nl_stage *s, const nl_msg_layer_load *l, const nl_
                             l->name, (unsigned long long)l->epoch);
     const nl_model *m = s->model;
     /* optim.m.<name> and optim.v.<name>: the moments of a resumed run */
-    int which = strncmp(l->name, "optim.m.", 8) == 0 ? 1 : strncmp(l->name, "optim.v.", 8) == 0 ? 2 : 0;
+    int which = strncmp(l->name, "optim.m.", 8) == 0   ? 1
+                : strncmp(l->name, "optim.v.", 8) == 0 ? 2
+                                                       : 0;
     const nl_param *p = nl_model_find_param(m, which ? l->name + 8 : l->name);
     if (!p)
         return nl_error_set(err, NL_ERR_NOTFOUND,
@@ -295,8 +297,7 @@ nl_status nl_stage_load_chunk(nl_stage *s, const nl_msg_layer_load *l, const nl_
                             l->name, l->chunk);
     if (which && !s->mom_h[which - 1] &&
         !(s->mom_h[which - 1] = calloc(m->n_params + 1, sizeof(float))))
-        return nl_error_set(err, NL_ERR_NOMEM, "LAYER_LOAD %s: no memory for the moments",
-                            l->name);
+        return nl_error_set(err, NL_ERR_NOMEM, "LAYER_LOAD %s: no memory for the moments", l->name);
     if (n && which)
         memcpy(s->mom_h[which - 1] + p->offset + l->offset, f->t.data, n * sizeof(float));
     else if (n)

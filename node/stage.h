@@ -28,12 +28,12 @@
 typedef struct nl_stage nl_stage;
 
 typedef struct nl_stage_opts {
-    uint64_t memory_bytes; /* offered (--memory): weights + activations + KV budget */
-    uint64_t kv_budget;    /* bytes for the KV caches of all sessions (--kv-budget) */
-    int send_wait_ms;      /* longest wait for the last output to be sent; 0 = 10000 */
-    const char *ckpt_root; /* CKPT_REQ directories must lie under it; NULL: any absolute path */
-    int64_t inject_nan_step;  /* test hook: a NaN in the gradient of this 1-based step (0: never) */
-    int inject_nan_stage;     /* ... on this stage only (-1: any) */
+    uint64_t memory_bytes;   /* offered (--memory): weights + activations + KV budget */
+    uint64_t kv_budget;      /* bytes for the KV caches of all sessions (--kv-budget) */
+    int send_wait_ms;        /* longest wait for the last output to be sent; 0 = 10000 */
+    const char *ckpt_root;   /* CKPT_REQ directories must lie under it; NULL: any absolute path */
+    int64_t inject_nan_step; /* test hook: a NaN in the gradient of this 1-based step (0: never) */
+    int inject_nan_stage;    /* ... on this stage only (-1: any) */
 } nl_stage_opts;
 
 nl_status nl_stage_new(nl_stage **out, nl_backend *be, const nl_stage_opts *o, nl_error *err);
@@ -164,11 +164,13 @@ nl_status nl_stage_train_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t
  * atomically to DIR/stage-<i>.safetensors, answered with CKPT_DONE and its
  * SHA-256). What the stage produces goes out through send before this
  * returns: hops on, gradients back, GRAD_NORM (and on the last stage LOSS)
- * when a step's gradients are all in. NL_ERR_NOTFOUND means the message
- * is of a job this stage does not hold (ended, cancelled or never begun):
- * a stale message, to be dropped. */
+ * when a step's gradients are all in. */
 nl_status nl_stage_train_input(nl_stage *s, const nl_wire_msg *m, nl_stage_send_fn send, void *ctx,
                                nl_error *err);
+/* Is the message (one nl_stage_train_input takes) of the job this stage
+ * trains? One that is not was in flight when its job ended or was
+ * cancelled: stale, to be dropped. */
+bool nl_stage_train_holds(const nl_stage *s, const nl_wire_msg *m);
 
 /* JOB_CANCEL or the job's end: free its trainer. False if it is not this
  * stage's training job. */

@@ -47,8 +47,8 @@ typedef struct stage_train {
     double eval_ce;
     hop_in *q; /* FIFO ring of hops waiting to run */
     int qhead, qlen, qcap;
-    float *x_d;    /* device copy of a hidden-state input (backends without host memory) */
-    float *host;   /* host copy of an output to send (likewise) */
+    float *x_d;  /* device copy of a hidden-state input (backends without host memory) */
+    float *host; /* host copy of an output to send (likewise) */
     nl_wire_msg tx;
 } stage_train;
 
@@ -155,7 +155,9 @@ nl_status nl_stage_train_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t
     int slots = s->num_stages - s->stage_idx;
     if (slots > M)
         slots = (int)M;
-    nl_mem_opts mo = {.training = 1, .micro_rows = (int)(mbB * T), .in_flight = slots,
+    nl_mem_opts mo = {.training = 1,
+                      .micro_rows = (int)(mbB * T),
+                      .in_flight = slots,
                       .recompute = (int)recompute};
     nl_mem_estimate me = nl_memory_estimate(&m->cfg, m->l1 - m->l0, m->has_embed, m->has_head, &mo);
     if (me.total > s->o.memory_bytes)
@@ -251,8 +253,7 @@ static nl_status finish_step(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_e
     if (st != NL_OK || !s->model->has_head)
         return st;
     nl_wire_msg_reset(&t->tx, NL_MSG_LOSS);
-    t->tx.u.loss = (nl_msg_loss){t->job, t->begun, false, t->ce, t->aux,
-                                 (uint64_t)t->M * t->rows};
+    t->tx.u.loss = (nl_msg_loss){t->job, t->begun, false, t->ce, t->aux, (uint64_t)t->M * t->rows};
     return send(ctx, NL_STAGE_TO_COORD, &t->tx, err);
 }
 
@@ -290,8 +291,8 @@ static nl_status backward(nl_stage *s, int slot, const float *dy, uint64_t step,
     stage_train *t = s->train;
     nl_status st = nl_trainer_backward(t->tr, slot, dy, err);
     if (st == NL_OK && !s->model->has_embed)
-        st = send_hop(s, send, ctx, NL_MSG_GRADIENT, step, mb, 0.0,
-                      nl_trainer_input_grad(t->tr), NULL, err);
+        st = send_hop(s, send, ctx, NL_MSG_GRADIENT, step, mb, 0.0, nl_trainer_input_grad(t->tr),
+                      NULL, err);
     if (st != NL_OK)
         return st;
     t->bwd++;
@@ -349,8 +350,8 @@ static nl_status run_hop(nl_stage *s, const hop_in *h, nl_stage_send_fn send, vo
             return NL_OK;
         }
         nl_wire_msg_reset(&t->tx, NL_MSG_LOSS);
-        t->tx.u.loss = (nl_msg_loss){t->job, h->step, true, t->eval_ce, 0.0,
-                                     (uint64_t)t->evals * t->rows};
+        t->tx.u.loss =
+            (nl_msg_loss){t->job, h->step, true, t->eval_ce, 0.0, (uint64_t)t->evals * t->rows};
         t->evals = 0;
         t->eval_ce = 0.0;
         return send(ctx, NL_STAGE_TO_COORD, &t->tx, err);
@@ -429,10 +430,9 @@ static nl_status enqueue(nl_stage *s, const nl_wire_msg *m, nl_error *err)
                     : x->dtype == NL_DTYPE_F32 && x->ndim == 3 && x->shape[2] == (int64_t)t->d;
     ok = ok && x->shape[0] == t->mbB && x->shape[1] == t->T;
     if (!ok)
-        return nl_error_set(err, NL_ERR_SHAPE,
-                            "%s: frame 0 must be %s [%d, %d%s] for this job's microbatches", what,
-                            first ? "I32 token ids" : "F32 hidden states", t->mbB, t->T,
-                            first ? "" : ", d");
+        return nl_error_set(
+            err, NL_ERR_SHAPE, "%s: frame 0 must be %s [%d, %d%s] for this job's microbatches",
+            what, first ? "I32 token ids" : "F32 hidden states", t->mbB, t->T, first ? "" : ", d");
     const nl_tensor *y = m->nframes > 1 ? &m->frames[1].t : NULL;
     if (want_targets && (!y || y->ndim != 2 || y->shape[0] != t->mbB || y->shape[1] != t->T))
         return nl_error_set(err, NL_ERR_SHAPE, "%s: frame 1 must be I32 targets [%d, %d]", what,
@@ -475,15 +475,16 @@ static nl_status on_gradient(nl_stage *s, const nl_wire_msg *m, nl_stage_send_fn
     if (s->model->has_head)
         return nl_error_set(err, NL_ERR_STATE, "GRADIENT: the last stage starts from its loss");
     if (hop->step != t->begun || hop->step != (uint64_t)t->applied + 1 || t->finished)
-        return nl_error_set(err, NL_ERR_STATE, "GRADIENT of step %llu, but this stage is at step %llu",
+        return nl_error_set(err, NL_ERR_STATE,
+                            "GRADIENT of step %llu, but this stage is at step %llu",
                             (unsigned long long)hop->step, (unsigned long long)t->applied + 1);
     if (hop->microbatch != (uint32_t)t->bwd || t->bwd >= t->fwd)
         return nl_error_set(err, NL_ERR_STATE,
                             "GRADIENT of microbatch %u, but the next backward is of microbatch %d "
                             "(%d forwards run)",
                             hop->microbatch, t->bwd, t->fwd);
-    if (g->dtype != NL_DTYPE_F32 || g->ndim != 3 || g->shape[0] != t->mbB ||
-        g->shape[1] != t->T || g->shape[2] != (int64_t)t->d)
+    if (g->dtype != NL_DTYPE_F32 || g->ndim != 3 || g->shape[0] != t->mbB || g->shape[1] != t->T ||
+        g->shape[2] != (int64_t)t->d)
         return nl_error_set(err, NL_ERR_SHAPE, "GRADIENT: the frame must be F32 [%d, %d, %zu]",
                             t->mbB, t->T, t->d);
     const float *dy = NULL;
@@ -512,8 +513,7 @@ static nl_status on_step(nl_stage *s, const nl_msg_step *p, nl_stage_send_fn sen
 {
     stage_train *t = s->train;
     if (p->step != (uint64_t)t->applied + 1 || !t->finished || t->begun != p->step)
-        return nl_error_set(err, NL_ERR_STATE,
-                            "STEP %llu, but this stage %s step %llu",
+        return nl_error_set(err, NL_ERR_STATE, "STEP %llu, but this stage %s step %llu",
                             (unsigned long long)p->step,
                             t->finished ? "has finished" : "has not finished",
                             (unsigned long long)t->applied + 1);
@@ -577,16 +577,24 @@ static nl_status on_ckpt(nl_stage *s, const nl_msg_ckpt_req *r, nl_stage_send_fn
     return send(ctx, NL_STAGE_TO_COORD, &t->tx, err);
 }
 
+static uint64_t msg_job(const nl_wire_msg *m)
+{
+    return m->type == NL_MSG_STEP       ? m->u.step.job_id
+           : m->type == NL_MSG_CKPT_REQ ? m->u.ckpt_req.job_id
+                                        : m->u.hop.job_id;
+}
+
+bool nl_stage_train_holds(const nl_stage *s, const nl_wire_msg *m)
+{
+    return s->train && s->train->job == msg_job(m);
+}
+
 nl_status nl_stage_train_input(nl_stage *s, const nl_wire_msg *m, nl_stage_send_fn send, void *ctx,
                                nl_error *err)
 {
-    stage_train *t = s->train;
-    const uint64_t job = m->type == NL_MSG_STEP       ? m->u.step.job_id
-                         : m->type == NL_MSG_CKPT_REQ ? m->u.ckpt_req.job_id
-                                                      : m->u.hop.job_id;
-    if (!t || t->job != job) /* ended or never begun here: stale (see stage.h) */
-        return nl_error_set(err, NL_ERR_NOTFOUND, "%s: job %llu is not training on this stage",
-                            nl_wire_type_name(m->type), (unsigned long long)job);
+    if (!nl_stage_train_holds(s, m))
+        return nl_error_set(err, NL_ERR_STATE, "%s: job %llu is not training on this stage",
+                            nl_wire_type_name(m->type), (unsigned long long)msg_job(m));
     switch (m->type) {
     case NL_MSG_COUNT:
     case NL_MSG_ACTIVATION:

@@ -282,9 +282,9 @@ static void parity(int B, int T, int M, int steps, int64_t inject, bool recomput
         nl_step_result r;
         if (step == inject)
             nl_trainer_inject_nan(tr);
-        CHECK_OK(nl_trainer_step_local(tr, tok, tgt, B, T, M, lr, 1.0f, nl_adamw_defaults(), &r,
-                                       &err),
-                 &err);
+        CHECK_OK(
+            nl_trainer_step_local(tr, tok, tgt, B, T, M, lr, 1.0f, nl_adamw_defaults(), &r, &err),
+            &err);
         for (int mb = 0; M > 1 && mb < M; mb++)
             feed(job, NL_MSG_COUNT, (uint64_t)step, (uint32_t)mb, tok + mb * rows, NULL, mbB, T);
         for (int mb = 0; mb < M; mb++)
@@ -309,8 +309,8 @@ static void parity(int B, int T, int M, int steps, int64_t inject, bool recomput
         nl_wire_msg m;
         nl_wire_msg_init(&m);
         nl_wire_msg_reset(&m, NL_MSG_STEP);
-        m.u.step = (nl_msg_step){job, (uint64_t)step, !skip, skip ? 0.0 : (clip < 1 ? clip : 1),
-                                 lr};
+        m.u.step =
+            (nl_msg_step){job, (uint64_t)step, !skip, skip ? 0.0 : (clip < 1 ? clip : 1), lr};
         for (int s = 0; s < NST; s++)
             push(&stage_q[s][Q_CTL], &m);
         nl_wire_msg_free(&m);
@@ -380,7 +380,8 @@ static void refusals(void)
     nl_wire_frame_set(&m.frames[1], tgt, NL_DTYPE_I32, ok, 2);
     m.frames[0].len = m.frames[1].len = 8 * sizeof(int32_t);
     m.u.hop.job_id = 6;
-    CHECK(nl_stage_train_input(stages[0], &m, bus_send, &ctx_idx[0], &err) == NL_ERR_NOTFOUND &&
+    CHECK(!nl_stage_train_holds(stages[0], &m) &&
+              nl_stage_train_input(stages[0], &m, bus_send, &ctx_idx[0], &err) == NL_ERR_STATE &&
               strstr(err.msg, "job 6"),
           "another job (stale): %s", err.msg);
     /* microbatch out of range */
@@ -468,7 +469,7 @@ int main(void)
     if (be && cfg_json) {
         parity(8, 8, 4, 5, 0, false);
         parity(4, 8, 1, 3, 0, false);
-        parity(8, 8, 4, 3, 0, true); /* per-layer recompute on every stage */
+        parity(8, 8, 4, 3, 0, true);  /* per-layer recompute on every stage */
         parity(8, 8, 4, 4, 2, false); /* the guard */
         refusals();
     }
