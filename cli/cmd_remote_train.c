@@ -20,8 +20,8 @@
 #include <unistd.h>
 
 #include "base/args.h"
-#include "core/fileio.h"
 #include "commands.h"
+#include "core/fileio.h"
 #include "core/manifest.h"
 #include "remote.h"
 #include "train_report.h"
@@ -33,9 +33,8 @@
 typedef struct rtrain_opts {
     const char *log, *out;
     char *data, *resume, *ckpt_dir; /* absolute paths (malloc'd) */
-    long long steps, batch, seq, micro, seed, warmup, eval_every, eval_batches, ckpt_every;
-    int recompute, final_ckpt;
-    double lr, min_lr, holdout;
+    nl_train_run r;                 /* the flags local and cluster training share */
+    int final_ckpt;
 } rtrain_opts;
 
 /* ---------------------------------------------------------------- flags */
@@ -121,33 +120,9 @@ static int read_opts(rtrain_opts *o, const nl_flag *flags)
     int rc;
     o->log = nl_args_get(flags, "log");
     o->out = nl_args_get(flags, "out");
-    o->recompute = nl_args_get(flags, "recompute") != NULL;
-    if ((rc = nl_args_int(flags, "steps", 1, INT32_MAX, &o->steps)) ||
-        (rc = nl_args_int(flags, "batch", 1, 65536, &o->batch)) ||
-        (rc = nl_args_int(flags, "seq", 1, 1 << 20, &o->seq)) ||
-        (rc = nl_args_int(flags, "microbatches", 1, 65536, &o->micro)) ||
-        (rc = nl_args_int(flags, "seed", 0, INT64_MAX, &o->seed)) ||
-        (rc = nl_args_int(flags, "warmup", 0, INT32_MAX, &o->warmup)) ||
-        (rc = nl_args_int(flags, "eval-every", 0, INT32_MAX, &o->eval_every)) ||
-        (rc = nl_args_int(flags, "eval-batches", 1, 1 << 20, &o->eval_batches)) ||
-        (rc = nl_args_int(flags, "checkpoint-every", 0, INT32_MAX, &o->ckpt_every)) ||
-        (rc = nl_args_double(flags, "lr", 0.0, 10.0, &o->lr)) ||
-        (rc = nl_args_double(flags, "min-lr", 0.0, 10.0, &o->min_lr)) ||
-        (rc = nl_args_double(flags, "holdout", 0.0, 0.5, &o->holdout)))
+    if ((rc = nl_train_run_read(flags, &o->r)))
         return rc;
-    if (o->batch % o->micro != 0) {
-        fprintf(stderr, "--microbatches: %lld does not divide --batch %lld\n", o->micro, o->batch);
-        return 2;
-    }
-    if (o->eval_every > 0 && o->holdout <= 0.0) {
-        fprintf(stderr, "--eval-every needs held-out data (--holdout > 0)\n");
-        return 2;
-    }
-    if (o->warmup < 0)
-        o->warmup = o->steps / 10;
-    if (o->min_lr < 0)
-        o->min_lr = o->lr / 10;
-    o->final_ckpt = o->out != NULL || o->ckpt_every > 0;
+    o->final_ckpt = o->out != NULL || o->r.ckpt_every > 0;
     const char *dir = nl_args_get(flags, "checkpoint-dir"), *resume = nl_args_get(flags, "resume");
     if (!(o->data = abs_existing("data", nl_args_get(flags, "data"))) ||
         (resume && !(o->resume = abs_existing("resume", resume))) ||
@@ -199,7 +174,7 @@ static long long integer(const json_t *o, const char *key, long long dflt)
 static void on_start(watch *w, const json_t *ev)
 {
     const long long S = integer(ev, "start_step", 0);
-    w->steps = integer(ev, "steps", w->o->steps);
+    w->steps = integer(ev, "steps", w->o->r.steps);
     w->start_step = S;
     w->start_time = nl_train_clock();
     w->started = 1;
@@ -209,8 +184,8 @@ static void on_start(watch *w, const json_t *ev)
             "training %lld parameters on %lld tokens (%lld held out): %" PRId64 " steps of %lld x "
             "%lld in %lld microbatches on %lld pipeline stages\n",
             integer(ev, "params", 0), integer(ev, "tokens", 0), integer(ev, "held_out", 0),
-            w->steps, integer(ev, "batch", w->o->batch), integer(ev, "seq", w->o->seq),
-            integer(ev, "microbatches", w->o->micro), integer(ev, "stages", 0));
+            w->steps, integer(ev, "batch", w->o->r.batch), integer(ev, "seq", w->o->r.seq),
+            integer(ev, "microbatches", w->o->r.micro), integer(ev, "stages", 0));
 }
 
 static nl_status on_step(watch *w, const json_t *ev, nl_error *err)
@@ -381,20 +356,20 @@ static nl_status submit(nl_remote *r, const rtrain_opts *o, nl_error *err)
 {
     nl_wire_param ps[17] = {
         {.key = "data", .kind = NL_WIRE_PARAM_STR, .s = o->data},
-        {.key = "steps", .kind = NL_WIRE_PARAM_INT, .i = o->steps},
-        {.key = "batch", .kind = NL_WIRE_PARAM_INT, .i = o->batch},
-        {.key = "seq", .kind = NL_WIRE_PARAM_INT, .i = o->seq},
-        {.key = "microbatches", .kind = NL_WIRE_PARAM_INT, .i = o->micro},
-        {.key = "lr", .kind = NL_WIRE_PARAM_FLOAT, .f = o->lr},
-        {.key = "min_lr", .kind = NL_WIRE_PARAM_FLOAT, .f = o->min_lr},
-        {.key = "warmup", .kind = NL_WIRE_PARAM_INT, .i = o->warmup},
-        {.key = "seed", .kind = NL_WIRE_PARAM_INT, .i = o->seed},
-        {.key = "holdout", .kind = NL_WIRE_PARAM_FLOAT, .f = o->holdout},
-        {.key = "eval_every", .kind = NL_WIRE_PARAM_INT, .i = o->eval_every},
-        {.key = "eval_batches", .kind = NL_WIRE_PARAM_INT, .i = o->eval_batches},
-        {.key = "checkpoint_every", .kind = NL_WIRE_PARAM_INT, .i = o->ckpt_every},
+        {.key = "steps", .kind = NL_WIRE_PARAM_INT, .i = o->r.steps},
+        {.key = "batch", .kind = NL_WIRE_PARAM_INT, .i = o->r.batch},
+        {.key = "seq", .kind = NL_WIRE_PARAM_INT, .i = o->r.seq},
+        {.key = "microbatches", .kind = NL_WIRE_PARAM_INT, .i = o->r.micro},
+        {.key = "lr", .kind = NL_WIRE_PARAM_FLOAT, .f = o->r.lr},
+        {.key = "min_lr", .kind = NL_WIRE_PARAM_FLOAT, .f = o->r.min_lr},
+        {.key = "warmup", .kind = NL_WIRE_PARAM_INT, .i = o->r.warmup},
+        {.key = "seed", .kind = NL_WIRE_PARAM_INT, .i = o->r.seed},
+        {.key = "holdout", .kind = NL_WIRE_PARAM_FLOAT, .f = o->r.holdout},
+        {.key = "eval_every", .kind = NL_WIRE_PARAM_INT, .i = o->r.eval_every},
+        {.key = "eval_batches", .kind = NL_WIRE_PARAM_INT, .i = o->r.eval_batches},
+        {.key = "checkpoint_every", .kind = NL_WIRE_PARAM_INT, .i = o->r.ckpt_every},
         {.key = "checkpoint_dir", .kind = NL_WIRE_PARAM_STR, .s = o->ckpt_dir},
-        {.key = "recompute", .kind = NL_WIRE_PARAM_BOOL, .b = o->recompute},
+        {.key = "recompute", .kind = NL_WIRE_PARAM_BOOL, .b = o->r.recompute},
         {.key = "final_checkpoint", .kind = NL_WIRE_PARAM_BOOL, .b = o->final_ckpt},
         {.key = "resume", .kind = NL_WIRE_PARAM_STR, .s = o->resume},
     };
@@ -423,7 +398,7 @@ static int run(const nl_flag *flags, const rtrain_opts *o)
 {
     nl_error err = {0};
     nl_remote r = {0};
-    watch w = {.o = o, .tty = isatty(2), .steps = o->steps};
+    watch w = {.o = o, .tty = isatty(2), .steps = o->r.steps};
     struct sigaction sa = {.sa_handler = on_sigint, .sa_flags = SA_RESETHAND}, old;
     int rc = 1, handler = 0;
     if (nl_remote_open(&r, flags, 600, &err) != NL_OK)
@@ -471,23 +446,10 @@ int nl_cmd_remote_train(int argc, char **argv)
 {
     nl_flag flags[] = {
         {"data", 1, "training text or .tok file, on a filesystem the coordinator shares", NULL},
-        {"steps", 1, "optimizer steps in all (a resumed run continues to this step)", NULL},
-        {"batch", 1, "sequences per step (default 8)", NULL},
-        {"seq", 1, "positions per sequence (default 256)", NULL},
-        {"microbatches", 1, "split each batch into M microbatches (default 1)", NULL},
-        {"lr", 1, "peak learning rate (default 3e-4)", NULL},
-        {"min-lr", 1, "learning rate at the end of the cosine decay (default lr / 10)", NULL},
-        {"warmup", 1, "linear warm-up steps (default steps / 10)", NULL},
-        {"seed", 1, "data-order seed (default 0)", NULL},
-        {"holdout", 1, "share of the data held out for evaluation (default 0.1)", NULL},
-        {"eval-every", 1, "evaluate held-out loss every K steps (default 0: never)", NULL},
-        {"eval-batches", 1, "held-out batches per evaluation (default 4)", NULL},
-        {"checkpoint-every", 1, "write a checkpoint every K steps (default 0: never)", NULL},
+        NL_TRAIN_RUN_FLAGS,
         {"checkpoint-dir", 1, "where the cluster writes checkpoints (default: checkpoints)", NULL},
-        {"log", 1, "append one JSON object per step to this file", NULL},
         {"out", 1, "join the final checkpoint's shards into this file (safetensors)", NULL},
         {"resume", 1, "continue from this checkpoint manifest (or its directory)", NULL},
-        {"recompute", 0, "recompute each layer's activations in the backward pass", NULL},
         NL_REMOTE_FLAGS_TIMEOUT(
             "seconds without any message from the coordinator before giving up (default 600)"),
         {0}};
@@ -498,14 +460,7 @@ int nl_cmd_remote_train(int argc, char **argv)
     int rc = refuse_local_flags(argc, argv, flags);
     if (rc || (rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL)))
         return rc == 1 ? 0 : rc;
-    rtrain_opts o = {.batch = 8,
-                     .seq = 256,
-                     .micro = 1,
-                     .eval_batches = 4,
-                     .lr = 3e-4,
-                     .holdout = 0.1,
-                     .warmup = -1,
-                     .min_lr = -1};
+    rtrain_opts o = {0};
     if (!nl_args_get(flags, "data") || !nl_args_get(flags, "steps")) {
         nl_args_help(stderr, usage, flags);
         return 2;

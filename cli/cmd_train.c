@@ -116,26 +116,25 @@ out:
 
 typedef struct train_opts {
     const char *model, *data, *log, *out, *resume, *ckpt_dir;
-    long long steps, batch, seq, micro, seed, warmup, eval_every, eval_batches, ckpt_every;
-    long long threads, recompute;
-    double lr, min_lr, holdout;
+    nl_train_run r; /* the flags local and cluster training share */
+    long long threads;
 } train_opts;
 
 /* Mean cross-entropy over eval_batches held-out batches. */
 static nl_status eval_loss(nl_trainer *tr, const nl_dataset *ds, const train_opts *o,
                            int32_t *tokens, int32_t *targets, double *loss, nl_error *err)
 {
-    const int B = (int)o->batch, T = (int)o->seq, mb = (int)(o->batch / o->micro);
+    const int B = (int)o->r.batch, T = (int)o->r.seq, mb = (int)(o->r.batch / o->r.micro);
     double ce = 0.0;
     nl_status st = NL_OK;
-    for (long long i = 0; i < o->eval_batches && st == NL_OK; i++) {
-        st = nl_dataset_batch(ds, 1, (uint64_t)o->seed, (uint64_t)i, B, T, tokens, targets, err);
+    for (long long i = 0; i < o->r.eval_batches && st == NL_OK; i++) {
+        st = nl_dataset_batch(ds, 1, (uint64_t)o->r.seed, (uint64_t)i, B, T, tokens, targets, err);
         nl_trainer_begin_step(tr, (int64_t)B * T);
-        for (int j = 0; j < o->micro && st == NL_OK; j++)
+        for (int j = 0; j < o->r.micro && st == NL_OK; j++)
             st = nl_trainer_forward(tr, 0, mb, T, tokens + (size_t)j * mb * T, NULL,
                                     targets + (size_t)j * mb * T, &ce, NULL, err);
     }
-    *loss = ce / ((double)o->eval_batches * B * T);
+    *loss = ce / ((double)o->r.eval_batches * B * T);
     return st;
 }
 
@@ -146,7 +145,8 @@ static char *train_json(const train_opts *o)
         snprintf(s, 512,
                  "{\"seed\":%lld,\"steps\":%lld,\"batch\":%lld,\"seq\":%lld,\"microbatches\":%lld,"
                  "\"lr\":%.9g,\"min_lr\":%.9g,\"warmup\":%lld}",
-                 o->seed, o->steps, o->batch, o->seq, o->micro, o->lr, o->min_lr, o->warmup);
+                 o->r.seed, o->r.steps, o->r.batch, o->r.seq, o->r.micro, o->r.lr, o->r.min_lr,
+                 o->r.warmup);
     return s;
 }
 
@@ -176,8 +176,8 @@ static nl_status load_data(nl_dataset **ds, const train_opts *o, const char *mod
                            const char *tok_text, int64_t vocab, nl_error *err)
 {
     nl_dataset_info info;
-    nl_status st = nl_dataset_load_model(ds, o->data, tok_text, vocab, o->holdout, model, &info,
-                                         err);
+    nl_status st =
+        nl_dataset_load_model(ds, o->data, tok_text, vocab, o->r.holdout, model, &info, err);
     if (st == NL_OK && info.tokenized)
         fprintf(stderr, "tokenized %s: %zu bytes -> %zu tokens in %.1f s\n", o->data,
                 info.text_bytes, (*ds)->n, info.encode_s);
@@ -195,7 +195,7 @@ static int run_train(const train_opts *o)
     int32_t *tokens = NULL, *targets = NULL;
     int64_t start = 0;
     int rc = 1;
-    const int B = (int)o->batch, T = (int)o->seq, M = (int)o->micro, mb = B / M;
+    const int B = (int)o->r.batch, T = (int)o->r.seq, M = (int)o->r.micro, mb = B / M;
     const char *src = o->resume ? o->resume : o->model;
     nl_config cfg;
     carried_meta cm = {0};
@@ -206,7 +206,7 @@ static int run_train(const train_opts *o)
         load_data(&ds, o, src, cm.tokenizer, cfg.vocab_size, &err) != NL_OK ||
         nl_backend_cpu_new(&be, (int)o->threads, &err) != NL_OK ||
         nl_checkpoint_load(&m, be, src, 0, -1, 1, 1, &start, &err) != NL_OK ||
-        nl_trainer_new(&tr, m, mb * T, 1, (int)o->recompute, &err) != NL_OK)
+        nl_trainer_new(&tr, m, mb * T, 1, (int)o->r.recompute, &err) != NL_OK)
         goto out;
     if (o->resume) {
         int64_t adam = 0;
@@ -219,9 +219,9 @@ static int run_train(const train_opts *o)
     } else {
         start = 0;
     }
-    if (start >= o->steps) {
+    if (start >= o->r.steps) {
         nl_error_set(&err, NL_ERR_INVALID,
-                     "--steps %lld: the checkpoint is already at step %" PRId64, o->steps, start);
+                     "--steps %lld: the checkpoint is already at step %" PRId64, o->r.steps, start);
         goto out;
     }
     tokens = malloc((size_t)B * T * sizeof *tokens);
@@ -235,23 +235,23 @@ static int run_train(const train_opts *o)
         goto out;
     }
     nl_mem_opts mo = {
-        .training = 1, .micro_rows = mb * T, .in_flight = 1, .recompute = (int)o->recompute};
+        .training = 1, .micro_rows = mb * T, .in_flight = 1, .recompute = (int)o->r.recompute};
     nl_mem_estimate me = nl_memory_estimate(&m->cfg, m->cfg.num_layers, 1, 1, &mo);
     fprintf(stderr,
             "training %" PRId64 " parameters on %zu tokens (%zu held out): %lld steps of %d x %d "
             "in %d microbatches; memory model: %.1f MiB (+ %.1f MiB of data)\n",
-            nl_config_param_count(&m->cfg), ds->n_train, ds->n - ds->n_train, o->steps, B, T, M,
+            nl_config_param_count(&m->cfg), ds->n_train, ds->n - ds->n_train, o->r.steps, B, T, M,
             (double)me.total / (1 << 20), (double)ds->n * 4 / (1 << 20));
     const nl_adamw_opts adam = nl_adamw_defaults();
     const int tty = isatty(2);
     const char *inject = getenv("NL_TEST_INJECT_NAN_STEP"); /* test hook */
     const double t_begin = nl_train_clock();
     int64_t skipped = 0;
-    for (int64_t step = start; step < o->steps; step++) {
+    for (int64_t step = start; step < o->r.steps; step++) {
         double t0 = nl_train_clock();
-        const double lr = nl_lr_at(step, o->steps, o->warmup, o->lr, o->min_lr);
+        const double lr = nl_lr_at(step, o->r.steps, o->r.warmup, o->r.lr, o->r.min_lr);
         nl_step_result r;
-        if (nl_dataset_batch(ds, 0, (uint64_t)o->seed, (uint64_t)step, B, T, tokens, targets,
+        if (nl_dataset_batch(ds, 0, (uint64_t)o->r.seed, (uint64_t)step, B, T, tokens, targets,
                              &err) != NL_OK)
             goto out;
         if (inject && atoll(inject) == step)
@@ -261,7 +261,7 @@ static int run_train(const train_opts *o)
             goto out;
         skipped += r.skipped != 0;
         nl_train_step rep = {.step = step + 1,
-                             .steps = o->steps,
+                             .steps = o->r.steps,
                              .loss = r.loss,
                              .ce_loss = r.ce_loss,
                              .aux_loss = r.aux_loss,
@@ -272,11 +272,11 @@ static int run_train(const train_opts *o)
                              .start_step = start,
                              .start_time = t_begin};
         rep.has_eval =
-            o->eval_every > 0 && ((step + 1) % o->eval_every == 0 || step + 1 == o->steps);
+            o->r.eval_every > 0 && ((step + 1) % o->r.eval_every == 0 || step + 1 == o->r.steps);
         if (rep.has_eval && eval_loss(tr, ds, o, tokens, targets, &rep.eval_loss, &err) != NL_OK)
             goto out;
         nl_train_report_step(&rep, tty, logf);
-        if (o->ckpt_every > 0 && (step + 1) % o->ckpt_every == 0 && step + 1 < o->steps) {
+        if (o->r.ckpt_every > 0 && (step + 1) % o->r.ckpt_every == 0 && step + 1 < o->r.steps) {
             char path[4096];
             snprintf(path, sizeof path, "%s/step-%06" PRId64 ".safetensors", o->ckpt_dir, step + 1);
             if (save_ckpt(m, tr, o, &cm, path, step + 1, &err) != NL_OK)
@@ -287,7 +287,7 @@ static int run_train(const train_opts *o)
     if (tty)
         fprintf(stderr, "\n");
     if (o->out) {
-        if (save_ckpt(m, tr, o, &cm, o->out, o->steps, &err) != NL_OK)
+        if (save_ckpt(m, tr, o, &cm, o->out, o->r.steps, &err) != NL_OK)
             goto out;
         fprintf(stderr, "wrote %s\n", o->out);
     }
@@ -314,23 +314,10 @@ int nl_cmd_train(int argc, char **argv)
     nl_flag flags[] = {
         {"model", 1, "checkpoint to start from (safetensors)", NULL},
         {"data", 1, "training text (bytes are ids) or .tok file of little-endian uint32 ids", NULL},
-        {"steps", 1, "optimizer steps in all (a resumed run continues to this step)", NULL},
-        {"batch", 1, "sequences per step (default 8)", NULL},
-        {"seq", 1, "positions per sequence (default 256)", NULL},
-        {"microbatches", 1, "split each batch into M microbatches (default 1)", NULL},
-        {"lr", 1, "peak learning rate (default 3e-4)", NULL},
-        {"min-lr", 1, "learning rate at the end of the cosine decay (default lr / 10)", NULL},
-        {"warmup", 1, "linear warm-up steps (default steps / 10)", NULL},
-        {"seed", 1, "data-order seed (default 0)", NULL},
-        {"holdout", 1, "share of the data held out for evaluation (default 0.1)", NULL},
-        {"eval-every", 1, "evaluate held-out loss every K steps (default 0: never)", NULL},
-        {"eval-batches", 1, "held-out batches per evaluation (default 4)", NULL},
-        {"checkpoint-every", 1, "write a checkpoint every K steps (default 0: never)", NULL},
+        NL_TRAIN_RUN_FLAGS,
         {"checkpoint-dir", 1, "where checkpoints go (default: checkpoints)", NULL},
-        {"log", 1, "append one JSON object per step to this file", NULL},
         {"out", 1, "final checkpoint (weights and optimizer state)", NULL},
         {"resume", 1, "continue from this checkpoint (weights, moments, step)", NULL},
-        {"recompute", 0, "recompute each layer's activations in the backward pass", NULL},
         {"threads", 1, "worker threads (default: all cores)", NULL},
         {0}};
     const char *usage = "neuroctl train --model MODEL --data DATA --steps N --batch B --seq T "
@@ -340,54 +327,23 @@ int nl_cmd_train(int argc, char **argv)
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
-    train_opts o = {.batch = 8,
-                    .seq = 256,
-                    .micro = 1,
-                    .eval_batches = 4,
-                    .lr = 3e-4,
-                    .holdout = 0.1,
-                    .warmup = -1,
-                    .min_lr = -1};
+    train_opts o = {0};
     o.model = nl_args_get(flags, "model");
     o.data = nl_args_get(flags, "data");
     o.log = nl_args_get(flags, "log");
     o.out = nl_args_get(flags, "out");
     o.resume = nl_args_get(flags, "resume");
     o.ckpt_dir = nl_args_get(flags, "checkpoint-dir");
-    o.recompute = nl_args_get(flags, "recompute") != NULL;
     if ((!o.model && !o.resume) || !o.data || !nl_args_get(flags, "steps")) {
         nl_args_help(stderr, usage, flags);
         return 2;
     }
-    if ((rc = nl_args_int(flags, "steps", 1, INT32_MAX, &o.steps)) ||
-        (rc = nl_args_int(flags, "batch", 1, 65536, &o.batch)) ||
-        (rc = nl_args_int(flags, "seq", 1, 1 << 20, &o.seq)) ||
-        (rc = nl_args_int(flags, "microbatches", 1, 65536, &o.micro)) ||
-        (rc = nl_args_int(flags, "seed", 0, INT64_MAX, &o.seed)) ||
-        (rc = nl_args_int(flags, "warmup", 0, INT32_MAX, &o.warmup)) ||
-        (rc = nl_args_int(flags, "eval-every", 0, INT32_MAX, &o.eval_every)) ||
-        (rc = nl_args_int(flags, "eval-batches", 1, 1 << 20, &o.eval_batches)) ||
-        (rc = nl_args_int(flags, "checkpoint-every", 0, INT32_MAX, &o.ckpt_every)) ||
-        (rc = nl_args_int(flags, "threads", 0, 1024, &o.threads)) ||
-        (rc = nl_args_double(flags, "lr", 0.0, 10.0, &o.lr)) ||
-        (rc = nl_args_double(flags, "min-lr", 0.0, 10.0, &o.min_lr)) ||
-        (rc = nl_args_double(flags, "holdout", 0.0, 0.5, &o.holdout)))
+    if ((rc = nl_train_run_read(flags, &o.r)) ||
+        (rc = nl_args_int(flags, "threads", 0, 1024, &o.threads)))
         return rc;
-    if (o.batch % o.micro != 0) {
-        fprintf(stderr, "--microbatches: %lld does not divide --batch %lld\n", o.micro, o.batch);
-        return 2;
-    }
-    if (o.eval_every > 0 && o.holdout <= 0.0) {
-        fprintf(stderr, "--eval-every needs held-out data (--holdout > 0)\n");
-        return 2;
-    }
-    if (o.warmup < 0)
-        o.warmup = o.steps / 10;
-    if (o.min_lr < 0)
-        o.min_lr = o.lr / 10;
     if (!o.ckpt_dir)
         o.ckpt_dir = "checkpoints";
-    if (o.ckpt_every > 0 && mkdir(o.ckpt_dir, 0755) != 0 && access(o.ckpt_dir, W_OK) != 0) {
+    if (o.r.ckpt_every > 0 && mkdir(o.ckpt_dir, 0755) != 0 && access(o.ckpt_dir, W_OK) != 0) {
         fprintf(stderr, "--checkpoint-dir: cannot create or write %s\n", o.ckpt_dir);
         return 1;
     }

@@ -5,6 +5,7 @@
 
 #include <inttypes.h>
 #include <math.h>
+#include <stdint.h>
 #include <time.h>
 
 double nl_train_clock(void)
@@ -77,4 +78,44 @@ void nl_train_report_skipped(int64_t skipped)
 {
     if (skipped)
         fprintf(stderr, "%" PRId64 " step(s) skipped for non-finite values\n", skipped);
+}
+
+int nl_train_run_read(const nl_flag *flags, nl_train_run *r)
+{
+    int rc;
+    *r = (nl_train_run){.batch = 8,
+                        .seq = 256,
+                        .micro = 1,
+                        .eval_batches = 4,
+                        .lr = 3e-4,
+                        .holdout = 0.1,
+                        .warmup = -1,
+                        .min_lr = -1};
+    r->recompute = nl_args_get(flags, "recompute") != NULL;
+    if ((rc = nl_args_int(flags, "steps", 1, INT32_MAX, &r->steps)) ||
+        (rc = nl_args_int(flags, "batch", 1, 65536, &r->batch)) ||
+        (rc = nl_args_int(flags, "seq", 1, 1 << 20, &r->seq)) ||
+        (rc = nl_args_int(flags, "microbatches", 1, 65536, &r->micro)) ||
+        (rc = nl_args_int(flags, "seed", 0, INT64_MAX, &r->seed)) ||
+        (rc = nl_args_int(flags, "warmup", 0, INT32_MAX, &r->warmup)) ||
+        (rc = nl_args_int(flags, "eval-every", 0, INT32_MAX, &r->eval_every)) ||
+        (rc = nl_args_int(flags, "eval-batches", 1, 1 << 20, &r->eval_batches)) ||
+        (rc = nl_args_int(flags, "checkpoint-every", 0, INT32_MAX, &r->ckpt_every)) ||
+        (rc = nl_args_double(flags, "lr", 0.0, 10.0, &r->lr)) ||
+        (rc = nl_args_double(flags, "min-lr", 0.0, 10.0, &r->min_lr)) ||
+        (rc = nl_args_double(flags, "holdout", 0.0, 0.5, &r->holdout)))
+        return rc;
+    if (r->batch % r->micro != 0) {
+        fprintf(stderr, "--microbatches: %lld does not divide --batch %lld\n", r->micro, r->batch);
+        return 2;
+    }
+    if (r->eval_every > 0 && r->holdout <= 0.0) {
+        fprintf(stderr, "--eval-every needs held-out data (--holdout > 0)\n");
+        return 2;
+    }
+    if (r->warmup < 0)
+        r->warmup = r->steps / 10;
+    if (r->min_lr < 0)
+        r->min_lr = r->lr / 10;
+    return 0;
 }

@@ -1,12 +1,45 @@
-/* A training run's per-step report, shared by local training (neuroctl
- * train in this process) and a cluster's training watched by the client,
- * so that both print the same progress line and write the same JSONL log
- * record for the same values. */
+/* What local training (neuroctl train in this process) and a cluster's
+ * training watched by the client share, so that both take the same flags
+ * with the same defaults and checks, print the same progress line and
+ * write the same JSONL log record for the same values. */
 #ifndef NL_CLI_TRAIN_REPORT_H
 #define NL_CLI_TRAIN_REPORT_H
 
 #include <stdint.h>
 #include <stdio.h>
+
+#include "base/args.h"
+
+/* The run's options: the same flags, defaults and checks everywhere. */
+typedef struct nl_train_run {
+    long long steps, batch, seq, micro, seed, warmup, eval_every, eval_batches, ckpt_every;
+    double lr, min_lr, holdout;
+    int recompute;
+} nl_train_run;
+
+/* The flags nl_train_run_read reads (in an nl_flag table). */
+#define NL_TRAIN_RUN_FLAGS                                                                         \
+    {"steps", 1, "optimizer steps in all (a resumed run continues to this step)", NULL},           \
+        {"batch", 1, "sequences per step (default 8)", NULL},                                      \
+        {"seq", 1, "positions per sequence (default 256)", NULL},                                  \
+        {"microbatches", 1, "split each batch into M microbatches (default 1)", NULL},             \
+        {"lr", 1, "peak learning rate (default 3e-4)", NULL},                                      \
+        {"min-lr", 1, "learning rate at the end of the cosine decay (default lr / 10)", NULL},     \
+        {"warmup", 1, "linear warm-up steps (default steps / 10)", NULL},                          \
+        {"seed", 1, "data-order seed (default 0)", NULL},                                          \
+        {"holdout", 1, "share of the data held out for evaluation (default 0.1)", NULL},           \
+        {"eval-every", 1, "evaluate held-out loss every K steps (default 0: never)", NULL},        \
+        {"eval-batches", 1, "held-out batches per evaluation (default 4)", NULL},                  \
+        {"checkpoint-every", 1, "write a checkpoint every K steps (default 0: never)", NULL},      \
+        {"log", 1, "append one JSON object per step to this file", NULL},                          \
+    {                                                                                              \
+        "recompute", 0, "recompute each layer's activations in the backward pass", NULL            \
+    }
+
+/* Read the run's options (--steps must be there: check it first) with
+ * their defaults, ranges and cross-checks. 0, or the exit code after the
+ * fault is printed (2: usage). */
+int nl_train_run_read(const nl_flag *flags, nl_train_run *r);
 
 /* One finished step and the run it belongs to. */
 typedef struct nl_train_step {
