@@ -24,6 +24,13 @@
 #include "core/fileio.h"
 #include "net/keys.h"
 
+/* GOMP_SPINCOUNT of the nodes: about 10-40 us of spinning. libgomp's own
+ * default (300000) keeps an idle stage's threads on the cores that the
+ * working stage needs (bench/bench_cluster.sh, docs/BENCHMARKS.md). */
+#define DEFAULT_SPIN 10000
+#define STR_(x) #x
+#define STR(x) STR_(x)
+
 static void sleep_ms(int ms)
 {
     struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
@@ -46,14 +53,17 @@ static int find_binary(const char *name, const char *subdir, char *out, size_t c
     return access(out, X_OK) == 0 ? 0 : -1;
 }
 
-/* Start argv as a daemon (own session), output to log; write its pid. */
-static pid_t spawn(char *const argv[], const char *log, const char *pidfile)
+/* Start argv as a daemon (own session), output to log; write its pid.
+ * spin: GOMP_SPINCOUNT for it, or NULL. */
+static pid_t spawn(char *const argv[], const char *log, const char *pidfile, const char *spin)
 {
     pid_t pid = fork();
     if (pid < 0)
         return -1;
     if (pid == 0) {
         setsid();
+        if (spin)
+            setenv("GOMP_SPINCOUNT", spin, 1);
         int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
         int nul = open("/dev/null", O_RDONLY);
         if (fd >= 0) {
@@ -162,7 +172,8 @@ static int cluster_down(const char *dir)
 
 static int cluster_up(const nl_flag *flags, const char *dir)
 {
-    long long nodes = 3, threads = 0, seed = 0, timeout = 120, node_timeout = 3000;
+    long long nodes = 3, threads = 0, seed = 0, timeout = 120, node_timeout = 3000,
+              spin = DEFAULT_SPIN;
     uint64_t memory = 1ULL << 30;
     int rc;
     if ((rc = nl_args_int(flags, "nodes", 1, 64, &nodes)) ||
@@ -170,6 +181,7 @@ static int cluster_up(const nl_flag *flags, const char *dir)
         (rc = nl_args_int(flags, "seed", 0, INT64_MAX, &seed)) ||
         (rc = nl_args_int(flags, "timeout", 1, 3600, &timeout)) ||
         (rc = nl_args_int(flags, "node-timeout-ms", 100, 3600000, &node_timeout)) ||
+        (rc = nl_args_int(flags, "spin", 0, 100000000, &spin)) ||
         (rc = nl_args_size(flags, "memory", &memory)))
         return rc;
     const char *model = nl_args_get(flags, "model"), *config = nl_args_get(flags, "config"),
@@ -242,7 +254,7 @@ static int cluster_up(const nl_flag *flags, const char *dir)
     cargv[ca] = NULL;
     snprintf(log, sizeof log, "%s/coord.log", dir);
     snprintf(pidf, sizeof pidf, "%s/coord.pid", dir);
-    if (spawn(cargv, log, pidf) < 0 || wait_file(path, 10000) != 0) {
+    if (spawn(cargv, log, pidf, NULL) < 0 || wait_file(path, 10000) != 0) {
         fprintf(stderr, "cluster up: the coordinator did not start; see %s\n", log);
         cluster_down(dir);
         return 1;
@@ -258,7 +270,11 @@ static int cluster_up(const nl_flag *flags, const char *dir)
     fclose(f);
     ep[strcspn(ep, "\r\n")] = '\0';
     /* the nodes */
-    char s_mem[32], s_thr[32], coord_pub[4096], key[4096];
+    char s_mem[32], s_thr[32], s_spin[32], coord_pub[4096], key[4096];
+    /* the nodes share the machine: an idle stage's OpenMP threads sleep
+     * soon, and leave the cores to the one that works */
+    const bool env_spin = getenv("GOMP_SPINCOUNT") || getenv("OMP_WAIT_POLICY");
+    snprintf(s_spin, sizeof s_spin, "%lld", spin);
     snprintf(s_mem, sizeof s_mem, "%llu", (unsigned long long)memory);
     snprintf(s_thr, sizeof s_thr, "%lld", threads);
     snprintf(coord_pub, sizeof coord_pub, "%s/coordinator.pub", cdir);
@@ -270,7 +286,7 @@ static int cluster_up(const nl_flag *flags, const char *dir)
         char *nargv[] = {node_bin,  "join",     ep,    "--key",     key,   "--coordinator-key",
                          coord_pub, "--memory", s_mem, "--threads", s_thr, "--name",
                          name,      NULL};
-        if (spawn(nargv, log, pidf) < 0) {
+        if (spawn(nargv, log, pidf, env_spin && !nl_args_get(flags, "spin") ? NULL : s_spin) < 0) {
             fprintf(stderr, "cluster up: cannot start %s\n", name);
             cluster_down(dir);
             return 1;
@@ -306,13 +322,18 @@ int nl_cmd_cluster(int argc, char **argv)
         {"seed", 1, "up: initialisation seed without a checkpoint (default 0)", NULL},
         {"memory", 1, "up: memory each node offers (default 1G)", NULL},
         {"threads", 1, "up: threads per node (default: the cores shared evenly)", NULL},
+        {"spin", 1,
+         "up: iterations a node's idle OpenMP thread spins before it sleeps (GOMP_SPINCOUNT; "
+         "default " STR(DEFAULT_SPIN) ", or the environment's GOMP_SPINCOUNT or "
+                                      "OMP_WAIT_POLICY)",
+         NULL},
         {"node-timeout-ms", 1, "up: a node silent this long is dead (default 3000)", NULL},
         {"timeout", 1, "up: seconds to wait for the cluster to be ready (default 120)", NULL},
         {0}};
     const char *usage =
         "neuroctl cluster up|down [--dir DIR] [--nodes N] [--model M | --config C | "
         "--resume MANIFEST] "
-        "[--memory SIZE] [--threads N]";
+        "[--memory SIZE] [--threads N] [--spin N]";
     const char *pos[1] = {NULL};
     int npos = 0;
     int rc = nl_args_parse(argc, argv, flags, usage, pos, 1, &npos);

@@ -452,8 +452,12 @@ static void on_node_error(nl_coord *c, const nl_rx *rx)
 static void send_assign(nl_coord *c, int stage, const char *cfg_json)
 {
     const nl_plan_stage *s = &c->plan->stages[stage];
-    cnode *n = coord_stage_node(c, stage), *prev = coord_stage_node(c, stage - 1),
-          *next = coord_stage_node(c, stage + 1);
+    /* the stages make a ring: the last stage sends the tokens it samples
+     * straight to the first (a single stage feeds itself) */
+    const int ns = c->plan->n_stages;
+    cnode *n = coord_stage_node(c, stage),
+          *prev = ns > 1 ? coord_stage_node(c, (stage + ns - 1) % ns) : NULL,
+          *next = ns > 1 ? coord_stage_node(c, (stage + 1) % ns) : NULL;
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_ASSIGN);

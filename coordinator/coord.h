@@ -16,19 +16,19 @@
 typedef struct nl_coord nl_coord;
 
 typedef struct nl_coord_opts {
-    const char *listen;       /* control endpoint, e.g. tcp://0.0.0.0:7000 */
-    const char *state_dir;    /* keys, authorized_keys, endpoint file */
-    const char *model;        /* checkpoint to serve, or NULL */
-    const char *resume;       /* a training manifest to serve and continue, or NULL */
-    const char *config;       /* YAML config (sized, or to be sized), or NULL */
-    uint64_t seed;            /* initialisation seed without a checkpoint */
-    int min_nodes;            /* plan once this many nodes have joined */
-    uint64_t min_memory;      /* ... and they offer this many bytes */
-    int heartbeat_ms;         /* told to nodes */
-    int node_timeout_ms;      /* a node silent this long is dead */
-    int job_timeout_ms;       /* a job with no progress this long fails */
-    int plan_rows;            /* rows of one request the plan must fit */
-    int plaintext;            /* INSECURE: no CURVE */
+    const char *listen;    /* control endpoint, e.g. tcp://0.0.0.0:7000 */
+    const char *state_dir; /* keys, authorized_keys, endpoint file */
+    const char *model;     /* checkpoint to serve, or NULL */
+    const char *resume;    /* a training manifest to serve and continue, or NULL */
+    const char *config;    /* YAML config (sized, or to be sized), or NULL */
+    uint64_t seed;         /* initialisation seed without a checkpoint */
+    int min_nodes;         /* plan once this many nodes have joined */
+    uint64_t min_memory;   /* ... and they offer this many bytes */
+    int heartbeat_ms;      /* told to nodes */
+    int node_timeout_ms;   /* a node silent this long is dead */
+    int job_timeout_ms;    /* a job with no progress this long fails */
+    int plan_rows;         /* rows of one request the plan must fit */
+    int plaintext;         /* INSECURE: no CURVE */
 } nl_coord_opts;
 
 void nl_coord_opts_init(nl_coord_opts *o);

@@ -61,7 +61,6 @@ typedef struct cjob {
     int prompt_len, max_new, produced, limit, acks, capacity;
     double temperature, top_p;
     int64_t seed;
-    int32_t fed; /* the id fed back to the first stage */
     /* train */
     struct ctrain *train;
 } cjob;

@@ -1,6 +1,7 @@
 /* The coordinator's jobs: forward (tokens in, logits out through the
- * pipeline), generate (a KV-cache session on every stage, tokens sampled
- * on the last and fed back to the first), status, cancel, and failure. */
+ * pipeline), generate (a KV-cache session on every stage; the last samples
+ * and feeds each token to the first itself, the coordinator relays it to
+ * the client), status, cancel, and failure. */
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -244,18 +245,21 @@ void coord_on_submit(nl_coord *c, const nl_rx *rx)
     j->limit = j->max_new < j->capacity - T + 1 ? j->max_new : j->capacity - T + 1;
     j->phase = JOB_OPENING;
     status_reply(c, rx, j->id, NL_JOB_RUNNING, "opening a session on every stage");
-    nl_wire_param ps[5] = {
+    /* limit: the last stage feeds its tokens to the first itself (the
+     * token ring); this coordinator only relays them to the client */
+    nl_wire_param ps[6] = {
         {.key = "session", .kind = NL_WIRE_PARAM_INT, .i = (int64_t)j->id},
         {.key = "capacity", .kind = NL_WIRE_PARAM_INT, .i = j->capacity},
         {.key = "temperature", .kind = NL_WIRE_PARAM_FLOAT, .f = j->temperature},
         {.key = "top_p", .kind = NL_WIRE_PARAM_FLOAT, .f = j->top_p},
         {.key = "seed", .kind = NL_WIRE_PARAM_INT, .i = j->seed},
+        {.key = "limit", .kind = NL_WIRE_PARAM_INT, .i = j->limit},
     };
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     for (int st = 0; st < c->plan->n_stages; st++) {
         nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
-        m.u.job_submit = (nl_msg_job_submit){NL_JOB_GENERATE, 5, ps};
+        m.u.job_submit = (nl_msg_job_submit){NL_JOB_GENERATE, 6, ps};
         coord_send_node(c, coord_stage_node(c, st), &m);
     }
     nl_wire_msg_free(&m);
@@ -286,7 +290,6 @@ void coord_on_token(nl_coord *c, const nl_rx *rx)
         return;
     j->last_progress = coord_now();
     j->produced++;
-    j->fed = (int32_t)t->tokens[0];
     const int done = j->produced >= j->limit;
     nl_wire_msg m;
     nl_error e = {0};
@@ -296,15 +299,10 @@ void coord_on_token(nl_coord *c, const nl_rx *rx)
     if (nl_sock_send(c->ctl, j->rid, j->rid_len, &m, &e) != NL_OK)
         NL_WARN("TOKEN to the client of job %llu: %s", (unsigned long long)j->id, e.msg);
     nl_wire_msg_free(&m);
-    if (done) {
+    if (done) { /* the last stage fed nothing more */
         close_session(c, j);
         coord_job_free(j);
-        return;
     }
-    /* the id goes back to the first stage at the next position */
-    if (send_tokens(c, j, j->id, (uint64_t)(j->prompt_len + j->produced - 1), &j->fed, 1, 1) !=
-        NL_OK)
-        unreachable_first(c, j);
 }
 
 void coord_on_result(nl_coord *c, const nl_rx *rx)

@@ -6,8 +6,8 @@
 
 #include "base/args.h"
 #include "base/log.h"
-#include "net/auth.h"
 #include "coord.h"
+#include "net/auth.h"
 
 static volatile sig_atomic_t stop_flag;
 

@@ -26,8 +26,10 @@ typedef struct node {
     nl_sock *ctl, *data, *next;
     void *next_mon; /* PAIR reading the next socket's handshake events */
     int mon_seq;
-    char next_ep[257], next_key[NL_KEY_Z85_LEN + 1]; /* from ASSIGN; "" = last stage */
-    char prev_ep[257]; /* from ASSIGN, for messages; "" = first stage */
+    /* from ASSIGN; the last stage's next is the first stage (the token
+     * ring), "" when the stage is alone */
+    char next_ep[257], next_key[NL_KEY_Z85_LEN + 1];
+    char prev_ep[257]; /* from ASSIGN, for messages */
     double gflops;
     int threads;
     uint32_t node_id;
@@ -43,6 +45,11 @@ typedef struct node {
     uint64_t train_hops, train_bytes;
     uint8_t prev_rid[NL_ROUTING_ID_MAX]; /* the previous stage on data: GRADIENTs go there */
     size_t prev_rid_len;
+    /* a single stage's own token ring: the token it sampled, run at the
+     * next turn of the loop (after what is waiting on the sockets) */
+    bool feed_pending;
+    nl_msg_tensor_hop feed_hop;
+    int32_t feed_token;
     nl_rx rx;
     nl_wire_msg tx;
 } node;
@@ -341,6 +348,7 @@ static void handle_assign(node *n, const nl_msg_assign *a)
     drop_next(n); /* drops what was queued for the old next stage */
     n->next_ep[0] = n->next_key[0] = '\0';
     n->prev_rid_len = 0;
+    n->feed_pending = false; /* its session goes with the old model */
     wait_sent(n);
     nl_status st = nl_stage_assign(n->stage, a, &e);
     const char *prev = a->prev_key;
@@ -402,11 +410,49 @@ static void handle_load_done(node *n, const nl_msg_load_done *d)
 
 /* ===================== jobs ===================== */
 
+/* The token ring: the last stage sends the token it sampled straight to
+ * the first stage, at the session's next position (the coordinator only
+ * relays the token to the client). A stage that is also the first feeds
+ * itself at the next turn of the loop. */
+static void feed_first(node *n, const nl_msg_tensor_hop *hop, const nl_stage_out *out)
+{
+    nl_error e;
+    const nl_msg_tensor_hop next = {hop->job_id, 0, 0, hop->session_id, (uint64_t)out->feed_pos,
+                                    0.0};
+    const nl_model *m = nl_stage_model(n->stage);
+    if (m && m->has_embed) {
+        n->feed_hop = next;
+        n->feed_token = out->token;
+        n->feed_pending = true;
+        return;
+    }
+    nl_status st = n->next_ep[0] ? ensure_next(n, &e)
+                                 : nl_error_set(&e, NL_ERR_STATE, "no first stage to feed");
+    if (st == NL_OK) {
+        const int64_t shape[2] = {1, 1};
+        nl_wire_msg_reset(&n->tx, NL_MSG_ACTIVATION);
+        n->tx.u.hop = next;
+        nl_wire_frame_set(&n->tx.frames[0], &out->token, NL_DTYPE_I32, shape, 2); /* copied */
+        n->tx.nframes = 1;
+        st = nl_sock_send(n->next, NULL, 0, &n->tx, &e);
+    }
+    if (st != NL_OK)
+        send_error(n, st, NL_MSG_ACTIVATION,
+                   "job %llu session %llu: cannot feed the token to the "
+                   "first stage at %s: %s",
+                   (unsigned long long)hop->job_id, (unsigned long long)hop->session_id, n->next_ep,
+                   e.msg);
+}
+
 static void handle_activation(node *n, const nl_wire_msg *m)
 {
     nl_error e;
     nl_stage_out out;
     const nl_msg_tensor_hop *hop = &m->u.hop;
+    if (hop->session_id && nl_stage_session_closed(n->stage, hop->session_id)) {
+        NL_DEBUG("dropped a hop of closed session %llu", (unsigned long long)hop->session_id);
+        return; /* in flight when its job ended or was cancelled */
+    }
     wait_sent(n);
     int64_t t0 = mono_ms();
     nl_status st = nl_stage_forward(n->stage, hop, &m->frames[0], &out, &e);
@@ -417,9 +463,11 @@ static void handle_activation(node *n, const nl_wire_msg *m)
     }
     nl_txref *ref = nl_stage_txref(n->stage);
     if (out.kind == NL_STAGE_OUT_TOKEN) {
+        if (out.feed) /* first: it is the next token's critical path */
+            feed_first(n, hop, &out);
         uint32_t id = (uint32_t)out.token;
         nl_wire_msg_reset(&n->tx, NL_MSG_TOKEN);
-        n->tx.u.token = (nl_msg_token){hop->job_id, hop->session_id, 1, &id, false};
+        n->tx.u.token = (nl_msg_token){hop->job_id, hop->session_id, 1, &id, out.last};
         send_ctl(n, "TOKEN");
         return;
     }
@@ -469,6 +517,19 @@ static void handle_job_submit(node *n, const nl_msg_job_submit *j)
     nl_wire_msg_reset(&n->tx, NL_MSG_JOB_STATUS);
     n->tx.u.job_status = (nl_msg_job_status){p.id, NL_JOB_RUNNING, 0.0, "session open"};
     send_ctl(n, "JOB_STATUS");
+}
+
+/* JOB_CANCEL of a generation: drop the session, saying what it cost here. */
+static void close_session(node *n, uint64_t id)
+{
+    nl_stage_session_info i;
+    if (!nl_stage_session(n->stage, id, &i))
+        return;
+    nl_stage_close_session(n->stage, id);
+    NL_INFO("session %llu closed: %d positions; prefill %.2f ms, %d decode steps of %.3f ms each "
+            "(this stage's compute)",
+            (unsigned long long)id, i.len, i.prefill_s * 1e3, i.steps,
+            i.steps ? i.step_s * 1e3 / i.steps : 0.0);
 }
 
 /* ===================== training ===================== */
@@ -610,8 +671,7 @@ static void on_control(node *n)
             handle_job_submit(n, &m->u.job_submit);
         break;
     case NL_MSG_JOB_CANCEL:
-        if (nl_stage_close_session(n->stage, m->u.job_ref.job_id))
-            NL_INFO("session %llu closed", (unsigned long long)m->u.job_ref.job_id);
+        close_session(n, m->u.job_ref.job_id);
         if (nl_stage_train_end(n->stage, m->u.job_ref.job_id))
             train_summary(n, m->u.job_ref.job_id);
         break;
@@ -685,9 +745,26 @@ static void drain(node *n, nl_sock *s, void (*handle)(node *))
     }
 }
 
+/* Run the token a single stage fed itself (feed_first). */
+static void run_feed(node *n)
+{
+    const int64_t shape[2] = {1, 1};
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_ACTIVATION);
+    m.u.hop = n->feed_hop;
+    nl_wire_frame_set(&m.frames[0], &n->feed_token, NL_DTYPE_I32, shape, 2);
+    m.nframes = 1;
+    n->feed_pending = false;
+    handle_activation(n, &m);
+    nl_wire_msg_free(&m);
+}
+
 static void serve(node *n)
 {
     while (!stopping(n)) {
+        if (n->feed_pending)
+            run_feed(n);
         int64_t now = mono_ms();
         if (now >= n->next_hb_ms)
             send_heartbeat(n);
@@ -700,6 +777,8 @@ static void serve(node *n)
             it[count++] = (zmq_pollitem_t){nl_sock_handle(n->next), 0, ZMQ_POLLIN, 0};
         if (n->next_mon)
             it[count++] = (zmq_pollitem_t){n->next_mon, 0, ZMQ_POLLIN, 0};
+        if (n->feed_pending) /* its own token waits: only look at the sockets */
+            wait = 0;
         if (zmq_poll(it, count, wait < half ? (wait > 0 ? wait : 0) : half) <= 0)
             continue; /* timeout, or a signal: check the flag */
         if (it[0].revents & ZMQ_POLLIN)

@@ -49,7 +49,7 @@ static void sessions_clear(nl_stage *s)
     for (int i = 0; i < s->n_sess; i++)
         session_free(s, &s->sess[i]);
     s->n_sess = 0;
-    s->n_evicted = s->evicted_at = 0;
+    s->evicted = s->closed = (ended_ids){0};
 }
 
 /* Free the model and everything sized for it. The output must be idle. */
@@ -377,11 +377,27 @@ static void remove_session(nl_stage *s, session *se)
     *se = s->sess[--s->n_sess];
 }
 
-static void forget_evicted(nl_stage *s, uint64_t id)
+static void ended_add(ended_ids *e, uint64_t id)
 {
-    for (int i = 0; i < s->n_evicted; i++)
-        if (s->evicted[i] == id)
-            s->evicted[i] = 0; /* 0 is never a session id */
+    e->id[e->at] = id;
+    e->at = (e->at + 1) % ENDED_MEMORY;
+    if (e->n < ENDED_MEMORY)
+        e->n++;
+}
+
+static bool ended_has(const ended_ids *e, uint64_t id)
+{
+    for (int i = 0; id && i < e->n; i++)
+        if (e->id[i] == id)
+            return true;
+    return false;
+}
+
+static void ended_forget(ended_ids *e, uint64_t id)
+{
+    for (int i = 0; i < e->n; i++)
+        if (e->id[i] == id)
+            e->id[i] = 0; /* 0 is never a session id */
 }
 
 static void evict_lru(nl_stage *s, uint64_t for_id)
@@ -394,10 +410,7 @@ static void evict_lru(nl_stage *s, uint64_t for_id)
             "session %llu",
             (unsigned long long)lru->id, lru->bytes, lru->kv ? lru->kv->len : 0,
             (unsigned long long)for_id);
-    s->evicted[s->evicted_at] = lru->id;
-    s->evicted_at = (s->evicted_at + 1) % EVICTED_MEMORY;
-    if (s->n_evicted < EVICTED_MEMORY)
-        s->n_evicted++;
+    ended_add(&s->evicted, lru->id);
     remove_session(s, lru);
 }
 
@@ -435,6 +448,11 @@ nl_status nl_stage_parse_session(const nl_msg_job_submit *j, nl_stage_session_pa
                                     "JOB_SUBMIT params.capacity: not a position count > 0");
             p->capacity = (int)q->i;
             have_cap = true;
+        } else if (strcmp(q->key, "limit") == 0) {
+            if (!is_int || q->i < 0 || q->i > INT_MAX)
+                return nl_error_set(err, NL_ERR_RANGE,
+                                    "JOB_SUBMIT params.limit: not a token count >= 0");
+            p->limit = (int)q->i;
         } else if (strcmp(q->key, "seed") == 0) {
             if (!is_int)
                 return nl_error_set(err, NL_ERR_PROTO, "JOB_SUBMIT params.seed: not an integer");
@@ -483,6 +501,9 @@ nl_status nl_stage_open_session(nl_stage *s, const nl_stage_session_params *p, n
     if (p->id == 0 || p->capacity < 1 || p->capacity > m->cfg.max_seq_len)
         return nl_error_set(err, NL_ERR_RANGE, "session %llu: capacity %d is outside 1..%d", id,
                             p->capacity, m->cfg.max_seq_len);
+    if (p->limit < 0 || p->limit > p->capacity)
+        return nl_error_set(err, NL_ERR_RANGE, "session %llu: limit %d is outside 0..%d", id,
+                            p->limit, p->capacity);
     size_t bytes = nl_kvcache_bytes(&m->cfg, m->l1 - m->l0, 1, p->capacity);
     if (bytes > s->o.kv_budget)
         return nl_error_set(err, NL_ERR_CAPACITY,
@@ -499,7 +520,7 @@ nl_status nl_stage_open_session(nl_stage *s, const nl_stage_session_params *p, n
         return st;
     while (s->n_sess > 0 && s->kv_used + bytes > s->o.kv_budget)
         evict_lru(s, p->id);
-    session se = {.id = p->id, .bytes = bytes, .used = ++s->tick};
+    session se = {.id = p->id, .bytes = bytes, .used = ++s->tick, .limit = p->limit};
     st = nl_kvcache_new(&se.kv, m, 1, p->capacity, err);
     if (st == NL_OK && m->has_head) {
         st = nl_sampler_init(&se.smp, (int)m->cfg.vocab_size, p->temperature, p->top_p, p->seed,
@@ -512,7 +533,8 @@ nl_status nl_stage_open_session(nl_stage *s, const nl_stage_session_params *p, n
     }
     s->sess[s->n_sess++] = se;
     s->kv_used += bytes;
-    forget_evicted(s, p->id);
+    ended_forget(&s->evicted, p->id);
+    ended_forget(&s->closed, p->id);
     return NL_OK;
 }
 
@@ -522,6 +544,7 @@ bool nl_stage_close_session(nl_stage *s, uint64_t id)
     if (!se)
         return false;
     remove_session(s, se);
+    ended_add(&s->closed, id);
     return true;
 }
 
@@ -529,16 +552,19 @@ bool nl_stage_session(const nl_stage *s, uint64_t id, nl_stage_session_info *inf
 {
     const session *se = find_session(s, id);
     if (se && info)
-        *info = (nl_stage_session_info){se->kv->cap, se->kv->len, se->bytes, se->has_sampler};
+        *info = (nl_stage_session_info){se->kv->cap,   se->kv->len, se->bytes, se->has_sampler,
+                                        se->prefill_s, se->steps,   se->step_s};
     return se != NULL;
 }
 
 bool nl_stage_session_evicted(const nl_stage *s, uint64_t id)
 {
-    for (int i = 0; id && i < s->n_evicted; i++)
-        if (s->evicted[i] == id)
-            return true;
-    return false;
+    return ended_has(&s->evicted, id);
+}
+
+bool nl_stage_session_closed(const nl_stage *s, uint64_t id)
+{
+    return ended_has(&s->closed, id);
 }
 
 int nl_stage_session_count(const nl_stage *s)
@@ -657,13 +683,12 @@ static nl_status host_output(nl_stage *s, const float *dev, size_t n, nl_stage_o
     return NL_OK;
 }
 
-nl_status nl_stage_forward(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wire_frame *in,
-                           nl_stage_out *out, nl_error *err)
+static nl_status run_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wire_frame *in,
+                         nl_stage_out *out, session **sep, nl_error *err)
 {
     char who[80];
     int B = 0, T = 0;
     session *se = NULL;
-    memset(out, 0, sizeof *out);
     if (hop->session_id)
         snprintf(who, sizeof who, "job %llu session %llu", (unsigned long long)hop->job_id,
                  (unsigned long long)hop->session_id);
@@ -672,6 +697,7 @@ nl_status nl_stage_forward(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_w
     if (!s->ready)
         return nl_error_set(err, NL_ERR_STATE, "%s: this stage has no model loaded", who);
     nl_status st = check_hop(s, hop, in, who, &B, &T, &se, err);
+    *sep = se;
     if (st == NL_OK)
         st = wait_output(s, who, err);
     if (st == NL_OK)
@@ -717,5 +743,28 @@ nl_status nl_stage_forward(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_w
     out->kind = NL_STAGE_OUT_TOKEN;
     out->token = nl_sampler_sample(&se->smp, out->data);
     out->data = NULL;
+    se->produced++;
+    out->last = se->limit > 0 && se->produced >= se->limit;
+    out->feed = se->limit > 0 && !out->last && se->kv->len < se->kv->cap;
+    out->feed_pos = se->kv->len;
     return NL_OK;
+}
+
+nl_status nl_stage_forward(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wire_frame *in,
+                           nl_stage_out *out, nl_error *err)
+{
+    session *se = NULL;
+    memset(out, 0, sizeof *out);
+    const double t0 = now_s();
+    nl_status st = run_hop(s, hop, in, out, &se, err);
+    if (st == NL_OK && se) { /* the session's account of its compute */
+        const double dt = now_s() - t0;
+        if (out->T == 1) {
+            se->steps++;
+            se->step_s += dt;
+        } else {
+            se->prefill_s += dt;
+        }
+    }
+    return st;
 }

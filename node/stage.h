@@ -76,11 +76,14 @@ typedef struct nl_stage_session_params {
     int capacity; /* positions, 1..max_seq_len */
     float temperature, top_p;
     uint64_t seed;
+    int limit; /* 0..capacity tokens the last stage feeds back itself (the
+                * token ring); 0: whoever opened the session feeds them */
 } nl_stage_session_params;
 
 /* Read a JOB_SUBMIT {kind generate, params session, capacity, temperature,
- * top_p, seed}: session and capacity are required, temperature defaults to
- * 0 (greedy), top_p to 1, seed to 0; numbers may come as int or float;
+ * top_p, seed, limit}: session and capacity are required, temperature
+ * defaults to 0 (greedy), top_p to 1, seed and limit to 0; numbers may come
+ * as int or float (limit an int);
  * other keys are ignored. p->id is set as soon as it is read (for the
  * error reply). */
 nl_status nl_stage_parse_session(const nl_msg_job_submit *j, nl_stage_session_params *p,
@@ -92,19 +95,26 @@ nl_status nl_stage_parse_session(const nl_msg_job_submit *j, nl_stage_session_pa
  * NL_ERR_CAPACITY), and on the last stage a sampler. An open session of
  * the same id is replaced. Needs a READY stage. */
 nl_status nl_stage_open_session(nl_stage *s, const nl_stage_session_params *p, nl_error *err);
-/* Drop a session (JOB_CANCEL). Returns false if it was not open. */
+/* Drop a session (JOB_CANCEL); its id is remembered as closed. Returns
+ * false if it was not open. */
 bool nl_stage_close_session(nl_stage *s, uint64_t id);
 
 typedef struct nl_stage_session_info {
     int capacity, len; /* cache positions: capacity and filled */
     size_t bytes;      /* KV cache bytes charged to the budget */
     bool has_sampler;  /* the last stage's */
+    double prefill_s;  /* seconds in forwards of several positions */
+    int steps;         /* forwards of one position (decode steps) */
+    double step_s;     /* ... and their seconds: compute, sampling included */
 } nl_stage_session_info;
 
 /* Is the session open? Fills info (may be NULL). */
 bool nl_stage_session(const nl_stage *s, uint64_t id, nl_stage_session_info *info);
 /* Was the session evicted to make room (and not opened again since)? */
 bool nl_stage_session_evicted(const nl_stage *s, uint64_t id);
+/* Was it closed (and not opened again since)? A hop of a closed session
+ * was in flight when its job ended: stale, to be dropped. */
+bool nl_stage_session_closed(const nl_stage *s, uint64_t id);
 int nl_stage_session_count(const nl_stage *s);
 size_t nl_stage_kv_used(const nl_stage *s);
 
@@ -123,7 +133,12 @@ typedef struct nl_stage_out {
     int64_t shape[3];
     double aux;    /* the hop's aux plus this stage's load-balancing loss */
     int32_t token; /* TOKEN */
-    int B, T;      /* the batch that ran */
+    bool last;     /* TOKEN: the session's limit-th token */
+    bool feed;     /* TOKEN: send it to the first stage as ACTIVATION {session,
+                    * pos_offset feed_pos} (the session has a limit, this is
+                    * not the last token, and the cache has room) */
+    int64_t feed_pos;
+    int B, T; /* the batch that ran */
 } nl_stage_out;
 
 /* Run ACTIVATION {job_id, session_id, pos_offset, aux} + frame 0 (I32
@@ -131,7 +146,7 @@ typedef struct nl_stage_out {
  * through the stage. session_id 0 is a forward job without a cache
  * (pos_offset 0); any other id must be an open session with B = 1 and
  * pos_offset equal to its cache length. Training hops (step or
- * microbatch != 0) are not supported yet. */
+ * microbatch != 0) are refused: they go to nl_stage_train_input. */
 nl_status nl_stage_forward(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wire_frame *in,
                            nl_stage_out *out, nl_error *err);
 

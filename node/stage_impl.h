@@ -8,7 +8,7 @@
 #include "../core/sampler.h"
 #include "stage.h"
 
-#define EVICTED_MEMORY 256 /* evicted session ids remembered, for the error */
+#define ENDED_MEMORY 256 /* ended session ids remembered per kind */
 
 typedef struct session {
     uint64_t id;
@@ -17,7 +17,19 @@ typedef struct session {
     bool has_sampler;
     nl_sampler smp;
     uint64_t used; /* the stage's tick at the last use: LRU order */
+    int limit;     /* tokens the last stage feeds back itself (0: none) */
+    int produced;  /* tokens sampled so far (last stage) */
+    /* its forwards on this stage: several positions (the prompt), and
+     * decode steps of one */
+    double prefill_s, step_s;
+    int steps;
 } session;
+
+/* The last ENDED_MEMORY session ids of one kind of end (0 is never an id). */
+typedef struct ended_ids {
+    uint64_t id[ENDED_MEMORY];
+    int n, at;
+} ended_ids;
 
 struct nl_stage {
     nl_backend *be; /* borrowed */
@@ -61,8 +73,8 @@ struct nl_stage {
     int n_sess, cap_sess;
     size_t kv_used;
     uint64_t tick;
-    uint64_t evicted[EVICTED_MEMORY];
-    int n_evicted, evicted_at;
+    ended_ids evicted; /* to make room: their hops are errors that say so */
+    ended_ids closed;  /* by JOB_CANCEL: their hops in flight are dropped */
 };
 
 /* Free the training job's state (stage_train.c); safe without one. */

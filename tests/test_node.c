@@ -360,19 +360,22 @@ static void send_simple(coord *c, peer *p, nl_msg_type type, uint64_t id)
     coord_send(c, p, &m);
 }
 
-static void send_session(coord *c, peer *p, uint64_t id, int capacity)
+/* Open session id; limit > 0 makes the last stage feed its tokens to the
+ * first itself (the token ring). */
+static void send_session(coord *c, peer *p, uint64_t id, int capacity, int limit)
 {
-    nl_wire_param ps[5] = {
+    nl_wire_param ps[6] = {
         {.key = "session", .kind = NL_WIRE_PARAM_INT, .i = (int64_t)id},
         {.key = "capacity", .kind = NL_WIRE_PARAM_INT, .i = capacity},
         {.key = "temperature", .kind = NL_WIRE_PARAM_FLOAT, .f = 0.0},
         {.key = "top_p", .kind = NL_WIRE_PARAM_FLOAT, .f = 1.0},
         {.key = "seed", .kind = NL_WIRE_PARAM_INT, .i = 3},
+        {.key = "limit", .kind = NL_WIRE_PARAM_INT, .i = limit},
     };
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     m.type = NL_MSG_JOB_SUBMIT;
-    m.u.job_submit = (nl_msg_job_submit){NL_JOB_GENERATE, 5, ps};
+    m.u.job_submit = (nl_msg_job_submit){NL_JOB_GENERATE, 6, ps};
     coord_send(c, p, &m);
 }
 
@@ -480,14 +483,20 @@ static void check_forward(coord *c, peer *first, peer *last, nl_model *ref, uint
     free(want);
 }
 
-/* A greedy generation session through the cluster, against a local one. */
-static void check_generation(coord *c, peer **stages, int nst, nl_model *ref, uint64_t id)
+/* A greedy generation session through the cluster, against a local one.
+ * Without ring this test feeds each token back to the first stage; with
+ * it, the last stage does (limit N), and the test only sends the prompt
+ * and reads N TOKENs, the last one done. Then JOB_CANCEL: a hop of the
+ * closed session is dropped unanswered, one of a session never opened is
+ * refused. */
+static void check_generation(coord *c, peer **stages, int nst, nl_model *ref, uint64_t id,
+                             bool ring)
 {
     enum { P = 4, N = 6 };
     int32_t prompt[P] = {17, 4, 250, 99}, want[N], got[N] = {0};
     local_generate(ref, prompt, P, N, want);
     for (int s = 0; s < nst; s++) {
-        send_session(c, stages[s], id, P + N);
+        send_session(c, stages[s], id, P + N, ring ? N : 0);
         nl_msg_type t = coord_next(c, stages[s], WAIT_MS);
         CHECK(t == NL_MSG_JOB_STATUS && c->rx.msg.u.job_status.job_id == id &&
                   c->rx.msg.u.job_status.state == NL_JOB_RUNNING &&
@@ -500,12 +509,15 @@ static void check_generation(coord *c, peer **stages, int nst, nl_model *ref, ui
     int T = P;
     int64_t t0 = mono_ms();
     for (int i = 0; i < N; i++) {
-        send_tokens(c, stages[0], id, id, pos, cur, 1, T, NL_DTYPE_I32);
+        if (!ring || i == 0)
+            send_tokens(c, stages[0], id, id, pos, cur, 1, T, NL_DTYPE_I32);
         nl_msg_type t = coord_next(c, stages[nst - 1], WAIT_MS);
         const nl_msg_token *tk = &c->rx.msg.u.token;
         bool ok = t == NL_MSG_TOKEN && tk->job_id == id && tk->session_id == id &&
-                  tk->ntokens == 1 && !tk->done;
-        CHECK(ok, "step %d: expected TOKEN, got %s", i, t ? nl_wire_type_name(t) : "nothing");
+                  tk->ntokens == 1 && tk->done == (ring && i == N - 1);
+        CHECK(ok, "step %d: expected TOKEN%s, got %s%s", i, ring && i == N - 1 ? " (done)" : "",
+              t ? nl_wire_type_name(t) : "nothing",
+              t == NL_MSG_ERROR ? c->rx.msg.u.error.message : "");
         if (!ok)
             return;
         got[i] = (int32_t)tk->tokens[0];
@@ -513,14 +525,23 @@ static void check_generation(coord *c, peer **stages, int nst, nl_model *ref, ui
         T = 1;
         cur[0] = got[i];
     }
-    printf("generation through %d node(s): %.2f ms per token (d %d, %d layers, loopback)\n", nst,
-           (double)(mono_ms() - t0) / N, cfg.hidden_dim, cfg.num_layers);
+    printf("generation through %d node(s)%s: %.2f ms per token (d %d, %d layers, loopback)\n", nst,
+           ring ? ", token ring" : "", (double)(mono_ms() - t0) / N, cfg.hidden_dim,
+           cfg.num_layers);
     CHECK(memcmp(got, want, sizeof want) == 0, "generated ids differ: %d %d %d vs %d %d %d", got[0],
           got[1], got[2], want[0], want[1], want[2]);
-    /* JOB_CANCEL drops the session on every stage */
+    if (ring) { /* nothing after the limit */
+        nl_msg_type t = coord_next(c, stages[nst - 1], WAIT_NO);
+        CHECK(t == NL_MSG_NONE, "a token after the limit: %s", nl_wire_type_name(t));
+    }
+    /* JOB_CANCEL drops the session on every stage; a hop still in flight
+     * is dropped; a session never opened is an error */
     for (int s = 0; s < nst; s++)
         send_simple(c, stages[s], NL_MSG_JOB_CANCEL, id);
     send_tokens(c, stages[0], id, id, pos, cur, 1, 1, NL_DTYPE_I32);
+    nl_msg_type t = coord_next(c, stages[0], WAIT_NO);
+    CHECK(t == NL_MSG_NONE, "a hop of a closed session was answered: %s", nl_wire_type_name(t));
+    send_tokens(c, stages[0], id + 1000, id + 1000, 0, cur, 1, 1, NL_DTYPE_I32);
     expect_error(c, stages[0], NL_ERR_NOTFOUND, NL_MSG_ACTIVATION, "is not open");
 }
 
@@ -671,7 +692,8 @@ static void test_one_node(void)
 
     check_forward(&c, p, p, ref, 100);
     peer *stages[1] = {p};
-    check_generation(&c, stages, 1, ref, 55);
+    check_generation(&c, stages, 1, ref, 55, false);
+    check_generation(&c, stages, 1, ref, 56, true); /* the stage feeds itself */
 
     /* bad input: each answered with an ERROR, and the node stays up */
     int32_t tok[4] = {1, 2, (int32_t)cfg.vocab_size, 3};
@@ -733,14 +755,17 @@ static void test_two_nodes(void)
     }
     if (!p[0] || !p[1] || !ref || !st0 || !st1)
         goto out;
-    send_assign(&c, p[0], 1, 1, 0, 2, 0, 2, "", "", ep[1], kp[1].public_z85);
-    send_assign(&c, p[1], 1, 2, 1, 2, 2, cfg.num_layers, ep[0], kp[0].public_z85, "", "");
+    /* a ring: stage 1 (the last) feeds stage 0 */
+    send_assign(&c, p[0], 1, 1, 0, 2, 0, 2, ep[1], kp[1].public_z85, ep[1], kp[1].public_z85);
+    send_assign(&c, p[1], 1, 2, 1, 2, 2, cfg.num_layers, ep[0], kp[0].public_z85, ep[0],
+                kp[0].public_z85);
     send_simple(&c, p[0], NL_MSG_LOAD_DONE, 0); /* initialise from the seed */
     expect_loaded(&c, p[0], 1, 1, st0);
     send_simple(&c, p[1], NL_MSG_LOAD_DONE, 0);
     expect_loaded(&c, p[1], 1, 2, st1);
     check_forward(&c, p[0], p[1], ref, 200);
-    check_generation(&c, p, 2, ref, 77);
+    check_generation(&c, p, 2, ref, 77, false);
+    check_generation(&c, p, 2, ref, 78, true);
 
     /* a stranger cannot feed stage 1: its activation is dropped unanswered */
     nl_keypair sk;
