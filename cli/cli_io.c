@@ -1,4 +1,4 @@
-/* File helpers shared by neuroctl's commands. */
+/* File helpers and the generation clock shared by neuroctl's commands. */
 #include "cli_io.h"
 
 #include <errno.h>
@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* Read an integer tensor `name` ([B, T], I32 or I64) from an open file. */
 nl_status nl_cli_read_ids(nl_st_file *f, const char *path, const char *name, int32_t **out, int *B,
@@ -46,7 +47,6 @@ nl_status nl_cli_read_ids(nl_st_file *f, const char *path, const char *name, int
     *T = (int)e->shape[1];
     return NL_OK;
 }
-
 
 nl_status nl_cli_read_ids_file(const char *path, const char *name, int32_t **out, int *B, int *T,
                                nl_error *err)
@@ -91,3 +91,34 @@ int nl_cli_parse_ids(const char *s, int32_t **out)
     return n;
 }
 
+static double gen_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+void nl_gen_clock_start(nl_gen_clock *c)
+{
+    *c = (nl_gen_clock){.start = gen_now()};
+}
+
+void nl_gen_clock_tick(nl_gen_clock *c)
+{
+    c->last = gen_now();
+    if (c->count++ == 0)
+        c->first = c->last;
+}
+
+void nl_gen_clock_report(const nl_gen_clock *c)
+{
+    if (c->count < 1)
+        return;
+    const double rest = c->last - c->first;
+    fprintf(stderr, "generate: %d tokens: first after %.1f ms", c->count,
+            (c->first - c->start) * 1e3);
+    if (c->count > 1)
+        fprintf(stderr, ", then %d in %.1f ms (%.1f tokens/s)", c->count - 1, rest * 1e3,
+                rest > 0 ? (c->count - 1) / rest : 0.0);
+    fputc('\n', stderr);
+}

@@ -24,10 +24,10 @@
 #include "core/fileio.h"
 #include "net/keys.h"
 
-/* GOMP_SPINCOUNT of the nodes: about 10-40 us of spinning. libgomp's own
+/* GOMP_SPINCOUNT of the nodes: a few microseconds of spinning. libgomp's own
  * default (300000) keeps an idle stage's threads on the cores that the
  * working stage needs (bench/bench_cluster.sh, docs/BENCHMARKS.md). */
-#define DEFAULT_SPIN 10000
+#define DEFAULT_SPIN 1000
 #define STR_(x) #x
 #define STR(x) STR_(x)
 

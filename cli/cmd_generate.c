@@ -1,6 +1,7 @@
 /* neuroctl generate (local) and neuroctl bench. */
 #include <errno.h>
 #include <inttypes.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,10 +24,11 @@ static double now_s(void)
 }
 
 /* Generate up to max_new tokens after the prompt with the KV cache,
- * calling emit for each. */
-static nl_status generate(nl_model *m, const int32_t *prompt, int P, int max_new,
-                          nl_sampler *smp, void (*emit)(int32_t, void *), void *ctx,
-                          nl_error *err)
+ * calling emit for each. warmup: run the prompt and one decode step once
+ * first (kernels compiled, buffers touched), then start the clock. */
+static nl_status generate(nl_model *m, const int32_t *prompt, int P, int max_new, nl_sampler *smp,
+                          bool warmup, nl_gen_clock *clock, void (*emit)(int32_t, void *),
+                          void *ctx, nl_error *err)
 {
     nl_backend *be = m->be;
     const int V = (int)m->cfg.vocab_size;
@@ -40,8 +42,10 @@ static nl_status generate(nl_model *m, const int32_t *prompt, int P, int max_new
     if (!logits)
         return nl_error_set(err, NL_ERR_NOMEM, "generate: out of memory");
     if (P >= cap) {
-        st = nl_error_set(err, NL_ERR_RANGE, "generate: prompt of %d tokens leaves no room in "
-                                             "max_seq_len %d", P, m->cfg.max_seq_len);
+        st = nl_error_set(err, NL_ERR_RANGE,
+                          "generate: prompt of %d tokens leaves no room in "
+                          "max_seq_len %d",
+                          P, m->cfg.max_seq_len);
         goto out;
     }
     if ((st = nl_runstate_new(&rs, m, P, err)) != NL_OK ||
@@ -49,6 +53,14 @@ static nl_status generate(nl_model *m, const int32_t *prompt, int P, int max_new
         goto out;
     nl_forward_args a = {.B = 1, .T = P, .tokens = prompt, .kv = kv, .last_only = 1};
     int32_t next = 0; /* read by the next forward */
+    if (warmup) {
+        nl_forward_args w = {.B = 1, .T = 1, .tokens = prompt, .kv = kv, .last_only = 1};
+        if ((st = nl_forward(m, rs, &a, NULL, err)) != NL_OK ||
+            (kv->len < cap && (st = nl_forward(m, rs, &w, NULL, err)) != NL_OK))
+            goto out;
+        kv->len = 0; /* the cache starts over */
+    }
+    nl_gen_clock_start(clock);
     for (int i = 0; i < max_new && kv->len < cap; i++) {
         if ((st = nl_forward(m, rs, &a, NULL, err)) != NL_OK)
             goto out;
@@ -67,14 +79,16 @@ out:
 
 typedef struct emit_ctx {
     int count;
-    int32_t *ids; /* every generated id, for the text line */
+    int32_t *ids;            /* every generated id, for the text line */
     const nl_tokenizer *tok; /* NULL: no text */
-    int as_text;  /* stream text instead of ids */
+    int as_text;             /* stream text instead of ids */
+    nl_gen_clock clock;
 } emit_ctx;
 
 static void emit_token(int32_t id, void *ctx)
 {
     emit_ctx *e = ctx;
+    nl_gen_clock_tick(&e->clock);
     e->ids[e->count++] = id;
     if (e->as_text) {
         const uint8_t *p = NULL;
@@ -89,18 +103,23 @@ static void emit_token(int32_t id, void *ctx)
 
 int nl_cmd_generate(int argc, char **argv)
 {
-    nl_flag flags[] = {{"model", 1, "checkpoint (safetensors)", NULL},
-                       {"prompt-tokens", 1, "prompt as comma-separated token ids, e.g. 1,2,3", NULL},
-                       {"prompt", 1, "prompt as text, through the model's tokenizer; prints text",
-                        NULL},
-                       {"max-new", 1, "tokens to generate (default 32)", NULL},
-                       {"temperature", 1, "sampling temperature; 0 is greedy (default 0.8)", NULL},
-                       {"top-p", 1, "nucleus sampling mass in (0, 1] (default 0.95)", NULL},
-                       {"seed", 1, "sampling seed (default 0)", NULL},
-                       {"threads", 1, "worker threads (default: all cores)", NULL},
-                       {0}};
+    nl_flag flags[] = {
+        {"model", 1, "checkpoint (safetensors)", NULL},
+        {"prompt-tokens", 1, "prompt as comma-separated token ids, e.g. 1,2,3", NULL},
+        {"prompt", 1, "prompt as text, through the model's tokenizer; prints text", NULL},
+        {"max-new", 1, "tokens to generate (default 32)", NULL},
+        {"temperature", 1, "sampling temperature; 0 is greedy (default 0.8)", NULL},
+        {"top-p", 1, "nucleus sampling mass in (0, 1] (default 0.95)", NULL},
+        {"seed", 1, "sampling seed (default 0)", NULL},
+        {"threads", 1, "worker threads (default: all cores)", NULL},
+        {"warmup", 0,
+         "run the prompt once before the timed generation (warm figures in the "
+         "report on stderr, for benchmarks)",
+         NULL},
+        {0}};
     const char *usage = "neuroctl generate --model MODEL (--prompt-tokens 1,2,3 | --prompt TEXT) "
-                        "[--max-new N] [--temperature X] [--top-p P] [--seed S] [--threads N]";
+                        "[--max-new N] [--temperature X] [--top-p P] [--seed S] [--threads N] "
+                        "[--warmup]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -160,10 +179,14 @@ int nl_cmd_generate(int argc, char **argv)
         goto out;
     }
     if (nl_sampler_init(&smp, (int)m->cfg.vocab_size, (float)temp, (float)top_p, (uint64_t)seed,
-                        &err) != NL_OK ||
-        generate(m, prompt, P, (int)max_new, &smp, emit_token, &ec, &err) != NL_OK)
+                        &err) != NL_OK)
+        goto out;
+    if (generate(m, prompt, P, (int)max_new, &smp, nl_args_get(flags, "warmup") != NULL, &ec.clock,
+                 emit_token, &ec, &err) != NL_OK)
         goto out;
     printf("\n");
+    fflush(stdout);
+    nl_gen_clock_report(&ec.clock);
     /* ids given: the text follows on its own line where the ids can be decoded */
     char *text = NULL;
     size_t tlen = 0;
@@ -198,14 +221,14 @@ static int cmp_double(const void *a, const void *b)
 
 int nl_cmd_bench(int argc, char **argv)
 {
-    nl_flag flags[] = {{"config", 1, "model config (YAML), e.g. configs/bench-small.yaml", NULL},
-                       {"batch", 1, "sequences per forward (default 8)", NULL},
-                       {"seq", 1, "positions per sequence (default 256)", NULL},
-                       {"threads", 1, "worker threads (default: all cores)", NULL},
-                       {"decode-tokens", 1, "tokens timed in the decode run (default 128)", NULL},
-                       {"repeats", 1, "timed forward passes; the median is reported (default 5)",
-                        NULL},
-                       {0}};
+    nl_flag flags[] = {
+        {"config", 1, "model config (YAML), e.g. configs/bench-small.yaml", NULL},
+        {"batch", 1, "sequences per forward (default 8)", NULL},
+        {"seq", 1, "positions per sequence (default 256)", NULL},
+        {"threads", 1, "worker threads (default: all cores)", NULL},
+        {"decode-tokens", 1, "tokens timed in the decode run (default 128)", NULL},
+        {"repeats", 1, "timed forward passes; the median is reported (default 5)", NULL},
+        {0}};
     const char *usage = "neuroctl bench --config CFG.yaml [--batch B] [--seq T] [--threads N]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)

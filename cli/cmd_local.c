@@ -189,8 +189,9 @@ int nl_cmd_grow(int argc, char **argv)
          NULL},
         {"seed", 1, "seed for the new rows (default: the checkpoint's init_seed, else 0)", NULL},
         {0}};
-    const char *usage = "neuroctl grow --model MODEL --out GROWN (--vocab-size N | --tokenizer TOK) "
-                        "[--seed S]";
+    const char *usage =
+        "neuroctl grow --model MODEL --out GROWN (--vocab-size N | --tokenizer TOK) "
+        "[--seed S]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -249,8 +250,11 @@ int nl_cmd_grow(int argc, char **argv)
         seed = init_seed ? atoll(init_seed) : 0;
     if (nl_model_grow_vocab(m, vocab, (uint64_t)seed, mom, 2, &err) != NL_OK)
         goto out;
-    nl_ckpt_extra extra = {.m = has_optim ? mom[0] : NULL, .v = has_optim ? mom[1] : NULL,
-                           .adam_steps = adam, .train_json = train, .tokenizer = tok_text,
+    nl_ckpt_extra extra = {.m = has_optim ? mom[0] : NULL,
+                           .v = has_optim ? mom[1] : NULL,
+                           .adam_steps = adam,
+                           .train_json = train,
+                           .tokenizer = tok_text,
                            .init_seed = init_seed};
     if (nl_checkpoint_save(m, out, step, &extra, &err) != NL_OK)
         goto out;

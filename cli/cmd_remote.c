@@ -2,6 +2,8 @@
  * coordinator (--coordinator ENDPOINT --key CLIENT.key --coordinator-key
  * COORD.pub, or --cluster DIR for a local cluster made by `cluster up`). */
 #include <jansson.h>
+#include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -114,6 +116,31 @@ static nl_status remote_tokenizer(nl_remote *r, nl_tokenizer **out, int64_t *voc
     return s;
 }
 
+static volatile sig_atomic_t gen_interrupted;
+
+static void gen_on_sigint(int sig)
+{
+    (void)sig;
+    gen_interrupted = 1;
+}
+
+/* Ctrl-C: cancel job (if the coordinator named it) and wait up to 2 s for
+ * its end, so that the stages stop and the cancel is not lost unsent. */
+static void gen_cancel(nl_remote *r, nl_rx *rx, uint64_t job)
+{
+    nl_error e = {0};
+    fprintf(stderr, "\ninterrupted: cancelling job %llu\n", (unsigned long long)job);
+    if (!job || nl_remote_cancel(r, job, &e) != NL_OK)
+        return;
+    const double by = nl_remote_now() + 2.0;
+    while (nl_remote_recv(r, rx, by, &e) == NL_OK)
+        if (rx->msg.type == NL_MSG_JOB_STATUS && rx->msg.u.job_status.job_id == job &&
+            rx->msg.u.job_status.state != NL_JOB_RUNNING)
+            return;
+    fprintf(stderr, "neuroctl generate: no answer to the cancel of job %llu: %s\n",
+            (unsigned long long)job, e.msg);
+}
+
 int nl_cmd_remote_generate(int argc, char **argv)
 {
     nl_flag flags[] = {{"prompt-tokens", 1, "prompt as comma-separated token ids", NULL},
@@ -148,6 +175,9 @@ int nl_cmd_remote_generate(int argc, char **argv)
     nl_tokenizer *tok = NULL;
     int32_t *prompt = NULL, *ids = NULL;
     size_t P = 0;
+    uint64_t job = 0; /* once the coordinator names it */
+    struct sigaction old_sa;
+    bool handler = false;
     int64_t vocab = 0;
     int count = 0;
     rc = 1;
@@ -183,17 +213,37 @@ int nl_cmd_remote_generate(int argc, char **argv)
         {.key = "top_p", .kind = NL_WIRE_PARAM_FLOAT, .f = top_p},
         {.key = "seed", .kind = NL_WIRE_PARAM_INT, .i = seed},
     };
+    nl_gen_clock clock;
+    nl_gen_clock_start(&clock);
+    struct sigaction sa = {.sa_handler = gen_on_sigint, .sa_flags = SA_RESETHAND};
+    sigemptyset(&sa.sa_mask);
+    gen_interrupted = 0;
+    handler = sigaction(SIGINT, &sa, &old_sa) == 0;
     if (!ids || nl_remote_submit(&r, NL_JOB_GENERATE, ps, 4, prompt, 1, (int)P, &err) != NL_OK)
         goto out;
     double deadline = nl_remote_now() + r.timeout_ms / 1e3;
     for (;;) {
-        if (nl_remote_recv(&r, &rx, deadline, &err) != NL_OK || nl_remote_job_failed(&rx, &err))
+        /* in slices, to see Ctrl-C */
+        const double now = nl_remote_now(), slice = now + 0.2 < deadline ? now + 0.2 : deadline;
+        nl_status st = gen_interrupted ? NL_OK : nl_remote_recv(&r, &rx, slice, &err);
+        if (gen_interrupted) {
+            gen_cancel(&r, &rx, job);
+            rc = 130;
             goto out;
+        }
+        if (st == NL_ERR_TIMEOUT && slice < deadline)
+            continue;
+        if (st != NL_OK || nl_remote_job_failed(&rx, &err))
+            goto out;
+        if (rx.msg.type == NL_MSG_JOB_STATUS && rx.msg.u.job_status.state == NL_JOB_RUNNING)
+            job = rx.msg.u.job_status.job_id;
         if (rx.msg.type != NL_MSG_TOKEN)
             continue;
+        job = rx.msg.u.token.job_id;
         deadline = nl_remote_now() + r.timeout_ms / 1e3; /* progress */
         for (uint32_t i = 0; i < rx.msg.u.token.ntokens && count < max_new; i++) {
             const int32_t id = (int32_t)rx.msg.u.token.tokens[i];
+            nl_gen_clock_tick(&clock);
             ids[count++] = id;
             const uint8_t *p = NULL;
             size_t n = 0;
@@ -208,6 +258,8 @@ int nl_cmd_remote_generate(int argc, char **argv)
             break;
     }
     printf("\n");
+    fflush(stdout);
+    nl_gen_clock_report(&clock);
     char *text = NULL;
     size_t tlen = 0;
     if (!ptext && tok && nl_tokenizer_vocab_size(tok) >= vocab &&
@@ -218,6 +270,8 @@ int nl_cmd_remote_generate(int argc, char **argv)
     free(text);
     rc = 0;
 out:
+    if (handler)
+        sigaction(SIGINT, &old_sa, NULL);
     if (rc && count)
         printf("\n");
     nl_rx_free(&rx);

@@ -338,6 +338,7 @@ void coord_on_cancel(nl_coord *c, const nl_rx *rx)
         close_session(c, j);
     if (j->kind == NL_JOB_TRAIN)
         coord_train_abandon(c, j);
+    NL_INFO("job %llu cancelled by its client", (unsigned long long)j->id);
     status_reply(c, rx, j->id, NL_JOB_CANCELLED, "cancelled");
     coord_job_free(j);
 }

@@ -8,8 +8,8 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "../base/log.h"
 #include "../base/args.h"
+#include "../base/log.h"
 #include "../net/keys.h"
 #include "node.h"
 

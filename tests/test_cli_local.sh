@@ -36,6 +36,10 @@ a=$("$NEUROCTL" generate --model "$W/m.safetensors" --prompt-tokens 116,104,101 
 b=$("$NEUROCTL" generate --model "$W/m.safetensors" --prompt-tokens 116,104,101 --max-new 8 --temperature 0 | head -1)
 check test "$a" = "$b"
 check test "$(echo "$a" | wc -w)" -eq 8
+# --warmup runs the prompt once first: the same ids; the pace on stderr
+b=$("$NEUROCTL" generate --model "$W/m.safetensors" --prompt-tokens 116,104,101 --max-new 8 --temperature 0 --warmup 2>"$W/gen.err" | head -1)
+check test "$a" = "$b"
+check grep -q "^generate: 8 tokens: first after .* ms, then 7 in .* ms (.* tokens/s)" "$W/gen.err"
 
 # train 20 straight vs 10 + resume + 10: bit-identical weights and moments
 common=(--data "$W/data.txt" --steps 20 --batch 4 --seq 16 --microbatches 2 --lr 1e-3 --seed 5 --threads 2)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The cluster as real processes on loopback: cluster up with 3 nodes;
 # forward through the pipeline equals the local forward (max abs diff
-# <= 1e-6); greedy generation equals local generation; status shows the
+# <= 1e-6); greedy and sampled generation equal local generation (the
+# token ring, the stop at max_seq_len); Ctrl-C cancels a generation; status shows the
 # plan; SIGKILL of a node in the middle of a request gives the client a
 # clear error within the heartbeat timeout plus one second, the
 # coordinator stays up and re-plans, and the next request succeeds;
@@ -75,6 +76,44 @@ l=$("$N" generate --model "$W/m.safetensors" --prompt-tokens 72,101,108 --max-ne
 r=$("$N" generate --cluster "$C" --prompt-tokens 72,101,108 --max-new 12 --temperature 0 | head -1)
 check test -n "$l"
 check test "$l" = "$r"
+# the token ring: the last stage feeds each token to the first itself; a
+# longer greedy run, a sampled one, and one that stops at max_seq_len (256)
+# all give the local ids; both tools report their pace on stderr
+l=$("$N" generate --model "$W/m.safetensors" --prompt-tokens 72,101,108 --max-new 40 --temperature 0.9 \
+    --top-p 0.9 --seed 11 --threads 1 2>"$W/l.err" | head -1)
+r=$("$N" generate --cluster "$C" --prompt-tokens 72,101,108 --max-new 40 --temperature 0.9 --top-p 0.9 \
+    --seed 11 2>"$W/r.err" | head -1)
+check test "$(echo "$l" | wc -w)" -eq 40
+check test "$l" = "$r"
+check grep -q "^generate: 40 tokens: first after .* ms, then 39 in .* tokens/s)" "$W/l.err"
+check grep -q "^generate: 40 tokens: first after .* ms, then 39 in .* tokens/s)" "$W/r.err"
+long=$(seq -s, 1 250)
+l=$("$N" generate --model "$W/m.safetensors" --prompt-tokens "$long" --max-new 20 --temperature 0 --threads 1 | head -1)
+r=$("$N" generate --cluster "$C" --prompt-tokens "$long" --max-new 20 --temperature 0 | head -1)
+check test "$(echo "$l" | wc -w)" -eq 7
+check test "$l" = "$r"
+greedy=$("$N" generate --cluster "$C" --prompt-tokens 72,101,108 --max-new 12 --temperature 0 | head -1)
+
+# Ctrl-C cancels a generation: the client exits 130, the coordinator ends
+# the job, the stages drop the hop still in flight (not an error), and the
+# next request is served (tries again if a run ended before the signal)
+cut=0
+for try in 1 2 3 4 5; do
+  "$N" generate --cluster "$C" --prompt-tokens 1,2,3 --max-new 250 --temperature 0 \
+    > "$W/cut.out" 2> "$W/cut.err" &
+  g=$!
+  for i in $(seq 1 500); do [ -s "$W/cut.out" ] && break; sleep 0.01; done
+  kill -INT $g
+  wait $g; rc=$?
+  if [ $rc -eq 130 ]; then cut=1; break; fi
+done
+check test $cut -eq 1
+check grep -q "interrupted: cancelling job" "$W/cut.err"
+check test "$(wc -w < "$W/cut.out")" -lt 250
+sleep 0.3
+check grep -q "cancelled by its client" "$C/coord.log"
+check test "$(cat "$C"/node-*.log | grep -c "refused")" -eq 0
+check test "$("$N" generate --cluster "$C" --prompt-tokens 72,101,108 --max-new 12 --temperature 0 | head -1)" = "$greedy"
 
 # unauthorised keys
 "$N" keygen --out "$W/stranger" >/dev/null

@@ -10,7 +10,11 @@
  *    not overwritten while a send holds it;
  *  - sessions: KV generation through two stages equals a local one;
  *    capacity, budget, LRU eviction order, the evicted-session error,
- *    the sampler on the last stage only. */
+ *    the sampler on the last stage only;
+ *  - the token ring: a session's limit makes the last stage say which
+ *    tokens to feed to the first (and where), the last one and a full
+ *    cache stop it; closed sessions are remembered; decode steps are
+ *    accounted per session. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -544,6 +548,89 @@ static void test_session_params(void)
     CHECK(nl_stage_parse_session(&j, &p, &err) == NL_ERR_RANGE, "capacity as text: %s", err.msg);
     j.kind = NL_JOB_FORWARD;
     CHECK(nl_stage_parse_session(&j, &p, &err) == NL_ERR_UNSUPPORTED, "forward kind: %s", err.msg);
+    /* limit: a count >= 0, 0 when absent */
+    ps[1] = (nl_wire_param){.key = "capacity", .kind = NL_WIRE_PARAM_INT, .i = 40};
+    nl_wire_param lim[6];
+    memcpy(lim, ps, sizeof ps);
+    lim[5] = (nl_wire_param){.key = "limit", .kind = NL_WIRE_PARAM_INT, .i = 9};
+    j = mk_submit(lim, 6);
+    CHECK_OK(nl_stage_parse_session(&j, &p, &err), &err);
+    CHECK(p.limit == 9, "limit %d", p.limit);
+    j = mk_submit(lim, 5);
+    CHECK(nl_stage_parse_session(&j, &p, &err) == NL_OK && p.limit == 0, "no limit: %d", p.limit);
+    lim[5].i = -1;
+    j = mk_submit(lim, 6);
+    CHECK(nl_stage_parse_session(&j, &p, &err) == NL_ERR_RANGE && strstr(err.msg, "limit"),
+          "limit -1: %s", err.msg);
+    lim[5] = (nl_wire_param){.key = "limit", .kind = NL_WIRE_PARAM_FLOAT, .f = 2.5};
+    CHECK(nl_stage_parse_session(&j, &p, &err) == NL_ERR_RANGE && strstr(err.msg, "limit"),
+          "limit 2.5: %s", err.msg);
+}
+
+/* The token ring on the stage: with a limit the last stage says which
+ * tokens to feed to the first (and at which position) and which is the
+ * last; the cache's end stops it too; a closed session is remembered, and
+ * each session accounts its decode steps. */
+static void test_ring(nl_model *ref)
+{
+    nl_error err;
+    enum { P = 4, N = 6 };
+    int32_t prompt[P] = {9, 8, 7, 6}, want[N], got[N];
+    local_generate(ref, prompt, P, N, want);
+    nl_stage *s0 = loaded_stage(ref, 0, 2, 0, 2, 1 << 20);
+    nl_stage *s1 = loaded_stage(ref, 1, 2, 2, cfg.num_layers, 1 << 20);
+    nl_stage_session_params sp = {.id = 5, .capacity = P + N, .top_p = 1, .limit = P + N + 1};
+    CHECK(nl_stage_open_session(s1, &sp, &err) == NL_ERR_RANGE && strstr(err.msg, "limit"),
+          "limit over the capacity: %s", err.msg);
+    sp.limit = N;
+    CHECK_OK(nl_stage_open_session(s0, &sp, &err), &err);
+    CHECK_OK(nl_stage_open_session(s1, &sp, &err), &err);
+    nl_msg_tensor_hop hop = {.job_id = 5, .session_id = 5};
+    nl_stage_out o0, o1 = {0};
+    nl_wire_frame f = tok_frame(prompt, 1, P);
+    int i = 0;
+    for (; i < N; i++) { /* the test plays the wire: it feeds what the stage says */
+        CHECK_OK(nl_stage_forward(s0, &hop, &f, &o0, &err), &err);
+        nl_wire_frame h = out_frame(&o0);
+        CHECK_OK(nl_stage_forward(s1, &hop, &h, &o1, &err), &err);
+        got[i] = o1.token;
+        CHECK(o1.last == (i == N - 1) && o1.feed == (i < N - 1), "token %d: last %d feed %d", i,
+              o1.last, o1.feed);
+        CHECK(!o1.feed || o1.feed_pos == (int64_t)hop.pos_offset + (i == 0 ? P : 1),
+              "token %d fed at %lld", i, (long long)o1.feed_pos);
+        if (!o1.feed)
+            break;
+        hop.pos_offset = (uint64_t)o1.feed_pos;
+        f = tok_frame(&o1.token, 1, 1);
+    }
+    CHECK(i == N - 1 && memcmp(got, want, sizeof want) == 0, "ring: %d tokens, ids differ", i + 1);
+    nl_stage_session_info in;
+    CHECK(nl_stage_session(s1, 5, &in) && in.steps == N - 1 && in.step_s > 0 && in.prefill_s > 0,
+          "accounting: %d steps, %g s, prefill %g s", in.steps, in.step_s, in.prefill_s);
+    /* without a limit nothing is fed; a full cache stops feeding */
+    nl_stage_session_params sq = {.id = 6, .capacity = P + 1, .top_p = 1, .limit = P + 1};
+    CHECK_OK(nl_stage_open_session(s0, &sq, &err), &err);
+    CHECK_OK(nl_stage_open_session(s1, &sq, &err), &err);
+    hop = (nl_msg_tensor_hop){.job_id = 6, .session_id = 6};
+    f = tok_frame(prompt, 1, P);
+    CHECK_OK(nl_stage_forward(s0, &hop, &f, &o0, &err), &err);
+    nl_wire_frame h = out_frame(&o0);
+    CHECK_OK(nl_stage_forward(s1, &hop, &h, &o1, &err), &err);
+    CHECK(o1.feed && !o1.last, "first token: feed %d last %d", o1.feed, o1.last);
+    hop.pos_offset = P;
+    f = tok_frame(&o1.token, 1, 1);
+    CHECK_OK(nl_stage_forward(s0, &hop, &f, &o0, &err), &err);
+    h = out_frame(&o0);
+    CHECK_OK(nl_stage_forward(s1, &hop, &h, &o1, &err), &err);
+    CHECK(!o1.feed, "fed past a full cache");
+    /* closed: remembered (its hops are stale), until opened again */
+    CHECK(nl_stage_close_session(s0, 5) && nl_stage_session_closed(s0, 5) &&
+              !nl_stage_session_closed(s0, 6) && !nl_stage_session_evicted(s0, 5),
+          "closed memory");
+    CHECK_OK(nl_stage_open_session(s0, &sp, &err), &err);
+    CHECK(!nl_stage_session_closed(s0, 5), "reopened session still closed");
+    nl_stage_destroy(&s0);
+    nl_stage_destroy(&s1);
 }
 
 static void test_budget(nl_model *ref)
@@ -631,6 +718,7 @@ int main(void)
         test_load(ref);
         test_forward(ref);
         test_generation(ref);
+        test_ring(ref);
         test_session_params();
         test_budget(ref);
     }
