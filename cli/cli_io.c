@@ -91,7 +91,7 @@ int nl_cli_parse_ids(const char *s, int32_t **out)
     return n;
 }
 
-static double gen_now(void)
+double nl_cli_now(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -100,12 +100,12 @@ static double gen_now(void)
 
 void nl_gen_clock_start(nl_gen_clock *c)
 {
-    *c = (nl_gen_clock){.start = gen_now()};
+    *c = (nl_gen_clock){.start = nl_cli_now()};
 }
 
 void nl_gen_clock_tick(nl_gen_clock *c)
 {
-    c->last = gen_now();
+    c->last = nl_cli_now();
     if (c->count++ == 0)
         c->first = c->last;
 }

@@ -17,6 +17,9 @@ nl_status nl_cli_read_ids_file(const char *path, const char *name, int32_t **out
  * or -1 after printing the fault to stderr. */
 int nl_cli_parse_ids(const char *s, int32_t **out);
 
+/* Seconds on the monotonic clock. */
+double nl_cli_now(void);
+
 /* The pace of a generation, as its tokens come: nl_gen_clock_start when
  * the prompt is submitted, nl_gen_clock_tick per token; the report (on
  * stderr) gives the time to the first token (prefill) and the decode rate

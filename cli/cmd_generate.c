@@ -16,13 +16,6 @@
 #include "core/tokenizer.h"
 #include "core/train.h"
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* Generate up to max_new tokens after the prompt with the KV cache,
  * calling emit for each. warmup: run the prompt and one decode step once
  * first (kernels compiled, buffers touched), then start the clock. */
@@ -282,11 +275,11 @@ int nl_cmd_bench(int argc, char **argv)
     if (nl_forward(m, rs, &a, NULL, &err) != NL_OK)
         goto out;
     for (long long i = 0; i < reps; i++) {
-        double t0 = now_s();
+        double t0 = nl_cli_now();
         if (nl_forward(m, rs, &a, NULL, &err) != NL_OK)
             goto out;
         be->sync(be);
-        times[i] = now_s() - t0;
+        times[i] = nl_cli_now() - t0;
     }
     qsort(times, (size_t)reps, sizeof *times, cmp_double);
     const double fwd_s = times[reps / 2];
@@ -303,7 +296,7 @@ int nl_cmd_bench(int argc, char **argv)
         goto out;
     int32_t next = tokens[P];
     nl_forward_args dec = {.B = 1, .T = 1, .tokens = &next, .kv = kv, .last_only = 1};
-    double t0 = now_s();
+    double t0 = nl_cli_now();
     for (long long i = 0; i < ndec; i++) {
         if (nl_forward(m, rs1, &dec, NULL, &err) != NL_OK)
             goto out;
@@ -313,7 +306,7 @@ int nl_cmd_bench(int argc, char **argv)
             best = logits[v] > logits[best] ? v : best;
         next = best;
     }
-    const double dec_s = now_s() - t0;
+    const double dec_s = nl_cli_now() - t0;
 
     /* training: one warm-up step, then the median of `reps` whole steps */
     if (nl_trainer_new(&tr, m, (int)(B * T), 1, 0, &err) != NL_OK)
@@ -321,12 +314,12 @@ int nl_cmd_bench(int argc, char **argv)
     int32_t *targets = tokens; /* any valid ids serve for timing */
     nl_step_result sr;
     for (long long i = 0; i <= reps; i++) {
-        double ts = now_s();
+        double ts = nl_cli_now();
         if (nl_trainer_step_local(tr, tokens, targets, (int)B, (int)T, 1, 1e-4f, 1.0f,
                                   nl_adamw_defaults(), &sr, &err) != NL_OK)
             goto out;
         if (i > 0)
-            times[i - 1] = now_s() - ts;
+            times[i - 1] = nl_cli_now() - ts;
     }
     qsort(times, (size_t)reps, sizeof *times, cmp_double);
     const double train_s = times[reps / 2];
