@@ -174,7 +174,7 @@ static int cluster_up(const nl_flag *flags, const char *dir)
 {
     long long nodes = 3, threads = 0, seed = 0, timeout = 120, node_timeout = 3000,
               spin = DEFAULT_SPIN;
-    uint64_t memory = 1ULL << 30;
+    uint64_t memory = 1ULL << 30, kv_budget = 0; /* 0: the node's default */
     int rc;
     if ((rc = nl_args_int(flags, "nodes", 1, 64, &nodes)) ||
         (rc = nl_args_int(flags, "threads", 0, 1024, &threads)) ||
@@ -182,7 +182,8 @@ static int cluster_up(const nl_flag *flags, const char *dir)
         (rc = nl_args_int(flags, "timeout", 1, 3600, &timeout)) ||
         (rc = nl_args_int(flags, "node-timeout-ms", 100, 3600000, &node_timeout)) ||
         (rc = nl_args_int(flags, "spin", 0, 100000000, &spin)) ||
-        (rc = nl_args_size(flags, "memory", &memory)))
+        (rc = nl_args_size(flags, "memory", &memory)) ||
+        (rc = nl_args_size(flags, "kv-budget", &kv_budget)))
         return rc;
     const char *model = nl_args_get(flags, "model"), *config = nl_args_get(flags, "config"),
                *resume = nl_args_get(flags, "resume");
@@ -270,13 +271,14 @@ static int cluster_up(const nl_flag *flags, const char *dir)
     fclose(f);
     ep[strcspn(ep, "\r\n")] = '\0';
     /* the nodes */
-    char s_mem[32], s_thr[32], s_spin[32], coord_pub[4096], key[4096];
+    char s_mem[32], s_thr[32], s_spin[32], s_kv[32], coord_pub[4096], key[4096];
     /* the nodes share the machine: an idle stage's OpenMP threads sleep
      * soon, and leave the cores to the one that works */
     const bool env_spin = getenv("GOMP_SPINCOUNT") || getenv("OMP_WAIT_POLICY");
     snprintf(s_spin, sizeof s_spin, "%lld", spin);
     snprintf(s_mem, sizeof s_mem, "%llu", (unsigned long long)memory);
     snprintf(s_thr, sizeof s_thr, "%lld", threads);
+    snprintf(s_kv, sizeof s_kv, "%llu", (unsigned long long)kv_budget);
     snprintf(coord_pub, sizeof coord_pub, "%s/coordinator.pub", cdir);
     for (long long i = 1; i <= nodes; i++) {
         snprintf(name, sizeof name, "node-%lld", i);
@@ -285,7 +287,11 @@ static int cluster_up(const nl_flag *flags, const char *dir)
         snprintf(pidf, sizeof pidf, "%s/%s.pid", dir, name);
         char *nargv[] = {node_bin,  "join",     ep,    "--key",     key,   "--coordinator-key",
                          coord_pub, "--memory", s_mem, "--threads", s_thr, "--name",
-                         name,      NULL};
+                         name,      NULL,       NULL,  NULL};
+        if (kv_budget) {
+            nargv[13] = "--kv-budget";
+            nargv[14] = s_kv;
+        }
         if (spawn(nargv, log, pidf, env_spin && !nl_args_get(flags, "spin") ? NULL : s_spin) < 0) {
             fprintf(stderr, "cluster up: cannot start %s\n", name);
             cluster_down(dir);
@@ -322,6 +328,10 @@ int nl_cmd_cluster(int argc, char **argv)
         {"seed", 1, "up: initialisation seed without a checkpoint (default 0)", NULL},
         {"memory", 1, "up: memory each node offers (default 1G)", NULL},
         {"threads", 1, "up: threads per node (default: the cores shared evenly)", NULL},
+        {"kv-budget", 1,
+         "up: memory of each node for generation sessions' KV caches (default: neuronode's, "
+         "256M)",
+         NULL},
         {"spin", 1,
          "up: iterations a node's idle OpenMP thread spins before it sleeps (GOMP_SPINCOUNT; "
          "default " STR(DEFAULT_SPIN) ", or the environment's GOMP_SPINCOUNT or "
@@ -333,7 +343,7 @@ int nl_cmd_cluster(int argc, char **argv)
     const char *usage =
         "neuroctl cluster up|down [--dir DIR] [--nodes N] [--model M | --config C | "
         "--resume MANIFEST] "
-        "[--memory SIZE] [--threads N] [--spin N]";
+        "[--memory SIZE] [--threads N] [--spin N] [--kv-budget SIZE]";
     const char *pos[1] = {NULL};
     int npos = 0;
     int rc = nl_args_parse(argc, argv, flags, usage, pos, 1, &npos);

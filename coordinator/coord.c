@@ -710,7 +710,7 @@ static void dispatch(nl_coord *c, const nl_rx *rx)
         coord_on_token(c, rx);
         break;
     case NL_MSG_JOB_STATUS:
-        coord_on_session_ack(c, rx);
+        coord_on_node_status(c, rx);
         break;
     case NL_MSG_JOB_SUBMIT:
         coord_on_submit(c, rx);

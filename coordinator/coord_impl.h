@@ -126,7 +126,7 @@ void coord_on_query(nl_coord *c, const nl_rx *rx);
 void coord_on_cancel(nl_coord *c, const nl_rx *rx);
 void coord_on_result(nl_coord *c, const nl_rx *rx);
 void coord_on_token(nl_coord *c, const nl_rx *rx);
-void coord_on_session_ack(nl_coord *c, const nl_rx *rx);
+void coord_on_node_status(nl_coord *c, const nl_rx *rx);
 void coord_fail_jobs(nl_coord *c, const char *why);
 void coord_fail_job(nl_coord *c, cjob *j, const char *why);
 void coord_check_jobs(nl_coord *c, double now);

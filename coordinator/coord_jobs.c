@@ -265,9 +265,28 @@ void coord_on_submit(nl_coord *c, const nl_rx *rx)
     nl_wire_msg_free(&m);
 }
 
-void coord_on_session_ack(nl_coord *c, const nl_rx *rx)
+/* JOB_STATUS from a node: a stage took a job (a session opened, training
+ * began), or its work for one job failed, which fails that job only. */
+void coord_on_node_status(nl_coord *c, const nl_rx *rx)
 {
-    cjob *j = coord_job_find(c, rx->msg.u.job_status.job_id);
+    const nl_msg_job_status *s = &rx->msg.u.job_status;
+    const cnode *n = coord_node_by_rid(c, rx);
+    nl_error e = {0};
+    if (!n) {
+        nl_sock_send_error(c->ctl, rx, NL_ERR_STATE, NL_MSG_JOB_STATUS,
+                           "JOB_STATUS comes from nodes, not clients", &e);
+        return;
+    }
+    cjob *j = coord_job_find(c, s->job_id);
+    if (s->state == NL_JOB_FAILED) {
+        char why[1200];
+        snprintf(why, sizeof why, "node %u (stage %d): %s", n->id, n->stage, s->message);
+        if (j)
+            coord_fail_job(c, j, why);
+        else
+            NL_INFO("job %llu, already ended: %s", (unsigned long long)s->job_id, why);
+        return;
+    }
     if (j && j->kind == NL_JOB_TRAIN) {
         coord_train_on_ack(c, j, rx);
         return;
@@ -282,11 +301,19 @@ void coord_on_session_ack(nl_coord *c, const nl_rx *rx)
         unreachable_first(c, j);
 }
 
+/* Whether rx came from the current plan's last stage (TOKEN and RESULT
+ * are taken from it alone). */
+static bool from_last_stage(nl_coord *c, const nl_rx *rx)
+{
+    const cnode *last = c->plan ? coord_stage_node(c, c->plan->n_stages - 1) : NULL;
+    return last && last->rid_len == rx->rid_len && memcmp(last->rid, rx->rid, rx->rid_len) == 0;
+}
+
 void coord_on_token(nl_coord *c, const nl_rx *rx)
 {
     const nl_msg_token *t = &rx->msg.u.token;
     cjob *j = coord_job_find(c, t->job_id);
-    if (!j || j->phase != JOB_RUNNING || t->ntokens != 1)
+    if (!j || j->phase != JOB_RUNNING || t->ntokens != 1 || !from_last_stage(c, rx))
         return;
     j->last_progress = coord_now();
     j->produced++;
@@ -308,9 +335,7 @@ void coord_on_token(nl_coord *c, const nl_rx *rx)
 void coord_on_result(nl_coord *c, const nl_rx *rx)
 {
     cjob *j = coord_job_find(c, rx->msg.u.hop.job_id);
-    cnode *last = c->plan ? coord_stage_node(c, c->plan->n_stages - 1) : NULL;
-    if (!j || j->kind != NL_JOB_FORWARD || !last || last->rid_len != rx->rid_len ||
-        memcmp(last->rid, rx->rid, rx->rid_len) != 0)
+    if (!j || j->kind != NL_JOB_FORWARD || !from_last_stage(c, rx))
         return;
     nl_wire_msg m;
     nl_error e = {0};

@@ -97,6 +97,40 @@ static void send_error(node *n, nl_status code, nl_msg_type req_type, const char
     send_ctl(n, "ERROR");
 }
 
+/* The failure of one job's work here: JOB_STATUS {job, failed, message}
+ * to the coordinator, which fails that job and no other. Logged as well. */
+static void fail_job(node *n, uint64_t job, nl_status code, nl_msg_type req_type, const char *fmt,
+                     ...) __attribute__((format(printf, 5, 6)));
+
+static void fail_job(node *n, uint64_t job, nl_status code, nl_msg_type req_type, const char *fmt,
+                     ...)
+{
+    char text[1025];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof text, fmt, ap);
+    va_end(ap);
+    if (!job) { /* nothing to pin it on */
+        send_error(n, code, req_type, "%s", text);
+        return;
+    }
+    NL_WARN("%s of job %llu refused (%s): %s", nl_wire_type_name(req_type), (unsigned long long)job,
+            nl_status_str(code), text);
+    /* the field holds 1024 bytes: cut the text, on a UTF-8 boundary, to fit the status */
+    const char *why = nl_status_str(code);
+    size_t keep = strlen(text), room = 1024 - 3 - strlen(why);
+    if (keep > room) {
+        keep = room;
+        while (keep > 0 && ((unsigned char)text[keep] & 0xc0) == 0x80)
+            keep--;
+    }
+    char msg[1025];
+    snprintf(msg, sizeof msg, "%.*s (%s)", (int)keep, text, why);
+    nl_wire_msg_reset(&n->tx, NL_MSG_JOB_STATUS);
+    n->tx.u.job_status = (nl_msg_job_status){job, NL_JOB_FAILED, 0.0, msg};
+    send_ctl(n, "JOB_STATUS");
+}
+
 static void send_heartbeat(node *n)
 {
     int64_t now = mono_ms();
@@ -437,11 +471,10 @@ static void feed_first(node *n, const nl_msg_tensor_hop *hop, const nl_stage_out
         st = nl_sock_send(n->next, NULL, 0, &n->tx, &e);
     }
     if (st != NL_OK)
-        send_error(n, st, NL_MSG_ACTIVATION,
-                   "job %llu session %llu: cannot feed the token to the "
-                   "first stage at %s: %s",
-                   (unsigned long long)hop->job_id, (unsigned long long)hop->session_id, n->next_ep,
-                   e.msg);
+        fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION,
+                 "job %llu session %llu: cannot feed the token to the first stage at %s: %s",
+                 (unsigned long long)hop->job_id, (unsigned long long)hop->session_id, n->next_ep,
+                 e.msg);
 }
 
 static void handle_activation(node *n, const nl_wire_msg *m)
@@ -458,7 +491,7 @@ static void handle_activation(node *n, const nl_wire_msg *m)
     nl_status st = nl_stage_forward(n->stage, hop, &m->frames[0], &out, &e);
     n->busy_ms += (double)(mono_ms() - t0);
     if (st != NL_OK) {
-        send_error(n, st, NL_MSG_ACTIVATION, "%s", e.msg);
+        fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION, "%s", e.msg);
         return;
     }
     nl_txref *ref = nl_stage_txref(n->stage);
@@ -480,14 +513,14 @@ static void handle_activation(node *n, const nl_wire_msg *m)
         return;
     }
     if (!n->next_ep[0]) {
-        send_error(n, NL_ERR_STATE, NL_MSG_ACTIVATION,
-                   "job %llu: this stage has no next stage to send its hidden states to",
-                   (unsigned long long)hop->job_id);
+        fail_job(n, hop->job_id, NL_ERR_STATE, NL_MSG_ACTIVATION,
+                 "job %llu: this stage has no next stage to send its hidden states to",
+                 (unsigned long long)hop->job_id);
         return;
     }
     if ((st = ensure_next(n, &e)) != NL_OK) {
-        send_error(n, st, NL_MSG_ACTIVATION, "job %llu: %s", (unsigned long long)hop->job_id,
-                   e.msg);
+        fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION, "job %llu: %s",
+                 (unsigned long long)hop->job_id, e.msg);
         return;
     }
     nl_wire_msg_reset(&n->tx, NL_MSG_ACTIVATION);
@@ -496,8 +529,9 @@ static void handle_activation(node *n, const nl_wire_msg *m)
     n->tx.nframes = 1;
     st = nl_sock_send(n->next, NULL, 0, &n->tx, &e);
     if (st != NL_OK)
-        send_error(n, st, NL_MSG_ACTIVATION, "job %llu: cannot send to the next stage: %s",
-                   (unsigned long long)hop->job_id, e.msg);
+        fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION,
+                 "job %llu: cannot send to the next stage: %s", (unsigned long long)hop->job_id,
+                 e.msg);
 }
 
 static void handle_job_submit(node *n, const nl_msg_job_submit *j)
@@ -507,8 +541,8 @@ static void handle_job_submit(node *n, const nl_msg_job_submit *j)
     nl_status st = nl_stage_parse_session(j, &p, &e);
     if (st == NL_OK)
         st = nl_stage_open_session(n->stage, &p, &e);
-    if (st != NL_OK) {
-        send_error(n, st, NL_MSG_JOB_SUBMIT, "%s", e.msg);
+    if (st != NL_OK) { /* p.id is 0 if the request named no session */
+        fail_job(n, p.id, st, NL_MSG_JOB_SUBMIT, "%s", e.msg);
         return;
     }
     NL_INFO("session %llu open: %d positions, KV %zu of %llu bytes in use, %d sessions",
@@ -591,13 +625,15 @@ static void handle_train(node *n, const nl_wire_msg *m)
         NL_DEBUG("dropped a %s of a job this stage does not train", nl_wire_type_name(m->type));
         return;
     }
+    uint64_t job = 0;
+    nl_stage_train_running(n->stage, &job);
     nl_status st = nl_stage_train_input(n->stage, m, train_send, n, &e);
     clock_gettime(CLOCK_MONOTONIC, &b);
     const double ms = (double)(b.tv_sec - a.tv_sec) * 1e3 + (double)(b.tv_nsec - a.tv_nsec) / 1e6;
     n->busy_ms += ms;
     n->train_busy_ms += ms;
     if (st != NL_OK)
-        send_error(n, st, m->type, "%s", e.msg);
+        fail_job(n, job, st, m->type, "%s", e.msg);
 }
 
 static void handle_train_submit(node *n, const nl_msg_job_submit *j)
@@ -605,8 +641,8 @@ static void handle_train_submit(node *n, const nl_msg_job_submit *j)
     nl_error e;
     uint64_t job = 0;
     nl_status st = nl_stage_train_begin(n->stage, j, &job, &e);
-    if (st != NL_OK) {
-        send_error(n, st, NL_MSG_JOB_SUBMIT, "%s", e.msg);
+    if (st != NL_OK) { /* job is 0 if the request named none */
+        fail_job(n, job, st, NL_MSG_JOB_SUBMIT, "%s", e.msg);
         return;
     }
     nl_wire_msg_reset(&n->tx, NL_MSG_JOB_STATUS);

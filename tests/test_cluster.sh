@@ -6,7 +6,8 @@
 # plan; SIGKILL of a node in the middle of a request gives the client a
 # clear error within the heartbeat timeout plus one second, the
 # coordinator stays up and re-plans, and the next request succeeds;
-# unauthorised node and client keys are refused; cluster down stops all.
+# unauthorised node and client keys are refused; cluster down stops all;
+# a session evicted from a node's KV budget fails that generation only.
 set -uo pipefail
 N="$NL_BUILD_DIR/cli/neuroctl"
 W=$(mktemp -d)
@@ -14,6 +15,7 @@ C="$W/cluster"
 cleanup() {
   "$N" cluster down --dir "$C" >/dev/null 2>&1
   "$N" cluster down --dir "$W/cluster2" >/dev/null 2>&1
+  "$N" cluster down --dir "$W/cluster3" >/dev/null 2>&1
   pkill -f "$W" 2>/dev/null
   rm -rf "$W"
 }
@@ -171,6 +173,33 @@ check "$N" cluster up --dir "$C2" --nodes 2 --config "$W/cfg.yaml" --seed 7 --me
 check "$N" forward --cluster "$C2" --tokens "$W/in.safetensors" --out "$W/remote3.safetensors"
 check $PY "$W/compare.py" "$W/local.safetensors" "$W/remote3.safetensors"
 check "$N" cluster down --dir "$C2"
+
+# a job's failure on a node fails that job only: one node whose KV budget
+# holds one session of 253 positions (6 layers x 253 x 256 bytes); a second
+# generation evicts the first, which fails, naming the eviction, while the
+# second runs to the end with the local ids (tries again if the first had
+# ended before the second opened)
+C3="$W/cluster3"
+check "$N" cluster up --dir "$C3" --nodes 1 --model "$W/m.safetensors" --memory 64M --threads 1 \
+  --kv-budget 600000 --timeout 60
+want=$("$N" generate --model "$W/m.safetensors" --prompt-tokens 5,6,7 --max-new 250 --temperature 0 \
+  --threads 1 | head -1)
+evicted=0
+for try in 1 2 3 4 5; do
+  "$N" generate --cluster "$C3" --prompt-tokens 1,2,3 --max-new 250 --temperature 0 \
+    > "$W/a.out" 2> "$W/a.err" &
+  a=$!
+  for i in $(seq 1 500); do [ -s "$W/a.out" ] && break; sleep 0.01; done
+  got=$("$N" generate --cluster "$C3" --prompt-tokens 5,6,7 --max-new 250 --temperature 0 \
+    2> "$W/b.err" | head -1)
+  wait $a; rc=$?
+  if [ $rc -ne 0 ]; then evicted=1; break; fi
+done
+check test $evicted -eq 1
+check grep -q "evicted (KV budget full)" "$W/a.err"
+check test "$got" = "$want"
+check grep -q "^generate: 250 tokens" "$W/b.err"
+check "$N" cluster down --dir "$C3"
 
 echo "test_cluster: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]

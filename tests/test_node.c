@@ -411,6 +411,25 @@ static void expect_error(coord *c, peer *p, nl_status code, nl_msg_type req, con
           nl_status_str(code), needle);
 }
 
+/* Expect JOB_STATUS {job, failed} whose message holds `needle` and names
+ * the status: a failure of one job's work, which fails that job only. */
+static void expect_failed(coord *c, peer *p, uint64_t job, nl_status code, const char *needle)
+{
+    nl_msg_type t = coord_next(c, p, WAIT_MS);
+    CHECK(t == NL_MSG_JOB_STATUS, "expected JOB_STATUS failed of job %llu, got %s",
+          (unsigned long long)job, t ? nl_wire_type_name(t) : "nothing");
+    if (t == NL_MSG_ERROR)
+        fprintf(stderr, "  ERROR: %s\n", c->rx.msg.u.error.message);
+    if (t != NL_MSG_JOB_STATUS)
+        return;
+    const nl_msg_job_status *s = &c->rx.msg.u.job_status;
+    CHECK(s->job_id == job && s->state == NL_JOB_FAILED && strstr(s->message, needle) &&
+              strstr(s->message, nl_status_str(code)),
+          "JOB_STATUS %llu state %u: %s (wanted job %llu failed, %s, '%s')",
+          (unsigned long long)s->job_id, s->state, s->message, (unsigned long long)job,
+          nl_status_str(code), needle);
+}
+
 /* ---------------------------------------------------------------- local references */
 
 static void local_logits(nl_model *ref, const int32_t *tok, int B, int T, float *logits, float *aux)
@@ -542,7 +561,7 @@ static void check_generation(coord *c, peer **stages, int nst, nl_model *ref, ui
     nl_msg_type t = coord_next(c, stages[0], WAIT_NO);
     CHECK(t == NL_MSG_NONE, "a hop of a closed session was answered: %s", nl_wire_type_name(t));
     send_tokens(c, stages[0], id + 1000, id + 1000, 0, cur, 1, 1, NL_DTYPE_I32);
-    expect_error(c, stages[0], NL_ERR_NOTFOUND, NL_MSG_ACTIVATION, "is not open");
+    expect_failed(c, stages[0], id + 1000, NL_ERR_NOTFOUND, "is not open");
 }
 
 /* SIGTERM: LEAVE {node_id}, then exit status 0. */
@@ -695,14 +714,17 @@ static void test_one_node(void)
     check_generation(&c, stages, 1, ref, 55, false);
     check_generation(&c, stages, 1, ref, 56, true); /* the stage feeds itself */
 
-    /* bad input: each answered with an ERROR, and the node stays up */
+    /* bad input: a job's bad work fails that job (JOB_STATUS), anything
+     * else is answered with an ERROR, and the node stays up */
     int32_t tok[4] = {1, 2, (int32_t)cfg.vocab_size, 3};
     send_tokens(&c, p, 101, 0, 0, tok, 1, 4, NL_DTYPE_I32);
-    expect_error(&c, p, NL_ERR_RANGE, NL_MSG_ACTIVATION, "job 101");
+    expect_failed(&c, p, 101, NL_ERR_RANGE, "job 101");
     send_tokens(&c, p, 102, 0, 0, tok, 2, 2, NL_DTYPE_F32);
-    expect_error(&c, p, NL_ERR_SHAPE, NL_MSG_ACTIVATION, "job 102");
+    expect_failed(&c, p, 102, NL_ERR_SHAPE, "job 102");
     send_tokens(&c, p, 103, 8, 0, tok, 1, 2, NL_DTYPE_I32);
-    expect_error(&c, p, NL_ERR_NOTFOUND, NL_MSG_ACTIVATION, "session 8");
+    expect_failed(&c, p, 103, NL_ERR_NOTFOUND, "session 8");
+    send_session(&c, p, 9, cfg.max_seq_len + 1, 0);
+    expect_failed(&c, p, 9, NL_ERR_RANGE, "capacity");
     send_simple(&c, p, NL_MSG_GRAD_NORM, 0);
     expect_error(&c, p, NL_ERR_UNSUPPORTED, NL_MSG_GRAD_NORM, "GRAD_NORM");
     const uint8_t garbage[] = {0x93, 0x01, 0x02};
