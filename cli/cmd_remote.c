@@ -235,8 +235,12 @@ int nl_cmd_remote_generate(int argc, char **argv)
             continue;
         if (st != NL_OK || nl_remote_job_failed(&rx, &err))
             goto out;
-        if (rx.msg.type == NL_MSG_JOB_STATUS && rx.msg.u.job_status.state == NL_JOB_RUNNING)
+        if (rx.msg.type == NL_MSG_JOB_STATUS && rx.msg.u.job_status.state == NL_JOB_RUNNING) {
+            if (job) /* news of a running job: e.g. it lost a stage and resumes */
+                fprintf(stderr, "neuroctl generate: %s\n", rx.msg.u.job_status.message);
             job = rx.msg.u.job_status.job_id;
+            deadline = nl_remote_now() + r.timeout_ms / 1e3;
+        }
         if (rx.msg.type != NL_MSG_TOKEN)
             continue;
         job = rx.msg.u.token.job_id;

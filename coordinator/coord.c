@@ -32,6 +32,7 @@ void nl_coord_opts_init(nl_coord_opts *o)
     o->heartbeat_ms = 1000;
     o->node_timeout_ms = 5000;
     o->job_timeout_ms = 120000;
+    o->gen_resumes = 2;
     o->plan_rows = 512;
 }
 
@@ -325,7 +326,8 @@ static void drop_plan(nl_coord *c)
     }
 }
 
-/* A node is gone (dead or left): fail what it carried and plan again. */
+/* A node is gone (dead or left): fail what it carried (a generation waits
+ * to resume) and plan again. */
 void coord_node_lost(nl_coord *c, cnode *n, int life, const char *why)
 {
     const int stage = n->stage;
@@ -341,9 +343,7 @@ void coord_node_lost(nl_coord *c, cnode *n, int life, const char *why)
     n->life = life;
     n->stage = -1;
     if (stage >= 0) {
-        char jm[600];
-        snprintf(jm, sizeof jm, "%s; the job failed", msg);
-        coord_fail_jobs(c, jm);
+        coord_jobs_stage_lost(c, msg);
         drop_plan(c);
         coord_set_state(c, "re-planning: %s", msg);
     }
@@ -598,6 +598,7 @@ static void try_plan(nl_coord *c)
         nl_sizing sz;
         if (nl_sizing_choose(&sz, &c->base, pn, n, &so, &e) != NL_OK) {
             coord_set_state(c, "not enough capacity to size a model: %s", e.msg);
+            coord_fail_waiting(c, c->state);
             return;
         }
         c->cfg = sz.cfg;
@@ -611,6 +612,7 @@ static void try_plan(nl_coord *c)
     nl_plan *plan = NULL;
     if (nl_plan_layers(&plan, &c->cfg, pn, n, &po, &e) != NL_OK) {
         coord_set_state(c, "not enough capacity: %s", e.msg);
+        coord_fail_waiting(c, c->state);
         return;
     }
     c->plan = plan;
@@ -656,6 +658,7 @@ static void on_load_done(nl_coord *c, const nl_rx *rx)
     c->resumable = c->src_manifest; /* the stages hold the manifest's weights and moments */
     coord_set_state(c, "ready: %d stages, bottleneck %.2f ms per request (plan %llu)",
                     c->plan->n_stages, c->plan->bottleneck * 1e3, (unsigned long long)c->epoch);
+    coord_resume_jobs(c);
 }
 
 /* ---------------------------------------------------------------- loop */

@@ -27,6 +27,7 @@ typedef struct nl_coord_opts {
     int heartbeat_ms;      /* told to nodes */
     int node_timeout_ms;   /* a node silent this long is dead */
     int job_timeout_ms;    /* a job with no progress this long fails */
+    int gen_resumes;       /* times a generation resumes after losing a stage (0: it fails) */
     int plan_rows;         /* rows of one request the plan must fit */
     int plaintext;         /* INSECURE: no CURVE */
 } nl_coord_opts;

@@ -34,7 +34,8 @@ typedef struct cnode {
     char why[600];
 } cnode;
 
-typedef enum { JOB_FREE = 0, JOB_OPENING, JOB_RUNNING } job_phase;
+/* JOB_WAITING: a generation that lost a stage, waiting for the new plan */
+typedef enum { JOB_FREE = 0, JOB_OPENING, JOB_RUNNING, JOB_WAITING } job_phase;
 
 struct ctrain; /* a training job's state (coord_train.c) */
 
@@ -56,9 +57,12 @@ typedef struct cjob {
     size_t rid_len;
     uint64_t epoch;
     double last_progress;
-    /* generate */
-    int32_t *prompt;
+    /* generate: ids holds the prompt, then the tokens produced (capacity) */
+    int32_t *ids;
     int prompt_len, max_new, produced, limit, acks, capacity;
+    /* a resumed generation: the coordinator feeds each token (the first
+     * `produced` from ids, replaying), `seen` of this session's so far */
+    int resumes, coord_feeds, seen;
     double temperature, top_p;
     int64_t seed;
     /* train */
@@ -128,6 +132,13 @@ void coord_on_result(nl_coord *c, const nl_rx *rx);
 void coord_on_token(nl_coord *c, const nl_rx *rx);
 void coord_on_node_status(nl_coord *c, const nl_rx *rx);
 void coord_fail_jobs(nl_coord *c, const char *why);
+/* A stage is lost: generations wait for the next plan (up to
+ * gen_resumes times each), every other job fails. */
+void coord_jobs_stage_lost(nl_coord *c, const char *why);
+/* The plan is ready: reopen the waiting generations. */
+void coord_resume_jobs(nl_coord *c);
+/* No plan can be made: the waiting generations fail. */
+void coord_fail_waiting(nl_coord *c, const char *why);
 void coord_fail_job(nl_coord *c, cjob *j, const char *why);
 void coord_check_jobs(nl_coord *c, double now);
 

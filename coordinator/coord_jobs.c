@@ -49,7 +49,7 @@ cjob *coord_job_find(nl_coord *c, uint64_t id)
 
 void coord_job_free(cjob *j)
 {
-    free(j->prompt);
+    free(j->ids);
     coord_train_free(j);
     memset(j, 0, sizeof *j);
 }
@@ -187,6 +187,35 @@ static const char *check_tokens(const nl_coord *c, const nl_rx *rx, int *B, int 
     return NULL;
 }
 
+/* Open generation j's session on every stage of the plan. With limit, the
+ * last stage feeds its tokens to the first itself (the token ring) and
+ * this coordinator only relays them to the client; a resumed generation
+ * (coord_feeds) is fed by the coordinator, which replays its tokens. */
+static void open_session(nl_coord *c, cjob *j)
+{
+    j->phase = JOB_OPENING;
+    j->epoch = c->epoch;
+    j->acks = 0;
+    j->seen = 0;
+    j->last_progress = coord_now();
+    nl_wire_param ps[6] = {
+        {.key = "session", .kind = NL_WIRE_PARAM_INT, .i = (int64_t)j->id},
+        {.key = "capacity", .kind = NL_WIRE_PARAM_INT, .i = j->capacity},
+        {.key = "temperature", .kind = NL_WIRE_PARAM_FLOAT, .f = j->temperature},
+        {.key = "top_p", .kind = NL_WIRE_PARAM_FLOAT, .f = j->top_p},
+        {.key = "seed", .kind = NL_WIRE_PARAM_INT, .i = j->seed},
+        {.key = "limit", .kind = NL_WIRE_PARAM_INT, .i = j->coord_feeds ? 0 : j->limit},
+    };
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    for (int st = 0; st < c->plan->n_stages; st++) {
+        nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
+        m.u.job_submit = (nl_msg_job_submit){NL_JOB_GENERATE, 6, ps};
+        coord_send_node(c, coord_stage_node(c, st), &m);
+    }
+    nl_wire_msg_free(&m);
+}
+
 void coord_on_submit(nl_coord *c, const nl_rx *rx)
 {
     const nl_msg_job_submit *s = &rx->msg.u.job_submit;
@@ -232,37 +261,19 @@ void coord_on_submit(nl_coord *c, const nl_rx *rx)
                      "temperature >= 0, top_p in (0, 1], seed >= 0");
         return;
     }
-    j->prompt = malloc((size_t)T * sizeof *j->prompt);
-    if (!j->prompt) {
+    j->capacity = T + j->max_new < c->cfg.max_seq_len ? T + j->max_new : c->cfg.max_seq_len;
+    /* as local generation: stop at max_new tokens or a full cache */
+    j->limit = j->max_new < j->capacity - T + 1 ? j->max_new : j->capacity - T + 1;
+    j->ids = malloc(((size_t)T + (size_t)j->limit) * sizeof *j->ids);
+    if (!j->ids) {
         coord_job_free(j);
         status_reply(c, rx, 0, NL_JOB_FAILED, "out of memory");
         return;
     }
-    memcpy(j->prompt, ids, (size_t)T * sizeof *j->prompt);
+    memcpy(j->ids, ids, (size_t)T * sizeof *j->ids);
     j->prompt_len = T;
-    j->capacity = T + j->max_new < c->cfg.max_seq_len ? T + j->max_new : c->cfg.max_seq_len;
-    /* as local generation: stop at max_new tokens or a full cache */
-    j->limit = j->max_new < j->capacity - T + 1 ? j->max_new : j->capacity - T + 1;
-    j->phase = JOB_OPENING;
     status_reply(c, rx, j->id, NL_JOB_RUNNING, "opening a session on every stage");
-    /* limit: the last stage feeds its tokens to the first itself (the
-     * token ring); this coordinator only relays them to the client */
-    nl_wire_param ps[6] = {
-        {.key = "session", .kind = NL_WIRE_PARAM_INT, .i = (int64_t)j->id},
-        {.key = "capacity", .kind = NL_WIRE_PARAM_INT, .i = j->capacity},
-        {.key = "temperature", .kind = NL_WIRE_PARAM_FLOAT, .f = j->temperature},
-        {.key = "top_p", .kind = NL_WIRE_PARAM_FLOAT, .f = j->top_p},
-        {.key = "seed", .kind = NL_WIRE_PARAM_INT, .i = j->seed},
-        {.key = "limit", .kind = NL_WIRE_PARAM_INT, .i = j->limit},
-    };
-    nl_wire_msg m;
-    nl_wire_msg_init(&m);
-    for (int st = 0; st < c->plan->n_stages; st++) {
-        nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
-        m.u.job_submit = (nl_msg_job_submit){NL_JOB_GENERATE, 6, ps};
-        coord_send_node(c, coord_stage_node(c, st), &m);
-    }
-    nl_wire_msg_free(&m);
+    open_session(c, j);
 }
 
 /* JOB_STATUS from a node: a stage took a job (a session opened, training
@@ -278,6 +289,11 @@ void coord_on_node_status(nl_coord *c, const nl_rx *rx)
         return;
     }
     cjob *j = coord_job_find(c, s->job_id);
+    if (s->state == NL_JOB_FAILED && j && j->phase == JOB_WAITING) {
+        NL_INFO("job %llu, waiting to resume: node %u reports its old session failed: %s",
+                (unsigned long long)s->job_id, n->id, s->message);
+        return;
+    }
     if (s->state == NL_JOB_FAILED) {
         char why[1200];
         snprintf(why, sizeof why, "node %u (stage %d): %s", n->id, n->stage, s->message);
@@ -297,7 +313,7 @@ void coord_on_node_status(nl_coord *c, const nl_rx *rx)
     if (++j->acks < c->plan->n_stages)
         return;
     j->phase = JOB_RUNNING;
-    if (send_tokens(c, j, j->id, 0, j->prompt, 1, j->prompt_len) != NL_OK)
+    if (send_tokens(c, j, j->id, 0, j->ids, 1, j->prompt_len) != NL_OK)
         unreachable_first(c, j);
 }
 
@@ -316,7 +332,21 @@ void coord_on_token(nl_coord *c, const nl_rx *rx)
     if (!j || j->phase != JOB_RUNNING || t->ntokens != 1 || !from_last_stage(c, rx))
         return;
     j->last_progress = coord_now();
-    j->produced++;
+    const int32_t tok = (int32_t)t->tokens[0];
+    const int k = j->seen++; /* the session's token k (0-based) */
+    if (k < j->produced) {   /* a resumed session replays what the client has */
+        const int32_t had = j->ids[j->prompt_len + k];
+        if (tok != had)
+            NL_WARN("job %llu: the replay gave token %d at position %d, where %d was sent; going "
+                    "on with %d",
+                    (unsigned long long)j->id, tok, j->prompt_len + k, had, had);
+        if (k + 1 == j->produced)
+            NL_INFO("job %llu: replayed %d tokens; resumed", (unsigned long long)j->id, k + 1);
+        if (send_tokens(c, j, j->id, (uint64_t)(j->prompt_len + k), &had, 1, 1) != NL_OK)
+            unreachable_first(c, j);
+        return;
+    }
+    j->ids[j->prompt_len + j->produced++] = tok;
     const int done = j->produced >= j->limit;
     nl_wire_msg m;
     nl_error e = {0};
@@ -329,7 +359,53 @@ void coord_on_token(nl_coord *c, const nl_rx *rx)
     if (done) { /* the last stage fed nothing more */
         close_session(c, j);
         coord_job_free(j);
+    } else if (j->coord_feeds &&
+               send_tokens(c, j, j->id, (uint64_t)(j->prompt_len + k), &tok, 1, 1) != NL_OK) {
+        unreachable_first(c, j);
     }
+}
+
+void coord_jobs_stage_lost(nl_coord *c, const char *why)
+{
+    for (int i = 0; i < COORD_MAX_JOBS; i++) {
+        cjob *j = &c->jobs[i];
+        if (j->phase == JOB_FREE || j->phase == JOB_WAITING)
+            continue;
+        char msg[900];
+        if (j->kind != NL_JOB_GENERATE || j->resumes >= c->o.gen_resumes) {
+            snprintf(msg, sizeof msg, "%s; the job failed", why);
+            coord_fail_job(c, j, msg);
+            continue;
+        }
+        j->resumes++;
+        j->coord_feeds = 1;
+        j->phase = JOB_WAITING;
+        j->last_progress = coord_now();
+        snprintf(msg, sizeof msg,
+                 "%s; resuming at token %d once the cluster is planned again (resume %d of %d)",
+                 why, j->produced + 1, j->resumes, c->o.gen_resumes);
+        NL_WARN("job %llu: %s", (unsigned long long)j->id, msg);
+        status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, msg);
+    }
+}
+
+void coord_resume_jobs(nl_coord *c)
+{
+    for (int i = 0; i < COORD_MAX_JOBS; i++) {
+        cjob *j = &c->jobs[i];
+        if (j->phase != JOB_WAITING)
+            continue;
+        NL_INFO("job %llu: reopening its session on plan %llu, to replay %d tokens",
+                (unsigned long long)j->id, (unsigned long long)c->epoch, j->produced);
+        open_session(c, j);
+    }
+}
+
+void coord_fail_waiting(nl_coord *c, const char *why)
+{
+    for (int i = 0; i < COORD_MAX_JOBS; i++)
+        if (c->jobs[i].phase == JOB_WAITING)
+            coord_fail_job(c, &c->jobs[i], why);
 }
 
 void coord_on_result(nl_coord *c, const nl_rx *rx)

@@ -34,6 +34,10 @@ int main(int argc, char **argv)
         {"heartbeat-ms", 1, "heartbeat period told to nodes (default 1000)", NULL},
         {"node-timeout-ms", 1, "a node silent this long is dead (default 5000)", NULL},
         {"job-timeout-ms", 1, "a job with no progress this long fails (default 120000)", NULL},
+        {"gen-resumes", 1,
+         "times a generation resumes on a new plan after losing a stage, replaying its tokens "
+         "(default 2; 0: it fails)",
+         NULL},
         {"plan-rows", 1, "rows (tokens) of one request the plan must fit (default 512)", NULL},
         {"log-level", 1, "debug, info, warn or error (default info)", NULL},
         {"plaintext", 0, "INSECURE: no CURVE encryption or authentication", NULL},
@@ -51,7 +55,7 @@ int main(int argc, char **argv)
     o.config = nl_args_get(flags, "config");
     o.resume = nl_args_get(flags, "resume");
     o.plaintext = nl_args_get(flags, "plaintext") != NULL;
-    long long seed = 0, min_nodes = 1, hb = 1000, nto = 5000, jto = 120000, rows = 512;
+    long long seed = 0, min_nodes = 1, hb = 1000, nto = 5000, jto = 120000, rows = 512, resumes = 2;
     uint64_t min_mem = 0;
     if (!o.listen || !o.state_dir || (!!o.model + !!o.config + !!o.resume > 1)) {
         nl_args_help(stderr, usage, flags);
@@ -62,6 +66,7 @@ int main(int argc, char **argv)
         (rc = nl_args_int(flags, "heartbeat-ms", 10, 60000, &hb)) ||
         (rc = nl_args_int(flags, "node-timeout-ms", 20, 3600000, &nto)) ||
         (rc = nl_args_int(flags, "job-timeout-ms", 100, 86400000, &jto)) ||
+        (rc = nl_args_int(flags, "gen-resumes", 0, 1000, &resumes)) ||
         (rc = nl_args_int(flags, "plan-rows", 1, 1 << 20, &rows)) ||
         (rc = nl_args_size(flags, "min-memory", &min_mem)))
         return rc;
@@ -84,6 +89,7 @@ int main(int argc, char **argv)
     o.heartbeat_ms = (int)hb;
     o.node_timeout_ms = (int)nto;
     o.job_timeout_ms = (int)jto;
+    o.gen_resumes = (int)resumes;
     o.plan_rows = (int)rows;
     nl_log_set_name("coord");
     if (o.plaintext)

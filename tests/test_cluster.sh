@@ -4,7 +4,8 @@
 # <= 1e-6); greedy and sampled generation equal local generation (the
 # token ring, the stop at max_seq_len); Ctrl-C cancels a generation; status shows the
 # plan; SIGKILL of a node in the middle of a request gives the client a
-# clear error within the heartbeat timeout plus one second, the
+# clear error within the heartbeat timeout plus one second, a generation
+# resumes on the new plan by replaying its tokens (the same ids), the
 # coordinator stays up and re-plans, and the next request succeeds;
 # unauthorised node and client keys are refused; cluster down stops all;
 # a session evicted from a node's KV budget fails that generation only.
@@ -129,25 +130,48 @@ timeout 20 "$NODE" join "$(cat "$C/coord/endpoint")" --key "$W/stranger.key" \
 check test $rc -ne 0
 check test "$("$N" status --cluster "$C" | grep -c serving)" -eq 3
 
-# SIGKILL a node in the middle of requests: generations run back to back
-# until one fails
-( for i in $(seq 1 200); do
-    "$N" generate --cluster "$C" --prompt-tokens 1,2,3 --max-new 200 --temperature 0.8 \
-      --timeout 30 > /dev/null 2> "$W/gen.err" || exit 1
+# SIGKILL a node in the middle of requests. Forward requests run back to
+# back until one fails: the client gets a clear error within the heartbeat
+# timeout plus one second of the node going silent. A sampled generation in
+# flight (its node stopped while it runs, then killed) waits for the new
+# plan, replays its tokens there and goes on: it gives the local ids.
+want=$("$N" generate --model "$W/m.safetensors" --prompt-tokens 1,2,3 --max-new 250 \
+  --temperature 0.8 --seed 5 --threads 1 2>/dev/null | head -1)
+( for i in $(seq 1 2000); do
+    "$N" forward --cluster "$C" --tokens "$W/in.safetensors" --out "$W/fwd.safetensors" \
+      --timeout 30 > /dev/null 2> "$W/fwd.err" || exit 1
   done; exit 0 ) &
-gen=$!
-sleep 1
+fwd=$!
 victim=$(cat "$C/node-2.pid")
-t0=$(date +%s.%N)
+stopped=0
+for try in 1 2 3 4 5; do
+  "$N" generate --cluster "$C" --prompt-tokens 1,2,3 --max-new 250 --temperature 0.8 --seed 5 \
+    --timeout 30 > "$W/gen.out" 2> "$W/gen.err" &
+  g=$!
+  for i in $(seq 1 500); do [ -s "$W/gen.out" ] && break; sleep 0.01; done
+  kill -STOP "$victim"
+  t0=$(date +%s.%N)
+  sleep 0.2
+  if kill -0 $g 2>/dev/null; then stopped=1; break; fi # the ring stalls: mid-generation
+  kill -CONT "$victim"
+  wait $g
+done
+check test $stopped -eq 1
 kill -9 "$victim"
-wait $gen; rc=$?
+wait $fwd; rc=$?
 t1=$(date +%s.%N)
 check test $rc -ne 0
-check grep -q "node" "$W/gen.err"
-cat "$W/gen.err"
+check grep -q "node" "$W/fwd.err"
+cat "$W/fwd.err"
 elapsed=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.2f", b - a }')
-echo "client saw the failure $elapsed s after the kill (heartbeat timeout 2 s)"
+echo "client saw the failure $elapsed s after the node went silent (heartbeat timeout 2 s)"
 check awk -v e="$elapsed" 'BEGIN { exit !(e <= 3.0) }'
+wait $g; rc=$?
+check test $rc -eq 0
+check test "$(head -1 "$W/gen.out")" = "$want"
+check grep -q "dead; resuming at token" "$W/gen.err"
+check grep -q "^generate: 250 tokens" "$W/gen.err"
+check grep -q "replayed [0-9]* tokens; resumed" "$C/coord.log"
 check kill -0 "$(cat "$C/coord.pid")"
 # the coordinator re-plans on the two nodes left; the next request succeeds
 ok=0
