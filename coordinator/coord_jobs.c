@@ -289,8 +289,8 @@ void coord_on_node_status(nl_coord *c, const nl_rx *rx)
         return;
     }
     cjob *j = coord_job_find(c, s->job_id);
-    if (s->state == NL_JOB_FAILED && j && j->phase == JOB_WAITING) {
-        NL_INFO("job %llu, waiting to resume: node %u reports its old session failed: %s",
+    if (s->state == NL_JOB_FAILED && j && (j->phase == JOB_WAITING || n->stage < 0)) {
+        NL_INFO("job %llu: node %u, no longer one of its stages, reports a failure: %s",
                 (unsigned long long)s->job_id, n->id, s->message);
         return;
     }
