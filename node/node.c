@@ -114,10 +114,10 @@ static void fail_job(node *n, uint64_t job, nl_status code, nl_msg_type req_type
         send_error(n, code, req_type, "%s", text);
         return;
     }
-    NL_WARN("%s of job %llu refused (%s): %s", nl_wire_type_name(req_type), (unsigned long long)job,
-            nl_status_str(code), text);
-    /* the field holds 1024 bytes: cut the text, on a UTF-8 boundary, to fit the status */
     const char *why = nl_status_str(code);
+    NL_WARN("%s of job %llu refused (%s): %s", nl_wire_type_name(req_type), (unsigned long long)job,
+            why, text);
+    /* the field holds 1024 bytes: cut the text, on a UTF-8 boundary, to fit the status */
     size_t keep = strlen(text), room = 1024 - 3 - strlen(why);
     if (keep > room) {
         keep = room;
