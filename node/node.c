@@ -45,11 +45,14 @@ typedef struct node {
     uint64_t train_hops, train_bytes;
     uint8_t prev_rid[NL_ROUTING_ID_MAX]; /* the previous stage on data: GRADIENTs go there */
     size_t prev_rid_len;
-    /* a single stage's own token ring: the token it sampled, run at the
-     * next turn of the loop (after what is waiting on the sockets) */
-    bool feed_pending;
-    nl_msg_tensor_hop feed_hop;
-    int32_t feed_token;
+    /* a single stage's own token ring: the tokens it sampled, one per
+     * running session, each run at a later turn of the loop (after what is
+     * waiting on the sockets), oldest first */
+    struct self_feed {
+        nl_msg_tensor_hop hop;
+        int32_t token;
+    } * feeds;
+    int n_feeds, cap_feeds;
     nl_rx rx;
     nl_wire_msg tx;
 } node;
@@ -382,7 +385,7 @@ static void handle_assign(node *n, const nl_msg_assign *a)
     drop_next(n); /* drops what was queued for the old next stage */
     n->next_ep[0] = n->next_key[0] = '\0';
     n->prev_rid_len = 0;
-    n->feed_pending = false; /* its session goes with the old model */
+    n->n_feeds = 0; /* their sessions go with the old model */
     wait_sent(n);
     nl_status st = nl_stage_assign(n->stage, a, &e);
     const char *prev = a->prev_key;
@@ -455,9 +458,19 @@ static void feed_first(node *n, const nl_msg_tensor_hop *hop, const nl_stage_out
                                     0.0};
     const nl_model *m = nl_stage_model(n->stage);
     if (m && m->has_embed) {
-        n->feed_hop = next;
-        n->feed_token = out->token;
-        n->feed_pending = true;
+        if (n->n_feeds == n->cap_feeds) {
+            const int cap = n->cap_feeds ? 2 * n->cap_feeds : 8;
+            struct self_feed *f = realloc(n->feeds, (size_t)cap * sizeof *f);
+            if (!f) {
+                fail_job(n, hop->job_id, NL_ERR_NOMEM, NL_MSG_ACTIVATION,
+                         "job %llu session %llu: no memory to queue its next token",
+                         (unsigned long long)hop->job_id, (unsigned long long)hop->session_id);
+                return;
+            }
+            n->feeds = f;
+            n->cap_feeds = cap;
+        }
+        n->feeds[n->n_feeds++] = (struct self_feed){next, out->token};
         return;
     }
     nl_status st = n->next_ep[0] ? ensure_next(n, &e)
@@ -781,17 +794,18 @@ static void drain(node *n, nl_sock *s, void (*handle)(node *))
     }
 }
 
-/* Run the token a single stage fed itself (feed_first). */
+/* Run the oldest token a single stage fed itself (feed_first). */
 static void run_feed(node *n)
 {
     const int64_t shape[2] = {1, 1};
+    const struct self_feed f = n->feeds[0];
+    memmove(n->feeds, n->feeds + 1, (size_t)--n->n_feeds * sizeof *n->feeds);
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_ACTIVATION);
-    m.u.hop = n->feed_hop;
-    nl_wire_frame_set(&m.frames[0], &n->feed_token, NL_DTYPE_I32, shape, 2);
+    m.u.hop = f.hop;
+    nl_wire_frame_set(&m.frames[0], &f.token, NL_DTYPE_I32, shape, 2);
     m.nframes = 1;
-    n->feed_pending = false;
     handle_activation(n, &m);
     nl_wire_msg_free(&m);
 }
@@ -799,7 +813,7 @@ static void run_feed(node *n)
 static void serve(node *n)
 {
     while (!stopping(n)) {
-        if (n->feed_pending)
+        if (n->n_feeds)
             run_feed(n);
         int64_t now = mono_ms();
         if (now >= n->next_hb_ms)
@@ -813,7 +827,7 @@ static void serve(node *n)
             it[count++] = (zmq_pollitem_t){nl_sock_handle(n->next), 0, ZMQ_POLLIN, 0};
         if (n->next_mon)
             it[count++] = (zmq_pollitem_t){n->next_mon, 0, ZMQ_POLLIN, 0};
-        if (n->feed_pending) /* its own token waits: only look at the sockets */
+        if (n->n_feeds) /* its own tokens wait: only look at the sockets */
             wait = 0;
         if (zmq_poll(it, count, wait < half ? (wait > 0 ? wait : 0) : half) <= 0)
             continue; /* timeout, or a signal: check the flag */
@@ -856,6 +870,7 @@ nl_status nl_node_run(const nl_node_opts *o, nl_error *err)
     /* sockets first (their queued frames reference the stage's buffers),
      * then the context, which waits for the LEAVE to go out */
     nl_rx_free(&n.rx);
+    free(n.feeds);
     drop_next(&n);
     nl_sock_destroy(&n.data);
     nl_sock_destroy(&n.ctl);

@@ -206,16 +206,29 @@ check "$N" cluster down --dir "$C2"
 C3="$W/cluster3"
 check "$N" cluster up --dir "$C3" --nodes 1 --model "$W/m.safetensors" --memory 64M --threads 1 \
   --kv-budget 600000 --timeout 60
+# two generations at once on a single stage: it feeds each its own tokens
+# (one queued token per session); both give the local ids
+for p in 1,2,3 5,6,7; do
+  "$N" generate --model "$W/m.safetensors" --prompt-tokens $p --max-new 100 --temperature 0 \
+    --threads 1 2>/dev/null | head -1 > "$W/want-$p"
+  "$N" generate --cluster "$C3" --prompt-tokens $p --max-new 100 --temperature 0 --timeout 20 \
+    2>/dev/null > "$W/got-$p" &
+done
+wait
+for p in 1,2,3 5,6,7; do
+  check test -s "$W/want-$p"
+  check cmp -s "$W/want-$p" <(head -1 "$W/got-$p")
+done
 want=$("$N" generate --model "$W/m.safetensors" --prompt-tokens 5,6,7 --max-new 250 --temperature 0 \
   --threads 1 | head -1)
 evicted=0
 for try in 1 2 3 4 5; do
   "$N" generate --cluster "$C3" --prompt-tokens 1,2,3 --max-new 250 --temperature 0 \
-    > "$W/a.out" 2> "$W/a.err" &
+    --timeout 20 > "$W/a.out" 2> "$W/a.err" &
   a=$!
   for i in $(seq 1 500); do [ -s "$W/a.out" ] && break; sleep 0.01; done
   got=$("$N" generate --cluster "$C3" --prompt-tokens 5,6,7 --max-new 250 --temperature 0 \
-    2> "$W/b.err" | head -1)
+    --timeout 20 2> "$W/b.err" | head -1)
   wait $a; rc=$?
   if [ $rc -ne 0 ]; then evicted=1; break; fi
 done

@@ -564,6 +564,43 @@ static void check_generation(coord *c, peer **stages, int nst, nl_model *ref, ui
     expect_failed(c, stages[0], id + 1000, NL_ERR_NOTFOUND, "is not open");
 }
 
+/* Two ring sessions at once on a single stage: it feeds each its own
+ * tokens (one queued token per session), so both run to their limit with
+ * the local ids, in whatever order the TOKENs come. */
+static void check_two_sessions(coord *c, peer *p, nl_model *ref)
+{
+    enum { P = 4, N = 8 };
+    const uint64_t ids[2] = {61, 62};
+    int32_t prompts[2][P] = {{17, 4, 250, 99}, {3, 141, 59, 26}}, want[2][N], got[2][N];
+    int count[2] = {0, 0};
+    for (int k = 0; k < 2; k++) {
+        local_generate(ref, prompts[k], P, N, want[k]);
+        send_session(c, p, ids[k], P + N, N);
+        nl_msg_type t = coord_next(c, p, WAIT_MS);
+        CHECK(t == NL_MSG_JOB_STATUS && c->rx.msg.u.job_status.state == NL_JOB_RUNNING,
+              "session %llu not opened (%s)", (unsigned long long)ids[k],
+              t ? nl_wire_type_name(t) : "nothing");
+    }
+    for (int k = 0; k < 2; k++) /* back to back: the second runs while the first is fed */
+        send_tokens(c, p, ids[k], ids[k], 0, prompts[k], 1, P, NL_DTYPE_I32);
+    for (int i = 0; i < 2 * N; i++) {
+        nl_msg_type t = coord_next(c, p, WAIT_MS);
+        const nl_msg_token *tk = &c->rx.msg.u.token;
+        const int k = t == NL_MSG_TOKEN && tk->ntokens == 1 ? (tk->job_id == ids[0]   ? 0
+                                                               : tk->job_id == ids[1] ? 1
+                                                                                      : -1)
+                                                            : -1;
+        CHECK(k >= 0 && count[k] < N, "TOKEN %d of %d: got %s (counts %d, %d)", i + 1, 2 * N,
+              t ? nl_wire_type_name(t) : "nothing", count[0], count[1]);
+        if (k < 0 || count[k] >= N)
+            return;
+        got[k][count[k]++] = (int32_t)tk->tokens[0];
+    }
+    for (int k = 0; k < 2; k++)
+        CHECK(memcmp(got[k], want[k], sizeof want[k]) == 0, "session %llu: ids differ from local",
+              (unsigned long long)ids[k]);
+}
+
 /* SIGTERM: LEAVE {node_id}, then exit status 0. */
 static void check_leave(coord *c, peer *p, pid_t pid, uint32_t node_id, const char *log)
 {
@@ -713,6 +750,7 @@ static void test_one_node(void)
     peer *stages[1] = {p};
     check_generation(&c, stages, 1, ref, 55, false);
     check_generation(&c, stages, 1, ref, 56, true); /* the stage feeds itself */
+    check_two_sessions(&c, p, ref);
 
     /* bad input: a job's bad work fails that job (JOB_STATUS), anything
      * else is answered with an ERROR, and the node stays up */
