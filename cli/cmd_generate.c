@@ -145,7 +145,7 @@ int nl_cmd_generate(int argc, char **argv)
         goto out;
     if (!tok && nl_tokenizer_new_bytes(&tok, &err) != NL_OK) /* a byte-level model */
         goto out;
-    if (nl_backend_cpu_new(&be, (int)threads, &err) != NL_OK ||
+    if (nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = (int)threads}, &err) != NL_OK ||
         nl_checkpoint_load(&m, be, model, 0, -1, 1, 1, NULL, &err) != NL_OK)
         goto out;
     if (nl_tokenizer_vocab_size(tok) < m->cfg.vocab_size && !ptoks) {
@@ -251,7 +251,7 @@ int nl_cmd_bench(int argc, char **argv)
     rc = 1;
     if (!times || nl_config_load_yaml(&cfg, cfg_path, &err) != NL_OK ||
         nl_config_validate(&cfg, 1, &err) != NL_OK ||
-        nl_backend_cpu_new(&be, (int)threads, &err) != NL_OK ||
+        nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = (int)threads}, &err) != NL_OK ||
         nl_model_new(&m, be, &cfg, 0, cfg.num_layers, 1, 1, &err) != NL_OK ||
         nl_model_init_random(m, 1, &err) != NL_OK ||
         nl_runstate_new(&rs, m, (int)(B * T), &err) != NL_OK)
@@ -278,7 +278,8 @@ int nl_cmd_bench(int argc, char **argv)
         double t0 = nl_cli_now();
         if (nl_forward(m, rs, &a, NULL, &err) != NL_OK)
             goto out;
-        be->sync(be);
+        if (be->sync(be, &err) != NL_OK)
+            goto out;
         times[i] = nl_cli_now() - t0;
     }
     qsort(times, (size_t)reps, sizeof *times, cmp_double);

@@ -71,7 +71,7 @@ int nl_cmd_init(int argc, char **argv)
         nl_error_prefix(&err, "%s", cfg_path);
         goto out;
     }
-    if (nl_backend_cpu_new(&be, 0, &err) != NL_OK ||
+    if (nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = 0}, &err) != NL_OK ||
         nl_model_new(&m, be, &cfg, 0, cfg.num_layers, 1, 1, &err) != NL_OK ||
         nl_model_init_random(m, (uint64_t)seed, &err) != NL_OK)
         goto out;
@@ -124,7 +124,7 @@ int nl_cmd_forward(int argc, char **argv)
     int B = 0, T = 0;
     rc = 1;
     if (nl_cli_read_ids_file(in, "tokens", &tokens, &B, &T, &err) != NL_OK ||
-        nl_backend_cpu_new(&be, threads, &err) != NL_OK ||
+        nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = threads}, &err) != NL_OK ||
         nl_checkpoint_load(&m, be, model, 0, -1, 1, 1, NULL, &err) != NL_OK ||
         nl_runstate_new(&rs, m, B * T, &err) != NL_OK)
         goto out;
@@ -215,7 +215,7 @@ int nl_cmd_grow(int argc, char **argv)
     size_t tlen = 0;
     int has_optim = 0;
     rc = 1;
-    if (nl_backend_cpu_new(&be, 0, &err) != NL_OK ||
+    if (nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = 0}, &err) != NL_OK ||
         nl_checkpoint_load(&m, be, model, 0, -1, 1, 1, &step, &err) != NL_OK ||
         nl_checkpoint_tokenizer(model, &old_tok, &err) != NL_OK ||
         nl_checkpoint_meta(model, "init_seed", &init_seed, &err) != NL_OK)

@@ -62,7 +62,7 @@ int nl_cmd_grad(int argc, char **argv)
                      T, B2, T2);
         goto out;
     }
-    if (nl_backend_cpu_new(&be, (int)threads, &err) != NL_OK ||
+    if (nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = (int)threads}, &err) != NL_OK ||
         nl_checkpoint_load(&m, be, model, 0, -1, 1, 1, NULL, &err) != NL_OK ||
         nl_trainer_new(&tr, m, B * T, 1, 0, &err) != NL_OK)
         goto out;
@@ -204,7 +204,7 @@ static int run_train(const train_opts *o)
         nl_checkpoint_meta(src, "tokenizer", &cm.tokenizer, &err) != NL_OK ||
         nl_checkpoint_meta(src, "init_seed", &cm.init_seed, &err) != NL_OK ||
         load_data(&ds, o, src, cm.tokenizer, cfg.vocab_size, &err) != NL_OK ||
-        nl_backend_cpu_new(&be, (int)o->threads, &err) != NL_OK ||
+        nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = (int)o->threads}, &err) != NL_OK ||
         nl_checkpoint_load(&m, be, src, 0, -1, 1, 1, &start, &err) != NL_OK ||
         nl_trainer_new(&tr, m, mb * T, 1, (int)o->r.recompute, &err) != NL_OK)
         goto out;

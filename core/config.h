@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "../base/status.h"
+#include "../kernels/backend.h"
 
 typedef struct nl_config {
     int64_t vocab_size;  /* active vocabulary; default NL_DEFAULT_VOCAB */
@@ -36,7 +37,7 @@ typedef struct nl_config {
 #define NL_CONFIG_MAX_EXPERTS 256
 #define NL_CONFIG_MAX_VOCAB (1LL << 26)
 #define NL_CONFIG_MAX_SEQ (1 << 20)
-#define NL_CONFIG_MAX_HEAD_DIM 256
+#define NL_CONFIG_MAX_HEAD_DIM NL_BACKEND_MAX_HEAD_DIM /* what the kernels support */
 
 /* Every field unset (0); rope_base, norm_eps, aux_loss_coef, vocab_chunk,
  * num_experts, top_k, max_seq_len get their defaults. */

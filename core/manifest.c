@@ -821,7 +821,7 @@ nl_status nl_manifest_export_ex(const nl_manifest *m, const char *out,
     if (st == NL_OK)
         st = train_text(m, &train, err);
     if (st == NL_OK)
-        st = nl_backend_cpu_new(&be, 0, err);
+        st = nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = 0}, err);
     if (st != NL_OK)
         goto out;
     const size_t n = (size_t)nl_stage_param_count(&m->cfg, L, 1, 1);

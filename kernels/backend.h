@@ -1,15 +1,30 @@
 /* The compute backend interface: one table of function pointers plus a
- * context, filled by the CPU backend (kernels/cpu) and later by the CUDA
- * backend (kernels/cuda). Model code above this layer calls only these
- * slots, so it never knows which device runs it.
+ * context, filled by the CPU backend (kernels/cpu), the device simulator
+ * (kernels/devsim.c) and the CUDA backend (kernels/cuda, a module loaded at
+ * run time). Model code above this layer calls only these slots, so it
+ * never knows which device runs it.
  *
  * Conventions (after llm.c): outputs first, then inputs and weights, then
  * sizes. Pointers are device pointers of this backend. A weight W of shape
  * [out, in] maps y = x W^T. Rows are contiguous; N is the number of rows
  * (tokens), C the row width. Ops never allocate in the hot path; scratch
- * comes from the caller. Optional slots may be NULL.
+ * comes from the caller, and reduction scratch a device needs is owned by
+ * the backend, sized when it is created. Optional slots may be NULL.
  *
- * Ownership: nl_backend_*_new returns a backend the caller owns and frees
+ * Ordering (one in-order queue per backend, e.g. one CUDA stream):
+ *   - ops, upload, download and zero run in submission order;
+ *   - upload returns when the source may be reused;
+ *   - download returns when the bytes are on the host.
+ * So a caller may reuse a host buffer as soon as upload returns, and may
+ * upload into a device buffer that queued ops still read: the upload runs
+ * after them.
+ *
+ * Errors: ops return void. A device reports an asynchronous failure (or a
+ * slot it does not implement) through a sticky error that `sync` and
+ * `check` return as an nl_status; callers check after each forward, each
+ * training step and each download they act on.
+ *
+ * Ownership: nl_backend_new returns a backend the caller owns and frees
  * with nl_backend_destroy(&be). */
 #ifndef NL_BACKEND_H
 #define NL_BACKEND_H
@@ -36,18 +51,36 @@ typedef struct nl_attn_shape {
     int hd;     /* head dimension */
 } nl_attn_shape;
 
+/* Bumped whenever struct nl_backend changes: a backend module built
+ * against another version is refused when it is loaded. */
+#define NL_BACKEND_ABI 2
+
+/* Largest head dimension any backend's attention and RoPE support. */
+#define NL_BACKEND_MAX_HEAD_DIM 256
+
 struct nl_backend {
-    const char *name; /* "cpu", "cuda:0" */
+    const char *name; /* "cpu", "cpu-devsim", "cuda:0" */
     void *ctx;        /* backend-private state */
     void (*destroy)(nl_backend *be); /* frees ctx and the table itself */
     int host_memory;  /* 1 when device pointers are ordinary host memory */
+    int can_train;    /* 1 when every backward and optimizer slot is implemented */
+    int gemm_probe;   /* M = N = K of the throughput probe that reflects this device */
+    /* Device memory the backend itself holds (context, library workspaces,
+     * its reduction scratch), measured when it was created; 0 on the CPU,
+     * whose process overhead the memory model counts (NL_MEM_RUNTIME_BYTES). */
+    size_t runtime_bytes;
 
     /* ---- memory (device) ---- */
     void *(*alloc)(nl_backend *be, size_t bytes); /* zero-filled, 64-byte aligned; NULL on failure */
     void (*free)(nl_backend *be, void *p);        /* p may be NULL */
     void (*upload)(nl_backend *be, void *dst, const void *src, size_t bytes);
     void (*download)(nl_backend *be, void *dst, const void *src, size_t bytes);
-    void (*sync)(nl_backend *be); /* wait for queued work */
+    /* Wait for queued work; returns the first asynchronous error, if any. */
+    nl_status (*sync)(nl_backend *be, nl_error *err);
+    /* Optional: return a sticky error without waiting (NULL: never fails). */
+    nl_status (*check)(nl_backend *be, nl_error *err);
+    /* Optional: free and total memory of the device (NULL: host memory). */
+    nl_status (*mem_info)(nl_backend *be, size_t *free_bytes, size_t *total_bytes, nl_error *err);
     /* Set `bytes` bytes at p to zero (unlike scaling by 0, this clears NaN). */
     void (*zero)(nl_backend *be, void *p, size_t bytes);
     /* Bytes allocated through this backend now and at most so far. */
@@ -87,10 +120,6 @@ struct nl_backend {
     /* out[i, :] = src[idx[i], :]; (n, C) */
     void (*gather_rows)(nl_backend *be, float *out, const float *src, const int32_t *idx, int n,
                         int C);
-    /* dst[idx[i], :] += scale[i] * src[i, :]; indices are distinct within
-     * one call. (n, C) */
-    void (*scatter_add_rows)(nl_backend *be, float *dst, const float *src, const int32_t *idx,
-                             const float *scale, int n, int C);
     /* dst[r, 0:cols] = src[r, 0:cols] for r < rows, with row strides (floats). */
     void (*copy_rows)(nl_backend *be, float *dst, int dst_stride, const float *src, int src_stride,
                       int rows, int cols);
@@ -99,8 +128,6 @@ struct nl_backend {
      * y holds the expert outputs in dispatch order. (N, C) */
     void (*moe_combine)(nl_backend *be, float *x, const float *y, const int32_t *slot,
                         const float *w, int N, int k, int C);
-    /* y += x, n elements */
-    void (*add_inplace)(nl_backend *be, float *y, const float *x, size_t n);
 
     /* ---- backward ops ----
      * Gradients named d<x>. "+=" means the op accumulates into the output
@@ -141,8 +168,6 @@ struct nl_backend {
     /* Sum of squares of x in double precision (inf or nan if any element
      * is not finite). */
     double (*sumsq)(nl_backend *be, const float *x, size_t n);
-    /* y *= a, n elements */
-    void (*scale)(nl_backend *be, float *y, float a, size_t n);
     /* One AdamW update of n parameters with gradient g * grad_scale:
      *   m = b1 m + (1 - b1) g';  v = b2 v + (1 - b2) g'^2
      *   p -= lr * (m / bc1 / (sqrt(v / bc2) + eps) + wd * p)
@@ -151,12 +176,30 @@ struct nl_backend {
                   float b1, float b2, float eps, float wd, float bc1, float bc2, float grad_scale);
 };
 
-/* Create the CPU backend with `threads` worker threads (0: all cores). */
-nl_status nl_backend_cpu_new(nl_backend **out, int threads, nl_error *err);
+/* Options of nl_backend_new; a zeroed struct (or NULL) gives the defaults. */
+typedef struct nl_backend_opts {
+    int threads; /* CPU worker threads (0: all cores) */
+    int tf32;    /* CUDA: allow TF32 tensor-core math in GEMM (default: FP32) */
+} nl_backend_opts;
+
+/* The one constructor. device is "cpu", "cpu-devsim" (the CPU backend
+ * behind tagged pointers: any host dereference of device memory faults) or
+ * "cuda:N" (loads the CUDA module; fails with NL_ERR_UNSUPPORTED and a
+ * message naming what is missing when the module, driver or device is not
+ * there). */
+nl_status nl_backend_new(nl_backend **out, const char *device, const nl_backend_opts *o,
+                         nl_error *err);
+
+/* Check a device name without creating anything: NL_OK for "cpu",
+ * "cpu-devsim" and "cuda:N" (N a non-negative integer). */
+nl_status nl_backend_parse_device(const char *device, nl_error *err);
 
 /* Free a backend made by any nl_backend_*_new and set *be to NULL. Safe
  * on NULL and on an already-destroyed pointer. */
 void nl_backend_destroy(nl_backend **be);
+
+/* be->check when the backend has one, else NL_OK. */
+nl_status nl_backend_check(nl_backend *be, nl_error *err);
 
 /* Measure this backend's sgemm throughput in GFLOP/s on an M x N x K
  * product, repeated for about `seconds`. */

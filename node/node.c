@@ -265,7 +265,7 @@ static nl_status start(node *n, nl_error *err)
                         .ckpt_root = o->ckpt_root,
                         .inject_nan_step = o->inject_nan_step,
                         .inject_nan_stage = o->inject_nan_stage};
-    nl_status st = nl_backend_cpu_new(&n->be, o->threads, err);
+    nl_status st = nl_backend_new(&n->be, "cpu", &(nl_backend_opts){.threads = o->threads}, err);
     if (st != NL_OK)
         return st;
     n->threads = o->threads > 0 ? o->threads : (int)sysconf(_SC_NPROCESSORS_ONLN);

@@ -73,7 +73,7 @@ int main(int argc, char **argv)
         nl_checkpoint_meta(src, "train", &train, &err) != NL_OK ||
         nl_checkpoint_meta(src, "tokenizer", &tok, &err) != NL_OK ||
         nl_checkpoint_meta(src, "init_seed", &seed, &err) != NL_OK ||
-        nl_backend_cpu_new(&be, 1, &err) != NL_OK)
+        nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = 1}, &err) != NL_OK)
         goto out;
     cuts[n] = mf.cfg.num_layers;
     mf.train_json = train;

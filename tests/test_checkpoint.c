@@ -93,7 +93,7 @@ int main(void)
     snprintf(dir, sizeof dir, "/tmp/nl_test_ckpt_%d", (int)getpid());
     snprintf(good, sizeof good, "%s.good", dir);
     snprintf(bad, sizeof bad, "%s.bad", dir);
-    CHECK_OK(nl_backend_cpu_new(&be, 1, &err), &err);
+    CHECK_OK(nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = 1}, &err), &err);
     nl_config c = small();
     CHECK_OK(nl_model_new(&m, be, &c, 0, 2, 1, 1, &err), &err);
     if (!m)

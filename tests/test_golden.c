@@ -143,7 +143,7 @@ int main(void)
 {
     nl_error err = {0};
     nl_backend *be = NULL;
-    CHECK_OK(nl_backend_cpu_new(&be, 2, &err), &err);
+    CHECK_OK(nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = 2}, &err), &err);
     if (!be)
         return check_done("test_golden");
     for (size_t i = 0; i < sizeof configs / sizeof configs[0]; i++)

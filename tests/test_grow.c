@@ -30,7 +30,7 @@ int main(void)
     nl_model *m = NULL, *fresh = NULL;
     nl_trainer *tr = NULL;
     nl_runstate *rs = NULL;
-    CHECK_OK(nl_backend_cpu_new(&be, 2, &err), &err);
+    CHECK_OK(nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = 2}, &err), &err);
     nl_config c = cfg_with(100), big = cfg_with(200);
     CHECK_OK(nl_model_new(&m, be, &c, 0, 2, 1, 1, &err), &err);
     CHECK_OK(nl_model_new(&fresh, be, &big, 0, 2, 1, 1, &err), &err);

@@ -494,7 +494,7 @@ int main(void)
     test_sha256();
 
     /* the whole model, and a one-process save of it */
-    CHECK_OK(nl_backend_cpu_new(&be, 1, &err), &err);
+    CHECK_OK(nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = 1}, &err), &err);
     nl_config c = small();
     CHECK_OK(nl_model_new(&whole, be, &c, 0, 3, 1, 1, &err), &err);
     if (!whole)

@@ -910,7 +910,7 @@ int main(void)
     cfg.vocab_chunk = 128;
     cfg.max_seq_len = 32;
     cfg_json = nl_config_to_json(&cfg);
-    CHECK_OK(nl_backend_cpu_new(&be, 1, &err), &err); /* as the nodes: same sums */
+    CHECK_OK(nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = 1}, &err), &err); /* as the nodes: same sums */
     if (be && cfg_json) {
         test_cli();
         test_late_and_refused();

@@ -709,7 +709,7 @@ int main(void)
     cfg.max_seq_len = 32;
     CHECK_OK(nl_config_validate(&cfg, 1, &err), &err);
     cfg_json = nl_config_to_json(&cfg);
-    CHECK_OK(nl_backend_cpu_new(&be, 2, &err), &err);
+    CHECK_OK(nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = 2}, &err), &err);
     nl_model *ref = NULL;
     CHECK_OK(nl_model_new(&ref, be, &cfg, 0, cfg.num_layers, 1, 1, &err), &err);
     CHECK_OK(nl_model_init_random(ref, SEED, &err), &err);

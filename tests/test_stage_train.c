@@ -465,7 +465,7 @@ int main(void)
     cfg.max_seq_len = 32;
     CHECK_OK(nl_config_validate(&cfg, 1, &err), &err);
     cfg_json = nl_config_to_json(&cfg);
-    CHECK_OK(nl_backend_cpu_new(&be, 2, &err), &err);
+    CHECK_OK(nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = 2}, &err), &err);
     if (be && cfg_json) {
         parity(8, 8, 4, 5, 0, false);
         parity(4, 8, 1, 3, 0, false);

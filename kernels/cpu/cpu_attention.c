@@ -10,7 +10,7 @@
 
 #define QT 16  /* queries per tile */
 #define KT 64  /* keys per block */
-#define HD_MAX 256
+#define HD_MAX NL_BACKEND_MAX_HEAD_DIM
 
 /* One (sequence, head, query tile): rows t0 .. t0+nq-1 of the new positions.
  * Each key block is transposed into kt so the score loop runs along keys

@@ -23,7 +23,7 @@
 
 #define QT 16      /* query rows per step */
 #define KT 32      /* keys per block: the vector width of the inner loops */
-#define HD_MAX 256 /* NL_CONFIG_MAX_HEAD_DIM */
+#define HD_MAX NL_BACKEND_MAX_HEAD_DIM
 
 /* Per-task stack tiles: 4 * HD_MAX * KT floats (128 KiB) plus two QT x KT
  * blocks, far below a thread's stack. */

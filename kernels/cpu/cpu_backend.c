@@ -1,6 +1,7 @@
 /* The CPU backend: GEMM through oneDNN's dnnl_sgemm, the other ops as
  * plain C loops that the compiler vectorises, threaded with OpenMP. */
 #include "../backend.h"
+#include "../backend_impl.h"
 #include "cpu_math.h"
 #include "cpu_ops.h"
 
@@ -71,7 +72,12 @@ static void cpu_copy(nl_backend *be, void *dst, const void *src, size_t bytes)
         memcpy(dst, src, bytes);
 }
 
-static void cpu_sync(nl_backend *be) { (void)be; }
+static nl_status cpu_sync(nl_backend *be, nl_error *err)
+{
+    (void)be;
+    (void)err;
+    return NL_OK;
+}
 
 static void cpu_zero(nl_backend *be, void *p, size_t bytes)
 {
@@ -108,7 +114,6 @@ static void cpu_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int
 /* ---------------------------------------------------------------- elementwise */
 
 #define PAR_ROWS(n) if ((n) >= 64)
-#define NL_CPU_MAX_HEAD_DIM 256 /* config.h's NL_CONFIG_MAX_HEAD_DIM */
 
 static void cpu_embedding_forward(nl_backend *be, float *out, const int32_t *tokens,
                                   const float *table, int N, int C)
@@ -143,7 +148,7 @@ static void cpu_rope_forward(nl_backend *be, float *x, const int32_t *pos, int N
 {
     (void)be;
     const int half = hd / 2;
-    double freq[NL_CPU_MAX_HEAD_DIM / 2];
+    double freq[NL_BACKEND_MAX_HEAD_DIM / 2];
     for (int i = 0; i < half; i++)
         freq[i] = pow((double)base, -2.0 * i / (double)hd);
 #pragma omp parallel for PAR_ROWS(N)
@@ -204,20 +209,6 @@ static void cpu_gather_rows(nl_backend *be, float *out, const float *src, const 
         memcpy(out + (size_t)i * C, src + (size_t)idx[i] * C, (size_t)C * sizeof(float));
 }
 
-static void cpu_scatter_add_rows(nl_backend *be, float *dst, const float *src, const int32_t *idx,
-                                 const float *scale, int n, int C)
-{
-    (void)be;
-#pragma omp parallel for PAR_ROWS(n)
-    for (int i = 0; i < n; i++) {
-        float *d = dst + (size_t)idx[i] * C;
-        const float *s = src + (size_t)i * C;
-        float a = scale ? scale[i] : 1.0f;
-        for (int j = 0; j < C; j++)
-            d[j] += a * s[j];
-    }
-}
-
 static void cpu_copy_rows(nl_backend *be, float *dst, int dst_stride, const float *src,
                           int src_stride, int rows, int cols)
 {
@@ -244,14 +235,6 @@ static void cpu_moe_combine(nl_backend *be, float *x, const float *y, const int3
     }
 }
 
-static void cpu_add_inplace(nl_backend *be, float *y, const float *x, size_t n)
-{
-    (void)be;
-#pragma omp parallel for if (n >= 65536)
-    for (size_t i = 0; i < n; i++)
-        y[i] += x[i];
-}
-
 /* ---------------------------------------------------------------- table */
 
 static void cpu_destroy(nl_backend *be)
@@ -260,11 +243,10 @@ static void cpu_destroy(nl_backend *be)
     free(be);
 }
 
-nl_status nl_backend_cpu_new(nl_backend **out, int threads, nl_error *err)
+nl_status nl_cpu_backend_new(nl_backend **out, const nl_backend_opts *o, nl_error *err)
 {
     *out = NULL;
-    if (threads < 0)
-        return nl_error_set(err, NL_ERR_INVALID, "threads: %d is negative", threads);
+    const int threads = o->threads;
     nl_backend *be = calloc(1, sizeof *be);
     cpu_ctx *ctx = calloc(1, sizeof *ctx);
     if (!be || !ctx) {
@@ -285,6 +267,8 @@ nl_status nl_backend_cpu_new(nl_backend **out, int threads, nl_error *err)
     be->mem_stats = cpu_mem_stats;
     be->zero = cpu_zero;
     be->host_memory = 1;
+    be->can_train = 1;
+    be->gemm_probe = 512;
     be->gemm = cpu_gemm;
     be->embedding_forward = cpu_embedding_forward;
     be->rmsnorm_forward = cpu_rmsnorm_forward;
@@ -293,10 +277,8 @@ nl_status nl_backend_cpu_new(nl_backend **out, int threads, nl_error *err)
     be->softmax_forward = cpu_softmax_forward;
     be->swiglu_forward = cpu_swiglu_forward;
     be->gather_rows = cpu_gather_rows;
-    be->scatter_add_rows = cpu_scatter_add_rows;
     be->copy_rows = cpu_copy_rows;
     be->moe_combine = cpu_moe_combine;
-    be->add_inplace = cpu_add_inplace;
     be->embedding_backward = nl_cpu_embedding_backward;
     be->rmsnorm_backward = nl_cpu_rmsnorm_backward;
     be->attention_backward = nl_cpu_attention_backward;
@@ -304,7 +286,6 @@ nl_status nl_backend_cpu_new(nl_backend **out, int threads, nl_error *err)
     be->moe_combine_backward = nl_cpu_moe_combine_backward;
     be->cross_entropy = nl_cpu_cross_entropy;
     be->sumsq = nl_cpu_sumsq;
-    be->scale = nl_cpu_scale;
     be->adamw = nl_cpu_adamw;
     *out = be;
     return NL_OK;

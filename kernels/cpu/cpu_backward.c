@@ -162,14 +162,6 @@ double nl_cpu_sumsq(nl_backend *be, const float *x, size_t n)
     return acc;
 }
 
-void nl_cpu_scale(nl_backend *be, float *y, float a, size_t n)
-{
-    (void)be;
-#pragma omp parallel for simd PAR_ELEMS(n)
-    for (size_t i = 0; i < n; i++)
-        y[i] *= a;
-}
-
 void nl_cpu_adamw(nl_backend *be, float *p, const float *g, float *m, float *v, size_t n, float lr,
                   float b1, float b2, float eps, float wd, float bc1, float bc2, float grad_scale)
 {

@@ -26,7 +26,6 @@ void nl_cpu_moe_combine_backward(nl_backend *be, float *dy, float *dw, const flo
 void nl_cpu_cross_entropy(nl_backend *be, float *logits, float *losses, const int32_t *targets,
                           int N, int V, float scale);
 double nl_cpu_sumsq(nl_backend *be, const float *x, size_t n);
-void nl_cpu_scale(nl_backend *be, float *y, float a, size_t n);
 void nl_cpu_adamw(nl_backend *be, float *p, const float *g, float *m, float *v, size_t n, float lr,
                   float b1, float b2, float eps, float wd, float bc1, float bc2, float grad_scale);
 
