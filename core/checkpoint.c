@@ -20,19 +20,16 @@ nl_status nl_checkpoint_save(const nl_model *m, const char *path, int64_t step,
     char *cfg_json = NULL;
     const size_t n = m->n_params;
     char(*names)[NL_PARAM_NAME_MAX + 8] = NULL;
-    /* weights and moments, referenced in place when the backend's memory
-     * is host memory, else staged through one host copy */
-    const float *src[3] = {m->params, opt ? opt->m : NULL, opt ? opt->v : NULL};
-    float *host = NULL;
-    if (!m->be->host_memory) {
-        host = malloc((opt ? 3 : 1) * n * sizeof(float) + 1);
-        if (!host)
-            return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory for %zu parameters", path, n);
-        for (int i = 0; i < (opt ? 3 : 1); i++) {
-            m->be->download(m->be, host + i * n, src[i], n * sizeof(float));
-            src[i] = host + i * n;
+    /* weights and moments, read through host views (in place on a
+     * host-memory backend) */
+    nl_host_stage stage[3] = {{0}};
+    const float *src[3] = {NULL, NULL, NULL};
+    const float *dev[3] = {m->params, opt ? opt->m : NULL, opt ? opt->v : NULL};
+    for (int i = 0; i < (opt ? 3 : 1); i++)
+        if (!(src[i] = nl_backend_read_view(m->be, &stage[i], dev[i], n * sizeof(float), err))) {
+            st = nl_error_prefix(err, "%s", path);
+            goto out;
         }
-    }
     if (opt) {
         names = calloc(2 * (size_t)m->n_table, sizeof *names);
         if (!names) {
@@ -86,7 +83,8 @@ out:
     nl_st_writer_destroy(&w);
     free(cfg_json);
     free(names);
-    free(host);
+    for (int i = 0; i < 3; i++)
+        nl_host_stage_free(&stage[i]);
     return st;
 }
 
@@ -187,7 +185,7 @@ nl_status nl_checkpoint_load(nl_model **out, nl_backend *be, const char *path, i
     nl_st_file *f = NULL;
     nl_model *m = NULL;
     nl_config cfg;
-    float *host = NULL;
+    nl_host_stage stage = {0};
     nl_status st = nl_st_open(&f, path, err);
     if (st != NL_OK)
         return st;
@@ -213,25 +211,22 @@ nl_status nl_checkpoint_load(nl_model **out, nl_backend *be, const char *path, i
     st = nl_model_new(&m, be, &cfg, l0, l1, has_embed, has_head, err);
     if (st != NL_OK)
         goto out;
-    float *dst = m->params; /* straight into place on a host-memory backend */
-    if (!be->host_memory) {
-        dst = host = malloc(m->n_params * sizeof(float) + 1);
-        if (!host) {
-            st = nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", path);
-            goto out;
-        }
+    const size_t bytes = m->n_params * sizeof(float);
+    float *dst = nl_backend_write_view(be, &stage, m->params, bytes, err);
+    if (!dst) {
+        st = nl_error_prefix(err, "%s", path);
+        goto out;
     }
     st = nl_checkpoint_read_tensors(m, f, NULL, dst, NULL, NULL, err);
     if (st != NL_OK) {
         nl_error_prefix(err, "%s", path);
         goto out;
     }
-    if (host)
-        be->upload(be, m->params, host, m->n_params * sizeof(float));
+    nl_backend_write_back(be, m->params, dst, bytes);
     *out = m;
     m = NULL;
 out:
-    free(host);
+    nl_host_stage_free(&stage);
     nl_model_destroy(&m);
     nl_st_close(&f);
     return st;
@@ -241,7 +236,7 @@ nl_status nl_checkpoint_load_optim(const nl_model *m, const char *path, float *m
                                    int64_t *adam_steps, char **train_json, nl_error *err)
 {
     nl_st_file *f = NULL;
-    float *host = NULL;
+    nl_host_stage stage[2] = {{0}};
     if (train_json)
         *train_json = NULL;
     nl_status st = nl_st_open(&f, path, err);
@@ -254,31 +249,27 @@ nl_status nl_checkpoint_load_optim(const nl_model *m, const char *path, float *m
                           path);
     if (st != NL_OK)
         goto out;
-    float *dst[2] = {mom_m, mom_v};
-    if (!m->be->host_memory) {
-        host = malloc(2 * m->n_params * sizeof(float) + 1);
-        if (!host) {
-            st = nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", path);
-            goto out;
-        }
-        dst[0] = host;
-        dst[1] = host + m->n_params;
+    const size_t bytes = m->n_params * sizeof(float);
+    float *dst[2] = {nl_backend_write_view(m->be, &stage[0], mom_m, bytes, err),
+                     nl_backend_write_view(m->be, &stage[1], mom_v, bytes, err)};
+    if (!dst[0] || !dst[1]) {
+        st = nl_error_prefix(err, "%s", path);
+        goto out;
     }
     st = nl_checkpoint_read_tensors(m, f, NULL, NULL, dst[0], dst[1], err);
     if (st != NL_OK) {
         nl_error_prefix(err, "%s", path);
         goto out;
     }
-    if (host) {
-        m->be->upload(m->be, mom_m, host, m->n_params * sizeof(float));
-        m->be->upload(m->be, mom_v, host + m->n_params, m->n_params * sizeof(float));
-    }
+    nl_backend_write_back(m->be, mom_m, dst[0], bytes);
+    nl_backend_write_back(m->be, mom_v, dst[1], bytes);
     *adam_steps = t;
     const char *tj = nl_st_metadata(f, "train");
     if (train_json && tj && !(*train_json = strdup(tj)))
         st = nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", path);
 out:
-    free(host);
+    nl_host_stage_free(&stage[0]);
+    nl_host_stage_free(&stage[1]);
     nl_st_close(&f);
     return st;
 }

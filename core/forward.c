@@ -83,51 +83,6 @@ const float *nl_runstate_output(const nl_runstate *rs, int *cols)
     return rs->out;
 }
 
-/* ---------------------------------------------------------------- kv cache */
-
-size_t nl_kvcache_bytes(const nl_config *cfg, int n_layers, int B, int cap)
-{
-    return 2 * (size_t)n_layers * (size_t)B * (size_t)cap * (size_t)cfg->num_kv_heads *
-           (size_t)nl_config_head_dim(cfg) * sizeof(float);
-}
-
-nl_status nl_kvcache_new(nl_kvcache **out, const nl_model *m, int B, int cap, nl_error *err)
-{
-    *out = NULL;
-    if (B < 1 || cap < 1 || cap > m->cfg.max_seq_len)
-        return nl_error_set(err, NL_ERR_RANGE,
-                            "kv cache: %d sequences of %d positions (max_seq_len %d)", B, cap,
-                            m->cfg.max_seq_len);
-    nl_kvcache *kv = calloc(1, sizeof *kv);
-    if (!kv)
-        return nl_error_set(err, NL_ERR_NOMEM, "kv cache: out of memory");
-    kv->be = m->be;
-    kv->n_layers = m->l1 - m->l0;
-    kv->B = B;
-    kv->cap = cap;
-    kv->kv_dim = m->cfg.num_kv_heads * nl_config_head_dim(&m->cfg);
-    size_t bytes = nl_kvcache_bytes(&m->cfg, kv->n_layers, B, cap) / 2;
-    kv->k = m->be->alloc(m->be, bytes ? bytes : 1);
-    kv->v = m->be->alloc(m->be, bytes ? bytes : 1);
-    if (!kv->k || !kv->v) {
-        nl_kvcache_destroy(&kv);
-        return nl_error_set(err, NL_ERR_NOMEM, "kv cache: cannot allocate %zu bytes", 2 * bytes);
-    }
-    *out = kv;
-    return NL_OK;
-}
-
-void nl_kvcache_destroy(nl_kvcache **kvp)
-{
-    if (!kvp || !*kvp)
-        return;
-    nl_kvcache *kv = *kvp;
-    kv->be->free(kv->be, kv->k);
-    kv->be->free(kv->be, kv->v);
-    free(kv);
-    *kvp = NULL;
-}
-
 /* ---------------------------------------------------------------- forward */
 
 nl_status nl_forward(nl_model *m, nl_runstate *rs, const nl_forward_args *a, float *aux_loss,

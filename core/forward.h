@@ -1,5 +1,5 @@
 /* The forward pass of one stage (layers [l0, l1) of an nl_model), with an
- * optional KV cache for incremental decoding.
+ * optional KV cache (core/kvcache.h) for incremental decoding.
  *
  * A stage that holds the embedding takes token ids; any other stage takes
  * the hidden states (B*T, d) of the stage before it. A stage that holds
@@ -12,21 +12,8 @@
 #ifndef NL_FORWARD_H
 #define NL_FORWARD_H
 
+#include "kvcache.h"
 #include "model.h"
-
-/* Keys and values of every layer of a stage for B sequences of up to cap
- * positions: k and v are (layers, B, cap, G hd) each. */
-typedef struct nl_kvcache {
-    nl_backend *be;
-    int n_layers, B, cap, kv_dim;
-    int len; /* positions filled, the same for every sequence */
-    float *k, *v;
-} nl_kvcache;
-
-nl_status nl_kvcache_new(nl_kvcache **out, const nl_model *m, int B, int cap, nl_error *err);
-void nl_kvcache_destroy(nl_kvcache **kv);
-/* Bytes a cache of this shape takes. */
-size_t nl_kvcache_bytes(const nl_config *cfg, int n_layers, int B, int cap);
 
 typedef struct nl_runstate nl_runstate;
 

@@ -164,16 +164,7 @@ static void attention_block(nl_model *m, int li, nl_layer_acts *a, int B, int T,
     const float *k = a->qkv + H * hd, *v = a->qkv + (H + G) * hd;
     int kv_stride = qkv;
     if (kv) {
-        const size_t layer = (size_t)(li - m->l0) * kv->B * kv->cap * kv->kv_dim;
-        float *kc = kv->k + layer, *vc = kv->v + layer;
-        for (int b = 0; b < B; b++) {
-            const size_t dst = ((size_t)b * kv->cap + past) * kv->kv_dim;
-            const float *src = a->qkv + (size_t)b * T * qkv;
-            be->copy_rows(be, kc + dst, kv->kv_dim, src + H * hd, qkv, T, G * hd);
-            be->copy_rows(be, vc + dst, kv->kv_dim, src + (H + G) * hd, qkv, T, G * hd);
-        }
-        k = kc;
-        v = vc;
+        nl_kvcache_append(kv, li - m->l0, a->qkv, qkv, H * hd, (H + G) * hd, B, T, past, &k, &v);
         kv_stride = kv->kv_dim;
         s.kv_cap = kv->cap;
     }

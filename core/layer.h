@@ -6,7 +6,7 @@
 #ifndef NL_LAYER_H
 #define NL_LAYER_H
 
-#include "forward.h"
+#include "kvcache.h"
 #include "model.h"
 
 /* Activations of one layer for N = B*T rows. Device pointers unless

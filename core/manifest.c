@@ -712,7 +712,7 @@ nl_status nl_manifest_load_stage(nl_model **out, nl_backend *be, const nl_manife
     nl_model *model = NULL;
     int *own = NULL;
     unsigned char *pick = NULL;
-    float *host = NULL;
+    nl_host_stage stage[3] = {{0}};
     if (!mom_m != !mom_v)
         return nl_error_set(err, NL_ERR_INVALID, "moments: give both buffers or neither");
     if (m->n_shards < 1 || !m->shards)
@@ -722,16 +722,14 @@ nl_status nl_manifest_load_stage(nl_model **out, nl_backend *be, const nl_manife
     nl_status st = nl_model_new(&model, be, &m->cfg, l0, l1, has_embed, has_head, err);
     if (st != NL_OK)
         return st;
-    const size_t n = model->n_params, copies = mom_m ? 3 : 1;
-    float *w = model->params, *mm = mom_m, *vv = mom_v;
+    const size_t n = model->n_params;
+    const size_t bytes = n * sizeof(float);
+    float *w = nl_backend_write_view(be, &stage[0], model->params, bytes, err);
+    float *mm = mom_m ? nl_backend_write_view(be, &stage[1], mom_m, bytes, err) : NULL;
+    float *vv = mom_v ? nl_backend_write_view(be, &stage[2], mom_v, bytes, err) : NULL;
     own = malloc((size_t)model->n_table * sizeof *own + 1);
     pick = malloc((size_t)model->n_table + 1);
-    if (!be->host_memory && (host = malloc(copies * n * sizeof(float) + 1))) {
-        w = host;
-        mm = mom_m ? host + n : NULL;
-        vv = mom_v ? host + 2 * n : NULL;
-    }
-    if (!own || !pick || (!be->host_memory && !host)) {
+    if (!own || !pick || !w || (mom_m && (!mm || !vv))) {
         st = nl_error_set(err, NL_ERR_NOMEM, "stage [%d, %d): out of memory", l0, l1);
         goto out;
     }
@@ -744,17 +742,16 @@ nl_status nl_manifest_load_stage(nl_model **out, nl_backend *be, const nl_manife
         st = read_shard(m, s, model, own, pick, w, mm, vv, err);
     if (st != NL_OK)
         goto out;
-    if (host) {
-        be->upload(be, model->params, host, n * sizeof(float));
-        if (mom_m) {
-            be->upload(be, mom_m, mm, n * sizeof(float));
-            be->upload(be, mom_v, vv, n * sizeof(float));
-        }
+    nl_backend_write_back(be, model->params, w, bytes);
+    if (mom_m) {
+        nl_backend_write_back(be, mom_m, mm, bytes);
+        nl_backend_write_back(be, mom_v, vv, bytes);
     }
     *out = model;
     model = NULL;
 out:
-    free(host);
+    for (int i = 0; i < 3; i++)
+        nl_host_stage_free(&stage[i]);
     free(pick);
     free(own);
     nl_model_destroy(&model);

@@ -150,6 +150,64 @@ nl_status nl_backend_new(nl_backend **out, const char *device, const nl_backend_
     return cuda_new(out, device, cuda_index(device), o, err);
 }
 
+/* ---------------------------------------------------------------- host staging */
+
+static void *stage_reserve(nl_host_stage *st, size_t bytes, nl_error *err)
+{
+    if (bytes > st->cap || !st->p) {
+        void *p = malloc(bytes ? bytes : 1);
+        if (!p) {
+            nl_error_set(err, NL_ERR_NOMEM, "out of memory for a host copy of %zu bytes", bytes);
+            return NULL;
+        }
+        free(st->p);
+        st->p = p;
+        st->cap = bytes;
+    }
+    return st->p;
+}
+
+const void *nl_backend_read_view(nl_backend *be, nl_host_stage *st, const void *dev, size_t bytes,
+                                 nl_error *err)
+{
+    if (be->host_memory)
+        return dev;
+    void *h = stage_reserve(st, bytes, err);
+    if (!h)
+        return NULL;
+    be->download(be, h, dev, bytes);
+    return nl_backend_check(be, err) == NL_OK ? h : NULL;
+}
+
+void *nl_backend_write_view(nl_backend *be, nl_host_stage *st, void *dev, size_t bytes,
+                            nl_error *err)
+{
+    return be->host_memory ? dev : stage_reserve(st, bytes, err);
+}
+
+void nl_backend_write_back(nl_backend *be, void *dev, const void *view, size_t bytes)
+{
+    if (view != dev)
+        be->upload(be, dev, view, bytes);
+}
+
+const void *nl_backend_device_view(nl_backend *be, void *dev_stage, const void *src, size_t bytes)
+{
+    if (be->host_memory && (uintptr_t)src % sizeof(float) == 0)
+        return src;
+    be->upload(be, dev_stage, src, bytes);
+    return dev_stage;
+}
+
+void nl_host_stage_free(nl_host_stage *st)
+{
+    if (!st)
+        return;
+    free(st->p);
+    st->p = NULL;
+    st->cap = 0;
+}
+
 /* ---------------------------------------------------------------- probe */
 
 static double now_s(void)

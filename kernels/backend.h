@@ -201,6 +201,36 @@ void nl_backend_destroy(nl_backend **be);
 /* be->check when the backend has one, else NL_OK. */
 nl_status nl_backend_check(nl_backend *be, nl_error *err);
 
+/* ---- host staging: the one rule for host code that reads or writes
+ * tensors of a backend whose memory may not be the host's (checkpoints,
+ * wire frames, samplers). A host-memory backend lends its device pointers;
+ * any other copies through a host buffer the caller owns, grown on demand
+ * and kept, so a hot path allocates only the first time. ---- */
+typedef struct nl_host_stage {
+    void *p;    /* malloc'd staging, NULL until needed */
+    size_t cap; /* bytes at p */
+} nl_host_stage;
+
+/* Host pointer holding `bytes` bytes of device memory at dev: dev itself on
+ * a host-memory backend, else the stage after a download (and a check of
+ * the backend's sticky error). NULL with err set when out of memory or the
+ * device failed. */
+const void *nl_backend_read_view(nl_backend *be, nl_host_stage *st, const void *dev, size_t bytes,
+                                 nl_error *err);
+/* Host pointer to fill with `bytes` bytes bound for dev: dev itself on a
+ * host-memory backend, else the stage; then nl_backend_write_back. */
+void *nl_backend_write_view(nl_backend *be, nl_host_stage *st, void *dev, size_t bytes,
+                            nl_error *err);
+/* Upload what was written into a write view (nothing when view == dev). */
+void nl_backend_write_back(nl_backend *be, void *dev, const void *view, size_t bytes);
+/* Device pointer holding the `bytes` bytes of host data at src, which may
+ * be unaligned (a wire frame): src itself on a host-memory backend when it
+ * is float-aligned, else dev_stage (a device buffer of at least `bytes`)
+ * after an upload. */
+const void *nl_backend_device_view(nl_backend *be, void *dev_stage, const void *src, size_t bytes);
+/* Free the stage's buffer; safe on a zeroed or already-freed stage. */
+void nl_host_stage_free(nl_host_stage *st);
+
 /* Measure this backend's sgemm throughput in GFLOP/s on an M x N x K
  * product, repeated for about `seconds`. */
 double nl_backend_gemm_gflops(nl_backend *be, int M, int N, int K, double seconds);

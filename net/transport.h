@@ -31,6 +31,7 @@
 #include "../base/status.h"
 #include "auth.h"
 #include "keys.h"
+#include "txref.h"
 #include "wire.h"
 
 #define NL_RX_MAX_PARTS (NL_WIRE_MAX_FRAMES + 2) /* routing id + header + frames */
@@ -118,18 +119,5 @@ nl_status nl_sock_answer_hello(nl_sock *s, const nl_rx *rx, nl_role role, nl_err
 /* Wait until one of the sockets is readable. readable[i] says which.
  * Returns NL_OK, or NL_ERR_TIMEOUT. */
 nl_status nl_sock_poll(nl_sock *const *socks, bool *readable, int n, int timeout_ms, nl_error *err);
-
-/* Zero-copy send buffers: nl_txref counts the sends still holding a
- * buffer. nl_txref_frame points a frame at data and takes a reference that
- * the transport drops when libzmq has finished with the bytes; reuse the
- * buffer only when nl_txref_wait says it is idle. */
-typedef struct nl_txref {
-    atomic_int pending;
-} nl_txref;
-
-void nl_txref_frame(nl_wire_frame *f, nl_txref *ref, void *data, nl_dtype dtype,
-                    const int64_t *shape, int ndim);
-bool nl_txref_idle(nl_txref *ref);
-nl_status nl_txref_wait(nl_txref *ref, int timeout_ms, nl_error *err);
 
 #endif

@@ -73,9 +73,7 @@ static void drop_model(nl_stage *s)
     free(s->tok_h);
     s->tok_h = NULL;
     s->tok_cap = 0;
-    free(s->out_h);
-    s->out_h = NULL;
-    s->out_cap = 0;
+    nl_host_stage_free(&s->out_stage);
     s->ready = false;
 }
 
@@ -667,19 +665,10 @@ static nl_status ensure_buffers(nl_stage *s, int rows, nl_error *err)
 static nl_status host_output(nl_stage *s, const float *dev, size_t n, nl_stage_out *out,
                              nl_error *err)
 {
-    if (s->be->host_memory) {
-        out->data = (float *)dev;
-        return NL_OK;
-    }
-    if (n > s->out_cap) {
-        free(s->out_h);
-        s->out_cap = 0;
-        if (!(s->out_h = malloc(n * sizeof(float))))
-            return nl_error_set(err, NL_ERR_NOMEM, "stage: out of memory for the output");
-        s->out_cap = n;
-    }
-    s->be->download(s->be, s->out_h, dev, n * sizeof(float));
-    out->data = s->out_h;
+    const float *h = nl_backend_read_view(s->be, &s->out_stage, dev, n * sizeof(float), err);
+    if (!h)
+        return nl_error_prefix(err, "stage output");
+    out->data = (float *)h;
     return NL_OK;
 }
 

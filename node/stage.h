@@ -22,7 +22,7 @@
 #include <stdint.h>
 
 #include "../core/model.h"
-#include "../net/transport.h"
+#include "../net/txref.h"
 #include "../net/wire.h"
 
 typedef struct nl_stage nl_stage;

@@ -56,8 +56,7 @@ struct nl_stage {
     size_t tok_cap;
     float *xin_d; /* device copy of a hidden-state frame */
     size_t xin_cap;
-    float *out_h; /* host copy of the output (backends without host memory) */
-    size_t out_cap;
+    nl_host_stage out_stage; /* host view of the output (a copy off host memory) */
 
     /* optimizer moments that came with the weights (LAYER_LOAD of
      * optim.m.* and optim.v.*): host, n_params each, until a training job

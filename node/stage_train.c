@@ -47,8 +47,8 @@ typedef struct stage_train {
     double eval_ce;
     hop_in *q; /* FIFO ring of hops waiting to run */
     int qhead, qlen, qcap;
-    float *x_d;  /* device copy of a hidden-state input (backends without host memory) */
-    float *host; /* host copy of an output to send (likewise) */
+    float *x_d;          /* device staging of a hidden-state input or gradient frame */
+    nl_host_stage stage; /* host view of an output to send */
     nl_wire_msg tx;
 } stage_train;
 
@@ -72,7 +72,7 @@ void nl_stage_train_free(nl_stage *s)
     free(t->q);
     nl_trainer_destroy(&t->tr);
     s->be->free(s->be, t->x_d);
-    free(t->host);
+    nl_host_stage_free(&t->stage);
     nl_wire_msg_free(&t->tx);
     free(t);
     s->train = NULL;
@@ -183,9 +183,7 @@ nl_status nl_stage_train_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t
     t->d = (size_t)m->cfg.hidden_dim;
     t->applied = start;
     st = nl_trainer_new(&t->tr, m, (int)(mbB * T), slots, (int)recompute, err);
-    if (st == NL_OK && !s->be->host_memory &&
-        (!(t->x_d = s->be->alloc(s->be, t->rows * t->d * sizeof(float))) ||
-         !(t->host = malloc(t->rows * t->d * sizeof(float)))))
+    if (st == NL_OK && !(t->x_d = s->be->alloc(s->be, t->rows * t->d * sizeof(float))))
         st = nl_error_set(err, NL_ERR_NOMEM, "train job %lld: out of memory", (long long)job);
     if (st != NL_OK) {
         nl_stage_train_free(s);
@@ -211,15 +209,6 @@ nl_status nl_stage_train_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t
 
 /* ===================== sending ===================== */
 
-/* A host view of n floats of device memory (a copy where they differ). */
-static const float *host_view(nl_stage *s, const float *dev, size_t n)
-{
-    if (s->be->host_memory)
-        return dev;
-    s->be->download(s->be, s->train->host, dev, n * sizeof(float));
-    return s->train->host;
-}
-
 /* Send a hop (type) of this job with hidden states (rows x d, device) and
  * optionally the targets, to the next stage or (GRADIENT) the previous. */
 static nl_status send_hop(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_msg_type type,
@@ -228,9 +217,12 @@ static nl_status send_hop(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_msg_
 {
     stage_train *t = s->train;
     const int64_t xs[3] = {t->mbB, t->T, (int64_t)t->d}, ts[2] = {t->mbB, t->T};
+    const float *x = nl_backend_read_view(s->be, &t->stage, x_dev, t->rows * t->d * sizeof(float), err);
+    if (!x)
+        return nl_error_prefix(err, "train job %llu", (unsigned long long)t->job);
     nl_wire_msg_reset(&t->tx, type);
     t->tx.u.hop = (nl_msg_tensor_hop){t->job, step, mb, 0, 0, aux};
-    nl_wire_frame_set(&t->tx.frames[0], host_view(s, x_dev, t->rows * t->d), NL_DTYPE_F32, xs, 3);
+    nl_wire_frame_set(&t->tx.frames[0], x, NL_DTYPE_F32, xs, 3);
     t->tx.nframes = 1;
     if (targets) {
         nl_wire_frame_set(&t->tx.frames[1], targets, NL_DTYPE_I32, ts, 2);
@@ -274,14 +266,10 @@ static void hop_input(nl_stage *s, const hop_in *h, const int32_t **tokens, cons
     stage_train *t = s->train;
     *tokens = NULL;
     *x = NULL;
-    if (s->model->has_embed) {
+    if (s->model->has_embed)
         *tokens = h->x;
-    } else if (s->be->host_memory) {
-        *x = h->x;
-    } else {
-        s->be->upload(s->be, t->x_d, h->x, t->rows * t->d * sizeof(float));
-        *x = t->x_d;
-    }
+    else
+        *x = nl_backend_device_view(s->be, t->x_d, h->x, t->rows * t->d * sizeof(float));
 }
 
 /* Backward of the microbatch in `slot` and its gradient upstream. */
@@ -487,19 +475,8 @@ static nl_status on_gradient(nl_stage *s, const nl_wire_msg *m, nl_stage_send_fn
         g->shape[2] != (int64_t)t->d)
         return nl_error_set(err, NL_ERR_SHAPE, "GRADIENT: the frame must be F32 [%d, %d, %zu]",
                             t->mbB, t->T, t->d);
-    const float *dy = NULL;
-    if (s->be->host_memory && ((uintptr_t)g->data % sizeof(float)) == 0) {
-        dy = g->data;
-    } else { /* frames need not be aligned */
-        float *dst = s->be->host_memory ? t->host : t->x_d;
-        if (!dst && !(dst = t->host = malloc(t->rows * t->d * sizeof(float))))
-            return nl_error_set(err, NL_ERR_NOMEM, "GRADIENT: out of memory");
-        if (s->be->host_memory)
-            memcpy(dst, g->data, m->frames[0].len);
-        else
-            s->be->upload(s->be, dst, g->data, m->frames[0].len);
-        dy = dst;
-    }
+    /* frames need not be aligned: the view copies those into x_d */
+    const float *dy = nl_backend_device_view(s->be, t->x_d, g->data, m->frames[0].len);
     const int slot = (int)(hop->microbatch % (uint32_t)t->slots);
     nl_status st = backward(s, slot, dy, hop->step, hop->microbatch, send, ctx, err);
     if (st != NL_OK)
