@@ -141,7 +141,7 @@ nl_status nl_forward(nl_model *m, nl_runstate *rs, const nl_forward_args *a, flo
     if (!m->has_head) {
         rs->out = x;
         rs->out_cols = d;
-        return NL_OK;
+        return nl_backend_check(be, err); /* a device's asynchronous error */
     }
     const float *h = x;
     int rows = (int)N;
@@ -155,5 +155,5 @@ nl_status nl_forward(nl_model *m, nl_runstate *rs, const nl_forward_args *a, flo
     be->gemm(be, 0, 1, rows, V, d, 1.0f, rs->xnf, d, m->lm_head, d, 0.0f, rs->logits, V);
     rs->out = rs->logits;
     rs->out_cols = V;
-    return NL_OK;
+    return nl_backend_check(be, err); /* a device's asynchronous error */
 }

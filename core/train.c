@@ -328,7 +328,7 @@ nl_status nl_trainer_forward(nl_trainer *t, int slot, int B, int T, const int32_
     if (aux)
         *aux += a;
     if (!m->has_head)
-        return NL_OK;
+        return nl_backend_check(be, err); /* a device's asynchronous error */
     /* head and loss: the logits become their gradient in place */
     if (!targets)
         return nl_error_set(err, NL_ERR_INVALID, "trainer: last stage needs targets");
@@ -348,7 +348,7 @@ nl_status nl_trainer_forward(nl_trainer *t, int slot, int B, int T, const int32_
         sum += t->losses_h[n];
     if (ce_sum)
         *ce_sum += sum;
-    return NL_OK;
+    return nl_backend_check(be, err); /* a device's asynchronous error */
 }
 
 const float *nl_trainer_output(const nl_trainer *t, int slot)
@@ -403,7 +403,7 @@ nl_status nl_trainer_backward(nl_trainer *t, int slot, const float *dy, nl_error
         be->upload(be, t->grads, &nan, sizeof nan);
         t->inject_nan = 0;
     }
-    return NL_OK;
+    return nl_backend_check(be, err); /* a device's asynchronous error */
 }
 
 const float *nl_trainer_input_grad(const nl_trainer *t)
