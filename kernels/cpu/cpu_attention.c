@@ -64,11 +64,11 @@ static void attend_tile(float *out, float *lse, const float *q, int q_stride, co
             float bmax = -INFINITY;
             for (int j = 0; j < nv; j++)
                 bmax = srow[j] > bmax ? srow[j] : bmax;
-            const float mnew = bmax > m[i] ? bmax : m[i];
-            const float corr = m[i] == -INFINITY ? 0.0f : nl_expf(m[i] - mnew);
+            const float corr = nl_elem_online_max(&m[i], bmax);
+            const float mnew = m[i];
             float psum = 0.0f;
             for (int j = 0; j < nv; j++) {
-                srow[j] = nl_expf(srow[j] - mnew);
+                srow[j] = nl_elem_expf(srow[j] - mnew);
                 psum += srow[j];
             }
             l[i] = l[i] * corr + psum;
@@ -81,7 +81,6 @@ static void attend_tile(float *out, float *lse, const float *q, int q_stride, co
                 for (int c = 0; c < hd; c++)
                     ai[c] += p * vr[c];
             }
-            m[i] = mnew;
         }
     }
     for (int i = 0; i < nq; i++) {

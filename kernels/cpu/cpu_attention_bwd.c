@@ -91,7 +91,7 @@ static void block_rows(bwd_block *blk, const bwd_args *a, int b, int h, int t0, 
         }
         const int lim = t - j0; /* last key of the block this row sees */
         for (int j = 0; j < KT; j++) {
-            const float p = j <= lim ? nl_expf(a->scale * sc[j] - lse) : 0.0f;
+            const float p = j <= lim ? nl_elem_expf(a->scale * sc[j] - lse) : 0.0f;
             blk->P[i][j] = p;
             blk->dS[i][j] = a->scale * p * (dp[j] - D);
         }

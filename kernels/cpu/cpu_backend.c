@@ -135,7 +135,7 @@ static void cpu_rmsnorm_forward(nl_backend *be, float *out, float *rstd, const f
         float ss = 0.0f;
         for (int i = 0; i < C; i++)
             ss += x[i] * x[i];
-        float r = 1.0f / sqrtf(ss / (float)C + eps);
+        const float r = nl_elem_rmsnorm_scale(ss, C, eps);
         for (int i = 0; i < C; i++)
             y[i] = x[i] * r * w[i];
         if (rstd)
@@ -150,7 +150,7 @@ static void cpu_rope_forward(nl_backend *be, float *x, const int32_t *pos, int N
     const int half = hd / 2;
     double freq[NL_BACKEND_MAX_HEAD_DIM / 2];
     for (int i = 0; i < half; i++)
-        freq[i] = pow((double)base, -2.0 * i / (double)hd);
+        freq[i] = nl_elem_rope_freq(i, hd, base);
 #pragma omp parallel for PAR_ROWS(N)
     for (int n = 0; n < N; n++) {
         float *r = x + (size_t)n * row + col0;
@@ -159,9 +159,7 @@ static void cpu_rope_forward(nl_backend *be, float *x, const int32_t *pos, int N
             const float c = (float)cos(ang), s = (float)sin(ang);
             for (int h = 0; h < heads; h++) {
                 float *p = r + (size_t)h * hd + 2 * i;
-                const float a = p[0], b = p[1];
-                p[0] = a * c - b * s;
-                p[1] = a * s + b * c;
+                nl_elem_rope_rotate(&p[0], &p[1], c, s);
             }
         }
     }
@@ -178,7 +176,7 @@ static void cpu_softmax_forward(nl_backend *be, float *x, int N, int C)
             m = r[i] > m ? r[i] : m;
         float s = 0.0f;
         for (int i = 0; i < C; i++) {
-            r[i] = nl_expf(r[i] - m);
+            r[i] = nl_elem_expf(r[i] - m);
             s += r[i];
         }
         float inv = 1.0f / s;
@@ -196,7 +194,7 @@ static void cpu_swiglu_forward(nl_backend *be, float *out, const float *gu, int 
         const float *u = g + F;
         float *o = out + (size_t)n * F;
         for (int j = 0; j < F; j++)
-            o[j] = g[j] / (1.0f + nl_expf(-g[j])) * u[j];
+            o[j] = nl_elem_swiglu(g[j], u[j]);
     }
 }
 

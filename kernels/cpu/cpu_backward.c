@@ -84,12 +84,8 @@ void nl_cpu_swiglu_backward(nl_backend *be, float *dgu, const float *dh, const f
     for (int n = 0; n < N; n++) {
         const float *g = gu + (size_t)n * 2 * F, *u = g + F, *d = dh + (size_t)n * F;
         float *dg = dgu + (size_t)n * 2 * F, *du = dg + F;
-        for (int j = 0; j < F; j++) {
-            const float sig = 1.0f / (1.0f + nl_expf(-g[j]));
-            const float silu = g[j] * sig;
-            dg[j] = d[j] * u[j] * sig * (1.0f + g[j] * (1.0f - sig));
-            du[j] = d[j] * silu;
-        }
+        for (int j = 0; j < F; j++)
+            nl_elem_swiglu_backward(&dg[j], &du[j], g[j], u[j], d[j]);
     }
 }
 
@@ -137,7 +133,7 @@ void nl_cpu_cross_entropy(nl_backend *be, float *logits, float *losses, const in
         /* the sum runs in double: V may be large and the terms span decades */
         double sum = 0.0;
         for (int i = 0; i < V; i++) {
-            x[i] = nl_expf(x[i] - m);
+            x[i] = nl_elem_expf(x[i] - m);
             sum += x[i];
         }
         losses[n] = (float)((double)m + log(sum) - (double)xt);
@@ -167,13 +163,6 @@ void nl_cpu_adamw(nl_backend *be, float *p, const float *g, float *m, float *v, 
 {
     (void)be;
 #pragma omp parallel for simd PAR_ELEMS(n)
-    for (size_t i = 0; i < n; i++) {
-        const float gi = g[i] * grad_scale;
-        const float mi = b1 * m[i] + (1.0f - b1) * gi;
-        const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        /* decoupled decay uses the parameter before this step's update */
-        p[i] -= lr * (mi / bc1 / (sqrtf(vi / bc2) + eps) + wd * p[i]);
-    }
+    for (size_t i = 0; i < n; i++)
+        nl_elem_adamw(&p[i], &m[i], &v[i], g[i], lr, b1, b2, eps, wd, bc1, bc2, grad_scale);
 }
