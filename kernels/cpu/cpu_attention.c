@@ -96,10 +96,9 @@ static void attend_tile(float *out, float *lse, const float *q, int q_stride, co
 void nl_cpu_attention_forward(nl_backend *be, float *out, float *lse, const float *q, int q_stride,
                               const float *k, const float *v, int kv_stride, nl_attn_shape s)
 {
-    (void)be;
     const int tiles = (s.T + QT - 1) / QT;
     const long work = (long)s.B * s.H * tiles;
-#pragma omp parallel for schedule(dynamic, 1) if (work > 1)
+#pragma omp parallel for NL_CPU_TEAM(be) schedule(dynamic, 1) if (work > 1)
     for (long w = 0; w < work; w++) {
         /* walk tiles from the end so the longest rows start first */
         const int tile = tiles - 1 - (int)(w % tiles);

@@ -177,7 +177,6 @@ void nl_cpu_attention_backward(nl_backend *be, float *dq, float *dk, float *dv, 
                                const float *q, int q_stride, const float *k, const float *v,
                                int kv_stride, const float *out, const float *lse, nl_attn_shape s)
 {
-    (void)be;
     /* the model's config check bounds hd; never run off the stack tiles */
     if (s.B <= 0 || s.T <= 0 || s.G <= 0 || s.H % s.G != 0 || s.hd <= 0 || s.hd > HD_MAX)
         return;
@@ -195,7 +194,7 @@ void nl_cpu_attention_backward(nl_backend *be, float *dq, float *dk, float *dv, 
                         .s = s,
                         .scale = 1.0f / sqrtf((float)s.hd)};
     const int work = s.B * s.G;
-#pragma omp parallel for schedule(dynamic, 1) if (work > 1 && (long)s.T * s.H * s.hd >= 4096)
+#pragma omp parallel for NL_CPU_TEAM(be) schedule(dynamic, 1) if (work > 1 && (long)s.T * s.H * s.hd >= 4096)
     for (int w = 0; w < work; w++)
         backward_task(&a, w / s.G, w % s.G);
 }
