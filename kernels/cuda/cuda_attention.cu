@@ -29,14 +29,15 @@
 #include <limits.h>
 #include <math.h>
 
-namespace {
+namespace
+{
 
 constexpr int WARP = 32;
 constexpr unsigned FULL_MASK = 0xffffffffu;
-constexpr int BK = 32;            /* keys per tile or chunk: one per lane */
-constexpr int PREFILL_WARPS = 4;  /* warps per prefill block */
-constexpr int DECODE_WARPS = 8;   /* warps per decode block */
-constexpr int DECODE_MAX_T = 4;   /* new positions up to which the decode kernel runs */
+constexpr int BK = 32;           /* keys per tile or chunk: one per lane */
+constexpr int PREFILL_WARPS = 4; /* warps per prefill block */
+constexpr int DECODE_WARPS = 8;  /* warps per decode block */
+constexpr int DECODE_MAX_T = 4;  /* new positions up to which the decode kernel runs */
 /* Prefill blocks per SM the register budget must allow: caps ptxas at 128
  * registers a thread, which every bucket fits without spilling. */
 constexpr int PREFILL_MIN_BLOCKS = 4;
@@ -239,8 +240,7 @@ __global__ void __launch_bounds__(DECODE_WARPS *WARP)
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const float scale = 1.0f / sqrtf((float)hd);
 
-    const float *qr =
-        q + ((size_t)b * s.T + (size_t)t) * (size_t)q_stride + (size_t)h * hd;
+    const float *qr = q + ((size_t)b * s.T + (size_t)t) * (size_t)q_stride + (size_t)h * hd;
     float qv[R], acc[R];
 #pragma unroll
     for (int r = 0; r < R; r++) {
@@ -256,7 +256,7 @@ __global__ void __launch_bounds__(DECODE_WARPS *WARP)
     const int kend = s.past + t + 1; /* keys 0 .. past + t */
     for (int j0 = warp * BK; j0 < kend; j0 += DECODE_WARPS * BK) {
         const int nk = min(BK, kend - j0); /* >= 1 */
-        float sc = -INFINITY;               /* lane j: score of key j0 + j */
+        float sc = -INFINITY;              /* lane j: score of key j0 + j */
         for (int j = 0; j < nk; j += KU) {
             float d[KU];
 #pragma unroll
@@ -329,19 +329,18 @@ __global__ void __launch_bounds__(DECODE_WARPS *WARP)
 
 template <int HDB, int BQ>
 void launch_prefill(cudaStream_t st, unsigned blocks, float *out, float *lse, const float *q,
-                    int q_stride, const float *k, const float *v, int kv_stride,
-                    nl_attn_shape s)
+                    int q_stride, const float *k, const float *v, int kv_stride, nl_attn_shape s)
 {
-    attn_prefill<HDB, BQ><<<blocks, PREFILL_WARPS * WARP, 0, st>>>(out, lse, q, q_stride, k, v,
-                                                                   kv_stride, s);
+    attn_prefill<HDB, BQ>
+        <<<blocks, PREFILL_WARPS * WARP, 0, st>>>(out, lse, q, q_stride, k, v, kv_stride, s);
 }
 
 template <int HDB>
 void launch_decode(cudaStream_t st, unsigned blocks, float *out, float *lse, const float *q,
                    int q_stride, const float *k, const float *v, int kv_stride, nl_attn_shape s)
 {
-    attn_decode<HDB><<<blocks, DECODE_WARPS * WARP, 0, st>>>(out, lse, q, q_stride, k, v,
-                                                             kv_stride, s);
+    attn_decode<HDB>
+        <<<blocks, DECODE_WARPS * WARP, 0, st>>>(out, lse, q, q_stride, k, v, kv_stride, s);
 }
 
 /* Query tile per head-dim bucket (shared memory: queries BQ x HDB plus one
@@ -371,7 +370,8 @@ bool shape_ok(const float *out, const float *q, int q_stride, const float *k, co
         return false;
     if (s.hd < 1 || s.hd > NL_BACKEND_MAX_HEAD_DIM)
         return false;
-    if ((long long)s.kv_cap < (long long)s.past + s.T)
+    /* the kernels step key indices by up to 256 past the last key in int */
+    if ((long long)s.kv_cap < (long long)s.past + s.T || s.kv_cap > INT_MAX - 256)
         return false;
     return (long long)q_stride >= (long long)s.H * s.hd &&
            (long long)kv_stride >= (long long)s.G * s.hd;
