@@ -55,7 +55,9 @@ NL_HD float nl_expf(float x)
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    int32_t bits = (n + 127) << 23;
+    /* unsigned: for a NaN input n is garbage, and a signed shift of it
+     * would be undefined (the select below returns NaN anyway) */
+    const uint32_t bits = (uint32_t)(n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
     return x0 < -87.3f ? 0.0f : p * scale;
