@@ -51,9 +51,9 @@ static void test_exp(void)
     CHECK(nl_expf(-INFINITY) == 0.0f, "exp(-inf) = %g", nl_expf(-INFINITY));
     CHECK(nl_expf(-88.0f) == 0.0f, "exp(-88) = %g (flushed below -87.3)", nl_expf(-88.0f));
     CHECK(nl_expf(-1e30f) == 0.0f, "exp(-1e30) = %g", nl_expf(-1e30f));
-    CHECK(close_to(nl_expf(-87.3f), exp((double)-87.3f), 3e-7, 0), "exp(-87.3) = %g", nl_expf(-87.3f));
-    CHECK(close_to(nl_expf(88.3f), exp((double)88.3f), 3e-7, 0), "exp(88.3) = %g",
-          nl_expf(88.3f));
+    CHECK(close_to(nl_expf(-87.3f), exp((double)-87.3f), 3e-7, 0), "exp(-87.3) = %g",
+          nl_expf(-87.3f));
+    CHECK(close_to(nl_expf(88.3f), exp((double)88.3f), 3e-7, 0), "exp(88.3) = %g", nl_expf(88.3f));
     CHECK(isfinite(nl_expf(INFINITY)) && nl_expf(INFINITY) > 2e38f, "exp(inf) = %g",
           nl_expf(INFINITY));
     CHECK(isfinite(nl_expf(1e30f)) && nl_expf(1e30f) == nl_expf(88.3f), "exp(1e30) = %g",
@@ -103,8 +103,7 @@ static void test_silu(void)
     CHECK(nl_elem_silu(1e4f) == 1e4f, "silu(1e4) = %g", nl_elem_silu(1e4f));
     CHECK(nl_elem_silu_grad(1e4f) == 1.0f, "silu'(1e4) = %g", nl_elem_silu_grad(1e4f));
     CHECK(fabsf(nl_elem_silu(-1e4f)) <= 1e-30f, "silu(-1e4) = %g", nl_elem_silu(-1e4f));
-    CHECK(fabsf(nl_elem_silu_grad(-1e4f)) <= 1e-30f, "silu'(-1e4) = %g",
-          nl_elem_silu_grad(-1e4f));
+    CHECK(fabsf(nl_elem_silu_grad(-1e4f)) <= 1e-30f, "silu'(-1e4) = %g", nl_elem_silu_grad(-1e4f));
     CHECK(nl_elem_sigmoid(-INFINITY) <= 1e-38f && nl_elem_sigmoid(INFINITY) == 1.0f,
           "sigmoid(-inf, inf) = %g, %g", nl_elem_sigmoid(-INFINITY), nl_elem_sigmoid(INFINITY));
 }
@@ -134,8 +133,7 @@ static void test_swiglu(void)
     nl_elem_swiglu_backward(&dg, &du, 0.0f, 3.0f, 2.0f);
     CHECK(dg == 3.0f && du == 0.0f, "swiglu backward at g = 0: dg %g (3), du %g (0)", dg, du);
     CHECK(nl_elem_swiglu(0.0f, 7.0f) == 0.0f, "swiglu(0, u) = %g", nl_elem_swiglu(0.0f, 7.0f));
-    CHECK(nl_elem_swiglu(50.0f, 2.0f) == 100.0f, "swiglu(50, 2) = %g",
-          nl_elem_swiglu(50.0f, 2.0f));
+    CHECK(nl_elem_swiglu(50.0f, 2.0f) == 100.0f, "swiglu(50, 2) = %g", nl_elem_swiglu(50.0f, 2.0f));
 }
 
 /* ---------------------------------------------------------------- RoPE */
@@ -262,8 +260,9 @@ static void test_online_softmax(void)
         if (!(fabs(ls - lse) <= tl && fabs(lm - lse) <= tl && fabs(ms - mean) <= 1e-5 &&
               fabs(mm - mean) <= 1e-5)) {
             if (bad++ < 5)
-                fprintf(stderr, "row %d n %d bs %d: lse %.9g step %.9g merge %.9g; mean %.9g "
-                                "step %.9g merge %.9g\n",
+                fprintf(stderr,
+                        "row %d n %d bs %d: lse %.9g step %.9g merge %.9g; mean %.9g "
+                        "step %.9g merge %.9g\n",
                         row, n, bs, lse, ls, lm, mean, ms, mm);
         }
     }
@@ -342,8 +341,8 @@ static void test_adamw(void)
         if (!(fabs(m - md) <= 1e-6 * mabs && close_to(v, vd, 1e-6, 1e-38) &&
               fabs(p - pd) <= 6e-7 * fabs(pd) + 1e-5 * moved)) {
             if (bad++ < 5)
-                fprintf(stderr, "adamw case %d: p %.9g (%.9g) m %.9g (%.9g) v %.9g (%.9g)\n", i,
-                        p, pd, m, md, v, vd);
+                fprintf(stderr, "adamw case %d: p %.9g (%.9g) m %.9g (%.9g) v %.9g (%.9g)\n", i, p,
+                        pd, m, md, v, vd);
         }
     }
     CHECK(bad == 0, "adamw: %d cases beyond tolerance", bad);

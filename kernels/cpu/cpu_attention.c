@@ -2,14 +2,14 @@
  * (flash-attention style): a tile of QT queries meets the keys in blocks of
  * KT, and only a QT x KT score block exists at a time, so memory grows with
  * T, never with T^2. */
-#include "cpu_ops.h"
 #include "cpu_math.h"
+#include "cpu_ops.h"
 
 #include <math.h>
 #include <string.h>
 
-#define QT 16  /* queries per tile */
-#define KT 64  /* keys per block */
+#define QT 16 /* queries per tile */
+#define KT 64 /* keys per block */
 #define HD_MAX NL_BACKEND_MAX_HEAD_DIM
 
 /* One (sequence, head, query tile): rows t0 .. t0+nq-1 of the new positions.
@@ -50,7 +50,7 @@ static void attend_tile(float *out, float *lse, const float *q, int q_stride, co
         for (int i = 0; i < nq; i++) {
             const int lim = s->past + t0 + i - j0; /* last key (in block) this query sees */
             if (lim < 0)
-                continue;                          /* whole block in this row's future */
+                continue; /* whole block in this row's future */
             const int nv = lim + 1 < nk ? lim + 1 : nk;
             float *srow = sc[i];
             for (int j = 0; j < KT; j++)

@@ -21,8 +21,8 @@
 #include <math.h>
 #include <string.h>
 
-#define QT 16      /* query rows per step */
-#define KT 32      /* keys per block: the vector width of the inner loops */
+#define QT 16 /* query rows per step */
+#define KT 32 /* keys per block: the vector width of the inner loops */
 #define HD_MAX NL_BACKEND_MAX_HEAD_DIM
 
 /* Per-task stack tiles: 4 * HD_MAX * KT floats (128 KiB) plus two QT x KT
@@ -194,7 +194,8 @@ void nl_cpu_attention_backward(nl_backend *be, float *dq, float *dk, float *dv, 
                         .s = s,
                         .scale = 1.0f / sqrtf((float)s.hd)};
     const int work = s.B * s.G;
-#pragma omp parallel for NL_CPU_TEAM(be) schedule(dynamic, 1) if (work > 1 && (long)s.T * s.H * s.hd >= 4096)
+#pragma omp parallel for NL_CPU_TEAM(be)                                                           \
+    schedule(dynamic, 1) if (work > 1 && (long)s.T * s.H * s.hd >= 4096)
     for (int w = 0; w < work; w++)
         backward_task(&a, w / s.G, w % s.G);
 }

@@ -91,7 +91,8 @@ static void cpu_zero(nl_backend *be, void *p, size_t bytes)
 /* ---------------------------------------------------------------- gemm */
 
 static void cpu_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
-                     const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc)
+                     const float *A, int lda, const float *B, int ldb, float beta, float *C,
+                     int ldc)
 {
     if (M <= 0 || N <= 0)
         return;
@@ -143,8 +144,8 @@ static void cpu_rmsnorm_forward(nl_backend *be, float *out, float *rstd, const f
     }
 }
 
-static void cpu_rope_forward(nl_backend *be, float *x, const int32_t *pos, int N, int row,
-                             int col0, int heads, int hd, float base)
+static void cpu_rope_forward(nl_backend *be, float *x, const int32_t *pos, int N, int row, int col0,
+                             int heads, int hd, float base)
 {
     const int half = hd / 2;
     double freq[NL_BACKEND_MAX_HEAD_DIM / 2];
@@ -195,8 +196,8 @@ static void cpu_swiglu_forward(nl_backend *be, float *out, const float *gu, int 
     }
 }
 
-static void cpu_gather_rows(nl_backend *be, float *out, const float *src, const int32_t *idx,
-                            int n, int C)
+static void cpu_gather_rows(nl_backend *be, float *out, const float *src, const int32_t *idx, int n,
+                            int C)
 {
 #pragma omp parallel for NL_CPU_TEAM(be) PAR_ROWS(n)
     for (int i = 0; i < n; i++)

@@ -49,7 +49,8 @@ extern "C" {
 
 #define NL_EXPORT extern "C" __attribute__((visibility("default")))
 
-namespace {
+namespace
+{
 
 /* ---------------------------------------------------------------- allocation table */
 
@@ -357,9 +358,9 @@ void cu_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int K, floa
         launched(c, "gemm", nl_cuda_scale_rows(c->stream, C, ldc, M, N, beta));
         return;
     }
-    const cublasStatus_t s =
-        cublasSgemm(c->cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
-                    N, M, K, &alpha, B, ldb, A, lda, &beta, C, ldc);
+    const cublasStatus_t s = cublasSgemm(c->cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                         trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &alpha, B,
+                                         ldb, A, lda, &beta, C, ldc);
     if (s != CUBLAS_STATUS_SUCCESS)
         fail(c, NL_ERR_INTERNAL, "%s: gemm: cublasSgemm (M %d N %d K %d lda %d ldb %d ldc %d): %s",
              c->name, M, N, K, lda, ldb, ldc, cublasGetStatusString(s));
@@ -371,7 +372,8 @@ void cu_embedding_forward(nl_backend *be, float *out, const int32_t *tokens, con
                           int N, int C)
 {
     cuda_ctx *c = enter(be);
-    launched(c, "embedding_forward", nl_cuda_embedding_forward(c->stream, out, tokens, table, N, C));
+    launched(c, "embedding_forward",
+             nl_cuda_embedding_forward(c->stream, out, tokens, table, N, C));
 }
 
 void cu_rmsnorm_forward(nl_backend *be, float *out, float *rstd, const float *inp, const float *w,
@@ -535,8 +537,7 @@ nl_status setup(cuda_ctx *c, const nl_backend_opts *o, size_t *runtime, nl_error
     if (e != cudaSuccess) {
         c->stream = NULL;
         cudaGetLastError();
-        return nl_error_set(err, NL_ERR_INTERNAL, "%s: stream: %s", c->name,
-                            cudaGetErrorString(e));
+        return nl_error_set(err, NL_ERR_INTERNAL, "%s: stream: %s", c->name, cudaGetErrorString(e));
     }
     cublasStatus_t s = cublasCreate(&c->cublas);
     if (s != CUBLAS_STATUS_SUCCESS) {
@@ -561,7 +562,8 @@ nl_status setup(cuda_ctx *c, const nl_backend_opts *o, size_t *runtime, nl_error
     if (s == CUBLAS_STATUS_SUCCESS)
         s = cublasSetWorkspace(c->cublas, c->workspace, c->workspace_bytes);
     if (s == CUBLAS_STATUS_SUCCESS)
-        s = cublasSetMathMode(c->cublas, o->tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH);
+        s = cublasSetMathMode(c->cublas,
+                              o->tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH);
     if (s != CUBLAS_STATUS_SUCCESS)
         return nl_error_set(err, NL_ERR_INTERNAL, "%s: cuBLAS setup: %s", c->name,
                             cublasGetStatusString(s));
@@ -570,8 +572,7 @@ nl_status setup(cuda_ctx *c, const nl_backend_opts *o, size_t *runtime, nl_error
         e = cudaMemGetInfo(&free1, &total);
     if (e != cudaSuccess) {
         cudaGetLastError();
-        return nl_error_set(err, NL_ERR_INTERNAL, "%s: setup: %s", c->name,
-                            cudaGetErrorString(e));
+        return nl_error_set(err, NL_ERR_INTERNAL, "%s: setup: %s", c->name, cudaGetErrorString(e));
     }
     *runtime = free0 > free1 ? free0 - free1 : 0;
     return NL_OK;

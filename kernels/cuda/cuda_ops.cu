@@ -24,7 +24,8 @@
 #include <math.h>
 #include <stdint.h>
 
-namespace {
+namespace
+{
 
 constexpr int WARP = 32;
 constexpr unsigned FULL_MASK = 0xffffffffu;
@@ -247,8 +248,8 @@ extern "C" int nl_cuda_embedding_forward(void *stream, float *out, const int32_t
 {
     if (N <= 0 || C <= 0)
         return 0;
-    embedding_kernel<<<row_blocks(N), row_threads(C, 256), 0, (cudaStream_t)stream>>>(
-        out, tokens, table, N, C);
+    embedding_kernel<<<row_blocks(N), row_threads(C, 256), 0, (cudaStream_t)stream>>>(out, tokens,
+                                                                                      table, N, C);
     return launched();
 }
 
@@ -257,8 +258,8 @@ extern "C" int nl_cuda_rmsnorm_forward(void *stream, float *out, float *rstd, co
 {
     if (N <= 0 || C <= 0)
         return 0;
-    rmsnorm_kernel<<<row_blocks(N), row_threads(C, 512), 0, (cudaStream_t)stream>>>(
-        out, rstd, inp, w, N, C, eps);
+    rmsnorm_kernel<<<row_blocks(N), row_threads(C, 512), 0, (cudaStream_t)stream>>>(out, rstd, inp,
+                                                                                    w, N, C, eps);
     return launched();
 }
 
@@ -301,8 +302,8 @@ extern "C" int nl_cuda_gather_rows(void *stream, float *out, const float *src, c
 {
     if (n <= 0 || C <= 0)
         return 0;
-    gather_kernel<<<row_blocks(n), row_threads(C, 256), 0, (cudaStream_t)stream>>>(out, src, idx,
-                                                                                   n, C);
+    gather_kernel<<<row_blocks(n), row_threads(C, 256), 0, (cudaStream_t)stream>>>(out, src, idx, n,
+                                                                                   C);
     return launched();
 }
 
@@ -323,8 +324,8 @@ extern "C" int nl_cuda_moe_combine(void *stream, float *x, const float *y, const
 {
     if (N <= 0 || k <= 0 || C <= 0)
         return 0;
-    moe_combine_kernel<<<row_blocks(N), row_threads(C, 256), 0, (cudaStream_t)stream>>>(
-        x, y, slot, w, N, k, C);
+    moe_combine_kernel<<<row_blocks(N), row_threads(C, 256), 0, (cudaStream_t)stream>>>(x, y, slot,
+                                                                                        w, N, k, C);
     return launched();
 }
 

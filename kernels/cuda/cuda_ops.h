@@ -17,8 +17,8 @@ extern "C" {
 
 int nl_cuda_embedding_forward(void *stream, float *out, const int32_t *tokens, const float *table,
                               int N, int C);
-int nl_cuda_rmsnorm_forward(void *stream, float *out, float *rstd, const float *inp,
-                            const float *w, int N, int C, float eps);
+int nl_cuda_rmsnorm_forward(void *stream, float *out, float *rstd, const float *inp, const float *w,
+                            int N, int C, float eps);
 int nl_cuda_rope_forward(void *stream, float *x, const int32_t *pos, int N, int row, int col0,
                          int heads, int hd, float base);
 int nl_cuda_softmax_forward(void *stream, float *x, int N, int C);
@@ -27,8 +27,8 @@ int nl_cuda_gather_rows(void *stream, float *out, const float *src, const int32_
                         int C);
 int nl_cuda_copy_rows(void *stream, float *dst, int dst_stride, const float *src, int src_stride,
                       int rows, int cols);
-int nl_cuda_moe_combine(void *stream, float *x, const float *y, const int32_t *slot,
-                        const float *w, int N, int k, int C);
+int nl_cuda_moe_combine(void *stream, float *x, const float *y, const int32_t *slot, const float *w,
+                        int N, int k, int C);
 /* C[r, 0:cols] = beta == 0 ? 0 : beta * C[r, 0:cols] for r < rows, row
  * stride ldc: the GEMM with K == 0 (an empty product). */
 int nl_cuda_scale_rows(void *stream, float *C, int ldc, int rows, int cols, float beta);
