@@ -2,6 +2,7 @@
 #include "check.h"
 #include "kernels/backend.h"
 
+#include <omp.h>
 #include <stdint.h>
 
 static uint64_t rng_state = 12345;
@@ -119,6 +120,32 @@ static void test_rmsnorm_rope(nl_backend *be)
             }
 }
 
+/* A backend's thread count stays inside it: creating one, a GEMM (whose
+ * oneDNN team follows omp_get_max_threads) and a parallel op leave the
+ * process's OpenMP setting as it was. */
+static void test_threads_private(void)
+{
+    const int had = omp_get_max_threads();
+    nl_error err = {0};
+    nl_backend *be = NULL;
+    CHECK_OK(nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = had + 3}, &err), &err);
+    if (!be)
+        return;
+    CHECK(omp_get_max_threads() == had, "creating a backend set the team to %d (was %d)",
+          omp_get_max_threads(), had);
+    float *A = be->alloc(be, 64 * 64 * sizeof(float)), *C = be->alloc(be, 64 * 64 * sizeof(float));
+    if (A && C) {
+        fill(A, 64 * 64);
+        be->gemm(be, 0, 1, 64, 64, 64, 1.0f, A, 64, A, 64, 0.0f, C, 64);
+        be->softmax_forward(be, C, 64, 64);
+        CHECK(omp_get_max_threads() == had, "gemm and softmax left the team at %d (was %d)",
+              omp_get_max_threads(), had);
+    }
+    be->free(be, A);
+    be->free(be, C);
+    nl_backend_destroy(&be);
+}
+
 int main(void)
 {
     nl_error err = {0};
@@ -135,5 +162,6 @@ int main(void)
     test_attention(be, 2, 1, 130, 4, 1, 64);
     nl_backend_destroy(&be);
     nl_backend_destroy(&be); /* safe twice */
+    test_threads_private();
     return check_done("test_backend");
 }

@@ -2,14 +2,14 @@
  * (flash-attention style): a tile of QT queries meets the keys in blocks of
  * KT, and only a QT x KT score block exists at a time, so memory grows with
  * T, never with T^2. */
-#include "cpu_ops.h"
 #include "cpu_math.h"
+#include "cpu_ops.h"
 
 #include <math.h>
 #include <string.h>
 
-#define QT 16  /* queries per tile */
-#define KT 64  /* keys per block */
+#define QT 16 /* queries per tile */
+#define KT 64 /* keys per block */
 #define HD_MAX NL_BACKEND_MAX_HEAD_DIM
 
 /* One (sequence, head, query tile): rows t0 .. t0+nq-1 of the new positions.
@@ -50,7 +50,7 @@ static void attend_tile(float *out, float *lse, const float *q, int q_stride, co
         for (int i = 0; i < nq; i++) {
             const int lim = s->past + t0 + i - j0; /* last key (in block) this query sees */
             if (lim < 0)
-                continue;                          /* whole block in this row's future */
+                continue; /* whole block in this row's future */
             const int nv = lim + 1 < nk ? lim + 1 : nk;
             float *srow = sc[i];
             for (int j = 0; j < KT; j++)
@@ -64,11 +64,11 @@ static void attend_tile(float *out, float *lse, const float *q, int q_stride, co
             float bmax = -INFINITY;
             for (int j = 0; j < nv; j++)
                 bmax = srow[j] > bmax ? srow[j] : bmax;
-            const float mnew = bmax > m[i] ? bmax : m[i];
-            const float corr = m[i] == -INFINITY ? 0.0f : nl_expf(m[i] - mnew);
+            const float corr = nl_elem_online_max(&m[i], bmax);
+            const float mnew = m[i];
             float psum = 0.0f;
             for (int j = 0; j < nv; j++) {
-                srow[j] = nl_expf(srow[j] - mnew);
+                srow[j] = nl_elem_expf(srow[j] - mnew);
                 psum += srow[j];
             }
             l[i] = l[i] * corr + psum;
@@ -81,7 +81,6 @@ static void attend_tile(float *out, float *lse, const float *q, int q_stride, co
                 for (int c = 0; c < hd; c++)
                     ai[c] += p * vr[c];
             }
-            m[i] = mnew;
         }
     }
     for (int i = 0; i < nq; i++) {
@@ -97,10 +96,9 @@ static void attend_tile(float *out, float *lse, const float *q, int q_stride, co
 void nl_cpu_attention_forward(nl_backend *be, float *out, float *lse, const float *q, int q_stride,
                               const float *k, const float *v, int kv_stride, nl_attn_shape s)
 {
-    (void)be;
     const int tiles = (s.T + QT - 1) / QT;
     const long work = (long)s.B * s.H * tiles;
-#pragma omp parallel for schedule(dynamic, 1) if (work > 1)
+#pragma omp parallel for NL_CPU_TEAM(be) schedule(dynamic, 1) if (work > 1)
     for (long w = 0; w < work; w++) {
         /* walk tiles from the end so the longest rows start first */
         const int tile = tiles - 1 - (int)(w % tiles);

@@ -21,8 +21,8 @@
 #include <math.h>
 #include <string.h>
 
-#define QT 16      /* query rows per step */
-#define KT 32      /* keys per block: the vector width of the inner loops */
+#define QT 16 /* query rows per step */
+#define KT 32 /* keys per block: the vector width of the inner loops */
 #define HD_MAX NL_BACKEND_MAX_HEAD_DIM
 
 /* Per-task stack tiles: 4 * HD_MAX * KT floats (128 KiB) plus two QT x KT
@@ -91,7 +91,7 @@ static void block_rows(bwd_block *blk, const bwd_args *a, int b, int h, int t0, 
         }
         const int lim = t - j0; /* last key of the block this row sees */
         for (int j = 0; j < KT; j++) {
-            const float p = j <= lim ? nl_expf(a->scale * sc[j] - lse) : 0.0f;
+            const float p = j <= lim ? nl_elem_expf(a->scale * sc[j] - lse) : 0.0f;
             blk->P[i][j] = p;
             blk->dS[i][j] = a->scale * p * (dp[j] - D);
         }
@@ -177,7 +177,6 @@ void nl_cpu_attention_backward(nl_backend *be, float *dq, float *dk, float *dv, 
                                const float *q, int q_stride, const float *k, const float *v,
                                int kv_stride, const float *out, const float *lse, nl_attn_shape s)
 {
-    (void)be;
     /* the model's config check bounds hd; never run off the stack tiles */
     if (s.B <= 0 || s.T <= 0 || s.G <= 0 || s.H % s.G != 0 || s.hd <= 0 || s.hd > HD_MAX)
         return;
@@ -195,7 +194,8 @@ void nl_cpu_attention_backward(nl_backend *be, float *dq, float *dk, float *dv, 
                         .s = s,
                         .scale = 1.0f / sqrtf((float)s.hd)};
     const int work = s.B * s.G;
-#pragma omp parallel for schedule(dynamic, 1) if (work > 1 && (long)s.T * s.H * s.hd >= 4096)
+#pragma omp parallel for NL_CPU_TEAM(be)                                                           \
+    schedule(dynamic, 1) if (work > 1 && (long)s.T * s.H * s.hd >= 4096)
     for (int w = 0; w < work; w++)
         backward_task(&a, w / s.G, w % s.G);
 }

@@ -13,10 +13,7 @@
 
 #include <oneapi/dnnl/dnnl.h>
 
-typedef struct cpu_ctx {
-    int threads;
-    size_t in_use, peak; /* bytes handed out by cpu_alloc */
-} cpu_ctx;
+typedef nl_cpu_ctx cpu_ctx;
 
 /* Each block carries its size in a 64-byte header, for the accounting. */
 #define HEADER 64
@@ -81,11 +78,10 @@ static nl_status cpu_sync(nl_backend *be, nl_error *err)
 
 static void cpu_zero(nl_backend *be, void *p, size_t bytes)
 {
-    (void)be;
     char *c = p;
     const size_t chunk = 1 << 20;
     const long n = (long)((bytes + chunk - 1) / chunk);
-#pragma omp parallel for if (n > 1)
+#pragma omp parallel for NL_CPU_TEAM(be) if (n > 1)
     for (long i = 0; i < n; i++) {
         size_t o = (size_t)i * chunk;
         memset(c + o, 0, bytes - o < chunk ? bytes - o : chunk);
@@ -95,9 +91,9 @@ static void cpu_zero(nl_backend *be, void *p, size_t bytes)
 /* ---------------------------------------------------------------- gemm */
 
 static void cpu_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
-                     const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc)
+                     const float *A, int lda, const float *B, int ldb, float beta, float *C,
+                     int ldc)
 {
-    (void)be;
     if (M <= 0 || N <= 0)
         return;
     if (K <= 0) {
@@ -107,8 +103,15 @@ static void cpu_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int
                 C[(size_t)i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[(size_t)i * ldc + j];
         return;
     }
+    /* oneDNN's OpenMP runtime sizes its team by omp_get_max_threads(): set
+     * this backend's count for the call only, and put back the caller's */
+    const int want = nl_cpu_threads(be), had = omp_get_max_threads();
+    if (want != had)
+        omp_set_num_threads(want);
     dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb, beta, C,
                ldc);
+    if (want != had)
+        omp_set_num_threads(had);
 }
 
 /* ---------------------------------------------------------------- elementwise */
@@ -118,8 +121,7 @@ static void cpu_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int
 static void cpu_embedding_forward(nl_backend *be, float *out, const int32_t *tokens,
                                   const float *table, int N, int C)
 {
-    (void)be;
-#pragma omp parallel for PAR_ROWS(N)
+#pragma omp parallel for NL_CPU_TEAM(be) PAR_ROWS(N)
     for (int n = 0; n < N; n++)
         memcpy(out + (size_t)n * C, table + (size_t)tokens[n] * C, (size_t)C * sizeof(float));
 }
@@ -127,15 +129,14 @@ static void cpu_embedding_forward(nl_backend *be, float *out, const int32_t *tok
 static void cpu_rmsnorm_forward(nl_backend *be, float *out, float *rstd, const float *inp,
                                 const float *w, int N, int C, float eps)
 {
-    (void)be;
-#pragma omp parallel for PAR_ROWS(N)
+#pragma omp parallel for NL_CPU_TEAM(be) PAR_ROWS(N)
     for (int n = 0; n < N; n++) {
         const float *x = inp + (size_t)n * C;
         float *y = out + (size_t)n * C;
         float ss = 0.0f;
         for (int i = 0; i < C; i++)
             ss += x[i] * x[i];
-        float r = 1.0f / sqrtf(ss / (float)C + eps);
+        const float r = nl_elem_rmsnorm_scale(ss, C, eps);
         for (int i = 0; i < C; i++)
             y[i] = x[i] * r * w[i];
         if (rstd)
@@ -143,15 +144,14 @@ static void cpu_rmsnorm_forward(nl_backend *be, float *out, float *rstd, const f
     }
 }
 
-static void cpu_rope_forward(nl_backend *be, float *x, const int32_t *pos, int N, int row,
-                             int col0, int heads, int hd, float base)
+static void cpu_rope_forward(nl_backend *be, float *x, const int32_t *pos, int N, int row, int col0,
+                             int heads, int hd, float base)
 {
-    (void)be;
     const int half = hd / 2;
     double freq[NL_BACKEND_MAX_HEAD_DIM / 2];
     for (int i = 0; i < half; i++)
-        freq[i] = pow((double)base, -2.0 * i / (double)hd);
-#pragma omp parallel for PAR_ROWS(N)
+        freq[i] = nl_elem_rope_freq(i, hd, base);
+#pragma omp parallel for NL_CPU_TEAM(be) PAR_ROWS(N)
     for (int n = 0; n < N; n++) {
         float *r = x + (size_t)n * row + col0;
         for (int i = 0; i < half; i++) {
@@ -159,9 +159,7 @@ static void cpu_rope_forward(nl_backend *be, float *x, const int32_t *pos, int N
             const float c = (float)cos(ang), s = (float)sin(ang);
             for (int h = 0; h < heads; h++) {
                 float *p = r + (size_t)h * hd + 2 * i;
-                const float a = p[0], b = p[1];
-                p[0] = a * c - b * s;
-                p[1] = a * s + b * c;
+                nl_elem_rope_rotate(&p[0], &p[1], c, s);
             }
         }
     }
@@ -169,8 +167,7 @@ static void cpu_rope_forward(nl_backend *be, float *x, const int32_t *pos, int N
 
 static void cpu_softmax_forward(nl_backend *be, float *x, int N, int C)
 {
-    (void)be;
-#pragma omp parallel for PAR_ROWS(N)
+#pragma omp parallel for NL_CPU_TEAM(be) PAR_ROWS(N)
     for (int n = 0; n < N; n++) {
         float *r = x + (size_t)n * C;
         float m = -INFINITY;
@@ -178,7 +175,7 @@ static void cpu_softmax_forward(nl_backend *be, float *x, int N, int C)
             m = r[i] > m ? r[i] : m;
         float s = 0.0f;
         for (int i = 0; i < C; i++) {
-            r[i] = nl_expf(r[i] - m);
+            r[i] = nl_elem_expf(r[i] - m);
             s += r[i];
         }
         float inv = 1.0f / s;
@@ -189,22 +186,20 @@ static void cpu_softmax_forward(nl_backend *be, float *x, int N, int C)
 
 static void cpu_swiglu_forward(nl_backend *be, float *out, const float *gu, int N, int F)
 {
-    (void)be;
-#pragma omp parallel for PAR_ROWS(N)
+#pragma omp parallel for NL_CPU_TEAM(be) PAR_ROWS(N)
     for (int n = 0; n < N; n++) {
         const float *g = gu + (size_t)n * 2 * F;
         const float *u = g + F;
         float *o = out + (size_t)n * F;
         for (int j = 0; j < F; j++)
-            o[j] = g[j] / (1.0f + nl_expf(-g[j])) * u[j];
+            o[j] = nl_elem_swiglu(g[j], u[j]);
     }
 }
 
-static void cpu_gather_rows(nl_backend *be, float *out, const float *src, const int32_t *idx,
-                            int n, int C)
+static void cpu_gather_rows(nl_backend *be, float *out, const float *src, const int32_t *idx, int n,
+                            int C)
 {
-    (void)be;
-#pragma omp parallel for PAR_ROWS(n)
+#pragma omp parallel for NL_CPU_TEAM(be) PAR_ROWS(n)
     for (int i = 0; i < n; i++)
         memcpy(out + (size_t)i * C, src + (size_t)idx[i] * C, (size_t)C * sizeof(float));
 }
@@ -212,8 +207,7 @@ static void cpu_gather_rows(nl_backend *be, float *out, const float *src, const 
 static void cpu_copy_rows(nl_backend *be, float *dst, int dst_stride, const float *src,
                           int src_stride, int rows, int cols)
 {
-    (void)be;
-#pragma omp parallel for PAR_ROWS(rows)
+#pragma omp parallel for NL_CPU_TEAM(be) PAR_ROWS(rows)
     for (int r = 0; r < rows; r++)
         memcpy(dst + (size_t)r * dst_stride, src + (size_t)r * src_stride,
                (size_t)cols * sizeof(float));
@@ -222,8 +216,7 @@ static void cpu_copy_rows(nl_backend *be, float *dst, int dst_stride, const floa
 static void cpu_moe_combine(nl_backend *be, float *x, const float *y, const int32_t *slot,
                             const float *w, int N, int k, int C)
 {
-    (void)be;
-#pragma omp parallel for PAR_ROWS(N)
+#pragma omp parallel for NL_CPU_TEAM(be) PAR_ROWS(N)
     for (int n = 0; n < N; n++) {
         float *xr = x + (size_t)n * C;
         for (int i = 0; i < k; i++) {
@@ -254,8 +247,9 @@ nl_status nl_cpu_backend_new(nl_backend **out, const nl_backend_opts *o, nl_erro
         free(ctx);
         return nl_error_set(err, NL_ERR_NOMEM, "cpu backend: out of memory");
     }
+    /* no omp_set_num_threads here: the count goes with every parallel
+     * region (NL_CPU_TEAM) and around dnnl_sgemm, not into the process */
     ctx->threads = threads > 0 ? threads : omp_get_num_procs();
-    omp_set_num_threads(ctx->threads);
     be->name = "cpu";
     be->ctx = ctx;
     be->destroy = cpu_destroy;

@@ -20,9 +20,8 @@
 void nl_cpu_embedding_backward(nl_backend *be, float *dtable, const float *dout,
                                const int32_t *tokens, int N, int C)
 {
-    (void)be;
     const int nb = (C + CB - 1) / CB;
-#pragma omp parallel for PAR_ELEMS((long)N *C)
+#pragma omp parallel for NL_CPU_TEAM(be) PAR_ELEMS((long)N *C)
     for (int blk = 0; blk < nb; blk++) {
         const int c0 = blk * CB, cw = C - c0 < CB ? C - c0 : CB;
         for (int n = 0; n < N; n++) {
@@ -40,9 +39,8 @@ void nl_cpu_embedding_backward(nl_backend *be, float *dtable, const float *dout,
 void nl_cpu_rmsnorm_backward(nl_backend *be, float *dinp, float *dw, const float *dout,
                              const float *inp, const float *w, const float *rstd, int N, int C)
 {
-    (void)be;
     /* dinp: rows are independent */
-#pragma omp parallel for PAR_ROWS(N)
+#pragma omp parallel for NL_CPU_TEAM(be) PAR_ROWS(N)
     for (int n = 0; n < N; n++) {
         const float *x = inp + (size_t)n * C, *g = dout + (size_t)n * C;
         float *dx = dinp + (size_t)n * C;
@@ -58,7 +56,7 @@ void nl_cpu_rmsnorm_backward(nl_backend *be, float *dinp, float *dw, const float
     }
     /* dw: a sum over rows, so split by columns */
     const int nb = (C + CB - 1) / CB;
-#pragma omp parallel for PAR_ELEMS((long)N *C)
+#pragma omp parallel for NL_CPU_TEAM(be) PAR_ELEMS((long)N *C)
     for (int blk = 0; blk < nb; blk++) {
         const int c0 = blk * CB, cw = C - c0 < CB ? C - c0 : CB;
         float acc[CB] = {0};
@@ -79,17 +77,12 @@ void nl_cpu_rmsnorm_backward(nl_backend *be, float *dinp, float *dw, const float
 void nl_cpu_swiglu_backward(nl_backend *be, float *dgu, const float *dh, const float *gu, int N,
                             int F)
 {
-    (void)be;
-#pragma omp parallel for PAR_ROWS(N)
+#pragma omp parallel for NL_CPU_TEAM(be) PAR_ROWS(N)
     for (int n = 0; n < N; n++) {
         const float *g = gu + (size_t)n * 2 * F, *u = g + F, *d = dh + (size_t)n * F;
         float *dg = dgu + (size_t)n * 2 * F, *du = dg + F;
-        for (int j = 0; j < F; j++) {
-            const float sig = 1.0f / (1.0f + nl_expf(-g[j]));
-            const float silu = g[j] * sig;
-            dg[j] = d[j] * u[j] * sig * (1.0f + g[j] * (1.0f - sig));
-            du[j] = d[j] * silu;
-        }
+        for (int j = 0; j < F; j++)
+            nl_elem_swiglu_backward(&dg[j], &du[j], g[j], u[j], d[j]);
     }
 }
 
@@ -99,8 +92,7 @@ void nl_cpu_moe_combine_backward(nl_backend *be, float *dy, float *dw, const flo
                                  const float *y, const int32_t *slot, const float *w, int N, int k,
                                  int C)
 {
-    (void)be;
-#pragma omp parallel for PAR_ROWS(N)
+#pragma omp parallel for NL_CPU_TEAM(be) PAR_ROWS(N)
     for (int n = 0; n < N; n++) {
         const float *g = dx + (size_t)n * C;
         for (int i = 0; i < k; i++) {
@@ -124,8 +116,7 @@ void nl_cpu_moe_combine_backward(nl_backend *be, float *dy, float *dw, const flo
 void nl_cpu_cross_entropy(nl_backend *be, float *logits, float *losses, const int32_t *targets,
                           int N, int V, float scale)
 {
-    (void)be;
-#pragma omp parallel for PAR_ROWS(N)
+#pragma omp parallel for NL_CPU_TEAM(be) PAR_ROWS(N)
     for (int n = 0; n < N; n++) {
         float *x = logits + (size_t)n * V;
         const int t = targets[n];
@@ -137,7 +128,7 @@ void nl_cpu_cross_entropy(nl_backend *be, float *logits, float *losses, const in
         /* the sum runs in double: V may be large and the terms span decades */
         double sum = 0.0;
         for (int i = 0; i < V; i++) {
-            x[i] = nl_expf(x[i] - m);
+            x[i] = nl_elem_expf(x[i] - m);
             sum += x[i];
         }
         losses[n] = (float)((double)m + log(sum) - (double)xt);
@@ -153,10 +144,9 @@ void nl_cpu_cross_entropy(nl_backend *be, float *logits, float *losses, const in
 
 double nl_cpu_sumsq(nl_backend *be, const float *x, size_t n)
 {
-    (void)be;
     double acc = 0.0;
     /* a non-finite element squares to inf or nan, and both survive the sum */
-#pragma omp parallel for simd reduction(+ : acc) PAR_ELEMS(n)
+#pragma omp parallel for simd NL_CPU_TEAM(be) reduction(+ : acc) PAR_ELEMS(n)
     for (size_t i = 0; i < n; i++)
         acc += (double)x[i] * (double)x[i];
     return acc;
@@ -165,15 +155,7 @@ double nl_cpu_sumsq(nl_backend *be, const float *x, size_t n)
 void nl_cpu_adamw(nl_backend *be, float *p, const float *g, float *m, float *v, size_t n, float lr,
                   float b1, float b2, float eps, float wd, float bc1, float bc2, float grad_scale)
 {
-    (void)be;
-#pragma omp parallel for simd PAR_ELEMS(n)
-    for (size_t i = 0; i < n; i++) {
-        const float gi = g[i] * grad_scale;
-        const float mi = b1 * m[i] + (1.0f - b1) * gi;
-        const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        /* decoupled decay uses the parameter before this step's update */
-        p[i] -= lr * (mi / bc1 / (sqrtf(vi / bc2) + eps) + wd * p[i]);
-    }
+#pragma omp parallel for simd NL_CPU_TEAM(be) PAR_ELEMS(n)
+    for (size_t i = 0; i < n; i++)
+        nl_elem_adamw(&p[i], &m[i], &v[i], g[i], lr, b1, b2, eps, wd, bc1, bc2, grad_scale);
 }

@@ -4,6 +4,25 @@
 
 #include "../backend.h"
 
+#include <stddef.h>
+
+/* The CPU backend's context (be->ctx of a backend made by
+ * nl_cpu_backend_new). */
+typedef struct nl_cpu_ctx {
+    int threads;         /* the OpenMP team size of every parallel region */
+    size_t in_use, peak; /* bytes handed out by its alloc */
+} nl_cpu_ctx;
+
+static inline int nl_cpu_threads(const nl_backend *be)
+{
+    return ((const nl_cpu_ctx *)be->ctx)->threads;
+}
+
+/* Every `omp parallel` in kernels/cpu names its team size with this
+ * clause, so a backend never changes the process's OpenMP settings and
+ * two backends with different thread counts can share a process. */
+#define NL_CPU_TEAM(be) num_threads(nl_cpu_threads(be))
+
 /* cpu_attention.c */
 void nl_cpu_attention_forward(nl_backend *be, float *out, float *lse, const float *q, int q_stride,
                               const float *k, const float *v, int kv_stride, nl_attn_shape s);

@@ -1,0 +1,412 @@
+/* CUDA attention forward: causal grouped-query attention over a KV cache
+ * with an online softmax (flash-attention style), the twin of
+ * kernels/cpu/cpu_attention.c, which is its test oracle. Scores are never
+ * stored whole, accumulation is fp32, and there are no atomics, so a
+ * result is the same on every run.
+ *
+ * Two kernels, both templated on a head-dim bucket HDB (64, 128 or 256,
+ * with hd <= HDB) so that a lane keeps HDB / 32 output columns in registers:
+ *
+ * - prefill (T > DECODE_MAX_T): one block of 4 warps per (sequence, head,
+ *   tile of BQ queries). Tiles of 32 keys are staged in shared memory, the
+ *   keys first and then the values in the same buffer. Each warp owns BQ / 4
+ *   queries of the tile; lane j scores key j of the tile against them, and
+ *   lane j keeps output columns j, j + 32, ... of each of them.
+ * - decode (T <= DECODE_MAX_T): one block of 8 warps per (sequence, head,
+ *   query), so one token over a long cache keeps 256 threads per head
+ *   busy. Warp w takes the 32-key chunks w, w + 8, w + 16, ...; its lanes
+ *   split the head dimension (a warp reduction per score) and read K and V
+ *   rows straight from global memory, coalesced. The 8 partial softmax
+ *   states are merged in shared memory, in warp order, at the end.
+ *
+ * The online-softmax step and merge are kernels/elem.h's, shared with the
+ * CPU backend. */
+#include "cuda_attention.h"
+
+#include "../elem.h"
+
+#include <cuda_runtime.h>
+#include <limits.h>
+#include <math.h>
+
+namespace
+{
+
+constexpr int WARP = 32;
+constexpr unsigned FULL_MASK = 0xffffffffu;
+constexpr int BK = 32;           /* keys per tile or chunk: one per lane */
+constexpr int PREFILL_WARPS = 4; /* warps per prefill block */
+constexpr int DECODE_WARPS = 8;  /* warps per decode block */
+constexpr int DECODE_MAX_T = 4;  /* new positions up to which the decode kernel runs */
+/* Prefill blocks per SM the register budget must allow: caps ptxas at 128
+ * registers a thread, which every bucket fits without spilling. */
+constexpr int PREFILL_MIN_BLOCKS = 4;
+
+__device__ __forceinline__ float warp_max(float x)
+{
+#pragma unroll
+    for (int off = WARP / 2; off > 0; off >>= 1)
+        x = fmaxf(x, __shfl_xor_sync(FULL_MASK, x, off));
+    return x;
+}
+
+/* Butterfly sum: every lane ends with the same bits. */
+__device__ __forceinline__ float warp_sum(float x)
+{
+#pragma unroll
+    for (int off = WARP / 2; off > 0; off >>= 1)
+        x += __shfl_xor_sync(FULL_MASK, x, off);
+    return x;
+}
+
+/* ---------------------------------------------------------------- prefill */
+
+/* dst[j][c] = src[(j0 + j) * stride + c] for j < nk and c < hd, else 0, so
+ * the kernel never reads a row past the block's last key (nor past kv_cap)
+ * and the padding columns are zero. Called by every thread of the block. */
+template <int HDB>
+__device__ __forceinline__ void load_tile(float (*dst)[HDB + 1], const float *src, int stride,
+                                          int j0, int nk, int hd)
+{
+    for (int e = threadIdx.x; e < BK * HDB; e += PREFILL_WARPS * WARP) {
+        const int j = e / HDB, c = e % HDB;
+        float x = 0.0f;
+        if (j < nk && c < hd)
+            x = src[(size_t)(j0 + j) * (size_t)stride + (size_t)c];
+        dst[j][c] = x;
+    }
+}
+
+/* One block: queries t0 .. t0 + nq - 1 of head h of sequence b. Blocks are
+ * numbered tile-major, last tile first, so the longest rows start first. */
+template <int HDB, int BQ>
+__global__ void __launch_bounds__(PREFILL_WARPS *WARP, PREFILL_MIN_BLOCKS)
+    attn_prefill(float *out, float *lse, const float *q, int q_stride, const float *k,
+                 const float *v, int kv_stride, nl_attn_shape s)
+{
+    constexpr int R = HDB / WARP;           /* output columns per lane */
+    constexpr int QPW = BQ / PREFILL_WARPS; /* queries per warp */
+    static_assert(HDB % WARP == 0 && BQ % PREFILL_WARPS == 0, "tile shape");
+    /* the tile's queries, pre-scaled; columns past hd and rows past T are 0 */
+    __shared__ __align__(16) float qs[BQ][HDB];
+    /* a tile of keys, then of values; the +1 makes lane j's walk along row
+     * j (keys) free of bank conflicts */
+    __shared__ float kv[BK][HDB + 1];
+
+    const int hd = s.hd;
+    const int BH = s.B * s.H;
+    const int ntiles = (s.T + BQ - 1) / BQ;
+    const int bh = (int)(blockIdx.x % (unsigned)BH);
+    const int tile = ntiles - 1 - (int)(blockIdx.x / (unsigned)BH);
+    const int b = bh / s.H, h = bh % s.H;
+    const int g = h / (s.H / s.G);
+    const int t0 = tile * BQ;
+    const int nq = min(BQ, s.T - t0);
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const float scale = 1.0f / sqrtf((float)hd);
+
+    for (int e = threadIdx.x; e < BQ * HDB; e += PREFILL_WARPS * WARP) {
+        const int i = e / HDB, c = e % HDB;
+        float x = 0.0f;
+        if (i < nq && c < hd)
+            x = q[((size_t)b * s.T + (size_t)(t0 + i)) * (size_t)q_stride + (size_t)h * hd +
+                  (size_t)c] *
+                scale;
+        qs[i][c] = x;
+    }
+    const size_t kv_off = (size_t)b * s.kv_cap * (size_t)kv_stride + (size_t)g * hd;
+    const float *kb = k + kv_off;
+    const float *vb = v + kv_off;
+
+    /* per query of this warp: the last key it sees (absolute; -1 for a row
+     * past T), the running max and sum, the output columns */
+    int lim[QPW];
+    float m[QPW], l[QPW], acc[QPW][R], p[QPW];
+#pragma unroll
+    for (int i = 0; i < QPW; i++) {
+        const int qi = warp * QPW + i;
+        lim[i] = qi < nq ? s.past + t0 + qi : -1;
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            acc[i][r] = 0.0f;
+    }
+    /* the tile's last query sees keys 0 .. past + t0 + nq - 1 */
+    const int kend = s.past + t0 + nq;
+    /* q and K columns past hd are zero, so the dot product may run to a
+     * multiple of 4 (<= HDB) and read q four columns at a time */
+    const int hd4 = (hd + 3) & ~3;
+    for (int j0 = 0; j0 < kend; j0 += BK) {
+        const int nk = min(BK, kend - j0);
+        __syncthreads(); /* qs is written; the last value tile is read */
+        load_tile<HDB>(kv, kb, kv_stride, j0, nk, hd);
+        __syncthreads();
+
+        /* lane j: scores of key j0 + j against this warp's queries */
+        float sc[QPW];
+#pragma unroll
+        for (int i = 0; i < QPW; i++)
+            sc[i] = 0.0f;
+#pragma unroll 2
+        for (int c = 0; c < hd4; c += 4) {
+            const float k0 = kv[lane][c], k1 = kv[lane][c + 1];
+            const float k2 = kv[lane][c + 2], k3 = kv[lane][c + 3];
+#pragma unroll
+            for (int i = 0; i < QPW; i++) {
+                const float4 qc = *reinterpret_cast<const float4 *>(&qs[warp * QPW + i][c]);
+                sc[i] = fmaf(qc.x, k0, sc[i]);
+                sc[i] = fmaf(qc.y, k1, sc[i]);
+                sc[i] = fmaf(qc.z, k2, sc[i]);
+                sc[i] = fmaf(qc.w, k3, sc[i]);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < QPW; i++) {
+            p[i] = 0.0f;
+            if (j0 <= lim[i]) { /* warp-uniform: key j0 is visible, so the max is finite */
+                const bool vis = j0 + lane <= lim[i]; /* implies lane < nk */
+                const float sv = vis ? sc[i] : -INFINITY;
+                const float corr = nl_elem_online_max(&m[i], warp_max(sv));
+                p[i] = vis ? nl_elem_expf(sv - m[i]) : 0.0f;
+                l[i] = l[i] * corr + warp_sum(p[i]);
+#pragma unroll
+                for (int r = 0; r < R; r++)
+                    acc[i][r] *= corr;
+            }
+        }
+
+        __syncthreads(); /* every warp is done with the keys */
+        load_tile<HDB>(kv, vb, kv_stride, j0, nk, hd);
+        __syncthreads();
+
+        /* acc += p V over the keys each query sees (as the CPU: a key in
+         * a query's future is skipped, not multiplied by 0) */
+        for (int j = 0; j < nk; j++) {
+            float vj[R];
+#pragma unroll
+            for (int r = 0; r < R; r++)
+                vj[r] = kv[j][lane + r * WARP];
+#pragma unroll
+            for (int i = 0; i < QPW; i++) {
+                const float pj = __shfl_sync(FULL_MASK, p[i], j);
+                if (j0 + j <= lim[i]) {
+#pragma unroll
+                    for (int r = 0; r < R; r++)
+                        acc[i][r] = fmaf(pj, vj[r], acc[i][r]);
+                }
+            }
+        }
+    }
+
+#pragma unroll
+    for (int i = 0; i < QPW; i++) {
+        if (lim[i] < 0)
+            continue;
+        const int t = t0 + warp * QPW + i;
+        float *o = out + ((size_t)b * s.T + (size_t)t) * ((size_t)s.H * hd) + (size_t)h * hd;
+        const float inv = 1.0f / l[i];
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const int c = lane + r * WARP;
+            if (c < hd)
+                o[c] = acc[i][r] * inv;
+        }
+        if (lse && lane == 0)
+            lse[((size_t)b * s.H + (size_t)h) * s.T + (size_t)t] = m[i] + logf(l[i]);
+    }
+}
+
+/* ---------------------------------------------------------------- decode */
+
+/* One block: query t of head h of sequence b (blocks numbered query-major). */
+template <int HDB>
+__global__ void __launch_bounds__(DECODE_WARPS *WARP)
+    attn_decode(float *out, float *lse, const float *q, int q_stride, const float *k,
+                const float *v, int kv_stride, nl_attn_shape s)
+{
+    constexpr int R = HDB / WARP; /* columns per lane: c = lane + 32 r */
+    constexpr int KU = 8;         /* keys scored at once (independent reductions) */
+    static_assert(HDB % WARP == 0 && HDB <= DECODE_WARPS * WARP, "one thread per column");
+    __shared__ float part_acc[DECODE_WARPS][HDB];
+    __shared__ float part_m[DECODE_WARPS], part_l[DECODE_WARPS];
+
+    const int hd = s.hd;
+    const int BH = s.B * s.H;
+    const int bh = (int)(blockIdx.x % (unsigned)BH);
+    const int t = (int)(blockIdx.x / (unsigned)BH);
+    const int b = bh / s.H, h = bh % s.H;
+    const int g = h / (s.H / s.G);
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const float scale = 1.0f / sqrtf((float)hd);
+
+    const float *qr = q + ((size_t)b * s.T + (size_t)t) * (size_t)q_stride + (size_t)h * hd;
+    float qv[R], acc[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const int c = lane + r * WARP;
+        qv[r] = c < hd ? qr[c] * scale : 0.0f;
+        acc[r] = 0.0f;
+    }
+    const size_t kv_off = (size_t)b * s.kv_cap * (size_t)kv_stride + (size_t)g * hd;
+    const float *kb = k + kv_off;
+    const float *vb = v + kv_off;
+
+    float m = -INFINITY, l = 0.0f;
+    const int kend = s.past + t + 1; /* keys 0 .. past + t */
+    for (int j0 = warp * BK; j0 < kend; j0 += DECODE_WARPS * BK) {
+        const int nk = min(BK, kend - j0); /* >= 1 */
+        float sc = -INFINITY;              /* lane j: score of key j0 + j */
+        for (int j = 0; j < nk; j += KU) {
+            float d[KU];
+#pragma unroll
+            for (int u = 0; u < KU; u++) {
+                d[u] = 0.0f;
+                if (j + u < nk) {
+                    const float *kr = kb + (size_t)(j0 + j + u) * (size_t)kv_stride;
+#pragma unroll
+                    for (int r = 0; r < R; r++) {
+                        const int c = lane + r * WARP;
+                        if (c < hd)
+                            d[u] = fmaf(qv[r], kr[c], d[u]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < KU; u++) {
+                const float du = warp_sum(d[u]);
+                if (lane == j + u)
+                    sc = du;
+            }
+        }
+        if (lane >= nk)
+            sc = -INFINITY;
+        const float corr = nl_elem_online_max(&m, warp_max(sc));
+        const float p = lane < nk ? nl_elem_expf(sc - m) : 0.0f;
+        l = l * corr + warp_sum(p);
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            acc[r] *= corr;
+#pragma unroll 4
+        for (int j = 0; j < nk; j++) {
+            const float pj = __shfl_sync(FULL_MASK, p, j);
+            const float *vr = vb + (size_t)(j0 + j) * (size_t)kv_stride;
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                const int c = lane + r * WARP;
+                if (c < hd)
+                    acc[r] = fmaf(pj, vr[c], acc[r]);
+            }
+        }
+    }
+
+    /* merge the warps' states in warp order; a warp that saw no key has
+     * m = -inf, l = 0, acc = 0 and gets factor 0 */
+    if (lane == 0) {
+        part_m[warp] = m;
+        part_l[warp] = l;
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++)
+        part_acc[warp][lane + r * WARP] = acc[r];
+    __syncthreads();
+    const int c = threadIdx.x; /* this thread's output column */
+    float mm = -INFINITY, ll = 0.0f, o = 0.0f;
+    for (int w = 0; w < DECODE_WARPS; w++) {
+        float bscale;
+        const float corr = nl_elem_online_merge(&mm, &ll, part_m[w], part_l[w], &bscale);
+        if (c < hd)
+            o = o * corr + part_acc[w][c] * bscale;
+    }
+    if (c < hd)
+        out[((size_t)b * s.T + (size_t)t) * ((size_t)s.H * hd) + (size_t)h * hd + (size_t)c] =
+            o * (1.0f / ll);
+    if (lse && threadIdx.x == 0)
+        lse[((size_t)b * s.H + (size_t)h) * s.T + (size_t)t] = mm + logf(ll);
+}
+
+/* ---------------------------------------------------------------- launch */
+
+template <int HDB, int BQ>
+void launch_prefill(cudaStream_t st, unsigned blocks, float *out, float *lse, const float *q,
+                    int q_stride, const float *k, const float *v, int kv_stride, nl_attn_shape s)
+{
+    attn_prefill<HDB, BQ>
+        <<<blocks, PREFILL_WARPS * WARP, 0, st>>>(out, lse, q, q_stride, k, v, kv_stride, s);
+}
+
+template <int HDB>
+void launch_decode(cudaStream_t st, unsigned blocks, float *out, float *lse, const float *q,
+                   int q_stride, const float *k, const float *v, int kv_stride, nl_attn_shape s)
+{
+    attn_decode<HDB>
+        <<<blocks, DECODE_WARPS * WARP, 0, st>>>(out, lse, q, q_stride, k, v, kv_stride, s);
+}
+
+/* Query tile per head-dim bucket (shared memory: queries BQ x HDB plus one
+ * 32 x (HDB + 1) key/value tile, 12.1 / 24.1 / 40.1 KiB; 8 / 16 / 16
+ * accumulators per lane). */
+constexpr int BQ64 = 16, BQ128 = 16, BQ256 = 8;
+
+/* Blocks the chosen kernel needs, or 0 if that passes the grid's x limit. */
+unsigned count_blocks(const nl_attn_shape &s, int hdb)
+{
+    const long long bh = (long long)s.B * s.H;
+    long long per = s.T; /* decode: one block per query */
+    if (s.T > DECODE_MAX_T) {
+        const int bq = hdb == 64 ? BQ64 : hdb == 128 ? BQ128 : BQ256;
+        per = (s.T + bq - 1) / bq;
+    }
+    const long long n = bh * per;
+    return n > INT_MAX ? 0u : (unsigned)n;
+}
+
+bool shape_ok(const float *out, const float *q, int q_stride, const float *k, const float *v,
+              int kv_stride, const nl_attn_shape &s)
+{
+    if (!out || !q || !k || !v)
+        return false;
+    if (s.B < 0 || s.T < 0 || s.H < 0 || s.past < 0 || s.G < 1 || s.H % s.G != 0)
+        return false;
+    if (s.hd < 1 || s.hd > NL_BACKEND_MAX_HEAD_DIM)
+        return false;
+    /* the kernels step key indices by up to 256 past the last key in int */
+    if ((long long)s.kv_cap < (long long)s.past + s.T || s.kv_cap > INT_MAX - 256)
+        return false;
+    return (long long)q_stride >= (long long)s.H * s.hd &&
+           (long long)kv_stride >= (long long)s.G * s.hd;
+}
+
+} // namespace
+
+extern "C" int nl_cuda_attention_forward(void *stream, float *out, float *lse, const float *q,
+                                         int q_stride, const float *k, const float *v,
+                                         int kv_stride, nl_attn_shape s)
+{
+    static_assert(NL_BACKEND_MAX_HEAD_DIM <= 256, "add a head-dim bucket");
+    if (s.B == 0 || s.T == 0 || s.H == 0)
+        return s.B < 0 || s.T < 0 || s.H < 0 ? (int)cudaErrorInvalidValue : (int)cudaSuccess;
+    if (!shape_ok(out, q, q_stride, k, v, kv_stride, s))
+        return (int)cudaErrorInvalidValue;
+    const int hdb = s.hd <= 64 ? 64 : s.hd <= 128 ? 128 : 256;
+    const unsigned blocks = count_blocks(s, hdb);
+    if (blocks == 0)
+        return (int)cudaErrorInvalidValue;
+    cudaStream_t st = (cudaStream_t)stream;
+    if (s.T <= DECODE_MAX_T) {
+        if (hdb == 64)
+            launch_decode<64>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s);
+        else if (hdb == 128)
+            launch_decode<128>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s);
+        else
+            launch_decode<256>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s);
+    } else {
+        if (hdb == 64)
+            launch_prefill<64, BQ64>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s);
+        else if (hdb == 128)
+            launch_prefill<128, BQ128>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s);
+        else
+            launch_prefill<256, BQ256>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s);
+    }
+    return (int)cudaGetLastError();
+}

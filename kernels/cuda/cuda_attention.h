@@ -1,0 +1,38 @@
+/* CUDA attention forward: the launcher behind the CUDA backend's
+ * attention_forward slot. Implemented in cuda_attention.cu (nvcc); this
+ * header includes no CUDA header, so C and C++ callers alike can use it. */
+#ifndef NL_CUDA_ATTENTION_H
+#define NL_CUDA_ATTENTION_H
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#include "../backend.h"
+
+/* Causal grouped-query attention with an online softmax, the twin of
+ * nl_cpu_attention_forward (see the attention_forward slot in backend.h):
+ * query head h reads kv head h / (H / G); query t of sequence b sits at
+ * absolute position past + t and attends keys 0 .. past + t.
+ *   q:   (B, T, q_stride) with head h at column h*hd, q_stride >= H*hd
+ *   k,v: (B, kv_cap, kv_stride) with kv head g at column g*hd, kv_stride >= G*hd
+ *   out: (B, T, H*hd); lse: (B, H, T) = m + log(l) of the scaled scores,
+ *        written only when lse != NULL.
+ * All pointers are device memory; the work is queued on `stream` (a
+ * cudaStream_t; NULL is the legacy default stream) and nothing is
+ * allocated. Any head dimension 1 <= hd <= NL_BACKEND_MAX_HEAD_DIM works.
+ *
+ * Returns the cudaError_t of the launch as an int (0 on success). A shape
+ * it cannot run (hd out of range, G < 1, H % G != 0, negative sizes,
+ * kv_cap < past + T, a stride narrower than the heads it holds, a NULL
+ * out/q/k/v, more than 2^31 - 1 blocks) launches nothing and returns
+ * cudaErrorInvalidValue (1). An empty problem (B, T or H zero) launches
+ * nothing and returns 0. */
+int nl_cuda_attention_forward(void *stream, float *out, float *lse, const float *q, int q_stride,
+                              const float *k, const float *v, int kv_stride, nl_attn_shape s);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,671 @@
+/* The CUDA backend (libnl_cuda.so, loaded by nl_backend_new for "cuda:N"):
+ * the slot table, device memory, errors and the GEMM through cuBLAS. The
+ * forward kernels are in cuda_ops.cu and cuda_attention.cu; the backward
+ * and optimizer slots are not on CUDA yet and fail with a sticky
+ * NL_ERR_UNSUPPORTED (can_train = 0).
+ *
+ * One backend = one device, one non-blocking stream, one cuBLAS handle
+ * bound to that stream with a workspace allocated at creation, so nothing
+ * allocates in the hot path. Every slot queues on the stream in call
+ * order; upload and download synchronise the stream before returning
+ * (backend.h's ordering contract). Each entry point first makes the
+ * backend's device current on the calling thread.
+ *
+ * Errors: the first failure (a launch error, a failed asynchronous call,
+ * an unimplemented slot) is kept, with a message "cuda:N: <op>: <what>";
+ * `sync` and `check` return it (NL_ERR_INTERNAL for device faults,
+ * NL_ERR_UNSUPPORTED for unimplemented slots). It stays: a CUDA context
+ * that faulted cannot be trusted again.
+ *
+ * Reduction scratch: no forward op needs any (RMSNorm and softmax reduce
+ * inside a block, attention keeps its softmax state in registers and
+ * shared memory), so none is allocated yet; the backward slots will add
+ * theirs here, sized at creation.
+ *
+ * runtime_bytes: the device memory that the stream, the cuBLAS handle and
+ * its workspace took, measured with cudaMemGetInfo just after the CUDA
+ * context exists and again after them. The context itself (created by
+ * the first runtime call; typically a few hundred MiB) is not included:
+ * it exists before the first measurement, and it is already missing from
+ * the free memory that mem_info reports. Kernels that cuBLAS loads lazily
+ * on first use are not included either. */
+extern "C" {
+#include "../backend.h"
+#include "../backend_impl.h"
+}
+#include "cuda_attention.h"
+#include "cuda_ops.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define NL_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace
+{
+
+/* ---------------------------------------------------------------- allocation table */
+
+/* Device pointer -> bytes, for mem_stats: open addressing with linear
+ * probing, key 0 empty, at most half full, deletion by backward shift. */
+struct alloc_table {
+    uintptr_t *keys;
+    size_t *sizes;
+    size_t cap; /* a power of two, or 0 */
+    size_t count;
+};
+
+size_t table_home(uintptr_t key, size_t cap)
+{
+    /* cudaMalloc pointers are 256-byte aligned: hash the bits above */
+    return (size_t)(((key >> 8) * 0x9E3779B97F4A7C15ull) >> 17) & (cap - 1);
+}
+
+bool table_insert(alloc_table *t, uintptr_t key, size_t bytes)
+{
+    if ((t->count + 1) * 2 > t->cap) {
+        const size_t ncap = t->cap ? t->cap * 2 : 256;
+        uintptr_t *keys = (uintptr_t *)calloc(ncap, sizeof *keys);
+        size_t *sizes = (size_t *)calloc(ncap, sizeof *sizes);
+        if (!keys || !sizes) {
+            free(keys);
+            free(sizes);
+            return false;
+        }
+        for (size_t i = 0; i < t->cap; i++) {
+            if (!t->keys[i])
+                continue;
+            size_t j = table_home(t->keys[i], ncap);
+            while (keys[j])
+                j = (j + 1) & (ncap - 1);
+            keys[j] = t->keys[i];
+            sizes[j] = t->sizes[i];
+        }
+        free(t->keys);
+        free(t->sizes);
+        t->keys = keys;
+        t->sizes = sizes;
+        t->cap = ncap;
+    }
+    size_t i = table_home(key, t->cap);
+    while (t->keys[i])
+        i = (i + 1) & (t->cap - 1);
+    t->keys[i] = key;
+    t->sizes[i] = bytes;
+    t->count++;
+    return true;
+}
+
+/* Remove key; its size in *bytes. False when key is not in the table. */
+bool table_remove(alloc_table *t, uintptr_t key, size_t *bytes)
+{
+    if (!t->cap)
+        return false;
+    const size_t mask = t->cap - 1;
+    size_t i = table_home(key, t->cap);
+    while (t->keys[i] != key) {
+        if (!t->keys[i])
+            return false;
+        i = (i + 1) & mask;
+    }
+    *bytes = t->sizes[i];
+    /* backward shift: move up every later entry of the run whose home
+     * does not lie cyclically in (i, j], so no probe path is broken */
+    for (size_t j = (i + 1) & mask; t->keys[j]; j = (j + 1) & mask) {
+        const size_t h = table_home(t->keys[j], t->cap);
+        const bool stays = i < j ? (h > i && h <= j) : (h > i || h <= j);
+        if (!stays) {
+            t->keys[i] = t->keys[j];
+            t->sizes[i] = t->sizes[j];
+            i = j;
+        }
+    }
+    t->keys[i] = 0;
+    t->count--;
+    return true;
+}
+
+/* ---------------------------------------------------------------- context and errors */
+
+struct cuda_ctx {
+    int device;
+    char name[24]; /* "cuda:N", also be->name */
+    cudaStream_t stream;
+    cublasHandle_t cublas;
+    void *workspace; /* cuBLAS workspace */
+    size_t workspace_bytes;
+    pthread_mutex_t lock; /* guards table, in_use, peak, sticky, msg */
+    bool lock_ready;
+    alloc_table table;
+    size_t in_use, peak;
+    nl_status sticky; /* the first error, kept */
+    char msg[NL_ERROR_MSG_MAX];
+};
+
+cuda_ctx *ctx_of(nl_backend *be)
+{
+    return (cuda_ctx *)be->ctx;
+}
+
+/* Keep the first error. */
+__attribute__((format(printf, 3, 4))) void fail(cuda_ctx *c, nl_status st, const char *fmt, ...)
+{
+    pthread_mutex_lock(&c->lock);
+    if (c->sticky == NL_OK) {
+        c->sticky = st;
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(c->msg, sizeof c->msg, fmt, ap);
+        va_end(ap);
+    }
+    pthread_mutex_unlock(&c->lock);
+}
+
+/* Record a CUDA error of `op`; true when there was none. */
+bool ok(cuda_ctx *c, const char *op, cudaError_t e)
+{
+    if (e == cudaSuccess)
+        return true;
+    fail(c, NL_ERR_INTERNAL, "%s: %s: %s", c->name, op, cudaGetErrorString(e));
+    return false;
+}
+
+/* After a launcher (which returns cudaGetLastError as an int). */
+void launched(cuda_ctx *c, const char *op, int rc)
+{
+    ok(c, op, (cudaError_t)rc);
+}
+
+/* Every slot starts here: the backend's device becomes current on the
+ * calling thread (a cheap check when it already is). */
+cuda_ctx *enter(nl_backend *be)
+{
+    cuda_ctx *c = ctx_of(be);
+    ok(c, "set device", cudaSetDevice(c->device));
+    return c;
+}
+
+nl_status report(cuda_ctx *c, nl_error *err)
+{
+    pthread_mutex_lock(&c->lock);
+    const nl_status st = c->sticky;
+    if (st != NL_OK)
+        nl_error_set(err, st, "%s", c->msg);
+    pthread_mutex_unlock(&c->lock);
+    return st;
+}
+
+/* ---------------------------------------------------------------- memory */
+
+void *cu_alloc(nl_backend *be, size_t bytes)
+{
+    cuda_ctx *c = enter(be);
+    const size_t rounded = bytes == 0 ? 256 : (bytes + 255) & ~(size_t)255;
+    if (rounded < bytes)
+        return NULL;
+    void *p = NULL;
+    cudaError_t e = cudaMalloc(&p, rounded);
+    if (e != cudaSuccess) {
+        /* out of memory is the caller's to handle (NULL), not a fault;
+         * clear it so the next launch check does not report it */
+        cudaGetLastError();
+        if (e != cudaErrorMemoryAllocation)
+            ok(c, "alloc", e);
+        return NULL;
+    }
+    e = cudaMemsetAsync(p, 0, rounded, c->stream);
+    if (e == cudaSuccess)
+        e = cudaStreamSynchronize(c->stream);
+    if (!ok(c, "alloc", e)) {
+        cudaFree(p);
+        return NULL;
+    }
+    pthread_mutex_lock(&c->lock);
+    const bool kept = table_insert(&c->table, (uintptr_t)p, rounded);
+    if (kept) {
+        c->in_use += rounded;
+        c->peak = c->in_use > c->peak ? c->in_use : c->peak;
+    }
+    pthread_mutex_unlock(&c->lock);
+    if (!kept) {
+        cudaFree(p);
+        return NULL;
+    }
+    return p;
+}
+
+void cu_free(nl_backend *be, void *p)
+{
+    if (!p)
+        return;
+    cuda_ctx *c = enter(be);
+    size_t bytes = 0;
+    pthread_mutex_lock(&c->lock);
+    const bool found = table_remove(&c->table, (uintptr_t)p, &bytes);
+    if (found)
+        c->in_use -= bytes;
+    pthread_mutex_unlock(&c->lock);
+    if (!found) {
+        fail(c, NL_ERR_INTERNAL, "%s: free: %p was not allocated by this backend", c->name, p);
+        return;
+    }
+    /* queued ops that still read p finish first */
+    ok(c, "free", cudaStreamSynchronize(c->stream));
+    ok(c, "free", cudaFree(p));
+}
+
+void cu_mem_stats(nl_backend *be, size_t *in_use, size_t *peak)
+{
+    cuda_ctx *c = ctx_of(be);
+    pthread_mutex_lock(&c->lock);
+    if (in_use)
+        *in_use = c->in_use;
+    if (peak)
+        *peak = c->peak;
+    pthread_mutex_unlock(&c->lock);
+}
+
+void cu_upload(nl_backend *be, void *dst, const void *src, size_t bytes)
+{
+    if (!bytes)
+        return;
+    cuda_ctx *c = enter(be);
+    cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream);
+    if (e == cudaSuccess)
+        e = cudaStreamSynchronize(c->stream); /* src may be reused on return */
+    ok(c, "upload", e);
+}
+
+void cu_download(nl_backend *be, void *dst, const void *src, size_t bytes)
+{
+    if (!bytes)
+        return;
+    cuda_ctx *c = enter(be);
+    cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->stream);
+    if (e == cudaSuccess)
+        e = cudaStreamSynchronize(c->stream); /* the bytes are on the host on return */
+    ok(c, "download", e); /* on failure dst holds no result: sync and check say so */
+}
+
+void cu_zero(nl_backend *be, void *p, size_t bytes)
+{
+    if (!bytes)
+        return;
+    cuda_ctx *c = enter(be);
+    ok(c, "zero", cudaMemsetAsync(p, 0, bytes, c->stream));
+}
+
+nl_status cu_sync(nl_backend *be, nl_error *err)
+{
+    cuda_ctx *c = enter(be);
+    ok(c, "sync", cudaStreamSynchronize(c->stream));
+    ok(c, "sync", cudaGetLastError());
+    return report(c, err);
+}
+
+nl_status cu_check(nl_backend *be, nl_error *err)
+{
+    cuda_ctx *c = enter(be);
+    ok(c, "check", cudaGetLastError());
+    /* a fault of finished work shows without waiting for the rest */
+    const cudaError_t e = cudaStreamQuery(c->stream);
+    if (e == cudaErrorNotReady)
+        cudaGetLastError(); /* not an error: work is still queued */
+    else
+        ok(c, "check", e);
+    return report(c, err);
+}
+
+nl_status cu_mem_info(nl_backend *be, size_t *free_bytes, size_t *total_bytes, nl_error *err)
+{
+    cuda_ctx *c = enter(be);
+    size_t f = 0, t = 0;
+    const cudaError_t e = cudaMemGetInfo(&f, &t);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return nl_error_set(err, NL_ERR_INTERNAL, "%s: mem_info: %s", c->name,
+                            cudaGetErrorString(e));
+    }
+    if (free_bytes)
+        *free_bytes = f;
+    if (total_bytes)
+        *total_bytes = t;
+    return NL_OK;
+}
+
+/* ---------------------------------------------------------------- gemm */
+
+/* Row-major C = alpha op(A) op(B) + beta C. cuBLAS is column-major, and a
+ * row-major matrix with row stride ld is its transpose in column-major
+ * with leading dimension ld, so compute C^T = op(B)^T op(A)^T: cuBLAS's
+ * (m, n, k) = (N, M, K) with B first. */
+void cu_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+             const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc)
+{
+    cuda_ctx *c = enter(be);
+    if (M <= 0 || N <= 0)
+        return;
+    if (K <= 0) {
+        /* an empty product: only scale C, 0 for beta == 0 even over NaN */
+        launched(c, "gemm", nl_cuda_scale_rows(c->stream, C, ldc, M, N, beta));
+        return;
+    }
+    const cublasStatus_t s = cublasSgemm(c->cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                         trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &alpha, B,
+                                         ldb, A, lda, &beta, C, ldc);
+    if (s != CUBLAS_STATUS_SUCCESS)
+        fail(c, NL_ERR_INTERNAL, "%s: gemm: cublasSgemm (M %d N %d K %d lda %d ldb %d ldc %d): %s",
+             c->name, M, N, K, lda, ldb, ldc, cublasGetStatusString(s));
+}
+
+/* ---------------------------------------------------------------- forward ops */
+
+void cu_embedding_forward(nl_backend *be, float *out, const int32_t *tokens, const float *table,
+                          int N, int C)
+{
+    cuda_ctx *c = enter(be);
+    launched(c, "embedding_forward",
+             nl_cuda_embedding_forward(c->stream, out, tokens, table, N, C));
+}
+
+void cu_rmsnorm_forward(nl_backend *be, float *out, float *rstd, const float *inp, const float *w,
+                        int N, int C, float eps)
+{
+    cuda_ctx *c = enter(be);
+    launched(c, "rmsnorm_forward",
+             nl_cuda_rmsnorm_forward(c->stream, out, rstd, inp, w, N, C, eps));
+}
+
+void cu_rope_forward(nl_backend *be, float *x, const int32_t *pos, int N, int row, int col0,
+                     int heads, int hd, float base)
+{
+    cuda_ctx *c = enter(be);
+    launched(c, "rope_forward",
+             nl_cuda_rope_forward(c->stream, x, pos, N, row, col0, heads, hd, base));
+}
+
+void cu_attention_forward(nl_backend *be, float *out, float *lse, const float *q, int q_stride,
+                          const float *k, const float *v, int kv_stride, nl_attn_shape s)
+{
+    cuda_ctx *c = enter(be);
+    launched(c, "attention_forward",
+             nl_cuda_attention_forward(c->stream, out, lse, q, q_stride, k, v, kv_stride, s));
+}
+
+void cu_softmax_forward(nl_backend *be, float *x, int N, int C)
+{
+    cuda_ctx *c = enter(be);
+    launched(c, "softmax_forward", nl_cuda_softmax_forward(c->stream, x, N, C));
+}
+
+void cu_swiglu_forward(nl_backend *be, float *out, const float *gu, int N, int F)
+{
+    cuda_ctx *c = enter(be);
+    launched(c, "swiglu_forward", nl_cuda_swiglu_forward(c->stream, out, gu, N, F));
+}
+
+void cu_gather_rows(nl_backend *be, float *out, const float *src, const int32_t *idx, int n, int C)
+{
+    cuda_ctx *c = enter(be);
+    launched(c, "gather_rows", nl_cuda_gather_rows(c->stream, out, src, idx, n, C));
+}
+
+void cu_copy_rows(nl_backend *be, float *dst, int dst_stride, const float *src, int src_stride,
+                  int rows, int cols)
+{
+    cuda_ctx *c = enter(be);
+    launched(c, "copy_rows",
+             nl_cuda_copy_rows(c->stream, dst, dst_stride, src, src_stride, rows, cols));
+}
+
+void cu_moe_combine(nl_backend *be, float *x, const float *y, const int32_t *slot, const float *w,
+                    int N, int k, int C)
+{
+    cuda_ctx *c = enter(be);
+    launched(c, "moe_combine", nl_cuda_moe_combine(c->stream, x, y, slot, w, N, k, C));
+}
+
+/* ---------------------------------------------------------------- not on CUDA yet */
+
+void unsupported(nl_backend *be, const char *slot)
+{
+    cuda_ctx *c = ctx_of(be);
+    fail(c, NL_ERR_UNSUPPORTED,
+         "%s: %s is not implemented on cuda (training on CUDA is not available yet)", c->name,
+         slot);
+}
+
+void cu_embedding_backward(nl_backend *be, float *, const float *, const int32_t *, int, int)
+{
+    unsupported(be, "embedding_backward");
+}
+
+void cu_rmsnorm_backward(nl_backend *be, float *, float *, const float *, const float *,
+                         const float *, const float *, int, int)
+{
+    unsupported(be, "rmsnorm_backward");
+}
+
+void cu_attention_backward(nl_backend *be, float *, float *, float *, const float *, const float *,
+                           int, const float *, const float *, int, const float *, const float *,
+                           nl_attn_shape)
+{
+    unsupported(be, "attention_backward");
+}
+
+void cu_swiglu_backward(nl_backend *be, float *, const float *, const float *, int, int)
+{
+    unsupported(be, "swiglu_backward");
+}
+
+void cu_moe_combine_backward(nl_backend *be, float *, float *, const float *, const float *,
+                             const int32_t *, const float *, int, int, int)
+{
+    unsupported(be, "moe_combine_backward");
+}
+
+void cu_cross_entropy(nl_backend *be, float *, float *, const int32_t *, int, int, float)
+{
+    unsupported(be, "cross_entropy");
+}
+
+double cu_sumsq(nl_backend *be, const float *, size_t)
+{
+    unsupported(be, "sumsq");
+    return NAN;
+}
+
+void cu_adamw(nl_backend *be, float *, const float *, float *, float *, size_t, float, float, float,
+              float, float, float, float, float)
+{
+    unsupported(be, "adamw");
+}
+
+/* ---------------------------------------------------------------- create, destroy */
+
+void cu_destroy(nl_backend *be)
+{
+    cuda_ctx *c = ctx_of(be);
+    if (c) {
+        cudaSetDevice(c->device);
+        if (c->stream)
+            cudaStreamSynchronize(c->stream);
+        /* what the caller did not free goes with the backend */
+        for (size_t i = 0; i < c->table.cap; i++)
+            if (c->table.keys[i])
+                cudaFree((void *)c->table.keys[i]);
+        if (c->cublas)
+            cublasDestroy(c->cublas);
+        if (c->workspace)
+            cudaFree(c->workspace);
+        if (c->stream)
+            cudaStreamDestroy(c->stream);
+        cudaGetLastError(); /* leave no error for another backend's next check */
+        free(c->table.keys);
+        free(c->table.sizes);
+        if (c->lock_ready)
+            pthread_mutex_destroy(&c->lock);
+        free(c);
+    }
+    free(be);
+}
+
+/* The context, the stream, cuBLAS and its workspace; *runtime gets the
+ * device memory they took after the context existed. */
+nl_status setup(cuda_ctx *c, const nl_backend_opts *o, size_t *runtime, nl_error *err)
+{
+    cudaError_t e = cudaSetDevice(c->device);
+    if (e == cudaSuccess)
+        e = cudaFree(0); /* creates the primary context now */
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return nl_error_set(err, NL_ERR_UNSUPPORTED, "%s: cannot create a CUDA context: %s (%s)",
+                            c->name, cudaGetErrorString(e), cudaGetErrorName(e));
+    }
+    size_t free0 = 0, free1 = 0, total = 0;
+    e = cudaMemGetInfo(&free0, &total);
+    if (e == cudaSuccess)
+        e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking);
+    if (e != cudaSuccess) {
+        c->stream = NULL;
+        cudaGetLastError();
+        return nl_error_set(err, NL_ERR_INTERNAL, "%s: stream: %s", c->name, cudaGetErrorString(e));
+    }
+    cublasStatus_t s = cublasCreate(&c->cublas);
+    if (s != CUBLAS_STATUS_SUCCESS) {
+        c->cublas = NULL;
+        cudaGetLastError();
+        return nl_error_set(err, NL_ERR_UNSUPPORTED, "%s: cuBLAS: cublasCreate: %s", c->name,
+                            cublasGetStatusString(s));
+    }
+    /* cuBLAS's advice: 32 MiB of workspace on Hopper, 4 MiB before it */
+    int major = 0;
+    e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c->device);
+    c->workspace_bytes = (size_t)(e == cudaSuccess && major >= 9 ? 32 : 4) << 20;
+    e = cudaMalloc(&c->workspace, c->workspace_bytes);
+    if (e != cudaSuccess) {
+        c->workspace = NULL;
+        cudaGetLastError();
+        return nl_error_set(err, NL_ERR_NOMEM, "%s: cuBLAS workspace (%zu MiB): %s", c->name,
+                            c->workspace_bytes >> 20, cudaGetErrorString(e));
+    }
+    /* the stream first: cublasSetStream resets the workspace */
+    s = cublasSetStream(c->cublas, c->stream);
+    if (s == CUBLAS_STATUS_SUCCESS)
+        s = cublasSetWorkspace(c->cublas, c->workspace, c->workspace_bytes);
+    if (s == CUBLAS_STATUS_SUCCESS)
+        s = cublasSetMathMode(c->cublas,
+                              o->tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH);
+    if (s != CUBLAS_STATUS_SUCCESS)
+        return nl_error_set(err, NL_ERR_INTERNAL, "%s: cuBLAS setup: %s", c->name,
+                            cublasGetStatusString(s));
+    e = cudaDeviceSynchronize();
+    if (e == cudaSuccess)
+        e = cudaMemGetInfo(&free1, &total);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return nl_error_set(err, NL_ERR_INTERNAL, "%s: setup: %s", c->name, cudaGetErrorString(e));
+    }
+    *runtime = free0 > free1 ? free0 - free1 : 0;
+    return NL_OK;
+}
+
+void fill_table(nl_backend *be)
+{
+    be->host_memory = 0;
+    be->can_train = 0;
+    be->gemm_probe = 2048;
+    be->alloc = cu_alloc;
+    be->free = cu_free;
+    be->upload = cu_upload;
+    be->download = cu_download;
+    be->sync = cu_sync;
+    be->check = cu_check;
+    be->mem_info = cu_mem_info;
+    be->zero = cu_zero;
+    be->mem_stats = cu_mem_stats;
+    be->gemm = cu_gemm;
+    be->embedding_forward = cu_embedding_forward;
+    be->rmsnorm_forward = cu_rmsnorm_forward;
+    be->rope_forward = cu_rope_forward;
+    be->attention_forward = cu_attention_forward;
+    be->softmax_forward = cu_softmax_forward;
+    be->swiglu_forward = cu_swiglu_forward;
+    be->gather_rows = cu_gather_rows;
+    be->copy_rows = cu_copy_rows;
+    be->moe_combine = cu_moe_combine;
+    be->embedding_backward = cu_embedding_backward;
+    be->rmsnorm_backward = cu_rmsnorm_backward;
+    be->attention_backward = cu_attention_backward;
+    be->swiglu_backward = cu_swiglu_backward;
+    be->moe_combine_backward = cu_moe_combine_backward;
+    be->cross_entropy = cu_cross_entropy;
+    be->sumsq = cu_sumsq;
+    be->adamw = cu_adamw;
+}
+
+} // namespace
+
+/* ---------------------------------------------------------------- entry points */
+
+NL_EXPORT int nl_cuda_module_abi(void)
+{
+    return NL_BACKEND_ABI;
+}
+
+NL_EXPORT nl_status nl_cuda_backend_new(nl_backend **out, int device, const nl_backend_opts *o,
+                                        nl_error *err)
+{
+    *out = NULL;
+    const nl_backend_opts def = {0, 0};
+    if (!o)
+        o = &def;
+    char name[24];
+    snprintf(name, sizeof name, "cuda:%d", device);
+    /* test the error, not the count: without a driver the count is untouched */
+    int count = 0;
+    const cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return nl_error_set(err, NL_ERR_UNSUPPORTED, "%s: no CUDA device: %s (%s)", name,
+                            cudaGetErrorString(e), cudaGetErrorName(e));
+    }
+    if (device < 0 || device >= count)
+        return nl_error_set(err, NL_ERR_UNSUPPORTED, "%s: no such device (%d device%s)", name,
+                            count, count == 1 ? "" : "s");
+    nl_backend *be = (nl_backend *)calloc(1, sizeof *be);
+    cuda_ctx *c = (cuda_ctx *)calloc(1, sizeof *c);
+    if (!be || !c) {
+        free(be);
+        free(c);
+        return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", name);
+    }
+    c->device = device;
+    memcpy(c->name, name, sizeof name);
+    be->ctx = c;
+    be->name = c->name;
+    be->destroy = cu_destroy;
+    if (pthread_mutex_init(&c->lock, NULL) != 0) {
+        cu_destroy(be);
+        return nl_error_set(err, NL_ERR_NOMEM, "%s: cannot create a mutex", name);
+    }
+    c->lock_ready = true;
+    size_t runtime = 0;
+    const nl_status st = setup(c, o, &runtime, err);
+    if (st != NL_OK) {
+        cu_destroy(be);
+        return st;
+    }
+    be->runtime_bytes = runtime;
+    fill_table(be);
+    *out = be;
+    return NL_OK;
+}

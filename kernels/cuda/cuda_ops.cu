@@ -1,0 +1,341 @@
+/* The CUDA backend's hand-written forward kernels (all but attention,
+ * which has its own file): embedding, RMSNorm, RoPE, softmax, SwiGLU,
+ * gather/copy rows, the MoE combine, and the row scaling the GEMM needs
+ * when K == 0. Each is the twin of the CPU backend's loop in
+ * kernels/cpu/cpu_backend.c, computing the same per-element formula
+ * (kernels/elem.h) in the same order where it can.
+ *
+ * Layout of the work:
+ * - row kernels: a block walks whole rows (blockIdx.x, then every
+ *   gridDim.x-th row), its threads stride along the row. The grid is
+ *   capped at MAX_BLOCKS, so any row count up to 2^31 - 1 works.
+ * - reductions along a row (RMSNorm's sum of squares, softmax's max and
+ *   sum) are warp butterflies and then one warp over the per-warp partials
+ *   in shared memory: a fixed order, so every run gives the same bits, and
+ *   every thread gets the same result. Block sizes are multiples of 32.
+ * - offsets are size_t: row * width never overflows.
+ * No atomics, no dynamic shared memory, no allocation. */
+#include "cuda_ops.h"
+
+#include "../backend.h"
+#include "../elem.h"
+
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+namespace
+{
+
+constexpr int WARP = 32;
+constexpr unsigned FULL_MASK = 0xffffffffu;
+constexpr unsigned MAX_BLOCKS = 1u << 20; /* grid cap; rows past it are strided */
+constexpr int ROPE_THREADS = 128;
+
+/* Threads for a block that walks rows of width C: C rounded up to a whole
+ * warp, between 32 and cap (a multiple of 32). */
+int row_threads(int C, int cap)
+{
+    const long t = ((long)C + WARP - 1) / WARP * WARP;
+    return t < WARP ? WARP : t > cap ? cap : (int)t;
+}
+
+unsigned row_blocks(int rows)
+{
+    return (unsigned)rows < MAX_BLOCKS ? (unsigned)rows : MAX_BLOCKS;
+}
+
+__device__ __forceinline__ float warp_sum(float v)
+{
+    /* a butterfly: lane i adds v_i + v_{i^o}, its partner v_{i^o} + v_i,
+     * so every lane ends with the same bits */
+#pragma unroll
+    for (int o = WARP / 2; o > 0; o >>= 1)
+        v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v)
+{
+#pragma unroll
+    for (int o = WARP / 2; o > 0; o >>= 1)
+        v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+/* Sum of v over the block, returned to every thread. blockDim.x must be a
+ * multiple of 32; red is WARP floats of shared memory. Every thread of the
+ * block must call it (it synchronises). */
+__device__ float block_sum(float v, float *red)
+{
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int nw = blockDim.x / WARP;
+    v = warp_sum(v);
+    __syncthreads(); /* the previous call's readers are done with red */
+    if (lane == 0)
+        red[warp] = v;
+    __syncthreads();
+    return warp_sum(lane < nw ? red[lane] : 0.0f);
+}
+
+/* Max of v over the block (NaN ignored, as the CPU's compare-and-select
+ * does), returned to every thread; as block_sum. */
+__device__ float block_max(float v, float *red)
+{
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int nw = blockDim.x / WARP;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0)
+        red[warp] = v;
+    __syncthreads();
+    return warp_max(lane < nw ? red[lane] : -INFINITY);
+}
+
+/* ---------------------------------------------------------------- kernels */
+
+__global__ void embedding_kernel(float *out, const int32_t *tokens, const float *table, int N,
+                                 int C)
+{
+    for (size_t n = blockIdx.x; n < (size_t)N; n += gridDim.x) {
+        const float *src = table + (size_t)tokens[n] * C;
+        float *dst = out + n * C;
+        for (int c = threadIdx.x; c < C; c += blockDim.x)
+            dst[c] = src[c];
+    }
+}
+
+/* out = inp * rstd * w, rstd = 1 / sqrt(mean(inp^2) + eps); in place is
+ * fine (every element is read before the row is written). */
+__global__ void rmsnorm_kernel(float *out, float *rstd, const float *inp, const float *w, int N,
+                               int C, float eps)
+{
+    __shared__ float red[WARP];
+    for (size_t n = blockIdx.x; n < (size_t)N; n += gridDim.x) {
+        const float *x = inp + n * C;
+        float *y = out + n * C;
+        float ss = 0.0f;
+        for (int c = threadIdx.x; c < C; c += blockDim.x)
+            ss += x[c] * x[c];
+        ss = block_sum(ss, red);
+        const float r = nl_elem_rmsnorm_scale(ss, C, eps);
+        for (int c = threadIdx.x; c < C; c += blockDim.x)
+            y[c] = x[c] * r * w[c];
+        if (rstd && threadIdx.x == 0)
+            rstd[n] = r;
+    }
+}
+
+/* One thread per (row, pair i): the angle pos * base^(-2i/hd), its cos and
+ * sin in double (as the CPU does), then the pair i of every head. */
+__global__ void rope_kernel(float *x, const int32_t *pos, int N, int row, int col0, int heads,
+                            int hd, float base)
+{
+    __shared__ double freq[NL_BACKEND_MAX_HEAD_DIM / 2];
+    const int half = hd / 2;
+    for (int i = threadIdx.x; i < half; i += blockDim.x)
+        freq[i] = nl_elem_rope_freq(i, hd, base);
+    __syncthreads();
+    const size_t total = (size_t)N * half;
+    const size_t step = (size_t)gridDim.x * blockDim.x;
+    for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += step) {
+        const size_t n = e / half;
+        const int i = (int)(e % half);
+        double s, c;
+        sincos((double)pos[n] * freq[i], &s, &c);
+        const float cf = (float)c, sf = (float)s;
+        float *p = x + n * row + col0 + 2 * i;
+        for (int h = 0; h < heads; h++)
+            nl_elem_rope_rotate(&p[(size_t)h * hd], &p[(size_t)h * hd + 1], cf, sf);
+    }
+}
+
+/* Row softmax in three passes like the CPU's: the max, then exp(x - max)
+ * written back and summed, then a scale by 1 / sum. A thread rereads only
+ * the elements it wrote itself, so passes 2 and 3 need no barrier. */
+__global__ void softmax_kernel(float *x, int N, int C)
+{
+    __shared__ float red[WARP];
+    for (size_t n = blockIdx.x; n < (size_t)N; n += gridDim.x) {
+        float *r = x + n * C;
+        float m = -INFINITY;
+        for (int c = threadIdx.x; c < C; c += blockDim.x)
+            m = fmaxf(m, r[c]);
+        m = block_max(m, red);
+        float s = 0.0f;
+        for (int c = threadIdx.x; c < C; c += blockDim.x) {
+            const float e = nl_elem_expf(r[c] - m);
+            r[c] = e;
+            s += e;
+        }
+        s = block_sum(s, red);
+        const float inv = 1.0f / s;
+        for (int c = threadIdx.x; c < C; c += blockDim.x)
+            r[c] *= inv;
+    }
+}
+
+__global__ void swiglu_kernel(float *out, const float *gu, int N, int F)
+{
+    for (size_t n = blockIdx.x; n < (size_t)N; n += gridDim.x) {
+        const float *g = gu + n * 2 * (size_t)F;
+        const float *u = g + F;
+        float *o = out + n * F;
+        for (int j = threadIdx.x; j < F; j += blockDim.x)
+            o[j] = nl_elem_swiglu(g[j], u[j]);
+    }
+}
+
+__global__ void gather_kernel(float *out, const float *src, const int32_t *idx, int n, int C)
+{
+    for (size_t i = blockIdx.x; i < (size_t)n; i += gridDim.x) {
+        const float *s = src + (size_t)idx[i] * C;
+        float *d = out + i * C;
+        for (int c = threadIdx.x; c < C; c += blockDim.x)
+            d[c] = s[c];
+    }
+}
+
+__global__ void copy_rows_kernel(float *dst, int dst_stride, const float *src, int src_stride,
+                                 int rows, int cols)
+{
+    for (size_t r = blockIdx.x; r < (size_t)rows; r += gridDim.x) {
+        const float *s = src + r * src_stride;
+        float *d = dst + r * dst_stride;
+        for (int c = threadIdx.x; c < cols; c += blockDim.x)
+            d[c] = s[c];
+    }
+}
+
+/* x[n, :] += w[n k + i] y[slot[n k + i], :] for i = 0 .. k-1, in that
+ * order (the CPU's), each element kept in a register meanwhile. */
+__global__ void moe_combine_kernel(float *x, const float *y, const int32_t *slot, const float *w,
+                                   int N, int k, int C)
+{
+    for (size_t n = blockIdx.x; n < (size_t)N; n += gridDim.x) {
+        float *xr = x + n * C;
+        for (int c = threadIdx.x; c < C; c += blockDim.x) {
+            float acc = xr[c];
+            for (int i = 0; i < k; i++) {
+                const size_t e = n * k + i;
+                acc += w[e] * y[(size_t)slot[e] * C + c];
+            }
+            xr[c] = acc;
+        }
+    }
+}
+
+__global__ void scale_rows_kernel(float *C, int ldc, int rows, int cols, float beta)
+{
+    for (size_t r = blockIdx.x; r < (size_t)rows; r += gridDim.x) {
+        float *row = C + r * ldc;
+        for (int c = threadIdx.x; c < cols; c += blockDim.x)
+            row[c] = beta == 0.0f ? 0.0f : beta * row[c];
+    }
+}
+
+int launched(void)
+{
+    return (int)cudaGetLastError();
+}
+
+} // namespace
+
+/* ---------------------------------------------------------------- launchers */
+
+extern "C" int nl_cuda_embedding_forward(void *stream, float *out, const int32_t *tokens,
+                                         const float *table, int N, int C)
+{
+    if (N <= 0 || C <= 0)
+        return 0;
+    embedding_kernel<<<row_blocks(N), row_threads(C, 256), 0, (cudaStream_t)stream>>>(out, tokens,
+                                                                                      table, N, C);
+    return launched();
+}
+
+extern "C" int nl_cuda_rmsnorm_forward(void *stream, float *out, float *rstd, const float *inp,
+                                       const float *w, int N, int C, float eps)
+{
+    if (N <= 0 || C <= 0)
+        return 0;
+    rmsnorm_kernel<<<row_blocks(N), row_threads(C, 512), 0, (cudaStream_t)stream>>>(out, rstd, inp,
+                                                                                    w, N, C, eps);
+    return launched();
+}
+
+extern "C" int nl_cuda_rope_forward(void *stream, float *x, const int32_t *pos, int N, int row,
+                                    int col0, int heads, int hd, float base)
+{
+    if (hd > NL_BACKEND_MAX_HEAD_DIM || row < 0 || col0 < 0 || heads < 0)
+        return (int)cudaErrorInvalidValue;
+    const int half = hd / 2;
+    if (N <= 0 || half <= 0 || heads == 0)
+        return 0;
+    const size_t total = (size_t)N * half;
+    const size_t want = (total + ROPE_THREADS - 1) / ROPE_THREADS;
+    const unsigned blocks = want < MAX_BLOCKS ? (unsigned)want : MAX_BLOCKS;
+    rope_kernel<<<blocks, ROPE_THREADS, 0, (cudaStream_t)stream>>>(x, pos, N, row, col0, heads, hd,
+                                                                   base);
+    return launched();
+}
+
+extern "C" int nl_cuda_softmax_forward(void *stream, float *x, int N, int C)
+{
+    if (N <= 0 || C <= 0)
+        return 0;
+    /* wide rows (a vocabulary) get a whole 1024-thread block each */
+    softmax_kernel<<<row_blocks(N), row_threads(C, C > 8192 ? 1024 : 256), 0,
+                     (cudaStream_t)stream>>>(x, N, C);
+    return launched();
+}
+
+extern "C" int nl_cuda_swiglu_forward(void *stream, float *out, const float *gu, int N, int F)
+{
+    if (N <= 0 || F <= 0)
+        return 0;
+    swiglu_kernel<<<row_blocks(N), row_threads(F, 256), 0, (cudaStream_t)stream>>>(out, gu, N, F);
+    return launched();
+}
+
+extern "C" int nl_cuda_gather_rows(void *stream, float *out, const float *src, const int32_t *idx,
+                                   int n, int C)
+{
+    if (n <= 0 || C <= 0)
+        return 0;
+    gather_kernel<<<row_blocks(n), row_threads(C, 256), 0, (cudaStream_t)stream>>>(out, src, idx, n,
+                                                                                   C);
+    return launched();
+}
+
+extern "C" int nl_cuda_copy_rows(void *stream, float *dst, int dst_stride, const float *src,
+                                 int src_stride, int rows, int cols)
+{
+    if (rows <= 0 || cols <= 0)
+        return 0;
+    if (dst_stride < 0 || src_stride < 0)
+        return (int)cudaErrorInvalidValue;
+    copy_rows_kernel<<<row_blocks(rows), row_threads(cols, 256), 0, (cudaStream_t)stream>>>(
+        dst, dst_stride, src, src_stride, rows, cols);
+    return launched();
+}
+
+extern "C" int nl_cuda_moe_combine(void *stream, float *x, const float *y, const int32_t *slot,
+                                   const float *w, int N, int k, int C)
+{
+    if (N <= 0 || k <= 0 || C <= 0)
+        return 0;
+    moe_combine_kernel<<<row_blocks(N), row_threads(C, 256), 0, (cudaStream_t)stream>>>(x, y, slot,
+                                                                                        w, N, k, C);
+    return launched();
+}
+
+extern "C" int nl_cuda_scale_rows(void *stream, float *C, int ldc, int rows, int cols, float beta)
+{
+    if (rows <= 0 || cols <= 0)
+        return 0;
+    if (ldc < 0)
+        return (int)cudaErrorInvalidValue;
+    scale_rows_kernel<<<row_blocks(rows), row_threads(cols, 256), 0, (cudaStream_t)stream>>>(
+        C, ldc, rows, cols, beta);
+    return launched();
+}

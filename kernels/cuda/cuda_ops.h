@@ -1,0 +1,40 @@
+/* Private to kernels/cuda: the launchers of the CUDA backend's hand-written
+ * forward kernels (cuda_ops.cu), called by the backend's slots
+ * (cuda_backend.cu). Each queues its kernel on `stream` (a cudaStream_t),
+ * allocates nothing, launches nothing for an empty shape, and returns the
+ * cudaError_t of the launch (cudaGetLastError) as an int, 0 on success.
+ * Shapes and pointers are those of the slot of the same name in
+ * kernels/backend.h; all pointers are device memory. This header includes
+ * no CUDA header. */
+#ifndef NL_CUDA_OPS_H
+#define NL_CUDA_OPS_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+int nl_cuda_embedding_forward(void *stream, float *out, const int32_t *tokens, const float *table,
+                              int N, int C);
+int nl_cuda_rmsnorm_forward(void *stream, float *out, float *rstd, const float *inp, const float *w,
+                            int N, int C, float eps);
+int nl_cuda_rope_forward(void *stream, float *x, const int32_t *pos, int N, int row, int col0,
+                         int heads, int hd, float base);
+int nl_cuda_softmax_forward(void *stream, float *x, int N, int C);
+int nl_cuda_swiglu_forward(void *stream, float *out, const float *gu, int N, int F);
+int nl_cuda_gather_rows(void *stream, float *out, const float *src, const int32_t *idx, int n,
+                        int C);
+int nl_cuda_copy_rows(void *stream, float *dst, int dst_stride, const float *src, int src_stride,
+                      int rows, int cols);
+int nl_cuda_moe_combine(void *stream, float *x, const float *y, const int32_t *slot, const float *w,
+                        int N, int k, int C);
+/* C[r, 0:cols] = beta == 0 ? 0 : beta * C[r, 0:cols] for r < rows, row
+ * stride ldc: the GEMM with K == 0 (an empty product). */
+int nl_cuda_scale_rows(void *stream, float *C, int ldc, int rows, int cols, float beta);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

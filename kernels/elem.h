@@ -1,0 +1,205 @@
+/* Per-element formulas shared by the CPU backend (compiled by gcc) and the
+ * CUDA backend (compiled by nvcc): SiLU and its derivative, the SwiGLU
+ * forward value and backward pair, the RoPE angle and rotation, the
+ * online-softmax merge, the RMSNorm scale and the AdamW update of one
+ * element. Each backend's loops and kernels call these, so the two compute
+ * the same expressions in the same order; tests/test_elem.c checks them
+ * against double-precision references.
+ *
+ * Everything here is an inline function marked NL_HD: __host__ __device__
+ * under nvcc, static inline under a C compiler. The exponential is
+ * nl_elem_expf: the device's expf on a GPU, and on the host nl_expf below,
+ * a branch-free polynomial that lets gcc vectorise the loops calling it
+ * (glibc's expf does not vectorise without -ffast-math).
+ *
+ * The header includes no CUDA header and no project header. */
+#ifndef NL_ELEM_H
+#define NL_ELEM_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __CUDACC__
+#define NL_HD __host__ __device__ __forceinline__
+#else
+#define NL_HD static inline
+#endif
+
+/* ---------------------------------------------------------------- exp */
+
+/* exp(x) for the CPU's vectorised loops: range reduction by ln 2 in two
+ * parts and a degree-6 polynomial (Cephes coefficients), within 2 ulp over
+ * [-87.3, 88.3]. Below -87.3 (where exp(x) < 1.2e-38, the smallest normal
+ * float) it returns 0, so exp(-inf) = 0; above 88.3 it returns exp(88.3)
+ * (about 2.2e38, not inf); NaN gives NaN. Branch-free (clamps and selects)
+ * so loops calling it vectorise. */
+NL_HD float nl_expf(float x)
+{
+    const float x0 = x;
+    /* clamp by selects, round to nearest with the 1.5 * 2^23 shifter */
+    x = x < -87.3f ? -87.3f : x;
+    x = x > 88.3f ? 88.3f : x;
+    const float shifter = 12582912.0f; /* 1.5 * 2^23 */
+    float t = x * 1.44269504088896341f + shifter;
+    int32_t tb;
+    memcpy(&tb, &t, sizeof tb);
+    const int32_t n = tb - 0x4B400000; /* the bits of the shifter */
+    const float fn = t - shifter;
+    float r = x - fn * 0.693359375f;
+    r -= fn * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    /* unsigned: for a NaN input n is garbage, and a signed shift of it
+     * would be undefined (the select below returns NaN anyway) */
+    const uint32_t bits = (uint32_t)(n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x0 < -87.3f ? 0.0f : p * scale;
+}
+
+/* The exponential every formula below uses: the device's expf (within 2
+ * ulp, exact 0 and inf at the ends) on a GPU, nl_expf on the host. */
+NL_HD float nl_elem_expf(float x)
+{
+#ifdef __CUDA_ARCH__
+    return expf(x);
+#else
+    return nl_expf(x);
+#endif
+}
+
+/* ---------------------------------------------------------------- SiLU, SwiGLU */
+
+/* sigmoid(x) = 1 / (1 + exp(-x)) */
+NL_HD float nl_elem_sigmoid(float x)
+{
+    return 1.0f / (1.0f + nl_elem_expf(-x));
+}
+
+/* silu(x) = x sigmoid(x) = x / (1 + exp(-x)) */
+NL_HD float nl_elem_silu(float x)
+{
+    return x / (1.0f + nl_elem_expf(-x));
+}
+
+/* silu'(x) = sigmoid(x) (1 + x (1 - sigmoid(x))) */
+NL_HD float nl_elem_silu_grad(float x)
+{
+    const float sig = nl_elem_sigmoid(x);
+    return sig * (1.0f + x * (1.0f - sig));
+}
+
+/* The SwiGLU value h = silu(g) u of one gate g and up projection u. */
+NL_HD float nl_elem_swiglu(float g, float u)
+{
+    return g / (1.0f + nl_elem_expf(-g)) * u;
+}
+
+/* The SwiGLU backward pair for dh = dL/dh:
+ *   dg = dh u silu'(g),  du = dh silu(g). */
+NL_HD void nl_elem_swiglu_backward(float *dg, float *du, float g, float u, float dh)
+{
+    const float sig = nl_elem_sigmoid(g);
+    const float silu = g * sig;
+    *dg = dh * u * sig * (1.0f + g * (1.0f - sig));
+    *du = dh * silu;
+}
+
+/* ---------------------------------------------------------------- RoPE */
+
+/* Frequency of pair i (0 <= i < hd/2) of a head of width hd, in double:
+ * base^(-2i/hd). */
+NL_HD double nl_elem_rope_freq(int i, int hd, float base)
+{
+    return pow((double)base, -2.0 * i / (double)hd);
+}
+
+/* Angle of pair i at position pos, in double: pos * base^(-2i/hd). Both
+ * backends compute it (and its cos and sin) in double, then round to
+ * float, so they agree to about an ulp even at long positions. */
+NL_HD double nl_elem_rope_angle(int pos, int i, int hd, float base)
+{
+    return (double)pos * nl_elem_rope_freq(i, hd, base);
+}
+
+/* Rotate the pair (a, b) by the angle whose cosine and sine are c, s:
+ *   (a, b) <- (a c - b s, a s + b c). */
+NL_HD void nl_elem_rope_rotate(float *a, float *b, float c, float s)
+{
+    const float x = *a, y = *b;
+    *a = x * c - y * s;
+    *b = x * s + y * c;
+}
+
+/* ---------------------------------------------------------------- online softmax */
+
+/* The online softmax (flash attention) keeps, per row, the running max m of
+ * the scores seen so far and the running sum l = sum exp(s - m); an
+ * accumulator weighted by exp(s - m) (attention's output row) goes with
+ * them. Start with m = -INFINITY, l = 0. Finally lse = m + log(l).
+ *
+ * Step form (the CPU attention): given the max bmax of a new block of
+ * scores, move m to max(m, bmax) and return the factor exp(m_old - m_new)
+ * (0 while nothing was seen) by which l and the accumulator are scaled
+ * before the block's terms exp(s - m_new) are added. If m stays -INFINITY
+ * (every score so far is -inf) the caller must not form exp(s - m). */
+NL_HD float nl_elem_online_max(float *m, float bmax)
+{
+    const float mold = *m;
+    const float mnew = bmax > mold ? bmax : mold;
+    *m = mnew;
+    return mold == -INFINITY ? 0.0f : nl_elem_expf(mold - mnew);
+}
+
+/* Merge form (two partial states): fold a block whose own max is bm and
+ * sum bl = sum exp(s - bm) into (m, l). Returns the factor for the running
+ * accumulator, exp(m_old - m_new); *bscale (may be NULL) gets the factor
+ * for the block's accumulator, exp(bm - m_new). A side that is still empty
+ * (max -INFINITY) gets factor 0. */
+NL_HD float nl_elem_online_merge(float *m, float *l, float bm, float bl, float *bscale)
+{
+    const float mold = *m;
+    const float mnew = bm > mold ? bm : mold;
+    const float corr = mold == -INFINITY ? 0.0f : nl_elem_expf(mold - mnew);
+    const float bc = bm == -INFINITY ? 0.0f : nl_elem_expf(bm - mnew);
+    *l = *l * corr + bl * bc;
+    *m = mnew;
+    if (bscale)
+        *bscale = bc;
+    return corr;
+}
+
+/* ---------------------------------------------------------------- RMSNorm */
+
+/* 1 / sqrt(ss / C + eps) for the sum of squares ss of a row of width C
+ * (an IEEE square root and division on both backends, not rsqrtf). */
+NL_HD float nl_elem_rmsnorm_scale(float ss, int C, float eps)
+{
+    return 1.0f / sqrtf(ss / (float)C + eps);
+}
+
+/* ---------------------------------------------------------------- AdamW */
+
+/* One AdamW step of one parameter p with moments m, v and raw gradient g
+ * (see backend.h's adamw slot):
+ *   g' = g grad_scale;  m = b1 m + (1 - b1) g';  v = b2 v + (1 - b2) g'^2
+ *   p -= lr (m / bc1 / (sqrt(v / bc2) + eps) + wd p)
+ * The decoupled decay uses p before this step's update. */
+NL_HD void nl_elem_adamw(float *p, float *m, float *v, float g, float lr, float b1, float b2,
+                         float eps, float wd, float bc1, float bc2, float grad_scale)
+{
+    const float gi = g * grad_scale;
+    const float mi = b1 * *m + (1.0f - b1) * gi;
+    const float vi = b2 * *v + (1.0f - b2) * gi * gi;
+    *m = mi;
+    *v = vi;
+    *p -= lr * (mi / bc1 / (sqrtf(vi / bc2) + eps) + wd * *p);
+}
+
+#endif
