@@ -137,8 +137,8 @@ static double rel_err_rows(const float *got, const double *ref, int rows, int co
     return e;
 }
 
-__attribute__((format(printf, 3, 4))) static void expect(double e, double tol, const char *fmt,
-                                                         ...)
+/* CHECK that error e is within tol; fmt names the case. */
+__attribute__((format(printf, 3, 4))) static void expect(double e, double tol, const char *fmt, ...)
 {
     char what[256];
     va_list ap;
@@ -148,6 +148,7 @@ __attribute__((format(printf, 3, 4))) static void expect(double e, double tol, c
     CHECK(e <= tol, "%s: error %.3g, tolerance %.3g", what, e, tol);
 }
 
+/* CHECK that two byte ranges are equal (the exact ops). */
 __attribute__((format(printf, 4, 5))) static void expect_same(const void *got, const void *want,
                                                               size_t bytes, const char *fmt, ...)
 {
@@ -490,9 +491,8 @@ static void test_attention_forward(nl_backend *be, int B, int T, int past, int H
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++)
             for (int h = 0; h < H; h++)
-                lref[((size_t)b * H + h) * T + t] =
-                    ref_attn_row(p, ref + (((size_t)b * T + t) * H + h) * hd, q, qs, k, v, ks, &s,
-                                 b, h, t);
+                lref[((size_t)b * H + h) * T + t] = ref_attn_row(
+                    p, ref + (((size_t)b * T + t) * H + h) * hd, q, qs, k, v, ks, &s, b, h, t);
     be->upload(be, dq, q, nq * 4);
     be->upload(be, dk, k, nk * 4);
     be->upload(be, dv, v, nk * 4);
@@ -504,8 +504,10 @@ static void test_attention_forward(nl_backend *be, int B, int T, int past, int H
            "attention_forward B=%d T=%d past=%d kv_cap=%d H=%d G=%d hd=%d lse=%s", B, T, past,
            s.kv_cap, H, G, hd, want_lse ? "yes" : "NULL");
     if (want_lse)
-        expect(rel_err(lse, lref, nl), TOL_RED, "attention_forward B=%d T=%d past=%d H=%d G=%d "
-               "hd=%d lse", B, T, past, H, G, hd);
+        expect(rel_err(lse, lref, nl), TOL_RED,
+               "attention_forward B=%d T=%d past=%d H=%d G=%d "
+               "hd=%d lse",
+               B, T, past, H, G, hd);
 done:
     release(be);
 }
@@ -534,8 +536,8 @@ static void test_softmax(nl_backend *be, int N, int C, float offset, float amp)
     be->softmax_forward(be, dx, N, C);
     be->download(be, got, dx, nx * 4);
     synced(be, "softmax_forward");
-    expect(rel_err_rows(got, ref, N, C), TOL_RED, "softmax_forward N=%d C=%d values %g +- %g", N,
-           C, offset, amp);
+    expect(rel_err_rows(got, ref, N, C), TOL_RED, "softmax_forward N=%d C=%d values %g +- %g", N, C,
+           offset, amp);
 done:
     release(be);
 }
@@ -702,8 +704,8 @@ static void test_rmsnorm_backward(nl_backend *be, int N, int C)
         for (int c = 0; c < C; c++)
             dot += (double)w[c] * gr[c] * xr[c];
         for (int c = 0; c < C; c++) {
-            refx[(size_t)n * C + c] = dx[(size_t)n * C + c] + (double)w[c] * gr[c] * r -
-                                      xr[c] * r * r * r / C * dot;
+            refx[(size_t)n * C + c] =
+                dx[(size_t)n * C + c] + (double)w[c] * gr[c] * r - xr[c] * r * r * r / C * dot;
             refw[c] += (double)gr[c] * xr[c] * r;
         }
     }
@@ -792,8 +794,8 @@ static void test_attention_backward(nl_backend *be, int B, int T, int H, int G, 
     compact(cq, gq, rows, H * hd, qs);
     compact(ck, gk, rows, G * hd, ks);
     compact(cv, gv, rows, G * hd, ks);
-    expect(rel_err(cq, rq, no), TOL_RED, "attention_backward B=%d T=%d H=%d G=%d hd=%d dq", B, T,
-           H, G, hd);
+    expect(rel_err(cq, rq, no), TOL_RED, "attention_backward B=%d T=%d H=%d G=%d hd=%d dq", B, T, H,
+           G, hd);
     expect(rel_err(ck, rk, nkc), TOL_RED, "attention_backward B=%d T=%d H=%d G=%d hd=%d dk", B, T,
            H, G, hd);
     expect(rel_err(cv, rv, nkc), TOL_RED, "attention_backward B=%d T=%d H=%d G=%d hd=%d dv", B, T,
@@ -918,10 +920,10 @@ static void test_cross_entropy(nl_backend *be, int N, int V, float scale, float 
         ref[(size_t)n * V + tgt[n]] = 0.0;
     }
     expect(rel_err(loss, lref, N), TOL_RED, "cross_entropy N=%d V=%d losses", N, V);
-    expect(rel_err(gt, tref, N), TOL_RED, "cross_entropy N=%d V=%d scale=%g target gradient", N,
-           V, scale);
-    expect(rel_err_rows(got, ref, N, V), TOL_RED, "cross_entropy N=%d V=%d scale=%g gradient", N,
-           V, scale);
+    expect(rel_err(gt, tref, N), TOL_RED, "cross_entropy N=%d V=%d scale=%g target gradient", N, V,
+           scale);
+    expect(rel_err_rows(got, ref, N, V), TOL_RED, "cross_entropy N=%d V=%d scale=%g gradient", N, V,
+           scale);
 done:
     release(be);
 }
