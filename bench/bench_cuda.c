@@ -88,8 +88,8 @@ static int read_spec(int dev, spec *s)
 
 typedef struct job {
     const char *name;
-    int kind; /* 0 gemm, else a memory-bound op */
-    int M, N, K;   /* gemm: C[M,N] = A[M,K] B[N,K]^T, as y = x W^T */
+    int kind;          /* 0 gemm, else a memory-bound op */
+    int M, N, K;       /* gemm: C[M,N] = A[M,K] B[N,K]^T, as y = x W^T */
     int rows, cols, k; /* memory ops */
     float *a, *b, *c, *w;
     int32_t *idx;
@@ -188,7 +188,8 @@ static void arena_free(nl_backend *be, arena *ar)
 
 static job gemm_job(const char *name, int M, int N, int K, const arena *ar)
 {
-    job j = {.name = name, .kind = GEMM, .M = M, .N = N, .K = K, .a = ar->a, .b = ar->b, .c = ar->c};
+    job j = {
+        .name = name, .kind = GEMM, .M = M, .N = N, .K = K, .a = ar->a, .b = ar->b, .c = ar->c};
     return j;
 }
 
@@ -207,25 +208,31 @@ static int model_gemms(const nl_config *cf, int rows, const arena *ar, job *out,
     return 5;
 }
 
+/* A memory-bound op over the arena's buffers: it reads and writes `bytes`. */
+static job mem_job(const char *name, int kind, int rows, int cols, double bytes, const arena *ar)
+{
+    job j = {.name = name, .kind = kind, .rows = rows, .cols = cols, .bytes = bytes};
+    j.a = ar->a; /* input */
+    j.b = ar->b; /* weights */
+    j.c = ar->c; /* output */
+    j.w = ar->w; /* rstd, combine weights */
+    j.idx = ar->idx;
+    return j;
+}
+
+/* The model's memory-bound ops at `rows` tokens (rows k expert rows). */
 static int memory_jobs(const nl_config *cf, int rows, const arena *ar, job *out)
 {
-    const double d = cf->hidden_dim, V = (double)cf->vocab_size, F = cf->ffn_dim, k = cf->top_k;
-    const int nk = rows * cf->top_k;
-    int n = 0;
-    out[n++] = (job){.name = "rmsnorm", .kind = RMSNORM, .rows = rows, .cols = (int)d, .a = ar->a,
-                     .b = ar->b, .c = ar->c, .w = ar->w, .bytes = 4 * (2 * rows * d + d + rows)};
-    out[n++] = (job){.name = "softmax_vocab", .kind = SOFTMAX, .rows = rows, .cols = (int)V,
-                     .a = ar->a, .bytes = 4 * 2 * rows * V};
-    out[n++] = (job){.name = "swiglu", .kind = SWIGLU, .rows = nk, .cols = (int)F, .a = ar->a,
-                     .c = ar->c, .bytes = 4 * 3 * nk * F};
-    out[n++] = (job){.name = "gather_rows", .kind = GATHER, .rows = nk, .cols = (int)d, .a = ar->a,
-                     .c = ar->c, .idx = ar->idx, .bytes = 4 * (2 * nk * d + nk)};
-    out[n++] = (job){.name = "copy_rows", .kind = COPY, .rows = rows, .cols = (int)d, .a = ar->a,
-                     .c = ar->c, .bytes = 4 * 2 * rows * d};
-    out[n++] = (job){.name = "moe_combine", .kind = COMBINE, .rows = rows, .cols = (int)d,
-                     .k = (int)k, .a = ar->a, .c = ar->c, .w = ar->w, .idx = ar->idx,
-                     .bytes = 4 * (2 * rows * d + nk * d + 2 * nk)};
-    return n;
+    const double d = cf->hidden_dim, V = (double)cf->vocab_size, F = cf->ffn_dim;
+    const int nk = rows * cf->top_k, n = rows;
+    out[0] = mem_job("rmsnorm", RMSNORM, n, (int)d, 4 * (2 * n * d + d + n), ar);
+    out[1] = mem_job("softmax_vocab", SOFTMAX, n, (int)V, 4 * 2 * n * V, ar);
+    out[2] = mem_job("swiglu", SWIGLU, nk, (int)F, 4 * 3 * nk * F, ar);
+    out[3] = mem_job("gather_rows", GATHER, nk, (int)d, 4 * (2 * nk * d + nk), ar);
+    out[4] = mem_job("copy_rows", COPY, n, (int)d, 4 * 2 * n * d, ar);
+    out[5] = mem_job("moe_combine", COMBINE, n, (int)d, 4 * (2 * n * d + nk * d + 2 * nk), ar);
+    out[5].k = cf->top_k;
+    return 6;
 }
 
 /* ---------------------------------------------------------------- main */
@@ -247,8 +254,7 @@ int main(int argc, char **argv)
                        {"device", 1, "CUDA device (default cuda:0; cpu: a dry run)", NULL},
                        {"square", 1, "size of the square SGEMM (default 4096)", NULL},
                        {0}};
-    const char *usage =
-        "bench_cuda [--config CFG.yaml] [--rows N] [--device cuda:N] [--square M]";
+    const char *usage = "bench_cuda [--config CFG.yaml] [--rows N] [--device cuda:N] [--square M]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -284,8 +290,10 @@ int main(int argc, char **argv)
     /* the largest job: 4096^2 per operand, or the model's widest at N rows */
     const size_t V = (size_t)cf.vocab_size, d = (size_t)cf.hidden_dim, F = (size_t)cf.ffn_dim;
     size_t floats = (size_t)sq * (size_t)sq, nk = (size_t)rows * cf.top_k;
-    size_t need[] = {(size_t)rows * V, V * d, nk * 2 * F, 2 * F * d, nk * d,
-                     (size_t)rows * (cf.num_heads + 2 * cf.num_kv_heads) * (d / cf.num_heads)};
+    size_t need[] = {
+        (size_t)rows * V, V * d,
+        nk * 2 * F,       2 * F * d,
+        nk * d,           (size_t)rows * (cf.num_heads + 2 * cf.num_kv_heads) * (d / cf.num_heads)};
     for (size_t i = 0; i < sizeof need / sizeof need[0]; i++)
         floats = need[i] > floats ? need[i] : floats;
     if (arena_new(be, &ar, floats, nk) != 0 || arena_new(be32, &ar32, floats, nk) != 0) {

@@ -227,8 +227,8 @@ static void release(selftest *c)
     c->oom = 0;
 }
 
-static void line(selftest *c, int ok, const char *check, const char *shape, double err,
-                 double tol, const char *why)
+static void line(selftest *c, int ok, const char *check, const char *shape, double err, double tol,
+                 const char *why)
 {
     printf("%-4s  %-22s  %-46s  err=%.3g tol=%.3g%s%s\n", ok ? "ok" : "FAIL", check, shape, err,
            tol, why ? "  " : "", why ? why : "");
@@ -370,8 +370,8 @@ static void check_embedding(selftest *c, int N, int C, int rows)
     int32_t *tok = ids(c, (size_t)N, rows);
     if (tok)
         tok[N - 1] = rows - 1; /* the last row of the table */
-    pair *pt = dev(c, tok, (size_t)N * 4), *tab = dev(c, rnd(c, (size_t)rows * C, -1, 1),
-                                                      (size_t)rows * C * 4);
+    pair *pt = dev(c, tok, (size_t)N * 4),
+         *tab = dev(c, rnd(c, (size_t)rows * C, -1, 1), (size_t)rows * C * 4);
     pair *out = dev(c, NULL, (size_t)N * C * 4);
     if (!c->oom)
         BOTH(c, be->embedding_forward(be, D(out), D(pt), D(tab), N, C));
@@ -437,7 +437,8 @@ static void check_attention(selftest *c, int B, int T, int past, int kv_cap, int
         v = dev(c, vh, nkv * 4);
     }
     const size_t koff = packed ? (size_t)H * hd : 0, voff = packed ? (size_t)(H + G) * hd : 0;
-    pair *out = dev(c, NULL, (size_t)B * T * H * hd * 4), *lse = dev(c, NULL, (size_t)B * H * T * 4);
+    pair *out = dev(c, NULL, (size_t)B * T * H * hd * 4),
+         *lse = dev(c, NULL, (size_t)B * H * T * 4);
     if (!c->oom)
         BOTH(c, be->attention_forward(be, D(out), D(lse), D(q), qs, (const float *)D(k) + koff,
                                       (const float *)D(v) + voff, ks, s));
@@ -523,29 +524,29 @@ static void forward_ops(selftest *c)
     check_zero(c, 4096, 0, 4096);
     check_zero(c, 40000, 4, 4 * 4999);
     check_zero(c, 4003, 1, 13);
-    check_gemm(c, 0, 1, 1, 129, 257, 1, 0, 0);    /* decode row, odd widths */
-    check_gemm(c, 0, 1, 17, 384, 128, 1, 0, 0);   /* QKV of 17 rows */
-    check_gemm(c, 0, 1, 33, 128, 256, 1, 1, 0);   /* Wo into the residual */
-    check_gemm(c, 0, 0, 33, 77, 65, 0.5f, 0, 3);  /* padded strides */
-    check_gemm(c, 1, 0, 128, 257, 33, 1, 1, 0);   /* dW = dY^T X */
+    check_gemm(c, 0, 1, 1, 129, 257, 1, 0, 0);   /* decode row, odd widths */
+    check_gemm(c, 0, 1, 17, 384, 128, 1, 0, 0);  /* QKV of 17 rows */
+    check_gemm(c, 0, 1, 33, 128, 256, 1, 1, 0);  /* Wo into the residual */
+    check_gemm(c, 0, 0, 33, 77, 65, 0.5f, 0, 3); /* padded strides */
+    check_gemm(c, 1, 0, 128, 257, 33, 1, 1, 0);  /* dW = dY^T X */
     check_gemm(c, 1, 1, 17, 33, 65, 1, 0.5f, 1);
-    check_gemm(c, 0, 1, 64, 64, 4096, 1, 0, 0);   /* long K */
-    check_gemm(c, 0, 1, 5, 50000, 128, 1, 0, 0);  /* a head over V = 50,000 */
+    check_gemm(c, 0, 1, 64, 64, 4096, 1, 0, 0);  /* long K */
+    check_gemm(c, 0, 1, 5, 50000, 128, 1, 0, 0); /* a head over V = 50,000 */
     check_embedding(c, 17, 129, 1000);
     check_embedding(c, 1, 64, 3);
     check_rmsnorm(c, 1, 4096);
     check_rmsnorm(c, 17, 127);
     check_rmsnorm(c, 33, 1000);
-    check_rope(c, 17, (4 + 2) * 64, 0, 5, 64, 2048);    /* q and k heads of a packed qkv */
-    check_rope(c, 33, 4 * 128 + 7, 7, 4, 128, 8192);    /* odd row, col0 > 0 */
+    check_rope(c, 17, (4 + 2) * 64, 0, 5, 64, 2048); /* q and k heads of a packed qkv */
+    check_rope(c, 33, 4 * 128 + 7, 7, 4, 128, 8192); /* odd row, col0 > 0 */
     check_rope(c, 1, 2 * 16, 0, 2, 16, 1001);
-    check_attention(c, 2, 17, 0, 0, 4, 1, 64);          /* packed, H/G = 4 */
-    check_attention(c, 1, 33, 0, 0, 4, 4, 128);         /* H/G = 1 */
+    check_attention(c, 2, 17, 0, 0, 4, 1, 64);  /* packed, H/G = 4 */
+    check_attention(c, 1, 33, 0, 0, 4, 4, 128); /* H/G = 1 */
     check_attention(c, 3, 1, 0, 0, 2, 2, 16);
     check_attention(c, 1, 130, 0, 0, 2, 1, 64);
-    check_attention(c, 1, 1, 1000, 1024, 4, 1, 64);     /* decode over a cache */
+    check_attention(c, 1, 1, 1000, 1024, 4, 1, 64); /* decode over a cache */
     check_attention(c, 2, 1, 999, 1001, 8, 2, 128);
-    check_attention(c, 2, 17, 33, 64, 4, 4, 16);        /* chunked prefill */
+    check_attention(c, 2, 17, 33, 64, 4, 4, 16); /* chunked prefill */
     check_softmax(c, 3, 50000, 4);
     check_softmax(c, 17, 8, 2);
     check_softmax(c, 1, 1, 1);
@@ -718,8 +719,8 @@ static void check_adamw(selftest *c, size_t n)
     pair *m = dev(c, rnd(c, n, -0.1, 0.1), n * 4), *v = dev(c, rnd(c, n, 0, 0.01), n * 4);
     const float b1 = 0.9f, b2 = 0.95f, bc1 = 1.0f - b1 * b1 * b1, bc2 = 1.0f - b2 * b2 * b2;
     if (!c->oom)
-        BOTH(c, be->adamw(be, D(p), D(g), D(m), D(v), n, 1e-3f, b1, b2, 1e-8f, 0.1f, bc1, bc2,
-                          0.5f));
+        BOTH(c,
+             be->adamw(be, D(p), D(g), D(m), D(v), n, 1e-3f, b1, b2, 1e-8f, 0.1f, bc1, bc2, 0.5f));
     done(c, "adamw", shape, max2(cmp(c, p, n), max2(cmp(c, m, n), cmp(c, v, n))), TOL_ELEM);
 }
 
@@ -889,8 +890,8 @@ static void check_routing(selftest *c, model_side ms[2], const int32_t *tok, con
                        l, n, k, gap, same ? "" : ", the backends chose differently");
             } else if (!same) {
                 differ++;
-                printf("note  model_routing  layer %d token %d: experts differ (gap %.3g)\n", l,
-                       n, gap);
+                printf("note  model_routing  layer %d token %d: experts differ (gap %.3g)\n", l, n,
+                       gap);
             }
         }
     char tshape[112];
@@ -920,8 +921,7 @@ static void check_logits(selftest *c, model_side ms[2], const int32_t *tok, doub
     }
     line(c, err_all(lg[0], lg[1], (size_t)N * V) <= tol, "model_logits", shape,
          err_all(lg[0], lg[1], (size_t)N * V), tol, NULL);
-    done(c, "model_aux_loss", shape, fabs((double)aux[1] - aux[0]) / fabs((double)aux[0]),
-         TOL_RED);
+    done(c, "model_aux_loss", shape, fabs((double)aux[1] - aux[0]) / fabs((double)aux[0]), TOL_RED);
 }
 
 static int argmax(const float *x, int n, double *gap)
@@ -955,8 +955,11 @@ static void check_decode(selftest *c, model_side ms[2], const int32_t *prompt, d
         int id[2];
         double gap = 0.0;
         for (int s = 0; s < 2; s++) {
-            nl_forward_args a = {.B = 1, .T = step ? 1 : MT, .tokens = step ? &next : prompt,
-                                 .kv = ms[s].kv, .last_only = 1};
+            nl_forward_args a = {.B = 1,
+                                 .T = step ? 1 : MT,
+                                 .tokens = step ? &next : prompt,
+                                 .kv = ms[s].kv,
+                                 .last_only = 1};
             nl_backend *be = c->be[s];
             if (nl_forward(ms[s].m, ms[s].rs, &a, NULL, &e) != NL_OK) {
                 line(c, 0, "model_decode_logits", shape, INFINITY, tol, e.msg);
