@@ -42,46 +42,12 @@
 
 #include "base/args.h"
 #include "commands.h"
-#include "core/forward.h"
-#include "core/layer.h"
 #include "core/rng.h"
-
-#define TOL_ELEM 1e-6
-#define TOL_RED 1e-5
-#define TOL_ATTN 1e-5
-#define NEAR_TIE 1e-5 /* two top-k router probabilities closer than this */
-
-#define MAX_LIVE 24
-
-/* One buffer on both backends: d[0] on the reference, d[1] on the target. */
-typedef struct pair {
-    void *d[2];
-    size_t bytes;
-} pair;
-
-typedef struct selftest {
-    nl_backend *be[2]; /* 0: reference, 1: target */
-    nl_rng rng;
-    int tf32;
-    int passed, failed;
-    pair live[MAX_LIVE]; /* this check's device buffers */
-    int n_live;
-    void *host[2 * MAX_LIVE]; /* this check's host buffers */
-    int n_host;
-    int oom;
-} selftest;
-
-/* Run `call` once per backend, reference first; D(p) is p's pointer there. */
-#define BOTH(c, call)                                                                              \
-    for (int s_ = 0; s_ < 2; s_++) {                                                               \
-        nl_backend *be = (c)->be[s_];                                                              \
-        call;                                                                                      \
-    }
-#define D(p) ((p)->d[s_])
+#include "selftest.h"
 
 /* ---------------------------------------------------------------- buffers */
 
-static void *hbuf(selftest *c, size_t bytes)
+void *nl_selftest_hbuf(nl_selftest *c, size_t bytes)
 {
     void *p = c->n_host < 2 * MAX_LIVE ? calloc(1, bytes ? bytes : 1) : NULL;
     if (!p) {
@@ -92,26 +58,26 @@ static void *hbuf(selftest *c, size_t bytes)
     return p;
 }
 
-static float *rnd(selftest *c, size_t n, double lo, double hi)
+static float *rnd(nl_selftest *c, size_t n, double lo, double hi)
 {
-    float *x = hbuf(c, n * sizeof *x);
+    float *x = nl_selftest_hbuf(c, n * sizeof *x);
     for (size_t i = 0; x && i < n; i++)
         x[i] = (float)(lo + (hi - lo) * nl_rng_uniform(&c->rng));
     return x;
 }
 
-static int32_t *ids(selftest *c, size_t n, int below)
+int32_t *nl_selftest_ids(nl_selftest *c, size_t n, int below)
 {
-    int32_t *x = hbuf(c, n * sizeof *x);
+    int32_t *x = nl_selftest_hbuf(c, n * sizeof *x);
     for (size_t i = 0; x && i < n; i++)
         x[i] = (int32_t)nl_rng_below(&c->rng, (uint64_t)below);
     return x;
 }
 
 /* A random permutation of 0..n-1 (dispatch slots: each written once). */
-static int32_t *perm(selftest *c, int n)
+static int32_t *perm(nl_selftest *c, int n)
 {
-    int32_t *x = hbuf(c, (size_t)n * sizeof *x);
+    int32_t *x = nl_selftest_hbuf(c, (size_t)n * sizeof *x);
     for (int i = 0; x && i < n; i++)
         x[i] = i;
     for (int i = n - 1; x && i > 0; i--) {
@@ -125,8 +91,8 @@ static int32_t *perm(selftest *c, int n)
 
 /* A buffer of `bytes` on both backends holding `host` (zeros when NULL).
  * On failure c->oom is set and a pair of NULLs is returned: checks run
- * their ops only while c->oom is clear, and done() fails them. */
-static pair *dev(selftest *c, const void *host, size_t bytes)
+ * their ops only while c->oom is clear, and nl_selftest_done() fails them. */
+static pair *dev(nl_selftest *c, const void *host, size_t bytes)
 {
     static pair none;
     if (c->oom || c->n_live == MAX_LIVE) {
@@ -147,18 +113,18 @@ static pair *dev(selftest *c, const void *host, size_t bytes)
 
 /* The reference's bytes of p also on the target (an input computed by a
  * reference op, e.g. the forward's lse for the attention backward). */
-static void mirror(selftest *c, pair *p)
+static void mirror(nl_selftest *c, pair *p)
 {
-    void *h = hbuf(c, p->bytes);
+    void *h = nl_selftest_hbuf(c, p->bytes);
     if (!h || c->oom)
         return;
     c->be[0]->download(c->be[0], h, p->d[0], p->bytes);
     c->be[1]->upload(c->be[1], p->d[1], h, p->bytes);
 }
 
-static void *down(selftest *c, const pair *p, int side)
+static void *down(nl_selftest *c, const pair *p, int side)
 {
-    void *h = hbuf(c, p->bytes);
+    void *h = nl_selftest_hbuf(c, p->bytes);
     if (h && !c->oom)
         c->be[side]->download(c->be[side], h, p->d[side], p->bytes);
     return h;
@@ -181,26 +147,26 @@ static double err_cols(const float *r, const float *t, size_t rows, size_t strid
     return scale > 0.0 ? diff / scale : diff;
 }
 
-static double err_all(const float *r, const float *t, size_t n)
+double nl_selftest_err_all(const float *r, const float *t, size_t n)
 {
     return err_cols(r, t, 1, n, 0, n);
 }
 
 /* err_cols of p's bytes on the two backends */
-static double cmp_cols(selftest *c, const pair *p, size_t rows, size_t stride, size_t col0,
+static double cmp_cols(nl_selftest *c, const pair *p, size_t rows, size_t stride, size_t col0,
                        size_t cols)
 {
     const float *r = down(c, p, 0), *t = down(c, p, 1);
     return c->oom ? INFINITY : err_cols(r, t, rows, stride, col0, cols);
 }
 
-static double cmp(selftest *c, const pair *p, size_t n)
+static double cmp(nl_selftest *c, const pair *p, size_t n)
 {
     return cmp_cols(c, p, 1, n, 0, n);
 }
 
 /* Differing bytes of p on the two backends. */
-static double cmp_exact(selftest *c, const pair *p)
+static double cmp_exact(nl_selftest *c, const pair *p)
 {
     const unsigned char *r = down(c, p, 0), *t = down(c, p, 1);
     if (c->oom)
@@ -211,14 +177,9 @@ static double cmp_exact(selftest *c, const pair *p)
     return (double)bad;
 }
 
-static double max2(double a, double b)
-{
-    return a > b || isnan(a) ? a : b;
-}
-
 /* ---------------------------------------------------------------- report */
 
-static void release(selftest *c)
+void nl_selftest_release(nl_selftest *c)
 {
     for (int i = 0; i < c->n_live; i++)
         for (int s = 0; s < 2; s++)
@@ -229,8 +190,8 @@ static void release(selftest *c)
     c->oom = 0;
 }
 
-static void line(selftest *c, int ok, const char *check, const char *shape, double err, double tol,
-                 const char *why)
+void nl_selftest_line(nl_selftest *c, int ok, const char *check, const char *shape, double err,
+                      double tol, const char *why)
 {
     printf("%-4s  %-22s  %-46s  err=%.3g tol=%.3g%s%s\n", ok ? "ok" : "FAIL", check, shape, err,
            tol, why ? "  " : "", why ? why : "");
@@ -242,7 +203,7 @@ static void line(selftest *c, int ok, const char *check, const char *shape, doub
 }
 
 /* Close a check: the target's queue must be clean, then err <= tol. */
-static void done(selftest *c, const char *check, const char *shape, double err, double tol)
+void nl_selftest_done(nl_selftest *c, const char *check, const char *shape, double err, double tol)
 {
     nl_error e = {0};
     nl_backend *t = c->be[1];
@@ -258,19 +219,19 @@ static void done(selftest *c, const char *check, const char *shape, double err, 
         snprintf(msg, sizeof msg, "(%s: %s)", nl_status_str(st), e.msg);
         why = msg;
     }
-    line(c, st == NL_OK && !c->oom && err <= tol, check, shape, err, tol, why);
-    release(c);
+    nl_selftest_line(c, st == NL_OK && !c->oom && err <= tol, check, shape, err, tol, why);
+    nl_selftest_release(c);
 }
 
 /* A forward slot the target leaves NULL fails its check. */
-static int has(selftest *c, int present, const char *check, const char *shape)
+static int has(nl_selftest *c, int present, const char *check, const char *shape)
 {
     if (present)
         return 1;
     char why[96];
     snprintf(why, sizeof why, "(not implemented on %s)", c->be[1]->name);
-    line(c, 0, check, shape, INFINITY, 0, why);
-    release(c);
+    nl_selftest_line(c, 0, check, shape, INFINITY, 0, why);
+    nl_selftest_release(c);
     return 0;
 }
 
@@ -279,11 +240,11 @@ static int has(selftest *c, int present, const char *check, const char *shape)
 /* ---------------------------------------------------------------- memory */
 
 /* upload at a byte offset, download back: the same bytes */
-static void check_roundtrip(selftest *c, size_t bytes, size_t off)
+static void check_roundtrip(nl_selftest *c, size_t bytes, size_t off)
 {
     char shape[64];
     snprintf(shape, sizeof shape, "bytes=%zu off=%zu", bytes, off);
-    unsigned char *h = hbuf(c, bytes), *back = hbuf(c, bytes);
+    unsigned char *h = nl_selftest_hbuf(c, bytes), *back = nl_selftest_hbuf(c, bytes);
     pair *p = dev(c, NULL, bytes + off);
     double bad = INFINITY;
     if (!c->oom) {
@@ -296,16 +257,16 @@ static void check_roundtrip(selftest *c, size_t bytes, size_t off)
         for (size_t i = 0; i < bytes; i++)
             bad += h[i] != back[i];
     }
-    done(c, "upload_download", shape, bad, 0);
+    nl_selftest_done(c, "upload_download", shape, bad, 0);
 }
 
 /* zero [off, off + bytes) of a buffer full of NaN: those bytes become 0,
  * the rest keep their NaN */
-static void check_zero(selftest *c, size_t total, size_t off, size_t bytes)
+static void check_zero(nl_selftest *c, size_t total, size_t off, size_t bytes)
 {
     char shape[64];
     snprintf(shape, sizeof shape, "bytes=%zu off=%zu of %zu (NaN)", bytes, off, total);
-    float *nan = hbuf(c, total + 4);
+    float *nan = nl_selftest_hbuf(c, total + 4);
     for (size_t i = 0; nan && i < total / 4 + 1; i++)
         nan[i] = NAN;
     pair *p = dev(c, nan, total);
@@ -319,13 +280,13 @@ static void check_zero(selftest *c, size_t total, size_t off, size_t bytes)
         for (size_t i = 0; t && i < total; i++)
             bad += t[i] != (i >= off && i < off + bytes ? 0 : orig[i]);
     }
-    done(c, "zero", shape, bad, 0);
+    nl_selftest_done(c, "zero", shape, bad, 0);
 }
 
 /* ---------------------------------------------------------------- gemm */
 
 /* C = alpha op(A) op(B) + beta C with row strides padded by `pad`. */
-static void check_gemm(selftest *c, int ta, int tb, int M, int N, int K, float alpha, float beta,
+static void check_gemm(nl_selftest *c, int ta, int tb, int M, int N, int K, float alpha, float beta,
                        int pad)
 {
     char shape[80];
@@ -358,18 +319,18 @@ static void check_gemm(selftest *c, int ta, int tb, int M, int N, int K, float a
                 worst = max2(worst, isfinite(t[o]) ? e : INFINITY);
             }
     }
-    done(c, "gemm", shape, worst, c->tf32 ? 2e-3 : 1e-5 * sqrt((double)K));
+    nl_selftest_done(c, "gemm", shape, worst, c->tf32 ? 2e-3 : 1e-5 * sqrt((double)K));
 }
 
 /* ---------------------------------------------------------------- forward ops */
 
-static void check_embedding(selftest *c, int N, int C, int rows)
+static void check_embedding(nl_selftest *c, int N, int C, int rows)
 {
     char shape[64];
     snprintf(shape, sizeof shape, "N=%d C=%d rows=%d", N, C, rows);
     if (!NEED(c, embedding_forward, shape))
         return;
-    int32_t *tok = ids(c, (size_t)N, rows);
+    int32_t *tok = nl_selftest_ids(c, (size_t)N, rows);
     if (tok)
         tok[N - 1] = rows - 1; /* the last row of the table */
     pair *pt = dev(c, tok, (size_t)N * 4),
@@ -377,10 +338,10 @@ static void check_embedding(selftest *c, int N, int C, int rows)
     pair *out = dev(c, NULL, (size_t)N * C * 4);
     if (!c->oom)
         BOTH(c, be->embedding_forward(be, D(out), D(pt), D(tab), N, C));
-    done(c, "embedding_forward", shape, cmp_exact(c, out), 0);
+    nl_selftest_done(c, "embedding_forward", shape, cmp_exact(c, out), 0);
 }
 
-static void check_rmsnorm(selftest *c, int N, int C)
+static void check_rmsnorm(nl_selftest *c, int N, int C)
 {
     char shape[64];
     snprintf(shape, sizeof shape, "N=%d C=%d", N, C);
@@ -391,32 +352,33 @@ static void check_rmsnorm(selftest *c, int N, int C)
     pair *out = dev(c, NULL, (size_t)N * C * 4), *rstd = dev(c, NULL, (size_t)N * 4);
     if (!c->oom)
         BOTH(c, be->rmsnorm_forward(be, D(out), D(rstd), D(x), D(w), N, C, 1e-6f));
-    done(c, "rmsnorm_forward", shape, max2(cmp(c, out, (size_t)N * C), cmp(c, rstd, (size_t)N)),
-         TOL_RED);
+    nl_selftest_done(c, "rmsnorm_forward", shape,
+                     max2(cmp(c, out, (size_t)N * C), cmp(c, rstd, (size_t)N)), TOL_RED);
 }
 
 /* heads of hd at column col0 of rows of width row, positions below maxpos */
-static void check_rope(selftest *c, int N, int row, int col0, int heads, int hd, int maxpos)
+static void check_rope(nl_selftest *c, int N, int row, int col0, int heads, int hd, int maxpos)
 {
     char shape[80];
     snprintf(shape, sizeof shape, "N=%d row=%d col0=%d heads=%d hd=%d pos<%d", N, row, col0, heads,
              hd, maxpos);
     if (!NEED(c, rope_forward, shape))
         return;
-    int32_t *pos = ids(c, (size_t)N, maxpos);
+    int32_t *pos = nl_selftest_ids(c, (size_t)N, maxpos);
     if (pos)
         pos[0] = maxpos - 1;
     pair *x = dev(c, rnd(c, (size_t)N * row, -1, 1), (size_t)N * row * 4);
     pair *pp = dev(c, pos, (size_t)N * 4);
     if (!c->oom)
         BOTH(c, be->rope_forward(be, D(x), D(pp), N, row, col0, heads, hd, 10000.0f));
-    done(c, "rope_forward", shape, cmp(c, x, (size_t)N * row), TOL_ELEM);
+    nl_selftest_done(c, "rope_forward", shape, cmp(c, x, (size_t)N * row), TOL_ELEM);
 }
 
 /* packed: q, k, v in one buffer of rows (H + 2G) hd, as the model's prefill
  * (kv_cap = T, past = 0); else a query buffer and a cache of kv_cap rows
  * per sequence, NaN past the filled positions */
-static void check_attention(selftest *c, int B, int T, int past, int kv_cap, int H, int G, int hd)
+static void check_attention(nl_selftest *c, int B, int T, int past, int kv_cap, int H, int G,
+                            int hd)
 {
     const int packed = kv_cap == 0;
     char shape[96];
@@ -444,12 +406,13 @@ static void check_attention(selftest *c, int B, int T, int past, int kv_cap, int
     if (!c->oom)
         BOTH(c, be->attention_forward(be, D(out), D(lse), D(q), qs, (const float *)D(k) + koff,
                                       (const float *)D(v) + voff, ks, s));
-    done(c, "attention_forward", shape,
-         max2(cmp(c, out, (size_t)B * T * H * hd), cmp(c, lse, (size_t)B * H * T)), TOL_ATTN);
+    nl_selftest_done(c, "attention_forward", shape,
+                     max2(cmp(c, out, (size_t)B * T * H * hd), cmp(c, lse, (size_t)B * H * T)),
+                     TOL_ATTN);
 }
 
 /* Error of the reference's softmax against one computed in double. */
-static double softmax_ref_error(selftest *c, const float *in, const pair *x, int N, int C)
+static double softmax_ref_error(nl_selftest *c, const float *in, const pair *x, int N, int C)
 {
     const float *r = down(c, x, 0);
     double diff = 0.0, scale = 0.0;
@@ -474,7 +437,7 @@ static double softmax_ref_error(selftest *c, const float *in, const pair *x, int
  * reaches about 1e-5 (measured: 1e-6 to 9.5e-6 over five seeds); the
  * tolerance is 1e-5 plus that error of the reference, computed here, so
  * that a more accurate target is not failed for the reference's rounding. */
-static void check_softmax(selftest *c, int N, int C, double scale)
+static void check_softmax(nl_selftest *c, int N, int C, double scale)
 {
     char shape[64];
     snprintf(shape, sizeof shape, "N=%d C=%d |x|<%g", N, C, scale);
@@ -487,10 +450,10 @@ static void check_softmax(selftest *c, int N, int C, double scale)
         BOTH(c, be->softmax_forward(be, D(x), N, C));
         tol += softmax_ref_error(c, in, x, N, C);
     }
-    done(c, "softmax_forward", shape, cmp(c, x, (size_t)N * C), tol);
+    nl_selftest_done(c, "softmax_forward", shape, cmp(c, x, (size_t)N * C), tol);
 }
 
-static void check_swiglu(selftest *c, int N, int F)
+static void check_swiglu(nl_selftest *c, int N, int F)
 {
     char shape[64];
     snprintf(shape, sizeof shape, "N=%d F=%d", N, F);
@@ -500,25 +463,25 @@ static void check_swiglu(selftest *c, int N, int F)
     pair *out = dev(c, NULL, (size_t)N * F * 4);
     if (!c->oom)
         BOTH(c, be->swiglu_forward(be, D(out), D(gu), N, F));
-    done(c, "swiglu_forward", shape, cmp(c, out, (size_t)N * F), TOL_ELEM);
+    nl_selftest_done(c, "swiglu_forward", shape, cmp(c, out, (size_t)N * F), TOL_ELEM);
 }
 
-static void check_gather(selftest *c, int n, int C, int src_rows)
+static void check_gather(nl_selftest *c, int n, int C, int src_rows)
 {
     char shape[64];
     snprintf(shape, sizeof shape, "n=%d C=%d src=%d", n, C, src_rows);
     if (!NEED(c, gather_rows, shape))
         return;
     pair *src = dev(c, rnd(c, (size_t)src_rows * C, -1, 1), (size_t)src_rows * C * 4);
-    pair *idx = dev(c, ids(c, (size_t)n, src_rows), (size_t)n * 4);
+    pair *idx = dev(c, nl_selftest_ids(c, (size_t)n, src_rows), (size_t)n * 4);
     pair *out = dev(c, NULL, (size_t)n * C * 4);
     if (!c->oom)
         BOTH(c, be->gather_rows(be, D(out), D(src), D(idx), n, C));
-    done(c, "gather_rows", shape, cmp_exact(c, out), 0);
+    nl_selftest_done(c, "gather_rows", shape, cmp_exact(c, out), 0);
 }
 
 /* the destination is full of random values: its padding must survive */
-static void check_copy_rows(selftest *c, int rows, int cols, int dst_stride, int src_stride)
+static void check_copy_rows(nl_selftest *c, int rows, int cols, int dst_stride, int src_stride)
 {
     char shape[64];
     snprintf(shape, sizeof shape, "rows=%d cols=%d dst=%d src=%d", rows, cols, dst_stride,
@@ -529,10 +492,10 @@ static void check_copy_rows(selftest *c, int rows, int cols, int dst_stride, int
     pair *dst = dev(c, rnd(c, (size_t)rows * dst_stride, -1, 1), (size_t)rows * dst_stride * 4);
     if (!c->oom)
         BOTH(c, be->copy_rows(be, D(dst), dst_stride, D(src), src_stride, rows, cols));
-    done(c, "copy_rows", shape, cmp_exact(c, dst), 0);
+    nl_selftest_done(c, "copy_rows", shape, cmp_exact(c, dst), 0);
 }
 
-static void check_moe_combine(selftest *c, int N, int k, int C)
+static void check_moe_combine(nl_selftest *c, int N, int k, int C)
 {
     char shape[64];
     snprintf(shape, sizeof shape, "N=%d k=%d C=%d", N, k, C);
@@ -544,10 +507,10 @@ static void check_moe_combine(selftest *c, int N, int k, int C)
     pair *slot = dev(c, perm(c, (int)nk), nk * 4), *w = dev(c, rnd(c, nk, 0, 1), nk * 4);
     if (!c->oom)
         BOTH(c, be->moe_combine(be, D(x), D(y), D(slot), D(w), N, k, C));
-    done(c, "moe_combine", shape, cmp(c, x, (size_t)N * C), TOL_ELEM);
+    nl_selftest_done(c, "moe_combine", shape, cmp(c, x, (size_t)N * C), TOL_ELEM);
 }
 
-static void forward_ops(selftest *c)
+static void forward_ops(nl_selftest *c)
 {
     check_roundtrip(c, 1, 0);
     check_roundtrip(c, 4099, 1);
@@ -597,7 +560,7 @@ static void forward_ops(selftest *c)
 
 /* ---------------------------------------------------------------- backward ops */
 
-static void check_embedding_backward(selftest *c, int N, int C, int rows)
+static void check_embedding_backward(nl_selftest *c, int N, int C, int rows)
 {
     char shape[64];
     snprintf(shape, sizeof shape, "N=%d C=%d rows=%d (repeats)", N, C, rows);
@@ -605,14 +568,14 @@ static void check_embedding_backward(selftest *c, int N, int C, int rows)
         return;
     pair *dt = dev(c, rnd(c, (size_t)rows * C, -1, 1), (size_t)rows * C * 4);
     pair *dout = dev(c, rnd(c, (size_t)N * C, -1, 1), (size_t)N * C * 4);
-    pair *tok = dev(c, ids(c, (size_t)N, rows), (size_t)N * 4);
+    pair *tok = dev(c, nl_selftest_ids(c, (size_t)N, rows), (size_t)N * 4);
     if (!c->oom)
         BOTH(c, be->embedding_backward(be, D(dt), D(dout), D(tok), N, C));
-    done(c, "embedding_backward", shape, cmp(c, dt, (size_t)rows * C), TOL_RED);
+    nl_selftest_done(c, "embedding_backward", shape, cmp(c, dt, (size_t)rows * C), TOL_RED);
 }
 
 /* dinp and dw accumulate into random values */
-static void check_rmsnorm_backward(selftest *c, int N, int C)
+static void check_rmsnorm_backward(nl_selftest *c, int N, int C)
 {
     char shape[64];
     snprintf(shape, sizeof shape, "N=%d C=%d", N, C);
@@ -629,12 +592,13 @@ static void check_rmsnorm_backward(selftest *c, int N, int C)
         mirror(c, rstd);
         BOTH(c, be->rmsnorm_backward(be, D(dx), D(dw), D(dout), D(x), D(w), D(rstd), N, C));
     }
-    done(c, "rmsnorm_backward", shape, max2(cmp(c, dx, n), cmp(c, dw, (size_t)C)), TOL_RED);
+    nl_selftest_done(c, "rmsnorm_backward", shape, max2(cmp(c, dx, n), cmp(c, dw, (size_t)C)),
+                     TOL_RED);
 }
 
 /* packed q | k | v rows as in training; out and lse from the reference's
  * forward; dq, dk, dv each judged against its own scale */
-static void check_attention_backward(selftest *c, int B, int T, int H, int G, int hd)
+static void check_attention_backward(nl_selftest *c, int B, int T, int H, int G, int hd)
 {
     char shape[80];
     snprintf(shape, sizeof shape, "B=%d T=%d H=%d G=%d hd=%d packed", B, T, H, G, hd);
@@ -659,10 +623,10 @@ static void check_attention_backward(selftest *c, int B, int T, int H, int G, in
     double e = cmp_cols(c, dqkv, N, qs, 0, ko);
     e = max2(e, cmp_cols(c, dqkv, N, qs, ko, vo - ko));
     e = max2(e, cmp_cols(c, dqkv, N, qs, vo, qs - vo));
-    done(c, "attention_backward", shape, e, TOL_ATTN);
+    nl_selftest_done(c, "attention_backward", shape, e, TOL_ATTN);
 }
 
-static void check_swiglu_backward(selftest *c, int N, int F)
+static void check_swiglu_backward(nl_selftest *c, int N, int F)
 {
     char shape[64];
     snprintf(shape, sizeof shape, "N=%d F=%d", N, F);
@@ -673,11 +637,11 @@ static void check_swiglu_backward(selftest *c, int N, int F)
     pair *dgu = dev(c, rnd(c, 2 * n, -1, 1), 2 * n * 4);
     if (!c->oom)
         BOTH(c, be->swiglu_backward(be, D(dgu), D(dh), D(gu), N, F));
-    done(c, "swiglu_backward", shape, cmp(c, dgu, 2 * n), TOL_ELEM);
+    nl_selftest_done(c, "swiglu_backward", shape, cmp(c, dgu, 2 * n), TOL_ELEM);
 }
 
 /* dy is element-wise (1e-6); dw is a dot product per (token, choice) */
-static void check_moe_combine_backward(selftest *c, int N, int k, int C)
+static void check_moe_combine_backward(nl_selftest *c, int N, int k, int C)
 {
     char shape[80];
     snprintf(shape, sizeof shape, "N=%d k=%d C=%d", N, k, C);
@@ -693,27 +657,29 @@ static void check_moe_combine_backward(selftest *c, int N, int k, int C)
     const double edy = cmp(c, dy, nk * C), edw = cmp(c, dw, nk);
     char dy_shape[96];
     snprintf(dy_shape, sizeof dy_shape, "%s dy", shape);
-    line(c, !c->oom && edy <= TOL_ELEM, "moe_combine_backward", dy_shape, edy, TOL_ELEM, NULL);
+    nl_selftest_line(c, !c->oom && edy <= TOL_ELEM, "moe_combine_backward", dy_shape, edy, TOL_ELEM,
+                     NULL);
     strcat(shape, " dw");
-    done(c, "moe_combine_backward", shape, edw, TOL_RED);
+    nl_selftest_done(c, "moe_combine_backward", shape, edw, TOL_RED);
 }
 
-static void check_cross_entropy(selftest *c, int N, int V)
+static void check_cross_entropy(nl_selftest *c, int N, int V)
 {
     char shape[64];
     snprintf(shape, sizeof shape, "N=%d V=%d", N, V);
     if (!NEED(c, cross_entropy, shape))
         return;
     pair *x = dev(c, rnd(c, (size_t)N * V, -6, 6), (size_t)N * V * 4);
-    pair *loss = dev(c, NULL, (size_t)N * 4), *tgt = dev(c, ids(c, (size_t)N, V), (size_t)N * 4);
+    pair *loss = dev(c, NULL, (size_t)N * 4),
+         *tgt = dev(c, nl_selftest_ids(c, (size_t)N, V), (size_t)N * 4);
     if (!c->oom)
         BOTH(c, be->cross_entropy(be, D(x), D(loss), D(tgt), N, V, 1.0f / (float)N));
-    done(c, "cross_entropy", shape, max2(cmp(c, loss, (size_t)N), cmp(c, x, (size_t)N * V)),
-         TOL_RED);
+    nl_selftest_done(c, "cross_entropy", shape,
+                     max2(cmp(c, loss, (size_t)N), cmp(c, x, (size_t)N * V)), TOL_RED);
 }
 
 /* bad: 0 all finite, 1 one +inf and one -inf, 2 one NaN */
-static void check_sumsq(selftest *c, size_t n, int bad)
+static void check_sumsq(nl_selftest *c, size_t n, int bad)
 {
     static const char *what[] = {"finite", "inf", "nan"};
     char shape[64];
@@ -737,10 +703,10 @@ static void check_sumsq(selftest *c, size_t n, int bad)
         else
             e = isfinite(t) ? fabs(t - r) / r : INFINITY;
     }
-    done(c, "sumsq", shape, e, TOL_RED);
+    nl_selftest_done(c, "sumsq", shape, e, TOL_RED);
 }
 
-static void check_adamw(selftest *c, size_t n)
+static void check_adamw(nl_selftest *c, size_t n)
 {
     char shape[64];
     snprintf(shape, sizeof shape, "n=%zu t=3", n);
@@ -752,10 +718,11 @@ static void check_adamw(selftest *c, size_t n)
     if (!c->oom)
         BOTH(c,
              be->adamw(be, D(p), D(g), D(m), D(v), n, 1e-3f, b1, b2, 1e-8f, 0.1f, bc1, bc2, 0.5f));
-    done(c, "adamw", shape, max2(cmp(c, p, n), max2(cmp(c, m, n), cmp(c, v, n))), TOL_ELEM);
+    nl_selftest_done(c, "adamw", shape, max2(cmp(c, p, n), max2(cmp(c, m, n), cmp(c, v, n))),
+                     TOL_ELEM);
 }
 
-static void backward_ops(selftest *c)
+static void backward_ops(nl_selftest *c)
 {
     check_embedding_backward(c, 33, 129, 10);
     check_embedding_backward(c, 1, 64, 3);
@@ -781,272 +748,6 @@ static void backward_ops(selftest *c)
     check_adamw(c, 1);
 }
 
-/* ---------------------------------------------------------------- model */
-
-/* A small model made here: d 128, 2 layers, 4 heads of 32 over 2 kv
- * heads, 8 experts of 256, top-2, vocabulary 512. The prefill is MB
- * sequences of MT positions; the decode prompt is one sequence of MT. */
-#define MB 2
-#define MT 17
-#define DECODE 32
-
-typedef struct model_side {
-    nl_model *m;
-    nl_runstate *rs;
-    nl_kvcache *kv;
-    nl_layer_acts acts; /* the inference set, for the layer-by-layer prefill */
-    int32_t *tok_d, *pos_d;
-} model_side;
-
-static void model_config(nl_config *cfg)
-{
-    nl_config_init(cfg);
-    cfg->hidden_dim = 128;
-    cfg->num_layers = 2;
-    cfg->num_heads = 4;
-    cfg->num_kv_heads = 2;
-    cfg->ffn_dim = 256;
-    cfg->num_experts = 8;
-    cfg->top_k = 2;
-    cfg->vocab_size = 512;
-    cfg->vocab_chunk = 512;
-    cfg->max_seq_len = 128;
-    nl_config_fill_derived(cfg);
-}
-
-static nl_status side_new(model_side *ms, nl_backend *be, const nl_config *cfg, uint64_t seed,
-                          nl_error *err)
-{
-    const int N = MB * MT;
-    nl_status st;
-    memset(ms, 0, sizeof *ms);
-    if ((st = nl_config_validate(cfg, 1, err)) != NL_OK ||
-        (st = nl_model_new(&ms->m, be, cfg, 0, cfg->num_layers, 1, 1, err)) != NL_OK ||
-        (st = nl_model_init_random(ms->m, seed, err)) != NL_OK ||
-        (st = nl_runstate_new(&ms->rs, ms->m, N, err)) != NL_OK ||
-        (st = nl_kvcache_new(&ms->kv, ms->m, 1, MT + DECODE, err)) != NL_OK ||
-        (st = nl_layer_acts_alloc(&ms->acts, be, cfg, N, 0, err)) != NL_OK)
-        return st;
-    ms->tok_d = be->alloc(be, (size_t)N * sizeof(int32_t));
-    ms->pos_d = be->alloc(be, (size_t)N * sizeof(int32_t));
-    if (!ms->tok_d || !ms->pos_d)
-        return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory for the model's inputs",
-                            be->name);
-    return NL_OK;
-}
-
-static void side_free(model_side *ms, nl_backend *be)
-{
-    nl_layer_acts_free(&ms->acts, be);
-    be->free(be, ms->tok_d);
-    be->free(be, ms->pos_d);
-    nl_kvcache_destroy(&ms->kv);
-    nl_runstate_destroy(&ms->rs);
-    nl_model_destroy(&ms->m);
-}
-
-/* The prefill layer by layer, as nl_forward runs it, keeping each layer's
- * router probabilities (L, N, E) and expert choices (L, N, k) on the host:
- * nl_forward itself does not show them. */
-static void prefill_layers(model_side *ms, const int32_t *tok, const int32_t *pos, float *probs,
-                           int32_t *choice)
-{
-    nl_model *m = ms->m;
-    nl_backend *be = m->be;
-    const nl_config *cfg = &m->cfg;
-    const int N = MB * MT, E = cfg->num_experts, k = cfg->top_k;
-    be->upload(be, ms->tok_d, tok, (size_t)N * sizeof(int32_t));
-    be->upload(be, ms->pos_d, pos, (size_t)N * sizeof(int32_t));
-    be->embedding_forward(be, ms->acts.x_in, ms->tok_d, m->tok_embeddings, N, cfg->hidden_dim);
-    for (int l = 0; l < cfg->num_layers; l++) {
-        nl_layer_forward(m, l, &ms->acts, MB, MT, 0, NULL, ms->pos_d, NULL, (double)N);
-        memcpy(probs + (size_t)l * N * E, ms->acts.probs_h, (size_t)N * E * sizeof(float));
-        memcpy(choice + (size_t)l * N * k, ms->acts.choice, (size_t)N * k * sizeof(int32_t));
-    }
-}
-
-/* Gap between the k-th and (k+1)-th largest of row[0..E). */
-static double topk_gap(const float *row, int E, int k)
-{
-    float v[NL_CONFIG_MAX_EXPERTS];
-    memcpy(v, row, (size_t)E * sizeof *v);
-    for (int i = 0; i <= k && i < E; i++)
-        for (int j = i + 1; j < E; j++)
-            if (v[j] > v[i]) {
-                float t = v[i];
-                v[i] = v[j];
-                v[j] = t;
-            }
-    return k < E ? (double)v[k - 1] - (double)v[k] : INFINITY;
-}
-
-/* Expert choices first: the same set of experts for every (layer, token),
- * except where the reference's k-th and (k+1)-th probabilities are a
- * near-tie (reported, not failed); then the router probabilities. */
-static void check_routing(selftest *c, model_side ms[2], const int32_t *tok, const int32_t *pos,
-                          double tie)
-{
-    const nl_config *cfg = &ms[0].m->cfg;
-    const int N = MB * MT, L = cfg->num_layers, E = cfg->num_experts, k = cfg->top_k;
-    float *probs[2];
-    int32_t *ch[2];
-    for (int s = 0; s < 2; s++) {
-        probs[s] = hbuf(c, (size_t)L * N * E * sizeof(float));
-        ch[s] = hbuf(c, (size_t)L * N * k * sizeof(int32_t));
-    }
-    char shape[80];
-    snprintf(shape, sizeof shape, "L=%d N=%d E=%d k=%d", L, N, E, k);
-    if (c->oom) {
-        done(c, "model_routing", shape, INFINITY, 0);
-        return;
-    }
-    for (int s = 0; s < 2; s++)
-        prefill_layers(&ms[s], tok, pos, probs[s], ch[s]);
-    int differ = 0, ties = 0;
-    for (int l = 0; l < L; l++)
-        for (int n = 0; n < N; n++) {
-            const size_t o = ((size_t)l * N + n) * k;
-            int same = 1;
-            for (int i = 0; i < k; i++) {
-                int found = 0;
-                for (int j = 0; j < k; j++)
-                    found |= ch[1][o + i] == ch[0][o + j];
-                same &= found;
-            }
-            const double gap = topk_gap(probs[0] + ((size_t)l * N + n) * E, E, k);
-            if (gap < tie) {
-                ties++;
-                printf("note  model_routing  layer %d token %d: top-%d probabilities %.3g apart "
-                       "(near-tie)%s\n",
-                       l, n, k, gap, same ? "" : ", the backends chose differently");
-            } else if (!same) {
-                differ++;
-                printf("note  model_routing  layer %d token %d: experts differ (gap %.3g)\n", l, n,
-                       gap);
-            }
-        }
-    char tshape[112];
-    snprintf(tshape, sizeof tshape, "%s near-ties=%d", shape, ties);
-    line(c, differ == 0, "model_routing", tshape, differ, 0, NULL);
-    done(c, "model_router_probs", shape, err_all(probs[0], probs[1], (size_t)L * N * E), TOL_RED);
-}
-
-/* nl_forward of the whole prefill on both: logits and the aux loss. */
-static void check_logits(selftest *c, model_side ms[2], const int32_t *tok, double tol)
-{
-    const int N = MB * MT, V = (int)ms[0].m->cfg.vocab_size;
-    float aux[2], *lg[2];
-    nl_error e = {0};
-    char shape[64];
-    snprintf(shape, sizeof shape, "B=%d T=%d V=%d", MB, MT, V);
-    for (int s = 0; s < 2; s++) {
-        nl_forward_args a = {.B = MB, .T = MT, .tokens = tok};
-        nl_backend *be = c->be[s];
-        if (nl_forward(ms[s].m, ms[s].rs, &a, &aux[s], &e) != NL_OK ||
-            !(lg[s] = hbuf(c, (size_t)N * V * sizeof(float)))) {
-            line(c, 0, "model_logits", shape, INFINITY, tol, e.msg);
-            release(c);
-            return;
-        }
-        be->download(be, lg[s], nl_runstate_output(ms[s].rs, NULL), (size_t)N * V * sizeof(float));
-    }
-    line(c, err_all(lg[0], lg[1], (size_t)N * V) <= tol, "model_logits", shape,
-         err_all(lg[0], lg[1], (size_t)N * V), tol, NULL);
-    done(c, "model_aux_loss", shape, fabs((double)aux[1] - aux[0]) / fabs((double)aux[0]), TOL_RED);
-}
-
-static int argmax(const float *x, int n, double *gap)
-{
-    int best = 0, second = -1;
-    for (int i = 1; i < n; i++)
-        if (x[i] > x[best]) {
-            second = best;
-            best = i;
-        } else if (second < 0 || x[i] > x[second]) {
-            second = i;
-        }
-    *gap = second < 0 ? INFINITY : (double)x[best] - (double)x[second];
-    return best;
-}
-
-/* Prefill a prompt with the cache, then DECODE greedy steps; both sides
- * are fed the reference's choice so the logits stay comparable. */
-static void check_decode(selftest *c, model_side ms[2], const int32_t *prompt, double tol,
-                         double tie)
-{
-    const int V = (int)ms[0].m->cfg.vocab_size;
-    float *lg[2] = {hbuf(c, (size_t)V * sizeof(float)), hbuf(c, (size_t)V * sizeof(float))};
-    nl_error e = {0};
-    char shape[64];
-    snprintf(shape, sizeof shape, "prompt=%d steps=%d V=%d", MT, DECODE, V);
-    int32_t next = 0;
-    int differ = 0;
-    double worst = c->oom ? INFINITY : 0.0;
-    for (int step = 0; !c->oom && step <= DECODE; step++) {
-        int id[2];
-        double gap = 0.0;
-        for (int s = 0; s < 2; s++) {
-            nl_forward_args a = {.B = 1,
-                                 .T = step ? 1 : MT,
-                                 .tokens = step ? &next : prompt,
-                                 .kv = ms[s].kv,
-                                 .last_only = 1};
-            nl_backend *be = c->be[s];
-            if (nl_forward(ms[s].m, ms[s].rs, &a, NULL, &e) != NL_OK) {
-                line(c, 0, "model_decode_logits", shape, INFINITY, tol, e.msg);
-                release(c);
-                return;
-            }
-            be->download(be, lg[s], nl_runstate_output(ms[s].rs, NULL), (size_t)V * sizeof(float));
-            double g;
-            id[s] = argmax(lg[s], V, &g);
-            if (s == 0)
-                gap = g;
-        }
-        worst = max2(worst, err_all(lg[0], lg[1], (size_t)V));
-        const double scale = fabs(lg[0][id[0]]) > 1e-30 ? fabs(lg[0][id[0]]) : 1.0;
-        if (gap < tie * scale)
-            printf("note  model_greedy_ids  step %d: top-2 logits %.3g apart (near-tie)%s\n", step,
-                   gap, id[0] == id[1] ? "" : ", the backends chose differently");
-        else if (id[0] != id[1])
-            differ++;
-        next = id[0];
-    }
-    line(c, worst <= tol, "model_decode_logits", shape, worst, tol, NULL);
-    done(c, "model_greedy_ids", shape, differ, 0);
-}
-
-static void model_checks(selftest *c, uint64_t seed)
-{
-    nl_config cfg;
-    model_config(&cfg);
-    model_side ms[2];
-    nl_error e = {0};
-    const double tol = c->tf32 ? 1e-2 : 1e-5, tie = c->tf32 ? 1e-3 : NEAR_TIE;
-    int ok = 1;
-    for (int s = 0; s < 2 && ok; s++)
-        ok = side_new(&ms[s], c->be[s], &cfg, seed, &e) == NL_OK;
-    if (!ok) {
-        line(c, 0, "model_setup", "d=128 L=2 H=4 G=2 E=8 k=2 V=512", INFINITY, 0, e.msg);
-    } else {
-        const int N = MB * MT;
-        int32_t *tok = ids(c, (size_t)N, (int)cfg.vocab_size), *pos = hbuf(c, N * sizeof *pos);
-        for (int n = 0; pos && n < N; n++)
-            pos[n] = n % MT;
-        if (tok && pos)
-            check_routing(c, ms, tok, pos, tie);
-        tok = ids(c, (size_t)N, (int)cfg.vocab_size);
-        if (tok)
-            check_logits(c, ms, tok, tol);
-        tok = ids(c, MT, (int)cfg.vocab_size);
-        if (tok)
-            check_decode(c, ms, tok, tol, tie);
-    }
-    release(c);
-    for (int s = 0; s < 2; s++)
-        side_free(&ms[s], c->be[s]);
-}
-
 /* ---------------------------------------------------------------- command */
 
 int nl_cmd_selftest(int argc, char **argv)
@@ -1066,7 +767,7 @@ int nl_cmd_selftest(int argc, char **argv)
                "prefill, logits and %d greedy decode steps. One line per check, then\n"
                "'selftest: N passed, N failed'. Exit status: 0 all passed, 1 a check failed,\n"
                "2 usage error, 3 a backend could not be created (e.g. no CUDA device).\n",
-               DECODE);
+               NL_SELFTEST_DECODE);
     if (rc)
         return rc == 1 ? 0 : rc;
     const char *device = nl_args_get(flags, "device"), *ref = nl_args_get(flags, "ref");
@@ -1086,7 +787,7 @@ int nl_cmd_selftest(int argc, char **argv)
         fprintf(stderr, "neuroctl selftest: %s\n", err.msg);
         return 2;
     }
-    selftest c = {.tf32 = nl_args_get(flags, "tf32") != NULL};
+    nl_selftest c = {.tf32 = nl_args_get(flags, "tf32") != NULL};
     nl_rng_seed(&c.rng, (uint64_t)seed, 0);
     if (nl_backend_new(&c.be[0], ref, &(nl_backend_opts){.threads = (int)threads}, &err) != NL_OK ||
         nl_backend_new(&c.be[1], device,
@@ -1103,7 +804,7 @@ int nl_cmd_selftest(int argc, char **argv)
         backward_ops(&c);
     else
         printf("skip  backward and optimizer slots: %s cannot train\n", c.be[1]->name);
-    model_checks(&c, (uint64_t)seed);
+    nl_selftest_model(&c, (uint64_t)seed);
     printf("selftest: %d passed, %d failed\n", c.passed, c.failed);
     nl_backend_destroy(&c.be[1]);
     nl_backend_destroy(&c.be[0]);
