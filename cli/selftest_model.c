@@ -147,8 +147,7 @@ static void check_routing(nl_selftest *c, model_side ms[2], const int32_t *tok, 
                 printf("note  model_routing  layer %d token %d: top-%d probabilities %.3g apart "
                        "(near-tie)%s\n",
                        l, n, k, gap, same ? "" : ", the backends chose differently");
-            } else if (!same) {
-                differ++;
+            } else if (!same && ++differ <= 8) { /* the first few name where */
                 printf("note  model_routing  layer %d token %d: experts differ (gap %.3g)\n", l, n,
                        gap);
             }
@@ -239,8 +238,8 @@ static void check_decode(nl_selftest *c, model_side ms[2], const int32_t *prompt
         if (gap < tie * scale)
             printf("note  model_greedy_ids  step %d: top-2 logits %.3g apart (near-tie)%s\n", step,
                    gap, id[0] == id[1] ? "" : ", the backends chose differently");
-        else if (id[0] != id[1])
-            differ++;
+        else if (id[0] != id[1] && ++differ <= 8)
+            printf("note  model_greedy_ids  step %d: %d against %d\n", step, id[1], id[0]);
         next = id[0];
     }
     nl_selftest_line(c, worst <= tol, "model_decode_logits", shape, worst, tol, NULL);
