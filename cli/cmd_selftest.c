@@ -283,6 +283,25 @@ static void check_zero(nl_selftest *c, size_t total, size_t off, size_t bytes)
     nl_selftest_done(c, "zero", shape, bad, 0);
 }
 
+/* the optional mem_info slot: 0 < free <= total, and an allocation of
+ * 64 MiB shows in it (by at least half, allowing for other users) */
+static void check_mem_info(nl_selftest *c)
+{
+    nl_backend *t = c->be[1];
+    if (!t->mem_info)
+        return; /* host memory: nothing to check */
+    size_t free0 = 0, total = 0, free1 = 0;
+    nl_error e = {0};
+    double bad = INFINITY;
+    const size_t big = (size_t)64 << 20;
+    void *p = NULL;
+    if (t->mem_info(t, &free0, &total, &e) == NL_OK && free0 > 0 && free0 <= total &&
+        (p = t->alloc(t, big)) && t->mem_info(t, &free1, &total, &e) == NL_OK)
+        bad = free1 + big / 2 <= free0 ? 0 : 1;
+    t->free(t, p);
+    nl_selftest_done(c, "mem_info", "64 MiB allocation", bad, 0);
+}
+
 /* ---------------------------------------------------------------- gemm */
 
 /* C = alpha op(A) op(B) + beta C with row strides padded by `pad`. */
@@ -512,6 +531,7 @@ static void check_moe_combine(nl_selftest *c, int N, int k, int C)
 
 static void forward_ops(nl_selftest *c)
 {
+    check_mem_info(c);
     check_roundtrip(c, 1, 0);
     check_roundtrip(c, 4099, 1);
     check_roundtrip(c, (1u << 22) + 7, 64);
