@@ -26,7 +26,11 @@
  *   - sumsq: |target - ref| / ref; with a non-finite input the target must
  *     be non-finite (err 0, else inf).
  *   - copies (round trip, zero, embedding, gather, copy_rows): exact, err
- *     counts the differing bytes or elements.
+ *     counts the differing bytes or elements; mem_info (when the target
+ *     has it): err 1 unless 0 < free <= total and 64 MiB allocated show.
+ *   - the model: expert choices as sets per (layer, token), err counts the
+ *     differences away from near-ties (k-th and (k+1)-th probabilities
+ *     within 1e-5, reported as notes); greedy ids, err counts differences.
  * Tolerances: element-wise 1e-6 (swiglu, rope, moe_combine, adamw, the dy
  * of moe_combine_backward); reductions, norms, softmax (plus the CPU
  * reference's own error, see check_softmax), cross-entropy, attention,
