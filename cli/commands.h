@@ -16,6 +16,7 @@ int nl_cmd_keygen(int argc, char **argv);
 int nl_cmd_tokenizer(int argc, char **argv);
 int nl_cmd_status(int argc, char **argv);
 int nl_cmd_cluster(int argc, char **argv);
+int nl_cmd_selftest(int argc, char **argv);
 /* The same commands against a cluster (--coordinator or --cluster given). */
 int nl_cmd_remote_forward(int argc, char **argv);
 int nl_cmd_remote_generate(int argc, char **argv);

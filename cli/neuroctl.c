@@ -22,6 +22,7 @@ static const struct {
     {"cluster", nl_cmd_cluster, "start (up) or stop (down) a local cluster on this machine"},
     {"keygen", nl_cmd_keygen, "write a CURVE key pair: PREFIX.key (secret) and PREFIX.pub"},
     {"tokenizer", nl_cmd_tokenizer, "train, extend, encode and decode with a BPE tokenizer"},
+    {"selftest", nl_cmd_selftest, "check a backend's every slot and a small model against the CPU"},
 };
 
 static void usage(FILE *f)

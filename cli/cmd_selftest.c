@@ -1,0 +1,836 @@
+/* neuroctl selftest: every slot of a target backend against the reference
+ * backend (the CPU one by default), op by op on random inputs from a fixed
+ * seed, then a whole small model (prefill routing, logits, 32 greedy decode
+ * steps) through core's public API on both. It is the twin test of the
+ * CUDA backend: `neuroctl selftest --device cuda:0` on a machine with a GPU.
+ *
+ * Shapes are the ones that break kernels: one row, odd widths, T not a
+ * multiple of a tile (17, 33, 65, 130), decode over a cache of ~1000
+ * positions, H/G of 1 and 4, head dims 16, 64 and 128, softmax and
+ * cross-entropy over 50,000 columns, NaN in the buffer `zero` clears and
+ * inf/nan in the input of `sumsq`. Cache rows past the filled positions
+ * hold NaN, so a kernel that reads them fails.
+ *
+ * How the error of a check is measured (err=, compared with tol=):
+ *   - element-wise ops, norms, softmax, attention, cross-entropy, AdamW:
+ *     max |target - ref| over the tensor divided by max |ref| over the same
+ *     tensor (its scale). An element near zero after cancellation (RoPE,
+ *     x + w y) is judged against the scale of its tensor, not its own
+ *     magnitude, so the figure is a relative error that cannot blow up.
+ *     Any inf or NaN on either side is err = inf: no such check expects one
+ *     (cache rows past the filled positions hold NaN, so a reference that
+ *     read them would fail too).
+ *   - GEMM: max over C of |target - ref| / (|alpha| sum_k |A_ik||B_kj| +
+ *     |beta| |C0_ij|), the error relative to |A||B| (accumulation error
+ *     grows with that sum, not with the result, which may cancel).
+ *   - sumsq: |target - ref| / ref; with a non-finite input the target must
+ *     be non-finite (err 0, else inf).
+ *   - copies (round trip, zero, embedding, gather, copy_rows): exact, err
+ *     counts the differing bytes or elements; mem_info (when the target
+ *     has it): err 1 unless 0 < free <= total and 64 MiB allocated show.
+ *   - the model: expert choices as sets per (layer, token), err counts the
+ *     differences away from near-ties (k-th and (k+1)-th probabilities
+ *     within 1e-5, reported as notes); greedy ids, err counts differences.
+ * Tolerances: element-wise 1e-6 (swiglu, rope, moe_combine, adamw, the dy
+ * of moe_combine_backward); reductions, norms, softmax (plus the CPU
+ * reference's own error, see check_softmax), cross-entropy, attention,
+ * router probabilities and model logits 1e-5; GEMM 1e-5 sqrt(K). With
+ * --tf32: GEMM 2e-3, model logits 1e-2 (a sanity bound only).
+ *
+ * Exit status: 0 all passed, 1 a check failed, 2 usage error, 3 a backend
+ * could not be created (e.g. "cuda:0: no CUDA device"), with its message. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/args.h"
+#include "commands.h"
+#include "core/rng.h"
+#include "selftest.h"
+
+/* ---------------------------------------------------------------- buffers */
+
+void *nl_selftest_hbuf(nl_selftest *c, size_t bytes)
+{
+    void *p = c->n_host < 2 * MAX_LIVE ? calloc(1, bytes ? bytes : 1) : NULL;
+    if (!p) {
+        c->oom = 1;
+        return NULL;
+    }
+    c->host[c->n_host++] = p;
+    return p;
+}
+
+static float *rnd(nl_selftest *c, size_t n, double lo, double hi)
+{
+    float *x = nl_selftest_hbuf(c, n * sizeof *x);
+    for (size_t i = 0; x && i < n; i++)
+        x[i] = (float)(lo + (hi - lo) * nl_rng_uniform(&c->rng));
+    return x;
+}
+
+int32_t *nl_selftest_ids(nl_selftest *c, size_t n, int below)
+{
+    int32_t *x = nl_selftest_hbuf(c, n * sizeof *x);
+    for (size_t i = 0; x && i < n; i++)
+        x[i] = (int32_t)nl_rng_below(&c->rng, (uint64_t)below);
+    return x;
+}
+
+/* A random permutation of 0..n-1 (dispatch slots: each written once). */
+static int32_t *perm(nl_selftest *c, int n)
+{
+    int32_t *x = nl_selftest_hbuf(c, (size_t)n * sizeof *x);
+    for (int i = 0; x && i < n; i++)
+        x[i] = i;
+    for (int i = n - 1; x && i > 0; i--) {
+        int j = (int)nl_rng_below(&c->rng, (uint64_t)i + 1);
+        int32_t t = x[i];
+        x[i] = x[j];
+        x[j] = t;
+    }
+    return x;
+}
+
+/* A buffer of `bytes` on both backends holding `host` (zeros when NULL).
+ * On failure c->oom is set and a pair of NULLs is returned: checks run
+ * their ops only while c->oom is clear, and nl_selftest_done() fails them. */
+static pair *dev(nl_selftest *c, const void *host, size_t bytes)
+{
+    static pair none;
+    if (c->oom || c->n_live == MAX_LIVE) {
+        c->oom = 1;
+        return &none;
+    }
+    pair *p = &c->live[c->n_live++];
+    p->bytes = bytes;
+    for (int s = 0; s < 2; s++) {
+        p->d[s] = c->be[s]->alloc(c->be[s], bytes ? bytes : 1);
+        if (!p->d[s])
+            c->oom = 1;
+        else if (host && bytes)
+            c->be[s]->upload(c->be[s], p->d[s], host, bytes);
+    }
+    return c->oom ? &none : p;
+}
+
+/* The reference's bytes of p also on the target (an input computed by a
+ * reference op, e.g. the forward's lse for the attention backward). */
+static void mirror(nl_selftest *c, pair *p)
+{
+    void *h = nl_selftest_hbuf(c, p->bytes);
+    if (!h || c->oom)
+        return;
+    c->be[0]->download(c->be[0], h, p->d[0], p->bytes);
+    c->be[1]->upload(c->be[1], p->d[1], h, p->bytes);
+}
+
+static void *down(nl_selftest *c, const pair *p, int side)
+{
+    void *h = nl_selftest_hbuf(c, p->bytes);
+    if (h && !c->oom)
+        c->be[side]->download(c->be[side], h, p->d[side], p->bytes);
+    return h;
+}
+
+/* Scaled max error of columns [col0, col0 + cols) of `rows` rows of
+ * stride `stride`: max |t - r| / max |r| over those elements. */
+static double err_cols(const float *r, const float *t, size_t rows, size_t stride, size_t col0,
+                       size_t cols)
+{
+    double diff = 0.0, scale = 0.0;
+    for (size_t i = 0; i < rows; i++)
+        for (size_t j = col0; j < col0 + cols; j++) {
+            const float a = r[i * stride + j], b = t[i * stride + j];
+            if (!isfinite(a) || !isfinite(b))
+                return INFINITY; /* no check expects inf or NaN here */
+            diff = fmax(diff, fabs((double)b - (double)a));
+            scale = fmax(scale, fabs((double)a));
+        }
+    return scale > 0.0 ? diff / scale : diff;
+}
+
+double nl_selftest_err_all(const float *r, const float *t, size_t n)
+{
+    return err_cols(r, t, 1, n, 0, n);
+}
+
+/* err_cols of p's bytes on the two backends */
+static double cmp_cols(nl_selftest *c, const pair *p, size_t rows, size_t stride, size_t col0,
+                       size_t cols)
+{
+    const float *r = down(c, p, 0), *t = down(c, p, 1);
+    return c->oom ? INFINITY : err_cols(r, t, rows, stride, col0, cols);
+}
+
+static double cmp(nl_selftest *c, const pair *p, size_t n)
+{
+    return cmp_cols(c, p, 1, n, 0, n);
+}
+
+/* Differing bytes of p on the two backends. */
+static double cmp_exact(nl_selftest *c, const pair *p)
+{
+    const unsigned char *r = down(c, p, 0), *t = down(c, p, 1);
+    if (c->oom)
+        return INFINITY;
+    size_t bad = 0;
+    for (size_t i = 0; i < p->bytes; i++)
+        bad += r[i] != t[i];
+    return (double)bad;
+}
+
+/* ---------------------------------------------------------------- report */
+
+void nl_selftest_release(nl_selftest *c)
+{
+    for (int i = 0; i < c->n_live; i++)
+        for (int s = 0; s < 2; s++)
+            c->be[s]->free(c->be[s], c->live[i].d[s]);
+    for (int i = 0; i < c->n_host; i++)
+        free(c->host[i]);
+    c->n_live = c->n_host = 0;
+    c->oom = 0;
+}
+
+void nl_selftest_line(nl_selftest *c, int ok, const char *check, const char *shape, double err,
+                      double tol, const char *why)
+{
+    printf("%-4s  %-22s  %-46s  err=%.3g tol=%.3g%s%s\n", ok ? "ok" : "FAIL", check, shape, err,
+           tol, why ? "  " : "", why ? why : "");
+    fflush(stdout);
+    if (ok)
+        c->passed++;
+    else
+        c->failed++;
+}
+
+/* Close a check: the target's queue must be clean, then err <= tol. */
+void nl_selftest_done(nl_selftest *c, const char *check, const char *shape, double err, double tol)
+{
+    nl_error e = {0};
+    nl_backend *t = c->be[1];
+    nl_status st = t->sync(t, &e);
+    if (st == NL_OK)
+        st = nl_backend_check(t, &e);
+    const char *why = NULL;
+    char msg[NL_ERROR_MSG_MAX + 32];
+    if (c->oom) {
+        why = "(out of memory for the inputs)";
+        err = INFINITY;
+    } else if (st != NL_OK) {
+        snprintf(msg, sizeof msg, "(%s: %s)", nl_status_str(st), e.msg);
+        why = msg;
+    }
+    nl_selftest_line(c, st == NL_OK && !c->oom && err <= tol, check, shape, err, tol, why);
+    nl_selftest_release(c);
+}
+
+/* A forward slot the target leaves NULL fails its check. */
+static int has(nl_selftest *c, int present, const char *check, const char *shape)
+{
+    if (present)
+        return 1;
+    char why[96];
+    snprintf(why, sizeof why, "(not implemented on %s)", c->be[1]->name);
+    nl_selftest_line(c, 0, check, shape, INFINITY, 0, why);
+    nl_selftest_release(c);
+    return 0;
+}
+
+#define NEED(c, slot, shape) has((c), (c)->be[1]->slot != NULL, #slot, (shape))
+
+/* ---------------------------------------------------------------- memory */
+
+/* upload at a byte offset, download back: the same bytes */
+static void check_roundtrip(nl_selftest *c, size_t bytes, size_t off)
+{
+    char shape[64];
+    snprintf(shape, sizeof shape, "bytes=%zu off=%zu", bytes, off);
+    unsigned char *h = nl_selftest_hbuf(c, bytes), *back = nl_selftest_hbuf(c, bytes);
+    pair *p = dev(c, NULL, bytes + off);
+    double bad = INFINITY;
+    if (!c->oom) {
+        for (size_t i = 0; i < bytes; i++)
+            h[i] = (unsigned char)nl_rng_u64(&c->rng);
+        nl_backend *t = c->be[1];
+        t->upload(t, (char *)p->d[1] + off, h, bytes);
+        t->download(t, back, (char *)p->d[1] + off, bytes);
+        bad = 0;
+        for (size_t i = 0; i < bytes; i++)
+            bad += h[i] != back[i];
+    }
+    nl_selftest_done(c, "upload_download", shape, bad, 0);
+}
+
+/* zero [off, off + bytes) of a buffer full of NaN: those bytes become 0,
+ * the rest keep their NaN */
+static void check_zero(nl_selftest *c, size_t total, size_t off, size_t bytes)
+{
+    char shape[64];
+    snprintf(shape, sizeof shape, "bytes=%zu off=%zu of %zu (NaN)", bytes, off, total);
+    float *nan = nl_selftest_hbuf(c, total + 4);
+    for (size_t i = 0; nan && i < total / 4 + 1; i++)
+        nan[i] = NAN;
+    pair *p = dev(c, nan, total);
+    if (!NEED(c, zero, shape))
+        return;
+    double bad = INFINITY;
+    if (!c->oom) {
+        c->be[1]->zero(c->be[1], (char *)p->d[1] + off, bytes);
+        const unsigned char *t = down(c, p, 1), *orig = (const unsigned char *)nan;
+        bad = 0;
+        for (size_t i = 0; t && i < total; i++)
+            bad += t[i] != (i >= off && i < off + bytes ? 0 : orig[i]);
+    }
+    nl_selftest_done(c, "zero", shape, bad, 0);
+}
+
+/* the optional mem_info slot: 0 < free <= total, and an allocation of
+ * 64 MiB shows in it (by at least half, allowing for other users) */
+static void check_mem_info(nl_selftest *c)
+{
+    nl_backend *t = c->be[1];
+    if (!t->mem_info)
+        return; /* host memory: nothing to check */
+    size_t free0 = 0, total = 0, free1 = 0;
+    nl_error e = {0};
+    double bad = INFINITY;
+    const size_t big = (size_t)64 << 20;
+    void *p = NULL;
+    if (t->mem_info(t, &free0, &total, &e) == NL_OK && free0 > 0 && free0 <= total &&
+        (p = t->alloc(t, big)) && t->mem_info(t, &free1, &total, &e) == NL_OK)
+        bad = free1 + big / 2 <= free0 ? 0 : 1;
+    t->free(t, p);
+    nl_selftest_done(c, "mem_info", "64 MiB allocation", bad, 0);
+}
+
+/* ---------------------------------------------------------------- gemm */
+
+/* C = alpha op(A) op(B) + beta C with row strides padded by `pad`. */
+static void check_gemm(nl_selftest *c, int ta, int tb, int M, int N, int K, float alpha, float beta,
+                       int pad)
+{
+    char shape[80];
+    snprintf(shape, sizeof shape, "%c%c M=%d N=%d K=%d a=%g b=%g pad=%d", ta ? 't' : 'n',
+             tb ? 't' : 'n', M, N, K, alpha, beta, pad);
+    if (!NEED(c, gemm, shape))
+        return;
+    const int ar = ta ? K : M, ac = ta ? M : K, br = tb ? N : K, bc = tb ? K : N;
+    const int lda = ac + pad, ldb = bc + pad, ldc = N + pad;
+    float *A = rnd(c, (size_t)ar * lda, -1, 1), *B = rnd(c, (size_t)br * ldb, -1, 1);
+    float *C0 = rnd(c, (size_t)M * ldc, -1, 1);
+    pair *pa = dev(c, A, (size_t)ar * lda * 4), *pb = dev(c, B, (size_t)br * ldb * 4);
+    pair *pc = dev(c, C0, (size_t)M * ldc * 4);
+    double worst = INFINITY;
+    if (!c->oom) {
+        BOTH(c, be->gemm(be, ta, tb, M, N, K, alpha, D(pa), lda, D(pb), ldb, beta, D(pc), ldc));
+        const float *r = down(c, pc, 0), *t = down(c, pc, 1);
+        worst = c->oom ? INFINITY : 0.0;
+        for (int i = 0; !c->oom && i < M; i++)
+            for (int j = 0; j < ldc; j++) {
+                const size_t o = (size_t)i * ldc + j;
+                double den = j < N ? fabs(beta) * fabs(C0[o]) : 0.0;
+                for (int k = 0; j < N && k < K; k++) {
+                    float a = ta ? A[(size_t)k * lda + i] : A[(size_t)i * lda + k];
+                    float b = tb ? B[(size_t)j * ldb + k] : B[(size_t)k * ldb + j];
+                    den += fabs(alpha) * fabs(a) * fabs(b);
+                }
+                double e = fabs((double)t[o] - (double)r[o]);
+                e = den > 0.0 ? e / den : (e > 0.0 || !isfinite(t[o]) ? INFINITY : 0.0);
+                worst = max2(worst, isfinite(t[o]) ? e : INFINITY);
+            }
+    }
+    nl_selftest_done(c, "gemm", shape, worst, c->tf32 ? 2e-3 : 1e-5 * sqrt((double)K));
+}
+
+/* ---------------------------------------------------------------- forward ops */
+
+static void check_embedding(nl_selftest *c, int N, int C, int rows)
+{
+    char shape[64];
+    snprintf(shape, sizeof shape, "N=%d C=%d rows=%d", N, C, rows);
+    if (!NEED(c, embedding_forward, shape))
+        return;
+    int32_t *tok = nl_selftest_ids(c, (size_t)N, rows);
+    if (tok)
+        tok[N - 1] = rows - 1; /* the last row of the table */
+    pair *pt = dev(c, tok, (size_t)N * 4),
+         *tab = dev(c, rnd(c, (size_t)rows * C, -1, 1), (size_t)rows * C * 4);
+    pair *out = dev(c, NULL, (size_t)N * C * 4);
+    if (!c->oom)
+        BOTH(c, be->embedding_forward(be, D(out), D(pt), D(tab), N, C));
+    nl_selftest_done(c, "embedding_forward", shape, cmp_exact(c, out), 0);
+}
+
+static void check_rmsnorm(nl_selftest *c, int N, int C)
+{
+    char shape[64];
+    snprintf(shape, sizeof shape, "N=%d C=%d", N, C);
+    if (!NEED(c, rmsnorm_forward, shape))
+        return;
+    pair *x = dev(c, rnd(c, (size_t)N * C, -2, 2), (size_t)N * C * 4);
+    pair *w = dev(c, rnd(c, (size_t)C, 0.5, 1.5), (size_t)C * 4);
+    pair *out = dev(c, NULL, (size_t)N * C * 4), *rstd = dev(c, NULL, (size_t)N * 4);
+    if (!c->oom)
+        BOTH(c, be->rmsnorm_forward(be, D(out), D(rstd), D(x), D(w), N, C, 1e-6f));
+    nl_selftest_done(c, "rmsnorm_forward", shape,
+                     max2(cmp(c, out, (size_t)N * C), cmp(c, rstd, (size_t)N)), TOL_RED);
+}
+
+/* heads of hd at column col0 of rows of width row, positions below maxpos */
+static void check_rope(nl_selftest *c, int N, int row, int col0, int heads, int hd, int maxpos)
+{
+    char shape[80];
+    snprintf(shape, sizeof shape, "N=%d row=%d col0=%d heads=%d hd=%d pos<%d", N, row, col0, heads,
+             hd, maxpos);
+    if (!NEED(c, rope_forward, shape))
+        return;
+    int32_t *pos = nl_selftest_ids(c, (size_t)N, maxpos);
+    if (pos)
+        pos[0] = maxpos - 1;
+    pair *x = dev(c, rnd(c, (size_t)N * row, -1, 1), (size_t)N * row * 4);
+    pair *pp = dev(c, pos, (size_t)N * 4);
+    if (!c->oom)
+        BOTH(c, be->rope_forward(be, D(x), D(pp), N, row, col0, heads, hd, 10000.0f));
+    nl_selftest_done(c, "rope_forward", shape, cmp(c, x, (size_t)N * row), TOL_ELEM);
+}
+
+/* packed: q, k, v in one buffer of rows (H + 2G) hd, as the model's prefill
+ * (kv_cap = T, past = 0); else a query buffer and a cache of kv_cap rows
+ * per sequence, NaN past the filled positions */
+static void check_attention(nl_selftest *c, int B, int T, int past, int kv_cap, int H, int G,
+                            int hd)
+{
+    const int packed = kv_cap == 0;
+    char shape[96];
+    if (packed)
+        kv_cap = T;
+    snprintf(shape, sizeof shape, "B=%d T=%d past=%d cap=%d H=%d G=%d hd=%d%s", B, T, past, kv_cap,
+             H, G, hd, packed ? " packed" : "");
+    if (!NEED(c, attention_forward, shape))
+        return;
+    nl_attn_shape s = {.B = B, .T = T, .past = past, .kv_cap = kv_cap, .H = H, .G = G, .hd = hd};
+    const int qs = packed ? (H + 2 * G) * hd : H * hd, ks = packed ? qs : G * hd;
+    const size_t nq = (size_t)B * T * qs, nkv = (size_t)B * kv_cap * ks;
+    pair *q = dev(c, rnd(c, nq, -1, 1), nq * 4), *k = q, *v = q;
+    if (!packed) {
+        float *kh = rnd(c, nkv, -1, 1), *vh = rnd(c, nkv, -1, 1);
+        for (int b = 0; kh && vh && b < B; b++)
+            for (size_t i = (size_t)(past + T) * ks; i < (size_t)kv_cap * ks; i++)
+                kh[(size_t)b * kv_cap * ks + i] = vh[(size_t)b * kv_cap * ks + i] = NAN;
+        k = dev(c, kh, nkv * 4);
+        v = dev(c, vh, nkv * 4);
+    }
+    const size_t koff = packed ? (size_t)H * hd : 0, voff = packed ? (size_t)(H + G) * hd : 0;
+    pair *out = dev(c, NULL, (size_t)B * T * H * hd * 4),
+         *lse = dev(c, NULL, (size_t)B * H * T * 4);
+    if (!c->oom)
+        BOTH(c, be->attention_forward(be, D(out), D(lse), D(q), qs, (const float *)D(k) + koff,
+                                      (const float *)D(v) + voff, ks, s));
+    nl_selftest_done(c, "attention_forward", shape,
+                     max2(cmp(c, out, (size_t)B * T * H * hd), cmp(c, lse, (size_t)B * H * T)),
+                     TOL_ATTN);
+}
+
+/* Error of the reference's softmax against one computed in double. */
+static double softmax_ref_error(nl_selftest *c, const float *in, const pair *x, int N, int C)
+{
+    const float *r = down(c, x, 0);
+    double diff = 0.0, scale = 0.0;
+    for (int n = 0; r && n < N; n++) {
+        const float *row = in + (size_t)n * C;
+        double m = -INFINITY, sum = 0.0;
+        for (int i = 0; i < C; i++)
+            m = fmax(m, row[i]);
+        for (int i = 0; i < C; i++)
+            sum += exp((double)row[i] - m);
+        for (int i = 0; i < C; i++) {
+            const double p = exp((double)row[i] - m) / sum;
+            diff = fmax(diff, fabs(r[(size_t)n * C + i] - p));
+            scale = fmax(scale, p);
+        }
+    }
+    return r ? diff / scale : INFINITY;
+}
+
+/* Rows of C values in [-scale, scale]. The CPU reference sums a row in
+ * float, so over 50,000 columns its own error against a softmax in double
+ * reaches about 1e-5 (measured: 1e-6 to 9.5e-6 over five seeds); the
+ * tolerance is 1e-5 plus that error of the reference, computed here, so
+ * that a more accurate target is not failed for the reference's rounding. */
+static void check_softmax(nl_selftest *c, int N, int C, double scale)
+{
+    char shape[64];
+    snprintf(shape, sizeof shape, "N=%d C=%d |x|<%g", N, C, scale);
+    if (!NEED(c, softmax_forward, shape))
+        return;
+    float *in = rnd(c, (size_t)N * C, -scale, scale);
+    pair *x = dev(c, in, (size_t)N * C * 4);
+    double tol = TOL_RED;
+    if (!c->oom) {
+        BOTH(c, be->softmax_forward(be, D(x), N, C));
+        tol += softmax_ref_error(c, in, x, N, C);
+    }
+    nl_selftest_done(c, "softmax_forward", shape, cmp(c, x, (size_t)N * C), tol);
+}
+
+static void check_swiglu(nl_selftest *c, int N, int F)
+{
+    char shape[64];
+    snprintf(shape, sizeof shape, "N=%d F=%d", N, F);
+    if (!NEED(c, swiglu_forward, shape))
+        return;
+    pair *gu = dev(c, rnd(c, (size_t)N * 2 * F, -8, 8), (size_t)N * 2 * F * 4);
+    pair *out = dev(c, NULL, (size_t)N * F * 4);
+    if (!c->oom)
+        BOTH(c, be->swiglu_forward(be, D(out), D(gu), N, F));
+    nl_selftest_done(c, "swiglu_forward", shape, cmp(c, out, (size_t)N * F), TOL_ELEM);
+}
+
+static void check_gather(nl_selftest *c, int n, int C, int src_rows)
+{
+    char shape[64];
+    snprintf(shape, sizeof shape, "n=%d C=%d src=%d", n, C, src_rows);
+    if (!NEED(c, gather_rows, shape))
+        return;
+    pair *src = dev(c, rnd(c, (size_t)src_rows * C, -1, 1), (size_t)src_rows * C * 4);
+    pair *idx = dev(c, nl_selftest_ids(c, (size_t)n, src_rows), (size_t)n * 4);
+    pair *out = dev(c, NULL, (size_t)n * C * 4);
+    if (!c->oom)
+        BOTH(c, be->gather_rows(be, D(out), D(src), D(idx), n, C));
+    nl_selftest_done(c, "gather_rows", shape, cmp_exact(c, out), 0);
+}
+
+/* the destination is full of random values: its padding must survive */
+static void check_copy_rows(nl_selftest *c, int rows, int cols, int dst_stride, int src_stride)
+{
+    char shape[64];
+    snprintf(shape, sizeof shape, "rows=%d cols=%d dst=%d src=%d", rows, cols, dst_stride,
+             src_stride);
+    if (!NEED(c, copy_rows, shape))
+        return;
+    pair *src = dev(c, rnd(c, (size_t)rows * src_stride, -1, 1), (size_t)rows * src_stride * 4);
+    pair *dst = dev(c, rnd(c, (size_t)rows * dst_stride, -1, 1), (size_t)rows * dst_stride * 4);
+    if (!c->oom)
+        BOTH(c, be->copy_rows(be, D(dst), dst_stride, D(src), src_stride, rows, cols));
+    nl_selftest_done(c, "copy_rows", shape, cmp_exact(c, dst), 0);
+}
+
+static void check_moe_combine(nl_selftest *c, int N, int k, int C)
+{
+    char shape[64];
+    snprintf(shape, sizeof shape, "N=%d k=%d C=%d", N, k, C);
+    if (!NEED(c, moe_combine, shape))
+        return;
+    const size_t nk = (size_t)N * k;
+    pair *x = dev(c, rnd(c, (size_t)N * C, -1, 1), (size_t)N * C * 4);
+    pair *y = dev(c, rnd(c, nk * C, -1, 1), nk * C * 4);
+    pair *slot = dev(c, perm(c, (int)nk), nk * 4), *w = dev(c, rnd(c, nk, 0, 1), nk * 4);
+    if (!c->oom)
+        BOTH(c, be->moe_combine(be, D(x), D(y), D(slot), D(w), N, k, C));
+    nl_selftest_done(c, "moe_combine", shape, cmp(c, x, (size_t)N * C), TOL_ELEM);
+}
+
+static void forward_ops(nl_selftest *c)
+{
+    check_mem_info(c);
+    check_roundtrip(c, 1, 0);
+    check_roundtrip(c, 4099, 1);
+    check_roundtrip(c, (1u << 22) + 7, 64);
+    check_zero(c, 4096, 0, 4096);
+    check_zero(c, 40000, 4, 4 * 4999);
+    check_zero(c, 4003, 1, 13);
+    check_gemm(c, 0, 1, 1, 129, 257, 1, 0, 0);   /* decode row, odd widths */
+    check_gemm(c, 0, 1, 17, 384, 128, 1, 0, 0);  /* QKV of 17 rows */
+    check_gemm(c, 0, 1, 33, 128, 256, 1, 1, 0);  /* Wo into the residual */
+    check_gemm(c, 0, 0, 33, 77, 65, 0.5f, 0, 3); /* padded strides */
+    check_gemm(c, 1, 0, 128, 257, 33, 1, 1, 0);  /* dW = dY^T X */
+    check_gemm(c, 1, 1, 17, 33, 65, 1, 0.5f, 1);
+    check_gemm(c, 0, 1, 64, 64, 4096, 1, 0, 0);  /* long K */
+    check_gemm(c, 0, 1, 5, 50000, 128, 1, 0, 0); /* a head over V = 50,000 */
+    check_embedding(c, 17, 129, 1000);
+    check_embedding(c, 1, 64, 3);
+    check_rmsnorm(c, 1, 4096);
+    check_rmsnorm(c, 17, 127);
+    check_rmsnorm(c, 33, 1000);
+    check_rope(c, 17, (4 + 2) * 64, 0, 5, 64, 2048); /* q and k heads of a packed qkv */
+    check_rope(c, 33, 4 * 128 + 7, 7, 4, 128, 8192); /* odd row, col0 > 0 */
+    check_rope(c, 1, 2 * 16, 0, 2, 16, 1001);
+    check_attention(c, 2, 17, 0, 0, 4, 1, 64);  /* packed, H/G = 4 */
+    check_attention(c, 1, 33, 0, 0, 4, 4, 128); /* H/G = 1 */
+    check_attention(c, 3, 1, 0, 0, 2, 2, 16);
+    check_attention(c, 1, 130, 0, 0, 2, 1, 64);
+    check_attention(c, 1, 1, 1000, 1024, 4, 1, 64); /* decode over a cache */
+    check_attention(c, 2, 1, 999, 1001, 8, 2, 128);
+    check_attention(c, 2, 17, 33, 64, 4, 4, 16); /* chunked prefill */
+    check_softmax(c, 3, 50000, 4);
+    check_softmax(c, 17, 8, 2);
+    check_softmax(c, 1, 1, 1);
+    check_softmax(c, 5, 1001, 50);
+    check_swiglu(c, 17, 343);
+    check_swiglu(c, 1, 1);
+    check_swiglu(c, 64, 1024);
+    check_gather(c, 33, 77, 20);
+    check_gather(c, 1, 128, 5);
+    check_copy_rows(c, 17, 63, 100, 70);
+    check_copy_rows(c, 1, 1, 1, 1);
+    check_copy_rows(c, 33, 256, 256, 384);
+    check_moe_combine(c, 17, 2, 129);
+    check_moe_combine(c, 1, 1, 64);
+    check_moe_combine(c, 64, 4, 256);
+}
+
+/* ---------------------------------------------------------------- backward ops */
+
+static void check_embedding_backward(nl_selftest *c, int N, int C, int rows)
+{
+    char shape[64];
+    snprintf(shape, sizeof shape, "N=%d C=%d rows=%d (repeats)", N, C, rows);
+    if (!NEED(c, embedding_backward, shape))
+        return;
+    pair *dt = dev(c, rnd(c, (size_t)rows * C, -1, 1), (size_t)rows * C * 4);
+    pair *dout = dev(c, rnd(c, (size_t)N * C, -1, 1), (size_t)N * C * 4);
+    pair *tok = dev(c, nl_selftest_ids(c, (size_t)N, rows), (size_t)N * 4);
+    if (!c->oom)
+        BOTH(c, be->embedding_backward(be, D(dt), D(dout), D(tok), N, C));
+    nl_selftest_done(c, "embedding_backward", shape, cmp(c, dt, (size_t)rows * C), TOL_RED);
+}
+
+/* dinp and dw accumulate into random values */
+static void check_rmsnorm_backward(nl_selftest *c, int N, int C)
+{
+    char shape[64];
+    snprintf(shape, sizeof shape, "N=%d C=%d", N, C);
+    if (!NEED(c, rmsnorm_backward, shape))
+        return;
+    const size_t n = (size_t)N * C;
+    pair *x = dev(c, rnd(c, n, -2, 2), n * 4), *w = dev(c, rnd(c, (size_t)C, 0.5, 1.5), C * 4);
+    pair *out = dev(c, NULL, n * 4), *rstd = dev(c, NULL, (size_t)N * 4);
+    pair *dout = dev(c, rnd(c, n, -1, 1), n * 4), *dx = dev(c, rnd(c, n, -1, 1), n * 4);
+    pair *dw = dev(c, rnd(c, (size_t)C, -1, 1), (size_t)C * 4);
+    if (!c->oom) {
+        nl_backend *r = c->be[0];
+        r->rmsnorm_forward(r, out->d[0], rstd->d[0], x->d[0], w->d[0], N, C, 1e-6f);
+        mirror(c, rstd);
+        BOTH(c, be->rmsnorm_backward(be, D(dx), D(dw), D(dout), D(x), D(w), D(rstd), N, C));
+    }
+    nl_selftest_done(c, "rmsnorm_backward", shape, max2(cmp(c, dx, n), cmp(c, dw, (size_t)C)),
+                     TOL_RED);
+}
+
+/* packed q | k | v rows as in training; out and lse from the reference's
+ * forward; dq, dk, dv each judged against its own scale */
+static void check_attention_backward(nl_selftest *c, int B, int T, int H, int G, int hd)
+{
+    char shape[80];
+    snprintf(shape, sizeof shape, "B=%d T=%d H=%d G=%d hd=%d packed", B, T, H, G, hd);
+    if (!NEED(c, attention_backward, shape))
+        return;
+    nl_attn_shape s = {.B = B, .T = T, .past = 0, .kv_cap = T, .H = H, .G = G, .hd = hd};
+    const int qs = (H + 2 * G) * hd, ko = H * hd, vo = (H + G) * hd;
+    const size_t N = (size_t)B * T, nq = N * qs, no = N * H * hd;
+    pair *qkv = dev(c, rnd(c, nq, -1, 1), nq * 4), *dqkv = dev(c, rnd(c, nq, -1, 1), nq * 4);
+    pair *out = dev(c, NULL, no * 4), *lse = dev(c, NULL, (size_t)B * H * T * 4);
+    pair *dout = dev(c, rnd(c, no, -1, 1), no * 4);
+    if (!c->oom) {
+        nl_backend *r = c->be[0];
+        const float *q = qkv->d[0];
+        r->attention_forward(r, out->d[0], lse->d[0], q, qs, q + ko, q + vo, qs, s);
+        mirror(c, out);
+        mirror(c, lse);
+        BOTH(c, be->attention_backward(be, D(dqkv), (float *)D(dqkv) + ko, (float *)D(dqkv) + vo,
+                                       D(dout), D(qkv), qs, (const float *)D(qkv) + ko,
+                                       (const float *)D(qkv) + vo, qs, D(out), D(lse), s));
+    }
+    double e = cmp_cols(c, dqkv, N, qs, 0, ko);
+    e = max2(e, cmp_cols(c, dqkv, N, qs, ko, vo - ko));
+    e = max2(e, cmp_cols(c, dqkv, N, qs, vo, qs - vo));
+    nl_selftest_done(c, "attention_backward", shape, e, TOL_ATTN);
+}
+
+static void check_swiglu_backward(nl_selftest *c, int N, int F)
+{
+    char shape[64];
+    snprintf(shape, sizeof shape, "N=%d F=%d", N, F);
+    if (!NEED(c, swiglu_backward, shape))
+        return;
+    const size_t n = (size_t)N * F;
+    pair *gu = dev(c, rnd(c, 2 * n, -8, 8), 2 * n * 4), *dh = dev(c, rnd(c, n, -1, 1), n * 4);
+    pair *dgu = dev(c, rnd(c, 2 * n, -1, 1), 2 * n * 4);
+    if (!c->oom)
+        BOTH(c, be->swiglu_backward(be, D(dgu), D(dh), D(gu), N, F));
+    nl_selftest_done(c, "swiglu_backward", shape, cmp(c, dgu, 2 * n), TOL_ELEM);
+}
+
+/* dy is element-wise (1e-6); dw is a dot product per (token, choice) */
+static void check_moe_combine_backward(nl_selftest *c, int N, int k, int C)
+{
+    char shape[80];
+    snprintf(shape, sizeof shape, "N=%d k=%d C=%d", N, k, C);
+    if (!NEED(c, moe_combine_backward, shape))
+        return;
+    const size_t nk = (size_t)N * k;
+    pair *dy = dev(c, rnd(c, nk * C, -1, 1), nk * C * 4), *dw = dev(c, rnd(c, nk, -1, 1), nk * 4);
+    pair *dx = dev(c, rnd(c, (size_t)N * C, -1, 1), (size_t)N * C * 4);
+    pair *y = dev(c, rnd(c, nk * C, -1, 1), nk * C * 4);
+    pair *slot = dev(c, perm(c, (int)nk), nk * 4), *w = dev(c, rnd(c, nk, 0, 1), nk * 4);
+    if (!c->oom)
+        BOTH(c, be->moe_combine_backward(be, D(dy), D(dw), D(dx), D(y), D(slot), D(w), N, k, C));
+    const double edy = cmp(c, dy, nk * C), edw = cmp(c, dw, nk);
+    char dy_shape[96];
+    snprintf(dy_shape, sizeof dy_shape, "%s dy", shape);
+    nl_selftest_line(c, !c->oom && edy <= TOL_ELEM, "moe_combine_backward", dy_shape, edy, TOL_ELEM,
+                     NULL);
+    strcat(shape, " dw");
+    nl_selftest_done(c, "moe_combine_backward", shape, edw, TOL_RED);
+}
+
+static void check_cross_entropy(nl_selftest *c, int N, int V)
+{
+    char shape[64];
+    snprintf(shape, sizeof shape, "N=%d V=%d", N, V);
+    if (!NEED(c, cross_entropy, shape))
+        return;
+    pair *x = dev(c, rnd(c, (size_t)N * V, -6, 6), (size_t)N * V * 4);
+    pair *loss = dev(c, NULL, (size_t)N * 4),
+         *tgt = dev(c, nl_selftest_ids(c, (size_t)N, V), (size_t)N * 4);
+    if (!c->oom)
+        BOTH(c, be->cross_entropy(be, D(x), D(loss), D(tgt), N, V, 1.0f / (float)N));
+    nl_selftest_done(c, "cross_entropy", shape,
+                     max2(cmp(c, loss, (size_t)N), cmp(c, x, (size_t)N * V)), TOL_RED);
+}
+
+/* bad: 0 all finite, 1 one +inf and one -inf, 2 one NaN */
+static void check_sumsq(nl_selftest *c, size_t n, int bad)
+{
+    static const char *what[] = {"finite", "inf", "nan"};
+    char shape[64];
+    snprintf(shape, sizeof shape, "n=%zu %s", n, what[bad]);
+    if (!NEED(c, sumsq, shape))
+        return;
+    float *h = rnd(c, n, -3, 3);
+    if (h && bad == 1) {
+        h[n / 3] = INFINITY;
+        h[n - 1] = -INFINITY;
+    } else if (h && bad == 2) {
+        h[n / 2] = NAN;
+    }
+    pair *x = dev(c, h, n * 4);
+    double e = INFINITY;
+    if (!c->oom) {
+        const double r = c->be[0]->sumsq(c->be[0], x->d[0], n);
+        const double t = c->be[1]->sumsq(c->be[1], x->d[1], n);
+        if (bad)
+            e = isfinite(t) ? INFINITY : 0.0;
+        else
+            e = isfinite(t) ? fabs(t - r) / r : INFINITY;
+    }
+    nl_selftest_done(c, "sumsq", shape, e, TOL_RED);
+}
+
+static void check_adamw(nl_selftest *c, size_t n)
+{
+    char shape[64];
+    snprintf(shape, sizeof shape, "n=%zu t=3", n);
+    if (!NEED(c, adamw, shape))
+        return;
+    pair *p = dev(c, rnd(c, n, -0.1, 0.1), n * 4), *g = dev(c, rnd(c, n, -1, 1), n * 4);
+    pair *m = dev(c, rnd(c, n, -0.1, 0.1), n * 4), *v = dev(c, rnd(c, n, 0, 0.01), n * 4);
+    const float b1 = 0.9f, b2 = 0.95f, bc1 = 1.0f - b1 * b1 * b1, bc2 = 1.0f - b2 * b2 * b2;
+    if (!c->oom)
+        BOTH(c,
+             be->adamw(be, D(p), D(g), D(m), D(v), n, 1e-3f, b1, b2, 1e-8f, 0.1f, bc1, bc2, 0.5f));
+    nl_selftest_done(c, "adamw", shape, max2(cmp(c, p, n), max2(cmp(c, m, n), cmp(c, v, n))),
+                     TOL_ELEM);
+}
+
+static void backward_ops(nl_selftest *c)
+{
+    check_embedding_backward(c, 33, 129, 10);
+    check_embedding_backward(c, 1, 64, 3);
+    check_rmsnorm_backward(c, 1, 4096);
+    check_rmsnorm_backward(c, 17, 127);
+    check_rmsnorm_backward(c, 64, 1024);
+    check_attention_backward(c, 2, 17, 4, 1, 64);
+    check_attention_backward(c, 1, 33, 4, 4, 128);
+    check_attention_backward(c, 3, 1, 2, 2, 16);
+    check_attention_backward(c, 1, 65, 2, 1, 64);
+    check_swiglu_backward(c, 17, 343);
+    check_swiglu_backward(c, 1, 1);
+    check_moe_combine_backward(c, 17, 2, 129);
+    check_moe_combine_backward(c, 1, 1, 64);
+    check_cross_entropy(c, 5, 50000);
+    check_cross_entropy(c, 17, 512);
+    check_cross_entropy(c, 1, 7);
+    check_sumsq(c, 1000003, 0);
+    check_sumsq(c, 1, 0);
+    check_sumsq(c, 4099, 1);
+    check_sumsq(c, 4099, 2);
+    check_adamw(c, 100003);
+    check_adamw(c, 1);
+}
+
+/* ---------------------------------------------------------------- command */
+
+int nl_cmd_selftest(int argc, char **argv)
+{
+    nl_flag flags[] = {
+        {"device", 1, "backend to test: cpu-devsim, cuda:N, cpu", NULL},
+        {"ref", 1, "reference backend (default cpu)", NULL},
+        {"threads", 1, "CPU worker threads of both backends (default: all cores)", NULL},
+        {"seed", 1, "seed of the random inputs and the model (default 1)", NULL},
+        {"tf32", 0, "allow TF32 in the target's GEMM (looser GEMM and model tolerances)", NULL},
+        {0}};
+    const char *usage =
+        "neuroctl selftest --device D [--ref cpu] [--threads N] [--seed S] [--tf32]";
+    int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
+    if (rc == 1)
+        printf("\nEvery slot of D against the reference on random inputs, then a small model's\n"
+               "prefill, logits and %d greedy decode steps. One line per check, then\n"
+               "'selftest: N passed, N failed'. Exit status: 0 all passed, 1 a check failed,\n"
+               "2 usage error, 3 a backend could not be created (e.g. no CUDA device).\n",
+               NL_SELFTEST_DECODE);
+    if (rc)
+        return rc == 1 ? 0 : rc;
+    const char *device = nl_args_get(flags, "device"), *ref = nl_args_get(flags, "ref");
+    long long threads = 0, seed = 1;
+    nl_error err = {0};
+    if (!device) {
+        nl_args_help(stderr, usage, flags);
+        return 2;
+    }
+    if (!ref)
+        ref = "cpu";
+    if ((rc = nl_args_int(flags, "threads", 0, 1024, &threads)) ||
+        (rc = nl_args_int(flags, "seed", 0, INT64_MAX, &seed)))
+        return rc;
+    if (nl_backend_parse_device(device, &err) != NL_OK ||
+        nl_backend_parse_device(ref, &err) != NL_OK) {
+        fprintf(stderr, "neuroctl selftest: %s\n", err.msg);
+        return 2;
+    }
+    nl_selftest c = {.tf32 = nl_args_get(flags, "tf32") != NULL};
+    nl_rng_seed(&c.rng, (uint64_t)seed, 0);
+    if (nl_backend_new(&c.be[0], ref, &(nl_backend_opts){.threads = (int)threads}, &err) != NL_OK ||
+        nl_backend_new(&c.be[1], device,
+                       &(nl_backend_opts){.threads = (int)threads, .tf32 = c.tf32},
+                       &err) != NL_OK) {
+        fprintf(stderr, "neuroctl selftest: %s (%s)\n", err.msg, nl_status_str(err.status));
+        nl_backend_destroy(&c.be[0]);
+        return 3;
+    }
+    printf("selftest: %s against %s, seed %lld%s\n", c.be[1]->name, c.be[0]->name, seed,
+           c.tf32 ? ", TF32" : "");
+    forward_ops(&c);
+    if (c.be[1]->can_train)
+        backward_ops(&c);
+    else
+        printf("skip  backward and optimizer slots: %s cannot train\n", c.be[1]->name);
+    nl_selftest_model(&c, (uint64_t)seed);
+    printf("selftest: %d passed, %d failed\n", c.passed, c.failed);
+    nl_backend_destroy(&c.be[1]);
+    nl_backend_destroy(&c.be[0]);
+    return c.failed ? 1 : 0;
+}

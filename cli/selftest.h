@@ -1,0 +1,73 @@
+/* Private to neuroctl selftest (cli/cmd_selftest.c, the op checks and the
+ * command; cli/selftest_model.c, the small model's checks): the harness
+ * that holds one buffer on two backends, and the report of each check. */
+#ifndef NL_CLI_SELFTEST_H
+#define NL_CLI_SELFTEST_H
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/rng.h"
+#include "kernels/backend.h"
+
+#define TOL_ELEM 1e-6
+#define TOL_RED 1e-5
+#define TOL_ATTN 1e-5
+#define NEAR_TIE 1e-5 /* two top-k router probabilities closer than this */
+
+#define MAX_LIVE 24
+
+/* One buffer on both backends: d[0] on the reference, d[1] on the target. */
+typedef struct pair {
+    void *d[2];
+    size_t bytes;
+} pair;
+
+typedef struct nl_selftest {
+    nl_backend *be[2]; /* 0: reference, 1: target */
+    nl_rng rng;
+    int tf32;
+    int passed, failed;
+    pair live[MAX_LIVE]; /* this check's device buffers */
+    int n_live;
+    void *host[2 * MAX_LIVE]; /* this check's host buffers */
+    int n_host;
+    int oom;
+} nl_selftest;
+
+/* Run `call` once per backend, reference first; D(p) is p's pointer there. */
+#define BOTH(c, call)                                                                              \
+    for (int s_ = 0; s_ < 2; s_++) {                                                               \
+        nl_backend *be = (c)->be[s_];                                                              \
+        call;                                                                                      \
+    }
+#define D(p) ((p)->d[s_])
+
+/* Checks fail where a value is NaN: max2 keeps a NaN. */
+static inline double max2(double a, double b)
+{
+    return a > b || isnan(a) ? a : b;
+}
+
+/* A zeroed host buffer freed by nl_selftest_release (NULL, and c->oom set,
+ * when out of memory). */
+void *nl_selftest_hbuf(nl_selftest *c, size_t bytes);
+/* n random ids in [0, below), in such a buffer. */
+int32_t *nl_selftest_ids(nl_selftest *c, size_t n, int below);
+/* max |t - r| / max |r| over n floats; inf where either is not finite. */
+double nl_selftest_err_all(const float *r, const float *t, size_t n);
+/* Print one check's line and count it; why (may be NULL) is appended. */
+void nl_selftest_line(nl_selftest *c, int ok, const char *check, const char *shape, double err,
+                      double tol, const char *why);
+/* Close a check: the target's queue must be clean, then err <= tol; the
+ * check's buffers are released. */
+void nl_selftest_done(nl_selftest *c, const char *check, const char *shape, double err, double tol);
+void nl_selftest_release(nl_selftest *c);
+
+/* A small model on both backends: routing, logits, NL_SELFTEST_DECODE
+ * greedy decode steps (cli/selftest_model.c). */
+#define NL_SELFTEST_DECODE 32
+void nl_selftest_model(nl_selftest *c, uint64_t seed);
+
+#endif

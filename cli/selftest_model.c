@@ -1,0 +1,280 @@
+/* neuroctl selftest's model checks: a small model made in code, on the
+ * reference and the target backend through core's API (nl_model_*,
+ * nl_forward, nl_kvcache; the layers one by one where the expert choices
+ * must be seen). */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "core/forward.h"
+#include "core/layer.h"
+#include "selftest.h"
+
+/* ---------------------------------------------------------------- model */
+
+/* A small model made here: d 128, 2 layers, 4 heads of 32 over 2 kv
+ * heads, 8 experts of 256, top-2, vocabulary 512. The prefill is MB
+ * sequences of MT positions; the decode prompt is one sequence of MT. */
+#define MB 2
+#define MT 17
+
+typedef struct model_side {
+    nl_model *m;
+    nl_runstate *rs;
+    nl_kvcache *kv;
+    nl_layer_acts acts; /* the inference set, for the layer-by-layer prefill */
+    int32_t *tok_d, *pos_d;
+} model_side;
+
+static void model_config(nl_config *cfg)
+{
+    nl_config_init(cfg);
+    cfg->hidden_dim = 128;
+    cfg->num_layers = 2;
+    cfg->num_heads = 4;
+    cfg->num_kv_heads = 2;
+    cfg->ffn_dim = 256;
+    cfg->num_experts = 8;
+    cfg->top_k = 2;
+    cfg->vocab_size = 512;
+    cfg->vocab_chunk = 512;
+    cfg->max_seq_len = 128;
+    nl_config_fill_derived(cfg);
+}
+
+static nl_status side_new(model_side *ms, nl_backend *be, const nl_config *cfg, uint64_t seed,
+                          nl_error *err)
+{
+    const int N = MB * MT;
+    nl_status st;
+    memset(ms, 0, sizeof *ms);
+    if ((st = nl_config_validate(cfg, 1, err)) != NL_OK ||
+        (st = nl_model_new(&ms->m, be, cfg, 0, cfg->num_layers, 1, 1, err)) != NL_OK ||
+        (st = nl_model_init_random(ms->m, seed, err)) != NL_OK ||
+        (st = nl_runstate_new(&ms->rs, ms->m, N, err)) != NL_OK ||
+        (st = nl_kvcache_new(&ms->kv, ms->m, 1, MT + NL_SELFTEST_DECODE, err)) != NL_OK ||
+        (st = nl_layer_acts_alloc(&ms->acts, be, cfg, N, 0, err)) != NL_OK)
+        return st;
+    ms->tok_d = be->alloc(be, (size_t)N * sizeof(int32_t));
+    ms->pos_d = be->alloc(be, (size_t)N * sizeof(int32_t));
+    if (!ms->tok_d || !ms->pos_d)
+        return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory for the model's inputs",
+                            be->name);
+    return NL_OK;
+}
+
+static void side_free(model_side *ms, nl_backend *be)
+{
+    nl_layer_acts_free(&ms->acts, be);
+    be->free(be, ms->tok_d);
+    be->free(be, ms->pos_d);
+    nl_kvcache_destroy(&ms->kv);
+    nl_runstate_destroy(&ms->rs);
+    nl_model_destroy(&ms->m);
+}
+
+/* The prefill layer by layer, as nl_forward runs it, keeping each layer's
+ * router probabilities (L, N, E) and expert choices (L, N, k) on the host:
+ * nl_forward itself does not show them. */
+static void prefill_layers(model_side *ms, const int32_t *tok, const int32_t *pos, float *probs,
+                           int32_t *choice)
+{
+    nl_model *m = ms->m;
+    nl_backend *be = m->be;
+    const nl_config *cfg = &m->cfg;
+    const int N = MB * MT, E = cfg->num_experts, k = cfg->top_k;
+    be->upload(be, ms->tok_d, tok, (size_t)N * sizeof(int32_t));
+    be->upload(be, ms->pos_d, pos, (size_t)N * sizeof(int32_t));
+    be->embedding_forward(be, ms->acts.x_in, ms->tok_d, m->tok_embeddings, N, cfg->hidden_dim);
+    for (int l = 0; l < cfg->num_layers; l++) {
+        nl_layer_forward(m, l, &ms->acts, MB, MT, 0, NULL, ms->pos_d, NULL, (double)N);
+        memcpy(probs + (size_t)l * N * E, ms->acts.probs_h, (size_t)N * E * sizeof(float));
+        memcpy(choice + (size_t)l * N * k, ms->acts.choice, (size_t)N * k * sizeof(int32_t));
+    }
+}
+
+/* Gap between the k-th and (k+1)-th largest of row[0..E). */
+static double topk_gap(const float *row, int E, int k)
+{
+    float v[NL_CONFIG_MAX_EXPERTS];
+    memcpy(v, row, (size_t)E * sizeof *v);
+    for (int i = 0; i <= k && i < E; i++)
+        for (int j = i + 1; j < E; j++)
+            if (v[j] > v[i]) {
+                float t = v[i];
+                v[i] = v[j];
+                v[j] = t;
+            }
+    return k < E ? (double)v[k - 1] - (double)v[k] : INFINITY;
+}
+
+/* Expert choices first: the same set of experts for every (layer, token),
+ * except where the reference's k-th and (k+1)-th probabilities are a
+ * near-tie (reported, not failed); then the router probabilities. */
+static void check_routing(nl_selftest *c, model_side ms[2], const int32_t *tok, const int32_t *pos,
+                          double tie)
+{
+    const nl_config *cfg = &ms[0].m->cfg;
+    const int N = MB * MT, L = cfg->num_layers, E = cfg->num_experts, k = cfg->top_k;
+    float *probs[2];
+    int32_t *ch[2];
+    for (int s = 0; s < 2; s++) {
+        probs[s] = nl_selftest_hbuf(c, (size_t)L * N * E * sizeof(float));
+        ch[s] = nl_selftest_hbuf(c, (size_t)L * N * k * sizeof(int32_t));
+    }
+    char shape[80];
+    snprintf(shape, sizeof shape, "L=%d N=%d E=%d k=%d", L, N, E, k);
+    if (c->oom) {
+        nl_selftest_done(c, "model_routing", shape, INFINITY, 0);
+        return;
+    }
+    for (int s = 0; s < 2; s++)
+        prefill_layers(&ms[s], tok, pos, probs[s], ch[s]);
+    int differ = 0, ties = 0;
+    for (int l = 0; l < L; l++)
+        for (int n = 0; n < N; n++) {
+            const size_t o = ((size_t)l * N + n) * k;
+            int same = 1;
+            for (int i = 0; i < k; i++) {
+                int found = 0;
+                for (int j = 0; j < k; j++)
+                    found |= ch[1][o + i] == ch[0][o + j];
+                same &= found;
+            }
+            const double gap = topk_gap(probs[0] + ((size_t)l * N + n) * E, E, k);
+            if (gap < tie) {
+                ties++;
+                printf("note  model_routing  layer %d token %d: top-%d probabilities %.3g apart "
+                       "(near-tie)%s\n",
+                       l, n, k, gap, same ? "" : ", the backends chose differently");
+            } else if (!same && ++differ <= 8) { /* the first few name where */
+                printf("note  model_routing  layer %d token %d: experts differ (gap %.3g)\n", l, n,
+                       gap);
+            }
+        }
+    char tshape[112];
+    snprintf(tshape, sizeof tshape, "%s near-ties=%d", shape, ties);
+    nl_selftest_line(c, differ == 0, "model_routing", tshape, differ, 0, NULL);
+    nl_selftest_done(c, "model_router_probs", shape,
+                     nl_selftest_err_all(probs[0], probs[1], (size_t)L * N * E), TOL_RED);
+}
+
+/* nl_forward of the whole prefill on both: logits and the aux loss. */
+static void check_logits(nl_selftest *c, model_side ms[2], const int32_t *tok, double tol)
+{
+    const int N = MB * MT, V = (int)ms[0].m->cfg.vocab_size;
+    float aux[2], *lg[2];
+    nl_error e = {0};
+    char shape[64];
+    snprintf(shape, sizeof shape, "B=%d T=%d V=%d", MB, MT, V);
+    for (int s = 0; s < 2; s++) {
+        nl_forward_args a = {.B = MB, .T = MT, .tokens = tok};
+        nl_backend *be = c->be[s];
+        if (nl_forward(ms[s].m, ms[s].rs, &a, &aux[s], &e) != NL_OK ||
+            !(lg[s] = nl_selftest_hbuf(c, (size_t)N * V * sizeof(float)))) {
+            nl_selftest_line(c, 0, "model_logits", shape, INFINITY, tol, e.msg);
+            nl_selftest_release(c);
+            return;
+        }
+        be->download(be, lg[s], nl_runstate_output(ms[s].rs, NULL), (size_t)N * V * sizeof(float));
+    }
+    nl_selftest_line(c, nl_selftest_err_all(lg[0], lg[1], (size_t)N * V) <= tol, "model_logits",
+                     shape, nl_selftest_err_all(lg[0], lg[1], (size_t)N * V), tol, NULL);
+    nl_selftest_done(c, "model_aux_loss", shape,
+                     fabs((double)aux[1] - aux[0]) / fabs((double)aux[0]), TOL_RED);
+}
+
+static int argmax(const float *x, int n, double *gap)
+{
+    int best = 0, second = -1;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[best]) {
+            second = best;
+            best = i;
+        } else if (second < 0 || x[i] > x[second]) {
+            second = i;
+        }
+    *gap = second < 0 ? INFINITY : (double)x[best] - (double)x[second];
+    return best;
+}
+
+/* Prefill a prompt with the cache, then NL_SELFTEST_DECODE greedy steps; both sides
+ * are fed the reference's choice so the logits stay comparable. */
+static void check_decode(nl_selftest *c, model_side ms[2], const int32_t *prompt, double tol,
+                         double tie)
+{
+    const int V = (int)ms[0].m->cfg.vocab_size;
+    float *lg[2] = {nl_selftest_hbuf(c, (size_t)V * sizeof(float)),
+                    nl_selftest_hbuf(c, (size_t)V * sizeof(float))};
+    nl_error e = {0};
+    char shape[64];
+    snprintf(shape, sizeof shape, "prompt=%d steps=%d V=%d", MT, NL_SELFTEST_DECODE, V);
+    int32_t next = 0;
+    int differ = 0;
+    double worst = c->oom ? INFINITY : 0.0;
+    for (int step = 0; !c->oom && step <= NL_SELFTEST_DECODE; step++) {
+        int id[2];
+        double gap = 0.0;
+        for (int s = 0; s < 2; s++) {
+            nl_forward_args a = {.B = 1,
+                                 .T = step ? 1 : MT,
+                                 .tokens = step ? &next : prompt,
+                                 .kv = ms[s].kv,
+                                 .last_only = 1};
+            nl_backend *be = c->be[s];
+            if (nl_forward(ms[s].m, ms[s].rs, &a, NULL, &e) != NL_OK) {
+                nl_selftest_line(c, 0, "model_decode_logits", shape, INFINITY, tol, e.msg);
+                nl_selftest_release(c);
+                return;
+            }
+            be->download(be, lg[s], nl_runstate_output(ms[s].rs, NULL), (size_t)V * sizeof(float));
+            double g;
+            id[s] = argmax(lg[s], V, &g);
+            if (s == 0)
+                gap = g;
+        }
+        worst = max2(worst, nl_selftest_err_all(lg[0], lg[1], (size_t)V));
+        const double scale = fabs(lg[0][id[0]]) > 1e-30 ? fabs(lg[0][id[0]]) : 1.0;
+        if (gap < tie * scale)
+            printf("note  model_greedy_ids  step %d: top-2 logits %.3g apart (near-tie)%s\n", step,
+                   gap, id[0] == id[1] ? "" : ", the backends chose differently");
+        else if (id[0] != id[1] && ++differ <= 8)
+            printf("note  model_greedy_ids  step %d: %d against %d\n", step, id[1], id[0]);
+        next = id[0];
+    }
+    nl_selftest_line(c, worst <= tol, "model_decode_logits", shape, worst, tol, NULL);
+    nl_selftest_done(c, "model_greedy_ids", shape, differ, 0);
+}
+
+void nl_selftest_model(nl_selftest *c, uint64_t seed)
+{
+    nl_config cfg;
+    model_config(&cfg);
+    model_side ms[2];
+    nl_error e = {0};
+    const double tol = c->tf32 ? 1e-2 : 1e-5, tie = c->tf32 ? 1e-3 : NEAR_TIE;
+    int ok = 1;
+    for (int s = 0; s < 2 && ok; s++)
+        ok = side_new(&ms[s], c->be[s], &cfg, seed, &e) == NL_OK;
+    if (!ok) {
+        nl_selftest_line(c, 0, "model_setup", "d=128 L=2 H=4 G=2 E=8 k=2 V=512", INFINITY, 0,
+                         e.msg);
+    } else {
+        const int N = MB * MT;
+        int32_t *tok = nl_selftest_ids(c, (size_t)N, (int)cfg.vocab_size),
+                *pos = nl_selftest_hbuf(c, N * sizeof *pos);
+        for (int n = 0; pos && n < N; n++)
+            pos[n] = n % MT;
+        if (tok && pos)
+            check_routing(c, ms, tok, pos, tie);
+        tok = nl_selftest_ids(c, (size_t)N, (int)cfg.vocab_size);
+        if (tok)
+            check_logits(c, ms, tok, tol);
+        tok = nl_selftest_ids(c, MT, (int)cfg.vocab_size);
+        if (tok)
+            check_decode(c, ms, tok, tol, tie);
+    }
+    nl_selftest_release(c);
+    for (int s = 0; s < 2; s++)
+        side_free(&ms[s], c->be[s]);
+}

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# neuroctl selftest as a process, in one of three modes (CTest runs each):
+#   devsim   cpu-devsim against cpu: exit 0 and a summary of many passed
+#            checks and none failed.
+#   cuda     cuda:0 against cpu: must pass where a GPU is usable; reports
+#            skipped (exit 77) when the device cannot be created.
+#   no-cuda  without a usable GPU, selftest --device cuda:0 exits 3 within
+#            a few seconds, without a signal, naming "no CUDA" (device or
+#            backend); an exit 0 means a GPU is present, which passes too.
+set -uo pipefail
+NEUROCTL="$NL_BUILD_DIR/cli/neuroctl"
+MODE="${1:-}"
+W=$(mktemp -d)
+trap 'rm -rf "$W"' EXIT
+
+# summary "selftest: P passed, F failed" -> "P F"
+summary() { sed -n 's/^selftest: \([0-9]*\) passed, \([0-9]*\) failed$/\1 \2/p' "$W/out"; }
+
+case "$MODE" in
+devsim)
+    "$NEUROCTL" selftest --device cpu-devsim --threads 2 >"$W/out" 2>"$W/err"
+    rc=$?
+    read -r passed failed <<<"$(summary)"
+    cat "$W/out" "$W/err"
+    if [ "$rc" -ne 0 ] || [ "${failed:-x}" != 0 ] || [ "${passed:-0}" -lt 60 ]; then
+        echo "FAIL: selftest --device cpu-devsim: exit $rc, ${passed:-?} passed, ${failed:-?} failed" >&2
+        exit 1
+    fi
+    ;;
+cuda)
+    "$NEUROCTL" selftest --device cuda:0 >"$W/out" 2>"$W/err"
+    rc=$?
+    cat "$W/out" "$W/err"
+    if [ "$rc" -eq 3 ] && grep -q "no CUDA" "$W/err"; then
+        echo "skipped: no usable CUDA device"
+        exit 77
+    fi
+    read -r passed failed <<<"$(summary)"
+    if [ "$rc" -ne 0 ] || [ "${failed:-x}" != 0 ]; then
+        echo "FAIL: selftest --device cuda:0: exit $rc, ${passed:-?} passed, ${failed:-?} failed" >&2
+        exit 1
+    fi
+    ;;
+no-cuda)
+    t0=$(date +%s%N)
+    timeout -s KILL 60 "$NEUROCTL" selftest --device cuda:0 >"$W/out" 2>"$W/err"
+    rc=$?
+    ms=$((($(date +%s%N) - t0) / 1000000))
+    cat "$W/err"
+    if [ "$rc" -eq 0 ]; then
+        echo "a CUDA device is present and its selftest passed (${ms} ms)"
+        exit 0
+    fi
+    if [ "$rc" -ge 128 ]; then
+        echo "FAIL: selftest --device cuda:0 died of signal $((rc - 128)) after ${ms} ms" >&2
+        exit 1
+    fi
+    if [ "$rc" -ne 3 ] || ! grep -q "no CUDA" "$W/err"; then
+        echo "FAIL: selftest --device cuda:0: exit $rc (want 3 and a 'no CUDA' message)" >&2
+        exit 1
+    fi
+    if [ "$ms" -gt 10000 ]; then
+        echo "FAIL: selftest --device cuda:0 took ${ms} ms to fail (want a few seconds)" >&2
+        exit 1
+    fi
+    echo "clean failure in ${ms} ms"
+    ;;
+*)
+    echo "usage: test_selftest.sh devsim|cuda|no-cuda" >&2
+    exit 2
+    ;;
+esac
+exit 0
