@@ -23,11 +23,11 @@ typedef nl_cpu_ctx cpu_ctx;
 static void *cpu_alloc(nl_backend *be, size_t bytes)
 {
     cpu_ctx *ctx = be->ctx;
+    if (bytes > SIZE_MAX - HEADER - 63)
+        return NULL; /* rounding up would wrap */
     size_t rounded = (bytes + 63) & ~(size_t)63;
     if (rounded == 0)
         rounded = 64;
-    if (rounded > SIZE_MAX - HEADER)
-        return NULL;
     char *p = aligned_alloc(64, rounded + HEADER);
     if (!p)
         return NULL;
@@ -173,12 +173,12 @@ static void cpu_softmax_forward(nl_backend *be, float *x, int N, int C)
         float m = -INFINITY;
         for (int i = 0; i < C; i++)
             m = r[i] > m ? r[i] : m;
-        float s = 0.0f;
+        double s = 0.0; /* in double: a vocabulary-wide row stays within 1e-6 */
         for (int i = 0; i < C; i++) {
             r[i] = nl_elem_expf(r[i] - m);
             s += r[i];
         }
-        float inv = 1.0f / s;
+        const float inv = (float)(1.0 / s);
         for (int i = 0; i < C; i++)
             r[i] *= inv;
     }
