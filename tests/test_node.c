@@ -638,10 +638,17 @@ static void test_cli(void)
     CHECK(reap(spawn(log, help), WAIT_MS) == 0 && file_has(log, "--kv-budget") &&
               file_has(log, "--connect-timeout") && file_has(log, "--plaintext"),
           "--help");
-    const char *cuda[] = {"",         "join",   "tcp://127.0.0.1:1", "--memory", "1G",
-                          "--device", "cuda:0", "--plaintext",       NULL};
-    CHECK(reap(spawn(log, cuda), WAIT_MS) == 2 && file_has(log, "--device cuda:0"),
+    /* no GPU usable here: the device's error, at once; with one, no coordinator */
+    const char *cuda[] = {"",         "join",   "tcp://127.0.0.1:1", "--memory",          "1G",
+                          "--device", "cuda:0", "--plaintext",       "--connect-timeout", "0.5",
+                          NULL};
+    CHECK(reap(spawn(log, cuda), WAIT_MS) == 1 &&
+              (file_has(log, "cuda:0: no CUDA") || file_has(log, "no answer from the coordinator")),
           "--device cuda:0");
+    const char *bogus[] = {"",         "join",  "tcp://127.0.0.1:1", "--memory", "1G",
+                           "--device", "bogus", "--plaintext",       NULL};
+    CHECK(reap(spawn(log, bogus), WAIT_MS) == 2 && file_has(log, "--device bogus: unknown"),
+          "--device bogus");
     const char *nomem[] = {"", "join", "tcp://127.0.0.1:1", "--plaintext", NULL};
     CHECK(reap(spawn(log, nomem), WAIT_MS) == 2 && file_has(log, "--memory"), "no --memory");
     const char *badsize[] = {"",  "join", "tcp://127.0.0.1:1", "--memory", "8Q", "--plaintext",
