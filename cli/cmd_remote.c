@@ -26,6 +26,9 @@ int nl_cmd_remote_forward(int argc, char **argv)
                        {0}};
     const char *usage = "neuroctl forward --coordinator EP --key K --coordinator-key P --tokens "
                         "IN.safetensors --out OUT.safetensors";
+    for (int i = 1; i < argc; i++)
+        if (nl_remote_refuse_node_flag(argv[i]))
+            return 2;
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -153,6 +156,9 @@ int nl_cmd_remote_generate(int argc, char **argv)
                        {0}};
     const char *usage = "neuroctl generate --coordinator EP --key K --coordinator-key P "
                         "(--prompt-tokens 1,2,3 | --prompt TEXT) [--max-new N] ...";
+    for (int i = 1; i < argc; i++)
+        if (nl_remote_refuse_node_flag(argv[i]))
+            return 2;
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
