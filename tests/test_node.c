@@ -264,8 +264,8 @@ static peer *coord_accept(coord *c, const char *key, uint32_t node_id, char *end
         return NULL;
     const nl_msg_join *j = &c->rx.msg.u.join;
     CHECK(strcmp(j->pubkey, key) == 0 && strcmp(c->rx.peer, key) == 0, "JOIN key %s", j->pubkey);
-    CHECK(strcmp(j->device, "cpu") == 0 && j->memory_bytes == (256ULL << 20) && j->threads == 1 &&
-              j->gemm_gflops > 0,
+    CHECK(strcmp(j->device, check_device()) == 0 && j->memory_bytes == (256ULL << 20) &&
+              j->threads == 1 && j->gemm_gflops > 0,
           "JOIN fields: %s %llu %u %g", j->device, (unsigned long long)j->memory_bytes, j->threads,
           j->gemm_gflops);
     CHECK(strncmp(j->data_endpoint, "tcp://127.0.0.1:", 16) == 0 && !strchr(j->data_endpoint, '*'),
