@@ -111,9 +111,12 @@ static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypa
                *nan_stage = getenv("NL_TEST_INJECT_NAN_STAGE");
     o->inject_nan_step = nan_step ? atoll(nan_step) + 1 : 0;
     o->inject_nan_stage = nan_stage ? atoi(nan_stage) : -1;
-    /* test hook: NL_TEST_DEVICE_FAIL=K makes the device's K-th check fail */
+    /* test hook: NL_TEST_DEVICE_FAIL=K makes the device's K-th check fail
+     * (the first is after the throughput probe, the second after LOAD_DONE) */
     const char *dev_fail = getenv("NL_TEST_DEVICE_FAIL");
     o->inject_device_fail = dev_fail ? atoi(dev_fail) : 0;
+    /* test hook: NL_TEST_DEVICE_NO_TRAIN=1 makes the device one that cannot train */
+    o->inject_no_train = getenv("NL_TEST_DEVICE_NO_TRAIN") != NULL;
     o->tf32 = nl_args_get(flags, "tf32") != NULL;
     o->has_reserve = nl_args_get(flags, "reserve") != NULL;
     if (nl_args_size(flags, "memory", &o->memory_bytes) ||

@@ -336,6 +336,8 @@ static nl_status open_device(node *n, nl_error *err)
         checks_left = o->inject_device_fail;
         n->be->check = failing_check;
     }
+    if (o->inject_no_train)
+        n->be->can_train = 0;
     n->threads = o->threads > 0 ? o->threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
     if (n->threads < 1)
         n->threads = 1;

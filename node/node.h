@@ -48,6 +48,7 @@ typedef struct nl_node_opts {
     int inject_nan_stage;        /* ... on this stage only (-1 any) */
     int inject_device_fail;      /* test hook (NL_TEST_DEVICE_FAIL): the device's K-th check
                                   * after the start fails, and every later one (0 never) */
+    bool inject_no_train;        /* test hook (NL_TEST_DEVICE_NO_TRAIN): the device cannot train */
     volatile sig_atomic_t *stop; /* set by the signal handler: LEAVE and return */
 } nl_node_opts;
 
