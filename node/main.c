@@ -117,6 +117,14 @@ static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypa
     o->inject_device_fail = dev_fail ? atoi(dev_fail) : 0;
     /* test hook: NL_TEST_DEVICE_NO_TRAIN=1 makes the device one that cannot train */
     o->inject_no_train = getenv("NL_TEST_DEVICE_NO_TRAIN") != NULL;
+    /* test hook: NL_TEST_DEVICE_MEM=FREE,TOTAL (MiB) gives the device a GPU's
+     * memory report, so the offer's arithmetic runs without a GPU */
+    const char *mem = getenv("NL_TEST_DEVICE_MEM");
+    unsigned long long mfree = 0, mtotal = 0;
+    if (mem && sscanf(mem, "%llu,%llu", &mfree, &mtotal) == 2) {
+        o->inject_mem_free = mfree << 20;
+        o->inject_mem_total = mtotal << 20;
+    }
     o->tf32 = nl_args_get(flags, "tf32") != NULL;
     o->has_reserve = nl_args_get(flags, "reserve") != NULL;
     if (nl_args_size(flags, "memory", &o->memory_bytes) ||
@@ -131,7 +139,7 @@ static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypa
         return 2;
     }
     /* a GPU measures what it offers; the CPU offers what it is told */
-    const bool own_memory = strncmp(o->device, "cuda:", 5) == 0;
+    const bool own_memory = strncmp(o->device, "cuda:", 5) == 0 || o->inject_mem_total;
     if (!own_memory && !nl_args_get(flags, "memory")) {
         fprintf(stderr, "neuronode: --memory SIZE is required on --device %s (e.g. --memory 8G)\n",
                 o->device);

@@ -281,6 +281,19 @@ static nl_status failing_check(nl_backend *be, nl_error *err)
     return nl_error_set(err, NL_ERR_INTERNAL, "injected device error (NL_TEST_DEVICE_FAIL)");
 }
 
+/* Test hook (NL_TEST_DEVICE_MEM): a GPU's memory report. */
+static size_t fake_free, fake_total;
+
+static nl_status fake_mem_info(nl_backend *be, size_t *free_bytes, size_t *total_bytes,
+                               nl_error *err)
+{
+    (void)be;
+    (void)err;
+    *free_bytes = fake_free;
+    *total_bytes = fake_total;
+    return NL_OK;
+}
+
 /* What the node offers: --memory on host memory; on a device with its own
  * memory, what is free now (the backend's runtime already taken) less the
  * reserve, capped by --memory. */
@@ -338,6 +351,11 @@ static nl_status open_device(node *n, nl_error *err)
     }
     if (o->inject_no_train)
         n->be->can_train = 0;
+    if (o->inject_mem_total) {
+        fake_free = (size_t)o->inject_mem_free;
+        fake_total = (size_t)o->inject_mem_total;
+        n->be->mem_info = fake_mem_info;
+    }
     n->threads = o->threads > 0 ? o->threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
     if (n->threads < 1)
         n->threads = 1;

@@ -9,6 +9,9 @@
 #    on every tool that takes --device; cluster up's list is checked;
 #  - a cluster command leaves --device to the nodes (usage error, with why);
 #  - --tf32 changes nothing on the CPU;
+#  - a pipeline of a cpu-devsim node and a cpu node gives the local logits;
+#  - a GPU's memory offer: free less the reserve, capped by --memory (test
+#    hook NL_TEST_DEVICE_MEM gives the CPU a GPU's memory report);
 #  - a node whose device cannot train refuses a training job, reported as
 #    that job's failure (test hook NL_TEST_DEVICE_NO_TRAIN);
 #  - a device error while serving (test hook NL_TEST_DEVICE_FAIL) fails
@@ -144,6 +147,32 @@ run "$N" bench "${DEV[@]}" --config "$W/cfg.yaml" --batch 2 --seq 8 --decode-tok
 check test $rc -eq 0
 check grep -q "\"device\":\"${NL_TEST_DEVICE:-cpu}\".*\"train_tok_s\":[0-9]" <<< "$out"
 
+# ---- a mixed pipeline: the simulated device and the CPU, each node its own ----
+C="$W/c-mixed"
+check "$N" cluster up --dir "$C" --nodes 2 --model "$W/m.safetensors" --memory 64M --threads 1 \
+  --device cpu-devsim,cpu --timeout 60
+st=$("$N" status --cluster "$C")
+check grep -Eq "^[0-9]+ +serving +cpu-devsim " <<< "$st"
+check grep -Eq "^[0-9]+ +serving +cpu " <<< "$st"
+check "$N" forward --cluster "$C" --tokens "$W/in.safetensors" --out "$W/mixed.safetensors"
+check python3 - "$W/a.safetensors" "$W/mixed.safetensors" <<'PY'
+import json, struct, sys
+def load(p):
+    b = open(p, "rb").read(); n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n])
+    s, e = h["logits"]["data_offsets"]; raw = b[8 + n + s: 8 + n + e]
+    return h["logits"]["shape"], struct.unpack("<%df" % (len(raw) // 4), raw)
+(sa, a), (sb, b) = load(sys.argv[1]), load(sys.argv[2])
+assert sa == sb, (sa, sb)
+d = max(abs(x - y) for x, y in zip(a, b))
+print("mixed pipeline: max abs diff %.3g against the local forward" % d)
+assert d <= 1e-6, d
+PY
+l=$("$N" generate "${DEV[@]}" --model "$W/m.safetensors" --prompt-tokens 5,6,7 --max-new 8 --temperature 0 --threads 1 | head -1)
+r=$("$N" generate --cluster "$C" --prompt-tokens 5,6,7 --max-new 8 --temperature 0 | head -1)
+check test -n "$l"
+check test "$l" = "$r"
+check "$N" cluster down --dir "$C"
+
 # ---- a node that cannot train refuses the training job, which fails ----
 C="$W/c-notrain"
 NL_TEST_DEVICE_NO_TRAIN=1 "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 1 --model "$W/m.safetensors" \
@@ -175,6 +204,29 @@ check grep -q "leaving: device ${NL_TEST_DEVICE:-cpu}: injected device error" "$
 check grep -q "neuronode: device ${NL_TEST_DEVICE:-cpu}: injected device error" "$C/node-1.log"
 check grep -q "left (device ${NL_TEST_DEVICE:-cpu}: injected device error" "$C/coord.log"
 check "$N" cluster down --dir "$C"
+
+# ---- a GPU's memory offer (hook NL_TEST_DEVICE_MEM=FREE,TOTAL in MiB) ----
+# free less the reserve (256M or 5% of the device, whichever is larger),
+# capped by --memory; more than that is refused
+d=${NL_TEST_DEVICE:-cpu}
+offer() { run env NL_TEST_DEVICE_MEM="$1" "$NODE" join tcp://127.0.0.1:9 --plaintext "${DEV[@]}" \
+  --connect-timeout 0.2 "${@:2}"; }
+offer 8000,16000
+check grep -q "device $d: 8000.0 MiB free of 16000.0 MiB (its runtime holds .* MiB); reserve 800.0 MiB" <<< "$out"
+check grep -q "offering 7200.0 MiB" <<< "$out"
+offer 1000,2000
+check grep -q "reserve 256.0 MiB" <<< "$out"
+check grep -q "offering 744.0 MiB" <<< "$out"
+offer 1000,2000 --memory 500M
+check grep -q "offering 500.0 MiB" <<< "$out"
+offer 1000,2000 --reserve 100M
+check grep -q "offering 900.0 MiB" <<< "$out"
+offer 1000,2000 --memory 900M
+check test $rc -eq 1
+check grep -qF -- "--memory 900.0 MiB: device $d has 1000.0 MiB free of 2000.0 MiB, 744.0 MiB after the reserve of 256.0 MiB (--reserve)" <<< "$out"
+offer 200,2000
+check test $rc -eq 1
+check grep -q "device $d: 200.0 MiB free, no more than the reserve of 256.0 MiB: nothing to offer" <<< "$out"
 
 # the node's exit status: a device failing at its start (the probe's check)
 run env NL_TEST_DEVICE_FAIL=1 "$NODE" join tcp://127.0.0.1:9 --plaintext --memory 64M "${DEV[@]}"
