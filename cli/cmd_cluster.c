@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include "base/args.h"
+#include "cli_io.h"
 #include "commands.h"
 #include "core/fileio.h"
 #include "kernels/backend.h"
@@ -385,14 +386,15 @@ static int cluster_up(const nl_flag *flags, const char *dir)
             nl_args_get(flags, "device") ? nl_args_get(flags, "device") : "cpu");
     /* a node that cannot start (a device it cannot open) exits at once:
      * say so with its last words rather than wait for the timeout */
-    for (long long t = 0;; t++) {
+    const double deadline = nl_cli_now() + (double)timeout;
+    for (;;) {
         if (nl_remote_wait_ready(dir, 1, state, sizeof state) == 0)
             break;
         if (node_exited(dir, pids, (int)nodes)) {
             cluster_down(dir);
             return 1;
         }
-        if (t + 1 >= timeout) {
+        if (nl_cli_now() >= deadline) {
             fprintf(stderr, "cluster up: not ready after %lld s: %s (logs in %s)\n", timeout, state,
                     dir);
             return 1;
