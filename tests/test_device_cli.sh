@@ -16,7 +16,7 @@
 #    that job's failure (test hook NL_TEST_DEVICE_NO_TRAIN);
 #  - a device error while serving (test hook NL_TEST_DEVICE_FAIL) fails
 #    the job with the device's error named, and the node leaves the cluster
-#    and exits 1.
+#    and exits 1 (inference and training).
 set -uo pipefail
 N="$NL_BUILD_DIR/cli/neuroctl"
 NODE="$NL_BUILD_DIR/node/neuronode"
@@ -227,6 +227,19 @@ check grep -qF -- "--memory 900.0 MiB: device $d has 1000.0 MiB free of 2000.0 M
 offer 200,2000
 check test $rc -eq 1
 check grep -q "device $d: 200.0 MiB free, no more than the reserve of 256.0 MiB: nothing to offer" <<< "$out"
+
+# ... and during training: the first training message's check fails the job
+C="$W/c-failtrain"
+NL_TEST_DEVICE_FAIL=3 "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 1 --model "$W/m.safetensors" \
+  --memory 64M --threads 1 --node-timeout-ms 2000 --timeout 60 > /dev/null 2>&1
+check test $? -eq 0
+run "$N" train --cluster "$C" --data "$W/data.txt" --steps 2 --batch 2 --seq 8 --timeout 20
+check test $rc -eq 1
+check grep -q "job [0-9]* failed: node 1 (stage 0): device ${NL_TEST_DEVICE:-cpu}: injected device error" <<< "$out"
+echo "$out" | tail -1
+for i in $(seq 1 100); do grep -q "^neuronode: device" "$C/node-1.log" && break; sleep 0.05; done
+check grep -q "leaving: device ${NL_TEST_DEVICE:-cpu}: injected device error" "$C/node-1.log"
+check "$N" cluster down --dir "$C"
 
 # the node's exit status: a device failing at its start (the probe's check)
 run env NL_TEST_DEVICE_FAIL=1 "$NODE" join tcp://127.0.0.1:9 --plaintext --memory 64M "${DEV[@]}"
