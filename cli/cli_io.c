@@ -1,4 +1,5 @@
-/* File helpers and the generation clock shared by neuroctl's commands. */
+/* File helpers, the device flags and the generation clock shared by
+ * neuroctl's commands. */
 #include "cli_io.h"
 
 #include <errno.h>
@@ -121,4 +122,41 @@ void nl_gen_clock_report(const nl_gen_clock *c)
         fprintf(stderr, ", then %d in %.1f ms (%.1f tokens/s)", c->count - 1, rest * 1e3,
                 rest > 0 ? (c->count - 1) / rest : 0.0);
     fputc('\n', stderr);
+}
+
+/* ---------------------------------------------------------------- device */
+
+int nl_cli_device_flags(const nl_flag *flags, const char **device, int *tf32)
+{
+    nl_error err;
+    const char *d = nl_args_get(flags, "device");
+    *device = d ? d : "cpu";
+    *tf32 = nl_args_get(flags, "tf32") != NULL;
+    if (nl_backend_parse_device(*device, &err) != NL_OK) {
+        fprintf(stderr, "--%s\n", err.msg);
+        return 2;
+    }
+    return 0;
+}
+
+nl_status nl_cli_backend_new(nl_backend **be, const char *device, int threads, int tf32,
+                             int training, nl_error *err)
+{
+    nl_status st =
+        nl_backend_new(be, device, &(nl_backend_opts){.threads = threads, .tf32 = tf32}, err);
+    if (st != NL_OK)
+        return st;
+    if (training && !(*be)->can_train) {
+        nl_backend_destroy(be);
+        return nl_error_set(err, NL_ERR_UNSUPPORTED,
+                            "%s: training on this device is not available yet (use --device cpu)",
+                            device);
+    }
+    return NL_OK;
+}
+
+nl_status nl_cli_device_check(nl_backend *be, nl_error *err)
+{
+    nl_status st = nl_backend_check(be, err);
+    return st == NL_OK ? st : nl_error_prefix(err, "device %s", be->name);
 }

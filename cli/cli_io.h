@@ -1,8 +1,11 @@
-/* File helpers and the generation clock shared by neuroctl's commands. */
+/* File helpers, the device flags and the generation clock shared by
+ * neuroctl's commands. */
 #ifndef NL_CLI_IO_H
 #define NL_CLI_IO_H
 
+#include "base/args.h"
 #include "core/safetensors.h"
+#include "kernels/backend.h"
 
 /* Read an integer tensor `name` ([B, T], I32 or I64, 1..2^24 entries, each
  * fitting int32) from an open safetensors file into a malloc'd array. */
@@ -16,6 +19,29 @@ nl_status nl_cli_read_ids_file(const char *path, const char *name, int32_t **out
 /* "1,2,3" -> a malloc'd array of ids (--prompt-tokens). Returns the count,
  * or -1 after printing the fault to stderr. */
 int nl_cli_parse_ids(const char *s, int32_t **out);
+
+/* The flags that pick where a local command computes: --device D (cpu,
+ * cpu-devsim or cuda:N; default cpu) and, where a GPU may run, --tf32. */
+/* clang-format off */
+#define NL_CLI_DEVICE_FLAG                                                                         \
+    {"device", 1, "D: where to compute: cpu (default), cpu-devsim or cuda:N", NULL}
+#define NL_CLI_TF32_FLAG                                                                           \
+    {"tf32", 0, "GPU GEMMs may use TF32 tensor-core math (default: FP32)", NULL}
+/* clang-format on */
+
+/* Read --device (and --tf32 when the table has it) into *device and *tf32.
+ * Returns 0, or prints "--device D: ..." and returns 2 (usage error). */
+int nl_cli_device_flags(const nl_flag *flags, const char **device, int *tf32);
+
+/* The backend of a local command: nl_backend_new(device, threads, tf32),
+ * and for a command that trains (train, grad) a refusal, before any work,
+ * of a device whose backend cannot train yet. */
+nl_status nl_cli_backend_new(nl_backend **be, const char *device, int threads, int tf32,
+                             int training, nl_error *err);
+
+/* After a download or a forward the caller acts on: the backend's sticky
+ * asynchronous error, if any, named with the device (nl_backend_check). */
+nl_status nl_cli_device_check(nl_backend *be, nl_error *err);
 
 /* Seconds on the monotonic clock. */
 double nl_cli_now(void);

@@ -20,8 +20,10 @@
 #include <unistd.h>
 
 #include "base/args.h"
+#include "cli_io.h"
 #include "commands.h"
 #include "core/fileio.h"
+#include "kernels/backend.h"
 #include "net/keys.h"
 
 /* GOMP_SPINCOUNT of the nodes: a few microseconds of spinning. libgomp's own
@@ -170,6 +172,69 @@ static int cluster_down(const char *dir)
     return 0;
 }
 
+/* --device D[,D...]: node i (0-based) gets the i-th, the last repeated.
+ * Returns 0, or prints the fault and returns 2. */
+static int node_devices(const char *list, int nodes, char (*dev)[32])
+{
+    nl_error err;
+    const char *p = list ? list : "cpu";
+    int items = 0;
+    for (;;) {
+        size_t n = strcspn(p, ",");
+        if (n == 0 || n >= sizeof dev[0] || items == nodes) {
+            fprintf(stderr, "cluster up: --device %s: %s\n", list,
+                    items == nodes ? "more devices than --nodes"
+                    : n            ? "a device name is too long"
+                                   : "an empty device name");
+            return 2;
+        }
+        memcpy(dev[items], p, n);
+        dev[items][n] = '\0';
+        if (nl_backend_parse_device(dev[items], &err) != NL_OK) {
+            fprintf(stderr, "cluster up: --%s\n", err.msg);
+            return 2;
+        }
+        items++;
+        if (p[n] != ',')
+            break;
+        p += n + 1;
+    }
+    for (int i = items; i < nodes; i++)
+        memcpy(dev[i], dev[items - 1], sizeof dev[0]);
+    return 0;
+}
+
+/* Has one of the nodes exited? Says which, how, and the last line of its log. */
+static int node_exited(const char *dir, const pid_t *pids, int nodes)
+{
+    for (int i = 0; i < nodes; i++) {
+        int status = 0;
+        if (pids[i] <= 0 || waitpid(pids[i], &status, WNOHANG) != pids[i])
+            continue;
+        char path[4096], *buf = NULL, last[1024] = "";
+        size_t len = 0;
+        nl_error err = {0};
+        snprintf(path, sizeof path, "%s/node-%d.log", dir, i + 1);
+        if (nl_file_read_all(path, 1 << 20, &buf, &len, &err) == NL_OK) {
+            while (len > 0 && (buf[len - 1] == '\n' || buf[len - 1] == '\r'))
+                len--;
+            size_t at = len;
+            while (at > 0 && buf[at - 1] != '\n')
+                at--;
+            snprintf(last, sizeof last, "%.*s", (int)(len - at), buf + at);
+        }
+        free(buf);
+        if (WIFEXITED(status))
+            fprintf(stderr, "cluster up: node-%d exited with status %d: %s (log %s)\n", i + 1,
+                    WEXITSTATUS(status), last, path);
+        else
+            fprintf(stderr, "cluster up: node-%d died of signal %d: %s (log %s)\n", i + 1,
+                    WIFSIGNALED(status) ? WTERMSIG(status) : 0, last, path);
+        return 1;
+    }
+    return 0;
+}
+
 static int cluster_up(const nl_flag *flags, const char *dir)
 {
     long long nodes = 3, threads = 0, seed = 0, timeout = 120, node_timeout = 3000,
@@ -184,6 +249,10 @@ static int cluster_up(const nl_flag *flags, const char *dir)
         (rc = nl_args_int(flags, "spin", 0, 100000000, &spin)) ||
         (rc = nl_args_size(flags, "memory", &memory)) ||
         (rc = nl_args_size(flags, "kv-budget", &kv_budget)))
+        return rc;
+    char devices[64][32];
+    pid_t pids[64];
+    if ((rc = node_devices(nl_args_get(flags, "device"), (int)nodes, devices)))
         return rc;
     const char *model = nl_args_get(flags, "model"), *config = nl_args_get(flags, "config"),
                *resume = nl_args_get(flags, "resume");
@@ -285,14 +354,25 @@ static int cluster_up(const nl_flag *flags, const char *dir)
         snprintf(key, sizeof key, "%s/%s.key", dir, name);
         snprintf(log, sizeof log, "%s/%s.log", dir, name);
         snprintf(pidf, sizeof pidf, "%s/%s.pid", dir, name);
-        char *nargv[] = {node_bin,  "join",     ep,    "--key",     key,   "--coordinator-key",
-                         coord_pub, "--memory", s_mem, "--threads", s_thr, "--name",
-                         name,      NULL,       NULL,  NULL};
-        if (kv_budget) {
-            nargv[13] = "--kv-budget";
-            nargv[14] = s_kv;
+        char *nargv[24] = {node_bin,      "join",      ep,    "--key",  key,  "--coordinator-key",
+                           coord_pub,     "--threads", s_thr, "--name", name, "--device",
+                           devices[i - 1]};
+        int na = 13;
+        /* a GPU node offers its device's free memory unless --memory caps it */
+        if (nl_args_get(flags, "memory") || strncmp(devices[i - 1], "cuda:", 5) != 0) {
+            nargv[na++] = "--memory";
+            nargv[na++] = s_mem;
         }
-        if (spawn(nargv, log, pidf, env_spin && !nl_args_get(flags, "spin") ? NULL : s_spin) < 0) {
+        if (kv_budget) {
+            nargv[na++] = "--kv-budget";
+            nargv[na++] = s_kv;
+        }
+        if (nl_args_get(flags, "tf32"))
+            nargv[na++] = "--tf32";
+        nargv[na] = NULL;
+        pids[i - 1] =
+            spawn(nargv, log, pidf, env_spin && !nl_args_get(flags, "spin") ? NULL : s_spin);
+        if (pids[i - 1] < 0) {
             fprintf(stderr, "cluster up: cannot start %s\n", name);
             cluster_down(dir);
             return 1;
@@ -300,13 +380,25 @@ static int cluster_up(const nl_flag *flags, const char *dir)
     }
     char state[512] = "";
     fprintf(stderr,
-            "cluster up: coordinator at %s, %lld node(s) with %lld thread(s) each; "
+            "cluster up: coordinator at %s, %lld node(s) with %lld thread(s) each (devices %s); "
             "waiting for the plan...\n",
-            ep, nodes, threads);
-    if (nl_remote_wait_ready(dir, (int)timeout, state, sizeof state) != 0) {
-        fprintf(stderr, "cluster up: not ready after %lld s: %s (logs in %s)\n", timeout, state,
-                dir);
-        return 1;
+            ep, nodes, threads,
+            nl_args_get(flags, "device") ? nl_args_get(flags, "device") : "cpu");
+    /* a node that cannot start (a device it cannot open) exits at once:
+     * say so with its last words rather than wait for the timeout */
+    const double deadline = nl_cli_now() + (double)timeout;
+    for (;;) {
+        if (nl_remote_wait_ready(dir, 1, state, sizeof state) == 0)
+            break;
+        if (node_exited(dir, pids, (int)nodes)) {
+            cluster_down(dir);
+            return 1;
+        }
+        if (nl_cli_now() >= deadline) {
+            fprintf(stderr, "cluster up: not ready after %lld s: %s (logs in %s)\n", timeout, state,
+                    dir);
+            return 1;
+        }
     }
     printf("cluster up: %s\n  use: neuroctl status --cluster %s\n", state, dir);
     return 0;
@@ -326,7 +418,15 @@ int nl_cmd_cluster(int argc, char **argv)
         {"resume", 1, "up: a training manifest (or its directory) to serve and train on from",
          NULL},
         {"seed", 1, "up: initialisation seed without a checkpoint (default 0)", NULL},
-        {"memory", 1, "up: memory each node offers (default 1G)", NULL},
+        {"memory", 1,
+         "up: memory each node offers (default 1G; a cuda:N node offers its device's free "
+         "memory unless this is given)",
+         NULL},
+        {"device", 1,
+         "up: D[,D...]: each node's device, cpu, cpu-devsim or cuda:N, in node order; the last "
+         "is repeated (default cpu)",
+         NULL},
+        {"tf32", 0, "up: the nodes' GPU GEMMs may use TF32 (default: FP32)", NULL},
         {"threads", 1, "up: threads per node (default: the cores shared evenly)", NULL},
         {"kv-budget", 1,
          "up: memory of each node for generation sessions' KV caches (default: neuronode's, "
@@ -343,7 +443,8 @@ int nl_cmd_cluster(int argc, char **argv)
     const char *usage =
         "neuroctl cluster up|down [--dir DIR] [--nodes N] [--model M | --config C | "
         "--resume MANIFEST] "
-        "[--memory SIZE] [--threads N] [--spin N] [--kv-budget SIZE]";
+        "[--memory SIZE] [--threads N] [--spin N] [--kv-budget SIZE] [--device D[,D...]] "
+        "[--tf32]";
     const char *pos[1] = {NULL};
     int npos = 0;
     int rc = nl_args_parse(argc, argv, flags, usage, pos, 1, &npos);

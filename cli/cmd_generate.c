@@ -58,6 +58,8 @@ static nl_status generate(nl_model *m, const int32_t *prompt, int P, int max_new
         if ((st = nl_forward(m, rs, &a, NULL, err)) != NL_OK)
             goto out;
         be->download(be, logits, nl_runstate_output(rs, NULL), (size_t)V * sizeof(float));
+        if ((st = nl_cli_device_check(be, err)) != NL_OK)
+            goto out;
         next = nl_sampler_sample(smp, logits);
         emit(next, ctx);
         a.T = 1;
@@ -109,17 +111,20 @@ int nl_cmd_generate(int argc, char **argv)
          "run the prompt once before the timed generation (warm figures in the "
          "report on stderr, for benchmarks)",
          NULL},
+        NL_CLI_DEVICE_FLAG,
+        NL_CLI_TF32_FLAG,
         {0}};
     const char *usage = "neuroctl generate --model MODEL (--prompt-tokens 1,2,3 | --prompt TEXT) "
                         "[--max-new N] [--temperature X] [--top-p P] [--seed S] [--threads N] "
-                        "[--warmup]";
+                        "[--warmup] [--device D] [--tf32]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
     const char *model = nl_args_get(flags, "model"), *ptoks = nl_args_get(flags, "prompt-tokens");
-    const char *ptext = nl_args_get(flags, "prompt");
+    const char *ptext = nl_args_get(flags, "prompt"), *device = NULL;
     long long max_new = 32, seed = 0, threads = 0;
     double temp = 0.8, top_p = 0.95;
+    int tf32 = 0;
     if (!model || !ptoks == !ptext) {
         nl_args_help(stderr, usage, flags);
         return 2;
@@ -128,7 +133,8 @@ int nl_cmd_generate(int argc, char **argv)
         (rc = nl_args_int(flags, "seed", 0, INT64_MAX, &seed)) ||
         (rc = nl_args_int(flags, "threads", 0, 1024, &threads)) ||
         (rc = nl_args_double(flags, "temperature", 0.0, 100.0, &temp)) ||
-        (rc = nl_args_double(flags, "top-p", 1e-6, 1.0, &top_p)))
+        (rc = nl_args_double(flags, "top-p", 1e-6, 1.0, &top_p)) ||
+        (rc = nl_cli_device_flags(flags, &device, &tf32)))
         return rc;
     int32_t *prompt = NULL;
     int P = 0;
@@ -145,7 +151,7 @@ int nl_cmd_generate(int argc, char **argv)
         goto out;
     if (!tok && nl_tokenizer_new_bytes(&tok, &err) != NL_OK) /* a byte-level model */
         goto out;
-    if (nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = (int)threads}, &err) != NL_OK ||
+    if (nl_cli_backend_new(&be, device, (int)threads, tf32, 0, &err) != NL_OK ||
         nl_checkpoint_load(&m, be, model, 0, -1, 1, 1, NULL, &err) != NL_OK)
         goto out;
     if (nl_tokenizer_vocab_size(tok) < m->cfg.vocab_size && !ptoks) {
@@ -221,13 +227,17 @@ int nl_cmd_bench(int argc, char **argv)
         {"threads", 1, "worker threads (default: all cores)", NULL},
         {"decode-tokens", 1, "tokens timed in the decode run (default 128)", NULL},
         {"repeats", 1, "timed forward passes; the median is reported (default 5)", NULL},
+        NL_CLI_DEVICE_FLAG,
+        NL_CLI_TF32_FLAG,
         {0}};
-    const char *usage = "neuroctl bench --config CFG.yaml [--batch B] [--seq T] [--threads N]";
+    const char *usage = "neuroctl bench --config CFG.yaml [--batch B] [--seq T] [--threads N] "
+                        "[--device D] [--tf32]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
-    const char *cfg_path = nl_args_get(flags, "config");
+    const char *cfg_path = nl_args_get(flags, "config"), *device = NULL;
     long long B = 8, T = 256, threads = 0, ndec = 128, reps = 5;
+    int tf32 = 0;
     if (!cfg_path) {
         nl_args_help(stderr, usage, flags);
         return 2;
@@ -236,7 +246,8 @@ int nl_cmd_bench(int argc, char **argv)
         (rc = nl_args_int(flags, "seq", 1, 1 << 20, &T)) ||
         (rc = nl_args_int(flags, "threads", 0, 1024, &threads)) ||
         (rc = nl_args_int(flags, "decode-tokens", 1, 1 << 16, &ndec)) ||
-        (rc = nl_args_int(flags, "repeats", 1, 1000, &reps)))
+        (rc = nl_args_int(flags, "repeats", 1, 1000, &reps)) ||
+        (rc = nl_cli_device_flags(flags, &device, &tf32)))
         return rc;
     nl_error err = {0};
     nl_config cfg;
@@ -251,7 +262,7 @@ int nl_cmd_bench(int argc, char **argv)
     rc = 1;
     if (!times || nl_config_load_yaml(&cfg, cfg_path, &err) != NL_OK ||
         nl_config_validate(&cfg, 1, &err) != NL_OK ||
-        nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = (int)threads}, &err) != NL_OK ||
+        nl_cli_backend_new(&be, device, (int)threads, tf32, 0, &err) != NL_OK ||
         nl_model_new(&m, be, &cfg, 0, cfg.num_layers, 1, 1, &err) != NL_OK ||
         nl_model_init_random(m, 1, &err) != NL_OK ||
         nl_runstate_new(&rs, m, (int)(B * T), &err) != NL_OK)
@@ -269,6 +280,8 @@ int nl_cmd_bench(int argc, char **argv)
     for (size_t i = 0; i < ntok; i++)
         tokens[i] = (int32_t)nl_rng_below(&r, (uint64_t)cfg.vocab_size);
     double peak = nl_backend_gemm_gflops(be, 2048, 2048, 2048, 1.5);
+    if (nl_cli_device_check(be, &err) != NL_OK)
+        goto out;
 
     /* forward: one warm-up, then the median of `reps` */
     nl_forward_args a = {.B = (int)B, .T = (int)T, .tokens = tokens};
@@ -278,8 +291,10 @@ int nl_cmd_bench(int argc, char **argv)
         double t0 = nl_cli_now();
         if (nl_forward(m, rs, &a, NULL, &err) != NL_OK)
             goto out;
-        if (be->sync(be, &err) != NL_OK)
+        if (be->sync(be, &err) != NL_OK) {
+            nl_error_prefix(&err, "device %s", be->name);
             goto out;
+        }
         times[i] = nl_cli_now() - t0;
     }
     qsort(times, (size_t)reps, sizeof *times, cmp_double);
@@ -302,6 +317,8 @@ int nl_cmd_bench(int argc, char **argv)
         if (nl_forward(m, rs1, &dec, NULL, &err) != NL_OK)
             goto out;
         be->download(be, logits, nl_runstate_output(rs1, NULL), (size_t)cfg.vocab_size * 4);
+        if (nl_cli_device_check(be, &err) != NL_OK)
+            goto out;
         int32_t best = 0;
         for (int v = 1; v < cfg.vocab_size; v++)
             best = logits[v] > logits[best] ? v : best;
@@ -309,31 +326,40 @@ int nl_cmd_bench(int argc, char **argv)
     }
     const double dec_s = nl_cli_now() - t0;
 
-    /* training: one warm-up step, then the median of `reps` whole steps */
-    if (nl_trainer_new(&tr, m, (int)(B * T), 1, 0, &err) != NL_OK)
-        goto out;
-    int32_t *targets = tokens; /* any valid ids serve for timing */
-    nl_step_result sr;
-    for (long long i = 0; i <= reps; i++) {
-        double ts = nl_cli_now();
-        if (nl_trainer_step_local(tr, tokens, targets, (int)B, (int)T, 1, 1e-4f, 1.0f,
-                                  nl_adamw_defaults(), &sr, &err) != NL_OK)
+    /* training: one warm-up step, then the median of `reps` whole steps
+     * (on a device that can train; else the training figures are null) */
+    char train_json[160] = "\"train_tok_s\":null,\"train_gflops\":null,\"train_peak_frac\":null";
+    if (be->can_train) {
+        if (nl_trainer_new(&tr, m, (int)(B * T), 1, 0, &err) != NL_OK)
             goto out;
-        if (i > 0)
-            times[i - 1] = nl_cli_now() - ts;
+        int32_t *targets = tokens; /* any valid ids serve for timing */
+        nl_step_result sr;
+        for (long long i = 0; i <= reps; i++) {
+            double ts = nl_cli_now();
+            if (nl_trainer_step_local(tr, tokens, targets, (int)B, (int)T, 1, 1e-4f, 1.0f,
+                                      nl_adamw_defaults(), &sr, &err) != NL_OK ||
+                nl_cli_device_check(be, &err) != NL_OK)
+                goto out;
+            if (i > 0)
+                times[i - 1] = nl_cli_now() - ts;
+        }
+        qsort(times, (size_t)reps, sizeof *times, cmp_double);
+        const double train_s = times[reps / 2];
+        snprintf(train_json, sizeof train_json,
+                 "\"train_tok_s\":%.1f,\"train_gflops\":%.1f,\"train_peak_frac\":%.3f",
+                 (double)(B * T) / train_s, 3 * fwd_flops / train_s / 1e9,
+                 3 * fwd_flops / train_s / 1e9 / peak);
+    } else {
+        fprintf(stderr, "neuroctl bench: %s cannot train yet: no training figures\n", be->name);
     }
-    qsort(times, (size_t)reps, sizeof *times, cmp_double);
-    const double train_s = times[reps / 2];
 
-    printf("{\"config\":\"%s\",\"batch\":%lld,\"seq\":%lld,\"threads\":%d,"
+    printf("{\"config\":\"%s\",\"device\":\"%s\",\"batch\":%lld,\"seq\":%lld,\"threads\":%d,"
            "\"params\":%" PRId64 ",\"forward_tok_s\":%.1f,\"forward_gflops\":%.1f,"
            "\"forward_ms\":%.2f,\"decode_tok_s\":%.1f,\"gemm_peak_gflops\":%.1f,"
-           "\"forward_peak_frac\":%.3f,\"train_tok_s\":%.1f,\"train_gflops\":%.1f,"
-           "\"train_peak_frac\":%.3f}\n",
-           cfg_path, B, T, threads ? (int)threads : 0, nl_config_param_count(&cfg),
+           "\"forward_peak_frac\":%.3f,%s}\n",
+           cfg_path, be->name, B, T, threads ? (int)threads : 0, nl_config_param_count(&cfg),
            (double)(B * T) / fwd_s, fwd_flops / fwd_s / 1e9, fwd_s * 1e3, (double)ndec / dec_s,
-           peak, fwd_flops / fwd_s / 1e9 / peak, (double)(B * T) / train_s,
-           3 * fwd_flops / train_s / 1e9, 3 * fwd_flops / train_s / 1e9 / peak);
+           peak, fwd_flops / fwd_s / 1e9 / peak, train_json);
     rc = 0;
 out:
     free(times);

@@ -100,19 +100,21 @@ int nl_cmd_forward(int argc, char **argv)
                        {"tokens", 1, "input: safetensors with 'tokens' I32/I64 [B, T]", NULL},
                        {"out", 1, "output: 'logits' F32 [B, T, vocab] and 'aux_loss' F32 []", NULL},
                        {"threads", 1, "worker threads (default: all cores)", NULL},
+                       NL_CLI_DEVICE_FLAG,
+                       NL_CLI_TF32_FLAG,
                        {0}};
     const char *usage = "neuroctl forward --model MODEL --tokens IN.safetensors --out "
-                        "OUT.safetensors [--threads N]";
-    int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL), threads = 0;
+                        "OUT.safetensors [--threads N] [--device D] [--tf32]";
+    int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL), threads = 0, tf32 = 0;
     if (rc)
         return rc == 1 ? 0 : rc;
     const char *model = nl_args_get(flags, "model"), *in = nl_args_get(flags, "tokens"),
-               *out = nl_args_get(flags, "out");
+               *out = nl_args_get(flags, "out"), *device = NULL;
     if (!model || !in || !out) {
         nl_args_help(stderr, usage, flags);
         return 2;
     }
-    if ((rc = threads_flag(flags, &threads)))
+    if ((rc = threads_flag(flags, &threads)) || (rc = nl_cli_device_flags(flags, &device, &tf32)))
         return rc;
     nl_error err = {0};
     nl_backend *be = NULL;
@@ -124,7 +126,7 @@ int nl_cmd_forward(int argc, char **argv)
     int B = 0, T = 0;
     rc = 1;
     if (nl_cli_read_ids_file(in, "tokens", &tokens, &B, &T, &err) != NL_OK ||
-        nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = threads}, &err) != NL_OK ||
+        nl_cli_backend_new(&be, device, threads, tf32, 0, &err) != NL_OK ||
         nl_checkpoint_load(&m, be, model, 0, -1, 1, 1, NULL, &err) != NL_OK ||
         nl_runstate_new(&rs, m, B * T, &err) != NL_OK)
         goto out;
@@ -141,6 +143,8 @@ int nl_cmd_forward(int argc, char **argv)
         goto out;
     }
     be->download(be, logits, nl_runstate_output(rs, NULL), n * sizeof(float));
+    if (nl_cli_device_check(be, &err) != NL_OK)
+        goto out;
     int64_t shape[3] = {B, T, m->cfg.vocab_size};
     if (!(w = nl_st_writer_new())) {
         nl_error_set(&err, NL_ERR_NOMEM, "out of memory");

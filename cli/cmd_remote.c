@@ -26,6 +26,9 @@ int nl_cmd_remote_forward(int argc, char **argv)
                        {0}};
     const char *usage = "neuroctl forward --coordinator EP --key K --coordinator-key P --tokens "
                         "IN.safetensors --out OUT.safetensors";
+    for (int i = 1; i < argc; i++)
+        if (nl_remote_refuse_node_flag(argv[i]))
+            return 2;
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -153,6 +156,9 @@ int nl_cmd_remote_generate(int argc, char **argv)
                        {0}};
     const char *usage = "neuroctl generate --coordinator EP --key K --coordinator-key P "
                         "(--prompt-tokens 1,2,3 | --prompt TEXT) [--max-new N] ...";
+    for (int i = 1; i < argc; i++)
+        if (nl_remote_refuse_node_flag(argv[i]))
+            return 2;
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -326,7 +332,7 @@ int nl_cmd_status(int argc, char **argv)
                json_integer_value(json_object_get(cfg, "ffn_dim")),
                json_integer_value(json_object_get(cfg, "num_experts")),
                json_integer_value(json_object_get(cfg, "vocab_size")));
-    printf("%-4s %-8s %-7s %9s %9s %-9s %8s %10s %9s\n", "node", "state", "device", "memory",
+    printf("%-4s %-8s %-10s %9s %9s %-9s %8s %10s %9s\n", "node", "state", "device", "memory",
            "planned", "layers", "GFLOP/s", "stage ms", "heartbeat");
     size_t i;
     json_t *n;
@@ -346,7 +352,7 @@ int nl_cmd_status(int argc, char **argv)
         if (json_object_get(n, "predicted_s"))
             snprintf(pred, sizeof pred, "%.2f",
                      json_real_value(json_object_get(n, "predicted_s")) * 1e3);
-        printf("%-4lld %-8s %-7s %8.0fM %9s %-9s %8.1f %10s %8.1fs\n",
+        printf("%-4lld %-8s %-10s %8.0fM %9s %-9s %8.1f %10s %8.1fs\n",
                json_integer_value(json_object_get(n, "id")),
                json_string_value(json_object_get(n, "state")),
                json_string_value(json_object_get(n, "device")),

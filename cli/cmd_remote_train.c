@@ -39,7 +39,8 @@ typedef struct rtrain_opts {
 
 /* ---------------------------------------------------------------- flags */
 
-/* --model and --threads belong to local training; say why they are refused. */
+/* --model, --threads and --device belong to local training; say why they
+ * are refused. */
 static int refuse_local_flags(int argc, char **argv, const nl_flag *flags)
 {
     for (int i = 1; i < argc; i++) {
@@ -48,10 +49,8 @@ static int refuse_local_flags(int argc, char **argv, const nl_flag *flags)
                             "with --model)\n");
             return 2;
         }
-        if (strcmp(argv[i], "--threads") == 0) {
-            fprintf(stderr, "--threads: each node has its own --threads\n");
+        if (nl_remote_refuse_node_flag(argv[i]))
             return 2;
-        }
         for (const nl_flag *fl = flags; fl->name; fl++)
             if (strncmp(argv[i], "--", 2) == 0 && strcmp(argv[i] + 2, fl->name) == 0 &&
                 fl->takes_value)

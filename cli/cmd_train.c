@@ -27,21 +27,24 @@ int nl_cmd_grad(int argc, char **argv)
         {"batch", 1, "input: 'tokens' and 'targets', I32/I64 [B, T]", NULL},
         {"out", 1, "output: every weight's gradient, and loss, ce_loss, aux_loss", NULL},
         {"threads", 1, "worker threads (default: all cores)", NULL},
+        NL_CLI_DEVICE_FLAG,
         {0}};
     const char *usage =
         "neuroctl grad --model MODEL --batch IN.safetensors --out GRADS.safetensors "
-        "[--threads N]";
+        "[--threads N] [--device D]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
     const char *model = nl_args_get(flags, "model"), *in = nl_args_get(flags, "batch"),
-               *out = nl_args_get(flags, "out");
+               *out = nl_args_get(flags, "out"), *device = NULL;
     long long threads = 0;
+    int tf32 = 0;
     if (!model || !in || !out) {
         nl_args_help(stderr, usage, flags);
         return 2;
     }
-    if ((rc = nl_args_int(flags, "threads", 0, 1024, &threads)))
+    if ((rc = nl_args_int(flags, "threads", 0, 1024, &threads)) ||
+        (rc = nl_cli_device_flags(flags, &device, &tf32)))
         return rc;
     nl_error err = {0};
     nl_st_file *f = NULL;
@@ -53,7 +56,8 @@ int nl_cmd_grad(int argc, char **argv)
     float *grads = NULL;
     int B = 0, T = 0, B2 = 0, T2 = 0;
     rc = 1;
-    if (nl_st_open(&f, in, &err) != NL_OK ||
+    if (nl_cli_backend_new(&be, device, (int)threads, 0, 1, &err) != NL_OK ||
+        nl_st_open(&f, in, &err) != NL_OK ||
         nl_cli_read_ids(f, in, "tokens", &tokens, &B, &T, &err) != NL_OK ||
         nl_cli_read_ids(f, in, "targets", &targets, &B2, &T2, &err) != NL_OK)
         goto out;
@@ -62,8 +66,7 @@ int nl_cmd_grad(int argc, char **argv)
                      T, B2, T2);
         goto out;
     }
-    if (nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = (int)threads}, &err) != NL_OK ||
-        nl_checkpoint_load(&m, be, model, 0, -1, 1, 1, NULL, &err) != NL_OK ||
+    if (nl_checkpoint_load(&m, be, model, 0, -1, 1, 1, NULL, &err) != NL_OK ||
         nl_trainer_new(&tr, m, B * T, 1, 0, &err) != NL_OK)
         goto out;
     double ce = 0.0, aux = 0.0;
@@ -79,6 +82,8 @@ int nl_cmd_grad(int argc, char **argv)
         goto out;
     }
     be->download(be, grads, nl_trainer_grads(tr), m->n_params * sizeof(float));
+    if (nl_cli_device_check(be, &err) != NL_OK)
+        goto out;
     float ce_loss = (float)(ce / ((double)B * T)), aux_loss = (float)aux;
     float loss = (float)(ce / ((double)B * T) + m->cfg.aux_loss_coef * aux);
     int64_t scalar[1] = {0};
@@ -118,6 +123,7 @@ typedef struct train_opts {
     const char *model, *data, *log, *out, *resume, *ckpt_dir;
     nl_train_run r; /* the flags local and cluster training share */
     long long threads;
+    const char *device;
 } train_opts;
 
 /* Mean cross-entropy over eval_batches held-out batches. */
@@ -199,12 +205,13 @@ static int run_train(const train_opts *o)
     const char *src = o->resume ? o->resume : o->model;
     nl_config cfg;
     carried_meta cm = {0};
-    /* the data first: its load-time peak does not stack on the model's */
-    if (nl_checkpoint_read_config(src, &cfg, NULL, &err) != NL_OK ||
+    /* the device first (one that cannot train is refused before any work),
+     * then the data: its load-time peak does not stack on the model's */
+    if (nl_cli_backend_new(&be, o->device, (int)o->threads, 0, 1, &err) != NL_OK ||
+        nl_checkpoint_read_config(src, &cfg, NULL, &err) != NL_OK ||
         nl_checkpoint_meta(src, "tokenizer", &cm.tokenizer, &err) != NL_OK ||
         nl_checkpoint_meta(src, "init_seed", &cm.init_seed, &err) != NL_OK ||
         load_data(&ds, o, src, cm.tokenizer, cfg.vocab_size, &err) != NL_OK ||
-        nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = (int)o->threads}, &err) != NL_OK ||
         nl_checkpoint_load(&m, be, src, 0, -1, 1, 1, &start, &err) != NL_OK ||
         nl_trainer_new(&tr, m, mb * T, 1, (int)o->r.recompute, &err) != NL_OK)
         goto out;
@@ -257,7 +264,8 @@ static int run_train(const train_opts *o)
         if (inject && atoll(inject) == step)
             nl_trainer_inject_nan(tr);
         if (nl_trainer_step_local(tr, tokens, targets, B, T, M, (float)lr, 1.0f, adam, &r, &err) !=
-            NL_OK)
+                NL_OK ||
+            nl_cli_device_check(be, &err) != NL_OK)
             goto out;
         skipped += r.skipped != 0;
         nl_train_step rep = {.step = step + 1,
@@ -319,11 +327,15 @@ int nl_cmd_train(int argc, char **argv)
         {"out", 1, "final checkpoint (weights and optimizer state)", NULL},
         {"resume", 1, "continue from this checkpoint (weights, moments, step)", NULL},
         {"threads", 1, "worker threads (default: all cores)", NULL},
+        {"device", 1,
+         "D: where to train: cpu (default) or cpu-devsim (a device that cannot train yet, such "
+         "as cuda:N, is refused)",
+         NULL},
         {0}};
     const char *usage = "neuroctl train --model MODEL --data DATA --steps N --batch B --seq T "
                         "[--microbatches M] [--lr X] [--warmup W] [--seed S] [--eval-every K] "
                         "[--checkpoint-every K] [--log LOG.jsonl] [--out FINAL.safetensors] "
-                        "[--resume CKPT] [--threads N]";
+                        "[--resume CKPT] [--threads N] [--device D]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -338,8 +350,10 @@ int nl_cmd_train(int argc, char **argv)
         nl_args_help(stderr, usage, flags);
         return 2;
     }
+    int tf32 = 0;
     if ((rc = nl_train_run_read(flags, &o.r)) ||
-        (rc = nl_args_int(flags, "threads", 0, 1024, &o.threads)))
+        (rc = nl_args_int(flags, "threads", 0, 1024, &o.threads)) ||
+        (rc = nl_cli_device_flags(flags, &o.device, &tf32)))
         return rc;
     if (!o.ckpt_dir)
         o.ckpt_dir = "checkpoints";

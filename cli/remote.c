@@ -175,3 +175,16 @@ int nl_remote_job_failed(const nl_rx *rx, nl_error *err)
                  s->state == NL_JOB_FAILED ? "failed" : "was cancelled", s->message);
     return 1;
 }
+
+int nl_remote_refuse_node_flag(const char *arg)
+{
+    static const char *const node_flags[] = {"--device", "--tf32", "--threads"};
+    for (size_t k = 0; k < sizeof node_flags / sizeof node_flags[0]; k++)
+        if (strcmp(arg, node_flags[k]) == 0) {
+            fprintf(stderr,
+                    "%s: each node has its own %s (neuronode join %s, neuroctl cluster up %s)\n",
+                    arg, arg, arg, arg);
+            return 2;
+        }
+    return 0;
+}

@@ -26,6 +26,11 @@
 /* clang-format on */
 #define NL_REMOTE_FLAGS NL_REMOTE_FLAGS_TIMEOUT("seconds to wait for an answer (default 60)")
 
+/* A command sent to a cluster computes on the nodes: --device, --tf32 and
+ * --threads are each node's (neuronode join, neuroctl cluster up). Returns
+ * 2 after saying so on stderr when arg is one of them, else 0. */
+int nl_remote_refuse_node_flag(const char *arg);
+
 /* An open connection. Owns its context, socket and key pair. */
 typedef struct nl_remote {
     nl_net *net;

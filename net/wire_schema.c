@@ -395,13 +395,14 @@ static nl_status check_join(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_er
 {
     const nl_msg_join *j = &m->u.join;
     const char *d = j->device;
-    bool ok = strcmp(d, "cpu") == 0;
+    bool ok = strcmp(d, "cpu") == 0 || strcmp(d, "cpu-devsim") == 0;
     if (!ok && strncmp(d, "cuda:", 5) == 0) {
         size_t n = strlen(d + 5);
         ok = n >= 1 && n <= 4 && strspn(d + 5, "0123456789") == n;
     }
     if (!ok)
-        return nl_error_set(err, NL_ERR_RANGE, "%s.device: '%s' is not cpu or cuda:N", td->name, d);
+        return nl_error_set(err, NL_ERR_RANGE, "%s.device: '%s' is not cpu, cpu-devsim or cuda:N",
+                            td->name, d);
     if (strncmp(j->data_endpoint, "tcp://", 6) != 0 && strncmp(j->data_endpoint, "ipc://", 6) != 0)
         return nl_error_set(err, NL_ERR_RANGE, "%s.data_endpoint: '%s' is not tcp:// or ipc://",
                             td->name, j->data_endpoint);

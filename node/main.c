@@ -10,11 +10,13 @@
 
 #include "../base/args.h"
 #include "../base/log.h"
+#include "../kernels/backend.h"
 #include "../net/keys.h"
 #include "node.h"
 
 #define USAGE                                                                                      \
-    "neuronode join ENDPOINT --key NODE.key --coordinator-key COORD.pub --memory SIZE [flags]"
+    "neuronode join ENDPOINT --key NODE.key --coordinator-key COORD.pub [--device D] "             \
+    "[--memory SIZE] [flags]"
 
 static volatile sig_atomic_t stop_flag;
 
@@ -43,7 +45,13 @@ static void help(FILE *f, const nl_flag *flags)
             "\nJoins the coordinator at ENDPOINT (e.g. tcp://host:7000) and serves the layers it\n"
             "assigns until SIGINT or SIGTERM, then sends LEAVE and exits 0. Sizes take K, M,\n"
             "G or T suffixes (powers of 1024). Without --key, --state-dir/node.key is used\n"
-            "(created on first start). Exit status: 0 stopped, 1 failed, 2 usage error.\n");
+            "(created on first start). On the CPU (cpu, cpu-devsim) --memory is required; a\n"
+            "GPU (cuda:N) offers its free memory once the backend is up, less --reserve, and\n"
+            "--memory, when given, caps that. A device that cannot be opened (no CUDA driver\n"
+            "or device, no CUDA backend in this build) or that fails while serving ends the\n"
+            "node with status 1 and the device's error. A device that cannot train yet\n"
+            "(cuda:N) refuses training jobs; each fails with that reason.\n"
+            "Exit status: 0 stopped, 1 failed, 2 usage error.\n");
 }
 
 /* The node's identity: --key FILE, or <state-dir>/node.key (created when
@@ -104,20 +112,42 @@ static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypa
                *nan_stage = getenv("NL_TEST_INJECT_NAN_STAGE");
     o->inject_nan_step = nan_step ? atoll(nan_step) + 1 : 0;
     o->inject_nan_stage = nan_stage ? atoi(nan_stage) : -1;
+    /* test hook: NL_TEST_DEVICE_FAIL=K makes the device's K-th check fail
+     * (the first is after the throughput probe, the second after LOAD_DONE) */
+    const char *dev_fail = getenv("NL_TEST_DEVICE_FAIL");
+    o->inject_device_fail = dev_fail ? atoi(dev_fail) : 0;
+    /* test hook: NL_TEST_DEVICE_NO_TRAIN=1 makes the device one that cannot train */
+    o->inject_no_train = getenv("NL_TEST_DEVICE_NO_TRAIN") != NULL;
+    /* test hook: NL_TEST_DEVICE_MEM=FREE,TOTAL (MiB) gives the device a GPU's
+     * memory report, so the offer's arithmetic runs without a GPU */
+    const char *mem = getenv("NL_TEST_DEVICE_MEM");
+    unsigned long long mfree = 0, mtotal = 0;
+    if (mem && sscanf(mem, "%llu,%llu", &mfree, &mtotal) == 2) {
+        o->inject_mem_free = mfree << 20;
+        o->inject_mem_total = mtotal << 20;
+    }
+    o->tf32 = nl_args_get(flags, "tf32") != NULL;
+    o->has_reserve = nl_args_get(flags, "reserve") != NULL;
     if (nl_args_size(flags, "memory", &o->memory_bytes) ||
         nl_args_size(flags, "kv-budget", &o->kv_budget) ||
+        nl_args_size(flags, "reserve", &o->reserve_bytes) ||
         nl_args_int(flags, "threads", 0, 4096, &threads) ||
         nl_args_double(flags, "connect-timeout", 0.001, 86400, &connect_s))
         return 2;
-    if (!nl_args_get(flags, "memory")) {
-        fprintf(stderr, "neuronode: --memory SIZE is required (e.g. --memory 8G)\n");
+    nl_error derr;
+    if (nl_backend_parse_device(o->device, &derr) != NL_OK) {
+        fprintf(stderr, "neuronode: --%s\n", derr.msg);
         return 2;
     }
-    if (strcmp(o->device, "cpu") != 0) {
-        fprintf(stderr,
-                "neuronode: --device %s: this build serves on the CPU only "
-                "(--device cpu)\n",
+    /* a GPU measures what it offers; the CPU offers what it is told */
+    const bool own_memory = strncmp(o->device, "cuda:", 5) == 0 || o->inject_mem_total;
+    if (!own_memory && !nl_args_get(flags, "memory")) {
+        fprintf(stderr, "neuronode: --memory SIZE is required on --device %s (e.g. --memory 8G)\n",
                 o->device);
+        return 2;
+    }
+    if (nl_args_get(flags, "memory") && o->memory_bytes == 0) {
+        fprintf(stderr, "neuronode: --memory 0: nothing to offer\n");
         return 2;
     }
     if (level && nl_log_parse_level(level) < 0) {
@@ -126,9 +156,6 @@ static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypa
     }
     if (level)
         nl_log_set_level((nl_log_level)nl_log_parse_level(level));
-    if (o->kv_budget >= o->memory_bytes)
-        NL_WARN("--kv-budget %llu leaves nothing of --memory %llu for weights and activations",
-                (unsigned long long)o->kv_budget, (unsigned long long)o->memory_bytes);
     o->threads = (int)threads;
     o->connect_timeout_ms = (int)(connect_s * 1000);
     if (o->plaintext) {
@@ -158,10 +185,18 @@ int main(int argc, char **argv)
     nl_flag flags[] = {
         {"key", 1, "FILE: this node's secret key (neuroctl keygen)", NULL},
         {"coordinator-key", 1, "FILE: the coordinator's public key (coordinator.pub)", NULL},
-        {"memory", 1, "SIZE: memory offered for weights, activations and caches (e.g. 8G)", NULL},
+        {"memory", 1,
+         "SIZE: memory offered for weights, activations and caches (e.g. 8G); required on the "
+         "CPU; on a GPU it caps the device's free memory offered",
+         NULL},
         {"state-dir", 1, "DIR: holds node.key when --key is not given", NULL},
         {"threads", 1, "N: compute threads (default: all cores)", NULL},
-        {"device", 1, "cpu (the only device of this build)", NULL},
+        {"device", 1, "D: where the stage computes: cpu (default), cpu-devsim or cuda:N", NULL},
+        {"tf32", 0, "GPU GEMMs may use TF32 tensor-core math (default: FP32)", NULL},
+        {"reserve", 1,
+         "SIZE: a GPU's memory kept free, not offered (default: 256M or 5% of the device, "
+         "whichever is larger)",
+         NULL},
         {"listen", 1, "ENDPOINT: data socket (default tcp://127.0.0.1:*)", NULL},
         {"kv-budget", 1, "SIZE: KV caches of generation sessions (default 256M)", NULL},
         {"name", 1, "NAME: shown in log lines (default node-<id>)", NULL},

@@ -32,6 +32,8 @@ typedef struct node {
     char prev_ep[257]; /* from ASSIGN, for messages */
     double gflops;
     int threads;
+    uint64_t memory;          /* offered: --memory, or a GPU's free memory less the reserve */
+    uint64_t last_failed_job; /* the last job fail_job reported */
     uint32_t node_id;
     uint32_t heartbeat_ms, timeout_ms;
     uint64_t hb_seq;
@@ -67,6 +69,12 @@ static int64_t mono_ms(void)
 static bool stopping(const node *n)
 {
     return n->o->stop && *n->o->stop;
+}
+
+/* Stop serving: a signal, or the device failed (the stage refuses all work). */
+static bool halted(const node *n)
+{
+    return stopping(n) || (n->stage && nl_stage_device_status(n->stage, NULL) != NL_OK);
 }
 
 /* ===================== sending ===================== */
@@ -118,6 +126,7 @@ static void fail_job(node *n, uint64_t job, nl_status code, nl_msg_type req_type
         return;
     }
     const char *why = nl_status_str(code);
+    n->last_failed_job = job;
     NL_WARN("%s of job %llu refused (%s): %s", nl_wire_type_name(req_type), (unsigned long long)job,
             why, text);
     /* the field holds 1024 bytes: cut the text, on a UTF-8 boundary, to fit the status */
@@ -221,7 +230,7 @@ static nl_status join(node *n, nl_error *err)
     nl_wire_msg_reset(&n->tx, NL_MSG_JOIN);
     n->tx.u.join.pubkey = n->o->keys->public_z85;
     n->tx.u.join.device = n->o->device;
-    n->tx.u.join.memory_bytes = n->o->memory_bytes;
+    n->tx.u.join.memory_bytes = n->memory;
     n->tx.u.join.gemm_gflops = n->gflops;
     n->tx.u.join.threads = (uint32_t)n->threads;
     n->tx.u.join.data_endpoint = nl_sock_endpoint(n->data);
@@ -256,25 +265,138 @@ static nl_status join(node *n, nl_error *err)
                         ACCEPT_WAIT_MS);
 }
 
+/* ===================== the device ===================== */
+
+/* Test hook (NL_TEST_DEVICE_FAIL=K): the backend's check slot fails from
+ * its K-th call on, as a device's sticky asynchronous error would. One
+ * node per process, so the state is the process's. */
+static nl_status (*real_check)(nl_backend *be, nl_error *err);
+static int checks_left;
+
+static nl_status failing_check(nl_backend *be, nl_error *err)
+{
+    if (checks_left > 0 && --checks_left > 0)
+        return real_check ? real_check(be, err) : NL_OK;
+    checks_left = 0;
+    return nl_error_set(err, NL_ERR_INTERNAL, "injected device error (NL_TEST_DEVICE_FAIL)");
+}
+
+/* Test hook (NL_TEST_DEVICE_MEM): a GPU's memory report. */
+static size_t fake_free, fake_total;
+
+static nl_status fake_mem_info(nl_backend *be, size_t *free_bytes, size_t *total_bytes,
+                               nl_error *err)
+{
+    (void)be;
+    (void)err;
+    *free_bytes = fake_free;
+    *total_bytes = fake_total;
+    return NL_OK;
+}
+
+/* What the node offers: --memory on host memory; on a device with its own
+ * memory, what is free now (the backend's runtime already taken) less the
+ * reserve, capped by --memory. */
+static nl_status offer_memory(node *n, nl_error *err)
+{
+    const nl_node_opts *o = n->o;
+    const double MiB = 1 << 20;
+    if (!n->be->mem_info) {
+        if (!o->memory_bytes)
+            return nl_error_set(err, NL_ERR_INVALID, "--memory SIZE is required on device %s",
+                                o->device);
+        if (o->has_reserve)
+            NL_WARN("--reserve: device %s has no memory of its own; it offers --memory", o->device);
+        n->memory = o->memory_bytes;
+        return NL_OK;
+    }
+    size_t free_b = 0, total_b = 0;
+    nl_status st = n->be->mem_info(n->be, &free_b, &total_b, err);
+    if (st != NL_OK)
+        return nl_error_prefix(err, "device %s: its free memory", o->device);
+    uint64_t reserve = o->has_reserve ? o->reserve_bytes : (uint64_t)total_b / 20;
+    if (!o->has_reserve && reserve < (256ULL << 20))
+        reserve = 256ULL << 20;
+    const uint64_t avail = free_b > reserve ? free_b - reserve : 0;
+    NL_INFO("device %s: %.1f MiB free of %.1f MiB (its runtime holds %.1f MiB); reserve %.1f MiB",
+            o->device, (double)free_b / MiB, (double)total_b / MiB,
+            (double)n->be->runtime_bytes / MiB, (double)reserve / MiB);
+    if (o->memory_bytes > avail)
+        return nl_error_set(err, NL_ERR_CAPACITY,
+                            "--memory %.1f MiB: device %s has %.1f MiB free of %.1f MiB, %.1f MiB "
+                            "after the reserve of %.1f MiB (--reserve)",
+                            (double)o->memory_bytes / MiB, o->device, (double)free_b / MiB,
+                            (double)total_b / MiB, (double)avail / MiB, (double)reserve / MiB);
+    if (avail == 0)
+        return nl_error_set(err, NL_ERR_CAPACITY,
+                            "device %s: %.1f MiB free, no more than the reserve of %.1f MiB: "
+                            "nothing to offer (--reserve)",
+                            o->device, (double)free_b / MiB, (double)reserve / MiB);
+    n->memory = o->memory_bytes ? o->memory_bytes : avail;
+    return NL_OK;
+}
+
+/* The backend on --device, its throughput probe and the memory offer. */
+static nl_status open_device(node *n, nl_error *err)
+{
+    const nl_node_opts *o = n->o;
+    nl_status st = nl_backend_new(&n->be, o->device,
+                                  &(nl_backend_opts){.threads = o->threads, .tf32 = o->tf32}, err);
+    if (st != NL_OK)
+        return st;
+    if (o->inject_device_fail > 0) {
+        real_check = n->be->check;
+        checks_left = o->inject_device_fail;
+        n->be->check = failing_check;
+    }
+    if (o->inject_no_train)
+        n->be->can_train = 0;
+    if (o->inject_mem_total) {
+        fake_free = (size_t)o->inject_mem_free;
+        fake_total = (size_t)o->inject_mem_total;
+        n->be->mem_info = fake_mem_info;
+    }
+    n->threads = o->threads > 0 ? o->threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
+    if (n->threads < 1)
+        n->threads = 1;
+    const int probe = n->be->gemm_probe > 0 ? n->be->gemm_probe : 512;
+    n->gflops = nl_backend_gemm_gflops(n->be, probe, probe, probe, 0.3);
+    nl_error e = {0};
+    if (n->be->check && (st = n->be->check(n->be, &e)) != NL_OK)
+        return nl_error_set(err, st, "device %s: the throughput probe failed: %s", o->device,
+                            e.msg);
+    if (!(n->gflops > 0))
+        return nl_error_set(err, NL_ERR_CAPACITY,
+                            "device %s: the throughput probe (%d^3) could not run (out of device "
+                            "memory?)",
+                            o->device, probe);
+    if ((st = offer_memory(n, err)) != NL_OK)
+        return st;
+    if (o->kv_budget >= n->memory)
+        NL_WARN("--kv-budget %llu leaves nothing of the %llu bytes offered for weights and "
+                "activations",
+                (unsigned long long)o->kv_budget, (unsigned long long)n->memory);
+    NL_INFO("device %s%s, %d threads: gemm %d^3 %.1f GFLOP/s; offering %.1f MiB (KV budget "
+            "%.1f MiB)",
+            o->device, o->tf32 ? " (TF32 allowed)" : "", n->threads, probe, n->gflops,
+            (double)n->memory / (1 << 20), (double)o->kv_budget / (1 << 20));
+    return NL_OK;
+}
+
+/* ===================== starting ===================== */
+
 static nl_status start(node *n, nl_error *err)
 {
     const nl_node_opts *o = n->o;
-    nl_stage_opts so = {.memory_bytes = o->memory_bytes,
+    nl_status st = open_device(n, err);
+    if (st != NL_OK)
+        return st;
+    nl_stage_opts so = {.memory_bytes = n->memory,
                         .kv_budget = o->kv_budget,
                         .send_wait_ms = 1, /* wait_sent waited already */
                         .ckpt_root = o->ckpt_root,
                         .inject_nan_step = o->inject_nan_step,
                         .inject_nan_stage = o->inject_nan_stage};
-    nl_status st = nl_backend_new(&n->be, "cpu", &(nl_backend_opts){.threads = o->threads}, err);
-    if (st != NL_OK)
-        return st;
-    n->threads = o->threads > 0 ? o->threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
-    if (n->threads < 1)
-        n->threads = 1;
-    n->gflops = nl_backend_gemm_gflops(n->be, 512, 512, 512, 0.3);
-    NL_INFO("device %s, %d threads: gemm %.1f GFLOP/s; offering %.1f MiB (KV budget %.1f MiB)",
-            o->device, n->threads, n->gflops, (double)o->memory_bytes / (1 << 20),
-            (double)o->kv_budget / (1 << 20));
     if ((st = nl_stage_new(&n->stage, n->be, &so, err)) != NL_OK ||
         (st = nl_net_new(&n->net, NULL, err)) != NL_OK ||
         (st = make_socket(n, &n->data, ZMQ_ROUTER, true, NULL, "data", 0, 0, err)) != NL_OK ||
@@ -779,7 +901,7 @@ static void on_next(node *n)
 static void drain(node *n, nl_sock *s, void (*handle)(node *))
 {
     nl_error e;
-    for (int i = 0; i < MAX_DRAIN && !stopping(n); i++) {
+    for (int i = 0; i < MAX_DRAIN && !halted(n); i++) {
         nl_status st = nl_sock_recv(s, &n->rx, 0, &e);
         if (st == NL_ERR_TIMEOUT)
             return;
@@ -812,7 +934,7 @@ static void run_feed(node *n)
 
 static void serve(node *n)
 {
-    while (!stopping(n)) {
+    while (!halted(n)) {
         if (n->n_feeds)
             run_feed(n);
         int64_t now = mono_ms();
@@ -865,7 +987,16 @@ nl_status nl_node_run(const nl_node_opts *o, nl_error *err)
     nl_status st = start(&n, err);
     if (st == NL_OK) {
         serve(&n);
-        leave(&n, "stopped by a signal");
+        st = nl_stage_device_status(n.stage, err);
+        if (st == NL_OK) {
+            leave(&n, "stopped by a signal");
+        } else { /* the job that met the error has failed with it; a training job dies too */
+            uint64_t job = 0;
+            if (nl_stage_train_running(n.stage, &job) && job != n.last_failed_job)
+                fail_job(&n, job, st, NL_MSG_STEP, "%s", err->msg);
+            NL_ERROR("%s: leaving the cluster", err->msg);
+            leave(&n, err->msg);
+        }
     }
     /* sockets first (their queued frames reference the stage's buffers),
      * then the context, which waits for the LEAVE to go out */

@@ -8,7 +8,16 @@
  * heartbeat period, sends HEARTBEAT on time, and dispatches every message
  * to the stage (node/stage.h). A bad message is answered with an ERROR and
  * never ends the loop; only the stop flag (SIGINT/SIGTERM) does, with a
- * LEAVE to the coordinator. */
+ * LEAVE to the coordinator, or a failure of the device (an asynchronous
+ * error the backend reports after a forward or a training step): the node
+ * fails the job that met it, leaves, and nl_node_run returns the error.
+ *
+ * The device: --device names the backend (nl_backend_new). Its GEMM
+ * throughput is probed at be->gemm_probe and sent with JOIN. A device with
+ * its own memory (be->mem_info, a GPU) offers its free memory, measured
+ * once the backend is up (so its runtime_bytes are already taken), less a
+ * reserve, capped by --memory when given; a node on host memory offers
+ * --memory. */
 #ifndef NL_NODE_NODE_H
 #define NL_NODE_NODE_H
 
@@ -24,16 +33,24 @@ typedef struct nl_node_opts {
     const char *coordinator_key; /* the coordinator's Z85 public key (unused with plaintext) */
     const nl_keypair *keys;      /* this node's identity */
     bool plaintext;              /* INSECURE: no CURVE on any socket */
-    const char *device;          /* "cpu" */
+    const char *device;          /* "cpu", "cpu-devsim" or "cuda:N" */
+    int tf32;                    /* GPU GEMMs may use TF32 */
     const char *listen;          /* data endpoint to bind; NULL = tcp://127.0.0.1:* */
     const char *name;            /* log name; NULL = "node-<id>" once accepted */
-    uint64_t memory_bytes;       /* offered to the coordinator */
+    uint64_t memory_bytes;       /* offered to the coordinator; 0 on a GPU: its free memory */
+    uint64_t reserve_bytes;      /* a GPU's memory kept free ... */
+    bool has_reserve;            /* ... when set; else max(256 MiB, 5% of the device) */
     uint64_t kv_budget;          /* KV caches of all sessions */
     int threads;                 /* backend threads; 0 = all cores */
     int connect_timeout_ms;      /* keep trying the coordinator this long */
     const char *ckpt_root;       /* checkpoint shards only under this directory; NULL: anywhere */
     int64_t inject_nan_step;     /* test hook (NL_TEST_INJECT_NAN_STEP): 1-based step, 0 never */
     int inject_nan_stage;        /* ... on this stage only (-1 any) */
+    int inject_device_fail;      /* test hook (NL_TEST_DEVICE_FAIL): the device's K-th check
+                                  * after the start fails, and every later one (0 never) */
+    bool inject_no_train;        /* test hook (NL_TEST_DEVICE_NO_TRAIN): the device cannot train */
+    uint64_t inject_mem_free;    /* test hook (NL_TEST_DEVICE_MEM=FREE,TOTAL in MiB): the device */
+    uint64_t inject_mem_total;   /* reports this memory, as a GPU would (0: no such hook) */
     volatile sig_atomic_t *stop; /* set by the signal handler: LEAVE and return */
 } nl_node_opts;
 

@@ -90,6 +90,25 @@ void nl_stage_destroy(nl_stage **sp)
     *sp = NULL;
 }
 
+nl_status nl_stage_check_device(nl_stage *s, nl_error *err)
+{
+    if (s->device_st == NL_OK) {
+        nl_error e = {0};
+        nl_status st = nl_backend_check(s->be, &e);
+        if (st == NL_OK)
+            return NL_OK;
+        s->device_st = st;
+        snprintf(s->device_err, sizeof s->device_err, "device %.24s: %.460s", s->be->name, e.msg);
+        NL_ERROR("%s (%s)", s->device_err, nl_status_str(st));
+    }
+    return nl_error_set(err, s->device_st, "%s", s->device_err);
+}
+
+nl_status nl_stage_device_status(const nl_stage *s, nl_error *err)
+{
+    return s->device_st == NL_OK ? NL_OK : nl_error_set(err, s->device_st, "%s", s->device_err);
+}
+
 nl_txref *nl_stage_txref(nl_stage *s)
 {
     return &s->tx;
@@ -352,6 +371,8 @@ nl_status nl_stage_load_done(nl_stage *s, uint64_t epoch, uint32_t tensors, nl_s
                                 want);
         s->have_moments = moments > 0;
     }
+    if ((st = nl_stage_check_device(s, err)) != NL_OK)
+        return nl_error_prefix(err, "LOAD_DONE");
     s->ready = true;
     info->tensors = (uint32_t)m->n_table * (s->have_moments ? 3u : 1u);
     info->bytes = (uint64_t)m->n_params * sizeof(float);
@@ -745,7 +766,15 @@ nl_status nl_stage_forward(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_w
     session *se = NULL;
     memset(out, 0, sizeof *out);
     const double t0 = now_s();
-    nl_status st = run_hop(s, hop, in, out, &se, err);
+    nl_status st = nl_stage_device_status(s, err);
+    if (st == NL_OK)
+        st = run_hop(s, hop, in, out, &se, err);
+    /* the device's error comes first: it also explains a failed forward */
+    nl_status dst = nl_stage_check_device(s, err);
+    if (dst != NL_OK) {
+        memset(out, 0, sizeof *out);
+        return dst;
+    }
     if (st == NL_OK && se) { /* the session's account of its compute */
         const double dt = now_s() - t0;
         if (out->T == 1) {

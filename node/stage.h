@@ -194,6 +194,13 @@ bool nl_stage_train_running(const nl_stage *s, uint64_t *job_id);
 
 /* ---- state ---- */
 
+/* The device's asynchronous error, once the stage has seen one after a
+ * forward, a training message or a load: its status, and in err "device
+ * cuda:0: ..."; NL_OK (err untouched) while the device is healthy. A
+ * stage whose device failed refuses all further work with that error:
+ * the daemon fails the job and leaves. */
+nl_status nl_stage_device_status(const nl_stage *s, nl_error *err);
+
 nl_node_state nl_stage_state(const nl_stage *s); /* IDLE, LOADING or READY */
 uint64_t nl_stage_epoch(const nl_stage *s);
 const nl_model *nl_stage_model(const nl_stage *s); /* NULL before an ASSIGN */

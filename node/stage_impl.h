@@ -34,6 +34,10 @@ typedef struct ended_ids {
 struct nl_stage {
     nl_backend *be; /* borrowed */
     nl_stage_opts o;
+    /* the device's asynchronous error, once seen: every later piece of
+     * work is refused with it */
+    nl_status device_st; /* NL_OK while healthy */
+    char device_err[NL_ERROR_MSG_MAX];
 
     /* the assignment */
     uint64_t epoch;
@@ -78,5 +82,11 @@ struct nl_stage {
 
 /* Free the training job's state (stage_train.c); safe without one. */
 void nl_stage_train_free(nl_stage *s);
+
+/* The backend's sticky asynchronous error (nl_backend_check), remembered
+ * once seen: "device D: MESSAGE" in err, else NL_OK with err untouched.
+ * Called after the work a message caused; before it, work is refused with
+ * nl_stage_device_status (which does not ask the backend). */
+nl_status nl_stage_check_device(nl_stage *s, nl_error *err);
 
 #endif

@@ -129,6 +129,12 @@ nl_status nl_stage_train_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t
     if ((st = int_param(j, "job", true, 1, INT64_MAX, &job, err)) != NL_OK)
         return st;
     *job_id = (uint64_t)job;
+    if (!s->be->can_train)
+        return nl_error_set(err, NL_ERR_UNSUPPORTED,
+                            "%s: training on this device is not available yet (train job %lld)",
+                            s->be->name, (long long)job);
+    if ((st = nl_stage_device_status(s, err)) != NL_OK)
+        return st;
     if (!s->ready)
         return nl_error_set(err, NL_ERR_STATE, "train job %lld: this stage has no model loaded",
                             (long long)job);
@@ -572,21 +578,31 @@ nl_status nl_stage_train_input(nl_stage *s, const nl_wire_msg *m, nl_stage_send_
     if (!nl_stage_train_holds(s, m))
         return nl_error_set(err, NL_ERR_STATE, "%s: job %llu is not training on this stage",
                             nl_wire_type_name(m->type), (unsigned long long)msg_job(m));
+    nl_status st = nl_stage_device_status(s, err);
+    if (st != NL_OK)
+        return st;
     switch (m->type) {
     case NL_MSG_COUNT:
     case NL_MSG_ACTIVATION:
-    case NL_MSG_EVAL: {
-        nl_status st = enqueue(s, m, err);
-        return st == NL_OK ? drain(s, send, ctx, err) : st;
-    }
+    case NL_MSG_EVAL:
+        st = enqueue(s, m, err);
+        if (st == NL_OK)
+            st = drain(s, send, ctx, err);
+        break;
     case NL_MSG_GRADIENT:
-        return on_gradient(s, m, send, ctx, err);
+        st = on_gradient(s, m, send, ctx, err);
+        break;
     case NL_MSG_STEP:
-        return on_step(s, &m->u.step, send, ctx, err);
+        st = on_step(s, &m->u.step, send, ctx, err);
+        break;
     case NL_MSG_CKPT_REQ:
-        return on_ckpt(s, &m->u.ckpt_req, send, ctx, err);
+        st = on_ckpt(s, &m->u.ckpt_req, send, ctx, err);
+        break;
     default:
         return nl_error_set(err, NL_ERR_UNSUPPORTED, "%s is not a training message",
                             nl_wire_type_name(m->type));
     }
+    /* the device's error comes first: it also explains a failed step */
+    nl_status dst = nl_stage_check_device(s, err);
+    return dst != NL_OK ? dst : st;
 }

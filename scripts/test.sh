@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command: install dependencies, build, run every test (unit,
-# integration, fuzz-corpus replays), then rebuild with ASan + UBSan and run
-# the unit and integration tests again. Exits non-zero on any failure.
+# integration, fuzz-corpus replays), the unit and integration tests once more
+# on the cpu-devsim device (NL_TEST_DEVICE), then rebuild with ASan + UBSan
+# and run the unit and integration tests again. Exits non-zero on any failure.
 #   scripts/test.sh            everything
 #   scripts/test.sh --quick    the plain build and its tests only
 set -euo pipefail
@@ -17,6 +18,11 @@ cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build build -j "$JOBS"
 echo "== tests (release) =="
 (cd build && ctest --output-on-failure -j "$JOBS" --timeout 600)
+# again on the device simulator: device memory behind pointers that fault on
+# any host access, so a read that skips download crashes here, not on a GPU
+echo "== tests (release, --device cpu-devsim) =="
+(cd build && NL_TEST_DEVICE=cpu-devsim ctest --output-on-failure -j "$JOBS" --timeout 600 \
+  -L 'unit|integration')
 
 if [ "$QUICK" -eq 0 ]; then
   echo "== build (ASan + UBSan) =="

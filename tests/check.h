@@ -1,7 +1,10 @@
 /* A minimal test harness: CHECK records a failure and goes on, so one run
  * reports every broken case; check_done prints "N passed, N failed" and
  * returns the exit code. Paths: NL_SOURCE_DIR and NL_BUILD_DIR come from
- * CTest's environment. */
+ * CTest's environment. Backend: check_backend_new makes the one named by
+ * NL_TEST_DEVICE ("cpu" unless set; "cpu-devsim" makes any host read of
+ * device memory fault), and tests read device memory only through
+ * check_download. */
 #ifndef NL_TEST_CHECK_H
 #define NL_TEST_CHECK_H
 
@@ -9,6 +12,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "kernels/backend.h"
 
 static int check_pass_count, check_fail_count;
 
@@ -47,6 +52,29 @@ static inline const char *check_build_dir(void)
 {
     const char *d = getenv("NL_BUILD_DIR");
     return d ? d : ".";
+}
+
+/* The device the tests run on: env NL_TEST_DEVICE, "cpu" when unset. */
+static inline const char *check_device(void)
+{
+    const char *d = getenv("NL_TEST_DEVICE");
+    return d && *d ? d : "cpu";
+}
+
+/* Create the backend named by NL_TEST_DEVICE with `threads` threads. */
+static inline nl_status check_backend_new(nl_backend **be, int threads, nl_error *err)
+{
+    return nl_backend_new(be, check_device(), &(nl_backend_opts){.threads = threads}, err);
+}
+
+/* A malloc'd host copy of n floats of device memory (NULL when out of
+ * memory, or when dev is NULL); the caller frees it. */
+static inline float *check_download(nl_backend *be, const float *dev, size_t n)
+{
+    float *h = dev ? malloc((n ? n : 1) * sizeof *h) : NULL;
+    if (h)
+        be->download(be, h, dev, n * sizeof *h);
+    return h;
 }
 
 /* Relative norm-wise error ||a - b|| / max(||b||, tiny). */

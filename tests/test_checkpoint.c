@@ -93,30 +93,42 @@ int main(void)
     snprintf(dir, sizeof dir, "/tmp/nl_test_ckpt_%d", (int)getpid());
     snprintf(good, sizeof good, "%s.good", dir);
     snprintf(bad, sizeof bad, "%s.bad", dir);
-    CHECK_OK(nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = 1}, &err), &err);
+    CHECK_OK(check_backend_new(&be, 1, &err), &err);
     nl_config c = small();
     CHECK_OK(nl_model_new(&m, be, &c, 0, 2, 1, 1, &err), &err);
     if (!m)
         return check_done("test_checkpoint");
     CHECK_OK(nl_model_init_random(m, 9, &err), &err);
     float *mom = be->alloc(be, m->n_params * sizeof(float));
-    for (size_t i = 0; i < m->n_params; i++)
-        mom[i] = (float)i * 1e-3f;
-    nl_ckpt_extra extra = {.m = mom, .v = mom, .adam_steps = 7, .tokenizer = "neurollm-bpe 1\n",
-                           .init_seed = "9"};
+    float *mom_h = malloc(m->n_params * sizeof(float));
+    for (size_t i = 0; mom_h && i < m->n_params; i++)
+        mom_h[i] = (float)i * 1e-3f;
+    if (mom && mom_h)
+        be->upload(be, mom, mom_h, m->n_params * sizeof(float));
+    float *w = check_download(be, m->params, m->n_params);
+    nl_ckpt_extra extra = {
+        .m = mom, .v = mom, .adam_steps = 7, .tokenizer = "neurollm-bpe 1\n", .init_seed = "9"};
     CHECK_OK(nl_checkpoint_save(m, good, 12, &extra, &err), &err);
 
     /* round trip */
     int64_t step = 0, adam = 0;
     CHECK_OK(nl_checkpoint_load(&back, be, good, 0, -1, 1, 1, &step, &err), &err);
     if (back) {
-        CHECK(step == 12 && back->n_params == m->n_params &&
-                  memcmp(back->params, m->params, m->n_params * 4) == 0,
+        float *got = check_download(be, back->params, back->n_params);
+        CHECK(step == 12 && back->n_params == m->n_params && got && w &&
+                  memcmp(got, w, m->n_params * 4) == 0,
               "weights and step round-trip");
+        free(got);
         float *mm = be->alloc(be, m->n_params * 4), *vv = be->alloc(be, m->n_params * 4);
         char *train = NULL;
         CHECK_OK(nl_checkpoint_load_optim(back, good, mm, vv, &adam, &train, &err), &err);
-        CHECK(adam == 7 && memcmp(mm, mom, m->n_params * 4) == 0, "moments round-trip");
+        float *mm_h = check_download(be, mm, m->n_params);
+        float *vv_h = check_download(be, vv, m->n_params);
+        CHECK(adam == 7 && mm_h && vv_h && memcmp(mm_h, mom_h, m->n_params * 4) == 0 &&
+                  memcmp(vv_h, mom_h, m->n_params * 4) == 0,
+              "moments round-trip");
+        free(mm_h);
+        free(vv_h);
         free(train);
         be->free(be, mm);
         be->free(be, vv);
@@ -180,6 +192,8 @@ int main(void)
     unlink(good);
     unlink(bad);
     be->free(be, mom);
+    free(mom_h);
+    free(w);
     nl_model_destroy(&m);
     nl_backend_destroy(&be);
     return check_done("test_checkpoint");

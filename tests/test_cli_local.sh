@@ -6,6 +6,9 @@
 # usage errors, and no cluster there).
 set -uo pipefail
 NEUROCTL="$NL_BUILD_DIR/cli/neuroctl"
+# the device of the local tools and the nodes (scripts/test.sh runs the suite
+# once more with NL_TEST_DEVICE=cpu-devsim)
+DEV=(--device "${NL_TEST_DEVICE:-cpu}")
 SRC="$NL_SOURCE_DIR"
 W=$(mktemp -d)
 trap 'rm -rf "$W"' EXIT
@@ -32,21 +35,21 @@ check "$NEUROCTL" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 3
 for i in $(seq 1 200); do echo "the quick brown fox $i jumps over the lazy dog"; done > "$W/data.txt"
 
 # generate: greedy twice gives the same ids; ids are in the vocabulary
-a=$("$NEUROCTL" generate --model "$W/m.safetensors" --prompt-tokens 116,104,101 --max-new 8 --temperature 0 | head -1)
-b=$("$NEUROCTL" generate --model "$W/m.safetensors" --prompt-tokens 116,104,101 --max-new 8 --temperature 0 | head -1)
+a=$("$NEUROCTL" generate "${DEV[@]}" --model "$W/m.safetensors" --prompt-tokens 116,104,101 --max-new 8 --temperature 0 | head -1)
+b=$("$NEUROCTL" generate "${DEV[@]}" --model "$W/m.safetensors" --prompt-tokens 116,104,101 --max-new 8 --temperature 0 | head -1)
 check test "$a" = "$b"
 check test "$(echo "$a" | wc -w)" -eq 8
 # --warmup runs the prompt once first: the same ids; the pace on stderr
-b=$("$NEUROCTL" generate --model "$W/m.safetensors" --prompt-tokens 116,104,101 --max-new 8 --temperature 0 --warmup 2>"$W/gen.err" | head -1)
+b=$("$NEUROCTL" generate "${DEV[@]}" --model "$W/m.safetensors" --prompt-tokens 116,104,101 --max-new 8 --temperature 0 --warmup 2>"$W/gen.err" | head -1)
 check test "$a" = "$b"
 check grep -q "^generate: 8 tokens: first after .* ms, then 7 in .* ms (.* tokens/s)" "$W/gen.err"
 
 # train 20 straight vs 10 + resume + 10: bit-identical weights and moments
 common=(--data "$W/data.txt" --steps 20 --batch 4 --seq 16 --microbatches 2 --lr 1e-3 --seed 5 --threads 2)
-check "$NEUROCTL" train --model "$W/m.safetensors" "${common[@]}" --out "$W/straight.safetensors" --log "$W/straight.jsonl"
-check "$NEUROCTL" train --model "$W/m.safetensors" "${common[@]}" --checkpoint-every 10 --checkpoint-dir "$W/ck" --out "$W/unused.safetensors"
+check "$NEUROCTL" train "${DEV[@]}" --model "$W/m.safetensors" "${common[@]}" --out "$W/straight.safetensors" --log "$W/straight.jsonl"
+check "$NEUROCTL" train "${DEV[@]}" --model "$W/m.safetensors" "${common[@]}" --checkpoint-every 10 --checkpoint-dir "$W/ck" --out "$W/unused.safetensors"
 check test -s "$W/ck/step-000010.safetensors"
-check "$NEUROCTL" train --resume "$W/ck/step-000010.safetensors" "${common[@]}" --out "$W/resumed.safetensors"
+check "$NEUROCTL" train "${DEV[@]}" --resume "$W/ck/step-000010.safetensors" "${common[@]}" --out "$W/resumed.safetensors"
 check cmp "$W/straight.safetensors" "$W/resumed.safetensors"
 check test "$(wc -l < "$W/straight.jsonl")" -eq 20
 first=$(head -1 "$W/straight.jsonl" | sed 's/.*"loss":\([0-9.e+-]*\).*/\1/')
@@ -71,11 +74,11 @@ check test $? -eq 2
 check "$NEUROCTL" export --help
 
 # eval loss appears where asked
-check "$NEUROCTL" train --model "$W/m.safetensors" --data "$W/data.txt" --steps 4 --batch 2 --seq 16 --eval-every 2 --log "$W/eval.jsonl" --threads 2
+check "$NEUROCTL" train "${DEV[@]}" --model "$W/m.safetensors" --data "$W/data.txt" --steps 4 --batch 2 --seq 16 --eval-every 2 --log "$W/eval.jsonl" --threads 2
 check test "$(grep -c '"eval_loss"' "$W/eval.jsonl")" -eq 2
 
 # the non-finite guard: step 2 gets a NaN gradient, is skipped, the run goes on
-NL_TEST_INJECT_NAN_STEP=1 "$NEUROCTL" train --model "$W/m.safetensors" --data "$W/data.txt" --steps 3 --batch 2 --seq 16 --log "$W/nan.jsonl" --out "$W/nan.safetensors" --threads 2 2> "$W/nan.err"
+NL_TEST_INJECT_NAN_STEP=1 "$NEUROCTL" train "${DEV[@]}" --model "$W/m.safetensors" --data "$W/data.txt" --steps 3 --batch 2 --seq 16 --log "$W/nan.jsonl" --out "$W/nan.safetensors" --threads 2 2> "$W/nan.err"
 check test $? -eq 0
 check grep -q '"step":2,.*"skipped":true' "$W/nan.jsonl"
 check grep -q '"step":3,.*"skipped":false' "$W/nan.jsonl"
@@ -101,25 +104,25 @@ save(w + "/batch.safetensors", {
 })
 save(w + "/bad_tokens.safetensors", {"tokens": ("I64", [1, 2], struct.pack("<2q", 5, 999))})
 PY
-check "$NEUROCTL" grad --model "$W/m.safetensors" --batch "$W/batch.safetensors" --out "$W/g.safetensors"
-check "$NEUROCTL" forward --model "$W/m.safetensors" --tokens "$W/batch.safetensors" --out "$W/f.safetensors"
+check "$NEUROCTL" grad "${DEV[@]}" --model "$W/m.safetensors" --batch "$W/batch.safetensors" --out "$W/g.safetensors"
+check "$NEUROCTL" forward "${DEV[@]}" --model "$W/m.safetensors" --tokens "$W/batch.safetensors" --out "$W/f.safetensors"
 
 # bad input: clear errors that name the fault, exit code 1 or 2, no crash
-out=$("$NEUROCTL" forward --model "$W/m.safetensors" --tokens "$W/bad_tokens.safetensors" --out "$W/x.safetensors" 2>&1); rc=$?
+out=$("$NEUROCTL" forward "${DEV[@]}" --model "$W/m.safetensors" --tokens "$W/bad_tokens.safetensors" --out "$W/x.safetensors" 2>&1); rc=$?
 check test $rc -eq 1
 check grep -q "token 999" <<< "$out"
-out=$("$NEUROCTL" forward --model "$W/nope.safetensors" --tokens "$W/batch.safetensors" --out "$W/x.safetensors" 2>&1); rc=$?
+out=$("$NEUROCTL" forward "${DEV[@]}" --model "$W/nope.safetensors" --tokens "$W/batch.safetensors" --out "$W/x.safetensors" 2>&1); rc=$?
 check test $rc -eq 1
 check grep -q "nope.safetensors" <<< "$out"
 head -c 100 "$W/m.safetensors" > "$W/trunc.safetensors"
-out=$("$NEUROCTL" generate --model "$W/trunc.safetensors" --prompt-tokens 1 --max-new 2 2>&1); rc=$?
+out=$("$NEUROCTL" generate "${DEV[@]}" --model "$W/trunc.safetensors" --prompt-tokens 1 --max-new 2 2>&1); rc=$?
 check test $rc -eq 1
 check grep -q "trunc.safetensors" <<< "$out"
-"$NEUROCTL" train --model "$W/m.safetensors" --data "$W/data.txt" --steps 2 --batch 3 --microbatches 2 >/dev/null 2>&1
+"$NEUROCTL" train "${DEV[@]}" --model "$W/m.safetensors" --data "$W/data.txt" --steps 2 --batch 3 --microbatches 2 >/dev/null 2>&1
 check test $? -eq 2
 "$NEUROCTL" frobnicate >/dev/null 2>&1
 check test $? -eq 2
-"$NEUROCTL" generate --model "$W/m.safetensors" --prompt-tokens 1,x >/dev/null 2>&1
+"$NEUROCTL" generate "${DEV[@]}" --model "$W/m.safetensors" --prompt-tokens 1,x >/dev/null 2>&1
 check test $? -eq 2
 
 # train with a cluster: the local-only flags are refused with the reason,

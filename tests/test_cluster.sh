@@ -11,6 +11,9 @@
 # a session evicted from a node's KV budget fails that generation only.
 set -uo pipefail
 N="$NL_BUILD_DIR/cli/neuroctl"
+# the device of the local tools and the nodes (scripts/test.sh runs the suite
+# once more with NL_TEST_DEVICE=cpu-devsim)
+DEV=(--device "${NL_TEST_DEVICE:-cpu}")
 W=$(mktemp -d)
 C="$W/cluster"
 cleanup() {
@@ -38,7 +41,7 @@ vocab_chunk: 256
 max_seq_len: 256
 YAML
 check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
-check "$N" cluster up --dir "$C" --nodes 3 --model "$W/m.safetensors" --memory 64M --threads 1 \
+check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 3 --model "$W/m.safetensors" --memory 64M --threads 1 \
   --node-timeout-ms 2000 --timeout 60
 "$N" status --cluster "$C" > "$W/status.txt" 2>&1
 check grep -q "ready" "$W/status.txt"
@@ -53,7 +56,7 @@ h = json.dumps({"tokens": {"dtype": "I32", "shape": [3, 21], "data_offsets": [0,
 h += b" " * (-len(h) % 8)
 open(w + "/in.safetensors", "wb").write(struct.pack("<Q", len(h)) + h + struct.pack("<%di" % len(toks), *toks))
 PY
-check "$N" forward --model "$W/m.safetensors" --tokens "$W/in.safetensors" --out "$W/local.safetensors" --threads 1
+check "$N" forward "${DEV[@]}" --model "$W/m.safetensors" --tokens "$W/in.safetensors" --out "$W/local.safetensors" --threads 1
 check "$N" forward --cluster "$C" --tokens "$W/in.safetensors" --out "$W/remote.safetensors"
 cat > "$W/compare.py" <<'PY'
 import json, struct, sys
@@ -75,14 +78,14 @@ PY
 check $PY "$W/compare.py" "$W/local.safetensors" "$W/remote.safetensors"
 
 # greedy generation: the same ids
-l=$("$N" generate --model "$W/m.safetensors" --prompt-tokens 72,101,108 --max-new 12 --temperature 0 --threads 1 | head -1)
+l=$("$N" generate "${DEV[@]}" --model "$W/m.safetensors" --prompt-tokens 72,101,108 --max-new 12 --temperature 0 --threads 1 | head -1)
 r=$("$N" generate --cluster "$C" --prompt-tokens 72,101,108 --max-new 12 --temperature 0 | head -1)
 check test -n "$l"
 check test "$l" = "$r"
 # the token ring: the last stage feeds each token to the first itself; a
 # longer greedy run, a sampled one, and one that stops at max_seq_len (256)
 # all give the local ids; both tools report their pace on stderr
-l=$("$N" generate --model "$W/m.safetensors" --prompt-tokens 72,101,108 --max-new 40 --temperature 0.9 \
+l=$("$N" generate "${DEV[@]}" --model "$W/m.safetensors" --prompt-tokens 72,101,108 --max-new 40 --temperature 0.9 \
     --top-p 0.9 --seed 11 --threads 1 2>"$W/l.err" | head -1)
 r=$("$N" generate --cluster "$C" --prompt-tokens 72,101,108 --max-new 40 --temperature 0.9 --top-p 0.9 \
     --seed 11 2>"$W/r.err" | head -1)
@@ -91,7 +94,7 @@ check test "$l" = "$r"
 check grep -q "^generate: 40 tokens: first after .* ms, then 39 in .* tokens/s)" "$W/l.err"
 check grep -q "^generate: 40 tokens: first after .* ms, then 39 in .* tokens/s)" "$W/r.err"
 long=$(seq -s, 1 250)
-l=$("$N" generate --model "$W/m.safetensors" --prompt-tokens "$long" --max-new 20 --temperature 0 --threads 1 | head -1)
+l=$("$N" generate "${DEV[@]}" --model "$W/m.safetensors" --prompt-tokens "$long" --max-new 20 --temperature 0 --threads 1 | head -1)
 r=$("$N" generate --cluster "$C" --prompt-tokens "$long" --max-new 20 --temperature 0 | head -1)
 check test "$(echo "$l" | wc -w)" -eq 7
 check test "$l" = "$r"
@@ -124,7 +127,7 @@ out=$("$N" status --coordinator "$(cat "$C/coord/endpoint")" --key "$W/stranger.
       --coordinator-key "$C/coord/coordinator.pub" --timeout 3 2>&1); rc=$?
 check test $rc -ne 0
 NODE="$(dirname "$N")/../node/neuronode"
-timeout 20 "$NODE" join "$(cat "$C/coord/endpoint")" --key "$W/stranger.key" \
+timeout 20 "$NODE" join "${DEV[@]}" "$(cat "$C/coord/endpoint")" --key "$W/stranger.key" \
   --coordinator-key "$C/coord/coordinator.pub" --memory 64M --threads 1 --connect-timeout 3 \
   > "$W/stranger.log" 2>&1; rc=$?
 check test $rc -ne 0
@@ -135,7 +138,7 @@ check test "$("$N" status --cluster "$C" | grep -c serving)" -eq 3
 # timeout plus one second of the node going silent. A sampled generation in
 # flight (its node stopped while it runs, then killed) waits for the new
 # plan, replays its tokens there and goes on: it gives the local ids.
-want=$("$N" generate --model "$W/m.safetensors" --prompt-tokens 1,2,3 --max-new 250 \
+want=$("$N" generate "${DEV[@]}" --model "$W/m.safetensors" --prompt-tokens 1,2,3 --max-new 250 \
   --temperature 0.8 --seed 5 --threads 1 2>/dev/null | head -1)
 ( for i in $(seq 1 2000); do
     "$N" forward --cluster "$C" --tokens "$W/in.safetensors" --out "$W/fwd.safetensors" \
@@ -192,7 +195,7 @@ check test -z "$(pgrep -f "$C" || true)"
 # without a checkpoint: nodes initialise from the shared seed, which must
 # equal neuroctl init with that seed
 C2="$W/cluster2"
-check "$N" cluster up --dir "$C2" --nodes 2 --config "$W/cfg.yaml" --seed 7 --memory 64M \
+check "$N" cluster up "${DEV[@]}" --dir "$C2" --nodes 2 --config "$W/cfg.yaml" --seed 7 --memory 64M \
   --threads 1 --timeout 60
 check "$N" forward --cluster "$C2" --tokens "$W/in.safetensors" --out "$W/remote3.safetensors"
 check $PY "$W/compare.py" "$W/local.safetensors" "$W/remote3.safetensors"
@@ -204,12 +207,12 @@ check "$N" cluster down --dir "$C2"
 # second runs to the end with the local ids (tries again if the first had
 # ended before the second opened)
 C3="$W/cluster3"
-check "$N" cluster up --dir "$C3" --nodes 1 --model "$W/m.safetensors" --memory 64M --threads 1 \
+check "$N" cluster up "${DEV[@]}" --dir "$C3" --nodes 1 --model "$W/m.safetensors" --memory 64M --threads 1 \
   --kv-budget 600000 --timeout 60
 # two generations at once on a single stage: it feeds each its own tokens
 # (one queued token per session); both give the local ids
 for p in 1,2,3 5,6,7; do
-  "$N" generate --model "$W/m.safetensors" --prompt-tokens $p --max-new 100 --temperature 0 \
+  "$N" generate "${DEV[@]}" --model "$W/m.safetensors" --prompt-tokens $p --max-new 100 --temperature 0 \
     --threads 1 2>/dev/null | head -1 > "$W/want-$p"
   "$N" generate --cluster "$C3" --prompt-tokens $p --max-new 100 --temperature 0 --timeout 20 \
     2>/dev/null > "$W/got-$p" &
@@ -219,7 +222,7 @@ for p in 1,2,3 5,6,7; do
   check test -s "$W/want-$p"
   check cmp -s "$W/want-$p" <(head -1 "$W/got-$p")
 done
-want=$("$N" generate --model "$W/m.safetensors" --prompt-tokens 5,6,7 --max-new 250 --temperature 0 \
+want=$("$N" generate "${DEV[@]}" --model "$W/m.safetensors" --prompt-tokens 5,6,7 --max-new 250 --temperature 0 \
   --threads 1 | head -1)
 evicted=0
 for try in 1 2 3 4 5; do

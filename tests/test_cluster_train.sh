@@ -18,6 +18,9 @@
 #    completes the run, matching one process.
 set -uo pipefail
 N="$NL_BUILD_DIR/cli/neuroctl"
+# the device of the local tools and the nodes (scripts/test.sh runs the suite
+# once more with NL_TEST_DEVICE=cpu-devsim)
+DEV=(--device "${NL_TEST_DEVICE:-cpu}")
 W=$(mktemp -d)
 cleanup() {
   for c in "$W"/c*; do "$N" cluster down --dir "$c" >/dev/null 2>&1; done
@@ -48,7 +51,7 @@ RUN=(--data "$W/data.txt" --steps 10 --batch 8 --seq 32 --microbatches 4 --lr 3e
      --eval-every 5 --eval-batches 2)
 
 # ---- the reference: one process ----
-check "$N" train --model "$W/m.safetensors" "${RUN[@]}" --threads 1 --log "$W/local.jsonl" \
+check "$N" train "${DEV[@]}" --model "$W/m.safetensors" "${RUN[@]}" --threads 1 --log "$W/local.jsonl" \
   --out "$W/local.safetensors" 2> "$W/local.err"
 
 cat > "$W/cmp.py" <<'PY'
@@ -93,7 +96,7 @@ PY
 
 # ---- parity: 3 nodes against one process ----
 C="$W/c3"
-check "$N" cluster up --dir "$C" --nodes 3 --model "$W/m.safetensors" --memory 64M --threads 1 \
+check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 3 --model "$W/m.safetensors" --memory 64M --threads 1 \
   --node-timeout-ms 2000 --timeout 60
 check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-every 5 --checkpoint-dir "$W/ck" \
   --log "$W/remote.jsonl" --out "$W/remote.safetensors" 2> "$W/remote.err"
@@ -110,12 +113,12 @@ check grep -q '"sha256"' "$W/ck/step-000005/manifest.json"
 # the exported file is an ordinary checkpoint: the local tools read it
 check "$N" export --manifest "$W/ck/step-000010" --out "$W/export10.safetensors"
 check $PY "$W/cmp.py" weights "$W/export10.safetensors" "$W/local.safetensors"
-check "$N" generate --model "$W/export10.safetensors" --prompt-tokens 72,101 --max-new 4 \
+check "$N" generate "${DEV[@]}" --model "$W/export10.safetensors" --prompt-tokens 72,101 --max-new 4 \
   --temperature 0 --threads 1
 
 # ---- resume from step 5 on 2 nodes ----
 C2="$W/c2"
-check "$N" cluster up --dir "$C2" --nodes 2 --model "$W/m.safetensors" --memory 64M --threads 1 \
+check "$N" cluster up "${DEV[@]}" --dir "$C2" --nodes 2 --model "$W/m.safetensors" --memory 64M --threads 1 \
   --node-timeout-ms 2000 --timeout 60
 check "$N" train --cluster "$C2" "${RUN[@]}" --resume "$W/ck/step-000005" \
   --checkpoint-dir "$W/ck2" --log "$W/resume.jsonl" --out "$W/resumed.safetensors" \
@@ -130,7 +133,7 @@ check $PY "$W/cmp.py" weights "$W/resumed.safetensors" "$W/local.safetensors"
 # ---- neurocoord --resume: a cluster started from the step-5 manifest, and a
 # train job without --resume continues from it ----
 C6="$W/c6"
-check "$N" cluster up --dir "$C6" --nodes 2 --resume "$W/ck/step-000005" --memory 64M --threads 1 \
+check "$N" cluster up "${DEV[@]}" --dir "$C6" --nodes 2 --resume "$W/ck/step-000005" --memory 64M --threads 1 \
   --node-timeout-ms 2000 --timeout 60
 check "$N" train --cluster "$C6" "${RUN[@]}" --checkpoint-dir "$W/ck6b" --log "$W/resume2.jsonl" \
   2> "$W/resume2.err"
@@ -147,7 +150,7 @@ h = json.dumps({"tokens": {"dtype": "I32", "shape": [2, 16], "data_offsets": [0,
 h += b" " * (-len(h) % 8)
 open(w + "/in.safetensors", "wb").write(struct.pack("<Q", len(h)) + h + struct.pack("<%di" % len(toks), *toks))
 PY
-check "$N" forward --model "$W/export10.safetensors" --tokens "$W/in.safetensors" \
+check "$N" forward "${DEV[@]}" --model "$W/export10.safetensors" --tokens "$W/in.safetensors" \
   --out "$W/fwd.safetensors" --threads 1
 check $PY - "$W" "$NL_SOURCE_DIR/tests/golden" <<'PY'
 import sys, torch
@@ -187,12 +190,12 @@ check "$N" cluster down --dir "$C2"
 # ---- the NaN guard across stages: stage 1 of 3 sees a NaN at step 3 ----
 C4="$W/c4"
 check env NL_TEST_INJECT_NAN_STEP=2 NL_TEST_INJECT_NAN_STAGE=1 \
-  "$N" cluster up --dir "$C4" --nodes 3 --model "$W/m.safetensors" --memory 64M --threads 1 \
+  "$N" cluster up "${DEV[@]}" --dir "$C4" --nodes 3 --model "$W/m.safetensors" --memory 64M --threads 1 \
   --node-timeout-ms 2000 --timeout 60
 NAN=(--data "$W/data.txt" --steps 5 --batch 8 --seq 32 --microbatches 2 --lr 3e-3 --seed 1)
 check "$N" train --cluster "$C4" "${NAN[@]}" --checkpoint-dir "$W/ck4" --log "$W/nan.jsonl" \
   2> "$W/nan.err"
-check env NL_TEST_INJECT_NAN_STEP=2 "$N" train --model "$W/m.safetensors" "${NAN[@]}" \
+check env NL_TEST_INJECT_NAN_STEP=2 "$N" train "${DEV[@]}" --model "$W/m.safetensors" "${NAN[@]}" \
   --threads 1 --log "$W/nanlocal.jsonl" 2> /dev/null
 check $PY "$W/cmp.py" skipped "$W/nan.jsonl" 3
 check $PY "$W/cmp.py" logs "$W/nan.jsonl" "$W/nanlocal.jsonl" 1 5
@@ -204,7 +207,7 @@ check "$N" cluster down --dir "$C4"
 # holds, and C's have been trained)
 check "$N" cluster down --dir "$C"
 C="$W/c5"
-check "$N" cluster up --dir "$C" --nodes 3 --model "$W/m.safetensors" --memory 64M --threads 1 \
+check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 3 --model "$W/m.safetensors" --memory 64M --threads 1 \
   --node-timeout-ms 2000 --timeout 60
 # a constant learning rate (no warm-up, min-lr = lr), so that runs of different
 # lengths see the same rate at every step
@@ -236,7 +239,7 @@ SHORT=(--data "$W/data.txt" --steps $((lstep + 5)) --batch 8 --seq 32 --microbat
 check "$N" train --cluster "$C" "${SHORT[@]}" --resume "$last" --checkpoint-dir "$W/ck6" \
   --log "$W/after.jsonl" 2> "$W/after.err"
 check grep -q "on 2 pipeline stages" "$W/after.err"
-check "$N" train --model "$W/m.safetensors" "${SHORT[@]}" --threads 1 --log "$W/ref.jsonl" \
+check "$N" train "${DEV[@]}" --model "$W/m.safetensors" "${SHORT[@]}" --threads 1 --log "$W/ref.jsonl" \
   2> /dev/null
 check $PY "$W/cmp.py" logs "$W/after.jsonl" "$W/ref.jsonl" $((lstep + 1)) $((lstep + 5))
 

@@ -23,8 +23,7 @@ static nl_config test_config(void)
 }
 
 /* init, then widen the matrices so attention and routing are decisive */
-static nl_model *make_model(nl_backend *be, const nl_config *c, int l0, int l1, int embed,
-                            int head)
+static nl_model *make_model(nl_backend *be, const nl_config *c, int l0, int l1, int embed, int head)
 {
     nl_error err = {0};
     nl_model *m = NULL;
@@ -34,9 +33,14 @@ static nl_model *make_model(nl_backend *be, const nl_config *c, int l0, int l1, 
     CHECK_OK(nl_model_init_random(m, 1234, &err), &err);
     for (int i = 0; i < m->n_table; i++) {
         const nl_param *p = &m->table[i];
-        float *x = nl_model_param_data(m, p);
-        for (size_t j = 0; j < nl_param_numel(p); j++)
+        const size_t n = nl_param_numel(p);
+        float *x = check_download(be, nl_model_param_data(m, p), n);
+        if (!x)
+            continue;
+        for (size_t j = 0; j < n; j++)
             x[j] *= p->kind == NL_PARAM_NORM ? 1.0f : 8.0f;
+        be->upload(be, nl_model_param_data(m, p), x, n * sizeof *x);
+        free(x);
     }
     return m;
 }
@@ -58,10 +62,15 @@ static void test_init_slices(nl_backend *be, const nl_config *c)
             const nl_param *p = &parts[s]->table[i];
             const nl_param *q = nl_model_find_param(whole, p->name);
             CHECK(q && nl_param_numel(p) == nl_param_numel(q), "%s in whole model", p->name);
-            if (q)
-                CHECK(memcmp(nl_model_param_data(parts[s], p), nl_model_param_data(whole, q),
-                             nl_param_numel(p) * 4) == 0,
-                      "%s: stage init equals whole-model init", p->name);
+            if (!q)
+                continue;
+            const size_t n = nl_param_numel(p);
+            float *got = check_download(be, nl_model_param_data(parts[s], p), n);
+            float *want = check_download(be, nl_model_param_data(whole, q), n);
+            CHECK(got && want && memcmp(got, want, n * 4) == 0,
+                  "%s: stage init equals whole-model init", p->name);
+            free(got);
+            free(want);
         }
     const nl_param *emb = nl_model_find_param(whole, "tok_embeddings.weight");
     CHECK(emb && emb->shape[0] == 384 && emb->shape[1] == 64, "capacity rows 384");
@@ -83,14 +92,14 @@ static void test_kv_decode(nl_backend *be, const nl_config *c)
     for (int i = 0; i < B * T; i++)
         tokens[i] = (i * 37 + 11) % (int)c->vocab_size;
     const int V = (int)c->vocab_size;
-    float *full = malloc((size_t)B * T * V * 4);
+    float *full = NULL, *out = NULL;
     if (!m)
         goto out;
     CHECK_OK(nl_runstate_new(&rs, m, B * T, &err), &err);
     nl_forward_args a = {.B = B, .T = T, .tokens = tokens};
     float aux = 0;
     CHECK_OK(nl_forward(m, rs, &a, &aux, &err), &err);
-    memcpy(full, nl_runstate_output(rs, NULL), (size_t)B * T * V * 4);
+    full = check_download(be, nl_runstate_output(rs, NULL), (size_t)B * T * V);
     CHECK(aux > 0.5f * c->num_layers, "aux loss %g is near num_layers (E * sum frac p)", aux);
 
     /* prefill P positions, then one at a time */
@@ -100,7 +109,7 @@ static void test_kv_decode(nl_backend *be, const nl_config *c)
         memcpy(step + b * P, tokens + b * T, P * sizeof(int32_t));
     nl_forward_args pre = {.B = B, .T = P, .tokens = step, .kv = kv};
     CHECK_OK(nl_forward(m, rs, &pre, NULL, &err), &err);
-    const float *out = nl_runstate_output(rs, NULL);
+    out = check_download(be, nl_runstate_output(rs, NULL), (size_t)B * P * V);
     for (int b = 0; b < B; b++) {
         double e = check_rel_err(out + (size_t)b * P * V, full + (size_t)b * T * V, (size_t)P * V);
         CHECK(e < 1e-5, "prefill logits of sequence %d: rel err %g", b, e);
@@ -109,7 +118,8 @@ static void test_kv_decode(nl_backend *be, const nl_config *c)
         int32_t one[B] = {tokens[t], tokens[T + t]};
         nl_forward_args dec = {.B = B, .T = 1, .tokens = one, .kv = kv};
         CHECK_OK(nl_forward(m, rs, &dec, NULL, &err), &err);
-        out = nl_runstate_output(rs, NULL);
+        free(out);
+        out = check_download(be, nl_runstate_output(rs, NULL), (size_t)B * V);
         for (int b = 0; b < B; b++) {
             double e = check_rel_err(out + (size_t)b * V, full + ((size_t)b * T + t) * V, V);
             CHECK(e < 1e-5, "decode step %d sequence %d: rel err %g", t, b, e);
@@ -121,6 +131,7 @@ static void test_kv_decode(nl_backend *be, const nl_config *c)
     CHECK(nl_forward(m, rs, &over, NULL, &err) == NL_ERR_RANGE, "full cache refused");
 out:
     free(full);
+    free(out);
     nl_kvcache_destroy(&kv);
     nl_runstate_destroy(&rs);
     nl_model_destroy(&m);
@@ -151,21 +162,24 @@ static void test_split(nl_backend *be, const nl_config *c)
     CHECK(cols == c->hidden_dim, "first stage emits hidden states (%d cols)", cols);
     CHECK_OK(nl_forward(s1, r1, &b, &aux1, &err), &err);
     size_t n = (size_t)B * T * c->vocab_size;
-    double d = check_max_abs_diff(nl_runstate_output(r1, NULL), nl_runstate_output(r, NULL), n);
+    float *got1 = check_download(be, nl_runstate_output(r1, NULL), n);
+    float *keep = check_download(be, nl_runstate_output(r, NULL), n);
+    double d = check_max_abs_diff(got1, keep, n);
+    free(got1);
     CHECK(d < 1e-6, "[0,1) then [1,3) equals [0,3): max diff %g", d);
     CHECK(fabsf(aux0 + aux1 - aux) < 1e-6f, "aux loss splits: %g + %g vs %g", aux0, aux1, aux);
 
     /* last_only gives the last row of each sequence */
     nl_forward_args lo = {.B = B, .T = T, .tokens = tokens, .last_only = 1};
-    float *keep = malloc(n * 4);
-    memcpy(keep, nl_runstate_output(r, NULL), n * 4);
     CHECK_OK(nl_forward(whole, r, &lo, NULL, &err), &err);
+    float *last = check_download(be, nl_runstate_output(r, NULL), (size_t)B * c->vocab_size);
     for (int s = 0; s < B; s++) {
-        const float *got = nl_runstate_output(r, NULL) + (size_t)s * c->vocab_size;
+        const float *got = last + (size_t)s * c->vocab_size;
         const float *want = keep + ((size_t)s * T + T - 1) * c->vocab_size;
         CHECK(check_max_abs_diff(got, want, (size_t)c->vocab_size) < 1e-5, "last_only row %d", s);
     }
     free(keep);
+    free(last);
 
     /* bad input */
     int32_t bad[B * T];
@@ -189,7 +203,7 @@ int main(void)
 {
     nl_error err = {0};
     nl_backend *be = NULL;
-    CHECK_OK(nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = 2}, &err), &err);
+    CHECK_OK(check_backend_new(&be, 2, &err), &err);
     if (!be)
         return check_done("test_model");
     nl_config c = test_config();

@@ -264,8 +264,8 @@ static peer *coord_accept(coord *c, const char *key, uint32_t node_id, char *end
         return NULL;
     const nl_msg_join *j = &c->rx.msg.u.join;
     CHECK(strcmp(j->pubkey, key) == 0 && strcmp(c->rx.peer, key) == 0, "JOIN key %s", j->pubkey);
-    CHECK(strcmp(j->device, "cpu") == 0 && j->memory_bytes == (256ULL << 20) && j->threads == 1 &&
-              j->gemm_gflops > 0,
+    CHECK(strcmp(j->device, check_device()) == 0 && j->memory_bytes == (256ULL << 20) &&
+              j->threads == 1 && j->gemm_gflops > 0,
           "JOIN fields: %s %llu %u %g", j->device, (unsigned long long)j->memory_bytes, j->threads,
           j->gemm_gflops);
     CHECK(strncmp(j->data_endpoint, "tcp://127.0.0.1:", 16) == 0 && !strchr(j->data_endpoint, '*'),
@@ -439,8 +439,8 @@ static void local_logits(nl_model *ref, const int32_t *tok, int B, int T, float 
     CHECK_OK(nl_runstate_new(&rs, ref, B * T, &err), &err);
     nl_forward_args a = {.B = B, .T = T, .tokens = tok};
     if (rs && nl_forward(ref, rs, &a, aux, &err) == NL_OK)
-        memcpy(logits, nl_runstate_output(rs, NULL),
-               (size_t)B * T * (size_t)cfg.vocab_size * sizeof(float));
+        be->download(be, logits, nl_runstate_output(rs, NULL),
+                     (size_t)B * T * (size_t)cfg.vocab_size * sizeof(float));
     nl_runstate_destroy(&rs);
 }
 
@@ -455,11 +455,15 @@ static void local_generate(nl_model *ref, const int32_t *prompt, int P, int n, i
     CHECK_OK(nl_sampler_init(&smp, (int)cfg.vocab_size, 0.0f, 1.0f, 3, &err), &err);
     nl_forward_args a = {.B = 1, .T = P, .tokens = prompt, .kv = kv, .last_only = 1};
     int32_t next = 0;
-    for (int i = 0; i < n && rs && kv; i++) {
+    float *logits = malloc((size_t)cfg.vocab_size * sizeof *logits);
+    for (int i = 0; i < n && rs && kv && logits; i++) {
         CHECK_OK(nl_forward(ref, rs, &a, NULL, &err), &err);
-        ids[i] = next = nl_sampler_sample(&smp, nl_runstate_output(rs, NULL));
+        be->download(be, logits, nl_runstate_output(rs, NULL),
+                     (size_t)cfg.vocab_size * sizeof *logits);
+        ids[i] = next = nl_sampler_sample(&smp, logits);
         a = (nl_forward_args){.B = 1, .T = 1, .tokens = &next, .kv = kv, .last_only = 1};
     }
+    free(logits);
     nl_sampler_free(&smp);
     nl_kvcache_destroy(&kv);
     nl_runstate_destroy(&rs);
@@ -634,10 +638,17 @@ static void test_cli(void)
     CHECK(reap(spawn(log, help), WAIT_MS) == 0 && file_has(log, "--kv-budget") &&
               file_has(log, "--connect-timeout") && file_has(log, "--plaintext"),
           "--help");
-    const char *cuda[] = {"",         "join",   "tcp://127.0.0.1:1", "--memory", "1G",
-                          "--device", "cuda:0", "--plaintext",       NULL};
-    CHECK(reap(spawn(log, cuda), WAIT_MS) == 2 && file_has(log, "--device cuda:0"),
+    /* no GPU usable here: the device's error, at once; with one, no coordinator */
+    const char *cuda[] = {"",         "join",   "tcp://127.0.0.1:1", "--memory",          "1G",
+                          "--device", "cuda:0", "--plaintext",       "--connect-timeout", "0.5",
+                          NULL};
+    CHECK(reap(spawn(log, cuda), WAIT_MS) == 1 &&
+              (file_has(log, "cuda:0: no CUDA") || file_has(log, "no answer from the coordinator")),
           "--device cuda:0");
+    const char *bogus[] = {"",         "join",  "tcp://127.0.0.1:1", "--memory", "1G",
+                           "--device", "bogus", "--plaintext",       NULL};
+    CHECK(reap(spawn(log, bogus), WAIT_MS) == 2 && file_has(log, "--device bogus: unknown"),
+          "--device bogus");
     const char *nomem[] = {"", "join", "tcp://127.0.0.1:1", "--plaintext", NULL};
     CHECK(reap(spawn(log, nomem), WAIT_MS) == 2 && file_has(log, "--memory"), "no --memory");
     const char *badsize[] = {"",  "join", "tcp://127.0.0.1:1", "--memory", "8Q", "--plaintext",
@@ -665,9 +676,12 @@ static void test_late_and_refused(void)
     snprintf(ep, sizeof ep, "%s", c.sock ? nl_sock_endpoint(c.sock) : "");
     nl_keypair ck = c.kp;
     coord_stop(&c); /* the port is free again: the node finds nobody there */
-    const char *argv[] = {"",         "join",     ep,     "--key",     key, "--coordinator-key",
-                          c.pub_path, "--memory", "256M", "--threads", "1", "--connect-timeout",
-                          "20",       NULL};
+    const char *argv[] = {"",          "join",     ep,
+                          "--key",     key,        "--coordinator-key",
+                          c.pub_path,  "--memory", "256M",
+                          "--threads", "1",        "--connect-timeout",
+                          "20",        "--device", check_device(),
+                          NULL};
     pid_t pid = spawn(log, argv);
     nanosleep(&(struct timespec){1, 500000000}, NULL);
     CHECK(waitpid(pid, NULL, WNOHANG) == 0, "the node gave up before its connect timeout");
@@ -711,12 +725,13 @@ static void test_one_node(void)
     coord c;
     const char *keys[] = {kp.public_z85};
     coord_start(&c, keys, 1, "tcp://127.0.0.1:*", NULL);
+    const char *dev = check_device();
     const char *argv[] = {"",          "join",     nl_sock_endpoint(c.sock),
                           "--key",     key,        "--coordinator-key",
                           c.pub_path,  "--memory", "256M",
                           "--threads", "1",        "--kv-budget",
                           "1M",        "--name",   "solo",
-                          NULL};
+                          "--device",  dev,        NULL};
     pid_t pid = spawn(log, argv);
     peer *p = coord_accept(&c, kp.public_z85, 7, ep, sizeof ep);
     if (!p) {
@@ -728,13 +743,16 @@ static void test_one_node(void)
     /* stream the checkpoint in chunks of 1000 elements */
     for (int i = 0; i < ref->n_table; i++) {
         const nl_param *par = &ref->table[i];
-        const float *src = nl_model_param_data(ref, par);
         uint64_t numel = nl_param_numel(par);
+        float *src = check_download(be, nl_model_param_data(ref, par), numel);
+        if (!src)
+            continue;
         uint32_t chunks = (uint32_t)((numel + 999) / 1000);
         for (uint32_t k = 0; k < chunks; k++) {
             uint64_t off = (uint64_t)k * 1000, n = numel - off < 1000 ? numel - off : 1000;
             send_chunk(&c, p, 1, par, src + off, off, (int64_t)n, k, chunks);
         }
+        free(src);
     }
     /* a chunk of an older epoch is ignored, a foreign tensor refused */
     float junk[16] = {0};
@@ -809,7 +827,8 @@ static void test_two_nodes(void)
                               "--key",     key[i],     "--coordinator-key",
                               c.pub_path,  "--memory", "256M",
                               "--threads", "1",        "--kv-budget",
-                              "16M",       NULL};
+                              "16M",       "--device", check_device(),
+                              NULL};
         pid[i] = spawn(log[i], argv);
         p[i] = coord_accept(&c, kp[i].public_z85, (uint32_t)i + 1, ep[i], sizeof ep[i]);
     }
@@ -910,7 +929,7 @@ int main(void)
     cfg.vocab_chunk = 128;
     cfg.max_seq_len = 32;
     cfg_json = nl_config_to_json(&cfg);
-    CHECK_OK(nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = 1}, &err), &err); /* as the nodes: same sums */
+    CHECK_OK(check_backend_new(&be, 1, &err), &err); /* as the nodes: same sums */
     if (be && cfg_json) {
         test_cli();
         test_late_and_refused();

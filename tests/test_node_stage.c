@@ -95,22 +95,26 @@ static nl_status stream(nl_stage *s, const nl_model *ref, uint64_t epoch, int ho
     for (int i = 0; m && i < m->n_table; i++) {
         const nl_param *p = &m->table[i];
         const nl_param *rp = nl_model_find_param(ref, p->name);
-        const float *src = nl_model_param_data(ref, rp);
         size_t numel = nl_param_numel(p);
+        float *src = check_download(be, nl_model_param_data(ref, rp), numel);
+        if (!src)
+            return nl_error_set(err, NL_ERR_NOMEM, "host copy of %s", p->name);
         uint32_t chunks = (uint32_t)((numel + CHUNK - 1) / CHUNK);
-        for (uint32_t c = 0; c < chunks; c++) {
+        nl_status st = NL_OK;
+        for (uint32_t c = 0; st == NL_OK && c < chunks; c++) {
             if (i == hold && c + 1 == chunks)
                 break;
             size_t off = (size_t)c * CHUNK, n = numel - off < CHUNK ? numel - off : CHUNK;
             nl_msg_layer_load l = mk_load(epoch, p, off, c, chunks);
             nl_wire_frame f = f32_frame(src + off, (int64_t)n);
             bool stale = true;
-            nl_status st = nl_stage_load_chunk(s, &l, &f, &stale, err);
-            if (st != NL_OK)
-                return st;
-            if (stale)
-                return nl_error_set(err, NL_ERR_INTERNAL, "chunk of %s taken as stale", p->name);
+            st = nl_stage_load_chunk(s, &l, &f, &stale, err);
+            if (st == NL_OK && stale)
+                st = nl_error_set(err, NL_ERR_INTERNAL, "chunk of %s taken as stale", p->name);
         }
+        free(src);
+        if (st != NL_OK)
+            return st;
     }
     return NL_OK;
 }
@@ -121,8 +125,15 @@ static bool params_equal(const nl_model *m, const nl_model *ref)
     for (int i = 0; i < m->n_table; i++) {
         const nl_param *p = &m->table[i];
         const nl_param *rp = nl_model_find_param(ref, p->name);
-        if (!rp || memcmp(nl_model_param_data(m, p), nl_model_param_data(ref, rp),
-                          nl_param_numel(p) * sizeof(float)) != 0)
+        if (!rp)
+            return false;
+        const size_t n = nl_param_numel(p);
+        float *a = check_download(be, nl_model_param_data(m, p), n);
+        float *b = check_download(be, nl_model_param_data(ref, rp), n);
+        bool same = a && b && memcmp(a, b, n * sizeof(float)) == 0;
+        free(a);
+        free(b);
+        if (!same)
             return false;
     }
     return true;
@@ -256,11 +267,13 @@ static void test_load(const nl_model *ref)
     CHECK(nl_stage_open_session(s, &sp, &err) == NL_ERR_STATE, "session before load: %s", err.msg);
 
     /* the missing chunk completes the load */
-    const float *src = nl_model_param_data(ref, nl_model_find_param(ref, p->name));
+    float *src =
+        check_download(be, nl_model_param_data(ref, nl_model_find_param(ref, p->name)), numel);
     f = f32_frame(src + last, (int64_t)(numel - last));
     l = mk_load(7, p, last, 0, 1);
     CHECK_OK(nl_stage_load_chunk(s, &l, &f, &stale, &err), &err);
     CHECK(!stale, "current chunk taken as stale");
+    free(src);
     CHECK(nl_stage_load_done(s, 7, (uint32_t)m->n_table + 1, &info, &stale, &err) == NL_ERR_PROTO,
           "wrong tensor count: %s", err.msg);
     CHECK_OK(nl_stage_load_done(s, 7, (uint32_t)m->n_table, &info, &stale, &err), &err);
@@ -321,7 +334,7 @@ static void test_forward(nl_model *ref)
     nl_forward_args fa = {.B = B, .T = T, .tokens = tok};
     float aux_ref = 0;
     CHECK_OK(nl_forward(ref, rs, &fa, &aux_ref, &err), &err);
-    const float *logits = nl_runstate_output(rs, NULL);
+    float *logits = check_download(be, nl_runstate_output(rs, NULL), (size_t)B * T * V);
 
     /* one stage holding everything: identical */
     nl_stage *w = loaded_stage(ref, 0, 1, 0, cfg.num_layers, 1 << 20);
@@ -428,6 +441,7 @@ static void test_forward(nl_model *ref)
     nl_stage_destroy(&s0);
     nl_stage_destroy(&s1);
     nl_runstate_destroy(&rs);
+    free(logits);
 }
 
 /* ---- sessions ---- */
@@ -447,7 +461,8 @@ static void local_generate(nl_model *ref, const int32_t *prompt, int P, int n, i
     int32_t next = 0;
     for (int i = 0; i < n && rs && kv; i++) {
         CHECK_OK(nl_forward(ref, rs, &a, NULL, &err), &err);
-        memcpy(logits, nl_runstate_output(rs, NULL), (size_t)cfg.vocab_size * sizeof *logits);
+        be->download(be, logits, nl_runstate_output(rs, NULL),
+                     (size_t)cfg.vocab_size * sizeof *logits);
         ids[i] = next = nl_sampler_sample(&smp, logits);
         a = (nl_forward_args){.B = 1, .T = 1, .tokens = &next, .kv = kv, .last_only = 1};
     }
@@ -709,7 +724,7 @@ int main(void)
     cfg.max_seq_len = 32;
     CHECK_OK(nl_config_validate(&cfg, 1, &err), &err);
     cfg_json = nl_config_to_json(&cfg);
-    CHECK_OK(nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = 2}, &err), &err);
+    CHECK_OK(check_backend_new(&be, 2, &err), &err);
     nl_model *ref = NULL;
     CHECK_OK(nl_model_new(&ref, be, &cfg, 0, cfg.num_layers, 1, 1, &err), &err);
     CHECK_OK(nl_model_init_random(ref, SEED, &err), &err);

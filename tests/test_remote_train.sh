@@ -12,6 +12,9 @@
 #  - Ctrl-C sends JOB_CANCEL once and exits 130; --timeout gives up.
 set -uo pipefail
 N="$NL_BUILD_DIR/cli/neuroctl"
+# the device of the local tools and the nodes (scripts/test.sh runs the suite
+# once more with NL_TEST_DEVICE=cpu-devsim)
+DEV=(--device "${NL_TEST_DEVICE:-cpu}")
 FAKE="$NL_BUILD_DIR/tests/fake_coord"
 W=$(mktemp -d)
 fake_pid=
@@ -58,7 +61,7 @@ for i in $(seq 1 100); do echo "the quick brown fox $i jumps over the lazy dog";
 
 # a local run to play back: a skipped step (the test hook) and evaluations
 opts=(--steps 6 --batch 2 --seq 16 --microbatches 2 --lr 1e-3 --seed 5 --eval-every 3)
-NL_TEST_INJECT_NAN_STEP=1 "$N" train --model "$W/m.safetensors" --data "$W/data.txt" "${opts[@]}" \
+NL_TEST_INJECT_NAN_STEP=1 "$N" train "${DEV[@]}" --model "$W/m.safetensors" --data "$W/data.txt" "${opts[@]}" \
   --threads 2 --log "$W/local.jsonl" --out "$W/local.safetensors" 2> "$W/local.err"
 check test "$(wc -l < "$W/local.jsonl")" -eq 6
 # its final checkpoint as a 2-stage cluster writes it: shards and a manifest

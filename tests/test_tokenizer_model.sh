@@ -5,6 +5,9 @@
 # (by checkpoint), keeping old rows, and training goes on.
 set -uo pipefail
 N="$NL_BUILD_DIR/cli/neuroctl"
+# the device of the local tools and the nodes (scripts/test.sh runs the suite
+# once more with NL_TEST_DEVICE=cpu-devsim)
+DEV=(--device "${NL_TEST_DEVICE:-cpu}")
 W=$(mktemp -d)
 trap 'rm -rf "$W"' EXIT
 pass=0
@@ -33,8 +36,8 @@ assert meta["tokenizer"].startswith("neurollm-bpe 1"), meta.keys()
 assert json.loads(meta["config"])["vocab_size"] == 300
 assert h["tok_embeddings.weight"]["shape"] == [512, 32]  # ceil(300/256)*256
 PY
-check "$N" train --model "$W/m.safetensors" --data "$W/a.txt" --steps 3 --batch 2 --seq 16 --out "$W/t.safetensors" --threads 2
-out=$("$N" generate --model "$W/t.safetensors" --prompt "the cat" --max-new 5 --temperature 0 --threads 2)
+check "$N" train "${DEV[@]}" --model "$W/m.safetensors" --data "$W/a.txt" --steps 3 --batch 2 --seq 16 --out "$W/t.safetensors" --threads 2
+out=$("$N" generate "${DEV[@]}" --model "$W/t.safetensors" --prompt "the cat" --max-new 5 --temperature 0 --threads 2)
 check test "${out:0:7}" = "the cat"
 
 # learn from new text: ids grow past the capacity (300 -> more than 512)
@@ -57,8 +60,8 @@ for k in ("tok_embeddings.weight", "lm_head.weight", "optim.m.lm_head.weight", "
 assert t1("layers.0.attention.wq.weight") == t2("layers.0.attention.wq.weight")
 assert h2["__metadata__"]["tokenizer"] != h1["__metadata__"]["tokenizer"]
 PY
-check "$N" train --resume "$W/g.safetensors" --data "$W/b.txt" --steps 6 --batch 2 --seq 16 --threads 2 --out "$W/g2.safetensors"
-out=$("$N" generate --model "$W/g2.safetensors" --prompt "quantum" --max-new 4 --temperature 0 --threads 2)
+check "$N" train "${DEV[@]}" --resume "$W/g.safetensors" --data "$W/b.txt" --steps 6 --batch 2 --seq 16 --threads 2 --out "$W/g2.safetensors"
+out=$("$N" generate "${DEV[@]}" --model "$W/g2.safetensors" --prompt "quantum" --max-new 4 --temperature 0 --threads 2)
 check test "${out:0:7}" = "quantum"
 # a tokenizer that does not extend the model's is refused
 check "$N" tokenizer train --input "$W/b.txt" --vocab-size 320 --out "$W/other" --quiet

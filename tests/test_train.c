@@ -3,9 +3,9 @@
  * the backend's own allocation count. Gradients against PyTorch are in
  * test_golden. */
 #include "check.h"
+#include "core/forward.h"
 #include "core/memory.h"
 #include "core/rng.h"
-#include "core/forward.h"
 #include "core/train.h"
 
 static nl_config small_config(void)
@@ -68,8 +68,7 @@ static float *train_copy(nl_backend *be, const nl_config *c, int M, int recomput
         CHECK(!res.skipped && isfinite(res.loss), "step %d loss %g", s, res.loss);
         *last_loss = res.loss;
     }
-    out = malloc(m->n_params * sizeof(float));
-    memcpy(out, m->params, m->n_params * sizeof(float));
+    out = check_download(be, m->params, m->n_params);
     nl_trainer_destroy(&t);
     nl_model_destroy(&m);
     return out;
@@ -104,28 +103,32 @@ static void test_guard(nl_backend *be)
     if (!m)
         return;
     CHECK_OK(nl_trainer_new(&t, m, B * T, 1, 0, &err), &err);
-    float *before = malloc(m->n_params * sizeof(float));
-    memcpy(before, m->params, m->n_params * sizeof(float));
+    float *before = check_download(be, m->params, m->n_params);
     nl_rng r;
     nl_rng_seed(&r, 3, 0);
     int32_t tok[B * T], tgt[B * T];
     random_batch(&r, B * T, (int)c.vocab_size, tok, tgt);
     nl_trainer_inject_nan(t);
     nl_step_result res;
-    CHECK_OK(nl_trainer_step_local(t, tok, tgt, B, T, 1, 1e-2f, 1.0f, nl_adamw_defaults(), &res,
-                                   &err),
-             &err);
+    CHECK_OK(
+        nl_trainer_step_local(t, tok, tgt, B, T, 1, 1e-2f, 1.0f, nl_adamw_defaults(), &res, &err),
+        &err);
     CHECK(res.skipped, "a NaN gradient skips the step");
-    CHECK(memcmp(before, m->params, m->n_params * sizeof(float)) == 0, "weights unchanged");
+    float *after = check_download(be, m->params, m->n_params);
+    CHECK(before && after && memcmp(before, after, m->n_params * sizeof(float)) == 0,
+          "weights unchanged");
+    free(after);
     CHECK(nl_trainer_adam_steps(t) == 0, "no optimizer step counted");
-    CHECK_OK(nl_trainer_step_local(t, tok, tgt, B, T, 1, 1e-2f, 1.0f, nl_adamw_defaults(), &res,
-                                   &err),
-             &err);
+    CHECK_OK(
+        nl_trainer_step_local(t, tok, tgt, B, T, 1, 1e-2f, 1.0f, nl_adamw_defaults(), &res, &err),
+        &err);
     CHECK(!res.skipped && nl_trainer_adam_steps(t) == 1, "the next step applies");
-    int finite = 1;
-    for (size_t i = 0; i < m->n_params; i++)
-        finite &= isfinite(m->params[i]);
+    after = check_download(be, m->params, m->n_params);
+    int finite = after != NULL;
+    for (size_t i = 0; after && i < m->n_params; i++)
+        finite &= isfinite(after[i]);
     CHECK(finite, "weights stay finite");
+    free(after);
     tgt[3] = (int32_t)c.vocab_size;
     CHECK(nl_trainer_step_local(t, tok, tgt, B, T, 1, 1e-2f, 1.0f, nl_adamw_defaults(), &res,
                                 &err) == NL_ERR_RANGE,
@@ -170,9 +173,9 @@ static void test_learning(nl_backend *be)
         }
         nl_step_result res;
         float lr = (float)nl_lr_at(s, steps, 20, 3e-3, 3e-4);
-        CHECK_OK(nl_trainer_step_local(t, tok, tgt, B, T, 1, lr, 1.0f, nl_adamw_defaults(), &res,
-                                       &err),
-                 &err);
+        CHECK_OK(
+            nl_trainer_step_local(t, tok, tgt, B, T, 1, lr, 1.0f, nl_adamw_defaults(), &res, &err),
+            &err);
     }
     /* loss on the copied positions: targets L+1 .. 2L, predicted at L .. 2L-1 */
     if (t) {
@@ -181,7 +184,7 @@ static void test_learning(nl_backend *be)
         nl_runstate *rs = NULL;
         CHECK_OK(nl_runstate_new(&rs, m, B * T, &err), &err);
         CHECK_OK(nl_forward(m, rs, &fa, NULL, &err), &err);
-        const float *lg = nl_runstate_output(rs, NULL);
+        float *lg = check_download(be, nl_runstate_output(rs, NULL), (size_t)B * T * c.vocab_size);
         int right = 0, total = 0;
         double nll = 0;
         for (int b = 0; b < B; b++)
@@ -205,6 +208,7 @@ static void test_learning(nl_backend *be)
         CHECK(copy_loss < 0.05, "copy task: loss on the copied half %g", copy_loss);
         printf("copy task after %d steps: loss on copied half %.4f, %d/%d right\n", steps,
                copy_loss, right, total);
+        free(lg);
         nl_runstate_destroy(&rs);
     }
     nl_trainer_destroy(&t);
@@ -241,7 +245,7 @@ int main(void)
 {
     nl_error err = {0};
     nl_backend *be = NULL;
-    CHECK_OK(nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = 2}, &err), &err);
+    CHECK_OK(check_backend_new(&be, 2, &err), &err);
     if (!be)
         return check_done("test_train");
     test_parity(be);

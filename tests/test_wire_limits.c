@@ -395,6 +395,13 @@ static void test_ranges_versions(void)
         nl_status st = nl_wire_encode(&m, &e.hdr, NULL, &err);
         CHECK(st == NL_ERR_RANGE, "case %d encoded: %s", c, nl_status_str(st));
     }
+    /* every device a node may serve on is accepted */
+    const char *devices[] = {"cpu", "cpu-devsim", "cuda:0", "cuda:12"};
+    for (int i = 0; i < 4; i++) {
+        sample(&m, NL_MSG_JOIN);
+        m.u.join.device = devices[i];
+        CHECK_OK(enc_msg(&m, &e, NULL, &err), &err);
+    }
     /* the decoder applies the same checks: patch a valid header's bytes */
     sample(&m, NL_MSG_ASSIGN);
     CHECK_OK(enc_msg(&m, &e, NULL, &err), &err);
