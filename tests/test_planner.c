@@ -246,6 +246,36 @@ static void test_heterogeneous(void)
     nl_plan_destroy(&q);
 }
 
+/* A GPU node (device memory, a GEMM probe of thousands of GFLOP/s) and two
+ * CPU nodes: the GPU gets most of the layers, for inference and training. */
+static void test_gpu_and_cpus(void)
+{
+    nl_config c = small_cfg(24);
+    nl_error err = {0};
+    const nl_plan_node nodes[3] = {node(1, 4 * GIB, 150, 0.002), node(2, 60 * GIB, 20000, 0.002),
+                                   node(3, 4 * GIB, 120, 0.002)};
+    nl_plan_opts inf;
+    memset(&inf, 0, sizeof inf);
+    inf.mem.micro_rows = 64;
+    inf.seq_len = 32;
+    const nl_plan_opts train = train_opts(64, 0);
+    const nl_plan_opts *opts[2] = {&inf, &train};
+    for (int i = 0; i < 2; i++) {
+        nl_plan *p = NULL;
+        CHECK_OK(nl_plan_layers(&p, &c, nodes, 3, opts[i], &err), &err);
+        if (!p)
+            continue;
+        check_plan(p, &c, nodes, 3, opts[i]);
+        int gpu = 0;
+        for (int s = 0; s < p->n_stages; s++)
+            if (p->stages[s].node_id == 2)
+                gpu = p->stages[s].l1 - p->stages[s].l0;
+        CHECK(gpu * 4 >= c.num_layers * 3, "%s: the GPU node holds %d of %d layers",
+              i ? "training" : "inference", gpu, c.num_layers);
+        nl_plan_destroy(&p);
+    }
+}
+
 static void test_standbys(void)
 {
     nl_config c = small_cfg(2);
@@ -746,6 +776,7 @@ int main(void)
     test_cost_model();
     test_single_node();
     test_heterogeneous();
+    test_gpu_and_cpus();
     test_standbys();
     test_infeasible();
     test_brute_force();
