@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The scripted GPU run of issue 13, in one go, so it can be run again on any
 # machine with an NVIDIA GPU:
+#   0. test_ops cuda:0 (every slot against naive loops; again with
+#      CUDA_LAUNCH_BLOCKING=1, so a fault is reported by the op that made it);
 #   1. neuroctl selftest --device cuda:0 (FP32, then --tf32): every CUDA slot
 #      against the CPU backend, and a small model's routing, logits, decode;
 #   2. bench_cuda: SGEMM and memory-bound kernels against the spec sheet;
@@ -73,6 +75,18 @@ if [ ! -x "$NEUROCTL" ] || [ ! -x "$BUILD/bench/bench_cuda" ] || [ ! -e "$BUILD/
     step build 1800 cmake --build "$BUILD" -j "$(nproc)"
     result build $?
 fi
+
+# ---------------------------------------------------------------- 0. op tests
+# the module and what it loads, then every slot against naive loops; a
+# device that cannot be made fails here (never "skipped")
+export NL_REQUIRE_DEVICE=1
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+step ldd 60 ldd "$BUILD/lib/libnl_cuda.so"
+result ldd $?
+step test_ops 600 "$BUILD/tests/test_ops" "$DEVICE"
+result test_ops $? "$(tail -1 "$OUT/test_ops.out")"
+step test_ops_blocking 600 env CUDA_LAUNCH_BLOCKING=1 "$BUILD/tests/test_ops" "$DEVICE"
+result test_ops_blocking $? "$(tail -1 "$OUT/test_ops_blocking.out")"
 
 # ---------------------------------------------------------------- 1. selftest
 step selftest 600 "$NEUROCTL" selftest --device "$DEVICE"

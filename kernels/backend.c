@@ -73,7 +73,7 @@ static void *open_cuda_module(char *tried, size_t cap)
             snprintf(dir, sizeof dir, "%s", exe);
         }
     }
-    static char c1[PATH_MAX + 64], c2[PATH_MAX + 64];
+    char c1[PATH_MAX + 64], c2[PATH_MAX + 64];
     if (*dir) {
         snprintf(c1, sizeof c1, "%s/../lib/libnl_cuda.so", dir);
         snprintf(c2, sizeof c2, "%s/libnl_cuda.so", dir);
@@ -85,15 +85,18 @@ static void *open_cuda_module(char *tried, size_t cap)
 #endif
     cands[nc++] = "libnl_cuda.so";
     tried[0] = '\0';
+    int found = 0;
     for (int i = 0; i < nc; i++) {
         snprintf(path, sizeof path, "%s", cands[i]);
         void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
         if (h)
             return h;
-        /* keep the first failure that is not "no such file": it names a
-         * missing cudart or cuBLAS */
+        /* keep the failure of the first candidate that exists (it names a
+         * missing cudart or cuBLAS), else the first failure */
         const char *why = dlerror();
-        if (!tried[0] || (why && !strstr(why, "No such file") && strstr(tried, "No such file"))) {
+        const int exists = strchr(path, '/') && access(path, F_OK) == 0;
+        if (!tried[0] || (exists && !found)) {
+            found |= exists;
             size_t n = strlen(why ? why : path);
             n = n < cap - 1 ? n : cap - 1;
             memcpy(tried, why ? why : path, n);

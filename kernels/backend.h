@@ -51,8 +51,9 @@ typedef struct nl_attn_shape {
     int hd;     /* head dimension */
 } nl_attn_shape;
 
-/* Bumped whenever struct nl_backend changes: a backend module built
- * against another version is refused when it is loaded. */
+/* Bumped whenever struct nl_backend, nl_backend_opts, nl_attn_shape or
+ * nl_error changes: a backend module built against another version is
+ * refused when it is loaded. */
 #define NL_BACKEND_ABI 2
 
 /* Largest head dimension any backend's attention and RoPE support. */

@@ -190,6 +190,9 @@ cuda_ctx *enter(nl_backend *be)
 {
     cuda_ctx *c = ctx_of(be);
     ok(c, "set device", cudaSetDevice(c->device));
+    /* a launch check reads the thread's last error: drop one left by other
+     * code so it is not blamed on this op (a sticky fault comes back anyway) */
+    (void)cudaGetLastError();
     return c;
 }
 
@@ -549,6 +552,8 @@ nl_status setup(cuda_ctx *c, const nl_backend_opts *o, size_t *runtime, nl_error
     /* cuBLAS's advice: 32 MiB of workspace on Hopper, 4 MiB before it */
     int major = 0;
     e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c->device);
+    if (e != cudaSuccess)
+        cudaGetLastError(); /* the smaller workspace then; leave no error behind */
     c->workspace_bytes = (size_t)(e == cudaSuccess && major >= 9 ? 32 : 4) << 20;
     e = cudaMalloc(&c->workspace, c->workspace_bytes);
     if (e != cudaSuccess) {
