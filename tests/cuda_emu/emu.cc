@@ -24,7 +24,10 @@
 #include <sanitizer/common_interface_defs.h>
 #endif
 
-#if !defined(__x86_64__)
+/* NL_EMU_UCONTEXT forces the portable switch (to test it on x86-64) */
+#if defined(__x86_64__) && !defined(NL_EMU_UCONTEXT)
+#define EMU_ASM_SWITCH 1
+#else
 #include <ucontext.h>
 #endif
 
@@ -41,7 +44,7 @@ namespace
 /* ---------------------------------------------------------------- contexts */
 
 struct context {
-#if defined(__x86_64__)
+#ifdef EMU_ASM_SWITCH
     void *sp;
 #else
     ucontext_t uc;
@@ -50,7 +53,7 @@ struct context {
     size_t stack_size;
 };
 
-#if defined(__x86_64__)
+#ifdef EMU_ASM_SWITCH
 /* nl_emu_switch(&from->sp, to->sp): save the callee-saved registers, MXCSR
  * and the x87 control word on this stack, store the stack pointer, load
  * the other one and restore what it saved. */
@@ -150,7 +153,7 @@ void switch_to(int from, int to, bool dying)
     void *fake = nullptr;
     __sanitizer_start_switch_fiber(dying ? nullptr : &fake, b.stack_lo, b.stack_size);
 #endif
-#if defined(__x86_64__)
+#ifdef EMU_ASM_SWITCH
     nl_emu_switch(&a.sp, b.sp);
 #else
     swapcontext(&a.uc, &b.uc);
@@ -281,7 +284,7 @@ void init_context(int t)
     /* frames an abandoned or finished coroutine left poisoned */
     ASAN_UNPOISON_MEMORY_REGION(c.stack_lo, c.stack_size);
 #endif
-#if defined(__x86_64__)
+#ifdef EMU_ASM_SWITCH
     uintptr_t top = ((uintptr_t)c.stack_lo + c.stack_size) & ~(uintptr_t)15;
     void **sp = (void **)top;
     *--sp = nullptr;               /* thread_entry's return address: none */

@@ -126,6 +126,15 @@ struct ibuf { /* int32 indices, no guards needed: the kernels only read them */
 
 /* ---------------------------------------------------------------- compare */
 
+/* NL_EMU_VERBOSE=1: one line per comparison with its worst error as a
+ * fraction of the tolerance (how much margin the kernels have). */
+void report(const char *what, double frac)
+{
+    static const bool verbose = getenv("NL_EMU_VERBOSE") != nullptr;
+    if (verbose)
+        printf("%-90s %.3f of tolerance\n", what, frac);
+}
+
 bool same_float(float a, float b)
 {
     return (a != a && b != b) || a == b;
@@ -135,14 +144,19 @@ bool same_float(float a, float b)
 void check_elem(const char *what, const buf &got, const buf &ref, double rtol, double atol)
 {
     size_t bad = 0, first = 0;
+    double frac = 0;
     for (size_t i = 0; i < ref.n; i++) {
         const float a = got.p()[i], b = ref.p()[i];
         bool ok = same_float(a, b);
-        if (!ok && a == a && b == b)
-            ok = fabs((double)a - b) <= rtol * fabs((double)b) + atol;
+        if (!ok && a == a && b == b) {
+            const double e = fabs((double)a - b), tol = rtol * fabs((double)b) + atol;
+            ok = e <= tol;
+            frac = fmax(frac, tol > 0 ? e / tol : INFINITY);
+        }
         if (!ok && bad++ == 0)
             first = i;
     }
+    report(what, frac);
     CHECK(bad == 0, "%s: %zu of %zu elements off, first [%zu] got %.9g want %.9g", what, bad, ref.n,
           first, bad ? got.p()[first] : 0.0, bad ? ref.p()[first] : 0.0);
     CHECK(got.intact(), "%s: a write past the buffer's ends", what);
@@ -170,6 +184,7 @@ void check_rows(const char *what, const buf &got, const buf &ref, size_t w, doub
         if ((!nan_ok || !(e <= tol)) && bad++ == 0)
             first = r;
     }
+    report(what, worst / tol);
     CHECK(bad == 0, "%s: %zu rows off, first row %zu, worst norm-wise error %.3g", what, bad, first,
           worst);
     CHECK(got.intact(), "%s: a write past the buffer's ends", what);
@@ -463,14 +478,20 @@ void run_attention(nl_backend *cpu, const attn_case &c)
         if (!(e <= emax))
             emax = e;
     }
+    report(what, emax / (1e-5 * omax));
     CHECK(bad == 0 && omax > 0, "%s: %zu of %zu outputs off, max error %.3g of max |out| %.3g",
           what, bad, no, emax, omax);
     CHECK(o2.intact(), "%s: a write past out", what);
     if (c.lse) {
         size_t lbad = 0;
-        for (size_t i = 0; i < nl; i++)
-            if (!(fabs((double)l2[i] - l1[i]) <= 1e-5 * fmax(1.0, fabs((double)l1[i]))))
+        double lfrac = 0;
+        for (size_t i = 0; i < nl; i++) {
+            const double e = fabs((double)l2[i] - l1[i]) / (1e-5 * fmax(1.0, fabs((double)l1[i])));
+            if (!(e <= 1))
                 lbad++;
+            lfrac = fmax(lfrac, e);
+        }
+        report("  lse", lfrac);
         CHECK(lbad == 0, "%s: %zu of %zu lse values off", what, lbad, nl);
         CHECK(l2.intact(), "%s: a write past lse", what);
     }
