@@ -1,0 +1,557 @@
+/* The CUDA backend's kernels (kernels/cuda/cuda_ops.cu, cuda_attention.cu)
+ * run on the CPU under the emulator in this folder and compared with the
+ * CPU backend, so CI checks their index math, bounds, barriers, shared
+ * memory and tiling without a GPU or the CUDA toolkit. The kernels are the
+ * real sources, compiled by the host C++ compiler (see cuda_runtime.h for
+ * how, and what the emulation cannot see).
+ *
+ * Shapes are the ones that break kernels: one row, one column, odd
+ * widths, rows wider than a block, a 50,000-wide softmax, rows of -inf,
+ * RoPE at col0 > 0 and hd up to 256, attention prefill and decode with
+ * past > 0, H/G = 1 and 4, odd head dims, padded strides with NaN in the
+ * padding and in the cache rows past past + T. Every buffer sits between
+ * NaN guards that must survive, and outputs start as NaN.
+ *
+ * Tolerances (issue 13): copies exact; element-wise 1e-6 relative;
+ * reductions, norms and softmax 1e-5 relative; RoPE and the MoE combine,
+ * whose terms cancel, 1e-6 norm-wise per row; attention 1e-5 of the
+ * output's max-norm, lse 1e-5 relative (absolute below 1). */
+#include "../check.h"
+#include "cuda_runtime.h"
+
+extern "C" {
+#include "kernels/backend.h"
+}
+#include "kernels/cuda/cuda_attention.h"
+#include "kernels/cuda/cuda_ops.h"
+
+#include <stdint.h>
+#include <vector>
+
+#ifdef __SANITIZE_ADDRESS__
+#include <sanitizer/asan_interface.h>
+#endif
+
+namespace
+{
+
+/* ---------------------------------------------------------------- buffers */
+
+uint64_t rng = 0x9e3779b97f4a7c15ull;
+
+float frand(void) /* uniform in [-1, 1) */
+{
+    rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((rng >> 40) & 0xffffff) / (float)0x1000000 * 2.0f - 1.0f;
+}
+
+int irand(int n) /* uniform in [0, n) */
+{
+    rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+    return (int)((rng >> 33) % (uint64_t)n);
+}
+
+constexpr uint32_t GUARD_BITS = 0x7fc5a5a5u; /* a quiet NaN */
+constexpr size_t GUARD = 64;                 /* floats each side */
+
+/* n floats between NaN guards: a kernel that reads past either end gets
+ * NaN, one that writes there is caught by intact(). Under ASan the guards
+ * are poisoned too, so any access to them is reported where it happens. */
+struct buf {
+    std::vector<float> mem;
+    size_t n;
+    explicit buf(size_t n_, float v = NAN) : mem(n_ + 2 * GUARD), n(n_)
+    {
+        float g;
+        memcpy(&g, &GUARD_BITS, sizeof g);
+        for (size_t i = 0; i < mem.size(); i++)
+            mem[i] = i < GUARD || i >= GUARD + n ? g : v;
+        poison(true);
+    }
+    buf(const buf &o) : n(o.n)
+    {
+        o.poison(false);
+        mem = o.mem;
+        o.poison(true);
+        poison(true);
+    }
+    buf &operator=(const buf &) = delete;
+    ~buf() { poison(false); }
+    float *p() { return mem.data() + GUARD; }
+    const float *p() const { return mem.data() + GUARD; }
+    float &operator[](size_t i) { return mem[GUARD + i]; }
+    void fill(float amp)
+    {
+        for (size_t i = 0; i < n; i++)
+            (*this)[i] = amp * frand();
+    }
+    void poison(bool on) const
+    {
+#ifdef __SANITIZE_ADDRESS__
+        const float *lo = mem.data(), *hi = mem.data() + GUARD + n;
+        if (on) {
+            ASAN_POISON_MEMORY_REGION(lo, GUARD * sizeof(float));
+            ASAN_POISON_MEMORY_REGION(hi, GUARD * sizeof(float));
+        } else {
+            ASAN_UNPOISON_MEMORY_REGION(lo, GUARD * sizeof(float));
+            ASAN_UNPOISON_MEMORY_REGION(hi, GUARD * sizeof(float));
+        }
+#else
+        (void)on;
+#endif
+    }
+    bool intact() const
+    {
+        poison(false);
+        bool ok = true;
+        for (size_t i = 0; i < mem.size(); i++) {
+            if (i == GUARD)
+                i += n;
+            if (i >= mem.size())
+                break;
+            uint32_t b;
+            memcpy(&b, &mem[i], sizeof b);
+            ok &= b == GUARD_BITS;
+        }
+        poison(true);
+        return ok;
+    }
+};
+
+struct ibuf { /* int32 indices, no guards needed: the kernels only read them */
+    std::vector<int32_t> v;
+    explicit ibuf(size_t n) : v(n ? n : 1) {}
+    int32_t *p() { return v.data(); }
+};
+
+/* ---------------------------------------------------------------- compare */
+
+/* NL_EMU_VERBOSE=1: one line per comparison with its worst error as a
+ * fraction of the tolerance (how much margin the kernels have). */
+void report(const char *what, double frac)
+{
+    static const bool verbose = getenv("NL_EMU_VERBOSE") != nullptr;
+    if (verbose)
+        printf("%-90s %.3f of tolerance\n", what, frac);
+}
+
+bool same_float(float a, float b)
+{
+    return (a != a && b != b) || a == b;
+}
+
+/* |got - ref| <= rtol |ref| + atol everywhere; NaN must meet NaN. */
+void check_elem(const char *what, const buf &got, const buf &ref, double rtol, double atol)
+{
+    size_t bad = 0, first = 0;
+    double frac = 0;
+    for (size_t i = 0; i < ref.n; i++) {
+        const float a = got.p()[i], b = ref.p()[i];
+        bool ok = same_float(a, b);
+        if (!ok && a == a && b == b) {
+            const double e = fabs((double)a - b), tol = rtol * fabs((double)b) + atol;
+            ok = e <= tol;
+            frac = fmax(frac, tol > 0 ? e / tol : INFINITY);
+        }
+        if (!ok && bad++ == 0)
+            first = i;
+    }
+    report(what, frac);
+    CHECK(bad == 0, "%s: %zu of %zu elements off, first [%zu] got %.9g want %.9g", what, bad, ref.n,
+          first, bad ? got.p()[first] : 0.0, bad ? ref.p()[first] : 0.0);
+    CHECK(got.intact(), "%s: a write past the buffer's ends", what);
+}
+
+/* Rows of width w: ||got - ref|| <= tol ||ref|| per row, NaN meeting NaN. */
+void check_rows(const char *what, const buf &got, const buf &ref, size_t w, double tol)
+{
+    size_t bad = 0, first = 0;
+    double worst = 0;
+    for (size_t r = 0; r * w < ref.n; r++) {
+        double num = 0, den = 0;
+        bool nan_ok = true;
+        for (size_t c = 0; c < w; c++) {
+            const float a = got.p()[r * w + c], b = ref.p()[r * w + c];
+            if (a != a || b != b) {
+                nan_ok &= a != a && b != b;
+                continue;
+            }
+            num += ((double)a - b) * ((double)a - b);
+            den += (double)b * b;
+        }
+        const double e = sqrt(num) / (den > 0 ? sqrt(den) : 1.0);
+        worst = e > worst ? e : worst;
+        if ((!nan_ok || !(e <= tol)) && bad++ == 0)
+            first = r;
+    }
+    report(what, worst / tol);
+    CHECK(bad == 0, "%s: %zu rows off, first row %zu, worst norm-wise error %.3g", what, bad, first,
+          worst);
+    CHECK(got.intact(), "%s: a write past the buffer's ends", what);
+}
+
+/* The launcher returned 0 (and so did the emulation). */
+void check_rc(const char *what, int rc)
+{
+    CHECK(rc == 0, "%s: the launcher returned %d (%s)", what, rc,
+          cudaGetErrorString((cudaError_t)rc));
+}
+
+/* ---------------------------------------------------------------- ops */
+
+void test_embedding_gather(nl_backend *cpu)
+{
+    const int shapes[][3] = {{1, 1, 3}, {5, 37, 11}, {3, 300, 4}, {70, 1, 5}, {2, 1000, 7}};
+    for (auto &sh : shapes) {
+        const int N = sh[0], C = sh[1], V = sh[2];
+        char what[96];
+        buf table((size_t)V * C);
+        table.fill(1);
+        ibuf tok(N);
+        for (int n = 0; n < N; n++)
+            tok.p()[n] = irand(V);
+        buf a((size_t)N * C), b((size_t)N * C);
+        snprintf(what, sizeof what, "embedding N %d C %d", N, C);
+        check_rc(what, nl_cuda_embedding_forward(nullptr, a.p(), tok.p(), table.p(), N, C));
+        cpu->embedding_forward(cpu, b.p(), tok.p(), table.p(), N, C);
+        check_elem(what, a, b, 0, 0);
+
+        buf c((size_t)N * C), d((size_t)N * C);
+        snprintf(what, sizeof what, "gather_rows n %d C %d", N, C);
+        check_rc(what, nl_cuda_gather_rows(nullptr, c.p(), table.p(), tok.p(), N, C));
+        cpu->gather_rows(cpu, d.p(), table.p(), tok.p(), N, C);
+        check_elem(what, c, d, 0, 0);
+    }
+}
+
+void test_rmsnorm(nl_backend *cpu)
+{
+    const int shapes[][2] = {{1, 1}, {4, 37}, {2, 1000}, {3, 4096}, {1, 33}, {2, 513}, {5, 2049}};
+    for (auto &sh : shapes) {
+        const int N = sh[0], C = sh[1];
+        char what[96];
+        buf x((size_t)N * C), w(C);
+        x.fill(3);
+        w.fill(1);
+        buf a((size_t)N * C), b((size_t)N * C), ra(N), rb(N);
+        snprintf(what, sizeof what, "rmsnorm N %d C %d", N, C);
+        check_rc(what, nl_cuda_rmsnorm_forward(nullptr, a.p(), ra.p(), x.p(), w.p(), N, C, 1e-5f));
+        cpu->rmsnorm_forward(cpu, b.p(), rb.p(), x.p(), w.p(), N, C, 1e-5f);
+        check_elem(what, a, b, 1e-5, 0);
+        snprintf(what, sizeof what, "rmsnorm rstd N %d C %d", N, C);
+        check_elem(what, ra, rb, 1e-5, 0);
+
+        /* in place, rstd NULL */
+        buf xi = x;
+        snprintf(what, sizeof what, "rmsnorm in place, rstd NULL, N %d C %d", N, C);
+        check_rc(what,
+                 nl_cuda_rmsnorm_forward(nullptr, xi.p(), nullptr, xi.p(), w.p(), N, C, 1e-5f));
+        check_elem(what, xi, b, 1e-5, 0);
+    }
+}
+
+void test_rope(nl_backend *cpu)
+{
+    /* N, heads, hd, col0, columns after the heads */
+    const int shapes[][5] = {{1, 1, 2, 0, 0},     {3, 2, 8, 5, 3},    {4, 4, 64, 0, 0},
+                             {2, 3, 256, 7, 1},   {5, 1, 6, 2, 0},    {3, 2, 130, 1, 2},
+                             {1, 1, 128, 64, 64}, {300, 2, 64, 0, 0}, {2, 2, 7, 1, 1}};
+    for (auto &sh : shapes) {
+        const int N = sh[0], heads = sh[1], hd = sh[2], col0 = sh[3];
+        const int row = col0 + heads * hd + sh[4];
+        char what[96];
+        buf x((size_t)N * row);
+        x.fill(2);
+        ibuf pos(N);
+        for (int n = 0; n < N; n++)
+            pos.p()[n] = n * 40009 % 131072 + n;
+        buf a = x, b = x;
+        snprintf(what, sizeof what, "rope N %d heads %d hd %d col0 %d row %d", N, heads, hd, col0,
+                 row);
+        check_rc(what,
+                 nl_cuda_rope_forward(nullptr, a.p(), pos.p(), N, row, col0, heads, hd, 10000.0f));
+        cpu->rope_forward(cpu, b.p(), pos.p(), N, row, col0, heads, hd, 10000.0f);
+        check_rows(what, a, b, (size_t)row, 1e-6);
+        /* columns outside the heads are untouched */
+        size_t moved = 0;
+        for (int n = 0; n < N; n++)
+            for (int c = 0; c < row; c++)
+                if ((c < col0 || c >= col0 + heads * hd) &&
+                    !same_float(a[(size_t)n * row + c], x[(size_t)n * row + c]))
+                    moved++;
+        CHECK(moved == 0, "%s: %zu columns outside the heads changed", what, moved);
+    }
+}
+
+void test_softmax(nl_backend *cpu)
+{
+    const int shapes[][2] = {{1, 1}, {3, 37}, {2, 9000}, {1, 50000}, {4, 256}, {2, 257}, {1, 8193}};
+    for (auto &sh : shapes) {
+        const int N = sh[0], C = sh[1];
+        char what[96];
+        buf x((size_t)N * C);
+        x.fill(20);
+        if (C > 3) { /* some -inf entries, and with N > 2 a whole row of them */
+            x[1] = -INFINITY;
+            x[(size_t)C - 1] = -INFINITY;
+            if (N > 2)
+                for (int c = 0; c < C; c++)
+                    x[(size_t)C + c] = -INFINITY;
+        }
+        if (N > 1) /* the last row far below 0: exp(x) alone would underflow */
+            for (int c = 0; c < C; c++)
+                x[(size_t)(N - 1) * C + c] -= 110.0f;
+        buf a = x, b = x;
+        snprintf(what, sizeof what, "softmax N %d C %d", N, C);
+        check_rc(what, nl_cuda_softmax_forward(nullptr, a.p(), N, C));
+        cpu->softmax_forward(cpu, b.p(), N, C);
+        check_elem(what, a, b, 1e-5, 1e-30);
+    }
+}
+
+void test_swiglu(nl_backend *cpu)
+{
+    const int shapes[][2] = {{1, 1}, {3, 37}, {2, 700}, {1, 257}};
+    for (auto &sh : shapes) {
+        const int N = sh[0], F = sh[1];
+        char what[96];
+        buf gu((size_t)N * 2 * F);
+        gu.fill(8);
+        buf a((size_t)N * F), b((size_t)N * F);
+        snprintf(what, sizeof what, "swiglu N %d F %d", N, F);
+        check_rc(what, nl_cuda_swiglu_forward(nullptr, a.p(), gu.p(), N, F));
+        cpu->swiglu_forward(cpu, b.p(), gu.p(), N, F);
+        check_elem(what, a, b, 1e-6, 0);
+    }
+}
+
+void test_copy_rows(nl_backend *cpu)
+{
+    /* rows, cols, dst stride, src stride */
+    const int shapes[][4] = {{1, 1, 1, 1}, {5, 33, 40, 50}, {3, 300, 300, 301},
+                             {4, 7, 7, 9}, {1, 5, 0, 0},    {6, 257, 260, 257}};
+    for (auto &sh : shapes) {
+        const int rows = sh[0], cols = sh[1], ds = sh[2], ss = sh[3];
+        const size_t dn = (size_t)(rows - 1) * ds + cols, sn = (size_t)(rows - 1) * ss + cols;
+        char what[96];
+        buf src(sn), a(dn, 9.0f), b(dn, 9.0f); /* the gaps between rows must stay 9 */
+        src.fill(1);
+        snprintf(what, sizeof what, "copy_rows %d x %d strides %d %d", rows, cols, ds, ss);
+        check_rc(what, nl_cuda_copy_rows(nullptr, a.p(), ds, src.p(), ss, rows, cols));
+        cpu->copy_rows(cpu, b.p(), ds, src.p(), ss, rows, cols);
+        check_elem(what, a, b, 0, 0);
+    }
+}
+
+void test_moe_combine(nl_backend *cpu)
+{
+    const int shapes[][3] = {{1, 1, 1}, {6, 2, 37}, {3, 4, 300}, {5, 3, 1}, {2, 4, 513}};
+    for (auto &sh : shapes) {
+        const int N = sh[0], k = sh[1], C = sh[2], S = N * k;
+        char what[96];
+        buf y((size_t)S * C), w(S), x((size_t)N * C);
+        y.fill(2);
+        w.fill(1);
+        x.fill(2);
+        ibuf slot(S);
+        for (int i = 0; i < S; i++)
+            slot.p()[i] = (i * 7 + 3) % S;
+        buf a = x, b = x;
+        snprintf(what, sizeof what, "moe_combine N %d k %d C %d", N, k, C);
+        check_rc(what, nl_cuda_moe_combine(nullptr, a.p(), y.p(), slot.p(), w.p(), N, k, C));
+        cpu->moe_combine(cpu, b.p(), y.p(), slot.p(), w.p(), N, k, C);
+        check_rows(what, a, b, (size_t)C, 1e-6);
+    }
+}
+
+/* The GEMM's K == 0 case: the CPU's gemm with K = 0 is the reference. */
+void test_scale_rows(nl_backend *cpu)
+{
+    const float betas[] = {0.0f, 0.5f, 1.0f};
+    const int shapes[][3] = {{1, 1, 1}, {3, 5, 7}, {4, 300, 301}};
+    for (auto &sh : shapes)
+        for (float beta : betas) {
+            const int M = sh[0], N = sh[1], ldc = sh[2];
+            const size_t n = (size_t)(M - 1) * ldc + N;
+            char what[96];
+            buf c(n);
+            c.fill(3);
+            c[0] = NAN; /* beta == 0 clears it */
+            buf a = c, b = c;
+            snprintf(what, sizeof what, "scale_rows %d x %d ldc %d beta %g", M, N, ldc, beta);
+            check_rc(what, nl_cuda_scale_rows(nullptr, a.p(), ldc, M, N, beta));
+            cpu->gemm(cpu, 0, 0, M, N, 0, 1.0f, nullptr, 1, nullptr, 1, beta, b.p(), ldc);
+            check_elem(what, a, b, 0, 0);
+        }
+}
+
+/* Empty shapes launch nothing and succeed; bad ones launch nothing and
+ * return cudaErrorInvalidValue. */
+void test_launchers(void)
+{
+    float f[4] = {0, 0, 0, 0};
+    int32_t i[4] = {0, 0, 0, 0};
+    const long before = emu_launch_count();
+    CHECK(nl_cuda_embedding_forward(nullptr, f, i, f, 0, 4) == 0, "embedding N 0");
+    CHECK(nl_cuda_rmsnorm_forward(nullptr, f, f, f, f, 2, 0, 1e-5f) == 0, "rmsnorm C 0");
+    CHECK(nl_cuda_rope_forward(nullptr, f, i, 2, 4, 0, 0, 2, 1e4f) == 0, "rope heads 0");
+    CHECK(nl_cuda_rope_forward(nullptr, f, i, 2, 4, 0, 1, 1, 1e4f) == 0, "rope hd 1");
+    CHECK(nl_cuda_softmax_forward(nullptr, f, 0, 4) == 0, "softmax N 0");
+    CHECK(nl_cuda_swiglu_forward(nullptr, f, f, 1, 0) == 0, "swiglu F 0");
+    CHECK(nl_cuda_gather_rows(nullptr, f, f, i, 0, 4) == 0, "gather n 0");
+    CHECK(nl_cuda_copy_rows(nullptr, f, 1, f, 1, 0, 1) == 0, "copy_rows rows 0");
+    CHECK(nl_cuda_moe_combine(nullptr, f, f, i, f, 1, 0, 4) == 0, "moe_combine k 0");
+    CHECK(nl_cuda_scale_rows(nullptr, f, 1, 1, 0, 0.0f) == 0, "scale_rows cols 0");
+    nl_attn_shape s = {0, 1, 0, 1, 1, 1, 4};
+    CHECK(nl_cuda_attention_forward(nullptr, f, f, f, 4, f, f, 4, s) == 0, "attention B 0");
+    CHECK(emu_launch_count() == before, "an empty shape launched %ld kernels",
+          emu_launch_count() - before);
+
+    CHECK(nl_cuda_rope_forward(nullptr, f, i, 1, 600, 0, 1, NL_BACKEND_MAX_HEAD_DIM + 2, 1e4f) ==
+              cudaErrorInvalidValue,
+          "rope hd past the maximum");
+    CHECK(nl_cuda_copy_rows(nullptr, f, -1, f, 1, 1, 1) == cudaErrorInvalidValue,
+          "copy_rows negative stride");
+    CHECK(nl_cuda_scale_rows(nullptr, f, -1, 1, 1, 1.0f) == cudaErrorInvalidValue,
+          "scale_rows negative ldc");
+    const nl_attn_shape bad[] = {
+        {1, 1, 0, 1, 1, 1, 0},   /* hd 0 */
+        {1, 1, 0, 1, 1, 1, 257}, /* hd past the maximum */
+        {1, 1, 0, 1, 2, 0, 4},   /* G 0 */
+        {1, 1, 0, 1, 3, 2, 4},   /* H % G != 0 */
+        {1, 2, 3, 4, 1, 1, 4},   /* kv_cap < past + T */
+        {1, 1, -1, 1, 1, 1, 4},  /* past < 0 */
+    };
+    for (const nl_attn_shape &b : bad)
+        CHECK(nl_cuda_attention_forward(nullptr, f, f, f, 4, f, f, 4, b) == cudaErrorInvalidValue,
+              "attention shape B %d T %d past %d cap %d H %d G %d hd %d accepted", b.B, b.T, b.past,
+              b.kv_cap, b.H, b.G, b.hd);
+    s = {1, 1, 0, 1, 1, 1, 4};
+    CHECK(nl_cuda_attention_forward(nullptr, f, f, f, 3, f, f, 4, s) == cudaErrorInvalidValue,
+          "attention q_stride < H hd accepted");
+    CHECK(nl_cuda_attention_forward(nullptr, f, f, f, 4, f, f, 3, s) == cudaErrorInvalidValue,
+          "attention kv_stride < G hd accepted");
+    CHECK(nl_cuda_attention_forward(nullptr, nullptr, f, f, 4, f, f, 4, s) == cudaErrorInvalidValue,
+          "attention NULL out accepted");
+    CHECK(emu_launch_count() == before, "a rejected shape launched a kernel");
+}
+
+/* ---------------------------------------------------------------- attention */
+
+struct attn_case {
+    int B, T, past, extra_cap, H, G, hd, qpad, kvpad, lse;
+    float amp; /* scale of q and k: larger gives peakier softmax rows */
+};
+
+void run_attention(nl_backend *cpu, const attn_case &c)
+{
+    nl_attn_shape s = {c.B, c.T, c.past, c.past + c.T + c.extra_cap, c.H, c.G, c.hd};
+    const int qs = c.H * c.hd + c.qpad, ks = c.G * c.hd + c.kvpad;
+    const size_t nq = (size_t)c.B * c.T * qs, nk = (size_t)c.B * s.kv_cap * ks;
+    const size_t no = (size_t)c.B * c.T * c.H * c.hd, nl = (size_t)c.B * c.H * c.T;
+    buf q(nq), k(nk), v(nk);
+    /* NaN in the padding columns and in the cache rows past past + T: a
+     * kernel that reads them poisons its output */
+    for (size_t i = 0; i < nq; i++)
+        q[i] = (int)(i % qs) < c.H * c.hd ? c.amp * frand() : NAN;
+    for (size_t i = 0; i < nk; i++) {
+        const bool live = (int)(i / ks % s.kv_cap) < c.past + c.T && (int)(i % ks) < c.G * c.hd;
+        k[i] = live ? c.amp * frand() : NAN;
+        v[i] = live ? frand() : NAN;
+    }
+    buf o1(no), o2(no), l1(nl), l2(nl);
+    char what[160];
+    snprintf(what, sizeof what,
+             "attention B %d T %d past %d cap %d H %d G %d hd %d q_stride %d kv_stride %d lse %s",
+             c.B, c.T, c.past, s.kv_cap, c.H, c.G, c.hd, qs, ks, c.lse ? "yes" : "NULL");
+    cpu->attention_forward(cpu, o1.p(), l1.p(), q.p(), qs, k.p(), v.p(), ks, s);
+    check_rc(what, nl_cuda_attention_forward(nullptr, o2.p(), c.lse ? l2.p() : nullptr, q.p(), qs,
+                                             k.p(), v.p(), ks, s));
+    double omax = 0, emax = 0;
+    size_t bad = 0;
+    for (size_t i = 0; i < no; i++)
+        omax = fmax(omax, fabs((double)o1[i]));
+    for (size_t i = 0; i < no; i++) {
+        const double e = fabs((double)o2[i] - o1[i]);
+        if (!(e <= 1e-5 * omax))
+            bad++;
+        if (!(e <= emax))
+            emax = e;
+    }
+    report(what, emax / (1e-5 * omax));
+    CHECK(bad == 0 && omax > 0, "%s: %zu of %zu outputs off, max error %.3g of max |out| %.3g",
+          what, bad, no, emax, omax);
+    CHECK(o2.intact(), "%s: a write past out", what);
+    if (c.lse) {
+        size_t lbad = 0;
+        double lfrac = 0;
+        for (size_t i = 0; i < nl; i++) {
+            const double e = fabs((double)l2[i] - l1[i]) / (1e-5 * fmax(1.0, fabs((double)l1[i])));
+            if (!(e <= 1))
+                lbad++;
+            lfrac = fmax(lfrac, e);
+        }
+        report("  lse", lfrac);
+        CHECK(lbad == 0, "%s: %zu of %zu lse values off", what, lbad, nl);
+        CHECK(l2.intact(), "%s: a write past lse", what);
+    }
+}
+
+void test_attention(nl_backend *cpu)
+{
+    const int hds[] = {16, 64, 128, 37, 256, 1};
+    for (int hd : hds) {
+        const attn_case cases[] = {
+            /* B  T  past cap+ H  G  hd  qpad kvpad lse amp */
+            {1, 1, 0, 0, 1, 1, hd, 0, 0, 1, 1},   /* one key */
+            {2, 1, 37, 3, 4, 1, hd, 1, 2, 1, 3},  /* decode, H/G 4, padded */
+            {1, 3, 70, 0, 2, 2, hd, 0, 0, 1, 3},  /* decode T 3, H/G 1 */
+            {1, 4, 0, 1, 2, 1, hd, 0, 0, 0, 3},   /* decode path at past 0, lse NULL */
+            {1, 5, 0, 0, 2, 2, hd, 0, 0, 1, 3},   /* the smallest prefill */
+            {2, 17, 0, 2, 4, 1, hd, 3, 0, 1, 3},  /* one past a query tile, H/G 4 */
+            {1, 33, 45, 0, 2, 1, hd, 0, 1, 0, 2}, /* prefill over a past, lse NULL */
+        };
+        for (const attn_case &c : cases)
+            run_attention(cpu, c);
+    }
+    const attn_case more[] = {
+        {1, 1, 3000, 5, 4, 1, 128, 4, 4, 1, 1}, /* one token over a long cache */
+        {1, 2, 1000, 0, 4, 4, 64, 0, 2, 1, 2},  /* decode, H/G 1 */
+        {1, 70, 300, 9, 4, 1, 64, 2, 6, 1, 2},  /* prefill, several key tiles */
+        {1, 40, 100, 0, 2, 2, 128, 0, 0, 1, 4}, /* peaky rows */
+        {1, 24, 33, 0, 4, 1, 256, 8, 0, 1, 1},  /* the 256 bucket, three query tiles */
+        {2, 9, 31, 1, 4, 2, 100, 1, 3, 1, 3},   /* odd hd in the 128 bucket */
+        {3, 4, 2000, 2, 8, 2, 64, 0, 0, 1, 2},  /* decode T 4 over a long cache, B 3 */
+        {1, 3, 500, 0, 4, 1, 256, 0, 4, 1, 2},  /* decode in the 256 bucket */
+        {1, 1, 255, 0, 2, 1, 37, 1, 1, 0, 2},   /* 256 keys: every decode warp busy */
+        {1, 96, 1000, 0, 2, 1, 64, 0, 0, 1, 2}, /* prefill over a long cache */
+    };
+    for (const attn_case &c : more)
+        run_attention(cpu, c);
+}
+
+} // namespace
+
+int main(void)
+{
+    nl_error err = {};
+    nl_backend *cpu = nullptr;
+    nl_backend_opts opts = {};
+    opts.threads = 1;
+    if (nl_backend_new(&cpu, "cpu", &opts, &err) != NL_OK) {
+        fprintf(stderr, "test_cuda_emu: no CPU backend: %s\n", err.msg);
+        return 1;
+    }
+    test_launchers();
+    test_embedding_gather(cpu);
+    test_rmsnorm(cpu);
+    test_rope(cpu);
+    test_softmax(cpu);
+    test_swiglu(cpu);
+    test_copy_rows(cpu);
+    test_moe_combine(cpu);
+    test_scale_rows(cpu);
+    test_attention(cpu);
+    nl_backend_destroy(&cpu);
+    return check_done("test_cuda_emu");
+}
