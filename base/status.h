@@ -8,6 +8,10 @@
 
 #include <stddef.h>
 
+#ifdef __cplusplus
+extern "C" { /* the CUDA module and C++ tests include this */
+#endif
+
 typedef enum nl_status {
     NL_OK = 0,
     NL_ERR_NOMEM,       /* allocation failed */
@@ -55,5 +59,9 @@ nl_status nl_error_prefix(nl_error *err, const char *fmt, ...)
 
 /* Reset err to NL_OK with an empty message. err may be NULL. */
 void nl_error_clear(nl_error *err);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -34,6 +34,10 @@
 
 #include "../base/status.h"
 
+#ifdef __cplusplus
+extern "C" { /* the CUDA module and C++ tests include this */
+#endif
+
 typedef struct nl_backend nl_backend;
 
 /* Shape of one attention call. Queries are the T newest positions of each
@@ -235,5 +239,9 @@ void nl_host_stage_free(nl_host_stage *st);
 /* Measure this backend's sgemm throughput in GFLOP/s on an M x N x K
  * product, repeated for about `seconds`. */
 double nl_backend_gemm_gflops(nl_backend *be, int M, int N, int K, double seconds);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -64,14 +64,17 @@ static inline const char *check_device(void)
 /* Create the backend named by NL_TEST_DEVICE with `threads` threads. */
 static inline nl_status check_backend_new(nl_backend **be, int threads, nl_error *err)
 {
-    return nl_backend_new(be, check_device(), &(nl_backend_opts){.threads = threads}, err);
+    nl_backend_opts o; /* no compound literal: C++ tests include this too */
+    memset(&o, 0, sizeof o);
+    o.threads = threads;
+    return nl_backend_new(be, check_device(), &o, err);
 }
 
 /* A malloc'd host copy of n floats of device memory (NULL when out of
  * memory, or when dev is NULL); the caller frees it. */
 static inline float *check_download(nl_backend *be, const float *dev, size_t n)
 {
-    float *h = dev ? malloc((n ? n : 1) * sizeof *h) : NULL;
+    float *h = dev ? (float *)malloc((n ? n : 1) * sizeof *h) : NULL;
     if (h)
         be->download(be, h, dev, n * sizeof *h);
     return h;
