@@ -8,7 +8,13 @@
  *     fraction of the spec FP32 peak;
  *   - memory-bound kernels (rmsnorm, softmax over the vocabulary, swiglu,
  *     gather_rows, copy_rows, moe_combine) at the same sizes: GB/s of the
- *     bytes each must move, and the fraction of the spec bandwidth.
+ *     bytes each must move, and the fraction of the spec bandwidth;
+ *   - where a decode token's time goes: the model (random init) decodes
+ *     --decode-tokens tokens after a 64-token prompt, one at a time; then
+ *     the host round trips one token makes are timed alone (per layer the
+ *     router probabilities down and the dispatch tables up, as core/layer.c
+ *     does; per token the position up and the logits down), and the rest of
+ *     the token's time is the kernels and their launches.
  * Spec FP32 peak = SMs x clock (cudaDevAttrClockRate) x FP32 lanes per SM
  * (by compute capability: sm_75/sm_80 64, sm_86/89/90 and later 128) x 2;
  * spec bandwidth = memory clock x bus width x 2 (double data rate).
@@ -27,6 +33,7 @@
 
 #include "base/args.h"
 #include "core/config.h"
+#include "core/forward.h"
 #include "kernels/backend.h"
 
 static double now_s(void)
@@ -247,21 +254,96 @@ static void print_gemm(const job *j, double fp32_s, double tf32_s, const spec *s
            first ? "" : ",", j->name, j->M, j->N, j->K, g32, g32 / peak, g19, g19 / peak);
 }
 
+/* ---------------------------------------------------------------- decode */
+
+/* Seconds per decoded token, and of the host round trips it makes (see the
+ * opening comment). Returns 0, or -1 with err set. */
+static int decode_split(nl_backend *be, const nl_config *cf, int tokens, double *tok_s,
+                        double *route_s, double *copy_s, nl_error *err)
+{
+    const int P = 64, L = cf->num_layers, E = cf->num_experts, k = cf->top_k;
+    const int V = (int)cf->vocab_size;
+    nl_model *m = NULL;
+    nl_runstate *rs = NULL;
+    nl_kvcache *kv = NULL;
+    int rc = -1;
+    int32_t prompt[64], i32[64];
+    float *host = malloc((size_t)(V > E ? V : E) * sizeof(float));
+    float *dev = NULL;
+    for (int i = 0; i < P; i++)
+        prompt[i] = (int32_t)((i * 7919) % V);
+    if (!host || nl_model_new(&m, be, cf, 0, L, 1, 1, err) != NL_OK ||
+        nl_model_init_random(m, 1, err) != NL_OK || nl_runstate_new(&rs, m, P, err) != NL_OK ||
+        nl_kvcache_new(&kv, m, 1, P + tokens, err) != NL_OK ||
+        !(dev = be->alloc(be, (size_t)(V > 64 ? V : 64) * sizeof(float)))) {
+        if (err->status == NL_OK)
+            nl_error_set(err, NL_ERR_NOMEM, "decode: out of memory");
+        goto out;
+    }
+    nl_forward_args a = {.B = 1, .T = P, .tokens = prompt, .kv = kv, .last_only = 1};
+    if (nl_forward(m, rs, &a, NULL, err) != NL_OK)
+        goto out;
+    int cols = 0;
+    be->download(be, host, nl_runstate_output(rs, &cols), (size_t)V * sizeof(float));
+    a.T = 1;
+    double t0 = now_s();
+    for (int t = 0; t < tokens; t++) {
+        int32_t tok = (int32_t)((t * 31) % V);
+        a.tokens = &tok;
+        if (nl_forward(m, rs, &a, NULL, err) != NL_OK)
+            goto out;
+        be->download(be, host, nl_runstate_output(rs, &cols), (size_t)V * sizeof(float));
+    }
+    if (be->sync(be, err) != NL_OK)
+        goto out;
+    *tok_s = (now_s() - t0) / tokens;
+    /* the round trips alone, each as core makes it */
+    memset(i32, 0, sizeof i32);
+    t0 = now_s();
+    for (int t = 0; t < tokens; t++)
+        for (int l = 0; l < L; l++) {
+            be->download(be, host, dev, (size_t)E * sizeof(float));
+            be->upload(be, dev, i32, (size_t)k * sizeof(int32_t));
+            be->upload(be, dev, i32, (size_t)k * sizeof(int32_t));
+            be->upload(be, dev, i32, (size_t)k * sizeof(float));
+        }
+    *route_s = (now_s() - t0) / tokens;
+    t0 = now_s();
+    for (int t = 0; t < tokens; t++) {
+        be->upload(be, dev, i32, 2 * sizeof(int32_t)); /* the token and its position */
+        be->download(be, host, dev, (size_t)V * sizeof(float));
+    }
+    *copy_s = (now_s() - t0) / tokens;
+    rc = be->sync(be, err) == NL_OK ? 0 : -1;
+out:
+    if (dev)
+        be->free(be, dev);
+    nl_kvcache_destroy(&kv);
+    nl_runstate_destroy(&rs);
+    nl_model_destroy(&m);
+    free(host);
+    return rc;
+}
+
 int main(int argc, char **argv)
 {
     nl_flag flags[] = {{"config", 1, "model config (default configs/bench-large.yaml)", NULL},
                        {"rows", 1, "prefill tokens N (default 2048: 8 sequences of 256)", NULL},
                        {"device", 1, "CUDA device (default cuda:0; cpu: a dry run)", NULL},
                        {"square", 1, "size of the square SGEMM (default 4096)", NULL},
+                       {"decode-tokens", 1, "tokens of the decode split (default 64; 0: skip)",
+                        NULL},
                        {0}};
-    const char *usage = "bench_cuda [--config CFG.yaml] [--rows N] [--device cuda:N] [--square M]";
+    const char *usage = "bench_cuda [--config CFG.yaml] [--rows N] [--device cuda:N] [--square M] "
+                        "[--decode-tokens N]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
     const char *cfg_path = nl_args_get(flags, "config"), *device = nl_args_get(flags, "device");
-    long long rows = 2048, sq = 4096;
+    long long rows = 2048, sq = 4096, dtok = 64;
     if ((rc = nl_args_int(flags, "rows", 1, 1 << 20, &rows)) ||
-        (rc = nl_args_int(flags, "square", 1, 32768, &sq)))
+        (rc = nl_args_int(flags, "square", 1, 32768, &sq)) ||
+        (rc = nl_args_int(flags, "decode-tokens", 0, 1 << 16, &dtok)))
         return rc;
     cfg_path = cfg_path ? cfg_path : "configs/bench-large.yaml";
     device = device ? device : "cuda:0";
@@ -338,7 +420,23 @@ int main(int argc, char **argv)
                i ? "," : "", mj[i].name, mj[i].rows, mj[i].cols, mj[i].bytes / 1e6, t * 1e6,
                mj[i].bytes / t / 1e9, s.gbs > 0 ? mj[i].bytes / t / 1e9 / s.gbs : 0.0);
     }
-    printf("\n  ]\n}\n");
+    printf("\n  ]");
+    if (dtok > 0) {
+        double tok = 0, route = 0, copy = 0;
+        arena_free(be, &ar); /* room for the model */
+        memset(&ar, 0, sizeof ar);
+        if (decode_split(be, &cf, (int)dtok, &tok, &route, &copy, &err) != 0) {
+            printf("\n}\n");
+            fprintf(stderr, "bench_cuda: decode: %s (%s)\n", err.msg, nl_status_str(err.status));
+            goto out;
+        }
+        printf(",\n  \"decode\":{\"tokens\":%lld,\"prompt\":64,\"ms_per_token\":%.3f,"
+               "\"tokens_s\":%.1f,\"round_trips_per_token\":%d,\"routing_ms\":%.3f,"
+               "\"copies_ms\":%.3f,\"kernels_and_launches_ms\":%.3f}",
+               dtok, tok * 1e3, 1.0 / tok, 4 * cf.num_layers + 2, route * 1e3, copy * 1e3,
+               (tok - route - copy) * 1e3);
+    }
+    printf("\n}\n");
     rc = 0;
     goto out;
 device_error:
