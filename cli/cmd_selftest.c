@@ -782,7 +782,10 @@ int nl_cmd_selftest(int argc, char **argv)
         fprintf(stderr, "neuroctl selftest: %s\n", err.msg);
         return 2;
     }
-    nl_selftest c = {.tf32 = nl_args_get(flags, "tf32") != NULL};
+    nl_selftest c = {.tf32 = nl_args_get(flags, "tf32") != NULL, .lr_scale = 1.0f};
+    const char *lr_scale = getenv("NL_TEST_SELFTEST_LR_SCALE"); /* test hook */
+    if (lr_scale)
+        c.lr_scale = (float)atof(lr_scale);
     nl_rng_seed(&c.rng, (uint64_t)seed, 0);
     if (nl_backend_new(&c.be[0], ref, &(nl_backend_opts){.threads = (int)threads}, &err) != NL_OK ||
         nl_backend_new(&c.be[1], device,
