@@ -182,7 +182,8 @@ static void stage_devices(char *buf, size_t cap, const json_t *ev)
     buf[0] = '\0';
     if (!json_is_array(a))
         return;
-    json_array_foreach(a, i, v) {
+    json_array_foreach(a, i, v)
+    {
         const char *d = json_is_string(v) ? json_string_value(v) : "?";
         int n = snprintf(buf + used, cap - used, "%s%.64s", i ? "," : "", d);
         if (n < 0 || (size_t)n >= cap - used) {

@@ -16,7 +16,7 @@
 #define TOL_ATTN 1e-5
 #define TOL_TRAIN_LOSS 1e-5 /* a training step's loss, relative */
 #define TOL_TRAIN_W 1e-4    /* weights after training steps, gradients of a layer */
-#define NEAR_TIE 1e-5 /* two top-k router probabilities closer than this */
+#define NEAR_TIE 1e-5       /* two top-k router probabilities closer than this */
 
 #define MAX_LIVE 24
 

@@ -279,7 +279,8 @@ static void check_layer(nl_selftest *c, model_side ms[2], uint64_t seed)
     nl_error e = {0};
     nl_rng rng;
     nl_rng_seed(&rng, seed, 7);
-    float *x = nl_selftest_hbuf(c, nd * sizeof(float)), *g = nl_selftest_hbuf(c, nd * sizeof(float));
+    float *x = nl_selftest_hbuf(c, nd * sizeof(float)),
+          *g = nl_selftest_hbuf(c, nd * sizeof(float));
     int32_t *pos = nl_selftest_hbuf(c, (size_t)N * sizeof(int32_t)),
             *neg = nl_selftest_hbuf(c, (size_t)N * sizeof(int32_t));
     for (size_t i = 0; x && g && i < nd; i++) {
@@ -320,10 +321,11 @@ static void check_layer(nl_selftest *c, model_side ms[2], uint64_t seed)
     }
     char why[96];
     snprintf(why, sizeof why, "(%d expert choices differ)", differ);
+    const char *note = differ ? why : NULL;
     nl_selftest_line(c, ok && !c->oom && ex <= tol_x, "layer_forward", shape, ex, tol_x,
-                     !ok ? e.msg : differ ? why : NULL);
-    nl_selftest_line(c, ok && !c->oom && edx <= tol_g, "layer_backward_dx", shape, edx,
-                     tol_g, NULL);
+                     ok ? note : e.msg);
+    nl_selftest_line(c, ok && !c->oom && edx <= tol_g, "layer_backward_dx", shape, edx, tol_g,
+                     NULL);
     for (int s = 0; s < 2; s++) {
         nl_backend *be = c->be[s];
         if (a[s].x_in)
@@ -350,8 +352,7 @@ static void check_train_steps(nl_selftest *c, model_side ms[2], uint64_t seed)
     const size_t np = ms[0].m->n_params;
     const double tol_l = c->tf32 ? 1e-2 : TOL_TRAIN_LOSS, tol_w = c->tf32 ? 1e-2 : TOL_TRAIN_W;
     char shape[80];
-    snprintf(shape, sizeof shape, "steps=%d B=%d T=%d M=%d L=%d", STEPS, B, T, M,
-             cfg->num_layers);
+    snprintf(shape, sizeof shape, "steps=%d B=%d T=%d M=%d L=%d", STEPS, B, T, M, cfg->num_layers);
     nl_trainer *tr[2] = {0};
     nl_error e = {0};
     nl_status st = NL_OK;
@@ -369,8 +370,8 @@ static void check_train_steps(nl_selftest *c, model_side ms[2], uint64_t seed)
         for (int s = 0; s < 2 && st == NL_OK; s++) {
             const float lr = 3e-3f * (s ? c->lr_scale : 1.0f);
             nl_step_result r;
-            st = nl_trainer_step_local(tr[s], tok, tok + 1, B, T, M, lr, 1.0f,
-                                       nl_adamw_defaults(), &r, &e);
+            st = nl_trainer_step_local(tr[s], tok, tok + 1, B, T, M, lr, 1.0f, nl_adamw_defaults(),
+                                       &r, &e);
             if (st == NL_OK && (st = c->be[s]->sync(c->be[s], &e)) == NL_OK)
                 loss[s] = r.skipped ? NAN : r.loss;
         }

@@ -41,7 +41,7 @@ typedef struct nl_manifest_shard {
     char *path;      /* resolved: <manifest dir>/<file> (parse fills it; write ignores it) */
     char sha256[65]; /* lowercase hex */
     uint64_t bytes;
-    char *node; /* free text: who wrote it (e.g. "node 3 <key>"), may be NULL */
+    char *node;   /* free text: who wrote it (e.g. "node 3 <key>"), may be NULL */
     char *device; /* where the stage trained (the node's --device, "cuda:0"), may be NULL */
     int tf32;     /* NL_MANIFEST_TF32_*: whether its GEMMs could use TF32 */
 } nl_manifest_shard;
