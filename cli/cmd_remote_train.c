@@ -177,18 +177,15 @@ static long long integer(const json_t *o, const char *key, long long dflt)
 static void stage_devices(char *buf, size_t cap, const json_t *ev)
 {
     const json_t *a = json_object_get(ev, "devices");
-    size_t used = 0, i;
-    const json_t *v;
+    size_t used = 0;
     buf[0] = '\0';
-    if (!json_is_array(a))
-        return;
-    json_array_foreach(a, i, v)
-    {
+    for (size_t i = 0; json_is_array(a) && i < json_array_size(a); i++) {
+        const json_t *v = json_array_get(a, i);
         const char *d = json_is_string(v) ? json_string_value(v) : "?";
         int n = snprintf(buf + used, cap - used, "%s%.64s", i ? "," : "", d);
         if (n < 0 || (size_t)n >= cap - used) {
             buf[used] = '\0'; /* too many to name: the ones that fit */
-            return;
+            break;
         }
         used += (size_t)n;
     }
