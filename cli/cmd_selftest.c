@@ -808,7 +808,9 @@ int nl_cmd_selftest(int argc, char **argv)
     if (c.be[1]->can_train)
         backward_ops(&c);
     else
-        printf("skip  backward and optimizer slots: %s cannot train\n", c.be[1]->name);
+        printf("skip  backward and optimizer slots, layer backward, training steps: %s cannot "
+               "train\n",
+               c.be[1]->name);
     nl_selftest_model(&c, (uint64_t)seed);
     printf("selftest: %d passed, %d failed\n", c.passed, c.failed);
     nl_backend_destroy(&c.be[1]);
