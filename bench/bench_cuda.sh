@@ -1,17 +1,28 @@
 #!/usr/bin/env bash
-# The scripted GPU run of issue 13, in one go, so it can be run again on any
-# machine with an NVIDIA GPU:
+# The scripted GPU run of issues 13 and 14, in one go, so it can be run again
+# on any machine with an NVIDIA GPU:
 #   0. test_ops cuda:0 (every slot against naive loops; again with
 #      CUDA_LAUNCH_BLOCKING=1, so a fault is reported by the op that made it);
 #   1. neuroctl selftest --device cuda:0 (FP32, then --tf32): every CUDA slot
-#      against the CPU backend, and a small model's routing, logits, decode;
+#      against the CPU backend, and a small model's routing, logits, decode
+#      (and, once the device can train, one layer forward/backward and three
+#      local training steps);
 #   2. bench_cuda: SGEMM and memory-bound kernels against the spec sheet;
 #   3. neuroctl bench --device cuda:0 on configs/bench-large.yaml and on
 #      configs/bench-xl.yaml (about 4.2 GB of weights), and the same on
-#      --device cpu, for the speed-up;
+#      --device cpu, for the speed-up; the device's training figures
+#      (train_tok_s, train_peak_frac) must be there;
 #   4. a mixed 2-node local cluster (one node on cuda:0, one on cpu): forward
 #      logits within 1e-5 relative of a CPU-only run, greedy generation
-#      equal to it.
+#      equal to it;
+#   5. training (TRAIN_CONFIG, default bench-small; 20 steps, fixed seed):
+#      (a) two local `neuroctl train --device cuda:0` runs of the same job
+#      write byte-identical checkpoints (cmp), their header and log say the
+#      device and tf32 false; a --tf32 run says tf32 true (its losses against
+#      FP32 are reported, not judged); (b) a 2-node local cluster, one node on
+#      cuda:0 and one on cpu, trains the job with losses within 1e-4 relative
+#      of a cpu,cpu cluster's, step by step (the JSONL logs), and its
+#      manifest names each stage's device and tf32.
 # Every command is echoed into OUT/commands.log and its output kept in OUT
 # (default $OUT, else ./bench-cuda-out); OUT/summary.txt has one line per
 # step. Builds into NL_BUILD_DIR (default build-cuda) when the binaries are
@@ -19,9 +30,10 @@
 #
 # Usage: bench/bench_cuda.sh
 # Environment: OUT, NL_BUILD_DIR, DEVICE (cuda:0), CONFIGS ("bench-large
-# bench-xl"), MIXED_CONFIG (bench-medium), BENCH_CUDA_ARGS (extra flags of
-# bench_cuda). A dry run of the script without a GPU:
-#   DEVICE=cpu-devsim CONFIGS=tiny MIXED_CONFIG=tiny \
+# bench-xl"), MIXED_CONFIG (bench-medium), TRAIN_CONFIG (bench-small),
+# BENCH_CUDA_ARGS (extra flags of bench_cuda). A dry run of the script
+# without a GPU:
+#   DEVICE=cpu-devsim CONFIGS=tiny MIXED_CONFIG=tiny TRAIN_CONFIG=tiny \
 #   BENCH_CUDA_ARGS="--square 256 --rows 64" NL_BUILD_DIR=build bench/bench_cuda.sh
 set -uo pipefail
 SRC=$(cd "$(dirname "$0")/.." && pwd)
@@ -30,6 +42,7 @@ OUT=${OUT:-./bench-cuda-out}
 DEVICE=${DEVICE:-cuda:0}
 CONFIGS=${CONFIGS:-bench-large bench-xl}
 MIXED_CONFIG=${MIXED_CONFIG:-bench-medium}
+TRAIN_CONFIG=${TRAIN_CONFIG:-bench-small}
 read -r -a BENCH_CUDA_ARGS <<<"${BENCH_CUDA_ARGS:-}"
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -124,6 +137,18 @@ for k in ("forward_tok_s", "decode_tok_s", "train_tok_s"):
         print("%s: gpu %.1f, cpu %.1f, speed-up %.1fx" % (k, g[k], c[k], g[k] / c[k]))
 PY
     echo "speed-up $cfg: $(tr '\n' ';' <"$OUT/speedup_$cfg.txt")" | tee -a "$SUMMARY"
+    # the device's training figures: there once its backend can train
+    $PY - "$OUT/bench_${cfg}_cuda.out" >"$OUT/train_figures_$cfg.txt" 2>&1 <<'PY'
+import json, sys
+j = [json.loads(l) for l in open(sys.argv[1]).read().splitlines() if l.startswith("{")]
+if not j or not j[-1].get("train_tok_s"):
+    sys.exit("no training figures (train_tok_s) from the device's bench run")
+g = j[-1]
+print("%s: train %.1f tok/s, %.1f GFLOP/s, %.3f of the SGEMM peak (%.1f GFLOP/s)" % (
+    g.get("device"), g["train_tok_s"], g.get("train_gflops") or 0, g.get("train_peak_frac") or 0,
+    g.get("gemm_peak_gflops") or 0))
+PY
+    result "bench_${cfg}_train" $? "$(tail -1 "$OUT/train_figures_$cfg.txt")"
 done
 
 # ---------------------------------------------------------------- 4. mixed cluster
@@ -180,6 +205,70 @@ r=$(head -1 "$OUT/mixed_generate_cluster.out")
 [ -n "$l" ] && [ "$l" = "$r" ]
 result mixed_greedy $? "cpu: $l | cluster: $r"
 cleanup
+
+# ---------------------------------------------------------------- 5. training
+TW="$OUT/train"
+mkdir -p "$TW"
+cleanup_train() { for d in "$TW"/cluster-*; do "$NEUROCTL" cluster down --dir "$d" >/dev/null 2>&1; done; }
+trap 'cleanup; cleanup_train' EXIT
+step train_init 300 "$NEUROCTL" init --config "$SRC/configs/$TRAIN_CONFIG.yaml" --out "$TW/m.safetensors" --seed 9
+result train_init $?
+cat "$SRC"/README.md "$SRC"/docs/*.md >"$TW/data.txt" # bytes: ids below 256, valid in every config
+JOB=(--data "$TW/data.txt" --steps 20 --batch 8 --seq 64 --microbatches 2 --lr 1e-3 --seed 3)
+# (a) the same job twice on the device: the same bytes
+for r in 1 2; do
+    step "train_local_$r" 900 "$NEUROCTL" train --device "$DEVICE" --model "$TW/m.safetensors" "${JOB[@]}" \
+        --log "$TW/local$r.jsonl" --out "$TW/local$r.safetensors"
+    result "train_local_$r" $? "$(grep -o 'on [^ ]* (TF32 [a-z]*)' "$OUT/train_local_$r.err")"
+done
+cmp "$TW/local1.safetensors" "$TW/local2.safetensors" >"$OUT/train_cmp.txt" 2>&1 &&
+    echo "byte-identical checkpoints ($(wc -c <"$TW/local1.safetensors") bytes)" >"$OUT/train_cmp.txt"
+result train_reproducible $? "two runs on $DEVICE: $(head -1 "$OUT/train_cmp.txt")"
+grep -q "\"device\":\"$DEVICE\",\"tf32\":false}" "$TW/local1.jsonl" &&
+    grep -q "on $DEVICE (TF32 off)" "$OUT/train_local_1.err"
+result train_reported $? "device and tf32 false in the header and log"
+step train_local_tf32 900 "$NEUROCTL" train --device "$DEVICE" --tf32 --model "$TW/m.safetensors" "${JOB[@]}" \
+    --log "$TW/tf32.jsonl" --out "$TW/tf32.safetensors"
+rc=$?
+[ $rc -eq 0 ] && grep -q "\"tf32\":true}" "$TW/tf32.jsonl"
+rc=$?
+note=$($PY - "$TW/tf32.jsonl" "$TW/local1.jsonl" 2>&1 <<'PY'
+import json, sys
+a, b = ([json.loads(l) for l in open(p)] for p in sys.argv[1:3])
+w = max(abs(x["loss"] - y["loss"]) / abs(y["loss"]) for x, y in zip(a, b))
+print("TF32 against FP32: worst relative loss difference %.3g over %d steps (not judged)" % (w, len(a)))
+PY
+)
+result train_tf32 $rc "$note"
+# (b) a cuda + cpu pipeline against a cpu + cpu one, loss for loss
+for devs in "$DEVICE,cpu" "cpu,cpu"; do
+    name=${devs//[:,]/-}
+    step "train_up_$name" 300 "$NEUROCTL" cluster up --dir "$TW/cluster-$name" --nodes 2 --device "$devs" \
+        --model "$TW/m.safetensors" --memory 8G --timeout 240
+    result "train_up_$name" $?
+    step "train_cluster_$name" 1200 "$NEUROCTL" train --cluster "$TW/cluster-$name" "${JOB[@]}" \
+        --log "$TW/cluster-$name.jsonl" --checkpoint-every 20 --checkpoint-dir "$TW/ck-$name"
+    result "train_cluster_$name" $? "$(head -1 "$OUT/train_cluster_$name.err")"
+    "$NEUROCTL" cluster down --dir "$TW/cluster-$name" >/dev/null 2>&1
+done
+mixed=${DEVICE//[:,]/-}-cpu
+$PY - "$TW/cluster-$mixed.jsonl" "$TW/cluster-cpu-cpu.jsonl" "$TW/ck-$mixed/step-000020/manifest.json" \
+    >"$OUT/train_mixed_compare.txt" 2>&1 <<'PY'
+import json, sys
+a, b = ([json.loads(l) for l in open(p)] for p in sys.argv[1:3])
+assert len(a) == len(b) == 20, (len(a), len(b))
+worst = 0.0
+for x, y in zip(a, b):
+    e = abs(x["loss"] - y["loss"]) / abs(y["loss"])
+    worst = max(worst, e)
+    assert e <= 1e-4, ("step", x["step"], x["loss"], y["loss"])
+m = json.load(open(sys.argv[3]))
+where = ["%s tf32=%s" % (s.get("device"), s.get("tf32")) for s in m["shards"]]
+print("mixed pipeline against cpu,cpu: 20 steps, worst relative loss difference %.3g (tol 1e-4); "
+      "stages: %s" % (worst, ", ".join(where)))
+PY
+result train_mixed $? "$(tail -1 "$OUT/train_mixed_compare.txt")"
+cleanup_train
 
 echo "results in $OUT (summary.txt, commands.log)"
 exit $failed

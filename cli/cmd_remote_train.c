@@ -148,6 +148,7 @@ typedef struct watch {
     char *manifest;     /* the final checkpoint's manifest (done event), or NULL */
     int ended;          /* the job reached DONE, FAILED or CANCELLED */
     int failed;         /* refused, failed or cancelled: err says so as it is */
+    char devices[512];  /* the stages' devices from the start event, "cuda:0,cpu", or "" */
 } watch;
 
 static volatile sig_atomic_t interrupted;
@@ -170,9 +171,33 @@ static long long integer(const json_t *o, const char *key, long long dflt)
     return json_is_integer(v) ? (long long)json_integer_value(v) : dflt;
 }
 
+/* The stages' devices of a start event, joined by ',' in stage order
+ * ("cuda:0,cpu"; "?" for a stage whose node the coordinator did not
+ * name), or empty when the coordinator sent none. */
+static void stage_devices(char *buf, size_t cap, const json_t *ev)
+{
+    const json_t *a = json_object_get(ev, "devices");
+    size_t used = 0;
+    buf[0] = '\0';
+    for (size_t i = 0; json_is_array(a) && i < json_array_size(a); i++) {
+        const json_t *v = json_array_get(a, i);
+        const char *d = json_is_string(v) ? json_string_value(v) : "?";
+        int n = snprintf(buf + used, cap - used, "%s%.64s", i ? "," : "", d);
+        if (n < 0 || (size_t)n >= cap - used) {
+            buf[used] = '\0'; /* too many to name: the ones that fit */
+            break;
+        }
+        used += (size_t)n;
+    }
+    for (char *p = buf; *p; p++) /* a node's text: nothing that drives a terminal */
+        if ((unsigned char)*p < 0x20 || (unsigned char)*p >= 0x7f)
+            *p = '?';
+}
+
 static void on_start(watch *w, const json_t *ev)
 {
     const long long S = integer(ev, "start_step", 0);
+    stage_devices(w->devices, sizeof w->devices, ev);
     w->steps = integer(ev, "steps", w->o->r.steps);
     w->start_step = S;
     w->start_time = nl_train_clock();
@@ -181,10 +206,11 @@ static void on_start(watch *w, const json_t *ev)
         fprintf(stderr, "resuming at step %lld\n", S);
     fprintf(stderr,
             "training %lld parameters on %lld tokens (%lld held out): %" PRId64 " steps of %lld x "
-            "%lld in %lld microbatches on %lld pipeline stages\n",
+            "%lld in %lld microbatches on %lld pipeline stages%s%s%s\n",
             integer(ev, "params", 0), integer(ev, "tokens", 0), integer(ev, "held_out", 0),
             w->steps, integer(ev, "batch", w->o->r.batch), integer(ev, "seq", w->o->r.seq),
-            integer(ev, "microbatches", w->o->r.micro), integer(ev, "stages", 0));
+            integer(ev, "microbatches", w->o->r.micro), integer(ev, "stages", 0),
+            w->devices[0] ? " (devices " : "", w->devices, w->devices[0] ? ")" : "");
 }
 
 static nl_status on_step(watch *w, const json_t *ev, nl_error *err)
@@ -211,7 +237,15 @@ static nl_status on_step(watch *w, const json_t *ev, nl_error *err)
                        .has_eval = ev_loss != NULL,
                        .eval_loss = num(ev, "eval_loss"),
                        .start_step = w->start_step,
-                       .start_time = w->start_time};
+                       .start_time = w->start_time,
+                       .device = w->devices[0] ? w->devices : NULL,
+                       .tf32 = -1 /* the nodes' --tf32 is not sent: the manifest records it */};
+    /* a step event that names them (a coordinator that knows) says best */
+    const json_t *dev = json_object_get(ev, "device"), *tf32 = json_object_get(ev, "tf32");
+    if (json_is_string(dev))
+        s.device = json_string_value(dev);
+    if (json_is_boolean(tf32))
+        s.tf32 = json_is_true(tf32);
     w->skipped += s.skipped;
     nl_train_report_step(&s, w->tty, w->log);
     return NL_OK;

@@ -1,7 +1,9 @@
 /* neuroctl selftest: every slot of a target backend against the reference
  * backend (the CPU one by default), op by op on random inputs from a fixed
  * seed, then a whole small model (prefill routing, logits, 32 greedy decode
- * steps) through core's public API on both. It is the twin test of the
+ * steps) through core's public API on both; where the target can train,
+ * also one layer forward and backward (core/layer.h) and three local
+ * training steps (core/train.h) from the same weights and batches. It is the twin test of the
  * CUDA backend: `neuroctl selftest --device cuda:0` on a machine with a GPU.
  *
  * Shapes are the ones that break kernels: one row, odd widths, T not a
@@ -31,6 +33,10 @@
  *   - the model: expert choices as sets per (layer, token), err counts the
  *     differences away from near-ties (k-th and (k+1)-th probabilities
  *     within 1e-5, reported as notes); greedy ids, err counts differences.
+ *   - training: a layer's x_out (1e-5), dx and parameter gradients (1e-4)
+ *     scaled as element-wise ops; each step's loss |t - r| / |r| (1e-5);
+ *     the weights after the third step max |diff| / max |w| (1e-4). With
+ *     --tf32 all of these are 1e-2.
  * Tolerances: element-wise 1e-6 (swiglu, rope, moe_combine, adamw, the dy
  * of moe_combine_backward); reductions, norms, softmax, cross-entropy, attention,
  * router probabilities and model logits 1e-5; GEMM 1e-5 sqrt(K). With
@@ -759,7 +765,8 @@ int nl_cmd_selftest(int argc, char **argv)
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc == 1)
         printf("\nEvery slot of D against the reference on random inputs, then a small model's\n"
-               "prefill, logits and %d greedy decode steps. One line per check, then\n"
+               "prefill, logits and %d greedy decode steps, and where D can train one layer\n"
+               "forward/backward and three local training steps. One line per check, then\n"
                "'selftest: N passed, N failed'. Exit status: 0 all passed, 1 a check failed,\n"
                "2 usage error, 3 a backend could not be created (e.g. no CUDA device).\n",
                NL_SELFTEST_DECODE);
@@ -782,7 +789,10 @@ int nl_cmd_selftest(int argc, char **argv)
         fprintf(stderr, "neuroctl selftest: %s\n", err.msg);
         return 2;
     }
-    nl_selftest c = {.tf32 = nl_args_get(flags, "tf32") != NULL};
+    nl_selftest c = {.tf32 = nl_args_get(flags, "tf32") != NULL, .lr_scale = 1.0f};
+    const char *lr_scale = getenv("NL_TEST_SELFTEST_LR_SCALE"); /* test hook */
+    if (lr_scale)
+        c.lr_scale = (float)atof(lr_scale);
     nl_rng_seed(&c.rng, (uint64_t)seed, 0);
     if (nl_backend_new(&c.be[0], ref, &(nl_backend_opts){.threads = (int)threads}, &err) != NL_OK ||
         nl_backend_new(&c.be[1], device,
@@ -798,7 +808,9 @@ int nl_cmd_selftest(int argc, char **argv)
     if (c.be[1]->can_train)
         backward_ops(&c);
     else
-        printf("skip  backward and optimizer slots: %s cannot train\n", c.be[1]->name);
+        printf("skip  backward and optimizer slots, layer backward, training steps: %s cannot "
+               "train\n",
+               c.be[1]->name);
     nl_selftest_model(&c, (uint64_t)seed);
     printf("selftest: %d passed, %d failed\n", c.passed, c.failed);
     nl_backend_destroy(&c.be[1]);

@@ -124,6 +124,7 @@ typedef struct train_opts {
     nl_train_run r; /* the flags local and cluster training share */
     long long threads;
     const char *device;
+    int tf32; /* --tf32: the device's GEMMs may use TF32 */
 } train_opts;
 
 /* Mean cross-entropy over eval_batches held-out batches. */
@@ -144,15 +145,18 @@ static nl_status eval_loss(nl_trainer *tr, const nl_dataset *ds, const train_opt
     return st;
 }
 
-static char *train_json(const train_opts *o)
+/* The run's options and where it ran (device: the backend's name, which
+ * nl_backend_parse_device has limited to "cpu", "cpu-devsim" or "cuda:N",
+ * so it needs no escaping). */
+static char *train_json(const train_opts *o, const char *device)
 {
-    char *s = malloc(512);
+    char *s = malloc(640);
     if (s)
-        snprintf(s, 512,
+        snprintf(s, 640,
                  "{\"seed\":%lld,\"steps\":%lld,\"batch\":%lld,\"seq\":%lld,\"microbatches\":%lld,"
-                 "\"lr\":%.9g,\"min_lr\":%.9g,\"warmup\":%lld}",
+                 "\"lr\":%.9g,\"min_lr\":%.9g,\"warmup\":%lld,\"device\":\"%.64s\",\"tf32\":%s}",
                  o->r.seed, o->r.steps, o->r.batch, o->r.seq, o->r.micro, o->r.lr, o->r.min_lr,
-                 o->r.warmup);
+                 o->r.warmup, device, o->tf32 ? "true" : "false");
     return s;
 }
 
@@ -164,7 +168,7 @@ typedef struct carried_meta {
 static nl_status save_ckpt(nl_model *m, nl_trainer *tr, const train_opts *o, const carried_meta *cm,
                            const char *path, int64_t step, nl_error *err)
 {
-    char *tj = train_json(o);
+    char *tj = train_json(o, m->be->name);
     nl_ckpt_extra opt = {.m = nl_trainer_moment(tr, 0),
                          .v = nl_trainer_moment(tr, 1),
                          .adam_steps = nl_trainer_adam_steps(tr),
@@ -207,7 +211,7 @@ static int run_train(const train_opts *o)
     carried_meta cm = {0};
     /* the device first (one that cannot train is refused before any work),
      * then the data: its load-time peak does not stack on the model's */
-    if (nl_cli_backend_new(&be, o->device, (int)o->threads, 0, 1, &err) != NL_OK ||
+    if (nl_cli_backend_new(&be, o->device, (int)o->threads, o->tf32, 1, &err) != NL_OK ||
         nl_checkpoint_read_config(src, &cfg, NULL, &err) != NL_OK ||
         nl_checkpoint_meta(src, "tokenizer", &cm.tokenizer, &err) != NL_OK ||
         nl_checkpoint_meta(src, "init_seed", &cm.init_seed, &err) != NL_OK ||
@@ -246,9 +250,10 @@ static int run_train(const train_opts *o)
     nl_mem_estimate me = nl_memory_estimate(&m->cfg, m->cfg.num_layers, 1, 1, &mo);
     fprintf(stderr,
             "training %" PRId64 " parameters on %zu tokens (%zu held out): %lld steps of %d x %d "
-            "in %d microbatches; memory model: %.1f MiB (+ %.1f MiB of data)\n",
+            "in %d microbatches on %s (TF32 %s); memory model: %.1f MiB (+ %.1f MiB of data)\n",
             nl_config_param_count(&m->cfg), ds->n_train, ds->n - ds->n_train, o->r.steps, B, T, M,
-            (double)me.total / (1 << 20), (double)ds->n * 4 / (1 << 20));
+            be->name, o->tf32 ? "on" : "off", (double)me.total / (1 << 20),
+            (double)ds->n * 4 / (1 << 20));
     const nl_adamw_opts adam = nl_adamw_defaults();
     const int tty = isatty(2);
     const char *inject = getenv("NL_TEST_INJECT_NAN_STEP"); /* test hook */
@@ -278,7 +283,9 @@ static int run_train(const train_opts *o)
                              .skipped = r.skipped,
                              .tokens_per_s = (double)B * T / (nl_train_clock() - t0),
                              .start_step = start,
-                             .start_time = t_begin};
+                             .start_time = t_begin,
+                             .device = be->name,
+                             .tf32 = o->tf32};
         rep.has_eval =
             o->r.eval_every > 0 && ((step + 1) % o->r.eval_every == 0 || step + 1 == o->r.steps);
         if (rep.has_eval && eval_loss(tr, ds, o, tokens, targets, &rep.eval_loss, &err) != NL_OK)
@@ -328,14 +335,15 @@ int nl_cmd_train(int argc, char **argv)
         {"resume", 1, "continue from this checkpoint (weights, moments, step)", NULL},
         {"threads", 1, "worker threads (default: all cores)", NULL},
         {"device", 1,
-         "D: where to train: cpu (default) or cpu-devsim (a device that cannot train yet, such "
-         "as cuda:N, is refused)",
+         "D: where to train: cpu (default), cpu-devsim or cuda:N (a device whose backend cannot "
+         "train is refused before any work)",
          NULL},
+        NL_CLI_TF32_FLAG,
         {0}};
     const char *usage = "neuroctl train --model MODEL --data DATA --steps N --batch B --seq T "
                         "[--microbatches M] [--lr X] [--warmup W] [--seed S] [--eval-every K] "
                         "[--checkpoint-every K] [--log LOG.jsonl] [--out FINAL.safetensors] "
-                        "[--resume CKPT] [--threads N] [--device D]";
+                        "[--resume CKPT] [--threads N] [--device D] [--tf32]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -350,10 +358,9 @@ int nl_cmd_train(int argc, char **argv)
         nl_args_help(stderr, usage, flags);
         return 2;
     }
-    int tf32 = 0;
     if ((rc = nl_train_run_read(flags, &o.r)) ||
         (rc = nl_args_int(flags, "threads", 0, 1024, &o.threads)) ||
-        (rc = nl_cli_device_flags(flags, &o.device, &tf32)))
+        (rc = nl_cli_device_flags(flags, &o.device, &o.tf32)))
         return rc;
     if (!o.ckpt_dir)
         o.ckpt_dir = "checkpoints";

@@ -14,7 +14,9 @@
 #define TOL_ELEM 1e-6
 #define TOL_RED 1e-5
 #define TOL_ATTN 1e-5
-#define NEAR_TIE 1e-5 /* two top-k router probabilities closer than this */
+#define TOL_TRAIN_LOSS 1e-5 /* a training step's loss, relative */
+#define TOL_TRAIN_W 1e-4    /* weights after training steps, gradients of a layer */
+#define NEAR_TIE 1e-5       /* two top-k router probabilities closer than this */
 
 #define MAX_LIVE 24
 
@@ -28,6 +30,8 @@ typedef struct nl_selftest {
     nl_backend *be[2]; /* 0: reference, 1: target */
     nl_rng rng;
     int tf32;
+    float lr_scale; /* the target's learning rate in the training checks, times this
+                       (1; NL_TEST_SELFTEST_LR_SCALE, a test hook, shows they can fail) */
     int passed, failed;
     pair live[MAX_LIVE]; /* this check's device buffers */
     int n_live;
@@ -66,7 +70,8 @@ void nl_selftest_done(nl_selftest *c, const char *check, const char *shape, doub
 void nl_selftest_release(nl_selftest *c);
 
 /* A small model on both backends: routing, logits, NL_SELFTEST_DECODE
- * greedy decode steps (cli/selftest_model.c). */
+ * greedy decode steps, and where the target can train one layer forward
+ * and backward and three local training steps (cli/selftest_model.c). */
 #define NL_SELFTEST_DECODE 32
 void nl_selftest_model(nl_selftest *c, uint64_t seed);
 

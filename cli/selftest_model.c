@@ -8,6 +8,7 @@
 
 #include "core/forward.h"
 #include "core/layer.h"
+#include "core/train.h"
 #include "selftest.h"
 
 /* ---------------------------------------------------------------- model */
@@ -246,6 +247,148 @@ static void check_decode(nl_selftest *c, model_side ms[2], const int32_t *prompt
     nl_selftest_done(c, "model_greedy_ids", shape, differ, 0);
 }
 
+/* ---------------------------------------------------------------- training */
+
+/* Scaled error of n floats at d on the two backends (downloaded). */
+static double cmp_dev(nl_selftest *c, float *const d[2], size_t n)
+{
+    float *h[2];
+    for (int s = 0; s < 2; s++) {
+        h[s] = nl_selftest_hbuf(c, n * sizeof(float));
+        if (h[s] && !c->oom)
+            c->be[s]->download(c->be[s], h[s], d[s], n * sizeof(float));
+    }
+    return c->oom ? INFINITY : nl_selftest_err_all(h[0], h[1], n);
+}
+
+/* One layer forward and backward (core/layer.h) on the same weights,
+ * input, positions and output gradient: x_out, then dx and the parameter
+ * gradients. Where the two backends route a token to different experts the
+ * outputs cannot agree; the count is reported. */
+static void check_layer(nl_selftest *c, model_side ms[2], uint64_t seed)
+{
+    const nl_config *cfg = &ms[0].m->cfg;
+    const int N = MB * MT, d = cfg->hidden_dim, k = cfg->top_k;
+    const size_t nd = (size_t)N * d, np = ms[0].m->n_params;
+    const double tol_x = c->tf32 ? 1e-2 : TOL_RED, tol_g = c->tf32 ? 1e-2 : TOL_TRAIN_W;
+    char shape[80];
+    snprintf(shape, sizeof shape, "B=%d T=%d d=%d E=%d k=%d", MB, MT, d, cfg->num_experts, k);
+    nl_layer_acts a[2] = {{0}};
+    nl_layer_grads_scratch sc[2] = {{0}};
+    float *grads[2] = {0}, *dy[2] = {0}, *dx[2] = {0};
+    nl_error e = {0};
+    nl_rng rng;
+    nl_rng_seed(&rng, seed, 7);
+    float *x = nl_selftest_hbuf(c, nd * sizeof(float)),
+          *g = nl_selftest_hbuf(c, nd * sizeof(float));
+    int32_t *pos = nl_selftest_hbuf(c, (size_t)N * sizeof(int32_t)),
+            *neg = nl_selftest_hbuf(c, (size_t)N * sizeof(int32_t));
+    for (size_t i = 0; x && g && i < nd; i++) {
+        x[i] = (float)(2.0 * nl_rng_uniform(&rng) - 1.0);
+        g[i] = (float)((2.0 * nl_rng_uniform(&rng) - 1.0) / (double)N);
+    }
+    for (int n = 0; pos && neg && n < N; n++) {
+        pos[n] = n % MT;
+        neg[n] = -(n % MT);
+    }
+    int ok = !c->oom;
+    for (int s = 0; s < 2 && ok; s++) {
+        nl_backend *be = c->be[s];
+        ok = nl_layer_acts_alloc(&a[s], be, cfg, N, 1, &e) == NL_OK &&
+             nl_layer_scratch_alloc(&sc[s], be, cfg, N, &e) == NL_OK &&
+             (grads[s] = be->alloc(be, np * sizeof(float))) && (dy[s] = be->alloc(be, nd * 4)) &&
+             (dx[s] = be->alloc(be, nd * 4));
+        if (!ok)
+            break;
+        be->upload(be, a[s].x_in, x, nd * sizeof(float));
+        be->upload(be, dy[s], g, nd * sizeof(float));
+        be->upload(be, ms[s].pos_d, pos, (size_t)N * sizeof(int32_t));
+        be->upload(be, sc[s].neg_pos_d, neg, (size_t)N * sizeof(int32_t));
+    }
+    double ex = INFINITY, edx = INFINITY, egr = INFINITY;
+    int differ = 0;
+    if (ok) {
+        for (int s = 0; s < 2; s++)
+            nl_layer_forward(ms[s].m, 0, &a[s], MB, MT, 0, NULL, ms[s].pos_d, NULL, (double)N);
+        for (int i = 0; i < N * k; i++)
+            differ += a[0].choice[i] != a[1].choice[i];
+        ex = cmp_dev(c, (float *const[2]){a[0].x_out, a[1].x_out}, nd);
+        for (int s = 0; s < 2; s++)
+            nl_layer_backward(ms[s].m, 0, &a[s], &sc[s], grads[s], dy[s], dx[s], MB, MT,
+                              (float)(cfg->aux_loss_coef * cfg->num_experts / (double)N));
+        edx = cmp_dev(c, dx, nd);
+        egr = cmp_dev(c, grads, np);
+    }
+    char why[96];
+    snprintf(why, sizeof why, "(%d expert choices differ)", differ);
+    const char *note = differ ? why : NULL;
+    nl_selftest_line(c, ok && !c->oom && ex <= tol_x, "layer_forward", shape, ex, tol_x,
+                     ok ? note : e.msg);
+    nl_selftest_line(c, ok && !c->oom && edx <= tol_g, "layer_backward_dx", shape, edx, tol_g,
+                     NULL);
+    for (int s = 0; s < 2; s++) {
+        nl_backend *be = c->be[s];
+        if (a[s].x_in)
+            nl_layer_acts_free(&a[s], be);
+        if (sc[s].dh1)
+            nl_layer_scratch_free(&sc[s], be);
+        be->free(be, grads[s]);
+        be->free(be, dy[s]);
+        be->free(be, dx[s]);
+    }
+    nl_selftest_done(c, "layer_backward_grads", shape, egr, tol_g);
+}
+
+/* Three local training steps (core/train.h, two microbatches each, so the
+ * counting pass runs too) from the same weights on the same batches: the
+ * loss of each step within TOL_TRAIN_LOSS relative, the weights after the
+ * last within TOL_TRAIN_W (max |diff| / max |w|). c->lr_scale (a test
+ * hook) perturbs the target's learning rate so the check can be seen to
+ * fail. */
+static void check_train_steps(nl_selftest *c, model_side ms[2], uint64_t seed)
+{
+    enum { STEPS = 3, B = 4, T = 16, M = 2 };
+    const nl_config *cfg = &ms[0].m->cfg;
+    const size_t np = ms[0].m->n_params;
+    const double tol_l = c->tf32 ? 1e-2 : TOL_TRAIN_LOSS, tol_w = c->tf32 ? 1e-2 : TOL_TRAIN_W;
+    char shape[80];
+    snprintf(shape, sizeof shape, "steps=%d B=%d T=%d M=%d L=%d", STEPS, B, T, M, cfg->num_layers);
+    nl_trainer *tr[2] = {0};
+    nl_error e = {0};
+    nl_status st = NL_OK;
+    double eloss = 0.0, ew = INFINITY;
+    for (int s = 0; s < 2 && st == NL_OK; s++) /* fresh weights: earlier checks left none changed */
+        if ((st = nl_model_init_random(ms[s].m, seed + 1, &e)) == NL_OK)
+            st = nl_trainer_new(&tr[s], ms[s].m, B / M * T, 1, 0, &e);
+    for (int step = 0; step < STEPS && st == NL_OK; step++) {
+        int32_t *tok = nl_selftest_ids(c, (size_t)B * T + 1, (int)cfg->vocab_size);
+        if (!tok) {
+            st = nl_error_set(&e, NL_ERR_NOMEM, "out of memory");
+            break;
+        }
+        double loss[2] = {0};
+        for (int s = 0; s < 2 && st == NL_OK; s++) {
+            const float lr = 3e-3f * (s ? c->lr_scale : 1.0f);
+            nl_step_result r;
+            st = nl_trainer_step_local(tr[s], tok, tok + 1, B, T, M, lr, 1.0f, nl_adamw_defaults(),
+                                       &r, &e);
+            if (st == NL_OK && (st = c->be[s]->sync(c->be[s], &e)) == NL_OK)
+                loss[s] = r.skipped ? NAN : r.loss;
+        }
+        const double rel = fabs(loss[1] - loss[0]) / fabs(loss[0]);
+        eloss = max2(eloss, isfinite(loss[0]) && isfinite(loss[1]) ? rel : INFINITY);
+        if (st == NL_OK)
+            printf("note  train_loss  step %d: %.9g against %.9g\n", step + 1, loss[1], loss[0]);
+    }
+    if (st == NL_OK)
+        ew = cmp_dev(c, (float *const[2]){ms[0].m->params, ms[1].m->params}, np);
+    for (int s = 0; s < 2; s++)
+        nl_trainer_destroy(&tr[s]);
+    nl_selftest_line(c, st == NL_OK && eloss <= tol_l, "train_loss", shape,
+                     st == NL_OK ? eloss : INFINITY, tol_l, st == NL_OK ? NULL : e.msg);
+    nl_selftest_done(c, "train_weights", shape, ew, tol_w);
+}
+
 void nl_selftest_model(nl_selftest *c, uint64_t seed)
 {
     nl_config cfg;
@@ -273,6 +416,11 @@ void nl_selftest_model(nl_selftest *c, uint64_t seed)
         tok = nl_selftest_ids(c, MT, (int)cfg.vocab_size);
         if (tok)
             check_decode(c, ms, tok, tol, tie);
+        nl_selftest_release(c);
+        if (c->be[1]->can_train) {
+            check_layer(c, ms, seed);
+            check_train_steps(c, ms, seed);
+        }
     }
     nl_selftest_release(c);
     for (int s = 0; s < 2; s++)

@@ -36,6 +36,23 @@ static void log_num(FILE *log, const char *key, double v)
         fprintf(log, ",\"%s\":null", key);
 }
 
+/* A JSON string (device names hold no quote or control character; any
+ * other byte is escaped anyway), or null. */
+static void log_str(FILE *log, const char *v)
+{
+    if (!v) {
+        fprintf(log, "null");
+        return;
+    }
+    fputc('"', log);
+    for (const unsigned char *p = (const unsigned char *)v; *p; p++)
+        if (*p == '"' || *p == '\\' || *p < 0x20)
+            fprintf(log, "\\u%04x", *p);
+        else
+            fputc(*p, log);
+    fputc('"', log);
+}
+
 static void log_record(const nl_train_step *s, FILE *log)
 {
     fprintf(log, "{\"step\":%" PRId64, s->step);
@@ -48,7 +65,9 @@ static void log_record(const nl_train_step *s, FILE *log)
             s->skipped ? "true" : "false");
     if (s->has_eval)
         log_num(log, "eval_loss", s->eval_loss);
-    fprintf(log, "}\n");
+    fprintf(log, ",\"device\":");
+    log_str(log, s->device);
+    fprintf(log, ",\"tf32\":%s}\n", s->tf32 < 0 ? "null" : s->tf32 ? "true" : "false");
     fflush(log);
 }
 

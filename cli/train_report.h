@@ -51,6 +51,9 @@ typedef struct nl_train_step {
     double eval_loss;   /* mean held-out cross-entropy */
     int64_t start_step; /* steps done before this run began (0, or a resume's step) */
     double start_time;  /* nl_train_clock() when this run's first step began (for the ETA) */
+    const char *device; /* where it computes: "cpu", "cuda:0"; a cluster's stages joined by
+                           ',' in stage order ("cuda:0,cpu"); NULL: not known */
+    int tf32;           /* 1: TF32 GEMMs allowed, 0: FP32, -1: not known (a cluster) */
 } nl_train_step;
 
 /* Monotonic seconds. */
@@ -60,7 +63,9 @@ double nl_train_clock(void);
  * then the progress line ("\r"-refreshed when tty, else one line per
  * step) with the ETA from start_step, start_time and now, and the eval
  * loss when there is one; to log (may be NULL), one JSON object and a
- * flush. */
+ * flush: {"step", "loss", "ce_loss", "aux_loss", "lr", "grad_norm",
+ * "tokens_per_s", "skipped", "eval_loss"|absent, "device": str|null,
+ * "tf32": bool|null}. */
 void nl_train_report_step(const nl_train_step *s, int tty, FILE *log);
 
 /* "checkpoint PATH" on stderr, on a line of its own. */

@@ -15,6 +15,7 @@
 
 #include "base/log.h"
 #include "coord_impl.h"
+#include "core/checkpoint.h"
 #include "core/train.h"
 
 #define CLIP_NORM 1.0
@@ -58,6 +59,7 @@ void coord_train_free(cjob *j)
         free(t->shards[i].file);
         free(t->shards[i].path);
         free(t->shards[i].node);
+        free(t->shards[i].device);
     }
     free(t->shards);
     free(t);
@@ -216,6 +218,12 @@ static void begin(nl_coord *c, cjob *j)
         (json_int_t)nl_config_param_count(&c->cfg), "tokens", (json_int_t)t->ds->n_train,
         "held_out", (json_int_t)(t->ds->n - t->ds->n_train), "stages", t->stages, "batch",
         (json_int_t)t->batch, "seq", (json_int_t)t->seq, "microbatches", (json_int_t)t->micro);
+    json_t *devices = json_array(); /* each stage's device, as its node's JOIN said */
+    for (int s = 0; devices && s < t->stages; s++) {
+        cnode *n = coord_stage_node(c, s);
+        json_array_append_new(devices, n ? json_string(n->device) : json_null());
+    }
+    json_object_set_new(o, "devices", devices);
     report(c, j, NL_JOB_RUNNING, "starting", o);
     NL_INFO("train job %llu: %lld steps of %lld x %lld in %lld microbatches on %d stages, from "
             "step %lld%s",
@@ -646,6 +654,25 @@ void coord_train_on_loss(nl_coord *c, const nl_rx *rx)
     after_step(c, j);
 }
 
+/* Whether the shard at path was trained with TF32 allowed, as its node
+ * recorded it in the shard's "train" metadata (no wire message carries a
+ * node's --tf32). A shard that does not say, or cannot be read, leaves it
+ * unknown; the manifest's hashes and the reload judge the file itself. */
+static int shard_tf32(const char *path)
+{
+    char *meta = NULL;
+    nl_error e = {0};
+    int tf32 = NL_MANIFEST_TF32_UNKNOWN;
+    if (nl_checkpoint_meta(path, "train", &meta, &e) == NL_OK && meta) {
+        json_t *o = json_loads(meta, 0, NULL), *v = json_object_get(o, "tf32");
+        if (json_is_boolean(v))
+            tf32 = json_is_true(v) ? NL_MANIFEST_TF32_ON : NL_MANIFEST_TF32_OFF;
+        json_decref(o);
+    }
+    free(meta);
+    return tf32;
+}
+
 void coord_train_on_ckpt_done(nl_coord *c, const nl_rx *rx)
 {
     const nl_msg_ckpt_done *d = &rx->msg.u.ckpt_done;
@@ -669,6 +696,7 @@ void coord_train_on_ckpt_done(nl_coord *c, const nl_rx *rx)
     free(sh->file);
     free(sh->path);
     free(sh->node);
+    free(sh->device);
     snprintf(node, sizeof node, "node %u %s", n->id, n->key);
     *sh = (nl_manifest_shard){.stage = (int)d->stage,
                               .l0 = ps->l0,
@@ -678,9 +706,11 @@ void coord_train_on_ckpt_done(nl_coord *c, const nl_rx *rx)
                               .file = strdup(file),
                               .path = strdup(d->path),
                               .bytes = d->bytes,
-                              .node = strdup(node)};
+                              .node = strdup(node),
+                              .device = strdup(n->device), /* as its JOIN said */
+                              .tf32 = shard_tf32(d->path)};
     snprintf(sh->sha256, sizeof sh->sha256, "%s", d->sha256);
-    if (!sh->file || !sh->path || !sh->node) {
+    if (!sh->file || !sh->path || !sh->node || !sh->device) {
         fail(c, j, "out of memory");
         return;
     }

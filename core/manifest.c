@@ -180,7 +180,8 @@ static nl_status parse_shard(nl_manifest_shard *s, int L, json_t *o, const char 
         (st = check_file_name(s->file, where, err)) ||
         (st = parse_sha256(o, where, s->sha256, err)) ||
         (st = get_int(o, where, "bytes", 0, INT64_MAX, &bytes, err)) ||
-        (st = get_str(o, where, "node", 0, &s->node, err)))
+        (st = get_str(o, where, "node", 0, &s->node, err)) ||
+        (st = get_str(o, where, "device", 0, &s->device, err)))
         return st;
     s->stage = (int)stage;
     s->bytes = (uint64_t)bytes;
@@ -188,6 +189,16 @@ static nl_status parse_shard(nl_manifest_shard *s, int L, json_t *o, const char 
         return nl_error_set(err, NL_ERR_FORMAT,
                             "%snode: at most %d bytes of text without control characters", where,
                             NODE_MAX_BYTES);
+    if (s->device && (strlen(s->device) > 64 || !printable(s->device)))
+        return nl_error_set(err, NL_ERR_FORMAT,
+                            "%sdevice: at most 64 bytes of text without control characters", where);
+    s->tf32 = NL_MANIFEST_TF32_UNKNOWN;
+    if (member(o, "tf32", 0)) {
+        int on = 0;
+        if ((st = get_bool(o, where, "tf32", &on, err)))
+            return st;
+        s->tf32 = on ? NL_MANIFEST_TF32_ON : NL_MANIFEST_TF32_OFF;
+    }
     json_t *ly = member(o, "layers", 0);
     if (!ly || !json_is_array(ly) || json_array_size(ly) != 2 ||
         !json_is_integer(json_array_get(ly, 0)) || !json_is_integer(json_array_get(ly, 1)))
@@ -364,6 +375,7 @@ void nl_manifest_destroy(nl_manifest **mp)
         free(m->shards[i].file);
         free(m->shards[i].path);
         free(m->shards[i].node);
+        free(m->shards[i].device);
     }
     free(m->shards);
     free(m->config_json);
@@ -464,7 +476,13 @@ static nl_status shard_json(json_t *arr, const nl_manifest_shard *s, int i, nl_e
         return st;
     if (!put(o, "bytes", json_integer((json_int_t)s->bytes)))
         return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", where);
-    return put_str(o, where, "node", s->node, err);
+    if ((st = put_str(o, where, "node", s->node, err)) ||
+        (st = put_str(o, where, "device", s->device, err)))
+        return st;
+    if (s->tf32 != NL_MANIFEST_TF32_UNKNOWN &&
+        !put(o, "tf32", json_boolean(s->tf32 == NL_MANIFEST_TF32_ON)))
+        return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", where);
+    return NL_OK;
 }
 
 nl_status nl_manifest_to_json(const nl_manifest *m, char **out, nl_error *err)

@@ -41,8 +41,14 @@ typedef struct nl_manifest_shard {
     char *path;      /* resolved: <manifest dir>/<file> (parse fills it; write ignores it) */
     char sha256[65]; /* lowercase hex */
     uint64_t bytes;
-    char *node; /* free text: who wrote it (e.g. "node 3 <key>"), may be NULL */
+    char *node;   /* free text: who wrote it (e.g. "node 3 <key>"), may be NULL */
+    char *device; /* where the stage trained (the node's --device, "cuda:0"), may be NULL */
+    int tf32;     /* NL_MANIFEST_TF32_*: whether its GEMMs could use TF32 */
 } nl_manifest_shard;
+
+/* A shard's "tf32": absent (not known: zero, so a zeroed shard claims
+ * nothing), false or true. */
+enum { NL_MANIFEST_TF32_UNKNOWN = 0, NL_MANIFEST_TF32_OFF = 1, NL_MANIFEST_TF32_ON = 2 };
 
 typedef struct nl_manifest {
     int64_t step, adam_steps;
@@ -60,7 +66,7 @@ typedef struct nl_manifest {
  *   {"format", "step", "adam_steps", "config": {...}, "train": {...}|absent,
  *    "tokenizer": str|absent, "init_seed": str|absent,
  *    "shards": [{"stage", "layers": [l0, l1], "embed", "head", "file",
- *                "sha256", "bytes", "node"|absent}]}
+ *                "sha256", "bytes", "node"|absent, "device"|absent, "tf32": bool|absent}]}
  * The config is encoded from m->cfg. The manifest is checked as
  * nl_manifest_parse would check it before anything is written, so a
  * manifest that is written also loads. */

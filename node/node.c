@@ -396,7 +396,8 @@ static nl_status start(node *n, nl_error *err)
                         .send_wait_ms = 1, /* wait_sent waited already */
                         .ckpt_root = o->ckpt_root,
                         .inject_nan_step = o->inject_nan_step,
-                        .inject_nan_stage = o->inject_nan_stage};
+                        .inject_nan_stage = o->inject_nan_stage,
+                        .tf32 = o->tf32};
     if ((st = nl_stage_new(&n->stage, n->be, &so, err)) != NL_OK ||
         (st = nl_net_new(&n->net, NULL, err)) != NL_OK ||
         (st = make_socket(n, &n->data, ZMQ_ROUTER, true, NULL, "data", 0, 0, err)) != NL_OK ||

@@ -545,9 +545,15 @@ static nl_status on_ckpt(nl_stage *s, const nl_msg_ckpt_req *r, nl_stage_send_fn
     if (st != NL_OK)
         return st;
     snprintf(path, sizeof path, "%s/stage-%d.safetensors", r->dir, s->stage_idx);
+    /* where this shard was trained; the coordinator copies it into the
+     * manifest (the backend's name is "cpu", "cpu-devsim" or "cuda:N") */
+    char where[128];
+    snprintf(where, sizeof where, "{\"device\":\"%.64s\",\"tf32\":%s}", s->be->name,
+             s->o.tf32 ? "true" : "false");
     nl_ckpt_extra ex = {.m = nl_trainer_moment(t->tr, 0),
                         .v = nl_trainer_moment(t->tr, 1),
-                        .adam_steps = nl_trainer_adam_steps(t->tr)};
+                        .adam_steps = nl_trainer_adam_steps(t->tr),
+                        .train_json = where};
     if ((st = nl_checkpoint_save(s->model, path, (int64_t)r->step, &ex, err)) != NL_OK)
         return st == NL_ERR_NOTFOUND ? nl_error_set(err, NL_ERR_IO, "%s", err->msg) : st;
     if ((st = nl_file_sha256(path, hex, &bytes, err)) != NL_OK)

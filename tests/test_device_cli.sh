@@ -10,6 +10,11 @@
 #  - a cluster command leaves --device to the nodes (usage error, with why);
 #  - --tf32 changes nothing on the CPU;
 #  - a pipeline of a cpu-devsim node and a cpu node gives the local logits;
+#  - training: two local runs on cpu-devsim give byte-identical checkpoints;
+#    the header, every log record and the checkpoint's "train" metadata say
+#    the device and tf32 (--tf32 too); a cpu-devsim + cpu cluster trains
+#    with the losses of a cpu + cpu one (within 1e-6), and its manifest
+#    names each stage's device and tf32;
 #  - a GPU's memory offer: free less the reserve, capped by --memory (test
 #    hook NL_TEST_DEVICE_MEM gives the CPU a GPU's memory report);
 #  - a node whose device cannot train refuses a training job, reported as
@@ -172,6 +177,57 @@ r=$("$N" generate --cluster "$C" --prompt-tokens 5,6,7 --max-new 8 --temperature
 check test -n "$l"
 check test "$l" = "$r"
 check "$N" cluster down --dir "$C"
+
+# ---- training on the simulated device: reproducible, reported, and the same in a mixed pipeline ----
+TR=(--data "$W/data.txt" --steps 6 --batch 4 --seq 16 --microbatches 2 --lr 3e-3 --seed 2)
+for r in 1 2; do
+  run "$N" train --device cpu-devsim --model "$W/m.safetensors" "${TR[@]}" --threads 1 \
+    --log "$W/dev$r.jsonl" --out "$W/dev$r.safetensors"
+  check test $rc -eq 0
+done
+check cmp "$W/dev1.safetensors" "$W/dev2.safetensors"
+check grep -q "in 2 microbatches on cpu-devsim (TF32 off)" <<< "$out"
+check test "$(grep -c '"device":"cpu-devsim","tf32":false}$' "$W/dev1.jsonl")" -eq 6
+run "$N" train --device cpu --tf32 --model "$W/m.safetensors" "${TR[@]}" --threads 1 \
+  --log "$W/tf32.jsonl" --out "$W/tf32.safetensors"
+check test $rc -eq 0
+check grep -q "on cpu (TF32 on)" <<< "$out"
+check grep -q '"device":"cpu","tf32":true}$' "$W/tf32.jsonl"
+# the checkpoint's "train" metadata says where it was trained
+cat > "$W/meta.py" <<'PY'
+import json, struct, sys
+b = open(sys.argv[1], "rb").read(); n = struct.unpack("<Q", b[:8])[0]
+t = json.loads(json.loads(b[8:8 + n])["__metadata__"]["train"])
+assert t["device"] == sys.argv[2] and t["tf32"] is (sys.argv[3] == "true"), t
+PY
+check python3 "$W/meta.py" "$W/dev1.safetensors" cpu-devsim false
+check python3 "$W/meta.py" "$W/tf32.safetensors" cpu true
+# a cpu-devsim node and a cpu node train as two cpu nodes do, loss for loss
+for D in cpu-devsim,cpu cpu,cpu; do
+  C="$W/c-train-${D/,/-}"
+  check "$N" cluster up --dir "$C" --nodes 2 --model "$W/m.safetensors" --memory 64M --threads 1 \
+    --device "$D" --timeout 60
+  run "$N" train --cluster "$C" "${TR[@]}" --log "$C.jsonl" --checkpoint-every 6 --checkpoint-dir "$C-ck"
+  check test $rc -eq 0
+  check grep -Eq "on 2 pipeline stages \(devices (cpu-devsim,cpu|cpu,cpu-devsim|cpu,cpu)\)" <<< "$out"
+  check "$N" cluster down --dir "$C"
+done
+check python3 - "$W/c-train-cpu-devsim-cpu" "$W/c-train-cpu-cpu" <<'PY'
+import json, sys
+mixed, cpu = ([json.loads(l) for l in open(p + ".jsonl")] for p in sys.argv[1:3])
+assert len(mixed) == len(cpu) == 6, (len(mixed), len(cpu))
+for a, b in zip(mixed, cpu):
+    assert a["step"] == b["step"] and a["tf32"] is None, (a, b)
+    e = abs(a["loss"] - b["loss"]) / abs(b["loss"])
+    assert e <= 1e-6, (a["step"], a["loss"], b["loss"])
+assert sorted(mixed[0]["device"].split(",")) == ["cpu", "cpu-devsim"], mixed[0]["device"]
+# the manifest names each stage's device and tf32
+m = json.load(open(sys.argv[1] + "-ck/step-000006/manifest.json"))
+assert sorted(s["device"] for s in m["shards"]) == ["cpu", "cpu-devsim"], m["shards"]
+assert all(s["tf32"] is False for s in m["shards"]), m["shards"]
+print("cpu-devsim,cpu against cpu,cpu: %d steps, same losses; manifest devices %s"
+      % (len(mixed), [s["device"] for s in m["shards"]]))
+PY
 
 # ---- a node that cannot train refuses the training job, which fails ----
 C="$W/c-notrain"

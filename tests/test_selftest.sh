@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # neuroctl selftest as a process, in one of three modes (CTest runs each):
 #   devsim   cpu-devsim against cpu: exit 0 and a summary of many passed
-#            checks and none failed.
+#            checks and none failed, the training checks (one layer forward
+#            and backward, three local steps) among them; then, with the
+#            target's learning rate 1% off (NL_TEST_SELFTEST_LR_SCALE, a test
+#            hook), train_loss and train_weights FAIL and the exit is 1.
 #   cuda     cuda:0 against cpu: must pass where a GPU is usable; reports
 #            skipped (exit 77) when the device cannot be created, unless
 #            NL_REQUIRE_DEVICE=1 (the scripted GPU run), which fails then.
@@ -25,6 +28,20 @@ devsim)
     cat "$W/out" "$W/err"
     if [ "$rc" -ne 0 ] || [ "${failed:-x}" != 0 ] || [ "${passed:-0}" -lt 60 ]; then
         echo "FAIL: selftest --device cpu-devsim: exit $rc, ${passed:-?} passed, ${failed:-?} failed" >&2
+        exit 1
+    fi
+    for check in layer_forward layer_backward_dx layer_backward_grads train_loss train_weights; do
+        if ! grep -q "^ok  *$check " "$W/out"; then
+            echo "FAIL: selftest --device cpu-devsim has no passing $check line" >&2
+            exit 1
+        fi
+    done
+    NL_TEST_SELFTEST_LR_SCALE=1.01 "$NEUROCTL" selftest --device cpu-devsim --threads 2 >"$W/out" 2>"$W/err"
+    rc=$?
+    grep -E "^(FAIL|ok) +train_" "$W/out"
+    if [ "$rc" -ne 1 ] || ! grep -q "^FAIL  *train_loss " "$W/out" ||
+        ! grep -q "^FAIL  *train_weights " "$W/out"; then
+        echo "FAIL: a 1% learning-rate change on the target went unnoticed (exit $rc)" >&2
         exit 1
     fi
     ;;
