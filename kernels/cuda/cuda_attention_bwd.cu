@@ -10,7 +10,7 @@
  * fixed order, so a result is the same on every run.
  *
  * Three kernels:
- * - rowdot: D into the caller's scratch, one warp per (b, h, t).
+ * - rowdot: D into the caller's scratch, one thread per (b, h, t).
  * - dkdv: one block of 4 warps per (sequence, kv head, tile of BK keys).
  *   It loops over the H/G query heads of the group and the query tiles
  *   that see the keys (causal: from the key tile's first key on). Warp w
@@ -37,46 +37,34 @@ namespace
 {
 
 constexpr int WARP = 32;
-constexpr unsigned FULL_MASK = 0xffffffffu;
 constexpr int TILE_WARPS = 4; /* warps per dkdv or dq block */
 constexpr int NT = TILE_WARPS * WARP;
-constexpr int ROW_WARPS = 8; /* warps (rows) per rowdot block */
+constexpr int ROW_THREADS = 256; /* rows per rowdot block */
 
-/* Butterfly sum: every lane ends with the same bits. */
-__device__ __forceinline__ float warp_sum(float x)
-{
-#pragma unroll
-    for (int off = WARP / 2; off > 0; off >>= 1)
-        x += __shfl_xor_sync(FULL_MASK, x, off);
-    return x;
-}
-
-/* dot(a, b) over hd columns by one warp, in one fixed order (lane-strided
- * partial sums, then the butterfly): rowdot and the tiles' own D agree to
- * the bit. */
-__device__ __forceinline__ float warp_dot(const float *a, const float *b, int hd, int lane)
+/* dot(a, b) over hd columns by one thread, in column order: rowdot and
+ * the tiles' own D (scratch NULL) agree to the bit. One thread a row and
+ * no shuffles: the pass reads B T H hd floats twice, small next to the
+ * tiles' work, and each thread's row stays in L1 across its loads. */
+__device__ __forceinline__ float row_dot(const float *a, const float *b, int hd)
 {
     float acc = 0.0f;
-    for (int c = lane; c < hd; c += WARP)
+    for (int c = 0; c < hd; c++)
         acc = fmaf(a[c], b[c], acc);
-    return warp_sum(acc);
+    return acc;
 }
 
-/* D[(b*H + h)*T + t] = dout_t.out_t for head h of sequence b; one warp per row. */
-__global__ void __launch_bounds__(ROW_WARPS *WARP)
+/* D[(b*H + h)*T + t] = dout_t.out_t for head h of sequence b; one thread per row. */
+__global__ void __launch_bounds__(ROW_THREADS)
     attn_bwd_rowdot(float *D, const float *dout, const float *out, nl_attn_shape s)
 {
-    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    const size_t row = (size_t)blockIdx.x * ROW_WARPS + (size_t)warp;
+    const size_t row = (size_t)blockIdx.x * ROW_THREADS + threadIdx.x;
     const size_t rows = (size_t)s.B * s.H * s.T;
-    if (row >= rows) /* warp-uniform, and no block barrier follows */
+    if (row >= rows)
         return;
     const size_t t = row % (size_t)s.T, bh = row / (size_t)s.T;
     const size_t b = bh / (size_t)s.H, h = bh % (size_t)s.H;
     const size_t o = (b * s.T + t) * ((size_t)s.H * s.hd) + h * s.hd;
-    const float d = warp_dot(dout + o, out + o, s.hd, lane);
-    if (lane == 0)
-        D[row] = d;
+    D[row] = row_dot(dout + o, out + o, s.hd);
 }
 
 /* ---------------------------------------------------------------- tiles */
@@ -85,13 +73,13 @@ __global__ void __launch_bounds__(ROW_WARPS *WARP)
  * the lanes (or one row by a whole warp); k and v rows are read one row per
  * lane by the score step, so theirs carry a +1 against bank conflicts. */
 template <int HDB, int BQ, int BK> struct tile_smem {
-    float qs[BQ][HDB];      /* queries, unscaled; 0 past hd and past the last row */
-    float dos[BQ][HDB];     /* dout of those queries, likewise */
-    float ks[BK][HDB + 1];  /* keys; 0 past hd and past the last key */
-    float vs[BK][HDB + 1];  /* values, likewise */
-    float P[BQ][BK];        /* probabilities (dkdv only) */
-    float dS[BQ][BK];       /* scale p (dp - D) */
-    float lse[BQ], D[BQ];   /* per query row; 0 past the last row */
+    float qs[BQ][HDB];     /* queries, unscaled; 0 past hd and past the last row */
+    float dos[BQ][HDB];    /* dout of those queries, likewise */
+    float ks[BK][HDB + 1]; /* keys; 0 past hd and past the last key */
+    float vs[BK][HDB + 1]; /* values, likewise */
+    float P[BQ][BK];       /* probabilities (dkdv only) */
+    float dS[BQ][BK];      /* scale p (dp - D) */
+    float lse[BQ], D[BQ];  /* per query row; 0 past the last row */
 };
 
 /* Stage queries t0 .. t0 + nq - 1 of head h of sequence b: q, dout, lse and
@@ -99,8 +87,8 @@ template <int HDB, int BQ, int BK> struct tile_smem {
  * thread of the block. */
 template <int HDB, int BQ, int BK>
 __device__ void load_queries(tile_smem<HDB, BQ, BK> &sm, const float *q, int q_stride,
-                             const float *dout, const float *out, const float *lse,
-                             const float *Dg, const nl_attn_shape &s, int b, int h, int t0, int nq)
+                             const float *dout, const float *out, const float *lse, const float *Dg,
+                             const nl_attn_shape &s, int b, int h, int t0, int nq)
 {
     const int hd = s.hd;
     const size_t ostride = (size_t)s.H * hd;
@@ -117,25 +105,15 @@ __device__ void load_queries(tile_smem<HDB, BQ, BK> &sm, const float *q, int q_s
         sm.dos[i][c] = d;
     }
     const size_t lrow = ((size_t)b * s.H + (size_t)h) * s.T + (size_t)t0;
-    if (Dg) {
-        for (int i = threadIdx.x; i < BQ; i += NT) {
-            sm.lse[i] = i < nq ? lse[lrow + i] : 0.0f;
-            sm.D[i] = i < nq ? Dg[lrow + i] : 0.0f;
-        }
-        return;
-    }
-    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    for (int i = warp; i < BQ; i += TILE_WARPS) {
-        float d = 0.0f, l = 0.0f;
-        if (i < nq) { /* warp-uniform */
+    for (int i = threadIdx.x; i < BQ; i += NT) {
+        float l = 0.0f, d = 0.0f;
+        if (i < nq) {
             const size_t o = ((size_t)b * s.T + (size_t)(t0 + i)) * ostride + (size_t)h * hd;
-            d = warp_dot(dout + o, out + o, hd, lane);
             l = lse[lrow + i];
+            d = Dg ? Dg[lrow + i] : row_dot(dout + o, out + o, hd);
         }
-        if (lane == 0) {
-            sm.D[i] = d;
-            sm.lse[i] = l;
-        }
+        sm.lse[i] = l;
+        sm.D[i] = d;
     }
 }
 
@@ -163,8 +141,8 @@ __device__ void load_keys(tile_smem<HDB, BQ, BK> &sm, const float *kb, const flo
  * staged keys (first at j0). Query t sees key j when j <= t; an unseen pair,
  * and a row past nq, gets exactly 0. Called by every thread. */
 template <int HDB, int BQ, int BK>
-__device__ void score_tile(tile_smem<HDB, BQ, BK> &sm, bool want_p, int t0, int nq, int j0,
-                           int hd, float scale)
+__device__ void score_tile(tile_smem<HDB, BQ, BK> &sm, bool want_p, int t0, int nq, int j0, int hd,
+                           float scale)
 {
 #pragma unroll 1
     for (int e = threadIdx.x; e < BQ * BK; e += NT) {
@@ -192,10 +170,10 @@ __device__ void score_tile(tile_smem<HDB, BQ, BK> &sm, bool want_p, int t0, int 
 template <int HDB, int BQ, int BK>
 __global__ void __launch_bounds__(NT)
     attn_bwd_dkdv(float *dk, float *dv, const float *dout, const float *q, int q_stride,
-                  const float *k, const float *v, int kv_stride, const float *out,
-                  const float *lse, const float *Dg, nl_attn_shape s)
+                  const float *k, const float *v, int kv_stride, const float *out, const float *lse,
+                  const float *Dg, nl_attn_shape s)
 {
-    constexpr int R = HDB / WARP;       /* columns per lane */
+    constexpr int R = HDB / WARP;        /* columns per lane */
     constexpr int KPW = BK / TILE_WARPS; /* keys per warp */
     static_assert(HDB % WARP == 0 && BK % TILE_WARPS == 0, "tile shape");
     __shared__ __align__(16) tile_smem<HDB, BQ, BK> sm;
@@ -271,8 +249,8 @@ __global__ void __launch_bounds__(NT)
 template <int HDB, int BQ, int BK>
 __global__ void __launch_bounds__(NT)
     attn_bwd_dq(float *dq, const float *dout, const float *q, int q_stride, const float *k,
-                const float *v, int kv_stride, const float *out, const float *lse,
-                const float *Dg, nl_attn_shape s)
+                const float *v, int kv_stride, const float *out, const float *lse, const float *Dg,
+                nl_attn_shape s)
 {
     constexpr int R = HDB / WARP;        /* columns per lane */
     constexpr int QPW = BQ / TILE_WARPS; /* queries per warp */
@@ -377,7 +355,8 @@ bool shape_ok(const bwd_args &a)
     /* every grid within the x limit, and B*H, B*G in int */
     const long long tiles = (s.T + 7) / 8; /* the smallest tile */
     const long long rows = (long long)s.B * s.H * s.T;
-    return (long long)s.B * s.H * tiles <= INT_MAX && (rows + ROW_WARPS - 1) / ROW_WARPS <= INT_MAX;
+    return (long long)s.B * s.H * tiles <= INT_MAX &&
+           (rows + ROW_THREADS - 1) / ROW_THREADS <= INT_MAX;
 }
 
 } // namespace
@@ -404,8 +383,8 @@ extern "C" int nl_cuda_attention_backward(void *stream, float *dq, float *dk, fl
     cudaStream_t st = (cudaStream_t)stream;
     if (scratch) {
         const long long rows = (long long)s.B * s.H * s.T;
-        attn_bwd_rowdot<<<(unsigned)((rows + ROW_WARPS - 1) / ROW_WARPS), ROW_WARPS * WARP, 0,
-                          st>>>(scratch, dout, out, s);
+        attn_bwd_rowdot<<<(unsigned)((rows + ROW_THREADS - 1) / ROW_THREADS), ROW_THREADS, 0, st>>>(
+            scratch, dout, out, s);
     }
     if (s.hd <= 64)
         launch_tiles<64, TILE64>(st, a);

@@ -200,8 +200,7 @@ void run_case(nl_backend *cpu, const bwd_case &c)
     cpu->attention_forward(cpu, out.p(), lse.p(), ref.in[0], ref.q_stride, ref.in[1], ref.in[2],
                            ref.kv_stride, s);
     cpu->attention_backward(cpu, ref.grad[0], ref.grad[1], ref.grad[2], dout.p(), ref.in[0],
-                            ref.q_stride, ref.in[1], ref.in[2], ref.kv_stride, out.p(), lse.p(),
-                            s);
+                            ref.q_stride, ref.in[1], ref.in[2], ref.kv_stride, out.p(), lse.p(), s);
 
     const size_t ns = nl_cuda_attention_backward_scratch(s);
     CHECK(ns == nl * sizeof(float), "%s: scratch %zu bytes", what, ns);
@@ -233,8 +232,7 @@ void run_case(nl_backend *cpu, const bwd_case &c)
     for (size_t b = 0; b < got.dx.size(); b++)
         for (size_t e = 0; e < got.dx[b].mem.size(); e++)
             diff += !same_bits(got.dx[b].mem[e], got2.dx[b].mem[e]);
-    CHECK(diff == 0, "%s: %zu floats differ between the runs with and without scratch", what,
-          diff);
+    CHECK(diff == 0, "%s: %zu floats differ between the runs with and without scratch", what, diff);
 }
 
 /* Shapes the launcher must refuse without launching, and empty ones. */
@@ -300,14 +298,14 @@ int nl_emu_attention_backward_checks(void)
             run_case(cpu, {2, T, 4, 1, hd, 0, 5, 0, 2.0f}); /* H/G 4 */
         }
     const bwd_case more[] = {
-        {2, 33, 4, 1, 37, 1, 2, 0, 2.0f},   /* odd hd in the 64 bucket */
-        {1, 19, 2, 2, 1, 0, 1, 0, 1.0f},    /* hd 1 */
-        {2, 21, 4, 2, 100, 2, 0, 0, 3.0f},  /* odd tile count, 128 bucket, H/G 2 */
-        {2, 17, 4, 1, 256, 0, 3, 0, 1.0f},  /* the 256 bucket, past two tiles */
-        {1, 13, 2, 1, 200, 1, 1, 0, 2.0f},  /* 256 bucket, hd not a multiple of 8 */
-        {2, 37, 8, 2, 64, 4, 0, 1, 2.0f},   /* packed qkv/dqkv with padding */
-        {2, 70, 4, 1, 16, 0, 0, 1, 4.0f},   /* packed, peaky rows */
-        {1, 40, 2, 1, 128, 0, 0, 1, 1.0f},  /* packed, 128 bucket */
+        {2, 33, 4, 1, 37, 1, 2, 0, 2.0f},  /* odd hd in the 64 bucket */
+        {1, 19, 2, 2, 1, 0, 1, 0, 1.0f},   /* hd 1 */
+        {2, 21, 4, 2, 100, 2, 0, 0, 3.0f}, /* odd tile count, 128 bucket, H/G 2 */
+        {2, 17, 4, 1, 256, 0, 3, 0, 1.0f}, /* the 256 bucket, past two tiles */
+        {1, 13, 2, 1, 200, 1, 1, 0, 2.0f}, /* 256 bucket, hd not a multiple of 8 */
+        {2, 37, 8, 2, 64, 4, 0, 1, 2.0f},  /* packed qkv/dqkv with padding */
+        {2, 70, 4, 1, 16, 0, 0, 1, 4.0f},  /* packed, peaky rows */
+        {1, 40, 2, 1, 128, 0, 0, 1, 1.0f}, /* packed, 128 bucket */
     };
     for (const bwd_case &c : more)
         run_case(cpu, c);
