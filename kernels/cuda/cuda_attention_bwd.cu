@@ -69,17 +69,17 @@ __global__ void __launch_bounds__(ROW_THREADS)
 
 /* ---------------------------------------------------------------- tiles */
 
-/* Shared memory of one tile block. q and dout rows are read along a row by
- * the lanes (or one row by a whole warp); k and v rows are read one row per
- * lane by the score step, so theirs carry a +1 against bank conflicts. */
+/* Shared memory of one tile block. Every row carries a +1 against bank
+ * conflicts: the score step reads k and v one row per lane, and q and dout
+ * up to four rows per warp (score_tile). */
 template <int HDB, int BQ, int BK> struct tile_smem {
-    float qs[BQ][HDB];     /* queries, unscaled; 0 past hd and past the last row */
-    float dos[BQ][HDB];    /* dout of those queries, likewise */
-    float ks[BK][HDB + 1]; /* keys; 0 past hd and past the last key */
-    float vs[BK][HDB + 1]; /* values, likewise */
-    float P[BQ][BK];       /* probabilities (dkdv only) */
-    float dS[BQ][BK];      /* scale p (dp - D) */
-    float lse[BQ], D[BQ];  /* per query row; 0 past the last row */
+    float qs[BQ][HDB + 1];  /* queries, unscaled; 0 past hd and past the last row */
+    float dos[BQ][HDB + 1]; /* dout of those queries, likewise */
+    float ks[BK][HDB + 1];  /* keys; 0 past hd and past the last key */
+    float vs[BK][HDB + 1];  /* values, likewise */
+    float P[BQ][BK];        /* probabilities (dkdv only) */
+    float dS[BQ][BK];       /* scale p (dp - D) */
+    float lse[BQ], D[BQ];   /* per query row; 0 past the last row */
 };
 
 /* Stage queries t0 .. t0 + nq - 1 of head h of sequence b: q, dout, lse and
@@ -139,24 +139,47 @@ __device__ void load_keys(tile_smem<HDB, BQ, BK> &sm, const float *kb, const flo
 
 /* P and dS of the staged query rows (first at t0, nq of them) against the
  * staged keys (first at j0). Query t sees key j when j <= t; an unseen pair,
- * and a row past nq, gets exactly 0. Called by every thread. */
+ * and a row past nq, gets exactly 0. Called by every thread.
+ *
+ * Thread x takes key j = x % BK against rows x / BK + m * (NT / BK), so it
+ * reads k_j and v_j once a column for all its rows (the rows of a warp's
+ * lanes differ only where BK < 32, and the +1 of qs and dos puts them in
+ * different banks). */
 template <int HDB, int BQ, int BK>
 __device__ void score_tile(tile_smem<HDB, BQ, BK> &sm, bool want_p, int t0, int nq, int j0, int hd,
                            float scale)
 {
-#pragma unroll 1
-    for (int e = threadIdx.x; e < BQ * BK; e += NT) {
-        const int i = e / BK, j = e % BK;
+    constexpr int STEP = NT / BK;              /* rows between a thread's rows */
+    constexpr int MI = (BQ + STEP - 1) / STEP; /* rows per thread */
+    static_assert(NT % BK == 0, "tile shape");
+    const int j = threadIdx.x % BK, i0 = threadIdx.x / BK;
+    if (i0 >= BQ) /* BQ * BK < NT: this thread has no row */
+        return;
+    float sc[MI], dp[MI];
+#pragma unroll
+    for (int m = 0; m < MI; m++)
+        sc[m] = dp[m] = 0.0f;
+#pragma unroll 2
+    for (int c = 0; c < hd; c++) {
+        const float kc = sm.ks[j][c], vc = sm.vs[j][c];
+#pragma unroll
+        for (int m = 0; m < MI; m++) {
+            const int i = i0 + m * STEP;
+            if (BQ % STEP == 0 || i < BQ) {
+                sc[m] = fmaf(sm.qs[i][c], kc, sc[m]);
+                dp[m] = fmaf(sm.dos[i][c], vc, dp[m]);
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < MI; m++) {
+        const int i = i0 + m * STEP;
+        if (BQ % STEP != 0 && i >= BQ)
+            continue;
         float p = 0.0f, ds = 0.0f;
         if (i < nq && j0 + j <= t0 + i) {
-            float sc = 0.0f, dp = 0.0f;
-#pragma unroll 4
-            for (int c = 0; c < hd; c++) {
-                sc = fmaf(sm.qs[i][c], sm.ks[j][c], sc);
-                dp = fmaf(sm.dos[i][c], sm.vs[j][c], dp);
-            }
-            p = nl_elem_expf(scale * sc - sm.lse[i]);
-            ds = scale * p * (dp - sm.D[i]);
+            p = nl_elem_expf(scale * sc[m] - sm.lse[i]);
+            ds = scale * p * (dp[m] - sm.D[i]);
         }
         if (want_p)
             sm.P[i][j] = p;
