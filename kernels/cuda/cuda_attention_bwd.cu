@@ -340,8 +340,8 @@ __global__ void __launch_bounds__(NT)
 
 /* ---------------------------------------------------------------- launch */
 
-/* Tiles per head-dim bucket, BQ = BK (static shared memory 41.2 / 34.6 /
- * 33.0 KiB; dk/dv accumulators 32 a lane, dq 16). */
+/* Tiles per head-dim bucket, BQ = BK (static shared memory 41728 / 35200 /
+ * 33472 bytes; dk/dv accumulators 32 a lane, dq 16). */
 constexpr int TILE64 = 32, TILE128 = 16, TILE256 = 8;
 
 struct bwd_args {
