@@ -121,8 +121,9 @@ __device__ __forceinline__ void order(uint64_t *a, uint64_t *b, bool up)
  * .. k_hi the steps j = min(k, tile)/2 .. 1, direction from bit k of the
  * global index. With tokens non-NULL the keys are made first: key i is
  * (tokens[i] << 32) | i for i < n, KEY_PAD past it. */
-__global__ void sort_tile_kernel(uint64_t *keys, const int32_t *tokens, int n, int tile,
-                                 size_t k_lo, size_t k_hi)
+__global__ void __launch_bounds__(SORT_TILE / 2)
+    sort_tile_kernel(uint64_t *keys, const int32_t *tokens, int n, int tile, size_t k_lo,
+                     size_t k_hi)
 {
     __shared__ uint64_t s[SORT_TILE];
     const size_t base = (size_t)blockIdx.x * tile;
@@ -285,8 +286,9 @@ __global__ void moe_combine_backward_kernel(float *dy, float *dw, const float *d
 /* One row per block, the CPU's three passes: the max; exp(x - max) written
  * back and summed in double; the loss, then the scale by scale / sum and
  * scale taken off the target. */
-__global__ void cross_entropy_kernel(float *logits, float *losses, const int32_t *targets, int N,
-                                     int V, float scale)
+__global__ void __launch_bounds__(1024)
+    cross_entropy_kernel(float *logits, float *losses, const int32_t *targets, int N, int V,
+                         float scale)
 {
     __shared__ float redf[WARP];
     __shared__ double redd[WARP];
