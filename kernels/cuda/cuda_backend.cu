@@ -28,12 +28,13 @@
  * whose order leaves the results unchanged. The forward ops need none.
  *
  * runtime_bytes: the device memory that the stream, the cuBLAS handle,
- * its workspace and the reduction scratch took, measured with cudaMemGetInfo just after the CUDA
- * context exists and again after them. The context itself (created by
- * the first runtime call; typically a few hundred MiB) is not included:
- * it exists before the first measurement, and it is already missing from
- * the free memory that mem_info reports. Kernels that cuBLAS loads lazily
- * on first use are not included either. */
+ * its workspace and the reduction scratch took, measured with
+ * cudaMemGetInfo just after the CUDA context exists and again after
+ * them. The context itself (created by the first runtime call; typically
+ * a few hundred MiB) is not included: it exists before the first
+ * measurement, and it is already missing from the free memory that
+ * mem_info reports. Kernels that cuBLAS loads lazily on first use are not
+ * included either. */
 extern "C" {
 #include "../backend.h"
 #include "../backend_impl.h"
