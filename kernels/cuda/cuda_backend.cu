@@ -531,7 +531,7 @@ double cu_sumsq(nl_backend *be, const float *x, size_t n)
 {
     cuda_ctx *c = enter(be);
     if (n == 0)
-        return 0.0;
+        return report(c, NULL) == NL_OK ? 0.0 : NAN;
     /* the result in the scratch's first 256 bytes, the partials after them */
     double *res = (double *)c->scratch;
     launched_shape(
