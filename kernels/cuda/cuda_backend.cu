@@ -1,8 +1,8 @@
 /* The CUDA backend (libnl_cuda.so, loaded by nl_backend_new for "cuda:N"):
  * the slot table, device memory, errors and the GEMM through cuBLAS. The
- * forward kernels are in cuda_ops.cu and cuda_attention.cu; the backward
- * and optimizer slots are not on CUDA yet and fail with a sticky
- * NL_ERR_UNSUPPORTED (can_train = 0).
+ * forward kernels are in cuda_ops.cu and cuda_attention.cu, the backward
+ * and optimizer kernels in cuda_backward.cu and cuda_attention_bwd.cu;
+ * every slot runs on the device (can_train = 1).
  *
  * One backend = one device, one non-blocking stream, one cuBLAS handle
  * bound to that stream with a workspace allocated at creation, so nothing
@@ -12,28 +12,36 @@
  * backend's device current on the calling thread.
  *
  * Errors: the first failure (a launch error, a failed asynchronous call,
- * an unimplemented slot) is kept, with a message "cuda:N: <op>: <what>";
+ * a shape a kernel refuses) is kept, with a message "cuda:N: <op>: <what>";
  * `sync` and `check` return it (NL_ERR_INTERNAL for device faults,
- * NL_ERR_UNSUPPORTED for unimplemented slots). It stays: a CUDA context
- * that faulted cannot be trusted again.
+ * NL_ERR_SHAPE for a shape a backward launcher refuses). It stays: a CUDA
+ * context that faulted cannot be trusted again.
  *
- * Reduction scratch: no forward op needs any (RMSNorm and softmax reduce
- * inside a block, attention keeps its softmax state in registers and
- * shared memory), so none is allocated yet; the backward slots will add
- * theirs here, sized at creation.
+ * Reduction scratch: one device buffer of NL_CUDA_BWD_SCRATCH_BYTES (8 MiB,
+ * cuda_backward.h), allocated at creation and shared by the ops that reduce
+ * across blocks: the embedding backward's sort keys (2^20 rows at a time),
+ * RMSNorm's weight-gradient partials (32 row groups x 65536 columns at a
+ * time), the sum of squares' partials and its result, attention backward's
+ * D = rowsum(dout * out) (B H T floats; without room, attention computes
+ * it per tile, to the same bits). The one stream orders its users, so they
+ * never overlap. No shape is too large for it: larger ones run in pieces
+ * whose order leaves the results unchanged. The forward ops need none.
  *
- * runtime_bytes: the device memory that the stream, the cuBLAS handle and
- * its workspace took, measured with cudaMemGetInfo just after the CUDA
- * context exists and again after them. The context itself (created by
- * the first runtime call; typically a few hundred MiB) is not included:
- * it exists before the first measurement, and it is already missing from
- * the free memory that mem_info reports. Kernels that cuBLAS loads lazily
- * on first use are not included either. */
+ * runtime_bytes: the device memory that the stream, the cuBLAS handle,
+ * its workspace and the reduction scratch took, measured with
+ * cudaMemGetInfo just after the CUDA context exists and again after
+ * them. The context itself (created by the first runtime call; typically
+ * a few hundred MiB) is not included: it exists before the first
+ * measurement, and it is already missing from the free memory that
+ * mem_info reports. Kernels that cuBLAS loads lazily on first use are not
+ * included either. */
 extern "C" {
 #include "../backend.h"
 #include "../backend_impl.h"
 }
 #include "cuda_attention.h"
+#include "cuda_attention_bwd.h"
+#include "cuda_backward.h"
 #include "cuda_ops.h"
 
 #include <cublas_v2.h>
@@ -142,6 +150,8 @@ struct cuda_ctx {
     cublasHandle_t cublas;
     void *workspace; /* cuBLAS workspace */
     size_t workspace_bytes;
+    void *scratch; /* reduction scratch of the backward ops */
+    size_t scratch_bytes;
     pthread_mutex_t lock; /* guards table, in_use, peak, sticky, msg */
     bool lock_ready;
     alloc_table table;
@@ -182,6 +192,22 @@ bool ok(cuda_ctx *c, const char *op, cudaError_t e)
 void launched(cuda_ctx *c, const char *op, int rc)
 {
     ok(c, op, (cudaError_t)rc);
+}
+
+/* After a backward launcher: a failure names the op and its shape, and a
+ * refused shape (cudaErrorInvalidValue, nothing launched) is NL_ERR_SHAPE. */
+__attribute__((format(printf, 3, 4))) void launched_shape(cuda_ctx *c, int rc, const char *fmt, ...)
+{
+    if (rc == 0)
+        return;
+    char what[160];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof what, fmt, ap);
+    va_end(ap);
+    const cudaError_t e = (cudaError_t)rc;
+    fail(c, e == cudaErrorInvalidValue ? NL_ERR_SHAPE : NL_ERR_INTERNAL, "%s: %s: %s", c->name,
+         what, cudaGetErrorString(e));
 }
 
 /* Every slot starts here: the backend's device becomes current on the
@@ -436,60 +462,96 @@ void cu_moe_combine(nl_backend *be, float *x, const float *y, const int32_t *slo
     launched(c, "moe_combine", nl_cuda_moe_combine(c->stream, x, y, slot, w, N, k, C));
 }
 
-/* ---------------------------------------------------------------- not on CUDA yet */
+/* ---------------------------------------------------------------- backward ops */
 
-void unsupported(nl_backend *be, const char *slot)
+void cu_embedding_backward(nl_backend *be, float *dtable, const float *dout, const int32_t *tokens,
+                           int N, int C)
 {
-    cuda_ctx *c = ctx_of(be);
-    fail(c, NL_ERR_UNSUPPORTED,
-         "%s: %s is not implemented on cuda (training on CUDA is not available yet)", c->name,
-         slot);
+    cuda_ctx *c = enter(be);
+    launched_shape(c,
+                   nl_cuda_embedding_backward(c->stream, dtable, dout, tokens, N, C, c->scratch,
+                                              c->scratch_bytes),
+                   "embedding_backward (N %d C %d)", N, C);
 }
 
-void cu_embedding_backward(nl_backend *be, float *, const float *, const int32_t *, int, int)
+void cu_rmsnorm_backward(nl_backend *be, float *dinp, float *dw, const float *dout,
+                         const float *inp, const float *w, const float *rstd, int N, int C)
 {
-    unsupported(be, "embedding_backward");
+    cuda_ctx *c = enter(be);
+    launched_shape(c,
+                   nl_cuda_rmsnorm_backward(c->stream, dinp, dw, dout, inp, w, rstd, N, C,
+                                            c->scratch, c->scratch_bytes),
+                   "rmsnorm_backward (N %d C %d)", N, C);
 }
 
-void cu_rmsnorm_backward(nl_backend *be, float *, float *, const float *, const float *,
-                         const float *, const float *, int, int)
+void cu_attention_backward(nl_backend *be, float *dq, float *dk, float *dv, const float *dout,
+                           const float *q, int q_stride, const float *k, const float *v,
+                           int kv_stride, const float *out, const float *lse, nl_attn_shape s)
 {
-    unsupported(be, "rmsnorm_backward");
+    cuda_ctx *c = enter(be);
+    /* the row sums D in scratch when they fit, else per tile (same bits) */
+    const size_t need = nl_cuda_attention_backward_scratch(s);
+    float *scratch = need > 0 && need <= c->scratch_bytes ? (float *)c->scratch : NULL;
+    launched_shape(c,
+                   nl_cuda_attention_backward(c->stream, dq, dk, dv, dout, q, q_stride, k, v,
+                                              kv_stride, out, lse, scratch, s),
+                   "attention_backward (B %d T %d past %d kv_cap %d H %d G %d hd %d q_stride %d "
+                   "kv_stride %d)",
+                   s.B, s.T, s.past, s.kv_cap, s.H, s.G, s.hd, q_stride, kv_stride);
 }
 
-void cu_attention_backward(nl_backend *be, float *, float *, float *, const float *, const float *,
-                           int, const float *, const float *, int, const float *, const float *,
-                           nl_attn_shape)
+void cu_swiglu_backward(nl_backend *be, float *dgu, const float *dh, const float *gu, int N, int F)
 {
-    unsupported(be, "attention_backward");
+    cuda_ctx *c = enter(be);
+    launched_shape(c, nl_cuda_swiglu_backward(c->stream, dgu, dh, gu, N, F),
+                   "swiglu_backward (N %d F %d)", N, F);
 }
 
-void cu_swiglu_backward(nl_backend *be, float *, const float *, const float *, int, int)
+void cu_moe_combine_backward(nl_backend *be, float *dy, float *dw, const float *dx, const float *y,
+                             const int32_t *slot, const float *w, int N, int k, int C)
 {
-    unsupported(be, "swiglu_backward");
+    cuda_ctx *c = enter(be);
+    launched_shape(c, nl_cuda_moe_combine_backward(c->stream, dy, dw, dx, y, slot, w, N, k, C),
+                   "moe_combine_backward (N %d k %d C %d)", N, k, C);
 }
 
-void cu_moe_combine_backward(nl_backend *be, float *, float *, const float *, const float *,
-                             const int32_t *, const float *, int, int, int)
+void cu_cross_entropy(nl_backend *be, float *logits, float *losses, const int32_t *targets, int N,
+                      int V, float scale)
 {
-    unsupported(be, "moe_combine_backward");
+    cuda_ctx *c = enter(be);
+    launched_shape(c, nl_cuda_cross_entropy(c->stream, logits, losses, targets, N, V, scale),
+                   "cross_entropy (N %d V %d)", N, V);
 }
 
-void cu_cross_entropy(nl_backend *be, float *, float *, const int32_t *, int, int, float)
+/* Queues the two reduction kernels, then waits for the one double: the
+ * slot returns a value, so it synchronises the stream. NaN when the
+ * backend has failed (now or before): never a plausible norm from a
+ * device that cannot be trusted. */
+double cu_sumsq(nl_backend *be, const float *x, size_t n)
 {
-    unsupported(be, "cross_entropy");
+    cuda_ctx *c = enter(be);
+    if (n == 0)
+        return report(c, NULL) == NL_OK ? 0.0 : NAN;
+    /* the result in the scratch's first 256 bytes, the partials after them */
+    double *res = (double *)c->scratch;
+    launched_shape(
+        c, nl_cuda_sumsq(c->stream, res, x, n, (char *)c->scratch + 256, c->scratch_bytes - 256),
+        "sumsq (n %zu)", n);
+    double h = NAN;
+    cudaError_t e = cudaMemcpyAsync(&h, res, sizeof h, cudaMemcpyDeviceToHost, c->stream);
+    if (e == cudaSuccess)
+        e = cudaStreamSynchronize(c->stream);
+    ok(c, "sumsq", e);
+    return report(c, NULL) == NL_OK ? h : NAN;
 }
 
-double cu_sumsq(nl_backend *be, const float *, size_t)
+void cu_adamw(nl_backend *be, float *p, const float *g, float *m, float *v, size_t n, float lr,
+              float b1, float b2, float eps, float wd, float bc1, float bc2, float grad_scale)
 {
-    unsupported(be, "sumsq");
-    return NAN;
-}
-
-void cu_adamw(nl_backend *be, float *, const float *, float *, float *, size_t, float, float, float,
-              float, float, float, float, float)
-{
-    unsupported(be, "adamw");
+    cuda_ctx *c = enter(be);
+    launched_shape(
+        c, nl_cuda_adamw(c->stream, p, g, m, v, n, lr, b1, b2, eps, wd, bc1, bc2, grad_scale),
+        "adamw (n %zu)", n);
 }
 
 /* ---------------------------------------------------------------- create, destroy */
@@ -509,6 +571,8 @@ void cu_destroy(nl_backend *be)
             cublasDestroy(c->cublas);
         if (c->workspace)
             cudaFree(c->workspace);
+        if (c->scratch)
+            cudaFree(c->scratch);
         if (c->stream)
             cudaStreamDestroy(c->stream);
         cudaGetLastError(); /* leave no error for another backend's next check */
@@ -521,8 +585,9 @@ void cu_destroy(nl_backend *be)
     free(be);
 }
 
-/* The context, the stream, cuBLAS and its workspace; *runtime gets the
- * device memory they took after the context existed. */
+/* The context, the stream, cuBLAS and its workspace, the reduction
+ * scratch; *runtime gets the device memory they took after the context
+ * existed. */
 nl_status setup(cuda_ctx *c, const nl_backend_opts *o, size_t *runtime, nl_error *err)
 {
     cudaError_t e = cudaSetDevice(c->device);
@@ -572,6 +637,14 @@ nl_status setup(cuda_ctx *c, const nl_backend_opts *o, size_t *runtime, nl_error
     if (s != CUBLAS_STATUS_SUCCESS)
         return nl_error_set(err, NL_ERR_INTERNAL, "%s: cuBLAS setup: %s", c->name,
                             cublasGetStatusString(s));
+    c->scratch_bytes = NL_CUDA_BWD_SCRATCH_BYTES;
+    e = cudaMalloc(&c->scratch, c->scratch_bytes);
+    if (e != cudaSuccess) {
+        c->scratch = NULL;
+        cudaGetLastError();
+        return nl_error_set(err, NL_ERR_NOMEM, "%s: reduction scratch (%zu MiB): %s", c->name,
+                            c->scratch_bytes >> 20, cudaGetErrorString(e));
+    }
     e = cudaDeviceSynchronize();
     if (e == cudaSuccess)
         e = cudaMemGetInfo(&free1, &total);
@@ -586,7 +659,7 @@ nl_status setup(cuda_ctx *c, const nl_backend_opts *o, size_t *runtime, nl_error
 void fill_table(nl_backend *be)
 {
     be->host_memory = 0;
-    be->can_train = 0;
+    be->can_train = 1;
     be->gemm_probe = 2048;
     be->alloc = cu_alloc;
     be->free = cu_free;

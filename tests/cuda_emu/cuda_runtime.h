@@ -28,7 +28,8 @@
  * Kernels run synchronously; cudaGetLastError reports a bad launch
  * configuration or an emulation failure (deadlock, barrier divergence).
  * Not emulated: streams, events, memory copies, dynamic shared memory,
- * atomics (no kernel here uses them). */
+ * atomics (no kernel here uses them: the backward kernels are
+ * deterministic by design). */
 #ifndef NL_CUDA_EMU_RUNTIME_H
 #define NL_CUDA_EMU_RUNTIME_H
 
@@ -187,6 +188,15 @@ inline float __logf(float x)
 inline float rsqrtf(float x)
 {
     return 1.0f / sqrtf(x);
+}
+/* A product rounded on its own, never fused into a following add (nvcc's
+ * __fmul_rn): the volatile hides the value from the compiler's FMA
+ * contraction (test_cuda_emu is built with -ffp-contract=fast where the
+ * target has FMA). */
+inline float __fmul_rn(float a, float b)
+{
+    volatile float r = a * b;
+    return r;
 }
 
 /* ---------------------------------------------------------------- launch */

@@ -23,6 +23,7 @@ extern "C" {
 #include "kernels/backend.h"
 }
 #include "kernels/cuda/cuda_attention.h"
+#include "kernels/cuda/cuda_backward.h"
 #include "kernels/cuda/cuda_ops.h"
 
 #include <stdint.h>
@@ -31,6 +32,10 @@ extern "C" {
 #ifdef __SANITIZE_ADDRESS__
 #include <sanitizer/asan_interface.h>
 #endif
+
+/* tests/cuda_emu/emu_attention_bwd.cc: the attention backward's checks (its
+ * own translation unit and counters); returns how many failed */
+int nl_emu_attention_backward_checks(void);
 
 namespace
 {
@@ -195,6 +200,35 @@ void check_rc(const char *what, int rc)
 {
     CHECK(rc == 0, "%s: the launcher returned %d (%s)", what, rc,
           cudaGetErrorString((cudaError_t)rc));
+}
+
+/* A sum judged by its terms: |got - ref| <= rtol cond[i], where cond[i] is
+ * the sum of the absolute values of the terms that make element i (so an
+ * element whose terms cancel is not held to its tiny result). */
+void check_cond(const char *what, const buf &got, const buf &ref, const std::vector<double> &cond,
+                double rtol)
+{
+    size_t bad = 0, first = 0;
+    double frac = 0;
+    for (size_t i = 0; i < ref.n; i++) {
+        const float a = got.p()[i], b = ref.p()[i];
+        const double e = fabs((double)a - b), tol = rtol * cond[i];
+        const bool ok = e <= tol; /* false for NaN */
+        frac = fmax(frac, tol > 0 ? e / tol : e > 0 ? INFINITY : 0);
+        if (!ok && bad++ == 0)
+            first = i;
+    }
+    report(what, frac);
+    CHECK(bad == 0, "%s: %zu of %zu elements off, first [%zu] got %.9g want %.9g (terms %.3g)",
+          what, bad, ref.n, first, bad ? got.p()[first] : 0.0, bad ? ref.p()[first] : 0.0,
+          bad ? cond[first] : 0.0);
+    CHECK(got.intact(), "%s: a write past the buffer's ends", what);
+}
+
+/* Bit for bit (NaN meeting NaN). */
+void check_same(const char *what, const buf &got, const buf &ref)
+{
+    check_elem(what, got, ref, 0, 0);
 }
 
 /* ---------------------------------------------------------------- ops */
@@ -436,6 +470,43 @@ void test_launchers(void)
     CHECK(emu_launch_count() == before, "a rejected shape launched a kernel");
 }
 
+/* The backward launchers: empty shapes launch nothing, negative sizes and
+ * a scratch under the minimum are refused. */
+void test_backward_launchers(void)
+{
+    float f[4] = {0, 0, 0, 0};
+    int32_t i[4] = {0, 0, 0, 0};
+    double d = 5.0;
+    std::vector<char> sc(NL_CUDA_BWD_SCRATCH_MIN);
+    const size_t sb = sc.size(), small = sb - 1;
+    const long before = emu_launch_count();
+    CHECK(nl_cuda_embedding_backward(nullptr, f, f, i, 0, 4, sc.data(), sb) == 0, "emb N 0");
+    CHECK(nl_cuda_embedding_backward(nullptr, f, f, i, 2, 0, sc.data(), sb) == 0, "emb C 0");
+    CHECK(nl_cuda_rmsnorm_backward(nullptr, f, f, f, f, f, f, 0, 4, sc.data(), sb) == 0,
+          "rmsnorm_backward N 0");
+    CHECK(nl_cuda_swiglu_backward(nullptr, f, f, f, 1, 0) == 0, "swiglu_backward F 0");
+    CHECK(nl_cuda_moe_combine_backward(nullptr, f, f, f, f, i, f, 1, 0, 4) == 0, "moe_bwd k 0");
+    CHECK(nl_cuda_cross_entropy(nullptr, f, f, i, 0, 4, 1.0f) == 0, "cross_entropy N 0");
+    CHECK(nl_cuda_sumsq(nullptr, &d, f, 0, sc.data(), sb) == 0 && d == 5.0, "sumsq n 0");
+    CHECK(nl_cuda_adamw(nullptr, f, f, f, f, 0, 1, 0.9f, 0.9f, 1, 0, 1, 1, 1) == 0, "adamw n 0");
+    CHECK(emu_launch_count() == before, "an empty backward shape launched %ld kernels",
+          emu_launch_count() - before);
+
+    const int bad = cudaErrorInvalidValue;
+    CHECK(nl_cuda_embedding_backward(nullptr, f, f, i, 2, 2, sc.data(), small) == bad,
+          "embedding_backward scratch under the minimum");
+    CHECK(nl_cuda_embedding_backward(nullptr, f, f, i, -1, 2, sc.data(), sb) == bad, "emb N < 0");
+    CHECK(nl_cuda_rmsnorm_backward(nullptr, f, f, f, f, f, f, 2, 2, sc.data(), small) == bad,
+          "rmsnorm_backward scratch under the minimum");
+    CHECK(nl_cuda_rmsnorm_backward(nullptr, f, f, f, f, f, f, 2, -2, sc.data(), sb) == bad,
+          "rmsnorm_backward C < 0");
+    CHECK(nl_cuda_sumsq(nullptr, &d, f, 4, sc.data(), small) == bad, "sumsq small scratch");
+    CHECK(nl_cuda_swiglu_backward(nullptr, f, f, f, -1, 2) == bad, "swiglu_backward N < 0");
+    CHECK(nl_cuda_moe_combine_backward(nullptr, f, f, f, f, i, f, 1, -1, 4) == bad, "moe k < 0");
+    CHECK(nl_cuda_cross_entropy(nullptr, f, f, i, 1, -4, 1.0f) == bad, "cross_entropy V < 0");
+    CHECK(emu_launch_count() == before, "a rejected backward shape launched a kernel");
+}
+
 /* ---------------------------------------------------------------- attention */
 
 struct attn_case {
@@ -530,6 +601,293 @@ void test_attention(nl_backend *cpu)
         run_attention(cpu, c);
 }
 
+/* ---------------------------------------------------------------- backward */
+
+/* The backend's reduction scratch (NL_CUDA_BWD_SCRATCH_BYTES) between NaN
+ * guards, made once; a kernel that writes past it is caught. */
+buf &scratch(void)
+{
+    static buf s(NL_CUDA_BWD_SCRATCH_BYTES / sizeof(float));
+    return s;
+}
+
+/* Tokens may repeat, and do: V rows for N tokens. The results must be the
+ * CPU's bits (same order of additions), with the whole scratch and with
+ * the least one (the rows then go in pieces), and the rows of dtable no
+ * token names must stay as they were. */
+void test_embedding_backward(nl_backend *cpu)
+{
+    /* N, C, V, rows per piece in the small-scratch run's terms */
+    const int shapes[][3] = {{1, 1, 1},      {1, 5, 3},   {7, 1, 2},    {37, 33, 5},
+                             {300, 257, 40}, {64, 70, 1}, {5000, 2, 50}};
+    for (auto &sh : shapes) {
+        const int N = sh[0], C = sh[1], V = sh[2];
+        char what[96];
+        buf table((size_t)V * C), dout((size_t)N * C);
+        table.fill(1);
+        dout.fill(1);
+        ibuf tok(N);
+        for (int n = 0; n < N; n++) /* runs and repeats, the last row unused */
+            tok.p()[n] = n % 3 == 1 ? tok.p()[n - 1] : irand(V > 1 ? V - 1 : 1);
+        buf ref = table;
+        cpu->embedding_backward(cpu, ref.p(), dout.p(), tok.p(), N, C);
+        buf a = table;
+        snprintf(what, sizeof what, "embedding_backward N %d C %d V %d", N, C, V);
+        check_rc(what, nl_cuda_embedding_backward(nullptr, a.p(), dout.p(), tok.p(), N, C,
+                                                  scratch().p(), NL_CUDA_BWD_SCRATCH_BYTES));
+        check_same(what, a, ref);
+        CHECK(scratch().intact(), "%s: a write past the scratch", what);
+        if (N > 300) {
+            buf b = table;
+            snprintf(what, sizeof what, "embedding_backward N %d C %d V %d, scratch %zu", N, C, V,
+                     NL_CUDA_BWD_SCRATCH_MIN);
+            check_rc(what, nl_cuda_embedding_backward(nullptr, b.p(), dout.p(), tok.p(), N, C,
+                                                      scratch().p(), NL_CUDA_BWD_SCRATCH_MIN));
+            check_same(what, b, ref);
+        }
+    }
+}
+
+void test_rmsnorm_backward(nl_backend *cpu)
+{
+    const int shapes[][2] = {{1, 1}, {1, 7}, {5, 1}, {4, 37}, {33, 513}, {70, 300}, {3, 4096}};
+    for (auto &sh : shapes) {
+        const int N = sh[0], C = sh[1];
+        const size_t n = (size_t)N * C;
+        char what[96];
+        buf x(n), w(C), out(n), rstd(N), dout(n), dx0(n), dw0(C);
+        x.fill(2);
+        w.fill(1);
+        dout.fill(1);
+        dx0.fill(1);
+        dw0.fill(1);
+        cpu->rmsnorm_forward(cpu, out.p(), rstd.p(), x.p(), w.p(), N, C, 1e-6f);
+        buf rdx = dx0, rdw = dw0;
+        cpu->rmsnorm_backward(cpu, rdx.p(), rdw.p(), dout.p(), x.p(), w.p(), rstd.p(), N, C);
+        buf adx = dx0, adw = dw0;
+        snprintf(what, sizeof what, "rmsnorm_backward dinp N %d C %d", N, C);
+        check_rc(what, nl_cuda_rmsnorm_backward(nullptr, adx.p(), adw.p(), dout.p(), x.p(), w.p(),
+                                                rstd.p(), N, C, scratch().p(),
+                                                NL_CUDA_BWD_SCRATCH_BYTES));
+        /* the terms of each element, for the tolerance */
+        std::vector<double> cdx(n), cdw(C);
+        for (int c = 0; c < C; c++)
+            cdw[c] = fabs((double)dw0[c]);
+        for (int r = 0; r < N; r++) {
+            const double rs = rstd[r];
+            double dot = 0;
+            for (int c = 0; c < C; c++) {
+                const size_t i = (size_t)r * C + c;
+                dot += fabs((double)w[c] * dout[i] * x[i]);
+                cdw[c] += fabs((double)dout[i] * x[i] * rs);
+            }
+            for (int c = 0; c < C; c++) {
+                const size_t i = (size_t)r * C + c;
+                cdx[i] = fabs((double)dx0[i]) + fabs((double)w[c] * dout[i] * rs) +
+                         fabs((double)x[i]) * rs * rs * rs / C * dot;
+            }
+        }
+        check_cond(what, adx, rdx, cdx, 1e-5);
+        snprintf(what, sizeof what, "rmsnorm_backward dw N %d C %d", N, C);
+        check_cond(what, adw, rdw, cdw, 1e-5);
+        CHECK(scratch().intact(), "%s: a write past the scratch", what);
+        /* the least scratch: dw in column pieces, the same bits */
+        buf bdx = dx0, bdw = dw0;
+        snprintf(what, sizeof what, "rmsnorm_backward N %d C %d, scratch %zu", N, C,
+                 NL_CUDA_BWD_SCRATCH_MIN);
+        check_rc(what,
+                 nl_cuda_rmsnorm_backward(nullptr, bdx.p(), bdw.p(), dout.p(), x.p(), w.p(),
+                                          rstd.p(), N, C, scratch().p(), NL_CUDA_BWD_SCRATCH_MIN));
+        check_same(what, bdw, adw);
+    }
+}
+
+void test_swiglu_backward(nl_backend *cpu)
+{
+    const int shapes[][2] = {{1, 1}, {3, 37}, {2, 700}, {1, 257}};
+    for (auto &sh : shapes) {
+        const int N = sh[0], F = sh[1];
+        char what[96];
+        buf gu((size_t)N * 2 * F), dh((size_t)N * F);
+        gu.fill(8);
+        dh.fill(1);
+        buf a((size_t)N * 2 * F), b((size_t)N * 2 * F); /* NaN: every element is written */
+        snprintf(what, sizeof what, "swiglu_backward N %d F %d", N, F);
+        check_rc(what, nl_cuda_swiglu_backward(nullptr, a.p(), dh.p(), gu.p(), N, F));
+        cpu->swiglu_backward(cpu, b.p(), dh.p(), gu.p(), N, F);
+        /* dg = dh u sig (1 + g (1 - sig)) cancels near g = -1.28: judge it
+         * by its terms; du = dh silu(g) is a product */
+        std::vector<double> cond((size_t)N * 2 * F);
+        for (int n = 0; n < N; n++)
+            for (int j = 0; j < F; j++) {
+                const size_t i = (size_t)n * 2 * F + j;
+                const double g = gu[i], u = gu[i + F], d = dh[(size_t)n * F + j];
+                const double sig = 1.0 / (1.0 + exp(-g));
+                cond[i] = fabs(d * u * sig) * (1.0 + fabs(g * (1.0 - sig)));
+                cond[i + F] = fabs(d * g * sig);
+            }
+        check_cond(what, a, b, cond, 1e-6);
+    }
+}
+
+void test_moe_combine_backward(nl_backend *cpu)
+{
+    const int shapes[][3] = {{1, 1, 1}, {6, 2, 37}, {3, 4, 300}, {5, 3, 1}, {2, 4, 513}};
+    for (auto &sh : shapes) {
+        const int N = sh[0], k = sh[1], C = sh[2], S = N * k;
+        char what[96];
+        buf y((size_t)S * C), w(S), dx((size_t)N * C);
+        y.fill(2);
+        w.fill(1);
+        dx.fill(2);
+        ibuf slot(S);
+        for (int i = 0; i < S; i++)
+            slot.p()[i] = (i * 7 + 3) % S;
+        buf ady((size_t)S * C), bdy((size_t)S * C), adw(S), bdw(S);
+        snprintf(what, sizeof what, "moe_combine_backward dy N %d k %d C %d", N, k, C);
+        check_rc(what, nl_cuda_moe_combine_backward(nullptr, ady.p(), adw.p(), dx.p(), y.p(),
+                                                    slot.p(), w.p(), N, k, C));
+        cpu->moe_combine_backward(cpu, bdy.p(), bdw.p(), dx.p(), y.p(), slot.p(), w.p(), N, k, C);
+        check_same(what, ady, bdy); /* one product each */
+        std::vector<double> cond(S, 0.0);
+        for (int e = 0; e < S; e++)
+            for (int c = 0; c < C; c++)
+                cond[e] +=
+                    fabs((double)dx[(size_t)(e / k) * C + c] * y[(size_t)slot.p()[e] * C + c]);
+        snprintf(what, sizeof what, "moe_combine_backward dw N %d k %d C %d", N, k, C);
+        check_cond(what, adw, bdw, cond, 1e-5);
+    }
+}
+
+/* Losses 1e-5 relative; gradients 1e-5 relative, at the target of its
+ * terms scale p and scale (near p = 1 the gradient scale (p - 1) cancels,
+ * and p itself is only known to an ulp or two). */
+void test_cross_entropy(nl_backend *cpu)
+{
+    const int shapes[][2] = {{1, 1}, {3, 37}, {2, 50000}, {4, 257}, {1, 8193}, {5, 2}};
+    for (auto &sh : shapes) {
+        const int N = sh[0], V = sh[1];
+        const float scale = 1.0f / (float)N;
+        char what[96];
+        buf x((size_t)N * V);
+        x.fill(6);
+        ibuf tgt(N);
+        for (int n = 0; n < N; n++)
+            tgt.p()[n] = n == 0 ? V - 1 : irand(V);
+        if (N > 2) /* a row sure of its target, one sure of another */
+            x[(size_t)V + tgt.p()[1]] = 30.0f;
+        if (N > 2)
+            x[(size_t)2 * V + (tgt.p()[2] + 1) % V] = 30.0f;
+        buf a = x, b = x, la(N), lb(N);
+        snprintf(what, sizeof what, "cross_entropy grad N %d V %d", N, V);
+        check_rc(what, nl_cuda_cross_entropy(nullptr, a.p(), la.p(), tgt.p(), N, V, scale));
+        cpu->cross_entropy(cpu, b.p(), lb.p(), tgt.p(), N, V, scale);
+        std::vector<double> cond((size_t)N * V);
+        for (int n = 0; n < N; n++)
+            for (int i = 0; i < V; i++) {
+                const size_t e = (size_t)n * V + i;
+                cond[e] = i == tgt.p()[n] ? fabs((double)b[e] + scale) + scale : fabs((double)b[e]);
+            }
+        check_cond(what, a, b, cond, 1e-5);
+        snprintf(what, sizeof what, "cross_entropy loss N %d V %d", N, V);
+        check_elem(what, la, lb, 1e-5, 0);
+    }
+}
+
+/* Relative 1e-9 of a double sum in index order, and of the CPU's; any
+ * infinity gives +inf, any NaN gives NaN. */
+void test_sumsq(nl_backend *cpu)
+{
+    double *out = (double *)scratch().p(); /* the backend's layout: result first */
+    void *sc = scratch().p() + 64;
+    const size_t sb = NL_CUDA_BWD_SCRATCH_BYTES - 64 * sizeof(float);
+    /* n, bad (0 finite, 1 infinities, 2 a NaN and an infinity); 262149
+     * elements make more than the most partials, so threads stride */
+    const struct {
+        size_t n;
+        int bad;
+    } cases[] = {{1, 0}, {7, 0}, {1000, 0}, {1000, 1}, {1000, 2}, {70001, 2}, {262149, 0}};
+    for (const auto &cs : cases) {
+        const size_t n = cs.n;
+        const int bad = cs.bad;
+        char what[96];
+        buf x(n);
+        x.fill(3);
+        if (bad == 1) {
+            x[n / 3] = INFINITY;
+            x[n - 1] = -INFINITY;
+        } else if (bad == 2) {
+            x[n / 2] = NAN;
+            x[n / 5] = INFINITY;
+        }
+        double ref = 0;
+        for (size_t i = 0; i < n; i++)
+            ref += (double)x[i] * x[i];
+        *out = -1.0;
+        snprintf(what, sizeof what, "sumsq n %zu %s", n,
+                 bad == 0   ? "finite"
+                 : bad == 1 ? "inf"
+                            : "nan");
+        check_rc(what, nl_cuda_sumsq(nullptr, out, x.p(), n, sc, sb));
+        const double got = *out, cpu_sum = cpu->sumsq(cpu, x.p(), n);
+        if (bad == 0) {
+            report(what, fabs(got - ref) / (1e-9 * ref));
+            CHECK(fabs(got - ref) <= 1e-9 * ref && fabs(got - cpu_sum) <= 1e-9 * cpu_sum,
+                  "%s: %.17g, a double sum gives %.17g, the CPU %.17g", what, got, ref, cpu_sum);
+        } else if (bad == 1) {
+            CHECK(isinf(got) && got > 0 && isinf(cpu_sum), "%s: %g, the CPU %g", what, got,
+                  cpu_sum);
+        } else {
+            CHECK(isnan(got) && isnan(cpu_sum), "%s: %g, the CPU %g", what, got, cpu_sum);
+        }
+    }
+    CHECK(scratch().intact(), "sumsq: a write past the scratch");
+}
+
+/* Several steps, each with its own gradient, gradient scale and bias
+ * corrections. Each step starts both sides from the CPU's state, so it is
+ * judged alone: v (a sum of positive terms) element-wise, m and p by their
+ * terms, b1 |m| + (1 - b1) |g'| and |p| + lr (that over bc1 (sqrt(v/bc2) +
+ * eps) + wd |p|): nvcc fuses the multiply-adds the CPU rounds twice, which
+ * differs where the terms cancel. */
+void test_adamw(nl_backend *cpu)
+{
+    const size_t sizes[] = {1, 1000, 70001};
+    const float lr = 1e-3f, b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, wd = 0.1f;
+    for (size_t n : sizes) {
+        buf p(n), m(n), v(n);
+        p.fill(0.1f);
+        m.fill(0.1f);
+        for (size_t i = 0; i < n; i++)
+            v[i] = 0.01f * fabsf(frand());
+        for (int t = 1; t <= 4; t++) {
+            buf g(n);
+            g.fill(t == 3 ? 100.0f : 1.0f);
+            const float bc1 = 1.0f - powf(b1, (float)t), bc2 = 1.0f - powf(b2, (float)t);
+            const float gs = t == 2 ? 0.25f : 1.0f;
+            buf pa = p, ma = m, va = v;
+            char what[96];
+            snprintf(what, sizeof what, "adamw n %zu step %d", n, t);
+            check_rc(what, nl_cuda_adamw(nullptr, pa.p(), g.p(), ma.p(), va.p(), n, lr, b1, b2, eps,
+                                         wd, bc1, bc2, gs));
+            std::vector<double> cm(n), cp(n);
+            for (size_t i = 0; i < n; i++) {
+                const double gi = (double)g[i] * gs;
+                const double vi = b2 * (double)v[i] + (1.0 - b2) * gi * gi;
+                cm[i] = b1 * fabs((double)m[i]) + (1.0 - b1) * fabs(gi);
+                cp[i] = fabs((double)p[i]) +
+                        lr * (cm[i] / bc1 / (sqrt(vi / bc2) + eps) + wd * fabs((double)p[i]));
+            }
+            cpu->adamw(cpu, p.p(), g.p(), m.p(), v.p(), n, lr, b1, b2, eps, wd, bc1, bc2, gs);
+            check_cond(what, pa, p, cp, 1e-6);
+            snprintf(what, sizeof what, "adamw m n %zu step %d", n, t);
+            check_cond(what, ma, m, cm, 1e-6);
+            snprintf(what, sizeof what, "adamw v n %zu step %d", n, t);
+            check_elem(what, va, v, 1e-6, 0);
+        }
+    }
+}
+
 } // namespace
 
 int main(void)
@@ -552,6 +910,15 @@ int main(void)
     test_moe_combine(cpu);
     test_scale_rows(cpu);
     test_attention(cpu);
+    test_backward_launchers();
+    test_embedding_backward(cpu);
+    test_rmsnorm_backward(cpu);
+    test_swiglu_backward(cpu);
+    test_moe_combine_backward(cpu);
+    test_cross_entropy(cpu);
+    test_sumsq(cpu);
+    test_adamw(cpu);
+    CHECK(nl_emu_attention_backward_checks() == 0, "attention backward: see its failures above");
     nl_backend_destroy(&cpu);
     return check_done("test_cuda_emu");
 }
