@@ -32,8 +32,8 @@
 namespace
 {
 
-constexpr int WARP = 32;
-constexpr unsigned FULL_MASK = 0xffffffffu;
+#include "cuda_reduce.cuh"
+
 constexpr int BK = 32;           /* keys per tile or chunk: one per lane */
 constexpr int PREFILL_WARPS = 4; /* warps per prefill block */
 constexpr int DECODE_WARPS = 8;  /* warps per decode block */
@@ -41,23 +41,6 @@ constexpr int DECODE_MAX_T = 4;  /* new positions up to which the decode kernel 
 /* Prefill blocks per SM the register budget must allow: caps ptxas at 128
  * registers a thread, which every bucket fits without spilling. */
 constexpr int PREFILL_MIN_BLOCKS = 4;
-
-__device__ __forceinline__ float warp_max(float x)
-{
-#pragma unroll
-    for (int off = WARP / 2; off > 0; off >>= 1)
-        x = fmaxf(x, __shfl_xor_sync(FULL_MASK, x, off));
-    return x;
-}
-
-/* Butterfly sum: every lane ends with the same bits. */
-__device__ __forceinline__ float warp_sum(float x)
-{
-#pragma unroll
-    for (int off = WARP / 2; off > 0; off >>= 1)
-        x += __shfl_xor_sync(FULL_MASK, x, off);
-    return x;
-}
 
 /* ---------------------------------------------------------------- prefill */
 

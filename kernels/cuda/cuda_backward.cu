@@ -33,9 +33,8 @@
 namespace
 {
 
-constexpr int WARP = 32;
-constexpr unsigned FULL_MASK = 0xffffffffu;
-constexpr unsigned MAX_BLOCKS = 1u << 20;
+#include "cuda_reduce.cuh"
+
 constexpr int ELEM_THREADS = 256;
 constexpr int SORT_TILE = 2048; /* keys sorted in shared memory (16 KiB) */
 constexpr int DW_PARTS = 32;    /* most row groups of RMSNorm's dw */
@@ -47,61 +46,9 @@ constexpr uint64_t KEY_PAD = ~0ull; /* sorts after every (token, row) key */
 static_assert(SUMSQ_BLOCKS * sizeof(double) <= NL_CUDA_BWD_SCRATCH_MIN, "sumsq scratch");
 static_assert(DW_PARTS * sizeof(float) <= NL_CUDA_BWD_SCRATCH_MIN, "dw scratch");
 
-/* Threads for a block that walks rows of width C: C rounded up to a whole
- * warp, between 32 and cap (a multiple of 32). */
-int row_threads(long C, int cap)
-{
-    const long t = (C + WARP - 1) / WARP * WARP;
-    return t < WARP ? WARP : t > cap ? cap : (int)t;
-}
-
 unsigned capped_blocks(size_t want)
 {
     return want < MAX_BLOCKS ? (unsigned)want : MAX_BLOCKS;
-}
-
-template <class T> __device__ __forceinline__ T warp_sum(T v)
-{
-    /* a butterfly: every lane ends with the same bits */
-#pragma unroll
-    for (int o = WARP / 2; o > 0; o >>= 1)
-        v += __shfl_xor_sync(FULL_MASK, v, o);
-    return v;
-}
-
-__device__ __forceinline__ float warp_max(float v)
-{
-#pragma unroll
-    for (int o = WARP / 2; o > 0; o >>= 1)
-        v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
-    return v;
-}
-
-/* Sum of v over the block, returned to every thread; blockDim.x a multiple
- * of 32, red WARP elements of shared memory; every thread must call it. */
-template <class T> __device__ T block_sum(T v, T *red)
-{
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    const int nw = blockDim.x / WARP;
-    v = warp_sum(v);
-    __syncthreads(); /* the previous call's readers are done with red */
-    if (lane == 0)
-        red[warp] = v;
-    __syncthreads();
-    return warp_sum(lane < nw ? red[lane] : (T)0);
-}
-
-/* Max of v over the block (NaN ignored, as the CPU's compare-and-select). */
-__device__ float block_max(float v, float *red)
-{
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    const int nw = blockDim.x / WARP;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0)
-        red[warp] = v;
-    __syncthreads();
-    return warp_max(lane < nw ? red[lane] : -INFINITY);
 }
 
 /* ---------------------------------------------------------------- embedding */

@@ -27,69 +27,13 @@
 namespace
 {
 
-constexpr int WARP = 32;
-constexpr unsigned FULL_MASK = 0xffffffffu;
-constexpr unsigned MAX_BLOCKS = 1u << 20; /* grid cap; rows past it are strided */
-constexpr int ROPE_THREADS = 128;
+#include "cuda_reduce.cuh"
 
-/* Threads for a block that walks rows of width C: C rounded up to a whole
- * warp, between 32 and cap (a multiple of 32). */
-int row_threads(int C, int cap)
-{
-    const long t = ((long)C + WARP - 1) / WARP * WARP;
-    return t < WARP ? WARP : t > cap ? cap : (int)t;
-}
+constexpr int ROPE_THREADS = 128;
 
 unsigned row_blocks(int rows)
 {
     return (unsigned)rows < MAX_BLOCKS ? (unsigned)rows : MAX_BLOCKS;
-}
-
-__device__ __forceinline__ float warp_sum(float v)
-{
-    /* a butterfly: lane i adds v_i + v_{i^o}, its partner v_{i^o} + v_i,
-     * so every lane ends with the same bits */
-#pragma unroll
-    for (int o = WARP / 2; o > 0; o >>= 1)
-        v += __shfl_xor_sync(FULL_MASK, v, o);
-    return v;
-}
-
-__device__ __forceinline__ float warp_max(float v)
-{
-#pragma unroll
-    for (int o = WARP / 2; o > 0; o >>= 1)
-        v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
-    return v;
-}
-
-/* Sum of v over the block, returned to every thread. blockDim.x must be a
- * multiple of 32; red is WARP floats of shared memory. Every thread of the
- * block must call it (it synchronises). */
-__device__ float block_sum(float v, float *red)
-{
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    const int nw = blockDim.x / WARP;
-    v = warp_sum(v);
-    __syncthreads(); /* the previous call's readers are done with red */
-    if (lane == 0)
-        red[warp] = v;
-    __syncthreads();
-    return warp_sum(lane < nw ? red[lane] : 0.0f);
-}
-
-/* Max of v over the block (NaN ignored, as the CPU's compare-and-select
- * does), returned to every thread; as block_sum. */
-__device__ float block_max(float v, float *red)
-{
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    const int nw = blockDim.x / WARP;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0)
-        red[warp] = v;
-    __syncthreads();
-    return warp_max(lane < nw ? red[lane] : -INFINITY);
 }
 
 /* ---------------------------------------------------------------- kernels */
