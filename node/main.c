@@ -116,6 +116,10 @@ static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypa
      * (the first is after the throughput probe, the second after LOAD_DONE) */
     const char *dev_fail = getenv("NL_TEST_DEVICE_FAIL");
     o->inject_device_fail = dev_fail ? atoi(dev_fail) : 0;
+    /* test hook: NL_TEST_GFLOPS=X reports X GFLOP/s instead of the probe's
+     * figure, so a test's plan does not depend on a noisy measurement */
+    const char *gflops = getenv("NL_TEST_GFLOPS");
+    o->inject_gflops = gflops ? atof(gflops) : 0.0;
     /* test hook: NL_TEST_DEVICE_NO_TRAIN=1 makes the device one that cannot train */
     o->inject_no_train = getenv("NL_TEST_DEVICE_NO_TRAIN") != NULL;
     /* test hook: NL_TEST_DEVICE_MEM=FREE,TOTAL (MiB) gives the device a GPU's

@@ -361,6 +361,8 @@ static nl_status open_device(node *n, nl_error *err)
         n->threads = 1;
     const int probe = n->be->gemm_probe > 0 ? n->be->gemm_probe : 512;
     n->gflops = nl_backend_gemm_gflops(n->be, probe, probe, probe, 0.3);
+    if (o->inject_gflops > 0 && n->gflops > 0)
+        n->gflops = o->inject_gflops;
     nl_error e = {0};
     if (n->be->check && (st = n->be->check(n->be, &e)) != NL_OK)
         return nl_error_set(err, st, "device %s: the throughput probe failed: %s", o->device,
