@@ -49,8 +49,8 @@ static void help(FILE *f, const nl_flag *flags)
             "GPU (cuda:N) offers its free memory once the backend is up, less --reserve, and\n"
             "--memory, when given, caps that. A device that cannot be opened (no CUDA driver\n"
             "or device, no CUDA backend in this build) or that fails while serving ends the\n"
-            "node with status 1 and the device's error. A device that cannot train yet\n"
-            "(cuda:N) refuses training jobs; each fails with that reason.\n"
+            "node with status 1 and the device's error. A device whose backend cannot\n"
+            "train refuses training jobs; each fails with that reason.\n"
             "Exit status: 0 stopped, 1 failed, 2 usage error.\n");
 }
 
