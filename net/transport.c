@@ -486,7 +486,7 @@ static nl_status wait_parts(nl_sock *s, nl_rx *rx, int timeout_ms, bool *over, n
 nl_status nl_sock_recv(nl_sock *s, nl_rx *rx, int timeout_ms, nl_error *err)
 {
     nl_error e;
-    bool over;
+    bool over = false; /* set on NL_OK; gcc -O3 cannot see it */
     rx_release(rx);
     nl_status st = wait_parts(s, rx, timeout_ms, &over, err);
     if (st != NL_OK)

@@ -205,7 +205,7 @@ static nl_status rd_dims(nl_mpr *r, const nl_wire_tdesc *td, const char *name, i
         return nl_error_set(err, NL_ERR_LIMIT, "%s.%s: %u dimensions, limit %d", td->name, name, n,
                             maxd);
     for (uint32_t i = 0; i < n; i++) {
-        uint64_t d;
+        uint64_t d = 0; /* set by rd_uint on NL_OK; gcc -O3 cannot see it */
         st = rd_uint(r, td, name, INT64_MAX, &d, err);
         if (st != NL_OK)
             return st;

@@ -566,11 +566,11 @@ static void test_embedding(nl_backend *be, int Vt, int N, int C)
     free(dt), free(g), free(ref), free(tok);
 }
 
-/* ================================================================ sumsq, scale */
+/* ================================================================ sumsq */
 
 static void test_sumsq(nl_backend *be, size_t n)
 {
-    float *x = malloc((n ? n : 1) * 4);
+    float *x = calloc(n ? n : 1, 4);
     fill(x, n, 10.0f);
     double ref = 0;
     for (size_t i = 0; i < n; i++)
