@@ -2,7 +2,10 @@
 # The test command: install dependencies, build, run every test (unit,
 # integration, fuzz-corpus replays), the unit and integration tests once more
 # on the cpu-devsim device (NL_TEST_DEVICE), then rebuild with ASan + UBSan
-# and run the unit and integration tests again. Exits non-zero on any failure.
+# and run the unit and integration tests again; last, the other configurations
+# the README names build too (Release, and the libFuzzer build with clang,
+# whose targets replay their corpora). Warnings are errors here (NL_WERROR);
+# a user's build only warns. Exits non-zero on any failure.
 #   scripts/test.sh            everything
 #   scripts/test.sh --quick    the plain build and its tests only
 set -euo pipefail
@@ -14,7 +17,7 @@ QUICK=0
 bash scripts/install-deps.sh
 
 echo "== build (release) =="
-cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DNL_WERROR=ON >/dev/null
 cmake --build build -j "$JOBS"
 echo "== tests (release) =="
 (cd build && ctest --output-on-failure -j "$JOBS" --timeout 600)
@@ -27,11 +30,24 @@ echo "== tests (release, --device cpu-devsim) =="
 
 if [ "$QUICK" -eq 0 ]; then
   echo "== build (ASan + UBSan) =="
-  cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DNL_SANITIZE=ON -DNL_CUDA=OFF >/dev/null
+  cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DNL_SANITIZE=ON -DNL_CUDA=OFF -DNL_WERROR=ON >/dev/null
   cmake --build build-asan -j "$JOBS"
   echo "== tests (ASan + UBSan) =="
   export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1
   export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
   (cd build-asan && ctest --output-on-failure -j "$JOBS" --timeout 900 -L 'unit|integration|fuzz')
+
+  # the C side of these configurations is what differs; the CUDA module
+  # was built above with the same flags, so it is left out here
+  echo "== build (Release, compile only) =="
+  cmake -S . -B build-release -DCMAKE_BUILD_TYPE=Release -DNL_CUDA=OFF -DNL_WERROR=ON >/dev/null
+  cmake --build build-release -j "$JOBS"
+  echo "== build (libFuzzer, clang) and corpus replay =="
+  cmake -S . -B build-fuzz -DNL_FUZZ=ON -DCMAKE_C_COMPILER=clang -DNL_CUDA=OFF -DNL_WERROR=ON >/dev/null
+  cmake --build build-fuzz -j "$JOBS"
+  for f in build-fuzz/fuzz/fuzz_*; do
+    name=${f##*/fuzz_}
+    "$f" -runs=0 "fuzz/corpus/$name" 2>&1 | tail -1
+  done
 fi
 echo "== all tests passed =="
