@@ -55,16 +55,18 @@ static void ds_free(nl_backend *be, void *p)
  * wrapped CPU backend keeps its own) */
 static void ds_upload(nl_backend *be, void *dst, const void *src, size_t bytes)
 {
-    be->stats.host_syncs++;
-    if (bytes)
+    if (bytes) {
+        be->stats.host_syncs++;
         memcpy(untag(dst), src, bytes);
+    }
 }
 
 static void ds_download(nl_backend *be, void *dst, const void *src, size_t bytes)
 {
-    be->stats.host_syncs++;
-    if (bytes)
+    if (bytes) {
+        be->stats.host_syncs++;
         memcpy(dst, untag(src), bytes);
+    }
 }
 
 static nl_status ds_sync(nl_backend *be, nl_error *err)

@@ -65,9 +65,10 @@ static void cpu_mem_stats(nl_backend *be, size_t *in_use, size_t *peak)
 /* upload and download: a copy, counted as the host wait it is on a device */
 static void cpu_copy(nl_backend *be, void *dst, const void *src, size_t bytes)
 {
-    be->stats.host_syncs++;
-    if (bytes)
+    if (bytes) {
+        be->stats.host_syncs++;
         memcpy(dst, src, bytes);
+    }
 }
 
 static nl_status cpu_sync(nl_backend *be, nl_error *err)
