@@ -335,8 +335,8 @@ static int decode_split(nl_backend *be, const nl_config *cf, int tokens, double 
     memset(i32, 0, sizeof i32);
     const double t0 = now_s();
     for (int t = 0; t < tokens; t++) {
-        be->upload(be, dev, i32, sizeof(int32_t));      /* the token */
-        be->upload(be, dev, i32, sizeof(int32_t));      /* its position */
+        be->upload(be, dev, i32, sizeof(int32_t)); /* the token */
+        be->upload(be, dev, i32, sizeof(int32_t)); /* its position */
         be->download(be, host, dev, (size_t)V * sizeof(float));
     }
     *copy_s = (now_s() - t0) / tokens;

@@ -539,8 +539,8 @@ static void check_moe_route(nl_selftest *c, int N, int E, int k, int K, int F)
     if (!c->oom) {
         BOTH(c, be->moe_route(be, D(ch), D(w), D(off), D(perm_), D(slot), D(p), N, E, k));
         BOTH(c, be->moe_aux(be, D(aux), D(frac), D(cnt), D(p), D(off), NULL, N, E, k, (double)N));
-        BOTH(c, be->gemm_grouped(be, 1, F, K, D(a), K, D(b), K, (size_t)F * K, D(out), F, D(off),
-                                 E, N));
+        BOTH(c, be->gemm_grouped(be, 1, F, K, D(a), K, D(b), K, (size_t)F * K, D(out), F, D(off), E,
+                                 N));
         e_tab = cmp_exact(c, ch) + cmp_exact(c, off) + cmp_exact(c, perm_) + cmp_exact(c, slot);
         const double ew = cmp(c, w, nk);
         e_tab = e_tab > 0 ? INFINITY : ew;
@@ -735,10 +735,10 @@ static void check_moe_router_backward(nl_selftest *c, int N, int E, int k, int M
     double e_dl = INFINITY, e_g = INFINITY;
     if (!c->oom) {
         BOTH(c, be->moe_route(be, D(ch), D(w), D(off), D(perm_), D(slot), D(p), N, E, k));
-        BOTH(c, be->moe_router_backward(be, D(dl), D(dw), D(p), D(ch), D(w), D(frac), N, E, k,
-                                        0.02f));
-        BOTH(c, be->gemm_grouped_wgrad(be, M, F, D(a), M, D(b), F, D(g), F, (size_t)M * F, D(off),
-                                       E));
+        BOTH(c,
+             be->moe_router_backward(be, D(dl), D(dw), D(p), D(ch), D(w), D(frac), N, E, k, 0.02f));
+        BOTH(c,
+             be->gemm_grouped_wgrad(be, M, F, D(a), M, D(b), F, D(g), F, (size_t)M * F, D(off), E));
         e_dl = cmp(c, dl, np);
         e_g = cmp(c, g, (size_t)E * M * F);
     }

@@ -96,10 +96,9 @@ void nl_layer_acts_free(nl_layer_acts *a, nl_backend *be)
         be->free(be, a->h1);
     if (a->x_out != a->x_in)
         be->free(be, a->x_out);
-    void *dev[] = {a->x_in,   a->xn1,    a->rstd1,  a->qkv,    a->att,       a->lse,
-                   a->xn2,    a->rstd2,  a->probs,  a->xe,     a->gu,        a->hs,
-                   a->ye,     a->choice_d, a->w_d,  a->perm_d, a->slot_d,    a->offsets_d,
-                   a->frac_d, a->aux_d};
+    void *dev[] = {a->x_in,  a->xn1,    a->rstd1,  a->qkv,       a->att,    a->lse,  a->xn2,
+                   a->rstd2, a->probs,  a->xe,     a->gu,        a->hs,     a->ye,   a->choice_d,
+                   a->w_d,   a->perm_d, a->slot_d, a->offsets_d, a->frac_d, a->aux_d};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         be->free(be, dev[i]);
     free(a->probs_h);
@@ -251,8 +250,8 @@ static void moe_block(nl_model *m, int li, nl_layer_acts *a, int N, const nl_lay
                 E, k, aux->rows);
 }
 
-void nl_layer_forward(nl_model *m, int li, nl_layer_acts *a, int B, int T, int past,
-                      nl_kvcache *kv, const int32_t *pos_d, const nl_layer_aux *aux)
+void nl_layer_forward(nl_model *m, int li, nl_layer_acts *a, int B, int T, int past, nl_kvcache *kv,
+                      const int32_t *pos_d, const nl_layer_aux *aux)
 {
     attention_block(m, li, a, B, T, past, kv, pos_d);
     moe_block(m, li, a, B * T, aux);

@@ -85,8 +85,8 @@ typedef struct nl_layer_aux {
  * pos_d: (N) device positions. kv may be NULL. aux NULL: this call's own
  * shares over N rows, the loss added to a->aux_d. Queues device work only
  * (no host synchronisation unless a->host_routing). */
-void nl_layer_forward(nl_model *m, int li, nl_layer_acts *a, int B, int T, int past,
-                      nl_kvcache *kv, const int32_t *pos_d, const nl_layer_aux *aux);
+void nl_layer_forward(nl_model *m, int li, nl_layer_acts *a, int B, int T, int past, nl_kvcache *kv,
+                      const int32_t *pos_d, const nl_layer_aux *aux);
 
 /* Scratch for the backward pass of one layer over N rows (device unless
  * marked host), shared by every layer of a stage. */

@@ -195,9 +195,8 @@ void nl_trainer_destroy(nl_trainer **tp)
         nl_layer_acts_free(&t->work, be);
     if (t->sc.dh1)
         nl_layer_scratch_free(&t->sc, be);
-    void *dev[] = {t->grads,     t->mom[0],  t->mom[1],    t->dbuf[0],
-                   t->dbuf[1],   t->pos_d,   t->targets_d, t->losses_d,
-                   t->counts_d,  t->global_frac_d, t->aux_d};
+    void *dev[] = {t->grads,     t->mom[0],   t->mom[1],   t->dbuf[0],       t->dbuf[1], t->pos_d,
+                   t->targets_d, t->losses_d, t->counts_d, t->global_frac_d, t->aux_d};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         be->free(be, dev[i]);
     free(t->pos_h);
@@ -327,10 +326,10 @@ nl_status nl_trainer_forward(nl_trainer *t, int slot, int B, int T, const int32_
     set_positions(t, B, T);
     be->zero(be, t->aux_d, sizeof(double));
     for (int l = 0; l < t->n_layers; l++) {
-        const nl_layer_aux la_aux = {
-            .global_frac = t->use_global ? t->global_frac_d + (size_t)l * E : NULL,
-            .rows = (double)t->batch_rows,
-            .sum = t->aux_d};
+        const nl_layer_aux la_aux = {.global_frac =
+                                         t->use_global ? t->global_frac_d + (size_t)l * E : NULL,
+                                     .rows = (double)t->batch_rows,
+                                     .sum = t->aux_d};
         nl_layer_acts *la = t->recompute ? &t->work : &s->acts[l];
         if (t->recompute)
             be->copy_rows(be, la->x_in, d, s->x_in[l], d, N, d);

@@ -223,8 +223,8 @@ static void ds_moe_router_backward(nl_backend *be, float *dl, const float *dw, c
                                    const int32_t *choice, const float *w, const float *frac, int N,
                                    int E, int k, float aux_scale)
 {
-    cpu(be)->moe_router_backward(cpu(be), UF(dl), UF(dw), UF(probs), UI(choice), UF(w), UF(frac),
-                                 N, E, k, aux_scale);
+    cpu(be)->moe_router_backward(cpu(be), UF(dl), UF(dw), UF(probs), UI(choice), UF(w), UF(frac), N,
+                                 E, k, aux_scale);
 }
 
 static void ds_gemm_grouped(nl_backend *be, int trans_b, int N, int K, const float *A, int lda,

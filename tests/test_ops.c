@@ -794,15 +794,15 @@ static void grouped_case(nl_backend *be, int wgrad, int trans_b, const int *size
             for (int j = 0; j < N; j++) {
                 double acc = 0;
                 for (int q = 0; q < inner; q++) {
-                    const double a = wgrad ? A[(size_t)(r0 + q) * lda + i]
-                                           : A[(size_t)(r0 + i) * lda + q];
-                    const double b = wgrad    ? B[(size_t)(r0 + q) * ldb + j]
+                    const double a =
+                        wgrad ? A[(size_t)(r0 + q) * lda + i] : A[(size_t)(r0 + i) * lda + q];
+                    const double b = wgrad     ? B[(size_t)(r0 + q) * ldb + j]
                                      : trans_b ? B[g * b_stride + (size_t)j * ldb + q]
                                                : B[g * b_stride + (size_t)q * ldb + j];
                     acc += a * b;
                 }
-                const size_t c = wgrad ? g * c_stride + (size_t)i * ldc + j
-                                       : (size_t)(r0 + i) * ldc + j;
+                const size_t c =
+                    wgrad ? g * c_stride + (size_t)i * ldc + j : (size_t)(r0 + i) * ldc + j;
                 ref[c] = wgrad ? ref[c] + acc : acc;
             }
     }
@@ -813,13 +813,12 @@ static void grouped_case(nl_backend *be, int wgrad, int trans_b, const int *size
     if (wgrad)
         be->gemm_grouped_wgrad(be, M, N, dA, lda, dB, ldb, dC, ldc, c_stride, doff, G);
     else
-        be->gemm_grouped(be, trans_b, N, K, dA, lda, dB, ldb, b_stride, dC, ldc, doff, G,
-                         max_rows);
+        be->gemm_grouped(be, trans_b, N, K, dA, lda, dB, ldb, b_stride, dC, ldc, doff, G, max_rows);
     be->download(be, got, dC, nc * 4);
     synced(be, "gemm_grouped");
     expect(rel_err(got, ref, nc), TOL_GEMM * sqrt((double)(wgrad ? R : K) + 1),
-           "gemm_grouped%s trans_b=%d G=%d rows=%d M=%d N=%d K=%d", wgrad ? "_wgrad" : "",
-           trans_b, G, R, M, N, K);
+           "gemm_grouped%s trans_b=%d G=%d rows=%d M=%d N=%d K=%d", wgrad ? "_wgrad" : "", trans_b,
+           G, R, M, N, K);
 done:
     release(be);
 }

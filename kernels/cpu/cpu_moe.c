@@ -18,9 +18,9 @@ void nl_cpu_moe_route(nl_backend *be, int32_t *choice, float *w, int32_t *offset
 {
     if (E < 1 || E > NL_BACKEND_MAX_EXPERTS || k < 1 || k > E || N < 0)
         return; /* outside the slot's contract (the config refuses such models) */
-    /* top-k of each row, ties to the lower expert index */
+
 #pragma omp parallel for NL_CPU_TEAM(be) PAR_ROWS(N)
-    for (int n = 0; n < N; n++) {
+    for (int n = 0; n < N; n++) { /* top-k of each row, ties to the lower expert index */
         const float *row = probs + (size_t)n * E;
         int32_t *ch = choice + (size_t)n * k;
         float sum = 0.0f;
@@ -130,7 +130,7 @@ void nl_cpu_gemm_grouped_wgrad(nl_backend *be, int M, int N, const float *A, int
         const int n = offsets[g + 1] - offsets[g], o = offsets[g];
         if (n <= 0)
             continue;
-        be->gemm(be, 1, 0, M, N, n, 1.0f, A + (size_t)o * lda, lda, B + (size_t)o * ldb, ldb,
-                 1.0f, C + g * c_stride, ldc);
+        be->gemm(be, 1, 0, M, N, n, 1.0f, A + (size_t)o * lda, lda, B + (size_t)o * ldb, ldb, 1.0f,
+                 C + g * c_stride, ldc);
     }
 }

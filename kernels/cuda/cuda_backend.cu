@@ -493,10 +493,10 @@ void cu_moe_router_backward(nl_backend *be, float *dl, const float *dw, const fl
                             int k, float aux_scale)
 {
     cuda_ctx *c = enter(be);
-    launched_shape(c,
-                   nl_cuda_moe_router_backward(c->stream, dl, dw, probs, choice, w, frac, N, E, k,
-                                               aux_scale),
-                   "moe_router_backward (N %d E %d k %d)", N, E, k);
+    launched_shape(
+        c,
+        nl_cuda_moe_router_backward(c->stream, dl, dw, probs, choice, w, frac, N, E, k, aux_scale),
+        "moe_router_backward (N %d E %d k %d)", N, E, k);
 }
 
 void cu_gemm_grouped(nl_backend *be, int trans_b, int N, int K, const float *A, int lda,

@@ -138,8 +138,7 @@ __global__ void aux_kernel(double *aux, float *frac, int64_t *counts, const floa
         p = block_sum(p, red);
         if (threadIdx.x == 0) {
             const int32_t count = offsets[e + 1] - offsets[e];
-            const float f =
-                global_frac ? global_frac[e] : (float)((double)count / ((double)N * k));
+            const float f = global_frac ? global_frac[e] : (float)((double)count / ((double)N * k));
             frac[e] = f;
             if (counts)
                 counts[e] += count;
@@ -190,8 +189,7 @@ __global__ void router_backward_kernel(float *dl, const float *dw, const float *
 template <bool TB, bool WGRAD>
 __global__ void __launch_bounds__(GEMM_THREADS)
     grouped_gemm_kernel(int Mfix, int N, int Kfix, const float *A, int lda, const float *B, int ldb,
-                        size_t b_stride, float *C, int ldc, size_t c_stride,
-                        const int32_t *offsets)
+                        size_t b_stride, float *C, int ldc, size_t c_stride, const int32_t *offsets)
 {
     __shared__ float As[TK][TM + 1];
     __shared__ float Bs[TK][TN + 1];
@@ -285,13 +283,13 @@ extern "C" int nl_cuda_moe_route(void *stream, int32_t *choice, float *w, int32_
 }
 
 extern "C" int nl_cuda_moe_aux(void *stream, double *aux, float *frac, int64_t *counts,
-                               const float *probs, const int32_t *offsets,
-                               const float *global_frac, int N, int E, int k, double aux_rows)
+                               const float *probs, const int32_t *offsets, const float *global_frac,
+                               int N, int E, int k, double aux_rows)
 {
     if (N < 0 || E < 1 || E > NL_BACKEND_MAX_EXPERTS || k < 1)
         return (int)cudaErrorInvalidValue;
     aux_kernel<<<1, TABLE_THREADS, 0, (cudaStream_t)stream>>>(aux, frac, counts, probs, offsets,
-                                                             global_frac, N, E, k, aux_rows);
+                                                              global_frac, N, E, k, aux_rows);
     return launched();
 }
 
@@ -322,11 +320,11 @@ extern "C" int nl_cuda_gemm_grouped(void *stream, int trans_b, int N, int K, con
     const dim3 grid(tiles(N, TN), ty < MAX_GRID_YZ ? ty : MAX_GRID_YZ, (unsigned)groups);
     cudaStream_t s = (cudaStream_t)stream;
     if (trans_b)
-        grouped_gemm_kernel<true, false><<<grid, GEMM_THREADS, 0, s>>>(
-            0, N, K, A, lda, B, ldb, b_stride, C, ldc, 0, offsets);
+        grouped_gemm_kernel<true, false>
+            <<<grid, GEMM_THREADS, 0, s>>>(0, N, K, A, lda, B, ldb, b_stride, C, ldc, 0, offsets);
     else
-        grouped_gemm_kernel<false, false><<<grid, GEMM_THREADS, 0, s>>>(
-            0, N, K, A, lda, B, ldb, b_stride, C, ldc, 0, offsets);
+        grouped_gemm_kernel<false, false>
+            <<<grid, GEMM_THREADS, 0, s>>>(0, N, K, A, lda, B, ldb, b_stride, C, ldc, 0, offsets);
     return launched();
 }
 

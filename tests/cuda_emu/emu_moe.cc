@@ -228,7 +228,7 @@ void grouped_case(nl_backend *cpu, const std::vector<int> &sizes, int trans_b, i
         A[i] = (int)(i % lda) < K ? moe_frand() : NAN;
     for (size_t i = 0; i < B.size(); i++)
         B[i] = i % b_stride < b_rows * ldb && (int)(i % b_stride % ldb) < ldb - pad ? moe_frand()
-                                                                                   : NAN;
+                                                                                    : NAN;
     for (int s = 0; s < 2; s++) {
         C[s].assign((size_t)R * ldc, NAN);
         for (size_t i = 0; i < C[s].size(); i++)
@@ -259,8 +259,8 @@ void wgrad_case(nl_backend *cpu, const std::vector<int> &sizes, int M, int N, in
         B[i] = (int)(i % ldb) < N ? moe_frand() : NAN;
     C[0].resize(c_stride * G);
     for (size_t i = 0; i < C[0].size(); i++)
-        C[0][i] = i % c_stride < (size_t)M * ldc && (int)(i % c_stride % ldc) < N ? moe_frand()
-                                                                                  : 777.0f;
+        C[0][i] =
+            i % c_stride < (size_t)M * ldc && (int)(i % c_stride % ldc) < N ? moe_frand() : 777.0f;
     C[1] = C[0];
     const int rc = nl_cuda_gemm_grouped_wgrad(nullptr, M, N, A.data(), lda, B.data(), ldb,
                                               C[0].data(), ldc, c_stride, g.off.data(), G);
@@ -320,8 +320,8 @@ int nl_emu_moe_checks(void)
         return 1;
     }
     launchers();
-    const int routes[][3] = {{1, 8, 2}, {0, 8, 2}, {70, 8, 2}, {1000, 8, 2}, {300, 16, 4},
-                             {5, 3, 3},  {33, 256, 2}, {4, 256, 256}, {257, 2, 1}};
+    const int routes[][3] = {{1, 8, 2}, {0, 8, 2},    {70, 8, 2},    {1000, 8, 2}, {300, 16, 4},
+                             {5, 3, 3}, {33, 256, 2}, {4, 256, 256}, {257, 2, 1}};
     for (auto &r : routes)
         route_case(cpu, r[0], r[1], r[2]);
     aux_case(cpu, 1, 8, 2, false);
