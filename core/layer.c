@@ -5,6 +5,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* every expert count the config accepts, the routing slots take */
+_Static_assert(NL_CONFIG_MAX_EXPERTS <= NL_BACKEND_MAX_EXPERTS, "routing slots: too few experts");
+
 /* NL_HOST_ROUTING=1: route on the host, as before the routing slots */
 static int host_routing_env(void)
 {

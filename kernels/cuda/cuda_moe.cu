@@ -27,8 +27,8 @@ constexpr unsigned MAX_GRID_YZ = 65535;
 
 unsigned row_grid(int rows)
 {
-    const unsigned b = (unsigned)((rows + ROW_THREADS - 1) / ROW_THREADS);
-    return b < MAX_BLOCKS ? b : MAX_BLOCKS;
+    const unsigned long b = ((unsigned long)rows + ROW_THREADS - 1) / ROW_THREADS;
+    return b < MAX_BLOCKS ? (unsigned)b : MAX_BLOCKS;
 }
 
 /* ---------------------------------------------------------------- routing */
