@@ -69,8 +69,9 @@ typedef struct nl_attn_shape {
 /* Counters a backend keeps as it runs (plain counters: read them from the
  * thread that drives the backend). */
 typedef struct nl_backend_stats {
-    /* Calls that make the host wait for the device's queue: upload,
-     * download, sync and sumsq (a result returned to the host). alloc and
+    /* Calls that make the host wait for the device's queue: upload and
+     * download of at least one byte, sync, and sumsq (a result returned to
+     * the host). alloc and
      * free, which a device may also synchronise, are not hot-path calls
      * and are not counted. */
     uint64_t host_syncs;
