@@ -10,11 +10,13 @@
  *     gather_rows, copy_rows, moe_combine) at the same sizes: GB/s of the
  *     bytes each must move, and the fraction of the spec bandwidth;
  *   - where a decode token's time goes: the model (random init) decodes
- *     --decode-tokens tokens after a 64-token prompt, one at a time; then
- *     the host round trips one token makes are timed alone (per layer the
- *     router probabilities down and the dispatch tables up, as core/layer.c
- *     does; per token the position up and the logits down), and the rest of
- *     the token's time is the kernels and their launches.
+ *     --decode-tokens tokens after a 64-token prompt, one at a time, with
+ *     routing on the device and again with NL_HOST_ROUTING=1 (per layer the
+ *     router probabilities down and the dispatch tables up, the expert
+ *     GEMMs sized on the host): tokens/s and host synchronisations per
+ *     token of each; then the copies every token makes (token and position
+ *     up, logits down) timed alone; the rest of a device-routed token's
+ *     time is the kernels and their launches.
  * Spec FP32 peak = SMs x clock (cudaDevAttrClockRate) x FP32 lanes per SM
  * (by compute capability: sm_75/sm_80 64, sm_86/89/90 and later 128) x 2;
  * spec bandwidth = memory clock x bus width x 2 (double data rate).
@@ -256,61 +258,85 @@ static void print_gemm(const job *j, double fp32_s, double tf32_s, const spec *s
 
 /* ---------------------------------------------------------------- decode */
 
-/* Seconds per decoded token, and of the host round trips it makes (see the
- * opening comment). Returns 0, or -1 with err set. */
-static int decode_split(nl_backend *be, const nl_config *cf, int tokens, double *tok_s,
-                        double *route_s, double *copy_s, nl_error *err)
+/* One decode run: a 64-token prompt, then `tokens` tokens one at a time,
+ * each forward followed by the logits' download (what a stage does before
+ * sampling). The runstate is made with NL_HOST_ROUTING set to `host`
+ * (core/layer.h reads it then). Seconds per token, and host
+ * synchronisations per token (be->stats.host_syncs: uploads, downloads and
+ * syncs). Returns 0, or -1 with err set. */
+static int decode_run(nl_backend *be, nl_model *m, int tokens, int host, float *logits,
+                      double *tok_s, double *syncs, nl_error *err)
 {
-    const int P = 64, L = cf->num_layers, E = cf->num_experts, k = cf->top_k;
-    const int V = (int)cf->vocab_size;
-    nl_model *m = NULL;
+    const int P = 64, V = (int)m->cfg.vocab_size;
     nl_runstate *rs = NULL;
     nl_kvcache *kv = NULL;
-    int rc = -1;
-    int32_t prompt[64], i32[64];
-    float *host = malloc((size_t)(V > E ? V : E) * sizeof(float));
-    float *dev = NULL;
+    int32_t prompt[64];
+    int rc = -1, cols = 0;
     for (int i = 0; i < P; i++)
         prompt[i] = (int32_t)((i * 7919) % V);
-    if (!host || nl_model_new(&m, be, cf, 0, L, 1, 1, err) != NL_OK ||
-        nl_model_init_random(m, 1, err) != NL_OK || nl_runstate_new(&rs, m, P, err) != NL_OK ||
-        nl_kvcache_new(&kv, m, 1, P + tokens, err) != NL_OK ||
-        !(dev = be->alloc(be, (size_t)(V > 64 ? V : 64) * sizeof(float)))) {
-        if (err->status == NL_OK)
-            nl_error_set(err, NL_ERR_NOMEM, "decode: out of memory");
+    const char *was = getenv("NL_HOST_ROUTING");
+    char keep[16] = "";
+    if (was)
+        snprintf(keep, sizeof keep, "%s", was);
+    setenv("NL_HOST_ROUTING", host ? "1" : "0", 1);
+    nl_status st = nl_runstate_new(&rs, m, P, err);
+    if (was)
+        setenv("NL_HOST_ROUTING", keep, 1);
+    else
+        unsetenv("NL_HOST_ROUTING");
+    if (st != NL_OK || nl_kvcache_new(&kv, m, 1, P + tokens, err) != NL_OK)
         goto out;
-    }
     nl_forward_args a = {.B = 1, .T = P, .tokens = prompt, .kv = kv, .last_only = 1};
     if (nl_forward(m, rs, &a, NULL, err) != NL_OK)
         goto out;
-    int cols = 0;
-    be->download(be, host, nl_runstate_output(rs, &cols), (size_t)V * sizeof(float));
+    be->download(be, logits, nl_runstate_output(rs, &cols), (size_t)V * sizeof(float));
     a.T = 1;
-    double t0 = now_s();
+    const uint64_t s0 = be->stats.host_syncs;
+    const double t0 = now_s();
     for (int t = 0; t < tokens; t++) {
         int32_t tok = (int32_t)((t * 31) % V);
         a.tokens = &tok;
         if (nl_forward(m, rs, &a, NULL, err) != NL_OK)
             goto out;
-        be->download(be, host, nl_runstate_output(rs, &cols), (size_t)V * sizeof(float));
+        be->download(be, logits, nl_runstate_output(rs, &cols), (size_t)V * sizeof(float));
     }
-    if (be->sync(be, err) != NL_OK)
-        goto out;
     *tok_s = (now_s() - t0) / tokens;
-    /* the round trips alone, each as core makes it */
+    *syncs = (double)(be->stats.host_syncs - s0) / tokens;
+    rc = be->sync(be, err) == NL_OK ? 0 : -1;
+out:
+    nl_kvcache_destroy(&kv);
+    nl_runstate_destroy(&rs);
+    return rc;
+}
+
+/* Where a decode token's time goes: with routing on the device and with
+ * NL_HOST_ROUTING=1, then the copies every token makes (token and
+ * position up, logits down) timed alone. Returns 0, or -1 with err set. */
+static int decode_split(nl_backend *be, const nl_config *cf, int tokens, double tok_s[2],
+                        double syncs[2], double *copy_s, nl_error *err)
+{
+    const int L = cf->num_layers, V = (int)cf->vocab_size;
+    nl_model *m = NULL;
+    int rc = -1;
+    int32_t i32[64];
+    float *host = malloc((size_t)V * sizeof(float));
+    float *dev = NULL;
+    if (!host || nl_model_new(&m, be, cf, 0, L, 1, 1, err) != NL_OK ||
+        nl_model_init_random(m, 1, err) != NL_OK ||
+        !(dev = be->alloc(be, (size_t)(V > 64 ? V : 64) * sizeof(float)))) {
+        if (err->status == NL_OK)
+            nl_error_set(err, NL_ERR_NOMEM, "decode: out of memory");
+        goto out;
+    }
+    for (int host_routing = 0; host_routing < 2; host_routing++)
+        if (decode_run(be, m, tokens, host_routing, host, &tok_s[host_routing],
+                       &syncs[host_routing], err) != 0)
+            goto out;
     memset(i32, 0, sizeof i32);
-    t0 = now_s();
-    for (int t = 0; t < tokens; t++)
-        for (int l = 0; l < L; l++) {
-            be->download(be, host, dev, (size_t)E * sizeof(float));
-            be->upload(be, dev, i32, (size_t)k * sizeof(int32_t));
-            be->upload(be, dev, i32, (size_t)k * sizeof(int32_t));
-            be->upload(be, dev, i32, (size_t)k * sizeof(float));
-        }
-    *route_s = (now_s() - t0) / tokens;
-    t0 = now_s();
+    const double t0 = now_s();
     for (int t = 0; t < tokens; t++) {
-        be->upload(be, dev, i32, 2 * sizeof(int32_t)); /* the token and its position */
+        be->upload(be, dev, i32, sizeof(int32_t)); /* the token */
+        be->upload(be, dev, i32, sizeof(int32_t)); /* its position */
         be->download(be, host, dev, (size_t)V * sizeof(float));
     }
     *copy_s = (now_s() - t0) / tokens;
@@ -318,8 +344,6 @@ static int decode_split(nl_backend *be, const nl_config *cf, int tokens, double 
 out:
     if (dev)
         be->free(be, dev);
-    nl_kvcache_destroy(&kv);
-    nl_runstate_destroy(&rs);
     nl_model_destroy(&m);
     free(host);
     return rc;
@@ -422,19 +446,22 @@ int main(int argc, char **argv)
     }
     printf("\n  ]");
     if (dtok > 0) {
-        double tok = 0, route = 0, copy = 0;
+        double tok[2] = {0, 0}, syncs[2] = {0, 0}, copy = 0;
         arena_free(be, &ar); /* room for the model */
         memset(&ar, 0, sizeof ar);
-        if (decode_split(be, &cf, (int)dtok, &tok, &route, &copy, &err) != 0) {
+        if (decode_split(be, &cf, (int)dtok, tok, syncs, &copy, &err) != 0) {
             printf("\n}\n");
             fprintf(stderr, "bench_cuda: decode: %s (%s)\n", err.msg, nl_status_str(err.status));
             goto out;
         }
-        printf(",\n  \"decode\":{\"tokens\":%lld,\"prompt\":64,\"ms_per_token\":%.3f,"
-               "\"tokens_s\":%.1f,\"round_trips_per_token\":%d,\"routing_ms\":%.3f,"
+        printf(",\n  \"decode\":{\"tokens\":%lld,\"prompt\":64,"
+               "\"device_routing\":{\"ms_per_token\":%.3f,\"tokens_s\":%.1f,"
+               "\"host_syncs_per_token\":%.2f},"
+               "\"host_routing\":{\"ms_per_token\":%.3f,\"tokens_s\":%.1f,"
+               "\"host_syncs_per_token\":%.2f},"
                "\"copies_ms\":%.3f,\"kernels_and_launches_ms\":%.3f}",
-               dtok, tok * 1e3, 1.0 / tok, 4 * cf.num_layers + 2, route * 1e3, copy * 1e3,
-               (tok - route - copy) * 1e3);
+               dtok, tok[0] * 1e3, 1.0 / tok[0], syncs[0], tok[1] * 1e3, 1.0 / tok[1], syncs[1],
+               copy * 1e3, (tok[0] - copy) * 1e3);
     }
     printf("\n}\n");
     rc = 0;

@@ -7,7 +7,11 @@
 #      against the CPU backend, and a small model's routing, logits, decode
 #      (and, once the device can train, one layer forward/backward and three
 #      local training steps);
-#   2. bench_cuda: SGEMM and memory-bound kernels against the spec sheet;
+#   2. bench_cuda: SGEMM and memory-bound kernels against the spec sheet,
+#      and decode tokens/s with routing on the device and with
+#      NL_HOST_ROUTING=1 (the host round trip per layer), with the host
+#      synchronisations per token of each (at most 3 with device routing:
+#      token and position up, logits down; none inside the layers);
 #   3. neuroctl bench --device cuda:0 on configs/bench-large.yaml and on
 #      configs/bench-xl.yaml (about 4.2 GB of weights), and the same on
 #      --device cpu, for the speed-up; the device's training figures
@@ -113,6 +117,22 @@ step bench_cuda 900 "$BUILD/bench/bench_cuda" --device "$DEVICE" --config "$SRC/
 rc=$?
 cp "$OUT/bench_cuda.out" "$OUT/bench_cuda.json"
 result bench_cuda $rc
+# decode with routing on the device and with NL_HOST_ROUTING=1: tokens/s of
+# each, and the host synchronisations of a device-routed token (its layers
+# make none: only the token and position uploads and the logits download)
+$PY - "$OUT/bench_cuda.json" >"$OUT/decode_routing.txt" 2>&1 <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1])).get("decode")
+if not d:
+    sys.exit("no decode figures in bench_cuda's output")
+dev, host = d["device_routing"], d["host_routing"]
+print("decode tok/s: device routing %.1f, host routing %.1f (x%.2f); host syncs per token %.2f vs %.2f"
+      % (dev["tokens_s"], host["tokens_s"], dev["tokens_s"] / host["tokens_s"],
+         dev["host_syncs_per_token"], host["host_syncs_per_token"]))
+if dev["host_syncs_per_token"] > 3:
+    sys.exit("a device-routed decode token made more than 3 host syncs")
+PY
+result decode_routing $? "$(tail -1 "$OUT/decode_routing.txt")"
 
 # ---------------------------------------------------------------- 3. model benchmarks
 for cfg in $CONFIGS; do

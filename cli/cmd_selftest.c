@@ -30,6 +30,11 @@
  *   - copies (round trip, zero, embedding, gather, copy_rows): exact, err
  *     counts the differing bytes or elements; mem_info (when the target
  *     has it): err 1 unless 0 < free <= total and 64 MiB allocated show.
+ *   - routing (moe_route, moe_aux on rows with tied probabilities): the
+ *     choices, offsets and dispatch tables, frac and counts exact (err inf
+ *     on any difference), else the weights' error (1e-6) and the aux
+ *     loss's |t - r| / r (1e-5); the grouped GEMMs as element-wise ops
+ *     against 1e-5 sqrt(K), K being the summed length; router backward 1e-5.
  *   - the model: expert choices as sets per (layer, token), err counts the
  *     differences away from near-ties (k-th and (k+1)-th probabilities
  *     within 1e-5, reported as notes); greedy ids, err counts differences.
@@ -510,6 +515,48 @@ static void check_moe_combine(nl_selftest *c, int N, int k, int C)
     nl_selftest_done(c, "moe_combine", shape, cmp(c, x, (size_t)N * C), TOL_ELEM);
 }
 
+/* Routing on rows with ties (8 levels): choices, offsets and tables
+ * exact, weights 1e-6; then the aux loss of that routing (frac and counts
+ * exact, the loss 1e-5) and an expert GEMM grouped by its offsets. */
+static void check_moe_route(nl_selftest *c, int N, int E, int k, int K, int F)
+{
+    char shape[80];
+    snprintf(shape, sizeof shape, "N=%d E=%d k=%d", N, E, k);
+    if (!NEED(c, moe_route, shape) || !NEED(c, moe_aux, shape) || !NEED(c, gemm_grouped, shape))
+        return;
+    const size_t nk = (size_t)N * k, np = (size_t)N * E;
+    float *ph = rnd(c, np, 0, 8);
+    for (size_t i = 0; ph && i < np; i++)
+        ph[i] = (1.0f + floorf(ph[i])) / 8.0f;
+    pair *p = dev(c, ph, np * 4), *ch = dev(c, NULL, nk * 4), *w = dev(c, NULL, nk * 4);
+    pair *off = dev(c, NULL, (size_t)(E + 1) * 4), *perm_ = dev(c, NULL, nk * 4);
+    pair *slot = dev(c, NULL, nk * 4), *frac = dev(c, NULL, (size_t)E * 4);
+    pair *cnt = dev(c, NULL, (size_t)E * 8), *aux = dev(c, NULL, 8);
+    pair *a = dev(c, rnd(c, nk * K, -1, 1), nk * K * 4);
+    pair *b = dev(c, rnd(c, (size_t)E * F * K, -1, 1), (size_t)E * F * K * 4);
+    pair *out = dev(c, NULL, nk * F * 4);
+    double e_tab = INFINITY, e_aux = INFINITY, e_gemm = INFINITY;
+    if (!c->oom) {
+        BOTH(c, be->moe_route(be, D(ch), D(w), D(off), D(perm_), D(slot), D(p), N, E, k));
+        BOTH(c, be->moe_aux(be, D(aux), D(frac), D(cnt), D(p), D(off), NULL, N, E, k, (double)N));
+        BOTH(c, be->gemm_grouped(be, 1, F, K, D(a), K, D(b), K, (size_t)F * K, D(out), F, D(off), E,
+                                 N));
+        e_tab = cmp_exact(c, ch) + cmp_exact(c, off) + cmp_exact(c, perm_) + cmp_exact(c, slot);
+        const double ew = cmp(c, w, nk);
+        e_tab = e_tab > 0 ? INFINITY : ew;
+        const double *ar = down(c, aux, 0), *at = down(c, aux, 1);
+        e_aux = cmp_exact(c, frac) + cmp_exact(c, cnt) > 0 || !ar || !at ? INFINITY
+                                                                         : fabs(*at - *ar) / *ar;
+        e_gemm = cmp(c, out, nk * F);
+    }
+    char more[112];
+    nl_selftest_line(c, !c->oom && e_tab <= TOL_ELEM, "moe_route", shape, e_tab, TOL_ELEM, NULL);
+    snprintf(more, sizeof more, "%s (its routing)", shape);
+    nl_selftest_line(c, !c->oom && e_aux <= TOL_RED, "moe_aux", more, e_aux, TOL_RED, NULL);
+    snprintf(more, sizeof more, "%s K=%d cols=%d", shape, K, F);
+    nl_selftest_done(c, "gemm_grouped", more, e_gemm, 1e-5 * sqrt((double)K));
+}
+
 static void forward_ops(nl_selftest *c)
 {
     check_mem_info(c);
@@ -557,6 +604,9 @@ static void forward_ops(nl_selftest *c)
     check_moe_combine(c, 17, 2, 129);
     check_moe_combine(c, 1, 1, 64);
     check_moe_combine(c, 64, 4, 256);
+    check_moe_route(c, 1, 8, 2, 64, 96);
+    check_moe_route(c, 65, 8, 2, 128, 257);
+    check_moe_route(c, 300, 16, 4, 33, 64);
 }
 
 /* ---------------------------------------------------------------- backward ops */
@@ -664,6 +714,41 @@ static void check_moe_combine_backward(nl_selftest *c, int N, int k, int C)
     nl_selftest_done(c, "moe_combine_backward", shape, edw, TOL_RED);
 }
 
+/* The router's gradient (1e-5) and the grouped weight gradient, both over
+ * the target's own routing of rows with ties. */
+static void check_moe_router_backward(nl_selftest *c, int N, int E, int k, int M, int F)
+{
+    char shape[80];
+    snprintf(shape, sizeof shape, "N=%d E=%d k=%d", N, E, k);
+    if (!NEED(c, moe_route, shape) || !NEED(c, moe_router_backward, shape) ||
+        !NEED(c, gemm_grouped_wgrad, shape))
+        return;
+    const size_t nk = (size_t)N * k, np = (size_t)N * E;
+    float *ph = rnd(c, np, 0.01, 1);
+    pair *p = dev(c, ph, np * 4), *ch = dev(c, NULL, nk * 4), *w = dev(c, NULL, nk * 4);
+    pair *off = dev(c, NULL, (size_t)(E + 1) * 4), *perm_ = dev(c, NULL, nk * 4);
+    pair *slot = dev(c, NULL, nk * 4), *frac = dev(c, rnd(c, (size_t)E, 0, 1), (size_t)E * 4);
+    pair *dw = dev(c, rnd(c, nk, -1, 1), nk * 4), *dl = dev(c, NULL, np * 4);
+    pair *a = dev(c, rnd(c, nk * M, -1, 1), nk * M * 4);
+    pair *b = dev(c, rnd(c, nk * F, -1, 1), nk * F * 4);
+    pair *g = dev(c, rnd(c, (size_t)E * M * F, -1, 1), (size_t)E * M * F * 4);
+    double e_dl = INFINITY, e_g = INFINITY;
+    if (!c->oom) {
+        BOTH(c, be->moe_route(be, D(ch), D(w), D(off), D(perm_), D(slot), D(p), N, E, k));
+        BOTH(c,
+             be->moe_router_backward(be, D(dl), D(dw), D(p), D(ch), D(w), D(frac), N, E, k, 0.02f));
+        BOTH(c,
+             be->gemm_grouped_wgrad(be, M, F, D(a), M, D(b), F, D(g), F, (size_t)M * F, D(off), E));
+        e_dl = cmp(c, dl, np);
+        e_g = cmp(c, g, (size_t)E * M * F);
+    }
+    nl_selftest_line(c, !c->oom && e_dl <= TOL_RED, "moe_router_backward", shape, e_dl, TOL_RED,
+                     NULL);
+    char more[112];
+    snprintf(more, sizeof more, "%s M=%d cols=%d", shape, M, F);
+    nl_selftest_done(c, "gemm_grouped_wgrad", more, e_g, 1e-5 * sqrt((double)N));
+}
+
 static void check_cross_entropy(nl_selftest *c, int N, int V)
 {
     char shape[64];
@@ -738,6 +823,8 @@ static void backward_ops(nl_selftest *c)
     check_swiglu_backward(c, 1, 1);
     check_moe_combine_backward(c, 17, 2, 129);
     check_moe_combine_backward(c, 1, 1, 64);
+    check_moe_router_backward(c, 1, 8, 2, 64, 96);
+    check_moe_router_backward(c, 130, 8, 2, 129, 65);
     check_cross_entropy(c, 5, 50000);
     check_cross_entropy(c, 17, 512);
     check_cross_entropy(c, 1, 7);

@@ -88,9 +88,10 @@ static void prefill_layers(model_side *ms, const int32_t *tok, const int32_t *po
     be->upload(be, ms->pos_d, pos, (size_t)N * sizeof(int32_t));
     be->embedding_forward(be, ms->acts.x_in, ms->tok_d, m->tok_embeddings, N, cfg->hidden_dim);
     for (int l = 0; l < cfg->num_layers; l++) {
-        nl_layer_forward(m, l, &ms->acts, MB, MT, 0, NULL, ms->pos_d, NULL, (double)N);
-        memcpy(probs + (size_t)l * N * E, ms->acts.probs_h, (size_t)N * E * sizeof(float));
-        memcpy(choice + (size_t)l * N * k, ms->acts.choice, (size_t)N * k * sizeof(int32_t));
+        nl_layer_forward(m, l, &ms->acts, MB, MT, 0, NULL, ms->pos_d, NULL);
+        be->download(be, probs + (size_t)l * N * E, ms->acts.probs, (size_t)N * E * sizeof(float));
+        be->download(be, choice + (size_t)l * N * k, ms->acts.choice_d,
+                     (size_t)N * k * sizeof(int32_t));
     }
 }
 
@@ -308,8 +309,11 @@ static void check_layer(nl_selftest *c, model_side ms[2], uint64_t seed)
     double ex = INFINITY, edx = INFINITY, egr = INFINITY;
     int differ = 0;
     if (ok) {
-        for (int s = 0; s < 2; s++)
-            nl_layer_forward(ms[s].m, 0, &a[s], MB, MT, 0, NULL, ms[s].pos_d, NULL, (double)N);
+        for (int s = 0; s < 2; s++) {
+            nl_layer_forward(ms[s].m, 0, &a[s], MB, MT, 0, NULL, ms[s].pos_d, NULL);
+            c->be[s]->download(c->be[s], a[s].choice, a[s].choice_d,
+                               (size_t)N * k * sizeof(int32_t));
+        }
         for (int i = 0; i < N * k; i++)
             differ += a[0].choice[i] != a[1].choice[i];
         ex = cmp_dev(c, (float *const[2]){a[0].x_out, a[1].x_out}, nd);

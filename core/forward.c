@@ -130,13 +130,19 @@ nl_status nl_forward(nl_model *m, nl_runstate *rs, const nl_forward_args *a, flo
         rs->pos_h[n] = (int32_t)(past + n % T);
     be->upload(be, rs->pos_d, rs->pos_h, (size_t)N * sizeof(int32_t));
 
-    double aux = 0.0;
+    /* the layers queue device work only; their aux losses add up in
+     * acts.aux_d, read (one download) only when the caller asks */
+    be->zero(be, rs->acts.aux_d, sizeof(double));
     for (int l = m->l0; l < m->l1; l++)
-        aux += nl_layer_forward(m, l, &rs->acts, B, T, past, a->kv, rs->pos_d, NULL, (double)N);
+        nl_layer_forward(m, l, &rs->acts, B, T, past, a->kv, rs->pos_d, NULL);
     if (a->kv)
         a->kv->len += T;
-    if (aux_loss)
+    if (aux_loss) {
+        double aux = 0.0;
+        if (m->l1 > m->l0)
+            be->download(be, &aux, rs->acts.aux_d, sizeof aux);
         *aux_loss = (float)aux;
+    }
 
     if (!m->has_head) {
         rs->out = x;

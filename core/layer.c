@@ -5,6 +5,16 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* every expert count the config accepts, the routing slots take */
+_Static_assert(NL_CONFIG_MAX_EXPERTS <= NL_BACKEND_MAX_EXPERTS, "routing slots: too few experts");
+
+/* NL_HOST_ROUTING=1: route on the host, as before the routing slots */
+static int host_routing_env(void)
+{
+    const char *v = getenv("NL_HOST_ROUTING");
+    return v && strcmp(v, "1") == 0;
+}
+
 /* ---------------------------------------------------------------- buffers */
 
 typedef struct acts_dims {
@@ -28,9 +38,9 @@ size_t nl_layer_acts_floats(const nl_config *cfg, int N)
 {
     acts_dims s = dims_of(cfg, N);
     /* x_in, xn1, h1, xn2, x_out, rstd1, rstd2, qkv, att, lse, probs,
-     * xe, gu, hs, ye, and the three dispatch tables */
+     * xe, gu, hs, ye, the four routing tables of N k, offsets, frac, aux */
     return s.N * (5 * s.d + 2 + s.qkv + s.hq + (size_t)cfg->num_heads + s.E) +
-           s.N * s.k * (s.d + 2 * s.F + s.F + s.d + 3);
+           s.N * s.k * (s.d + 2 * s.F + s.F + s.d + 4) + 2 * s.E + 3;
 }
 
 nl_status nl_layer_acts_alloc(nl_layer_acts *a, nl_backend *be, const nl_config *cfg, int N,
@@ -51,9 +61,13 @@ nl_status nl_layer_acts_alloc(nl_layer_acts *a, nl_backend *be, const nl_config 
     DEV(a->gu, s.N * s.k * 2 * s.F);
     DEV(a->hs, s.N * s.k * s.F);
     DEV(a->ye, s.N * s.k * s.d);
+    DEV(a->choice_d, s.N * s.k);
+    DEV(a->w_d, s.N * s.k);
     DEV(a->perm_d, s.N * s.k);
     DEV(a->slot_d, s.N * s.k);
-    DEV(a->w_d, s.N * s.k);
+    DEV(a->offsets_d, s.E + 1);
+    DEV(a->frac_d, s.E);
+    DEV(a->aux_d, 1);
     if (training) {
         DEV(a->h1, s.N * s.d);
         DEV(a->x_out, s.N * s.d);
@@ -68,9 +82,8 @@ nl_status nl_layer_acts_alloc(nl_layer_acts *a, nl_backend *be, const nl_config 
     HOST(a->w, s.N * s.k);
     HOST(a->perm, s.N * s.k);
     HOST(a->slot, s.N * s.k);
-    HOST(a->counts, s.E);
     HOST(a->offsets, s.E + 1);
-    HOST(a->frac, s.E);
+    a->host_routing = host_routing_env();
 #undef DEV
 #undef HOST
     if (!ok) {
@@ -86,9 +99,9 @@ void nl_layer_acts_free(nl_layer_acts *a, nl_backend *be)
         be->free(be, a->h1);
     if (a->x_out != a->x_in)
         be->free(be, a->x_out);
-    void *dev[] = {a->x_in, a->xn1,   a->rstd1,  a->qkv,  a->att, a->lse, a->xn2,
-                   a->rstd2, a->probs, a->xe,    a->gu,   a->hs,  a->ye,  a->perm_d,
-                   a->slot_d, a->w_d};
+    void *dev[] = {a->x_in,  a->xn1,    a->rstd1,  a->qkv,       a->att,    a->lse,  a->xn2,
+                   a->rstd2, a->probs,  a->xe,     a->gu,        a->hs,     a->ye,   a->choice_d,
+                   a->w_d,   a->perm_d, a->slot_d, a->offsets_d, a->frac_d, a->aux_d};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         be->free(be, dev[i]);
     free(a->probs_h);
@@ -96,20 +109,19 @@ void nl_layer_acts_free(nl_layer_acts *a, nl_backend *be)
     free(a->w);
     free(a->perm);
     free(a->slot);
-    free(a->counts);
     free(a->offsets);
-    free(a->frac);
     memset(a, 0, sizeof *a);
 }
 
 /* ---------------------------------------------------------------- router */
 
-/* Top-k of each row of probs_h, ties to the lower expert index; fill the
- * dispatch tables grouped by expert (token order within an expert). */
+/* host_routing mode: top-k of each row of probs_h, ties to the lower
+ * expert index, and the dispatch tables grouped by expert (token order
+ * within an expert): the CPU backend's moe_route, which this was. */
 static void route(nl_layer_acts *a, int N, int E, int k)
 {
     const float *p = a->probs_h;
-    memset(a->counts, 0, (size_t)E * sizeof *a->counts);
+    int counts[NL_CONFIG_MAX_EXPERTS] = {0};
     for (int n = 0; n < N; n++) {
         const float *row = p + (size_t)n * E;
         int32_t *ch = a->choice + (size_t)n * k;
@@ -125,14 +137,14 @@ static void route(nl_layer_acts *a, int N, int E, int k)
             }
             ch[i] = best;
             sum += row[best];
-            a->counts[best]++;
+            counts[best]++;
         }
         for (int i = 0; i < k; i++)
             a->w[(size_t)n * k + i] = row[ch[i]] / sum;
     }
     a->offsets[0] = 0;
     for (int e = 0; e < E; e++)
-        a->offsets[e + 1] = a->offsets[e] + a->counts[e];
+        a->offsets[e + 1] = a->offsets[e] + counts[e];
     int fill[NL_CONFIG_MAX_EXPERTS];
     memcpy(fill, a->offsets, (size_t)E * sizeof *fill);
     for (int n = 0; n < N; n++)
@@ -141,6 +153,35 @@ static void route(nl_layer_acts *a, int N, int E, int k)
             a->perm[s] = n;
             a->slot[(size_t)n * k + i] = s;
         }
+}
+
+/* The host_routing forward of the experts: download, route, upload the
+ * tables, and one pair of GEMMs per expert sized by the host counts. */
+static void experts_host_routed(nl_backend *be, const nl_config *c, const nl_layer_weights *w,
+                                nl_layer_acts *a, int N)
+{
+    const int d = c->hidden_dim, E = c->num_experts, k = c->top_k, F = c->ffn_dim;
+    const size_t nk = (size_t)N * k;
+    be->download(be, a->probs_h, a->probs, (size_t)N * E * sizeof(float));
+    route(a, N, E, k);
+    be->upload(be, a->choice_d, a->choice, nk * sizeof(int32_t));
+    be->upload(be, a->w_d, a->w, nk * sizeof(float));
+    be->upload(be, a->perm_d, a->perm, nk * sizeof(int32_t));
+    be->upload(be, a->slot_d, a->slot, nk * sizeof(int32_t));
+    be->upload(be, a->offsets_d, a->offsets, (size_t)(E + 1) * sizeof(int32_t));
+    be->gather_rows(be, a->xe, a->xn2, a->perm_d, N * k, d);
+    const size_t expert_floats = 3 * (size_t)F * d;
+    for (int e = 0; e < E; e++) {
+        const int n = a->offsets[e + 1] - a->offsets[e], o = a->offsets[e];
+        if (n == 0)
+            continue;
+        const float *wgu = w->experts + e * expert_floats; /* (2F, d) */
+        const float *wdown = wgu + 2 * (size_t)F * d;      /* (d, F) */
+        float *gu = a->gu + (size_t)o * 2 * F, *hs = a->hs + (size_t)o * F;
+        be->gemm(be, 0, 1, n, 2 * F, d, 1.0f, a->xe + (size_t)o * d, d, wgu, d, 0.0f, gu, 2 * F);
+        be->swiglu_forward(be, hs, gu, n, F);
+        be->gemm(be, 0, 1, n, d, F, 1.0f, hs, F, wdown, F, 0.0f, a->ye + (size_t)o * d, d);
+    }
 }
 
 /* ---------------------------------------------------------------- blocks */
@@ -174,57 +215,47 @@ static void attention_block(nl_model *m, int li, nl_layer_acts *a, int B, int T,
     be->gemm(be, 0, 1, N, d, H * hd, 1.0f, a->att, H * hd, w->wo, H * hd, 1.0f, a->h1, d);
 }
 
-static float moe_block(nl_model *m, int li, nl_layer_acts *a, int N, const float *global_frac,
-                       double aux_rows)
+static void moe_block(nl_model *m, int li, nl_layer_acts *a, int N, const nl_layer_aux *aux)
 {
     nl_backend *be = m->be;
     const nl_config *c = &m->cfg;
     const nl_layer_weights *w = &m->layers[li - m->l0];
     const int d = c->hidden_dim, E = c->num_experts, k = c->top_k, F = c->ffn_dim;
+    const size_t expert_floats = 3 * (size_t)F * d;
 
     be->rmsnorm_forward(be, a->xn2, a->rstd2, a->h1, w->ffn_norm, N, d, (float)c->norm_eps);
     be->gemm(be, 0, 1, N, E, d, 1.0f, a->xn2, d, w->router, d, 0.0f, a->probs, E);
     be->softmax_forward(be, a->probs, N, E);
-    be->download(be, a->probs_h, a->probs, (size_t)N * E * sizeof(float));
-    route(a, N, E, k);
-    be->upload(be, a->perm_d, a->perm, (size_t)N * k * sizeof(int32_t));
-    be->upload(be, a->slot_d, a->slot, (size_t)N * k * sizeof(int32_t));
-    be->upload(be, a->w_d, a->w, (size_t)N * k * sizeof(float));
-
-    /* grouped dispatch: each expert runs only on the rows routed to it */
-    be->gather_rows(be, a->xe, a->xn2, a->perm_d, N * k, d);
-    const size_t expert_floats = 3 * (size_t)F * d;
-    for (int e = 0; e < E; e++) {
-        const int n = a->counts[e], o = a->offsets[e];
-        if (n == 0)
-            continue;
-        const float *wgu = w->experts + e * expert_floats; /* (2F, d) */
-        const float *wdown = wgu + 2 * (size_t)F * d;      /* (d, F) */
-        float *gu = a->gu + (size_t)o * 2 * F, *hs = a->hs + (size_t)o * F;
-        be->gemm(be, 0, 1, n, 2 * F, d, 1.0f, a->xe + (size_t)o * d, d, wgu, d, 0.0f, gu, 2 * F);
-        be->swiglu_forward(be, hs, gu, n, F);
-        be->gemm(be, 0, 1, n, d, F, 1.0f, hs, F, wdown, F, 0.0f, a->ye + (size_t)o * d, d);
+    if (a->host_routing) {
+        experts_host_routed(be, c, w, a, N);
+    } else {
+        /* grouped dispatch: each expert runs only on the rows routed to it,
+         * sized on the device by the offsets (a token takes an expert at
+         * most once, so no expert has more than N rows) */
+        be->moe_route(be, a->choice_d, a->w_d, a->offsets_d, a->perm_d, a->slot_d, a->probs, N, E,
+                      k);
+        be->gather_rows(be, a->xe, a->xn2, a->perm_d, N * k, d);
+        be->gemm_grouped(be, 1, 2 * F, d, a->xe, d, w->experts, d, expert_floats, a->gu, 2 * F,
+                         a->offsets_d, E, N);
+        be->swiglu_forward(be, a->hs, a->gu, N * k, F); /* row-wise: all groups at once */
+        be->gemm_grouped(be, 1, d, F, a->hs, F, w->experts + 2 * (size_t)F * d, F, expert_floats,
+                         a->ye, d, a->offsets_d, E, N);
     }
     if (a->x_out != a->h1)
         be->copy_rows(be, a->x_out, d, a->h1, d, N, d);
     be->moe_combine(be, a->x_out, a->ye, a->slot_d, a->w_d, N, k, d);
 
     /* load-balancing loss: E * sum_e frac_e * mean_p_e, in double */
-    double aux = 0.0;
-    for (int e = 0; e < E; e++) {
-        a->frac[e] = global_frac ? global_frac[e] : (float)((double)a->counts[e] / ((double)N * k));
-        double psum = 0.0;
-        for (int n = 0; n < N; n++)
-            psum += a->probs_h[(size_t)n * E + e];
-        aux += (double)a->frac[e] * psum / aux_rows;
-    }
-    return (float)(E * aux);
+    const nl_layer_aux own = {.global_frac = NULL, .rows = (double)N, .sum = a->aux_d};
+    if (!aux)
+        aux = &own;
+    be->moe_aux(be, aux->sum, a->frac_d, aux->counts, a->probs, a->offsets_d, aux->global_frac, N,
+                E, k, aux->rows);
 }
 
-float nl_layer_forward(nl_model *m, int li, nl_layer_acts *a, int B, int T, int past,
-                       nl_kvcache *kv, const int32_t *pos_d, const float *global_frac,
-                       double aux_rows)
+void nl_layer_forward(nl_model *m, int li, nl_layer_acts *a, int B, int T, int past, nl_kvcache *kv,
+                      const int32_t *pos_d, const nl_layer_aux *aux)
 {
     attention_block(m, li, a, B, T, past, kv, pos_d);
-    return moe_block(m, li, a, B * T, global_frac, aux_rows);
+    moe_block(m, li, a, B * T, aux);
 }

@@ -11,7 +11,15 @@
 
 /* Activations of one layer for N = B*T rows. Device pointers unless
  * marked host. In the inference set x_in, h1 and x_out are the same
- * buffer and rstd1, rstd2 and lse are NULL. */
+ * buffer and rstd1, rstd2 and lse are NULL.
+ *
+ * Routing runs on the device (backend slot moe_route): no layer waits for
+ * the host. With NL_HOST_ROUTING=1 in the environment when the set is
+ * allocated (host_routing = 1), the forward routes as it did before the
+ * routing slots existed, for comparison: it downloads the probabilities,
+ * picks the top k on the host (the host arrays below), uploads the tables
+ * and sizes each expert's GEMMs from host counts. Both ways give the same
+ * bits on the CPU; the aux loss and the backward run on the device in both. */
 typedef struct nl_layer_acts {
     float *x_in;   /* (N, d) layer input */
     float *xn1;    /* (N, d) attention_norm(x_in) */
@@ -28,17 +36,22 @@ typedef struct nl_layer_acts {
     float *hs;     /* (N k, F) silu(gate) * up */
     float *ye;     /* (N k, d) expert outputs */
     float *x_out;  /* (N, d) h1 + sum_i w_i expert_i */
-    int32_t *perm_d, *slot_d; /* (N k) dispatch tables, device copies */
-    float *w_d;               /* (N k) */
-    /* host: routing decisions */
+    /* routing tables (backend.h, moe_route) */
+    int32_t *choice_d;  /* (N k) expert of each (token, choice) */
+    float *w_d;         /* (N k) renormalised weights */
+    int32_t *perm_d;    /* (N k) token row of each dispatch slot, grouped by expert */
+    int32_t *slot_d;    /* (N k) dispatch slot of each (token, choice) */
+    int32_t *offsets_d; /* (E + 1) first slot of each expert */
+    float *frac_d;      /* (E) assignment shares the aux loss used */
+    double *aux_d;      /* (1) an aux-loss accumulator callers may use */
+    int host_routing;   /* NL_HOST_ROUTING=1 at allocation */
+    /* host: the routing of host_routing mode */
     float *probs_h;   /* (N, E) */
-    int32_t *choice;  /* (N k) expert of each (token, choice) */
-    float *w;         /* (N k) renormalised weights */
-    int32_t *perm;    /* (N k) token row of each dispatch slot, grouped by expert */
-    int32_t *slot;    /* (N k) dispatch slot of each (token, choice) */
-    int *counts;      /* (E) tokens routed to each expert */
-    int *offsets;     /* (E + 1) first slot of each expert */
-    float *frac;      /* (E) share of assignments used by the aux loss */
+    int32_t *choice;  /* (N k) */
+    float *w;         /* (N k) */
+    int32_t *perm;    /* (N k) */
+    int32_t *slot;    /* (N k) */
+    int32_t *offsets; /* (E + 1) */
 } nl_layer_acts;
 
 /* Floats of device memory one layer's saved activations take for N rows
@@ -47,20 +60,33 @@ size_t nl_layer_acts_floats(const nl_config *cfg, int N);
 
 /* Allocate a set for N rows; `training` gives separate residual buffers
  * and the saved statistics, else x_in == h1 == x_out and no rstd/lse.
- * nl_layer_acts_free releases what _alloc made (NULL-safe fields). */
+ * Reads NL_HOST_ROUTING. nl_layer_acts_free releases what _alloc made
+ * (NULL-safe fields). */
 nl_status nl_layer_acts_alloc(nl_layer_acts *a, nl_backend *be, const nl_config *cfg, int N,
                               int training, nl_error *err);
 void nl_layer_acts_free(nl_layer_acts *a, nl_backend *be);
 
+/* Where a layer's forward puts its load-balancing loss; device pointers. */
+typedef struct nl_layer_aux {
+    /* (E) batch-level assignment shares the aux loss uses instead of this
+     * call's own, or NULL */
+    const float *global_frac;
+    /* rows the loss is averaged over: N for a plain forward, the batch's
+     * rows when this is one microbatch of many */
+    double rows;
+    /* (1) += this layer's aux loss E * sum_e frac_e * sum_n p[n, e] / rows,
+     * or NULL */
+    double *sum;
+    /* (E) += tokens routed to each expert, or NULL */
+    int64_t *counts;
+} nl_layer_aux;
+
 /* Forward one layer `li` of the model over a->x_in, writing a->x_out.
- * pos_d: (N) device positions. kv may be NULL. global_frac: when non-NULL
- * the aux loss uses these batch-level assignment shares (E) instead of
- * this call's own. Returns this call's aux-loss contribution
- * E * sum_e frac_e * sum_n p[n, e] / aux_rows (aux_rows = N for a plain
- * forward; the batch's rows when it is one microbatch of many). */
-float nl_layer_forward(nl_model *m, int li, nl_layer_acts *a, int B, int T, int past,
-                       nl_kvcache *kv, const int32_t *pos_d, const float *global_frac,
-                       double aux_rows);
+ * pos_d: (N) device positions. kv may be NULL. aux NULL: this call's own
+ * shares over N rows, the loss added to a->aux_d. Queues device work only
+ * (no host synchronisation unless a->host_routing). */
+void nl_layer_forward(nl_model *m, int li, nl_layer_acts *a, int B, int T, int past, nl_kvcache *kv,
+                      const int32_t *pos_d, const nl_layer_aux *aux);
 
 /* Scratch for the backward pass of one layer over N rows (device unless
  * marked host), shared by every layer of a stage. */
@@ -77,8 +103,6 @@ typedef struct nl_layer_grads_scratch {
     float *ones;   /* (N k) all 1 */
     float *dl;     /* (N, E) router logits gradient */
     int32_t *neg_pos_d; /* (N) negated positions: RoPE's inverse rotation */
-    float *dw_h;   /* (N k) host */
-    float *dl_h;   /* (N, E) host */
 } nl_layer_grads_scratch;
 
 nl_status nl_layer_scratch_alloc(nl_layer_grads_scratch *s, nl_backend *be, const nl_config *cfg,

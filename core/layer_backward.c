@@ -2,7 +2,9 @@
  * (combine, grouped expert GEMMs, router softmax and the renormalised
  * top-k weights, the load-balancing loss) and the attention (Wo, tiled
  * flash backward, inverse RoPE, the fused QKV projection), with the two
- * RMSNorms and both residual paths. */
+ * RMSNorms and both residual paths. Everything is queued on the device:
+ * the expert GEMMs are grouped by the forward's device offsets and the
+ * router's gradient is a backend slot, so no step waits for the host. */
 #include "layer.h"
 
 #include <stdlib.h>
@@ -40,8 +42,6 @@ nl_status nl_layer_scratch_alloc(nl_layer_grads_scratch *s, nl_backend *be, cons
     DEV(s->dl, n * E);
     DEV(s->neg_pos_d, n);
 #undef DEV
-    ok &= (s->dw_h = calloc(n * k, sizeof *s->dw_h)) != NULL;
-    ok &= (s->dl_h = calloc(n * E, sizeof *s->dl_h)) != NULL;
     if (ok) {
         float *one = malloc(n * k * sizeof *one);
         ok = one != NULL;
@@ -64,8 +64,6 @@ void nl_layer_scratch_free(nl_layer_grads_scratch *s, nl_backend *be)
                    s->dgu, s->dxe, s->dw,   s->ones, s->dl,  s->neg_pos_d};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         be->free(be, dev[i]);
-    free(s->dw_h);
-    free(s->dl_h);
     memset(s, 0, sizeof *s);
 }
 
@@ -73,36 +71,6 @@ void nl_layer_scratch_free(nl_layer_grads_scratch *s, nl_backend *be)
 static float *gslot(const nl_model *m, float *grads, const float *w)
 {
     return grads + (w - m->params);
-}
-
-/* Router probabilities' gradient on the host: through the renormalised
- * top-k weights w_i = p_ei / S and through the aux loss, then through the
- * softmax. Fills s->dl_h (N, E). */
-static void router_backward(const nl_layer_acts *a, nl_layer_grads_scratch *s, int N, int E,
-                            int k, float aux_scale)
-{
-    for (int n = 0; n < N; n++) {
-        const float *p = a->probs_h + (size_t)n * E;
-        const int32_t *ch = a->choice + (size_t)n * k;
-        const float *w = a->w + (size_t)n * k, *dw = s->dw_h + (size_t)n * k;
-        float *dl = s->dl_h + (size_t)n * E;
-        double S = 0.0, wdot = 0.0;
-        for (int i = 0; i < k; i++) {
-            S += p[ch[i]];
-            wdot += (double)dw[i] * w[i];
-        }
-        /* dp: aux term on every expert, renormalisation on the chosen */
-        for (int e = 0; e < E; e++)
-            dl[e] = aux_scale * a->frac[e];
-        for (int i = 0; i < k; i++)
-            dl[ch[i]] += (float)(((double)dw[i] - wdot) / S);
-        /* softmax: dlogit = p * (dp - sum p dp) */
-        double dot = 0.0;
-        for (int e = 0; e < E; e++)
-            dot += (double)p[e] * dl[e];
-        for (int e = 0; e < E; e++)
-            dl[e] = p[e] * (float)((double)dl[e] - dot);
-    }
 }
 
 static void moe_backward(nl_model *m, int li, const nl_layer_acts *a, nl_layer_grads_scratch *s,
@@ -115,27 +83,24 @@ static void moe_backward(nl_model *m, int li, const nl_layer_acts *a, nl_layer_g
     const size_t expert_floats = 3 * (size_t)F * d;
 
     be->moe_combine_backward(be, s->dye, s->dw, dy, a->ye, a->slot_d, a->w_d, N, k, d);
-    for (int e = 0; e < E; e++) {
-        const int n = a->counts[e], o = a->offsets[e];
-        if (n == 0)
-            continue;
-        const float *wgu = w->experts + e * expert_floats, *wdown = wgu + 2 * (size_t)F * d;
-        float *dwgu = gslot(m, grads, wgu), *dwdown = gslot(m, grads, wdown);
-        const float *dye = s->dye + (size_t)o * d, *hs = a->hs + (size_t)o * F;
-        float *dhs = s->dhs + (size_t)o * F, *dgu = s->dgu + (size_t)o * 2 * F;
-        be->gemm(be, 0, 0, n, F, d, 1.0f, dye, d, wdown, F, 0.0f, dhs, F);
-        be->gemm(be, 1, 0, d, F, n, 1.0f, dye, d, hs, F, 1.0f, dwdown, F);
-        be->swiglu_backward(be, dgu, dhs, a->gu + (size_t)o * 2 * F, n, F);
-        be->gemm(be, 1, 0, 2 * F, d, n, 1.0f, dgu, 2 * F, a->xe + (size_t)o * d, d, 1.0f, dwgu, d);
-        be->gemm(be, 0, 0, n, d, 2 * F, 1.0f, dgu, 2 * F, wgu, d, 0.0f, s->dxe + (size_t)o * d, d);
-    }
+    /* the experts, grouped by the device offsets: no host counts */
+    const float *wdown0 = w->experts + 2 * (size_t)F * d;
+    be->gemm_grouped(be, 0, F, d, s->dye, d, wdown0, F, expert_floats, s->dhs, F, a->offsets_d, E,
+                     N);
+    be->gemm_grouped_wgrad(be, d, F, s->dye, d, a->hs, F, gslot(m, grads, wdown0), F, expert_floats,
+                           a->offsets_d, E);
+    be->swiglu_backward(be, s->dgu, s->dhs, a->gu, N * k, F); /* row-wise: all groups */
+    be->gemm_grouped_wgrad(be, 2 * F, d, s->dgu, 2 * F, a->xe, d, gslot(m, grads, w->experts), d,
+                           expert_floats, a->offsets_d, E);
+    be->gemm_grouped(be, 0, d, 2 * F, s->dgu, 2 * F, w->experts, d, expert_floats, s->dxe, d,
+                     a->offsets_d, E, N);
     /* each token's input gradient is the sum over its k dispatch slots */
     be->zero(be, s->dxn, (size_t)N * d * sizeof(float));
     be->moe_combine(be, s->dxn, s->dxe, a->slot_d, s->ones, N, k, d);
 
-    be->download(be, s->dw_h, s->dw, (size_t)N * k * sizeof(float));
-    router_backward(a, s, N, E, k, aux_scale);
-    be->upload(be, s->dl, s->dl_h, (size_t)N * E * sizeof(float));
+    /* the router: through the renormalised weights and the aux loss */
+    be->moe_router_backward(be, s->dl, s->dw, a->probs, a->choice_d, a->w_d, a->frac_d, N, E, k,
+                            aux_scale);
     be->gemm(be, 1, 0, E, d, N, 1.0f, s->dl, E, a->xn2, d, 1.0f, gslot(m, grads, w->router), d);
     be->gemm(be, 0, 0, N, d, E, 1.0f, s->dl, E, w->router, d, 1.0f, s->dxn, d);
 

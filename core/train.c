@@ -30,8 +30,11 @@ struct nl_trainer {
     int32_t *pos_h, *pos_d, *neg_pos_h;
     int32_t *targets_h, *targets_d;
     float *losses_d, *losses_h;
-    int64_t *counts;      /* (n_layers, E) counting pass */
-    float *global_frac;   /* (n_layers, E) */
+    int64_t *counts;      /* (n_layers, E) counting pass, host copy */
+    float *global_frac;   /* (n_layers, E) host */
+    int64_t *counts_d;    /* (n_layers, E) counting pass, accumulated on the device */
+    float *global_frac_d; /* (n_layers, E) */
+    double *aux_d;        /* (1) one forward's aux loss */
     int use_global;
     int inject_nan;
 };
@@ -157,6 +160,9 @@ nl_status nl_trainer_new(nl_trainer **out, nl_model *m, int max_rows, int slots,
     ok &= (t->losses_h = calloc(N, sizeof(float))) != NULL;
     ok &= (t->counts = calloc((size_t)t->n_layers * E + 1, sizeof(int64_t))) != NULL;
     ok &= (t->global_frac = calloc((size_t)t->n_layers * E + 1, sizeof(float))) != NULL;
+    ok &= (t->counts_d = be->alloc(be, ((size_t)t->n_layers * E + 1) * sizeof(int64_t))) != NULL;
+    ok &= (t->global_frac_d = be->alloc(be, ((size_t)t->n_layers * E + 1) * sizeof(float))) != NULL;
+    ok &= (t->aux_d = be->alloc(be, sizeof(double))) != NULL;
     ok &= (t->slots = calloc((size_t)slots, sizeof *t->slots)) != NULL;
     if (!ok) {
         st = nl_error_set(err, NL_ERR_NOMEM, "trainer: cannot allocate %zu parameters' state",
@@ -189,8 +195,8 @@ void nl_trainer_destroy(nl_trainer **tp)
         nl_layer_acts_free(&t->work, be);
     if (t->sc.dh1)
         nl_layer_scratch_free(&t->sc, be);
-    void *dev[] = {t->grads, t->mom[0], t->mom[1], t->dbuf[0], t->dbuf[1],
-                   t->pos_d, t->targets_d, t->losses_d};
+    void *dev[] = {t->grads,     t->mom[0],   t->mom[1],   t->dbuf[0],       t->dbuf[1], t->pos_d,
+                   t->targets_d, t->losses_d, t->counts_d, t->global_frac_d, t->aux_d};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         be->free(be, dev[i]);
     free(t->pos_h);
@@ -210,7 +216,8 @@ void nl_trainer_begin_step(nl_trainer *t, int64_t batch_rows)
     t->batch_rows = batch_rows;
     t->use_global = 0;
     t->be->zero(t->be, t->grads, t->m->n_params * sizeof(float));
-    memset(t->counts, 0, (size_t)t->n_layers * t->m->cfg.num_experts * sizeof *t->counts);
+    t->be->zero(t->be, t->counts_d,
+                (size_t)t->n_layers * t->m->cfg.num_experts * sizeof *t->counts_d);
 }
 
 static nl_status check_rows(nl_trainer *t, int B, int T, nl_error *err)
@@ -271,9 +278,9 @@ nl_status nl_trainer_count_routes(nl_trainer *t, int B, int T, const int32_t *to
         return st;
     set_positions(t, B, T);
     for (int l = 0; l < t->n_layers; l++) {
-        nl_layer_forward(t->m, t->m->l0 + l, w, B, T, 0, NULL, t->pos_d, NULL, (double)N);
-        for (int e = 0; e < E; e++)
-            t->counts[(size_t)l * E + e] += w->counts[e];
+        /* the counts add up on the device; nl_trainer_use_counts reads them */
+        const nl_layer_aux aux = {.rows = (double)N, .counts = t->counts_d + (size_t)l * E};
+        nl_layer_forward(t->m, t->m->l0 + l, w, B, T, 0, NULL, t->pos_d, &aux);
         t->be->copy_rows(t->be, w->x_in, d, w->x_out, d, N, d);
     }
     return NL_OK;
@@ -282,8 +289,12 @@ nl_status nl_trainer_count_routes(nl_trainer *t, int B, int T, const int32_t *to
 void nl_trainer_use_counts(nl_trainer *t)
 {
     const int E = t->m->cfg.num_experts, k = t->m->cfg.top_k;
-    for (size_t i = 0; i < (size_t)t->n_layers * E; i++)
+    const size_t n = (size_t)t->n_layers * E;
+    /* one download per step: every layer's counts of every microbatch */
+    t->be->download(t->be, t->counts, t->counts_d, n * sizeof *t->counts);
+    for (size_t i = 0; i < n; i++)
         t->global_frac[i] = (float)((double)t->counts[i] / ((double)t->batch_rows * k));
+    t->be->upload(t->be, t->global_frac_d, t->global_frac, n * sizeof *t->global_frac);
     t->use_global = 1;
 }
 
@@ -313,20 +324,25 @@ nl_status nl_trainer_forward(nl_trainer *t, int slot, int B, int T, const int32_
     if ((st = stage_input(t, first, s->tokens_d, N, tokens, x_in, err)) != NL_OK)
         return st;
     set_positions(t, B, T);
-    double a = 0.0;
+    be->zero(be, t->aux_d, sizeof(double));
     for (int l = 0; l < t->n_layers; l++) {
-        const float *gf = t->use_global ? t->global_frac + (size_t)l * E : NULL;
+        const nl_layer_aux la_aux = {.global_frac =
+                                         t->use_global ? t->global_frac_d + (size_t)l * E : NULL,
+                                     .rows = (double)t->batch_rows,
+                                     .sum = t->aux_d};
         nl_layer_acts *la = t->recompute ? &t->work : &s->acts[l];
         if (t->recompute)
             be->copy_rows(be, la->x_in, d, s->x_in[l], d, N, d);
-        a += nl_layer_forward(m, m->l0 + l, la, B, T, 0, NULL, t->pos_d, gf,
-                              (double)t->batch_rows);
+        nl_layer_forward(m, m->l0 + l, la, B, T, 0, NULL, t->pos_d, &la_aux);
         if (t->recompute)
             be->copy_rows(be, l + 1 < t->n_layers ? s->x_in[l + 1] : s->x_final, d, la->x_out, d,
                           N, d);
     }
-    if (aux)
+    if (aux && t->n_layers) { /* the layers' aux losses, summed on the device: one download */
+        double a = 0.0;
+        be->download(be, &a, t->aux_d, sizeof a);
         *aux += a;
+    }
     if (!m->has_head)
         return nl_backend_check(be, err); /* a device's asynchronous error */
     /* head and loss: the logits become their gradient in place */
@@ -384,10 +400,11 @@ nl_status nl_trainer_backward(nl_trainer *t, int slot, const float *dy, nl_error
     for (int l = t->n_layers - 1; l >= 0; l--) {
         const nl_layer_acts *la = &s->acts[l];
         if (t->recompute) {
-            const float *gf = t->use_global ? t->global_frac + (size_t)l * E : NULL;
+            const nl_layer_aux la_aux = {
+                .global_frac = t->use_global ? t->global_frac_d + (size_t)l * E : NULL,
+                .rows = (double)t->batch_rows};
             be->copy_rows(be, t->work.x_in, d, s->x_in[l], d, N, d);
-            nl_layer_forward(m, m->l0 + l, &t->work, B, T, 0, NULL, t->pos_d, gf,
-                             (double)t->batch_rows);
+            nl_layer_forward(m, m->l0 + l, &t->work, B, T, 0, NULL, t->pos_d, &la_aux);
             la = &t->work;
         }
         nl_layer_backward(m, m->l0 + l, la, &t->sc, t->grads, t->dbuf[cur], t->dbuf[1 - cur], B, T,

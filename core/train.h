@@ -50,9 +50,14 @@ void nl_trainer_destroy(nl_trainer **t);
 void nl_trainer_begin_step(nl_trainer *t, int64_t batch_rows);
 
 /* Counting pass for one microbatch (forward only, nothing kept): add this
- * microbatch's expert assignments to the step's counts. Input as for
- * nl_trainer_forward. After all microbatches, nl_trainer_use_counts makes
- * the following forwards use the batch's shares. */
+ * microbatch's expert assignments to the step's counts, which add up on
+ * the device. Input as for nl_trainer_forward. After all microbatches,
+ * nl_trainer_use_counts reads them (one download, one upload of the
+ * shares) and makes the following forwards use the batch's shares.
+ * Routing never waits for the host: a forward's host synchronisations are
+ * its input uploads (tokens or none, positions, targets), the aux loss's
+ * one download when *aux is asked for and the losses' download; a
+ * backward's are its position uploads; none depends on the layer count. */
 nl_status nl_trainer_count_routes(nl_trainer *t, int B, int T, const int32_t *tokens,
                                   const float *x_in, nl_error *err);
 void nl_trainer_use_counts(nl_trainer *t);

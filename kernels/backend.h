@@ -58,10 +58,24 @@ typedef struct nl_attn_shape {
 /* Bumped whenever struct nl_backend, nl_backend_opts, nl_attn_shape or
  * nl_error changes: a backend module built against another version is
  * refused when it is loaded. */
-#define NL_BACKEND_ABI 2
+#define NL_BACKEND_ABI 3
 
 /* Largest head dimension any backend's attention and RoPE support. */
 #define NL_BACKEND_MAX_HEAD_DIM 256
+
+/* Most experts the routing slots support (the config's limit too). */
+#define NL_BACKEND_MAX_EXPERTS 256
+
+/* Counters a backend keeps as it runs (plain counters: read them from the
+ * thread that drives the backend). */
+typedef struct nl_backend_stats {
+    /* Calls that make the host wait for the device's queue: upload and
+     * download of at least one byte, sync, and sumsq (a result returned to
+     * the host). alloc and
+     * free, which a device may also synchronise, are not hot-path calls
+     * and are not counted. */
+    uint64_t host_syncs;
+} nl_backend_stats;
 
 struct nl_backend {
     const char *name; /* "cpu", "cpu-devsim", "cuda:0" */
@@ -74,6 +88,7 @@ struct nl_backend {
      * its reduction scratch), measured when it was created; 0 on the CPU,
      * whose process overhead the memory model counts (NL_MEM_RUNTIME_BYTES). */
     size_t runtime_bytes;
+    nl_backend_stats stats; /* kept by the backend's own slots */
 
     /* ---- memory (device) ---- */
     void *(*alloc)(nl_backend *be, size_t bytes); /* zero-filled, 64-byte aligned; NULL on failure */
@@ -133,6 +148,59 @@ struct nl_backend {
      * y holds the expert outputs in dispatch order. (N, C) */
     void (*moe_combine)(nl_backend *be, float *x, const float *y, const int32_t *slot,
                         const float *w, int N, int k, int C);
+
+    /* ---- mixture-of-experts routing, all on the device (no host sync) ----
+     * Top-k routing of N rows of router probabilities probs (N, E), with
+     * k <= E <= NL_BACKEND_MAX_EXPERTS:
+     *   choice[n k + i]  the i-th largest entry of row n, ties to the lower
+     *                    expert index (a NaN is never larger);
+     *   w[n k + i]       probs[n, choice] / (sum of the row's k chosen, in
+     *                    float, in choice order);
+     *   offsets (E + 1)  offsets[0] = 0, offsets[e + 1] - offsets[e] = the
+     *                    assignments to expert e;
+     *   perm (N k)       the token row of each dispatch slot, grouped by
+     *                    expert, tokens ascending within an expert;
+     *   slot[n k + i]    the dispatch slot of (n, i): perm[slot[n k + i]] == n. */
+    void (*moe_route)(nl_backend *be, int32_t *choice, float *w, int32_t *offsets, int32_t *perm,
+                      int32_t *slot, const float *probs, int N, int E, int k);
+    /* One layer's load-balancing loss from its routing (offsets as made by
+     * moe_route over the same N rows):
+     *   frac[e] = global_frac ? global_frac[e] : (float)(count_e / (N k));
+     *   *aux += (double)(float)(E * sum_e frac[e] * P_e / aux_rows), where
+     *           P_e = sum_n probs[n, e], both sums in double (aux may be NULL);
+     *   counts[e] += count_e when counts is not NULL.
+     * global_frac (E) is a device array or NULL. */
+    void (*moe_aux)(nl_backend *be, double *aux, float *frac, int64_t *counts, const float *probs,
+                    const int32_t *offsets, const float *global_frac, int N, int E, int k,
+                    double aux_rows);
+    /* Router backward (N rows): given dw = dLoss/dw (N k) for the weights
+     * w = p_choice / S of moe_route and the aux term's dLoss/dp_e =
+     * aux_scale * frac[e], write the router logits' gradient
+     *   dp_e = aux_scale frac[e] + [e chosen as i] (dw_i - sum_j dw_j w_j) / S
+     *   dl[n, e] = p_e (dp_e - sum_e' p_e' dp_e')  (dot products in double).
+     * dl (N, E) is overwritten. */
+    void (*moe_router_backward)(nl_backend *be, float *dl, const float *dw, const float *probs,
+                                const int32_t *choice, const float *w, const float *frac, int N,
+                                int E, int k, float aux_scale);
+    /* Grouped GEMMs over the expert groups of a dispatch: group g has the
+     * rows r0 = offsets[g] .. offsets[g + 1] - 1 (n_g rows; offsets is the
+     * device array of moe_route, groups + 1 entries) and is skipped when
+     * n_g == 0, so the host never needs the counts.
+     * gemm_grouped: C[r0 + i, :N] = sum_p A[r0 + i, p] op(B_g)[p, :] for
+     *   i < n_g, K columns of A, where B_g = B + g * b_stride is (N, K)
+     *   with trans_b, else (K, N); overwrites. max_rows bounds every n_g
+     *   (a device may size its launch by it).
+     * gemm_grouped_wgrad: C_g += A_g^T B_g with A_g = rows r0.. of A
+     *   (n_g, M) and B_g = rows r0.. of B (n_g, N), C_g = C + g * c_stride
+     *   (M, N): the weight gradient of each group.
+     * lda, ldb, ldc are row strides. On the CPU both are the per-group
+     * gemm calls in group order. */
+    void (*gemm_grouped)(nl_backend *be, int trans_b, int N, int K, const float *A, int lda,
+                         const float *B, int ldb, size_t b_stride, float *C, int ldc,
+                         const int32_t *offsets, int groups, int max_rows);
+    void (*gemm_grouped_wgrad)(nl_backend *be, int M, int N, const float *A, int lda,
+                               const float *B, int ldb, float *C, int ldc, size_t c_stride,
+                               const int32_t *offsets, int groups);
 
     /* ---- backward ops ----
      * Gradients named d<x>. "+=" means the op accumulates into the output

@@ -51,22 +51,27 @@ static void ds_free(nl_backend *be, void *p)
     cpu(be)->free(cpu(be), untag(p));
 }
 
+/* upload, download, sync and sumsq count in this backend's own stats (the
+ * wrapped CPU backend keeps its own) */
 static void ds_upload(nl_backend *be, void *dst, const void *src, size_t bytes)
 {
-    (void)be;
-    if (bytes)
+    if (bytes) {
+        be->stats.host_syncs++;
         memcpy(untag(dst), src, bytes);
+    }
 }
 
 static void ds_download(nl_backend *be, void *dst, const void *src, size_t bytes)
 {
-    (void)be;
-    if (bytes)
+    if (bytes) {
+        be->stats.host_syncs++;
         memcpy(dst, untag(src), bytes);
+    }
 }
 
 static nl_status ds_sync(nl_backend *be, nl_error *err)
 {
+    be->stats.host_syncs++;
     return cpu(be)->sync(cpu(be), err);
 }
 
@@ -185,6 +190,7 @@ static void ds_cross_entropy(nl_backend *be, float *logits, float *losses, const
 
 static double ds_sumsq(nl_backend *be, const float *x, size_t n)
 {
+    be->stats.host_syncs++;
     return cpu(be)->sumsq(cpu(be), UF(x), n);
 }
 
@@ -194,6 +200,47 @@ static void ds_adamw(nl_backend *be, float *p, const float *g, float *m, float *
 {
     cpu(be)->adamw(cpu(be), UF(p), UF(g), UF(m), UF(v), n, lr, b1, b2, eps, wd, bc1, bc2,
                    grad_scale);
+}
+
+/* ---------------------------------------------------------------- routing */
+
+static void ds_moe_route(nl_backend *be, int32_t *choice, float *w, int32_t *offsets, int32_t *perm,
+                         int32_t *slot, const float *probs, int N, int E, int k)
+{
+    cpu(be)->moe_route(cpu(be), UI(choice), UF(w), UI(offsets), UI(perm), UI(slot), UF(probs), N, E,
+                       k);
+}
+
+static void ds_moe_aux(nl_backend *be, double *aux, float *frac, int64_t *counts,
+                       const float *probs, const int32_t *offsets, const float *global_frac, int N,
+                       int E, int k, double aux_rows)
+{
+    cpu(be)->moe_aux(cpu(be), (double *)untag(aux), UF(frac), (int64_t *)untag(counts), UF(probs),
+                     UI(offsets), UF(global_frac), N, E, k, aux_rows);
+}
+
+static void ds_moe_router_backward(nl_backend *be, float *dl, const float *dw, const float *probs,
+                                   const int32_t *choice, const float *w, const float *frac, int N,
+                                   int E, int k, float aux_scale)
+{
+    cpu(be)->moe_router_backward(cpu(be), UF(dl), UF(dw), UF(probs), UI(choice), UF(w), UF(frac), N,
+                                 E, k, aux_scale);
+}
+
+static void ds_gemm_grouped(nl_backend *be, int trans_b, int N, int K, const float *A, int lda,
+                            const float *B, int ldb, size_t b_stride, float *C, int ldc,
+                            const int32_t *offsets, int groups, int max_rows)
+{
+    cpu(be)->gemm_grouped(cpu(be), trans_b, N, K, UF(A), lda, UF(B), ldb, b_stride, UF(C), ldc,
+                          UI(offsets), groups, max_rows);
+}
+
+static void ds_gemm_grouped_wgrad(nl_backend *be, int M, int N, const float *A, int lda,
+                                  const float *B, int ldb, float *C, int ldc, size_t c_stride,
+                                  const int32_t *offsets, int groups)
+{
+    cpu(be)->gemm_grouped_wgrad(cpu(be), M, N, UF(A), lda, UF(B), ldb, UF(C), ldc, c_stride,
+                                UI(offsets), groups);
 }
 
 /* ---------------------------------------------------------------- table */
@@ -243,6 +290,11 @@ nl_status nl_devsim_backend_new(nl_backend **out, const nl_backend_opts *o, nl_e
     be->gather_rows = ds_gather_rows;
     be->copy_rows = ds_copy_rows;
     be->moe_combine = ds_moe_combine;
+    be->moe_route = ds_moe_route;
+    be->moe_aux = ds_moe_aux;
+    be->moe_router_backward = ds_moe_router_backward;
+    be->gemm_grouped = ds_gemm_grouped;
+    be->gemm_grouped_wgrad = ds_gemm_grouped_wgrad;
     be->embedding_backward = ds_embedding_backward;
     be->rmsnorm_backward = ds_rmsnorm_backward;
     be->attention_backward = ds_attention_backward;

@@ -1,10 +1,14 @@
 /* The model and its forward pass: init determinism across stage slices,
  * KV-cache decoding against the full forward, a split pipeline against
- * the whole model, and input validation. Numerics against PyTorch are in
- * test_golden. */
+ * the whole model, input validation, and the host synchronisations of a
+ * decode step (device routing against NL_HOST_ROUTING=1). Numerics
+ * against PyTorch are in test_golden. */
 #include "check.h"
 #include "core/forward.h"
+#include "core/layer.h"
 #include "core/model.h"
+
+#include <stdlib.h>
 
 static nl_config test_config(void)
 {
@@ -199,6 +203,111 @@ out:
     nl_model_destroy(&s1);
 }
 
+/* A decode step on cpu-devsim (device memory the host cannot read): with
+ * routing on the device its layers make no host synchronisation at all,
+ * and nl_forward only its two input uploads (tokens, positions) plus the
+ * aux loss's one download when asked; NL_HOST_ROUTING=1 costs a download
+ * and five uploads per layer and gives the same bits. */
+static void test_decode_syncs(const nl_config *c)
+{
+    enum { B = 2, P = 4 };
+    nl_error err = {0};
+    nl_backend *be = NULL;
+    nl_model *m = NULL;
+    nl_runstate *rs[2] = {NULL, NULL};
+    nl_kvcache *kv[2] = {NULL, NULL};
+    nl_layer_acts la[2];
+    memset(la, 0, sizeof la);
+    float *x = NULL, *xd = NULL, *out[2] = {NULL, NULL};
+    int32_t *pos_d = NULL;
+    const int L = c->num_layers, V = (int)c->vocab_size, d = c->hidden_dim;
+    nl_backend_opts o = {.threads = 2};
+    CHECK_OK(nl_backend_new(&be, "cpu-devsim", &o, &err), &err);
+    if (!be || !(m = make_model(be, c, 0, L, 1, 1)))
+        goto out;
+    /* [0] routes on the device, [1] on the host (read when allocated) */
+    for (int h = 0; h < 2; h++) {
+        if (h)
+            setenv("NL_HOST_ROUTING", "1", 1);
+        else
+            unsetenv("NL_HOST_ROUTING");
+        CHECK_OK(nl_runstate_new(&rs[h], m, B * P, &err), &err);
+        CHECK_OK(nl_kvcache_new(&kv[h], m, B, P + 1, &err), &err);
+        CHECK_OK(nl_layer_acts_alloc(&la[h], be, c, B, 0, &err), &err);
+        unsetenv("NL_HOST_ROUTING");
+    }
+    if (!rs[0] || !rs[1] || !kv[0] || !kv[1] || !la[0].x_in || !la[1].x_in)
+        goto out;
+    CHECK(!la[0].host_routing && la[1].host_routing, "NL_HOST_ROUTING read at allocation");
+    int32_t pre[B * P], one[B] = {7, 9};
+    for (int i = 0; i < B * P; i++)
+        pre[i] = (i * 31 + 5) % V;
+    for (int h = 0; h < 2; h++) {
+        nl_forward_args a = {.B = B, .T = P, .tokens = pre, .kv = kv[h]};
+        CHECK_OK(nl_forward(m, rs[h], &a, NULL, &err), &err);
+        const uint64_t s0 = be->stats.host_syncs;
+        nl_forward_args dec = {.B = B, .T = 1, .tokens = one, .kv = kv[h]};
+        CHECK_OK(nl_forward(m, rs[h], &dec, NULL, &err), &err);
+        const uint64_t n = be->stats.host_syncs - s0, want = 2 + (h ? 6 * (uint64_t)L : 0);
+        CHECK(n == want, "decode step, %s routing: %llu host syncs, want %llu (2 input uploads%s)",
+              h ? "host" : "device", (unsigned long long)n, (unsigned long long)want,
+              h ? " + 6 per layer" : "");
+        out[h] = check_download(be, nl_runstate_output(rs[h], NULL), (size_t)B * V);
+    }
+    CHECK(out[0] && out[1] && memcmp(out[0], out[1], (size_t)B * V * sizeof(float)) == 0,
+          "decode logits: device routing and host routing give the same bits");
+
+    /* the layers alone: zero syncs with device routing */
+    x = malloc((size_t)B * d * sizeof *x);
+    pos_d = be->alloc(be, B * sizeof *pos_d);
+    if (!x || !pos_d)
+        goto out;
+    for (int i = 0; i < B * d; i++)
+        x[i] = (float)((i * 13) % 17) / 17.0f - 0.5f;
+    const int32_t pos[B] = {3, 3};
+    be->upload(be, pos_d, pos, sizeof pos);
+    for (int h = 0; h < 2; h++) {
+        be->upload(be, la[h].x_in, x, (size_t)B * d * sizeof *x);
+        const uint64_t s0 = be->stats.host_syncs;
+        for (int l = 0; l < L; l++)
+            nl_layer_forward(m, l, &la[h], B, 1, 0, NULL, pos_d, NULL);
+        const uint64_t n = be->stats.host_syncs - s0;
+        CHECK(n == (h ? 6 * (uint64_t)L : 0), "%d layers, %s routing: %llu host syncs", L,
+              h ? "host" : "device", (unsigned long long)n);
+    }
+    xd = check_download(be, la[0].x_out, (size_t)B * d);
+    free(x);
+    x = check_download(be, la[1].x_out, (size_t)B * d);
+    CHECK(x && xd && memcmp(x, xd, (size_t)B * d * sizeof *x) == 0,
+          "layers: device routing and host routing give the same bits");
+
+    /* the aux loss costs one download, and only when asked */
+    const uint64_t s0 = be->stats.host_syncs;
+    float aux = 0;
+    nl_forward_args dec = {.B = B, .T = 1, .tokens = one};
+    CHECK_OK(nl_forward(m, rs[0], &dec, &aux, &err), &err);
+    CHECK(be->stats.host_syncs - s0 == 3, "forward with its aux loss: %llu host syncs, want 3",
+          (unsigned long long)(be->stats.host_syncs - s0));
+    CHECK(aux > 0.0f, "aux loss %g", aux);
+out:
+    free(x);
+    free(xd);
+    free(out[0]);
+    free(out[1]);
+    if (be) {
+        be->free(be, pos_d);
+        for (int h = 0; h < 2; h++)
+            if (la[h].x_in)
+                nl_layer_acts_free(&la[h], be);
+    }
+    for (int h = 0; h < 2; h++) {
+        nl_kvcache_destroy(&kv[h]);
+        nl_runstate_destroy(&rs[h]);
+    }
+    nl_model_destroy(&m);
+    nl_backend_destroy(&be);
+}
+
 int main(void)
 {
     nl_error err = {0};
@@ -211,6 +320,7 @@ int main(void)
     test_init_slices(be, &c);
     test_kv_decode(be, &c);
     test_split(be, &c);
+    test_decode_syncs(&c);
     nl_backend_destroy(&be);
     return check_done("test_model");
 }

@@ -644,6 +644,258 @@ done:
     release(be);
 }
 
+/* ================================================================ routing */
+
+/* Router probabilities from 8 levels, so rows have ties. */
+static void tied_probs(float *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        p[i] = (float)(irand(8) + 1) / 8.0f;
+}
+
+/* The naive routing: row n's experts in order of (probability descending,
+ * index ascending), the first k chosen; the dispatch by expert, then
+ * token, then choice. */
+static void ref_route(int32_t *ch, double *w, int32_t *off, int32_t *perm, int32_t *slot,
+                      const float *p, int N, int E, int k)
+{
+    for (int n = 0; n < N; n++) {
+        const float *row = p + (size_t)n * E;
+        double sum = 0;
+        for (int i = 0; i < k; i++) {
+            /* the i-th: the expert with exactly i others ranked before it */
+            for (int e = 0; e < E; e++) {
+                int before = 0;
+                for (int f = 0; f < E; f++)
+                    before += row[f] > row[e] || (row[f] == row[e] && f < e);
+                if (before == i)
+                    ch[(size_t)n * k + i] = e;
+            }
+            sum += row[ch[(size_t)n * k + i]];
+        }
+        for (int i = 0; i < k; i++)
+            w[(size_t)n * k + i] = row[ch[(size_t)n * k + i]] / sum;
+    }
+    int s = 0;
+    off[0] = 0;
+    for (int e = 0; e < E; e++) {
+        for (int n = 0; n < N; n++)
+            for (int i = 0; i < k; i++)
+                if (ch[(size_t)n * k + i] == e) {
+                    perm[s] = n;
+                    slot[(size_t)n * k + i] = s++;
+                }
+        off[e + 1] = s;
+    }
+}
+
+static void test_moe_route(nl_backend *be, int N, int E, int k)
+{
+    const size_t np = (size_t)N * E, nk = (size_t)N * k;
+    float *p = HF(np), *gw = HF(nk);
+    double *rw = HD(nk), *raux = HD(1);
+    int32_t *rch = HI(nk), *roff = HI(E + 1), *rperm = HI(nk), *rslot = HI(nk);
+    int32_t *gch = HI(nk), *goff = HI(E + 1), *gperm = HI(nk), *gslot = HI(nk);
+    float *gfrac = HF(E);
+    int64_t *gcnt = hbuf((size_t)E * 8);
+    double gaux = 0;
+    float *d_p = dbuf(be, np * 4), *d_w = dbuf(be, nk * 4), *d_frac = dbuf(be, (size_t)E * 4);
+    int32_t *d_ch = dbuf(be, nk * 4), *d_off = dbuf(be, (size_t)(E + 1) * 4);
+    int32_t *d_perm = dbuf(be, nk * 4), *d_slot = dbuf(be, nk * 4);
+    int64_t *d_cnt = dbuf(be, (size_t)E * 8);
+    double *d_aux = dbuf(be, 8);
+    if (!bufs_ok())
+        goto done;
+    tied_probs(p, np);
+    ref_route(rch, rw, roff, rperm, rslot, p, N, E, k);
+    be->upload(be, d_p, p, np * 4);
+    be->moe_route(be, d_ch, d_w, d_off, d_perm, d_slot, d_p, N, E, k);
+    be->download(be, gch, d_ch, nk * 4);
+    be->download(be, gw, d_w, nk * 4);
+    be->download(be, goff, d_off, (size_t)(E + 1) * 4);
+    be->download(be, gperm, d_perm, nk * 4);
+    be->download(be, gslot, d_slot, nk * 4);
+    synced(be, "moe_route");
+    expect_same(gch, rch, nk * 4, "moe_route N=%d E=%d k=%d choice", N, E, k);
+    expect_same(goff, roff, (size_t)(E + 1) * 4, "moe_route N=%d E=%d k=%d offsets", N, E, k);
+    expect_same(gperm, rperm, nk * 4, "moe_route N=%d E=%d k=%d perm", N, E, k);
+    expect_same(gslot, rslot, nk * 4, "moe_route N=%d E=%d k=%d slot", N, E, k);
+    expect(rel_err(gw, rw, nk), TOL_ELEM, "moe_route N=%d E=%d k=%d w", N, E, k);
+
+    /* the aux loss of that routing, counts added to 5 each, onto aux 0.5 */
+    raux[0] = 0;
+    for (int e = 0; e < E; e++) {
+        double ps = 0;
+        for (int n = 0; n < N; n++)
+            ps += p[(size_t)n * E + e];
+        const double cnt = roff[e + 1] - roff[e];
+        raux[0] += cnt / ((double)N * k) * ps / (2.0 * N);
+        gcnt[e] = 5;
+    }
+    raux[0] = 0.5 + E * raux[0];
+    gaux = 0.5;
+    be->upload(be, d_aux, &gaux, 8);
+    be->upload(be, d_cnt, gcnt, (size_t)E * 8);
+    be->moe_aux(be, d_aux, d_frac, d_cnt, d_p, d_off, NULL, N, E, k, 2.0 * N);
+    be->download(be, &gaux, d_aux, 8);
+    be->download(be, gfrac, d_frac, (size_t)E * 4);
+    be->download(be, gcnt, d_cnt, (size_t)E * 8);
+    synced(be, "moe_aux");
+    expect(fabs(gaux - raux[0]) / raux[0], TOL_RED, "moe_aux N=%d E=%d k=%d aux", N, E, k);
+    int frac_ok = 1;
+    for (int e = 0; e < E; e++)
+        frac_ok &= gfrac[e] == (float)((double)(roff[e + 1] - roff[e]) / ((double)N * k)) &&
+                   gcnt[e] == 5 + roff[e + 1] - roff[e];
+    CHECK(frac_ok, "moe_aux N=%d E=%d k=%d: frac or counts differ", N, E, k);
+done:
+    release(be);
+}
+
+/* gemm_grouped (wgrad = 0) or gemm_grouped_wgrad over the groups of
+ * `sizes`; row strides padded by `pad` with NaN in A's and B's padding. */
+static void grouped_case(nl_backend *be, int wgrad, int trans_b, const int *sizes, int G, int M,
+                         int N, int K)
+{
+    const int pad = 3;
+    int32_t off[17];
+    off[0] = 0;
+    for (int g = 0; g < G; g++)
+        off[g + 1] = off[g] + sizes[g];
+    const int R = off[G], max_rows = R > 0 ? R : 1;
+    /* rows mode: A (R, K), B_g (N, K) or (K, N), C (R, N);
+     * wgrad: A (R, M), B (R, N), C_g (M, N) */
+    const int aw = wgrad ? M : K, bw = wgrad ? N : trans_b ? K : N;
+    const int lda = aw + pad, ldb = bw + pad, ldc = N + pad;
+    const size_t b_rows = wgrad ? (size_t)R : (size_t)(trans_b ? N : K);
+    const size_t b_stride = b_rows * ldb, c_rows = wgrad ? (size_t)M : (size_t)R;
+    const size_t c_stride = c_rows * ldc;
+    const size_t na = (size_t)R * lda + 1, nb = b_stride * (wgrad ? 1 : G) + 1;
+    const size_t nc = c_stride * (wgrad ? G : 1) + 1;
+    float *A = HF(na), *B = HF(nb), *C = HF(nc), *got = HF(nc);
+    double *ref = HD(nc);
+    float *dA = dbuf(be, na * 4), *dB = dbuf(be, nb * 4), *dC = dbuf(be, nc * 4);
+    int32_t *doff = dbuf(be, (size_t)(G + 1) * 4);
+    if (!bufs_ok())
+        goto done;
+    for (size_t i = 0; i < na; i++)
+        A[i] = (int)(i % lda) < aw ? frand() : NAN;
+    for (size_t i = 0; i < nb; i++)
+        B[i] = (int)(i % ldb) < bw ? frand() : NAN;
+    for (size_t i = 0; i < nc; i++)
+        C[i] = (int)(i % ldc) < N && i + 1 < nc ? frand() : 777.0f;
+    for (size_t i = 0; i < nc; i++)
+        ref[i] = C[i];
+    for (int g = 0; g < G; g++) {
+        const int n = sizes[g], r0 = off[g];
+        if (n == 0)
+            continue;
+        const int rows = wgrad ? M : n, inner = wgrad ? n : K;
+        for (int i = 0; i < rows; i++)
+            for (int j = 0; j < N; j++) {
+                double acc = 0;
+                for (int q = 0; q < inner; q++) {
+                    const double a =
+                        wgrad ? A[(size_t)(r0 + q) * lda + i] : A[(size_t)(r0 + i) * lda + q];
+                    const double b = wgrad     ? B[(size_t)(r0 + q) * ldb + j]
+                                     : trans_b ? B[g * b_stride + (size_t)j * ldb + q]
+                                               : B[g * b_stride + (size_t)q * ldb + j];
+                    acc += a * b;
+                }
+                const size_t c =
+                    wgrad ? g * c_stride + (size_t)i * ldc + j : (size_t)(r0 + i) * ldc + j;
+                ref[c] = wgrad ? ref[c] + acc : acc;
+            }
+    }
+    be->upload(be, dA, A, na * 4);
+    be->upload(be, dB, B, nb * 4);
+    be->upload(be, dC, C, nc * 4);
+    be->upload(be, doff, off, (size_t)(G + 1) * 4);
+    if (wgrad)
+        be->gemm_grouped_wgrad(be, M, N, dA, lda, dB, ldb, dC, ldc, c_stride, doff, G);
+    else
+        be->gemm_grouped(be, trans_b, N, K, dA, lda, dB, ldb, b_stride, dC, ldc, doff, G, max_rows);
+    be->download(be, got, dC, nc * 4);
+    synced(be, "gemm_grouped");
+    expect(rel_err(got, ref, nc), TOL_GEMM * sqrt((double)(wgrad ? R : K) + 1),
+           "gemm_grouped%s trans_b=%d G=%d rows=%d M=%d N=%d K=%d", wgrad ? "_wgrad" : "", trans_b,
+           G, R, M, N, K);
+done:
+    release(be);
+}
+
+static void test_gemm_grouped(nl_backend *be)
+{
+    const int a[] = {3, 0, 70, 1}, b[] = {0, 0}, c[] = {5, 9, 2, 0, 4, 6, 1, 3}, d[] = {130};
+    for (int tb = 0; tb < 2; tb++) {
+        grouped_case(be, 0, tb, a, 4, 0, 33, 37);
+        grouped_case(be, 0, tb, b, 2, 0, 5, 5);
+        grouped_case(be, 0, tb, c, 8, 0, 100, 70);
+        grouped_case(be, 0, tb, d, 1, 0, 65, 17);
+    }
+}
+
+static void test_gemm_grouped_wgrad(nl_backend *be)
+{
+    const int a[] = {3, 0, 70, 1}, b[] = {0, 0}, c[] = {130, 1, 0, 17};
+    grouped_case(be, 1, 0, a, 4, 33, 37, 0);
+    grouped_case(be, 1, 0, b, 2, 5, 5, 0);
+    grouped_case(be, 1, 0, c, 4, 65, 70, 0);
+}
+
+static void test_moe_router_backward(nl_backend *be, int N, int E, int k)
+{
+    const size_t np = (size_t)N * E, nk = (size_t)N * k;
+    float *p = HF(np), *w = HF(nk), *dw = HF(nk), *frac = HF(E), *got = HF(np);
+    double *ref = HD(np), *rw = HD(nk);
+    int32_t *ch = HI(nk), *off = HI(E + 1), *perm = HI(nk), *slot = HI(nk);
+    float *d_p = dbuf(be, np * 4), *d_w = dbuf(be, nk * 4), *d_dw = dbuf(be, nk * 4);
+    float *d_frac = dbuf(be, (size_t)E * 4), *d_dl = dbuf(be, np * 4);
+    int32_t *d_ch = dbuf(be, nk * 4);
+    const float aux_scale = 0.03f;
+    if (!bufs_ok())
+        goto done;
+    for (int n = 0; n < N; n++) { /* softmax rows */
+        double s = 0;
+        for (int e = 0; e < E; e++)
+            s += p[(size_t)n * E + e] = expf(2.0f * frand());
+        for (int e = 0; e < E; e++)
+            p[(size_t)n * E + e] = (float)(p[(size_t)n * E + e] / s);
+    }
+    fill(dw, nk, 1.0f);
+    for (int e = 0; e < E; e++)
+        frac[e] = 0.5f * (frand() + 1.0f);
+    ref_route(ch, rw, off, perm, slot, p, N, E, k);
+    for (size_t i = 0; i < nk; i++)
+        w[i] = (float)rw[i];
+    for (int n = 0; n < N; n++) {
+        const float *pr = p + (size_t)n * E;
+        double S = 0, wdot = 0, dp[256], dot = 0;
+        for (int i = 0; i < k; i++) {
+            S += pr[ch[(size_t)n * k + i]];
+            wdot += (double)dw[(size_t)n * k + i] * w[(size_t)n * k + i];
+        }
+        for (int e = 0; e < E; e++)
+            dp[e] = (double)aux_scale * frac[e];
+        for (int i = 0; i < k; i++)
+            dp[ch[(size_t)n * k + i]] += (dw[(size_t)n * k + i] - wdot) / S;
+        for (int e = 0; e < E; e++)
+            dot += pr[e] * dp[e];
+        for (int e = 0; e < E; e++)
+            ref[(size_t)n * E + e] = pr[e] * (dp[e] - dot);
+    }
+    be->upload(be, d_p, p, np * 4);
+    be->upload(be, d_w, w, nk * 4);
+    be->upload(be, d_dw, dw, nk * 4);
+    be->upload(be, d_frac, frac, (size_t)E * 4);
+    be->upload(be, d_ch, ch, nk * 4);
+    be->moe_router_backward(be, d_dl, d_dw, d_p, d_ch, d_w, d_frac, N, E, k, aux_scale);
+    be->download(be, got, d_dl, np * 4);
+    synced(be, "moe_router_backward");
+    expect(rel_err_rows(got, ref, N, E), TOL_RED, "moe_router_backward N=%d E=%d k=%d", N, E, k);
+done:
+    release(be);
+}
+
 /* ================================================================ backward ops */
 
 static void test_embedding_backward(nl_backend *be, int V, int C, int N)
@@ -1040,6 +1292,12 @@ static void forward_slots(nl_backend *be)
     test_moe_combine(be, 6, 2, 35);
     test_moe_combine(be, 70, 2, 64);
     test_moe_combine(be, 1, 1, 3);
+    test_moe_route(be, 1, 8, 2);
+    test_moe_route(be, 70, 8, 2);
+    test_moe_route(be, 300, 16, 4);
+    test_moe_route(be, 5, 3, 3);
+    test_moe_route(be, 33, 256, 2);
+    test_gemm_grouped(be);
 }
 
 static void training_slots(nl_backend *be)
@@ -1057,6 +1315,10 @@ static void training_slots(nl_backend *be)
     test_swiglu_backward(be, 70, 9);
     test_moe_combine_backward(be, 6, 2, 35);
     test_moe_combine_backward(be, 70, 2, 64);
+    test_moe_router_backward(be, 1, 8, 2);
+    test_moe_router_backward(be, 70, 8, 2);
+    test_moe_router_backward(be, 30, 16, 4);
+    test_gemm_grouped_wgrad(be);
     test_cross_entropy(be, 5, 7, 0.2f, 0.0f, 2.0f);
     test_cross_entropy(be, 3, 50000, 1.0f, 0.0f, 20.0f);
     test_cross_entropy(be, 70, 33, 0.5f, 1000.0f, 30.0f);

@@ -1,6 +1,7 @@
 /* Training in one process: microbatch and recompute parity, the
- * non-finite guard, learning a copy task, and the memory model against
- * the backend's own allocation count. Gradients against PyTorch are in
+ * non-finite guard, learning a copy task, the memory model against the
+ * backend's own allocation count, and the host synchronisations of the
+ * trainer's calls (independent of the layer count). Gradients against PyTorch are in
  * test_golden. */
 #include "check.h"
 #include "core/forward.h"
@@ -241,6 +242,69 @@ static void test_memory_model(nl_backend *be)
     }
 }
 
+/* The trainer's host synchronisations do not grow with the layers: the
+ * routing, the aux loss and the counts stay on the device (core/layer.h).
+ * Counted on this backend's stats for 2 and 4 layers. */
+static void test_syncs(nl_backend *be)
+{
+    enum { B = 2, T = 8 };
+    uint64_t n[2][5];
+    const char *was = getenv("NL_HOST_ROUTING"); /* device routing, whatever the caller set */
+    char keep[16] = "";
+    if (was)
+        snprintf(keep, sizeof keep, "%s", was);
+    unsetenv("NL_HOST_ROUTING");
+    for (int v = 0; v < 2; v++) {
+        nl_config c = small_config();
+        c.num_layers = 2 + 2 * v;
+        nl_error err = {0};
+        nl_model *m = new_model(be, &c, 3);
+        nl_trainer *t = NULL;
+        if (!m)
+            return;
+        CHECK_OK(nl_trainer_new(&t, m, B * T, 1, 0, &err), &err);
+        int32_t tok[B * T], tgt[B * T];
+        nl_rng r;
+        nl_rng_seed(&r, 7, 0);
+        random_batch(&r, B * T, (int)c.vocab_size, tok, tgt);
+        double ce = 0, aux = 0;
+        uint64_t s = be->stats.host_syncs;
+#define COUNTED(i, call)                                                                           \
+    do {                                                                                           \
+        call;                                                                                      \
+        n[v][i] = be->stats.host_syncs - s;                                                        \
+        s = be->stats.host_syncs;                                                                  \
+    } while (0)
+        if (t) {
+            nl_trainer_begin_step(t, 2 * B * T);
+            s = be->stats.host_syncs;
+            COUNTED(0, CHECK_OK(nl_trainer_count_routes(t, B, T, tok, NULL, &err), &err));
+            COUNTED(1, nl_trainer_use_counts(t));
+            COUNTED(2, CHECK_OK(nl_trainer_forward(t, 0, B, T, tok, NULL, tgt, &ce, &aux, &err),
+                                &err));
+            COUNTED(3, CHECK_OK(nl_trainer_forward(t, 0, B, T, tok, NULL, tgt, &ce, NULL, &err),
+                                &err));
+            COUNTED(4, CHECK_OK(nl_trainer_backward(t, 0, NULL, &err), &err));
+            CHECK(aux > 0 && ce > 0, "losses: ce %g aux %g", ce, aux);
+        }
+#undef COUNTED
+        nl_trainer_destroy(&t);
+        nl_model_destroy(&m);
+    }
+    if (was)
+        setenv("NL_HOST_ROUTING", keep, 1);
+    /* tokens + 2 positions; counts down + shares up; + aux down, targets
+     * up, losses down; the same without aux; 2 positions */
+    const uint64_t want[5] = {3, 2, 6, 5, 2};
+    static const char *what[5] = {"count_routes", "use_counts", "forward", "forward (no aux)",
+                                  "backward"};
+    for (int i = 0; i < 5; i++)
+        CHECK(n[0][i] == want[i] && n[1][i] == want[i],
+              "%s: %llu host syncs with 2 layers, %llu with 4, want %llu", what[i],
+              (unsigned long long)n[0][i], (unsigned long long)n[1][i],
+              (unsigned long long)want[i]);
+}
+
 int main(void)
 {
     nl_error err = {0};
@@ -251,6 +315,7 @@ int main(void)
     test_parity(be);
     test_guard(be);
     test_memory_model(be);
+    test_syncs(be);
     test_learning(be);
     nl_backend_destroy(&be);
     return check_done("test_train");

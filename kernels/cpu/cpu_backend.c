@@ -62,18 +62,26 @@ static void cpu_mem_stats(nl_backend *be, size_t *in_use, size_t *peak)
         *peak = ctx->peak;
 }
 
+/* upload and download: a copy, counted as the host wait it is on a device */
 static void cpu_copy(nl_backend *be, void *dst, const void *src, size_t bytes)
 {
-    (void)be;
-    if (bytes)
+    if (bytes) {
+        be->stats.host_syncs++;
         memcpy(dst, src, bytes);
+    }
 }
 
 static nl_status cpu_sync(nl_backend *be, nl_error *err)
 {
-    (void)be;
     (void)err;
+    be->stats.host_syncs++;
     return NL_OK;
+}
+
+static double cpu_sumsq(nl_backend *be, const float *x, size_t n)
+{
+    be->stats.host_syncs++; /* a result for the host */
+    return nl_cpu_sumsq(be, x, n);
 }
 
 static void cpu_zero(nl_backend *be, void *p, size_t bytes)
@@ -273,13 +281,18 @@ nl_status nl_cpu_backend_new(nl_backend **out, const nl_backend_opts *o, nl_erro
     be->gather_rows = cpu_gather_rows;
     be->copy_rows = cpu_copy_rows;
     be->moe_combine = cpu_moe_combine;
+    be->moe_route = nl_cpu_moe_route;
+    be->moe_aux = nl_cpu_moe_aux;
+    be->moe_router_backward = nl_cpu_moe_router_backward;
+    be->gemm_grouped = nl_cpu_gemm_grouped;
+    be->gemm_grouped_wgrad = nl_cpu_gemm_grouped_wgrad;
     be->embedding_backward = nl_cpu_embedding_backward;
     be->rmsnorm_backward = nl_cpu_rmsnorm_backward;
     be->attention_backward = nl_cpu_attention_backward;
     be->swiglu_backward = nl_cpu_swiglu_backward;
     be->moe_combine_backward = nl_cpu_moe_combine_backward;
     be->cross_entropy = nl_cpu_cross_entropy;
-    be->sumsq = nl_cpu_sumsq;
+    be->sumsq = cpu_sumsq;
     be->adamw = nl_cpu_adamw;
     *out = be;
     return NL_OK;

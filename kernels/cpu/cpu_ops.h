@@ -48,4 +48,20 @@ double nl_cpu_sumsq(nl_backend *be, const float *x, size_t n);
 void nl_cpu_adamw(nl_backend *be, float *p, const float *g, float *m, float *v, size_t n, float lr,
                   float b1, float b2, float eps, float wd, float bc1, float bc2, float grad_scale);
 
+/* cpu_moe.c: routing and the grouped expert GEMMs (see backend.h) */
+void nl_cpu_moe_route(nl_backend *be, int32_t *choice, float *w, int32_t *offsets, int32_t *perm,
+                      int32_t *slot, const float *probs, int N, int E, int k);
+void nl_cpu_moe_aux(nl_backend *be, double *aux, float *frac, int64_t *counts, const float *probs,
+                    const int32_t *offsets, const float *global_frac, int N, int E, int k,
+                    double aux_rows);
+void nl_cpu_moe_router_backward(nl_backend *be, float *dl, const float *dw, const float *probs,
+                                const int32_t *choice, const float *w, const float *frac, int N,
+                                int E, int k, float aux_scale);
+void nl_cpu_gemm_grouped(nl_backend *be, int trans_b, int N, int K, const float *A, int lda,
+                         const float *B, int ldb, size_t b_stride, float *C, int ldc,
+                         const int32_t *offsets, int groups, int max_rows);
+void nl_cpu_gemm_grouped_wgrad(nl_backend *be, int M, int N, const float *A, int lda,
+                               const float *B, int ldb, float *C, int ldc, size_t c_stride,
+                               const int32_t *offsets, int groups);
+
 #endif

@@ -1,7 +1,8 @@
 /* The CUDA backend (libnl_cuda.so, loaded by nl_backend_new for "cuda:N"):
  * the slot table, device memory, errors and the GEMM through cuBLAS. The
  * forward kernels are in cuda_ops.cu and cuda_attention.cu, the backward
- * and optimizer kernels in cuda_backward.cu and cuda_attention_bwd.cu;
+ * and optimizer kernels in cuda_backward.cu and cuda_attention_bwd.cu, the
+ * routing and grouped expert GEMMs in cuda_moe.cu;
  * every slot runs on the device (can_train = 1).
  *
  * One backend = one device, one non-blocking stream, one cuBLAS handle
@@ -42,6 +43,7 @@ extern "C" {
 #include "cuda_attention.h"
 #include "cuda_attention_bwd.h"
 #include "cuda_backward.h"
+#include "cuda_moe.h"
 #include "cuda_ops.h"
 
 #include <cublas_v2.h>
@@ -307,6 +309,7 @@ void cu_upload(nl_backend *be, void *dst, const void *src, size_t bytes)
     if (!bytes)
         return;
     cuda_ctx *c = enter(be);
+    be->stats.host_syncs++;
     cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream);
     if (e == cudaSuccess)
         e = cudaStreamSynchronize(c->stream); /* src may be reused on return */
@@ -318,6 +321,7 @@ void cu_download(nl_backend *be, void *dst, const void *src, size_t bytes)
     if (!bytes)
         return;
     cuda_ctx *c = enter(be);
+    be->stats.host_syncs++;
     cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->stream);
     if (e == cudaSuccess)
         e = cudaStreamSynchronize(c->stream); /* the bytes are on the host on return */
@@ -335,6 +339,7 @@ void cu_zero(nl_backend *be, void *p, size_t bytes)
 nl_status cu_sync(nl_backend *be, nl_error *err)
 {
     cuda_ctx *c = enter(be);
+    be->stats.host_syncs++;
     ok(c, "sync", cudaStreamSynchronize(c->stream));
     ok(c, "sync", cudaGetLastError());
     return report(c, err);
@@ -462,6 +467,60 @@ void cu_moe_combine(nl_backend *be, float *x, const float *y, const int32_t *slo
     launched(c, "moe_combine", nl_cuda_moe_combine(c->stream, x, y, slot, w, N, k, C));
 }
 
+/* ---------------------------------------------------------------- routing */
+
+void cu_moe_route(nl_backend *be, int32_t *choice, float *w, int32_t *offsets, int32_t *perm,
+                  int32_t *slot, const float *probs, int N, int E, int k)
+{
+    cuda_ctx *c = enter(be);
+    launched_shape(c, nl_cuda_moe_route(c->stream, choice, w, offsets, perm, slot, probs, N, E, k),
+                   "moe_route (N %d E %d k %d)", N, E, k);
+}
+
+void cu_moe_aux(nl_backend *be, double *aux, float *frac, int64_t *counts, const float *probs,
+                const int32_t *offsets, const float *global_frac, int N, int E, int k,
+                double aux_rows)
+{
+    cuda_ctx *c = enter(be);
+    launched_shape(c,
+                   nl_cuda_moe_aux(c->stream, aux, frac, counts, probs, offsets, global_frac, N, E,
+                                   k, aux_rows),
+                   "moe_aux (N %d E %d k %d)", N, E, k);
+}
+
+void cu_moe_router_backward(nl_backend *be, float *dl, const float *dw, const float *probs,
+                            const int32_t *choice, const float *w, const float *frac, int N, int E,
+                            int k, float aux_scale)
+{
+    cuda_ctx *c = enter(be);
+    launched_shape(
+        c,
+        nl_cuda_moe_router_backward(c->stream, dl, dw, probs, choice, w, frac, N, E, k, aux_scale),
+        "moe_router_backward (N %d E %d k %d)", N, E, k);
+}
+
+void cu_gemm_grouped(nl_backend *be, int trans_b, int N, int K, const float *A, int lda,
+                     const float *B, int ldb, size_t b_stride, float *C, int ldc,
+                     const int32_t *offsets, int groups, int max_rows)
+{
+    cuda_ctx *c = enter(be);
+    launched_shape(c,
+                   nl_cuda_gemm_grouped(c->stream, trans_b, N, K, A, lda, B, ldb, b_stride, C, ldc,
+                                        offsets, groups, max_rows),
+                   "gemm_grouped (N %d K %d groups %d max_rows %d)", N, K, groups, max_rows);
+}
+
+void cu_gemm_grouped_wgrad(nl_backend *be, int M, int N, const float *A, int lda, const float *B,
+                           int ldb, float *C, int ldc, size_t c_stride, const int32_t *offsets,
+                           int groups)
+{
+    cuda_ctx *c = enter(be);
+    launched_shape(c,
+                   nl_cuda_gemm_grouped_wgrad(c->stream, M, N, A, lda, B, ldb, C, ldc, c_stride,
+                                              offsets, groups),
+                   "gemm_grouped_wgrad (M %d N %d groups %d)", M, N, groups);
+}
+
 /* ---------------------------------------------------------------- backward ops */
 
 void cu_embedding_backward(nl_backend *be, float *dtable, const float *dout, const int32_t *tokens,
@@ -530,6 +589,7 @@ void cu_cross_entropy(nl_backend *be, float *logits, float *losses, const int32_
 double cu_sumsq(nl_backend *be, const float *x, size_t n)
 {
     cuda_ctx *c = enter(be);
+    be->stats.host_syncs++;
     if (n == 0)
         return report(c, NULL) == NL_OK ? 0.0 : NAN;
     /* the result in the scratch's first 256 bytes, the partials after them */
@@ -680,6 +740,11 @@ void fill_table(nl_backend *be)
     be->gather_rows = cu_gather_rows;
     be->copy_rows = cu_copy_rows;
     be->moe_combine = cu_moe_combine;
+    be->moe_route = cu_moe_route;
+    be->moe_aux = cu_moe_aux;
+    be->moe_router_backward = cu_moe_router_backward;
+    be->gemm_grouped = cu_gemm_grouped;
+    be->gemm_grouped_wgrad = cu_gemm_grouped_wgrad;
     be->embedding_backward = cu_embedding_backward;
     be->rmsnorm_backward = cu_rmsnorm_backward;
     be->attention_backward = cu_attention_backward;

@@ -36,6 +36,9 @@ extern "C" {
 /* tests/cuda_emu/emu_attention_bwd.cc: the attention backward's checks (its
  * own translation unit and counters); returns how many failed */
 int nl_emu_attention_backward_checks(void);
+/* tests/cuda_emu/emu_moe.cc: routing and the grouped GEMMs (cuda_moe.cu),
+ * likewise */
+int nl_emu_moe_checks(void);
 
 namespace
 {
@@ -919,6 +922,7 @@ int main(void)
     test_sumsq(cpu);
     test_adamw(cpu);
     CHECK(nl_emu_attention_backward_checks() == 0, "attention backward: see its failures above");
+    CHECK(nl_emu_moe_checks() == 0, "routing: see its failures above");
     nl_backend_destroy(&cpu);
     return check_done("test_cuda_emu");
 }

@@ -1,0 +1,136 @@
+/* The CPU backend's mixture-of-experts routing slots: top-k routing and
+ * the dispatch tables, the load-balancing loss, the router backward, and
+ * the grouped expert GEMMs. Their arithmetic is what core/layer.c did on
+ * the host before routing moved behind the backend, operation for
+ * operation, so the CPU's results did not change by a bit. The grouped
+ * GEMMs read the device offsets directly (host memory) and make the same
+ * per-expert gemm calls in the same order. */
+#include "cpu_ops.h"
+
+#include <string.h>
+
+#define PAR_ROWS(n) if ((n) >= 64)
+
+/* ---------------------------------------------------------------- routing */
+
+void nl_cpu_moe_route(nl_backend *be, int32_t *choice, float *w, int32_t *offsets, int32_t *perm,
+                      int32_t *slot, const float *probs, int N, int E, int k)
+{
+    if (E < 1 || E > NL_BACKEND_MAX_EXPERTS || k < 1 || k > E || N < 0)
+        return; /* outside the slot's contract (the config refuses such models) */
+
+#pragma omp parallel for NL_CPU_TEAM(be) PAR_ROWS(N)
+    for (int n = 0; n < N; n++) { /* top-k of each row, ties to the lower expert index */
+        const float *row = probs + (size_t)n * E;
+        int32_t *ch = choice + (size_t)n * k;
+        float sum = 0.0f;
+        for (int i = 0; i < k; i++) {
+            int best = -1;
+            for (int e = 0; e < E; e++) {
+                int taken = 0;
+                for (int j = 0; j < i; j++)
+                    taken |= ch[j] == e;
+                if (!taken && (best < 0 || row[e] > row[best]))
+                    best = e;
+            }
+            ch[i] = best;
+            sum += row[best];
+        }
+        for (int i = 0; i < k; i++)
+            w[(size_t)n * k + i] = row[ch[i]] / sum;
+    }
+    /* counts, offsets, and the dispatch in token order */
+    int32_t fill[NL_BACKEND_MAX_EXPERTS];
+    memset(fill, 0, (size_t)E * sizeof *fill);
+    for (size_t i = 0; i < (size_t)N * k; i++)
+        fill[choice[i]]++;
+    offsets[0] = 0;
+    for (int e = 0; e < E; e++) {
+        offsets[e + 1] = offsets[e] + fill[e];
+        fill[e] = offsets[e];
+    }
+    for (int n = 0; n < N; n++)
+        for (int i = 0; i < k; i++) {
+            const int32_t s = fill[choice[(size_t)n * k + i]]++;
+            perm[s] = n;
+            slot[(size_t)n * k + i] = s;
+        }
+}
+
+void nl_cpu_moe_aux(nl_backend *be, double *aux, float *frac, int64_t *counts, const float *probs,
+                    const int32_t *offsets, const float *global_frac, int N, int E, int k,
+                    double aux_rows)
+{
+    (void)be;
+    double a = 0.0;
+    for (int e = 0; e < E; e++) {
+        const int32_t count = offsets[e + 1] - offsets[e];
+        frac[e] = global_frac ? global_frac[e] : (float)((double)count / ((double)N * k));
+        if (counts)
+            counts[e] += count;
+        double psum = 0.0;
+        for (int n = 0; n < N; n++)
+            psum += probs[(size_t)n * E + e];
+        a += (double)frac[e] * psum / aux_rows;
+    }
+    if (aux)
+        *aux += (double)(float)(E * a);
+}
+
+void nl_cpu_moe_router_backward(nl_backend *be, float *dl, const float *dw, const float *probs,
+                                const int32_t *choice, const float *w, const float *frac, int N,
+                                int E, int k, float aux_scale)
+{
+#pragma omp parallel for NL_CPU_TEAM(be) PAR_ROWS(N)
+    for (int n = 0; n < N; n++) {
+        const float *p = probs + (size_t)n * E;
+        const int32_t *ch = choice + (size_t)n * k;
+        const float *wn = w + (size_t)n * k, *dwn = dw + (size_t)n * k;
+        float *d = dl + (size_t)n * E;
+        double S = 0.0, wdot = 0.0;
+        for (int i = 0; i < k; i++) {
+            S += p[ch[i]];
+            wdot += (double)dwn[i] * wn[i];
+        }
+        /* dp: aux term on every expert, renormalisation on the chosen */
+        for (int e = 0; e < E; e++)
+            d[e] = aux_scale * frac[e];
+        for (int i = 0; i < k; i++)
+            d[ch[i]] += (float)(((double)dwn[i] - wdot) / S);
+        /* softmax: dlogit = p * (dp - sum p dp) */
+        double dot = 0.0;
+        for (int e = 0; e < E; e++)
+            dot += (double)p[e] * d[e];
+        for (int e = 0; e < E; e++)
+            d[e] = p[e] * (float)((double)d[e] - dot);
+    }
+}
+
+/* ---------------------------------------------------------------- grouped gemm */
+
+void nl_cpu_gemm_grouped(nl_backend *be, int trans_b, int N, int K, const float *A, int lda,
+                         const float *B, int ldb, size_t b_stride, float *C, int ldc,
+                         const int32_t *offsets, int groups, int max_rows)
+{
+    (void)max_rows;
+    for (int g = 0; g < groups; g++) {
+        const int n = offsets[g + 1] - offsets[g], o = offsets[g];
+        if (n <= 0)
+            continue;
+        be->gemm(be, 0, trans_b, n, N, K, 1.0f, A + (size_t)o * lda, lda, B + g * b_stride, ldb,
+                 0.0f, C + (size_t)o * ldc, ldc);
+    }
+}
+
+void nl_cpu_gemm_grouped_wgrad(nl_backend *be, int M, int N, const float *A, int lda,
+                               const float *B, int ldb, float *C, int ldc, size_t c_stride,
+                               const int32_t *offsets, int groups)
+{
+    for (int g = 0; g < groups; g++) {
+        const int n = offsets[g + 1] - offsets[g], o = offsets[g];
+        if (n <= 0)
+            continue;
+        be->gemm(be, 1, 0, M, N, n, 1.0f, A + (size_t)o * lda, lda, B + (size_t)o * ldb, ldb, 1.0f,
+                 C + g * c_stride, ldc);
+    }
+}

@@ -1,0 +1,57 @@
+/* Private to kernels/cuda: the launchers of the CUDA backend's routing
+ * kernels (cuda_moe.cu), called by the backend's slots (cuda_backend.cu)
+ * and by tests/cuda_emu. Each queues its kernels on `stream` (a
+ * cudaStream_t), allocates nothing, launches nothing for an empty shape,
+ * and returns the cudaError_t of its last launch (cudaGetLastError) as an
+ * int, 0 on success; cudaErrorInvalidValue, with nothing launched, for a
+ * shape outside the slot's contract. Shapes and pointers are those of the
+ * slot of the same name in kernels/backend.h; all pointers are device
+ * memory. Nothing here synchronises: the counts stay on the device, and
+ * the grouped GEMMs read them there. This header includes no CUDA header. */
+#ifndef NL_CUDA_MOE_H
+#define NL_CUDA_MOE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Top-k per row (one thread per row, the CPU's loop), then the counts,
+ * offsets and dispatch tables in one block: for each expert, every thread
+ * counts it in its contiguous chunk of the (n, i) entries, a block scan
+ * gives each chunk its first slot, and the chunk is walked in order, so
+ * tokens stay ascending within an expert. No atomics. */
+int nl_cuda_moe_route(void *stream, int32_t *choice, float *w, int32_t *offsets, int32_t *perm,
+                      int32_t *slot, const float *probs, int N, int E, int k);
+/* One block: per expert, the column sum of probs in double (a block
+ * reduction in a fixed order), then thread 0 adds the terms in expert
+ * order, as the CPU does. */
+int nl_cuda_moe_aux(void *stream, double *aux, float *frac, int64_t *counts, const float *probs,
+                    const int32_t *offsets, const float *global_frac, int N, int E, int k,
+                    double aux_rows);
+/* One thread per row, the CPU's arithmetic (double dot products). */
+int nl_cuda_moe_router_backward(void *stream, float *dl, const float *dw, const float *probs,
+                                const int32_t *choice, const float *w, const float *frac, int N,
+                                int E, int k, float aux_scale);
+/* Tiled SGEMM over (column tile, row tile, group): 64 x 64 tiles, 16-deep
+ * slices through shared memory, 4 x 4 outputs per thread, each summed in
+ * ascending p. A block reads its group's row count from offsets and exits
+ * at once when its tile lies past it; row tiles past max_rows are walked
+ * by the blocks of the grid (so an understated bound costs time, never
+ * rows). */
+int nl_cuda_gemm_grouped(void *stream, int trans_b, int N, int K, const float *A, int lda,
+                         const float *B, int ldb, size_t b_stride, float *C, int ldc,
+                         const int32_t *offsets, int groups, int max_rows);
+/* The same tiles over (M, N) of each group, the group's rows being the
+ * summed dimension; C_g += A_g^T B_g. */
+int nl_cuda_gemm_grouped_wgrad(void *stream, int M, int N, const float *A, int lda, const float *B,
+                               int ldb, float *C, int ldc, size_t c_stride, const int32_t *offsets,
+                               int groups);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
