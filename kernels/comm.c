@@ -164,8 +164,8 @@ static nl_status nccl_new(nl_comm **out, nl_backend *const *be, int n, nl_error 
     nl_cuda_comm_new_fn make = (nl_cuda_comm_new_fn)dlsym(h, "nl_cuda_comm_new");
     dlclose(h); /* drops the reference RTLD_NOLOAD took; the factory's stays */
     if (!abi || !make)
-        return nl_error_set(err, NL_ERR_UNSUPPORTED, "nccl: %s has no communicator (an older build)",
-                            info[0].dli_fname);
+        return nl_error_set(err, NL_ERR_UNSUPPORTED,
+                            "nccl: %s has no communicator (an older build)", info[0].dli_fname);
     if (abi() != NL_COMM_ABI)
         return nl_error_set(err, NL_ERR_VERSION,
                             "nccl: %s was built for communicator ABI %d, this program has %d",
@@ -175,8 +175,7 @@ static nl_status nccl_new(nl_comm **out, nl_backend *const *be, int n, nl_error 
 
 /* ---------------------------------------------------------------- interface */
 
-nl_status nl_comm_new(nl_comm **out, nl_backend *const *be, int n, nl_comm_kind kind,
-                      nl_error *err)
+nl_status nl_comm_new(nl_comm **out, nl_backend *const *be, int n, nl_comm_kind kind, nl_error *err)
 {
     *out = NULL;
     if (n < 1 || n > NL_COMM_MAX)
@@ -189,16 +188,15 @@ nl_status nl_comm_new(nl_comm **out, nl_backend *const *be, int n, nl_comm_kind 
         for (int q = 0; q < r; q++)
             if (be[q] == be[r])
                 return nl_error_set(err, NL_ERR_INVALID,
-                                    "communicator: replicas %d and %d share one backend (%s)", q,
-                                    r, be[r]->name);
+                                    "communicator: replicas %d and %d share one backend (%s)", q, r,
+                                    be[r]->name);
         cuda += is_cuda(be[r]);
     }
     if (kind == NL_COMM_NCCL && cuda < n) {
         for (int r = 0; r < n; r++)
             if (!is_cuda(be[r]))
                 return nl_error_set(err, NL_ERR_UNSUPPORTED,
-                                    "nccl: replica %d is on %s, not a CUDA device", r,
-                                    be[r]->name);
+                                    "nccl: replica %d is on %s, not a CUDA device", r, be[r]->name);
     }
     if (kind == NL_COMM_NCCL || (kind == NL_COMM_AUTO && cuda == n)) {
         nl_status st = nccl_new(out, be, n, err);

@@ -16,10 +16,10 @@ extern "C" {
 #define NL_COMM_ABI 1
 
 struct nl_comm {
-    const char *name; /* "host", "nccl" */
-    int n;            /* replicas */
+    const char *name;            /* "host", "nccl" */
+    int n;                       /* replicas */
     nl_backend *be[NL_COMM_MAX]; /* borrowed */
-    void *ctx;        /* implementation-private */
+    void *ctx;                   /* implementation-private */
     /* arguments checked by comm.c: n >= 1 floats, one non-NULL buffer per
      * replica, 0 <= root < n */
     nl_status (*allreduce_sum)(nl_comm *c, float *const *buf, size_t n, nl_error *err);

@@ -116,8 +116,8 @@ static nl_status offer_memory(nl_backend *be, const nl_node_opts *o, uint64_t *o
         reserve = 256ULL << 20;
     const uint64_t avail = free_b > reserve ? free_b - reserve : 0;
     NL_INFO("device %s: %.1f MiB free of %.1f MiB (its runtime holds %.1f MiB); reserve %.1f MiB",
-            be->name, (double)free_b / MiB, (double)total_b / MiB,
-            (double)be->runtime_bytes / MiB, (double)reserve / MiB);
+            be->name, (double)free_b / MiB, (double)total_b / MiB, (double)be->runtime_bytes / MiB,
+            (double)reserve / MiB);
     if (o->memory_bytes > avail)
         return nl_error_set(err, NL_ERR_CAPACITY,
                             "--memory %.1f MiB: device %s has %.1f MiB free of %.1f MiB, %.1f MiB "
@@ -136,12 +136,11 @@ static nl_status offer_memory(nl_backend *be, const nl_node_opts *o, uint64_t *o
 /* ---------------------------------------------------------------- open */
 
 /* Open the backend of one device, with the test hooks. */
-static nl_status open_one(nl_node_device *n, const char *name, const nl_node_opts *o,
-                          nl_error *err)
+static nl_status open_one(nl_node_device *n, const char *name, const nl_node_opts *o, nl_error *err)
 {
     nl_backend **be = &n->be[n->n];
-    nl_status st = nl_backend_new(
-        be, name, &(nl_backend_opts){.threads = o->threads, .tf32 = o->tf32}, err);
+    nl_status st =
+        nl_backend_new(be, name, &(nl_backend_opts){.threads = o->threads, .tf32 = o->tf32}, err);
     if (st != NL_OK)
         return st;
     n->n++;
@@ -169,9 +168,9 @@ nl_status nl_node_device_open(nl_node_device *n, const nl_node_opts *o, nl_error
         return st;
     for (int r = 0; r < count; r++)
         if ((st = open_one(n, names[r], o, err)) != NL_OK)
-            return count > 1 ? nl_error_prefix(err, "--device %s: replica %d of %d", o->device, r,
-                                               count)
-                             : st;
+            return count > 1
+                       ? nl_error_prefix(err, "--device %s: replica %d of %d", o->device, r, count)
+                       : st;
     nl_backend *be = n->be[0];
     n->threads = o->threads > 0 ? o->threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
     if (n->threads < 1)
@@ -182,8 +181,7 @@ nl_status nl_node_device_open(nl_node_device *n, const nl_node_opts *o, nl_error
         n->gflops = o->inject_gflops;
     nl_error e = {0};
     if (be->check && (st = be->check(be, &e)) != NL_OK)
-        return nl_error_set(err, st, "device %s: the throughput probe failed: %s", be->name,
-                            e.msg);
+        return nl_error_set(err, st, "device %s: the throughput probe failed: %s", be->name, e.msg);
     if (!(n->gflops > 0))
         return nl_error_set(err, NL_ERR_CAPACITY,
                             "device %s: the throughput probe (%d^3) could not run (out of device "

@@ -15,7 +15,7 @@ typedef struct nl_node_device {
     int n;           /* replicas opened */
     double gflops;   /* GEMM throughput of replica 0 at its probe size (or NL_TEST_GFLOPS) */
     int threads;     /* CPU threads: --threads, or the cores */
-    uint64_t memory; /* offered: --memory, or the smallest of the GPUs' free memory less the reserve */
+    uint64_t memory; /* offered: the smallest replica's (--memory, or free less the reserve) */
 } nl_node_device;
 
 /* Open every device of o->device, measure replica 0 and size the offer;

@@ -53,10 +53,10 @@ typedef struct hop_in {
 
 /* One data-parallel replica of the stage. */
 typedef struct replica {
-    nl_backend *be;  /* borrowed: the stage's rbe[r] */
-    nl_model *m;     /* replica 0: the stage's model (borrowed); others: the job's copy (owned) */
+    nl_backend *be; /* borrowed: the stage's rbe[r] */
+    nl_model *m;    /* replica 0: the stage's model (borrowed); others: the job's copy (owned) */
     nl_trainer *tr;
-    float *x_d;      /* device staging of a hidden-state input or gradient frame */
+    float *x_d; /* device staging of a hidden-state input or gradient frame */
 } replica;
 
 typedef struct stage_train {
@@ -270,8 +270,8 @@ nl_status nl_stage_train_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t
     if (moments) { /* the resumed run's moments: into every trainer, then freed here */
         for (int i = 0; i < 2; i++) {
             for (int r = 0; r < t->R; r++)
-                t->rep[r].be->upload(t->rep[r].be, nl_trainer_moment(t->rep[r].tr, i),
-                                     s->mom_h[i], m->n_params * sizeof(float));
+                t->rep[r].be->upload(t->rep[r].be, nl_trainer_moment(t->rep[r].tr, i), s->mom_h[i],
+                                     m->n_params * sizeof(float));
             free(s->mom_h[i]);
             s->mom_h[i] = NULL;
         }
@@ -304,7 +304,8 @@ static nl_status send_hop(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_msg_
 {
     stage_train *t = s->train;
     const int64_t xs[3] = {t->mbB, t->T, (int64_t)t->d}, ts[2] = {t->mbB, t->T};
-    const float *x = nl_backend_read_view(be, &t->stage, x_dev, t->rows * t->d * sizeof(float), err);
+    const float *x =
+        nl_backend_read_view(be, &t->stage, x_dev, t->rows * t->d * sizeof(float), err);
     if (!x)
         return nl_error_prefix(err, "train job %llu", (unsigned long long)t->job);
     nl_wire_msg_reset(&t->tx, type);
@@ -441,7 +442,8 @@ static nl_status run_eval(nl_stage *s, const hop_in *h, nl_stage_send_fn send, v
         nl_trainer_begin_step(p->tr, (int64_t)t->M * (int64_t)t->rows);
         t->begun = 0;
     }
-    nl_status st = nl_trainer_forward(p->tr, 0, t->mbB, t->T, tokens, x, h->targets, &ce, NULL, err);
+    nl_status st =
+        nl_trainer_forward(p->tr, 0, t->mbB, t->T, tokens, x, h->targets, &ce, NULL, err);
     if (st == NL_OK && !s->model->has_head)
         st = send_hop(s, send, ctx, NL_MSG_EVAL, h->step, h->mb, 0.0, p->be,
                       nl_trainer_output(p->tr, 0), h->targets, err);

@@ -37,8 +37,9 @@ static void allreduce(int reps, size_t n)
         host[r] = malloc(n * sizeof(float));
         dev[r] = be[r]->alloc(be[r], n * sizeof(float));
         for (size_t i = 0; i < n; i++)
-            host[r][i] = (float)((double)((i * 7919 + (size_t)r * 104729) % 1000003) / 3.0e3 - 1.0e2) *
-                         (r == 1 ? 1e-7f : 1.0f);
+            host[r][i] =
+                (float)((double)((i * 7919 + (size_t)r * 104729) % 1000003) / 3.0e3 - 1.0e2) *
+                (r == 1 ? 1e-7f : 1.0f);
         be[r]->upload(be[r], dev[r], host[r], n * sizeof(float));
     }
     for (size_t i = 0; i < n; i++) {
@@ -106,8 +107,7 @@ static void refusals(void)
     nl_backend *many[NL_COMM_MAX + 1] = {0};
     CHECK(nl_comm_new(&c, many, NL_COMM_MAX + 1, NL_COMM_AUTO, &err) == NL_ERR_INVALID,
           "too many replicas: %s", err.msg);
-    CHECK(nl_comm_new(&c, be, 0, NL_COMM_AUTO, &err) == NL_ERR_INVALID, "no replicas: %s",
-          err.msg);
+    CHECK(nl_comm_new(&c, be, 0, NL_COMM_AUTO, &err) == NL_ERR_INVALID, "no replicas: %s", err.msg);
     CHECK(nl_comm_new(&c, be, 2, NL_COMM_NCCL, &err) == NL_ERR_UNSUPPORTED && !c &&
               strstr(err.msg, "replica 0") && strstr(err.msg, be[0]->name) &&
               strstr(err.msg, "not a CUDA device"),
@@ -141,10 +141,14 @@ static void device_lists(void)
     static const struct {
         const char *list, *says;
     } bad[] = {
-        {"cpu,cuda:0", "not of one kind"},    {"cuda:0,0", "cuda:0 twice"},
-        {"cuda:2,cuda:2", "cuda:2 twice"},    {"cpu,", "empty device name"},
-        {"1", "unknown"},                     {"cpu,cpu-devsim", "not of one kind"},
-        {"cuda:0,gpu", "gpu: unknown"},       {"", "empty"},
+        {"cpu,cuda:0", "not of one kind"},
+        {"cuda:0,0", "cuda:0 twice"},
+        {"cuda:2,cuda:2", "cuda:2 twice"},
+        {"cpu,", "empty device name"},
+        {"1", "unknown"},
+        {"cpu,cpu-devsim", "not of one kind"},
+        {"cuda:0,gpu", "gpu: unknown"},
+        {"", "empty"},
         {"cpu,cpu,cpu,cpu,cpu,cpu,cpu,cpu,cpu,cpu,cpu,cpu,cpu,cpu,cpu,cpu,cpu", "more than 16"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {

@@ -488,8 +488,8 @@ static void replicas_agree(int B, int T, int M, int steps, int64_t inject, bool 
         worst = en > worst ? en : worst;
         CHECK(el <= 1e-6, "step %d, %d replicas: loss %.9g vs %.9g with one (%.2e)", i + 1,
               replicas, lr[i], l1[i], el);
-        CHECK(en <= 1e-6, "step %d, %d replicas: gradient norm %.9g vs %.9g with one (%.2e)",
-              i + 1, replicas, nr[i], n1[i], en);
+        CHECK(en <= 1e-6, "step %d, %d replicas: gradient norm %.9g vs %.9g with one (%.2e)", i + 1,
+              replicas, nr[i], n1[i], en);
     }
     printf("replicas M=%d%s%s: %d replicas against 1, worst relative difference %.2e\n", M,
            inject ? " (NaN injected)" : "", recompute ? " (recompute)" : "", replicas, worst);

@@ -51,8 +51,8 @@ nl_status failed(nl_comm *c, int r, const char *op, ncclResult_t res, nl_error *
 {
     nccl_ctx *x = ctx_of(c);
     const char *last = x->made && r >= 0 ? ncclGetLastError(x->comms[r]) : ncclGetLastError(NULL);
-    const nl_status st = res == ncclInvalidArgument || res == ncclInvalidUsage ? NL_ERR_INVALID
-                                                                             : NL_ERR_INTERNAL;
+    const nl_status st =
+        res == ncclInvalidArgument || res == ncclInvalidUsage ? NL_ERR_INVALID : NL_ERR_INTERNAL;
     return nl_error_set(err, st, "nccl %s%s%s: %s%s%s", op, r >= 0 ? " on " : "",
                         r >= 0 ? c->be[r]->name : "", ncclGetErrorString(res),
                         last && *last ? ": " : "", last ? last : "");
