@@ -685,9 +685,11 @@ static nl_status on_ckpt(nl_stage *s, const nl_msg_ckpt_req *r, nl_stage_send_fn
     snprintf(path, sizeof path, "%s/stage-%d.safetensors", r->dir, s->stage_idx);
     /* where this shard was trained; the coordinator copies it into the
      * manifest (the backend's name is "cpu", "cpu-devsim" or "cuda:N") */
-    char where[128];
-    snprintf(where, sizeof where, "{\"device\":\"%.64s\",\"tf32\":%s}", s->be->name,
-             s->o.tf32 ? "true" : "false");
+    char where[160], reps[32] = "";
+    if (t->R > 1) /* data-parallel replicas round the gradients' sum differently */
+        snprintf(reps, sizeof reps, ",\"replicas\":%d", t->R);
+    snprintf(where, sizeof where, "{\"device\":\"%.64s\",\"tf32\":%s%s}", s->be->name,
+             s->o.tf32 ? "true" : "false", reps);
     nl_ckpt_extra ex = {.m = nl_trainer_moment(t->rep[0].tr, 0),
                         .v = nl_trainer_moment(t->rep[0].tr, 1),
                         .adam_steps = nl_trainer_adam_steps(t->rep[0].tr),

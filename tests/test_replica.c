@@ -6,13 +6,22 @@
  *  - broadcast from a replica that is not the first;
  *  - refusals: no floats, a missing buffer, one backend twice, too many
  *    replicas, a root out of range, NCCL on a backend that is not CUDA;
+ *  - AUTO on CUDA-named backends whose code holds no NCCL communicator
+ *    falls back to the host; NCCL asked for says why not;
+ *  - the CUDA module (where this build has one) loads with its NCCL
+ *    dependency resolved, reports the communicator ABI, and refuses
+ *    backends it did not make (or says it was built without NCCL); the
+ *    NCCL collectives themselves need two GPUs (docs/cluster.md);
  *  - device lists: cuda:0,1 is two GPUs, cpu,cpu two CPUs; mixed kinds, a
  *    GPU twice, an empty item and a bare index first are refused by name. */
+#include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "../kernels/comm.h"
+#include "../kernels/comm_impl.h" /* the module's entry points, tested directly */
 #include "../node/node.h"
 #include "check.h"
 
@@ -125,6 +134,53 @@ static void refusals(void)
     nl_comm_destroy(&c);
 }
 
+/* Backends named cuda:N whose code is this program's: no module, so no
+ * NCCL communicator to find. */
+static void fallback(void)
+{
+    nl_error err;
+    nl_comm *c = NULL;
+    const char *names[2] = {be[0]->name, be[1]->name};
+    be[0]->name = "cuda:6";
+    be[1]->name = "cuda:7";
+    CHECK_OK(nl_comm_new(&c, be, 2, NL_COMM_AUTO, &err), &err);
+    CHECK(c && strcmp(nl_comm_name(c), "host") == 0, "AUTO without NCCL: %s",
+          c ? nl_comm_name(c) : "none");
+    nl_comm_destroy(&c);
+    CHECK(nl_comm_new(&c, be, 2, NL_COMM_NCCL, &err) == NL_ERR_UNSUPPORTED && !c &&
+              strstr(err.msg, "nccl: "),
+          "NCCL without a module: %s", err.msg);
+    be[0]->name = names[0];
+    be[1]->name = names[1];
+}
+
+static void cuda_module(void)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s/lib/libnl_cuda.so", check_build_dir());
+    if (access(path, F_OK) != 0) {
+        printf("skipped: no CUDA module in this build (%s)\n", path);
+        return;
+    }
+    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL); /* kept: unloading cudart is not safe */
+    CHECK(h, "%s: %s", path, dlerror());
+    if (!h)
+        return;
+    nl_cuda_comm_abi_fn abi = (nl_cuda_comm_abi_fn)dlsym(h, "nl_cuda_comm_abi");
+    nl_cuda_comm_new_fn make = (nl_cuda_comm_new_fn)dlsym(h, "nl_cuda_comm_new");
+    CHECK(abi && make && abi() == NL_COMM_ABI, "%s: communicator entry points", path);
+    if (!abi || !make)
+        return;
+    nl_error err = {0};
+    nl_comm *c = NULL;
+    nl_status st = make(&c, be, 2, &err);
+    CHECK(!c && ((st == NL_ERR_INVALID && strstr(err.msg, "replica 0") &&
+                  strstr(err.msg, "not a backend of this CUDA module")) ||
+                 (st == NL_ERR_UNSUPPORTED && strstr(err.msg, "without NCCL"))),
+          "the module's communicator on %s: %s (%s)", be[0]->name, err.msg, nl_status_str(st));
+    printf("the CUDA module's communicator on %s backends: %s\n", be[0]->name, err.msg);
+}
+
 static void device_lists(void)
 {
     nl_error err;
@@ -170,6 +226,8 @@ int main(void)
         allreduce(3, ((size_t)1 << 22) + 5); /* more than one host piece */
         broadcast();
         refusals();
+        fallback();
+        cuda_module();
     }
     device_lists();
     for (int r = 0; r < R; r++)

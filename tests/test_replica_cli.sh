@@ -74,7 +74,8 @@ check "$N" train --device "$DEVICE" --model "$W/m.safetensors" "${RUN[@]}" --thr
   --log "$W/local.jsonl" 2> "$W/local.err"
 check "$N" cluster up --device "$DEVICE" --dir "$W/c1" --nodes 2 --model "$W/m.safetensors" \
   --memory 64M --threads 1 --node-timeout-ms 2000 --timeout 60
-check "$N" train --cluster "$W/c1" "${RUN[@]}" --log "$W/one.jsonl" 2> "$W/one.err"
+check "$N" train --cluster "$W/c1" "${RUN[@]}" --log "$W/one.jsonl" --out "$W/one.safetensors" \
+  --checkpoint-dir "$W/ck1" 2> "$W/one.err"
 check grep -q "on 2 pipeline stages" "$W/one.err"
 "$N" cluster down --dir "$W/c1" > /dev/null 2>&1
 # the same, its first node on two replicas: started by hand, since cluster
@@ -101,7 +102,8 @@ for i in $(seq 1 150); do
   sleep 0.2
 done
 check test $ready -eq 1
-check "$N" train --cluster "$C" "${RUN[@]}" --log "$W/rep.jsonl" 2> "$W/rep.err"
+check "$N" train --cluster "$C" "${RUN[@]}" --log "$W/rep.jsonl" --out "$W/rep.safetensors" \
+  --checkpoint-dir "$W/ck2" 2> "$W/rep.err"
 cat "$W/rep.err"
 check grep -q "on 2 pipeline stages" "$W/rep.err"
 check grep -q "2 data-parallel replicas of the stage" "$C/node-1.log"
@@ -121,6 +123,30 @@ for k in rep:
         assert e1 <= 1e-6, (k, key, rep[k][key], one[k][key])
         assert el <= 1e-5, (k, key, rep[k][key], loc[k][key])
 print("replicated node: losses within %.2e of one replica per node, %.2e of one process" % (worst1, worstl))
+PY
+# the weights and moments too; the replicated stage's shard says it had replicas
+python3 - "$W" <<'PY' || { fail=$((fail + 1)); echo "FAIL: the replicated cluster's weights" >&2; }
+import json, struct, sys
+w = sys.argv[1]
+def tensors(p):
+    b = open(p, "rb").read(); n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n])
+    out = {}
+    for k, v in h.items():
+        if k == "__metadata__": continue
+        s, e = v["data_offsets"]; raw = b[8 + n + s: 8 + n + e]
+        out[k] = struct.unpack("<%df" % (len(raw) // 4), raw)
+    return out, h.get("__metadata__", {})
+a, _ = tensors(w + "/rep.safetensors"); b, _ = tensors(w + "/one.safetensors")
+assert set(a) == set(b), set(a) ^ set(b)
+def rel(x, y):
+    num = sum((p - q) ** 2 for p, q in zip(x, y)); den = sum(q * q for q in y)
+    return (num / den) ** 0.5 if den else num ** 0.5
+worst = max(rel(a[k], b[k]) for k in b)
+print("replicated node: %d tensors within %.2e of one replica per node" % (len(b), worst))
+assert worst <= 1e-5, worst
+shards = sorted(__import__("glob").glob(w + "/ck2/step-*/stage-*.safetensors"))
+meta = [json.loads(tensors(p)[1].get("train", "{}")) for p in shards]
+assert any(m.get("replicas") == 2 for m in meta) and any("replicas" not in m for m in meta), meta
 PY
 
 echo "test_replica_cli: $pass passed, $fail failed"
