@@ -294,7 +294,7 @@ static nl_status start(node *n, nl_error *err)
                         .inject_nan_step = o->inject_nan_step,
                         .inject_nan_stage = o->inject_nan_stage,
                         .tf32 = o->tf32};
-    if ((st = nl_stage_new_replicas(&n->stage, n->dev.be, n->dev.n, &so, err)) != NL_OK ||
+    if ((st = nl_stage_new_replicas(&n->stage, n->dev.be, n->dev.n, n->dev.comm, &so, err)) != NL_OK ||
         (st = nl_net_new(&n->net, NULL, err)) != NL_OK ||
         (st = make_socket(n, &n->data, ZMQ_ROUTER, true, NULL, "data", 0, 0, err)) != NL_OK ||
         (st = nl_sock_bind(n->data, o->listen, err)) != NL_OK)

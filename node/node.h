@@ -22,7 +22,8 @@
  * Several devices (--device cuda:0,1 or cpu,cpu) make the stage's
  * data-parallel replicas (stage.h, nl_stage_new_replicas): one backend and
  * one copy of the stage each. Every device is opened at the start (one that
- * is missing ends the node with its error); the node offers the smallest
+ * is missing ends the node with its error), and the replicas' communicator
+ * made and tried with one all-reduce; the node offers the smallest
  * replica's memory, since each holds the whole stage, and reports replica
  * 0's throughput and name ("cuda:0") in its JOIN. */
 #ifndef NL_NODE_NODE_H

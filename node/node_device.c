@@ -159,6 +159,50 @@ static nl_status open_one(nl_node_device *n, const char *name, const nl_node_opt
     return NL_OK;
 }
 
+/* The replicas' communicator, tried once at the start: an all-reduce of
+ * WARM_FLOATS ones must give R on every replica. A communicator that cannot
+ * work on these devices ends the node now rather than a training job
+ * later, and what it allocates (NCCL's buffers and connections) is taken
+ * before the free memory is measured. */
+#define WARM_FLOATS ((size_t)1 << 20)
+
+static nl_status open_comm(nl_node_device *n, const nl_node_opts *o, nl_error *err)
+{
+    float *buf[NL_NODE_MAX_REPLICAS] = {0}, *host = malloc(WARM_FLOATS * sizeof *host);
+    nl_status st = nl_comm_new(&n->comm, n->be, n->n, NL_COMM_AUTO, err);
+    if (st != NL_OK) {
+        free(host);
+        return nl_error_prefix(err, "--device %s: the replicas' communicator", o->device);
+    }
+    if (!host)
+        st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+    for (size_t i = 0; st == NL_OK && i < WARM_FLOATS; i++)
+        host[i] = 1.0f;
+    for (int r = 0; st == NL_OK && r < n->n; r++) {
+        if (!(buf[r] = n->be[r]->alloc(n->be[r], WARM_FLOATS * sizeof(float))))
+            st = nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", n->be[r]->name);
+        else
+            n->be[r]->upload(n->be[r], buf[r], host, WARM_FLOATS * sizeof(float));
+    }
+    if (st == NL_OK)
+        st = nl_comm_allreduce_sum(n->comm, buf, WARM_FLOATS, err);
+    for (int r = 0; st == NL_OK && r < n->n; r++) {
+        n->be[r]->download(n->be[r], host, buf[r], WARM_FLOATS * sizeof(float));
+        if ((st = nl_backend_check(n->be[r], err)) == NL_OK &&
+            (host[0] != (float)n->n || host[WARM_FLOATS - 1] != (float)n->n))
+            st = nl_error_set(err, NL_ERR_INTERNAL, "%s: the all-reduce of %d ones gave %g",
+                              n->be[r]->name, n->n, (double)host[0]);
+    }
+    for (int r = 0; r < n->n; r++)
+        if (buf[r])
+            n->be[r]->free(n->be[r], buf[r]);
+    free(host);
+    if (st != NL_OK)
+        return nl_error_prefix(err, "--device %s: the replicas' %s communicator", o->device,
+                               nl_comm_name(n->comm));
+    return NL_OK;
+}
+
 nl_status nl_node_device_open(nl_node_device *n, const nl_node_opts *o, nl_error *err)
 {
     char names[NL_NODE_MAX_REPLICAS][NL_NODE_DEVICE_NAME_MAX];
@@ -171,6 +215,8 @@ nl_status nl_node_device_open(nl_node_device *n, const nl_node_opts *o, nl_error
             return count > 1
                        ? nl_error_prefix(err, "--device %s: replica %d of %d", o->device, r, count)
                        : st;
+    if (count > 1 && (st = open_comm(n, o, err)) != NL_OK)
+        return st;
     nl_backend *be = n->be[0];
     n->threads = o->threads > 0 ? o->threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
     if (n->threads < 1)
@@ -204,16 +250,18 @@ nl_status nl_node_device_open(nl_node_device *n, const nl_node_opts *o, nl_error
             o->device, o->tf32 ? " (TF32 allowed)" : "", n->threads, probe, n->gflops,
             (double)n->memory / (1 << 20), (double)o->kv_budget / (1 << 20));
     if (n->n > 1)
-        NL_INFO("%d data-parallel replicas of the stage (%s to %s): training shares each step's "
-                "microbatches among them; inference runs on %s; the throughput reported is "
-                "%s's and the memory offered the smallest replica's (each holds the whole "
-                "stage)",
-                n->n, n->be[0]->name, n->be[n->n - 1]->name, n->be[0]->name, n->be[0]->name);
+        NL_INFO("%d data-parallel replicas of the stage (%s to %s, %s all-reduce): training "
+                "shares each step's microbatches among them; inference runs on %s; the "
+                "throughput reported is %s's and the memory offered the smallest replica's (each "
+                "holds the whole stage)",
+                n->n, n->be[0]->name, n->be[n->n - 1]->name, nl_comm_name(n->comm), n->be[0]->name,
+                n->be[0]->name);
     return NL_OK;
 }
 
 void nl_node_device_close(nl_node_device *n)
 {
+    nl_comm_destroy(&n->comm); /* before the backends it borrows */
     for (int r = 0; r < n->n; r++)
         nl_backend_destroy(&n->be[r]);
     n->n = 0;

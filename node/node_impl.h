@@ -6,6 +6,7 @@
 #include <stdint.h>
 
 #include "../kernels/backend.h"
+#include "../kernels/comm.h"
 #include "node.h"
 
 typedef struct nl_node_device {
@@ -13,6 +14,7 @@ typedef struct nl_node_device {
      * set, even when the open failed after: nl_node_device_close */
     nl_backend *be[NL_NODE_MAX_REPLICAS];
     int n;           /* replicas opened */
+    nl_comm *comm;   /* over be when n > 1, made and checked before the memory is measured */
     double gflops;   /* GEMM throughput of replica 0 at its probe size (or NL_TEST_GFLOPS) */
     int threads;     /* CPU threads: --threads, or the cores */
     uint64_t memory; /* offered: the smallest replica's (--memory, or free less the reserve) */

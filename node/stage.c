@@ -21,7 +21,7 @@ static double now_s(void)
 
 /* ===================== life ===================== */
 
-nl_status nl_stage_new_replicas(nl_stage **out, nl_backend *const *be, int n,
+nl_status nl_stage_new_replicas(nl_stage **out, nl_backend *const *be, int n, nl_comm *comm,
                                 const nl_stage_opts *o, nl_error *err)
 {
     *out = NULL;
@@ -36,12 +36,19 @@ nl_status nl_stage_new_replicas(nl_stage **out, nl_backend *const *be, int n,
     s->o = *o;
     if (s->o.send_wait_ms <= 0)
         s->o.send_wait_ms = 10000;
-    if (n > 1) {
+    if (comm && nl_comm_size(comm) != n) {
+        free(s);
+        return nl_error_set(err, NL_ERR_INVALID, "stage: a communicator of %d for %d replicas",
+                            nl_comm_size(comm), n);
+    }
+    s->comm = comm;
+    if (n > 1 && !comm) {
         nl_status st = nl_comm_new(&s->comm, be, n, NL_COMM_AUTO, err);
         if (st != NL_OK) {
             free(s);
             return nl_error_prefix(err, "stage: %d replicas", n);
         }
+        s->own_comm = true;
     }
     *out = s;
     return NL_OK;
@@ -49,7 +56,7 @@ nl_status nl_stage_new_replicas(nl_stage **out, nl_backend *const *be, int n,
 
 nl_status nl_stage_new(nl_stage **out, nl_backend *be, const nl_stage_opts *o, nl_error *err)
 {
-    return nl_stage_new_replicas(out, &be, 1, o, err);
+    return nl_stage_new_replicas(out, &be, 1, NULL, o, err);
 }
 
 static void session_free(nl_stage *s, session *se)
@@ -102,7 +109,8 @@ void nl_stage_destroy(nl_stage **sp)
     if (!nl_txref_idle(&s->tx))
         NL_WARN("stage: freed while an output was still being sent");
     drop_model(s);
-    nl_comm_destroy(&s->comm);
+    if (s->own_comm)
+        nl_comm_destroy(&s->comm);
     free(s->sess);
     free(s);
     *sp = NULL;

@@ -38,7 +38,8 @@ struct nl_stage {
      * job copies the model onto rbe[1..n_rep-1] */
     nl_backend *rbe[NL_COMM_MAX]; /* borrowed */
     int n_rep;
-    nl_comm *comm; /* over rbe, when n_rep > 1 (owned) */
+    nl_comm *comm; /* over rbe, when n_rep > 1 */
+    bool own_comm; /* ... made by the stage (else borrowed) */
     nl_stage_opts o;
     /* the device's asynchronous error, once seen: every later piece of
      * work is refused with it */

@@ -161,7 +161,7 @@ static void make_stages(int nst, const int *bounds, int64_t inject_step, int inj
                            .ckpt_root = "/nonexistent-root",
                            .inject_nan_step = inject_step,
                            .inject_nan_stage = inject_stage};
-        CHECK_OK(nl_stage_new_replicas(&stages[s], rbe, replicas, &o, &err), &err);
+        CHECK_OK(nl_stage_new_replicas(&stages[s], rbe, replicas, NULL, &o, &err), &err);
         nl_msg_assign a = {.epoch = 1,
                            .node_id = 1,
                            .stage = (uint32_t)s,
