@@ -5,7 +5,8 @@
  *    ((b0 + b1) + b2), also for a buffer larger than its host piece;
  *  - broadcast from a replica that is not the first;
  *  - refusals: no floats, a missing buffer, one backend twice, too many
- *    replicas, a root out of range, NCCL on a backend that is not CUDA;
+ *    replicas, a root out of range, NCCL on a backend that is not CUDA, a
+ *    stage given a communicator over another number of replicas;
  *  - AUTO on CUDA-named backends whose code holds no NCCL communicator
  *    falls back to the host; NCCL asked for says why not;
  *  - the CUDA module (where this build has one) loads with its NCCL
@@ -23,6 +24,7 @@
 #include "../kernels/comm.h"
 #include "../kernels/comm_impl.h" /* the module's entry points, tested directly */
 #include "../node/node.h"
+#include "../node/stage.h"
 #include "check.h"
 
 #define R 3
@@ -131,6 +133,17 @@ static void refusals(void)
     CHECK(got && memcmp(got, one, sizeof one) == 0, "one replica changed its buffer");
     free(got);
     be[0]->free(be[0], dev);
+    nl_comm_destroy(&c);
+    /* a stage and its communicator agree on the replicas */
+    nl_stage *st = NULL;
+    nl_stage_opts so = {.memory_bytes = 1 << 30};
+    CHECK_OK(nl_comm_new(&c, be, 3, NL_COMM_AUTO, &err), &err);
+    CHECK(nl_stage_new_replicas(&st, be, 2, c, &so, &err) == NL_ERR_INVALID && !st &&
+              strstr(err.msg, "communicator of 3 for 2"),
+          "a communicator of 3 for 2 replicas: %s", err.msg);
+    CHECK_OK(nl_stage_new_replicas(&st, be, 3, c, &so, &err), &err);
+    nl_stage_destroy(&st); /* leaves the borrowed communicator (ASan would see) */
+    CHECK(c && nl_comm_size(c) == 3, "the communicator after its stage");
     nl_comm_destroy(&c);
 }
 
