@@ -298,6 +298,11 @@ void nl_trainer_use_counts(nl_trainer *t)
     t->use_global = 1;
 }
 
+int64_t *nl_trainer_route_counts(nl_trainer *t)
+{
+    return t->counts;
+}
+
 const float *nl_trainer_count_output(const nl_trainer *t)
 {
     return t->work.x_in;

@@ -61,6 +61,10 @@ void nl_trainer_begin_step(nl_trainer *t, int64_t batch_rows);
 nl_status nl_trainer_count_routes(nl_trainer *t, int B, int T, const int32_t *tokens,
                                   const float *x_in, nl_error *err);
 void nl_trainer_use_counts(nl_trainer *t);
+/* The step's route counts so far (host, n_layers x num_experts, owned by
+ * the trainer): data-parallel replicas of a stage, each counting its own
+ * microbatches, add theirs into one another before nl_trainer_use_counts. */
+int64_t *nl_trainer_route_counts(nl_trainer *t);
 /* Output of the last counting pass (device, (B*T, d)) for the next stage. */
 const float *nl_trainer_count_output(const nl_trainer *t);
 

@@ -51,6 +51,17 @@ static void help(FILE *f, const nl_flag *flags)
             "or device, no CUDA backend in this build) or that fails while serving ends the\n"
             "node with status 1 and the device's error. A device whose backend cannot\n"
             "train refuses training jobs; each fails with that reason.\n"
+            "\n"
+            "Several devices (--device cuda:0,1,... or cpu,cpu for tests) run the stage as\n"
+            "data-parallel replicas in this process: each device holds a whole copy of the\n"
+            "stage; a training step's microbatches are shared among them (microbatch i on\n"
+            "replica i mod R), their gradients are summed (NCCL between GPUs, through the\n"
+            "host otherwise) before the norm and AdamW, and every replica applies the same\n"
+            "update. Inference runs on the first device. The node offers the smallest\n"
+            "replica's memory (on the CPU, --memory is each replica's) and reports the first\n"
+            "device's throughput. Every device is opened at the start: one that is missing\n"
+            "ends the node (status 1) naming it. NCCL stays inside this process; stages on\n"
+            "other machines are reached over ZeroMQ with CURVE only (docs/cluster.md).\n"
             "Exit status: 0 stopped, 1 failed, 2 usage error.\n");
 }
 
@@ -139,7 +150,8 @@ static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypa
         nl_args_double(flags, "connect-timeout", 0.001, 86400, &connect_s))
         return 2;
     nl_error derr;
-    if (nl_backend_parse_device(o->device, &derr) != NL_OK) {
+    int replicas = 0;
+    if (nl_node_parse_devices(o->device, NULL, &replicas, &derr) != NL_OK) {
         fprintf(stderr, "neuronode: --%s\n", derr.msg);
         return 2;
     }
@@ -195,7 +207,10 @@ int main(int argc, char **argv)
          NULL},
         {"state-dir", 1, "DIR: holds node.key when --key is not given", NULL},
         {"threads", 1, "N: compute threads (default: all cores)", NULL},
-        {"device", 1, "D: where the stage computes: cpu (default), cpu-devsim or cuda:N", NULL},
+        {"device", 1,
+         "D[,D...]: where the stage computes: cpu (default), cpu-devsim or cuda:N; several "
+         "(cuda:0,1 or cpu,cpu) make data-parallel replicas",
+         NULL},
         {"tf32", 0, "GPU GEMMs may use TF32 tensor-core math (default: FP32)", NULL},
         {"reserve", 1,
          "SIZE: a GPU's memory kept free, not offered (default: 256M or 5% of the device, "

@@ -21,7 +21,7 @@
 
 typedef struct node {
     const nl_node_opts *o;
-    nl_backend *be;
+    nl_node_device dev; /* the backends: one per replica (node_device.c) */
     nl_stage *stage;
     nl_net *net;
     nl_sock *ctl, *data, *next;
@@ -230,7 +230,7 @@ static nl_status join(node *n, nl_error *err)
 {
     nl_wire_msg_reset(&n->tx, NL_MSG_JOIN);
     n->tx.u.join.pubkey = n->o->keys->public_z85;
-    n->tx.u.join.device = n->o->device;
+    n->tx.u.join.device = n->dev.be[0]->name; /* replica 0's: the JOIN names one device */
     n->tx.u.join.memory_bytes = n->memory;
     n->tx.u.join.gemm_gflops = n->gflops;
     n->tx.u.join.threads = (uint32_t)n->threads;
@@ -271,12 +271,11 @@ static nl_status join(node *n, nl_error *err)
 /* The backend, its throughput and the memory offered (node_device.c). */
 static nl_status open_device(node *n, nl_error *err)
 {
-    nl_node_device d = {0};
-    nl_status st = nl_node_device_open(&d, n->o, err);
-    n->be = d.be; /* freed with the node, whether or not the rest worked */
-    n->gflops = d.gflops;
-    n->threads = d.threads;
-    n->memory = d.memory;
+    nl_node_device *d = &n->dev; /* freed with the node, whether or not the rest worked */
+    nl_status st = nl_node_device_open(d, n->o, err);
+    n->gflops = d->gflops;
+    n->threads = d->threads;
+    n->memory = d->memory;
     return st;
 }
 
@@ -295,7 +294,7 @@ static nl_status start(node *n, nl_error *err)
                         .inject_nan_step = o->inject_nan_step,
                         .inject_nan_stage = o->inject_nan_stage,
                         .tf32 = o->tf32};
-    if ((st = nl_stage_new(&n->stage, n->be, &so, err)) != NL_OK ||
+    if ((st = nl_stage_new_replicas(&n->stage, n->dev.be, n->dev.n, n->dev.comm, &so, err)) != NL_OK ||
         (st = nl_net_new(&n->net, NULL, err)) != NL_OK ||
         (st = make_socket(n, &n->data, ZMQ_ROUTER, true, NULL, "data", 0, 0, err)) != NL_OK ||
         (st = nl_sock_bind(n->data, o->listen, err)) != NL_OK)
@@ -905,7 +904,7 @@ nl_status nl_node_run(const nl_node_opts *o, nl_error *err)
     nl_sock_destroy(&n.ctl);
     nl_net_destroy(&n.net);
     nl_stage_destroy(&n.stage);
-    nl_backend_destroy(&n.be);
+    nl_node_device_close(&n.dev);
     nl_wire_msg_free(&n.tx);
     return st;
 }

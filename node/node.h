@@ -17,7 +17,15 @@
  * its own memory (be->mem_info, a GPU) offers its free memory, measured
  * once the backend is up (so its runtime_bytes are already taken), less a
  * reserve, capped by --memory when given; a node on host memory offers
- * --memory. */
+ * --memory.
+ *
+ * Several devices (--device cuda:0,1 or cpu,cpu) make the stage's
+ * data-parallel replicas (stage.h, nl_stage_new_replicas): one backend and
+ * one copy of the stage each. Every device is opened at the start (one that
+ * is missing ends the node with its error), and the replicas' communicator
+ * made and tried with one all-reduce; the node offers the smallest
+ * replica's memory, since each holds the whole stage, and reports replica
+ * 0's throughput and name ("cuda:0") in its JOIN. */
 #ifndef NL_NODE_NODE_H
 #define NL_NODE_NODE_H
 
@@ -28,12 +36,24 @@
 #include "../base/status.h"
 #include "../net/keys.h"
 
+/* Most devices (replicas) one node takes. */
+#define NL_NODE_MAX_REPLICAS 16
+#define NL_NODE_DEVICE_NAME_MAX 32
+
+/* Split --device D[,D...] into its devices: each cpu, cpu-devsim or cuda:N,
+ * where a bare N after a cuda device is cuda:N ("cuda:0,1" is cuda:0 and
+ * cuda:1). All must be of one kind, and CUDA devices distinct (one replica
+ * per GPU). NL_ERR_INVALID naming the item at fault otherwise. names may be
+ * NULL (a check only). */
+nl_status nl_node_parse_devices(const char *list, char (*names)[NL_NODE_DEVICE_NAME_MAX], int *n,
+                                nl_error *err);
+
 typedef struct nl_node_opts {
     const char *coordinator;     /* control endpoint, e.g. tcp://host:7000 */
     const char *coordinator_key; /* the coordinator's Z85 public key (unused with plaintext) */
     const nl_keypair *keys;      /* this node's identity */
     bool plaintext;              /* INSECURE: no CURVE on any socket */
-    const char *device;          /* "cpu", "cpu-devsim" or "cuda:N" */
+    const char *device;          /* "cpu", "cpu-devsim" or "cuda:N"; a list makes replicas */
     int tf32;                    /* GPU GEMMs may use TF32 */
     const char *listen;          /* data endpoint to bind; NULL = tcp://127.0.0.1:* */
     const char *name;            /* log name; NULL = "node-<id>" once accepted */

@@ -1,9 +1,13 @@
 /* The node's device: the backend on --device (with the test hooks that
- * stand in for a failing device or a GPU's memory report), the GEMM
- * throughput it reports when it joins, and the memory it offers. */
+ * stand in for a failing device or a GPU's memory report), or one backend
+ * per replica for a list of devices, the GEMM throughput it reports when it
+ * joins, and the memory it offers. */
 #include "node_impl.h"
 
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 #include "../base/log.h"
@@ -35,83 +39,208 @@ static nl_status fake_mem_info(nl_backend *be, size_t *free_bytes, size_t *total
     return NL_OK;
 }
 
-/* What the node offers: --memory on host memory; on a device with its own
- * memory, what is free now (the backend's runtime already taken) less the
- * reserve, capped by --memory. */
-static nl_status offer_memory(nl_node_device *n, const nl_node_opts *o, nl_error *err)
+/* ---------------------------------------------------------------- the list */
+
+/* The kind of a device name: 0 cpu, 1 cpu-devsim, 2 cuda. */
+static int device_kind(const char *d)
+{
+    return strncmp(d, "cuda:", 5) == 0 ? 2 : strcmp(d, "cpu-devsim") == 0 ? 1 : 0;
+}
+
+nl_status nl_node_parse_devices(const char *list, char (*names)[NL_NODE_DEVICE_NAME_MAX], int *n,
+                                nl_error *err)
+{
+    char item[NL_NODE_DEVICE_NAME_MAX], prev[NL_NODE_DEVICE_NAME_MAX] = "";
+    int gpu[NL_NODE_MAX_REPLICAS]; /* each item's CUDA index, -1 for others */
+    const char *p = list ? list : "";
+    *n = 0;
+    for (;;) {
+        const size_t len = strcspn(p, ",");
+        if (len == 0 || len >= sizeof item - 5)
+            return nl_error_set(err, NL_ERR_INVALID, "device %s: %s", list,
+                                len ? "a device name is too long" : "an empty device name");
+        if (*n == NL_NODE_MAX_REPLICAS)
+            return nl_error_set(err, NL_ERR_INVALID, "device %s: more than %d devices", list,
+                                NL_NODE_MAX_REPLICAS);
+        /* "cuda:0,1": a bare index after a CUDA device is another one */
+        if (*n > 0 && device_kind(prev) == 2 && strspn(p, "0123456789") == len)
+            snprintf(item, sizeof item, "cuda:%.*s", (int)len, p);
+        else
+            snprintf(item, sizeof item, "%.*s", (int)len, p);
+        nl_status st = nl_backend_parse_device(item, err);
+        if (st != NL_OK)
+            return *n ? nl_error_prefix(err, "device %s", list) : st;
+        if (*n > 0 && device_kind(item) != device_kind(prev))
+            return nl_error_set(err, NL_ERR_INVALID,
+                                "device %s: %s and %s are not of one kind (the replicas of a node "
+                                "are all cpu, all cpu-devsim or all CUDA)",
+                                list, prev, item);
+        gpu[*n] = device_kind(item) == 2 ? atoi(item + 5) : -1;
+        for (int i = 0; gpu[*n] >= 0 && i < *n; i++)
+            if (gpu[i] == gpu[*n])
+                return nl_error_set(err, NL_ERR_INVALID,
+                                    "device %s: cuda:%d twice (one replica per GPU)", list, gpu[i]);
+        if (names)
+            memcpy(names[*n], item, sizeof item);
+        memcpy(prev, item, sizeof item);
+        (*n)++;
+        if (p[len] != ',')
+            return NL_OK;
+        p += len + 1;
+    }
+}
+
+/* ---------------------------------------------------------------- the offer */
+
+/* What one replica offers: --memory on host memory; on a device with its
+ * own memory, what is free now (the backend's runtime already taken) less
+ * the reserve, capped by --memory. */
+static nl_status offer_memory(nl_backend *be, const nl_node_opts *o, uint64_t *offer, nl_error *err)
 {
     const double MiB = 1 << 20;
-    if (!n->be->mem_info) {
+    if (!be->mem_info) {
         if (!o->memory_bytes)
             return nl_error_set(err, NL_ERR_INVALID, "--memory SIZE is required on device %s",
-                                o->device);
+                                be->name);
         if (o->has_reserve)
-            NL_WARN("--reserve: device %s has no memory of its own; it offers --memory", o->device);
-        n->memory = o->memory_bytes;
+            NL_WARN("--reserve: device %s has no memory of its own; it offers --memory", be->name);
+        *offer = o->memory_bytes;
         return NL_OK;
     }
     size_t free_b = 0, total_b = 0;
-    nl_status st = n->be->mem_info(n->be, &free_b, &total_b, err);
+    nl_status st = be->mem_info(be, &free_b, &total_b, err);
     if (st != NL_OK)
-        return nl_error_prefix(err, "device %s: its free memory", o->device);
+        return nl_error_prefix(err, "device %s: its free memory", be->name);
     uint64_t reserve = o->has_reserve ? o->reserve_bytes : (uint64_t)total_b / 20;
     if (!o->has_reserve && reserve < (256ULL << 20))
         reserve = 256ULL << 20;
     const uint64_t avail = free_b > reserve ? free_b - reserve : 0;
     NL_INFO("device %s: %.1f MiB free of %.1f MiB (its runtime holds %.1f MiB); reserve %.1f MiB",
-            o->device, (double)free_b / MiB, (double)total_b / MiB,
-            (double)n->be->runtime_bytes / MiB, (double)reserve / MiB);
+            be->name, (double)free_b / MiB, (double)total_b / MiB, (double)be->runtime_bytes / MiB,
+            (double)reserve / MiB);
     if (o->memory_bytes > avail)
         return nl_error_set(err, NL_ERR_CAPACITY,
                             "--memory %.1f MiB: device %s has %.1f MiB free of %.1f MiB, %.1f MiB "
                             "after the reserve of %.1f MiB (--reserve)",
-                            (double)o->memory_bytes / MiB, o->device, (double)free_b / MiB,
+                            (double)o->memory_bytes / MiB, be->name, (double)free_b / MiB,
                             (double)total_b / MiB, (double)avail / MiB, (double)reserve / MiB);
     if (avail == 0)
         return nl_error_set(err, NL_ERR_CAPACITY,
                             "device %s: %.1f MiB free, no more than the reserve of %.1f MiB: "
                             "nothing to offer (--reserve)",
-                            o->device, (double)free_b / MiB, (double)reserve / MiB);
-    n->memory = o->memory_bytes ? o->memory_bytes : avail;
+                            be->name, (double)free_b / MiB, (double)reserve / MiB);
+    *offer = o->memory_bytes ? o->memory_bytes : avail;
+    return NL_OK;
+}
+
+/* ---------------------------------------------------------------- open */
+
+/* Open the backend of one device, with the test hooks. */
+static nl_status open_one(nl_node_device *n, const char *name, const nl_node_opts *o, nl_error *err)
+{
+    nl_backend **be = &n->be[n->n];
+    nl_status st =
+        nl_backend_new(be, name, &(nl_backend_opts){.threads = o->threads, .tf32 = o->tf32}, err);
+    if (st != NL_OK)
+        return st;
+    n->n++;
+    if (o->inject_device_fail > 0 && n->n == 1) { /* replica 0's: one hook per process */
+        real_check = (*be)->check;
+        checks_left = o->inject_device_fail;
+        (*be)->check = failing_check;
+    }
+    if (o->inject_no_train)
+        (*be)->can_train = 0;
+    if (o->inject_mem_total) {
+        fake_free = (size_t)o->inject_mem_free;
+        fake_total = (size_t)o->inject_mem_total;
+        (*be)->mem_info = fake_mem_info;
+    }
+    return NL_OK;
+}
+
+/* The replicas' communicator, tried once at the start: an all-reduce of
+ * WARM_FLOATS ones must give R on every replica. A communicator that cannot
+ * work on these devices ends the node now rather than a training job
+ * later, and what it allocates (NCCL's buffers and connections) is taken
+ * before the free memory is measured. */
+#define WARM_FLOATS ((size_t)1 << 20)
+
+static nl_status open_comm(nl_node_device *n, const nl_node_opts *o, nl_error *err)
+{
+    float *buf[NL_NODE_MAX_REPLICAS] = {0}, *host = malloc(WARM_FLOATS * sizeof *host);
+    nl_status st = nl_comm_new(&n->comm, n->be, n->n, NL_COMM_AUTO, err);
+    if (st != NL_OK) {
+        free(host);
+        return nl_error_prefix(err, "--device %s: the replicas' communicator", o->device);
+    }
+    if (!host)
+        st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+    for (size_t i = 0; st == NL_OK && i < WARM_FLOATS; i++)
+        host[i] = 1.0f;
+    for (int r = 0; st == NL_OK && r < n->n; r++) {
+        if (!(buf[r] = n->be[r]->alloc(n->be[r], WARM_FLOATS * sizeof(float))))
+            st = nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", n->be[r]->name);
+        else
+            n->be[r]->upload(n->be[r], buf[r], host, WARM_FLOATS * sizeof(float));
+    }
+    if (st == NL_OK)
+        st = nl_comm_allreduce_sum(n->comm, buf, WARM_FLOATS, err);
+    for (int r = 0; st == NL_OK && r < n->n; r++) {
+        n->be[r]->download(n->be[r], host, buf[r], WARM_FLOATS * sizeof(float));
+        if ((st = nl_backend_check(n->be[r], err)) == NL_OK &&
+            (host[0] != (float)n->n || host[WARM_FLOATS - 1] != (float)n->n))
+            st = nl_error_set(err, NL_ERR_INTERNAL, "%s: the all-reduce of %d ones gave %g",
+                              n->be[r]->name, n->n, (double)host[0]);
+    }
+    for (int r = 0; r < n->n; r++)
+        if (buf[r])
+            n->be[r]->free(n->be[r], buf[r]);
+    free(host);
+    if (st != NL_OK)
+        return nl_error_prefix(err, "--device %s: the replicas' %s communicator", o->device,
+                               nl_comm_name(n->comm));
     return NL_OK;
 }
 
 nl_status nl_node_device_open(nl_node_device *n, const nl_node_opts *o, nl_error *err)
 {
-    nl_status st = nl_backend_new(&n->be, o->device,
-                                  &(nl_backend_opts){.threads = o->threads, .tf32 = o->tf32}, err);
+    char names[NL_NODE_MAX_REPLICAS][NL_NODE_DEVICE_NAME_MAX];
+    int count = 0;
+    nl_status st = nl_node_parse_devices(o->device, names, &count, err);
     if (st != NL_OK)
         return st;
-    if (o->inject_device_fail > 0) {
-        real_check = n->be->check;
-        checks_left = o->inject_device_fail;
-        n->be->check = failing_check;
-    }
-    if (o->inject_no_train)
-        n->be->can_train = 0;
-    if (o->inject_mem_total) {
-        fake_free = (size_t)o->inject_mem_free;
-        fake_total = (size_t)o->inject_mem_total;
-        n->be->mem_info = fake_mem_info;
-    }
+    for (int r = 0; r < count; r++)
+        if ((st = open_one(n, names[r], o, err)) != NL_OK)
+            return count > 1
+                       ? nl_error_prefix(err, "--device %s: replica %d of %d", o->device, r, count)
+                       : st;
+    if (count > 1 && (st = open_comm(n, o, err)) != NL_OK)
+        return st;
+    nl_backend *be = n->be[0];
     n->threads = o->threads > 0 ? o->threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
     if (n->threads < 1)
         n->threads = 1;
-    const int probe = n->be->gemm_probe > 0 ? n->be->gemm_probe : 512;
-    n->gflops = nl_backend_gemm_gflops(n->be, probe, probe, probe, 0.3);
+    const int probe = be->gemm_probe > 0 ? be->gemm_probe : 512;
+    n->gflops = nl_backend_gemm_gflops(be, probe, probe, probe, 0.3);
     if (o->inject_gflops > 0 && n->gflops > 0)
         n->gflops = o->inject_gflops;
     nl_error e = {0};
-    if (n->be->check && (st = n->be->check(n->be, &e)) != NL_OK)
-        return nl_error_set(err, st, "device %s: the throughput probe failed: %s", o->device,
-                            e.msg);
+    if (be->check && (st = be->check(be, &e)) != NL_OK)
+        return nl_error_set(err, st, "device %s: the throughput probe failed: %s", be->name, e.msg);
     if (!(n->gflops > 0))
         return nl_error_set(err, NL_ERR_CAPACITY,
                             "device %s: the throughput probe (%d^3) could not run (out of device "
                             "memory?)",
-                            o->device, probe);
-    if ((st = offer_memory(n, o, err)) != NL_OK)
-        return st;
+                            be->name, probe);
+    /* each replica holds the whole stage: the smallest offer is the node's */
+    for (int r = 0; r < n->n; r++) {
+        uint64_t offer = 0;
+        if ((st = offer_memory(n->be[r], o, &offer, err)) != NL_OK)
+            return st;
+        if (r == 0 || offer < n->memory)
+            n->memory = offer;
+    }
     if (o->kv_budget >= n->memory)
         NL_WARN("--kv-budget %llu leaves nothing of the %llu bytes offered for weights and "
                 "activations",
@@ -120,5 +249,20 @@ nl_status nl_node_device_open(nl_node_device *n, const nl_node_opts *o, nl_error
             "%.1f MiB)",
             o->device, o->tf32 ? " (TF32 allowed)" : "", n->threads, probe, n->gflops,
             (double)n->memory / (1 << 20), (double)o->kv_budget / (1 << 20));
+    if (n->n > 1)
+        NL_INFO("%d data-parallel replicas of the stage (%s to %s, %s all-reduce): training "
+                "shares each step's microbatches among them; inference runs on %s; the "
+                "throughput reported is %s's and the memory offered the smallest replica's (each "
+                "holds the whole stage)",
+                n->n, n->be[0]->name, n->be[n->n - 1]->name, nl_comm_name(n->comm), n->be[0]->name,
+                n->be[0]->name);
     return NL_OK;
+}
+
+void nl_node_device_close(nl_node_device *n)
+{
+    nl_comm_destroy(&n->comm); /* before the backends it borrows */
+    for (int r = 0; r < n->n; r++)
+        nl_backend_destroy(&n->be[r]);
+    n->n = 0;
 }

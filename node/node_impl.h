@@ -6,16 +6,24 @@
 #include <stdint.h>
 
 #include "../kernels/backend.h"
+#include "../kernels/comm.h"
 #include "node.h"
 
 typedef struct nl_node_device {
-    nl_backend *be; /* owned by the caller once set, even when the open failed after */
-    double gflops;  /* GEMM throughput at the backend's probe size (or NL_TEST_GFLOPS) */
-    int threads;    /* CPU threads: --threads, or the cores */
-    uint64_t memory; /* offered: --memory, or a GPU's free memory less the reserve */
+    /* one backend per replica (--device D[,D...]), owned by the caller once
+     * set, even when the open failed after: nl_node_device_close */
+    nl_backend *be[NL_NODE_MAX_REPLICAS];
+    int n;           /* replicas opened */
+    nl_comm *comm;   /* over be when n > 1, made and checked before the memory is measured */
+    double gflops;   /* GEMM throughput of replica 0 at its probe size (or NL_TEST_GFLOPS) */
+    int threads;     /* CPU threads: --threads, or the cores */
+    uint64_t memory; /* offered: the smallest replica's (--memory, or free less the reserve) */
 } nl_node_device;
 
-/* Open o->device, measure it and size the offer; logs what it found. */
+/* Open every device of o->device, measure replica 0 and size the offer;
+ * logs what it found. */
 nl_status nl_node_device_open(nl_node_device *d, const nl_node_opts *o, nl_error *err);
+/* Free the backends; safe on a zeroed or closed device. */
+void nl_node_device_close(nl_node_device *d);
 
 #endif

@@ -21,18 +21,42 @@ static double now_s(void)
 
 /* ===================== life ===================== */
 
-nl_status nl_stage_new(nl_stage **out, nl_backend *be, const nl_stage_opts *o, nl_error *err)
+nl_status nl_stage_new_replicas(nl_stage **out, nl_backend *const *be, int n, nl_comm *comm,
+                                const nl_stage_opts *o, nl_error *err)
 {
     *out = NULL;
+    if (n < 1 || n > NL_COMM_MAX)
+        return nl_error_set(err, NL_ERR_INVALID, "stage: %d replicas (1 to %d)", n, NL_COMM_MAX);
     nl_stage *s = calloc(1, sizeof *s);
     if (!s)
         return nl_error_set(err, NL_ERR_NOMEM, "stage: out of memory");
-    s->be = be;
+    s->be = be[0];
+    memcpy(s->rbe, be, (size_t)n * sizeof *be);
+    s->n_rep = n;
     s->o = *o;
     if (s->o.send_wait_ms <= 0)
         s->o.send_wait_ms = 10000;
+    if (comm && nl_comm_size(comm) != n) {
+        free(s);
+        return nl_error_set(err, NL_ERR_INVALID, "stage: a communicator of %d for %d replicas",
+                            nl_comm_size(comm), n);
+    }
+    s->comm = comm;
+    if (n > 1 && !comm) {
+        nl_status st = nl_comm_new(&s->comm, be, n, NL_COMM_AUTO, err);
+        if (st != NL_OK) {
+            free(s);
+            return nl_error_prefix(err, "stage: %d replicas", n);
+        }
+        s->own_comm = true;
+    }
     *out = s;
     return NL_OK;
+}
+
+nl_status nl_stage_new(nl_stage **out, nl_backend *be, const nl_stage_opts *o, nl_error *err)
+{
+    return nl_stage_new_replicas(out, &be, 1, NULL, o, err);
 }
 
 static void session_free(nl_stage *s, session *se)
@@ -85,6 +109,8 @@ void nl_stage_destroy(nl_stage **sp)
     if (!nl_txref_idle(&s->tx))
         NL_WARN("stage: freed while an output was still being sent");
     drop_model(s);
+    if (s->own_comm)
+        nl_comm_destroy(&s->comm);
     free(s->sess);
     free(s);
     *sp = NULL;
@@ -94,11 +120,15 @@ nl_status nl_stage_check_device(nl_stage *s, nl_error *err)
 {
     if (s->device_st == NL_OK) {
         nl_error e = {0};
-        nl_status st = nl_backend_check(s->be, &e);
+        nl_status st = NL_OK;
+        int r = 0;
+        for (; r < s->n_rep && st == NL_OK; r++) /* every replica's; the first that failed */
+            st = nl_backend_check(s->rbe[r], &e);
         if (st == NL_OK)
             return NL_OK;
         s->device_st = st;
-        snprintf(s->device_err, sizeof s->device_err, "device %.24s: %.460s", s->be->name, e.msg);
+        snprintf(s->device_err, sizeof s->device_err, "device %.24s: %.460s", s->rbe[r - 1]->name,
+                 e.msg);
         NL_ERROR("%s (%s)", s->device_err, nl_status_str(st));
     }
     return nl_error_set(err, s->device_st, "%s", s->device_err);

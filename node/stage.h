@@ -22,6 +22,7 @@
 #include <stdint.h>
 
 #include "../core/model.h"
+#include "../kernels/comm.h"
 #include "../net/txref.h"
 #include "../net/wire.h"
 
@@ -38,6 +39,18 @@ typedef struct nl_stage_opts {
 } nl_stage_opts;
 
 nl_status nl_stage_new(nl_stage **out, nl_backend *be, const nl_stage_opts *o, nl_error *err);
+/* A stage over n data-parallel replicas (a node with several devices):
+ * be[0..n-1] borrowed, all able to hold the whole stage. Replica 0 holds
+ * the model and serves loading, inference and checkpoints; a training job
+ * copies the weights onto every other replica, gives microbatch i of each
+ * step to replica i % n, all-reduces the gradients before their norm, and
+ * applies the same AdamW on every replica, which so stay equal. comm is the
+ * communicator over be (borrowed; it must outlive the stage), or NULL: the
+ * stage makes its own (NL_COMM_AUTO: NCCL between GPUs, else through the
+ * host) when n > 1. The memory check of a job is per replica (each needs
+ * --memory). n = 1 is nl_stage_new. */
+nl_status nl_stage_new_replicas(nl_stage **out, nl_backend *const *be, int n, nl_comm *comm,
+                                const nl_stage_opts *o, nl_error *err);
 void nl_stage_destroy(nl_stage **sp);
 
 /* ---- assignment and loading ---- */

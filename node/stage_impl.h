@@ -6,6 +6,7 @@
 
 #include "../core/forward.h"
 #include "../core/sampler.h"
+#include "../kernels/comm.h"
 #include "stage.h"
 
 #define ENDED_MEMORY 256 /* ended session ids remembered per kind */
@@ -32,7 +33,13 @@ typedef struct ended_ids {
 } ended_ids;
 
 struct nl_stage {
-    nl_backend *be; /* borrowed */
+    nl_backend *be; /* borrowed: replica 0's, which serves inference and holds the model */
+    /* data-parallel replicas (stage_train.c): rbe[0] == be; each training
+     * job copies the model onto rbe[1..n_rep-1] */
+    nl_backend *rbe[NL_COMM_MAX]; /* borrowed */
+    int n_rep;
+    nl_comm *comm; /* over rbe, when n_rep > 1 */
+    bool own_comm; /* ... made by the stage (else borrowed) */
     nl_stage_opts o;
     /* the device's asynchronous error, once seen: every later piece of
      * work is refused with it */

@@ -7,7 +7,25 @@
  * in use, a hop of the next step that overtook the STEP message of this
  * one on another socket) wait in a FIFO; a message only ever makes the
  * stage run what has become runnable, so the schedule follows from the
- * order in which hops arrive. */
+ * order in which hops arrive.
+ *
+ * Replicas (a node with several devices, stage.h): each has its own copy
+ * of the weights, its trainer and its staging buffer. Microbatch i of a
+ * step runs on replica i % R, in activation slot (i / R) % ceil(slots / R)
+ * of that replica: the microbatches in flight are a window of at most
+ * `slots` consecutive ones, of which at most ceil(slots / R) fall on one
+ * replica, with consecutive i / R, so slots never collide. The counting
+ * pass is shared the same way and the route counts are added up (exact
+ * integers) before any forward uses them. When a step's last backward is
+ * done, the communicator all-reduces the flat gradient buffers, so every
+ * replica holds the step's sum; its norm is taken on replica 0 and every
+ * replica applies the same AdamW to the same bits. (Broadcasting replica
+ * 0's weights instead would move as many bytes as the all-reduce did, once
+ * more every step; AdamW is elementwise and cheap next to that.)
+ * Evaluation runs on replica 0, as inference does, and checkpoints are
+ * written from it. Replicas run one after another on the node's thread:
+ * what overlaps on GPUs is what their queues hold between two waits (a
+ * hop's download before it is sent). */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -33,9 +51,19 @@ typedef struct hop_in {
     int32_t *targets; /* (rows), or NULL (COUNT) */
 } hop_in;
 
+/* One data-parallel replica of the stage. */
+typedef struct replica {
+    nl_backend *be; /* borrowed: the stage's rbe[r] */
+    nl_model *m;    /* replica 0: the stage's model (borrowed); others: the job's copy (owned) */
+    nl_trainer *tr;
+    float *x_d; /* device staging of a hidden-state input or gradient frame */
+} replica;
+
 typedef struct stage_train {
     uint64_t job;
-    nl_trainer *tr;
+    replica rep[NL_COMM_MAX];
+    int R;      /* replicas */
+    int rslots; /* activation slots of each replica: ceil(slots / R) */
     int mbB, T, M, slots, eval_hops;
     size_t rows, d;
     int64_t applied;       /* optimizer steps applied (the step a hop needs is applied + 1) */
@@ -47,7 +75,6 @@ typedef struct stage_train {
     double eval_ce;
     hop_in *q; /* FIFO ring of hops waiting to run */
     int qhead, qlen, qcap;
-    float *x_d;          /* device staging of a hidden-state input or gradient frame */
     nl_host_stage stage; /* host view of an output to send */
     nl_wire_msg tx;
 } stage_train;
@@ -70,8 +97,14 @@ void nl_stage_train_free(nl_stage *s)
     for (int i = 0; i < t->qlen; i++)
         hop_free(&t->q[(t->qhead + i) % t->qcap]);
     free(t->q);
-    nl_trainer_destroy(&t->tr);
-    s->be->free(s->be, t->x_d);
+    for (int r = 0; r < t->R; r++) {
+        replica *p = &t->rep[r];
+        nl_trainer_destroy(&p->tr);
+        if (p->be)
+            p->be->free(p->be, p->x_d);
+        if (r > 0)
+            nl_model_destroy(&p->m);
+    }
     nl_host_stage_free(&t->stage);
     nl_wire_msg_free(&t->tx);
     free(t);
@@ -119,6 +152,41 @@ static nl_status int_param(const nl_msg_job_submit *j, const char *key, bool req
                     : NL_OK;
 }
 
+/* Each replica's model (replica 0: the stage's; the others: a copy of its
+ * weights, sent by the communicator), trainer and staging buffer. */
+static nl_status make_replicas(nl_stage *s, int recompute, nl_error *err)
+{
+    stage_train *t = s->train;
+    const nl_model *m0 = s->model;
+    float *params[NL_COMM_MAX];
+    nl_status st = NL_OK;
+    for (int r = 0; r < t->R && st == NL_OK; r++) {
+        replica *p = &t->rep[r];
+        p->be = s->rbe[r];
+        p->m = s->model;
+        if (r > 0) {
+            p->m = NULL;
+            st = nl_model_new(&p->m, p->be, &m0->cfg, m0->l0, m0->l1, m0->has_embed, m0->has_head,
+                              err);
+            if (st == NL_OK && p->m->n_params != m0->n_params)
+                st = nl_error_set(err, NL_ERR_STATE,
+                                  "replica %d: %zu parameters where replica 0 has %zu", r,
+                                  p->m->n_params, m0->n_params);
+            if (st != NL_OK)
+                return nl_error_prefix(err, "replica %d (%s)", r, p->be->name);
+        }
+        params[r] = p->m->params;
+        st = nl_trainer_new(&p->tr, p->m, (int)t->rows, t->rslots, recompute, err);
+        if (st == NL_OK && !(p->x_d = p->be->alloc(p->be, t->rows * t->d * sizeof(float))))
+            st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+        if (st != NL_OK)
+            return t->R > 1 ? nl_error_prefix(err, "replica %d (%s)", r, p->be->name) : st;
+    }
+    if (t->R > 1)
+        st = nl_comm_broadcast(s->comm, params, m0->n_params, 0, err);
+    return st;
+}
+
 nl_status nl_stage_train_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
                                nl_error *err)
 {
@@ -129,10 +197,11 @@ nl_status nl_stage_train_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t
     if ((st = int_param(j, "job", true, 1, INT64_MAX, &job, err)) != NL_OK)
         return st;
     *job_id = (uint64_t)job;
-    if (!s->be->can_train)
-        return nl_error_set(err, NL_ERR_UNSUPPORTED,
-                            "%s: training on this device is not available yet (train job %lld)",
-                            s->be->name, (long long)job);
+    for (int r = 0; r < s->n_rep; r++)
+        if (!s->rbe[r]->can_train)
+            return nl_error_set(err, NL_ERR_UNSUPPORTED,
+                                "%s: training on this device is not available yet (train job %lld)",
+                                s->rbe[r]->name, (long long)job);
     if ((st = nl_stage_device_status(s, err)) != NL_OK)
         return st;
     if (!s->ready)
@@ -161,18 +230,21 @@ nl_status nl_stage_train_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t
     int slots = s->num_stages - s->stage_idx;
     if (slots > M)
         slots = (int)M;
+    /* each replica keeps its share of the microbatches in flight */
+    const int rslots = (slots + s->n_rep - 1) / s->n_rep;
     nl_mem_opts mo = {.training = 1,
                       .micro_rows = (int)(mbB * T),
-                      .in_flight = slots,
+                      .in_flight = rslots,
                       .recompute = (int)recompute};
     nl_mem_estimate me = nl_memory_estimate(&m->cfg, m->l1 - m->l0, m->has_embed, m->has_head, &mo);
     if (me.total > s->o.memory_bytes)
         return nl_error_set(err, NL_ERR_CAPACITY,
                             "train job %lld: layers [%d, %d) with %d microbatches of %lld x %lld "
                             "in flight need %llu bytes (memory model), but this node offers %llu "
-                            "(--memory)",
-                            (long long)job, m->l0, m->l1, slots, (long long)mbB, (long long)T,
-                            (unsigned long long)me.total, (unsigned long long)s->o.memory_bytes);
+                            "(--memory)%s",
+                            (long long)job, m->l0, m->l1, rslots, (long long)mbB, (long long)T,
+                            (unsigned long long)me.total, (unsigned long long)s->o.memory_bytes,
+                            s->n_rep > 1 ? " on each replica" : "");
     nl_stage_train_free(s);
     stage_train *t = calloc(1, sizeof *t);
     if (!t)
@@ -188,42 +260,52 @@ nl_status nl_stage_train_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t
     t->rows = (size_t)(mbB * T);
     t->d = (size_t)m->cfg.hidden_dim;
     t->applied = start;
-    st = nl_trainer_new(&t->tr, m, (int)(mbB * T), slots, (int)recompute, err);
-    if (st == NL_OK && !(t->x_d = s->be->alloc(s->be, t->rows * t->d * sizeof(float))))
-        st = nl_error_set(err, NL_ERR_NOMEM, "train job %lld: out of memory", (long long)job);
+    t->R = s->n_rep;
+    t->rslots = rslots;
+    st = make_replicas(s, (int)recompute, err);
     if (st != NL_OK) {
         nl_stage_train_free(s);
         return nl_error_prefix(err, "train job %lld", (long long)job);
     }
-    if (moments) { /* the resumed run's moments: into the trainer, then freed here */
+    if (moments) { /* the resumed run's moments: into every trainer, then freed here */
         for (int i = 0; i < 2; i++) {
-            s->be->upload(s->be, nl_trainer_moment(t->tr, i), s->mom_h[i],
-                          m->n_params * sizeof(float));
+            for (int r = 0; r < t->R; r++)
+                t->rep[r].be->upload(t->rep[r].be, nl_trainer_moment(t->rep[r].tr, i), s->mom_h[i],
+                                     m->n_params * sizeof(float));
             free(s->mom_h[i]);
             s->mom_h[i] = NULL;
         }
         s->have_moments = false;
-        nl_trainer_set_adam_steps(t->tr, adam);
+        for (int r = 0; r < t->R; r++)
+            nl_trainer_set_adam_steps(t->rep[r].tr, adam);
     }
     NL_INFO("train job %llu: stage %d of %d, %d microbatches of %d x %d, %d in flight%s, from "
             "step %lld%s",
             (unsigned long long)t->job, s->stage_idx, s->num_stages, t->M, t->mbB, t->T, slots,
             recompute ? " (recompute)" : "", (long long)start,
             moments ? " with the checkpoint's moments" : "");
+    if (t->R > 1)
+        NL_INFO("train job %llu: %d data-parallel replicas (%s all-reduce), %d microbatch%s in "
+                "flight on each%s",
+                (unsigned long long)t->job, t->R, nl_comm_name(s->comm), rslots,
+                rslots == 1 ? "" : "es",
+                t->M < t->R ? "; fewer microbatches than replicas leave some idle" : "");
     return NL_OK;
 }
 
 /* ===================== sending ===================== */
 
-/* Send a hop (type) of this job with hidden states (rows x d, device) and
- * optionally the targets, to the next stage or (GRADIENT) the previous. */
+/* Send a hop (type) of this job with hidden states (rows x d, in the
+ * memory of be) and optionally the targets, to the next stage or
+ * (GRADIENT) the previous. */
 static nl_status send_hop(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_msg_type type,
-                          uint64_t step, uint32_t mb, double aux, const float *x_dev,
-                          const int32_t *targets, nl_error *err)
+                          uint64_t step, uint32_t mb, double aux, nl_backend *be,
+                          const float *x_dev, const int32_t *targets, nl_error *err)
 {
     stage_train *t = s->train;
     const int64_t xs[3] = {t->mbB, t->T, (int64_t)t->d}, ts[2] = {t->mbB, t->T};
-    const float *x = nl_backend_read_view(s->be, &t->stage, x_dev, t->rows * t->d * sizeof(float), err);
+    const float *x =
+        nl_backend_read_view(be, &t->stage, x_dev, t->rows * t->d * sizeof(float), err);
     if (!x)
         return nl_error_prefix(err, "train job %llu", (unsigned long long)t->job);
     nl_wire_msg_reset(&t->tx, type);
@@ -237,12 +319,20 @@ static nl_status send_hop(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_msg_
     return send(ctx, type == NL_MSG_GRADIENT ? NL_STAGE_TO_PREV : NL_STAGE_TO_NEXT, &t->tx, err);
 }
 
-/* The step's gradients are all in: report this stage's share of the
- * norm, and on the last stage the losses. */
+/* The step's gradients are all in: the replicas' sum on every replica,
+ * then this stage's share of the norm, and on the last stage the losses. */
 static nl_status finish_step(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_error *err)
 {
     stage_train *t = s->train;
-    const double sumsq = nl_trainer_grad_sumsq(t->tr);
+    if (t->R > 1) {
+        float *grads[NL_COMM_MAX];
+        for (int r = 0; r < t->R; r++)
+            grads[r] = nl_trainer_grads(t->rep[r].tr);
+        nl_status st = nl_comm_allreduce_sum(s->comm, grads, s->model->n_params, err);
+        if (st != NL_OK)
+            return nl_error_prefix(err, "the gradients of %d replicas", t->R);
+    }
+    const double sumsq = nl_trainer_grad_sumsq(t->rep[0].tr);
     t->finished = 1;
     nl_wire_msg_reset(&t->tx, NL_MSG_GRAD_NORM);
     t->tx.u.grad_norm = (nl_msg_grad_norm){t->job, t->begun, (uint32_t)s->stage_idx,
@@ -257,17 +347,31 @@ static nl_status finish_step(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_e
 
 /* ===================== running a hop ===================== */
 
+/* The replica that runs microbatch mb, and its activation slot there. */
+static replica *replica_of(stage_train *t, uint32_t mb)
+{
+    return &t->rep[mb % (uint32_t)t->R];
+}
+
+static int slot_of(const stage_train *t, uint32_t mb)
+{
+    return (int)(mb / (uint32_t)t->R % (uint32_t)t->rslots);
+}
+
 static void begin(stage_train *t, uint64_t step)
 {
-    nl_trainer_begin_step(t->tr, (int64_t)t->M * (int64_t)t->rows);
+    for (int r = 0; r < t->R; r++)
+        nl_trainer_begin_step(t->rep[r].tr, (int64_t)t->M * (int64_t)t->rows);
     t->begun = step;
     t->counted = t->fwd = t->bwd = 0;
     t->finished = 0;
     t->ce = t->aux = 0.0;
 }
 
-/* The input of a hop: host tokens (first stage) or device hidden states. */
-static void hop_input(nl_stage *s, const hop_in *h, const int32_t **tokens, const float **x)
+/* The input of a hop on replica p: host tokens (first stage) or hidden
+ * states in p's memory. */
+static void hop_input(nl_stage *s, replica *p, const hop_in *h, const int32_t **tokens,
+                      const float **x)
 {
     stage_train *t = s->train;
     *tokens = NULL;
@@ -275,18 +379,20 @@ static void hop_input(nl_stage *s, const hop_in *h, const int32_t **tokens, cons
     if (s->model->has_embed)
         *tokens = h->x;
     else
-        *x = nl_backend_device_view(s->be, t->x_d, h->x, t->rows * t->d * sizeof(float));
+        *x = nl_backend_device_view(p->be, p->x_d, h->x, t->rows * t->d * sizeof(float));
 }
 
-/* Backward of the microbatch in `slot` and its gradient upstream. */
-static nl_status backward(nl_stage *s, int slot, const float *dy, uint64_t step, uint32_t mb,
+/* Backward of microbatch mb (dy in the memory of its replica) and its
+ * gradient upstream. */
+static nl_status backward(nl_stage *s, const float *dy, uint64_t step, uint32_t mb,
                           nl_stage_send_fn send, void *ctx, nl_error *err)
 {
     stage_train *t = s->train;
-    nl_status st = nl_trainer_backward(t->tr, slot, dy, err);
+    replica *p = replica_of(t, mb);
+    nl_status st = nl_trainer_backward(p->tr, slot_of(t, mb), dy, err);
     if (st == NL_OK && !s->model->has_embed)
-        st = send_hop(s, send, ctx, NL_MSG_GRADIENT, step, mb, 0.0, nl_trainer_input_grad(t->tr),
-                      NULL, err);
+        st = send_hop(s, send, ctx, NL_MSG_GRADIENT, step, mb, 0.0, p->be,
+                      nl_trainer_input_grad(p->tr), NULL, err);
     if (st != NL_OK)
         return st;
     t->bwd++;
@@ -304,74 +410,105 @@ static bool runnable(const stage_train *t, const hop_in *h)
     return (t->M == 1 || t->counted == t->M) && t->fwd - t->bwd < t->slots && t->fwd < t->M;
 }
 
+/* The counting pass is complete: the replicas' route counts added up
+ * (exact integers), and every replica uses the batch's shares. */
+static void use_counts(nl_stage *s)
+{
+    stage_train *t = s->train;
+    const size_t n = (size_t)(s->model->l1 - s->model->l0) * (size_t)s->model->cfg.num_experts;
+    int64_t *sum = nl_trainer_route_counts(t->rep[0].tr);
+    for (int r = 1; r < t->R; r++) {
+        const int64_t *c = nl_trainer_route_counts(t->rep[r].tr);
+        for (size_t i = 0; i < n; i++)
+            sum[i] += c[i];
+    }
+    for (int r = 1; r < t->R; r++)
+        memcpy(nl_trainer_route_counts(t->rep[r].tr), sum, n * sizeof *sum);
+    for (int r = 0; r < t->R; r++)
+        nl_trainer_use_counts(t->rep[r].tr);
+}
+
+/* An evaluation hop: a forward on replica 0, as inference. */
+static nl_status run_eval(nl_stage *s, const hop_in *h, nl_stage_send_fn send, void *ctx,
+                          nl_error *err)
+{
+    stage_train *t = s->train;
+    replica *p = &t->rep[0];
+    const int32_t *tokens;
+    const float *x;
+    double ce = 0.0;
+    hop_input(s, p, h, &tokens, &x);
+    if (h->mb % (uint32_t)t->M == 0) { /* a new held-out batch, as local evaluation */
+        nl_trainer_begin_step(p->tr, (int64_t)t->M * (int64_t)t->rows);
+        t->begun = 0;
+    }
+    nl_status st =
+        nl_trainer_forward(p->tr, 0, t->mbB, t->T, tokens, x, h->targets, &ce, NULL, err);
+    if (st == NL_OK && !s->model->has_head)
+        st = send_hop(s, send, ctx, NL_MSG_EVAL, h->step, h->mb, 0.0, p->be,
+                      nl_trainer_output(p->tr, 0), h->targets, err);
+    if (st != NL_OK)
+        return st;
+    t->eval_ce += ce;
+    if (++t->evals < t->eval_hops)
+        return NL_OK;
+    if (!s->model->has_head) {
+        t->evals = 0;
+        return NL_OK;
+    }
+    nl_wire_msg_reset(&t->tx, NL_MSG_LOSS);
+    t->tx.u.loss =
+        (nl_msg_loss){t->job, h->step, true, t->eval_ce, 0.0, (uint64_t)t->evals * t->rows};
+    t->evals = 0;
+    t->eval_ce = 0.0;
+    return send(ctx, NL_STAGE_TO_COORD, &t->tx, err);
+}
+
 static nl_status run_hop(nl_stage *s, const hop_in *h, nl_stage_send_fn send, void *ctx,
                          nl_error *err)
 {
     stage_train *t = s->train;
     nl_model *m = s->model;
+    if (h->type == NL_MSG_EVAL)
+        return run_eval(s, h, send, ctx, err);
+    replica *p = replica_of(t, h->mb);
     const int32_t *tokens;
     const float *x;
     nl_status st = NL_OK;
-    hop_input(s, h, &tokens, &x);
+    hop_input(s, p, h, &tokens, &x);
     if (h->type == NL_MSG_COUNT) {
         if (t->begun != h->step)
             begin(t, h->step);
-        st = nl_trainer_count_routes(t->tr, t->mbB, t->T, tokens, x, err);
+        st = nl_trainer_count_routes(p->tr, t->mbB, t->T, tokens, x, err);
         if (st == NL_OK && !m->has_head)
-            st = send_hop(s, send, ctx, NL_MSG_COUNT, h->step, h->mb, 0.0,
-                          nl_trainer_count_output(t->tr), NULL, err);
+            st = send_hop(s, send, ctx, NL_MSG_COUNT, h->step, h->mb, 0.0, p->be,
+                          nl_trainer_count_output(p->tr), NULL, err);
         if (st == NL_OK && ++t->counted == t->M)
-            nl_trainer_use_counts(t->tr);
+            use_counts(s);
         return st;
-    }
-    if (h->type == NL_MSG_EVAL) {
-        double ce = 0.0;
-        if (h->mb % (uint32_t)t->M == 0) { /* a new held-out batch, as local evaluation */
-            nl_trainer_begin_step(t->tr, (int64_t)t->M * (int64_t)t->rows);
-            t->begun = 0;
-        }
-        st = nl_trainer_forward(t->tr, 0, t->mbB, t->T, tokens, x, h->targets, &ce, NULL, err);
-        if (st == NL_OK && !m->has_head)
-            st = send_hop(s, send, ctx, NL_MSG_EVAL, h->step, h->mb, 0.0,
-                          nl_trainer_output(t->tr, 0), h->targets, err);
-        if (st != NL_OK)
-            return st;
-        t->eval_ce += ce;
-        if (++t->evals < t->eval_hops)
-            return NL_OK;
-        if (!m->has_head) {
-            t->evals = 0;
-            return NL_OK;
-        }
-        nl_wire_msg_reset(&t->tx, NL_MSG_LOSS);
-        t->tx.u.loss =
-            (nl_msg_loss){t->job, h->step, true, t->eval_ce, 0.0, (uint64_t)t->evals * t->rows};
-        t->evals = 0;
-        t->eval_ce = 0.0;
-        return send(ctx, NL_STAGE_TO_COORD, &t->tx, err);
     }
     /* a training forward */
     if (t->begun != h->step)
         begin(t, h->step);
-    const int slot = (int)(h->mb % (uint32_t)t->slots);
+    const int slot = slot_of(t, h->mb);
     double ce = 0.0, a = 0.0;
     if (s->o.inject_nan_step > 0 && h->step == (uint64_t)s->o.inject_nan_step && t->fwd == 0 &&
         (s->o.inject_nan_stage < 0 || s->o.inject_nan_stage == s->stage_idx)) {
         NL_WARN("test hook: a NaN goes into this stage's gradient at step %llu",
                 (unsigned long long)h->step);
-        nl_trainer_inject_nan(t->tr);
+        nl_trainer_inject_nan(p->tr);
     }
-    st = nl_trainer_forward(t->tr, slot, t->mbB, t->T, tokens, x, m->has_head ? h->targets : NULL,
+    st = nl_trainer_forward(p->tr, slot, t->mbB, t->T, tokens, x, m->has_head ? h->targets : NULL,
                             &ce, &a, err);
     if (st != NL_OK)
         return st;
     t->fwd++;
     if (!m->has_head)
-        return send_hop(s, send, ctx, NL_MSG_ACTIVATION, h->step, h->mb, h->aux + a,
-                        nl_trainer_output(t->tr, slot), h->targets, err);
+        return send_hop(s, send, ctx, NL_MSG_ACTIVATION, h->step, h->mb, h->aux + a, p->be,
+                        nl_trainer_output(p->tr, slot), h->targets, err);
     t->ce += ce;
     t->aux += h->aux + a;
-    return backward(s, slot, NULL, h->step, h->mb, send, ctx, err);
+    return backward(s, NULL, h->step, h->mb, send, ctx, err);
 }
 
 /* Run the queued hops that can run now, in order. */
@@ -482,9 +619,9 @@ static nl_status on_gradient(nl_stage *s, const nl_wire_msg *m, nl_stage_send_fn
         return nl_error_set(err, NL_ERR_SHAPE, "GRADIENT: the frame must be F32 [%d, %d, %zu]",
                             t->mbB, t->T, t->d);
     /* frames need not be aligned: the view copies those into x_d */
-    const float *dy = nl_backend_device_view(s->be, t->x_d, g->data, m->frames[0].len);
-    const int slot = (int)(hop->microbatch % (uint32_t)t->slots);
-    nl_status st = backward(s, slot, dy, hop->step, hop->microbatch, send, ctx, err);
+    replica *p = replica_of(t, hop->microbatch);
+    const float *dy = nl_backend_device_view(p->be, p->x_d, g->data, m->frames[0].len);
+    nl_status st = backward(s, dy, hop->step, hop->microbatch, send, ctx, err);
     if (st != NL_OK)
         return nl_error_prefix(err, "job %llu step %llu microbatch %u", (unsigned long long)t->job,
                                (unsigned long long)hop->step, hop->microbatch);
@@ -500,8 +637,9 @@ static nl_status on_step(nl_stage *s, const nl_msg_step *p, nl_stage_send_fn sen
                             (unsigned long long)p->step,
                             t->finished ? "has finished" : "has not finished",
                             (unsigned long long)t->applied + 1);
-    if (p->apply)
-        nl_trainer_step(t->tr, (float)p->lr, (float)p->clip_scale, nl_adamw_defaults());
+    /* every replica: the same update of the same weights with the same gradients */
+    for (int r = 0; p->apply && r < t->R; r++)
+        nl_trainer_step(t->rep[r].tr, (float)p->lr, (float)p->clip_scale, nl_adamw_defaults());
     t->applied = (int64_t)p->step;
     t->finished = 0;
     t->counted = t->fwd = t->bwd = 0;
@@ -547,12 +685,14 @@ static nl_status on_ckpt(nl_stage *s, const nl_msg_ckpt_req *r, nl_stage_send_fn
     snprintf(path, sizeof path, "%s/stage-%d.safetensors", r->dir, s->stage_idx);
     /* where this shard was trained; the coordinator copies it into the
      * manifest (the backend's name is "cpu", "cpu-devsim" or "cuda:N") */
-    char where[128];
-    snprintf(where, sizeof where, "{\"device\":\"%.64s\",\"tf32\":%s}", s->be->name,
-             s->o.tf32 ? "true" : "false");
-    nl_ckpt_extra ex = {.m = nl_trainer_moment(t->tr, 0),
-                        .v = nl_trainer_moment(t->tr, 1),
-                        .adam_steps = nl_trainer_adam_steps(t->tr),
+    char where[160], reps[32] = "";
+    if (t->R > 1) /* data-parallel replicas round the gradients' sum differently */
+        snprintf(reps, sizeof reps, ",\"replicas\":%d", t->R);
+    snprintf(where, sizeof where, "{\"device\":\"%.64s\",\"tf32\":%s%s}", s->be->name,
+             s->o.tf32 ? "true" : "false", reps);
+    nl_ckpt_extra ex = {.m = nl_trainer_moment(t->rep[0].tr, 0),
+                        .v = nl_trainer_moment(t->rep[0].tr, 1),
+                        .adam_steps = nl_trainer_adam_steps(t->rep[0].tr),
                         .train_json = where};
     if ((st = nl_checkpoint_save(s->model, path, (int64_t)r->step, &ex, err)) != NL_OK)
         return st == NL_ERR_NOTFOUND ? nl_error_set(err, NL_ERR_IO, "%s", err->msg) : st;

@@ -12,7 +12,12 @@
  *  - evaluation through the pipeline equals the local held-out loss;
  *  - the guard: a NaN in one stage's gradient skips the step everywhere;
  *  - refusals: hops of a wrong shape, step or job, a GRADIENT out of
- *    order, a CKPT_REQ outside --checkpoint-root. */
+ *    order, a CKPT_REQ outside --checkpoint-root;
+ *  - data-parallel replicas (nl_stage_new_replicas, 2 and 3 backends of
+ *    NL_TEST_DEVICE per stage, host all-reduce): the same pipeline and
+ *    batches give every step's loss and gradient norm within 1e-6 of the
+ *    single-replica run (and the local one within 1e-5), with 1F1B, one
+ *    microbatch (an idle replica), recompute and the NaN guard. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,7 +34,9 @@
 #define NST 3
 #define MAXQ 4096
 
-static nl_backend *be;
+#define MAXREP 3
+
+static nl_backend *be, *rbe[MAXREP]; /* rbe[0] == be: the replicas' backends */
 static nl_config cfg;
 static char *cfg_json;
 
@@ -53,7 +60,8 @@ typedef struct fifo {
 static fifo stage_q[NST][Q_KINDS], coord_q;
 static nl_stage *stages[NST];
 static int ctx_idx[NST];
-static nl_rng rng;
+static nl_rng rng;      /* the order of deliveries */
+static nl_rng data_rng; /* the batches: the same for every run of parity() */
 
 static void push(fifo *f, nl_wire_msg *m)
 {
@@ -142,7 +150,8 @@ static void pump(int nst)
 
 /* ---- the stages ---- */
 
-static void make_stages(int nst, const int *bounds, int64_t inject_step, int inject_stage)
+static void make_stages(int nst, const int *bounds, int64_t inject_step, int inject_stage,
+                        int replicas)
 {
     nl_error err;
     for (int s = 0; s < nst; s++) {
@@ -152,7 +161,7 @@ static void make_stages(int nst, const int *bounds, int64_t inject_step, int inj
                            .ckpt_root = "/nonexistent-root",
                            .inject_nan_step = inject_step,
                            .inject_nan_stage = inject_stage};
-        CHECK_OK(nl_stage_new(&stages[s], be, &o, &err), &err);
+        CHECK_OK(nl_stage_new_replicas(&stages[s], rbe, replicas, NULL, &o, &err), &err);
         nl_msg_assign a = {.epoch = 1,
                            .node_id = 1,
                            .stage = (uint32_t)s,
@@ -253,22 +262,26 @@ static void read_reports(coord_step *cs, uint64_t step)
 static void random_batch(int32_t *tok, int32_t *tgt, int n)
 {
     for (int i = 0; i < n; i++) {
-        tok[i] = (int32_t)nl_rng_below(&rng, (uint64_t)cfg.vocab_size);
-        tgt[i] = (int32_t)nl_rng_below(&rng, (uint64_t)cfg.vocab_size);
+        tok[i] = (int32_t)nl_rng_below(&data_rng, (uint64_t)cfg.vocab_size);
+        tgt[i] = (int32_t)nl_rng_below(&data_rng, (uint64_t)cfg.vocab_size);
     }
 }
 
-/* Train `steps` steps of B x T in M microbatches on NST stages and on the
- * whole model in one process; compare. inject: 1-based step with a NaN on
- * stage 1 (0: none). */
-static void parity(int B, int T, int M, int steps, int64_t inject, bool recompute)
+/* Train `steps` steps of B x T in M microbatches on NST stages of
+ * `replicas` replicas each and on the whole model in one process; compare.
+ * inject: 1-based step with a NaN on stage 1 (0: none). The pipeline's
+ * loss and gradient norm of each step go to losses[] and norms[] (NaN when
+ * skipped; may be NULL). */
+static void parity(int B, int T, int M, int steps, int64_t inject, bool recompute, int replicas,
+                   double *losses, double *norms)
 {
     nl_error err;
     const int bounds[NST + 1] = {0, 1, 2, 3};
     const int mbB = B / M, rows = mbB * T;
     const uint64_t job = 42;
     const float lr = 3e-3f;
-    make_stages(NST, bounds, inject, 1);
+    nl_rng_seed(&data_rng, 1234, 0);
+    make_stages(NST, bounds, inject, 1, replicas);
     begin_job(NST, job, mbB, T, M, M, recompute);
     nl_model *whole = NULL;
     nl_trainer *tr = NULL;
@@ -297,6 +310,10 @@ static void parity(int B, int T, int M, int steps, int64_t inject, bool recomput
               cs.have_loss);
         const double loss = cs.ce / ((double)B * T) + cfg.aux_loss_coef * cs.aux;
         const int skip = !isfinite(loss) || !isfinite(cs.sumsq);
+        if (losses)
+            losses[step - 1] = skip ? NAN : loss;
+        if (norms)
+            norms[step - 1] = skip ? NAN : sqrt(cs.sumsq);
         CHECK(skip == r.skipped, "step %d: skipped %d here, %d locally", step, skip, r.skipped);
         if (!skip) {
             const double rel = fabs(loss - r.loss) / fabs(r.loss);
@@ -350,8 +367,9 @@ static void parity(int B, int T, int M, int steps, int64_t inject, bool recomput
             CHECK(e < 1e-5, "%s: relative error %g", p->name, e);
         }
     }
-    printf("parity M=%d%s%s: worst loss rel err %.2e, weights %.2e\n", M,
-           inject ? " (NaN injected)" : "", recompute ? " (recompute)" : "", worst, wrst);
+    printf("parity M=%d%s%s, %d replica%s: worst loss rel err %.2e, weights %.2e\n", M,
+           inject ? " (NaN injected)" : "", recompute ? " (recompute)" : "", replicas,
+           replicas == 1 ? "" : "s", worst, wrst);
     free(tok);
     free(tgt);
     nl_trainer_destroy(&tr);
@@ -364,7 +382,7 @@ static void refusals(void)
     nl_error err;
     const int bounds[NST + 1] = {0, 1, 2, 3};
     const uint64_t job = 5;
-    make_stages(NST, bounds, 0, -1);
+    make_stages(NST, bounds, 0, -1, 1);
     begin_job(NST, job, 2, 4, 2, 0, false);
     int32_t tok[12] = {0}, tgt[12] = {0};
     nl_wire_msg m;
@@ -451,6 +469,32 @@ static void refusals(void)
     free_stages(NST);
 }
 
+/* The same pipeline and batches on 1 and on `replicas` replicas per stage:
+ * every step's loss and gradient norm within 1e-6 (relative). */
+static void replicas_agree(int B, int T, int M, int steps, int64_t inject, bool recompute,
+                           int replicas)
+{
+    double l1[8], n1[8], lr[8], nr[8];
+    parity(B, T, M, steps, inject, recompute, 1, l1, n1);
+    parity(B, T, M, steps, inject, recompute, replicas, lr, nr);
+    double worst = 0.0;
+    for (int i = 0; i < steps; i++) {
+        CHECK(isnan(l1[i]) == isnan(lr[i]), "step %d: skipped with 1 replica %d, with %d %d", i + 1,
+              isnan(l1[i]), replicas, isnan(lr[i]));
+        if (isnan(l1[i]) || isnan(lr[i]))
+            continue;
+        const double el = fabs(lr[i] - l1[i]) / fabs(l1[i]), en = fabs(nr[i] - n1[i]) / n1[i];
+        worst = el > worst ? el : worst;
+        worst = en > worst ? en : worst;
+        CHECK(el <= 1e-6, "step %d, %d replicas: loss %.9g vs %.9g with one (%.2e)", i + 1,
+              replicas, lr[i], l1[i], el);
+        CHECK(en <= 1e-6, "step %d, %d replicas: gradient norm %.9g vs %.9g with one (%.2e)", i + 1,
+              replicas, nr[i], n1[i], en);
+    }
+    printf("replicas M=%d%s%s: %d replicas against 1, worst relative difference %.2e\n", M,
+           inject ? " (NaN injected)" : "", recompute ? " (recompute)" : "", replicas, worst);
+}
+
 int main(void)
 {
     nl_error err;
@@ -470,13 +514,23 @@ int main(void)
     CHECK_OK(nl_config_validate(&cfg, 1, &err), &err);
     cfg_json = nl_config_to_json(&cfg);
     CHECK_OK(check_backend_new(&be, 2, &err), &err);
-    if (be && cfg_json) {
-        parity(8, 8, 4, 5, 0, false);
-        parity(4, 8, 1, 3, 0, false);
-        parity(8, 8, 4, 3, 0, true);  /* per-layer recompute on every stage */
-        parity(8, 8, 4, 4, 2, false); /* the guard */
+    rbe[0] = be;
+    for (int r = 1; r < MAXREP; r++)
+        CHECK_OK(check_backend_new(&rbe[r], 2, &err), &err);
+    if (be && rbe[MAXREP - 1] && cfg_json) {
+        parity(8, 8, 4, 5, 0, false, 1, NULL, NULL);
+        parity(4, 8, 1, 3, 0, false, 1, NULL, NULL);
+        parity(8, 8, 4, 3, 0, true, 1, NULL, NULL);  /* per-layer recompute on every stage */
+        parity(8, 8, 4, 4, 2, false, 1, NULL, NULL); /* the guard */
         refusals();
+        replicas_agree(8, 8, 4, 5, 0, false, 2);
+        replicas_agree(12, 8, 6, 4, 0, false, 3); /* uneven shares: 2, 2, 2 of 6; slots 3 of 3 */
+        replicas_agree(8, 8, 4, 3, 0, true, 3);   /* 2, 1, 1 of 4 with recompute */
+        replicas_agree(4, 8, 1, 3, 0, false, 2);  /* one microbatch: replica 1 idle */
+        replicas_agree(8, 8, 4, 4, 2, false, 2);  /* the guard on a replica's gradients */
     }
+    for (int r = MAXREP - 1; r >= 1; r--)
+        nl_backend_destroy(&rbe[r]);
     nl_backend_destroy(&be);
     free(cfg_json);
     return check_done("test_stage_train");

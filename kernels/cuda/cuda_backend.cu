@@ -43,6 +43,7 @@ extern "C" {
 #include "cuda_attention.h"
 #include "cuda_attention_bwd.h"
 #include "cuda_backward.h"
+#include "cuda_comm.h"
 #include "cuda_moe.h"
 #include "cuda_ops.h"
 
@@ -756,6 +757,18 @@ void fill_table(nl_backend *be)
 }
 
 } // namespace
+
+/* ---------------------------------------------------------------- inside the module */
+
+bool nl_cuda_backend_queue(nl_backend *be, int *device, cudaStream_t *stream)
+{
+    if (!be || be->destroy != cu_destroy)
+        return false;
+    const cuda_ctx *c = ctx_of(be);
+    *device = c->device;
+    *stream = c->stream;
+    return true;
+}
 
 /* ---------------------------------------------------------------- entry points */
 
