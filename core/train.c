@@ -286,21 +286,24 @@ nl_status nl_trainer_count_routes(nl_trainer *t, int B, int T, const int32_t *to
     return NL_OK;
 }
 
-void nl_trainer_use_counts(nl_trainer *t)
+int64_t *nl_trainer_route_counts(nl_trainer *t)
+{
+    const size_t n = (size_t)t->n_layers * t->m->cfg.num_experts;
+    t->be->download(t->be, t->counts, t->counts_d, n * sizeof *t->counts);
+    return t->counts;
+}
+
+void nl_trainer_use_counts(nl_trainer *t, const int64_t *counts)
 {
     const int E = t->m->cfg.num_experts, k = t->m->cfg.top_k;
     const size_t n = (size_t)t->n_layers * E;
     /* one download per step: every layer's counts of every microbatch */
-    t->be->download(t->be, t->counts, t->counts_d, n * sizeof *t->counts);
+    if (!counts)
+        counts = nl_trainer_route_counts(t);
     for (size_t i = 0; i < n; i++)
-        t->global_frac[i] = (float)((double)t->counts[i] / ((double)t->batch_rows * k));
+        t->global_frac[i] = (float)((double)counts[i] / ((double)t->batch_rows * k));
     t->be->upload(t->be, t->global_frac_d, t->global_frac, n * sizeof *t->global_frac);
     t->use_global = 1;
-}
-
-int64_t *nl_trainer_route_counts(nl_trainer *t)
-{
-    return t->counts;
 }
 
 const float *nl_trainer_count_output(const nl_trainer *t)
@@ -482,7 +485,7 @@ nl_status nl_trainer_step_local(nl_trainer *t, const int32_t *tokens, const int3
             st = nl_trainer_count_routes(t, mb, T, tokens + j * rows, NULL, err);
         if (st != NL_OK)
             return st;
-        nl_trainer_use_counts(t);
+        nl_trainer_use_counts(t, NULL);
     }
     for (int j = 0; j < M && st == NL_OK; j++) {
         st = nl_trainer_forward(t, 0, mb, T, tokens + j * rows, NULL, targets + j * rows, &ce,

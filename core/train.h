@@ -52,18 +52,20 @@ void nl_trainer_begin_step(nl_trainer *t, int64_t batch_rows);
 /* Counting pass for one microbatch (forward only, nothing kept): add this
  * microbatch's expert assignments to the step's counts, which add up on
  * the device. Input as for nl_trainer_forward. After all microbatches,
- * nl_trainer_use_counts reads them (one download, one upload of the
- * shares) and makes the following forwards use the batch's shares.
+ * nl_trainer_use_counts makes the following forwards use the batch's
+ * shares (one download of the counts, one upload of the shares).
  * Routing never waits for the host: a forward's host synchronisations are
  * its input uploads (tokens or none, positions, targets), the aux loss's
  * one download when *aux is asked for and the losses' download; a
  * backward's are its position uploads; none depends on the layer count. */
 nl_status nl_trainer_count_routes(nl_trainer *t, int B, int T, const int32_t *tokens,
                                   const float *x_in, nl_error *err);
-void nl_trainer_use_counts(nl_trainer *t);
-/* The step's route counts so far (host, n_layers x num_experts, owned by
- * the trainer): data-parallel replicas of a stage, each counting its own
- * microbatches, add theirs into one another before nl_trainer_use_counts. */
+/* counts NULL: this trainer's own counts, read from the device. Data-
+ * parallel replicas of a stage, each counting its own microbatches, pass
+ * the sum of theirs (n_layers x num_experts, from nl_trainer_route_counts). */
+void nl_trainer_use_counts(nl_trainer *t, const int64_t *counts);
+/* The step's route counts so far, read from the device into a host array
+ * (n_layers x num_experts) owned by the trainer. */
 int64_t *nl_trainer_route_counts(nl_trainer *t);
 /* Output of the last counting pass (device, (B*T, d)) for the next stage. */
 const float *nl_trainer_count_output(const nl_trainer *t);

@@ -422,10 +422,8 @@ static void use_counts(nl_stage *s)
         for (size_t i = 0; i < n; i++)
             sum[i] += c[i];
     }
-    for (int r = 1; r < t->R; r++)
-        memcpy(nl_trainer_route_counts(t->rep[r].tr), sum, n * sizeof *sum);
     for (int r = 0; r < t->R; r++)
-        nl_trainer_use_counts(t->rep[r].tr);
+        nl_trainer_use_counts(t->rep[r].tr, sum);
 }
 
 /* An evaluation hop: a forward on replica 0, as inference. */

@@ -279,7 +279,7 @@ static void test_syncs(nl_backend *be)
             nl_trainer_begin_step(t, 2 * B * T);
             s = be->stats.host_syncs;
             COUNTED(0, CHECK_OK(nl_trainer_count_routes(t, B, T, tok, NULL, &err), &err));
-            COUNTED(1, nl_trainer_use_counts(t));
+            COUNTED(1, nl_trainer_use_counts(t, NULL));
             COUNTED(2, CHECK_OK(nl_trainer_forward(t, 0, B, T, tok, NULL, tgt, &ce, &aux, &err),
                                 &err));
             COUNTED(3, CHECK_OK(nl_trainer_forward(t, 0, B, T, tok, NULL, tgt, &ce, NULL, &err),
