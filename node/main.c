@@ -51,6 +51,9 @@ static void help(FILE *f, const nl_flag *flags)
             "or device, no CUDA backend in this build) or that fails while serving ends the\n"
             "node with status 1 and the device's error. A device whose backend cannot\n"
             "train refuses training jobs; each fails with that reason.\n"
+            "Checkpoint shards are written only under --checkpoint-root (resolved, links\n"
+            "followed, so a link inside it cannot lead out), by default <state-dir>/checkpoints;\n"
+            "a node with neither refuses checkpoint requests. Files are 0600, directories 0700.\n"
             "Exit status: 0 stopped, 1 failed, 2 usage error.\n");
 }
 
@@ -104,7 +107,15 @@ static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypa
     o->name = nl_args_get(flags, "name");
     o->device = nl_args_get(flags, "device") ? nl_args_get(flags, "device") : "cpu";
     o->kv_budget = 256ULL << 20;
+    /* checkpoint shards: under --checkpoint-root, else <state-dir>/checkpoints,
+     * else nowhere (CKPT_REQ refused) */
+    static char state_root[1100];
+    const char *state_dir = nl_args_get(flags, "state-dir");
     o->ckpt_root = nl_args_get(flags, "checkpoint-root");
+    if (!o->ckpt_root && state_dir) {
+        snprintf(state_root, sizeof state_root, "%s/checkpoints", state_dir);
+        o->ckpt_root = state_root;
+    }
     /* test hooks: NL_TEST_INJECT_NAN_STEP=K puts a NaN into the gradient of
      * step index K (0-based, as neuroctl train's hook), on the stage
      * NL_TEST_INJECT_NAN_STAGE (default: every stage) */
@@ -207,8 +218,8 @@ int main(int argc, char **argv)
         {"log-level", 1, "debug, info, warn, error or off (default info)", NULL},
         {"connect-timeout", 1, "SECONDS: keep trying the coordinator this long (default 30)", NULL},
         {"checkpoint-root", 1,
-         "DIR: training checkpoint shards may only be written under it (default: any absolute "
-         "path the coordinator names)",
+         "DIR: training checkpoint shards may only be written under it (default: "
+         "<state-dir>/checkpoints; without either, none are written)",
          NULL},
         {"plaintext", 0, "INSECURE: no CURVE encryption or authentication (debugging only)", NULL},
         {NULL, 0, NULL, NULL}};

@@ -2,6 +2,8 @@
  * control and data messages to the stage (see node.h and docs/cluster.md). */
 #include "node.h"
 
+#include <errno.h>
+#include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,6 +12,7 @@
 #include <unistd.h>
 
 #include "../base/log.h"
+#include "../core/fileio.h"
 #include "../kernels/backend.h"
 #include "../net/transport.h"
 #include "node_impl.h"
@@ -35,6 +38,7 @@ typedef struct node {
     int threads;
     uint64_t memory;          /* offered: --memory, or a GPU's free memory less the reserve */
     uint64_t last_failed_job; /* the last job fail_job reported */
+    char *ckpt_root;          /* --checkpoint-root, resolved; NULL: no checkpoints here */
     uint32_t node_id;
     uint32_t heartbeat_ms, timeout_ms;
     uint64_t hb_seq;
@@ -282,16 +286,36 @@ static nl_status open_device(node *n, nl_error *err)
 
 /* ===================== starting ===================== */
 
+/* The checkpoint root, made (0700) when missing and resolved. */
+static nl_status open_ckpt_root(node *n, nl_error *err)
+{
+    char real[PATH_MAX];
+    const char *root = n->o->ckpt_root;
+    if (!root)
+        return NL_OK;
+    nl_status st = nl_file_mkdirs(root, err);
+    if (st != NL_OK)
+        return nl_error_prefix(err, "--checkpoint-root");
+    if (!realpath(root, real))
+        return nl_error_set(err, NL_ERR_IO, "--checkpoint-root %s: %s", root, strerror(errno));
+    if (!(n->ckpt_root = strdup(real)))
+        return nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+    NL_INFO("checkpoint shards go under %s", n->ckpt_root);
+    return NL_OK;
+}
+
 static nl_status start(node *n, nl_error *err)
 {
     const nl_node_opts *o = n->o;
-    nl_status st = open_device(n, err);
+    nl_status st = open_ckpt_root(n, err);
+    if (st == NL_OK)
+        st = open_device(n, err);
     if (st != NL_OK)
         return st;
     nl_stage_opts so = {.memory_bytes = n->memory,
                         .kv_budget = o->kv_budget,
                         .send_wait_ms = 1, /* wait_sent waited already */
-                        .ckpt_root = o->ckpt_root,
+                        .ckpt_root = n->ckpt_root ? n->ckpt_root : "/nonexistent",
                         .inject_nan_step = o->inject_nan_step,
                         .inject_nan_stage = o->inject_nan_stage,
                         .tf32 = o->tf32};
@@ -644,6 +668,20 @@ static nl_status train_send_to(node *n, nl_stage_dest to, nl_wire_msg *m, nl_err
     return st == NL_OK ? st : nl_error_prefix(err, "cannot reach the next stage at %s", n->next_ep);
 }
 
+/* CKPT_REQ.dir confined to the node's checkpoint root (resolved, links
+ * followed, missing directories made 0700): *out is the real directory,
+ * malloc'd. Without a root the node writes no checkpoints. */
+static nl_status ckpt_dir(node *n, const char *dir, char **out, nl_error *err)
+{
+    *out = NULL;
+    if (!n->ckpt_root)
+        return nl_error_set(err, NL_ERR_AUTH,
+                            "CKPT_REQ: this node has no --checkpoint-root (nor --state-dir): it "
+                            "writes no checkpoints");
+    nl_status st = nl_path_confine(n->ckpt_root, dir, out, err);
+    return st == NL_OK ? st : nl_error_prefix(err, "CKPT_REQ under --checkpoint-root");
+}
+
 /* A training message from any socket: the stage runs what it can. */
 static void handle_train(node *n, const nl_wire_msg *m)
 {
@@ -660,7 +698,16 @@ static void handle_train(node *n, const nl_wire_msg *m)
     }
     uint64_t job = 0;
     nl_stage_train_running(n->stage, &job);
-    nl_status st = nl_stage_train_input(n->stage, m, train_send, n, &e);
+    char *real = NULL;
+    nl_status st = NL_OK;
+    if (m->type == NL_MSG_CKPT_REQ && (st = ckpt_dir(n, m->u.ckpt_req.dir, &real, &e)) == NL_OK) {
+        nl_wire_msg req = *m; /* the stage writes into the real directory */
+        req.u.ckpt_req.dir = real;
+        st = nl_stage_train_input(n->stage, &req, train_send, n, &e);
+    } else if (st == NL_OK) {
+        st = nl_stage_train_input(n->stage, m, train_send, n, &e);
+    }
+    free(real);
     clock_gettime(CLOCK_MONOTONIC, &b);
     const double ms = (double)(b.tv_sec - a.tv_sec) * 1e3 + (double)(b.tv_nsec - a.tv_nsec) / 1e6;
     n->busy_ms += ms;
@@ -907,5 +954,6 @@ nl_status nl_node_run(const nl_node_opts *o, nl_error *err)
     nl_stage_destroy(&n.stage);
     nl_backend_destroy(&n.be);
     nl_wire_msg_free(&n.tx);
+    free(n.ckpt_root);
     return st;
 }

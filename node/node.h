@@ -43,7 +43,8 @@ typedef struct nl_node_opts {
     uint64_t kv_budget;          /* KV caches of all sessions */
     int threads;                 /* backend threads; 0 = all cores */
     int connect_timeout_ms;      /* keep trying the coordinator this long */
-    const char *ckpt_root;       /* checkpoint shards only under this directory; NULL: anywhere */
+    const char *ckpt_root;       /* checkpoint shards only under this directory (made and
+                                  * resolved at the start; "/" admits any); NULL: none written */
     int64_t inject_nan_step;     /* test hook (NL_TEST_INJECT_NAN_STEP): 1-based step, 0 never */
     int inject_nan_stage;        /* ... on this stage only (-1 any) */
     int inject_device_fail;      /* test hook (NL_TEST_DEVICE_FAIL): the device's K-th check
