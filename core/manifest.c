@@ -645,6 +645,113 @@ nl_status nl_manifest_verify(const nl_manifest *m, nl_error *err)
     return NL_OK;
 }
 
+/* Read shard i whole into memory, hashing the very bytes read, and check
+ * its size and hash against the manifest: the copy is what was verified. */
+static nl_status read_verified(const nl_manifest_shard *s, uint8_t **out, nl_error *err)
+{
+    enum { CHUNK = 1 << 20 };
+    uint8_t *buf = NULL, digest[crypto_hash_sha256_BYTES];
+    char hex[65];
+    crypto_hash_sha256_state h;
+    struct stat sb;
+    nl_status st = NL_OK;
+    uint64_t got = 0;
+    *out = NULL;
+    pthread_once(&sodium_once, sodium_start);
+    if (!sodium_ready)
+        return nl_error_set(err, NL_ERR_INTERNAL, "libsodium failed to initialise");
+    int fd = open(s->path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return nl_error_set(err, errno == ENOENT ? NL_ERR_NOTFOUND : NL_ERR_IO,
+                            "shard %s (stage %d): %s: %s; refusing it", s->file, s->stage, s->path,
+                            errno == ENOENT ? "no such file" : strerror(errno));
+    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        st = nl_error_set(err, NL_ERR_IO, "shard %s (stage %d): %s: not a regular file", s->file,
+                          s->stage, s->path);
+        goto out;
+    }
+    if ((uint64_t)sb.st_size != s->bytes || s->bytes > SIZE_MAX - 1) {
+        st = nl_error_set(err, NL_ERR_INTEGRITY,
+                          "shard %s (stage %d): size mismatch: the manifest says %" PRIu64
+                          " bytes, the file has %lld; refusing it",
+                          s->file, s->stage, s->bytes, (long long)sb.st_size);
+        goto out;
+    }
+    if (!(buf = malloc(s->bytes ? (size_t)s->bytes : 1))) {
+        st = nl_error_set(err, NL_ERR_NOMEM, "shard %s (stage %d): out of memory for %" PRIu64
+                          " bytes", s->file, s->stage, s->bytes);
+        goto out;
+    }
+    crypto_hash_sha256_init(&h);
+    /* one byte more than expected may come: a file that grew is refused */
+    for (;;) {
+        size_t want = got < s->bytes ? (size_t)(s->bytes - got < CHUNK ? s->bytes - got : CHUNK) : 0;
+        uint8_t extra;
+        ssize_t r = want ? read(fd, buf + got, want) : read(fd, &extra, 1);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0) {
+            st = nl_error_set(err, NL_ERR_IO, "shard %s (stage %d): read failed: %s", s->file,
+                              s->stage, strerror(errno));
+            goto out;
+        }
+        if (r == 0 || !want) {
+            if (r > 0 || got != s->bytes) {
+                st = nl_error_set(err, NL_ERR_INTEGRITY,
+                                  "shard %s (stage %d): size mismatch: the manifest says %" PRIu64
+                                  " bytes, %s were read; refusing it",
+                                  s->file, s->stage, s->bytes, r > 0 ? "more" : "fewer");
+                goto out;
+            }
+            break;
+        }
+        crypto_hash_sha256_update(&h, buf + got, (unsigned long long)r);
+        got += (uint64_t)r;
+    }
+    crypto_hash_sha256_final(&h, digest);
+    sodium_bin2hex(hex, sizeof hex, digest, sizeof digest);
+    if (strcmp(hex, s->sha256) != 0) {
+        st = nl_error_set(err, NL_ERR_INTEGRITY,
+                          "shard %s (stage %d): sha256 mismatch: the manifest says %.16s..., "
+                          "the file hashes to %.16s...; refusing it",
+                          s->file, s->stage, s->sha256, hex);
+        goto out;
+    }
+    *out = buf;
+    buf = NULL;
+out:
+    free(buf);
+    close(fd);
+    return st;
+}
+
+nl_status nl_manifest_open_shard(const nl_manifest *m, int i, nl_st_file **out, nl_error *err)
+{
+    uint8_t *buf = NULL;
+    *out = NULL;
+    if (i < 0 || i >= m->n_shards || !m->shards[i].path)
+        return nl_error_set(err, NL_ERR_INVALID, "manifest: no shard %d", i);
+    nl_status st = read_verified(&m->shards[i], &buf, err);
+    if (st != NL_OK)
+        return st;
+    st = nl_st_open_owned(out, buf, (size_t)m->shards[i].bytes, m->shards[i].path, err);
+    return st == NL_OK ? st
+                       : nl_error_prefix(err, "shard %s (stage %d)", m->shards[i].file,
+                                         m->shards[i].stage);
+}
+
+nl_status nl_manifest_open_shards(const nl_manifest *m, nl_st_file **files, nl_error *err)
+{
+    nl_status st = NL_OK;
+    for (int i = 0; i < m->n_shards; i++)
+        files[i] = NULL;
+    for (int i = 0; i < m->n_shards && st == NL_OK; i++)
+        st = nl_manifest_open_shard(m, i, &files[i], err);
+    for (int i = 0; st != NL_OK && i < m->n_shards; i++)
+        nl_st_close(&files[i]);
+    return st;
+}
+
 /* ---------------------------------------------------------------- stages */
 
 /* The shard that holds parameter `name` under the manifest's plan. */
@@ -711,9 +818,12 @@ static nl_status read_shard(const nl_manifest *m, int s, nl_model *model, const 
     }
     if (!any)
         return NL_OK;
-    nl_status st = nl_st_open(&f, sh->path, err);
-    if (st == NL_OK)
-        st = check_shard_meta(m, sh, f, mm != NULL, err);
+    /* the bytes read are the bytes hashed: a shard changed or truncated
+     * since the manifest was verified is refused, never served */
+    nl_status st = nl_manifest_open_shard(m, s, &f, err);
+    if (st != NL_OK)
+        return st;
+    st = check_shard_meta(m, sh, f, mm != NULL, err);
     if (st == NL_OK && (st = nl_checkpoint_read_tensors(model, f, pick, w, mm, vv, err)) != NL_OK)
         nl_error_prefix(err, "%s", sh->path);
     if (st != NL_OK)
@@ -830,9 +940,10 @@ nl_status nl_manifest_export_ex(const nl_manifest *m, const char *out,
     float *mom[2] = {NULL, NULL};
     char *train = NULL;
     const int L = m->cfg.num_layers;
+    /* no separate verification: nl_manifest_load_stage below reads every
+     * shard through nl_manifest_open_shard, which checks each hash on the
+     * bytes it uses */
     nl_status st = check_out(m, out, err);
-    if (st == NL_OK)
-        st = nl_manifest_verify(m, err);
     if (st == NL_OK)
         st = train_text(m, &train, err);
     if (st == NL_OK)

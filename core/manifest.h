@@ -106,6 +106,19 @@ nl_status nl_file_sha256(const char *path, char hex[65], uint64_t *bytes, nl_err
  *   ab12..., the file hashes to cd34...; refusing it */
 nl_status nl_manifest_verify(const nl_manifest *m, nl_error *err);
 
+/* Open shard i for serving: the file is read whole into memory, its size
+ * and SHA-256 checked against the manifest on the very bytes read, and
+ * that copy opened (nl_st_open_owned). What is served is what was
+ * verified; a file truncated or rewritten afterwards changes nothing and
+ * cannot fault. Errors as nl_manifest_verify. Memory: the shard's size,
+ * until nl_st_close. */
+struct nl_st_file;
+nl_status nl_manifest_open_shard(const nl_manifest *m, int i, struct nl_st_file **out,
+                                 nl_error *err);
+/* Every shard into files[0..n_shards) (all or none: on failure the ones
+ * opened are closed and every entry is NULL). */
+nl_status nl_manifest_open_shards(const nl_manifest *m, struct nl_st_file **files, nl_error *err);
+
 /* Build the stage [l0, l1) (with the embedding and/or head as asked) on
  * backend `be` from the shards of a verified manifest: every tensor from
  * whichever shard holds it (the "re-cut": the range need not match the

@@ -288,6 +288,51 @@ static void test_integrity(const nl_manifest *mf)
     free(buf);
 }
 
+/* What was verified is what is served (issue 15, finding 6): a shard
+ * opened for serving is a copy of the bytes hashed, so truncating the
+ * file afterwards neither changes nor faults (SIGBUS) what is read; a
+ * later load refuses the truncated file. */
+static void test_truncated_after_verify(nl_backend *be, const nl_manifest *mf)
+{
+    nl_error err = {0};
+    nl_st_file *f = NULL, *files[3] = {NULL, NULL, NULL};
+    char s1[512], keep[512];
+    snprintf(s1, sizeof s1, "%s", at("stage-1.safetensors"));
+    snprintf(keep, sizeof keep, "%s", at("keep-trunc"));
+    copy_file(s1, keep);
+    CHECK_OK(nl_manifest_open_shards(mf, files, &err), &err);
+    CHECK_OK(nl_manifest_open_shard(mf, 1, &f, &err), &err);
+    if (!f)
+        return;
+    CHECK(truncate(s1, 64) == 0, "truncate");
+    nl_st_file *ref = NULL;
+    CHECK_OK(nl_st_open(&ref, keep, &err), &err);
+    size_t n = 0;
+    for (size_t i = 0; ref && i < nl_st_count(f); i++) { /* every byte of every tensor */
+        const nl_st_entry *e = nl_st_entry_at(f, i), *r = nl_st_find(ref, e->name);
+        CHECK(r && r->nbytes == e->nbytes &&
+                  memcmp(nl_st_tensor_data(f, e), nl_st_tensor_data(ref, r), e->nbytes) == 0,
+              "tensor %s served as verified", e->name);
+        n++;
+    }
+    CHECK(n > 0 && files[1] && nl_st_count(files[1]) == n, "%zu tensors read", n);
+    nl_st_close(&ref);
+    nl_st_close(&f);
+    for (int i = 0; i < 3; i++)
+        nl_st_close(&files[i]);
+    nl_model *s = NULL;
+    nl_status st = nl_manifest_load_stage(&s, be, mf, 0, 3, 1, 1, NULL, NULL, &err);
+    CHECK(st == NL_ERR_INTEGRITY && !s && strstr(err.msg, "stage-1.safetensors") &&
+              strstr(err.msg, "size mismatch"),
+          "a truncated shard: %s '%s'", nl_status_str(st), err.msg);
+    st = nl_manifest_open_shards(mf, files, &err);
+    CHECK(st == NL_ERR_INTEGRITY && !files[0] && !files[1], "open_shards of a truncated set: %s",
+          nl_status_str(st));
+    nl_model_destroy(&s);
+    copy_file(keep, s1);
+    CHECK_OK(nl_manifest_verify(mf, &err), &err);
+}
+
 /* A shard with a correct hash that is not of the manifest's step, or has
  * no moments, is refused when read. */
 static void test_shard_meta(nl_backend *be, const nl_manifest *mf, const char *whole)
@@ -314,6 +359,11 @@ static void test_shard_meta(nl_backend *be, const nl_manifest *mf, const char *w
     if (s)
         CHECK_OK(nl_checkpoint_save(s, path, STEP, NULL, &err), &err);
     nl_model_destroy(&s);
+    /* load_stage checks the hash of what it reads: first the old one */
+    nl_status st2 = nl_manifest_load_stage(&s, be, &copy, 1, 2, 0, 0, NULL, NULL, &err);
+    CHECK(st2 == NL_ERR_INTEGRITY && strstr(err.msg, "old-1.safetensors"),
+          "a shard rewritten since the manifest: %s '%s'", nl_status_str(st2), err.msg);
+    CHECK_OK(nl_file_sha256(path, sh[1].sha256, &sh[1].bytes, &err), &err);
     CHECK_OK(nl_manifest_load_stage(&s, be, &copy, 1, 2, 0, 0, NULL, NULL, &err), &err);
     nl_model_destroy(&s);
     float *mm = be->alloc(be, 1 << 20), *vv = be->alloc(be, 1 << 20);
@@ -612,6 +662,7 @@ int main(void)
     same_stage(be, mf, ref, 3, 3, 0, 1, 1); /* the head alone */
 
     test_integrity(mf);
+    test_truncated_after_verify(be, mf);
     test_shard_meta(be, mf, ref);
     test_parse_errors(at(NL_MANIFEST_FILE));
     test_write_refuses(&m0);
