@@ -542,14 +542,76 @@ out:
     return st;
 }
 
+/* Every shard m names, beside the manifest at `path`, has the size and
+ * hash m gives it. */
+static nl_status verify_beside(const char *path, const nl_manifest *m, nl_error *err)
+{
+    char *copy = strdup(path), full[4200], hex[65];
+    if (!copy)
+        return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", path);
+    const char *dir = dirname(copy);
+    nl_status st = NL_OK;
+    for (int i = 0; i < m->n_shards && st == NL_OK; i++) {
+        const nl_manifest_shard *s = &m->shards[i];
+        uint64_t n = 0;
+        snprintf(full, sizeof full, "%s/%s", dir, s->file);
+        st = nl_file_sha256(full, hex, &n, err);
+        if (st != NL_OK)
+            nl_error_prefix(err, "shard %s (stage %d)", s->file, s->stage);
+        else if (n != s->bytes || strcmp(hex, s->sha256) != 0)
+            st = nl_error_set(err, NL_ERR_INTEGRITY,
+                              "shard %s (stage %d): the file (%" PRIu64 " bytes, sha256 %.16s...) "
+                              "is not the one reported (%" PRIu64 " bytes, %.16s...)",
+                              s->file, s->stage, n, hex, s->bytes, s->sha256);
+    }
+    free(copy);
+    return st;
+}
+
 nl_status nl_manifest_write(const char *path, const nl_manifest *m, nl_error *err)
 {
     char *text = NULL;
+    nl_atomic_file *af = NULL;
     nl_status st = nl_manifest_to_json(m, &text, err);
-    if (st != NL_OK)
+    if (st == NL_OK)
+        st = verify_beside(path, m, err);
+    if (st != NL_OK) {
+        free(text);
         return nl_error_prefix(err, "%s", path);
-    st = nl_file_write_atomic(path, text, strlen(text), err);
+    }
+    st = nl_atomic_open_mode(&af, path, 0644, err);
+    if (st == NL_OK)
+        st = nl_atomic_write(af, text, strlen(text), err);
+    if (st == NL_OK)
+        st = nl_atomic_commit_new(&af, err); /* a manifest is never replaced */
+    nl_atomic_abort(&af);
     free(text);
+    return st;
+}
+
+nl_status nl_manifest_names(const char *path, nl_error *err)
+{
+    char *copy = strdup(path), *copy2 = strdup(path);
+    nl_manifest *m = NULL;
+    nl_status st = NL_OK;
+    if (!copy || !copy2) {
+        st = nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", path);
+        goto out;
+    }
+    const char *dir = dirname(copy), *base = basename(copy2);
+    nl_error ignored;
+    if (nl_manifest_load(&m, dir, &ignored) != NL_OK) /* none, or one that names nothing */
+        goto out;
+    for (int i = 0; i < m->n_shards && st == NL_OK; i++)
+        if (strcmp(m->shards[i].file, base) == 0)
+            st = nl_error_set(err, NL_ERR_STATE,
+                              "%s is shard %d of the checkpoint %s/%s (step %lld); refusing to "
+                              "replace it",
+                              path, i, dir, NL_MANIFEST_FILE, (long long)m->step);
+out:
+    nl_manifest_destroy(&m);
+    free(copy);
+    free(copy2);
     return st;
 }
 

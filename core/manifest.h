@@ -69,8 +69,17 @@ typedef struct nl_manifest {
  *                "sha256", "bytes", "node"|absent, "device"|absent, "tf32": bool|absent}]}
  * The config is encoded from m->cfg. The manifest is checked as
  * nl_manifest_parse would check it before anything is written, so a
- * manifest that is written also loads. */
+ * manifest that is written also loads; every shard beside it must already
+ * be on disk with the size and hash it names (NL_ERR_INTEGRITY,
+ * NL_ERR_NOTFOUND otherwise), so a manifest only ever names verified
+ * shards. An existing manifest is never replaced (NL_ERR_STATE). Mode
+ * 0644. */
 nl_status nl_manifest_write(const char *path, const nl_manifest *m, nl_error *err);
+
+/* NL_ERR_STATE (a message naming both) when the manifest.json beside
+ * `path` names `path` as one of its shards: a file that must not be
+ * replaced. NL_OK otherwise (no manifest, or one that does not parse). */
+nl_status nl_manifest_names(const char *path, nl_error *err);
 
 /* The text nl_manifest_write writes (malloc'd into *out, ending with a
  * newline), after the same checks. */

@@ -288,6 +288,47 @@ static void test_integrity(const nl_manifest *mf)
     free(buf);
 }
 
+/* Durability (issue 15, finding 12): a manifest names only shards that
+ * are on disk as reported, is never replaced, and no checkpoint write
+ * replaces a shard it names. */
+static void test_durability(const nl_model *whole, const nl_manifest *m0)
+{
+    nl_error err = {0};
+    char s0[512], mpath[512];
+    snprintf(s0, sizeof s0, "%s", at("stage-0.safetensors"));
+    snprintf(mpath, sizeof mpath, "%s", at(NL_MANIFEST_FILE));
+    size_t n0 = 0, n1 = 0;
+    char *before = slurp(s0, &n0);
+    nl_status st = nl_checkpoint_save(whole, s0, STEP + 1, NULL, &err);
+    CHECK(st == NL_ERR_STATE && strstr(err.msg, "stage-0.safetensors") &&
+              strstr(err.msg, NL_MANIFEST_FILE),
+          "save over a named shard: %s '%s'", nl_status_str(st), err.msg);
+    char *after = slurp(s0, &n1);
+    CHECK(before && after && n0 == n1 && memcmp(before, after, n0) == 0, "the shard is intact");
+    free(before);
+    free(after);
+    st = nl_manifest_write(mpath, m0, &err);
+    CHECK(st == NL_ERR_STATE && strstr(err.msg, "refusing to replace"),
+          "a second manifest over the first: %s '%s'", nl_status_str(st), err.msg);
+    /* a manifest whose shard is not (yet) what it says is not written */
+    nl_manifest bad = *m0;
+    nl_manifest_shard sh[3];
+    memcpy(sh, m0->shards, sizeof sh);
+    bad.shards = sh;
+    sh[2].sha256[0] = sh[2].sha256[0] == 'a' ? 'b' : 'a';
+    st = nl_manifest_write(at("unverified.json"), &bad, &err);
+    CHECK(st == NL_ERR_INTEGRITY && strstr(err.msg, "stage-2.safetensors") &&
+              access(at("unverified.json"), F_OK) != 0,
+          "manifest of an unverified shard: %s '%s'", nl_status_str(st), err.msg);
+    sh[2].sha256[0] = m0->shards[2].sha256[0];
+    sh[2].file = "missing.safetensors";
+    st = nl_manifest_write(at("unverified.json"), &bad, &err);
+    CHECK(st == NL_ERR_NOTFOUND && access(at("unverified.json"), F_OK) != 0,
+          "manifest of a missing shard: %s '%s'", nl_status_str(st), err.msg);
+    /* a file of the same directory that no manifest names may be written */
+    CHECK_OK(nl_checkpoint_save(whole, at("other.safetensors"), STEP, NULL, &err), &err);
+}
+
 /* What was verified is what is served (issue 15, finding 6): a shard
  * opened for serving is a copy of the bytes hashed, so truncating the
  * file afterwards neither changes nor faults (SIGBUS) what is read; a
@@ -593,6 +634,7 @@ int main(void)
     nl_manifest_shard sh[3];
     fill_manifest(&m0, sh, &c);
     CHECK_OK(nl_manifest_write(at(NL_MANIFEST_FILE), &m0, &err), &err);
+    test_durability(whole, &m0);
 
     /* load (by directory and by file) and verify */
     CHECK(nl_manifest_load(&mf, at("none.json"), &err) == NL_ERR_NOTFOUND &&
