@@ -259,9 +259,11 @@ static nl_status join(node *n, nl_error *err)
             n->timeout_ms = m->u.accept.timeout_ms;
             return NL_OK;
         }
+        char text[512];
         if (m->type == NL_MSG_ERROR)
             return nl_error_set(
-                err, NL_ERR_AUTH, "the coordinator refused JOIN: %s (%s)", m->u.error.message,
+                err, NL_ERR_AUTH, "the coordinator refused JOIN: %s (%s)",
+                nl_log_escape(text, sizeof text, m->u.error.message),
                 nl_status_str(m->u.error.code < NL_STATUS_COUNT ? (nl_status)m->u.error.code
                                                                 : NL_ERR_PROTO));
         NL_DEBUG("ignoring %s while waiting for ACCEPT", nl_wire_type_name(m->type));
@@ -758,6 +760,7 @@ static bool is_train_hop(const nl_wire_msg *m)
 static void on_control(node *n)
 {
     const nl_wire_msg *m = &n->rx.msg;
+    char text[1100]; /* a peer's free text, escaped for the log */
     switch (m->type) {
     case NL_MSG_ASSIGN:
         handle_assign(n, &m->u.assign);
@@ -795,7 +798,7 @@ static void on_control(node *n)
         NL_WARN("the coordinator reports an error about %s: %s (%s)",
                 nl_wire_type_name(m->u.error.req_type) ? nl_wire_type_name(m->u.error.req_type)
                                                        : "a message",
-                m->u.error.message,
+                nl_log_escape(text, sizeof text, m->u.error.message),
                 nl_status_str(m->u.error.code < NL_STATUS_COUNT ? (nl_status)m->u.error.code
                                                                 : NL_ERR_PROTO));
         break;
@@ -831,13 +834,14 @@ static void on_data(node *n)
 static void on_next(node *n)
 {
     const nl_wire_msg *m = &n->rx.msg;
+    char text[1100];
     if (m->type == NL_MSG_GRADIENT)
         handle_train(n, m);
     else if (m->type == NL_MSG_ERROR)
         NL_WARN("the next stage reports an error about %s: %s",
                 nl_wire_type_name(m->u.error.req_type) ? nl_wire_type_name(m->u.error.req_type)
                                                        : "a message",
-                m->u.error.message);
+                nl_log_escape(text, sizeof text, m->u.error.message));
     else
         NL_DEBUG("ignoring %s from the next stage", nl_wire_type_name(m->type));
 }
