@@ -181,7 +181,8 @@ static void wait_sent(node *n)
 /* ===================== joining ===================== */
 
 static nl_status make_socket(node *n, nl_sock **out, int type, bool server, const char *server_key,
-                             const char *name, int linger_ms, int send_timeout_ms, nl_error *err)
+                             const char *name, nl_sock_kind kind, int linger_ms,
+                             int send_timeout_ms, nl_error *err)
 {
     nl_sock_opts so = {.type = type,
                        .keys = n->o->keys,
@@ -190,7 +191,8 @@ static nl_status make_socket(node *n, nl_sock **out, int type, bool server, cons
                        .plaintext = n->o->plaintext,
                        .name = name,
                        .linger_ms = linger_ms,
-                       .send_timeout_ms = send_timeout_ms};
+                       .send_timeout_ms = send_timeout_ms,
+                       .kind = kind};
     return nl_sock_new(out, n->net, &so, err);
 }
 
@@ -202,7 +204,10 @@ static nl_status connect_control(node *n, nl_error *err)
     int64_t deadline = mono_ms() + o->connect_timeout_ms;
     int wait_ms = 500;
     for (int attempt = 1;; attempt++) {
+        /* what the coordinator sends (weights in 4 MiB chunks, tokens) is
+         * control-sized (net/transport.h) */
         nl_status st = make_socket(n, &n->ctl, ZMQ_DEALER, false, o->coordinator_key, "control",
+                                   NL_SOCK_CONTROL,
                                    1000, 3000, err);
         if (st == NL_OK)
             st = nl_sock_connect(n->ctl, o->coordinator, err);
@@ -323,7 +328,8 @@ static nl_status start(node *n, nl_error *err)
                         .tf32 = o->tf32};
     if ((st = nl_stage_new(&n->stage, n->be, &so, err)) != NL_OK ||
         (st = nl_net_new(&n->net, NULL, err)) != NL_OK ||
-        (st = make_socket(n, &n->data, ZMQ_ROUTER, true, NULL, "data", 0, 0, err)) != NL_OK ||
+        (st = make_socket(n, &n->data, ZMQ_ROUTER, true, NULL, "data", NL_SOCK_BULK, 0, 0,
+                             err)) != NL_OK ||
         (st = nl_sock_bind(n->data, o->listen, err)) != NL_OK)
         return st;
     if (strncmp(nl_sock_endpoint(n->data), "tcp://0.0.0.0:", 14) == 0)
@@ -367,7 +373,8 @@ static nl_status ensure_next(node *n, nl_error *err)
     char mon_ep[64];
     if (n->next)
         return NL_OK;
-    nl_status st = make_socket(n, &n->next, ZMQ_DEALER, false, n->next_key, "next", 0, 0, err);
+    nl_status st = make_socket(n, &n->next, ZMQ_DEALER, false, n->next_key, "next", NL_SOCK_BULK, 0,
+                                   0, err);
     if (st != NL_OK)
         return st;
     snprintf(mon_ep, sizeof mon_ep, "inproc://neuronode-next-%d", ++n->mon_seq);
