@@ -68,6 +68,10 @@ static int load_identity(const char *key, const char *state_dir, bool plaintext,
             fprintf(stderr, "neuronode: --state-dir %s: %s\n", state_dir, strerror(errno));
             return 1;
         }
+        if (nl_keys_check_trusted(state_dir, &err) != NL_OK) {
+            fprintf(stderr, "neuronode: --state-dir: %s\n", err.msg);
+            return 1;
+        }
         snprintf(path, sizeof path, "%s/node.key", state_dir);
         struct stat sb;
         if (stat(path, &sb) != 0) {
