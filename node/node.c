@@ -21,6 +21,8 @@
 #define ACCEPT_WAIT_MS 10000 /* for the answer to JOIN */
 #define MAX_DRAIN 64         /* messages per socket per turn, so heartbeats keep time */
 #define SEND_WAIT_MS 5000    /* for the last output to leave before its buffer is reused */
+#define REJOIN_FIRST_MS 250  /* the first pause between JOINs when joining again */
+#define REJOIN_MAX_MS 8000   /* ... doubling up to this */
 
 typedef struct node {
     const nl_node_opts *o;
@@ -41,6 +43,13 @@ typedef struct node {
     char *ckpt_root;          /* --checkpoint-root, resolved; NULL: no checkpoints here */
     uint32_t node_id;
     uint32_t heartbeat_ms, timeout_ms;
+    /* joining again: a coordinator that answers "unknown node" (it
+     * restarted, or declared this node dead) gets JOIN again, with the
+     * same key and data endpoint, every rejoin_wait_ms (doubling to
+     * REJOIN_MAX_MS) until it ACCEPTs; no heartbeats meanwhile */
+    bool rejoining;
+    int64_t rejoin_at_ms;
+    int rejoin_wait_ms, rejoins;
     uint64_t hb_seq;
     int64_t next_hb_ms;
     int64_t window_ms; /* start of the load window (since the last heartbeat) */
@@ -151,6 +160,10 @@ static void fail_job(node *n, uint64_t job, nl_status code, nl_msg_type req_type
 static void send_heartbeat(node *n)
 {
     int64_t now = mono_ms();
+    if (n->rejoining) { /* the coordinator does not know this node: JOIN, not HEARTBEAT */
+        n->next_hb_ms = now + n->heartbeat_ms;
+        return;
+    }
     double span = (double)(now - n->window_ms);
     nl_wire_msg_reset(&n->tx, NL_MSG_HEARTBEAT);
     n->tx.u.heartbeat.node_id = n->node_id;
@@ -235,7 +248,8 @@ static nl_status connect_control(node *n, nl_error *err)
     }
 }
 
-static nl_status join(node *n, nl_error *err)
+/* JOIN {key, device, memory, throughput, threads, data endpoint} in tx. */
+static void fill_join(node *n)
 {
     nl_wire_msg_reset(&n->tx, NL_MSG_JOIN);
     n->tx.u.join.pubkey = n->o->keys->public_z85;
@@ -244,6 +258,11 @@ static nl_status join(node *n, nl_error *err)
     n->tx.u.join.gemm_gflops = n->gflops;
     n->tx.u.join.threads = (uint32_t)n->threads;
     n->tx.u.join.data_endpoint = nl_sock_endpoint(n->data);
+}
+
+static nl_status join(node *n, nl_error *err)
+{
+    fill_join(n);
     nl_status st = nl_sock_send(n->ctl, NULL, 0, &n->tx, err);
     if (st != NL_OK)
         return st;
@@ -762,6 +781,56 @@ static bool is_train_hop(const nl_wire_msg *m)
            (m->type == NL_MSG_ACTIVATION && m->u.hop.step != 0);
 }
 
+/* ===================== joining again ===================== */
+
+/* The coordinator refused a heartbeat: it does not know this node (it
+ * restarted, or gave this node up). Whatever it had this node do is gone
+ * with its state: a training job ends here; then JOIN again. */
+static void start_rejoin(node *n, const char *why)
+{
+    char text[300];
+    uint64_t job = 0;
+    if (n->rejoining)
+        return;
+    NL_WARN("the coordinator does not know this node (%s): joining again",
+            nl_log_escape(text, sizeof text, why));
+    if (nl_stage_train_running(n->stage, &job) && nl_stage_train_end(n->stage, job))
+        train_summary(n, job);
+    n->rejoining = true;
+    n->rejoin_at_ms = mono_ms();
+    n->rejoin_wait_ms = REJOIN_FIRST_MS;
+}
+
+/* While joining again: JOIN when its time has come, then wait longer. */
+static void rejoin_tick(node *n)
+{
+    const int64_t now = mono_ms();
+    if (!n->rejoining || now < n->rejoin_at_ms)
+        return;
+    fill_join(n);
+    send_ctl(n, "JOIN");
+    n->rejoins++;
+    n->rejoin_at_ms = now + n->rejoin_wait_ms;
+    n->rejoin_wait_ms = n->rejoin_wait_ms * 2 < REJOIN_MAX_MS ? n->rejoin_wait_ms * 2 : REJOIN_MAX_MS;
+}
+
+static void accepted_again(node *n, const nl_msg_accept *a)
+{
+    n->rejoining = false;
+    n->node_id = a->node_id;
+    n->heartbeat_ms = a->heartbeat_ms;
+    n->timeout_ms = a->timeout_ms;
+    if (!n->o->name) {
+        char name[32];
+        snprintf(name, sizeof name, "node-%u", n->node_id);
+        nl_log_set_name(name);
+    }
+    NL_INFO("joined again as node %u after %d JOIN(s) (heartbeat %u ms)", n->node_id, n->rejoins,
+            n->heartbeat_ms);
+    n->rejoins = 0;
+    send_heartbeat(n);
+}
+
 /* ===================== dispatch ===================== */
 
 static void on_control(node *n)
@@ -802,6 +871,10 @@ static void on_control(node *n)
             train_summary(n, m->u.job_ref.job_id);
         break;
     case NL_MSG_ERROR:
+        if (m->u.error.req_type == NL_MSG_HEARTBEAT && m->u.error.code == NL_ERR_STATE) {
+            start_rejoin(n, m->u.error.message);
+            break;
+        }
         NL_WARN("the coordinator reports an error about %s: %s (%s)",
                 nl_wire_type_name(m->u.error.req_type) ? nl_wire_type_name(m->u.error.req_type)
                                                        : "a message",
@@ -809,8 +882,14 @@ static void on_control(node *n)
                 nl_status_str(m->u.error.code < NL_STATUS_COUNT ? (nl_status)m->u.error.code
                                                                 : NL_ERR_PROTO));
         break;
-    case NL_MSG_HELLO_ACK:
     case NL_MSG_ACCEPT:
+        if (n->rejoining) {
+            accepted_again(n, &m->u.accept);
+            break;
+        }
+        NL_DEBUG("ignoring a late %s", nl_wire_type_name(m->type));
+        break;
+    case NL_MSG_HELLO_ACK:
         NL_DEBUG("ignoring a late %s", nl_wire_type_name(m->type));
         break;
     default:
@@ -893,6 +972,7 @@ static void serve(node *n)
     while (!halted(n)) {
         if (n->n_feeds)
             run_feed(n);
+        rejoin_tick(n);
         int64_t now = mono_ms();
         if (now >= n->next_hb_ms)
             send_heartbeat(n);

@@ -12,6 +12,12 @@
  * error the backend reports after a forward or a training step): the node
  * fails the job that met it, leaves, and nl_node_run returns the error.
  *
+ * A coordinator that refuses a heartbeat as unknown (it restarted, or it
+ * gave this node up) gets JOIN again, with the same key and data
+ * endpoint, after 250 ms, then after pauses doubling to 8 s, until it
+ * ACCEPTs; a training job this node ran ends, and the new ACCEPT's node id
+ * and heartbeat period apply from then on.
+ *
  * The device: --device names the backend (nl_backend_new). Its GEMM
  * throughput is probed at be->gemm_probe and sent with JOIN. A device with
  * its own memory (be->mem_info, a GPU) offers its free memory, measured

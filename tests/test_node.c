@@ -703,6 +703,86 @@ static void test_late_and_refused(void)
     coord_stop(&c);
 }
 
+/* Receive on the fake coordinator's socket until a message of `type`
+ * (answering HELLO, refusing HEARTBEAT as a restarted coordinator does);
+ * returns its time, or 0 after ms. *refused counts the refusals. */
+static int64_t wait_refusing(coord *c, nl_msg_type type, int ms, int *refused)
+{
+    nl_error err;
+    int64_t end = mono_ms() + ms;
+    while (mono_ms() < end) {
+        if (nl_sock_recv(c->sock, &c->rx, 100, &err) != NL_OK)
+            continue;
+        const nl_msg_type t = c->rx.msg.type;
+        if (t == NL_MSG_HELLO)
+            nl_sock_answer_hello(c->sock, &c->rx, NL_ROLE_COORDINATOR, &err);
+        else if (t == NL_MSG_HEARTBEAT && type != NL_MSG_HEARTBEAT) {
+            nl_sock_send_error(c->sock, &c->rx, NL_ERR_STATE, NL_MSG_HEARTBEAT,
+                               "unknown node: JOIN first", &err);
+            (*refused)++;
+        } else if (t == type) {
+            return mono_ms();
+        }
+    }
+    return 0;
+}
+
+/* The coordinator restarts (the same identity on the same port) and knows
+ * nobody: it refuses the node's heartbeats as unknown, and the node joins
+ * again with the same key and data endpoint, retrying with a growing pause
+ * until it is accepted (issue 15, finding 7). */
+static void test_rejoin(void)
+{
+    nl_error err;
+    char key[300], log[300], ep[256], data_ep[256] = "";
+    nl_keypair kp;
+    key_files("rejoin", &kp, key, sizeof key);
+    snprintf(log, sizeof log, "%s/rejoin.log", tmpdir);
+    coord c;
+    const char *keys[] = {kp.public_z85};
+    coord_start(&c, keys, 1, "tcp://127.0.0.1:*", NULL);
+    snprintf(ep, sizeof ep, "%s", c.sock ? nl_sock_endpoint(c.sock) : "");
+    const char *argv[] = {"",         "join",    ep,        "--key",         key,
+                          "--coordinator-key",   c.pub_path, "--memory",     "256M",
+                          "--threads", "1",      "--device", check_device(), NULL};
+    pid_t pid = spawn(log, argv);
+    peer *p = coord_accept(&c, kp.public_z85, 7, data_ep, sizeof data_ep);
+    int64_t end = mono_ms() + WAIT_MS;
+    while (p && p->heartbeats < 2 && mono_ms() < end)
+        coord_next(&c, NULL, 100);
+    CHECK(p && p->heartbeats >= 2 && p->hb_node == 7, "heartbeats before the restart");
+    nl_keypair ck = c.kp;
+    coord_stop(&c);
+    coord_start(&c, keys, 1, ep, &ck);
+    int refused = 0;
+    const int64_t t1 = wait_refusing(&c, NL_MSG_JOIN, WAIT_MS, &refused);
+    CHECK(t1 > 0, "no JOIN after the restart (%d heartbeats refused)", refused);
+    if (t1 > 0) {
+        const nl_msg_join *j = &c.rx.msg.u.join;
+        CHECK(strcmp(j->pubkey, kp.public_z85) == 0 && strcmp(c.rx.peer, kp.public_z85) == 0 &&
+                  strcmp(j->data_endpoint, data_ep) == 0,
+              "JOIN again: key %s, data endpoint %s (was %s)", j->pubkey, j->data_endpoint,
+              data_ep);
+        /* unanswered, it comes again after a pause */
+        const int64_t t2 = wait_refusing(&c, NL_MSG_JOIN, WAIT_MS, &refused);
+        CHECK(t2 > 0 && t2 - t1 >= 150, "the second JOIN: after %lld ms", (long long)(t2 - t1));
+        nl_wire_msg m;
+        nl_wire_msg_init(&m);
+        m.type = NL_MSG_ACCEPT;
+        m.u.accept = (nl_msg_accept){9, 100, 2000};
+        CHECK_OK(nl_sock_reply(c.sock, &c.rx, &m, &err), &err);
+        const int64_t t3 = wait_refusing(&c, NL_MSG_HEARTBEAT, WAIT_MS, &refused);
+        CHECK(t3 > 0 && c.rx.msg.u.heartbeat.node_id == 9, "a heartbeat as node 9 after ACCEPT");
+    }
+    kill(pid, SIGTERM);
+    CHECK(reap(pid, WAIT_MS) == 0 && file_has(log, "joining again") &&
+              file_has(log, "joined again as node 9"),
+          "the node's log");
+    if (check_fail_count)
+        dump_log(log);
+    coord_stop(&c);
+}
+
 static void test_one_node(void)
 {
     nl_error err;
@@ -933,6 +1013,7 @@ int main(void)
     if (be && cfg_json) {
         test_cli();
         test_late_and_refused();
+        test_rejoin();
         test_one_node();
         test_two_nodes();
     }
