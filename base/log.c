@@ -37,8 +37,8 @@ void nl_log_write(nl_log_level level, const char *fmt, ...)
     char line[1024];
     clock_gettime(CLOCK_REALTIME, &ts);
     gmtime_r(&ts.tv_sec, &tm);
-    int n = snprintf(line, sizeof line, "%02d:%02d:%02d.%03ld %-5s [%s] ", tm.tm_hour,
-                     tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000L,
+    int n = snprintf(line, sizeof line, "%02d:%02d:%02d.%03ld %-5s [%s] ", tm.tm_hour, tm.tm_min,
+                     tm.tm_sec, ts.tv_nsec / 1000000L,
                      tags[level <= NL_LOG_OFF ? level : NL_LOG_OFF], log_name);
     va_list ap;
     va_start(ap, fmt);

@@ -18,8 +18,7 @@ struct nl_atomic_file {
     char *tmp;
 };
 
-nl_status nl_atomic_open_mode(nl_atomic_file **out, const char *path, unsigned mode,
-                              nl_error *err)
+nl_status nl_atomic_open_mode(nl_atomic_file **out, const char *path, unsigned mode, nl_error *err)
 {
     *out = NULL;
     nl_atomic_file *af = calloc(1, sizeof *af);
@@ -44,8 +43,7 @@ nl_status nl_atomic_open_mode(nl_atomic_file **out, const char *path, unsigned m
         e = af->fd < 0 ? errno : 0;
     }
     if (af->fd < 0) {
-        nl_status st =
-            nl_error_set(err, NL_ERR_IO, "%s: cannot create: %s", af->tmp, strerror(e));
+        nl_status st = nl_error_set(err, NL_ERR_IO, "%s: cannot create: %s", af->tmp, strerror(e));
         free(af->path);
         free(af->tmp);
         free(af);
@@ -111,11 +109,10 @@ static nl_status commit(nl_atomic_file **afp, bool no_replace, nl_error *err)
     af->fd = -1;
     if (no_replace) {
         if (link(af->tmp, af->path) != 0) {
-            st = errno == EEXIST
-                     ? nl_error_set(err, NL_ERR_STATE, "%s exists; refusing to replace it",
-                                    af->path)
-                     : nl_error_set(err, NL_ERR_IO, "%s: cannot link into place: %s", af->path,
-                                    strerror(errno));
+            st = errno == EEXIST ? nl_error_set(err, NL_ERR_STATE,
+                                                "%s exists; refusing to replace it", af->path)
+                                 : nl_error_set(err, NL_ERR_IO, "%s: cannot link into place: %s",
+                                                af->path, strerror(errno));
             goto fail;
         }
         unlink(af->tmp);
@@ -259,8 +256,8 @@ static nl_status check_dir_text(const char *dir, nl_error *err)
             continue;
         size_t k = p[1] == '.' ? 2 : 1;
         if (p[k] == '/' || p[k] == '\0')
-            return nl_error_set(err, NL_ERR_INVALID, "'%.200s' has a '%.*s' component", dir,
-                                (int)k, "..");
+            return nl_error_set(err, NL_ERR_INVALID, "'%.200s' has a '%.*s' component", dir, (int)k,
+                                "..");
     }
     return NL_OK;
 }

@@ -21,8 +21,7 @@ typedef struct nl_atomic_file nl_atomic_file;
  * `<path>.tmp.<pid>.<k>` for the first k in 0..63 not taken. Mode 0600. */
 nl_status nl_atomic_open(nl_atomic_file **out, const char *path, nl_error *err);
 /* The same with another mode (e.g. 0644 for a public file), less umask. */
-nl_status nl_atomic_open_mode(nl_atomic_file **out, const char *path, unsigned mode,
-                              nl_error *err);
+nl_status nl_atomic_open_mode(nl_atomic_file **out, const char *path, unsigned mode, nl_error *err);
 /* Append bytes. On failure the file is left for nl_atomic_abort. */
 nl_status nl_atomic_write(nl_atomic_file *af, const void *buf, size_t n, nl_error *err);
 /* fsync, rename over `path`, fsync the directory; frees *af and NULLs it

@@ -740,14 +740,16 @@ static nl_status read_verified(const nl_manifest_shard *s, uint8_t **out, nl_err
         goto out;
     }
     if (!(buf = malloc(s->bytes ? (size_t)s->bytes : 1))) {
-        st = nl_error_set(err, NL_ERR_NOMEM, "shard %s (stage %d): out of memory for %" PRIu64
-                          " bytes", s->file, s->stage, s->bytes);
+        st = nl_error_set(err, NL_ERR_NOMEM,
+                          "shard %s (stage %d): out of memory for %" PRIu64 " bytes", s->file,
+                          s->stage, s->bytes);
         goto out;
     }
     crypto_hash_sha256_init(&h);
     /* one byte more than expected may come: a file that grew is refused */
     for (;;) {
-        size_t want = got < s->bytes ? (size_t)(s->bytes - got < CHUNK ? s->bytes - got : CHUNK) : 0;
+        size_t want =
+            got < s->bytes ? (size_t)(s->bytes - got < CHUNK ? s->bytes - got : CHUNK) : 0;
         uint8_t extra;
         ssize_t r = want ? read(fd, buf + got, want) : read(fd, &extra, 1);
         if (r < 0 && errno == EINTR)
@@ -797,9 +799,9 @@ nl_status nl_manifest_open_shard(const nl_manifest *m, int i, nl_st_file **out, 
     if (st != NL_OK)
         return st;
     st = nl_st_open_owned(out, buf, (size_t)m->shards[i].bytes, m->shards[i].path, err);
-    return st == NL_OK ? st
-                       : nl_error_prefix(err, "shard %s (stage %d)", m->shards[i].file,
-                                         m->shards[i].stage);
+    return st == NL_OK
+               ? st
+               : nl_error_prefix(err, "shard %s (stage %d)", m->shards[i].file, m->shards[i].stage);
 }
 
 nl_status nl_manifest_open_shards(const nl_manifest *m, nl_st_file **files, nl_error *err)

@@ -193,9 +193,8 @@ nl_status nl_sock_new(nl_sock **out, nl_net *net, const nl_sock_opts *o, nl_erro
         st = nl_error_set(err, NL_ERR_IO, "socket %s: %s", name, zerr());
         goto fail;
     }
-    const uint64_t bulk = net->lim.max_frame_bytes > net->lim.max_header
-                              ? net->lim.max_frame_bytes
-                              : net->lim.max_header;
+    const uint64_t bulk = net->lim.max_frame_bytes > net->lim.max_header ? net->lim.max_frame_bytes
+                                                                         : net->lim.max_header;
     const bool control = o->kind == NL_SOCK_CONTROL;
     uint64_t part = o->max_part_bytes ? o->max_part_bytes : control ? NL_SOCK_CONTROL_PART : bulk;
     s->max_msg = o->max_msg_bytes ? o->max_msg_bytes : control ? NL_SOCK_CONTROL_MSG : 2 * bulk;

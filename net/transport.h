@@ -75,17 +75,17 @@ typedef enum nl_sock_kind { NL_SOCK_BULK = 0, NL_SOCK_CONTROL = 1 } nl_sock_kind
 #define NL_SOCK_CONTROL_MSG (64ull << 20)
 
 typedef struct nl_sock_opts {
-    int type;               /* ZMQ_ROUTER, ZMQ_DEALER, ZMQ_PUSH, ZMQ_PULL, ZMQ_PAIR */
-    const nl_keypair *keys; /* ours; required unless plaintext */
-    bool curve_server;      /* accept peers (ZAP-checked); else a CURVE client */
-    const char *server_key; /* client: the server's Z85 public key */
-    const char *zap_domain; /* server: shared allow-list domain; NULL = private */
-    bool plaintext;         /* INSECURE: no CURVE at all; logged */
-    const char *name;       /* for log lines and errors, e.g. "coord" */
-    int hwm;                /* send and receive high-water marks; 0 = 64 */
-    int linger_ms;          /* on close; -1 = default 500 */
-    int send_timeout_ms;    /* 0 = 10000, -1 = forever */
-    nl_sock_kind kind;      /* the limits below, by traffic (default NL_SOCK_BULK) */
+    int type;                /* ZMQ_ROUTER, ZMQ_DEALER, ZMQ_PUSH, ZMQ_PULL, ZMQ_PAIR */
+    const nl_keypair *keys;  /* ours; required unless plaintext */
+    bool curve_server;       /* accept peers (ZAP-checked); else a CURVE client */
+    const char *server_key;  /* client: the server's Z85 public key */
+    const char *zap_domain;  /* server: shared allow-list domain; NULL = private */
+    bool plaintext;          /* INSECURE: no CURVE at all; logged */
+    const char *name;        /* for log lines and errors, e.g. "coord" */
+    int hwm;                 /* send and receive high-water marks; 0 = 64 */
+    int linger_ms;           /* on close; -1 = default 500 */
+    int send_timeout_ms;     /* 0 = 10000, -1 = forever */
+    nl_sock_kind kind;       /* the limits below, by traffic (default NL_SOCK_BULK) */
     uint64_t max_part_bytes; /* ZMQ_MAXMSGSIZE; 0 = the kind's */
     uint64_t max_msg_bytes;  /* all parts of one message; 0 = the kind's */
 } nl_sock_opts;

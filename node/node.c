@@ -220,8 +220,7 @@ static nl_status connect_control(node *n, nl_error *err)
         /* what the coordinator sends (weights in 4 MiB chunks, tokens) is
          * control-sized (net/transport.h) */
         nl_status st = make_socket(n, &n->ctl, ZMQ_DEALER, false, o->coordinator_key, "control",
-                                   NL_SOCK_CONTROL,
-                                   1000, 3000, err);
+                                   NL_SOCK_CONTROL, 1000, 3000, err);
         if (st == NL_OK)
             st = nl_sock_connect(n->ctl, o->coordinator, err);
         if (st != NL_OK)
@@ -285,11 +284,11 @@ static nl_status join(node *n, nl_error *err)
         }
         char text[512];
         if (m->type == NL_MSG_ERROR)
-            return nl_error_set(
-                err, NL_ERR_AUTH, "the coordinator refused JOIN: %s (%s)",
-                nl_log_escape(text, sizeof text, m->u.error.message),
-                nl_status_str(m->u.error.code < NL_STATUS_COUNT ? (nl_status)m->u.error.code
-                                                                : NL_ERR_PROTO));
+            return nl_error_set(err, NL_ERR_AUTH, "the coordinator refused JOIN: %s (%s)",
+                                nl_log_escape(text, sizeof text, m->u.error.message),
+                                nl_status_str(m->u.error.code < NL_STATUS_COUNT
+                                                  ? (nl_status)m->u.error.code
+                                                  : NL_ERR_PROTO));
         NL_DEBUG("ignoring %s while waiting for ACCEPT", nl_wire_type_name(m->type));
     }
     return nl_error_set(err, NL_ERR_TIMEOUT, "no ACCEPT from the coordinator within %d ms",
@@ -347,8 +346,8 @@ static nl_status start(node *n, nl_error *err)
                         .tf32 = o->tf32};
     if ((st = nl_stage_new(&n->stage, n->be, &so, err)) != NL_OK ||
         (st = nl_net_new(&n->net, NULL, err)) != NL_OK ||
-        (st = make_socket(n, &n->data, ZMQ_ROUTER, true, NULL, "data", NL_SOCK_BULK, 0, 0,
-                             err)) != NL_OK ||
+        (st = make_socket(n, &n->data, ZMQ_ROUTER, true, NULL, "data", NL_SOCK_BULK, 0, 0, err)) !=
+            NL_OK ||
         (st = nl_sock_bind(n->data, o->listen, err)) != NL_OK)
         return st;
     if (strncmp(nl_sock_endpoint(n->data), "tcp://0.0.0.0:", 14) == 0)
@@ -392,8 +391,8 @@ static nl_status ensure_next(node *n, nl_error *err)
     char mon_ep[64];
     if (n->next)
         return NL_OK;
-    nl_status st = make_socket(n, &n->next, ZMQ_DEALER, false, n->next_key, "next", NL_SOCK_BULK, 0,
-                                   0, err);
+    nl_status st =
+        make_socket(n, &n->next, ZMQ_DEALER, false, n->next_key, "next", NL_SOCK_BULK, 0, 0, err);
     if (st != NL_OK)
         return st;
     snprintf(mon_ep, sizeof mon_ep, "inproc://neuronode-next-%d", ++n->mon_seq);
@@ -811,7 +810,8 @@ static void rejoin_tick(node *n)
     send_ctl(n, "JOIN");
     n->rejoins++;
     n->rejoin_at_ms = now + n->rejoin_wait_ms;
-    n->rejoin_wait_ms = n->rejoin_wait_ms * 2 < REJOIN_MAX_MS ? n->rejoin_wait_ms * 2 : REJOIN_MAX_MS;
+    n->rejoin_wait_ms =
+        n->rejoin_wait_ms * 2 < REJOIN_MAX_MS ? n->rejoin_wait_ms * 2 : REJOIN_MAX_MS;
 }
 
 static void accepted_again(node *n, const nl_msg_accept *a)

@@ -67,8 +67,9 @@ static void test_planted_links(void)
     snprintf(tmp, sizeof tmp, "%s.tmp.%ld.0", target, (long)getpid());
     CHECK(symlink(victim, tmp) == 0, "symlink %s", tmp);
     CHECK_OK(nl_file_write_atomic(target, "weights", 7, &err), &err);
-    CHECK(strcmp(slurp(victim), "precious") == 0, "the victim was written through a planted link: "
-                                                  "'%s'",
+    CHECK(strcmp(slurp(victim), "precious") == 0,
+          "the victim was written through a planted link: "
+          "'%s'",
           slurp(victim));
     CHECK(strcmp(slurp(target), "weights") == 0, "the file: '%s'", slurp(target));
     CHECK(mode_of(target) == 0600, "mode %o, expected 600", mode_of(target));

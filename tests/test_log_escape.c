@@ -15,9 +15,11 @@ static int clean_text(const char *s)
 {
     const unsigned char *p = (const unsigned char *)s;
     while (*p) {
-        unsigned c = *p, need = c < 0x80 ? 0 : c >= 0xc2 && c <= 0xdf ? 1 : c >= 0xe0 && c <= 0xef ? 2
-                                                              : c >= 0xf0 && c <= 0xf4 ? 3
-                                                                                       : 9;
+        unsigned c = *p, need = c < 0x80                 ? 0
+                                : c >= 0xc2 && c <= 0xdf ? 1
+                                : c >= 0xe0 && c <= 0xef ? 2
+                                : c >= 0xf0 && c <= 0xf4 ? 3
+                                                         : 9;
         if (need == 9 || c < 0x20 || c == 0x7f || (c == 0xc2 && p[1] >= 0x80 && p[1] < 0xa0))
             return 0;
         for (unsigned i = 1; i <= need; i++)
@@ -46,9 +48,9 @@ static void test_escape(void)
     expect("nul\0byte", 8, 64, "nul\\x00byte");
     expect("del\x7f", 4, 64, "del\\x7f");
     expect("caf\xc3\xa9 \xe2\x82\xac", 9, 64, "caf\xc3\xa9 \xe2\x82\xac"); /* UTF-8 kept */
-    expect("c1 \xc2\x85 next line", 15, 64, "c1 \\xc2\\x85 next line");  /* NEL */
+    expect("c1 \xc2\x85 next line", 15, 64, "c1 \\xc2\\x85 next line");    /* NEL */
     expect("bad \xff\xfe", 6, 64, "bad \\xff\\xfe");
-    expect("cut \xe2\x82", 6, 64, "cut \\xe2\\x82");          /* a truncated sequence */
+    expect("cut \xe2\x82", 6, 64, "cut \\xe2\\x82");            /* a truncated sequence */
     expect("overlong \xc0\xaf", 11, 64, "overlong \\xc0\\xaf"); /* "/" overlong */
     expect("surrogate \xed\xa0\x80", 13, 64, "surrogate \\xed\\xa0\\x80");
     /* cut to fit, never inside an escape or a character, marked "..." */

@@ -774,11 +774,11 @@ static void test_ckpt_root(void)
     coord c;
     const char *keys[] = {kp.public_z85};
     coord_start(&c, keys, 1, "tcp://127.0.0.1:*", NULL);
-    const char *argv[] = {"",          "join",      nl_sock_endpoint(c.sock),
-                          "--key",     key,         "--coordinator-key",
-                          c.pub_path,  "--memory",  "256M",
-                          "--threads", "1",         "--checkpoint-root",
-                          root,        "--device",  check_device(),
+    const char *argv[] = {"",          "join",     nl_sock_endpoint(c.sock),
+                          "--key",     key,        "--coordinator-key",
+                          c.pub_path,  "--memory", "256M",
+                          "--threads", "1",        "--checkpoint-root",
+                          root,        "--device", check_device(),
                           NULL};
     pid_t pid = spawn(log, argv);
     char data_ep[256];
@@ -856,9 +856,9 @@ static void test_rejoin(void)
     const char *keys[] = {kp.public_z85};
     coord_start(&c, keys, 1, "tcp://127.0.0.1:*", NULL);
     snprintf(ep, sizeof ep, "%s", c.sock ? nl_sock_endpoint(c.sock) : "");
-    const char *argv[] = {"",         "join",    ep,        "--key",         key,
-                          "--coordinator-key",   c.pub_path, "--memory",     "256M",
-                          "--threads", "1",      "--device", check_device(), NULL};
+    const char *argv[] = {
+        "",         "join", ep,          "--key", key,        "--coordinator-key", c.pub_path,
+        "--memory", "256M", "--threads", "1",     "--device", check_device(),      NULL};
     pid_t pid = spawn(log, argv);
     peer *p = coord_accept(&c, kp.public_z85, 7, data_ep, sizeof data_ep);
     int64_t end = mono_ms() + WAIT_MS;
