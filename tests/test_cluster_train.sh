@@ -247,6 +247,7 @@ SHORT=(--data "$W/data.txt" --steps $((lstep + 5)) --batch 8 --seq 32 --microbat
        --min-lr 3e-3 --warmup 0 --seed 1)
 check "$N" train --cluster "$C" "${SHORT[@]}" --resume "$last" --checkpoint-dir "$W/ck6" \
   --log "$W/after.jsonl" 2> "$W/after.err"
+grep -q "on 2 pipeline stages" "$W/after.err" || { tail -5 "$W/after.err"; tail -20 "$C/coord.log"; }
 check grep -q "on 2 pipeline stages" "$W/after.err"
 check "$N" train "${DEV[@]}" --model "$W/m.safetensors" "${SHORT[@]}" --threads 1 --log "$W/ref.jsonl" \
   2> /dev/null
