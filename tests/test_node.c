@@ -994,6 +994,17 @@ static void test_one_node(void)
           "heartbeats: %d in 600 ms, state %u, node %u", p->heartbeats - before, p->hb_state,
           p->hb_node);
     CHECK(file_has(log, "[solo]") && file_has(log, "loaded epoch 1"), "log lines");
+    /* a peer's free text reaches the log escaped: no forged line (issue 15, finding 10) */
+    nl_wire_msg em;
+    nl_wire_msg_init(&em);
+    em.type = NL_MSG_ERROR;
+    em.u.error = (nl_msg_error){NL_ERR_PROTO, NL_MSG_LOAD_DONE,
+                                "evil\n00:00:00.000 ERROR [coord] forged\x1b[2J"};
+    coord_send(&c, p, &em);
+    coord_next(&c, p, 300);
+    CHECK(file_has(log, "evil\\n00:00:00.000 ERROR [coord] forged\\x1b[2J") &&
+              !file_has(log, "\n00:00:00.000 ERROR [coord] forged"),
+          "the coordinator's ERROR text is logged escaped");
     /* no --checkpoint-root and no --state-dir: no checkpoint is written */
     char nodir[400];
     snprintf(nodir, sizeof nodir, "%s/noroot/step-000000", tmpdir);
