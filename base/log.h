@@ -4,6 +4,8 @@
 #ifndef NL_LOG_H
 #define NL_LOG_H
 
+#include <stddef.h>
+
 typedef enum nl_log_level {
     NL_LOG_DEBUG = 0,
     NL_LOG_INFO,
@@ -24,6 +26,17 @@ int nl_log_parse_level(const char *s);
 
 void nl_log_write(nl_log_level level, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
+
+/* Text from a peer made safe to log or to quote in a message: at most
+ * n bytes of src (a NUL among them is escaped too) into dst (cap bytes, always
+ * NUL-terminated), with backslash, control characters (C0, DEL, C1) and
+ * newlines written as escapes (\\, \n, \r, \t, \xHH), bytes that are not
+ * valid UTF-8 as \xHH, and valid UTF-8 kept. The result is valid UTF-8 on
+ * one line; an escape is never cut, and a cut text ends with "...".
+ * Returns dst. */
+char *nl_log_escape_n(char *dst, size_t cap, const char *src, size_t n);
+/* The same over a NUL-terminated string (NULL gives "(null)"). */
+char *nl_log_escape(char *dst, size_t cap, const char *src);
 
 #define NL_LOG(level, ...)                                                     \
     do {                                                                       \

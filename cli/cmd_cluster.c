@@ -285,6 +285,10 @@ static int cluster_up(const nl_flag *flags, const char *dir)
     nl_error err = {0};
     char pub[NL_KEY_Z85_LEN + 1], name[64];
     char *auth = malloc((size_t)(nodes + 2) * 64 + 128);
+    if (!auth) {
+        fprintf(stderr, "cluster up: out of memory\n");
+        return 1;
+    }
     size_t alen = (size_t)sprintf(auth, "# written by neuroctl cluster up\n");
     if (make_key(dir, "client", pub, &err) != NL_OK)
         goto fail;
@@ -369,6 +373,10 @@ static int cluster_up(const nl_flag *flags, const char *dir)
         }
         if (nl_args_get(flags, "tf32"))
             nargv[na++] = "--tf32";
+        /* a local cluster runs as its user, who names the checkpoint
+         * directory: the nodes may write wherever that user may */
+        nargv[na++] = "--checkpoint-root";
+        nargv[na++] = "/";
         nargv[na] = NULL;
         pids[i - 1] =
             spawn(nargv, log, pidf, env_spin && !nl_args_get(flags, "spin") ? NULL : s_spin);

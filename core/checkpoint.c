@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "manifest.h"
 #include "memory.h"
 #include "safetensors.h"
 #include "tokenizer.h"
@@ -77,6 +78,9 @@ nl_status nl_checkpoint_save(const nl_model *m, const char *path, int64_t step,
         st = nl_st_writer_set_meta(w, "tokenizer", extra->tokenizer, err);
     if (st == NL_OK && extra && extra->init_seed)
         st = nl_st_writer_set_meta(w, "init_seed", extra->init_seed, err);
+    /* never over a shard that a manifest beside it names */
+    if (st == NL_OK)
+        st = nl_manifest_names(path, err);
     if (st == NL_OK)
         st = nl_st_writer_write(w, path, err);
 out:

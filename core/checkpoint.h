@@ -28,7 +28,9 @@ typedef struct nl_ckpt_extra {
 } nl_ckpt_extra;
 
 /* Write every parameter of the stage (and what `extra` carries; may be
- * NULL) to `path` atomically. */
+ * NULL) to `path` atomically (mode 0600: it may hold optimizer state).
+ * A file that the manifest.json beside it names as a shard is never
+ * replaced (NL_ERR_STATE). */
 nl_status nl_checkpoint_save(const nl_model *m, const char *path, int64_t step,
                              const nl_ckpt_extra *extra, nl_error *err);
 

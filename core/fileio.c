@@ -4,6 +4,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <libgen.h>
+#include <limits.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,26 +18,32 @@ struct nl_atomic_file {
     char *tmp;
 };
 
-nl_status nl_atomic_open(nl_atomic_file **out, const char *path, nl_error *err)
+nl_status nl_atomic_open_mode(nl_atomic_file **out, const char *path, unsigned mode, nl_error *err)
 {
     *out = NULL;
     nl_atomic_file *af = calloc(1, sizeof *af);
     size_t n = strlen(path);
     if (!af)
         return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", path);
+    af->fd = -1;
     af->path = strdup(path);
-    af->tmp = malloc(n + 32);
+    af->tmp = malloc(n + 48);
     if (!af->path || !af->tmp) {
         free(af->path);
         free(af->tmp);
         free(af);
         return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", path);
     }
-    snprintf(af->tmp, n + 32, "%s.tmp.%ld", path, (long)getpid());
-    af->fd = open(af->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    /* exclusively, never through a link: a name that is taken (a planted
+     * symbolic link, a stale temporary) is passed over for the next one */
+    int e = EEXIST;
+    for (int k = 0; k < 64 && af->fd < 0 && e == EEXIST; k++) {
+        snprintf(af->tmp, n + 48, "%s.tmp.%ld.%d", path, (long)getpid(), k);
+        af->fd = open(af->tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, (mode_t)mode);
+        e = af->fd < 0 ? errno : 0;
+    }
     if (af->fd < 0) {
-        nl_status st =
-            nl_error_set(err, NL_ERR_IO, "%s: cannot create: %s", af->tmp, strerror(errno));
+        nl_status st = nl_error_set(err, NL_ERR_IO, "%s: cannot create: %s", af->tmp, strerror(e));
         free(af->path);
         free(af->tmp);
         free(af);
@@ -43,6 +51,11 @@ nl_status nl_atomic_open(nl_atomic_file **out, const char *path, nl_error *err)
     }
     *out = af;
     return NL_OK;
+}
+
+nl_status nl_atomic_open(nl_atomic_file **out, const char *path, nl_error *err)
+{
+    return nl_atomic_open_mode(out, path, 0600, err);
 }
 
 nl_status nl_atomic_write(nl_atomic_file *af, const void *buf, size_t n, nl_error *err)
@@ -61,7 +74,7 @@ nl_status nl_atomic_write(nl_atomic_file *af, const void *buf, size_t n, nl_erro
     return NL_OK;
 }
 
-static nl_status fsync_dir(const char *path, nl_error *err)
+nl_status nl_file_sync_parent(const char *path, nl_error *err)
 {
     char *copy = strdup(path);
     if (!copy)
@@ -77,7 +90,9 @@ static nl_status fsync_dir(const char *path, nl_error *err)
     return st;
 }
 
-nl_status nl_atomic_commit(nl_atomic_file **afp, nl_error *err)
+/* fsync and close the temporary, then put it in place: renamed over
+ * `path`, or (no_replace) linked there only if the name is free. */
+static nl_status commit(nl_atomic_file **afp, bool no_replace, nl_error *err)
 {
     nl_atomic_file *af = *afp;
     nl_status st = NL_OK;
@@ -92,12 +107,21 @@ nl_status nl_atomic_commit(nl_atomic_file **afp, nl_error *err)
         goto fail;
     }
     af->fd = -1;
-    if (rename(af->tmp, af->path) != 0) {
+    if (no_replace) {
+        if (link(af->tmp, af->path) != 0) {
+            st = errno == EEXIST ? nl_error_set(err, NL_ERR_STATE,
+                                                "%s exists; refusing to replace it", af->path)
+                                 : nl_error_set(err, NL_ERR_IO, "%s: cannot link into place: %s",
+                                                af->path, strerror(errno));
+            goto fail;
+        }
+        unlink(af->tmp);
+    } else if (rename(af->tmp, af->path) != 0) {
         st = nl_error_set(err, NL_ERR_IO, "%s: cannot rename into place: %s", af->path,
                           strerror(errno));
         goto fail;
     }
-    st = fsync_dir(af->path, err);
+    st = nl_file_sync_parent(af->path, err);
     goto done;
 fail:
     if (af->fd >= 0)
@@ -108,6 +132,16 @@ done:
     free(af->tmp);
     free(af);
     return st;
+}
+
+nl_status nl_atomic_commit(nl_atomic_file **afp, nl_error *err)
+{
+    return commit(afp, false, err);
+}
+
+nl_status nl_atomic_commit_new(nl_atomic_file **afp, nl_error *err)
+{
+    return commit(afp, true, err);
 }
 
 void nl_atomic_abort(nl_atomic_file **afp)
@@ -189,14 +223,139 @@ nl_status nl_file_mkdirs(const char *path, nl_error *err)
         if (c != '/' && c != '\0')
             continue;
         *s = '\0';
-        if (mkdir(p, 0755) != 0 && errno != EEXIST) {
+        if (mkdir(p, 0700) == 0)
+            st = nl_file_sync_parent(p, err); /* the new entry survives a crash */
+        else if (errno != EEXIST)
             st = nl_error_set(err, NL_ERR_IO, "cannot create %s: %s", p, strerror(errno));
-            break;
-        }
         *s = c;
-        if (c == '\0')
+        if (c == '\0' || st != NL_OK)
             break;
     }
+    free(p);
+    return st;
+}
+
+/* ------------------------------------------------------------ confinement */
+
+/* p lies under the resolved root r (or is r). */
+static bool under(const char *p, const char *r)
+{
+    size_t n = strlen(r);
+    if (n == 1 && r[0] == '/')
+        return true;
+    return strncmp(p, r, n) == 0 && (p[n] == '/' || p[n] == '\0');
+}
+
+/* Absolute, no "." or ".." component, shorter than PATH_MAX. */
+static nl_status check_dir_text(const char *dir, nl_error *err)
+{
+    if (dir[0] != '/' || strlen(dir) >= PATH_MAX)
+        return nl_error_set(err, NL_ERR_INVALID, "'%.200s' is not an absolute path", dir);
+    for (const char *p = dir; *p; p++) {
+        if (*p != '.' || p[-1] != '/')
+            continue;
+        size_t k = p[1] == '.' ? 2 : 1;
+        if (p[k] == '/' || p[k] == '\0')
+            return nl_error_set(err, NL_ERR_INVALID, "'%.200s' has a '%.*s' component", dir, (int)k,
+                                "..");
+    }
+    return NL_OK;
+}
+
+/* Create the components of `rest` ("a/b/c") one by one under the real
+ * directory `base` (PATH_MAX bytes, extended in place), never through a
+ * link. */
+static nl_status make_rest(char *base, char *rest, nl_error *err)
+{
+    nl_status st = NL_OK;
+    int fd = open(base, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0)
+        return nl_error_set(err, NL_ERR_IO, "%s: %s", base, strerror(errno));
+    for (char *save = NULL, *c = strtok_r(rest, "/", &save); c; c = strtok_r(NULL, "/", &save)) {
+        bool made = mkdirat(fd, c, 0700) == 0;
+        if (!made && errno != EEXIST) {
+            st = nl_error_set(err, NL_ERR_IO, "cannot create %s/%s: %s", base, c, strerror(errno));
+            break;
+        }
+        if (made && fsync(fd) != 0) {
+            st = nl_error_set(err, NL_ERR_IO, "%s: cannot sync: %s", base, strerror(errno));
+            break;
+        }
+        int next = openat(fd, c, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        if (next < 0) {
+            st = nl_error_set(err, NL_ERR_IO, "%s/%s: %s", base, c,
+                              errno == ELOOP ? "a symbolic link" : strerror(errno));
+            break;
+        }
+        close(fd);
+        fd = next;
+        size_t n = strlen(base);
+        snprintf(base + n, PATH_MAX - n, "%s%s", n > 1 ? "/" : "", c);
+    }
+    close(fd);
+    return st;
+}
+
+nl_status nl_path_confine(const char *root, const char *dir, char **out, nl_error *err)
+{
+    char rroot[PATH_MAX], real[PATH_MAX], *p = NULL;
+    *out = NULL;
+    if (!root || !realpath(root, rroot))
+        return nl_error_set(err, root && errno != ENOENT ? NL_ERR_IO : NL_ERR_NOTFOUND,
+                            "root %s: %s", root ? root : "(none)",
+                            root ? strerror(errno) : "no root directory");
+    nl_status st = check_dir_text(dir, err);
+    if (st != NL_OK)
+        return st;
+    if (!(p = strdup(dir)))
+        return nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+    /* the deepest part that exists, resolved */
+    struct stat sb;
+    while (stat(p, &sb) != 0) {
+        char *slash = strrchr(p, '/');
+        if (slash == p) { /* only "/" is left */
+            p[1] = '\0';
+            break;
+        }
+        *slash = '\0';
+    }
+    /* p is the existing prefix of dir; the rest is to be made */
+    const char *rest = dir + strlen(p);
+    while (*rest == '/')
+        rest++;
+    if (!realpath(p, real)) {
+        st = nl_error_set(err, NL_ERR_IO, "%s: %s", p, strerror(errno));
+        goto out;
+    }
+    if (!under(real, rroot)) {
+        st = nl_error_set(err, NL_ERR_AUTH, "'%.200s' (%.200s) is outside the root %.200s", dir,
+                          real, rroot);
+        goto out;
+    }
+    if (*rest) {
+        char *tail = strdup(rest);
+        if (!tail) {
+            st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+            goto out;
+        }
+        st = make_rest(real, tail, err);
+        free(tail);
+        if (st != NL_OK)
+            goto out;
+    }
+    /* once more, whole: a link swapped in meanwhile is caught here */
+    if (!realpath(dir, real) || stat(real, &sb) != 0 || !S_ISDIR(sb.st_mode)) {
+        st = nl_error_set(err, NL_ERR_IO, "'%.200s' is not a directory", dir);
+        goto out;
+    }
+    if (!under(real, rroot)) {
+        st = nl_error_set(err, NL_ERR_AUTH, "'%.200s' (%.200s) is outside the root %.200s", dir,
+                          real, rroot);
+        goto out;
+    }
+    if (!(*out = strdup(real)))
+        st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+out:
     free(p);
     return st;
 }

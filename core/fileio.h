@@ -1,6 +1,13 @@
 /* File helpers: atomic writes (temporary file, fsync, rename, fsync of the
  * directory) so that a crash never leaves a half-written checkpoint or
- * tokenizer under the final name, and bounded whole-file reads. */
+ * tokenizer under the final name, bounded whole-file reads, and paths
+ * confined to a root directory.
+ *
+ * Safety: the temporary file is created exclusively and never through a
+ * symbolic link (O_CREAT|O_EXCL|O_NOFOLLOW; a name already taken, by a
+ * planted link or anything else, is skipped for the next one), with mode
+ * 0600; directories are created 0700. The rename replaces a link at the
+ * final name, never what it points to. */
 #ifndef NL_FILEIO_H
 #define NL_FILEIO_H
 
@@ -10,8 +17,11 @@
 
 typedef struct nl_atomic_file nl_atomic_file;
 
-/* Start writing `path` through a temporary file beside it. */
+/* Start writing `path` through a temporary file beside it, named
+ * `<path>.tmp.<pid>.<k>` for the first k in 0..63 not taken. Mode 0600. */
 nl_status nl_atomic_open(nl_atomic_file **out, const char *path, nl_error *err);
+/* The same with another mode (e.g. 0644 for a public file), less umask. */
+nl_status nl_atomic_open_mode(nl_atomic_file **out, const char *path, unsigned mode, nl_error *err);
 /* Append bytes. On failure the file is left for nl_atomic_abort. */
 nl_status nl_atomic_write(nl_atomic_file *af, const void *buf, size_t n, nl_error *err);
 /* fsync, rename over `path`, fsync the directory; frees *af and NULLs it
@@ -20,8 +30,29 @@ nl_status nl_atomic_commit(nl_atomic_file **af, nl_error *err);
 /* Drop the temporary file; safe on NULL. */
 void nl_atomic_abort(nl_atomic_file **af);
 
-/* Create a directory and every missing parent (mkdir -p, mode 0755). */
+/* fsync, then link into place only if `path` does not exist yet
+ * (NL_ERR_STATE naming it if it does), fsync the directory; frees *af as
+ * nl_atomic_commit does. For files that must never be replaced. */
+nl_status nl_atomic_commit_new(nl_atomic_file **af, nl_error *err);
+
+/* Create a directory and every missing parent (mkdir -p, mode 0700), and
+ * fsync the parent of each directory it creates. */
 nl_status nl_file_mkdirs(const char *path, nl_error *err);
+
+/* fsync the directory that holds `path`. */
+nl_status nl_file_sync_parent(const char *path, nl_error *err);
+
+/* Confine `dir` to `root`: `root` is resolved with realpath (it must
+ * exist); `dir` must be absolute, without "." or ".." components; the
+ * part of it that exists is resolved with realpath (so a symbolic link
+ * inside the root that leads outside is caught) and must lie under the
+ * resolved root (root "/" admits every directory); the missing rest is
+ * created (0700, one component at a time, never through a link) and the
+ * whole resolved again. *out gets the resolved directory, malloc'd.
+ * Errors: NL_ERR_INVALID (not absolute, "..", too long), NL_ERR_AUTH
+ * (outside the root; the message names both), NL_ERR_IO, NL_ERR_NOTFOUND
+ * (no root). */
+nl_status nl_path_confine(const char *root, const char *dir, char **out, nl_error *err);
 
 /* Write a whole buffer atomically. */
 nl_status nl_file_write_atomic(const char *path, const void *buf, size_t n, nl_error *err);

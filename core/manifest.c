@@ -542,14 +542,76 @@ out:
     return st;
 }
 
+/* Every shard m names, beside the manifest at `path`, has the size and
+ * hash m gives it. */
+static nl_status verify_beside(const char *path, const nl_manifest *m, nl_error *err)
+{
+    char *copy = strdup(path), full[4200], hex[65];
+    if (!copy)
+        return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", path);
+    const char *dir = dirname(copy);
+    nl_status st = NL_OK;
+    for (int i = 0; i < m->n_shards && st == NL_OK; i++) {
+        const nl_manifest_shard *s = &m->shards[i];
+        uint64_t n = 0;
+        snprintf(full, sizeof full, "%s/%s", dir, s->file);
+        st = nl_file_sha256(full, hex, &n, err);
+        if (st != NL_OK)
+            nl_error_prefix(err, "shard %s (stage %d)", s->file, s->stage);
+        else if (n != s->bytes || strcmp(hex, s->sha256) != 0)
+            st = nl_error_set(err, NL_ERR_INTEGRITY,
+                              "shard %s (stage %d): the file (%" PRIu64 " bytes, sha256 %.16s...) "
+                              "is not the one reported (%" PRIu64 " bytes, %.16s...)",
+                              s->file, s->stage, n, hex, s->bytes, s->sha256);
+    }
+    free(copy);
+    return st;
+}
+
 nl_status nl_manifest_write(const char *path, const nl_manifest *m, nl_error *err)
 {
     char *text = NULL;
+    nl_atomic_file *af = NULL;
     nl_status st = nl_manifest_to_json(m, &text, err);
-    if (st != NL_OK)
+    if (st == NL_OK)
+        st = verify_beside(path, m, err);
+    if (st != NL_OK) {
+        free(text);
         return nl_error_prefix(err, "%s", path);
-    st = nl_file_write_atomic(path, text, strlen(text), err);
+    }
+    st = nl_atomic_open_mode(&af, path, 0644, err);
+    if (st == NL_OK)
+        st = nl_atomic_write(af, text, strlen(text), err);
+    if (st == NL_OK)
+        st = nl_atomic_commit_new(&af, err); /* a manifest is never replaced */
+    nl_atomic_abort(&af);
     free(text);
+    return st;
+}
+
+nl_status nl_manifest_names(const char *path, nl_error *err)
+{
+    char *copy = strdup(path), *copy2 = strdup(path);
+    nl_manifest *m = NULL;
+    nl_status st = NL_OK;
+    if (!copy || !copy2) {
+        st = nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", path);
+        goto out;
+    }
+    const char *dir = dirname(copy), *base = basename(copy2);
+    nl_error ignored;
+    if (nl_manifest_load(&m, dir, &ignored) != NL_OK) /* none, or one that names nothing */
+        goto out;
+    for (int i = 0; i < m->n_shards && st == NL_OK; i++)
+        if (strcmp(m->shards[i].file, base) == 0)
+            st = nl_error_set(err, NL_ERR_STATE,
+                              "%s is shard %d of the checkpoint %s/%s (step %lld); refusing to "
+                              "replace it",
+                              path, i, dir, NL_MANIFEST_FILE, (long long)m->step);
+out:
+    nl_manifest_destroy(&m);
+    free(copy);
+    free(copy2);
     return st;
 }
 
@@ -645,6 +707,115 @@ nl_status nl_manifest_verify(const nl_manifest *m, nl_error *err)
     return NL_OK;
 }
 
+/* Read shard i whole into memory, hashing the very bytes read, and check
+ * its size and hash against the manifest: the copy is what was verified. */
+static nl_status read_verified(const nl_manifest_shard *s, uint8_t **out, nl_error *err)
+{
+    enum { CHUNK = 1 << 20 };
+    uint8_t *buf = NULL, digest[crypto_hash_sha256_BYTES];
+    char hex[65];
+    crypto_hash_sha256_state h;
+    struct stat sb;
+    nl_status st = NL_OK;
+    uint64_t got = 0;
+    *out = NULL;
+    pthread_once(&sodium_once, sodium_start);
+    if (!sodium_ready)
+        return nl_error_set(err, NL_ERR_INTERNAL, "libsodium failed to initialise");
+    int fd = open(s->path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return nl_error_set(err, errno == ENOENT ? NL_ERR_NOTFOUND : NL_ERR_IO,
+                            "shard %s (stage %d): %s: %s; refusing it", s->file, s->stage, s->path,
+                            errno == ENOENT ? "no such file" : strerror(errno));
+    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        st = nl_error_set(err, NL_ERR_IO, "shard %s (stage %d): %s: not a regular file", s->file,
+                          s->stage, s->path);
+        goto out;
+    }
+    if ((uint64_t)sb.st_size != s->bytes || s->bytes > SIZE_MAX - 1) {
+        st = nl_error_set(err, NL_ERR_INTEGRITY,
+                          "shard %s (stage %d): size mismatch: the manifest says %" PRIu64
+                          " bytes, the file has %lld; refusing it",
+                          s->file, s->stage, s->bytes, (long long)sb.st_size);
+        goto out;
+    }
+    if (!(buf = malloc(s->bytes ? (size_t)s->bytes : 1))) {
+        st = nl_error_set(err, NL_ERR_NOMEM,
+                          "shard %s (stage %d): out of memory for %" PRIu64 " bytes", s->file,
+                          s->stage, s->bytes);
+        goto out;
+    }
+    crypto_hash_sha256_init(&h);
+    /* one byte more than expected may come: a file that grew is refused */
+    for (;;) {
+        size_t want =
+            got < s->bytes ? (size_t)(s->bytes - got < CHUNK ? s->bytes - got : CHUNK) : 0;
+        uint8_t extra;
+        ssize_t r = want ? read(fd, buf + got, want) : read(fd, &extra, 1);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0) {
+            st = nl_error_set(err, NL_ERR_IO, "shard %s (stage %d): read failed: %s", s->file,
+                              s->stage, strerror(errno));
+            goto out;
+        }
+        if (r == 0 || !want) {
+            if (r > 0 || got != s->bytes) {
+                st = nl_error_set(err, NL_ERR_INTEGRITY,
+                                  "shard %s (stage %d): size mismatch: the manifest says %" PRIu64
+                                  " bytes, %s were read; refusing it",
+                                  s->file, s->stage, s->bytes, r > 0 ? "more" : "fewer");
+                goto out;
+            }
+            break;
+        }
+        crypto_hash_sha256_update(&h, buf + got, (unsigned long long)r);
+        got += (uint64_t)r;
+    }
+    crypto_hash_sha256_final(&h, digest);
+    sodium_bin2hex(hex, sizeof hex, digest, sizeof digest);
+    if (strcmp(hex, s->sha256) != 0) {
+        st = nl_error_set(err, NL_ERR_INTEGRITY,
+                          "shard %s (stage %d): sha256 mismatch: the manifest says %.16s..., "
+                          "the file hashes to %.16s...; refusing it",
+                          s->file, s->stage, s->sha256, hex);
+        goto out;
+    }
+    *out = buf;
+    buf = NULL;
+out:
+    free(buf);
+    close(fd);
+    return st;
+}
+
+nl_status nl_manifest_open_shard(const nl_manifest *m, int i, nl_st_file **out, nl_error *err)
+{
+    uint8_t *buf = NULL;
+    *out = NULL;
+    if (i < 0 || i >= m->n_shards || !m->shards[i].path)
+        return nl_error_set(err, NL_ERR_INVALID, "manifest: no shard %d", i);
+    nl_status st = read_verified(&m->shards[i], &buf, err);
+    if (st != NL_OK)
+        return st;
+    st = nl_st_open_owned(out, buf, (size_t)m->shards[i].bytes, m->shards[i].path, err);
+    return st == NL_OK
+               ? st
+               : nl_error_prefix(err, "shard %s (stage %d)", m->shards[i].file, m->shards[i].stage);
+}
+
+nl_status nl_manifest_open_shards(const nl_manifest *m, nl_st_file **files, nl_error *err)
+{
+    nl_status st = NL_OK;
+    for (int i = 0; i < m->n_shards; i++)
+        files[i] = NULL;
+    for (int i = 0; i < m->n_shards && st == NL_OK; i++)
+        st = nl_manifest_open_shard(m, i, &files[i], err);
+    for (int i = 0; st != NL_OK && i < m->n_shards; i++)
+        nl_st_close(&files[i]);
+    return st;
+}
+
 /* ---------------------------------------------------------------- stages */
 
 /* The shard that holds parameter `name` under the manifest's plan. */
@@ -711,9 +882,12 @@ static nl_status read_shard(const nl_manifest *m, int s, nl_model *model, const 
     }
     if (!any)
         return NL_OK;
-    nl_status st = nl_st_open(&f, sh->path, err);
-    if (st == NL_OK)
-        st = check_shard_meta(m, sh, f, mm != NULL, err);
+    /* the bytes read are the bytes hashed: a shard changed or truncated
+     * since the manifest was verified is refused, never served */
+    nl_status st = nl_manifest_open_shard(m, s, &f, err);
+    if (st != NL_OK)
+        return st;
+    st = check_shard_meta(m, sh, f, mm != NULL, err);
     if (st == NL_OK && (st = nl_checkpoint_read_tensors(model, f, pick, w, mm, vv, err)) != NL_OK)
         nl_error_prefix(err, "%s", sh->path);
     if (st != NL_OK)
@@ -830,9 +1004,10 @@ nl_status nl_manifest_export_ex(const nl_manifest *m, const char *out,
     float *mom[2] = {NULL, NULL};
     char *train = NULL;
     const int L = m->cfg.num_layers;
+    /* no separate verification: nl_manifest_load_stage below reads every
+     * shard through nl_manifest_open_shard, which checks each hash on the
+     * bytes it uses */
     nl_status st = check_out(m, out, err);
-    if (st == NL_OK)
-        st = nl_manifest_verify(m, err);
     if (st == NL_OK)
         st = train_text(m, &train, err);
     if (st == NL_OK)

@@ -69,8 +69,17 @@ typedef struct nl_manifest {
  *                "sha256", "bytes", "node"|absent, "device"|absent, "tf32": bool|absent}]}
  * The config is encoded from m->cfg. The manifest is checked as
  * nl_manifest_parse would check it before anything is written, so a
- * manifest that is written also loads. */
+ * manifest that is written also loads; every shard beside it must already
+ * be on disk with the size and hash it names (NL_ERR_INTEGRITY,
+ * NL_ERR_NOTFOUND otherwise), so a manifest only ever names verified
+ * shards. An existing manifest is never replaced (NL_ERR_STATE). Mode
+ * 0644. */
 nl_status nl_manifest_write(const char *path, const nl_manifest *m, nl_error *err);
+
+/* NL_ERR_STATE (a message naming both) when the manifest.json beside
+ * `path` names `path` as one of its shards: a file that must not be
+ * replaced. NL_OK otherwise (no manifest, or one that does not parse). */
+nl_status nl_manifest_names(const char *path, nl_error *err);
 
 /* The text nl_manifest_write writes (malloc'd into *out, ending with a
  * newline), after the same checks. */
@@ -105,6 +114,19 @@ nl_status nl_file_sha256(const char *path, char hex[65], uint64_t *bytes, nl_err
  *   shard stage-1.safetensors (stage 1): sha256 mismatch: the manifest says
  *   ab12..., the file hashes to cd34...; refusing it */
 nl_status nl_manifest_verify(const nl_manifest *m, nl_error *err);
+
+/* Open shard i for serving: the file is read whole into memory, its size
+ * and SHA-256 checked against the manifest on the very bytes read, and
+ * that copy opened (nl_st_open_owned). What is served is what was
+ * verified; a file truncated or rewritten afterwards changes nothing and
+ * cannot fault. Errors as nl_manifest_verify. Memory: the shard's size,
+ * until nl_st_close. */
+struct nl_st_file;
+nl_status nl_manifest_open_shard(const nl_manifest *m, int i, struct nl_st_file **out,
+                                 nl_error *err);
+/* Every shard into files[0..n_shards) (all or none: on failure the ones
+ * opened are closed and every entry is NULL). */
+nl_status nl_manifest_open_shards(const nl_manifest *m, struct nl_st_file **files, nl_error *err);
 
 /* Build the stage [l0, l1) (with the embedding and/or head as asked) on
  * backend `be` from the shards of a verified manifest: every tensor from

@@ -35,6 +35,7 @@ struct nl_st_file {
     const uint8_t *base;
     size_t size;
     bool mapped;
+    bool owned;          /* base is malloc'd and freed on close */
     const uint8_t *data; /* the data section */
     uint64_t data_size;
     nl_st_header *hdr;
@@ -398,6 +399,8 @@ void nl_st_close(nl_st_file **fp)
     nl_st_header_destroy(&f->hdr);
     if (f->mapped)
         munmap((void *)f->base, f->size);
+    if (f->owned)
+        free((void *)f->base);
     free(f->label);
     free(f);
     *fp = NULL;
@@ -426,6 +429,27 @@ nl_status nl_st_open_mem(nl_st_file **out, const void *buf, size_t len, nl_error
         nl_st_close(&f);
     *out = f;
     return st;
+}
+
+nl_status nl_st_open_owned(nl_st_file **out, void *buf, size_t len, const char *label,
+                           nl_error *err)
+{
+    *out = NULL;
+    nl_st_file *f = file_new(label);
+    if (!f) {
+        free(buf);
+        FAIL(NL_ERR_NOMEM, "%s: out of memory", label);
+    }
+    f->base = buf;
+    f->size = len;
+    f->owned = true;
+    nl_status st = open_image(f, err);
+    if (st != NL_OK) {
+        nl_st_close(&f);
+        return nl_error_prefix(err, "%s", label);
+    }
+    *out = f;
+    return NL_OK;
 }
 
 nl_status nl_st_open(nl_st_file **out, const char *path, nl_error *err)

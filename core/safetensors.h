@@ -69,6 +69,12 @@ nl_status nl_st_open(nl_st_file **out, const char *path, nl_error *err);
 /* The same over a whole file image in memory; `buf` is referenced, not
  * copied, and must outlive the file. */
 nl_status nl_st_open_mem(nl_st_file **out, const void *buf, size_t len, nl_error *err);
+/* The same over a malloc'd image the file takes: freed on close, and on
+ * failure. `label` (copied) names it in messages, e.g. its path. Unlike a
+ * mapping, a copy cannot change or fault (SIGBUS) when the file on disk
+ * is truncated or rewritten after it was read. */
+nl_status nl_st_open_owned(nl_st_file **out, void *buf, size_t len, const char *label,
+                           nl_error *err);
 void nl_st_close(nl_st_file **f);
 
 const nl_st_header *nl_st_file_header(const nl_st_file *f);

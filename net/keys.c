@@ -198,11 +198,33 @@ nl_status nl_keylist_parse(nl_keylist *kl, const char *text, size_t len, const c
     return NL_OK;
 }
 
+nl_status nl_keys_check_trusted(const char *path, nl_error *err)
+{
+    struct stat sb;
+    if (stat(path, &sb) != 0)
+        return nl_error_set(err, errno == ENOENT ? NL_ERR_NOTFOUND : NL_ERR_IO, "%s: %s", path,
+                            strerror(errno));
+    if (sb.st_mode & 022)
+        return nl_error_set(err, NL_ERR_AUTH,
+                            "%s is writable by %s (mode %04o): anyone there could change whom "
+                            "this process trusts; refusing it (chmod go-w %s)",
+                            path, sb.st_mode & 02 ? "others" : "its group",
+                            (unsigned)(sb.st_mode & 07777), path);
+    if (sb.st_uid != geteuid() && sb.st_uid != 0)
+        return nl_error_set(err, NL_ERR_AUTH,
+                            "%s is owned by uid %u, neither this user (%u) nor root; refusing it",
+                            path, (unsigned)sb.st_uid, (unsigned)geteuid());
+    return NL_OK;
+}
+
 nl_status nl_keylist_load(nl_keylist *kl, const char *path, nl_error *err)
 {
     char *text = NULL;
     size_t len = 0;
-    nl_status st = nl_file_read_all(path, NL_AUTHKEYS_MAX_BYTES, &text, &len, err);
+    nl_status st = nl_keys_check_trusted(path, err);
+    if (st != NL_OK)
+        return st;
+    st = nl_file_read_all(path, NL_AUTHKEYS_MAX_BYTES, &text, &len, err);
     if (st == NL_OK)
         st = nl_keylist_parse(kl, text, len, path, err);
     free(text);
@@ -408,6 +430,9 @@ nl_status nl_keys_ensure(const char *state_dir, nl_keypair *kp, bool *created, n
     snprintf(ppath, sizeof ppath, "%s.pub", prefix);
     if (mkdir(state_dir, 0700) != 0 && errno != EEXIST)
         return nl_error_set(err, NL_ERR_IO, "%s: cannot create: %s", state_dir, strerror(errno));
+    nl_status trusted = nl_keys_check_trusted(state_dir, err);
+    if (trusted != NL_OK)
+        return nl_error_prefix(err, "state dir");
     bool have_key = stat(kpath, &sb) == 0, have_pub = stat(ppath, &sb) == 0;
     if (!have_key && have_pub)
         return nl_error_set(err, NL_ERR_STATE,

@@ -40,8 +40,16 @@ nl_status nl_keys_load_secret(nl_keypair *kp, const char *path, nl_error *err);
 nl_status nl_keys_load_public(char out[NL_KEY_Z85_LEN + 1], const char *path, nl_error *err);
 /* The coordinator's identity: load <state_dir>/coordinator.key (and check
  * coordinator.pub), or create both on first start (state_dir is created
- * with mode 0700 if absent). *created (may be NULL) says which. */
+ * with mode 0700 if absent, and refused by nl_keys_check_trusted).
+ * *created (may be NULL) says which. */
 nl_status nl_keys_ensure(const char *state_dir, nl_keypair *kp, bool *created, nl_error *err);
+/* A file or directory this process trusts (authorized_keys, a state
+ * dir): NL_ERR_AUTH when group or others may write it, or when it belongs
+ * to another user than this one or root; the message says which and how
+ * to fix it. Links are followed (the object itself is judged).
+ * nl_keylist_load and nl_keys_ensure apply it; a daemon applies it to any
+ * other such path it reads. */
+nl_status nl_keys_check_trusted(const char *path, nl_error *err);
 /* Overwrite the secret in memory. */
 void nl_keys_wipe(nl_keypair *kp);
 
@@ -62,6 +70,8 @@ typedef struct nl_keylist {
  * fails the whole parse and leaves kl empty. */
 nl_status nl_keylist_parse(nl_keylist *kl, const char *text, size_t len, const char *origin,
                            nl_error *err);
+/* Read and parse an authorized_keys file, refused first when
+ * nl_keys_check_trusted refuses it. */
 nl_status nl_keylist_load(nl_keylist *kl, const char *path, nl_error *err);
 nl_status nl_keylist_add(nl_keylist *kl, const uint8_t key[NL_KEY_BYTES], nl_error *err);
 /* Sort and drop duplicates (parse does this). */

@@ -2,6 +2,7 @@
  * the versioned hello, and the bad-input policy (strike, answer, drop). */
 #include "transport.h"
 
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,6 +28,7 @@ struct nl_sock {
     char domain[NL_ZAP_DOMAIN_MAX];
     char server_key[NL_KEY_Z85_LEN + 1];
     char endpoint[256];
+    uint64_t max_msg; /* bytes of all parts of one message */
     nl_wire_wbuf wbuf;
 };
 
@@ -191,9 +193,14 @@ nl_status nl_sock_new(nl_sock **out, nl_net *net, const nl_sock_opts *o, nl_erro
         st = nl_error_set(err, NL_ERR_IO, "socket %s: %s", name, zerr());
         goto fail;
     }
-    int64_t maxmsg =
-        (int64_t)(net->lim.max_frame_bytes > net->lim.max_header ? net->lim.max_frame_bytes
-                                                                 : net->lim.max_header);
+    const uint64_t bulk = net->lim.max_frame_bytes > net->lim.max_header ? net->lim.max_frame_bytes
+                                                                         : net->lim.max_header;
+    const bool control = o->kind == NL_SOCK_CONTROL;
+    uint64_t part = o->max_part_bytes ? o->max_part_bytes : control ? NL_SOCK_CONTROL_PART : bulk;
+    s->max_msg = o->max_msg_bytes ? o->max_msg_bytes : control ? NL_SOCK_CONTROL_MSG : 2 * bulk;
+    if (part > INT64_MAX)
+        part = INT64_MAX;
+    int64_t maxmsg = (int64_t)part;
     int hwm = o->hwm > 0 ? o->hwm : 64;
     int sndtimeo = o->send_timeout_ms == 0 ? 10000 : o->send_timeout_ms;
     st = setopt(s, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg, "MAXMSGSIZE", err);
@@ -434,13 +441,15 @@ static void find_peer(nl_sock *s, nl_rx *rx, int hdr)
 }
 
 /* Read every part of the next message; parts past the cap are freed as
- * they come. Returns the number of parts, -1 when nothing was there. */
-static int read_parts(nl_sock *s, nl_rx *rx, bool *over)
+ * they come. *total gets the bytes of all parts. Returns the number of
+ * parts, -1 when nothing was there. */
+static int read_parts(nl_sock *s, nl_rx *rx, bool *over, uint64_t *total)
 {
     zmq_msg_t extra;
     int n = 0;
     bool more = true;
     *over = false;
+    *total = 0;
     while (more) {
         zmq_msg_t *m = n < NL_RX_MAX_PARTS ? &rx->parts[n] : &extra;
         zmq_msg_init(m);
@@ -449,6 +458,7 @@ static int read_parts(nl_sock *s, nl_rx *rx, bool *over)
             return n == 0 ? -1 : n;
         }
         more = zmq_msg_more(m);
+        *total += zmq_msg_size(m);
         if (m == &extra) {
             *over = true;
             zmq_msg_close(m);
@@ -461,7 +471,8 @@ static int read_parts(nl_sock *s, nl_rx *rx, bool *over)
 
 /* Wait for the next message's parts. zmq_poll can report a socket readable
  * when no whole message is there yet; then wait again, to the deadline. */
-static nl_status wait_parts(nl_sock *s, nl_rx *rx, int timeout_ms, bool *over, nl_error *err)
+static nl_status wait_parts(nl_sock *s, nl_rx *rx, int timeout_ms, bool *over, uint64_t *total,
+                            nl_error *err)
 {
     int64_t deadline = mono_ms() + (timeout_ms > 0 ? timeout_ms : 0);
     for (;;) {
@@ -473,7 +484,7 @@ static nl_status wait_parts(nl_sock *s, nl_rx *rx, int timeout_ms, bool *over, n
         if (rc <= 0)
             return nl_error_set(err, NL_ERR_TIMEOUT, "socket %s: no message within %d ms", s->name,
                                 timeout_ms);
-        if (read_parts(s, rx, over) >= 0)
+        if (read_parts(s, rx, over, total) >= 0)
             return NL_OK;
         if (zmq_errno() != EAGAIN)
             return nl_error_set(err, NL_ERR_IO, "socket %s: receive: %s", s->name, zerr());
@@ -487,8 +498,9 @@ nl_status nl_sock_recv(nl_sock *s, nl_rx *rx, int timeout_ms, nl_error *err)
 {
     nl_error e;
     bool over = false; /* set on NL_OK; gcc -O3 cannot see it */
+    uint64_t total = 0;
     rx_release(rx);
-    nl_status st = wait_parts(s, rx, timeout_ms, &over, err);
+    nl_status st = wait_parts(s, rx, timeout_ms, &over, &total, err);
     if (st != NL_OK)
         return st;
     int n = rx->nparts;
@@ -509,6 +521,11 @@ nl_status nl_sock_recv(nl_sock *s, nl_rx *rx, int timeout_ms, nl_error *err)
     }
     if (over) {
         nl_error_set(&e, NL_ERR_LIMIT, "message of more than %d parts", NL_RX_MAX_PARTS);
+        return bad_message(s, rx, hdr, NL_ERR_LIMIT, &e, err);
+    }
+    if (total > s->max_msg) {
+        nl_error_set(&e, NL_ERR_LIMIT, "message of %llu bytes, limit %llu on this socket",
+                     (unsigned long long)total, (unsigned long long)s->max_msg);
         return bad_message(s, rx, hdr, NL_ERR_LIMIT, &e, err);
     }
     nl_wire_part wp[NL_RX_MAX_PARTS];
@@ -549,9 +566,10 @@ nl_status nl_sock_hello(nl_sock *s, nl_role role, int timeout_ms, nl_rx *rx, nl_
             return NL_OK;
         if (rx->msg.type == NL_MSG_ERROR) {
             uint32_t c = rx->msg.u.error.code;
+            char text[400];
             return nl_error_set(err, c > 0 && c < NL_STATUS_COUNT ? (nl_status)c : NL_ERR_PROTO,
                                 "socket %s: peer refused HELLO: %s", s->name,
-                                rx->msg.u.error.message);
+                                nl_log_escape(text, sizeof text, rx->msg.u.error.message));
         }
         NL_DEBUG("socket %s: ignoring %s while waiting for HELLO_ACK", s->name,
                  nl_wire_type_name(rx->msg.type));

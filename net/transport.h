@@ -54,17 +54,40 @@ nl_auth *nl_net_auth(nl_net *n);
 void *nl_net_zmq_context(nl_net *n);
 const nl_wire_limits *nl_net_limits(const nl_net *n);
 
+/* What a socket's traffic needs, and so what it accepts (issue 15). The
+ * part limit is ZMQ_MAXMSGSIZE: libzmq drops the connection of a peer
+ * that announces a bigger part before buffering it, so it bounds memory.
+ * The message limit (all parts together) is checked by the transport once
+ * libzmq hands the message over (it buffers a whole multipart message
+ * first, whatever its part count): such a message is refused and counted
+ * against the peer, but the memory was spent meanwhile. A small part
+ * limit is therefore the real bound: give every socket the smallest kind
+ * its traffic allows.
+ *  - NL_SOCK_BULK (the default): tensors (activations, gradients, results,
+ *    weights): a part up to the codec's frame limit (1 GiB), a message up
+ *    to twice that.
+ *  - NL_SOCK_CONTROL: control traffic with at most small tensors (tokens,
+ *    4 MiB weight chunks of LAYER_LOAD): a part up to NL_SOCK_CONTROL_PART
+ *    (16 MiB), a message up to NL_SOCK_CONTROL_MSG (64 MiB). For what
+ *    clients send a coordinator, and what a coordinator sends a node. */
+typedef enum nl_sock_kind { NL_SOCK_BULK = 0, NL_SOCK_CONTROL = 1 } nl_sock_kind;
+#define NL_SOCK_CONTROL_PART (16ull << 20)
+#define NL_SOCK_CONTROL_MSG (64ull << 20)
+
 typedef struct nl_sock_opts {
-    int type;               /* ZMQ_ROUTER, ZMQ_DEALER, ZMQ_PUSH, ZMQ_PULL, ZMQ_PAIR */
-    const nl_keypair *keys; /* ours; required unless plaintext */
-    bool curve_server;      /* accept peers (ZAP-checked); else a CURVE client */
-    const char *server_key; /* client: the server's Z85 public key */
-    const char *zap_domain; /* server: shared allow-list domain; NULL = private */
-    bool plaintext;         /* INSECURE: no CURVE at all; logged */
-    const char *name;       /* for log lines and errors, e.g. "coord" */
-    int hwm;                /* send and receive high-water marks; 0 = 64 */
-    int linger_ms;          /* on close; -1 = default 500 */
-    int send_timeout_ms;    /* 0 = 10000, -1 = forever */
+    int type;                /* ZMQ_ROUTER, ZMQ_DEALER, ZMQ_PUSH, ZMQ_PULL, ZMQ_PAIR */
+    const nl_keypair *keys;  /* ours; required unless plaintext */
+    bool curve_server;       /* accept peers (ZAP-checked); else a CURVE client */
+    const char *server_key;  /* client: the server's Z85 public key */
+    const char *zap_domain;  /* server: shared allow-list domain; NULL = private */
+    bool plaintext;          /* INSECURE: no CURVE at all; logged */
+    const char *name;        /* for log lines and errors, e.g. "coord" */
+    int hwm;                 /* send and receive high-water marks; 0 = 64 */
+    int linger_ms;           /* on close; -1 = default 500 */
+    int send_timeout_ms;     /* 0 = 10000, -1 = forever */
+    nl_sock_kind kind;       /* the limits below, by traffic (default NL_SOCK_BULK) */
+    uint64_t max_part_bytes; /* ZMQ_MAXMSGSIZE; 0 = the kind's */
+    uint64_t max_msg_bytes;  /* all parts of one message; 0 = the kind's */
 } nl_sock_opts;
 
 nl_status nl_sock_new(nl_sock **out, nl_net *net, const nl_sock_opts *opts, nl_error *err);

@@ -12,6 +12,8 @@
  * nothing in the decoder then depends on a length it has not checked. */
 #include "wire.h"
 
+#include "../base/log.h"
+
 #include <math.h>
 #include <msgpack.h>
 #include <stdlib.h>
@@ -382,8 +384,11 @@ static nl_status decode_body(nl_mpr *r, nl_wire_msg *m, const nl_wire_tdesc *td,
             seen_tensors = true;
             st = rd_tensors(r, m, td, parts, nparts, lim, err);
         } else {
-            return nl_error_set(err, NL_ERR_PROTO, "%s: unknown key '%.*s'", td->name,
-                                key.n > 32 ? 32 : (int)key.n, (const char *)key.body);
+            /* the key is the peer's bytes: escaped, so the message (and
+             * the ERROR that quotes it) is valid text on one line */
+            char shown[160];
+            nl_log_escape_n(shown, sizeof shown, (const char *)key.body, key.n > 32 ? 32 : key.n);
+            return nl_error_set(err, NL_ERR_PROTO, "%s: unknown key '%s'", td->name, shown);
         }
         if (st != NL_OK)
             return st;

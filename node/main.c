@@ -62,7 +62,15 @@ static void help(FILE *f, const nl_flag *flags)
             "device's throughput. Every device is opened at the start: one that is missing\n"
             "ends the node (status 1) naming it. NCCL stays inside this process; stages on\n"
             "other machines are reached over ZeroMQ with CURVE only (docs/cluster.md).\n"
+            "\n"
+            "Checkpoint shards are written only under --checkpoint-root (resolved, links\n"
+            "followed, so a link inside it cannot lead out), by default <state-dir>/checkpoints;\n"
+            "a node with neither refuses checkpoint requests. Files are 0600, directories 0700.\n"
             "Exit status: 0 stopped, 1 failed, 2 usage error.\n");
+#ifdef NL_TEST_HOOKS
+    fprintf(f, "This is a test build: NL_TEST_INJECT_NAN_STEP=K and NL_TEST_INJECT_NAN_STAGE=S\n"
+               "put a NaN into the gradient of step K on stage S.\n");
+#endif
 }
 
 /* The node's identity: --key FILE, or <state-dir>/node.key (created when
@@ -74,6 +82,10 @@ static int load_identity(const char *key, const char *state_dir, bool plaintext,
     if (!key && state_dir) {
         if (mkdir(state_dir, 0700) != 0 && errno != EEXIST) {
             fprintf(stderr, "neuronode: --state-dir %s: %s\n", state_dir, strerror(errno));
+            return 1;
+        }
+        if (nl_keys_check_trusted(state_dir, &err) != NL_OK) {
+            fprintf(stderr, "neuronode: --state-dir: %s\n", err.msg);
             return 1;
         }
         snprintf(path, sizeof path, "%s/node.key", state_dir);
@@ -115,14 +127,26 @@ static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypa
     o->name = nl_args_get(flags, "name");
     o->device = nl_args_get(flags, "device") ? nl_args_get(flags, "device") : "cpu";
     o->kv_budget = 256ULL << 20;
+    /* checkpoint shards: under --checkpoint-root, else <state-dir>/checkpoints,
+     * else nowhere (CKPT_REQ refused) */
+    static char state_root[1100];
+    const char *state_dir = nl_args_get(flags, "state-dir");
     o->ckpt_root = nl_args_get(flags, "checkpoint-root");
-    /* test hooks: NL_TEST_INJECT_NAN_STEP=K puts a NaN into the gradient of
-     * step index K (0-based, as neuroctl train's hook), on the stage
+    if (!o->ckpt_root && state_dir) {
+        snprintf(state_root, sizeof state_root, "%s/checkpoints", state_dir);
+        o->ckpt_root = state_root;
+    }
+    o->inject_nan_stage = -1;
+#ifdef NL_TEST_HOOKS
+    /* test hooks (test builds only: -DNL_TEST_HOOKS=ON):
+     * NL_TEST_INJECT_NAN_STEP=K puts a NaN into the gradient of step index
+     * K (0-based, as neuroctl train's hook), on the stage
      * NL_TEST_INJECT_NAN_STAGE (default: every stage) */
     const char *nan_step = getenv("NL_TEST_INJECT_NAN_STEP"),
                *nan_stage = getenv("NL_TEST_INJECT_NAN_STAGE");
     o->inject_nan_step = nan_step ? atoll(nan_step) + 1 : 0;
     o->inject_nan_stage = nan_stage ? atoi(nan_stage) : -1;
+#endif
     /* test hook: NL_TEST_DEVICE_FAIL=K makes the device's K-th check fail
      * (the first is after the throughput probe, the second after LOAD_DONE) */
     const char *dev_fail = getenv("NL_TEST_DEVICE_FAIL");
@@ -222,8 +246,8 @@ int main(int argc, char **argv)
         {"log-level", 1, "debug, info, warn, error or off (default info)", NULL},
         {"connect-timeout", 1, "SECONDS: keep trying the coordinator this long (default 30)", NULL},
         {"checkpoint-root", 1,
-         "DIR: training checkpoint shards may only be written under it (default: any absolute "
-         "path the coordinator names)",
+         "DIR: training checkpoint shards may only be written under it (default: "
+         "<state-dir>/checkpoints; without either, none are written)",
          NULL},
         {"plaintext", 0, "INSECURE: no CURVE encryption or authentication (debugging only)", NULL},
         {NULL, 0, NULL, NULL}};

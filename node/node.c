@@ -2,6 +2,8 @@
  * control and data messages to the stage (see node.h and docs/cluster.md). */
 #include "node.h"
 
+#include <errno.h>
+#include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,6 +12,7 @@
 #include <unistd.h>
 
 #include "../base/log.h"
+#include "../core/fileio.h"
 #include "../kernels/backend.h"
 #include "../net/transport.h"
 #include "node_impl.h"
@@ -18,6 +21,8 @@
 #define ACCEPT_WAIT_MS 10000 /* for the answer to JOIN */
 #define MAX_DRAIN 64         /* messages per socket per turn, so heartbeats keep time */
 #define SEND_WAIT_MS 5000    /* for the last output to leave before its buffer is reused */
+#define REJOIN_FIRST_MS 250  /* the first pause between JOINs when joining again */
+#define REJOIN_MAX_MS 8000   /* ... doubling up to this */
 
 typedef struct node {
     const nl_node_opts *o;
@@ -35,8 +40,16 @@ typedef struct node {
     int threads;
     uint64_t memory;          /* offered: --memory, or a GPU's free memory less the reserve */
     uint64_t last_failed_job; /* the last job fail_job reported */
+    char *ckpt_root;          /* --checkpoint-root, resolved; NULL: no checkpoints here */
     uint32_t node_id;
     uint32_t heartbeat_ms, timeout_ms;
+    /* joining again: a coordinator that answers "unknown node" (it
+     * restarted, or declared this node dead) gets JOIN again, with the
+     * same key and data endpoint, every rejoin_wait_ms (doubling to
+     * REJOIN_MAX_MS) until it ACCEPTs; no heartbeats meanwhile */
+    bool rejoining;
+    int64_t rejoin_at_ms;
+    int rejoin_wait_ms, rejoins;
     uint64_t hb_seq;
     int64_t next_hb_ms;
     int64_t window_ms; /* start of the load window (since the last heartbeat) */
@@ -147,6 +160,10 @@ static void fail_job(node *n, uint64_t job, nl_status code, nl_msg_type req_type
 static void send_heartbeat(node *n)
 {
     int64_t now = mono_ms();
+    if (n->rejoining) { /* the coordinator does not know this node: JOIN, not HEARTBEAT */
+        n->next_hb_ms = now + n->heartbeat_ms;
+        return;
+    }
     double span = (double)(now - n->window_ms);
     nl_wire_msg_reset(&n->tx, NL_MSG_HEARTBEAT);
     n->tx.u.heartbeat.node_id = n->node_id;
@@ -177,7 +194,8 @@ static void wait_sent(node *n)
 /* ===================== joining ===================== */
 
 static nl_status make_socket(node *n, nl_sock **out, int type, bool server, const char *server_key,
-                             const char *name, int linger_ms, int send_timeout_ms, nl_error *err)
+                             const char *name, nl_sock_kind kind, int linger_ms,
+                             int send_timeout_ms, nl_error *err)
 {
     nl_sock_opts so = {.type = type,
                        .keys = n->o->keys,
@@ -186,7 +204,8 @@ static nl_status make_socket(node *n, nl_sock **out, int type, bool server, cons
                        .plaintext = n->o->plaintext,
                        .name = name,
                        .linger_ms = linger_ms,
-                       .send_timeout_ms = send_timeout_ms};
+                       .send_timeout_ms = send_timeout_ms,
+                       .kind = kind};
     return nl_sock_new(out, n->net, &so, err);
 }
 
@@ -198,8 +217,10 @@ static nl_status connect_control(node *n, nl_error *err)
     int64_t deadline = mono_ms() + o->connect_timeout_ms;
     int wait_ms = 500;
     for (int attempt = 1;; attempt++) {
+        /* what the coordinator sends (weights in 4 MiB chunks, tokens) is
+         * control-sized (net/transport.h) */
         nl_status st = make_socket(n, &n->ctl, ZMQ_DEALER, false, o->coordinator_key, "control",
-                                   1000, 3000, err);
+                                   NL_SOCK_CONTROL, 1000, 3000, err);
         if (st == NL_OK)
             st = nl_sock_connect(n->ctl, o->coordinator, err);
         if (st != NL_OK)
@@ -226,7 +247,8 @@ static nl_status connect_control(node *n, nl_error *err)
     }
 }
 
-static nl_status join(node *n, nl_error *err)
+/* JOIN {key, device, memory, throughput, threads, data endpoint} in tx. */
+static void fill_join(node *n)
 {
     nl_wire_msg_reset(&n->tx, NL_MSG_JOIN);
     n->tx.u.join.pubkey = n->o->keys->public_z85;
@@ -235,6 +257,11 @@ static nl_status join(node *n, nl_error *err)
     n->tx.u.join.gemm_gflops = n->gflops;
     n->tx.u.join.threads = (uint32_t)n->threads;
     n->tx.u.join.data_endpoint = nl_sock_endpoint(n->data);
+}
+
+static nl_status join(node *n, nl_error *err)
+{
+    fill_join(n);
     nl_status st = nl_sock_send(n->ctl, NULL, 0, &n->tx, err);
     if (st != NL_OK)
         return st;
@@ -255,11 +282,13 @@ static nl_status join(node *n, nl_error *err)
             n->timeout_ms = m->u.accept.timeout_ms;
             return NL_OK;
         }
+        char text[512];
         if (m->type == NL_MSG_ERROR)
-            return nl_error_set(
-                err, NL_ERR_AUTH, "the coordinator refused JOIN: %s (%s)", m->u.error.message,
-                nl_status_str(m->u.error.code < NL_STATUS_COUNT ? (nl_status)m->u.error.code
-                                                                : NL_ERR_PROTO));
+            return nl_error_set(err, NL_ERR_AUTH, "the coordinator refused JOIN: %s (%s)",
+                                nl_log_escape(text, sizeof text, m->u.error.message),
+                                nl_status_str(m->u.error.code < NL_STATUS_COUNT
+                                                  ? (nl_status)m->u.error.code
+                                                  : NL_ERR_PROTO));
         NL_DEBUG("ignoring %s while waiting for ACCEPT", nl_wire_type_name(m->type));
     }
     return nl_error_set(err, NL_ERR_TIMEOUT, "no ACCEPT from the coordinator within %d ms",
@@ -281,22 +310,43 @@ static nl_status open_device(node *n, nl_error *err)
 
 /* ===================== starting ===================== */
 
+/* The checkpoint root, made (0700) when missing and resolved. */
+static nl_status open_ckpt_root(node *n, nl_error *err)
+{
+    char real[PATH_MAX];
+    const char *root = n->o->ckpt_root;
+    if (!root)
+        return NL_OK;
+    nl_status st = nl_file_mkdirs(root, err);
+    if (st != NL_OK)
+        return nl_error_prefix(err, "--checkpoint-root");
+    if (!realpath(root, real))
+        return nl_error_set(err, NL_ERR_IO, "--checkpoint-root %s: %s", root, strerror(errno));
+    if (!(n->ckpt_root = strdup(real)))
+        return nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+    NL_INFO("checkpoint shards go under %s", n->ckpt_root);
+    return NL_OK;
+}
+
 static nl_status start(node *n, nl_error *err)
 {
     const nl_node_opts *o = n->o;
-    nl_status st = open_device(n, err);
+    nl_status st = open_ckpt_root(n, err);
+    if (st == NL_OK)
+        st = open_device(n, err);
     if (st != NL_OK)
         return st;
     nl_stage_opts so = {.memory_bytes = n->memory,
                         .kv_budget = o->kv_budget,
                         .send_wait_ms = 1, /* wait_sent waited already */
-                        .ckpt_root = o->ckpt_root,
+                        .ckpt_root = n->ckpt_root ? n->ckpt_root : "/nonexistent",
                         .inject_nan_step = o->inject_nan_step,
                         .inject_nan_stage = o->inject_nan_stage,
                         .tf32 = o->tf32};
     if ((st = nl_stage_new_replicas(&n->stage, n->dev.be, n->dev.n, n->dev.comm, &so, err)) != NL_OK ||
         (st = nl_net_new(&n->net, NULL, err)) != NL_OK ||
-        (st = make_socket(n, &n->data, ZMQ_ROUTER, true, NULL, "data", 0, 0, err)) != NL_OK ||
+        (st = make_socket(n, &n->data, ZMQ_ROUTER, true, NULL, "data", NL_SOCK_BULK, 0, 0, err)) !=
+            NL_OK ||
         (st = nl_sock_bind(n->data, o->listen, err)) != NL_OK)
         return st;
     if (strncmp(nl_sock_endpoint(n->data), "tcp://0.0.0.0:", 14) == 0)
@@ -340,7 +390,8 @@ static nl_status ensure_next(node *n, nl_error *err)
     char mon_ep[64];
     if (n->next)
         return NL_OK;
-    nl_status st = make_socket(n, &n->next, ZMQ_DEALER, false, n->next_key, "next", 0, 0, err);
+    nl_status st =
+        make_socket(n, &n->next, ZMQ_DEALER, false, n->next_key, "next", NL_SOCK_BULK, 0, 0, err);
     if (st != NL_OK)
         return st;
     snprintf(mon_ep, sizeof mon_ep, "inproc://neuronode-next-%d", ++n->mon_seq);
@@ -643,6 +694,20 @@ static nl_status train_send_to(node *n, nl_stage_dest to, nl_wire_msg *m, nl_err
     return st == NL_OK ? st : nl_error_prefix(err, "cannot reach the next stage at %s", n->next_ep);
 }
 
+/* CKPT_REQ.dir confined to the node's checkpoint root (resolved, links
+ * followed, missing directories made 0700): *out is the real directory,
+ * malloc'd. Without a root the node writes no checkpoints. */
+static nl_status ckpt_dir(node *n, const char *dir, char **out, nl_error *err)
+{
+    *out = NULL;
+    if (!n->ckpt_root)
+        return nl_error_set(err, NL_ERR_AUTH,
+                            "CKPT_REQ: this node has no --checkpoint-root (nor --state-dir): it "
+                            "writes no checkpoints");
+    nl_status st = nl_path_confine(n->ckpt_root, dir, out, err);
+    return st == NL_OK ? st : nl_error_prefix(err, "CKPT_REQ under --checkpoint-root");
+}
+
 /* A training message from any socket: the stage runs what it can. */
 static void handle_train(node *n, const nl_wire_msg *m)
 {
@@ -659,7 +724,16 @@ static void handle_train(node *n, const nl_wire_msg *m)
     }
     uint64_t job = 0;
     nl_stage_train_running(n->stage, &job);
-    nl_status st = nl_stage_train_input(n->stage, m, train_send, n, &e);
+    char *real = NULL;
+    nl_status st = NL_OK;
+    if (m->type == NL_MSG_CKPT_REQ && (st = ckpt_dir(n, m->u.ckpt_req.dir, &real, &e)) == NL_OK) {
+        nl_wire_msg req = *m; /* the stage writes into the real directory */
+        req.u.ckpt_req.dir = real;
+        st = nl_stage_train_input(n->stage, &req, train_send, n, &e);
+    } else if (st == NL_OK) {
+        st = nl_stage_train_input(n->stage, m, train_send, n, &e);
+    }
+    free(real);
     clock_gettime(CLOCK_MONOTONIC, &b);
     const double ms = (double)(b.tv_sec - a.tv_sec) * 1e3 + (double)(b.tv_nsec - a.tv_nsec) / 1e6;
     n->busy_ms += ms;
@@ -705,11 +779,63 @@ static bool is_train_hop(const nl_wire_msg *m)
            (m->type == NL_MSG_ACTIVATION && m->u.hop.step != 0);
 }
 
+/* ===================== joining again ===================== */
+
+/* The coordinator refused a heartbeat: it does not know this node (it
+ * restarted, or gave this node up). Whatever it had this node do is gone
+ * with its state: a training job ends here; then JOIN again. */
+static void start_rejoin(node *n, const char *why)
+{
+    char text[300];
+    uint64_t job = 0;
+    if (n->rejoining)
+        return;
+    NL_WARN("the coordinator does not know this node (%s): joining again",
+            nl_log_escape(text, sizeof text, why));
+    if (nl_stage_train_running(n->stage, &job) && nl_stage_train_end(n->stage, job))
+        train_summary(n, job);
+    n->rejoining = true;
+    n->rejoin_at_ms = mono_ms();
+    n->rejoin_wait_ms = REJOIN_FIRST_MS;
+}
+
+/* While joining again: JOIN when its time has come, then wait longer. */
+static void rejoin_tick(node *n)
+{
+    const int64_t now = mono_ms();
+    if (!n->rejoining || now < n->rejoin_at_ms)
+        return;
+    fill_join(n);
+    send_ctl(n, "JOIN");
+    n->rejoins++;
+    n->rejoin_at_ms = now + n->rejoin_wait_ms;
+    n->rejoin_wait_ms =
+        n->rejoin_wait_ms * 2 < REJOIN_MAX_MS ? n->rejoin_wait_ms * 2 : REJOIN_MAX_MS;
+}
+
+static void accepted_again(node *n, const nl_msg_accept *a)
+{
+    n->rejoining = false;
+    n->node_id = a->node_id;
+    n->heartbeat_ms = a->heartbeat_ms;
+    n->timeout_ms = a->timeout_ms;
+    if (!n->o->name) {
+        char name[32];
+        snprintf(name, sizeof name, "node-%u", n->node_id);
+        nl_log_set_name(name);
+    }
+    NL_INFO("joined again as node %u after %d JOIN(s) (heartbeat %u ms)", n->node_id, n->rejoins,
+            n->heartbeat_ms);
+    n->rejoins = 0;
+    send_heartbeat(n);
+}
+
 /* ===================== dispatch ===================== */
 
 static void on_control(node *n)
 {
     const nl_wire_msg *m = &n->rx.msg;
+    char text[1100]; /* a peer's free text, escaped for the log */
     switch (m->type) {
     case NL_MSG_ASSIGN:
         handle_assign(n, &m->u.assign);
@@ -744,15 +870,25 @@ static void on_control(node *n)
             train_summary(n, m->u.job_ref.job_id);
         break;
     case NL_MSG_ERROR:
+        if (m->u.error.req_type == NL_MSG_HEARTBEAT && m->u.error.code == NL_ERR_STATE) {
+            start_rejoin(n, m->u.error.message);
+            break;
+        }
         NL_WARN("the coordinator reports an error about %s: %s (%s)",
                 nl_wire_type_name(m->u.error.req_type) ? nl_wire_type_name(m->u.error.req_type)
                                                        : "a message",
-                m->u.error.message,
+                nl_log_escape(text, sizeof text, m->u.error.message),
                 nl_status_str(m->u.error.code < NL_STATUS_COUNT ? (nl_status)m->u.error.code
                                                                 : NL_ERR_PROTO));
         break;
-    case NL_MSG_HELLO_ACK:
     case NL_MSG_ACCEPT:
+        if (n->rejoining) {
+            accepted_again(n, &m->u.accept);
+            break;
+        }
+        NL_DEBUG("ignoring a late %s", nl_wire_type_name(m->type));
+        break;
+    case NL_MSG_HELLO_ACK:
         NL_DEBUG("ignoring a late %s", nl_wire_type_name(m->type));
         break;
     default:
@@ -783,13 +919,14 @@ static void on_data(node *n)
 static void on_next(node *n)
 {
     const nl_wire_msg *m = &n->rx.msg;
+    char text[1100];
     if (m->type == NL_MSG_GRADIENT)
         handle_train(n, m);
     else if (m->type == NL_MSG_ERROR)
         NL_WARN("the next stage reports an error about %s: %s",
                 nl_wire_type_name(m->u.error.req_type) ? nl_wire_type_name(m->u.error.req_type)
                                                        : "a message",
-                m->u.error.message);
+                nl_log_escape(text, sizeof text, m->u.error.message));
     else
         NL_DEBUG("ignoring %s from the next stage", nl_wire_type_name(m->type));
 }
@@ -834,6 +971,7 @@ static void serve(node *n)
     while (!halted(n)) {
         if (n->n_feeds)
             run_feed(n);
+        rejoin_tick(n);
         int64_t now = mono_ms();
         if (now >= n->next_hb_ms)
             send_heartbeat(n);
@@ -906,5 +1044,6 @@ nl_status nl_node_run(const nl_node_opts *o, nl_error *err)
     nl_stage_destroy(&n.stage);
     nl_node_device_close(&n.dev);
     nl_wire_msg_free(&n.tx);
+    free(n.ckpt_root);
     return st;
 }

@@ -12,6 +12,12 @@
  * error the backend reports after a forward or a training step): the node
  * fails the job that met it, leaves, and nl_node_run returns the error.
  *
+ * A coordinator that refuses a heartbeat as unknown (it restarted, or it
+ * gave this node up) gets JOIN again, with the same key and data
+ * endpoint, after 250 ms, then after pauses doubling to 8 s, until it
+ * ACCEPTs; a training job this node ran ends, and the new ACCEPT's node id
+ * and heartbeat period apply from then on.
+ *
  * The device: --device names the backend (nl_backend_new). Its GEMM
  * throughput is probed at be->gemm_probe and sent with JOIN. A device with
  * its own memory (be->mem_info, a GPU) offers its free memory, measured
@@ -63,7 +69,8 @@ typedef struct nl_node_opts {
     uint64_t kv_budget;          /* KV caches of all sessions */
     int threads;                 /* backend threads; 0 = all cores */
     int connect_timeout_ms;      /* keep trying the coordinator this long */
-    const char *ckpt_root;       /* checkpoint shards only under this directory; NULL: anywhere */
+    const char *ckpt_root;       /* checkpoint shards only under this directory (made and
+                                  * resolved at the start; "/" admits any); NULL: none written */
     int64_t inject_nan_step;     /* test hook (NL_TEST_INJECT_NAN_STEP): 1-based step, 0 never */
     int inject_nan_stage;        /* ... on this stage only (-1 any) */
     int inject_device_fail;      /* test hook (NL_TEST_DEVICE_FAIL): the device's K-th check

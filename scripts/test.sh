@@ -17,7 +17,7 @@ QUICK=0
 bash scripts/install-deps.sh
 
 echo "== build (release) =="
-cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DNL_WERROR=ON >/dev/null
+cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DNL_WERROR=ON -DNL_TEST_HOOKS=ON >/dev/null
 cmake --build build -j "$JOBS"
 echo "== tests (release) =="
 (cd build && ctest --output-on-failure -j "$JOBS" --timeout 600)
@@ -30,7 +30,7 @@ echo "== tests (release, --device cpu-devsim) =="
 
 if [ "$QUICK" -eq 0 ]; then
   echo "== build (ASan + UBSan) =="
-  cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DNL_SANITIZE=ON -DNL_CUDA=OFF -DNL_WERROR=ON >/dev/null
+  cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DNL_SANITIZE=ON -DNL_CUDA=OFF -DNL_WERROR=ON -DNL_TEST_HOOKS=ON >/dev/null
   cmake --build build-asan -j "$JOBS"
   echo "== tests (ASan + UBSan) =="
   export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1

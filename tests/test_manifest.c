@@ -288,6 +288,92 @@ static void test_integrity(const nl_manifest *mf)
     free(buf);
 }
 
+/* Durability (issue 15, finding 12): a manifest names only shards that
+ * are on disk as reported, is never replaced, and no checkpoint write
+ * replaces a shard it names. */
+static void test_durability(const nl_model *whole, const nl_manifest *m0)
+{
+    nl_error err = {0};
+    char s0[512], mpath[512];
+    snprintf(s0, sizeof s0, "%s", at("stage-0.safetensors"));
+    snprintf(mpath, sizeof mpath, "%s", at(NL_MANIFEST_FILE));
+    size_t n0 = 0, n1 = 0;
+    char *before = slurp(s0, &n0);
+    nl_status st = nl_checkpoint_save(whole, s0, STEP + 1, NULL, &err);
+    CHECK(st == NL_ERR_STATE && strstr(err.msg, "stage-0.safetensors") &&
+              strstr(err.msg, NL_MANIFEST_FILE),
+          "save over a named shard: %s '%s'", nl_status_str(st), err.msg);
+    char *after = slurp(s0, &n1);
+    CHECK(before && after && n0 == n1 && memcmp(before, after, n0) == 0, "the shard is intact");
+    free(before);
+    free(after);
+    st = nl_manifest_write(mpath, m0, &err);
+    CHECK(st == NL_ERR_STATE && strstr(err.msg, "refusing to replace"),
+          "a second manifest over the first: %s '%s'", nl_status_str(st), err.msg);
+    /* a manifest whose shard is not (yet) what it says is not written */
+    nl_manifest bad = *m0;
+    nl_manifest_shard sh[3];
+    memcpy(sh, m0->shards, sizeof sh);
+    bad.shards = sh;
+    sh[2].sha256[0] = sh[2].sha256[0] == 'a' ? 'b' : 'a';
+    st = nl_manifest_write(at("unverified.json"), &bad, &err);
+    CHECK(st == NL_ERR_INTEGRITY && strstr(err.msg, "stage-2.safetensors") &&
+              access(at("unverified.json"), F_OK) != 0,
+          "manifest of an unverified shard: %s '%s'", nl_status_str(st), err.msg);
+    sh[2].sha256[0] = m0->shards[2].sha256[0];
+    sh[2].file = "missing.safetensors";
+    st = nl_manifest_write(at("unverified.json"), &bad, &err);
+    CHECK(st == NL_ERR_NOTFOUND && access(at("unverified.json"), F_OK) != 0,
+          "manifest of a missing shard: %s '%s'", nl_status_str(st), err.msg);
+    /* a file of the same directory that no manifest names may be written */
+    CHECK_OK(nl_checkpoint_save(whole, at("other.safetensors"), STEP, NULL, &err), &err);
+}
+
+/* What was verified is what is served (issue 15, finding 6): a shard
+ * opened for serving is a copy of the bytes hashed, so truncating the
+ * file afterwards neither changes nor faults (SIGBUS) what is read; a
+ * later load refuses the truncated file. */
+static void test_truncated_after_verify(nl_backend *be, const nl_manifest *mf)
+{
+    nl_error err = {0};
+    nl_st_file *f = NULL, *files[3] = {NULL, NULL, NULL};
+    char s1[512], keep[512];
+    snprintf(s1, sizeof s1, "%s", at("stage-1.safetensors"));
+    snprintf(keep, sizeof keep, "%s", at("keep-trunc"));
+    copy_file(s1, keep);
+    CHECK_OK(nl_manifest_open_shards(mf, files, &err), &err);
+    CHECK_OK(nl_manifest_open_shard(mf, 1, &f, &err), &err);
+    if (!f)
+        return;
+    CHECK(truncate(s1, 64) == 0, "truncate");
+    nl_st_file *ref = NULL;
+    CHECK_OK(nl_st_open(&ref, keep, &err), &err);
+    size_t n = 0;
+    for (size_t i = 0; ref && i < nl_st_count(f); i++) { /* every byte of every tensor */
+        const nl_st_entry *e = nl_st_entry_at(f, i), *r = nl_st_find(ref, e->name);
+        CHECK(r && r->nbytes == e->nbytes &&
+                  memcmp(nl_st_tensor_data(f, e), nl_st_tensor_data(ref, r), e->nbytes) == 0,
+              "tensor %s served as verified", e->name);
+        n++;
+    }
+    CHECK(n > 0 && files[1] && nl_st_count(files[1]) == n, "%zu tensors read", n);
+    nl_st_close(&ref);
+    nl_st_close(&f);
+    for (int i = 0; i < 3; i++)
+        nl_st_close(&files[i]);
+    nl_model *s = NULL;
+    nl_status st = nl_manifest_load_stage(&s, be, mf, 0, 3, 1, 1, NULL, NULL, &err);
+    CHECK(st == NL_ERR_INTEGRITY && !s && strstr(err.msg, "stage-1.safetensors") &&
+              strstr(err.msg, "size mismatch"),
+          "a truncated shard: %s '%s'", nl_status_str(st), err.msg);
+    st = nl_manifest_open_shards(mf, files, &err);
+    CHECK(st == NL_ERR_INTEGRITY && !files[0] && !files[1], "open_shards of a truncated set: %s",
+          nl_status_str(st));
+    nl_model_destroy(&s);
+    copy_file(keep, s1);
+    CHECK_OK(nl_manifest_verify(mf, &err), &err);
+}
+
 /* A shard with a correct hash that is not of the manifest's step, or has
  * no moments, is refused when read. */
 static void test_shard_meta(nl_backend *be, const nl_manifest *mf, const char *whole)
@@ -314,6 +400,11 @@ static void test_shard_meta(nl_backend *be, const nl_manifest *mf, const char *w
     if (s)
         CHECK_OK(nl_checkpoint_save(s, path, STEP, NULL, &err), &err);
     nl_model_destroy(&s);
+    /* load_stage checks the hash of what it reads: first the old one */
+    nl_status st2 = nl_manifest_load_stage(&s, be, &copy, 1, 2, 0, 0, NULL, NULL, &err);
+    CHECK(st2 == NL_ERR_INTEGRITY && strstr(err.msg, "old-1.safetensors"),
+          "a shard rewritten since the manifest: %s '%s'", nl_status_str(st2), err.msg);
+    CHECK_OK(nl_file_sha256(path, sh[1].sha256, &sh[1].bytes, &err), &err);
     CHECK_OK(nl_manifest_load_stage(&s, be, &copy, 1, 2, 0, 0, NULL, NULL, &err), &err);
     nl_model_destroy(&s);
     float *mm = be->alloc(be, 1 << 20), *vv = be->alloc(be, 1 << 20);
@@ -543,6 +634,7 @@ int main(void)
     nl_manifest_shard sh[3];
     fill_manifest(&m0, sh, &c);
     CHECK_OK(nl_manifest_write(at(NL_MANIFEST_FILE), &m0, &err), &err);
+    test_durability(whole, &m0);
 
     /* load (by directory and by file) and verify */
     CHECK(nl_manifest_load(&mf, at("none.json"), &err) == NL_ERR_NOTFOUND &&
@@ -612,6 +704,7 @@ int main(void)
     same_stage(be, mf, ref, 3, 3, 0, 1, 1); /* the head alone */
 
     test_integrity(mf);
+    test_truncated_after_verify(be, mf);
     test_shard_meta(be, mf, ref);
     test_parse_errors(at(NL_MANIFEST_FILE));
     test_write_refuses(&m0);
