@@ -754,8 +754,10 @@ static nl_status run_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wir
         s->be->upload(s->be, s->xin_d, in->t.data, rows * d * sizeof(float));
         a.x_in = s->xin_d;
     }
+    /* a session's decode step asks for no aux loss: reading it would be one
+     * more wait for the device per token */
     float aux = 0.0f;
-    st = nl_forward(m, s->rs, &a, &aux, err);
+    st = nl_forward(m, s->rs, &a, se ? NULL : &aux, err);
     if (st != NL_OK)
         return nl_error_prefix(err, "%s", who);
     if (se)

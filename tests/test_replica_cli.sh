@@ -91,7 +91,7 @@ for i in $(seq 1 100); do test -s "$C/coord/endpoint" && break; sleep 0.1; done
 EP=$(cat "$C/coord/endpoint")
 node() { # NAME DEVICE
   "$NODE" join "$EP" --key "$C/$1.key" --coordinator-key "$C/coord/coordinator.pub" --threads 1 \
-    --name "$1" --device "$2" --memory 64M > "$C/$1.log" 2>&1 &
+    --name "$1" --device "$2" --memory 64M --checkpoint-root "$W" > "$C/$1.log" 2>&1 &
   pids+=($!)
 }
 node node-1 "$DEVICE,$DEVICE"

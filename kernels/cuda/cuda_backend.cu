@@ -8,8 +8,13 @@
  * One backend = one device, one non-blocking stream, one cuBLAS handle
  * bound to that stream with a workspace allocated at creation, so nothing
  * allocates in the hot path. Every slot queues on the stream in call
- * order; upload and download synchronise the stream before returning
- * (backend.h's ordering contract). Each entry point first makes the
+ * order; download synchronises the stream before returning (backend.h's
+ * ordering contract). An upload of at most NL_CUDA_STAGE_SLOT bytes (the
+ * tokens, positions and targets of a step) is copied into a slot of a
+ * pinned staging ring and queued without waiting, so the source may be
+ * reused at once; the slot's event is waited for only when the ring comes
+ * round to it while the device has not yet read it. Larger uploads wait
+ * for their copy. So a decode step waits for the host once: its logits. Each entry point first makes the
  * backend's device current on the calling thread.
  *
  * Errors: the first failure (a launch error, a failed asynchronous call,
@@ -146,6 +151,10 @@ bool table_remove(alloc_table *t, uintptr_t key, size_t *bytes)
 
 /* ---------------------------------------------------------------- context and errors */
 
+/* the pinned staging ring of small uploads */
+#define NL_CUDA_STAGE_SLOTS 16
+#define NL_CUDA_STAGE_SLOT (64u << 10)
+
 struct cuda_ctx {
     int device;
     char name[24]; /* "cuda:N", also be->name */
@@ -155,6 +164,10 @@ struct cuda_ctx {
     size_t workspace_bytes;
     void *scratch; /* reduction scratch of the backward ops */
     size_t scratch_bytes;
+    unsigned char *stage;                     /* pinned, NL_CUDA_STAGE_SLOTS slots; NULL: none */
+    cudaEvent_t stage_done[NL_CUDA_STAGE_SLOTS]; /* recorded after each slot's copy */
+    bool stage_pending[NL_CUDA_STAGE_SLOTS];
+    int stage_next;
     pthread_mutex_t lock; /* guards table, in_use, peak, sticky, msg */
     bool lock_ready;
     alloc_table table;
@@ -305,11 +318,42 @@ void cu_mem_stats(nl_backend *be, size_t *in_use, size_t *peak)
     pthread_mutex_unlock(&c->lock);
 }
 
+/* Queue a small upload from a staging slot; false when there is no ring
+ * or the bytes do not fit a slot (the caller then copies synchronously). */
+bool staged_upload(nl_backend *be, cuda_ctx *c, void *dst, const void *src, size_t bytes)
+{
+    if (!c->stage || bytes > NL_CUDA_STAGE_SLOT)
+        return false;
+    const int i = c->stage_next;
+    c->stage_next = (i + 1) % NL_CUDA_STAGE_SLOTS;
+    if (c->stage_pending[i]) {
+        /* the device may still be reading this slot from 16 uploads ago */
+        cudaError_t q = cudaEventQuery(c->stage_done[i]);
+        if (q == cudaErrorNotReady) {
+            be->stats.host_syncs++;
+            q = cudaEventSynchronize(c->stage_done[i]);
+        }
+        if (!ok(c, "upload", q))
+            return true; /* the error is kept; nothing is queued */
+        c->stage_pending[i] = false;
+    }
+    unsigned char *slot = c->stage + (size_t)i * NL_CUDA_STAGE_SLOT;
+    memcpy(slot, src, bytes);
+    cudaError_t e = cudaMemcpyAsync(dst, slot, bytes, cudaMemcpyHostToDevice, c->stream);
+    if (e == cudaSuccess)
+        e = cudaEventRecord(c->stage_done[i], c->stream);
+    if (ok(c, "upload", e))
+        c->stage_pending[i] = true;
+    return true;
+}
+
 void cu_upload(nl_backend *be, void *dst, const void *src, size_t bytes)
 {
     if (!bytes)
         return;
     cuda_ctx *c = enter(be);
+    if (staged_upload(be, c, dst, src, bytes))
+        return;
     be->stats.host_syncs++;
     cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream);
     if (e == cudaSuccess)
@@ -634,6 +678,11 @@ void cu_destroy(nl_backend *be)
             cudaFree(c->workspace);
         if (c->scratch)
             cudaFree(c->scratch);
+        if (c->stage) {
+            for (int i = 0; i < NL_CUDA_STAGE_SLOTS; i++)
+                cudaEventDestroy(c->stage_done[i]);
+            cudaFreeHost(c->stage);
+        }
         if (c->stream)
             cudaStreamDestroy(c->stream);
         cudaGetLastError(); /* leave no error for another backend's next check */
@@ -706,6 +755,23 @@ nl_status setup(cuda_ctx *c, const nl_backend_opts *o, size_t *runtime, nl_error
         return nl_error_set(err, NL_ERR_NOMEM, "%s: reduction scratch (%zu MiB): %s", c->name,
                             c->scratch_bytes >> 20, cudaGetErrorString(e));
     }
+    /* the staging ring is host memory: without it uploads wait instead */
+    if (cudaHostAlloc((void **)&c->stage, (size_t)NL_CUDA_STAGE_SLOTS * NL_CUDA_STAGE_SLOT,
+                      cudaHostAllocDefault) == cudaSuccess) {
+        int made = 0;
+        while (made < NL_CUDA_STAGE_SLOTS &&
+               cudaEventCreateWithFlags(&c->stage_done[made], cudaEventDisableTiming) == cudaSuccess)
+            made++;
+        if (made < NL_CUDA_STAGE_SLOTS) {
+            while (made > 0)
+                cudaEventDestroy(c->stage_done[--made]);
+            cudaFreeHost(c->stage);
+            c->stage = NULL;
+        }
+    } else {
+        c->stage = NULL;
+    }
+    cudaGetLastError();
     e = cudaDeviceSynchronize();
     if (e == cudaSuccess)
         e = cudaMemGetInfo(&free1, &total);
