@@ -262,8 +262,8 @@ static void print_gemm(const job *j, double fp32_s, double tf32_s, const spec *s
  * each forward followed by the logits' download (what a stage does before
  * sampling). The runstate is made with NL_HOST_ROUTING set to `host`
  * (core/layer.h reads it then). Seconds per token, and host
- * synchronisations per token (be->stats.host_syncs: uploads, downloads and
- * syncs). Returns 0, or -1 with err set. */
+ * synchronisations per token (be->stats.host_syncs: the waits of uploads,
+ * downloads and syncs; on CUDA a small upload is staged and does not wait). Returns 0, or -1 with err set. */
 static int decode_run(nl_backend *be, nl_model *m, int tokens, int host, float *logits,
                       double *tok_s, double *syncs, nl_error *err)
 {

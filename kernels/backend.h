@@ -71,9 +71,10 @@ typedef struct nl_attn_shape {
 typedef struct nl_backend_stats {
     /* Calls that make the host wait for the device's queue: upload and
      * download of at least one byte, sync, and sumsq (a result returned to
-     * the host). alloc and
-     * free, which a device may also synchronise, are not hot-path calls
-     * and are not counted. */
+     * the host). CUDA stages small uploads in pinned memory and counts one
+     * only when it has to wait for a staging slot. alloc and free, which a
+     * device may also synchronise, are not hot-path calls and are not
+     * counted. */
     uint64_t host_syncs;
 } nl_backend_stats;
 
