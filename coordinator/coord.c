@@ -739,10 +739,39 @@ static void dispatch(nl_coord *c, const nl_rx *rx)
     }
 }
 
-nl_status nl_coord_run(nl_coord *c, volatile sig_atomic_t *stop, nl_error *err)
+const char *nl_coord_endpoint(const nl_coord *c)
+{
+    return c->endpoint;
+}
+const char *nl_coord_state(const nl_coord *c)
+{
+    return c->state;
+}
+
+void nl_coord_step(nl_coord *c, int timeout_ms)
 {
     nl_rx rx;
     nl_rx_init(&rx);
+    nl_error e = {0};
+    nl_status st = nl_sock_recv(c->ctl, &rx, timeout_ms, &e);
+    const double t0 = coord_now();
+    if (st == NL_OK)
+        dispatch(c, &rx);
+    /* a long dispatch (hashing the shards of a checkpoint, tokenizing
+     * the data) kept this loop from hearing anyone: heartbeats that
+     * waited meanwhile must not make their nodes look dead */
+    const double stall = coord_now() - t0;
+    for (int i = 0; stall > 0.2 && i < COORD_MAX_NODES; i++)
+        if (c->nodes[i].life == NODE_LIVE)
+            c->nodes[i].last_seen += stall;
+        else if (st != NL_ERR_TIMEOUT && st != NL_ERR_AUTH)
+            NL_DEBUG("receive: %s", e.msg);
+    nl_rx_free(&rx);
+    tick(c);
+}
+
+nl_status nl_coord_run(nl_coord *c, volatile sig_atomic_t *stop, nl_error *err)
+{
     while (!*stop) {
         if (nl_auth_hup_take()) {
             nl_error e = {0};
@@ -751,25 +780,8 @@ nl_status nl_coord_run(nl_coord *c, volatile sig_atomic_t *stop, nl_error *err)
             else
                 NL_ERROR("SIGHUP: %s", e.msg);
         }
-        nl_error e = {0};
-        nl_status st = nl_sock_recv(c->ctl, &rx, 100, &e);
-        const double t0 = coord_now();
-        if (st == NL_OK)
-            dispatch(c, &rx);
-        /* a long dispatch (hashing the shards of a checkpoint, tokenizing
-         * the data) kept this loop from hearing anyone: heartbeats that
-         * waited meanwhile must not make their nodes look dead */
-        const double stall = coord_now() - t0;
-        for (int i = 0; stall > 0.2 && i < COORD_MAX_NODES; i++)
-            if (c->nodes[i].life == NODE_LIVE)
-                c->nodes[i].last_seen += stall;
-            else if (st != NL_ERR_TIMEOUT && st != NL_ERR_AUTH)
-                NL_DEBUG("receive: %s", e.msg);
-        nl_rx_free(&rx);
-        nl_rx_init(&rx);
-        tick(c);
+        nl_coord_step(c, 100);
     }
-    nl_rx_free(&rx);
     (void)err;
     NL_INFO("stopping");
     return NL_OK;

@@ -41,4 +41,14 @@ void nl_coord_destroy(nl_coord **c);
  * reloads authorized_keys (nl_auth_hup_install must have been called). */
 nl_status nl_coord_run(nl_coord *c, volatile sig_atomic_t *stop, nl_error *err);
 
+/* One turn of the event loop: wait up to timeout_ms for one message,
+ * handle it, then the timers (deaths, job timeouts, planning). Tests drive
+ * the coordinator with it. */
+void nl_coord_step(nl_coord *c, int timeout_ms);
+
+/* The control endpoint it is bound to (the port chosen), and the
+ * one-line state of the cluster ("ready: 2 stages, ..."). Owned by c. */
+const char *nl_coord_endpoint(const nl_coord *c);
+const char *nl_coord_state(const nl_coord *c);
+
 #endif
