@@ -1,6 +1,7 @@
 /* The coordinator: membership (join, heartbeats, death), sizing and
  * placement through core/sizing and core/planner, streaming each stage's
- * tensors, and the event loop. Jobs are in coord_jobs.c. */
+ * tensors, and the event loop, whose dispatch hands the jobs' messages to
+ * coord_jobs.c. */
 #include "coord_impl.h"
 
 #include <errno.h>
@@ -18,13 +19,6 @@
 
 #define CHUNK_FLOATS (1u << 20) /* 4 MiB per LAYER_LOAD frame */
 
-double coord_now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 void nl_coord_opts_init(nl_coord_opts *o)
 {
     memset(o, 0, sizeof *o);
@@ -36,148 +30,7 @@ void nl_coord_opts_init(nl_coord_opts *o)
     o->plan_rows = 512;
 }
 
-void coord_set_state(nl_coord *c, const char *fmt, ...)
-{
-    char buf[sizeof c->state];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(buf, sizeof buf, fmt, ap);
-    va_end(ap);
-    if (strcmp(buf, c->state) != 0) {
-        memcpy(c->state, buf, sizeof buf);
-        NL_INFO("state: %s", c->state);
-    }
-}
-
-cnode *coord_stage_node(nl_coord *c, int stage)
-{
-    if (!c->plan || stage < 0 || stage >= c->plan->n_stages)
-        return NULL;
-    int id = c->plan->stages[stage].node_id;
-    for (int i = 0; i < COORD_MAX_NODES; i++)
-        if (c->nodes[i].life == NODE_LIVE && (int)c->nodes[i].id == id)
-            return &c->nodes[i];
-    return NULL;
-}
-
-nl_status coord_send_node(nl_coord *c, cnode *n, nl_wire_msg *m)
-{
-    nl_error err = {0};
-    const int type = m->type;
-    nl_status st = nl_sock_send(c->ctl, n->rid, n->rid_len, m, &err);
-    if (st != NL_OK && !n->unreachable) {
-        /* a peer that is gone need not wait for its heartbeat timeout; the
-         * next tick declares it dead, outside whatever loop sent this */
-        n->unreachable = 1;
-        snprintf(n->why, sizeof n->why, "cannot be reached (%s: %s)", nl_wire_type_name(type),
-                 err.msg);
-    }
-    return st;
-}
-
 /* ---------------------------------------------------------------- setup */
-
-static void free_source(csource *src)
-{
-    for (int i = 0; i < src->n; i++)
-        nl_st_close(&src->files[i]);
-    free(src->files);
-    free(src);
-}
-
-/* Unmap the retired sources no send holds any more (all of them once the
- * sockets are gone: force). */
-static void reap_sources(nl_coord *c, int force)
-{
-    for (csource **p = &c->retired; *p;) {
-        csource *r = *p;
-        if (force || nl_txref_idle(&r->ref)) {
-            *p = r->next;
-            free_source(r);
-        } else {
-            p = &r->next;
-        }
-    }
-}
-
-static void close_source(nl_coord *c)
-{
-    if (c->src) {
-        c->src->next = c->retired;
-        c->retired = c->src;
-        c->src = NULL;
-    }
-    reap_sources(c, 0);
-    c->src_manifest = 0;
-    c->src_step = c->src_adam = 0;
-    c->resumable = 0;
-    c->src_path[0] = '\0';
-}
-
-static csource *new_source(int n)
-{
-    csource *src = calloc(1, sizeof *src);
-    if (src && !(src->files = calloc((size_t)n, sizeof *src->files))) {
-        free(src);
-        return NULL;
-    }
-    if (src)
-        src->n = n;
-    return src;
-}
-
-static void drop_plan(nl_coord *c);
-
-nl_status coord_use_manifest(nl_coord *c, const char *path, int reload, nl_error *err)
-{
-    nl_manifest *m = NULL;
-    csource *src = NULL;
-    char *tok = NULL, *seed = NULL;
-    nl_status st = nl_manifest_load(&m, path, err);
-    if (st == NL_OK)
-        st = nl_manifest_verify(m, err);
-    if (st == NL_OK && !(src = new_source(m->n_shards)))
-        st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
-    for (int i = 0; st == NL_OK && i < m->n_shards; i++)
-        st = nl_st_open(&src->files[i], m->shards[i].path, err);
-    if (st == NL_OK && ((m->tokenizer && !(tok = strdup(m->tokenizer))) ||
-                        (m->init_seed && !(seed = strdup(m->init_seed)))))
-        st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
-    if (st != NL_OK) {
-        if (src)
-            free_source(src);
-        free(tok);
-        nl_manifest_destroy(&m);
-        return nl_error_prefix(err, "manifest %s", path);
-    }
-    close_source(c);
-    c->src = src;
-    c->src_manifest = 1;
-    c->src_step = m->step;
-    c->src_adam = m->adam_steps;
-    snprintf(c->src_path, sizeof c->src_path, "%s", path);
-    free(c->tok_text);
-    free(c->init_seed);
-    c->tok_text = tok;
-    c->init_seed = seed;
-    c->cfg = m->cfg;
-    c->have_cfg = 1;
-    NL_INFO("source: %s, step %lld, %d shards (verified)", path, (long long)m->step, m->n_shards);
-    nl_manifest_destroy(&m);
-    if (reload) {
-        drop_plan(c);
-        coord_set_state(c, "reloading from %s", path);
-    }
-    return NL_OK;
-}
-
-void coord_reload(nl_coord *c)
-{
-    if (!c->plan)
-        return;
-    drop_plan(c);
-    coord_set_state(c, "reloading from %s", c->src_path[0] ? c->src_path : "the seed");
-}
 
 static nl_status load_model_source(nl_coord *c, nl_error *err)
 {
@@ -185,7 +38,7 @@ static nl_status load_model_source(nl_coord *c, nl_error *err)
     if (c->o.resume)
         return coord_use_manifest(c, c->o.resume, 0, err);
     if (c->o.model) {
-        if (!(c->src = new_source(1)))
+        if (!(c->src = coord_source_new(1)))
             return nl_error_set(err, NL_ERR_NOMEM, "out of memory");
         nl_status st = nl_checkpoint_read_config(c->o.model, &c->cfg, &c->src_step, err);
         if (st == NL_OK)
@@ -292,8 +145,8 @@ void nl_coord_destroy(nl_coord **cp)
     nl_plan_destroy(&c->plan);
     nl_sock_destroy(&c->ctl);
     nl_net_destroy(&c->net);
-    close_source(c);
-    reap_sources(c, 1); /* the sockets are gone: nothing points into them */
+    coord_close_source(c);
+    coord_reap_sources(c, 1); /* the sockets are gone: nothing points into them */
     free(c->tok_text);
     free(c->init_seed);
     nl_keys_wipe(&c->keys);
@@ -303,32 +156,9 @@ void nl_coord_destroy(nl_coord **cp)
 
 /* ---------------------------------------------------------------- membership */
 
-cnode *coord_node_by_rid(nl_coord *c, const nl_rx *rx)
-{
-    for (int i = 0; i < COORD_MAX_NODES; i++) {
-        cnode *n = &c->nodes[i];
-        if (n->life == NODE_LIVE && n->rid_len == rx->rid_len &&
-            memcmp(n->rid, rx->rid, rx->rid_len) == 0)
-            return n;
-    }
-    return NULL;
-}
-
-static void drop_plan(nl_coord *c)
-{
-    nl_plan_destroy(&c->plan);
-    c->ready = 0;
-    c->epoch++;
-    c->last_plan_try = 0;
-    for (int i = 0; i < COORD_MAX_NODES; i++) {
-        c->nodes[i].stage = -1;
-        c->nodes[i].loaded = 0;
-    }
-}
-
 /* A node is gone (dead or left): fail what it carried (a generation waits
  * to resume) and plan again. */
-void coord_node_lost(nl_coord *c, cnode *n, int life, const char *why)
+static void node_lost(nl_coord *c, cnode *n, int life, const char *why)
 {
     const int stage = n->stage;
     char msg[512];
@@ -344,7 +174,7 @@ void coord_node_lost(nl_coord *c, cnode *n, int life, const char *why)
     n->stage = -1;
     if (stage >= 0) {
         coord_jobs_stage_lost(c, msg);
-        drop_plan(c);
+        coord_drop_plan(c);
         coord_set_state(c, "re-planning: %s", msg);
     }
 }
@@ -360,7 +190,7 @@ static void on_join(nl_coord *c, const nl_rx *rx)
     }
     for (int i = 0; i < COORD_MAX_NODES; i++)
         if (c->nodes[i].life == NODE_LIVE && strcmp(c->nodes[i].key, j->pubkey) == 0)
-            coord_node_lost(c, &c->nodes[i], NODE_LEFT, "joined again (restarted)");
+            node_lost(c, &c->nodes[i], NODE_LEFT, "joined again (restarted)");
     cnode *n = NULL;
     for (int i = 0; i < COORD_MAX_NODES && !n; i++)
         if (c->nodes[i].life != NODE_LIVE)
@@ -402,7 +232,7 @@ static void on_leave(nl_coord *c, const nl_rx *rx)
         return;
     char why[300];
     snprintf(why, sizeof why, "left (%s)", rx->msg.u.leave.reason);
-    coord_node_lost(c, n, NODE_LEFT, why);
+    node_lost(c, n, NODE_LEFT, why);
 }
 
 static void on_heartbeat(nl_coord *c, const nl_rx *rx)
@@ -440,7 +270,7 @@ static void on_node_error(nl_coord *c, const nl_rx *rx)
     if (e->req_type == NL_MSG_LAYER_LOAD || e->req_type == NL_MSG_LOAD_DONE ||
         e->req_type == NL_MSG_ASSIGN) {
         coord_set_state(c, "loading failed: %s", why);
-        drop_plan(c);
+        coord_drop_plan(c);
         c->last_plan_try = coord_now() + 5.0; /* do not spin on a broken load */
         return;
     }
@@ -646,7 +476,7 @@ static void on_load_done(nl_coord *c, const nl_rx *rx)
     if (!n || rx->msg.u.load_done.epoch != c->epoch || n->stage < 0)
         return; /* a stale plan's answer */
     n->loaded = 1;
-    coord_train_touch(c);
+    coord_jobs_touch(c);
     NL_INFO("node %u loaded stage %d: %u tensors, %.1f MiB", n->id, n->stage,
             rx->msg.u.load_done.tensors, (double)rx->msg.u.load_done.bytes / (1 << 20));
     for (int s = 0; s < c->plan->n_stages; s++) {
@@ -658,7 +488,7 @@ static void on_load_done(nl_coord *c, const nl_rx *rx)
     c->resumable = c->src_manifest; /* the stages hold the manifest's weights and moments */
     coord_set_state(c, "ready: %d stages, bottleneck %.2f ms per request (plan %llu)",
                     c->plan->n_stages, c->plan->bottleneck * 1e3, (unsigned long long)c->epoch);
-    coord_resume_jobs(c);
+    coord_jobs_ready(c);
 }
 
 /* ---------------------------------------------------------------- loop */
@@ -666,17 +496,17 @@ static void on_load_done(nl_coord *c, const nl_rx *rx)
 static void tick(nl_coord *c)
 {
     const double now = coord_now();
-    reap_sources(c, 0);
+    coord_reap_sources(c, 0);
     for (int i = 0; i < COORD_MAX_NODES; i++) {
         cnode *n = &c->nodes[i];
         if (n->life == NODE_LIVE && n->unreachable) {
             char why[sizeof n->why];
             memcpy(why, n->why, sizeof why);
-            coord_node_lost(c, n, NODE_DEAD, why);
+            node_lost(c, n, NODE_DEAD, why);
         } else if (n->life == NODE_LIVE && (now - n->last_seen) * 1e3 > c->o.node_timeout_ms) {
             char why[128];
             snprintf(why, sizeof why, "sent no heartbeat for %.1f s: dead", now - n->last_seen);
-            coord_node_lost(c, n, NODE_DEAD, why);
+            node_lost(c, n, NODE_DEAD, why);
         }
     }
     coord_check_jobs(c, now);
@@ -707,25 +537,15 @@ static void dispatch(nl_coord *c, const nl_rx *rx)
         on_node_error(c, rx);
         break;
     case NL_MSG_RESULT:
-        coord_on_result(c, rx);
-        break;
     case NL_MSG_TOKEN:
-        coord_on_token(c, rx);
-        break;
     case NL_MSG_JOB_STATUS:
-        coord_on_node_status(c, rx);
+    case NL_MSG_GRAD_NORM:
+    case NL_MSG_LOSS:
+    case NL_MSG_CKPT_DONE:
+        coord_on_job_message(c, rx);
         break;
     case NL_MSG_JOB_SUBMIT:
         coord_on_submit(c, rx);
-        break;
-    case NL_MSG_GRAD_NORM:
-        coord_train_on_grad_norm(c, rx);
-        break;
-    case NL_MSG_LOSS:
-        coord_train_on_loss(c, rx);
-        break;
-    case NL_MSG_CKPT_DONE:
-        coord_train_on_ckpt_done(c, rx);
         break;
     case NL_MSG_JOB_QUERY:
         coord_on_query(c, rx);

@@ -46,9 +46,9 @@ typedef struct ctrain {
     int64_t manifest_step;
 } ctrain;
 
-void coord_train_free(cjob *j)
+static void train_free(cjob *j)
 {
-    ctrain *t = j->train;
+    ctrain *t = j->state;
     if (!t)
         return;
     nl_dataset_destroy(&t->ds);
@@ -63,12 +63,12 @@ void coord_train_free(cjob *j)
     }
     free(t->shards);
     free(t);
-    j->train = NULL;
+    j->state = NULL;
 }
 
-void coord_train_fail_note(const cjob *j, char *buf, size_t cap)
+static void train_fail_note(const cjob *j, char *buf, size_t cap)
 {
-    const ctrain *t = j->train;
+    const ctrain *t = j->state;
     if (!t)
         return;
     if (t->manifest[0])
@@ -90,7 +90,7 @@ static json_t *jnum(double x)
  * the reference to o. */
 static void report(nl_coord *c, cjob *j, int state, const char *msg, json_t *o)
 {
-    const ctrain *t = j->train;
+    const ctrain *t = j->state;
     char *text = o ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
     const double progress = t->steps > 0 ? (double)t->step / (double)t->steps : 0.0;
@@ -107,7 +107,7 @@ static void fail(nl_coord *c, cjob *j, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(why, sizeof why, fmt, ap);
     va_end(ap);
-    coord_fail_job(c, j, why);
+    coord_job_fail(c, j, why);
 }
 
 /* ---------------------------------------------------------------- sending */
@@ -142,7 +142,7 @@ static void unreachable(nl_coord *c, cjob *j, int s)
 static int send_hop(nl_coord *c, cjob *j, nl_msg_type type, uint64_t step, uint32_t mb,
                     const int32_t *tokens, const int32_t *targets)
 {
-    const ctrain *t = j->train;
+    const ctrain *t = j->state;
     const int64_t shape[2] = {t->batch / t->micro, t->seq};
     cnode *first = coord_stage_node(c, 0);
     nl_wire_msg m;
@@ -166,7 +166,7 @@ static void start_step(nl_coord *c, cjob *j);
 
 static void begin(nl_coord *c, cjob *j)
 {
-    ctrain *t = j->train;
+    ctrain *t = j->state;
     t->stages = c->plan->n_stages;
     t->got = calloc((size_t)t->stages, 1);
     t->shards = calloc((size_t)t->stages, sizeof *t->shards);
@@ -174,6 +174,7 @@ static void begin(nl_coord *c, cjob *j)
         fail(c, j, "out of memory");
         return;
     }
+    j->phase = JOB_RUNNING;
     j->epoch = c->epoch;
     if (c->resumable) { /* the stages hold a manifest's weights and moments: continue it */
         t->start = t->step = c->src_step;
@@ -234,7 +235,7 @@ static void begin(nl_coord *c, cjob *j)
 
 static void start_step(nl_coord *c, cjob *j)
 {
-    ctrain *t = j->train;
+    ctrain *t = j->state;
     nl_error e = {0};
     const uint64_t k = (uint64_t)t->step + 1;
     const size_t rows = (size_t)(t->batch / t->micro) * (size_t)t->seq;
@@ -271,7 +272,7 @@ static void after_step(nl_coord *c, cjob *j);
 /* Every stage has reported: decide the step and tell them. */
 static void decide(nl_coord *c, cjob *j)
 {
-    ctrain *t = j->train;
+    ctrain *t = j->state;
     nl_step_result *r = &t->r;
     const double rows = (double)t->batch * (double)t->seq;
     memset(r, 0, sizeof *r);
@@ -324,7 +325,7 @@ static void decide(nl_coord *c, cjob *j)
 
 static void finish(nl_coord *c, cjob *j)
 {
-    ctrain *t = j->train;
+    ctrain *t = j->state;
     json_t *o = json_pack("{s:s,s:I}", "event", "done", "step", (json_int_t)t->step);
     if (t->manifest[0] && t->manifest_step == t->step)
         json_object_set_new(o, "manifest", json_string(t->manifest));
@@ -344,7 +345,7 @@ static void finish(nl_coord *c, cjob *j)
  * on, or finish. */
 static void after_step(nl_coord *c, cjob *j)
 {
-    ctrain *t = j->train;
+    ctrain *t = j->state;
     const nl_step_result *r = &t->r;
     /* JSON has no NaN or infinity: a non-finite value is null */
     json_t *o = json_pack(
@@ -393,7 +394,7 @@ static void after_step(nl_coord *c, cjob *j)
  * the cluster reloads from. */
 static void write_manifest(nl_coord *c, cjob *j)
 {
-    ctrain *t = j->train;
+    ctrain *t = j->state;
     nl_error e = {0};
     char path[1100], *cfg_json = nl_config_to_json(&c->cfg), *train_json = NULL;
     json_t *tj = json_pack("{s:I,s:I,s:I,s:I,s:I,s:f,s:f,s:I}", "seed", (json_int_t)t->seed,
@@ -492,23 +493,22 @@ static const char *read_params(ctrain *t, const nl_msg_job_submit *s, const char
     return NULL;
 }
 
-void coord_train_submit(nl_coord *c, const nl_rx *rx)
+static void train_submit(nl_coord *c, const nl_rx *rx)
 {
     const nl_msg_job_submit *s = &rx->msg.u.job_submit;
     nl_error e = {0};
     char why[700];
     for (int i = 0; i < COORD_MAX_JOBS; i++)
-        if (c->jobs[i].phase != JOB_FREE && c->jobs[i].kind == NL_JOB_TRAIN) {
+        if (c->jobs[i].phase != JOB_FREE && c->jobs[i].ops == &coord_train_ops) {
             snprintf(why, sizeof why, "job %llu is training already; one at a time",
                      (unsigned long long)c->jobs[i].id);
             coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, why, NULL);
             return;
         }
-    cjob *j = coord_job_new(c, rx, NL_JOB_TRAIN);
+    cjob *j = coord_job_new(c, rx, &coord_train_ops);
     if (!j)
         return;
-    j->phase = JOB_RUNNING;
-    ctrain *t = j->train = calloc(1, sizeof *t);
+    ctrain *t = j->state = calloc(1, sizeof *t);
     if (!t) {
         fail(c, j, "out of memory");
         return;
@@ -523,7 +523,7 @@ void coord_train_submit(nl_coord *c, const nl_rx *rx)
         /* other jobs lose their stages to the reload */
         for (int i = 0; i < COORD_MAX_JOBS; i++)
             if (c->jobs[i].phase != JOB_FREE && &c->jobs[i] != j)
-                coord_fail_job(c, &c->jobs[i], "the cluster reloads to resume a training job");
+                coord_job_fail(c, &c->jobs[i], "the cluster reloads to resume a training job");
         if (coord_use_manifest(c, resume, 1, &e) != NL_OK) {
             fail(c, j, "--resume: %s", e.msg);
             return;
@@ -554,55 +554,50 @@ void coord_train_submit(nl_coord *c, const nl_rx *rx)
         fail(c, j, "out of memory");
         return;
     }
-    t->phase = TR_LOADING; /* begins at the next tick once the cluster is ready */
+    /* it begins once the cluster is ready (at once unless it reloads) */
+    t->phase = TR_LOADING;
+    j->phase = JOB_WAITING;
     j->last_progress = coord_now();
+    if (c->ready)
+        begin(c, j);
 }
 
-void coord_train_abandon(nl_coord *c, cjob *j)
+/* A failed or cancelled job: the stages end it, and those whose weights it
+ * changed reload them from the source (the last manifest, or the
+ * checkpoint). */
+static void train_abort(nl_coord *c, cjob *j)
 {
-    if (j->train && j->train->phase >= TR_BEGIN && j->epoch == c->epoch) {
+    const ctrain *t = j->state;
+    coord_close_session(c, j);
+    if (t && t->phase >= TR_BEGIN && j->epoch == c->epoch) {
         NL_INFO("train job %llu ended early: the stages reload their weights from %s",
                 (unsigned long long)j->id, c->src_path[0] ? c->src_path : "the seed");
         coord_reload(c);
     }
 }
 
-void coord_train_touch(nl_coord *c)
+/* Whether a training report about j, claiming stage `stage`, comes from
+ * that stage while the job is in `phase` on the current plan. */
+static int report_ok(nl_coord *c, cjob *j, const nl_rx *rx, uint32_t stage, int phase)
 {
-    for (int i = 0; i < COORD_MAX_JOBS; i++)
-        if (c->jobs[i].phase != JOB_FREE && c->jobs[i].train &&
-            c->jobs[i].train->phase == TR_LOADING)
-            c->jobs[i].last_progress = coord_now();
-}
-
-void coord_train_tick(nl_coord *c, cjob *j)
-{
-    if (j->train && j->train->phase == TR_LOADING && c->ready)
-        begin(c, j);
-}
-
-/* The job and the sender a training report is about, or NULL. */
-static cjob *train_job(nl_coord *c, const nl_rx *rx, uint64_t job, uint32_t stage, int phase)
-{
-    cjob *j = coord_job_find(c, job);
+    const ctrain *t = j->state;
     cnode *n = coord_node_by_rid(c, rx);
-    if (!j || j->kind != NL_JOB_TRAIN || !j->train || j->train->phase != phase ||
-        j->epoch != c->epoch)
-        return NULL;
-    if (!n || n->stage != (int)stage || stage >= (uint32_t)j->train->stages) {
+    if (!t || t->phase != phase || j->epoch != c->epoch)
+        return 0;
+    if (!n || n->stage != (int)stage || stage >= (uint32_t)t->stages) {
         NL_WARN("a training report for job %llu claims stage %u but comes from %s",
-                (unsigned long long)job, stage, n ? "another stage" : "no stage");
-        return NULL;
+                (unsigned long long)j->id, stage, n ? "another stage" : "no stage");
+        return 0;
     }
-    return j;
+    return 1;
 }
 
-void coord_train_on_ack(nl_coord *c, cjob *j, const nl_rx *rx)
+/* A stage took the job (JOB_STATUS running); once all have, step 1. */
+static void on_ack(nl_coord *c, cjob *j, const nl_rx *rx)
 {
     cnode *n = coord_node_by_rid(c, rx);
-    ctrain *t = j->train;
-    if (!t || t->phase != TR_BEGIN || !n || n->stage < 0 || j->epoch != c->epoch ||
-        t->got[n->stage])
+    ctrain *t = j->state;
+    if (t->phase != TR_BEGIN || !n || n->stage < 0 || j->epoch != c->epoch || t->got[n->stage])
         return;
     t->got[n->stage] = 1;
     j->last_progress = coord_now();
@@ -612,13 +607,13 @@ void coord_train_on_ack(nl_coord *c, cjob *j, const nl_rx *rx)
     start_step(c, j);
 }
 
-void coord_train_on_grad_norm(nl_coord *c, const nl_rx *rx)
+static void on_grad_norm(nl_coord *c, cjob *j, const nl_rx *rx)
 {
     const nl_msg_grad_norm *g = &rx->msg.u.grad_norm;
-    cjob *j = train_job(c, rx, g->job_id, g->stage, TR_STEP);
-    if (!j || g->step != (uint64_t)j->train->step + 1 || j->train->got[g->stage])
+    ctrain *t = j->state;
+    if (!report_ok(c, j, rx, g->stage, TR_STEP) || g->step != (uint64_t)t->step + 1 ||
+        t->got[g->stage])
         return;
-    ctrain *t = j->train;
     j->last_progress = coord_now();
     t->got[g->stage] = 1;
     t->sumsq += g->sumsq;
@@ -626,17 +621,13 @@ void coord_train_on_grad_norm(nl_coord *c, const nl_rx *rx)
         decide(c, j);
 }
 
-void coord_train_on_loss(nl_coord *c, const nl_rx *rx)
+static void on_loss(nl_coord *c, cjob *j, const nl_rx *rx)
 {
     const nl_msg_loss *l = &rx->msg.u.loss;
-    cjob *j = coord_job_find(c, l->job_id);
-    if (!j || !j->train)
-        return;
-    ctrain *t = j->train;
+    ctrain *t = j->state;
     const uint32_t last = (uint32_t)(t->stages - 1);
     if (!l->eval) {
-        if (!(j = train_job(c, rx, l->job_id, last, TR_STEP)) || l->step != (uint64_t)t->step + 1 ||
-            t->have_loss)
+        if (!report_ok(c, j, rx, last, TR_STEP) || l->step != (uint64_t)t->step + 1 || t->have_loss)
             return;
         j->last_progress = coord_now();
         t->ce = l->ce_sum;
@@ -646,7 +637,7 @@ void coord_train_on_loss(nl_coord *c, const nl_rx *rx)
             decide(c, j);
         return;
     }
-    if (!(j = train_job(c, rx, l->job_id, last, TR_EVAL)) || l->step != (uint64_t)t->step)
+    if (!report_ok(c, j, rx, last, TR_EVAL) || l->step != (uint64_t)t->step)
         return;
     j->last_progress = coord_now();
     t->eval_loss = l->ce_sum / ((double)t->eval_batches * (double)t->batch * (double)t->seq);
@@ -673,13 +664,12 @@ static int shard_tf32(const char *path)
     return tf32;
 }
 
-void coord_train_on_ckpt_done(nl_coord *c, const nl_rx *rx)
+static void on_ckpt_done(nl_coord *c, cjob *j, const nl_rx *rx)
 {
     const nl_msg_ckpt_done *d = &rx->msg.u.ckpt_done;
-    cjob *j = train_job(c, rx, d->job_id, d->stage, TR_CKPT);
-    if (!j || d->step != (uint64_t)j->train->step || j->train->got[d->stage])
+    ctrain *t = j->state;
+    if (!report_ok(c, j, rx, d->stage, TR_CKPT) || d->step != (uint64_t)t->step || t->got[d->stage])
         return;
-    ctrain *t = j->train;
     cnode *n = coord_node_by_rid(c, rx);
     nl_manifest_shard *sh = &t->shards[d->stage];
     const nl_plan_stage *ps = &c->plan->stages[d->stage];
@@ -718,3 +708,41 @@ void coord_train_on_ckpt_done(nl_coord *c, const nl_rx *rx)
     if (++t->acks == t->stages)
         write_manifest(c, j);
 }
+
+static void train_on_message(nl_coord *c, cjob *j, const nl_rx *rx)
+{
+    switch (rx->msg.type) {
+    case NL_MSG_JOB_STATUS:
+        on_ack(c, j, rx);
+        break;
+    case NL_MSG_GRAD_NORM:
+        on_grad_norm(c, j, rx);
+        break;
+    case NL_MSG_LOSS:
+        on_loss(c, j, rx);
+        break;
+    case NL_MSG_CKPT_DONE:
+        on_ckpt_done(c, j, rx);
+        break;
+    default:
+        break;
+    }
+}
+
+/* The cluster is ready: a job that waited for it to load begins. */
+static void train_ready(nl_coord *c, cjob *j)
+{
+    if (((ctrain *)j->state)->phase == TR_LOADING)
+        begin(c, j);
+}
+
+const cjob_ops coord_train_ops = {
+    .kind = NL_JOB_TRAIN,
+    .name = "train",
+    .submit = train_submit,
+    .on_message = train_on_message,
+    .ready = train_ready,
+    .abort = train_abort,
+    .fail_note = train_fail_note,
+    .free = train_free,
+};
