@@ -125,6 +125,8 @@ nl_status nl_coord_new(nl_coord **out, const nl_coord_opts *o, nl_error *err)
     nl_status st = load_model_source(c, err);
     if (st == NL_OK)
         st = setup_sockets(c, err);
+    if (st == NL_OK)
+        st = coord_work_init(c, err);
     if (st != NL_OK) {
         nl_coord_destroy(&c);
         return st;
@@ -140,6 +142,7 @@ void nl_coord_destroy(nl_coord **cp)
     if (!cp || !*cp)
         return;
     nl_coord *c = *cp;
+    coord_work_shutdown(c);
     for (int i = 0; i < COORD_MAX_JOBS; i++)
         coord_job_free(&c->jobs[i]);
     nl_plan_destroy(&c->plan);
@@ -570,23 +573,22 @@ const char *nl_coord_state(const nl_coord *c)
 
 void nl_coord_step(nl_coord *c, int timeout_ms)
 {
-    nl_rx rx;
-    nl_rx_init(&rx);
-    nl_error e = {0};
-    nl_status st = nl_sock_recv(c->ctl, &rx, timeout_ms, &e);
-    const double t0 = coord_now();
-    if (st == NL_OK)
-        dispatch(c, &rx);
-    /* a long dispatch (hashing the shards of a checkpoint, tokenizing
-     * the data) kept this loop from hearing anyone: heartbeats that
-     * waited meanwhile must not make their nodes look dead */
-    const double stall = coord_now() - t0;
-    for (int i = 0; stall > 0.2 && i < COORD_MAX_NODES; i++)
-        if (c->nodes[i].life == NODE_LIVE)
-            c->nodes[i].last_seen += stall;
+    zmq_pollitem_t items[2] = {{nl_sock_handle(c->ctl), 0, ZMQ_POLLIN, 0},
+                               {c->work_pipe, 0, ZMQ_POLLIN, 0}};
+    if (zmq_poll(items, 2, timeout_ms) < 0 && zmq_errno() != EINTR)
+        NL_DEBUG("poll: %s", zmq_strerror(zmq_errno()));
+    coord_work_reap(c);
+    if (items[0].revents & ZMQ_POLLIN) {
+        nl_rx rx;
+        nl_rx_init(&rx);
+        nl_error e = {0};
+        nl_status st = nl_sock_recv(c->ctl, &rx, 0, &e);
+        if (st == NL_OK)
+            dispatch(c, &rx);
         else if (st != NL_ERR_TIMEOUT && st != NL_ERR_AUTH)
             NL_DEBUG("receive: %s", e.msg);
-    nl_rx_free(&rx);
+        nl_rx_free(&rx);
+    }
     tick(c);
 }
 

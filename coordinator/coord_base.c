@@ -117,47 +117,72 @@ csource *coord_source_new(int n)
     return src;
 }
 
-nl_status coord_use_manifest(nl_coord *c, const char *path, int reload, nl_error *err)
+void coord_manifest_release(cmanifest *m)
+{
+    if (m->src)
+        free_source(m->src);
+    free(m->tok);
+    free(m->seed);
+    memset(m, 0, sizeof *m);
+}
+
+nl_status coord_manifest_open(cmanifest *out, const char *path, nl_error *err)
 {
     nl_manifest *m = NULL;
-    csource *src = NULL;
-    char *tok = NULL, *seed = NULL;
+    memset(out, 0, sizeof *out);
     nl_status st = nl_manifest_load(&m, path, err);
     if (st == NL_OK)
         st = nl_manifest_verify(m, err);
-    if (st == NL_OK && !(src = coord_source_new(m->n_shards)))
+    if (st == NL_OK && !(out->src = coord_source_new(m->n_shards)))
         st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
     for (int i = 0; st == NL_OK && i < m->n_shards; i++)
-        st = nl_st_open(&src->files[i], m->shards[i].path, err);
-    if (st == NL_OK && ((m->tokenizer && !(tok = strdup(m->tokenizer))) ||
-                        (m->init_seed && !(seed = strdup(m->init_seed)))))
+        st = nl_st_open(&out->src->files[i], m->shards[i].path, err);
+    if (st == NL_OK && ((m->tokenizer && !(out->tok = strdup(m->tokenizer))) ||
+                        (m->init_seed && !(out->seed = strdup(m->init_seed)))))
         st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+    if (st == NL_OK) {
+        out->cfg = m->cfg;
+        out->step = m->step;
+        out->adam = m->adam_steps;
+        snprintf(out->path, sizeof out->path, "%s", path);
+    }
+    nl_manifest_destroy(&m);
     if (st != NL_OK) {
-        if (src)
-            free_source(src);
-        free(tok);
-        nl_manifest_destroy(&m);
+        coord_manifest_release(out);
         return nl_error_prefix(err, "manifest %s", path);
     }
+    return NL_OK;
+}
+
+void coord_manifest_install(nl_coord *c, cmanifest *m, int reload)
+{
     coord_close_source(c);
-    c->src = src;
+    c->src = m->src;
     c->src_manifest = 1;
     c->src_step = m->step;
-    c->src_adam = m->adam_steps;
-    snprintf(c->src_path, sizeof c->src_path, "%s", path);
+    c->src_adam = m->adam;
+    snprintf(c->src_path, sizeof c->src_path, "%s", m->path);
     free(c->tok_text);
     free(c->init_seed);
-    c->tok_text = tok;
-    c->init_seed = seed;
+    c->tok_text = m->tok;
+    c->init_seed = m->seed;
     c->cfg = m->cfg;
     c->have_cfg = 1;
-    NL_INFO("source: %s, step %lld, %d shards (verified)", path, (long long)m->step, m->n_shards);
-    nl_manifest_destroy(&m);
+    NL_INFO("source: %s, step %lld, %d shards (verified)", m->path, (long long)m->step, c->src->n);
+    memset(m, 0, sizeof *m);
     if (reload) {
         coord_drop_plan(c);
-        coord_set_state(c, "reloading from %s", path);
+        coord_set_state(c, "reloading from %s", c->src_path);
     }
-    return NL_OK;
+}
+
+nl_status coord_use_manifest(nl_coord *c, const char *path, int reload, nl_error *err)
+{
+    cmanifest m;
+    nl_status st = coord_manifest_open(&m, path, err);
+    if (st == NL_OK)
+        coord_manifest_install(c, &m, reload);
+    return st;
 }
 
 void coord_reload(nl_coord *c)

@@ -5,6 +5,9 @@
 #ifndef NL_COORD_IMPL_H
 #define NL_COORD_IMPL_H
 
+#include <pthread.h>
+#include <stdatomic.h>
+
 #include "coord.h"
 #include "core/data.h"
 #include "core/manifest.h"
@@ -92,10 +95,29 @@ struct cjob {
     size_t rid_len;
     uint64_t epoch; /* the plan it runs on */
     double last_progress;
+    int working; /* tasks of its own in a worker (coord_work.c): it cannot time out */
     void *state; /* the kind's, owned by the job */
 };
 
 extern const cjob_ops coord_forward_ops, coord_generate_ops, coord_train_ops;
+
+/* A task for a worker (coord_work.c); a task's struct begins with it. */
+typedef struct cwork cwork;
+struct cwork {
+    /* in the worker thread: touches only the task */
+    void (*run)(cwork *w);
+    /* on the loop, once run has returned; the job may be gone */
+    void (*done)(nl_coord *c, cwork *w);
+    /* frees the task (after done, or unfinished at shutdown) */
+    void (*free)(cwork *w);
+    uint64_t job_id; /* the job it works for, or 0 */
+    /* the worker's */
+    void *zmq;
+    const char *endpoint;
+    pthread_t thread;
+    atomic_int finished;
+    cwork *next;
+};
 
 struct nl_coord {
     nl_coord_opts o;
@@ -124,6 +146,10 @@ struct nl_coord {
     double last_plan_try;
     cjob jobs[COORD_MAX_JOBS];
     uint64_t next_job;
+    /* the workers: a PULL socket on work_endpoint, and their tasks */
+    void *work_pipe;
+    char work_endpoint[64];
+    cwork *works;
 };
 
 /* ---------------------------------------------------------------- coord_base.c
@@ -151,9 +177,23 @@ void coord_reap_sources(nl_coord *c, int force);
 void coord_drop_plan(nl_coord *c);
 /* Drop the plan (if any): the stages reload from the source. */
 void coord_reload(nl_coord *c);
-/* Replace the source by a verified manifest (the shards' hashes are
- * checked; a bad shard is refused by name) and, when reload is set, plan
+/* A verified manifest, opened as a source (coord_manifest_open touches
+ * no coordinator state: a worker runs it). */
+typedef struct cmanifest {
+    csource *src;
+    char *tok, *seed; /* its tokenizer and initialisation seed, or NULL */
+    nl_config cfg;
+    int64_t step, adam;
+    char path[4096];
+} cmanifest;
+/* Load a manifest, check every shard's hash (a bad shard is refused by
+ * name) and map the shards. */
+nl_status coord_manifest_open(cmanifest *out, const char *path, nl_error *err);
+void coord_manifest_release(cmanifest *m);
+/* Make it the source (takes what m holds) and, when reload is set, plan
  * and load again from it. */
+void coord_manifest_install(nl_coord *c, cmanifest *m, int reload);
+/* Both, on the loop (at start, before it serves anyone). */
 nl_status coord_use_manifest(nl_coord *c, const char *path, int reload, nl_error *err);
 
 /* The job table. coord_job_new: a free slot for a client's request, or
@@ -179,6 +219,16 @@ void coord_fail_unreachable_first(nl_coord *c, cjob *j);
 bool coord_from_last_stage(nl_coord *c, const nl_rx *rx);
 /* Tell every stage of the job's plan to drop the job (JOB_CANCEL). */
 void coord_close_session(nl_coord *c, cjob *j);
+
+/* ---------------------------------------------------------------- coord_work.c */
+
+nl_status coord_work_init(nl_coord *c, nl_error *err);
+/* Run task w in a worker thread (takes w: on failure it is freed). */
+nl_status coord_work_start(nl_coord *c, cwork *w, nl_error *err);
+/* On the loop: the finished tasks' done, then free. */
+void coord_work_reap(nl_coord *c);
+/* Wait for every task, freeing them unreported; close the pipe. */
+void coord_work_shutdown(nl_coord *c);
 
 /* ---------------------------------------------------------------- coord_jobs.c
  * The jobs' dispatch, called by the loop (coord.c). */

@@ -154,7 +154,13 @@ void coord_check_jobs(nl_coord *c, double now)
 {
     for (int i = 0; i < COORD_MAX_JOBS; i++) {
         cjob *j = &c->jobs[i];
-        if (j->phase != JOB_FREE && (now - j->last_progress) * 1e3 > c->o.job_timeout_ms) {
+        if (j->phase == JOB_FREE)
+            continue;
+        if (j->working) { /* a worker's task for it is progress */
+            j->last_progress = now;
+            continue;
+        }
+        if ((now - j->last_progress) * 1e3 > c->o.job_timeout_ms) {
             char why[128];
             snprintf(why, sizeof why, "no progress for %.0f s", now - j->last_progress);
             coord_job_fail(c, j, why);

@@ -1,10 +1,12 @@
-/* The coordinator's training job: it reads and tokenizes the data, feeds
- * each step's microbatches to the first stage (the targets ride along to
+/* The coordinator's training job: a worker reads and tokenizes the data
+ * (and verifies the manifest it resumes from), then the job feeds each
+ * step's microbatches to the first stage (the targets ride along to
  * the last), sums the stages' gradient norms, decides every step (apply
  * with the learning rate and clipping scale, or skip on a non-finite
  * value), runs the evaluations, asks every stage for its checkpoint shard
- * and writes the manifest last. The client sees JOB_STATUS messages with a
- * JSON report per event (docs/cluster.md, "Training"). */
+ * and has a worker write the manifest last and verify it. The client sees
+ * JOB_STATUS messages with a JSON report per event (docs/cluster.md,
+ * "Training"). */
 #include <jansson.h>
 #include <math.h>
 #include <stdarg.h>
@@ -20,7 +22,9 @@
 
 #define CLIP_NORM 1.0
 
-typedef enum { TR_LOADING = 0, TR_BEGIN, TR_STEP, TR_EVAL, TR_CKPT } tr_phase;
+/* TR_PREPARING: a worker reads the data (and the manifest it resumes);
+ * TR_LOADING: the cluster loads */
+typedef enum { TR_PREPARING = 0, TR_LOADING, TR_BEGIN, TR_STEP, TR_EVAL, TR_CKPT } tr_phase;
 
 typedef struct ctrain {
     /* the run, as the client asked for it */
@@ -390,53 +394,147 @@ static void after_step(nl_coord *c, cjob *j)
     t->acks = 0;
 }
 
-/* Every shard is in: the manifest goes last, then it becomes the source
- * the cluster reloads from. */
-static void write_manifest(nl_coord *c, cjob *j)
+/* Whether the shard at path was trained with TF32 allowed, as its node
+ * recorded it in the shard's "train" metadata (no wire message carries a
+ * node's --tf32). A shard that does not say, or cannot be read, leaves it
+ * unknown; the manifest's hashes and the reload judge the file itself. */
+static int shard_tf32(const char *path)
 {
-    ctrain *t = j->state;
+    char *meta = NULL;
     nl_error e = {0};
-    char path[1100], *cfg_json = nl_config_to_json(&c->cfg), *train_json = NULL;
-    json_t *tj = json_pack("{s:I,s:I,s:I,s:I,s:I,s:f,s:f,s:I}", "seed", (json_int_t)t->seed,
-                           "steps", (json_int_t)t->steps, "batch", (json_int_t)t->batch, "seq",
-                           (json_int_t)t->seq, "microbatches", (json_int_t)t->micro, "lr", t->lr,
-                           "min_lr", t->min_lr, "warmup", (json_int_t)t->warmup);
-    train_json = tj ? json_dumps(tj, JSON_COMPACT) : NULL;
-    json_decref(tj);
-    nl_manifest mf = {.step = t->step,
-                      .adam_steps = t->adam, /* the stages step together */
-                      .cfg = c->cfg,
-                      .config_json = cfg_json,
-                      .train_json = train_json,
-                      .tokenizer = c->tok_text,
-                      .init_seed = c->init_seed,
-                      .n_shards = t->stages,
-                      .shards = t->shards};
-    snprintf(path, sizeof path, "%s/step-%06lld/manifest.json", t->ckpt_dir, (long long)t->step);
-    nl_status st = cfg_json && train_json ? NL_OK : nl_error_set(&e, NL_ERR_NOMEM, "out of memory");
-    if (st == NL_OK)
-        st = nl_manifest_write(path, &mf, &e);
-    /* the coordinator reads the shards back: the checkpoint directory must
-     * be shared with the nodes, and a reload after a failure comes from here */
-    if (st == NL_OK)
-        st = coord_use_manifest(c, path, 0, &e);
-    free(cfg_json);
-    free(train_json);
-    if (st != NL_OK) {
-        fail(c, j, "checkpoint of step %lld: %s", (long long)t->step, e.msg);
+    int tf32 = NL_MANIFEST_TF32_UNKNOWN;
+    if (nl_checkpoint_meta(path, "train", &meta, &e) == NL_OK && meta) {
+        json_t *o = json_loads(meta, 0, NULL), *v = json_object_get(o, "tf32");
+        if (json_is_boolean(v))
+            tf32 = json_is_true(v) ? NL_MANIFEST_TF32_ON : NL_MANIFEST_TF32_OFF;
+        json_decref(o);
+    }
+    free(meta);
+    return tf32;
+}
+
+/* Writing a checkpoint's manifest, off the loop: the shards' TF32 flags
+ * read from their files, the manifest written last, then read back and
+ * every shard's hash checked, to become the source the cluster reloads
+ * from after a failure (so the checkpoint directory must be shared with
+ * the nodes). The task owns copies of everything it writes. */
+typedef struct ckpt_task {
+    cwork w;
+    nl_manifest mf; /* its strings and shards are the task's */
+    char path[1100];
+    nl_status st;
+    nl_error err;
+    cmanifest out;
+} ckpt_task;
+
+static void ckpt_run(cwork *w)
+{
+    ckpt_task *k = (ckpt_task *)w;
+    for (int i = 0; i < k->mf.n_shards; i++)
+        k->mf.shards[i].tf32 = shard_tf32(k->mf.shards[i].path);
+    k->st = nl_manifest_write(k->path, &k->mf, &k->err);
+    if (k->st == NL_OK)
+        k->st = coord_manifest_open(&k->out, k->path, &k->err);
+}
+
+static void free_shards(nl_manifest_shard *sh, int n)
+{
+    for (int i = 0; sh && i < n; i++) {
+        free(sh[i].file);
+        free(sh[i].path);
+        free(sh[i].node);
+        free(sh[i].device);
+    }
+    free(sh);
+}
+
+static void ckpt_free(cwork *w)
+{
+    ckpt_task *k = (ckpt_task *)w;
+    free_shards(k->mf.shards, k->mf.n_shards);
+    free((char *)k->mf.config_json);
+    free((char *)k->mf.train_json);
+    free((char *)k->mf.tokenizer);
+    free((char *)k->mf.init_seed);
+    coord_manifest_release(&k->out);
+    free(k);
+}
+
+/* The manifest is written and verified: it becomes the source; report it
+ * and go on. A job that ended meanwhile leaves the source as it was (its
+ * stages reload from there). */
+static void ckpt_done(nl_coord *c, cwork *w)
+{
+    ckpt_task *k = (ckpt_task *)w;
+    cjob *j = coord_job_find(c, w->job_id);
+    ctrain *t = j ? j->state : NULL;
+    if (!t || t->phase != TR_CKPT || t->step != k->mf.step)
+        return;
+    if (k->st != NL_OK) {
+        fail(c, j, "checkpoint of step %lld: %s", (long long)t->step, k->err.msg);
         return;
     }
-    snprintf(t->manifest, sizeof t->manifest, "%s", path);
+    coord_manifest_install(c, &k->out, 0);
+    snprintf(t->manifest, sizeof t->manifest, "%s", k->path);
     t->manifest_step = t->step;
     NL_INFO("train job %llu: checkpoint of step %lld: %s", (unsigned long long)j->id,
-            (long long)t->step, path);
+            (long long)t->step, k->path);
     json_t *o = json_pack("{s:s,s:I,s:s}", "event", "checkpoint", "step", (json_int_t)t->step,
-                          "manifest", path);
+                          "manifest", k->path);
     report(c, j, NL_JOB_RUNNING, "checkpoint", o);
     if (t->step == t->steps)
         finish(c, j);
     else
         start_step(c, j);
+}
+
+static char *dup_or_null(const char *s, int *oom)
+{
+    char *d = s ? strdup(s) : NULL;
+    *oom |= s && !d;
+    return d;
+}
+
+/* Every shard is in: a worker writes the manifest (ckpt_task). The job
+ * hands it this checkpoint's shards and takes a fresh table. */
+static void write_manifest(nl_coord *c, cjob *j)
+{
+    ctrain *t = j->state;
+    nl_error e = {0};
+    ckpt_task *k = calloc(1, sizeof *k);
+    nl_manifest_shard *fresh = calloc((size_t)t->stages, sizeof *fresh);
+    if (!k || !fresh) {
+        free(k);
+        free(fresh);
+        fail(c, j, "out of memory");
+        return;
+    }
+    json_t *tj = json_pack("{s:I,s:I,s:I,s:I,s:I,s:f,s:f,s:I}", "seed", (json_int_t)t->seed,
+                           "steps", (json_int_t)t->steps, "batch", (json_int_t)t->batch, "seq",
+                           (json_int_t)t->seq, "microbatches", (json_int_t)t->micro, "lr", t->lr,
+                           "min_lr", t->min_lr, "warmup", (json_int_t)t->warmup);
+    int oom = 0;
+    k->w = (cwork){.run = ckpt_run, .done = ckpt_done, .free = ckpt_free, .job_id = j->id};
+    k->mf = (nl_manifest){.step = t->step,
+                          .adam_steps = t->adam, /* the stages step together */
+                          .cfg = c->cfg,
+                          .config_json = nl_config_to_json(&c->cfg),
+                          .train_json = tj ? json_dumps(tj, JSON_COMPACT) : NULL,
+                          .tokenizer = dup_or_null(c->tok_text, &oom),
+                          .init_seed = dup_or_null(c->init_seed, &oom),
+                          .n_shards = t->stages,
+                          .shards = t->shards};
+    json_decref(tj);
+    t->shards = fresh;
+    snprintf(k->path, sizeof k->path, "%s/step-%06lld/manifest.json", t->ckpt_dir,
+             (long long)t->step);
+    if (oom || !k->mf.config_json || !k->mf.train_json) {
+        ckpt_free(&k->w);
+        fail(c, j, "checkpoint of step %lld: out of memory", (long long)t->step);
+        return;
+    }
+    if (coord_work_start(c, &k->w, &e) != NL_OK)
+        fail(c, j, "checkpoint of step %lld: %s", (long long)t->step, e.msg);
 }
 
 /* ---------------------------------------------------------------- messages */
@@ -493,6 +591,97 @@ static const char *read_params(ctrain *t, const nl_msg_job_submit *s, const char
     return NULL;
 }
 
+/* Preparing a job, off the loop: the manifest it resumes from verified
+ * and opened, then its data read (and tokenized, with the tokenizer of
+ * the model it trains). */
+typedef struct prep_task {
+    cwork w;
+    char *resume; /* a manifest, or NULL */
+    char *data, *tok;
+    int64_t vocab;
+    double holdout;
+    nl_status st;
+    nl_error err;
+    int resume_failed;
+    cmanifest mf;
+    nl_dataset *ds;
+    nl_dataset_info info;
+} prep_task;
+
+static void prep_run(cwork *w)
+{
+    prep_task *p = (prep_task *)w;
+    if (p->resume && (p->st = coord_manifest_open(&p->mf, p->resume, &p->err)) != NL_OK) {
+        p->resume_failed = 1;
+        return;
+    }
+    p->st = nl_dataset_load_model(&p->ds, p->data, p->resume ? p->mf.tok : p->tok,
+                                  p->resume ? p->mf.cfg.vocab_size : p->vocab, p->holdout,
+                                  "the cluster's model", &p->info, &p->err);
+}
+
+static void prep_free(cwork *w)
+{
+    prep_task *p = (prep_task *)w;
+    free(p->resume);
+    free(p->data);
+    free(p->tok);
+    coord_manifest_release(&p->mf);
+    nl_dataset_destroy(&p->ds);
+    free(p);
+}
+
+/* The job is prepared: a resumed one reloads the cluster from its
+ * manifest; it begins once the cluster is ready. */
+static void prep_done(nl_coord *c, cwork *w)
+{
+    prep_task *p = (prep_task *)w;
+    cjob *j = coord_job_find(c, w->job_id);
+    ctrain *t = j ? j->state : NULL;
+    char why[700];
+    if (!t || t->phase != TR_PREPARING)
+        return;
+    if (p->resume_failed) {
+        fail(c, j, "--resume: %s", p->err.msg);
+        return;
+    }
+    if (p->resume) {
+        /* other jobs lose their stages to the reload */
+        for (int i = 0; i < COORD_MAX_JOBS; i++)
+            if (c->jobs[i].phase != JOB_FREE && &c->jobs[i] != j)
+                coord_job_fail(c, &c->jobs[i], "the cluster reloads to resume a training job");
+        coord_manifest_install(c, &p->mf, 1);
+        snprintf(why, sizeof why, "verified %s; loading it onto the nodes", p->resume);
+        coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, why, NULL);
+    }
+    if (t->seq > c->cfg.max_seq_len) {
+        fail(c, j, "--seq %lld: the model's max_seq_len is %d", (long long)t->seq,
+             c->cfg.max_seq_len);
+        return;
+    }
+    if (p->st != NL_OK) {
+        fail(c, j, "%s", p->err.msg);
+        return;
+    }
+    t->ds = p->ds;
+    p->ds = NULL;
+    if (p->info.tokenized)
+        NL_INFO("train job %llu: tokenized %s: %zu bytes -> %zu tokens in %.1f s",
+                (unsigned long long)j->id, t->data, p->info.text_bytes, t->ds->n, p->info.encode_s);
+    const size_t n = (size_t)t->batch * (size_t)t->seq;
+    if (!(t->tokens = malloc(n * sizeof *t->tokens)) ||
+        !(t->targets = malloc(n * sizeof *t->targets))) {
+        fail(c, j, "out of memory");
+        return;
+    }
+    /* it begins once the cluster is ready (at once unless it reloads) */
+    t->phase = TR_LOADING;
+    j->phase = JOB_WAITING;
+    j->last_progress = coord_now();
+    if (c->ready)
+        begin(c, j);
+}
+
 static void train_submit(nl_coord *c, const nl_rx *rx)
 {
     const nl_msg_job_submit *s = &rx->msg.u.job_submit;
@@ -509,57 +698,39 @@ static void train_submit(nl_coord *c, const nl_rx *rx)
     if (!j)
         return;
     ctrain *t = j->state = calloc(1, sizeof *t);
-    if (!t) {
+    prep_task *p = calloc(1, sizeof *p);
+    if (!t || !p) {
+        free(p);
         fail(c, j, "out of memory");
         return;
     }
     const char *resume = NULL, *bad = read_params(t, s, &resume);
     if (bad) {
+        free(p);
         fail(c, j, "train: params.%s is missing or out of range", bad);
         return;
     }
     coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, "running", NULL);
-    if (resume) {
-        /* other jobs lose their stages to the reload */
-        for (int i = 0; i < COORD_MAX_JOBS; i++)
-            if (c->jobs[i].phase != JOB_FREE && &c->jobs[i] != j)
-                coord_job_fail(c, &c->jobs[i], "the cluster reloads to resume a training job");
-        if (coord_use_manifest(c, resume, 1, &e) != NL_OK) {
-            fail(c, j, "--resume: %s", e.msg);
-            return;
-        }
-        snprintf(why, sizeof why, "verified %s; loading it onto the nodes", resume);
-        coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, why, NULL);
-    } else if (!c->ready) {
+    if (!resume && !c->ready) {
+        free(p);
         fail(c, j, "the cluster is not ready: %s", c->state);
         return;
     }
-    if (t->seq > c->cfg.max_seq_len) {
-        fail(c, j, "--seq %lld: the model's max_seq_len is %d", (long long)t->seq,
-             c->cfg.max_seq_len);
-        return;
-    }
-    nl_dataset_info info;
-    if (nl_dataset_load_model(&t->ds, t->data, c->tok_text, c->cfg.vocab_size, t->holdout,
-                              "the cluster's model", &info, &e) != NL_OK) {
-        fail(c, j, "%s", e.msg);
-        return;
-    }
-    if (info.tokenized)
-        NL_INFO("train job %llu: tokenized %s: %zu bytes -> %zu tokens in %.1f s",
-                (unsigned long long)j->id, t->data, info.text_bytes, t->ds->n, info.encode_s);
-    const size_t n = (size_t)t->batch * (size_t)t->seq;
-    if (!(t->tokens = malloc(n * sizeof *t->tokens)) ||
-        !(t->targets = malloc(n * sizeof *t->targets))) {
+    p->w = (cwork){.run = prep_run, .done = prep_done, .free = prep_free, .job_id = j->id};
+    p->vocab = c->cfg.vocab_size;
+    p->holdout = t->holdout;
+    int oom = 0;
+    p->resume = dup_or_null(resume, &oom);
+    p->data = dup_or_null(t->data, &oom);
+    p->tok = dup_or_null(resume ? NULL : c->tok_text, &oom);
+    if (oom) {
+        prep_free(&p->w);
         fail(c, j, "out of memory");
         return;
     }
-    /* it begins once the cluster is ready (at once unless it reloads) */
-    t->phase = TR_LOADING;
-    j->phase = JOB_WAITING;
-    j->last_progress = coord_now();
-    if (c->ready)
-        begin(c, j);
+    t->phase = TR_PREPARING;
+    if (coord_work_start(c, &p->w, &e) != NL_OK)
+        fail(c, j, "%s", e.msg);
 }
 
 /* A failed or cancelled job: the stages end it, and those whose weights it
@@ -643,25 +814,6 @@ static void on_loss(nl_coord *c, cjob *j, const nl_rx *rx)
     t->eval_loss = l->ce_sum / ((double)t->eval_batches * (double)t->batch * (double)t->seq);
     t->has_eval = 1;
     after_step(c, j);
-}
-
-/* Whether the shard at path was trained with TF32 allowed, as its node
- * recorded it in the shard's "train" metadata (no wire message carries a
- * node's --tf32). A shard that does not say, or cannot be read, leaves it
- * unknown; the manifest's hashes and the reload judge the file itself. */
-static int shard_tf32(const char *path)
-{
-    char *meta = NULL;
-    nl_error e = {0};
-    int tf32 = NL_MANIFEST_TF32_UNKNOWN;
-    if (nl_checkpoint_meta(path, "train", &meta, &e) == NL_OK && meta) {
-        json_t *o = json_loads(meta, 0, NULL), *v = json_object_get(o, "tf32");
-        if (json_is_boolean(v))
-            tf32 = json_is_true(v) ? NL_MANIFEST_TF32_ON : NL_MANIFEST_TF32_OFF;
-        json_decref(o);
-    }
-    free(meta);
-    return tf32;
 }
 
 static void on_ckpt_done(nl_coord *c, cjob *j, const nl_rx *rx)

@@ -13,10 +13,15 @@
  *    then JOB_STATUS done; bad submissions fail with a message;
  *  - a node's death: a node whose heartbeats stop is declared dead after
  *    the timeout, the forward job in flight fails naming it, and the
- *    coordinator re-plans the whole model onto the node left. */
+ *    coordinator re-plans the whole model onto the node left;
+ *  - slow work off the loop: a training job whose data is a FIFO nobody
+ *    writes yet blocks only its worker: heartbeats and queries are served,
+ *    no node dies and the job does not time out meanwhile. */
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -149,6 +154,7 @@ static void start_coord(void)
     o.min_nodes = 2;
     o.heartbeat_ms = HB_MS;
     o.node_timeout_ms = TIMEOUT_MS;
+    o.job_timeout_ms = 2 * TIMEOUT_MS;
     o.plaintext = 1;
     nl_error err = {0};
     CHECK_OK(nl_coord_new(&coord, &o, &err), &err);
@@ -359,6 +365,96 @@ static void test_forward(const assigned *a)
           "bad token: state %u: %s", state, msg);
 }
 
+/* ---------------------------------------------------------------- slow work */
+
+/* A query to the coordinator is answered (the loop is not blocked). */
+static int answers_query(void)
+{
+    nl_wire_msg m;
+    nl_rx rx;
+    nl_rx_init(&rx);
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOB_QUERY);
+    m.u.job_ref.job_id = 0;
+    fake_send(&client, &m);
+    int ok = pump_until(&client, NL_MSG_JOB_STATUS, &rx) && rx.msg.u.job_status.job_id == 0 &&
+             rx.msg.nframes == 1;
+    nl_rx_free(&rx);
+    return ok;
+}
+
+/* A training job's data is read by a worker: here a FIFO that no one
+ * writes yet, so the read blocks. Meanwhile the loop serves heartbeats
+ * and queries (no node dies, though the wait is longer than the node
+ * timeout), and the job, whose worker is busy, does not time out. Once
+ * the FIFO is closed the job begins; cancelled, its stages reload. */
+static void test_slow_work(assigned *a)
+{
+    char fifo[300];
+    snprintf(fifo, sizeof fifo, "%s/data.fifo", tmpdir);
+    CHECK(mkfifo(fifo, 0600) == 0, "mkfifo %s", fifo);
+    nl_wire_param ps[] = {
+        {.key = "steps", .kind = NL_WIRE_PARAM_INT, .i = 2},
+        {.key = "batch", .kind = NL_WIRE_PARAM_INT, .i = 2},
+        {.key = "seq", .kind = NL_WIRE_PARAM_INT, .i = 8},
+        {.key = "microbatches", .kind = NL_WIRE_PARAM_INT, .i = 1},
+        {.key = "seed", .kind = NL_WIRE_PARAM_INT, .i = 1},
+        {.key = "warmup", .kind = NL_WIRE_PARAM_INT, .i = 0},
+        {.key = "eval_every", .kind = NL_WIRE_PARAM_INT, .i = 0},
+        {.key = "eval_batches", .kind = NL_WIRE_PARAM_INT, .i = 1},
+        {.key = "checkpoint_every", .kind = NL_WIRE_PARAM_INT, .i = 0},
+        {.key = "lr", .kind = NL_WIRE_PARAM_FLOAT, .f = 1e-3},
+        {.key = "min_lr", .kind = NL_WIRE_PARAM_FLOAT, .f = 1e-4},
+        {.key = "holdout", .kind = NL_WIRE_PARAM_FLOAT, .f = 0.0},
+        {.key = "data", .kind = NL_WIRE_PARAM_STR, .s = fifo},
+        {.key = "checkpoint_dir", .kind = NL_WIRE_PARAM_STR, .s = tmpdir},
+    };
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
+    m.u.job_submit = (nl_msg_job_submit){NL_JOB_TRAIN, sizeof ps / sizeof ps[0], ps};
+    fake_send(&client, &m);
+    uint64_t job = 0, j2 = 0;
+    uint32_t state = 0;
+    char msg[512];
+    CHECK(client_status(&job, &state, msg, sizeof msg) && state == NL_JOB_RUNNING, "train: %s",
+          msg);
+    const double t0 = now_s();
+    while (now_s() - t0 < 2.5 * TIMEOUT_MS * 1e-3) {
+        nl_coord_step(coord, 5);
+        heartbeats();
+    }
+    CHECK(answers_query(), "no answer to a query while a worker reads the data");
+    CHECK(strncmp(nl_coord_state(coord), "ready: 2 stages", 15) == 0,
+          "while a worker reads the data: %s", nl_coord_state(coord));
+    int fd = open(fifo, O_WRONLY | O_NONBLOCK); /* the worker waits on its end */
+    CHECK(fd >= 0, "open %s for writing", fifo);
+    if (fd >= 0)
+        close(fd);
+    /* the data is read (a FIFO has no size: empty): the job begins */
+    CHECK(client_status(&j2, &state, msg, sizeof msg) && j2 == job && state == NL_JOB_RUNNING &&
+              strcmp(msg, "starting") == 0,
+          "train after the data: job %llu state %u: %s", (unsigned long long)j2, state, msg);
+    nl_rx rx;
+    nl_rx_init(&rx);
+    for (int i = 0; i < 2; i++)
+        CHECK(pump_until(&nodes[i], NL_MSG_JOB_SUBMIT, &rx) &&
+                  rx.msg.u.job_submit.kind == NL_JOB_TRAIN,
+              "no training job on node %d", i);
+    nl_rx_free(&rx);
+    /* cancelled: the stages reload the weights it would have changed */
+    nl_wire_msg_reset(&m, NL_MSG_JOB_CANCEL);
+    m.u.job_ref.job_id = job;
+    fake_send(&client, &m);
+    CHECK(client_status(&j2, &state, msg, sizeof msg) && j2 == job && state == NL_JOB_CANCELLED,
+          "cancel: job %llu state %u: %s", (unsigned long long)j2, state, msg);
+    const uint64_t epoch = a[0].epoch;
+    CHECK(take_plan(&nodes[0], &a[0]) && take_plan(&nodes[1], &a[1]) && a[0].epoch > epoch &&
+              a[0].epoch == a[1].epoch,
+          "no reload after the cancel");
+    CHECK(pump_state("ready: 2 stages"), "not ready after the reload");
+}
+
 /* ---------------------------------------------------------------- death */
 
 static void test_death(const assigned *a)
@@ -404,6 +500,7 @@ int main(void)
     assigned a[2];
     if (test_join_plan(a)) {
         test_forward(a);
+        test_slow_work(a);
         test_death(a);
     }
     nl_sock_destroy(&client.sock);
