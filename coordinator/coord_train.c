@@ -20,8 +20,6 @@
 #include "core/checkpoint.h"
 #include "core/train.h"
 
-#define CLIP_NORM 1.0
-
 /* TR_PREPARING: a worker reads the data (and the manifest it resumes);
  * TR_LOADING: the cluster loads */
 typedef enum { TR_PREPARING = 0, TR_LOADING, TR_BEGIN, TR_STEP, TR_EVAL, TR_CKPT } tr_phase;
@@ -278,22 +276,15 @@ static void decide(nl_coord *c, cjob *j)
 {
     ctrain *t = j->state;
     nl_step_result *r = &t->r;
-    const double rows = (double)t->batch * (double)t->seq;
-    memset(r, 0, sizeof *r);
-    r->ce_loss = t->ce / rows;
-    r->aux_loss = t->aux;
-    r->loss = r->ce_loss + c->cfg.aux_loss_coef * t->aux;
-    r->grad_norm = sqrt(t->sumsq);
-    /* the guard: a non-finite value on any stage skips the step on all */
-    r->skipped = !isfinite(r->loss) || !isfinite(t->sumsq);
-    const double clip = CLIP_NORM / (r->grad_norm + 1e-6); /* as clip_grad_norm_ */
+    /* the decision local training makes too (core/train.h) */
+    const double scale = nl_step_decide(r, t->ce, (double)t->batch * (double)t->seq, t->aux,
+                                        c->cfg.aux_loss_coef, t->sumsq, NL_TRAIN_CLIP_NORM);
     t->lr_now = nl_lr_at(t->step, t->steps, t->warmup, t->lr, t->min_lr);
     t->step_s = coord_now() - t->t_step;
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_STEP);
-    m.u.step = (nl_msg_step){j->id, (uint64_t)t->step + 1, !r->skipped,
-                             r->skipped ? 0.0 : (clip < 1.0 ? clip : 1.0), t->lr_now};
+    m.u.step = (nl_msg_step){j->id, (uint64_t)t->step + 1, !r->skipped, scale, t->lr_now};
     int lost = 0, rc = send_all(c, &m, &lost);
     nl_wire_msg_free(&m);
     if (rc != 0) {
