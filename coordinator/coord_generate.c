@@ -9,17 +9,17 @@
 
 #include "base/log.h"
 #include "coord_impl.h"
+#include "net/genparams.h"
 
 typedef struct cgen {
     /* ids holds the prompt, then the tokens produced */
     int32_t *ids;
-    int prompt_len, max_new, produced, limit, capacity;
+    int prompt_len, produced;
     int opening, acks; /* the session is opening: stages that took it */
     /* a resumed generation: the coordinator feeds each token (the first
      * `produced` from ids, replaying), `seen` of this session's so far */
     int resumes, coord_feeds, seen;
-    double temperature, top_p;
-    int64_t seed;
+    nl_genparams params; /* the client's, then the session's */
 } cgen;
 
 /* Open the session on every stage of the plan. With limit, the last stage
@@ -35,19 +35,16 @@ static void open_session(nl_coord *c, cjob *j)
     g->opening = 1;
     g->acks = 0;
     g->seen = 0;
-    nl_wire_param ps[6] = {
-        {.key = "session", .kind = NL_WIRE_PARAM_INT, .i = (int64_t)j->id},
-        {.key = "capacity", .kind = NL_WIRE_PARAM_INT, .i = g->capacity},
-        {.key = "temperature", .kind = NL_WIRE_PARAM_FLOAT, .f = g->temperature},
-        {.key = "top_p", .kind = NL_WIRE_PARAM_FLOAT, .f = g->top_p},
-        {.key = "seed", .kind = NL_WIRE_PARAM_INT, .i = g->seed},
-        {.key = "limit", .kind = NL_WIRE_PARAM_INT, .i = g->coord_feeds ? 0 : g->limit},
-    };
+    nl_genparams session = g->params;
+    session.session = j->id;
+    session.limit = g->coord_feeds ? 0 : g->params.limit;
+    nl_wire_param ps[NL_GENPARAMS_SESSION_KEYS];
+    nl_genparams_session_wire(&session, ps);
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     for (int st = 0; st < c->plan->n_stages; st++) {
         nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
-        m.u.job_submit = (nl_msg_job_submit){NL_JOB_GENERATE, 6, ps};
+        m.u.job_submit = (nl_msg_job_submit){NL_JOB_GENERATE, NL_GENPARAMS_SESSION_KEYS, ps};
         coord_send_node(c, coord_stage_node(c, st), &m);
     }
     nl_wire_msg_free(&m);
@@ -71,25 +68,22 @@ static void generate_submit(nl_coord *c, const nl_rx *rx)
         coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, "out of memory", NULL);
         return;
     }
-    const nl_wire_param *p;
-    g->max_new = (p = coord_param(s, "max_new")) && p->kind == NL_WIRE_PARAM_INT ? (int)p->i : 32;
-    g->temperature =
-        (p = coord_param(s, "temperature")) && p->kind == NL_WIRE_PARAM_FLOAT ? p->f : 0.8;
-    g->top_p = (p = coord_param(s, "top_p")) && p->kind == NL_WIRE_PARAM_FLOAT ? p->f : 0.95;
-    g->seed = (p = coord_param(s, "seed")) && p->kind == NL_WIRE_PARAM_INT ? p->i : 0;
-    if (B != 1 || g->max_new < 1 || g->max_new > (1 << 20) || !(g->temperature >= 0) ||
-        !(g->top_p > 0 && g->top_p <= 1) || g->seed < 0 || T >= c->cfg.max_seq_len) {
+    nl_genparams *gp = &g->params;
+    nl_error e = {0};
+    const char *why = NULL;
+    if (nl_genparams_parse(gp, s->params, s->nparams, NL_GENPARAMS_REQUEST, &e) != NL_OK)
+        why = e.msg;
+    else if (B != 1 || T >= c->cfg.max_seq_len)
+        why = "generate needs one prompt [1, T] shorter than max_seq_len";
+    if (why) {
+        coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, why, NULL);
         coord_job_free(j);
-        coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0,
-                        "generate needs one prompt [1, T] shorter than max_seq_len, max_new >= 1, "
-                        "temperature >= 0, top_p in (0, 1], seed >= 0",
-                        NULL);
         return;
     }
-    g->capacity = T + g->max_new < c->cfg.max_seq_len ? T + g->max_new : c->cfg.max_seq_len;
+    gp->capacity = T + gp->max_new < c->cfg.max_seq_len ? T + gp->max_new : c->cfg.max_seq_len;
     /* as local generation: stop at max_new tokens or a full cache */
-    g->limit = g->max_new < g->capacity - T + 1 ? g->max_new : g->capacity - T + 1;
-    g->ids = malloc(((size_t)T + (size_t)g->limit) * sizeof *g->ids);
+    gp->limit = gp->max_new < gp->capacity - T + 1 ? gp->max_new : gp->capacity - T + 1;
+    g->ids = malloc(((size_t)T + (size_t)gp->limit) * sizeof *g->ids);
     if (!g->ids) {
         coord_job_free(j);
         coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, "out of memory", NULL);
@@ -140,7 +134,7 @@ static void on_token(nl_coord *c, cjob *j, const nl_rx *rx)
         return;
     }
     g->ids[g->prompt_len + g->produced++] = tok;
-    const int done = g->produced >= g->limit;
+    const int done = g->produced >= g->params.limit;
     nl_wire_msg m;
     nl_error e = {0};
     nl_wire_msg_init(&m);
