@@ -28,6 +28,7 @@ void nl_coord_opts_init(nl_coord_opts *o)
     o->job_timeout_ms = 120000;
     o->gen_resumes = 2;
     o->plan_rows = 512;
+    o->replan_margin = 0.1;
 }
 
 /* ---------------------------------------------------------------- setup */
@@ -179,6 +180,8 @@ static void node_lost(nl_coord *c, cnode *n, int life, const char *why)
         coord_jobs_stage_lost(c, msg);
         coord_drop_plan(c);
         coord_set_state(c, "re-planning: %s", msg);
+    } else {
+        c->replan_wanted = 1; /* a standby: the plan may still be the best */
     }
 }
 
@@ -226,6 +229,7 @@ static void on_join(nl_coord *c, const nl_rx *rx)
     NL_INFO("node %u joined: %s, %.1f GiB, %.1f GFLOP/s, %u threads, data %s, key %.8s...", n->id,
             n->device, (double)n->memory / (1 << 30), n->gflops, n->threads, n->endpoint, n->key);
     c->last_plan_try = 0;
+    c->replan_wanted = 1;
 }
 
 static void on_leave(nl_coord *c, const nl_rx *rx)
@@ -402,19 +406,47 @@ static double hop_seconds(const nl_coord *c)
     return 1e-4 + (double)c->o.plan_rows * c->cfg.hidden_dim * 4 / 1e9;
 }
 
-static void try_plan(nl_coord *c)
+/* The live nodes as the planner sees them; returns how many, and their
+ * memory in all. */
+static int plan_nodes(const nl_coord *c, nl_plan_node *pn, uint64_t *total)
 {
-    nl_plan_node pn[COORD_MAX_NODES];
     int n = 0;
-    uint64_t total = 0;
-    nl_error e = {0};
+    *total = 0;
     for (int i = 0; i < COORD_MAX_NODES; i++)
         if (c->nodes[i].life == NODE_LIVE) {
             pn[n] = (nl_plan_node){(int)c->nodes[i].id, c->nodes[i].memory,
                                    c->nodes[i].gflops > 0 ? c->nodes[i].gflops : 1.0, 0.0};
-            total += c->nodes[i].memory;
+            *total += c->nodes[i].memory;
             n++;
         }
+    return n;
+}
+
+static nl_plan_opts plan_opts(const nl_coord *c)
+{
+    return (nl_plan_opts){.mem = {.training = 0, .micro_rows = c->o.plan_rows, .in_flight = 1}};
+}
+
+/* Log a plan, each stage and standby, as `what` (its epoch, or "old"). */
+static void log_plan(const nl_coord *c, const nl_plan *plan, const char *what)
+{
+    for (int s = 0; s < plan->n_stages; s++)
+        NL_INFO("plan %s: stage %d on node %d: layers [%d, %d)%s%s, %.1f MiB, %.2f ms", what, s,
+                plan->stages[s].node_id, plan->stages[s].l0, plan->stages[s].l1,
+                plan->stages[s].has_embed ? " +embed" : "",
+                plan->stages[s].has_head ? " +head" : "", (double)plan->stages[s].bytes / (1 << 20),
+                plan->stages[s].seconds * 1e3);
+    for (int i = 0; i < plan->n_standby; i++)
+        NL_INFO("plan %s: node %d is a standby", what, plan->standby[i]);
+    (void)c;
+}
+
+static void try_plan(nl_coord *c)
+{
+    nl_plan_node pn[COORD_MAX_NODES];
+    uint64_t total = 0;
+    nl_error e = {0};
+    const int n = plan_nodes(c, pn, &total);
     c->last_plan_try = coord_now();
     /* the minimums gate the first plan; later plans use whoever is left */
     if (!c->planned_once && (n < c->o.min_nodes || total < c->o.min_memory)) {
@@ -423,7 +455,7 @@ static void try_plan(nl_coord *c)
                         (double)c->o.min_memory / (1 << 30));
         return;
     }
-    nl_plan_opts po = {.mem = {.training = 0, .micro_rows = c->o.plan_rows, .in_flight = 1}};
+    nl_plan_opts po = plan_opts(c);
     if (!c->have_cfg) {
         nl_sizing_opts so;
         nl_sizing_opts_init(&so);
@@ -450,20 +482,16 @@ static void try_plan(nl_coord *c)
     }
     c->plan = plan;
     c->planned_once = 1;
+    c->replan_wanted = 0; /* this plan saw every node there is */
     c->epoch++;
-    char *cfg_json = nl_config_to_json(&c->cfg);
+    char *cfg_json = nl_config_to_json(&c->cfg), epoch[32];
     for (int s = 0; s < plan->n_stages; s++) {
         cnode *node = coord_stage_node(c, s);
         node->stage = s;
         node->loaded = 0;
-        NL_INFO("plan %llu: stage %d on node %u: layers [%d, %d)%s%s, %.1f MiB, %.2f ms",
-                (unsigned long long)c->epoch, s, node->id, plan->stages[s].l0, plan->stages[s].l1,
-                plan->stages[s].has_embed ? " +embed" : "",
-                plan->stages[s].has_head ? " +head" : "", (double)plan->stages[s].bytes / (1 << 20),
-                plan->stages[s].seconds * 1e3);
     }
-    for (int i = 0; i < plan->n_standby; i++)
-        NL_INFO("plan %llu: node %d is a standby", (unsigned long long)c->epoch, plan->standby[i]);
+    snprintf(epoch, sizeof epoch, "%llu", (unsigned long long)c->epoch);
+    log_plan(c, plan, epoch);
     for (int s = 0; s < plan->n_stages && cfg_json; s++)
         send_assign(c, s, cfg_json);
     for (int s = 0; s < plan->n_stages && cfg_json; s++)
@@ -471,6 +499,53 @@ static void try_plan(nl_coord *c)
     free(cfg_json);
     coord_set_state(c, "loading %d stages (plan %llu)", plan->n_stages,
                     (unsigned long long)c->epoch);
+}
+
+/* A node joined or a standby left (replan_wanted) and the cluster is at
+ * rest (ready, no job): plan again over the nodes there are now when the
+ * planner predicts a bottleneck better by --replan-margin (hysteresis);
+ * the stages then reload from the source (the checkpoint or the last
+ * manifest). Not while the stages hold trained weights that no checkpoint
+ * has: a reload would lose them. */
+static void replan_at_rest(nl_coord *c)
+{
+    if (!c->replan_wanted || !c->ready || !c->plan || !c->have_cfg)
+        return;
+    for (int i = 0; i < COORD_MAX_JOBS; i++)
+        if (c->jobs[i].phase != JOB_FREE)
+            return; /* at the end of the job */
+    c->replan_wanted = 0;
+    nl_plan_node pn[COORD_MAX_NODES];
+    uint64_t total = 0;
+    nl_error e = {0};
+    const int n = plan_nodes(c, pn, &total);
+    for (int i = 0; i < n; i++)
+        pn[i].hop_seconds = hop_seconds(c);
+    nl_plan_opts po = plan_opts(c);
+    nl_plan *cand = NULL;
+    if (nl_plan_layers(&cand, &c->cfg, pn, n, &po, &e) != NL_OK) {
+        NL_INFO("re-plan at rest: no plan over the %d nodes: %s", n, e.msg);
+        return;
+    }
+    const double was = c->plan->bottleneck, now = cand->bottleneck;
+    if (!(now < was * (1.0 - c->o.replan_margin))) {
+        NL_INFO("re-plan at rest: the plan stays (bottleneck %.2f ms; %d nodes would give %.2f ms, "
+                "not better by --replan-margin %.2f)",
+                was * 1e3, n, now * 1e3, c->o.replan_margin);
+    } else if (c->stages_modified) {
+        NL_WARN("re-plan at rest: %d nodes would give a bottleneck of %.2f ms instead of %.2f ms, "
+                "but the stages hold weights trained since the last checkpoint; the plan stays",
+                n, now * 1e3, was * 1e3);
+    } else {
+        NL_INFO("re-plan at rest: bottleneck %.2f ms -> %.2f ms over %d nodes (--replan-margin "
+                "%.2f); the stages reload from %s",
+                was * 1e3, now * 1e3, n, c->o.replan_margin,
+                c->src_path[0] ? c->src_path : "the seed");
+        log_plan(c, c->plan, "old");
+        log_plan(c, cand, "new");
+        coord_reload(c);
+    }
+    nl_plan_destroy(&cand);
 }
 
 static void on_load_done(nl_coord *c, const nl_rx *rx)
@@ -488,6 +563,7 @@ static void on_load_done(nl_coord *c, const nl_rx *rx)
             return;
     }
     c->ready = 1;
+    c->stages_modified = 0;         /* they hold the source's weights */
     c->resumable = c->src_manifest; /* the stages hold the manifest's weights and moments */
     coord_set_state(c, "ready: %d stages, bottleneck %.2f ms per request (plan %llu)",
                     c->plan->n_stages, c->plan->bottleneck * 1e3, (unsigned long long)c->epoch);
@@ -513,6 +589,7 @@ static void tick(nl_coord *c)
         }
     }
     coord_check_jobs(c, now);
+    replan_at_rest(c);
     if (!c->plan && now - c->last_plan_try > 0.5)
         try_plan(c);
 }

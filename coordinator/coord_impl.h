@@ -140,6 +140,8 @@ struct nl_coord {
     char *init_seed; /* the seed the weights were first drawn from (text), or NULL */
     nl_plan *plan;
     int planned_once;
+    int replan_wanted;   /* a node joined (or a standby left) since the plan was made */
+    int stages_modified; /* a training job changed the stages' weights since the source */
     uint64_t epoch;
     int ready;
     char state[512];

@@ -248,6 +248,7 @@ static void start_step(nl_coord *c, cjob *j)
     }
     t->t_step = coord_now();
     t->phase = TR_STEP;
+    c->stages_modified = 1; /* until a checkpoint of these weights is the source */
     t->norms = t->have_loss = 0;
     t->sumsq = t->ce = t->aux = 0.0;
     memset(t->got, 0, (size_t)t->stages);
@@ -466,6 +467,7 @@ static void ckpt_done(nl_coord *c, cwork *w)
         return;
     }
     coord_manifest_install(c, &k->out, 0);
+    c->stages_modified = 0; /* the source holds the stages' weights */
     snprintf(t->manifest, sizeof t->manifest, "%s", k->path);
     t->manifest_step = t->step;
     NL_INFO("train job %llu: checkpoint of step %lld: %s", (unsigned long long)j->id,

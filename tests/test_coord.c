@@ -14,6 +14,9 @@
  *  - a node's death: a node whose heartbeats stop is declared dead after
  *    the timeout, the forward job in flight fails naming it, and the
  *    coordinator re-plans the whole model onto the node left;
+ *  - a join at rest: the dead node comes back and the coordinator plans
+ *    two stages again within seconds; a slow node's join gains less than
+ *    --replan-margin and leaves the plan as it is;
  *  - slow work off the loop: a training job whose data is a FIFO nobody
  *    writes yet blocks only its worker: heartbeats and queries are served,
  *    no node dies and the job does not time out meanwhile. */
@@ -48,7 +51,7 @@ typedef struct fake {
     uint64_t seq;
 } fake;
 
-static fake nodes[2], client;
+static fake nodes[3], client;
 
 static double now_s(void)
 {
@@ -79,7 +82,7 @@ static void fake_send(fake *f, nl_wire_msg *m)
 static void heartbeats(void)
 {
     const double t = now_s();
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 3; i++) {
         fake *f = &nodes[i];
         if (!f->beating || (t - f->last_beat) * 1e3 < HB_MS)
             continue;
@@ -166,7 +169,7 @@ static void start_coord(void)
 
 /* ---------------------------------------------------------------- join -> plan */
 
-static void join(fake *f)
+static void join(fake *f, double gflops)
 {
     nl_wire_msg m;
     nl_rx rx;
@@ -174,7 +177,7 @@ static void join(fake *f)
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOIN);
     /* slow nodes: compute outweighs the hop, so the planner uses both */
-    m.u.join = (nl_msg_join){f->key, "cpu", 1ull << 30, 0.5, 1, f->endpoint};
+    m.u.join = (nl_msg_join){f->key, "cpu", 1ull << 30, gflops, 1, f->endpoint};
     fake_send(f, &m);
     if (pump_until(f, NL_MSG_ACCEPT, &rx)) {
         f->id = rx.msg.u.accept.node_id;
@@ -242,13 +245,13 @@ static int test_join_plan(assigned *a)
 {
     fake_open(&nodes[0], "fakeNodeA", "tcp://127.0.0.1:1");
     fake_open(&nodes[1], "fakeNodeB", "tcp://127.0.0.1:2");
-    join(&nodes[0]);
+    join(&nodes[0], 0.5);
     /* one node of the two it waits for: no plan yet */
     for (int i = 0; i < 50; i++)
         nl_coord_step(coord, 2);
     CHECK(strstr(nl_coord_state(coord), "1 of 2 joined") != NULL, "state %s",
           nl_coord_state(coord));
-    join(&nodes[1]);
+    join(&nodes[1], 0.5);
     if (!take_plan(&nodes[0], &a[0]) || !take_plan(&nodes[1], &a[1]))
         return 0;
     CHECK(a[0].epoch == a[1].epoch && a[0].nstages == 2 && a[1].nstages == 2 &&
@@ -489,6 +492,61 @@ static void test_death(const assigned *a)
     CHECK(pump_until(&client, NL_MSG_RESULT, &rx) && rx.msg.u.hop.job_id == job,
           "no result on the new plan");
     nl_rx_free(&rx);
+    CHECK(client_status(&j2, &state, msg, sizeof msg) && j2 == job && state == NL_JOB_DONE,
+          "after the result: %s", msg);
+}
+
+/* ---------------------------------------------------------------- joins at rest */
+
+/* The node left runs the whole model; the dead one comes back (a new
+ * JOIN) and, the cluster being at rest, the coordinator plans two stages
+ * again and both load them. A third, very slow node joins: the planner
+ * gains nothing from it beyond the margin, so the plan stays. */
+static void test_join_at_rest(assigned *a)
+{
+    fake *first = stage_of(a, 0);
+    fake *back = first == &nodes[0] ? &nodes[1] : &nodes[0];
+    const double t0 = now_s();
+    join(back, 0.5);
+    assigned b[2];
+    if (!take_plan(&nodes[0], &b[0]) || !take_plan(&nodes[1], &b[1]))
+        return;
+    CHECK(b[0].nstages == 2 && b[1].nstages == 2 && b[0].epoch == b[1].epoch &&
+              b[0].stage != b[1].stage,
+          "after the join: %u and %u stages", b[0].nstages, b[1].nstages);
+    CHECK(pump_state("ready: 2 stages"), "not ready after the join");
+    CHECK(now_s() - t0 < 5.0, "the join took %.1f s to be used", now_s() - t0);
+    const int32_t ids[2] = {9, 10};
+    uint64_t job = start_forward(stage_of(b, 0), ids, 2);
+    float logits[8] = {0};
+    send_result(stage_of(b, 1), job, logits, 8);
+    nl_rx rx;
+    nl_rx_init(&rx);
+    CHECK(pump_until(&client, NL_MSG_RESULT, &rx) && rx.msg.u.hop.job_id == job,
+          "no result on the plan after the join");
+    uint64_t j2 = 0;
+    uint32_t state = 0;
+    char msg[256];
+    CHECK(client_status(&j2, &state, msg, sizeof msg) && j2 == job && state == NL_JOB_DONE,
+          "after the result: %s", msg);
+    fake_open(&nodes[2], "fakeNodeC", "tcp://127.0.0.1:3");
+    join(&nodes[2], 1e-4);
+    const double t1 = now_s();
+    int assigned_again = 0;
+    while (now_s() - t1 < 1.0) {
+        nl_coord_step(coord, 5);
+        heartbeats();
+        for (int i = 0; i < 3; i++) {
+            nl_error err = {0};
+            nl_rx_free(&rx);
+            nl_rx_init(&rx);
+            if (nl_sock_recv(nodes[i].sock, &rx, 0, &err) == NL_OK && rx.msg.type == NL_MSG_ASSIGN)
+                assigned_again = 1;
+        }
+    }
+    nl_rx_free(&rx);
+    CHECK(!assigned_again && strncmp(nl_coord_state(coord), "ready: 2 stages", 15) == 0,
+          "a slow node's join changed the plan: %s", nl_coord_state(coord));
 }
 
 int main(void)
@@ -502,10 +560,12 @@ int main(void)
         test_forward(a);
         test_slow_work(a);
         test_death(a);
+        test_join_at_rest(a);
     }
     nl_sock_destroy(&client.sock);
     nl_sock_destroy(&nodes[0].sock);
     nl_sock_destroy(&nodes[1].sock);
+    nl_sock_destroy(&nodes[2].sock);
     nl_coord_destroy(&coord);
     nl_net_destroy(&net);
     char cmd[300];
