@@ -11,6 +11,10 @@
  *    to stage 0 as an ACTIVATION, a RESULT from a stage that is not the last
  *    is ignored, the last stage's RESULT reaches the client bit for bit,
  *    then JOB_STATUS done; bad submissions fail with a message;
+ *  - a generation: the session every stage opens carries the client's
+ *    parameters as the shared schema reads them (an integer temperature 0
+ *    is 0); the last stage's tokens reach the client, the last one done,
+ *    and the session closes; a wrong type fails naming the key;
  *  - a node's death: a node whose heartbeats stop is declared dead after
  *    the timeout, the forward job in flight fails naming it, and the
  *    coordinator re-plans the whole model onto the node left;
@@ -130,6 +134,15 @@ static int pump_state(const char *prefix)
     }
     fprintf(stderr, "state '%s' is not '%s...'\n", nl_coord_state(coord), prefix);
     return 0;
+}
+
+/* A pump that must succeed: counted as a check. */
+#define CHECK_PUMP(call) check_pump((call), #call)
+
+static int check_pump(int ok, const char *what)
+{
+    CHECK(ok, "%s", what);
+    return ok;
 }
 
 /* ---------------------------------------------------------------- setup */
@@ -368,6 +381,109 @@ static void test_forward(const assigned *a)
           "bad token: state %u: %s", state, msg);
 }
 
+/* ---------------------------------------------------------------- generate */
+
+static void node_status(fake *f, uint64_t job, uint32_t state, const char *msg)
+{
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOB_STATUS);
+    m.u.job_status = (nl_msg_job_status){job, state, 0.0, msg};
+    fake_send(f, &m);
+}
+
+static void send_token(fake *f, uint64_t job, uint32_t tok)
+{
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_TOKEN);
+    m.u.token = (nl_msg_token){job, job, 1, &tok, false};
+    fake_send(f, &m);
+}
+
+/* A generation: its parameters as the client sent them, read by the shared
+ * schema (an integer temperature 0 is 0 in the session every stage opens),
+ * a session on each stage, the prompt to stage 0 once both took it, the
+ * last stage's tokens relayed to the client, the last one marked done and
+ * the session closed on every stage. A wrong type fails at once, naming
+ * the key. */
+static void test_generate(const assigned *a)
+{
+    fake *first = stage_of(a, 0), *last = stage_of(a, 1);
+    const int32_t prompt[3] = {4, 5, 6};
+    const int64_t shape[2] = {1, 3};
+    nl_wire_param ps[3] = {{.key = "max_new", .kind = NL_WIRE_PARAM_INT, .i = 2},
+                           {.key = "temperature", .kind = NL_WIRE_PARAM_INT, .i = 0},
+                           {.key = "seed", .kind = NL_WIRE_PARAM_INT, .i = 11}};
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
+    m.u.job_submit = (nl_msg_job_submit){NL_JOB_GENERATE, 3, ps};
+    nl_wire_frame_set(&m.frames[0], prompt, NL_DTYPE_I32, shape, 2);
+    m.nframes = 1;
+    fake_send(&client, &m);
+    uint64_t job = 0, j2 = 0;
+    uint32_t state = 0;
+    char msg[512];
+    CHECK(client_status(&job, &state, msg, sizeof msg) && state == NL_JOB_RUNNING, "generate: %s",
+          msg);
+    nl_rx rx;
+    nl_rx_init(&rx);
+    for (int i = 0; i < 2; i++)
+        if (CHECK_PUMP(pump_until(&nodes[i], NL_MSG_JOB_SUBMIT, &rx))) {
+            nl_msg_job_submit *js = &rx.msg.u.job_submit;
+            double t = -1, top = -1;
+            int64_t session = -1, cap = -1, lim = -1;
+            for (uint32_t k = 0; k < js->nparams; k++) {
+                const nl_wire_param *q = &js->params[k];
+                if (!strcmp(q->key, "temperature"))
+                    t = q->f;
+                else if (!strcmp(q->key, "top_p"))
+                    top = q->f;
+                else if (!strcmp(q->key, "session"))
+                    session = q->i;
+                else if (!strcmp(q->key, "capacity"))
+                    cap = q->i;
+                else if (!strcmp(q->key, "limit"))
+                    lim = q->i;
+            }
+            CHECK(js->kind == NL_JOB_GENERATE && t == 0.0 && top == 0.95 &&
+                      session == (int64_t)job && cap == 5 && lim == 2,
+                  "session on node %d: temperature %g top_p %g session %lld capacity %lld limit "
+                  "%lld",
+                  i, t, top, (long long)session, (long long)cap, (long long)lim);
+        }
+    node_status(first, job, NL_JOB_RUNNING, "session open");
+    node_status(last, job, NL_JOB_RUNNING, "session open");
+    if (pump_until(first, NL_MSG_ACTIVATION, &rx))
+        CHECK(rx.msg.u.hop.session_id == job && rx.msg.frames[0].t.shape[1] == 3 &&
+                  memcmp(rx.msg.frames[0].t.data, prompt, sizeof prompt) == 0,
+              "the prompt to stage 0");
+    send_token(first, job, 99); /* not the last stage: ignored */
+    send_token(last, job, 17);
+    send_token(last, job, 23);
+    const uint32_t want[2] = {17, 23};
+    for (int k = 0; k < 2; k++)
+        if (CHECK_PUMP(pump_until(&client, NL_MSG_TOKEN, &rx)))
+            CHECK(rx.msg.u.token.job_id == job && rx.msg.u.token.ntokens == 1 &&
+                      rx.msg.u.token.tokens[0] == want[k] && rx.msg.u.token.done == (k == 1),
+                  "token %d: %u done %d", k, rx.msg.u.token.tokens[0], rx.msg.u.token.done);
+    for (int i = 0; i < 2; i++)
+        CHECK(pump_until(&nodes[i], NL_MSG_JOB_CANCEL, &rx) && rx.msg.u.job_ref.job_id == job,
+              "the session stays open on node %d", i);
+    nl_rx_free(&rx);
+    /* a wrong type: a typed error naming the key, not a default */
+    ps[1] = (nl_wire_param){.key = "temperature", .kind = NL_WIRE_PARAM_STR, .s = "0"};
+    nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
+    m.u.job_submit = (nl_msg_job_submit){NL_JOB_GENERATE, 3, ps};
+    nl_wire_frame_set(&m.frames[0], prompt, NL_DTYPE_I32, shape, 2);
+    m.nframes = 1;
+    fake_send(&client, &m);
+    CHECK(client_status(&j2, &state, msg, sizeof msg) && state == NL_JOB_FAILED &&
+              strstr(msg, "temperature"),
+          "temperature as text: state %u: %s", state, msg);
+}
+
 /* ---------------------------------------------------------------- slow work */
 
 /* A query to the coordinator is answered (the loop is not blocked). */
@@ -558,6 +674,7 @@ int main(void)
     assigned a[2];
     if (test_join_plan(a)) {
         test_forward(a);
+        test_generate(a);
         test_slow_work(a);
         test_death(a);
         test_join_at_rest(a);
