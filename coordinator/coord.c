@@ -1,6 +1,7 @@
 /* The coordinator: membership (join, heartbeats, death), sizing and
  * placement through core/sizing and core/planner, streaming each stage's
- * tensors, and the event loop. Jobs are in coord_jobs.c. */
+ * tensors, and the event loop, whose dispatch hands the jobs' messages to
+ * coord_jobs.c. */
 #include "coord_impl.h"
 
 #include <errno.h>
@@ -18,13 +19,6 @@
 
 #define CHUNK_FLOATS (1u << 20) /* 4 MiB per LAYER_LOAD frame */
 
-double coord_now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 void nl_coord_opts_init(nl_coord_opts *o)
 {
     memset(o, 0, sizeof *o);
@@ -34,150 +28,10 @@ void nl_coord_opts_init(nl_coord_opts *o)
     o->job_timeout_ms = 120000;
     o->gen_resumes = 2;
     o->plan_rows = 512;
-}
-
-void coord_set_state(nl_coord *c, const char *fmt, ...)
-{
-    char buf[sizeof c->state];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(buf, sizeof buf, fmt, ap);
-    va_end(ap);
-    if (strcmp(buf, c->state) != 0) {
-        memcpy(c->state, buf, sizeof buf);
-        NL_INFO("state: %s", c->state);
-    }
-}
-
-cnode *coord_stage_node(nl_coord *c, int stage)
-{
-    if (!c->plan || stage < 0 || stage >= c->plan->n_stages)
-        return NULL;
-    int id = c->plan->stages[stage].node_id;
-    for (int i = 0; i < COORD_MAX_NODES; i++)
-        if (c->nodes[i].life == NODE_LIVE && (int)c->nodes[i].id == id)
-            return &c->nodes[i];
-    return NULL;
-}
-
-nl_status coord_send_node(nl_coord *c, cnode *n, nl_wire_msg *m)
-{
-    nl_error err = {0};
-    const int type = m->type;
-    nl_status st = nl_sock_send(c->ctl, n->rid, n->rid_len, m, &err);
-    if (st != NL_OK && !n->unreachable) {
-        /* a peer that is gone need not wait for its heartbeat timeout; the
-         * next tick declares it dead, outside whatever loop sent this */
-        n->unreachable = 1;
-        snprintf(n->why, sizeof n->why, "cannot be reached (%s: %s)", nl_wire_type_name(type),
-                 err.msg);
-    }
-    return st;
+    o->replan_margin = 0.1;
 }
 
 /* ---------------------------------------------------------------- setup */
-
-static void free_source(csource *src)
-{
-    for (int i = 0; i < src->n; i++)
-        nl_st_close(&src->files[i]);
-    free(src->files);
-    free(src);
-}
-
-/* Unmap the retired sources no send holds any more (all of them once the
- * sockets are gone: force). */
-static void reap_sources(nl_coord *c, int force)
-{
-    for (csource **p = &c->retired; *p;) {
-        csource *r = *p;
-        if (force || nl_txref_idle(&r->ref)) {
-            *p = r->next;
-            free_source(r);
-        } else {
-            p = &r->next;
-        }
-    }
-}
-
-static void close_source(nl_coord *c)
-{
-    if (c->src) {
-        c->src->next = c->retired;
-        c->retired = c->src;
-        c->src = NULL;
-    }
-    reap_sources(c, 0);
-    c->src_manifest = 0;
-    c->src_step = c->src_adam = 0;
-    c->resumable = 0;
-    c->src_path[0] = '\0';
-}
-
-static csource *new_source(int n)
-{
-    csource *src = calloc(1, sizeof *src);
-    if (src && !(src->files = calloc((size_t)n, sizeof *src->files))) {
-        free(src);
-        return NULL;
-    }
-    if (src)
-        src->n = n;
-    return src;
-}
-
-static void drop_plan(nl_coord *c);
-
-nl_status coord_use_manifest(nl_coord *c, const char *path, int reload, nl_error *err)
-{
-    nl_manifest *m = NULL;
-    csource *src = NULL;
-    char *tok = NULL, *seed = NULL;
-    nl_status st = nl_manifest_load(&m, path, err);
-    if (st == NL_OK)
-        st = nl_manifest_verify(m, err);
-    if (st == NL_OK && !(src = new_source(m->n_shards)))
-        st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
-    for (int i = 0; st == NL_OK && i < m->n_shards; i++)
-        st = nl_st_open(&src->files[i], m->shards[i].path, err);
-    if (st == NL_OK && ((m->tokenizer && !(tok = strdup(m->tokenizer))) ||
-                        (m->init_seed && !(seed = strdup(m->init_seed)))))
-        st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
-    if (st != NL_OK) {
-        if (src)
-            free_source(src);
-        free(tok);
-        nl_manifest_destroy(&m);
-        return nl_error_prefix(err, "manifest %s", path);
-    }
-    close_source(c);
-    c->src = src;
-    c->src_manifest = 1;
-    c->src_step = m->step;
-    c->src_adam = m->adam_steps;
-    snprintf(c->src_path, sizeof c->src_path, "%s", path);
-    free(c->tok_text);
-    free(c->init_seed);
-    c->tok_text = tok;
-    c->init_seed = seed;
-    c->cfg = m->cfg;
-    c->have_cfg = 1;
-    NL_INFO("source: %s, step %lld, %d shards (verified)", path, (long long)m->step, m->n_shards);
-    nl_manifest_destroy(&m);
-    if (reload) {
-        drop_plan(c);
-        coord_set_state(c, "reloading from %s", path);
-    }
-    return NL_OK;
-}
-
-void coord_reload(nl_coord *c)
-{
-    if (!c->plan)
-        return;
-    drop_plan(c);
-    coord_set_state(c, "reloading from %s", c->src_path[0] ? c->src_path : "the seed");
-}
 
 static nl_status load_model_source(nl_coord *c, nl_error *err)
 {
@@ -185,7 +39,7 @@ static nl_status load_model_source(nl_coord *c, nl_error *err)
     if (c->o.resume)
         return coord_use_manifest(c, c->o.resume, 0, err);
     if (c->o.model) {
-        if (!(c->src = new_source(1)))
+        if (!(c->src = coord_source_new(1)))
             return nl_error_set(err, NL_ERR_NOMEM, "out of memory");
         nl_status st = nl_checkpoint_read_config(c->o.model, &c->cfg, &c->src_step, err);
         if (st == NL_OK)
@@ -272,6 +126,8 @@ nl_status nl_coord_new(nl_coord **out, const nl_coord_opts *o, nl_error *err)
     nl_status st = load_model_source(c, err);
     if (st == NL_OK)
         st = setup_sockets(c, err);
+    if (st == NL_OK)
+        st = coord_work_init(c, err);
     if (st != NL_OK) {
         nl_coord_destroy(&c);
         return st;
@@ -287,13 +143,14 @@ void nl_coord_destroy(nl_coord **cp)
     if (!cp || !*cp)
         return;
     nl_coord *c = *cp;
+    coord_work_shutdown(c);
     for (int i = 0; i < COORD_MAX_JOBS; i++)
         coord_job_free(&c->jobs[i]);
     nl_plan_destroy(&c->plan);
     nl_sock_destroy(&c->ctl);
     nl_net_destroy(&c->net);
-    close_source(c);
-    reap_sources(c, 1); /* the sockets are gone: nothing points into them */
+    coord_close_source(c);
+    coord_reap_sources(c, 1); /* the sockets are gone: nothing points into them */
     free(c->tok_text);
     free(c->init_seed);
     nl_keys_wipe(&c->keys);
@@ -303,32 +160,9 @@ void nl_coord_destroy(nl_coord **cp)
 
 /* ---------------------------------------------------------------- membership */
 
-cnode *coord_node_by_rid(nl_coord *c, const nl_rx *rx)
-{
-    for (int i = 0; i < COORD_MAX_NODES; i++) {
-        cnode *n = &c->nodes[i];
-        if (n->life == NODE_LIVE && n->rid_len == rx->rid_len &&
-            memcmp(n->rid, rx->rid, rx->rid_len) == 0)
-            return n;
-    }
-    return NULL;
-}
-
-static void drop_plan(nl_coord *c)
-{
-    nl_plan_destroy(&c->plan);
-    c->ready = 0;
-    c->epoch++;
-    c->last_plan_try = 0;
-    for (int i = 0; i < COORD_MAX_NODES; i++) {
-        c->nodes[i].stage = -1;
-        c->nodes[i].loaded = 0;
-    }
-}
-
 /* A node is gone (dead or left): fail what it carried (a generation waits
  * to resume) and plan again. */
-void coord_node_lost(nl_coord *c, cnode *n, int life, const char *why)
+static void node_lost(nl_coord *c, cnode *n, int life, const char *why)
 {
     const int stage = n->stage;
     char msg[512];
@@ -344,8 +178,10 @@ void coord_node_lost(nl_coord *c, cnode *n, int life, const char *why)
     n->stage = -1;
     if (stage >= 0) {
         coord_jobs_stage_lost(c, msg);
-        drop_plan(c);
+        coord_drop_plan(c);
         coord_set_state(c, "re-planning: %s", msg);
+    } else {
+        c->replan_wanted = 1; /* a standby: the plan may still be the best */
     }
 }
 
@@ -360,7 +196,7 @@ static void on_join(nl_coord *c, const nl_rx *rx)
     }
     for (int i = 0; i < COORD_MAX_NODES; i++)
         if (c->nodes[i].life == NODE_LIVE && strcmp(c->nodes[i].key, j->pubkey) == 0)
-            coord_node_lost(c, &c->nodes[i], NODE_LEFT, "joined again (restarted)");
+            node_lost(c, &c->nodes[i], NODE_LEFT, "joined again (restarted)");
     cnode *n = NULL;
     for (int i = 0; i < COORD_MAX_NODES && !n; i++)
         if (c->nodes[i].life != NODE_LIVE)
@@ -393,6 +229,7 @@ static void on_join(nl_coord *c, const nl_rx *rx)
     NL_INFO("node %u joined: %s, %.1f GiB, %.1f GFLOP/s, %u threads, data %s, key %.8s...", n->id,
             n->device, (double)n->memory / (1 << 30), n->gflops, n->threads, n->endpoint, n->key);
     c->last_plan_try = 0;
+    c->replan_wanted = 1;
 }
 
 static void on_leave(nl_coord *c, const nl_rx *rx)
@@ -402,7 +239,7 @@ static void on_leave(nl_coord *c, const nl_rx *rx)
         return;
     char why[300];
     snprintf(why, sizeof why, "left (%s)", rx->msg.u.leave.reason);
-    coord_node_lost(c, n, NODE_LEFT, why);
+    node_lost(c, n, NODE_LEFT, why);
 }
 
 static void on_heartbeat(nl_coord *c, const nl_rx *rx)
@@ -440,7 +277,7 @@ static void on_node_error(nl_coord *c, const nl_rx *rx)
     if (e->req_type == NL_MSG_LAYER_LOAD || e->req_type == NL_MSG_LOAD_DONE ||
         e->req_type == NL_MSG_ASSIGN) {
         coord_set_state(c, "loading failed: %s", why);
-        drop_plan(c);
+        coord_drop_plan(c);
         c->last_plan_try = coord_now() + 5.0; /* do not spin on a broken load */
         return;
     }
@@ -569,19 +406,47 @@ static double hop_seconds(const nl_coord *c)
     return 1e-4 + (double)c->o.plan_rows * c->cfg.hidden_dim * 4 / 1e9;
 }
 
-static void try_plan(nl_coord *c)
+/* The live nodes as the planner sees them; returns how many, and their
+ * memory in all. */
+static int plan_nodes(const nl_coord *c, nl_plan_node *pn, uint64_t *total)
 {
-    nl_plan_node pn[COORD_MAX_NODES];
     int n = 0;
-    uint64_t total = 0;
-    nl_error e = {0};
+    *total = 0;
     for (int i = 0; i < COORD_MAX_NODES; i++)
         if (c->nodes[i].life == NODE_LIVE) {
             pn[n] = (nl_plan_node){(int)c->nodes[i].id, c->nodes[i].memory,
                                    c->nodes[i].gflops > 0 ? c->nodes[i].gflops : 1.0, 0.0};
-            total += c->nodes[i].memory;
+            *total += c->nodes[i].memory;
             n++;
         }
+    return n;
+}
+
+static nl_plan_opts plan_opts(const nl_coord *c)
+{
+    return (nl_plan_opts){.mem = {.training = 0, .micro_rows = c->o.plan_rows, .in_flight = 1}};
+}
+
+/* Log a plan, each stage and standby, as `what` (its epoch, or "old"). */
+static void log_plan(const nl_coord *c, const nl_plan *plan, const char *what)
+{
+    for (int s = 0; s < plan->n_stages; s++)
+        NL_INFO("plan %s: stage %d on node %d: layers [%d, %d)%s%s, %.1f MiB, %.2f ms", what, s,
+                plan->stages[s].node_id, plan->stages[s].l0, plan->stages[s].l1,
+                plan->stages[s].has_embed ? " +embed" : "",
+                plan->stages[s].has_head ? " +head" : "", (double)plan->stages[s].bytes / (1 << 20),
+                plan->stages[s].seconds * 1e3);
+    for (int i = 0; i < plan->n_standby; i++)
+        NL_INFO("plan %s: node %d is a standby", what, plan->standby[i]);
+    (void)c;
+}
+
+static void try_plan(nl_coord *c)
+{
+    nl_plan_node pn[COORD_MAX_NODES];
+    uint64_t total = 0;
+    nl_error e = {0};
+    const int n = plan_nodes(c, pn, &total);
     c->last_plan_try = coord_now();
     /* the minimums gate the first plan; later plans use whoever is left */
     if (!c->planned_once && (n < c->o.min_nodes || total < c->o.min_memory)) {
@@ -590,7 +455,7 @@ static void try_plan(nl_coord *c)
                         (double)c->o.min_memory / (1 << 30));
         return;
     }
-    nl_plan_opts po = {.mem = {.training = 0, .micro_rows = c->o.plan_rows, .in_flight = 1}};
+    nl_plan_opts po = plan_opts(c);
     if (!c->have_cfg) {
         nl_sizing_opts so;
         nl_sizing_opts_init(&so);
@@ -617,20 +482,16 @@ static void try_plan(nl_coord *c)
     }
     c->plan = plan;
     c->planned_once = 1;
+    c->replan_wanted = 0; /* this plan saw every node there is */
     c->epoch++;
-    char *cfg_json = nl_config_to_json(&c->cfg);
+    char *cfg_json = nl_config_to_json(&c->cfg), epoch[32];
     for (int s = 0; s < plan->n_stages; s++) {
         cnode *node = coord_stage_node(c, s);
         node->stage = s;
         node->loaded = 0;
-        NL_INFO("plan %llu: stage %d on node %u: layers [%d, %d)%s%s, %.1f MiB, %.2f ms",
-                (unsigned long long)c->epoch, s, node->id, plan->stages[s].l0, plan->stages[s].l1,
-                plan->stages[s].has_embed ? " +embed" : "",
-                plan->stages[s].has_head ? " +head" : "", (double)plan->stages[s].bytes / (1 << 20),
-                plan->stages[s].seconds * 1e3);
     }
-    for (int i = 0; i < plan->n_standby; i++)
-        NL_INFO("plan %llu: node %d is a standby", (unsigned long long)c->epoch, plan->standby[i]);
+    snprintf(epoch, sizeof epoch, "%llu", (unsigned long long)c->epoch);
+    log_plan(c, plan, epoch);
     for (int s = 0; s < plan->n_stages && cfg_json; s++)
         send_assign(c, s, cfg_json);
     for (int s = 0; s < plan->n_stages && cfg_json; s++)
@@ -640,13 +501,60 @@ static void try_plan(nl_coord *c)
                     (unsigned long long)c->epoch);
 }
 
+/* A node joined or a standby left (replan_wanted) and the cluster is at
+ * rest (ready, no job): plan again over the nodes there are now when the
+ * planner predicts a bottleneck better by --replan-margin (hysteresis);
+ * the stages then reload from the source (the checkpoint or the last
+ * manifest). Not while the stages hold trained weights that no checkpoint
+ * has: a reload would lose them. */
+static void replan_at_rest(nl_coord *c)
+{
+    if (!c->replan_wanted || !c->ready || !c->plan || !c->have_cfg)
+        return;
+    for (int i = 0; i < COORD_MAX_JOBS; i++)
+        if (c->jobs[i].phase != JOB_FREE)
+            return; /* at the end of the job */
+    c->replan_wanted = 0;
+    nl_plan_node pn[COORD_MAX_NODES];
+    uint64_t total = 0;
+    nl_error e = {0};
+    const int n = plan_nodes(c, pn, &total);
+    for (int i = 0; i < n; i++)
+        pn[i].hop_seconds = hop_seconds(c);
+    nl_plan_opts po = plan_opts(c);
+    nl_plan *cand = NULL;
+    if (nl_plan_layers(&cand, &c->cfg, pn, n, &po, &e) != NL_OK) {
+        NL_INFO("re-plan at rest: no plan over the %d nodes: %s", n, e.msg);
+        return;
+    }
+    const double was = c->plan->bottleneck, now = cand->bottleneck;
+    if (!(now < was * (1.0 - c->o.replan_margin))) {
+        NL_INFO("re-plan at rest: the plan stays (bottleneck %.2f ms; %d nodes would give %.2f ms, "
+                "not better by --replan-margin %.2f)",
+                was * 1e3, n, now * 1e3, c->o.replan_margin);
+    } else if (c->stages_modified) {
+        NL_WARN("re-plan at rest: %d nodes would give a bottleneck of %.2f ms instead of %.2f ms, "
+                "but the stages hold weights trained since the last checkpoint; the plan stays",
+                n, now * 1e3, was * 1e3);
+    } else {
+        NL_INFO("re-plan at rest: bottleneck %.2f ms -> %.2f ms over %d nodes (--replan-margin "
+                "%.2f); the stages reload from %s",
+                was * 1e3, now * 1e3, n, c->o.replan_margin,
+                c->src_path[0] ? c->src_path : "the seed");
+        log_plan(c, c->plan, "old");
+        log_plan(c, cand, "new");
+        coord_reload(c);
+    }
+    nl_plan_destroy(&cand);
+}
+
 static void on_load_done(nl_coord *c, const nl_rx *rx)
 {
     cnode *n = coord_node_by_rid(c, rx);
     if (!n || rx->msg.u.load_done.epoch != c->epoch || n->stage < 0)
         return; /* a stale plan's answer */
     n->loaded = 1;
-    coord_train_touch(c);
+    coord_jobs_touch(c);
     NL_INFO("node %u loaded stage %d: %u tensors, %.1f MiB", n->id, n->stage,
             rx->msg.u.load_done.tensors, (double)rx->msg.u.load_done.bytes / (1 << 20));
     for (int s = 0; s < c->plan->n_stages; s++) {
@@ -655,10 +563,11 @@ static void on_load_done(nl_coord *c, const nl_rx *rx)
             return;
     }
     c->ready = 1;
+    c->stages_modified = 0;         /* they hold the source's weights */
     c->resumable = c->src_manifest; /* the stages hold the manifest's weights and moments */
     coord_set_state(c, "ready: %d stages, bottleneck %.2f ms per request (plan %llu)",
                     c->plan->n_stages, c->plan->bottleneck * 1e3, (unsigned long long)c->epoch);
-    coord_resume_jobs(c);
+    coord_jobs_ready(c);
 }
 
 /* ---------------------------------------------------------------- loop */
@@ -666,20 +575,21 @@ static void on_load_done(nl_coord *c, const nl_rx *rx)
 static void tick(nl_coord *c)
 {
     const double now = coord_now();
-    reap_sources(c, 0);
+    coord_reap_sources(c, 0);
     for (int i = 0; i < COORD_MAX_NODES; i++) {
         cnode *n = &c->nodes[i];
         if (n->life == NODE_LIVE && n->unreachable) {
             char why[sizeof n->why];
             memcpy(why, n->why, sizeof why);
-            coord_node_lost(c, n, NODE_DEAD, why);
+            node_lost(c, n, NODE_DEAD, why);
         } else if (n->life == NODE_LIVE && (now - n->last_seen) * 1e3 > c->o.node_timeout_ms) {
             char why[128];
             snprintf(why, sizeof why, "sent no heartbeat for %.1f s: dead", now - n->last_seen);
-            coord_node_lost(c, n, NODE_DEAD, why);
+            node_lost(c, n, NODE_DEAD, why);
         }
     }
     coord_check_jobs(c, now);
+    replan_at_rest(c);
     if (!c->plan && now - c->last_plan_try > 0.5)
         try_plan(c);
 }
@@ -707,25 +617,15 @@ static void dispatch(nl_coord *c, const nl_rx *rx)
         on_node_error(c, rx);
         break;
     case NL_MSG_RESULT:
-        coord_on_result(c, rx);
-        break;
     case NL_MSG_TOKEN:
-        coord_on_token(c, rx);
-        break;
     case NL_MSG_JOB_STATUS:
-        coord_on_node_status(c, rx);
+    case NL_MSG_GRAD_NORM:
+    case NL_MSG_LOSS:
+    case NL_MSG_CKPT_DONE:
+        coord_on_job_message(c, rx);
         break;
     case NL_MSG_JOB_SUBMIT:
         coord_on_submit(c, rx);
-        break;
-    case NL_MSG_GRAD_NORM:
-        coord_train_on_grad_norm(c, rx);
-        break;
-    case NL_MSG_LOSS:
-        coord_train_on_loss(c, rx);
-        break;
-    case NL_MSG_CKPT_DONE:
-        coord_train_on_ckpt_done(c, rx);
         break;
     case NL_MSG_JOB_QUERY:
         coord_on_query(c, rx);
@@ -739,10 +639,38 @@ static void dispatch(nl_coord *c, const nl_rx *rx)
     }
 }
 
+const char *nl_coord_endpoint(const nl_coord *c)
+{
+    return c->endpoint;
+}
+const char *nl_coord_state(const nl_coord *c)
+{
+    return c->state;
+}
+
+void nl_coord_step(nl_coord *c, int timeout_ms)
+{
+    zmq_pollitem_t items[2] = {{nl_sock_handle(c->ctl), 0, ZMQ_POLLIN, 0},
+                               {c->work_pipe, 0, ZMQ_POLLIN, 0}};
+    if (zmq_poll(items, 2, timeout_ms) < 0 && zmq_errno() != EINTR)
+        NL_DEBUG("poll: %s", zmq_strerror(zmq_errno()));
+    coord_work_reap(c);
+    if (items[0].revents & ZMQ_POLLIN) {
+        nl_rx rx;
+        nl_rx_init(&rx);
+        nl_error e = {0};
+        nl_status st = nl_sock_recv(c->ctl, &rx, 0, &e);
+        if (st == NL_OK)
+            dispatch(c, &rx);
+        else if (st != NL_ERR_TIMEOUT && st != NL_ERR_AUTH)
+            NL_DEBUG("receive: %s", e.msg);
+        nl_rx_free(&rx);
+    }
+    tick(c);
+}
+
 nl_status nl_coord_run(nl_coord *c, volatile sig_atomic_t *stop, nl_error *err)
 {
-    nl_rx rx;
-    nl_rx_init(&rx);
     while (!*stop) {
         if (nl_auth_hup_take()) {
             nl_error e = {0};
@@ -751,25 +679,8 @@ nl_status nl_coord_run(nl_coord *c, volatile sig_atomic_t *stop, nl_error *err)
             else
                 NL_ERROR("SIGHUP: %s", e.msg);
         }
-        nl_error e = {0};
-        nl_status st = nl_sock_recv(c->ctl, &rx, 100, &e);
-        const double t0 = coord_now();
-        if (st == NL_OK)
-            dispatch(c, &rx);
-        /* a long dispatch (hashing the shards of a checkpoint, tokenizing
-         * the data) kept this loop from hearing anyone: heartbeats that
-         * waited meanwhile must not make their nodes look dead */
-        const double stall = coord_now() - t0;
-        for (int i = 0; stall > 0.2 && i < COORD_MAX_NODES; i++)
-            if (c->nodes[i].life == NODE_LIVE)
-                c->nodes[i].last_seen += stall;
-            else if (st != NL_ERR_TIMEOUT && st != NL_ERR_AUTH)
-                NL_DEBUG("receive: %s", e.msg);
-        nl_rx_free(&rx);
-        nl_rx_init(&rx);
-        tick(c);
+        nl_coord_step(c, 100);
     }
-    nl_rx_free(&rx);
     (void)err;
     NL_INFO("stopping");
     return NL_OK;

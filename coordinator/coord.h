@@ -29,6 +29,8 @@ typedef struct nl_coord_opts {
     int job_timeout_ms;    /* a job with no progress this long fails */
     int gen_resumes;       /* times a generation resumes after losing a stage (0: it fails) */
     int plan_rows;         /* rows of one request the plan must fit */
+    double replan_margin;  /* at rest, a join re-plans if the bottleneck gets better by this
+                            * fraction (0.1: 10%; 1: never) */
     int plaintext;         /* INSECURE: no CURVE */
 } nl_coord_opts;
 
@@ -40,5 +42,15 @@ void nl_coord_destroy(nl_coord **c);
 /* Run until *stop becomes non-zero (set by a signal handler). SIGHUP
  * reloads authorized_keys (nl_auth_hup_install must have been called). */
 nl_status nl_coord_run(nl_coord *c, volatile sig_atomic_t *stop, nl_error *err);
+
+/* One turn of the event loop: wait up to timeout_ms for one message,
+ * handle it, then the timers (deaths, job timeouts, planning). Tests drive
+ * the coordinator with it. */
+void nl_coord_step(nl_coord *c, int timeout_ms);
+
+/* The control endpoint it is bound to (the port chosen), and the
+ * one-line state of the cluster ("ready: 2 stages, ..."). Owned by c. */
+const char *nl_coord_endpoint(const nl_coord *c);
+const char *nl_coord_state(const nl_coord *c);
 
 #endif

@@ -1,7 +1,12 @@
-/* Internals of the coordinator shared by coord.c (membership, planning,
- * loading, the loop) and coord_jobs.c (jobs and status). */
+/* Internals of the coordinator, shared by its files: coord.c (membership,
+ * planning, loading, the loop), coord_jobs.c (the jobs' dispatch and
+ * status), one file per job kind (coord_forward.c, coord_generate.c,
+ * coord_train.c) and coord_base.c (the helpers they all use). */
 #ifndef NL_COORD_IMPL_H
 #define NL_COORD_IMPL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
 
 #include "coord.h"
 #include "core/data.h"
@@ -34,11 +39,6 @@ typedef struct cnode {
     char why[600];
 } cnode;
 
-/* JOB_WAITING: a generation that lost a stage, waiting for the new plan */
-typedef enum { JOB_FREE = 0, JOB_OPENING, JOB_RUNNING, JOB_WAITING } job_phase;
-
-struct ctrain; /* a training job's state (coord_train.c) */
-
 /* The mapped files of the weights' source. LAYER_LOAD chunks point into
  * them without a copy, so a replaced source is retired, and unmapped only
  * when libzmq has let go of every chunk (ref idle). */
@@ -49,25 +49,75 @@ typedef struct csource {
     struct csource *next; /* in the retired list */
 } csource;
 
-typedef struct cjob {
+/* ---------------------------------------------------------------- jobs
+ *
+ * A job is one cjob of some kind; what a kind does lives behind its
+ * operations table (coord_forward.c, coord_generate.c, coord_train.c), and
+ * its own state behind cjob.state. Calls go one way: the loop's dispatch
+ * (coord.c) -> the jobs' dispatch (coord_jobs.c) -> a kind's operations ->
+ * the helpers of coord_base.c, which call no job code but through the
+ * table. */
+
+/* JOB_WAITING: the job waits for a ready plan (a generation that lost a
+ * stage, a training job whose cluster loads); its `ready` runs then. */
+typedef enum { JOB_FREE = 0, JOB_RUNNING, JOB_WAITING } job_phase;
+
+typedef struct cjob cjob;
+
+typedef struct cjob_ops {
+    int kind; /* nl_job_kind */
+    const char *name;
+    /* A client's JOB_SUBMIT of this kind: check it, make the job
+     * (coord_job_new) and start it, or answer the client's failure. */
+    void (*submit)(nl_coord *c, const nl_rx *rx);
+    /* A node's message about the job: its JOB_STATUS (not a failure),
+     * TOKEN, RESULT, GRAD_NORM, LOSS or CKPT_DONE. */
+    void (*on_message)(nl_coord *c, cjob *j, const nl_rx *rx);
+    /* A stage of the plan is lost: 1 if the job waits for the next plan,
+     * 0 (or NULL) if it fails. */
+    int (*stage_lost)(nl_coord *c, cjob *j, const char *why);
+    /* The plan is ready: a waiting job goes on. */
+    void (*ready)(nl_coord *c, cjob *j);
+    /* The job ends before it is done (failed, cancelled): tell the stages
+     * and undo what it changed. NULL: nothing to undo. */
+    void (*abort)(nl_coord *c, cjob *j);
+    /* The tail of its failure message, or NULL. */
+    void (*fail_note)(const cjob *j, char *buf, size_t cap);
+    /* Free the kind's state (NULL-safe on a job that has none). */
+    void (*free)(cjob *j);
+} cjob_ops;
+
+struct cjob {
     int phase;
     uint64_t id;
-    int kind; /* nl_job_kind */
-    uint8_t rid[NL_ROUTING_ID_MAX];
+    const cjob_ops *ops;
+    uint8_t rid[NL_ROUTING_ID_MAX]; /* the client's */
     size_t rid_len;
-    uint64_t epoch;
+    uint64_t epoch; /* the plan it runs on */
     double last_progress;
-    /* generate: ids holds the prompt, then the tokens produced (capacity) */
-    int32_t *ids;
-    int prompt_len, max_new, produced, limit, acks, capacity;
-    /* a resumed generation: the coordinator feeds each token (the first
-     * `produced` from ids, replaying), `seen` of this session's so far */
-    int resumes, coord_feeds, seen;
-    double temperature, top_p;
-    int64_t seed;
-    /* train */
-    struct ctrain *train;
-} cjob;
+    int working; /* tasks of its own in a worker (coord_work.c): it cannot time out */
+    void *state; /* the kind's, owned by the job */
+};
+
+extern const cjob_ops coord_forward_ops, coord_generate_ops, coord_train_ops;
+
+/* A task for a worker (coord_work.c); a task's struct begins with it. */
+typedef struct cwork cwork;
+struct cwork {
+    /* in the worker thread: touches only the task */
+    void (*run)(cwork *w);
+    /* on the loop, once run has returned; the job may be gone */
+    void (*done)(nl_coord *c, cwork *w);
+    /* frees the task (after done, or unfinished at shutdown) */
+    void (*free)(cwork *w);
+    uint64_t job_id; /* the job it works for, or 0 */
+    /* the worker's */
+    void *zmq;
+    const char *endpoint;
+    pthread_t thread;
+    atomic_int finished;
+    cwork *next;
+};
 
 struct nl_coord {
     nl_coord_opts o;
@@ -90,73 +140,117 @@ struct nl_coord {
     char *init_seed; /* the seed the weights were first drawn from (text), or NULL */
     nl_plan *plan;
     int planned_once;
+    int replan_wanted;   /* a node joined (or a standby left) since the plan was made */
+    int stages_modified; /* a training job changed the stages' weights since the source */
     uint64_t epoch;
     int ready;
     char state[512];
     double last_plan_try;
     cjob jobs[COORD_MAX_JOBS];
     uint64_t next_job;
+    /* the workers: a PULL socket on work_endpoint, and their tasks */
+    void *work_pipe;
+    char work_endpoint[64];
+    cwork *works;
 };
 
+/* ---------------------------------------------------------------- coord_base.c
+ * Helpers of every layer; they call no job code but through cjob_ops. */
+
 double coord_now(void);
+void coord_set_state(nl_coord *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 cnode *coord_stage_node(nl_coord *c, int stage);
 /* The live node a message came from (by its routing id), or NULL. */
 cnode *coord_node_by_rid(nl_coord *c, const nl_rx *rx);
-/* Drop the plan: the next tick plans and loads again from the source. */
-void coord_reload(nl_coord *c);
-void coord_set_state(nl_coord *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* Send to a node; a node that cannot be reached is declared dead at the
  * next tick (its jobs fail, the cluster re-plans). */
 nl_status coord_send_node(nl_coord *c, cnode *n, nl_wire_msg *m);
-/* A node is gone: fail the jobs it carried and plan again. */
-void coord_node_lost(nl_coord *c, cnode *n, int life, const char *why);
-
-/* Replace the source by a verified manifest (the shards' hashes are
- * checked; a bad shard is refused by name) and, when reload is set, plan
- * and load again from it. */
-nl_status coord_use_manifest(nl_coord *c, const char *path, int reload, nl_error *err);
-
-/* coord_jobs.c */
-cjob *coord_job_new(nl_coord *c, const nl_rx *rx, int kind);
-void coord_job_free(cjob *j);
-cjob *coord_job_find(nl_coord *c, uint64_t id);
-/* A job parameter by key, or NULL. */
-const nl_wire_param *coord_param(const nl_msg_job_submit *s, const char *key);
 /* JOB_STATUS to a client, with an optional JSON report (a U8 frame). */
 void coord_status_to(nl_coord *c, const uint8_t *rid, size_t rid_len, uint64_t job, int state,
                      double progress, const char *msg, const char *json);
+
+/* The source of the weights: a new one of n files (NULL: out of memory);
+ * closing retires the current one. */
+csource *coord_source_new(int n);
+void coord_close_source(nl_coord *c);
+/* Unmap the retired sources no send holds any more (all: force). */
+void coord_reap_sources(nl_coord *c, int force);
+/* Forget the plan: the next tick plans and loads again from the source. */
+void coord_drop_plan(nl_coord *c);
+/* Drop the plan (if any): the stages reload from the source. */
+void coord_reload(nl_coord *c);
+/* A verified manifest, opened as a source (coord_manifest_open touches
+ * no coordinator state: a worker runs it). */
+typedef struct cmanifest {
+    csource *src;
+    char *tok, *seed; /* its tokenizer and initialisation seed, or NULL */
+    nl_config cfg;
+    int64_t step, adam;
+    char path[4096];
+} cmanifest;
+/* Load a manifest, check every shard's hash (a bad shard is refused by
+ * name) and map the shards. */
+nl_status coord_manifest_open(cmanifest *out, const char *path, nl_error *err);
+void coord_manifest_release(cmanifest *m);
+/* Make it the source (takes what m holds) and, when reload is set, plan
+ * and load again from it. */
+void coord_manifest_install(nl_coord *c, cmanifest *m, int reload);
+/* Both, on the loop (at start, before it serves anyone). */
+nl_status coord_use_manifest(nl_coord *c, const char *path, int reload, nl_error *err);
+
+/* The job table. coord_job_new: a free slot for a client's request, or
+ * NULL (the client is answered). */
+cjob *coord_job_new(nl_coord *c, const nl_rx *rx, const cjob_ops *ops);
+cjob *coord_job_find(nl_coord *c, uint64_t id);
+/* Free the job's state and its slot (a job that is done). */
+void coord_job_free(cjob *j);
+/* The job fails: its client is told why, its stages forget it. */
+void coord_job_fail(nl_coord *c, cjob *j, const char *why);
+/* A job parameter by key, or NULL. */
+const nl_wire_param *coord_param(const nl_msg_job_submit *s, const char *key);
+/* Token ids of a submission's frame 0: I32 [B, T] within the vocabulary;
+ * NULL or what is wrong. */
+const char *coord_check_tokens(const nl_coord *c, const nl_rx *rx, int *B, int *T);
+/* Send ids (host, [B, T]) to the first stage as an ACTIVATION. */
+nl_status coord_send_tokens(nl_coord *c, cjob *j, uint64_t session, uint64_t pos,
+                            const int32_t *ids, int B, int T);
+/* The job fails because the first stage cannot be reached. */
+void coord_fail_unreachable_first(nl_coord *c, cjob *j);
+/* Whether rx came from the current plan's last stage (TOKEN and RESULT
+ * are taken from it alone). */
+bool coord_from_last_stage(nl_coord *c, const nl_rx *rx);
+/* Tell every stage of the job's plan to drop the job (JOB_CANCEL). */
+void coord_close_session(nl_coord *c, cjob *j);
+
+/* ---------------------------------------------------------------- coord_work.c */
+
+nl_status coord_work_init(nl_coord *c, nl_error *err);
+/* Run task w in a worker thread (takes w: on failure it is freed). */
+nl_status coord_work_start(nl_coord *c, cwork *w, nl_error *err);
+/* On the loop: the finished tasks' done, then free. */
+void coord_work_reap(nl_coord *c);
+/* Wait for every task, freeing them unreported; close the pipe. */
+void coord_work_shutdown(nl_coord *c);
+
+/* ---------------------------------------------------------------- coord_jobs.c
+ * The jobs' dispatch, called by the loop (coord.c). */
+
 void coord_on_submit(nl_coord *c, const nl_rx *rx);
+/* A node's message about a job (JOB_STATUS, TOKEN, RESULT, GRAD_NORM,
+ * LOSS, CKPT_DONE). */
+void coord_on_job_message(nl_coord *c, const nl_rx *rx);
 void coord_on_query(nl_coord *c, const nl_rx *rx);
 void coord_on_cancel(nl_coord *c, const nl_rx *rx);
-void coord_on_result(nl_coord *c, const nl_rx *rx);
-void coord_on_token(nl_coord *c, const nl_rx *rx);
-void coord_on_node_status(nl_coord *c, const nl_rx *rx);
 void coord_fail_jobs(nl_coord *c, const char *why);
-/* A stage is lost: generations wait for the next plan (up to
- * gen_resumes times each), every other job fails. */
+/* A stage is lost: each job waits for the next plan or fails. */
 void coord_jobs_stage_lost(nl_coord *c, const char *why);
-/* The plan is ready: reopen the waiting generations. */
-void coord_resume_jobs(nl_coord *c);
-/* No plan can be made: the waiting generations fail. */
+/* A stage loaded: the jobs waiting for the plan made progress. */
+void coord_jobs_touch(nl_coord *c);
+/* The plan is ready: the waiting jobs go on. */
+void coord_jobs_ready(nl_coord *c);
+/* No plan can be made: the waiting jobs fail. */
 void coord_fail_waiting(nl_coord *c, const char *why);
-void coord_fail_job(nl_coord *c, cjob *j, const char *why);
+/* Jobs with no progress for --job-timeout-ms fail. */
 void coord_check_jobs(nl_coord *c, double now);
-
-/* coord_train.c */
-void coord_train_submit(nl_coord *c, const nl_rx *rx);
-void coord_train_on_ack(nl_coord *c, cjob *j, const nl_rx *rx);
-void coord_train_on_grad_norm(nl_coord *c, const nl_rx *rx);
-void coord_train_on_loss(nl_coord *c, const nl_rx *rx);
-void coord_train_on_ckpt_done(nl_coord *c, const nl_rx *rx);
-/* Once a second or so: a job waiting for the cluster to load starts. */
-void coord_train_tick(nl_coord *c, cjob *j);
-/* The failure text's tail: the last checkpoint, or that there is none. */
-void coord_train_fail_note(const cjob *j, char *buf, size_t cap);
-void coord_train_free(cjob *j);
-/* A failed or cancelled training job that changed the stages' weights:
- * they reload from the source (the last manifest, or the checkpoint). */
-void coord_train_abandon(nl_coord *c, cjob *j);
-/* A stage loaded: a training job waiting for the cluster is making progress. */
-void coord_train_touch(nl_coord *c);
 
 #endif

@@ -1,10 +1,12 @@
-/* The coordinator's training job: it reads and tokenizes the data, feeds
- * each step's microbatches to the first stage (the targets ride along to
+/* The coordinator's training job: a worker reads and tokenizes the data
+ * (and verifies the manifest it resumes from), then the job feeds each
+ * step's microbatches to the first stage (the targets ride along to
  * the last), sums the stages' gradient norms, decides every step (apply
  * with the learning rate and clipping scale, or skip on a non-finite
  * value), runs the evaluations, asks every stage for its checkpoint shard
- * and writes the manifest last. The client sees JOB_STATUS messages with a
- * JSON report per event (docs/cluster.md, "Training"). */
+ * and has a worker write the manifest last and verify it. The client sees
+ * JOB_STATUS messages with a JSON report per event (docs/cluster.md,
+ * "Training"). */
 #include <jansson.h>
 #include <math.h>
 #include <stdarg.h>
@@ -18,9 +20,9 @@
 #include "core/checkpoint.h"
 #include "core/train.h"
 
-#define CLIP_NORM 1.0
-
-typedef enum { TR_LOADING = 0, TR_BEGIN, TR_STEP, TR_EVAL, TR_CKPT } tr_phase;
+/* TR_PREPARING: a worker reads the data (and the manifest it resumes);
+ * TR_LOADING: the cluster loads */
+typedef enum { TR_PREPARING = 0, TR_LOADING, TR_BEGIN, TR_STEP, TR_EVAL, TR_CKPT } tr_phase;
 
 typedef struct ctrain {
     /* the run, as the client asked for it */
@@ -46,9 +48,9 @@ typedef struct ctrain {
     int64_t manifest_step;
 } ctrain;
 
-void coord_train_free(cjob *j)
+static void train_free(cjob *j)
 {
-    ctrain *t = j->train;
+    ctrain *t = j->state;
     if (!t)
         return;
     nl_dataset_destroy(&t->ds);
@@ -63,12 +65,12 @@ void coord_train_free(cjob *j)
     }
     free(t->shards);
     free(t);
-    j->train = NULL;
+    j->state = NULL;
 }
 
-void coord_train_fail_note(const cjob *j, char *buf, size_t cap)
+static void train_fail_note(const cjob *j, char *buf, size_t cap)
 {
-    const ctrain *t = j->train;
+    const ctrain *t = j->state;
     if (!t)
         return;
     if (t->manifest[0])
@@ -90,7 +92,7 @@ static json_t *jnum(double x)
  * the reference to o. */
 static void report(nl_coord *c, cjob *j, int state, const char *msg, json_t *o)
 {
-    const ctrain *t = j->train;
+    const ctrain *t = j->state;
     char *text = o ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
     const double progress = t->steps > 0 ? (double)t->step / (double)t->steps : 0.0;
@@ -107,7 +109,7 @@ static void fail(nl_coord *c, cjob *j, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(why, sizeof why, fmt, ap);
     va_end(ap);
-    coord_fail_job(c, j, why);
+    coord_job_fail(c, j, why);
 }
 
 /* ---------------------------------------------------------------- sending */
@@ -142,7 +144,7 @@ static void unreachable(nl_coord *c, cjob *j, int s)
 static int send_hop(nl_coord *c, cjob *j, nl_msg_type type, uint64_t step, uint32_t mb,
                     const int32_t *tokens, const int32_t *targets)
 {
-    const ctrain *t = j->train;
+    const ctrain *t = j->state;
     const int64_t shape[2] = {t->batch / t->micro, t->seq};
     cnode *first = coord_stage_node(c, 0);
     nl_wire_msg m;
@@ -166,7 +168,7 @@ static void start_step(nl_coord *c, cjob *j);
 
 static void begin(nl_coord *c, cjob *j)
 {
-    ctrain *t = j->train;
+    ctrain *t = j->state;
     t->stages = c->plan->n_stages;
     t->got = calloc((size_t)t->stages, 1);
     t->shards = calloc((size_t)t->stages, sizeof *t->shards);
@@ -174,6 +176,7 @@ static void begin(nl_coord *c, cjob *j)
         fail(c, j, "out of memory");
         return;
     }
+    j->phase = JOB_RUNNING;
     j->epoch = c->epoch;
     if (c->resumable) { /* the stages hold a manifest's weights and moments: continue it */
         t->start = t->step = c->src_step;
@@ -234,7 +237,7 @@ static void begin(nl_coord *c, cjob *j)
 
 static void start_step(nl_coord *c, cjob *j)
 {
-    ctrain *t = j->train;
+    ctrain *t = j->state;
     nl_error e = {0};
     const uint64_t k = (uint64_t)t->step + 1;
     const size_t rows = (size_t)(t->batch / t->micro) * (size_t)t->seq;
@@ -245,6 +248,7 @@ static void start_step(nl_coord *c, cjob *j)
     }
     t->t_step = coord_now();
     t->phase = TR_STEP;
+    c->stages_modified = 1; /* until a checkpoint of these weights is the source */
     t->norms = t->have_loss = 0;
     t->sumsq = t->ce = t->aux = 0.0;
     memset(t->got, 0, (size_t)t->stages);
@@ -271,24 +275,17 @@ static void after_step(nl_coord *c, cjob *j);
 /* Every stage has reported: decide the step and tell them. */
 static void decide(nl_coord *c, cjob *j)
 {
-    ctrain *t = j->train;
+    ctrain *t = j->state;
     nl_step_result *r = &t->r;
-    const double rows = (double)t->batch * (double)t->seq;
-    memset(r, 0, sizeof *r);
-    r->ce_loss = t->ce / rows;
-    r->aux_loss = t->aux;
-    r->loss = r->ce_loss + c->cfg.aux_loss_coef * t->aux;
-    r->grad_norm = sqrt(t->sumsq);
-    /* the guard: a non-finite value on any stage skips the step on all */
-    r->skipped = !isfinite(r->loss) || !isfinite(t->sumsq);
-    const double clip = CLIP_NORM / (r->grad_norm + 1e-6); /* as clip_grad_norm_ */
+    /* the decision local training makes too (core/train.h) */
+    const double scale = nl_step_decide(r, t->ce, (double)t->batch * (double)t->seq, t->aux,
+                                        c->cfg.aux_loss_coef, t->sumsq, NL_TRAIN_CLIP_NORM);
     t->lr_now = nl_lr_at(t->step, t->steps, t->warmup, t->lr, t->min_lr);
     t->step_s = coord_now() - t->t_step;
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_STEP);
-    m.u.step = (nl_msg_step){j->id, (uint64_t)t->step + 1, !r->skipped,
-                             r->skipped ? 0.0 : (clip < 1.0 ? clip : 1.0), t->lr_now};
+    m.u.step = (nl_msg_step){j->id, (uint64_t)t->step + 1, !r->skipped, scale, t->lr_now};
     int lost = 0, rc = send_all(c, &m, &lost);
     nl_wire_msg_free(&m);
     if (rc != 0) {
@@ -324,7 +321,7 @@ static void decide(nl_coord *c, cjob *j)
 
 static void finish(nl_coord *c, cjob *j)
 {
-    ctrain *t = j->train;
+    ctrain *t = j->state;
     json_t *o = json_pack("{s:s,s:I}", "event", "done", "step", (json_int_t)t->step);
     if (t->manifest[0] && t->manifest_step == t->step)
         json_object_set_new(o, "manifest", json_string(t->manifest));
@@ -344,7 +341,7 @@ static void finish(nl_coord *c, cjob *j)
  * on, or finish. */
 static void after_step(nl_coord *c, cjob *j)
 {
-    ctrain *t = j->train;
+    ctrain *t = j->state;
     const nl_step_result *r = &t->r;
     /* JSON has no NaN or infinity: a non-finite value is null */
     json_t *o = json_pack(
@@ -389,53 +386,148 @@ static void after_step(nl_coord *c, cjob *j)
     t->acks = 0;
 }
 
-/* Every shard is in: the manifest goes last, then it becomes the source
- * the cluster reloads from. */
-static void write_manifest(nl_coord *c, cjob *j)
+/* Whether the shard at path was trained with TF32 allowed, as its node
+ * recorded it in the shard's "train" metadata (no wire message carries a
+ * node's --tf32). A shard that does not say, or cannot be read, leaves it
+ * unknown; the manifest's hashes and the reload judge the file itself. */
+static int shard_tf32(const char *path)
 {
-    ctrain *t = j->train;
+    char *meta = NULL;
     nl_error e = {0};
-    char path[1100], *cfg_json = nl_config_to_json(&c->cfg), *train_json = NULL;
-    json_t *tj = json_pack("{s:I,s:I,s:I,s:I,s:I,s:f,s:f,s:I}", "seed", (json_int_t)t->seed,
-                           "steps", (json_int_t)t->steps, "batch", (json_int_t)t->batch, "seq",
-                           (json_int_t)t->seq, "microbatches", (json_int_t)t->micro, "lr", t->lr,
-                           "min_lr", t->min_lr, "warmup", (json_int_t)t->warmup);
-    train_json = tj ? json_dumps(tj, JSON_COMPACT) : NULL;
-    json_decref(tj);
-    nl_manifest mf = {.step = t->step,
-                      .adam_steps = t->adam, /* the stages step together */
-                      .cfg = c->cfg,
-                      .config_json = cfg_json,
-                      .train_json = train_json,
-                      .tokenizer = c->tok_text,
-                      .init_seed = c->init_seed,
-                      .n_shards = t->stages,
-                      .shards = t->shards};
-    snprintf(path, sizeof path, "%s/step-%06lld/manifest.json", t->ckpt_dir, (long long)t->step);
-    nl_status st = cfg_json && train_json ? NL_OK : nl_error_set(&e, NL_ERR_NOMEM, "out of memory");
-    if (st == NL_OK)
-        st = nl_manifest_write(path, &mf, &e);
-    /* the coordinator reads the shards back: the checkpoint directory must
-     * be shared with the nodes, and a reload after a failure comes from here */
-    if (st == NL_OK)
-        st = coord_use_manifest(c, path, 0, &e);
-    free(cfg_json);
-    free(train_json);
-    if (st != NL_OK) {
-        fail(c, j, "checkpoint of step %lld: %s", (long long)t->step, e.msg);
+    int tf32 = NL_MANIFEST_TF32_UNKNOWN;
+    if (nl_checkpoint_meta(path, "train", &meta, &e) == NL_OK && meta) {
+        json_t *o = json_loads(meta, 0, NULL), *v = json_object_get(o, "tf32");
+        if (json_is_boolean(v))
+            tf32 = json_is_true(v) ? NL_MANIFEST_TF32_ON : NL_MANIFEST_TF32_OFF;
+        json_decref(o);
+    }
+    free(meta);
+    return tf32;
+}
+
+/* Writing a checkpoint's manifest, off the loop: the shards' TF32 flags
+ * read from their files, the manifest written last, then read back and
+ * every shard's hash checked, to become the source the cluster reloads
+ * from after a failure (so the checkpoint directory must be shared with
+ * the nodes). The task owns copies of everything it writes. */
+typedef struct ckpt_task {
+    cwork w;
+    nl_manifest mf; /* its strings and shards are the task's */
+    char path[1100];
+    nl_status st;
+    nl_error err;
+    cmanifest out;
+} ckpt_task;
+
+static void ckpt_run(cwork *w)
+{
+    ckpt_task *k = (ckpt_task *)w;
+    for (int i = 0; i < k->mf.n_shards; i++)
+        k->mf.shards[i].tf32 = shard_tf32(k->mf.shards[i].path);
+    k->st = nl_manifest_write(k->path, &k->mf, &k->err);
+    if (k->st == NL_OK)
+        k->st = coord_manifest_open(&k->out, k->path, &k->err);
+}
+
+static void free_shards(nl_manifest_shard *sh, int n)
+{
+    for (int i = 0; sh && i < n; i++) {
+        free(sh[i].file);
+        free(sh[i].path);
+        free(sh[i].node);
+        free(sh[i].device);
+    }
+    free(sh);
+}
+
+static void ckpt_free(cwork *w)
+{
+    ckpt_task *k = (ckpt_task *)w;
+    free_shards(k->mf.shards, k->mf.n_shards);
+    free((char *)k->mf.config_json);
+    free((char *)k->mf.train_json);
+    free((char *)k->mf.tokenizer);
+    free((char *)k->mf.init_seed);
+    coord_manifest_release(&k->out);
+    free(k);
+}
+
+/* The manifest is written and verified: it becomes the source; report it
+ * and go on. A job that ended meanwhile leaves the source as it was (its
+ * stages reload from there). */
+static void ckpt_done(nl_coord *c, cwork *w)
+{
+    ckpt_task *k = (ckpt_task *)w;
+    cjob *j = coord_job_find(c, w->job_id);
+    ctrain *t = j ? j->state : NULL;
+    if (!t || t->phase != TR_CKPT || t->step != k->mf.step)
+        return;
+    if (k->st != NL_OK) {
+        fail(c, j, "checkpoint of step %lld: %s", (long long)t->step, k->err.msg);
         return;
     }
-    snprintf(t->manifest, sizeof t->manifest, "%s", path);
+    coord_manifest_install(c, &k->out, 0);
+    c->stages_modified = 0; /* the source holds the stages' weights */
+    snprintf(t->manifest, sizeof t->manifest, "%s", k->path);
     t->manifest_step = t->step;
     NL_INFO("train job %llu: checkpoint of step %lld: %s", (unsigned long long)j->id,
-            (long long)t->step, path);
+            (long long)t->step, k->path);
     json_t *o = json_pack("{s:s,s:I,s:s}", "event", "checkpoint", "step", (json_int_t)t->step,
-                          "manifest", path);
+                          "manifest", k->path);
     report(c, j, NL_JOB_RUNNING, "checkpoint", o);
     if (t->step == t->steps)
         finish(c, j);
     else
         start_step(c, j);
+}
+
+static char *dup_or_null(const char *s, int *oom)
+{
+    char *d = s ? strdup(s) : NULL;
+    *oom |= s && !d;
+    return d;
+}
+
+/* Every shard is in: a worker writes the manifest (ckpt_task). The job
+ * hands it this checkpoint's shards and takes a fresh table. */
+static void write_manifest(nl_coord *c, cjob *j)
+{
+    ctrain *t = j->state;
+    nl_error e = {0};
+    ckpt_task *k = calloc(1, sizeof *k);
+    nl_manifest_shard *fresh = calloc((size_t)t->stages, sizeof *fresh);
+    if (!k || !fresh) {
+        free(k);
+        free(fresh);
+        fail(c, j, "out of memory");
+        return;
+    }
+    json_t *tj = json_pack("{s:I,s:I,s:I,s:I,s:I,s:f,s:f,s:I}", "seed", (json_int_t)t->seed,
+                           "steps", (json_int_t)t->steps, "batch", (json_int_t)t->batch, "seq",
+                           (json_int_t)t->seq, "microbatches", (json_int_t)t->micro, "lr", t->lr,
+                           "min_lr", t->min_lr, "warmup", (json_int_t)t->warmup);
+    int oom = 0;
+    k->w = (cwork){.run = ckpt_run, .done = ckpt_done, .free = ckpt_free, .job_id = j->id};
+    k->mf = (nl_manifest){.step = t->step,
+                          .adam_steps = t->adam, /* the stages step together */
+                          .cfg = c->cfg,
+                          .config_json = nl_config_to_json(&c->cfg),
+                          .train_json = tj ? json_dumps(tj, JSON_COMPACT) : NULL,
+                          .tokenizer = dup_or_null(c->tok_text, &oom),
+                          .init_seed = dup_or_null(c->init_seed, &oom),
+                          .n_shards = t->stages,
+                          .shards = t->shards};
+    json_decref(tj);
+    t->shards = fresh;
+    snprintf(k->path, sizeof k->path, "%s/step-%06lld/manifest.json", t->ckpt_dir,
+             (long long)t->step);
+    if (oom || !k->mf.config_json || !k->mf.train_json) {
+        ckpt_free(&k->w);
+        fail(c, j, "checkpoint of step %lld: out of memory", (long long)t->step);
+        return;
+    }
+    if (coord_work_start(c, &k->w, &e) != NL_OK)
+        fail(c, j, "checkpoint of step %lld: %s", (long long)t->step, e.msg);
 }
 
 /* ---------------------------------------------------------------- messages */
@@ -492,117 +584,184 @@ static const char *read_params(ctrain *t, const nl_msg_job_submit *s, const char
     return NULL;
 }
 
-void coord_train_submit(nl_coord *c, const nl_rx *rx)
+/* Preparing a job, off the loop: the manifest it resumes from verified
+ * and opened, then its data read (and tokenized, with the tokenizer of
+ * the model it trains). */
+typedef struct prep_task {
+    cwork w;
+    char *resume; /* a manifest, or NULL */
+    char *data, *tok;
+    int64_t vocab;
+    double holdout;
+    nl_status st;
+    nl_error err;
+    int resume_failed;
+    cmanifest mf;
+    nl_dataset *ds;
+    nl_dataset_info info;
+} prep_task;
+
+static void prep_run(cwork *w)
 {
-    const nl_msg_job_submit *s = &rx->msg.u.job_submit;
-    nl_error e = {0};
+    prep_task *p = (prep_task *)w;
+    if (p->resume && (p->st = coord_manifest_open(&p->mf, p->resume, &p->err)) != NL_OK) {
+        p->resume_failed = 1;
+        return;
+    }
+    p->st = nl_dataset_load_model(&p->ds, p->data, p->resume ? p->mf.tok : p->tok,
+                                  p->resume ? p->mf.cfg.vocab_size : p->vocab, p->holdout,
+                                  "the cluster's model", &p->info, &p->err);
+}
+
+static void prep_free(cwork *w)
+{
+    prep_task *p = (prep_task *)w;
+    free(p->resume);
+    free(p->data);
+    free(p->tok);
+    coord_manifest_release(&p->mf);
+    nl_dataset_destroy(&p->ds);
+    free(p);
+}
+
+/* The job is prepared: a resumed one reloads the cluster from its
+ * manifest; it begins once the cluster is ready. */
+static void prep_done(nl_coord *c, cwork *w)
+{
+    prep_task *p = (prep_task *)w;
+    cjob *j = coord_job_find(c, w->job_id);
+    ctrain *t = j ? j->state : NULL;
     char why[700];
-    for (int i = 0; i < COORD_MAX_JOBS; i++)
-        if (c->jobs[i].phase != JOB_FREE && c->jobs[i].kind == NL_JOB_TRAIN) {
-            snprintf(why, sizeof why, "job %llu is training already; one at a time",
-                     (unsigned long long)c->jobs[i].id);
-            coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, why, NULL);
-            return;
-        }
-    cjob *j = coord_job_new(c, rx, NL_JOB_TRAIN);
-    if (!j)
+    if (!t || t->phase != TR_PREPARING)
         return;
-    j->phase = JOB_RUNNING;
-    ctrain *t = j->train = calloc(1, sizeof *t);
-    if (!t) {
-        fail(c, j, "out of memory");
+    if (p->resume_failed) {
+        fail(c, j, "--resume: %s", p->err.msg);
         return;
     }
-    const char *resume = NULL, *bad = read_params(t, s, &resume);
-    if (bad) {
-        fail(c, j, "train: params.%s is missing or out of range", bad);
-        return;
-    }
-    coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, "running", NULL);
-    if (resume) {
+    if (p->resume) {
         /* other jobs lose their stages to the reload */
         for (int i = 0; i < COORD_MAX_JOBS; i++)
             if (c->jobs[i].phase != JOB_FREE && &c->jobs[i] != j)
-                coord_fail_job(c, &c->jobs[i], "the cluster reloads to resume a training job");
-        if (coord_use_manifest(c, resume, 1, &e) != NL_OK) {
-            fail(c, j, "--resume: %s", e.msg);
-            return;
-        }
-        snprintf(why, sizeof why, "verified %s; loading it onto the nodes", resume);
+                coord_job_fail(c, &c->jobs[i], "the cluster reloads to resume a training job");
+        coord_manifest_install(c, &p->mf, 1);
+        snprintf(why, sizeof why, "verified %s; loading it onto the nodes", p->resume);
         coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, why, NULL);
-    } else if (!c->ready) {
-        fail(c, j, "the cluster is not ready: %s", c->state);
-        return;
     }
     if (t->seq > c->cfg.max_seq_len) {
         fail(c, j, "--seq %lld: the model's max_seq_len is %d", (long long)t->seq,
              c->cfg.max_seq_len);
         return;
     }
-    nl_dataset_info info;
-    if (nl_dataset_load_model(&t->ds, t->data, c->tok_text, c->cfg.vocab_size, t->holdout,
-                              "the cluster's model", &info, &e) != NL_OK) {
-        fail(c, j, "%s", e.msg);
+    if (p->st != NL_OK) {
+        fail(c, j, "%s", p->err.msg);
         return;
     }
-    if (info.tokenized)
+    t->ds = p->ds;
+    p->ds = NULL;
+    if (p->info.tokenized)
         NL_INFO("train job %llu: tokenized %s: %zu bytes -> %zu tokens in %.1f s",
-                (unsigned long long)j->id, t->data, info.text_bytes, t->ds->n, info.encode_s);
+                (unsigned long long)j->id, t->data, p->info.text_bytes, t->ds->n, p->info.encode_s);
     const size_t n = (size_t)t->batch * (size_t)t->seq;
     if (!(t->tokens = malloc(n * sizeof *t->tokens)) ||
         !(t->targets = malloc(n * sizeof *t->targets))) {
         fail(c, j, "out of memory");
         return;
     }
-    t->phase = TR_LOADING; /* begins at the next tick once the cluster is ready */
+    /* it begins once the cluster is ready (at once unless it reloads) */
+    t->phase = TR_LOADING;
+    j->phase = JOB_WAITING;
     j->last_progress = coord_now();
+    if (c->ready)
+        begin(c, j);
 }
 
-void coord_train_abandon(nl_coord *c, cjob *j)
+static void train_submit(nl_coord *c, const nl_rx *rx)
 {
-    if (j->train && j->train->phase >= TR_BEGIN && j->epoch == c->epoch) {
+    const nl_msg_job_submit *s = &rx->msg.u.job_submit;
+    nl_error e = {0};
+    char why[700];
+    for (int i = 0; i < COORD_MAX_JOBS; i++)
+        if (c->jobs[i].phase != JOB_FREE && c->jobs[i].ops == &coord_train_ops) {
+            snprintf(why, sizeof why, "job %llu is training already; one at a time",
+                     (unsigned long long)c->jobs[i].id);
+            coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, why, NULL);
+            return;
+        }
+    cjob *j = coord_job_new(c, rx, &coord_train_ops);
+    if (!j)
+        return;
+    ctrain *t = j->state = calloc(1, sizeof *t);
+    prep_task *p = calloc(1, sizeof *p);
+    if (!t || !p) {
+        free(p);
+        fail(c, j, "out of memory");
+        return;
+    }
+    const char *resume = NULL, *bad = read_params(t, s, &resume);
+    if (bad) {
+        free(p);
+        fail(c, j, "train: params.%s is missing or out of range", bad);
+        return;
+    }
+    coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, "running", NULL);
+    if (!resume && !c->ready) {
+        free(p);
+        fail(c, j, "the cluster is not ready: %s", c->state);
+        return;
+    }
+    p->w = (cwork){.run = prep_run, .done = prep_done, .free = prep_free, .job_id = j->id};
+    p->vocab = c->cfg.vocab_size;
+    p->holdout = t->holdout;
+    int oom = 0;
+    p->resume = dup_or_null(resume, &oom);
+    p->data = dup_or_null(t->data, &oom);
+    p->tok = dup_or_null(resume ? NULL : c->tok_text, &oom);
+    if (oom) {
+        prep_free(&p->w);
+        fail(c, j, "out of memory");
+        return;
+    }
+    t->phase = TR_PREPARING;
+    if (coord_work_start(c, &p->w, &e) != NL_OK)
+        fail(c, j, "%s", e.msg);
+}
+
+/* A failed or cancelled job: the stages end it, and those whose weights it
+ * changed reload them from the source (the last manifest, or the
+ * checkpoint). */
+static void train_abort(nl_coord *c, cjob *j)
+{
+    const ctrain *t = j->state;
+    coord_close_session(c, j);
+    if (t && t->phase >= TR_BEGIN && j->epoch == c->epoch) {
         NL_INFO("train job %llu ended early: the stages reload their weights from %s",
                 (unsigned long long)j->id, c->src_path[0] ? c->src_path : "the seed");
         coord_reload(c);
     }
 }
 
-void coord_train_touch(nl_coord *c)
+/* Whether a training report about j, claiming stage `stage`, comes from
+ * that stage while the job is in `phase` on the current plan. */
+static int report_ok(nl_coord *c, cjob *j, const nl_rx *rx, uint32_t stage, int phase)
 {
-    for (int i = 0; i < COORD_MAX_JOBS; i++)
-        if (c->jobs[i].phase != JOB_FREE && c->jobs[i].train &&
-            c->jobs[i].train->phase == TR_LOADING)
-            c->jobs[i].last_progress = coord_now();
-}
-
-void coord_train_tick(nl_coord *c, cjob *j)
-{
-    if (j->train && j->train->phase == TR_LOADING && c->ready)
-        begin(c, j);
-}
-
-/* The job and the sender a training report is about, or NULL. */
-static cjob *train_job(nl_coord *c, const nl_rx *rx, uint64_t job, uint32_t stage, int phase)
-{
-    cjob *j = coord_job_find(c, job);
+    const ctrain *t = j->state;
     cnode *n = coord_node_by_rid(c, rx);
-    if (!j || j->kind != NL_JOB_TRAIN || !j->train || j->train->phase != phase ||
-        j->epoch != c->epoch)
-        return NULL;
-    if (!n || n->stage != (int)stage || stage >= (uint32_t)j->train->stages) {
+    if (!t || t->phase != phase || j->epoch != c->epoch)
+        return 0;
+    if (!n || n->stage != (int)stage || stage >= (uint32_t)t->stages) {
         NL_WARN("a training report for job %llu claims stage %u but comes from %s",
-                (unsigned long long)job, stage, n ? "another stage" : "no stage");
-        return NULL;
+                (unsigned long long)j->id, stage, n ? "another stage" : "no stage");
+        return 0;
     }
-    return j;
+    return 1;
 }
 
-void coord_train_on_ack(nl_coord *c, cjob *j, const nl_rx *rx)
+/* A stage took the job (JOB_STATUS running); once all have, step 1. */
+static void on_ack(nl_coord *c, cjob *j, const nl_rx *rx)
 {
     cnode *n = coord_node_by_rid(c, rx);
-    ctrain *t = j->train;
-    if (!t || t->phase != TR_BEGIN || !n || n->stage < 0 || j->epoch != c->epoch ||
-        t->got[n->stage])
+    ctrain *t = j->state;
+    if (t->phase != TR_BEGIN || !n || n->stage < 0 || j->epoch != c->epoch || t->got[n->stage])
         return;
     t->got[n->stage] = 1;
     j->last_progress = coord_now();
@@ -612,13 +771,13 @@ void coord_train_on_ack(nl_coord *c, cjob *j, const nl_rx *rx)
     start_step(c, j);
 }
 
-void coord_train_on_grad_norm(nl_coord *c, const nl_rx *rx)
+static void on_grad_norm(nl_coord *c, cjob *j, const nl_rx *rx)
 {
     const nl_msg_grad_norm *g = &rx->msg.u.grad_norm;
-    cjob *j = train_job(c, rx, g->job_id, g->stage, TR_STEP);
-    if (!j || g->step != (uint64_t)j->train->step + 1 || j->train->got[g->stage])
+    ctrain *t = j->state;
+    if (!report_ok(c, j, rx, g->stage, TR_STEP) || g->step != (uint64_t)t->step + 1 ||
+        t->got[g->stage])
         return;
-    ctrain *t = j->train;
     j->last_progress = coord_now();
     t->got[g->stage] = 1;
     t->sumsq += g->sumsq;
@@ -626,17 +785,13 @@ void coord_train_on_grad_norm(nl_coord *c, const nl_rx *rx)
         decide(c, j);
 }
 
-void coord_train_on_loss(nl_coord *c, const nl_rx *rx)
+static void on_loss(nl_coord *c, cjob *j, const nl_rx *rx)
 {
     const nl_msg_loss *l = &rx->msg.u.loss;
-    cjob *j = coord_job_find(c, l->job_id);
-    if (!j || !j->train)
-        return;
-    ctrain *t = j->train;
+    ctrain *t = j->state;
     const uint32_t last = (uint32_t)(t->stages - 1);
     if (!l->eval) {
-        if (!(j = train_job(c, rx, l->job_id, last, TR_STEP)) || l->step != (uint64_t)t->step + 1 ||
-            t->have_loss)
+        if (!report_ok(c, j, rx, last, TR_STEP) || l->step != (uint64_t)t->step + 1 || t->have_loss)
             return;
         j->last_progress = coord_now();
         t->ce = l->ce_sum;
@@ -646,7 +801,7 @@ void coord_train_on_loss(nl_coord *c, const nl_rx *rx)
             decide(c, j);
         return;
     }
-    if (!(j = train_job(c, rx, l->job_id, last, TR_EVAL)) || l->step != (uint64_t)t->step)
+    if (!report_ok(c, j, rx, last, TR_EVAL) || l->step != (uint64_t)t->step)
         return;
     j->last_progress = coord_now();
     t->eval_loss = l->ce_sum / ((double)t->eval_batches * (double)t->batch * (double)t->seq);
@@ -654,32 +809,12 @@ void coord_train_on_loss(nl_coord *c, const nl_rx *rx)
     after_step(c, j);
 }
 
-/* Whether the shard at path was trained with TF32 allowed, as its node
- * recorded it in the shard's "train" metadata (no wire message carries a
- * node's --tf32). A shard that does not say, or cannot be read, leaves it
- * unknown; the manifest's hashes and the reload judge the file itself. */
-static int shard_tf32(const char *path)
-{
-    char *meta = NULL;
-    nl_error e = {0};
-    int tf32 = NL_MANIFEST_TF32_UNKNOWN;
-    if (nl_checkpoint_meta(path, "train", &meta, &e) == NL_OK && meta) {
-        json_t *o = json_loads(meta, 0, NULL), *v = json_object_get(o, "tf32");
-        if (json_is_boolean(v))
-            tf32 = json_is_true(v) ? NL_MANIFEST_TF32_ON : NL_MANIFEST_TF32_OFF;
-        json_decref(o);
-    }
-    free(meta);
-    return tf32;
-}
-
-void coord_train_on_ckpt_done(nl_coord *c, const nl_rx *rx)
+static void on_ckpt_done(nl_coord *c, cjob *j, const nl_rx *rx)
 {
     const nl_msg_ckpt_done *d = &rx->msg.u.ckpt_done;
-    cjob *j = train_job(c, rx, d->job_id, d->stage, TR_CKPT);
-    if (!j || d->step != (uint64_t)j->train->step || j->train->got[d->stage])
+    ctrain *t = j->state;
+    if (!report_ok(c, j, rx, d->stage, TR_CKPT) || d->step != (uint64_t)t->step || t->got[d->stage])
         return;
-    ctrain *t = j->train;
     cnode *n = coord_node_by_rid(c, rx);
     nl_manifest_shard *sh = &t->shards[d->stage];
     const nl_plan_stage *ps = &c->plan->stages[d->stage];
@@ -718,3 +853,41 @@ void coord_train_on_ckpt_done(nl_coord *c, const nl_rx *rx)
     if (++t->acks == t->stages)
         write_manifest(c, j);
 }
+
+static void train_on_message(nl_coord *c, cjob *j, const nl_rx *rx)
+{
+    switch (rx->msg.type) {
+    case NL_MSG_JOB_STATUS:
+        on_ack(c, j, rx);
+        break;
+    case NL_MSG_GRAD_NORM:
+        on_grad_norm(c, j, rx);
+        break;
+    case NL_MSG_LOSS:
+        on_loss(c, j, rx);
+        break;
+    case NL_MSG_CKPT_DONE:
+        on_ckpt_done(c, j, rx);
+        break;
+    default:
+        break;
+    }
+}
+
+/* The cluster is ready: a job that waited for it to load begins. */
+static void train_ready(nl_coord *c, cjob *j)
+{
+    if (((ctrain *)j->state)->phase == TR_LOADING)
+        begin(c, j);
+}
+
+const cjob_ops coord_train_ops = {
+    .kind = NL_JOB_TRAIN,
+    .name = "train",
+    .submit = train_submit,
+    .on_message = train_on_message,
+    .ready = train_ready,
+    .abort = train_abort,
+    .fail_note = train_fail_note,
+    .free = train_free,
+};

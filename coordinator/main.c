@@ -39,6 +39,11 @@ int main(int argc, char **argv)
          "(default 2; 0: it fails)",
          NULL},
         {"plan-rows", 1, "rows (tokens) of one request the plan must fit (default 512)", NULL},
+        {"replan-margin", 1,
+         "when a node joins (or a standby leaves) and no job runs, plan again if the bottleneck "
+         "gets better by this fraction; the stages reload from the checkpoint or manifest served "
+         "(default 0.1; 1: never)",
+         NULL},
         {"log-level", 1, "debug, info, warn or error (default info)", NULL},
         {"plaintext", 0, "INSECURE: no CURVE encryption or authentication", NULL},
         {0}};
@@ -57,6 +62,7 @@ int main(int argc, char **argv)
     o.plaintext = nl_args_get(flags, "plaintext") != NULL;
     long long seed = 0, min_nodes = 1, hb = 1000, nto = 5000, jto = 120000, rows = 512, resumes = 2;
     uint64_t min_mem = 0;
+    double margin = 0.1;
     if (!o.listen || !o.state_dir || (!!o.model + !!o.config + !!o.resume > 1)) {
         nl_args_help(stderr, usage, flags);
         return 2;
@@ -68,7 +74,8 @@ int main(int argc, char **argv)
         (rc = nl_args_int(flags, "job-timeout-ms", 100, 86400000, &jto)) ||
         (rc = nl_args_int(flags, "gen-resumes", 0, 1000, &resumes)) ||
         (rc = nl_args_int(flags, "plan-rows", 1, 1 << 20, &rows)) ||
-        (rc = nl_args_size(flags, "min-memory", &min_mem)))
+        (rc = nl_args_size(flags, "min-memory", &min_mem)) ||
+        (rc = nl_args_double(flags, "replan-margin", 0.0, 1.0, &margin)))
         return rc;
     const char *lvl = nl_args_get(flags, "log-level");
     if (lvl) {
@@ -91,6 +98,7 @@ int main(int argc, char **argv)
     o.job_timeout_ms = (int)jto;
     o.gen_resumes = (int)resumes;
     o.plan_rows = (int)rows;
+    o.replan_margin = margin;
     nl_log_set_name("coord");
     if (o.plaintext)
         NL_WARN("--plaintext: the control socket is neither encrypted nor authenticated");

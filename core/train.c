@@ -495,17 +495,25 @@ nl_status nl_trainer_step_local(nl_trainer *t, const int32_t *tokens, const int3
     }
     if (st != NL_OK)
         return st;
-    res->ce_loss = ce / ((double)B * T);
-    res->aux_loss = aux;
-    res->loss = res->ce_loss + t->m->cfg.aux_loss_coef * aux;
-    const double sumsq = nl_trainer_grad_sumsq(t);
-    res->grad_norm = sqrt(sumsq);
-    if (!isfinite(res->loss) || !isfinite(sumsq)) {
-        res->skipped = 1;
-        return NL_OK;
-    }
-    /* as torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), at most 1 */
-    const double clip = clip_norm / (res->grad_norm + 1e-6);
-    nl_trainer_step(t, lr, (float)(clip < 1.0 ? clip : 1.0), o);
+    const double scale = nl_step_decide(res, ce, (double)B * T, aux, t->m->cfg.aux_loss_coef,
+                                        nl_trainer_grad_sumsq(t), clip_norm);
+    if (!res->skipped)
+        nl_trainer_step(t, lr, (float)scale, o);
     return NL_OK;
+}
+
+double nl_step_decide(nl_step_result *r, double ce_sum, double rows, double aux,
+                      double aux_loss_coef, double grad_sumsq, double clip_norm)
+{
+    memset(r, 0, sizeof *r);
+    r->ce_loss = ce_sum / rows;
+    r->aux_loss = aux;
+    r->loss = r->ce_loss + aux_loss_coef * aux;
+    r->grad_norm = sqrt(grad_sumsq);
+    r->skipped = !isfinite(r->loss) || !isfinite(grad_sumsq);
+    if (r->skipped)
+        return 0.0;
+    /* as torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), at most 1 */
+    const double clip = clip_norm / (r->grad_norm + 1e-6);
+    return clip < 1.0 ? clip : 1.0;
 }

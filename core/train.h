@@ -112,11 +112,26 @@ typedef struct nl_step_result {
     int skipped;                    /* non-finite loss or gradient: no update */
 } nl_step_result;
 
+/* The global-norm clip of every training step, local or on a cluster. */
+#define NL_TRAIN_CLIP_NORM 1.0
+
+/* The decision of one optimizer step from what its stages saw, one policy
+ * for local and cluster training: the loss (ce_sum over `rows`
+ * predictions, plus aux_loss_coef times aux), the gradient norm from its
+ * sum of squares, the guard (a non-finite loss or gradient skips the step
+ * on every stage) and the clipping factor, as
+ * torch.nn.utils.clip_grad_norm_: min(1, clip_norm / (norm + 1e-6)).
+ * Fills r; returns the factor the gradients are scaled by, 0 when the
+ * step is skipped. */
+double nl_step_decide(nl_step_result *r, double ce_sum, double rows, double aux,
+                      double aux_loss_coef, double grad_sumsq, double clip_norm);
+
 /* One whole training step of a whole model in this process over a batch of
  * B sequences of T tokens (host, (B, T)) split into M microbatches: the
  * counting pass when M > 1, forward and backward of each microbatch,
- * global-norm clipping at clip_norm, and AdamW at lr, unless the loss or
- * a gradient is not finite, in which case the weights stay as they were. */
+ * then nl_step_decide (clipping at clip_norm, NL_TRAIN_CLIP_NORM as the
+ * cluster does) and AdamW at lr, unless the loss or a gradient is not
+ * finite, in which case the weights stay as they were. */
 nl_status nl_trainer_step_local(nl_trainer *t, const int32_t *tokens, const int32_t *targets,
                                 int B, int T, int M, float lr, float clip_norm, nl_adamw_opts o,
                                 nl_step_result *res, nl_error *err);

@@ -11,6 +11,7 @@
 
 #include "../base/log.h"
 #include "../core/memory.h"
+#include "../net/genparams.h"
 
 static double now_s(void)
 {
@@ -463,69 +464,23 @@ static void evict_lru(nl_stage *s, uint64_t for_id)
     remove_session(s, lru);
 }
 
-static nl_status param_number(const nl_wire_param *p, double *out, nl_error *err)
-{
-    if (p->kind == NL_WIRE_PARAM_INT)
-        *out = (double)p->i;
-    else if (p->kind == NL_WIRE_PARAM_FLOAT)
-        *out = p->f;
-    else
-        return nl_error_set(err, NL_ERR_PROTO, "JOB_SUBMIT params.%s: not a number", p->key);
-    return NL_OK;
-}
-
 nl_status nl_stage_parse_session(const nl_msg_job_submit *j, nl_stage_session_params *p,
                                  nl_error *err)
 {
-    bool have_id = false, have_cap = false;
-    double v = 0;
-    *p = (nl_stage_session_params){.temperature = 0.0f, .top_p = 1.0f};
+    nl_genparams g;
+    *p = (nl_stage_session_params){0};
     if (j->kind != NL_JOB_GENERATE)
         return nl_error_set(err, NL_ERR_UNSUPPORTED,
                             "JOB_SUBMIT: a node opens generation sessions only (kind %u)", j->kind);
-    for (uint32_t i = 0; i < j->nparams; i++) {
-        const nl_wire_param *q = &j->params[i];
-        bool is_int = q->kind == NL_WIRE_PARAM_INT;
-        if (strcmp(q->key, "session") == 0) {
-            if (!is_int || q->i < 1)
-                return nl_error_set(err, NL_ERR_RANGE, "JOB_SUBMIT params.session: not an id > 0");
-            p->id = (uint64_t)q->i;
-            have_id = true;
-        } else if (strcmp(q->key, "capacity") == 0) {
-            if (!is_int || q->i < 1 || q->i > INT_MAX)
-                return nl_error_set(err, NL_ERR_RANGE,
-                                    "JOB_SUBMIT params.capacity: not a position count > 0");
-            p->capacity = (int)q->i;
-            have_cap = true;
-        } else if (strcmp(q->key, "limit") == 0) {
-            if (!is_int || q->i < 0 || q->i > INT_MAX)
-                return nl_error_set(err, NL_ERR_RANGE,
-                                    "JOB_SUBMIT params.limit: not a token count >= 0");
-            p->limit = (int)q->i;
-        } else if (strcmp(q->key, "seed") == 0) {
-            if (!is_int)
-                return nl_error_set(err, NL_ERR_PROTO, "JOB_SUBMIT params.seed: not an integer");
-            p->seed = (uint64_t)q->i;
-        } else if (strcmp(q->key, "temperature") == 0) {
-            if (param_number(q, &v, err) != NL_OK)
-                return NL_ERR_PROTO;
-            p->temperature = (float)v;
-        } else if (strcmp(q->key, "top_p") == 0) {
-            if (param_number(q, &v, err) != NL_OK)
-                return NL_ERR_PROTO;
-            p->top_p = (float)v;
-        }
-    }
-    if (!have_id || !have_cap)
-        return nl_error_set(err, NL_ERR_PROTO, "JOB_SUBMIT: generate needs params.%s",
-                            have_id ? "capacity" : "session");
-    if (!(p->temperature >= 0.0f) || p->temperature > 1e6f)
-        return nl_error_set(err, NL_ERR_RANGE, "session %llu: temperature %g must be >= 0",
-                            (unsigned long long)p->id, p->temperature);
-    if (!(p->top_p > 0.0f && p->top_p <= 1.0f))
-        return nl_error_set(err, NL_ERR_RANGE, "session %llu: top_p %g must be in (0, 1]",
-                            (unsigned long long)p->id, p->top_p);
-    return NL_OK;
+    /* the schema shared with the coordinator (net/genparams.h) */
+    nl_status st = nl_genparams_parse(&g, j->params, j->nparams, NL_GENPARAMS_SESSION, err);
+    *p = (nl_stage_session_params){.id = g.session,
+                                   .capacity = g.capacity,
+                                   .temperature = (float)g.temperature,
+                                   .top_p = (float)g.top_p,
+                                   .seed = (uint64_t)g.seed,
+                                   .limit = g.limit};
+    return st;
 }
 
 static nl_status grow_sessions(nl_stage *s, nl_error *err)

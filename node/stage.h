@@ -95,11 +95,11 @@ typedef struct nl_stage_session_params {
 } nl_stage_session_params;
 
 /* Read a JOB_SUBMIT {kind generate, params session, capacity, temperature,
- * top_p, seed, limit}: session and capacity are required, temperature
- * defaults to 0 (greedy), top_p to 1, seed and limit to 0; numbers may come
- * as int or float (limit an int);
- * other keys are ignored. p->id is set as soon as it is read (for the
- * error reply). */
+ * top_p, seed, limit} by the schema the coordinator uses too
+ * (net/genparams.h): session and capacity are required, temperature
+ * defaults to 0.8, top_p to 0.95, seed and limit to 0; a value of the
+ * wrong type or out of range is NL_ERR_RANGE naming its key; other keys
+ * are ignored. p->id is set as soon as it is read (for the error reply). */
 nl_status nl_stage_parse_session(const nl_msg_job_submit *j, nl_stage_session_params *p,
                                  nl_error *err);
 

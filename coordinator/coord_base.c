@@ -1,0 +1,355 @@
+/* The coordinator's helpers, used by the loop (coord.c), the jobs'
+ * dispatch (coord_jobs.c) and every job kind: time, state, nodes and
+ * sends, the weights' source, and the job table. They call no job code but
+ * through a job's operations table (coord_impl.h). */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "base/log.h"
+#include "coord_impl.h"
+
+double coord_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+void coord_set_state(nl_coord *c, const char *fmt, ...)
+{
+    char buf[sizeof c->state];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    if (strcmp(buf, c->state) != 0) {
+        memcpy(c->state, buf, sizeof buf);
+        NL_INFO("state: %s", c->state);
+    }
+}
+
+cnode *coord_stage_node(nl_coord *c, int stage)
+{
+    if (!c->plan || stage < 0 || stage >= c->plan->n_stages)
+        return NULL;
+    int id = c->plan->stages[stage].node_id;
+    for (int i = 0; i < COORD_MAX_NODES; i++)
+        if (c->nodes[i].life == NODE_LIVE && (int)c->nodes[i].id == id)
+            return &c->nodes[i];
+    return NULL;
+}
+
+nl_status coord_send_node(nl_coord *c, cnode *n, nl_wire_msg *m)
+{
+    nl_error err = {0};
+    const int type = m->type;
+    nl_status st = nl_sock_send(c->ctl, n->rid, n->rid_len, m, &err);
+    if (st != NL_OK && !n->unreachable) {
+        /* a peer that is gone need not wait for its heartbeat timeout; the
+         * next tick declares it dead, outside whatever loop sent this */
+        n->unreachable = 1;
+        snprintf(n->why, sizeof n->why, "cannot be reached (%s: %s)", nl_wire_type_name(type),
+                 err.msg);
+    }
+    return st;
+}
+
+cnode *coord_node_by_rid(nl_coord *c, const nl_rx *rx)
+{
+    for (int i = 0; i < COORD_MAX_NODES; i++) {
+        cnode *n = &c->nodes[i];
+        if (n->life == NODE_LIVE && n->rid_len == rx->rid_len &&
+            memcmp(n->rid, rx->rid, rx->rid_len) == 0)
+            return n;
+    }
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- the source */
+
+static void free_source(csource *src)
+{
+    for (int i = 0; i < src->n; i++)
+        nl_st_close(&src->files[i]);
+    free(src->files);
+    free(src);
+}
+
+void coord_reap_sources(nl_coord *c, int force)
+{
+    for (csource **p = &c->retired; *p;) {
+        csource *r = *p;
+        if (force || nl_txref_idle(&r->ref)) {
+            *p = r->next;
+            free_source(r);
+        } else {
+            p = &r->next;
+        }
+    }
+}
+
+void coord_close_source(nl_coord *c)
+{
+    if (c->src) {
+        c->src->next = c->retired;
+        c->retired = c->src;
+        c->src = NULL;
+    }
+    coord_reap_sources(c, 0);
+    c->src_manifest = 0;
+    c->src_step = c->src_adam = 0;
+    c->resumable = 0;
+    c->src_path[0] = '\0';
+}
+
+csource *coord_source_new(int n)
+{
+    csource *src = calloc(1, sizeof *src);
+    if (src && !(src->files = calloc((size_t)n, sizeof *src->files))) {
+        free(src);
+        return NULL;
+    }
+    if (src)
+        src->n = n;
+    return src;
+}
+
+void coord_manifest_release(cmanifest *m)
+{
+    if (m->src)
+        free_source(m->src);
+    free(m->tok);
+    free(m->seed);
+    memset(m, 0, sizeof *m);
+}
+
+nl_status coord_manifest_open(cmanifest *out, const char *path, nl_error *err)
+{
+    nl_manifest *m = NULL;
+    memset(out, 0, sizeof *out);
+    nl_status st = nl_manifest_load(&m, path, err);
+    if (st == NL_OK)
+        st = nl_manifest_verify(m, err);
+    if (st == NL_OK && !(out->src = coord_source_new(m->n_shards)))
+        st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+    for (int i = 0; st == NL_OK && i < m->n_shards; i++)
+        st = nl_st_open(&out->src->files[i], m->shards[i].path, err);
+    if (st == NL_OK && ((m->tokenizer && !(out->tok = strdup(m->tokenizer))) ||
+                        (m->init_seed && !(out->seed = strdup(m->init_seed)))))
+        st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+    if (st == NL_OK) {
+        out->cfg = m->cfg;
+        out->step = m->step;
+        out->adam = m->adam_steps;
+        snprintf(out->path, sizeof out->path, "%s", path);
+    }
+    nl_manifest_destroy(&m);
+    if (st != NL_OK) {
+        coord_manifest_release(out);
+        return nl_error_prefix(err, "manifest %s", path);
+    }
+    return NL_OK;
+}
+
+void coord_manifest_install(nl_coord *c, cmanifest *m, int reload)
+{
+    coord_close_source(c);
+    c->src = m->src;
+    c->src_manifest = 1;
+    c->src_step = m->step;
+    c->src_adam = m->adam;
+    snprintf(c->src_path, sizeof c->src_path, "%s", m->path);
+    free(c->tok_text);
+    free(c->init_seed);
+    c->tok_text = m->tok;
+    c->init_seed = m->seed;
+    c->cfg = m->cfg;
+    c->have_cfg = 1;
+    NL_INFO("source: %s, step %lld, %d shards (verified)", m->path, (long long)m->step, c->src->n);
+    memset(m, 0, sizeof *m);
+    if (reload) {
+        coord_drop_plan(c);
+        coord_set_state(c, "reloading from %s", c->src_path);
+    }
+}
+
+nl_status coord_use_manifest(nl_coord *c, const char *path, int reload, nl_error *err)
+{
+    cmanifest m;
+    nl_status st = coord_manifest_open(&m, path, err);
+    if (st == NL_OK)
+        coord_manifest_install(c, &m, reload);
+    return st;
+}
+
+void coord_reload(nl_coord *c)
+{
+    if (!c->plan)
+        return;
+    coord_drop_plan(c);
+    coord_set_state(c, "reloading from %s", c->src_path[0] ? c->src_path : "the seed");
+}
+
+void coord_drop_plan(nl_coord *c)
+{
+    nl_plan_destroy(&c->plan);
+    c->ready = 0;
+    c->epoch++;
+    c->last_plan_try = 0;
+    for (int i = 0; i < COORD_MAX_NODES; i++) {
+        c->nodes[i].stage = -1;
+        c->nodes[i].loaded = 0;
+    }
+}
+
+/* ---------------------------------------------------------------- jobs */
+
+void coord_status_to(nl_coord *c, const uint8_t *rid, size_t rid_len, uint64_t job, int state,
+                     double progress, const char *msg, const char *json)
+{
+    nl_wire_msg m;
+    nl_error e = {0};
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOB_STATUS);
+    m.u.job_status = (nl_msg_job_status){job, (uint32_t)state, progress, msg};
+    if (json) {
+        const int64_t len = (int64_t)strlen(json);
+        nl_wire_frame_set(&m.frames[0], json, NL_DTYPE_U8, &len, 1);
+        m.nframes = 1;
+    }
+    if (nl_sock_send(c->ctl, rid, rid_len, &m, &e) != NL_OK)
+        NL_WARN("JOB_STATUS to a client: %s", e.msg);
+    nl_wire_msg_free(&m);
+}
+
+cjob *coord_job_find(nl_coord *c, uint64_t id)
+{
+    for (int i = 0; i < COORD_MAX_JOBS; i++)
+        if (c->jobs[i].phase != JOB_FREE && c->jobs[i].id == id)
+            return &c->jobs[i];
+    return NULL;
+}
+
+void coord_job_free(cjob *j)
+{
+    if (j->ops && j->ops->free)
+        j->ops->free(j);
+    memset(j, 0, sizeof *j);
+}
+
+cjob *coord_job_new(nl_coord *c, const nl_rx *rx, const cjob_ops *ops)
+{
+    cjob *j = NULL;
+    for (int i = 0; i < COORD_MAX_JOBS && !j; i++)
+        if (c->jobs[i].phase == JOB_FREE)
+            j = &c->jobs[i];
+    if (!j) {
+        coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0,
+                        "too many jobs at once; try again", NULL);
+        return NULL;
+    }
+    memset(j, 0, sizeof *j);
+    j->phase = JOB_RUNNING;
+    j->id = ++c->next_job;
+    j->ops = ops;
+    memcpy(j->rid, rx->rid, rx->rid_len);
+    j->rid_len = rx->rid_len;
+    j->epoch = c->epoch;
+    j->last_progress = coord_now();
+    return j;
+}
+
+void coord_close_session(nl_coord *c, cjob *j)
+{
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    for (int s = 0; c->plan && j->epoch == c->epoch && s < c->plan->n_stages; s++) {
+        cnode *n = coord_stage_node(c, s);
+        if (!n)
+            continue;
+        nl_wire_msg_reset(&m, NL_MSG_JOB_CANCEL);
+        m.u.job_ref.job_id = j->id;
+        coord_send_node(c, n, &m);
+    }
+    nl_wire_msg_free(&m);
+}
+
+void coord_job_fail(nl_coord *c, cjob *j, const char *why)
+{
+    char text[1024];
+    snprintf(text, sizeof text, "%s", why);
+    if (j->ops->fail_note)
+        j->ops->fail_note(j, text + strlen(text), sizeof text - strlen(text));
+    NL_WARN("job %llu failed: %s", (unsigned long long)j->id, text);
+    coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_FAILED, 0.0, text, NULL);
+    if (j->ops->abort)
+        j->ops->abort(c, j);
+    coord_job_free(j);
+}
+
+nl_status coord_send_tokens(nl_coord *c, cjob *j, uint64_t session, uint64_t pos,
+                            const int32_t *ids, int B, int T)
+{
+    cnode *first = coord_stage_node(c, 0);
+    if (!first)
+        return NL_ERR_STATE;
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_ACTIVATION);
+    m.u.hop = (nl_msg_tensor_hop){j->id, 0, 0, session, pos, 0.0};
+    const int64_t shape[2] = {B, T};
+    nl_wire_frame_set(&m.frames[0], ids, NL_DTYPE_I32, shape, 2); /* copied by the send */
+    m.nframes = 1;
+    nl_status st = coord_send_node(c, first, &m);
+    nl_wire_msg_free(&m);
+    return st;
+}
+
+void coord_fail_unreachable_first(nl_coord *c, cjob *j)
+{
+    cnode *first = coord_stage_node(c, 0);
+    char why[1000];
+    snprintf(why, sizeof why, "node %u (stage 0, %s) %s", first ? first->id : 0,
+             first ? first->endpoint : "?", first ? first->why : "is gone");
+    coord_job_fail(c, j, why);
+}
+
+const nl_wire_param *coord_param(const nl_msg_job_submit *s, const char *key)
+{
+    for (uint32_t i = 0; i < s->nparams; i++)
+        if (strcmp(s->params[i].key, key) == 0)
+            return &s->params[i];
+    return NULL;
+}
+
+const char *coord_check_tokens(const nl_coord *c, const nl_rx *rx, int *B, int *T)
+{
+    if (rx->msg.nframes != 1)
+        return "a job needs one frame of token ids";
+    const nl_tensor *t = &rx->msg.frames[0].t;
+    if (t->dtype != NL_DTYPE_I32 || t->ndim != 2 || t->shape[0] < 1 || t->shape[1] < 1)
+        return "token ids must be I32 [B, T]";
+    if (t->shape[0] * t->shape[1] > COORD_MAX_TOKENS)
+        return "too many tokens in one job";
+    if (t->shape[1] > c->cfg.max_seq_len)
+        return "more positions than max_seq_len";
+    const int32_t *ids = t->data;
+    for (int64_t i = 0; i < t->shape[0] * t->shape[1]; i++) {
+        int32_t v;
+        memcpy(&v, ids + i, sizeof v);
+        if (v < 0 || v >= c->cfg.vocab_size)
+            return "a token id is outside the model's vocabulary";
+    }
+    *B = (int)t->shape[0];
+    *T = (int)t->shape[1];
+    return NULL;
+}
+
+bool coord_from_last_stage(nl_coord *c, const nl_rx *rx)
+{
+    const cnode *last = c->plan ? coord_stage_node(c, c->plan->n_stages - 1) : NULL;
+    return last && last->rid_len == rx->rid_len && memcmp(last->rid, rx->rid, rx->rid_len) == 0;
+}

@@ -1,0 +1,50 @@
+/* The forward job: a client's token ids go to the first stage, through
+ * the pipeline, and the last stage's logits come back as one RESULT that
+ * the coordinator relays to the client. It keeps no state of its own. */
+#include <string.h>
+
+#include "base/log.h"
+#include "coord_impl.h"
+
+static void forward_submit(nl_coord *c, const nl_rx *rx)
+{
+    int B = 0, T = 0;
+    const char *bad = coord_check_tokens(c, rx, &B, &T);
+    if (bad) {
+        coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, bad, NULL);
+        return;
+    }
+    cjob *j = coord_job_new(c, rx, &coord_forward_ops);
+    if (!j)
+        return;
+    coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, "running", NULL);
+    if (coord_send_tokens(c, j, 0, 0, rx->msg.frames[0].t.data, B, T) != NL_OK)
+        coord_fail_unreachable_first(c, j);
+}
+
+/* The last stage's RESULT: to the client, and the job is done. */
+static void forward_on_message(nl_coord *c, cjob *j, const nl_rx *rx)
+{
+    if (rx->msg.type != NL_MSG_RESULT || !coord_from_last_stage(c, rx))
+        return;
+    nl_wire_msg m;
+    nl_error e = {0};
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_RESULT);
+    m.u.hop = rx->msg.u.hop;
+    m.frames[0] = rx->msg.frames[0];
+    m.frames[0].free_fn = NULL; /* copied by the send */
+    m.nframes = 1;
+    if (nl_sock_send(c->ctl, j->rid, j->rid_len, &m, &e) != NL_OK)
+        NL_WARN("RESULT to the client of job %llu: %s", (unsigned long long)j->id, e.msg);
+    nl_wire_msg_free(&m);
+    coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_DONE, 1.0, "done", NULL);
+    coord_job_free(j);
+}
+
+const cjob_ops coord_forward_ops = {
+    .kind = NL_JOB_FORWARD,
+    .name = "forward",
+    .submit = forward_submit,
+    .on_message = forward_on_message,
+};

@@ -1,0 +1,210 @@
+/* The generate job: a KV-cache session on every stage of the plan. The
+ * last stage samples each token and feeds it to the first itself (the
+ * token ring); the coordinator relays the tokens to the client. A
+ * generation that loses a stage waits for the next plan and resumes there
+ * (up to --gen-resumes times), the coordinator replaying its tokens. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/log.h"
+#include "coord_impl.h"
+#include "net/genparams.h"
+
+typedef struct cgen {
+    /* ids holds the prompt, then the tokens produced */
+    int32_t *ids;
+    int prompt_len, produced;
+    int opening, acks; /* the session is opening: stages that took it */
+    /* a resumed generation: the coordinator feeds each token (the first
+     * `produced` from ids, replaying), `seen` of this session's so far */
+    int resumes, coord_feeds, seen;
+    nl_genparams params; /* the client's, then the session's */
+} cgen;
+
+/* Open the session on every stage of the plan. With limit, the last stage
+ * feeds its tokens to the first itself (the token ring) and this
+ * coordinator only relays them to the client; a resumed generation
+ * (coord_feeds) is fed by the coordinator, which replays its tokens. */
+static void open_session(nl_coord *c, cjob *j)
+{
+    cgen *g = j->state;
+    j->phase = JOB_RUNNING;
+    j->epoch = c->epoch;
+    j->last_progress = coord_now();
+    g->opening = 1;
+    g->acks = 0;
+    g->seen = 0;
+    nl_genparams session = g->params;
+    session.session = j->id;
+    session.limit = g->coord_feeds ? 0 : g->params.limit;
+    nl_wire_param ps[NL_GENPARAMS_SESSION_KEYS];
+    nl_genparams_session_wire(&session, ps);
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    for (int st = 0; st < c->plan->n_stages; st++) {
+        nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
+        m.u.job_submit = (nl_msg_job_submit){NL_JOB_GENERATE, NL_GENPARAMS_SESSION_KEYS, ps};
+        coord_send_node(c, coord_stage_node(c, st), &m);
+    }
+    nl_wire_msg_free(&m);
+}
+
+static void generate_submit(nl_coord *c, const nl_rx *rx)
+{
+    const nl_msg_job_submit *s = &rx->msg.u.job_submit;
+    int B = 0, T = 0;
+    const char *bad = coord_check_tokens(c, rx, &B, &T);
+    if (bad) {
+        coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, bad, NULL);
+        return;
+    }
+    cjob *j = coord_job_new(c, rx, &coord_generate_ops);
+    if (!j)
+        return;
+    cgen *g = j->state = calloc(1, sizeof *g);
+    if (!g) {
+        coord_job_free(j);
+        coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, "out of memory", NULL);
+        return;
+    }
+    nl_genparams *gp = &g->params;
+    nl_error e = {0};
+    const char *why = NULL;
+    if (nl_genparams_parse(gp, s->params, s->nparams, NL_GENPARAMS_REQUEST, &e) != NL_OK)
+        why = e.msg;
+    else if (B != 1 || T >= c->cfg.max_seq_len)
+        why = "generate needs one prompt [1, T] shorter than max_seq_len";
+    if (why) {
+        coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, why, NULL);
+        coord_job_free(j);
+        return;
+    }
+    gp->capacity = T + gp->max_new < c->cfg.max_seq_len ? T + gp->max_new : c->cfg.max_seq_len;
+    /* as local generation: stop at max_new tokens or a full cache */
+    gp->limit = gp->max_new < gp->capacity - T + 1 ? gp->max_new : gp->capacity - T + 1;
+    g->ids = malloc(((size_t)T + (size_t)gp->limit) * sizeof *g->ids);
+    if (!g->ids) {
+        coord_job_free(j);
+        coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, "out of memory", NULL);
+        return;
+    }
+    memcpy(g->ids, rx->msg.frames[0].t.data, (size_t)T * sizeof *g->ids);
+    g->prompt_len = T;
+    coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0,
+                    "opening a session on every stage", NULL);
+    open_session(c, j);
+}
+
+/* A stage took the session; once all have, the prompt goes in. */
+static void on_ack(nl_coord *c, cjob *j)
+{
+    cgen *g = j->state;
+    if (!g->opening || j->phase != JOB_RUNNING || j->epoch != c->epoch)
+        return;
+    j->last_progress = coord_now();
+    if (++g->acks < c->plan->n_stages)
+        return;
+    g->opening = 0;
+    if (coord_send_tokens(c, j, j->id, 0, g->ids, 1, g->prompt_len) != NL_OK)
+        coord_fail_unreachable_first(c, j);
+}
+
+/* A token from the last stage: replayed ones are checked and fed, new
+ * ones go to the client. */
+static void on_token(nl_coord *c, cjob *j, const nl_rx *rx)
+{
+    cgen *g = j->state;
+    const nl_msg_token *t = &rx->msg.u.token;
+    if (j->phase != JOB_RUNNING || g->opening || t->ntokens != 1 || !coord_from_last_stage(c, rx))
+        return;
+    j->last_progress = coord_now();
+    const int32_t tok = (int32_t)t->tokens[0];
+    const int k = g->seen++; /* the session's token k (0-based) */
+    if (k < g->produced) {   /* a resumed session replays what the client has */
+        const int32_t had = g->ids[g->prompt_len + k];
+        if (tok != had)
+            NL_WARN("job %llu: the replay gave token %d at position %d, where %d was sent; going "
+                    "on with %d",
+                    (unsigned long long)j->id, tok, g->prompt_len + k, had, had);
+        if (k + 1 == g->produced)
+            NL_INFO("job %llu: replayed %d tokens; resumed", (unsigned long long)j->id, k + 1);
+        if (coord_send_tokens(c, j, j->id, (uint64_t)(g->prompt_len + k), &had, 1, 1) != NL_OK)
+            coord_fail_unreachable_first(c, j);
+        return;
+    }
+    g->ids[g->prompt_len + g->produced++] = tok;
+    const int done = g->produced >= g->params.limit;
+    nl_wire_msg m;
+    nl_error e = {0};
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_TOKEN);
+    m.u.token = (nl_msg_token){j->id, j->id, 1, t->tokens, done};
+    if (nl_sock_send(c->ctl, j->rid, j->rid_len, &m, &e) != NL_OK)
+        NL_WARN("TOKEN to the client of job %llu: %s", (unsigned long long)j->id, e.msg);
+    nl_wire_msg_free(&m);
+    if (done) { /* the last stage fed nothing more */
+        coord_close_session(c, j);
+        coord_job_free(j);
+    } else if (g->coord_feeds &&
+               coord_send_tokens(c, j, j->id, (uint64_t)(g->prompt_len + k), &tok, 1, 1) != NL_OK) {
+        coord_fail_unreachable_first(c, j);
+    }
+}
+
+static void generate_on_message(nl_coord *c, cjob *j, const nl_rx *rx)
+{
+    if (rx->msg.type == NL_MSG_JOB_STATUS)
+        on_ack(c, j);
+    else if (rx->msg.type == NL_MSG_TOKEN)
+        on_token(c, j, rx);
+}
+
+/* A stage is lost: wait for the next plan, resuming at the next token,
+ * unless it has resumed --gen-resumes times already. */
+static int generate_stage_lost(nl_coord *c, cjob *j, const char *why)
+{
+    cgen *g = j->state;
+    if (j->phase == JOB_WAITING)
+        return 1;
+    if (g->resumes >= c->o.gen_resumes)
+        return 0;
+    g->resumes++;
+    g->coord_feeds = 1;
+    j->phase = JOB_WAITING;
+    j->last_progress = coord_now();
+    char msg[900];
+    snprintf(msg, sizeof msg,
+             "%s; resuming at token %d once the cluster is planned again (resume %d of %d)", why,
+             g->produced + 1, g->resumes, c->o.gen_resumes);
+    NL_WARN("job %llu: %s", (unsigned long long)j->id, msg);
+    coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, msg, NULL);
+    return 1;
+}
+
+static void generate_ready(nl_coord *c, cjob *j)
+{
+    NL_INFO("job %llu: reopening its session on plan %llu, to replay %d tokens",
+            (unsigned long long)j->id, (unsigned long long)c->epoch, ((cgen *)j->state)->produced);
+    open_session(c, j);
+}
+
+static void generate_free(cjob *j)
+{
+    cgen *g = j->state;
+    if (g)
+        free(g->ids);
+    free(g);
+    j->state = NULL;
+}
+
+const cjob_ops coord_generate_ops = {
+    .kind = NL_JOB_GENERATE,
+    .name = "generate",
+    .submit = generate_submit,
+    .on_message = generate_on_message,
+    .stage_lost = generate_stage_lost,
+    .ready = generate_ready,
+    .abort = coord_close_session,
+    .free = generate_free,
+};

@@ -1,0 +1,52 @@
+/* The parameters of a generation job, one schema for everyone who reads
+ * them: the coordinator reading a client's JOB_SUBMIT generate, and a node
+ * reading the coordinator's JOB_SUBMIT that opens a session on its stage.
+ *
+ *   key          type     range            default  in
+ *   max_new      integer  1 .. 2^20        32       a client's request
+ *   temperature  number   0 .. 1e6         0.8      both (0: greedy)
+ *   top_p        number   (0, 1]           0.95     both
+ *   seed         integer  >= 0             0        both
+ *   session      integer  >= 1             required a session
+ *   capacity     integer  1 .. 2^31 - 1    required a session
+ *   limit        integer  0 .. 2^31 - 1    0        a session
+ *
+ * A number may come as an integer or a float (`temperature: 0` is 0); an
+ * integer must come as one. A value of the wrong type or out of range is
+ * NL_ERR_RANGE and a missing required key NL_ERR_PROTO, each with a
+ * message naming the key: never a silent default. Keys of the other use,
+ * and unknown keys, are ignored. */
+#ifndef NL_GENPARAMS_H
+#define NL_GENPARAMS_H
+
+#include <stdint.h>
+
+#include "../base/status.h"
+#include "wire.h"
+
+typedef enum { NL_GENPARAMS_REQUEST = 0, NL_GENPARAMS_SESSION } nl_genparams_use;
+
+typedef struct nl_genparams {
+    int max_new;
+    double temperature, top_p;
+    int64_t seed;
+    uint64_t session; /* the generation job's id */
+    int capacity;     /* positions of the session's KV cache */
+    int limit;        /* tokens the last stage feeds back itself (the token ring); 0: none */
+} nl_genparams;
+
+#define NL_GENPARAMS_SESSION_KEYS 6
+
+/* The defaults of the table above (session and capacity 0). */
+void nl_genparams_defaults(nl_genparams *p);
+
+/* Read params[0..n) for `use` into p (defaults first). Keys are read in
+ * the table's order, so p->session is set before a later key can fail. */
+nl_status nl_genparams_parse(nl_genparams *p, const nl_wire_param *params, uint32_t n,
+                             nl_genparams_use use, nl_error *err);
+
+/* The session's parameters as NL_GENPARAMS_SESSION_KEYS wire params in
+ * out (their keys are static strings). */
+void nl_genparams_session_wire(const nl_genparams *p, nl_wire_param *out);
+
+#endif

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# A join at rest (issue 22): a cluster of one node serves the whole model;
+# a second node joins; within seconds the coordinator plans two stages
+# (the planner's bottleneck halves, beyond --replan-margin), logs the old
+# and new plan, and the stages reload from the checkpoint; forward through
+# the two stages equals the local forward.
+set -uo pipefail
+N="$NL_BUILD_DIR/cli/neuroctl"
+NODE="$NL_BUILD_DIR/node/neuronode"
+DEV=(--device "${NL_TEST_DEVICE:-cpu}")
+# equal, fixed throughputs: the plan does not depend on probes disturbed by
+# tests running beside this one
+export NL_TEST_GFLOPS=20
+W=$(mktemp -d)
+C="$W/cluster"
+extra=0
+cleanup() {
+  [ "$extra" -gt 0 ] && kill "$extra" 2>/dev/null && wait "$extra" 2>/dev/null
+  "$N" cluster down --dir "$C" >/dev/null 2>&1
+  rm -rf "$W"
+}
+trap cleanup EXIT
+pass=0
+fail=0
+check() { if "$@"; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL: $*" >&2; fi; }
+PY=/usr/bin/python3
+
+cat > "$W/cfg.yaml" <<'YAML'
+hidden_dim: 64
+num_layers: 6
+num_heads: 4
+num_kv_heads: 2
+ffn_dim: 64
+num_experts: 4
+vocab_size: 256
+vocab_chunk: 256
+max_seq_len: 256
+YAML
+check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
+check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 1 --model "$W/m.safetensors" --memory 64M \
+  --threads 1 --node-timeout-ms 2000 --timeout 60
+check test "$("$N" status --cluster "$C" | grep -c serving)" -eq 1
+
+# a second node, with a key the coordinator is told about (SIGHUP)
+"$N" keygen --out "$W/extra" >/dev/null
+echo "$(cat "$W/extra.pub")  # extra" >> "$C/coord/authorized_keys"
+kill -HUP "$(cat "$C/coord.pid")"
+sleep 0.5
+"$NODE" join "${DEV[@]}" "$(cat "$C/coord/endpoint")" --key "$W/extra.key" \
+  --coordinator-key "$C/coord/coordinator.pub" --memory 64M --threads 1 --name extra \
+  > "$W/extra.log" 2>&1 &
+extra=$!
+t0=$(date +%s.%N)
+serving=0
+for i in $(seq 1 100); do
+  serving=$("$N" status --cluster "$C" 2>/dev/null | grep -c serving)
+  [ "$serving" -eq 2 ] && "$N" status --cluster "$C" 2>/dev/null | grep -q ready && break
+  sleep 0.1
+done
+t1=$(date +%s.%N)
+elapsed=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.2f", b - a }')
+echo "two stages serving $elapsed s after the second node started"
+check test "$serving" -eq 2
+check awk -v e="$elapsed" 'BEGIN { exit !(e <= 8.0) }'
+check grep -q "re-plan at rest: bottleneck" "$C/coord.log"
+check grep -q "plan old: stage 0" "$C/coord.log"
+check grep -q "plan new: stage 1" "$C/coord.log"
+
+# forward through the two stages equals the local forward
+$PY - "$W" <<'PY'
+import json, struct, sys
+w = sys.argv[1]
+toks = [(i * 37 + 11) % 256 for i in range(2 * 17)]
+h = json.dumps({"tokens": {"dtype": "I32", "shape": [2, 17], "data_offsets": [0, 4 * len(toks)]}}).encode()
+h += b" " * (-len(h) % 8)
+open(w + "/in.safetensors", "wb").write(struct.pack("<Q", len(h)) + h + struct.pack("<%di" % len(toks), *toks))
+PY
+check "$N" forward "${DEV[@]}" --model "$W/m.safetensors" --tokens "$W/in.safetensors" \
+  --out "$W/local.safetensors" --threads 1
+check "$N" forward --cluster "$C" --tokens "$W/in.safetensors" --out "$W/remote.safetensors"
+check $PY - "$W/local.safetensors" "$W/remote.safetensors" <<'PY'
+import json, struct, sys
+def load(p):
+    b = open(p, "rb").read(); n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n])
+    out = {}
+    for k, v in h.items():
+        if k == "__metadata__": continue
+        s, e = v["data_offsets"]; raw = b[8 + n + s: 8 + n + e]
+        out[k] = (v["shape"], struct.unpack("<%df" % (len(raw) // 4), raw))
+    return out
+a, b = load(sys.argv[1]), load(sys.argv[2])
+assert a["logits"][0] == b["logits"][0], (a["logits"][0], b["logits"][0])
+d = max(abs(x - y) for x, y in zip(a["logits"][1], b["logits"][1]))
+print("forward after the join: max abs diff %.3g" % d)
+assert d <= 1e-6, d
+PY
+
+echo "test_cluster_join: $pass passed, $fail failed"
+[ "$fail" -eq 0 ]

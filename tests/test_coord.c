@@ -1,0 +1,693 @@
+/* Unit tests of the coordinator's state machines, in-process: one
+ * nl_coord driven turn by turn (nl_coord_step) against fake nodes and a
+ * fake client, plain DEALER sockets on loopback that the test scripts.
+ *
+ *  - join -> plan: two nodes join; once both are in (--min-nodes 2) the
+ *    coordinator plans two stages, sends each an ASSIGN (contiguous layers
+ *    covering the model, the embedding on the first, the head on the last,
+ *    each other's data endpoints as neighbours) and LOAD_DONE {tensors 0}
+ *    (the seed); the cluster is ready when both answer LOAD_DONE;
+ *  - a forward job routed through the fake stages: the client's tokens go
+ *    to stage 0 as an ACTIVATION, a RESULT from a stage that is not the last
+ *    is ignored, the last stage's RESULT reaches the client bit for bit,
+ *    then JOB_STATUS done; bad submissions fail with a message;
+ *  - a generation: the session every stage opens carries the client's
+ *    parameters as the shared schema reads them (an integer temperature 0
+ *    is 0); the last stage's tokens reach the client, the last one done,
+ *    and the session closes; a wrong type fails naming the key;
+ *  - a node's death: a node whose heartbeats stop is declared dead after
+ *    the timeout, the forward job in flight fails naming it, and the
+ *    coordinator re-plans the whole model onto the node left;
+ *  - a join at rest: the dead node comes back and the coordinator plans
+ *    two stages again within seconds; a slow node's join gains less than
+ *    --replan-margin and leaves the plan as it is;
+ *  - slow work off the loop: a training job whose data is a FIFO nobody
+ *    writes yet blocks only its worker: heartbeats and queries are served,
+ *    no node dies and the job does not time out meanwhile. */
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "../base/log.h"
+#include "../coordinator/coord.h"
+#include "../net/transport.h"
+#include "check.h"
+
+#define WAIT_S 10.0 /* for a message that must arrive */
+#define HB_MS 50
+#define TIMEOUT_MS 600
+
+static nl_coord *coord;
+static nl_net *net;
+static char tmpdir[256];
+
+typedef struct fake {
+    nl_sock *sock;
+    char key[41];      /* what its JOIN calls its key (plaintext: any text) */
+    char endpoint[64]; /* its (pretended) data endpoint */
+    uint32_t id;       /* from ACCEPT */
+    int beating;       /* sends heartbeats while the test pumps */
+    double last_beat;
+    uint64_t seq;
+} fake;
+
+static fake nodes[3], client;
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void fake_open(fake *f, const char *key, const char *endpoint)
+{
+    nl_error err = {0};
+    memset(f, 0, sizeof *f);
+    /* a JOIN names a key of 40 characters (Z85) */
+    snprintf(f->key, sizeof f->key, "%s0000000000000000000000000000000000000000", key);
+    snprintf(f->endpoint, sizeof f->endpoint, "%s", endpoint);
+    nl_sock_opts o = {.type = ZMQ_DEALER, .plaintext = true, .name = "fake", .linger_ms = 0};
+    CHECK_OK(nl_sock_new(&f->sock, net, &o, &err), &err);
+    CHECK_OK(nl_sock_connect(f->sock, nl_coord_endpoint(coord), &err), &err);
+}
+
+static void fake_send(fake *f, nl_wire_msg *m)
+{
+    nl_error err = {0};
+    CHECK_OK(nl_sock_send(f->sock, NULL, 0, m, &err), &err);
+    nl_wire_msg_free(m);
+}
+
+static void heartbeats(void)
+{
+    const double t = now_s();
+    for (int i = 0; i < 3; i++) {
+        fake *f = &nodes[i];
+        if (!f->beating || (t - f->last_beat) * 1e3 < HB_MS)
+            continue;
+        nl_wire_msg m;
+        nl_wire_msg_init(&m);
+        nl_wire_msg_reset(&m, NL_MSG_HEARTBEAT);
+        m.u.heartbeat = (nl_msg_heartbeat){f->id, ++f->seq, 0, 0.0};
+        fake_send(f, &m);
+        f->last_beat = t;
+    }
+}
+
+/* Turn the coordinator's loop (and the fake nodes' heartbeats) until f
+ * receives a message of type want into rx; other messages to f are
+ * skipped. Returns 0 on time out. */
+static int pump_until(fake *f, nl_msg_type want, nl_rx *rx)
+{
+    const double t0 = now_s();
+    while (now_s() - t0 < WAIT_S) {
+        nl_coord_step(coord, 5);
+        heartbeats();
+        nl_error err = {0};
+        nl_rx_free(rx);
+        nl_rx_init(rx);
+        if (nl_sock_recv(f->sock, rx, 0, &err) != NL_OK)
+            continue;
+        if (rx->msg.type == want)
+            return 1;
+        NL_DEBUG("%s: skipped %s", f->key, nl_wire_type_name(rx->msg.type));
+    }
+    fprintf(stderr, "%s: no %s within %.0f s (coordinator: %s)\n", f->key, nl_wire_type_name(want),
+            WAIT_S, nl_coord_state(coord));
+    return 0;
+}
+
+/* Turn the loop until the coordinator's state begins with prefix. */
+static int pump_state(const char *prefix)
+{
+    const double t0 = now_s();
+    while (now_s() - t0 < WAIT_S) {
+        if (strncmp(nl_coord_state(coord), prefix, strlen(prefix)) == 0)
+            return 1;
+        nl_coord_step(coord, 5);
+        heartbeats();
+    }
+    fprintf(stderr, "state '%s' is not '%s...'\n", nl_coord_state(coord), prefix);
+    return 0;
+}
+
+/* A pump that must succeed: counted as a check. */
+#define CHECK_PUMP(call) check_pump((call), #call)
+
+static int check_pump(int ok, const char *what)
+{
+    CHECK(ok, "%s", what);
+    return ok;
+}
+
+/* ---------------------------------------------------------------- setup */
+
+static void start_coord(void)
+{
+    char cfg[512];
+    snprintf(tmpdir, sizeof tmpdir, "/tmp/nl_test_coord_XXXXXX");
+    CHECK(mkdtemp(tmpdir) != NULL, "mkdtemp");
+    snprintf(cfg, sizeof cfg, "%s/cfg.yaml", tmpdir);
+    FILE *fp = fopen(cfg, "w");
+    CHECK(fp != NULL, "%s", cfg);
+    if (!fp)
+        exit(1);
+    fputs("hidden_dim: 64\nnum_layers: 6\nnum_heads: 4\nnum_kv_heads: 2\nffn_dim: 64\n"
+          "num_experts: 4\nvocab_size: 256\nvocab_chunk: 256\nmax_seq_len: 256\n",
+          fp);
+    fclose(fp);
+    nl_coord_opts o;
+    nl_coord_opts_init(&o);
+    o.listen = "tcp://127.0.0.1:*";
+    o.state_dir = tmpdir;
+    o.config = cfg;
+    o.seed = 7;
+    o.min_nodes = 2;
+    o.heartbeat_ms = HB_MS;
+    o.node_timeout_ms = TIMEOUT_MS;
+    o.job_timeout_ms = 2 * TIMEOUT_MS;
+    o.plaintext = 1;
+    nl_error err = {0};
+    CHECK_OK(nl_coord_new(&coord, &o, &err), &err);
+    if (!coord)
+        exit(1);
+    CHECK(strncmp(nl_coord_endpoint(coord), "tcp://127.0.0.1:", 16) == 0, "endpoint %s",
+          nl_coord_endpoint(coord));
+}
+
+/* ---------------------------------------------------------------- join -> plan */
+
+static void join(fake *f, double gflops)
+{
+    nl_wire_msg m;
+    nl_rx rx;
+    nl_rx_init(&rx);
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOIN);
+    /* slow nodes: compute outweighs the hop, so the planner uses both */
+    m.u.join = (nl_msg_join){f->key, "cpu", 1ull << 30, gflops, 1, f->endpoint};
+    fake_send(f, &m);
+    if (pump_until(f, NL_MSG_ACCEPT, &rx)) {
+        f->id = rx.msg.u.accept.node_id;
+        CHECK(f->id > 0 && rx.msg.u.accept.heartbeat_ms == HB_MS &&
+                  rx.msg.u.accept.timeout_ms == TIMEOUT_MS,
+              "ACCEPT %u %u %u", f->id, rx.msg.u.accept.heartbeat_ms, rx.msg.u.accept.timeout_ms);
+        f->beating = 1;
+    }
+    nl_rx_free(&rx);
+}
+
+typedef struct assigned {
+    uint64_t epoch;
+    uint32_t stage, nstages, l0, l1;
+    bool embed, head;
+    char prev[64], next[64];
+} assigned;
+
+/* f's ASSIGN, then the coordinator's LOAD_DONE (from the seed: no
+ * tensors), answered with f's own LOAD_DONE. */
+static int take_plan(fake *f, assigned *a)
+{
+    nl_rx rx;
+    nl_rx_init(&rx);
+    int ok = pump_until(f, NL_MSG_ASSIGN, &rx);
+    if (ok) {
+        const nl_msg_assign *s = &rx.msg.u.assign;
+        *a = (assigned){.epoch = s->epoch,
+                        .stage = s->stage,
+                        .nstages = s->num_stages,
+                        .l0 = s->layer0,
+                        .l1 = s->layer1,
+                        .embed = s->has_embed,
+                        .head = s->has_head};
+        snprintf(a->prev, sizeof a->prev, "%s", s->prev_endpoint);
+        snprintf(a->next, sizeof a->next, "%s", s->next_endpoint);
+        CHECK(s->node_id == f->id && s->seed == 7, "ASSIGN node %u seed %llu", s->node_id,
+              (unsigned long long)s->seed);
+    }
+    ok = ok && pump_until(f, NL_MSG_LOAD_DONE, &rx);
+    if (ok) {
+        CHECK(rx.msg.u.load_done.epoch == a->epoch && rx.msg.u.load_done.tensors == 0,
+              "LOAD_DONE epoch %llu tensors %u", (unsigned long long)rx.msg.u.load_done.epoch,
+              rx.msg.u.load_done.tensors);
+        nl_wire_msg m;
+        nl_wire_msg_init(&m);
+        nl_wire_msg_reset(&m, NL_MSG_LOAD_DONE);
+        m.u.load_done = (nl_msg_load_done){a->epoch, f->id, 0, 1000};
+        fake_send(f, &m);
+    }
+    nl_rx_free(&rx);
+    return ok;
+}
+
+/* Which fake node holds stage s of the plan in a[]. */
+static fake *stage_of(const assigned *a, uint32_t s)
+{
+    for (int i = 0; i < 2; i++)
+        if (a[i].stage == s)
+            return &nodes[i];
+    return NULL;
+}
+
+static int test_join_plan(assigned *a)
+{
+    fake_open(&nodes[0], "fakeNodeA", "tcp://127.0.0.1:1");
+    fake_open(&nodes[1], "fakeNodeB", "tcp://127.0.0.1:2");
+    join(&nodes[0], 0.5);
+    /* one node of the two it waits for: no plan yet */
+    for (int i = 0; i < 50; i++)
+        nl_coord_step(coord, 2);
+    CHECK(strstr(nl_coord_state(coord), "1 of 2 joined") != NULL, "state %s",
+          nl_coord_state(coord));
+    join(&nodes[1], 0.5);
+    if (!take_plan(&nodes[0], &a[0]) || !take_plan(&nodes[1], &a[1]))
+        return 0;
+    CHECK(a[0].epoch == a[1].epoch && a[0].nstages == 2 && a[1].nstages == 2 &&
+              a[0].stage != a[1].stage,
+          "plan: epochs %llu %llu, stages %u/%u %u/%u", (unsigned long long)a[0].epoch,
+          (unsigned long long)a[1].epoch, a[0].stage, a[0].nstages, a[1].stage, a[1].nstages);
+    const assigned *s0 = a[0].stage == 0 ? &a[0] : &a[1], *s1 = a[0].stage == 0 ? &a[1] : &a[0];
+    const fake *n0 = stage_of(a, 0), *n1 = stage_of(a, 1);
+    CHECK(s0->l0 == 0 && s0->l1 == s1->l0 && s1->l1 == 6 && s0->l1 > 0 && s0->l1 < 6,
+          "layers [%u, %u) [%u, %u)", s0->l0, s0->l1, s1->l0, s1->l1);
+    CHECK(s0->embed && !s0->head && !s1->embed && s1->head, "embed/head on the wrong stage");
+    CHECK(n0 && n1 && strcmp(s0->next, n1->endpoint) == 0 && strcmp(s1->prev, n0->endpoint) == 0,
+          "neighbours: stage 0 next %s, stage 1 prev %s", s0->next, s1->prev);
+    CHECK(pump_state("ready: 2 stages"), "not ready");
+    return 1;
+}
+
+/* ---------------------------------------------------------------- forward */
+
+static void submit_forward(const int32_t *ids, int64_t B, int64_t T)
+{
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
+    m.u.job_submit = (nl_msg_job_submit){NL_JOB_FORWARD, 0, NULL};
+    const int64_t shape[2] = {B, T};
+    nl_wire_frame_set(&m.frames[0], ids, NL_DTYPE_I32, shape, 2);
+    m.nframes = 1;
+    fake_send(&client, &m);
+}
+
+/* The client's next JOB_STATUS: its job id, state, and message. */
+static int client_status(uint64_t *job, uint32_t *state, char *msg, size_t cap)
+{
+    nl_rx rx;
+    nl_rx_init(&rx);
+    int ok = pump_until(&client, NL_MSG_JOB_STATUS, &rx);
+    if (ok) {
+        *job = rx.msg.u.job_status.job_id;
+        *state = rx.msg.u.job_status.state;
+        snprintf(msg, cap, "%s", rx.msg.u.job_status.message);
+    }
+    nl_rx_free(&rx);
+    return ok;
+}
+
+static void send_result(fake *f, uint64_t job, const float *logits, int64_t n)
+{
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_RESULT);
+    m.u.hop = (nl_msg_tensor_hop){job, 0, 0, 0, 0, 0.25};
+    const int64_t shape[3] = {1, n / 8, 8};
+    nl_wire_frame_set(&m.frames[0], logits, NL_DTYPE_F32, shape, 3);
+    m.nframes = 1;
+    fake_send(f, &m);
+}
+
+/* Submit a forward job; stage 0 gets the tokens. Returns the job id. */
+static uint64_t start_forward(fake *first, const int32_t *ids, int T)
+{
+    uint64_t job = 0;
+    uint32_t state = 0;
+    char msg[256];
+    nl_rx rx;
+    nl_rx_init(&rx);
+    submit_forward(ids, 1, T);
+    CHECK(client_status(&job, &state, msg, sizeof msg) && job > 0 && state == NL_JOB_RUNNING,
+          "submit: job %llu state %u: %s", (unsigned long long)job, state, msg);
+    if (pump_until(first, NL_MSG_ACTIVATION, &rx)) {
+        const nl_tensor *t = &rx.msg.frames[0].t;
+        CHECK(rx.msg.u.hop.job_id == job && rx.msg.nframes == 1 && t->dtype == NL_DTYPE_I32 &&
+                  t->ndim == 2 && t->shape[0] == 1 && t->shape[1] == T &&
+                  memcmp(t->data, ids, (size_t)T * 4) == 0,
+              "ACTIVATION to stage 0: job %llu, %d frames", (unsigned long long)rx.msg.u.hop.job_id,
+              rx.msg.nframes);
+    }
+    nl_rx_free(&rx);
+    return job;
+}
+
+static void test_forward(const assigned *a)
+{
+    fake *first = stage_of(a, 0), *last = stage_of(a, 1);
+    fake_open(&client, "fakeClient", "");
+    const int32_t ids[5] = {1, 2, 3, 250, 4};
+    uint64_t job = start_forward(first, ids, 5), j2 = 0;
+    float logits[16], other[16];
+    for (int i = 0; i < 16; i++) {
+        logits[i] = 0.5f * (float)i - 3.0f;
+        other[i] = -1.0f;
+    }
+    send_result(first, job, other, 16); /* not the last stage: ignored */
+    send_result(last, job, logits, 16);
+    nl_rx rx;
+    nl_rx_init(&rx);
+    if (pump_until(&client, NL_MSG_RESULT, &rx)) {
+        const nl_tensor *t = &rx.msg.frames[0].t;
+        CHECK(rx.msg.u.hop.job_id == job && t->dtype == NL_DTYPE_F32 && t->ndim == 3 &&
+                  t->shape[2] == 8 && memcmp(t->data, logits, sizeof logits) == 0 &&
+                  rx.msg.u.hop.aux == 0.25,
+              "RESULT to the client differs from the last stage's");
+    }
+    nl_rx_free(&rx);
+    uint32_t state = 0;
+    char msg[256];
+    CHECK(client_status(&j2, &state, msg, sizeof msg) && j2 == job && state == NL_JOB_DONE,
+          "after the result: job %llu state %u: %s", (unsigned long long)j2, state, msg);
+    /* a token outside the vocabulary fails at once, naming why */
+    const int32_t bad[2] = {1, 256};
+    submit_forward(bad, 1, 2);
+    CHECK(client_status(&j2, &state, msg, sizeof msg) && state == NL_JOB_FAILED &&
+              strstr(msg, "vocabulary"),
+          "bad token: state %u: %s", state, msg);
+}
+
+/* ---------------------------------------------------------------- generate */
+
+static void node_status(fake *f, uint64_t job, uint32_t state, const char *msg)
+{
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOB_STATUS);
+    m.u.job_status = (nl_msg_job_status){job, state, 0.0, msg};
+    fake_send(f, &m);
+}
+
+static void send_token(fake *f, uint64_t job, uint32_t tok)
+{
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_TOKEN);
+    m.u.token = (nl_msg_token){job, job, 1, &tok, false};
+    fake_send(f, &m);
+}
+
+/* A generation: its parameters as the client sent them, read by the shared
+ * schema (an integer temperature 0 is 0 in the session every stage opens),
+ * a session on each stage, the prompt to stage 0 once both took it, the
+ * last stage's tokens relayed to the client, the last one marked done and
+ * the session closed on every stage. A wrong type fails at once, naming
+ * the key. */
+static void test_generate(const assigned *a)
+{
+    fake *first = stage_of(a, 0), *last = stage_of(a, 1);
+    const int32_t prompt[3] = {4, 5, 6};
+    const int64_t shape[2] = {1, 3};
+    nl_wire_param ps[3] = {{.key = "max_new", .kind = NL_WIRE_PARAM_INT, .i = 2},
+                           {.key = "temperature", .kind = NL_WIRE_PARAM_INT, .i = 0},
+                           {.key = "seed", .kind = NL_WIRE_PARAM_INT, .i = 11}};
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
+    m.u.job_submit = (nl_msg_job_submit){NL_JOB_GENERATE, 3, ps};
+    nl_wire_frame_set(&m.frames[0], prompt, NL_DTYPE_I32, shape, 2);
+    m.nframes = 1;
+    fake_send(&client, &m);
+    uint64_t job = 0, j2 = 0;
+    uint32_t state = 0;
+    char msg[512];
+    CHECK(client_status(&job, &state, msg, sizeof msg) && state == NL_JOB_RUNNING, "generate: %s",
+          msg);
+    nl_rx rx;
+    nl_rx_init(&rx);
+    for (int i = 0; i < 2; i++)
+        if (CHECK_PUMP(pump_until(&nodes[i], NL_MSG_JOB_SUBMIT, &rx))) {
+            nl_msg_job_submit *js = &rx.msg.u.job_submit;
+            double t = -1, top = -1;
+            int64_t session = -1, cap = -1, lim = -1;
+            for (uint32_t k = 0; k < js->nparams; k++) {
+                const nl_wire_param *q = &js->params[k];
+                if (!strcmp(q->key, "temperature"))
+                    t = q->f;
+                else if (!strcmp(q->key, "top_p"))
+                    top = q->f;
+                else if (!strcmp(q->key, "session"))
+                    session = q->i;
+                else if (!strcmp(q->key, "capacity"))
+                    cap = q->i;
+                else if (!strcmp(q->key, "limit"))
+                    lim = q->i;
+            }
+            CHECK(js->kind == NL_JOB_GENERATE && t == 0.0 && top == 0.95 &&
+                      session == (int64_t)job && cap == 5 && lim == 2,
+                  "session on node %d: temperature %g top_p %g session %lld capacity %lld limit "
+                  "%lld",
+                  i, t, top, (long long)session, (long long)cap, (long long)lim);
+        }
+    node_status(first, job, NL_JOB_RUNNING, "session open");
+    node_status(last, job, NL_JOB_RUNNING, "session open");
+    if (pump_until(first, NL_MSG_ACTIVATION, &rx))
+        CHECK(rx.msg.u.hop.session_id == job && rx.msg.frames[0].t.shape[1] == 3 &&
+                  memcmp(rx.msg.frames[0].t.data, prompt, sizeof prompt) == 0,
+              "the prompt to stage 0");
+    send_token(first, job, 99); /* not the last stage: ignored */
+    send_token(last, job, 17);
+    send_token(last, job, 23);
+    const uint32_t want[2] = {17, 23};
+    for (int k = 0; k < 2; k++)
+        if (CHECK_PUMP(pump_until(&client, NL_MSG_TOKEN, &rx)))
+            CHECK(rx.msg.u.token.job_id == job && rx.msg.u.token.ntokens == 1 &&
+                      rx.msg.u.token.tokens[0] == want[k] && rx.msg.u.token.done == (k == 1),
+                  "token %d: %u done %d", k, rx.msg.u.token.tokens[0], rx.msg.u.token.done);
+    for (int i = 0; i < 2; i++)
+        CHECK(pump_until(&nodes[i], NL_MSG_JOB_CANCEL, &rx) && rx.msg.u.job_ref.job_id == job,
+              "the session stays open on node %d", i);
+    nl_rx_free(&rx);
+    /* a wrong type: a typed error naming the key, not a default */
+    ps[1] = (nl_wire_param){.key = "temperature", .kind = NL_WIRE_PARAM_STR, .s = "0"};
+    nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
+    m.u.job_submit = (nl_msg_job_submit){NL_JOB_GENERATE, 3, ps};
+    nl_wire_frame_set(&m.frames[0], prompt, NL_DTYPE_I32, shape, 2);
+    m.nframes = 1;
+    fake_send(&client, &m);
+    CHECK(client_status(&j2, &state, msg, sizeof msg) && state == NL_JOB_FAILED &&
+              strstr(msg, "temperature"),
+          "temperature as text: state %u: %s", state, msg);
+}
+
+/* ---------------------------------------------------------------- slow work */
+
+/* A query to the coordinator is answered (the loop is not blocked). */
+static int answers_query(void)
+{
+    nl_wire_msg m;
+    nl_rx rx;
+    nl_rx_init(&rx);
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOB_QUERY);
+    m.u.job_ref.job_id = 0;
+    fake_send(&client, &m);
+    int ok = pump_until(&client, NL_MSG_JOB_STATUS, &rx) && rx.msg.u.job_status.job_id == 0 &&
+             rx.msg.nframes == 1;
+    nl_rx_free(&rx);
+    return ok;
+}
+
+/* A training job's data is read by a worker: here a FIFO that no one
+ * writes yet, so the read blocks. Meanwhile the loop serves heartbeats
+ * and queries (no node dies, though the wait is longer than the node
+ * timeout), and the job, whose worker is busy, does not time out. Once
+ * the FIFO is closed the job begins; cancelled, its stages reload. */
+static void test_slow_work(assigned *a)
+{
+    char fifo[300];
+    snprintf(fifo, sizeof fifo, "%s/data.fifo", tmpdir);
+    CHECK(mkfifo(fifo, 0600) == 0, "mkfifo %s", fifo);
+    nl_wire_param ps[] = {
+        {.key = "steps", .kind = NL_WIRE_PARAM_INT, .i = 2},
+        {.key = "batch", .kind = NL_WIRE_PARAM_INT, .i = 2},
+        {.key = "seq", .kind = NL_WIRE_PARAM_INT, .i = 8},
+        {.key = "microbatches", .kind = NL_WIRE_PARAM_INT, .i = 1},
+        {.key = "seed", .kind = NL_WIRE_PARAM_INT, .i = 1},
+        {.key = "warmup", .kind = NL_WIRE_PARAM_INT, .i = 0},
+        {.key = "eval_every", .kind = NL_WIRE_PARAM_INT, .i = 0},
+        {.key = "eval_batches", .kind = NL_WIRE_PARAM_INT, .i = 1},
+        {.key = "checkpoint_every", .kind = NL_WIRE_PARAM_INT, .i = 0},
+        {.key = "lr", .kind = NL_WIRE_PARAM_FLOAT, .f = 1e-3},
+        {.key = "min_lr", .kind = NL_WIRE_PARAM_FLOAT, .f = 1e-4},
+        {.key = "holdout", .kind = NL_WIRE_PARAM_FLOAT, .f = 0.0},
+        {.key = "data", .kind = NL_WIRE_PARAM_STR, .s = fifo},
+        {.key = "checkpoint_dir", .kind = NL_WIRE_PARAM_STR, .s = tmpdir},
+    };
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
+    m.u.job_submit = (nl_msg_job_submit){NL_JOB_TRAIN, sizeof ps / sizeof ps[0], ps};
+    fake_send(&client, &m);
+    uint64_t job = 0, j2 = 0;
+    uint32_t state = 0;
+    char msg[512];
+    CHECK(client_status(&job, &state, msg, sizeof msg) && state == NL_JOB_RUNNING, "train: %s",
+          msg);
+    const double t0 = now_s();
+    while (now_s() - t0 < 2.5 * TIMEOUT_MS * 1e-3) {
+        nl_coord_step(coord, 5);
+        heartbeats();
+    }
+    CHECK(answers_query(), "no answer to a query while a worker reads the data");
+    CHECK(strncmp(nl_coord_state(coord), "ready: 2 stages", 15) == 0,
+          "while a worker reads the data: %s", nl_coord_state(coord));
+    int fd = open(fifo, O_WRONLY | O_NONBLOCK); /* the worker waits on its end */
+    CHECK(fd >= 0, "open %s for writing", fifo);
+    if (fd >= 0)
+        close(fd);
+    /* the data is read (a FIFO has no size: empty): the job begins */
+    CHECK(client_status(&j2, &state, msg, sizeof msg) && j2 == job && state == NL_JOB_RUNNING &&
+              strcmp(msg, "starting") == 0,
+          "train after the data: job %llu state %u: %s", (unsigned long long)j2, state, msg);
+    nl_rx rx;
+    nl_rx_init(&rx);
+    for (int i = 0; i < 2; i++)
+        CHECK(pump_until(&nodes[i], NL_MSG_JOB_SUBMIT, &rx) &&
+                  rx.msg.u.job_submit.kind == NL_JOB_TRAIN,
+              "no training job on node %d", i);
+    nl_rx_free(&rx);
+    /* cancelled: the stages reload the weights it would have changed */
+    nl_wire_msg_reset(&m, NL_MSG_JOB_CANCEL);
+    m.u.job_ref.job_id = job;
+    fake_send(&client, &m);
+    CHECK(client_status(&j2, &state, msg, sizeof msg) && j2 == job && state == NL_JOB_CANCELLED,
+          "cancel: job %llu state %u: %s", (unsigned long long)j2, state, msg);
+    const uint64_t epoch = a[0].epoch;
+    CHECK(take_plan(&nodes[0], &a[0]) && take_plan(&nodes[1], &a[1]) && a[0].epoch > epoch &&
+              a[0].epoch == a[1].epoch,
+          "no reload after the cancel");
+    CHECK(pump_state("ready: 2 stages"), "not ready after the reload");
+}
+
+/* ---------------------------------------------------------------- death */
+
+static void test_death(const assigned *a)
+{
+    fake *first = stage_of(a, 0), *last = stage_of(a, 1);
+    const int32_t ids[3] = {5, 6, 7};
+    uint64_t job = start_forward(first, ids, 3), j2 = 0;
+    last->beating = 0; /* the last stage dies with the job in flight */
+    const double t0 = now_s();
+    uint32_t state = 0;
+    char msg[512], want[32];
+    snprintf(want, sizeof want, "node %u", last->id);
+    CHECK(client_status(&j2, &state, msg, sizeof msg) && j2 == job && state == NL_JOB_FAILED &&
+              strstr(msg, want) && strstr(msg, "heartbeat"),
+          "job on a dead node: job %llu state %u: %s", (unsigned long long)j2, state, msg);
+    const double took = now_s() - t0;
+    CHECK(took > TIMEOUT_MS * 1e-3 * 0.8 && took < 5.0, "noticed after %.2f s", took);
+    /* the whole model goes to the node left */
+    assigned b;
+    if (take_plan(first, &b))
+        CHECK(b.epoch > a[0].epoch && b.nstages == 1 && b.stage == 0 && b.l0 == 0 && b.l1 == 6 &&
+                  b.embed && b.head,
+              "re-plan: epoch %llu, %u stages, layers [%u, %u)", (unsigned long long)b.epoch,
+              b.nstages, b.l0, b.l1);
+    CHECK(pump_state("ready: 1 stages"), "not ready after the re-plan");
+    /* a forward job runs on the new plan */
+    job = start_forward(first, ids, 3);
+    float logits[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    send_result(first, job, logits, 8);
+    nl_rx rx;
+    nl_rx_init(&rx);
+    CHECK(pump_until(&client, NL_MSG_RESULT, &rx) && rx.msg.u.hop.job_id == job,
+          "no result on the new plan");
+    nl_rx_free(&rx);
+    CHECK(client_status(&j2, &state, msg, sizeof msg) && j2 == job && state == NL_JOB_DONE,
+          "after the result: %s", msg);
+}
+
+/* ---------------------------------------------------------------- joins at rest */
+
+/* The node left runs the whole model; the dead one comes back (a new
+ * JOIN) and, the cluster being at rest, the coordinator plans two stages
+ * again and both load them. A third, very slow node joins: the planner
+ * gains nothing from it beyond the margin, so the plan stays. */
+static void test_join_at_rest(assigned *a)
+{
+    fake *first = stage_of(a, 0);
+    fake *back = first == &nodes[0] ? &nodes[1] : &nodes[0];
+    const double t0 = now_s();
+    join(back, 0.5);
+    assigned b[2];
+    if (!take_plan(&nodes[0], &b[0]) || !take_plan(&nodes[1], &b[1]))
+        return;
+    CHECK(b[0].nstages == 2 && b[1].nstages == 2 && b[0].epoch == b[1].epoch &&
+              b[0].stage != b[1].stage,
+          "after the join: %u and %u stages", b[0].nstages, b[1].nstages);
+    CHECK(pump_state("ready: 2 stages"), "not ready after the join");
+    CHECK(now_s() - t0 < 5.0, "the join took %.1f s to be used", now_s() - t0);
+    const int32_t ids[2] = {9, 10};
+    uint64_t job = start_forward(stage_of(b, 0), ids, 2);
+    float logits[8] = {0};
+    send_result(stage_of(b, 1), job, logits, 8);
+    nl_rx rx;
+    nl_rx_init(&rx);
+    CHECK(pump_until(&client, NL_MSG_RESULT, &rx) && rx.msg.u.hop.job_id == job,
+          "no result on the plan after the join");
+    uint64_t j2 = 0;
+    uint32_t state = 0;
+    char msg[256];
+    CHECK(client_status(&j2, &state, msg, sizeof msg) && j2 == job && state == NL_JOB_DONE,
+          "after the result: %s", msg);
+    fake_open(&nodes[2], "fakeNodeC", "tcp://127.0.0.1:3");
+    join(&nodes[2], 1e-4);
+    const double t1 = now_s();
+    int assigned_again = 0;
+    while (now_s() - t1 < 1.0) {
+        nl_coord_step(coord, 5);
+        heartbeats();
+        for (int i = 0; i < 3; i++) {
+            nl_error err = {0};
+            nl_rx_free(&rx);
+            nl_rx_init(&rx);
+            if (nl_sock_recv(nodes[i].sock, &rx, 0, &err) == NL_OK && rx.msg.type == NL_MSG_ASSIGN)
+                assigned_again = 1;
+        }
+    }
+    nl_rx_free(&rx);
+    CHECK(!assigned_again && strncmp(nl_coord_state(coord), "ready: 2 stages", 15) == 0,
+          "a slow node's join changed the plan: %s", nl_coord_state(coord));
+}
+
+int main(void)
+{
+    nl_log_set_level(getenv("NL_TEST_VERBOSE") ? NL_LOG_DEBUG : NL_LOG_WARN);
+    nl_error err = {0};
+    CHECK_OK(nl_net_new(&net, NULL, &err), &err);
+    start_coord();
+    assigned a[2];
+    if (test_join_plan(a)) {
+        test_forward(a);
+        test_generate(a);
+        test_slow_work(a);
+        test_death(a);
+        test_join_at_rest(a);
+    }
+    nl_sock_destroy(&client.sock);
+    nl_sock_destroy(&nodes[0].sock);
+    nl_sock_destroy(&nodes[1].sock);
+    nl_sock_destroy(&nodes[2].sock);
+    nl_coord_destroy(&coord);
+    nl_net_destroy(&net);
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", tmpdir);
+    return check_done("test_coord");
+}

@@ -1,0 +1,126 @@
+/* Unit tests of the rules the coordinator and the nodes (or the local
+ * tool) apply alike, each written once:
+ *
+ *  - net/genparams: a generation's parameters. Defaults; an integer where
+ *    a number is expected is that number (`temperature: 0` is 0, not the
+ *    default); a wrong type or a value out of range is NL_ERR_RANGE naming
+ *    the key; a missing required key NL_ERR_PROTO naming it; keys of the
+ *    other use are ignored; the session's wire params read back equal;
+ *  - core/train nl_step_decide: the loss composition, the gradient norm,
+ *    the clipping factor (1 below the clip norm) and the non-finite
+ *    guard. */
+#include <math.h>
+#include <string.h>
+
+#include "../core/train.h"
+#include "../net/genparams.h"
+#include "check.h"
+
+#define P_INT(k, v) ((nl_wire_param){.key = (k), .kind = NL_WIRE_PARAM_INT, .i = (v)})
+#define P_FLT(k, v) ((nl_wire_param){.key = (k), .kind = NL_WIRE_PARAM_FLOAT, .f = (v)})
+#define P_STR(k, v) ((nl_wire_param){.key = (k), .kind = NL_WIRE_PARAM_STR, .s = (v)})
+#define P_BOOL(k, v) ((nl_wire_param){.key = (k), .kind = NL_WIRE_PARAM_BOOL, .b = (v)})
+
+static nl_status parse1(nl_genparams *g, nl_wire_param p, nl_genparams_use use, nl_error *err)
+{
+    return nl_genparams_parse(g, &p, 1, use, err);
+}
+
+/* p alone in a request must fail with NL_ERR_RANGE naming its key. */
+static void refused(nl_wire_param p, const char *why)
+{
+    nl_genparams g;
+    nl_error err = {0};
+    nl_status st = parse1(&g, p, NL_GENPARAMS_REQUEST, &err);
+    CHECK(st == NL_ERR_RANGE && strstr(err.msg, p.key), "%s: %s (%s)", why, nl_status_str(st),
+          err.msg);
+}
+
+static void test_request(void)
+{
+    nl_genparams g;
+    nl_error err = {0};
+    CHECK_OK(nl_genparams_parse(&g, NULL, 0, NL_GENPARAMS_REQUEST, &err), &err);
+    CHECK(g.max_new == 32 && g.temperature == 0.8 && g.top_p == 0.95 && g.seed == 0,
+          "defaults %d %g %g %lld", g.max_new, g.temperature, g.top_p, (long long)g.seed);
+    CHECK_OK(parse1(&g, P_INT("temperature", 0), NL_GENPARAMS_REQUEST, &err), &err);
+    CHECK(g.temperature == 0.0, "temperature: 0 as an integer gave %g", g.temperature);
+    CHECK_OK(parse1(&g, P_INT("top_p", 1), NL_GENPARAMS_REQUEST, &err), &err);
+    CHECK(g.top_p == 1.0, "top_p 1 gave %g", g.top_p);
+    nl_wire_param all[] = {
+        P_INT("max_new", 7), P_FLT("temperature", 0.25),        P_FLT("top_p", 0.5),
+        P_INT("seed", 99),   P_STR("capacity", "ignored here"), P_STR("unknown", "ignored")};
+    CHECK_OK(nl_genparams_parse(&g, all, 6, NL_GENPARAMS_REQUEST, &err), &err);
+    CHECK(g.max_new == 7 && g.temperature == 0.25 && g.top_p == 0.5 && g.seed == 99,
+          "read %d %g %g %lld", g.max_new, g.temperature, g.top_p, (long long)g.seed);
+    refused(P_STR("temperature", "0.5"), "temperature as text");
+    refused(P_BOOL("temperature", true), "temperature as a boolean");
+    refused(P_FLT("temperature", -0.1), "temperature < 0");
+    refused(P_FLT("temperature", NAN), "temperature NaN");
+    refused(P_FLT("top_p", 0.0), "top_p 0");
+    refused(P_FLT("top_p", 1.5), "top_p 1.5");
+    refused(P_FLT("max_new", 2.5), "max_new as a float");
+    refused(P_INT("max_new", 0), "max_new 0");
+    refused(P_INT("max_new", (1 << 20) + 1), "max_new 2^20 + 1");
+    refused(P_INT("seed", -1), "seed -1");
+    refused(P_FLT("seed", 3.0), "seed as a float");
+}
+
+static void test_session(void)
+{
+    nl_genparams g, h;
+    nl_error err = {0};
+    nl_wire_param ps[] = {P_INT("session", 12), P_INT("capacity", 40), P_INT("max_new", -5)};
+    CHECK_OK(nl_genparams_parse(&g, ps, 3, NL_GENPARAMS_SESSION, &err), &err);
+    CHECK(g.session == 12 && g.capacity == 40 && g.limit == 0 && g.temperature == 0.8,
+          "session %llu capacity %d limit %d", (unsigned long long)g.session, g.capacity, g.limit);
+    CHECK(nl_genparams_parse(&g, ps, 1, NL_GENPARAMS_SESSION, &err) == NL_ERR_PROTO &&
+              strstr(err.msg, "capacity"),
+          "missing capacity: %s", err.msg);
+    CHECK(nl_genparams_parse(&g, ps + 1, 1, NL_GENPARAMS_SESSION, &err) == NL_ERR_PROTO &&
+              strstr(err.msg, "session"),
+          "missing session: %s", err.msg);
+    nl_wire_param bad[] = {P_INT("session", 5), P_STR("capacity", "40")};
+    CHECK(nl_genparams_parse(&g, bad, 2, NL_GENPARAMS_SESSION, &err) == NL_ERR_RANGE &&
+              strstr(err.msg, "capacity") && g.session == 5,
+          "capacity as text: %s (session %llu)", err.msg, (unsigned long long)g.session);
+    g = (nl_genparams){.max_new = 3,
+                       .temperature = 0.0,
+                       .top_p = 0.75,
+                       .seed = 4,
+                       .session = 77,
+                       .capacity = 9,
+                       .limit = 3};
+    nl_wire_param w[NL_GENPARAMS_SESSION_KEYS];
+    nl_genparams_session_wire(&g, w);
+    CHECK_OK(nl_genparams_parse(&h, w, NL_GENPARAMS_SESSION_KEYS, NL_GENPARAMS_SESSION, &err),
+             &err);
+    CHECK(h.session == 77 && h.capacity == 9 && h.limit == 3 && h.temperature == 0.0 &&
+              h.top_p == 0.75 && h.seed == 4,
+          "the session's wire params read back differently");
+}
+
+static void test_step_decide(void)
+{
+    nl_step_result r;
+    double s = nl_step_decide(&r, 10.0, 4.0, 0.5, 0.01, 16.0, NL_TRAIN_CLIP_NORM);
+    CHECK(r.ce_loss == 2.5 && r.aux_loss == 0.5 && r.loss == 2.5 + 0.01 * 0.5 &&
+              r.grad_norm == 4.0 && !r.skipped && s == 1.0 / (4.0 + 1e-6),
+          "decide: loss %g norm %g scale %g", r.loss, r.grad_norm, s);
+    s = nl_step_decide(&r, 1.0, 1.0, 0.0, 0.01, 0.25, NL_TRAIN_CLIP_NORM);
+    CHECK(s == 1.0 && r.grad_norm == 0.5, "below the clip norm: scale %g", s);
+    s = nl_step_decide(&r, NAN, 1.0, 0.0, 0.01, 0.25, NL_TRAIN_CLIP_NORM);
+    CHECK(r.skipped && s == 0.0, "NaN loss: skipped %d scale %g", r.skipped, s);
+    s = nl_step_decide(&r, 1.0, 1.0, 0.0, 0.01, INFINITY, NL_TRAIN_CLIP_NORM);
+    CHECK(r.skipped && s == 0.0 && isinf(r.grad_norm), "inf gradient: skipped %d", r.skipped);
+    s = nl_step_decide(&r, 1.0, 1.0, INFINITY, 0.01, 1.0, NL_TRAIN_CLIP_NORM);
+    CHECK(r.skipped && s == 0.0, "inf aux loss: skipped %d", r.skipped);
+}
+
+int main(void)
+{
+    test_request();
+    test_session();
+    test_step_decide();
+    return check_done("test_policy");
+}
