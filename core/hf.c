@@ -508,9 +508,15 @@ static nl_status resolve(hf_conv *c, hf_job *j, const char *name, int64_t rows, 
                          nl_error *err)
 {
     j->e = src_find(&c->src, name, &j->fi);
+    if (!j->e && c->to_ours)
+        FAIL(NL_ERR_NOTFOUND,
+             "tensor '%s' is missing (%s), though config.json asks for it (num_hidden_layers %d, "
+             "num_local_experts %d)",
+             name, c->src.n == 1 ? c->src.f[0].path : "in none of the weight files",
+             c->cfg->num_layers, c->cfg->num_experts);
     if (!j->e)
         FAIL(NL_ERR_NOTFOUND, "tensor '%s' is missing (%s)", name,
-             c->src.n == 1 ? c->src.f[0].path : "in none of the weight files");
+             c->src.n == 1 ? c->src.f[0].path : "in none of the shards");
     const nl_st_entry *e = j->e;
     const char *path = c->src.f[j->fi].path;
     if (e->dtype != NL_DTYPE_F32 && (!c->to_ours || (e->dtype != NL_DTYPE_BF16 &&
