@@ -16,7 +16,7 @@ static const struct {
     {"grad", nl_cmd_grad, "loss and the gradient of every weight for one batch"},
     {"train", nl_cmd_train, "train a model in this process, or on a cluster (--coordinator)"},
     {"grow", nl_cmd_grow, "grow a checkpoint's vocabulary (tables and optimizer moments)"},
-    {"export", nl_cmd_export, "join a sharded checkpoint into one, or write a Hugging Face directory"},
+    {"export", nl_cmd_export, "join a sharded checkpoint, or write a Hugging Face directory"},
     {"import", nl_cmd_import, "convert a Hugging Face Mixtral directory into a checkpoint"},
     {"bench", nl_cmd_bench, "measure forward, decode, training and GEMM throughput"},
     {"status", nl_cmd_status, "show a cluster's nodes, plan and predicted stage times"},

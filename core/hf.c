@@ -47,8 +47,8 @@ static nl_status cfg_int(json_t *root, const char *label, const char *key, long 
     return NL_OK;
 }
 
-static nl_status cfg_num(json_t *root, const char *label, const char *key, double def,
-                         double *out, nl_error *err)
+static nl_status cfg_num(json_t *root, const char *label, const char *key, double def, double *out,
+                         nl_error *err)
 {
     json_t *v = json_object_get(root, key);
     if (!v || json_is_null(v)) {
@@ -98,8 +98,8 @@ static nl_status cfg_arch(json_t *root, const char *label, nl_error *err)
              "%s: %s: %.80s has a dense FFN, which this runtime does not have yet (only the "
              "mixture of experts); MixtralForCausalLM is the architecture it imports",
              label, key, arch);
-    FAIL(NL_ERR_UNSUPPORTED, "%s: %s: %.80s is not supported (only MixtralForCausalLM)", label,
-         key, arch);
+    FAIL(NL_ERR_UNSUPPORTED, "%s: %s: %.80s is not supported (only MixtralForCausalLM)", label, key,
+         arch);
 }
 
 static nl_status cfg_features(json_t *root, const char *label, int64_t max_pos, nl_error *err)
@@ -110,8 +110,7 @@ static nl_status cfg_features(json_t *root, const char *label, int64_t max_pos, 
         FAIL(NL_ERR_UNSUPPORTED, "%s: hidden_act: only silu (SwiGLU) is supported", label);
     /* A window at least the context long never hides a key: the same model. */
     json_t *sw = json_object_get(root, "sliding_window");
-    if (sw && !json_is_null(sw) &&
-        !(json_is_integer(sw) && json_integer_value(sw) >= max_pos) &&
+    if (sw && !json_is_null(sw) && !(json_is_integer(sw) && json_integer_value(sw) >= max_pos) &&
         (st = cfg_absent(root, label, "sliding_window", "sliding-window attention", err)))
         return st;
     if ((st = cfg_absent(root, label, "rope_scaling", "RoPE scaling", err)) ||
@@ -129,8 +128,8 @@ nl_status nl_hf_config_parse(nl_config *cfg, int *tied, const char *json, size_t
     nl_status st = NL_OK;
     long long V, d, F, L, H, G, E, k, S;
     if (!root || !json_is_object(root)) {
-        st = nl_error_set(err, NL_ERR_FORMAT, "%s: not a JSON object (line %d: %s)", label,
-                          je.line, root ? "top level" : je.text);
+        st = nl_error_set(err, NL_ERR_FORMAT, "%s: not a JSON object (line %d: %s)", label, je.line,
+                          root ? "top level" : je.text);
         goto out;
     }
     if ((st = cfg_arch(root, label, err)))
@@ -217,7 +216,8 @@ char *nl_hf_config_to_json(const nl_config *c, int with_tokenizer)
     json_object_set_new(r, "torch_dtype", json_string("float32"));
     json_object_set_new(r, "bos_token_id",
                         with_tokenizer ? json_integer(NL_TOKEN_BEGIN) : json_null());
-    json_object_set_new(r, "eos_token_id", with_tokenizer ? json_integer(NL_TOKEN_END) : json_null());
+    json_object_set_new(r, "eos_token_id",
+                        with_tokenizer ? json_integer(NL_TOKEN_END) : json_null());
     char *s = json_dumps(r, JSON_INDENT(2) | JSON_REAL_PRECISION(17));
     json_decref(r);
     return s;
@@ -318,8 +318,7 @@ static nl_status src_add(src_set *s, const char *path, nl_error *err)
     if (n > NL_ST_MAX_HEADER)
         FAIL(NL_ERR_LIMIT, "%s: header of %" PRIu64 " bytes is above the limit", path, n);
     if (8 + n > size)
-        FAIL(NL_ERR_FORMAT, "%s: header length %" PRIu64 " runs past the end of the file", path,
-             n);
+        FAIL(NL_ERR_FORMAT, "%s: header length %" PRIu64 " runs past the end of the file", path, n);
     uint8_t *buf = malloc(n ? n : 1);
     if (!buf)
         FAIL(NL_ERR_NOMEM, "out of memory");
@@ -376,8 +375,8 @@ static float f16_to_f32(uint16_t h)
 /* Read the first `rows` rows of tensor e as F32 into dst. A 2-byte source
  * is read into the upper half of dst and widened front to back in place
  * (element i's 4 bytes never reach an unread element's 2). */
-static nl_status src_read(const src_set *s, int fi, const nl_st_entry *e, int64_t rows,
-                          float *dst, uint64_t *bytes_in, nl_error *err)
+static nl_status src_read(const src_set *s, int fi, const nl_st_entry *e, int64_t rows, float *dst,
+                          uint64_t *bytes_in, nl_error *err)
 {
     const src_file *f = &s->f[fi];
     int64_t cols = 1;
@@ -404,7 +403,7 @@ static nl_status src_read(const src_set *s, int fi, const nl_st_entry *e, int64_
 typedef struct hf_job {
     char ours[96], hf[128];
     int64_t rows, cols, our_rows;
-    int rope_heads; /* q/k: heads whose rows are permuted */
+    int rope_heads;   /* q/k: heads whose rows are permuted */
     const char *dims; /* the config keys behind the shape */
     struct hf_conv *conv;
     int fi;
@@ -444,8 +443,8 @@ static nl_status build_jobs(hf_conv *c, nl_error *err)
         FAIL(NL_ERR_NOMEM, "out of memory");
     hf_job *j = c->jobs;
     char a[96], b[128];
-    job(j++, "tok_embeddings.weight", "model.embed_tokens.weight", V, d, C,
-        0, "[vocab_size, hidden_size]");
+    job(j++, "tok_embeddings.weight", "model.embed_tokens.weight", V, d, C, 0,
+        "[vocab_size, hidden_size]");
     for (int l = 0; l < k->num_layers; l++) {
         static const struct {
             const char *ours, *hf, *dims;
@@ -519,8 +518,8 @@ static nl_status resolve(hf_conv *c, hf_job *j, const char *name, int64_t rows, 
              c->src.n == 1 ? c->src.f[0].path : "in none of the shards");
     const nl_st_entry *e = j->e;
     const char *path = c->src.f[j->fi].path;
-    if (e->dtype != NL_DTYPE_F32 && (!c->to_ours || (e->dtype != NL_DTYPE_BF16 &&
-                                                     e->dtype != NL_DTYPE_F16)))
+    if (e->dtype != NL_DTYPE_F32 &&
+        (!c->to_ours || (e->dtype != NL_DTYPE_BF16 && e->dtype != NL_DTYPE_F16)))
         FAIL(NL_ERR_DTYPE, "%s: tensor '%s': dtype %s is not one this reads (%s)", path, name,
              nl_dtype_name(e->dtype), c->to_ours ? "F32, BF16, F16" : "F32");
     int ndim = j->cols ? 2 : 1;
@@ -528,9 +527,9 @@ static nl_status resolve(hf_conv *c, hf_job *j, const char *name, int64_t rows, 
              (ndim == 1 || e->shape[1] == j->cols);
     if (!ok) {
         char got[128];
-        FAIL(NL_ERR_SHAPE, "%s: tensor '%s': shape %s, but the config says [%" PRId64 "%s%.0" PRId64
-             "] %s",
-             path, name, fmt_shape(got, sizeof got, e->ndim, e->shape), rows, ndim == 2 ? ", " : "",
+        FAIL(NL_ERR_SHAPE,
+             "%s: tensor '%s': shape %s, but the config says [%" PRId64 "%s%.0" PRId64 "] %s", path,
+             name, fmt_shape(got, sizeof got, e->ndim, e->shape), rows, ndim == 2 ? ", " : "",
              ndim == 2 ? j->cols : 0, j->dims);
     }
     return NL_OK;
@@ -616,8 +615,10 @@ static nl_status open_hf_weights(hf_conv *c, const char *dir, nl_error *err)
         char *single = join(dir, "model.safetensors");
         st = single ? src_add(&c->src, single, err) : NL_ERR_NOMEM;
         if (st == NL_ERR_NOTFOUND)
-            nl_error_set(err, st, "%s: neither model.safetensors nor model.safetensors.index.json "
-                                  "(only safetensors weights are read)", dir);
+            nl_error_set(err, st,
+                         "%s: neither model.safetensors nor model.safetensors.index.json "
+                         "(only safetensors weights are read)",
+                         dir);
         free(single);
         free(ipath);
         return st;
@@ -633,7 +634,8 @@ static nl_status open_hf_weights(hf_conv *c, const char *dir, nl_error *err)
     }
     const char *name;
     json_t *v;
-    json_object_foreach(map, name, v) {
+    json_object_foreach(map, name, v)
+    {
         const char *file = json_string_value(v);
         if (!file || !plain_name(file)) {
             st = nl_error_set(err, NL_ERR_FORMAT,
@@ -714,8 +716,8 @@ nl_status nl_hf_import(const char *dir, const char *out, nl_hf_stats *stats, nl_
     for (int i = 0; i < c.n_jobs; i++) {
         hf_job *j = &c.jobs[i];
         int from_embed = tied && strcmp(j->ours, "lm_head.weight") == 0;
-        if ((st = resolve(&c, j, from_embed ? "model.embed_tokens.weight" : j->hf, j->rows, 1,
-                          err)))
+        if ((st =
+                 resolve(&c, j, from_embed ? "model.embed_tokens.weight" : j->hf, j->rows, 1, err)))
             goto out;
     }
     c.stats->tied = tied;

@@ -28,14 +28,14 @@
 
 /* What a conversion did, for reports. */
 typedef struct nl_hf_stats {
-    int n_tensors;      /* tensors written */
-    int n_files;        /* weight files read (import) or written (export) */
-    uint64_t bytes_in;  /* tensor bytes read */
-    uint64_t bytes_out; /* tensor bytes written */
-    int converted;      /* import: tensors converted from BF16 or F16 to F32 */
+    int n_tensors;          /* tensors written */
+    int n_files;            /* weight files read (import) or written (export) */
+    uint64_t bytes_in;      /* tensor bytes read */
+    uint64_t bytes_out;     /* tensor bytes written */
+    int converted;          /* import: tensors converted from BF16 or F16 to F32 */
     char converted_from[8]; /* the dtype of the first of them */
-    int tied;           /* import: lm_head copied from the tied embedding */
-    int has_tokenizer;  /* export: the vocabulary files were written */
+    int tied;               /* import: lm_head copied from the tied embedding */
+    int has_tokenizer;      /* export: the vocabulary files were written */
 } nl_hf_stats;
 
 /* Parse a Hugging Face config.json (text of len bytes; `label` starts

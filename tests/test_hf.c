@@ -22,12 +22,12 @@ static char root[256];
 
 typedef struct model_opts {
     int sharded, bf16, tied, bias, wrong_q, i32_norm, f8, drop_shard;
-    int cfg_layers;      /* num_hidden_layers in config.json (0: L) */
-    int cfg_hidden;      /* hidden_size in config.json (0: D) */
-    const char *extra;   /* more config keys, e.g. ", \"rope_scaling\": {...}" */
-    const char *arch;    /* architectures[0] (NULL: MixtralForCausalLM) */
-    const char *act;     /* hidden_act (NULL: silu) */
-    int no_vocab;        /* leave vocab_size out */
+    int cfg_layers;    /* num_hidden_layers in config.json (0: L) */
+    int cfg_hidden;    /* hidden_size in config.json (0: D) */
+    const char *extra; /* more config keys, e.g. ", \"rope_scaling\": {...}" */
+    const char *arch;  /* architectures[0] (NULL: MixtralForCausalLM) */
+    const char *act;   /* hidden_act (NULL: silu) */
+    int no_vocab;      /* leave vocab_size out */
 } model_opts;
 
 static uint32_t seed = 1;
@@ -114,18 +114,16 @@ static void write_model(const char *dir, const model_opts *o)
     struct {
         const char *part;
         int rows, cols;
-    } per[] = {{"input_layernorm", D, 0},
-               {"self_attn.q_proj", H * HD, D},
-               {"self_attn.k_proj", G * HD, D},
-               {"self_attn.v_proj", G * HD, D},
-               {"self_attn.o_proj", D, H * HD},
-               {"post_attention_layernorm", D, 0},
+    } per[] = {{"input_layernorm", D, 0},       {"self_attn.q_proj", H * HD, D},
+               {"self_attn.k_proj", G * HD, D}, {"self_attn.v_proj", G * HD, D},
+               {"self_attn.o_proj", D, H * HD}, {"post_attention_layernorm", D, 0},
                {"block_sparse_moe.gate", E, D}};
     for (int t = 0; t < 3 + L * (7 + 3 * E); t++) {
         char name[96];
         int rows, cols;
         if (t == 0 || t == 1 || t == 2) {
-            const char *n3[3] = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"};
+            const char *n3[3] = {"model.embed_tokens.weight", "model.norm.weight",
+                                 "lm_head.weight"};
             snprintf(name, sizeof name, "%s", n3[t]);
             rows = t == 1 ? D : V;
             cols = t == 1 ? 0 : D;
@@ -139,8 +137,8 @@ static void write_model(const char *dir, const model_opts *o)
                 cols = per[r].cols;
             } else {
                 int e = (r - 7) / 3, x = (r - 7) % 3;
-                snprintf(name, sizeof name, "model.layers.%d.block_sparse_moe.experts.%d.w%d.weight",
-                         l, e, x + 1);
+                snprintf(name, sizeof name,
+                         "model.layers.%d.block_sparse_moe.experts.%d.w%d.weight", l, e, x + 1);
                 rows = x == 1 ? D : F;
                 cols = x == 1 ? F : D;
             }
@@ -181,14 +179,15 @@ static void write_model(const char *dir, const model_opts *o)
         CHECK_OK(nl_st_writer_write(w[0], path_in(dir, "model-00001-of-00002.safetensors"), &err),
                  &err);
         if (!o->drop_shard)
-            CHECK_OK(nl_st_writer_write(w[1], path_in(dir, "model-00002-of-00002.safetensors"),
-                                        &err),
-                     &err);
+            CHECK_OK(
+                nl_st_writer_write(w[1], path_in(dir, "model-00002-of-00002.safetensors"), &err),
+                &err);
         static char idx[65536];
         size_t k = (size_t)snprintf(idx, sizeof idx, "{\"metadata\": {}, \"weight_map\": {");
         for (int i = 0; i < nt; i++)
-            k += (size_t)snprintf(idx + k, sizeof idx - k, "%s\"%s\": \"model-0000%d-of-00002.safetensors\"",
-                                  i ? ", " : "", names[i], which[i] + 1);
+            k += (size_t)snprintf(idx + k, sizeof idx - k,
+                                  "%s\"%s\": \"model-0000%d-of-00002.safetensors\"", i ? ", " : "",
+                                  names[i], which[i] + 1);
         snprintf(idx + k, sizeof idx - k, "}}");
         spit(path_in(dir, "model.safetensors.index.json"), idx);
     }
@@ -244,14 +243,15 @@ static void test_good(void)
     /* q rows: ours[h, 2i + j] = hf[h, j hd/2 + i]; v is not permuted */
     float hq[H * HD * D], oq[H * HD * D], hv[G * HD * D], ov[G * HD * D];
     CHECK(read_f32(path_in(src, "model.safetensors"), "model.layers.1.self_attn.q_proj.weight", hq,
-                   sizeof hq / 4), "read hf q");
+                   sizeof hq / 4),
+          "read hf q");
     CHECK(read_f32(out, "layers.1.attention.wq.weight", oq, sizeof oq / 4), "read our wq");
     int perm_ok = 1;
     for (int h = 0; h < H; h++)
         for (int i = 0; i < HD / 2; i++)
             for (int j = 0; j < 2; j++)
-                perm_ok &= !memcmp(oq + (h * HD + 2 * i + j) * D, hq + (h * HD + j * HD / 2 + i) * D,
-                                   D * 4);
+                perm_ok &= !memcmp(oq + (h * HD + 2 * i + j) * D,
+                                   hq + (h * HD + j * HD / 2 + i) * D, D * 4);
     CHECK(perm_ok, "wq rows are q_proj's rows in pair order");
     CHECK(read_f32(path_in(src, "model.safetensors"), "model.layers.0.self_attn.v_proj.weight", hv,
                    sizeof hv / 4) &&
@@ -286,7 +286,8 @@ static void test_good(void)
     CHECK_OK(nl_hf_import(exp, again, NULL, &err), &err);
     CHECK(same_tensors(out, again), "import -> export -> import is bit-identical");
     /* sharded export: 800 bytes per file at most (a tensor larger goes alone) */
-    char *exp2 = strdup(path_in(root, "good-export-sharded")), *again2 = strdup(path_in(root, "again2.st"));
+    char *exp2 = strdup(path_in(root, "good-export-sharded")),
+         *again2 = strdup(path_in(root, "again2.st"));
     CHECK_OK(nl_hf_export(out, exp2, 800, &s, &err), &err);
     CHECK(s.n_files > 2, "sharded export: %d files", s.n_files);
     CHECK(access(path_in(exp2, "model.safetensors.index.json"), F_OK) == 0, "index written");
@@ -298,11 +299,13 @@ static void test_good(void)
           "non-empty: %s", err.msg);
     CHECK(count_entries(exp) == before, "nothing added");
     CHECK(nl_hf_export(path_in(root, "nope.safetensors"), path_in(root, "nope-dir"), 0, NULL,
-                       &err) == NL_ERR_NOTFOUND && count_entries(path_in(root, "nope-dir")) < 0,
+                       &err) == NL_ERR_NOTFOUND &&
+              count_entries(path_in(root, "nope-dir")) < 0,
           "missing source: %s; no directory made", err.msg);
     /* an HF directory is not one of our checkpoints */
     CHECK(nl_hf_export(path_in(src, "model.safetensors"), path_in(root, "nope-dir"), 0, NULL,
-                       &err) == NL_ERR_FORMAT && strstr(err.msg, "not a NeuroLLM checkpoint"),
+                       &err) == NL_ERR_FORMAT &&
+              strstr(err.msg, "not a NeuroLLM checkpoint"),
           "foreign source: %s", err.msg);
 
     /* the same model sharded imports to the same checkpoint */
@@ -380,12 +383,13 @@ static void test_refused(void)
     refuse("mistral", (model_opts){.arch = "MistralForCausalLM"}, NL_ERR_UNSUPPORTED, "dense FFN");
     refuse("other-arch", (model_opts){.arch = "GPT2LMHeadModel"}, NL_ERR_UNSUPPORTED,
            "only MixtralForCausalLM");
-    refuse("rope-scaling", (model_opts){.extra = ", \"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0}"},
+    refuse("rope-scaling",
+           (model_opts){.extra = ", \"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0}"},
            NL_ERR_UNSUPPORTED, "rope_scaling: {\"type\":\"linear\",\"factor\":2.0}: RoPE scaling");
     refuse("gelu", (model_opts){.act = "gelu"}, NL_ERR_UNSUPPORTED, "hidden_act: only silu");
     refuse("head-dim", (model_opts){.extra = ", \"head_dim\": 8"}, NL_ERR_UNSUPPORTED, "head_dim");
-    refuse("attention-bias", (model_opts){.extra = ", \"attention_bias\": true"}, NL_ERR_UNSUPPORTED,
-           "attention_bias: true: a bias");
+    refuse("attention-bias", (model_opts){.extra = ", \"attention_bias\": true"},
+           NL_ERR_UNSUPPORTED, "attention_bias: true: a bias");
     /* a window shorter than the context is refused; one as long is a no-op */
     nl_error err = {0};
     char *d = strdup(path_in(root, "window"));
@@ -472,7 +476,8 @@ static void test_rope(void)
     nl_hf_rope_permute(mid, src, 2, 6, 3, 1);
     /* head 1, pair 2 (i = 2), j = 1: ours row 6 + 5 = 11 is hf row 6 + 3 + 2 = 11;
      * ours row 6 + 1 (i = 0, j = 1) is hf row 6 + 3 = 9 */
-    CHECK(mid[7 * 3] == src[9 * 3] && mid[11 * 3 + 2] == src[11 * 3 + 2] && mid[2 * 3] == src[1 * 3],
+    CHECK(mid[7 * 3] == src[9 * 3] && mid[11 * 3 + 2] == src[11 * 3 + 2] &&
+              mid[2 * 3] == src[1 * 3],
           "to ours");
     nl_hf_rope_permute(back, mid, 2, 6, 3, 0);
     CHECK(!memcmp(back, src, sizeof src), "to hf inverts to ours");
@@ -480,7 +485,8 @@ static void test_rope(void)
 
 int main(void)
 {
-    snprintf(root, sizeof root, "%s/nl_test_hf.XXXXXX", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
+    snprintf(root, sizeof root, "%s/nl_test_hf.XXXXXX",
+             getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
     if (!mkdtemp(root)) {
         perror("mkdtemp");
         return 1;
