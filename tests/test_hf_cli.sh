@@ -6,7 +6,9 @@
 #   damaged shard is refused with nothing written;
 # - a model imported with `neuroctl import --hf` goes onto a cluster as it is:
 #   neurocoord --model IMPORTED places it with no sizing, and the cluster's
-#   forward equals the local one (issue 19, item 3, before `neuroctl serve`).
+#   forward equals the local one (issue 19, item 3, before `neuroctl serve`);
+# - conversion streams: a 60 MB model exports and imports in < 0.6 x its size
+#   of peak RSS (plain builds; a sanitizer's own memory would swamp it).
 # Logits against transformers itself: test_hf_transformers.sh.
 set -uo pipefail
 N="$NL_BUILD_DIR/cli/neuroctl"
@@ -111,6 +113,37 @@ PY
 check /usr/bin/python3 "$W/compare.py" "$W/local.safetensors" "$W/orig.safetensors" 1e-5
 check /usr/bin/python3 "$W/compare.py" "$W/remote.safetensors" "$W/local.safetensors" 1e-5
 check "$N" cluster down --dir "$C"
+
+# ---- streaming: a 60 MB model converts in well under its size of memory
+# (the buffers of its largest tensor, 16 MB, plus the program; a converter
+# that held the model would need at least 60 MB)
+cat > "$W/big.yaml" <<'YAML'
+hidden_dim: 128
+num_layers: 8
+num_heads: 2
+num_kv_heads: 1
+ffn_dim: 256
+num_experts: 8
+vocab_size: 32000
+vocab_chunk: 32000
+YAML
+check "$N" init --config "$W/big.yaml" --out "$W/big.safetensors" >/dev/null
+cat > "$W/rss.py" <<'PY'
+import os, resource, subprocess, sys
+limit = float(sys.argv[1])
+subprocess.run(sys.argv[2:], check=True, stdout=subprocess.DEVNULL)
+rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+print("%s: peak RSS %.1f MB, limit %.1f MB" % (sys.argv[3], rss / 1e6, limit / 1e6))
+sys.exit(0 if rss < limit else 1)
+PY
+BYTES=$(stat -c %s "$W/big.safetensors")
+LIMIT=$((BYTES * 6 / 10))
+if nm "$N" 2>/dev/null | grep -q __asan_init; then
+  echo "test_hf_cli: sanitizer build; the peak-memory check is left to plain builds"
+else
+  check /usr/bin/python3 "$W/rss.py" "$LIMIT" "$N" export --format hf --model "$W/big.safetensors" --out "$W/big-hf"
+  check /usr/bin/python3 "$W/rss.py" "$LIMIT" "$N" import --hf "$W/big-hf" --out "$W/big-back.safetensors"
+fi
 
 echo "test_hf_cli: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
