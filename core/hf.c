@@ -126,7 +126,7 @@ nl_status nl_hf_config_parse(nl_config *cfg, int *tied, const char *json, size_t
     json_error_t je;
     json_t *root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &je);
     nl_status st = NL_OK;
-    long long V, d, F, L, H, G, E, k, S;
+    long long V = 0, d = 0, F = 0, L = 0, H = 0, G = 0, E = 0, k = 0, S = 0;
     if (!root || !json_is_object(root)) {
         st = nl_error_set(err, NL_ERR_FORMAT, "%s: not a JSON object (line %d: %s)", label, je.line,
                           root ? "top level" : je.text);
