@@ -5,6 +5,7 @@
  * local tools, PyTorch and `neuroctl train --resume` read it. */
 #include <inttypes.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "base/args.h"
 #include "commands.h"
@@ -14,16 +15,38 @@ int nl_cmd_export(int argc, char **argv)
 {
     nl_flag flags[] = {
         {"manifest", 1, "the manifest (JSON), or the directory holding manifest.json", NULL},
-        {"out", 1, "checkpoint to write (safetensors)", NULL},
+        {"out", 1, "checkpoint to write (safetensors); a directory with --format hf", NULL},
+        {"format", 1, "neurollm (default: one checkpoint) or hf (a Hugging Face directory)", NULL},
+        {"model", 1, "with --format hf: a checkpoint to export instead of a manifest", NULL},
+        {"shard-size", 1, "with --format hf: start a new weight file past this (default 5G)", NULL},
         {0}};
     const char *usage = "neuroctl export --manifest MANIFEST.json|DIR --out MODEL.safetensors\n"
                         "  verifies every shard (size, sha256) and joins them with their "
-                        "optimizer state";
+                        "optimizer state\n"
+                        "neuroctl export --format hf --manifest M|--model CKPT --out DIR\n"
+                        "  writes config.json (MixtralForCausalLM), the weights in Hugging Face "
+                        "names and RoPE order,\n  and the vocabulary (vocab.json, merges.txt, "
+                        "neurollm-tokenizer.txt)";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
     const char *path = nl_args_get(flags, "manifest"), *out = nl_args_get(flags, "out");
-    if (!path || !out) {
+    const char *format = nl_args_get(flags, "format"), *model = nl_args_get(flags, "model");
+    if (format && strcmp(format, "hf") == 0) {
+        uint64_t shard = 0;
+        if (nl_args_size(flags, "shard-size", &shard))
+            return 2;
+        if (!out || !path == !model) {
+            nl_args_help(stderr, usage, flags);
+            return 2;
+        }
+        return nl_cli_export_hf(model ? model : path, out, shard);
+    }
+    if (format && strcmp(format, "neurollm") != 0) {
+        fprintf(stderr, "--format: '%s' is neither neurollm nor hf\n", format);
+        return 2;
+    }
+    if (!path || !out || model) {
         nl_args_help(stderr, usage, flags);
         return 2;
     }

@@ -17,6 +17,10 @@ int nl_cmd_tokenizer(int argc, char **argv);
 int nl_cmd_status(int argc, char **argv);
 int nl_cmd_cluster(int argc, char **argv);
 int nl_cmd_selftest(int argc, char **argv);
+int nl_cmd_import(int argc, char **argv);
+/* export --format hf (cli/cmd_hf.c): src is a checkpoint or a manifest. */
+#include <stdint.h>
+int nl_cli_export_hf(const char *src, const char *out, uint64_t shard_bytes);
 /* The same commands against a cluster (--coordinator or --cluster given). */
 int nl_cmd_remote_forward(int argc, char **argv);
 int nl_cmd_remote_generate(int argc, char **argv);

@@ -589,6 +589,8 @@ typedef struct wtensor {
     int ndim;
     int64_t shape[NL_MAX_DIMS];
     const void *data;
+    nl_st_fill_fn fill; /* when set, produces the bytes at write time */
+    void *fill_ctx;
     uint64_t nbytes;
 } wtensor;
 
@@ -619,8 +621,9 @@ void nl_st_writer_destroy(nl_st_writer **wp)
     *wp = NULL;
 }
 
-nl_status nl_st_writer_add(nl_st_writer *w, const char *name, nl_dtype dtype, int ndim,
-                           const int64_t *shape, const void *data, nl_error *err)
+static nl_status add_tensor(nl_st_writer *w, const char *name, nl_dtype dtype, int ndim,
+                            const int64_t *shape, const void *data, nl_st_fill_fn fill,
+                            void *fill_ctx, nl_error *err)
 {
     char nm[96];
     show(nm, sizeof nm, name);
@@ -635,7 +638,7 @@ nl_status nl_st_writer_add(nl_st_writer *w, const char *name, nl_dtype dtype, in
     int64_t bytes = tensor_bytes(dtype, ndim, shape);
     if (bytes < 0)
         FAIL(NL_ERR_SHAPE, "tensor '%s': negative dimension or too many elements", nm);
-    if (bytes > 0 && !data)
+    if (bytes > 0 && !data && !fill)
         FAIL(NL_ERR_INVALID, "tensor '%s': no data", nm);
     for (size_t i = 0; i < w->n; i++)
         if (strcmp(w->t[i].name, name) == 0)
@@ -657,9 +660,25 @@ nl_status nl_st_writer_add(nl_st_writer *w, const char *name, nl_dtype dtype, in
     if (ndim > 0)
         memcpy(t->shape, shape, (size_t)ndim * sizeof *shape);
     t->data = data;
+    t->fill = fill;
+    t->fill_ctx = fill_ctx;
     t->nbytes = (uint64_t)bytes;
     w->n++;
     return NL_OK;
+}
+
+nl_status nl_st_writer_add(nl_st_writer *w, const char *name, nl_dtype dtype, int ndim,
+                           const int64_t *shape, const void *data, nl_error *err)
+{
+    return add_tensor(w, name, dtype, ndim, shape, data, NULL, NULL, err);
+}
+
+nl_status nl_st_writer_add_fill(nl_st_writer *w, const char *name, nl_dtype dtype, int ndim,
+                                const int64_t *shape, nl_st_fill_fn fill, void *ctx, nl_error *err)
+{
+    if (!fill)
+        return nl_error_set(err, NL_ERR_INVALID, "tensor: no fill function");
+    return add_tensor(w, name, dtype, ndim, shape, NULL, fill, ctx, err);
 }
 
 nl_status nl_st_writer_set_meta(nl_st_writer *w, const char *key, const char *value, nl_error *err)
@@ -736,7 +755,7 @@ nl_status nl_st_writer_write(const nl_st_writer *w, const char *path, nl_error *
 {
     nl_atomic_file *af = NULL;
     nl_status st = NL_OK;
-    uint8_t *head = NULL;
+    uint8_t *head = NULL, *scratch = NULL;
     char *json = header_json(w);
     if (!json) {
         st = nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory building the header", path);
@@ -760,13 +779,27 @@ nl_status nl_st_writer_write(const nl_st_writer *w, const char *path, nl_error *
     if ((st = nl_atomic_open(&af, path, err)) != NL_OK)
         goto out;
     st = nl_atomic_write(af, head, 8 + n, err);
-    for (size_t i = 0; st == NL_OK && i < w->n; i++)
-        if (w->t[i].nbytes)
-            st = nl_atomic_write(af, w->t[i].data, w->t[i].nbytes, err);
+    /* Filled tensors share one buffer the size of the largest of them. */
+    uint64_t most = 0;
+    for (size_t i = 0; i < w->n; i++)
+        if (w->t[i].fill && w->t[i].nbytes > most)
+            most = w->t[i].nbytes;
+    if (st == NL_OK && most && (most > SIZE_MAX || !(scratch = malloc((size_t)most))))
+        st = nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory for a %" PRIu64 "-byte tensor",
+                          path, most);
+    for (size_t i = 0; st == NL_OK && i < w->n; i++) {
+        const wtensor *t = &w->t[i];
+        if (!t->nbytes)
+            continue;
+        if (t->fill && (st = t->fill(t->fill_ctx, scratch, t->nbytes, err)) != NL_OK)
+            break;
+        st = nl_atomic_write(af, t->fill ? scratch : t->data, t->nbytes, err);
+    }
     if (st == NL_OK)
         st = nl_atomic_commit(&af, err);
 out:
     nl_atomic_abort(&af);
+    free(scratch);
     free(head);
     free(json);
     return st;

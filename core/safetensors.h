@@ -111,6 +111,15 @@ void nl_st_writer_destroy(nl_st_writer **w);
  * `data` is referenced, not copied: it must stay valid until write. */
 nl_status nl_st_writer_add(nl_st_writer *w, const char *name, nl_dtype dtype, int ndim,
                            const int64_t *shape, const void *data, nl_error *err);
+/* Produce a tensor's `nbytes` bytes into dst (a buffer the writer owns
+ * and reuses) when the file is written. */
+typedef nl_status (*nl_st_fill_fn)(void *ctx, void *dst, uint64_t nbytes, nl_error *err);
+/* Add a tensor whose bytes `fill(ctx, ...)` produces during write, one
+ * tensor at a time into one buffer the size of the largest: a file larger
+ * than memory streams out holding one tensor. A fill error aborts the
+ * write (no file is left). */
+nl_status nl_st_writer_add_fill(nl_st_writer *w, const char *name, nl_dtype dtype, int ndim,
+                                const int64_t *shape, nl_st_fill_fn fill, void *ctx, nl_error *err);
 /* Set a __metadata__ string (copied; replaces an earlier value). */
 nl_status nl_st_writer_set_meta(nl_st_writer *w, const char *key, const char *value, nl_error *err);
 /* Write atomically (temporary file, fsync, rename): tensors in the order

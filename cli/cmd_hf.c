@@ -1,0 +1,64 @@
+/* neuroctl import --hf (a Hugging Face MixtralForCausalLM directory into
+ * one of our checkpoints) and the --format hf half of neuroctl export
+ * (core/hf.h does the work; this file parses flags and reports). */
+#include <inttypes.h>
+#include <stdio.h>
+
+#include "base/args.h"
+#include "commands.h"
+#include "core/hf.h"
+
+int nl_cmd_import(int argc, char **argv)
+{
+    nl_flag flags[] = {
+        {"hf", 1, "Hugging Face model directory (config.json + safetensors weights)", NULL},
+        {"out", 1, "checkpoint to write (safetensors, F32)", NULL},
+        {0}};
+    const char *usage =
+        "neuroctl import --hf DIR --out MODEL.safetensors\n"
+        "  MixtralForCausalLM only (Llama/Mistral need the dense FFN, not there yet); one\n"
+        "  model.safetensors or shards with model.safetensors.index.json; BF16/F16 become F32;\n"
+        "  streams tensor by tensor";
+    int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
+    if (rc)
+        return rc == 1 ? 0 : rc;
+    const char *dir = nl_args_get(flags, "hf"), *out = nl_args_get(flags, "out");
+    if (!dir || !out) {
+        nl_args_help(stderr, usage, flags);
+        return 2;
+    }
+    nl_error err = {0};
+    nl_hf_stats s;
+    if (nl_hf_import(dir, out, &s, &err) != NL_OK) {
+        fprintf(stderr, "neuroctl import: %s (%s)\n", err.msg, nl_status_str(err.status));
+        return 1;
+    }
+    if (s.converted)
+        fprintf(stderr,
+                "note: %d tensors were %s and are now F32 (exact; the checkpoint is larger)\n",
+                s.converted, s.converted_from);
+    if (s.tied)
+        fprintf(stderr, "note: tie_word_embeddings: lm_head.weight is a copy of the embedding\n");
+    fprintf(stderr,
+            "imported %s into %s: %d tensors from %d file(s), %" PRIu64 " bytes read, %" PRIu64
+            " written\n",
+            dir, out, s.n_tensors, s.n_files, s.bytes_in, s.bytes_out);
+    return 0;
+}
+
+int nl_cli_export_hf(const char *src, const char *out, uint64_t shard_bytes)
+{
+    nl_error err = {0};
+    nl_hf_stats s;
+    if (nl_hf_export(src, out, shard_bytes, &s, &err) != NL_OK) {
+        fprintf(stderr, "neuroctl export: %s (%s)\n", err.msg, nl_status_str(err.status));
+        return 1;
+    }
+    fprintf(stderr,
+            "exported %s to %s as MixtralForCausalLM: %d tensors in %d weight file(s), %" PRIu64
+            " bytes%s\n",
+            src, out, s.n_tensors, s.n_files, s.bytes_out,
+            s.has_tokenizer ? "; vocabulary in vocab.json, merges.txt, neurollm-tokenizer.txt"
+                            : "; no tokenizer in the source (byte ids)");
+    return 0;
+}

@@ -1,0 +1,77 @@
+/* Hugging Face checkpoints: import a MixtralForCausalLM model directory
+ * (config.json and safetensors weights, one file or sharded with
+ * model.safetensors.index.json) as one of our checkpoints, and export one
+ * of ours (a checkpoint, or a training manifest and its shards) as such a
+ * directory. docs/checkpoint-format.md, section "Hugging Face".
+ *
+ * Both directions stream tensor by tensor: a source tensor is read with
+ * pread (never mapped whole), converted to F32, permuted where RoPE asks,
+ * and written before the next is read, so a conversion holds at most its
+ * largest tensor twice, never the model.
+ *
+ * Every input is untrusted: the config is checked key by key, every
+ * tensor's presence, dtype and shape against the config before anything
+ * is written, and a failure leaves no output file behind. */
+#ifndef NL_HF_H
+#define NL_HF_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../base/status.h"
+#include "config.h"
+
+/* Shard size an export starts a new file at (transformers' default). */
+#define NL_HF_SHARD_DEFAULT 5000000000ull
+/* config.json and model.safetensors.index.json are read whole up to this. */
+#define NL_HF_MAX_JSON (64u << 20)
+
+/* What a conversion did, for reports. */
+typedef struct nl_hf_stats {
+    int n_tensors;          /* tensors written */
+    int n_files;            /* weight files read (import) or written (export) */
+    uint64_t bytes_in;      /* tensor bytes read */
+    uint64_t bytes_out;     /* tensor bytes written */
+    int converted;          /* import: tensors converted from BF16 or F16 to F32 */
+    char converted_from[8]; /* the dtype of the first of them */
+    int tied;               /* import: lm_head copied from the tied embedding */
+    int has_tokenizer;      /* export: the vocabulary files were written */
+} nl_hf_stats;
+
+/* Parse a Hugging Face config.json (text of len bytes; `label` starts
+ * messages) into *cfg: MixtralForCausalLM only; Llama and Mistral are
+ * refused (NL_ERR_UNSUPPORTED: they need the dense FFN), as is what the
+ * runtime cannot represent (sliding_window, rope_scaling, biases, an
+ * activation other than silu, a head_dim other than hidden / heads).
+ * vocab_chunk is set to vocab_size, so the tables hold exactly the
+ * vocabulary. *tied gets tie_word_embeddings. Messages name the key. */
+nl_status nl_hf_config_parse(nl_config *cfg, int *tied, const char *json, size_t len,
+                             const char *label, nl_error *err);
+
+/* config.json for a MixtralForCausalLM with cfg's sizes (malloc'd, NULL
+ * when out of memory). with_tokenizer sets bos/eos to our <|begin|> and
+ * <|end|> ids, else null. */
+char *nl_hf_config_to_json(const nl_config *cfg, int with_tokenizer);
+
+/* The RoPE row permutation of q_proj / k_proj ([heads * head_dim, cols]):
+ * Hugging Face rotates halves (dims i and i + hd/2 pair up), we rotate
+ * adjacent pairs (2i, 2i + 1). to_ours: ours[h, 2i + j] = hf[h, j hd/2 + i];
+ * else the inverse. Exact (rows move, values do not change). */
+void nl_hf_rope_permute(float *dst, const float *src, int heads, int head_dim, int64_t cols,
+                        int to_ours);
+
+/* neuroctl import --hf DIR --out MODEL: write our checkpoint (step 0, no
+ * tokenizer) from the model in DIR. stats may be NULL. */
+nl_status nl_hf_import(const char *dir, const char *out, nl_hf_stats *stats, nl_error *err);
+
+/* neuroctl export --format hf: write DIR (created; must be empty or new)
+ * with config.json, model.safetensors or model-0000i-of-0000n.safetensors
+ * plus model.safetensors.index.json (a new shard starts past shard_bytes),
+ * and, when the source carries a tokenizer, vocab.json, merges.txt and
+ * neurollm-tokenizer.txt. `src` is a checkpoint (.safetensors), or a
+ * manifest (a .json file or the directory holding manifest.json), whose
+ * shards are verified first. On failure the files written are removed. */
+nl_status nl_hf_export(const char *src, const char *dir, uint64_t shard_bytes, nl_hf_stats *stats,
+                       nl_error *err);
+
+#endif

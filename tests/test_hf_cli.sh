@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# Integration test of the Hugging Face commands as real processes:
+# - usage errors of neuroctl import / export --format;
+# - export --format hf from a training manifest (after verifying its shards)
+#   writes the same files, byte for byte, as from the joined checkpoint, and a
+#   damaged shard is refused with nothing written;
+# - a model imported with `neuroctl import --hf` goes onto a cluster as it is:
+#   neurocoord --model IMPORTED places it with no sizing, and the cluster's
+#   forward equals the local one (issue 19, item 3, before `neuroctl serve`);
+# - conversion streams: a 60 MB model exports and imports in < 0.6 x its size
+#   of peak RSS (plain builds; a sanitizer's own memory would swamp it).
+# Logits against transformers itself: test_hf_transformers.sh.
+set -uo pipefail
+N="$NL_BUILD_DIR/cli/neuroctl"
+W=$(mktemp -d "${TMPDIR:-/tmp}/nl_hfcli.XXXXXX")
+C="$W/cluster"
+cleanup() {
+  "$N" cluster down --dir "$C" >/dev/null 2>&1
+  rm -rf "$W"
+}
+trap cleanup EXIT
+pass=0
+fail=0
+check() { if "$@"; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL: $*" >&2; fi; }
+# expect CODE PATTERN COMMAND...: exit status CODE and stderr matching PATTERN
+expect() {
+  local code=$1 pat=$2
+  shift 2
+  "$@" >"$W/out" 2>"$W/err"
+  local rc=$?
+  if [ "$rc" -eq "$code" ] && grep -q -- "$pat" "$W/err"; then
+    pass=$((pass + 1))
+  else
+    fail=$((fail + 1))
+    echo "FAIL: $* -> $rc (want $code, /$pat/): $(head -c 400 "$W/err")" >&2
+  fi
+}
+
+# ---- usage
+expect 2 "usage: neuroctl import" "$N" import --hf "$W/x"
+expect 2 "neither neurollm nor hf" "$N" export --format onnx --model a --out b
+expect 2 "usage: neuroctl export" "$N" export --format hf --model a --manifest b --out c
+expect 1 "config.json: no such file\|config.json.*No such file\|config.json" "$N" import --hf "$W/none" --out "$W/none.st"
+check test ! -e "$W/none.st"
+
+# ---- a small trained model of ours, with a tokenizer, cut into shards
+printf 'the quick brown fox jumps over the lazy dog %.0s' $(seq 60) > "$W/text.txt"
+check "$N" tokenizer train --input "$W/text.txt" --vocab-size 280 --out "$W/tok.txt" --quiet
+cat > "$W/cfg.yaml" <<'YAML'
+hidden_dim: 40
+num_layers: 3
+num_heads: 5
+num_kv_heads: 1
+ffn_dim: 24
+num_experts: 3
+max_seq_len: 64
+rope_base: 1000000
+YAML
+check "$N" init --config "$W/cfg.yaml" --out "$W/init.safetensors" --seed 3 --tokenizer "$W/tok.txt"
+check "$N" train --model "$W/init.safetensors" --data "$W/text.txt" --steps 2 --batch 2 --seq 16 \
+  --threads 1 --out "$W/m.safetensors" --checkpoint-dir "$W/ck" >/dev/null 2>&1
+mkdir -p "$W/shards"
+check "$NL_BUILD_DIR/tests/make_shards" "$W/m.safetensors" "$W/shards" 1,2 >/dev/null
+
+# ---- export from the manifest = export from the checkpoint
+check "$N" export --format hf --model "$W/m.safetensors" --out "$W/hf-ckpt" --shard-size 30K
+check "$N" export --format hf --manifest "$W/shards" --out "$W/hf-man" --shard-size 30K
+check test "$(ls "$W/hf-ckpt" | wc -l)" -gt 6
+check test "$(ls "$W/hf-ckpt")" = "$(ls "$W/hf-man")"
+for f in "$W"/hf-ckpt/*; do
+  check cmp "$f" "$W/hf-man/${f##*/}"
+done
+check test -e "$W/hf-ckpt/vocab.json" -a -e "$W/hf-ckpt/model.safetensors.index.json"
+check grep -q '"architectures"' "$W/hf-ckpt/config.json"
+expect 1 "not empty" "$N" export --format hf --model "$W/m.safetensors" --out "$W/hf-ckpt"
+# a damaged shard: refused before anything is written
+printf 'X' | dd of="$W/shards/stage-1.safetensors" bs=1 seek=200 conv=notrunc 2>/dev/null
+expect 1 "sha256 mismatch" "$N" export --format hf --manifest "$W/shards" --out "$W/hf-bad"
+check test ! -e "$W/hf-bad"
+
+# ---- import what was exported; it is the same model
+check "$N" import --hf "$W/hf-ckpt" --out "$W/imported.safetensors"
+/usr/bin/python3 - "$W" <<'PY'
+import json, struct, sys
+w = sys.argv[1]
+toks = [(i * 37 + 11) % 280 for i in range(2 * 9)]
+h = json.dumps({"tokens": {"dtype": "I32", "shape": [2, 9], "data_offsets": [0, 4 * len(toks)]}}).encode()
+h += b" " * (-len(h) % 8)
+open(w + "/in.safetensors", "wb").write(struct.pack("<Q", len(h)) + h + struct.pack("<%di" % len(toks), *toks))
+PY
+check "$N" forward --model "$W/m.safetensors" --tokens "$W/in.safetensors" --out "$W/orig.safetensors" --threads 1
+check "$N" forward --model "$W/imported.safetensors" --tokens "$W/in.safetensors" --out "$W/local.safetensors" --threads 1
+
+# ---- the imported model on a cluster: placed, not sized
+check "$N" cluster up --dir "$C" --nodes 2 --model "$W/imported.safetensors" --memory 64M --threads 1 \
+  --node-timeout-ms 2000 --timeout 60
+"$N" status --cluster "$C" > "$W/status.txt" 2>&1
+check grep -q "ready" "$W/status.txt"
+check grep -q "plan" "$C/coord.log"
+check test "$(grep -c "sized the model" "$C/coord.log")" -eq 0
+check "$N" forward --cluster "$C" --tokens "$W/in.safetensors" --out "$W/remote.safetensors"
+cat > "$W/compare.py" <<'PY'
+import json, struct, sys
+def logits(p):
+    b = open(p, "rb").read(); n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n])
+    s, e = h["logits"]["data_offsets"]; raw = b[8 + n + s: 8 + n + e]
+    return h["logits"]["shape"], struct.unpack("<%df" % (len(raw) // 4), raw)
+(sa, a), (sb, b) = logits(sys.argv[1]), logits(sys.argv[2])
+d = max(abs(x - y) for x, y in zip(a, b)) / max(abs(y) for y in b)
+print("%s vs %s: shape %s, max relative diff %.3g" % (sys.argv[1].split("/")[-1], sys.argv[2].split("/")[-1], sa, d))
+assert sa == sb and d <= float(sys.argv[3]), d
+PY
+check /usr/bin/python3 "$W/compare.py" "$W/local.safetensors" "$W/orig.safetensors" 1e-5
+check /usr/bin/python3 "$W/compare.py" "$W/remote.safetensors" "$W/local.safetensors" 1e-5
+check "$N" cluster down --dir "$C"
+
+# ---- streaming: a 60 MB model converts in well under its size of memory
+# (the buffers of its largest tensor, 16 MB, plus the program; a converter
+# that held the model would need at least 60 MB)
+cat > "$W/big.yaml" <<'YAML'
+hidden_dim: 128
+num_layers: 8
+num_heads: 2
+num_kv_heads: 1
+ffn_dim: 256
+num_experts: 8
+vocab_size: 32000
+vocab_chunk: 32000
+YAML
+check "$N" init --config "$W/big.yaml" --out "$W/big.safetensors" >/dev/null
+cat > "$W/rss.py" <<'PY'
+import os, resource, subprocess, sys
+limit = float(sys.argv[1])
+subprocess.run(sys.argv[2:], check=True, stdout=subprocess.DEVNULL)
+rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+print("%s: peak RSS %.1f MB, limit %.1f MB" % (sys.argv[3], rss / 1e6, limit / 1e6))
+sys.exit(0 if rss < limit else 1)
+PY
+BYTES=$(stat -c %s "$W/big.safetensors")
+LIMIT=$((BYTES * 6 / 10))
+if nm "$N" 2>/dev/null | grep -q __asan_init; then
+  echo "test_hf_cli: sanitizer build; the peak-memory check is left to plain builds"
+else
+  check /usr/bin/python3 "$W/rss.py" "$LIMIT" "$N" export --format hf --model "$W/big.safetensors" --out "$W/big-hf"
+  check /usr/bin/python3 "$W/rss.py" "$LIMIT" "$N" import --hf "$W/big-hf" --out "$W/big-back.safetensors"
+fi
+
+echo "test_hf_cli: $pass passed, $fail failed"
+[ "$fail" -eq 0 ]
