@@ -228,3 +228,8 @@ float nl_layer_forward(nl_model *m, int li, nl_layer_acts *a, int B, int T, int 
     attention_block(m, li, a, B, T, past, kv, pos_d);
     return moe_block(m, li, a, B * T, global_frac, aux_rows);
 }
+
+float nl_layer_ffn_forward(nl_model *m, int li, nl_layer_acts *a, int N)
+{
+    return moe_block(m, li, a, N, NULL, (double)N);
+}
