@@ -154,7 +154,8 @@ static int plan_step(engine *e, nl_batch_seg *segs, job **who)
 static void publish_stats(engine *e, double *last_pub, uint64_t *last_tokens)
 {
     double t = now_s();
-    if (t - *last_pub < 1.0)
+    int idle = e->tokens == *last_tokens && e->active == 0 && e->queued == 0 && e->tps == 0.0;
+    if (t - *last_pub < (idle ? 10.0 : 1.0)) /* idle: a heartbeat, not a flood */
         return;
     e->tps = (double)(e->tokens - *last_tokens) / (t - *last_pub);
     *last_pub = t;
@@ -486,19 +487,22 @@ int nl_cmd_serve(int argc, char **argv)
         {"max-batch", 1, "generations decoded together (default 16)", NULL},
         {"prefill-chunk", 1, "prompt positions per step while others decode (default 64)", NULL},
         {"max-requests", 1, "concurrent /v1 requests before 429 (default 64)", NULL},
+        {"http-timeout", 1, "seconds a connection may sit idle, e.g. a slow client (default 30)",
+         NULL},
         {"threads", 1, "worker threads (default: all cores)", NULL},
         NL_CLI_DEVICE_FLAG,
         NL_CLI_TF32_FLAG,
         {0}};
     const char *usage = "neuroctl serve --model MODEL [--http HOST:PORT] [--http-tokens FILE] "
-                        "[--max-batch N] [--prefill-chunk N] [--max-requests N] [--threads N] "
+                        "[--max-batch N] [--prefill-chunk N] [--max-requests N] [--http-timeout S] "
+                        "[--threads N] "
                         "[--device D] [--tf32]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
     const char *model = nl_args_get(flags, "model"), *device = NULL;
     const char *addr = nl_args_get(flags, "http");
-    long long max_batch = 16, chunk = 64, max_req = 64, threads = 0;
+    long long max_batch = 16, chunk = 64, max_req = 64, threads = 0, timeout = 30;
     int tf32 = 0;
     if (!model) {
         nl_args_help(stderr, usage, flags);
@@ -507,6 +511,7 @@ int nl_cmd_serve(int argc, char **argv)
     if ((rc = nl_args_int(flags, "max-batch", 1, 256, &max_batch)) ||
         (rc = nl_args_int(flags, "prefill-chunk", 1, 4096, &chunk)) ||
         (rc = nl_args_int(flags, "max-requests", 1, 4096, &max_req)) ||
+        (rc = nl_args_int(flags, "http-timeout", 1, 86400, &timeout)) ||
         (rc = nl_args_int(flags, "threads", 0, 1024, &threads)) ||
         (rc = nl_cli_device_flags(flags, &device, &tf32)))
         return rc;
@@ -551,7 +556,8 @@ int nl_cmd_serve(int argc, char **argv)
                           .metrics_text = be_metrics};
     nl_http_opts ho = {.addr = addr ? addr : "127.0.0.1:8080",
                        .tokens_path = nl_args_get(flags, "http-tokens"),
-                       .max_requests = (int)max_req};
+                       .max_requests = (int)max_req,
+                       .timeout_s = (int)timeout};
     if (nl_http_start(&e.http, &ho, &hb, &err) != NL_OK)
         goto out;
     char ev[256];
