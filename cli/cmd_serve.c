@@ -31,13 +31,13 @@ enum { JOB_QUEUED, JOB_PREFILL, JOB_DECODE, JOB_FINISHED };
 typedef struct job {
     struct job *next;
     int state;
-    int ended;          /* the HTTP side let go: reap */
-    int32_t *prompt;    /* (P) */
+    int ended;       /* the HTTP side let go: reap */
+    int32_t *prompt; /* (P) */
     int P, fed;
     int max_new;
-    nl_kvcache *kv;     /* from admission until finished */
+    nl_kvcache *kv; /* from admission until finished */
     nl_sampler smp;
-    int32_t *out;       /* (max_new) sampled ids */
+    int32_t *out; /* (max_new) sampled ids */
     int produced, consumed;
     int failed;
     char errmsg[NL_ERROR_MSG_MAX];
@@ -53,7 +53,7 @@ typedef struct engine {
     const char *name;
     pthread_mutex_t mu;
     pthread_cond_t work, out;
-    job *jobs;                /* arrival order */
+    job *jobs; /* arrival order */
     int stop;
     nl_http *http;
     /* figures (under mu) */
@@ -384,8 +384,8 @@ static nl_status be_embed(void *ctx, const char *text, size_t len, const int32_t
         return nl_error_set(err, NL_ERR_NOMEM, "out of memory");
     }
     if (P < 1 || P > e->m->cfg.max_seq_len) {
-        st = nl_error_set(err, NL_ERR_RANGE, "%d tokens, outside 1..%d (the model's context)",
-                          P, e->m->cfg.max_seq_len);
+        st = nl_error_set(err, NL_ERR_RANGE, "%d tokens, outside 1..%d (the model's context)", P,
+                          e->m->cfg.max_seq_len);
     } else {
         pthread_mutex_lock(&e->model_mu);
         st = nl_batch_embed(e->batch, p, P, *vec, err);
@@ -431,8 +431,8 @@ static char *be_status(void *ctx)
              "\"max_batch\":%d,\"prefill_chunk\":%d},"
              "\"tokens_generated\":%" PRIu64 ",\"uptime_s\":%.1f,\"training\":null}",
              e->name, c->num_layers, c->hidden_dim, (long long)c->vocab_size, c->max_seq_len,
-             nl_config_param_count(c), be->name, offered, used, c->num_layers, e->tps,
-             e->step_ms, e->active, e->queued, e->kv_bytes, e->max_batch, e->chunk, e->tokens,
+             nl_config_param_count(c), be->name, offered, used, c->num_layers, e->tps, e->step_ms,
+             e->active, e->queued, e->kv_bytes, e->max_batch, e->chunk, e->tokens,
              now_s() - e->t_start);
     pthread_mutex_unlock(&e->mu);
     return s;
@@ -444,35 +444,41 @@ static char *be_metrics(void *ctx)
     nl_backend *be = e->m->be;
     size_t used = 0, peak = 0;
     be->mem_stats(be, &used, &peak);
-    char *s = malloc(4096);
+    const size_t cap = 8192;
+    char *s = malloc(cap);
     if (!s)
         return NULL;
     pthread_mutex_lock(&e->mu);
-    snprintf(s, 4096,
-#define M(name, type, help) "# HELP " name " " help "\n# TYPE " name " " type "\n" name
-             M("neurollm_tokens_generated_total", "counter", "Tokens sampled.") " %" PRIu64 "\n"
-             M("neurollm_prompt_tokens_total", "counter", "Prompt tokens prefilled.") " %" PRIu64 "\n"
-             M("neurollm_batch_steps_total", "counter", "Batched forward steps.") " %" PRIu64 "\n"
-             M("neurollm_batch_rows_total", "counter",
-               "Rows (decode tokens and prefill positions) over all steps.") " %" PRIu64 "\n"
-             M("neurollm_generations_finished_total", "counter",
-               "Generations ended (done, stopped, failed or cancelled).") " %" PRIu64 "\n"
-             M("neurollm_generations_cancelled_total", "counter",
-               "Generations whose client went away before the end.") " %" PRIu64 "\n"
-             M("neurollm_embeddings_total", "counter", "Embeddings computed.") " %" PRIu64 "\n"
-             M("neurollm_sessions_active", "gauge", "Generations admitted to the batch.") " %d\n"
-             M("neurollm_queue_depth", "gauge", "Generations waiting for a batch slot.") " %d\n"
-             M("neurollm_kv_cache_bytes", "gauge", "Bytes held by KV caches.") " %zu\n"
-             M("neurollm_step_seconds", "gauge",
-               "Moving average of one batched step's time.") " %.6f\n"
-             M("neurollm_tokens_per_second", "gauge", "Tokens sampled over the last second.") " %.3f\n"
-             M("neurollm_device_memory_used_bytes", "gauge", "Bytes allocated on the device.") " %zu\n"
-             M("neurollm_model_layers", "gauge", "Layers of the model served.") " %d\n",
-#undef M
-             e->tokens, e->prompt_tokens, e->steps, e->rows, e->finished, e->cancelled,
-             e->embeddings, e->active, e->queued, e->kv_bytes, e->step_ms / 1e3, e->tps, used,
-             e->m->cfg.num_layers);
+    const struct {
+        const char *name, *type, *help;
+        double v;
+    } ms[] = {
+        {"neurollm_tokens_generated_total", "counter", "Tokens sampled.", (double)e->tokens},
+        {"neurollm_prompt_tokens_total", "counter", "Prompt tokens prefilled.",
+         (double)e->prompt_tokens},
+        {"neurollm_batch_steps_total", "counter", "Batched forward steps.", (double)e->steps},
+        {"neurollm_batch_rows_total", "counter",
+         "Rows (decode tokens and prefill positions) over all steps.", (double)e->rows},
+        {"neurollm_generations_finished_total", "counter",
+         "Generations ended (done, stopped, failed or cancelled).", (double)e->finished},
+        {"neurollm_generations_cancelled_total", "counter",
+         "Generations whose client went away before the end.", (double)e->cancelled},
+        {"neurollm_embeddings_total", "counter", "Embeddings computed.", (double)e->embeddings},
+        {"neurollm_sessions_active", "gauge", "Generations admitted to the batch.", e->active},
+        {"neurollm_queue_depth", "gauge", "Generations waiting for a batch slot.", e->queued},
+        {"neurollm_kv_cache_bytes", "gauge", "Bytes held by KV caches.", (double)e->kv_bytes},
+        {"neurollm_step_seconds", "gauge", "Moving average of one batched step's time.",
+         e->step_ms / 1e3},
+        {"neurollm_tokens_per_second", "gauge", "Tokens sampled over the last second.", e->tps},
+        {"neurollm_device_memory_used_bytes", "gauge", "Bytes allocated on the device.",
+         (double)used},
+        {"neurollm_model_layers", "gauge", "Layers of the model served.", e->m->cfg.num_layers},
+    };
     pthread_mutex_unlock(&e->mu);
+    size_t n = 0;
+    for (size_t i = 0; i < sizeof ms / sizeof ms[0] && n < cap; i++)
+        n += (size_t)snprintf(s + n, cap - n, "# HELP %s %s\n# TYPE %s %s\n%s %.17g\n", ms[i].name,
+                              ms[i].help, ms[i].name, ms[i].type, ms[i].name, ms[i].v);
     return s;
 }
 
@@ -561,12 +567,12 @@ int nl_cmd_serve(int argc, char **argv)
     if (nl_http_start(&e.http, &ho, &hb, &err) != NL_OK)
         goto out;
     char ev[256];
-    snprintf(ev, sizeof ev, "{\"model\":\"%s\",\"device\":\"%s\",\"layers\":%d}", e.name,
-             be->name, e.m->cfg.num_layers);
+    snprintf(ev, sizeof ev, "{\"model\":\"%s\",\"device\":\"%s\",\"layers\":%d}", e.name, be->name,
+             e.m->cfg.num_layers);
     nl_http_publish(e.http, "start", ev);
     const char *colon = strrchr(ho.addr, ':');
-    printf("neuroctl serve: %s on http://%.*s:%d/ (Ctrl-C stops)\n", e.name,
-           (int)(colon - ho.addr), ho.addr, nl_http_port(e.http));
+    printf("neuroctl serve: %s on http://%.*s:%d/ (Ctrl-C stops)\n", e.name, (int)(colon - ho.addr),
+           ho.addr, nl_http_port(e.http));
     fflush(stdout);
     int sig = 0;
     sigwait(&sigs, &sig);

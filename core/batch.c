@@ -18,7 +18,7 @@
 typedef struct pad_backend {
     nl_backend be;
     nl_backend *inner;
-    float *a_pad, *c_pad;  /* (MIN_ROWS, k_max), (MIN_ROWS, n_max) */
+    float *a_pad, *c_pad; /* (MIN_ROWS, k_max), (MIN_ROWS, n_max) */
     int k_max, n_max;
 } pad_backend;
 
@@ -47,14 +47,14 @@ struct nl_batch {
     nl_model view; /* the model computing through `pad` */
     pad_backend pad;
     int max_rows;
-    nl_layer_acts acts; /* inference set: residual in acts.x_in */
-    int32_t *tokens_h, *pos_h;   /* (max_rows) host */
-    int32_t *tokens_d, *pos_d;   /* (max_rows) */
-    float *last, *xnf;           /* (max_rows, d) */
-    float *logits_d;             /* (max_rows, V) */
-    float *logits_h;             /* (max_rows, V) host */
-    float *hidden_h;             /* (max_rows, d) host, for embeddings */
-    int *logit_row;              /* (max_rows) segment -> row of logits_h, or -1 */
+    nl_layer_acts acts;        /* inference set: residual in acts.x_in */
+    int32_t *tokens_h, *pos_h; /* (max_rows) host */
+    int32_t *tokens_d, *pos_d; /* (max_rows) */
+    float *last, *xnf;         /* (max_rows, d) */
+    float *logits_d;           /* (max_rows, V) */
+    float *logits_h;           /* (max_rows, V) host */
+    float *hidden_h;           /* (max_rows, d) host, for embeddings */
+    int *logit_row;            /* (max_rows) segment -> row of logits_h, or -1 */
 };
 
 static int imax(int a, int b)
@@ -121,8 +121,7 @@ void nl_batch_destroy(nl_batch **bp)
     nl_batch *b = *bp;
     nl_backend *be = b->m->be;
     nl_layer_acts_free(&b->acts, be);
-    void *dev[] = {b->pad.a_pad, b->pad.c_pad, b->tokens_d, b->pos_d, b->last, b->xnf,
-                   b->logits_d};
+    void *dev[] = {b->pad.a_pad, b->pad.c_pad, b->tokens_d, b->pos_d, b->last, b->xnf, b->logits_d};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         be->free(be, dev[i]);
     free(b->tokens_h);
@@ -219,8 +218,7 @@ static void run_layers(nl_batch *b, const nl_batch_seg *segs, int n, int N)
     be->embedding_forward(be, a->x_in, b->tokens_d, vm->tok_embeddings, N, d);
     for (int l = vm->l0; l < vm->l1; l++) {
         const nl_layer_weights *w = &vm->layers[l - vm->l0];
-        be->rmsnorm_forward(be, a->xn1, NULL, a->x_in, w->attention_norm, N, d,
-                            (float)c->norm_eps);
+        be->rmsnorm_forward(be, a->xn1, NULL, a->x_in, w->attention_norm, N, d, (float)c->norm_eps);
         be->gemm(be, 0, 1, N, qkv, d, 1.0f, a->xn1, d, w->wqkv, d, 0.0f, a->qkv, qkv);
         be->rope_forward(be, a->qkv, b->pos_d, N, qkv, 0, H + G, hd, (float)c->rope_base);
         attend_segments(b, l - vm->l0, segs, n);
@@ -247,8 +245,8 @@ nl_status nl_batch_forward(nl_batch *b, const nl_batch_seg *segs, int n, nl_erro
         row += segs[i].T;
         if (!segs[i].want_logits)
             continue;
-        be->copy_rows(be, b->last + (size_t)want * d, d, b->acts.x_in + (size_t)(row - 1) * d, d,
-                      1, d);
+        be->copy_rows(be, b->last + (size_t)want * d, d, b->acts.x_in + (size_t)(row - 1) * d, d, 1,
+                      d);
         b->logit_row[i] = want++;
     }
     if (want > 0) {
@@ -272,8 +270,7 @@ nl_status nl_batch_embed(nl_batch *b, const int32_t *tokens, int T, float *out, 
     if (!sum)
         return nl_error_set(err, NL_ERR_NOMEM, "embed: out of memory");
     if (T < 1 || T > c->max_seq_len) {
-        st = nl_error_set(err, NL_ERR_RANGE, "embed: %d tokens, outside 1..%d", T,
-                          c->max_seq_len);
+        st = nl_error_set(err, NL_ERR_RANGE, "embed: %d tokens, outside 1..%d", T, c->max_seq_len);
         goto out;
     }
     if ((st = nl_kvcache_new(&kv, b->m, 1, T, err)) != NL_OK)
@@ -285,8 +282,7 @@ nl_status nl_batch_embed(nl_batch *b, const int32_t *tokens, int T, float *out, 
         if ((st = check_segs(b, &s, 1, &N, err)) != NL_OK)
             goto out;
         run_layers(b, &s, 1, N);
-        be->rmsnorm_forward(be, b->xnf, NULL, b->acts.x_in, b->m->norm, n, d,
-                            (float)c->norm_eps);
+        be->rmsnorm_forward(be, b->xnf, NULL, b->acts.x_in, b->m->norm, n, d, (float)c->norm_eps);
         be->download(be, b->hidden_h, b->xnf, (size_t)n * d * sizeof(float));
         if ((st = nl_backend_check(b->m->be, err)) != NL_OK)
             goto out;

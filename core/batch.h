@@ -41,7 +41,7 @@ typedef struct nl_batch_seg {
     nl_kvcache *kv;
     const int32_t *tokens; /* host (T) */
     int T;
-    int want_logits;       /* logits of the segment's last position */
+    int want_logits; /* logits of the segment's last position */
 } nl_batch_seg;
 
 /* Run the segments as one batch. For each segment with want_logits the

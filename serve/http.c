@@ -19,9 +19,15 @@
 #define MAX_SUBSCRIBERS 32
 #define KEEPALIVE_MS 10000
 
-static const char *ep_names[EP_COUNT] = {"/v1/completions", "/v1/embeddings", "/v1/models",
-                                         "/api/status",     "/api/events",    "/metrics",
-                                         "/",               "/static",        "other"};
+static const char *ep_names[EP_COUNT] = {"/v1/completions",
+                                         "/v1/embeddings",
+                                         "/v1/models",
+                                         "/api/status",
+                                         "/api/events",
+                                         "/metrics",
+                                         "/",
+                                         "/static",
+                                         "other"};
 
 /* ---------------------------------------------------------------- replies */
 
@@ -68,8 +74,8 @@ enum MHD_Result http_error(nl_http *h, struct MHD_Connection *c, http_req *rq, i
                        : code == 429 ? "rate_limit_error"
                        : code >= 500 ? "server_error"
                                      : "invalid_request_error";
-    json_t *j = json_pack("{s:{s:s, s:s, s:s?}}", "error", "message", msg, "type", type, "param",
-                          param);
+    json_t *j =
+        json_pack("{s:{s:s, s:s, s:s?}}", "error", "message", msg, "type", type, "param", param);
     char *text = j ? json_dumps(j, JSON_COMPACT) : NULL;
     json_decref(j);
     if (!text) /* a message that is not UTF-8 */
@@ -175,8 +181,8 @@ void nl_http_publish(nl_http *h, const char *type, const char *json)
 
 typedef struct sub_state {
     nl_http *h;
-    uint64_t next;  /* the next event to send */
-    char *pend;     /* formatted, not yet sent */
+    uint64_t next; /* the next event to send */
+    char *pend;    /* formatted, not yet sent */
     size_t len, off;
 } sub_state;
 
@@ -332,10 +338,14 @@ static int route(const char *url, const char *method, int *ep, int *post)
     static const struct {
         const char *url;
         int ep, post;
-    } r[] = {{"/v1/completions", EP_COMPLETIONS, 1}, {"/v1/embeddings", EP_EMBEDDINGS, 1},
-             {"/v1/models", EP_MODELS, 0},           {"/api/status", EP_STATUS, 0},
-             {"/api/events", EP_EVENTS, 0},          {"/metrics", EP_METRICS, 0},
-             {"/", EP_DASHBOARD, 0},                 {"/static/chart.js", EP_STATIC, 0}};
+    } r[] = {{"/v1/completions", EP_COMPLETIONS, 1},
+             {"/v1/embeddings", EP_EMBEDDINGS, 1},
+             {"/v1/models", EP_MODELS, 0},
+             {"/api/status", EP_STATUS, 0},
+             {"/api/events", EP_EVENTS, 0},
+             {"/metrics", EP_METRICS, 0},
+             {"/", EP_DASHBOARD, 0},
+             {"/static/chart.js", EP_STATIC, 0}};
     for (size_t i = 0; i < sizeof r / sizeof r[0]; i++)
         if (strcmp(url, r[i].url) == 0) {
             *ep = r[i].ep;
@@ -392,8 +402,8 @@ static enum MHD_Result dispatch(nl_http *h, struct MHD_Connection *c, http_req *
 }
 
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url,
-                                  const char *method, const char *version,
-                                  const char *upload_data, size_t *upload_size, void **con_cls)
+                                  const char *method, const char *version, const char *upload_data,
+                                  size_t *upload_size, void **con_cls)
 {
     nl_http *h = cls;
     http_req *rq = *con_cls;
@@ -572,9 +582,8 @@ nl_status nl_http_start(nl_http **out, const nl_http_opts *o, const nl_http_back
     struct sockaddr_storage bound;
     socklen_t bl = sizeof bound;
     if (di && getsockname(di->listen_fd, (struct sockaddr *)&bound, &bl) == 0)
-        h->port = ntohs(bound.ss_family == AF_INET6
-                            ? ((struct sockaddr_in6 *)&bound)->sin6_port
-                            : ((struct sockaddr_in *)&bound)->sin_port);
+        h->port = ntohs(bound.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&bound)->sin6_port
+                                                    : ((struct sockaddr_in *)&bound)->sin_port);
     *out = h;
     return NL_OK;
 }

@@ -31,23 +31,23 @@
 
 /* A completion request after the server checked every field. */
 typedef struct nl_http_completion {
-    const char *prompt_text;    /* UTF-8, or NULL when ids are given */
+    const char *prompt_text; /* UTF-8, or NULL when ids are given */
     size_t prompt_len;
-    const int32_t *prompt_ids;  /* or NULL when text is given */
+    const int32_t *prompt_ids; /* or NULL when text is given */
     int n_prompt_ids;
-    int max_tokens;             /* >= 1; the backend caps it by the context */
-    double temperature;         /* >= 0; 0 is greedy */
-    double top_p;               /* (0, 1] */
+    int max_tokens;     /* >= 1; the backend caps it by the context */
+    double temperature; /* >= 0; 0 is greedy */
+    double top_p;       /* (0, 1] */
     uint64_t seed;
     int stream;
 } nl_http_completion;
 
 /* What completion_next reports. */
 typedef enum nl_http_next {
-    NL_HTTP_TOKEN = 0,  /* *id and its bytes are set */
-    NL_HTTP_WAIT,       /* nothing within the timeout; ask again */
-    NL_HTTP_DONE,       /* max_tokens or the context reached */
-    NL_HTTP_FAILED,     /* err says why */
+    NL_HTTP_TOKEN = 0, /* *id and its bytes are set */
+    NL_HTTP_WAIT,      /* nothing within the timeout; ask again */
+    NL_HTTP_DONE,      /* max_tokens or the context reached */
+    NL_HTTP_FAILED,    /* err says why */
 } nl_http_next;
 
 typedef struct nl_http_backend {

@@ -10,8 +10,18 @@
 
 #include "http.h"
 
-enum { EP_COMPLETIONS, EP_EMBEDDINGS, EP_MODELS, EP_STATUS, EP_EVENTS, EP_METRICS, EP_DASHBOARD,
-       EP_STATIC, EP_OTHER, EP_COUNT };
+enum {
+    EP_COMPLETIONS,
+    EP_EMBEDDINGS,
+    EP_MODELS,
+    EP_STATUS,
+    EP_EVENTS,
+    EP_METRICS,
+    EP_DASHBOARD,
+    EP_STATIC,
+    EP_OTHER,
+    EP_COUNT
+};
 #define HTTP_CODES 10 /* distinct status codes counted per endpoint */
 #define EVENT_RING 512
 
@@ -27,24 +37,24 @@ struct nl_http {
     int port;
     unsigned char (*tokens)[32]; /* BLAKE2b of each bearer token */
     int n_tokens;
-    char *chartjs;               /* the file, or NULL */
+    char *chartjs; /* the file, or NULL */
     size_t chartjs_len;
     pthread_mutex_t mu;
-    pthread_cond_t cv;           /* events published, or stopping */
+    pthread_cond_t cv; /* events published, or stopping */
     int stopping;
-    int in_flight;               /* /v1 requests being answered */
-    int subscribers;             /* /api/events streams open */
+    int in_flight;   /* /v1 requests being answered */
+    int subscribers; /* /api/events streams open */
     uint64_t next_seq;
     http_event ring[EVENT_RING];
     int codes[EP_COUNT][HTTP_CODES];
     uint64_t counts[EP_COUNT][HTTP_CODES];
-    uint64_t created_id;         /* completion ids */
+    uint64_t created_id; /* completion ids */
 };
 
 /* One request as it arrives. */
 typedef struct http_req {
     int ep;
-    int counted;    /* holds a slot of in_flight */
+    int counted; /* holds a slot of in_flight */
     char *body;
     size_t len, cap;
     int too_large;
