@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "base/args.h"
 #include "cli_io.h"
@@ -133,19 +134,21 @@ static void reap_and_admit(engine *e)
     }
 }
 
-/* Under mu: this step's segments; returns how many. */
+/* Under mu: this step's segments; returns how many. Every decoding job
+ * gets a row; prompts being read share at most `chunk` rows, so a new
+ * prompt delays the others by at most one chunk's worth of work. */
 static int plan_step(engine *e, nl_batch_seg *segs, job **who)
 {
-    int n = 0, prefill = 0;
-    for (job *j = e->jobs; j; j = j->next) {
-        if (j->state == JOB_DECODE && n < e->max_batch) {
+    int n = 0, budget = e->chunk;
+    for (job *j = e->jobs; j && n < e->max_batch; j = j->next) {
+        if (j->state == JOB_DECODE) {
             segs[n] = (nl_batch_seg){j->kv, &j->out[j->produced - 1], 1, 1};
             who[n++] = j;
-        } else if (j->state == JOB_PREFILL && !prefill && n < e->max_batch) {
-            int T = j->P - j->fed < e->chunk ? j->P - j->fed : e->chunk;
+        } else if (j->state == JOB_PREFILL && budget > 0) {
+            int T = j->P - j->fed < budget ? j->P - j->fed : budget;
             segs[n] = (nl_batch_seg){j->kv, j->prompt + j->fed, T, j->fed + T == j->P};
             who[n++] = j;
-            prefill = 1;
+            budget -= T;
         }
     }
     return n;
@@ -484,6 +487,23 @@ static char *be_metrics(void *ctx)
 
 /* ---------------------------------------------------------------- command */
 
+/* libgomp reads GOMP_SPINCOUNT when it loads, before main: an idle
+ * OpenMP thread spins 300000 iterations by default, which on a small
+ * machine takes the cores the HTTP threads need to hand out tokens (p99
+ * inter-token latency 10x worse on 2 cores). Unless the environment says
+ * otherwise, run again with a short spin, as `cluster up` does for its
+ * nodes. argv is main's argv + 1 (commands.h), so argv[-1] is the program. */
+static void respawn_with_spin(int argc, char **argv, long long spin)
+{
+    if (getenv("GOMP_SPINCOUNT") || getenv("OMP_WAIT_POLICY") || spin < 0)
+        return;
+    char s[32];
+    snprintf(s, sizeof s, "%lld", spin);
+    setenv("GOMP_SPINCOUNT", s, 1);
+    execv("/proc/self/exe", argv - 1); /* returns only on failure: go on as we are */
+    (void)argc;
+}
+
 int nl_cmd_serve(int argc, char **argv)
 {
     nl_flag flags[] = {
@@ -496,19 +516,23 @@ int nl_cmd_serve(int argc, char **argv)
         {"http-timeout", 1, "seconds a connection may sit idle, e.g. a slow client (default 30)",
          NULL},
         {"threads", 1, "worker threads (default: all cores)", NULL},
+        {"spin", 1,
+         "iterations an idle OpenMP thread spins before it sleeps (GOMP_SPINCOUNT; default 1000, "
+         "or the environment's GOMP_SPINCOUNT or OMP_WAIT_POLICY)",
+         NULL},
         NL_CLI_DEVICE_FLAG,
         NL_CLI_TF32_FLAG,
         {0}};
     const char *usage = "neuroctl serve --model MODEL [--http HOST:PORT] [--http-tokens FILE] "
                         "[--max-batch N] [--prefill-chunk N] [--max-requests N] [--http-timeout S] "
                         "[--threads N] "
-                        "[--device D] [--tf32]";
+                        "[--spin N] [--device D] [--tf32]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
     const char *model = nl_args_get(flags, "model"), *device = NULL;
     const char *addr = nl_args_get(flags, "http");
-    long long max_batch = 16, chunk = 64, max_req = 64, threads = 0, timeout = 30;
+    long long max_batch = 16, chunk = 64, max_req = 64, threads = 0, timeout = 30, spin = 1000;
     int tf32 = 0;
     if (!model) {
         nl_args_help(stderr, usage, flags);
@@ -519,8 +543,10 @@ int nl_cmd_serve(int argc, char **argv)
         (rc = nl_args_int(flags, "max-requests", 1, 4096, &max_req)) ||
         (rc = nl_args_int(flags, "http-timeout", 1, 86400, &timeout)) ||
         (rc = nl_args_int(flags, "threads", 0, 1024, &threads)) ||
+        (rc = nl_args_int(flags, "spin", 0, 100000000, &spin)) ||
         (rc = nl_cli_device_flags(flags, &device, &tf32)))
         return rc;
+    respawn_with_spin(argc, argv, spin);
     nl_error err = {0};
     nl_backend *be = NULL;
     engine e = {.max_batch = (int)max_batch, .chunk = (int)chunk, .t_start = now_s()};
