@@ -46,8 +46,12 @@ void http_count(nl_http *h, int ep, int code)
 enum MHD_Result http_reply(nl_http *h, struct MHD_Connection *c, http_req *rq, int code,
                            const char *ctype, char *text, size_t len)
 {
-    struct MHD_Response *r =
-        MHD_create_response_from_buffer(len, text ? text : (char *)"", MHD_RESPMEM_MUST_FREE);
+    if (!text) { /* out of memory upstream: an empty body, still freeable */
+        len = 0;
+        if (!(text = malloc(1)))
+            return MHD_NO;
+    }
+    struct MHD_Response *r = MHD_create_response_from_buffer(len, text, MHD_RESPMEM_MUST_FREE);
     if (!r) {
         free(text);
         return MHD_NO;
