@@ -165,7 +165,7 @@ def test_concurrent(s):
               "generation %d: the same ids alone and among 15 others" % i)
     steps = after["neurollm_batch_steps_total"] - before["neurollm_batch_steps_total"]
     rows = after["neurollm_batch_rows_total"] - before["neurollm_batch_rows_total"]
-    check(steps > 0 and rows / steps > 4, "decode steps were batched (%.1f rows a step)" %
+    check(steps > 0 and rows / steps > 2, "decode steps were batched (%.1f rows a step)" %
           (rows / max(steps, 1)))
 
 
