@@ -7,6 +7,7 @@
 int nl_cmd_init(int argc, char **argv);
 int nl_cmd_forward(int argc, char **argv);
 int nl_cmd_generate(int argc, char **argv);
+int nl_cmd_serve(int argc, char **argv);
 int nl_cmd_bench(int argc, char **argv);
 int nl_cmd_grad(int argc, char **argv);
 int nl_cmd_train(int argc, char **argv);

@@ -13,6 +13,7 @@ static const struct {
     {"init", nl_cmd_init, "write a freshly initialised model checkpoint"},
     {"forward", nl_cmd_forward, "logits and aux loss for a batch of tokens"},
     {"generate", nl_cmd_generate, "generate tokens from a prompt with the KV cache"},
+    {"serve", nl_cmd_serve, "serve a model over HTTP: OpenAI-style API, metrics, dashboard"},
     {"grad", nl_cmd_grad, "loss and the gradient of every weight for one batch"},
     {"train", nl_cmd_train, "train a model in this process, or on a cluster (--coordinator)"},
     {"grow", nl_cmd_grow, "grow a checkpoint's vocabulary (tables and optimizer moments)"},

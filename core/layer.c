@@ -259,3 +259,8 @@ void nl_layer_forward(nl_model *m, int li, nl_layer_acts *a, int B, int T, int p
     attention_block(m, li, a, B, T, past, kv, pos_d);
     moe_block(m, li, a, B * T, aux);
 }
+
+void nl_layer_ffn_forward(nl_model *m, int li, nl_layer_acts *a, int N)
+{
+    moe_block(m, li, a, N, NULL);
+}

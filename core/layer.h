@@ -88,6 +88,12 @@ typedef struct nl_layer_aux {
 void nl_layer_forward(nl_model *m, int li, nl_layer_acts *a, int B, int T, int past, nl_kvcache *kv,
                       const int32_t *pos_d, const nl_layer_aux *aux);
 
+/* The feed-forward half alone (ffn_norm, router, experts, combine) over
+ * a->h1 for N rows, writing a->x_out (its aux loss goes to a->aux_d, unread).
+ * The batched decoder (core/batch.c) runs its own attention per sequence
+ * and then this over the whole batch. */
+void nl_layer_ffn_forward(nl_model *m, int li, nl_layer_acts *a, int N);
+
 /* Scratch for the backward pass of one layer over N rows (device unless
  * marked host), shared by every layer of a stage. */
 typedef struct nl_layer_grads_scratch {

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Issue 17 benchmark: `neuroctl serve` under 1, 4 and 16 concurrent
+# streaming clients (Python's urllib, one thread each), NEW tokens each
+# (greedy, ignoring nothing: every client runs to max_tokens):
+#   agg_tok_s    all clients' tokens / the wall time from the first request
+#                to the last [DONE]
+#   ttft         time from sending a request to its first token chunk
+#   itl          time between successive token chunks of one stream
+# p50 and p99 over all clients of a round; an untimed warm-up round of
+# the same size before each.
+# Prints one JSON line per client count, then the ratio of the 16-client
+# aggregate to the 1-client one (issue 17's target: at least 6x).
+#   bench/bench_serve.sh [BUILD_DIR] [NEW_TOKENS]
+#   env: CONFIG (default configs/bench-small.yaml), THREADS (2), CLIENTS
+#        ("1 4 16"), PROMPT (prompt tokens per client, 16), DEVICE (cpu),
+#        MAX_BATCH (16), CHUNK (--prefill-chunk, 64)
+# A quick check at a tiny size:
+#   CONFIG=configs/tiny.yaml CLIENTS="1 4" bench/bench_serve.sh build 16
+set -euo pipefail
+B=${1:-build}
+NEW=${2:-128}
+CONFIG=${CONFIG:-configs/bench-small.yaml}
+THREADS=${THREADS:-2}
+CLIENTS=${CLIENTS:-1 4 16}
+PROMPT=${PROMPT:-16}
+DEVICE=${DEVICE:-cpu}
+N=$B/cli/neuroctl
+W=$(mktemp -d)
+PID=
+trap '[ -n "$PID" ] && kill "$PID" 2>/dev/null; wait 2>/dev/null; rm -rf "$W"' EXIT
+"$N" init --config "$CONFIG" --out "$W/m.safetensors" --seed 1 >/dev/null
+"$N" serve --model "$W/m.safetensors" --http 127.0.0.1:0 --threads "$THREADS" --device "$DEVICE" \
+    --max-batch "${MAX_BATCH:-16}" --prefill-chunk "${CHUNK:-64}" >"$W/serve.out" 2>"$W/serve.err" &
+PID=$!
+for _ in $(seq 600); do grep -q http:// "$W/serve.out" && break; sleep 0.1; done
+URL=$(grep -o 'http://[0-9.:]*/' "$W/serve.out") || { cat "$W/serve.err" >&2; exit 1; }
+/usr/bin/python3 - "$URL" "$NEW" "$PROMPT" "$CONFIG" "$THREADS" "$DEVICE" $CLIENTS <<'PY'
+import json, sys, threading, time, urllib.request
+url, new, plen, config, threads, device = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6]
+counts = [int(x) for x in sys.argv[7:]]
+
+def client(i, out):
+    body = json.dumps({"prompt": [(i * 7 + t) % 200 + 1 for t in range(plen)], "max_tokens": new,
+                       "temperature": 0, "stream": True}).encode()
+    req = urllib.request.Request(url + "v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    stamps = []
+    with urllib.request.urlopen(req, timeout=3600) as r:
+        for line in r:
+            if line.startswith(b"data: {"):
+                if json.loads(line[6:])["choices"][0]["token_ids"]:
+                    stamps.append(time.perf_counter())
+    out[i] = (t0, stamps)
+
+def pct(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
+
+def round_of(n):
+    out = [None] * n
+    ts = [threading.Thread(target=client, args=(i, out)) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    start = min(o[0] for o in out)
+    end = max(o[1][-1] for o in out)
+    toks = sum(len(o[1]) for o in out)
+    ttft = [o[1][0] - o[0] for o in out]
+    itl = [b - a for o in out for a, b in zip(o[1], o[1][1:])]
+    return {"config": config, "device": device, "threads": int(threads), "clients": n,
+            "new_tokens": new, "prompt_tokens": plen, "agg_tok_s": round(toks / (end - start), 1),
+            "ttft_p50_ms": round(1e3 * pct(ttft, 50), 1), "ttft_p99_ms": round(1e3 * pct(ttft, 99), 1),
+            "itl_p50_ms": round(1e3 * pct(itl, 50), 2), "itl_p99_ms": round(1e3 * pct(itl, 99), 2)}
+
+res = {}
+for n in counts:
+    round_of(n)  # warm-up: oneDNN compiles its kernels for each new GEMM shape
+    res[n] = round_of(n)
+    print(json.dumps(res[n]), flush=True)
+if 1 in res and len(res) > 1:
+    top = max(res)
+    print(json.dumps({"speedup_%d_over_1" % top: round(res[top]["agg_tok_s"] / res[1]["agg_tok_s"], 2)}))
+PY

@@ -1,0 +1,631 @@
+/* neuroctl serve: one process serves a model over HTTP (serve/http.h).
+ *
+ * HTTP threads submit jobs; one engine thread owns the model and runs the
+ * batched decoder (core/batch.h): each step decodes every admitted job
+ * whose next token is ready as one batch, plus at most one prefill chunk
+ * of a job still reading its prompt, so a new prompt never stalls the
+ * others for more than one chunk. A job whose client went away is reaped
+ * at the next step and its KV cache freed. */
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "base/args.h"
+#include "cli_io.h"
+#include "commands.h"
+#include "core/batch.h"
+#include "core/checkpoint.h"
+#include "core/sampler.h"
+#include "core/tokenizer.h"
+#include "serve/http.h"
+
+/* ---------------------------------------------------------------- jobs */
+
+enum { JOB_QUEUED, JOB_PREFILL, JOB_DECODE, JOB_FINISHED };
+
+typedef struct job {
+    struct job *next;
+    int state;
+    int ended;       /* the HTTP side let go: reap */
+    int32_t *prompt; /* (P) */
+    int P, fed;
+    int max_new;
+    nl_kvcache *kv; /* from admission until finished */
+    nl_sampler smp;
+    int32_t *out; /* (max_new) sampled ids */
+    int produced, consumed;
+    int failed;
+    char errmsg[NL_ERROR_MSG_MAX];
+} job;
+
+typedef struct engine {
+    nl_model *m;
+    nl_batch *batch;
+    nl_tokenizer *tok;
+    pthread_mutex_t tok_mu;   /* the encoder keeps a cache */
+    pthread_mutex_t model_mu; /* the batch's activations: engine steps, embeddings */
+    int max_batch, chunk;
+    const char *name;
+    pthread_mutex_t mu;
+    pthread_cond_t work, out;
+    job *jobs; /* arrival order */
+    int stop;
+    nl_http *http;
+    /* figures (under mu) */
+    uint64_t tokens, prompt_tokens, steps, rows, cancelled, finished, embeddings;
+    int active, queued;
+    size_t kv_bytes;
+    double step_ms, tps, t_start;
+} engine;
+
+static double now_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static void job_release_kv(engine *e, job *j)
+{
+    if (j->kv) {
+        e->kv_bytes -= nl_kvcache_bytes(&e->m->cfg, e->m->cfg.num_layers, 1, j->kv->cap);
+        nl_kvcache_destroy(&j->kv);
+    }
+}
+
+static void job_finish(engine *e, job *j)
+{
+    if (j->state == JOB_PREFILL || j->state == JOB_DECODE)
+        e->active--;
+    else if (j->state == JOB_QUEUED)
+        e->queued--;
+    j->state = JOB_FINISHED;
+    job_release_kv(e, j);
+    e->finished++;
+}
+
+static void job_free(job *j)
+{
+    nl_sampler_free(&j->smp);
+    free(j->prompt);
+    free(j->out);
+    free(j);
+}
+
+/* ---------------------------------------------------------------- engine */
+
+/* Under mu: drop the jobs nobody waits for; admit queued jobs while there
+ * is room. */
+static void reap_and_admit(engine *e)
+{
+    for (job **pp = &e->jobs; *pp;) {
+        job *j = *pp;
+        if (j->ended) {
+            if (j->state != JOB_FINISHED) {
+                e->cancelled++;
+                job_finish(e, j);
+            }
+            *pp = j->next;
+            job_free(j);
+            continue;
+        }
+        pp = &j->next;
+    }
+    for (job *j = e->jobs; j && e->active < e->max_batch; j = j->next) {
+        if (j->state != JOB_QUEUED)
+            continue;
+        nl_error err = {0};
+        e->queued--;
+        e->active++;
+        j->state = JOB_PREFILL;
+        if (nl_kvcache_new(&j->kv, e->m, 1, j->P + j->max_new, &err) != NL_OK) {
+            j->failed = 1;
+            snprintf(j->errmsg, sizeof j->errmsg, "%s", err.msg);
+            job_finish(e, j);
+            continue;
+        }
+        e->kv_bytes += nl_kvcache_bytes(&e->m->cfg, e->m->cfg.num_layers, 1, j->kv->cap);
+    }
+}
+
+/* Under mu: this step's segments; returns how many. Every decoding job
+ * gets a row; prompts being read share at most `chunk` rows, so a new
+ * prompt delays the others by at most one chunk's worth of work. */
+static int plan_step(engine *e, nl_batch_seg *segs, job **who)
+{
+    int n = 0, budget = e->chunk;
+    for (job *j = e->jobs; j && n < e->max_batch; j = j->next) {
+        if (j->state == JOB_DECODE) {
+            segs[n] = (nl_batch_seg){j->kv, &j->out[j->produced - 1], 1, 1};
+            who[n++] = j;
+        } else if (j->state == JOB_PREFILL && budget > 0) {
+            int T = j->P - j->fed < budget ? j->P - j->fed : budget;
+            segs[n] = (nl_batch_seg){j->kv, j->prompt + j->fed, T, j->fed + T == j->P};
+            who[n++] = j;
+            budget -= T;
+        }
+    }
+    return n;
+}
+
+static void publish_stats(engine *e, double *last_pub, uint64_t *last_tokens)
+{
+    double t = now_s();
+    int idle = e->tokens == *last_tokens && e->active == 0 && e->queued == 0 && e->tps == 0.0;
+    if (t - *last_pub < (idle ? 10.0 : 1.0)) /* idle: a heartbeat, not a flood */
+        return;
+    e->tps = (double)(e->tokens - *last_tokens) / (t - *last_pub);
+    *last_pub = t;
+    *last_tokens = e->tokens;
+    char ev[256];
+    snprintf(ev, sizeof ev,
+             "{\"tokens_per_s\":%.2f,\"active\":%d,\"queued\":%d,\"kv_cache_bytes\":%zu,"
+             "\"tokens_generated\":%" PRIu64 ",\"step_ms\":%.3f}",
+             e->tps, e->active, e->queued, e->kv_bytes, e->tokens, e->step_ms);
+    nl_http_publish(e->http, "stats", ev);
+}
+
+static void *engine_main(void *arg)
+{
+    engine *e = arg;
+    nl_batch_seg *segs = calloc((size_t)e->max_batch, sizeof *segs);
+    job **who = calloc((size_t)e->max_batch, sizeof *who);
+    double last_pub = now_s();
+    uint64_t last_tokens = 0;
+    pthread_mutex_lock(&e->mu);
+    while (!e->stop && segs && who) {
+        reap_and_admit(e);
+        publish_stats(e, &last_pub, &last_tokens);
+        int n = plan_step(e, segs, who);
+        if (n == 0) {
+            struct timespec t;
+            clock_gettime(CLOCK_REALTIME, &t);
+            t.tv_sec += 1;
+            pthread_cond_timedwait(&e->work, &e->mu, &t);
+            continue;
+        }
+        pthread_mutex_unlock(&e->mu);
+        nl_error err = {0};
+        double t0 = now_s();
+        pthread_mutex_lock(&e->model_mu);
+        nl_status st = nl_batch_forward(e->batch, segs, n, &err);
+        pthread_mutex_unlock(&e->model_mu);
+        double ms = 1e3 * (now_s() - t0);
+        int rows = 0;
+        pthread_mutex_lock(&e->mu);
+        for (int i = 0; i < n; i++) {
+            job *j = who[i];
+            rows += segs[i].T;
+            if (st != NL_OK) {
+                j->failed = 1;
+                snprintf(j->errmsg, sizeof j->errmsg, "%s", err.msg);
+                job_finish(e, j);
+                continue;
+            }
+            if (j->state == JOB_PREFILL) {
+                j->fed += segs[i].T;
+                e->prompt_tokens += (uint64_t)segs[i].T;
+                if (j->fed < j->P)
+                    continue;
+                j->state = JOB_DECODE;
+            }
+            j->out[j->produced++] = nl_sampler_sample(&j->smp, nl_batch_logits(e->batch, i));
+            e->tokens++;
+            if (j->produced == j->max_new)
+                job_finish(e, j);
+        }
+        e->steps++;
+        e->rows += (uint64_t)rows;
+        e->step_ms = e->steps == 1 ? ms : 0.9 * e->step_ms + 0.1 * ms;
+        pthread_cond_broadcast(&e->out);
+    }
+    pthread_mutex_unlock(&e->mu);
+    free(segs);
+    free(who);
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- backend */
+
+/* The prompt as ids within the vocabulary (a malloc'd copy). */
+static nl_status prompt_ids(engine *e, const char *text, size_t len, const int32_t *ids, int n,
+                            int32_t **out, int *P, nl_error *err)
+{
+    const int64_t V = e->m->cfg.vocab_size;
+    *out = NULL;
+    if (text) {
+        size_t got = 0;
+        pthread_mutex_lock(&e->tok_mu);
+        nl_status st = nl_tokenizer_encode(e->tok, text, len, out, &got, err);
+        pthread_mutex_unlock(&e->tok_mu);
+        if (st != NL_OK)
+            return nl_error_prefix(err, "prompt");
+        n = (int)got;
+    } else {
+        if (!(*out = malloc((size_t)n * sizeof **out)))
+            return nl_error_set(err, NL_ERR_NOMEM, "prompt: out of memory");
+        memcpy(*out, ids, (size_t)n * sizeof **out);
+    }
+    for (int i = 0; i < n; i++)
+        if ((*out)[i] < 0 || (*out)[i] >= V) {
+            nl_status st = nl_error_set(err, NL_ERR_RANGE,
+                                        "prompt: token %d at %d is outside the model's "
+                                        "vocabulary 0..%lld",
+                                        (*out)[i], i, (long long)V - 1);
+            free(*out);
+            *out = NULL;
+            return st;
+        }
+    *P = n;
+    return NL_OK;
+}
+
+static nl_status be_start(void *ctx, const nl_http_completion *rq, void **jobp, int *ptoks,
+                          nl_error *err)
+{
+    engine *e = ctx;
+    const int ctxlen = e->m->cfg.max_seq_len;
+    job *j = calloc(1, sizeof *j);
+    nl_status st = NL_OK;
+    if (!j)
+        return nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+    if ((st = prompt_ids(e, rq->prompt_text, rq->prompt_len, rq->prompt_ids, rq->n_prompt_ids,
+                         &j->prompt, &j->P, err)) != NL_OK)
+        goto fail;
+    if (j->P == 0) {
+        st = nl_error_set(err, NL_ERR_INVALID, "prompt: no tokens");
+        goto fail;
+    }
+    if (j->P >= ctxlen) {
+        st = nl_error_set(err, NL_ERR_RANGE,
+                          "prompt: %d tokens leave no room in the model's context of %d", j->P,
+                          ctxlen);
+        goto fail;
+    }
+    if (rq->max_tokens > ctxlen - j->P) {
+        st = nl_error_set(err, NL_ERR_RANGE,
+                          "max_tokens: %d is more than the %d positions the context of %d "
+                          "leaves after the prompt's %d tokens",
+                          rq->max_tokens, ctxlen - j->P, ctxlen, j->P);
+        goto fail;
+    }
+    j->max_new = rq->max_tokens;
+    if (!(j->out = malloc((size_t)j->max_new * sizeof *j->out))) {
+        st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
+    if ((st = nl_sampler_init(&j->smp, (int)e->m->cfg.vocab_size, (float)rq->temperature,
+                              (float)rq->top_p, rq->seed, err)) != NL_OK)
+        goto fail;
+    pthread_mutex_lock(&e->mu);
+    j->state = JOB_QUEUED;
+    e->queued++;
+    job **pp = &e->jobs;
+    while (*pp)
+        pp = &(*pp)->next;
+    *pp = j;
+    pthread_cond_signal(&e->work);
+    pthread_mutex_unlock(&e->mu);
+    *ptoks = j->P;
+    *jobp = j;
+    return NL_OK;
+fail:
+    job_free(j);
+    return st;
+}
+
+static nl_http_next be_next(void *ctx, void *jp, int32_t *id, const char **text, size_t *len,
+                            int timeout_ms, nl_error *err)
+{
+    engine *e = ctx;
+    job *j = jp;
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    t.tv_sec += timeout_ms / 1000;
+    t.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+    if (t.tv_nsec >= 1000000000L) {
+        t.tv_sec++;
+        t.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&e->mu);
+    while (j->consumed == j->produced && j->state != JOB_FINISHED && !e->stop)
+        if (pthread_cond_timedwait(&e->out, &e->mu, &t) == ETIMEDOUT)
+            break;
+    nl_http_next r = NL_HTTP_WAIT;
+    if (j->consumed < j->produced) {
+        *id = j->out[j->consumed++];
+        r = NL_HTTP_TOKEN;
+    } else if (j->failed || e->stop) {
+        nl_error_set(err, NL_ERR_INTERNAL, "generation failed: %s",
+                     e->stop ? "the server is stopping" : j->errmsg);
+        r = NL_HTTP_FAILED;
+    } else if (j->state == JOB_FINISHED) {
+        r = NL_HTTP_DONE;
+    }
+    pthread_mutex_unlock(&e->mu);
+    *text = "";
+    *len = 0;
+    const uint8_t *p = NULL;
+    size_t n = 0;
+    if (r == NL_HTTP_TOKEN && !nl_tokenizer_is_special(*id) &&
+        nl_tokenizer_token_bytes(e->tok, *id, &p, &n) == NL_OK) {
+        *text = (const char *)p;
+        *len = n;
+    }
+    return r;
+}
+
+static void be_end(void *ctx, void *jp)
+{
+    engine *e = ctx;
+    job *j = jp;
+    pthread_mutex_lock(&e->mu);
+    j->ended = 1; /* the engine reaps it (and frees its cache) at its next step */
+    pthread_cond_signal(&e->work);
+    pthread_mutex_unlock(&e->mu);
+}
+
+static nl_status be_embed(void *ctx, const char *text, size_t len, const int32_t *ids, int n,
+                          float **vec, int *dim, int *tokens, nl_error *err)
+{
+    engine *e = ctx;
+    int32_t *p = NULL;
+    int P = 0;
+    nl_status st = prompt_ids(e, text, len, ids, n, &p, &P, err);
+    if (st != NL_OK)
+        return st;
+    const int d = e->m->cfg.hidden_dim;
+    *vec = malloc((size_t)d * sizeof **vec);
+    if (!*vec) {
+        free(p);
+        return nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+    }
+    if (P < 1 || P > e->m->cfg.max_seq_len) {
+        st = nl_error_set(err, NL_ERR_RANGE, "%d tokens, outside 1..%d (the model's context)", P,
+                          e->m->cfg.max_seq_len);
+    } else {
+        pthread_mutex_lock(&e->model_mu);
+        st = nl_batch_embed(e->batch, p, P, *vec, err);
+        pthread_mutex_unlock(&e->model_mu);
+    }
+    free(p);
+    if (st != NL_OK) {
+        free(*vec);
+        *vec = NULL;
+        return st;
+    }
+    pthread_mutex_lock(&e->mu);
+    e->embeddings++;
+    pthread_mutex_unlock(&e->mu);
+    *dim = d;
+    *tokens = P;
+    return NL_OK;
+}
+
+static char *be_status(void *ctx)
+{
+    engine *e = ctx;
+    const nl_config *c = &e->m->cfg;
+    nl_backend *be = e->m->be;
+    size_t used = 0, peak = 0, free_b = 0, total = 0;
+    be->mem_stats(be, &used, &peak);
+    nl_error err = {0};
+    int have_total = be->mem_info && be->mem_info(be, &free_b, &total, &err) == NL_OK;
+    char offered[32] = "null";
+    if (have_total)
+        snprintf(offered, sizeof offered, "%zu", total);
+    char *s = malloc(2048);
+    if (!s)
+        return NULL;
+    pthread_mutex_lock(&e->mu);
+    snprintf(s, 2048,
+             "{\"mode\":\"single\",\"model\":{\"name\":\"%s\",\"layers\":%d,\"hidden_dim\":%d,"
+             "\"vocab_size\":%lld,\"max_seq_len\":%d,\"params\":%" PRId64 "},"
+             "\"nodes\":[{\"name\":\"local\",\"state\":\"serving\",\"device\":\"%s\","
+             "\"memory_offered\":%s,\"memory_used\":%zu,\"layers\":[0,%d],"
+             "\"tokens_per_s\":%.2f,\"stage_ms\":%.3f}],"
+             "\"sessions\":{\"active\":%d,\"queued\":%d,\"kv_cache_bytes\":%zu,"
+             "\"max_batch\":%d,\"prefill_chunk\":%d},"
+             "\"tokens_generated\":%" PRIu64 ",\"uptime_s\":%.1f,\"training\":null}",
+             e->name, c->num_layers, c->hidden_dim, (long long)c->vocab_size, c->max_seq_len,
+             nl_config_param_count(c), be->name, offered, used, c->num_layers, e->tps, e->step_ms,
+             e->active, e->queued, e->kv_bytes, e->max_batch, e->chunk, e->tokens,
+             now_s() - e->t_start);
+    pthread_mutex_unlock(&e->mu);
+    return s;
+}
+
+static char *be_metrics(void *ctx)
+{
+    engine *e = ctx;
+    nl_backend *be = e->m->be;
+    size_t used = 0, peak = 0;
+    be->mem_stats(be, &used, &peak);
+    const size_t cap = 8192;
+    char *s = malloc(cap);
+    if (!s)
+        return NULL;
+    pthread_mutex_lock(&e->mu);
+    const struct {
+        const char *name, *type, *help;
+        double v;
+    } ms[] = {
+        {"neurollm_tokens_generated_total", "counter", "Tokens sampled.", (double)e->tokens},
+        {"neurollm_prompt_tokens_total", "counter", "Prompt tokens prefilled.",
+         (double)e->prompt_tokens},
+        {"neurollm_batch_steps_total", "counter", "Batched forward steps.", (double)e->steps},
+        {"neurollm_batch_rows_total", "counter",
+         "Rows (decode tokens and prefill positions) over all steps.", (double)e->rows},
+        {"neurollm_generations_finished_total", "counter",
+         "Generations ended (done, stopped, failed or cancelled).", (double)e->finished},
+        {"neurollm_generations_cancelled_total", "counter",
+         "Generations whose client went away before the end.", (double)e->cancelled},
+        {"neurollm_embeddings_total", "counter", "Embeddings computed.", (double)e->embeddings},
+        {"neurollm_sessions_active", "gauge", "Generations admitted to the batch.", e->active},
+        {"neurollm_queue_depth", "gauge", "Generations waiting for a batch slot.", e->queued},
+        {"neurollm_kv_cache_bytes", "gauge", "Bytes held by KV caches.", (double)e->kv_bytes},
+        {"neurollm_step_seconds", "gauge", "Moving average of one batched step's time.",
+         e->step_ms / 1e3},
+        {"neurollm_tokens_per_second", "gauge", "Tokens sampled over the last second.", e->tps},
+        {"neurollm_device_memory_used_bytes", "gauge", "Bytes allocated on the device.",
+         (double)used},
+        {"neurollm_model_layers", "gauge", "Layers of the model served.", e->m->cfg.num_layers},
+    };
+    pthread_mutex_unlock(&e->mu);
+    size_t n = 0;
+    for (size_t i = 0; i < sizeof ms / sizeof ms[0] && n < cap; i++)
+        n += (size_t)snprintf(s + n, cap - n, "# HELP %s %s\n# TYPE %s %s\n%s %.17g\n", ms[i].name,
+                              ms[i].help, ms[i].name, ms[i].type, ms[i].name, ms[i].v);
+    return s;
+}
+
+/* ---------------------------------------------------------------- command */
+
+/* libgomp reads GOMP_SPINCOUNT when it loads, before main: an idle
+ * OpenMP thread spins 300000 iterations by default, which on a small
+ * machine takes the cores the HTTP threads need to hand out tokens (p99
+ * inter-token latency 10x worse on 2 cores). Unless the environment says
+ * otherwise, run again with a short spin, as `cluster up` does for its
+ * nodes. argv is main's argv + 1 (commands.h), so argv[-1] is the program. */
+static void respawn_with_spin(int argc, char **argv, long long spin)
+{
+    if (getenv("GOMP_SPINCOUNT") || getenv("OMP_WAIT_POLICY") || spin < 0)
+        return;
+    char s[32];
+    snprintf(s, sizeof s, "%lld", spin);
+    setenv("GOMP_SPINCOUNT", s, 1);
+    execv("/proc/self/exe", argv - 1); /* returns only on failure: go on as we are */
+    (void)argc;
+}
+
+int nl_cmd_serve(int argc, char **argv)
+{
+    nl_flag flags[] = {
+        {"model", 1, "checkpoint (safetensors) to serve", NULL},
+        {"http", 1, "HOST:PORT to listen on (default 127.0.0.1:8080; port 0: any free port)", NULL},
+        {"http-tokens", 1, "file of bearer tokens, one a line (required off loopback)", NULL},
+        {"max-batch", 1, "generations decoded together (default 16)", NULL},
+        {"prefill-chunk", 1, "prompt positions per step while others decode (default 64)", NULL},
+        {"max-requests", 1, "concurrent /v1 requests before 429 (default 64)", NULL},
+        {"http-timeout", 1, "seconds a connection may sit idle, e.g. a slow client (default 30)",
+         NULL},
+        {"threads", 1, "worker threads (default: all cores)", NULL},
+        {"spin", 1,
+         "iterations an idle OpenMP thread spins before it sleeps (GOMP_SPINCOUNT; default 1000, "
+         "or the environment's GOMP_SPINCOUNT or OMP_WAIT_POLICY)",
+         NULL},
+        NL_CLI_DEVICE_FLAG,
+        NL_CLI_TF32_FLAG,
+        {0}};
+    const char *usage = "neuroctl serve --model MODEL [--http HOST:PORT] [--http-tokens FILE] "
+                        "[--max-batch N] [--prefill-chunk N] [--max-requests N] [--http-timeout S] "
+                        "[--threads N] "
+                        "[--spin N] [--device D] [--tf32]";
+    int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
+    if (rc)
+        return rc == 1 ? 0 : rc;
+    const char *model = nl_args_get(flags, "model"), *device = NULL;
+    const char *addr = nl_args_get(flags, "http");
+    long long max_batch = 16, chunk = 64, max_req = 64, threads = 0, timeout = 30, spin = 1000;
+    int tf32 = 0;
+    if (!model) {
+        nl_args_help(stderr, usage, flags);
+        return 2;
+    }
+    if ((rc = nl_args_int(flags, "max-batch", 1, 256, &max_batch)) ||
+        (rc = nl_args_int(flags, "prefill-chunk", 1, 4096, &chunk)) ||
+        (rc = nl_args_int(flags, "max-requests", 1, 4096, &max_req)) ||
+        (rc = nl_args_int(flags, "http-timeout", 1, 86400, &timeout)) ||
+        (rc = nl_args_int(flags, "threads", 0, 1024, &threads)) ||
+        (rc = nl_args_int(flags, "spin", 0, 100000000, &spin)) ||
+        (rc = nl_cli_device_flags(flags, &device, &tf32)))
+        return rc;
+    respawn_with_spin(argc, argv, spin);
+    nl_error err = {0};
+    nl_backend *be = NULL;
+    engine e = {.max_batch = (int)max_batch, .chunk = (int)chunk, .t_start = now_s()};
+    const char *slash = strrchr(model, '/');
+    e.name = slash ? slash + 1 : model;
+    pthread_mutex_init(&e.mu, NULL);
+    pthread_mutex_init(&e.tok_mu, NULL);
+    pthread_mutex_init(&e.model_mu, NULL);
+    pthread_cond_init(&e.work, NULL);
+    pthread_cond_init(&e.out, NULL);
+    pthread_t th;
+    int started = 0;
+    rc = 1;
+    /* signals go to sigwait below, not to the server's threads */
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGINT);
+    sigaddset(&sigs, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    if (nl_checkpoint_tokenizer(model, &e.tok, &err) != NL_OK ||
+        (!e.tok && nl_tokenizer_new_bytes(&e.tok, &err) != NL_OK) ||
+        nl_cli_backend_new(&be, device, (int)threads, tf32, 0, &err) != NL_OK ||
+        nl_checkpoint_load(&e.m, be, model, 0, -1, 1, 1, NULL, &err) != NL_OK ||
+        nl_batch_new(&e.batch, e.m, e.max_batch + e.chunk, &err) != NL_OK)
+        goto out;
+    if (pthread_create(&th, NULL, engine_main, &e) != 0) {
+        nl_error_set(&err, NL_ERR_INTERNAL, "cannot start the engine thread");
+        goto out;
+    }
+    started = 1;
+    nl_http_backend hb = {.ctx = &e,
+                          .model_name = e.name,
+                          .completion_start = be_start,
+                          .completion_next = be_next,
+                          .completion_end = be_end,
+                          .embed = be_embed,
+                          .status_json = be_status,
+                          .metrics_text = be_metrics};
+    nl_http_opts ho = {.addr = addr ? addr : "127.0.0.1:8080",
+                       .tokens_path = nl_args_get(flags, "http-tokens"),
+                       .max_requests = (int)max_req,
+                       .timeout_s = (int)timeout};
+    if (nl_http_start(&e.http, &ho, &hb, &err) != NL_OK)
+        goto out;
+    char ev[256];
+    snprintf(ev, sizeof ev, "{\"model\":\"%s\",\"device\":\"%s\",\"layers\":%d}", e.name, be->name,
+             e.m->cfg.num_layers);
+    nl_http_publish(e.http, "start", ev);
+    const char *colon = strrchr(ho.addr, ':');
+    printf("neuroctl serve: %s on http://%.*s:%d/ (Ctrl-C stops)\n", e.name, (int)(colon - ho.addr),
+           ho.addr, nl_http_port(e.http));
+    fflush(stdout);
+    int sig = 0;
+    sigwait(&sigs, &sig);
+    fprintf(stderr, "neuroctl serve: stopping (signal %d)\n", sig);
+    rc = 0;
+out:
+    if (started) {
+        pthread_mutex_lock(&e.mu);
+        e.stop = 1;
+        pthread_cond_broadcast(&e.work);
+        pthread_cond_broadcast(&e.out);
+        pthread_mutex_unlock(&e.mu);
+    }
+    nl_http_stop(&e.http); /* waits for the connections, which end their jobs */
+    if (started)
+        pthread_join(th, NULL);
+    while (e.jobs) {
+        job *j = e.jobs;
+        e.jobs = j->next;
+        job_release_kv(&e, j);
+        job_free(j);
+    }
+    nl_batch_destroy(&e.batch);
+    nl_model_destroy(&e.m);
+    nl_backend_destroy(&be);
+    nl_tokenizer_destroy(&e.tok);
+    if (rc)
+        fprintf(stderr, "neuroctl serve: %s (%s)\n", err.msg, nl_status_str(err.status));
+    return rc;
+}

@@ -1,0 +1,305 @@
+/* Batched decoding of independent sequences (see batch.h): shared GEMMs
+ * over every row of the batch, attention per sequence with its own cache,
+ * and GEMMs of fewer than NL_BATCH_MIN_ROWS rows padded so that a row's
+ * result never depends on the batch around it. */
+#include "batch.h"
+
+#include "layer.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---------------------------------------------------------------- padded GEMM */
+
+/* The model's backend with one slot changed: gemm pads a small M to
+ * NL_BATCH_MIN_ROWS rows through device scratch. The table is a copy, so
+ * every other slot sees the same ctx; `be` must stay the first member. */
+typedef struct pad_backend {
+    nl_backend be;
+    nl_backend *inner;
+    float *a_pad, *c_pad; /* (MIN_ROWS, k_max), (MIN_ROWS, n_max) */
+    int k_max, n_max;
+} pad_backend;
+
+static void pad_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                     const float *A, int lda, const float *B, int ldb, float beta, float *C,
+                     int ldc)
+{
+    pad_backend *p = (pad_backend *)be;
+    nl_backend *in = p->inner;
+    const int R = NL_BATCH_MIN_ROWS;
+    if (trans_a || M >= R || K > p->k_max || N > p->n_max) {
+        in->gemm(in, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+        return;
+    }
+    in->copy_rows(in, p->a_pad, K, A, lda, M, K);
+    if (beta != 0.0f)
+        in->copy_rows(in, p->c_pad, N, C, ldc, M, N);
+    in->gemm(in, 0, trans_b, R, N, K, alpha, p->a_pad, K, B, ldb, beta, p->c_pad, N);
+    in->copy_rows(in, C, ldc, p->c_pad, N, M, N);
+}
+
+/* ---------------------------------------------------------------- state */
+
+struct nl_batch {
+    nl_model *m;
+    nl_model view; /* the model computing through `pad` */
+    pad_backend pad;
+    int max_rows;
+    nl_layer_acts acts;        /* inference set: residual in acts.x_in */
+    int32_t *tokens_h, *pos_h; /* (max_rows) host */
+    int32_t *tokens_d, *pos_d; /* (max_rows) */
+    float *last, *xnf;         /* (max_rows, d) */
+    float *logits_d;           /* (max_rows, V) */
+    float *logits_h;           /* (max_rows, V) host */
+    float *hidden_h;           /* (max_rows, d) host, for embeddings */
+    int *logit_row;            /* (max_rows) segment -> row of logits_h, or -1 */
+};
+
+static int imax(int a, int b)
+{
+    return a > b ? a : b;
+}
+
+nl_status nl_batch_new(nl_batch **out, nl_model *m, int max_rows, nl_error *err)
+{
+    *out = NULL;
+    const nl_config *c = &m->cfg;
+    if (!m->has_embed || !m->has_head || m->l0 != 0 || m->l1 != c->num_layers)
+        return nl_error_set(err, NL_ERR_INVALID,
+                            "batch: needs a whole model (embedding, every layer, head)");
+    if (max_rows < 1)
+        return nl_error_set(err, NL_ERR_INVALID, "batch: max_rows %d must be positive", max_rows);
+    nl_batch *b = calloc(1, sizeof *b);
+    if (!b)
+        return nl_error_set(err, NL_ERR_NOMEM, "batch: out of memory");
+    nl_backend *be = m->be;
+    const int hd = nl_config_head_dim(c), d = c->hidden_dim, V = (int)c->vocab_size;
+    const int qkv = (c->num_heads + 2 * c->num_kv_heads) * hd, F = c->ffn_dim;
+    const size_t N = (size_t)max_rows, R = NL_BATCH_MIN_ROWS;
+    b->m = m;
+    b->max_rows = max_rows;
+    b->pad.be = *be;
+    b->pad.be.gemm = pad_gemm;
+    b->pad.inner = be;
+    b->pad.k_max = imax(imax(d, c->num_heads * hd), F);
+    b->pad.n_max = imax(imax(qkv, d), imax(imax(c->num_experts, 2 * F), V));
+    b->view = *m;
+    b->view.be = &b->pad.be;
+    nl_status st = nl_layer_acts_alloc(&b->acts, be, c, max_rows, 0, err);
+    if (st != NL_OK) {
+        free(b);
+        return st;
+    }
+    int ok = 1;
+    ok &= (b->pad.a_pad = be->alloc(be, R * (size_t)b->pad.k_max * sizeof(float))) != NULL;
+    ok &= (b->pad.c_pad = be->alloc(be, R * (size_t)b->pad.n_max * sizeof(float))) != NULL;
+    ok &= (b->tokens_d = be->alloc(be, N * sizeof(int32_t))) != NULL;
+    ok &= (b->pos_d = be->alloc(be, N * sizeof(int32_t))) != NULL;
+    ok &= (b->last = be->alloc(be, N * d * sizeof(float))) != NULL;
+    ok &= (b->xnf = be->alloc(be, N * d * sizeof(float))) != NULL;
+    ok &= (b->logits_d = be->alloc(be, N * V * sizeof(float))) != NULL;
+    ok &= (b->tokens_h = calloc(N, sizeof(int32_t))) != NULL;
+    ok &= (b->pos_h = calloc(N, sizeof(int32_t))) != NULL;
+    ok &= (b->logits_h = calloc(N * V, sizeof(float))) != NULL;
+    ok &= (b->hidden_h = calloc(N * d, sizeof(float))) != NULL;
+    ok &= (b->logit_row = calloc(N, sizeof(int))) != NULL;
+    if (!ok) {
+        nl_batch_destroy(&b);
+        return nl_error_set(err, NL_ERR_NOMEM, "batch: cannot allocate activations for %d rows",
+                            max_rows);
+    }
+    *out = b;
+    return NL_OK;
+}
+
+void nl_batch_destroy(nl_batch **bp)
+{
+    if (!bp || !*bp)
+        return;
+    nl_batch *b = *bp;
+    nl_backend *be = b->m->be;
+    nl_layer_acts_free(&b->acts, be);
+    void *dev[] = {b->pad.a_pad, b->pad.c_pad, b->tokens_d, b->pos_d, b->last, b->xnf, b->logits_d};
+    for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
+        be->free(be, dev[i]);
+    free(b->tokens_h);
+    free(b->pos_h);
+    free(b->logits_h);
+    free(b->hidden_h);
+    free(b->logit_row);
+    free(b);
+    *bp = NULL;
+}
+
+const float *nl_batch_logits(const nl_batch *b, int i)
+{
+    if (i < 0 || i >= b->max_rows || b->logit_row[i] < 0)
+        return NULL;
+    return b->logits_h + (size_t)b->logit_row[i] * b->m->cfg.vocab_size;
+}
+
+/* ---------------------------------------------------------------- forward */
+
+static nl_status check_segs(const nl_batch *b, const nl_batch_seg *segs, int n, int *rows,
+                            nl_error *err)
+{
+    const nl_model *m = b->m;
+    long N = 0;
+    if (n < 1)
+        return nl_error_set(err, NL_ERR_INVALID, "batch: no segments");
+    for (int i = 0; i < n; i++) {
+        const nl_batch_seg *s = &segs[i];
+        if (!s->kv || !s->tokens || s->T < 1)
+            return nl_error_set(err, NL_ERR_INVALID, "batch: segment %d has no cache or tokens", i);
+        if (s->kv->B != 1 || s->kv->n_layers != m->l1 - m->l0)
+            return nl_error_set(err, NL_ERR_SHAPE,
+                                "batch: segment %d's cache holds %d sequences of %d layers", i,
+                                s->kv->B, s->kv->n_layers);
+        if (s->kv->len + s->T > s->kv->cap)
+            return nl_error_set(err, NL_ERR_RANGE,
+                                "batch: segment %d: %d cached + %d new positions exceed its %d", i,
+                                s->kv->len, s->T, s->kv->cap);
+        for (int t = 0; t < s->T; t++)
+            if (s->tokens[t] < 0 || s->tokens[t] >= m->cfg.vocab_size)
+                return nl_error_set(err, NL_ERR_RANGE,
+                                    "batch: segment %d: token %d is outside the vocabulary 0..%lld",
+                                    i, s->tokens[t], (long long)m->cfg.vocab_size - 1);
+        N += s->T;
+    }
+    if (N > b->max_rows)
+        return nl_error_set(err, NL_ERR_SHAPE, "batch: %ld rows exceed the batch's %d", N,
+                            b->max_rows);
+    *rows = (int)N;
+    return NL_OK;
+}
+
+/* Attention of every segment over its own cache, after the batch's QKV
+ * GEMM and RoPE; the same slot call a lone sequence makes. */
+static void attend_segments(nl_batch *b, int li, const nl_batch_seg *segs, int n)
+{
+    nl_backend *be = b->m->be;
+    const nl_config *c = &b->m->cfg;
+    const int hd = nl_config_head_dim(c), H = c->num_heads, G = c->num_kv_heads;
+    const int qkv = (H + 2 * G) * hd;
+    int row = 0;
+    for (int i = 0; i < n; i++) {
+        nl_kvcache *kv = segs[i].kv;
+        const int T = segs[i].T, past = kv->len;
+        const float *q = b->acts.qkv + (size_t)row * qkv, *k = NULL, *v = NULL;
+        nl_kvcache_append(kv, li, q, qkv, H * hd, (H + G) * hd, 1, T, past, &k, &v);
+        nl_attn_shape s = {
+            .B = 1, .T = T, .past = past, .kv_cap = kv->cap, .H = H, .G = G, .hd = hd};
+        be->attention_forward(be, b->acts.att + (size_t)row * H * hd, NULL, q, qkv, k, v,
+                              kv->kv_dim, s);
+        row += T;
+    }
+}
+
+/* Embedding and every layer over the segments' N rows; the residual
+ * stream ends in acts.x_in. Caches grow by each segment's T. */
+static void run_layers(nl_batch *b, const nl_batch_seg *segs, int n, int N)
+{
+    nl_model *vm = &b->view;
+    nl_backend *be = vm->be;
+    const nl_config *c = &vm->cfg;
+    const int d = c->hidden_dim, hd = nl_config_head_dim(c);
+    const int H = c->num_heads, G = c->num_kv_heads, qkv = (H + 2 * G) * hd;
+    nl_layer_acts *a = &b->acts;
+    int row = 0;
+    for (int i = 0; i < n; i++)
+        for (int t = 0; t < segs[i].T; t++, row++) {
+            b->tokens_h[row] = segs[i].tokens[t];
+            b->pos_h[row] = segs[i].kv->len + t;
+        }
+    be->upload(be, b->tokens_d, b->tokens_h, (size_t)N * sizeof(int32_t));
+    be->upload(be, b->pos_d, b->pos_h, (size_t)N * sizeof(int32_t));
+    be->embedding_forward(be, a->x_in, b->tokens_d, vm->tok_embeddings, N, d);
+    for (int l = vm->l0; l < vm->l1; l++) {
+        const nl_layer_weights *w = &vm->layers[l - vm->l0];
+        be->rmsnorm_forward(be, a->xn1, NULL, a->x_in, w->attention_norm, N, d, (float)c->norm_eps);
+        be->gemm(be, 0, 1, N, qkv, d, 1.0f, a->xn1, d, w->wqkv, d, 0.0f, a->qkv, qkv);
+        be->rope_forward(be, a->qkv, b->pos_d, N, qkv, 0, H + G, hd, (float)c->rope_base);
+        attend_segments(b, l - vm->l0, segs, n);
+        be->gemm(be, 0, 1, N, d, H * hd, 1.0f, a->att, H * hd, w->wo, H * hd, 1.0f, a->h1, d);
+        nl_layer_ffn_forward(vm, l, a, N);
+    }
+    for (int i = 0; i < n; i++)
+        segs[i].kv->len += segs[i].T;
+}
+
+nl_status nl_batch_forward(nl_batch *b, const nl_batch_seg *segs, int n, nl_error *err)
+{
+    nl_backend *be = b->view.be;
+    const nl_config *c = &b->m->cfg;
+    const int d = c->hidden_dim, V = (int)c->vocab_size;
+    int N = 0;
+    nl_status st = check_segs(b, segs, n, &N, err);
+    if (st != NL_OK)
+        return st;
+    run_layers(b, segs, n, N);
+    int want = 0, row = 0;
+    for (int i = 0; i < n; i++) {
+        b->logit_row[i] = -1;
+        row += segs[i].T;
+        if (!segs[i].want_logits)
+            continue;
+        be->copy_rows(be, b->last + (size_t)want * d, d, b->acts.x_in + (size_t)(row - 1) * d, d, 1,
+                      d);
+        b->logit_row[i] = want++;
+    }
+    if (want > 0) {
+        be->rmsnorm_forward(be, b->xnf, NULL, b->last, b->m->norm, want, d, (float)c->norm_eps);
+        be->gemm(be, 0, 1, want, V, d, 1.0f, b->xnf, d, b->m->lm_head, d, 0.0f, b->logits_d, V);
+        be->download(be, b->logits_h, b->logits_d, (size_t)want * V * sizeof(float));
+    }
+    return nl_backend_check(b->m->be, err); /* a device's asynchronous error */
+}
+
+/* ---------------------------------------------------------------- embeddings */
+
+nl_status nl_batch_embed(nl_batch *b, const int32_t *tokens, int T, float *out, nl_error *err)
+{
+    nl_backend *be = b->view.be;
+    const nl_config *c = &b->m->cfg;
+    const int d = c->hidden_dim;
+    nl_kvcache *kv = NULL;
+    double *sum = calloc((size_t)d, sizeof *sum);
+    nl_status st = NL_OK;
+    if (!sum)
+        return nl_error_set(err, NL_ERR_NOMEM, "embed: out of memory");
+    if (T < 1 || T > c->max_seq_len) {
+        st = nl_error_set(err, NL_ERR_RANGE, "embed: %d tokens, outside 1..%d", T, c->max_seq_len);
+        goto out;
+    }
+    if ((st = nl_kvcache_new(&kv, b->m, 1, T, err)) != NL_OK)
+        goto out;
+    for (int t0 = 0; t0 < T; t0 += b->max_rows) {
+        const int n = T - t0 < b->max_rows ? T - t0 : b->max_rows;
+        nl_batch_seg s = {.kv = kv, .tokens = tokens + t0, .T = n};
+        int N = 0;
+        if ((st = check_segs(b, &s, 1, &N, err)) != NL_OK)
+            goto out;
+        run_layers(b, &s, 1, N);
+        be->rmsnorm_forward(be, b->xnf, NULL, b->acts.x_in, b->m->norm, n, d, (float)c->norm_eps);
+        be->download(be, b->hidden_h, b->xnf, (size_t)n * d * sizeof(float));
+        if ((st = nl_backend_check(b->m->be, err)) != NL_OK)
+            goto out;
+        for (int r = 0; r < n; r++)
+            for (int j = 0; j < d; j++)
+                sum[j] += b->hidden_h[(size_t)r * d + j];
+    }
+    double norm = 0.0;
+    for (int j = 0; j < d; j++) {
+        sum[j] /= T;
+        norm += sum[j] * sum[j];
+    }
+    norm = sqrt(norm);
+    for (int j = 0; j < d; j++)
+        out[j] = (float)(norm > 0.0 ? sum[j] / norm : 0.0);
+out:
+    nl_kvcache_destroy(&kv);
+    free(sum);
+    return st;
+}

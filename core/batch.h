@@ -1,0 +1,60 @@
+/* Batched decoding: many independent sequences, each with its own KV
+ * cache and position, through one forward pass of a whole model (a stage
+ * holding embedding, every layer and head).
+ *
+ * One call takes a list of segments: each is a sequence's next T tokens
+ * (T = 1 for a decode step, T = a prefill chunk for a prompt). The rows
+ * of every segment share the GEMMs (QKV, output projection, router,
+ * experts, head); attention runs per segment with that sequence's cache
+ * and `past`, through the backend's ordinary attention slot.
+ *
+ * Batch invariance: a row's result must not depend on which other rows
+ * share its GEMMs, or a seeded generation would give other tokens when
+ * others run beside it. oneDNN's sgemm computes a row the same way for
+ * any M >= 16 but takes other paths (another summation order) below, so
+ * the batch runs every GEMM of fewer than 16 rows padded to 16 rows
+ * (NL_BATCH_MIN_ROWS). Sequences decoded here therefore give the same
+ * ids alone or among others; they may differ in the last bits from
+ * nl_forward, whose small GEMMs are not padded.
+ *
+ * Ownership: nl_batch_new borrows the model (which must outlive the
+ * batch) and its backend; caches passed in segments stay the caller's.
+ * Not thread-safe: one thread drives a batch. */
+#ifndef NL_BATCH_H
+#define NL_BATCH_H
+
+#include "kvcache.h"
+#include "model.h"
+
+#define NL_BATCH_MIN_ROWS 16
+
+typedef struct nl_batch nl_batch;
+
+/* Activations for up to max_rows rows per call (decode rows plus one
+ * prefill chunk). The model must hold the embedding and the head. */
+nl_status nl_batch_new(nl_batch **out, nl_model *m, int max_rows, nl_error *err);
+void nl_batch_destroy(nl_batch **b);
+
+/* One sequence's part of a batched forward. kv must be a B = 1 cache of
+ * this model; its len is the sequence's past and grows by T. */
+typedef struct nl_batch_seg {
+    nl_kvcache *kv;
+    const int32_t *tokens; /* host (T) */
+    int T;
+    int want_logits; /* logits of the segment's last position */
+} nl_batch_seg;
+
+/* Run the segments as one batch. For each segment with want_logits the
+ * logits of its last position are on the host afterwards at
+ * nl_batch_logits(b, i) (i: the segment's index in this call). Checks
+ * every token and that every cache has room; on error no cache grew. */
+nl_status nl_batch_forward(nl_batch *b, const nl_batch_seg *segs, int n, nl_error *err);
+const float *nl_batch_logits(const nl_batch *b, int i);
+
+/* The embedding of a token sequence (DESIGN.md section 7): the mean over
+ * its positions of the final-normed hidden states, L2-normalised, into
+ * out (hidden_dim floats). Runs in chunks of the batch's rows through a
+ * temporary cache; T must be within max_seq_len. */
+nl_status nl_batch_embed(nl_batch *b, const int32_t *tokens, int T, float *out, nl_error *err);
+
+#endif

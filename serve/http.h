@@ -1,0 +1,104 @@
+/* The HTTP interface (issue 17): an OpenAI-shaped API, a status and event
+ * feed, Prometheus metrics and a dashboard page, on libmicrohttpd.
+ *
+ * The server knows no model. It parses and checks every request, enforces
+ * the limits (body size, concurrent requests, slow clients, bearer tokens
+ * off loopback) and formats every answer; the work behind the endpoints is
+ * a backend's: a table of callbacks that `neuroctl serve` fills from one
+ * process's batched decoder and a coordinator can fill from its cluster.
+ *
+ * Endpoints: POST /v1/completions, POST /v1/embeddings, GET /v1/models,
+ * GET /api/status, GET /api/events (server-sent events), GET /metrics,
+ * GET / (the dashboard) and GET /static/chart.js (Debian's Chart.js, when
+ * installed). docs/serving.md describes them.
+ *
+ * Threads: libmicrohttpd runs one thread per connection; the backend's
+ * callbacks are called from those threads concurrently and must be
+ * thread-safe. nl_http_publish may be called from any thread.
+ *
+ * Ownership: nl_http_start copies the options and the backend table (not
+ * what ctx points to, which must outlive the server); nl_http_stop(&h)
+ * stops the daemon, waits for its connections and frees it (NULL-safe). */
+#ifndef NL_SERVE_HTTP_H
+#define NL_SERVE_HTTP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "base/status.h"
+
+#define NL_HTTP_MAX_STOP 4
+
+/* A completion request after the server checked every field. */
+typedef struct nl_http_completion {
+    const char *prompt_text; /* UTF-8, or NULL when ids are given */
+    size_t prompt_len;
+    const int32_t *prompt_ids; /* or NULL when text is given */
+    int n_prompt_ids;
+    int max_tokens;     /* >= 1; the backend caps it by the context */
+    double temperature; /* >= 0; 0 is greedy */
+    double top_p;       /* (0, 1] */
+    uint64_t seed;
+    int stream;
+} nl_http_completion;
+
+/* What completion_next reports. */
+typedef enum nl_http_next {
+    NL_HTTP_TOKEN = 0, /* *id and its bytes are set */
+    NL_HTTP_WAIT,      /* nothing within the timeout; ask again */
+    NL_HTTP_DONE,      /* max_tokens or the context reached */
+    NL_HTTP_FAILED,    /* err says why */
+} nl_http_next;
+
+typedef struct nl_http_backend {
+    void *ctx;
+    const char *model_name; /* what /v1/models lists */
+    /* Start a generation: *job for the calls below, *prompt_tokens the
+     * prompt's length in tokens. Errors: NL_ERR_INVALID or NL_ERR_RANGE
+     * (400; the message names the field), NL_ERR_CAPACITY (429),
+     * NL_ERR_STATE (503), others 500. */
+    nl_status (*completion_start)(void *ctx, const nl_http_completion *req, void **job,
+                                  int *prompt_tokens, nl_error *err);
+    /* The next token within timeout_ms. Its bytes (*text, *len) stay valid
+     * until the next call on the job. */
+    nl_http_next (*completion_next)(void *ctx, void *job, int32_t *id, const char **text,
+                                    size_t *len, int timeout_ms, nl_error *err);
+    /* Cancel the generation if it still runs and free the job (a client
+     * that went away ends here). */
+    void (*completion_end)(void *ctx, void *job);
+    /* The embedding of one input (text or ids) into a malloc'd vector of
+     * *dim floats the caller frees; *tokens its length in tokens. Same
+     * error mapping as completion_start. */
+    nl_status (*embed)(void *ctx, const char *text, size_t len, const int32_t *ids, int n,
+                       float **vec, int *dim, int *tokens, nl_error *err);
+    /* A malloc'd JSON object for /api/status (NULL: out of memory). */
+    char *(*status_json)(void *ctx);
+    /* Malloc'd Prometheus text appended to the server's own metrics. */
+    char *(*metrics_text)(void *ctx);
+} nl_http_backend;
+
+typedef struct nl_http_opts {
+    const char *addr;         /* "HOST:PORT" (port 0: any free port); IPv6 as [HOST]:PORT */
+    const char *tokens_path;  /* bearer tokens, one a line; NULL: none (loopback only) */
+    size_t max_body;          /* bytes; 0: 1 MiB */
+    int max_requests;         /* concurrent /v1 requests before 429; 0: 64 */
+    int timeout_s;            /* idle connection timeout; 0: 30 */
+    const char *chartjs_path; /* NULL: /usr/share/javascript/chart.js/chart.min.js */
+} nl_http_opts;
+
+typedef struct nl_http nl_http;
+
+/* Bind and start serving. A non-loopback address without tokens is
+ * refused (NL_ERR_AUTH); a tokens file that cannot be read or holds no
+ * token fails (NL_ERR_IO, NL_ERR_FORMAT). */
+nl_status nl_http_start(nl_http **out, const nl_http_opts *o, const nl_http_backend *b,
+                        nl_error *err);
+void nl_http_stop(nl_http **h);
+/* The bound port (the kernel's pick when the address said 0). */
+int nl_http_port(const nl_http *h);
+
+/* Append an event for /api/events: type (e.g. "request", "stats") and a
+ * JSON object as text (copied). The last 512 are kept for new clients. */
+void nl_http_publish(nl_http *h, const char *type, const char *json);
+
+#endif

@@ -1,0 +1,85 @@
+/* Private to serve/: the server's state, shared by http.c (the daemon,
+ * routing, limits, tokens, events, metrics, static pages) and http_api.c
+ * (the /v1 endpoints). Split by concern to keep each file short. */
+#ifndef NL_SERVE_HTTP_IMPL_H
+#define NL_SERVE_HTTP_IMPL_H
+
+#include <jansson.h>
+#include <microhttpd.h>
+#include <pthread.h>
+
+#include "http.h"
+
+enum {
+    EP_COMPLETIONS,
+    EP_EMBEDDINGS,
+    EP_MODELS,
+    EP_STATUS,
+    EP_EVENTS,
+    EP_METRICS,
+    EP_DASHBOARD,
+    EP_STATIC,
+    EP_OTHER,
+    EP_COUNT
+};
+#define HTTP_CODES 10 /* distinct status codes counted per endpoint */
+#define EVENT_RING 512
+
+typedef struct http_event {
+    uint64_t seq;
+    char *type, *json;
+} http_event;
+
+struct nl_http {
+    struct MHD_Daemon *d;
+    nl_http_backend be;
+    nl_http_opts o;
+    int port;
+    unsigned char (*tokens)[32]; /* BLAKE2b of each bearer token */
+    int n_tokens;
+    char *chartjs; /* the file, or NULL */
+    size_t chartjs_len;
+    pthread_mutex_t mu;
+    pthread_cond_t cv; /* events published, or stopping */
+    int stopping;
+    int in_flight;   /* /v1 requests being answered */
+    int subscribers; /* /api/events streams open */
+    uint64_t next_seq;
+    http_event ring[EVENT_RING];
+    int codes[EP_COUNT][HTTP_CODES];
+    uint64_t counts[EP_COUNT][HTTP_CODES];
+    uint64_t created_id; /* completion ids */
+};
+
+/* One request as it arrives. */
+typedef struct http_req {
+    int ep;
+    int counted; /* holds a slot of in_flight */
+    char *body;
+    size_t len, cap;
+    int too_large;
+} http_req;
+
+/* Queue a JSON (or other) reply, count it; takes ownership of text. */
+enum MHD_Result http_reply(nl_http *h, struct MHD_Connection *c, http_req *rq, int code,
+                           const char *ctype, char *text, size_t len);
+/* {"error": {"message", "type", "param"}} with the given code. */
+enum MHD_Result http_error(nl_http *h, struct MHD_Connection *c, http_req *rq, int code,
+                           const char *param, const char *fmt, ...)
+    __attribute__((format(printf, 6, 7)));
+void http_count(nl_http *h, int ep, int code);
+/* The HTTP code of a backend's status. */
+int http_code_of(nl_status st);
+
+/* Whether nl_http_stop has begun (streams end). */
+int http_stopping(nl_http *h);
+
+/* /v1 endpoints (http_api.c). */
+enum MHD_Result http_completions(nl_http *h, struct MHD_Connection *c, http_req *rq);
+enum MHD_Result http_embeddings(nl_http *h, struct MHD_Connection *c, http_req *rq);
+enum MHD_Result http_models(nl_http *h, struct MHD_Connection *c, http_req *rq);
+
+/* The dashboard page (dashboard.c). */
+extern const char nl_http_dashboard_html[];
+
+#endif

@@ -1,0 +1,276 @@
+/* The batched decoder (core/batch.c): its logits follow nl_forward's with
+ * the KV cache; 16 seeded sampled generations run together, with chunked
+ * prefill interleaved, give the ids each gives alone; the embedding is
+ * the L2-normalised mean of the final-normed states; bad input is
+ * refused without touching the caches. */
+#include "check.h"
+#include "core/batch.h"
+#include "core/forward.h"
+#include "core/sampler.h"
+
+#include <stdint.h>
+
+#define NSEQ 16
+#define NEW 40
+#define CHUNK 8
+
+static nl_config test_config(void)
+{
+    nl_config c;
+    nl_config_init(&c);
+    c.hidden_dim = 64;
+    c.num_layers = 2;
+    c.num_heads = 4;
+    c.num_kv_heads = 2;
+    c.ffn_dim = 96;
+    c.vocab_size = 300;
+    c.vocab_chunk = 128;
+    c.max_seq_len = 64;
+    nl_config_fill_derived(&c);
+    return c;
+}
+
+/* One sequence's generation state. */
+typedef struct gen {
+    int32_t prompt[24];
+    int P, fed, n;
+    int32_t ids[NEW];
+    uint64_t bits; /* FNV-1a of every logit it sampled from: bit-identity */
+    nl_kvcache *kv;
+    nl_sampler smp;
+} gen;
+
+static void gen_start(gen *g, nl_model *m, int i, nl_error *err)
+{
+    memset(g, 0, sizeof *g);
+    g->bits = 14695981039346656037ull;
+    g->P = 3 + (i * 5) % 19; /* 3 .. 21: several prefill chunks */
+    for (int t = 0; t < g->P; t++)
+        g->prompt[t] = (int32_t)((i * 31 + t * 7) % 300);
+    CHECK_OK(nl_kvcache_new(&g->kv, m, 1, g->P + NEW, err), err);
+    CHECK_OK(nl_sampler_init(&g->smp, 300, 0.9f, 0.95f, (uint64_t)(100 + i), err), err);
+}
+
+static void gen_end(gen *g)
+{
+    nl_kvcache_destroy(&g->kv);
+    nl_sampler_free(&g->smp);
+}
+
+/* Step every unfinished sequence of gs once (a decode step, or the next
+ * prefill chunk of at most one sequence still in its prompt, as a server
+ * schedules them). Returns how many sequences took part. */
+static int step(nl_batch *b, gen **gs, int n, nl_error *err)
+{
+    nl_batch_seg segs[NSEQ];
+    gen *who[NSEQ];
+    int ns = 0, prefilling = 0;
+    for (int i = 0; i < n; i++) {
+        gen *g = gs[i];
+        if (g->n == NEW)
+            continue;
+        if (g->fed < g->P) {
+            if (prefilling)
+                continue;
+            prefilling = 1;
+            int T = g->P - g->fed < CHUNK ? g->P - g->fed : CHUNK;
+            segs[ns] = (nl_batch_seg){g->kv, g->prompt + g->fed, T, g->fed + T == g->P};
+            g->fed += T;
+        } else {
+            segs[ns] = (nl_batch_seg){g->kv, &g->ids[g->n - 1], 1, 1};
+        }
+        who[ns++] = g;
+    }
+    if (ns == 0)
+        return 0;
+    nl_status st = nl_batch_forward(b, segs, ns, err);
+    CHECK(st == NL_OK, "batch forward: %s", err->msg);
+    if (st != NL_OK)
+        return 0;
+    for (int i = 0; i < ns; i++) {
+        if (!segs[i].want_logits)
+            continue;
+        const float *lg = nl_batch_logits(b, i);
+        const unsigned char *p = (const unsigned char *)lg;
+        for (size_t j = 0; j < 300 * sizeof(float); j++)
+            who[i]->bits = (who[i]->bits ^ p[j]) * 1099511628211ull;
+        who[i]->ids[who[i]->n++] = nl_sampler_sample(&who[i]->smp, lg);
+    }
+    return ns;
+}
+
+static void test_alone_vs_together(nl_model *m)
+{
+    nl_error err = {0};
+    nl_batch *b = NULL;
+    static gen solo[NSEQ], together[NSEQ];
+    CHECK_OK(nl_batch_new(&b, m, NSEQ + CHUNK, &err), &err);
+    if (!b)
+        return;
+    for (int i = 0; i < NSEQ; i++) {
+        gen *g = &solo[i];
+        gen_start(g, m, i, &err);
+        while (step(b, &g, 1, &err) > 0)
+            ;
+    }
+    gen *all[NSEQ];
+    for (int i = 0; i < NSEQ; i++) {
+        gen_start(&together[i], m, i, &err);
+        all[i] = &together[i];
+    }
+    int steps = 0, widest = 0, s;
+    while ((s = step(b, all, NSEQ, &err)) > 0) {
+        steps++;
+        widest = s > widest ? s : widest;
+    }
+    CHECK(widest == NSEQ, "all 16 decoded in one batch at some step (widest %d)", widest);
+    for (int i = 0; i < NSEQ; i++) {
+        CHECK(together[i].n == NEW, "sequence %d: %d ids", i, together[i].n);
+        CHECK(memcmp(solo[i].ids, together[i].ids, sizeof solo[i].ids) == 0,
+              "sequence %d: the same ids alone and among 15 others", i);
+        CHECK(solo[i].bits == together[i].bits,
+              "sequence %d: bit-identical logits alone and among 15 others", i);
+        gen_end(&solo[i]);
+        gen_end(&together[i]);
+    }
+    nl_batch_destroy(&b);
+    nl_batch_destroy(&b); /* safe twice */
+}
+
+/* Greedy decoding through the batch follows nl_forward's logits. */
+static void test_matches_forward(nl_model *m)
+{
+    nl_error err = {0};
+    nl_batch *b = NULL;
+    nl_runstate *rs = NULL;
+    nl_kvcache *kv1 = NULL, *kv2 = NULL;
+    const int V = 300, P = 9;
+    int32_t prompt[9] = {5, 17, 250, 3, 3, 99, 140, 7, 1};
+    float *ref = malloc(V * sizeof *ref);
+    CHECK_OK(nl_batch_new(&b, m, 8, &err), &err);
+    CHECK_OK(nl_runstate_new(&rs, m, P, &err), &err);
+    CHECK_OK(nl_kvcache_new(&kv1, m, 1, 32, &err), &err);
+    CHECK_OK(nl_kvcache_new(&kv2, m, 1, 32, &err), &err);
+    if (!b || !rs || !kv1 || !kv2 || !ref)
+        goto out;
+    nl_forward_args a = {.B = 1, .T = P, .tokens = prompt, .kv = kv1, .last_only = 1};
+    /* the batch takes the prompt in chunks of 5 and 4 */
+    nl_batch_seg s1 = {kv2, prompt, 5, 0}, s2 = {kv2, prompt + 5, 4, 1};
+    CHECK_OK(nl_batch_forward(b, &s1, 1, &err), &err);
+    int32_t next = 0;
+    for (int i = 0; i < 8; i++) {
+        CHECK_OK(nl_forward(m, rs, &a, NULL, &err), &err);
+        m->be->download(m->be, ref, nl_runstate_output(rs, NULL), V * sizeof(float));
+        CHECK_OK(nl_batch_forward(b, &s2, 1, &err), &err);
+        const float *got = nl_batch_logits(b, 0);
+        if (!got)
+            break;
+        double e = check_rel_err(got, ref, V);
+        CHECK(e < 1e-4, "step %d: logits within 1e-4 of nl_forward (%.2g)", i, e);
+        next = 0;
+        for (int v = 1; v < V; v++)
+            next = ref[v] > ref[next] ? v : next;
+        a.T = 1;
+        a.tokens = &next;
+        s2 = (nl_batch_seg){kv2, &next, 1, 1};
+    }
+    CHECK(kv1->len == kv2->len, "both caches hold %d positions (%d)", kv1->len, kv2->len);
+
+    /* refusals leave the caches alone */
+    int32_t bad = 300;
+    nl_batch_seg sb = {kv2, &bad, 1, 1};
+    CHECK(nl_batch_forward(b, &sb, 1, &err) == NL_ERR_RANGE, "token 300 refused");
+    CHECK(strstr(err.msg, "token 300") != NULL, "message names the token: %s", err.msg);
+    int32_t many[9] = {0};
+    nl_batch_seg big = {kv2, many, 9, 1};
+    CHECK(nl_batch_forward(b, &big, 1, &err) == NL_ERR_SHAPE, "9 rows > 8 refused");
+    kv2->len = 30;
+    nl_batch_seg full = {kv2, many, 3, 1};
+    CHECK(nl_batch_forward(b, &full, 1, &err) == NL_ERR_RANGE, "a full cache refused");
+    CHECK(kv2->len == 30, "the cache did not grow (%d)", kv2->len);
+out:
+    free(ref);
+    nl_kvcache_destroy(&kv1);
+    nl_kvcache_destroy(&kv2);
+    nl_runstate_destroy(&rs);
+    nl_batch_destroy(&b);
+}
+
+/* The embedding against the final-normed states of a plain forward. */
+static void test_embed(nl_model *m, nl_backend *be)
+{
+    nl_error err = {0};
+    nl_batch *b = NULL;
+    const int T = 11, d = 64;
+    int32_t toks[11] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
+    float e[64], e2[64];
+    CHECK_OK(nl_batch_new(&b, m, 4, &err), &err); /* 11 tokens: three chunks */
+    if (!b)
+        return;
+    CHECK_OK(nl_batch_embed(b, toks, T, e, &err), &err);
+    double n2 = 0;
+    for (int j = 0; j < d; j++)
+        n2 += (double)e[j] * e[j];
+    CHECK(fabs(n2 - 1.0) < 1e-5, "unit length (%g)", n2);
+    /* reference: hidden states of a stage without the head, normed here */
+    nl_model *body = NULL;
+    nl_runstate *rs = NULL;
+    CHECK_OK(nl_model_new(&body, be, &m->cfg, 0, m->cfg.num_layers, 1, 0, &err), &err);
+    if (body) {
+        for (int i = 0; i < body->n_table; i++) /* the same weights, by name */
+            for (int j = 0; j < m->n_table; j++)
+                if (strcmp(body->table[i].name, m->table[j].name) == 0) {
+                    size_t n = nl_param_numel(&m->table[j]);
+                    float *x = check_download(be, nl_model_param_data(m, &m->table[j]), n);
+                    be->upload(be, nl_model_param_data(body, &body->table[i]), x, n * 4);
+                    free(x);
+                }
+        CHECK_OK(nl_runstate_new(&rs, body, T, &err), &err);
+        nl_forward_args a = {.B = 1, .T = T, .tokens = toks};
+        CHECK_OK(nl_forward(body, rs, &a, NULL, &err), &err);
+        float *h = check_download(be, nl_runstate_output(rs, NULL), (size_t)T * d);
+        float *w = check_download(be, m->norm, d);
+        double mean[64] = {0}, nn = 0;
+        for (int t = 0; t < T; t++) {
+            double ss = 0;
+            for (int j = 0; j < d; j++)
+                ss += (double)h[t * d + j] * h[t * d + j];
+            double r = 1.0 / sqrt(ss / d + m->cfg.norm_eps);
+            for (int j = 0; j < d; j++)
+                mean[j] += h[t * d + j] * r * w[j] / T;
+        }
+        for (int j = 0; j < d; j++)
+            nn += mean[j] * mean[j];
+        for (int j = 0; j < d; j++)
+            e2[j] = (float)(mean[j] / sqrt(nn));
+        CHECK(check_rel_err(e, e2, d) < 1e-4, "embedding matches the reference (%.2g)",
+              check_rel_err(e, e2, d));
+        free(h);
+        free(w);
+    }
+    CHECK(nl_batch_embed(b, toks, 0, e, &err) == NL_ERR_RANGE, "no tokens refused");
+    nl_runstate_destroy(&rs);
+    nl_model_destroy(&body);
+    nl_batch_destroy(&b);
+}
+
+int main(void)
+{
+    nl_error err = {0};
+    nl_backend *be = NULL;
+    nl_model *m = NULL;
+    nl_config c = test_config();
+    CHECK_OK(check_backend_new(&be, 2, &err), &err);
+    if (!be)
+        return check_done("test_batch");
+    CHECK_OK(nl_model_new(&m, be, &c, 0, c.num_layers, 1, 1, &err), &err);
+    if (m) {
+        CHECK_OK(nl_model_init_random(m, 77, &err), &err);
+        test_matches_forward(m);
+        test_alone_vs_together(m);
+        test_embed(m, be);
+    }
+    nl_model_destroy(&m);
+    nl_backend_destroy(&be);
+    return check_done("test_batch");
+}

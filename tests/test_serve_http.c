@@ -1,0 +1,243 @@
+/* serve/http in-process, behind a scripted backend (as a coordinator
+ * would plug in its own): stop strings across tokens, UTF-8 split across
+ * tokens in a stream, a backend failing mid-stream, backend errors mapped
+ * to HTTP codes, the event feed, token files and addresses refused at
+ * start. Requests go over real loopback sockets. */
+#include "check.h"
+#include "serve/http.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+/* ---------------------------------------------------------------- backend */
+
+static const char *script[] = {"ab", "\xC3", "\xA9", "cd", "ST", "OP", "zz"};
+#define NSCRIPT 7
+
+typedef struct fake_job {
+    int next, max, fail_at;
+} fake_job;
+
+static int ended;
+
+static nl_status fake_start(void *ctx, const nl_http_completion *rq, void **job, int *ptoks,
+                            nl_error *err)
+{
+    if (rq->prompt_text && strcmp(rq->prompt_text, "busy") == 0)
+        return nl_error_set(err, NL_ERR_CAPACITY, "all slots taken");
+    if (rq->prompt_text && strcmp(rq->prompt_text, "long") == 0)
+        return nl_error_set(err, NL_ERR_RANGE, "max_tokens: too many for the context");
+    fake_job *j = calloc(1, sizeof *j);
+    j->max = rq->max_tokens;
+    j->fail_at = rq->prompt_text && strcmp(rq->prompt_text, "midfail") == 0 ? 2 : -1;
+    *ptoks = rq->prompt_text ? (int)rq->prompt_len : rq->n_prompt_ids;
+    *job = j;
+    return NL_OK;
+}
+
+static nl_http_next fake_next(void *ctx, void *jp, int32_t *id, const char **text, size_t *len,
+                              int timeout_ms, nl_error *err)
+{
+    fake_job *j = jp;
+    if (j->next == j->fail_at) {
+        nl_error_set(err, NL_ERR_IO, "stage 2 went away");
+        return NL_HTTP_FAILED;
+    }
+    if (j->next >= j->max || j->next >= NSCRIPT)
+        return NL_HTTP_DONE;
+    *id = 100 + j->next;
+    *text = script[j->next];
+    *len = strlen(script[j->next]);
+    j->next++;
+    return NL_HTTP_TOKEN;
+}
+
+static void fake_end(void *ctx, void *jp)
+{
+    ended++;
+    free(jp);
+}
+
+static nl_status fake_embed(void *ctx, const char *text, size_t len, const int32_t *ids, int n,
+                            float **vec, int *dim, int *tokens, nl_error *err)
+{
+    *vec = calloc(2, sizeof **vec);
+    (*vec)[0] = 0.6f;
+    (*vec)[1] = 0.8f;
+    *dim = 2;
+    *tokens = text ? (int)len : n;
+    return NL_OK;
+}
+
+/* ---------------------------------------------------------------- client */
+
+/* One request on a fresh connection; the whole answer (headers and body)
+ * into a malloc'd string. */
+static char *request(int port, const char *method, const char *path, const char *body,
+                     const char *extra)
+{
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (s < 0 || connect(s, (struct sockaddr *)&a, sizeof a) != 0) {
+        if (s >= 0)
+            close(s);
+        return NULL;
+    }
+    char head[512];
+    int n =
+        snprintf(head, sizeof head,
+                 "%s %s HTTP/1.1\r\nHost: t\r\nConnection: close\r\n%sContent-Length: %zu\r\n\r\n",
+                 method, path, extra ? extra : "", body ? strlen(body) : 0);
+    if (write(s, head, (size_t)n) != n || (body && write(s, body, strlen(body)) < 0)) {
+        close(s);
+        return NULL;
+    }
+    size_t cap = 1 << 16, len = 0;
+    char *out = malloc(cap);
+    ssize_t r;
+    while (out && (r = read(s, out + len, cap - len - 1)) > 0)
+        len += (size_t)r;
+    close(s);
+    if (out)
+        out[len] = 0;
+    return out;
+}
+
+static void expect(const char *got, const char *want, const char *what)
+{
+    CHECK(got && strstr(got, want), "%s: wanted %s in %s", what, want, got ? got : "(nothing)");
+}
+
+/* ---------------------------------------------------------------- tests */
+
+static void test_api(int port, nl_http *h)
+{
+    char *r;
+    /* a stop string split over two tokens; UTF-8 split over two tokens */
+    r = request(port, "POST", "/v1/completions",
+                "{\"prompt\": \"x\", \"max_tokens\": 7, \"stop\": [\"TOP\", \"q\"]}", NULL);
+    expect(r, "HTTP/1.1 200", "completion");
+    expect(r,
+           "\"text\":\"ab\xC3\xA9"
+           "cdS\"",
+           "text cut before the stop string");
+    expect(r, "\"token_ids\":[100,101,102,103,104,105]", "ids up to the stopping token");
+    expect(r, "\"finish_reason\":\"stop\"", "finish stop");
+    expect(r, "\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":6", "usage");
+    free(r);
+    r = request(port, "POST", "/v1/completions",
+                "{\"prompt\": [5, 6], \"max_tokens\": 4, \"stream\": true}", NULL);
+    expect(r, "text/event-stream", "stream");
+    expect(r, "\"text\":\"\",\"token_ids\":[101]", "an incomplete UTF-8 byte is held");
+    expect(r, "\"text\":\"\xC3\xA9\",\"token_ids\":[102]", "and sent with its continuation");
+    expect(r, "\"finish_reason\":\"length\"", "finish length");
+    expect(r, "data: [DONE]", "done");
+    free(r);
+    r = request(port, "POST", "/v1/completions",
+                "{\"prompt\": \"midfail\", \"max_tokens\": 5, \"stream\": true}", NULL);
+    expect(r, "\"token_ids\":[101]", "tokens before the failure");
+    expect(r, "stage 2 went away", "the failure in the stream");
+    expect(r, "\"finish_reason\":\"error\"", "finish error");
+    expect(r, "data: [DONE]", "the failed stream still ends");
+    free(r);
+    r = request(port, "POST", "/v1/completions", "{\"prompt\": \"midfail\", \"max_tokens\": 5}",
+                NULL);
+    expect(r, "HTTP/1.1 500", "a failed completion");
+    expect(r, "stage 2 went away", "its message");
+    free(r);
+    r = request(port, "POST", "/v1/completions", "{\"prompt\": \"busy\"}", NULL);
+    expect(r, "HTTP/1.1 429", "backend capacity -> 429");
+    free(r);
+    r = request(port, "POST", "/v1/completions", "{\"prompt\": \"long\"}", NULL);
+    expect(r, "HTTP/1.1 400", "backend range -> 400");
+    expect(r, "\"param\":\"max_tokens\"", "naming max_tokens");
+    free(r);
+    r = request(port, "POST", "/v1/embeddings", "{\"input\": [\"abc\", [1, 2]]}", NULL);
+    expect(r, "\"index\":1", "two embeddings");
+    expect(r, "\"prompt_tokens\":5", "their tokens");
+    free(r);
+    r = request(port, "POST", "/v1/embeddings",
+                "{\"input\": \"a\", \"encoding_format\": \"base64\"}", NULL);
+    expect(r, "\"param\":\"encoding_format\"", "base64 refused");
+    free(r);
+    nl_http_publish(h, "train_step", "{\"step\":3,\"loss\":2.5}");
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    char buf[8192] = {0};
+    size_t len = 0;
+    if (connect(s, (struct sockaddr *)&a, sizeof a) == 0) {
+        const char *q = "GET /api/events HTTP/1.1\r\nHost: t\r\n\r\n";
+        if (write(s, q, strlen(q)) > 0)
+            while (!strstr(buf, "train_step") && len < sizeof buf - 1) {
+                ssize_t n = read(s, buf + len, sizeof buf - 1 - len);
+                if (n <= 0)
+                    break;
+                len += (size_t)n;
+            }
+    }
+    close(s);
+    expect(buf, "event: train_step\ndata: {\"step\":3,\"loss\":2.5}", "a published event");
+    expect(buf, "event: request", "the completions' events");
+    r = request(port, "GET", "/metrics", NULL, NULL);
+    expect(r, "neurollm_http_requests_total{endpoint=\"/v1/completions\",code=\"429\"} 1",
+           "429 counted");
+    free(r);
+    CHECK(ended == 4, "every started job ended (%d)", ended);
+}
+
+static void test_start_refusals(const nl_http_backend *b)
+{
+    nl_error err = {0};
+    nl_http *h = NULL;
+    nl_http_opts o = {.addr = "10.1.2.3:0"};
+    CHECK(nl_http_start(&h, &o, b, &err) == NL_ERR_AUTH, "off loopback without tokens");
+    expect(err.msg, "--http-tokens", "the refusal names the flag");
+    o.addr = "127.0.0.1";
+    CHECK(nl_http_start(&h, &o, b, &err) == NL_ERR_INVALID, "no port");
+    o.addr = "127.0.0.1:99999";
+    CHECK(nl_http_start(&h, &o, b, &err) == NL_ERR_INVALID, "port out of range");
+    o.addr = "127.0.0.1:0";
+    o.tokens_path = "/nonexistent/tokens";
+    CHECK(nl_http_start(&h, &o, b, &err) == NL_ERR_IO, "a missing tokens file");
+    char path[] = "/tmp/nl_tokens_XXXXXX";
+    int fd = mkstemp(path);
+    if (fd >= 0) {
+        CHECK(write(fd, "# none\nshort\n", 13) == 13, "write tokens");
+        close(fd);
+        o.tokens_path = path;
+        CHECK(nl_http_start(&h, &o, b, &err) == NL_ERR_FORMAT, "a short token refused");
+        expect(err.msg, "16 or more", "the message says why");
+        unlink(path);
+    }
+    o.tokens_path = NULL;
+    o.addr = "[::1]:0";
+    nl_status st = nl_http_start(&h, &o, b, &err);
+    CHECK(st == NL_OK || st == NL_ERR_IO, "IPv6 loopback: %s", err.msg); /* IO: no IPv6 here */
+    if (h)
+        CHECK(nl_http_port(h) > 0, "bound to a port");
+    nl_http_stop(&h);
+    nl_http_stop(&h); /* safe twice */
+}
+
+int main(void)
+{
+    nl_http_backend b = {.model_name = "fake",
+                         .completion_start = fake_start,
+                         .completion_next = fake_next,
+                         .completion_end = fake_end,
+                         .embed = fake_embed};
+    nl_error err = {0};
+    nl_http *h = NULL;
+    nl_http_opts o = {.addr = "127.0.0.1:0"};
+    CHECK_OK(nl_http_start(&h, &o, &b, &err), &err);
+    if (h) {
+        test_api(nl_http_port(h), h);
+        nl_http_stop(&h);
+    }
+    test_start_refusals(&b);
+    return check_done("test_serve_http");
+}
