@@ -7,6 +7,7 @@
 #include <stdio.h>
 
 #include "base/args.h"
+#include "cli_io.h"
 #include "commands.h"
 #include "core/manifest.h"
 
@@ -15,18 +16,19 @@ int nl_cmd_export(int argc, char **argv)
     nl_flag flags[] = {
         {"manifest", 1, "the manifest (JSON), or the directory holding manifest.json", NULL},
         {"out", 1, "checkpoint to write (safetensors)", NULL},
+        NL_CLI_FORCE_FLAG,
         {0}};
-    const char *usage = "neuroctl export --manifest MANIFEST.json|DIR --out MODEL.safetensors\n"
+    const char *usage = "neuroctl export --manifest MANIFEST.json|DIR --out MODEL.safetensors "
+                        "[--force]\n"
                         "  verifies every shard (size, sha256) and joins them with their "
                         "optimizer state";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
     const char *path = nl_args_get(flags, "manifest"), *out = nl_args_get(flags, "out");
-    if (!path || !out) {
-        nl_args_help(stderr, usage, flags);
-        return 2;
-    }
+    if ((rc = nl_cli_require("export", usage, flags, "manifest", "out", (const char *)NULL)) ||
+        (rc = nl_cli_may_write(flags, "out", out)))
+        return rc;
     nl_error err = {0};
     nl_manifest *m = NULL;
     nl_manifest_export_stats stats = {0};
