@@ -280,18 +280,18 @@ static int cluster_up(const nl_flag *flags, const char *dir)
         (rc = nl_args_size(flags, "memory", &memory)) ||
         (rc = nl_args_size(flags, "kv-budget", &kv_budget)))
         return rc;
-    /* a node whose KV budget takes all it offers has nothing left for a
-     * stage: refuse before starting anything, in the units typed */
+    /* a node whose KV budget takes all it offers keeps nothing for a
+     * stage's weights and activations: say so here, in the units typed
+     * (each node's log says it too, where nobody looks) */
     const char *mem_s = nl_args_get(flags, "memory"), *kv_s = nl_args_get(flags, "kv-budget");
     const uint64_t kv = kv_budget ? kv_budget : 256ULL << 20; /* neuronode's default */
     if (kv >= memory && (mem_s || !nl_args_get(flags, "device") ||
                          strncmp(nl_args_get(flags, "device"), "cuda:", 5) != 0)) {
         fprintf(stderr,
-                "cluster up: --memory %s leaves nothing beside the KV budget of %s%s for the "
-                "weights and activations: give more --memory or a smaller --kv-budget\n",
+                "cluster up: warning: --memory %s leaves nothing beside the KV budget of %s%s "
+                "for the weights and activations: give more --memory or a smaller --kv-budget\n",
                 mem_s ? mem_s : "1G (the default)", kv_s ? kv_s : "256M",
                 kv_s ? " (--kv-budget)" : " (the default --kv-budget)");
-        return 2;
     }
     char devices[64][32];
     pid_t pids[64];
