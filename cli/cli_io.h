@@ -59,7 +59,9 @@ int nl_cli_input_file(const char *flag, const char *path);
 int nl_cli_may_write(const nl_flag *flags, const char *flag, const char *path);
 
 /* The --force switch of a command that writes files a user may care about. */
+/* clang-format off */
 #define NL_CLI_FORCE_FLAG {"force", 0, "replace an existing output file", NULL}
+/* clang-format on */
 
 /* Seconds on the monotonic clock. */
 double nl_cli_now(void);

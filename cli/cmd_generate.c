@@ -191,8 +191,8 @@ int nl_cmd_generate(int argc, char **argv)
     fflush(stdout);
     if (ec.count < max_new)
         fprintf(stderr,
-                "generate: stopped after %d of --max-new %lld tokens: the prompt's %d and these "
-                "fill the model's max_seq_len %d\n",
+                "generate: stopped after %d of --max-new %lld tokens: with the prompt's %d they "
+                "reach the model's max_seq_len %d\n",
                 ec.count, max_new, P, m->cfg.max_seq_len);
     nl_gen_clock_report(&ec.clock);
     /* ids given: the text follows on its own line where the ids can be decoded */

@@ -103,15 +103,16 @@ int nl_cmd_forward(int argc, char **argv)
                        NL_CLI_DEVICE_FLAG,
                        NL_CLI_TF32_FLAG,
                        {0}};
-    const char *usage = "neuroctl forward --model MODEL --tokens IN.safetensors --out "
-                        "OUT.safetensors [--threads N] [--device D] [--tf32]" NL_REMOTE_USAGE(
-                            "forward");
+    const char *usage =
+        "neuroctl forward --model MODEL --tokens IN.safetensors --out "
+        "OUT.safetensors [--threads N] [--device D] [--tf32]" NL_REMOTE_USAGE("forward");
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL), threads = 0, tf32 = 0;
     if (rc)
         return rc == 1 ? 0 : rc;
     const char *model = nl_args_get(flags, "model"), *in = nl_args_get(flags, "tokens"),
                *out = nl_args_get(flags, "out"), *device = NULL;
-    if ((rc = nl_cli_require("forward", usage, flags, "model", "tokens", "out", (const char *)NULL)) ||
+    if ((rc = nl_cli_require("forward", usage, flags, "model", "tokens", "out",
+                             (const char *)NULL)) ||
         (rc = threads_flag(flags, &threads)) || (rc = nl_cli_device_flags(flags, &device, &tf32)))
         return rc;
     nl_error err = {0};

@@ -273,8 +273,8 @@ int nl_cmd_remote_generate(int argc, char **argv)
     fflush(stdout);
     if (count < max_new)
         fprintf(stderr,
-                "generate: stopped after %d of --max-new %lld tokens: the prompt's %zu and these "
-                "fill the model's max_seq_len %lld\n",
+                "generate: stopped after %d of --max-new %lld tokens: with the prompt's %zu they "
+                "reach the model's max_seq_len %lld\n",
                 count, max_new, P, (long long)max_seq);
     nl_gen_clock_report(&clock);
     char *text = NULL;

@@ -35,6 +35,7 @@ typedef struct rtrain_opts {
     char *data, *resume, *ckpt_dir; /* absolute paths (malloc'd) */
     nl_train_run r;                 /* the flags local and cluster training share */
     int final_ckpt;
+    int make_dir; /* checkpoints asked for: the client makes the directory first */
 } rtrain_opts;
 
 /* ---------------------------------------------------------------- flags */
@@ -117,6 +118,9 @@ static int read_opts(rtrain_opts *o, const nl_flag *flags)
     if ((rc = nl_train_run_read(flags, &o->r)))
         return rc;
     o->final_ckpt = 1; /* the last step is always kept: joined into --out, or as a checkpoint */
+    /* else the nodes make it when they write the last step: a job refused
+     * at once leaves no empty directory behind */
+    o->make_dir = o->out || o->r.ckpt_every > 0 || nl_args_get(flags, "checkpoint-dir");
     const char *dir = nl_args_get(flags, "checkpoint-dir"), *resume = nl_args_get(flags, "resume");
     if (!(o->data = abs_existing("data", nl_args_get(flags, "data"))) ||
         (resume && !(o->resume = abs_existing("resume", resume))) ||
@@ -133,17 +137,17 @@ typedef struct watch {
     const rtrain_opts *o;
     FILE *log;
     nl_train_progress prog; /* the progress line on stderr */
-    uint64_t job;       /* 0 until the coordinator acknowledges the submit */
-    int acked, started; /* acknowledged; start event seen */
-    int64_t steps;      /* the run's last step */
-    int64_t start_step; /* for the ETA */
-    double start_time;  /* for the ETA */
-    int64_t skipped;    /* steps skipped for non-finite values */
-    char *last_ckpt;    /* the last checkpoint announced */
-    char *manifest;     /* the final checkpoint's manifest (done event), or NULL */
-    int ended;          /* the job reached DONE, FAILED or CANCELLED */
-    int failed;         /* refused, failed or cancelled: err says so as it is */
-    char devices[512];  /* the stages' devices from the start event, "cuda:0,cpu", or "" */
+    uint64_t job;           /* 0 until the coordinator acknowledges the submit */
+    int acked, started;     /* acknowledged; start event seen */
+    int64_t steps;          /* the run's last step */
+    int64_t start_step;     /* for the ETA */
+    double start_time;      /* for the ETA */
+    int64_t skipped;        /* steps skipped for non-finite values */
+    char *last_ckpt;        /* the last checkpoint announced */
+    char *manifest;         /* the final checkpoint's manifest (done event), or NULL */
+    int ended;              /* the job reached DONE, FAILED or CANCELLED */
+    int failed;             /* refused, failed or cancelled: err says so as it is */
+    char devices[512];      /* the stages' devices from the start event, "cuda:0,cpu", or "" */
 } watch;
 
 static volatile sig_atomic_t interrupted;
@@ -306,8 +310,7 @@ static nl_status on_status(watch *w, const nl_rx *rx, nl_error *err)
         w->ended = 1;
         st = keep_path(&w->manifest, ev, err);
     } else if (!ev) {
-        if (s->message[0] && !(first && strcmp(s->message, "running") == 0))
-        {
+        if (s->message[0] && !(first && strcmp(s->message, "running") == 0)) {
             nl_train_progress_break(&w->prog);
             fprintf(stderr, "%s\n", s->message);
         }
@@ -435,8 +438,9 @@ static int run(const nl_flag *flags, const rtrain_opts *o)
     nl_train_progress_init(&w.prog, o->r.progress_s);
     if (nl_remote_open(&r, flags, 600, &err) != NL_OK)
         goto out;
-    /* the nodes write the final checkpoint there: made once the cluster answers */
-    if (nl_file_mkdirs(o->ckpt_dir, &err) != NL_OK || access(o->ckpt_dir, W_OK) != 0) {
+    /* made once the cluster answers */
+    if (o->make_dir &&
+        (nl_file_mkdirs(o->ckpt_dir, &err) != NL_OK || access(o->ckpt_dir, W_OK) != 0)) {
         nl_error_set(&err, NL_ERR_IO, "--checkpoint-dir: cannot create or write %s", o->ckpt_dir);
         goto out;
     }

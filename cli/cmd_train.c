@@ -292,6 +292,8 @@ static int run_train(const train_opts *o)
             nl_config_param_count(&m->cfg), ds->n_train, ds->n - ds->n_train, o->r.steps, B, T, M,
             be->name, o->tf32 ? "on" : "off", (double)me.total / (1 << 20),
             (double)ds->n * 4 / (1 << 20));
+    if ((o->r.ckpt_every > 0 || !o->out) && nl_file_mkdirs(o->ckpt_dir, &err) != NL_OK)
+        goto out;
     const nl_adamw_opts adam = nl_adamw_defaults();
     const char *inject = getenv("NL_TEST_INJECT_NAN_STEP"); /* test hook */
     const double t_begin = nl_train_clock();
@@ -382,6 +384,24 @@ out:
     return rc;
 }
 
+/* Can dir be written, or made where its nearest existing parent is? (It
+ * is made once the run starts, so that a run refused first leaves none.) */
+static int dir_writable(const char *dir)
+{
+    char p[4096];
+    snprintf(p, sizeof p, "%s", dir);
+    for (;;) {
+        if (access(p, F_OK) == 0)
+            return access(p, W_OK) == 0;
+        char *slash = strrchr(p, '/');
+        if (!slash)
+            return access(".", W_OK) == 0;
+        if (slash == p)
+            return access("/", W_OK) == 0;
+        *slash = '\0';
+    }
+}
+
 /* The flags against the model, before any work: --seq within its
  * max_seq_len (the default 256 shrinks to it), the inputs are files, and
  * --out may be written. Returns 0 or the exit code after saying why. */
@@ -436,7 +456,8 @@ int nl_cmd_train(int argc, char **argv)
         "neuroctl train --model MODEL --data DATA --steps N [--batch B] [--seq T] "
         "[--microbatches M] [--lr X] [--warmup W] [--seed S] [--eval-every K] "
         "[--checkpoint-every K] [--log LOG.jsonl] [--out FINAL.safetensors [--force]] "
-        "[--resume CKPT] [--threads N] [--device D] [--tf32] [--progress-every S]" NL_REMOTE_USAGE("train");
+        "[--resume CKPT] [--threads N] [--device D] [--tf32] [--progress-every S]" NL_REMOTE_USAGE(
+            "train");
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -462,8 +483,7 @@ int nl_cmd_train(int argc, char **argv)
         return rc;
     if (!o.ckpt_dir)
         o.ckpt_dir = "checkpoints";
-    if ((o.r.ckpt_every > 0 || !o.out) &&
-        (nl_file_mkdirs(o.ckpt_dir, NULL) != NL_OK || access(o.ckpt_dir, W_OK) != 0)) {
+    if ((o.r.ckpt_every > 0 || !o.out) && !dir_writable(o.ckpt_dir)) {
         fprintf(stderr, "--checkpoint-dir: cannot create or write %s\n", o.ckpt_dir);
         return 1;
     }

@@ -34,8 +34,7 @@ nl_status nl_atomic_open(nl_atomic_file **out, const char *path, nl_error *err)
     snprintf(af->tmp, n + 32, "%s.tmp.%ld", path, (long)getpid());
     af->fd = open(af->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (af->fd < 0) {
-        nl_status st =
-            nl_error_set(err, NL_ERR_IO, "%s: cannot create: %s", path, strerror(errno));
+        nl_status st = nl_error_set(err, NL_ERR_IO, "%s: cannot create: %s", path, strerror(errno));
         free(af->path);
         free(af->tmp);
         free(af);

@@ -17,7 +17,7 @@ struct nl_handshake {
 };
 
 #define EVENTS                                                                                     \
-    (ZMQ_EVENT_CONNECTED | ZMQ_EVENT_CONNECT_RETRIED | ZMQ_EVENT_DISCONNECTED |                   \
+    (ZMQ_EVENT_CONNECTED | ZMQ_EVENT_CONNECT_RETRIED | ZMQ_EVENT_DISCONNECTED |                    \
      ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL |                        \
      ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
 
@@ -40,7 +40,8 @@ nl_status nl_handshake_watch(nl_handshake **out, nl_net *net, nl_sock *s, nl_err
     if (zmq_socket_monitor(h->zsock, ep, EVENTS) != 0 ||
         !(h->pair = zmq_socket(nl_net_zmq_context(net), ZMQ_PAIR)) ||
         zmq_connect(h->pair, ep) != 0) {
-        nl_status st = nl_error_set(err, NL_ERR_IO, "socket monitor: %s", zmq_strerror(zmq_errno()));
+        nl_status st =
+            nl_error_set(err, NL_ERR_IO, "socket monitor: %s", zmq_strerror(zmq_errno()));
         nl_handshake_destroy(&h);
         return st;
     }
