@@ -118,6 +118,11 @@ nl_status nl_remote_open(nl_remote *r, const nl_flag *flags, int default_timeout
         (st = nl_sock_connect(r->s, e, err)) != NL_OK)
         goto out;
     st = nl_handshake_wait(hs, e, r->timeout_ms, err);
+    if (st == NL_ERR_AUTH && plain) /* the coordinator drops a plaintext peer */
+        st = nl_error_set(err, NL_ERR_AUTH,
+                          "%s closed the connection during the handshake: it expects CURVE "
+                          "keys, and this client is --plaintext",
+                          e);
     if (st == NL_ERR_TIMEOUT || st == NL_OK) {
         int left = r->timeout_ms - (int)((nl_remote_now() - start) * 1000);
         st = nl_sock_hello(r->s, NL_ROLE_CLIENT, left > 100 ? left : 100, &rx, err);

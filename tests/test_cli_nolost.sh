@@ -197,7 +197,7 @@ check grep -q "\[0,2)+e+h" <<< "$out"
 # coordinator.key as --coordinator-key, a dead port: each at once, each its own
 out=$(fast 5 "$N" status --coordinator "$EP" --key "$W/c1/client.key" --coordinator-key "$W/other.pub" --timeout 30 2>&1); rc=$?
 check test $rc -eq 1
-check grep -q "closed the connection during the CURVE handshake: --coordinator-key is not its public key" <<< "$out"
+check grep -q "closed the connection during the handshake: --coordinator-key is not its public key" <<< "$out"
 out=$(fast 5 "$N" status --coordinator "$EP" --key "$W/other.key" --coordinator-key "$W/c1/coord/coordinator.pub" --timeout 30 2>&1); rc=$?
 check test $rc -eq 1
 check grep -q "refused this key .*authorized_keys" <<< "$out"
@@ -207,6 +207,9 @@ check grep -q "coordinator.key holds a secret key where a public one is expected
 out=$(fast 5 "$N" status --coordinator tcp://127.0.0.1:1 "${K[@]}" --timeout 30 2>&1); rc=$?
 check test $rc -eq 1
 check grep -q "connection refused" <<< "$out"
+out=$(fast 5 "$N" status --coordinator "$EP" --plaintext --timeout 30 2>&1); rc=$?
+check test $rc -eq 1
+check grep -q "it expects CURVE keys, and this client is --plaintext" <<< "$out"
 # the same refused key from a node: said at once, not after 30 s of "not answering"
 out=$(fast 10 "$NODE" join "$EP" --key "$W/other.key" --coordinator-key "$W/c1/coord/coordinator.pub" \
   --memory 256M --threads 1 2>&1); rc=$?
