@@ -180,6 +180,17 @@ for r in redraws:
     assert "\x1b[K" in r, r  # what a longer line left is cleared
 PY
 
+# ---- 11. a job cancelled elsewhere: "was cancelled", not "cancelled: cancelled" ----
+printf 'status running running\nstatus cancelled cancelled\n' > "$W/cx.script"
+rm -f "$W/coord.sock"
+"$NL_BUILD_DIR/tests/fake_coord" "ipc://$W/coord.sock" "$W/cx.script" "$W/cx.sent" 2>/dev/null &
+fake=$!
+for _ in $(seq 1 50); do [ -S "$W/coord.sock" ] && break; sleep 0.1; done
+out=$("$N" train --coordinator "ipc://$W/coord.sock" --plaintext --data "$W/data.txt" --steps 2 2>&1); rc=$?
+wait "$fake"
+check test $rc -eq 1
+check grep -qx "neuroctl train: job [0-9]* was cancelled" <<< "$(grep -v '^warning' <<< "$out")"
+
 # ---- a cluster for 4, 5, 6, 7, 10 ----
 out=$("$N" cluster up --dir "$W/c1" --nodes 1 --model "$W/m.safetensors" --memory 256M --threads 1 \
   --timeout 60 2>&1); rc=$?
