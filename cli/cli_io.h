@@ -63,6 +63,15 @@ int nl_cli_may_write(const nl_flag *flags, const char *flag, const char *path);
 #define NL_CLI_FORCE_FLAG {"force", 0, "replace an existing output file", NULL}
 /* clang-format on */
 
+/* The lines a local command's usage ends with: how to send it to a cluster
+ * (forward, generate and train go there when --cluster or --coordinator is
+ * given). */
+#define NL_CLI_CLUSTER_USAGE(cmd)                                                                  \
+    "\n  on a cluster: neuroctl " cmd " --cluster DIR (a local cluster: cluster up) or "           \
+    "--coordinator tcp://HOST:PORT --key CLIENT.key --coordinator-key COORD.pub [--plaintext], "   \
+    "with [--timeout S]; the model is the cluster's and --device, --tf32, --threads are the "      \
+    "nodes' (neuroctl " cmd " --cluster x --help lists its flags)"
+
 /* Seconds on the monotonic clock. */
 double nl_cli_now(void);
 

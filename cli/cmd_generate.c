@@ -15,7 +15,6 @@
 #include "core/sampler.h"
 #include "core/tokenizer.h"
 #include "core/train.h"
-#include "remote.h"
 
 /* Generate up to max_new tokens after the prompt with the KV cache,
  * calling emit for each. warmup: run the prompt and one decode step once
@@ -117,7 +116,7 @@ int nl_cmd_generate(int argc, char **argv)
         {0}};
     const char *usage = "neuroctl generate --model MODEL (--prompt-tokens 1,2,3 | --prompt TEXT) "
                         "[--max-new N] [--temperature X] [--top-p P] [--seed S] [--threads N] "
-                        "[--warmup] [--device D] [--tf32]" NL_REMOTE_USAGE("generate");
+                        "[--warmup] [--device D] [--tf32]" NL_CLI_CLUSTER_USAGE("generate");
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;

@@ -12,7 +12,6 @@
 #include "core/safetensors.h"
 #include "core/sampler.h"
 #include "core/tokenizer.h"
-#include "remote.h"
 
 static int fail(const char *cmd, const nl_error *err)
 {
@@ -105,7 +104,7 @@ int nl_cmd_forward(int argc, char **argv)
                        {0}};
     const char *usage =
         "neuroctl forward --model MODEL --tokens IN.safetensors --out "
-        "OUT.safetensors [--threads N] [--device D] [--tf32]" NL_REMOTE_USAGE("forward");
+        "OUT.safetensors [--threads N] [--device D] [--tf32]" NL_CLI_CLUSTER_USAGE("forward");
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL), threads = 0, tf32 = 0;
     if (rc)
         return rc == 1 ? 0 : rc;

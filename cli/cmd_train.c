@@ -17,7 +17,6 @@
 #include "core/safetensors.h"
 #include "core/tokenizer.h"
 #include "core/train.h"
-#include "remote.h"
 #include "train_report.h"
 
 /* ---------------------------------------------------------------- grad */
@@ -347,8 +346,9 @@ static int run_train(const train_opts *o)
             goto out;
         }
         step_path(path, sizeof path, o, step);
-        if (nl_file_mkdirs(o->ckpt_dir, &err) != NL_OK ||
-            save_whole(m, tr, o, &cm, path, step, &err) != NL_OK) {
+        const int saved = o->r.ckpt_every > 0 && step % o->r.ckpt_every == 0; /* just now */
+        if (!saved && (nl_file_mkdirs(o->ckpt_dir, &err) != NL_OK ||
+                       save_whole(m, tr, o, &cm, path, step, &err) != NL_OK)) {
             rc = 1;
             goto out;
         }
@@ -456,8 +456,8 @@ int nl_cmd_train(int argc, char **argv)
         "neuroctl train --model MODEL --data DATA --steps N [--batch B] [--seq T] "
         "[--microbatches M] [--lr X] [--warmup W] [--seed S] [--eval-every K] "
         "[--checkpoint-every K] [--log LOG.jsonl] [--out FINAL.safetensors [--force]] "
-        "[--resume CKPT] [--threads N] [--device D] [--tf32] [--progress-every S]" NL_REMOTE_USAGE(
-            "train");
+        "[--resume CKPT] [--threads N] [--device D] [--tf32] [--progress-every "
+        "S]" NL_CLI_CLUSTER_USAGE("train");
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;

@@ -26,15 +26,6 @@
 /* clang-format on */
 #define NL_REMOTE_FLAGS NL_REMOTE_FLAGS_TIMEOUT("seconds to wait for an answer (default 60)")
 
-/* The lines a local command's usage ends with: how to send it to a cluster
- * (forward, generate and train go there when --cluster or --coordinator is
- * given). */
-#define NL_REMOTE_USAGE(cmd)                                                                       \
-    "\n  on a cluster: neuroctl " cmd " --cluster DIR (a local cluster: cluster up) or "           \
-    "--coordinator tcp://HOST:PORT --key CLIENT.key --coordinator-key COORD.pub [--plaintext], "   \
-    "with [--timeout S]; the model is the cluster's and --device, --tf32, --threads are the "      \
-    "nodes' (neuroctl " cmd " --cluster x --help lists its flags)"
-
 /* A command sent to a cluster computes on the nodes: --device, --tf32 and
  * --threads are each node's (neuronode join, neuroctl cluster up). Returns
  * 2 after saying so on stderr when arg is one of them, else 0. */
