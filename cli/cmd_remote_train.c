@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include "base/args.h"
+#include "cli_io.h"
 #include "commands.h"
 #include "core/fileio.h"
 #include "core/manifest.h"
@@ -125,7 +126,7 @@ static int read_opts(rtrain_opts *o, const nl_flag *flags)
     if (!(o->data = abs_existing("data", nl_args_get(flags, "data"))) ||
         (resume && !(o->resume = abs_existing("resume", resume))) ||
         !(o->ckpt_dir = abs_ckpt_dir(dir ? dir : "checkpoints")) ||
-        (o->out && out_writable(o->out) != 0))
+        (o->out && out_writable(o->out) != 0) || nl_cli_may_write(flags, "out", o->out))
         return 1;
     return 0;
 }
@@ -490,6 +491,7 @@ int nl_cmd_remote_train(int argc, char **argv)
         NL_TRAIN_RUN_FLAGS,
         {"checkpoint-dir", 1, "where the cluster writes checkpoints (default: checkpoints)", NULL},
         {"out", 1, "join the final checkpoint's shards into this file (safetensors)", NULL},
+        NL_CLI_FORCE_FLAG,
         {"resume", 1, "continue from this checkpoint manifest (or its directory)", NULL},
         NL_REMOTE_FLAGS_TIMEOUT(
             "seconds without any message from the coordinator before giving up (default 600)"),
@@ -497,7 +499,8 @@ int nl_cmd_remote_train(int argc, char **argv)
     const char *usage = "neuroctl train (--coordinator EP --key K --coordinator-key P | --cluster "
                         "DIR) --data DATA --steps N [--batch B] [--seq T] [--microbatches M] "
                         "[--lr X] [--warmup W] [--seed S] [--eval-every K] [--checkpoint-every K] "
-                        "[--log LOG.jsonl] [--out FINAL.safetensors] [--resume MANIFEST]";
+                        "[--log LOG.jsonl] [--out FINAL.safetensors [--force]] "
+                        "[--resume MANIFEST]";
     int rc = refuse_local_flags(argc, argv, flags);
     if (rc || (rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL)))
         return rc == 1 ? 0 : rc;

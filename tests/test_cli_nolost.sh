@@ -108,6 +108,9 @@ out=$("$N" train "${DEV[@]}" --model "$W/m.safetensors" "${T[@]}" --steps 1 --ou
 check test $rc -eq 1
 check grep -qF -- "--out $W/m.orig: the file exists" <<< "$out"
 check test "$(grep -c training <<< "$out")" -eq 0 # refused before any work
+out=$("$N" train --cluster "$W/nocluster" --data "$W/data.txt" --steps 1 --out "$W/m.orig" 2>&1); rc=$?
+check test $rc -eq 1 # the cluster's --out too, before it looks for the cluster
+check grep -qF -- "--out $W/m.orig: the file exists" <<< "$out"
 
 # ---- 8. --seq against the model, before any work ----
 out=$(fast 3 "$N" train "${DEV[@]}" --model "$W/m.safetensors" --data "$W/data.txt" --steps 1 --seq 100000 2>&1); rc=$?
