@@ -123,7 +123,8 @@ static int read_opts(rtrain_opts *o, const nl_flag *flags)
      * at once leaves no empty directory behind */
     o->make_dir = o->out || o->r.ckpt_every > 0 || nl_args_get(flags, "checkpoint-dir");
     const char *dir = nl_args_get(flags, "checkpoint-dir"), *resume = nl_args_get(flags, "resume");
-    if (!(o->data = abs_existing("data", nl_args_get(flags, "data"))) ||
+    if (nl_cli_input_file("data", nl_args_get(flags, "data")) ||
+        !(o->data = abs_existing("data", nl_args_get(flags, "data"))) ||
         (resume && !(o->resume = abs_existing("resume", resume))) ||
         !(o->ckpt_dir = abs_ckpt_dir(dir ? dir : "checkpoints")) ||
         (o->out && out_writable(o->out) != 0) || nl_cli_may_write(flags, "out", o->out))

@@ -140,6 +140,9 @@ check test "$(head -1 <<< "$out")" = "neuroctl forward: missing --tokens"
 out=$("$N" train --model "$W/m.safetensors" --data "$W" --steps 2 2>&1); rc=$?
 check test $rc -eq 1
 check grep -qF -- "--data $W: is a directory" <<< "$out"
+out=$("$N" train --cluster "$W/nocluster" --data "$W" --steps 2 2>&1); rc=$?
+check test $rc -eq 1
+check grep -qF -- "--data $W: is a directory" <<< "$out"
 out=$("$N" init --config "$W/cfg.yaml" --out /nonexistent/dir/x 2>&1)
 check grep -q "/nonexistent/dir/x: cannot create" <<< "$out"
 check test "$(grep -c '\.tmp' <<< "$out")" -eq 0
@@ -229,6 +232,10 @@ out=$(fast 10 "$NODE" join "$EP" --key "$W/other.key" --coordinator-key "$W/c1/c
   --memory 256M --threads 1 2>&1); rc=$?
 check test $rc -ne 0
 check grep -q "refused this key" <<< "$out"
+out=$(fast 10 "$NODE" join "$EP" --key "$W/other.key" --coordinator-key "$W/other.pub" \
+  --memory 256M --threads 1 2>&1); rc=$?
+check test $rc -ne 0
+check grep -q "closed the connection during the handshake: --coordinator-key is not its public key" <<< "$out"
 # 7: a public key given as the secret
 out=$("$N" status --coordinator "$EP" --key "$W/c1/client.pub" --coordinator-key "$W/c1/coord/coordinator.pub" 2>&1)
 check grep -q "client.pub is a public key" <<< "$out"
