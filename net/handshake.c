@@ -103,14 +103,14 @@ nl_status nl_handshake_wait(nl_handshake *h, const char *endpoint, int timeout_m
                                 ".pub beside --key) to the coordinator's authorized_keys",
                                 endpoint, (unsigned)value);
         case ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL:
-            if (value == ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
+        case ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        case ZMQ_EVENT_DISCONNECTED:
+            if (ev == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL &&
+                value == ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
                 return nl_error_set(err, NL_ERR_AUTH,
                                     "%s: one side is --plaintext and the other CURVE: give "
                                     "--plaintext to both or to neither",
                                     endpoint);
-            /* fall through */
-        case ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-        case ZMQ_EVENT_DISCONNECTED:
             /* the server drops a client whose CURVE hello it cannot decrypt:
              * the client encrypted to a key that is not the server's */
             if (ev == ZMQ_EVENT_DISCONNECTED && ++h->disconnects < 2)
