@@ -91,6 +91,9 @@ nl_status nl_remote_open(nl_remote *r, const nl_flag *flags, int default_timeout
     if (!e || (!plain && (!k || !ck)))
         return nl_error_set(err, NL_ERR_INVALID,
                             "give --coordinator, --key and --coordinator-key (or --cluster DIR)");
+    if (!strstr(e, "://"))
+        return nl_error_set(err, NL_ERR_INVALID,
+                            "--coordinator %s: give a ZeroMQ endpoint, e.g. tcp://%s", e, e);
     if (!plain && ((st = nl_keys_load_secret(&r->kp, k, err)) != NL_OK ||
                    (st = nl_keys_load_public(coord_key, ck, err)) != NL_OK))
         return st;
@@ -103,9 +106,6 @@ nl_status nl_remote_open(nl_remote *r, const nl_flag *flags, int default_timeout
                        .plaintext = plain,
                        .name = "client",
                        .linger_ms = 0};
-    if (!strstr(e, "://"))
-        return nl_error_set(err, NL_ERR_INVALID,
-                            "--coordinator %s: give a ZeroMQ endpoint, e.g. tcp://%s", e, e);
     nl_rx rx;
     nl_rx_init(&rx);
     nl_handshake *hs = NULL;
@@ -118,7 +118,8 @@ nl_status nl_remote_open(nl_remote *r, const nl_flag *flags, int default_timeout
         (st = nl_sock_connect(r->s, e, err)) != NL_OK)
         goto out;
     st = nl_handshake_wait(hs, e, r->timeout_ms, err);
-    if (st == NL_ERR_AUTH && plain) /* the coordinator drops a plaintext peer */
+    /* a CURVE coordinator drops a plaintext peer: say which side is plain */
+    if (st == NL_ERR_AUTH && plain && err && strstr(err->msg, "closed the connection"))
         st = nl_error_set(err, NL_ERR_AUTH,
                           "%s closed the connection during the handshake: it expects CURVE "
                           "keys, and this client is --plaintext",
