@@ -119,10 +119,10 @@ nl_status nl_remote_open(nl_remote *r, const nl_flag *flags, int default_timeout
         goto out;
     st = nl_handshake_wait(hs, e, r->timeout_ms, err);
     /* a CURVE coordinator drops a plaintext peer: say which side is plain */
-    if (st == NL_ERR_AUTH && plain && err && strstr(err->msg, "closed the connection"))
+    if (st == NL_ERR_AUTH && plain && err && !strstr(err->msg, "refused this key"))
         st = nl_error_set(err, NL_ERR_AUTH,
-                          "%s closed the connection during the handshake: it expects CURVE "
-                          "keys, and this client is --plaintext",
+                          "%s ended the handshake: it expects CURVE keys, and this client is "
+                          "--plaintext",
                           e);
     if (st == NL_ERR_TIMEOUT || st == NL_OK) {
         int left = r->timeout_ms - (int)((nl_remote_now() - start) * 1000);

@@ -226,7 +226,7 @@ check test $rc -eq 1
 check grep -q "connection refused" <<< "$out"
 out=$(fast 5 "$N" status --coordinator "$EP" --plaintext --timeout 30 2>&1); rc=$?
 check test $rc -eq 1
-check grep -q "it expects CURVE keys, and this client is --plaintext" <<< "$out"
+check grep -q "ended the handshake: it expects CURVE keys, and this client is --plaintext" <<< "$out"
 # the same refused key from a node: said at once, not after 30 s of "not answering"
 out=$(fast 10 "$NODE" join "$EP" --key "$W/other.key" --coordinator-key "$W/c1/coord/coordinator.pub" \
   --memory 256M --threads 1 2>&1); rc=$?
