@@ -262,15 +262,16 @@ static int run_train(const train_opts *o)
                                      nl_trainer_moment(tr, 1), &adam, NULL, &err) != NL_OK)
             goto out;
         nl_trainer_set_adam_steps(tr, adam);
+        if (start >= o->r.steps) {
+            nl_error_set(&err, NL_ERR_INVALID,
+                         "--steps %lld: the checkpoint is already at step %" PRId64, o->r.steps,
+                         start);
+            goto out;
+        }
         fprintf(stderr, "resuming %s at step %" PRId64 " (%" PRId64 " optimizer steps)\n",
                 o->resume, start, adam);
     } else {
         start = 0;
-    }
-    if (start >= o->r.steps) {
-        nl_error_set(&err, NL_ERR_INVALID,
-                     "--steps %lld: the checkpoint is already at step %" PRId64, o->r.steps, start);
-        goto out;
     }
     tokens = malloc((size_t)B * T * sizeof *tokens);
     targets = malloc((size_t)B * T * sizeof *targets);
