@@ -76,6 +76,11 @@ check test "$(tail -1 "$W/ck1.err")" = "wrote $W/ck1/step-000005.safetensors (st
 pid=$!
 for _ in $(seq 1 300); do [ -s "$W/int.jsonl" ] && break; sleep 0.1; done
 kill -INT "$pid"
+for _ in $(seq 1 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+if kill -0 "$pid" 2>/dev/null; then # Ctrl-C did not stop it within 30 s
+  kill -KILL "$pid"
+  check false "train stopped on SIGINT"
+fi
 wait "$pid"
 check test $? -eq 130
 kept=$(sed -n 's/^interrupted after step \([0-9]*\) of 1000000: kept \(.*\) (continue with --resume .*)$/\2/p' "$W/int.err")
@@ -235,11 +240,11 @@ out=$(fast 5 "$N" status --coordinator "$EP" --plaintext --timeout 30 2>&1); rc=
 check test $rc -eq 1
 check grep -q "ended the handshake: it expects CURVE keys, and this client is --plaintext" <<< "$out"
 # the same refused key from a node: said at once, not after 30 s of "not answering"
-out=$(fast 10 "$NODE" join "$EP" --key "$W/other.key" --coordinator-key "$W/c1/coord/coordinator.pub" \
+out=$(fast 10 timeout 20 "$NODE" join "$EP" --key "$W/other.key" --coordinator-key "$W/c1/coord/coordinator.pub" \
   --memory 256M --threads 1 2>&1); rc=$?
 check test $rc -ne 0
 check grep -q "refused this key" <<< "$out"
-out=$(fast 10 "$NODE" join "$EP" --key "$W/other.key" --coordinator-key "$W/other.pub" \
+out=$(fast 10 timeout 20 "$NODE" join "$EP" --key "$W/other.key" --coordinator-key "$W/other.pub" \
   --memory 256M --threads 1 2>&1); rc=$?
 check test $rc -ne 0
 check grep -q "closed the connection during the handshake: --coordinator-key is not its public key" <<< "$out"
@@ -251,10 +256,10 @@ out=$("$N" status --coordinator 127.0.0.1:17001 "${K[@]}" 2>&1)
 check grep -qF "give a ZeroMQ endpoint, e.g. tcp://127.0.0.1:17001" <<< "$out"
 # 4: after cluster down, clients fail at once
 check "$N" cluster down --dir "$W/c1"
-out=$(fast 5 "$N" status --cluster "$W/c1" 2>&1); rc=$?
+out=$(fast 5 "$N" status --cluster "$W/c1" --timeout 10 2>&1); rc=$?
 check test $rc -eq 1
 check grep -qF "the cluster in $W/c1 is not running (neuroctl cluster up" <<< "$out"
-out=$(fast 5 "$N" train --cluster "$W/c1" --data "$W/data.txt" --steps 2 2>&1); rc=$?
+out=$(fast 5 "$N" train --cluster "$W/c1" --data "$W/data.txt" --steps 2 --timeout 10 2>&1); rc=$?
 check test $rc -eq 1
 check grep -q "is not running" <<< "$out"
 check test ! -e "$W/c1/coord/endpoint"
