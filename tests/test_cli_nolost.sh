@@ -222,6 +222,11 @@ check fast 5 "$N" status --coordinator "$EP" "${K[@]}" --timeout 30
 out=$("$N" status --coordinator "$EP" "${K[@]}")
 check grep -q "+e the embedding, +h the output head" <<< "$out"
 check grep -q "\[0,2)+e+h" <<< "$out"
+# 9 on a cluster: generate at max_seq_len says so
+"$N" generate --cluster "$W/c1" --prompt-tokens 1,2,3,4 --max-new 200 --temperature 0 \
+  > "$W/rgen.out" 2> "$W/rgen.err"
+check test $? -eq 0
+check grep -q "stopped after [0-9]* of --max-new 200 tokens: .* max_seq_len 64" "$W/rgen.err"
 # 5: a wrong --coordinator-key, a key not in authorized_keys, the secret
 # coordinator.key as --coordinator-key, a dead port: each at once, each its own
 out=$(fast 5 "$N" status --coordinator "$EP" --key "$W/c1/client.key" --coordinator-key "$W/other.pub" --timeout 30 2>&1); rc=$?
