@@ -41,13 +41,13 @@ find /usr/share/games/fortunes -type f ! -name '*.dat' ! -name '*.u8' ! -name '*
 "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 1 >/dev/null
 RUN=(--data "$DATA" --steps "$STEPS" --batch 16 --seq 128 --microbatches 8 --lr 1e-3 --seed 1)
 
-"$N" train --model "$W/m.safetensors" "${RUN[@]}" --threads 1 --log "$W/l1.jsonl" 2>/dev/null
+"$N" train --model "$W/m.safetensors" "${RUN[@]}" --threads 1 --log "$W/l1.jsonl" --checkpoint-dir "$W/ckl" 2>/dev/null
 "$N" cluster up --dir "$W/c2" --nodes 2 --model "$W/m.safetensors" --memory 2G --threads 1 >/dev/null
 "$N" train --cluster "$W/c2" "${RUN[@]}" --checkpoint-dir "$W/ck" --log "$W/p2.jsonl" 2>/dev/null
 "$N" status --cluster "$W/c2" >&2
 "$N" cluster down --dir "$W/c2" >/dev/null
 cat "$W"/c2/node-*.log | grep "ended:" > "$W/summary.txt" || true
-"$N" train --model "$W/m.safetensors" "${RUN[@]}" --threads 2 --log "$W/l2.jsonl" 2>/dev/null
+"$N" train --model "$W/m.safetensors" "${RUN[@]}" --threads 2 --log "$W/l2.jsonl" --checkpoint-dir "$W/ckl" 2>/dev/null
 "$N" cluster up --dir "$W/c3" --nodes 3 --model "$W/m.safetensors" --memory 2G --threads 1 >/dev/null
 "$N" train --cluster "$W/c3" "${RUN[@]}" --checkpoint-dir "$W/ck" --log "$W/p3.jsonl" 2>/dev/null
 "$N" status --cluster "$W/c3" >&2

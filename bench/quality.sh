@@ -91,7 +91,7 @@ train_c() {
     local t0 t1
     t0=$(now)
     "$NEUROCTL" train --model "$OUT/init-$1.safetensors" "${COMMON[@]}" --seed "$2" \
-        --log "$3" 2>"$3.stderr"
+        --log "$3" --checkpoint-dir "$OUT/checkpoints-$1-$2" 2>"$3.stderr"
     t1=$(now)
     awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.3f\n", b - a }'
 }

@@ -4,9 +4,11 @@
 
 #include <errno.h>
 #include <inttypes.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 
 /* Read an integer tensor `name` ([B, T], I32 or I64) from an open file. */
@@ -159,4 +161,49 @@ nl_status nl_cli_device_check(nl_backend *be, nl_error *err)
 {
     nl_status st = nl_backend_check(be, err);
     return st == NL_OK ? st : nl_error_prefix(err, "device %s", be->name);
+}
+
+/* ---------------------------------------------------------------- usage checks */
+
+int nl_cli_require(const char *cmd, const char *usage, const nl_flag *flags, ...)
+{
+    va_list ap;
+    const char *name, *missing = NULL;
+    va_start(ap, flags);
+    while (!missing && (name = va_arg(ap, const char *)))
+        if (!nl_args_get(flags, name))
+            missing = name;
+    va_end(ap);
+    if (!missing)
+        return 0;
+    fprintf(stderr, "neuroctl %s: missing --%s\n\n", cmd, missing);
+    nl_args_help(stderr, usage, flags);
+    return 2;
+}
+
+int nl_cli_input_file(const char *flag, const char *path)
+{
+    struct stat sb;
+    if (stat(path, &sb) != 0) {
+        fprintf(stderr, "--%s %s: %s\n", flag, path, strerror(errno));
+        return 1;
+    }
+    if (S_ISDIR(sb.st_mode)) {
+        fprintf(stderr, "--%s %s: is a directory, not a file\n", flag, path);
+        return 1;
+    }
+    if (!S_ISREG(sb.st_mode)) {
+        fprintf(stderr, "--%s %s: not a regular file\n", flag, path);
+        return 1;
+    }
+    return 0;
+}
+
+int nl_cli_may_write(const nl_flag *flags, const char *flag, const char *path)
+{
+    struct stat sb;
+    if (!path || nl_args_get(flags, "force") || lstat(path, &sb) != 0)
+        return 0;
+    fprintf(stderr, "--%s %s: the file exists (give --force to replace it)\n", flag, path);
+    return 1;
 }

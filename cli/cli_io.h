@@ -43,6 +43,35 @@ nl_status nl_cli_backend_new(nl_backend **be, const char *device, int threads, i
  * asynchronous error, if any, named with the device (nl_backend_check). */
 nl_status nl_cli_device_check(nl_backend *be, nl_error *err);
 
+/* Usage checks that name the flag at fault. Each returns 0, or prints the
+ * fault to stderr ("neuroctl CMD: ...") and returns the exit code. */
+
+/* Every flag of the NULL-terminated list (names without "--") is given;
+ * else "missing --NAME" and the usage, exit 2. */
+int nl_cli_require(const char *cmd, const char *usage, const nl_flag *flags, ...);
+
+/* --flag PATH names a readable regular file (not a directory); else the
+ * flag, the path and what is wrong, exit 1. */
+int nl_cli_input_file(const char *flag, const char *path);
+
+/* --flag PATH may be written: it does not exist, or --force is given; else
+ * "PATH exists (give --force to replace it)", exit 1. */
+int nl_cli_may_write(const nl_flag *flags, const char *flag, const char *path);
+
+/* The --force switch of a command that writes files a user may care about. */
+/* clang-format off */
+#define NL_CLI_FORCE_FLAG {"force", 0, "replace an existing output file", NULL}
+/* clang-format on */
+
+/* The lines a local command's usage ends with: how to send it to a cluster
+ * (forward, generate and train go there when --cluster or --coordinator is
+ * given). */
+#define NL_CLI_CLUSTER_USAGE(cmd)                                                                  \
+    "\n  on a cluster: neuroctl " cmd " --cluster DIR (a local cluster: cluster up) or "           \
+    "--coordinator tcp://HOST:PORT --key CLIENT.key --coordinator-key COORD.pub [--plaintext], "   \
+    "with [--timeout S]; the model is the cluster's and --device, --tf32, --threads are the "      \
+    "nodes' (neuroctl " cmd " --cluster x --help lists its flags)"
+
 /* Seconds on the monotonic clock. */
 double nl_cli_now(void);
 

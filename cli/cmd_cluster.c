@@ -99,16 +99,6 @@ static nl_status make_key(const char *dir, const char *name, char pub[NL_KEY_Z85
     return st;
 }
 
-static int wait_file(const char *path, int ms)
-{
-    for (int t = 0; t < ms; t += 50) {
-        if (access(path, R_OK) == 0)
-            return 0;
-        sleep_ms(50);
-    }
-    return -1;
-}
-
 /* Is pid alive and running `what`? */
 static int ours(pid_t pid, const char *what)
 {
@@ -122,7 +112,8 @@ static int ours(pid_t pid, const char *what)
     return n > 0 && strstr(cmd, what) != NULL;
 }
 
-static int cluster_down(const char *dir)
+/* Stop a cluster's processes; quiet: no summary line (after a failed up). */
+static int cluster_down(const char *dir, int quiet)
 {
     DIR *d = opendir(dir);
     if (!d) {
@@ -168,7 +159,12 @@ static int cluster_down(const char *dir)
         }
         unlink(files[i]);
     }
-    printf("cluster down: stopped %d process(es) in %s\n", stopped, dir);
+    /* a client that finds no endpoint says "not running" at once */
+    char ep[4096];
+    snprintf(ep, sizeof ep, "%s/coord/endpoint", dir);
+    unlink(ep);
+    if (!quiet)
+        printf("cluster down: stopped %d process(es) in %s\n", stopped, dir);
     return 0;
 }
 
@@ -204,35 +200,69 @@ static int node_devices(const char *list, int nodes, char (*dev)[32])
     return 0;
 }
 
+/* The last line of a log file into last (empty when unreadable). */
+static void log_last_line(const char *path, char *last, size_t cap)
+{
+    char *buf = NULL;
+    size_t len = 0;
+    nl_error err = {0};
+    last[0] = '\0';
+    if (nl_file_read_all(path, 1 << 20, &buf, &len, &err) == NL_OK) {
+        while (len > 0 && (buf[len - 1] == '\n' || buf[len - 1] == '\r'))
+            len--;
+        size_t at = len;
+        while (at > 0 && buf[at - 1] != '\n')
+            at--;
+        snprintf(last, cap, "%.*s", (int)(len - at), buf + at);
+    }
+    free(buf);
+}
+
+/* Has pid (named what, logging to log) exited? If so says how, with the
+ * last line of its log, and returns 1. */
+static int exited(pid_t pid, const char *what, const char *log)
+{
+    int status = 0;
+    char last[1024];
+    if (pid <= 0 || waitpid(pid, &status, WNOHANG) != pid)
+        return 0;
+    log_last_line(log, last, sizeof last);
+    if (WIFEXITED(status))
+        fprintf(stderr, "cluster up: %s exited with status %d: %s (log %s)\n", what,
+                WEXITSTATUS(status), last, log);
+    else
+        fprintf(stderr, "cluster up: %s died of signal %d: %s (log %s)\n", what,
+                WIFSIGNALED(status) ? WTERMSIG(status) : 0, last, log);
+    return 1;
+}
+
 /* Has one of the nodes exited? Says which, how, and the last line of its log. */
 static int node_exited(const char *dir, const pid_t *pids, int nodes)
 {
     for (int i = 0; i < nodes; i++) {
-        int status = 0;
-        if (pids[i] <= 0 || waitpid(pids[i], &status, WNOHANG) != pids[i])
-            continue;
-        char path[4096], *buf = NULL, last[1024] = "";
-        size_t len = 0;
-        nl_error err = {0};
+        char path[4096], what[32];
         snprintf(path, sizeof path, "%s/node-%d.log", dir, i + 1);
-        if (nl_file_read_all(path, 1 << 20, &buf, &len, &err) == NL_OK) {
-            while (len > 0 && (buf[len - 1] == '\n' || buf[len - 1] == '\r'))
-                len--;
-            size_t at = len;
-            while (at > 0 && buf[at - 1] != '\n')
-                at--;
-            snprintf(last, sizeof last, "%.*s", (int)(len - at), buf + at);
-        }
-        free(buf);
-        if (WIFEXITED(status))
-            fprintf(stderr, "cluster up: node-%d exited with status %d: %s (log %s)\n", i + 1,
-                    WEXITSTATUS(status), last, path);
-        else
-            fprintf(stderr, "cluster up: node-%d died of signal %d: %s (log %s)\n", i + 1,
-                    WIFSIGNALED(status) ? WTERMSIG(status) : 0, last, path);
-        return 1;
+        snprintf(what, sizeof what, "node-%d", i + 1);
+        if (exited(pids[i], what, path))
+            return 1;
     }
     return 0;
+}
+
+/* Wait up to ms for path to appear while the coordinator (pid) runs:
+ * 0 when it appeared, -1 after saying why not (its exit, or the time). */
+static int wait_coordinator(const char *path, pid_t pid, const char *log, int ms)
+{
+    for (int t = 0; t < ms; t += 20) {
+        if (access(path, R_OK) == 0)
+            return 0;
+        if (exited(pid, "the coordinator", log))
+            return -1;
+        sleep_ms(20);
+    }
+    fprintf(stderr, "cluster up: the coordinator wrote no endpoint in %d s; see %s\n", ms / 1000,
+            log);
+    return -1;
 }
 
 static int cluster_up(const nl_flag *flags, const char *dir)
@@ -250,6 +280,19 @@ static int cluster_up(const nl_flag *flags, const char *dir)
         (rc = nl_args_size(flags, "memory", &memory)) ||
         (rc = nl_args_size(flags, "kv-budget", &kv_budget)))
         return rc;
+    /* a node whose KV budget takes all it offers keeps nothing for a
+     * stage's weights and activations: say so here, in the units typed
+     * (each node's log says it too, where nobody looks) */
+    const char *mem_s = nl_args_get(flags, "memory"), *kv_s = nl_args_get(flags, "kv-budget");
+    const uint64_t kv = kv_budget ? kv_budget : 256ULL << 20; /* neuronode's default */
+    if (kv >= memory && (mem_s || !nl_args_get(flags, "device") ||
+                         strncmp(nl_args_get(flags, "device"), "cuda:", 5) != 0)) {
+        fprintf(stderr,
+                "cluster up: warning: --memory %s leaves nothing beside the KV budget of %s%s "
+                "for the weights and activations: give more --memory or a smaller --kv-budget\n",
+                mem_s ? mem_s : "1G (the default)", kv_s ? kv_s : "256M",
+                kv_s ? " (--kv-budget)" : " (the default --kv-budget)");
+    }
     char devices[64][32];
     pid_t pids[64];
     if ((rc = node_devices(nl_args_get(flags, "device"), (int)nodes, devices)))
@@ -328,9 +371,11 @@ static int cluster_up(const nl_flag *flags, const char *dir)
     cargv[ca] = NULL;
     snprintf(log, sizeof log, "%s/coord.log", dir);
     snprintf(pidf, sizeof pidf, "%s/coord.pid", dir);
-    if (spawn(cargv, log, pidf, NULL) < 0 || wait_file(path, 10000) != 0) {
-        fprintf(stderr, "cluster up: the coordinator did not start; see %s\n", log);
-        cluster_down(dir);
+    const pid_t coord = spawn(cargv, log, pidf, NULL);
+    if (coord < 0 || wait_coordinator(path, coord, log, 10000) != 0) {
+        if (coord < 0)
+            fprintf(stderr, "cluster up: cannot start %s\n", coord_bin);
+        cluster_down(dir, 1);
         return 1;
     }
     FILE *f = fopen(path, "r");
@@ -338,7 +383,7 @@ static int cluster_up(const nl_flag *flags, const char *dir)
         if (f)
             fclose(f);
         fprintf(stderr, "cluster up: cannot read %s\n", path);
-        cluster_down(dir);
+        cluster_down(dir, 1);
         return 1;
     }
     fclose(f);
@@ -382,7 +427,7 @@ static int cluster_up(const nl_flag *flags, const char *dir)
             spawn(nargv, log, pidf, env_spin && !nl_args_get(flags, "spin") ? NULL : s_spin);
         if (pids[i - 1] < 0) {
             fprintf(stderr, "cluster up: cannot start %s\n", name);
-            cluster_down(dir);
+            cluster_down(dir, 1);
             return 1;
         }
     }
@@ -398,8 +443,9 @@ static int cluster_up(const nl_flag *flags, const char *dir)
     for (;;) {
         if (nl_remote_wait_ready(dir, 1, state, sizeof state) == 0)
             break;
-        if (node_exited(dir, pids, (int)nodes)) {
-            cluster_down(dir);
+        snprintf(log, sizeof log, "%s/coord.log", dir);
+        if (node_exited(dir, pids, (int)nodes) || exited(coord, "the coordinator", log)) {
+            cluster_down(dir, 1);
             return 1;
         }
         if (nl_cli_now() >= deadline) {
@@ -464,7 +510,7 @@ int nl_cmd_cluster(int argc, char **argv)
     if (npos == 1 && strcmp(pos[0], "up") == 0)
         return cluster_up(flags, dir);
     if (npos == 1 && strcmp(pos[0], "down") == 0)
-        return cluster_down(dir);
+        return cluster_down(dir, 0);
     nl_args_help(stderr, usage, flags);
     return 2;
 }

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "base/args.h"
+#include "cli_io.h"
 #include "commands.h"
 #include "core/manifest.h"
 
@@ -19,8 +20,10 @@ int nl_cmd_export(int argc, char **argv)
         {"format", 1, "neurollm (default: one checkpoint) or hf (a Hugging Face directory)", NULL},
         {"model", 1, "with --format hf: a checkpoint to export instead of a manifest", NULL},
         {"shard-size", 1, "with --format hf: start a new weight file past this (default 5G)", NULL},
+        NL_CLI_FORCE_FLAG,
         {0}};
-    const char *usage = "neuroctl export --manifest MANIFEST.json|DIR --out MODEL.safetensors\n"
+    const char *usage = "neuroctl export --manifest MANIFEST.json|DIR --out MODEL.safetensors "
+                        "[--force]\n"
                         "  verifies every shard (size, sha256) and joins them with their "
                         "optimizer state\n"
                         "neuroctl export --format hf --manifest M|--model CKPT --out DIR\n"
@@ -46,10 +49,13 @@ int nl_cmd_export(int argc, char **argv)
         fprintf(stderr, "--format: '%s' is neither neurollm nor hf\n", format);
         return 2;
     }
-    if (!path || !out || model) {
-        nl_args_help(stderr, usage, flags);
+    if (model) {
+        fprintf(stderr, "neuroctl export: --model goes with --format hf; this format joins a --manifest\n");
         return 2;
     }
+    if ((rc = nl_cli_require("export", usage, flags, "manifest", "out", (const char *)NULL)) ||
+        (rc = nl_cli_may_write(flags, "out", out)))
+        return rc;
     nl_error err = {0};
     nl_manifest *m = NULL;
     nl_manifest_export_stats stats = {0};

@@ -116,7 +116,7 @@ int nl_cmd_generate(int argc, char **argv)
         {0}};
     const char *usage = "neuroctl generate --model MODEL (--prompt-tokens 1,2,3 | --prompt TEXT) "
                         "[--max-new N] [--temperature X] [--top-p P] [--seed S] [--threads N] "
-                        "[--warmup] [--device D] [--tf32]";
+                        "[--warmup] [--device D] [--tf32]" NL_CLI_CLUSTER_USAGE("generate");
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -125,7 +125,10 @@ int nl_cmd_generate(int argc, char **argv)
     long long max_new = 32, seed = 0, threads = 0;
     double temp = 0.8, top_p = 0.95;
     int tf32 = 0;
-    if (!model || !ptoks == !ptext) {
+    if ((rc = nl_cli_require("generate", usage, flags, "model", (const char *)NULL)))
+        return rc;
+    if (!ptoks == !ptext) {
+        fprintf(stderr, "neuroctl generate: give one of --prompt-tokens and --prompt\n\n");
         nl_args_help(stderr, usage, flags);
         return 2;
     }
@@ -185,6 +188,11 @@ int nl_cmd_generate(int argc, char **argv)
         goto out;
     printf("\n");
     fflush(stdout);
+    if (ec.count < max_new)
+        fprintf(stderr,
+                "generate: stopped after %d of --max-new %lld tokens: with the prompt's %d they "
+                "reach the model's max_seq_len %d\n",
+                ec.count, max_new, P, m->cfg.max_seq_len);
     nl_gen_clock_report(&ec.clock);
     /* ids given: the text follows on its own line where the ids can be decoded */
     char *text = NULL;

@@ -5,6 +5,7 @@
 #include <stdio.h>
 
 #include "base/args.h"
+#include "cli_io.h"
 #include "commands.h"
 #include "core/hf.h"
 
@@ -13,9 +14,10 @@ int nl_cmd_import(int argc, char **argv)
     nl_flag flags[] = {
         {"hf", 1, "Hugging Face model directory (config.json + safetensors weights)", NULL},
         {"out", 1, "checkpoint to write (safetensors, F32)", NULL},
+        NL_CLI_FORCE_FLAG,
         {0}};
     const char *usage =
-        "neuroctl import --hf DIR --out MODEL.safetensors\n"
+        "neuroctl import --hf DIR --out MODEL.safetensors [--force]\n"
         "  MixtralForCausalLM only (Llama/Mistral need the dense FFN, not there yet); one\n"
         "  model.safetensors or shards with model.safetensors.index.json; BF16/F16 become F32;\n"
         "  streams tensor by tensor";
@@ -23,10 +25,9 @@ int nl_cmd_import(int argc, char **argv)
     if (rc)
         return rc == 1 ? 0 : rc;
     const char *dir = nl_args_get(flags, "hf"), *out = nl_args_get(flags, "out");
-    if (!dir || !out) {
-        nl_args_help(stderr, usage, flags);
-        return 2;
-    }
+    if ((rc = nl_cli_require("import", usage, flags, "hf", "out", (const char *)NULL)) ||
+        (rc = nl_cli_may_write(flags, "out", out)))
+        return rc;
     nl_error err = {0};
     nl_hf_stats s;
     if (nl_hf_import(dir, out, &s, &err) != NL_OK) {

@@ -36,19 +36,18 @@ int nl_cmd_init(int argc, char **argv)
         {"out", 1, "checkpoint to write (safetensors)", NULL},
         {"seed", 1, "initialisation seed (default 0)", NULL},
         {"tokenizer", 1, "attach this tokenizer: vocab_size becomes its size", NULL},
+        NL_CLI_FORCE_FLAG,
         {0}};
     const char *usage = "neuroctl init --config CFG.yaml --out MODEL.safetensors [--seed N] "
-                        "[--tokenizer TOK]";
+                        "[--tokenizer TOK] [--force]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
     const char *cfg_path = nl_args_get(flags, "config"), *out = nl_args_get(flags, "out");
     long long seed = 0;
-    if (!cfg_path || !out) {
-        nl_args_help(stderr, usage, flags);
-        return 2;
-    }
-    if ((rc = nl_args_int(flags, "seed", 0, INT64_MAX, &seed)))
+    if ((rc = nl_cli_require("init", usage, flags, "config", "out", (const char *)NULL)) ||
+        (rc = nl_args_int(flags, "seed", 0, INT64_MAX, &seed)) ||
+        (rc = nl_cli_may_write(flags, "out", out)))
         return rc;
     nl_error err = {0};
     nl_config cfg;
@@ -103,18 +102,17 @@ int nl_cmd_forward(int argc, char **argv)
                        NL_CLI_DEVICE_FLAG,
                        NL_CLI_TF32_FLAG,
                        {0}};
-    const char *usage = "neuroctl forward --model MODEL --tokens IN.safetensors --out "
-                        "OUT.safetensors [--threads N] [--device D] [--tf32]";
+    const char *usage =
+        "neuroctl forward --model MODEL --tokens IN.safetensors --out "
+        "OUT.safetensors [--threads N] [--device D] [--tf32]" NL_CLI_CLUSTER_USAGE("forward");
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL), threads = 0, tf32 = 0;
     if (rc)
         return rc == 1 ? 0 : rc;
     const char *model = nl_args_get(flags, "model"), *in = nl_args_get(flags, "tokens"),
                *out = nl_args_get(flags, "out"), *device = NULL;
-    if (!model || !in || !out) {
-        nl_args_help(stderr, usage, flags);
-        return 2;
-    }
-    if ((rc = threads_flag(flags, &threads)) || (rc = nl_cli_device_flags(flags, &device, &tf32)))
+    if ((rc = nl_cli_require("forward", usage, flags, "model", "tokens", "out",
+                             (const char *)NULL)) ||
+        (rc = threads_flag(flags, &threads)) || (rc = nl_cli_device_flags(flags, &device, &tf32)))
         return rc;
     nl_error err = {0};
     nl_backend *be = NULL;
@@ -192,22 +190,27 @@ int nl_cmd_grow(int argc, char **argv)
         {"tokenizer", 1, "new tokenizer (must extend the model's): its size is the vocabulary",
          NULL},
         {"seed", 1, "seed for the new rows (default: the checkpoint's init_seed, else 0)", NULL},
+        NL_CLI_FORCE_FLAG,
         {0}};
     const char *usage =
         "neuroctl grow --model MODEL --out GROWN (--vocab-size N | --tokenizer TOK) "
-        "[--seed S]";
+        "[--seed S] [--force]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
     const char *model = nl_args_get(flags, "model"), *out = nl_args_get(flags, "out");
     const char *tok_path = nl_args_get(flags, "tokenizer");
     long long vocab = 0, seed = -1;
-    if (!model || !out || !nl_args_get(flags, "vocab-size") == !tok_path) {
+    if ((rc = nl_cli_require("grow", usage, flags, "model", "out", (const char *)NULL)))
+        return rc;
+    if (!nl_args_get(flags, "vocab-size") == !tok_path) {
+        fprintf(stderr, "neuroctl grow: give one of --vocab-size and --tokenizer\n\n");
         nl_args_help(stderr, usage, flags);
         return 2;
     }
     if ((rc = nl_args_int(flags, "vocab-size", 1, NL_CONFIG_MAX_VOCAB, &vocab)) ||
-        (rc = nl_args_int(flags, "seed", 0, INT64_MAX, &seed)))
+        (rc = nl_args_int(flags, "seed", 0, INT64_MAX, &seed)) ||
+        (rc = nl_cli_may_write(flags, "out", out)))
         return rc;
     nl_error err = {0};
     nl_backend *be = NULL;

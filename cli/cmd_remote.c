@@ -24,8 +24,8 @@ int nl_cmd_remote_forward(int argc, char **argv)
                        {"out", 1, "output: 'logits' F32 [B, T, vocab] and 'aux_loss' F32 []", NULL},
                        NL_REMOTE_FLAGS,
                        {0}};
-    const char *usage = "neuroctl forward --coordinator EP --key K --coordinator-key P --tokens "
-                        "IN.safetensors --out OUT.safetensors";
+    const char *usage = "neuroctl forward (--cluster DIR | --coordinator EP --key K "
+                        "--coordinator-key P) --tokens IN.safetensors --out OUT.safetensors";
     for (int i = 1; i < argc; i++)
         if (nl_remote_refuse_node_flag(argv[i]))
             return 2;
@@ -33,10 +33,8 @@ int nl_cmd_remote_forward(int argc, char **argv)
     if (rc)
         return rc == 1 ? 0 : rc;
     const char *in = nl_args_get(flags, "tokens"), *out = nl_args_get(flags, "out");
-    if (!in || !out) {
-        nl_args_help(stderr, usage, flags);
-        return 2;
-    }
+    if ((rc = nl_cli_require("forward", usage, flags, "tokens", "out", (const char *)NULL)))
+        return rc;
     nl_error err = {0};
     nl_remote r = {0};
     nl_rx rx;
@@ -101,7 +99,8 @@ out:
 
 /* The cluster's tokenizer, from its status; a byte tokenizer for a
  * byte-level model; NULL (and NL_OK) when neither applies. */
-static nl_status remote_tokenizer(nl_remote *r, nl_tokenizer **out, int64_t *vocab, nl_error *err)
+static nl_status remote_tokenizer(nl_remote *r, nl_tokenizer **out, int64_t *vocab,
+                                  int64_t *max_seq, nl_error *err)
 {
     json_t *st = NULL;
     *out = NULL;
@@ -111,6 +110,7 @@ static nl_status remote_tokenizer(nl_remote *r, nl_tokenizer **out, int64_t *voc
     json_t *tok = json_object_get(st, "tokenizer");
     json_t *cfg = json_object_get(st, "config");
     *vocab = json_integer_value(json_object_get(cfg, "vocab_size"));
+    *max_seq = json_integer_value(json_object_get(cfg, "max_seq_len"));
     if (json_is_string(tok))
         s = nl_tokenizer_load_buffer(out, json_string_value(tok), json_string_length(tok), err);
     else if (*vocab > 0 && *vocab <= 256)
@@ -154,8 +154,9 @@ int nl_cmd_remote_generate(int argc, char **argv)
                        {"seed", 1, "sampling seed (default 0)", NULL},
                        NL_REMOTE_FLAGS,
                        {0}};
-    const char *usage = "neuroctl generate --coordinator EP --key K --coordinator-key P "
-                        "(--prompt-tokens 1,2,3 | --prompt TEXT) [--max-new N] ...";
+    const char *usage = "neuroctl generate (--cluster DIR | --coordinator EP --key K "
+                        "--coordinator-key P) (--prompt-tokens 1,2,3 | --prompt TEXT) "
+                        "[--max-new N] ...";
     for (int i = 1; i < argc; i++)
         if (nl_remote_refuse_node_flag(argv[i]))
             return 2;
@@ -166,6 +167,7 @@ int nl_cmd_remote_generate(int argc, char **argv)
     long long max_new = 32, seed = 0;
     double temp = 0.8, top_p = 0.95;
     if (!ptoks == !ptext) {
+        fprintf(stderr, "neuroctl generate: give one of --prompt-tokens and --prompt\n\n");
         nl_args_help(stderr, usage, flags);
         return 2;
     }
@@ -184,11 +186,11 @@ int nl_cmd_remote_generate(int argc, char **argv)
     uint64_t job = 0; /* once the coordinator names it */
     struct sigaction old_sa;
     bool handler = false;
-    int64_t vocab = 0;
+    int64_t vocab = 0, max_seq = 0;
     int count = 0;
     rc = 1;
     if (nl_remote_open(&r, flags, 60, &err) != NL_OK ||
-        remote_tokenizer(&r, &tok, &vocab, &err) != NL_OK)
+        remote_tokenizer(&r, &tok, &vocab, &max_seq, &err) != NL_OK)
         goto out;
     if (ptext) {
         if (!tok) {
@@ -269,6 +271,11 @@ int nl_cmd_remote_generate(int argc, char **argv)
     }
     printf("\n");
     fflush(stdout);
+    if (count < max_new)
+        fprintf(stderr,
+                "generate: stopped after %d of --max-new %lld tokens: with the prompt's %zu they "
+                "reach the model's max_seq_len %lld\n",
+                count, max_new, P, (long long)max_seq);
     nl_gen_clock_report(&clock);
     char *text = NULL;
     size_t tlen = 0;
@@ -300,7 +307,10 @@ int nl_cmd_status(int argc, char **argv)
 {
     nl_flag flags[] = {
         {"json", 0, "print the coordinator's JSON as it is", NULL}, NL_REMOTE_FLAGS, {0}};
-    const char *usage = "neuroctl status --coordinator EP --key K --coordinator-key P [--json]";
+    const char *usage =
+        "neuroctl status (--cluster DIR | --coordinator EP --key K --coordinator-key P) [--json]\n"
+        "  layers: [first,last) of the model's layers on the node; +e: it also holds the token\n"
+        "  embedding, +h: the output head";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -332,7 +342,7 @@ int nl_cmd_status(int argc, char **argv)
                json_integer_value(json_object_get(cfg, "ffn_dim")),
                json_integer_value(json_object_get(cfg, "num_experts")),
                json_integer_value(json_object_get(cfg, "vocab_size")));
-    printf("%-4s %-8s %-10s %9s %9s %-9s %8s %10s %9s\n", "node", "state", "device", "memory",
+    printf("%-4s %-8s %-10s %9s %9s %-11s %8s %10s %9s\n", "node", "state", "device", "memory",
            "planned", "layers", "GFLOP/s", "stage ms", "heartbeat");
     size_t i;
     json_t *n;
@@ -344,15 +354,15 @@ int nl_cmd_status(int argc, char **argv)
             snprintf(layers, sizeof layers, "[%lld,%lld)%s%s",
                      json_integer_value(json_array_get(l, 0)),
                      json_integer_value(json_array_get(l, 1)),
-                     json_is_true(json_object_get(n, "embed")) ? "e" : "",
-                     json_is_true(json_object_get(n, "head")) ? "h" : "");
+                     json_is_true(json_object_get(n, "embed")) ? "+e" : "",
+                     json_is_true(json_object_get(n, "head")) ? "+h" : "");
         if (json_object_get(n, "memory_planned"))
             snprintf(planned, sizeof planned, "%.0fM",
                      (double)json_integer_value(json_object_get(n, "memory_planned")) / (1 << 20));
         if (json_object_get(n, "predicted_s"))
             snprintf(pred, sizeof pred, "%.2f",
                      json_real_value(json_object_get(n, "predicted_s")) * 1e3);
-        printf("%-4lld %-8s %-10s %8.0fM %9s %-9s %8.1f %10s %8.1fs\n",
+        printf("%-4lld %-8s %-10s %8.0fM %9s %-11s %8.1f %10s %8.1fs\n",
                json_integer_value(json_object_get(n, "id")),
                json_string_value(json_object_get(n, "state")),
                json_string_value(json_object_get(n, "device")),
@@ -360,6 +370,7 @@ int nl_cmd_status(int argc, char **argv)
                layers, json_real_value(json_object_get(n, "gflops")), pred,
                json_real_value(json_object_get(n, "heartbeat_age_s")));
     }
+    printf("(layers [a,b): the node holds layers a..b-1; +e the embedding, +h the output head)\n");
     json_t *b = json_object_get(st, "bottleneck_s");
     if (b)
         printf("predicted bottleneck: %.2f ms per request\n", json_real_value(b) * 1e3);

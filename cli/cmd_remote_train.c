@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include "base/args.h"
+#include "cli_io.h"
 #include "commands.h"
 #include "core/fileio.h"
 #include "core/manifest.h"
@@ -35,6 +36,7 @@ typedef struct rtrain_opts {
     char *data, *resume, *ckpt_dir; /* absolute paths (malloc'd) */
     nl_train_run r;                 /* the flags local and cluster training share */
     int final_ckpt;
+    int make_dir; /* checkpoints asked for: the client makes the directory first */
 } rtrain_opts;
 
 /* ---------------------------------------------------------------- flags */
@@ -77,16 +79,11 @@ static char *abs_existing(const char *flag, const char *path)
     return a;
 }
 
-/* --checkpoint-dir, absolute: created (mkdir -p) when checkpoints will be
- * written; otherwise only made absolute, so that a run that writes none
- * leaves no empty directory behind. */
-static char *abs_ckpt_dir(const char *dir, int create)
+/* --checkpoint-dir, absolute; not created yet (run() makes it once the
+ * cluster answers), so that a run that never starts leaves no directory. */
+static char *abs_ckpt_dir(const char *dir)
 {
-    if (create && (nl_file_mkdirs(dir, NULL) != NL_OK || access(dir, W_OK) != 0)) {
-        fprintf(stderr, "--checkpoint-dir: cannot create or write %s\n", dir);
-        return NULL;
-    }
-    if (create || access(dir, F_OK) == 0)
+    if (access(dir, F_OK) == 0)
         return abs_existing("checkpoint-dir", dir);
     char cwd[PATH_MAX];
     const char *base = dir[0] == '/' ? "" : getcwd(cwd, sizeof cwd);
@@ -121,12 +118,16 @@ static int read_opts(rtrain_opts *o, const nl_flag *flags)
     o->out = nl_args_get(flags, "out");
     if ((rc = nl_train_run_read(flags, &o->r)))
         return rc;
-    o->final_ckpt = o->out != NULL || o->r.ckpt_every > 0;
+    o->final_ckpt = 1; /* the last step is always kept: joined into --out, or as a checkpoint */
+    /* else the nodes make it when they write the last step: a job refused
+     * at once leaves no empty directory behind */
+    o->make_dir = o->out || o->r.ckpt_every > 0 || nl_args_get(flags, "checkpoint-dir");
     const char *dir = nl_args_get(flags, "checkpoint-dir"), *resume = nl_args_get(flags, "resume");
-    if (!(o->data = abs_existing("data", nl_args_get(flags, "data"))) ||
+    if (nl_cli_input_file("data", nl_args_get(flags, "data")) ||
+        !(o->data = abs_existing("data", nl_args_get(flags, "data"))) ||
         (resume && !(o->resume = abs_existing("resume", resume))) ||
-        !(o->ckpt_dir = abs_ckpt_dir(dir ? dir : "checkpoints", o->final_ckpt)) ||
-        (o->out && out_writable(o->out) != 0))
+        !(o->ckpt_dir = abs_ckpt_dir(dir ? dir : "checkpoints")) ||
+        (o->out && out_writable(o->out) != 0) || nl_cli_may_write(flags, "out", o->out))
         return 1;
     return 0;
 }
@@ -137,18 +138,18 @@ static int read_opts(rtrain_opts *o, const nl_flag *flags)
 typedef struct watch {
     const rtrain_opts *o;
     FILE *log;
-    int tty;
-    uint64_t job;       /* 0 until the coordinator acknowledges the submit */
-    int acked, started; /* acknowledged; start event seen */
-    int64_t steps;      /* the run's last step */
-    int64_t start_step; /* for the ETA */
-    double start_time;  /* for the ETA */
-    int64_t skipped;    /* steps skipped for non-finite values */
-    char *last_ckpt;    /* the last checkpoint announced */
-    char *manifest;     /* the final checkpoint's manifest (done event), or NULL */
-    int ended;          /* the job reached DONE, FAILED or CANCELLED */
-    int failed;         /* refused, failed or cancelled: err says so as it is */
-    char devices[512];  /* the stages' devices from the start event, "cuda:0,cpu", or "" */
+    nl_train_progress prog; /* the progress line on stderr */
+    uint64_t job;           /* 0 until the coordinator acknowledges the submit */
+    int acked, started;     /* acknowledged; start event seen */
+    int64_t steps;          /* the run's last step */
+    int64_t start_step;     /* for the ETA */
+    double start_time;      /* for the ETA */
+    int64_t skipped;        /* steps skipped for non-finite values */
+    char *last_ckpt;        /* the last checkpoint announced */
+    char *manifest;         /* the final checkpoint's manifest (done event), or NULL */
+    int ended;              /* the job reached DONE, FAILED or CANCELLED */
+    int failed;             /* refused, failed or cancelled: err says so as it is */
+    char devices[512];      /* the stages' devices from the start event, "cuda:0,cpu", or "" */
 } watch;
 
 static volatile sig_atomic_t interrupted;
@@ -247,7 +248,7 @@ static nl_status on_step(watch *w, const json_t *ev, nl_error *err)
     if (json_is_boolean(tf32))
         s.tf32 = json_is_true(tf32);
     w->skipped += s.skipped;
-    nl_train_report_step(&s, w->tty, w->log);
+    nl_train_report_step(&w->prog, &s, w->log);
     return NL_OK;
 }
 
@@ -311,15 +312,17 @@ static nl_status on_status(watch *w, const nl_rx *rx, nl_error *err)
         w->ended = 1;
         st = keep_path(&w->manifest, ev, err);
     } else if (!ev) {
-        if (s->message[0] && !(first && strcmp(s->message, "running") == 0))
-            fprintf(stderr, "%s%s\n", w->tty && w->started ? "\n" : "", s->message);
+        if (s->message[0] && !(first && strcmp(s->message, "running") == 0)) {
+            nl_train_progress_break(&w->prog);
+            fprintf(stderr, "%s\n", s->message);
+        }
     } else if (event && strcmp(event, "start") == 0) {
         on_start(w, ev);
     } else if (event && strcmp(event, "step") == 0) {
         st = on_step(w, ev, err);
     } else if (event && strcmp(event, "checkpoint") == 0) {
         if ((st = keep_path(&w->last_ckpt, ev, err)) == NL_OK && w->last_ckpt)
-            nl_train_report_checkpoint(w->last_ckpt, w->tty);
+            nl_train_report_checkpoint(&w->prog, w->last_ckpt);
     } /* other events: from a newer coordinator; nothing to show */
     json_decref(ev);
     return st;
@@ -359,8 +362,8 @@ static nl_status follow(nl_remote *r, watch *w, nl_error *err)
         if (interrupted && !cancel_by)
             cancel_by = now + CANCEL_WAIT_S;
         if (interrupted && !cancelled && w->acked) {
-            fprintf(stderr, "%sinterrupted: cancelling job %" PRIu64 "\n", w->tty ? "\n" : "",
-                    w->job);
+            nl_train_progress_break(&w->prog);
+            fprintf(stderr, "interrupted: cancelling job %" PRIu64 "\n", w->job);
             cancelled = 1;
             if ((st = nl_remote_cancel(r, w->job, err)) != NL_OK)
                 break;
@@ -431,11 +434,18 @@ static int run(const nl_flag *flags, const rtrain_opts *o)
 {
     nl_error err = {0};
     nl_remote r = {0};
-    watch w = {.o = o, .tty = isatty(2), .steps = o->r.steps};
+    watch w = {.o = o, .steps = o->r.steps};
     struct sigaction sa = {.sa_handler = on_sigint, .sa_flags = SA_RESETHAND}, old;
     int rc = 1, handler = 0;
+    nl_train_progress_init(&w.prog, o->r.progress_s);
     if (nl_remote_open(&r, flags, 600, &err) != NL_OK)
         goto out;
+    /* made once the cluster answers */
+    if (o->make_dir &&
+        (nl_file_mkdirs(o->ckpt_dir, &err) != NL_OK || access(o->ckpt_dir, W_OK) != 0)) {
+        nl_error_set(&err, NL_ERR_IO, "--checkpoint-dir: cannot create or write %s", o->ckpt_dir);
+        goto out;
+    }
     if (o->log && !(w.log = fopen(o->log, o->resume ? "a" : "w"))) {
         nl_error_set(&err, NL_ERR_IO, "%s: cannot open the log", o->log);
         goto out;
@@ -446,13 +456,13 @@ static int run(const nl_flag *flags, const rtrain_opts *o)
     handler = sigaction(SIGINT, &sa, &old) == 0;
     if (submit(&r, o, &err) != NL_OK || follow(&r, &w, &err) != NL_OK)
         goto out;
-    if (w.tty)
-        fprintf(stderr, "\n");
+    nl_train_progress_break(&w.prog);
+    nl_train_report_skipped(w.skipped);
     if (!interrupted && o->out && export_out(&w, o->out, &err) != NL_OK)
         goto out;
-    if (!o->out && w.manifest && (!w.last_ckpt || strcmp(w.manifest, w.last_ckpt) != 0))
-        nl_train_report_checkpoint(w.manifest, 0);
-    nl_train_report_skipped(w.skipped);
+    /* the last line says where the last step is kept */
+    if (!o->out && w.manifest)
+        fprintf(stderr, "wrote the final checkpoint %s\n", w.manifest);
     rc = 0;
 out:
     if (handler)
@@ -462,11 +472,11 @@ out:
         if (err.status == NL_OK) /* the job ended on its own while we waited */
             w.failed = nl_error_set(&err, NL_ERR_STATE, "interrupted") != NL_OK;
     }
+    nl_train_progress_break(&w.prog);
     if (rc && w.failed) /* the coordinator's message names the node and the last checkpoint */
-        fprintf(stderr, "%sneuroctl train: %s\n", w.tty ? "\n" : "", err.msg);
+        fprintf(stderr, "neuroctl train: %s\n", err.msg);
     else if (rc)
-        fprintf(stderr, "%sneuroctl train: %s (%s)\n", w.tty ? "\n" : "", err.msg,
-                nl_status_str(err.status));
+        fprintf(stderr, "neuroctl train: %s (%s)\n", err.msg, nl_status_str(err.status));
     nl_remote_close(&r);
     if (w.log)
         fclose(w.log);
@@ -482,6 +492,7 @@ int nl_cmd_remote_train(int argc, char **argv)
         NL_TRAIN_RUN_FLAGS,
         {"checkpoint-dir", 1, "where the cluster writes checkpoints (default: checkpoints)", NULL},
         {"out", 1, "join the final checkpoint's shards into this file (safetensors)", NULL},
+        NL_CLI_FORCE_FLAG,
         {"resume", 1, "continue from this checkpoint manifest (or its directory)", NULL},
         NL_REMOTE_FLAGS_TIMEOUT(
             "seconds without any message from the coordinator before giving up (default 600)"),
@@ -489,7 +500,8 @@ int nl_cmd_remote_train(int argc, char **argv)
     const char *usage = "neuroctl train (--coordinator EP --key K --coordinator-key P | --cluster "
                         "DIR) --data DATA --steps N [--batch B] [--seq T] [--microbatches M] "
                         "[--lr X] [--warmup W] [--seed S] [--eval-every K] [--checkpoint-every K] "
-                        "[--log LOG.jsonl] [--out FINAL.safetensors] [--resume MANIFEST]";
+                        "[--log LOG.jsonl] [--out FINAL.safetensors [--force]] "
+                        "[--resume MANIFEST]";
     int rc = refuse_local_flags(argc, argv, flags);
     if (rc || (rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL)))
         return rc == 1 ? 0 : rc;

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 
 #include "commands.h"
@@ -24,10 +25,11 @@
 static const char *const usage_text =
     "usage: neuroctl tokenizer COMMAND [options]\n"
     "\n"
-    "  train  --input FILE... --vocab-size N --out TOK [--min-count K] [--quiet]\n"
+    "  train  --input FILE... --vocab-size N --out TOK [--min-count K] [--quiet] [--force]\n"
     "         learn a new tokenizer of up to N ids (N >= 259) from the files\n"
-    "  learn  --tokenizer TOK --input FILE... --add N [--out OUT] [--min-count K] [--quiet]\n"
-    "         add up to N merges learned from the files; rewrites TOK (or writes OUT)\n"
+    "  learn  --tokenizer TOK --input FILE... --add N [--out OUT [--force]] [--min-count K]\n"
+    "         [--quiet]: add up to N merges learned from the files; rewrites TOK (or\n"
+    "         writes OUT)\n"
     "  encode --tokenizer TOK [--input FILE] [--output FILE]\n"
     "         bytes in, token ids out as whitespace-separated decimal text\n"
     "  decode --tokenizer TOK [--input FILE] [--output FILE] [--strict]\n"
@@ -39,7 +41,8 @@ static const char *const usage_text =
     "Input and output default to stdin and stdout ('-' names them too). Each input\n"
     "is read whole, up to 1 GiB. Output files are written atomically. --min-count K\n"
     "stops learning when the most frequent pair occurs fewer than K times\n"
-    "(default 2). Progress goes to stderr. Exit status: 0 ok, 1 failure, 2 usage.\n";
+    "(default 2). An existing --out is replaced only with --force. Progress goes to\n"
+    "stderr. Exit status: 0 ok, 1 failure, 2 usage.\n";
 
 typedef struct opts {
     const char *sub;
@@ -47,7 +50,7 @@ typedef struct opts {
     int n_inputs;
     const char *tokenizer, *out, *output;
     long long vocab_size, add, min_count;
-    int quiet, strict, help;
+    int quiet, strict, help, force;
 } opts;
 
 __attribute__((format(printf, 1, 2))) static int usage_error(const char *fmt, ...)
@@ -82,6 +85,8 @@ static int parse_opts(int argc, char **argv, opts *o)
         int has_val = i + 1 < argc;
         if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
             o->help = 1;
+        } else if (strcmp(a, "--force") == 0) {
+            o->force = 1;
         } else if (strcmp(a, "--quiet") == 0) {
             o->quiet = 1;
         } else if (strcmp(a, "--strict") == 0) {
@@ -318,10 +323,23 @@ static nl_status learn_and_save(const opts *o, nl_tokenizer *t, int32_t add, con
     return nl_tokenizer_save(t, path, err);
 }
 
+/* --out names an existing file and --force is not given: say so. */
+static int out_exists(const opts *o)
+{
+    struct stat sb;
+    if (o->force || lstat(o->out, &sb) != 0)
+        return 0;
+    fprintf(stderr, "neuroctl tokenizer: --out %s: the file exists (give --force to replace it)\n",
+            o->out);
+    return 1;
+}
+
 static int cmd_train(const opts *o, nl_error *err)
 {
     if (o->n_inputs == 0 || o->vocab_size < 0 || !o->out)
         return usage_error("%s needs --input, --vocab-size and --out", "train");
+    if (out_exists(o))
+        return 1;
     nl_tokenizer *t = NULL;
     nl_status st = nl_tokenizer_new_bytes(&t, err);
     if (st == NL_OK)
@@ -334,6 +352,8 @@ static int cmd_learn(const opts *o, nl_error *err)
 {
     if (o->n_inputs == 0 || o->add < 0 || !o->tokenizer)
         return usage_error("%s needs --tokenizer, --input and --add", "learn");
+    if (o->out && out_exists(o))
+        return 1;
     nl_tokenizer *t = NULL;
     nl_status st = nl_tokenizer_load(&t, o->tokenizer, err);
     if (st == NL_OK)

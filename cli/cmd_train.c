@@ -1,5 +1,6 @@
 /* neuroctl grad and neuroctl train (in this process). */
 #include <inttypes.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -194,6 +195,35 @@ static nl_status load_data(nl_dataset **ds, const train_opts *o, const char *mod
     return st;
 }
 
+/* Ctrl-C: finish the step, keep a checkpoint, exit 130 (a second Ctrl-C
+ * kills the process, but never in the middle of writing a file). */
+static volatile sig_atomic_t interrupted;
+
+static void on_sigint(int sig)
+{
+    (void)sig;
+    interrupted = 1;
+}
+
+/* save_ckpt with SIGINT held off, so that no Ctrl-C leaves a partial
+ * temporary file behind. */
+static nl_status save_whole(nl_model *m, nl_trainer *tr, const train_opts *o,
+                            const carried_meta *cm, const char *path, int64_t step, nl_error *err)
+{
+    sigset_t block, old;
+    sigemptyset(&block);
+    sigaddset(&block, SIGINT);
+    sigprocmask(SIG_BLOCK, &block, &old);
+    nl_status st = save_ckpt(m, tr, o, cm, path, step, err);
+    sigprocmask(SIG_SETMASK, &old, NULL);
+    return st;
+}
+
+static void step_path(char *buf, size_t cap, const train_opts *o, int64_t step)
+{
+    snprintf(buf, cap, "%s/step-%06" PRId64 ".safetensors", o->ckpt_dir, step);
+}
+
 static int run_train(const train_opts *o)
 {
     nl_error err = {0};
@@ -203,12 +233,19 @@ static int run_train(const train_opts *o)
     nl_dataset *ds = NULL;
     FILE *logf = NULL;
     int32_t *tokens = NULL, *targets = NULL;
-    int64_t start = 0;
-    int rc = 1;
+    int64_t start = 0, step = 0;
+    int rc = 1, handler = 0;
     const int B = (int)o->r.batch, T = (int)o->r.seq, M = (int)o->r.micro, mb = B / M;
     const char *src = o->resume ? o->resume : o->model;
     nl_config cfg;
     carried_meta cm = {0};
+    nl_train_progress prog;
+    struct sigaction sa = {.sa_handler = on_sigint, .sa_flags = SA_RESETHAND}, old_sa;
+    char path[4096];
+    nl_train_progress_init(&prog, o->r.progress_s);
+    sigemptyset(&sa.sa_mask);
+    interrupted = 0;
+    handler = sigaction(SIGINT, &sa, &old_sa) == 0;
     /* the device first (one that cannot train is refused before any work),
      * then the data: its load-time peak does not stack on the model's */
     if (nl_cli_backend_new(&be, o->device, (int)o->threads, o->tf32, 1, &err) != NL_OK ||
@@ -225,15 +262,16 @@ static int run_train(const train_opts *o)
                                      nl_trainer_moment(tr, 1), &adam, NULL, &err) != NL_OK)
             goto out;
         nl_trainer_set_adam_steps(tr, adam);
+        if (start >= o->r.steps) {
+            nl_error_set(&err, NL_ERR_INVALID,
+                         "--steps %lld: the checkpoint is already at step %" PRId64, o->r.steps,
+                         start);
+            goto out;
+        }
         fprintf(stderr, "resuming %s at step %" PRId64 " (%" PRId64 " optimizer steps)\n",
                 o->resume, start, adam);
     } else {
         start = 0;
-    }
-    if (start >= o->r.steps) {
-        nl_error_set(&err, NL_ERR_INVALID,
-                     "--steps %lld: the checkpoint is already at step %" PRId64, o->r.steps, start);
-        goto out;
     }
     tokens = malloc((size_t)B * T * sizeof *tokens);
     targets = malloc((size_t)B * T * sizeof *targets);
@@ -254,12 +292,13 @@ static int run_train(const train_opts *o)
             nl_config_param_count(&m->cfg), ds->n_train, ds->n - ds->n_train, o->r.steps, B, T, M,
             be->name, o->tf32 ? "on" : "off", (double)me.total / (1 << 20),
             (double)ds->n * 4 / (1 << 20));
+    if ((o->r.ckpt_every > 0 || !o->out) && nl_file_mkdirs(o->ckpt_dir, &err) != NL_OK)
+        goto out;
     const nl_adamw_opts adam = nl_adamw_defaults();
-    const int tty = isatty(2);
     const char *inject = getenv("NL_TEST_INJECT_NAN_STEP"); /* test hook */
     const double t_begin = nl_train_clock();
     int64_t skipped = 0;
-    for (int64_t step = start; step < o->r.steps; step++) {
+    for (step = start; step < o->r.steps && !interrupted; step++) {
         double t0 = nl_train_clock();
         const double lr = nl_lr_at(step, o->r.steps, o->r.warmup, o->r.lr, o->r.min_lr);
         nl_step_result r;
@@ -290,25 +329,45 @@ static int run_train(const train_opts *o)
             o->r.eval_every > 0 && ((step + 1) % o->r.eval_every == 0 || step + 1 == o->r.steps);
         if (rep.has_eval && eval_loss(tr, ds, o, tokens, targets, &rep.eval_loss, &err) != NL_OK)
             goto out;
-        nl_train_report_step(&rep, tty, logf);
+        nl_train_report_step(&prog, &rep, logf);
         if (o->r.ckpt_every > 0 && (step + 1) % o->r.ckpt_every == 0 && step + 1 < o->r.steps) {
-            char path[4096];
-            snprintf(path, sizeof path, "%s/step-%06" PRId64 ".safetensors", o->ckpt_dir, step + 1);
-            if (save_ckpt(m, tr, o, &cm, path, step + 1, &err) != NL_OK)
+            step_path(path, sizeof path, o, step + 1);
+            if (save_whole(m, tr, o, &cm, path, step + 1, &err) != NL_OK)
                 goto out;
-            nl_train_report_checkpoint(path, tty);
+            nl_train_report_checkpoint(&prog, path);
         }
     }
-    if (tty)
-        fprintf(stderr, "\n");
-    if (o->out) {
-        if (save_ckpt(m, tr, o, &cm, o->out, o->r.steps, &err) != NL_OK)
-            goto out;
-        fprintf(stderr, "wrote %s\n", o->out);
-    }
+    nl_train_progress_break(&prog);
     nl_train_report_skipped(skipped);
+    if (interrupted && step < o->r.steps) { /* step: the steps done; keep them for a resume */
+        rc = 130;
+        if (step == start) {
+            fprintf(stderr, "interrupted before step %" PRId64 " ended: nothing new to keep\n",
+                    start + 1);
+            goto out;
+        }
+        step_path(path, sizeof path, o, step);
+        const int saved = o->r.ckpt_every > 0 && step % o->r.ckpt_every == 0; /* just now */
+        if (!saved && (nl_file_mkdirs(o->ckpt_dir, &err) != NL_OK ||
+                       save_whole(m, tr, o, &cm, path, step, &err) != NL_OK)) {
+            rc = 1;
+            goto out;
+        }
+        fprintf(stderr,
+                "interrupted after step %" PRId64 " of %lld: kept %s (continue with --resume %s)\n",
+                step, o->r.steps, path, path);
+        goto out;
+    }
+    /* the last step is always kept: in --out, or as the last checkpoint */
+    if (!o->out)
+        step_path(path, sizeof path, o, o->r.steps);
+    if (save_whole(m, tr, o, &cm, o->out ? o->out : path, o->r.steps, &err) != NL_OK)
+        goto out;
+    fprintf(stderr, "wrote %s (step %lld)\n", o->out ? o->out : path, o->r.steps);
     rc = 0;
 out:
+    if (handler)
+        sigaction(SIGINT, &old_sa, NULL);
     free(cm.tokenizer);
     free(cm.init_seed);
     if (logf)
@@ -319,19 +378,73 @@ out:
     nl_trainer_destroy(&tr);
     nl_model_destroy(&m);
     nl_backend_destroy(&be);
-    if (rc)
-        fprintf(stderr, "\nneuroctl train: %s (%s)\n", err.msg, nl_status_str(err.status));
+    if (rc == 1) {
+        nl_train_progress_break(&prog);
+        fprintf(stderr, "neuroctl train: %s (%s)\n", err.msg, nl_status_str(err.status));
+    }
     return rc;
+}
+
+/* Can dir be written, or made where its nearest existing parent is? (It
+ * is made once the run starts, so that a run refused first leaves none.) */
+static int dir_writable(const char *dir)
+{
+    char p[4096];
+    snprintf(p, sizeof p, "%s", dir);
+    for (;;) {
+        if (access(p, F_OK) == 0)
+            return access(p, W_OK) == 0;
+        char *slash = strrchr(p, '/');
+        if (!slash)
+            return access(".", W_OK) == 0;
+        if (slash == p)
+            return access("/", W_OK) == 0;
+        *slash = '\0';
+    }
+}
+
+/* The flags against the model, before any work: --seq within its
+ * max_seq_len (the default 256 shrinks to it), the inputs are files, and
+ * --out may be written. Returns 0 or the exit code after saying why. */
+static int check_against_model(const nl_flag *flags, train_opts *o)
+{
+    const char *src = o->resume ? o->resume : o->model;
+    const char *src_flag = o->resume ? "resume" : "model";
+    nl_error err = {0};
+    nl_config cfg;
+    int rc;
+    if ((rc = nl_cli_input_file(src_flag, src)) || (rc = nl_cli_input_file("data", o->data)) ||
+        (rc = nl_cli_may_write(flags, "out", o->out)))
+        return rc;
+    if (nl_checkpoint_read_config(src, &cfg, NULL, &err) != NL_OK) {
+        fprintf(stderr, "--%s: %s (%s)\n", src_flag, err.msg, nl_status_str(err.status));
+        return 1;
+    }
+    if (!nl_args_get(flags, "seq") && o->r.seq > cfg.max_seq_len) {
+        o->r.seq = cfg.max_seq_len;
+    } else if (o->r.seq > cfg.max_seq_len) {
+        fprintf(stderr, "--seq %lld: the model's max_seq_len is %d (%s)\n", o->r.seq,
+                cfg.max_seq_len, src);
+        return 2;
+    }
+    return 0;
 }
 
 int nl_cmd_train(int argc, char **argv)
 {
     nl_flag flags[] = {
         {"model", 1, "checkpoint to start from (safetensors)", NULL},
-        {"data", 1, "training text (bytes are ids) or .tok file of little-endian uint32 ids", NULL},
+        {"data", 1,
+         "training text (through the model's tokenizer; without one, bytes are ids) or a .tok "
+         "file of little-endian uint32 ids",
+         NULL},
         NL_TRAIN_RUN_FLAGS,
-        {"checkpoint-dir", 1, "where checkpoints go (default: checkpoints)", NULL},
+        {"checkpoint-dir", 1,
+         "where checkpoints go (default: checkpoints); without --out the last step is saved "
+         "there too, and Ctrl-C keeps the steps done there",
+         NULL},
         {"out", 1, "final checkpoint (weights and optimizer state)", NULL},
+        NL_CLI_FORCE_FLAG,
         {"resume", 1, "continue from this checkpoint (weights, moments, step)", NULL},
         {"threads", 1, "worker threads (default: all cores)", NULL},
         {"device", 1,
@@ -340,10 +453,12 @@ int nl_cmd_train(int argc, char **argv)
          NULL},
         NL_CLI_TF32_FLAG,
         {0}};
-    const char *usage = "neuroctl train --model MODEL --data DATA --steps N --batch B --seq T "
-                        "[--microbatches M] [--lr X] [--warmup W] [--seed S] [--eval-every K] "
-                        "[--checkpoint-every K] [--log LOG.jsonl] [--out FINAL.safetensors] "
-                        "[--resume CKPT] [--threads N] [--device D] [--tf32]";
+    const char *usage =
+        "neuroctl train --model MODEL --data DATA --steps N [--batch B] [--seq T] "
+        "[--microbatches M] [--lr X] [--warmup W] [--seed S] [--eval-every K] "
+        "[--checkpoint-every K] [--log LOG.jsonl] [--out FINAL.safetensors [--force]] "
+        "[--resume CKPT] [--threads N] [--device D] [--tf32] [--progress-every "
+        "S]" NL_CLI_CLUSTER_USAGE("train");
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -354,17 +469,22 @@ int nl_cmd_train(int argc, char **argv)
     o.out = nl_args_get(flags, "out");
     o.resume = nl_args_get(flags, "resume");
     o.ckpt_dir = nl_args_get(flags, "checkpoint-dir");
-    if ((!o.model && !o.resume) || !o.data || !nl_args_get(flags, "steps")) {
+    if (!o.model && !o.resume) {
+        fprintf(stderr, "neuroctl train: missing --model (or --resume)\n\n");
         nl_args_help(stderr, usage, flags);
         return 2;
     }
+    if ((rc = nl_cli_require("train", usage, flags, "data", "steps", (const char *)NULL)))
+        return rc;
     if ((rc = nl_train_run_read(flags, &o.r)) ||
         (rc = nl_args_int(flags, "threads", 0, 1024, &o.threads)) ||
         (rc = nl_cli_device_flags(flags, &o.device, &o.tf32)))
         return rc;
+    if ((rc = check_against_model(flags, &o)))
+        return rc;
     if (!o.ckpt_dir)
         o.ckpt_dir = "checkpoints";
-    if (o.r.ckpt_every > 0 && mkdir(o.ckpt_dir, 0755) != 0 && access(o.ckpt_dir, W_OK) != 0) {
+    if ((o.r.ckpt_every > 0 || !o.out) && !dir_writable(o.ckpt_dir)) {
         fprintf(stderr, "--checkpoint-dir: cannot create or write %s\n", o.ckpt_dir);
         return 1;
     }

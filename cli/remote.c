@@ -2,13 +2,16 @@
  * receive with a deadline, submit, cancel, status. See remote.h. */
 #include "remote.h"
 
+#include <errno.h>
 #include <inttypes.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #include "core/fileio.h"
+#include "net/handshake.h"
 
 double nl_remote_now(void)
 {
@@ -42,6 +45,21 @@ static nl_status read_line(const char *path, char *out, size_t cap, nl_error *er
     return st;
 }
 
+/* Is the coordinator of the local cluster in dir (cluster up) alive? Its
+ * pid file names it; cluster down removes the file. */
+static int cluster_running(const char *dir)
+{
+    char p[4096], *buf = NULL;
+    size_t n = 0;
+    nl_error err = {0};
+    snprintf(p, sizeof p, "%s/coord.pid", dir);
+    if (nl_file_read_all(p, 64, &buf, &n, &err) != NL_OK)
+        return 0;
+    const long pid = strtol(buf, NULL, 10);
+    free(buf);
+    return pid > 1 && (kill((pid_t)pid, 0) == 0 || errno == EPERM);
+}
+
 nl_status nl_remote_open(nl_remote *r, const nl_flag *flags, int default_timeout_s, nl_error *err)
 {
     memset(r, 0, sizeof *r);
@@ -57,6 +75,10 @@ nl_status nl_remote_open(nl_remote *r, const nl_flag *flags, int default_timeout
     nl_status st = NL_OK;
     if (dir) {
         char p[4096];
+        if (!cluster_running(dir))
+            return nl_error_set(err, NL_ERR_STATE,
+                                "the cluster in %s is not running (neuroctl cluster up --dir %s)",
+                                dir, dir);
         snprintf(p, sizeof p, "%s/coord/endpoint", dir);
         if ((st = read_line(p, ep, sizeof ep, err)) != NL_OK)
             return nl_error_prefix(err, "--cluster %s (is it up?)", dir);
@@ -69,6 +91,9 @@ nl_status nl_remote_open(nl_remote *r, const nl_flag *flags, int default_timeout
     if (!e || (!plain && (!k || !ck)))
         return nl_error_set(err, NL_ERR_INVALID,
                             "give --coordinator, --key and --coordinator-key (or --cluster DIR)");
+    if (!strstr(e, "://"))
+        return nl_error_set(err, NL_ERR_INVALID,
+                            "--coordinator %s: give a ZeroMQ endpoint, e.g. tcp://%s", e, e);
     if (!plain && ((st = nl_keys_load_secret(&r->kp, k, err)) != NL_OK ||
                    (st = nl_keys_load_public(coord_key, ck, err)) != NL_OK))
         return st;
@@ -83,10 +108,29 @@ nl_status nl_remote_open(nl_remote *r, const nl_flag *flags, int default_timeout
                        .linger_ms = 0};
     nl_rx rx;
     nl_rx_init(&rx);
+    nl_handshake *hs = NULL;
+    const double start = nl_remote_now();
+    /* the socket monitor tells a refused connection or handshake at once;
+     * HELLO then gets what is left of the timeout */
     if ((st = nl_net_new(&r->net, &no, err)) != NL_OK ||
         (st = nl_sock_new(&r->s, r->net, &so, err)) != NL_OK ||
-        (st = nl_sock_connect(r->s, e, err)) != NL_OK ||
-        (st = nl_sock_hello(r->s, NL_ROLE_CLIENT, r->timeout_ms, &rx, err)) != NL_OK)
+        (st = nl_handshake_watch(&hs, r->net, r->s, err)) != NL_OK ||
+        (st = nl_sock_connect(r->s, e, err)) != NL_OK)
+        goto out;
+    st = nl_handshake_wait(hs, e, r->timeout_ms, err);
+    /* a CURVE coordinator drops a plaintext peer: say which side is plain */
+    if (st == NL_ERR_AUTH && plain && err && !strstr(err->msg, "refused this key"))
+        st = nl_error_set(err, NL_ERR_AUTH,
+                          "%s ended the handshake: it expects CURVE keys, and this client is "
+                          "--plaintext",
+                          e);
+    if (st == NL_ERR_TIMEOUT || st == NL_OK) {
+        int left = r->timeout_ms - (int)((nl_remote_now() - start) * 1000);
+        st = nl_sock_hello(r->s, NL_ROLE_CLIENT, left > 100 ? left : 100, &rx, err);
+    }
+out:
+    nl_handshake_destroy(&hs);
+    if (st != NL_OK && st != NL_ERR_IO && st != NL_ERR_AUTH)
         nl_error_prefix(err, "coordinator %s", e);
     nl_rx_free(&rx);
     return st;
@@ -171,8 +215,12 @@ int nl_remote_job_failed(const nl_rx *rx, nl_error *err)
     if (rx->msg.type != NL_MSG_JOB_STATUS ||
         (s->state != NL_JOB_FAILED && s->state != NL_JOB_CANCELLED))
         return 0;
-    nl_error_set(err, NL_ERR_STATE, "job %" PRIu64 " %s: %s", s->job_id,
-                 s->state == NL_JOB_FAILED ? "failed" : "was cancelled", s->message);
+    const char *what = s->state == NL_JOB_FAILED ? "failed" : "was cancelled";
+    /* a message that only repeats the state adds nothing */
+    if (!s->message[0] || strcmp(s->message, "cancelled") == 0 || strcmp(s->message, "failed") == 0)
+        nl_error_set(err, NL_ERR_STATE, "job %" PRIu64 " %s", s->job_id, what);
+    else
+        nl_error_set(err, NL_ERR_STATE, "job %" PRIu64 " %s: %s", s->job_id, what, s->message);
     return 1;
 }
 

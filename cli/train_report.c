@@ -6,7 +6,10 @@
 #include <inttypes.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <sys/ioctl.h>
 #include <time.h>
+#include <unistd.h>
 
 double nl_train_clock(void)
 {
@@ -71,26 +74,75 @@ static void log_record(const nl_train_step *s, FILE *log)
     fflush(log);
 }
 
-void nl_train_report_step(const nl_train_step *s, int tty, FILE *log)
+/* The terminal's width: the tty's, else $COLUMNS, else 80. */
+static int term_width(void)
 {
-    if (s->skipped)
-        fprintf(stderr, "%sstep %" PRId64 ": non-finite %s; step skipped, weights unchanged\n",
-                tty ? "\n" : "", s->step, isfinite(s->loss) ? "gradient" : "loss");
-    char eta[32];
-    const double per = (nl_train_clock() - s->start_time) / (double)(s->step - s->start_step);
-    fmt_eta(eta, sizeof eta, per * (double)(s->steps - s->step));
-    fprintf(stderr, "%sstep %" PRId64 "/%" PRId64 " | loss %.4f | %.0f tok/s | lr %.2e | eta %s",
-            tty ? "\r" : "", s->step, s->steps, s->loss, s->tokens_per_s, s->lr, eta);
-    if (s->has_eval)
-        fprintf(stderr, " | eval %.4f", s->eval_loss);
-    fprintf(stderr, "%s", tty && !s->has_eval ? "   " : "\n");
-    if (log)
-        log_record(s, log);
+    struct winsize ws;
+    if (ioctl(2, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 0)
+        return ws.ws_col;
+    const char *c = getenv("COLUMNS");
+    const int n = c ? atoi(c) : 0;
+    return n > 0 ? n : 80;
 }
 
-void nl_train_report_checkpoint(const char *path, int tty)
+void nl_train_progress_init(nl_train_progress *p, double every_s)
 {
-    fprintf(stderr, "%scheckpoint %s\n", tty ? "\n" : "", path);
+    *p = (nl_train_progress){.tty = isatty(2), .every_s = every_s};
+}
+
+void nl_train_progress_break(nl_train_progress *p)
+{
+    if (p->open)
+        fputc('\n', stderr);
+    p->open = 0;
+}
+
+/* Is a line due into a file or pipe for step s? */
+static int line_due(const nl_train_progress *p, const nl_train_step *s, double now)
+{
+    return p->last_print == 0 || s->step >= s->steps || s->has_eval ||
+           now - p->last_print >= p->every_s;
+}
+
+void nl_train_report_step(nl_train_progress *p, const nl_train_step *s, FILE *log)
+{
+    if (s->skipped) {
+        nl_train_progress_break(p);
+        fprintf(stderr, "step %" PRId64 ": non-finite %s; step skipped, weights unchanged\n",
+                s->step, isfinite(s->loss) ? "gradient" : "loss");
+    }
+    if (log)
+        log_record(s, log);
+    const double now = nl_train_clock();
+    if (!p->tty && !line_due(p, s, now))
+        return;
+    char eta[32], line[256];
+    const double per = (now - s->start_time) / (double)(s->step - s->start_step);
+    fmt_eta(eta, sizeof eta, per * (double)(s->steps - s->step));
+    int n = snprintf(line, sizeof line,
+                     "step %" PRId64 "/%" PRId64 " | loss %.4f | %.0f tok/s | lr %.2e | eta %s",
+                     s->step, s->steps, s->loss, s->tokens_per_s, s->lr, eta);
+    if (s->has_eval && n > 0 && (size_t)n < sizeof line)
+        snprintf(line + n, sizeof line - (size_t)n, " | eval %.4f", s->eval_loss);
+    p->last_print = now;
+    if (!p->tty) {
+        fprintf(stderr, "%s\n", line);
+        return;
+    }
+    /* in place: cut to the width (a wrapped line cannot be redrawn) and
+     * clear what a longer line left; an eval loss stays on screen */
+    const int w = term_width() - 1;
+    fprintf(stderr, "\r%.*s\033[K", w > 0 ? w : 1, line);
+    p->open = 1;
+    if (s->has_eval)
+        nl_train_progress_break(p);
+    fflush(stderr);
+}
+
+void nl_train_report_checkpoint(nl_train_progress *p, const char *path)
+{
+    nl_train_progress_break(p);
+    fprintf(stderr, "checkpoint %s\n", path);
 }
 
 void nl_train_report_skipped(int64_t skipped)
@@ -108,6 +160,7 @@ int nl_train_run_read(const nl_flag *flags, nl_train_run *r)
                         .eval_batches = 4,
                         .lr = 3e-4,
                         .holdout = 0.1,
+                        .progress_s = 10.0,
                         .warmup = -1,
                         .min_lr = -1};
     r->recompute = nl_args_get(flags, "recompute") != NULL;
@@ -122,7 +175,8 @@ int nl_train_run_read(const nl_flag *flags, nl_train_run *r)
         (rc = nl_args_int(flags, "checkpoint-every", 0, INT32_MAX, &r->ckpt_every)) ||
         (rc = nl_args_double(flags, "lr", 0.0, 10.0, &r->lr)) ||
         (rc = nl_args_double(flags, "min-lr", 0.0, 10.0, &r->min_lr)) ||
-        (rc = nl_args_double(flags, "holdout", 0.0, 0.5, &r->holdout)))
+        (rc = nl_args_double(flags, "holdout", 0.0, 0.5, &r->holdout)) ||
+        (rc = nl_args_double(flags, "progress-every", 0.0, 86400.0, &r->progress_s)))
         return rc;
     if (r->batch % r->micro != 0) {
         fprintf(stderr, "--microbatches: %lld does not divide --batch %lld\n", r->micro, r->batch);

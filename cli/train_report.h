@@ -14,6 +14,7 @@
 typedef struct nl_train_run {
     long long steps, batch, seq, micro, seed, warmup, eval_every, eval_batches, ckpt_every;
     double lr, min_lr, holdout;
+    double progress_s; /* --progress-every: seconds between progress lines into a file or pipe */
     int recompute;
 } nl_train_run;
 
@@ -32,6 +33,10 @@ typedef struct nl_train_run {
         {"eval-batches", 1, "held-out batches per evaluation (default 4)", NULL},                  \
         {"checkpoint-every", 1, "write a checkpoint every K steps (default 0: never)", NULL},      \
         {"log", 1, "append one JSON object per step to this file", NULL},                          \
+        {"progress-every", 1,                                                                      \
+         "S: into a file or pipe, a progress line every S seconds (default 10; 0: every step; "    \
+         "a terminal redraws one line in place)",                                                  \
+         NULL},                                                                                    \
     {                                                                                              \
         "recompute", 0, "recompute each layer's activations in the backward pass", NULL            \
     }
@@ -59,17 +64,34 @@ typedef struct nl_train_step {
 /* Monotonic seconds. */
 double nl_train_clock(void);
 
+/* Where the progress goes and what is on screen. On a terminal one line
+ * is redrawn in place, cut to the terminal's width; into a file or pipe a
+ * line is printed for the first and last steps, a step with an eval loss,
+ * and otherwise at most every progress_s seconds. */
+typedef struct nl_train_progress {
+    int tty;           /* stderr is a terminal */
+    double every_s;    /* not a tty: seconds between lines (0: every step) */
+    double last_print; /* nl_train_clock() of the last line printed; 0: none yet */
+    int open;          /* a redrawn line is on the terminal without its newline */
+} nl_train_progress;
+
+/* Look at stderr; every_s is --progress-every. */
+void nl_train_progress_init(nl_train_progress *p, double every_s);
+
+/* End the redrawn line, if one is open, so that a message can follow on
+ * a line of its own (call before printing anything else to stderr). */
+void nl_train_progress_break(nl_train_progress *p);
+
 /* Report step s: on stderr, for a skipped step the "non-finite" message,
- * then the progress line ("\r"-refreshed when tty, else one line per
- * step) with the ETA from start_step, start_time and now, and the eval
- * loss when there is one; to log (may be NULL), one JSON object and a
- * flush: {"step", "loss", "ce_loss", "aux_loss", "lr", "grad_norm",
- * "tokens_per_s", "skipped", "eval_loss"|absent, "device": str|null,
- * "tf32": bool|null}. */
-void nl_train_report_step(const nl_train_step *s, int tty, FILE *log);
+ * then the progress line (when due) with the ETA from start_step,
+ * start_time and now, and the eval loss when there is one; to log (may be
+ * NULL), one JSON object per step and a flush: {"step", "loss",
+ * "ce_loss", "aux_loss", "lr", "grad_norm", "tokens_per_s", "skipped",
+ * "eval_loss"|absent, "device": str|null, "tf32": bool|null}. */
+void nl_train_report_step(nl_train_progress *p, const nl_train_step *s, FILE *log);
 
 /* "checkpoint PATH" on stderr, on a line of its own. */
-void nl_train_report_checkpoint(const char *path, int tty);
+void nl_train_report_checkpoint(nl_train_progress *p, const char *path);
 
 /* At the end of a run: how many steps were skipped, if any. */
 void nl_train_report_skipped(int64_t skipped);

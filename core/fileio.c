@@ -43,7 +43,7 @@ nl_status nl_atomic_open_mode(nl_atomic_file **out, const char *path, unsigned m
         e = af->fd < 0 ? errno : 0;
     }
     if (af->fd < 0) {
-        nl_status st = nl_error_set(err, NL_ERR_IO, "%s: cannot create: %s", af->tmp, strerror(e));
+        nl_status st = nl_error_set(err, NL_ERR_IO, "%s: cannot create: %s", path, strerror(e));
         free(af->path);
         free(af->tmp);
         free(af);

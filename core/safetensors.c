@@ -381,10 +381,13 @@ static nl_status open_image(nl_st_file *f, nl_error *err)
     for (int i = 7; i >= 0; i--)
         n = n << 8 | f->base[i];
     if (n > NL_ST_MAX_HEADER)
-        FAIL(NL_ERR_LIMIT, "header length %" PRIu64 " is above the limit of %llu bytes", n,
-             NL_ST_MAX_HEADER);
+        FAIL(NL_ERR_LIMIT,
+             "not a safetensors file: header length %" PRIu64 " is above the limit of %llu bytes",
+             n, NL_ST_MAX_HEADER);
     if (n > f->size - 8)
-        FAIL(NL_ERR_FORMAT, "header length %" PRIu64 " runs past the end of the file (%zu bytes)",
+        FAIL(NL_ERR_FORMAT,
+             "not a safetensors file: header length %" PRIu64
+             " runs past the end of the file (%zu bytes)",
              n, f->size);
     f->data = f->base + 8 + n;
     f->data_size = f->size - 8 - n;

@@ -15,6 +15,8 @@
 #include "../core/fileio.h"
 
 #define KEYFILE_MAX 4096
+/* the first line of every secret key file keygen writes */
+#define SECRET_HEADER "neurollm CURVE secret key"
 
 /* ---- Z85 ---- */
 
@@ -298,6 +300,13 @@ nl_status nl_keys_load_secret(nl_keypair *kp, const char *path, nl_error *err)
     nl_status st = read_small(path, buf, sizeof buf, &len, &mode, err);
     if (st != NL_OK)
         return st;
+    if ((mode & 077) && !strstr(buf, SECRET_HEADER)) { /* 0644 and no header: a .pub */
+        st = nl_error_set(err, NL_ERR_AUTH,
+                          "%s is a public key (no secret-key header, mode %04o): give the "
+                          "secret key, the .key file that neuroctl keygen wrote beside it",
+                          path, (unsigned)mode);
+        goto out;
+    }
     if (mode & 077) {
         st = nl_error_set(err, NL_ERR_AUTH,
                           "%s: permissions %04o let others read the secret key; run chmod 600",
@@ -327,8 +336,14 @@ nl_status nl_keys_load_public(char out[NL_KEY_Z85_LEN + 1], const char *path, nl
     uint8_t pub[NL_KEY_BYTES];
     out[0] = '\0';
     nl_status st = read_small(path, buf, sizeof buf, &len, &mode, err);
+    if (st == NL_OK && strstr(buf, SECRET_HEADER))
+        st = nl_error_set(err, NL_ERR_AUTH,
+                          "%s holds a secret key where a public one is expected: give the .pub "
+                          "file beside it (and keep the .key private)",
+                          path);
     if (st == NL_OK)
         st = parse_single_key(pub, buf, len, path, err);
+    sodium_memzero(buf, sizeof buf);
     if (st == NL_OK)
         nl_key_encode(out, pub);
     return st;
@@ -378,8 +393,8 @@ static nl_status write_secret(const char *path, const char *secret, bool overwri
 {
     char tmp[4200], line[160];
     nl_status st = NL_OK;
-    int n = snprintf(line, sizeof line,
-                     "# neurollm CURVE secret key: keep it private (mode 0600)\n%s\n", secret);
+    int n = snprintf(line, sizeof line, "# " SECRET_HEADER ": keep it private (mode 0600)\n%s\n",
+                     secret);
     if (snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid()) >= (int)sizeof tmp)
         return nl_error_set(err, NL_ERR_INVALID, "%s: path too long", path);
     int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
@@ -415,8 +430,16 @@ nl_status nl_keys_save(const nl_keypair *kp, const char *prefix, bool overwrite,
     nl_status st = write_secret(kpath, kp->secret_z85, overwrite, err);
     if (st != NL_OK)
         return st;
+    /* the public half is meant to be copied around: 0644, as ssh-keygen's */
     int n = snprintf(pub, sizeof pub, "%s\n", kp->public_z85);
-    return nl_file_write_atomic(ppath, pub, (size_t)n, err);
+    nl_atomic_file *af = NULL;
+    if ((st = nl_atomic_open_mode(&af, ppath, 0644, err)) != NL_OK)
+        return st;
+    if ((st = nl_atomic_write(af, pub, (size_t)n, err)) != NL_OK) {
+        nl_atomic_abort(&af);
+        return st;
+    }
+    return nl_atomic_commit(&af, err);
 }
 
 nl_status nl_keys_ensure(const char *state_dir, nl_keypair *kp, bool *created, nl_error *err)

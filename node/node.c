@@ -14,6 +14,7 @@
 #include "../base/log.h"
 #include "../core/fileio.h"
 #include "../kernels/backend.h"
+#include "../net/handshake.h"
 #include "../net/transport.h"
 #include "node_impl.h"
 #include "stage.h"
@@ -217,17 +218,32 @@ static nl_status connect_control(node *n, nl_error *err)
     int64_t deadline = mono_ms() + o->connect_timeout_ms;
     int wait_ms = 500;
     for (int attempt = 1;; attempt++) {
+        nl_handshake *hs = NULL; /* a refused key is said at once, not retried */
         /* what the coordinator sends (weights in 4 MiB chunks, tokens) is
          * control-sized (net/transport.h) */
         nl_status st = make_socket(n, &n->ctl, ZMQ_DEALER, false, o->coordinator_key, "control",
                                    NL_SOCK_CONTROL, 1000, 3000, err);
+        if (st == NL_OK && !o->plaintext)
+            st = nl_handshake_watch(&hs, n->net, n->ctl, err);
         if (st == NL_OK)
             st = nl_sock_connect(n->ctl, o->coordinator, err);
-        if (st != NL_OK)
+        if (st != NL_OK) {
+            nl_handshake_destroy(&hs);
             return st;
-        int64_t left = deadline - mono_ms();
+        }
+        int64_t left = deadline - mono_ms(), t0 = mono_ms();
         int ms = left < wait_ms ? (int)(left > 0 ? left : 1) : wait_ms;
-        st = nl_sock_hello(n->ctl, NL_ROLE_NODE, ms, &n->rx, err);
+        if (hs)
+            st = nl_handshake_wait(hs, o->coordinator, ms, err);
+        nl_handshake_destroy(&hs);
+        if (st == NL_ERR_IO) { /* connection refused: the coordinator may not be up yet */
+            int64_t rest = ms - (mono_ms() - t0);
+            if (rest > 0)
+                nanosleep(&(struct timespec){rest / 1000, (rest % 1000) * 1000000L}, NULL);
+            st = NL_ERR_TIMEOUT;
+        } else if (st == NL_OK || st == NL_ERR_TIMEOUT) {
+            st = nl_sock_hello(n->ctl, NL_ROLE_NODE, ms, &n->rx, err);
+        }
         if (st != NL_ERR_TIMEOUT)
             return st;
         nl_sock_destroy(&n->ctl);
@@ -241,8 +257,8 @@ static nl_status connect_control(node *n, nl_error *err)
                                 "running? is this node's key in its authorized_keys? is "
                                 "--coordinator-key its public key?)",
                                 o->coordinator, o->connect_timeout_ms);
-        NL_INFO("coordinator at %s not answering yet (attempt %d); retrying for %lld s more",
-                o->coordinator, attempt, (long long)(left + 999) / 1000);
+        NL_INFO("coordinator at %s not answering yet (attempt %d: %s); retrying for %lld s more",
+                o->coordinator, attempt, err->msg, (long long)(left + 999) / 1000);
         wait_ms = wait_ms < 2000 ? wait_ms * 2 : 2000;
     }
 }

@@ -34,9 +34,9 @@ fi
 echo "data: $(wc -c < "$DATA") bytes of fortunes"
 
 # A byte-level BPE tokenizer learned from the text; the checkpoint carries it.
-$NEUROCTL tokenizer train --input "$DATA" --vocab-size 2048 --out "$OUT/tokenizer.bpe" --quiet
+$NEUROCTL tokenizer train --input "$DATA" --vocab-size 2048 --out "$OUT/tokenizer.bpe" --quiet --force
 $NEUROCTL init --config configs/tiny.yaml --tokenizer "$OUT/tokenizer.bpe" \
-  --out "$OUT/init.safetensors" --seed 1
+  --out "$OUT/init.safetensors" --seed 1 --force
 
 # A local cluster: a coordinator and 3 nodes, each a pipeline stage with one
 # thread (3 nodes share this machine's cores).
@@ -52,7 +52,7 @@ $NEUROCTL status --cluster "$CLUSTER"
 rm -rf "$OUT/checkpoints"
 $NEUROCTL train --cluster "$CLUSTER" --data "$DATA" --steps "$STEPS" --batch 16 --seq 128 \
   --microbatches 4 --lr 2e-3 --warmup 30 --eval-every 100 --checkpoint-every 100 \
-  --checkpoint-dir "$OUT/checkpoints" --log "$OUT/train.jsonl" --out "$OUT/model.safetensors"
+  --checkpoint-dir "$OUT/checkpoints" --log "$OUT/train.jsonl" --out "$OUT/model.safetensors" --force
 
 # Generate from the trained model the nodes now hold.
 for prompt in "The " "Q: What is " "A man "; do

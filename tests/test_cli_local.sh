@@ -74,7 +74,7 @@ check test $? -eq 2
 check "$NEUROCTL" export --help
 
 # eval loss appears where asked
-check "$NEUROCTL" train "${DEV[@]}" --model "$W/m.safetensors" --data "$W/data.txt" --steps 4 --batch 2 --seq 16 --eval-every 2 --log "$W/eval.jsonl" --threads 2
+check "$NEUROCTL" train "${DEV[@]}" --model "$W/m.safetensors" --data "$W/data.txt" --steps 4 --batch 2 --seq 16 --eval-every 2 --log "$W/eval.jsonl" --threads 2 --out "$W/eval.safetensors"
 check test "$(grep -c '"eval_loss"' "$W/eval.jsonl")" -eq 2
 
 # the non-finite guard: step 2 gets a NaN gradient, is skipped, the run goes on
@@ -147,15 +147,17 @@ check grep -q "nope.txt" <<< "$out"
 mkdir -p "$W/nocluster"
 out=$(cd "$W" && timeout 20 "$NEUROCTL" train --cluster nocluster --data data.txt --steps 2 --timeout 2 2>&1); rc=$?
 check test $rc -eq 1
-check grep -q "is it up" <<< "$out"
-check test ! -e "$W/checkpoints" # no checkpoint was asked for: no directory made
+check grep -q "the cluster in nocluster is not running (neuroctl cluster up" <<< "$out"
+check test ! -e "$W/checkpoints" # the run never started: no directory made
+# an endpoint nobody listens on: "connection refused" at once, not a wait
 mkdir -p "$W/deadcluster/coord"
 "$NEUROCTL" keygen --out "$W/deadcluster/client" >/dev/null 2>&1
 "$NEUROCTL" keygen --out "$W/deadcluster/coord/coordinator" >/dev/null 2>&1
-echo "ipc://$W/deadcluster/nothing.sock" > "$W/deadcluster/coord/endpoint"
-out=$(timeout 20 "$NEUROCTL" train --cluster "$W/deadcluster" --data "$W/data.txt" --steps 2 --timeout 2 2>&1); rc=$?
+out=$(timeout 20 "$NEUROCTL" train --coordinator "ipc://$W/deadcluster/nothing.sock" \
+  --key "$W/deadcluster/client.key" --coordinator-key "$W/deadcluster/coord/coordinator.pub" \
+  --data "$W/data.txt" --steps 2 --timeout 10 2>&1); rc=$?
 check test $rc -eq 1
-check grep -q "NL_ERR_TIMEOUT" <<< "$out"
+check grep -q "connection refused.*(NL_ERR_IO)" <<< "$out"
 
 echo "test_cli_local: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]

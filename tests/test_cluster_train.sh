@@ -202,7 +202,7 @@ NAN=(--data "$W/data.txt" --steps 5 --batch 8 --seq 32 --microbatches 2 --lr 3e-
 check "$N" train --cluster "$C4" "${NAN[@]}" --checkpoint-dir "$W/ck4" --log "$W/nan.jsonl" \
   2> "$W/nan.err"
 check env NL_TEST_INJECT_NAN_STEP=2 "$N" train "${DEV[@]}" --model "$W/m.safetensors" "${NAN[@]}" \
-  --threads 1 --log "$W/nanlocal.jsonl" 2> /dev/null
+  --threads 1 --log "$W/nanlocal.jsonl" --checkpoint-dir "$W/cknanlocal" 2> /dev/null
 check $PY "$W/cmp.py" skipped "$W/nan.jsonl" 3
 check $PY "$W/cmp.py" logs "$W/nan.jsonl" "$W/nanlocal.jsonl" 1 5
 check grep -q "non-finite" "$W/nan.err"
@@ -249,7 +249,7 @@ check "$N" train --cluster "$C" "${SHORT[@]}" --resume "$last" --checkpoint-dir 
   --log "$W/after.jsonl" 2> "$W/after.err"
 grep -q "on 2 pipeline stages" "$W/after.err" || { tail -5 "$W/after.err"; tail -20 "$C/coord.log"; }
 check grep -q "on 2 pipeline stages" "$W/after.err"
-check "$N" train "${DEV[@]}" --model "$W/m.safetensors" "${SHORT[@]}" --threads 1 --log "$W/ref.jsonl" \
+check "$N" train "${DEV[@]}" --model "$W/m.safetensors" "${SHORT[@]}" --threads 1 --log "$W/ref.jsonl" --checkpoint-dir "$W/ckref" \
   2> /dev/null
 check $PY "$W/cmp.py" logs "$W/after.jsonl" "$W/ref.jsonl" $((lstep + 1)) $((lstep + 5))
 

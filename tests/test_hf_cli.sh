@@ -80,6 +80,11 @@ check test ! -e "$W/hf-bad"
 
 # ---- import what was exported; it is the same model
 check "$N" import --hf "$W/hf-ckpt" --out "$W/imported.safetensors"
+# a second import onto it is refused without --force, and the file stays
+sum0=$(sha256sum < "$W/imported.safetensors")
+expect 1 "already exists.*--force\|--force" "$N" import --hf "$W/hf-ckpt" --out "$W/imported.safetensors"
+check test "$sum0" = "$(sha256sum < "$W/imported.safetensors")"
+check "$N" import --hf "$W/hf-ckpt" --out "$W/imported.safetensors" --force
 /usr/bin/python3 - "$W" <<'PY'
 import json, struct, sys
 w = sys.argv[1]

@@ -123,7 +123,7 @@ start_fake resume
 check test $? -eq 0
 check stop_fake
 check grep -qx "resume=$W/ck/step-000003" "$W/resume.sent"
-check grep -qx "final_checkpoint=false" "$W/resume.sent"
+check grep -qx "final_checkpoint=true" "$W/resume.sent"
 check grep -qx "resuming at step 3" "$W/resume.err"
 check grep -qx "step 4: non-finite loss; step skipped, weights unchanged" "$W/resume.err"
 check test "$(head -1 "$W/resume.jsonl")" = "earlier"

@@ -87,6 +87,7 @@ cat "$C"/client.pub "$C"/node-1.pub "$C"/node-2.pub > "$C/coord/authorized_keys"
 "$COORD" --listen 'tcp://127.0.0.1:*' --state-dir "$C/coord" --min-nodes 2 --node-timeout-ms 2000 \
   --model "$W/m.safetensors" > "$C/coord.log" 2>&1 &
 pids+=($!)
+echo $! > "$C/coord.pid" # as cluster up writes it: --cluster checks that it runs
 for i in $(seq 1 100); do test -s "$C/coord/endpoint" && break; sleep 0.1; done
 EP=$(cat "$C/coord/endpoint")
 node() { # NAME DEVICE
