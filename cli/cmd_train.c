@@ -307,8 +307,8 @@ static int run_train(const train_opts *o)
             goto out;
         if (inject && atoll(inject) == step)
             nl_trainer_inject_nan(tr);
-        if (nl_trainer_step_local(tr, tokens, targets, B, T, M, (float)lr, 1.0f, adam, &r, &err) !=
-                NL_OK ||
+        if (nl_trainer_step_local(tr, tokens, targets, B, T, M, (float)lr,
+                                  (float)NL_TRAIN_CLIP_NORM, adam, &r, &err) != NL_OK ||
             nl_cli_device_check(be, &err) != NL_OK)
             goto out;
         skipped += r.skipped != 0;
