@@ -25,8 +25,12 @@ static void forward_submit(nl_coord *c, const nl_rx *rx)
 /* The last stage's RESULT: to the client, and the job is done. */
 static void forward_on_message(nl_coord *c, cjob *j, const nl_rx *rx)
 {
-    if (rx->msg.type != NL_MSG_RESULT || !coord_from_last_stage(c, rx))
+    if (rx->msg.type != NL_MSG_RESULT || !coord_from_last_stage(c, rx) || j->epoch != c->epoch)
         return;
+    if (rx->msg.nframes != 1 || rx->msg.frames[0].t.dtype != NL_DTYPE_F32) {
+        coord_job_fail(c, j, "the last stage's RESULT is not one F32 frame of logits");
+        return;
+    }
     nl_wire_msg m;
     nl_error e = {0};
     nl_wire_msg_init(&m);
