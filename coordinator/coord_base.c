@@ -221,11 +221,28 @@ void coord_drop_plan(nl_coord *c)
 
 /* ---------------------------------------------------------------- jobs */
 
+nl_status coord_send_client(nl_coord *c, const uint8_t *rid, size_t rid_len, nl_wire_msg *m)
+{
+    nl_error e = {0};
+    const int type = m->type;
+    nl_status st = nl_sock_send_nowait(c->ctl, rid, rid_len, m, &e);
+    if (st == NL_OK)
+        return st;
+    c->client_drops++;
+    const double now = coord_now();
+    if (now - c->drop_logged >= 1.0) {
+        NL_WARN("%s to a client dropped (%s); %llu dropped so far: a client that does not read "
+                "loses its replies, and stalls no one",
+                nl_wire_type_name(type), e.msg, (unsigned long long)c->client_drops);
+        c->drop_logged = now;
+    }
+    return st;
+}
+
 void coord_status_to(nl_coord *c, const uint8_t *rid, size_t rid_len, uint64_t job, int state,
                      double progress, const char *msg, const char *json)
 {
     nl_wire_msg m;
-    nl_error e = {0};
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_STATUS);
     m.u.job_status = (nl_msg_job_status){job, (uint32_t)state, progress, msg};
@@ -234,8 +251,7 @@ void coord_status_to(nl_coord *c, const uint8_t *rid, size_t rid_len, uint64_t j
         nl_wire_frame_set(&m.frames[0], json, NL_DTYPE_U8, &len, 1);
         m.nframes = 1;
     }
-    if (nl_sock_send(c->ctl, rid, rid_len, &m, &e) != NL_OK)
-        NL_WARN("JOB_STATUS to a client: %s", e.msg);
+    coord_send_client(c, rid, rid_len, &m);
     nl_wire_msg_free(&m);
 }
 

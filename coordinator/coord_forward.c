@@ -32,15 +32,13 @@ static void forward_on_message(nl_coord *c, cjob *j, const nl_rx *rx)
         return;
     }
     nl_wire_msg m;
-    nl_error e = {0};
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_RESULT);
     m.u.hop = rx->msg.u.hop;
     m.frames[0] = rx->msg.frames[0];
     m.frames[0].free_fn = NULL; /* copied by the send */
     m.nframes = 1;
-    if (nl_sock_send(c->ctl, j->rid, j->rid_len, &m, &e) != NL_OK)
-        NL_WARN("RESULT to the client of job %llu: %s", (unsigned long long)j->id, e.msg);
+    coord_send_client(c, j->rid, j->rid_len, &m);
     nl_wire_msg_free(&m);
     coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_DONE, 1.0, "done", NULL);
     coord_job_free(j);

@@ -149,12 +149,10 @@ static void on_token(nl_coord *c, cjob *j, const nl_rx *rx)
     g->ids[g->prompt_len + g->produced++] = tok;
     const int done = g->produced >= g->params.limit;
     nl_wire_msg m;
-    nl_error e = {0};
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_TOKEN);
     m.u.token = (nl_msg_token){j->id, j->id, 1, t->tokens, done};
-    if (nl_sock_send(c->ctl, j->rid, j->rid_len, &m, &e) != NL_OK)
-        NL_WARN("TOKEN to the client of job %llu: %s", (unsigned long long)j->id, e.msg);
+    coord_send_client(c, j->rid, j->rid_len, &m);
     nl_wire_msg_free(&m);
     if (done) { /* the last stage fed nothing more */
         coord_close_session(c, j);

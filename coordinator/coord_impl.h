@@ -155,6 +155,8 @@ struct nl_coord {
     int roles; /* the roles of the key whose message is being handled (NL_KEY_ROLE_*) */
     /* where clients' paths may lead: resolved --data-root, --checkpoint-root */
     char data_root[4096], ckpt_root[4096];
+    uint64_t client_drops; /* messages to clients dropped (queue full, or gone) */
+    double drop_logged;    /* when a drop was last logged */
 };
 
 /* Handle one message from a key with these roles (NL_KEY_ROLE_* bits):
@@ -175,6 +177,10 @@ cnode *coord_node_by_rid(nl_coord *c, const nl_rx *rx);
 /* Send to a node; a node that cannot be reached is declared dead at the
  * next tick (its jobs fail, the cluster re-plans). */
 nl_status coord_send_node(nl_coord *c, cnode *n, nl_wire_msg *m);
+/* Send to a client: never blocks (issue 15): a client whose queue is full
+ * (it does not read) or that is gone loses the message; the drops are
+ * counted and logged at most once a second. */
+nl_status coord_send_client(nl_coord *c, const uint8_t *rid, size_t rid_len, nl_wire_msg *m);
 /* JOB_STATUS to a client, with an optional JSON report (a U8 frame). */
 void coord_status_to(nl_coord *c, const uint8_t *rid, size_t rid_len, uint64_t job, int state,
                      double progress, const char *msg, const char *json);

@@ -293,8 +293,7 @@ void coord_on_query(nl_coord *c, const nl_rx *rx)
     const int64_t len = (int64_t)strlen(text);
     nl_wire_frame_set(&m.frames[0], text, NL_DTYPE_U8, &len, 1);
     m.nframes = 1;
-    if (nl_sock_reply(c->ctl, rx, &m, &e) != NL_OK)
-        NL_WARN("status reply: %s", e.msg);
+    coord_send_client(c, rx->rid, rx->rid_len, &m);
     nl_wire_msg_free(&m);
     free(text);
 }

@@ -488,7 +488,7 @@ static void test_generate(const assigned *a)
 /* ---------------------------------------------------------------- slow work */
 
 /* A query to the coordinator is answered (the loop is not blocked). */
-static __attribute__((unused)) int answers_query(void)
+static int answers_query(void)
 {
     nl_wire_msg m;
     nl_rx rx;
@@ -725,6 +725,145 @@ static void test_join_at_rest(assigned *a)
     nl_rx_free(&rx);
     CHECK(!assigned_again && strncmp(nl_coord_state(coord), "ready: 2 stages", 15) == 0,
           "a slow node's join changed the plan: %s", nl_coord_state(coord));
+    a[0] = b[0];
+    a[1] = b[1];
+}
+
+/* ---------------------------------------------------------------- hostile peers */
+
+/* Turn the loop for s seconds. */
+static void pump_for(double s)
+{
+    const double t0 = now_s();
+    while (now_s() - t0 < s) {
+        nl_coord_step(coord, 5);
+        heartbeats();
+    }
+}
+
+static void node_error(fake *f, const char *msg)
+{
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_ERROR);
+    m.u.error = (nl_msg_error){NL_ERR_IO, NL_MSG_ACTIVATION, msg};
+    fake_send(f, &m);
+}
+
+/* Issue 15, findings 3, 9 and 10, with a forward job in flight on the two
+ * stages and a third node on standby:
+ *  - the last stage's TOKEN naming the forward job is refused (an ERROR
+ *    to it; it used to write through a NULL pointer);
+ *  - the standby's JOB_STATUS failure naming the job, and its ERROR, fail
+ *    nothing: it serves no job;
+ *  - free text with newlines and control characters (ERROR, JOB_STATUS,
+ *    LEAVE) reaches the log escaped: no forged line, no raw escape byte;
+ *  - the job then completes. */
+static void test_hostile_nodes(const assigned *a)
+{
+    fake *first = stage_of(a, 0), *last = stage_of(a, 1), *standby = &nodes[2];
+    const int32_t ids[2] = {7, 8};
+    uint64_t fwd = start_forward(first, ids, 2), j2 = 0;
+    send_token(last, fwd, 5);
+    nl_rx rx;
+    nl_rx_init(&rx);
+    CHECK(pump_until(last, NL_MSG_ERROR, &rx) && strstr(rx.msg.u.error.message, "takes no TOKEN"),
+          "a TOKEN for a forward job: %s",
+          rx.msg.type == NL_MSG_ERROR ? rx.msg.u.error.message : "no ERROR");
+    /* the log, captured */
+    char logf[300];
+    snprintf(logf, sizeof logf, "%s/stderr.log", tmpdir);
+    fflush(stderr);
+    const int saved = dup(2), fd = open(logf, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    CHECK(saved >= 0 && fd >= 0 && dup2(fd, 2) == 2, "capture stderr");
+    nl_log_set_level(NL_LOG_INFO);
+    const char *forged = "oops\n13:00:00.000 ERROR [coord] forged line\x1b[2J";
+    node_status(standby, fwd, NL_JOB_FAILED, forged);
+    node_error(standby, forged);
+    pump_for(0.3);
+    /* a stage's ERROR escaped too (it fails the job: after the check) */
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_LEAVE);
+    m.u.leave = (nl_msg_leave){standby->id, forged};
+    fake_send(standby, &m);
+    standby->beating = 0;
+    pump_for(0.3);
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    close(fd);
+    nl_log_set_level(getenv("NL_TEST_VERBOSE") ? NL_LOG_DEBUG : NL_LOG_WARN);
+    char *text = NULL;
+    size_t len = 0;
+    FILE *fp = fopen(logf, "r");
+    if (fp) {
+        text = calloc(1, 1 << 20);
+        len = text ? fread(text, 1, (1 << 20) - 1, fp) : 0;
+        fclose(fp);
+    }
+    CHECK(text && len > 0 && strstr(text, "forged line"), "the log has no trace of the text");
+    CHECK(text && !strstr(text, "\n13:00:00.000 ERROR [coord] forged") && !memchr(text, 0x1b, len),
+          "a peer's text reached the log raw:\n%s", text ? text : "");
+    CHECK(text && strstr(text, "\\n13:00"), "no escaped newline in the log");
+    free(text);
+    float logits[8] = {0};
+    send_result(last, fwd, logits, 8);
+    uint32_t state = 0;
+    char msg[512];
+    CHECK(pump_until(&client, NL_MSG_RESULT, &rx) && rx.msg.u.hop.job_id == fwd,
+          "the forward job did not survive a standby's failure report");
+    CHECK(client_status(&j2, &state, msg, sizeof msg) && j2 == fwd && state == NL_JOB_DONE,
+          "forward after the standby's reports: %u %s", state, msg);
+    nl_rx_free(&rx);
+}
+
+/* Issue 15, finding 5: a client that floods queries and never reads (its
+ * receive queue one message, its socket buffer small) stalls no one: its
+ * replies are dropped once its queue is full, and another client's round
+ * trip stays under 1 s. */
+static void test_flood(void)
+{
+    nl_error err = {0};
+    fake flood;
+    memset(&flood, 0, sizeof flood);
+    nl_sock_opts o = {.type = ZMQ_DEALER,
+                      .plaintext = true,
+                      .name = "flood",
+                      .linger_ms = 0,
+                      .hwm = 100000,
+                      .send_timeout_ms = 1};
+    CHECK_OK(nl_sock_new(&flood.sock, net, &o, &err), &err);
+    const int one = 1, small = 4096;
+    zmq_setsockopt(nl_sock_handle(flood.sock), ZMQ_RCVHWM, &one, sizeof one);
+    zmq_setsockopt(nl_sock_handle(flood.sock), ZMQ_RCVBUF, &small, sizeof small);
+    CHECK_OK(nl_sock_connect(flood.sock, nl_coord_endpoint(coord), &err), &err);
+    const double t0 = now_s();
+    double worst = 0;
+    int sent = 0;
+    while (sent < 20000 && now_s() - t0 < 4.0) {
+        for (int k = 0; k < 100; k++, sent++) {
+            nl_wire_msg m;
+            nl_wire_msg_init(&m);
+            nl_wire_msg_reset(&m, NL_MSG_JOB_QUERY);
+            m.u.job_ref.job_id = 0;
+            nl_error e = {0};
+            nl_sock_send(flood.sock, NULL, 0, &m, &e); /* may time out: the test's own queue */
+            nl_wire_msg_free(&m);
+        }
+        for (int k = 0; k < 100; k++) {
+            const double s0 = now_s();
+            nl_coord_step(coord, 0);
+            worst = now_s() - s0 > worst ? now_s() - s0 : worst;
+        }
+        heartbeats();
+    }
+    const double t1 = now_s();
+    const int answered = answers_query();
+    const double rt = now_s() - t1;
+    CHECK(answered && rt < 1.0, "another client's query took %.2f s while one floods", rt);
+    CHECK(worst < 1.0, "one turn of the loop took %.2f s while a client floods", worst);
+    nl_sock_destroy(&flood.sock);
 }
 
 int main(void)
@@ -740,6 +879,8 @@ int main(void)
         test_train_paths(a);
         test_death(a);
         test_join_at_rest(a);
+        test_flood();
+        test_hostile_nodes(a);
     }
     nl_sock_destroy(&client.sock);
     nl_sock_destroy(&nodes[0].sock);
