@@ -35,6 +35,7 @@
 
 #include "../base/log.h"
 #include "../coordinator/coord.h"
+#include "../net/keys.h"
 #include "../net/transport.h"
 #include "check.h"
 
@@ -866,11 +867,162 @@ static void test_flood(void)
     nl_sock_destroy(&flood.sock);
 }
 
+/* ---------------------------------------------------------------- roles (CURVE) */
+
+/* A CURVE client of the coordinator with key kp (and routing id rid, if
+ * not NULL). */
+static void curve_open(fake *f, const nl_keypair *kp, const char *server, const char *rid)
+{
+    nl_error err = {0};
+    memset(f, 0, sizeof *f);
+    snprintf(f->key, sizeof f->key, "%s", kp->public_z85);
+    nl_sock_opts o = {.type = ZMQ_DEALER,
+                      .keys = kp,
+                      .server_key = server,
+                      .name = "curve-fake",
+                      .linger_ms = 0};
+    CHECK_OK(nl_sock_new(&f->sock, net, &o, &err), &err);
+    if (rid)
+        zmq_setsockopt(nl_sock_handle(f->sock), ZMQ_ROUTING_ID, rid, strlen(rid));
+    CHECK_OK(nl_sock_connect(f->sock, nl_coord_endpoint(coord), &err), &err);
+}
+
+/* f sends m; the coordinator must answer with an ERROR whose message
+ * holds want. */
+static void refused(fake *f, nl_wire_msg *m, const char *want, const char *what)
+{
+    nl_rx rx;
+    nl_rx_init(&rx);
+    fake_send(f, m);
+    CHECK(pump_until(f, NL_MSG_ERROR, &rx) && strstr(rx.msg.u.error.message, want),
+          "%s: %s", what, rx.msg.type == NL_MSG_ERROR ? rx.msg.u.error.message : "no ERROR");
+    nl_rx_free(&rx);
+}
+
+/* The status JSON the coordinator answers f's query with (malloc'd). */
+static char *status_text(fake *f)
+{
+    nl_wire_msg m;
+    nl_rx rx;
+    nl_rx_init(&rx);
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOB_QUERY);
+    m.u.job_ref.job_id = 0;
+    fake_send(f, &m);
+    char *text = NULL;
+    if (pump_until(f, NL_MSG_JOB_STATUS, &rx) && rx.msg.nframes == 1) {
+        const size_t n = (size_t)rx.msg.frames[0].t.shape[0];
+        if ((text = malloc(n + 1))) {
+            memcpy(text, rx.msg.frames[0].t.data, n);
+            text[n] = '\0';
+        }
+    }
+    nl_rx_free(&rx);
+    return text;
+}
+
+/* Issue 15, findings 2 and 7, on a CURVE coordinator whose authorized_keys
+ * gives each key a role: a client key cannot JOIN, report LOAD_DONE or
+ * GRAD_NORM; a node key cannot submit; a client's status shows no node's
+ * key or endpoint, an admin's does; and a connection that takes over a
+ * node's routing id with another key is not that node (its HEARTBEAT is
+ * refused). */
+static void test_roles(void)
+{
+    nl_coord *plain = coord;
+    char dir[256], path[400];
+    snprintf(dir, sizeof dir, "/tmp/nl_test_coord_roles_XXXXXX");
+    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    nl_keypair node, ckey, admin, other;
+    nl_error err = {0};
+    CHECK_OK(nl_keys_generate(&node, &err), &err);
+    CHECK_OK(nl_keys_generate(&ckey, &err), &err);
+    CHECK_OK(nl_keys_generate(&admin, &err), &err);
+    CHECK_OK(nl_keys_generate(&other, &err), &err);
+    snprintf(path, sizeof path, "%s/authorized_keys", dir);
+    FILE *fp = fopen(path, "w");
+    CHECK(fp != NULL, "%s", path);
+    if (!fp)
+        return;
+    fprintf(fp, "%s node  # a node\n%s client\n%s admin # the operator\n%s node\n",
+            node.public_z85, ckey.public_z85, admin.public_z85, other.public_z85);
+    fclose(fp);
+    nl_coord_opts o;
+    nl_coord_opts_init(&o);
+    o.listen = "tcp://127.0.0.1:*";
+    o.state_dir = dir;
+    o.min_nodes = 5; /* no plan: membership and roles only */
+    o.node_timeout_ms = 60000;
+    coord = NULL;
+    CHECK_OK(nl_coord_new(&coord, &o, &err), &err);
+    char server[NL_KEY_Z85_LEN + 1];
+    snprintf(path, sizeof path, "%s/coordinator.pub", dir);
+    if (!coord || nl_keys_load_public(server, path, &err) != NL_OK) {
+        nl_coord_destroy(&coord);
+        coord = plain;
+        return;
+    }
+    fake n, cl, ad, spoof;
+    curve_open(&n, &node, server, "nodeRID");
+    curve_open(&cl, &ckey, server, NULL);
+    curve_open(&ad, &admin, server, NULL);
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOIN);
+    m.u.join = (nl_msg_join){ckey.public_z85, "cpu", UINT64_MAX, 1e6, 1, "tcp://10.0.0.1:1"};
+    refused(&cl, &m, "not for a key of this role", "a client's JOIN");
+    nl_wire_msg_reset(&m, NL_MSG_LOAD_DONE);
+    m.u.load_done = (nl_msg_load_done){1, 1, 0, 0};
+    refused(&cl, &m, "not for a key of this role", "a client's LOAD_DONE");
+    nl_wire_msg_reset(&m, NL_MSG_GRAD_NORM);
+    m.u.grad_norm = (nl_msg_grad_norm){1, 1, 0, 1.0};
+    refused(&cl, &m, "not for a key of this role", "a client's GRAD_NORM");
+    nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
+    m.u.job_submit = (nl_msg_job_submit){NL_JOB_FORWARD, 0, NULL};
+    refused(&n, &m, "not for a key of this role", "a node's JOB_SUBMIT");
+    /* the node joins */
+    nl_rx rx;
+    nl_rx_init(&rx);
+    nl_wire_msg_reset(&m, NL_MSG_JOIN);
+    m.u.join = (nl_msg_join){node.public_z85, "cpu", 1ull << 30, 1.0, 1, "tcp://10.9.8.7:4242"};
+    fake_send(&n, &m);
+    uint32_t id = 0;
+    if (CHECK_PUMP(pump_until(&n, NL_MSG_ACCEPT, &rx)))
+        id = rx.msg.u.accept.node_id;
+    char *ct = status_text(&cl), *at = status_text(&ad);
+    CHECK(ct && strstr(ct, "\"nodes\"") && !strstr(ct, node.public_z85) &&
+              !strstr(ct, "10.9.8.7") && !strstr(ct, "\"endpoint\""),
+          "a client's status shows nodes' keys or endpoints: %s", ct ? ct : "(none)");
+    CHECK(at && strstr(at, node.public_z85) && strstr(at, "10.9.8.7"),
+          "an admin's status lacks the nodes: %s", at ? at : "(none)");
+    free(ct);
+    free(at);
+    /* another key takes over the node's routing id once it is gone */
+    nl_sock_destroy(&n.sock);
+    for (int i = 0; i < 60; i++)
+        nl_coord_step(coord, 5);
+    curve_open(&spoof, &other, server, "nodeRID");
+    nl_wire_msg_reset(&m, NL_MSG_HEARTBEAT);
+    m.u.heartbeat = (nl_msg_heartbeat){id, 1, 0, 0.0};
+    refused(&spoof, &m, "unknown node", "a HEARTBEAT under a node's routing id, another key");
+    nl_rx_free(&rx);
+    nl_sock_destroy(&spoof.sock);
+    nl_sock_destroy(&cl.sock);
+    nl_sock_destroy(&ad.sock);
+    nl_coord_destroy(&coord);
+    coord = plain;
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", dir);
+}
+
 int main(void)
 {
     nl_log_set_level(getenv("NL_TEST_VERBOSE") ? NL_LOG_DEBUG : NL_LOG_WARN);
     nl_error err = {0};
     CHECK_OK(nl_net_new(&net, NULL, &err), &err);
+    test_roles();
     start_coord();
     assigned a[2];
     if (test_join_plan(a)) {
