@@ -26,6 +26,7 @@
  *    fail that job alone, revealing nothing; a file in the root makes a
  *    job that begins, and a cancel reloads its stages. */
 #include <fcntl.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -504,6 +505,60 @@ static int answers_query(void)
     return ok;
 }
 
+static void pump_for(double s);
+static void submit_train(const char *data, const char *ckpt, const char *resume);
+static void send_grad_norm(fake *f, uint64_t job, uint64_t step, uint32_t stage, double sumsq)
+{
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_GRAD_NORM);
+    m.u.grad_norm = (nl_msg_grad_norm){job, step, stage, sumsq};
+    fake_send(f, &m);
+}
+
+/* Issue 15, finding 9, on a training job: a stage's acknowledgement counts
+ * once however often it is sent (step 1 waits for the other stage), and a
+ * non-finite gradient norm fails the job naming the stage; the stages
+ * then reload. */
+static void test_train_reports(assigned *a)
+{
+    fake *first = stage_of(a, 0), *last = stage_of(a, 1);
+    uint64_t job = 0, j2 = 0;
+    uint32_t state = 0;
+    char msg[512];
+    submit_train("ok.txt", "ck", NULL);
+    CHECK(client_status(&job, &state, msg, sizeof msg) && state == NL_JOB_RUNNING, "train: %s",
+          msg);
+    CHECK(client_status(&j2, &state, msg, sizeof msg) && j2 == job && strcmp(msg, "starting") == 0,
+          "train: %s", msg);
+    nl_rx rx;
+    nl_rx_init(&rx);
+    for (int i = 0; i < 2; i++)
+        CHECK_PUMP(pump_until(&nodes[i], NL_MSG_JOB_SUBMIT, &rx));
+    node_status(first, job, NL_JOB_RUNNING, "took it");
+    node_status(first, job, NL_JOB_RUNNING, "took it");
+    pump_for(0.3);
+    nl_error err = {0};
+    int early = 0;
+    while (nl_sock_recv(first->sock, &rx, 0, &err) == NL_OK)
+        early |= rx.msg.type == NL_MSG_ACTIVATION || rx.msg.type == NL_MSG_COUNT;
+    CHECK(!early, "step 1 began on one stage's two acknowledgements");
+    node_status(last, job, NL_JOB_RUNNING, "took it");
+    CHECK(pump_until(first, NL_MSG_ACTIVATION, &rx) && rx.msg.u.hop.job_id == job &&
+              rx.msg.u.hop.step == 1,
+          "step 1 did not begin once both stages took the job");
+    nl_rx_free(&rx);
+    send_grad_norm(first, job, 1, 0, 1.0);
+    send_grad_norm(last, job, 1, 1, NAN);
+    CHECK(client_status(&j2, &state, msg, sizeof msg) && j2 == job && state == NL_JOB_FAILED &&
+              strstr(msg, "stage 1") && strstr(msg, "refused"),
+          "a NaN gradient norm: job %llu state %u: %s", (unsigned long long)j2, state, msg);
+    const uint64_t epoch = a[0].epoch;
+    CHECK(take_plan(&nodes[0], &a[0]) && take_plan(&nodes[1], &a[1]) && a[0].epoch > epoch,
+          "no reload after the failed job");
+    CHECK(pump_state("ready: 2 stages"), "not ready after the reload");
+}
+
 /* Submit a training job of 2 steps with these paths (resume may be NULL). */
 static void submit_train(const char *data, const char *ckpt, const char *resume)
 {
@@ -635,6 +690,7 @@ static void test_train_paths(assigned *a)
               a[0].epoch == a[1].epoch,
           "no reload after the cancel");
     CHECK(pump_state("ready: 2 stages"), "not ready after the reload");
+    test_train_reports(a);
 }
 
 /* ---------------------------------------------------------------- death */
