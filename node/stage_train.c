@@ -611,6 +611,18 @@ static nl_status enqueue(nl_stage *s, const nl_wire_msg *m, nl_error *err)
         return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", what);
     }
     memcpy(h.x, x->data, xbytes);
+    if (!first) { /* hidden states from the previous stage: finite, or refused (issue 15) */
+        const float *v = h.x;
+        float acc = 0.0f; /* NaN or infinity anywhere makes the sum non-finite */
+        for (size_t i = 0; i < xbytes / sizeof(float); i++)
+            acc += v[i] * 0.0f;
+        if (acc != 0.0f) {
+            hop_free(&h);
+            return nl_error_set(err, NL_ERR_RANGE,
+                                "%s: the previous stage's hidden states hold non-finite values",
+                                what);
+        }
+    }
     if (want_targets)
         memcpy(h.targets, y->data, ybytes);
     h.bytes = hop_bytes;

@@ -405,6 +405,11 @@ static void flood(void)
               strstr(err.msg, "ahead"),
           "a hop two steps ahead: %s", err.msg);
     m.u.hop.step = 2; /* the step after the next: may overtake a STEP, and waits */
+    x[5] = NAN;
+    CHECK(nl_stage_train_input(stages[1], &m, bus_send, &ctx_idx[1], &err) == NL_ERR_RANGE &&
+              strstr(err.msg, "non-finite"),
+          "a NaN in the hidden states: %s", err.msg);
+    x[5] = 0.0f;
     nl_status st = NL_OK;
     int n = 0;
     while (n < 200000 &&
