@@ -327,7 +327,7 @@ static int cluster_up(const nl_flag *flags, const char *dir)
     /* keys, and the coordinator's authorized_keys */
     nl_error err = {0};
     char pub[NL_KEY_Z85_LEN + 1], name[64];
-    char *auth = malloc((size_t)(nodes + 2) * 64 + 128);
+    char *auth = malloc((size_t)(nodes + 2) * 96 + 128);
     if (!auth) {
         fprintf(stderr, "cluster up: out of memory\n");
         return 1;
@@ -335,12 +335,12 @@ static int cluster_up(const nl_flag *flags, const char *dir)
     size_t alen = (size_t)sprintf(auth, "# written by neuroctl cluster up\n");
     if (make_key(dir, "client", pub, &err) != NL_OK)
         goto fail;
-    alen += (size_t)sprintf(auth + alen, "%s  # client\n", pub);
+    alen += (size_t)sprintf(auth + alen, "%s admin  # client (the operator)\n", pub);
     for (long long i = 1; i <= nodes; i++) {
         snprintf(name, sizeof name, "node-%lld", i);
         if (make_key(dir, name, pub, &err) != NL_OK)
             goto fail;
-        alen += (size_t)sprintf(auth + alen, "%s  # %s\n", pub, name);
+        alen += (size_t)sprintf(auth + alen, "%s node  # %s\n", pub, name);
     }
     snprintf(path, sizeof path, "%s/authorized_keys", cdir);
     if (nl_file_write_atomic(path, auth, alen, &err) != NL_OK)
@@ -354,10 +354,12 @@ static int cluster_up(const nl_flag *flags, const char *dir)
     snprintf(s_nodes, sizeof s_nodes, "%lld", nodes);
     snprintf(s_seed, sizeof s_seed, "%lld", seed);
     snprintf(s_nto, sizeof s_nto, "%lld", node_timeout);
-    char *cargv[16] = {
-        coord_bin, "--listen", "tcp://127.0.0.1:*", "--state-dir", cdir, "--min-nodes", s_nodes,
-        "--seed",  s_seed,     "--node-timeout-ms", s_nto};
-    int ca = 11;
+    /* a local cluster runs as its user, who names the data and checkpoint
+     * paths: they may lead wherever that user may (as the nodes' root) */
+    char *cargv[20] = {coord_bin, "--listen", "tcp://127.0.0.1:*", "--state-dir", cdir,
+                       "--min-nodes", s_nodes, "--seed", s_seed, "--node-timeout-ms", s_nto,
+                       "--data-root", "/", "--checkpoint-root", "/"};
+    int ca = 15;
     if (model) {
         cargv[ca++] = "--model";
         cargv[ca++] = (char *)model;

@@ -5,6 +5,7 @@
 #include "coord_impl.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,6 +30,7 @@ void nl_coord_opts_init(nl_coord_opts *o)
     o->gen_resumes = 2;
     o->plan_rows = 512;
     o->replan_margin = 0.1;
+    o->max_data_bytes = 1ull << 30;
 }
 
 /* ---------------------------------------------------------------- setup */
@@ -116,6 +118,27 @@ static nl_status setup_sockets(nl_coord *c, nl_error *err)
     return nl_file_write_atomic(path, line, (size_t)n, err);
 }
 
+/* A root for clients' paths: the operator's, or <state_dir>/name (made
+ * 0700), resolved with realpath into out. */
+static nl_status setup_root(nl_coord *c, const char *given, const char *name, const char *flag,
+                            char *out, size_t cap, nl_error *err)
+{
+    char path[4096], real[PATH_MAX];
+    if (!given) {
+        snprintf(path, sizeof path, "%s/%s", c->o.state_dir, name);
+        if (mkdir(path, 0700) != 0 && errno != EEXIST)
+            return nl_error_set(err, NL_ERR_IO, "%s: %s", path, strerror(errno));
+        given = path;
+    }
+    if (!realpath(given, real))
+        return nl_error_set(err, errno == ENOENT ? NL_ERR_NOTFOUND : NL_ERR_IO, "%s %s: %s", flag,
+                            given, strerror(errno));
+    if (strlen(real) >= cap)
+        return nl_error_set(err, NL_ERR_INVALID, "%s %s: too long", flag, real);
+    snprintf(out, cap, "%s", real);
+    return NL_OK;
+}
+
 nl_status nl_coord_new(nl_coord **out, const nl_coord_opts *o, nl_error *err)
 {
     *out = NULL;
@@ -126,6 +149,12 @@ nl_status nl_coord_new(nl_coord **out, const nl_coord_opts *o, nl_error *err)
     nl_status st = load_model_source(c, err);
     if (st == NL_OK)
         st = setup_sockets(c, err);
+    if (st == NL_OK)
+        st = setup_root(c, o->data_root, "data", "--data-root", c->data_root, sizeof c->data_root,
+                        err);
+    if (st == NL_OK)
+        st = setup_root(c, o->checkpoint_root, "checkpoints", "--checkpoint-root", c->ckpt_root,
+                        sizeof c->ckpt_root, err);
     if (st == NL_OK)
         st = coord_work_init(c, err);
     if (st != NL_OK) {
@@ -237,8 +266,9 @@ static void on_leave(nl_coord *c, const nl_rx *rx)
     cnode *n = coord_node_by_rid(c, rx);
     if (!n)
         return;
-    char why[300];
-    snprintf(why, sizeof why, "left (%s)", rx->msg.u.leave.reason);
+    char why[300], reason[256];
+    snprintf(why, sizeof why, "left (%s)",
+             nl_log_escape(reason, sizeof reason, rx->msg.u.leave.reason));
     node_lost(c, n, NODE_LEFT, why);
 }
 
@@ -269,11 +299,12 @@ static void on_node_error(nl_coord *c, const nl_rx *rx)
         if (at && (end < '0' || end > '9')) /* not the prefix of a longer port */
             snprintf(who, sizeof who, " [%s is node %u, stage %d]", o->endpoint, o->id, o->stage);
     }
-    snprintf(why, sizeof why, "node %u: %s (%s)%s", n ? n->id : 0, e->message,
-             nl_status_str((nl_status)e->code), who);
+    char text[1200];
+    snprintf(why, sizeof why, "node %u: %s (%s)%s", n ? n->id : 0,
+             nl_log_escape(text, sizeof text, e->message), nl_status_str((nl_status)e->code), who);
     NL_WARN("%s", why);
-    if (!n)
-        return;
+    if (!n || n->stage < 0)
+        return; /* not a stage: it carries no job */
     if (e->req_type == NL_MSG_LAYER_LOAD || e->req_type == NL_MSG_LOAD_DONE ||
         e->req_type == NL_MSG_ASSIGN) {
         coord_set_state(c, "loading failed: %s", why);
@@ -281,7 +312,7 @@ static void on_node_error(nl_coord *c, const nl_rx *rx)
         c->last_plan_try = coord_now() + 5.0; /* do not spin on a broken load */
         return;
     }
-    coord_fail_jobs(c, why);
+    coord_fail_stage_jobs(c, why); /* the jobs it serves: those running on this plan */
 }
 
 /* ---------------------------------------------------------------- planning */
@@ -594,9 +625,37 @@ static void tick(nl_coord *c)
         try_plan(c);
 }
 
-static void dispatch(nl_coord *c, const nl_rx *rx)
+/* The role a message type needs (NL_KEY_ROLE_* bits, any of them), 0 for
+ * one every admitted peer may send. */
+static int role_needed(int type)
+{
+    switch (type) {
+    case NL_MSG_HELLO:
+        return 0;
+    case NL_MSG_JOB_SUBMIT:
+    case NL_MSG_JOB_QUERY:
+    case NL_MSG_JOB_CANCEL:
+        return NL_KEY_ROLE_CLIENT | NL_KEY_ROLE_ADMIN;
+    default: /* JOIN, HEARTBEAT, LEAVE, LOAD_DONE, ERROR and the jobs' reports */
+        return NL_KEY_ROLE_NODE;
+    }
+}
+
+void coord_dispatch(nl_coord *c, const nl_rx *rx, int roles)
 {
     nl_error e = {0};
+    const int need = role_needed(rx->msg.type);
+    if (need && !(roles & need)) {
+        char why[160];
+        snprintf(why, sizeof why, "%s is not for a key of this role (authorized_keys: %s)",
+                 nl_wire_type_name(rx->msg.type), need & NL_KEY_ROLE_NODE ? "node" : "client");
+        if (rx->msg.type != NL_MSG_ERROR) /* never an ERROR in answer to an ERROR */
+            nl_sock_send_error(c->ctl, rx, NL_ERR_AUTH, rx->msg.type, why, &e);
+        if (!c->o.plaintext)
+            nl_auth_strike(nl_net_auth(c->net), rx->peer, why);
+        return;
+    }
+    c->roles = roles;
     switch (rx->msg.type) {
     case NL_MSG_HELLO:
         nl_sock_answer_hello(c->ctl, rx, NL_ROLE_COORDINATOR, &e);
@@ -637,6 +696,13 @@ static void dispatch(nl_coord *c, const nl_rx *rx)
         nl_sock_send_error(c->ctl, rx, NL_ERR_PROTO, rx->msg.type,
                            "the coordinator does not take this message", &e);
     }
+    c->roles = 0;
+}
+
+/* The roles of the key a message came from (plaintext: every role). */
+static int roles_of(nl_coord *c, const nl_rx *rx)
+{
+    return c->o.plaintext ? NL_KEY_ROLE_ALL : nl_auth_roles(nl_net_auth(c->net), "coord", rx->peer);
 }
 
 const char *nl_coord_endpoint(const nl_coord *c)
@@ -661,7 +727,7 @@ void nl_coord_step(nl_coord *c, int timeout_ms)
         nl_error e = {0};
         nl_status st = nl_sock_recv(c->ctl, &rx, 0, &e);
         if (st == NL_OK)
-            dispatch(c, &rx);
+            coord_dispatch(c, &rx, roles_of(c, &rx));
         else if (st != NL_ERR_TIMEOUT && st != NL_ERR_AUTH)
             NL_DEBUG("receive: %s", e.msg);
         nl_rx_free(&rx);

@@ -32,6 +32,11 @@ typedef struct nl_coord_opts {
     double replan_margin;  /* at rest, a join re-plans if the bottleneck gets better by this
                             * fraction (0.1: 10%; 1: never) */
     int plaintext;         /* INSECURE: no CURVE */
+    /* Where a training job's client-chosen paths may lead (data; resume
+     * and checkpoint_dir): NULL for <state_dir>/data and
+     * <state_dir>/checkpoints (created 0700). */
+    const char *data_root, *checkpoint_root;
+    uint64_t max_data_bytes; /* a training job's data file at most (default 1 GiB) */
 } nl_coord_opts;
 
 void nl_coord_opts_init(nl_coord_opts *o);

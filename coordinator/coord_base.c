@@ -2,10 +2,13 @@
  * dispatch (coord_jobs.c) and every job kind: time, state, nodes and
  * sends, the weights' source, and the job table. They call no job code but
  * through a job's operations table (coord_impl.h). */
+#include <errno.h>
+#include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 
 #include "base/log.h"
@@ -63,7 +66,8 @@ cnode *coord_node_by_rid(nl_coord *c, const nl_rx *rx)
         cnode *n = &c->nodes[i];
         if (n->life == NODE_LIVE && n->rid_len == rx->rid_len &&
             memcmp(n->rid, rx->rid, rx->rid_len) == 0)
-            return n;
+            /* a connection that took over the routing id with another key is not the node */
+            return c->o.plaintext || strcmp(n->key, rx->peer) == 0 ? n : NULL;
     }
     return NULL;
 }
@@ -126,17 +130,27 @@ void coord_manifest_release(cmanifest *m)
     memset(m, 0, sizeof *m);
 }
 
-nl_status coord_manifest_open(cmanifest *out, const char *path, nl_error *err)
+nl_status coord_manifest_open(cmanifest *out, const char *path, const char *root, nl_error *err)
 {
     nl_manifest *m = NULL;
     memset(out, 0, sizeof *out);
     nl_status st = nl_manifest_load(&m, path, err);
-    if (st == NL_OK)
-        st = nl_manifest_verify(m, err);
+    /* a shard is a plain name beside the manifest; under a root it must
+     * not be a link that leads out, nor anything but a regular file */
+    for (int i = 0; st == NL_OK && root && i < m->n_shards; i++) {
+        char real[PATH_MAX];
+        const char *bad = coord_confine_file(root, m->shards[i].path, NULL, UINT64_MAX, real,
+                                             sizeof real);
+        if (bad)
+            st = nl_error_set(err, NL_ERR_AUTH, "shard %s (stage %d): %s", m->shards[i].file, i,
+                              bad);
+    }
     if (st == NL_OK && !(out->src = coord_source_new(m->n_shards)))
         st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
-    for (int i = 0; st == NL_OK && i < m->n_shards; i++)
-        st = nl_st_open(&out->src->files[i], m->shards[i].path, err);
+    /* each shard read whole, hashed, and served from that very copy: what
+     * was verified is what the stages get (a file changed since cannot be) */
+    if (st == NL_OK)
+        st = nl_manifest_open_shards(m, out->src->files, err);
     if (st == NL_OK && ((m->tokenizer && !(out->tok = strdup(m->tokenizer))) ||
                         (m->init_seed && !(out->seed = strdup(m->init_seed)))))
         st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
@@ -179,7 +193,7 @@ void coord_manifest_install(nl_coord *c, cmanifest *m, int reload)
 nl_status coord_use_manifest(nl_coord *c, const char *path, int reload, nl_error *err)
 {
     cmanifest m;
-    nl_status st = coord_manifest_open(&m, path, err);
+    nl_status st = coord_manifest_open(&m, path, NULL, err); /* the operator's */
     if (st == NL_OK)
         coord_manifest_install(c, &m, reload);
     return st;
@@ -207,11 +221,28 @@ void coord_drop_plan(nl_coord *c)
 
 /* ---------------------------------------------------------------- jobs */
 
+nl_status coord_send_client(nl_coord *c, const uint8_t *rid, size_t rid_len, nl_wire_msg *m)
+{
+    nl_error e = {0};
+    const int type = m->type;
+    nl_status st = nl_sock_send_nowait(c->ctl, rid, rid_len, m, &e);
+    if (st == NL_OK)
+        return st;
+    c->client_drops++;
+    const double now = coord_now();
+    if (now - c->drop_logged >= 1.0) {
+        NL_WARN("%s to a client dropped (%s); %llu dropped so far: a client that does not read "
+                "loses its replies, and stalls no one",
+                nl_wire_type_name(type), e.msg, (unsigned long long)c->client_drops);
+        c->drop_logged = now;
+    }
+    return st;
+}
+
 void coord_status_to(nl_coord *c, const uint8_t *rid, size_t rid_len, uint64_t job, int state,
                      double progress, const char *msg, const char *json)
 {
     nl_wire_msg m;
-    nl_error e = {0};
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_STATUS);
     m.u.job_status = (nl_msg_job_status){job, (uint32_t)state, progress, msg};
@@ -220,8 +251,7 @@ void coord_status_to(nl_coord *c, const uint8_t *rid, size_t rid_len, uint64_t j
         nl_wire_frame_set(&m.frames[0], json, NL_DTYPE_U8, &len, 1);
         m.nframes = 1;
     }
-    if (nl_sock_send(c->ctl, rid, rid_len, &m, &e) != NL_OK)
-        NL_WARN("JOB_STATUS to a client: %s", e.msg);
+    coord_send_client(c, rid, rid_len, &m);
     nl_wire_msg_free(&m);
 }
 
@@ -352,4 +382,83 @@ bool coord_from_last_stage(nl_coord *c, const nl_rx *rx)
 {
     const cnode *last = c->plan ? coord_stage_node(c, c->plan->n_stages - 1) : NULL;
     return last && last->rid_len == rx->rid_len && memcmp(last->rid, rx->rid, rx->rid_len) == 0;
+}
+
+/* ---------------------------------------------------------------- paths */
+
+/* Whether path (absolute, already joined) lies lexically under root and
+ * has no "." or ".." component. */
+static bool lexically_under(const char *root, const char *path)
+{
+    const size_t rl = strlen(root);
+    if (path[0] != '/')
+        return false;
+    if (strcmp(root, "/") != 0 &&
+        (strncmp(path, root, rl) != 0 || (path[rl] != '\0' && path[rl] != '/')))
+        return false;
+    for (const char *p = path; *p;) {
+        while (*p == '/')
+            p++;
+        const char *e = p;
+        while (*e && *e != '/')
+            e++;
+        if ((e - p == 1 && p[0] == '.') || (e - p == 2 && p[0] == '.' && p[1] == '.'))
+            return false;
+        p = e;
+    }
+    return true;
+}
+
+const char *coord_join_path(const char *root, const char *path, char *out, size_t cap)
+{
+    int n = path[0] == '/' ? snprintf(out, cap, "%s", path)
+                           : snprintf(out, cap, "%s%s%s", root,
+                                      root[strlen(root) - 1] == '/' ? "" : "/", path);
+    if (n < 0 || (size_t)n >= cap)
+        return "the path is too long";
+    if (!lexically_under(root, out))
+        return "must lie under the root the operator configured, without '.' or '..' components";
+    return NULL;
+}
+
+/* Whether a resolved path lies under the resolved root. */
+static bool under(const char *root, const char *real)
+{
+    const size_t rl = strlen(root);
+    return strcmp(root, "/") == 0 ||
+           (strncmp(real, root, rl) == 0 && (real[rl] == '\0' || real[rl] == '/'));
+}
+
+const char *coord_confine_file(const char *root, const char *path, const char *dir_file,
+                               uint64_t max_bytes, char *out, size_t cap)
+{
+    char joined[PATH_MAX], real[PATH_MAX];
+    const char *bad = coord_join_path(root, path, joined, sizeof joined);
+    if (bad)
+        return bad;
+    struct stat sb;
+    for (int pass = 0; pass < 2; pass++) {
+        /* no message says more than "not there" about what is behind a link */
+        if (!realpath(joined, real))
+            return errno == ENOENT ? "no such file under the root" : "cannot be resolved";
+        if (!under(root, real))
+            return "leads outside the root (a symbolic link)";
+        if (stat(real, &sb) != 0)
+            return "cannot be read";
+        if (pass == 0 && S_ISDIR(sb.st_mode) && dir_file) {
+            int n = snprintf(joined, sizeof joined, "%s/%s", real, dir_file);
+            if (n < 0 || (size_t)n >= sizeof joined)
+                return "the path is too long";
+            continue;
+        }
+        break;
+    }
+    if (!S_ISREG(sb.st_mode))
+        return "not a regular file (a FIFO, device or directory is refused)";
+    if ((uint64_t)sb.st_size > max_bytes)
+        return "larger than the coordinator accepts (--max-data-bytes)";
+    if (strlen(real) >= cap)
+        return "the path is too long";
+    memcpy(out, real, strlen(real) + 1);
+    return NULL;
 }

@@ -25,18 +25,20 @@ static void forward_submit(nl_coord *c, const nl_rx *rx)
 /* The last stage's RESULT: to the client, and the job is done. */
 static void forward_on_message(nl_coord *c, cjob *j, const nl_rx *rx)
 {
-    if (rx->msg.type != NL_MSG_RESULT || !coord_from_last_stage(c, rx))
+    if (rx->msg.type != NL_MSG_RESULT || !coord_from_last_stage(c, rx) || j->epoch != c->epoch)
         return;
+    if (rx->msg.nframes != 1 || rx->msg.frames[0].t.dtype != NL_DTYPE_F32) {
+        coord_job_fail(c, j, "the last stage's RESULT is not one F32 frame of logits");
+        return;
+    }
     nl_wire_msg m;
-    nl_error e = {0};
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_RESULT);
     m.u.hop = rx->msg.u.hop;
     m.frames[0] = rx->msg.frames[0];
     m.frames[0].free_fn = NULL; /* copied by the send */
     m.nframes = 1;
-    if (nl_sock_send(c->ctl, j->rid, j->rid_len, &m, &e) != NL_OK)
-        NL_WARN("RESULT to the client of job %llu: %s", (unsigned long long)j->id, e.msg);
+    coord_send_client(c, j->rid, j->rid_len, &m);
     nl_wire_msg_free(&m);
     coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_DONE, 1.0, "done", NULL);
     coord_job_free(j);

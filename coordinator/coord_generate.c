@@ -16,6 +16,7 @@ typedef struct cgen {
     int32_t *ids;
     int prompt_len, produced;
     int opening, acks; /* the session is opening: stages that took it */
+    uint8_t acked[COORD_MAX_NODES]; /* per stage: took it (each stage counts once) */
     /* a resumed generation: the coordinator feeds each token (the first
      * `produced` from ids, replaying), `seen` of this session's so far */
     int resumes, coord_feeds, seen;
@@ -34,6 +35,7 @@ static void open_session(nl_coord *c, cjob *j)
     j->last_progress = coord_now();
     g->opening = 1;
     g->acks = 0;
+    memset(g->acked, 0, sizeof g->acked);
     g->seen = 0;
     nl_genparams session = g->params;
     session.session = j->id;
@@ -96,12 +98,16 @@ static void generate_submit(nl_coord *c, const nl_rx *rx)
     open_session(c, j);
 }
 
-/* A stage took the session; once all have, the prompt goes in. */
-static void on_ack(nl_coord *c, cjob *j)
+/* A stage took the session; once all have (each counted once), the
+ * prompt goes in. */
+static void on_ack(nl_coord *c, cjob *j, const nl_rx *rx)
 {
     cgen *g = j->state;
-    if (!g->opening || j->phase != JOB_RUNNING || j->epoch != c->epoch)
+    const cnode *n = coord_node_by_rid(c, rx);
+    if (!g->opening || j->phase != JOB_RUNNING || j->epoch != c->epoch || !n || n->stage < 0 ||
+        n->stage >= COORD_MAX_NODES || g->acked[n->stage])
         return;
+    g->acked[n->stage] = 1;
     j->last_progress = coord_now();
     if (++g->acks < c->plan->n_stages)
         return;
@@ -118,6 +124,13 @@ static void on_token(nl_coord *c, cjob *j, const nl_rx *rx)
     const nl_msg_token *t = &rx->msg.u.token;
     if (j->phase != JOB_RUNNING || g->opening || t->ntokens != 1 || !coord_from_last_stage(c, rx))
         return;
+    if ((int64_t)t->tokens[0] >= (int64_t)c->cfg.vocab_size) {
+        char why[160];
+        snprintf(why, sizeof why, "the last stage sent token %u, outside the vocabulary (%lld)",
+                 t->tokens[0], (long long)c->cfg.vocab_size);
+        coord_job_fail(c, j, why);
+        return;
+    }
     j->last_progress = coord_now();
     const int32_t tok = (int32_t)t->tokens[0];
     const int k = g->seen++; /* the session's token k (0-based) */
@@ -136,12 +149,10 @@ static void on_token(nl_coord *c, cjob *j, const nl_rx *rx)
     g->ids[g->prompt_len + g->produced++] = tok;
     const int done = g->produced >= g->params.limit;
     nl_wire_msg m;
-    nl_error e = {0};
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_TOKEN);
     m.u.token = (nl_msg_token){j->id, j->id, 1, t->tokens, done};
-    if (nl_sock_send(c->ctl, j->rid, j->rid_len, &m, &e) != NL_OK)
-        NL_WARN("TOKEN to the client of job %llu: %s", (unsigned long long)j->id, e.msg);
+    coord_send_client(c, j->rid, j->rid_len, &m);
     nl_wire_msg_free(&m);
     if (done) { /* the last stage fed nothing more */
         coord_close_session(c, j);
@@ -155,7 +166,7 @@ static void on_token(nl_coord *c, cjob *j, const nl_rx *rx)
 static void generate_on_message(nl_coord *c, cjob *j, const nl_rx *rx)
 {
     if (rx->msg.type == NL_MSG_JOB_STATUS)
-        on_ack(c, j);
+        on_ack(c, j, rx);
     else if (rx->msg.type == NL_MSG_TOKEN)
         on_token(c, j, rx);
 }

@@ -152,7 +152,18 @@ struct nl_coord {
     void *work_pipe;
     char work_endpoint[64];
     cwork *works;
+    int roles; /* the roles of the key whose message is being handled (NL_KEY_ROLE_*) */
+    /* where clients' paths may lead: resolved --data-root, --checkpoint-root */
+    char data_root[4096], ckpt_root[4096];
+    uint64_t client_drops; /* messages to clients dropped (queue full, or gone) */
+    double drop_logged;    /* when a drop was last logged */
 };
+
+/* Handle one message from a key with these roles (NL_KEY_ROLE_* bits):
+ * a message its roles do not allow is refused (an ERROR and a strike).
+ * The loop calls it with the roles of authorized_keys; the fuzz target
+ * (fuzz/fuzz_coord.c) with its own. */
+void coord_dispatch(nl_coord *c, const nl_rx *rx, int roles);
 
 /* ---------------------------------------------------------------- coord_base.c
  * Helpers of every layer; they call no job code but through cjob_ops. */
@@ -160,11 +171,16 @@ struct nl_coord {
 double coord_now(void);
 void coord_set_state(nl_coord *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 cnode *coord_stage_node(nl_coord *c, int stage);
-/* The live node a message came from (by its routing id), or NULL. */
+/* The live node a message came from: by its routing id, and (CURVE) from
+ * the key it joined with; or NULL. */
 cnode *coord_node_by_rid(nl_coord *c, const nl_rx *rx);
 /* Send to a node; a node that cannot be reached is declared dead at the
  * next tick (its jobs fail, the cluster re-plans). */
 nl_status coord_send_node(nl_coord *c, cnode *n, nl_wire_msg *m);
+/* Send to a client: never blocks (issue 15): a client whose queue is full
+ * (it does not read) or that is gone loses the message; the drops are
+ * counted and logged at most once a second. */
+nl_status coord_send_client(nl_coord *c, const uint8_t *rid, size_t rid_len, nl_wire_msg *m);
 /* JOB_STATUS to a client, with an optional JSON report (a U8 frame). */
 void coord_status_to(nl_coord *c, const uint8_t *rid, size_t rid_len, uint64_t job, int state,
                      double progress, const char *msg, const char *json);
@@ -188,9 +204,11 @@ typedef struct cmanifest {
     int64_t step, adam;
     char path[4096];
 } cmanifest;
-/* Load a manifest, check every shard's hash (a bad shard is refused by
- * name) and map the shards. */
-nl_status coord_manifest_open(cmanifest *out, const char *path, nl_error *err);
+/* Load a manifest and read every shard whole, checking its hash on the
+ * bytes that are then served (a bad shard is refused by name). With a
+ * root (resolved), every shard must be a regular file that resolves
+ * under it (coord_confine_file); NULL: the operator's own path. */
+nl_status coord_manifest_open(cmanifest *out, const char *path, const char *root, nl_error *err);
 void coord_manifest_release(cmanifest *m);
 /* Make it the source (takes what m holds) and, when reload is set, plan
  * and load again from it. */
@@ -222,6 +240,18 @@ bool coord_from_last_stage(nl_coord *c, const nl_rx *rx);
 /* Tell every stage of the job's plan to drop the job (JOB_CANCEL). */
 void coord_close_session(nl_coord *c, cjob *j);
 
+/* Client-chosen paths (issue 15): root is resolved (realpath). A path
+ * relative to root, or absolute and lexically under it, without "." or
+ * ".." components, joined into out; NULL, or what is wrong (a message
+ * that names nothing outside the root). */
+const char *coord_join_path(const char *root, const char *path, char *out, size_t cap);
+/* The same, then resolved with realpath (still under root: a link that
+ * leads out is refused) and checked: a regular file of at most max_bytes
+ * (a directory holding dir_file, when dir_file is set, stands for that
+ * file). out gets the resolved path. */
+const char *coord_confine_file(const char *root, const char *path, const char *dir_file,
+                               uint64_t max_bytes, char *out, size_t cap);
+
 /* ---------------------------------------------------------------- coord_work.c */
 
 nl_status coord_work_init(nl_coord *c, nl_error *err);
@@ -242,6 +272,9 @@ void coord_on_job_message(nl_coord *c, const nl_rx *rx);
 void coord_on_query(nl_coord *c, const nl_rx *rx);
 void coord_on_cancel(nl_coord *c, const nl_rx *rx);
 void coord_fail_jobs(nl_coord *c, const char *why);
+/* A stage reports a failure it cannot name a job for (an ERROR): the jobs
+ * it serves (running on the current plan) fail; waiting ones stay. */
+void coord_fail_stage_jobs(nl_coord *c, const char *why);
 /* A stage is lost: each job waits for the next plan or fails. */
 void coord_jobs_stage_lost(nl_coord *c, const char *why);
 /* A stage loaded: the jobs waiting for the plan made progress. */

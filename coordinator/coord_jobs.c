@@ -60,37 +60,63 @@ static uint64_t job_of(const nl_wire_msg *m)
 }
 
 /* JOB_STATUS from a node reporting that its work for one job failed: that
- * job fails (unless the node is no longer one of its stages). */
+ * job fails, if the node is one of its stages (a stage of the plan the job
+ * runs on); any other node's report is only logged. */
 static void on_node_failure(nl_coord *c, const cnode *n, cjob *j, const nl_msg_job_status *s)
 {
-    if (j && (j->phase == JOB_WAITING || n->stage < 0)) {
-        NL_INFO("job %llu: node %u, no longer one of its stages, reports a failure: %s",
-                (unsigned long long)s->job_id, n->id, s->message);
+    char text[1000], why[1200];
+    nl_log_escape(text, sizeof text, s->message);
+    if (j && (j->phase != JOB_RUNNING || n->stage < 0 || j->epoch != c->epoch)) {
+        NL_INFO("job %llu: node %u, not one of its stages, reports a failure: %s",
+                (unsigned long long)s->job_id, n->id, text);
         return;
     }
-    char why[1200];
-    snprintf(why, sizeof why, "node %u (stage %d): %s", n->id, n->stage, s->message);
+    snprintf(why, sizeof why, "node %u (stage %d): %s", n->id, n->stage, text);
     if (j)
         coord_job_fail(c, j, why);
     else
         NL_INFO("job %llu, already ended: %s", (unsigned long long)s->job_id, why);
 }
 
+/* The message types a job of each kind takes from its stages. */
+static bool kind_takes(const cjob *j, int type)
+{
+    switch (j->ops->kind) {
+    case NL_JOB_FORWARD:
+        return type == NL_MSG_RESULT || type == NL_MSG_JOB_STATUS;
+    case NL_JOB_GENERATE:
+        return type == NL_MSG_TOKEN || type == NL_MSG_JOB_STATUS;
+    case NL_JOB_TRAIN:
+        return type == NL_MSG_JOB_STATUS || type == NL_MSG_GRAD_NORM || type == NL_MSG_LOSS ||
+               type == NL_MSG_CKPT_DONE;
+    default:
+        return false;
+    }
+}
+
 void coord_on_job_message(nl_coord *c, const nl_rx *rx)
 {
+    const int type = rx->msg.type;
     cjob *j = coord_job_find(c, job_of(&rx->msg));
-    if (rx->msg.type == NL_MSG_JOB_STATUS) {
-        const cnode *n = coord_node_by_rid(c, rx);
-        nl_error e = {0};
-        if (!n) {
-            nl_sock_send_error(c->ctl, rx, NL_ERR_STATE, NL_MSG_JOB_STATUS,
-                               "JOB_STATUS comes from nodes, not clients", &e);
-            return;
-        }
-        if (rx->msg.u.job_status.state == NL_JOB_FAILED) {
-            on_node_failure(c, n, j, &rx->msg.u.job_status);
-            return;
-        }
+    const cnode *n = coord_node_by_rid(c, rx);
+    nl_error e = {0};
+    char why[200];
+    if (!n) { /* only a node that joined (with its key) reports on jobs */
+        snprintf(why, sizeof why, "%s comes from a node of this cluster: JOIN first",
+                 nl_wire_type_name(type));
+        nl_sock_send_error(c->ctl, rx, NL_ERR_STATE, (uint32_t)type, why, &e);
+        return;
+    }
+    if (j && !kind_takes(j, type)) { /* e.g. a TOKEN naming a forward or training job */
+        snprintf(why, sizeof why, "job %llu is a %s job: it takes no %s",
+                 (unsigned long long)j->id, j->ops->name, nl_wire_type_name(type));
+        NL_WARN("node %u: %s", n->id, why);
+        nl_sock_send_error(c->ctl, rx, NL_ERR_STATE, (uint32_t)type, why, &e);
+        return;
+    }
+    if (type == NL_MSG_JOB_STATUS && rx->msg.u.job_status.state == NL_JOB_FAILED) {
+        on_node_failure(c, n, j, &rx->msg.u.job_status);
+        return;
     }
     if (j && j->ops->on_message)
         j->ops->on_message(c, j, rx);
@@ -99,13 +125,20 @@ void coord_on_job_message(nl_coord *c, const nl_rx *rx)
 void coord_on_cancel(nl_coord *c, const nl_rx *rx)
 {
     cjob *j = coord_job_find(c, rx->msg.u.job_ref.job_id);
-    if (!j || j->rid_len != rx->rid_len || memcmp(j->rid, rx->rid, rx->rid_len) != 0) {
+    const bool admin = (c->roles & NL_KEY_ROLE_ADMIN) != 0; /* may cancel any job */
+    if (!j ||
+        (!admin && (j->rid_len != rx->rid_len || memcmp(j->rid, rx->rid, rx->rid_len) != 0))) {
         status_reply(c, rx, rx->msg.u.job_ref.job_id, NL_JOB_FAILED, "no such job of yours");
         return;
     }
     if (j->ops->abort)
         j->ops->abort(c, j);
-    NL_INFO("job %llu cancelled by its client", (unsigned long long)j->id);
+    NL_INFO("job %llu cancelled by %s", (unsigned long long)j->id,
+            j->rid_len == rx->rid_len && memcmp(j->rid, rx->rid, rx->rid_len) == 0 ? "its client"
+                                                                                   : "an admin");
+    if (j->rid_len != rx->rid_len || memcmp(j->rid, rx->rid, rx->rid_len) != 0)
+        coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_CANCELLED, 0.0,
+                        "cancelled by an admin", NULL);
     status_reply(c, rx, j->id, NL_JOB_CANCELLED, "cancelled");
     coord_job_free(j);
 }
@@ -114,6 +147,13 @@ void coord_fail_jobs(nl_coord *c, const char *why)
 {
     for (int i = 0; i < COORD_MAX_JOBS; i++)
         if (c->jobs[i].phase != JOB_FREE)
+            coord_job_fail(c, &c->jobs[i], why);
+}
+
+void coord_fail_stage_jobs(nl_coord *c, const char *why)
+{
+    for (int i = 0; i < COORD_MAX_JOBS; i++)
+        if (c->jobs[i].phase == JOB_RUNNING && c->jobs[i].epoch == c->epoch)
             coord_job_fail(c, &c->jobs[i], why);
 }
 
@@ -170,13 +210,17 @@ void coord_check_jobs(nl_coord *c, double now)
 
 /* ---------------------------------------------------------------- status */
 
-static json_t *status_json(nl_coord *c)
+/* The cluster's status; full (every node's key and endpoint) when full is
+ * set (an admin), else what a client needs: the state, the config and
+ * each node's device, memory and stage. */
+static json_t *status_json(nl_coord *c, bool full)
 {
     json_t *root = json_object(), *nodes = json_array();
     const double now = coord_now();
     json_object_set_new(root, "state", json_string(c->state));
     json_object_set_new(root, "ready", json_boolean(c->ready));
-    json_object_set_new(root, "endpoint", json_string(c->endpoint));
+    if (full)
+        json_object_set_new(root, "endpoint", json_string(c->endpoint));
     json_object_set_new(root, "plan_epoch", json_integer((json_int_t)c->epoch));
     if (c->have_cfg) {
         char *cj = nl_config_to_json(&c->cfg);
@@ -193,12 +237,14 @@ static json_t *status_json(nl_coord *c)
             continue;
         json_t *o = json_object();
         json_object_set_new(o, "id", json_integer(n->id));
-        json_object_set_new(o, "key", json_string(n->key));
+        if (full)
+            json_object_set_new(o, "key", json_string(n->key));
         json_object_set_new(o, "device", json_string(n->device));
         json_object_set_new(o, "memory", json_integer((json_int_t)n->memory));
         json_object_set_new(o, "gflops", json_real(n->gflops));
         json_object_set_new(o, "threads", json_integer(n->threads));
-        json_object_set_new(o, "endpoint", json_string(n->endpoint));
+        if (full)
+            json_object_set_new(o, "endpoint", json_string(n->endpoint));
         json_object_set_new(o, "heartbeat_age_s", json_real(now - n->last_seen));
         const char *state = n->life == NODE_DEAD   ? "dead"
                             : n->life == NODE_LEFT ? "left"
@@ -232,7 +278,7 @@ void coord_on_query(nl_coord *c, const nl_rx *rx)
         status_reply(c, rx, id, j ? NL_JOB_RUNNING : NL_JOB_FAILED, j ? "running" : "no such job");
         return;
     }
-    json_t *root = status_json(c);
+    json_t *root = status_json(c, (c->roles & NL_KEY_ROLE_ADMIN) != 0);
     char *text = root ? json_dumps(root, JSON_COMPACT) : NULL;
     json_decref(root);
     if (!text) {
@@ -247,8 +293,7 @@ void coord_on_query(nl_coord *c, const nl_rx *rx)
     const int64_t len = (int64_t)strlen(text);
     nl_wire_frame_set(&m.frames[0], text, NL_DTYPE_U8, &len, 1);
     m.nframes = 1;
-    if (nl_sock_reply(c->ctl, rx, &m, &e) != NL_OK)
-        NL_WARN("status reply: %s", e.msg);
+    coord_send_client(c, rx->rid, rx->rid_len, &m);
     nl_wire_msg_free(&m);
     free(text);
 }

@@ -8,6 +8,7 @@
  * JOB_STATUS messages with a JSON report per event (docs/cluster.md,
  * "Training"). */
 #include <jansson.h>
+#include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -18,6 +19,7 @@
 #include "base/log.h"
 #include "coord_impl.h"
 #include "core/checkpoint.h"
+#include "core/fileio.h"
 #include "core/train.h"
 
 /* TR_PREPARING: a worker reads the data (and the manifest it resumes);
@@ -414,6 +416,7 @@ typedef struct ckpt_task {
     cwork w;
     nl_manifest mf; /* its strings and shards are the task's */
     char path[1100];
+    char root[4096]; /* the checkpoint root its shards must lie under */
     nl_status st;
     nl_error err;
     cmanifest out;
@@ -426,7 +429,7 @@ static void ckpt_run(cwork *w)
         k->mf.shards[i].tf32 = shard_tf32(k->mf.shards[i].path);
     k->st = nl_manifest_write(k->path, &k->mf, &k->err);
     if (k->st == NL_OK)
-        k->st = coord_manifest_open(&k->out, k->path, &k->err);
+        k->st = coord_manifest_open(&k->out, k->path, k->root, &k->err);
 }
 
 static void free_shards(nl_manifest_shard *sh, int n)
@@ -521,6 +524,7 @@ static void write_manifest(nl_coord *c, cjob *j)
     t->shards = fresh;
     snprintf(k->path, sizeof k->path, "%s/step-%06lld/manifest.json", t->ckpt_dir,
              (long long)t->step);
+    snprintf(k->root, sizeof k->root, "%s", c->ckpt_root);
     if (oom || !k->mf.config_json || !k->mf.train_json) {
         ckpt_free(&k->w);
         fail(c, j, "checkpoint of step %lld: out of memory", (long long)t->step);
@@ -566,9 +570,9 @@ static const char *read_params(ctrain *t, const nl_msg_job_submit *s, const char
     if (!(p = coord_param(s, "data")) || p->kind != NL_WIRE_PARAM_STR || !p->s[0])
         return "data";
     snprintf(t->data, sizeof t->data, "%s", p->s);
-    if (!(p = coord_param(s, "checkpoint_dir")) || p->kind != NL_WIRE_PARAM_STR || p->s[0] != '/' ||
+    if (!(p = coord_param(s, "checkpoint_dir")) || p->kind != NL_WIRE_PARAM_STR || !p->s[0] ||
         strlen(p->s) >= sizeof t->ckpt_dir)
-        return "checkpoint_dir (an absolute path of at most 1000 bytes)";
+        return "checkpoint_dir (a path of at most 1000 bytes)";
     snprintf(t->ckpt_dir, sizeof t->ckpt_dir, "%s", p->s);
     if ((p = coord_param(s, "recompute")))
         t->recompute = p->kind == NL_WIRE_PARAM_BOOL && p->b;
@@ -589,7 +593,8 @@ static const char *read_params(ctrain *t, const nl_msg_job_submit *s, const char
  * the model it trains). */
 typedef struct prep_task {
     cwork w;
-    char *resume; /* a manifest, or NULL */
+    char *resume; /* a manifest (resolved under root), or NULL */
+    char root[4096]; /* the checkpoint root its shards must lie under */
     char *data, *tok;
     int64_t vocab;
     double holdout;
@@ -604,7 +609,8 @@ typedef struct prep_task {
 static void prep_run(cwork *w)
 {
     prep_task *p = (prep_task *)w;
-    if (p->resume && (p->st = coord_manifest_open(&p->mf, p->resume, &p->err)) != NL_OK) {
+    if (p->resume &&
+        (p->st = coord_manifest_open(&p->mf, p->resume, p->root, &p->err)) != NL_OK) {
         p->resume_failed = 1;
         return;
     }
@@ -675,6 +681,51 @@ static void prep_done(nl_coord *c, cwork *w)
         begin(c, j);
 }
 
+/* The job's client-chosen paths kept under the operator's roots (issue
+ * 15): data under --data-root (a regular file of at most
+ * --max-data-bytes), checkpoint_dir (made) and resume under
+ * --checkpoint-root, each resolved with realpath (a link inside a root
+ * that leads out is refused). t->data, t->ckpt_dir and *resume become the
+ * resolved paths. NULL, or what is wrong (in why): nothing about files
+ * outside the roots. */
+static const char *confine_paths(nl_coord *c, ctrain *t, const char **resume, char *resume_real,
+                                 size_t cap, char *why, size_t wcap)
+{
+    char real[PATH_MAX], joined[PATH_MAX];
+    const char *bad = coord_confine_file(c->data_root, t->data, NULL, c->o.max_data_bytes, real,
+                                         sizeof real);
+    if (bad || strlen(real) >= sizeof t->data) {
+        snprintf(why, wcap, "params.data: %s (the coordinator's --data-root)",
+                 bad ? bad : "too long");
+        return why;
+    }
+    snprintf(t->data, sizeof t->data, "%s", real);
+    if (*resume) {
+        if ((bad = coord_confine_file(c->ckpt_root, *resume, "manifest.json", 64u << 20,
+                                      resume_real, cap))) {
+            snprintf(why, wcap, "params.resume: %s (the coordinator's --checkpoint-root)", bad);
+            return why;
+        }
+        *resume = resume_real;
+    }
+    char *dir = NULL;
+    nl_error e = {0};
+    if ((bad = coord_join_path(c->ckpt_root, t->ckpt_dir, joined, sizeof joined)) ||
+        nl_path_confine(c->ckpt_root, joined, &dir, &e) != NL_OK ||
+        strlen(dir) >= sizeof t->ckpt_dir) {
+        snprintf(why, wcap, "params.checkpoint_dir: %.400s (the coordinator's --checkpoint-root)",
+                 bad                          ? bad
+                 : dir                        ? "too long"
+                 : e.status == NL_ERR_AUTH    ? "leads outside the root (a symbolic link)"
+                                              : e.msg);
+        free(dir);
+        return why;
+    }
+    snprintf(t->ckpt_dir, sizeof t->ckpt_dir, "%s", dir);
+    free(dir);
+    return NULL;
+}
+
 static void train_submit(nl_coord *c, const nl_rx *rx)
 {
     const nl_msg_job_submit *s = &rx->msg.u.job_submit;
@@ -703,6 +754,13 @@ static void train_submit(nl_coord *c, const nl_rx *rx)
         fail(c, j, "train: params.%s is missing or out of range", bad);
         return;
     }
+    char resume_real[PATH_MAX];
+    if ((bad = confine_paths(c, t, &resume, resume_real, sizeof resume_real, why, sizeof why))) {
+        free(p);
+        fail(c, j, "train: %s", bad);
+        return;
+    }
+    snprintf(p->root, sizeof p->root, "%s", c->ckpt_root);
     coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, "running", NULL);
     if (!resume && !c->ready) {
         free(p);
@@ -778,6 +836,11 @@ static void on_grad_norm(nl_coord *c, cjob *j, const nl_rx *rx)
     if (!report_ok(c, j, rx, g->stage, TR_STEP) || g->step != (uint64_t)t->step + 1 ||
         t->got[g->stage])
         return;
+    if (!isfinite(g->sumsq) || g->sumsq < 0) { /* a real overflow is caught by the loss too */
+        fail(c, j, "stage %u reported a gradient sum of squares of %g for step %lld: refused",
+             g->stage, g->sumsq, (long long)t->step + 1);
+        return;
+    }
     j->last_progress = coord_now();
     t->got[g->stage] = 1;
     t->sumsq += g->sumsq;
@@ -793,6 +856,11 @@ static void on_loss(nl_coord *c, cjob *j, const nl_rx *rx)
     if (!l->eval) {
         if (!report_ok(c, j, rx, last, TR_STEP) || l->step != (uint64_t)t->step + 1 || t->have_loss)
             return;
+        if (!isfinite(l->ce_sum) || !isfinite(l->aux) || l->ce_sum < 0) {
+            fail(c, j, "stage %u (the last) reported a loss of %g (aux %g) for step %lld: refused",
+                 last, l->ce_sum, l->aux, (long long)t->step + 1);
+            return;
+        }
         j->last_progress = coord_now();
         t->ce = l->ce_sum;
         t->aux = l->aux;
@@ -803,6 +871,11 @@ static void on_loss(nl_coord *c, cjob *j, const nl_rx *rx)
     }
     if (!report_ok(c, j, rx, last, TR_EVAL) || l->step != (uint64_t)t->step)
         return;
+    if (!isfinite(l->ce_sum) || l->ce_sum < 0) {
+        fail(c, j, "stage %u (the last) reported an evaluation loss of %g at step %lld: refused",
+             last, l->ce_sum, (long long)t->step);
+        return;
+    }
     j->last_progress = coord_now();
     t->eval_loss = l->ce_sum / ((double)t->eval_batches * (double)t->batch * (double)t->seq);
     t->has_eval = 1;

@@ -44,6 +44,13 @@ int main(int argc, char **argv)
          "gets better by this fraction; the stages reload from the checkpoint or manifest served "
          "(default 0.1; 1: never)",
          NULL},
+        {"data-root", 1,
+         "a training job's data must lie under this directory (default <state-dir>/data)", NULL},
+        {"checkpoint-root", 1,
+         "a training job's checkpoint_dir and resume must lie under this directory (default "
+         "<state-dir>/checkpoints); share it with the nodes' --checkpoint-root",
+         NULL},
+        {"max-data-bytes", 1, "a training job's data file at most (default 1G)", NULL},
         {"log-level", 1, "debug, info, warn or error (default info)", NULL},
         {"plaintext", 0, "INSECURE: no CURVE encryption or authentication", NULL},
         {0}};
@@ -60,8 +67,10 @@ int main(int argc, char **argv)
     o.config = nl_args_get(flags, "config");
     o.resume = nl_args_get(flags, "resume");
     o.plaintext = nl_args_get(flags, "plaintext") != NULL;
+    o.data_root = nl_args_get(flags, "data-root");
+    o.checkpoint_root = nl_args_get(flags, "checkpoint-root");
     long long seed = 0, min_nodes = 1, hb = 1000, nto = 5000, jto = 120000, rows = 512, resumes = 2;
-    uint64_t min_mem = 0;
+    uint64_t min_mem = 0, max_data = 1ull << 30;
     double margin = 0.1;
     if (!o.listen || !o.state_dir || (!!o.model + !!o.config + !!o.resume > 1)) {
         nl_args_help(stderr, usage, flags);
@@ -75,6 +84,7 @@ int main(int argc, char **argv)
         (rc = nl_args_int(flags, "gen-resumes", 0, 1000, &resumes)) ||
         (rc = nl_args_int(flags, "plan-rows", 1, 1 << 20, &rows)) ||
         (rc = nl_args_size(flags, "min-memory", &min_mem)) ||
+        (rc = nl_args_size(flags, "max-data-bytes", &max_data)) ||
         (rc = nl_args_double(flags, "replan-margin", 0.0, 1.0, &margin)))
         return rc;
     const char *lvl = nl_args_get(flags, "log-level");
@@ -93,6 +103,7 @@ int main(int argc, char **argv)
     o.seed = (uint64_t)seed;
     o.min_nodes = (int)min_nodes;
     o.min_memory = min_mem;
+    o.max_data_bytes = max_data;
     o.heartbeat_ms = (int)hb;
     o.node_timeout_ms = (int)nto;
     o.job_timeout_ms = (int)jto;

@@ -201,6 +201,20 @@ static bool allowed_locked(nl_auth *a, const char *domain_name, const char *peer
     return nl_key_decode(key, peer, NULL) == NL_OK && nl_keylist_has(&d->keys, key);
 }
 
+int nl_auth_roles(nl_auth *a, const char *domain_name, const char *peer)
+{
+    int roles = 0;
+    pthread_mutex_lock(&a->mu);
+    domain *d = allowed_locked(a, domain_name, peer) ? find_domain(a, domain_name) : NULL;
+    uint8_t key[NL_KEY_BYTES];
+    if (d && strncmp(peer, "plain:", 6) == 0)
+        roles = NL_KEY_ROLE_ALL; /* INSECURE plaintext: no keys, so no roles either */
+    else if (d && nl_key_decode(key, peer, NULL) == NL_OK)
+        roles = nl_keylist_roles(&d->keys, key);
+    pthread_mutex_unlock(&a->mu);
+    return roles;
+}
+
 bool nl_auth_allowed(nl_auth *a, const char *domain_name, const char *peer)
 {
     pthread_mutex_lock(&a->mu);

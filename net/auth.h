@@ -68,6 +68,11 @@ void nl_auth_drop_domain(nl_auth *a, const char *domain);
 
 /* Is this peer id admitted on the domain now (listed and not banned)? */
 bool nl_auth_allowed(nl_auth *a, const char *domain, const char *peer);
+/* The roles (NL_KEY_ROLE_* bits, net/keys.h) the peer has on the domain
+ * now: its authorized_keys line's, every role for a plaintext peer on a
+ * plaintext domain and for a key set without roles, 0 when the peer is
+ * not admitted (unlisted or banned). */
+int nl_auth_roles(nl_auth *a, const char *domain, const char *peer);
 /* Count a strike; returns true when the peer is (now) banned. */
 bool nl_auth_strike(nl_auth *a, const char *peer, const char *why);
 bool nl_auth_banned(nl_auth *a, const char *peer);

@@ -43,6 +43,7 @@ void nl_key_encode(char out[NL_KEY_Z85_LEN + 1], const uint8_t key[NL_KEY_BYTES]
 typedef struct lines {
     const char *p, *end;
     int lineno;
+    const char *rest, *rest_end; /* the last key line after its key token, blanks skipped */
 } lines;
 
 /* The next line that is not blank and not a comment, as [*s, *s + *n):
@@ -77,6 +78,8 @@ static bool next_key_line(lines *L, const char **s, size_t *n, bool *rest_ok, in
         *s = b;
         *n = (size_t)(t - b);
         *rest_ok = r == e || *r == '#';
+        L->rest = r;
+        L->rest_end = e;
         return true;
     }
     return false;
@@ -103,21 +106,32 @@ void nl_keylist_free(nl_keylist *kl)
     if (!kl)
         return;
     free(kl->keys);
+    free(kl->roles);
     memset(kl, 0, sizeof *kl);
 }
 
 nl_status nl_keylist_add(nl_keylist *kl, const uint8_t key[NL_KEY_BYTES], nl_error *err)
+{
+    return nl_keylist_add_roles(kl, key, NL_KEY_ROLE_ALL, err);
+}
+
+nl_status nl_keylist_add_roles(nl_keylist *kl, const uint8_t key[NL_KEY_BYTES], int roles,
+                               nl_error *err)
 {
     if (kl->n >= NL_AUTHKEYS_MAX_KEYS)
         return nl_error_set(err, NL_ERR_LIMIT, "more than %d keys", NL_AUTHKEYS_MAX_KEYS);
     if (kl->n == kl->cap) {
         size_t cap = kl->cap ? kl->cap * 2 : 16;
         void *p = realloc(kl->keys, cap * NL_KEY_BYTES);
-        if (!p)
+        if (p)
+            kl->keys = p;
+        uint8_t *r = p ? realloc(kl->roles, cap) : NULL;
+        if (!r)
             return nl_error_set(err, NL_ERR_NOMEM, "out of memory for %zu keys", cap);
-        kl->keys = p;
+        kl->roles = r;
         kl->cap = cap;
     }
+    kl->roles[kl->n] = (uint8_t)(roles & NL_KEY_ROLE_ALL);
     memcpy(kl->keys[kl->n++], key, NL_KEY_BYTES);
     kl->sorted = false;
     return NL_OK;
@@ -128,28 +142,58 @@ static int key_cmp(const void *a, const void *b)
     return memcmp(a, b, NL_KEY_BYTES);
 }
 
+/* A key and its roles, to sort them together. */
+typedef struct keyrole {
+    uint8_t key[NL_KEY_BYTES];
+    uint8_t roles;
+} keyrole;
+
 void nl_keylist_sort(nl_keylist *kl)
 {
-    if (kl->n > 1)
-        qsort(kl->keys, kl->n, NL_KEY_BYTES, key_cmp);
+    keyrole *t = kl->n > 1 ? malloc(kl->n * sizeof *t) : NULL;
+    if (kl->n > 1 && !t) { /* no memory to sort: lookups stay linear, and correct */
+        kl->sorted = false;
+        return;
+    }
+    for (size_t i = 0; t && i < kl->n; i++) {
+        memcpy(t[i].key, kl->keys[i], NL_KEY_BYTES);
+        t[i].roles = kl->roles[i];
+    }
+    if (t)
+        qsort(t, kl->n, sizeof *t, key_cmp);
     size_t w = 0;
-    for (size_t i = 0; i < kl->n; i++)
-        if (w == 0 || memcmp(kl->keys[w - 1], kl->keys[i], NL_KEY_BYTES) != 0)
-            memmove(kl->keys[w++], kl->keys[i], NL_KEY_BYTES);
-    kl->n = w;
+    for (size_t i = 0; t && i < kl->n; i++) {
+        if (w > 0 && memcmp(kl->keys[w - 1], t[i].key, NL_KEY_BYTES) == 0) {
+            kl->roles[w - 1] |= t[i].roles; /* a key listed twice has the roles of both lines */
+            continue;
+        }
+        memcpy(kl->keys[w], t[i].key, NL_KEY_BYTES);
+        kl->roles[w++] = t[i].roles;
+    }
+    if (t)
+        kl->n = w;
+    free(t);
     kl->sorted = true;
+}
+
+int nl_keylist_roles(const nl_keylist *kl, const uint8_t key[NL_KEY_BYTES])
+{
+    if (!kl || kl->n == 0)
+        return 0;
+    if (kl->sorted) {
+        const uint8_t(*k)[NL_KEY_BYTES] = bsearch(key, kl->keys, kl->n, NL_KEY_BYTES, key_cmp);
+        return k ? kl->roles[k - kl->keys] : 0;
+    }
+    int roles = 0;
+    for (size_t i = 0; i < kl->n; i++)
+        if (memcmp(kl->keys[i], key, NL_KEY_BYTES) == 0)
+            roles |= kl->roles[i];
+    return roles;
 }
 
 bool nl_keylist_has(const nl_keylist *kl, const uint8_t key[NL_KEY_BYTES])
 {
-    if (!kl || kl->n == 0)
-        return false;
-    if (kl->sorted)
-        return bsearch(key, kl->keys, kl->n, NL_KEY_BYTES, key_cmp) != NULL;
-    for (size_t i = 0; i < kl->n; i++)
-        if (memcmp(kl->keys[i], key, NL_KEY_BYTES) == 0)
-            return true;
-    return false;
+    return nl_keylist_roles(kl, key) != 0;
 }
 
 nl_status nl_keylist_copy(nl_keylist *dst, const nl_keylist *src, nl_error *err)
@@ -157,9 +201,14 @@ nl_status nl_keylist_copy(nl_keylist *dst, const nl_keylist *src, nl_error *err)
     nl_keylist tmp = {0};
     if (src->n) {
         tmp.keys = malloc(src->n * NL_KEY_BYTES);
-        if (!tmp.keys)
+        tmp.roles = malloc(src->n);
+        if (!tmp.keys || !tmp.roles) {
+            free(tmp.keys);
+            free(tmp.roles);
             return nl_error_set(err, NL_ERR_NOMEM, "out of memory for %zu keys", src->n);
+        }
         memcpy(tmp.keys, src->keys, src->n * NL_KEY_BYTES);
+        memcpy(tmp.roles, src->roles, src->n);
     }
     tmp.n = tmp.cap = src->n;
     tmp.sorted = src->sorted;
@@ -168,14 +217,51 @@ nl_status nl_keylist_copy(nl_keylist *dst, const nl_keylist *src, nl_error *err)
     return NL_OK;
 }
 
+int nl_key_role_parse(const char *word, size_t n)
+{
+    static const struct {
+        const char *word;
+        int roles;
+    } words[] = {{"node", NL_KEY_ROLE_NODE},
+                 {"client", NL_KEY_ROLE_CLIENT},
+                 {"admin", NL_KEY_ROLE_ADMIN | NL_KEY_ROLE_CLIENT}};
+    for (size_t i = 0; i < sizeof words / sizeof words[0]; i++)
+        if (strlen(words[i].word) == n && memcmp(words[i].word, word, n) == 0)
+            return words[i].roles;
+    return 0;
+}
+
+/* The role words after a key, up to a comment: blank- or comma-separated,
+ * each node, client or admin; *roles is 0 when there is none. */
+static nl_status parse_roles(const char *p, const char *e, int *roles, const char *origin,
+                             int lineno, nl_error *err)
+{
+    *roles = 0;
+    while (p < e && *p != '#') {
+        const char *w = p;
+        while (p < e && *p != ' ' && *p != '\t' && *p != ',' && *p != '#')
+            p++;
+        const int r = nl_key_role_parse(w, (size_t)(p - w));
+        if (!r)
+            return nl_error_set(err, NL_ERR_FORMAT,
+                                "%s:%d: after the key, expected role words (node, client, admin) "
+                                "or a '#' comment",
+                                origin, lineno);
+        *roles |= r;
+        while (p < e && (*p == ' ' || *p == '\t' || *p == ','))
+            p++;
+    }
+    return NL_OK;
+}
+
 nl_status nl_keylist_parse(nl_keylist *kl, const char *text, size_t len, const char *origin,
                            nl_error *err)
 {
-    lines L = {text, text + len, 0};
+    lines L = {text, text + len, 0, NULL, NULL};
     const char *s;
     size_t n;
     bool rest_ok;
-    int odd = 0;
+    int odd = 0, bare = 0, bare_line = 0;
     nl_status st = NL_OK;
     nl_keylist_free(kl);
     if (len > NL_AUTHKEYS_MAX_BYTES)
@@ -185,9 +271,17 @@ nl_status nl_keylist_parse(nl_keylist *kl, const char *text, size_t len, const c
         return nl_error_set(err, NL_ERR_FORMAT, "%s: holds a NUL byte", origin);
     while (st == NL_OK && next_key_line(&L, &s, &n, &rest_ok, &odd)) {
         uint8_t key[NL_KEY_BYTES];
-        st = parse_key_token(key, s, n, rest_ok, origin, L.lineno, err);
+        int roles = 0;
+        st = parse_key_token(key, s, n, true, origin, L.lineno, err);
         if (st == NL_OK)
-            st = nl_keylist_add(kl, key, err);
+            st = parse_roles(L.rest, L.rest_end, &roles, origin, L.lineno, err);
+        if (st == NL_OK && !roles) { /* no role word: every role, as before roles */
+            roles = NL_KEY_ROLE_ALL;
+            bare++;
+            bare_line = bare_line ? bare_line : L.lineno;
+        }
+        if (st == NL_OK)
+            st = nl_keylist_add_roles(kl, key, roles, err);
     }
     if (st != NL_OK) {
         nl_keylist_free(kl);
@@ -196,6 +290,10 @@ nl_status nl_keylist_parse(nl_keylist *kl, const char *text, size_t len, const c
     if (odd)
         NL_WARN("%s:%d: comment line looks like a key starting with '#'; it is ignored", origin,
                 odd);
+    if (bare)
+        NL_WARN("%s:%d: %d key%s without a role word (node, client or admin) may act in every "
+                "role, as before roles existed; give each key its role",
+                origin, bare_line, bare, bare == 1 ? "" : "s");
     nl_keylist_sort(kl);
     return NL_OK;
 }
@@ -274,7 +372,7 @@ out:
 static nl_status parse_single_key(uint8_t out[NL_KEY_BYTES], const char *text, size_t len,
                                   const char *path, nl_error *err)
 {
-    lines L = {text, text + len, 0};
+    lines L = {text, text + len, 0, NULL, NULL};
     const char *s;
     size_t n;
     bool rest_ok;

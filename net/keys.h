@@ -5,9 +5,12 @@
  *               with '#'); mode 0600, refused when group or others can
  *               read it.
  *   PREFIX.pub  the public key in Z85 on one line.
- *   authorized_keys  Z85 public keys, one per line; a line whose first
- *               non-blank character is '#' is a comment, and "# ..." may
- *               follow a key on its line.
+ *   authorized_keys  Z85 public keys, one per line, each followed by its
+ *               role words (node, client, admin; blank- or comma-
+ *               separated); a line whose first non-blank character is '#'
+ *               is a comment, and "# ..." may follow a key and its roles.
+ *               A key without a role word has every role (as before roles
+ *               existed), with a warning at each load.
  * Z85 uses '#', so a key could start with it; keygen never makes such a
  * key, and the parser warns when a comment line looks like one. */
 #ifndef NL_KEYS_H
@@ -58,10 +61,24 @@ void nl_keys_wipe(nl_keypair *kp);
 nl_status nl_key_decode(uint8_t out[NL_KEY_BYTES], const char *z85, nl_error *err);
 void nl_key_encode(char out[NL_KEY_Z85_LEN + 1], const uint8_t key[NL_KEY_BYTES]);
 
-/* A set of public keys (binary), sorted after parsing for lookups. */
+/* What a key may do on the coordinator (docs/security.md): a node joins
+ * and computes; a client submits, queries and cancels its own jobs; an
+ * admin is a client that also sees the cluster's nodes (keys, endpoints)
+ * and may cancel any job. Bits of a mask. */
+#define NL_KEY_ROLE_NODE 1
+#define NL_KEY_ROLE_CLIENT 2
+#define NL_KEY_ROLE_ADMIN 4
+#define NL_KEY_ROLE_ALL 7
+
+/* A role word's bits ("admin" is admin and client), 0 if it is none. */
+int nl_key_role_parse(const char *word, size_t n);
+
+/* A set of public keys (binary) with their roles, sorted after parsing
+ * for lookups. */
 typedef struct nl_keylist {
     size_t n, cap;
     uint8_t (*keys)[NL_KEY_BYTES];
+    uint8_t *roles; /* per key, NL_KEY_ROLE_* bits */
     bool sorted;
 } nl_keylist;
 
@@ -73,10 +90,16 @@ nl_status nl_keylist_parse(nl_keylist *kl, const char *text, size_t len, const c
 /* Read and parse an authorized_keys file, refused first when
  * nl_keys_check_trusted refuses it. */
 nl_status nl_keylist_load(nl_keylist *kl, const char *path, nl_error *err);
+/* Add a key with every role (an allow-list without roles) or with the
+ * given roles. */
 nl_status nl_keylist_add(nl_keylist *kl, const uint8_t key[NL_KEY_BYTES], nl_error *err);
-/* Sort and drop duplicates (parse does this). */
+nl_status nl_keylist_add_roles(nl_keylist *kl, const uint8_t key[NL_KEY_BYTES], int roles,
+                               nl_error *err);
+/* Sort and merge duplicates (parse does this). */
 void nl_keylist_sort(nl_keylist *kl);
 bool nl_keylist_has(const nl_keylist *kl, const uint8_t key[NL_KEY_BYTES]);
+/* The key's roles (a key listed twice has both lines'), 0 if absent. */
+int nl_keylist_roles(const nl_keylist *kl, const uint8_t key[NL_KEY_BYTES]);
 /* Deep copy (dst's old contents are freed). */
 nl_status nl_keylist_copy(nl_keylist *dst, const nl_keylist *src, nl_error *err);
 void nl_keylist_free(nl_keylist *kl);

@@ -355,6 +355,14 @@ nl_status nl_sock_send(nl_sock *s, const uint8_t *to, size_t to_len, nl_wire_msg
     return send_msg(s, to, to_len, m, 0, err);
 }
 
+nl_status nl_sock_send_nowait(nl_sock *s, const uint8_t *to, size_t to_len, nl_wire_msg *m,
+                              nl_error *err)
+{
+    /* libzmq checks the high-water mark at a message's first part; the
+     * others of a message begun always go */
+    return send_msg(s, to, to_len, m, ZMQ_DONTWAIT, err);
+}
+
 nl_status nl_sock_reply(nl_sock *s, const nl_rx *rx, nl_wire_msg *m, nl_error *err)
 {
     return send_msg(s, rx->rid, rx->rid_len, m, 0, err);

@@ -126,6 +126,12 @@ nl_status nl_sock_recv(nl_sock *s, nl_rx *rx, int timeout_ms, nl_error *err);
 /* Send m (fills frame lengths). On a ROUTER, to is the routing id (from an
  * nl_rx). Every frame's free_fn is called exactly once, whatever happens. */
 nl_status nl_sock_send(nl_sock *s, const uint8_t *to, size_t to_len, nl_wire_msg *m, nl_error *err);
+/* The same without waiting: a peer whose queue is full (or, on a ROUTER
+ * with ROUTER_MANDATORY, that is gone) gets nothing and the call returns
+ * NL_ERR_TIMEOUT (NL_ERR_NOTFOUND) at once; frames are freed either way.
+ * For replies to peers that may stop reading (a coordinator's clients). */
+nl_status nl_sock_send_nowait(nl_sock *s, const uint8_t *to, size_t to_len, nl_wire_msg *m,
+                              nl_error *err);
 /* Send m to the sender of rx. */
 nl_status nl_sock_reply(nl_sock *s, const nl_rx *rx, nl_wire_msg *m, nl_error *err);
 /* Answer rx with an ERROR (never blocks: dropped if it cannot go now). */

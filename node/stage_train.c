@@ -49,7 +49,12 @@ typedef struct hop_in {
     double aux;
     void *x;          /* tokens (I32, rows) on the first stage, else hidden (F32, rows x d) */
     int32_t *targets; /* (rows), or NULL (COUNT) */
+    size_t bytes;     /* of x and targets */
 } hop_in;
+
+/* Bytes the queue of hops from the previous stage may hold (issue 15):
+ * at least this, or a step's counting and training hops and 8 more. */
+#define QUEUE_MIN_BYTES (64ull << 20)
 
 /* One data-parallel replica of the stage. */
 typedef struct replica {
@@ -75,6 +80,7 @@ typedef struct stage_train {
     double eval_ce;
     hop_in *q; /* FIFO ring of hops waiting to run */
     int qhead, qlen, qcap;
+    size_t qbytes; /* the hops' bytes in the queue */
     nl_host_stage stage; /* host view of an output to send */
     nl_wire_msg tx;
 } stage_train;
@@ -526,6 +532,7 @@ static nl_status drain(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_error *
                                      : nl_error_set(err, NL_ERR_STATE,
                                                     "%s of microbatch %u, but the next is %u",
                                                     nl_wire_type_name(h->type), h->mb, want);
+        t->qbytes -= h->bytes;
         hop_free(h);
         t->qhead = (t->qhead + 1) % t->qcap;
         t->qlen--;
@@ -567,9 +574,24 @@ static nl_status enqueue(nl_stage *s, const nl_wire_msg *m, nl_error *err)
         return nl_error_set(err, NL_ERR_SHAPE, "%s: frame 1 must be I32 targets [%d, %d]", what,
                             t->mbB, t->T);
     /* at most a step's counting and training hops and an evaluation can be
-     * ahead of this stage; more is a peer that does not follow the schedule */
+     * ahead of this stage; more is a peer that does not follow the schedule.
+     * The next step's hops can come before this stage has applied the
+     * step before it (its STEP travels another socket), never later ones */
     if (t->qlen >= 2 * t->M + t->eval_hops + 8)
         return nl_error_set(err, NL_ERR_LIMIT, "%s: %d hops are waiting already", what, t->qlen);
+    if (hop->step > (uint64_t)t->applied + 2)
+        return nl_error_set(err, NL_ERR_STATE, "%s: step %llu, but %lld steps are applied: ahead "
+                            "of the schedule", what, (unsigned long long)hop->step,
+                            (long long)t->applied);
+    const size_t hop_bytes = m->frames[0].len + (want_targets ? t->rows * sizeof(int32_t) : 0);
+    const uint64_t cap_bytes = (uint64_t)(2 * t->M + 8) * hop_bytes > QUEUE_MIN_BYTES
+                                   ? (uint64_t)(2 * t->M + 8) * hop_bytes
+                                   : QUEUE_MIN_BYTES;
+    if (!first && t->qbytes + hop_bytes > cap_bytes) /* the first stage's come from the coordinator */
+        return nl_error_set(err, NL_ERR_LIMIT,
+                            "%s: %zu bytes of hops are waiting already (at most %llu): the "
+                            "previous stage is too far ahead",
+                            what, t->qbytes, (unsigned long long)cap_bytes);
     if (t->qlen == t->qcap) {
         int cap = t->qcap ? 2 * t->qcap : 8;
         hop_in *q = calloc((size_t)cap, sizeof *q);
@@ -582,15 +604,29 @@ static nl_status enqueue(nl_stage *s, const nl_wire_msg *m, nl_error *err)
         t->qcap = cap;
         t->qhead = 0;
     }
-    hop_in h = {m->type, hop->step, hop->microbatch, hop->aux, NULL, NULL};
+    hop_in h = {m->type, hop->step, hop->microbatch, hop->aux, NULL, NULL, 0};
     const size_t xbytes = m->frames[0].len, ybytes = t->rows * sizeof(int32_t);
     if (!(h.x = malloc(xbytes)) || (want_targets && !(h.targets = malloc(ybytes)))) {
         hop_free(&h);
         return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", what);
     }
     memcpy(h.x, x->data, xbytes);
+    if (!first) { /* hidden states from the previous stage: finite, or refused (issue 15) */
+        const float *v = h.x;
+        float acc = 0.0f; /* NaN or infinity anywhere makes the sum non-finite */
+        for (size_t i = 0; i < xbytes / sizeof(float); i++)
+            acc += v[i] * 0.0f;
+        if (acc != 0.0f) {
+            hop_free(&h);
+            return nl_error_set(err, NL_ERR_RANGE,
+                                "%s: the previous stage's hidden states hold non-finite values",
+                                what);
+        }
+    }
     if (want_targets)
         memcpy(h.targets, y->data, ybytes);
+    h.bytes = hop_bytes;
+    t->qbytes += hop_bytes;
     t->q[(t->qhead + t->qlen++) % t->qcap] = h;
     return NL_OK;
 }

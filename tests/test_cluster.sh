@@ -121,6 +121,25 @@ check grep -q "cancelled by its client" "$C/coord.log"
 check test "$(cat "$C"/node-*.log | grep -c "refused")" -eq 0
 check test "$("$N" generate --cluster "$C" --prompt-tokens 72,101,108 --max-new 12 --temperature 0 | head -1)" = "$greedy"
 
+# roles (issue 15): keygen prints the authorized_keys line; added (SIGHUP),
+# a plain client's status shows no node's key or endpoint, the operator's
+# (cluster up made it admin) does; a client key cannot JOIN
+line=$("$N" keygen --out "$W/plain" --role client 2>/dev/null)
+check test "${line##* }" = client
+echo "$line" >> "$C/coord/authorized_keys"
+kill -HUP "$(cat "$C/coord.pid")"
+sleep 0.5
+EPC=$(cat "$C/coord/endpoint")
+nkey=$(cat "$C/node-1.pub")
+plain=$("$N" status --coordinator "$EPC" --key "$W/plain.key" --coordinator-key "$C/coord/coordinator.pub" --json 2>&1)
+check grep -q '"nodes"' <<< "$plain"
+check test "$(grep -c -- "$nkey" <<< "$plain")" -eq 0
+check grep -qF -- "$nkey" <<< "$("$N" status --cluster "$C" --json 2>&1)"
+timeout 20 "$(dirname "$N")/../node/neuronode" join "$EPC" --key "$W/plain.key" \
+  --coordinator-key "$C/coord/coordinator.pub" --memory 64M --threads 1 --connect-timeout 3 \
+  > "$W/plainjoin.log" 2>&1
+check grep -q "not for a key of this role" "$W/plainjoin.log"
+
 # unauthorised keys
 "$N" keygen --out "$W/stranger" >/dev/null
 out=$("$N" status --coordinator "$(cat "$C/coord/endpoint")" --key "$W/stranger.key" \

@@ -21,10 +21,12 @@
  *  - a join at rest: the dead node comes back and the coordinator plans
  *    two stages again within seconds; a slow node's join gains less than
  *    --replan-margin and leaves the plan as it is;
- *  - slow work off the loop: a training job whose data is a FIFO nobody
- *    writes yet blocks only its worker: heartbeats and queries are served,
- *    no node dies and the job does not time out meanwhile. */
+ *  - a training job's paths (issue 15, finding 1): FIFOs, files outside
+ *    the roots, links that lead out, "..", files too big and a bad resume
+ *    fail that job alone, revealing nothing; a file in the root makes a
+ *    job that begins, and a cancel reloads its stages. */
 #include <fcntl.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,6 +36,7 @@
 
 #include "../base/log.h"
 #include "../coordinator/coord.h"
+#include "../net/keys.h"
 #include "../net/transport.h"
 #include "check.h"
 
@@ -502,17 +505,64 @@ static int answers_query(void)
     return ok;
 }
 
-/* A training job's data is read by a worker: here a FIFO that no one
- * writes yet, so the read blocks. Meanwhile the loop serves heartbeats
- * and queries (no node dies, though the wait is longer than the node
- * timeout), and the job, whose worker is busy, does not time out. Once
- * the FIFO is closed the job begins; cancelled, its stages reload. */
-static void test_slow_work(assigned *a)
+static void pump_for(double s);
+static void submit_train(const char *data, const char *ckpt, const char *resume);
+static void send_grad_norm(fake *f, uint64_t job, uint64_t step, uint32_t stage, double sumsq)
 {
-    char fifo[300];
-    snprintf(fifo, sizeof fifo, "%s/data.fifo", tmpdir);
-    CHECK(mkfifo(fifo, 0600) == 0, "mkfifo %s", fifo);
-    nl_wire_param ps[] = {
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_GRAD_NORM);
+    m.u.grad_norm = (nl_msg_grad_norm){job, step, stage, sumsq};
+    fake_send(f, &m);
+}
+
+/* Issue 15, finding 9, on a training job: a stage's acknowledgement counts
+ * once however often it is sent (step 1 waits for the other stage), and a
+ * non-finite gradient norm fails the job naming the stage; the stages
+ * then reload. */
+static void test_train_reports(assigned *a)
+{
+    fake *first = stage_of(a, 0), *last = stage_of(a, 1);
+    uint64_t job = 0, j2 = 0;
+    uint32_t state = 0;
+    char msg[512];
+    submit_train("ok.txt", "ck", NULL);
+    CHECK(client_status(&job, &state, msg, sizeof msg) && state == NL_JOB_RUNNING, "train: %s",
+          msg);
+    CHECK(client_status(&j2, &state, msg, sizeof msg) && j2 == job && strcmp(msg, "starting") == 0,
+          "train: %s", msg);
+    nl_rx rx;
+    nl_rx_init(&rx);
+    for (int i = 0; i < 2; i++)
+        CHECK_PUMP(pump_until(&nodes[i], NL_MSG_JOB_SUBMIT, &rx));
+    node_status(first, job, NL_JOB_RUNNING, "took it");
+    node_status(first, job, NL_JOB_RUNNING, "took it");
+    pump_for(0.3);
+    nl_error err = {0};
+    int early = 0;
+    while (nl_sock_recv(first->sock, &rx, 0, &err) == NL_OK)
+        early |= rx.msg.type == NL_MSG_ACTIVATION || rx.msg.type == NL_MSG_COUNT;
+    CHECK(!early, "step 1 began on one stage's two acknowledgements");
+    node_status(last, job, NL_JOB_RUNNING, "took it");
+    CHECK(pump_until(first, NL_MSG_ACTIVATION, &rx) && rx.msg.u.hop.job_id == job &&
+              rx.msg.u.hop.step == 1,
+          "step 1 did not begin once both stages took the job");
+    nl_rx_free(&rx);
+    send_grad_norm(first, job, 1, 0, 1.0);
+    send_grad_norm(last, job, 1, 1, NAN);
+    CHECK(client_status(&j2, &state, msg, sizeof msg) && j2 == job && state == NL_JOB_FAILED &&
+              strstr(msg, "stage 1") && strstr(msg, "refused"),
+          "a NaN gradient norm: job %llu state %u: %s", (unsigned long long)j2, state, msg);
+    const uint64_t epoch = a[0].epoch;
+    CHECK(take_plan(&nodes[0], &a[0]) && take_plan(&nodes[1], &a[1]) && a[0].epoch > epoch,
+          "no reload after the failed job");
+    CHECK(pump_state("ready: 2 stages"), "not ready after the reload");
+}
+
+/* Submit a training job of 2 steps with these paths (resume may be NULL). */
+static void submit_train(const char *data, const char *ckpt, const char *resume)
+{
+    nl_wire_param ps[16] = {
         {.key = "steps", .kind = NL_WIRE_PARAM_INT, .i = 2},
         {.key = "batch", .kind = NL_WIRE_PARAM_INT, .i = 2},
         {.key = "seq", .kind = NL_WIRE_PARAM_INT, .i = 8},
@@ -525,43 +575,111 @@ static void test_slow_work(assigned *a)
         {.key = "lr", .kind = NL_WIRE_PARAM_FLOAT, .f = 1e-3},
         {.key = "min_lr", .kind = NL_WIRE_PARAM_FLOAT, .f = 1e-4},
         {.key = "holdout", .kind = NL_WIRE_PARAM_FLOAT, .f = 0.0},
-        {.key = "data", .kind = NL_WIRE_PARAM_STR, .s = fifo},
-        {.key = "checkpoint_dir", .kind = NL_WIRE_PARAM_STR, .s = tmpdir},
+        {.key = "data", .kind = NL_WIRE_PARAM_STR, .s = data},
+        {.key = "checkpoint_dir", .kind = NL_WIRE_PARAM_STR, .s = ckpt},
     };
+    uint32_t n = 14;
+    if (resume)
+        ps[n++] = (nl_wire_param){.key = "resume", .kind = NL_WIRE_PARAM_STR, .s = resume};
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
-    m.u.job_submit = (nl_msg_job_submit){NL_JOB_TRAIN, sizeof ps / sizeof ps[0], ps};
+    m.u.job_submit = (nl_msg_job_submit){NL_JOB_TRAIN, n, ps};
     fake_send(&client, &m);
-    uint64_t job = 0, j2 = 0;
+}
+
+/* A training job that must fail at once; its message holds want and
+ * none of the words in hide[] (what it must not reveal). */
+static void train_refused(const char *data, const char *ckpt, const char *resume, const char *want,
+                          const char *const *hide)
+{
+    uint64_t job = 0;
+    uint32_t state = 0;
+    char msg[1024];
+    submit_train(data, ckpt, resume);
+    /* "running" first (the job exists), then its failure */
+    int ok = client_status(&job, &state, msg, sizeof msg);
+    if (ok && state == NL_JOB_RUNNING)
+        ok = client_status(&job, &state, msg, sizeof msg);
+    CHECK(ok && state == NL_JOB_FAILED && strstr(msg, want), "data %s ckpt %s resume %s: %u: %s",
+          data, ckpt, resume ? resume : "-", state, msg);
+    for (int i = 0; hide && hide[i]; i++)
+        CHECK(!strstr(msg, hide[i]), "the refusal reveals '%s': %s", hide[i], msg);
+}
+
+/* Issue 15, finding 1: a training job's data, checkpoint_dir and resume
+ * are the client's; they stay under the coordinator's --data-root and
+ * --checkpoint-root (here the defaults under the state dir), resolved
+ * with realpath. A FIFO (which would block a reader for ever), a file
+ * outside the root (the coordinator's own key), a link inside the root
+ * that leads out, "..", and a resume outside the root are refused at
+ * once, by their own job alone: a forward job in flight meanwhile is
+ * served. A file in the root (relative) makes a job that begins; it is
+ * cancelled, and its stages reload. */
+static void test_train_paths(assigned *a)
+{
+    char path[600], key[600], big[600];
+    snprintf(path, sizeof path, "%s/data/data.fifo", tmpdir);
+    CHECK(mkfifo(path, 0600) == 0, "mkfifo %s", path);
+    snprintf(key, sizeof key, "%s/coordinator.key", tmpdir);
+    snprintf(path, sizeof path, "%s/data/key.txt", tmpdir);
+    CHECK(symlink(key, path) == 0, "symlink %s", path);
+    snprintf(path, sizeof path, "%s/data/ok.txt", tmpdir);
+    FILE *fp = fopen(path, "w");
+    CHECK(fp != NULL, "%s", path);
+    for (int i = 0; fp && i < 40; i++)
+        fprintf(fp, "the quick brown fox %d jumps over the lazy dog\n", i);
+    if (fp)
+        fclose(fp);
+    snprintf(big, sizeof big, "%s/data/big.txt", tmpdir);
+    fp = fopen(big, "w");
+    if (fp)
+        fclose(fp);
+    CHECK(truncate(big, (2ll << 30)) == 0, "truncate %s", big); /* sparse: 2 GiB > 1 GiB */
+    /* a forward job in flight while the bad ones fail */
+    fake *first = stage_of(a, 0), *last = stage_of(a, 1);
+    const int32_t ids[2] = {3, 4};
+    uint64_t fwd = start_forward(first, ids, 2), j2 = 0;
+    const char *hide[] = {"hashes to", " bytes", "BEGIN", NULL};
+    train_refused("data.fifo", "ck", NULL, "not a regular file", hide);
+    train_refused(key, "ck", NULL, "must lie under the root", hide);
+    train_refused("key.txt", "ck", NULL, "leads outside the root", hide);
+    train_refused("big.txt", "ck", NULL, "larger than", hide);
+    train_refused("../coordinator.key", "ck", NULL, "'..'", hide);
+    train_refused("ok.txt", "/etc", NULL, "checkpoint_dir", hide);
+    train_refused("ok.txt", "ck/../../x", NULL, "checkpoint_dir", hide);
+    train_refused("ok.txt", "ck", "/nonexistent", "params.resume", hide);
+    train_refused("ok.txt", "ck", "nothing-here", "params.resume: no such file", hide);
+    float logits[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    send_result(last, fwd, logits, 8);
+    nl_rx rx;
+    nl_rx_init(&rx);
+    CHECK(pump_until(&client, NL_MSG_RESULT, &rx) && rx.msg.u.hop.job_id == fwd,
+          "the forward job in flight was lost to a refused training job");
     uint32_t state = 0;
     char msg[512];
+    CHECK(client_status(&j2, &state, msg, sizeof msg) && j2 == fwd && state == NL_JOB_DONE,
+          "forward after the refusals: %s", msg);
+    /* a good one: relative paths under the roots */
+    submit_train("ok.txt", "ck", NULL);
+    uint64_t job = 0;
     CHECK(client_status(&job, &state, msg, sizeof msg) && state == NL_JOB_RUNNING, "train: %s",
           msg);
-    const double t0 = now_s();
-    while (now_s() - t0 < 2.5 * TIMEOUT_MS * 1e-3) {
-        nl_coord_step(coord, 5);
-        heartbeats();
-    }
-    CHECK(answers_query(), "no answer to a query while a worker reads the data");
-    CHECK(strncmp(nl_coord_state(coord), "ready: 2 stages", 15) == 0,
-          "while a worker reads the data: %s", nl_coord_state(coord));
-    int fd = open(fifo, O_WRONLY | O_NONBLOCK); /* the worker waits on its end */
-    CHECK(fd >= 0, "open %s for writing", fifo);
-    if (fd >= 0)
-        close(fd);
-    /* the data is read (a FIFO has no size: empty): the job begins */
     CHECK(client_status(&j2, &state, msg, sizeof msg) && j2 == job && state == NL_JOB_RUNNING &&
               strcmp(msg, "starting") == 0,
           "train after the data: job %llu state %u: %s", (unsigned long long)j2, state, msg);
-    nl_rx rx;
-    nl_rx_init(&rx);
+    snprintf(path, sizeof path, "%s/checkpoints/ck", tmpdir);
+    struct stat sb;
+    CHECK(stat(path, &sb) == 0 && S_ISDIR(sb.st_mode) && (sb.st_mode & 077) == 0,
+          "checkpoint_dir ck is not %s (0700)", path);
     for (int i = 0; i < 2; i++)
         CHECK(pump_until(&nodes[i], NL_MSG_JOB_SUBMIT, &rx) &&
                   rx.msg.u.job_submit.kind == NL_JOB_TRAIN,
               "no training job on node %d", i);
     nl_rx_free(&rx);
     /* cancelled: the stages reload the weights it would have changed */
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_CANCEL);
     m.u.job_ref.job_id = job;
     fake_send(&client, &m);
@@ -572,6 +690,7 @@ static void test_slow_work(assigned *a)
               a[0].epoch == a[1].epoch,
           "no reload after the cancel");
     CHECK(pump_state("ready: 2 stages"), "not ready after the reload");
+    test_train_reports(a);
 }
 
 /* ---------------------------------------------------------------- death */
@@ -663,6 +782,295 @@ static void test_join_at_rest(assigned *a)
     nl_rx_free(&rx);
     CHECK(!assigned_again && strncmp(nl_coord_state(coord), "ready: 2 stages", 15) == 0,
           "a slow node's join changed the plan: %s", nl_coord_state(coord));
+    a[0] = b[0];
+    a[1] = b[1];
+}
+
+/* ---------------------------------------------------------------- hostile peers */
+
+/* Turn the loop for s seconds. */
+static void pump_for(double s)
+{
+    const double t0 = now_s();
+    while (now_s() - t0 < s) {
+        nl_coord_step(coord, 5);
+        heartbeats();
+    }
+}
+
+static void node_error(fake *f, const char *msg)
+{
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_ERROR);
+    m.u.error = (nl_msg_error){NL_ERR_IO, NL_MSG_ACTIVATION, msg};
+    fake_send(f, &m);
+}
+
+/* Issue 15, findings 3, 9 and 10, with a forward job in flight on the two
+ * stages and a third node on standby:
+ *  - the last stage's TOKEN naming the forward job is refused (an ERROR
+ *    to it; it used to write through a NULL pointer);
+ *  - the standby's JOB_STATUS failure naming the job, and its ERROR, fail
+ *    nothing: it serves no job;
+ *  - free text with newlines and control characters (ERROR, JOB_STATUS,
+ *    LEAVE) reaches the log escaped: no forged line, no raw escape byte;
+ *  - the job then completes. */
+static void test_hostile_nodes(const assigned *a)
+{
+    fake *first = stage_of(a, 0), *last = stage_of(a, 1), *standby = &nodes[2];
+    const int32_t ids[2] = {7, 8};
+    uint64_t fwd = start_forward(first, ids, 2), j2 = 0;
+    send_token(last, fwd, 5);
+    nl_rx rx;
+    nl_rx_init(&rx);
+    CHECK(pump_until(last, NL_MSG_ERROR, &rx) && strstr(rx.msg.u.error.message, "takes no TOKEN"),
+          "a TOKEN for a forward job: %s",
+          rx.msg.type == NL_MSG_ERROR ? rx.msg.u.error.message : "no ERROR");
+    /* the log, captured */
+    char logf[300];
+    snprintf(logf, sizeof logf, "%s/stderr.log", tmpdir);
+    fflush(stderr);
+    const int saved = dup(2), fd = open(logf, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    CHECK(saved >= 0 && fd >= 0 && dup2(fd, 2) == 2, "capture stderr");
+    nl_log_set_level(NL_LOG_INFO);
+    const char *forged = "oops\n13:00:00.000 ERROR [coord] forged line\x1b[2J";
+    node_status(standby, fwd, NL_JOB_FAILED, forged);
+    node_error(standby, forged);
+    pump_for(0.3);
+    /* a stage's ERROR escaped too (it fails the job: after the check) */
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_LEAVE);
+    m.u.leave = (nl_msg_leave){standby->id, forged};
+    fake_send(standby, &m);
+    standby->beating = 0;
+    pump_for(0.3);
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    close(fd);
+    nl_log_set_level(getenv("NL_TEST_VERBOSE") ? NL_LOG_DEBUG : NL_LOG_WARN);
+    char *text = NULL;
+    size_t len = 0;
+    FILE *fp = fopen(logf, "r");
+    if (fp) {
+        text = calloc(1, 1 << 20);
+        len = text ? fread(text, 1, (1 << 20) - 1, fp) : 0;
+        fclose(fp);
+    }
+    CHECK(text && len > 0 && strstr(text, "forged line"), "the log has no trace of the text");
+    CHECK(text && !strstr(text, "\n13:00:00.000 ERROR [coord] forged") && !memchr(text, 0x1b, len),
+          "a peer's text reached the log raw:\n%s", text ? text : "");
+    CHECK(text && strstr(text, "\\n13:00"), "no escaped newline in the log");
+    free(text);
+    float logits[8] = {0};
+    send_result(last, fwd, logits, 8);
+    uint32_t state = 0;
+    char msg[512];
+    CHECK(pump_until(&client, NL_MSG_RESULT, &rx) && rx.msg.u.hop.job_id == fwd,
+          "the forward job did not survive a standby's failure report");
+    CHECK(client_status(&j2, &state, msg, sizeof msg) && j2 == fwd && state == NL_JOB_DONE,
+          "forward after the standby's reports: %u %s", state, msg);
+    nl_rx_free(&rx);
+}
+
+/* Issue 15, finding 5: a client that floods queries and never reads (its
+ * receive queue one message, its socket buffer small) stalls no one: its
+ * replies are dropped once its queue is full, and another client's round
+ * trip stays under 1 s. */
+static void test_flood(void)
+{
+    nl_error err = {0};
+    fake flood;
+    memset(&flood, 0, sizeof flood);
+    nl_sock_opts o = {.type = ZMQ_DEALER,
+                      .plaintext = true,
+                      .name = "flood",
+                      .linger_ms = 0,
+                      .hwm = 100000,
+                      .send_timeout_ms = 1};
+    CHECK_OK(nl_sock_new(&flood.sock, net, &o, &err), &err);
+    const int one = 1, small = 4096;
+    zmq_setsockopt(nl_sock_handle(flood.sock), ZMQ_RCVHWM, &one, sizeof one);
+    zmq_setsockopt(nl_sock_handle(flood.sock), ZMQ_RCVBUF, &small, sizeof small);
+    CHECK_OK(nl_sock_connect(flood.sock, nl_coord_endpoint(coord), &err), &err);
+    const double t0 = now_s();
+    double worst = 0;
+    int sent = 0;
+    while (sent < 20000 && now_s() - t0 < 4.0) {
+        for (int k = 0; k < 100; k++, sent++) {
+            nl_wire_msg m;
+            nl_wire_msg_init(&m);
+            nl_wire_msg_reset(&m, NL_MSG_JOB_QUERY);
+            m.u.job_ref.job_id = 0;
+            nl_error e = {0};
+            nl_sock_send(flood.sock, NULL, 0, &m, &e); /* may time out: the test's own queue */
+            nl_wire_msg_free(&m);
+        }
+        for (int k = 0; k < 100; k++) {
+            const double s0 = now_s();
+            nl_coord_step(coord, 0);
+            worst = now_s() - s0 > worst ? now_s() - s0 : worst;
+        }
+        heartbeats();
+    }
+    const double t1 = now_s();
+    const int answered = answers_query();
+    const double rt = now_s() - t1;
+    CHECK(answered && rt < 1.0, "another client's query took %.2f s while one floods", rt);
+    CHECK(worst < 1.0, "one turn of the loop took %.2f s while a client floods", worst);
+    nl_sock_destroy(&flood.sock);
+}
+
+/* ---------------------------------------------------------------- roles (CURVE) */
+
+/* A CURVE client of the coordinator with key kp (and routing id rid, if
+ * not NULL). */
+static void curve_open(fake *f, const nl_keypair *kp, const char *server, const char *rid)
+{
+    nl_error err = {0};
+    memset(f, 0, sizeof *f);
+    snprintf(f->key, sizeof f->key, "%s", kp->public_z85);
+    nl_sock_opts o = {.type = ZMQ_DEALER,
+                      .keys = kp,
+                      .server_key = server,
+                      .name = "curve-fake",
+                      .linger_ms = 0};
+    CHECK_OK(nl_sock_new(&f->sock, net, &o, &err), &err);
+    if (rid)
+        zmq_setsockopt(nl_sock_handle(f->sock), ZMQ_ROUTING_ID, rid, strlen(rid));
+    CHECK_OK(nl_sock_connect(f->sock, nl_coord_endpoint(coord), &err), &err);
+}
+
+/* f sends m; the coordinator must answer with an ERROR whose message
+ * holds want. */
+static void refused(fake *f, nl_wire_msg *m, const char *want, const char *what)
+{
+    nl_rx rx;
+    nl_rx_init(&rx);
+    fake_send(f, m);
+    CHECK(pump_until(f, NL_MSG_ERROR, &rx) && strstr(rx.msg.u.error.message, want),
+          "%s: %s", what, rx.msg.type == NL_MSG_ERROR ? rx.msg.u.error.message : "no ERROR");
+    nl_rx_free(&rx);
+}
+
+/* The status JSON the coordinator answers f's query with (malloc'd). */
+static char *status_text(fake *f)
+{
+    nl_wire_msg m;
+    nl_rx rx;
+    nl_rx_init(&rx);
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOB_QUERY);
+    m.u.job_ref.job_id = 0;
+    fake_send(f, &m);
+    char *text = NULL;
+    if (pump_until(f, NL_MSG_JOB_STATUS, &rx) && rx.msg.nframes == 1) {
+        const size_t n = (size_t)rx.msg.frames[0].t.shape[0];
+        if ((text = malloc(n + 1))) {
+            memcpy(text, rx.msg.frames[0].t.data, n);
+            text[n] = '\0';
+        }
+    }
+    nl_rx_free(&rx);
+    return text;
+}
+
+/* Issue 15, findings 2 and 7, on a CURVE coordinator whose authorized_keys
+ * gives each key a role: a client key cannot JOIN, report LOAD_DONE or
+ * GRAD_NORM; a node key cannot submit; a client's status shows no node's
+ * key or endpoint, an admin's does; and a connection that takes over a
+ * node's routing id with another key is not that node (its HEARTBEAT is
+ * refused). */
+static void test_roles(void)
+{
+    nl_coord *plain = coord;
+    char dir[256], path[400];
+    snprintf(dir, sizeof dir, "/tmp/nl_test_coord_roles_XXXXXX");
+    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    nl_keypair node, ckey, admin, other;
+    nl_error err = {0};
+    CHECK_OK(nl_keys_generate(&node, &err), &err);
+    CHECK_OK(nl_keys_generate(&ckey, &err), &err);
+    CHECK_OK(nl_keys_generate(&admin, &err), &err);
+    CHECK_OK(nl_keys_generate(&other, &err), &err);
+    snprintf(path, sizeof path, "%s/authorized_keys", dir);
+    FILE *fp = fopen(path, "w");
+    CHECK(fp != NULL, "%s", path);
+    if (!fp)
+        return;
+    fprintf(fp, "%s node  # a node\n%s client\n%s admin # the operator\n%s node\n",
+            node.public_z85, ckey.public_z85, admin.public_z85, other.public_z85);
+    fclose(fp);
+    nl_coord_opts o;
+    nl_coord_opts_init(&o);
+    o.listen = "tcp://127.0.0.1:*";
+    o.state_dir = dir;
+    o.min_nodes = 5; /* no plan: membership and roles only */
+    o.node_timeout_ms = 60000;
+    coord = NULL;
+    CHECK_OK(nl_coord_new(&coord, &o, &err), &err);
+    char server[NL_KEY_Z85_LEN + 1];
+    snprintf(path, sizeof path, "%s/coordinator.pub", dir);
+    if (!coord || nl_keys_load_public(server, path, &err) != NL_OK) {
+        nl_coord_destroy(&coord);
+        coord = plain;
+        return;
+    }
+    fake n, cl, ad, spoof;
+    curve_open(&n, &node, server, "nodeRID");
+    curve_open(&cl, &ckey, server, NULL);
+    curve_open(&ad, &admin, server, NULL);
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOIN);
+    m.u.join = (nl_msg_join){ckey.public_z85, "cpu", UINT64_MAX, 1e6, 1, "tcp://10.0.0.1:1"};
+    refused(&cl, &m, "not for a key of this role", "a client's JOIN");
+    nl_wire_msg_reset(&m, NL_MSG_LOAD_DONE);
+    m.u.load_done = (nl_msg_load_done){1, 1, 0, 0};
+    refused(&cl, &m, "not for a key of this role", "a client's LOAD_DONE");
+    nl_wire_msg_reset(&m, NL_MSG_GRAD_NORM);
+    m.u.grad_norm = (nl_msg_grad_norm){1, 1, 0, 1.0};
+    refused(&cl, &m, "not for a key of this role", "a client's GRAD_NORM");
+    nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
+    m.u.job_submit = (nl_msg_job_submit){NL_JOB_FORWARD, 0, NULL};
+    refused(&n, &m, "not for a key of this role", "a node's JOB_SUBMIT");
+    /* the node joins */
+    nl_rx rx;
+    nl_rx_init(&rx);
+    nl_wire_msg_reset(&m, NL_MSG_JOIN);
+    m.u.join = (nl_msg_join){node.public_z85, "cpu", 1ull << 30, 1.0, 1, "tcp://10.9.8.7:4242"};
+    fake_send(&n, &m);
+    uint32_t id = 0;
+    if (CHECK_PUMP(pump_until(&n, NL_MSG_ACCEPT, &rx)))
+        id = rx.msg.u.accept.node_id;
+    char *ct = status_text(&cl), *at = status_text(&ad);
+    CHECK(ct && strstr(ct, "\"nodes\"") && !strstr(ct, node.public_z85) &&
+              !strstr(ct, "10.9.8.7") && !strstr(ct, "\"endpoint\""),
+          "a client's status shows nodes' keys or endpoints: %s", ct ? ct : "(none)");
+    CHECK(at && strstr(at, node.public_z85) && strstr(at, "10.9.8.7"),
+          "an admin's status lacks the nodes: %s", at ? at : "(none)");
+    free(ct);
+    free(at);
+    /* another key takes over the node's routing id once it is gone */
+    nl_sock_destroy(&n.sock);
+    for (int i = 0; i < 60; i++)
+        nl_coord_step(coord, 5);
+    curve_open(&spoof, &other, server, "nodeRID");
+    nl_wire_msg_reset(&m, NL_MSG_HEARTBEAT);
+    m.u.heartbeat = (nl_msg_heartbeat){id, 1, 0, 0.0};
+    refused(&spoof, &m, "unknown node", "a HEARTBEAT under a node's routing id, another key");
+    nl_rx_free(&rx);
+    nl_sock_destroy(&spoof.sock);
+    nl_sock_destroy(&cl.sock);
+    nl_sock_destroy(&ad.sock);
+    nl_coord_destroy(&coord);
+    coord = plain;
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", dir);
 }
 
 int main(void)
@@ -670,14 +1078,17 @@ int main(void)
     nl_log_set_level(getenv("NL_TEST_VERBOSE") ? NL_LOG_DEBUG : NL_LOG_WARN);
     nl_error err = {0};
     CHECK_OK(nl_net_new(&net, NULL, &err), &err);
+    test_roles();
     start_coord();
     assigned a[2];
     if (test_join_plan(a)) {
         test_forward(a);
         test_generate(a);
-        test_slow_work(a);
+        test_train_paths(a);
         test_death(a);
         test_join_at_rest(a);
+        test_flood();
+        test_hostile_nodes(a);
     }
     nl_sock_destroy(&client.sock);
     nl_sock_destroy(&nodes[0].sock);

@@ -85,7 +85,7 @@ mkdir -p "$C/coord"
 for k in client node-1 node-2; do check "$N" keygen --out "$C/$k" > /dev/null; done
 cat "$C"/client.pub "$C"/node-1.pub "$C"/node-2.pub > "$C/coord/authorized_keys"
 "$COORD" --listen 'tcp://127.0.0.1:*' --state-dir "$C/coord" --min-nodes 2 --node-timeout-ms 2000 \
-  --model "$W/m.safetensors" > "$C/coord.log" 2>&1 &
+  --model "$W/m.safetensors" --data-root "$W" --checkpoint-root "$W" > "$C/coord.log" 2>&1 &
 pids+=($!)
 echo $! > "$C/coord.pid" # as cluster up writes it: --cluster checks that it runs
 for i in $(seq 1 100); do test -s "$C/coord/endpoint" && break; sleep 0.1; done

@@ -377,6 +377,50 @@ static void parity(int B, int T, int M, int steps, int64_t inject, bool recomput
     free_stages(NST);
 }
 
+/* Issue 15, finding 9: a previous stage that floods hops. Hidden states
+ * for a step past the next one are refused; for the next step, with an
+ * evaluation of 2^30 hops allowed (the count bound is then no bound), the
+ * queue stops at its byte bound (64 MiB) instead of exhausting memory. */
+static void flood(void)
+{
+    nl_error err;
+    const int bounds[NST + 1] = {0, 1, 2, 3};
+    const uint64_t job = 7;
+    make_stages(NST, bounds, 0, -1, 1);
+    begin_job(NST, job, 2, 4, 2, 1 << 30, false);
+    static float x[2 * 4 * 32];
+    static int32_t tgt[8];
+    const int64_t xs[3] = {2, 4, cfg.hidden_dim}, ts[2] = {2, 4};
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_ACTIVATION);
+    m.u.hop = (nl_msg_tensor_hop){job, 3, 0, 0, 0, 0.0};
+    nl_wire_frame_set(&m.frames[0], x, NL_DTYPE_F32, xs, 3);
+    nl_wire_frame_set(&m.frames[1], tgt, NL_DTYPE_I32, ts, 2);
+    m.frames[0].len = (size_t)(8 * cfg.hidden_dim) * sizeof(float);
+    m.frames[1].len = sizeof tgt;
+    m.nframes = 2;
+    CHECK(cfg.hidden_dim <= 32, "hidden_dim %d", cfg.hidden_dim);
+    CHECK(nl_stage_train_input(stages[1], &m, bus_send, &ctx_idx[1], &err) == NL_ERR_STATE &&
+              strstr(err.msg, "ahead"),
+          "a hop two steps ahead: %s", err.msg);
+    m.u.hop.step = 2; /* the step after the next: may overtake a STEP, and waits */
+    x[5] = NAN;
+    CHECK(nl_stage_train_input(stages[1], &m, bus_send, &ctx_idx[1], &err) == NL_ERR_RANGE &&
+              strstr(err.msg, "non-finite"),
+          "a NaN in the hidden states: %s", err.msg);
+    x[5] = 0.0f;
+    nl_status st = NL_OK;
+    int n = 0;
+    while (n < 200000 &&
+           (st = nl_stage_train_input(stages[1], &m, bus_send, &ctx_idx[1], &err)) == NL_OK)
+        n++;
+    CHECK(st == NL_ERR_LIMIT && strstr(err.msg, "bytes") && n > 1000 && n < 70000,
+          "a flood of %d hops: %s", n, st == NL_OK ? "accepted" : err.msg);
+    nl_wire_msg_free(&m);
+    free_stages(NST);
+}
+
 static void refusals(void)
 {
     nl_error err;
@@ -467,6 +511,7 @@ static void refusals(void)
           "end of the job");
     nl_wire_msg_free(&m);
     free_stages(NST);
+    flood();
 }
 
 /* The same pipeline and batches on 1 and on `replicas` replicas per stage:
