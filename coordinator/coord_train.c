@@ -40,6 +40,8 @@ typedef struct ctrain {
     int moments;
     int64_t adam; /* AdamW steps the stages have taken */
     int acks, norms, have_loss;
+    int skips;     /* steps skipped in a row (non-finite) */
+    int bad_stage; /* the stage whose report of this step was not finite, or -1 */
     uint8_t *got; /* per stage: GRAD_NORM (1) or CKPT_DONE (2) in */
     double sumsq, ce, aux, t_step, step_s;
     nl_step_result r;
@@ -282,6 +284,15 @@ static void decide(nl_coord *c, cjob *j)
     /* the decision local training makes too (core/train.h) */
     const double scale = nl_step_decide(r, t->ce, (double)t->batch * (double)t->seq, t->aux,
                                         c->cfg.aux_loss_coef, t->sumsq, NL_TRAIN_CLIP_NORM);
+    if (!r->skipped) {
+        t->skips = 0;
+    } else if (++t->skips >= NL_TRAIN_MAX_SKIPS) {
+        fail(c, j, "stage %d reported a non-finite %s for %d steps in a row (to step %lld): refused",
+             t->bad_stage, isfinite(r->loss) ? "gradient" : "loss", t->skips,
+             (long long)t->step + 1);
+        return;
+    }
+    t->bad_stage = -1;
     t->lr_now = nl_lr_at(t->step, t->steps, t->warmup, t->lr, t->min_lr);
     t->step_s = coord_now() - t->t_step;
     nl_wire_msg m;
@@ -748,6 +759,7 @@ static void train_submit(nl_coord *c, const nl_rx *rx)
         fail(c, j, "out of memory");
         return;
     }
+    t->bad_stage = -1;
     const char *resume = NULL, *bad = read_params(t, s, &resume);
     if (bad) {
         free(p);
@@ -836,11 +848,13 @@ static void on_grad_norm(nl_coord *c, cjob *j, const nl_rx *rx)
     if (!report_ok(c, j, rx, g->stage, TR_STEP) || g->step != (uint64_t)t->step + 1 ||
         t->got[g->stage])
         return;
-    if (!isfinite(g->sumsq) || g->sumsq < 0) { /* a real overflow is caught by the loss too */
+    if (g->sumsq < 0) { /* no sum of squares is negative: a lie */
         fail(c, j, "stage %u reported a gradient sum of squares of %g for step %lld: refused",
              g->stage, g->sumsq, (long long)t->step + 1);
         return;
     }
+    if (!isfinite(g->sumsq) && t->bad_stage < 0) /* the step is skipped (decide) */
+        t->bad_stage = (int)g->stage;
     j->last_progress = coord_now();
     t->got[g->stage] = 1;
     t->sumsq += g->sumsq;
@@ -856,11 +870,13 @@ static void on_loss(nl_coord *c, cjob *j, const nl_rx *rx)
     if (!l->eval) {
         if (!report_ok(c, j, rx, last, TR_STEP) || l->step != (uint64_t)t->step + 1 || t->have_loss)
             return;
-        if (!isfinite(l->ce_sum) || !isfinite(l->aux) || l->ce_sum < 0) {
+        if (l->ce_sum < 0) { /* a cross-entropy is never negative: a lie */
             fail(c, j, "stage %u (the last) reported a loss of %g (aux %g) for step %lld: refused",
                  last, l->ce_sum, l->aux, (long long)t->step + 1);
             return;
         }
+        if ((!isfinite(l->ce_sum) || !isfinite(l->aux)) && t->bad_stage < 0)
+            t->bad_stage = (int)last; /* the step is skipped (decide) */
         j->last_progress = coord_now();
         t->ce = l->ce_sum;
         t->aux = l->aux;

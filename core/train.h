@@ -114,6 +114,11 @@ typedef struct nl_step_result {
 
 /* The global-norm clip of every training step, local or on a cluster. */
 #define NL_TRAIN_CLIP_NORM 1.0
+/* A cluster training job skips a step whose gradient or loss is not
+ * finite, as local training does, but fails once this many steps in a row
+ * were skipped, naming the stage that reported it: a stage whose reports
+ * are never finite would otherwise hold the job, skipping for ever. */
+#define NL_TRAIN_MAX_SKIPS 3
 
 /* The decision of one optimizer step from what its stages saw, one policy
  * for local and cluster training: the loss (ce_sum over `rows`

@@ -68,8 +68,8 @@ static void help(FILE *f, const nl_flag *flags)
             "a node with neither refuses checkpoint requests. Files are 0600, directories 0700.\n"
             "Exit status: 0 stopped, 1 failed, 2 usage error.\n");
 #ifdef NL_TEST_HOOKS
-    fprintf(f, "This is a test build: NL_TEST_INJECT_NAN_STEP=K and NL_TEST_INJECT_NAN_STAGE=S\n"
-               "put a NaN into the gradient of step K on stage S.\n");
+    fprintf(f, "This is a test build: NL_TEST_INJECT_NAN_STEP=K (K+: from K on) and\n"
+               "NL_TEST_INJECT_NAN_STAGE=S put a NaN into the gradient of step K on stage S.\n");
 #endif
 }
 
@@ -140,11 +140,12 @@ static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypa
 #ifdef NL_TEST_HOOKS
     /* test hooks (test builds only: -DNL_TEST_HOOKS=ON):
      * NL_TEST_INJECT_NAN_STEP=K puts a NaN into the gradient of step index
-     * K (0-based, as neuroctl train's hook), on the stage
-     * NL_TEST_INJECT_NAN_STAGE (default: every stage) */
+     * K (0-based, as neuroctl train's hook), "K+" into every step from K
+     * on, on the stage NL_TEST_INJECT_NAN_STAGE (default: every stage) */
     const char *nan_step = getenv("NL_TEST_INJECT_NAN_STEP"),
                *nan_stage = getenv("NL_TEST_INJECT_NAN_STAGE");
     o->inject_nan_step = nan_step ? atoll(nan_step) + 1 : 0;
+    o->inject_nan_on = nan_step && strchr(nan_step, '+') != NULL;
     o->inject_nan_stage = nan_stage ? atoi(nan_stage) : -1;
 #endif
     /* test hook: NL_TEST_DEVICE_FAIL=K makes the device's K-th check fail

@@ -358,6 +358,7 @@ static nl_status start(node *n, nl_error *err)
                         .ckpt_root = n->ckpt_root ? n->ckpt_root : "/nonexistent",
                         .inject_nan_step = o->inject_nan_step,
                         .inject_nan_stage = o->inject_nan_stage,
+                        .inject_nan_on = o->inject_nan_on,
                         .tf32 = o->tf32};
     if ((st = nl_stage_new_replicas(&n->stage, n->dev.be, n->dev.n, n->dev.comm, &so, err)) != NL_OK ||
         (st = nl_net_new(&n->net, NULL, err)) != NL_OK ||

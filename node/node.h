@@ -73,6 +73,7 @@ typedef struct nl_node_opts {
                                   * resolved at the start; "/" admits any); NULL: none written */
     int64_t inject_nan_step;     /* test hook (NL_TEST_INJECT_NAN_STEP): 1-based step, 0 never */
     int inject_nan_stage;        /* ... on this stage only (-1 any) */
+    int inject_nan_on;           /* ... and on every later step */
     int inject_device_fail;      /* test hook (NL_TEST_DEVICE_FAIL): the device's K-th check
                                   * after the start fails, and every later one (0 never) */
     double inject_gflops;        /* test hook (NL_TEST_GFLOPS): reported throughput, if > 0 */

@@ -35,6 +35,7 @@ typedef struct nl_stage_opts {
     const char *ckpt_root;   /* CKPT_REQ directories must lie under it; NULL: any absolute path */
     int64_t inject_nan_step; /* test hook: a NaN in the gradient of this 1-based step (0: never) */
     int inject_nan_stage;    /* ... on this stage only (-1: any) */
+    int inject_nan_on;       /* ... and on every later step */
     int tf32;                /* the backend allows TF32 (--tf32): recorded in training shards */
 } nl_stage_opts;
 

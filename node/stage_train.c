@@ -496,7 +496,10 @@ static nl_status run_hop(nl_stage *s, const hop_in *h, nl_stage_send_fn send, vo
         begin(t, h->step);
     const int slot = slot_of(t, h->mb);
     double ce = 0.0, a = 0.0;
-    if (s->o.inject_nan_step > 0 && h->step == (uint64_t)s->o.inject_nan_step && t->fwd == 0 &&
+    if (s->o.inject_nan_step > 0 &&
+        (h->step == (uint64_t)s->o.inject_nan_step ||
+         (s->o.inject_nan_on && h->step > (uint64_t)s->o.inject_nan_step)) &&
+        t->fwd == 0 &&
         (s->o.inject_nan_stage < 0 || s->o.inject_nan_stage == s->stage_idx)) {
         NL_WARN("test hook: a NaN goes into this stage's gradient at step %llu",
                 (unsigned long long)h->step);

@@ -133,7 +133,7 @@ EPC=$(cat "$C/coord/endpoint")
 nkey=$(cat "$C/node-1.pub")
 plain=$("$N" status --coordinator "$EPC" --key "$W/plain.key" --coordinator-key "$C/coord/coordinator.pub" --json 2>&1)
 check grep -q '"nodes"' <<< "$plain"
-check test "$(grep -c -- "$nkey" <<< "$plain")" -eq 0
+check test "$(grep -cF -- "$nkey" <<< "$plain")" -eq 0
 check grep -qF -- "$nkey" <<< "$("$N" status --cluster "$C" --json 2>&1)"
 timeout 20 "$(dirname "$N")/../node/neuronode" join "$EPC" --key "$W/plain.key" \
   --coordinator-key "$C/coord/coordinator.pub" --memory 64M --threads 1 --connect-timeout 3 \

@@ -207,6 +207,18 @@ check $PY "$W/cmp.py" skipped "$W/nan.jsonl" 3
 check $PY "$W/cmp.py" logs "$W/nan.jsonl" "$W/nanlocal.jsonl" 1 5
 check grep -q "non-finite" "$W/nan.err"
 check "$N" cluster down --dir "$C4"
+# a stage whose gradient is never finite again: NL_TRAIN_MAX_SKIPS (3) steps
+# are skipped, then the job fails naming it, not skipping for ever
+C5="$W/c5"
+check env NL_TEST_INJECT_NAN_STEP=1+ NL_TEST_INJECT_NAN_STAGE=1 \
+  "$N" cluster up "${DEV[@]}" --dir "$C5" --nodes 3 --model "$W/m.safetensors" --memory 64M --threads 1 \
+  --node-timeout-ms 2000 --timeout 60
+"$N" train --cluster "$C5" --data "$W/data.txt" --steps 8 --batch 8 --seq 32 --microbatches 2 \
+  --lr 3e-3 --seed 1 --checkpoint-dir "$W/ck5" 2> "$W/nan5.err"
+rc=$?
+check test $rc -eq 1
+check grep -q "stage 1 reported a non-finite gradient for 3 steps in a row (to step 4)" "$W/nan5.err"
+check "$N" cluster down --dir "$C5"
 else
   echo "skipped: the NaN guard across stages (neuronode built without -DNL_TEST_HOOKS=ON)"
 fi
