@@ -11,6 +11,7 @@
  * which holds for any real allocation. NULL stays NULL both ways. */
 #include "backend.h"
 #include "backend_impl.h"
+#include "cpu/cpu_ops.h"
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -231,16 +232,18 @@ static void ds_gemm_grouped(nl_backend *be, int trans_b, int N, int K, const flo
                             const float *B, int ldb, size_t b_stride, float *C, int ldc,
                             const int32_t *offsets, int groups, int max_rows)
 {
-    cpu(be)->gemm_grouped(cpu(be), trans_b, N, K, UF(A), lda, UF(B), ldb, b_stride, UF(C), ldc,
-                          UI(offsets), groups, max_rows);
+    /* the CPU backend's per-group calls, through this table's gemm (so a
+     * caller that wraps gemm, as core/batch.c does, sees every call); the
+     * offsets are read here, as the device itself would */
+    nl_cpu_gemm_grouped(be, trans_b, N, K, A, lda, B, ldb, b_stride, C, ldc, UI(offsets), groups,
+                        max_rows);
 }
 
 static void ds_gemm_grouped_wgrad(nl_backend *be, int M, int N, const float *A, int lda,
                                   const float *B, int ldb, float *C, int ldc, size_t c_stride,
                                   const int32_t *offsets, int groups)
 {
-    cpu(be)->gemm_grouped_wgrad(cpu(be), M, N, UF(A), lda, UF(B), ldb, UF(C), ldc, c_stride,
-                                UI(offsets), groups);
+    nl_cpu_gemm_grouped_wgrad(be, M, N, A, lda, B, ldb, C, ldc, c_stride, UI(offsets), groups);
 }
 
 /* ---------------------------------------------------------------- table */
