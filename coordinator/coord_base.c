@@ -223,6 +223,8 @@ void coord_status_to(nl_coord *c, const uint8_t *rid, size_t rid_len, uint64_t j
     if (nl_sock_send(c->ctl, rid, rid_len, &m, &e) != NL_OK)
         NL_WARN("JOB_STATUS to a client: %s", e.msg);
     nl_wire_msg_free(&m);
+    if (c->observe)
+        c->observe(c->observe_ctx, job, state, msg, json);
 }
 
 cjob *coord_job_find(nl_coord *c, uint64_t id)
