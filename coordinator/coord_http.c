@@ -590,7 +590,7 @@ static char *be_status(void *ctx)
                                     isfinite(h->train_loss) ? h->train_loss : -1.0,
                                     "tokens_per_s", h->train_tps)
                         : json_null();
-    json_object_set_new(st, "sessions", json_pack("{s:i}", "active", h->active));
+    json_object_set_new(st, "sessions", json_pack("{s:i,s:i}", "active", h->active, "queued", 0));
     json_object_set_new(st, "tokens_generated", json_integer((json_int_t)h->tokens));
     pthread_mutex_unlock(&h->mu);
     json_t *cfg = json_object_get(st, "config"), *nodes = json_object_get(st, "nodes"), *n;
