@@ -7,8 +7,11 @@ cluster up --http):
         same seed; streaming gives the same ids chunk by chunk; malformed
         requests get 4xx with a message and the server stays up; a client
         dropped mid-stream cancels its job: the coordinator says so, every
-        stage closes the session (its KV cache freed) and /metrics counts it
-  web   while the cluster trains: headless Chromium renders the dashboard
+        stage closes the session (its KV cache freed) and /metrics counts it;
+        after SIGHUP reloads authorized_keys the HTTP side's in-memory key is
+        still admitted
+  web   with --http-tokens passed on by cluster up (401 without one), and
+        while the cluster trains: headless Chromium renders the dashboard
         (one row per node, a loss chart with points; the screenshot is kept
         as $NL_BUILD_DIR/tests/serve-cluster-dashboard.png), /api/events
         carries join, plan and train_step events, and promtool accepts
@@ -19,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -42,9 +46,12 @@ def check(cond, msg):
         print("FAIL:", msg, file=sys.stderr)
 
 
+HDR = {}  # Authorization, when the cluster's HTTP takes tokens
+
+
 def post(url, body, timeout=60):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    rq = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    rq = urllib.request.Request(url, data=data, headers=dict(HDR, **{"Content-Type": "application/json"}))
     try:
         with urllib.request.urlopen(rq, timeout=timeout) as r:
             return r.status, r.read()
@@ -53,7 +60,7 @@ def post(url, body, timeout=60):
 
 
 def get(url, timeout=30):
-    with urllib.request.urlopen(url, timeout=timeout) as r:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=HDR), timeout=timeout) as r:
         return r.read().decode()
 
 
@@ -171,11 +178,17 @@ def test_api(url):
                 break
             time.sleep(0.2)
         check(all(closed), "every stage closed the dropped session: %s" % closed)
-    # still serving
+    # still serving, also after SIGHUP reloads authorized_keys (the HTTP
+    # side's key is admitted in memory, not from the file)
+    os.kill(int(open(W + "/c/coord.pid").read().split()[0]), signal.SIGHUP)
+    deadline = time.time() + 10
+    while time.time() < deadline and "SIGHUP: reloaded" not in open(W + "/c/coord.log").read():
+        time.sleep(0.1)
+    check("SIGHUP: reloaded" in open(W + "/c/coord.log").read(), "the coordinator reloaded its keys")
     code, body = post(url + "v1/completions", {"prompt": [1, 2, 3], "max_tokens": 10,
                                                "temperature": 0})
     check(code == 200 and json.loads(body)["choices"][0]["token_ids"] ==
-          local_ids([1, 2, 3], 10, 0.0, 1.0, 0), "served after the cancel")
+          local_ids([1, 2, 3], 10, 0.0, 1.0, 0), "served after the cancel and a SIGHUP: %d %s" % (code, body[:300]))
 
 
 def test_web(url):
@@ -183,6 +196,13 @@ def test_web(url):
         if not shutil.which(tool):
             print("SKIP: %s is not installed" % tool)
             sys.exit(77)
+    # the tokens passed on by cluster up: 401 without one
+    try:
+        urllib.request.urlopen(url + "metrics", timeout=10)
+        check(False, "/metrics answered without a token")
+    except urllib.error.HTTPError as e:
+        check(e.code == 401, "/metrics without a token: %d" % e.code)
+    HDR["Authorization"] = "Bearer " + TOKEN
     with open(W + "/data.txt", "w") as f:
         for name in ("README.md", "docs/ARCHITECTURE.md"):
             f.write(open(os.path.join(S, name)).read())
@@ -203,7 +223,8 @@ def test_web(url):
                   'neurollm_node_layers{node="node-1"}', "neurollm_tokens_generated_total"):
             check(m in metrics, "/metrics lacks " + m)
         # the event feed: what a new client gets first
-        with urllib.request.urlopen(url + "api/events", timeout=10) as r:
+        with urllib.request.urlopen(urllib.request.Request(url + "api/events", headers=HDR),
+                                    timeout=10) as r:
             seen, t0 = set(), time.time()
             for line in r:
                 line = line.decode().strip()
@@ -218,9 +239,10 @@ def test_web(url):
         ch = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
               "--user-data-dir=" + W + "/chrome", "--virtual-time-budget=5000",
               "--window-size=1280,1000"]
-        dom = subprocess.run(ch + ["--dump-dom", url], capture_output=True, text=True,
+        page = url + "#token=" + TOKEN
+        dom = subprocess.run(ch + ["--dump-dom", page], capture_output=True, text=True,
                              timeout=120).stdout
-        subprocess.run(ch + ["--screenshot=" + shot, url], capture_output=True, timeout=120)
+        subprocess.run(ch + ["--screenshot=" + shot, page], capture_output=True, timeout=120)
         rows = dom.count('<tr class="node">')
         check(rows == 3, "%d node rows, expected 3" % rows)
         m = re.search(r'id="loss-chart" data-points="(\d+)"', dom)
@@ -234,8 +256,14 @@ def test_web(url):
 
 
 W = tempfile.mkdtemp()
+TOKEN = "test-token-0123456789abcdef"
 try:
-    URL = cluster_up(W, [])
+    extra = []
+    if what == "web":
+        with open(W + "/tokens", "w") as f:
+            f.write(TOKEN + "\n")
+        extra = ["--http-tokens", W + "/tokens"]
+    URL = cluster_up(W, extra)
     if URL:
         (test_api if what == "api" else test_web)(URL)
 finally:
