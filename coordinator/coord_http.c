@@ -183,15 +183,17 @@ static void diff_status(nl_coord_http *h, json_t *st)
             snprintf(name, sizeof name, "node-%lld", (long long)id);
             publish(h, "join",
                     json_pack("{s:s,s:I,s:O,s:O}", "node", name, "id", (json_int_t)id, "device",
-                              json_object_get(n, "device"), "memory", json_object_get(n, "memory")));
+                              json_object_get(n, "device"), "memory",
+                              json_object_get(n, "memory")));
         }
         if (s && strcmp(s->state, state) != 0) {
             const char *type = strcmp(state, "dead") == 0   ? "death"
                                : strcmp(state, "left") == 0 ? "leave"
                                                             : "node";
             if (s->state[0] || strcmp(type, "node") != 0)
-                publish(h, type, json_pack("{s:I,s:s,s:s}", "id", (json_int_t)id, "state", state,
-                                           "was", s->state[0] ? s->state : "new"));
+                publish(h, type,
+                        json_pack("{s:I,s:s,s:s}", "id", (json_int_t)id, "state", state, "was",
+                                  s->state[0] ? s->state : "new"));
             snprintf(s->state, sizeof s->state, "%s", state);
         }
     }
@@ -202,9 +204,9 @@ static void diff_status(nl_coord_http *h, json_t *st)
         {
             json_t *l = json_object_get(n, "layers");
             if (l)
-                json_array_append_new(stages, json_pack("{s:O,s:O,s:O}", "id",
-                                                        json_object_get(n, "id"), "stage",
-                                                        json_object_get(n, "stage"), "layers", l));
+                json_array_append_new(stages,
+                                      json_pack("{s:O,s:O,s:O}", "id", json_object_get(n, "id"),
+                                                "stage", json_object_get(n, "stage"), "layers", l));
         }
         publish(h, "plan", json_pack("{s:I,s:o}", "epoch", (json_int_t)epoch, "stages", stages));
         h->epoch = epoch;
@@ -323,8 +325,9 @@ static void on_report(void *ctx, uint64_t job, int state, const char *msg, const
                           "loss", loss ? loss : json_null(), "tokens_per_s",
                           json_object_get(o, "tokens_per_s")));
         if (json_is_number(eval))
-            publish(h, "eval", json_pack("{s:I,s:I,s:O}", "job", (json_int_t)job, "step",
-                                         (json_int_t)step, "loss", eval));
+            publish(h, "eval",
+                    json_pack("{s:I,s:I,s:O}", "job", (json_int_t)job, "step", (json_int_t)step,
+                              "loss", eval));
     } else {
         char type[64];
         snprintf(type, sizeof type, "train_%s", ev);
@@ -370,8 +373,8 @@ static nl_status prompt_ids(nl_coord_http *h, const nl_http_completion *rq, int3
         if ((*out)[i] < 0 || (*out)[i] >= V) {
             free(*out);
             *out = NULL;
-            return nl_error_set(err, NL_ERR_RANGE, "prompt: token %d at %d is outside 0..%lld",
-                                i, i, (long long)V - 1);
+            return nl_error_set(err, NL_ERR_RANGE, "prompt: token %d at %d is outside 0..%lld", i,
+                                i, (long long)V - 1);
         }
     return NL_OK;
 }
@@ -403,9 +406,9 @@ static nl_status be_start(void *ctx, const nl_http_completion *rq, void **jobp, 
         goto out;
     }
     if (P >= ctxlen) {
-        st = nl_error_set(err, NL_ERR_RANGE,
-                          "prompt: %d tokens leave no room in the model's context of %d", P,
-                          ctxlen);
+        st =
+            nl_error_set(err, NL_ERR_RANGE,
+                         "prompt: %d tokens leave no room in the model's context of %d", P, ctxlen);
         goto out;
     }
     if (rq->max_tokens > ctxlen - P) {
@@ -587,8 +590,8 @@ static char *be_status(void *ctx)
     const double tps = h->tps;
     json_t *train = h->have_train
                         ? json_pack("{s:I,s:f,s:f}", "step", (json_int_t)h->train_step, "loss",
-                                    isfinite(h->train_loss) ? h->train_loss : -1.0,
-                                    "tokens_per_s", h->train_tps)
+                                    isfinite(h->train_loss) ? h->train_loss : -1.0, "tokens_per_s",
+                                    h->train_tps)
                         : json_null();
     json_object_set_new(st, "sessions", json_pack("{s:i,s:i}", "active", h->active, "queued", 0));
     json_object_set_new(st, "tokens_generated", json_integer((json_int_t)h->tokens));
@@ -610,7 +613,8 @@ static char *be_status(void *ctx)
         snprintf(name, sizeof name, "node-%lld",
                  (long long)json_integer_value(json_object_get(n, "id")));
         const int serving = strcmp(node_state(n), "serving") == 0;
-        json_t *planned = json_object_get(n, "memory_planned"), *pred = json_object_get(n, "predicted_s");
+        json_t *planned = json_object_get(n, "memory_planned"),
+               *pred = json_object_get(n, "predicted_s");
         json_object_set_new(n, "name", json_string(name));
         json_object_set(n, "memory_offered", json_object_get(n, "memory"));
         json_object_set_new(n, "memory_used", json_integer(json_integer_value(planned)));
@@ -650,7 +654,8 @@ static void put(char **s, size_t *n, size_t *cap, const char *fmt, ...)
     }
 }
 
-#define HELP(name, type, help) put(&s, &n, &cap, "# HELP " name " " help "\n# TYPE " name " " type "\n")
+#define HELP(name, type, help)                                                                     \
+    put(&s, &n, &cap, "# HELP " name " " help "\n# TYPE " name " " type "\n")
 
 static char *be_metrics(void *ctx)
 {
@@ -682,20 +687,20 @@ static char *be_metrics(void *ctx)
     }
     HELP("neurollm_node_memory_offered_bytes", "gauge", "Memory a node offered when it joined.");
     json_array_foreach(nodes, i, o)
-    put(&s, &n, &cap, "neurollm_node_memory_offered_bytes{node=\"node-%lld\"} %lld\n",
-        (long long)json_integer_value(json_object_get(o, "id")),
-        (long long)json_integer_value(json_object_get(o, "memory")));
+        put(&s, &n, &cap, "neurollm_node_memory_offered_bytes{node=\"node-%lld\"} %lld\n",
+            (long long)json_integer_value(json_object_get(o, "id")),
+            (long long)json_integer_value(json_object_get(o, "memory")));
     HELP("neurollm_node_memory_planned_bytes", "gauge", "Memory the plan gives a node's stage.");
     json_array_foreach(nodes, i, o)
-    put(&s, &n, &cap, "neurollm_node_memory_planned_bytes{node=\"node-%lld\"} %lld\n",
-        (long long)json_integer_value(json_object_get(o, "id")),
-        (long long)json_integer_value(json_object_get(o, "memory_planned")));
+        put(&s, &n, &cap, "neurollm_node_memory_planned_bytes{node=\"node-%lld\"} %lld\n",
+            (long long)json_integer_value(json_object_get(o, "id")),
+            (long long)json_integer_value(json_object_get(o, "memory_planned")));
     HELP("neurollm_node_stage_predicted_seconds", "gauge",
          "The planner's time for one request row through a node's stage.");
     json_array_foreach(nodes, i, o)
-    put(&s, &n, &cap, "neurollm_node_stage_predicted_seconds{node=\"node-%lld\"} %.9g\n",
-        (long long)json_integer_value(json_object_get(o, "id")),
-        json_number_value(json_object_get(o, "predicted_s")));
+        put(&s, &n, &cap, "neurollm_node_stage_predicted_seconds{node=\"node-%lld\"} %.9g\n",
+            (long long)json_integer_value(json_object_get(o, "id")),
+            json_number_value(json_object_get(o, "predicted_s")));
     HELP("neurollm_plan_epoch", "gauge", "The placement generation.");
     put(&s, &n, &cap, "neurollm_plan_epoch %lld\n", (long long)h->epoch);
     HELP("neurollm_tokens_generated_total", "counter", "Tokens relayed to HTTP clients.");
@@ -735,8 +740,7 @@ static void local_endpoint(char *out, size_t cap, const char *ep)
     const char *host = strstr(ep, "://");
     const char *colon = strrchr(ep, ':');
     host = host ? host + 3 : ep;
-    if (colon && colon > host &&
-        (strncmp(host, "0.0.0.0:", 8) == 0 || strncmp(host, "*:", 2) == 0))
+    if (colon && colon > host && (strncmp(host, "0.0.0.0:", 8) == 0 || strncmp(host, "*:", 2) == 0))
         snprintf(out, cap, "tcp://127.0.0.1%s", colon);
     else
         snprintf(out, cap, "%s", ep);

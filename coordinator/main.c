@@ -6,9 +6,9 @@
 
 #include "base/args.h"
 #include "base/log.h"
-#include "core/fileio.h"
 #include "coord.h"
 #include "coord_http.h"
+#include "core/fileio.h"
 #include "net/auth.h"
 
 static volatile sig_atomic_t stop_flag;
@@ -133,7 +133,8 @@ int main(int argc, char **argv)
     nl_http_opts ho = {.addr = http, .tokens_path = nl_args_get(flags, "http-tokens")};
     rc = 0;
     if (nl_auth_hup_install(&err) != NL_OK || nl_coord_new(&c, &o, &err) != NL_OK ||
-        (http && nl_coord_http_start(&web, c, model_name(&o), o.state_dir, o.plaintext, &ho, &err) != NL_OK))
+        (http && nl_coord_http_start(&web, c, model_name(&o), o.state_dir, o.plaintext, &ho,
+                                     &err) != NL_OK))
         rc = 1;
     if (rc == 0 && web) { /* say where, and keep it in STATE_DIR/http for cluster up */
         const char *colon = strrchr(http, ':');

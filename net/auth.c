@@ -18,7 +18,7 @@
 typedef struct domain {
     char name[NL_ZAP_DOMAIN_MAX];
     nl_keylist keys;
-    char *path; /* watched authorized_keys file, or NULL */
+    char *path;        /* watched authorized_keys file, or NULL */
     nl_keylist pinned; /* admitted whatever the file says (nl_auth_pin_key) */
     bool plaintext;
 } domain;
@@ -215,7 +215,8 @@ static void install_keys(domain *d, nl_keylist *kl)
 {
     nl_error e;
     for (size_t i = 0; i < d->pinned.n; i++)
-        if (!nl_keylist_has(kl, d->pinned.keys[i]) && nl_keylist_add(kl, d->pinned.keys[i], &e) != NL_OK)
+        if (!nl_keylist_has(kl, d->pinned.keys[i]) &&
+            nl_keylist_add(kl, d->pinned.keys[i], &e) != NL_OK)
             NL_WARN("auth: domain %s: a pinned key is left out: %s", d->name, e.msg);
     nl_keylist_sort(kl);
     nl_keylist_free(&d->keys);
@@ -333,7 +334,8 @@ nl_status nl_auth_pin_key(nl_auth *a, const char *domain_name, const char *z85, 
     st = get_domain(a, domain_name, &d, err);
     if (st == NL_OK && !nl_keylist_has(&d->pinned, k))
         st = nl_keylist_add(&d->pinned, k, err);
-    if (st == NL_OK && !nl_keylist_has(&d->keys, k) && (st = nl_keylist_add(&d->keys, k, err)) == NL_OK)
+    if (st == NL_OK && !nl_keylist_has(&d->keys, k) &&
+        (st = nl_keylist_add(&d->keys, k, err)) == NL_OK)
         nl_keylist_sort(&d->keys);
     pthread_mutex_unlock(&a->mu);
     return st;
