@@ -400,7 +400,15 @@ static nl_status be_start(void *ctx, const nl_http_completion *rq, void **jobp, 
         return st;
     pthread_mutex_lock(&h->mu);
     const int ctxlen = h->max_seq;
+    const int ready = json_is_true(json_object_get(h->status, "ready"));
+    const char *cs = json_string_value(json_object_get(h->status, "state"));
+    char state[256];
+    snprintf(state, sizeof state, "%s", cs ? cs : "unknown");
     pthread_mutex_unlock(&h->mu);
+    if (!ready) { /* as the coordinator would answer the job, but as a 503 */
+        st = nl_error_set(err, NL_ERR_STATE, "the cluster is not ready: %s", state);
+        goto out;
+    }
     if (P == 0) {
         st = nl_error_set(err, NL_ERR_INVALID, "prompt: no tokens");
         goto out;

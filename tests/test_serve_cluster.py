@@ -9,7 +9,8 @@ cluster up --http):
         dropped mid-stream cancels its job: the coordinator says so, every
         stage closes the session (its KV cache freed) and /metrics counts it;
         after SIGHUP reloads authorized_keys the HTTP side's in-memory key is
-        still admitted
+        still admitted; a coordinator without nodes (--plaintext) answers
+        503 and stops cleanly
   web   with --http-tokens passed on by cluster up (401 without one), and
         while the cluster trains: headless Chromium renders the dashboard
         (one row per node, a loss chart with points; the screenshot is kept
@@ -189,6 +190,33 @@ def test_api(url):
                                                "temperature": 0})
     check(code == 200 and json.loads(body)["choices"][0]["token_ids"] ==
           local_ids([1, 2, 3], 10, 0.0, 1.0, 0), "served after the cancel and a SIGHUP: %d %s" % (code, body[:300]))
+    test_not_ready()
+
+
+def test_not_ready():
+    """A coordinator with no nodes (and --plaintext, the other client path):
+    /api/status says so, a completion gets 503 with the state."""
+    st = W + "/lonely"
+    p = subprocess.Popen([os.path.join(B, "coordinator", "neurocoord"), "--listen",
+                          "tcp://127.0.0.1:*", "--state-dir", st, "--model", W + "/m.safetensors",
+                          "--plaintext", "--http", "127.0.0.1:0"],
+                         stdout=subprocess.DEVNULL, stderr=open(W + "/lonely.log", "w"))
+    try:
+        deadline = time.time() + 20
+        while time.time() < deadline and not os.path.exists(st + "/http"):
+            time.sleep(0.1)
+        url = open(st + "/http").read().strip()
+        state = None
+        while time.time() < deadline and state is None:
+            state = json.loads(get(url + "api/status")).get("ready")
+            time.sleep(0.1)
+        check(state is False, "a coordinator without nodes: ready %s" % state)
+        code, body = post(url + "v1/completions", {"prompt": [1, 2], "max_tokens": 2})
+        check(code == 503 and b"not ready: waiting for nodes" in body,
+              "completion on a cluster without nodes: %d %s" % (code, body[:200]))
+    finally:
+        p.terminate()
+        check(p.wait(timeout=30) == 0, "neurocoord --http stops cleanly on SIGTERM")
 
 
 def test_web(url):
