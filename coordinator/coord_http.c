@@ -71,6 +71,7 @@ typedef struct gen {
     int32_t *ids; /* (max_new) received */
     int n, max_new, consumed;
     int done, failed, counted;
+    int cancelled; /* the coordinator confirmed our JOB_CANCEL */
     char why[NL_ERROR_MSG_MAX];
 } gen;
 
@@ -218,8 +219,9 @@ static void diff_status(nl_coord_http *h, json_t *st)
     }
 }
 
-/* Keep the status (and the tokenizer, once); say what changed. */
-static void take_status(nl_coord_http *h, json_t *st)
+/* Keep the status (and the tokenizer, once); with diff (the poller's
+ * thread only), say what changed. */
+static void take_status(nl_coord_http *h, json_t *st, int diff)
 {
     nl_tokenizer *tok = NULL;
     json_t *t = json_object_get(st, "tokenizer"), *cfg = json_object_get(st, "config");
@@ -234,7 +236,8 @@ static void take_status(nl_coord_http *h, json_t *st)
     else if (need_tok && !json_is_string(t) && vocab > 0 && vocab <= 256)
         nl_tokenizer_new_bytes(&tok, &e);
     json_object_del(st, "tokenizer");
-    diff_status(h, st);
+    if (diff)
+        diff_status(h, st);
     pthread_mutex_lock(&h->mu);
     json_decref(h->status);
     h->status = st;
@@ -262,7 +265,7 @@ static void *poller_main(void *arg)
             NL_WARN("http: status: %s", e.msg);
         json_t *st = s ? query_status(s, &e) : NULL;
         if (st)
-            take_status(h, st);
+            take_status(h, st, 1);
         else if (s) { /* the connection may be stale: open another next time */
             NL_WARN("http: status: %s", e.msg);
             nl_sock_destroy(&s);
@@ -388,6 +391,21 @@ static void gen_free(gen *g)
     free(g);
 }
 
+/* The poller's status may be up to POLL_MS old: before a request is
+ * refused as "not ready", ask the coordinator afresh. */
+static void refresh_if_not_ready(nl_coord_http *h)
+{
+    pthread_mutex_lock(&h->mu);
+    const int ready = json_is_true(json_object_get(h->status, "ready"));
+    pthread_mutex_unlock(&h->mu);
+    nl_sock *s = NULL;
+    nl_error e = {0};
+    json_t *st = NULL;
+    if (!ready && open_client(h, &s, &e) == NL_OK && (st = query_status(s, &e)) != NULL)
+        take_status(h, st, 0);
+    nl_sock_destroy(&s);
+}
+
 static nl_status be_start(void *ctx, const nl_http_completion *rq, void **jobp, int *ptoks,
                           nl_error *err)
 {
@@ -395,6 +413,7 @@ static nl_status be_start(void *ctx, const nl_http_completion *rq, void **jobp, 
     int32_t *prompt = NULL;
     int P = 0;
     gen *g = NULL;
+    refresh_if_not_ready(h);
     nl_status st = prompt_ids(h, rq, &prompt, &P, err);
     if (st != NL_OK)
         return st;
@@ -479,6 +498,7 @@ static void gen_take(gen *g, const nl_rx *rx)
             g->job = s->job_id;
         else if (s->state == NL_JOB_FAILED || s->state == NL_JOB_CANCELLED) {
             g->failed = 1;
+            g->cancelled = s->state == NL_JOB_CANCELLED;
             snprintf(g->why, sizeof g->why, "job %" PRIu64 " %s: %s", s->job_id,
                      s->state == NL_JOB_FAILED ? "failed" : "was cancelled", s->message);
         }
@@ -548,33 +568,35 @@ static void be_end(void *ctx, void *jp)
 {
     nl_coord_http *h = ctx;
     gen *g = jp;
-    int cancelled = 0;
+    nl_rx rx;
+    nl_rx_init(&rx);
+    nl_error e = {0};
+    /* what already came: the job may have ended meanwhile */
+    while (!g->done && !g->failed && nl_sock_recv(g->s, &rx, 0, &e) == NL_OK)
+        gen_take(g, &rx);
     if (!g->done && !g->failed) {
-        nl_rx rx;
-        nl_rx_init(&rx);
-        nl_error e = {0};
         const double by = now_s() + CANCEL_WAIT_S;
         /* the coordinator names the job in its first answer */
         while (!g->job && !g->failed && now_s() < by)
             if (nl_sock_recv(g->s, &rx, 100, &e) == NL_OK)
                 gen_take(g, &rx);
-        if (g->job && send_ref(g->s, NL_MSG_JOB_CANCEL, g->job, &e) == NL_OK) {
-            cancelled = 1;
+        if (g->job && !g->failed && send_ref(g->s, NL_MSG_JOB_CANCEL, g->job, &e) == NL_OK)
             while (!g->failed && now_s() < by)
                 if (nl_sock_recv(g->s, &rx, 100, &e) == NL_OK)
                     gen_take(g, &rx);
-        }
-        if (!g->failed)
-            NL_WARN("http: job %" PRIu64 ": no answer to its cancel", g->job);
-        else
+        if (g->cancelled)
             NL_INFO("http: job %" PRIu64 " cancelled: its client went away", g->job);
-        nl_rx_free(&rx);
+        else if (g->failed)
+            NL_INFO("http: job %" PRIu64 " ended before its client went away: %s", g->job, g->why);
+        else
+            NL_WARN("http: job %" PRIu64 ": no answer to its cancel", g->job);
     }
+    nl_rx_free(&rx);
     pthread_mutex_lock(&h->mu);
     if (g->counted)
         h->active--;
     h->finished++;
-    h->cancelled += (uint64_t)cancelled;
+    h->cancelled += (uint64_t)g->cancelled;
     pthread_mutex_unlock(&h->mu);
     gen_free(g);
 }
