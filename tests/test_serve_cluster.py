@@ -146,15 +146,20 @@ def test_api(url):
     code, text = post(url + "v1/embeddings", {"input": "hi"})
     check(code == 501 and b"neuroctl serve" in text, "embeddings on a cluster: %d %s" % (code, text))
     check(json.loads(get(url + "v1/models"))["data"][0]["id"] == "m.safetensors", "/v1/models")
-    deadline = time.time() + 10  # the status is polled: it may lag cluster up by 0.5 s
+    # the status is polled: it may lag cluster up by 0.5 s. The planner may
+    # leave a node that measured slow (a loaded machine) on standby.
+    deadline = time.time() + 10
     while True:
         st = json.loads(get(url + "api/status"))
-        if time.time() > deadline or [n["state"] for n in st["nodes"]] == ["serving"] * 3:
+        states = sorted(n["state"] for n in st["nodes"])
+        if time.time() > deadline or set(states) <= {"serving", "standby"}:
             break
         time.sleep(0.1)
-    check(len(st["nodes"]) == 3 and all(n["state"] == "serving" and n["layers"] and
-                                         n["name"].startswith("node-") and n["memory_offered"] > 0
-                                         for n in st["nodes"]), "status nodes: %s" % st["nodes"])
+    serving = [n for n in st["nodes"] if n["state"] == "serving"]
+    check(len(st["nodes"]) == 3 and set(states) <= {"serving", "standby"} and serving and
+          all(n["layers"] and n["memory_used"] > 0 for n in serving) and
+          all(n["name"].startswith("node-") and n["memory_offered"] > 0 for n in st["nodes"]),
+          "status nodes: %s" % st["nodes"])
     # a client dropped mid-stream: its job is cancelled on every stage (tried
     # again if the generation had already ended when the drop was noticed)
     host, port = re.match(r"http://([0-9.]+):(\d+)/", url).groups()
@@ -187,10 +192,11 @@ def test_api(url):
         while time.time() < deadline:
             closed = [bool(re.search(pat, open("%s/c/node-%d.log" % (W, i)).read()))
                       for i in (1, 2, 3)]
-            if all(closed):
+            if sum(closed) == len(serving):
                 break
             time.sleep(0.2)
-        check(all(closed), "every stage closed the dropped session %s: %s" % (job, closed))
+        check(sum(closed) == len(serving), "every stage (%d) closed the dropped session %s: %s"
+              % (len(serving), job, closed))
     # still serving, also after SIGHUP reloads authorized_keys (the HTTP
     # side's key is admitted in memory, not from the file)
     os.kill(int(open(W + "/c/coord.pid").read().split()[0]), signal.SIGHUP)
@@ -259,7 +265,10 @@ def test_web(url):
         p = subprocess.run(["promtool", "check", "metrics"], input=metrics, text=True,
                            capture_output=True)
         check(p.returncode == 0, "promtool: " + p.stdout + p.stderr)
-        for m in ('neurollm_nodes{state="serving"} 3', "neurollm_train_loss ",
+        nodes = {k: int(v) for k, v in re.findall(r'neurollm_nodes\{state="(\w+)"\} (\d+)', metrics)}
+        check(nodes.get("serving", 0) >= 1 and nodes.get("serving", 0) + nodes.get("standby", 0) == 3,
+              "/metrics: nodes by state %s" % nodes)
+        for m in ("neurollm_train_loss ",
                   'neurollm_node_layers{node="node-1"}', "neurollm_tokens_generated_total"):
             check(m in metrics, "/metrics lacks " + m)
         # the event feed: what a new client gets first
