@@ -356,7 +356,7 @@ static int cluster_up(const nl_flag *flags, const char *dir)
     snprintf(s_nto, sizeof s_nto, "%lld", node_timeout);
     /* a local cluster runs as its user, who names the data and checkpoint
      * paths: they may lead wherever that user may (as the nodes' root) */
-    char *cargv[20] = {coord_bin, "--listen", "tcp://127.0.0.1:*", "--state-dir", cdir,
+    char *cargv[32] = {coord_bin, "--listen", "tcp://127.0.0.1:*", "--state-dir", cdir,
                        "--min-nodes", s_nodes, "--seed", s_seed, "--node-timeout-ms", s_nto,
                        "--data-root", "/", "--checkpoint-root", "/"};
     int ca = 15;
@@ -369,6 +369,17 @@ static int cluster_up(const nl_flag *flags, const char *dir)
     } else if (resume) {
         cargv[ca++] = "--resume";
         cargv[ca++] = (char *)resume;
+    }
+    const char *http = nl_args_get(flags, "http"), *http_tokens = nl_args_get(flags, "http-tokens");
+    if (http) { /* the coordinator writes its address to coord/http once it listens */
+        cargv[ca++] = "--http";
+        cargv[ca++] = (char *)http;
+        snprintf(log, sizeof log, "%s/http", cdir);
+        unlink(log);
+    }
+    if (http_tokens) {
+        cargv[ca++] = "--http-tokens";
+        cargv[ca++] = (char *)http_tokens;
     }
     cargv[ca] = NULL;
     snprintf(log, sizeof log, "%s/coord.log", dir);
@@ -457,6 +468,18 @@ static int cluster_up(const nl_flag *flags, const char *dir)
         }
     }
     printf("cluster up: %s\n  use: neuroctl status --cluster %s\n", state, dir);
+    if (http) {
+        char url[512] = "";
+        snprintf(path, sizeof path, "%s/http", cdir);
+        f = wait_file(path, 10000) == 0 ? fopen(path, "r") : NULL;
+        if (f && fgets(url, sizeof url, f))
+            printf("  http: %s", url);
+        else
+            printf("  http: not listening; see %s/coord.log\n", dir);
+        if (f)
+            fclose(f);
+    }
+    fflush(stdout);
     return 0;
 fail:
     free(auth);
@@ -494,13 +517,18 @@ int nl_cmd_cluster(int argc, char **argv)
                                       "OMP_WAIT_POLICY)",
          NULL},
         {"node-timeout-ms", 1, "up: a node silent this long is dead (default 3000)", NULL},
+        {"http", 1,
+         "up: the coordinator also serves HTTP on HOST:PORT (neurocoord --http; port 0: a free "
+         "one); the address is printed and kept in DIR/coord/http",
+         NULL},
+        {"http-tokens", 1, "up: bearer tokens file for --http (neurocoord --http-tokens)", NULL},
         {"timeout", 1, "up: seconds to wait for the cluster to be ready (default 120)", NULL},
         {0}};
     const char *usage =
         "neuroctl cluster up|down [--dir DIR] [--nodes N] [--model M | --config C | "
         "--resume MANIFEST] "
         "[--memory SIZE] [--threads N] [--spin N] [--kv-budget SIZE] [--device D[,D...]] "
-        "[--tf32]";
+        "[--tf32] [--http HOST:PORT [--http-tokens FILE]]";
     const char *pos[1] = {NULL};
     int npos = 0;
     int rc = nl_args_parse(argc, argv, flags, usage, pos, 1, &npos);

@@ -714,6 +714,19 @@ const char *nl_coord_state(const nl_coord *c)
     return c->state;
 }
 
+nl_status nl_coord_admit_key(nl_coord *c, const char *z85, nl_error *err)
+{
+    if (c->o.plaintext) /* no keys are checked */
+        return NL_OK;
+    return nl_auth_pin_key(nl_net_auth(c->net), "coord", z85, err);
+}
+
+void nl_coord_observe(nl_coord *c, nl_coord_observer fn, void *ctx)
+{
+    c->observe = fn;
+    c->observe_ctx = ctx;
+}
+
 void nl_coord_step(nl_coord *c, int timeout_ms)
 {
     zmq_pollitem_t items[2] = {{nl_sock_handle(c->ctl), 0, ZMQ_POLLIN, 0},

@@ -58,4 +58,16 @@ void nl_coord_step(nl_coord *c, int timeout_ms);
 const char *nl_coord_endpoint(const nl_coord *c);
 const char *nl_coord_state(const nl_coord *c);
 
+/* For an in-process client (coordinator/coord_http.c): admit its public
+ * key (Z85) on the control socket besides authorized_keys, for the
+ * coordinator's life (a SIGHUP reload keeps it). */
+nl_status nl_coord_admit_key(nl_coord *c, const char *z85, nl_error *err);
+
+/* Called on the loop's thread with every JOB_STATUS the coordinator sends
+ * a client and its JSON report (or NULL), e.g. a training step's loss. It
+ * must not block; ctx must outlive c or the next nl_coord_observe. */
+typedef void (*nl_coord_observer)(void *ctx, uint64_t job, int state, const char *msg,
+                                  const char *json);
+void nl_coord_observe(nl_coord *c, nl_coord_observer fn, void *ctx);
+
 #endif

@@ -253,6 +253,8 @@ void coord_status_to(nl_coord *c, const uint8_t *rid, size_t rid_len, uint64_t j
     }
     coord_send_client(c, rid, rid_len, &m);
     nl_wire_msg_free(&m);
+    if (c->observe)
+        c->observe(c->observe_ctx, job, state, msg, json);
 }
 
 cjob *coord_job_find(nl_coord *c, uint64_t id)

@@ -125,6 +125,8 @@ struct nl_coord {
     nl_sock *ctl;
     nl_keypair keys;
     char endpoint[256];
+    nl_coord_observer observe; /* nl_coord_observe, or NULL */
+    void *observe_ctx;
     cnode nodes[COORD_MAX_NODES];
     uint32_t next_node_id;
     nl_config cfg, base;

@@ -7,6 +7,8 @@
 #include "base/args.h"
 #include "base/log.h"
 #include "coord.h"
+#include "coord_http.h"
+#include "core/fileio.h"
 #include "net/auth.h"
 
 static volatile sig_atomic_t stop_flag;
@@ -15,6 +17,14 @@ static void on_stop(int sig)
 {
     (void)sig;
     stop_flag = 1;
+}
+
+/* What /v1/models lists: the file served, or "cluster". */
+static const char *model_name(const nl_coord_opts *o)
+{
+    const char *p = o->model ? o->model : o->resume;
+    const char *slash = p ? strrchr(p, '/') : NULL;
+    return p ? (slash && slash[1] ? slash + 1 : p) : "cluster";
 }
 
 int main(int argc, char **argv)
@@ -51,11 +61,18 @@ int main(int argc, char **argv)
          "<state-dir>/checkpoints); share it with the nodes' --checkpoint-root",
          NULL},
         {"max-data-bytes", 1, "a training job's data file at most (default 1G)", NULL},
+        {"http", 1,
+         "also serve HTTP on HOST:PORT (port 0: any free port): the OpenAI-style API, "
+         "/api/status, /api/events, /metrics and the dashboard (docs/serving.md)",
+         NULL},
+        {"http-tokens", 1, "file of bearer tokens for --http, one a line (required off loopback)",
+         NULL},
         {"log-level", 1, "debug, info, warn or error (default info)", NULL},
         {"plaintext", 0, "INSECURE: no CURVE encryption or authentication", NULL},
         {0}};
     const char *usage = "neurocoord --listen ENDPOINT --state-dir DIR [--model MODEL.safetensors | "
-                        "--config CFG.yaml | --resume MANIFEST] [options]";
+                        "--config CFG.yaml | --resume MANIFEST] [--http HOST:PORT "
+                        "[--http-tokens FILE]] [options]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -122,12 +139,29 @@ int main(int argc, char **argv)
     signal(SIGPIPE, SIG_IGN);
     nl_error err = {0};
     nl_coord *c = NULL;
+    nl_coord_http *web = NULL;
+    const char *http = nl_args_get(flags, "http");
+    nl_http_opts ho = {.addr = http, .tokens_path = nl_args_get(flags, "http-tokens")};
+    rc = 0;
     if (nl_auth_hup_install(&err) != NL_OK || nl_coord_new(&c, &o, &err) != NL_OK ||
-        nl_coord_run(c, &stop_flag, &err) != NL_OK) {
-        NL_ERROR("%s (%s)", err.msg, nl_status_str(err.status));
-        nl_coord_destroy(&c);
-        return 1;
+        (http && nl_coord_http_start(&web, c, model_name(&o), o.state_dir, o.plaintext, &ho,
+                                     &err) != NL_OK))
+        rc = 1;
+    if (rc == 0 && web) { /* say where, and keep it in STATE_DIR/http for cluster up */
+        const char *colon = strrchr(http, ':');
+        char url[300], path[4096];
+        int n = snprintf(url, sizeof url, "http://%.*s:%d/\n", (int)(colon ? colon - http : 0),
+                         http, nl_coord_http_port(web));
+        snprintf(path, sizeof path, "%s/http", o.state_dir);
+        NL_INFO("HTTP on %.*s", n - 1, url);
+        if (nl_file_write_atomic(path, url, (size_t)n, &err) != NL_OK)
+            NL_WARN("%s", err.msg);
     }
+    if (rc == 0 && nl_coord_run(c, &stop_flag, &err) != NL_OK)
+        rc = 1;
+    if (rc)
+        NL_ERROR("%s (%s)", err.msg, nl_status_str(err.status));
+    nl_coord_http_stop(&web);
     nl_coord_destroy(&c);
-    return 0;
+    return rc;
 }

@@ -18,7 +18,8 @@
 typedef struct domain {
     char name[NL_ZAP_DOMAIN_MAX];
     nl_keylist keys;
-    char *path; /* watched authorized_keys file, or NULL */
+    char *path;        /* watched authorized_keys file, or NULL */
+    nl_keylist pinned; /* admitted whatever the file says (nl_auth_pin_key) */
     bool plaintext;
 } domain;
 
@@ -223,6 +224,20 @@ bool nl_auth_allowed(nl_auth *a, const char *domain_name, const char *peer)
     return ok;
 }
 
+/* Under mu: d's list becomes kl (taken) plus its pinned keys. */
+static void install_keys(domain *d, nl_keylist *kl)
+{
+    nl_error e;
+    for (size_t i = 0; i < d->pinned.n; i++)
+        if (!nl_keylist_has(kl, d->pinned.keys[i]) &&
+            nl_keylist_add(kl, d->pinned.keys[i], &e) != NL_OK)
+            NL_WARN("auth: domain %s: a pinned key is left out: %s", d->name, e.msg);
+    nl_keylist_sort(kl);
+    nl_keylist_free(&d->keys);
+    d->keys = *kl;
+    *kl = (nl_keylist){0};
+}
+
 nl_status nl_auth_set_keys(nl_auth *a, const char *domain_name, const nl_keylist *keys,
                            nl_error *err)
 {
@@ -234,11 +249,8 @@ nl_status nl_auth_set_keys(nl_auth *a, const char *domain_name, const nl_keylist
     pthread_mutex_lock(&a->mu);
     domain *d;
     st = get_domain(a, domain_name, &d, err);
-    if (st == NL_OK) {
-        nl_keylist_free(&d->keys);
-        d->keys = copy;
-        copy = (nl_keylist){0};
-    }
+    if (st == NL_OK)
+        install_keys(d, &copy);
     pthread_mutex_unlock(&a->mu);
     nl_keylist_free(&copy);
     return st;
@@ -273,9 +285,7 @@ nl_status nl_auth_watch_file(nl_auth *a, const char *domain_name, const char *pa
         domain *d;
         st = get_domain(a, domain_name, &d, err);
         if (st == NL_OK) {
-            nl_keylist_free(&d->keys);
-            d->keys = kl;
-            kl = (nl_keylist){0};
+            install_keys(d, &kl);
             free(d->path);
             d->path = p;
             p = NULL;
@@ -318,15 +328,31 @@ nl_status nl_auth_reload(nl_auth *a, nl_error *err)
         pthread_mutex_lock(&a->mu);
         domain *d = find_domain(a, name);
         if (d) {
-            nl_keylist_free(&d->keys);
-            d->keys = kl;
-            kl = (nl_keylist){0};
+            install_keys(d, &kl);
             NL_INFO("auth: reloaded %s: domain %s admits %zu keys", path, name, d->keys.n);
         }
         pthread_mutex_unlock(&a->mu);
         nl_keylist_free(&kl);
     }
     return first;
+}
+
+nl_status nl_auth_pin_key(nl_auth *a, const char *domain_name, const char *z85, nl_error *err)
+{
+    uint8_t k[NL_KEY_BYTES];
+    nl_status st = nl_key_decode(k, z85, err);
+    if (st != NL_OK)
+        return st;
+    pthread_mutex_lock(&a->mu);
+    domain *d;
+    st = get_domain(a, domain_name, &d, err);
+    if (st == NL_OK && !nl_keylist_has(&d->pinned, k))
+        st = nl_keylist_add(&d->pinned, k, err);
+    if (st == NL_OK && !nl_keylist_has(&d->keys, k) &&
+        (st = nl_keylist_add(&d->keys, k, err)) == NL_OK)
+        nl_keylist_sort(&d->keys);
+    pthread_mutex_unlock(&a->mu);
+    return st;
 }
 
 nl_status nl_auth_allow_plaintext(nl_auth *a, const char *domain_name, nl_error *err)
@@ -351,6 +377,7 @@ void nl_auth_drop_domain(nl_auth *a, const char *domain_name)
     domain *d = find_domain(a, domain_name);
     if (d) {
         nl_keylist_free(&d->keys);
+        nl_keylist_free(&d->pinned);
         free(d->path);
         *d = a->doms[--a->ndoms];
     }
@@ -543,6 +570,7 @@ void nl_auth_destroy(nl_auth **ap)
         zmq_close(a->ctl_thread);
     for (int i = 0; i < a->ndoms; i++) {
         nl_keylist_free(&a->doms[i].keys);
+        nl_keylist_free(&a->doms[i].pinned);
         free(a->doms[i].path);
     }
     free(a->strikes);

@@ -3,18 +3,26 @@
 # separate processes on loopback), train a small model across its 3
 # pipeline stages on English text (Debian's fortunes) with visible
 # progress, save a sharded checkpoint and join it into one file, generate
-# text through the pipeline, and stop the cluster.
+# text through the pipeline, and stop the cluster. The coordinator serves
+# the dashboard and the HTTP API while it trains (its address is printed);
+# with --serve the cluster stays up after training, serving the trained
+# model over HTTP, until Ctrl-C.
 # Everything lands in out/demo/. Safe to run again.
-#   scripts/demo.sh [--steps N] [--threads N]     (--threads: per node, default 1)
+#   scripts/demo.sh [--steps N] [--threads N] [--serve] [--http HOST:PORT]
+#     --threads: per node, default 1; --http: default 127.0.0.1:8080
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=500
 THREADS=1
+SERVE=0
+HTTP=127.0.0.1:8080
 while [ $# -gt 0 ]; do
   case "$1" in
     --steps) STEPS=$2; shift 2 ;;
     --threads) THREADS=$2; shift 2 ;;
-    *) echo "usage: scripts/demo.sh [--steps N] [--threads N]" >&2; exit 2 ;;
+    --serve) SERVE=1; shift ;;
+    --http) HTTP=$2; shift 2 ;;
+    *) echo "usage: scripts/demo.sh [--steps N] [--threads N] [--serve] [--http HOST:PORT]" >&2; exit 2 ;;
   esac
 done
 
@@ -44,8 +52,10 @@ CLUSTER=$OUT/cluster
 $NEUROCTL cluster down --dir "$CLUSTER" >/dev/null 2>&1 || true
 trap '$NEUROCTL cluster down --dir "$CLUSTER" >/dev/null 2>&1 || true' EXIT
 $NEUROCTL cluster up --dir "$CLUSTER" --nodes 3 --model "$OUT/init.safetensors" --memory 512M \
-  --threads "$THREADS"
+  --threads "$THREADS" --http "$HTTP"
 $NEUROCTL status --cluster "$CLUSTER"
+URL=$(cat "$CLUSTER/coord/http")
+echo "dashboard: $URL  (the nodes, the plan, the loss as it trains; API: ${URL}v1/completions)"
 
 # Train across the 3 stages (1F1B over 4 microbatches), with a sharded
 # checkpoint every 100 steps; the final shards are joined into one file.
@@ -60,4 +70,13 @@ for prompt in "The " "Q: What is " "A man "; do
   $NEUROCTL generate --cluster "$CLUSTER" --prompt "$prompt" --max-new 60 \
     --temperature 0.7 --top-p 0.9 --seed 3
 done
+if [ "$SERVE" = 1 ]; then
+  printf '\n\ndashboard: %s\ntry: curl %sv1/completions -d '"'"'{"prompt": "The ", "max_tokens": 40, "seed": 3}'"'"'\n' \
+    "$URL" "$URL"
+  echo "serving until Ctrl-C"
+  trap 'echo; $NEUROCTL cluster down --dir "$CLUSTER"; exit 0' INT TERM
+  while kill -0 "$(cat "$CLUSTER/coord.pid")" 2>/dev/null; do sleep 1; done
+  echo "the coordinator stopped; see $CLUSTER/coord.log" >&2
+  exit 1
+fi
 $NEUROCTL cluster down --dir "$CLUSTER"

@@ -99,6 +99,8 @@ int http_code_of(nl_status st)
         return 429;
     case NL_ERR_STATE:
         return 503;
+    case NL_ERR_UNSUPPORTED:
+        return 501;
     default:
         return 500;
     }

@@ -68,7 +68,7 @@ typedef struct nl_http_backend {
     void (*completion_end)(void *ctx, void *job);
     /* The embedding of one input (text or ids) into a malloc'd vector of
      * *dim floats the caller frees; *tokens its length in tokens. Same
-     * error mapping as completion_start. */
+     * error mapping as completion_start, and NL_ERR_UNSUPPORTED: 501. */
     nl_status (*embed)(void *ctx, const char *text, size_t len, const int32_t *ids, int n,
                        float **vec, int *dim, int *tokens, nl_error *err);
     /* A malloc'd JSON object for /api/status (NULL: out of memory). */

@@ -805,6 +805,42 @@ static void test_node_data(void)
     nl_rx_free(&rx);
 }
 
+/* A pinned key (nl_auth_pin_key: a daemon's in-process client) is
+ * admitted besides the watched file, through reloads and set_keys. */
+static void test_pinned(void)
+{
+    nl_error err;
+    nl_net *net = NULL;
+    nl_keypair a, b, p;
+    char path[320], text[200];
+    nl_net_opts no = nl_net_opts_default();
+    CHECK_OK(nl_net_new(&net, &no, &err), &err);
+    CHECK_OK(nl_keys_generate(&a, &err), &err);
+    CHECK_OK(nl_keys_generate(&b, &err), &err);
+    CHECK_OK(nl_keys_generate(&p, &err), &err);
+    nl_auth *au = nl_net_auth(net);
+    snprintf(path, sizeof path, "%s/pinned_keys", tmpdir);
+    int n = snprintf(text, sizeof text, "%s\n", a.public_z85);
+    CHECK_OK(nl_file_write_atomic(path, text, (size_t)n, &err), &err);
+    CHECK_OK(nl_auth_watch_file(au, "pin", path, &err), &err);
+    CHECK(!nl_auth_allowed(au, "pin", p.public_z85), "admitted before it was pinned");
+    CHECK_OK(nl_auth_pin_key(au, "pin", p.public_z85, &err), &err);
+    CHECK(nl_auth_allowed(au, "pin", p.public_z85) && nl_auth_allowed(au, "pin", a.public_z85),
+          "pinned or file key refused");
+    n = snprintf(text, sizeof text, "%s\n", b.public_z85);
+    CHECK_OK(nl_file_write_atomic(path, text, (size_t)n, &err), &err);
+    CHECK_OK(nl_auth_reload(au, &err), &err);
+    CHECK(nl_auth_allowed(au, "pin", p.public_z85), "a reload dropped the pinned key");
+    CHECK(nl_auth_allowed(au, "pin", b.public_z85) && !nl_auth_allowed(au, "pin", a.public_z85),
+          "the reload did not replace the file's keys");
+    CHECK_OK(nl_auth_set_keys_z85(au, "pin", NULL, 0, &err), &err);
+    CHECK(nl_auth_allowed(au, "pin", p.public_z85) && !nl_auth_allowed(au, "pin", b.public_z85),
+          "set_keys: the pinned key is kept, the rest replaced");
+    CHECK(nl_auth_pin_key(au, "pin", "not a key", &err) != NL_OK, "a bad key pinned");
+    CHECK(!nl_auth_allowed(au, "other", p.public_z85), "pinned on another domain");
+    nl_net_destroy(&net);
+}
+
 int main(void)
 {
     snprintf(tmpdir, sizeof tmpdir, "/tmp/test_net_auth.XXXXXX");
@@ -820,6 +856,7 @@ int main(void)
     test_versions(&node_a);
     test_bad_input(&node_a);
     test_node_data();
+    test_pinned();
     char cmd[300];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
     if (system(cmd) != 0)

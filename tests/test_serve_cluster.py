@@ -1,0 +1,328 @@
+#!/usr/bin/env python3
+"""neurocoord --http (issue 17, the cluster half) from Python's urllib, a
+client no one here wrote, against a real 3-node local cluster (neuroctl
+cluster up --http):
+
+  api   a completion's ids equal `neuroctl generate --cluster` with the
+        same seed; streaming gives the same ids chunk by chunk; malformed
+        requests get 4xx with a message and the server stays up; a client
+        dropped mid-stream cancels its job: the coordinator says so, every
+        stage closes the session (its KV cache freed) and /metrics counts it;
+        after SIGHUP reloads authorized_keys the HTTP side's in-memory key is
+        still admitted; a coordinator without nodes (--plaintext) answers
+        503 and stops cleanly
+  web   with --http-tokens passed on by cluster up (401 without one), and
+        while the cluster trains: headless Chromium renders the dashboard
+        (one row per node, a loss chart with points; the screenshot is kept
+        as $NL_BUILD_DIR/tests/serve-cluster-dashboard.png), /api/events
+        carries join, plan and train_step events, and promtool accepts
+        /metrics with the training figures. Exit 77 (skipped) without
+        chromium or promtool.
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+B = os.environ.get("NL_BUILD_DIR", "build")
+S = os.environ.get("NL_SOURCE_DIR", ".")
+N = os.path.join(B, "cli", "neuroctl")
+DEV = os.environ.get("NL_TEST_DEVICE", "cpu")
+what = sys.argv[1] if len(sys.argv) > 1 else "api"
+fails = 0
+
+
+def check(cond, msg):
+    global fails
+    if not cond:
+        fails += 1
+        print("FAIL:", msg, file=sys.stderr)
+
+
+HDR = {}  # Authorization, when the cluster's HTTP takes tokens
+
+
+def post(url, body, timeout=60):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    rq = urllib.request.Request(url, data=data, headers=dict(HDR, **{"Content-Type": "application/json"}))
+    try:
+        with urllib.request.urlopen(rq, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def get(url, timeout=30):
+    with urllib.request.urlopen(urllib.request.Request(url, headers=HDR), timeout=timeout) as r:
+        return r.read().decode()
+
+
+def cluster_up(w, extra):
+    cfg = os.path.join(w, "cfg.yaml")
+    with open(cfg, "w") as f:  # tiny: fast on 2 shared cores
+        f.write("hidden_dim: 64\nnum_layers: 6\nnum_heads: 4\nnum_kv_heads: 2\nffn_dim: 64\n"
+                "num_experts: 4\nvocab_size: 256\nvocab_chunk: 256\nmax_seq_len: 256\n")
+    subprocess.run([N, "init", "--config", cfg, "--out", w + "/m.safetensors", "--seed", "7"],
+                   check=True, stdout=subprocess.DEVNULL)
+    out = subprocess.run([N, "cluster", "up", "--device", DEV, "--dir", w + "/c", "--nodes", "3",
+                          "--model", w + "/m.safetensors", "--memory", "64M", "--threads", "1",
+                          "--http", "127.0.0.1:0", "--timeout", "60"] + extra,
+                         check=True, capture_output=True, text=True).stdout
+    m = re.search(r"http: (http://[0-9.:]+/)", out)
+    check(m is not None, "cluster up prints the HTTP address: " + out)
+    return m.group(1)
+
+
+def local_ids(prompt, n, temp, top_p, seed):
+    out = subprocess.run([N, "generate", "--cluster", W + "/c", "--prompt-tokens",
+                          ",".join(map(str, prompt)), "--max-new", str(n), "--temperature",
+                          str(temp), "--top-p", str(top_p), "--seed", str(seed)],
+                         check=True, capture_output=True).stdout
+    return [int(x) for x in out.split(b"\n")[0].split()]
+
+
+def metric(url, name):
+    for line in get(url + "metrics").splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
+def test_api(url):
+    prompt, seed = [72, 101, 108], 11
+    want = local_ids(prompt, 24, 0.9, 0.9, seed)
+    code, body = post(url + "v1/completions", {"prompt": prompt, "max_tokens": 24,
+                                               "temperature": 0.9, "top_p": 0.9, "seed": seed})
+    check(code == 200, "completion: %d %s" % (code, body[:300]))
+    r = json.loads(body)
+    check(r["choices"][0]["token_ids"] == want,
+          "completion ids %s != generate --cluster %s" % (r["choices"][0]["token_ids"], want))
+    check(r["usage"] == {"prompt_tokens": 3, "completion_tokens": 24, "total_tokens": 27},
+          "usage: %s" % r["usage"])
+    # streaming: the same ids, one chunk each, then usage and [DONE]
+    rq = urllib.request.Request(url + "v1/completions", data=json.dumps(
+        {"prompt": prompt, "max_tokens": 24, "temperature": 0.9, "top_p": 0.9, "seed": seed,
+         "stream": True}).encode(), headers={"Content-Type": "application/json"})
+    ids, chunks, done = [], 0, False
+    with urllib.request.urlopen(rq, timeout=60) as r:
+        check(r.headers.get("Content-Type", "").startswith("text/event-stream"), "stream type")
+        for line in r:
+            line = line.decode().strip()
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                c = json.loads(line[6:])
+                ids += c["choices"][0]["token_ids"]
+                chunks += 1
+    check(done and ids == want, "stream ids %s != %s" % (ids, want))
+    check(chunks == 25, "%d chunks, expected 24 tokens + the final one" % chunks)
+    # greedy, and a second seed, against the CLI
+    for p, s, t in (([1, 2, 3], 0, 0.0), ([5, 9], 4, 1.0)):
+        code, body = post(url + "v1/completions", {"prompt": p, "max_tokens": 10,
+                                                   "temperature": t, "seed": s})
+        check(code == 200 and json.loads(body)["choices"][0]["token_ids"] ==
+              local_ids(p, 10, t, 1.0, s), "ids for prompt %s seed %d" % (p, s))
+    # malformed requests: 4xx with a message; the server stays up
+    bad = [(b"{bad", 400), (b"[1,2]", 400), ({"prompt": 5}, 400), ({"prompt": [1], "max_tokens": "x"}, 400),
+           ({"prompt": [1], "max_tokens": 100000}, 400), ({"prompt": [1, 999]}, 400),
+           ({"prompt": [1], "bogus": 1}, 400), ({"prompt": [1], "top_p": 0}, 400),
+           (b"x" * (2 << 20), 413)]
+    for body, want_code in bad:
+        code, text = post(url + "v1/completions", body)
+        msg = ""
+        try:
+            msg = json.loads(text)["error"]["message"]
+        except Exception:
+            pass
+        check(code == want_code and msg, "bad request %s: %d %r" % (str(body)[:60], code, text[:200]))
+    code, text = post(url + "v1/embeddings", {"input": "hi"})
+    check(code == 501 and b"neuroctl serve" in text, "embeddings on a cluster: %d %s" % (code, text))
+    check(json.loads(get(url + "v1/models"))["data"][0]["id"] == "m.safetensors", "/v1/models")
+    # the status is polled: it may lag cluster up by 0.5 s. The planner may
+    # leave a node that measured slow (a loaded machine) on standby.
+    deadline = time.time() + 10
+    while True:
+        st = json.loads(get(url + "api/status"))
+        states = sorted(n["state"] for n in st["nodes"])
+        if time.time() > deadline or set(states) <= {"serving", "standby"}:
+            break
+        time.sleep(0.1)
+    serving = [n for n in st["nodes"] if n["state"] == "serving"]
+    check(len(st["nodes"]) == 3 and set(states) <= {"serving", "standby"} and serving and
+          all(n["layers"] and n["memory_used"] > 0 for n in serving) and
+          all(n["name"].startswith("node-") and n["memory_offered"] > 0 for n in st["nodes"]),
+          "status nodes: %s" % st["nodes"])
+    # a client dropped mid-stream: its job is cancelled on every stage (tried
+    # again if the generation had already ended when the drop was noticed)
+    host, port = re.match(r"http://([0-9.]+):(\d+)/", url).groups()
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 250, "temperature": 0, "stream": True})
+    m = None
+    for attempt in range(5):
+        before = metric(url, "neurollm_generations_finished_total")
+        cancelled = metric(url, "neurollm_generations_cancelled_total")
+        sk = socket.create_connection((host, int(port)))
+        sk.sendall(("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                    "\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)).encode())
+        got = b""
+        while got.count(b"data: ") < 3:
+            got += sk.recv(4096)
+        sk.close()
+        deadline = time.time() + 20
+        while time.time() < deadline and metric(url, "neurollm_generations_finished_total") == before:
+            time.sleep(0.1)
+        if metric(url, "neurollm_generations_cancelled_total") == cancelled + 1:
+            m = re.findall(r"http: job (\d+) cancelled: its client went away",
+                           open(W + "/c/coord.log").read())
+            break
+    check(bool(m), "/metrics counts a generation cancelled because its client went away")
+    check(metric(url, "neurollm_sessions_active") == 0, "no session active after the cancel")
+    if m:  # the coordinator cancelled it; every stage closed its session and freed its KV cache
+        job = m[-1]
+        check(re.search(r"job %s cancelled by its client" % job, open(W + "/c/coord.log").read()),
+              "coordinator log: job %s cancelled" % job)
+        deadline, pat = time.time() + 10, r"session %s closed" % job
+        while time.time() < deadline:
+            closed = [bool(re.search(pat, open("%s/c/node-%d.log" % (W, i)).read()))
+                      for i in (1, 2, 3)]
+            if sum(closed) == len(serving):
+                break
+            time.sleep(0.2)
+        check(sum(closed) == len(serving), "every stage (%d) closed the dropped session %s: %s"
+              % (len(serving), job, closed))
+    # still serving, also after SIGHUP reloads authorized_keys (the HTTP
+    # side's key is admitted in memory, not from the file)
+    os.kill(int(open(W + "/c/coord.pid").read().split()[0]), signal.SIGHUP)
+    deadline = time.time() + 10
+    while time.time() < deadline and "SIGHUP: reloaded" not in open(W + "/c/coord.log").read():
+        time.sleep(0.1)
+    check("SIGHUP: reloaded" in open(W + "/c/coord.log").read(), "the coordinator reloaded its keys")
+    code, body = post(url + "v1/completions", {"prompt": [1, 2, 3], "max_tokens": 10,
+                                               "temperature": 0})
+    check(code == 200 and json.loads(body)["choices"][0]["token_ids"] ==
+          local_ids([1, 2, 3], 10, 0.0, 1.0, 0), "served after the cancel and a SIGHUP: %d %s" % (code, body[:300]))
+    test_not_ready()
+
+
+def test_not_ready():
+    """A coordinator with no nodes (and --plaintext, the other client path):
+    /api/status says so, a completion gets 503 with the state."""
+    st = W + "/lonely"
+    p = subprocess.Popen([os.path.join(B, "coordinator", "neurocoord"), "--listen",
+                          "tcp://127.0.0.1:*", "--state-dir", st, "--model", W + "/m.safetensors",
+                          "--plaintext", "--http", "127.0.0.1:0"],
+                         stdout=subprocess.DEVNULL, stderr=open(W + "/lonely.log", "w"))
+    try:
+        deadline = time.time() + 20
+        while time.time() < deadline and not os.path.exists(st + "/http"):
+            time.sleep(0.1)
+        url = open(st + "/http").read().strip()
+        state = None
+        while time.time() < deadline and state is None:
+            state = json.loads(get(url + "api/status")).get("ready")
+            time.sleep(0.1)
+        check(state is False, "a coordinator without nodes: ready %s" % state)
+        code, body = post(url + "v1/completions", {"prompt": [1, 2], "max_tokens": 2})
+        check(code == 503 and b"not ready: waiting for nodes" in body,
+              "completion on a cluster without nodes: %d %s" % (code, body[:200]))
+    finally:
+        p.terminate()
+        check(p.wait(timeout=30) == 0, "neurocoord --http stops cleanly on SIGTERM")
+
+
+def test_web(url):
+    for tool in ("chromium", "promtool"):
+        if not shutil.which(tool):
+            print("SKIP: %s is not installed" % tool)
+            sys.exit(77)
+    # the tokens passed on by cluster up: 401 without one
+    try:
+        urllib.request.urlopen(url + "metrics", timeout=10)
+        check(False, "/metrics answered without a token")
+    except urllib.error.HTTPError as e:
+        check(e.code == 401, "/metrics without a token: %d" % e.code)
+    HDR["Authorization"] = "Bearer " + TOKEN
+    with open(W + "/data.txt", "w") as f:
+        for name in ("README.md", "docs/ARCHITECTURE.md"):
+            f.write(open(os.path.join(S, name)).read())
+    tr = subprocess.Popen([N, "train", "--cluster", W + "/c", "--data", W + "/data.txt",
+                           "--steps", "400", "--batch", "4", "--seq", "32", "--microbatches", "2",
+                           "--lr", "3e-3", "--eval-every", "5"],
+                          stdout=subprocess.DEVNULL, stderr=open(W + "/train.err", "w"))
+    try:
+        deadline = time.time() + 90
+        while time.time() < deadline and (metric(url, "neurollm_train_step") or 0) < 6:
+            time.sleep(0.5)
+        check((metric(url, "neurollm_train_step") or 0) >= 6, "training steps in /metrics")
+        metrics = get(url + "metrics")
+        p = subprocess.run(["promtool", "check", "metrics"], input=metrics, text=True,
+                           capture_output=True)
+        check(p.returncode == 0, "promtool: " + p.stdout + p.stderr)
+        nodes = {k: int(v) for k, v in re.findall(r'neurollm_nodes\{state="(\w+)"\} (\d+)', metrics)}
+        check(nodes.get("serving", 0) >= 1 and nodes.get("serving", 0) + nodes.get("standby", 0) == 3,
+              "/metrics: nodes by state %s" % nodes)
+        for m in ("neurollm_train_loss ",
+                  'neurollm_node_layers{node="node-1"}', "neurollm_tokens_generated_total"):
+            check(m in metrics, "/metrics lacks " + m)
+        # the event feed: what a new client gets first
+        with urllib.request.urlopen(urllib.request.Request(url + "api/events", headers=HDR),
+                                    timeout=10) as r:
+            seen, t0 = set(), time.time()
+            for line in r:
+                line = line.decode().strip()
+                if line.startswith("event: "):
+                    seen.add(line[7:])
+                if {"join", "plan", "train_step", "eval"} <= seen or time.time() - t0 > 5:
+                    break
+        check({"join", "plan", "train_step", "eval"} <= seen, "events seen: %s" % seen)
+        shot = os.path.join(B, "tests", "serve-cluster-dashboard.png")
+        if os.path.exists(shot):
+            os.remove(shot)
+        ch = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+              "--user-data-dir=" + W + "/chrome", "--virtual-time-budget=5000",
+              "--window-size=1280,1000"]
+        page = url + "#token=" + TOKEN
+        dom = subprocess.run(ch + ["--dump-dom", page], capture_output=True, text=True,
+                             timeout=120).stdout
+        subprocess.run(ch + ["--screenshot=" + shot, page], capture_output=True, timeout=120)
+        rows = dom.count('<tr class="node">')
+        check(rows == 3, "%d node rows, expected 3" % rows)
+        m = re.search(r'id="loss-chart" data-points="(\d+)"', dom)
+        check(m is not None and int(m.group(1)) > 0, "a loss chart with points")
+        check(os.path.getsize(shot) > 0 if os.path.exists(shot) else False, "a screenshot")
+        if fails:
+            print(dom[:3000], file=sys.stderr)
+    finally:
+        tr.terminate()
+        tr.wait()
+
+
+W = tempfile.mkdtemp()
+TOKEN = "test-token-0123456789abcdef"
+try:
+    extra = []
+    if what == "web":
+        with open(W + "/tokens", "w") as f:
+            f.write(TOKEN + "\n")
+        extra = ["--http-tokens", W + "/tokens"]
+    URL = cluster_up(W, extra)
+    if URL:
+        (test_api if what == "api" else test_web)(URL)
+finally:
+    subprocess.run([N, "cluster", "down", "--dir", W + "/c"], capture_output=True)
+    if fails:
+        for f in ("coord.log",):
+            p = os.path.join(W, "c", f)
+            if os.path.exists(p):
+                print("--- " + f, file=sys.stderr)
+                print(open(p).read()[-3000:], file=sys.stderr)
+    shutil.rmtree(W, ignore_errors=True)
+print("test_serve_cluster %s: %s" % (what, "ok" if not fails else "%d failures" % fails))
+sys.exit(1 if fails else 0)
