@@ -471,7 +471,9 @@ static int cluster_up(const nl_flag *flags, const char *dir)
     if (http) {
         char url[512] = "";
         snprintf(path, sizeof path, "%s/http", cdir);
-        f = wait_file(path, 10000) == 0 ? fopen(path, "r") : NULL;
+        for (int t = 0; t < 10000 && access(path, R_OK) != 0; t += 20)
+            sleep_ms(20); /* the coordinator writes it once it listens */
+        f = fopen(path, "r");
         if (f && fgets(url, sizeof url, f))
             printf("  http: %s", url);
         else

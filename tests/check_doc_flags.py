@@ -36,7 +36,7 @@ COMMAND = re.compile(r"(?<![\w-])(neuroctl\s+(?:" + "|".join(SUBCOMMANDS) +
                      r")|neurocoord|neuronode)(?![\w-])")
 # flags of the project's scripts named in prose away from the script's name:
 # each must still be in that script
-SCRIPT_FLAGS = {"stock-malloc": "bench/torch_train.py"}
+SCRIPT_FLAGS = {"stock-malloc": "bench/torch_train.py", "serve": "scripts/demo.sh"}
 FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9-]*[a-z0-9])")
 
 
