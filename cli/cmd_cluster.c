@@ -238,7 +238,7 @@ static int node_exited(const char *dir, const pid_t *pids, int nodes)
 static int cluster_up(const nl_flag *flags, const char *dir)
 {
     long long nodes = 3, threads = 0, seed = 0, timeout = 120, node_timeout = 3000,
-              spin = DEFAULT_SPIN;
+              spin = DEFAULT_SPIN, train_resumes = 3;
     uint64_t memory = 1ULL << 30, kv_budget = 0; /* 0: the node's default */
     int rc;
     if ((rc = nl_args_int(flags, "nodes", 1, 64, &nodes)) ||
@@ -247,6 +247,7 @@ static int cluster_up(const nl_flag *flags, const char *dir)
         (rc = nl_args_int(flags, "timeout", 1, 3600, &timeout)) ||
         (rc = nl_args_int(flags, "node-timeout-ms", 100, 3600000, &node_timeout)) ||
         (rc = nl_args_int(flags, "spin", 0, 100000000, &spin)) ||
+        (rc = nl_args_int(flags, "train-resumes", 0, 1000, &train_resumes)) ||
         (rc = nl_args_size(flags, "memory", &memory)) ||
         (rc = nl_args_size(flags, "kv-budget", &kv_budget)))
         return rc;
@@ -307,14 +308,16 @@ static int cluster_up(const nl_flag *flags, const char *dir)
     /* the coordinator, on a free loopback port */
     snprintf(path, sizeof path, "%s/endpoint", cdir);
     unlink(path);
-    char s_nodes[32], s_seed[32], s_nto[32], log[4096], pidf[4096];
+    char s_nodes[32], s_seed[32], s_nto[32], s_tr[32], log[4096], pidf[4096];
     snprintf(s_nodes, sizeof s_nodes, "%lld", nodes);
+    snprintf(s_tr, sizeof s_tr, "%lld", train_resumes);
     snprintf(s_seed, sizeof s_seed, "%lld", seed);
     snprintf(s_nto, sizeof s_nto, "%lld", node_timeout);
-    char *cargv[16] = {
-        coord_bin, "--listen", "tcp://127.0.0.1:*", "--state-dir", cdir, "--min-nodes", s_nodes,
-        "--seed",  s_seed,     "--node-timeout-ms", s_nto};
-    int ca = 11;
+    char *cargv[16] = {coord_bin, "--listen",          "tcp://127.0.0.1:*", "--state-dir",
+                       cdir,      "--min-nodes",       s_nodes,             "--seed",
+                       s_seed,    "--node-timeout-ms", s_nto,               "--train-resumes",
+                       s_tr};
+    int ca = 13;
     if (model) {
         cargv[ca++] = "--model";
         cargv[ca++] = (char *)model;
@@ -446,6 +449,10 @@ int nl_cmd_cluster(int argc, char **argv)
                                       "OMP_WAIT_POLICY)",
          NULL},
         {"node-timeout-ms", 1, "up: a node silent this long is dead (default 3000)", NULL},
+        {"train-resumes", 1,
+         "up: times a training job goes on by itself after losing a stage (neurocoord "
+         "--train-resumes; default 3)",
+         NULL},
         {"timeout", 1, "up: seconds to wait for the cluster to be ready (default 120)", NULL},
         {0}};
     const char *usage =

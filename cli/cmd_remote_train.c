@@ -194,6 +194,29 @@ static void stage_devices(char *buf, size_t cap, const json_t *ev)
             *p = '?';
 }
 
+/* The job lost a stage and goes on by itself: say so, and log it (a
+ * record with "event" and no "step", so that step records stay keyed by
+ * step). */
+static void on_node_lost(watch *w, const json_t *ev)
+{
+    const char *why = json_string_value(json_object_get(ev, "why"));
+    char safe[600];
+    snprintf(safe, sizeof safe, "%s", why ? why : "a stage is lost");
+    for (char *p = safe; *p; p++) /* a node's text: nothing that drives a terminal */
+        if ((unsigned char)*p < 0x20 || (unsigned char)*p >= 0x7f)
+            *p = '?';
+    fprintf(stderr, "%s%s at step %lld; resuming from step %lld (resume %lld of %lld)\n",
+            w->tty && w->started ? "\n" : "", safe, integer(ev, "lost_step", -1),
+            integer(ev, "resume_step", -1), integer(ev, "resume", 0), integer(ev, "max_resumes", 0));
+    if (w->log) {
+        char *text = json_dumps(ev, JSON_COMPACT);
+        if (text)
+            fprintf(w->log, "%s\n", text);
+        free(text);
+        fflush(w->log);
+    }
+}
+
 static void on_start(watch *w, const json_t *ev)
 {
     const long long S = integer(ev, "start_step", 0);
@@ -202,8 +225,20 @@ static void on_start(watch *w, const json_t *ev)
     w->start_step = S;
     w->start_time = nl_train_clock();
     w->started = 1;
-    if (S > 0)
+    if (integer(ev, "resumes", 0) > 0) {
+        fprintf(stderr, "resumed at step %lld on plan %lld, %.2f s after the loss\n", S,
+                integer(ev, "plan", 0), num(ev, "since_lost_s"));
+        if (w->log) {
+            fprintf(w->log,
+                    "{\"event\":\"resumed\",\"resume_step\":%lld,\"plan\":%lld,\"stages\":%lld,"
+                    "\"since_lost_s\":%.3f}\n",
+                    S, integer(ev, "plan", 0), integer(ev, "stages", 0),
+                    isfinite(num(ev, "since_lost_s")) ? num(ev, "since_lost_s") : -1.0);
+            fflush(w->log);
+        }
+    } else if (S > 0) {
         fprintf(stderr, "resuming at step %lld\n", S);
+    }
     fprintf(stderr,
             "training %lld parameters on %lld tokens (%lld held out): %" PRId64 " steps of %lld x "
             "%lld in %lld microbatches on %lld pipeline stages%s%s%s\n",
@@ -315,6 +350,8 @@ static nl_status on_status(watch *w, const nl_rx *rx, nl_error *err)
             fprintf(stderr, "%s%s\n", w->tty && w->started ? "\n" : "", s->message);
     } else if (event && strcmp(event, "start") == 0) {
         on_start(w, ev);
+    } else if (event && strcmp(event, "node_lost") == 0) {
+        on_node_lost(w, ev);
     } else if (event && strcmp(event, "step") == 0) {
         st = on_step(w, ev, err);
     } else if (event && strcmp(event, "checkpoint") == 0) {

@@ -27,6 +27,7 @@ void nl_coord_opts_init(nl_coord_opts *o)
     o->node_timeout_ms = 5000;
     o->job_timeout_ms = 120000;
     o->gen_resumes = 2;
+    o->train_resumes = 3;
     o->plan_rows = 512;
     o->replan_margin = 0.1;
 }

@@ -46,7 +46,22 @@ typedef struct ctrain {
     nl_manifest_shard *shards; /* the checkpoint being written */
     char manifest[4096];       /* the last one written (or the one resumed) */
     int64_t manifest_step;
+    /* recoveries: a stage lost, the job goes on from the last manifest */
+    int resumes;     /* done so far (at most --train-resumes) */
+    double t_lost;   /* when the last stage was lost (0: none since the last step) */
+    int64_t lost_at; /* the step it was lost at */
 } ctrain;
+
+static void free_shards(nl_manifest_shard *sh, int n)
+{
+    for (int i = 0; sh && i < n; i++) {
+        free(sh[i].file);
+        free(sh[i].path);
+        free(sh[i].node);
+        free(sh[i].device);
+    }
+    free(sh);
+}
 
 static void train_free(cjob *j)
 {
@@ -57,13 +72,7 @@ static void train_free(cjob *j)
     free(t->tokens);
     free(t->targets);
     free(t->got);
-    for (int i = 0; t->shards && i < t->stages; i++) {
-        free(t->shards[i].file);
-        free(t->shards[i].path);
-        free(t->shards[i].node);
-        free(t->shards[i].device);
-    }
-    free(t->shards);
+    free_shards(t->shards, t->stages);
     free(t);
     j->state = NULL;
 }
@@ -127,11 +136,20 @@ static int send_all(nl_coord *c, nl_wire_msg *m, int *lost)
     return 0;
 }
 
-/* The job fails because stage s cannot be reached: name its node. */
+/* Stage s cannot be reached. Its node is declared dead at this turn's
+ * tick, and the job then resumes on the nodes left (train_stage_lost) if
+ * it may; otherwise it fails now, naming the node. */
 static void unreachable(nl_coord *c, cjob *j, int s)
 {
     cnode *n = coord_stage_node(c, s);
     const nl_plan_stage *ps = &c->plan->stages[s];
+    const ctrain *t = j->state;
+    if (n && n->unreachable && t->resumes < c->o.train_resumes) {
+        NL_INFO("train job %llu: node %u (stage %d) cannot be reached; the job waits for it to "
+                "be declared dead, then resumes",
+                (unsigned long long)j->id, n->id, s);
+        return;
+    }
     if (n)
         fail(c, j, "node %u (stage %d, layers [%d, %d), %s) %s", n->id, s, ps->l0, ps->l1,
              n->endpoint, n->why[0] ? n->why : "cannot be reached");
@@ -169,6 +187,8 @@ static void start_step(nl_coord *c, cjob *j);
 static void begin(nl_coord *c, cjob *j)
 {
     ctrain *t = j->state;
+    free(t->got);
+    free_shards(t->shards, t->stages); /* a resumed job's, of its former plan */
     t->stages = c->plan->n_stages;
     t->got = calloc((size_t)t->stages, 1);
     t->shards = calloc((size_t)t->stages, sizeof *t->shards);
@@ -227,7 +247,16 @@ static void begin(nl_coord *c, cjob *j)
         json_array_append_new(devices, n ? json_string(n->device) : json_null());
     }
     json_object_set_new(o, "devices", devices);
-    report(c, j, NL_JOB_RUNNING, "starting", o);
+    if (t->resumes > 0) { /* the nodes' plan after a loss */
+        json_object_set_new(o, "resumes", json_integer(t->resumes));
+        json_object_set_new(o, "plan", json_integer((json_int_t)c->epoch));
+        json_object_set_new(o, "since_lost_s", jnum(coord_now() - t->t_lost));
+        NL_INFO("train job %llu: resumed at step %lld on plan %llu (%d stages), %.2f s after the "
+                "loss (resume %d of %d)",
+                (unsigned long long)j->id, (long long)t->start, (unsigned long long)c->epoch,
+                t->stages, coord_now() - t->t_lost, t->resumes, c->o.train_resumes);
+    }
+    report(c, j, NL_JOB_RUNNING, t->resumes > 0 ? "resumed" : "starting", o);
     NL_INFO("train job %llu: %lld steps of %lld x %lld in %lld microbatches on %d stages, from "
             "step %lld%s",
             (unsigned long long)j->id, (long long)t->steps, (long long)t->batch, (long long)t->seq,
@@ -354,6 +383,13 @@ static void after_step(nl_coord *c, cjob *j)
     char msg[64];
     snprintf(msg, sizeof msg, "step %lld of %lld", (long long)t->step, (long long)t->steps);
     report(c, j, NL_JOB_RUNNING, msg, o);
+    if (t->t_lost > 0) {
+        NL_INFO("train job %llu: step %lld, the first after the resume, done %.2f s after the "
+                "stage was lost at step %lld",
+                (unsigned long long)j->id, (long long)t->step, coord_now() - t->t_lost,
+                (long long)t->lost_at);
+        t->t_lost = 0;
+    }
     if (r->skipped)
         NL_WARN("train job %llu: step %lld skipped: non-finite %s", (unsigned long long)j->id,
                 (long long)t->step, isfinite(r->loss) ? "gradient" : "loss");
@@ -427,17 +463,6 @@ static void ckpt_run(cwork *w)
     k->st = nl_manifest_write(k->path, &k->mf, &k->err);
     if (k->st == NL_OK)
         k->st = coord_manifest_open(&k->out, k->path, &k->err);
-}
-
-static void free_shards(nl_manifest_shard *sh, int n)
-{
-    for (int i = 0; sh && i < n; i++) {
-        free(sh[i].file);
-        free(sh[i].path);
-        free(sh[i].node);
-        free(sh[i].device);
-    }
-    free(sh);
 }
 
 static void ckpt_free(cwork *w)
@@ -874,6 +899,50 @@ static void train_on_message(nl_coord *c, cjob *j, const nl_rx *rx)
     }
 }
 
+/* A stage of the plan is lost. A job that has begun goes on by itself,
+ * up to --train-resumes times: its stages drop it, the cluster plans again
+ * over the nodes left (coord.c) and reloads from the source, which is the
+ * last verified manifest (ckpt_done installs each) or what the job began
+ * from; once loaded, begin() continues from the source's step. Every batch
+ * is a function of the seed and the step, so the run ends as an
+ * undisturbed one would. A job still preparing or loading just waits for
+ * the next plan. 0: the job fails (coord_jobs.c says why). */
+static int train_stage_lost(nl_coord *c, cjob *j, const char *why)
+{
+    ctrain *t = j->state;
+    if (!t || t->phase < TR_BEGIN)
+        return 1;
+    if (t->resumes >= c->o.train_resumes) {
+        NL_WARN("train job %llu: a stage is lost and the job has resumed %d times already "
+                "(--train-resumes %d)",
+                (unsigned long long)j->id, t->resumes, c->o.train_resumes);
+        return 0;
+    }
+    coord_close_session(c, j); /* the stages left drop the job */
+    t->resumes++;
+    t->t_lost = coord_now();
+    t->lost_at = t->step;
+    /* where it goes on if the reload brings no manifest (begin() reads a
+     * manifest's step and moments): the start of what it began from */
+    t->start = t->step = 0;
+    t->moments = 0;
+    t->adam = 0;
+    t->phase = TR_LOADING;
+    j->phase = JOB_WAITING;
+    j->last_progress = coord_now();
+    const int64_t from = c->src_manifest ? c->src_step : 0;
+    NL_WARN("train job %llu: %s at step %lld; resuming from step %lld (%s) on the nodes left "
+            "(resume %d of %d)",
+            (unsigned long long)j->id, why, (long long)t->lost_at, (long long)from,
+            c->src_path[0] ? c->src_path : "the seed", t->resumes, c->o.train_resumes);
+    json_t *o = json_pack("{s:s,s:s,s:I,s:I,s:s,s:i,s:i}", "event", "node_lost", "why", why,
+                          "lost_step", (json_int_t)t->lost_at, "resume_step", (json_int_t)from,
+                          "source", c->src_path[0] ? c->src_path : "the seed", "resume", t->resumes,
+                          "max_resumes", c->o.train_resumes);
+    report(c, j, NL_JOB_RUNNING, "node lost; resuming", o);
+    return 1;
+}
+
 /* The cluster is ready: a job that waited for it to load begins. */
 static void train_ready(nl_coord *c, cjob *j)
 {
@@ -886,6 +955,7 @@ const cjob_ops coord_train_ops = {
     .name = "train",
     .submit = train_submit,
     .on_message = train_on_message,
+    .stage_lost = train_stage_lost,
     .ready = train_ready,
     .abort = train_abort,
     .fail_note = train_fail_note,
