@@ -352,6 +352,13 @@ static nl_status on_status(watch *w, const nl_rx *rx, nl_error *err)
         on_start(w, ev);
     } else if (event && strcmp(event, "node_lost") == 0) {
         on_node_lost(w, ev);
+    } else if (event && strcmp(event, "replan") == 0) {
+        fprintf(stderr, "%snodes joined: the job goes on from the checkpoint of step %lld on a new "
+                        "plan\n",
+                w->tty && w->started ? "\n" : "", integer(ev, "step", -1));
+        if (w->log)
+            fprintf(w->log, "{\"event\":\"replan\",\"resume_step\":%lld}\n",
+                    integer(ev, "step", -1));
     } else if (event && strcmp(event, "step") == 0) {
         st = on_step(w, ev, err);
     } else if (event && strcmp(event, "checkpoint") == 0) {

@@ -423,9 +423,39 @@ static int plan_nodes(const nl_coord *c, nl_plan_node *pn, uint64_t *total)
     return n;
 }
 
+/* Plans are for inference memory, but while a training job runs for its
+ * training memory (c->train_mem: weights, gradients, moments and the
+ * microbatches in flight, core/memory.h). */
 static nl_plan_opts plan_opts(const nl_coord *c)
 {
+    if (c->train_mem.training)
+        return (nl_plan_opts){.mem = c->train_mem};
     return (nl_plan_opts){.mem = {.training = 0, .micro_rows = c->o.plan_rows, .in_flight = 1}};
+}
+
+int coord_plan_holds(const nl_coord *c, const nl_mem_opts *mo, char *why, size_t cap)
+{
+    const int S = c->plan ? c->plan->n_stages : 0;
+    for (int s = 0; s < S; s++) {
+        const nl_plan_stage *ps = &c->plan->stages[s];
+        const cnode *n = coord_stage_node((nl_coord *)c, s);
+        nl_mem_opts o = *mo;
+        /* 1F1B: a stage keeps at most as many microbatches as there are
+         * stages from it to the last (as the node counts them) */
+        if (o.training && (o.in_flight <= 0 || o.in_flight > S - s))
+            o.in_flight = S - s;
+        const nl_mem_estimate me = nl_memory_estimate(&c->cfg, ps->l1 - ps->l0, ps->has_embed,
+                                                      ps->has_head, &o);
+        if (n && me.total > n->memory) {
+            snprintf(why, cap,
+                     "stage %d (node %u, layers [%d, %d)) needs %llu bytes for training but the "
+                     "node offers %llu: %llu bytes short",
+                     s, n->id, ps->l0, ps->l1, (unsigned long long)me.total,
+                     (unsigned long long)n->memory, (unsigned long long)(me.total - n->memory));
+            return 0;
+        }
+    }
+    return 1;
 }
 
 /* Log a plan, each stage and standby, as `what` (its epoch, or "old"). */
@@ -502,19 +532,27 @@ static void try_plan(nl_coord *c)
                     (unsigned long long)c->epoch);
 }
 
-/* A node joined or a standby left (replan_wanted) and the cluster is at
- * rest (ready, no job): plan again over the nodes there are now when the
- * planner predicts a bottleneck better by --replan-margin (hysteresis);
- * the stages then reload from the source (the checkpoint or the last
- * manifest). Not while the stages hold trained weights that no checkpoint
- * has: a reload would lose them. */
-static void replan_at_rest(nl_coord *c)
+int coord_plan_possible(nl_coord *c, char *why, size_t cap)
 {
-    if (!c->replan_wanted || !c->ready || !c->plan || !c->have_cfg)
-        return;
-    for (int i = 0; i < COORD_MAX_JOBS; i++)
-        if (c->jobs[i].phase != JOB_FREE)
-            return; /* at the end of the job */
+    nl_plan_node pn[COORD_MAX_NODES];
+    uint64_t total = 0;
+    nl_error e = {0};
+    const int n = plan_nodes(c, pn, &total);
+    for (int i = 0; i < n; i++)
+        pn[i].hop_seconds = hop_seconds(c);
+    nl_plan_opts po = plan_opts(c);
+    nl_plan *p = NULL;
+    const nl_status st = nl_plan_layers(&p, &c->cfg, pn, n, &po, &e);
+    nl_plan_destroy(&p);
+    if (st != NL_OK)
+        snprintf(why, cap, "%s", e.msg);
+    return st == NL_OK;
+}
+
+int coord_replan_gain(nl_coord *c, const char *when)
+{
+    if (!c->replan_wanted || !c->plan || !c->have_cfg)
+        return 0;
     c->replan_wanted = 0;
     nl_plan_node pn[COORD_MAX_NODES];
     uint64_t total = 0;
@@ -523,30 +561,67 @@ static void replan_at_rest(nl_coord *c)
     for (int i = 0; i < n; i++)
         pn[i].hop_seconds = hop_seconds(c);
     nl_plan_opts po = plan_opts(c);
-    nl_plan *cand = NULL;
+    nl_plan *cand = NULL, *old = NULL;
+    int gain = 0;
     if (nl_plan_layers(&cand, &c->cfg, pn, n, &po, &e) != NL_OK) {
-        NL_INFO("re-plan at rest: no plan over the %d nodes: %s", n, e.msg);
-        return;
+        NL_INFO("re-plan %s: no plan over the %d nodes: %s", when, n, e.msg);
+        return 0;
     }
-    const double was = c->plan->bottleneck, now = cand->bottleneck;
+    /* the current plan's figure by the same cost model (it may have been
+     * made for inference): the planner's best over the nodes it had */
+    nl_plan_node was_n[COORD_MAX_NODES];
+    int nw = 0;
+    for (int i = 0; i < n; i++) {
+        int in = 0;
+        for (int s = 0; s < c->plan->n_stages; s++)
+            in |= c->plan->stages[s].node_id == pn[i].id;
+        for (int k = 0; k < c->plan->n_standby; k++)
+            in |= c->plan->standby[k] == pn[i].id;
+        if (in)
+            was_n[nw++] = pn[i];
+    }
+    double was = c->plan->bottleneck;
+    if (nl_plan_layers(&old, &c->cfg, was_n, nw, &po, &e) == NL_OK)
+        was = old->bottleneck;
+    nl_plan_destroy(&old);
+    const double now = cand->bottleneck;
     if (!(now < was * (1.0 - c->o.replan_margin))) {
-        NL_INFO("re-plan at rest: the plan stays (bottleneck %.2f ms; %d nodes would give %.2f ms, "
+        NL_INFO("re-plan %s: the plan stays (bottleneck %.2f ms; %d nodes would give %.2f ms, "
                 "not better by --replan-margin %.2f)",
-                was * 1e3, n, now * 1e3, c->o.replan_margin);
+                when, was * 1e3, n, now * 1e3, c->o.replan_margin);
     } else if (c->stages_modified) {
-        NL_WARN("re-plan at rest: %d nodes would give a bottleneck of %.2f ms instead of %.2f ms, "
+        NL_WARN("re-plan %s: %d nodes would give a bottleneck of %.2f ms instead of %.2f ms, "
                 "but the stages hold weights trained since the last checkpoint; the plan stays",
-                n, now * 1e3, was * 1e3);
+                when, n, now * 1e3, was * 1e3);
     } else {
-        NL_INFO("re-plan at rest: bottleneck %.2f ms -> %.2f ms over %d nodes (--replan-margin "
+        NL_INFO("re-plan %s: bottleneck %.2f ms -> %.2f ms over %d nodes (--replan-margin "
                 "%.2f); the stages reload from %s",
-                was * 1e3, now * 1e3, n, c->o.replan_margin,
+                when, was * 1e3, now * 1e3, n, c->o.replan_margin,
                 c->src_path[0] ? c->src_path : "the seed");
         log_plan(c, c->plan, "old");
         log_plan(c, cand, "new");
-        coord_reload(c);
+        gain = 1;
     }
     nl_plan_destroy(&cand);
+    return gain;
+}
+
+/* A node joined or a standby left (replan_wanted) and the cluster is at
+ * rest (ready, no job): plan again over the nodes there are now when the
+ * planner predicts a bottleneck better by --replan-margin (hysteresis);
+ * the stages then reload from the source (the checkpoint or the last
+ * manifest). Not while the stages hold trained weights that no checkpoint
+ * has: a reload would lose them. (During a training job the job asks at
+ * its next checkpoint: coord_train.c.) */
+static void replan_at_rest(nl_coord *c)
+{
+    if (!c->replan_wanted || !c->ready || !c->plan || !c->have_cfg)
+        return;
+    for (int i = 0; i < COORD_MAX_JOBS; i++)
+        if (c->jobs[i].phase != JOB_FREE)
+            return; /* at the end of the job */
+    if (coord_replan_gain(c, "at rest"))
+        coord_reload(c);
 }
 
 static void on_load_done(nl_coord *c, const nl_rx *rx)

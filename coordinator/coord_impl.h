@@ -76,6 +76,11 @@ typedef struct cjob_ops {
     /* A stage of the plan is lost: 1 if the job waits for the next plan,
      * 0 (or NULL) if it fails. */
     int (*stage_lost)(nl_coord *c, cjob *j, const char *why);
+    /* A stage reports that its work for the job failed (why names the
+     * node): 1 if the job goes on regardless (a training job waits for
+     * the node's death to be told from a live node's), 0 (or NULL): it
+     * fails. */
+    int (*node_failed)(nl_coord *c, cjob *j, const char *why);
     /* The plan is ready: a waiting job goes on. */
     void (*ready)(nl_coord *c, cjob *j);
     /* The job ends before it is done (failed, cancelled): tell the stages
@@ -146,6 +151,7 @@ struct nl_coord {
     int ready;
     char state[512];
     double last_plan_try;
+    nl_mem_opts train_mem; /* a training job's memory (training 0: none): plans hold it */
     cjob jobs[COORD_MAX_JOBS];
     uint64_t next_job;
     /* the workers: a PULL socket on work_endpoint, and their tasks */
@@ -221,6 +227,23 @@ void coord_fail_unreachable_first(nl_coord *c, cjob *j);
 bool coord_from_last_stage(nl_coord *c, const nl_rx *rx);
 /* Tell every stage of the job's plan to drop the job (JOB_CANCEL). */
 void coord_close_session(nl_coord *c, cjob *j);
+
+/* ---------------------------------------------------------------- coord.c */
+
+/* Whether every stage of the current plan holds mo's memory on its node
+ * (training: the microbatches in flight capped by 1F1B); if not, why says
+ * which stage and by how many bytes. */
+int coord_plan_holds(const nl_coord *c, const nl_mem_opts *mo, char *why, size_t cap);
+/* Whether the planner can place the model on the live nodes now (with
+ * the training memory of a running training job); if not, why says so
+ * (with the shortfall in bytes). */
+int coord_plan_possible(nl_coord *c, char *why, size_t cap);
+/* A node joined or a standby left since the plan (replan_wanted, which it
+ * clears): 1 if a plan over the live nodes now beats the current one's
+ * bottleneck by --replan-margin and the stages' weights are in the source
+ * (the old and new plans are logged); the caller then reloads. `when`
+ * names the moment in the log ("at rest", "at the checkpoint"). */
+int coord_replan_gain(nl_coord *c, const char *when);
 
 /* ---------------------------------------------------------------- coord_work.c */
 

@@ -70,6 +70,8 @@ static void on_node_failure(nl_coord *c, const cnode *n, cjob *j, const nl_msg_j
     }
     char why[1200];
     snprintf(why, sizeof why, "node %u (stage %d): %s", n->id, n->stage, s->message);
+    if (j && j->ops->node_failed && j->ops->node_failed(c, j, why))
+        return;
     if (j)
         coord_job_fail(c, j, why);
     else

@@ -50,6 +50,7 @@ typedef struct ctrain {
     int resumes;     /* done so far (at most --train-resumes) */
     double t_lost;   /* when the last stage was lost (0: none since the last step) */
     int64_t lost_at; /* the step it was lost at */
+    int mem_replanned; /* the cluster planned again for its training memory */
 } ctrain;
 
 static void free_shards(nl_manifest_shard *sh, int n)
@@ -184,9 +185,61 @@ static int send_hop(nl_coord *c, cjob *j, nl_msg_type type, uint64_t step, uint3
 
 static void start_step(nl_coord *c, cjob *j);
 
+/* The job waits while the cluster plans again and reloads from its
+ * source (the last verified manifest, or what the job began from); once
+ * ready, begin() continues from the source's step (or the start). */
+static void wait_reload(nl_coord *c, cjob *j)
+{
+    ctrain *t = j->state;
+    t->start = t->step = 0;
+    t->moments = 0;
+    t->adam = 0;
+    t->phase = TR_LOADING;
+    j->phase = JOB_WAITING;
+    j->last_progress = coord_now();
+    (void)c;
+}
+
+/* Plans hold the job's training memory from now on; 1 if the current plan
+ * does, 0 if the job now waits for a plan that does (or failed). */
+static int plan_for_training(nl_coord *c, cjob *j)
+{
+    ctrain *t = j->state;
+    char why[400];
+    c->train_mem = (nl_mem_opts){.training = 1,
+                                 .micro_rows = (int)(t->batch / t->micro * t->seq),
+                                 .in_flight = (int)t->micro,
+                                 .recompute = t->recompute};
+    if (coord_plan_holds(c, &c->train_mem, why, sizeof why))
+        return 1;
+    char none[400];
+    if (!coord_plan_possible(c, none, sizeof none)) {
+        fail(c, j, "training memory: %s; and no plan over the nodes holds it: %s", why, none);
+        return 0;
+    }
+    if (t->mem_replanned || c->stages_modified) {
+        fail(c, j, "training memory: %s%s", why,
+             c->stages_modified ? " (the stages hold weights trained since the last checkpoint, "
+                                  "so the cluster does not plan again)"
+                                : "");
+        return 0;
+    }
+    t->mem_replanned = 1;
+    NL_INFO("train job %llu: %s; planning again for training memory", (unsigned long long)j->id,
+            why);
+    char msg[500];
+    snprintf(msg, sizeof msg, "%s; planning again for training memory", why);
+    coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, msg, NULL);
+    wait_reload(c, j);
+    coord_reload(c); /* a plan that cannot hold it fails the job with the shortfall */
+    return 0;
+}
+
 static void begin(nl_coord *c, cjob *j)
 {
     ctrain *t = j->state;
+    if (!plan_for_training(c, j))
+        return;
     free(t->got);
     free_shards(t->shards, t->stages); /* a resumed job's, of its former plan */
     t->stages = c->plan->n_stages;
@@ -356,6 +409,7 @@ static void finish(nl_coord *c, cjob *j)
         json_object_set_new(o, "manifest", json_string(t->manifest));
     NL_INFO("train job %llu: done at step %lld", (unsigned long long)j->id, (long long)t->step);
     report(c, j, NL_JOB_DONE, "done", o);
+    memset(&c->train_mem, 0, sizeof c->train_mem); /* plans are for inference again */
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_CANCEL); /* the stages free their trainers */
@@ -500,10 +554,19 @@ static void ckpt_done(nl_coord *c, cwork *w)
     json_t *o = json_pack("{s:s,s:I,s:s}", "event", "checkpoint", "step", (json_int_t)t->step,
                           "manifest", k->path);
     report(c, j, NL_JOB_RUNNING, "checkpoint", o);
-    if (t->step == t->steps)
+    if (t->step == t->steps) {
         finish(c, j);
-    else
+    } else if (coord_replan_gain(c, "at the checkpoint")) {
+        /* a node joined: the job goes on from this manifest on the new plan */
+        json_t *r = json_pack("{s:s,s:I,s:s}", "event", "replan", "step", (json_int_t)t->step,
+                              "manifest", k->path);
+        report(c, j, NL_JOB_RUNNING, "re-planning at the checkpoint", r);
+        coord_close_session(c, j);
+        wait_reload(c, j);
+        coord_reload(c);
+    } else {
         start_step(c, j);
+    }
 }
 
 static char *dup_or_null(const char *s, int *oom)
@@ -758,6 +821,7 @@ static void train_abort(nl_coord *c, cjob *j)
 {
     const ctrain *t = j->state;
     coord_close_session(c, j);
+    memset(&c->train_mem, 0, sizeof c->train_mem); /* plans are for inference again */
     if (t && t->phase >= TR_BEGIN && j->epoch == c->epoch) {
         NL_INFO("train job %llu ended early: the stages reload their weights from %s",
                 (unsigned long long)j->id, c->src_path[0] ? c->src_path : "the seed");
@@ -922,14 +986,7 @@ static int train_stage_lost(nl_coord *c, cjob *j, const char *why)
     t->resumes++;
     t->t_lost = coord_now();
     t->lost_at = t->step;
-    /* where it goes on if the reload brings no manifest (begin() reads a
-     * manifest's step and moments): the start of what it began from */
-    t->start = t->step = 0;
-    t->moments = 0;
-    t->adam = 0;
-    t->phase = TR_LOADING;
-    j->phase = JOB_WAITING;
-    j->last_progress = coord_now();
+    wait_reload(c, j);
     const int64_t from = c->src_manifest ? c->src_step : 0;
     NL_WARN("train job %llu: %s at step %lld; resuming from step %lld (%s) on the nodes left "
             "(resume %d of %d)",
@@ -940,6 +997,21 @@ static int train_stage_lost(nl_coord *c, cjob *j, const char *why)
                           "source", c->src_path[0] ? c->src_path : "the seed", "resume", t->resumes,
                           "max_resumes", c->o.train_resumes);
     report(c, j, NL_JOB_RUNNING, "node lost; resuming", o);
+    return 1;
+}
+
+/* A stage failed the job: most often it cannot reach a neighbour that
+ * died, before the heartbeat timeout says so. With resumes left the job
+ * waits for that verdict (train_stage_lost then resumes it); a stage that
+ * fails while every node lives leaves the job to --job-timeout-ms. */
+static int train_node_failed(nl_coord *c, cjob *j, const char *why)
+{
+    const ctrain *t = j->state;
+    if (!t || t->phase < TR_BEGIN || t->resumes >= c->o.train_resumes)
+        return 0;
+    NL_WARN("train job %llu: %s; waiting for the heartbeat timeout to tell whether a node died "
+            "(then the job resumes)",
+            (unsigned long long)j->id, why);
     return 1;
 }
 
@@ -956,6 +1028,7 @@ const cjob_ops coord_train_ops = {
     .submit = train_submit,
     .on_message = train_on_message,
     .stage_lost = train_stage_lost,
+    .node_failed = train_node_failed,
     .ready = train_ready,
     .abort = train_abort,
     .fail_note = train_fail_note,

@@ -6,16 +6,19 @@
 # takes a stage), reloads the step-20 manifest and continues; the job ends
 # by itself, its final weights and moments bit-identical to an undisturbed
 # run of the same job, and the client's log records the loss and the
-# resume. Then --train-resumes 0 (neurocoord started by hand) fails the job
+# resume. Then --train-resumes 0 fails the job
 # at the first loss, naming the node and the last checkpoint.
 set -uo pipefail
 N="$NL_BUILD_DIR/cli/neuroctl"
+NODE="$NL_BUILD_DIR/node/neuronode"
 DEV=(--device "${NL_TEST_DEVICE:-cpu}")
 # equal, fixed throughputs: plans do not hang on probes that other tests
 # running at the same time disturb
 export NL_TEST_GFLOPS=20
 W=$(mktemp -d)
+extra=0
 cleanup() {
+  [ "$extra" -gt 0 ] && kill "$extra" 2>/dev/null
   for c in "$W"/c*; do "$N" cluster down --dir "$c" >/dev/null 2>&1; done
   rm -rf "$W"
 }
@@ -106,6 +109,53 @@ grep "the first after the resume" "$C/coord.log" | sed 's/^.*train job/measured:
 check $PY "$W/same.py" "$W/killed.safetensors" "$W/ref.safetensors"
 "$N" cluster down --dir "$W/c2" >/dev/null
 
+# ---- a node joins at step ~5: taken in at the next checkpoint ----
+C="$W/c4"
+check "$N" "${UP[@]}" --nodes 2 --dir "$C"
+"$N" keygen --out "$W/extra" >/dev/null
+echo "$(cat "$W/extra.pub")  # extra" >> "$C/coord/authorized_keys"
+kill -HUP "$(cat "$C/coord.pid")"
+"$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck4" --log "$W/joined.jsonl" \
+  --out "$W/joined.safetensors" 2> "$W/joined.err" &
+job=$!
+for i in $(seq 1 1200); do
+  grep -q '"step":5,' "$W/joined.jsonl" 2>/dev/null && break
+  sleep 0.05
+done
+"$NODE" join "${DEV[@]}" "$(cat "$C/coord/endpoint")" --key "$W/extra.key" \
+  --coordinator-key "$C/coord/coordinator.pub" --memory 64M --threads 1 --name extra \
+  --checkpoint-root "$W" > "$W/extra.log" 2>&1 &
+extra=$!
+wait $job
+rc=$?
+cat "$W/joined.err" | tr '\r' '\n' | grep -v "^step" | tail -6
+check test $rc -eq 0
+check grep -q "on 2 pipeline stages" "$W/joined.err"
+# the first checkpoint after the join (the node starts at step 5; the
+# coordinator's log says when it joined)
+at=$(sed -n 's/^resuming at step \([0-9]*\)$/\1/p' "$W/joined.err" | head -1)
+echo "joined during training; taken in at the checkpoint of step ${at:-?}"
+check test -n "$at"
+check grep -q "on 3 pipeline stages" "$W/joined.err"
+check grep -q "\"event\":\"replan\",\"resume_step\":${at:-x}" "$W/joined.jsonl"
+check grep -q "re-plan at the checkpoint: bottleneck" "$C/coord.log"
+check grep -q "plan new: stage 2" "$C/coord.log"
+check $PY "$W/same.py" "$W/joined.safetensors" "$W/ref.safetensors"
+# ---- training memory (item 3): a batch no plan holds is refused with the
+# shortfall in bytes, and the cluster stays as it was ----
+out=$("$N" train --cluster "$C" --data "$W/data.txt" --steps 2 --batch 1024 --seq 64 \
+  --microbatches 1 --checkpoint-dir "$W/ck5" 2>&1)
+rc=$?
+echo "$out" | tail -1
+check test $rc -eq 1
+check grep -q "training memory: stage [0-9] .* bytes short; and no plan over the nodes holds it: .*needs [0-9]* bytes more" <<< "$out"
+check "$N" train --cluster "$C" --data "$W/data.txt" --steps 42 --batch 16 --seq 64 \
+  --microbatches 2 --checkpoint-dir "$W/ck6" --resume "$W/ck4/step-000040" 2> /dev/null
+kill "$extra" 2>/dev/null
+wait "$extra" 2>/dev/null
+extra=0
+"$N" cluster down --dir "$C" >/dev/null
+
 # ---- --train-resumes 0: the job fails at the first loss ----
 C="$W/c3"
 check "$N" "${UP[@]}" --nodes 2 --train-resumes 0 --dir "$C"
@@ -122,7 +172,6 @@ rc=$?
 tail -2 "$W/nores.err"
 check test $rc -eq 1
 check grep -q "last checkpoint: step 10" "$W/nores.err"
-check grep -q "train-resumes 0" "$C/coord.log"
 
 echo "test_cluster_resume: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
