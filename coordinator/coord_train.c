@@ -1000,14 +1000,17 @@ static int train_stage_lost(nl_coord *c, cjob *j, const char *why)
     return 1;
 }
 
-/* A stage failed the job: most often it cannot reach a neighbour that
- * died, before the heartbeat timeout says so. With resumes left the job
- * waits for that verdict (train_stage_lost then resumes it); a stage that
- * fails while every node lives leaves the job to --job-timeout-ms. */
+/* A stage failed the job. When it cannot reach a neighbour (node.c says
+ * "cannot reach the previous/next stage"; JOB_STATUS carries no code),
+ * the neighbour has most likely died and the heartbeat timeout will say
+ * so: with resumes left the job waits for that verdict (train_stage_lost
+ * then resumes it); a neighbour that lives on leaves the job to
+ * --job-timeout-ms. Any other failure (the device, the data) fails it. */
 static int train_node_failed(nl_coord *c, cjob *j, const char *why)
 {
     const ctrain *t = j->state;
-    if (!t || t->phase < TR_BEGIN || t->resumes >= c->o.train_resumes)
+    if (!t || t->phase < TR_BEGIN || t->resumes >= c->o.train_resumes ||
+        !strstr(why, "cannot reach the "))
         return 0;
     NL_WARN("train job %llu: %s; waiting for the heartbeat timeout to tell whether a node died "
             "(then the job resumes)",
