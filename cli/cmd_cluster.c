@@ -313,9 +313,18 @@ static int cluster_up(const nl_flag *flags, const char *dir)
     snprintf(s_tr, sizeof s_tr, "%lld", train_resumes);
     snprintf(s_seed, sizeof s_seed, "%lld", seed);
     snprintf(s_nto, sizeof s_nto, "%lld", node_timeout);
-    char *cargv[16] = {coord_bin, "--listen",          "tcp://127.0.0.1:*", "--state-dir",
-                       cdir,      "--min-nodes",       s_nodes,             "--seed",
-                       s_seed,    "--node-timeout-ms", s_nto,               "--train-resumes",
+    char *cargv[16] = {coord_bin,
+                       "--listen",
+                       "tcp://127.0.0.1:*",
+                       "--state-dir",
+                       cdir,
+                       "--min-nodes",
+                       s_nodes,
+                       "--seed",
+                       s_seed,
+                       "--node-timeout-ms",
+                       s_nto,
+                       "--train-resumes",
                        s_tr};
     int ca = 13;
     if (model) {

@@ -35,6 +35,7 @@ typedef struct rtrain_opts {
     char *data, *resume, *ckpt_dir; /* absolute paths (malloc'd) */
     nl_train_run r;                 /* the flags local and cluster training share */
     int final_ckpt;
+    uint64_t attach; /* --attach JOB: follow it instead of submitting */
 } rtrain_opts;
 
 /* ---------------------------------------------------------------- flags */
@@ -207,7 +208,8 @@ static void on_node_lost(watch *w, const json_t *ev)
             *p = '?';
     fprintf(stderr, "%s%s at step %lld; resuming from step %lld (resume %lld of %lld)\n",
             w->tty && w->started ? "\n" : "", safe, integer(ev, "lost_step", -1),
-            integer(ev, "resume_step", -1), integer(ev, "resume", 0), integer(ev, "max_resumes", 0));
+            integer(ev, "resume_step", -1), integer(ev, "resume", 0),
+            integer(ev, "max_resumes", 0));
     if (w->log) {
         char *text = json_dumps(ev, JSON_COMPACT);
         if (text)
@@ -259,6 +261,7 @@ static nl_status on_step(watch *w, const json_t *ev, nl_error *err)
         w->start_time = nl_train_clock();
         w->started = 1;
     }
+    w->steps = integer(ev, "steps", w->steps); /* an attached client learns it here */
     const json_t *ev_loss = json_object_get(ev, "eval_loss");
     nl_train_step s = {.step = k,
                        .steps = w->steps,
@@ -353,8 +356,9 @@ static nl_status on_status(watch *w, const nl_rx *rx, nl_error *err)
     } else if (event && strcmp(event, "node_lost") == 0) {
         on_node_lost(w, ev);
     } else if (event && strcmp(event, "replan") == 0) {
-        fprintf(stderr, "%snodes joined: the job goes on from the checkpoint of step %lld on a new "
-                        "plan\n",
+        fprintf(stderr,
+                "%snodes joined: the job goes on from the checkpoint of step %lld on a new "
+                "plan\n",
                 w->tty && w->started ? "\n" : "", integer(ev, "step", -1));
         if (w->log)
             fprintf(w->log, "{\"event\":\"replan\",\"resume_step\":%lld}\n",
@@ -471,6 +475,20 @@ static nl_status export_out(const watch *w, const char *out, nl_error *err)
     return st;
 }
 
+/* --attach: JOB_QUERY for the job makes this client the one it reports to. */
+static nl_status attach(nl_remote *r, uint64_t job, nl_error *err)
+{
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOB_QUERY);
+    m.u.job_ref.job_id = job;
+    nl_status st = nl_sock_send(r->s, NULL, 0, &m, err);
+    nl_wire_msg_free(&m);
+    if (st == NL_OK)
+        fprintf(stderr, "following job %" PRIu64 "\n", job);
+    return st;
+}
+
 static int run(const nl_flag *flags, const rtrain_opts *o)
 {
     nl_error err = {0};
@@ -480,7 +498,7 @@ static int run(const nl_flag *flags, const rtrain_opts *o)
     int rc = 1, handler = 0;
     if (nl_remote_open(&r, flags, 600, &err) != NL_OK)
         goto out;
-    if (o->log && !(w.log = fopen(o->log, o->resume ? "a" : "w"))) {
+    if (o->log && !(w.log = fopen(o->log, o->resume || o->attach ? "a" : "w"))) {
         nl_error_set(&err, NL_ERR_IO, "%s: cannot open the log", o->log);
         goto out;
     }
@@ -488,7 +506,8 @@ static int run(const nl_flag *flags, const rtrain_opts *o)
     sigemptyset(&sa.sa_mask);
     interrupted = 0;
     handler = sigaction(SIGINT, &sa, &old) == 0;
-    if (submit(&r, o, &err) != NL_OK || follow(&r, &w, &err) != NL_OK)
+    if ((o->attach ? attach(&r, o->attach, &err) : submit(&r, o, &err)) != NL_OK ||
+        follow(&r, &w, &err) != NL_OK)
         goto out;
     if (w.tty)
         fprintf(stderr, "\n");
@@ -527,17 +546,31 @@ int nl_cmd_remote_train(int argc, char **argv)
         {"checkpoint-dir", 1, "where the cluster writes checkpoints (default: checkpoints)", NULL},
         {"out", 1, "join the final checkpoint's shards into this file (safetensors)", NULL},
         {"resume", 1, "continue from this checkpoint manifest (or its directory)", NULL},
+        {"attach", 1,
+         "follow training job JOB that runs already (after the client or the coordinator "
+         "restarted; neuroctl jobs lists them): its progress, --log and --out",
+         NULL},
         NL_REMOTE_FLAGS_TIMEOUT(
             "seconds without any message from the coordinator before giving up (default 600)"),
         {0}};
     const char *usage = "neuroctl train (--coordinator EP --key K --coordinator-key P | --cluster "
                         "DIR) --data DATA --steps N [--batch B] [--seq T] [--microbatches M] "
                         "[--lr X] [--warmup W] [--seed S] [--eval-every K] [--checkpoint-every K] "
-                        "[--log LOG.jsonl] [--out FINAL.safetensors] [--resume MANIFEST]";
+                        "[--log LOG.jsonl] [--out FINAL.safetensors] [--resume MANIFEST] | "
+                        "--attach JOB [--log LOG.jsonl] [--out FINAL.safetensors]";
     int rc = refuse_local_flags(argc, argv, flags);
     if (rc || (rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL)))
         return rc == 1 ? 0 : rc;
     rtrain_opts o = {0};
+    if (nl_args_get(flags, "attach")) {
+        long long job = 0;
+        if ((rc = nl_args_int(flags, "attach", 1, INT64_MAX, &job)))
+            return rc;
+        o.attach = (uint64_t)job;
+        o.log = nl_args_get(flags, "log");
+        o.out = nl_args_get(flags, "out");
+        return o.out && out_writable(o.out) != 0 ? 1 : run(flags, &o);
+    }
     if (!nl_args_get(flags, "data") || !nl_args_get(flags, "steps")) {
         nl_args_help(stderr, usage, flags);
         return 2;

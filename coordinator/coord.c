@@ -133,6 +133,7 @@ nl_status nl_coord_new(nl_coord **out, const nl_coord_opts *o, nl_error *err)
         nl_coord_destroy(&c);
         return st;
     }
+    coord_journal_recover(c); /* a training job that ran when it stopped goes on */
     coord_set_state(c, "waiting for nodes (at least %d)", o->min_nodes);
     NL_INFO("listening on %s; public key %s", c->endpoint, c->keys.public_z85);
     *out = c;
@@ -444,8 +445,8 @@ int coord_plan_holds(const nl_coord *c, const nl_mem_opts *mo, char *why, size_t
          * stages from it to the last (as the node counts them) */
         if (o.training && (o.in_flight <= 0 || o.in_flight > S - s))
             o.in_flight = S - s;
-        const nl_mem_estimate me = nl_memory_estimate(&c->cfg, ps->l1 - ps->l0, ps->has_embed,
-                                                      ps->has_head, &o);
+        const nl_mem_estimate me =
+            nl_memory_estimate(&c->cfg, ps->l1 - ps->l0, ps->has_embed, ps->has_head, &o);
         if (n && me.total > n->memory) {
             snprintf(why, cap,
                      "stage %d (node %u, layers [%d, %d)) needs %llu bytes for training but the "

@@ -212,6 +212,8 @@ void coord_status_to(nl_coord *c, const uint8_t *rid, size_t rid_len, uint64_t j
 {
     nl_wire_msg m;
     nl_error e = {0};
+    if (rid_len == 0) /* a job recovered from the journal that no client follows yet */
+        return;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_STATUS);
     m.u.job_status = (nl_msg_job_status){job, (uint32_t)state, progress, msg};

@@ -245,6 +245,22 @@ int coord_plan_possible(nl_coord *c, char *why, size_t cap);
  * names the moment in the log ("at rest", "at the checkpoint"). */
 int coord_replan_gain(nl_coord *c, const char *when);
 
+/* ---------------------------------------------------------------- coord_journal.c
+ * The running training job, journaled in <state-dir>/journal.json. */
+
+struct json_t;
+/* A submission's parameters as JSON (without "resume"), or NULL. */
+struct json_t *coord_journal_params(const nl_msg_job_submit *s);
+/* Job `job` trains with params, its last verified manifest `manifest`
+ * (NULL: none yet). */
+void coord_journal_train(nl_coord *c, uint64_t job, const struct json_t *params,
+                         const char *manifest);
+/* No training job runs. */
+void coord_journal_clear(nl_coord *c);
+/* At start: a journaled training job is made again, resuming from its
+ * manifest, under its id; job ids go on from the journal's. */
+void coord_journal_recover(nl_coord *c);
+
 /* ---------------------------------------------------------------- coord_work.c */
 
 nl_status coord_work_init(nl_coord *c, nl_error *err);

@@ -47,10 +47,11 @@ typedef struct ctrain {
     char manifest[4096];       /* the last one written (or the one resumed) */
     int64_t manifest_step;
     /* recoveries: a stage lost, the job goes on from the last manifest */
-    int resumes;     /* done so far (at most --train-resumes) */
-    double t_lost;   /* when the last stage was lost (0: none since the last step) */
-    int64_t lost_at; /* the step it was lost at */
+    int resumes;       /* done so far (at most --train-resumes) */
+    double t_lost;     /* when the last stage was lost (0: none since the last step) */
+    int64_t lost_at;   /* the step it was lost at */
     int mem_replanned; /* the cluster planned again for its training memory */
+    json_t *journal;   /* the client's parameters, journaled (coord_journal.c) */
 } ctrain;
 
 static void free_shards(nl_manifest_shard *sh, int n)
@@ -74,6 +75,7 @@ static void train_free(cjob *j)
     free(t->targets);
     free(t->got);
     free_shards(t->shards, t->stages);
+    json_decref(t->journal);
     free(t);
     j->state = NULL;
 }
@@ -410,6 +412,7 @@ static void finish(nl_coord *c, cjob *j)
     NL_INFO("train job %llu: done at step %lld", (unsigned long long)j->id, (long long)t->step);
     report(c, j, NL_JOB_DONE, "done", o);
     memset(&c->train_mem, 0, sizeof c->train_mem); /* plans are for inference again */
+    coord_journal_clear(c);
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_CANCEL); /* the stages free their trainers */
@@ -428,10 +431,10 @@ static void after_step(nl_coord *c, cjob *j)
     const nl_step_result *r = &t->r;
     /* JSON has no NaN or infinity: a non-finite value is null */
     json_t *o = json_pack(
-        "{s:s,s:I,s:o,s:o,s:o,s:o,s:o,s:o,s:b}", "event", "step", "step", (json_int_t)t->step,
-        "loss", jnum(r->loss), "ce_loss", jnum(r->ce_loss), "aux_loss", jnum(r->aux_loss), "lr",
-        jnum(t->lr_now), "grad_norm", jnum(r->grad_norm), "tokens_per_s",
-        jnum((double)t->batch * (double)t->seq / t->step_s), "skipped", r->skipped);
+        "{s:s,s:I,s:I,s:o,s:o,s:o,s:o,s:o,s:o,s:b}", "event", "step", "step", (json_int_t)t->step,
+        "steps", (json_int_t)t->steps, "loss", jnum(r->loss), "ce_loss", jnum(r->ce_loss),
+        "aux_loss", jnum(r->aux_loss), "lr", jnum(t->lr_now), "grad_norm", jnum(r->grad_norm),
+        "tokens_per_s", jnum((double)t->batch * (double)t->seq / t->step_s), "skipped", r->skipped);
     if (o && t->has_eval)
         json_object_set_new(o, "eval_loss", jnum(t->eval_loss));
     char msg[64];
@@ -547,6 +550,7 @@ static void ckpt_done(nl_coord *c, cwork *w)
     }
     coord_manifest_install(c, &k->out, 0);
     c->stages_modified = 0; /* the source holds the stages' weights */
+    coord_journal_train(c, j->id, t->journal, k->path);
     snprintf(t->manifest, sizeof t->manifest, "%s", k->path);
     t->manifest_step = t->step;
     NL_INFO("train job %llu: checkpoint of step %lld: %s", (unsigned long long)j->id,
@@ -792,7 +796,8 @@ static void train_submit(nl_coord *c, const nl_rx *rx)
         return;
     }
     coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, "running", NULL);
-    if (!resume && !c->ready) {
+    /* a job recovered from the journal (no client yet) waits for the nodes */
+    if (!resume && !c->ready && rx->rid_len > 0) {
         free(p);
         fail(c, j, "the cluster is not ready: %s", c->state);
         return;
@@ -810,6 +815,12 @@ static void train_submit(nl_coord *c, const nl_rx *rx)
         return;
     }
     t->phase = TR_PREPARING;
+    if (!(t->journal = coord_journal_params(s))) {
+        prep_free(&p->w);
+        fail(c, j, "out of memory");
+        return;
+    }
+    coord_journal_train(c, j->id, t->journal, resume);
     if (coord_work_start(c, &p->w, &e) != NL_OK)
         fail(c, j, "%s", e.msg);
 }
@@ -822,6 +833,7 @@ static void train_abort(nl_coord *c, cjob *j)
     const ctrain *t = j->state;
     coord_close_session(c, j);
     memset(&c->train_mem, 0, sizeof c->train_mem); /* plans are for inference again */
+    coord_journal_clear(c);
     if (t && t->phase >= TR_BEGIN && j->epoch == c->epoch) {
         NL_INFO("train job %llu ended early: the stages reload their weights from %s",
                 (unsigned long long)j->id, c->src_path[0] ? c->src_path : "the seed");

@@ -156,6 +156,40 @@ wait "$extra" 2>/dev/null
 extra=0
 "$N" cluster down --dir "$C" >/dev/null
 
+# ---- the coordinator restarts (item 4): SIGKILL it at step ~23, start it
+# again on the same port and state dir; the nodes join again, the job
+# continues from its journal's manifest, a client attaches; bit-identical ----
+C="$W/c5"
+check "$N" "${UP[@]}" --nodes 3 --dir "$C"
+"$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck7" --log "$W/restart.jsonl" \
+  2> "$W/restart.err" &
+job=$!
+for i in $(seq 1 1200); do
+  grep -q '"step":23,' "$W/restart.jsonl" 2>/dev/null && break
+  sleep 0.05
+done
+kill -9 "$(cat "$C/coord.pid")"
+kill "$job" 2>/dev/null # its coordinator is gone (it would wait --timeout)
+wait "$job" 2>/dev/null
+check grep -q '"id":1,' "$C/coord/journal.json"
+check grep -q 'step-000020/manifest.json' "$C/coord/journal.json"
+ep=$(cat "$C/coord/endpoint")
+"$NL_BUILD_DIR/coordinator/neurocoord" --listen "$ep" --state-dir "$C/coord" --min-nodes 3 \
+  --node-timeout-ms 2000 --model "$W/m.safetensors" >> "$C/coord.log" 2>&1 &
+echo $! > "$C/coord.pid"
+jobs_out=$("$N" jobs --cluster "$C" 2>&1)
+echo "$jobs_out"
+check grep -q "^1 *train" <<< "$jobs_out"
+check "$N" train --cluster "$C" --attach 1 --log "$W/attached.jsonl" --out "$W/restarted.safetensors" \
+  --timeout 60 2> "$W/attached.err"
+tr '\r' '\n' < "$W/attached.err" | grep -v "^step" | tail -4
+check grep -q "resuming at step 20" "$W/attached.err"
+check grep -q "journal .*: train job 1 was running; it resumes from .*step-000020" "$C/coord.log"
+check grep -q "joined again as node" "$C"/node-1.log
+check $PY "$W/same.py" "$W/restarted.safetensors" "$W/ref.safetensors"
+check grep -q '"train":null' "$C/coord/journal.json"
+"$N" cluster down --dir "$C" >/dev/null
+
 # ---- --train-resumes 0: the job fails at the first loss ----
 C="$W/c3"
 check "$N" "${UP[@]}" --nodes 2 --train-resumes 0 --dir "$C"
