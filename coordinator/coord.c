@@ -5,6 +5,7 @@
 #include "coord_impl.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -254,6 +255,10 @@ static void on_heartbeat(nl_coord *c, const nl_rx *rx)
         return;
     }
     n->last_seen = coord_now();
+    if (c->train_mem.training && n->stage >= 0 && n->loaded) { /* a stage's busy fraction */
+        n->load_sum += rx->msg.u.heartbeat.load;
+        n->load_n++;
+    }
 }
 
 static void on_node_error(nl_coord *c, const nl_rx *rx)
@@ -416,8 +421,9 @@ static int plan_nodes(const nl_coord *c, nl_plan_node *pn, uint64_t *total)
     *total = 0;
     for (int i = 0; i < COORD_MAX_NODES; i++)
         if (c->nodes[i].life == NODE_LIVE) {
-            pn[n] = (nl_plan_node){(int)c->nodes[i].id, c->nodes[i].memory,
-                                   c->nodes[i].gflops > 0 ? c->nodes[i].gflops : 1.0, 0.0};
+            const double g =
+                c->nodes[i].seen_gflops > 0 ? c->nodes[i].seen_gflops : c->nodes[i].gflops;
+            pn[n] = (nl_plan_node){(int)c->nodes[i].id, c->nodes[i].memory, g > 0 ? g : 1.0, 0.0};
             *total += c->nodes[i].memory;
             n++;
         }
@@ -533,6 +539,42 @@ static void try_plan(nl_coord *c)
                     (unsigned long long)c->epoch);
 }
 
+/* Heartbeats a stage needs since the last checkpoint to be judged. */
+#define OBSERVE_MIN_BEATS 3
+
+void coord_observe_speeds(nl_coord *c)
+{
+    const int S = c->plan ? c->plan->n_stages : 0;
+    double load[COORD_MAX_NODES], loads = 0, pred = 0;
+    int ok = S > 1;
+    for (int s = 0; s < S && ok; s++) {
+        const cnode *n = coord_stage_node(c, s);
+        ok = n && n->load_n >= OBSERVE_MIN_BEATS;
+        load[s] = ok ? n->load_sum / n->load_n : 0;
+        loads += load[s];
+        pred += c->plan->stages[s].seconds;
+    }
+    for (int s = 0; s < S && ok && loads > 0.05 * S && pred > 0; s++) {
+        /* a stage's share of the busy time against its predicted share:
+         * the plan's per-microbatch seconds rescaled to the observed ones */
+        cnode *n = coord_stage_node(c, s);
+        const double was = n->seen_gflops > 0 ? n->seen_gflops : n->gflops;
+        const double seen_s = load[s] / loads * pred, pred_s = c->plan->stages[s].seconds;
+        const double g = seen_s > 0 ? was * pred_s / seen_s : was;
+        if (fabs(g / was - 1.0) > c->o.replan_margin) {
+            NL_INFO("observed: node %u (stage %d) busy %.0f%% over %d heartbeats, %.2f ms per "
+                    "microbatch against %.2f ms planned: %.1f GFLOP/s instead of %.1f",
+                    n->id, s, 100 * load[s], n->load_n, seen_s * 1e3, pred_s * 1e3, g, was);
+            n->seen_gflops = g;
+            c->replan_wanted = 1;
+        }
+    }
+    for (int i = 0; i < COORD_MAX_NODES; i++) {
+        c->nodes[i].load_sum = 0;
+        c->nodes[i].load_n = 0;
+    }
+}
+
 int coord_plan_possible(nl_coord *c, char *why, size_t cap)
 {
     nl_plan_node pn[COORD_MAX_NODES];
@@ -562,29 +604,28 @@ int coord_replan_gain(nl_coord *c, const char *when)
     for (int i = 0; i < n; i++)
         pn[i].hop_seconds = hop_seconds(c);
     nl_plan_opts po = plan_opts(c);
-    nl_plan *cand = NULL, *old = NULL;
+    nl_plan *cand = NULL;
     int gain = 0;
     if (nl_plan_layers(&cand, &c->cfg, pn, n, &po, &e) != NL_OK) {
         NL_INFO("re-plan %s: no plan over the %d nodes: %s", when, n, e.msg);
         return 0;
     }
-    /* the current plan's figure by the same cost model (it may have been
-     * made for inference): the planner's best over the nodes it had */
-    nl_plan_node was_n[COORD_MAX_NODES];
-    int nw = 0;
-    for (int i = 0; i < n; i++) {
-        int in = 0;
-        for (int s = 0; s < c->plan->n_stages; s++)
-            in |= c->plan->stages[s].node_id == pn[i].id;
-        for (int k = 0; k < c->plan->n_standby; k++)
-            in |= c->plan->standby[k] == pn[i].id;
-        if (in)
-            was_n[nw++] = pn[i];
+    /* the current split's time by the same cost model (it may have been
+     * made for inference) at the nodes' figures now (observed speeds may
+     * have changed them): nl_plan_stage_seconds, the planner's formula */
+    double was = 0;
+    for (int s = 0; s < c->plan->n_stages; s++) {
+        const nl_plan_stage *ps = &c->plan->stages[s];
+        const nl_plan_node *nd = NULL;
+        for (int i = 0; i < n && !nd; i++)
+            if (pn[i].id == ps->node_id)
+                nd = &pn[i];
+        const double t =
+            nd ? nl_plan_stage_seconds(&c->cfg, &po, nd, ps->l1 - ps->l0, s, c->plan->n_stages)
+               : ps->seconds;
+        if (t > was)
+            was = t;
     }
-    double was = c->plan->bottleneck;
-    if (nl_plan_layers(&old, &c->cfg, was_n, nw, &po, &e) == NL_OK)
-        was = old->bottleneck;
-    nl_plan_destroy(&old);
     const double now = cand->bottleneck;
     if (!(now < was * (1.0 - c->o.replan_margin))) {
         NL_INFO("re-plan %s: the plan stays (bottleneck %.2f ms; %d nodes would give %.2f ms, "

@@ -30,7 +30,10 @@ typedef struct cnode {
     char device[33];
     char endpoint[257];
     uint64_t memory;
-    double gflops;
+    double gflops;      /* its probe's (JOIN) */
+    double seen_gflops; /* as observed in a training job's stage times (0: not yet) */
+    double load_sum;    /* heartbeats' busy fractions while it trains a stage ... */
+    int load_n;         /* ... and how many, since the last checkpoint */
     uint32_t threads;
     double joined, last_seen; /* monotonic seconds */
     int stage;                /* index into the plan, -1: standby */
@@ -244,6 +247,12 @@ int coord_plan_possible(nl_coord *c, char *why, size_t cap);
  * (the old and new plans are logged); the caller then reloads. `when`
  * names the moment in the log ("at rest", "at the checkpoint"). */
 int coord_replan_gain(nl_coord *c, const char *when);
+/* At a training checkpoint: each stage's throughput as observed (its
+ * nodes' busy fractions since the last checkpoint against the plan's
+ * predicted stage times); a node whose figure moved by more than
+ * --replan-margin asks for a re-plan (replan_wanted), which plans with the
+ * observed figures. The observations start again. */
+void coord_observe_speeds(nl_coord *c);
 
 /* ---------------------------------------------------------------- coord_journal.c
  * The running training job, journaled in <state-dir>/journal.json. */

@@ -558,10 +558,13 @@ static void ckpt_done(nl_coord *c, cwork *w)
     json_t *o = json_pack("{s:s,s:I,s:s}", "event", "checkpoint", "step", (json_int_t)t->step,
                           "manifest", k->path);
     report(c, j, NL_JOB_RUNNING, "checkpoint", o);
+    if (t->step < t->steps)
+        coord_observe_speeds(c); /* a stage slower or faster than planned asks for a re-plan */
     if (t->step == t->steps) {
         finish(c, j);
     } else if (coord_replan_gain(c, "at the checkpoint")) {
-        /* a node joined: the job goes on from this manifest on the new plan */
+        /* a node joined, or the stages' observed speeds call for another
+         * split: the job goes on from this manifest on the new plan */
         json_t *r = json_pack("{s:s,s:I,s:s}", "event", "replan", "step", (json_int_t)t->step,
                               "manifest", k->path);
         report(c, j, NL_JOB_RUNNING, "re-planning at the checkpoint", r);
