@@ -344,66 +344,112 @@ static int stage_holds(const nl_coord *c, const nl_plan_stage *s, const char *na
     return 0; /* optimizer moments and anything else stay here */
 }
 
-/* Stream the tensors of one source file that stage s holds, in chunks
- * that point into the mapping (no copy; the source's ref counts them). */
-static nl_status send_file(nl_coord *c, const nl_plan_stage *s, cnode *n, nl_st_file *f,
-                           nl_wire_msg *m, uint32_t *tensors, uint64_t *bytes)
+/* Streaming a stage's tensors runs in steps on the loop (issue 22 item
+ * 6): each turn sends chunks (LAYER_LOAD, 4 MiB, pointing into the mapped
+ * source: no copy) to the stages that load, round-robin, while fewer than
+ * LOAD_WINDOW chunks of the source wait in libzmq's queues. A big model
+ * thus never fills a peer's queue (its high-water mark would make a send
+ * wait up to the socket's send timeout), heartbeats and clients are served
+ * between chunks, and the memory libzmq holds stays bounded. The cursor
+ * (cnode.ld) restarts when the source changes and stops with its epoch. */
+#define LOAD_WINDOW 64 /* chunks in flight, all stages together: 256 MiB */
+#define LOAD_TURN 16   /* chunks one turn sends at most */
+
+/* Send the stage's next chunk: 1 sent, 0 none left, -1 the send failed. */
+static int send_next_chunk(nl_coord *c, cnode *n, nl_wire_msg *m)
 {
-    for (size_t i = 0; i < nl_st_count(f); i++) {
-        const nl_st_entry *e = nl_st_entry_at(f, i);
-        if (!stage_holds(c, s, e->name) || e->dtype != NL_DTYPE_F32)
-            continue;
-        const uint64_t numel = e->nbytes / 4;
-        const uint32_t chunks = (uint32_t)((numel + CHUNK_FLOATS - 1) / CHUNK_FLOATS);
-        const char *data = nl_st_tensor_data(f, e);
-        for (uint32_t k = 0; k < (chunks ? chunks : 1); k++) {
-            const uint64_t off = (uint64_t)k * CHUNK_FLOATS;
-            const uint64_t cnt = numel - off < CHUNK_FLOATS ? numel - off : CHUNK_FLOATS;
+    const nl_plan_stage *s = &c->plan->stages[n->stage];
+    cload *ld = &n->ld;
+    for (; c->src && ld->file < c->src->n; ld->file++, ld->entry = 0) {
+        nl_st_file *f = c->src->files[ld->file];
+        for (; ld->entry < nl_st_count(f); ld->entry++, ld->chunk = 0) {
+            const nl_st_entry *e = nl_st_entry_at(f, ld->entry);
+            if (!stage_holds(c, s, e->name) || e->dtype != NL_DTYPE_F32)
+                continue;
+            const uint64_t numel = e->nbytes / 4;
+            uint32_t chunks = (uint32_t)((numel + CHUNK_FLOATS - 1) / CHUNK_FLOATS);
+            chunks = chunks ? chunks : 1;
+            if (ld->chunk >= chunks)
+                continue;
+            const char *data = nl_st_tensor_data(f, e);
+            const uint64_t off = (uint64_t)ld->chunk * CHUNK_FLOATS;
+            const int64_t cnt = (int64_t)(numel - off < CHUNK_FLOATS ? numel - off : CHUNK_FLOATS);
             nl_wire_msg_reset(m, NL_MSG_LAYER_LOAD);
             m->u.layer_load.epoch = c->epoch;
             m->u.layer_load.name = e->name;
             m->u.layer_load.ndim = e->ndim;
             memcpy(m->u.layer_load.shape, e->shape, sizeof e->shape);
             m->u.layer_load.offset = off;
-            m->u.layer_load.chunk = k;
-            m->u.layer_load.chunks = chunks ? chunks : 1;
-            const int64_t elems = (int64_t)cnt;
+            m->u.layer_load.chunk = ld->chunk;
+            m->u.layer_load.chunks = chunks;
             nl_txref_frame(&m->frames[0], &c->src->ref, (void *)(data + off * 4), NL_DTYPE_F32,
-                           &elems, 1);
+                           &cnt, 1);
             m->nframes = 1;
-            nl_status st = coord_send_node(c, n, m);
-            if (st != NL_OK)
-                return st;
+            if (coord_send_node(c, n, m) != NL_OK)
+                return -1;
+            if (++ld->chunk == chunks) {
+                ld->tensors++;
+                ld->bytes += e->nbytes;
+            }
+            return 1;
         }
-        (*tensors)++;
-        *bytes += e->nbytes;
     }
-    return NL_OK;
+    return 0;
 }
 
-/* Stream the stage's tensors in chunks, then LOAD_DONE. Without a
- * checkpoint LOAD_DONE {tensors 0} tells the node to initialise from the
- * seed. */
-static void send_load(nl_coord *c, int stage)
+/* Begin streaming stage s's tensors (none without a source: LOAD_DONE
+ * {tensors 0} then tells the node to initialise from the seed). */
+static void start_load(nl_coord *c, int stage)
 {
-    const nl_plan_stage *s = &c->plan->stages[stage];
     cnode *n = coord_stage_node(c, stage);
+    if (n)
+        n->ld = (cload){.active = 1, .epoch = c->epoch, .src = c->src, .t0 = coord_now()};
+}
+
+/* One turn of streaming; returns how many stages still load. */
+static int stream_loads(nl_coord *c)
+{
     nl_wire_msg m;
     nl_wire_msg_init(&m);
-    uint32_t tensors = 0;
-    uint64_t bytes = 0;
-    double t0 = coord_now();
-    for (int f = 0; c->src && f < c->src->n; f++)
-        if (send_file(c, s, n, c->src->files[f], &m, &tensors, &bytes) != NL_OK)
-            goto out;
-    nl_wire_msg_reset(&m, NL_MSG_LOAD_DONE);
-    m.u.load_done = (nl_msg_load_done){c->epoch, n->id, tensors, bytes};
-    coord_send_node(c, n, &m);
-    if (c->src)
-        NL_INFO("stage %d: sent %u tensors (%.1f MiB) to node %u in %.2f s", stage, tensors,
-                (double)bytes / (1 << 20), n->id, coord_now() - t0);
-out:
+    int active = 0, sent = 0, progress = 1;
+    while (progress && sent < LOAD_TURN) {
+        progress = 0;
+        active = 0;
+        for (int i = 0; i < COORD_MAX_NODES && sent < LOAD_TURN; i++) {
+            cnode *n = &c->nodes[i];
+            cload *ld = &n->ld;
+            if (!ld->active)
+                continue;
+            if (n->life != NODE_LIVE || n->stage < 0 || !c->plan || ld->epoch != c->epoch) {
+                ld->active = 0; /* its plan is gone */
+                continue;
+            }
+            if (ld->src != c->src) /* a new source: from the start */
+                *ld = (cload){.active = 1, .epoch = c->epoch, .src = c->src, .t0 = ld->t0};
+            active++;
+            if (c->src && atomic_load(&c->src->ref.pending) >= LOAD_WINDOW)
+                continue; /* libzmq holds enough: next turn */
+            const int r = send_next_chunk(c, n, &m);
+            if (r > 0) {
+                sent++;
+                progress = 1;
+                continue;
+            }
+            ld->active = 0;
+            active--;
+            if (r < 0) /* declared dead at this tick */
+                continue;
+            nl_wire_msg_reset(&m, NL_MSG_LOAD_DONE);
+            m.u.load_done = (nl_msg_load_done){c->epoch, n->id, ld->tensors, ld->bytes};
+            coord_send_node(c, n, &m);
+            if (c->src)
+                NL_INFO("stage %d: sent %u tensors (%.1f MiB) to node %u in %.2f s", n->stage,
+                        ld->tensors, (double)ld->bytes / (1 << 20), n->id, coord_now() - ld->t0);
+        }
+    }
     nl_wire_msg_free(&m);
+    c->loads_active = active;
+    return active;
 }
 
 static double hop_seconds(const nl_coord *c)
@@ -533,7 +579,8 @@ static void try_plan(nl_coord *c)
     for (int s = 0; s < plan->n_stages && cfg_json; s++)
         send_assign(c, s, cfg_json);
     for (int s = 0; s < plan->n_stages && cfg_json; s++)
-        send_load(c, s);
+        start_load(c, s);
+    stream_loads(c);
     free(cfg_json);
     coord_set_state(c, "loading %d stages (plan %llu)", plan->n_stages,
                     (unsigned long long)c->epoch);
@@ -706,6 +753,8 @@ static void tick(nl_coord *c)
             node_lost(c, n, NODE_DEAD, why);
         }
     }
+    if (c->loads_active)
+        stream_loads(c);
     coord_check_jobs(c, now);
     replan_at_rest(c);
     if (!c->plan && now - c->last_plan_try > 0.5)
@@ -770,6 +819,8 @@ void nl_coord_step(nl_coord *c, int timeout_ms)
 {
     zmq_pollitem_t items[2] = {{nl_sock_handle(c->ctl), 0, ZMQ_POLLIN, 0},
                                {c->work_pipe, 0, ZMQ_POLLIN, 0}};
+    if (c->loads_active && timeout_ms > 2) /* streaming: come back soon for the next chunks */
+        timeout_ms = 2;
     if (zmq_poll(items, 2, timeout_ms) < 0 && zmq_errno() != EINTR)
         NL_DEBUG("poll: %s", zmq_strerror(zmq_errno()));
     coord_work_reap(c);

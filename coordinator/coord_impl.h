@@ -21,6 +21,21 @@
 
 typedef enum { NODE_FREE = 0, NODE_LIVE, NODE_DEAD, NODE_LEFT } node_life;
 
+struct csource;
+
+/* Where a stage's streaming of its tensors is (coord.c, stream_loads). */
+typedef struct cload {
+    int active;
+    uint64_t epoch;            /* the plan it loads */
+    const struct csource *src; /* the source it reads */
+    int file;                  /* the source file, */
+    size_t entry;              /* the tensor in it, */
+    uint32_t chunk;            /* the next chunk of it */
+    uint32_t tensors;          /* sent whole */
+    uint64_t bytes;
+    double t0;
+} cload;
+
 typedef struct cnode {
     int life;
     uint32_t id;
@@ -39,6 +54,7 @@ typedef struct cnode {
     int stage;                /* index into the plan, -1: standby */
     int loaded;               /* LOAD_DONE received for the current epoch */
     int unreachable;          /* a send failed: declared dead at the next tick */
+    cload ld;                 /* streaming its stage's tensors */
     char why[600];
 } cnode;
 
@@ -155,6 +171,7 @@ struct nl_coord {
     char state[512];
     double last_plan_try;
     nl_mem_opts train_mem; /* a training job's memory (training 0: none): plans hold it */
+    int loads_active;      /* stages whose tensors are still being streamed */
     cjob jobs[COORD_MAX_JOBS];
     uint64_t next_job;
     /* the workers: a PULL socket on work_endpoint, and their tasks */
