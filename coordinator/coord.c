@@ -154,6 +154,7 @@ void nl_coord_destroy(nl_coord **cp)
     nl_net_destroy(&c->net);
     coord_close_source(c);
     coord_reap_sources(c, 1); /* the sockets are gone: nothing points into them */
+    free(c->nodes);
     free(c->tok_text);
     free(c->init_seed);
     nl_keys_wipe(&c->keys);
@@ -197,13 +198,23 @@ static void on_join(nl_coord *c, const nl_rx *rx)
                            "JOIN names a key other than the one this connection authenticated", &e);
         return;
     }
-    for (int i = 0; i < COORD_MAX_NODES; i++)
+    for (int i = 0; i < c->n_nodes; i++)
         if (c->nodes[i].life == NODE_LIVE && strcmp(c->nodes[i].key, j->pubkey) == 0)
             node_lost(c, &c->nodes[i], NODE_LEFT, "joined again (restarted)");
     cnode *n = NULL;
-    for (int i = 0; i < COORD_MAX_NODES && !n; i++)
+    for (int i = 0; i < c->n_nodes && !n; i++)
         if (c->nodes[i].life != NODE_LIVE)
             n = &c->nodes[i];
+    if (!n && c->n_nodes < COORD_MAX_NODES) { /* the table grows: no cnode * is kept across */
+        const int cap = c->n_nodes ? 2 * c->n_nodes : 16;
+        cnode *grown = realloc(c->nodes, (size_t)cap * sizeof *grown);
+        if (grown) {
+            memset(grown + c->n_nodes, 0, (size_t)(cap - c->n_nodes) * sizeof *grown);
+            n = &grown[c->n_nodes];
+            c->nodes = grown;
+            c->n_nodes = cap;
+        }
+    }
     if (!n) {
         nl_sock_send_error(c->ctl, rx, NL_ERR_CAPACITY, NL_MSG_JOIN, "too many nodes", &e);
         return;
@@ -267,7 +278,7 @@ static void on_node_error(nl_coord *c, const nl_rx *rx)
     const nl_msg_error *e = &rx->msg.u.error;
     char why[1600], who[320] = "";
     /* a node that cannot reach a neighbour names its endpoint: say whose */
-    for (int i = 0; i < COORD_MAX_NODES && !who[0]; i++) {
+    for (int i = 0; i < c->n_nodes && !who[0]; i++) {
         const cnode *o = &c->nodes[i];
         const char *at = o->life != NODE_FREE && o != n && o->endpoint[0]
                              ? strstr(e->message, o->endpoint)
@@ -415,7 +426,7 @@ static int stream_loads(nl_coord *c)
     while (progress && sent < LOAD_TURN) {
         progress = 0;
         active = 0;
-        for (int i = 0; i < COORD_MAX_NODES && sent < LOAD_TURN; i++) {
+        for (int i = 0; i < c->n_nodes && sent < LOAD_TURN; i++) {
             cnode *n = &c->nodes[i];
             cload *ld = &n->ld;
             if (!ld->active)
@@ -465,7 +476,7 @@ static int plan_nodes(const nl_coord *c, nl_plan_node *pn, uint64_t *total)
 {
     int n = 0;
     *total = 0;
-    for (int i = 0; i < COORD_MAX_NODES; i++)
+    for (int i = 0; i < c->n_nodes; i++)
         if (c->nodes[i].life == NODE_LIVE) {
             const double g =
                 c->nodes[i].seen_gflops > 0 ? c->nodes[i].seen_gflops : c->nodes[i].gflops;
@@ -525,12 +536,34 @@ static void log_plan(const nl_coord *c, const nl_plan *plan, const char *what)
     (void)c;
 }
 
+/* The live nodes as the planner sees them, in a new array (NULL: out of
+ * memory); *n how many, *total their memory. */
+static nl_plan_node *plan_nodes_new(const nl_coord *c, int *n, uint64_t *total)
+{
+    nl_plan_node *pn = malloc((size_t)(c->n_nodes ? c->n_nodes : 1) * sizeof *pn);
+    *n = pn ? plan_nodes(c, pn, total) : 0;
+    for (int i = 0; i < *n; i++)
+        pn[i].hop_seconds = hop_seconds(c);
+    return pn;
+}
+
+static void plan_over(nl_coord *c, nl_plan_node *pn, int n, uint64_t total);
+
 static void try_plan(nl_coord *c)
 {
-    nl_plan_node pn[COORD_MAX_NODES];
+    int n = 0;
     uint64_t total = 0;
+    nl_plan_node *pn = plan_nodes_new(c, &n, &total);
+    if (!pn)
+        coord_set_state(c, "planning: out of memory");
+    else
+        plan_over(c, pn, n, total);
+    free(pn);
+}
+
+static void plan_over(nl_coord *c, nl_plan_node *pn, int n, uint64_t total)
+{
     nl_error e = {0};
-    const int n = plan_nodes(c, pn, &total);
     c->last_plan_try = coord_now();
     /* the minimums gate the first plan; later plans use whoever is left */
     if (!c->planned_once && (n < c->o.min_nodes || total < c->o.min_memory)) {
@@ -556,8 +589,6 @@ static void try_plan(nl_coord *c)
                 (double)total / (1 << 30), c->cfg.hidden_dim, c->cfg.num_layers, c->cfg.num_heads,
                 c->cfg.num_kv_heads, c->cfg.ffn_dim, sz.report);
     }
-    for (int i = 0; i < n; i++)
-        pn[i].hop_seconds = hop_seconds(c);
     nl_plan *plan = NULL;
     if (nl_plan_layers(&plan, &c->cfg, pn, n, &po, &e) != NL_OK) {
         coord_set_state(c, "not enough capacity: %s", e.msg);
@@ -592,31 +623,31 @@ static void try_plan(nl_coord *c)
 void coord_observe_speeds(nl_coord *c)
 {
     const int S = c->plan ? c->plan->n_stages : 0;
-    double load[COORD_MAX_NODES], loads = 0, pred = 0;
+    double loads = 0, pred = 0;
     int ok = S > 1;
     for (int s = 0; s < S && ok; s++) {
         const cnode *n = coord_stage_node(c, s);
         ok = n && n->load_n >= OBSERVE_MIN_BEATS;
-        load[s] = ok ? n->load_sum / n->load_n : 0;
-        loads += load[s];
+        loads += ok ? n->load_sum / n->load_n : 0;
         pred += c->plan->stages[s].seconds;
     }
     for (int s = 0; s < S && ok && loads > 0.05 * S && pred > 0; s++) {
         /* a stage's share of the busy time against its predicted share:
          * the plan's per-microbatch seconds rescaled to the observed ones */
         cnode *n = coord_stage_node(c, s);
+        const double load = n->load_sum / n->load_n;
         const double was = n->seen_gflops > 0 ? n->seen_gflops : n->gflops;
-        const double seen_s = load[s] / loads * pred, pred_s = c->plan->stages[s].seconds;
+        const double seen_s = load / loads * pred, pred_s = c->plan->stages[s].seconds;
         const double g = seen_s > 0 ? was * pred_s / seen_s : was;
         if (fabs(g / was - 1.0) > c->o.replan_margin) {
             NL_INFO("observed: node %u (stage %d) busy %.0f%% over %d heartbeats, %.2f ms per "
                     "microbatch against %.2f ms planned: %.1f GFLOP/s instead of %.1f",
-                    n->id, s, 100 * load[s], n->load_n, seen_s * 1e3, pred_s * 1e3, g, was);
+                    n->id, s, 100 * load, n->load_n, seen_s * 1e3, pred_s * 1e3, g, was);
             n->seen_gflops = g;
             c->replan_wanted = 1;
         }
     }
-    for (int i = 0; i < COORD_MAX_NODES; i++) {
+    for (int i = 0; i < c->n_nodes; i++) {
         c->nodes[i].load_sum = 0;
         c->nodes[i].load_n = 0;
     }
@@ -624,16 +655,16 @@ void coord_observe_speeds(nl_coord *c)
 
 int coord_plan_possible(nl_coord *c, char *why, size_t cap)
 {
-    nl_plan_node pn[COORD_MAX_NODES];
     uint64_t total = 0;
     nl_error e = {0};
-    const int n = plan_nodes(c, pn, &total);
-    for (int i = 0; i < n; i++)
-        pn[i].hop_seconds = hop_seconds(c);
+    int n = 0;
+    nl_plan_node *pn = plan_nodes_new(c, &n, &total);
     nl_plan_opts po = plan_opts(c);
     nl_plan *p = NULL;
-    const nl_status st = nl_plan_layers(&p, &c->cfg, pn, n, &po, &e);
+    const nl_status st = pn ? nl_plan_layers(&p, &c->cfg, pn, n, &po, &e)
+                            : nl_error_set(&e, NL_ERR_NOMEM, "out of memory");
     nl_plan_destroy(&p);
+    free(pn);
     if (st != NL_OK)
         snprintf(why, cap, "%s", e.msg);
     return st == NL_OK;
@@ -644,17 +675,16 @@ int coord_replan_gain(nl_coord *c, const char *when)
     if (!c->replan_wanted || !c->plan || !c->have_cfg)
         return 0;
     c->replan_wanted = 0;
-    nl_plan_node pn[COORD_MAX_NODES];
     uint64_t total = 0;
     nl_error e = {0};
-    const int n = plan_nodes(c, pn, &total);
-    for (int i = 0; i < n; i++)
-        pn[i].hop_seconds = hop_seconds(c);
+    int n = 0;
+    nl_plan_node *pn = plan_nodes_new(c, &n, &total);
     nl_plan_opts po = plan_opts(c);
     nl_plan *cand = NULL;
     int gain = 0;
-    if (nl_plan_layers(&cand, &c->cfg, pn, n, &po, &e) != NL_OK) {
-        NL_INFO("re-plan %s: no plan over the %d nodes: %s", when, n, e.msg);
+    if (!pn || nl_plan_layers(&cand, &c->cfg, pn, n, &po, &e) != NL_OK) {
+        NL_INFO("re-plan %s: no plan over the %d nodes: %s", when, n, pn ? e.msg : "out of memory");
+        free(pn);
         return 0;
     }
     /* the current split's time by the same cost model (it may have been
@@ -692,6 +722,7 @@ int coord_replan_gain(nl_coord *c, const char *when)
         gain = 1;
     }
     nl_plan_destroy(&cand);
+    free(pn);
     return gain;
 }
 
@@ -741,7 +772,7 @@ static void tick(nl_coord *c)
 {
     const double now = coord_now();
     coord_reap_sources(c, 0);
-    for (int i = 0; i < COORD_MAX_NODES; i++) {
+    for (int i = 0; i < c->n_nodes; i++) {
         cnode *n = &c->nodes[i];
         if (n->life == NODE_LIVE && n->unreachable) {
             char why[sizeof n->why];

@@ -15,7 +15,10 @@
 #include "core/safetensors.h"
 #include "net/transport.h"
 
-#define COORD_MAX_NODES 256
+/* The node table grows (doubling) to at most this many slots; a slot of a
+ * dead or departed node is reused. Lookups by routing id or node id scan
+ * the table: O(slots) per message. */
+#define COORD_MAX_NODES 65536
 #define COORD_MAX_JOBS 64
 #define COORD_MAX_TOKENS (1 << 20) /* tokens in one forward request */
 
@@ -149,7 +152,8 @@ struct nl_coord {
     nl_sock *ctl;
     nl_keypair keys;
     char endpoint[256];
-    cnode nodes[COORD_MAX_NODES];
+    cnode *nodes; /* n_nodes slots (NODE_FREE: never used) */
+    int n_nodes;
     uint32_t next_node_id;
     nl_config cfg, base;
     int have_cfg;

@@ -189,7 +189,7 @@ static json_t *status_json(nl_coord *c)
     }
     if (c->plan)
         json_object_set_new(root, "bottleneck_s", json_real(c->plan->bottleneck));
-    for (int i = 0; i < COORD_MAX_NODES; i++) {
+    for (int i = 0; i < c->n_nodes; i++) {
         const cnode *n = &c->nodes[i];
         if (n->life == NODE_FREE)
             continue;

@@ -73,7 +73,7 @@ int main(int argc, char **argv)
         return 2;
     }
     if ((rc = nl_args_int(flags, "seed", 0, INT64_MAX, &seed)) ||
-        (rc = nl_args_int(flags, "min-nodes", 1, 256, &min_nodes)) ||
+        (rc = nl_args_int(flags, "min-nodes", 1, 65536, &min_nodes)) ||
         (rc = nl_args_int(flags, "heartbeat-ms", 10, 60000, &hb)) ||
         (rc = nl_args_int(flags, "node-timeout-ms", 20, 3600000, &nto)) ||
         (rc = nl_args_int(flags, "job-timeout-ms", 100, 86400000, &jto)) ||

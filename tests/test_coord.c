@@ -665,6 +665,36 @@ static void test_join_at_rest(assigned *a)
           "a slow node's join changed the plan: %s", nl_coord_state(coord));
 }
 
+/* ---------------------------------------------------------------- many nodes */
+
+/* The node table grows past its first slots (16) and past the old fixed
+ * limit's order: 300 nodes join, each ACCEPTed with its own id. */
+#define MANY 300
+
+static void test_many_joins(void)
+{
+    static fake many[MANY];
+    uint32_t max_id = 0;
+    int accepted = 0;
+    for (int i = 0; i < MANY; i++) {
+        char key[16], ep[64];
+        snprintf(key, sizeof key, "many%04d", i);
+        snprintf(ep, sizeof ep, "tcp://127.0.0.1:%d", 20000 + i);
+        fake_open(&many[i], key, ep);
+        join(&many[i], 0.5);
+        many[i].beating = 0; /* join() turns it on for the three nodes' loop only */
+        accepted += many[i].id > 0;
+        if (many[i].id > max_id)
+            max_id = many[i].id;
+    }
+    CHECK(accepted == MANY, "%d of %d nodes accepted", accepted, MANY);
+    for (int i = 1; i < MANY; i++)
+        CHECK(many[i].id != many[i - 1].id, "nodes %d and %d got the same id %u", i - 1, i,
+              many[i].id);
+    for (int i = 0; i < MANY; i++)
+        nl_sock_destroy(&many[i].sock);
+}
+
 int main(void)
 {
     nl_log_set_level(getenv("NL_TEST_VERBOSE") ? NL_LOG_DEBUG : NL_LOG_WARN);
@@ -678,6 +708,7 @@ int main(void)
         test_slow_work(a);
         test_death(a);
         test_join_at_rest(a);
+        test_many_joins();
     }
     nl_sock_destroy(&client.sock);
     nl_sock_destroy(&nodes[0].sock);
