@@ -837,7 +837,10 @@ static void train_abort(nl_coord *c, cjob *j)
     coord_close_session(c, j);
     memset(&c->train_mem, 0, sizeof c->train_mem); /* plans are for inference again */
     coord_journal_clear(c);
-    if (t && t->phase >= TR_BEGIN && j->epoch == c->epoch) {
+    /* before its first step a job has changed no weight; only moments the
+     * stages took from a manifest (resumable) may be gone with their trainers */
+    const int touched = t && (t->phase > TR_BEGIN || (t->phase == TR_BEGIN && c->resumable));
+    if (touched && j->epoch == c->epoch) {
         NL_INFO("train job %llu ended early: the stages reload their weights from %s",
                 (unsigned long long)j->id, c->src_path[0] ? c->src_path : "the seed");
         coord_reload(c);
