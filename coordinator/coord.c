@@ -470,8 +470,21 @@ static double hop_seconds(const nl_coord *c)
     return 1e-4 + (double)c->o.plan_rows * c->cfg.hidden_dim * 4 / 1e9;
 }
 
+/* Faster first, then more memory, then the lower id. */
+static int faster_first(const void *a, const void *b)
+{
+    const nl_plan_node *x = a, *y = b;
+    if (x->gflops != y->gflops)
+        return x->gflops > y->gflops ? -1 : 1;
+    if (x->memory_bytes != y->memory_bytes)
+        return x->memory_bytes > y->memory_bytes ? -1 : 1;
+    return (x->id > y->id) - (x->id < y->id);
+}
+
 /* The live nodes as the planner sees them; returns how many, and their
- * memory in all. */
+ * memory in all. The planner takes at most NL_PLAN_MAX_NODES: beyond that
+ * the fastest are offered (a stage holds at least one layer, so a plan
+ * uses at most num_layers of them) and the others stay standbys. */
 static int plan_nodes(const nl_coord *c, nl_plan_node *pn, uint64_t *total)
 {
     int n = 0;
@@ -484,6 +497,10 @@ static int plan_nodes(const nl_coord *c, nl_plan_node *pn, uint64_t *total)
             *total += c->nodes[i].memory;
             n++;
         }
+    if (n > NL_PLAN_MAX_NODES) {
+        qsort(pn, (size_t)n, sizeof *pn, faster_first);
+        n = NL_PLAN_MAX_NODES;
+    }
     return n;
 }
 
@@ -566,8 +583,11 @@ static void plan_over(nl_coord *c, nl_plan_node *pn, int n, uint64_t total)
     nl_error e = {0};
     c->last_plan_try = coord_now();
     /* the minimums gate the first plan; later plans use whoever is left */
-    if (!c->planned_once && (n < c->o.min_nodes || total < c->o.min_memory)) {
-        coord_set_state(c, "waiting for nodes: %d of %d joined, %.2f of %.2f GiB offered", n,
+    int live = 0;
+    for (int i = 0; i < c->n_nodes; i++)
+        live += c->nodes[i].life == NODE_LIVE;
+    if (!c->planned_once && (live < c->o.min_nodes || total < c->o.min_memory)) {
+        coord_set_state(c, "waiting for nodes: %d of %d joined, %.2f of %.2f GiB offered", live,
                         c->o.min_nodes, (double)total / (1 << 30),
                         (double)c->o.min_memory / (1 << 30));
         return;
