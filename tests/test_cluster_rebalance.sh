@@ -3,7 +3,8 @@
 # throughput, but one is slower than it said (NL_TEST_SLOW_MS: each training
 # message takes 15 ms longer there). The coordinator sees it in the stages'
 # busy fractions (heartbeats) and, at the next checkpoint, re-plans with the
-# observed figures beyond --replan-margin: the slow node loses layers, the
+# observed figures beyond --replan-margin: the slow node loses layers (or
+# all of them: a standby), the
 # job goes on from that checkpoint, and its final weights are bit-identical
 # to the same job on one node.
 set -uo pipefail
@@ -82,9 +83,18 @@ tr '\r' '\n' < "$W/train.err" | grep -v "^step" | tail -6
 grep "observed:\|re-plan at the checkpoint\|plan old\|plan new" "$C/coord.log"
 check grep -q "observed: node 2 (stage [01]) busy" "$C/coord.log"
 check grep -q "re-plan at the checkpoint: bottleneck" "$C/coord.log"
-layers() { # layers of node 2 in the plan logged as $1 (old or new)
-  sed -n "s/.*plan $1: stage [0-9]* on node 2: layers \[\([0-9]*\), \([0-9]*\)).*/\1 \2/p" \
-    "$C/coord.log" | tail -1 | awk '{ print $2 - $1 }'
+layers() { # layers of node 2 in the plan logged as $1 (old or new) at the checkpoint; 0: standby
+  $PY - "$C/coord.log" "$1" <<'PY'
+import re, sys
+log = open(sys.argv[1]).read()
+at = log.rfind("re-plan at the checkpoint: bottleneck")
+if at < 0:
+    sys.exit(0)
+n = 0
+for a, b in re.findall(r"plan %s: stage \d+ on node 2: layers \[(\d+), (\d+)\)" % sys.argv[2], log[at:]):
+    n += int(b) - int(a)
+print(n)
+PY
 }
 old=$(layers old)
 new=$(layers new)
