@@ -268,7 +268,7 @@ static int wait_coordinator(const char *path, pid_t pid, const char *log, int ms
 static int cluster_up(const nl_flag *flags, const char *dir)
 {
     long long nodes = 3, threads = 0, seed = 0, timeout = 120, node_timeout = 3000,
-              spin = DEFAULT_SPIN;
+              spin = DEFAULT_SPIN, train_resumes = 3;
     uint64_t memory = 1ULL << 30, kv_budget = 0; /* 0: the node's default */
     int rc;
     if ((rc = nl_args_int(flags, "nodes", 1, 64, &nodes)) ||
@@ -277,6 +277,7 @@ static int cluster_up(const nl_flag *flags, const char *dir)
         (rc = nl_args_int(flags, "timeout", 1, 3600, &timeout)) ||
         (rc = nl_args_int(flags, "node-timeout-ms", 100, 3600000, &node_timeout)) ||
         (rc = nl_args_int(flags, "spin", 0, 100000000, &spin)) ||
+        (rc = nl_args_int(flags, "train-resumes", 0, 1000, &train_resumes)) ||
         (rc = nl_args_size(flags, "memory", &memory)) ||
         (rc = nl_args_size(flags, "kv-budget", &kv_budget)))
         return rc;
@@ -350,16 +351,17 @@ static int cluster_up(const nl_flag *flags, const char *dir)
     /* the coordinator, on a free loopback port */
     snprintf(path, sizeof path, "%s/endpoint", cdir);
     unlink(path);
-    char s_nodes[32], s_seed[32], s_nto[32], log[4096], pidf[4096];
+    char s_nodes[32], s_seed[32], s_nto[32], s_tr[32], log[4096], pidf[4096];
     snprintf(s_nodes, sizeof s_nodes, "%lld", nodes);
+    snprintf(s_tr, sizeof s_tr, "%lld", train_resumes);
     snprintf(s_seed, sizeof s_seed, "%lld", seed);
     snprintf(s_nto, sizeof s_nto, "%lld", node_timeout);
     /* a local cluster runs as its user, who names the data and checkpoint
      * paths: they may lead wherever that user may (as the nodes' root) */
-    char *cargv[32] = {coord_bin, "--listen", "tcp://127.0.0.1:*", "--state-dir", cdir,
+    char *cargv[36] = {coord_bin, "--listen", "tcp://127.0.0.1:*", "--state-dir", cdir,
                        "--min-nodes", s_nodes, "--seed", s_seed, "--node-timeout-ms", s_nto,
-                       "--data-root", "/", "--checkpoint-root", "/"};
-    int ca = 15;
+                       "--data-root", "/", "--checkpoint-root", "/", "--train-resumes", s_tr};
+    int ca = 17;
     if (model) {
         cargv[ca++] = "--model";
         cargv[ca++] = (char *)model;
@@ -524,6 +526,10 @@ int nl_cmd_cluster(int argc, char **argv)
          "one); the address is printed and kept in DIR/coord/http",
          NULL},
         {"http-tokens", 1, "up: bearer tokens file for --http (neurocoord --http-tokens)", NULL},
+        {"train-resumes", 1,
+         "up: times a training job goes on by itself after losing a stage (neurocoord "
+         "--train-resumes; default 3)",
+         NULL},
         {"timeout", 1, "up: seconds to wait for the cluster to be ready (default 120)", NULL},
         {0}};
     const char *usage =

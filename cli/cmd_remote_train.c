@@ -36,7 +36,8 @@ typedef struct rtrain_opts {
     char *data, *resume, *ckpt_dir; /* absolute paths (malloc'd) */
     nl_train_run r;                 /* the flags local and cluster training share */
     int final_ckpt;
-    int make_dir; /* checkpoints asked for: the client makes the directory first */
+    int make_dir;    /* checkpoints asked for: the client makes the directory first */
+    uint64_t attach; /* --attach JOB: follow it instead of submitting */
 } rtrain_opts;
 
 /* ---------------------------------------------------------------- flags */
@@ -195,6 +196,30 @@ static void stage_devices(char *buf, size_t cap, const json_t *ev)
             *p = '?';
 }
 
+/* The job lost a stage and goes on by itself: say so, and log it (a
+ * record with "event" and no "step", so that step records stay keyed by
+ * step). */
+static void on_node_lost(watch *w, const json_t *ev)
+{
+    const char *why = json_string_value(json_object_get(ev, "why"));
+    char safe[600];
+    snprintf(safe, sizeof safe, "%s", why ? why : "a stage is lost");
+    for (char *p = safe; *p; p++) /* a node's text: nothing that drives a terminal */
+        if ((unsigned char)*p < 0x20 || (unsigned char)*p >= 0x7f)
+            *p = '?';
+    nl_train_progress_break(&w->prog);
+    fprintf(stderr, "%s at step %lld; resuming from step %lld (resume %lld of %lld)\n", safe,
+            integer(ev, "lost_step", -1), integer(ev, "resume_step", -1), integer(ev, "resume", 0),
+            integer(ev, "max_resumes", 0));
+    if (w->log) {
+        char *text = json_dumps(ev, JSON_COMPACT);
+        if (text)
+            fprintf(w->log, "%s\n", text);
+        free(text);
+        fflush(w->log);
+    }
+}
+
 static void on_start(watch *w, const json_t *ev)
 {
     const long long S = integer(ev, "start_step", 0);
@@ -203,8 +228,20 @@ static void on_start(watch *w, const json_t *ev)
     w->start_step = S;
     w->start_time = nl_train_clock();
     w->started = 1;
-    if (S > 0)
+    if (integer(ev, "resumes", 0) > 0) {
+        fprintf(stderr, "resumed at step %lld on plan %lld, %.2f s after the loss\n", S,
+                integer(ev, "plan", 0), num(ev, "since_lost_s"));
+        if (w->log) {
+            fprintf(w->log,
+                    "{\"event\":\"resumed\",\"resume_step\":%lld,\"plan\":%lld,\"stages\":%lld,"
+                    "\"since_lost_s\":%.3f}\n",
+                    S, integer(ev, "plan", 0), integer(ev, "stages", 0),
+                    isfinite(num(ev, "since_lost_s")) ? num(ev, "since_lost_s") : -1.0);
+            fflush(w->log);
+        }
+    } else if (S > 0) {
         fprintf(stderr, "resuming at step %lld\n", S);
+    }
     fprintf(stderr,
             "training %lld parameters on %lld tokens (%lld held out): %" PRId64 " steps of %lld x "
             "%lld in %lld microbatches on %lld pipeline stages%s%s%s\n",
@@ -225,6 +262,7 @@ static nl_status on_step(watch *w, const json_t *ev, nl_error *err)
         w->start_time = nl_train_clock();
         w->started = 1;
     }
+    w->steps = integer(ev, "steps", w->steps); /* an attached client learns it here */
     const json_t *ev_loss = json_object_get(ev, "eval_loss");
     nl_train_step s = {.step = k,
                        .steps = w->steps,
@@ -318,6 +356,17 @@ static nl_status on_status(watch *w, const nl_rx *rx, nl_error *err)
         }
     } else if (event && strcmp(event, "start") == 0) {
         on_start(w, ev);
+    } else if (event && strcmp(event, "node_lost") == 0) {
+        on_node_lost(w, ev);
+    } else if (event && strcmp(event, "replan") == 0) {
+        nl_train_progress_break(&w->prog);
+        fprintf(stderr,
+                "nodes joined: the job goes on from the checkpoint of step %lld on a new "
+                "plan\n",
+                integer(ev, "step", -1));
+        if (w->log)
+            fprintf(w->log, "{\"event\":\"replan\",\"resume_step\":%lld}\n",
+                    integer(ev, "step", -1));
     } else if (event && strcmp(event, "step") == 0) {
         st = on_step(w, ev, err);
     } else if (event && strcmp(event, "checkpoint") == 0) {
@@ -430,6 +479,20 @@ static nl_status export_out(const watch *w, const char *out, nl_error *err)
     return st;
 }
 
+/* --attach: JOB_QUERY for the job makes this client the one it reports to. */
+static nl_status attach(nl_remote *r, uint64_t job, nl_error *err)
+{
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOB_QUERY);
+    m.u.job_ref.job_id = job;
+    nl_status st = nl_sock_send(r->s, NULL, 0, &m, err);
+    nl_wire_msg_free(&m);
+    if (st == NL_OK)
+        fprintf(stderr, "following job %" PRIu64 "\n", job);
+    return st;
+}
+
 static int run(const nl_flag *flags, const rtrain_opts *o)
 {
     nl_error err = {0};
@@ -446,7 +509,7 @@ static int run(const nl_flag *flags, const rtrain_opts *o)
         nl_error_set(&err, NL_ERR_IO, "--checkpoint-dir: cannot create or write %s", o->ckpt_dir);
         goto out;
     }
-    if (o->log && !(w.log = fopen(o->log, o->resume ? "a" : "w"))) {
+    if (o->log && !(w.log = fopen(o->log, o->resume || o->attach ? "a" : "w"))) {
         nl_error_set(&err, NL_ERR_IO, "%s: cannot open the log", o->log);
         goto out;
     }
@@ -454,7 +517,8 @@ static int run(const nl_flag *flags, const rtrain_opts *o)
     sigemptyset(&sa.sa_mask);
     interrupted = 0;
     handler = sigaction(SIGINT, &sa, &old) == 0;
-    if (submit(&r, o, &err) != NL_OK || follow(&r, &w, &err) != NL_OK)
+    if ((o->attach ? attach(&r, o->attach, &err) : submit(&r, o, &err)) != NL_OK ||
+        follow(&r, &w, &err) != NL_OK)
         goto out;
     nl_train_progress_break(&w.prog);
     nl_train_report_skipped(w.skipped);
@@ -494,6 +558,10 @@ int nl_cmd_remote_train(int argc, char **argv)
         {"out", 1, "join the final checkpoint's shards into this file (safetensors)", NULL},
         NL_CLI_FORCE_FLAG,
         {"resume", 1, "continue from this checkpoint manifest (or its directory)", NULL},
+        {"attach", 1,
+         "follow training job JOB that runs already (after the client or the coordinator "
+         "restarted; neuroctl jobs lists them): its progress, --log and --out",
+         NULL},
         NL_REMOTE_FLAGS_TIMEOUT(
             "seconds without any message from the coordinator before giving up (default 600)"),
         {0}};
@@ -501,11 +569,21 @@ int nl_cmd_remote_train(int argc, char **argv)
                         "DIR) --data DATA --steps N [--batch B] [--seq T] [--microbatches M] "
                         "[--lr X] [--warmup W] [--seed S] [--eval-every K] [--checkpoint-every K] "
                         "[--log LOG.jsonl] [--out FINAL.safetensors [--force]] "
-                        "[--resume MANIFEST]";
+                        "[--resume MANIFEST] | --attach JOB [--log LOG.jsonl] "
+                        "[--out FINAL.safetensors [--force]]";
     int rc = refuse_local_flags(argc, argv, flags);
     if (rc || (rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL)))
         return rc == 1 ? 0 : rc;
     rtrain_opts o = {0};
+    if (nl_args_get(flags, "attach")) {
+        long long job = 0;
+        if ((rc = nl_args_int(flags, "attach", 1, INT64_MAX, &job)))
+            return rc;
+        o.attach = (uint64_t)job;
+        o.log = nl_args_get(flags, "log");
+        o.out = nl_args_get(flags, "out");
+        return o.out && out_writable(o.out) != 0 ? 1 : run(flags, &o);
+    }
     if (!nl_args_get(flags, "data") || !nl_args_get(flags, "steps")) {
         nl_args_help(stderr, usage, flags);
         return 2;

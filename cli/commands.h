@@ -16,6 +16,7 @@ int nl_cmd_export(int argc, char **argv);
 int nl_cmd_keygen(int argc, char **argv);
 int nl_cmd_tokenizer(int argc, char **argv);
 int nl_cmd_status(int argc, char **argv);
+int nl_cmd_jobs(int argc, char **argv);
 int nl_cmd_cluster(int argc, char **argv);
 int nl_cmd_selftest(int argc, char **argv);
 int nl_cmd_import(int argc, char **argv);

@@ -21,6 +21,8 @@ static const struct {
     {"import", nl_cmd_import, "convert a Hugging Face Mixtral directory into a checkpoint"},
     {"bench", nl_cmd_bench, "measure forward, decode, training and GEMM throughput"},
     {"status", nl_cmd_status, "show a cluster's nodes, plan and predicted stage times"},
+    {"jobs", nl_cmd_jobs,
+     "list a cluster's jobs (a training job no client follows: train --attach)"},
     {"cluster", nl_cmd_cluster, "start (up) or stop (down) a local cluster on this machine"},
     {"keygen", nl_cmd_keygen, "write a CURVE key pair: PREFIX.key (secret) and PREFIX.pub"},
     {"tokenizer", nl_cmd_tokenizer, "train, extend, encode and decode with a BPE tokenizer"},

@@ -6,6 +6,7 @@
 
 #include <errno.h>
 #include <limits.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,6 +29,7 @@ void nl_coord_opts_init(nl_coord_opts *o)
     o->node_timeout_ms = 5000;
     o->job_timeout_ms = 120000;
     o->gen_resumes = 2;
+    o->train_resumes = 3;
     o->plan_rows = 512;
     o->replan_margin = 0.1;
     o->max_data_bytes = 1ull << 30;
@@ -161,6 +163,7 @@ nl_status nl_coord_new(nl_coord **out, const nl_coord_opts *o, nl_error *err)
         nl_coord_destroy(&c);
         return st;
     }
+    coord_journal_recover(c); /* a training job that ran when it stopped goes on */
     coord_set_state(c, "waiting for nodes (at least %d)", o->min_nodes);
     NL_INFO("listening on %s; public key %s", c->endpoint, c->keys.public_z85);
     *out = c;
@@ -180,6 +183,7 @@ void nl_coord_destroy(nl_coord **cp)
     nl_net_destroy(&c->net);
     coord_close_source(c);
     coord_reap_sources(c, 1); /* the sockets are gone: nothing points into them */
+    free(c->nodes);
     free(c->tok_text);
     free(c->init_seed);
     nl_keys_wipe(&c->keys);
@@ -223,13 +227,23 @@ static void on_join(nl_coord *c, const nl_rx *rx)
                            "JOIN names a key other than the one this connection authenticated", &e);
         return;
     }
-    for (int i = 0; i < COORD_MAX_NODES; i++)
+    for (int i = 0; i < c->n_nodes; i++)
         if (c->nodes[i].life == NODE_LIVE && strcmp(c->nodes[i].key, j->pubkey) == 0)
             node_lost(c, &c->nodes[i], NODE_LEFT, "joined again (restarted)");
     cnode *n = NULL;
-    for (int i = 0; i < COORD_MAX_NODES && !n; i++)
+    for (int i = 0; i < c->n_nodes && !n; i++)
         if (c->nodes[i].life != NODE_LIVE)
             n = &c->nodes[i];
+    if (!n && c->n_nodes < COORD_MAX_NODES) { /* the table grows: no cnode * is kept across */
+        const int cap = c->n_nodes ? 2 * c->n_nodes : 16;
+        cnode *grown = realloc(c->nodes, (size_t)cap * sizeof *grown);
+        if (grown) {
+            memset(grown + c->n_nodes, 0, (size_t)(cap - c->n_nodes) * sizeof *grown);
+            n = &grown[c->n_nodes];
+            c->nodes = grown;
+            c->n_nodes = cap;
+        }
+    }
     if (!n) {
         nl_sock_send_error(c->ctl, rx, NL_ERR_CAPACITY, NL_MSG_JOIN, "too many nodes", &e);
         return;
@@ -282,6 +296,10 @@ static void on_heartbeat(nl_coord *c, const nl_rx *rx)
         return;
     }
     n->last_seen = coord_now();
+    if (c->train_mem.training && n->stage >= 0 && n->loaded) { /* a stage's busy fraction */
+        n->load_sum += rx->msg.u.heartbeat.load;
+        n->load_n++;
+    }
 }
 
 static void on_node_error(nl_coord *c, const nl_rx *rx)
@@ -290,7 +308,7 @@ static void on_node_error(nl_coord *c, const nl_rx *rx)
     const nl_msg_error *e = &rx->msg.u.error;
     char why[1600], who[320] = "";
     /* a node that cannot reach a neighbour names its endpoint: say whose */
-    for (int i = 0; i < COORD_MAX_NODES && !who[0]; i++) {
+    for (int i = 0; i < c->n_nodes && !who[0]; i++) {
         const cnode *o = &c->nodes[i];
         const char *at = o->life != NODE_FREE && o != n && o->endpoint[0]
                              ? strstr(e->message, o->endpoint)
@@ -368,66 +386,112 @@ static int stage_holds(const nl_coord *c, const nl_plan_stage *s, const char *na
     return 0; /* optimizer moments and anything else stay here */
 }
 
-/* Stream the tensors of one source file that stage s holds, in chunks
- * that point into the mapping (no copy; the source's ref counts them). */
-static nl_status send_file(nl_coord *c, const nl_plan_stage *s, cnode *n, nl_st_file *f,
-                           nl_wire_msg *m, uint32_t *tensors, uint64_t *bytes)
+/* Streaming a stage's tensors runs in steps on the loop (issue 22 item
+ * 6): each turn sends chunks (LAYER_LOAD, 4 MiB, pointing into the mapped
+ * source: no copy) to the stages that load, round-robin, while fewer than
+ * LOAD_WINDOW chunks of the source wait in libzmq's queues. A big model
+ * thus never fills a peer's queue (its high-water mark would make a send
+ * wait up to the socket's send timeout), heartbeats and clients are served
+ * between chunks, and the memory libzmq holds stays bounded. The cursor
+ * (cnode.ld) restarts when the source changes and stops with its epoch. */
+#define LOAD_WINDOW 64 /* chunks in flight, all stages together: 256 MiB */
+#define LOAD_TURN 16   /* chunks one turn sends at most */
+
+/* Send the stage's next chunk: 1 sent, 0 none left, -1 the send failed. */
+static int send_next_chunk(nl_coord *c, cnode *n, nl_wire_msg *m)
 {
-    for (size_t i = 0; i < nl_st_count(f); i++) {
-        const nl_st_entry *e = nl_st_entry_at(f, i);
-        if (!stage_holds(c, s, e->name) || e->dtype != NL_DTYPE_F32)
-            continue;
-        const uint64_t numel = e->nbytes / 4;
-        const uint32_t chunks = (uint32_t)((numel + CHUNK_FLOATS - 1) / CHUNK_FLOATS);
-        const char *data = nl_st_tensor_data(f, e);
-        for (uint32_t k = 0; k < (chunks ? chunks : 1); k++) {
-            const uint64_t off = (uint64_t)k * CHUNK_FLOATS;
-            const uint64_t cnt = numel - off < CHUNK_FLOATS ? numel - off : CHUNK_FLOATS;
+    const nl_plan_stage *s = &c->plan->stages[n->stage];
+    cload *ld = &n->ld;
+    for (; c->src && ld->file < c->src->n; ld->file++, ld->entry = 0) {
+        nl_st_file *f = c->src->files[ld->file];
+        for (; ld->entry < nl_st_count(f); ld->entry++, ld->chunk = 0) {
+            const nl_st_entry *e = nl_st_entry_at(f, ld->entry);
+            if (!stage_holds(c, s, e->name) || e->dtype != NL_DTYPE_F32)
+                continue;
+            const uint64_t numel = e->nbytes / 4;
+            uint32_t chunks = (uint32_t)((numel + CHUNK_FLOATS - 1) / CHUNK_FLOATS);
+            chunks = chunks ? chunks : 1;
+            if (ld->chunk >= chunks)
+                continue;
+            const char *data = nl_st_tensor_data(f, e);
+            const uint64_t off = (uint64_t)ld->chunk * CHUNK_FLOATS;
+            const int64_t cnt = (int64_t)(numel - off < CHUNK_FLOATS ? numel - off : CHUNK_FLOATS);
             nl_wire_msg_reset(m, NL_MSG_LAYER_LOAD);
             m->u.layer_load.epoch = c->epoch;
             m->u.layer_load.name = e->name;
             m->u.layer_load.ndim = e->ndim;
             memcpy(m->u.layer_load.shape, e->shape, sizeof e->shape);
             m->u.layer_load.offset = off;
-            m->u.layer_load.chunk = k;
-            m->u.layer_load.chunks = chunks ? chunks : 1;
-            const int64_t elems = (int64_t)cnt;
+            m->u.layer_load.chunk = ld->chunk;
+            m->u.layer_load.chunks = chunks;
             nl_txref_frame(&m->frames[0], &c->src->ref, (void *)(data + off * 4), NL_DTYPE_F32,
-                           &elems, 1);
+                           &cnt, 1);
             m->nframes = 1;
-            nl_status st = coord_send_node(c, n, m);
-            if (st != NL_OK)
-                return st;
+            if (coord_send_node(c, n, m) != NL_OK)
+                return -1;
+            if (++ld->chunk == chunks) {
+                ld->tensors++;
+                ld->bytes += e->nbytes;
+            }
+            return 1;
         }
-        (*tensors)++;
-        *bytes += e->nbytes;
     }
-    return NL_OK;
+    return 0;
 }
 
-/* Stream the stage's tensors in chunks, then LOAD_DONE. Without a
- * checkpoint LOAD_DONE {tensors 0} tells the node to initialise from the
- * seed. */
-static void send_load(nl_coord *c, int stage)
+/* Begin streaming stage s's tensors (none without a source: LOAD_DONE
+ * {tensors 0} then tells the node to initialise from the seed). */
+static void start_load(nl_coord *c, int stage)
 {
-    const nl_plan_stage *s = &c->plan->stages[stage];
     cnode *n = coord_stage_node(c, stage);
+    if (n)
+        n->ld = (cload){.active = 1, .epoch = c->epoch, .src = c->src, .t0 = coord_now()};
+}
+
+/* One turn of streaming; returns how many stages still load. */
+static int stream_loads(nl_coord *c)
+{
     nl_wire_msg m;
     nl_wire_msg_init(&m);
-    uint32_t tensors = 0;
-    uint64_t bytes = 0;
-    double t0 = coord_now();
-    for (int f = 0; c->src && f < c->src->n; f++)
-        if (send_file(c, s, n, c->src->files[f], &m, &tensors, &bytes) != NL_OK)
-            goto out;
-    nl_wire_msg_reset(&m, NL_MSG_LOAD_DONE);
-    m.u.load_done = (nl_msg_load_done){c->epoch, n->id, tensors, bytes};
-    coord_send_node(c, n, &m);
-    if (c->src)
-        NL_INFO("stage %d: sent %u tensors (%.1f MiB) to node %u in %.2f s", stage, tensors,
-                (double)bytes / (1 << 20), n->id, coord_now() - t0);
-out:
+    int active = 0, sent = 0, progress = 1;
+    while (progress && sent < LOAD_TURN) {
+        progress = 0;
+        active = 0;
+        for (int i = 0; i < c->n_nodes && sent < LOAD_TURN; i++) {
+            cnode *n = &c->nodes[i];
+            cload *ld = &n->ld;
+            if (!ld->active)
+                continue;
+            if (n->life != NODE_LIVE || n->stage < 0 || !c->plan || ld->epoch != c->epoch) {
+                ld->active = 0; /* its plan is gone */
+                continue;
+            }
+            if (ld->src != c->src) /* a new source: from the start */
+                *ld = (cload){.active = 1, .epoch = c->epoch, .src = c->src, .t0 = ld->t0};
+            active++;
+            if (c->src && atomic_load(&c->src->ref.pending) >= LOAD_WINDOW)
+                continue; /* libzmq holds enough: next turn */
+            const int r = send_next_chunk(c, n, &m);
+            if (r > 0) {
+                sent++;
+                progress = 1;
+                continue;
+            }
+            ld->active = 0;
+            active--;
+            if (r < 0) /* declared dead at this tick */
+                continue;
+            nl_wire_msg_reset(&m, NL_MSG_LOAD_DONE);
+            m.u.load_done = (nl_msg_load_done){c->epoch, n->id, ld->tensors, ld->bytes};
+            coord_send_node(c, n, &m);
+            if (c->src)
+                NL_INFO("stage %d: sent %u tensors (%.1f MiB) to node %u in %.2f s", n->stage,
+                        ld->tensors, (double)ld->bytes / (1 << 20), n->id, coord_now() - ld->t0);
+        }
+    }
     nl_wire_msg_free(&m);
+    c->loads_active = active;
+    return active;
 }
 
 static double hop_seconds(const nl_coord *c)
@@ -437,25 +501,73 @@ static double hop_seconds(const nl_coord *c)
     return 1e-4 + (double)c->o.plan_rows * c->cfg.hidden_dim * 4 / 1e9;
 }
 
+/* Faster first, then more memory, then the lower id. */
+static int faster_first(const void *a, const void *b)
+{
+    const nl_plan_node *x = a, *y = b;
+    if (x->gflops != y->gflops)
+        return x->gflops > y->gflops ? -1 : 1;
+    if (x->memory_bytes != y->memory_bytes)
+        return x->memory_bytes > y->memory_bytes ? -1 : 1;
+    return (x->id > y->id) - (x->id < y->id);
+}
+
 /* The live nodes as the planner sees them; returns how many, and their
- * memory in all. */
+ * memory in all. The planner takes at most NL_PLAN_MAX_NODES: beyond that
+ * the fastest are offered (a stage holds at least one layer, so a plan
+ * uses at most num_layers of them) and the others stay standbys. */
 static int plan_nodes(const nl_coord *c, nl_plan_node *pn, uint64_t *total)
 {
     int n = 0;
     *total = 0;
-    for (int i = 0; i < COORD_MAX_NODES; i++)
+    for (int i = 0; i < c->n_nodes; i++)
         if (c->nodes[i].life == NODE_LIVE) {
-            pn[n] = (nl_plan_node){(int)c->nodes[i].id, c->nodes[i].memory,
-                                   c->nodes[i].gflops > 0 ? c->nodes[i].gflops : 1.0, 0.0};
+            const double g =
+                c->nodes[i].seen_gflops > 0 ? c->nodes[i].seen_gflops : c->nodes[i].gflops;
+            pn[n] = (nl_plan_node){(int)c->nodes[i].id, c->nodes[i].memory, g > 0 ? g : 1.0, 0.0};
             *total += c->nodes[i].memory;
             n++;
         }
+    if (n > NL_PLAN_MAX_NODES) {
+        qsort(pn, (size_t)n, sizeof *pn, faster_first);
+        n = NL_PLAN_MAX_NODES;
+    }
     return n;
 }
 
+/* Plans are for inference memory, but while a training job runs for its
+ * training memory (c->train_mem: weights, gradients, moments and the
+ * microbatches in flight, core/memory.h). */
 static nl_plan_opts plan_opts(const nl_coord *c)
 {
+    if (c->train_mem.training)
+        return (nl_plan_opts){.mem = c->train_mem};
     return (nl_plan_opts){.mem = {.training = 0, .micro_rows = c->o.plan_rows, .in_flight = 1}};
+}
+
+int coord_plan_holds(const nl_coord *c, const nl_mem_opts *mo, char *why, size_t cap)
+{
+    const int S = c->plan ? c->plan->n_stages : 0;
+    for (int s = 0; s < S; s++) {
+        const nl_plan_stage *ps = &c->plan->stages[s];
+        const cnode *n = coord_stage_node((nl_coord *)c, s);
+        nl_mem_opts o = *mo;
+        /* 1F1B: a stage keeps at most as many microbatches as there are
+         * stages from it to the last (as the node counts them) */
+        if (o.training && (o.in_flight <= 0 || o.in_flight > S - s))
+            o.in_flight = S - s;
+        const nl_mem_estimate me =
+            nl_memory_estimate(&c->cfg, ps->l1 - ps->l0, ps->has_embed, ps->has_head, &o);
+        if (n && me.total > n->memory) {
+            snprintf(why, cap,
+                     "stage %d (node %u, layers [%d, %d)) needs %llu bytes for training but the "
+                     "node offers %llu: %llu bytes short",
+                     s, n->id, ps->l0, ps->l1, (unsigned long long)me.total,
+                     (unsigned long long)n->memory, (unsigned long long)(me.total - n->memory));
+            return 0;
+        }
+    }
+    return 1;
 }
 
 /* Log a plan, each stage and standby, as `what` (its epoch, or "old"). */
@@ -472,16 +584,41 @@ static void log_plan(const nl_coord *c, const nl_plan *plan, const char *what)
     (void)c;
 }
 
+/* The live nodes as the planner sees them, in a new array (NULL: out of
+ * memory); *n how many, *total their memory. */
+static nl_plan_node *plan_nodes_new(const nl_coord *c, int *n, uint64_t *total)
+{
+    nl_plan_node *pn = malloc((size_t)(c->n_nodes ? c->n_nodes : 1) * sizeof *pn);
+    *n = pn ? plan_nodes(c, pn, total) : 0;
+    for (int i = 0; i < *n; i++)
+        pn[i].hop_seconds = hop_seconds(c);
+    return pn;
+}
+
+static void plan_over(nl_coord *c, nl_plan_node *pn, int n, uint64_t total);
+
 static void try_plan(nl_coord *c)
 {
-    nl_plan_node pn[COORD_MAX_NODES];
+    int n = 0;
     uint64_t total = 0;
+    nl_plan_node *pn = plan_nodes_new(c, &n, &total);
+    if (!pn)
+        coord_set_state(c, "planning: out of memory");
+    else
+        plan_over(c, pn, n, total);
+    free(pn);
+}
+
+static void plan_over(nl_coord *c, nl_plan_node *pn, int n, uint64_t total)
+{
     nl_error e = {0};
-    const int n = plan_nodes(c, pn, &total);
     c->last_plan_try = coord_now();
     /* the minimums gate the first plan; later plans use whoever is left */
-    if (!c->planned_once && (n < c->o.min_nodes || total < c->o.min_memory)) {
-        coord_set_state(c, "waiting for nodes: %d of %d joined, %.2f of %.2f GiB offered", n,
+    int live = 0;
+    for (int i = 0; i < c->n_nodes; i++)
+        live += c->nodes[i].life == NODE_LIVE;
+    if (!c->planned_once && (live < c->o.min_nodes || total < c->o.min_memory)) {
+        coord_set_state(c, "waiting for nodes: %d of %d joined, %.2f of %.2f GiB offered", live,
                         c->o.min_nodes, (double)total / (1 << 30),
                         (double)c->o.min_memory / (1 << 30));
         return;
@@ -503,8 +640,6 @@ static void try_plan(nl_coord *c)
                 (double)total / (1 << 30), c->cfg.hidden_dim, c->cfg.num_layers, c->cfg.num_heads,
                 c->cfg.num_kv_heads, c->cfg.ffn_dim, sz.report);
     }
-    for (int i = 0; i < n; i++)
-        pn[i].hop_seconds = hop_seconds(c);
     nl_plan *plan = NULL;
     if (nl_plan_layers(&plan, &c->cfg, pn, n, &po, &e) != NL_OK) {
         coord_set_state(c, "not enough capacity: %s", e.msg);
@@ -526,10 +661,120 @@ static void try_plan(nl_coord *c)
     for (int s = 0; s < plan->n_stages && cfg_json; s++)
         send_assign(c, s, cfg_json);
     for (int s = 0; s < plan->n_stages && cfg_json; s++)
-        send_load(c, s);
+        start_load(c, s);
+    stream_loads(c);
     free(cfg_json);
     coord_set_state(c, "loading %d stages (plan %llu)", plan->n_stages,
                     (unsigned long long)c->epoch);
+}
+
+/* Heartbeats a stage needs since the last checkpoint to be judged. */
+#define OBSERVE_MIN_BEATS 3
+
+void coord_observe_speeds(nl_coord *c)
+{
+    const int S = c->plan ? c->plan->n_stages : 0;
+    double loads = 0, pred = 0;
+    int ok = S > 1;
+    for (int s = 0; s < S && ok; s++) {
+        const cnode *n = coord_stage_node(c, s);
+        ok = n && n->load_n >= OBSERVE_MIN_BEATS;
+        loads += ok ? n->load_sum / n->load_n : 0;
+        pred += c->plan->stages[s].seconds;
+    }
+    for (int s = 0; s < S && ok && loads > 0.05 * S && pred > 0; s++) {
+        /* a stage's share of the busy time against its predicted share:
+         * the plan's per-microbatch seconds rescaled to the observed ones */
+        cnode *n = coord_stage_node(c, s);
+        const double load = n->load_sum / n->load_n;
+        const double was = n->seen_gflops > 0 ? n->seen_gflops : n->gflops;
+        const double seen_s = load / loads * pred, pred_s = c->plan->stages[s].seconds;
+        const double g = seen_s > 0 ? was * pred_s / seen_s : was;
+        if (fabs(g / was - 1.0) > c->o.replan_margin) {
+            NL_INFO("observed: node %u (stage %d) busy %.0f%% over %d heartbeats, %.2f ms per "
+                    "microbatch against %.2f ms planned: %.1f GFLOP/s instead of %.1f",
+                    n->id, s, 100 * load, n->load_n, seen_s * 1e3, pred_s * 1e3, g, was);
+            n->seen_gflops = g;
+            c->replan_wanted = 1;
+        }
+    }
+    for (int i = 0; i < c->n_nodes; i++) {
+        c->nodes[i].load_sum = 0;
+        c->nodes[i].load_n = 0;
+    }
+}
+
+int coord_plan_possible(nl_coord *c, char *why, size_t cap)
+{
+    uint64_t total = 0;
+    nl_error e = {0};
+    int n = 0;
+    nl_plan_node *pn = plan_nodes_new(c, &n, &total);
+    nl_plan_opts po = plan_opts(c);
+    nl_plan *p = NULL;
+    const nl_status st = pn ? nl_plan_layers(&p, &c->cfg, pn, n, &po, &e)
+                            : nl_error_set(&e, NL_ERR_NOMEM, "out of memory");
+    nl_plan_destroy(&p);
+    free(pn);
+    if (st != NL_OK)
+        snprintf(why, cap, "%s", e.msg);
+    return st == NL_OK;
+}
+
+int coord_replan_gain(nl_coord *c, const char *when)
+{
+    if (!c->replan_wanted || !c->plan || !c->have_cfg)
+        return 0;
+    c->replan_wanted = 0;
+    uint64_t total = 0;
+    nl_error e = {0};
+    int n = 0;
+    nl_plan_node *pn = plan_nodes_new(c, &n, &total);
+    nl_plan_opts po = plan_opts(c);
+    nl_plan *cand = NULL;
+    int gain = 0;
+    if (!pn || nl_plan_layers(&cand, &c->cfg, pn, n, &po, &e) != NL_OK) {
+        NL_INFO("re-plan %s: no plan over the %d nodes: %s", when, n, pn ? e.msg : "out of memory");
+        free(pn);
+        return 0;
+    }
+    /* the current split's time by the same cost model (it may have been
+     * made for inference) at the nodes' figures now (observed speeds may
+     * have changed them): nl_plan_stage_seconds, the planner's formula */
+    double was = 0;
+    for (int s = 0; s < c->plan->n_stages; s++) {
+        const nl_plan_stage *ps = &c->plan->stages[s];
+        const nl_plan_node *nd = NULL;
+        for (int i = 0; i < n && !nd; i++)
+            if (pn[i].id == ps->node_id)
+                nd = &pn[i];
+        const double t =
+            nd ? nl_plan_stage_seconds(&c->cfg, &po, nd, ps->l1 - ps->l0, s, c->plan->n_stages)
+               : ps->seconds;
+        if (t > was)
+            was = t;
+    }
+    const double now = cand->bottleneck;
+    if (!(now < was * (1.0 - c->o.replan_margin))) {
+        NL_INFO("re-plan %s: the plan stays (bottleneck %.2f ms; %d nodes would give %.2f ms, "
+                "not better by --replan-margin %.2f)",
+                when, was * 1e3, n, now * 1e3, c->o.replan_margin);
+    } else if (c->stages_modified) {
+        NL_WARN("re-plan %s: %d nodes would give a bottleneck of %.2f ms instead of %.2f ms, "
+                "but the stages hold weights trained since the last checkpoint; the plan stays",
+                when, n, now * 1e3, was * 1e3);
+    } else {
+        NL_INFO("re-plan %s: bottleneck %.2f ms -> %.2f ms over %d nodes (--replan-margin "
+                "%.2f); the stages reload from %s",
+                when, was * 1e3, now * 1e3, n, c->o.replan_margin,
+                c->src_path[0] ? c->src_path : "the seed");
+        log_plan(c, c->plan, "old");
+        log_plan(c, cand, "new");
+        gain = 1;
+    }
+    nl_plan_destroy(&cand);
+    free(pn);
+    return gain;
 }
 
 /* A node joined or a standby left (replan_wanted) and the cluster is at
@@ -537,7 +782,8 @@ static void try_plan(nl_coord *c)
  * planner predicts a bottleneck better by --replan-margin (hysteresis);
  * the stages then reload from the source (the checkpoint or the last
  * manifest). Not while the stages hold trained weights that no checkpoint
- * has: a reload would lose them. */
+ * has: a reload would lose them. (During a training job the job asks at
+ * its next checkpoint: coord_train.c.) */
 static void replan_at_rest(nl_coord *c)
 {
     if (!c->replan_wanted || !c->ready || !c->plan || !c->have_cfg)
@@ -545,38 +791,8 @@ static void replan_at_rest(nl_coord *c)
     for (int i = 0; i < COORD_MAX_JOBS; i++)
         if (c->jobs[i].phase != JOB_FREE)
             return; /* at the end of the job */
-    c->replan_wanted = 0;
-    nl_plan_node pn[COORD_MAX_NODES];
-    uint64_t total = 0;
-    nl_error e = {0};
-    const int n = plan_nodes(c, pn, &total);
-    for (int i = 0; i < n; i++)
-        pn[i].hop_seconds = hop_seconds(c);
-    nl_plan_opts po = plan_opts(c);
-    nl_plan *cand = NULL;
-    if (nl_plan_layers(&cand, &c->cfg, pn, n, &po, &e) != NL_OK) {
-        NL_INFO("re-plan at rest: no plan over the %d nodes: %s", n, e.msg);
-        return;
-    }
-    const double was = c->plan->bottleneck, now = cand->bottleneck;
-    if (!(now < was * (1.0 - c->o.replan_margin))) {
-        NL_INFO("re-plan at rest: the plan stays (bottleneck %.2f ms; %d nodes would give %.2f ms, "
-                "not better by --replan-margin %.2f)",
-                was * 1e3, n, now * 1e3, c->o.replan_margin);
-    } else if (c->stages_modified) {
-        NL_WARN("re-plan at rest: %d nodes would give a bottleneck of %.2f ms instead of %.2f ms, "
-                "but the stages hold weights trained since the last checkpoint; the plan stays",
-                n, now * 1e3, was * 1e3);
-    } else {
-        NL_INFO("re-plan at rest: bottleneck %.2f ms -> %.2f ms over %d nodes (--replan-margin "
-                "%.2f); the stages reload from %s",
-                was * 1e3, now * 1e3, n, c->o.replan_margin,
-                c->src_path[0] ? c->src_path : "the seed");
-        log_plan(c, c->plan, "old");
-        log_plan(c, cand, "new");
+    if (coord_replan_gain(c, "at rest"))
         coord_reload(c);
-    }
-    nl_plan_destroy(&cand);
 }
 
 static void on_load_done(nl_coord *c, const nl_rx *rx)
@@ -607,7 +823,7 @@ static void tick(nl_coord *c)
 {
     const double now = coord_now();
     coord_reap_sources(c, 0);
-    for (int i = 0; i < COORD_MAX_NODES; i++) {
+    for (int i = 0; i < c->n_nodes; i++) {
         cnode *n = &c->nodes[i];
         if (n->life == NODE_LIVE && n->unreachable) {
             char why[sizeof n->why];
@@ -619,6 +835,8 @@ static void tick(nl_coord *c)
             node_lost(c, n, NODE_DEAD, why);
         }
     }
+    if (c->loads_active)
+        stream_loads(c);
     coord_check_jobs(c, now);
     replan_at_rest(c);
     if (!c->plan && now - c->last_plan_try > 0.5)
@@ -731,6 +949,8 @@ void nl_coord_step(nl_coord *c, int timeout_ms)
 {
     zmq_pollitem_t items[2] = {{nl_sock_handle(c->ctl), 0, ZMQ_POLLIN, 0},
                                {c->work_pipe, 0, ZMQ_POLLIN, 0}};
+    if (c->loads_active && timeout_ms > 2) /* streaming: come back soon for the next chunks */
+        timeout_ms = 2;
     if (zmq_poll(items, 2, timeout_ms) < 0 && zmq_errno() != EINTR)
         NL_DEBUG("poll: %s", zmq_strerror(zmq_errno()));
     coord_work_reap(c);

@@ -28,6 +28,7 @@ typedef struct nl_coord_opts {
     int node_timeout_ms;   /* a node silent this long is dead */
     int job_timeout_ms;    /* a job with no progress this long fails */
     int gen_resumes;       /* times a generation resumes after losing a stage (0: it fails) */
+    int train_resumes;     /* times a training job resumes after losing a stage (0: it fails) */
     int plan_rows;         /* rows of one request the plan must fit */
     double replan_margin;  /* at rest, a join re-plans if the bottleneck gets better by this
                             * fraction (0.1: 10%; 1: never) */

@@ -39,7 +39,7 @@ cnode *coord_stage_node(nl_coord *c, int stage)
     if (!c->plan || stage < 0 || stage >= c->plan->n_stages)
         return NULL;
     int id = c->plan->stages[stage].node_id;
-    for (int i = 0; i < COORD_MAX_NODES; i++)
+    for (int i = 0; i < c->n_nodes; i++)
         if (c->nodes[i].life == NODE_LIVE && (int)c->nodes[i].id == id)
             return &c->nodes[i];
     return NULL;
@@ -62,7 +62,7 @@ nl_status coord_send_node(nl_coord *c, cnode *n, nl_wire_msg *m)
 
 cnode *coord_node_by_rid(nl_coord *c, const nl_rx *rx)
 {
-    for (int i = 0; i < COORD_MAX_NODES; i++) {
+    for (int i = 0; i < c->n_nodes; i++) {
         cnode *n = &c->nodes[i];
         if (n->life == NODE_LIVE && n->rid_len == rx->rid_len &&
             memcmp(n->rid, rx->rid, rx->rid_len) == 0)
@@ -213,7 +213,7 @@ void coord_drop_plan(nl_coord *c)
     c->ready = 0;
     c->epoch++;
     c->last_plan_try = 0;
-    for (int i = 0; i < COORD_MAX_NODES; i++) {
+    for (int i = 0; i < c->n_nodes; i++) {
         c->nodes[i].stage = -1;
         c->nodes[i].loaded = 0;
     }
@@ -251,7 +251,8 @@ void coord_status_to(nl_coord *c, const uint8_t *rid, size_t rid_len, uint64_t j
         nl_wire_frame_set(&m.frames[0], json, NL_DTYPE_U8, &len, 1);
         m.nframes = 1;
     }
-    coord_send_client(c, rid, rid_len, &m);
+    if (rid_len > 0) /* 0: a job recovered from the journal that no client follows yet */
+        coord_send_client(c, rid, rid_len, &m);
     nl_wire_msg_free(&m);
     if (c->observe)
         c->observe(c->observe_ctx, job, state, msg, json);

@@ -15,11 +15,29 @@
 #include "core/safetensors.h"
 #include "net/transport.h"
 
-#define COORD_MAX_NODES 256
+/* The node table grows (doubling) to at most this many slots; a slot of a
+ * dead or departed node is reused. Lookups by routing id or node id scan
+ * the table: O(slots) per message. */
+#define COORD_MAX_NODES 65536
 #define COORD_MAX_JOBS 64
 #define COORD_MAX_TOKENS (1 << 20) /* tokens in one forward request */
 
 typedef enum { NODE_FREE = 0, NODE_LIVE, NODE_DEAD, NODE_LEFT } node_life;
+
+struct csource;
+
+/* Where a stage's streaming of its tensors is (coord.c, stream_loads). */
+typedef struct cload {
+    int active;
+    uint64_t epoch;            /* the plan it loads */
+    const struct csource *src; /* the source it reads */
+    int file;                  /* the source file, */
+    size_t entry;              /* the tensor in it, */
+    uint32_t chunk;            /* the next chunk of it */
+    uint32_t tensors;          /* sent whole */
+    uint64_t bytes;
+    double t0;
+} cload;
 
 typedef struct cnode {
     int life;
@@ -30,12 +48,16 @@ typedef struct cnode {
     char device[33];
     char endpoint[257];
     uint64_t memory;
-    double gflops;
+    double gflops;      /* its probe's (JOIN) */
+    double seen_gflops; /* as observed in a training job's stage times (0: not yet) */
+    double load_sum;    /* heartbeats' busy fractions while it trains a stage ... */
+    int load_n;         /* ... and how many, since the last checkpoint */
     uint32_t threads;
     double joined, last_seen; /* monotonic seconds */
     int stage;                /* index into the plan, -1: standby */
     int loaded;               /* LOAD_DONE received for the current epoch */
     int unreachable;          /* a send failed: declared dead at the next tick */
+    cload ld;                 /* streaming its stage's tensors */
     char why[600];
 } cnode;
 
@@ -76,6 +98,11 @@ typedef struct cjob_ops {
     /* A stage of the plan is lost: 1 if the job waits for the next plan,
      * 0 (or NULL) if it fails. */
     int (*stage_lost)(nl_coord *c, cjob *j, const char *why);
+    /* A stage reports that its work for the job failed (why names the
+     * node): 1 if the job goes on regardless (a training job waits for
+     * the node's death to be told from a live node's), 0 (or NULL): it
+     * fails. */
+    int (*node_failed)(nl_coord *c, cjob *j, const char *why);
     /* The plan is ready: a waiting job goes on. */
     void (*ready)(nl_coord *c, cjob *j);
     /* The job ends before it is done (failed, cancelled): tell the stages
@@ -127,7 +154,8 @@ struct nl_coord {
     char endpoint[256];
     nl_coord_observer observe; /* nl_coord_observe, or NULL */
     void *observe_ctx;
-    cnode nodes[COORD_MAX_NODES];
+    cnode *nodes; /* n_nodes slots (NODE_FREE: never used) */
+    int n_nodes;
     uint32_t next_node_id;
     nl_config cfg, base;
     int have_cfg;
@@ -148,6 +176,8 @@ struct nl_coord {
     int ready;
     char state[512];
     double last_plan_try;
+    nl_mem_opts train_mem; /* a training job's memory (training 0: none): plans hold it */
+    int loads_active;      /* stages whose tensors are still being streamed */
     cjob jobs[COORD_MAX_JOBS];
     uint64_t next_job;
     /* the workers: a PULL socket on work_endpoint, and their tasks */
@@ -253,6 +283,44 @@ const char *coord_join_path(const char *root, const char *path, char *out, size_
  * file). out gets the resolved path. */
 const char *coord_confine_file(const char *root, const char *path, const char *dir_file,
                                uint64_t max_bytes, char *out, size_t cap);
+/* ---------------------------------------------------------------- coord.c */
+
+/* Whether every stage of the current plan holds mo's memory on its node
+ * (training: the microbatches in flight capped by 1F1B); if not, why says
+ * which stage and by how many bytes. */
+int coord_plan_holds(const nl_coord *c, const nl_mem_opts *mo, char *why, size_t cap);
+/* Whether the planner can place the model on the live nodes now (with
+ * the training memory of a running training job); if not, why says so
+ * (with the shortfall in bytes). */
+int coord_plan_possible(nl_coord *c, char *why, size_t cap);
+/* A node joined or a standby left since the plan (replan_wanted, which it
+ * clears): 1 if a plan over the live nodes now beats the current one's
+ * bottleneck by --replan-margin and the stages' weights are in the source
+ * (the old and new plans are logged); the caller then reloads. `when`
+ * names the moment in the log ("at rest", "at the checkpoint"). */
+int coord_replan_gain(nl_coord *c, const char *when);
+/* At a training checkpoint: each stage's throughput as observed (its
+ * nodes' busy fractions since the last checkpoint against the plan's
+ * predicted stage times); a node whose figure moved by more than
+ * --replan-margin asks for a re-plan (replan_wanted), which plans with the
+ * observed figures. The observations start again. */
+void coord_observe_speeds(nl_coord *c);
+
+/* ---------------------------------------------------------------- coord_journal.c
+ * The running training job, journaled in <state-dir>/journal.json. */
+
+struct json_t;
+/* A submission's parameters as JSON (without "resume"), or NULL. */
+struct json_t *coord_journal_params(const nl_msg_job_submit *s);
+/* Job `job` trains with params, its last verified manifest `manifest`
+ * (NULL: none yet). */
+void coord_journal_train(nl_coord *c, uint64_t job, const struct json_t *params,
+                         const char *manifest);
+/* No training job runs. */
+void coord_journal_clear(nl_coord *c);
+/* At start: a journaled training job is made again, resuming from its
+ * manifest, under its id; job ids go on from the journal's. */
+void coord_journal_recover(nl_coord *c);
 
 /* ---------------------------------------------------------------- coord_work.c */
 

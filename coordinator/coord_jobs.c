@@ -72,6 +72,8 @@ static void on_node_failure(nl_coord *c, const cnode *n, cjob *j, const nl_msg_j
         return;
     }
     snprintf(why, sizeof why, "node %u (stage %d): %s", n->id, n->stage, text);
+    if (j && j->ops->node_failed && j->ops->node_failed(c, j, why))
+        return;
     if (j)
         coord_job_fail(c, j, why);
     else
@@ -231,7 +233,7 @@ static json_t *status_json(nl_coord *c, bool full)
     }
     if (c->plan)
         json_object_set_new(root, "bottleneck_s", json_real(c->plan->bottleneck));
-    for (int i = 0; i < COORD_MAX_NODES; i++) {
+    for (int i = 0; i < c->n_nodes; i++) {
         const cnode *n = &c->nodes[i];
         if (n->life == NODE_FREE)
             continue;
@@ -264,6 +266,16 @@ static json_t *status_json(nl_coord *c, bool full)
         json_array_append_new(nodes, o);
     }
     json_object_set_new(root, "nodes", nodes);
+    json_t *jobs = json_array();
+    for (int i = 0; jobs && i < COORD_MAX_JOBS; i++) {
+        const cjob *j = &c->jobs[i];
+        if (j->phase != JOB_FREE)
+            json_array_append_new(jobs, json_pack("{s:I,s:s,s:s,s:b}", "id", (json_int_t)j->id,
+                                                  "kind", j->ops->name, "state",
+                                                  j->phase == JOB_WAITING ? "waiting" : "running",
+                                                  "followed", j->rid_len > 0));
+    }
+    json_object_set_new(root, "jobs", jobs);
     if (c->tok_text)
         json_object_set_new(root, "tokenizer", json_string(c->tok_text));
     return root;
@@ -275,6 +287,10 @@ void coord_on_query(nl_coord *c, const nl_rx *rx)
     nl_error e = {0};
     if (id != 0) {
         cjob *j = coord_job_find(c, id);
+        if (j) { /* the asking client follows the job from now on (neuroctl train --attach) */
+            memcpy(j->rid, rx->rid, rx->rid_len);
+            j->rid_len = rx->rid_len;
+        }
         status_reply(c, rx, id, j ? NL_JOB_RUNNING : NL_JOB_FAILED, j ? "running" : "no such job");
         return;
     }

@@ -50,7 +50,24 @@ typedef struct ctrain {
     nl_manifest_shard *shards; /* the checkpoint being written */
     char manifest[4096];       /* the last one written (or the one resumed) */
     int64_t manifest_step;
+    /* recoveries: a stage lost, the job goes on from the last manifest */
+    int resumes;       /* done so far (at most --train-resumes) */
+    double t_lost;     /* when the last stage was lost (0: none since the last step) */
+    int64_t lost_at;   /* the step it was lost at */
+    int mem_replanned; /* the cluster planned again for its training memory */
+    json_t *journal;   /* the client's parameters, journaled (coord_journal.c) */
 } ctrain;
+
+static void free_shards(nl_manifest_shard *sh, int n)
+{
+    for (int i = 0; sh && i < n; i++) {
+        free(sh[i].file);
+        free(sh[i].path);
+        free(sh[i].node);
+        free(sh[i].device);
+    }
+    free(sh);
+}
 
 static void train_free(cjob *j)
 {
@@ -61,13 +78,8 @@ static void train_free(cjob *j)
     free(t->tokens);
     free(t->targets);
     free(t->got);
-    for (int i = 0; t->shards && i < t->stages; i++) {
-        free(t->shards[i].file);
-        free(t->shards[i].path);
-        free(t->shards[i].node);
-        free(t->shards[i].device);
-    }
-    free(t->shards);
+    free_shards(t->shards, t->stages);
+    json_decref(t->journal);
     free(t);
     j->state = NULL;
 }
@@ -131,11 +143,20 @@ static int send_all(nl_coord *c, nl_wire_msg *m, int *lost)
     return 0;
 }
 
-/* The job fails because stage s cannot be reached: name its node. */
+/* Stage s cannot be reached. Its node is declared dead at this turn's
+ * tick, and the job then resumes on the nodes left (train_stage_lost) if
+ * it may; otherwise it fails now, naming the node. */
 static void unreachable(nl_coord *c, cjob *j, int s)
 {
     cnode *n = coord_stage_node(c, s);
     const nl_plan_stage *ps = &c->plan->stages[s];
+    const ctrain *t = j->state;
+    if (n && n->unreachable && t->resumes < c->o.train_resumes) {
+        NL_INFO("train job %llu: node %u (stage %d) cannot be reached; the job waits for it to "
+                "be declared dead, then resumes",
+                (unsigned long long)j->id, n->id, s);
+        return;
+    }
     if (n)
         fail(c, j, "node %u (stage %d, layers [%d, %d), %s) %s", n->id, s, ps->l0, ps->l1,
              n->endpoint, n->why[0] ? n->why : "cannot be reached");
@@ -170,9 +191,63 @@ static int send_hop(nl_coord *c, cjob *j, nl_msg_type type, uint64_t step, uint3
 
 static void start_step(nl_coord *c, cjob *j);
 
+/* The job waits while the cluster plans again and reloads from its
+ * source (the last verified manifest, or what the job began from); once
+ * ready, begin() continues from the source's step (or the start). */
+static void wait_reload(nl_coord *c, cjob *j)
+{
+    ctrain *t = j->state;
+    t->start = t->step = 0;
+    t->moments = 0;
+    t->adam = 0;
+    t->phase = TR_LOADING;
+    j->phase = JOB_WAITING;
+    j->last_progress = coord_now();
+    (void)c;
+}
+
+/* Plans hold the job's training memory from now on; 1 if the current plan
+ * does, 0 if the job now waits for a plan that does (or failed). */
+static int plan_for_training(nl_coord *c, cjob *j)
+{
+    ctrain *t = j->state;
+    char why[400];
+    c->train_mem = (nl_mem_opts){.training = 1,
+                                 .micro_rows = (int)(t->batch / t->micro * t->seq),
+                                 .in_flight = (int)t->micro,
+                                 .recompute = t->recompute};
+    if (coord_plan_holds(c, &c->train_mem, why, sizeof why))
+        return 1;
+    char none[400];
+    if (!coord_plan_possible(c, none, sizeof none)) {
+        fail(c, j, "training memory: %s; and no plan over the nodes holds it: %s", why, none);
+        return 0;
+    }
+    if (t->mem_replanned || c->stages_modified) {
+        fail(c, j, "training memory: %s%s", why,
+             c->stages_modified ? " (the stages hold weights trained since the last checkpoint, "
+                                  "so the cluster does not plan again)"
+                                : "");
+        return 0;
+    }
+    t->mem_replanned = 1;
+    NL_INFO("train job %llu: %s; planning again for training memory", (unsigned long long)j->id,
+            why);
+    char msg[500];
+    snprintf(msg, sizeof msg, "%s; planning again for training memory", why);
+    coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, msg, NULL);
+    wait_reload(c, j);
+    coord_reload(c); /* a plan that cannot hold it fails the job with the shortfall */
+    return 0;
+}
+
 static void begin(nl_coord *c, cjob *j)
 {
     ctrain *t = j->state;
+    if (!plan_for_training(c, j))
+        return;
+    free(t->got);
+    free_shards(t->shards, t->stages); /* a resumed job's, of its former plan */
     t->stages = c->plan->n_stages;
     t->got = calloc((size_t)t->stages, 1);
     t->shards = calloc((size_t)t->stages, sizeof *t->shards);
@@ -231,7 +306,16 @@ static void begin(nl_coord *c, cjob *j)
         json_array_append_new(devices, n ? json_string(n->device) : json_null());
     }
     json_object_set_new(o, "devices", devices);
-    report(c, j, NL_JOB_RUNNING, "starting", o);
+    if (t->resumes > 0) { /* the nodes' plan after a loss */
+        json_object_set_new(o, "resumes", json_integer(t->resumes));
+        json_object_set_new(o, "plan", json_integer((json_int_t)c->epoch));
+        json_object_set_new(o, "since_lost_s", jnum(coord_now() - t->t_lost));
+        NL_INFO("train job %llu: resumed at step %lld on plan %llu (%d stages), %.2f s after the "
+                "loss (resume %d of %d)",
+                (unsigned long long)j->id, (long long)t->start, (unsigned long long)c->epoch,
+                t->stages, coord_now() - t->t_lost, t->resumes, c->o.train_resumes);
+    }
+    report(c, j, NL_JOB_RUNNING, t->resumes > 0 ? "resumed" : "starting", o);
     NL_INFO("train job %llu: %lld steps of %lld x %lld in %lld microbatches on %d stages, from "
             "step %lld%s",
             (unsigned long long)j->id, (long long)t->steps, (long long)t->batch, (long long)t->seq,
@@ -340,6 +424,8 @@ static void finish(nl_coord *c, cjob *j)
         json_object_set_new(o, "manifest", json_string(t->manifest));
     NL_INFO("train job %llu: done at step %lld", (unsigned long long)j->id, (long long)t->step);
     report(c, j, NL_JOB_DONE, "done", o);
+    memset(&c->train_mem, 0, sizeof c->train_mem); /* plans are for inference again */
+    coord_journal_clear(c);
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_CANCEL); /* the stages free their trainers */
@@ -358,15 +444,22 @@ static void after_step(nl_coord *c, cjob *j)
     const nl_step_result *r = &t->r;
     /* JSON has no NaN or infinity: a non-finite value is null */
     json_t *o = json_pack(
-        "{s:s,s:I,s:o,s:o,s:o,s:o,s:o,s:o,s:b}", "event", "step", "step", (json_int_t)t->step,
-        "loss", jnum(r->loss), "ce_loss", jnum(r->ce_loss), "aux_loss", jnum(r->aux_loss), "lr",
-        jnum(t->lr_now), "grad_norm", jnum(r->grad_norm), "tokens_per_s",
-        jnum((double)t->batch * (double)t->seq / t->step_s), "skipped", r->skipped);
+        "{s:s,s:I,s:I,s:o,s:o,s:o,s:o,s:o,s:o,s:b}", "event", "step", "step", (json_int_t)t->step,
+        "steps", (json_int_t)t->steps, "loss", jnum(r->loss), "ce_loss", jnum(r->ce_loss),
+        "aux_loss", jnum(r->aux_loss), "lr", jnum(t->lr_now), "grad_norm", jnum(r->grad_norm),
+        "tokens_per_s", jnum((double)t->batch * (double)t->seq / t->step_s), "skipped", r->skipped);
     if (o && t->has_eval)
         json_object_set_new(o, "eval_loss", jnum(t->eval_loss));
     char msg[64];
     snprintf(msg, sizeof msg, "step %lld of %lld", (long long)t->step, (long long)t->steps);
     report(c, j, NL_JOB_RUNNING, msg, o);
+    if (t->t_lost > 0) {
+        NL_INFO("train job %llu: step %lld, the first after the resume, done %.2f s after the "
+                "stage was lost at step %lld",
+                (unsigned long long)j->id, (long long)t->step, coord_now() - t->t_lost,
+                (long long)t->lost_at);
+        t->t_lost = 0;
+    }
     if (r->skipped)
         NL_WARN("train job %llu: step %lld skipped: non-finite %s", (unsigned long long)j->id,
                 (long long)t->step, isfinite(r->loss) ? "gradient" : "loss");
@@ -443,17 +536,6 @@ static void ckpt_run(cwork *w)
         k->st = coord_manifest_open(&k->out, k->path, k->root, &k->err);
 }
 
-static void free_shards(nl_manifest_shard *sh, int n)
-{
-    for (int i = 0; sh && i < n; i++) {
-        free(sh[i].file);
-        free(sh[i].path);
-        free(sh[i].node);
-        free(sh[i].device);
-    }
-    free(sh);
-}
-
 static void ckpt_free(cwork *w)
 {
     ckpt_task *k = (ckpt_task *)w;
@@ -482,6 +564,7 @@ static void ckpt_done(nl_coord *c, cwork *w)
     }
     coord_manifest_install(c, &k->out, 0);
     c->stages_modified = 0; /* the source holds the stages' weights */
+    coord_journal_train(c, j->id, t->journal, k->path);
     snprintf(t->manifest, sizeof t->manifest, "%s", k->path);
     t->manifest_step = t->step;
     NL_INFO("train job %llu: checkpoint of step %lld: %s", (unsigned long long)j->id,
@@ -489,10 +572,22 @@ static void ckpt_done(nl_coord *c, cwork *w)
     json_t *o = json_pack("{s:s,s:I,s:s}", "event", "checkpoint", "step", (json_int_t)t->step,
                           "manifest", k->path);
     report(c, j, NL_JOB_RUNNING, "checkpoint", o);
-    if (t->step == t->steps)
+    if (t->step < t->steps)
+        coord_observe_speeds(c); /* a stage slower or faster than planned asks for a re-plan */
+    if (t->step == t->steps) {
         finish(c, j);
-    else
+    } else if (coord_replan_gain(c, "at the checkpoint")) {
+        /* a node joined, or the stages' observed speeds call for another
+         * split: the job goes on from this manifest on the new plan */
+        json_t *r = json_pack("{s:s,s:I,s:s}", "event", "replan", "step", (json_int_t)t->step,
+                              "manifest", k->path);
+        report(c, j, NL_JOB_RUNNING, "re-planning at the checkpoint", r);
+        coord_close_session(c, j);
+        wait_reload(c, j);
+        coord_reload(c);
+    } else {
         start_step(c, j);
+    }
 }
 
 static char *dup_or_null(const char *s, int *oom)
@@ -774,7 +869,8 @@ static void train_submit(nl_coord *c, const nl_rx *rx)
     }
     snprintf(p->root, sizeof p->root, "%s", c->ckpt_root);
     coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, "running", NULL);
-    if (!resume && !c->ready) {
+    /* a job recovered from the journal (no client yet) waits for the nodes */
+    if (!resume && !c->ready && rx->rid_len > 0) {
         free(p);
         fail(c, j, "the cluster is not ready: %s", c->state);
         return;
@@ -792,6 +888,12 @@ static void train_submit(nl_coord *c, const nl_rx *rx)
         return;
     }
     t->phase = TR_PREPARING;
+    if (!(t->journal = coord_journal_params(s))) {
+        prep_free(&p->w);
+        fail(c, j, "out of memory");
+        return;
+    }
+    coord_journal_train(c, j->id, t->journal, resume);
     if (coord_work_start(c, &p->w, &e) != NL_OK)
         fail(c, j, "%s", e.msg);
 }
@@ -803,7 +905,12 @@ static void train_abort(nl_coord *c, cjob *j)
 {
     const ctrain *t = j->state;
     coord_close_session(c, j);
-    if (t && t->phase >= TR_BEGIN && j->epoch == c->epoch) {
+    memset(&c->train_mem, 0, sizeof c->train_mem); /* plans are for inference again */
+    coord_journal_clear(c);
+    /* before its first step a job has changed no weight; only moments the
+     * stages took from a manifest (resumable) may be gone with their trainers */
+    const int touched = t && (t->phase > TR_BEGIN || (t->phase == TR_BEGIN && c->resumable));
+    if (touched && j->epoch == c->epoch) {
         NL_INFO("train job %llu ended early: the stages reload their weights from %s",
                 (unsigned long long)j->id, c->src_path[0] ? c->src_path : "the seed");
         coord_reload(c);
@@ -963,6 +1070,61 @@ static void train_on_message(nl_coord *c, cjob *j, const nl_rx *rx)
     }
 }
 
+/* A stage of the plan is lost. A job that has begun goes on by itself,
+ * up to --train-resumes times: its stages drop it, the cluster plans again
+ * over the nodes left (coord.c) and reloads from the source, which is the
+ * last verified manifest (ckpt_done installs each) or what the job began
+ * from; once loaded, begin() continues from the source's step. Every batch
+ * is a function of the seed and the step, so the run ends as an
+ * undisturbed one would. A job still preparing or loading just waits for
+ * the next plan. 0: the job fails (coord_jobs.c says why). */
+static int train_stage_lost(nl_coord *c, cjob *j, const char *why)
+{
+    ctrain *t = j->state;
+    if (!t || t->phase < TR_BEGIN)
+        return 1;
+    if (t->resumes >= c->o.train_resumes) {
+        NL_WARN("train job %llu: a stage is lost and the job has resumed %d times already "
+                "(--train-resumes %d)",
+                (unsigned long long)j->id, t->resumes, c->o.train_resumes);
+        return 0;
+    }
+    coord_close_session(c, j); /* the stages left drop the job */
+    t->resumes++;
+    t->t_lost = coord_now();
+    t->lost_at = t->step;
+    wait_reload(c, j);
+    const int64_t from = c->src_manifest ? c->src_step : 0;
+    NL_WARN("train job %llu: %s at step %lld; resuming from step %lld (%s) on the nodes left "
+            "(resume %d of %d)",
+            (unsigned long long)j->id, why, (long long)t->lost_at, (long long)from,
+            c->src_path[0] ? c->src_path : "the seed", t->resumes, c->o.train_resumes);
+    json_t *o = json_pack("{s:s,s:s,s:I,s:I,s:s,s:i,s:i}", "event", "node_lost", "why", why,
+                          "lost_step", (json_int_t)t->lost_at, "resume_step", (json_int_t)from,
+                          "source", c->src_path[0] ? c->src_path : "the seed", "resume", t->resumes,
+                          "max_resumes", c->o.train_resumes);
+    report(c, j, NL_JOB_RUNNING, "node lost; resuming", o);
+    return 1;
+}
+
+/* A stage failed the job. When it cannot reach a neighbour (node.c says
+ * "cannot reach the previous/next stage"; JOB_STATUS carries no code),
+ * the neighbour has most likely died and the heartbeat timeout will say
+ * so: with resumes left the job waits for that verdict (train_stage_lost
+ * then resumes it); a neighbour that lives on leaves the job to
+ * --job-timeout-ms. Any other failure (the device, the data) fails it. */
+static int train_node_failed(nl_coord *c, cjob *j, const char *why)
+{
+    const ctrain *t = j->state;
+    if (!t || t->phase < TR_BEGIN || t->resumes >= c->o.train_resumes ||
+        !strstr(why, "cannot reach the "))
+        return 0;
+    NL_WARN("train job %llu: %s; waiting for the heartbeat timeout to tell whether a node died "
+            "(then the job resumes)",
+            (unsigned long long)j->id, why);
+    return 1;
+}
+
 /* The cluster is ready: a job that waited for it to load begins. */
 static void train_ready(nl_coord *c, cjob *j)
 {
@@ -975,6 +1137,8 @@ const cjob_ops coord_train_ops = {
     .name = "train",
     .submit = train_submit,
     .on_message = train_on_message,
+    .stage_lost = train_stage_lost,
+    .node_failed = train_node_failed,
     .ready = train_ready,
     .abort = train_abort,
     .fail_note = train_fail_note,

@@ -48,6 +48,10 @@ int main(int argc, char **argv)
          "times a generation resumes on a new plan after losing a stage, replaying its tokens "
          "(default 2; 0: it fails)",
          NULL},
+        {"train-resumes", 1,
+         "times a training job goes on by itself after losing a stage: the nodes left re-plan, "
+         "reload the last verified manifest and continue from its step (default 3; 0: it fails)",
+         NULL},
         {"plan-rows", 1, "rows (tokens) of one request the plan must fit (default 512)", NULL},
         {"replan-margin", 1,
          "when a node joins (or a standby leaves) and no job runs, plan again if the bottleneck "
@@ -86,7 +90,8 @@ int main(int argc, char **argv)
     o.plaintext = nl_args_get(flags, "plaintext") != NULL;
     o.data_root = nl_args_get(flags, "data-root");
     o.checkpoint_root = nl_args_get(flags, "checkpoint-root");
-    long long seed = 0, min_nodes = 1, hb = 1000, nto = 5000, jto = 120000, rows = 512, resumes = 2;
+    long long seed = 0, min_nodes = 1, hb = 1000, nto = 5000, jto = 120000, rows = 512, resumes = 2,
+              train_resumes = 3;
     uint64_t min_mem = 0, max_data = 1ull << 30;
     double margin = 0.1;
     if (!o.listen || !o.state_dir || (!!o.model + !!o.config + !!o.resume > 1)) {
@@ -94,11 +99,12 @@ int main(int argc, char **argv)
         return 2;
     }
     if ((rc = nl_args_int(flags, "seed", 0, INT64_MAX, &seed)) ||
-        (rc = nl_args_int(flags, "min-nodes", 1, 256, &min_nodes)) ||
+        (rc = nl_args_int(flags, "min-nodes", 1, 65536, &min_nodes)) ||
         (rc = nl_args_int(flags, "heartbeat-ms", 10, 60000, &hb)) ||
         (rc = nl_args_int(flags, "node-timeout-ms", 20, 3600000, &nto)) ||
         (rc = nl_args_int(flags, "job-timeout-ms", 100, 86400000, &jto)) ||
         (rc = nl_args_int(flags, "gen-resumes", 0, 1000, &resumes)) ||
+        (rc = nl_args_int(flags, "train-resumes", 0, 1000, &train_resumes)) ||
         (rc = nl_args_int(flags, "plan-rows", 1, 1 << 20, &rows)) ||
         (rc = nl_args_size(flags, "min-memory", &min_mem)) ||
         (rc = nl_args_size(flags, "max-data-bytes", &max_data)) ||
@@ -125,6 +131,7 @@ int main(int argc, char **argv)
     o.node_timeout_ms = (int)nto;
     o.job_timeout_ms = (int)jto;
     o.gen_resumes = (int)resumes;
+    o.train_resumes = (int)train_resumes;
     o.plan_rows = (int)rows;
     o.replan_margin = margin;
     nl_log_set_name("coord");

@@ -156,6 +156,10 @@ static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypa
      * figure, so a test's plan does not depend on a noisy measurement */
     const char *gflops = getenv("NL_TEST_GFLOPS");
     o->inject_gflops = gflops ? atof(gflops) : 0.0;
+    /* test hook: NL_TEST_SLOW_MS=X makes each training message take X ms
+     * longer (the coordinator's observed stage times re-balance the plan) */
+    const char *slow = getenv("NL_TEST_SLOW_MS");
+    o->inject_slow_ms = slow ? atof(slow) : 0.0;
     /* test hook: NL_TEST_DEVICE_NO_TRAIN=1 makes the device one that cannot train */
     o->inject_no_train = getenv("NL_TEST_DEVICE_NO_TRAIN") != NULL;
     /* test hook: NL_TEST_DEVICE_MEM=FREE,TOTAL (MiB) gives the device a GPU's

@@ -360,7 +360,8 @@ static nl_status start(node *n, nl_error *err)
                         .inject_nan_stage = o->inject_nan_stage,
                         .inject_nan_on = o->inject_nan_on,
                         .tf32 = o->tf32};
-    if ((st = nl_stage_new_replicas(&n->stage, n->dev.be, n->dev.n, n->dev.comm, &so, err)) != NL_OK ||
+    if ((st = nl_stage_new_replicas(&n->stage, n->dev.be, n->dev.n, n->dev.comm, &so, err)) !=
+            NL_OK ||
         (st = nl_net_new(&n->net, NULL, err)) != NL_OK ||
         (st = make_socket(n, &n->data, ZMQ_ROUTER, true, NULL, "data", NL_SOCK_BULK, 0, 0, err)) !=
             NL_OK ||
@@ -751,6 +752,11 @@ static void handle_train(node *n, const nl_wire_msg *m)
         st = nl_stage_train_input(n->stage, m, train_send, n, &e);
     }
     free(real);
+    if (n->o->inject_slow_ms > 0 && m->type != NL_MSG_CKPT_REQ) {
+        const long long ns = (long long)(n->o->inject_slow_ms * 1e6);
+        struct timespec d = {(time_t)(ns / 1000000000LL), (long)(ns % 1000000000LL)};
+        nanosleep(&d, NULL);
+    }
     clock_gettime(CLOCK_MONOTONIC, &b);
     const double ms = (double)(b.tv_sec - a.tv_sec) * 1e3 + (double)(b.tv_nsec - a.tv_nsec) / 1e6;
     n->busy_ms += ms;

@@ -77,6 +77,8 @@ typedef struct nl_node_opts {
     int inject_device_fail;      /* test hook (NL_TEST_DEVICE_FAIL): the device's K-th check
                                   * after the start fails, and every later one (0 never) */
     double inject_gflops;        /* test hook (NL_TEST_GFLOPS): reported throughput, if > 0 */
+    double inject_slow_ms;       /* test hook (NL_TEST_SLOW_MS): each training message takes
+                                  * this much longer here (a node slower than it said) */
     bool inject_no_train;        /* test hook (NL_TEST_DEVICE_NO_TRAIN): the device cannot train */
     uint64_t inject_mem_free;    /* test hook (NL_TEST_DEVICE_MEM=FREE,TOTAL in MiB): the device */
     uint64_t inject_mem_total;   /* reports this memory, as a GPU would (0: no such hook) */

@@ -228,7 +228,9 @@ fi
 # holds, and C's have been trained)
 check "$N" cluster down --dir "$C"
 C="$W/c5"
-check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 3 --model "$W/m.safetensors" --memory 64M --threads 1 \
+# --train-resumes 0: the job fails at the loss instead of going on by itself
+# (test_cluster_resume.sh tests that)
+check "$N" cluster up "${DEV[@]}" --dir "$C" --train-resumes 0 --nodes 3 --model "$W/m.safetensors" --memory 64M --threads 1 \
   --node-timeout-ms 2000 --timeout 60
 # a constant learning rate (no warm-up, min-lr = lr), so that runs of different
 # lengths see the same rate at every step

@@ -1,0 +1,137 @@
+/* The coordinator's journal (issue 22 item 4): <state-dir>/journal.json
+ * holds the training job that runs (its id, its client's parameters and
+ * the last verified manifest) and the last job id given out, rewritten
+ * atomically (write, fsync, rename: core/fileio.h) when the job starts,
+ * at each checkpoint and when it ends. A coordinator that starts with a
+ * journal naming a running job makes that job again under the same id,
+ * resuming from its manifest (the client's JOB_SUBMIT with "resume" set),
+ * once the nodes have joined again; a client follows it again with
+ * `neuroctl train --attach JOB`.
+ *
+ * The file:
+ *   {"next_job": N, "train": {"id": J, "params": {KEY: VALUE, ...},
+ *                             "manifest": PATH or null} or null}
+ * A parameter's JSON type gives its wire kind (integer, real, boolean,
+ * string). */
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/log.h"
+#include "coord_impl.h"
+#include "core/fileio.h"
+
+static void journal_path(const nl_coord *c, char *buf, size_t cap)
+{
+    snprintf(buf, cap, "%s/journal.json", c->o.state_dir);
+}
+
+static void journal_write(nl_coord *c, json_t *train)
+{
+    char path[4200];
+    nl_error e = {0};
+    journal_path(c, path, sizeof path);
+    json_t *root = json_pack("{s:I,s:O}", "next_job", (json_int_t)c->next_job, "train",
+                             train ? train : json_null());
+    char *text = root ? json_dumps(root, JSON_COMPACT) : NULL;
+    json_decref(root);
+    if (!text || nl_file_write_atomic(path, text, strlen(text), &e) != NL_OK)
+        NL_WARN("journal %s: %s", path, text ? e.msg : "out of memory");
+    free(text);
+}
+
+json_t *coord_journal_params(const nl_msg_job_submit *s)
+{
+    json_t *o = json_object();
+    for (uint32_t i = 0; o && i < s->nparams; i++) {
+        const nl_wire_param *p = &s->params[i];
+        json_t *v = p->kind == NL_WIRE_PARAM_INT     ? json_integer((json_int_t)p->i)
+                    : p->kind == NL_WIRE_PARAM_FLOAT ? json_real(p->f)
+                    : p->kind == NL_WIRE_PARAM_BOOL  ? json_boolean(p->b)
+                    : p->kind == NL_WIRE_PARAM_STR   ? json_string(p->s)
+                                                     : NULL;
+        if (v && strcmp(p->key, "resume") != 0)
+            json_object_set_new(o, p->key, v);
+        else
+            json_decref(v);
+    }
+    return o;
+}
+
+void coord_journal_train(nl_coord *c, uint64_t job, const json_t *params, const char *manifest)
+{
+    json_t *t =
+        json_pack("{s:I,s:O,s:o}", "id", (json_int_t)job, "params", (json_t *)params, "manifest",
+                  manifest && manifest[0] ? json_string(manifest) : json_null());
+    journal_write(c, t);
+    json_decref(t);
+}
+
+void coord_journal_clear(nl_coord *c)
+{
+    journal_write(c, NULL);
+}
+
+/* The journal's parameters as a JOB_SUBMIT (params point into o), with
+ * "resume" set to the manifest when there is one. */
+static int submit_from(json_t *params, const char *manifest, nl_wire_param *ps, int cap)
+{
+    int n = 0;
+    const char *key;
+    json_t *v;
+    json_object_foreach(params, key, v)
+    {
+        if (n >= cap - 1)
+            break;
+        nl_wire_param *p = &ps[n];
+        if (json_is_integer(v))
+            *p = (nl_wire_param){.key = key, .kind = NL_WIRE_PARAM_INT, .i = json_integer_value(v)};
+        else if (json_is_real(v))
+            *p = (nl_wire_param){.key = key, .kind = NL_WIRE_PARAM_FLOAT, .f = json_real_value(v)};
+        else if (json_is_boolean(v))
+            *p = (nl_wire_param){.key = key, .kind = NL_WIRE_PARAM_BOOL, .b = json_is_true(v)};
+        else if (json_is_string(v))
+            *p = (nl_wire_param){.key = key, .kind = NL_WIRE_PARAM_STR, .s = json_string_value(v)};
+        else
+            continue;
+        n++;
+    }
+    if (manifest)
+        ps[n++] = (nl_wire_param){.key = "resume", .kind = NL_WIRE_PARAM_STR, .s = manifest};
+    return n;
+}
+
+void coord_journal_recover(nl_coord *c)
+{
+    char path[4200];
+    journal_path(c, path, sizeof path);
+    json_error_t je;
+    json_t *root = json_load_file(path, 0, &je);
+    if (!root) /* no journal: nothing ran */
+        return;
+    const json_t *nj = json_object_get(root, "next_job");
+    if (json_is_integer(nj) && json_integer_value(nj) > 0)
+        c->next_job = (uint64_t)json_integer_value(nj);
+    json_t *t = json_object_get(root, "train");
+    json_t *params = json_object_get(t, "params"), *id = json_object_get(t, "id");
+    const char *manifest = json_string_value(json_object_get(t, "manifest"));
+    if (json_is_object(params) && json_is_integer(id) && json_integer_value(id) > 0) {
+        nl_wire_param ps[64];
+        nl_rx rx;
+        nl_rx_init(&rx);
+        rx.msg.type = NL_MSG_JOB_SUBMIT;
+        rx.msg.u.job_submit = (nl_msg_job_submit){NL_JOB_TRAIN, 0, ps};
+        rx.msg.u.job_submit.nparams = (uint32_t)submit_from(params, manifest, ps, 64);
+        rx.rid_len = 0; /* no client until one attaches */
+        const uint64_t next = c->next_job;
+        c->next_job = (uint64_t)json_integer_value(id) - 1; /* the job keeps its id */
+        NL_INFO("journal %s: train job %llu was running; it resumes from %s", path,
+                (unsigned long long)json_integer_value(id),
+                manifest ? manifest : "its start (no checkpoint yet)");
+        coord_train_ops.submit(c, &rx);
+        if (c->next_job < next)
+            c->next_job = next;
+    }
+    json_decref(root);
+}

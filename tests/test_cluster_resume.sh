@@ -1,0 +1,211 @@
+#!/usr/bin/env bash
+# Training recovers by itself (issue 22 item 2): 3 stages and 1 standby
+# (3 layers, 4 nodes)
+# train 40 steps with checkpoints every 10; a stage's node is SIGKILLed at
+# step ~23. The coordinator re-plans over the nodes left (the standby
+# takes a stage), reloads the step-20 manifest and continues; the job ends
+# by itself, its final weights and moments bit-identical to an undisturbed
+# run of the same job, and the client's log records the loss and the
+# resume. Then --train-resumes 0 fails the job
+# at the first loss, naming the node and the last checkpoint.
+set -uo pipefail
+N="$NL_BUILD_DIR/cli/neuroctl"
+NODE="$NL_BUILD_DIR/node/neuronode"
+DEV=(--device "${NL_TEST_DEVICE:-cpu}")
+# equal, fixed throughputs: plans do not hang on probes that other tests
+# running at the same time disturb
+export NL_TEST_GFLOPS=20
+W=$(mktemp -d)
+extra=0
+cleanup() {
+  [ "$extra" -gt 0 ] && kill "$extra" 2>/dev/null
+  for c in "$W"/c*; do "$N" cluster down --dir "$c" >/dev/null 2>&1; done
+  rm -rf "$W"
+}
+trap cleanup EXIT
+pass=0
+fail=0
+check() { if "$@"; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL: $*" >&2; fi; }
+PY=/usr/bin/python3
+
+cat > "$W/cfg.yaml" <<'YAML'
+hidden_dim: 32
+num_layers: 3
+num_heads: 4
+num_kv_heads: 2
+ffn_dim: 48
+num_experts: 4
+vocab_size: 256
+vocab_chunk: 256
+max_seq_len: 64
+YAML
+cat "$NL_SOURCE_DIR"/README.md "$NL_SOURCE_DIR"/docs/*.md > "$W/data.txt"
+check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
+RUN=(--data "$W/data.txt" --steps 40 --batch 16 --seq 64 --microbatches 2 --lr 3e-3 --seed 1
+     --checkpoint-every 10)
+UP=(cluster up "${DEV[@]}" --model "$W/m.safetensors" --memory 64M --threads 1
+    --node-timeout-ms 2000 --timeout 60)
+
+cat > "$W/same.py" <<'PY'
+# same.py A B: every tensor of two safetensors files is bit-identical
+import json, struct, sys
+def tensors(p):
+    b = open(p, "rb").read(); n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n])
+    return {k: b[8 + n + v["data_offsets"][0]: 8 + n + v["data_offsets"][1]]
+            for k, v in h.items() if k != "__metadata__"}, h.get("__metadata__", {})
+(a, ma), (b, mb) = tensors(sys.argv[1]), tensors(sys.argv[2])
+assert set(a) == set(b), set(a) ^ set(b)
+diff = [k for k in b if a[k] != b[k]]
+print("%d tensors, %d differ%s" % (len(b), len(diff), (": " + ", ".join(diff[:5])) if diff else ""))
+assert not diff
+assert ma.get("step") == mb.get("step") and ma.get("adam_steps") == mb.get("adam_steps"), (ma, mb)
+PY
+
+# ---- the undisturbed run ----
+check "$N" "${UP[@]}" --nodes 4 --dir "$W/c1"
+check "$N" train --cluster "$W/c1" "${RUN[@]}" --checkpoint-dir "$W/ck1" --log "$W/ref.jsonl" \
+  --out "$W/ref.safetensors" 2> "$W/ref.err"
+stages=$(grep -o "on [0-9]* pipeline stages" "$W/ref.err" | head -1)
+echo "undisturbed: $stages"
+check test "$stages" = "on 3 pipeline stages"
+"$N" cluster down --dir "$W/c1" >/dev/null
+
+# ---- the same run; a stage's node is killed at step ~25 ----
+C="$W/c2"
+check "$N" "${UP[@]}" --nodes 4 --dir "$C"
+"$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck2" --log "$W/killed.jsonl" \
+  --out "$W/killed.safetensors" 2> "$W/killed.err" &
+job=$!
+for i in $(seq 1 1200); do
+  grep -q '"step":23,' "$W/killed.jsonl" 2>/dev/null && break
+  sleep 0.05
+done
+# the node of stage 1 (its key in the coordinator's log, then its pid file)
+victim=$($PY - "$C" <<'PY'
+import glob, re, sys
+c = sys.argv[1]; log = open(c + "/coord.log").read()
+node = re.findall(r"plan \d+: stage 1 on node (\d+)", log)[-1]
+key = re.search(r"node %s joined: .* key (\S{8})\.\.\." % node, log).group(1)
+for pub in glob.glob(c + "/node-*.pub"):
+    if open(pub).read().startswith(key):
+        print(pub[:-4]); break
+PY
+)
+echo "killing $victim (stage 1)"
+check test -n "$victim"
+kill -9 "$(cat "$victim.pid")"
+wait $job
+rc=$?
+cat "$W/killed.err" | tr '\r' '\n' | grep -v "^step" | tail -8
+check test $rc -eq 0
+check grep -q "resuming from step 20" "$W/killed.err"
+check grep -q "resumed at step 20" "$W/killed.err"
+check grep -q '"event":"node_lost"' "$W/killed.jsonl"
+check grep -q '"event":"resumed","resume_step":20' "$W/killed.jsonl"
+check grep -q "train job 1: resumed at step 20 on plan" "$C/coord.log"
+# the nodes left plan 3 stages again: the standby took one
+check grep -q "resumed at step 20 on plan [0-9]* (3 stages)" "$C/coord.log"
+grep "the first after the resume" "$C/coord.log" | sed 's/^.*train job/measured: train job/'
+check $PY "$W/same.py" "$W/killed.safetensors" "$W/ref.safetensors"
+"$N" cluster down --dir "$W/c2" >/dev/null
+
+# ---- a node joins at step ~5: taken in at the next checkpoint ----
+C="$W/c4"
+check "$N" "${UP[@]}" --nodes 2 --dir "$C"
+"$N" keygen --out "$W/extra" >/dev/null
+echo "$(cat "$W/extra.pub")  # extra" >> "$C/coord/authorized_keys"
+kill -HUP "$(cat "$C/coord.pid")"
+"$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck4" --log "$W/joined.jsonl" \
+  --out "$W/joined.safetensors" 2> "$W/joined.err" &
+job=$!
+for i in $(seq 1 1200); do
+  grep -q '"step":5,' "$W/joined.jsonl" 2>/dev/null && break
+  sleep 0.05
+done
+"$NODE" join "${DEV[@]}" "$(cat "$C/coord/endpoint")" --key "$W/extra.key" \
+  --coordinator-key "$C/coord/coordinator.pub" --memory 64M --threads 1 --name extra \
+  --checkpoint-root "$W" > "$W/extra.log" 2>&1 &
+extra=$!
+wait $job
+rc=$?
+cat "$W/joined.err" | tr '\r' '\n' | grep -v "^step" | tail -6
+check test $rc -eq 0
+check grep -q "on 2 pipeline stages" "$W/joined.err"
+# the first checkpoint after the join (the node starts at step 5; the
+# coordinator's log says when it joined)
+at=$(sed -n 's/^resuming at step \([0-9]*\)$/\1/p' "$W/joined.err" | head -1)
+echo "joined during training; taken in at the checkpoint of step ${at:-?}"
+check test -n "$at"
+check grep -q "on 3 pipeline stages" "$W/joined.err"
+check grep -q "\"event\":\"replan\",\"resume_step\":${at:-x}" "$W/joined.jsonl"
+check grep -q "re-plan at the checkpoint: bottleneck" "$C/coord.log"
+check grep -q "plan new: stage 2" "$C/coord.log"
+check $PY "$W/same.py" "$W/joined.safetensors" "$W/ref.safetensors"
+# ---- training memory (item 3): a batch no plan holds is refused with the
+# shortfall in bytes, and the cluster stays as it was ----
+out=$("$N" train --cluster "$C" --data "$W/data.txt" --steps 2 --batch 1024 --seq 64 \
+  --microbatches 1 --checkpoint-dir "$W/ck5" 2>&1)
+rc=$?
+echo "$out" | tail -1
+check test $rc -eq 1
+check grep -q "training memory: stage [0-9] .* bytes short; and no plan over the nodes holds it: .*needs [0-9]* bytes more" <<< "$out"
+check "$N" train --cluster "$C" --data "$W/data.txt" --steps 42 --batch 16 --seq 64 \
+  --microbatches 2 --checkpoint-dir "$W/ck6" --resume "$W/ck4/step-000040" 2> /dev/null
+kill "$extra" 2>/dev/null
+wait "$extra" 2>/dev/null
+extra=0
+"$N" cluster down --dir "$C" >/dev/null
+
+# ---- the coordinator restarts (item 4): SIGKILL it at step ~23, start it
+# again on the same port and state dir; the nodes join again, the job
+# continues from its journal's manifest, a client attaches; bit-identical ----
+C="$W/c5"
+check "$N" "${UP[@]}" --nodes 3 --dir "$C"
+"$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck7" --log "$W/restart.jsonl" \
+  2> "$W/restart.err" &
+job=$!
+for i in $(seq 1 1200); do
+  grep -q '"step":23,' "$W/restart.jsonl" 2>/dev/null && break
+  sleep 0.05
+done
+kill -9 "$(cat "$C/coord.pid")"
+kill "$job" 2>/dev/null # its coordinator is gone (it would wait --timeout)
+wait "$job" 2>/dev/null
+check grep -q '"id":1,' "$C/coord/journal.json"
+check grep -q 'step-000020/manifest.json' "$C/coord/journal.json"
+ep=$(cat "$C/coord/endpoint")
+"$NL_BUILD_DIR/coordinator/neurocoord" --listen "$ep" --state-dir "$C/coord" --min-nodes 3 \
+  --node-timeout-ms 2000 --model "$W/m.safetensors" >> "$C/coord.log" 2>&1 &
+echo $! > "$C/coord.pid"
+jobs_out=$("$N" jobs --cluster "$C" 2>&1)
+echo "$jobs_out"
+check grep -q "^1 *train" <<< "$jobs_out"
+check "$N" train --cluster "$C" --attach 1 --log "$W/attached.jsonl" --out "$W/restarted.safetensors" \
+  --timeout 60 2> "$W/attached.err"
+tr '\r' '\n' < "$W/attached.err" | grep -v "^step" | tail -4
+check grep -q "resuming at step 20" "$W/attached.err"
+check grep -q "journal .*: train job 1 was running; it resumes from .*step-000020" "$C/coord.log"
+check grep -q "joined again as node" "$C"/node-1.log
+check $PY "$W/same.py" "$W/restarted.safetensors" "$W/ref.safetensors"
+check grep -q '"train":null' "$C/coord/journal.json"
+"$N" cluster down --dir "$C" >/dev/null
+
+# ---- --train-resumes 0: the job fails at the first loss ----
+C="$W/c3"
+check "$N" "${UP[@]}" --nodes 2 --train-resumes 0 --dir "$C"
+"$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck3" --log "$W/nores.jsonl" \
+  2> "$W/nores.err" &
+job=$!
+for i in $(seq 1 1200); do
+  grep -q '"step":12,' "$W/nores.jsonl" 2>/dev/null && break
+  sleep 0.05
+done
+kill -9 "$(cat "$C/node-2.pid")"
+wait $job
+rc=$?
+tail -2 "$W/nores.err"
+check test $rc -eq 1
+check grep -q "last checkpoint: step 10" "$W/nores.err"
+
+echo "test_cluster_resume: $pass passed, $fail failed"
+[ "$fail" -eq 0 ]
