@@ -102,7 +102,8 @@ for k in 1 2 3; do
 done
 start_coord() {
   ip netns exec "${P}c" "$COORD" --listen tcp://10.77.0.1:7700 --state-dir "$W/coord" \
-    --model "$W/m.safetensors" --min-nodes 3 --node-timeout-ms 3000 >> "$W/coord.log" 2>&1 &
+    --model "$W/m.safetensors" --min-nodes 3 --node-timeout-ms 3000 --data-root / \
+    --checkpoint-root / >> "$W/coord.log" 2>&1 &
   pids+=($!)
 }
 start_node() { # k: in namespace nk, at 10.77.0.(k+1)

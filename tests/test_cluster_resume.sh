@@ -175,8 +175,11 @@ check grep -q '"id":1,' "$C/coord/journal.json"
 check grep -q 'step-000020/manifest.json' "$C/coord/journal.json"
 ep=$(cat "$C/coord/endpoint")
 "$NL_BUILD_DIR/coordinator/neurocoord" --listen "$ep" --state-dir "$C/coord" --min-nodes 3 \
-  --node-timeout-ms 2000 --model "$W/m.safetensors" >> "$C/coord.log" 2>&1 &
+  --node-timeout-ms 2000 --model "$W/m.safetensors" --data-root / --checkpoint-root / \
+  >> "$C/coord.log" 2>&1 &
 echo $! > "$C/coord.pid"
+# clients say "connection refused" at once: wait until it listens
+for i in $(seq 1 100); do "$N" status --cluster "$C" > /dev/null 2>&1 && break; sleep 0.1; done
 jobs_out=$("$N" jobs --cluster "$C" 2>&1)
 echo "$jobs_out"
 check grep -q "^1 *train" <<< "$jobs_out"
