@@ -58,6 +58,7 @@ static void ds_upload(nl_backend *be, void *dst, const void *src, size_t bytes)
     if (bytes) {
         be->stats.host_syncs++;
         memcpy(untag(dst), src, bytes);
+        cpu(be)->wrote(cpu(be), untag(dst), bytes); /* a bf16 copy of weights may be stale */
     }
 }
 
@@ -73,6 +74,11 @@ static nl_status ds_sync(nl_backend *be, nl_error *err)
 {
     be->stats.host_syncs++;
     return cpu(be)->sync(cpu(be), err);
+}
+
+static nl_status ds_bf16_weights(nl_backend *be, const float *p, size_t n, nl_error *err)
+{
+    return cpu(be)->bf16_weights(cpu(be), UF(p), n, err);
 }
 
 static void ds_zero(nl_backend *be, void *p, size_t bytes)
@@ -281,6 +287,8 @@ nl_status nl_devsim_backend_new(nl_backend **out, const nl_backend_opts *o, nl_e
     be->zero = ds_zero;
     be->mem_stats = ds_mem_stats;
     be->gemm = ds_gemm;
+    be->bf16 = inner->bf16;
+    be->bf16_weights = inner->bf16_weights ? ds_bf16_weights : NULL;
     be->embedding_forward = ds_embedding_forward;
     be->rmsnorm_forward = ds_rmsnorm_forward;
     be->rope_forward = ds_rope_forward;

@@ -1,4 +1,5 @@
-/* The CPU backend: GEMM through oneDNN's dnnl_sgemm, the other ops as
+/* The CPU backend: GEMM through oneDNN's dnnl_sgemm (or its bf16 GEMM,
+ * cpu_bf16.c), the other ops as
  * plain C loops that the compiler vectorises, threaded with OpenMP. */
 #include "../backend.h"
 #include "../backend_impl.h"
@@ -71,6 +72,13 @@ static void cpu_copy(nl_backend *be, void *dst, const void *src, size_t bytes)
     }
 }
 
+/* an upload may land in weights that have a bf16 copy */
+static void cpu_upload(nl_backend *be, void *dst, const void *src, size_t bytes)
+{
+    cpu_copy(be, dst, src, bytes);
+    nl_cpu_bf16_wrote(be, dst, bytes);
+}
+
 static nl_status cpu_sync(nl_backend *be, nl_error *err)
 {
     (void)err;
@@ -86,6 +94,7 @@ static double cpu_sumsq(nl_backend *be, const float *x, size_t n)
 
 static void cpu_zero(nl_backend *be, void *p, size_t bytes)
 {
+    nl_cpu_bf16_wrote(be, p, bytes);
     char *c = p;
     const size_t chunk = 1 << 20;
     const long n = (long)((bytes + chunk - 1) / chunk);
@@ -116,8 +125,10 @@ static void cpu_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int
     const int want = nl_cpu_threads(be), had = omp_get_max_threads();
     if (want != had)
         omp_set_num_threads(want);
-    dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb, beta, C,
-               ldc);
+    if (!be->bf16 || !nl_cpu_gemm_bf16(be, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta,
+                                       C, ldc))
+        dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb, beta,
+                   C, ldc);
     if (want != had)
         omp_set_num_threads(had);
 }
@@ -236,10 +247,20 @@ static void cpu_moe_combine(nl_backend *be, float *x, const float *y, const int3
     }
 }
 
+/* AdamW writes the weights: their bf16 copy is made again on next use */
+static void cpu_adamw(nl_backend *be, float *p, const float *g, float *m, float *v, size_t n,
+                      float lr, float b1, float b2, float eps, float wd, float bc1, float bc2,
+                      float grad_scale)
+{
+    nl_cpu_bf16_wrote(be, p, n * sizeof *p);
+    nl_cpu_adamw(be, p, g, m, v, n, lr, b1, b2, eps, wd, bc1, bc2, grad_scale);
+}
+
 /* ---------------------------------------------------------------- table */
 
 static void cpu_destroy(nl_backend *be)
 {
+    nl_cpu_bf16_free(be);
     free(be->ctx);
     free(be);
 }
@@ -248,6 +269,11 @@ nl_status nl_cpu_backend_new(nl_backend **out, const nl_backend_opts *o, nl_erro
 {
     *out = NULL;
     const int threads = o->threads;
+    if (o->bf16) {
+        nl_status st = nl_cpu_bf16_supported(err);
+        if (st != NL_OK)
+            return st;
+    }
     nl_backend *be = calloc(1, sizeof *be);
     cpu_ctx *ctx = calloc(1, sizeof *ctx);
     if (!be || !ctx) {
@@ -263,7 +289,7 @@ nl_status nl_cpu_backend_new(nl_backend **out, const nl_backend_opts *o, nl_erro
     be->destroy = cpu_destroy;
     be->alloc = cpu_alloc;
     be->free = cpu_free;
-    be->upload = cpu_copy;
+    be->upload = cpu_upload;
     be->download = cpu_copy;
     be->sync = cpu_sync;
     be->mem_stats = cpu_mem_stats;
@@ -272,6 +298,9 @@ nl_status nl_cpu_backend_new(nl_backend **out, const nl_backend_opts *o, nl_erro
     be->can_train = 1;
     be->gemm_probe = 512;
     be->gemm = cpu_gemm;
+    ctx->bf16 = be->bf16 = o->bf16 != 0;
+    be->bf16_weights = o->bf16 ? nl_cpu_bf16_weights : NULL;
+    be->wrote = nl_cpu_bf16_wrote;
     be->embedding_forward = cpu_embedding_forward;
     be->rmsnorm_forward = cpu_rmsnorm_forward;
     be->rope_forward = cpu_rope_forward;
@@ -293,7 +322,7 @@ nl_status nl_cpu_backend_new(nl_backend **out, const nl_backend_opts *o, nl_erro
     be->moe_combine_backward = nl_cpu_moe_combine_backward;
     be->cross_entropy = nl_cpu_cross_entropy;
     be->sumsq = cpu_sumsq;
-    be->adamw = nl_cpu_adamw;
+    be->adamw = cpu_adamw;
     *out = be;
     return NL_OK;
 }
