@@ -103,7 +103,7 @@ static double gemm_case(nl_backend *be, int ta, int tb, int M, int N, int K, flo
 
 static void test_gemm_shapes(nl_backend *be)
 {
-    static const int shapes[][3] = {{1, 1, 1},    {7, 5, 3},     {33, 65, 17}, {64, 64, 64},
+    static const int shapes[][3] = {{1, 1, 1},    {7, 5, 3},      {33, 65, 17},  {64, 64, 64},
                                     {1, 300, 96}, {130, 10, 513}, {256, 96, 200}};
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
         for (int t = 0; t < 4; t++) {
@@ -112,8 +112,8 @@ static void test_gemm_shapes(nl_backend *be)
             const double r = gemm_case(be, t & 1, t >> 1, M, N, K, s % 2 ? 1.0f : 0.0f, &acc);
             CHECK(r <= 1.0, "gemm %dx%dx%d ta=%d tb=%d: error %.3g of the bf16 bound", M, N, K,
                   t & 1, t >> 1, r);
-            CHECK(acc <= 1.0, "gemm %dx%dx%d ta=%d tb=%d: inputs not rounded to bf16 (%.3g)", M,
-                  N, K, t & 1, t >> 1, acc);
+            CHECK(acc <= 1.0, "gemm %dx%dx%d ta=%d tb=%d: inputs not rounded to bf16 (%.3g)", M, N,
+                  K, t & 1, t >> 1, acc);
         }
 }
 
@@ -243,8 +243,8 @@ static void test_training(nl_backend *be16)
     }
     CHECK(l32[19] < l32[0] - 0.1, "fp32 did not learn: %.4f -> %.4f", l32[0], l32[19]);
     CHECK(worst > 0.0, "bf16 losses equal fp32's to the bit: bf16 not in use?");
-    printf("20 steps: fp32 %.4f -> %.4f, bf16 %.4f -> %.4f, worst relative %.2g\n", l32[0],
-           l32[19], l16[0], l16[19], worst);
+    printf("20 steps: fp32 %.4f -> %.4f, bf16 %.4f -> %.4f, worst relative %.2g\n", l32[0], l32[19],
+           l16[0], l16[19], worst);
     nl_backend_destroy(&be32);
 }
 

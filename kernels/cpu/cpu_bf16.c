@@ -46,14 +46,14 @@ static uint16_t to_bf16(float f)
     memcpy(&u, &f, sizeof u);
     if ((u & 0x7fffffffu) > 0x7f800000u)
         return (uint16_t)((u >> 16) | 0x40); /* NaN stays a (quiet) NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);            /* round to nearest, ties to even */
+    u += 0x7fffu + ((u >> 16) & 1u);         /* round to nearest, ties to even */
     return (uint16_t)(u >> 16);
 }
 
 /* n floats to bf16 with the CPU's own instruction (rounds the same way);
  * only called once nl_cpu_bf16_supported said yes */
 __attribute__((target("avx512f,avx512bf16"))) static void to_bf16_row(uint16_t *dst,
-                                                                        const float *src, size_t n)
+                                                                      const float *src, size_t n)
 {
     size_t i = 0;
     for (; i + 16 <= n; i += 16) {
@@ -175,8 +175,10 @@ int nl_cpu_gemm_bf16(nl_backend *be, int trans_a, int trans_b, int M, int N, int
                      int ldc)
 {
     int la = 0, lb = 0;
-    const uint16_t *a = trans_a ? operand(be, 0, A, K, M, lda, &la) : operand(be, 0, A, M, K, lda, &la);
-    const uint16_t *b = trans_b ? operand(be, 1, B, N, K, ldb, &lb) : operand(be, 1, B, K, N, ldb, &lb);
+    const uint16_t *a =
+        trans_a ? operand(be, 0, A, K, M, lda, &la) : operand(be, 0, A, M, K, lda, &la);
+    const uint16_t *b =
+        trans_b ? operand(be, 1, B, N, K, ldb, &lb) : operand(be, 1, B, K, N, ldb, &lb);
     if (!a || !b)
         return 0; /* no scratch: the caller runs the FP32 GEMM */
     dnnl_gemm_bf16bf16f32(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, alpha, a, la, b, lb,
