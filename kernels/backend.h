@@ -219,6 +219,26 @@ struct nl_backend {
                                const float *B, int ldb, float *C, int ldc, size_t c_stride,
                                const int32_t *offsets, int groups);
 
+    /* Optional (NULL: the caller makes the separate calls): the experts'
+     * feed-forward of a dispatch, group by group, with each group's
+     * element-wise pass done right after its product, while the rows are
+     * in cache. Expert g's weights are W_g = experts + g * expert_stride:
+     * gate|up (2F, d) then down (d, F), as in the model's layout; groups
+     * and offsets as in gemm_grouped.
+     * moe_ffn_forward: gu = xe W_gu^T, hs = swiglu(gu), ye = hs W_down^T,
+     *   equal to gemm_grouped + swiglu_forward + gemm_grouped.
+     * moe_ffn_backward: given dye, dhs = dye W_down, dW_down += dye^T hs,
+     *   dgu = swiglu_backward(dhs, gu), dW_gu += dgu^T xe, dxe = dgu W_gu,
+     *   with dW_g = dexperts + g * expert_stride; equal to the separate
+     *   calls of core/layer_backward.c. */
+    void (*moe_ffn_forward)(nl_backend *be, float *ye, float *hs, float *gu, const float *xe,
+                            const float *experts, size_t expert_stride, int d, int F,
+                            const int32_t *offsets, int groups, int max_rows);
+    void (*moe_ffn_backward)(nl_backend *be, float *dxe, float *dgu, float *dhs, float *dexperts,
+                             const float *dye, const float *xe, const float *gu, const float *hs,
+                             const float *experts, size_t expert_stride, int d, int F,
+                             const int32_t *offsets, int groups);
+
     /* ---- backward ops ----
      * Gradients named d<x>. "+=" means the op accumulates into the output
      * (callers zero it first when they want a plain result). */

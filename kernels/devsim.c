@@ -249,6 +249,25 @@ static void ds_gemm_grouped_wgrad(nl_backend *be, int M, int N, const float *A, 
                                 UI(offsets), groups);
 }
 
+static void ds_moe_ffn_forward(nl_backend *be, float *ye, float *hs, float *gu, const float *xe,
+                               const float *experts, size_t expert_stride, int d, int F,
+                               const int32_t *offsets, int groups, int max_rows)
+{
+    cpu(be)->moe_ffn_forward(cpu(be), UF(ye), UF(hs), UF(gu), UF(xe), UF(experts), expert_stride,
+                             d, F, UI(offsets), groups, max_rows);
+}
+
+static void ds_moe_ffn_backward(nl_backend *be, float *dxe, float *dgu, float *dhs,
+                                float *dexperts, const float *dye, const float *xe,
+                                const float *gu, const float *hs, const float *experts,
+                                size_t expert_stride, int d, int F, const int32_t *offsets,
+                                int groups)
+{
+    cpu(be)->moe_ffn_backward(cpu(be), UF(dxe), UF(dgu), UF(dhs), UF(dexperts), UF(dye), UF(xe),
+                              UF(gu), UF(hs), UF(experts), expert_stride, d, F, UI(offsets),
+                              groups);
+}
+
 /* ---------------------------------------------------------------- table */
 
 static void ds_destroy(nl_backend *be)
@@ -303,6 +322,8 @@ nl_status nl_devsim_backend_new(nl_backend **out, const nl_backend_opts *o, nl_e
     be->moe_router_backward = ds_moe_router_backward;
     be->gemm_grouped = ds_gemm_grouped;
     be->gemm_grouped_wgrad = ds_gemm_grouped_wgrad;
+    be->moe_ffn_forward = ds_moe_ffn_forward;
+    be->moe_ffn_backward = ds_moe_ffn_backward;
     be->embedding_backward = ds_embedding_backward;
     be->rmsnorm_backward = ds_rmsnorm_backward;
     be->attention_backward = ds_attention_backward;

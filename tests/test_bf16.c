@@ -1,6 +1,9 @@
 /* bf16 compute (nl_backend_opts.bf16): the GEMM against FP32 on random
- * shapes, the weight copies made again after every kind of write, the
- * expert path, a 20-step training run against FP32, and the refusals.
+ * shapes, the weight copies made again after every kind of write, a
+ * 20-step training run against FP32, and the refusals. Also the CPU's
+ * fewer-pass paths in FP32: the fused expert feed-forward (moe_ffn_*
+ * slots) and RoPE's per-position table give the bits of the separate
+ * calls and of the per-row angles.
  *
  * The bound: bf16 keeps 8 significant bits, so rounding an input to
  * nearest-even changes it by a relative u = 2^-8 at most, and a product
@@ -248,6 +251,104 @@ static void test_training(nl_backend *be16)
     nl_backend_destroy(&be32);
 }
 
+/* ---------------------------------------------------------------- fused paths */
+
+/* 3 training steps with the fused expert slots and without: the same bits
+ * in every parameter (forward, backward and optimizer all went through). */
+static void test_fused_experts(void)
+{
+    enum { B = 3, T = 20 };
+    nl_error err = {0};
+    nl_backend *be[2] = {NULL, NULL};
+    float *params[2] = {NULL, NULL};
+    size_t n = 0;
+    nl_config c = small_config();
+    c.top_k = 2;
+    for (int v = 0; v < 2; v++) {
+        CHECK_OK(check_backend_new(&be[v], 2, &err), &err);
+        if (!be[v])
+            return;
+        if (v == 1) { /* the separate calls */
+            be[v]->moe_ffn_forward = NULL;
+            be[v]->moe_ffn_backward = NULL;
+        }
+        nl_model *m = NULL;
+        nl_trainer *t = NULL;
+        CHECK_OK(nl_model_new(&m, be[v], &c, 0, c.num_layers, 1, 1, &err), &err);
+        if (m)
+            CHECK_OK(nl_model_init_random(m, 21, &err), &err);
+        if (m)
+            CHECK_OK(nl_trainer_new(&t, m, B * T, 1, 0, &err), &err);
+        nl_rng r;
+        nl_rng_seed(&r, 8, 0);
+        int32_t tok[B * T + 1];
+        for (int s = 0; t && s < 3; s++) {
+            for (int i = 0; i <= B * T; i++)
+                tok[i] = (int32_t)nl_rng_below(&r, (uint64_t)c.vocab_size);
+            nl_step_result res;
+            CHECK_OK(nl_trainer_step_local(t, tok, tok + 1, B, T, 1, 1e-2f, 1.0f,
+                                           nl_adamw_defaults(), &res, &err),
+                     &err);
+        }
+        if (m) {
+            n = m->n_params;
+            params[v] = check_download(be[v], m->params, n);
+        }
+        nl_trainer_destroy(&t);
+        nl_model_destroy(&m);
+    }
+    CHECK(be[0]->moe_ffn_forward && be[0]->moe_ffn_backward, "%s: no fused expert slots",
+          be[0]->name);
+    CHECK(params[0] && params[1] && memcmp(params[0], params[1], n * sizeof(float)) == 0,
+          "fused expert feed-forward: parameters after 3 steps differ from the separate calls'");
+    for (int v = 0; v < 2; v++) {
+        free(params[v]);
+        nl_backend_destroy(&be[v]);
+    }
+}
+
+/* RoPE: positions repeated (the table path) against the same rows with
+ * positions spread too far for a table (the per-row path): same bits. */
+static void test_rope_table(void)
+{
+    enum { N = 48, HD = 32, HEADS = 3, ROW = HEADS * HD + 5 };
+    nl_error err = {0};
+    nl_backend *be = NULL;
+    CHECK_OK(check_backend_new(&be, 2, &err), &err);
+    if (!be)
+        return;
+    float hx[N * ROW];
+    int32_t pos[N], far[2];
+    for (int i = 0; i < N * ROW; i++)
+        hx[i] = frand();
+    for (int n = 0; n < N; n++)
+        pos[n] = 1000 + n % 7; /* 7 distinct positions in 48 rows */
+    float *x = be->alloc(be, sizeof hx), *y = be->alloc(be, 2 * ROW * sizeof(float));
+    int32_t *pd = be->alloc(be, sizeof pos), *fd = be->alloc(be, sizeof far);
+    be->upload(be, x, hx, sizeof hx);
+    be->upload(be, pd, pos, sizeof pos);
+    be->rope_forward(be, x, pd, N, ROW, 2, HEADS, HD, 10000.0f);
+    float *tab = check_download(be, x, N * ROW);
+    int same = 1;
+    for (int n = 0; n < N; n++) { /* row n next to a row at position 0: no table */
+        far[0] = pos[n];
+        far[1] = 0;
+        be->upload(be, fd, far, sizeof far);
+        be->upload(be, y, hx + (size_t)n * ROW, ROW * sizeof(float));
+        be->upload(be, y + ROW, hx, ROW * sizeof(float));
+        be->rope_forward(be, y, fd, 2, ROW, 2, HEADS, HD, 10000.0f);
+        float *row = check_download(be, y, ROW);
+        same &= memcmp(row, tab + (size_t)n * ROW, ROW * sizeof(float)) == 0;
+        free(row);
+    }
+    CHECK(same, "RoPE: the per-position table changed some bits");
+    free(tab);
+    void *dev[] = {x, y, pd, fd};
+    for (int i = 0; i < 4; i++)
+        be->free(be, dev[i]);
+    nl_backend_destroy(&be);
+}
+
 /* ---------------------------------------------------------------- refusals */
 
 static void test_refusals(void)
@@ -265,6 +366,8 @@ int main(int argc, char **argv)
 {
     nl_error err = {0};
     test_refusals();
+    test_fused_experts();
+    test_rope_table();
     if (argc > 1 && strcmp(argv[1], "refuse") == 0) {
         /* DNNL_MAX_CPU_ISA=AVX512_CORE: oneDNN reports no bf16 */
         nl_backend *be = bf16_backend(&err);

@@ -163,6 +163,44 @@ static void cpu_rmsnorm_forward(nl_backend *be, float *out, float *rstd, const f
     }
 }
 
+/* The (cos, sin) pairs of positions lo .. lo + span - 1, for every pair i
+ * of a head: one trigonometric pair per distinct position instead of one
+ * per row (a training batch repeats each position B times). The values are
+ * the ones the row loop computed, so results do not change by a bit.
+ * Returns NULL when the positions are too spread out to be worth it or the
+ * table cannot grow (the caller computes per row then). */
+static const float *rope_table(nl_backend *be, const int32_t *pos, int N, int half,
+                               const double *freq, int32_t *lo_out)
+{
+    nl_cpu_ctx *ctx = be->ctx;
+    int32_t lo = pos[0], hi = pos[0];
+    for (int n = 1; n < N; n++) {
+        lo = pos[n] < lo ? pos[n] : lo;
+        hi = pos[n] > hi ? pos[n] : hi;
+    }
+    const int64_t span = (int64_t)hi - lo + 1;
+    if (span > N)
+        return NULL;
+    const size_t need = (size_t)span * half * 2;
+    if (need > ctx->rope_cap) { /* grows to the largest call, then stays */
+        free(ctx->rope);
+        ctx->rope = malloc(need * sizeof *ctx->rope);
+        ctx->rope_cap = ctx->rope ? need : 0;
+        if (!ctx->rope)
+            return NULL;
+    }
+    float *t = ctx->rope;
+#pragma omp parallel for NL_CPU_TEAM(be) if (span >= 64)
+    for (int64_t p = 0; p < span; p++)
+        for (int i = 0; i < half; i++) {
+            const double ang = (double)(lo + p) * freq[i];
+            t[(p * half + i) * 2] = (float)cos(ang);
+            t[(p * half + i) * 2 + 1] = (float)sin(ang);
+        }
+    *lo_out = lo;
+    return t;
+}
+
 static void cpu_rope_forward(nl_backend *be, float *x, const int32_t *pos, int N, int row, int col0,
                              int heads, int hd, float base)
 {
@@ -170,12 +208,24 @@ static void cpu_rope_forward(nl_backend *be, float *x, const int32_t *pos, int N
     double freq[NL_BACKEND_MAX_HEAD_DIM / 2];
     for (int i = 0; i < half; i++)
         freq[i] = nl_elem_rope_freq(i, hd, base);
+    if (N <= 0)
+        return;
+    int32_t lo = 0;
+    const float *tab = rope_table(be, pos, N, half, freq, &lo);
 #pragma omp parallel for NL_CPU_TEAM(be) PAR_ROWS(N)
     for (int n = 0; n < N; n++) {
         float *r = x + (size_t)n * row + col0;
+        const float *cs = tab ? tab + (size_t)(pos[n] - lo) * half * 2 : NULL;
         for (int i = 0; i < half; i++) {
-            const double ang = (double)pos[n] * freq[i];
-            const float c = (float)cos(ang), s = (float)sin(ang);
+            float c, s;
+            if (cs) {
+                c = cs[2 * i];
+                s = cs[2 * i + 1];
+            } else {
+                const double ang = (double)pos[n] * freq[i];
+                c = (float)cos(ang);
+                s = (float)sin(ang);
+            }
             for (int h = 0; h < heads; h++) {
                 float *p = r + (size_t)h * hd + 2 * i;
                 nl_elem_rope_rotate(&p[0], &p[1], c, s);
@@ -261,6 +311,7 @@ static void cpu_adamw(nl_backend *be, float *p, const float *g, float *m, float 
 static void cpu_destroy(nl_backend *be)
 {
     nl_cpu_bf16_free(be);
+    free(((cpu_ctx *)be->ctx)->rope);
     free(be->ctx);
     free(be);
 }
@@ -315,6 +366,8 @@ nl_status nl_cpu_backend_new(nl_backend **out, const nl_backend_opts *o, nl_erro
     be->moe_router_backward = nl_cpu_moe_router_backward;
     be->gemm_grouped = nl_cpu_gemm_grouped;
     be->gemm_grouped_wgrad = nl_cpu_gemm_grouped_wgrad;
+    be->moe_ffn_forward = nl_cpu_moe_ffn_forward;
+    be->moe_ffn_backward = nl_cpu_moe_ffn_backward;
     be->embedding_backward = nl_cpu_embedding_backward;
     be->rmsnorm_backward = nl_cpu_rmsnorm_backward;
     be->attention_backward = nl_cpu_attention_backward;

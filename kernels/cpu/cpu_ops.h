@@ -25,6 +25,8 @@ typedef struct nl_cpu_ctx {
     nl_cpu_bf16_range w[NL_CPU_BF16_RANGES];
     uint16_t *scratch[2];  /* bf16 forms of GEMM operands A and B, grown on demand */
     size_t scratch_cap[2]; /* elements at scratch[i] */
+    float *rope;           /* RoPE (cos, sin) table of one call (malloc'd, grown on demand) */
+    size_t rope_cap;       /* floats at rope */
 } nl_cpu_ctx;
 
 static inline int nl_cpu_threads(const nl_backend *be)
@@ -88,5 +90,13 @@ void nl_cpu_gemm_grouped(nl_backend *be, int trans_b, int N, int K, const float 
 void nl_cpu_gemm_grouped_wgrad(nl_backend *be, int M, int N, const float *A, int lda,
                                const float *B, int ldb, float *C, int ldc, size_t c_stride,
                                const int32_t *offsets, int groups);
+
+void nl_cpu_moe_ffn_forward(nl_backend *be, float *ye, float *hs, float *gu, const float *xe,
+                            const float *experts, size_t expert_stride, int d, int F,
+                            const int32_t *offsets, int groups, int max_rows);
+void nl_cpu_moe_ffn_backward(nl_backend *be, float *dxe, float *dgu, float *dhs, float *dexperts,
+                             const float *dye, const float *xe, const float *gu, const float *hs,
+                             const float *experts, size_t expert_stride, int d, int F,
+                             const int32_t *offsets, int groups);
 
 #endif
