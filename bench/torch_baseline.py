@@ -7,8 +7,8 @@
 Any PyTorch works: Debian's python3-torch (1.13, eager only) or a current
 one in a virtual environment (benchmarks only, never in CI: it is large):
     python3 -m venv tmp/venv-torch
-    tmp/venv-torch/bin/pip install torch --index-url \\
-        https://download.pytorch.org/whl/cpu   # or plain `pip install torch`
+    tmp/venv-torch/bin/pip install numpy torch --index-url \\
+        https://download.pytorch.org/whl/cpu   # or plain `pip install numpy torch`
     tmp/venv-torch/bin/python bench/torch_baseline.py ... --mode compile --sweep
 --mode compile wraps the model in torch.compile (PyTorch >= 2; the first
 calls, which compile, are warm-up and not timed). --sweep runs the
