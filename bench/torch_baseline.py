@@ -2,7 +2,20 @@
 """PyTorch CPU speed anchor for a NeuroLLM config (DESIGN section 4).
 
     python3 bench/torch_baseline.py --config configs/bench-small.yaml \\
-        --batch 8 --seq 256 --threads 2 --steps 5
+        --batch 8 --seq 256 --threads 2 --steps 5 [--mode eager|compile] [--sweep]
+
+Any PyTorch works: Debian's python3-torch (1.13, eager only) or a current
+one in a virtual environment (benchmarks only, never in CI: it is large):
+    python3 -m venv tmp/venv-torch
+    tmp/venv-torch/bin/pip install numpy torch --index-url \\
+        https://download.pytorch.org/whl/cpu   # or plain `pip install numpy torch`
+    tmp/venv-torch/bin/python bench/torch_baseline.py ... --mode compile --sweep
+--mode compile wraps the model in torch.compile (PyTorch >= 2; the first
+calls, which compile, are warm-up and not timed). --sweep runs the
+measurement once per OpenMP setting (OMP_WAIT_POLICY unset, PASSIVE,
+ACTIVE; KMP_BLOCKTIME 0 and default), each in a fresh process since the
+runtime reads them at start, and reports the best of each figure with the
+setting that gave it.
 
 Builds the DESIGN section 2 model in float32 with the DESIGN init (the
 reference model of tests/golden/nlref.py: sparse expert dispatch, KV cache)
@@ -102,13 +115,13 @@ def median_time(fn, steps, warmup):
     return statistics.median(times)
 
 
-def bench_forward(model, tokens, steps):
+def bench_forward(model, tokens, steps, warmup):
     model.eval()
 
     def run():
         with torch.no_grad():
             model(tokens)
-    return tokens.numel() / median_time(run, steps, 2)
+    return tokens.numel() / median_time(run, steps, warmup)
 
 
 def bench_decode(model, cfg, new_tokens, steps, gen):
@@ -130,7 +143,7 @@ def bench_decode(model, cfg, new_tokens, steps, gen):
     return new_tokens / statistics.median(run() for _ in range(steps))
 
 
-def bench_train(model, cfg, tokens, targets, steps):
+def bench_train(model, cfg, tokens, targets, steps, warmup):
     model.train()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -145,7 +158,42 @@ def bench_train(model, cfg, tokens, targets, steps):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-    return tokens.numel() / median_time(run, steps, 2)
+    return tokens.numel() / median_time(run, steps, warmup)
+
+
+SWEEP = [{}, {"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "ACTIVE"},
+         {"KMP_BLOCKTIME": "0"}, {"OMP_WAIT_POLICY": "PASSIVE",
+                                  "KMP_BLOCKTIME": "0"}]
+FIGURES = ("torch_forward_tok_s", "torch_decode_tok_s", "torch_train_tok_s")
+
+
+def sweep(argv):
+    """Run this script once per SWEEP setting; the best of each figure."""
+    import subprocess
+    best, runs = {}, []
+    for env_add in SWEEP:
+        env = dict(os.environ)
+        env.update(env_add)
+        child = [a for a in argv if a != "--sweep"]
+        out = subprocess.run([sys.executable, os.path.abspath(__file__)] +
+                             child, env=env, capture_output=True, text=True)
+        if out.returncode != 0:
+            print("setting %s failed: %s" % (env_add, out.stderr[-400:]),
+                  file=sys.stderr)
+            continue
+        res = json.loads(out.stdout.strip().splitlines()[-1])
+        runs.append({"env": env_add, **{k: res[k] for k in FIGURES}})
+        for k in FIGURES:
+            if res[k] is not None and (k not in best or res[k] > best[k][0]):
+                best[k] = (res[k], env_add)
+        last = res
+    if not runs:
+        raise SystemExit("every setting failed")
+    for k in FIGURES:
+        last[k] = best[k][0] if k in best else None
+        last[k + "_env"] = best[k][1] if k in best else None
+    last["sweep"] = runs
+    print(json.dumps(last))
 
 
 def main():
@@ -158,7 +206,13 @@ def main():
                     help="timed repetitions of each measurement")
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mode", choices=("eager", "compile"), default="eager",
+                    help="eager (default) or torch.compile (PyTorch >= 2)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="best of several OpenMP settings, one process each")
     args = ap.parse_args()
+    if args.sweep:
+        return sweep(sys.argv[1:])
     if min(args.batch, args.seq, args.threads, args.steps,
            args.decode_tokens) < 1:
         raise SystemExit("batch, seq, threads, steps, decode-tokens must be "
@@ -175,12 +229,27 @@ def main():
                            generator=gen)
     targets = torch.randint(0, cfg["vocab_size"], (args.batch, args.seq),
                             generator=gen)
-    fwd = bench_forward(model, tokens, args.steps)
-    dec = bench_decode(model, cfg, args.decode_tokens, args.steps, gen)
-    trn = bench_train(model, cfg, tokens, targets, args.steps)
+    run_model, warmup = model, 2
+    if args.mode == "compile":
+        if not hasattr(torch, "compile"):
+            raise SystemExit("--mode compile: torch %s has no torch.compile" %
+                             torch.__version__)
+        run_model, warmup = torch.compile(model), 3
+    fwd = bench_forward(run_model, tokens, args.steps, warmup)
+    dec = None
+    try:  # the KV cache's growing shapes recompile; eager decode if it fails
+        dec = bench_decode(run_model, cfg, args.decode_tokens, args.steps,
+                           gen)
+    except Exception as exc:  # noqa: BLE001 (any compiler failure)
+        print("decode under %s failed: %s" % (args.mode, exc),
+              file=sys.stderr)
+    trn = bench_train(run_model, cfg, tokens, targets, args.steps, warmup)
     print(json.dumps({
         "torch_forward_tok_s": round(fwd, 1),
-        "torch_decode_tok_s": round(dec, 1),
+        "torch_decode_tok_s": round(dec, 1) if dec is not None else None,
+        "mode": args.mode,
+        "env": {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "KMP_BLOCKTIME")
+                if k in os.environ},
         "torch_train_tok_s": round(trn, 1),
         "threads": args.threads,
         "config": args.config,

@@ -128,12 +128,17 @@ void nl_gen_clock_report(const nl_gen_clock *c)
 
 /* ---------------------------------------------------------------- device */
 
-int nl_cli_device_flags(const nl_flag *flags, const char **device, int *tf32)
+int nl_cli_device_flags(const nl_flag *flags, const char **device, int *tf32, int *bf16)
 {
     nl_error err;
-    const char *d = nl_args_get(flags, "device");
+    const char *d = nl_args_get(flags, "device"), *p = nl_args_get(flags, "precision");
     *device = d ? d : "cpu";
     *tf32 = nl_args_get(flags, "tf32") != NULL;
+    *bf16 = p && strcmp(p, "bf16") == 0;
+    if (p && !*bf16 && strcmp(p, "fp32") != 0) {
+        fprintf(stderr, "--precision %s: not fp32 or bf16\n", p);
+        return 2;
+    }
     if (nl_backend_parse_device(*device, &err) != NL_OK) {
         fprintf(stderr, "--%s\n", err.msg);
         return 2;
@@ -141,11 +146,11 @@ int nl_cli_device_flags(const nl_flag *flags, const char **device, int *tf32)
     return 0;
 }
 
-nl_status nl_cli_backend_new(nl_backend **be, const char *device, int threads, int tf32,
+nl_status nl_cli_backend_new(nl_backend **be, const char *device, int threads, int tf32, int bf16,
                              int training, nl_error *err)
 {
-    nl_status st =
-        nl_backend_new(be, device, &(nl_backend_opts){.threads = threads, .tf32 = tf32}, err);
+    nl_status st = nl_backend_new(
+        be, device, &(nl_backend_opts){.threads = threads, .tf32 = tf32, .bf16 = bf16}, err);
     if (st != NL_OK)
         return st;
     if (training && !(*be)->can_train) {

@@ -27,16 +27,20 @@ int nl_cli_parse_ids(const char *s, int32_t **out);
     {"device", 1, "D: where to compute: cpu (default), cpu-devsim or cuda:N", NULL}
 #define NL_CLI_TF32_FLAG                                                                           \
     {"tf32", 0, "GPU GEMMs may use TF32 tensor-core math (default: FP32)", NULL}
+#define NL_CLI_PRECISION_FLAG                                                                      \
+    {"precision", 1, "P: GEMM precision, fp32 (default) or bf16 (CPU with AVX512-BF16 or AMX; "    \
+     "FP32 master weights, accumulation, norms, softmax, loss and optimizer)", NULL}
 /* clang-format on */
 
-/* Read --device (and --tf32 when the table has it) into *device and *tf32.
- * Returns 0, or prints "--device D: ..." and returns 2 (usage error). */
-int nl_cli_device_flags(const nl_flag *flags, const char **device, int *tf32);
+/* Read --device (and --tf32 and --precision when the table has them) into
+ * *device, *tf32 and *bf16 (1 for --precision bf16). Returns 0, or prints
+ * what is wrong with --device or --precision and returns 2 (usage error). */
+int nl_cli_device_flags(const nl_flag *flags, const char **device, int *tf32, int *bf16);
 
-/* The backend of a local command: nl_backend_new(device, threads, tf32),
- * and for a command that trains (train, grad) a refusal, before any work,
- * of a device whose backend cannot train yet. */
-nl_status nl_cli_backend_new(nl_backend **be, const char *device, int threads, int tf32,
+/* The backend of a local command: nl_backend_new(device, threads, tf32,
+ * bf16), and for a command that trains (train, grad) a refusal, before any
+ * work, of a device whose backend cannot train yet. */
+nl_status nl_cli_backend_new(nl_backend **be, const char *device, int threads, int tf32, int bf16,
                              int training, nl_error *err);
 
 /* After a download or a forward the caller acts on: the backend's sticky

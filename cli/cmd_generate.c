@@ -113,10 +113,12 @@ int nl_cmd_generate(int argc, char **argv)
          NULL},
         NL_CLI_DEVICE_FLAG,
         NL_CLI_TF32_FLAG,
+        NL_CLI_PRECISION_FLAG,
         {0}};
-    const char *usage = "neuroctl generate --model MODEL (--prompt-tokens 1,2,3 | --prompt TEXT) "
-                        "[--max-new N] [--temperature X] [--top-p P] [--seed S] [--threads N] "
-                        "[--warmup] [--device D] [--tf32]" NL_CLI_CLUSTER_USAGE("generate");
+    const char *usage =
+        "neuroctl generate --model MODEL (--prompt-tokens 1,2,3 | --prompt TEXT) "
+        "[--max-new N] [--temperature X] [--top-p P] [--seed S] [--threads N] "
+        "[--warmup] [--device D] [--tf32] [--precision fp32|bf16]" NL_CLI_CLUSTER_USAGE("generate");
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -124,7 +126,7 @@ int nl_cmd_generate(int argc, char **argv)
     const char *ptext = nl_args_get(flags, "prompt"), *device = NULL;
     long long max_new = 32, seed = 0, threads = 0;
     double temp = 0.8, top_p = 0.95;
-    int tf32 = 0;
+    int tf32 = 0, bf16 = 0;
     if ((rc = nl_cli_require("generate", usage, flags, "model", (const char *)NULL)))
         return rc;
     if (!ptoks == !ptext) {
@@ -137,7 +139,7 @@ int nl_cmd_generate(int argc, char **argv)
         (rc = nl_args_int(flags, "threads", 0, 1024, &threads)) ||
         (rc = nl_args_double(flags, "temperature", 0.0, 100.0, &temp)) ||
         (rc = nl_args_double(flags, "top-p", 1e-6, 1.0, &top_p)) ||
-        (rc = nl_cli_device_flags(flags, &device, &tf32)))
+        (rc = nl_cli_device_flags(flags, &device, &tf32, &bf16)))
         return rc;
     int32_t *prompt = NULL;
     int P = 0;
@@ -154,7 +156,7 @@ int nl_cmd_generate(int argc, char **argv)
         goto out;
     if (!tok && nl_tokenizer_new_bytes(&tok, &err) != NL_OK) /* a byte-level model */
         goto out;
-    if (nl_cli_backend_new(&be, device, (int)threads, tf32, 0, &err) != NL_OK ||
+    if (nl_cli_backend_new(&be, device, (int)threads, tf32, bf16, 0, &err) != NL_OK ||
         nl_checkpoint_load(&m, be, model, 0, -1, 1, 1, NULL, &err) != NL_OK)
         goto out;
     if (nl_tokenizer_vocab_size(tok) < m->cfg.vocab_size && !ptoks) {
@@ -237,15 +239,16 @@ int nl_cmd_bench(int argc, char **argv)
         {"repeats", 1, "timed forward passes; the median is reported (default 5)", NULL},
         NL_CLI_DEVICE_FLAG,
         NL_CLI_TF32_FLAG,
+        NL_CLI_PRECISION_FLAG,
         {0}};
     const char *usage = "neuroctl bench --config CFG.yaml [--batch B] [--seq T] [--threads N] "
-                        "[--device D] [--tf32]";
+                        "[--device D] [--tf32] [--precision fp32|bf16]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
     const char *cfg_path = nl_args_get(flags, "config"), *device = NULL;
     long long B = 8, T = 256, threads = 0, ndec = 128, reps = 5;
-    int tf32 = 0;
+    int tf32 = 0, bf16 = 0;
     if (!cfg_path) {
         nl_args_help(stderr, usage, flags);
         return 2;
@@ -255,7 +258,7 @@ int nl_cmd_bench(int argc, char **argv)
         (rc = nl_args_int(flags, "threads", 0, 1024, &threads)) ||
         (rc = nl_args_int(flags, "decode-tokens", 1, 1 << 16, &ndec)) ||
         (rc = nl_args_int(flags, "repeats", 1, 1000, &reps)) ||
-        (rc = nl_cli_device_flags(flags, &device, &tf32)))
+        (rc = nl_cli_device_flags(flags, &device, &tf32, &bf16)))
         return rc;
     nl_error err = {0};
     nl_config cfg;
@@ -270,7 +273,7 @@ int nl_cmd_bench(int argc, char **argv)
     rc = 1;
     if (!times || nl_config_load_yaml(&cfg, cfg_path, &err) != NL_OK ||
         nl_config_validate(&cfg, 1, &err) != NL_OK ||
-        nl_cli_backend_new(&be, device, (int)threads, tf32, 0, &err) != NL_OK ||
+        nl_cli_backend_new(&be, device, (int)threads, tf32, bf16, 0, &err) != NL_OK ||
         nl_model_new(&m, be, &cfg, 0, cfg.num_layers, 1, 1, &err) != NL_OK ||
         nl_model_init_random(m, 1, &err) != NL_OK ||
         nl_runstate_new(&rs, m, (int)(B * T), &err) != NL_OK)
@@ -364,10 +367,10 @@ int nl_cmd_bench(int argc, char **argv)
     printf("{\"config\":\"%s\",\"device\":\"%s\",\"batch\":%lld,\"seq\":%lld,\"threads\":%d,"
            "\"params\":%" PRId64 ",\"forward_tok_s\":%.1f,\"forward_gflops\":%.1f,"
            "\"forward_ms\":%.2f,\"decode_tok_s\":%.1f,\"gemm_peak_gflops\":%.1f,"
-           "\"forward_peak_frac\":%.3f,%s}\n",
+           "\"forward_peak_frac\":%.3f,%s,\"precision\":\"%s\"}\n",
            cfg_path, be->name, B, T, threads ? (int)threads : 0, nl_config_param_count(&cfg),
            (double)(B * T) / fwd_s, fwd_flops / fwd_s / 1e9, fwd_s * 1e3, (double)ndec / dec_s,
-           peak, fwd_flops / fwd_s / 1e9 / peak, train_json);
+           peak, fwd_flops / fwd_s / 1e9 / peak, train_json, be->bf16 ? "bf16" : "fp32");
     rc = 0;
 out:
     free(times);

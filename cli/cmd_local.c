@@ -101,18 +101,21 @@ int nl_cmd_forward(int argc, char **argv)
                        {"threads", 1, "worker threads (default: all cores)", NULL},
                        NL_CLI_DEVICE_FLAG,
                        NL_CLI_TF32_FLAG,
+                       NL_CLI_PRECISION_FLAG,
                        {0}};
-    const char *usage =
-        "neuroctl forward --model MODEL --tokens IN.safetensors --out "
-        "OUT.safetensors [--threads N] [--device D] [--tf32]" NL_CLI_CLUSTER_USAGE("forward");
-    int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL), threads = 0, tf32 = 0;
+    const char *usage = "neuroctl forward --model MODEL --tokens IN.safetensors --out "
+                        "OUT.safetensors [--threads N] [--device D] [--tf32] [--precision "
+                        "fp32|bf16]" NL_CLI_CLUSTER_USAGE("forward");
+    int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL), threads = 0, tf32 = 0,
+        bf16 = 0;
     if (rc)
         return rc == 1 ? 0 : rc;
     const char *model = nl_args_get(flags, "model"), *in = nl_args_get(flags, "tokens"),
                *out = nl_args_get(flags, "out"), *device = NULL;
     if ((rc = nl_cli_require("forward", usage, flags, "model", "tokens", "out",
                              (const char *)NULL)) ||
-        (rc = threads_flag(flags, &threads)) || (rc = nl_cli_device_flags(flags, &device, &tf32)))
+        (rc = threads_flag(flags, &threads)) ||
+        (rc = nl_cli_device_flags(flags, &device, &tf32, &bf16)))
         return rc;
     nl_error err = {0};
     nl_backend *be = NULL;
@@ -124,7 +127,7 @@ int nl_cmd_forward(int argc, char **argv)
     int B = 0, T = 0;
     rc = 1;
     if (nl_cli_read_ids_file(in, "tokens", &tokens, &B, &T, &err) != NL_OK ||
-        nl_cli_backend_new(&be, device, threads, tf32, 0, &err) != NL_OK ||
+        nl_cli_backend_new(&be, device, threads, tf32, bf16, 0, &err) != NL_OK ||
         nl_checkpoint_load(&m, be, model, 0, -1, 1, 1, NULL, &err) != NL_OK ||
         nl_runstate_new(&rs, m, B * T, &err) != NL_OK)
         goto out;

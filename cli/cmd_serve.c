@@ -521,6 +521,7 @@ int nl_cmd_serve(int argc, char **argv)
          "or the environment's GOMP_SPINCOUNT or OMP_WAIT_POLICY)",
          NULL},
         NL_CLI_DEVICE_FLAG,
+        NL_CLI_PRECISION_FLAG,
         NL_CLI_TF32_FLAG,
         {0}};
     const char *usage = "neuroctl serve --model MODEL [--http HOST:PORT] [--http-tokens FILE] "
@@ -533,7 +534,7 @@ int nl_cmd_serve(int argc, char **argv)
     const char *model = nl_args_get(flags, "model"), *device = NULL;
     const char *addr = nl_args_get(flags, "http");
     long long max_batch = 16, chunk = 64, max_req = 64, threads = 0, timeout = 30, spin = 1000;
-    int tf32 = 0;
+    int tf32 = 0, bf16 = 0;
     if (!model) {
         nl_args_help(stderr, usage, flags);
         return 2;
@@ -544,7 +545,7 @@ int nl_cmd_serve(int argc, char **argv)
         (rc = nl_args_int(flags, "http-timeout", 1, 86400, &timeout)) ||
         (rc = nl_args_int(flags, "threads", 0, 1024, &threads)) ||
         (rc = nl_args_int(flags, "spin", 0, 100000000, &spin)) ||
-        (rc = nl_cli_device_flags(flags, &device, &tf32)))
+        (rc = nl_cli_device_flags(flags, &device, &tf32, &bf16)))
         return rc;
     respawn_with_spin(argc, argv, spin);
     nl_error err = {0};
@@ -569,7 +570,7 @@ int nl_cmd_serve(int argc, char **argv)
     signal(SIGPIPE, SIG_IGN);
     if (nl_checkpoint_tokenizer(model, &e.tok, &err) != NL_OK ||
         (!e.tok && nl_tokenizer_new_bytes(&e.tok, &err) != NL_OK) ||
-        nl_cli_backend_new(&be, device, (int)threads, tf32, 0, &err) != NL_OK ||
+        nl_cli_backend_new(&be, device, (int)threads, tf32, bf16, 0, &err) != NL_OK ||
         nl_checkpoint_load(&e.m, be, model, 0, -1, 1, 1, NULL, &err) != NL_OK ||
         nl_batch_new(&e.batch, e.m, e.max_batch + e.chunk, &err) != NL_OK)
         goto out;

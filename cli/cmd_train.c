@@ -39,13 +39,13 @@ int nl_cmd_grad(int argc, char **argv)
     const char *model = nl_args_get(flags, "model"), *in = nl_args_get(flags, "batch"),
                *out = nl_args_get(flags, "out"), *device = NULL;
     long long threads = 0;
-    int tf32 = 0;
+    int tf32 = 0, bf16 = 0;
     if (!model || !in || !out) {
         nl_args_help(stderr, usage, flags);
         return 2;
     }
     if ((rc = nl_args_int(flags, "threads", 0, 1024, &threads)) ||
-        (rc = nl_cli_device_flags(flags, &device, &tf32)))
+        (rc = nl_cli_device_flags(flags, &device, &tf32, &bf16)))
         return rc;
     nl_error err = {0};
     nl_st_file *f = NULL;
@@ -57,7 +57,7 @@ int nl_cmd_grad(int argc, char **argv)
     float *grads = NULL;
     int B = 0, T = 0, B2 = 0, T2 = 0;
     rc = 1;
-    if (nl_cli_backend_new(&be, device, (int)threads, 0, 1, &err) != NL_OK ||
+    if (nl_cli_backend_new(&be, device, (int)threads, 0, 0, 1, &err) != NL_OK ||
         nl_st_open(&f, in, &err) != NL_OK ||
         nl_cli_read_ids(f, in, "tokens", &tokens, &B, &T, &err) != NL_OK ||
         nl_cli_read_ids(f, in, "targets", &targets, &B2, &T2, &err) != NL_OK)
@@ -126,6 +126,7 @@ typedef struct train_opts {
     long long threads;
     const char *device;
     int tf32; /* --tf32: the device's GEMMs may use TF32 */
+    int bf16; /* --precision bf16: GEMMs in bf16 */
 } train_opts;
 
 /* Mean cross-entropy over eval_batches held-out batches. */
@@ -155,9 +156,10 @@ static char *train_json(const train_opts *o, const char *device)
     if (s)
         snprintf(s, 640,
                  "{\"seed\":%lld,\"steps\":%lld,\"batch\":%lld,\"seq\":%lld,\"microbatches\":%lld,"
-                 "\"lr\":%.9g,\"min_lr\":%.9g,\"warmup\":%lld,\"device\":\"%.64s\",\"tf32\":%s}",
+                 "\"lr\":%.9g,\"min_lr\":%.9g,\"warmup\":%lld,\"device\":\"%.64s\",\"tf32\":%s,"
+                 "\"precision\":\"%s\"}",
                  o->r.seed, o->r.steps, o->r.batch, o->r.seq, o->r.micro, o->r.lr, o->r.min_lr,
-                 o->r.warmup, device, o->tf32 ? "true" : "false");
+                 o->r.warmup, device, o->tf32 ? "true" : "false", o->bf16 ? "bf16" : "fp32");
     return s;
 }
 
@@ -248,7 +250,7 @@ static int run_train(const train_opts *o)
     handler = sigaction(SIGINT, &sa, &old_sa) == 0;
     /* the device first (one that cannot train is refused before any work),
      * then the data: its load-time peak does not stack on the model's */
-    if (nl_cli_backend_new(&be, o->device, (int)o->threads, o->tf32, 1, &err) != NL_OK ||
+    if (nl_cli_backend_new(&be, o->device, (int)o->threads, o->tf32, o->bf16, 1, &err) != NL_OK ||
         nl_checkpoint_read_config(src, &cfg, NULL, &err) != NL_OK ||
         nl_checkpoint_meta(src, "tokenizer", &cm.tokenizer, &err) != NL_OK ||
         nl_checkpoint_meta(src, "init_seed", &cm.init_seed, &err) != NL_OK ||
@@ -288,10 +290,11 @@ static int run_train(const train_opts *o)
     nl_mem_estimate me = nl_memory_estimate(&m->cfg, m->cfg.num_layers, 1, 1, &mo);
     fprintf(stderr,
             "training %" PRId64 " parameters on %zu tokens (%zu held out): %lld steps of %d x %d "
-            "in %d microbatches on %s (TF32 %s); memory model: %.1f MiB (+ %.1f MiB of data)\n",
+            "in %d microbatches on %s (TF32 %s), GEMMs in %s; memory model: %.1f MiB (+ %.1f MiB "
+            "of data)\n",
             nl_config_param_count(&m->cfg), ds->n_train, ds->n - ds->n_train, o->r.steps, B, T, M,
-            be->name, o->tf32 ? "on" : "off", (double)me.total / (1 << 20),
-            (double)ds->n * 4 / (1 << 20));
+            be->name, o->tf32 ? "on" : "off", o->bf16 ? "bf16" : "FP32",
+            (double)me.total / (1 << 20), (double)ds->n * 4 / (1 << 20));
     if ((o->r.ckpt_every > 0 || !o->out) && nl_file_mkdirs(o->ckpt_dir, &err) != NL_OK)
         goto out;
     const nl_adamw_opts adam = nl_adamw_defaults();
@@ -452,13 +455,14 @@ int nl_cmd_train(int argc, char **argv)
          "train is refused before any work)",
          NULL},
         NL_CLI_TF32_FLAG,
+        NL_CLI_PRECISION_FLAG,
         {0}};
     const char *usage =
         "neuroctl train --model MODEL --data DATA --steps N [--batch B] [--seq T] "
         "[--microbatches M] [--lr X] [--warmup W] [--seed S] [--eval-every K] "
         "[--checkpoint-every K] [--log LOG.jsonl] [--out FINAL.safetensors [--force]] "
-        "[--resume CKPT] [--threads N] [--device D] [--tf32] [--progress-every "
-        "S]" NL_CLI_CLUSTER_USAGE("train");
+        "[--resume CKPT] [--threads N] [--device D] [--tf32] [--precision fp32|bf16] "
+        "[--progress-every S]" NL_CLI_CLUSTER_USAGE("train");
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -478,7 +482,7 @@ int nl_cmd_train(int argc, char **argv)
         return rc;
     if ((rc = nl_train_run_read(flags, &o.r)) ||
         (rc = nl_args_int(flags, "threads", 0, 1024, &o.threads)) ||
-        (rc = nl_cli_device_flags(flags, &o.device, &o.tf32)))
+        (rc = nl_cli_device_flags(flags, &o.device, &o.tf32, &o.bf16)))
         return rc;
     if ((rc = check_against_model(flags, &o)))
         return rc;

@@ -235,11 +235,16 @@ static void moe_block(nl_model *m, int li, nl_layer_acts *a, int N, const nl_lay
         be->moe_route(be, a->choice_d, a->w_d, a->offsets_d, a->perm_d, a->slot_d, a->probs, N, E,
                       k);
         be->gather_rows(be, a->xe, a->xn2, a->perm_d, N * k, d);
-        be->gemm_grouped(be, 1, 2 * F, d, a->xe, d, w->experts, d, expert_floats, a->gu, 2 * F,
-                         a->offsets_d, E, N);
-        be->swiglu_forward(be, a->hs, a->gu, N * k, F); /* row-wise: all groups at once */
-        be->gemm_grouped(be, 1, d, F, a->hs, F, w->experts + 2 * (size_t)F * d, F, expert_floats,
-                         a->ye, d, a->offsets_d, E, N);
+        if (be->moe_ffn_forward) { /* one pass: each group's SwiGLU while it is in cache */
+            be->moe_ffn_forward(be, a->ye, a->hs, a->gu, a->xe, w->experts, expert_floats, d, F,
+                                a->offsets_d, E, N);
+        } else {
+            be->gemm_grouped(be, 1, 2 * F, d, a->xe, d, w->experts, d, expert_floats, a->gu,
+                             2 * F, a->offsets_d, E, N);
+            be->swiglu_forward(be, a->hs, a->gu, N * k, F); /* row-wise: all groups at once */
+            be->gemm_grouped(be, 1, d, F, a->hs, F, w->experts + 2 * (size_t)F * d, F,
+                             expert_floats, a->ye, d, a->offsets_d, E, N);
+        }
     }
     if (a->x_out != a->h1)
         be->copy_rows(be, a->x_out, d, a->h1, d, N, d);

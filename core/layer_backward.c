@@ -85,15 +85,21 @@ static void moe_backward(nl_model *m, int li, const nl_layer_acts *a, nl_layer_g
     be->moe_combine_backward(be, s->dye, s->dw, dy, a->ye, a->slot_d, a->w_d, N, k, d);
     /* the experts, grouped by the device offsets: no host counts */
     const float *wdown0 = w->experts + 2 * (size_t)F * d;
-    be->gemm_grouped(be, 0, F, d, s->dye, d, wdown0, F, expert_floats, s->dhs, F, a->offsets_d, E,
-                     N);
-    be->gemm_grouped_wgrad(be, d, F, s->dye, d, a->hs, F, gslot(m, grads, wdown0), F, expert_floats,
-                           a->offsets_d, E);
-    be->swiglu_backward(be, s->dgu, s->dhs, a->gu, N * k, F); /* row-wise: all groups */
-    be->gemm_grouped_wgrad(be, 2 * F, d, s->dgu, 2 * F, a->xe, d, gslot(m, grads, w->experts), d,
-                           expert_floats, a->offsets_d, E);
-    be->gemm_grouped(be, 0, d, 2 * F, s->dgu, 2 * F, w->experts, d, expert_floats, s->dxe, d,
-                     a->offsets_d, E, N);
+    if (be->moe_ffn_backward) { /* group by group, each SwiGLU backward while in cache */
+        be->moe_ffn_backward(be, s->dxe, s->dgu, s->dhs, gslot(m, grads, w->experts), s->dye,
+                             a->xe, a->gu, a->hs, w->experts, expert_floats, d, F, a->offsets_d,
+                             E);
+    } else {
+        be->gemm_grouped(be, 0, F, d, s->dye, d, wdown0, F, expert_floats, s->dhs, F,
+                         a->offsets_d, E, N);
+        be->gemm_grouped_wgrad(be, d, F, s->dye, d, a->hs, F, gslot(m, grads, wdown0), F,
+                               expert_floats, a->offsets_d, E);
+        be->swiglu_backward(be, s->dgu, s->dhs, a->gu, N * k, F); /* row-wise: all groups */
+        be->gemm_grouped_wgrad(be, 2 * F, d, s->dgu, 2 * F, a->xe, d, gslot(m, grads, w->experts),
+                               d, expert_floats, a->offsets_d, E);
+        be->gemm_grouped(be, 0, d, 2 * F, s->dgu, 2 * F, w->experts, d, expert_floats, s->dxe, d,
+                         a->offsets_d, E, N);
+    }
     /* each token's input gradient is the sum over its k dispatch slots */
     be->zero(be, s->dxn, (size_t)N * d * sizeof(float));
     be->moe_combine(be, s->dxn, s->dxe, a->slot_d, s->ones, N, k, d);

@@ -167,6 +167,10 @@ nl_status nl_model_new(nl_model **out, nl_backend *be, const nl_config *cfg, int
         goto fail;
     }
     st = bind_pointers(m, err);
+    /* bf16 compute: the backend keeps a bf16 copy of the weights for its
+     * GEMMs, made again after any write into them (an optimizer step) */
+    if (st == NL_OK && be->bf16_weights)
+        st = be->bf16_weights(be, m->params, m->n_params, err);
     if (st != NL_OK)
         goto fail;
     *out = m;
@@ -182,6 +186,8 @@ void nl_model_destroy(nl_model **mp)
     if (!mp || !*mp)
         return;
     nl_model *m = *mp;
+    if (m->params && m->be->bf16_weights)
+        m->be->bf16_weights(m->be, m->params, 0, NULL); /* forget: cannot fail */
     if (m->params)
         m->be->free(m->be, m->params);
     free(m->table);

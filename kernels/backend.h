@@ -58,7 +58,7 @@ typedef struct nl_attn_shape {
 /* Bumped whenever struct nl_backend, nl_backend_opts, nl_attn_shape or
  * nl_error changes: a backend module built against another version is
  * refused when it is loaded. */
-#define NL_BACKEND_ABI 3
+#define NL_BACKEND_ABI 4
 
 /* Largest head dimension any backend's attention and RoPE support. */
 #define NL_BACKEND_MAX_HEAD_DIM 256
@@ -85,6 +85,7 @@ struct nl_backend {
     int host_memory;  /* 1 when device pointers are ordinary host memory */
     int can_train;    /* 1 when every backward and optimizer slot is implemented */
     int gemm_probe;   /* M = N = K of the throughput probe that reflects this device */
+    int bf16;         /* 1 when gemm computes in bf16 (nl_backend_opts.bf16) */
     /* Device memory the backend itself holds (context, library workspaces,
      * its reduction scratch), measured when it was created; 0 on the CPU,
      * whose process overhead the memory model counts (NL_MEM_RUNTIME_BYTES). */
@@ -112,6 +113,21 @@ struct nl_backend {
      * or X^T as trans_a / trans_b say; lda, ldb, ldc are row strides. */
     void (*gemm)(nl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
                  const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc);
+    /* bf16 compute (be->bf16): gemm rounds A and B to bf16 and accumulates
+     * in FP32 into C, which stays FP32 like every other buffer. Operands
+     * inside a range given to bf16_weights are read from its bf16 copy;
+     * others are converted at each call.
+     * bf16_weights (optional, NULL when be->bf16 is 0): the n floats at p
+     * are weights (a model's parameters) that many GEMMs read between
+     * changes. The backend keeps a bf16 copy, made again on the next GEMM
+     * after any slot writes into the range (upload, zero, adamw) or host
+     * code reports a write (wrote). n == 0 forgets the range at p. Fails
+     * only when out of memory.
+     * wrote (optional): host code wrote `bytes` bytes at p by a way no
+     * slot saw (a write view of a host-memory backend): any copy of them
+     * is stale. */
+    nl_status (*bf16_weights)(nl_backend *be, const float *p, size_t n, nl_error *err);
+    void (*wrote)(nl_backend *be, const void *p, size_t bytes);
 
     /* ---- forward ops ---- */
     /* out[n, :] = table[tokens[n], :]; (N, C). Tokens are checked by the caller. */
@@ -203,6 +219,26 @@ struct nl_backend {
                                const float *B, int ldb, float *C, int ldc, size_t c_stride,
                                const int32_t *offsets, int groups);
 
+    /* Optional (NULL: the caller makes the separate calls): the experts'
+     * feed-forward of a dispatch, group by group, with each group's
+     * element-wise pass done right after its product, while the rows are
+     * in cache. Expert g's weights are W_g = experts + g * expert_stride:
+     * gate|up (2F, d) then down (d, F), as in the model's layout; groups
+     * and offsets as in gemm_grouped.
+     * moe_ffn_forward: gu = xe W_gu^T, hs = swiglu(gu), ye = hs W_down^T,
+     *   equal to gemm_grouped + swiglu_forward + gemm_grouped.
+     * moe_ffn_backward: given dye, dhs = dye W_down, dW_down += dye^T hs,
+     *   dgu = swiglu_backward(dhs, gu), dW_gu += dgu^T xe, dxe = dgu W_gu,
+     *   with dW_g = dexperts + g * expert_stride; equal to the separate
+     *   calls of core/layer_backward.c. */
+    void (*moe_ffn_forward)(nl_backend *be, float *ye, float *hs, float *gu, const float *xe,
+                            const float *experts, size_t expert_stride, int d, int F,
+                            const int32_t *offsets, int groups, int max_rows);
+    void (*moe_ffn_backward)(nl_backend *be, float *dxe, float *dgu, float *dhs, float *dexperts,
+                             const float *dye, const float *xe, const float *gu, const float *hs,
+                             const float *experts, size_t expert_stride, int d, int F,
+                             const int32_t *offsets, int groups);
+
     /* ---- backward ops ----
      * Gradients named d<x>. "+=" means the op accumulates into the output
      * (callers zero it first when they want a plain result). */
@@ -254,6 +290,10 @@ struct nl_backend {
 typedef struct nl_backend_opts {
     int threads; /* CPU worker threads (0: all cores) */
     int tf32;    /* CUDA: allow TF32 tensor-core math in GEMM (default: FP32) */
+    /* GEMMs in bf16 with FP32 accumulation (default: FP32). CPU only, and
+     * only where the CPU has AVX512-BF16 or AMX (oneDNN's ISA query):
+     * nl_backend_new refuses it elsewhere with NL_ERR_UNSUPPORTED. */
+    int bf16;
 } nl_backend_opts;
 
 /* The one constructor. device is "cpu", "cpu-devsim" (the CPU backend

@@ -59,6 +59,7 @@ static void ds_upload(nl_backend *be, void *dst, const void *src, size_t bytes)
     if (bytes) {
         be->stats.host_syncs++;
         memcpy(untag(dst), src, bytes);
+        cpu(be)->wrote(cpu(be), untag(dst), bytes); /* a bf16 copy of weights may be stale */
     }
 }
 
@@ -74,6 +75,11 @@ static nl_status ds_sync(nl_backend *be, nl_error *err)
 {
     be->stats.host_syncs++;
     return cpu(be)->sync(cpu(be), err);
+}
+
+static nl_status ds_bf16_weights(nl_backend *be, const float *p, size_t n, nl_error *err)
+{
+    return cpu(be)->bf16_weights(cpu(be), UF(p), n, err);
 }
 
 static void ds_zero(nl_backend *be, void *p, size_t bytes)
@@ -246,6 +252,25 @@ static void ds_gemm_grouped_wgrad(nl_backend *be, int M, int N, const float *A, 
     nl_cpu_gemm_grouped_wgrad(be, M, N, A, lda, B, ldb, C, ldc, c_stride, UI(offsets), groups);
 }
 
+static void ds_moe_ffn_forward(nl_backend *be, float *ye, float *hs, float *gu, const float *xe,
+                               const float *experts, size_t expert_stride, int d, int F,
+                               const int32_t *offsets, int groups, int max_rows)
+{
+    cpu(be)->moe_ffn_forward(cpu(be), UF(ye), UF(hs), UF(gu), UF(xe), UF(experts), expert_stride,
+                             d, F, UI(offsets), groups, max_rows);
+}
+
+static void ds_moe_ffn_backward(nl_backend *be, float *dxe, float *dgu, float *dhs,
+                                float *dexperts, const float *dye, const float *xe,
+                                const float *gu, const float *hs, const float *experts,
+                                size_t expert_stride, int d, int F, const int32_t *offsets,
+                                int groups)
+{
+    cpu(be)->moe_ffn_backward(cpu(be), UF(dxe), UF(dgu), UF(dhs), UF(dexperts), UF(dye), UF(xe),
+                              UF(gu), UF(hs), UF(experts), expert_stride, d, F, UI(offsets),
+                              groups);
+}
+
 /* ---------------------------------------------------------------- table */
 
 static void ds_destroy(nl_backend *be)
@@ -284,6 +309,8 @@ nl_status nl_devsim_backend_new(nl_backend **out, const nl_backend_opts *o, nl_e
     be->zero = ds_zero;
     be->mem_stats = ds_mem_stats;
     be->gemm = ds_gemm;
+    be->bf16 = inner->bf16;
+    be->bf16_weights = inner->bf16_weights ? ds_bf16_weights : NULL;
     be->embedding_forward = ds_embedding_forward;
     be->rmsnorm_forward = ds_rmsnorm_forward;
     be->rope_forward = ds_rope_forward;
@@ -298,6 +325,8 @@ nl_status nl_devsim_backend_new(nl_backend **out, const nl_backend_opts *o, nl_e
     be->moe_router_backward = ds_moe_router_backward;
     be->gemm_grouped = ds_gemm_grouped;
     be->gemm_grouped_wgrad = ds_gemm_grouped_wgrad;
+    be->moe_ffn_forward = ds_moe_ffn_forward;
+    be->moe_ffn_backward = ds_moe_ffn_backward;
     be->embedding_backward = ds_embedding_backward;
     be->rmsnorm_backward = ds_rmsnorm_backward;
     be->attention_backward = ds_attention_backward;

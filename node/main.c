@@ -171,6 +171,12 @@ static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypa
         o->inject_mem_total = mtotal << 20;
     }
     o->tf32 = nl_args_get(flags, "tf32") != NULL;
+    const char *prec = nl_args_get(flags, "precision");
+    o->bf16 = prec && strcmp(prec, "bf16") == 0;
+    if (prec && !o->bf16 && strcmp(prec, "fp32") != 0) {
+        fprintf(stderr, "neuronode: --precision %s: not fp32 or bf16\n", prec);
+        return 2;
+    }
     o->has_reserve = nl_args_get(flags, "reserve") != NULL;
     if (nl_args_size(flags, "memory", &o->memory_bytes) ||
         nl_args_size(flags, "kv-budget", &o->kv_budget) ||
@@ -241,6 +247,10 @@ int main(int argc, char **argv)
          "(cuda:0,1 or cpu,cpu) make data-parallel replicas",
          NULL},
         {"tf32", 0, "GPU GEMMs may use TF32 tensor-core math (default: FP32)", NULL},
+        {"precision", 1,
+         "P: GEMM precision, fp32 (default) or bf16 (CPU with AVX512-BF16 or AMX; FP32 master "
+         "weights, accumulation and optimizer)",
+         NULL},
         {"reserve", 1,
          "SIZE: a GPU's memory kept free, not offered (default: 256M or 5% of the device, "
          "whichever is larger)",

@@ -139,8 +139,8 @@ static nl_status offer_memory(nl_backend *be, const nl_node_opts *o, uint64_t *o
 static nl_status open_one(nl_node_device *n, const char *name, const nl_node_opts *o, nl_error *err)
 {
     nl_backend **be = &n->be[n->n];
-    nl_status st =
-        nl_backend_new(be, name, &(nl_backend_opts){.threads = o->threads, .tf32 = o->tf32}, err);
+    nl_status st = nl_backend_new(
+        be, name, &(nl_backend_opts){.threads = o->threads, .tf32 = o->tf32, .bf16 = o->bf16}, err);
     if (st != NL_OK)
         return st;
     n->n++;
@@ -274,8 +274,12 @@ nl_status nl_node_device_open(nl_node_device *n, const nl_node_opts *o, nl_error
                 (unsigned long long)o->kv_budget, (unsigned long long)n->memory);
     NL_INFO("device %s%s, %d threads: gemm %d^3 %.1f GFLOP/s (median of %d rounds, %.1f to "
             "%.1f); offering %.1f MiB (KV budget %.1f MiB)",
-            o->device, o->tf32 ? " (TF32 allowed)" : "", n->threads, probe, n->gflops, PROBE_ROUNDS,
-            lo, hi, (double)n->memory / (1 << 20), (double)o->kv_budget / (1 << 20));
+            o->device,
+            o->tf32   ? " (TF32 allowed)"
+            : o->bf16 ? " (bf16 GEMMs)"
+                      : "",
+            n->threads, probe, n->gflops, PROBE_ROUNDS, lo, hi, (double)n->memory / (1 << 20),
+            (double)o->kv_budget / (1 << 20));
     if (n->n > 1)
         NL_INFO("%d data-parallel replicas of the stage (%s to %s, %s all-reduce): training "
                 "shares each step's microbatches among them; inference runs on %s; the "

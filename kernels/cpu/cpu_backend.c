@@ -1,4 +1,5 @@
-/* The CPU backend: GEMM through oneDNN's dnnl_sgemm, the other ops as
+/* The CPU backend: GEMM through oneDNN's dnnl_sgemm (or its bf16 GEMM,
+ * cpu_bf16.c), the other ops as
  * plain C loops that the compiler vectorises, threaded with OpenMP. */
 #include "../backend.h"
 #include "../backend_impl.h"
@@ -71,6 +72,13 @@ static void cpu_copy(nl_backend *be, void *dst, const void *src, size_t bytes)
     }
 }
 
+/* an upload may land in weights that have a bf16 copy */
+static void cpu_upload(nl_backend *be, void *dst, const void *src, size_t bytes)
+{
+    cpu_copy(be, dst, src, bytes);
+    nl_cpu_bf16_wrote(be, dst, bytes);
+}
+
 static nl_status cpu_sync(nl_backend *be, nl_error *err)
 {
     (void)err;
@@ -86,6 +94,7 @@ static double cpu_sumsq(nl_backend *be, const float *x, size_t n)
 
 static void cpu_zero(nl_backend *be, void *p, size_t bytes)
 {
+    nl_cpu_bf16_wrote(be, p, bytes);
     char *c = p;
     const size_t chunk = 1 << 20;
     const long n = (long)((bytes + chunk - 1) / chunk);
@@ -116,8 +125,10 @@ static void cpu_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int
     const int want = nl_cpu_threads(be), had = omp_get_max_threads();
     if (want != had)
         omp_set_num_threads(want);
-    dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb, beta, C,
-               ldc);
+    if (!be->bf16 || !nl_cpu_gemm_bf16(be, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta,
+                                       C, ldc))
+        dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb, beta,
+                   C, ldc);
     if (want != had)
         omp_set_num_threads(had);
 }
@@ -152,6 +163,44 @@ static void cpu_rmsnorm_forward(nl_backend *be, float *out, float *rstd, const f
     }
 }
 
+/* The (cos, sin) pairs of positions lo .. lo + span - 1, for every pair i
+ * of a head: one trigonometric pair per distinct position instead of one
+ * per row (a training batch repeats each position B times). The values are
+ * the ones the row loop computed, so results do not change by a bit.
+ * Returns NULL when the positions are too spread out to be worth it or the
+ * table cannot grow (the caller computes per row then). */
+static const float *rope_table(nl_backend *be, const int32_t *pos, int N, int half,
+                               const double *freq, int32_t *lo_out)
+{
+    nl_cpu_ctx *ctx = be->ctx;
+    int32_t lo = pos[0], hi = pos[0];
+    for (int n = 1; n < N; n++) {
+        lo = pos[n] < lo ? pos[n] : lo;
+        hi = pos[n] > hi ? pos[n] : hi;
+    }
+    const int64_t span = (int64_t)hi - lo + 1;
+    if (span > N)
+        return NULL;
+    const size_t need = (size_t)span * half * 2;
+    if (need > ctx->rope_cap) { /* grows to the largest call, then stays */
+        free(ctx->rope);
+        ctx->rope = malloc(need * sizeof *ctx->rope);
+        ctx->rope_cap = ctx->rope ? need : 0;
+        if (!ctx->rope)
+            return NULL;
+    }
+    float *t = ctx->rope;
+#pragma omp parallel for NL_CPU_TEAM(be) if (span >= 64)
+    for (int64_t p = 0; p < span; p++)
+        for (int i = 0; i < half; i++) {
+            const double ang = (double)(lo + p) * freq[i];
+            t[(p * half + i) * 2] = (float)cos(ang);
+            t[(p * half + i) * 2 + 1] = (float)sin(ang);
+        }
+    *lo_out = lo;
+    return t;
+}
+
 static void cpu_rope_forward(nl_backend *be, float *x, const int32_t *pos, int N, int row, int col0,
                              int heads, int hd, float base)
 {
@@ -159,12 +208,24 @@ static void cpu_rope_forward(nl_backend *be, float *x, const int32_t *pos, int N
     double freq[NL_BACKEND_MAX_HEAD_DIM / 2];
     for (int i = 0; i < half; i++)
         freq[i] = nl_elem_rope_freq(i, hd, base);
+    if (N <= 0)
+        return;
+    int32_t lo = 0;
+    const float *tab = rope_table(be, pos, N, half, freq, &lo);
 #pragma omp parallel for NL_CPU_TEAM(be) PAR_ROWS(N)
     for (int n = 0; n < N; n++) {
         float *r = x + (size_t)n * row + col0;
+        const float *cs = tab ? tab + (size_t)(pos[n] - lo) * half * 2 : NULL;
         for (int i = 0; i < half; i++) {
-            const double ang = (double)pos[n] * freq[i];
-            const float c = (float)cos(ang), s = (float)sin(ang);
+            float c, s;
+            if (cs) {
+                c = cs[2 * i];
+                s = cs[2 * i + 1];
+            } else {
+                const double ang = (double)pos[n] * freq[i];
+                c = (float)cos(ang);
+                s = (float)sin(ang);
+            }
             for (int h = 0; h < heads; h++) {
                 float *p = r + (size_t)h * hd + 2 * i;
                 nl_elem_rope_rotate(&p[0], &p[1], c, s);
@@ -236,10 +297,21 @@ static void cpu_moe_combine(nl_backend *be, float *x, const float *y, const int3
     }
 }
 
+/* AdamW writes the weights: their bf16 copy is made again on next use */
+static void cpu_adamw(nl_backend *be, float *p, const float *g, float *m, float *v, size_t n,
+                      float lr, float b1, float b2, float eps, float wd, float bc1, float bc2,
+                      float grad_scale)
+{
+    nl_cpu_bf16_wrote(be, p, n * sizeof *p);
+    nl_cpu_adamw(be, p, g, m, v, n, lr, b1, b2, eps, wd, bc1, bc2, grad_scale);
+}
+
 /* ---------------------------------------------------------------- table */
 
 static void cpu_destroy(nl_backend *be)
 {
+    nl_cpu_bf16_free(be);
+    free(((cpu_ctx *)be->ctx)->rope);
     free(be->ctx);
     free(be);
 }
@@ -248,6 +320,11 @@ nl_status nl_cpu_backend_new(nl_backend **out, const nl_backend_opts *o, nl_erro
 {
     *out = NULL;
     const int threads = o->threads;
+    if (o->bf16) {
+        nl_status st = nl_cpu_bf16_supported(err);
+        if (st != NL_OK)
+            return st;
+    }
     nl_backend *be = calloc(1, sizeof *be);
     cpu_ctx *ctx = calloc(1, sizeof *ctx);
     if (!be || !ctx) {
@@ -263,7 +340,7 @@ nl_status nl_cpu_backend_new(nl_backend **out, const nl_backend_opts *o, nl_erro
     be->destroy = cpu_destroy;
     be->alloc = cpu_alloc;
     be->free = cpu_free;
-    be->upload = cpu_copy;
+    be->upload = cpu_upload;
     be->download = cpu_copy;
     be->sync = cpu_sync;
     be->mem_stats = cpu_mem_stats;
@@ -272,6 +349,9 @@ nl_status nl_cpu_backend_new(nl_backend **out, const nl_backend_opts *o, nl_erro
     be->can_train = 1;
     be->gemm_probe = 512;
     be->gemm = cpu_gemm;
+    ctx->bf16 = be->bf16 = o->bf16 != 0;
+    be->bf16_weights = o->bf16 ? nl_cpu_bf16_weights : NULL;
+    be->wrote = nl_cpu_bf16_wrote;
     be->embedding_forward = cpu_embedding_forward;
     be->rmsnorm_forward = cpu_rmsnorm_forward;
     be->rope_forward = cpu_rope_forward;
@@ -286,6 +366,8 @@ nl_status nl_cpu_backend_new(nl_backend **out, const nl_backend_opts *o, nl_erro
     be->moe_router_backward = nl_cpu_moe_router_backward;
     be->gemm_grouped = nl_cpu_gemm_grouped;
     be->gemm_grouped_wgrad = nl_cpu_gemm_grouped_wgrad;
+    be->moe_ffn_forward = nl_cpu_moe_ffn_forward;
+    be->moe_ffn_backward = nl_cpu_moe_ffn_backward;
     be->embedding_backward = nl_cpu_embedding_backward;
     be->rmsnorm_backward = nl_cpu_rmsnorm_backward;
     be->attention_backward = nl_cpu_attention_backward;
@@ -293,7 +375,7 @@ nl_status nl_cpu_backend_new(nl_backend **out, const nl_backend_opts *o, nl_erro
     be->moe_combine_backward = nl_cpu_moe_combine_backward;
     be->cross_entropy = nl_cpu_cross_entropy;
     be->sumsq = cpu_sumsq;
-    be->adamw = nl_cpu_adamw;
+    be->adamw = cpu_adamw;
     *out = be;
     return NL_OK;
 }

@@ -134,3 +134,45 @@ void nl_cpu_gemm_grouped_wgrad(nl_backend *be, int M, int N, const float *A, int
                  C + g * c_stride, ldc);
     }
 }
+
+/* ---------------------------------------------------------------- fused expert FFN */
+
+void nl_cpu_moe_ffn_forward(nl_backend *be, float *ye, float *hs, float *gu, const float *xe,
+                            const float *experts, size_t expert_stride, int d, int F,
+                            const int32_t *offsets, int groups, int max_rows)
+{
+    (void)max_rows;
+    for (int g = 0; g < groups; g++) {
+        const int n = offsets[g + 1] - offsets[g], o = offsets[g];
+        if (n <= 0)
+            continue;
+        const float *wgu = experts + g * expert_stride, *wdown = wgu + 2 * (size_t)F * d;
+        float *gug = gu + (size_t)o * 2 * F, *hsg = hs + (size_t)o * F;
+        be->gemm(be, 0, 1, n, 2 * F, d, 1.0f, xe + (size_t)o * d, d, wgu, d, 0.0f, gug, 2 * F);
+        be->swiglu_forward(be, hsg, gug, n, F); /* this group's rows, still in cache */
+        be->gemm(be, 0, 1, n, d, F, 1.0f, hsg, F, wdown, F, 0.0f, ye + (size_t)o * d, d);
+    }
+}
+
+void nl_cpu_moe_ffn_backward(nl_backend *be, float *dxe, float *dgu, float *dhs, float *dexperts,
+                             const float *dye, const float *xe, const float *gu, const float *hs,
+                             const float *experts, size_t expert_stride, int d, int F,
+                             const int32_t *offsets, int groups)
+{
+    for (int g = 0; g < groups; g++) {
+        const int n = offsets[g + 1] - offsets[g], o = offsets[g];
+        if (n <= 0)
+            continue;
+        const size_t down = 2 * (size_t)F * d;
+        const float *wgu = experts + g * expert_stride;
+        float *dwgu = dexperts + g * expert_stride;
+        const float *dyg = dye + (size_t)o * d, *xeg = xe + (size_t)o * d;
+        const float *gug = gu + (size_t)o * 2 * F, *hsg = hs + (size_t)o * F;
+        float *dhsg = dhs + (size_t)o * F, *dgug = dgu + (size_t)o * 2 * F;
+        be->gemm(be, 0, 0, n, F, d, 1.0f, dyg, d, wgu + down, F, 0.0f, dhsg, F);
+        be->gemm(be, 1, 0, d, F, n, 1.0f, dyg, d, hsg, F, 1.0f, dwgu + down, F);
+        be->swiglu_backward(be, dgug, dhsg, gug, n, F);
+        be->gemm(be, 1, 0, 2 * F, d, n, 1.0f, dgug, 2 * F, xeg, d, 1.0f, dwgu, d);
+        be->gemm(be, 0, 0, n, d, 2 * F, 1.0f, dgug, 2 * F, wgu, d, 0.0f, dxe + (size_t)o * d, d);
+    }
+}

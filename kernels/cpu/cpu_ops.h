@@ -5,12 +5,28 @@
 #include "../backend.h"
 
 #include <stddef.h>
+#include <stdint.h>
 
 /* The CPU backend's context (be->ctx of a backend made by
  * nl_cpu_backend_new). */
+/* A weight range of bf16 compute (cpu_bf16.c) and its bf16 copy. */
+#define NL_CPU_BF16_RANGES 8
+typedef struct nl_cpu_bf16_range {
+    const float *base; /* the FP32 weights (n floats); NULL: slot unused */
+    size_t n;
+    uint16_t *copy;    /* (n) bf16, valid unless stale */
+    int stale;         /* a write since the copy was made */
+} nl_cpu_bf16_range;
+
 typedef struct nl_cpu_ctx {
     int threads;         /* the OpenMP team size of every parallel region */
     size_t in_use, peak; /* bytes handed out by its alloc */
+    int bf16;            /* GEMMs in bf16 (nl_backend_opts.bf16) */
+    nl_cpu_bf16_range w[NL_CPU_BF16_RANGES];
+    uint16_t *scratch[2];  /* bf16 forms of GEMM operands A and B, grown on demand */
+    size_t scratch_cap[2]; /* elements at scratch[i] */
+    float *rope;           /* RoPE (cos, sin) table of one call (malloc'd, grown on demand) */
+    size_t rope_cap;       /* floats at rope */
 } nl_cpu_ctx;
 
 static inline int nl_cpu_threads(const nl_backend *be)
@@ -48,6 +64,17 @@ double nl_cpu_sumsq(nl_backend *be, const float *x, size_t n);
 void nl_cpu_adamw(nl_backend *be, float *p, const float *g, float *m, float *v, size_t n, float lr,
                   float b1, float b2, float eps, float wd, float bc1, float bc2, float grad_scale);
 
+/* cpu_bf16.c: bf16 GEMMs. nl_cpu_gemm_bf16 returns 0 (computing nothing)
+ * when its operand scratch cannot grow; the caller then runs the FP32 GEMM. */
+nl_status nl_cpu_bf16_supported(nl_error *err);
+nl_status nl_cpu_bf16_weights(nl_backend *be, const float *p, size_t n, nl_error *err);
+void nl_cpu_bf16_wrote(nl_backend *be, const void *p, size_t bytes);
+void nl_cpu_bf16_free(nl_backend *be);
+void nl_cpu_to_bf16(nl_backend *be, uint16_t *dst, const float *src, int rows, int cols, int ld);
+int nl_cpu_gemm_bf16(nl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                     const float *A, int lda, const float *B, int ldb, float beta, float *C,
+                     int ldc);
+
 /* cpu_moe.c: routing and the grouped expert GEMMs (see backend.h) */
 void nl_cpu_moe_route(nl_backend *be, int32_t *choice, float *w, int32_t *offsets, int32_t *perm,
                       int32_t *slot, const float *probs, int N, int E, int k);
@@ -63,5 +90,13 @@ void nl_cpu_gemm_grouped(nl_backend *be, int trans_b, int N, int K, const float 
 void nl_cpu_gemm_grouped_wgrad(nl_backend *be, int M, int N, const float *A, int lda,
                                const float *B, int ldb, float *C, int ldc, size_t c_stride,
                                const int32_t *offsets, int groups);
+
+void nl_cpu_moe_ffn_forward(nl_backend *be, float *ye, float *hs, float *gu, const float *xe,
+                            const float *experts, size_t expert_stride, int d, int F,
+                            const int32_t *offsets, int groups, int max_rows);
+void nl_cpu_moe_ffn_backward(nl_backend *be, float *dxe, float *dgu, float *dhs, float *dexperts,
+                             const float *dye, const float *xe, const float *gu, const float *hs,
+                             const float *experts, size_t expert_stride, int d, int F,
+                             const int32_t *offsets, int groups);
 
 #endif

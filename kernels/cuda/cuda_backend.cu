@@ -847,11 +847,14 @@ NL_EXPORT nl_status nl_cuda_backend_new(nl_backend **out, int device, const nl_b
                                         nl_error *err)
 {
     *out = NULL;
-    const nl_backend_opts def = {0, 0};
+    const nl_backend_opts def = {0, 0, 0};
     if (!o)
         o = &def;
     char name[24];
     snprintf(name, sizeof name, "cuda:%d", device);
+    if (o->bf16) /* nl_backend_new refuses it first; this module has no bf16 GEMM yet */
+        return nl_error_set(err, NL_ERR_UNSUPPORTED, "%s: bf16 compute is not implemented on CUDA",
+                            name);
     /* test the error, not the count: without a driver the count is untouched */
     int count = 0;
     const cudaError_t e = cudaGetDeviceCount(&count);
