@@ -96,6 +96,31 @@ PY
 check "$N" forward --model "$W/m.safetensors" --tokens "$W/in.safetensors" --out "$W/orig.safetensors" --threads 1
 check "$N" forward --model "$W/imported.safetensors" --tokens "$W/in.safetensors" --out "$W/local.safetensors" --threads 1
 
+# ---- the imported model served by neuroctl serve: a greedy completion
+# gives the ids neuroctl generate gives
+gen=$("$N" generate --model "$W/imported.safetensors" --prompt-tokens 5,6,7 --max-new 6 \
+  --temperature 0 --threads 1 2> /dev/null | head -1)
+/usr/bin/python3 - "$N" "$W/imported.safetensors" "$gen" <<'PY'
+import json, re, subprocess, sys, urllib.request
+n, model, gen = sys.argv[1:4]
+p = subprocess.Popen([n, "serve", "--model", model, "--http", "127.0.0.1:0", "--threads", "1"],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+try:
+    m = re.search(r"http://127\.0\.0\.1:(\d+)/", p.stdout.readline())
+    assert m, "serve did not start"
+    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0}).encode()
+    req = urllib.request.Request("http://127.0.0.1:%s/v1/completions" % m.group(1), data=body,
+                                 headers={"Content-Type": "application/json"})
+    ids = json.load(urllib.request.urlopen(req, timeout=30))["choices"][0]["token_ids"]
+    want = [int(t) for t in re.findall(r"\d+", gen)][-6:]
+    assert ids == want, (ids, gen)
+    print("neuroctl serve on the imported model: %s, as neuroctl generate" % ids)
+finally:
+    p.terminate()
+    p.wait(timeout=10)
+PY
+check test $? -eq 0
+
 # ---- the imported model on a cluster: placed, not sized
 check "$N" cluster up --dir "$C" --nodes 2 --model "$W/imported.safetensors" --memory 64M --threads 1 \
   --node-timeout-ms 2000 --timeout 60
