@@ -14,6 +14,8 @@ typedef struct train_slot {
     int32_t *tokens_d;   /* (N) */
     float *xnf, *rstdf;  /* head: (N, d), (N) */
     float *logits;       /* head: (N, V), the loss gradient after the forward */
+    int32_t *doc_h;      /* (N) host: the documents of its packed rows */
+    int has_doc;         /* doc_h holds this microbatch's documents */
 } train_slot;
 
 struct nl_trainer {
@@ -22,6 +24,10 @@ struct nl_trainer {
     int max_rows, n_slots, recompute, n_layers;
     float *grads, *mom[2];
     int64_t adam_t, batch_rows;
+    int64_t loss_rows;    /* predictions the mean cross-entropy is over */
+    int32_t *doc_h;       /* (N) host: documents for the next passes (nl_trainer_set_docs) */
+    int has_doc;
+    int32_t *doc_d;       /* (N) device: the documents of the pass running */
     train_slot *slots;
     nl_layer_acts work; /* recompute and counting passes */
     nl_layer_grads_scratch sc;
@@ -89,6 +95,7 @@ static nl_status slot_alloc(nl_trainer *t, train_slot *s, nl_error *err)
     if (ok && (t->recompute || t->n_layers == 0))
         ok &= (s->x_final = be->alloc(be, N * d * sizeof(float))) != NULL;
     ok &= (s->tokens_d = be->alloc(be, N * sizeof(int32_t))) != NULL;
+    ok &= (s->doc_h = calloc(N, sizeof(int32_t))) != NULL;
     if (t->m->has_head) {
         ok &= (s->xnf = be->alloc(be, N * d * sizeof(float))) != NULL;
         ok &= (s->rstdf = be->alloc(be, N * sizeof(float))) != NULL;
@@ -121,6 +128,7 @@ static void slot_free(nl_trainer *t, train_slot *s)
     if (owns_final)
         be->free(be, s->x_final);
     be->free(be, s->tokens_d);
+    free(s->doc_h);
     be->free(be, s->xnf);
     be->free(be, s->rstdf);
     be->free(be, s->logits);
@@ -152,6 +160,8 @@ nl_status nl_trainer_new(nl_trainer **out, nl_model *m, int max_rows, int slots,
     ok &= (t->dbuf[0] = be->alloc(be, N * d * sizeof(float))) != NULL;
     ok &= (t->dbuf[1] = be->alloc(be, N * d * sizeof(float))) != NULL;
     ok &= (t->pos_d = be->alloc(be, N * sizeof(int32_t))) != NULL;
+    ok &= (t->doc_d = be->alloc(be, N * sizeof(int32_t))) != NULL;
+    ok &= (t->doc_h = calloc(N, sizeof(int32_t))) != NULL;
     ok &= (t->targets_d = be->alloc(be, N * sizeof(int32_t))) != NULL;
     ok &= (t->losses_d = be->alloc(be, N * sizeof(float))) != NULL;
     ok &= (t->pos_h = calloc(N, sizeof(int32_t))) != NULL;
@@ -196,10 +206,11 @@ void nl_trainer_destroy(nl_trainer **tp)
     if (t->sc.dh1)
         nl_layer_scratch_free(&t->sc, be);
     void *dev[] = {t->grads,     t->mom[0],   t->mom[1],   t->dbuf[0],       t->dbuf[1], t->pos_d,
-                   t->targets_d, t->losses_d, t->counts_d, t->global_frac_d, t->aux_d};
+                   t->targets_d, t->losses_d, t->counts_d, t->global_frac_d, t->aux_d, t->doc_d};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         be->free(be, dev[i]);
     free(t->pos_h);
+    free(t->doc_h);
     free(t->neg_pos_h);
     free(t->targets_h);
     free(t->losses_h);
@@ -214,6 +225,7 @@ void nl_trainer_destroy(nl_trainer **tp)
 void nl_trainer_begin_step(nl_trainer *t, int64_t batch_rows)
 {
     t->batch_rows = batch_rows;
+    t->loss_rows = batch_rows;
     t->use_global = 0;
     t->be->zero(t->be, t->grads, t->m->n_params * sizeof(float));
     t->be->zero(t->be, t->counts_d,
@@ -233,15 +245,42 @@ static nl_status check_rows(nl_trainer *t, int B, int T, nl_error *err)
     return NL_OK;
 }
 
-static void set_positions(nl_trainer *t, int B, int T)
+void nl_trainer_set_loss_rows(nl_trainer *t, int64_t rows)
+{
+    t->loss_rows = rows > 0 ? rows : 1;
+}
+
+nl_status nl_trainer_set_docs(nl_trainer *t, const int32_t *doc, int rows, nl_error *err)
+{
+    t->has_doc = 0;
+    if (!doc)
+        return NL_OK;
+    if (rows < 1 || rows > t->max_rows)
+        return nl_error_set(err, NL_ERR_SHAPE, "trainer: %d document ids for %d rows", rows,
+                            t->max_rows);
+    memcpy(t->doc_h, doc, (size_t)rows * sizeof *doc);
+    t->has_doc = 1;
+    return NL_OK;
+}
+
+/* Positions (restarting at each new document of packed rows, doc not
+ * NULL) and their negation, and the documents, onto the device; returns
+ * the device documents or NULL. */
+static const int32_t *set_positions_docs(nl_trainer *t, int B, int T, const int32_t *doc)
 {
     for (int n = 0; n < B * T; n++) {
-        t->pos_h[n] = n % T;
-        t->neg_pos_h[n] = -(n % T);
+        const int restart = n % T == 0 || (doc && doc[n] != doc[n - 1]);
+        t->pos_h[n] = restart ? 0 : t->pos_h[n - 1] + 1;
+        t->neg_pos_h[n] = -t->pos_h[n];
     }
     t->be->upload(t->be, t->pos_d, t->pos_h, (size_t)B * T * sizeof(int32_t));
     t->be->upload(t->be, t->sc.neg_pos_d, t->neg_pos_h, (size_t)B * T * sizeof(int32_t));
+    if (!doc)
+        return NULL;
+    t->be->upload(t->be, t->doc_d, doc, (size_t)B * T * sizeof(int32_t));
+    return t->doc_d;
 }
+
 
 /* Embed tokens (checked) or copy hidden states into dst. */
 static nl_status stage_input(nl_trainer *t, float *dst, int32_t *tokens_d, int N,
@@ -276,7 +315,7 @@ nl_status nl_trainer_count_routes(nl_trainer *t, int B, int T, const int32_t *to
     nl_layer_acts *w = &t->work;
     if ((st = stage_input(t, w->x_in, t->slots[0].tokens_d, N, tokens, x_in, err)) != NL_OK)
         return st;
-    set_positions(t, B, T);
+    w->doc_d = set_positions_docs(t, B, T, t->has_doc ? t->doc_h : NULL);
     for (int l = 0; l < t->n_layers; l++) {
         /* the counts add up on the device; nl_trainer_use_counts reads them */
         const nl_layer_aux aux = {.rows = (double)N, .counts = t->counts_d + (size_t)l * E};
@@ -331,7 +370,10 @@ nl_status nl_trainer_forward(nl_trainer *t, int slot, int B, int T, const int32_
                                 : (t->n_layers ? s->acts[0].x_in : s->x_final);
     if ((st = stage_input(t, first, s->tokens_d, N, tokens, x_in, err)) != NL_OK)
         return st;
-    set_positions(t, B, T);
+    s->has_doc = t->has_doc;
+    if (s->has_doc)
+        memcpy(s->doc_h, t->doc_h, (size_t)N * sizeof *s->doc_h);
+    const int32_t *doc_d = set_positions_docs(t, B, T, s->has_doc ? s->doc_h : NULL);
     be->zero(be, t->aux_d, sizeof(double));
     for (int l = 0; l < t->n_layers; l++) {
         const nl_layer_aux la_aux = {.global_frac =
@@ -341,6 +383,7 @@ nl_status nl_trainer_forward(nl_trainer *t, int slot, int B, int T, const int32_
         nl_layer_acts *la = t->recompute ? &t->work : &s->acts[l];
         if (t->recompute)
             be->copy_rows(be, la->x_in, d, s->x_in[l], d, N, d);
+        la->doc_d = doc_d;
         nl_layer_forward(m, m->l0 + l, la, B, T, 0, NULL, t->pos_d, &la_aux);
         if (t->recompute)
             be->copy_rows(be, l + 1 < t->n_layers ? s->x_in[l + 1] : s->x_final, d, la->x_out, d,
@@ -357,15 +400,15 @@ nl_status nl_trainer_forward(nl_trainer *t, int slot, int B, int T, const int32_
     if (!targets)
         return nl_error_set(err, NL_ERR_INVALID, "trainer: last stage needs targets");
     const int V = (int)c->vocab_size;
-    for (int n = 0; n < N; n++)
-        if (targets[n] < 0 || targets[n] >= V)
+    for (int n = 0; n < N; n++) /* below 0: ignored (DESIGN 6) */
+        if (targets[n] >= V)
             return nl_error_set(err, NL_ERR_RANGE, "target %d at row %d is outside 0..%d",
                                 targets[n], n, V - 1);
     be->upload(be, t->targets_d, targets, (size_t)N * sizeof(int32_t));
     be->rmsnorm_forward(be, s->xnf, s->rstdf, s->x_final, m->norm, N, d, (float)c->norm_eps);
     be->gemm(be, 0, 1, N, V, d, 1.0f, s->xnf, d, m->lm_head, d, 0.0f, s->logits, V);
     be->cross_entropy(be, s->logits, t->losses_d, t->targets_d, N, V,
-                      1.0f / (float)t->batch_rows);
+                      1.0f / (float)t->loss_rows);
     be->download(be, t->losses_h, t->losses_d, (size_t)N * sizeof(float));
     double sum = 0.0;
     for (int n = 0; n < N; n++)
@@ -403,7 +446,7 @@ nl_status nl_trainer_backward(nl_trainer *t, int slot, const float *dy, nl_error
             return nl_error_set(err, NL_ERR_INVALID, "trainer: stage backward needs dy");
         be->copy_rows(be, t->dbuf[0], d, dy, d, N, d);
     }
-    set_positions(t, B, T);
+    const int32_t *doc_d = set_positions_docs(t, B, T, s->has_doc ? s->doc_h : NULL);
     const float aux_scale = (float)(c->aux_loss_coef * E / (double)t->batch_rows);
     for (int l = t->n_layers - 1; l >= 0; l--) {
         const nl_layer_acts *la = &s->acts[l];
@@ -412,6 +455,7 @@ nl_status nl_trainer_backward(nl_trainer *t, int slot, const float *dy, nl_error
                 .global_frac = t->use_global ? t->global_frac_d + (size_t)l * E : NULL,
                 .rows = (double)t->batch_rows};
             be->copy_rows(be, t->work.x_in, d, s->x_in[l], d, N, d);
+            t->work.doc_d = doc_d;
             nl_layer_forward(m, m->l0 + l, &t->work, B, T, 0, NULL, t->pos_d, &la_aux);
             la = &t->work;
         }
@@ -480,6 +524,10 @@ nl_status nl_trainer_step_local(nl_trainer *t, const int32_t *tokens, const int3
     nl_status st = NL_OK;
     double ce = 0.0, aux = 0.0;
     nl_trainer_begin_step(t, (int64_t)B * T);
+    int64_t valid = 0; /* targets below 0 are ignored: the mean is over the others */
+    for (size_t n = 0; n < (size_t)B * T; n++)
+        valid += targets[n] >= 0;
+    nl_trainer_set_loss_rows(t, valid);
     if (M > 1) { /* the batch's expert shares, so the split does not change the loss */
         for (int j = 0; j < M && st == NL_OK; j++)
             st = nl_trainer_count_routes(t, mb, T, tokens + j * rows, NULL, err);
@@ -495,7 +543,8 @@ nl_status nl_trainer_step_local(nl_trainer *t, const int32_t *tokens, const int3
     }
     if (st != NL_OK)
         return st;
-    const double scale = nl_step_decide(res, ce, (double)B * T, aux, t->m->cfg.aux_loss_coef,
+    const double scale = nl_step_decide(res, ce, valid > 0 ? (double)valid : 1.0, aux,
+                                        t->m->cfg.aux_loss_coef,
                                         nl_trainer_grad_sumsq(t), clip_norm);
     if (!res->skipped)
         nl_trainer_step(t, lr, (float)scale, o);

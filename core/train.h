@@ -8,7 +8,8 @@
  * hands back the gradient of its input.
  *
  * The loss of a step is DESIGN.md section 2's over the whole batch:
- * mean cross-entropy over its B*T rows plus aux_loss_coef times the
+ * mean cross-entropy over its B*T rows (those whose target is not
+ * ignored, section 6) plus aux_loss_coef times the
  * summed load-balancing losses, whose assignment shares frac_e are the
  * batch's. With several microbatches those shares come from a counting
  * pass (nl_trainer_count_routes) so the result does not depend on how the
@@ -48,6 +49,18 @@ void nl_trainer_destroy(nl_trainer **t);
 /* Start a step over a batch of batch_rows rows: zero the gradients and
  * the route counts. */
 void nl_trainer_begin_step(nl_trainer *t, int64_t batch_rows);
+
+/* The number of predictions the step's mean cross-entropy is over: the
+ * batch's targets that are not ignored (targets below 0 are, DESIGN 6).
+ * nl_trainer_begin_step sets it to batch_rows. */
+void nl_trainer_set_loss_rows(nl_trainer *t, int64_t rows);
+
+/* Packed rows (DESIGN 6): document ids (host, `rows` = B*T of the next
+ * passes) for the following count_routes and forward calls, until set
+ * again; NULL: one document per sequence. Attention stays inside a
+ * document and positions restart at 0 for each; a forward keeps its
+ * slot's documents for its backward. */
+nl_status nl_trainer_set_docs(nl_trainer *t, const int32_t *doc, int rows, nl_error *err);
 
 /* Counting pass for one microbatch (forward only, nothing kept): add this
  * microbatch's expert assignments to the step's counts, which add up on
