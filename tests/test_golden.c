@@ -8,7 +8,11 @@
 #include "core/safetensors.h"
 #include "core/train.h"
 
-static const char *const configs[] = {"odd", "t1", "long", "topk3"};
+/* DESIGN section 2, then the section 6 variants alone and combined (see
+ * tests/golden/gen_golden.py, FAMILIES) */
+static const char *const configs[] = {"odd",   "t1",     "long",   "topk3",  "enc",
+                                      "geglu", "dense",  "window", "encwin", "yarn",
+                                      "packed", "ignore", "combo"};
 
 static int read_ints(nl_st_file *f, const char *name, int32_t **out, int *B, int *T)
 {
@@ -48,7 +52,7 @@ static void check_config(nl_backend *be, const char *name)
     nl_st_file *fb = NULL, *ff = NULL, *fg = NULL;
     nl_runstate *rs = NULL;
     nl_trainer *tr = NULL;
-    int32_t *tok = NULL, *tgt = NULL;
+    int32_t *tok = NULL, *tgt = NULL, *doc = NULL;
     float *g = NULL; /* host copy of the gradients */
     int B = 0, T = 0, B2 = 0, T2 = 0;
     CHECK_OK(nl_checkpoint_load(&m, be, path[0], 0, -1, 1, 1, NULL, &err), &err);
@@ -62,12 +66,18 @@ static void check_config(nl_backend *be, const char *name)
           "%s: batch", name);
     if (!tok || !tgt)
         goto out;
+    int B3 = 0, T3 = 0; /* packed rows: their documents */
+    if (nl_st_find(fb, "doc"))
+        CHECK(read_ints(fb, "doc", &doc, &B3, &T3) == 0 && B3 == B && T3 == T, "%s: doc", name);
     const int V = (int)m->cfg.vocab_size;
+    int valid = 0; /* targets below 0 are ignored */
+    for (int i = 0; i < B * T; i++)
+        valid += tgt[i] >= 0;
 
     /* forward */
     CHECK_OK(nl_runstate_new(&rs, m, B * T, &err), &err);
     float aux = 0;
-    nl_forward_args a = {.B = B, .T = T, .tokens = tok};
+    nl_forward_args a = {.B = B, .T = T, .tokens = tok, .doc = doc};
     CHECK_OK(nl_forward(m, rs, &a, &aux, &err), &err);
     const nl_st_entry *el = nl_st_find(ff, "logits");
     CHECK(el && el->ndim == 3 && el->shape[0] == B && el->shape[1] == T && el->shape[2] == V,
@@ -89,9 +99,11 @@ static void check_config(nl_backend *be, const char *name)
         goto out;
     double ce = 0, aux2 = 0;
     nl_trainer_begin_step(tr, (int64_t)B * T);
+    nl_trainer_set_loss_rows(tr, valid);
+    CHECK_OK(nl_trainer_set_docs(tr, doc, B * T, &err), &err);
     CHECK_OK(nl_trainer_forward(tr, 0, B, T, tok, NULL, tgt, &ce, &aux2, &err), &err);
     CHECK_OK(nl_trainer_backward(tr, 0, NULL, &err), &err);
-    const double ce_loss = ce / ((double)B * T), loss = ce_loss + m->cfg.aux_loss_coef * aux2;
+    const double ce_loss = ce / valid, loss = ce_loss + m->cfg.aux_loss_coef * aux2;
     const double w_loss = scalar(fg, "loss"), w_ce = scalar(fg, "ce_loss"),
                  w_aux = scalar(fg, "aux_loss");
     CHECK(fabs(loss - w_loss) <= 1e-5 * fabs(w_loss), "%s: loss %.8g vs %.8g", name, loss, w_loss);
@@ -137,6 +149,7 @@ out:
     free(g);
     free(tok);
     free(tgt);
+    free(doc);
     nl_trainer_destroy(&tr);
     nl_runstate_destroy(&rs);
     nl_st_close(&fb);
