@@ -125,23 +125,72 @@ typedef struct train_opts {
     long long threads;
     const char *device;
     int tf32; /* --tf32: the device's GEMMs may use TF32 */
+    const char *objective; /* --objective: clm, mlm or classify; NULL: the config's */
 } train_opts;
 
-/* Mean cross-entropy over eval_batches held-out batches. */
-static nl_status eval_loss(nl_trainer *tr, const nl_dataset *ds, const train_opts *o,
-                           int32_t *tokens, int32_t *targets, double *loss, nl_error *err)
+/* Which objective a run trains: --objective, else the config's. */
+enum { OBJ_CLM = NL_OBJ_CLM, OBJ_MLM = NL_OBJ_MLM, OBJ_CLASSIFY };
+
+static nl_status pick_objective(const train_opts *o, const nl_config *c, int *obj, nl_error *err)
+{
+    *obj = c->objective;
+    if (!o->objective)
+        return NL_OK;
+    if (strcmp(o->objective, "clm") == 0)
+        *obj = OBJ_CLM;
+    else if (strcmp(o->objective, "mlm") == 0)
+        *obj = OBJ_MLM;
+    else if (strcmp(o->objective, "classify") == 0)
+        *obj = OBJ_CLASSIFY;
+    else
+        return nl_error_set(err, NL_ERR_INVALID, "--objective: '%.40s' is not clm, mlm or classify",
+                            o->objective);
+    if (*obj == OBJ_MLM && c->vocab_size <= NL_CONFIG_MASK_ID)
+        return nl_error_set(err, NL_ERR_INVALID,
+                            "--objective mlm: the model's vocab_size %lld does not hold the mask "
+                            "id %d (<|pad|>)",
+                            (long long)c->vocab_size, NL_CONFIG_MASK_ID);
+    if (*obj == OBJ_CLASSIFY)
+        return nl_error_set(err, NL_ERR_UNSUPPORTED,
+                            "--objective classify: classification heads are not built yet");
+    return NL_OK;
+}
+
+/* A batch of the run's objective: next-token windows, or (mlm) the same
+ * tokens masked by DESIGN section 6's rule with ignored other targets.
+ * Returns the number of targets that count. */
+static nl_status objective_batch(const nl_dataset *ds, int obj, const nl_config *c, int split,
+                                 uint64_t seed, uint64_t index, int B, int T, int32_t *tokens,
+                                 int32_t *targets, int64_t *valid, nl_error *err)
+{
+    nl_status st = nl_dataset_batch(ds, split, seed, index, B, T, tokens, targets, err);
+    *valid = (int64_t)B * T;
+    if (st == NL_OK && obj == OBJ_MLM)
+        *valid = (int64_t)nl_mlm_mask(tokens, targets, (size_t)B * T, c->mask_prob, c->vocab_size,
+                                      seed + (uint64_t)split, index);
+    return st;
+}
+
+/* Mean cross-entropy over eval_batches held-out batches (over the targets
+ * that count: all of them, or the masked ones of mlm). */
+static nl_status eval_loss(nl_trainer *tr, const nl_dataset *ds, const train_opts *o, int obj,
+                           const nl_config *c, int32_t *tokens, int32_t *targets, double *loss,
+                           nl_error *err)
 {
     const int B = (int)o->r.batch, T = (int)o->r.seq, mb = (int)(o->r.batch / o->r.micro);
     double ce = 0.0;
+    int64_t valid = 0, n = 0;
     nl_status st = NL_OK;
     for (long long i = 0; i < o->r.eval_batches && st == NL_OK; i++) {
-        st = nl_dataset_batch(ds, 1, (uint64_t)o->r.seed, (uint64_t)i, B, T, tokens, targets, err);
+        st = objective_batch(ds, obj, c, 1, (uint64_t)o->r.seed, (uint64_t)i, B, T, tokens,
+                             targets, &n, err);
+        valid += n;
         nl_trainer_begin_step(tr, (int64_t)B * T);
         for (int j = 0; j < o->r.micro && st == NL_OK; j++)
             st = nl_trainer_forward(tr, 0, mb, T, tokens + (size_t)j * mb * T, NULL,
                                     targets + (size_t)j * mb * T, &ce, NULL, err);
     }
-    *loss = ce / ((double)o->r.eval_batches * B * T);
+    *loss = ce / (valid > 0 ? (double)valid : 1.0);
     return st;
 }
 
@@ -204,7 +253,7 @@ static int run_train(const train_opts *o)
     FILE *logf = NULL;
     int32_t *tokens = NULL, *targets = NULL;
     int64_t start = 0;
-    int rc = 1;
+    int rc = 1, obj = OBJ_CLM;
     const int B = (int)o->r.batch, T = (int)o->r.seq, M = (int)o->r.micro, mb = B / M;
     const char *src = o->resume ? o->resume : o->model;
     nl_config cfg;
@@ -215,6 +264,7 @@ static int run_train(const train_opts *o)
         nl_checkpoint_read_config(src, &cfg, NULL, &err) != NL_OK ||
         nl_checkpoint_meta(src, "tokenizer", &cm.tokenizer, &err) != NL_OK ||
         nl_checkpoint_meta(src, "init_seed", &cm.init_seed, &err) != NL_OK ||
+        pick_objective(o, &cfg, &obj, &err) != NL_OK ||
         load_data(&ds, o, src, cm.tokenizer, cfg.vocab_size, &err) != NL_OK ||
         nl_checkpoint_load(&m, be, src, 0, -1, 1, 1, &start, &err) != NL_OK ||
         nl_trainer_new(&tr, m, mb * T, 1, (int)o->r.recompute, &err) != NL_OK)
@@ -263,8 +313,9 @@ static int run_train(const train_opts *o)
         double t0 = nl_train_clock();
         const double lr = nl_lr_at(step, o->r.steps, o->r.warmup, o->r.lr, o->r.min_lr);
         nl_step_result r;
-        if (nl_dataset_batch(ds, 0, (uint64_t)o->r.seed, (uint64_t)step, B, T, tokens, targets,
-                             &err) != NL_OK)
+        int64_t valid = 0;
+        if (objective_batch(ds, obj, &m->cfg, 0, (uint64_t)o->r.seed, (uint64_t)step, B, T, tokens,
+                            targets, &valid, &err) != NL_OK)
             goto out;
         if (inject && atoll(inject) == step)
             nl_trainer_inject_nan(tr);
@@ -288,7 +339,8 @@ static int run_train(const train_opts *o)
                              .tf32 = o->tf32};
         rep.has_eval =
             o->r.eval_every > 0 && ((step + 1) % o->r.eval_every == 0 || step + 1 == o->r.steps);
-        if (rep.has_eval && eval_loss(tr, ds, o, tokens, targets, &rep.eval_loss, &err) != NL_OK)
+        if (rep.has_eval &&
+            eval_loss(tr, ds, o, obj, &m->cfg, tokens, targets, &rep.eval_loss, &err) != NL_OK)
             goto out;
         nl_train_report_step(&rep, tty, logf);
         if (o->r.ckpt_every > 0 && (step + 1) % o->r.ckpt_every == 0 && step + 1 < o->r.steps) {
@@ -339,11 +391,16 @@ int nl_cmd_train(int argc, char **argv)
          "train is refused before any work)",
          NULL},
         NL_CLI_TF32_FLAG,
+        {"objective", 1,
+         "clm (next token), mlm (masked tokens, DESIGN 6: mask_prob of the positions, mask id "
+         "<|pad|>) or classify; default: the config's objective",
+         NULL},
         {0}};
     const char *usage = "neuroctl train --model MODEL --data DATA --steps N --batch B --seq T "
                         "[--microbatches M] [--lr X] [--warmup W] [--seed S] [--eval-every K] "
                         "[--checkpoint-every K] [--log LOG.jsonl] [--out FINAL.safetensors] "
-                        "[--resume CKPT] [--threads N] [--device D] [--tf32]";
+                        "[--resume CKPT] [--threads N] [--device D] [--tf32] "
+                        "[--objective clm|mlm|classify]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -354,6 +411,7 @@ int nl_cmd_train(int argc, char **argv)
     o.out = nl_args_get(flags, "out");
     o.resume = nl_args_get(flags, "resume");
     o.ckpt_dir = nl_args_get(flags, "checkpoint-dir");
+    o.objective = nl_args_get(flags, "objective");
     if ((!o.model && !o.resume) || !o.data || !nl_args_get(flags, "steps")) {
         nl_args_help(stderr, usage, flags);
         return 2;

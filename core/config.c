@@ -19,6 +19,7 @@ void nl_config_init(nl_config *cfg)
     cfg->global_every = 1;
     cfg->rope_scaling.beta_fast = 32.0;
     cfg->rope_scaling.beta_slow = 1.0;
+    cfg->mask_prob = 0.3;
 }
 
 void nl_config_fill_derived(nl_config *cfg)
@@ -52,6 +53,13 @@ static nl_status validate_variants(const nl_config *c, nl_error *err)
         BAD("attention_window: %d is outside 0..%d", c->attention_window, NL_CONFIG_MAX_SEQ);
     if (c->global_every < 1 || c->global_every > NL_CONFIG_MAX_LAYERS)
         BAD("global_every: %d is outside 1..%d", c->global_every, NL_CONFIG_MAX_LAYERS);
+    if (c->objective != NL_OBJ_CLM && c->objective != NL_OBJ_MLM)
+        BAD("objective: %d is neither clm nor mlm", c->objective);
+    if (!(c->mask_prob > 0.0) || !(c->mask_prob <= 1.0))
+        BAD("mask_prob: %g must be in (0, 1]", c->mask_prob);
+    if (c->objective == NL_OBJ_MLM && c->vocab_size <= NL_CONFIG_MASK_ID)
+        BAD("objective: mlm needs vocab_size above the mask id %d (<|pad|>), not %lld",
+            NL_CONFIG_MASK_ID, (long long)c->vocab_size);
     const nl_rope_scaling *r = &c->rope_scaling;
     if (r->type == NL_ROPE_NONE)
         return NL_OK;

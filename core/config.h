@@ -30,7 +30,16 @@ typedef struct nl_config {
     int attention_window; /* W > 0: local layers; 0: global (default) */
     int global_every;     /* with a window, layer l is global when l % n == 0; 1 */
     nl_rope_scaling rope_scaling; /* type NL_ROPE_NONE (default) or NL_ROPE_YARN */
+    int objective;        /* NL_OBJ_CLM (default) or NL_OBJ_MLM */
+    double mask_prob;     /* mlm: share of positions masked; 0.3 */
 } nl_config;
+
+/* objective */
+enum { NL_OBJ_CLM = 0, NL_OBJ_MLM = 1 };
+
+/* The masked-LM mask id: the tokenizer's reserved <|pad|> (258), which
+ * encoding never emits (core/tokenizer.h, NL_TOKEN_PAD). */
+#define NL_CONFIG_MASK_ID 258
 
 /* ffn_act */
 enum { NL_FFN_SWIGLU = 0, NL_FFN_GEGLU = 1 };

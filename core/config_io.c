@@ -31,6 +31,7 @@ typedef enum { K_INT, K_I64, K_DBL, K_BOOL, K_ENUM, K_MAP } key_kind;
 
 static const char *const ffn_acts[] = {"swiglu", "geglu", NULL};
 static const char *const rope_types[] = {"none", "yarn", NULL};
+static const char *const objectives[] = {"clm", "mlm", NULL};
 
 #define RS(f) offsetof(nl_config, rope_scaling) + offsetof(nl_rope_scaling, f)
 static const struct key {
@@ -63,6 +64,8 @@ static const struct key {
     {"rope_scaling.original_max_seq_len", K_INT, RS(original_max_seq_len), 1, 1, NULL},
     {"rope_scaling.beta_fast", K_DBL, RS(beta_fast), 1, 1, NULL},
     {"rope_scaling.beta_slow", K_DBL, RS(beta_slow), 1, 1, NULL},
+    {"objective", K_ENUM, offsetof(nl_config, objective), 1, 0, objectives},
+    {"mask_prob", K_DBL, offsetof(nl_config, mask_prob), 1, 0, NULL},
 };
 #undef RS
 #define NKEYS (sizeof keys / sizeof keys[0])
@@ -184,7 +187,9 @@ static const char *key_want(int k)
     case K_BOOL:
         return "true or false";
     case K_ENUM:
-        return keys[k].names == ffn_acts ? "swiglu or geglu" : "yarn";
+        return keys[k].names == ffn_acts ? "swiglu or geglu"
+               : keys[k].names == objectives ? "clm or mlm"
+                                             : "yarn";
     case K_MAP:
         return "a mapping";
     default:
