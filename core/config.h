@@ -32,6 +32,7 @@ typedef struct nl_config {
     nl_rope_scaling rope_scaling; /* type NL_ROPE_NONE (default) or NL_ROPE_YARN */
     int objective;        /* NL_OBJ_CLM (default) or NL_OBJ_MLM */
     double mask_prob;     /* mlm: share of positions masked; 0.3 */
+    int num_classes;      /* K > 0: classifier.weight [K, d] on mean-pooled states; 0 */
 } nl_config;
 
 /* objective */

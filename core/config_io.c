@@ -66,6 +66,7 @@ static const struct key {
     {"rope_scaling.beta_slow", K_DBL, RS(beta_slow), 1, 1, NULL},
     {"objective", K_ENUM, offsetof(nl_config, objective), 1, 0, objectives},
     {"mask_prob", K_DBL, offsetof(nl_config, mask_prob), 1, 0, NULL},
+    {"num_classes", K_INT, offsetof(nl_config, num_classes), 1, 0, NULL},
 };
 #undef RS
 #define NKEYS (sizeof keys / sizeof keys[0])

@@ -11,7 +11,9 @@ int64_t nl_stage_param_count(const nl_config *c, int n_layers, int has_embed, in
                               (nl_config_dense(c) ? 0 : (int64_t)c->num_experts * d) +
                               3LL * c->num_experts * c->ffn_dim * d;
     const int64_t table = nl_config_capacity(c) * d;
-    return per_layer * n_layers + (has_embed ? table : 0) + (has_head ? table + d : 0);
+    const int64_t classifier = (int64_t)c->num_classes * d;
+    return per_layer * n_layers + (has_embed ? table : 0) +
+           (has_head ? table + d + classifier : 0);
 }
 
 /* Host-side routing arrays of one activation set (layer.c: probs_h,

@@ -83,6 +83,9 @@ static nl_status build_layout(nl_model *m, layout *lo, nl_error *err)
     if (m->has_head && ok) {
         ok &= layout_add(lo, NL_PARAM_NORM, 0, d, 0, "norm.weight") != NULL;
         ok &= layout_add(lo, NL_PARAM_TABLE, std, m->capacity, d, "lm_head.weight") != NULL;
+        if (c->num_classes > 0 && ok) /* DESIGN 6: on the mean-pooled final states */
+            ok &= layout_add(lo, NL_PARAM_MATRIX, std, c->num_classes, d, "classifier.weight") !=
+                  NULL;
     }
     if (!ok)
         return nl_error_set(err, NL_ERR_NOMEM, "model layout: out of memory");
@@ -125,6 +128,8 @@ static nl_status bind_pointers(nl_model *m, nl_error *err)
     if (m->has_head) {
         m->norm = m->params + t[i++].offset;
         m->lm_head = m->params + t[i++].offset;
+        if (c->num_classes > 0)
+            m->classifier = m->params + t[i++].offset;
     }
     return NL_OK;
 }

@@ -61,6 +61,7 @@ typedef struct nl_model {
     nl_layer_weights *layers; /* l1 - l0 entries */
     float *norm;           /* (d) or NULL */
     float *lm_head;        /* (C, d) or NULL */
+    float *classifier;     /* (num_classes, d) with the head when num_classes > 0, or NULL */
 } nl_model;
 
 /* Build the stage [l0, l1) with zeroed parameters. The config must pass

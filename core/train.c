@@ -16,6 +16,12 @@ typedef struct train_slot {
     float *logits;       /* head: (N, V), the loss gradient after the forward */
     int32_t *doc_h;      /* (N) host: the documents of its packed rows */
     int has_doc;         /* doc_h holds this microbatch's documents */
+    /* classification (num_classes > 0, nl_trainer_set_labels) */
+    int classify;        /* this microbatch trains the classifier */
+    int32_t *lengths_h;  /* (B) host: valid positions of each sequence */
+    float *pooled;       /* (B, d) mean of the valid final-normed states */
+    float *clogits;      /* (B, K) class logits, then their gradient */
+    int32_t *labels_d;   /* (B) */
 } train_slot;
 
 struct nl_trainer {
@@ -28,6 +34,9 @@ struct nl_trainer {
     int32_t *doc_h;       /* (N) host: documents for the next passes (nl_trainer_set_docs) */
     int has_doc;
     int32_t *doc_d;       /* (N) device: the documents of the pass running */
+    int32_t *labels_h, *lengths_h; /* (max_rows) host: classification of the next forward */
+    int has_labels;
+    float *dpooled;       /* (max_rows, d) */
     train_slot *slots;
     nl_layer_acts work; /* recompute and counting passes */
     nl_layer_grads_scratch sc;
@@ -100,6 +109,12 @@ static nl_status slot_alloc(nl_trainer *t, train_slot *s, nl_error *err)
         ok &= (s->xnf = be->alloc(be, N * d * sizeof(float))) != NULL;
         ok &= (s->rstdf = be->alloc(be, N * sizeof(float))) != NULL;
         ok &= (s->logits = be->alloc(be, N * (size_t)c->vocab_size * sizeof(float))) != NULL;
+        if (c->num_classes > 0) {
+            ok &= (s->lengths_h = calloc(N, sizeof(int32_t))) != NULL;
+            ok &= (s->pooled = be->alloc(be, N * d * sizeof(float))) != NULL;
+            ok &= (s->clogits = be->alloc(be, N * (size_t)c->num_classes * sizeof(float))) != NULL;
+            ok &= (s->labels_d = be->alloc(be, N * sizeof(int32_t))) != NULL;
+        }
     }
     if (!ok)
         return nl_error_set(err, NL_ERR_NOMEM, "trainer: cannot allocate activations for %d rows",
@@ -129,6 +144,10 @@ static void slot_free(nl_trainer *t, train_slot *s)
         be->free(be, s->x_final);
     be->free(be, s->tokens_d);
     free(s->doc_h);
+    free(s->lengths_h);
+    be->free(be, s->pooled);
+    be->free(be, s->clogits);
+    be->free(be, s->labels_d);
     be->free(be, s->xnf);
     be->free(be, s->rstdf);
     be->free(be, s->logits);
@@ -162,6 +181,11 @@ nl_status nl_trainer_new(nl_trainer **out, nl_model *m, int max_rows, int slots,
     ok &= (t->pos_d = be->alloc(be, N * sizeof(int32_t))) != NULL;
     ok &= (t->doc_d = be->alloc(be, N * sizeof(int32_t))) != NULL;
     ok &= (t->doc_h = calloc(N, sizeof(int32_t))) != NULL;
+    if (m->has_head && c->num_classes > 0) {
+        ok &= (t->labels_h = calloc(N, sizeof(int32_t))) != NULL;
+        ok &= (t->lengths_h = calloc(N, sizeof(int32_t))) != NULL;
+        ok &= (t->dpooled = be->alloc(be, N * d * sizeof(float))) != NULL;
+    }
     ok &= (t->targets_d = be->alloc(be, N * sizeof(int32_t))) != NULL;
     ok &= (t->losses_d = be->alloc(be, N * sizeof(float))) != NULL;
     ok &= (t->pos_h = calloc(N, sizeof(int32_t))) != NULL;
@@ -206,11 +230,14 @@ void nl_trainer_destroy(nl_trainer **tp)
     if (t->sc.dh1)
         nl_layer_scratch_free(&t->sc, be);
     void *dev[] = {t->grads,     t->mom[0],   t->mom[1],   t->dbuf[0],       t->dbuf[1], t->pos_d,
-                   t->targets_d, t->losses_d, t->counts_d, t->global_frac_d, t->aux_d, t->doc_d};
+                   t->targets_d, t->losses_d, t->counts_d, t->global_frac_d, t->aux_d, t->doc_d,
+                   t->dpooled};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         be->free(be, dev[i]);
     free(t->pos_h);
     free(t->doc_h);
+    free(t->labels_h);
+    free(t->lengths_h);
     free(t->neg_pos_h);
     free(t->targets_h);
     free(t->losses_h);
@@ -261,6 +288,69 @@ nl_status nl_trainer_set_docs(nl_trainer *t, const int32_t *doc, int rows, nl_er
     memcpy(t->doc_h, doc, (size_t)rows * sizeof *doc);
     t->has_doc = 1;
     return NL_OK;
+}
+
+nl_status nl_trainer_set_labels(nl_trainer *t, const int32_t *labels, const int32_t *lengths,
+                                int B, int T, nl_error *err)
+{
+    const int K = t->m->cfg.num_classes;
+    t->has_labels = 0;
+    if (!labels)
+        return NL_OK;
+    if (!t->m->has_head || K <= 0)
+        return nl_error_set(err, NL_ERR_INVALID,
+                            "trainer: labels need the last stage of a model with num_classes");
+    if (B < 1 || T < 1 || (long)B * T > t->max_rows)
+        return nl_error_set(err, NL_ERR_SHAPE, "trainer: labels for %d x %d rows", B, T);
+    for (int b = 0; b < B; b++) {
+        if (labels[b] < 0 || labels[b] >= K)
+            return nl_error_set(err, NL_ERR_RANGE, "label %d of sequence %d is outside 0..%d",
+                                labels[b], b, K - 1);
+        if (!lengths || lengths[b] < 1 || lengths[b] > T)
+            return nl_error_set(err, NL_ERR_RANGE, "sequence %d: length %d is outside 1..%d", b,
+                                lengths ? lengths[b] : 0, T);
+    }
+    memcpy(t->labels_h, labels, (size_t)B * sizeof *labels);
+    memcpy(t->lengths_h, lengths, (size_t)B * sizeof *lengths);
+    t->has_labels = 1;
+    return NL_OK;
+}
+
+/* The classifier's forward and loss over the final-normed states of slot s
+ * (DESIGN 6): pooled[b] = mean of xnf over its lengths[b] first positions
+ * (one GEMM with a row of ones each), logits = pooled W^T, cross-entropy
+ * with the labels; the logits become their gradient. */
+static void classify_forward(nl_trainer *t, train_slot *s, int B, int T)
+{
+    nl_backend *be = t->be;
+    const nl_model *m = t->m;
+    const int d = m->cfg.hidden_dim, K = m->cfg.num_classes;
+    for (int b = 0; b < B; b++) {
+        const int n = s->lengths_h[b];
+        be->gemm(be, 0, 0, 1, d, n, 1.0f / (float)n, t->sc.ones, n, s->xnf + (size_t)b * T * d, d,
+                 0.0f, s->pooled + (size_t)b * d, d);
+    }
+    be->gemm(be, 0, 1, B, K, d, 1.0f, s->pooled, d, m->classifier, d, 0.0f, s->clogits, K);
+    be->upload(be, s->labels_d, t->labels_h, (size_t)B * sizeof(int32_t));
+    be->cross_entropy(be, s->clogits, t->losses_d, s->labels_d, B, K, 1.0f / (float)t->loss_rows);
+}
+
+/* Its backward into dxn (N, d): the classifier's gradient, and each
+ * pooled gradient spread evenly over the positions it averaged. */
+static void classify_backward(nl_trainer *t, train_slot *s, float *dxn, int B, int T)
+{
+    nl_backend *be = t->be;
+    const nl_model *m = t->m;
+    const int d = m->cfg.hidden_dim, K = m->cfg.num_classes;
+    be->gemm(be, 1, 0, K, d, B, 1.0f, s->clogits, K, s->pooled, d, 1.0f,
+             t->grads + (m->classifier - m->params), d);
+    be->gemm(be, 0, 0, B, d, K, 1.0f, s->clogits, K, m->classifier, d, 0.0f, t->dpooled, d);
+    be->zero(be, dxn, (size_t)B * T * d * sizeof(float));
+    for (int b = 0; b < B; b++) {
+        const int n = s->lengths_h[b];
+        be->gemm(be, 1, 0, n, d, 1, 1.0f / (float)n, t->sc.ones, n, t->dpooled + (size_t)b * d, d,
+                 0.0f, dxn + (size_t)b * T * d, d);
+    }
 }
 
 /* Positions (restarting at each new document of packed rows, doc not
@@ -350,6 +440,18 @@ const float *nl_trainer_count_output(const nl_trainer *t)
     return t->work.x_in;
 }
 
+/* Add the first n row losses to *ce_sum (one download). */
+static nl_status add_losses(nl_trainer *t, int n, double *ce_sum, nl_error *err)
+{
+    t->be->download(t->be, t->losses_h, t->losses_d, (size_t)n * sizeof(float));
+    double sum = 0.0;
+    for (int i = 0; i < n; i++)
+        sum += t->losses_h[i];
+    if (ce_sum)
+        *ce_sum += sum;
+    return nl_backend_check(t->be, err); /* a device's asynchronous error */
+}
+
 nl_status nl_trainer_forward(nl_trainer *t, int slot, int B, int T, const int32_t *tokens,
                              const float *x_in, const int32_t *targets, double *ce_sum,
                              double *aux, nl_error *err)
@@ -396,6 +498,13 @@ nl_status nl_trainer_forward(nl_trainer *t, int slot, int B, int T, const int32_
     }
     if (!m->has_head)
         return nl_backend_check(be, err); /* a device's asynchronous error */
+    s->classify = t->has_labels;
+    if (s->classify) { /* the classifier on mean-pooled states, not the LM head */
+        memcpy(s->lengths_h, t->lengths_h, (size_t)B * sizeof *s->lengths_h);
+        be->rmsnorm_forward(be, s->xnf, s->rstdf, s->x_final, m->norm, N, d, (float)c->norm_eps);
+        classify_forward(t, s, B, T);
+        return add_losses(t, B, ce_sum, err);
+    }
     /* head and loss: the logits become their gradient in place */
     if (!targets)
         return nl_error_set(err, NL_ERR_INVALID, "trainer: last stage needs targets");
@@ -409,13 +518,7 @@ nl_status nl_trainer_forward(nl_trainer *t, int slot, int B, int T, const int32_
     be->gemm(be, 0, 1, N, V, d, 1.0f, s->xnf, d, m->lm_head, d, 0.0f, s->logits, V);
     be->cross_entropy(be, s->logits, t->losses_d, t->targets_d, N, V,
                       1.0f / (float)t->loss_rows);
-    be->download(be, t->losses_h, t->losses_d, (size_t)N * sizeof(float));
-    double sum = 0.0;
-    for (int n = 0; n < N; n++)
-        sum += t->losses_h[n];
-    if (ce_sum)
-        *ce_sum += sum;
-    return nl_backend_check(be, err); /* a device's asynchronous error */
+    return add_losses(t, N, ce_sum, err);
 }
 
 const float *nl_trainer_output(const nl_trainer *t, int slot)
@@ -433,7 +536,12 @@ nl_status nl_trainer_backward(nl_trainer *t, int slot, const float *dy, nl_error
     train_slot *s = &t->slots[slot];
     const int B = s->B, T = s->T, N = B * T, d = c->hidden_dim, E = c->num_experts;
     int cur = 0;
-    if (m->has_head) {
+    if (m->has_head && s->classify) {
+        classify_backward(t, s, t->sc.dxn, B, T);
+        be->zero(be, t->dbuf[0], (size_t)N * d * sizeof(float));
+        be->rmsnorm_backward(be, t->dbuf[0], t->grads + (m->norm - m->params), t->sc.dxn,
+                             s->x_final, m->norm, s->rstdf, N, d);
+    } else if (m->has_head) {
         const int V = (int)c->vocab_size;
         float *dlm = t->grads + (m->lm_head - m->params);
         be->gemm(be, 1, 0, V, d, N, 1.0f, s->logits, V, s->xnf, d, 1.0f, dlm, d);

@@ -62,6 +62,19 @@ void nl_trainer_set_loss_rows(nl_trainer *t, int64_t rows);
  * slot's documents for its backward. */
 nl_status nl_trainer_set_docs(nl_trainer *t, const int32_t *doc, int rows, nl_error *err);
 
+/* Classification (DESIGN 6; the last stage of a model with num_classes
+ * K > 0): for the B sequences of T positions of the following forwards
+ * (until set again; NULL labels: the language-model head again), their
+ * classes labels[b] in [0, K) and valid lengths lengths[b] in [1, T]. The
+ * head then pools the final-normed states over each sequence's valid
+ * positions (their mean), applies classifier.weight and adds the
+ * cross-entropy of the labels (one per sequence: set the loss rows to
+ * the batch's sequences); targets may be NULL. Pad positions should be a
+ * document of their own (nl_trainer_set_docs) where attention is
+ * bidirectional. */
+nl_status nl_trainer_set_labels(nl_trainer *t, const int32_t *labels, const int32_t *lengths,
+                                int B, int T, nl_error *err);
+
 /* Counting pass for one microbatch (forward only, nothing kept): add this
  * microbatch's expert assignments to the step's counts, which add up on
  * the device. Input as for nl_trainer_forward. After all microbatches,

@@ -12,7 +12,7 @@
  * tests/golden/gen_golden.py, FAMILIES) */
 static const char *const configs[] = {"odd",   "t1",     "long",   "topk3",  "enc",
                                       "geglu", "dense",  "window", "encwin", "yarn",
-                                      "packed", "ignore", "combo"};
+                                      "packed", "ignore", "combo", "classify"};
 
 static int read_ints(nl_st_file *f, const char *name, int32_t **out, int *B, int *T)
 {
@@ -24,6 +24,22 @@ static int read_ints(nl_st_file *f, const char *name, int32_t **out, int *B, int
     const int64_t *src = nl_st_tensor_data(f, e);
     *out = malloc((size_t)*B * *T * sizeof(int32_t));
     for (int i = 0; i < *B * *T; i++) {
+        int64_t v;
+        memcpy(&v, src + i, sizeof v);
+        (*out)[i] = (int32_t)v;
+    }
+    return 0;
+}
+
+/* An I64 [B] vector as int32 (classification lengths and labels). */
+static int read_vec(nl_st_file *f, const char *name, int32_t **out, int B)
+{
+    const nl_st_entry *e = nl_st_find(f, name);
+    if (!e || e->dtype != NL_DTYPE_I64 || e->ndim != 1 || e->shape[0] != B)
+        return -1;
+    const int64_t *src = nl_st_tensor_data(f, e);
+    *out = malloc((size_t)B * sizeof(int32_t));
+    for (int i = 0; i < B; i++) {
         int64_t v;
         memcpy(&v, src + i, sizeof v);
         (*out)[i] = (int32_t)v;
@@ -52,7 +68,7 @@ static void check_config(nl_backend *be, const char *name)
     nl_st_file *fb = NULL, *ff = NULL, *fg = NULL;
     nl_runstate *rs = NULL;
     nl_trainer *tr = NULL;
-    int32_t *tok = NULL, *tgt = NULL, *doc = NULL;
+    int32_t *tok = NULL, *tgt = NULL, *doc = NULL, *labels = NULL, *lengths = NULL;
     float *g = NULL; /* host copy of the gradients */
     int B = 0, T = 0, B2 = 0, T2 = 0;
     CHECK_OK(nl_checkpoint_load(&m, be, path[0], 0, -1, 1, 1, NULL, &err), &err);
@@ -61,17 +77,20 @@ static void check_config(nl_backend *be, const char *name)
     CHECK_OK(nl_st_open(&fg, path[3], &err), &err);
     if (!m || !fb || !ff || !fg)
         goto out;
-    CHECK(read_ints(fb, "tokens", &tok, &B, &T) == 0 &&
-              read_ints(fb, "targets", &tgt, &B2, &T2) == 0,
-          "%s: batch", name);
-    if (!tok || !tgt)
+    CHECK(read_ints(fb, "tokens", &tok, &B, &T) == 0, "%s: batch", name);
+    if (nl_st_find(fb, "labels")) /* classification: one label per sequence */
+        CHECK(read_vec(fb, "labels", &labels, B) == 0 && read_vec(fb, "lengths", &lengths, B) == 0,
+              "%s: labels", name);
+    else
+        CHECK(read_ints(fb, "targets", &tgt, &B2, &T2) == 0, "%s: targets", name);
+    if (!tok || (!tgt && !labels))
         goto out;
     int B3 = 0, T3 = 0; /* packed rows: their documents */
     if (nl_st_find(fb, "doc"))
         CHECK(read_ints(fb, "doc", &doc, &B3, &T3) == 0 && B3 == B && T3 == T, "%s: doc", name);
     const int V = (int)m->cfg.vocab_size;
-    int valid = 0; /* targets below 0 are ignored */
-    for (int i = 0; i < B * T; i++)
+    int valid = labels ? B : 0; /* targets below 0 are ignored */
+    for (int i = 0; tgt && i < B * T; i++)
         valid += tgt[i] >= 0;
 
     /* forward */
@@ -101,6 +120,7 @@ static void check_config(nl_backend *be, const char *name)
     nl_trainer_begin_step(tr, (int64_t)B * T);
     nl_trainer_set_loss_rows(tr, valid);
     CHECK_OK(nl_trainer_set_docs(tr, doc, B * T, &err), &err);
+    CHECK_OK(nl_trainer_set_labels(tr, labels, lengths, B, T, &err), &err);
     CHECK_OK(nl_trainer_forward(tr, 0, B, T, tok, NULL, tgt, &ce, &aux2, &err), &err);
     CHECK_OK(nl_trainer_backward(tr, 0, NULL, &err), &err);
     const double ce_loss = ce / valid, loss = ce_loss + m->cfg.aux_loss_coef * aux2;
@@ -150,6 +170,8 @@ out:
     free(tok);
     free(tgt);
     free(doc);
+    free(labels);
+    free(lengths);
     nl_trainer_destroy(&tr);
     nl_runstate_destroy(&rs);
     nl_st_close(&fb);

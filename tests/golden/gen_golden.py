@@ -93,10 +93,18 @@ FAMILIES = {
               1, 100, 5800, 3, 0.3),
 }
 
+# Classification heads (DESIGN 6): an encoder with GeGLU and alternating
+# windows, sequences padded to T (the pads a document of their own), one
+# label each: name: (config keys, batch, seq, base seed).
+CLASSIFY = {
+    "classify": (dict(_FAM, causal=False, ffn_act="geglu", attention_window=8,
+                      global_every=2, num_classes=5), 3, 20, 5900),
+}
+
 # std of the normal draw per weight kind (norm weights: 1 + 0.1 * normal)
 STD = {"tok_embeddings": 1.0, "wq": 0.25, "wk": 0.25, "wv": 0.2, "wo": 0.15,
        "router": 0.3, "w_gate": 0.2, "w_up": 0.2, "w_down": 0.15,
-       "lm_head": 0.15}
+       "lm_head": 0.15, "classifier": 0.3}
 
 
 def sensitive_weights(cfg, gen):
@@ -181,6 +189,47 @@ def describe(cfg, weights, tokens, doc=None):
         " ".join("%.2f" % p for p in probs), logits.std().item())
 
 
+def classify_case(name, cfg_kw, batch, seq, seed):
+    """Draw a padded, labelled batch and write the four files: the batch
+    has tokens, lengths [B] and labels [B] (and doc: 0 valid, 1 pad); the
+    forward file the LM logits of the same rows; grads the classifier
+    loss's."""
+    cfg = nlref.make_config(**cfg_kw)
+    for s in range(seed, seed + 100):
+        gen = torch.Generator().manual_seed(s)
+        weights = sensitive_weights(cfg, gen)
+        tokens = torch.randint(0, cfg["vocab_size"], (batch, seq),
+                               generator=gen, dtype=torch.int64)
+        lengths = torch.randint(seq // 4, seq + 1, (batch,), generator=gen,
+                                dtype=torch.int64)
+        labels = torch.randint(0, cfg["num_classes"], (batch,),
+                               generator=gen, dtype=torch.int64)
+        doc = (torch.arange(seq)[None, :] >= lengths[:, None]).to(torch.int64)
+        tokens = tokens.masked_fill(doc.bool(), 0)
+        model = nlref.NeuroLLM(cfg, weights).double()
+        if min(nlref.router_margins(model, tokens, doc)) >= MIN_ROUTER_GAP:
+            break
+    logits, aux = model(tokens, doc=doc)
+    loss, ce, aux2 = nlref.classify_loss(model, tokens, lengths, labels, doc)
+    loss.backward()
+    grads = {n: (torch.zeros_like(p) if p.grad is None else p.grad).float()
+             for n, p in model.named_parameters()}
+    grads.update(loss=loss.detach().float(), ce_loss=ce.detach().float(),
+                 aux_loss=aux2.detach().float())
+    base = os.path.join(DATA, name)
+    nlref.save_checkpoint(base + ".model.safetensors", cfg, weights)
+    nlref.save_safetensors(base + ".batch.safetensors",
+                           {"tokens": tokens, "doc": doc, "lengths": lengths,
+                            "labels": labels}, {"seed": str(s)})
+    nlref.save_safetensors(base + ".forward.safetensors",
+                           {"logits": logits.detach().float(),
+                            "aux_loss": aux.detach().float()})
+    nlref.save_safetensors(base + ".grads.safetensors", grads)
+    print("%-6s seed %d  loss %.6f ce %.6f aux %.6f" %
+          (name, s, grads["loss"], grads["ce_loss"], grads["aux_loss"]))
+    return 0
+
+
 def write_case(name, cfg, weights, tokens, targets, used, doc=None):
     """Write the four files of one case; returns their sizes."""
     fwd, grads = golden(cfg, weights, tokens, targets, doc)
@@ -207,7 +256,7 @@ def write_case(name, cfg, weights, tokens, targets, used, doc=None):
 def main():
     os.makedirs(DATA, exist_ok=True)
     torch.set_num_threads(1)
-    names = sys.argv[1:] or list(CONFIGS) + list(FAMILIES)
+    names = sys.argv[1:] or list(CONFIGS) + list(FAMILIES) + list(CLASSIFY)
     total = 0
     for name in names:
         if name in CONFIGS:
@@ -217,6 +266,8 @@ def main():
             cfg_kw, batch, seq, seed, docs, ignored = FAMILIES[name]
             total += write_case(name, *make_case(cfg_kw, batch, seq, seed,
                                                  docs, ignored))
+        elif name in CLASSIFY:
+            total += classify_case(name, *CLASSIFY[name])
         else:
             sys.exit("unknown config %s" % name)
     print("total %d bytes (%.2f MB) in %s" % (total, total / 1e6, DATA))

@@ -34,7 +34,8 @@ CONFIG_KEYS = ("vocab_size", "vocab_chunk", "hidden_dim", "num_layers",
 # differ from these defaults (so a section 2 config reads as it always did)
 VARIANT_DEFAULTS = {"causal": True, "ffn_act": "swiglu",
                     "attention_window": 0, "global_every": 1,
-                    "rope_scaling": None}
+                    "rope_scaling": None, "objective": "clm",
+                    "mask_prob": 0.3, "num_classes": 0}
 INT_KEYS = ("vocab_size", "vocab_chunk", "hidden_dim", "num_layers",
             "num_heads", "num_kv_heads", "ffn_dim", "num_experts", "top_k",
             "max_seq_len")
@@ -157,6 +158,8 @@ def weight_shapes(cfg):
             shapes[q + "w_down.weight"] = (d, f)
     shapes["norm.weight"] = (d,)
     shapes["lm_head.weight"] = (c, d)
+    if cfg.get("num_classes", 0) > 0:
+        shapes["classifier.weight"] = (cfg["num_classes"], d)
     return shapes
 
 
@@ -564,6 +567,8 @@ class NeuroLLM(nn.Module):
                                     for l in range(cfg["num_layers"]))
         self.norm = RMSNorm(d, cfg["norm_eps"])
         self.lm_head = Head(c, d, cfg["vocab_size"])
+        if cfg.get("num_classes", 0) > 0:  # DESIGN 6: on mean-pooled states
+            self.classifier = nn.Linear(d, cfg["num_classes"], bias=False)
         if weights is None:
             weights = init_weights(cfg)
         self.load_weights(weights)
@@ -603,6 +608,23 @@ class NeuroLLM(nn.Module):
         """
         h, aux = self.hidden(tokens, caches, doc)
         return self.lm_head(h), aux
+
+
+def classify(model, tokens, lengths, doc=None):
+    """(class logits [B, K], sum of aux_l): the classifier on the mean over
+    each sequence's first lengths[b] final-normed states (DESIGN 6)."""
+    h, aux = model.hidden(tokens, doc=doc)
+    t = tokens.shape[1]
+    valid = (torch.arange(t)[None, :] < lengths[:, None]).to(h.dtype)
+    pooled = (h * valid[..., None]).sum(1) / lengths[:, None].to(h.dtype)
+    return model.classifier(pooled), aux
+
+
+def classify_loss(model, tokens, lengths, labels, doc=None):
+    """(loss, mean cross-entropy over the B labels, aux)."""
+    logits, aux = classify(model, tokens, lengths, doc)
+    ce = F.cross_entropy(logits, labels)
+    return ce + model.cfg["aux_loss_coef"] * aux, ce, aux
 
 
 def doc_positions(doc):
