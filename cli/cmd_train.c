@@ -12,6 +12,7 @@
 #include "core/checkpoint.h"
 #include "core/data.h"
 #include "core/fileio.h"
+#include "core/labelled.h"
 #include "core/memory.h"
 #include "core/safetensors.h"
 #include "core/tokenizer.h"
@@ -150,9 +151,10 @@ static nl_status pick_objective(const train_opts *o, const nl_config *c, int *ob
                             "--objective mlm: the model's vocab_size %lld does not hold the mask "
                             "id %d (<|pad|>)",
                             (long long)c->vocab_size, NL_CONFIG_MASK_ID);
-    if (*obj == OBJ_CLASSIFY)
-        return nl_error_set(err, NL_ERR_UNSUPPORTED,
-                            "--objective classify: classification heads are not built yet");
+    if (*obj == OBJ_CLASSIFY && c->num_classes <= 0)
+        return nl_error_set(err, NL_ERR_INVALID,
+                            "--objective classify: the model has no classifier (set num_classes "
+                            "in its config)");
     return NL_OK;
 }
 
@@ -376,6 +378,172 @@ out:
     return rc;
 }
 
+/* ---------------------------------------------------------------- classify */
+
+/* Held-out loss and accuracy of the classifier over eval_batches batches. */
+static nl_status eval_classify(nl_trainer *tr, const nl_labelled *ds, const train_opts *o, int K,
+                               int32_t *tokens, int32_t *lengths, int32_t *labels, int32_t *doc,
+                               float *probs, double *loss, double *acc, nl_error *err)
+{
+    const int B = (int)o->r.batch, T = (int)o->r.seq;
+    double ce = 0.0;
+    int64_t right = 0, n = 0;
+    nl_status st = NL_OK;
+    for (long long i = 0; i < o->r.eval_batches && st == NL_OK; i++) {
+        if ((st = nl_labelled_batch(ds, 1, (uint64_t)o->r.seed, (uint64_t)i, B, T, tokens, lengths,
+                                    labels, doc, err)) != NL_OK)
+            break;
+        nl_trainer_begin_step(tr, (int64_t)B * T);
+        nl_trainer_set_loss_rows(tr, B);
+        if ((st = nl_trainer_set_docs(tr, doc, B * T, err)) != NL_OK ||
+            (st = nl_trainer_set_labels(tr, labels, lengths, B, T, err)) != NL_OK ||
+            (st = nl_trainer_forward(tr, 0, B, T, tokens, NULL, NULL, &ce, NULL, err)) != NL_OK ||
+            (st = nl_trainer_class_probs(tr, 0, probs, err)) != NL_OK)
+            break;
+        for (int b = 0; b < B; b++, n++) {
+            int best = 0;
+            for (int k = 1; k < K; k++)
+                best = probs[(size_t)b * K + k] > probs[(size_t)b * K + best] ? k : best;
+            right += best == labels[b];
+        }
+    }
+    nl_trainer_set_labels(tr, NULL, NULL, 0, 0, NULL);
+    nl_trainer_set_docs(tr, NULL, 0, NULL);
+    *loss = n ? ce / (double)n : 0.0;
+    *acc = n ? (double)right / (double)n : 0.0;
+    return st;
+}
+
+/* The most frequent class of the training split and its share of the
+ * held-out one: the majority-class baseline. */
+static double majority_share(const nl_labelled *ds, int *cls)
+{
+    int64_t *count = calloc((size_t)ds->n_classes, sizeof *count);
+    int best = 0;
+    int64_t held = 0, total = 0;
+    for (size_t i = 0; count && i < ds->n_train; i++)
+        count[ds->label[i]]++;
+    for (int k = 1; count && k < ds->n_classes; k++)
+        best = count[k] > count[best] ? k : best;
+    for (size_t i = ds->n_train; i < ds->n; i++, total++)
+        held += ds->label[i] == best;
+    free(count);
+    *cls = best;
+    return total ? (double)held / (double)total : 0.0;
+}
+
+/* neuroctl train --objective classify: label<TAB>text lines. */
+static int run_classify(const train_opts *o)
+{
+    nl_error err = {0};
+    nl_backend *be = NULL;
+    nl_model *m = NULL;
+    nl_trainer *tr = NULL;
+    nl_labelled *ds = NULL;
+    FILE *logf = NULL;
+    int32_t *tokens = NULL, *lengths = NULL, *labels = NULL, *doc = NULL;
+    float *probs = NULL;
+    int rc = 1, obj = OBJ_CLASSIFY, major = 0;
+    const int B = (int)o->r.batch, T = (int)o->r.seq, M = (int)o->r.micro, mb = B / M;
+    nl_config cfg;
+    carried_meta cm = {0};
+    if (nl_cli_backend_new(&be, o->device, (int)o->threads, o->tf32, 1, &err) != NL_OK ||
+        nl_checkpoint_read_config(o->model, &cfg, NULL, &err) != NL_OK ||
+        pick_objective(o, &cfg, &obj, &err) != NL_OK ||
+        nl_checkpoint_meta(o->model, "tokenizer", &cm.tokenizer, &err) != NL_OK ||
+        nl_checkpoint_meta(o->model, "init_seed", &cm.init_seed, &err) != NL_OK ||
+        nl_labelled_load(&ds, o->data, cm.tokenizer, cfg.vocab_size, o->r.holdout,
+                         (uint64_t)o->r.seed, &err) != NL_OK)
+        goto out;
+    if (ds->n_classes > cfg.num_classes) {
+        nl_error_set(&err, NL_ERR_SHAPE, "%s: %d classes, but the model's num_classes is %d",
+                     o->data, ds->n_classes, cfg.num_classes);
+        goto out;
+    }
+    if (nl_checkpoint_load(&m, be, o->model, 0, -1, 1, 1, NULL, &err) != NL_OK ||
+        nl_trainer_new(&tr, m, mb * T, 1, (int)o->r.recompute, &err) != NL_OK)
+        goto out;
+    tokens = malloc((size_t)B * T * sizeof *tokens);
+    doc = malloc((size_t)B * T * sizeof *doc);
+    lengths = malloc((size_t)B * sizeof *lengths);
+    labels = malloc((size_t)B * sizeof *labels);
+    probs = malloc((size_t)B * cfg.num_classes * sizeof *probs);
+    if (!tokens || !doc || !lengths || !labels || !probs) {
+        nl_error_set(&err, NL_ERR_NOMEM, "out of memory");
+        goto out;
+    }
+    if (o->log && !(logf = fopen(o->log, "w"))) {
+        nl_error_set(&err, NL_ERR_IO, "%s: cannot open the log", o->log);
+        goto out;
+    }
+    const double base = majority_share(ds, &major);
+    fprintf(stderr,
+            "classifying %zu examples (%zu held out) into %d classes; majority class '%s' is "
+            "%.1f%% of the held-out split\n",
+            ds->n, ds->n - ds->n_train, ds->n_classes, ds->names[major], 100.0 * base);
+    for (int k = 0; k < ds->n_classes; k++)
+        fprintf(stderr, "  class %d: %s\n", k, ds->names[k]);
+    const nl_adamw_opts adam = nl_adamw_defaults();
+    const int tty = isatty(2);
+    const double t_begin = nl_train_clock();
+    for (int64_t step = 0; step < o->r.steps; step++) {
+        const double t0 = nl_train_clock();
+        const double lr = nl_lr_at(step, o->r.steps, o->r.warmup, o->r.lr, o->r.min_lr);
+        nl_step_result r;
+        if (nl_labelled_batch(ds, 0, (uint64_t)o->r.seed, (uint64_t)step, B, T, tokens, lengths,
+                              labels, doc, &err) != NL_OK ||
+            nl_trainer_step_classify(tr, tokens, lengths, labels, doc, B, T, M, (float)lr, 1.0f,
+                                     adam, &r, &err) != NL_OK ||
+            nl_cli_device_check(be, &err) != NL_OK)
+            goto out;
+        nl_train_step rep = {.step = step + 1,
+                             .steps = o->r.steps,
+                             .loss = r.loss,
+                             .ce_loss = r.ce_loss,
+                             .aux_loss = r.aux_loss,
+                             .lr = lr,
+                             .grad_norm = r.grad_norm,
+                             .skipped = r.skipped,
+                             .tokens_per_s = (double)B * T / (nl_train_clock() - t0),
+                             .start_time = t_begin,
+                             .device = be->name,
+                             .tf32 = o->tf32};
+        rep.has_eval =
+            o->r.eval_every > 0 && ((step + 1) % o->r.eval_every == 0 || step + 1 == o->r.steps);
+        double acc = 0.0;
+        if (rep.has_eval && eval_classify(tr, ds, o, cfg.num_classes, tokens, lengths, labels, doc,
+                                          probs, &rep.eval_loss, &acc, &err) != NL_OK)
+            goto out;
+        nl_train_report_step(&rep, tty, logf);
+        if (rep.has_eval)
+            fprintf(stderr, "%sheld-out accuracy %.4f (majority class %.4f)\n", tty ? "\n" : "",
+                    acc, base);
+    }
+    if (o->out) {
+        if (save_ckpt(m, tr, o, &cm, o->out, o->r.steps, &err) != NL_OK)
+            goto out;
+        fprintf(stderr, "wrote %s\n", o->out);
+    }
+    rc = 0;
+out:
+    free(cm.tokenizer);
+    free(cm.init_seed);
+    if (logf)
+        fclose(logf);
+    free(tokens);
+    free(doc);
+    free(lengths);
+    free(labels);
+    free(probs);
+    nl_labelled_destroy(&ds);
+    nl_trainer_destroy(&tr);
+    nl_model_destroy(&m);
+    nl_backend_destroy(&be);
+    if (rc)
+        fprintf(stderr, "\nneuroctl train: %s (%s)\n", err.msg, nl_status_str(err.status));
+    return rc;
+}
+
 int nl_cmd_train(int argc, char **argv)
 {
     nl_flag flags[] = {
@@ -393,7 +561,8 @@ int nl_cmd_train(int argc, char **argv)
         NL_CLI_TF32_FLAG,
         {"objective", 1,
          "clm (next token), mlm (masked tokens, DESIGN 6: mask_prob of the positions, mask id "
-         "<|pad|>) or classify; default: the config's objective",
+         "<|pad|>) or classify (DATA: one label<TAB>text example per line; the model needs "
+         "num_classes); default: the config's objective",
          NULL},
         {0}};
     const char *usage = "neuroctl train --model MODEL --data DATA --steps N --batch B --seq T "
@@ -425,6 +594,13 @@ int nl_cmd_train(int argc, char **argv)
     if (o.r.ckpt_every > 0 && mkdir(o.ckpt_dir, 0755) != 0 && access(o.ckpt_dir, W_OK) != 0) {
         fprintf(stderr, "--checkpoint-dir: cannot create or write %s\n", o.ckpt_dir);
         return 1;
+    }
+    if (o.objective && strcmp(o.objective, "classify") == 0) {
+        if (o.resume || !o.model) {
+            fprintf(stderr, "--objective classify: give --model (--resume is for clm and mlm)\n");
+            return 2;
+        }
+        return run_classify(&o);
     }
     return run_train(&o);
 }

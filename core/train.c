@@ -659,6 +659,66 @@ nl_status nl_trainer_step_local(nl_trainer *t, const int32_t *tokens, const int3
     return NL_OK;
 }
 
+nl_status nl_trainer_step_classify(nl_trainer *t, const int32_t *tokens, const int32_t *lengths,
+                                   const int32_t *labels, const int32_t *doc, int B, int T, int M,
+                                   float lr, float clip_norm, nl_adamw_opts o,
+                                   nl_step_result *res, nl_error *err)
+{
+    memset(res, 0, sizeof *res);
+    if (M < 1 || B % M != 0)
+        return nl_error_set(err, NL_ERR_INVALID, "microbatches: %d does not divide batch %d", M, B);
+    if (!t->m->has_embed || !t->m->has_head)
+        return nl_error_set(err, NL_ERR_STATE, "local step needs the whole model");
+    const int mb = B / M;
+    const size_t rows = (size_t)mb * T;
+    nl_status st = NL_OK;
+    double ce = 0.0, aux = 0.0;
+    nl_trainer_begin_step(t, (int64_t)B * T);
+    nl_trainer_set_loss_rows(t, B); /* one prediction per sequence */
+    for (int j = 0; M > 1 && j < M && st == NL_OK; j++) {
+        if ((st = nl_trainer_set_docs(t, doc + j * rows, (int)rows, err)) == NL_OK)
+            st = nl_trainer_count_routes(t, mb, T, tokens + j * rows, NULL, err);
+    }
+    if (st != NL_OK)
+        return st;
+    if (M > 1)
+        nl_trainer_use_counts(t, NULL);
+    for (int j = 0; j < M && st == NL_OK; j++) {
+        if ((st = nl_trainer_set_docs(t, doc + j * rows, (int)rows, err)) != NL_OK ||
+            (st = nl_trainer_set_labels(t, labels + j * mb, lengths + j * mb, mb, T, err)) != NL_OK)
+            break;
+        st = nl_trainer_forward(t, 0, mb, T, tokens + j * rows, NULL, NULL, &ce, &aux, err);
+        if (st == NL_OK)
+            st = nl_trainer_backward(t, 0, NULL, err);
+    }
+    nl_trainer_set_labels(t, NULL, NULL, 0, 0, NULL);
+    nl_trainer_set_docs(t, NULL, 0, NULL);
+    if (st != NL_OK)
+        return st;
+    const double scale = nl_step_decide(res, ce, (double)B, aux, t->m->cfg.aux_loss_coef,
+                                        nl_trainer_grad_sumsq(t), clip_norm);
+    if (!res->skipped)
+        nl_trainer_step(t, lr, (float)scale, o);
+    return NL_OK;
+}
+
+nl_status nl_trainer_class_probs(const nl_trainer *t, int slot, float *probs, nl_error *err)
+{
+    const train_slot *s = slot >= 0 && slot < t->n_slots ? &t->slots[slot] : NULL;
+    if (!s || !s->classify)
+        return nl_error_set(err, NL_ERR_STATE, "trainer: no classification forward in slot %d",
+                            slot);
+    const int B = s->B, K = t->m->cfg.num_classes;
+    t->be->download(t->be, probs, s->clogits, (size_t)B * K * sizeof *probs);
+    /* the gradient is (p - onehot(label)) / loss_rows */
+    const float inv = (float)t->loss_rows;
+    for (int b = 0; b < B; b++)
+        for (int k = 0; k < K; k++)
+            probs[(size_t)b * K + k] =
+                probs[(size_t)b * K + k] * inv + (k == t->labels_h[b] ? 1.0f : 0.0f);
+    return nl_backend_check(t->be, err);
+}
+
 double nl_step_decide(nl_step_result *r, double ce_sum, double rows, double aux,
                       double aux_loss_coef, double grad_sumsq, double clip_norm)
 {

@@ -162,6 +162,22 @@ nl_status nl_trainer_step_local(nl_trainer *t, const int32_t *tokens, const int3
                                 int B, int T, int M, float lr, float clip_norm, nl_adamw_opts o,
                                 nl_step_result *res, nl_error *err);
 
+/* nl_trainer_step_local for classification (DESIGN 6): B sequences of T
+ * ids (host, (B, T)) with their valid lengths and labels (B) and the
+ * documents (B, T) that keep padding apart (0 on the text, 1 on the pads,
+ * as nl_labelled_batch makes them); the loss is the mean over the B
+ * labels. Leaves no labels or documents set. */
+nl_status nl_trainer_step_classify(nl_trainer *t, const int32_t *tokens, const int32_t *lengths,
+                                   const int32_t *labels, const int32_t *doc, int B, int T, int M,
+                                   float lr, float clip_norm, nl_adamw_opts o,
+                                   nl_step_result *res, nl_error *err);
+
+/* The class probabilities (host, (B, num_classes)) of the last
+ * classification forward in `slot`, recovered from the loss gradient
+ * the forward left in place of the logits (the labels of that forward
+ * must still be set). */
+nl_status nl_trainer_class_probs(const nl_trainer *t, int slot, float *probs, nl_error *err);
+
 /* Test hook: when set, the next backward writes NaN into the gradient of
  * its first parameter (to exercise the non-finite guard). */
 void nl_trainer_inject_nan(nl_trainer *t);

@@ -80,5 +80,41 @@ out=$("$NEUROCTL" init --config "$W/relu.yaml" --out "$W/relu.safetensors" 2>&1)
 check test $? -ne 0
 check grep -q "ffn_act: expected swiglu or geglu" <<< "$out"
 
+# classification: label<TAB>text, a head on mean-pooled states
+for i in $(seq 1 200); do
+    printf 'yes\tgood fine great nice %d\nno\tbad awful poor sad %d\n' "$i" "$i"
+done > "$W/syn.tsv"
+cat > "$W/cls.yaml" <<'YAML'
+vocab_size: 256
+vocab_chunk: 256
+hidden_dim: 32
+num_layers: 1
+num_heads: 2
+num_kv_heads: 1
+ffn_dim: 64
+num_experts: 1
+top_k: 1
+causal: false
+max_seq_len: 32
+num_classes: 2
+YAML
+check "$NEUROCTL" init --config "$W/cls.yaml" --out "$W/cls.safetensors"
+out=$("$NEUROCTL" train "${DEV[@]}" --objective classify --model "$W/cls.safetensors" \
+    --data "$W/syn.tsv" --steps 40 --batch 16 --seq 24 --lr 3e-3 --warmup 4 --eval-every 20 \
+    --threads 2 --out "$W/cls2.safetensors" 2>&1) || bad "classify train: $out"
+check grep -q "into 2 classes" <<< "$out"
+acc=$(grep -o 'held-out accuracy [0-9.]*' <<< "$out" | tail -1 | cut -d' ' -f3)
+check awk -v a="$acc" 'BEGIN { exit !(a > 0.95) }'
+echo "classifier held-out accuracy: $acc"
+out=$("$NEUROCTL" train --objective classify --model "$W/enc.safetensors" --data "$W/syn.tsv" \
+    --steps 1 --batch 2 --seq 8 2>&1)
+check test $? -ne 0
+check grep -q "has no classifier (set num_classes" <<< "$out"
+printf 'yes\tfine\nno label here\n' > "$W/broken.tsv"
+out=$("$NEUROCTL" train --objective classify --model "$W/cls.safetensors" --data "$W/broken.tsv" \
+    --steps 1 --batch 2 --seq 8 2>&1)
+check test $? -ne 0
+check grep -q "broken.tsv:2: expected label<TAB>text" <<< "$out"
+
 echo "test_families_cli: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
