@@ -14,6 +14,7 @@ static const struct {
     {"forward", nl_cmd_forward, "logits and aux loss for a batch of tokens"},
     {"generate", nl_cmd_generate, "generate tokens from a prompt with the KV cache"},
     {"grad", nl_cmd_grad, "loss and the gradient of every weight for one batch"},
+    {"embed", nl_cmd_embed, "one L2-normalised embedding per line of text (mean-pooled states)"},
     {"train", nl_cmd_train, "train a model in this process, or on a cluster (--coordinator)"},
     {"grow", nl_cmd_grow, "grow a checkpoint's vocabulary (tables and optimizer moments)"},
     {"export", nl_cmd_export, "join a sharded checkpoint, or write a Hugging Face directory"},

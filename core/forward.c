@@ -176,6 +176,11 @@ nl_status nl_forward(nl_model *m, nl_runstate *rs, const nl_forward_args *a, flo
     }
     const int V = (int)c->vocab_size;
     be->rmsnorm_forward(be, rs->xnf, NULL, h, m->norm, rows, d, (float)c->norm_eps);
+    if (a->states) { /* the final-normed states, for embeddings */
+        rs->out = rs->xnf;
+        rs->out_cols = d;
+        return nl_backend_check(be, err);
+    }
     be->gemm(be, 0, 1, rows, V, d, 1.0f, rs->xnf, d, m->lm_head, d, 0.0f, rs->logits, V);
     rs->out = rs->logits;
     rs->out_cols = V;

@@ -30,6 +30,9 @@ typedef struct nl_forward_args {
     /* host (B*T) document ids of packed rows (DESIGN 6), or NULL; no kv:
      * attention stays inside a document, positions restart for each */
     const int32_t *doc;
+    /* head: output the final-normed states (rows, d) instead of logits
+     * (embeddings, DESIGN 7) */
+    int states;
 } nl_forward_args;
 
 /* Run the stage. On success the output is at nl_runstate_output: logits

@@ -2,7 +2,8 @@
 # Integration test of the model variants of DESIGN section 6 through
 # neuroctl: an encoder (bidirectional, GeGLU, dense FFN, alternating local
 # windows, YaRN) initialised from YAML, trained with the masked-LM
-# objective until its held-out loss falls, its forward pass, and clear
+# objective until its held-out loss falls, its forward pass, embeddings
+# of it (against nlref), a classifier learning a 2-class task, and clear
 # refusals: generation from an encoder, mlm on a vocabulary without the
 # mask id, an unknown objective or key value.
 set -uo pipefail
@@ -60,6 +61,22 @@ open(sys.argv[1], "wb").write(struct.pack("<Q", len(hdr)) + hdr + struct.pack("<
 PY
 check "$NEUROCTL" forward "${DEV[@]}" --model "$W/enc2.safetensors" --tokens "$W/toks.safetensors" \
     --out "$W/logits.safetensors"
+
+# embeddings (DESIGN 7): unit rows, independent of the batch they ran in,
+# equal to nlref's pooling
+printf 'hello world\nthe cat sat on the mat, a much longer line than the others\nshort\n' \
+    > "$W/lines.txt"
+check "$NEUROCTL" embed "${DEV[@]}" --model "$W/enc2.safetensors" --input "$W/lines.txt" \
+    --out "$W/e1.safetensors" --batch 1 --seq 32
+check "$NEUROCTL" embed "${DEV[@]}" --model "$W/enc2.safetensors" --input "$W/lines.txt" \
+    --out "$W/e3.safetensors" --batch 3 --seq 32
+check cmp -s "$W/e1.safetensors" "$W/e3.safetensors"
+if /usr/bin/python3 -c 'import torch' 2>/dev/null; then
+    check /usr/bin/python3 "$NL_SOURCE_DIR/tests/golden/check_embed.py" "$W/enc2.safetensors" \
+        "$W/e3.safetensors" "$W/lines.txt" 32
+else
+    echo "check_embed.py skipped: no python3-torch"
+fi
 
 # refusals that name what is wrong
 out=$("$NEUROCTL" generate --model "$W/enc2.safetensors" --prompt-tokens 1,2 --max-new 2 2>&1)
