@@ -3,6 +3,8 @@
 #include "layer.h"
 
 #include <stdlib.h>
+
+#include "lora.h"
 #include <string.h>
 
 /* every expert count the config accepts, the routing slots take */
@@ -241,6 +243,7 @@ static void attention_block(nl_model *m, int li, nl_layer_acts *a, int B, int T,
     be->rmsnorm_forward(be, a->xn1, a->rstd1, a->x_in, w->attention_norm, N, d,
                         (float)c->norm_eps);
     be->gemm(be, 0, 1, N, qkv, d, 1.0f, a->xn1, d, w->wqkv, d, 0.0f, a->qkv, qkv);
+    nl_lora_forward_qkv(m, li, a->xn1, a->qkv, N); /* adapters, if any */
     /* q and k heads are adjacent columns: rotate them in one call */
     nl_layer_rope(be, c, a->qkv, pos_d, N);
 
@@ -260,6 +263,7 @@ static void attention_block(nl_model *m, int li, nl_layer_acts *a, int B, int T,
     if (a->h1 != a->x_in)
         be->copy_rows(be, a->h1, d, a->x_in, d, N, d);
     be->gemm(be, 0, 1, N, d, H * hd, 1.0f, a->att, H * hd, w->wo, H * hd, 1.0f, a->h1, d);
+    nl_lora_forward_wo(m, li, a->att, a->h1, N);
 }
 
 static void moe_block(nl_model *m, int li, nl_layer_acts *a, int N, const nl_layer_aux *aux)

@@ -8,6 +8,8 @@
 #include "layer.h"
 
 #include <stdlib.h>
+
+#include "lora.h"
 #include <string.h>
 
 size_t nl_layer_scratch_floats(const nl_config *c, int N)
@@ -128,6 +130,7 @@ static void attention_backward(nl_model *m, int li, const nl_layer_acts *a,
     be->copy_rows(be, dx, d, s->dh1, d, N, d); /* residual */
     be->gemm(be, 1, 0, d, hq, N, 1.0f, s->dh1, d, a->att, hq, 1.0f, gslot(m, grads, w->wo), hq);
     be->gemm(be, 0, 0, N, hq, d, 1.0f, s->dh1, d, w->wo, hq, 0.0f, s->datt, hq);
+    nl_lora_backward_wo(m, li, a->att, s->dh1, s->datt, N); /* adapters, if any */
     nl_attn_shape sh = {.B = B, .T = T, .past = 0, .kv_cap = T, .H = H, .G = G, .hd = hd};
     const nl_attn_mask mk = nl_layer_mask(c, li, a->doc_d);
     float *dq = s->dqkv, *dk = s->dqkv + hq, *dv = s->dqkv + (H + G) * hd;
@@ -143,6 +146,7 @@ static void attention_backward(nl_model *m, int li, const nl_layer_acts *a,
     nl_layer_rope(be, c, s->dqkv, s->neg_pos_d, N);
     be->gemm(be, 1, 0, qkv, d, N, 1.0f, s->dqkv, qkv, a->xn1, d, 1.0f, gslot(m, grads, w->wqkv), d);
     be->gemm(be, 0, 0, N, d, qkv, 1.0f, s->dqkv, qkv, w->wqkv, d, 0.0f, s->dxn, d);
+    nl_lora_backward_qkv(m, li, a->xn1, s->dqkv, s->dxn, N);
     be->rmsnorm_backward(be, dx, gslot(m, grads, w->attention_norm), s->dxn, a->x_in,
                          w->attention_norm, a->rstd1, N, d);
 }

@@ -2,6 +2,8 @@
  * pass through head, layers and embedding, and AdamW. */
 #include "train.h"
 
+#include "lora.h"
+
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -255,6 +257,8 @@ void nl_trainer_begin_step(nl_trainer *t, int64_t batch_rows)
     t->loss_rows = batch_rows;
     t->use_global = 0;
     t->be->zero(t->be, t->grads, t->m->n_params * sizeof(float));
+    if (t->m->lora)
+        t->be->zero(t->be, t->m->lora->grads, t->m->lora->n_params * sizeof(float));
     t->be->zero(t->be, t->counts_d,
                 (size_t)t->n_layers * t->m->cfg.num_experts * sizeof *t->counts_d);
 }
@@ -590,6 +594,8 @@ const float *nl_trainer_input_grad(const nl_trainer *t)
 
 double nl_trainer_grad_sumsq(const nl_trainer *t)
 {
+    if (t->m->lora) /* the base is frozen: only the adapters' gradients count */
+        return t->be->sumsq(t->be, t->m->lora->grads, t->m->lora->n_params);
     return t->be->sumsq(t->be, t->grads, t->m->n_params);
 }
 
@@ -599,6 +605,12 @@ void nl_trainer_step(nl_trainer *t, float lr, float grad_scale, nl_adamw_opts o)
     t->adam_t++;
     const float bc1 = (float)(1.0 - pow(o.beta1, (double)t->adam_t));
     const float bc2 = (float)(1.0 - pow(o.beta2, (double)t->adam_t));
+    if (m->lora) { /* the base is frozen: step the adapters only, no decay */
+        const nl_lora *lo = m->lora;
+        t->be->adamw(t->be, lo->params, lo->grads, lo->mom[0], lo->mom[1], lo->n_params, lr,
+                     o.beta1, o.beta2, o.eps, 0.0f, bc1, bc2, grad_scale);
+        return;
+    }
     for (int i = 0; i < m->n_table; i++) {
         const nl_param *p = &m->table[i];
         const float wd = p->kind == NL_PARAM_NORM ? 0.0f : o.weight_decay;

@@ -5,6 +5,7 @@
 #include "check.h"
 #include "core/checkpoint.h"
 #include "core/forward.h"
+#include "core/lora.h"
 #include "core/safetensors.h"
 #include "core/train.h"
 
@@ -180,6 +181,102 @@ out:
     nl_model_destroy(&m);
 }
 
+/* LoRA (DESIGN 6): adapted logits and the adapters' gradients against
+ * nlref; a step changes the adapters only (the base stays bit for bit);
+ * merged weights give the adapted logits within 1e-5. */
+static void check_lora(nl_backend *be, const char *name)
+{
+    char path[5][1024];
+    const char *kinds[5] = {"model", "batch", "forward", "grads", "adapter"};
+    for (int i = 0; i < 5; i++)
+        snprintf(path[i], sizeof path[i], "%s/tests/golden/data/%s.%s.safetensors",
+                 check_source_dir(), name, kinds[i]);
+    nl_error err = {0};
+    nl_model *m = NULL;
+    nl_lora *lo = NULL;
+    nl_st_file *fb = NULL, *ff = NULL, *fg = NULL;
+    nl_runstate *rs = NULL;
+    nl_trainer *tr = NULL;
+    int32_t *tok = NULL, *tgt = NULL;
+    float *g = NULL, *adapted = NULL, *base0 = NULL, *base1 = NULL, *merged = NULL;
+    int B = 0, T = 0, B2 = 0, T2 = 0;
+    CHECK_OK(nl_checkpoint_load(&m, be, path[0], 0, -1, 1, 1, NULL, &err), &err);
+    CHECK_OK(nl_st_open(&fb, path[1], &err), &err);
+    CHECK_OK(nl_st_open(&ff, path[2], &err), &err);
+    CHECK_OK(nl_st_open(&fg, path[3], &err), &err);
+    if (!m || !fb || !ff || !fg || read_ints(fb, "tokens", &tok, &B, &T) != 0 ||
+        read_ints(fb, "targets", &tgt, &B2, &T2) != 0)
+        goto out;
+    CHECK_OK(nl_lora_load(&lo, m, path[4], B * T, &err), &err);
+    if (!lo)
+        goto out;
+    const int V = (int)m->cfg.vocab_size;
+    const size_t nlog = (size_t)B * T * V;
+    CHECK_OK(nl_runstate_new(&rs, m, B * T, &err), &err);
+    nl_forward_args a = {.B = B, .T = T, .tokens = tok};
+    CHECK_OK(nl_forward(m, rs, &a, NULL, &err), &err);
+    adapted = check_download(be, nl_runstate_output(rs, NULL), nlog);
+    const nl_st_entry *el = nl_st_find(ff, "logits");
+    double e = adapted && el ? check_rel_err(adapted, nl_st_tensor_data(ff, el), nlog) : 1.0;
+    CHECK(e < 1e-4, "%s: adapted logits rel err %g", name, e);
+    printf("%s: adapted logits rel err %.3g\n", name, e);
+
+    CHECK_OK(nl_trainer_new(&tr, m, B * T, 1, 0, &err), &err);
+    if (!tr)
+        goto out;
+    double ce = 0, aux = 0;
+    nl_trainer_begin_step(tr, (int64_t)B * T);
+    CHECK_OK(nl_trainer_forward(tr, 0, B, T, tok, NULL, tgt, &ce, &aux, &err), &err);
+    CHECK_OK(nl_trainer_backward(tr, 0, NULL, &err), &err);
+    g = check_download(be, lo->grads, lo->n_params);
+    double worst = 0;
+    for (int i = 0; g && i < lo->n_table; i++) {
+        const nl_param *p = &lo->table[i];
+        const nl_st_entry *ge = nl_st_find(fg, p->name);
+        CHECK(ge && (size_t)(ge->nbytes / 4) == nl_param_numel(p), "%s: golden %s", name, p->name);
+        if (!ge)
+            continue;
+        const double r = check_rel_err(g + p->offset, nl_st_tensor_data(fg, ge), nl_param_numel(p));
+        CHECK(r < 1e-3, "%s: gradient of %s rel err %g", name, p->name, r);
+        worst = r > worst ? r : worst;
+    }
+    printf("%s: %d adapter gradients, worst rel err %.3g\n", name, lo->n_table, worst);
+
+    /* a step moves the adapters only */
+    base0 = check_download(be, m->params, m->n_params);
+    nl_trainer_step(tr, 1e-2f, 1.0f, nl_adamw_defaults());
+    base1 = check_download(be, m->params, m->n_params);
+    CHECK(base0 && base1 && memcmp(base0, base1, m->n_params * sizeof *base0) == 0,
+          "%s: the frozen base changed in a step", name);
+
+    /* merged = base + adapter */
+    CHECK_OK(nl_forward(m, rs, &a, NULL, &err), &err);
+    free(adapted);
+    adapted = check_download(be, nl_runstate_output(rs, NULL), nlog);
+    CHECK_OK(nl_lora_merge(lo, &err), &err);
+    nl_lora_destroy(&lo);
+    CHECK_OK(nl_forward(m, rs, &a, NULL, &err), &err);
+    merged = check_download(be, nl_runstate_output(rs, NULL), nlog);
+    e = adapted && merged ? check_rel_err(merged, adapted, nlog) : 1.0;
+    CHECK(e < 1e-5, "%s: merged logits differ from base + adapter by %g", name, e);
+    printf("%s: merged vs base + adapter rel err %.3g\n", name, e);
+out:
+    free(g);
+    free(adapted);
+    free(merged);
+    free(base0);
+    free(base1);
+    free(tok);
+    free(tgt);
+    nl_trainer_destroy(&tr);
+    nl_runstate_destroy(&rs);
+    nl_lora_destroy(&lo);
+    nl_st_close(&fb);
+    nl_st_close(&ff);
+    nl_st_close(&fg);
+    nl_model_destroy(&m);
+}
+
 int main(void)
 {
     nl_error err = {0};
@@ -189,6 +286,7 @@ int main(void)
         return check_done("test_golden");
     for (size_t i = 0; i < sizeof configs / sizeof configs[0]; i++)
         check_config(be, configs[i]);
+    check_lora(be, "lora");
     nl_backend_destroy(&be);
     return check_done("test_golden");
 }

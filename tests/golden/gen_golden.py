@@ -230,6 +230,54 @@ def classify_case(name, cfg_kw, batch, seq, seed):
     return 0
 
 
+# LoRA adapters (DESIGN 6) on a frozen MoE decoder: the adapters' gradients.
+LORA = {"lora": (dict(_FAM), 2, 21, 6000, 4, 8.0, ("wq", "wk", "wv", "wo"))}
+
+
+def lora_case(name, cfg_kw, batch, seq, seed, rank, alpha, targets):
+    """Weights, a batch and adapters (A from normal(0, 1/r) as DESIGN
+    says, B drawn too, std 0.1, so that both get gradients); the forward
+    file holds the adapted logits, grads the adapters' gradients."""
+    cfg, weights, tokens, targets_, used, _ = make_case(cfg_kw, batch, seq, seed)
+    gen = torch.Generator().manual_seed(used + 1)
+    adapters = {}
+    d = cfg["hidden_dim"]
+    hd = d // cfg["num_heads"]
+    outs = {"wq": cfg["num_heads"] * hd, "wk": cfg["num_kv_heads"] * hd,
+            "wv": cfg["num_kv_heads"] * hd, "wo": d}
+    for l in range(cfg["num_layers"]):
+        for t in targets:
+            n_in = cfg["num_heads"] * hd if t == "wo" else d
+            p = "layers.%d.attention.%s." % (l, t)
+            adapters[p + "lora_A.weight"] = torch.randn(
+                rank, n_in, generator=gen) / rank
+            adapters[p + "lora_B.weight"] = torch.randn(
+                outs[t], rank, generator=gen) * 0.1
+    model = nlref.NeuroLLM(cfg, weights).double()
+    nlref.add_lora(model, rank, alpha, targets, adapters)
+    loss, ce, aux, logits = nlref.forward_loss(model, tokens, targets_)
+    loss.backward()
+    grads = {n: p.grad.float() for n, p in model.named_parameters()
+             if "lora_" in n}
+    grads.update(loss=loss.detach().float(), ce_loss=ce.detach().float(),
+                 aux_loss=aux.detach().float())
+    base = os.path.join(DATA, name)
+    nlref.save_checkpoint(base + ".model.safetensors", cfg, weights)
+    nlref.save_safetensors(base + ".batch.safetensors",
+                           {"tokens": tokens, "targets": targets_},
+                           {"seed": str(used)})
+    nlref.save_safetensors(base + ".adapter.safetensors", adapters,
+                           {"format": "neurollm-lora/1", "rank": str(rank),
+                            "alpha": str(alpha), "targets": ",".join(targets)})
+    nlref.save_safetensors(base + ".forward.safetensors",
+                           {"logits": logits.detach().float(),
+                            "aux_loss": aux.detach().float()})
+    nlref.save_safetensors(base + ".grads.safetensors", grads)
+    print("%-6s seed %d  loss %.6f (adapters %s, rank %d)" %
+          (name, used, grads["loss"], ",".join(targets), rank))
+    return 0
+
+
 def write_case(name, cfg, weights, tokens, targets, used, doc=None):
     """Write the four files of one case; returns their sizes."""
     fwd, grads = golden(cfg, weights, tokens, targets, doc)
@@ -256,7 +304,8 @@ def write_case(name, cfg, weights, tokens, targets, used, doc=None):
 def main():
     os.makedirs(DATA, exist_ok=True)
     torch.set_num_threads(1)
-    names = sys.argv[1:] or list(CONFIGS) + list(FAMILIES) + list(CLASSIFY)
+    names = sys.argv[1:] or (list(CONFIGS) + list(FAMILIES) + list(CLASSIFY) +
+                             list(LORA))
     total = 0
     for name in names:
         if name in CONFIGS:
@@ -266,6 +315,8 @@ def main():
             cfg_kw, batch, seq, seed, docs, ignored = FAMILIES[name]
             total += write_case(name, *make_case(cfg_kw, batch, seq, seed,
                                                  docs, ignored))
+        elif name in LORA:
+            total += lora_case(name, *LORA[name])
         elif name in CLASSIFY:
             total += classify_case(name, *CLASSIFY[name])
         else:

@@ -610,6 +610,40 @@ class NeuroLLM(nn.Module):
         return self.lm_head(h), aux
 
 
+class LoRA(nn.Module):
+    """DESIGN 6 LoRA around a frozen linear map: y = x W^T + (alpha / r)
+    (x A^T) B^T. Parameter names: <map>.lora_A.weight, <map>.lora_B.weight
+    (and the base under <map>.base.weight)."""
+
+    def __init__(self, base, rank, alpha):
+        super().__init__()
+        self.base = base
+        self.base.weight.requires_grad_(False)
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False)
+        self.scale = alpha / rank
+
+    def forward(self, x):
+        return self.base(x) + self.scale * self.lora_B(self.lora_A(x))
+
+
+def add_lora(model, rank, alpha, targets, adapters):
+    """Wrap the targets (e.g. ("wq", "wo")) of every layer's attention in
+    LoRA with the given {name: tensor} adapters; freeze everything else."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for l, layer in enumerate(model.layers):
+        for t in targets:
+            lo = LoRA(getattr(layer.attention, t), rank, alpha).to(
+                layer.attention_norm.weight.dtype)
+            name = "layers.%d.attention.%s." % (l, t)
+            with torch.no_grad():
+                lo.lora_A.weight.copy_(adapters[name + "lora_A.weight"])
+                lo.lora_B.weight.copy_(adapters[name + "lora_B.weight"])
+            setattr(layer.attention, t, lo)
+    return model
+
+
 def classify(model, tokens, lengths, doc=None):
     """(class logits [B, K], sum of aux_l): the classifier on the mean over
     each sequence's first lengths[b] final-normed states (DESIGN 6)."""
