@@ -14,6 +14,7 @@
 #include "core/checkpoint.h"
 #include "core/fileio.h"
 #include "core/forward.h"
+#include "core/lora.h"
 #include "core/safetensors.h"
 #include "core/tokenizer.h"
 
@@ -103,11 +104,12 @@ int nl_cmd_embed(int argc, char **argv)
         {"out", 1, "output: 'embeddings' F32 [lines, hidden_dim], L2-normalised", NULL},
         {"seq", 1, "ids kept per line (default: the model's max_seq_len)", NULL},
         {"batch", 1, "lines per forward pass (default 16)", NULL},
+        {"adapter", 1, "LoRA adapter file to apply (neuroctl finetune --out)", NULL},
         {"threads", 1, "worker threads (default: all cores)", NULL},
         NL_CLI_DEVICE_FLAG,
         {0}};
     const char *usage = "neuroctl embed --model MODEL --input TEXTS --out EMB.safetensors "
-                        "[--seq T] [--batch B] [--threads N] [--device D]";
+                        "[--seq T] [--batch B] [--adapter A] [--threads N] [--device D]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -128,6 +130,7 @@ int nl_cmd_embed(int argc, char **argv)
     nl_backend *be = NULL;
     nl_model *m = NULL;
     nl_runstate *rs = NULL;
+    nl_lora *lo = NULL;
     nl_tokenizer *tok = NULL;
     nl_st_writer *w = NULL;
     char *text = NULL, *tok_text = NULL;
@@ -143,6 +146,9 @@ int nl_cmd_embed(int argc, char **argv)
         goto out;
     const int T = (int)(seq > 0 && seq < m->cfg.max_seq_len ? seq : m->cfg.max_seq_len);
     const int d = m->cfg.hidden_dim, Bmax = (int)batch;
+    const char *adapter = nl_args_get(flags, "adapter");
+    if (adapter && nl_lora_load(&lo, m, adapter, Bmax * T, &err) != NL_OK)
+        goto out;
     if (encode_lines(text, len, tok, T, m->cfg.vocab_size, &ids, &lengths, &n, &err) != NL_OK ||
         nl_runstate_new(&rs, m, Bmax * T, &err) != NL_OK) {
         nl_error_prefix(&err, "%s", in);
@@ -195,6 +201,7 @@ out:
     free(states);
     nl_tokenizer_destroy(&tok);
     nl_runstate_destroy(&rs);
+    nl_lora_destroy(&lo);
     nl_model_destroy(&m);
     nl_backend_destroy(&be);
     if (rc)

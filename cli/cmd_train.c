@@ -13,6 +13,8 @@
 #include "core/data.h"
 #include "core/fileio.h"
 #include "core/labelled.h"
+#include "core/lora.h"
+#include "core/manifest.h"
 #include "core/memory.h"
 #include "core/safetensors.h"
 #include "core/tokenizer.h"
@@ -127,7 +129,41 @@ typedef struct train_opts {
     const char *device;
     int tf32; /* --tf32: the device's GEMMs may use TF32 */
     const char *objective; /* --objective: clm, mlm or classify; NULL: the config's */
+    /* neuroctl finetune: LoRA adapters on the frozen model (rank 0: train it all) */
+    long long lora_rank;
+    double lora_alpha;
+    int lora_targets;
 } train_opts;
+
+/* finetune: attach fresh adapters (A drawn from the run's seed) to m. */
+static nl_status attach_lora(nl_lora **lo, nl_model *m, const train_opts *o, int rows,
+                             nl_error *err)
+{
+    if (o->lora_rank <= 0)
+        return NL_OK;
+    nl_status st = nl_lora_new(lo, m, (int)o->lora_rank, (float)o->lora_alpha, o->lora_targets,
+                               rows, err);
+    if (st == NL_OK)
+        st = nl_lora_init_random(*lo, (uint64_t)o->r.seed, err);
+    if (st == NL_OK)
+        fprintf(stderr, "LoRA rank %lld, alpha %g: %zu adapter parameters train, the base is "
+                        "frozen\n",
+                o->lora_rank, o->lora_alpha, (*lo)->n_params);
+    return st;
+}
+
+/* finetune's output: the adapter file, with the base checkpoint's SHA-256. */
+static nl_status save_adapter(const nl_lora *lo, const train_opts *o, nl_error *err)
+{
+    char sha[65];
+    uint64_t bytes = 0;
+    nl_status st = nl_file_sha256(o->model, sha, &bytes, err);
+    if (st == NL_OK)
+        st = nl_lora_save(lo, o->out, sha, err);
+    if (st == NL_OK)
+        fprintf(stderr, "wrote adapters %s\n", o->out);
+    return st;
+}
 
 /* Which objective a run trains: --objective, else the config's. */
 enum { OBJ_CLM = NL_OBJ_CLM, OBJ_MLM = NL_OBJ_MLM, OBJ_CLASSIFY };
@@ -252,6 +288,7 @@ static int run_train(const train_opts *o)
     nl_model *m = NULL;
     nl_trainer *tr = NULL;
     nl_dataset *ds = NULL;
+    nl_lora *lo = NULL;
     FILE *logf = NULL;
     int32_t *tokens = NULL, *targets = NULL;
     int64_t start = 0;
@@ -269,6 +306,7 @@ static int run_train(const train_opts *o)
         pick_objective(o, &cfg, &obj, &err) != NL_OK ||
         load_data(&ds, o, src, cm.tokenizer, cfg.vocab_size, &err) != NL_OK ||
         nl_checkpoint_load(&m, be, src, 0, -1, 1, 1, &start, &err) != NL_OK ||
+        attach_lora(&lo, m, o, mb * T, &err) != NL_OK ||
         nl_trainer_new(&tr, m, mb * T, 1, (int)o->r.recompute, &err) != NL_OK)
         goto out;
     if (o->resume) {
@@ -345,7 +383,8 @@ static int run_train(const train_opts *o)
             eval_loss(tr, ds, o, obj, &m->cfg, tokens, targets, &rep.eval_loss, &err) != NL_OK)
             goto out;
         nl_train_report_step(&rep, tty, logf);
-        if (o->r.ckpt_every > 0 && (step + 1) % o->r.ckpt_every == 0 && step + 1 < o->r.steps) {
+        if (!lo && o->r.ckpt_every > 0 && (step + 1) % o->r.ckpt_every == 0 &&
+            step + 1 < o->r.steps) {
             char path[4096];
             snprintf(path, sizeof path, "%s/step-%06" PRId64 ".safetensors", o->ckpt_dir, step + 1);
             if (save_ckpt(m, tr, o, &cm, path, step + 1, &err) != NL_OK)
@@ -355,7 +394,10 @@ static int run_train(const train_opts *o)
     }
     if (tty)
         fprintf(stderr, "\n");
-    if (o->out) {
+    if (o->out && lo) {
+        if (save_adapter(lo, o, &err) != NL_OK)
+            goto out;
+    } else if (o->out) {
         if (save_ckpt(m, tr, o, &cm, o->out, o->r.steps, &err) != NL_OK)
             goto out;
         fprintf(stderr, "wrote %s\n", o->out);
@@ -371,6 +413,7 @@ out:
     free(targets);
     nl_dataset_destroy(&ds);
     nl_trainer_destroy(&tr);
+    nl_lora_destroy(&lo);
     nl_model_destroy(&m);
     nl_backend_destroy(&be);
     if (rc)
@@ -440,11 +483,12 @@ static int run_classify(const train_opts *o)
     nl_model *m = NULL;
     nl_trainer *tr = NULL;
     nl_labelled *ds = NULL;
+    nl_lora *lo = NULL;
     FILE *logf = NULL;
     int32_t *tokens = NULL, *lengths = NULL, *labels = NULL, *doc = NULL;
     float *probs = NULL;
     int rc = 1, obj = OBJ_CLASSIFY, major = 0;
-    const int B = (int)o->r.batch, T = (int)o->r.seq, M = (int)o->r.micro, mb = B / M;
+    const int B = (int)o->r.batch, T = (int)o->r.seq, M = (int)o->r.micro;
     nl_config cfg;
     carried_meta cm = {0};
     if (nl_cli_backend_new(&be, o->device, (int)o->threads, o->tf32, 1, &err) != NL_OK ||
@@ -461,7 +505,8 @@ static int run_classify(const train_opts *o)
         goto out;
     }
     if (nl_checkpoint_load(&m, be, o->model, 0, -1, 1, 1, NULL, &err) != NL_OK ||
-        nl_trainer_new(&tr, m, mb * T, 1, (int)o->r.recompute, &err) != NL_OK)
+        attach_lora(&lo, m, o, B * T, &err) != NL_OK ||
+        nl_trainer_new(&tr, m, B * T, 1, (int)o->r.recompute, &err) != NL_OK)
         goto out;
     tokens = malloc((size_t)B * T * sizeof *tokens);
     doc = malloc((size_t)B * T * sizeof *doc);
@@ -519,7 +564,10 @@ static int run_classify(const train_opts *o)
             fprintf(stderr, "%sheld-out accuracy %.4f (majority class %.4f)\n", tty ? "\n" : "",
                     acc, base);
     }
-    if (o->out) {
+    if (o->out && lo) {
+        if (save_adapter(lo, o, &err) != NL_OK)
+            goto out;
+    } else if (o->out) {
         if (save_ckpt(m, tr, o, &cm, o->out, o->r.steps, &err) != NL_OK)
             goto out;
         fprintf(stderr, "wrote %s\n", o->out);
@@ -530,13 +578,14 @@ out:
     free(cm.init_seed);
     if (logf)
         fclose(logf);
+    nl_trainer_destroy(&tr);
+    nl_lora_destroy(&lo);
     free(tokens);
     free(doc);
     free(lengths);
     free(labels);
     free(probs);
     nl_labelled_destroy(&ds);
-    nl_trainer_destroy(&tr);
     nl_model_destroy(&m);
     nl_backend_destroy(&be);
     if (rc)
@@ -544,7 +593,9 @@ out:
     return rc;
 }
 
-int nl_cmd_train(int argc, char **argv)
+/* train and finetune: the same run; finetune adds the LoRA flags, writes
+ * the adapters and leaves the base as it was. */
+static int train_main(int argc, char **argv, int finetune)
 {
     nl_flag flags[] = {
         {"model", 1, "checkpoint to start from (safetensors)", NULL},
@@ -564,12 +615,22 @@ int nl_cmd_train(int argc, char **argv)
          "<|pad|>) or classify (DATA: one label<TAB>text example per line; the model needs "
          "num_classes); default: the config's objective",
          NULL},
+        {"lora-rank", 1, "finetune: rank r of the adapters (default 8)", NULL},
+        {"lora-alpha", 1, "finetune: alpha; the adapters add (alpha / r) x A^T B^T (default 16)",
+         NULL},
+        {"lora-targets", 1, "finetune: the maps adapted, of wq,wk,wv,wo (default all four)", NULL},
         {0}};
     const char *usage = "neuroctl train --model MODEL --data DATA --steps N --batch B --seq T "
                         "[--microbatches M] [--lr X] [--warmup W] [--seed S] [--eval-every K] "
                         "[--checkpoint-every K] [--log LOG.jsonl] [--out FINAL.safetensors] "
                         "[--resume CKPT] [--threads N] [--device D] [--tf32] "
                         "[--objective clm|mlm|classify]";
+    const char *ft_usage =
+        "neuroctl finetune --model BASE --data DATA --steps N --out ADAPTER.safetensors "
+        "[--lora-rank R] [--lora-alpha A] [--lora-targets wq,wk,wv,wo] [--objective "
+        "clm|mlm|classify] [train's flags]";
+    if (finetune)
+        usage = ft_usage;
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -589,6 +650,29 @@ int nl_cmd_train(int argc, char **argv)
         (rc = nl_args_int(flags, "threads", 0, 1024, &o.threads)) ||
         (rc = nl_cli_device_flags(flags, &o.device, &o.tf32)))
         return rc;
+    const char *lr_rank = nl_args_get(flags, "lora-rank"), *lr_alpha = nl_args_get(flags, "lora-alpha"),
+               *lr_targets = nl_args_get(flags, "lora-targets");
+    if (!finetune && (lr_rank || lr_alpha || lr_targets)) {
+        fprintf(stderr, "--lora-*: use neuroctl finetune\n");
+        return 2;
+    }
+    if (finetune) {
+        nl_error err = {0};
+        o.lora_rank = 8;
+        o.lora_alpha = 16.0;
+        if ((rc = nl_args_int(flags, "lora-rank", 1, NL_LORA_MAX_RANK, &o.lora_rank)) ||
+            (rc = nl_args_double(flags, "lora-alpha", 1e-6, 1e6, &o.lora_alpha)))
+            return rc;
+        if (nl_lora_parse_targets(lr_targets ? lr_targets : "wq,wk,wv,wo", &o.lora_targets,
+                                  &err) != NL_OK) {
+            fprintf(stderr, "%s\n", err.msg);
+            return 2;
+        }
+        if (!o.out || o.resume || !o.model) {
+            fprintf(stderr, "neuroctl finetune: give --model and --out (no --resume)\n");
+            return 2;
+        }
+    }
     if (!o.ckpt_dir)
         o.ckpt_dir = "checkpoints";
     if (o.r.ckpt_every > 0 && mkdir(o.ckpt_dir, 0755) != 0 && access(o.ckpt_dir, W_OK) != 0) {
@@ -603,4 +687,14 @@ int nl_cmd_train(int argc, char **argv)
         return run_classify(&o);
     }
     return run_train(&o);
+}
+
+int nl_cmd_train(int argc, char **argv)
+{
+    return train_main(argc, argv, 0);
+}
+
+int nl_cmd_finetune(int argc, char **argv)
+{
+    return train_main(argc, argv, 1);
 }

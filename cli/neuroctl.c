@@ -16,6 +16,8 @@ static const struct {
     {"grad", nl_cmd_grad, "loss and the gradient of every weight for one batch"},
     {"embed", nl_cmd_embed, "one L2-normalised embedding per line of text (mean-pooled states)"},
     {"train", nl_cmd_train, "train a model in this process, or on a cluster (--coordinator)"},
+    {"finetune", nl_cmd_finetune, "train LoRA adapters on a frozen model (writes the adapter file)"},
+    {"lora", nl_cmd_lora, "lora merge: fold an adapter into a full checkpoint"},
     {"grow", nl_cmd_grow, "grow a checkpoint's vocabulary (tables and optimizer moments)"},
     {"export", nl_cmd_export, "join a sharded checkpoint, or write a Hugging Face directory"},
     {"import", nl_cmd_import, "convert a Hugging Face Mixtral directory into a checkpoint"},

@@ -2,6 +2,8 @@
  * with RoPE and a top-k mixture of SwiGLU experts, final norm and head. */
 #include "forward.h"
 
+#include "lora.h"
+
 #include "layer.h"
 
 #include <math.h>
@@ -100,6 +102,9 @@ nl_status nl_forward(nl_model *m, nl_runstate *rs, const nl_forward_args *a, flo
     if (B < 1 || T < 1 || N > rs->max_rows)
         return nl_error_set(err, NL_ERR_SHAPE, "forward: batch %d x %d is outside 1..%d rows", B,
                             T, rs->max_rows);
+    if (m->lora && N > m->lora->max_rows)
+        return nl_error_set(err, NL_ERR_SHAPE, "forward: %ld rows exceed the adapters' %d", N,
+                            m->lora->max_rows);
     if (a->kv && !c->causal)
         return nl_error_set(err, NL_ERR_UNSUPPORTED,
                             "forward: an encoder (causal: false) has no kv cache");

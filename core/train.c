@@ -271,6 +271,9 @@ static nl_status check_rows(nl_trainer *t, int B, int T, nl_error *err)
     if (T > t->m->cfg.max_seq_len)
         return nl_error_set(err, NL_ERR_RANGE, "trainer: %d positions exceed max_seq_len %d", T,
                             t->m->cfg.max_seq_len);
+    if (t->m->lora && B * T > t->m->lora->max_rows)
+        return nl_error_set(err, NL_ERR_SHAPE, "trainer: %d rows exceed the adapters' %d", B * T,
+                            t->m->lora->max_rows);
     if (t->batch_rows < (int64_t)B * T)
         return nl_error_set(err, NL_ERR_STATE, "trainer: no step begun for %d rows", B * T);
     return NL_OK;

@@ -78,6 +78,60 @@ else
     echo "check_embed.py skipped: no python3-torch"
 fi
 
+# LoRA: finetune writes adapters and leaves the base byte for byte;
+# forward with --adapter equals the merged checkpoint's forward (1e-5);
+# generate and embed take the adapter too; a classifier fine-tunes with it
+cat > "$W/dec.yaml" <<'YAML'
+hidden_dim: 32
+num_layers: 2
+num_heads: 2
+num_kv_heads: 1
+ffn_dim: 48
+num_experts: 4
+vocab_size: 256
+vocab_chunk: 128
+max_seq_len: 64
+YAML
+check "$NEUROCTL" init --config "$W/dec.yaml" --out "$W/dec.safetensors" --seed 2
+cp "$W/dec.safetensors" "$W/dec.orig"
+out=$("$NEUROCTL" finetune "${DEV[@]}" --model "$W/dec.safetensors" --data "$W/data.txt" \
+    --steps 20 --batch 4 --seq 32 --lr 1e-2 --lora-rank 4 --lora-alpha 8 \
+    --out "$W/ad.safetensors" --threads 2 2>&1) || bad "finetune: $out"
+check grep -q "adapter parameters train, the base is frozen" <<< "$out"
+check cmp -s "$W/dec.safetensors" "$W/dec.orig"
+check "$NEUROCTL" lora merge --model "$W/dec.safetensors" --adapter "$W/ad.safetensors" \
+    --out "$W/merged.safetensors"
+for f in adapted merged base; do
+    case $f in
+        adapted) args=(--model "$W/dec.safetensors" --adapter "$W/ad.safetensors") ;;
+        merged) args=(--model "$W/merged.safetensors") ;;
+        base) args=(--model "$W/dec.safetensors") ;;
+    esac
+    check "$NEUROCTL" forward "${DEV[@]}" "${args[@]}" --tokens "$W/toks.safetensors" \
+        --out "$W/f_$f.safetensors"
+done
+if /usr/bin/python3 -c 'import torch' 2>/dev/null; then
+    check /usr/bin/python3 - "$NL_SOURCE_DIR/tests/golden" "$W" <<'PY'
+import sys
+sys.path.insert(0, sys.argv[1])
+import nlref
+lg = {f: nlref.load_safetensors("%s/f_%s.safetensors" % (sys.argv[2], f))[0]["logits"].double()
+      for f in ("adapted", "merged", "base")}
+rel = lambda a, b: ((a - b).norm() / b.norm()).item()
+print("merged vs base + adapter %.3g, base vs adapted %.3g" %
+      (rel(lg["merged"], lg["adapted"]), rel(lg["base"], lg["adapted"])))
+sys.exit(0 if rel(lg["merged"], lg["adapted"]) < 1e-5 and rel(lg["base"], lg["adapted"]) > 1e-3 else 1)
+PY
+fi
+out=$("$NEUROCTL" generate "${DEV[@]}" --model "$W/dec.safetensors" --adapter "$W/ad.safetensors" \
+    --prompt-tokens 1,2,3 --max-new 4 --temperature 0 2>&1) || bad "generate --adapter: $out"
+check "$NEUROCTL" embed "${DEV[@]}" --model "$W/dec.safetensors" --adapter "$W/ad.safetensors" \
+    --input "$W/lines.txt" --out "$W/e_ad.safetensors" --seq 32
+out=$("$NEUROCTL" finetune --model "$W/dec.safetensors" --data "$W/data.txt" --steps 1 \
+    --lora-targets wq,w_up --out "$W/x.safetensors" 2>&1)
+check test $? -eq 2
+check grep -q "'w_up' is not one of wq, wk, wv, wo" <<< "$out"
+
 # refusals that name what is wrong
 out=$("$NEUROCTL" generate --model "$W/enc2.safetensors" --prompt-tokens 1,2 --max-new 2 2>&1)
 check test $? -ne 0
@@ -132,6 +186,13 @@ out=$("$NEUROCTL" train --objective classify --model "$W/cls.safetensors" --data
     --steps 1 --batch 2 --seq 8 2>&1)
 check test $? -ne 0
 check grep -q "broken.tsv:2: expected label<TAB>text" <<< "$out"
+
+# the classifier fine-tuned with adapters on two maps
+out=$("$NEUROCTL" finetune "${DEV[@]}" --objective classify --model "$W/cls.safetensors" \
+    --data "$W/syn.tsv" --steps 40 --batch 16 --seq 24 --lr 1e-2 --warmup 4 --eval-every 40 \
+    --lora-rank 4 --lora-targets wq,wv --out "$W/cls_ad.safetensors" --threads 2 2>&1) ||
+    bad "classify finetune: $out"
+check test -s "$W/cls_ad.safetensors"
 
 echo "test_families_cli: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
