@@ -176,8 +176,10 @@ nl_status nl_trainer_new(nl_trainer **out, nl_model *m, int max_rows, int slots,
     t->n_layers = m->l1 - m->l0;
     int ok = 1;
     ok &= (t->grads = be->alloc(be, m->n_params * sizeof(float))) != NULL;
-    ok &= (t->mom[0] = be->alloc(be, m->n_params * sizeof(float))) != NULL;
-    ok &= (t->mom[1] = be->alloc(be, m->n_params * sizeof(float))) != NULL;
+    if (!m->lora) { /* a frozen base with adapters has no moments (its adapters hold theirs) */
+        ok &= (t->mom[0] = be->alloc(be, m->n_params * sizeof(float))) != NULL;
+        ok &= (t->mom[1] = be->alloc(be, m->n_params * sizeof(float))) != NULL;
+    }
     ok &= (t->dbuf[0] = be->alloc(be, N * d * sizeof(float))) != NULL;
     ok &= (t->dbuf[1] = be->alloc(be, N * d * sizeof(float))) != NULL;
     ok &= (t->pos_d = be->alloc(be, N * sizeof(int32_t))) != NULL;

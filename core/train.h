@@ -123,8 +123,9 @@ double nl_trainer_grad_sumsq(const nl_trainer *t);
  * not to norm gains. */
 void nl_trainer_step(nl_trainer *t, float lr, float grad_scale, nl_adamw_opts o);
 
-/* Optimizer state, for checkpoints: moments (device, n_params each) and
- * the number of AdamW steps taken. */
+/* Optimizer state, for checkpoints: moments (device, n_params each; NULL
+ * when the model had adapters attached at nl_trainer_new: then only
+ * core/lora.h's block trains) and the number of AdamW steps taken. */
 float *nl_trainer_moment(const nl_trainer *t, int which /* 0: m, 1: v */);
 int64_t nl_trainer_adam_steps(const nl_trainer *t);
 void nl_trainer_set_adam_steps(nl_trainer *t, int64_t steps);
