@@ -27,17 +27,15 @@ static double time_attn(nl_backend *be, float *const *buf, nl_attn_shape s, nl_a
     const int qs = (s.H + 2 * s.G) * s.hd, hq = s.H * s.hd;
     float *qkv = buf[0], *out = buf[1], *lse = buf[2], *dqkv = buf[3], *dout = buf[4];
     double best = 1e30;
-    be->attention_masked_forward(be, out, lse, qkv, qs, qkv + hq, qkv + hq + s.G * s.hd, qs, s,
-                                 mk);
+    be->attention_masked_forward(be, out, lse, qkv, qs, qkv + hq, qkv + hq + s.G * s.hd, qs, s, mk);
     for (int r = 0; r < 3; r++) {
         const double t0 = now();
         if (bwd)
             be->attention_masked_backward(be, dqkv, dqkv + hq, dqkv + hq + s.G * s.hd, dout, qkv,
-                                          qs, qkv + hq, qkv + hq + s.G * s.hd, qs, out, lse, s,
-                                          mk);
+                                          qs, qkv + hq, qkv + hq + s.G * s.hd, qs, out, lse, s, mk);
         else
-            be->attention_masked_forward(be, out, lse, qkv, qs, qkv + hq, qkv + hq + s.G * s.hd,
-                                         qs, s, mk);
+            be->attention_masked_forward(be, out, lse, qkv, qs, qkv + hq, qkv + hq + s.G * s.hd, qs,
+                                         s, mk);
         be->sync(be, NULL);
         const double t = now() - t0;
         best = t < best ? t : best;
@@ -50,7 +48,8 @@ int main(int argc, char **argv)
     const int T = argc > 1 ? atoi(argv[1]) : 4096, threads = argc > 2 ? atoi(argv[2]) : 2;
     nl_backend *be = NULL;
     nl_error err = {0};
-    if (T < 64 || nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = threads}, &err) != NL_OK) {
+    if (T < 64 ||
+        nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = threads}, &err) != NL_OK) {
         fprintf(stderr, "bench_window: %s\n", T < 64 ? "T must be at least 64" : err.msg);
         return 1;
     }

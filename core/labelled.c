@@ -122,8 +122,8 @@ static int class_of(const nl_labelled *ds, const char *s, size_t len)
 
 /* Tokenize each line's text (bytes when tok is NULL) in the order of
  * `order`, filling ds->ids, start and label. */
-static nl_status encode_all(nl_labelled *ds, nl_tokenizer *tok, const line *v,
-                            const size_t *order, int64_t vocab, const char *path, nl_error *err)
+static nl_status encode_all(nl_labelled *ds, nl_tokenizer *tok, const line *v, const size_t *order,
+                            int64_t vocab, const char *path, nl_error *err)
 {
     size_t cap = 0, used = 0;
     for (size_t i = 0; i < ds->n; i++)
@@ -225,8 +225,8 @@ void nl_labelled_destroy(nl_labelled **dsp)
 }
 
 nl_status nl_labelled_batch(const nl_labelled *ds, int split, uint64_t seed, uint64_t index, int B,
-                            int T, int32_t *tokens, int32_t *lengths, int32_t *labels,
-                            int32_t *doc, nl_error *err)
+                            int T, int32_t *tokens, int32_t *lengths, int32_t *labels, int32_t *doc,
+                            nl_error *err)
 {
     const size_t first = split ? ds->n_train : 0, count = split ? ds->n - ds->n_train : ds->n_train;
     if (count == 0)

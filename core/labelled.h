@@ -16,12 +16,12 @@
 #include "../base/status.h"
 
 typedef struct nl_labelled {
-    int32_t *ids;     /* every example's token ids, concatenated */
-    size_t *start;    /* (n + 1) where each example's ids begin */
-    int32_t *label;   /* (n) class of each example */
-    size_t n;         /* examples */
-    size_t n_train;   /* the first n_train (after the split's shuffle) train */
-    char **names;     /* (n_classes) the class names, sorted */
+    int32_t *ids;   /* every example's token ids, concatenated */
+    size_t *start;  /* (n + 1) where each example's ids begin */
+    int32_t *label; /* (n) class of each example */
+    size_t n;       /* examples */
+    size_t n_train; /* the first n_train (after the split's shuffle) train */
+    char **names;   /* (n_classes) the class names, sorted */
     int n_classes;
 } nl_labelled;
 
@@ -35,8 +35,7 @@ typedef struct nl_labelled {
  * [0, 0.5] is the share held out; the examples are shuffled by split_seed
  * first. */
 nl_status nl_labelled_load(nl_labelled **out, const char *path, const char *tok_text,
-                           int64_t vocab_size, double holdout, uint64_t split_seed,
-                           nl_error *err);
+                           int64_t vocab_size, double holdout, uint64_t split_seed, nl_error *err);
 void nl_labelled_destroy(nl_labelled **ds);
 
 /* Batch `index` of a split (0: training, 1: held out): B examples drawn
@@ -45,7 +44,7 @@ void nl_labelled_destroy(nl_labelled **ds);
  * example and 1 on its padding (for nl_trainer_set_docs). Returns
  * NL_ERR_INVALID when the split is empty. */
 nl_status nl_labelled_batch(const nl_labelled *ds, int split, uint64_t seed, uint64_t index, int B,
-                            int T, int32_t *tokens, int32_t *lengths, int32_t *labels,
-                            int32_t *doc, nl_error *err);
+                            int T, int32_t *tokens, int32_t *lengths, int32_t *labels, int32_t *doc,
+                            nl_error *err);
 
 #endif

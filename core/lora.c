@@ -25,7 +25,8 @@ nl_status nl_lora_parse_targets(const char *s, int *targets, nl_error *err)
                 *targets |= hit = 1 << t;
         if (!hit)
             return nl_error_set(err, NL_ERR_INVALID,
-                                "--lora-targets: '%.*s' is not one of wq, wk, wv, wo", (int)(n > 40 ? 40 : n), s);
+                                "--lora-targets: '%.*s' is not one of wq, wk, wv, wo",
+                                (int)(n > 40 ? 40 : n), s);
         s += n + (s[n] == ',');
     }
     if (!*targets)
@@ -44,8 +45,8 @@ static void target_shape(const nl_config *c, int t, int *in, int *out, int *col0
     *col0 = cols[t];
 }
 
-nl_status nl_lora_new(nl_lora **out, nl_model *m, int rank, float alpha, int targets,
-                      int max_rows, nl_error *err)
+nl_status nl_lora_new(nl_lora **out, nl_model *m, int rank, float alpha, int targets, int max_rows,
+                      nl_error *err)
 {
     *out = NULL;
     if (rank < 1 || rank > NL_LORA_MAX_RANK || !(alpha > 0.0f) || targets <= 0 || targets > 15 ||
@@ -209,8 +210,8 @@ void nl_lora_forward_wo(const nl_model *m, int li, const float *att, float *h1, 
         lora_fwd(m, mp, att, mp->in, h1, m->cfg.hidden_dim, N);
 }
 
-void nl_lora_backward_qkv(const nl_model *m, int li, const float *xn, const float *dqkv,
-                          float *dxn, int N)
+void nl_lora_backward_qkv(const nl_model *m, int li, const float *xn, const float *dqkv, float *dxn,
+                          int N)
 {
     const int d = m->cfg.hidden_dim, w = qkv_width(&m->cfg);
     for (int t = 0; t < 3; t++) {
@@ -220,8 +221,8 @@ void nl_lora_backward_qkv(const nl_model *m, int li, const float *xn, const floa
     }
 }
 
-void nl_lora_backward_wo(const nl_model *m, int li, const float *att, const float *dh1,
-                         float *datt, int N)
+void nl_lora_backward_wo(const nl_model *m, int li, const float *att, const float *dh1, float *datt,
+                         int N)
 {
     const nl_lora_map *mp = map_of(m, li, 3);
     if (mp)
@@ -230,8 +231,7 @@ void nl_lora_backward_wo(const nl_model *m, int li, const float *att, const floa
 
 /* ---------------------------------------------------------------- files */
 
-nl_status nl_lora_save(const nl_lora *lo, const char *path, const char *base_sha256,
-                       nl_error *err)
+nl_status nl_lora_save(const nl_lora *lo, const char *path, const char *base_sha256, nl_error *err)
 {
     nl_backend *be = lo->m->be;
     float *h = malloc((lo->n_params + 1) * sizeof *h);
