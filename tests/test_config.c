@@ -180,7 +180,9 @@ static int config_equal(const nl_config *a, const nl_config *b)
            a->norm_eps == b->norm_eps && a->aux_loss_coef == b->aux_loss_coef &&
            a->causal == b->causal && a->ffn_act == b->ffn_act &&
            a->attention_window == b->attention_window && a->global_every == b->global_every &&
-           memcmp(&a->rope_scaling, &b->rope_scaling, sizeof a->rope_scaling) == 0;
+           memcmp(&a->rope_scaling, &b->rope_scaling, sizeof a->rope_scaling) == 0 &&
+           a->objective == b->objective && a->mask_prob == b->mask_prob &&
+           a->num_classes == b->num_classes;
 }
 
 static void test_json(void)
@@ -251,13 +253,15 @@ static void test_variants(void)
     free(json);
     const char *y = "hidden_dim: 64\nnum_layers: 3\ncausal: false\nffn_act: geglu\n"
                     "num_experts: 1\ntop_k: 1\nattention_window: 128\nglobal_every: 3\n"
-                    "rope_scaling:\n  type: yarn\n  factor: 4\n  original_max_seq_len: 512\n";
+                    "rope_scaling:\n  type: yarn\n  factor: 4\n  original_max_seq_len: 512\n"
+                    "vocab_size: 300\nobjective: mlm\nmask_prob: 0.15\nnum_classes: 4\n";
     CHECK_OK(parse(&a, y, &err), &err);
     CHECK(a.causal == 0 && a.ffn_act == NL_FFN_GEGLU && a.num_experts == 1 &&
               a.attention_window == 128 && a.global_every == 3 &&
               a.rope_scaling.type == NL_ROPE_YARN && a.rope_scaling.factor == 4.0 &&
               a.rope_scaling.original_max_seq_len == 512 && a.rope_scaling.beta_fast == 32.0 &&
-              a.rope_scaling.beta_slow == 1.0,
+              a.rope_scaling.beta_slow == 1.0 && a.objective == NL_OBJ_MLM && a.mask_prob == 0.15 &&
+              a.num_classes == 4,
           "section 6 keys from YAML");
     CHECK(nl_config_dense(&a) && !nl_config_layer_local(&a, 0) && nl_config_layer_local(&a, 1) &&
               !nl_config_layer_local(&a, 3),
@@ -286,6 +290,9 @@ static void test_variants(void)
         {"num_experts: 1\ntop_k: 2\n", "top_k: 2 must be in 1..num_experts"},
         {"global_every: 0\n", "global_every: 0 must be at least 1"},
         {"factor: 4\n", "unknown key 'factor'"},
+        {"objective: mlm\n", "objective: mlm needs vocab_size above the mask id 258"},
+        {"objective: rtd\n", "objective: expected clm or mlm"},
+        {"mask_prob: 1.5\n", "mask_prob: 1.5 must be in (0, 1]"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         nl_status st = parse(&a, bad[i].yaml, &err);
