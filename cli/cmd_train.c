@@ -73,7 +73,12 @@ int nl_cmd_grad(int argc, char **argv)
         nl_trainer_new(&tr, m, B * T, 1, 0, &err) != NL_OK)
         goto out;
     double ce = 0.0, aux = 0.0;
+    int64_t valid = 0; /* targets below 0 are ignored: the mean is over the others */
+    for (int n = 0; n < B * T; n++)
+        valid += targets[n] >= 0;
+    valid = valid > 0 ? valid : 1;
     nl_trainer_begin_step(tr, (int64_t)B * T);
+    nl_trainer_set_loss_rows(tr, valid);
     if (nl_trainer_forward(tr, 0, B, T, tokens, NULL, targets, &ce, &aux, &err) != NL_OK ||
         nl_trainer_backward(tr, 0, NULL, &err) != NL_OK) {
         nl_error_prefix(&err, "%s", in);
@@ -87,8 +92,8 @@ int nl_cmd_grad(int argc, char **argv)
     be->download(be, grads, nl_trainer_grads(tr), m->n_params * sizeof(float));
     if (nl_cli_device_check(be, &err) != NL_OK)
         goto out;
-    float ce_loss = (float)(ce / ((double)B * T)), aux_loss = (float)aux;
-    float loss = (float)(ce / ((double)B * T) + m->cfg.aux_loss_coef * aux);
+    float ce_loss = (float)(ce / (double)valid), aux_loss = (float)aux;
+    float loss = (float)(ce / (double)valid + m->cfg.aux_loss_coef * aux);
     int64_t scalar[1] = {0};
     if (!(w = nl_st_writer_new())) {
         nl_error_set(&err, NL_ERR_NOMEM, "out of memory");
