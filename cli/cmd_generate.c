@@ -12,6 +12,7 @@
 #include "commands.h"
 #include "core/checkpoint.h"
 #include "core/forward.h"
+#include "core/lora.h"
 #include "core/sampler.h"
 #include "core/tokenizer.h"
 #include "core/train.h"
@@ -106,6 +107,7 @@ int nl_cmd_generate(int argc, char **argv)
         {"temperature", 1, "sampling temperature; 0 is greedy (default 0.8)", NULL},
         {"top-p", 1, "nucleus sampling mass in (0, 1] (default 0.95)", NULL},
         {"seed", 1, "sampling seed (default 0)", NULL},
+        {"adapter", 1, "LoRA adapter file to apply (neuroctl finetune --out)", NULL},
         {"threads", 1, "worker threads (default: all cores)", NULL},
         {"warmup", 0,
          "run the prompt once before the timed generation (warm figures in the "
@@ -115,10 +117,10 @@ int nl_cmd_generate(int argc, char **argv)
         NL_CLI_TF32_FLAG,
         NL_CLI_PRECISION_FLAG,
         {0}};
-    const char *usage =
-        "neuroctl generate --model MODEL (--prompt-tokens 1,2,3 | --prompt TEXT) "
-        "[--max-new N] [--temperature X] [--top-p P] [--seed S] [--threads N] "
-        "[--warmup] [--device D] [--tf32] [--precision fp32|bf16]" NL_CLI_CLUSTER_USAGE("generate");
+    const char *usage = "neuroctl generate --model MODEL (--prompt-tokens 1,2,3 | --prompt TEXT) "
+                        "[--max-new N] [--temperature X] [--top-p P] [--seed S] [--threads N] "
+                        "[--warmup] [--adapter A] [--device D] [--tf32] [--precision "
+                        "fp32|bf16]" NL_CLI_CLUSTER_USAGE("generate");
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -150,6 +152,8 @@ int nl_cmd_generate(int argc, char **argv)
     nl_model *m = NULL;
     nl_sampler smp = {0};
     nl_tokenizer *tok = NULL;
+    nl_lora *lo = NULL;
+    const char *adapter = nl_args_get(flags, "adapter");
     emit_ctx ec = {.as_text = ptext != NULL};
     rc = 1;
     if (nl_checkpoint_tokenizer(model, &tok, &err) != NL_OK)
@@ -158,6 +162,9 @@ int nl_cmd_generate(int argc, char **argv)
         goto out;
     if (nl_cli_backend_new(&be, device, (int)threads, tf32, bf16, 0, &err) != NL_OK ||
         nl_checkpoint_load(&m, be, model, 0, -1, 1, 1, NULL, &err) != NL_OK)
+        goto out;
+    /* a prompt's prefill is the most rows a forward takes here */
+    if (adapter && nl_lora_load(&lo, m, adapter, m->cfg.max_seq_len, &err) != NL_OK)
         goto out;
     if (nl_tokenizer_vocab_size(tok) < m->cfg.vocab_size && !ptoks) {
         nl_error_set(&err, NL_ERR_NOTFOUND,
@@ -212,6 +219,7 @@ out:
     free(ec.ids);
     nl_tokenizer_destroy(&tok);
     nl_sampler_free(&smp);
+    nl_lora_destroy(&lo);
     nl_model_destroy(&m);
     nl_backend_destroy(&be);
     free(prompt);

@@ -9,6 +9,7 @@
 #include "commands.h"
 #include "core/checkpoint.h"
 #include "core/forward.h"
+#include "core/lora.h"
 #include "core/safetensors.h"
 #include "core/sampler.h"
 #include "core/tokenizer.h"
@@ -98,14 +99,16 @@ int nl_cmd_forward(int argc, char **argv)
     nl_flag flags[] = {{"model", 1, "checkpoint (safetensors)", NULL},
                        {"tokens", 1, "input: safetensors with 'tokens' I32/I64 [B, T]", NULL},
                        {"out", 1, "output: 'logits' F32 [B, T, vocab] and 'aux_loss' F32 []", NULL},
+                       {"adapter", 1, "LoRA adapter file to apply (neuroctl finetune --out)", NULL},
                        {"threads", 1, "worker threads (default: all cores)", NULL},
                        NL_CLI_DEVICE_FLAG,
                        NL_CLI_TF32_FLAG,
                        NL_CLI_PRECISION_FLAG,
                        {0}};
-    const char *usage = "neuroctl forward --model MODEL --tokens IN.safetensors --out "
-                        "OUT.safetensors [--threads N] [--device D] [--tf32] [--precision "
-                        "fp32|bf16]" NL_CLI_CLUSTER_USAGE("forward");
+    const char *usage =
+        "neuroctl forward --model MODEL --tokens IN.safetensors --out "
+        "OUT.safetensors [--adapter A] [--threads N] [--device D] [--tf32] [--precision "
+        "fp32|bf16]" NL_CLI_CLUSTER_USAGE("forward");
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL), threads = 0, tf32 = 0,
         bf16 = 0;
     if (rc)
@@ -121,14 +124,17 @@ int nl_cmd_forward(int argc, char **argv)
     nl_backend *be = NULL;
     nl_model *m = NULL;
     nl_runstate *rs = NULL;
+    nl_lora *lo = NULL;
     nl_st_writer *w = NULL;
     int32_t *tokens = NULL;
     float *logits = NULL;
     int B = 0, T = 0;
+    const char *adapter = nl_args_get(flags, "adapter");
     rc = 1;
     if (nl_cli_read_ids_file(in, "tokens", &tokens, &B, &T, &err) != NL_OK ||
         nl_cli_backend_new(&be, device, threads, tf32, bf16, 0, &err) != NL_OK ||
         nl_checkpoint_load(&m, be, model, 0, -1, 1, 1, NULL, &err) != NL_OK ||
+        (adapter && nl_lora_load(&lo, m, adapter, B * T, &err) != NL_OK) ||
         nl_runstate_new(&rs, m, B * T, &err) != NL_OK)
         goto out;
     float aux = 0.0f;
@@ -161,6 +167,7 @@ out:
     free(logits);
     free(tokens);
     nl_runstate_destroy(&rs);
+    nl_lora_destroy(&lo);
     nl_model_destroy(&m);
     nl_backend_destroy(&be);
     return rc ? fail("forward", &err) : 0;

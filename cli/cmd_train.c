@@ -13,6 +13,9 @@
 #include "core/checkpoint.h"
 #include "core/data.h"
 #include "core/fileio.h"
+#include "core/labelled.h"
+#include "core/lora.h"
+#include "core/manifest.h"
 #include "core/memory.h"
 #include "core/safetensors.h"
 #include "core/tokenizer.h"
@@ -71,7 +74,12 @@ int nl_cmd_grad(int argc, char **argv)
         nl_trainer_new(&tr, m, B * T, 1, 0, &err) != NL_OK)
         goto out;
     double ce = 0.0, aux = 0.0;
+    int64_t valid = 0; /* targets below 0 are ignored: the mean is over the others */
+    for (int n = 0; n < B * T; n++)
+        valid += targets[n] >= 0;
+    valid = valid > 0 ? valid : 1;
     nl_trainer_begin_step(tr, (int64_t)B * T);
+    nl_trainer_set_loss_rows(tr, valid);
     if (nl_trainer_forward(tr, 0, B, T, tokens, NULL, targets, &ce, &aux, &err) != NL_OK ||
         nl_trainer_backward(tr, 0, NULL, &err) != NL_OK) {
         nl_error_prefix(&err, "%s", in);
@@ -85,8 +93,8 @@ int nl_cmd_grad(int argc, char **argv)
     be->download(be, grads, nl_trainer_grads(tr), m->n_params * sizeof(float));
     if (nl_cli_device_check(be, &err) != NL_OK)
         goto out;
-    float ce_loss = (float)(ce / ((double)B * T)), aux_loss = (float)aux;
-    float loss = (float)(ce / ((double)B * T) + m->cfg.aux_loss_coef * aux);
+    float ce_loss = (float)(ce / (double)valid), aux_loss = (float)aux;
+    float loss = (float)(ce / (double)valid + m->cfg.aux_loss_coef * aux);
     int64_t scalar[1] = {0};
     if (!(w = nl_st_writer_new())) {
         nl_error_set(&err, NL_ERR_NOMEM, "out of memory");
@@ -125,25 +133,110 @@ typedef struct train_opts {
     nl_train_run r; /* the flags local and cluster training share */
     long long threads;
     const char *device;
-    int tf32; /* --tf32: the device's GEMMs may use TF32 */
-    int bf16; /* --precision bf16: GEMMs in bf16 */
+    int tf32;              /* --tf32: the device's GEMMs may use TF32 */
+    int bf16;              /* --precision bf16: GEMMs in bf16 */
+    const char *objective; /* --objective: clm, mlm or classify; NULL: the config's */
+    /* neuroctl finetune: LoRA adapters on the frozen model (rank 0: train it all) */
+    long long lora_rank;
+    double lora_alpha;
+    int lora_targets;
 } train_opts;
 
-/* Mean cross-entropy over eval_batches held-out batches. */
-static nl_status eval_loss(nl_trainer *tr, const nl_dataset *ds, const train_opts *o,
-                           int32_t *tokens, int32_t *targets, double *loss, nl_error *err)
+/* finetune: attach fresh adapters (A drawn from the run's seed) to m. */
+static nl_status attach_lora(nl_lora **lo, nl_model *m, const train_opts *o, int rows,
+                             nl_error *err)
+{
+    if (o->lora_rank <= 0)
+        return NL_OK;
+    nl_status st =
+        nl_lora_new(lo, m, (int)o->lora_rank, (float)o->lora_alpha, o->lora_targets, rows, err);
+    if (st == NL_OK)
+        st = nl_lora_init_random(*lo, (uint64_t)o->r.seed, err);
+    if (st == NL_OK)
+        fprintf(stderr,
+                "LoRA rank %lld, alpha %g: %zu adapter parameters train, the base is "
+                "frozen\n",
+                o->lora_rank, o->lora_alpha, (*lo)->n_params);
+    return st;
+}
+
+/* finetune's output: the adapter file, with the base checkpoint's SHA-256. */
+static nl_status save_adapter(const nl_lora *lo, const train_opts *o, nl_error *err)
+{
+    char sha[65];
+    uint64_t bytes = 0;
+    nl_status st = nl_file_sha256(o->model, sha, &bytes, err);
+    if (st == NL_OK)
+        st = nl_lora_save(lo, o->out, sha, err);
+    if (st == NL_OK)
+        fprintf(stderr, "wrote adapters %s\n", o->out);
+    return st;
+}
+
+/* Which objective a run trains: --objective, else the config's. */
+enum { OBJ_CLM = NL_OBJ_CLM, OBJ_MLM = NL_OBJ_MLM, OBJ_CLASSIFY };
+
+static nl_status pick_objective(const train_opts *o, const nl_config *c, int *obj, nl_error *err)
+{
+    *obj = c->objective;
+    if (!o->objective)
+        return NL_OK;
+    if (strcmp(o->objective, "clm") == 0)
+        *obj = OBJ_CLM;
+    else if (strcmp(o->objective, "mlm") == 0)
+        *obj = OBJ_MLM;
+    else if (strcmp(o->objective, "classify") == 0)
+        *obj = OBJ_CLASSIFY;
+    else
+        return nl_error_set(err, NL_ERR_INVALID, "--objective: '%.40s' is not clm, mlm or classify",
+                            o->objective);
+    if (*obj == OBJ_MLM && c->vocab_size <= NL_CONFIG_MASK_ID)
+        return nl_error_set(err, NL_ERR_INVALID,
+                            "--objective mlm: the model's vocab_size %lld does not hold the mask "
+                            "id %d (<|pad|>)",
+                            (long long)c->vocab_size, NL_CONFIG_MASK_ID);
+    if (*obj == OBJ_CLASSIFY && c->num_classes <= 0)
+        return nl_error_set(err, NL_ERR_INVALID,
+                            "--objective classify: the model has no classifier (set num_classes "
+                            "in its config)");
+    return NL_OK;
+}
+
+/* A batch of the run's objective: next-token windows, or (mlm) the same
+ * tokens masked by DESIGN section 6's rule with ignored other targets.
+ * Returns the number of targets that count. */
+static nl_status objective_batch(const nl_dataset *ds, int obj, const nl_config *c, int split,
+                                 uint64_t seed, uint64_t index, int B, int T, int32_t *tokens,
+                                 int32_t *targets, int64_t *valid, nl_error *err)
+{
+    nl_status st = nl_dataset_batch(ds, split, seed, index, B, T, tokens, targets, err);
+    *valid = (int64_t)B * T;
+    if (st == NL_OK && obj == OBJ_MLM)
+        *valid = (int64_t)nl_mlm_mask(tokens, targets, (size_t)B * T, c->mask_prob, c->vocab_size,
+                                      seed + (uint64_t)split, index);
+    return st;
+}
+
+/* Mean cross-entropy over eval_batches held-out batches (over the targets
+ * that count: all of them, or the masked ones of mlm). */
+static nl_status eval_loss(nl_trainer *tr, const nl_dataset *ds, const train_opts *o, int obj,
+                           const nl_config *c, int32_t *tokens, int32_t *targets, double *loss,
+                           nl_error *err)
 {
     const int B = (int)o->r.batch, T = (int)o->r.seq, mb = (int)(o->r.batch / o->r.micro);
     double ce = 0.0;
+    int64_t valid = 0, n = 0;
     nl_status st = NL_OK;
     for (long long i = 0; i < o->r.eval_batches && st == NL_OK; i++) {
-        st = nl_dataset_batch(ds, 1, (uint64_t)o->r.seed, (uint64_t)i, B, T, tokens, targets, err);
+        st = objective_batch(ds, obj, c, 1, (uint64_t)o->r.seed, (uint64_t)i, B, T, tokens, targets,
+                             &n, err);
+        valid += n;
         nl_trainer_begin_step(tr, (int64_t)B * T);
         for (int j = 0; j < o->r.micro && st == NL_OK; j++)
             st = nl_trainer_forward(tr, 0, mb, T, tokens + (size_t)j * mb * T, NULL,
                                     targets + (size_t)j * mb * T, &ce, NULL, err);
     }
-    *loss = ce / ((double)o->r.eval_batches * B * T);
+    *loss = ce / (valid > 0 ? (double)valid : 1.0);
     return st;
 }
 
@@ -233,10 +326,11 @@ static int run_train(const train_opts *o)
     nl_model *m = NULL;
     nl_trainer *tr = NULL;
     nl_dataset *ds = NULL;
+    nl_lora *lo = NULL;
     FILE *logf = NULL;
     int32_t *tokens = NULL, *targets = NULL;
     int64_t start = 0, step = 0;
-    int rc = 1, handler = 0;
+    int rc = 1, handler = 0, obj = OBJ_CLM;
     const int B = (int)o->r.batch, T = (int)o->r.seq, M = (int)o->r.micro, mb = B / M;
     const char *src = o->resume ? o->resume : o->model;
     nl_config cfg;
@@ -254,8 +348,10 @@ static int run_train(const train_opts *o)
         nl_checkpoint_read_config(src, &cfg, NULL, &err) != NL_OK ||
         nl_checkpoint_meta(src, "tokenizer", &cm.tokenizer, &err) != NL_OK ||
         nl_checkpoint_meta(src, "init_seed", &cm.init_seed, &err) != NL_OK ||
+        pick_objective(o, &cfg, &obj, &err) != NL_OK ||
         load_data(&ds, o, src, cm.tokenizer, cfg.vocab_size, &err) != NL_OK ||
         nl_checkpoint_load(&m, be, src, 0, -1, 1, 1, &start, &err) != NL_OK ||
+        attach_lora(&lo, m, o, mb * T, &err) != NL_OK ||
         nl_trainer_new(&tr, m, mb * T, 1, (int)o->r.recompute, &err) != NL_OK)
         goto out;
     if (o->resume) {
@@ -305,8 +401,9 @@ static int run_train(const train_opts *o)
         double t0 = nl_train_clock();
         const double lr = nl_lr_at(step, o->r.steps, o->r.warmup, o->r.lr, o->r.min_lr);
         nl_step_result r;
-        if (nl_dataset_batch(ds, 0, (uint64_t)o->r.seed, (uint64_t)step, B, T, tokens, targets,
-                             &err) != NL_OK)
+        int64_t valid = 0;
+        if (objective_batch(ds, obj, &m->cfg, 0, (uint64_t)o->r.seed, (uint64_t)step, B, T, tokens,
+                            targets, &valid, &err) != NL_OK)
             goto out;
         if (inject && atoll(inject) == step)
             nl_trainer_inject_nan(tr);
@@ -330,10 +427,12 @@ static int run_train(const train_opts *o)
                              .tf32 = o->tf32};
         rep.has_eval =
             o->r.eval_every > 0 && ((step + 1) % o->r.eval_every == 0 || step + 1 == o->r.steps);
-        if (rep.has_eval && eval_loss(tr, ds, o, tokens, targets, &rep.eval_loss, &err) != NL_OK)
+        if (rep.has_eval &&
+            eval_loss(tr, ds, o, obj, &m->cfg, tokens, targets, &rep.eval_loss, &err) != NL_OK)
             goto out;
         nl_train_report_step(&prog, &rep, logf);
-        if (o->r.ckpt_every > 0 && (step + 1) % o->r.ckpt_every == 0 && step + 1 < o->r.steps) {
+        if (!lo && o->r.ckpt_every > 0 && (step + 1) % o->r.ckpt_every == 0 &&
+            step + 1 < o->r.steps) {
             step_path(path, sizeof path, o, step + 1);
             if (save_whole(m, tr, o, &cm, path, step + 1, &err) != NL_OK)
                 goto out;
@@ -349,6 +448,15 @@ static int run_train(const train_opts *o)
                     start + 1);
             goto out;
         }
+        if (lo) { /* finetune: the adapters of the steps done, in --out */
+            if (save_adapter(lo, o, &err) != NL_OK)
+                rc = 1;
+            else
+                fprintf(stderr,
+                        "interrupted after step %" PRId64 " of %lld: kept the adapters in %s\n",
+                        step, o->r.steps, o->out);
+            goto out;
+        }
         step_path(path, sizeof path, o, step);
         const int saved = o->r.ckpt_every > 0 && step % o->r.ckpt_every == 0; /* just now */
         if (!saved && (nl_file_mkdirs(o->ckpt_dir, &err) != NL_OK ||
@@ -359,6 +467,12 @@ static int run_train(const train_opts *o)
         fprintf(stderr,
                 "interrupted after step %" PRId64 " of %lld: kept %s (continue with --resume %s)\n",
                 step, o->r.steps, path, path);
+        goto out;
+    }
+    if (lo) { /* finetune: the adapters, in --out (the base stays as it was) */
+        if (save_adapter(lo, o, &err) != NL_OK)
+            goto out;
+        rc = 0;
         goto out;
     }
     /* the last step is always kept: in --out, or as the last checkpoint */
@@ -379,6 +493,7 @@ out:
     free(targets);
     nl_dataset_destroy(&ds);
     nl_trainer_destroy(&tr);
+    nl_lora_destroy(&lo);
     nl_model_destroy(&m);
     nl_backend_destroy(&be);
     if (rc == 1) {
@@ -433,7 +548,188 @@ static int check_against_model(const nl_flag *flags, train_opts *o)
     return 0;
 }
 
-int nl_cmd_train(int argc, char **argv)
+/* ---------------------------------------------------------------- classify */
+
+/* Held-out loss and accuracy of the classifier over eval_batches batches. */
+static nl_status eval_classify(nl_trainer *tr, const nl_labelled *ds, const train_opts *o, int K,
+                               int32_t *tokens, int32_t *lengths, int32_t *labels, int32_t *doc,
+                               float *probs, double *loss, double *acc, nl_error *err)
+{
+    const int B = (int)o->r.batch, T = (int)o->r.seq;
+    double ce = 0.0;
+    int64_t right = 0, n = 0;
+    nl_status st = NL_OK;
+    for (long long i = 0; i < o->r.eval_batches && st == NL_OK; i++) {
+        if ((st = nl_labelled_batch(ds, 1, (uint64_t)o->r.seed, (uint64_t)i, B, T, tokens, lengths,
+                                    labels, doc, err)) != NL_OK)
+            break;
+        nl_trainer_begin_step(tr, (int64_t)B * T);
+        nl_trainer_set_loss_rows(tr, B);
+        if ((st = nl_trainer_set_docs(tr, doc, B * T, err)) != NL_OK ||
+            (st = nl_trainer_set_labels(tr, labels, lengths, B, T, err)) != NL_OK ||
+            (st = nl_trainer_forward(tr, 0, B, T, tokens, NULL, NULL, &ce, NULL, err)) != NL_OK ||
+            (st = nl_trainer_class_probs(tr, 0, probs, err)) != NL_OK)
+            break;
+        for (int b = 0; b < B; b++, n++) {
+            int best = 0;
+            for (int k = 1; k < K; k++)
+                best = probs[(size_t)b * K + k] > probs[(size_t)b * K + best] ? k : best;
+            right += best == labels[b];
+        }
+    }
+    nl_trainer_set_labels(tr, NULL, NULL, 0, 0, NULL);
+    nl_trainer_set_docs(tr, NULL, 0, NULL);
+    *loss = n ? ce / (double)n : 0.0;
+    *acc = n ? (double)right / (double)n : 0.0;
+    return st;
+}
+
+/* The most frequent class of the training split and its share of the
+ * held-out one: the majority-class baseline. */
+static double majority_share(const nl_labelled *ds, int *cls)
+{
+    int64_t *count = calloc((size_t)ds->n_classes, sizeof *count);
+    int best = 0;
+    int64_t held = 0, total = 0;
+    for (size_t i = 0; count && i < ds->n_train; i++)
+        count[ds->label[i]]++;
+    for (int k = 1; count && k < ds->n_classes; k++)
+        best = count[k] > count[best] ? k : best;
+    for (size_t i = ds->n_train; i < ds->n; i++, total++)
+        held += ds->label[i] == best;
+    free(count);
+    *cls = best;
+    return total ? (double)held / (double)total : 0.0;
+}
+
+/* neuroctl train --objective classify: label<TAB>text lines. */
+static int run_classify(const train_opts *o)
+{
+    nl_error err = {0};
+    nl_backend *be = NULL;
+    nl_model *m = NULL;
+    nl_trainer *tr = NULL;
+    nl_labelled *ds = NULL;
+    nl_lora *lo = NULL;
+    FILE *logf = NULL;
+    int32_t *tokens = NULL, *lengths = NULL, *labels = NULL, *doc = NULL;
+    float *probs = NULL;
+    int rc = 1, obj = OBJ_CLASSIFY, major = 0;
+    const int B = (int)o->r.batch, T = (int)o->r.seq, M = (int)o->r.micro;
+    nl_config cfg;
+    carried_meta cm = {0};
+    if (nl_cli_backend_new(&be, o->device, (int)o->threads, o->tf32, o->bf16, 1, &err) != NL_OK ||
+        nl_checkpoint_read_config(o->model, &cfg, NULL, &err) != NL_OK ||
+        pick_objective(o, &cfg, &obj, &err) != NL_OK ||
+        nl_checkpoint_meta(o->model, "tokenizer", &cm.tokenizer, &err) != NL_OK ||
+        nl_checkpoint_meta(o->model, "init_seed", &cm.init_seed, &err) != NL_OK ||
+        nl_labelled_load(&ds, o->data, cm.tokenizer, cfg.vocab_size, o->r.holdout,
+                         (uint64_t)o->r.seed, &err) != NL_OK)
+        goto out;
+    if (ds->n_classes > cfg.num_classes) {
+        nl_error_set(&err, NL_ERR_SHAPE, "%s: %d classes, but the model's num_classes is %d",
+                     o->data, ds->n_classes, cfg.num_classes);
+        goto out;
+    }
+    if (nl_checkpoint_load(&m, be, o->model, 0, -1, 1, 1, NULL, &err) != NL_OK ||
+        attach_lora(&lo, m, o, B * T, &err) != NL_OK ||
+        nl_trainer_new(&tr, m, B * T, 1, (int)o->r.recompute, &err) != NL_OK)
+        goto out;
+    tokens = malloc((size_t)B * T * sizeof *tokens);
+    doc = malloc((size_t)B * T * sizeof *doc);
+    lengths = malloc((size_t)B * sizeof *lengths);
+    labels = malloc((size_t)B * sizeof *labels);
+    probs = malloc((size_t)B * cfg.num_classes * sizeof *probs);
+    if (!tokens || !doc || !lengths || !labels || !probs) {
+        nl_error_set(&err, NL_ERR_NOMEM, "out of memory");
+        goto out;
+    }
+    if (o->log && !(logf = fopen(o->log, "w"))) {
+        nl_error_set(&err, NL_ERR_IO, "%s: cannot open the log", o->log);
+        goto out;
+    }
+    const double base = majority_share(ds, &major);
+    fprintf(stderr,
+            "classifying %zu examples (%zu held out) into %d classes; majority class '%s' is "
+            "%.1f%% of the held-out split\n",
+            ds->n, ds->n - ds->n_train, ds->n_classes, ds->names[major], 100.0 * base);
+    for (int k = 0; k < ds->n_classes; k++)
+        fprintf(stderr, "  class %d: %s\n", k, ds->names[k]);
+    const nl_adamw_opts adam = nl_adamw_defaults();
+    nl_train_progress prog;
+    nl_train_progress_init(&prog, o->r.progress_s);
+    const double t_begin = nl_train_clock();
+    for (int64_t step = 0; step < o->r.steps; step++) {
+        const double t0 = nl_train_clock();
+        const double lr = nl_lr_at(step, o->r.steps, o->r.warmup, o->r.lr, o->r.min_lr);
+        nl_step_result r;
+        if (nl_labelled_batch(ds, 0, (uint64_t)o->r.seed, (uint64_t)step, B, T, tokens, lengths,
+                              labels, doc, &err) != NL_OK ||
+            nl_trainer_step_classify(tr, tokens, lengths, labels, doc, B, T, M, (float)lr,
+                                     (float)NL_TRAIN_CLIP_NORM, adam, &r, &err) != NL_OK ||
+            nl_cli_device_check(be, &err) != NL_OK)
+            goto out;
+        nl_train_step rep = {.step = step + 1,
+                             .steps = o->r.steps,
+                             .loss = r.loss,
+                             .ce_loss = r.ce_loss,
+                             .aux_loss = r.aux_loss,
+                             .lr = lr,
+                             .grad_norm = r.grad_norm,
+                             .skipped = r.skipped,
+                             .tokens_per_s = (double)B * T / (nl_train_clock() - t0),
+                             .start_time = t_begin,
+                             .device = be->name,
+                             .tf32 = o->tf32};
+        rep.has_eval =
+            o->r.eval_every > 0 && ((step + 1) % o->r.eval_every == 0 || step + 1 == o->r.steps);
+        double acc = 0.0;
+        if (rep.has_eval && eval_classify(tr, ds, o, cfg.num_classes, tokens, lengths, labels, doc,
+                                          probs, &rep.eval_loss, &acc, &err) != NL_OK)
+            goto out;
+        nl_train_report_step(&prog, &rep, logf);
+        if (rep.has_eval) {
+            nl_train_progress_break(&prog);
+            fprintf(stderr, "held-out accuracy %.4f (majority class %.4f)\n", acc, base);
+        }
+    }
+    nl_train_progress_break(&prog);
+    if (lo) { /* finetune: the adapters in --out */
+        if (save_adapter(lo, o, &err) != NL_OK)
+            goto out;
+    } else { /* the last step is always kept: in --out, or as the last checkpoint */
+        char path[4096];
+        if (!o->out)
+            step_path(path, sizeof path, o, o->r.steps);
+        if ((!o->out && nl_file_mkdirs(o->ckpt_dir, &err) != NL_OK) ||
+            save_whole(m, tr, o, &cm, o->out ? o->out : path, o->r.steps, &err) != NL_OK)
+            goto out;
+        fprintf(stderr, "wrote %s (step %lld)\n", o->out ? o->out : path, o->r.steps);
+    }
+    rc = 0;
+out:
+    free(cm.tokenizer);
+    free(cm.init_seed);
+    if (logf)
+        fclose(logf);
+    nl_trainer_destroy(&tr);
+    nl_lora_destroy(&lo);
+    free(tokens);
+    free(doc);
+    free(lengths);
+    free(labels);
+    free(probs);
+    nl_labelled_destroy(&ds);
+    nl_model_destroy(&m);
+    nl_backend_destroy(&be);
+    if (rc)
+        fprintf(stderr, "neuroctl train: %s (%s)\n", err.msg, nl_status_str(err.status));
+    return rc;
+}
+
+/* train and finetune: the same run; finetune adds the LoRA flags, writes
+ * the adapters and leaves the base as it was. */
+static int train_main(int argc, char **argv, int finetune)
 {
     nl_flag flags[] = {
         {"model", 1, "checkpoint to start from (safetensors)", NULL},
@@ -455,6 +751,15 @@ int nl_cmd_train(int argc, char **argv)
          "train is refused before any work)",
          NULL},
         NL_CLI_TF32_FLAG,
+        {"objective", 1,
+         "clm (next token), mlm (masked tokens, DESIGN 6: mask_prob of the positions, mask id "
+         "<|pad|>) or classify (DATA: one label<TAB>text example per line; the model needs "
+         "num_classes); default: the config's objective",
+         NULL},
+        {"lora-rank", 1, "finetune: rank r of the adapters (default 8)", NULL},
+        {"lora-alpha", 1, "finetune: alpha; the adapters add (alpha / r) x A^T B^T (default 16)",
+         NULL},
+        {"lora-targets", 1, "finetune: the maps adapted, of wq,wk,wv,wo (default all four)", NULL},
         NL_CLI_PRECISION_FLAG,
         {0}};
     const char *usage =
@@ -462,7 +767,13 @@ int nl_cmd_train(int argc, char **argv)
         "[--microbatches M] [--lr X] [--warmup W] [--seed S] [--eval-every K] "
         "[--checkpoint-every K] [--log LOG.jsonl] [--out FINAL.safetensors [--force]] "
         "[--resume CKPT] [--threads N] [--device D] [--tf32] [--precision fp32|bf16] "
-        "[--progress-every S]" NL_CLI_CLUSTER_USAGE("train");
+        "[--progress-every S] [--objective clm|mlm|classify]" NL_CLI_CLUSTER_USAGE("train");
+    const char *ft_usage =
+        "neuroctl finetune --model BASE --data DATA --steps N --out ADAPTER.safetensors "
+        "[--lora-rank R] [--lora-alpha A] [--lora-targets wq,wk,wv,wo] [--objective "
+        "clm|mlm|classify] [train's flags]";
+    if (finetune)
+        usage = ft_usage;
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -473,6 +784,7 @@ int nl_cmd_train(int argc, char **argv)
     o.out = nl_args_get(flags, "out");
     o.resume = nl_args_get(flags, "resume");
     o.ckpt_dir = nl_args_get(flags, "checkpoint-dir");
+    o.objective = nl_args_get(flags, "objective");
     if (!o.model && !o.resume) {
         fprintf(stderr, "neuroctl train: missing --model (or --resume)\n\n");
         nl_args_help(stderr, usage, flags);
@@ -486,11 +798,52 @@ int nl_cmd_train(int argc, char **argv)
         return rc;
     if ((rc = check_against_model(flags, &o)))
         return rc;
+    const char *lr_rank = nl_args_get(flags, "lora-rank"),
+               *lr_alpha = nl_args_get(flags, "lora-alpha"),
+               *lr_targets = nl_args_get(flags, "lora-targets");
+    if (!finetune && (lr_rank || lr_alpha || lr_targets)) {
+        fprintf(stderr, "--lora-*: use neuroctl finetune\n");
+        return 2;
+    }
+    if (finetune) {
+        nl_error err = {0};
+        o.lora_rank = 8;
+        o.lora_alpha = 16.0;
+        if ((rc = nl_args_int(flags, "lora-rank", 1, NL_LORA_MAX_RANK, &o.lora_rank)) ||
+            (rc = nl_args_double(flags, "lora-alpha", 1e-6, 1e6, &o.lora_alpha)))
+            return rc;
+        if (nl_lora_parse_targets(lr_targets ? lr_targets : "wq,wk,wv,wo", &o.lora_targets, &err) !=
+            NL_OK) {
+            fprintf(stderr, "%s\n", err.msg);
+            return 2;
+        }
+        if (!o.out || o.resume || !o.model) {
+            fprintf(stderr, "neuroctl finetune: give --model and --out (no --resume)\n");
+            return 2;
+        }
+    }
     if (!o.ckpt_dir)
         o.ckpt_dir = "checkpoints";
     if ((o.r.ckpt_every > 0 || !o.out) && !dir_writable(o.ckpt_dir)) {
         fprintf(stderr, "--checkpoint-dir: cannot create or write %s\n", o.ckpt_dir);
         return 1;
     }
+    if (o.objective && strcmp(o.objective, "classify") == 0) {
+        if (o.resume || !o.model) {
+            fprintf(stderr, "--objective classify: give --model (--resume is for clm and mlm)\n");
+            return 2;
+        }
+        return run_classify(&o);
+    }
     return run_train(&o);
+}
+
+int nl_cmd_train(int argc, char **argv)
+{
+    return train_main(argc, argv, 0);
+}
+
+int nl_cmd_finetune(int argc, char **argv)
+{
+    return train_main(argc, argv, 1);
 }

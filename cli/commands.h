@@ -20,6 +20,9 @@ int nl_cmd_jobs(int argc, char **argv);
 int nl_cmd_cluster(int argc, char **argv);
 int nl_cmd_selftest(int argc, char **argv);
 int nl_cmd_import(int argc, char **argv);
+int nl_cmd_embed(int argc, char **argv);
+int nl_cmd_finetune(int argc, char **argv);
+int nl_cmd_lora(int argc, char **argv);
 /* export --format hf (cli/cmd_hf.c): src is a checkpoint or a manifest. */
 #include <stdint.h>
 int nl_cli_export_hf(const char *src, const char *out, uint64_t shard_bytes);

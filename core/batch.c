@@ -82,6 +82,9 @@ nl_status nl_batch_new(nl_batch **out, nl_model *m, int max_rows, nl_error *err)
     b->max_rows = max_rows;
     b->pad.be = *be;
     b->pad.be.gemm = pad_gemm;
+    /* the fused expert pass would run its GEMMs inside the backend, past
+     * pad_gemm: the separate grouped calls come back through it */
+    b->pad.be.moe_ffn_forward = NULL;
     b->pad.inner = be;
     b->pad.k_max = imax(imax(d, c->num_heads * hd), F);
     b->pad.n_max = imax(imax(qkv, d), imax(imax(c->num_experts, 2 * F), V));

@@ -15,6 +15,11 @@ void nl_config_init(nl_config *cfg)
     cfg->rope_base = 10000.0;
     cfg->norm_eps = 1e-6;
     cfg->aux_loss_coef = 0.01;
+    cfg->causal = 1;
+    cfg->global_every = 1;
+    cfg->rope_scaling.beta_fast = 32.0;
+    cfg->rope_scaling.beta_slow = 1.0;
+    cfg->mask_prob = 0.3;
 }
 
 void nl_config_fill_derived(nl_config *cfg)
@@ -34,6 +39,43 @@ void nl_config_fill_derived(nl_config *cfg)
 }
 
 #define BAD(...) return nl_error_set(err, NL_ERR_INVALID, __VA_ARGS__)
+
+/* The keys of DESIGN.md section 6. */
+static nl_status validate_variants(const nl_config *c, nl_error *err)
+{
+    if (c->causal != 0 && c->causal != 1)
+        BAD("causal: %d must be true or false", c->causal);
+    if (c->ffn_act != NL_FFN_SWIGLU && c->ffn_act != NL_FFN_GEGLU)
+        BAD("ffn_act: %d is neither swiglu nor geglu", c->ffn_act);
+    if (c->num_experts == 1 && c->top_k != 1)
+        BAD("top_k: a dense FFN (num_experts 1) takes top_k 1, not %d", c->top_k);
+    if (c->attention_window < 0 || c->attention_window > NL_CONFIG_MAX_SEQ)
+        BAD("attention_window: %d is outside 0..%d", c->attention_window, NL_CONFIG_MAX_SEQ);
+    if (c->global_every < 1 || c->global_every > NL_CONFIG_MAX_LAYERS)
+        BAD("global_every: %d is outside 1..%d", c->global_every, NL_CONFIG_MAX_LAYERS);
+    if (c->num_classes < 0 || c->num_classes > NL_CONFIG_MAX_DIM)
+        BAD("num_classes: %d is outside 0..%d", c->num_classes, NL_CONFIG_MAX_DIM);
+    if (c->objective != NL_OBJ_CLM && c->objective != NL_OBJ_MLM)
+        BAD("objective: %d is neither clm nor mlm", c->objective);
+    if (!(c->mask_prob > 0.0) || !(c->mask_prob <= 1.0))
+        BAD("mask_prob: %g must be in (0, 1]", c->mask_prob);
+    if (c->objective == NL_OBJ_MLM && c->vocab_size <= NL_CONFIG_MASK_ID)
+        BAD("objective: mlm needs vocab_size above the mask id %d (<|pad|>), not %lld",
+            NL_CONFIG_MASK_ID, (long long)c->vocab_size);
+    const nl_rope_scaling *r = &c->rope_scaling;
+    if (r->type == NL_ROPE_NONE)
+        return NL_OK;
+    if (r->type != NL_ROPE_YARN)
+        BAD("rope_scaling: type %d is not yarn", r->type);
+    if (!(r->factor >= 1.0) || !(r->factor <= 1e6))
+        BAD("rope_scaling: factor %g must be in 1..1e6", r->factor);
+    if (r->original_max_seq_len < 1 || r->original_max_seq_len > NL_CONFIG_MAX_SEQ)
+        BAD("rope_scaling: original_max_seq_len %d is outside 1..%d", r->original_max_seq_len,
+            NL_CONFIG_MAX_SEQ);
+    if (!isfinite(r->beta_fast) || !isfinite(r->beta_slow) || !(r->beta_fast > r->beta_slow))
+        BAD("rope_scaling: beta_fast %g must be above beta_slow %g", r->beta_fast, r->beta_slow);
+    return NL_OK;
+}
 
 nl_status nl_config_validate(const nl_config *c, int require_size, nl_error *err)
 {
@@ -55,6 +97,9 @@ nl_status nl_config_validate(const nl_config *c, int require_size, nl_error *err
         BAD("norm_eps: %g must be in (0, 1)", c->norm_eps);
     if (!(c->aux_loss_coef >= 0.0) || !isfinite(c->aux_loss_coef))
         BAD("aux_loss_coef: %g must be a finite number >= 0", c->aux_loss_coef);
+    nl_status st = validate_variants(c, err);
+    if (st != NL_OK)
+        return st;
     /* 0 means "derive from hidden_dim"; a negative value is never valid,
      * even in a config still to be sized. */
     if (c->num_heads < 0)

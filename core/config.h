@@ -24,7 +24,35 @@ typedef struct nl_config {
     double rope_base;    /* default 10000 */
     double norm_eps;     /* default 1e-6 */
     double aux_loss_coef; /* default 0.01 */
+    /* The variants of DESIGN.md section 6; the defaults give section 2. */
+    int causal;           /* 1: decoder (default); 0: bidirectional encoder */
+    int ffn_act;          /* NL_FFN_SWIGLU (default) or NL_FFN_GEGLU */
+    int attention_window; /* W > 0: local layers; 0: global (default) */
+    int global_every;     /* with a window, layer l is global when l % n == 0; 1 */
+    nl_rope_scaling rope_scaling; /* type NL_ROPE_NONE (default) or NL_ROPE_YARN */
+    int objective;        /* NL_OBJ_CLM (default) or NL_OBJ_MLM */
+    double mask_prob;     /* mlm: share of positions masked; 0.3 */
+    int num_classes;      /* K > 0: classifier.weight [K, d] on mean-pooled states; 0 */
 } nl_config;
+
+/* objective */
+enum { NL_OBJ_CLM = 0, NL_OBJ_MLM = 1 };
+
+/* The masked-LM mask id: the tokenizer's reserved <|pad|> (258), which
+ * encoding never emits (core/tokenizer.h, NL_TOKEN_PAD). */
+#define NL_CONFIG_MASK_ID 258
+
+/* ffn_act */
+enum { NL_FFN_SWIGLU = 0, NL_FFN_GEGLU = 1 };
+
+/* Dense FFN (DESIGN 6): one expert, no router tensor, no aux loss. */
+static inline int nl_config_dense(const nl_config *c) { return c->num_experts == 1; }
+
+/* Whether layer l attends within the window (DESIGN 6). */
+static inline int nl_config_layer_local(const nl_config *c, int l)
+{
+    return c->attention_window > 0 && l % c->global_every != 0;
+}
 
 /* Vocabulary used when neither the config nor a tokenizer gives one: the
  * 256 byte values. */
@@ -40,7 +68,8 @@ typedef struct nl_config {
 #define NL_CONFIG_MAX_HEAD_DIM NL_BACKEND_MAX_HEAD_DIM /* what the kernels support */
 
 /* Every field unset (0); rope_base, norm_eps, aux_loss_coef, vocab_chunk,
- * num_experts, top_k, max_seq_len get their defaults. */
+ * num_experts, top_k, max_seq_len, causal, global_every get their
+ * defaults. */
 void nl_config_init(nl_config *cfg);
 
 /* Fill the defaults that derive from other keys (H from d, G from H, F

@@ -22,34 +22,82 @@
 
 /* ---------------------------------------------------------------- keys */
 
-typedef enum { K_INT, K_I64, K_DBL } key_kind;
+/* K_BOOL is an int 0/1 written true/false; K_ENUM an int whose values
+ * are the names in `names`; K_MAP a mapping whose keys are the entries
+ * named "<map>.<key>" (sub = 1). Keys with `variant` (DESIGN section 6)
+ * are written to JSON only when they differ from the default, so the
+ * config of a section 2 model reads as it always did. */
+typedef enum { K_INT, K_I64, K_DBL, K_BOOL, K_ENUM, K_MAP } key_kind;
 
+static const char *const ffn_acts[] = {"swiglu", "geglu", NULL};
+static const char *const rope_types[] = {"none", "yarn", NULL};
+static const char *const objectives[] = {"clm", "mlm", NULL};
+
+#define RS(f) offsetof(nl_config, rope_scaling) + offsetof(nl_rope_scaling, f)
 static const struct key {
     const char *name;
     key_kind kind;
     size_t off;
+    int variant, sub;
+    const char *const *names; /* K_ENUM */
 } keys[] = {
-    {"vocab_size", K_I64, offsetof(nl_config, vocab_size)},
-    {"vocab_chunk", K_I64, offsetof(nl_config, vocab_chunk)},
-    {"hidden_dim", K_INT, offsetof(nl_config, hidden_dim)},
-    {"num_layers", K_INT, offsetof(nl_config, num_layers)},
-    {"num_heads", K_INT, offsetof(nl_config, num_heads)},
-    {"num_kv_heads", K_INT, offsetof(nl_config, num_kv_heads)},
-    {"ffn_dim", K_INT, offsetof(nl_config, ffn_dim)},
-    {"num_experts", K_INT, offsetof(nl_config, num_experts)},
-    {"top_k", K_INT, offsetof(nl_config, top_k)},
-    {"max_seq_len", K_INT, offsetof(nl_config, max_seq_len)},
-    {"rope_base", K_DBL, offsetof(nl_config, rope_base)},
-    {"norm_eps", K_DBL, offsetof(nl_config, norm_eps)},
-    {"aux_loss_coef", K_DBL, offsetof(nl_config, aux_loss_coef)},
+    {"vocab_size", K_I64, offsetof(nl_config, vocab_size), 0, 0, NULL},
+    {"vocab_chunk", K_I64, offsetof(nl_config, vocab_chunk), 0, 0, NULL},
+    {"hidden_dim", K_INT, offsetof(nl_config, hidden_dim), 0, 0, NULL},
+    {"num_layers", K_INT, offsetof(nl_config, num_layers), 0, 0, NULL},
+    {"num_heads", K_INT, offsetof(nl_config, num_heads), 0, 0, NULL},
+    {"num_kv_heads", K_INT, offsetof(nl_config, num_kv_heads), 0, 0, NULL},
+    {"ffn_dim", K_INT, offsetof(nl_config, ffn_dim), 0, 0, NULL},
+    {"num_experts", K_INT, offsetof(nl_config, num_experts), 0, 0, NULL},
+    {"top_k", K_INT, offsetof(nl_config, top_k), 0, 0, NULL},
+    {"max_seq_len", K_INT, offsetof(nl_config, max_seq_len), 0, 0, NULL},
+    {"rope_base", K_DBL, offsetof(nl_config, rope_base), 0, 0, NULL},
+    {"norm_eps", K_DBL, offsetof(nl_config, norm_eps), 0, 0, NULL},
+    {"aux_loss_coef", K_DBL, offsetof(nl_config, aux_loss_coef), 0, 0, NULL},
+    {"causal", K_BOOL, offsetof(nl_config, causal), 1, 0, NULL},
+    {"ffn_act", K_ENUM, offsetof(nl_config, ffn_act), 1, 0, ffn_acts},
+    {"attention_window", K_INT, offsetof(nl_config, attention_window), 1, 0, NULL},
+    {"global_every", K_INT, offsetof(nl_config, global_every), 1, 0, NULL},
+    {"rope_scaling", K_MAP, offsetof(nl_config, rope_scaling), 1, 0, NULL},
+    {"rope_scaling.type", K_ENUM, RS(type), 1, 1, rope_types},
+    {"rope_scaling.factor", K_DBL, RS(factor), 1, 1, NULL},
+    {"rope_scaling.original_max_seq_len", K_INT, RS(original_max_seq_len), 1, 1, NULL},
+    {"rope_scaling.beta_fast", K_DBL, RS(beta_fast), 1, 1, NULL},
+    {"rope_scaling.beta_slow", K_DBL, RS(beta_slow), 1, 1, NULL},
+    {"objective", K_ENUM, offsetof(nl_config, objective), 1, 0, objectives},
+    {"mask_prob", K_DBL, offsetof(nl_config, mask_prob), 1, 0, NULL},
+    {"num_classes", K_INT, offsetof(nl_config, num_classes), 1, 0, NULL},
 };
+#undef RS
 #define NKEYS (sizeof keys / sizeof keys[0])
+
+/* A top-level key (map = NULL) or a key inside the map named `map`. */
+static int find_in(const char *map, const char *name, size_t len)
+{
+    const size_t ml = map ? strlen(map) + 1 : 0;
+    for (size_t i = 0; i < NKEYS; i++) {
+        const char *kn = keys[i].name;
+        if (keys[i].sub != (map != NULL) || strlen(kn) != ml + len)
+            continue;
+        if (map && (strncmp(kn, map, ml - 1) != 0 || kn[ml - 1] != '.'))
+            continue;
+        if (memcmp(kn + ml, name, len) == 0)
+            return (int)i;
+    }
+    return -1;
+}
 
 static int find_key(const char *name, size_t len)
 {
-    for (size_t i = 0; i < NKEYS; i++)
-        if (strlen(keys[i].name) == len && memcmp(keys[i].name, name, len) == 0)
-            return (int)i;
+    return find_in(NULL, name, len);
+}
+
+/* The index of a name in a NULL-terminated list, or -1. */
+static int enum_index(const char *const *names, const char *s, size_t len)
+{
+    for (int i = 0; names[i]; i++)
+        if (strlen(names[i]) == len && memcmp(names[i], s, len) == 0)
+            return i;
     return -1;
 }
 
@@ -131,6 +179,25 @@ static int parse_dbl(const char *s, size_t len, double *out)
     return errno == ERANGE || !isfinite(*out) ? -2 : 0;
 }
 
+/* What a key's value must be, for messages. */
+static const char *key_want(int k)
+{
+    switch (keys[k].kind) {
+    case K_DBL:
+        return "a number";
+    case K_BOOL:
+        return "true or false";
+    case K_ENUM:
+        return keys[k].names == ffn_acts ? "swiglu or geglu"
+               : keys[k].names == objectives ? "clm or mlm"
+                                             : "yarn";
+    case K_MAP:
+        return "a mapping";
+    default:
+        return "an integer";
+    }
+}
+
 /* Apply `key: value` from a YAML scalar. The message names the key; the
  * caller adds where it is. */
 static nl_status yaml_set(nl_config *cfg, int k, const yaml_event_t *ev, nl_error *err)
@@ -140,10 +207,19 @@ static nl_status yaml_set(nl_config *cfg, int k, const yaml_event_t *ev, nl_erro
     size_t len = ev->data.scalar.length;
     char shown[48];
     show(shown, sizeof shown, s, len);
-    const char *want = keys[k].kind == K_DBL ? "a number" : "an integer";
+    const char *want = key_want(k);
     if (!ev->data.scalar.plain_implicit || ev->data.scalar.style != YAML_PLAIN_SCALAR_STYLE)
         return nl_error_set(err, NL_ERR_INVALID, "%s: expected %s, got a quoted or tagged '%s'",
                             name, want, shown);
+    if (keys[k].kind == K_BOOL || keys[k].kind == K_ENUM) {
+        static const char *const bools[] = {"false", "true", NULL};
+        int v = enum_index(keys[k].kind == K_BOOL ? bools : keys[k].names, s, len);
+        if (v < 0)
+            return nl_error_set(err, NL_ERR_INVALID, "%s: expected %s, got '%s'", name, want,
+                                shown);
+        memcpy((char *)cfg + keys[k].off, &v, sizeof v);
+        return NL_OK;
+    }
     if (keys[k].kind == K_DBL) {
         double v;
         int r = parse_dbl(s, len, &v);
@@ -217,8 +293,25 @@ static const char *event_what(yaml_event_type_t t)
     }
 }
 
-/* One `key: value` pair; the key event is current. */
-static nl_status yaml_pair(yaml_ctx *c, nl_config *cfg, nl_error *err)
+static nl_status yaml_pair(yaml_ctx *c, nl_config *cfg, const char *map, nl_error *err);
+
+/* The pairs of a nested mapping (rope_scaling); its start event is current. */
+static nl_status yaml_map(yaml_ctx *c, nl_config *cfg, const char *map, nl_error *err)
+{
+    for (;;) {
+        nl_status st = next_event(c, err);
+        if (st != NL_OK)
+            return st;
+        if (c->ev.type == YAML_MAPPING_END_EVENT)
+            return NL_OK;
+        if ((st = yaml_pair(c, cfg, map, err)) != NL_OK)
+            return st;
+    }
+}
+
+/* One `key: value` pair at the top level (map NULL) or inside the mapping
+ * named map; the key event is current. */
+static nl_status yaml_pair(yaml_ctx *c, nl_config *cfg, const char *map, nl_error *err)
 {
     size_t line0 = c->ev.start_mark.line;
     if (c->ev.type != YAML_SCALAR_EVENT) {
@@ -227,9 +320,10 @@ static nl_status yaml_pair(yaml_ctx *c, nl_config *cfg, nl_error *err)
     }
     char shown[48];
     show(shown, sizeof shown, (const char *)c->ev.data.scalar.value, c->ev.data.scalar.length);
-    int k = find_key((const char *)c->ev.data.scalar.value, c->ev.data.scalar.length);
+    int k = find_in(map, (const char *)c->ev.data.scalar.value, c->ev.data.scalar.length);
     if (k < 0) {
-        nl_error_set(err, NL_ERR_INVALID, "unknown key '%s'", shown);
+        nl_error_set(err, NL_ERR_INVALID, "unknown key '%s%s%s'", map ? map : "", map ? "." : "",
+                     shown);
         return at(c, line0, err);
     }
     if (c->line[k]) {
@@ -241,11 +335,15 @@ static nl_status yaml_pair(yaml_ctx *c, nl_config *cfg, nl_error *err)
     nl_status st = next_event(c, err);
     if (st != NL_OK)
         return st;
-    if (c->ev.type != YAML_SCALAR_EVENT) {
-        nl_error_set(err, NL_ERR_INVALID, "%s: expected %s, got %s", keys[k].name,
-                     keys[k].kind == K_DBL ? "a number" : "an integer", event_what(c->ev.type));
+    const yaml_event_type_t want = keys[k].kind == K_MAP ? YAML_MAPPING_START_EVENT
+                                                         : YAML_SCALAR_EVENT;
+    if (c->ev.type != want) {
+        nl_error_set(err, NL_ERR_INVALID, "%s: expected %s, got %s", keys[k].name, key_want(k),
+                     event_what(c->ev.type));
         return at(c, c->ev.start_mark.line, err);
     }
+    if (keys[k].kind == K_MAP)
+        return yaml_map(c, cfg, keys[k].name, err);
     st = yaml_set(cfg, k, &c->ev, err);
     if (st != NL_OK)
         return at(c, c->ev.start_mark.line, err);
@@ -276,7 +374,7 @@ static nl_status yaml_walk(yaml_ctx *c, nl_config *cfg, nl_error *err)
             return st;
         if (c->ev.type == YAML_MAPPING_END_EVENT)
             break;
-        if ((st = yaml_pair(c, cfg, err)) != NL_OK)
+        if ((st = yaml_pair(c, cfg, NULL, err)) != NL_OK)
             return st;
     }
     if ((st = next_event(c, err)) != NL_OK) /* document end */
@@ -370,6 +468,57 @@ static int round_trip_digits(double x)
     return 17;
 }
 
+/* The JSON value of key k in cfg; NULL for inf/nan (refused). */
+static json_t *json_value(const nl_config *cfg, int k, int *digits)
+{
+    const char *field = (const char *)cfg + keys[k].off;
+    int x;
+    switch (keys[k].kind) {
+    case K_I64: {
+        int64_t v;
+        memcpy(&v, field, sizeof v);
+        return json_integer(v);
+    }
+    case K_DBL: {
+        double v;
+        memcpy(&v, field, sizeof v);
+        if (round_trip_digits(v) > *digits)
+            *digits = round_trip_digits(v);
+        return json_real(v);
+    }
+    case K_BOOL:
+        memcpy(&x, field, sizeof x);
+        return json_boolean(x);
+    case K_ENUM:
+        memcpy(&x, field, sizeof x);
+        return json_string(keys[k].names[x]);
+    case K_MAP: { /* rope_scaling: its sub keys */
+        json_t *o = json_object();
+        for (size_t j = 0; o && j < NKEYS; j++)
+            if (keys[j].sub && json_object_set_new(o, keys[j].name + strlen(keys[k].name) + 1,
+                                                   json_value(cfg, (int)j, digits)) != 0) {
+                json_decref(o);
+                o = NULL;
+            }
+        return o;
+    }
+    default:
+        memcpy(&x, field, sizeof x);
+        return json_integer(x);
+    }
+}
+
+/* Whether a section 6 key holds its default (then it is not written). */
+static int is_default(const nl_config *cfg, int k)
+{
+    nl_config def;
+    nl_config_init(&def);
+    if (keys[k].kind == K_MAP)
+        return cfg->rope_scaling.type == NL_ROPE_NONE;
+    const size_t n = keys[k].kind == K_DBL || keys[k].kind == K_I64 ? 8 : sizeof(int);
+    return memcmp((const char *)cfg + keys[k].off, (const char *)&def + keys[k].off, n) == 0;
+}
+
 char *nl_config_to_json(const nl_config *cfg)
 {
     json_t *o = json_object();
@@ -378,24 +527,9 @@ char *nl_config_to_json(const nl_config *cfg)
     if (!o)
         return NULL;
     for (size_t k = 0; k < NKEYS; k++) {
-        const char *field = (const char *)cfg + keys[k].off;
-        json_t *v = NULL;
-        if (keys[k].kind == K_I64) {
-            int64_t x;
-            memcpy(&x, field, sizeof x);
-            v = json_integer(x);
-        } else if (keys[k].kind == K_INT) {
-            int x;
-            memcpy(&x, field, sizeof x);
-            v = json_integer(x);
-        } else {
-            double x;
-            memcpy(&x, field, sizeof x);
-            v = json_real(x); /* NULL for inf/nan: refused below */
-            if (round_trip_digits(x) > digits)
-                digits = round_trip_digits(x);
-        }
-        if (json_object_set_new(o, keys[k].name, v) != 0)
+        if (keys[k].sub || (keys[k].variant && is_default(cfg, (int)k)))
+            continue;
+        if (json_object_set_new(o, keys[k].name, json_value(cfg, (int)k, &digits)) != 0)
             goto out;
     }
     /* Enough digits for every double to parse back to itself. */
@@ -408,15 +542,52 @@ out:
 static nl_status json_set(nl_config *cfg, int k, json_t *v, nl_error *err)
 {
     const char *name = keys[k].name;
-    if (keys[k].kind == K_DBL) {
+    char *field = (char *)cfg + keys[k].off;
+    int x;
+    switch (keys[k].kind) {
+    case K_DBL:
         if (!json_is_number(v))
             return nl_error_set(err, NL_ERR_INVALID, "%s: expected a number", name);
         set_dbl(cfg, k, json_number_value(v));
         return NL_OK;
+    case K_BOOL:
+        if (!json_is_boolean(v))
+            return nl_error_set(err, NL_ERR_INVALID, "%s: expected true or false", name);
+        x = json_is_true(v);
+        memcpy(field, &x, sizeof x);
+        return NL_OK;
+    case K_ENUM:
+        x = json_is_string(v) ? enum_index(keys[k].names, json_string_value(v),
+                                           json_string_length(v))
+                              : -1;
+        if (x < 0)
+            return nl_error_set(err, NL_ERR_INVALID, "%s: expected %s", name, key_want(k));
+        memcpy(field, &x, sizeof x);
+        return NL_OK;
+    case K_MAP: {
+        const char *sub;
+        json_t *sv;
+        if (!json_is_object(v))
+            return nl_error_set(err, NL_ERR_INVALID, "%s: expected an object", name);
+        json_object_foreach(v, sub, sv)
+        {
+            int j = find_in(name, sub, strlen(sub));
+            if (j < 0) {
+                char shown[48];
+                show(shown, sizeof shown, sub, strlen(sub));
+                return nl_error_set(err, NL_ERR_INVALID, "unknown key '%s.%s'", name, shown);
+            }
+            nl_status st = json_set(cfg, j, sv, err);
+            if (st != NL_OK)
+                return st;
+        }
+        return NL_OK;
     }
-    if (!json_is_integer(v))
-        return nl_error_set(err, NL_ERR_INVALID, "%s: expected an integer", name);
-    return set_int(cfg, k, json_integer_value(v), err);
+    default:
+        if (!json_is_integer(v))
+            return nl_error_set(err, NL_ERR_INVALID, "%s: expected an integer", name);
+        return set_int(cfg, k, json_integer_value(v), err);
+    }
 }
 
 nl_status nl_config_from_json(nl_config *cfg, const char *json, nl_error *err)

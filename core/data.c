@@ -5,6 +5,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "config.h"
 #include "fileio.h"
 #include "rng.h"
 #include "tokenizer.h"
@@ -160,4 +161,29 @@ out:
     free(text);
     nl_tokenizer_destroy(&tok);
     return st;
+}
+
+/* ---------------------------------------------------------------- masked LM */
+
+_Static_assert(NL_CONFIG_MASK_ID == NL_TOKEN_PAD, "the mask id is the reserved <|pad|>");
+
+size_t nl_mlm_mask(int32_t *tokens, int32_t *targets, size_t n, double mask_prob,
+                   int64_t vocab_size, uint64_t seed, uint64_t index)
+{
+    nl_rng r;
+    size_t chosen = 0;
+    nl_rng_seed(&r, seed ^ nl_rng_hash("mlm"), index);
+    for (size_t i = 0; i < n; i++) {
+        targets[i] = -1;
+        if (nl_rng_uniform(&r) >= mask_prob)
+            continue;
+        chosen++;
+        targets[i] = tokens[i];
+        const double u = nl_rng_uniform(&r);
+        if (u < 0.8)
+            tokens[i] = NL_CONFIG_MASK_ID;
+        else if (u < 0.9)
+            tokens[i] = (int32_t)nl_rng_below(&r, (uint64_t)vocab_size);
+    }
+    return chosen;
 }

@@ -50,4 +50,13 @@ nl_status nl_dataset_load_model(nl_dataset **out, const char *path, const char *
 nl_status nl_dataset_batch(const nl_dataset *ds, int split, uint64_t seed, uint64_t index, int B,
                            int T, int32_t *tokens, int32_t *targets, nl_error *err);
 
+/* DESIGN section 6's masked-LM rule over n positions of tokens, in place:
+ * each position is chosen with probability mask_prob; a chosen one keeps
+ * its token as its target and becomes the mask id (NL_CONFIG_MASK_ID) 80%
+ * of the time, a random id below vocab_size 10%, and stays 10%; every
+ * other target is -1 (ignored). Draws from the stream (seed, index), so a
+ * batch masks the same way in every run. Returns the chosen count. */
+size_t nl_mlm_mask(int32_t *tokens, int32_t *targets, size_t n, double mask_prob,
+                   int64_t vocab_size, uint64_t seed, uint64_t index);
+
 #endif

@@ -2,6 +2,8 @@
  * with RoPE and a top-k mixture of SwiGLU experts, final norm and head. */
 #include "forward.h"
 
+#include "lora.h"
+
 #include "layer.h"
 
 #include <math.h>
@@ -18,6 +20,7 @@ struct nl_runstate {
     int32_t *tokens_d; /* (N) */
     int32_t *pos_d;    /* (N) */
     int32_t *pos_h;    /* (N) host */
+    int32_t *doc_d;    /* (N) packed rows' documents */
     nl_layer_acts acts; /* one set, reused by every layer; residual in acts.x_in */
     float *last;       /* (B, d) last rows for last_only */
     float *xnf;        /* (N, d) final norm */
@@ -45,6 +48,7 @@ nl_status nl_runstate_new(nl_runstate **out, const nl_model *m, int max_rows, nl
     int ok = 1;
     ok &= (rs->tokens_d = be->alloc(be, N * sizeof(int32_t))) != NULL;
     ok &= (rs->pos_d = be->alloc(be, N * sizeof(int32_t))) != NULL;
+    ok &= (rs->doc_d = be->alloc(be, N * sizeof(int32_t))) != NULL;
     ok &= (rs->pos_h = calloc(N, sizeof(int32_t))) != NULL;
     ok &= (rs->last = be->alloc(be, N * d * sizeof(float))) != NULL;
     ok &= (rs->xnf = be->alloc(be, N * d * sizeof(float))) != NULL;
@@ -68,6 +72,7 @@ void nl_runstate_destroy(nl_runstate **rsp)
     nl_layer_acts_free(&rs->acts, be);
     be->free(be, rs->tokens_d);
     be->free(be, rs->pos_d);
+    be->free(be, rs->doc_d);
     be->free(be, rs->last);
     be->free(be, rs->xnf);
     be->free(be, rs->logits);
@@ -97,6 +102,17 @@ nl_status nl_forward(nl_model *m, nl_runstate *rs, const nl_forward_args *a, flo
     if (B < 1 || T < 1 || N > rs->max_rows)
         return nl_error_set(err, NL_ERR_SHAPE, "forward: batch %d x %d is outside 1..%d rows", B,
                             T, rs->max_rows);
+    if (m->lora && N > m->lora->max_rows)
+        return nl_error_set(err, NL_ERR_SHAPE, "forward: %ld rows exceed the adapters' %d", N,
+                            m->lora->max_rows);
+    if (a->kv && !c->causal)
+        return nl_error_set(err, NL_ERR_UNSUPPORTED,
+                            "forward: an encoder (causal: false) has no kv cache");
+    if (a->doc && (a->kv || !be->attention_masked_forward))
+        return nl_error_set(err, NL_ERR_UNSUPPORTED,
+                            a->kv ? "forward: packed rows (doc) take no kv cache"
+                                  : "forward: backend %s has no masked attention for packed rows",
+                            be->name);
     if (a->kv) {
         if (a->kv->B != B || a->kv->n_layers != m->l1 - m->l0)
             return nl_error_set(err, NL_ERR_SHAPE,
@@ -126,9 +142,16 @@ nl_status nl_forward(nl_model *m, nl_runstate *rs, const nl_forward_args *a, flo
             return nl_error_set(err, NL_ERR_INVALID, "forward: stage needs hidden states");
         be->copy_rows(be, x, d, a->x_in, d, (int)N, d);
     }
-    for (long n = 0; n < N; n++)
-        rs->pos_h[n] = (int32_t)(past + n % T);
+    for (long n = 0; n < N; n++) /* packed rows: from 0 in each document */
+        rs->pos_h[n] = n % T == 0 || (a->doc && a->doc[n] != a->doc[n - 1])
+                           ? (int32_t)past
+                           : rs->pos_h[n - 1] + 1;
     be->upload(be, rs->pos_d, rs->pos_h, (size_t)N * sizeof(int32_t));
+    rs->acts.doc_d = NULL;
+    if (a->doc) {
+        be->upload(be, rs->doc_d, a->doc, (size_t)N * sizeof(int32_t));
+        rs->acts.doc_d = rs->doc_d;
+    }
 
     /* the layers queue device work only; their aux losses add up in
      * acts.aux_d, read (one download) only when the caller asks */
@@ -158,6 +181,11 @@ nl_status nl_forward(nl_model *m, nl_runstate *rs, const nl_forward_args *a, flo
     }
     const int V = (int)c->vocab_size;
     be->rmsnorm_forward(be, rs->xnf, NULL, h, m->norm, rows, d, (float)c->norm_eps);
+    if (a->states) { /* the final-normed states, for embeddings */
+        rs->out = rs->xnf;
+        rs->out_cols = d;
+        return nl_backend_check(be, err);
+    }
     be->gemm(be, 0, 1, rows, V, d, 1.0f, rs->xnf, d, m->lm_head, d, 0.0f, rs->logits, V);
     rs->out = rs->logits;
     rs->out_cols = V;

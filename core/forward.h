@@ -27,6 +27,12 @@ typedef struct nl_forward_args {
     const float *x_in;     /* device (B*T, d), for any other stage */
     nl_kvcache *kv;        /* NULL: no cache, positions start at 0 */
     int last_only;         /* head: logits for the last position of each sequence only */
+    /* host (B*T) document ids of packed rows (DESIGN 6), or NULL; no kv:
+     * attention stays inside a document, positions restart for each */
+    const int32_t *doc;
+    /* head: output the final-normed states (rows, d) instead of logits
+     * (embeddings, DESIGN 7) */
+    int states;
 } nl_forward_args;
 
 /* Run the stage. On success the output is at nl_runstate_output: logits

@@ -3,6 +3,8 @@
 #include "layer.h"
 
 #include <stdlib.h>
+
+#include "lora.h"
 #include <string.h>
 
 /* every expert count the config accepts, the routing slots take */
@@ -41,6 +43,19 @@ size_t nl_layer_acts_floats(const nl_config *cfg, int N)
      * xe, gu, hs, ye, the four routing tables of N k, offsets, frac, aux */
     return s.N * (5 * s.d + 2 + s.qkv + s.hq + (size_t)cfg->num_heads + s.E) +
            s.N * s.k * (s.d + 2 * s.F + s.F + s.d + 4) + 2 * s.E + 3;
+}
+
+/* A dense FFN's router probabilities: all 1 (N rows of E = 1). */
+static int dense_probs(nl_layer_acts *a, nl_backend *be, int N)
+{
+    float *one = malloc((size_t)N * sizeof *one);
+    if (!one)
+        return 0;
+    for (int n = 0; n < N; n++)
+        one[n] = 1.0f;
+    be->upload(be, a->probs, one, (size_t)N * sizeof *one);
+    free(one);
+    return 1;
 }
 
 nl_status nl_layer_acts_alloc(nl_layer_acts *a, nl_backend *be, const nl_config *cfg, int N,
@@ -86,6 +101,8 @@ nl_status nl_layer_acts_alloc(nl_layer_acts *a, nl_backend *be, const nl_config 
     a->host_routing = host_routing_env();
 #undef DEV
 #undef HOST
+    if (ok && nl_config_dense(cfg)) /* one expert, weight 1: no router */
+        ok = dense_probs(a, be, N);
     if (!ok) {
         nl_layer_acts_free(a, be);
         return nl_error_set(err, NL_ERR_NOMEM, "activations: cannot allocate %zu rows", s.N);
@@ -114,6 +131,15 @@ void nl_layer_acts_free(nl_layer_acts *a, nl_backend *be)
 }
 
 /* ---------------------------------------------------------------- router */
+
+/* h = act(gate) * up over rows of gu (N, 2F): SwiGLU or GeGLU. */
+static void ffn_act_forward(nl_backend *be, const nl_config *c, float *h, const float *gu, int n)
+{
+    if (c->ffn_act == NL_FFN_GEGLU)
+        be->geglu_forward(be, h, gu, n, c->ffn_dim);
+    else
+        be->swiglu_forward(be, h, gu, n, c->ffn_dim);
+}
 
 /* host_routing mode: top-k of each row of probs_h, ties to the lower
  * expert index, and the dispatch tables grouped by expert (token order
@@ -179,12 +205,31 @@ static void experts_host_routed(nl_backend *be, const nl_config *c, const nl_lay
         const float *wdown = wgu + 2 * (size_t)F * d;      /* (d, F) */
         float *gu = a->gu + (size_t)o * 2 * F, *hs = a->hs + (size_t)o * F;
         be->gemm(be, 0, 1, n, 2 * F, d, 1.0f, a->xe + (size_t)o * d, d, wgu, d, 0.0f, gu, 2 * F);
-        be->swiglu_forward(be, hs, gu, n, F);
+        ffn_act_forward(be, c, hs, gu, n);
         be->gemm(be, 0, 1, n, d, F, 1.0f, hs, F, wdown, F, 0.0f, a->ye + (size_t)o * d, d);
     }
 }
 
 /* ---------------------------------------------------------------- blocks */
+
+void nl_layer_rope(nl_backend *be, const nl_config *c, float *qkv, const int32_t *pos_d, int N)
+{
+    const int hd = nl_config_head_dim(c), H = c->num_heads, G = c->num_kv_heads;
+    const int row = (H + 2 * G) * hd;
+    if (c->rope_scaling.type != NL_ROPE_NONE)
+        be->rope_scaled_forward(be, qkv, pos_d, N, row, 0, H + G, hd, (float)c->rope_base,
+                                c->rope_scaling);
+    else
+        be->rope_forward(be, qkv, pos_d, N, row, 0, H + G, hd, (float)c->rope_base);
+}
+
+nl_attn_mask nl_layer_mask(const nl_config *c, int li, const int32_t *doc_d)
+{
+    const nl_attn_mask mk = {.bidir = !c->causal,
+                             .window = nl_config_layer_local(c, li) ? c->attention_window : 0,
+                             .doc = doc_d};
+    return mk;
+}
 
 static void attention_block(nl_model *m, int li, nl_layer_acts *a, int B, int T, int past,
                             nl_kvcache *kv, const int32_t *pos_d)
@@ -195,11 +240,11 @@ static void attention_block(nl_model *m, int li, nl_layer_acts *a, int B, int T,
     const int N = B * T, d = c->hidden_dim, hd = nl_config_head_dim(c);
     const int H = c->num_heads, G = c->num_kv_heads, qkv = (H + 2 * G) * hd;
 
-    be->rmsnorm_forward(be, a->xn1, a->rstd1, a->x_in, w->attention_norm, N, d,
-                        (float)c->norm_eps);
+    be->rmsnorm_forward(be, a->xn1, a->rstd1, a->x_in, w->attention_norm, N, d, (float)c->norm_eps);
     be->gemm(be, 0, 1, N, qkv, d, 1.0f, a->xn1, d, w->wqkv, d, 0.0f, a->qkv, qkv);
+    nl_lora_forward_qkv(m, li, a->xn1, a->qkv, N); /* adapters, if any */
     /* q and k heads are adjacent columns: rotate them in one call */
-    be->rope_forward(be, a->qkv, pos_d, N, qkv, 0, H + G, hd, (float)c->rope_base);
+    nl_layer_rope(be, c, a->qkv, pos_d, N);
 
     nl_attn_shape s = {.B = B, .T = T, .past = past, .kv_cap = T, .H = H, .G = G, .hd = hd};
     const float *k = a->qkv + H * hd, *v = a->qkv + (H + G) * hd;
@@ -209,10 +254,15 @@ static void attention_block(nl_model *m, int li, nl_layer_acts *a, int B, int T,
         kv_stride = kv->kv_dim;
         s.kv_cap = kv->cap;
     }
-    be->attention_forward(be, a->att, a->lse, a->qkv, qkv, k, v, kv_stride, s);
+    const nl_attn_mask mk = nl_layer_mask(c, li, a->doc_d);
+    if (mk.bidir || mk.window || mk.doc)
+        be->attention_masked_forward(be, a->att, a->lse, a->qkv, qkv, k, v, kv_stride, s, mk);
+    else
+        be->attention_forward(be, a->att, a->lse, a->qkv, qkv, k, v, kv_stride, s);
     if (a->h1 != a->x_in)
         be->copy_rows(be, a->h1, d, a->x_in, d, N, d);
     be->gemm(be, 0, 1, N, d, H * hd, 1.0f, a->att, H * hd, w->wo, H * hd, 1.0f, a->h1, d);
+    nl_lora_forward_wo(m, li, a->att, a->h1, N);
 }
 
 static void moe_block(nl_model *m, int li, nl_layer_acts *a, int N, const nl_layer_aux *aux)
@@ -224,8 +274,10 @@ static void moe_block(nl_model *m, int li, nl_layer_acts *a, int N, const nl_lay
     const size_t expert_floats = 3 * (size_t)F * d;
 
     be->rmsnorm_forward(be, a->xn2, a->rstd2, a->h1, w->ffn_norm, N, d, (float)c->norm_eps);
-    be->gemm(be, 0, 1, N, E, d, 1.0f, a->xn2, d, w->router, d, 0.0f, a->probs, E);
-    be->softmax_forward(be, a->probs, N, E);
+    if (w->router) { /* a dense FFN's probs stay 1 (nl_layer_acts_alloc) */
+        be->gemm(be, 0, 1, N, E, d, 1.0f, a->xn2, d, w->router, d, 0.0f, a->probs, E);
+        be->softmax_forward(be, a->probs, N, E);
+    }
     if (a->host_routing) {
         experts_host_routed(be, c, w, a, N);
     } else {
@@ -235,13 +287,14 @@ static void moe_block(nl_model *m, int li, nl_layer_acts *a, int N, const nl_lay
         be->moe_route(be, a->choice_d, a->w_d, a->offsets_d, a->perm_d, a->slot_d, a->probs, N, E,
                       k);
         be->gather_rows(be, a->xe, a->xn2, a->perm_d, N * k, d);
-        if (be->moe_ffn_forward) { /* one pass: each group's SwiGLU while it is in cache */
+        if (be->moe_ffn_forward &&
+            c->ffn_act != NL_FFN_GEGLU) { /* one pass: each group's SwiGLU while it is in cache */
             be->moe_ffn_forward(be, a->ye, a->hs, a->gu, a->xe, w->experts, expert_floats, d, F,
                                 a->offsets_d, E, N);
         } else {
-            be->gemm_grouped(be, 1, 2 * F, d, a->xe, d, w->experts, d, expert_floats, a->gu,
-                             2 * F, a->offsets_d, E, N);
-            be->swiglu_forward(be, a->hs, a->gu, N * k, F); /* row-wise: all groups at once */
+            be->gemm_grouped(be, 1, 2 * F, d, a->xe, d, w->experts, d, expert_floats, a->gu, 2 * F,
+                             a->offsets_d, E, N);
+            ffn_act_forward(be, c, a->hs, a->gu, N * k); /* row-wise: all groups at once */
             be->gemm_grouped(be, 1, d, F, a->hs, F, w->experts + 2 * (size_t)F * d, F,
                              expert_floats, a->ye, d, a->offsets_d, E, N);
         }
@@ -250,12 +303,13 @@ static void moe_block(nl_model *m, int li, nl_layer_acts *a, int N, const nl_lay
         be->copy_rows(be, a->x_out, d, a->h1, d, N, d);
     be->moe_combine(be, a->x_out, a->ye, a->slot_d, a->w_d, N, k, d);
 
-    /* load-balancing loss: E * sum_e frac_e * mean_p_e, in double */
+    /* load-balancing loss: E * sum_e frac_e * mean_p_e, in double; a
+     * dense FFN has none (its counts are still kept) */
     const nl_layer_aux own = {.global_frac = NULL, .rows = (double)N, .sum = a->aux_d};
     if (!aux)
         aux = &own;
-    be->moe_aux(be, aux->sum, a->frac_d, aux->counts, a->probs, a->offsets_d, aux->global_frac, N,
-                E, k, aux->rows);
+    be->moe_aux(be, w->router ? aux->sum : NULL, a->frac_d, aux->counts, a->probs, a->offsets_d,
+                aux->global_frac, N, E, k, aux->rows);
 }
 
 void nl_layer_forward(nl_model *m, int li, nl_layer_acts *a, int B, int T, int past, nl_kvcache *kv,

@@ -45,6 +45,9 @@ typedef struct nl_layer_acts {
     float *frac_d;      /* (E) assignment shares the aux loss used */
     double *aux_d;      /* (1) an aux-loss accumulator callers may use */
     int host_routing;   /* NL_HOST_ROUTING=1 at allocation */
+    /* (N) document ids of packed rows (backend.h, nl_attn_mask), or NULL:
+     * set by the caller before the forward; the backward reads it too */
+    const int32_t *doc_d;
     /* host: the routing of host_routing mode */
     float *probs_h;   /* (N, E) */
     int32_t *choice;  /* (N k) */
@@ -59,7 +62,8 @@ typedef struct nl_layer_acts {
 size_t nl_layer_acts_floats(const nl_config *cfg, int N);
 
 /* Allocate a set for N rows; `training` gives separate residual buffers
- * and the saved statistics, else x_in == h1 == x_out and no rstd/lse.
+ * and the saved statistics, else x_in == h1 == x_out and no rstd/lse. A
+ * dense FFN's probs are set to 1 here, once (it has no router).
  * Reads NL_HOST_ROUTING. nl_layer_acts_free releases what _alloc made
  * (NULL-safe fields). */
 nl_status nl_layer_acts_alloc(nl_layer_acts *a, nl_backend *be, const nl_config *cfg, int N,
@@ -82,8 +86,9 @@ typedef struct nl_layer_aux {
 } nl_layer_aux;
 
 /* Forward one layer `li` of the model over a->x_in, writing a->x_out.
- * pos_d: (N) device positions. kv may be NULL. aux NULL: this call's own
- * shares over N rows, the loss added to a->aux_d. Queues device work only
+ * pos_d: (N) device positions (restarting per document in packed rows).
+ * kv may be NULL. aux NULL: this call's own shares over N rows, the loss
+ * added to a->aux_d. Queues device work only
  * (no host synchronisation unless a->host_routing). */
 void nl_layer_forward(nl_model *m, int li, nl_layer_acts *a, int B, int T, int past, nl_kvcache *kv,
                       const int32_t *pos_d, const nl_layer_aux *aux);
@@ -93,6 +98,14 @@ void nl_layer_forward(nl_model *m, int li, nl_layer_acts *a, int B, int T, int p
  * The batched decoder (core/batch.c) runs its own attention per sequence
  * and then this over the whole batch. */
 void nl_layer_ffn_forward(nl_model *m, int li, nl_layer_acts *a, int N);
+
+/* RoPE on the q and k heads of qkv (N, (H + 2G) hd) at positions pos_d,
+ * with the config's scaling (YaRN) if any; negated positions invert it. */
+void nl_layer_rope(nl_backend *be, const nl_config *c, float *qkv, const int32_t *pos_d, int N);
+
+/* The attention mask of layer li (DESIGN section 6): bidirectional when
+ * not causal, the window when the layer is local, and the documents. */
+nl_attn_mask nl_layer_mask(const nl_config *c, int li, const int32_t *doc_d);
 
 /* Scratch for the backward pass of one layer over N rows (device unless
  * marked host), shared by every layer of a stage. */

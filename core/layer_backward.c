@@ -8,6 +8,8 @@
 #include "layer.h"
 
 #include <stdlib.h>
+
+#include "lora.h"
 #include <string.h>
 
 size_t nl_layer_scratch_floats(const nl_config *c, int N)
@@ -85,16 +87,19 @@ static void moe_backward(nl_model *m, int li, const nl_layer_acts *a, nl_layer_g
     be->moe_combine_backward(be, s->dye, s->dw, dy, a->ye, a->slot_d, a->w_d, N, k, d);
     /* the experts, grouped by the device offsets: no host counts */
     const float *wdown0 = w->experts + 2 * (size_t)F * d;
-    if (be->moe_ffn_backward) { /* group by group, each SwiGLU backward while in cache */
-        be->moe_ffn_backward(be, s->dxe, s->dgu, s->dhs, gslot(m, grads, w->experts), s->dye,
-                             a->xe, a->gu, a->hs, w->experts, expert_floats, d, F, a->offsets_d,
-                             E);
+    if (be->moe_ffn_backward &&
+        c->ffn_act != NL_FFN_GEGLU) { /* group by group, each SwiGLU backward while in cache */
+        be->moe_ffn_backward(be, s->dxe, s->dgu, s->dhs, gslot(m, grads, w->experts), s->dye, a->xe,
+                             a->gu, a->hs, w->experts, expert_floats, d, F, a->offsets_d, E);
     } else {
-        be->gemm_grouped(be, 0, F, d, s->dye, d, wdown0, F, expert_floats, s->dhs, F,
-                         a->offsets_d, E, N);
+        be->gemm_grouped(be, 0, F, d, s->dye, d, wdown0, F, expert_floats, s->dhs, F, a->offsets_d,
+                         E, N);
         be->gemm_grouped_wgrad(be, d, F, s->dye, d, a->hs, F, gslot(m, grads, wdown0), F,
                                expert_floats, a->offsets_d, E);
-        be->swiglu_backward(be, s->dgu, s->dhs, a->gu, N * k, F); /* row-wise: all groups */
+        if (c->ffn_act == NL_FFN_GEGLU) /* row-wise: all groups */
+            be->geglu_backward(be, s->dgu, s->dhs, a->gu, N * k, F);
+        else
+            be->swiglu_backward(be, s->dgu, s->dhs, a->gu, N * k, F);
         be->gemm_grouped_wgrad(be, 2 * F, d, s->dgu, 2 * F, a->xe, d, gslot(m, grads, w->experts),
                                d, expert_floats, a->offsets_d, E);
         be->gemm_grouped(be, 0, d, 2 * F, s->dgu, 2 * F, w->experts, d, expert_floats, s->dxe, d,
@@ -104,11 +109,14 @@ static void moe_backward(nl_model *m, int li, const nl_layer_acts *a, nl_layer_g
     be->zero(be, s->dxn, (size_t)N * d * sizeof(float));
     be->moe_combine(be, s->dxn, s->dxe, a->slot_d, s->ones, N, k, d);
 
-    /* the router: through the renormalised weights and the aux loss */
-    be->moe_router_backward(be, s->dl, s->dw, a->probs, a->choice_d, a->w_d, a->frac_d, N, E, k,
-                            aux_scale);
-    be->gemm(be, 1, 0, E, d, N, 1.0f, s->dl, E, a->xn2, d, 1.0f, gslot(m, grads, w->router), d);
-    be->gemm(be, 0, 0, N, d, E, 1.0f, s->dl, E, w->router, d, 1.0f, s->dxn, d);
+    /* the router: through the renormalised weights and the aux loss (a
+     * dense FFN has neither) */
+    if (w->router) {
+        be->moe_router_backward(be, s->dl, s->dw, a->probs, a->choice_d, a->w_d, a->frac_d, N, E, k,
+                                aux_scale);
+        be->gemm(be, 1, 0, E, d, N, 1.0f, s->dl, E, a->xn2, d, 1.0f, gslot(m, grads, w->router), d);
+        be->gemm(be, 0, 0, N, d, E, 1.0f, s->dl, E, w->router, d, 1.0f, s->dxn, d);
+    }
 
     /* dh1 = dy (residual) + ffn_norm backward */
     be->copy_rows(be, s->dh1, d, dy, d, N, d);
@@ -128,13 +136,22 @@ static void attention_backward(nl_model *m, int li, const nl_layer_acts *a,
     be->copy_rows(be, dx, d, s->dh1, d, N, d); /* residual */
     be->gemm(be, 1, 0, d, hq, N, 1.0f, s->dh1, d, a->att, hq, 1.0f, gslot(m, grads, w->wo), hq);
     be->gemm(be, 0, 0, N, hq, d, 1.0f, s->dh1, d, w->wo, hq, 0.0f, s->datt, hq);
+    nl_lora_backward_wo(m, li, a->att, s->dh1, s->datt, N); /* adapters, if any */
     nl_attn_shape sh = {.B = B, .T = T, .past = 0, .kv_cap = T, .H = H, .G = G, .hd = hd};
-    be->attention_backward(be, s->dqkv, s->dqkv + hq, s->dqkv + (H + G) * hd, s->datt, a->qkv,
-                           qkv, a->qkv + hq, a->qkv + (H + G) * hd, qkv, a->att, a->lse, sh);
-    /* RoPE is a rotation: its backward rotates by the negated angle */
-    be->rope_forward(be, s->dqkv, s->neg_pos_d, N, qkv, 0, H + G, hd, (float)c->rope_base);
+    const nl_attn_mask mk = nl_layer_mask(c, li, a->doc_d);
+    float *dq = s->dqkv, *dk = s->dqkv + hq, *dv = s->dqkv + (H + G) * hd;
+    const float *k = a->qkv + hq, *v = a->qkv + (H + G) * hd;
+    if (mk.bidir || mk.window || mk.doc)
+        be->attention_masked_backward(be, dq, dk, dv, s->datt, a->qkv, qkv, k, v, qkv, a->att,
+                                      a->lse, sh, mk);
+    else
+        be->attention_backward(be, dq, dk, dv, s->datt, a->qkv, qkv, k, v, qkv, a->att, a->lse, sh);
+    /* RoPE is a rotation (YaRN: times a scale): its backward rotates by
+     * the negated angle */
+    nl_layer_rope(be, c, s->dqkv, s->neg_pos_d, N);
     be->gemm(be, 1, 0, qkv, d, N, 1.0f, s->dqkv, qkv, a->xn1, d, 1.0f, gslot(m, grads, w->wqkv), d);
     be->gemm(be, 0, 0, N, d, qkv, 1.0f, s->dqkv, qkv, w->wqkv, d, 0.0f, s->dxn, d);
+    nl_lora_backward_qkv(m, li, a->xn1, s->dqkv, s->dxn, N);
     be->rmsnorm_backward(be, dx, gslot(m, grads, w->attention_norm), s->dxn, a->x_in,
                          w->attention_norm, a->rstd1, N, d);
 }

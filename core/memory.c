@@ -7,10 +7,13 @@ int64_t nl_stage_param_count(const nl_config *c, int n_layers, int has_embed, in
 {
     const int64_t d = c->hidden_dim, hd = nl_config_head_dim(c);
     const int64_t per_layer = 2 * d + (c->num_heads + 2LL * c->num_kv_heads) * hd * d +
-                              d * c->num_heads * hd + (int64_t)c->num_experts * d +
+                              d * c->num_heads * hd +
+                              (nl_config_dense(c) ? 0 : (int64_t)c->num_experts * d) +
                               3LL * c->num_experts * c->ffn_dim * d;
     const int64_t table = nl_config_capacity(c) * d;
-    return per_layer * n_layers + (has_embed ? table : 0) + (has_head ? table + d : 0);
+    const int64_t classifier = (int64_t)c->num_classes * d;
+    return per_layer * n_layers + (has_embed ? table : 0) +
+           (has_head ? table + d + classifier : 0);
 }
 
 /* Host-side routing arrays of one activation set (layer.c: probs_h,

@@ -68,8 +68,9 @@ static nl_status build_layout(nl_model *m, layout *lo, nl_error *err)
         ok &= layout_add(lo, NL_PARAM_MATRIX, out_std, d, H * hd, "layers.%d.attention.wo.weight",
                          l) != NULL;
         ok &= layout_add(lo, NL_PARAM_NORM, 0, d, 0, "layers.%d.ffn_norm.weight", l) != NULL;
-        ok &= layout_add(lo, NL_PARAM_MATRIX, std, c->num_experts, d, "layers.%d.moe.router.weight",
-                         l) != NULL;
+        if (!nl_config_dense(c)) /* a dense FFN has no router */
+            ok &= layout_add(lo, NL_PARAM_MATRIX, std, c->num_experts, d,
+                             "layers.%d.moe.router.weight", l) != NULL;
         for (int e = 0; e < c->num_experts && ok; e++) {
             ok &= layout_add(lo, NL_PARAM_MATRIX, std, F, d,
                              "layers.%d.moe.experts.%d.w_gate.weight", l, e) != NULL;
@@ -82,6 +83,9 @@ static nl_status build_layout(nl_model *m, layout *lo, nl_error *err)
     if (m->has_head && ok) {
         ok &= layout_add(lo, NL_PARAM_NORM, 0, d, 0, "norm.weight") != NULL;
         ok &= layout_add(lo, NL_PARAM_TABLE, std, m->capacity, d, "lm_head.weight") != NULL;
+        if (c->num_classes > 0 && ok) /* DESIGN 6: on the mean-pooled final states */
+            ok &= layout_add(lo, NL_PARAM_MATRIX, std, c->num_classes, d, "classifier.weight") !=
+                  NULL;
     }
     if (!ok)
         return nl_error_set(err, NL_ERR_NOMEM, "model layout: out of memory");
@@ -109,21 +113,41 @@ static nl_status bind_pointers(nl_model *m, nl_error *err)
             return nl_error_set(err, NL_ERR_INTERNAL, "layer %d: wq, wk, wv not adjacent", l);
         w->wo = m->params + t[i + 4].offset;
         w->ffn_norm = m->params + t[i + 5].offset;
-        w->router = m->params + t[i + 6].offset;
-        w->experts = m->params + t[i + 7].offset;
+        const int r = nl_config_dense(c) ? 0 : 1; /* router tensors */
+        w->router = r ? m->params + t[i + 6].offset : NULL;
+        w->experts = m->params + t[i + 6 + r].offset;
         for (int e = 0; e < c->num_experts; e++) {
-            const nl_param *g = &t[i + 7 + 3 * e];
+            const nl_param *g = &t[i + 6 + r + 3 * e];
             if (!adjacent(g, g + 1) || !adjacent(g + 1, g + 2) ||
                 (e > 0 && !adjacent(g - 1, g)))
                 return nl_error_set(err, NL_ERR_INTERNAL, "layer %d expert %d: not contiguous", l,
                                     e);
         }
-        i += 7 + 3 * c->num_experts;
+        i += 6 + r + 3 * c->num_experts;
     }
     if (m->has_head) {
         m->norm = m->params + t[i++].offset;
         m->lm_head = m->params + t[i++].offset;
+        if (c->num_classes > 0)
+            m->classifier = m->params + t[i++].offset;
     }
+    return NL_OK;
+}
+
+/* The DESIGN section 6 variants need optional backend slots. */
+static nl_status backend_supports(const nl_backend *be, const nl_config *c, nl_error *err)
+{
+    const char *need = NULL;
+    if (c->ffn_act == NL_FFN_GEGLU && (!be->geglu_forward || !be->geglu_backward))
+        need = "ffn_act geglu";
+    else if (c->rope_scaling.type != NL_ROPE_NONE && !be->rope_scaled_forward)
+        need = "rope_scaling";
+    else if ((!c->causal || c->attention_window > 0) &&
+             (!be->attention_masked_forward || !be->attention_masked_backward))
+        need = c->causal ? "attention_window" : "causal: false";
+    if (need)
+        return nl_error_set(err, NL_ERR_UNSUPPORTED, "backend %s does not implement %s", be->name,
+                            need);
     return NL_OK;
 }
 
@@ -137,6 +161,8 @@ nl_status nl_model_new(nl_model **out, nl_backend *be, const nl_config *cfg, int
     if (l0 < 0 || l1 > cfg->num_layers || l0 > l1)
         return nl_error_set(err, NL_ERR_RANGE, "layer range [%d, %d) is outside [0, %d)", l0, l1,
                             cfg->num_layers);
+    if ((st = backend_supports(be, cfg, err)) != NL_OK)
+        return st;
     nl_model *m = calloc(1, sizeof *m);
     layout lo = {0};
     if (!m)
@@ -214,7 +240,8 @@ double nl_config_forward_flops(const nl_config *c, int B, int T, int past)
     const double d = c->hidden_dim, hd = nl_config_head_dim(c), H = c->num_heads;
     const double G = c->num_kv_heads, F = c->ffn_dim, E = c->num_experts, k = c->top_k;
     const double tokens = (double)B * T;
-    const double per_token = 2 * d * (H + 2 * G) * hd + 2 * H * hd * d + 2 * d * E +
+    const double per_token = 2 * d * (H + 2 * G) * hd + 2 * H * hd * d +
+                             (nl_config_dense(c) ? 0 : 2 * d * E) +
                              k * (2 * d * 2 * F + 2 * F * d);
     /* keys seen, summed over the new positions: sum_{t} (past + t + 1) */
     const double keys = (double)B * ((double)past * T + (double)T * (T + 1) / 2);

@@ -46,6 +46,8 @@ typedef struct nl_layer_weights {
     float *experts;        /* E blocks of [w_gate (F, d); w_up (F, d); w_down (d, F)] */
 } nl_layer_weights;
 
+typedef struct nl_lora nl_lora; /* core/lora.h */
+
 typedef struct nl_model {
     nl_config cfg;
     int l0, l1;            /* layers held: [l0, l1) */
@@ -61,6 +63,8 @@ typedef struct nl_model {
     nl_layer_weights *layers; /* l1 - l0 entries */
     float *norm;           /* (d) or NULL */
     float *lm_head;        /* (C, d) or NULL */
+    float *classifier;     /* (num_classes, d) with the head when num_classes > 0, or NULL */
+    nl_lora *lora;         /* attached adapters (core/lora.h, which owns them), or NULL */
 } nl_model;
 
 /* Build the stage [l0, l1) with zeroed parameters. The config must pass

@@ -8,7 +8,8 @@
  * hands back the gradient of its input.
  *
  * The loss of a step is DESIGN.md section 2's over the whole batch:
- * mean cross-entropy over its B*T rows plus aux_loss_coef times the
+ * mean cross-entropy over its B*T rows (those whose target is not
+ * ignored, section 6) plus aux_loss_coef times the
  * summed load-balancing losses, whose assignment shares frac_e are the
  * batch's. With several microbatches those shares come from a counting
  * pass (nl_trainer_count_routes) so the result does not depend on how the
@@ -48,6 +49,31 @@ void nl_trainer_destroy(nl_trainer **t);
 /* Start a step over a batch of batch_rows rows: zero the gradients and
  * the route counts. */
 void nl_trainer_begin_step(nl_trainer *t, int64_t batch_rows);
+
+/* The number of predictions the step's mean cross-entropy is over: the
+ * batch's targets that are not ignored (targets below 0 are, DESIGN 6).
+ * nl_trainer_begin_step sets it to batch_rows. */
+void nl_trainer_set_loss_rows(nl_trainer *t, int64_t rows);
+
+/* Packed rows (DESIGN 6): document ids (host, `rows` = B*T of the next
+ * passes) for the following count_routes and forward calls, until set
+ * again; NULL: one document per sequence. Attention stays inside a
+ * document and positions restart at 0 for each; a forward keeps its
+ * slot's documents for its backward. */
+nl_status nl_trainer_set_docs(nl_trainer *t, const int32_t *doc, int rows, nl_error *err);
+
+/* Classification (DESIGN 6; the last stage of a model with num_classes
+ * K > 0): for the B sequences of T positions of the following forwards
+ * (until set again; NULL labels: the language-model head again), their
+ * classes labels[b] in [0, K) and valid lengths lengths[b] in [1, T]. The
+ * head then pools the final-normed states over each sequence's valid
+ * positions (their mean), applies classifier.weight and adds the
+ * cross-entropy of the labels (one per sequence: set the loss rows to
+ * the batch's sequences); targets may be NULL. Pad positions should be a
+ * document of their own (nl_trainer_set_docs) where attention is
+ * bidirectional. */
+nl_status nl_trainer_set_labels(nl_trainer *t, const int32_t *labels, const int32_t *lengths,
+                                int B, int T, nl_error *err);
 
 /* Counting pass for one microbatch (forward only, nothing kept): add this
  * microbatch's expert assignments to the step's counts, which add up on
@@ -97,8 +123,9 @@ double nl_trainer_grad_sumsq(const nl_trainer *t);
  * not to norm gains. */
 void nl_trainer_step(nl_trainer *t, float lr, float grad_scale, nl_adamw_opts o);
 
-/* Optimizer state, for checkpoints: moments (device, n_params each) and
- * the number of AdamW steps taken. */
+/* Optimizer state, for checkpoints: moments (device, n_params each; NULL
+ * when the model had adapters attached at nl_trainer_new: then only
+ * core/lora.h's block trains) and the number of AdamW steps taken. */
 float *nl_trainer_moment(const nl_trainer *t, int which /* 0: m, 1: v */);
 int64_t nl_trainer_adam_steps(const nl_trainer *t);
 void nl_trainer_set_adam_steps(nl_trainer *t, int64_t steps);
@@ -140,6 +167,22 @@ double nl_step_decide(nl_step_result *r, double ce_sum, double rows, double aux,
 nl_status nl_trainer_step_local(nl_trainer *t, const int32_t *tokens, const int32_t *targets,
                                 int B, int T, int M, float lr, float clip_norm, nl_adamw_opts o,
                                 nl_step_result *res, nl_error *err);
+
+/* nl_trainer_step_local for classification (DESIGN 6): B sequences of T
+ * ids (host, (B, T)) with their valid lengths and labels (B) and the
+ * documents (B, T) that keep padding apart (0 on the text, 1 on the pads,
+ * as nl_labelled_batch makes them); the loss is the mean over the B
+ * labels. Leaves no labels or documents set. */
+nl_status nl_trainer_step_classify(nl_trainer *t, const int32_t *tokens, const int32_t *lengths,
+                                   const int32_t *labels, const int32_t *doc, int B, int T, int M,
+                                   float lr, float clip_norm, nl_adamw_opts o,
+                                   nl_step_result *res, nl_error *err);
+
+/* The class probabilities (host, (B, num_classes)) of the last
+ * classification forward in `slot`, recovered from the loss gradient
+ * the forward left in place of the logits (the labels of that forward
+ * must still be set). */
+nl_status nl_trainer_class_probs(const nl_trainer *t, int slot, float *probs, nl_error *err);
 
 /* Test hook: when set, the next backward writes NaN into the gradient of
  * its first parameter (to exercise the non-finite guard). */

@@ -55,10 +55,40 @@ typedef struct nl_attn_shape {
     int hd;     /* head dimension */
 } nl_attn_shape;
 
-/* Bumped whenever struct nl_backend, nl_backend_opts, nl_attn_shape or
- * nl_error changes: a backend module built against another version is
- * refused when it is loaded. */
-#define NL_BACKEND_ABI 4
+/* The masks of DESIGN.md section 6, for the attention_masked_* slots (a
+ * zeroed mask is the causal one of attention_forward). Query t sits at
+ * absolute position i = past + t:
+ *   bidir   1: every key 0 .. past + T - 1 (an encoder);
+ *   window  W > 0: causal keys j in (i - W, i], bidirectional abs(i - j)
+ *           <= W / 2; kernels skip key tiles outside it, so a local layer
+ *           costs O(T W);
+ *   doc     (B, T) device array of document ids, or NULL: with past == 0,
+ *           query t sees key j only when doc[b, t] == doc[b, j] (packed
+ *           rows; the caller restarts positions per document). */
+typedef struct nl_attn_mask {
+    int bidir;          /* 1: no causal mask */
+    int window;         /* W > 0: local attention; 0: global */
+    const int32_t *doc; /* (B, T) device document ids, or NULL */
+} nl_attn_mask;
+
+/* RoPE frequency scaling (DESIGN.md section 6). For pair i with theta_i =
+ * base^(-2i/hd) and r_i = L0 theta_i / (2 pi), gamma_i = clamp((r_i -
+ * beta_slow) / (beta_fast - beta_slow), 0, 1), theta'_i = (1 - gamma_i)
+ * theta_i / factor + gamma_i theta_i, and cos and sin are both multiplied
+ * by m = 0.1 ln(factor) + 1. */
+enum { NL_ROPE_NONE = 0, NL_ROPE_YARN = 1 };
+typedef struct nl_rope_scaling {
+    int type;                 /* NL_ROPE_NONE or NL_ROPE_YARN */
+    int original_max_seq_len; /* L0 */
+    double factor;            /* s */
+    double beta_fast;         /* default 32 */
+    double beta_slow;         /* default 1 */
+} nl_rope_scaling;
+
+/* Bumped whenever struct nl_backend, nl_backend_opts, nl_attn_shape,
+ * nl_attn_mask, nl_rope_scaling or nl_error changes: a backend module
+ * built against another version is refused when it is loaded. */
+#define NL_BACKEND_ABI 5
 
 /* Largest head dimension any backend's attention and RoPE support. */
 #define NL_BACKEND_MAX_HEAD_DIM 256
@@ -141,6 +171,10 @@ struct nl_backend {
      * sits at position pos[n]. */
     void (*rope_forward)(nl_backend *be, float *x, const int32_t *pos, int N, int row, int col0,
                          int heads, int hd, float base);
+    /* Optional: rope_forward with the frequencies and scale of `sc`
+     * (YaRN). Its own inverse with negated positions, as rope_forward. */
+    void (*rope_scaled_forward)(nl_backend *be, float *x, const int32_t *pos, int N, int row,
+                                int col0, int heads, int hd, float base, nl_rope_scaling sc);
     /* Tiled causal attention with online softmax.
      * q:   (B, T, q_stride) with head h at column h*hd
      * k,v: (B, kv_cap, kv_stride) with kv head g at column g*hd
@@ -149,11 +183,18 @@ struct nl_backend {
     void (*attention_forward)(nl_backend *be, float *out, float *lse, const float *q,
                               int q_stride, const float *k, const float *v, int kv_stride,
                               nl_attn_shape s);
+    /* Optional: attention_forward under a DESIGN section 6 mask. */
+    void (*attention_masked_forward)(nl_backend *be, float *out, float *lse, const float *q,
+                                     int q_stride, const float *k, const float *v, int kv_stride,
+                                     nl_attn_shape s, nl_attn_mask mask);
     /* Row-wise softmax in place. (N, C) */
     void (*softmax_forward)(nl_backend *be, float *x, int N, int C);
     /* out[n, j] = silu(gu[n, j]) * gu[n, F + j]: gu is (N, 2F) with the gate
      * in the first F columns and the up projection in the last F. */
     void (*swiglu_forward)(nl_backend *be, float *out, const float *gu, int N, int F);
+    /* Optional: as swiglu_forward with the exact (erf) GELU for silu:
+     * out[n, j] = gelu(gu[n, j]) * gu[n, F + j]. */
+    void (*geglu_forward)(nl_backend *be, float *out, const float *gu, int N, int F);
     /* out[i, :] = src[idx[i], :]; (n, C) */
     void (*gather_rows)(nl_backend *be, float *out, const float *src, const int32_t *idx, int n,
                         int C);
@@ -259,10 +300,20 @@ struct nl_backend {
     void (*attention_backward)(nl_backend *be, float *dq, float *dk, float *dv, const float *dout,
                                const float *q, int q_stride, const float *k, const float *v,
                                int kv_stride, const float *out, const float *lse, nl_attn_shape s);
+    /* Optional: attention_backward under a DESIGN section 6 mask (the
+     * mask of the forward). */
+    void (*attention_masked_backward)(nl_backend *be, float *dq, float *dk, float *dv,
+                                      const float *dout, const float *q, int q_stride,
+                                      const float *k, const float *v, int kv_stride,
+                                      const float *out, const float *lse, nl_attn_shape s,
+                                      nl_attn_mask mask);
     /* gu = [g | u] (N, 2F), h = silu(g) * u:
      * dgu[:, :F] = dh * u * silu'(g), dgu[:, F:] = dh * silu(g). Overwrites dgu. */
     void (*swiglu_backward)(nl_backend *be, float *dgu, const float *dh, const float *gu, int N,
                             int F);
+    /* Optional: as swiglu_backward for geglu_forward. */
+    void (*geglu_backward)(nl_backend *be, float *dgu, const float *dh, const float *gu, int N,
+                           int F);
     /* Backward of moe_combine: dy[slot[n*k+i], :] = w[n*k+i] * dx[n, :]
      * (overwrites, each slot is written once) and
      * dw[n*k+i] = dot(dx[n, :], y[slot[n*k+i], :]). (N, C) */
@@ -272,7 +323,8 @@ struct nl_backend {
     /* Cross-entropy over rows of logits (N, V) with targets[n] in [0, V):
      * losses[n] = logsumexp(logits[n]) - logits[n, targets[n]], and the
      * logits are overwritten in place by their gradient
-     * scale * (softmax(logits[n]) - onehot(targets[n])). */
+     * scale * (softmax(logits[n]) - onehot(targets[n])). A target below 0
+     * is ignored: losses[n] = 0 and the row's gradient is 0. */
     void (*cross_entropy)(nl_backend *be, float *logits, float *losses, const int32_t *targets,
                           int N, int V, float scale);
     /* Sum of squares of x in double precision (inf or nan if any element

@@ -127,6 +127,26 @@ static void ds_attention_forward(nl_backend *be, float *out, float *lse, const f
                                s);
 }
 
+static void ds_rope_scaled_forward(nl_backend *be, float *x, const int32_t *pos, int N, int row,
+                                   int col0, int heads, int hd, float base, nl_rope_scaling sc)
+{
+    cpu(be)->rope_scaled_forward(cpu(be), UF(x), UI(pos), N, row, col0, heads, hd, base, sc);
+}
+
+static void ds_attention_masked_forward(nl_backend *be, float *out, float *lse, const float *q,
+                                        int q_stride, const float *k, const float *v,
+                                        int kv_stride, nl_attn_shape s, nl_attn_mask mask)
+{
+    mask.doc = UI(mask.doc);
+    cpu(be)->attention_masked_forward(cpu(be), UF(out), UF(lse), UF(q), q_stride, UF(k), UF(v),
+                                      kv_stride, s, mask);
+}
+
+static void ds_geglu_forward(nl_backend *be, float *out, const float *gu, int N, int F)
+{
+    cpu(be)->geglu_forward(cpu(be), UF(out), UF(gu), N, F);
+}
+
 static void ds_softmax_forward(nl_backend *be, float *x, int N, int C)
 {
     cpu(be)->softmax_forward(cpu(be), UF(x), N, C);
@@ -174,6 +194,23 @@ static void ds_attention_backward(nl_backend *be, float *dq, float *dk, float *d
 {
     cpu(be)->attention_backward(cpu(be), UF(dq), UF(dk), UF(dv), UF(dout), UF(q), q_stride, UF(k),
                                 UF(v), kv_stride, UF(out), UF(lse), s);
+}
+
+static void ds_attention_masked_backward(nl_backend *be, float *dq, float *dk, float *dv,
+                                         const float *dout, const float *q, int q_stride,
+                                         const float *k, const float *v, int kv_stride,
+                                         const float *out, const float *lse, nl_attn_shape s,
+                                         nl_attn_mask mask)
+{
+    mask.doc = UI(mask.doc);
+    cpu(be)->attention_masked_backward(cpu(be), UF(dq), UF(dk), UF(dv), UF(dout), UF(q), q_stride,
+                                       UF(k), UF(v), kv_stride, UF(out), UF(lse), s, mask);
+}
+
+static void ds_geglu_backward(nl_backend *be, float *dgu, const float *dh, const float *gu, int N,
+                              int F)
+{
+    cpu(be)->geglu_backward(cpu(be), UF(dgu), UF(dh), UF(gu), N, F);
 }
 
 static void ds_swiglu_backward(nl_backend *be, float *dgu, const float *dh, const float *gu, int N,
@@ -314,7 +351,10 @@ nl_status nl_devsim_backend_new(nl_backend **out, const nl_backend_opts *o, nl_e
     be->embedding_forward = ds_embedding_forward;
     be->rmsnorm_forward = ds_rmsnorm_forward;
     be->rope_forward = ds_rope_forward;
+    be->rope_scaled_forward = ds_rope_scaled_forward;
     be->attention_forward = ds_attention_forward;
+    be->attention_masked_forward = ds_attention_masked_forward;
+    be->geglu_forward = ds_geglu_forward;
     be->softmax_forward = ds_softmax_forward;
     be->swiglu_forward = ds_swiglu_forward;
     be->gather_rows = ds_gather_rows;
@@ -330,6 +370,8 @@ nl_status nl_devsim_backend_new(nl_backend **out, const nl_backend_opts *o, nl_e
     be->embedding_backward = ds_embedding_backward;
     be->rmsnorm_backward = ds_rmsnorm_backward;
     be->attention_backward = ds_attention_backward;
+    be->attention_masked_backward = ds_attention_masked_backward;
+    be->geglu_backward = ds_geglu_backward;
     be->swiglu_backward = ds_swiglu_backward;
     be->moe_combine_backward = ds_moe_combine_backward;
     be->cross_entropy = ds_cross_entropy;

@@ -1,6 +1,7 @@
 /* Per-element formulas shared by the CPU backend (compiled by gcc) and the
  * CUDA backend (compiled by nvcc): SiLU and its derivative, the SwiGLU
- * forward value and backward pair, the RoPE angle and rotation, the
+ * and GeGLU forward values and backward pairs, the RoPE angle (and YaRN's
+ * scaled frequencies), the RoPE angle and rotation, the
  * online-softmax merge, the RMSNorm scale and the AdamW update of one
  * element. Each backend's loops and kernels call these, so the two compute
  * the same expressions in the same order (equal to about 1 ulp: nvcc fuses
@@ -113,6 +114,23 @@ NL_HD void nl_elem_swiglu_backward(float *dg, float *du, float g, float u, float
     *du = dh * silu;
 }
 
+/* The GeGLU value h = gelu(g) u with the exact GELU, gelu(x) = x Phi(x) =
+ * 0.5 x (1 + erf(x / sqrt 2)). */
+NL_HD float nl_elem_geglu(float g, float u)
+{
+    return 0.5f * g * (1.0f + erff(g * 0.70710678118654752f)) * u;
+}
+
+/* The GeGLU backward pair: dg = dh u gelu'(g), du = dh gelu(g), where
+ * gelu'(x) = Phi(x) + x phi(x), phi(x) = exp(-x^2 / 2) / sqrt(2 pi). */
+NL_HD void nl_elem_geglu_backward(float *dg, float *du, float g, float u, float dh)
+{
+    const float cdf = 0.5f * (1.0f + erff(g * 0.70710678118654752f));
+    const float pdf = expf(-0.5f * g * g) * 0.39894228040143268f;
+    *dg = dh * u * (cdf + g * pdf);
+    *du = dh * g * cdf;
+}
+
 /* ---------------------------------------------------------------- RoPE */
 
 /* Frequency of pair i (0 <= i < hd/2) of a head of width hd, in double:
@@ -128,6 +146,26 @@ NL_HD double nl_elem_rope_freq(int i, int hd, float base)
 NL_HD double nl_elem_rope_angle(int pos, int i, int hd, float base)
 {
     return (double)pos * nl_elem_rope_freq(i, hd, base);
+}
+
+/* YaRN (DESIGN.md section 6): the scaled frequency of pair i, in double,
+ * for factor s over an original context of L0 positions:
+ *   r = L0 theta / (2 pi), gamma = clamp((r - beta_slow) / (beta_fast -
+ *   beta_slow), 0, 1), theta' = (1 - gamma) theta / s + gamma theta. */
+NL_HD double nl_elem_yarn_freq(int i, int hd, float base, double s, int L0, double beta_fast,
+                               double beta_slow)
+{
+    const double theta = nl_elem_rope_freq(i, hd, base);
+    const double r = (double)L0 * theta / (2.0 * 3.14159265358979323846);
+    double gamma = (r - beta_slow) / (beta_fast - beta_slow);
+    gamma = gamma < 0.0 ? 0.0 : gamma > 1.0 ? 1.0 : gamma;
+    return (1.0 - gamma) * theta / s + gamma * theta;
+}
+
+/* YaRN's factor on cos and sin: 0.1 ln(s) + 1. */
+NL_HD double nl_elem_yarn_mscale(double s)
+{
+    return 0.1 * log(s) + 1.0;
 }
 
 /* Rotate the pair (a, b) by the angle whose cosine and sine are c, s:

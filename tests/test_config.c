@@ -177,7 +177,12 @@ static int config_equal(const nl_config *a, const nl_config *b)
            a->num_heads == b->num_heads && a->num_kv_heads == b->num_kv_heads &&
            a->ffn_dim == b->ffn_dim && a->num_experts == b->num_experts && a->top_k == b->top_k &&
            a->max_seq_len == b->max_seq_len && a->rope_base == b->rope_base &&
-           a->norm_eps == b->norm_eps && a->aux_loss_coef == b->aux_loss_coef;
+           a->norm_eps == b->norm_eps && a->aux_loss_coef == b->aux_loss_coef &&
+           a->causal == b->causal && a->ffn_act == b->ffn_act &&
+           a->attention_window == b->attention_window && a->global_every == b->global_every &&
+           memcmp(&a->rope_scaling, &b->rope_scaling, sizeof a->rope_scaling) == 0 &&
+           a->objective == b->objective && a->mask_prob == b->mask_prob &&
+           a->num_classes == b->num_classes;
 }
 
 static void test_json(void)
@@ -231,11 +236,84 @@ static void test_json(void)
     }
 }
 
+/* The DESIGN section 6 keys: YAML (rope_scaling nested), defaults kept
+ * out of the JSON, round trips, and errors that name the key. */
+static void test_variants(void)
+{
+    nl_config a, b;
+    nl_error err = {0};
+    CHECK_OK(parse(&a, "hidden_dim: 64\nnum_layers: 2\n", &err), &err);
+    CHECK(a.causal == 1 && a.ffn_act == NL_FFN_SWIGLU && a.attention_window == 0 &&
+              a.global_every == 1 && a.rope_scaling.type == NL_ROPE_NONE,
+          "section 6 defaults");
+    char *json = nl_config_to_json(&a);
+    CHECK(json && !strstr(json, "causal") && !strstr(json, "ffn_act") &&
+              !strstr(json, "rope_scaling") && !strstr(json, "window"),
+          "defaults stay out of the JSON: %s", json ? json : "(null)");
+    free(json);
+    const char *y = "hidden_dim: 64\nnum_layers: 3\ncausal: false\nffn_act: geglu\n"
+                    "num_experts: 1\ntop_k: 1\nattention_window: 128\nglobal_every: 3\n"
+                    "rope_scaling:\n  type: yarn\n  factor: 4\n  original_max_seq_len: 512\n"
+                    "vocab_size: 300\nobjective: mlm\nmask_prob: 0.15\nnum_classes: 4\n";
+    CHECK_OK(parse(&a, y, &err), &err);
+    CHECK(a.causal == 0 && a.ffn_act == NL_FFN_GEGLU && a.num_experts == 1 &&
+              a.attention_window == 128 && a.global_every == 3 &&
+              a.rope_scaling.type == NL_ROPE_YARN && a.rope_scaling.factor == 4.0 &&
+              a.rope_scaling.original_max_seq_len == 512 && a.rope_scaling.beta_fast == 32.0 &&
+              a.rope_scaling.beta_slow == 1.0 && a.objective == NL_OBJ_MLM && a.mask_prob == 0.15 &&
+              a.num_classes == 4,
+          "section 6 keys from YAML");
+    CHECK(nl_config_dense(&a) && !nl_config_layer_local(&a, 0) && nl_config_layer_local(&a, 1) &&
+              !nl_config_layer_local(&a, 3),
+          "dense, and layer l global when l %% 3 == 0");
+    json = nl_config_to_json(&a);
+    CHECK(json && strstr(json, "\"causal\":false") && strstr(json, "\"ffn_act\":\"geglu\"") &&
+              strstr(json, "\"type\":\"yarn\""),
+          "section 6 JSON: %s", json ? json : "(null)");
+    if (json) {
+        CHECK_OK(nl_config_from_json(&b, json, &err), &err);
+        CHECK(config_equal(&a, &b), "round trip of %s", json);
+    }
+    free(json);
+
+    static const struct {
+        const char *yaml, *want;
+    } bad[] = {
+        {"causal: 0\n", "causal: expected true or false"},
+        {"ffn_act: relu\n", "ffn_act: expected swiglu or geglu"},
+        {"rope_scaling: yarn\n", "rope_scaling: expected a mapping"},
+        {"rope_scaling:\n  type: ntk\n", "rope_scaling.type: expected yarn"},
+        {"rope_scaling:\n  kind: yarn\n", "unknown key 'rope_scaling.kind'"},
+        {"rope_scaling:\n  type: yarn\n  factor: 4\n", "original_max_seq_len 0"},
+        {"rope_scaling:\n  type: yarn\n  factor: 0.5\n  original_max_seq_len: 8\n",
+         "factor 0.5"},
+        {"num_experts: 1\ntop_k: 2\n", "top_k: 2 must be in 1..num_experts"},
+        {"global_every: 0\n", "global_every: 0 must be at least 1"},
+        {"factor: 4\n", "unknown key 'factor'"},
+        {"objective: mlm\n", "objective: mlm needs vocab_size above the mask id 258"},
+        {"objective: rtd\n", "objective: expected clm or mlm"},
+        {"mask_prob: 1.5\n", "mask_prob: 1.5 must be in (0, 1]"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        nl_status st = parse(&a, bad[i].yaml, &err);
+        CHECK(st == NL_ERR_INVALID, "variant case %zu: %s", i, nl_status_str(st));
+        CHECK(strstr(err.msg, bad[i].want) != NULL, "variant case %zu: '%s' not in: %s", i,
+              bad[i].want, err.msg);
+    }
+    static const char *const bad_json[] = {
+        "{\"causal\": 1}", "{\"ffn_act\": 2}", "{\"rope_scaling\": [1]}",
+        "{\"rope_scaling\": {\"type\": \"yarn\", \"x\": 1}}"};
+    for (size_t i = 0; i < sizeof bad_json / sizeof bad_json[0]; i++)
+        CHECK(nl_config_from_json(&b, bad_json[i], &err) == NL_ERR_INVALID, "json variant %zu: %s",
+              i, err.msg);
+}
+
 int main(void)
 {
     test_defaults();
     test_bad_yaml();
     test_files();
     test_json();
+    test_variants();
     return check_done("test_config");
 }

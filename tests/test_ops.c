@@ -512,6 +512,97 @@ done:
     release(be);
 }
 
+/* Whether query t (absolute i = past + t) of sequence b sees key j under
+ * a DESIGN section 6 mask, written from the definition (a masked global
+ * reference, no ranges). */
+static int ref_visible(const nl_attn_mask *mk, const int32_t *doc, const nl_attn_shape *s, int b,
+                       int t, int j)
+{
+    const int i = s->past + t, W = mk->window;
+    if (j >= s->past + s->T || (!mk->bidir && j > i))
+        return 0;
+    if (W > 0 && !mk->bidir && j <= i - W)
+        return 0;
+    if (W > 0 && mk->bidir && abs(i - j) > W / 2)
+        return 0;
+    return !doc || doc[b * s->T + t] == doc[b * s->T + j];
+}
+
+/* attention_masked_forward against the masked global reference: causal
+ * or bidirectional, with or without a window, with or without packed
+ * documents (past 0 then). */
+static void test_attention_masked(nl_backend *be, int B, int T, int past, int H, int G, int hd,
+                                  int bidir, int window, int docs)
+{
+    if (!be->attention_masked_forward) {
+        printf("attention_masked_forward: not on %s (refused at model creation)\n", be->name);
+        return;
+    }
+    const nl_attn_shape s = {
+        .B = B, .T = T, .past = past, .kv_cap = past + T + 3, .H = H, .G = G, .hd = hd};
+    const int qs = H * hd, ks = G * hd;
+    const size_t nq = (size_t)B * T * qs, nk = (size_t)B * s.kv_cap * ks;
+    const size_t no = (size_t)B * T * H * hd, nl = (size_t)B * H * T;
+    float *q = HF(nq), *k = HF(nk), *v = HF(nk), *got = HF(no), *lse = HF(nl);
+    int32_t *doc = docs ? hbuf((size_t)B * T * 4) : NULL;
+    double *ref = HD(no), *lref = HD(nl), *p = HD(s.kv_cap);
+    float *dq = dbuf(be, nq * 4), *dk = dbuf(be, nk * 4), *dv = dbuf(be, nk * 4);
+    float *dout = dbuf(be, no * 4), *dl = dbuf(be, nl * 4);
+    int32_t *ddoc = docs ? dbuf(be, (size_t)B * T * 4) : NULL;
+    if (!bufs_ok())
+        goto done;
+    attn_inputs(q, qs, k, v, ks, &s);
+    for (int b = 0; b < B; b++) /* runs of 1 .. 2T/docs positions */
+        for (int t = 0, id = 0; docs && t < T; t++) {
+            id += t > 0 && irand(T / docs) == 0;
+            doc[b * T + t] = id;
+        }
+    nl_attn_mask mk = {.bidir = bidir, .window = window, .doc = ddoc};
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++)
+            for (int h = 0; h < H; h++) {
+                const int g = h / (H / G);
+                const float *qr = q + ((size_t)b * T + t) * qs + (size_t)h * hd;
+                double m = -INFINITY, l = 0;
+                for (int j = 0; j < s.kv_cap; j++) {
+                    p[j] = -INFINITY;
+                    if (!ref_visible(&mk, doc, &s, b, t, j))
+                        continue;
+                    double d = 0;
+                    for (int c = 0; c < hd; c++)
+                        d += (double)qr[c] * k[((size_t)b * s.kv_cap + j) * ks + g * hd + c];
+                    p[j] = d / sqrt((double)hd);
+                    m = p[j] > m ? p[j] : m;
+                }
+                for (int j = 0; j < s.kv_cap; j++)
+                    l += p[j] = exp(p[j] - m);
+                double *o = ref + (((size_t)b * T + t) * H + h) * hd;
+                for (int c = 0; c < hd; c++) {
+                    double a = 0;
+                    for (int j = 0; j < s.kv_cap; j++)
+                        a += p[j] / l * v[((size_t)b * s.kv_cap + j) * ks + g * hd + c];
+                    o[c] = a;
+                }
+                lref[((size_t)b * H + h) * T + t] = m + log(l);
+            }
+    be->upload(be, dq, q, nq * 4);
+    be->upload(be, dk, k, nk * 4);
+    be->upload(be, dv, v, nk * 4);
+    if (docs)
+        be->upload(be, ddoc, doc, (size_t)B * T * 4);
+    be->attention_masked_forward(be, dout, dl, dq, qs, dk, dv, ks, s, mk);
+    be->download(be, got, dout, no * 4);
+    be->download(be, lse, dl, nl * 4);
+    synced(be, "attention_masked_forward");
+    expect(rel_err(got, ref, no), TOL_RED,
+           "attention_masked_forward B=%d T=%d past=%d H=%d G=%d hd=%d bidir=%d window=%d docs=%d",
+           B, T, past, H, G, hd, bidir, window, docs);
+    expect(rel_err(lse, lref, nl), TOL_RED, "attention_masked_forward lse T=%d bidir=%d window=%d",
+           T, bidir, window);
+done:
+    release(be);
+}
+
 static void test_softmax(nl_backend *be, int N, int C, float offset, float amp)
 {
     const size_t nx = (size_t)N * C;
@@ -1267,6 +1358,12 @@ static void forward_slots(nl_backend *be)
     test_rope(be, 64, 2, 128, 0, 500000.0f);
     /* attention: B, T, past, H, G, hd, row padding, lse */
     test_attention_forward(be, 2, 19, 0, 4, 4, 16, 0, 1);
+    test_attention_masked(be, 1, 300, 0, 2, 1, 16, 0, 64, 0);  /* causal window */
+    test_attention_masked(be, 1, 300, 0, 2, 1, 16, 1, 64, 0);  /* bidirectional window */
+    test_attention_masked(be, 2, 77, 0, 4, 2, 8, 1, 0, 0);     /* encoder */
+    test_attention_masked(be, 2, 90, 0, 4, 2, 8, 1, 0, 3);     /* packed encoder */
+    test_attention_masked(be, 2, 90, 0, 4, 2, 8, 0, 20, 3);    /* packed local decoder */
+    test_attention_masked(be, 2, 5, 40, 4, 2, 8, 0, 16, 0);    /* windowed decode with a cache */
     test_attention_forward(be, 2, 37, 45, 8, 2, 64, 4, 1);
     test_attention_forward(be, 2, 21, 3, 4, 1, 16, 8, 0);
     test_attention_forward(be, 2, 1, 1030, 4, 1, 64, 4, 1); /* a decode step */

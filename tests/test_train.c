@@ -4,6 +4,7 @@
  * trainer's calls (independent of the layer count). Gradients against PyTorch are in
  * test_golden. */
 #include "check.h"
+#include "core/data.h"
 #include "core/forward.h"
 #include "core/memory.h"
 #include "core/rng.h"
@@ -305,8 +306,51 @@ static void test_syncs(nl_backend *be)
               (unsigned long long)want[i]);
 }
 
+/* DESIGN 6's masking rule: the shares chosen and among them masked,
+ * random and kept; other targets ignored; the same stream, the same mask. */
+static void test_mlm_mask(void)
+{
+    enum { n = 200000 };
+    int32_t *tok = malloc(n * sizeof *tok), *tgt = malloc(n * sizeof *tgt);
+    int32_t *tok2 = malloc(n * sizeof *tok2), *tgt2 = malloc(n * sizeof *tgt2);
+    if (!tok || !tgt || !tok2 || !tgt2)
+        goto out;
+    for (int i = 0; i < n; i++)
+        tok[i] = tok2[i] = i % 250;
+    const size_t chosen = nl_mlm_mask(tok, tgt, n, 0.3, 1000, 7, 3);
+    size_t masked = 0, kept = 0, other = 0, ignored = 0;
+    for (int i = 0; i < n; i++) {
+        if (tgt[i] < 0) {
+            ignored += tgt[i] == -1 && tok[i] == i % 250;
+            continue;
+        }
+        CHECK(tgt[i] == i % 250, "a chosen target is the original token");
+        masked += tok[i] == NL_CONFIG_MASK_ID;
+        kept += tok[i] == tgt[i];
+        other += tok[i] != tgt[i] && tok[i] != NL_CONFIG_MASK_ID;
+    }
+    CHECK(fabs((double)chosen / n - 0.3) < 0.005 && chosen + ignored == n, "chosen %zu of %d",
+          chosen, n);
+    CHECK(fabs((double)masked / chosen - 0.8) < 0.01 && fabs((double)kept / chosen - 0.1) < 0.01 &&
+              fabs((double)other / chosen - 0.1) < 0.01,
+          "80/10/10: %zu %zu %zu of %zu", masked, other, kept, chosen);
+    nl_mlm_mask(tok2, tgt2, n, 0.3, 1000, 7, 3);
+    CHECK(memcmp(tok, tok2, n * sizeof *tok) == 0 && memcmp(tgt, tgt2, n * sizeof *tgt) == 0,
+          "the same stream masks the same way");
+    for (int i = 0; i < n; i++)
+        tok2[i] = i % 250;
+    nl_mlm_mask(tok2, tgt2, n, 0.3, 1000, 7, 4);
+    CHECK(memcmp(tgt, tgt2, n * sizeof *tgt) != 0, "another batch index, another mask");
+out:
+    free(tok);
+    free(tgt);
+    free(tok2);
+    free(tgt2);
+}
+
 int main(void)
 {
+    test_mlm_mask();
     nl_error err = {0};
     nl_backend *be = NULL;
     CHECK_OK(check_backend_new(&be, 2, &err), &err);

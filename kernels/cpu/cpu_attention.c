@@ -1,7 +1,9 @@
-/* Causal grouped-query attention on the CPU, tiled with an online softmax
+/* Grouped-query attention on the CPU, tiled with an online softmax
  * (flash-attention style): a tile of QT queries meets the keys in blocks of
  * KT, and only a QT x KT score block exists at a time, so memory grows with
- * T, never with T^2. */
+ * T, never with T^2. Causal by default; under a DESIGN section 6 mask
+ * (bidirectional, local window, packed documents) a tile walks only the
+ * keys its window reaches, so a local layer costs O(T W). */
 #include "cpu_math.h"
 #include "cpu_ops.h"
 
@@ -16,8 +18,8 @@
  * Each key block is transposed into kt so the score loop runs along keys
  * (contiguous, vectorised); the value loop runs along the head dimension. */
 static void attend_tile(float *out, float *lse, const float *q, int q_stride, const float *k,
-                        const float *v, int kv_stride, const nl_attn_shape *s, int b, int h, int t0,
-                        int nq)
+                        const float *v, int kv_stride, const nl_attn_shape *s,
+                        const nl_attn_mask *mk, int b, int h, int t0, int nq)
 {
     const int hd = s->hd;
     const int g = h / (s->H / s->G);
@@ -38,9 +40,14 @@ static void attend_tile(float *out, float *lse, const float *q, int q_stride, co
     }
     const float *kb = k + (size_t)b * s->kv_cap * kv_stride + (size_t)g * hd;
     const float *vb = v + (size_t)b * s->kv_cap * kv_stride + (size_t)g * hd;
-    /* the last query of the tile sees keys 0 .. past + t0 + nq - 1 */
-    const int kend = s->past + t0 + nq;
-    for (int j0 = 0; j0 < kend; j0 += KT) {
+    /* keys [kbeg, kend) reach some query of the tile (the causal case:
+     * 0 .. past + t0 + nq - 1) */
+    const int nkeys = s->past + s->T;
+    const int32_t *doc = mk->doc ? mk->doc + (size_t)b * s->T : NULL;
+    int kbeg, kend, unused;
+    nl_cpu_attn_range(mk, s->past + t0, nkeys, &kbeg, &unused);
+    nl_cpu_attn_range(mk, s->past + t0 + nq - 1, nkeys, &unused, &kend);
+    for (int j0 = kbeg; j0 < kend; j0 += KT) {
         const int nk = kend - j0 < KT ? kend - j0 : KT;
         for (int j = 0; j < nk; j++) {
             const float *kr = kb + (size_t)(j0 + j) * kv_stride;
@@ -48,10 +55,13 @@ static void attend_tile(float *out, float *lse, const float *q, int q_stride, co
                 kt[c][j] = kr[c];
         }
         for (int i = 0; i < nq; i++) {
-            const int lim = s->past + t0 + i - j0; /* last key (in block) this query sees */
-            if (lim < 0)
-                continue; /* whole block in this row's future */
-            const int nv = lim + 1 < nk ? lim + 1 : nk;
+            /* keys [j0 + jl, j0 + nv) of the block are in this row's range */
+            int lo, hi;
+            nl_cpu_attn_range(mk, s->past + t0 + i, nkeys, &lo, &hi);
+            const int jl = lo - j0 > 0 ? lo - j0 : 0;
+            const int nv = hi - j0 < nk ? hi - j0 : nk;
+            if (nv <= jl)
+                continue; /* whole block outside this row's range */
             float *srow = sc[i];
             for (int j = 0; j < KT; j++)
                 srow[j] = 0.0f;
@@ -61,13 +71,19 @@ static void attend_tile(float *out, float *lse, const float *q, int q_stride, co
                 for (int j = 0; j < KT; j++)
                     srow[j] += qc * kc[j];
             }
+            if (doc) /* packed rows: only keys of the query's document */
+                for (int j = jl; j < nv; j++)
+                    if (doc[j0 + j] != doc[t0 + i])
+                        srow[j] = -INFINITY;
             float bmax = -INFINITY;
-            for (int j = 0; j < nv; j++)
+            for (int j = jl; j < nv; j++)
                 bmax = srow[j] > bmax ? srow[j] : bmax;
+            if (bmax == -INFINITY)
+                continue; /* no key of the block in this row's document */
             const float corr = nl_elem_online_max(&m[i], bmax);
             const float mnew = m[i];
             float psum = 0.0f;
-            for (int j = 0; j < nv; j++) {
+            for (int j = jl; j < nv; j++) {
                 srow[j] = nl_elem_expf(srow[j] - mnew);
                 psum += srow[j];
             }
@@ -75,7 +91,7 @@ static void attend_tile(float *out, float *lse, const float *q, int q_stride, co
             float *ai = acc[i];
             for (int c = 0; c < hd; c++)
                 ai[c] *= corr;
-            for (int j = 0; j < nv; j++) {
+            for (int j = jl; j < nv; j++) {
                 const float p = srow[j];
                 const float *vr = vb + (size_t)(j0 + j) * kv_stride;
                 for (int c = 0; c < hd; c++)
@@ -96,6 +112,14 @@ static void attend_tile(float *out, float *lse, const float *q, int q_stride, co
 void nl_cpu_attention_forward(nl_backend *be, float *out, float *lse, const float *q, int q_stride,
                               const float *k, const float *v, int kv_stride, nl_attn_shape s)
 {
+    const nl_attn_mask causal = {0};
+    nl_cpu_attention_masked_forward(be, out, lse, q, q_stride, k, v, kv_stride, s, causal);
+}
+
+void nl_cpu_attention_masked_forward(nl_backend *be, float *out, float *lse, const float *q,
+                                     int q_stride, const float *k, const float *v, int kv_stride,
+                                     nl_attn_shape s, nl_attn_mask mask)
+{
     const int tiles = (s.T + QT - 1) / QT;
     const long work = (long)s.B * s.H * tiles;
 #pragma omp parallel for NL_CPU_TEAM(be) schedule(dynamic, 1) if (work > 1)
@@ -106,6 +130,6 @@ void nl_cpu_attention_forward(nl_backend *be, float *out, float *lse, const floa
         const int b = (int)(w / tiles / s.H);
         const int t0 = tile * QT;
         const int nq = s.T - t0 < QT ? s.T - t0 : QT;
-        attend_tile(out, lse, q, q_stride, k, v, kv_stride, &s, b, h, t0, nq);
+        attend_tile(out, lse, q, q_stride, k, v, kv_stride, &s, &mask, b, h, t0, nq);
     }
 }

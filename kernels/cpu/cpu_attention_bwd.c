@@ -1,4 +1,6 @@
-/* Backward of the causal grouped-query attention on the CPU, flash-attention
+/* Backward of the grouped-query attention on the CPU (causal, or under a
+ * DESIGN section 6 mask: a key block meets only the query tiles whose
+ * window reaches it), flash-attention
  * style: probabilities are recomputed block by block from the forward's
  * log-sum-exp, p_ij = exp(scale q_i.k_j - lse_i), so memory grows with T,
  * never with T^2. With D_i = dout_i.out_i:
@@ -42,6 +44,7 @@ typedef struct bwd_args {
     const float *dout, *q, *k, *v, *out, *lse;
     int q_stride, kv_stride;
     nl_attn_shape s;
+    nl_attn_mask mask;
     float scale;
 } bwd_args;
 
@@ -89,9 +92,15 @@ static void block_rows(bwd_block *blk, const bwd_args *a, int b, int h, int t0, 
                 dp[j] += dc * blk->vT[c][j];
             }
         }
-        const int lim = t - j0; /* last key of the block this row sees */
+        /* keys [j0 + jl, j0 + jh) of the block are in this row's range */
+        int lo, hi;
+        nl_cpu_attn_range(&a->mask, t, a->s.T, &lo, &hi);
+        const int jl = lo - j0, jh = hi - j0;
+        const int32_t *doc = a->mask.doc ? a->mask.doc + (size_t)b * a->s.T : NULL;
         for (int j = 0; j < KT; j++) {
-            const float p = j <= lim ? nl_elem_expf(a->scale * sc[j] - lse) : 0.0f;
+            const int vis = j >= jl && j < jh && j0 + j < a->s.T &&
+                            (!doc || doc[j0 + j] == doc[t]);
+            const float p = vis ? nl_elem_expf(a->scale * sc[j] - lse) : 0.0f;
             blk->P[i][j] = p;
             blk->dS[i][j] = a->scale * p * (dp[j] - D);
         }
@@ -148,6 +157,22 @@ static void store_block(const bwd_block *blk, const bwd_args *a, int b, int g, i
     }
 }
 
+/* Queries [*tbeg, *tend) of T whose key range can meet keys j0 .. j0 +
+ * nk - 1 (the inverse of nl_cpu_attn_range, no past). */
+static void query_span(const nl_attn_mask *mk, int j0, int nk, int T, int *tbeg, int *tend)
+{
+    const int W = mk->window, jl = j0 + nk - 1;
+    if (!mk->bidir) {
+        *tbeg = j0;
+        *tend = W > 0 ? jl + W : T;
+    } else {
+        *tbeg = W > 0 ? j0 - W / 2 : 0;
+        *tend = W > 0 ? jl + W / 2 + 1 : T;
+    }
+    *tbeg = *tbeg < 0 ? 0 : *tbeg;
+    *tend = *tend > T ? T : *tend;
+}
+
 /* Everything of one (sequence, kv head). */
 static void backward_task(const bwd_args *a, int b, int g)
 {
@@ -162,10 +187,12 @@ static void backward_task(const bwd_args *a, int b, int g)
     for (int j0 = 0; j0 < s->T; j0 += KT) {
         const int nk = s->T - j0 < KT ? s->T - j0 : KT;
         load_block(&blk, a, b, g, j0, nk);
+        /* the queries whose range reaches the block (causal: from j0 on) */
+        int tbeg, tend;
+        query_span(&a->mask, j0, nk, s->T, &tbeg, &tend);
         for (int h = g * per; h < (g + 1) * per; h++)
-            /* queries before j0 see none of the block's keys */
-            for (int t0 = j0; t0 < s->T; t0 += QT) {
-                const int nq = s->T - t0 < QT ? s->T - t0 : QT;
+            for (int t0 = tbeg; t0 < tend; t0 += QT) {
+                const int nq = tend - t0 < QT ? tend - t0 : QT;
                 block_rows(&blk, a, b, h, t0, nq, j0);
                 block_accumulate(&blk, a, b, h, t0, nq);
             }
@@ -176,6 +203,17 @@ static void backward_task(const bwd_args *a, int b, int g)
 void nl_cpu_attention_backward(nl_backend *be, float *dq, float *dk, float *dv, const float *dout,
                                const float *q, int q_stride, const float *k, const float *v,
                                int kv_stride, const float *out, const float *lse, nl_attn_shape s)
+{
+    const nl_attn_mask causal = {0};
+    nl_cpu_attention_masked_backward(be, dq, dk, dv, dout, q, q_stride, k, v, kv_stride, out, lse,
+                                     s, causal);
+}
+
+void nl_cpu_attention_masked_backward(nl_backend *be, float *dq, float *dk, float *dv,
+                                      const float *dout, const float *q, int q_stride,
+                                      const float *k, const float *v, int kv_stride,
+                                      const float *out, const float *lse, nl_attn_shape s,
+                                      nl_attn_mask mask)
 {
     /* the model's config check bounds hd; never run off the stack tiles */
     if (s.B <= 0 || s.T <= 0 || s.G <= 0 || s.H % s.G != 0 || s.hd <= 0 || s.hd > HD_MAX)
@@ -192,6 +230,7 @@ void nl_cpu_attention_backward(nl_backend *be, float *dq, float *dk, float *dv, 
                         .q_stride = q_stride,
                         .kv_stride = kv_stride,
                         .s = s,
+                        .mask = mask,
                         .scale = 1.0f / sqrtf((float)s.hd)};
     const int work = s.B * s.G;
 #pragma omp parallel for NL_CPU_TEAM(be)                                                           \

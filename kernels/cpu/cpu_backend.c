@@ -234,6 +234,33 @@ static void cpu_rope_forward(nl_backend *be, float *x, const int32_t *pos, int N
     }
 }
 
+static void cpu_rope_scaled_forward(nl_backend *be, float *x, const int32_t *pos, int N, int row,
+                                    int col0, int heads, int hd, float base, nl_rope_scaling sc)
+{
+    if (sc.type != NL_ROPE_YARN) {
+        cpu_rope_forward(be, x, pos, N, row, col0, heads, hd, base);
+        return;
+    }
+    const int half = hd / 2;
+    double freq[NL_BACKEND_MAX_HEAD_DIM / 2];
+    const double m = nl_elem_yarn_mscale(sc.factor);
+    for (int i = 0; i < half; i++)
+        freq[i] = nl_elem_yarn_freq(i, hd, base, sc.factor, sc.original_max_seq_len, sc.beta_fast,
+                                    sc.beta_slow);
+#pragma omp parallel for NL_CPU_TEAM(be) PAR_ROWS(N)
+    for (int n = 0; n < N; n++) {
+        float *r = x + (size_t)n * row + col0;
+        for (int i = 0; i < half; i++) {
+            const double ang = (double)pos[n] * freq[i];
+            const float c = (float)(cos(ang) * m), s = (float)(sin(ang) * m);
+            for (int h = 0; h < heads; h++) {
+                float *p = r + (size_t)h * hd + 2 * i;
+                nl_elem_rope_rotate(&p[0], &p[1], c, s);
+            }
+        }
+    }
+}
+
 static void cpu_softmax_forward(nl_backend *be, float *x, int N, int C)
 {
 #pragma omp parallel for NL_CPU_TEAM(be) PAR_ROWS(N)
@@ -262,6 +289,18 @@ static void cpu_swiglu_forward(nl_backend *be, float *out, const float *gu, int 
         float *o = out + (size_t)n * F;
         for (int j = 0; j < F; j++)
             o[j] = nl_elem_swiglu(g[j], u[j]);
+    }
+}
+
+static void cpu_geglu_forward(nl_backend *be, float *out, const float *gu, int N, int F)
+{
+#pragma omp parallel for NL_CPU_TEAM(be) PAR_ROWS(N)
+    for (int n = 0; n < N; n++) {
+        const float *g = gu + (size_t)n * 2 * F;
+        const float *u = g + F;
+        float *o = out + (size_t)n * F;
+        for (int j = 0; j < F; j++)
+            o[j] = nl_elem_geglu(g[j], u[j]);
     }
 }
 
@@ -355,7 +394,10 @@ nl_status nl_cpu_backend_new(nl_backend **out, const nl_backend_opts *o, nl_erro
     be->embedding_forward = cpu_embedding_forward;
     be->rmsnorm_forward = cpu_rmsnorm_forward;
     be->rope_forward = cpu_rope_forward;
+    be->rope_scaled_forward = cpu_rope_scaled_forward;
     be->attention_forward = nl_cpu_attention_forward;
+    be->attention_masked_forward = nl_cpu_attention_masked_forward;
+    be->geglu_forward = cpu_geglu_forward;
     be->softmax_forward = cpu_softmax_forward;
     be->swiglu_forward = cpu_swiglu_forward;
     be->gather_rows = cpu_gather_rows;
@@ -371,6 +413,8 @@ nl_status nl_cpu_backend_new(nl_backend **out, const nl_backend_opts *o, nl_erro
     be->embedding_backward = nl_cpu_embedding_backward;
     be->rmsnorm_backward = nl_cpu_rmsnorm_backward;
     be->attention_backward = nl_cpu_attention_backward;
+    be->attention_masked_backward = nl_cpu_attention_masked_backward;
+    be->geglu_backward = nl_cpu_geglu_backward;
     be->swiglu_backward = nl_cpu_swiglu_backward;
     be->moe_combine_backward = nl_cpu_moe_combine_backward;
     be->cross_entropy = nl_cpu_cross_entropy;

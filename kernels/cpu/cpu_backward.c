@@ -86,6 +86,18 @@ void nl_cpu_swiglu_backward(nl_backend *be, float *dgu, const float *dh, const f
     }
 }
 
+void nl_cpu_geglu_backward(nl_backend *be, float *dgu, const float *dh, const float *gu, int N,
+                           int F)
+{
+#pragma omp parallel for NL_CPU_TEAM(be) PAR_ROWS(N)
+    for (int n = 0; n < N; n++) {
+        const float *g = gu + (size_t)n * 2 * F, *u = g + F, *d = dh + (size_t)n * F;
+        float *dg = dgu + (size_t)n * 2 * F, *du = dg + F;
+        for (int j = 0; j < F; j++)
+            nl_elem_geglu_backward(&dg[j], &du[j], g[j], u[j], d[j]);
+    }
+}
+
 /* ---------------------------------------------------------------- moe */
 
 void nl_cpu_moe_combine_backward(nl_backend *be, float *dy, float *dw, const float *dx,
@@ -120,6 +132,11 @@ void nl_cpu_cross_entropy(nl_backend *be, float *logits, float *losses, const in
     for (int n = 0; n < N; n++) {
         float *x = logits + (size_t)n * V;
         const int t = targets[n];
+        if (t < 0) { /* an ignored target (DESIGN 6): no loss, no gradient */
+            memset(x, 0, (size_t)V * sizeof *x);
+            losses[n] = 0.0f;
+            continue;
+        }
         const float xt = x[t];
         float m = -INFINITY;
 #pragma omp simd reduction(max : m)

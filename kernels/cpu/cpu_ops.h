@@ -39,14 +39,39 @@ static inline int nl_cpu_threads(const nl_backend *be)
  * two backends with different thread counts can share a process. */
 #define NL_CPU_TEAM(be) num_threads(nl_cpu_threads(be))
 
+/* Keys [*lo, *hi) that a query at absolute position i may see under the
+ * mask's causal and window rules (not its documents), of nkeys keys. lo
+ * and hi never decrease as i grows. */
+static inline void nl_cpu_attn_range(const nl_attn_mask *mk, int i, int nkeys, int *lo, int *hi)
+{
+    const int W = mk->window;
+    if (!mk->bidir) {
+        *lo = W > 0 ? i - W + 1 : 0;
+        *hi = i + 1;
+    } else {
+        *lo = W > 0 ? i - W / 2 : 0;
+        *hi = W > 0 ? i + W / 2 + 1 : nkeys;
+    }
+    *lo = *lo < 0 ? 0 : *lo;
+    *hi = *hi > nkeys ? nkeys : *hi;
+}
+
 /* cpu_attention.c */
 void nl_cpu_attention_forward(nl_backend *be, float *out, float *lse, const float *q, int q_stride,
                               const float *k, const float *v, int kv_stride, nl_attn_shape s);
+void nl_cpu_attention_masked_forward(nl_backend *be, float *out, float *lse, const float *q,
+                                     int q_stride, const float *k, const float *v, int kv_stride,
+                                     nl_attn_shape s, nl_attn_mask mask);
 
 /* cpu_attention_bwd.c */
 void nl_cpu_attention_backward(nl_backend *be, float *dq, float *dk, float *dv, const float *dout,
                                const float *q, int q_stride, const float *k, const float *v,
                                int kv_stride, const float *out, const float *lse, nl_attn_shape s);
+void nl_cpu_attention_masked_backward(nl_backend *be, float *dq, float *dk, float *dv,
+                                      const float *dout, const float *q, int q_stride,
+                                      const float *k, const float *v, int kv_stride,
+                                      const float *out, const float *lse, nl_attn_shape s,
+                                      nl_attn_mask mask);
 
 /* cpu_backward.c: the other backward and optimizer slots (see backend.h) */
 void nl_cpu_embedding_backward(nl_backend *be, float *dtable, const float *dout,
@@ -55,6 +80,8 @@ void nl_cpu_rmsnorm_backward(nl_backend *be, float *dinp, float *dw, const float
                              const float *inp, const float *w, const float *rstd, int N, int C);
 void nl_cpu_swiglu_backward(nl_backend *be, float *dgu, const float *dh, const float *gu, int N,
                             int F);
+void nl_cpu_geglu_backward(nl_backend *be, float *dgu, const float *dh, const float *gu, int N,
+                           int F);
 void nl_cpu_moe_combine_backward(nl_backend *be, float *dy, float *dw, const float *dx,
                                  const float *y, const int32_t *slot, const float *w, int N, int k,
                                  int C);

@@ -242,6 +242,14 @@ __global__ void __launch_bounds__(1024)
     for (size_t n = blockIdx.x; n < (size_t)N; n += gridDim.x) {
         float *x = logits + n * V;
         const int t = targets[n];
+        if (t < 0) { /* an ignored target (DESIGN 6), the same for the whole
+                      * block: no loss, no gradient */
+            for (int i = threadIdx.x; i < V; i += blockDim.x)
+                x[i] = 0.0f;
+            if (threadIdx.x == 0)
+                losses[n] = 0.0f;
+            continue;
+        }
         /* read before the barriers of block_max, so before any write */
         const float xt = threadIdx.x == 0 ? x[t] : 0.0f;
         float m = -INFINITY;
