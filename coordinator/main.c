@@ -95,6 +95,10 @@ int main(int argc, char **argv)
     uint64_t min_mem = 0, max_data = 1ull << 30;
     double margin = 0.1;
     if (!o.listen || !o.state_dir || (!!o.model + !!o.config + !!o.resume > 1)) {
+        if (!o.listen || !o.state_dir)
+            fprintf(stderr, "neurocoord: missing --%s\n\n", !o.listen ? "listen" : "state-dir");
+        else
+            fprintf(stderr, "neurocoord: give at most one of --model, --config and --resume\n\n");
         nl_args_help(stderr, usage, flags);
         return 2;
     }

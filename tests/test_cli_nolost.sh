@@ -142,6 +142,12 @@ out=$("$N" train --model "$W/m.safetensors" --steps 2 2>&1)
 check test "$(head -1 <<< "$out")" = "neuroctl train: missing --data"
 out=$("$N" forward --model "$W/m.safetensors" 2>&1)
 check test "$(head -1 <<< "$out")" = "neuroctl forward: missing --tokens"
+out=$("$NL_BUILD_DIR/coordinator/neurocoord" --listen 'tcp://127.0.0.1:*' 2>&1); rc=$?
+check test $rc -eq 2
+check test "$(head -1 <<< "$out")" = "neurocoord: missing --state-dir"
+out=$("$NL_BUILD_DIR/coordinator/neurocoord" --listen 'tcp://127.0.0.1:*' --state-dir "$W/cs" \
+  --model a --config b 2>&1)
+check test "$(head -1 <<< "$out")" = "neurocoord: give at most one of --model, --config and --resume"
 out=$("$N" train --model "$W/m.safetensors" --data "$W" --steps 2 2>&1); rc=$?
 check test $rc -eq 1
 check grep -qF -- "--data $W: is a directory" <<< "$out"
