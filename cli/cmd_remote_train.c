@@ -38,6 +38,7 @@ typedef struct rtrain_opts {
     int final_ckpt;
     int make_dir;    /* checkpoints asked for: the client makes the directory first */
     uint64_t attach; /* --attach JOB: follow it instead of submitting */
+    int seq_default; /* --seq not given: the coordinator fits it to max_seq_len */
 } rtrain_opts;
 
 /* ---------------------------------------------------------------- flags */
@@ -119,6 +120,7 @@ static int read_opts(rtrain_opts *o, const nl_flag *flags)
     o->out = nl_args_get(flags, "out");
     if ((rc = nl_train_run_read(flags, &o->r)))
         return rc;
+    o->seq_default = !nl_args_get(flags, "seq");
     o->final_ckpt = 1; /* the last step is always kept: joined into --out, or as a checkpoint */
     /* else the nodes make it when they write the last step: a job refused
      * at once leaves no empty directory behind */
@@ -439,7 +441,7 @@ static nl_status follow(nl_remote *r, watch *w, nl_error *err)
 
 static nl_status submit(nl_remote *r, const rtrain_opts *o, nl_error *err)
 {
-    nl_wire_param ps[17] = {
+    nl_wire_param ps[18] = {
         {.key = "data", .kind = NL_WIRE_PARAM_STR, .s = o->data},
         {.key = "steps", .kind = NL_WIRE_PARAM_INT, .i = o->r.steps},
         {.key = "batch", .kind = NL_WIRE_PARAM_INT, .i = o->r.batch},
@@ -456,9 +458,10 @@ static nl_status submit(nl_remote *r, const rtrain_opts *o, nl_error *err)
         {.key = "checkpoint_dir", .kind = NL_WIRE_PARAM_STR, .s = o->ckpt_dir},
         {.key = "recompute", .kind = NL_WIRE_PARAM_BOOL, .b = o->r.recompute},
         {.key = "final_checkpoint", .kind = NL_WIRE_PARAM_BOOL, .b = o->final_ckpt},
+        {.key = "seq_default", .kind = NL_WIRE_PARAM_BOOL, .b = o->seq_default},
         {.key = "resume", .kind = NL_WIRE_PARAM_STR, .s = o->resume},
     };
-    return nl_remote_submit(r, NL_JOB_TRAIN, ps, o->resume ? 17 : 16, NULL, 0, 0, err);
+    return nl_remote_submit(r, NL_JOB_TRAIN, ps, o->resume ? 18 : 17, NULL, 0, 0, err);
 }
 
 /* --out: join the final checkpoint's shards into one file. */

@@ -41,6 +41,7 @@ typedef struct ctrain {
     int64_t adam; /* AdamW steps the stages have taken */
     int acks, norms, have_loss;
     int skips;     /* steps skipped in a row (non-finite) */
+    int seq_default; /* seq is the client's default, not typed: fit to max_seq_len */
     int bad_stage; /* the stage whose report of this step was not finite, or -1 */
     uint8_t *got; /* per stage: GRAD_NORM (1) or CKPT_DONE (2) in */
     double sumsq, ce, aux, t_step, step_s;
@@ -659,6 +660,8 @@ static const char *read_params(ctrain *t, const nl_msg_job_submit *s, const char
             return ints[i];
         *iv[i] = p->i;
     }
+    const nl_wire_param *sd = coord_param(s, "seq_default");
+    t->seq_default = sd && sd->kind == NL_WIRE_PARAM_BOOL && sd->b;
     static const char *const fl[] = {"lr", "min_lr", "holdout"};
     double *fv[] = {&t->lr, &t->min_lr, &t->holdout};
     static const double fhi[] = {10.0, 10.0, 0.5};
@@ -759,7 +762,9 @@ static void prep_done(nl_coord *c, cwork *w)
         snprintf(why, sizeof why, "verified %s; loading it onto the nodes", p->resume);
         coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, why, NULL);
     }
-    if (t->seq > c->cfg.max_seq_len) {
+    if (t->seq > c->cfg.max_seq_len && t->seq_default) {
+        t->seq = c->cfg.max_seq_len; /* the client's default, not a typed --seq: fit it */
+    } else if (t->seq > c->cfg.max_seq_len) {
         fail(c, j, "--seq %lld: the model's max_seq_len is %d", (long long)t->seq,
              c->cfg.max_seq_len);
         return;

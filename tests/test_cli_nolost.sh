@@ -233,6 +233,16 @@ check grep -q "\[0,2)+e+h" <<< "$out"
   > "$W/rgen.out" 2> "$W/rgen.err"
 check test $? -eq 0
 check grep -q "stopped after [0-9]* of --max-new 200 tokens: .* max_seq_len 64" "$W/rgen.err"
+# 8 on a cluster: no --seq, the default 256 fits the model's max_seq_len 64;
+# a typed --seq past it is refused naming it
+"$N" train --cluster "$W/c1" --data "$W/data.txt" --steps 1 --batch 2 --checkpoint-dir "$W/rck" \
+  > /dev/null 2> "$W/rseq.err"
+check test $? -eq 0
+check grep -q "of 2 x 64" "$W/rseq.err"
+"$N" train --cluster "$W/c1" --data "$W/data.txt" --steps 1 --batch 2 --seq 100 \
+  --checkpoint-dir "$W/rck2" > /dev/null 2> "$W/rseq2.err"
+check test $? -eq 1
+check grep -qF -- "--seq 100: the model's max_seq_len is 64" "$W/rseq2.err"
 # 5: a wrong --coordinator-key, a key not in authorized_keys, the secret
 # coordinator.key as --coordinator-key, a dead port: each at once, each its own
 out=$(fast 5 "$N" status --coordinator "$EP" --key "$W/c1/client.key" --coordinator-key "$W/other.pub" --timeout 30 2>&1); rc=$?
