@@ -25,6 +25,11 @@ while [ $# -gt 0 ]; do
     *) echo "usage: scripts/demo.sh [--steps N] [--threads N] [--serve] [--http HOST:PORT]" >&2; exit 2 ;;
   esac
 done
+# the default port taken by something else: any free one (the address is printed)
+if [ "$HTTP" = 127.0.0.1:8080 ] && (exec 3<>/dev/tcp/127.0.0.1/8080) 2>/dev/null; then
+  echo "demo: 127.0.0.1:8080 is taken; the dashboard goes on a free port" >&2
+  HTTP=127.0.0.1:0
+fi
 
 bash scripts/install-deps.sh
 cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
