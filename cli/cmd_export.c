@@ -27,7 +27,8 @@ int nl_cmd_export(int argc, char **argv)
                         "  verifies every shard (size, sha256) and joins them with their "
                         "optimizer state\n"
                         "neuroctl export --format hf --manifest M|--model CKPT --out DIR\n"
-                        "  writes config.json (MixtralForCausalLM), the weights in Hugging Face "
+                        "  writes config.json (MixtralForCausalLM; a dense model: "
+                        "LlamaForCausalLM), the weights in Hugging Face "
                         "names and RoPE order,\n  and the vocabulary (vocab.json, merges.txt, "
                         "neurollm-tokenizer.txt)";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
@@ -50,7 +51,8 @@ int nl_cmd_export(int argc, char **argv)
         return 2;
     }
     if (model) {
-        fprintf(stderr, "neuroctl export: --model goes with --format hf; this format joins a --manifest\n");
+        fprintf(stderr,
+                "neuroctl export: --model goes with --format hf; this format joins a --manifest\n");
         return 2;
     }
     if ((rc = nl_cli_require("export", usage, flags, "manifest", "out", (const char *)NULL)) ||

@@ -1,4 +1,4 @@
-/* neuroctl import --hf (a Hugging Face MixtralForCausalLM directory into
+/* neuroctl import --hf (a Hugging Face Mixtral, Llama or Mistral directory into
  * one of our checkpoints) and the --format hf half of neuroctl export
  * (core/hf.h does the work; this file parses flags and reports). */
 #include <inttypes.h>
@@ -18,7 +18,7 @@ int nl_cmd_import(int argc, char **argv)
         {0}};
     const char *usage =
         "neuroctl import --hf DIR --out MODEL.safetensors [--force]\n"
-        "  MixtralForCausalLM only (Llama/Mistral need the dense FFN, not there yet); one\n"
+        "  MixtralForCausalLM, LlamaForCausalLM or MistralForCausalLM (a dense FFN); one\n"
         "  model.safetensors or shards with model.safetensors.index.json; BF16/F16 become F32;\n"
         "  streams tensor by tensor";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
@@ -55,11 +55,12 @@ int nl_cli_export_hf(const char *src, const char *out, uint64_t shard_bytes)
         fprintf(stderr, "neuroctl export: %s (%s)\n", err.msg, nl_status_str(err.status));
         return 1;
     }
-    fprintf(stderr,
-            "exported %s to %s as MixtralForCausalLM: %d tensors in %d weight file(s), %" PRIu64
-            " bytes%s\n",
-            src, out, s.n_tensors, s.n_files, s.bytes_out,
-            s.has_tokenizer ? "; vocabulary in vocab.json, merges.txt, neurollm-tokenizer.txt"
-                            : "; no tokenizer in the source (byte ids)");
+    fprintf(
+        stderr,
+        "exported %s to %s in the Hugging Face layout: %d tensors in %d weight file(s), %" PRIu64
+        " bytes%s\n",
+        src, out, s.n_tensors, s.n_files, s.bytes_out,
+        s.has_tokenizer ? "; vocabulary in vocab.json, merges.txt, neurollm-tokenizer.txt"
+                        : "; no tokenizer in the source (byte ids)");
     return 0;
 }

@@ -76,7 +76,7 @@ static nl_status cfg_absent(json_t *root, const char *label, const char *key, co
 }
 
 /* The architecture: from architectures[0], else model_type. */
-static nl_status cfg_arch(json_t *root, const char *label, nl_error *err)
+static nl_status cfg_arch(json_t *root, const char *label, int *dense, nl_error *err)
 {
     json_t *a = json_object_get(root, "architectures");
     const char *arch = NULL, *key = "architectures";
@@ -90,16 +90,18 @@ static nl_status cfg_arch(json_t *root, const char *label, nl_error *err)
     } else {
         FAIL(NL_ERR_FORMAT, "%s: neither architectures nor model_type names the model", label);
     }
+    *dense = 0;
     if (strcmp(arch, "MixtralForCausalLM") == 0 || strcmp(arch, "mixtral") == 0)
         return NL_OK;
-    if (strstr(arch, "Llama") || strstr(arch, "Mistral") || strcmp(arch, "llama") == 0 ||
-        strcmp(arch, "mistral") == 0)
-        FAIL(NL_ERR_UNSUPPORTED,
-             "%s: %s: %.80s has a dense FFN, which this runtime does not have yet (only the "
-             "mixture of experts); MixtralForCausalLM is the architecture it imports",
-             label, key, arch);
-    FAIL(NL_ERR_UNSUPPORTED, "%s: %s: %.80s is not supported (only MixtralForCausalLM)", label, key,
-         arch);
+    /* Llama and Mistral: our dense FFN (one expert, no router; DESIGN 6) */
+    *dense = 1;
+    if (strcmp(arch, "LlamaForCausalLM") == 0 || strcmp(arch, "llama") == 0 ||
+        strcmp(arch, "MistralForCausalLM") == 0 || strcmp(arch, "mistral") == 0)
+        return NL_OK;
+    FAIL(NL_ERR_UNSUPPORTED,
+         "%s: %s: %.80s is not supported (MixtralForCausalLM, LlamaForCausalLM and "
+         "MistralForCausalLM are)",
+         label, key, arch);
 }
 
 static nl_status cfg_features(json_t *root, const char *label, int64_t max_pos, nl_error *err)
@@ -126,13 +128,14 @@ nl_status nl_hf_config_parse(nl_config *cfg, int *tied, const char *json, size_t
     json_error_t je;
     json_t *root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &je);
     nl_status st = NL_OK;
-    long long V = 0, d = 0, F = 0, L = 0, H = 0, G = 0, E = 0, k = 0, S = 0;
+    long long V = 0, d = 0, F = 0, L = 0, H = 0, G = 0, E = 1, k = 1, S = 0;
+    int dense = 0;
     if (!root || !json_is_object(root)) {
         st = nl_error_set(err, NL_ERR_FORMAT, "%s: not a JSON object (line %d: %s)", label, je.line,
                           root ? "top level" : je.text);
         goto out;
     }
-    if ((st = cfg_arch(root, label, err)))
+    if ((st = cfg_arch(root, label, &dense, err)))
         goto out;
     if ((st = cfg_int(root, label, "vocab_size", -1, 1, NL_CONFIG_MAX_VOCAB, &V, err)) ||
         (st = cfg_int(root, label, "hidden_size", -1, 1, NL_CONFIG_MAX_DIM, &d, err)) ||
@@ -140,8 +143,9 @@ nl_status nl_hf_config_parse(nl_config *cfg, int *tied, const char *json, size_t
         (st = cfg_int(root, label, "num_hidden_layers", -1, 1, NL_CONFIG_MAX_LAYERS, &L, err)) ||
         (st = cfg_int(root, label, "num_attention_heads", -1, 1, NL_CONFIG_MAX_DIM, &H, err)) ||
         (st = cfg_int(root, label, "num_key_value_heads", H, 1, H, &G, err)) ||
-        (st = cfg_int(root, label, "num_local_experts", 8, 1, NL_CONFIG_MAX_EXPERTS, &E, err)) ||
-        (st = cfg_int(root, label, "num_experts_per_tok", 2, 1, E, &k, err)) ||
+        (!dense &&
+         (st = cfg_int(root, label, "num_local_experts", 8, 1, NL_CONFIG_MAX_EXPERTS, &E, err))) ||
+        (!dense && (st = cfg_int(root, label, "num_experts_per_tok", 2, 1, E, &k, err))) ||
         (st = cfg_int(root, label, "max_position_embeddings", 131072, 1, NL_CONFIG_MAX_SEQ, &S,
                       err)))
         goto out;
@@ -173,7 +177,8 @@ nl_status nl_hf_config_parse(nl_config *cfg, int *tied, const char *json, size_t
     cfg->num_experts = (int)E;
     cfg->top_k = (int)k;
     cfg->max_seq_len = (int)S;
-    if ((st = cfg_num(root, label, "rope_theta", 1e6, &cfg->rope_base, err)) ||
+    /* transformers' defaults: 1e6 for Mixtral, 1e4 for Llama and Mistral */
+    if ((st = cfg_num(root, label, "rope_theta", dense ? 1e4 : 1e6, &cfg->rope_base, err)) ||
         (st = cfg_num(root, label, "rms_norm_eps", 1e-5, &cfg->norm_eps, err)) ||
         (st = cfg_num(root, label, "router_aux_loss_coef", 0.001, &cfg->aux_loss_coef, err)))
         goto out;
@@ -189,29 +194,35 @@ char *nl_hf_config_to_json(const nl_config *c, int with_tokenizer)
     json_t *r = json_object();
     if (!r)
         return NULL;
+    const int dense = nl_config_dense(c);
     json_t *arch = json_array();
-    json_array_append_new(arch, json_string("MixtralForCausalLM"));
+    json_array_append_new(arch, json_string(dense ? "LlamaForCausalLM" : "MixtralForCausalLM"));
     json_object_set_new(r, "architectures", arch);
-    json_object_set_new(r, "model_type", json_string("mixtral"));
+    json_object_set_new(r, "model_type", json_string(dense ? "llama" : "mixtral"));
     json_object_set_new(r, "vocab_size", json_integer(c->vocab_size));
     json_object_set_new(r, "hidden_size", json_integer(c->hidden_dim));
     json_object_set_new(r, "intermediate_size", json_integer(c->ffn_dim));
     json_object_set_new(r, "num_hidden_layers", json_integer(c->num_layers));
     json_object_set_new(r, "num_attention_heads", json_integer(c->num_heads));
     json_object_set_new(r, "num_key_value_heads", json_integer(c->num_kv_heads));
-    json_object_set_new(r, "num_local_experts", json_integer(c->num_experts));
-    json_object_set_new(r, "num_experts_per_tok", json_integer(c->top_k));
+    if (!dense) {
+        json_object_set_new(r, "num_local_experts", json_integer(c->num_experts));
+        json_object_set_new(r, "num_experts_per_tok", json_integer(c->top_k));
+        json_object_set_new(r, "router_aux_loss_coef", json_real(c->aux_loss_coef));
+        json_object_set_new(r, "output_router_logits", json_false());
+    } else {
+        json_object_set_new(r, "attention_bias", json_false());
+        json_object_set_new(r, "mlp_bias", json_false());
+    }
     json_object_set_new(r, "max_position_embeddings", json_integer(c->max_seq_len));
     json_object_set_new(r, "rope_theta", json_real(c->rope_base));
     json_object_set_new(r, "rms_norm_eps", json_real(c->norm_eps));
-    json_object_set_new(r, "router_aux_loss_coef", json_real(c->aux_loss_coef));
     json_object_set_new(r, "hidden_act", json_string("silu"));
     json_object_set_new(r, "tie_word_embeddings", json_false());
     json_object_set_new(r, "sliding_window", json_null());
     json_object_set_new(r, "rope_scaling", json_null());
     json_object_set_new(r, "attention_dropout", json_real(0.0));
     json_object_set_new(r, "initializer_range", json_real(0.02));
-    json_object_set_new(r, "output_router_logits", json_false());
     json_object_set_new(r, "use_cache", json_true());
     json_object_set_new(r, "torch_dtype", json_string("float32"));
     json_object_set_new(r, "bos_token_id",
@@ -463,19 +474,24 @@ static nl_status build_jobs(hf_conv *c, nl_error *err)
             {"ffn_norm", "post_attention_layernorm", "[hidden_size]", 0, 4, 0},
             {"moe.router", "block_sparse_moe.gate", "[num_local_experts, hidden_size]", 3, 0, 0},
         };
+        const size_t n_t = sizeof t / sizeof t[0] - (nl_config_dense(k) ? 1 : 0); /* no router */
         int64_t sz[5] = {d, k->num_heads * hd, k->num_kv_heads * hd, k->num_experts, 0};
-        for (size_t i = 0; i < sizeof t / sizeof t[0]; i++) {
+        for (size_t i = 0; i < n_t; i++) {
             snprintf(a, sizeof a, "layers.%d.%s.weight", l, t[i].ours);
             snprintf(b, sizeof b, "model.layers.%d.%s.weight", l, t[i].hf);
             int rope = t[i].rope == 1 ? k->num_heads : t[i].rope == 2 ? k->num_kv_heads : 0;
             job(j++, a, b, sz[t[i].rows], sz[t[i].cols], sz[t[i].rows], rope, t[i].dims);
         }
         for (int e = 0; e < k->num_experts; e++) {
-            static const char *ours[3] = {"w_gate", "w_up", "w_down"}, *hf[3] = {"w1", "w3", "w2"};
+            static const char *ours[3] = {"w_gate", "w_up", "w_down"}, *hf[3] = {"w1", "w3", "w2"},
+                              *mlp[3] = {"gate_proj", "up_proj", "down_proj"};
             for (int w = 0; w < 3; w++) {
                 snprintf(a, sizeof a, "layers.%d.moe.experts.%d.%s.weight", l, e, ours[w]);
-                snprintf(b, sizeof b, "model.layers.%d.block_sparse_moe.experts.%d.%s.weight", l, e,
-                         hf[w]);
+                if (nl_config_dense(k)) /* Llama's MLP is our expert 0 */
+                    snprintf(b, sizeof b, "model.layers.%d.mlp.%s.weight", l, mlp[w]);
+                else
+                    snprintf(b, sizeof b, "model.layers.%d.block_sparse_moe.experts.%d.%s.weight",
+                             l, e, hf[w]);
                 job(j++, a, b, w == 2 ? d : F, w == 2 ? F : d, w == 2 ? d : F, 0,
                     w == 2 ? "[hidden_size, intermediate_size]"
                            : "[intermediate_size, hidden_size]");
@@ -850,6 +866,23 @@ out:
 }
 
 /* The source: a checkpoint, or a verified manifest's shards. */
+/* The options of DESIGN section 6 that Mixtral's and Llama's layouts do
+ * not have: refused by name (the dense FFN is Llama's). */
+static nl_status hf_representable(const nl_config *c, const char *src, nl_error *err)
+{
+    const char *key = !c->causal                             ? "causal: false (an encoder)"
+                      : c->ffn_act != NL_FFN_SWIGLU          ? "ffn_act: geglu"
+                      : c->attention_window > 0              ? "attention_window"
+                      : c->rope_scaling.type != NL_ROPE_NONE ? "rope_scaling"
+                      : c->num_classes > 0                   ? "num_classes (a classifier head)"
+                                                             : NULL;
+    if (key)
+        FAIL(NL_ERR_UNSUPPORTED,
+             "%s: config %s has no place in the MixtralForCausalLM or LlamaForCausalLM layout", src,
+             key);
+    return NL_OK;
+}
+
 static nl_status open_ours(hf_conv *c, const char *src, nl_config *cfg, char **tokenizer,
                            nl_error *err)
 {
@@ -987,7 +1020,8 @@ nl_status nl_hf_export(const char *src, const char *dir, uint64_t shard_bytes, n
     char *tok = NULL, *cj = NULL, **written = NULL;
     int n_written = 0, created = 0;
     nl_status st;
-    if ((st = open_ours(&c, src, &cfg, &tok, err)) || (st = build_jobs(&c, err)))
+    if ((st = open_ours(&c, src, &cfg, &tok, err)) || (st = hf_representable(&cfg, src, err)) ||
+        (st = build_jobs(&c, err)))
         goto out;
     for (int i = 0; i < c.n_jobs && !st; i++)
         st = resolve(&c, &c.jobs[i], c.jobs[i].ours, c.jobs[i].our_rows, 1, err);

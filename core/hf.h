@@ -39,9 +39,9 @@ typedef struct nl_hf_stats {
 } nl_hf_stats;
 
 /* Parse a Hugging Face config.json (text of len bytes; `label` starts
- * messages) into *cfg: MixtralForCausalLM only; Llama and Mistral are
- * refused (NL_ERR_UNSUPPORTED: they need the dense FFN), as is what the
- * runtime cannot represent (sliding_window, rope_scaling, biases, an
+ * messages) into *cfg: MixtralForCausalLM, and LlamaForCausalLM or
+ * MistralForCausalLM as the dense FFN (num_experts 1, top_k 1); refused
+ * (NL_ERR_UNSUPPORTED, naming the key) is what the runtime cannot represent (sliding_window, rope_scaling, biases, an
  * activation other than silu, a head_dim other than hidden / heads).
  * vocab_chunk is set to vocab_size, so the tables hold exactly the
  * vocabulary. *tied gets tie_word_embeddings. Messages name the key. */

@@ -378,11 +378,14 @@ static void test_refused(void)
     refuse("lie-hidden", (model_opts){.cfg_hidden = 24}, NL_ERR_SHAPE, "[vocab_size, hidden_size]");
     refuse("no-vocab", (model_opts){.no_vocab = 1}, NL_ERR_FORMAT, "vocab_size: missing");
     refuse("bias", (model_opts){.bias = 1}, NL_ERR_UNSUPPORTED, "o_proj.bias': biases");
-    refuse("llama", (model_opts){.arch = "LlamaForCausalLM"}, NL_ERR_UNSUPPORTED,
-           "LlamaForCausalLM has a dense FFN");
-    refuse("mistral", (model_opts){.arch = "MistralForCausalLM"}, NL_ERR_UNSUPPORTED, "dense FFN");
+    /* Llama and Mistral are dense: a directory of Mixtral's expert tensors
+     * under their name lacks the MLP's */
+    refuse("llama", (model_opts){.arch = "LlamaForCausalLM"}, NL_ERR_NOTFOUND,
+           "'model.layers.0.mlp.gate_proj.weight' is missing");
+    refuse("mistral", (model_opts){.arch = "MistralForCausalLM"}, NL_ERR_NOTFOUND,
+           "mlp.gate_proj.weight' is missing");
     refuse("other-arch", (model_opts){.arch = "GPT2LMHeadModel"}, NL_ERR_UNSUPPORTED,
-           "only MixtralForCausalLM");
+           "GPT2LMHeadModel is not supported");
     refuse("rope-scaling",
            (model_opts){.extra = ", \"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0}"},
            NL_ERR_UNSUPPORTED, "rope_scaling: {\"type\":\"linear\",\"factor\":2.0}: RoPE scaling");

@@ -42,6 +42,11 @@ expect 2 "neither neurollm nor hf" "$N" export --format onnx --model a --out b
 expect 2 "usage: neuroctl export" "$N" export --format hf --model a --manifest b --out c
 expect 1 "config.json: no such file\|config.json.*No such file\|config.json" "$N" import --hf "$W/none" --out "$W/none.st"
 check test ! -e "$W/none.st"
+# an option of DESIGN 6 that neither layout has is refused by name, nothing written
+printf 'hidden_dim: 32\nnum_layers: 1\nnum_heads: 4\nnum_kv_heads: 2\nffn_dim: 48\nvocab_size: 300\nffn_act: geglu\n' > "$W/geglu.yaml"
+check "$N" init --config "$W/geglu.yaml" --out "$W/geglu.safetensors"
+expect 1 "ffn_act: geglu has no place" "$N" export --format hf --model "$W/geglu.safetensors" --out "$W/hf-geglu"
+check test ! -e "$W/hf-geglu/config.json"
 
 # ---- a small trained model of ours, with a tokenizer, cut into shards
 printf 'the quick brown fox jumps over the lazy dog %.0s' $(seq 60) > "$W/text.txt"

@@ -24,7 +24,8 @@ import sys
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import GPT2Tokenizer, MixtralConfig, MixtralForCausalLM
+from transformers import (GPT2Tokenizer, LlamaConfig, LlamaForCausalLM, MixtralConfig,
+                          MixtralForCausalLM)
 
 TOL = 1e-4
 NEUROCTL, WORK = sys.argv[1], sys.argv[2]
@@ -134,6 +135,39 @@ same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 print(f"{'ok  ' if same else 'FAIL'} import -> export -> import: {len(a)} tensors bit-identical")
 if not same:
     failures.append("round trip")
+
+# ---- 4. Llama: the dense FFN (one expert, no router) both ways
+lcfg = LlamaConfig(vocab_size=67, hidden_size=60, intermediate_size=37, num_hidden_layers=3,
+                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128,
+                   rope_theta=1e6, rms_norm_eps=1e-5, tie_word_embeddings=False)
+llama = LlamaForCausalLM(lcfg).eval()
+with torch.no_grad():
+    for name, p in llama.named_parameters():
+        p.copy_(torch.randn_like(p) * (0.3 if "norm" not in name else 0.2) +
+                (1.0 if "norm" in name else 0.0))
+llama.save_pretrained(path("hf-llama"), safe_serialization=True)
+run("import", "--hf", path("hf-llama"), "--out", path("llama.safetensors"))
+compare("import LlamaForCausalLM vs transformers", our_logits(path("llama.safetensors"), ids),
+        hf_logits(llama, ids))
+with open(path("dense.yaml"), "w") as f:
+    f.write("hidden_dim: 36\nnum_layers: 2\nnum_heads: 6\nnum_kv_heads: 3\nffn_dim: 29\n"
+            "num_experts: 1\ntop_k: 1\nmax_seq_len: 64\nrope_base: 10000\nvocab_size: 300\n")
+run("init", "--config", path("dense.yaml"), "--out", path("dense.safetensors"), "--seed", "5")
+run("export", "--format", "hf", "--model", path("dense.safetensors"), "--out", path("hf-dense"))
+arch = json.load(open(path("hf-dense/config.json")))["architectures"][0]
+if arch != "LlamaForCausalLM":
+    failures.append("a dense model exports as " + arch)
+mine = LlamaForCausalLM.from_pretrained(path("hf-dense")).eval()
+ids3 = torch.randint(0, 300, (2, 13))
+compare("dense export vs LlamaForCausalLM from_pretrained", our_logits(path("dense.safetensors"), ids3),
+        hf_logits(mine, ids3))
+run("export", "--format", "hf", "--model", path("llama.safetensors"), "--out", path("hf-llama2"))
+run("import", "--hf", path("hf-llama2"), "--out", path("llama2.safetensors"))
+a, b = load_file(path("llama.safetensors")), load_file(path("llama2.safetensors"))
+same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+print(f"{'ok  ' if same else 'FAIL'} Llama import -> export -> import: {len(a)} tensors bit-identical")
+if not same:
+    failures.append("Llama round trip")
 
 if failures:
     sys.exit("FAILED: " + ", ".join(failures))
