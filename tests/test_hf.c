@@ -447,9 +447,10 @@ static void test_fill(void)
     nl_st_writer *w = nl_st_writer_new();
     int a = 1, b = 2;
     int64_t s1 = 16, s2[2] = {3, 5};
+    float zeros[16] = {0}; /* the writer keeps the pointer until it writes */
     char *p = strdup(path_in(root, "fill.st"));
     CHECK_OK(nl_st_writer_add_fill(w, "a", NL_DTYPE_F32, 1, &s1, fill_fn, &a, &err), &err);
-    CHECK_OK(nl_st_writer_add(w, "plain", NL_DTYPE_F32, 1, &s1, (float[16]){0}, &err), &err);
+    CHECK_OK(nl_st_writer_add(w, "plain", NL_DTYPE_F32, 1, &s1, zeros, &err), &err);
     CHECK_OK(nl_st_writer_add_fill(w, "b", NL_DTYPE_U8, 2, s2, fill_fn, &b, &err), &err);
     CHECK_OK(nl_st_writer_write(w, p, &err), &err);
     nl_st_file *f = NULL;
