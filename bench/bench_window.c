@@ -63,8 +63,8 @@ int main(int argc, char **argv)
     }
     srand(1);
     for (size_t i = 0; i < n; i++) {
-        buf[0][i] = (float)rand() / RAND_MAX - 0.5f;
-        buf[4][i] = (float)rand() / RAND_MAX - 0.5f;
+        buf[0][i] = (float)((double)rand() / RAND_MAX) - 0.5f;
+        buf[4][i] = (float)((double)rand() / RAND_MAX) - 0.5f;
     }
     printf("attention on the CPU, %d threads: B=1 T=%d H=%d G=%d hd=%d (best of 3)\n", threads, T,
            s.H, s.G, s.hd);
