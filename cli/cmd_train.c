@@ -319,6 +319,29 @@ static void step_path(char *buf, size_t cap, const train_opts *o, int64_t step)
     snprintf(buf, cap, "%s/step-%06" PRId64 ".safetensors", o->ckpt_dir, step);
 }
 
+/* A local step's progress record (local and classify training alike). */
+static nl_train_step step_record(const train_opts *o, const nl_step_result *r, int64_t step,
+                                 int64_t start, double lr, double tokens_per_s, double t_begin,
+                                 const char *device)
+{
+    nl_train_step rep = {.step = step + 1,
+                         .steps = o->r.steps,
+                         .loss = r->loss,
+                         .ce_loss = r->ce_loss,
+                         .aux_loss = r->aux_loss,
+                         .lr = lr,
+                         .grad_norm = r->grad_norm,
+                         .skipped = r->skipped,
+                         .tokens_per_s = tokens_per_s,
+                         .start_step = start,
+                         .start_time = t_begin,
+                         .device = device,
+                         .tf32 = o->tf32};
+    rep.has_eval =
+        o->r.eval_every > 0 && ((step + 1) % o->r.eval_every == 0 || step + 1 == o->r.steps);
+    return rep;
+}
+
 static int run_train(const train_opts *o)
 {
     nl_error err = {0};
@@ -412,21 +435,8 @@ static int run_train(const train_opts *o)
             nl_cli_device_check(be, &err) != NL_OK)
             goto out;
         skipped += r.skipped != 0;
-        nl_train_step rep = {.step = step + 1,
-                             .steps = o->r.steps,
-                             .loss = r.loss,
-                             .ce_loss = r.ce_loss,
-                             .aux_loss = r.aux_loss,
-                             .lr = lr,
-                             .grad_norm = r.grad_norm,
-                             .skipped = r.skipped,
-                             .tokens_per_s = (double)B * T / (nl_train_clock() - t0),
-                             .start_step = start,
-                             .start_time = t_begin,
-                             .device = be->name,
-                             .tf32 = o->tf32};
-        rep.has_eval =
-            o->r.eval_every > 0 && ((step + 1) % o->r.eval_every == 0 || step + 1 == o->r.steps);
+        nl_train_step rep = step_record(o, &r, step, start, lr,
+                                        (double)B * T / (nl_train_clock() - t0), t_begin, be->name);
         if (rep.has_eval &&
             eval_loss(tr, ds, o, obj, &m->cfg, tokens, targets, &rep.eval_loss, &err) != NL_OK)
             goto out;
@@ -669,20 +679,8 @@ static int run_classify(const train_opts *o)
                                      (float)NL_TRAIN_CLIP_NORM, adam, &r, &err) != NL_OK ||
             nl_cli_device_check(be, &err) != NL_OK)
             goto out;
-        nl_train_step rep = {.step = step + 1,
-                             .steps = o->r.steps,
-                             .loss = r.loss,
-                             .ce_loss = r.ce_loss,
-                             .aux_loss = r.aux_loss,
-                             .lr = lr,
-                             .grad_norm = r.grad_norm,
-                             .skipped = r.skipped,
-                             .tokens_per_s = (double)B * T / (nl_train_clock() - t0),
-                             .start_time = t_begin,
-                             .device = be->name,
-                             .tf32 = o->tf32};
-        rep.has_eval =
-            o->r.eval_every > 0 && ((step + 1) % o->r.eval_every == 0 || step + 1 == o->r.steps);
+        nl_train_step rep = step_record(o, &r, step, 0, lr, (double)B * T / (nl_train_clock() - t0),
+                                        t_begin, be->name);
         double acc = 0.0;
         if (rep.has_eval && eval_classify(tr, ds, o, cfg.num_classes, tokens, lengths, labels, doc,
                                           probs, &rep.eval_loss, &acc, &err) != NL_OK)
