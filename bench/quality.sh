@@ -6,6 +6,9 @@
 # Settings (environment, with defaults): CONFIG=configs/tiny.yaml BATCH=16
 # SEQ=128 LR=1e-3 THREADS=2 SEED=0 EVAL_EVERY=100 EVAL_BATCHES=16
 # NOISE_SEEDS=2 OUT=BUILD_DIR/quality (data, checkpoints and logs are kept).
+# BF16=1 adds one more `neuroctl train` run, the main run's seeds with
+# `--precision bf16` (issue 21): its held-out loss is judged against the
+# FP32 run and the seed-to-seed spread (needs a CPU with AVX-512 BF16).
 # NOISE_SEEDS extra `neuroctl train` runs, each with its own init and data
 # seed, give the run-to-run spread the difference is judged against.
 # Needs the `fortunes` package, a built BUILD_DIR (default: build) and
@@ -23,6 +26,7 @@ SEED=${SEED:-0}
 EVAL_EVERY=${EVAL_EVERY:-100}
 EVAL_BATCHES=${EVAL_BATCHES:-16}
 NOISE_SEEDS=${NOISE_SEEDS:-2}
+BF16=${BF16:-0}
 OUT=${OUT:-$BUILD/quality}
 PY=/usr/bin/python3
 NEUROCTL="$BUILD/cli/neuroctl"
@@ -91,7 +95,8 @@ train_c() {
     local t0 t1
     t0=$(now)
     "$NEUROCTL" train --model "$OUT/init-$1.safetensors" "${COMMON[@]}" --seed "$2" \
-        --log "$3" --checkpoint-dir "$OUT/checkpoints-$1-$2" 2>"$3.stderr"
+        --log "$3" --checkpoint-dir "$OUT/checkpoints-$1-$2${4:+-$4}" \
+        ${4:+--precision "$4"} 2>"$3.stderr"
     t1=$(now)
     awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.3f\n", b - a }'
 }
@@ -110,8 +115,14 @@ for ((k = 1; k <= NOISE_SEEDS; k++)); do
     train_c "$k" $((SEED + k)) "$OUT/noise-$k.jsonl" >/dev/null
     NOISE_LOGS+=("$OUT/noise-$k.jsonl")
 done
+BF16_LOG=
+if [ "$BF16" = 1 ]; then
+    echo "neuroctl train: the main run again with --precision bf16" >&2
+    BF16_WALL=$(train_c 0 "$SEED" "$OUT/bf16.jsonl" bf16)
+    BF16_LOG="$OUT/bf16.jsonl:$BF16_WALL"
+fi
 
-"$PY" - "$OUT" "$C_WALL" "$T_WALL" "$CONFIG" "$STEPS" "$BATCH" "$SEQ" "$LR" "$THREADS" \
+BF16_LOG="$BF16_LOG" "$PY" - "$OUT" "$C_WALL" "$T_WALL" "$CONFIG" "$STEPS" "$BATCH" "$SEQ" "$LR" "$THREADS" \
     "${NOISE_LOGS[@]}" <<'EOF'
 import json, math, os, statistics, sys
 out, c_wall, t_wall, config, steps, batch, seq, lr, threads = sys.argv[1:10]
@@ -152,6 +163,16 @@ if noise_logs:
     res["noise"] = {"neuroctl_final_eval_losses_by_seed": [round(x, 5) for x in finals],
                     "stdev": round(sd, 5)}
     res["within_noise"] = abs(diff) <= 2 * sd
+bf16 = os.environ.get("BF16_LOG", "")
+if bf16:
+    path, wall = bf16.rsplit(":", 1)
+    b = side(read(path), wall)
+    b["final_eval_loss"] = round(b["final_eval_loss"], 6)
+    bdiff = b["final_eval_loss"] - res["neuroctl"]["final_eval_loss"]
+    res["bf16"] = b
+    res["bf16_minus_fp32_eval_loss"] = float("%.3g" % bdiff)
+    if noise_logs:
+        res["bf16_within_noise"] = abs(bdiff) <= 2 * sd
 for k in ("neuroctl", "torch"):
     res[k]["final_eval_loss"] = round(res[k]["final_eval_loss"], 6)
 print(json.dumps(res))

@@ -294,6 +294,11 @@ static int cluster_up(const nl_flag *flags, const char *dir)
                 mem_s ? mem_s : "1G (the default)", kv_s ? kv_s : "256M",
                 kv_s ? " (--kv-budget)" : " (the default --kv-budget)");
     }
+    const char *precision = nl_args_get(flags, "precision");
+    if (precision && strcmp(precision, "fp32") != 0 && strcmp(precision, "bf16") != 0) {
+        fprintf(stderr, "cluster up: --precision %s: not fp32 or bf16\n", precision);
+        return 2;
+    }
     char devices[64][32];
     pid_t pids[64];
     if ((rc = node_devices(nl_args_get(flags, "device"), (int)nodes, devices)))
@@ -433,6 +438,10 @@ static int cluster_up(const nl_flag *flags, const char *dir)
         }
         if (nl_args_get(flags, "tf32"))
             nargv[na++] = "--tf32";
+        if (precision) {
+            nargv[na++] = "--precision";
+            nargv[na++] = (char *)precision;
+        }
         /* a local cluster runs as its user, who names the checkpoint
          * directory: the nodes may write wherever that user may */
         nargv[na++] = "--checkpoint-root";
@@ -510,6 +519,9 @@ int nl_cmd_cluster(int argc, char **argv)
          "is repeated (default cpu)",
          NULL},
         {"tf32", 0, "up: the nodes' GPU GEMMs may use TF32 (default: FP32)", NULL},
+        {"precision", 1,
+         "up: P: the nodes' GEMM precision, fp32 (default) or bf16 (neuronode --precision)",
+         NULL},
         {"threads", 1, "up: threads per node (default: the cores shared evenly)", NULL},
         {"kv-budget", 1,
          "up: memory of each node for generation sessions' KV caches (default: neuronode's, "
@@ -536,7 +548,7 @@ int nl_cmd_cluster(int argc, char **argv)
         "neuroctl cluster up|down [--dir DIR] [--nodes N] [--model M | --config C | "
         "--resume MANIFEST] "
         "[--memory SIZE] [--threads N] [--spin N] [--kv-budget SIZE] [--device D[,D...]] "
-        "[--tf32] [--http HOST:PORT [--http-tokens FILE]]";
+        "[--tf32] [--precision fp32|bf16] [--http HOST:PORT [--http-tokens FILE]]";
     const char *pos[1] = {NULL};
     int npos = 0;
     int rc = nl_args_parse(argc, argv, flags, usage, pos, 1, &npos);

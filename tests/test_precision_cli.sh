@@ -81,5 +81,19 @@ check "$NEUROCTL" forward "${DEV[@]}" --precision bf16 --model "$W/bf16.safetens
 check "$NEUROCTL" generate "${DEV[@]}" --precision bf16 --model "$W/bf16.safetensors" --prompt-tokens 116,104,101 --max-new 4 --temperature 0
 check grep -q '"precision":"bf16"' "$W/probe.json"
 
+# cluster up passes --precision to its nodes (and refuses a word it does not know)
+out=$("$NEUROCTL" cluster up --dir "$W/cl0" --precision fp16 --config "$W/cfg.yaml" 2>&1); rc=$?
+check test "$rc" = 2
+check grep -q "precision fp16: not fp32 or bf16" <<<"$out"
+check test ! -e "$W/cl0/coord.pid"
+if "$NEUROCTL" cluster up --dir "$W/cl" --nodes 1 --threads 1 --precision bf16 \
+    --config "$W/cfg.yaml" --timeout 60 > "$W/up.out" 2>&1; then
+    ok
+    check grep -q "(bf16 GEMMs)" "$W/cl/node-1.log"
+    "$NEUROCTL" cluster down --dir "$W/cl" > /dev/null 2>&1
+else
+    bad "cluster up --precision bf16: $(cat "$W/up.out")"
+fi
+
 echo "test_precision_cli: $pass passed, $fail failed"
 test "$fail" = 0
