@@ -173,8 +173,8 @@ kill "$job" 2>/dev/null # its coordinator is gone (it would wait --timeout)
 wait "$job" 2>/dev/null
 check grep -q '"id":1,' "$C/coord/journal.json"
 check grep -q 'step-000020/manifest.json' "$C/coord/journal.json"
-ep=$(cat "$C/coord/endpoint")
-"$NL_BUILD_DIR/coordinator/neurocoord" --listen "$ep" --state-dir "$C/coord" --min-nodes 3 \
+ep=$(cat "$C/coord/endpoint") cep=$(cat "$C/coord/client_endpoint")
+"$NL_BUILD_DIR/coordinator/neurocoord" --listen "$ep" --client-listen "$cep" --state-dir "$C/coord" --min-nodes 3 \
   --node-timeout-ms 2000 --model "$W/m.safetensors" --data-root / --checkpoint-root / \
   >> "$C/coord.log" 2>&1 &
 echo $! > "$C/coord.pid"
