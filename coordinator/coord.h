@@ -16,7 +16,7 @@
 typedef struct nl_coord nl_coord;
 
 typedef struct nl_coord_opts {
-    const char *listen;    /* the nodes' endpoint, e.g. tcp://0.0.0.0:7000 */
+    const char *listen; /* the nodes' endpoint, e.g. tcp://0.0.0.0:7000 */
     /* The clients' endpoint (a socket for clients alone, control-sized:
      * issue 15, finding 8), or NULL for one derived from listen: tcp's
      * port + 1 (tcp://0.0.0.0:7001; port * stays *), ipc:// and inproc://

@@ -287,11 +287,8 @@ static void test_coordinator_client_socket(void *zctx)
     pthread_create(&loop, NULL, coord_loop, c);
     nl_net *cnet = NULL;
     nl_sock *ok = NULL;
-    nl_sock_opts so = {.type = ZMQ_DEALER,
-                       .keys = &good,
-                       .server_key = server,
-                       .name = "client",
-                       .linger_ms = 0};
+    nl_sock_opts so = {
+        .type = ZMQ_DEALER, .keys = &good, .server_key = server, .name = "client", .linger_ms = 0};
     CHECK_OK(nl_net_new(&cnet, NULL, &err), &err);
     CHECK_OK(nl_sock_new(&ok, cnet, &so, &err), &err);
     CHECK_OK(nl_sock_connect(ok, nl_coord_client_endpoint(c), &err), &err);
