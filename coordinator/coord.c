@@ -177,14 +177,13 @@ static nl_status setup_sockets(nl_coord *c, nl_error *err)
                 "added (then send SIGHUP)",
                 path);
     }
-    if (c->o.client_listen)
-        snprintf(client_ep, sizeof client_ep, "%s", c->o.client_listen);
-    else if ((st = client_endpoint_default(client_ep, sizeof client_ep, c->o.listen, err)) != NL_OK)
+    if (c->o.client_listen &&
+        (size_t)snprintf(client_ep, sizeof client_ep, "%s", c->o.client_listen) >= sizeof client_ep)
+        return nl_error_set(err, NL_ERR_INVALID, "--client-listen %.300s...: too long",
+                            c->o.client_listen);
+    if (!c->o.client_listen &&
+        (st = client_endpoint_default(client_ep, sizeof client_ep, c->o.listen, err)) != NL_OK)
         return st;
-    if (strcmp(client_ep, c->o.listen) == 0 && !strchr(client_ep, '*'))
-        return nl_error_set(err, NL_ERR_INVALID,
-                            "--client-listen %s: the clients' endpoint must differ from --listen",
-                            client_ep);
     nl_net_opts no = nl_net_opts_default();
     if ((st = nl_net_new(&c->net, &no, err)) != NL_OK ||
         (st = setup_domains(c, path, err)) != NL_OK ||

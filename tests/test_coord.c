@@ -187,6 +187,10 @@ static void start_coord(void)
         exit(1);
     CHECK(strncmp(nl_coord_endpoint(coord), "tcp://127.0.0.1:", 16) == 0, "endpoint %s",
           nl_coord_endpoint(coord));
+    CHECK(strncmp(nl_coord_client_endpoint(coord), "tcp://127.0.0.1:", 16) == 0 &&
+              strcmp(nl_coord_client_endpoint(coord), nl_coord_endpoint(coord)) != 0,
+          "the clients' endpoint %s (the nodes' %s)", nl_coord_client_endpoint(coord),
+          nl_coord_endpoint(coord));
 }
 
 /* ---------------------------------------------------------------- join -> plan */
@@ -1191,11 +1195,53 @@ static void test_many_joins(void)
         nl_sock_destroy(&many[i].sock);
 }
 
+/* The clients' endpoint: derived from --listen when not given (tcp's
+ * port + 1, * stays *, an ipc name + "-client"), written to
+ * client_endpoint; a --listen it cannot be derived from is refused naming
+ * --client-listen. */
+static void test_endpoints(void)
+{
+    char dir[] = "/tmp/nl_test_coord_ep_XXXXXX", listen[300], want[320], path[400], line[400];
+    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    snprintf(listen, sizeof listen, "ipc://%s/c.sock", dir);
+    snprintf(want, sizeof want, "%s-client", listen);
+    nl_coord_opts o;
+    nl_coord_opts_init(&o);
+    o.listen = listen;
+    o.state_dir = dir;
+    o.plaintext = 1;
+    o.min_nodes = 5;
+    nl_coord *c = NULL;
+    nl_error err = {0};
+    CHECK_OK(nl_coord_new(&c, &o, &err), &err);
+    if (c) {
+        CHECK(strcmp(nl_coord_client_endpoint(c), want) == 0, "clients' endpoint %s for %s",
+              nl_coord_client_endpoint(c), listen);
+        snprintf(path, sizeof path, "%s/client_endpoint", dir);
+        FILE *f = fopen(path, "r");
+        CHECK(f && fgets(line, sizeof line, f) && strncmp(line, want, strlen(want)) == 0,
+              "%s does not name %s", path, want);
+        if (f)
+            fclose(f);
+    }
+    nl_coord_destroy(&c);
+    o.listen = "tcp://127.0.0.1:65535";
+    nl_status st = nl_coord_new(&c, &o, &err);
+    CHECK(st == NL_ERR_INVALID && strstr(err.msg, "give --client-listen"),
+          "--listen at port 65535: %s '%s'", nl_status_str(st), err.msg);
+    nl_coord_destroy(&c);
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", dir);
+}
+
 int main(void)
 {
     nl_log_set_level(getenv("NL_TEST_VERBOSE") ? NL_LOG_DEBUG : NL_LOG_WARN);
     nl_error err = {0};
     CHECK_OK(nl_net_new(&net, NULL, &err), &err);
+    test_endpoints();
     test_roles();
     start_coord();
     assigned a[2];
