@@ -4,7 +4,8 @@
  *   DIR/client.key, client.pub      the client key (--cluster DIR uses it)
  *   DIR/node-I.key, node-I.pub      each node's key
  *   DIR/coord/                      the coordinator's state dir (keys,
- *                                   authorized_keys, endpoint)
+ *                                   authorized_keys, endpoint: the
+ *                                   nodes', client_endpoint: the clients')
  *   DIR/NAME.log, DIR/NAME.pid      each process's log and pid */
 #include <dirent.h>
 #include <errno.h>
@@ -162,6 +163,8 @@ static int cluster_down(const char *dir, int quiet)
     /* a client that finds no endpoint says "not running" at once */
     char ep[4096];
     snprintf(ep, sizeof ep, "%s/coord/endpoint", dir);
+    unlink(ep);
+    snprintf(ep, sizeof ep, "%s/coord/client_endpoint", dir);
     unlink(ep);
     if (!quiet)
         printf("cluster down: stopped %d process(es) in %s\n", stopped, dir);
@@ -353,7 +356,10 @@ static int cluster_up(const nl_flag *flags, const char *dir)
         goto fail;
     free(auth);
     auth = NULL;
-    /* the coordinator, on a free loopback port */
+    /* the coordinator, on two free loopback ports (nodes, clients); it
+     * writes client_endpoint, then endpoint */
+    snprintf(path, sizeof path, "%s/client_endpoint", cdir);
+    unlink(path);
     snprintf(path, sizeof path, "%s/endpoint", cdir);
     unlink(path);
     char s_nodes[32], s_seed[32], s_nto[32], s_tr[32], log[4096], pidf[4096];
@@ -363,10 +369,11 @@ static int cluster_up(const nl_flag *flags, const char *dir)
     snprintf(s_nto, sizeof s_nto, "%lld", node_timeout);
     /* a local cluster runs as its user, who names the data and checkpoint
      * paths: they may lead wherever that user may (as the nodes' root) */
-    char *cargv[36] = {coord_bin, "--listen", "tcp://127.0.0.1:*", "--state-dir", cdir,
-                       "--min-nodes", s_nodes, "--seed", s_seed, "--node-timeout-ms", s_nto,
-                       "--data-root", "/", "--checkpoint-root", "/", "--train-resumes", s_tr};
-    int ca = 17;
+    char *cargv[38] = {coord_bin, "--listen", "tcp://127.0.0.1:*", "--client-listen",
+                       "tcp://127.0.0.1:*", "--state-dir", cdir, "--min-nodes", s_nodes,
+                       "--seed", s_seed, "--node-timeout-ms", s_nto, "--data-root", "/",
+                       "--checkpoint-root", "/", "--train-resumes", s_tr};
+    int ca = 19;
     if (model) {
         cargv[ca++] = "--model";
         cargv[ca++] = (char *)model;

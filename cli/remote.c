@@ -79,7 +79,7 @@ nl_status nl_remote_open(nl_remote *r, const nl_flag *flags, int default_timeout
             return nl_error_set(err, NL_ERR_STATE,
                                 "the cluster in %s is not running (neuroctl cluster up --dir %s)",
                                 dir, dir);
-        snprintf(p, sizeof p, "%s/coord/endpoint", dir);
+        snprintf(p, sizeof p, "%s/coord/client_endpoint", dir);
         if ((st = read_line(p, ep, sizeof ep, err)) != NL_OK)
             return nl_error_prefix(err, "--cluster %s (is it up?)", dir);
         snprintf(keyp, sizeof keyp, "%s/client.key", dir);

@@ -17,7 +17,8 @@
  * its default, which the command passes to nl_remote_open). */
 /* clang-format off */
 #define NL_REMOTE_FLAGS_TIMEOUT(timeout_help)                                                      \
-    {"coordinator", 1, "coordinator endpoint, e.g. tcp://host:7000", NULL},                        \
+    {"coordinator", 1, "the coordinator's client endpoint (neurocoord --client-listen, by default " \
+                       "its --listen port + 1), e.g. tcp://host:7001", NULL},                      \
     {"key", 1, "this client's secret key file (neuroctl keygen)", NULL},                           \
     {"coordinator-key", 1, "file with the coordinator's Z85 public key", NULL},                    \
     {"cluster", 1, "a local cluster's directory (cluster up): sets the three above", NULL},        \

@@ -20,6 +20,9 @@
 #include "core/sizing.h"
 
 #define CHUNK_FLOATS (1u << 20) /* 4 MiB per LAYER_LOAD frame */
+/* The ZAP domains of the nodes' and the clients' sockets */
+#define COORD_NODE_DOMAIN "coord"
+#define COORD_CLIENT_DOMAIN "coord-client"
 
 void nl_coord_opts_init(nl_coord_opts *o)
 {
@@ -74,9 +77,89 @@ static nl_status load_model_source(nl_coord *c, nl_error *err)
     return NL_OK; /* sized once nodes have joined */
 }
 
+/* The clients' endpoint when --client-listen is not given, derived from
+ * --listen so that one endpoint is enough: tcp's port + 1 (* stays *: any
+ * free port), an ipc:// or inproc:// name + "-client". */
+static nl_status client_endpoint_default(char *out, size_t cap, const char *listen, nl_error *err)
+{
+    const char *colon = strrchr(listen, ':'), *port = colon ? colon + 1 : "";
+    char *end = NULL;
+    long p = strtol(port, &end, 10);
+    int n = -1;
+    if (strncmp(listen, "ipc://", 6) == 0 || strncmp(listen, "inproc://", 9) == 0)
+        n = snprintf(out, cap, "%s-client", listen);
+    else if (strncmp(listen, "tcp://", 6) == 0 && colon > listen + 5 &&
+             (strcmp(port, "*") == 0 || strcmp(port, "0") == 0))
+        n = snprintf(out, cap, "%s", listen);
+    else if (strncmp(listen, "tcp://", 6) == 0 && colon > listen + 5 && end != port && !*end &&
+             p > 0 && p < 65535)
+        n = snprintf(out, cap, "%.*s:%ld", (int)(colon - listen), listen, p + 1);
+    if (n < 0 || (size_t)n >= cap)
+        return nl_error_set(err, NL_ERR_INVALID,
+                            "--listen %s: cannot derive the clients' endpoint from it (port + 1); "
+                            "give --client-listen",
+                            listen);
+    return NL_OK;
+}
+
+/* Both sockets' ZAP domains watch authorized_keys; each admits only its
+ * roles' keys (a client key fails the handshake on the nodes' socket). */
+static nl_status setup_domains(nl_coord *c, const char *path, nl_error *err)
+{
+    static const struct {
+        const char *name;
+        int roles;
+    } doms[] = {{COORD_NODE_DOMAIN, NL_KEY_ROLE_NODE},
+                {COORD_CLIENT_DOMAIN, NL_KEY_ROLE_CLIENT | NL_KEY_ROLE_ADMIN}};
+    nl_auth *a = nl_net_auth(c->net);
+    nl_status st = NL_OK;
+    for (size_t i = 0; i < 2 && st == NL_OK; i++) {
+        st = nl_auth_set_domain_roles(a, doms[i].name, doms[i].roles, err);
+        if (st == NL_OK)
+            st = c->o.plaintext ? nl_auth_allow_plaintext(a, doms[i].name, err)
+                                : nl_auth_watch_file(a, doms[i].name, path, err);
+    }
+    return st;
+}
+
+/* A ROUTER bound to ep; its bound endpoint (the port chosen) into out. */
+static nl_status bind_router(nl_coord *c, nl_sock **s, const char *name, const char *domain,
+                             nl_sock_kind kind, const char *ep, char *out, size_t cap,
+                             nl_error *err)
+{
+    nl_sock_opts so = {.type = ZMQ_ROUTER,
+                       .keys = &c->keys,
+                       .curve_server = true,
+                       .zap_domain = domain,
+                       .plaintext = c->o.plaintext,
+                       .name = name,
+                       .hwm = 1000,
+                       .linger_ms = 0,
+                       .kind = kind};
+    nl_status st;
+    if ((st = nl_sock_new(s, c->net, &so, err)) != NL_OK ||
+        (st = nl_sock_bind(*s, ep, err)) != NL_OK)
+        return nl_error_prefix(err, "--%s %s", kind == NL_SOCK_CONTROL ? "client-listen" : "listen",
+                               ep);
+    snprintf(out, cap, "%s", nl_sock_endpoint(*s));
+    return NL_OK;
+}
+
+/* Write the one-line file STATE_DIR/name. */
+static nl_status write_endpoint(nl_coord *c, const char *name, const char *ep, nl_error *err)
+{
+    char path[4096], line[300];
+    snprintf(path, sizeof path, "%s/%s", c->o.state_dir, name);
+    int n = snprintf(line, sizeof line, "%s\n", ep);
+    return nl_file_write_atomic(path, line, (size_t)n, err);
+}
+
+/* Two sockets (issue 15, finding 8): nodes on --listen, bulk-sized (their
+ * RESULTs carry logits), and clients on --client-listen, control-sized,
+ * so that a client key can make libzmq buffer at most a control message. */
 static nl_status setup_sockets(nl_coord *c, nl_error *err)
 {
-    char path[4096];
+    char path[4096], client_ep[256];
     bool created = false;
     nl_status st = nl_keys_ensure(c->o.state_dir, &c->keys, &created, err);
     if (st != NL_OK)
@@ -86,38 +169,33 @@ static nl_status setup_sockets(nl_coord *c, nl_error *err)
     snprintf(path, sizeof path, "%s/authorized_keys", c->o.state_dir);
     struct stat sb;
     if (stat(path, &sb) != 0) {
-        const char *text = "# Z85 public keys of the nodes and clients allowed in, one per line\n";
+        const char *text = "# Z85 public keys of the nodes and clients allowed in, one per line, "
+                           "each with its role (node, client or admin)\n";
         if ((st = nl_file_write_atomic(path, text, strlen(text), err)) != NL_OK)
             return st;
         NL_WARN("%s was absent: created it empty; no node or client can join until keys are "
                 "added (then send SIGHUP)",
                 path);
     }
+    if (c->o.client_listen &&
+        (size_t)snprintf(client_ep, sizeof client_ep, "%s", c->o.client_listen) >= sizeof client_ep)
+        return nl_error_set(err, NL_ERR_INVALID, "--client-listen %.300s...: too long",
+                            c->o.client_listen);
+    if (!c->o.client_listen &&
+        (st = client_endpoint_default(client_ep, sizeof client_ep, c->o.listen, err)) != NL_OK)
+        return st;
     nl_net_opts no = nl_net_opts_default();
-    if ((st = nl_net_new(&c->net, &no, err)) != NL_OK)
+    if ((st = nl_net_new(&c->net, &no, err)) != NL_OK ||
+        (st = setup_domains(c, path, err)) != NL_OK ||
+        (st = bind_router(c, &c->ctl, "nodes", COORD_NODE_DOMAIN, NL_SOCK_BULK, c->o.listen,
+                          c->endpoint, sizeof c->endpoint, err)) != NL_OK ||
+        (st = bind_router(c, &c->cli, "clients", COORD_CLIENT_DOMAIN, NL_SOCK_CONTROL, client_ep,
+                          c->client_endpoint, sizeof c->client_endpoint, err)) != NL_OK)
         return st;
-    if (!c->o.plaintext &&
-        (st = nl_auth_watch_file(nl_net_auth(c->net), "coord", path, err)) != NL_OK)
+    /* the clients' first: whoever waits for "endpoint" finds both */
+    if ((st = write_endpoint(c, "client_endpoint", c->client_endpoint, err)) != NL_OK)
         return st;
-    if (c->o.plaintext &&
-        (st = nl_auth_allow_plaintext(nl_net_auth(c->net), "coord", err)) != NL_OK)
-        return st;
-    nl_sock_opts so = {.type = ZMQ_ROUTER,
-                       .keys = &c->keys,
-                       .curve_server = true,
-                       .zap_domain = "coord",
-                       .plaintext = c->o.plaintext,
-                       .name = "control",
-                       .hwm = 1000,
-                       .linger_ms = 0};
-    if ((st = nl_sock_new(&c->ctl, c->net, &so, err)) != NL_OK ||
-        (st = nl_sock_bind(c->ctl, c->o.listen, err)) != NL_OK)
-        return st;
-    snprintf(c->endpoint, sizeof c->endpoint, "%s", nl_sock_endpoint(c->ctl));
-    snprintf(path, sizeof path, "%s/endpoint", c->o.state_dir);
-    char line[300];
-    int n = snprintf(line, sizeof line, "%s\n", c->endpoint);
-    return nl_file_write_atomic(path, line, (size_t)n, err);
+    return write_endpoint(c, "endpoint", c->endpoint, err);
 }
 
 /* A root for clients' paths: the operator's, or <state_dir>/name (made
@@ -165,7 +243,8 @@ nl_status nl_coord_new(nl_coord **out, const nl_coord_opts *o, nl_error *err)
     }
     coord_journal_recover(c); /* a training job that ran when it stopped goes on */
     coord_set_state(c, "waiting for nodes (at least %d)", o->min_nodes);
-    NL_INFO("listening on %s; public key %s", c->endpoint, c->keys.public_z85);
+    NL_INFO("listening on %s (nodes) and %s (clients); public key %s", c->endpoint,
+            c->client_endpoint, c->keys.public_z85);
     *out = c;
     return NL_OK;
 }
@@ -180,6 +259,7 @@ void nl_coord_destroy(nl_coord **cp)
         coord_job_free(&c->jobs[i]);
     nl_plan_destroy(&c->plan);
     nl_sock_destroy(&c->ctl);
+    nl_sock_destroy(&c->cli);
     nl_net_destroy(&c->net);
     coord_close_source(c);
     coord_reap_sources(c, 1); /* the sockets are gone: nothing points into them */
@@ -859,16 +939,26 @@ static int role_needed(int type)
     }
 }
 
+/* Where an answer to rx goes: the socket it came in on; for the fuzz
+ * target, which hands messages in directly, the socket of its type. */
+static nl_sock *reply_sock(const nl_coord *c, const nl_rx *rx)
+{
+    if (c->from)
+        return c->from;
+    return role_needed(rx->msg.type) & NL_KEY_ROLE_NODE ? c->ctl : c->cli;
+}
+
 void coord_dispatch(nl_coord *c, const nl_rx *rx, int roles)
 {
     nl_error e = {0};
+    nl_sock *to = reply_sock(c, rx);
     const int need = role_needed(rx->msg.type);
     if (need && !(roles & need)) {
         char why[160];
         snprintf(why, sizeof why, "%s is not for a key of this role (authorized_keys: %s)",
                  nl_wire_type_name(rx->msg.type), need & NL_KEY_ROLE_NODE ? "node" : "client");
         if (rx->msg.type != NL_MSG_ERROR) /* never an ERROR in answer to an ERROR */
-            nl_sock_send_error(c->ctl, rx, NL_ERR_AUTH, rx->msg.type, why, &e);
+            nl_sock_send_error(to, rx, NL_ERR_AUTH, rx->msg.type, why, &e);
         if (!c->o.plaintext)
             nl_auth_strike(nl_net_auth(c->net), rx->peer, why);
         return;
@@ -876,7 +966,7 @@ void coord_dispatch(nl_coord *c, const nl_rx *rx, int roles)
     c->roles = roles;
     switch (rx->msg.type) {
     case NL_MSG_HELLO:
-        nl_sock_answer_hello(c->ctl, rx, NL_ROLE_COORDINATOR, &e);
+        nl_sock_answer_hello(to, rx, NL_ROLE_COORDINATOR, &e);
         break;
     case NL_MSG_JOIN:
         on_join(c, rx);
@@ -911,21 +1001,59 @@ void coord_dispatch(nl_coord *c, const nl_rx *rx, int roles)
         coord_on_cancel(c, rx);
         break;
     default:
-        nl_sock_send_error(c->ctl, rx, NL_ERR_PROTO, rx->msg.type,
+        nl_sock_send_error(to, rx, NL_ERR_PROTO, rx->msg.type,
                            "the coordinator does not take this message", &e);
     }
     c->roles = 0;
 }
 
-/* The roles of the key a message came from (plaintext: every role). */
-static int roles_of(nl_coord *c, const nl_rx *rx)
+/* The roles of the key a message came from on socket s, within the roles
+ * that socket serves (plaintext: all of them); other: on the other socket
+ * (what the key could do there). */
+static int roles_of(nl_coord *c, nl_sock *s, const nl_rx *rx, int other)
 {
-    return c->o.plaintext ? NL_KEY_ROLE_ALL : nl_auth_roles(nl_net_auth(c->net), "coord", rx->peer);
+    const int on_cli = (s == c->cli) != !!other;
+    const int mask = on_cli ? NL_KEY_ROLE_CLIENT | NL_KEY_ROLE_ADMIN : NL_KEY_ROLE_NODE;
+    if (c->o.plaintext)
+        return mask;
+    return nl_auth_roles(nl_net_auth(c->net), on_cli ? COORD_CLIENT_DOMAIN : COORD_NODE_DOMAIN,
+                         rx->peer) &
+           mask;
+}
+
+/* A message on socket s that belongs on the other one, from a key that
+ * has the other socket's role too (a key without role words has every
+ * role): say where to go, with no strike (a mistake of address, not of
+ * trust). A HELLO by the role it speaks for, others by their type. A key
+ * without the other role is left to coord_dispatch, which refuses it by
+ * role. Returns 1 if answered. */
+static int misdirected(nl_coord *c, nl_sock *s, const nl_rx *rx)
+{
+    const int type = rx->msg.type, on_cli = s == c->cli;
+    const int other = on_cli ? NL_KEY_ROLE_NODE : NL_KEY_ROLE_CLIENT | NL_KEY_ROLE_ADMIN;
+    const uint32_t said = type == NL_MSG_HELLO ? rx->msg.u.hello.role : 0;
+    const int need = said == NL_ROLE_NODE     ? NL_KEY_ROLE_NODE
+                     : said == NL_ROLE_CLIENT ? NL_KEY_ROLE_CLIENT | NL_KEY_ROLE_ADMIN
+                                              : role_needed(type);
+    if (type == NL_MSG_ERROR || !(need & other) || !(roles_of(c, s, rx, 1) & need & other))
+        return 0;
+    char why[700];
+    snprintf(why, sizeof why,
+             "%s: this is the coordinator's %s endpoint; %s connect to %s (neurocoord %s)",
+             nl_wire_type_name(type), on_cli ? "client" : "node", on_cli ? "nodes" : "clients",
+             on_cli ? c->endpoint : c->client_endpoint, on_cli ? "--listen" : "--client-listen");
+    nl_error e = {0};
+    nl_sock_send_error(s, rx, NL_ERR_AUTH, (uint32_t)type, why, &e);
+    return 1;
 }
 
 const char *nl_coord_endpoint(const nl_coord *c)
 {
     return c->endpoint;
+}
+const char *nl_coord_client_endpoint(const nl_coord *c)
+{
+    return c->client_endpoint;
 }
 const char *nl_coord_state(const nl_coord *c)
 {
@@ -936,7 +1064,7 @@ nl_status nl_coord_admit_key(nl_coord *c, const char *z85, nl_error *err)
 {
     if (c->o.plaintext) /* no keys are checked */
         return NL_OK;
-    return nl_auth_pin_key(nl_net_auth(c->net), "coord", z85, err);
+    return nl_auth_pin_key(nl_net_auth(c->net), COORD_CLIENT_DOMAIN, z85, err);
 }
 
 void nl_coord_observe(nl_coord *c, nl_coord_observer fn, void *ctx)
@@ -945,26 +1073,36 @@ void nl_coord_observe(nl_coord *c, nl_coord_observer fn, void *ctx)
     c->observe_ctx = ctx;
 }
 
+/* One message from socket s, if there is one. */
+static void receive_from(nl_coord *c, nl_sock *s)
+{
+    nl_rx rx;
+    nl_rx_init(&rx);
+    nl_error e = {0};
+    nl_status st = nl_sock_recv(s, &rx, 0, &e);
+    c->from = s;
+    if (st == NL_OK && !misdirected(c, s, &rx))
+        coord_dispatch(c, &rx, roles_of(c, s, &rx, 0));
+    else if (st != NL_OK && st != NL_ERR_TIMEOUT && st != NL_ERR_AUTH)
+        NL_DEBUG("receive (%s): %s", s == c->cli ? "clients" : "nodes", e.msg);
+    c->from = NULL;
+    nl_rx_free(&rx);
+}
+
 void nl_coord_step(nl_coord *c, int timeout_ms)
 {
-    zmq_pollitem_t items[2] = {{nl_sock_handle(c->ctl), 0, ZMQ_POLLIN, 0},
+    zmq_pollitem_t items[3] = {{nl_sock_handle(c->ctl), 0, ZMQ_POLLIN, 0},
+                               {nl_sock_handle(c->cli), 0, ZMQ_POLLIN, 0},
                                {c->work_pipe, 0, ZMQ_POLLIN, 0}};
     if (c->loads_active && timeout_ms > 2) /* streaming: come back soon for the next chunks */
         timeout_ms = 2;
-    if (zmq_poll(items, 2, timeout_ms) < 0 && zmq_errno() != EINTR)
+    if (zmq_poll(items, 3, timeout_ms) < 0 && zmq_errno() != EINTR)
         NL_DEBUG("poll: %s", zmq_strerror(zmq_errno()));
     coord_work_reap(c);
-    if (items[0].revents & ZMQ_POLLIN) {
-        nl_rx rx;
-        nl_rx_init(&rx);
-        nl_error e = {0};
-        nl_status st = nl_sock_recv(c->ctl, &rx, 0, &e);
-        if (st == NL_OK)
-            coord_dispatch(c, &rx, roles_of(c, &rx));
-        else if (st != NL_ERR_TIMEOUT && st != NL_ERR_AUTH)
-            NL_DEBUG("receive: %s", e.msg);
-        nl_rx_free(&rx);
-    }
+    if (items[0].revents & ZMQ_POLLIN)
+        receive_from(c, c->ctl);
+    if (items[1].revents & ZMQ_POLLIN)
+        receive_from(c, c->cli);
     tick(c);
 }
 

@@ -16,7 +16,12 @@
 typedef struct nl_coord nl_coord;
 
 typedef struct nl_coord_opts {
-    const char *listen;    /* control endpoint, e.g. tcp://0.0.0.0:7000 */
+    const char *listen; /* the nodes' endpoint, e.g. tcp://0.0.0.0:7000 */
+    /* The clients' endpoint (a socket for clients alone, control-sized:
+     * issue 15, finding 8), or NULL for one derived from listen: tcp's
+     * port + 1 (tcp://0.0.0.0:7001; port * stays *), ipc:// and inproc://
+     * names + "-client". */
+    const char *client_listen;
     const char *state_dir; /* keys, authorized_keys, endpoint file */
     const char *model;     /* checkpoint to serve, or NULL */
     const char *resume;    /* a training manifest to serve and continue, or NULL */
@@ -54,13 +59,15 @@ nl_status nl_coord_run(nl_coord *c, volatile sig_atomic_t *stop, nl_error *err);
  * the coordinator with it. */
 void nl_coord_step(nl_coord *c, int timeout_ms);
 
-/* The control endpoint it is bound to (the port chosen), and the
- * one-line state of the cluster ("ready: 2 stages, ..."). Owned by c. */
+/* The endpoints it is bound to (the ports chosen): the nodes' (--listen)
+ * and the clients' (--client-listen), and the one-line state of the
+ * cluster ("ready: 2 stages, ..."). Owned by c. */
 const char *nl_coord_endpoint(const nl_coord *c);
+const char *nl_coord_client_endpoint(const nl_coord *c);
 const char *nl_coord_state(const nl_coord *c);
 
 /* For an in-process client (coordinator/coord_http.c): admit its public
- * key (Z85) on the control socket besides authorized_keys, for the
+ * key (Z85) on the client socket besides authorized_keys, for the
  * coordinator's life (a SIGHUP reload keeps it). */
 nl_status nl_coord_admit_key(nl_coord *c, const char *z85, nl_error *err);
 

@@ -225,7 +225,7 @@ nl_status coord_send_client(nl_coord *c, const uint8_t *rid, size_t rid_len, nl_
 {
     nl_error e = {0};
     const int type = m->type;
-    nl_status st = nl_sock_send_nowait(c->ctl, rid, rid_len, m, &e);
+    nl_status st = nl_sock_send_nowait(c->cli, rid, rid_len, m, &e);
     if (st == NL_OK)
         return st;
     c->client_drops++;

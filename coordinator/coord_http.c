@@ -764,7 +764,7 @@ static char *be_metrics(void *ctx)
 
 /* ---------------------------------------------------------------- start, stop */
 
-/* The control endpoint as a client on this host reaches it. */
+/* The clients' endpoint as a client on this host reaches it. */
 static void local_endpoint(char *out, size_t cap, const char *ep)
 {
     const char *host = strstr(ep, "://");
@@ -792,7 +792,7 @@ nl_status nl_coord_http_start(nl_coord_http **out, nl_coord *c, const char *name
     pthread_mutex_init(&h->mu, NULL);
     pthread_mutex_init(&h->tok_mu, NULL);
     pthread_cond_init(&h->cv, NULL);
-    local_endpoint(h->endpoint, sizeof h->endpoint, nl_coord_endpoint(c));
+    local_endpoint(h->endpoint, sizeof h->endpoint, nl_coord_client_endpoint(c));
     nl_net_opts no = nl_net_opts_default();
     char path[4096];
     snprintf(path, sizeof path, "%s/coordinator.pub", state_dir);

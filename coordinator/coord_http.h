@@ -1,6 +1,6 @@
 /* neurocoord --http: the HTTP interface (serve/http.h) in front of a
  * cluster. Its handlers are a client of the coordinator: each completion
- * opens its own CURVE connection to the control endpoint with a key pair
+ * opens its own CURVE connection to the clients' endpoint with a key pair
  * made at start and admitted in memory (nl_coord_admit_key), submits a
  * generate job and relays its tokens; a poller thread asks for the
  * cluster's status twice a second for /api/status, /metrics and the join,

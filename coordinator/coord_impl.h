@@ -149,9 +149,11 @@ struct cwork {
 struct nl_coord {
     nl_coord_opts o;
     nl_net *net;
-    nl_sock *ctl;
+    nl_sock *ctl;  /* the nodes' socket (--listen; bulk: RESULTs carry logits) */
+    nl_sock *cli;  /* the clients' socket (--client-listen; control-sized) */
+    nl_sock *from; /* the socket of the message being handled (NULL: by its type) */
     nl_keypair keys;
-    char endpoint[256];
+    char endpoint[256], client_endpoint[256];
     nl_coord_observer observe; /* nl_coord_observe, or NULL */
     void *observe_ctx;
     cnode *nodes; /* n_nodes slots (NODE_FREE: never used) */

@@ -298,7 +298,7 @@ void coord_on_query(nl_coord *c, const nl_rx *rx)
     char *text = root ? json_dumps(root, JSON_COMPACT) : NULL;
     json_decref(root);
     if (!text) {
-        nl_sock_send_error(c->ctl, rx, NL_ERR_NOMEM, NL_MSG_JOB_QUERY, "out of memory", &e);
+        nl_sock_send_error(c->cli, rx, NL_ERR_NOMEM, NL_MSG_JOB_QUERY, "out of memory", &e);
         return;
     }
     nl_wire_msg m;

@@ -30,8 +30,15 @@ static const char *model_name(const nl_coord_opts *o)
 int main(int argc, char **argv)
 {
     nl_flag flags[] = {
-        {"listen", 1, "control endpoint, e.g. tcp://0.0.0.0:7000 (port * picks a free one)", NULL},
-        {"state-dir", 1, "keys, authorized_keys and the endpoint file live here", NULL},
+        {"listen", 1,
+         "the nodes' endpoint, e.g. tcp://0.0.0.0:7000 (port * picks a free one); written to "
+         "<state-dir>/endpoint",
+         NULL},
+        {"client-listen", 1,
+         "the clients' endpoint (neuroctl, control-sized messages only; default: --listen's port "
+         "+ 1, e.g. tcp://0.0.0.0:7001; * stays *); written to <state-dir>/client_endpoint",
+         NULL},
+        {"state-dir", 1, "keys, authorized_keys and the endpoint files live here", NULL},
         {"model", 1, "checkpoint to serve (safetensors)", NULL},
         {"config", 1, "model config (YAML); without hidden_dim/num_layers it is sized", NULL},
         {"resume", 1,
@@ -74,7 +81,8 @@ int main(int argc, char **argv)
         {"log-level", 1, "debug, info, warn or error (default info)", NULL},
         {"plaintext", 0, "INSECURE: no CURVE encryption or authentication", NULL},
         {0}};
-    const char *usage = "neurocoord --listen ENDPOINT --state-dir DIR [--model MODEL.safetensors | "
+    const char *usage = "neurocoord --listen ENDPOINT [--client-listen ENDPOINT] --state-dir DIR "
+                        "[--model MODEL.safetensors | "
                         "--config CFG.yaml | --resume MANIFEST] [--http HOST:PORT "
                         "[--http-tokens FILE]] [options]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
@@ -83,6 +91,7 @@ int main(int argc, char **argv)
     nl_coord_opts o;
     nl_coord_opts_init(&o);
     o.listen = nl_args_get(flags, "listen");
+    o.client_listen = nl_args_get(flags, "client-listen");
     o.state_dir = nl_args_get(flags, "state-dir");
     o.model = nl_args_get(flags, "model");
     o.config = nl_args_get(flags, "config");
@@ -140,7 +149,8 @@ int main(int argc, char **argv)
     o.replan_margin = margin;
     nl_log_set_name("coord");
     if (o.plaintext)
-        NL_WARN("--plaintext: the control socket is neither encrypted nor authenticated");
+        NL_WARN("--plaintext: the nodes' and clients' sockets are neither encrypted nor "
+                "authenticated");
     mkdir(o.state_dir, 0700);
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);

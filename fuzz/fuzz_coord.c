@@ -129,7 +129,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         if (nl_sock_new(&peers[i], fake_net, &so, &err) != NL_OK)
             abort();
         zmq_setsockopt(nl_sock_handle(peers[i]), ZMQ_ROUTING_ID, rid, 2);
-        if (nl_sock_connect(peers[i], nl_coord_endpoint(c), &err) != NL_OK)
+        /* both sockets, one routing id: replies from either reach it */
+        if (nl_sock_connect(peers[i], nl_coord_endpoint(c), &err) != NL_OK ||
+            nl_sock_connect(peers[i], nl_coord_client_endpoint(c), &err) != NL_OK)
             abort();
         /* a HELLO through the socket: once answered, the coordinator knows it */
         nl_wire_msg m;

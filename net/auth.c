@@ -21,6 +21,7 @@ typedef struct domain {
     char *path;        /* watched authorized_keys file, or NULL */
     nl_keylist pinned; /* admitted whatever the file says (nl_auth_pin_key) */
     bool plaintext;
+    int role_mask; /* only keys with one of these roles (nl_auth_set_domain_roles); 0: any */
 } domain;
 
 typedef struct strike {
@@ -191,29 +192,46 @@ void nl_auth_get_stats(nl_auth *a, nl_auth_stats *out)
 
 /* ---- decisions ---- */
 
+/* The roles peer has on domain d now, within the domain's mask; 0: it is
+ * not admitted (unlisted, banned, or none of the roles the domain takes). */
+static int roles_locked(nl_auth *a, const domain *d, const char *peer)
+{
+    if (!d || !peer || banned_locked(a, peer, now_ms()))
+        return 0;
+    int roles = 0;
+    uint8_t key[NL_KEY_BYTES];
+    if (strncmp(peer, "plain:", 6) == 0)
+        roles = d->plaintext ? NL_KEY_ROLE_ALL : 0; /* INSECURE: no keys, so no roles either */
+    else if (nl_key_decode(key, peer, NULL) == NL_OK)
+        roles = nl_keylist_roles(&d->keys, key);
+    return d->role_mask ? roles & d->role_mask : roles;
+}
+
 static bool allowed_locked(nl_auth *a, const char *domain_name, const char *peer)
 {
-    domain *d = find_domain(a, domain_name);
-    if (!d || !peer || banned_locked(a, peer, now_ms()))
-        return false;
-    if (strncmp(peer, "plain:", 6) == 0)
-        return d->plaintext;
-    uint8_t key[NL_KEY_BYTES];
-    return nl_key_decode(key, peer, NULL) == NL_OK && nl_keylist_has(&d->keys, key);
+    return roles_locked(a, find_domain(a, domain_name), peer) != 0;
 }
 
 int nl_auth_roles(nl_auth *a, const char *domain_name, const char *peer)
 {
-    int roles = 0;
     pthread_mutex_lock(&a->mu);
-    domain *d = allowed_locked(a, domain_name, peer) ? find_domain(a, domain_name) : NULL;
-    uint8_t key[NL_KEY_BYTES];
-    if (d && strncmp(peer, "plain:", 6) == 0)
-        roles = NL_KEY_ROLE_ALL; /* INSECURE plaintext: no keys, so no roles either */
-    else if (d && nl_key_decode(key, peer, NULL) == NL_OK)
-        roles = nl_keylist_roles(&d->keys, key);
+    const int roles = roles_locked(a, find_domain(a, domain_name), peer);
     pthread_mutex_unlock(&a->mu);
     return roles;
+}
+
+nl_status nl_auth_set_domain_roles(nl_auth *a, const char *domain_name, int roles, nl_error *err)
+{
+    if (roles & ~NL_KEY_ROLE_ALL)
+        return nl_error_set(err, NL_ERR_INVALID, "ZAP domain %.80s: role bits 0x%x unknown",
+                            domain_name ? domain_name : "", roles & ~NL_KEY_ROLE_ALL);
+    pthread_mutex_lock(&a->mu);
+    domain *d;
+    nl_status st = get_domain(a, domain_name, &d, err);
+    if (st == NL_OK)
+        d->role_mask = roles;
+    pthread_mutex_unlock(&a->mu);
+    return st;
 }
 
 bool nl_auth_allowed(nl_auth *a, const char *domain_name, const char *peer)

@@ -70,12 +70,23 @@ nl_status nl_auth_allow_plaintext(nl_auth *a, const char *domain, nl_error *err)
 /* Forget a domain (its sockets are gone). */
 void nl_auth_drop_domain(nl_auth *a, const char *domain);
 
-/* Is this peer id admitted on the domain now (listed and not banned)? */
+/* Admit on the domain only keys that have one of these roles
+ * (NL_KEY_ROLE_* bits; 0, the default: any listed key), e.g. a socket for
+ * nodes alone and one for clients alone that watch one authorized_keys
+ * file: a key of another role fails the handshake (ZAP), and its
+ * messages on connections already open are dropped. nl_auth_roles then
+ * reports a peer's roles within the mask. Plaintext peers (on a plaintext
+ * domain) have every role, so the mask's. */
+nl_status nl_auth_set_domain_roles(nl_auth *a, const char *domain, int roles, nl_error *err);
+
+/* Is this peer id admitted on the domain now (listed with a role the
+ * domain takes, and not banned)? */
 bool nl_auth_allowed(nl_auth *a, const char *domain, const char *peer);
 /* The roles (NL_KEY_ROLE_* bits, net/keys.h) the peer has on the domain
  * now: its authorized_keys line's, every role for a plaintext peer on a
- * plaintext domain and for a key set without roles, 0 when the peer is
- * not admitted (unlisted or banned). */
+ * plaintext domain and for a key set without roles, all within the
+ * domain's role mask (nl_auth_set_domain_roles); 0 when the peer is not
+ * admitted (unlisted, banned, or none of the domain's roles). */
 int nl_auth_roles(nl_auth *a, const char *domain, const char *peer);
 /* Count a strike; returns true when the peer is (now) banned. */
 bool nl_auth_strike(nl_auth *a, const char *peer, const char *why);

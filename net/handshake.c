@@ -100,7 +100,9 @@ nl_status nl_handshake_wait(nl_handshake *h, const char *endpoint, int timeout_m
         case ZMQ_EVENT_HANDSHAKE_FAILED_AUTH:
             return nl_error_set(err, NL_ERR_AUTH,
                                 "%s refused this key (ZAP status %u): add its public key (the "
-                                ".pub beside --key) to the coordinator's authorized_keys",
+                                ".pub beside --key) to the coordinator's authorized_keys with "
+                                "its role; a node connects to the coordinator's --listen, a "
+                                "client to its --client-listen",
                                 endpoint, (unsigned)value);
         case ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL:
         case ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL:

@@ -42,9 +42,10 @@ static void help(FILE *f, const nl_flag *flags)
 {
     nl_args_help(f, USAGE, flags);
     fprintf(f,
-            "\nJoins the coordinator at ENDPOINT (e.g. tcp://host:7000) and serves the layers it\n"
-            "assigns until SIGINT or SIGTERM, then sends LEAVE and exits 0. Sizes take K, M,\n"
-            "G or T suffixes (powers of 1024). Without --key, --state-dir/node.key is used\n"
+            "\nJoins the coordinator at ENDPOINT (its --listen, e.g. tcp://host:7000; clients use\n"
+            "its --client-listen) and serves the layers it assigns until SIGINT or SIGTERM,\n"
+            "then sends LEAVE and exits 0. Sizes take K, M, G or T suffixes (powers of\n"
+            "1024). Without --key, --state-dir/node.key is used\n"
             "(created on first start). On the CPU (cpu, cpu-devsim) --memory is required; a\n"
             "GPU (cuda:N) offers its free memory once the backend is up, less --reserve, and\n"
             "--memory, when given, caps that. A device that cannot be opened (no CUDA driver\n"

@@ -36,6 +36,7 @@ PKGS=(
   libdnnl-dev libopenblas-dev libzmq3-dev libmsgpack-dev libsodium-dev libyaml-dev libjansson-dev
   libmicrohttpd-dev libjs-chart.js prometheus chromium
   python3 python3-torch python3-numpy python3-venv python3-requests python3-yaml
+  python3-zmq python3-msgpack
   fortunes iproute2 procps time
 )
 missing=()

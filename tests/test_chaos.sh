@@ -112,7 +112,7 @@ start_node() { # k: in namespace nk, at 10.77.0.(k+1)
     --listen "tcp://10.77.0.$(($1 + 1)):7701" --checkpoint-root "$W" >> "$W/n$1.log" 2>&1 &
   pids+=($!)
 }
-CL=(--coordinator tcp://10.77.0.1:7700 --key "$W/client.key" --coordinator-key "$W/coord/coordinator.pub")
+CL=(--coordinator tcp://10.77.0.1:7701 --key "$W/client.key" --coordinator-key "$W/coord/coordinator.pub")
 have_netem=1
 netem || have_netem=0
 [ $have_netem -eq 1 ] ||
@@ -127,7 +127,7 @@ for i in $(seq 1 100); do
 done
 check test $ready -eq 1
 # traffic stays inside: every endpoint the coordinator knows is a 10.77 address
-check grep -q "listening on tcp://10.77.0.1:7700" "$W/coord.log"
+check grep -q "listening on tcp://10.77.0.1:7700 (nodes) and tcp://10.77.0.1:7701 (clients)" "$W/coord.log"
 check test "$(grep -c "joined: .*data tcp://10.77.0.[234]:7701" "$W/coord.log")" -eq 3
 
 # ---- delay and loss (where the kernel has netem): the job completes,

@@ -221,7 +221,8 @@ out=$("$N" cluster up --dir "$W/c1" --nodes 1 --model "$W/m.safetensors" --memor
 check test $rc -eq 0
 # 10: the KV budget fills what a node offers: said on the terminal, in the units typed
 check grep -qF "warning: --memory 256M leaves nothing beside the KV budget of 256M" <<< "$out"
-EP=$(cat "$W/c1/coord/endpoint")
+EP=$(cat "$W/c1/coord/client_endpoint") # clients' (neurocoord --client-listen)
+EPN=$(cat "$W/c1/coord/endpoint")      # nodes' (--listen)
 "$N" keygen --out "$W/other" >/dev/null 2>&1
 K=(--key "$W/c1/client.key" --coordinator-key "$W/c1/coord/coordinator.pub")
 check fast 5 "$N" status --coordinator "$EP" "${K[@]}" --timeout 30
@@ -261,11 +262,11 @@ out=$(fast 5 "$N" status --coordinator "$EP" --plaintext --timeout 30 2>&1); rc=
 check test $rc -eq 1
 check grep -q "ended the handshake: it expects CURVE keys, and this client is --plaintext" <<< "$out"
 # the same refused key from a node: said at once, not after 30 s of "not answering"
-out=$(fast 10 timeout 20 "$NODE" join "$EP" --key "$W/other.key" --coordinator-key "$W/c1/coord/coordinator.pub" \
+out=$(fast 10 timeout 20 "$NODE" join "$EPN" --key "$W/other.key" --coordinator-key "$W/c1/coord/coordinator.pub" \
   --memory 256M --threads 1 2>&1); rc=$?
 check test $rc -ne 0
 check grep -q "refused this key" <<< "$out"
-out=$(fast 10 timeout 20 "$NODE" join "$EP" --key "$W/other.key" --coordinator-key "$W/other.pub" \
+out=$(fast 10 timeout 20 "$NODE" join "$EPN" --key "$W/other.key" --coordinator-key "$W/other.pub" \
   --memory 256M --threads 1 2>&1); rc=$?
 check test $rc -ne 0
 check grep -q "closed the connection during the handshake: --coordinator-key is not its public key" <<< "$out"
@@ -284,6 +285,7 @@ out=$(fast 5 "$N" train --cluster "$W/c1" --data "$W/data.txt" --steps 2 --timeo
 check test $rc -eq 1
 check grep -q "is not running" <<< "$out"
 check test ! -e "$W/c1/coord/endpoint"
+check test ! -e "$W/c1/coord/client_endpoint"
 
 # ---- 6. cluster up shows the coordinator's error at once ----
 { cat "$W/cfg.yaml"; echo "num_expert: 4"; } > "$W/typo.yaml"

@@ -123,26 +123,37 @@ check test "$("$N" generate --cluster "$C" --prompt-tokens 72,101,108 --max-new 
 
 # roles (issue 15): keygen prints the authorized_keys line; added (SIGHUP),
 # a plain client's status shows no node's key or endpoint, the operator's
-# (cluster up made it admin) does; a client key cannot JOIN
+# (cluster up made it admin) does; a client key cannot JOIN: on the nodes'
+# endpoint its handshake is refused (finding 8: clients have their own
+# socket), on the clients' its JOIN is refused by role
 line=$("$N" keygen --out "$W/plain" --role client 2>/dev/null)
 check test "${line##* }" = client
 echo "$line" >> "$C/coord/authorized_keys"
 kill -HUP "$(cat "$C/coord.pid")"
 sleep 0.5
-EPC=$(cat "$C/coord/endpoint")
+EPN=$(cat "$C/coord/endpoint")
+EPC=$(cat "$C/coord/client_endpoint")
+check test "$EPN" != "$EPC"
 nkey=$(cat "$C/node-1.pub")
 plain=$("$N" status --coordinator "$EPC" --key "$W/plain.key" --coordinator-key "$C/coord/coordinator.pub" --json 2>&1)
 check grep -q '"nodes"' <<< "$plain"
 check test "$(grep -cF -- "$nkey" <<< "$plain")" -eq 0
 check grep -qF -- "$nkey" <<< "$("$N" status --cluster "$C" --json 2>&1)"
+out=$("$N" status --coordinator "$EPN" --key "$W/plain.key" --coordinator-key "$C/coord/coordinator.pub" --timeout 5 2>&1); rc=$?
+check test $rc -ne 0
+check grep -q "refused this key.*--client-listen" <<< "$out"
 timeout 20 "$(dirname "$N")/../node/neuronode" join "$EPC" --key "$W/plain.key" \
   --coordinator-key "$C/coord/coordinator.pub" --memory 64M --threads 1 --connect-timeout 3 \
   > "$W/plainjoin.log" 2>&1
 check grep -q "not for a key of this role" "$W/plainjoin.log"
+timeout 20 "$(dirname "$N")/../node/neuronode" join "$EPN" --key "$W/plain.key" \
+  --coordinator-key "$C/coord/coordinator.pub" --memory 64M --threads 1 --connect-timeout 3 \
+  > "$W/plainjoin2.log" 2>&1
+check grep -q "refused this key" "$W/plainjoin2.log"
 
 # unauthorised keys
 "$N" keygen --out "$W/stranger" >/dev/null
-out=$("$N" status --coordinator "$(cat "$C/coord/endpoint")" --key "$W/stranger.key" \
+out=$("$N" status --coordinator "$(cat "$C/coord/client_endpoint")" --key "$W/stranger.key" \
       --coordinator-key "$C/coord/coordinator.pub" --timeout 3 2>&1); rc=$?
 check test $rc -ne 0
 NODE="$(dirname "$N")/../node/neuronode"

@@ -173,8 +173,11 @@ kill "$job" 2>/dev/null # its coordinator is gone (it would wait --timeout)
 wait "$job" 2>/dev/null
 check grep -q '"id":1,' "$C/coord/journal.json"
 check grep -q 'step-000020/manifest.json' "$C/coord/journal.json"
-ep=$(cat "$C/coord/endpoint")
-"$NL_BUILD_DIR/coordinator/neurocoord" --listen "$ep" --state-dir "$C/coord" --min-nodes 3 \
+# the nodes wait (stopped) until the client has attached: it then sees the
+# job start again, however slowly its process starts on a loaded machine
+for p in "$C"/node-*.pid; do kill -STOP "$(cat "$p")"; done
+ep=$(cat "$C/coord/endpoint") cep=$(cat "$C/coord/client_endpoint")
+"$NL_BUILD_DIR/coordinator/neurocoord" --listen "$ep" --client-listen "$cep" --state-dir "$C/coord" --min-nodes 3 \
   --node-timeout-ms 2000 --model "$W/m.safetensors" --data-root / --checkpoint-root / \
   >> "$C/coord.log" 2>&1 &
 echo $! > "$C/coord.pid"
@@ -183,8 +186,13 @@ for i in $(seq 1 100); do "$N" status --cluster "$C" > /dev/null 2>&1 && break; 
 jobs_out=$("$N" jobs --cluster "$C" 2>&1)
 echo "$jobs_out"
 check grep -q "^1 *train" <<< "$jobs_out"
-check "$N" train --cluster "$C" --attach 1 --log "$W/attached.jsonl" --out "$W/restarted.safetensors" \
-  --timeout 60 2> "$W/attached.err"
+"$N" train --cluster "$C" --attach 1 --log "$W/attached.jsonl" --out "$W/restarted.safetensors" \
+  --timeout 60 2> "$W/attached.err" &
+att=$!
+for i in $(seq 1 200); do grep -q "following job 1" "$W/attached.err" && break; sleep 0.05; done
+for p in "$C"/node-*.pid; do kill -CONT "$(cat "$p")"; done
+wait "$att"
+check test $? -eq 0
 tr '\r' '\n' < "$W/attached.err" | grep -v "^step" | tail -4
 check grep -q "resuming at step 20" "$W/attached.err"
 check grep -q "journal .*: train job 1 was running; it resumes from .*step-000020" "$C/coord.log"

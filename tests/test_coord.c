@@ -36,6 +36,7 @@
 
 #include "../base/log.h"
 #include "../coordinator/coord.h"
+#include "../net/handshake.h"
 #include "../net/keys.h"
 #include "../net/transport.h"
 #include "check.h"
@@ -67,6 +68,8 @@ static double now_s(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+/* A fake node (with a data endpoint), or a fake client (endpoint ""): on
+ * the coordinator's nodes' or clients' socket. */
 static void fake_open(fake *f, const char *key, const char *endpoint)
 {
     nl_error err = {0};
@@ -76,7 +79,10 @@ static void fake_open(fake *f, const char *key, const char *endpoint)
     snprintf(f->endpoint, sizeof f->endpoint, "%s", endpoint);
     nl_sock_opts o = {.type = ZMQ_DEALER, .plaintext = true, .name = "fake", .linger_ms = 0};
     CHECK_OK(nl_sock_new(&f->sock, net, &o, &err), &err);
-    CHECK_OK(nl_sock_connect(f->sock, nl_coord_endpoint(coord), &err), &err);
+    CHECK_OK(nl_sock_connect(f->sock,
+                             endpoint[0] ? nl_coord_endpoint(coord) : nl_coord_client_endpoint(coord),
+                             &err),
+             &err);
 }
 
 static void fake_send(fake *f, nl_wire_msg *m)
@@ -180,6 +186,10 @@ static void start_coord(void)
     if (!coord)
         exit(1);
     CHECK(strncmp(nl_coord_endpoint(coord), "tcp://127.0.0.1:", 16) == 0, "endpoint %s",
+          nl_coord_endpoint(coord));
+    CHECK(strncmp(nl_coord_client_endpoint(coord), "tcp://127.0.0.1:", 16) == 0 &&
+              strcmp(nl_coord_client_endpoint(coord), nl_coord_endpoint(coord)) != 0,
+          "the clients' endpoint %s (the nodes' %s)", nl_coord_client_endpoint(coord),
           nl_coord_endpoint(coord));
 }
 
@@ -917,7 +927,7 @@ static void test_flood(void)
     const int one = 1, small = 4096;
     zmq_setsockopt(nl_sock_handle(flood.sock), ZMQ_RCVHWM, &one, sizeof one);
     zmq_setsockopt(nl_sock_handle(flood.sock), ZMQ_RCVBUF, &small, sizeof small);
-    CHECK_OK(nl_sock_connect(flood.sock, nl_coord_endpoint(coord), &err), &err);
+    CHECK_OK(nl_sock_connect(flood.sock, nl_coord_client_endpoint(coord), &err), &err);
     const double t0 = now_s();
     double worst = 0;
     int sent = 0;
@@ -949,8 +959,9 @@ static void test_flood(void)
 /* ---------------------------------------------------------------- roles (CURVE) */
 
 /* A CURVE client of the coordinator with key kp (and routing id rid, if
- * not NULL). */
-static void curve_open(fake *f, const nl_keypair *kp, const char *server, const char *rid)
+ * not NULL), on its nodes' socket or its clients' (client). */
+static void curve_open(fake *f, const nl_keypair *kp, const char *server, const char *rid,
+                       int on_clients)
 {
     nl_error err = {0};
     memset(f, 0, sizeof *f);
@@ -963,7 +974,10 @@ static void curve_open(fake *f, const nl_keypair *kp, const char *server, const 
     CHECK_OK(nl_sock_new(&f->sock, net, &o, &err), &err);
     if (rid)
         zmq_setsockopt(nl_sock_handle(f->sock), ZMQ_ROUTING_ID, rid, strlen(rid));
-    CHECK_OK(nl_sock_connect(f->sock, nl_coord_endpoint(coord), &err), &err);
+    CHECK_OK(nl_sock_connect(f->sock,
+                             on_clients ? nl_coord_client_endpoint(coord) : nl_coord_endpoint(coord),
+                             &err),
+             &err);
 }
 
 /* f sends m; the coordinator must answer with an ERROR whose message
@@ -1000,6 +1014,58 @@ static char *status_text(fake *f)
     return text;
 }
 
+/* Does a CURVE connection with key kp to endpoint ep fail its handshake
+ * (ZAP refuses the key)? */
+static int handshake_refused(const nl_keypair *kp, const char *server, const char *ep)
+{
+    nl_error err = {0};
+    nl_sock *s = NULL;
+    nl_handshake *hs = NULL;
+    nl_sock_opts o = {.type = ZMQ_DEALER,
+                      .keys = kp,
+                      .server_key = server,
+                      .name = "curve-fake",
+                      .linger_ms = 0};
+    nl_status st = nl_sock_new(&s, net, &o, &err);
+    if (st == NL_OK && (st = nl_handshake_watch(&hs, net, s, &err)) == NL_OK &&
+        (st = nl_sock_connect(s, ep, &err)) == NL_OK)
+        st = nl_handshake_wait(hs, ep, 5000, &err);
+    nl_handshake_destroy(&hs);
+    nl_sock_destroy(&s);
+    return st == NL_ERR_AUTH && strstr(err.msg, "refused this key");
+}
+
+/* Issue 15, finding 8: each socket admits its role's keys alone (ZAP): a
+ * client key never reaches the nodes' bulk-sized socket, a node key never
+ * the clients'; a key with both roles (no role word) that knocks at the
+ * wrong one is told where to go. */
+static void roles_by_socket(const nl_keypair *node, const nl_keypair *ckey,
+                            const nl_keypair *legacy, const char *server)
+{
+    CHECK(handshake_refused(ckey, server, nl_coord_endpoint(coord)),
+          "a client key's handshake on the nodes' socket is not refused");
+    CHECK(handshake_refused(node, server, nl_coord_client_endpoint(coord)),
+          "a node key's handshake on the clients' socket is not refused");
+    fake on_nodes, on_clients;
+    curve_open(&on_nodes, legacy, server, NULL, 0);
+    curve_open(&on_clients, legacy, server, NULL, 1);
+    char want[400];
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    snprintf(want, sizeof want, "clients connect to %s", nl_coord_client_endpoint(coord));
+    for (int i = 0; i < 7; i++) { /* no strikes: a ban (5) would drop the last unanswered */
+        nl_wire_msg_reset(&m, NL_MSG_JOB_QUERY);
+        m.u.job_ref.job_id = 0;
+        refused(&on_nodes, &m, want, "a JOB_QUERY on the nodes' socket");
+    }
+    nl_wire_msg_reset(&m, NL_MSG_HELLO);
+    m.u.hello = (nl_msg_hello){NL_ROLE_NODE, "test"};
+    snprintf(want, sizeof want, "nodes connect to %s", nl_coord_endpoint(coord));
+    refused(&on_clients, &m, want, "a node's HELLO on the clients' socket");
+    nl_sock_destroy(&on_nodes.sock);
+    nl_sock_destroy(&on_clients.sock);
+}
+
 /* Issue 15, findings 2 and 7, on a CURVE coordinator whose authorized_keys
  * gives each key a role: a client key cannot JOIN, report LOAD_DONE or
  * GRAD_NORM; a node key cannot submit; a client's status shows no node's
@@ -1012,8 +1078,9 @@ static void test_roles(void)
     char dir[256], path[400];
     snprintf(dir, sizeof dir, "/tmp/nl_test_coord_roles_XXXXXX");
     CHECK(mkdtemp(dir) != NULL, "mkdtemp");
-    nl_keypair node, ckey, admin, other;
+    nl_keypair node, ckey, admin, other, legacy;
     nl_error err = {0};
+    CHECK_OK(nl_keys_generate(&legacy, &err), &err);
     CHECK_OK(nl_keys_generate(&node, &err), &err);
     CHECK_OK(nl_keys_generate(&ckey, &err), &err);
     CHECK_OK(nl_keys_generate(&admin, &err), &err);
@@ -1023,8 +1090,9 @@ static void test_roles(void)
     CHECK(fp != NULL, "%s", path);
     if (!fp)
         return;
-    fprintf(fp, "%s node  # a node\n%s client\n%s admin # the operator\n%s node\n",
-            node.public_z85, ckey.public_z85, admin.public_z85, other.public_z85);
+    fprintf(fp, "%s node  # a node\n%s client\n%s admin # the operator\n%s node\n%s\n",
+            node.public_z85, ckey.public_z85, admin.public_z85, other.public_z85,
+            legacy.public_z85);
     fclose(fp);
     nl_coord_opts o;
     nl_coord_opts_init(&o);
@@ -1041,10 +1109,11 @@ static void test_roles(void)
         coord = plain;
         return;
     }
+    roles_by_socket(&node, &ckey, &legacy, server);
     fake n, cl, ad, spoof;
-    curve_open(&n, &node, server, "nodeRID");
-    curve_open(&cl, &ckey, server, NULL);
-    curve_open(&ad, &admin, server, NULL);
+    curve_open(&n, &node, server, "nodeRID", 0);
+    curve_open(&cl, &ckey, server, NULL, 1);
+    curve_open(&ad, &admin, server, NULL, 1);
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOIN);
@@ -1080,7 +1149,7 @@ static void test_roles(void)
     nl_sock_destroy(&n.sock);
     for (int i = 0; i < 60; i++)
         nl_coord_step(coord, 5);
-    curve_open(&spoof, &other, server, "nodeRID");
+    curve_open(&spoof, &other, server, "nodeRID", 0);
     nl_wire_msg_reset(&m, NL_MSG_HEARTBEAT);
     m.u.heartbeat = (nl_msg_heartbeat){id, 1, 0, 0.0};
     refused(&spoof, &m, "unknown node", "a HEARTBEAT under a node's routing id, another key");
@@ -1126,11 +1195,53 @@ static void test_many_joins(void)
         nl_sock_destroy(&many[i].sock);
 }
 
+/* The clients' endpoint: derived from --listen when not given (tcp's
+ * port + 1, * stays *, an ipc name + "-client"), written to
+ * client_endpoint; a --listen it cannot be derived from is refused naming
+ * --client-listen. */
+static void test_endpoints(void)
+{
+    char dir[] = "/tmp/nl_test_coord_ep_XXXXXX", listen[300], want[320], path[400], line[400];
+    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    snprintf(listen, sizeof listen, "ipc://%s/c.sock", dir);
+    snprintf(want, sizeof want, "%s-client", listen);
+    nl_coord_opts o;
+    nl_coord_opts_init(&o);
+    o.listen = listen;
+    o.state_dir = dir;
+    o.plaintext = 1;
+    o.min_nodes = 5;
+    nl_coord *c = NULL;
+    nl_error err = {0};
+    CHECK_OK(nl_coord_new(&c, &o, &err), &err);
+    if (c) {
+        CHECK(strcmp(nl_coord_client_endpoint(c), want) == 0, "clients' endpoint %s for %s",
+              nl_coord_client_endpoint(c), listen);
+        snprintf(path, sizeof path, "%s/client_endpoint", dir);
+        FILE *f = fopen(path, "r");
+        CHECK(f && fgets(line, sizeof line, f) && strncmp(line, want, strlen(want)) == 0,
+              "%s does not name %s", path, want);
+        if (f)
+            fclose(f);
+    }
+    nl_coord_destroy(&c);
+    o.listen = "tcp://127.0.0.1:65535";
+    nl_status st = nl_coord_new(&c, &o, &err);
+    CHECK(st == NL_ERR_INVALID && strstr(err.msg, "give --client-listen"),
+          "--listen at port 65535: %s '%s'", nl_status_str(st), err.msg);
+    nl_coord_destroy(&c);
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", dir);
+}
+
 int main(void)
 {
     nl_log_set_level(getenv("NL_TEST_VERBOSE") ? NL_LOG_DEBUG : NL_LOG_WARN);
     nl_error err = {0};
     CHECK_OK(nl_net_new(&net, NULL, &err), &err);
+    test_endpoints();
     test_roles();
     start_coord();
     assigned a[2];

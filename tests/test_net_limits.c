@@ -4,10 +4,14 @@
  *    socket: libzmq drops the connection at the first part, so resident
  *    memory stays bounded (with one limit for every socket, 1 GiB a part,
  *    libzmq would buffer all 4 GiB before the transport saw a byte);
+ *  - the same against a real coordinator (in-process, CURVE): a client
+ *    key's 64 x 64 MiB message to the clients' socket leaves resident
+ *    memory bounded, and another client's round trip stays under 1 s;
  *  - the cap on a whole message: parts each within the part limit but
  *    over the total are refused (NL_ERR_LIMIT, an ERROR to the sender);
  *  - ordinary control traffic still passes. */
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,6 +21,7 @@
 
 #include "base/log.h"
 #include "check.h"
+#include "coordinator/coord.h"
 #include "net/transport.h"
 
 #define PART (64u << 20)
@@ -73,7 +78,8 @@ static void *raw_dealer(void *zctx, const char *ep)
     int zero = 0, to = 2000;
     zmq_setsockopt(d, ZMQ_LINGER, &zero, sizeof zero);
     zmq_setsockopt(d, ZMQ_SNDTIMEO, &to, sizeof to);
-    CHECK(zmq_connect(d, ep) == 0, "connect %s", ep);
+    if (ep) /* NULL: the caller sets options first */
+        CHECK(zmq_connect(d, ep) == 0, "connect %s", ep);
     return d;
 }
 
@@ -172,6 +178,178 @@ static void test_total_cap(nl_net *net, void *zctx)
     nl_rx_free(&rx);
 }
 
+/* ---------------------------------------------------------------- a coordinator */
+
+static volatile sig_atomic_t coord_stop;
+
+static void *coord_loop(void *c)
+{
+    nl_error err = {0};
+    nl_coord_run(c, &coord_stop, &err);
+    return NULL;
+}
+
+/* A raw CURVE DEALER with key kp (not our transport) to the server at ep. */
+static void *raw_curve_dealer(void *zctx, const nl_keypair *kp, const char *server, const char *ep)
+{
+    void *d = raw_dealer(zctx, NULL);
+    zmq_setsockopt(d, ZMQ_CURVE_SERVERKEY, server, strlen(server));
+    zmq_setsockopt(d, ZMQ_CURVE_PUBLICKEY, kp->public_z85, strlen(kp->public_z85));
+    zmq_setsockopt(d, ZMQ_CURVE_SECRETKEY, kp->secret_z85, strlen(kp->secret_z85));
+    if (ep)
+        CHECK(zmq_connect(d, ep) == 0, "connect %s", ep);
+    return d;
+}
+
+/* A PAIR that receives d's ZMQ_EVENT_DISCONNECTED (before d connects). */
+static void *watch_disconnect(void *zctx, void *d)
+{
+    static int n;
+    char ep[64];
+    snprintf(ep, sizeof ep, "inproc://nl-limits-mon-%d", n++);
+    CHECK(zmq_socket_monitor(d, ep, ZMQ_EVENT_DISCONNECTED) == 0, "monitor");
+    void *p = zmq_socket(zctx, ZMQ_PAIR);
+    int zero = 0;
+    zmq_setsockopt(p, ZMQ_LINGER, &zero, sizeof zero);
+    CHECK(zmq_connect(p, ep) == 0, "connect %s", ep);
+    return p;
+}
+
+/* Has the monitor reported a disconnection? */
+static int disconnected(void *mon)
+{
+    uint8_t ev[64];
+    int got = 0, more = 0;
+    size_t ml = sizeof more;
+    while (zmq_recv(mon, ev, sizeof ev, ZMQ_DONTWAIT) >= 0) { /* event frame, endpoint frame */
+        zmq_getsockopt(mon, ZMQ_RCVMORE, &more, &ml);
+        got |= more; /* the first frame of each event is followed by its endpoint */
+    }
+    return got;
+}
+
+/* Seconds a JOB_QUERY of client s takes to be answered (99: never). */
+static double round_trip(nl_sock *s)
+{
+    nl_error err = {0};
+    nl_wire_msg m;
+    nl_rx rx;
+    nl_wire_msg_init(&m);
+    nl_rx_init(&rx);
+    nl_wire_msg_reset(&m, NL_MSG_JOB_QUERY);
+    m.u.job_ref.job_id = 0;
+    const int64_t t0 = mono_ms();
+    double took = 99;
+    if (nl_sock_send(s, NULL, 0, &m, &err) == NL_OK)
+        while (mono_ms() - t0 < 5000)
+            if (nl_sock_recv(s, &rx, 100, &err) == NL_OK && rx.msg.type == NL_MSG_JOB_STATUS) {
+                took = (double)(mono_ms() - t0) / 1e3;
+                break;
+            }
+    nl_wire_msg_free(&m);
+    nl_rx_free(&rx);
+    return took;
+}
+
+/* A client key (role client in authorized_keys) sends one 64 x 64 MiB
+ * message to a real coordinator's clients' socket: libzmq drops it at
+ * the first part (control-sized), so the process's resident memory (the
+ * coordinator's and the sender's) stays bounded, and a second client's
+ * status query is answered in under 1 s meanwhile and after. */
+static void test_coordinator_client_socket(void *zctx)
+{
+    char dir[] = "/tmp/nl_test_net_limits_XXXXXX", path[256], server[NL_KEY_Z85_LEN + 1];
+    nl_keypair bad, good;
+    nl_error err = {0};
+    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    CHECK_OK(nl_keys_generate(&bad, &err), &err);
+    CHECK_OK(nl_keys_generate(&good, &err), &err);
+    snprintf(path, sizeof path, "%s/authorized_keys", dir);
+    FILE *f = fopen(path, "w");
+    if (!f)
+        return;
+    fprintf(f, "%s client # floods\n%s client\n", bad.public_z85, good.public_z85);
+    fclose(f);
+    nl_coord_opts o;
+    nl_coord_opts_init(&o);
+    o.listen = "tcp://127.0.0.1:*";
+    o.state_dir = dir;
+    o.min_nodes = 5;
+    nl_coord *c = NULL;
+    CHECK_OK(nl_coord_new(&c, &o, &err), &err);
+    snprintf(path, sizeof path, "%s/coordinator.pub", dir);
+    if (!c || nl_keys_load_public(server, path, &err) != NL_OK) {
+        nl_coord_destroy(&c);
+        return;
+    }
+    pthread_t loop;
+    coord_stop = 0;
+    pthread_create(&loop, NULL, coord_loop, c);
+    nl_net *cnet = NULL;
+    nl_sock *ok = NULL;
+    nl_sock_opts so = {
+        .type = ZMQ_DEALER, .keys = &good, .server_key = server, .name = "client", .linger_ms = 0};
+    CHECK_OK(nl_net_new(&cnet, NULL, &err), &err);
+    CHECK_OK(nl_sock_new(&ok, cnet, &so, &err), &err);
+    CHECK_OK(nl_sock_connect(ok, nl_coord_client_endpoint(c), &err), &err);
+    const double before = round_trip(ok);
+    CHECK(before < 1.0, "a client's round trip before the flood: %.2f s", before);
+    char *buf = malloc(PART);
+    if (buf)
+        memset(buf, 0x5a, PART); /* resident now, before the baseline */
+    void *d = raw_curve_dealer(zctx, &bad, server, NULL);
+    void *mon = watch_disconnect(zctx, d);
+    CHECK(zmq_connect(d, nl_coord_client_endpoint(c)) == 0, "connect");
+    nanosleep(&(struct timespec){0, 200000000}, NULL);
+    const long base = rss_kib();
+    int sent = 0;
+    for (int i = 0; buf && i < PARTS; i++) {
+        zmq_msg_t m;
+        zmq_msg_init_data(&m, buf, PART, no_free, NULL); /* no copy on this side */
+        if (zmq_msg_send(&m, d, i + 1 < PARTS ? ZMQ_SNDMORE : 0) < 0) {
+            zmq_msg_close(&m);
+            break;
+        }
+        sent++;
+    }
+    CHECK(sent == PARTS, "%d of %d parts handed to libzmq", sent, PARTS);
+    /* until the coordinator drops the connection, and 1 s more (it may
+     * reconnect and send the rest); a coordinator that took the message
+     * would grow past the bound first (30 s at most) */
+    long peak = base;
+    double worst = 0;
+    int64_t end = mono_ms() + 30000;
+    int dropped = 0;
+    while (mono_ms() < end && peak - base <= BOUND_KIB) { /* failing: stop before the machine */
+        const double rt = round_trip(ok);
+        worst = rt > worst ? rt : worst;
+        long r = rss_kib();
+        peak = r > peak ? r : peak;
+        if (!dropped && (dropped = disconnected(mon)))
+            end = mono_ms() + 1000;
+    }
+    CHECK(dropped, "the coordinator kept the connection of a client sending 64 MiB parts");
+    CHECK(peak - base <= BOUND_KIB,
+          "the coordinator's resident memory grew %ld MiB for a client's %d x %u MiB message",
+          (peak - base) >> 10, PARTS, PART >> 20);
+    CHECK(worst < 1.0, "another client's round trip took %.2f s during the flood", worst);
+    printf("coordinator, a client's 64 x 64 MiB message: resident growth %ld MiB (bound %ld MiB), "
+           "another client's slowest round trip %.3f s\n",
+           (peak - base) >> 10, BOUND_KIB >> 10, worst);
+    zmq_close(mon);
+    zmq_close(d);
+    free(buf);
+    nl_sock_destroy(&ok);
+    nl_net_destroy(&cnet);
+    coord_stop = 1;
+    pthread_join(loop, NULL);
+    nl_coord_destroy(&c);
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", dir);
+}
+
 int main(void)
 {
     nl_error err;
@@ -182,6 +360,7 @@ int main(void)
     if (net && zctx) {
         test_total_cap(net, zctx);
         test_many_big_parts(net, zctx);
+        test_coordinator_client_socket(zctx);
     }
     if (zctx)
         zmq_ctx_term(zctx);
