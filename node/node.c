@@ -740,8 +740,7 @@ static void handle_train(node *n, const nl_wire_msg *m)
         NL_DEBUG("dropped a %s of a job this stage does not train", nl_wire_type_name(m->type));
         return;
     }
-    uint64_t job = 0;
-    nl_stage_train_running(n->stage, &job);
+    const uint64_t job = nl_stage_train_job_of(m); /* a training or fine-tuning job */
     char *real = NULL;
     nl_status st = NL_OK;
     if (m->type == NL_MSG_CKPT_REQ && (st = ckpt_dir(n, m->u.ckpt_req.dir, &real, &e)) == NL_OK) {
@@ -882,7 +881,7 @@ static void on_control(node *n)
         handle_train(n, m);
         break;
     case NL_MSG_JOB_SUBMIT:
-        if (m->u.job_submit.kind == NL_JOB_TRAIN)
+        if (m->u.job_submit.kind == NL_JOB_TRAIN || m->u.job_submit.kind == NL_JOB_FINETUNE)
             handle_train_submit(n, &m->u.job_submit);
         else
             handle_job_submit(n, &m->u.job_submit);

@@ -81,6 +81,7 @@ static void sessions_clear(nl_stage *s)
 static void drop_model(nl_stage *s)
 {
     nl_stage_train_free(s); /* it borrows the model */
+    nl_stage_lora_free_all(s);
     sessions_clear(s);
     for (int i = 0; i < 2; i++) {
         free(s->mom_h[i]);

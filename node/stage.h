@@ -176,7 +176,11 @@ nl_txref *nl_stage_txref(nl_stage *s);
 typedef enum nl_stage_dest { NL_STAGE_TO_NEXT, NL_STAGE_TO_PREV, NL_STAGE_TO_COORD } nl_stage_dest;
 typedef nl_status (*nl_stage_send_fn)(void *ctx, nl_stage_dest to, nl_wire_msg *m, nl_error *err);
 
-/* JOB_SUBMIT {kind train, params: job, micro_batch, seq, microbatches,
+/* JOB_SUBMIT {kind finetune}: the same params plus lora_rank, lora_alpha,
+ * lora_targets ("wq,wk,wv,wo") and lora_seed: a LoRA fine-tuning job
+ * (node/stage_lora.c) with adapters of its own on the frozen weights;
+ * several may run at once, but none beside a training job.
+ * JOB_SUBMIT {kind train, params: job, micro_batch, seq, microbatches,
  * recompute, start_step (steps already applied), adam_steps, moments (take
  * the optimizer moments that came with the weights), eval_hops (hops of
  * one evaluation)}: make the job's trainer, replacing any earlier job.
@@ -206,6 +210,8 @@ bool nl_stage_train_holds(const nl_stage *s, const nl_wire_msg *m);
  * stage's training job. */
 bool nl_stage_train_end(nl_stage *s, uint64_t job_id);
 bool nl_stage_train_running(const nl_stage *s, uint64_t *job_id);
+/* The job a training message (one nl_stage_train_input takes) is of. */
+uint64_t nl_stage_train_job_of(const nl_wire_msg *m);
 
 /* ---- state ---- */
 

@@ -77,6 +77,9 @@ struct nl_stage {
 
     /* the training job, if one runs (node/stage_train.c) */
     struct stage_train *train;
+    /* LoRA fine-tuning jobs (node/stage_lora.c), n_ft of cap_ft */
+    struct stage_ft *ft;
+    int n_ft, cap_ft;
 
     /* sessions */
     session *sess;
@@ -89,6 +92,25 @@ struct nl_stage {
 
 /* Free the training job's state (stage_train.c); safe without one. */
 void nl_stage_train_free(nl_stage *s);
+/* nl_stage_train_begin's work for a training job, into s->train (any
+ * earlier one freed); with adapters attached to s->model the trainer
+ * steps them alone (stage_lora.c makes fine-tuning jobs so). */
+nl_status nl_stage_train_make(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
+                              nl_error *err);
+
+/* ---- LoRA fine-tuning jobs (stage_lora.c) ---- */
+typedef struct stage_ft stage_ft;
+/* JOB_SUBMIT kind finetune: the job's adapters and its training state. */
+nl_status nl_stage_lora_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
+                              nl_error *err);
+/* Whether job is a fine-tuning job of this stage. */
+bool nl_stage_lora_holds(const nl_stage *s, uint64_t job);
+/* A training message of fine-tuning job `job`, run with its adapters. */
+nl_status nl_stage_lora_input(nl_stage *s, uint64_t job, const nl_wire_msg *m,
+                              nl_stage_send_fn send, void *ctx, nl_error *err);
+/* End one job (false: not one of this stage's), or all (the model goes). */
+bool nl_stage_lora_end(nl_stage *s, uint64_t job);
+void nl_stage_lora_free_all(nl_stage *s);
 
 /* The backend's sticky asynchronous error (nl_backend_check), remembered
  * once seen: "device D: MESSAGE" in err, else NL_OK with err untouched.
