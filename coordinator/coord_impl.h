@@ -74,7 +74,8 @@ typedef struct csource {
 /* ---------------------------------------------------------------- jobs
  *
  * A job is one cjob of some kind; what a kind does lives behind its
- * operations table (coord_forward.c, coord_generate.c, coord_train.c), and
+ * operations table (coord_forward.c, coord_generate.c, coord_train.c,
+ * coord_finetune.c, coord_embed.c), and
  * its own state behind cjob.state. Calls go one way: the loop's dispatch
  * (coord.c) -> the jobs' dispatch (coord_jobs.c) -> a kind's operations ->
  * the helpers of coord_base.c, which call no job code but through the
@@ -126,7 +127,8 @@ struct cjob {
     void *state; /* the kind's, owned by the job */
 };
 
-extern const cjob_ops coord_forward_ops, coord_generate_ops, coord_train_ops, coord_finetune_ops;
+extern const cjob_ops coord_forward_ops, coord_generate_ops, coord_train_ops, coord_finetune_ops,
+    coord_embed_ops;
 
 /* ---------------------------------------------------------------- fine-tuning
  * A fine-tuning job (coord_finetune.c) is a training job (coord_train.c)

@@ -11,7 +11,7 @@
 #include "coord_impl.h"
 
 static const cjob_ops *const kinds[] = {&coord_forward_ops, &coord_generate_ops, &coord_train_ops,
-                                        &coord_finetune_ops};
+                                        &coord_finetune_ops, &coord_embed_ops};
 
 static void status_reply(nl_coord *c, const nl_rx *rx, uint64_t job, int state, const char *msg)
 {
@@ -86,6 +86,7 @@ static bool kind_takes(const cjob *j, int type)
 {
     switch (j->ops->kind) {
     case NL_JOB_FORWARD:
+    case NL_JOB_EMBED:
         return type == NL_MSG_RESULT || type == NL_MSG_JOB_STATUS;
     case NL_JOB_GENERATE:
         return type == NL_MSG_TOKEN || type == NL_MSG_JOB_STATUS;

@@ -137,7 +137,7 @@ size_t nl_stage_kv_used(const nl_stage *s);
 
 typedef enum nl_stage_out_kind {
     NL_STAGE_OUT_HIDDEN = 0, /* hidden states for the next stage: F32 [B, T, d] */
-    NL_STAGE_OUT_LOGITS,     /* last stage, no session: F32 [B, T, vocab_size] */
+    NL_STAGE_OUT_LOGITS,     /* last stage, no session: F32 [B, T, vocab_size] (embed: [B, d]) */
     NL_STAGE_OUT_TOKEN       /* last stage, a session: the sampled id */
 } nl_stage_out_kind;
 
@@ -167,6 +167,18 @@ nl_status nl_stage_forward(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_w
 
 /* The reference that guards the forward's output buffer. */
 nl_txref *nl_stage_txref(nl_stage *s);
+
+/* ---- embedding jobs (node/stage_embed.c) ---- */
+
+/* JOB_SUBMIT {kind embed, params: job, batch, seq, lengths ("3,17,1": each
+ * text's valid positions, core/embed.h)}: the next forward hop of the job
+ * (B x T as given) keeps each text's pads out of an encoder's attention,
+ * and on the last stage returns the pooled, L2-normalised final-normed
+ * states, F32 [B, d], in place of logits. The request is used by that one
+ * hop; nl_stage_embed_end forgets it before (false: no such request). */
+nl_status nl_stage_embed_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
+                               nl_error *err);
+bool nl_stage_embed_end(nl_stage *s, uint64_t job);
 
 /* ---- training (node/stage_train.c) ---- */
 

@@ -80,6 +80,12 @@ struct nl_stage {
     /* LoRA fine-tuning jobs (node/stage_lora.c), n_ft of cap_ft */
     struct stage_ft *ft;
     int n_ft, cap_ft;
+    /* embedding requests waiting for their hop (node/stage_embed.c), and
+     * the last stage's pooled output */
+    struct stage_embed *emb;
+    int n_emb;
+    float *emb_out;
+    size_t emb_out_cap;
 
     /* sessions */
     session *sess;
@@ -117,5 +123,20 @@ void nl_stage_lora_free_all(nl_stage *s);
  * Called after the work a message caused; before it, work is refused with
  * nl_stage_device_status (which does not ask the backend). */
 nl_status nl_stage_check_device(nl_stage *s, nl_error *err);
+
+/* ---- embedding jobs (stage_embed.c) ---- */
+typedef struct stage_embed stage_embed;
+/* The request of job, or NULL (a plain forward). */
+const stage_embed *nl_stage_embed_find(const nl_stage *s, uint64_t job);
+/* Whether a hop of B x T fits the request. */
+nl_status nl_stage_embed_check(const stage_embed *r, int B, int T, nl_error *err);
+/* Its pads' document ids (B, T), for an encoder's attention. */
+const int32_t *nl_stage_embed_doc(const stage_embed *r);
+/* The last stage: pool the final-normed states (host, B x T x d) into
+ * out as [B, d] vectors. */
+nl_status nl_stage_embed_pool(nl_stage *s, const stage_embed *r, const float *states,
+                              nl_stage_out *out, nl_error *err);
+/* Forget every request (the model goes). */
+void nl_stage_embed_free_all(nl_stage *s);
 
 #endif

@@ -9,7 +9,10 @@
 #    the fine-tuning jobs is bit-identical (every stage computes it);
 #  - two clients fine-tune different adapters on the pipeline at once, and
 #    each gets what it got alone;
-#  - a training job is refused while a fine-tuning job runs.
+#  - a training job is refused while a fine-tuning job runs;
+#  - embeddings through the cluster (neuroctl embed --cluster) equal local
+#    ones within 1e-5, for a decoder and for an encoder (pads kept out of
+#    attention on every stage).
 set -uo pipefail
 N="$NL_BUILD_DIR/cli/neuroctl"
 export NL_TEST_GFLOPS=20 # equal probes: the plan is 3 stages whatever else runs
@@ -154,6 +157,45 @@ import sys
 w = sys.argv[1]
 assert open(w + "/fwdA.safetensors", "rb").read() != open(w + "/before.safetensors", "rb").read()
 PY
+
+# ---- embeddings through the cluster (item 4) ----
+# lines of several lengths, one empty, more than a batch: equal to one process
+head -c 3000 "$NL_SOURCE_DIR/README.md" | tr -s ' ' | head -n 23 > "$W/texts.txt"
+printf '\nshort\n' >> "$W/texts.txt"
+check "$N" embed "${DEV[@]}" --model "$W/m.safetensors" --input "$W/texts.txt" --seq 40 --batch 4 \
+  --threads 1 --out "$W/emb_local.safetensors"
+# (--memory 64M leaves these nodes one sequence of max_seq_len per forward)
+check "$N" embed --cluster "$C" --input "$W/texts.txt" --seq 40 --batch 1 --out "$W/emb_remote.safetensors"
+cat > "$W/emb.py" <<'PY'
+import json, struct, sys
+def emb(p):
+    b = open(p, "rb").read(); n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n])
+    v = h["embeddings"]; s, e = v["data_offsets"]; raw = b[8 + n + s: 8 + n + e]
+    return v["shape"], struct.unpack("<%df" % (len(raw) // 4), raw)
+(sa, a), (sb, b) = emb(sys.argv[1]), emb(sys.argv[2])
+assert sa == sb, (sa, sb)
+d = sa[1]; worst = 0.0
+for i in range(sa[0]):
+    x, y = a[i * d:(i + 1) * d], b[i * d:(i + 1) * d]
+    num = sum((p - q) ** 2 for p, q in zip(x, y)) ** 0.5; den = sum(q * q for q in y) ** 0.5
+    worst = max(worst, num / den)
+    assert abs(den - 1) < 1e-4, den  # L2-normalised
+print("%d embeddings of %d: worst relative error %.2e" % (sa[0], d, worst))
+assert worst <= 1e-5, worst
+PY
+check $PY "$W/emb.py" "$W/emb_remote.safetensors" "$W/emb_local.safetensors"
+# an encoder (bidirectional: the pads are kept out of attention on every stage)
+sed 's/^max_seq_len: 64/max_seq_len: 64\ncausal: false/' "$W/cfg.yaml" > "$W/enc.yaml"
+check "$N" init --config "$W/enc.yaml" --out "$W/enc.safetensors" --seed 9
+check "$N" embed "${DEV[@]}" --model "$W/enc.safetensors" --input "$W/texts.txt" --seq 40 --batch 4 \
+  --threads 1 --out "$W/enc_local.safetensors"
+CE="$W/c2enc"
+"$N" cluster up "${DEV[@]}" --dir "$CE" --nodes 2 --model "$W/enc.safetensors" --memory 512M \
+  --threads 1 --node-timeout-ms 2000 --timeout 60 2> "$W/enc_up.err"
+check grep -q "ready: 2 stages" "$W/enc_up.err"
+check "$N" embed --cluster "$CE" --input "$W/texts.txt" --seq 40 --batch 4 --out "$W/enc_remote.safetensors"
+check $PY "$W/emb.py" "$W/enc_remote.safetensors" "$W/enc_local.safetensors"
+"$N" cluster down --dir "$CE" > /dev/null 2>&1
 
 # refusals: a bad target, and finetune without --out
 "$N" finetune --cluster "$C" "${RUN[@]}" --lora-targets wz --out "$W/x.safetensors" 2> "$W/bad.err"
