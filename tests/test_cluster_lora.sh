@@ -191,7 +191,7 @@ check "$N" embed "${DEV[@]}" --model "$W/enc.safetensors" --input "$W/texts.txt"
   --threads 1 --out "$W/enc_local.safetensors"
 CE="$W/c2enc"
 "$N" cluster up "${DEV[@]}" --dir "$CE" --nodes 2 --model "$W/enc.safetensors" --memory 512M \
-  --threads 1 --node-timeout-ms 2000 --timeout 60 2> "$W/enc_up.err"
+  --threads 1 --node-timeout-ms 2000 --timeout 60 > "$W/enc_up.err" 2>&1
 check grep -q "ready: 2 stages" "$W/enc_up.err"
 check "$N" embed --cluster "$CE" --input "$W/texts.txt" --seq 40 --batch 4 --out "$W/enc_remote.safetensors"
 check $PY "$W/emb.py" "$W/enc_remote.safetensors" "$W/enc_local.safetensors"
