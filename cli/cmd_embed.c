@@ -96,11 +96,12 @@ int nl_cmd_embed(int argc, char **argv)
         {"threads", 1, "worker threads (default: all cores)", NULL},
         NL_CLI_DEVICE_FLAG,
         {0}};
-    const char *usage = "neuroctl embed --model MODEL --input TEXTS --out EMB.safetensors "
-                        "[--seq T] [--batch B] [--adapter A] [--threads N] [--device D]"
-                        "\n  on a cluster: neuroctl embed --cluster DIR (or --coordinator EP --key K "
-                        "--coordinator-key P) --input TEXTS --out EMB.safetensors [--seq T] "
-                        "[--batch B] (neuroctl embed --cluster x --help lists its flags)";
+    const char *usage =
+        "neuroctl embed --model MODEL --input TEXTS --out EMB.safetensors "
+        "[--seq T] [--batch B] [--adapter A] [--threads N] [--device D]"
+        "\n  on a cluster: neuroctl embed --cluster DIR (or --coordinator EP --key K "
+        "--coordinator-key P) --input TEXTS --out EMB.safetensors [--seq T] "
+        "[--batch B] (neuroctl embed --cluster x --help lists its flags)";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -227,8 +228,8 @@ static nl_status cluster_model(nl_remote *r, nl_tokenizer **tok, int64_t *vocab,
 }
 
 /* One embed job: B texts of T ids in, B vectors of d into emb. */
-static nl_status embed_batch(nl_remote *r, const int32_t *ids, const int32_t *lengths, int B,
-                             int T, int d, float *emb, nl_error *err)
+static nl_status embed_batch(nl_remote *r, const int32_t *ids, const int32_t *lengths, int B, int T,
+                             int d, float *emb, nl_error *err)
 {
     char text[NL_EMBED_LENGTHS_MAX];
     nl_status st = nl_embed_format_lengths(text, sizeof text, lengths, B, err);

@@ -70,8 +70,8 @@ typedef struct gather_task {
     cwork w;
     cft ft;
     int n;
-    char (*path)[1200];  /* n shards */
-    char (*sha)[65];     /* as each stage reported it */
+    char (*path)[1200]; /* n shards */
+    char (*sha)[65];    /* as each stage reported it */
     char out[1200];
     nl_status st;
     nl_error err;
@@ -92,12 +92,11 @@ static void gather_run(cwork *w)
             break;
         const char *fmt = nl_st_metadata(f[i], "format");
         if (strcmp(hex, g->sha[i]) != 0 || !fmt || strcmp(fmt, "neurollm-lora/1") != 0) {
-            st = nl_error_set(&g->err,
-                              strcmp(hex, g->sha[i]) != 0 ? NL_ERR_INTEGRITY : NL_ERR_FORMAT,
-                              "%s: %s", g->path[i],
-                              strcmp(hex, g->sha[i]) != 0
-                                  ? "its SHA-256 is not the one its stage reported"
-                                  : "not an adapter shard (format neurollm-lora/1)");
+            st = nl_error_set(
+                &g->err, strcmp(hex, g->sha[i]) != 0 ? NL_ERR_INTEGRITY : NL_ERR_FORMAT, "%s: %s",
+                g->path[i],
+                strcmp(hex, g->sha[i]) != 0 ? "its SHA-256 is not the one its stage reported"
+                                            : "not an adapter shard (format neurollm-lora/1)");
             break;
         }
         for (size_t k = 0; st == NL_OK && k < nl_st_count(f[i]); k++) {

@@ -139,9 +139,9 @@ extern const cjob_ops coord_forward_ops, coord_generate_ops, coord_train_ops, co
 typedef struct cft {
     int64_t rank;
     double alpha;
-    char targets[40];    /* "wq,wk,wv,wo" or a part of it */
-    char base[4096];     /* the weights' source file (its SHA-256 goes into the file), or "" */
-    char adapter[1200];  /* the joined adapter file, once written */
+    char targets[40];   /* "wq,wk,wv,wo" or a part of it */
+    char base[4096];    /* the weights' source file (its SHA-256 goes into the file), or "" */
+    char adapter[1200]; /* the joined adapter file, once written */
 } cft;
 #define COORD_FT_PARAMS 4 /* parameters coord_finetune_stage_params adds */
 /* Submit a training job (ft NULL) or a fine-tuning one (takes ft). */

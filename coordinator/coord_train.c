@@ -342,8 +342,10 @@ static void start_step(nl_coord *c, cjob *j)
     }
     t->t_step = coord_now();
     t->phase = TR_STEP;
-    if (!t->ft) /* fine-tuning leaves the weights as they are */
-        c->stages_modified = 1; /* until a checkpoint of these weights is the source */
+    /* until a checkpoint of these weights is the source (fine-tuning
+     * leaves the weights as they are) */
+    if (!t->ft)
+        c->stages_modified = 1;
     t->norms = t->have_loss = 0;
     t->sumsq = t->ce = t->aux = 0.0;
     memset(t->got, 0, (size_t)t->stages);

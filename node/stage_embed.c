@@ -75,7 +75,7 @@ static const nl_wire_param *param(const nl_msg_job_submit *j, const char *key)
 }
 
 nl_status nl_stage_embed_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
-                              nl_error *err)
+                               nl_error *err)
 {
     const nl_wire_param *job = param(j, "job"), *B = param(j, "batch"), *T = param(j, "seq"),
                         *len = param(j, "lengths");
