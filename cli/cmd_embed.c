@@ -5,6 +5,8 @@
  * encoder's embedding of a text does not depend on what it was batched
  * with. In this process (--model), or through a cluster (--cluster or
  * --coordinator: one embed job per batch, the last stage pools). */
+#include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -227,16 +229,19 @@ static nl_status cluster_model(nl_remote *r, nl_tokenizer **tok, int64_t *vocab,
     return s;
 }
 
-/* One embed job: B texts of T ids in, B vectors of d into emb. */
+/* One embed job: B texts of T ids in, B vectors of d into emb (adapter:
+ * an absolute path the cluster reads, or NULL). */
 static nl_status embed_batch(nl_remote *r, const int32_t *ids, const int32_t *lengths, int B, int T,
-                             int d, float *emb, nl_error *err)
+                             int d, const char *adapter, float *emb, nl_error *err)
 {
     char text[NL_EMBED_LENGTHS_MAX];
     nl_status st = nl_embed_format_lengths(text, sizeof text, lengths, B, err);
     if (st != NL_OK)
         return st;
-    const nl_wire_param ps[1] = {{.key = "lengths", .kind = NL_WIRE_PARAM_STR, .s = text}};
-    if ((st = nl_remote_submit(r, NL_JOB_EMBED, ps, 1, ids, B, T, err)) != NL_OK)
+    const nl_wire_param ps[2] = {
+        {.key = "lengths", .kind = NL_WIRE_PARAM_STR, .s = text},
+        {.key = "adapter", .kind = NL_WIRE_PARAM_STR, .s = (char *)adapter}};
+    if ((st = nl_remote_submit(r, NL_JOB_EMBED, ps, adapter ? 2 : 1, ids, B, T, err)) != NL_OK)
         return st;
     nl_rx rx;
     nl_rx_init(&rx);
@@ -270,17 +275,20 @@ int nl_cmd_remote_embed(int argc, char **argv)
         {"out", 1, "output: 'embeddings' F32 [lines, hidden_dim], L2-normalised", NULL},
         {"seq", 1, "ids kept per line (default: the model's max_seq_len)", NULL},
         {"batch", 1, "lines per embed job (default 16)", NULL},
+        {"adapter", 1,
+         "LoRA adapter file under the cluster's --checkpoint-root, shared with the nodes (e.g. "
+         "the one neuroctl finetune --cluster joined there)",
+         NULL},
         NL_REMOTE_FLAGS,
         {0}};
     const char *usage = "neuroctl embed (--cluster DIR | --coordinator EP --key K "
                         "--coordinator-key P) --input TEXTS --out EMB.safetensors [--seq T] "
-                        "[--batch B]";
+                        "[--batch B] [--adapter A]";
     for (int i = 1; i < argc; i++) {
         if (nl_remote_refuse_node_flag(argv[i]))
             return 2;
-        if (strcmp(argv[i], "--model") == 0 || strcmp(argv[i], "--adapter") == 0) {
-            fprintf(stderr, "%s: a cluster embeds with its own model%s\n", argv[i],
-                    argv[i][2] == 'a' ? " (adapters on a cluster's embeddings: not yet)" : "");
+        if (strcmp(argv[i], "--model") == 0) {
+            fprintf(stderr, "--model: a cluster embeds with its own model\n");
             return 2;
         }
     }
@@ -293,7 +301,13 @@ int nl_cmd_remote_embed(int argc, char **argv)
         (rc = nl_args_int(flags, "batch", 1, 4096, &batch)) ||
         (rc = nl_cli_may_write(flags, "out", nl_args_get(flags, "out"))))
         return rc;
-    const char *in = nl_args_get(flags, "input"), *out = nl_args_get(flags, "out");
+    const char *in = nl_args_get(flags, "input"), *out = nl_args_get(flags, "out"),
+               *ad = nl_args_get(flags, "adapter");
+    char *adapter = NULL; /* absolute: the coordinator and the nodes resolve it */
+    if (ad && !(adapter = realpath(ad, NULL))) {
+        fprintf(stderr, "--adapter: %s: %s\n", ad, strerror(errno));
+        return 1;
+    }
     nl_error err = {0};
     nl_remote r = {0};
     nl_tokenizer *tok = NULL;
@@ -320,8 +334,8 @@ int nl_cmd_remote_embed(int argc, char **argv)
     }
     for (int b0 = 0; b0 < n; b0 += (int)batch) {
         const int B = n - b0 < (int)batch ? n - b0 : (int)batch;
-        if (embed_batch(&r, ids + (size_t)b0 * T, lengths + b0, B, T, d, emb + (size_t)b0 * d,
-                        &err) != NL_OK)
+        if (embed_batch(&r, ids + (size_t)b0 * T, lengths + b0, B, T, d, adapter,
+                        emb + (size_t)b0 * d, &err) != NL_OK)
             goto out;
     }
     const int64_t shape[2] = {n, d};
@@ -342,6 +356,7 @@ out:
     free(ids);
     free(lengths);
     free(emb);
+    free(adapter);
     if (rc)
         fprintf(stderr, "neuroctl embed: %s (%s)\n", err.msg, nl_status_str(err.status));
     return rc;

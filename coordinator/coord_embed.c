@@ -4,7 +4,11 @@
  * request (JOB_SUBMIT kind embed {job, batch, seq, lengths}); once all
  * have, the ids go down the pipeline as a forward, and the last stage
  * returns the pooled, L2-normalised final-normed states F32 [B, d] in its
- * RESULT, which the coordinator relays to the client as a forward's. */
+ * RESULT, which the coordinator relays to the client as a forward's.
+ * params.adapter (optional): a LoRA adapter file under --checkpoint-root
+ * (for example one a fine-tuning job joined), which every stage applies
+ * to its layers for this job. */
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,6 +21,7 @@ typedef struct cembed {
     int32_t *ids; /* (B, T) */
     int B, T;
     char lengths[NL_EMBED_LENGTHS_MAX + 1];
+    char adapter[4096]; /* resolved under --checkpoint-root, or "" */
     int acks;
     uint8_t *acked; /* per stage */
 } cembed;
@@ -40,7 +45,8 @@ static void refuse(nl_coord *c, const nl_rx *rx, const char *why)
 static void embed_submit(nl_coord *c, const nl_rx *rx)
 {
     const nl_msg_job_submit *s = &rx->msg.u.job_submit;
-    const nl_wire_param *len = coord_param(s, "lengths");
+    const nl_wire_param *len = coord_param(s, "lengths"), *ad = coord_param(s, "adapter");
+    char adapter[PATH_MAX] = "", why[700];
     int B = 0, T = 0;
     nl_error err = {0};
     const char *bad = coord_check_tokens(c, rx, &B, &T);
@@ -60,6 +66,16 @@ static void embed_submit(nl_coord *c, const nl_rx *rx)
         bad = err.msg;
     }
     free(lengths);
+    /* an adapter file the stages read: under the operator's checkpoint root */
+    const char *out = !bad && ad ? ad->kind != NL_WIRE_PARAM_STR
+                                       ? "not a path"
+                                       : coord_confine_file(c->ckpt_root, ad->s, NULL, 1ull << 34,
+                                                            adapter, sizeof adapter)
+                                 : NULL;
+    if (out) {
+        snprintf(why, sizeof why, "params.adapter: %s (the coordinator's --checkpoint-root)", out);
+        bad = why;
+    }
     if (bad) {
         refuse(c, rx, bad);
         return;
@@ -80,20 +96,22 @@ static void embed_submit(nl_coord *c, const nl_rx *rx)
     e->B = B;
     e->T = T;
     snprintf(e->lengths, sizeof e->lengths, "%s", len->s);
+    snprintf(e->adapter, sizeof e->adapter, "%s", adapter);
     j->epoch = c->epoch;
     coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, "running", NULL);
-    nl_wire_param ps[4] = {
+    nl_wire_param ps[5] = {
         {.key = "job", .kind = NL_WIRE_PARAM_INT, .i = (int64_t)j->id},
         {.key = "batch", .kind = NL_WIRE_PARAM_INT, .i = B},
         {.key = "seq", .kind = NL_WIRE_PARAM_INT, .i = T},
         {.key = "lengths", .kind = NL_WIRE_PARAM_STR, .s = e->lengths},
+        {.key = "adapter", .kind = NL_WIRE_PARAM_STR, .s = e->adapter},
     };
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     for (int st = 0; st < c->plan->n_stages; st++) {
         cnode *n = coord_stage_node(c, st);
         nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
-        m.u.job_submit = (nl_msg_job_submit){NL_JOB_EMBED, 4, ps};
+        m.u.job_submit = (nl_msg_job_submit){NL_JOB_EMBED, e->adapter[0] ? 5 : 4, ps};
         if (!n || coord_send_node(c, n, &m) != NL_OK) {
             nl_wire_msg_free(&m);
             coord_job_fail(c, j, "a stage of the plan cannot be reached");

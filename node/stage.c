@@ -723,7 +723,9 @@ static nl_status run_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wir
     /* a session's decode step asks for no aux loss: reading it would be one
      * more wait for the device per token */
     float aux = 0.0f;
+    m->lora = em ? nl_stage_embed_adapter(em) : NULL; /* an embed job's adapters, if any */
     st = nl_forward(m, s->rs, &a, se ? NULL : &aux, err);
+    m->lora = NULL;
     if (st != NL_OK)
         return nl_error_prefix(err, "%s", who);
     if (se)

@@ -175,7 +175,9 @@ nl_txref *nl_stage_txref(nl_stage *s);
  * (B x T as given) keeps each text's pads out of an encoder's attention,
  * and on the last stage returns the pooled, L2-normalised final-normed
  * states, F32 [B, d], in place of logits. The request is used by that one
- * hop; nl_stage_embed_end forgets it before (false: no such request). */
+ * hop; nl_stage_embed_end forgets it before (false: no such request).
+ * Optional params.adapter: a LoRA adapter file under the node's
+ * --checkpoint-root; its tensors of this stage's layers apply to the hop. */
 nl_status nl_stage_embed_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
                                nl_error *err);
 bool nl_stage_embed_end(nl_stage *s, uint64_t job);

@@ -6,13 +6,17 @@
  * the last stage outputs the final-normed states, pools them (core/embed.h)
  * and returns [B, d] vectors in the RESULT in place of logits. A request
  * is used by one hop and then forgotten; at most EMBED_MAX wait at once
- * (the oldest goes first). */
+ * (the oldest goes first). With params.adapter (an adapter file under the
+ * node's --checkpoint-root, e.g. one a cluster fine-tuning joined) each
+ * stage applies its layers' adapters to that one forward. */
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "../base/log.h"
 #include "../core/embed.h"
+#include "../core/lora.h"
 #include "stage_impl.h"
 
 #define EMBED_MAX 64
@@ -22,12 +26,35 @@ struct stage_embed {
     int B, T;
     int32_t *lengths; /* (B) */
     int32_t *doc;     /* (B, T): 1 on the pads */
+    nl_lora *lo;      /* the adapters the forward applies (not attached between hops), or NULL */
 };
 
 static void req_free(stage_embed *r)
 {
     free(r->lengths);
     free(r->doc);
+    nl_lora_destroy(&r->lo);
+}
+
+/* params.adapter: an adapter file under this node's --checkpoint-root
+ * (the coordinator confined it to its own; the node checks again), its
+ * tensors of this stage's layers loaded for rows rows. */
+static nl_status load_adapter(nl_stage *s, const char *path, int rows, nl_lora **lo, nl_error *err)
+{
+    char root[PATH_MAX], real[PATH_MAX];
+    if (!s->o.ckpt_root || !realpath(s->o.ckpt_root, root))
+        return nl_error_set(err, NL_ERR_AUTH,
+                            "params.adapter: this node has no --checkpoint-root to read adapters "
+                            "from");
+    const size_t n = strlen(root);
+    if (!realpath(path, real) || strncmp(real, root, n) != 0 ||
+        (real[n] != '/' && !(n == 1 && root[0] == '/')))
+        return nl_error_set(err, NL_ERR_AUTH,
+                            "params.adapter: not a file under this node's --checkpoint-root %s",
+                            root);
+    nl_status st = nl_lora_load(lo, s->model, real, rows, err);
+    s->model->lora = NULL; /* attached by each of the job's hops only */
+    return st;
 }
 
 static void drop(nl_stage *s, int i)
@@ -78,7 +105,7 @@ nl_status nl_stage_embed_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t
                                nl_error *err)
 {
     const nl_wire_param *job = param(j, "job"), *B = param(j, "batch"), *T = param(j, "seq"),
-                        *len = param(j, "lengths");
+                        *len = param(j, "lengths"), *ad = param(j, "adapter");
     *job_id = job && job->kind == NL_WIRE_PARAM_INT && job->i > 0 ? (uint64_t)job->i : 0;
     if (!*job_id)
         return nl_error_set(err, NL_ERR_PROTO, "embed JOB_SUBMIT: no params.job");
@@ -104,6 +131,10 @@ nl_status nl_stage_embed_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t
     nl_status st = r.lengths && r.doc ? NL_OK : nl_error_set(err, NL_ERR_NOMEM, "out of memory");
     if (st == NL_OK)
         st = nl_embed_parse_lengths(len->s, r.B, r.T, r.lengths, err);
+    if (st == NL_OK && ad && ad->kind != NL_WIRE_PARAM_STR)
+        st = nl_error_set(err, NL_ERR_PROTO, "params.adapter: not a path");
+    if (st == NL_OK && ad)
+        st = load_adapter(s, ad->s, r.B * r.T, &r.lo, err);
     if (st == NL_OK && !s->emb && !(s->emb = calloc(EMBED_MAX, sizeof *s->emb)))
         st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
     if (st != NL_OK) {
@@ -131,6 +162,11 @@ nl_status nl_stage_embed_check(const stage_embed *r, int B, int T, nl_error *err
 const int32_t *nl_stage_embed_doc(const stage_embed *r)
 {
     return r->doc;
+}
+
+nl_lora *nl_stage_embed_adapter(const stage_embed *r)
+{
+    return r->lo;
 }
 
 nl_status nl_stage_embed_pool(nl_stage *s, const stage_embed *r, const float *states,

@@ -132,6 +132,8 @@ const stage_embed *nl_stage_embed_find(const nl_stage *s, uint64_t job);
 nl_status nl_stage_embed_check(const stage_embed *r, int B, int T, nl_error *err);
 /* Its pads' document ids (B, T), for an encoder's attention. */
 const int32_t *nl_stage_embed_doc(const stage_embed *r);
+/* Its adapters (to attach for its forward only), or NULL. */
+struct nl_lora *nl_stage_embed_adapter(const stage_embed *r);
 /* The last stage: pool the final-normed states (host, B x T x d) into
  * out as [B, d] vectors. */
 nl_status nl_stage_embed_pool(nl_stage *s, const stage_embed *r, const float *states,

@@ -11,8 +11,8 @@
 #    each gets what it got alone;
 #  - a training job is refused while a fine-tuning job runs;
 #  - embeddings through the cluster (neuroctl embed --cluster) equal local
-#    ones within 1e-5, for a decoder and for an encoder (pads kept out of
-#    attention on every stage).
+#    ones within 1e-5, for a decoder (also with the joined adapter) and for
+#    an encoder (pads kept out of attention on every stage).
 set -uo pipefail
 N="$NL_BUILD_DIR/cli/neuroctl"
 export NL_TEST_GFLOPS=20 # equal probes: the plan is 3 stages whatever else runs
@@ -184,6 +184,19 @@ print("%d embeddings of %d: worst relative error %.2e" % (sa[0], d, worst))
 assert worst <= 1e-5, worst
 PY
 check $PY "$W/emb.py" "$W/emb_remote.safetensors" "$W/emb_local.safetensors"
+# with the adapter the cluster joined (under its checkpoint root), against
+# the local tool with the client's copy of it
+AD=$(ls "$W"/ck/lora-job*/adapter.safetensors | head -n 1)
+check "$N" embed "${DEV[@]}" --model "$W/m.safetensors" --adapter "$W/remoteA.safetensors" \
+  --input "$W/texts.txt" --seq 40 --batch 4 --threads 1 --out "$W/embA_local.safetensors"
+check "$N" embed --cluster "$C" --adapter "$AD" --input "$W/texts.txt" --seq 40 --batch 1 \
+  --out "$W/embA_remote.safetensors"
+check $PY "$W/emb.py" "$W/embA_remote.safetensors" "$W/embA_local.safetensors"
+check $PY - "$W" <<'PY'
+import sys
+w = sys.argv[1]  # the adapter changed the embeddings
+assert open(w + "/embA_local.safetensors", "rb").read() != open(w + "/emb_local.safetensors", "rb").read()
+PY
 # an encoder (bidirectional: the pads are kept out of attention on every stage)
 sed 's/^max_seq_len: 64/max_seq_len: 64\ncausal: false/' "$W/cfg.yaml" > "$W/enc.yaml"
 check "$N" init --config "$W/enc.yaml" --out "$W/enc.safetensors" --seed 9
