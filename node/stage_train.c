@@ -201,14 +201,17 @@ nl_status nl_stage_train_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t
 {
     if (j->kind == NL_JOB_FINETUNE) /* adapters on the frozen weights (stage_lora.c) */
         return nl_stage_lora_begin(s, j, job_id, err);
-    nl_status st = nl_stage_train_make(s, j, job_id, err);
-    if (st == NL_OK && s->n_ft > 0) {
-        nl_stage_train_free(s);
-        return nl_error_set(err, NL_ERR_STATE,
-                            "train job %llu: %d fine-tuning job%s use this stage's weights frozen",
-                            (unsigned long long)*job_id, s->n_ft, s->n_ft == 1 ? "" : "s");
+    if (s->n_ft > 0) { /* before the trainer takes anything (the moments) */
+        int64_t job = 0;
+        nl_status st = int_param(j, "job", true, 1, INT64_MAX, &job, err);
+        *job_id = (uint64_t)job;
+        return st != NL_OK ? st
+                           : nl_error_set(err, NL_ERR_STATE,
+                                          "train job %lld: %d fine-tuning job%s use this stage's "
+                                          "weights frozen",
+                                          (long long)job, s->n_ft, s->n_ft == 1 ? "" : "s");
     }
-    return st;
+    return nl_stage_train_make(s, j, job_id, err);
 }
 
 nl_status nl_stage_train_make(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
