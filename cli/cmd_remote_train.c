@@ -618,7 +618,8 @@ static int remote_main(int argc, char **argv, int finetune)
     if (finetune) { /* finetune's own words for the flags that differ */
         for (nl_flag *fl = flags; fl->name; fl++)
             if (strcmp(fl->name, "out") == 0)
-                fl->help = "the adapter file the cluster joins from its stages' (required)";
+                fl->help = "the adapter file (required): the cluster joins it from its stages' "
+                           "shards, and the client copies it here";
             else if (strcmp(fl->name, "checkpoint-dir") == 0)
                 fl->help = "where the stages write their adapter shards and the cluster joins "
                            "them (DIR/lora-job<ID>; default: checkpoints)";
@@ -662,8 +663,9 @@ static int remote_main(int argc, char **argv, int finetune)
             return 2;
         }
         if (!nl_args_get(flags, "out") || nl_args_get(flags, "resume") ||
-            nl_args_get(flags, "attach")) {
-            fprintf(stderr, "neuroctl finetune: give --out (no --resume, no --attach)\n");
+            nl_args_get(flags, "attach") || nl_args_get(flags, "checkpoint-every")) {
+            fprintf(stderr, "neuroctl finetune: give --out (no --resume, --attach or "
+                            "--checkpoint-every: the adapters are written once, at the end)\n");
             return 2;
         }
     }
