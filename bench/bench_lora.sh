@@ -14,7 +14,9 @@
 # REPS times, so a loaded machine disturbs both alike; report ratios.
 #   bench/bench_lora.sh [BUILD_DIR]
 #   env: CONFIG (configs/bench-small.yaml), STEPS (6), BATCH (8), SEQ (256),
-#        MICRO (4), RANK (8), THREADS (2: the process; each node gets 1),
+#        MICRO (4), RANK (8), THREADS (1: the process's; each node gets 1:
+#        on a machine other jobs load, OpenMP with more threads than free
+#        cores spins at its barriers and the step times mean nothing),
 #        REPS (2)
 set -euo pipefail
 B=${1:-build}
@@ -24,7 +26,7 @@ BATCH=${BATCH:-8}
 SEQ=${SEQ:-256}
 MICRO=${MICRO:-4}
 RANK=${RANK:-8}
-THREADS=${THREADS:-2}
+THREADS=${THREADS:-1}
 REPS=${REPS:-2}
 N=$B/cli/neuroctl
 W=$(mktemp -d)
