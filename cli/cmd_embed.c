@@ -1,8 +1,12 @@
 /* neuroctl embed: one embedding per line of text (DESIGN.md section 7):
  * the mean over the valid positions of the final-normed states,
- * L2-normalised. Lines are cut to --seq ids and run in batches padded with
- * id 0, the pads a document of their own, so an encoder's embedding of a
- * text does not depend on what it was batched with. */
+ * L2-normalised (core/embed.h). Lines are cut to --seq ids and run in
+ * batches padded with id 0, the pads a document of their own, so an
+ * encoder's embedding of a text does not depend on what it was batched
+ * with. In this process (--model), or through a cluster (--cluster or
+ * --coordinator: one embed job per batch, the last stage pools). */
+#include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,11 +16,13 @@
 #include "cli_io.h"
 #include "commands.h"
 #include "core/checkpoint.h"
+#include "core/embed.h"
 #include "core/fileio.h"
 #include "core/forward.h"
 #include "core/lora.h"
 #include "core/safetensors.h"
 #include "core/tokenizer.h"
+#include "remote.h"
 
 /* Largest input file: 1 GiB of text. */
 #define EMBED_MAX_BYTES (1u << 30)
@@ -79,22 +85,6 @@ static nl_status encode_lines(char *text, size_t len, nl_tokenizer *tok, int T, 
     return NL_OK;
 }
 
-/* Mean of the first len rows of states (T, d), L2-normalised, into out. */
-static void pool(float *out, const float *states, int len, int d)
-{
-    double norm = 0.0;
-    for (int c = 0; c < d; c++) {
-        double s = 0.0;
-        for (int t = 0; t < len; t++)
-            s += states[(size_t)t * d + c];
-        out[c] = (float)(s / len);
-        norm += (double)out[c] * out[c];
-    }
-    const float inv = norm > 0.0 ? (float)(1.0 / sqrt(norm)) : 0.0f;
-    for (int c = 0; c < d; c++)
-        out[c] *= inv;
-}
-
 int nl_cmd_embed(int argc, char **argv)
 {
     nl_flag flags[] = {
@@ -108,8 +98,12 @@ int nl_cmd_embed(int argc, char **argv)
         {"threads", 1, "worker threads (default: all cores)", NULL},
         NL_CLI_DEVICE_FLAG,
         {0}};
-    const char *usage = "neuroctl embed --model MODEL --input TEXTS --out EMB.safetensors "
-                        "[--seq T] [--batch B] [--adapter A] [--threads N] [--device D]";
+    const char *usage =
+        "neuroctl embed --model MODEL --input TEXTS --out EMB.safetensors "
+        "[--seq T] [--batch B] [--adapter A] [--threads N] [--device D]"
+        "\n  on a cluster: neuroctl embed --cluster DIR (or --coordinator EP --key K "
+        "--coordinator-key P) --input TEXTS --out EMB.safetensors [--seq T] "
+        "[--batch B] (neuroctl embed --cluster x --help lists its flags)";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -163,9 +157,7 @@ int nl_cmd_embed(int argc, char **argv)
     }
     for (int b0 = 0; b0 < n; b0 += Bmax) {
         const int B = n - b0 < Bmax ? n - b0 : Bmax;
-        for (int b = 0; b < B; b++)
-            for (int t = 0; t < T; t++)
-                doc[(size_t)b * T + t] = t >= lengths[b0 + b];
+        nl_embed_doc(doc, lengths + b0, B, T);
         /* a decoder's valid positions never see the pads that follow them */
         nl_forward_args a = {.B = B,
                              .T = T,
@@ -178,7 +170,8 @@ int nl_cmd_embed(int argc, char **argv)
         if (nl_cli_device_check(be, &err) != NL_OK)
             goto out;
         for (int b = 0; b < B; b++)
-            pool(emb + (size_t)(b0 + b) * d, states + (size_t)b * T * d, lengths[b0 + b], d);
+            nl_embed_pool(emb + (size_t)(b0 + b) * d, states + (size_t)b * T * d, lengths[b0 + b],
+                          d);
     }
     const int64_t shape[2] = {n, d};
     if (!(w = nl_st_writer_new())) {
@@ -204,6 +197,166 @@ out:
     nl_lora_destroy(&lo);
     nl_model_destroy(&m);
     nl_backend_destroy(&be);
+    if (rc)
+        fprintf(stderr, "neuroctl embed: %s (%s)\n", err.msg, nl_status_str(err.status));
+    return rc;
+}
+
+/* ---------------------------------------------------------------- on a cluster */
+
+/* The cluster's tokenizer (or bytes for a byte-level model), vocabulary,
+ * context and width, from its status. */
+static nl_status cluster_model(nl_remote *r, nl_tokenizer **tok, int64_t *vocab, int *max_seq,
+                               int *d, nl_error *err)
+{
+    json_t *st = NULL;
+    nl_status s = nl_remote_status(r, &st, err);
+    if (s != NL_OK)
+        return s;
+    const json_t *cfg = json_object_get(st, "config"), *tk = json_object_get(st, "tokenizer");
+    *vocab = json_integer_value(json_object_get(cfg, "vocab_size"));
+    *max_seq = (int)json_integer_value(json_object_get(cfg, "max_seq_len"));
+    *d = (int)json_integer_value(json_object_get(cfg, "hidden_dim"));
+    if (*vocab < 1 || *max_seq < 1 || *d < 1)
+        s = nl_error_set(err, NL_ERR_STATE, "the cluster has no model yet (its status names none)");
+    else if (json_is_string(tk))
+        s = nl_tokenizer_load_buffer(tok, json_string_value(tk), json_string_length(tk), err);
+    else if (*vocab <= 256)
+        s = nl_tokenizer_new_bytes(tok, err);
+    else
+        s = nl_error_set(err, NL_ERR_STATE, "the cluster's model has no tokenizer");
+    json_decref(st);
+    return s;
+}
+
+/* One embed job: B texts of T ids in, B vectors of d into emb (adapter:
+ * an absolute path the cluster reads, or NULL). */
+static nl_status embed_batch(nl_remote *r, const int32_t *ids, const int32_t *lengths, int B, int T,
+                             int d, const char *adapter, float *emb, nl_error *err)
+{
+    char text[NL_EMBED_LENGTHS_MAX];
+    nl_status st = nl_embed_format_lengths(text, sizeof text, lengths, B, err);
+    if (st != NL_OK)
+        return st;
+    const nl_wire_param ps[2] = {
+        {.key = "lengths", .kind = NL_WIRE_PARAM_STR, .s = text},
+        {.key = "adapter", .kind = NL_WIRE_PARAM_STR, .s = (char *)adapter}};
+    if ((st = nl_remote_submit(r, NL_JOB_EMBED, ps, adapter ? 2 : 1, ids, B, T, err)) != NL_OK)
+        return st;
+    nl_rx rx;
+    nl_rx_init(&rx);
+    int got = 0;
+    const double deadline = nl_remote_now() + r->timeout_ms / 1e3;
+    while ((st = nl_remote_recv(r, &rx, deadline, err)) == NL_OK) {
+        if (nl_remote_job_failed(&rx, err)) {
+            st = err->status;
+            break;
+        }
+        if (rx.msg.type == NL_MSG_RESULT && rx.msg.nframes == 1) {
+            const nl_tensor *t = &rx.msg.frames[0].t;
+            if (t->dtype != NL_DTYPE_F32 || t->ndim != 2 || t->shape[0] != B || t->shape[1] != d) {
+                st = nl_error_set(err, NL_ERR_SHAPE, "result: not F32 [%d, %d] embeddings", B, d);
+                break;
+            }
+            memcpy(emb, t->data, (size_t)B * d * sizeof *emb);
+            got = 1;
+        }
+        if (rx.msg.type == NL_MSG_JOB_STATUS && rx.msg.u.job_status.state == NL_JOB_DONE && got)
+            break;
+    }
+    nl_rx_free(&rx);
+    return st;
+}
+
+int nl_cmd_remote_embed(int argc, char **argv)
+{
+    nl_flag flags[] = {
+        {"input", 1, "text file: one text per line (through the cluster's tokenizer)", NULL},
+        {"out", 1, "output: 'embeddings' F32 [lines, hidden_dim], L2-normalised", NULL},
+        {"seq", 1, "ids kept per line (default: the model's max_seq_len)", NULL},
+        {"batch", 1, "lines per embed job (default 16)", NULL},
+        {"adapter", 1,
+         "LoRA adapter file under the cluster's --checkpoint-root, shared with the nodes (e.g. "
+         "the one neuroctl finetune --cluster joined there)",
+         NULL},
+        NL_REMOTE_FLAGS,
+        {0}};
+    const char *usage = "neuroctl embed (--cluster DIR | --coordinator EP --key K "
+                        "--coordinator-key P) --input TEXTS --out EMB.safetensors [--seq T] "
+                        "[--batch B] [--adapter A]";
+    for (int i = 1; i < argc; i++) {
+        if (nl_remote_refuse_node_flag(argv[i]))
+            return 2;
+        if (strcmp(argv[i], "--model") == 0) {
+            fprintf(stderr, "--model: a cluster embeds with its own model\n");
+            return 2;
+        }
+    }
+    int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
+    if (rc)
+        return rc == 1 ? 0 : rc;
+    long long seq = 0, batch = 16;
+    if ((rc = nl_cli_require("embed", usage, flags, "input", "out", (const char *)NULL)) ||
+        (rc = nl_args_int(flags, "seq", 1, 1 << 20, &seq)) ||
+        (rc = nl_args_int(flags, "batch", 1, 4096, &batch)) ||
+        (rc = nl_cli_may_write(flags, "out", nl_args_get(flags, "out"))))
+        return rc;
+    const char *in = nl_args_get(flags, "input"), *out = nl_args_get(flags, "out"),
+               *ad = nl_args_get(flags, "adapter");
+    char *adapter = NULL; /* absolute: the coordinator and the nodes resolve it */
+    if (ad && !(adapter = realpath(ad, NULL))) {
+        fprintf(stderr, "--adapter: %s: %s\n", ad, strerror(errno));
+        return 1;
+    }
+    nl_error err = {0};
+    nl_remote r = {0};
+    nl_tokenizer *tok = NULL;
+    nl_st_writer *w = NULL;
+    char *text = NULL;
+    size_t len = 0;
+    int32_t *ids = NULL, *lengths = NULL;
+    float *emb = NULL;
+    int64_t vocab = 0;
+    int max_seq = 0, d = 0, n = 0;
+    rc = 1;
+    if (nl_file_read_all(in, EMBED_MAX_BYTES, &text, &len, &err) != NL_OK ||
+        nl_remote_open(&r, flags, 60, &err) != NL_OK ||
+        cluster_model(&r, &tok, &vocab, &max_seq, &d, &err) != NL_OK)
+        goto out;
+    const int T = (int)(seq > 0 && seq < max_seq ? seq : max_seq);
+    if (encode_lines(text, len, tok, T, vocab, &ids, &lengths, &n, &err) != NL_OK) {
+        nl_error_prefix(&err, "%s", in);
+        goto out;
+    }
+    if (!(emb = malloc((size_t)n * d * sizeof *emb))) {
+        nl_error_set(&err, NL_ERR_NOMEM, "out of memory");
+        goto out;
+    }
+    for (int b0 = 0; b0 < n; b0 += (int)batch) {
+        const int B = n - b0 < (int)batch ? n - b0 : (int)batch;
+        if (embed_batch(&r, ids + (size_t)b0 * T, lengths + b0, B, T, d, adapter,
+                        emb + (size_t)b0 * d, &err) != NL_OK)
+            goto out;
+    }
+    const int64_t shape[2] = {n, d};
+    if (!(w = nl_st_writer_new())) {
+        nl_error_set(&err, NL_ERR_NOMEM, "out of memory");
+        goto out;
+    }
+    if (nl_st_writer_add(w, "embeddings", NL_DTYPE_F32, 2, shape, emb, &err) != NL_OK ||
+        nl_st_writer_write(w, out, &err) != NL_OK)
+        goto out;
+    fprintf(stderr, "wrote %s: %d embeddings of %d (through the cluster)\n", out, n, d);
+    rc = 0;
+out:
+    nl_st_writer_destroy(&w);
+    nl_remote_close(&r);
+    nl_tokenizer_destroy(&tok);
+    free(text);
+    free(ids);
+    free(lengths);
+    free(emb);
+    free(adapter);
     if (rc)
         fprintf(stderr, "neuroctl embed: %s (%s)\n", err.msg, nl_status_str(err.status));
     return rc;

@@ -23,6 +23,7 @@
 #include "cli_io.h"
 #include "commands.h"
 #include "core/fileio.h"
+#include "core/lora.h"
 #include "core/manifest.h"
 #include "remote.h"
 #include "train_report.h"
@@ -39,6 +40,11 @@ typedef struct rtrain_opts {
     int make_dir;    /* checkpoints asked for: the client makes the directory first */
     uint64_t attach; /* --attach JOB: follow it instead of submitting */
     int seq_default; /* --seq not given: the coordinator fits it to max_seq_len */
+    /* neuroctl finetune: LoRA adapters on the cluster's frozen model */
+    int finetune;
+    long long lora_rank;
+    double lora_alpha;
+    const char *lora_targets;
 } rtrain_opts;
 
 /* ---------------------------------------------------------------- flags */
@@ -150,6 +156,7 @@ typedef struct watch {
     int64_t skipped;        /* steps skipped for non-finite values */
     char *last_ckpt;        /* the last checkpoint announced */
     char *manifest;         /* the final checkpoint's manifest (done event), or NULL */
+    char *adapter;          /* finetune: the joined adapter file (done event), or NULL */
     int ended;              /* the job reached DONE, FAILED or CANCELLED */
     int failed;             /* refused, failed or cancelled: err says so as it is */
     char devices[512];      /* the stages' devices from the start event, "cuda:0,cpu", or "" */
@@ -292,16 +299,21 @@ static nl_status on_step(watch *w, const json_t *ev, nl_error *err)
     return NL_OK;
 }
 
-/* Keep a copy of a manifest path from an event. */
-static nl_status keep_path(char **dst, const json_t *ev, nl_error *err)
+/* Keep a copy of a path (key) from an event. */
+static nl_status keep_key(char **dst, const json_t *ev, const char *key, nl_error *err)
 {
-    const char *p = json_string_value(json_object_get(ev, "manifest"));
+    const char *p = json_string_value(json_object_get(ev, key));
     if (!p)
         return NL_OK;
     free(*dst);
     if (!(*dst = strdup(p)))
         return nl_error_set(err, NL_ERR_NOMEM, "out of memory");
     return NL_OK;
+}
+
+static nl_status keep_path(char **dst, const json_t *ev, nl_error *err)
+{
+    return keep_key(dst, ev, "manifest", err);
 }
 
 /* The status JSON frame, if the message has one (*ev NULL if not). */
@@ -351,6 +363,8 @@ static nl_status on_status(watch *w, const nl_rx *rx, nl_error *err)
     if (s->state == NL_JOB_DONE) {
         w->ended = 1;
         st = keep_path(&w->manifest, ev, err);
+        if (st == NL_OK)
+            st = keep_key(&w->adapter, ev, "adapter", err);
     } else if (!ev) {
         if (s->message[0] && !(first && strcmp(s->message, "running") == 0)) {
             nl_train_progress_break(&w->prog);
@@ -441,7 +455,7 @@ static nl_status follow(nl_remote *r, watch *w, nl_error *err)
 
 static nl_status submit(nl_remote *r, const rtrain_opts *o, nl_error *err)
 {
-    nl_wire_param ps[18] = {
+    nl_wire_param ps[21] = {
         {.key = "data", .kind = NL_WIRE_PARAM_STR, .s = o->data},
         {.key = "steps", .kind = NL_WIRE_PARAM_INT, .i = o->r.steps},
         {.key = "batch", .kind = NL_WIRE_PARAM_INT, .i = o->r.batch},
@@ -461,6 +475,14 @@ static nl_status submit(nl_remote *r, const rtrain_opts *o, nl_error *err)
         {.key = "seq_default", .kind = NL_WIRE_PARAM_BOOL, .b = o->seq_default},
         {.key = "resume", .kind = NL_WIRE_PARAM_STR, .s = o->resume},
     };
+    if (o->finetune) { /* no resume: the adapters start afresh */
+        ps[17] = (nl_wire_param){.key = "lora_rank", .kind = NL_WIRE_PARAM_INT, .i = o->lora_rank};
+        ps[18] =
+            (nl_wire_param){.key = "lora_alpha", .kind = NL_WIRE_PARAM_FLOAT, .f = o->lora_alpha};
+        ps[19] = (nl_wire_param){
+            .key = "lora_targets", .kind = NL_WIRE_PARAM_STR, .s = (char *)o->lora_targets};
+        return nl_remote_submit(r, NL_JOB_FINETUNE, ps, 20, NULL, 0, 0, err);
+    }
     return nl_remote_submit(r, NL_JOB_TRAIN, ps, o->resume ? 18 : 17, NULL, 0, 0, err);
 }
 
@@ -479,6 +501,25 @@ static nl_status export_out(const watch *w, const char *out, nl_error *err)
     nl_manifest_destroy(&m);
     if (st == NL_OK)
         fprintf(stderr, "wrote %s\n", out);
+    return st;
+}
+
+/* finetune --out: a copy of the adapter file the cluster joined. */
+static nl_status adapter_out(const watch *w, const char *out, nl_error *err)
+{
+    char *buf = NULL;
+    size_t len = 0;
+    if (!w->adapter)
+        return nl_error_set(err, NL_ERR_NOTFOUND,
+                            "job %" PRIu64 " ended without an adapter file: nothing to write to "
+                            "--out %s",
+                            w->job, out);
+    nl_status st = nl_file_read_all(w->adapter, (size_t)1 << 34, &buf, &len, err);
+    if (st == NL_OK)
+        st = nl_file_write_atomic(out, buf, len, err);
+    free(buf);
+    if (st == NL_OK)
+        fprintf(stderr, "wrote adapters %s (joined by the cluster in %s)\n", out, w->adapter);
     return st;
 }
 
@@ -525,7 +566,8 @@ static int run(const nl_flag *flags, const rtrain_opts *o)
         goto out;
     nl_train_progress_break(&w.prog);
     nl_train_report_skipped(w.skipped);
-    if (!interrupted && o->out && export_out(&w, o->out, &err) != NL_OK)
+    if (!interrupted && o->out &&
+        (o->finetune ? adapter_out(&w, o->out, &err) : export_out(&w, o->out, &err)) != NL_OK)
         goto out;
     /* the last line says where the last step is kept */
     if (!o->out && w.manifest)
@@ -549,10 +591,11 @@ out:
         fclose(w.log);
     free(w.last_ckpt);
     free(w.manifest);
+    free(w.adapter);
     return rc;
 }
 
-int nl_cmd_remote_train(int argc, char **argv)
+static int remote_main(int argc, char **argv, int finetune)
 {
     nl_flag flags[] = {
         {"data", 1, "training text or .tok file, on a filesystem the coordinator shares", NULL},
@@ -567,17 +610,65 @@ int nl_cmd_remote_train(int argc, char **argv)
          NULL},
         NL_REMOTE_FLAGS_TIMEOUT(
             "seconds without any message from the coordinator before giving up (default 600)"),
+        {"lora-rank", 1, "finetune: rank r of the adapters (default 8)", NULL},
+        {"lora-alpha", 1, "finetune: alpha; the adapters add (alpha / r) x A^T B^T (default 16)",
+         NULL},
+        {"lora-targets", 1, "finetune: the maps adapted, of wq,wk,wv,wo (default all four)", NULL},
         {0}};
+    if (finetune) { /* finetune's own words for the flags that differ */
+        for (nl_flag *fl = flags; fl->name; fl++)
+            if (strcmp(fl->name, "out") == 0)
+                fl->help = "the adapter file (required): the cluster joins it from its stages' "
+                           "shards, and the client copies it here";
+            else if (strcmp(fl->name, "checkpoint-dir") == 0)
+                fl->help = "where the stages write their adapter shards and the cluster joins "
+                           "them (DIR/lora-job<ID>; default: checkpoints)";
+    }
     const char *usage = "neuroctl train (--coordinator EP --key K --coordinator-key P | --cluster "
                         "DIR) --data DATA --steps N [--batch B] [--seq T] [--microbatches M] "
                         "[--lr X] [--warmup W] [--seed S] [--eval-every K] [--checkpoint-every K] "
                         "[--log LOG.jsonl] [--out FINAL.safetensors [--force]] "
                         "[--resume MANIFEST] | --attach JOB [--log LOG.jsonl] "
                         "[--out FINAL.safetensors [--force]]";
+    if (finetune)
+        usage = "neuroctl finetune (--coordinator EP --key K --coordinator-key P | --cluster DIR) "
+                "--data DATA --steps N --out ADAPTER.safetensors [--lora-rank R] [--lora-alpha A] "
+                "[--lora-targets wq,wk,wv,wo] [--batch B] [--seq T] [--microbatches M] [--lr X] "
+                "[--warmup W] [--seed S] [--eval-every K] [--log LOG.jsonl] [--checkpoint-dir D] "
+                "[--force]";
     int rc = refuse_local_flags(argc, argv, flags);
     if (rc || (rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL)))
         return rc == 1 ? 0 : rc;
     rtrain_opts o = {0};
+    const char *lr_rank = nl_args_get(flags, "lora-rank"),
+               *lr_alpha = nl_args_get(flags, "lora-alpha");
+    o.lora_targets = nl_args_get(flags, "lora-targets");
+    if (!finetune && (lr_rank || lr_alpha || o.lora_targets)) {
+        fprintf(stderr, "--lora-*: use neuroctl finetune\n");
+        return 2;
+    }
+    if (finetune) {
+        nl_error err = {0};
+        int bits = 0;
+        o.finetune = 1;
+        o.lora_rank = 8;
+        o.lora_alpha = 16.0;
+        if (!o.lora_targets)
+            o.lora_targets = "wq,wk,wv,wo";
+        if ((rc = nl_args_int(flags, "lora-rank", 1, 1024, &o.lora_rank)) ||
+            (rc = nl_args_double(flags, "lora-alpha", 1e-6, 1e6, &o.lora_alpha)))
+            return rc;
+        if (nl_lora_parse_targets(o.lora_targets, &bits, &err) != NL_OK) {
+            fprintf(stderr, "%s\n", err.msg);
+            return 2;
+        }
+        if (!nl_args_get(flags, "out") || nl_args_get(flags, "resume") ||
+            nl_args_get(flags, "attach") || nl_args_get(flags, "checkpoint-every")) {
+            fprintf(stderr, "neuroctl finetune: give --out (no --resume, --attach or "
+                            "--checkpoint-every: the adapters are written once, at the end)\n");
+            return 2;
+        }
+    }
     if (nl_args_get(flags, "attach")) {
         long long job = 0;
         if ((rc = nl_args_int(flags, "attach", 1, INT64_MAX, &job)))
@@ -597,4 +688,14 @@ int nl_cmd_remote_train(int argc, char **argv)
     free(o.resume);
     free(o.ckpt_dir);
     return rc;
+}
+
+int nl_cmd_remote_train(int argc, char **argv)
+{
+    return remote_main(argc, argv, 0);
+}
+
+int nl_cmd_remote_finetune(int argc, char **argv)
+{
+    return remote_main(argc, argv, 1);
 }

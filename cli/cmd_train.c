@@ -407,6 +407,8 @@ static int run_train(const train_opts *o)
     nl_mem_opts mo = {
         .training = 1, .micro_rows = mb * T, .in_flight = 1, .recompute = (int)o->r.recompute};
     nl_mem_estimate me = nl_memory_estimate(&m->cfg, m->cfg.num_layers, 1, 1, &mo);
+    if (lo) /* finetune: no moments for the frozen base; the adapters' four buffers instead */
+        me.total = me.total - me.moments + (uint64_t)lo->n_params * 4 * sizeof(float);
     fprintf(stderr,
             "training %" PRId64 " parameters on %zu tokens (%zu held out): %lld steps of %d x %d "
             "in %d microbatches on %s (TF32 %s), GEMMs in %s; memory model: %.1f MiB (+ %.1f MiB "

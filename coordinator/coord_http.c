@@ -601,13 +601,73 @@ static void be_end(void *ctx, void *jp)
     gen_free(g);
 }
 
+/* One input through the cluster's embed job (coord_embed.c): the last
+ * stage pools; a RESULT F32 [1, d] comes back. */
 static nl_status be_embed(void *ctx, const char *text, size_t len, const int32_t *ids, int n,
                           float **vec, int *dim, int *tokens, nl_error *err)
 {
-    (void)ctx, (void)text, (void)len, (void)ids, (void)n, (void)vec, (void)dim, (void)tokens;
-    return nl_error_set(err, NL_ERR_UNSUPPORTED,
-                        "embeddings are not served by a cluster yet (its stages return logits, "
-                        "not the final hidden states): use neuroctl serve for embeddings");
+    nl_coord_http *h = ctx;
+    const nl_http_completion rq = {
+        .prompt_text = ids ? NULL : text, .prompt_len = len, .prompt_ids = ids, .n_prompt_ids = n};
+    int32_t *p = NULL;
+    int P = 0;
+    nl_sock *s = NULL;
+    nl_rx rx;
+    nl_rx_init(&rx);
+    refresh_if_not_ready(h);
+    nl_status st = prompt_ids(h, &rq, &p, &P, err);
+    pthread_mutex_lock(&h->mu);
+    const int ctxlen = h->max_seq;
+    pthread_mutex_unlock(&h->mu);
+    if (st == NL_OK && (P < 1 || P > ctxlen))
+        st = nl_error_set(err, NL_ERR_RANGE, "%d tokens, outside 1..%d (the model's context)", P,
+                          ctxlen);
+    char lengths[24];
+    snprintf(lengths, sizeof lengths, "%d", P);
+    const nl_wire_param ps[1] = {{.key = "lengths", .kind = NL_WIRE_PARAM_STR, .s = lengths}};
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
+    m.u.job_submit = (nl_msg_job_submit){NL_JOB_EMBED, 1, (nl_wire_param *)ps};
+    const int64_t shape[2] = {1, P};
+    nl_wire_frame_set(&m.frames[0], p, NL_DTYPE_I32, shape, 2);
+    m.nframes = 1;
+    if (st == NL_OK && (st = open_client(h, &s, err)) == NL_OK)
+        st = nl_sock_send(s, NULL, 0, &m, err);
+    nl_wire_msg_free(&m);
+    const double by = now_s() + 60.0;
+    *vec = NULL;
+    while (st == NL_OK && now_s() < by) {
+        if (nl_sock_recv(s, &rx, 250, err) != NL_OK)
+            continue;
+        const nl_msg_job_status *js = &rx.msg.u.job_status;
+        if (rx.msg.type == NL_MSG_JOB_STATUS && js->state >= NL_JOB_FAILED) {
+            st = nl_error_set(err, NL_ERR_INTERNAL, "embedding failed: %s", js->message);
+        } else if (rx.msg.type == NL_MSG_RESULT && rx.msg.nframes == 1 && !*vec) {
+            const nl_tensor *t = &rx.msg.frames[0].t;
+            if (t->dtype != NL_DTYPE_F32 || t->ndim != 2 || t->shape[0] != 1 || t->shape[1] < 1)
+                st = nl_error_set(err, NL_ERR_INTERNAL, "embedding: a result of the wrong shape");
+            else if (!(*vec = malloc(rx.msg.frames[0].len)))
+                st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+            if (*vec) {
+                memcpy(*vec, t->data, rx.msg.frames[0].len);
+                *dim = (int)t->shape[1];
+                *tokens = P;
+            }
+        } else if (rx.msg.type == NL_MSG_JOB_STATUS && js->state == NL_JOB_DONE && *vec) {
+            break;
+        }
+    }
+    if (st == NL_OK && !*vec)
+        st = nl_error_set(err, NL_ERR_TIMEOUT, "embedding: no answer from the cluster in 60 s");
+    if (st != NL_OK) {
+        free(*vec);
+        *vec = NULL;
+    }
+    nl_rx_free(&rx);
+    nl_sock_destroy(&s);
+    free(p);
+    return st;
 }
 
 /* ---------------------------------------------------------------- status, metrics */

@@ -74,7 +74,8 @@ typedef struct csource {
 /* ---------------------------------------------------------------- jobs
  *
  * A job is one cjob of some kind; what a kind does lives behind its
- * operations table (coord_forward.c, coord_generate.c, coord_train.c), and
+ * operations table (coord_forward.c, coord_generate.c, coord_train.c,
+ * coord_finetune.c, coord_embed.c), and
  * its own state behind cjob.state. Calls go one way: the loop's dispatch
  * (coord.c) -> the jobs' dispatch (coord_jobs.c) -> a kind's operations ->
  * the helpers of coord_base.c, which call no job code but through the
@@ -126,7 +127,35 @@ struct cjob {
     void *state; /* the kind's, owned by the job */
 };
 
-extern const cjob_ops coord_forward_ops, coord_generate_ops, coord_train_ops;
+extern const cjob_ops coord_forward_ops, coord_generate_ops, coord_train_ops, coord_finetune_ops,
+    coord_embed_ops;
+
+/* ---------------------------------------------------------------- fine-tuning
+ * A fine-tuning job (coord_finetune.c) is a training job (coord_train.c)
+ * whose stages train LoRA adapters on their frozen weights: the same
+ * steps, evaluations and decisions; no journal, no plan for training
+ * memory, no resume; at the end each stage writes its adapters and a
+ * worker joins them into one file for the client. */
+typedef struct cft {
+    int64_t rank;
+    double alpha;
+    char targets[40];   /* "wq,wk,wv,wo" or a part of it */
+    char base[4096];    /* the weights' source file (its SHA-256 goes into the file), or "" */
+    char adapter[1200]; /* the joined adapter file, once written */
+} cft;
+#define COORD_FT_PARAMS 4 /* parameters coord_finetune_stage_params adds */
+/* Submit a training job (ft NULL) or a fine-tuning one (takes ft). */
+void coord_train_submit(nl_coord *c, const nl_rx *rx, cft *ft);
+/* The stages' JOB_SUBMIT parameters of the adapters (into ps, at most
+ * COORD_FT_PARAMS; borrowed from ft): how many. */
+int coord_finetune_stage_params(const cft *ft, int64_t seed, nl_wire_param *ps);
+/* Every stage's adapter shard (sh[0..n), in dir) is in: a worker checks
+ * their hashes and joins them into dir/adapter.safetensors, then calls
+ * coord_train_finetuned. */
+nl_status coord_finetune_gather(nl_coord *c, uint64_t job, const cft *ft,
+                                const nl_manifest_shard *sh, int n, const char *dir, nl_error *err);
+/* The joined file is written (why NULL), or why not: the job ends. */
+void coord_train_finetuned(nl_coord *c, uint64_t job, const char *adapter, const char *why);
 
 /* A task for a worker (coord_work.c); a task's struct begins with it. */
 typedef struct cwork cwork;

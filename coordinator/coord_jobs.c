@@ -10,7 +10,8 @@
 #include "base/log.h"
 #include "coord_impl.h"
 
-static const cjob_ops *const kinds[] = {&coord_forward_ops, &coord_generate_ops, &coord_train_ops};
+static const cjob_ops *const kinds[] = {&coord_forward_ops, &coord_generate_ops, &coord_train_ops,
+                                        &coord_finetune_ops, &coord_embed_ops};
 
 static void status_reply(nl_coord *c, const nl_rx *rx, uint64_t job, int state, const char *msg)
 {
@@ -85,10 +86,12 @@ static bool kind_takes(const cjob *j, int type)
 {
     switch (j->ops->kind) {
     case NL_JOB_FORWARD:
+    case NL_JOB_EMBED:
         return type == NL_MSG_RESULT || type == NL_MSG_JOB_STATUS;
     case NL_JOB_GENERATE:
         return type == NL_MSG_TOKEN || type == NL_MSG_JOB_STATUS;
     case NL_JOB_TRAIN:
+    case NL_JOB_FINETUNE:
         return type == NL_MSG_JOB_STATUS || type == NL_MSG_GRAD_NORM || type == NL_MSG_LOSS ||
                type == NL_MSG_CKPT_DONE;
     default:

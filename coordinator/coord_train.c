@@ -57,6 +57,7 @@ typedef struct ctrain {
     int64_t lost_at;   /* the step it was lost at */
     int mem_replanned; /* the cluster planned again for its training memory */
     json_t *journal;   /* the client's parameters, journaled (coord_journal.c) */
+    cft *ft;           /* a fine-tuning job (coord_finetune.c): its adapters; NULL: training */
 } ctrain;
 
 static void free_shards(nl_manifest_shard *sh, int n)
@@ -81,6 +82,7 @@ static void train_free(cjob *j)
     free(t->got);
     free_shards(t->shards, t->stages);
     json_decref(t->journal);
+    free(t->ft);
     free(t);
     j->state = NULL;
 }
@@ -245,7 +247,9 @@ static int plan_for_training(nl_coord *c, cjob *j)
 static void begin(nl_coord *c, cjob *j)
 {
     ctrain *t = j->state;
-    if (!plan_for_training(c, j))
+    /* a fine-tuning job keeps no moments of the base: each stage checks
+     * that its adapters' job fits, and the plan stays as it is */
+    if (!t->ft && !plan_for_training(c, j))
         return;
     free(t->got);
     free_shards(t->shards, t->stages); /* a resumed job's, of its former plan */
@@ -258,7 +262,7 @@ static void begin(nl_coord *c, cjob *j)
     }
     j->phase = JOB_RUNNING;
     j->epoch = c->epoch;
-    if (c->resumable) { /* the stages hold a manifest's weights and moments: continue it */
+    if (c->resumable && !t->ft) { /* the stages hold a manifest's weights and moments */
         t->start = t->step = c->src_step;
         t->moments = 1;
         t->adam = c->src_adam;
@@ -270,7 +274,7 @@ static void begin(nl_coord *c, cjob *j)
              (long long)t->start);
         return;
     }
-    nl_wire_param ps[9] = {
+    nl_wire_param ps[9 + COORD_FT_PARAMS] = {
         {.key = "job", .kind = NL_WIRE_PARAM_INT, .i = (int64_t)j->id},
         {.key = "micro_batch", .kind = NL_WIRE_PARAM_INT, .i = t->batch / t->micro},
         {.key = "seq", .kind = NL_WIRE_PARAM_INT, .i = t->seq},
@@ -286,7 +290,8 @@ static void begin(nl_coord *c, cjob *j)
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
-    m.u.job_submit = (nl_msg_job_submit){NL_JOB_TRAIN, 9, ps};
+    const int np = 9 + (t->ft ? coord_finetune_stage_params(t->ft, t->seed, ps + 9) : 0);
+    m.u.job_submit = (nl_msg_job_submit){t->ft ? NL_JOB_FINETUNE : NL_JOB_TRAIN, (uint32_t)np, ps};
     int lost = 0, rc = send_all(c, &m, &lost);
     nl_wire_msg_free(&m);
     if (rc != 0) {
@@ -337,7 +342,10 @@ static void start_step(nl_coord *c, cjob *j)
     }
     t->t_step = coord_now();
     t->phase = TR_STEP;
-    c->stages_modified = 1; /* until a checkpoint of these weights is the source */
+    /* until a checkpoint of these weights is the source (fine-tuning
+     * leaves the weights as they are) */
+    if (!t->ft)
+        c->stages_modified = 1;
     t->norms = t->have_loss = 0;
     t->sumsq = t->ce = t->aux = 0.0;
     memset(t->got, 0, (size_t)t->stages);
@@ -423,10 +431,15 @@ static void finish(nl_coord *c, cjob *j)
     json_t *o = json_pack("{s:s,s:I}", "event", "done", "step", (json_int_t)t->step);
     if (t->manifest[0] && t->manifest_step == t->step)
         json_object_set_new(o, "manifest", json_string(t->manifest));
-    NL_INFO("train job %llu: done at step %lld", (unsigned long long)j->id, (long long)t->step);
+    if (t->ft && t->ft->adapter[0])
+        json_object_set_new(o, "adapter", json_string(t->ft->adapter));
+    NL_INFO("%s job %llu: done at step %lld", j->ops->name, (unsigned long long)j->id,
+            (long long)t->step);
     report(c, j, NL_JOB_DONE, "done", o);
-    memset(&c->train_mem, 0, sizeof c->train_mem); /* plans are for inference again */
-    coord_journal_clear(c);
+    if (!t->ft) {
+        memset(&c->train_mem, 0, sizeof c->train_mem); /* plans are for inference again */
+        coord_journal_clear(c);
+    }
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_CANCEL); /* the stages free their trainers */
@@ -435,6 +448,17 @@ static void finish(nl_coord *c, cjob *j)
     send_all(c, &m, &lost); /* one that cannot be reached is declared dead at the tick */
     nl_wire_msg_free(&m);
     coord_job_free(j);
+}
+
+/* Where the stages write this step's shards: DIR/step-NNNNNN, or (a
+ * fine-tuning job's adapters) DIR/lora-job<ID>. */
+static void ckpt_dir_of(const cjob *j, char *buf, size_t cap)
+{
+    const ctrain *t = j->state;
+    if (t->ft)
+        snprintf(buf, cap, "%s/lora-job%llu", t->ckpt_dir, (unsigned long long)j->id);
+    else
+        snprintf(buf, cap, "%s/step-%06lld", t->ckpt_dir, (long long)t->step);
 }
 
 /* The step (and its evaluation) is done: report it, then checkpoint, go
@@ -464,8 +488,10 @@ static void after_step(nl_coord *c, cjob *j)
     if (r->skipped)
         NL_WARN("train job %llu: step %lld skipped: non-finite %s", (unsigned long long)j->id,
                 (long long)t->step, isfinite(r->loss) ? "gradient" : "loss");
-    const int ckpt = (due(t->step, t->ckpt_every) && t->step < t->steps) ||
-                     (t->step == t->steps && t->final_ckpt);
+    /* a fine-tuning job writes its adapters once, at the end */
+    const int ckpt = t->ft ? t->step == t->steps
+                           : (due(t->step, t->ckpt_every) && t->step < t->steps) ||
+                                 (t->step == t->steps && t->final_ckpt);
     if (!ckpt) {
         if (t->step == t->steps)
             finish(c, j);
@@ -474,7 +500,7 @@ static void after_step(nl_coord *c, cjob *j)
         return;
     }
     char dir[1100];
-    snprintf(dir, sizeof dir, "%s/step-%06lld", t->ckpt_dir, (long long)t->step);
+    ckpt_dir_of(j, dir, sizeof dir);
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_CKPT_REQ);
@@ -589,6 +615,22 @@ static void ckpt_done(nl_coord *c, cwork *w)
     } else {
         start_step(c, j);
     }
+}
+
+void coord_train_finetuned(nl_coord *c, uint64_t job, const char *adapter, const char *why)
+{
+    cjob *j = coord_job_find(c, job);
+    ctrain *t = j ? j->state : NULL;
+    if (!t || !t->ft || t->phase != TR_CKPT)
+        return; /* it ended meanwhile */
+    if (why) {
+        fail(c, j, "the adapters of step %lld: %s", (long long)t->step, why);
+        return;
+    }
+    snprintf(t->ft->adapter, sizeof t->ft->adapter, "%s", adapter);
+    NL_INFO("finetune job %llu: adapters of step %lld in %s", (unsigned long long)j->id,
+            (long long)t->step, adapter);
+    finish(c, j);
 }
 
 static char *dup_or_null(const char *s, int *oom)
@@ -839,31 +881,49 @@ static const char *confine_paths(nl_coord *c, ctrain *t, const char **resume, ch
 
 static void train_submit(nl_coord *c, const nl_rx *rx)
 {
+    coord_train_submit(c, rx, NULL);
+}
+
+void coord_train_submit(nl_coord *c, const nl_rx *rx, cft *ft)
+{
     const nl_msg_job_submit *s = &rx->msg.u.job_submit;
     nl_error e = {0};
     char why[700];
-    for (int i = 0; i < COORD_MAX_JOBS; i++)
-        if (c->jobs[i].phase != JOB_FREE && c->jobs[i].ops == &coord_train_ops) {
-            snprintf(why, sizeof why, "job %llu is training already; one at a time",
-                     (unsigned long long)c->jobs[i].id);
-            coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, why, NULL);
-            return;
-        }
-    cjob *j = coord_job_new(c, rx, &coord_train_ops);
-    if (!j)
+    /* one training job at a time, and none beside fine-tuning (which
+     * needs the weights frozen); fine-tuning jobs may run together */
+    for (int i = 0; i < COORD_MAX_JOBS; i++) {
+        const cjob *o = &c->jobs[i];
+        if (o->phase == JOB_FREE || (o->ops != &coord_train_ops && o->ops != &coord_finetune_ops) ||
+            (ft && o->ops == &coord_finetune_ops))
+            continue;
+        snprintf(why, sizeof why, "job %llu is %s already; %s", (unsigned long long)o->id,
+                 o->ops == &coord_train_ops ? "training" : "fine-tuning",
+                 ft ? "fine-tuning needs the weights frozen" : "one at a time");
+        coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, why, NULL);
+        free(ft);
         return;
+    }
+    cjob *j = coord_job_new(c, rx, ft ? &coord_finetune_ops : &coord_train_ops);
+    if (!j) {
+        free(ft);
+        return;
+    }
     ctrain *t = j->state = calloc(1, sizeof *t);
     prep_task *p = calloc(1, sizeof *p);
     if (!t || !p) {
         free(p);
+        free(ft);
         fail(c, j, "out of memory");
         return;
     }
+    t->ft = ft;
     t->bad_stage = -1;
     const char *resume = NULL, *bad = read_params(t, s, &resume);
+    if (!bad && ft && resume)
+        bad = "resume (a fine-tuning job starts its adapters afresh)";
     if (bad) {
         free(p);
-        fail(c, j, "train: params.%s is missing or out of range", bad);
+        fail(c, j, "%s: params.%s is missing or out of range", j->ops->name, bad);
         return;
     }
     char resume_real[PATH_MAX];
@@ -893,12 +953,13 @@ static void train_submit(nl_coord *c, const nl_rx *rx)
         return;
     }
     t->phase = TR_PREPARING;
-    if (!(t->journal = coord_journal_params(s))) {
+    if (!ft && !(t->journal = coord_journal_params(s))) {
         prep_free(&p->w);
         fail(c, j, "out of memory");
         return;
     }
-    coord_journal_train(c, j->id, t->journal, resume);
+    if (!ft) /* a fine-tuning job is not journaled: it ends with the coordinator */
+        coord_journal_train(c, j->id, t->journal, resume);
     if (coord_work_start(c, &p->w, &e) != NL_OK)
         fail(c, j, "%s", e.msg);
 }
@@ -910,6 +971,8 @@ static void train_abort(nl_coord *c, cjob *j)
 {
     const ctrain *t = j->state;
     coord_close_session(c, j);
+    if (t && t->ft) /* the base is untouched: its stages just drop the adapters */
+        return;
     memset(&c->train_mem, 0, sizeof c->train_mem); /* plans are for inference again */
     coord_journal_clear(c);
     /* before its first step a job has changed no weight; only moments the
@@ -949,7 +1012,8 @@ static void on_ack(nl_coord *c, cjob *j, const nl_rx *rx)
     j->last_progress = coord_now();
     if (++t->acks < t->stages)
         return;
-    c->resumable = 0; /* the stages took the moments; the weights are about to move */
+    if (!t->ft)
+        c->resumable = 0; /* the stages took the moments; the weights are about to move */
     start_step(c, j);
 }
 
@@ -1021,8 +1085,9 @@ static void on_ckpt_done(nl_coord *c, cjob *j, const nl_rx *rx)
     const nl_plan_stage *ps = &c->plan->stages[d->stage];
     char want[1200], node[128];
     /* the shard must be exactly where it was asked to be */
-    snprintf(want, sizeof want, "%s/step-%06lld/stage-%u.safetensors", t->ckpt_dir,
-             (long long)t->step, d->stage);
+    char dir[1100];
+    ckpt_dir_of(j, dir, sizeof dir);
+    snprintf(want, sizeof want, "%s/stage-%u.safetensors", dir, d->stage);
     if (strcmp(d->path, want) != 0) {
         fail(c, j, "stage %u wrote its shard to %s, not %s", d->stage, d->path, want);
         return;
@@ -1051,8 +1116,15 @@ static void on_ckpt_done(nl_coord *c, cjob *j, const nl_rx *rx)
         return;
     }
     t->got[d->stage] = 2;
-    if (++t->acks == t->stages)
+    if (++t->acks < t->stages)
+        return;
+    if (!t->ft) {
         write_manifest(c, j);
+        return;
+    }
+    nl_error e = {0}; /* fine-tuning: a worker joins the adapters into one file */
+    if (coord_finetune_gather(c, j->id, t->ft, t->shards, t->stages, dir, &e) != NL_OK)
+        fail(c, j, "the adapters of step %lld: %s", (long long)t->step, e.msg);
 }
 
 static void train_on_message(nl_coord *c, cjob *j, const nl_rx *rx)
@@ -1086,6 +1158,8 @@ static void train_on_message(nl_coord *c, cjob *j, const nl_rx *rx)
 static int train_stage_lost(nl_coord *c, cjob *j, const char *why)
 {
     ctrain *t = j->state;
+    if (t && t->ft && t->phase >= TR_BEGIN) /* adapters live on their stages: lost with one */
+        return 0;
     if (!t || t->phase < TR_BEGIN)
         return 1;
     if (t->resumes >= c->o.train_resumes) {
@@ -1121,7 +1195,7 @@ static int train_stage_lost(nl_coord *c, cjob *j, const char *why)
 static int train_node_failed(nl_coord *c, cjob *j, const char *why)
 {
     const ctrain *t = j->state;
-    if (!t || t->phase < TR_BEGIN || t->resumes >= c->o.train_resumes ||
+    if (!t || t->ft || t->phase < TR_BEGIN || t->resumes >= c->o.train_resumes ||
         !strstr(why, "cannot reach the "))
         return 0;
     NL_WARN("train job %llu: %s; waiting for the heartbeat timeout to tell whether a node died "

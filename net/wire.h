@@ -83,7 +83,16 @@ typedef enum nl_node_state {
     NL_NODE_FAILED
 } nl_node_state;
 
-typedef enum nl_job_kind { NL_JOB_FORWARD = 0, NL_JOB_GENERATE, NL_JOB_TRAIN } nl_job_kind;
+/* NL_JOB_FINETUNE: LoRA adapters trained through the frozen pipeline
+ * (docs/cluster.md, "LoRA fine-tuning"); NL_JOB_EMBED: pooled embeddings
+ * of token ids ("Embeddings") */
+typedef enum nl_job_kind {
+    NL_JOB_FORWARD = 0,
+    NL_JOB_GENERATE,
+    NL_JOB_TRAIN,
+    NL_JOB_FINETUNE,
+    NL_JOB_EMBED
+} nl_job_kind;
 
 typedef enum nl_job_state {
     NL_JOB_QUEUED = 0,

@@ -654,6 +654,22 @@ static void handle_job_submit(node *n, const nl_msg_job_submit *j)
     send_ctl(n, "JOB_STATUS");
 }
 
+/* An embedding job's request (node/stage_embed.c): the hop that follows
+ * keeps its pads apart and, on the last stage, is pooled. */
+static void handle_embed_submit(node *n, const nl_msg_job_submit *j)
+{
+    nl_error e;
+    uint64_t job = 0;
+    nl_status st = nl_stage_embed_begin(n->stage, j, &job, &e);
+    if (st != NL_OK) {
+        fail_job(n, job, st, NL_MSG_JOB_SUBMIT, "%s", e.msg);
+        return;
+    }
+    nl_wire_msg_reset(&n->tx, NL_MSG_JOB_STATUS);
+    n->tx.u.job_status = (nl_msg_job_status){job, NL_JOB_RUNNING, 0.0, "embedding"};
+    send_ctl(n, "JOB_STATUS");
+}
+
 /* JOB_CANCEL of a generation: drop the session, saying what it cost here. */
 static void close_session(node *n, uint64_t id)
 {
@@ -740,8 +756,7 @@ static void handle_train(node *n, const nl_wire_msg *m)
         NL_DEBUG("dropped a %s of a job this stage does not train", nl_wire_type_name(m->type));
         return;
     }
-    uint64_t job = 0;
-    nl_stage_train_running(n->stage, &job);
+    const uint64_t job = nl_stage_train_job_of(m); /* a training or fine-tuning job */
     char *real = NULL;
     nl_status st = NL_OK;
     if (m->type == NL_MSG_CKPT_REQ && (st = ckpt_dir(n, m->u.ckpt_req.dir, &real, &e)) == NL_OK) {
@@ -882,13 +897,16 @@ static void on_control(node *n)
         handle_train(n, m);
         break;
     case NL_MSG_JOB_SUBMIT:
-        if (m->u.job_submit.kind == NL_JOB_TRAIN)
+        if (m->u.job_submit.kind == NL_JOB_TRAIN || m->u.job_submit.kind == NL_JOB_FINETUNE)
             handle_train_submit(n, &m->u.job_submit);
+        else if (m->u.job_submit.kind == NL_JOB_EMBED)
+            handle_embed_submit(n, &m->u.job_submit);
         else
             handle_job_submit(n, &m->u.job_submit);
         break;
     case NL_MSG_JOB_CANCEL:
         close_session(n, m->u.job_ref.job_id);
+        nl_stage_embed_end(n->stage, m->u.job_ref.job_id);
         if (nl_stage_train_end(n->stage, m->u.job_ref.job_id))
             train_summary(n, m->u.job_ref.job_id);
         break;

@@ -81,6 +81,8 @@ static void sessions_clear(nl_stage *s)
 static void drop_model(nl_stage *s)
 {
     nl_stage_train_free(s); /* it borrows the model */
+    nl_stage_lora_free_all(s);
+    nl_stage_embed_free_all(s);
     sessions_clear(s);
     for (int i = 0; i < 2; i++) {
         free(s->mom_h[i]);
@@ -702,6 +704,15 @@ static nl_status run_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wir
     nl_model *m = s->model;
     const size_t rows = (size_t)B * T, d = (size_t)m->cfg.hidden_dim;
     nl_forward_args a = {.B = B, .T = T, .kv = se ? se->kv : NULL, .last_only = se && m->has_head};
+    /* an embedding job's hop (stage_embed.c): pads kept out of an
+     * encoder's attention; the last stage pools the final-normed states */
+    const stage_embed *em = se ? NULL : nl_stage_embed_find(s, hop->job_id);
+    if (em && (st = nl_stage_embed_check(em, B, T, err)) != NL_OK)
+        return st;
+    if (em) {
+        a.doc = m->cfg.causal ? NULL : nl_stage_embed_doc(em);
+        a.states = m->has_head;
+    }
     if (m->has_embed) {
         memcpy(s->tok_h, in->t.data, rows * sizeof(int32_t)); /* frames need not be aligned */
         a.tokens = s->tok_h;
@@ -712,7 +723,9 @@ static nl_status run_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wir
     /* a session's decode step asks for no aux loss: reading it would be one
      * more wait for the device per token */
     float aux = 0.0f;
+    m->lora = em ? nl_stage_embed_adapter(em) : NULL; /* an embed job's adapters, if any */
     st = nl_forward(m, s->rs, &a, se ? NULL : &aux, err);
+    m->lora = NULL;
     if (st != NL_OK)
         return nl_error_prefix(err, "%s", who);
     if (se)
@@ -723,10 +736,19 @@ static nl_status run_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wir
     int cols = 0;
     const float *res = nl_runstate_output(s->rs, &cols);
     if (!m->has_head) {
+        if (em)
+            nl_stage_embed_end(s, hop->job_id); /* its hop has run here */
         out->kind = NL_STAGE_OUT_HIDDEN;
         out->ndim = 3;
         out->shape[0] = B, out->shape[1] = T, out->shape[2] = (int64_t)d;
         return host_output(s, res, rows * d, out, err);
+    }
+    if (em) { /* the states, pooled, in place of logits; the request is used */
+        st = host_output(s, res, rows * d, out, err);
+        if (st == NL_OK)
+            st = nl_stage_embed_pool(s, em, out->data, out, err);
+        nl_stage_embed_end(s, hop->job_id);
+        return st;
     }
     if (!se) {
         out->kind = NL_STAGE_OUT_LOGITS;

@@ -137,7 +137,7 @@ size_t nl_stage_kv_used(const nl_stage *s);
 
 typedef enum nl_stage_out_kind {
     NL_STAGE_OUT_HIDDEN = 0, /* hidden states for the next stage: F32 [B, T, d] */
-    NL_STAGE_OUT_LOGITS,     /* last stage, no session: F32 [B, T, vocab_size] */
+    NL_STAGE_OUT_LOGITS,     /* last stage, no session: F32 [B, T, vocab_size] (embed: [B, d]) */
     NL_STAGE_OUT_TOKEN       /* last stage, a session: the sampled id */
 } nl_stage_out_kind;
 
@@ -168,6 +168,20 @@ nl_status nl_stage_forward(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_w
 /* The reference that guards the forward's output buffer. */
 nl_txref *nl_stage_txref(nl_stage *s);
 
+/* ---- embedding jobs (node/stage_embed.c) ---- */
+
+/* JOB_SUBMIT {kind embed, params: job, batch, seq, lengths ("3,17,1": each
+ * text's valid positions, core/embed.h)}: the next forward hop of the job
+ * (B x T as given) keeps each text's pads out of an encoder's attention,
+ * and on the last stage returns the pooled, L2-normalised final-normed
+ * states, F32 [B, d], in place of logits. The request is used by that one
+ * hop; nl_stage_embed_end forgets it before (false: no such request).
+ * Optional params.adapter: a LoRA adapter file under the node's
+ * --checkpoint-root; its tensors of this stage's layers apply to the hop. */
+nl_status nl_stage_embed_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
+                               nl_error *err);
+bool nl_stage_embed_end(nl_stage *s, uint64_t job);
+
 /* ---- training (node/stage_train.c) ---- */
 
 /* Where a message a training job produced goes: the next stage (hops),
@@ -176,7 +190,11 @@ nl_txref *nl_stage_txref(nl_stage *s);
 typedef enum nl_stage_dest { NL_STAGE_TO_NEXT, NL_STAGE_TO_PREV, NL_STAGE_TO_COORD } nl_stage_dest;
 typedef nl_status (*nl_stage_send_fn)(void *ctx, nl_stage_dest to, nl_wire_msg *m, nl_error *err);
 
-/* JOB_SUBMIT {kind train, params: job, micro_batch, seq, microbatches,
+/* JOB_SUBMIT {kind finetune}: the same params plus lora_rank, lora_alpha,
+ * lora_targets ("wq,wk,wv,wo") and lora_seed: a LoRA fine-tuning job
+ * (node/stage_lora.c) with adapters of its own on the frozen weights;
+ * several may run at once, but none beside a training job.
+ * JOB_SUBMIT {kind train, params: job, micro_batch, seq, microbatches,
  * recompute, start_step (steps already applied), adam_steps, moments (take
  * the optimizer moments that came with the weights), eval_hops (hops of
  * one evaluation)}: make the job's trainer, replacing any earlier job.
@@ -206,6 +224,8 @@ bool nl_stage_train_holds(const nl_stage *s, const nl_wire_msg *m);
  * stage's training job. */
 bool nl_stage_train_end(nl_stage *s, uint64_t job_id);
 bool nl_stage_train_running(const nl_stage *s, uint64_t *job_id);
+/* The job a training message (one nl_stage_train_input takes) is of. */
+uint64_t nl_stage_train_job_of(const nl_wire_msg *m);
 
 /* ---- state ---- */
 

@@ -77,6 +77,15 @@ struct nl_stage {
 
     /* the training job, if one runs (node/stage_train.c) */
     struct stage_train *train;
+    /* LoRA fine-tuning jobs (node/stage_lora.c), n_ft of cap_ft */
+    struct stage_ft *ft;
+    int n_ft, cap_ft;
+    /* embedding requests waiting for their hop (node/stage_embed.c), and
+     * the last stage's pooled output */
+    struct stage_embed *emb;
+    int n_emb;
+    float *emb_out;
+    size_t emb_out_cap;
 
     /* sessions */
     session *sess;
@@ -89,11 +98,47 @@ struct nl_stage {
 
 /* Free the training job's state (stage_train.c); safe without one. */
 void nl_stage_train_free(nl_stage *s);
+/* nl_stage_train_begin's work for a training job, into s->train (any
+ * earlier one freed); with adapters attached to s->model the trainer
+ * steps them alone (stage_lora.c makes fine-tuning jobs so). */
+nl_status nl_stage_train_make(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
+                              nl_error *err);
+
+/* ---- LoRA fine-tuning jobs (stage_lora.c) ---- */
+typedef struct stage_ft stage_ft;
+/* JOB_SUBMIT kind finetune: the job's adapters and its training state. */
+nl_status nl_stage_lora_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
+                              nl_error *err);
+/* Whether job is a fine-tuning job of this stage. */
+bool nl_stage_lora_holds(const nl_stage *s, uint64_t job);
+/* A training message of fine-tuning job `job`, run with its adapters. */
+nl_status nl_stage_lora_input(nl_stage *s, uint64_t job, const nl_wire_msg *m,
+                              nl_stage_send_fn send, void *ctx, nl_error *err);
+/* End one job (false: not one of this stage's), or all (the model goes). */
+bool nl_stage_lora_end(nl_stage *s, uint64_t job);
+void nl_stage_lora_free_all(nl_stage *s);
 
 /* The backend's sticky asynchronous error (nl_backend_check), remembered
  * once seen: "device D: MESSAGE" in err, else NL_OK with err untouched.
  * Called after the work a message caused; before it, work is refused with
  * nl_stage_device_status (which does not ask the backend). */
 nl_status nl_stage_check_device(nl_stage *s, nl_error *err);
+
+/* ---- embedding jobs (stage_embed.c) ---- */
+typedef struct stage_embed stage_embed;
+/* The request of job, or NULL (a plain forward). */
+const stage_embed *nl_stage_embed_find(const nl_stage *s, uint64_t job);
+/* Whether a hop of B x T fits the request. */
+nl_status nl_stage_embed_check(const stage_embed *r, int B, int T, nl_error *err);
+/* Its pads' document ids (B, T), for an encoder's attention. */
+const int32_t *nl_stage_embed_doc(const stage_embed *r);
+/* Its adapters (to attach for its forward only), or NULL. */
+struct nl_lora *nl_stage_embed_adapter(const stage_embed *r);
+/* The last stage: pool the final-normed states (host, B x T x d) into
+ * out as [B, d] vectors. */
+nl_status nl_stage_embed_pool(nl_stage *s, const stage_embed *r, const float *states,
+                              nl_stage_out *out, nl_error *err);
+/* Forget every request (the model goes). */
+void nl_stage_embed_free_all(nl_stage *s);
 
 #endif

@@ -36,6 +36,7 @@
 #include "../base/log.h"
 #include "../core/checkpoint.h"
 #include "../core/fileio.h"
+#include "../core/lora.h"
 #include "../core/manifest.h"
 #include "../core/memory.h"
 #include "../core/train.h"
@@ -126,6 +127,8 @@ bool nl_stage_train_running(const nl_stage *s, uint64_t *job_id)
 
 bool nl_stage_train_end(nl_stage *s, uint64_t job_id)
 {
+    if (nl_stage_lora_end(s, job_id))
+        return true;
     if (!s->train || s->train->job != job_id)
         return false;
     nl_stage_train_free(s);
@@ -196,6 +199,24 @@ static nl_status make_replicas(nl_stage *s, int recompute, nl_error *err)
 nl_status nl_stage_train_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
                                nl_error *err)
 {
+    if (j->kind == NL_JOB_FINETUNE) /* adapters on the frozen weights (stage_lora.c) */
+        return nl_stage_lora_begin(s, j, job_id, err);
+    if (s->n_ft > 0) { /* before the trainer takes anything (the moments) */
+        int64_t job = 0;
+        nl_status st = int_param(j, "job", true, 1, INT64_MAX, &job, err);
+        *job_id = (uint64_t)job;
+        return st != NL_OK ? st
+                           : nl_error_set(err, NL_ERR_STATE,
+                                          "train job %lld: %d fine-tuning job%s use this stage's "
+                                          "weights frozen",
+                                          (long long)job, s->n_ft, s->n_ft == 1 ? "" : "s");
+    }
+    return nl_stage_train_make(s, j, job_id, err);
+}
+
+nl_status nl_stage_train_make(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
+                              nl_error *err)
+{
     int64_t job = 0, mbB = 0, T = 0, M = 0, recompute = 0, start = 0, adam = 0, moments = 0,
             eval_hops = 0;
     nl_status st;
@@ -243,6 +264,8 @@ nl_status nl_stage_train_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t
                       .in_flight = rslots,
                       .recompute = (int)recompute};
     nl_mem_estimate me = nl_memory_estimate(&m->cfg, m->l1 - m->l0, m->has_embed, m->has_head, &mo);
+    if (m->lora) /* fine-tuning: no moments for the frozen base (the adapters' are small) */
+        me.total -= me.moments;
     if (me.total > s->o.memory_bytes)
         return nl_error_set(err, NL_ERR_CAPACITY,
                             "train job %lld: layers [%d, %d) with %d microbatches of %lld x %lld "
@@ -731,7 +754,10 @@ static nl_status on_ckpt(nl_stage *s, const nl_msg_ckpt_req *r, nl_stage_send_fn
                         .v = nl_trainer_moment(t->rep[0].tr, 1),
                         .adam_steps = nl_trainer_adam_steps(t->rep[0].tr),
                         .train_json = where};
-    if ((st = nl_checkpoint_save(s->model, path, (int64_t)r->step, &ex, err)) != NL_OK)
+    /* a fine-tuning job's shard holds its adapters (the base never changes) */
+    st = s->model->lora ? nl_lora_save(s->model->lora, path, NULL, err)
+                        : nl_checkpoint_save(s->model, path, (int64_t)r->step, &ex, err);
+    if (st != NL_OK)
         return st == NL_ERR_NOTFOUND ? nl_error_set(err, NL_ERR_IO, "%s", err->msg) : st;
     if ((st = nl_file_sha256(path, hex, &bytes, err)) != NL_OK)
         return nl_error_set(err, NL_ERR_IO, "%s", err->msg);
@@ -750,14 +776,21 @@ static uint64_t msg_job(const nl_wire_msg *m)
                                         : m->u.hop.job_id;
 }
 
+uint64_t nl_stage_train_job_of(const nl_wire_msg *m)
+{
+    return msg_job(m);
+}
+
 bool nl_stage_train_holds(const nl_stage *s, const nl_wire_msg *m)
 {
-    return s->train && s->train->job == msg_job(m);
+    return (s->train && s->train->job == msg_job(m)) || nl_stage_lora_holds(s, msg_job(m));
 }
 
 nl_status nl_stage_train_input(nl_stage *s, const nl_wire_msg *m, nl_stage_send_fn send, void *ctx,
                                nl_error *err)
 {
+    if (!(s->train && s->train->job == msg_job(m)) && nl_stage_lora_holds(s, msg_job(m)))
+        return nl_stage_lora_input(s, msg_job(m), m, send, ctx, err);
     if (!nl_stage_train_holds(s, m))
         return nl_error_set(err, NL_ERR_STATE, "%s: job %llu is not training on this stage",
                             nl_wire_type_name(m->type), (unsigned long long)msg_job(m));

@@ -25,6 +25,7 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -143,8 +144,19 @@ def test_api(url):
         except Exception:
             pass
         check(code == want_code and msg, "bad request %s: %d %r" % (str(body)[:60], code, text[:200]))
-    code, text = post(url + "v1/embeddings", {"input": "hi"})
-    check(code == 501 and b"neuroctl serve" in text, "embeddings on a cluster: %d %s" % (code, text))
+    # embeddings: the last stage pools; equal to neuroctl embed in one process
+    code, text = post(url + "v1/embeddings", {"input": [104, 105]})
+    with open(W + "/hi.txt", "w") as f:
+        f.write("hi")  # a byte-level model: ids 104, 105
+    subprocess.run([N, "embed", "--model", W + "/m.safetensors", "--input", W + "/hi.txt", "--out",
+                    W + "/hi.safetensors", "--threads", "1"], check=True, capture_output=True)
+    raw = open(W + "/hi.safetensors", "rb").read()
+    hn = int.from_bytes(raw[:8], "little")
+    want = struct.unpack("<%df" % ((len(raw) - 8 - hn) // 4), raw[8 + hn:])
+    got = json.loads(text)["data"][0]["embedding"] if code == 200 else []
+    err = max([abs(a - b) for a, b in zip(got, want)] or [1.0])
+    check(code == 200 and len(got) == len(want) and err < 1e-5,
+          "embeddings on a cluster: %d %s (max diff %g)" % (code, text[:200], err))
     check(json.loads(get(url + "v1/models"))["data"][0]["id"] == "m.safetensors", "/v1/models")
     # the status is polled: it may lag cluster up by 0.5 s. The planner may
     # leave a node that measured slow (a loaded machine) on standby.

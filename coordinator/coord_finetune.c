@@ -1,0 +1,212 @@
+/* The coordinator's LoRA fine-tuning job (JOB_SUBMIT kind finetune,
+ * docs/cluster.md "LoRA fine-tuning"): a training job of coord_train.c
+ * whose stages train adapters on their frozen weights. This file holds
+ * what differs: the adapters' parameters (checked here, handed to every
+ * stage), and the end, where a worker checks each stage's adapter shard
+ * against the hash it reported and joins them into one adapter file with
+ * the metadata of a local one (format neurollm-lora/1, rank, alpha,
+ * targets, the base's SHA-256). Several fine-tuning jobs may run at once
+ * on one pipeline; none beside a training job (coord_train_submit). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "coord_impl.h"
+#include "core/lora.h"
+
+/* ---------------------------------------------------------------- submit */
+
+static void ft_submit(nl_coord *c, const nl_rx *rx)
+{
+    const nl_msg_job_submit *s = &rx->msg.u.job_submit;
+    const nl_wire_param *rank = coord_param(s, "lora_rank"), *alpha = coord_param(s, "lora_alpha"),
+                        *tg = coord_param(s, "lora_targets");
+    const char *bad = NULL;
+    nl_error e = {0};
+    char why[600];
+    int targets = 0;
+    const double a = !alpha                               ? -1.0
+                     : alpha->kind == NL_WIRE_PARAM_FLOAT ? alpha->f
+                     : alpha->kind == NL_WIRE_PARAM_INT   ? (double)alpha->i
+                                                          : -1.0;
+    if (!rank || rank->kind != NL_WIRE_PARAM_INT || rank->i < 1 || rank->i > NL_LORA_MAX_RANK)
+        bad = "lora_rank (an integer in [1, 1024])";
+    else if (!(a > 0.0 && a <= 1e6))
+        bad = "lora_alpha (a number in (0, 1e6])";
+    else if (!tg || tg->kind != NL_WIRE_PARAM_STR || strlen(tg->s) >= sizeof(((cft *)0)->targets) ||
+             nl_lora_parse_targets(tg->s, &targets, &e) != NL_OK)
+        bad = "lora_targets (some of wq,wk,wv,wo)";
+    if (bad) {
+        snprintf(why, sizeof why, "finetune: params.%s is missing or out of range", bad);
+        coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, why, NULL);
+        return;
+    }
+    cft *ft = calloc(1, sizeof *ft);
+    if (!ft) {
+        coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, "out of memory", NULL);
+        return;
+    }
+    ft->rank = rank->i;
+    ft->alpha = a;
+    snprintf(ft->targets, sizeof ft->targets, "%s", tg->s);
+    if (!c->src_manifest) /* a checkpoint file: its hash names the base in the adapter file */
+        snprintf(ft->base, sizeof ft->base, "%s", c->src_path);
+    coord_train_submit(c, rx, ft);
+}
+
+int coord_finetune_stage_params(const cft *ft, int64_t seed, nl_wire_param *ps)
+{
+    ps[0] = (nl_wire_param){.key = "lora_rank", .kind = NL_WIRE_PARAM_INT, .i = ft->rank};
+    ps[1] = (nl_wire_param){.key = "lora_alpha", .kind = NL_WIRE_PARAM_FLOAT, .f = ft->alpha};
+    ps[2] = (nl_wire_param){.key = "lora_targets", .kind = NL_WIRE_PARAM_STR, .s = ft->targets};
+    /* A is drawn per tensor from (seed, name), as local fine-tuning draws it */
+    ps[3] = (nl_wire_param){.key = "lora_seed", .kind = NL_WIRE_PARAM_INT, .i = seed};
+    return COORD_FT_PARAMS;
+}
+
+/* ---------------------------------------------------------------- the adapter file */
+
+typedef struct gather_task {
+    cwork w;
+    cft ft;
+    int n;
+    char (*path)[1200]; /* n shards */
+    char (*sha)[65];    /* as each stage reported it */
+    char out[1200];
+    nl_status st;
+    nl_error err;
+} gather_task;
+
+static void gather_run(cwork *w)
+{
+    gather_task *g = (gather_task *)w;
+    nl_st_file **f = calloc((size_t)g->n, sizeof *f);
+    nl_st_writer *wr = nl_st_writer_new();
+    char hex[65], num[64];
+    uint64_t bytes = 0;
+    nl_status st = f && wr ? NL_OK : nl_error_set(&g->err, NL_ERR_NOMEM, "out of memory");
+    for (int i = 0; st == NL_OK && i < g->n; i++) {
+        /* the bytes joined are the bytes the stage vouched for */
+        if ((st = nl_file_sha256(g->path[i], hex, &bytes, &g->err)) != NL_OK ||
+            (st = nl_st_open(&f[i], g->path[i], &g->err)) != NL_OK)
+            break;
+        const char *fmt = nl_st_metadata(f[i], "format");
+        if (strcmp(hex, g->sha[i]) != 0 || !fmt || strcmp(fmt, "neurollm-lora/1") != 0) {
+            st = nl_error_set(
+                &g->err, strcmp(hex, g->sha[i]) != 0 ? NL_ERR_INTEGRITY : NL_ERR_FORMAT, "%s: %s",
+                g->path[i],
+                strcmp(hex, g->sha[i]) != 0 ? "its SHA-256 is not the one its stage reported"
+                                            : "not an adapter shard (format neurollm-lora/1)");
+            break;
+        }
+        for (size_t k = 0; st == NL_OK && k < nl_st_count(f[i]); k++) {
+            const nl_st_entry *e = nl_st_entry_at(f[i], k);
+            st = nl_st_writer_add(wr, e->name, e->dtype, e->ndim, e->shape,
+                                  nl_st_tensor_data(f[i], e), &g->err);
+        }
+    }
+    if (st == NL_OK)
+        st = nl_st_writer_set_meta(wr, "format", "neurollm-lora/1", &g->err);
+    snprintf(num, sizeof num, "%lld", (long long)g->ft.rank);
+    if (st == NL_OK)
+        st = nl_st_writer_set_meta(wr, "rank", num, &g->err);
+    snprintf(num, sizeof num, "%.9g", (double)(float)g->ft.alpha); /* as the stages hold it */
+    if (st == NL_OK)
+        st = nl_st_writer_set_meta(wr, "alpha", num, &g->err);
+    if (st == NL_OK)
+        st = nl_st_writer_set_meta(wr, "targets", g->ft.targets, &g->err);
+    if (st == NL_OK && g->ft.base[0] && nl_file_sha256(g->ft.base, hex, &bytes, &g->err) == NL_OK)
+        st = nl_st_writer_set_meta(wr, "base_sha256", hex, &g->err);
+    if (st == NL_OK)
+        st = nl_st_writer_write(wr, g->out, &g->err);
+    nl_st_writer_destroy(&wr);
+    for (int i = 0; f && i < g->n; i++)
+        nl_st_close(&f[i]);
+    free(f);
+    g->st = st;
+}
+
+static void gather_done(nl_coord *c, cwork *w)
+{
+    gather_task *g = (gather_task *)w;
+    coord_train_finetuned(c, w->job_id, g->out, g->st == NL_OK ? NULL : g->err.msg);
+}
+
+static void gather_free(cwork *w)
+{
+    gather_task *g = (gather_task *)w;
+    free(g->path);
+    free(g->sha);
+    free(g);
+}
+
+nl_status coord_finetune_gather(nl_coord *c, uint64_t job, const cft *ft,
+                                const nl_manifest_shard *sh, int n, const char *dir, nl_error *err)
+{
+    gather_task *g = calloc(1, sizeof *g);
+    if (g) {
+        g->path = calloc((size_t)n, sizeof *g->path);
+        g->sha = calloc((size_t)n, sizeof *g->sha);
+    }
+    if (!g || !g->path || !g->sha) {
+        if (g)
+            gather_free(&g->w);
+        return nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+    }
+    g->w = (cwork){.run = gather_run, .done = gather_done, .free = gather_free, .job_id = job};
+    g->ft = *ft;
+    g->n = n;
+    for (int i = 0; i < n; i++) {
+        snprintf(g->path[i], sizeof g->path[i], "%s", sh[i].path);
+        snprintf(g->sha[i], sizeof g->sha[i], "%s", sh[i].sha256);
+    }
+    snprintf(g->out, sizeof g->out, "%s/adapter.safetensors", dir);
+    return coord_work_start(c, &g->w, err);
+}
+
+/* ---------------------------------------------------------------- the kind
+ * Everything else is the training job's (coord_train.c), which tells a
+ * fine-tuning job by its state. */
+
+static void ft_on_message(nl_coord *c, cjob *j, const nl_rx *rx)
+{
+    coord_train_ops.on_message(c, j, rx);
+}
+
+static int ft_stage_lost(nl_coord *c, cjob *j, const char *why)
+{
+    return coord_train_ops.stage_lost(c, j, why);
+}
+
+static int ft_node_failed(nl_coord *c, cjob *j, const char *why)
+{
+    return coord_train_ops.node_failed(c, j, why);
+}
+
+static void ft_ready(nl_coord *c, cjob *j)
+{
+    coord_train_ops.ready(c, j);
+}
+
+static void ft_abort(nl_coord *c, cjob *j)
+{
+    coord_train_ops.abort(c, j);
+}
+
+static void ft_free(cjob *j)
+{
+    coord_train_ops.free(j);
+}
+
+const cjob_ops coord_finetune_ops = {
+    .kind = NL_JOB_FINETUNE,
+    .name = "finetune",
+    .submit = ft_submit,
+    .on_message = ft_on_message,
+    .stage_lost = ft_stage_lost,
+    .node_failed = ft_node_failed,
+    .ready = ft_ready,
+    .abort = ft_abort,
+    .fail_note = NULL,
+    .free = ft_free,
+};
