@@ -1006,7 +1006,8 @@ static void drain(node *n, nl_sock *s, void (*handle)(node *))
 static void serve(node *n)
 {
     while (!halted(n)) {
-        if (nl_stage_queued(n->stage)) /* what the sockets brought: one batch */
+        double due = nl_stage_batch_due(n->stage);
+        if (due == 0.0) /* what the sockets brought, when the batch is due */
             run_batch(n);
         rejoin_tick(n);
         int64_t now = mono_ms();
@@ -1021,8 +1022,8 @@ static void serve(node *n)
             it[count++] = (zmq_pollitem_t){nl_sock_handle(n->next), 0, ZMQ_POLLIN, 0};
         if (n->next_mon)
             it[count++] = (zmq_pollitem_t){n->next_mon, 0, ZMQ_POLLIN, 0};
-        if (nl_stage_queued(n->stage)) /* hops wait: only look at the sockets */
-            wait = 0;
+        if ((due = nl_stage_batch_due(n->stage)) >= 0.0) /* hops wait: until they are due */
+            wait = wait < (int64_t)(due * 1e3) + 1 ? wait : (int64_t)(due * 1e3) + (due > 0.0);
         if (zmq_poll(it, count, wait < half ? (wait > 0 ? wait : 0) : half) <= 0)
             continue; /* timeout, or a signal: check the flag */
         if (it[0].revents & ZMQ_POLLIN)

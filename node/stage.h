@@ -39,6 +39,7 @@ typedef struct nl_stage_opts {
     int tf32;                /* the backend allows TF32 (--tf32): recorded in training shards */
     int batch_decode;        /* decode steps per batch; 0 = 32 */
     int prefill_chunk;       /* prompt positions per batch; 0 = 64 */
+    int batch_wait_ms;       /* longest wait for the other active sessions; 0 = 20, < 0: none */
 } nl_stage_opts;
 
 nl_status nl_stage_new(nl_stage **out, nl_backend *be, const nl_stage_opts *o, nl_error *err);
@@ -199,6 +200,15 @@ typedef struct nl_stage_result {
  * closed session is dropped; one whose session was evicted fails. The
  * return is the device's error (every hop of the batch fails with it). */
 nl_status nl_stage_run_batch(nl_stage *s, const nl_stage_result **res, int *n, nl_error *err);
+
+/* When to run the queue: seconds from now (0: now; -1: nothing queued).
+ * Now when every active session (one with a hop here in the last 2 s)
+ * has a hop queued, or NL_BATCH_MIN_ROWS sessions have (a batch that
+ * fills the padded GEMMs), else when the oldest queued hop has waited
+ * batch_wait_ms: a session still on another stage is waited for a
+ * little, so that the sessions travel the ring in few, full batches
+ * rather than in many small ones that each pay for 16 rows. */
+double nl_stage_batch_due(const nl_stage *s);
 
 /* What the stage has done for sessions since it was made (heartbeats
  * carry it: docs/protocol.md). */

@@ -13,6 +13,8 @@
 
 #define DEFAULT_DECODE 32
 #define DEFAULT_CHUNK 64
+#define DEFAULT_WAIT_MS 20
+#define ACTIVE_S 2.0 /* a session with a hop here this recently is coming back */
 
 /* ===================== the engine ===================== */
 
@@ -172,8 +174,35 @@ nl_status nl_stage_enqueue(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_w
     q->aux = hop->aux;
     q->t_in = nl_stage_now();
     q->gone = false;
+    se->last_in = q->t_in;
     s->n_q++;
     return NL_OK;
+}
+
+double nl_stage_batch_due(const nl_stage *s)
+{
+    if (!s->n_q)
+        return -1.0;
+    const double now = nl_stage_now();
+    const int wait_ms = s->o.batch_wait_ms ? s->o.batch_wait_ms : DEFAULT_WAIT_MS;
+    if (wait_ms < 0)
+        return 0.0;
+    int queued = 0, active = 0;
+    for (int i = 0; i < s->n_sess; i++) {
+        const session *se = &s->sess[i];
+        if (se->last_in <= 0.0 || now - se->last_in > ACTIVE_S)
+            continue;
+        active++;
+        for (int k = 0; k < s->n_q; k++)
+            if (s->q[k].session_id == se->id) {
+                queued++;
+                break;
+            }
+    }
+    if (queued >= active || queued >= NL_BATCH_MIN_ROWS)
+        return 0.0;
+    const double due = s->q[0].t_in + wait_ms * 1e-3 - now; /* q[0] is the oldest */
+    return due > 0.0 ? due : 0.0;
 }
 
 /* ===================== the batch ===================== */

@@ -26,6 +26,7 @@ typedef struct session {
     double prefill_s, step_s;
     int steps;
     uint64_t picked; /* the batch (s->batch_seq) that last took one of its hops */
+    double last_in;  /* when its last hop arrived here (0: none yet) */
 } session;
 
 /* A session's hop waiting for a batch (node/stage_batch.c). The slots of
