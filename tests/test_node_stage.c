@@ -680,7 +680,8 @@ static nl_stage_result one_result(nl_stage *s, int want, nl_error *err)
  * come out at once; its output is the whole prompt's, as a lone forward
  * gives it; positions follow the queued hops; the last stage samples the
  * same token; a closed session's queued hop is dropped, an evicted one's
- * fails; the figures count hops and batches. */
+ * fails; the figures count hops and batches; the queue is due at once
+ * when every active session has a hop in it, else after a short wait. */
 static void test_batched(nl_model *ref)
 {
     nl_error err;
@@ -752,6 +753,20 @@ static void test_batched(nl_model *ref)
     CHECK_OK(nl_stage_forward(r1, &ha, &h, &o, &err), &err);
     CHECK(rt.st == NL_OK && rt.out.kind == NL_STAGE_OUT_TOKEN && rt.out.token == o.token,
           "the last stage samples %d after chunks, %d at once", rt.out.token, o.token);
+    /* when the queue is due: at once when every active session has a hop
+     * queued, else after a short wait for the others */
+    CHECK(nl_stage_batch_due(r0) == -1.0, "nothing queued on r0");
+    int32_t t1 = 11, t2 = 12;
+    nl_msg_tensor_hop n1 = {.job_id = 1, .session_id = 1, .pos_offset = 10},
+                      n2 = {.job_id = 2, .session_id = 2, .pos_offset = 2};
+    nl_wire_frame g1 = tok_frame(&t1, 1, 1), g2 = tok_frame(&t2, 1, 1);
+    CHECK_OK(nl_stage_enqueue(r0, &n1, &g1, &err), &err);
+    const double due = nl_stage_batch_due(r0);
+    CHECK(due > 0.0 && due <= 0.020, "one of two active sessions queued: due in %g s", due);
+    CHECK_OK(nl_stage_enqueue(r0, &n2, &g2, &err), &err);
+    CHECK(nl_stage_batch_due(r0) == 0.0, "both queued: due now");
+    nl_stage_result rr = one_result(r0, 2, &err);
+    CHECK(rr.st == NL_OK, "the two ran together");
     /* closed while queued: dropped; evicted while queued: fails */
     h.t.shape[1] = 1;
     h.t.data = want_b[0];
