@@ -227,8 +227,7 @@ static void run_layers(nl_batch *b, const nl_batch_seg *segs, const float *const
     for (int i = 0; i < n; i++) {
         b->seg_row[i] = row;
         if (!vm->has_embed) /* a later stage: the previous stage's hidden states */
-            be->upload(be, a->x_in + (size_t)row * d, x[i],
-                       (size_t)segs[i].T * d * sizeof(float));
+            be->upload(be, a->x_in + (size_t)row * d, x[i], (size_t)segs[i].T * d * sizeof(float));
         for (int t = 0; t < segs[i].T; t++, row++) {
             b->tokens_h[row] = vm->has_embed ? segs[i].tokens[t] : 0;
             b->pos_h[row] = segs[i].kv->len + t;

@@ -654,8 +654,8 @@ static void run_batch(node *n)
     nl_status st = nl_stage_run_batch(n->stage, &r, &k, &e);
     n->busy_ms += (double)(mono_ms() - t0);
     for (int i = 0; i < k; i++) {
-        const nl_msg_tensor_hop hop = {r[i].job_id, 0, 0, r[i].session_id, r[i].pos_offset,
-                                       r[i].out.aux};
+        const nl_msg_tensor_hop hop = {r[i].job_id,     0,           0, r[i].session_id,
+                                       r[i].pos_offset, r[i].out.aux};
         if (r[i].st != NL_OK)
             fail_job(n, r[i].job_id, r[i].st, NL_MSG_ACTIVATION, "%s", r[i].msg);
         else

@@ -635,10 +635,9 @@ nl_status nl_stage_check_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl
         return nl_error_set(err, NL_ERR_SHAPE, "%s: a session takes one sequence, not %d", who, *B);
     const int at = kv->len + queued;
     if (hop->pos_offset != (uint64_t)at)
-        return nl_error_set(err, NL_ERR_RANGE,
-                            "%s: pos_offset %llu, but the session's cache holds %d positions%s",
-                            who, (unsigned long long)hop->pos_offset, at,
-                            queued ? " (with its queued hops)" : "");
+        return nl_error_set(
+            err, NL_ERR_RANGE, "%s: pos_offset %llu, but the session's cache holds %d positions%s",
+            who, (unsigned long long)hop->pos_offset, at, queued ? " (with its queued hops)" : "");
     if (*T > kv->cap - at)
         return nl_error_set(err, NL_ERR_CAPACITY,
                             "%s: %d new positions overflow the session's cache (%d of %d used)",
@@ -759,14 +758,13 @@ static nl_status run_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wir
 
 /* A session's hop alone: through the batch path that the daemon uses,
  * so that a session computes the same way in both. */
-static nl_status forward_session(nl_stage *s, const nl_msg_tensor_hop *hop,
-                                 const nl_wire_frame *in, nl_stage_out *out, nl_error *err)
+static nl_status forward_session(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wire_frame *in,
+                                 nl_stage_out *out, nl_error *err)
 {
     if (s->n_q)
-        return nl_error_set(err, NL_ERR_STATE,
-                            "job %llu session %llu: %d hops are queued: run them first", 
-                            (unsigned long long)hop->job_id, (unsigned long long)hop->session_id,
-                            s->n_q);
+        return nl_error_set(
+            err, NL_ERR_STATE, "job %llu session %llu: %d hops are queued: run them first",
+            (unsigned long long)hop->job_id, (unsigned long long)hop->session_id, s->n_q);
     nl_status st = nl_stage_enqueue(s, hop, in, err);
     while (st == NL_OK && s->n_q) {
         const nl_stage_result *r = NULL;
@@ -779,7 +777,7 @@ static nl_status forward_session(nl_stage *s, const nl_msg_tensor_hop *hop,
         }
     }
     return st == NL_OK ? nl_error_set(err, NL_ERR_INTERNAL, "session %llu: its hop gave no result",
-                                       (unsigned long long)hop->session_id)
+                                      (unsigned long long)hop->session_id)
                        : st;
 }
 

@@ -35,10 +35,10 @@ typedef struct queued_hop {
     uint64_t job_id, session_id, pos;
     int T, done; /* positions, and those already run (chunked prefill) */
     double aux, t_in;
-    bool gone;    /* finished or failed: to be removed */
-    void *in;     /* (T) I32 tokens on the first stage, else (T, d) F32; host */
+    bool gone; /* finished or failed: to be removed */
+    void *in;  /* (T) I32 tokens on the first stage, else (T, d) F32; host */
     size_t in_cap;
-    float *acc;   /* (T, d): the hidden states of the chunks run so far */
+    float *acc; /* (T, d): the hidden states of the chunks run so far */
     size_t acc_cap;
 } queued_hop;
 
@@ -110,10 +110,10 @@ struct nl_stage {
     int n_q, cap_q;
     nl_stage_result *res; /* (cap_q) the last batch's results */
     int cap_res;
-    nl_batch_seg *segs; /* (batch_rows) */
+    nl_batch_seg *segs;  /* (batch_rows) */
     const float **seg_x; /* (batch_rows) their hidden-state inputs (a later stage) */
-    int *seg_q;         /* (batch_rows) segment -> queue slot */
-    float *obuf;        /* the last batch's hidden outputs (host), sent zero-copy */
+    int *seg_q;          /* (batch_rows) segment -> queue slot */
+    float *obuf;         /* the last batch's hidden outputs (host), sent zero-copy */
     size_t obuf_cap;
     nl_stage_figures fig;
 };

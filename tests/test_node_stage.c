@@ -736,7 +736,8 @@ static void test_batched(nl_model *ref)
           "batch 3: A's 10 positions");
     if (ra.out.data)
         CHECK(check_rel_err(ra.out.data, want_a, 10 * d) < 1e-5,
-              "A's prompt in 3 chunks as in one (%.2g)", check_rel_err(ra.out.data, want_a, 10 * d));
+              "A's prompt in 3 chunks as in one (%.2g)",
+              check_rel_err(ra.out.data, want_a, 10 * d));
     nl_stage_figures fg;
     nl_stage_get_figures(s0, &fg);
     CHECK(fg.hops == 3 && fg.batches == 3 && fg.rows == 12 && fg.compute_s > 0 &&
