@@ -17,7 +17,8 @@ cluster up --http):
         503 and stops cleanly
   web   with --http-tokens passed on by cluster up (401 without one), and
         while the cluster trains: headless Chromium renders the dashboard
-        (one row per node, a loss chart with points; the screenshot is kept
+        (one row per node, with the node's KV cache and batch figures from
+        its heartbeats; a loss chart with points; the screenshot is kept
         as $NL_BUILD_DIR/tests/serve-cluster-dashboard.png), /api/events
         carries join, plan and train_step events, and promtool accepts
         /metrics with the training figures. Exit 77 (skipped) without
@@ -317,6 +318,9 @@ def test_web(url):
     except urllib.error.HTTPError as e:
         check(e.code == 401, "/metrics without a token: %d" % e.code)
     HDR["Authorization"] = "Bearer " + TOKEN
+    # a completion first: the stages' batch figures then fill the node rows
+    code, body = post(url + "v1/completions", {"prompt": [1, 2, 3], "max_tokens": 8})
+    check(code == 200, "completion before training: %d %s" % (code, body[:200]))
     with open(W + "/data.txt", "w") as f:
         for name in ("README.md", "docs/ARCHITECTURE.md"):
             f.write(open(os.path.join(S, name)).read())
@@ -362,6 +366,14 @@ def test_web(url):
         subprocess.run(ch + ["--screenshot=" + shot, page], capture_output=True, timeout=120)
         rows = dom.count('<tr class="node">')
         check(rows == 3, "%d node rows, expected 3" % rows)
+        # each serving node's row: its KV cache, ms per batch, hop ms and
+        # hops per batch (columns 9 to 12) from its heartbeats
+        cells = [re.findall(r"<td>([^<]*)</td>", r) for r in
+                 re.findall(r'<tr class="node">(.*?)</tr>', dom)]
+        served = [c for c in cells if len(c) == 12 and c[1] == "serving"]
+        check(served and all(re.match(r"^\d+\.\d MiB$", c[8]) and
+                             all(re.match(r"^\d+\.\d+$", x) for x in c[9:12]) for c in served),
+              "node rows show KV cache, batch ms, hop ms, hops/batch: %s" % cells)
         m = re.search(r'id="loss-chart" data-points="(\d+)"', dom)
         check(m is not None and int(m.group(1)) > 0, "a loss chart with points")
         check(os.path.getsize(shot) > 0 if os.path.exists(shot) else False, "a screenshot")
