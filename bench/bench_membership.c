@@ -179,7 +179,7 @@ int main(int argc, char **argv)
             for (int i = 0; i < nodes; i++)
                 if (id[i]) {
                     nl_wire_msg_reset(&m, NL_MSG_HEARTBEAT);
-                    m.u.heartbeat = (nl_msg_heartbeat){id[i], ++seq[i], 0, 0.0};
+                    m.u.heartbeat = (nl_msg_heartbeat){.node_id = id[i], .seq = ++seq[i]};
                     nl_sock_send(s[i], NULL, 0, &m, &e);
                 }
         }
@@ -195,7 +195,7 @@ int main(int argc, char **argv)
         const double tr = now_s();
         for (int i = 0; i < nodes; i++) {
             nl_wire_msg_reset(&m, NL_MSG_HEARTBEAT);
-            m.u.heartbeat = (nl_msg_heartbeat){id[i], ++seq[i], 0, 0.0};
+            m.u.heartbeat = (nl_msg_heartbeat){.node_id = id[i], .seq = ++seq[i]};
             nl_sock_send(s[i], NULL, 0, &m, &e);
             while (nl_sock_recv(s[i], &rx, 0, &e) == NL_OK) /* ASSIGN, LAYER_LOAD...: drop */
                 nl_rx_free(&rx);

@@ -10,7 +10,9 @@
 # the same size before each.
 # Prints one JSON line per client count, then the ratio of the 16-client
 # aggregate to the 1-client one (issue 17's targets: at least 6x on
-# neuroctl serve, 4x on the cluster).
+# neuroctl serve, 4x on the cluster); on the cluster also each stage's
+# figures from its heartbeats (hops, hops per batch, ms per batch, ms a
+# hop spends on the stage).
 #   bench/bench_serve.sh [BUILD_DIR] [NEW_TOKENS]
 #   env: TARGET (serve: one process; cluster: a NODES-node local cluster,
 #        neuroctl cluster up --http, THREADS each), CONFIG (default
@@ -104,4 +106,12 @@ for n in counts:
 if 1 in res and len(res) > 1:
     top = max(res)
     print(json.dumps({"speedup_%d_over_1" % top: round(res[top]["agg_tok_s"] / res[1]["agg_tok_s"], 2)}))
+if target == "cluster":  # the stages' own figures (heartbeats), over the whole run
+    time.sleep(2.5)
+    st = json.loads(urllib.request.urlopen(url + "api/status", timeout=30).read())
+    for n in st["nodes"]:
+        if n.get("hops"):
+            print(json.dumps({"node": n["name"], "layers": n.get("layers"), "hops": n["hops"],
+                              "hops_per_batch": round(n["hops_per_batch"], 2),
+                              "batch_ms": round(n["batch_ms"], 2), "hop_ms": round(n["hop_ms"], 2)}))
 PY

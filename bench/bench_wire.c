@@ -285,7 +285,8 @@ static void child_ping(bool ours, bool curve, int iters, const char *ep, const k
         for (int i = 0; i < total; i++) {
             double t = now_s();
             nl_wire_msg_reset(&m, NL_MSG_HEARTBEAT);
-            m.u.heartbeat = (nl_msg_heartbeat){1, (uint64_t)i, NL_NODE_BUSY, 0.5};
+            m.u.heartbeat = (nl_msg_heartbeat){
+                .node_id = 1, .seq = (uint64_t)i, .state = NL_NODE_BUSY, .load = 0.5};
             if (nl_sock_send(s, NULL, 0, &m, &err) != NL_OK ||
                 nl_sock_recv(s, &rx, 30000, &err) != NL_OK)
                 die(err.msg);

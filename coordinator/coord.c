@@ -376,6 +376,7 @@ static void on_heartbeat(nl_coord *c, const nl_rx *rx)
         return;
     }
     n->last_seen = coord_now();
+    n->hb = rx->msg.u.heartbeat;                               /* its figures, for the status */
     if (c->train_mem.training && n->stage >= 0 && n->loaded) { /* a stage's busy fraction */
         n->load_sum += rx->msg.u.heartbeat.load;
         n->load_n++;

@@ -711,6 +711,21 @@ static char *be_status(void *ctx)
         json_object_set_new(n, "tokens_per_s", serving ? json_real(tps) : json_null());
         json_object_set_new(n, "stage_ms",
                             pred ? json_real(json_number_value(pred) * 1e3) : json_null());
+        /* the node's own figures (heartbeats): mean compute per batch, mean
+         * time a session hop spends on the stage, and hops per batch */
+        const double hops = (double)json_integer_value(json_object_get(n, "hops")),
+                     batches = (double)json_integer_value(json_object_get(n, "batches"));
+        json_object_set_new(
+            n, "batch_ms",
+            batches > 0
+                ? json_real(json_number_value(json_object_get(n, "compute_s")) * 1e3 / batches)
+                : json_null());
+        json_object_set_new(
+            n, "hop_ms",
+            hops > 0 ? json_real(json_number_value(json_object_get(n, "hop_s")) * 1e3 / hops)
+                     : json_null());
+        json_object_set_new(n, "hops_per_batch",
+                            batches > 0 ? json_real(hops / batches) : json_null());
     }
     char *s = json_dumps(st, JSON_COMPACT);
     json_decref(st);
@@ -746,6 +761,42 @@ static void put(char **s, size_t *n, size_t *cap, const char *fmt, ...)
 
 #define HELP(name, type, help)                                                                     \
     put(&s, &n, &cap, "# HELP " name " " help "\n# TYPE " name " " type "\n")
+
+/* The figures nodes report in their heartbeats, one family each. */
+static void node_figures(char **sp, size_t *np, size_t *capp, json_t *nodes)
+{
+    static const struct {
+        const char *key, *name, *type, *help;
+    } fig[] = {
+        {"kv_bytes", "neurollm_node_kv_cache_bytes", "gauge", "Bytes of KV caches on a node."},
+        {"sessions", "neurollm_node_sessions", "gauge", "Generation sessions open on a node."},
+        {"hops", "neurollm_node_hops_total", "counter", "Session hops a node's stage finished."},
+        {"batches", "neurollm_node_batches_total", "counter",
+         "Batches of session hops a node's stage ran."},
+        {"compute_s", "neurollm_node_compute_seconds_total", "counter",
+         "Seconds a node's stage spent computing batches of session hops."},
+        {"hop_s", "neurollm_node_hop_seconds_total", "counter",
+         "Seconds session hops spent on a node's stage, from arrival to output, summed."},
+    };
+    char *s = *sp;
+    size_t n = *np, cap = *capp;
+    for (size_t k = 0; k < sizeof fig / sizeof fig[0]; k++) {
+        json_t *o;
+        size_t i;
+        put(&s, &n, &cap, "# HELP %s %s\n# TYPE %s %s\n", fig[k].name, fig[k].help, fig[k].name,
+            fig[k].type);
+        json_array_foreach(nodes, i, o)
+        {
+            json_t *v = json_object_get(o, fig[k].key);
+            put(&s, &n, &cap, "%s{node=\"node-%lld\"} %.17g\n", fig[k].name,
+                (long long)json_integer_value(json_object_get(o, "id")),
+                v ? json_number_value(v) : 0.0);
+        }
+    }
+    *sp = s;
+    *np = n;
+    *capp = cap;
+}
 
 static char *be_metrics(void *ctx)
 {
@@ -791,6 +842,7 @@ static char *be_metrics(void *ctx)
         put(&s, &n, &cap, "neurollm_node_stage_predicted_seconds{node=\"node-%lld\"} %.9g\n",
             (long long)json_integer_value(json_object_get(o, "id")),
             json_number_value(json_object_get(o, "predicted_s")));
+    node_figures(&s, &n, &cap, nodes);
     HELP("neurollm_plan_epoch", "gauge", "The placement generation.");
     put(&s, &n, &cap, "neurollm_plan_epoch %lld\n", (long long)h->epoch);
     HELP("neurollm_tokens_generated_total", "counter", "Tokens relayed to HTTP clients.");

@@ -58,6 +58,7 @@ typedef struct cnode {
     int loaded;               /* LOAD_DONE received for the current epoch */
     int unreachable;          /* a send failed: declared dead at the next tick */
     cload ld;                 /* streaming its stage's tensors */
+    nl_msg_heartbeat hb;      /* its last heartbeat: sessions, KV bytes, batch figures */
     char why[600];
 } cnode;
 

@@ -251,6 +251,15 @@ static json_t *status_json(nl_coord *c, bool full)
         if (full)
             json_object_set_new(o, "endpoint", json_string(n->endpoint));
         json_object_set_new(o, "heartbeat_age_s", json_real(now - n->last_seen));
+        /* what its last heartbeat said (docs/protocol.md): KV caches, and
+         * its batched session hops as counters */
+        json_object_set_new(o, "load", json_real(n->hb.load));
+        json_object_set_new(o, "sessions", json_integer(n->hb.sessions));
+        json_object_set_new(o, "kv_bytes", json_integer((json_int_t)n->hb.kv_bytes));
+        json_object_set_new(o, "hops", json_integer((json_int_t)n->hb.hops));
+        json_object_set_new(o, "batches", json_integer((json_int_t)n->hb.batches));
+        json_object_set_new(o, "compute_s", json_real(n->hb.compute_s));
+        json_object_set_new(o, "hop_s", json_real(n->hb.hop_s));
         const char *state = n->life == NODE_DEAD   ? "dead"
                             : n->life == NODE_LEFT ? "left"
                             : n->stage >= 0        ? (n->loaded ? "serving" : "loading")

@@ -53,8 +53,9 @@ struct nl_batch {
     float *last, *xnf;         /* (max_rows, d) */
     float *logits_d;           /* (max_rows, V) */
     float *logits_h;           /* (max_rows, V) host */
-    float *hidden_h;           /* (max_rows, d) host, for embeddings */
+    float *hidden_h;           /* (max_rows, d) host: embeddings, a stage's output */
     int *logit_row;            /* (max_rows) segment -> row of logits_h, or -1 */
+    int *seg_row;              /* (max_rows) segment -> its first row of hidden_h */
 };
 
 static int imax(int a, int b)
@@ -66,9 +67,9 @@ nl_status nl_batch_new(nl_batch **out, nl_model *m, int max_rows, nl_error *err)
 {
     *out = NULL;
     const nl_config *c = &m->cfg;
-    if (!m->has_embed || !m->has_head || m->l0 != 0 || m->l1 != c->num_layers)
-        return nl_error_set(err, NL_ERR_INVALID,
-                            "batch: needs a whole model (embedding, every layer, head)");
+    if (m->l0 < 0 || m->l1 < m->l0 || m->l1 > c->num_layers)
+        return nl_error_set(err, NL_ERR_INVALID, "batch: layers [%d, %d) of a model of %d", m->l0,
+                            m->l1, c->num_layers);
     if (max_rows < 1)
         return nl_error_set(err, NL_ERR_INVALID, "batch: max_rows %d must be positive", max_rows);
     nl_batch *b = calloc(1, sizeof *b);
@@ -87,7 +88,7 @@ nl_status nl_batch_new(nl_batch **out, nl_model *m, int max_rows, nl_error *err)
     b->pad.be.moe_ffn_forward = NULL;
     b->pad.inner = be;
     b->pad.k_max = imax(imax(d, c->num_heads * hd), F);
-    b->pad.n_max = imax(imax(qkv, d), imax(imax(c->num_experts, 2 * F), V));
+    b->pad.n_max = imax(imax(qkv, d), imax(imax(c->num_experts, 2 * F), m->has_head ? V : 1));
     b->view = *m;
     b->view.be = &b->pad.be;
     nl_status st = nl_layer_acts_alloc(&b->acts, be, c, max_rows, 0, err);
@@ -102,12 +103,15 @@ nl_status nl_batch_new(nl_batch **out, nl_model *m, int max_rows, nl_error *err)
     ok &= (b->pos_d = be->alloc(be, N * sizeof(int32_t))) != NULL;
     ok &= (b->last = be->alloc(be, N * d * sizeof(float))) != NULL;
     ok &= (b->xnf = be->alloc(be, N * d * sizeof(float))) != NULL;
-    ok &= (b->logits_d = be->alloc(be, N * V * sizeof(float))) != NULL;
+    if (m->has_head) /* a stage without the head gives hidden states only */
+        ok &= (b->logits_d = be->alloc(be, N * V * sizeof(float))) != NULL;
     ok &= (b->tokens_h = calloc(N, sizeof(int32_t))) != NULL;
     ok &= (b->pos_h = calloc(N, sizeof(int32_t))) != NULL;
-    ok &= (b->logits_h = calloc(N * V, sizeof(float))) != NULL;
+    if (m->has_head)
+        ok &= (b->logits_h = calloc(N * V, sizeof(float))) != NULL;
     ok &= (b->hidden_h = calloc(N * d, sizeof(float))) != NULL;
     ok &= (b->logit_row = calloc(N, sizeof(int))) != NULL;
+    ok &= (b->seg_row = calloc(N, sizeof(int))) != NULL;
     if (!ok) {
         nl_batch_destroy(&b);
         return nl_error_set(err, NL_ERR_NOMEM, "batch: cannot allocate activations for %d rows",
@@ -132,6 +136,7 @@ void nl_batch_destroy(nl_batch **bp)
     free(b->logits_h);
     free(b->hidden_h);
     free(b->logit_row);
+    free(b->seg_row);
     free(b);
     *bp = NULL;
 }
@@ -143,10 +148,17 @@ const float *nl_batch_logits(const nl_batch *b, int i)
     return b->logits_h + (size_t)b->logit_row[i] * b->m->cfg.vocab_size;
 }
 
+const float *nl_batch_hidden(const nl_batch *b, int i)
+{
+    if (b->m->has_head || i < 0 || i >= b->max_rows)
+        return NULL;
+    return b->hidden_h + (size_t)b->seg_row[i] * b->m->cfg.hidden_dim;
+}
+
 /* ---------------------------------------------------------------- forward */
 
-static nl_status check_segs(const nl_batch *b, const nl_batch_seg *segs, int n, int *rows,
-                            nl_error *err)
+static nl_status check_segs(const nl_batch *b, const nl_batch_seg *segs, const float *const *x,
+                            int n, int *rows, nl_error *err)
 {
     const nl_model *m = b->m;
     long N = 0;
@@ -154,8 +166,9 @@ static nl_status check_segs(const nl_batch *b, const nl_batch_seg *segs, int n, 
         return nl_error_set(err, NL_ERR_INVALID, "batch: no segments");
     for (int i = 0; i < n; i++) {
         const nl_batch_seg *s = &segs[i];
-        if (!s->kv || !s->tokens || s->T < 1)
-            return nl_error_set(err, NL_ERR_INVALID, "batch: segment %d has no cache or tokens", i);
+        if (!s->kv || s->T < 1 || (m->has_embed ? !s->tokens : !x || !x[i]))
+            return nl_error_set(err, NL_ERR_INVALID, "batch: segment %d has no cache or %s", i,
+                                m->has_embed ? "tokens" : "hidden states");
         if (s->kv->B != 1 || s->kv->n_layers != m->l1 - m->l0)
             return nl_error_set(err, NL_ERR_SHAPE,
                                 "batch: segment %d's cache holds %d sequences of %d layers", i,
@@ -164,7 +177,7 @@ static nl_status check_segs(const nl_batch *b, const nl_batch_seg *segs, int n, 
             return nl_error_set(err, NL_ERR_RANGE,
                                 "batch: segment %d: %d cached + %d new positions exceed its %d", i,
                                 s->kv->len, s->T, s->kv->cap);
-        for (int t = 0; t < s->T; t++)
+        for (int t = 0; m->has_embed && t < s->T; t++)
             if (s->tokens[t] < 0 || s->tokens[t] >= m->cfg.vocab_size)
                 return nl_error_set(err, NL_ERR_RANGE,
                                     "batch: segment %d: token %d is outside the vocabulary 0..%lld",
@@ -202,7 +215,7 @@ static void attend_segments(nl_batch *b, int li, const nl_batch_seg *segs, int n
 
 /* Embedding and every layer over the segments' N rows; the residual
  * stream ends in acts.x_in. Caches grow by each segment's T. */
-static void run_layers(nl_batch *b, const nl_batch_seg *segs, int n, int N)
+static void run_layers(nl_batch *b, const nl_batch_seg *segs, const float *const *x, int n, int N)
 {
     nl_model *vm = &b->view;
     nl_backend *be = vm->be;
@@ -211,14 +224,20 @@ static void run_layers(nl_batch *b, const nl_batch_seg *segs, int n, int N)
     const int H = c->num_heads, G = c->num_kv_heads, qkv = (H + 2 * G) * hd;
     nl_layer_acts *a = &b->acts;
     int row = 0;
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < n; i++) {
+        b->seg_row[i] = row;
+        if (!vm->has_embed) /* a later stage: the previous stage's hidden states */
+            be->upload(be, a->x_in + (size_t)row * d, x[i], (size_t)segs[i].T * d * sizeof(float));
         for (int t = 0; t < segs[i].T; t++, row++) {
-            b->tokens_h[row] = segs[i].tokens[t];
+            b->tokens_h[row] = vm->has_embed ? segs[i].tokens[t] : 0;
             b->pos_h[row] = segs[i].kv->len + t;
         }
-    be->upload(be, b->tokens_d, b->tokens_h, (size_t)N * sizeof(int32_t));
+    }
     be->upload(be, b->pos_d, b->pos_h, (size_t)N * sizeof(int32_t));
-    be->embedding_forward(be, a->x_in, b->tokens_d, vm->tok_embeddings, N, d);
+    if (vm->has_embed) {
+        be->upload(be, b->tokens_d, b->tokens_h, (size_t)N * sizeof(int32_t));
+        be->embedding_forward(be, a->x_in, b->tokens_d, vm->tok_embeddings, N, d);
+    }
     for (int l = vm->l0; l < vm->l1; l++) {
         const nl_layer_weights *w = &vm->layers[l - vm->l0];
         be->rmsnorm_forward(be, a->xn1, NULL, a->x_in, w->attention_norm, N, d, (float)c->norm_eps);
@@ -234,14 +253,24 @@ static void run_layers(nl_batch *b, const nl_batch_seg *segs, int n, int N)
 
 nl_status nl_batch_forward(nl_batch *b, const nl_batch_seg *segs, int n, nl_error *err)
 {
+    return nl_batch_forward_hidden(b, segs, NULL, n, err);
+}
+
+nl_status nl_batch_forward_hidden(nl_batch *b, const nl_batch_seg *segs, const float *const *x,
+                                  int n, nl_error *err)
+{
     nl_backend *be = b->view.be;
     const nl_config *c = &b->m->cfg;
     const int d = c->hidden_dim, V = (int)c->vocab_size;
     int N = 0;
-    nl_status st = check_segs(b, segs, n, &N, err);
+    nl_status st = check_segs(b, segs, x, n, &N, err);
     if (st != NL_OK)
         return st;
-    run_layers(b, segs, n, N);
+    run_layers(b, segs, x, n, N);
+    if (!b->m->has_head) { /* a stage's output: every row's hidden state */
+        be->download(be, b->hidden_h, b->acts.x_in, (size_t)N * d * sizeof(float));
+        return nl_backend_check(b->m->be, err);
+    }
     int want = 0, row = 0;
     for (int i = 0; i < n; i++) {
         b->logit_row[i] = -1;
@@ -272,6 +301,10 @@ nl_status nl_batch_embed(nl_batch *b, const int32_t *tokens, int T, float *out, 
     nl_status st = NL_OK;
     if (!sum)
         return nl_error_set(err, NL_ERR_NOMEM, "embed: out of memory");
+    if (!b->m->has_embed || !b->m->has_head || b->m->l0 != 0 || b->m->l1 != c->num_layers) {
+        st = nl_error_set(err, NL_ERR_INVALID, "embed: needs a whole model");
+        goto out;
+    }
     if (T < 1 || T > c->max_seq_len) {
         st = nl_error_set(err, NL_ERR_RANGE, "embed: %d tokens, outside 1..%d", T, c->max_seq_len);
         goto out;
@@ -282,9 +315,9 @@ nl_status nl_batch_embed(nl_batch *b, const int32_t *tokens, int T, float *out, 
         const int n = T - t0 < b->max_rows ? T - t0 : b->max_rows;
         nl_batch_seg s = {.kv = kv, .tokens = tokens + t0, .T = n};
         int N = 0;
-        if ((st = check_segs(b, &s, 1, &N, err)) != NL_OK)
+        if ((st = check_segs(b, &s, NULL, 1, &N, err)) != NL_OK)
             goto out;
-        run_layers(b, &s, 1, N);
+        run_layers(b, &s, NULL, 1, N);
         be->rmsnorm_forward(be, b->xnf, NULL, b->acts.x_in, b->m->norm, n, d, (float)c->norm_eps);
         be->download(be, b->hidden_h, b->xnf, (size_t)n * d * sizeof(float));
         if ((st = nl_backend_check(b->m->be, err)) != NL_OK)

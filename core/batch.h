@@ -1,6 +1,8 @@
 /* Batched decoding: many independent sequences, each with its own KV
- * cache and position, through one forward pass of a whole model (a stage
- * holding embedding, every layer and head).
+ * cache and position, through one forward pass of a model: a whole one
+ * (`neuroctl serve`) or one pipeline stage's layers (node/stage.c), which
+ * take hidden states when they lack the embedding and give hidden states
+ * when they lack the head.
  *
  * One call takes a list of segments: each is a sequence's next T tokens
  * (T = 1 for a decode step, T = a prefill chunk for a prompt). The rows
@@ -31,7 +33,8 @@
 typedef struct nl_batch nl_batch;
 
 /* Activations for up to max_rows rows per call (decode rows plus one
- * prefill chunk). The model must hold the embedding and the head. */
+ * prefill chunk). The model may be a stage: any layer range, with or
+ * without the embedding and the head. */
 nl_status nl_batch_new(nl_batch **out, nl_model *m, int max_rows, nl_error *err);
 void nl_batch_destroy(nl_batch **b);
 
@@ -39,9 +42,9 @@ void nl_batch_destroy(nl_batch **b);
  * this model; its len is the sequence's past and grows by T. */
 typedef struct nl_batch_seg {
     nl_kvcache *kv;
-    const int32_t *tokens; /* host (T) */
+    const int32_t *tokens; /* host (T); NULL for a model without the embedding */
     int T;
-    int want_logits; /* logits of the segment's last position */
+    int want_logits; /* logits of the segment's last position (a model with the head) */
 } nl_batch_seg;
 
 /* Run the segments as one batch. For each segment with want_logits the
@@ -49,12 +52,19 @@ typedef struct nl_batch_seg {
  * nl_batch_logits(b, i) (i: the segment's index in this call). Checks
  * every token and that every cache has room; on error no cache grew. */
 nl_status nl_batch_forward(nl_batch *b, const nl_batch_seg *segs, int n, nl_error *err);
+/* The same for a model without the embedding (a later stage): x[i] is
+ * segment i's input, host (T_i, d) hidden states. */
+nl_status nl_batch_forward_hidden(nl_batch *b, const nl_batch_seg *segs, const float *const *x,
+                                  int n, nl_error *err);
 const float *nl_batch_logits(const nl_batch *b, int i);
+/* A model without the head: the output hidden states of segment i of the
+ * last call, host (T_i, d) rows, valid until the next call. */
+const float *nl_batch_hidden(const nl_batch *b, int i);
 
 /* The embedding of a token sequence (DESIGN.md section 7): the mean over
  * its positions of the final-normed hidden states, L2-normalised, into
  * out (hidden_dim floats). Runs in chunks of the batch's rows through a
- * temporary cache; T must be within max_seq_len. */
+ * temporary cache; T must be within max_seq_len. Needs a whole model. */
 nl_status nl_batch_embed(nl_batch *b, const int32_t *tokens, int T, float *out, nl_error *err);
 
 #endif

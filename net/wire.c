@@ -394,7 +394,7 @@ static nl_status decode_body(nl_mpr *r, nl_wire_msg *m, const nl_wire_tdesc *td,
             return st;
     }
     for (int i = 0; i < td->nf; i++)
-        if (!(seen & (1ull << i)))
+        if (!(seen & (1ull << i)) && !td->f[i].optional)
             return nl_error_set(err, NL_ERR_PROTO, "%s: missing field '%s'", td->name,
                                 td->f[i].name);
     if (has_tensors && !seen_tensors)

@@ -135,6 +135,14 @@ typedef struct nl_msg_heartbeat {
     uint64_t seq;
     uint32_t state; /* nl_node_state */
     double load;    /* 0 = idle; busy fraction, >= 0 */
+    /* optional (0 when absent): the stage's sessions, and what its
+     * batched session hops cost since the node started (counters) */
+    uint64_t kv_bytes; /* KV cache bytes in use */
+    uint32_t sessions; /* open sessions */
+    uint64_t hops;     /* session hops finished */
+    uint64_t batches;  /* batches run */
+    double compute_s;  /* seconds computing them */
+    double hop_s;      /* seconds from a hop's arrival to its output, summed */
 } nl_msg_heartbeat;
 
 typedef struct nl_msg_leave {

@@ -7,12 +7,16 @@
 
 /* the range is "lo, hi" (or U32_ANY, U64_ANY) */
 // clang-format off
-#define F_U32(S, m, ...) {#m, NL_WK_U32, 0, 0, offsetof(S, m), 0, __VA_ARGS__, 0, 0}
-#define F_U64(S, m, ...) {#m, NL_WK_U64, 0, 0, offsetof(S, m), 0, __VA_ARGS__, 0, 0}
-#define F_F64(S, m, a, b) {#m, NL_WK_F64, 0, 0, offsetof(S, m), 0, 0, 0, (a), (b)}
-#define F_BOOL(S, m) {#m, NL_WK_BOOL, 0, 0, offsetof(S, m), 0, 0, 1, 0, 0}
-#define F_STR(S, m, cs, a, b) {#m, NL_WK_STR, (cs), 0, offsetof(S, m), 0, (a), (b), 0, 0}
-#define F_LIST(S, m, kind, cnt, a, b) {#m, (kind), 0, 0, offsetof(S, m), offsetof(S, cnt), (a), (b), 0, 0}
+#define F_U32(S, m, ...) {#m, NL_WK_U32, 0, 0, offsetof(S, m), 0, __VA_ARGS__, 0, 0, 0}
+#define F_U64(S, m, ...) {#m, NL_WK_U64, 0, 0, offsetof(S, m), 0, __VA_ARGS__, 0, 0, 0}
+#define F_F64(S, m, a, b) {#m, NL_WK_F64, 0, 0, offsetof(S, m), 0, 0, 0, (a), (b), 0}
+#define F_BOOL(S, m) {#m, NL_WK_BOOL, 0, 0, offsetof(S, m), 0, 0, 1, 0, 0, 0}
+#define F_STR(S, m, cs, a, b) {#m, NL_WK_STR, (cs), 0, offsetof(S, m), 0, (a), (b), 0, 0, 0}
+#define F_LIST(S, m, kind, cnt, a, b) {#m, (kind), 0, 0, offsetof(S, m), offsetof(S, cnt), (a), (b), 0, 0, 0}
+/* fields added to a type later: a peer that does not send them reads as 0 */
+#define F_U32_OPT(S, m) {#m, NL_WK_U32, 0, 0, offsetof(S, m), 0, 0, UINT32_MAX, 0, 0, 1}
+#define F_U64_OPT(S, m) {#m, NL_WK_U64, 0, 0, offsetof(S, m), 0, 0, UINT64_MAX, 0, 0, 1}
+#define F_F64_OPT(S, m, a, b) {#m, NL_WK_F64, 0, 0, offsetof(S, m), 0, 0, 0, (a), (b), 1}
 // clang-format on
 #define U64_ANY 0, UINT64_MAX
 #define U32_ANY 0, UINT32_MAX
@@ -48,6 +52,12 @@ static const nl_wire_field f_heartbeat[] = {
     F_U64(nl_msg_heartbeat, seq, U64_ANY),
     F_U32(nl_msg_heartbeat, state, NL_NODE_IDLE, NL_NODE_FAILED),
     F_F64(nl_msg_heartbeat, load, 0, 1e6),
+    F_U64_OPT(nl_msg_heartbeat, kv_bytes),
+    F_U32_OPT(nl_msg_heartbeat, sessions),
+    F_U64_OPT(nl_msg_heartbeat, hops),
+    F_U64_OPT(nl_msg_heartbeat, batches),
+    F_F64_OPT(nl_msg_heartbeat, compute_s, 0, 1e12),
+    F_F64_OPT(nl_msg_heartbeat, hop_s, 0, 1e15),
 };
 static const nl_wire_field f_leave[] = {
     F_U32(nl_msg_leave, node_id, U32_ANY),
@@ -116,7 +126,7 @@ static const nl_wire_field f_grad_norm[] = {
     F_U64(nl_msg_grad_norm, step, U64_ANY),
     F_U32(nl_msg_grad_norm, stage, 0, 4095),
     /* inf/NaN are allowed: they report an overflow, and the step is skipped */
-    {"sumsq", NL_WK_F64, 0, 1, offsetof(nl_msg_grad_norm, sumsq), 0, 0, 0, 0, HUGE_VAL},
+    {"sumsq", NL_WK_F64, 0, 1, offsetof(nl_msg_grad_norm, sumsq), 0, 0, 0, 0, HUGE_VAL, 0},
 };
 static const nl_wire_field f_step[] = {
     F_U64(nl_msg_step, job_id, U64_ANY), F_U64(nl_msg_step, step, U64_ANY),
@@ -128,8 +138,8 @@ static const nl_wire_field f_loss[] = {
     F_U64(nl_msg_loss, step, U64_ANY),
     F_BOOL(nl_msg_loss, eval),
     /* inf/NaN are allowed: a diverged loss is reported, and the step skipped */
-    {"ce_sum", NL_WK_F64, 0, 1, offsetof(nl_msg_loss, ce_sum), 0, 0, 0, 0, HUGE_VAL},
-    {"aux", NL_WK_F64, 0, 1, offsetof(nl_msg_loss, aux), 0, 0, 0, 0, HUGE_VAL},
+    {"ce_sum", NL_WK_F64, 0, 1, offsetof(nl_msg_loss, ce_sum), 0, 0, 0, 0, HUGE_VAL, 0},
+    {"aux", NL_WK_F64, 0, 1, offsetof(nl_msg_loss, aux), 0, 0, 0, 0, HUGE_VAL, 0},
     F_U64(nl_msg_loss, rows, U64_ANY),
 };
 static const nl_wire_field f_ckpt_req[] = {

@@ -40,6 +40,7 @@ typedef struct nl_wire_field {
     uint16_t off, count_off;
     uint64_t lo, hi;
     double flo, fhi;
+    uint8_t optional; /* may be absent (decodes as 0): a field added later */
 } nl_wire_field;
 
 typedef struct nl_wire_tdesc {

@@ -62,14 +62,6 @@ typedef struct node {
     uint64_t train_hops, train_bytes;
     uint8_t prev_rid[NL_ROUTING_ID_MAX]; /* the previous stage on data: GRADIENTs go there */
     size_t prev_rid_len;
-    /* a single stage's own token ring: the tokens it sampled, one per
-     * running session, each run at a later turn of the loop (after what is
-     * waiting on the sockets), oldest first */
-    struct self_feed {
-        nl_msg_tensor_hop hop;
-        int32_t token;
-    } * feeds;
-    int n_feeds, cap_feeds;
     nl_rx rx;
     nl_wire_msg tx;
 } node;
@@ -171,6 +163,14 @@ static void send_heartbeat(node *n)
     n->tx.u.heartbeat.seq = ++n->hb_seq;
     n->tx.u.heartbeat.state = nl_stage_state(n->stage);
     n->tx.u.heartbeat.load = span > 0 ? (n->busy_ms < span ? n->busy_ms / span : 1.0) : 0.0;
+    nl_stage_figures f;
+    nl_stage_get_figures(n->stage, &f);
+    n->tx.u.heartbeat.kv_bytes = nl_stage_kv_used(n->stage);
+    n->tx.u.heartbeat.sessions = (uint32_t)nl_stage_session_count(n->stage);
+    n->tx.u.heartbeat.hops = f.hops;
+    n->tx.u.heartbeat.batches = f.batches;
+    n->tx.u.heartbeat.compute_s = f.compute_s;
+    n->tx.u.heartbeat.hop_s = f.hop_s;
     send_ctl(n, "HEARTBEAT");
     n->window_ms = now;
     n->busy_ms = 0;
@@ -473,7 +473,6 @@ static void handle_assign(node *n, const nl_msg_assign *a)
     drop_next(n); /* drops what was queued for the old next stage */
     n->next_ep[0] = n->next_key[0] = '\0';
     n->prev_rid_len = 0;
-    n->n_feeds = 0; /* their sessions go with the old model */
     wait_sent(n);
     nl_status st = nl_stage_assign(n->stage, a, &e);
     const char *prev = a->prev_key;
@@ -537,8 +536,8 @@ static void handle_load_done(node *n, const nl_msg_load_done *d)
 
 /* The token ring: the last stage sends the token it sampled straight to
  * the first stage, at the session's next position (the coordinator only
- * relays the token to the client). A stage that is also the first feeds
- * itself at the next turn of the loop. */
+ * relays the token to the client). A stage that is also the first queues
+ * it for its next batch. */
 static void feed_first(node *n, const nl_msg_tensor_hop *hop, const nl_stage_out *out)
 {
     nl_error e;
@@ -546,19 +545,12 @@ static void feed_first(node *n, const nl_msg_tensor_hop *hop, const nl_stage_out
                                     0.0};
     const nl_model *m = nl_stage_model(n->stage);
     if (m && m->has_embed) {
-        if (n->n_feeds == n->cap_feeds) {
-            const int cap = n->cap_feeds ? 2 * n->cap_feeds : 8;
-            struct self_feed *f = realloc(n->feeds, (size_t)cap * sizeof *f);
-            if (!f) {
-                fail_job(n, hop->job_id, NL_ERR_NOMEM, NL_MSG_ACTIVATION,
-                         "job %llu session %llu: no memory to queue its next token",
-                         (unsigned long long)hop->job_id, (unsigned long long)hop->session_id);
-                return;
-            }
-            n->feeds = f;
-            n->cap_feeds = cap;
-        }
-        n->feeds[n->n_feeds++] = (struct self_feed){next, out->token};
+        const int64_t shape[2] = {1, 1};
+        nl_wire_frame f = {0};
+        nl_wire_frame_set(&f, &out->token, NL_DTYPE_I32, shape, 2);
+        nl_status st = nl_stage_enqueue(n->stage, &next, &f, &e);
+        if (st != NL_OK)
+            fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION, "%s", e.msg);
         return;
     }
     nl_status st = n->next_ep[0] ? ensure_next(n, &e)
@@ -578,23 +570,13 @@ static void feed_first(node *n, const nl_msg_tensor_hop *hop, const nl_stage_out
                  e.msg);
 }
 
-static void handle_activation(node *n, const nl_wire_msg *m)
+/* Send what a hop gave: a token to the coordinator (and the first
+ * stage), logits to the coordinator, hidden states to the next stage. */
+static void send_output(node *n, const nl_msg_tensor_hop *hop, const nl_stage_out *o)
 {
     nl_error e;
-    nl_stage_out out;
-    const nl_msg_tensor_hop *hop = &m->u.hop;
-    if (hop->session_id && nl_stage_session_closed(n->stage, hop->session_id)) {
-        NL_DEBUG("dropped a hop of closed session %llu", (unsigned long long)hop->session_id);
-        return; /* in flight when its job ended or was cancelled */
-    }
-    wait_sent(n);
-    int64_t t0 = mono_ms();
-    nl_status st = nl_stage_forward(n->stage, hop, &m->frames[0], &out, &e);
-    n->busy_ms += (double)(mono_ms() - t0);
-    if (st != NL_OK) {
-        fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION, "%s", e.msg);
-        return;
-    }
+    nl_status st;
+    const nl_stage_out out = *o;
     nl_txref *ref = nl_stage_txref(n->stage);
     if (out.kind == NL_STAGE_OUT_TOKEN) {
         if (out.feed) /* first: it is the next token's critical path */
@@ -633,6 +615,54 @@ static void handle_activation(node *n, const nl_wire_msg *m)
         fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION,
                  "job %llu: cannot send to the next stage: %s", (unsigned long long)hop->job_id,
                  e.msg);
+}
+
+static void handle_activation(node *n, const nl_wire_msg *m)
+{
+    nl_error e;
+    nl_stage_out out;
+    const nl_msg_tensor_hop *hop = &m->u.hop;
+    if (hop->session_id && nl_stage_session_closed(n->stage, hop->session_id)) {
+        NL_DEBUG("dropped a hop of closed session %llu", (unsigned long long)hop->session_id);
+        return; /* in flight when its job ended or was cancelled */
+    }
+    nl_status st;
+    if (hop->session_id) { /* queued: run in the next batch (run_batch) */
+        if ((st = nl_stage_enqueue(n->stage, hop, &m->frames[0], &e)) != NL_OK)
+            fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION, "%s", e.msg);
+        return;
+    }
+    wait_sent(n);
+    int64_t t0 = mono_ms();
+    st = nl_stage_forward(n->stage, hop, &m->frames[0], &out, &e);
+    n->busy_ms += (double)(mono_ms() - t0);
+    if (st != NL_OK) {
+        fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION, "%s", e.msg);
+        return;
+    }
+    send_output(n, hop, &out);
+}
+
+/* Run one batch of the queued session hops and send what finished. */
+static void run_batch(node *n)
+{
+    nl_error e;
+    const nl_stage_result *r = NULL;
+    int k = 0;
+    wait_sent(n);
+    int64_t t0 = mono_ms();
+    nl_status st = nl_stage_run_batch(n->stage, &r, &k, &e);
+    n->busy_ms += (double)(mono_ms() - t0);
+    for (int i = 0; i < k; i++) {
+        const nl_msg_tensor_hop hop = {r[i].job_id,     0,           0, r[i].session_id,
+                                       r[i].pos_offset, r[i].out.aux};
+        if (r[i].st != NL_OK)
+            fail_job(n, r[i].job_id, r[i].st, NL_MSG_ACTIVATION, "%s", r[i].msg);
+        else
+            send_output(n, &hop, &r[i].out);
+    }
+    if (st != NL_OK) /* the device: the loop stops, and the node leaves */
+        NL_ERROR("a batch of sessions: %s", e.msg);
 }
 
 static void handle_job_submit(node *n, const nl_msg_job_submit *j)
@@ -991,27 +1021,12 @@ static void drain(node *n, nl_sock *s, void (*handle)(node *))
     }
 }
 
-/* Run the oldest token a single stage fed itself (feed_first). */
-static void run_feed(node *n)
-{
-    const int64_t shape[2] = {1, 1};
-    const struct self_feed f = n->feeds[0];
-    memmove(n->feeds, n->feeds + 1, (size_t)--n->n_feeds * sizeof *n->feeds);
-    nl_wire_msg m;
-    nl_wire_msg_init(&m);
-    nl_wire_msg_reset(&m, NL_MSG_ACTIVATION);
-    m.u.hop = f.hop;
-    nl_wire_frame_set(&m.frames[0], &f.token, NL_DTYPE_I32, shape, 2);
-    m.nframes = 1;
-    handle_activation(n, &m);
-    nl_wire_msg_free(&m);
-}
-
 static void serve(node *n)
 {
     while (!halted(n)) {
-        if (n->n_feeds)
-            run_feed(n);
+        double due = nl_stage_batch_due(n->stage);
+        if (due == 0.0) /* what the sockets brought, when the batch is due */
+            run_batch(n);
         rejoin_tick(n);
         int64_t now = mono_ms();
         if (now >= n->next_hb_ms)
@@ -1025,8 +1040,8 @@ static void serve(node *n)
             it[count++] = (zmq_pollitem_t){nl_sock_handle(n->next), 0, ZMQ_POLLIN, 0};
         if (n->next_mon)
             it[count++] = (zmq_pollitem_t){n->next_mon, 0, ZMQ_POLLIN, 0};
-        if (n->n_feeds) /* its own tokens wait: only look at the sockets */
-            wait = 0;
+        if ((due = nl_stage_batch_due(n->stage)) >= 0.0) /* hops wait: until they are due */
+            wait = wait < (int64_t)(due * 1e3) + 1 ? wait : (int64_t)(due * 1e3) + (due > 0.0);
         if (zmq_poll(it, count, wait < half ? (wait > 0 ? wait : 0) : half) <= 0)
             continue; /* timeout, or a signal: check the flag */
         if (it[0].revents & ZMQ_POLLIN)
@@ -1077,7 +1092,6 @@ nl_status nl_node_run(const nl_node_opts *o, nl_error *err)
     /* sockets first (their queued frames reference the stage's buffers),
      * then the context, which waits for the LEAVE to go out */
     nl_rx_free(&n.rx);
-    free(n.feeds);
     drop_next(&n);
     nl_sock_destroy(&n.data);
     nl_sock_destroy(&n.ctl);

@@ -13,12 +13,14 @@
 #include "../core/memory.h"
 #include "../net/genparams.h"
 
-static double now_s(void)
+double nl_stage_now(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
+
+#define now_s nl_stage_now
 
 /* ===================== life ===================== */
 
@@ -83,6 +85,7 @@ static void drop_model(nl_stage *s)
     nl_stage_train_free(s); /* it borrows the model */
     nl_stage_lora_free_all(s);
     nl_stage_embed_free_all(s);
+    nl_stage_batch_free(s);
     sessions_clear(s);
     for (int i = 0; i < 2; i++) {
         free(s->mom_h[i]);
@@ -192,7 +195,7 @@ static int rows_limit(const nl_stage *s)
     return rows > (1u << 24) ? 1 << 24 : (int)rows;
 }
 
-static nl_status wait_output(nl_stage *s, const char *what, nl_error *err)
+nl_status nl_stage_wait_output(nl_stage *s, const char *what, nl_error *err)
 {
     nl_error e;
     if (nl_txref_wait(&s->tx, s->o.send_wait_ms, &e) != NL_OK)
@@ -248,7 +251,7 @@ nl_status nl_stage_assign(nl_stage *s, const nl_msg_assign *a, nl_error *err)
     s->stage_idx = (int)a->stage;
     s->num_stages = (int)a->num_stages;
     s->t_assign = now_s();
-    nl_status st = wait_output(s, "ASSIGN", err);
+    nl_status st = nl_stage_wait_output(s, "ASSIGN", err);
     if (st == NL_OK) {
         drop_model(s);
         st = build_model(s, a, err);
@@ -415,7 +418,7 @@ nl_status nl_stage_load_done(nl_stage *s, uint64_t epoch, uint32_t tensors, nl_s
 
 /* ===================== sessions ===================== */
 
-static session *find_session(const nl_stage *s, uint64_t id)
+session *nl_stage_find_session(const nl_stage *s, uint64_t id)
 {
     for (int i = 0; i < s->n_sess; i++)
         if (s->sess[i].id == id)
@@ -516,11 +519,12 @@ nl_status nl_stage_open_session(nl_stage *s, const nl_stage_session_params *p, n
                             "session %llu: a KV cache of %d positions takes %zu bytes, more than "
                             "the whole budget of %llu (--kv-budget)",
                             id, p->capacity, bytes, (unsigned long long)s->o.kv_budget);
-    session *old = find_session(s, p->id);
+    session *old = nl_stage_find_session(s, p->id);
     if (old) {
         NL_INFO("stage: session %llu opened again: its old cache is dropped", id);
         remove_session(s, old);
     }
+    nl_stage_batch_drop_session(s, p->id); /* hops queued for an old one */
     nl_status st = grow_sessions(s, err);
     if (st != NL_OK)
         return st;
@@ -546,17 +550,18 @@ nl_status nl_stage_open_session(nl_stage *s, const nl_stage_session_params *p, n
 
 bool nl_stage_close_session(nl_stage *s, uint64_t id)
 {
-    session *se = find_session(s, id);
+    session *se = nl_stage_find_session(s, id);
     if (!se)
         return false;
     remove_session(s, se);
+    nl_stage_batch_drop_session(s, id);
     ended_add(&s->closed, id);
     return true;
 }
 
 bool nl_stage_session(const nl_stage *s, uint64_t id, nl_stage_session_info *info)
 {
-    const session *se = find_session(s, id);
+    const session *se = nl_stage_find_session(s, id);
     if (se && info)
         *info = (nl_stage_session_info){se->kv->cap,   se->kv->len, se->bytes, se->has_sampler,
                                         se->prefill_s, se->steps,   se->step_s};
@@ -585,9 +590,12 @@ size_t nl_stage_kv_used(const nl_stage *s)
 
 /* ===================== the forward hop ===================== */
 
-/* Check frame 0 against the stage and the hop; sets *B, *T, *se. */
-static nl_status check_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wire_frame *in,
-                           const char *who, int *B, int *T, session **se, nl_error *err)
+/* Check frame 0 against the stage and the hop; sets *B, *T, *se. A
+ * session's hop follows its cache and the `queued` positions of its hops
+ * waiting for a batch. */
+nl_status nl_stage_check_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wire_frame *in,
+                             const char *who, int queued, int *B, int *T, session **se,
+                             nl_error *err)
 {
     const nl_model *m = s->model;
     const nl_tensor *t = &in->t;
@@ -617,7 +625,7 @@ static nl_status check_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_w
                                 (unsigned long long)hop->pos_offset);
         return NL_OK;
     }
-    *se = find_session(s, hop->session_id);
+    *se = nl_stage_find_session(s, hop->session_id);
     if (!*se)
         return nl_error_set(err, NL_ERR_NOTFOUND,
                             nl_stage_session_evicted(s, hop->session_id)
@@ -627,14 +635,15 @@ static nl_status check_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_w
     nl_kvcache *kv = (*se)->kv;
     if (*B != 1)
         return nl_error_set(err, NL_ERR_SHAPE, "%s: a session takes one sequence, not %d", who, *B);
-    if (hop->pos_offset != (uint64_t)kv->len)
-        return nl_error_set(err, NL_ERR_RANGE,
-                            "%s: pos_offset %llu, but the session's cache holds %d positions", who,
-                            (unsigned long long)hop->pos_offset, kv->len);
-    if (*T > kv->cap - kv->len)
+    const int at = kv->len + queued;
+    if (hop->pos_offset != (uint64_t)at)
+        return nl_error_set(
+            err, NL_ERR_RANGE, "%s: pos_offset %llu, but the session's cache holds %d positions%s",
+            who, (unsigned long long)hop->pos_offset, at, queued ? " (with its queued hops)" : "");
+    if (*T > kv->cap - at)
         return nl_error_set(err, NL_ERR_CAPACITY,
                             "%s: %d new positions overflow the session's cache (%d of %d used)",
-                            who, *T, kv->len, kv->cap);
+                            who, *T, at, kv->cap);
     return NL_OK;
 }
 
@@ -693,10 +702,10 @@ static nl_status run_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wir
         snprintf(who, sizeof who, "job %llu", (unsigned long long)hop->job_id);
     if (!s->ready)
         return nl_error_set(err, NL_ERR_STATE, "%s: this stage has no model loaded", who);
-    nl_status st = check_hop(s, hop, in, who, &B, &T, &se, err);
+    nl_status st = nl_stage_check_hop(s, hop, in, who, 0, &B, &T, &se, err);
     *sep = se;
     if (st == NL_OK)
-        st = wait_output(s, who, err);
+        st = nl_stage_wait_output(s, who, err);
     if (st == NL_OK)
         st = ensure_buffers(s, B * T, err);
     if (st != NL_OK)
@@ -769,6 +778,31 @@ static nl_status run_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wir
     return NL_OK;
 }
 
+/* A session's hop alone: through the batch path that the daemon uses,
+ * so that a session computes the same way in both. */
+static nl_status forward_session(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wire_frame *in,
+                                 nl_stage_out *out, nl_error *err)
+{
+    if (s->n_q)
+        return nl_error_set(
+            err, NL_ERR_STATE, "job %llu session %llu: %d hops are queued: run them first",
+            (unsigned long long)hop->job_id, (unsigned long long)hop->session_id, s->n_q);
+    nl_status st = nl_stage_enqueue(s, hop, in, err);
+    while (st == NL_OK && s->n_q) {
+        const nl_stage_result *r = NULL;
+        int n = 0;
+        if ((st = nl_stage_run_batch(s, &r, &n, err)) != NL_OK)
+            break;
+        if (n == 1) { /* the last chunk has run */
+            *out = r->out;
+            return r->st == NL_OK ? NL_OK : nl_error_set(err, r->st, "%s", r->msg);
+        }
+    }
+    return st == NL_OK ? nl_error_set(err, NL_ERR_INTERNAL, "session %llu: its hop gave no result",
+                                      (unsigned long long)hop->session_id)
+                       : st;
+}
+
 nl_status nl_stage_forward(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wire_frame *in,
                            nl_stage_out *out, nl_error *err)
 {
@@ -776,6 +810,8 @@ nl_status nl_stage_forward(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_w
     memset(out, 0, sizeof *out);
     const double t0 = now_s();
     nl_status st = nl_stage_device_status(s, err);
+    if (st == NL_OK && hop->session_id && hop->step == 0 && hop->microbatch == 0)
+        return forward_session(s, hop, in, out, err);
     if (st == NL_OK)
         st = run_hop(s, hop, in, out, &se, err);
     /* the device's error comes first: it also explains a failed forward */

@@ -37,6 +37,9 @@ typedef struct nl_stage_opts {
     int inject_nan_stage;    /* ... on this stage only (-1: any) */
     int inject_nan_on;       /* ... and on every later step */
     int tf32;                /* the backend allows TF32 (--tf32): recorded in training shards */
+    int batch_decode;        /* decode steps per batch; 0 = 32 */
+    int prefill_chunk;       /* prompt positions per batch; 0 = 64 */
+    int batch_wait_ms;       /* longest wait for the other active sessions; 0 = 20, < 0: none */
 } nl_stage_opts;
 
 nl_status nl_stage_new(nl_stage **out, nl_backend *be, const nl_stage_opts *o, nl_error *err);
@@ -164,6 +167,59 @@ typedef struct nl_stage_out {
  * microbatch != 0) are refused: they go to nl_stage_train_input. */
 nl_status nl_stage_forward(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wire_frame *in,
                            nl_stage_out *out, nl_error *err);
+
+/* ---- batched session hops (node/stage_batch.c) ----
+ *
+ * The daemon queues every hop of a session as it arrives and, when it has
+ * read what is waiting on its sockets, runs one batch: the decode steps
+ * (one position) of up to batch_decode sessions, each with its own cache
+ * and position, plus at most prefill_chunk positions of prompts, so that
+ * a new prompt delays the others by at most one chunk (core/batch.h: a
+ * sequence's results do not depend on its batch). A prompt longer than
+ * the chunk runs over several batches; its output (hidden states of every
+ * position, or the sampled token) comes when its last chunk has run. */
+
+/* Check a session's ACTIVATION hop as nl_stage_forward does (its
+ * pos_offset follows the session's cache and the hops queued before it)
+ * and queue a copy of frame 0. */
+nl_status nl_stage_enqueue(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wire_frame *in,
+                           nl_error *err);
+int nl_stage_queued(const nl_stage *s);
+
+/* One hop's outcome in a batch. */
+typedef struct nl_stage_result {
+    uint64_t job_id, session_id, pos_offset; /* the hop's */
+    nl_status st;                            /* NL_OK: out is its output */
+    char msg[NL_ERROR_MSG_MAX];              /* else why it failed */
+    nl_stage_out out;                        /* as nl_stage_forward's */
+} nl_stage_result;
+
+/* Run one batch of the queued hops. *res (owned by the stage, n of them)
+ * holds the hops that finished or failed; their outputs stay valid, under
+ * nl_stage_txref, until the next batch, forward or assignment. A hop of a
+ * closed session is dropped; one whose session was evicted fails. The
+ * return is the device's error (every hop of the batch fails with it). */
+nl_status nl_stage_run_batch(nl_stage *s, const nl_stage_result **res, int *n, nl_error *err);
+
+/* When to run the queue: seconds from now (0: now; -1: nothing queued).
+ * Now when every active session (one with a hop here in the last 2 s)
+ * has a hop queued, or NL_BATCH_MIN_ROWS sessions have (a batch that
+ * fills the padded GEMMs), else when the oldest queued hop has waited
+ * batch_wait_ms: a session still on another stage is waited for a
+ * little, so that the sessions travel the ring in few, full batches
+ * rather than in many small ones that each pay for 16 rows. */
+double nl_stage_batch_due(const nl_stage *s);
+
+/* What the stage has done for sessions since it was made (heartbeats
+ * carry it: docs/protocol.md). */
+typedef struct nl_stage_figures {
+    uint64_t hops;    /* session hops that finished here */
+    uint64_t batches; /* batches run */
+    uint64_t rows;    /* positions computed in them */
+    double compute_s; /* seconds in batched forwards */
+    double hop_s;     /* seconds from a hop's arrival to its output, summed over hops */
+} nl_stage_figures;
+void nl_stage_get_figures(const nl_stage *s, nl_stage_figures *f);
 
 /* The reference that guards the forward's output buffer. */
 nl_txref *nl_stage_txref(nl_stage *s);

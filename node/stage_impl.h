@@ -4,6 +4,7 @@
 #ifndef NL_NODE_STAGE_IMPL_H
 #define NL_NODE_STAGE_IMPL_H
 
+#include "../core/batch.h"
 #include "../core/forward.h"
 #include "../core/sampler.h"
 #include "../kernels/comm.h"
@@ -24,7 +25,22 @@ typedef struct session {
      * decode steps of one */
     double prefill_s, step_s;
     int steps;
+    uint64_t picked; /* the batch (s->batch_seq) that last took one of its hops */
+    double last_in;  /* when its last hop arrived here (0: none yet) */
 } session;
+
+/* A session's hop waiting for a batch (node/stage_batch.c). The slots of
+ * the queue keep their buffers when they are reused. */
+typedef struct queued_hop {
+    uint64_t job_id, session_id, pos;
+    int T, done; /* positions, and those already run (chunked prefill) */
+    double aux, t_in;
+    bool gone; /* finished or failed: to be removed */
+    void *in;  /* (T) I32 tokens on the first stage, else (T, d) F32; host */
+    size_t in_cap;
+    float *acc; /* (T, d): the hidden states of the chunks run so far */
+    size_t acc_cap;
+} queued_hop;
 
 /* The last ENDED_MEMORY session ids of one kind of end (0 is never an id). */
 typedef struct ended_ids {
@@ -94,7 +110,35 @@ struct nl_stage {
     uint64_t tick;
     ended_ids evicted; /* to make room: their hops are errors that say so */
     ended_ids closed;  /* by JOB_CANCEL: their hops in flight are dropped */
+
+    /* batched session hops (node/stage_batch.c) */
+    nl_batch *batch;
+    int batch_rows, batch_decode, prefill_chunk; /* rows per batch: decode rows + one chunk */
+    uint64_t batch_seq;
+    queued_hop *q;
+    int n_q, cap_q;
+    nl_stage_result *res; /* (cap_q) the last batch's results */
+    int cap_res;
+    nl_batch_seg *segs;  /* (batch_rows) */
+    const float **seg_x; /* (batch_rows) their hidden-state inputs (a later stage) */
+    int *seg_q;          /* (batch_rows) segment -> queue slot */
+    float *obuf;         /* the last batch's hidden outputs (host), sent zero-copy */
+    size_t obuf_cap;
+    nl_stage_figures fig;
 };
+
+/* The queue and the batch engine (stage_batch.c): dropped with the model;
+ * a session's queued hops go with it. */
+void nl_stage_batch_free(nl_stage *s);
+void nl_stage_batch_drop_session(nl_stage *s, uint64_t id);
+
+/* stage.c's helpers that stage_batch.c uses */
+nl_status nl_stage_check_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wire_frame *in,
+                             const char *who, int queued, int *B, int *T, session **se,
+                             nl_error *err);
+nl_status nl_stage_wait_output(nl_stage *s, const char *what, nl_error *err);
+session *nl_stage_find_session(const nl_stage *s, uint64_t id);
+double nl_stage_now(void);
 
 /* Free the training job's state (stage_train.c); safe without one. */
 void nl_stage_train_free(nl_stage *s);

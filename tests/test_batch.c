@@ -1,8 +1,10 @@
 /* The batched decoder (core/batch.c): its logits follow nl_forward's with
  * the KV cache; 16 seeded sampled generations run together, with chunked
- * prefill interleaved, give the ids each gives alone; the embedding is
- * the L2-normalised mean of the final-normed states; bad input is
- * refused without touching the caches. */
+ * prefill interleaved, give the ids each gives alone; a model split in
+ * two stages (hidden states from one batch into the next) gives the
+ * whole model's logits bit for bit; the embedding is the L2-normalised
+ * mean of the final-normed states; bad input is refused without touching
+ * the caches. */
 #include "check.h"
 #include "core/batch.h"
 #include "core/forward.h"
@@ -196,6 +198,93 @@ out:
     nl_batch_destroy(&b);
 }
 
+/* Give dst (a stage) src's weights, by name. */
+static void copy_weights(nl_model *dst, const nl_model *src, nl_backend *be)
+{
+    for (int i = 0; i < dst->n_table; i++)
+        for (int j = 0; j < src->n_table; j++)
+            if (strcmp(dst->table[i].name, src->table[j].name) == 0) {
+                size_t n = nl_param_numel(&src->table[j]);
+                float *x = check_download(be, nl_model_param_data(src, &src->table[j]), n);
+                be->upload(be, nl_model_param_data(dst, &dst->table[i]), x, n * 4);
+                free(x);
+            }
+}
+
+/* Two stages (layer 0 with the embedding, layer 1 with the head), the
+ * first's hidden states fed to the second, against the whole model: the
+ * same logits bit for bit, for a batch of a prompt chunk and decode rows. */
+static void test_stages(nl_model *m, nl_backend *be)
+{
+    nl_error err = {0};
+    nl_model *s0 = NULL, *s1 = NULL;
+    nl_batch *bw = NULL, *b0 = NULL, *b1 = NULL;
+    nl_kvcache *kw[3] = {0}, *k0[3] = {0}, *k1[3] = {0};
+    const int V = 300, d = 64;
+    CHECK_OK(nl_model_new(&s0, be, &m->cfg, 0, 1, 1, 0, &err), &err);
+    CHECK_OK(nl_model_new(&s1, be, &m->cfg, 1, 2, 0, 1, &err), &err);
+    if (!s0 || !s1)
+        goto out;
+    copy_weights(s0, m, be);
+    copy_weights(s1, m, be);
+    CHECK_OK(nl_batch_new(&bw, m, 16, &err), &err);
+    CHECK_OK(nl_batch_new(&b0, s0, 16, &err), &err);
+    CHECK_OK(nl_batch_new(&b1, s1, 16, &err), &err);
+    for (int i = 0; i < 3; i++) {
+        CHECK_OK(nl_kvcache_new(&kw[i], m, 1, 16, &err), &err);
+        CHECK_OK(nl_kvcache_new(&k0[i], s0, 1, 16, &err), &err);
+        CHECK_OK(nl_kvcache_new(&k1[i], s1, 1, 16, &err), &err);
+    }
+    if (!bw || !b0 || !b1 || !kw[2] || !k0[2] || !k1[2])
+        goto out;
+    int32_t toks[3][8] = {{4, 8, 15, 16, 23, 42, 7, 9}, {1, 2, 3, 4, 5, 6, 7, 8}, {299, 0, 5}};
+    int T[3] = {8, 3, 2}, bad = 0;
+    for (int round = 0; round < 3; round++) {
+        nl_batch_seg sw[3], s0g[3], s1g[3];
+        const float *x[3];
+        for (int i = 0; i < 3; i++) {
+            const int t = round ? 1 : T[i]; /* a prompt each, then decode steps */
+            const int32_t *p = round ? &toks[i][round] : toks[i];
+            sw[i] = (nl_batch_seg){kw[i], p, t, 1};
+            s0g[i] = (nl_batch_seg){k0[i], p, t, 0};
+            s1g[i] = (nl_batch_seg){k1[i], NULL, t, 1};
+        }
+        CHECK_OK(nl_batch_forward(bw, sw, 3, &err), &err);
+        CHECK_OK(nl_batch_forward(b0, s0g, 3, &err), &err);
+        for (int i = 0; i < 3; i++)
+            x[i] = nl_batch_hidden(b0, i);
+        CHECK(x[0] && x[1] && x[2] && !nl_batch_hidden(b1, 0) && !nl_batch_logits(b0, 0),
+              "hidden states from the first stage only, logits from the last only");
+        if (!x[0] || !x[1] || !x[2])
+            break;
+        CHECK(x[1] == x[0] + (size_t)s0g[0].T * d, "segment 1's rows follow segment 0's");
+        CHECK_OK(nl_batch_forward_hidden(b1, s1g, x, 3, &err), &err);
+        for (int i = 0; i < 3; i++) {
+            const float *a = nl_batch_logits(bw, i), *c = nl_batch_logits(b1, i);
+            bad += !a || !c || memcmp(a, c, V * sizeof(float)) != 0;
+        }
+    }
+    CHECK(bad == 0, "%d of 9 rows' logits differ between two stages and the whole model", bad);
+    CHECK(k1[0]->len == kw[0]->len && k0[0]->len == kw[0]->len, "the stages' caches grew alike");
+    nl_batch_seg none = {k1[0], NULL, 1, 1};
+    CHECK(nl_batch_forward(b1, &none, 1, &err) == NL_ERR_INVALID && strstr(err.msg, "hidden"),
+          "a later stage without hidden states refused: %s", err.msg);
+    float e[64];
+    int32_t one = 1;
+    CHECK(nl_batch_embed(b0, &one, 1, e, &err) == NL_ERR_INVALID, "embed on a stage refused");
+out:
+    for (int i = 0; i < 3; i++) {
+        nl_kvcache_destroy(&kw[i]);
+        nl_kvcache_destroy(&k0[i]);
+        nl_kvcache_destroy(&k1[i]);
+    }
+    nl_batch_destroy(&bw);
+    nl_batch_destroy(&b0);
+    nl_batch_destroy(&b1);
+    nl_model_destroy(&s0);
+    nl_model_destroy(&s1);
+}
+
 /* The embedding against the final-normed states of a plain forward. */
 static void test_embed(nl_model *m, nl_backend *be)
 {
@@ -217,14 +306,7 @@ static void test_embed(nl_model *m, nl_backend *be)
     nl_runstate *rs = NULL;
     CHECK_OK(nl_model_new(&body, be, &m->cfg, 0, m->cfg.num_layers, 1, 0, &err), &err);
     if (body) {
-        for (int i = 0; i < body->n_table; i++) /* the same weights, by name */
-            for (int j = 0; j < m->n_table; j++)
-                if (strcmp(body->table[i].name, m->table[j].name) == 0) {
-                    size_t n = nl_param_numel(&m->table[j]);
-                    float *x = check_download(be, nl_model_param_data(m, &m->table[j]), n);
-                    be->upload(be, nl_model_param_data(body, &body->table[i]), x, n * 4);
-                    free(x);
-                }
+        copy_weights(body, m, be); /* the same weights, by name */
         CHECK_OK(nl_runstate_new(&rs, body, T, &err), &err);
         nl_forward_args a = {.B = 1, .T = T, .tokens = toks};
         CHECK_OK(nl_forward(body, rs, &a, NULL, &err), &err);
@@ -268,6 +350,7 @@ int main(void)
         CHECK_OK(nl_model_init_random(m, 77, &err), &err);
         test_matches_forward(m);
         test_alone_vs_together(m);
+        test_stages(m, be);
         test_embed(m, be);
     }
     nl_model_destroy(&m);

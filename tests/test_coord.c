@@ -102,7 +102,7 @@ static void heartbeats(void)
         nl_wire_msg m;
         nl_wire_msg_init(&m);
         nl_wire_msg_reset(&m, NL_MSG_HEARTBEAT);
-        m.u.heartbeat = (nl_msg_heartbeat){f->id, ++f->seq, 0, 0.0};
+        m.u.heartbeat = (nl_msg_heartbeat){.node_id = f->id, .seq = ++f->seq};
         fake_send(f, &m);
         f->last_beat = t;
     }
@@ -1151,7 +1151,7 @@ static void test_roles(void)
         nl_coord_step(coord, 5);
     curve_open(&spoof, &other, server, "nodeRID", 0);
     nl_wire_msg_reset(&m, NL_MSG_HEARTBEAT);
-    m.u.heartbeat = (nl_msg_heartbeat){id, 1, 0, 0.0};
+    m.u.heartbeat = (nl_msg_heartbeat){.node_id = id, .seq = 1};
     refused(&spoof, &m, "unknown node", "a HEARTBEAT under a node's routing id, another key");
     nl_rx_free(&rx);
     nl_sock_destroy(&spoof.sock);

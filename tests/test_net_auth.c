@@ -105,7 +105,7 @@ static nl_status send_heartbeat(nl_sock *s, uint64_t seq)
     nl_error err;
     nl_wire_msg_init(&m);
     m.type = NL_MSG_HEARTBEAT;
-    m.u.heartbeat = (nl_msg_heartbeat){1, seq, NL_NODE_READY, 0.0};
+    m.u.heartbeat = (nl_msg_heartbeat){.node_id = 1, .seq = seq, .state = NL_NODE_READY};
     return nl_sock_send(s, NULL, 0, &m, &err);
 }
 

@@ -52,11 +52,16 @@ static nl_msg_assign mk_assign(uint64_t epoch, uint32_t stage, uint32_t nst, int
     return a;
 }
 
+static int prefill_chunk; /* the stages' (0: the default) */
+
 static nl_stage *mk_stage(uint64_t memory, uint64_t kv_budget)
 {
     nl_stage *s = NULL;
     nl_error err;
-    nl_stage_opts o = {.memory_bytes = memory, .kv_budget = kv_budget, .send_wait_ms = 200};
+    nl_stage_opts o = {.memory_bytes = memory,
+                       .kv_budget = kv_budget,
+                       .send_wait_ms = 200,
+                       .prefill_chunk = prefill_chunk};
     CHECK_OK(nl_stage_new(&s, be, &o, &err), &err);
     return s;
 }
@@ -648,6 +653,150 @@ static void test_ring(nl_model *ref)
     nl_stage_destroy(&s1);
 }
 
+/* ---- batched session hops ---- */
+
+static float *host_copy(const float *p, size_t n)
+{
+    float *c = malloc(n * sizeof *c);
+    if (c && p)
+        memcpy(c, p, n * sizeof *c);
+    return c;
+}
+
+static nl_stage_result one_result(nl_stage *s, int want, nl_error *err)
+{
+    const nl_stage_result *r = NULL;
+    int n = -1;
+    nl_stage_result out = {0};
+    CHECK_OK(nl_stage_run_batch(s, &r, &n, err), err);
+    CHECK(n == want, "a batch gave %d results, expected %d", n, want);
+    if (n >= 1)
+        out = r[0];
+    return out;
+}
+
+/* Two sessions queued on a stage with a prefill chunk of 4: a 10-token
+ * prompt runs over three batches beside the other session's hops, which
+ * come out at once; its output is the whole prompt's, as a lone forward
+ * gives it; positions follow the queued hops; the last stage samples the
+ * same token; a closed session's queued hop is dropped, an evicted one's
+ * fails; the figures count hops and batches; the queue is due at once
+ * when every active session has a hop in it, else after a short wait. */
+static void test_batched(nl_model *ref)
+{
+    nl_error err;
+    prefill_chunk = 4;
+    nl_stage *s0 = loaded_stage(ref, 0, 2, 0, 2, 1 << 20);
+    nl_stage *s1 = loaded_stage(ref, 1, 2, 2, cfg.num_layers, 1 << 20);
+    prefill_chunk = 0;
+    nl_stage *r0 = loaded_stage(ref, 0, 2, 0, 2, 1 << 20);
+    nl_stage *r1 = loaded_stage(ref, 1, 2, 2, cfg.num_layers, 1 << 20);
+    nl_stage_session_params sp = {.capacity = 16, .temperature = 0, .top_p = 1};
+    for (uint64_t id = 1; id <= 2; id++) {
+        sp.id = id;
+        CHECK_OK(nl_stage_open_session(s0, &sp, &err), &err);
+        CHECK_OK(nl_stage_open_session(s1, &sp, &err), &err);
+        CHECK_OK(nl_stage_open_session(r0, &sp, &err), &err);
+        CHECK_OK(nl_stage_open_session(r1, &sp, &err), &err);
+    }
+    int32_t pa[10] = {3, 1, 4, 1, 5, 9, 2, 6, 5, 3}, pb[2] = {27, 18};
+    const size_t d = (size_t)cfg.hidden_dim;
+    nl_msg_tensor_hop ha = {.job_id = 1, .session_id = 1}, hb = {.job_id = 2, .session_id = 2};
+    nl_wire_frame fa = tok_frame(pa, 1, 10), fb = tok_frame(pb, 1, 1);
+    CHECK_OK(nl_stage_enqueue(s0, &ha, &fa, &err), &err);
+    CHECK_OK(nl_stage_enqueue(s0, &hb, &fb, &err), &err);
+    CHECK(nl_stage_enqueue(s0, &hb, &fb, &err) == NL_ERR_RANGE && strstr(err.msg, "queued"),
+          "a hop at a position its queued hop takes: %s", err.msg);
+    nl_msg_tensor_hop hb2 = hb;
+    hb2.pos_offset = 1;
+    nl_wire_frame fb2 = tok_frame(pb + 1, 1, 1);
+    CHECK_OK(nl_stage_enqueue(s0, &hb2, &fb2, &err), &err); /* behind its first */
+    CHECK(nl_stage_queued(s0) == 3, "3 hops queued (%d)", nl_stage_queued(s0));
+    /* references: each hop alone, unchunked */
+    nl_stage_out o;
+    float *want_a = NULL, *want_b[2] = {NULL, NULL};
+    CHECK_OK(nl_stage_forward(r0, &ha, &fa, &o, &err), &err);
+    want_a = host_copy(o.data, 10 * d); /* an output is host memory */
+    CHECK_OK(nl_stage_forward(r0, &hb, &fb, &o, &err), &err);
+    want_b[0] = host_copy(o.data, d);
+    CHECK_OK(nl_stage_forward(r0, &hb2, &fb2, &o, &err), &err);
+    want_b[1] = host_copy(o.data, d);
+    /* batch 1: 4 of A's positions and B's first hop; batch 2: 4 more and
+     * B's second; batch 3: A's last 2, and A's output */
+    for (int k = 0; k < 2; k++) {
+        nl_stage_result r = one_result(s0, 1, &err);
+        CHECK(r.st == NL_OK && r.session_id == 2 && r.pos_offset == (uint64_t)k &&
+                  r.out.kind == NL_STAGE_OUT_HIDDEN && r.out.shape[1] == 1,
+              "batch %d: B's hop %d (session %llu)", k + 1, k, (unsigned long long)r.session_id);
+        if (r.out.data)
+            CHECK(check_rel_err(r.out.data, want_b[k], d) < 1e-5, "B's hop %d as alone", k);
+    }
+    nl_stage_result ra = one_result(s0, 1, &err);
+    CHECK(ra.st == NL_OK && ra.session_id == 1 && ra.out.shape[1] == 10 && ra.out.data,
+          "batch 3: A's 10 positions");
+    if (ra.out.data)
+        CHECK(check_rel_err(ra.out.data, want_a, 10 * d) < 1e-5,
+              "A's prompt in 3 chunks as in one (%.2g)",
+              check_rel_err(ra.out.data, want_a, 10 * d));
+    nl_stage_figures fg;
+    nl_stage_get_figures(s0, &fg);
+    CHECK(fg.hops == 3 && fg.batches == 3 && fg.rows == 12 && fg.compute_s > 0 &&
+              fg.hop_s >= fg.compute_s,
+          "figures: %llu hops, %llu batches, %llu rows", (unsigned long long)fg.hops,
+          (unsigned long long)fg.batches, (unsigned long long)fg.rows);
+    /* the last stage: A's hidden states in, the token a lone forward samples */
+    nl_wire_frame h = out_frame(&ra.out);
+    h.t.data = want_a;
+    CHECK_OK(nl_stage_enqueue(s1, &ha, &h, &err), &err);
+    nl_stage_result rt = one_result(s1, 0, &err); /* 4 of 10 */
+    rt = one_result(s1, 0, &err);
+    rt = one_result(s1, 1, &err);
+    CHECK_OK(nl_stage_forward(r1, &ha, &h, &o, &err), &err);
+    CHECK(rt.st == NL_OK && rt.out.kind == NL_STAGE_OUT_TOKEN && rt.out.token == o.token,
+          "the last stage samples %d after chunks, %d at once", rt.out.token, o.token);
+    /* when the queue is due: at once when every active session has a hop
+     * queued, else after a short wait for the others */
+    CHECK(nl_stage_batch_due(r0) == -1.0, "nothing queued on r0");
+    int32_t t1 = 11, t2 = 12;
+    nl_msg_tensor_hop n1 = {.job_id = 1, .session_id = 1, .pos_offset = 10},
+                      n2 = {.job_id = 2, .session_id = 2, .pos_offset = 2};
+    nl_wire_frame g1 = tok_frame(&t1, 1, 1), g2 = tok_frame(&t2, 1, 1);
+    CHECK_OK(nl_stage_enqueue(r0, &n1, &g1, &err), &err);
+    const double due = nl_stage_batch_due(r0);
+    CHECK(due > 0.0 && due <= 0.020, "one of two active sessions queued: due in %g s", due);
+    CHECK_OK(nl_stage_enqueue(r0, &n2, &g2, &err), &err);
+    CHECK(nl_stage_batch_due(r0) == 0.0, "both queued: due now");
+    nl_stage_result rr = one_result(r0, 2, &err);
+    CHECK(rr.st == NL_OK, "the two ran together");
+    /* closed while queued: dropped; evicted while queued: fails */
+    h.t.shape[1] = 1;
+    h.t.data = want_b[0];
+    CHECK_OK(nl_stage_enqueue(s1, &hb, &h, &err), &err);
+    nl_stage_close_session(s1, 2);
+    CHECK(nl_stage_queued(s1) == 0, "a closed session's queued hop went with it");
+    nl_stage_destroy(&s1);
+    size_t one = nl_kvcache_bytes(&cfg, 2, 1, 16);
+    nl_stage *se = loaded_stage(ref, 0, 2, 0, 2, one * 2);
+    for (uint64_t id = 1; id <= 2; id++) {
+        sp.id = id;
+        CHECK_OK(nl_stage_open_session(se, &sp, &err), &err);
+    }
+    CHECK_OK(nl_stage_enqueue(se, &ha, &fa, &err), &err);
+    sp.id = 3; /* evicts session 1, the least recently used */
+    CHECK_OK(nl_stage_open_session(se, &sp, &err), &err);
+    nl_stage_result rv = one_result(se, 1, &err);
+    CHECK(rv.st == NL_ERR_NOTFOUND && rv.session_id == 1 && strstr(rv.msg, "evicted"),
+          "an evicted session's queued hop: %s", rv.msg);
+    CHECK(nl_stage_queued(se) == 0, "nothing left queued");
+    free(want_a);
+    free(want_b[0]);
+    free(want_b[1]);
+    nl_stage_destroy(&se);
+    nl_stage_destroy(&s0);
+    nl_stage_destroy(&r0);
+    nl_stage_destroy(&r1);
+}
+
 static void test_budget(nl_model *ref)
 {
     nl_error err;
@@ -736,6 +885,7 @@ int main(void)
         test_ring(ref);
         test_session_params();
         test_budget(ref);
+        test_batched(ref);
     }
     nl_model_destroy(&ref);
     nl_backend_destroy(&be);

@@ -4,7 +4,11 @@ client no one here wrote, against a real 3-node local cluster (neuroctl
 cluster up --http):
 
   api   a completion's ids equal `neuroctl generate --cluster` with the
-        same seed; streaming gives the same ids chunk by chunk; malformed
+        same seed; streaming gives the same ids chunk by chunk; 16
+        concurrent seeded sampled generations (prompts longer than a
+        stage's prefill chunk among them) each equal their solo runs, and
+        the stages ran them in batches (their heartbeat figures in
+        /api/status and /metrics say how many hops per batch); malformed
         requests get 4xx with a message and the server stays up; a client
         dropped mid-stream cancels its job: the coordinator says so, every
         stage closes the session (its KV cache freed) and /metrics counts it;
@@ -13,7 +17,8 @@ cluster up --http):
         503 and stops cleanly
   web   with --http-tokens passed on by cluster up (401 without one), and
         while the cluster trains: headless Chromium renders the dashboard
-        (one row per node, a loss chart with points; the screenshot is kept
+        (one row per node, with the node's KV cache and batch figures from
+        its heartbeats; a loss chart with points; the screenshot is kept
         as $NL_BUILD_DIR/tests/serve-cluster-dashboard.png), /api/events
         carries join, plan and train_step events, and promtool accepts
         /metrics with the training figures. Exit 77 (skipped) without
@@ -21,6 +26,7 @@ cluster up --http):
 """
 import json
 import os
+import threading
 import re
 import shutil
 import signal
@@ -90,6 +96,68 @@ def local_ids(prompt, n, temp, top_p, seed):
     return [int(x) for x in out.split(b"\n")[0].split()]
 
 
+def stage_figures(url):
+    """{node id: (hops, batches)} of the serving nodes, from their heartbeats."""
+    st = json.loads(get(url + "api/status"))
+    return {n["id"]: (n["hops"], n["batches"]) for n in st["nodes"] if n["state"] == "serving"}
+
+
+def test_concurrent(url):
+    """Batching never changes a sequence's tokens: 16 seeded sampled
+    generations alone, then all at once; and the stages did batch them."""
+    # two prompts longer than the stages' prefill chunk (64): chunked prefill
+    prompts = [[(i * 37 + t * 11) % 256 for t in range(3 + i % 7 if i % 8 else 70 + i)]
+               for i in range(16)]
+
+    def completion(i):
+        code, body = post(url + "v1/completions", {"prompt": prompts[i], "max_tokens": 24,
+                                                   "temperature": 0.9, "top_p": 0.95,
+                                                   "seed": 100 + i}, timeout=120)
+        return json.loads(body)["choices"][0]["token_ids"] if code == 200 else None
+
+    solo = [completion(i) for i in range(16)]
+    time.sleep(2.5)  # the last heartbeats (1 s) reach the status (polled every 0.5 s)
+    before = stage_figures(url)
+    together = [None] * 16
+
+    def run(i):
+        together[i] = completion(i)
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    for i in range(16):
+        check(solo[i] is not None and len(solo[i]) == 24 and solo[i] == together[i],
+              "generation %d: the same ids alone %s and among 15 others %s" %
+              (i, solo[i], together[i]))
+    # every stage ran 24 hops per generation: wait for its heartbeat to say so
+    deadline, after = time.time() + 10, before
+    while time.time() < deadline:
+        after = stage_figures(url)
+        if all(after[k][0] - before.get(k, (0, 0))[0] >= 16 * 24 for k in after):
+            break
+        time.sleep(0.3)
+    per = {k: (after[k][0] - before.get(k, (0, 0))[0]) /
+           max(after[k][1] - before.get(k, (0, 0))[1], 1) for k in after}
+    check(after and all(after[k][0] - before.get(k, (0, 0))[0] >= 16 * 24 for k in after),
+          "every stage reports the 384 hops: %s -> %s" % (before, after))
+    print("16 concurrent generations: hops per batch by stage %s" % per)
+    check(per and all(v >= 2.0 for v in per.values()),
+          "the stages batched the 16 generations (hops per batch %s)" % per)
+    metrics = get(url + "metrics")
+    for m in ("neurollm_node_kv_cache_bytes{", "neurollm_node_hops_total{",
+              "neurollm_node_batches_total{", "neurollm_node_compute_seconds_total{",
+              "neurollm_node_hop_seconds_total{", "neurollm_node_sessions{"):
+        check(m in metrics, "/metrics lacks " + m)
+    st = json.loads(get(url + "api/status"))
+    serving = [n for n in st["nodes"] if n["state"] == "serving"]
+    check(all(n["batch_ms"] is not None and n["batch_ms"] > 0 and n["hop_ms"] >= n["batch_ms"] * 0
+              and n["hops_per_batch"] >= 1 for n in serving),
+          "status: per-node batch figures %s" % serving)
+
+
 def metric(url, name):
     for line in get(url + "metrics").splitlines():
         if line.startswith(name + " "):
@@ -125,6 +193,7 @@ def test_api(url):
                 chunks += 1
     check(done and ids == want, "stream ids %s != %s" % (ids, want))
     check(chunks == 25, "%d chunks, expected 24 tokens + the final one" % chunks)
+    test_concurrent(url)
     # greedy, and a second seed, against the CLI
     for p, s, t in (([1, 2, 3], 0, 0.0), ([5, 9], 4, 1.0)):
         code, body = post(url + "v1/completions", {"prompt": p, "max_tokens": 10,
@@ -261,6 +330,9 @@ def test_web(url):
     except urllib.error.HTTPError as e:
         check(e.code == 401, "/metrics without a token: %d" % e.code)
     HDR["Authorization"] = "Bearer " + TOKEN
+    # a completion first: the stages' batch figures then fill the node rows
+    code, body = post(url + "v1/completions", {"prompt": [1, 2, 3], "max_tokens": 8})
+    check(code == 200, "completion before training: %d %s" % (code, body[:200]))
     with open(W + "/data.txt", "w") as f:
         for name in ("README.md", "docs/ARCHITECTURE.md"):
             f.write(open(os.path.join(S, name)).read())
@@ -306,6 +378,14 @@ def test_web(url):
         subprocess.run(ch + ["--screenshot=" + shot, page], capture_output=True, timeout=120)
         rows = dom.count('<tr class="node">')
         check(rows == 3, "%d node rows, expected 3" % rows)
+        # each serving node's row: its KV cache, ms per batch, hop ms and
+        # hops per batch (columns 9 to 12) from its heartbeats
+        cells = [re.findall(r"<td>([^<]*)</td>", r) for r in
+                 re.findall(r'<tr class="node">(.*?)</tr>', dom)]
+        served = [c for c in cells if len(c) == 12 and c[1] == "serving"]
+        check(served and all(re.match(r"^\d+\.\d MiB$", c[8]) and
+                             all(re.match(r"^\d+\.\d+$", x) for x in c[9:12]) for c in served),
+              "node rows show KV cache, batch ms, hop ms, hops/batch: %s" % cells)
         m = re.search(r'id="loss-chart" data-points="(\d+)"', dom)
         check(m is not None and int(m.group(1)) > 0, "a loss chart with points")
         check(os.path.getsize(shot) > 0 if os.path.exists(shot) else False, "a screenshot")

@@ -55,7 +55,8 @@ void sample(nl_wire_msg *m, nl_msg_type t)
         m->u.accept = (nl_msg_accept){7, 1000, 10000};
         break;
     case NL_MSG_HEARTBEAT:
-        m->u.heartbeat = (nl_msg_heartbeat){7, 123456789012ull, NL_NODE_BUSY, 0.5};
+        m->u.heartbeat = (nl_msg_heartbeat){
+            7, 123456789012ull, NL_NODE_BUSY, 0.5, 3u << 20, 4, 900, 120, 1.25, 7.5};
         break;
     case NL_MSG_LEAVE:
         m->u.leave = (nl_msg_leave){7, "shutting down"};
@@ -194,7 +195,13 @@ bool same_msg(const nl_wire_msg *a, const nl_wire_msg *b)
     case NL_MSG_HEARTBEAT:
         return p->heartbeat.node_id == q->heartbeat.node_id &&
                p->heartbeat.seq == q->heartbeat.seq && p->heartbeat.state == q->heartbeat.state &&
-               p->heartbeat.load == q->heartbeat.load;
+               p->heartbeat.load == q->heartbeat.load &&
+               p->heartbeat.kv_bytes == q->heartbeat.kv_bytes &&
+               p->heartbeat.sessions == q->heartbeat.sessions &&
+               p->heartbeat.hops == q->heartbeat.hops &&
+               p->heartbeat.batches == q->heartbeat.batches &&
+               p->heartbeat.compute_s == q->heartbeat.compute_s &&
+               p->heartbeat.hop_s == q->heartbeat.hop_s;
     case NL_MSG_LEAVE:
         return p->leave.node_id == q->leave.node_id && seq(p->leave.reason, q->leave.reason);
     case NL_MSG_ASSIGN: {

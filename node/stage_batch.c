@@ -1,0 +1,390 @@
+/* A stage's batched session hops (see stage.h): the queue of hops that
+ * arrived, and the batch that runs the decode steps of many sessions and
+ * one chunk of prompts together through core/batch.c. Its own file
+ * because stage.c holds loading and the single forward; this is the
+ * scheduling that serves many generations at once. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../base/log.h"
+#include "stage.h"
+#include "stage_impl.h"
+
+#define DEFAULT_DECODE 32
+#define DEFAULT_CHUNK 64
+#define DEFAULT_WAIT_MS 20
+#define ACTIVE_S 2.0 /* a session with a hop here this recently is coming back */
+
+/* ===================== the engine ===================== */
+
+void nl_stage_batch_free(nl_stage *s)
+{
+    nl_batch_destroy(&s->batch);
+    for (int i = 0; i < s->cap_q; i++) {
+        free(s->q[i].in);
+        free(s->q[i].acc);
+    }
+    free(s->q);
+    free(s->res);
+    free(s->segs);
+    free(s->seg_q);
+    free(s->seg_x);
+    free(s->obuf);
+    s->q = NULL;
+    s->res = NULL;
+    s->segs = NULL;
+    s->seg_q = NULL;
+    s->seg_x = NULL;
+    s->obuf = NULL;
+    s->n_q = s->cap_q = s->cap_res = 0;
+    s->obuf_cap = 0;
+}
+
+/* The batch and its tables, on the first hop after a model is loaded:
+ * decode rows plus one prefill chunk, within the stage's row limit. */
+static nl_status ensure_engine(nl_stage *s, nl_error *err)
+{
+    if (s->batch)
+        return NL_OK;
+    int dec = s->o.batch_decode > 0 ? s->o.batch_decode : DEFAULT_DECODE;
+    int chunk = s->o.prefill_chunk > 0 ? s->o.prefill_chunk : DEFAULT_CHUNK;
+    if (dec + chunk > s->max_rows) { /* a small --memory: keep both, smaller */
+        dec = s->max_rows / 2 > 0 ? s->max_rows / 2 : 1;
+        chunk = s->max_rows - dec > 0 ? s->max_rows - dec : 1;
+    }
+    s->batch_decode = dec;
+    s->prefill_chunk = chunk;
+    s->batch_rows = dec + chunk;
+    nl_status st = nl_batch_new(&s->batch, s->model, s->batch_rows, err);
+    if (st != NL_OK)
+        return nl_error_prefix(err, "stage: a batch of %d rows", s->batch_rows);
+    s->segs = calloc((size_t)s->batch_rows, sizeof *s->segs);
+    s->seg_q = calloc((size_t)s->batch_rows, sizeof *s->seg_q);
+    s->seg_x = calloc((size_t)s->batch_rows, sizeof *s->seg_x);
+    if (!s->segs || !s->seg_q || !s->seg_x)
+        return nl_error_set(err, NL_ERR_NOMEM, "stage: out of memory for the batch");
+    return NL_OK;
+}
+
+static nl_status grow_queue(nl_stage *s, nl_error *err)
+{
+    if (s->n_q < s->cap_q)
+        return NL_OK;
+    const int cap = s->cap_q ? 2 * s->cap_q : 16;
+    queued_hop *q = realloc(s->q, (size_t)cap * sizeof *q);
+    if (!q)
+        return nl_error_set(err, NL_ERR_NOMEM, "stage: out of memory for queued hops");
+    memset(q + s->cap_q, 0, (size_t)(cap - s->cap_q) * sizeof *q);
+    s->q = q;
+    s->cap_q = cap;
+    return NL_OK;
+}
+
+/* Grow a buffer to at least n bytes (kept between uses). */
+static int reserve(void **p, size_t *cap, size_t n)
+{
+    if (n <= *cap)
+        return 1;
+    void *q = realloc(*p, n);
+    if (!q)
+        return 0;
+    *p = q;
+    *cap = n;
+    return 1;
+}
+
+/* ===================== the queue ===================== */
+
+int nl_stage_queued(const nl_stage *s)
+{
+    return s->n_q;
+}
+
+/* Positions of a session's hops waiting in the queue. */
+static int queued_rows(const nl_stage *s, uint64_t id)
+{
+    int n = 0;
+    for (int i = 0; i < s->n_q; i++)
+        if (s->q[i].session_id == id)
+            n += s->q[i].T - s->q[i].done;
+    return n;
+}
+
+/* Remove the slots marked gone, keeping the order of the others; the
+ * removed slots keep their buffers for later hops. */
+static void compact(nl_stage *s)
+{
+    int w = 0;
+    for (int i = 0; i < s->n_q; i++) {
+        if (s->q[i].gone)
+            continue;
+        if (w != i) {
+            queued_hop t = s->q[w];
+            s->q[w] = s->q[i];
+            s->q[i] = t;
+        }
+        w++;
+    }
+    s->n_q = w;
+}
+
+void nl_stage_batch_drop_session(nl_stage *s, uint64_t id)
+{
+    for (int i = 0; i < s->n_q; i++)
+        if (s->q[i].session_id == id)
+            s->q[i].gone = true;
+    compact(s);
+}
+
+nl_status nl_stage_enqueue(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wire_frame *in,
+                           nl_error *err)
+{
+    char who[80];
+    int B = 0, T = 0;
+    session *se = NULL;
+    snprintf(who, sizeof who, "job %llu session %llu", (unsigned long long)hop->job_id,
+             (unsigned long long)hop->session_id);
+    nl_status st = nl_stage_device_status(s, err);
+    if (st != NL_OK)
+        return st;
+    if (!s->ready)
+        return nl_error_set(err, NL_ERR_STATE, "%s: this stage has no model loaded", who);
+    if (!hop->session_id)
+        return nl_error_set(err, NL_ERR_INVALID, "%s: only a session's hops are batched", who);
+    st = nl_stage_check_hop(s, hop, in, who, queued_rows(s, hop->session_id), &B, &T, &se, err);
+    if (st == NL_OK)
+        st = ensure_engine(s, err);
+    if (st == NL_OK)
+        st = grow_queue(s, err);
+    if (st != NL_OK)
+        return st;
+    const nl_model *m = s->model;
+    queued_hop *q = &s->q[s->n_q];
+    const size_t bytes = m->has_embed ? (size_t)T * sizeof(int32_t)
+                                      : (size_t)T * (size_t)m->cfg.hidden_dim * sizeof(float);
+    if (!reserve(&q->in, &q->in_cap, bytes))
+        return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory for %d queued positions", who, T);
+    memcpy(q->in, in->t.data, bytes); /* frames need not be aligned */
+    q->job_id = hop->job_id;
+    q->session_id = hop->session_id;
+    q->pos = hop->pos_offset;
+    q->T = T;
+    q->done = 0;
+    q->aux = hop->aux;
+    q->t_in = nl_stage_now();
+    q->gone = false;
+    se->last_in = q->t_in;
+    s->n_q++;
+    return NL_OK;
+}
+
+double nl_stage_batch_due(const nl_stage *s)
+{
+    if (!s->n_q)
+        return -1.0;
+    const double now = nl_stage_now();
+    const int wait_ms = s->o.batch_wait_ms ? s->o.batch_wait_ms : DEFAULT_WAIT_MS;
+    if (wait_ms < 0)
+        return 0.0;
+    int queued = 0, active = 0;
+    for (int i = 0; i < s->n_sess; i++) {
+        const session *se = &s->sess[i];
+        if (se->last_in <= 0.0 || now - se->last_in > ACTIVE_S)
+            continue;
+        active++;
+        for (int k = 0; k < s->n_q; k++)
+            if (s->q[k].session_id == se->id) {
+                queued++;
+                break;
+            }
+    }
+    if (queued >= active || queued >= NL_BATCH_MIN_ROWS)
+        return 0.0;
+    const double due = s->q[0].t_in + wait_ms * 1e-3 - now; /* q[0] is the oldest */
+    return due > 0.0 ? due : 0.0;
+}
+
+/* ===================== the batch ===================== */
+
+/* Pick the batch: the oldest hop of each session, decode steps up to
+ * batch_decode, prompt positions up to prefill_chunk. Hops whose session
+ * is gone are answered (evicted) or dropped (closed). Returns the
+ * segments; *nres counts the results written. */
+static int pick(nl_stage *s, int *nres)
+{
+    const nl_model *m = s->model;
+    const size_t d = (size_t)m->cfg.hidden_dim;
+    int n = 0, decode = 0, budget = s->prefill_chunk;
+    s->batch_seq++;
+    for (int i = 0; i < s->n_q; i++) {
+        queued_hop *q = &s->q[i];
+        session *se = nl_stage_find_session(s, q->session_id);
+        if (!se) {
+            q->gone = true;
+            if (nl_stage_session_closed(s, q->session_id))
+                continue; /* its job ended: nothing to say */
+            nl_stage_result *r = &s->res[(*nres)++];
+            *r = (nl_stage_result){q->job_id, q->session_id, q->pos, NL_ERR_NOTFOUND, "", {0}};
+            snprintf(r->msg, sizeof r->msg, "job %llu session %llu: %s",
+                     (unsigned long long)q->job_id, (unsigned long long)q->session_id,
+                     nl_stage_session_evicted(s, q->session_id)
+                         ? "the session was evicted (KV budget full)"
+                         : "the session is no longer open on this stage");
+            continue;
+        }
+        if (se->picked == s->batch_seq)
+            continue; /* its earlier hop runs first */
+        int take = q->T - q->done;
+        if (q->T == 1) {
+            if (decode == s->batch_decode)
+                continue;
+            decode++;
+        } else {
+            if (budget == 0)
+                continue;
+            take = take < budget ? take : budget;
+            budget -= take;
+        }
+        se->picked = s->batch_seq;
+        nl_batch_seg *g = &s->segs[n];
+        *g = (nl_batch_seg){.kv = se->kv, .T = take};
+        if (m->has_embed)
+            g->tokens = (const int32_t *)q->in + q->done;
+        else
+            s->seg_x[n] = (const float *)q->in + (size_t)q->done * d;
+        g->want_logits = m->has_head && q->done + take == q->T;
+        s->seg_q[n++] = i;
+    }
+    return n;
+}
+
+/* The last stage's answer to a finished hop: its session samples. */
+static void sample_token(nl_stage *s, session *se, int seg, nl_stage_out *o)
+{
+    o->kind = NL_STAGE_OUT_TOKEN;
+    o->token = nl_sampler_sample(&se->smp, nl_batch_logits(s->batch, seg));
+    se->produced++;
+    o->last = se->limit > 0 && se->produced >= se->limit;
+    o->feed = se->limit > 0 && !o->last && se->kv->len < se->kv->cap;
+    o->feed_pos = se->kv->len;
+}
+
+/* After the batch: hidden states into acc (a prompt's chunks) or obuf,
+ * tokens sampled, results written for the hops that finished. */
+static nl_status finish(nl_stage *s, int n, double t0, double t1, int *nres, nl_error *err)
+{
+    const nl_model *m = s->model;
+    const size_t d = (size_t)m->cfg.hidden_dim;
+    size_t need = 0, at = 0;
+    for (int k = 0; k < n; k++) {
+        const queued_hop *q = &s->q[s->seg_q[k]];
+        if (!m->has_head && q->done + s->segs[k].T == q->T)
+            need += (size_t)q->T * d;
+    }
+    if (!reserve((void **)&s->obuf, &s->obuf_cap, (need ? need : 1) * sizeof(float)))
+        return nl_error_set(err, NL_ERR_NOMEM, "stage: out of memory for a batch's output");
+    for (int k = 0; k < n; k++) {
+        queued_hop *q = &s->q[s->seg_q[k]];
+        session *se = nl_stage_find_session(s, q->session_id);
+        const int take = s->segs[k].T;
+        const bool last = q->done + take == q->T;
+        se->used = ++s->tick;
+        if (q->T == 1) { /* the batch's time, shared by its segments */
+            se->steps++;
+            se->step_s += (t1 - t0) / n;
+        } else {
+            se->prefill_s += (t1 - t0) / n;
+        }
+        if (!m->has_head) {
+            const float *h = nl_batch_hidden(s->batch, k);
+            if (!last || q->done > 0) { /* a prompt over several batches */
+                if (!reserve((void **)&q->acc, &q->acc_cap, (size_t)q->T * d * sizeof(float)))
+                    return nl_error_set(err, NL_ERR_NOMEM, "stage: out of memory for a prompt");
+                memcpy(q->acc + (size_t)q->done * d, h, (size_t)take * d * sizeof(float));
+                h = q->acc;
+            }
+            if (last)
+                memcpy(s->obuf + at, h, (size_t)q->T * d * sizeof(float));
+        }
+        q->done += take;
+        if (!last)
+            continue;
+        nl_stage_result *r = &s->res[(*nres)++];
+        *r = (nl_stage_result){q->job_id, q->session_id, q->pos, NL_OK, "", {0}};
+        r->out.B = 1;
+        r->out.T = q->T;
+        r->out.aux = q->aux; /* a decode hop adds no aux loss (as nl_stage_forward) */
+        if (m->has_head) {
+            sample_token(s, se, k, &r->out);
+        } else {
+            r->out.kind = NL_STAGE_OUT_HIDDEN;
+            r->out.data = s->obuf + at;
+            r->out.ndim = 3;
+            r->out.shape[0] = 1, r->out.shape[1] = q->T, r->out.shape[2] = (int64_t)d;
+            at += (size_t)q->T * d;
+        }
+        q->gone = true;
+        s->fig.hops++;
+        s->fig.hop_s += t1 - q->t_in;
+    }
+    return NL_OK;
+}
+
+nl_status nl_stage_run_batch(nl_stage *s, const nl_stage_result **res, int *nres, nl_error *err)
+{
+    *res = s->res;
+    *nres = 0;
+    if (!s->n_q)
+        return NL_OK;
+    nl_status st = nl_stage_device_status(s, err);
+    if (st == NL_OK)
+        st = nl_stage_wait_output(s, "a batch of sessions", err);
+    if (st != NL_OK)
+        return st;
+    if (s->cap_res < s->n_q) { /* a result per hop at most; not grown while the
+                                * caller reads them (enqueue does not touch it) */
+        nl_stage_result *r = realloc(s->res, (size_t)s->cap_q * sizeof *r);
+        if (!r)
+            return nl_error_set(err, NL_ERR_NOMEM, "stage: out of memory for results");
+        s->res = r;
+        s->cap_res = s->cap_q;
+    }
+    *res = s->res;
+    nl_error e = {0};
+    const double t0 = nl_stage_now();
+    const int n = pick(s, nres);
+    int rows = 0;
+    for (int k = 0; k < n; k++)
+        rows += s->segs[k].T;
+    if (n > 0)
+        st = nl_batch_forward_hidden(s->batch, s->segs, s->seg_x, n, &e);
+    const double t1 = nl_stage_now();
+    if (n > 0 && st == NL_OK)
+        st = finish(s, n, t0, t1, nres, &e);
+    if (st != NL_OK) { /* every hop of the batch fails with it */
+        for (int k = 0; k < n; k++) {
+            queued_hop *q = &s->q[s->seg_q[k]];
+            if (q->gone)
+                continue;
+            nl_stage_result *r = &s->res[(*nres)++];
+            *r = (nl_stage_result){q->job_id, q->session_id, q->pos, st, "", {0}};
+            snprintf(r->msg, sizeof r->msg, "job %llu session %llu: %.400s",
+                     (unsigned long long)q->job_id, (unsigned long long)q->session_id, e.msg);
+            q->gone = true;
+        }
+    }
+    if (n > 0) {
+        s->fig.batches++;
+        s->fig.rows += (uint64_t)rows;
+        s->fig.compute_s += t1 - t0;
+    }
+    compact(s);
+    nl_status dst = nl_stage_check_device(s, err);
+    return dst != NL_OK ? dst : NL_OK;
+}
+
+void nl_stage_get_figures(const nl_stage *s, nl_stage_figures *f)
+{
+    *f = s->fig;
+}
