@@ -753,6 +753,7 @@ nl_status nl_stage_forward(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_w
     session *se = NULL;
     memset(out, 0, sizeof *out);
     const double t0 = now_s();
+    nl_stage_train_quiesce(s); /* a training job's threads leave replica 0's backend */
     nl_status st = nl_stage_device_status(s, err);
     if (st == NL_OK)
         st = run_hop(s, hop, in, out, &se, err);

@@ -37,6 +37,10 @@ typedef struct nl_stage_opts {
     int inject_nan_stage;    /* ... on this stage only (-1: any) */
     int inject_nan_on;       /* ... and on every later step */
     int tf32;                /* the backend allows TF32 (--tf32): recorded in training shards */
+    /* data-parallel replicas (each computes on its own thread): */
+    int train_async;      /* nl_stage_train_input returns once the work is dispatched; the
+                           * results go out from nl_stage_train_poll (the daemon) */
+    int replicas_inline;  /* tests: the replicas run one after another on the caller's thread */
 } nl_stage_opts;
 
 nl_status nl_stage_new(nl_stage **out, nl_backend *be, const nl_stage_opts *o, nl_error *err);
@@ -201,6 +205,14 @@ nl_status nl_stage_train_input(nl_stage *s, const nl_wire_msg *m, nl_stage_send_
  * trains? One that is not was in flight when its job ended or was
  * cancelled: stale, to be dropped. */
 bool nl_stage_train_holds(const nl_stage *s, const nl_wire_msg *m);
+
+/* With train_async and several replicas: a descriptor that becomes
+ * readable when a replica finished a piece of work, for the daemon's poll
+ * (-1 when there is none: no job, one replica, or not async). Then
+ * nl_stage_train_poll sends what finished in the order nl_stage_train_input
+ * would have and runs what became runnable; its error is the job's. */
+int nl_stage_train_fd(const nl_stage *s);
+nl_status nl_stage_train_poll(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_error *err);
 
 /* JOB_CANCEL or the job's end: free its trainer. False if it is not this
  * stage's training job. */

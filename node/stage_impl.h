@@ -89,6 +89,9 @@ struct nl_stage {
 
 /* Free the training job's state (stage_train.c); safe without one. */
 void nl_stage_train_free(nl_stage *s);
+/* Wait until the replicas' threads have finished what they were given,
+ * before other work uses replica 0's backend (stage_train.c). */
+void nl_stage_train_quiesce(nl_stage *s);
 
 /* The backend's sticky asynchronous error (nl_backend_check), remembered
  * once seen: "device D: MESSAGE" in err, else NL_OK with err untouched.
