@@ -151,8 +151,8 @@ static nl_status open_one(nl_node_device *n, const char *name, int r, int count,
                           const nl_node_opts *o, nl_error *err)
 {
     nl_backend **be = &n->be[n->n];
-    const int threads = count > 1 && strncmp(name, "cuda:", 5) != 0 ? cpu_share(o, r, count)
-                                                                     : o->threads;
+    const int threads =
+        count > 1 && strncmp(name, "cuda:", 5) != 0 ? cpu_share(o, r, count) : o->threads;
     nl_status st = nl_backend_new(
         be, name, &(nl_backend_opts){.threads = threads, .tf32 = o->tf32, .bf16 = o->bf16}, err);
     if (st != NL_OK)
@@ -304,8 +304,7 @@ nl_status nl_node_device_open(nl_node_device *n, const nl_node_opts *o, nl_error
                 "the whole stage)",
                 n->n, n->be[0]->name, n->be[n->n - 1]->name, nl_comm_name(n->comm),
                 strncmp(n->be[0]->name, "cuda:", 5) != 0 ? " (sharing the threads)" : "",
-                n->be[0]->name,
-                n->be[0]->name, n->n, n->be[0]->name);
+                n->be[0]->name, n->be[0]->name, n->n, n->be[0]->name);
     return NL_OK;
 }
 

@@ -131,8 +131,8 @@ nl_status nl_stage_check_device(nl_stage *s, nl_error *err)
         char rep[32] = ""; /* replicas may share a name (cpu,cpu) */
         if (s->n_rep > 1)
             snprintf(rep, sizeof rep, " (replica %d)", r - 1);
-        snprintf(s->device_err, sizeof s->device_err, "device %.24s%s: %.440s",
-                 s->rbe[r - 1]->name, rep, e.msg);
+        snprintf(s->device_err, sizeof s->device_err, "device %.24s%s: %.440s", s->rbe[r - 1]->name,
+                 rep, e.msg);
         NL_ERROR("%s (%s)", s->device_err, nl_status_str(st));
     }
     return nl_error_set(err, s->device_st, "%s", s->device_err);

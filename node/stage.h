@@ -38,9 +38,9 @@ typedef struct nl_stage_opts {
     int inject_nan_on;       /* ... and on every later step */
     int tf32;                /* the backend allows TF32 (--tf32): recorded in training shards */
     /* data-parallel replicas (each computes on its own thread): */
-    int train_async;      /* nl_stage_train_input returns once the work is dispatched; the
-                           * results go out from nl_stage_train_poll (the daemon) */
-    int replicas_inline;  /* tests: the replicas run one after another on the caller's thread */
+    int train_async;     /* nl_stage_train_input returns once the work is dispatched; the
+                          * results go out from nl_stage_train_poll (the daemon) */
+    int replicas_inline; /* tests: the replicas run one after another on the caller's thread */
 } nl_stage_opts;
 
 nl_status nl_stage_new(nl_stage **out, nl_backend *be, const nl_stage_opts *o, nl_error *err);

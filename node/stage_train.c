@@ -43,8 +43,8 @@
  * stage: later jobs are skipped, and every later message is refused with
  * its error, which names the replica's device. */
 #include <errno.h>
-#include <stdatomic.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -588,8 +588,7 @@ static nl_status take_back(nl_stage *s, rjob *j, nl_stage_send_fn send, void *ct
 
 /* Take back the finished jobs in order (wait: every job dispatched, once
  * finished). The first error ends the job on this stage (poison). */
-static nl_status take_done(nl_stage *s, bool wait, nl_stage_send_fn send, void *ctx,
-                           nl_error *err)
+static nl_status take_done(nl_stage *s, bool wait, nl_stage_send_fn send, void *ctx, nl_error *err)
 {
     stage_train *t = s->train;
     nl_wjob *w;
@@ -721,8 +720,8 @@ static nl_status run_hop(nl_stage *s, hop_in *h, nl_stage_send_fn send, void *ct
     nl_status st = NL_OK;
     if (t->begun != h->step && (st = begin(s, h->step, send, ctx, err)) != NL_OK)
         return st;
-    rjob *j = job_get(t, h->type == NL_MSG_COUNT ? JOB_COUNT : JOB_FORWARD, replica_of(t, h->mb),
-                      err);
+    rjob *j =
+        job_get(t, h->type == NL_MSG_COUNT ? JOB_COUNT : JOB_FORWARD, replica_of(t, h->mb), err);
     if (!j)
         return NL_ERR_NOMEM;
     j->step = h->step;

@@ -274,8 +274,8 @@ static void train(int reps, bool async, bool inline_reps, int steps, run_result 
         r->norm[step - 1] = 0.0;
         while (norms < NST || !loss) {
             nl_status st = step_bus(&turn, &err);
-            CHECK(st == NL_OK, "step %d (%d replicas%s): %s", step, reps,
-                  async ? ", async" : "", err.msg);
+            CHECK(st == NL_OK, "step %d (%d replicas%s): %s", step, reps, async ? ", async" : "",
+                  err.msg);
             if (st != NL_OK)
                 goto out;
             nl_wire_msg m;
@@ -345,8 +345,8 @@ static void threads_agree(void)
 {
     const int steps = 5;
     run_result seq, thr, wait, one;
-    train(REPS, false, true, steps, &seq);  /* one after another on this thread */
-    train(REPS, true, false, steps, &thr);  /* the daemon's mode: threads, poll */
+    train(REPS, false, true, steps, &seq);   /* one after another on this thread */
+    train(REPS, true, false, steps, &thr);   /* the daemon's mode: threads, poll */
     train(REPS, false, false, steps, &wait); /* threads, each input waits for them */
     train(1, false, false, steps, &one);
     CHECK(same_bits(&thr, &seq, steps),
