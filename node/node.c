@@ -359,7 +359,8 @@ static nl_status start(node *n, nl_error *err)
                         .inject_nan_step = o->inject_nan_step,
                         .inject_nan_stage = o->inject_nan_stage,
                         .inject_nan_on = o->inject_nan_on,
-                        .tf32 = o->tf32};
+                        .tf32 = o->tf32,
+                        .train_async = 1}; /* replicas report through serve()'s poll */
     if ((st = nl_stage_new_replicas(&n->stage, n->dev.be, n->dev.n, n->dev.comm, &so, err)) !=
             NL_OK ||
         (st = nl_net_new(&n->net, NULL, err)) != NL_OK ||
@@ -847,6 +848,17 @@ static bool is_train_hop(const nl_wire_msg *m)
            (m->type == NL_MSG_ACTIVATION && m->u.hop.step != 0);
 }
 
+/* The training job's replicas finished some work: send what it made. */
+static void train_poll(node *n)
+{
+    nl_error e;
+    uint64_t job = 0;
+    nl_stage_train_running(n->stage, &job);
+    nl_status st = nl_stage_train_poll(n->stage, train_send, n, &e);
+    if (st != NL_OK)
+        fail_job(n, job, st, NL_MSG_STEP, "%s", e.msg);
+}
+
 /* ===================== joining again ===================== */
 
 /* The coordinator refused a heartbeat: it does not know this node (it
@@ -1033,9 +1045,12 @@ static void serve(node *n)
             send_heartbeat(n);
         int64_t wait = n->next_hb_ms - now;
         int half = (int)(n->heartbeat_ms / 2 > 0 ? n->heartbeat_ms / 2 : 1);
-        zmq_pollitem_t it[4] = {{nl_sock_handle(n->ctl), 0, ZMQ_POLLIN, 0},
+        zmq_pollitem_t it[5] = {{nl_sock_handle(n->ctl), 0, ZMQ_POLLIN, 0},
                                 {nl_sock_handle(n->data), 0, ZMQ_POLLIN, 0}};
         int count = 2;
+        const int train_fd = nl_stage_train_fd(n->stage); /* the replicas' threads */
+        if (train_fd >= 0)
+            it[count++] = (zmq_pollitem_t){NULL, train_fd, ZMQ_POLLIN, 0};
         if (n->next)
             it[count++] = (zmq_pollitem_t){nl_sock_handle(n->next), 0, ZMQ_POLLIN, 0};
         if (n->next_mon)
@@ -1052,7 +1067,9 @@ static void serve(node *n)
         for (int i = 2; i < count; i++) {
             if (!(it[i].revents & ZMQ_POLLIN))
                 continue;
-            if (n->next && it[i].socket == nl_sock_handle(n->next))
+            if (!it[i].socket) /* the replicas' descriptor: its job may have ended meanwhile */
+                train_poll(n);
+            else if (n->next && it[i].socket == nl_sock_handle(n->next))
                 drain(n, n->next, on_next);
             else if (n->next_mon && it[i].socket == n->next_mon)
                 on_next_event(n);

@@ -4,6 +4,7 @@
  * joins, and the memory it offers. */
 #include "node_impl.h"
 
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,13 +17,13 @@
  * its K-th call on, as a device's sticky asynchronous error would. One
  * node per process, so the state is the process's. */
 static nl_status (*real_check)(nl_backend *be, nl_error *err);
-static int checks_left;
+static atomic_int checks_left; /* the replicas' threads call check too */
 
 static nl_status failing_check(nl_backend *be, nl_error *err)
 {
-    if (checks_left > 0 && --checks_left > 0)
+    if (atomic_fetch_sub(&checks_left, 1) > 1)
         return real_check ? real_check(be, err) : NL_OK;
-    checks_left = 0;
+    atomic_store(&checks_left, 0);
     return nl_error_set(err, NL_ERR_INTERNAL, "injected device error (NL_TEST_DEVICE_FAIL)");
 }
 
@@ -135,18 +136,31 @@ static nl_status offer_memory(nl_backend *be, const nl_node_opts *o, uint64_t *o
 
 /* ---------------------------------------------------------------- open */
 
-/* Open the backend of one device, with the test hooks. */
-static nl_status open_one(nl_node_device *n, const char *name, const nl_node_opts *o, nl_error *err)
+/* The threads of CPU replica r of count: the replicas compute at the same
+ * time, so they share --threads (or the machine's cores), the first ones
+ * taking what does not divide; at least one each. */
+static int cpu_share(const nl_node_opts *o, int r, int count)
+{
+    const int all = o->threads > 0 ? o->threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
+    const int share = all / count + (r < all % count);
+    return share > 0 ? share : 1;
+}
+
+/* Open the backend of replica r of count, with the test hooks. */
+static nl_status open_one(nl_node_device *n, const char *name, int r, int count,
+                          const nl_node_opts *o, nl_error *err)
 {
     nl_backend **be = &n->be[n->n];
+    const int threads =
+        count > 1 && strncmp(name, "cuda:", 5) != 0 ? cpu_share(o, r, count) : o->threads;
     nl_status st = nl_backend_new(
-        be, name, &(nl_backend_opts){.threads = o->threads, .tf32 = o->tf32, .bf16 = o->bf16}, err);
+        be, name, &(nl_backend_opts){.threads = threads, .tf32 = o->tf32, .bf16 = o->bf16}, err);
     if (st != NL_OK)
         return st;
     n->n++;
     if (o->inject_device_fail > 0 && n->n == 1) { /* replica 0's: one hook per process */
         real_check = (*be)->check;
-        checks_left = o->inject_device_fail;
+        atomic_store(&checks_left, o->inject_device_fail);
         (*be)->check = failing_check;
     }
     if (o->inject_no_train)
@@ -237,7 +251,7 @@ nl_status nl_node_device_open(nl_node_device *n, const nl_node_opts *o, nl_error
     if (st != NL_OK)
         return st;
     for (int r = 0; r < count; r++)
-        if ((st = open_one(n, names[r], o, err)) != NL_OK)
+        if ((st = open_one(n, names[r], r, count, o, err)) != NL_OK)
             return count > 1
                        ? nl_error_prefix(err, "--device %s: replica %d of %d", o->device, r, count)
                        : st;
@@ -249,7 +263,9 @@ nl_status nl_node_device_open(nl_node_device *n, const nl_node_opts *o, nl_error
     if (n->threads < 1)
         n->threads = 1;
     const int probe = be->gemm_probe > 0 ? be->gemm_probe : 512;
-    n->gflops = probe_median(be, probe, &lo, &hi);
+    /* the replicas compute at the same time (training): the node's
+     * throughput is theirs together, replica 0's times their number */
+    n->gflops = probe_median(be, probe, &lo, &hi) * n->n;
     if (o->inject_gflops > 0 && n->gflops > 0)
         n->gflops = o->inject_gflops;
     nl_error e = {0};
@@ -281,12 +297,14 @@ nl_status nl_node_device_open(nl_node_device *n, const nl_node_opts *o, nl_error
             n->threads, probe, n->gflops, PROBE_ROUNDS, lo, hi, (double)n->memory / (1 << 20),
             (double)o->kv_budget / (1 << 20));
     if (n->n > 1)
-        NL_INFO("%d data-parallel replicas of the stage (%s to %s, %s all-reduce): training "
-                "shares each step's microbatches among them; inference runs on %s; the "
-                "throughput reported is %s's and the memory offered the smallest replica's (each "
-                "holds the whole stage)",
-                n->n, n->be[0]->name, n->be[n->n - 1]->name, nl_comm_name(n->comm), n->be[0]->name,
-                n->be[0]->name);
+        NL_INFO("%d data-parallel replicas of the stage (%s to %s, %s all-reduce), each on "
+                "its own thread%s: training shares each step's microbatches among them; "
+                "inference runs on %s; the throughput reported is %s's times %d (the probe's "
+                "range above is %s's) and the memory offered the smallest replica's (each holds "
+                "the whole stage)",
+                n->n, n->be[0]->name, n->be[n->n - 1]->name, nl_comm_name(n->comm),
+                strncmp(n->be[0]->name, "cuda:", 5) != 0 ? " (sharing the threads)" : "",
+                n->be[0]->name, n->be[0]->name, n->n, n->be[0]->name);
     return NL_OK;
 }
 

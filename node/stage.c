@@ -133,8 +133,11 @@ nl_status nl_stage_check_device(nl_stage *s, nl_error *err)
         if (st == NL_OK)
             return NL_OK;
         s->device_st = st;
-        snprintf(s->device_err, sizeof s->device_err, "device %.24s: %.460s", s->rbe[r - 1]->name,
-                 e.msg);
+        char rep[32] = ""; /* replicas may share a name (cpu,cpu) */
+        if (s->n_rep > 1)
+            snprintf(rep, sizeof rep, " (replica %d)", r - 1);
+        snprintf(s->device_err, sizeof s->device_err, "device %.24s%s: %.440s", s->rbe[r - 1]->name,
+                 rep, e.msg);
         NL_ERROR("%s (%s)", s->device_err, nl_status_str(st));
     }
     return nl_error_set(err, s->device_st, "%s", s->device_err);
@@ -809,6 +812,7 @@ nl_status nl_stage_forward(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_w
     session *se = NULL;
     memset(out, 0, sizeof *out);
     const double t0 = now_s();
+    nl_stage_train_quiesce(s); /* a training job's threads leave replica 0's backend */
     nl_status st = nl_stage_device_status(s, err);
     if (st == NL_OK && hop->session_id && hop->step == 0 && hop->microbatch == 0)
         return forward_session(s, hop, in, out, err);

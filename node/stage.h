@@ -40,6 +40,10 @@ typedef struct nl_stage_opts {
     int batch_decode;        /* decode steps per batch; 0 = 32 */
     int prefill_chunk;       /* prompt positions per batch; 0 = 64 */
     int batch_wait_ms;       /* longest wait for the other active sessions; 0 = 20, < 0: none */
+    /* data-parallel replicas (each computes on its own thread): */
+    int train_async;     /* nl_stage_train_input returns once the work is dispatched; the
+                          * results go out from nl_stage_train_poll (the daemon) */
+    int replicas_inline; /* tests: the replicas run one after another on the caller's thread */
 } nl_stage_opts;
 
 nl_status nl_stage_new(nl_stage **out, nl_backend *be, const nl_stage_opts *o, nl_error *err);
@@ -275,6 +279,14 @@ nl_status nl_stage_train_input(nl_stage *s, const nl_wire_msg *m, nl_stage_send_
  * trains? One that is not was in flight when its job ended or was
  * cancelled: stale, to be dropped. */
 bool nl_stage_train_holds(const nl_stage *s, const nl_wire_msg *m);
+
+/* With train_async and several replicas: a descriptor that becomes
+ * readable when a replica finished a piece of work, for the daemon's poll
+ * (-1 when there is none: no job, one replica, or not async). Then
+ * nl_stage_train_poll sends what finished in the order nl_stage_train_input
+ * would have and runs what became runnable; its error is the job's. */
+int nl_stage_train_fd(const nl_stage *s);
+nl_status nl_stage_train_poll(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_error *err);
 
 /* JOB_CANCEL or the job's end: free its trainer. False if it is not this
  * stage's training job. */

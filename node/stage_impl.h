@@ -161,6 +161,9 @@ nl_status nl_stage_lora_input(nl_stage *s, uint64_t job, const nl_wire_msg *m,
 /* End one job (false: not one of this stage's), or all (the model goes). */
 bool nl_stage_lora_end(nl_stage *s, uint64_t job);
 void nl_stage_lora_free_all(nl_stage *s);
+/* Wait until the replicas' threads have finished what they were given,
+ * before other work uses replica 0's backend (stage_train.c). */
+void nl_stage_train_quiesce(nl_stage *s);
 
 /* The backend's sticky asynchronous error (nl_backend_check), remembered
  * once seen: "device D: MESSAGE" in err, else NL_OK with err untouched.

@@ -23,11 +23,28 @@
  * 0's weights instead would move as many bytes as the all-reduce did, once
  * more every step; AdamW is elementwise and cheap next to that.)
  * Evaluation runs on replica 0, as inference does, and checkpoints are
- * written from it. Replicas run one after another on the node's thread:
- * what overlaps on GPUs is what their queues hold between two waits (a
- * hop's download before it is sent). */
+ * written from it.
+ *
+ * Replicas compute at the same time: each has a worker thread (a lane of
+ * replica_workers.h) that runs its jobs (begin a step, a counting pass, a
+ * forward, a backward, AdamW) in the order the node's thread dispatched
+ * them. The node's thread keeps the schedule: it dispatches a hop as soon
+ * as the schedule allows it, and takes finished jobs back in the order it
+ * dispatched them, so the hops it sends, the losses it adds up and the
+ * route counts and gradients it sums come in the same order as if the
+ * replicas ran one after another: the results are bit-identical (each
+ * replica runs the same ops in the same order either way). Work that
+ * needs every replica (adding the route counts, the all-reduce and the
+ * norm, an evaluation, a checkpoint) waits for the lanes to be idle. With
+ * the stage option train_async the node's thread does not wait: it polls
+ * nl_stage_train_fd and sends what finished from nl_stage_train_poll.
+ * One replica (or replicas_inline, the tests' sequential reference) runs
+ * its jobs on the caller's thread. A job that fails ends the job on this
+ * stage: later jobs are skipped, and every later message is refused with
+ * its error, which names the replica's device. */
 #include <errno.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,6 +57,7 @@
 #include "../core/manifest.h"
 #include "../core/memory.h"
 #include "../core/train.h"
+#include "replica_workers.h"
 #include "stage_impl.h"
 
 /* A forward-type hop waiting to run: its frames copied. */
@@ -65,6 +83,32 @@ typedef struct replica {
     float *x_d; /* device staging of a hidden-state input or gradient frame */
 } replica;
 
+/* A replica's piece of work, run on its lane; the node's thread owns it
+ * before the push and after the pop. */
+typedef enum job_kind { JOB_BEGIN, JOB_COUNT, JOB_FORWARD, JOB_BACKWARD, JOB_STEP } job_kind;
+
+typedef struct rjob {
+    nl_wjob w; /* w.lane: the replica */
+    job_kind kind;
+    uint64_t step;
+    uint32_t mb;
+    int slot;
+    double aux;       /* the hop's */
+    void *x;          /* owned: tokens or hidden states of a hop, or a GRADIENT's dy (host) */
+    int32_t *targets; /* owned: the hop's targets, or NULL */
+    bool inject_nan;  /* test hook: a NaN into this forward's gradient */
+    bool last;        /* the step's last counting pass or backward */
+    float lr, clip;   /* JOB_STEP */
+    /* results */
+    nl_msg_type out_type; /* what out holds to send (COUNT, ACTIVATION, GRADIENT), or 0 */
+    float *out;           /* host, rows x d: kept for the job's next use */
+    double ce, a;         /* a forward's cross-entropy sum and aux loss */
+    nl_status st;
+    nl_error err;
+    struct rjob *all_next;  /* every job made */
+    struct rjob *free_next; /* the ones not in use */
+} rjob;
+
 typedef struct stage_train {
     uint64_t job;
     replica rep[NL_COMM_MAX];
@@ -84,6 +128,15 @@ typedef struct stage_train {
     size_t qbytes; /* the hops' bytes in the queue */
     nl_host_stage stage; /* host view of an output to send */
     nl_wire_msg tx;
+    /* the replicas' lanes (one replica: inline) */
+    nl_workers *w;
+    bool async;               /* results are taken back from nl_stage_train_poll */
+    bool has_embed, has_head; /* the stage's model's, for the lanes */
+    bool counts_ready;        /* this step's counting pass is summed and in use */
+    rjob *jobs, *free_jobs;
+    atomic_int failed; /* a job failed: the lanes skip the rest */
+    nl_status poison;  /* ... and the error every later message gets */
+    char poison_msg[NL_ERROR_MSG_MAX];
 } stage_train;
 
 /* ===================== life ===================== */
@@ -101,6 +154,15 @@ void nl_stage_train_free(nl_stage *s)
     stage_train *t = s->train;
     if (!t)
         return;
+    nl_workers_destroy(&t->w); /* the jobs running finish; the queued are dropped */
+    while (t->jobs) {
+        rjob *j = t->jobs;
+        t->jobs = j->all_next;
+        free(j->x);
+        free(j->targets);
+        free(j->out);
+        free(j);
+    }
     for (int i = 0; i < t->qlen; i++)
         hop_free(&t->q[(t->qhead + i) % t->qcap]);
     free(t->q);
@@ -195,6 +257,8 @@ static nl_status make_replicas(nl_stage *s, int recompute, nl_error *err)
         st = nl_comm_broadcast(s->comm, params, m0->n_params, 0, err);
     return st;
 }
+
+static void run_job(void *ctx, nl_wjob *w); /* a lane's: below */
 
 nl_status nl_stage_train_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
                                nl_error *err)
@@ -291,7 +355,13 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_msg_job_submit *j, uint64_t 
     t->applied = start;
     t->R = s->n_rep;
     t->rslots = rslots;
+    t->has_embed = m->has_embed;
+    t->has_head = m->has_head;
+    const bool threads = t->R > 1 && !s->o.replicas_inline;
+    t->async = threads && s->o.train_async;
     st = make_replicas(s, (int)recompute, err);
+    if (st == NL_OK)
+        st = nl_workers_new(&t->w, t->R, threads, run_job, t, err);
     if (st != NL_OK) {
         nl_stage_train_free(s);
         return nl_error_prefix(err, "train job %lld", (long long)job);
@@ -324,19 +394,14 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_msg_job_submit *j, uint64_t 
 
 /* ===================== sending ===================== */
 
-/* Send a hop (type) of this job with hidden states (rows x d, in the
- * memory of be) and optionally the targets, to the next stage or
- * (GRADIENT) the previous. */
-static nl_status send_hop(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_msg_type type,
-                          uint64_t step, uint32_t mb, double aux, nl_backend *be,
-                          const float *x_dev, const int32_t *targets, nl_error *err)
+/* Send a hop (type) of this job with hidden states (rows x d, host) and
+ * optionally the targets, to the next stage or (GRADIENT) the previous. */
+static nl_status send_host(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_msg_type type,
+                           uint64_t step, uint32_t mb, double aux, const float *x,
+                           const int32_t *targets, nl_error *err)
 {
     stage_train *t = s->train;
     const int64_t xs[3] = {t->mbB, t->T, (int64_t)t->d}, ts[2] = {t->mbB, t->T};
-    const float *x =
-        nl_backend_read_view(be, &t->stage, x_dev, t->rows * t->d * sizeof(float), err);
-    if (!x)
-        return nl_error_prefix(err, "train job %llu", (unsigned long long)t->job);
     nl_wire_msg_reset(&t->tx, type);
     t->tx.u.hop = (nl_msg_tensor_hop){t->job, step, mb, 0, 0, aux};
     nl_wire_frame_set(&t->tx.frames[0], x, NL_DTYPE_F32, xs, 3);
@@ -348,8 +413,22 @@ static nl_status send_hop(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_msg_
     return send(ctx, type == NL_MSG_GRADIENT ? NL_STAGE_TO_PREV : NL_STAGE_TO_NEXT, &t->tx, err);
 }
 
+/* send_host of hidden states in the memory of be. */
+static nl_status send_hop(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_msg_type type,
+                          uint64_t step, uint32_t mb, double aux, nl_backend *be,
+                          const float *x_dev, const int32_t *targets, nl_error *err)
+{
+    stage_train *t = s->train;
+    const float *x =
+        nl_backend_read_view(be, &t->stage, x_dev, t->rows * t->d * sizeof(float), err);
+    if (!x)
+        return nl_error_prefix(err, "train job %llu", (unsigned long long)t->job);
+    return send_host(s, send, ctx, type, step, mb, aux, x, targets, err);
+}
+
 /* The step's gradients are all in: the replicas' sum on every replica,
- * then this stage's share of the norm, and on the last stage the losses. */
+ * then this stage's share of the norm, and on the last stage the losses.
+ * The lanes are idle (every job of the step has been taken back). */
 static nl_status finish_step(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_error *err)
 {
     stage_train *t = s->train;
@@ -374,12 +453,195 @@ static nl_status finish_step(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_e
     return send(ctx, NL_STAGE_TO_COORD, &t->tx, err);
 }
 
+/* ===================== the replicas' jobs ===================== */
+
+/* A job to fill (from the free list, or a new one). */
+static rjob *job_get(stage_train *t, job_kind kind, int lane, nl_error *err)
+{
+    rjob *j = t->free_jobs;
+    if (j) {
+        t->free_jobs = j->free_next;
+    } else {
+        j = calloc(1, sizeof *j);
+        /* an output to send: a counting pass or forward that goes on, a gradient that goes back */
+        if (j && (!t->has_head || !t->has_embed))
+            j->out = malloc(t->rows * t->d * sizeof(float));
+        if (!j || ((!t->has_head || !t->has_embed) && !j->out)) {
+            free(j);
+            nl_error_set(err, NL_ERR_NOMEM, "train job %llu: out of memory",
+                         (unsigned long long)t->job);
+            return NULL;
+        }
+        j->all_next = t->jobs;
+        t->jobs = j;
+    }
+    float *out = j->out;
+    rjob *all = j->all_next;
+    memset(j, 0, sizeof *j);
+    j->out = out;
+    j->all_next = all;
+    j->kind = kind;
+    j->w.lane = lane;
+    return j;
+}
+
+static void job_put(stage_train *t, rjob *j)
+{
+    free(j->x);
+    free(j->targets);
+    j->x = NULL;
+    j->targets = NULL;
+    j->free_next = t->free_jobs;
+    t->free_jobs = j;
+}
+
+/* Copy a device output of the job's replica into j->out, to be sent. */
+static nl_status take_output(nl_backend *be, rjob *j, nl_msg_type type, const float *dev,
+                             size_t floats)
+{
+    be->download(be, j->out, dev, floats * sizeof(float));
+    j->out_type = type;
+    return nl_backend_check(be, &j->err);
+}
+
+/* The backward of a job's microbatch (dy in the replica's memory; NULL:
+ * from the loss) and the gradient to send upstream. */
+static nl_status job_backward(stage_train *t, replica *p, rjob *j, const float *dy)
+{
+    nl_status st = nl_trainer_backward(p->tr, j->slot, dy, &j->err);
+    if (st == NL_OK && !t->has_embed)
+        st = take_output(p->be, j, NL_MSG_GRADIENT, nl_trainer_input_grad(p->tr), t->rows * t->d);
+    return st;
+}
+
+/* Runs on the replica's lane (replica_workers.h). */
+static void run_job(void *ctx, nl_wjob *w)
+{
+    stage_train *t = ctx;
+    rjob *j = (rjob *)w;
+    replica *p = &t->rep[w->lane];
+    const size_t n = t->rows * t->d;
+    const int32_t *tokens = t->has_embed ? j->x : NULL;
+    const float *x = NULL;
+    nl_status st = NL_OK;
+    if (atomic_load(&t->failed)) {
+        j->st = nl_error_set(&j->err, NL_ERR_STATE, "skipped: an earlier job failed");
+        return;
+    }
+    if (!t->has_embed && (j->kind == JOB_COUNT || j->kind == JOB_FORWARD))
+        x = nl_backend_device_view(p->be, p->x_d, j->x, n * sizeof(float));
+    switch (j->kind) {
+    case JOB_BEGIN:
+        nl_trainer_begin_step(p->tr, (int64_t)t->M * (int64_t)t->rows);
+        break;
+    case JOB_STEP:
+        nl_trainer_step(p->tr, j->lr, j->clip, nl_adamw_defaults());
+        st = nl_backend_check(p->be, &j->err);
+        break;
+    case JOB_COUNT:
+        st = nl_trainer_count_routes(p->tr, t->mbB, t->T, tokens, x, &j->err);
+        if (st == NL_OK && !t->has_head)
+            st = take_output(p->be, j, NL_MSG_COUNT, nl_trainer_count_output(p->tr), n);
+        break;
+    case JOB_FORWARD:
+        if (j->inject_nan)
+            nl_trainer_inject_nan(p->tr);
+        st = nl_trainer_forward(p->tr, j->slot, t->mbB, t->T, tokens, x,
+                                t->has_head ? j->targets : NULL, &j->ce, &j->a, &j->err);
+        if (st == NL_OK && !t->has_head)
+            st = take_output(p->be, j, NL_MSG_ACTIVATION, nl_trainer_output(p->tr, j->slot), n);
+        else if (st == NL_OK) /* the last stage's backward starts from its loss */
+            st = job_backward(t, p, j, NULL);
+        break;
+    case JOB_BACKWARD:
+        st = job_backward(t, p, j, nl_backend_device_view(p->be, p->x_d, j->x, n * sizeof(float)));
+        break;
+    }
+    j->st = st;
+    if (st != NL_OK)
+        atomic_store(&t->failed, 1);
+}
+
+/* The counting pass is complete: the replicas' route counts added up
+ * (exact integers), and every replica uses the batch's shares. The lanes
+ * are idle. */
+static void use_counts(nl_stage *s)
+{
+    stage_train *t = s->train;
+    const size_t n = (size_t)(s->model->l1 - s->model->l0) * (size_t)s->model->cfg.num_experts;
+    int64_t *sum = nl_trainer_route_counts(t->rep[0].tr);
+    for (int r = 1; r < t->R; r++) {
+        const int64_t *c = nl_trainer_route_counts(t->rep[r].tr);
+        for (size_t i = 0; i < n; i++)
+            sum[i] += c[i];
+    }
+    for (int r = 0; r < t->R; r++)
+        nl_trainer_use_counts(t->rep[r].tr, sum);
+    t->counts_ready = true;
+}
+
+/* A finished job, on the node's thread in the order of dispatch: its
+ * output sent, its loss added, and what completes a pass. */
+static nl_status take_back(nl_stage *s, rjob *j, nl_stage_send_fn send, void *ctx, nl_error *err)
+{
+    stage_train *t = s->train;
+    nl_status st = j->st;
+    if (st != NL_OK) {
+        nl_error_set(err, st, "%s", j->err.msg);
+        if (t->R > 1)
+            nl_error_prefix(err, "replica %d (%s)", j->w.lane, t->rep[j->w.lane].be->name);
+    }
+    if (st == NL_OK && j->kind == JOB_FORWARD && t->has_head) {
+        t->ce += j->ce;
+        t->aux += j->aux + j->a;
+    }
+    if (st == NL_OK && j->out_type)
+        st = send_host(s, send, ctx, j->out_type, j->step, j->mb,
+                       j->out_type == NL_MSG_ACTIVATION ? j->aux + j->a : 0.0, j->out,
+                       j->out_type == NL_MSG_ACTIVATION ? j->targets : NULL, err);
+    if (st == NL_OK && j->last && j->kind == JOB_COUNT)
+        use_counts(s);
+    else if (st == NL_OK && j->last)
+        st = finish_step(s, send, ctx, err);
+    if (st != NL_OK && j->kind != JOB_BEGIN && j->kind != JOB_STEP)
+        return nl_error_prefix(err, "job %llu step %llu microbatch %u", (unsigned long long)t->job,
+                               (unsigned long long)j->step, j->mb);
+    return st;
+}
+
+/* Take back the finished jobs in order (wait: every job dispatched, once
+ * finished). The first error ends the job on this stage (poison). */
+static nl_status take_done(nl_stage *s, bool wait, nl_stage_send_fn send, void *ctx, nl_error *err)
+{
+    stage_train *t = s->train;
+    nl_wjob *w;
+    while ((w = nl_workers_pop_done(t->w, wait))) {
+        rjob *j = (rjob *)w;
+        nl_status st = t->poison ? NL_OK : take_back(s, j, send, ctx, err);
+        job_put(t, j);
+        if (st != NL_OK) {
+            t->poison = st;
+            snprintf(t->poison_msg, sizeof t->poison_msg, "%s", err->msg);
+            atomic_store(&t->failed, 1);
+        }
+    }
+    return t->poison ? nl_error_set(err, t->poison, "%s", t->poison_msg) : NL_OK;
+}
+
+/* Queue a job on its replica's lane (inline: run it now), then take back
+ * what has finished. */
+static nl_status dispatch(nl_stage *s, rjob *j, nl_stage_send_fn send, void *ctx, nl_error *err)
+{
+    nl_workers_push(s->train->w, &j->w);
+    return take_done(s, false, send, ctx, err);
+}
+
 /* ===================== running a hop ===================== */
 
 /* The replica that runs microbatch mb, and its activation slot there. */
-static replica *replica_of(stage_train *t, uint32_t mb)
+static int replica_of(const stage_train *t, uint32_t mb)
 {
-    return &t->rep[mb % (uint32_t)t->R];
+    return (int)(mb % (uint32_t)t->R);
 }
 
 static int slot_of(const stage_train *t, uint32_t mb)
@@ -387,14 +649,22 @@ static int slot_of(const stage_train *t, uint32_t mb)
     return (int)(mb / (uint32_t)t->R % (uint32_t)t->rslots);
 }
 
-static void begin(stage_train *t, uint64_t step)
+/* A new step: every replica zeroes its gradients, in its lane's order
+ * (after the previous step's AdamW). */
+static nl_status begin(nl_stage *s, uint64_t step, nl_stage_send_fn send, void *ctx, nl_error *err)
 {
-    for (int r = 0; r < t->R; r++)
-        nl_trainer_begin_step(t->rep[r].tr, (int64_t)t->M * (int64_t)t->rows);
+    stage_train *t = s->train;
+    nl_status st = NL_OK;
+    for (int r = 0; r < t->R && st == NL_OK; r++) {
+        rjob *j = job_get(t, JOB_BEGIN, r, err);
+        st = j ? dispatch(s, j, send, ctx, err) : NL_ERR_NOMEM;
+    }
     t->begun = step;
     t->counted = t->fwd = t->bwd = 0;
     t->finished = 0;
+    t->counts_ready = false;
     t->ce = t->aux = 0.0;
+    return st;
 }
 
 /* The input of a hop on replica p: host tokens (first stage) or hidden
@@ -411,23 +681,6 @@ static void hop_input(nl_stage *s, replica *p, const hop_in *h, const int32_t **
         *x = nl_backend_device_view(p->be, p->x_d, h->x, t->rows * t->d * sizeof(float));
 }
 
-/* Backward of microbatch mb (dy in the memory of its replica) and its
- * gradient upstream. */
-static nl_status backward(nl_stage *s, const float *dy, uint64_t step, uint32_t mb,
-                          nl_stage_send_fn send, void *ctx, nl_error *err)
-{
-    stage_train *t = s->train;
-    replica *p = replica_of(t, mb);
-    nl_status st = nl_trainer_backward(p->tr, slot_of(t, mb), dy, err);
-    if (st == NL_OK && !s->model->has_embed)
-        st = send_hop(s, send, ctx, NL_MSG_GRADIENT, step, mb, 0.0, p->be,
-                      nl_trainer_input_grad(p->tr), NULL, err);
-    if (st != NL_OK)
-        return st;
-    t->bwd++;
-    return t->bwd == t->M ? finish_step(s, send, ctx, err) : NL_OK;
-}
-
 static bool runnable(const stage_train *t, const hop_in *h)
 {
     if (h->type == NL_MSG_EVAL)
@@ -436,26 +689,13 @@ static bool runnable(const stage_train *t, const hop_in *h)
         return false;
     if (h->type == NL_MSG_COUNT)
         return t->counted < t->M && t->fwd == 0;
-    return (t->M == 1 || t->counted == t->M) && t->fwd - t->bwd < t->slots && t->fwd < t->M;
+    /* one microbatch needs no counting pass; one that came is summed first */
+    return (t->counts_ready || (t->M == 1 && t->counted == 0)) && t->fwd - t->bwd < t->slots &&
+           t->fwd < t->M;
 }
 
-/* The counting pass is complete: the replicas' route counts added up
- * (exact integers), and every replica uses the batch's shares. */
-static void use_counts(nl_stage *s)
-{
-    stage_train *t = s->train;
-    const size_t n = (size_t)(s->model->l1 - s->model->l0) * (size_t)s->model->cfg.num_experts;
-    int64_t *sum = nl_trainer_route_counts(t->rep[0].tr);
-    for (int r = 1; r < t->R; r++) {
-        const int64_t *c = nl_trainer_route_counts(t->rep[r].tr);
-        for (size_t i = 0; i < n; i++)
-            sum[i] += c[i];
-    }
-    for (int r = 0; r < t->R; r++)
-        nl_trainer_use_counts(t->rep[r].tr, sum);
-}
-
-/* An evaluation hop: a forward on replica 0, as inference. */
+/* An evaluation hop: a forward on replica 0, as inference, once every
+ * job dispatched before it has been taken back. */
 static nl_status run_eval(nl_stage *s, const hop_in *h, nl_stage_send_fn send, void *ctx,
                           nl_error *err)
 {
@@ -464,13 +704,15 @@ static nl_status run_eval(nl_stage *s, const hop_in *h, nl_stage_send_fn send, v
     const int32_t *tokens;
     const float *x;
     double ce = 0.0;
+    nl_status st = take_done(s, true, send, ctx, err);
+    if (st != NL_OK)
+        return st;
     hop_input(s, p, h, &tokens, &x);
     if (h->mb % (uint32_t)t->M == 0) { /* a new held-out batch, as local evaluation */
         nl_trainer_begin_step(p->tr, (int64_t)t->M * (int64_t)t->rows);
         t->begun = 0;
     }
-    nl_status st =
-        nl_trainer_forward(p->tr, 0, t->mbB, t->T, tokens, x, h->targets, &ce, NULL, err);
+    st = nl_trainer_forward(p->tr, 0, t->mbB, t->T, tokens, x, h->targets, &ce, NULL, err);
     if (st == NL_OK && !s->model->has_head)
         st = send_hop(s, send, ctx, NL_MSG_EVAL, h->step, h->mb, 0.0, p->be,
                       nl_trainer_output(p->tr, 0), h->targets, err);
@@ -491,34 +733,32 @@ static nl_status run_eval(nl_stage *s, const hop_in *h, nl_stage_send_fn send, v
     return send(ctx, NL_STAGE_TO_COORD, &t->tx, err);
 }
 
-static nl_status run_hop(nl_stage *s, const hop_in *h, nl_stage_send_fn send, void *ctx,
-                         nl_error *err)
+/* Dispatch a counting pass or a training forward to its replica: the job
+ * takes the hop's buffers. */
+static nl_status run_hop(nl_stage *s, hop_in *h, nl_stage_send_fn send, void *ctx, nl_error *err)
 {
     stage_train *t = s->train;
-    nl_model *m = s->model;
     if (h->type == NL_MSG_EVAL)
         return run_eval(s, h, send, ctx, err);
-    replica *p = replica_of(t, h->mb);
-    const int32_t *tokens;
-    const float *x;
     nl_status st = NL_OK;
-    hop_input(s, p, h, &tokens, &x);
-    if (h->type == NL_MSG_COUNT) {
-        if (t->begun != h->step)
-            begin(t, h->step);
-        st = nl_trainer_count_routes(p->tr, t->mbB, t->T, tokens, x, err);
-        if (st == NL_OK && !m->has_head)
-            st = send_hop(s, send, ctx, NL_MSG_COUNT, h->step, h->mb, 0.0, p->be,
-                          nl_trainer_count_output(p->tr), NULL, err);
-        if (st == NL_OK && ++t->counted == t->M)
-            use_counts(s);
+    if (t->begun != h->step && (st = begin(s, h->step, send, ctx, err)) != NL_OK)
         return st;
+    rjob *j =
+        job_get(t, h->type == NL_MSG_COUNT ? JOB_COUNT : JOB_FORWARD, replica_of(t, h->mb), err);
+    if (!j)
+        return NL_ERR_NOMEM;
+    j->step = h->step;
+    j->mb = h->mb;
+    j->aux = h->aux;
+    j->x = h->x;
+    j->targets = h->targets;
+    h->x = NULL;
+    h->targets = NULL;
+    if (h->type == NL_MSG_COUNT) {
+        j->last = ++t->counted == t->M;
+        return dispatch(s, j, send, ctx, err);
     }
-    /* a training forward */
-    if (t->begun != h->step)
-        begin(t, h->step);
-    const int slot = slot_of(t, h->mb);
-    double ce = 0.0, a = 0.0;
+    j->slot = slot_of(t, h->mb);
     if (s->o.inject_nan_step > 0 &&
         (h->step == (uint64_t)s->o.inject_nan_step ||
          (s->o.inject_nan_on && h->step > (uint64_t)s->o.inject_nan_step)) &&
@@ -526,19 +766,12 @@ static nl_status run_hop(nl_stage *s, const hop_in *h, nl_stage_send_fn send, vo
         (s->o.inject_nan_stage < 0 || s->o.inject_nan_stage == s->stage_idx)) {
         NL_WARN("test hook: a NaN goes into this stage's gradient at step %llu",
                 (unsigned long long)h->step);
-        nl_trainer_inject_nan(p->tr);
+        j->inject_nan = true;
     }
-    st = nl_trainer_forward(p->tr, slot, t->mbB, t->T, tokens, x, m->has_head ? h->targets : NULL,
-                            &ce, &a, err);
-    if (st != NL_OK)
-        return st;
     t->fwd++;
-    if (!m->has_head)
-        return send_hop(s, send, ctx, NL_MSG_ACTIVATION, h->step, h->mb, h->aux + a, p->be,
-                        nl_trainer_output(p->tr, slot), h->targets, err);
-    t->ce += ce;
-    t->aux += h->aux + a;
-    return backward(s, NULL, h->step, h->mb, send, ctx, err);
+    if (t->has_head) /* the last stage's backward follows its forward in the same job */
+        j->last = ++t->bwd == t->M;
+    return dispatch(s, j, send, ctx, err);
 }
 
 /* Run the queued hops that can run now, in order. */
@@ -554,6 +787,8 @@ static nl_status drain(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_error *
         const uint32_t want = h->type == NL_MSG_COUNT        ? (uint32_t)t->counted
                               : h->type == NL_MSG_ACTIVATION ? (uint32_t)t->fwd
                                                              : (uint32_t)t->evals;
+        const uint64_t step = h->step;
+        const uint32_t mb = h->mb;
         nl_status st = h->mb == want ? run_hop(s, h, send, ctx, err)
                                      : nl_error_set(err, NL_ERR_STATE,
                                                     "%s of microbatch %u, but the next is %u",
@@ -562,11 +797,27 @@ static nl_status drain(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_error *
         hop_free(h);
         t->qhead = (t->qhead + 1) % t->qcap;
         t->qlen--;
+        if (st != NL_OK && t->poison) /* a job's error says where it was */
+            return st;
         if (st != NL_OK)
             return nl_error_prefix(err, "job %llu step %llu microbatch %u",
-                                   (unsigned long long)t->job, (unsigned long long)h->step, h->mb);
+                                   (unsigned long long)t->job, (unsigned long long)step, mb);
     }
     return NL_OK;
+}
+
+/* Take back what finished and dispatch what became runnable; without
+ * train_async, until every job dispatched has been taken back. */
+static nl_status advance(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_error *err)
+{
+    stage_train *t = s->train;
+    for (;;) {
+        nl_status st = take_done(s, !t->async, send, ctx, err);
+        if (st == NL_OK)
+            st = drain(s, send, ctx, err);
+        if (st != NL_OK || t->async || nl_workers_pending(t->w) == 0)
+            return st;
+    }
 }
 
 /* ===================== receiving ===================== */
@@ -678,14 +929,21 @@ static nl_status on_gradient(nl_stage *s, const nl_wire_msg *m, nl_stage_send_fn
         g->shape[2] != (int64_t)t->d)
         return nl_error_set(err, NL_ERR_SHAPE, "GRADIENT: the frame must be F32 [%d, %d, %zu]",
                             t->mbB, t->T, t->d);
-    /* frames need not be aligned: the view copies those into x_d */
-    replica *p = replica_of(t, hop->microbatch);
-    const float *dy = nl_backend_device_view(p->be, p->x_d, g->data, m->frames[0].len);
-    nl_status st = backward(s, dy, hop->step, hop->microbatch, send, ctx, err);
-    if (st != NL_OK)
-        return nl_error_prefix(err, "job %llu step %llu microbatch %u", (unsigned long long)t->job,
-                               (unsigned long long)hop->step, hop->microbatch);
-    return drain(s, send, ctx, err);
+    /* a copy of the frame for the replica's lane (the message goes when
+     * this returns) */
+    rjob *j = job_get(t, JOB_BACKWARD, replica_of(t, hop->microbatch), err);
+    if (!j)
+        return NL_ERR_NOMEM;
+    if (!(j->x = malloc(m->frames[0].len))) {
+        job_put(t, j);
+        return nl_error_set(err, NL_ERR_NOMEM, "GRADIENT: out of memory");
+    }
+    memcpy(j->x, g->data, m->frames[0].len);
+    j->step = hop->step;
+    j->mb = hop->microbatch;
+    j->slot = slot_of(t, hop->microbatch);
+    j->last = ++t->bwd == t->M;
+    return dispatch(s, j, send, ctx, err);
 }
 
 static nl_status on_step(nl_stage *s, const nl_msg_step *p, nl_stage_send_fn send, void *ctx,
@@ -697,13 +955,23 @@ static nl_status on_step(nl_stage *s, const nl_msg_step *p, nl_stage_send_fn sen
                             (unsigned long long)p->step,
                             t->finished ? "has finished" : "has not finished",
                             (unsigned long long)t->applied + 1);
-    /* every replica: the same update of the same weights with the same gradients */
-    for (int r = 0; p->apply && r < t->R; r++)
-        nl_trainer_step(t->rep[r].tr, (float)p->lr, (float)p->clip_scale, nl_adamw_defaults());
+    /* every replica: the same update of the same weights with the same
+     * gradients, each on its lane */
+    nl_status st = NL_OK;
+    for (int r = 0; p->apply && r < t->R && st == NL_OK; r++) {
+        rjob *j = job_get(t, JOB_STEP, r, err);
+        if (!j)
+            return NL_ERR_NOMEM;
+        j->step = p->step;
+        j->lr = (float)p->lr;
+        j->clip = (float)p->clip_scale;
+        st = dispatch(s, j, send, ctx, err);
+    }
     t->applied = (int64_t)p->step;
     t->finished = 0;
     t->counted = t->fwd = t->bwd = 0;
-    return drain(s, send, ctx, err);
+    t->counts_ready = false;
+    return st;
 }
 
 /* CKPT_REQ.dir: an absolute path with no ".." component, under the
@@ -734,10 +1002,13 @@ static nl_status on_ckpt(nl_stage *s, const nl_msg_ckpt_req *r, nl_stage_send_fn
     stage_train *t = s->train;
     char path[1200], hex[65];
     uint64_t bytes = 0;
+    nl_status st = take_done(s, true, send, ctx, err); /* the lanes idle: AdamW applied */
+    if (st != NL_OK)
+        return st;
     if (r->step != (uint64_t)t->applied || t->fwd != t->bwd)
         return nl_error_set(err, NL_ERR_STATE, "CKPT_REQ of step %llu, but %lld steps are applied",
                             (unsigned long long)r->step, (long long)t->applied);
-    nl_status st = check_ckpt_dir(s, r->dir, err);
+    st = check_ckpt_dir(s, r->dir, err);
     if (st == NL_OK)
         st = nl_file_mkdirs(r->dir, err);
     if (st != NL_OK)
@@ -797,13 +1068,14 @@ nl_status nl_stage_train_input(nl_stage *s, const nl_wire_msg *m, nl_stage_send_
     nl_status st = nl_stage_device_status(s, err);
     if (st != NL_OK)
         return st;
+    stage_train *t = s->train;
+    if (t->poison) /* a job failed here: this stage's part of it has ended */
+        return nl_error_set(err, t->poison, "%s", t->poison_msg);
     switch (m->type) {
     case NL_MSG_COUNT:
     case NL_MSG_ACTIVATION:
     case NL_MSG_EVAL:
         st = enqueue(s, m, err);
-        if (st == NL_OK)
-            st = drain(s, send, ctx, err);
         break;
     case NL_MSG_GRADIENT:
         st = on_gradient(s, m, send, ctx, err);
@@ -818,7 +1090,33 @@ nl_status nl_stage_train_input(nl_stage *s, const nl_wire_msg *m, nl_stage_send_
         return nl_error_set(err, NL_ERR_UNSUPPORTED, "%s is not a training message",
                             nl_wire_type_name(m->type));
     }
+    if (st == NL_OK)
+        st = advance(s, send, ctx, err);
     /* the device's error comes first: it also explains a failed step */
     nl_status dst = nl_stage_check_device(s, err);
     return dst != NL_OK ? dst : st;
+}
+
+int nl_stage_train_fd(const nl_stage *s)
+{
+    return s->train && s->train->async ? nl_workers_fd(s->train->w) : -1;
+}
+
+nl_status nl_stage_train_poll(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_error *err)
+{
+    stage_train *t = s->train;
+    if (!t)
+        return NL_OK;
+    nl_workers_clear_fd(t->w);
+    if (t->poison) /* said once already, when it happened */
+        return NL_OK;
+    nl_status st = advance(s, send, ctx, err);
+    nl_status dst = nl_stage_check_device(s, err);
+    return dst != NL_OK ? dst : st;
+}
+
+void nl_stage_train_quiesce(nl_stage *s)
+{
+    if (s->train)
+        nl_workers_wait_all(s->train->w);
 }

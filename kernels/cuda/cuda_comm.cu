@@ -1,9 +1,14 @@
 /* The NCCL communicator of a node's data-parallel replicas (comm.h), inside
- * libnl_cuda.so: one process, one thread, R GPUs. ncclCommInitAll makes
- * the R ranks at once (no bootstrap over the network); each collective is
- * one NCCL group of R calls, each queued on its replica's own stream, so it
- * runs after the kernels queued before it (the gradients' last backward)
- * and before those queued after it (the norm, AdamW), with no host wait.
+ * libnl_cuda.so: one process, R GPUs. ncclCommInitAll makes the R ranks at
+ * once (no bootstrap over the network); each collective is one NCCL group
+ * of R calls issued from one thread, each queued on its replica's own
+ * stream, so it runs after the kernels queued before it (the gradients'
+ * last backward) and before those queued after it (the norm, AdamW), with
+ * no host wait. One thread managing several devices must group its calls
+ * (NCCL's "Group Calls": an ungrouped loop could block in the first call
+ * waiting for the other ranks). The replicas compute on threads of their
+ * own (node/replica_workers.c), but the node calls a collective only while
+ * those threads are idle, so no stream is used by two threads at once.
  *
  * Ranks follow the replicas' order. NCCL refuses two ranks on one device
  * ("Duplicate GPU detected"), so the devices must be distinct. Results are
