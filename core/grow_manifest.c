@@ -196,7 +196,7 @@ nl_status nl_manifest_grow(const char *manifest_path, const nl_grow_spec *spec, 
     nl_manifest grown = {0};
     nl_manifest_shard *sh = NULL;
     nl_growth e[3], *hist = NULL;
-    int n_e = 0, n_sh = 0, *rewrite = NULL;
+    int n_e = 0, n_sh = 0, *rewrite = NULL, *made = NULL;
     char *has_adam = NULL, *src_dir = NULL, path[4200];
     if (out_manifest_path)
         *out_manifest_path = NULL;
@@ -215,8 +215,9 @@ nl_status nl_manifest_grow(const char *manifest_path, const nl_grow_spec *spec, 
     hist = malloc((size_t)n_hist * sizeof *hist);
     sh = calloc((size_t)m->n_shards + 1, sizeof *sh);
     rewrite = calloc((size_t)m->n_shards + 1, sizeof *rewrite);
+    made = calloc((size_t)m->n_shards + 1, sizeof *made);
     src_dir = strdup(m->shards[0].path);
-    if (!hist || !sh || !rewrite || !src_dir) {
+    if (!hist || !sh || !rewrite || !made || !src_dir) {
         st = nl_error_set(err, NL_ERR_NOMEM, "grow: out of memory");
         goto out;
     }
@@ -231,15 +232,17 @@ nl_status nl_manifest_grow(const char *manifest_path, const nl_grow_spec *spec, 
     const int same_dir = same_directory(dirname(src_dir), out_dir);
     /* every file first, the manifest last: nothing names a half-grown set */
     for (int i = 0; i < n_sh && st == NL_OK; i++) {
+        snprintf(path, sizeof path, "%s/%s", out_dir, sh[i].file);
         if (!rewrite[i]) {
-            st = reuse_shard(&m->shards[i], out_dir, same_dir, err);
+            if ((st = reuse_shard(&m->shards[i], out_dir, same_dir, err)) == NL_OK)
+                made[i] = !same_dir;
             continue;
         }
-        snprintf(path, sizeof path, "%s/%s", out_dir, sh[i].file);
         if (access(path, F_OK) == 0) {
             st = nl_error_set(err, NL_ERR_STATE, "%s exists; refusing to replace it", path);
             break;
         }
+        made[i] = 1; /* even half-written: removed on failure */
         st = build_shard(m, &sh[i], e, n_e, hist, n_hist, seed, has_adam != NULL, path, err);
     }
     for (int i = 0; i < n_sh && st == NL_OK; i++) {
@@ -261,11 +264,22 @@ nl_status nl_manifest_grow(const char *manifest_path, const nl_grow_spec *spec, 
     snprintf(path, sizeof path, "%s/%s", out_dir, NL_MANIFEST_FILE);
     if (access(path, F_OK) == 0)
         snprintf(path, sizeof path, "%s/manifest-grow%d.json", out_dir, n_hist);
-    if ((st = nl_manifest_write(path, &grown, err)) != NL_OK)
-        goto out;
-    if (out_manifest_path && !(*out_manifest_path = strdup(path)))
+    char *written = strdup(path);
+    if (!written) {
         st = nl_error_set(err, NL_ERR_NOMEM, "grow: out of memory");
+        goto out;
+    }
+    if ((st = nl_manifest_write(path, &grown, err)) != NL_OK || !out_manifest_path)
+        free(written);
+    else
+        *out_manifest_path = written;
 out:
+    /* a failed growth leaves no file behind, so that it can be retried */
+    for (int i = 0; st != NL_OK && made && i < n_sh; i++)
+        if (made[i]) {
+            snprintf(path, sizeof path, "%s/%s", out_dir, sh[i].file);
+            unlink(path);
+        }
     for (int i = 0; sh && i < n_sh; i++) {
         free(sh[i].file);
         free(sh[i].node);
@@ -273,6 +287,7 @@ out:
     }
     free(sh);
     free(rewrite);
+    free(made);
     free(hist);
     free(has_adam);
     free(src_dir);

@@ -672,6 +672,16 @@ static void test_manifest(nl_backend *be)
 
     /* vocabulary past the capacity and depth, into the same directory */
     nl_grow_spec spec = {.vocab_size = 200, .n_layers = 5};
+    /* a growth that fails half-way leaves nothing behind: it can be retried */
+    FILE *block = fopen(at("grow2-stage-3.safetensors"), "w");
+    if (block)
+        fclose(block);
+    CHECK(nl_manifest_grow(at("manifest.json"), &spec, UINT64_MAX, dir, &path, &err) ==
+                  NL_ERR_STATE &&
+              access(at("grow2-stage-0.safetensors"), F_OK) != 0 &&
+              access(at("manifest-grow2.json"), F_OK) != 0,
+          "a failed growth removes the shards it wrote: %s", err.msg);
+    unlink(at("grow2-stage-3.safetensors"));
     CHECK_OK(nl_manifest_grow(at("manifest.json"), &spec, UINT64_MAX, dir, &path, &err), &err);
     CHECK(path && strstr(path, "/manifest-grow2.json"), "grown manifest %s",
           path ? path : "(none)");
