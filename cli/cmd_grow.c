@@ -63,17 +63,9 @@ static nl_status new_tokenizer(const char *path, const char *old_text, nl_grow_s
 
 static void report(const nl_growth *g)
 {
-    const nl_config *a = &g->before, *b = &g->after;
-    if (g->kind == NL_GROW_VOCAB)
-        printf("  vocab: %lld -> %lld (table rows %lld -> %lld)\n", (long long)a->vocab_size,
-               (long long)b->vocab_size, (long long)nl_config_capacity(a),
-               (long long)nl_config_capacity(b));
-    else if (g->kind == NL_GROW_DEPTH)
-        printf("  depth: %d -> %d layers\n", a->num_layers, b->num_layers);
-    else
-        printf("  width: hidden_dim %d -> %d, heads %d/%d -> %d/%d, ffn_dim %d -> %d\n",
-               a->hidden_dim, b->hidden_dim, a->num_heads, a->num_kv_heads, b->num_heads,
-               b->num_kv_heads, a->ffn_dim, b->ffn_dim);
+    char line[256];
+    nl_growth_describe(g, line, sizeof line);
+    printf("  %s\n", line);
 }
 
 /* One checkpoint file: load, grow in memory with its moments, save. */

@@ -98,6 +98,13 @@ nl_status nl_manifest_grow(const char *manifest_path, const nl_grow_spec *spec, 
 
 /* ---- history ---- */
 
+/* One line for logs and status (no newline), e.g.
+ *   "depth 2 -> 4 layers at step 120"
+ *   "width hidden_dim 64 -> 128, heads 2/1 -> 4/2, ffn_dim 128 -> 256 at step 120"
+ *   "vocab 300 -> 400 (table rows 384 -> 512) at step 120"
+ * Returns what snprintf returns. */
+int nl_growth_describe(const nl_growth *g, char *buf, size_t n);
+
 /* The history as a JSON array of {"step", "adam_steps", "kind", "before":
  * {config}, "after": {config}} (malloc'd). */
 char *nl_growth_to_json(const nl_growth *h, int n);

@@ -21,6 +21,28 @@ const char *nl_grow_kind_name(nl_grow_kind k)
     return NULL;
 }
 
+int nl_growth_describe(const nl_growth *g, char *buf, size_t n)
+{
+    const nl_config *a = &g->before, *b = &g->after;
+    const long long step = (long long)g->step;
+    switch (g->kind) {
+    case NL_GROW_VOCAB:
+        return snprintf(buf, n, "vocab %lld -> %lld (table rows %lld -> %lld) at step %lld",
+                        (long long)a->vocab_size, (long long)b->vocab_size,
+                        (long long)nl_config_capacity(a), (long long)nl_config_capacity(b), step);
+    case NL_GROW_DEPTH:
+        return snprintf(buf, n, "depth %d -> %d layers at step %lld", a->num_layers, b->num_layers,
+                        step);
+    case NL_GROW_WIDTH:
+        return snprintf(buf, n,
+                        "width hidden_dim %d -> %d, heads %d/%d -> %d/%d, ffn_dim %d -> %d at "
+                        "step %lld",
+                        a->hidden_dim, b->hidden_dim, a->num_heads, a->num_kv_heads, b->num_heads,
+                        b->num_kv_heads, a->ffn_dim, b->ffn_dim, step);
+    }
+    return snprintf(buf, n, "growth of an unknown kind at step %lld", step);
+}
+
 /* ---------------------------------------------------------------- JSON */
 
 static json_t *config_json(const nl_config *c)

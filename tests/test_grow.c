@@ -402,6 +402,12 @@ static void test_history(nl_backend *be)
     CHECK(nl_growth_from_json(kind, &back, &n, &err) == NL_ERR_FORMAT && strstr(err.msg, "kind"),
           "a bad kind is refused: %s", err.msg);
     CHECK(nl_growth_from_json("{}", &back, &n, &err) == NL_ERR_FORMAT, "not an array");
+    char line[256];
+    nl_growth_describe(&h[1], line, sizeof line);
+    CHECK(!strcmp(line, "depth 2 -> 4 layers at step 10"), "describe: %s", line);
+    nl_growth_describe(&h[0], line, sizeof line);
+    CHECK(!strcmp(line, "vocab 100 -> 200 (table rows 128 -> 256) at step 10"), "describe: %s",
+          line);
     CHECK(nl_growth_from_json("[{\"step\":-1}]", &back, &n, &err) == NL_ERR_FORMAT,
           "a negative step");
     free(json);

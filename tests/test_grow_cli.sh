@@ -40,12 +40,12 @@ check fwd "$W/t.safetensors" "$W/l0.safetensors"
 # depth, then width on top (and F)
 out=$("$N" grow --model "$W/t.safetensors" --out "$W/d.safetensors" --layers 4)
 check test $? -eq 0
-check grep -q "depth: 2 -> 4 layers" <<< "$out"
+check grep -q "depth 2 -> 4 layers at step 3" <<< "$out"
 check grep -q "optimizer state too" <<< "$out"
 check fwd "$W/d.safetensors" "$W/l1.safetensors"
 out=$("$N" grow --model "$W/d.safetensors" --out "$W/w.safetensors" --hidden-dim 64 --ffn-dim 48)
 check test $? -eq 0
-check grep -q "width: hidden_dim 32 -> 64, heads 2/1 -> 4/2, ffn_dim 32 -> 48" <<< "$out"
+check grep -q "width hidden_dim 32 -> 64, heads 2/1 -> 4/2, ffn_dim 32 -> 48 at step 3" <<< "$out"
 check fwd "$W/w.safetensors" "$W/l2.safetensors"
 python3 - "$W" <<'PY' || { fail=$((fail + 1)); echo "FAIL: grown logits and history" >&2; }
 import json, struct, sys
