@@ -126,7 +126,7 @@ struct cjob {
     void *state; /* the kind's, owned by the job */
 };
 
-extern const cjob_ops coord_forward_ops, coord_generate_ops, coord_train_ops;
+extern const cjob_ops coord_forward_ops, coord_generate_ops, coord_train_ops, coord_grow_ops;
 
 /* A task for a worker (coord_work.c); a task's struct begins with it. */
 typedef struct cwork cwork;
@@ -145,6 +145,15 @@ struct cwork {
     atomic_int finished;
     cwork *next;
 };
+
+/* One growth of the model (coord_grow.c), as status and events show it. */
+enum { COORD_GROW_VOCAB = 1, COORD_GROW_DEPTH, COORD_GROW_WIDTH };
+typedef struct coord_growth {
+    int kind; /* COORD_GROW_* */
+    int64_t step;
+    nl_config before, after;
+    double seconds;
+} coord_growth;
 
 struct nl_coord {
     nl_coord_opts o;
@@ -187,6 +196,8 @@ struct nl_coord {
     int roles; /* the roles of the key whose message is being handled (NL_KEY_ROLE_*) */
     /* where clients' paths may lead: resolved --data-root, --checkpoint-root */
     char data_root[4096], ckpt_root[4096];
+    int growths;              /* growths since it started (coord_grow.c) */
+    coord_growth last_growth; /* the last of them */
     uint64_t client_drops; /* messages to clients dropped (queue full, or gone) */
     double drop_logged;    /* when a drop was last logged */
 };
@@ -331,6 +342,51 @@ nl_status coord_work_start(nl_coord *c, cwork *w, nl_error *err);
 void coord_work_reap(nl_coord *c);
 /* Wait for every task, freeing them unreported; close the pipe. */
 void coord_work_shutdown(nl_coord *c);
+
+/* ---------------------------------------------------------------- coord_grow.c
+ * Growth of the model (DESIGN.md section 5). */
+
+struct json_t;
+/* A growth as JSON: kind, step, from and to (vocab_size, num_layers,
+ * hidden_dim, ffn_dim), seconds. */
+struct json_t *coord_growth_json(const coord_growth *g);
+void coord_growth_record(nl_coord *c, int kind, int64_t step, const nl_config *before,
+                         const nl_config *after, double seconds);
+/* NULL when the model may grow now, else why not (into why): no model,
+ * stages trained since the last checkpoint, a checkpoint file source. */
+const char *coord_grow_refusal(const nl_coord *c, char *why, size_t cap);
+
+/* Vocabulary growth: the tokenizer learns `add` ids from a text file, the
+ * model's vocab_size becomes max(vocab_size, the tokenizer's) and, when
+ * the stages hold a manifest, a grown one is written into out_dir. The
+ * task owns everything in it; run it in a worker. */
+typedef struct coord_vocab_grow {
+    /* in */
+    char *tok;   /* the cluster's tokenizer text, or NULL (bytes) */
+    char *input; /* the text file (resolved under --data-root) */
+    int64_t add;
+    size_t max_bytes;
+    nl_config cfg; /* now */
+    char *src;     /* the manifest the stages hold, or NULL (the seed) */
+    char *out_dir; /* with src: where the grown manifest goes */
+    uint64_t seed; /* the model's init seed: new rows' streams */
+    /* out */
+    char *new_tok;
+    int64_t tok_before, tok_after;
+    nl_config grown;
+    cmanifest mf; /* with src: the grown manifest, verified and opened */
+    int have_mf;
+} coord_vocab_grow;
+/* On the loop: fill g from the cluster (copies). */
+nl_status coord_vocab_grow_prepare(nl_coord *c, coord_vocab_grow *g, const char *input,
+                                   int64_t add, const char *out_dir, nl_error *err);
+/* In a worker. */
+nl_status coord_vocab_grow_run(coord_vocab_grow *g, nl_error *err);
+/* On the loop, after a successful run: the grown model becomes the
+ * source (the tokenizer and config too), the stages reload, the growth is
+ * recorded at `step`. */
+void coord_vocab_grow_install(nl_coord *c, coord_vocab_grow *g, int64_t step, double seconds);
+void coord_vocab_grow_release(coord_vocab_grow *g);
 
 /* ---------------------------------------------------------------- coord_jobs.c
  * The jobs' dispatch, called by the loop (coord.c). */

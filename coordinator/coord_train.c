@@ -32,6 +32,7 @@ typedef struct ctrain {
     int64_t steps, batch, seq, micro, seed, warmup, eval_every, eval_batches, ckpt_every;
     double lr, min_lr, holdout;
     int recompute, final_ckpt;
+    int64_t learn_vocab; /* ids the tokenizer learns from the data first (coord_grow.c), or 0 */
     /* where it is */
     int phase, stages;
     nl_dataset *ds;
@@ -687,6 +688,11 @@ static const char *read_params(ctrain *t, const nl_msg_job_submit *s, const char
         t->recompute = p->kind == NL_WIRE_PARAM_BOOL && p->b;
     if ((p = coord_param(s, "final_checkpoint")))
         t->final_ckpt = p->kind == NL_WIRE_PARAM_BOOL && p->b;
+    if ((p = coord_param(s, "learn_vocab"))) {
+        if (p->kind != NL_WIRE_PARAM_INT || p->i < 0 || p->i > (1 << 24))
+            return "learn_vocab (0 to 2^24 ids)";
+        t->learn_vocab = p->i;
+    }
     *resume = (p = coord_param(s, "resume")) && p->kind == NL_WIRE_PARAM_STR ? p->s : NULL;
     if (t->batch % t->micro != 0)
         return "microbatches (must divide batch)";
@@ -713,6 +719,9 @@ typedef struct prep_task {
     cmanifest mf;
     nl_dataset *ds;
     nl_dataset_info info;
+    int grow; /* --learn-vocab: v learns from the data and grows the model first */
+    coord_vocab_grow v;
+    double grow_s;
 } prep_task;
 
 static void prep_run(cwork *w)
@@ -723,9 +732,20 @@ static void prep_run(cwork *w)
         p->resume_failed = 1;
         return;
     }
-    p->st = nl_dataset_load_model(&p->ds, p->data, p->resume ? p->mf.tok : p->tok,
-                                  p->resume ? p->mf.cfg.vocab_size : p->vocab, p->holdout,
-                                  "the cluster's model", &p->info, &p->err);
+    if (p->grow) { /* the data teaches the tokenizer first; it is then tokenized with it */
+        const double t0 = coord_now();
+        if ((p->st = coord_vocab_grow_run(&p->v, &p->err)) != NL_OK) {
+            nl_error_prefix(&p->err, "--learn-vocab");
+            return;
+        }
+        p->grow_s = coord_now() - t0;
+    }
+    const char *tok = p->resume ? p->mf.tok : p->grow ? p->v.new_tok : p->tok;
+    const int64_t vocab = p->resume ? p->mf.cfg.vocab_size
+                          : p->grow ? p->v.grown.vocab_size
+                                    : p->vocab;
+    p->st = nl_dataset_load_model(&p->ds, p->data, tok, vocab, p->holdout, "the cluster's model",
+                                  &p->info, &p->err);
 }
 
 static void prep_free(cwork *w)
@@ -735,8 +755,32 @@ static void prep_free(cwork *w)
     free(p->data);
     free(p->tok);
     coord_manifest_release(&p->mf);
+    coord_vocab_grow_release(&p->v);
     nl_dataset_destroy(&p->ds);
     free(p);
+}
+
+/* --learn-vocab: the grown model becomes the source and the stages reload
+ * (the job begins once they have); the client is told. 0: the job failed. */
+static int install_growth(nl_coord *c, cjob *j, prep_task *p)
+{
+    char why[700];
+    if (coord_grow_refusal(c, why, sizeof why)) { /* it changed while the worker ran */
+        fail(c, j, "--learn-vocab: %s", why);
+        return 0;
+    }
+    for (int i = 0; i < COORD_MAX_JOBS; i++)
+        if (c->jobs[i].phase != JOB_FREE && &c->jobs[i] != j)
+            coord_job_fail(c, &c->jobs[i], "the cluster reloads: its model grows");
+    coord_vocab_grow_install(c, &p->v, c->src_manifest ? c->src_step : 0, p->grow_s);
+    json_t *o = coord_growth_json(&c->last_growth);
+    json_object_set_new(o, "event", json_string("grow"));
+    json_object_set_new(o, "tokenizer_from", json_integer((json_int_t)p->v.tok_before));
+    json_object_set_new(o, "tokenizer_to", json_integer((json_int_t)p->v.tok_after));
+    if (c->src_manifest)
+        json_object_set_new(o, "manifest", json_string(c->src_path));
+    report(c, j, NL_JOB_RUNNING, "vocabulary grown", o);
+    return 1;
 }
 
 /* The job is prepared: a resumed one reloads the cluster from its
@@ -773,6 +817,8 @@ static void prep_done(nl_coord *c, cwork *w)
         fail(c, j, "%s", p->err.msg);
         return;
     }
+    if (p->grow && !install_growth(c, j, p))
+        return;
     t->ds = p->ds;
     p->ds = NULL;
     if (p->info.tokenized)
@@ -837,6 +883,35 @@ static const char *confine_paths(nl_coord *c, ctrain *t, const char **resume, ch
     return NULL;
 }
 
+/* --learn-vocab: the growth the job's worker runs before it reads the
+ * data (from the data itself); 0 and why when it cannot. */
+static int prepare_growth(nl_coord *c, ctrain *t, prep_task *p, const char *resume, char *why,
+                          size_t cap)
+{
+    char dir[PATH_MAX];
+    nl_error e = {0};
+    const size_t n = strlen(t->data);
+    if (resume) {
+        snprintf(why, cap, "not with --resume (the vocabulary grows on the model the cluster "
+                           "holds)");
+        return 0;
+    }
+    if (n >= 4 && strcmp(t->data + n - 4, ".tok") == 0) {
+        snprintf(why, cap, "%s holds token ids; the tokenizer learns from text", t->data);
+        return 0;
+    }
+    if (coord_grow_refusal(c, why, cap))
+        return 0;
+    snprintf(dir, sizeof dir, "%s/grown-vocab-step-%06lld", t->ckpt_dir,
+             (long long)(c->src_manifest ? c->src_step : 0));
+    if (coord_vocab_grow_prepare(c, &p->v, t->data, t->learn_vocab, dir, &e) != NL_OK) {
+        snprintf(why, cap, "%s", e.msg);
+        return 0;
+    }
+    p->grow = 1;
+    return 1;
+}
+
 static void train_submit(nl_coord *c, const nl_rx *rx)
 {
     const nl_msg_job_submit *s = &rx->msg.u.job_submit;
@@ -890,6 +965,11 @@ static void train_submit(nl_coord *c, const nl_rx *rx)
     if (oom) {
         prep_free(&p->w);
         fail(c, j, "out of memory");
+        return;
+    }
+    if (t->learn_vocab > 0 && !prepare_growth(c, t, p, resume, why, sizeof why)) {
+        prep_free(&p->w);
+        fail(c, j, "train: --learn-vocab: %s", why);
         return;
     }
     t->phase = TR_PREPARING;

@@ -83,7 +83,14 @@ typedef enum nl_node_state {
     NL_NODE_FAILED
 } nl_node_state;
 
-typedef enum nl_job_kind { NL_JOB_FORWARD = 0, NL_JOB_GENERATE, NL_JOB_TRAIN } nl_job_kind;
+/* NL_JOB_GROW: a client asks the coordinator to grow the cluster's model
+ * (coordinator/coord_grow.c); no node ever sees it. */
+typedef enum nl_job_kind {
+    NL_JOB_FORWARD = 0,
+    NL_JOB_GENERATE,
+    NL_JOB_TRAIN,
+    NL_JOB_GROW
+} nl_job_kind;
 
 typedef enum nl_job_state {
     NL_JOB_QUEUED = 0,
