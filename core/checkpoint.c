@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "grow.h"
 #include "manifest.h"
 #include "memory.h"
 #include "safetensors.h"
@@ -78,6 +79,12 @@ nl_status nl_checkpoint_save(const nl_model *m, const char *path, int64_t step,
         st = nl_st_writer_set_meta(w, "tokenizer", extra->tokenizer, err);
     if (st == NL_OK && extra && extra->init_seed)
         st = nl_st_writer_set_meta(w, "init_seed", extra->init_seed, err);
+    if (st == NL_OK && m->n_growth > 0) {
+        char *h = nl_growth_to_json(m->growth, m->n_growth);
+        st = h ? nl_st_writer_set_meta(w, "growth", h, err)
+               : nl_error_set(err, NL_ERR_NOMEM, "%s: cannot encode the growth history", path);
+        free(h);
+    }
     /* never over a shard that a manifest beside it names */
     if (st == NL_OK)
         st = nl_manifest_names(path, err);
@@ -171,6 +178,20 @@ nl_status nl_checkpoint_read_tensors(const nl_model *m, const nl_st_file *f,
     return st;
 }
 
+nl_status nl_checkpoint_read_growth(const nl_st_file *f, nl_model *m, nl_error *err)
+{
+    const char *json = nl_st_metadata(f, "growth");
+    nl_growth *h = NULL;
+    int n = 0;
+    if (!json)
+        return nl_model_set_growth(m, NULL, 0, err);
+    nl_status st = nl_growth_from_json(json, &h, &n, err);
+    if (st == NL_OK)
+        st = nl_model_set_growth(m, h, n, err);
+    free(h);
+    return st == NL_OK ? NL_OK : nl_error_prefix(err, "metadata 'growth'");
+}
+
 nl_status nl_checkpoint_read_config(const char *path, nl_config *cfg, int64_t *step, nl_error *err)
 {
     nl_st_file *f = NULL;
@@ -222,6 +243,8 @@ nl_status nl_checkpoint_load(nl_model **out, nl_backend *be, const char *path, i
         goto out;
     }
     st = nl_checkpoint_read_tensors(m, f, NULL, dst, NULL, NULL, err);
+    if (st == NL_OK)
+        st = nl_checkpoint_read_growth(f, m, err);
     if (st != NL_OK) {
         nl_error_prefix(err, "%s", path);
         goto out;

@@ -18,7 +18,9 @@
  * - the tokenizer, as its file text in metadata `tokenizer`, so that the
  *   checkpoint alone turns text into tokens and back;
  * - the seed the weights were initialised from (`init_seed`), which
- *   vocabulary growth draws new rows from. */
+ *   vocabulary growth draws new rows from.
+ * The model's growth history (m->growth, core/grow.h) is saved as metadata
+ * `growth` whenever it has one, and nl_checkpoint_load reads it back. */
 typedef struct nl_ckpt_extra {
     const float *m, *v;
     int64_t adam_steps;
@@ -68,6 +70,10 @@ struct nl_st_file;
  * or -1 when the file has no optimizer state. Messages start with path. */
 nl_status nl_checkpoint_check_meta(const struct nl_st_file *f, const char *path, nl_config *cfg,
                                    int64_t *step, int64_t *adam_steps, nl_error *err);
+
+/* Set m's growth history (core/grow.h) from the file's metadata "growth"
+ * (none: an empty history). NL_ERR_FORMAT names the entry at fault. */
+nl_status nl_checkpoint_read_growth(const struct nl_st_file *f, nl_model *m, nl_error *err);
 
 /* Copy tensors of m's table from the open file into host buffers laid out
  * like m->params: the weights into w, the AdamW moments `optim.m.<name>`

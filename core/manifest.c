@@ -18,6 +18,7 @@
 
 #include "checkpoint.h"
 #include "fileio.h"
+#include "grow.h"
 #include "memory.h"
 #include "safetensors.h"
 
@@ -298,6 +299,18 @@ static nl_status parse_head(nl_manifest *m, json_t *root, nl_error *err)
     if ((st = get_str(root, "", "tokenizer", 0, &m->tokenizer, err)) ||
         (st = get_str(root, "", "init_seed", 0, &m->init_seed, err)))
         return st;
+    json_t *g = member(root, "growth", 1);
+    if (g && !json_is_array(g))
+        return nl_error_set(err, NL_ERR_FORMAT, "growth: expected an array");
+    if (g) {
+        char *text = dump(g, JSON_COMPACT);
+        if (!text)
+            return nl_error_set(err, NL_ERR_NOMEM, "growth: out of memory");
+        st = nl_growth_from_json(text, &m->growth, &m->n_growth, err);
+        free(text);
+        if (st != NL_OK)
+            return st; /* the message starts with "growth" */
+    }
     if (m->init_seed) { /* decimal, fitting 64 bits */
         const char *s = m->init_seed;
         char *end = NULL;
@@ -382,6 +395,7 @@ void nl_manifest_destroy(nl_manifest **mp)
     free(m->train_json);
     free(m->tokenizer);
     free(m->init_seed);
+    free(m->growth);
     free(m);
     *mp = NULL;
 }
@@ -503,6 +517,15 @@ nl_status nl_manifest_to_json(const nl_manifest *m, char **out, nl_error *err)
         (st = put_str(root, "", "tokenizer", m->tokenizer, err)) ||
         (st = put_str(root, "", "init_seed", m->init_seed, err)))
         goto out;
+    if (m->n_growth > 0) {
+        char *h = nl_growth_to_json(m->growth, m->n_growth);
+        json_t *v = h ? json_loads(h, 0, NULL) : NULL;
+        free(h);
+        if (!put(root, "growth", v)) {
+            st = nl_error_set(err, NL_ERR_NOMEM, "growth: out of memory");
+            goto out;
+        }
+    }
     if (m->n_shards < 0 || m->n_shards > NL_MANIFEST_MAX_SHARDS || (m->n_shards && !m->shards)) {
         st = nl_error_set(err, NL_ERR_INVALID, "shards: %d shards", m->n_shards);
         goto out;
@@ -847,14 +870,23 @@ static nl_status check_shard_meta(const nl_manifest *m, const nl_manifest_shard 
     nl_status st = nl_checkpoint_check_meta(f, s->path, &cfg, &step, moments ? &adam : NULL, err);
     if (st != NL_OK)
         return st;
-    char *a = nl_config_to_json(&cfg), *b = nl_config_to_json(&m->cfg);
+    /* growth changes num_layers and vocab_size without rewriting the
+     * shards whose tensors it leaves alone; every tensor read is checked
+     * against the manifest's shapes */
+    nl_config mine = m->cfg;
+    mine.num_layers = cfg.num_layers;
+    mine.vocab_size = cfg.vocab_size;
+    char *a = nl_config_to_json(&cfg), *b = nl_config_to_json(&mine);
     int same = a && b && strcmp(a, b) == 0;
     free(a);
     free(b);
     if (!a || !b)
         return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", s->path);
     if (!same)
-        return nl_error_set(err, NL_ERR_FORMAT, "%s: its config is not the manifest's", s->path);
+        return nl_error_set(err, NL_ERR_FORMAT,
+                            "%s: its config is not the manifest's (beyond num_layers and "
+                            "vocab_size)",
+                            s->path);
     if (step != m->step)
         return nl_error_set(err, NL_ERR_FORMAT,
                             "%s: step %" PRId64 ", but the manifest says %" PRId64, s->path, step,
@@ -933,6 +965,8 @@ nl_status nl_manifest_load_stage(nl_model **out, nl_backend *be, const nl_manife
     for (int s = 0; s < m->n_shards && st == NL_OK; s++)
         st = read_shard(m, s, model, own, pick, w, mm, vv, err);
     if (st != NL_OK)
+        goto out;
+    if ((st = nl_model_set_growth(model, m->growth, m->n_growth, err)) != NL_OK)
         goto out;
     nl_backend_write_back(be, model->params, w, bytes);
     if (mom_m) {

@@ -52,19 +52,21 @@ enum { NL_MANIFEST_TF32_UNKNOWN = 0, NL_MANIFEST_TF32_OFF = 1, NL_MANIFEST_TF32_
 
 typedef struct nl_manifest {
     int64_t step, adam_steps;
-    nl_config cfg;     /* parsed + validated (nl_config_from_json + nl_config_validate) */
-    char *config_json; /* as stored (parse fills it; write encodes cfg instead) */
-    char *train_json;  /* the run's options (a JSON object, stored as a nested object in
-                          the manifest), or NULL */
-    char *tokenizer;   /* tokenizer file text, or NULL */
-    char *init_seed;   /* decimal text, or NULL */
+    nl_config cfg;            /* parsed + validated (nl_config_from_json + nl_config_validate) */
+    char *config_json;        /* as stored (parse fills it; write encodes cfg instead) */
+    char *train_json;         /* the run's options (a JSON object, stored as a nested object in
+                                 the manifest), or NULL */
+    char *tokenizer;          /* tokenizer file text, or NULL */
+    char *init_seed;          /* decimal text, or NULL */
+    struct nl_growth *growth; /* growth history (core/grow.h), oldest first, or NULL */
+    int n_growth;
     int n_shards;
     nl_manifest_shard *shards;
 } nl_manifest;
 
 /* Write atomically (nl_file_write_atomic) as JSON:
  *   {"format", "step", "adam_steps", "config": {...}, "train": {...}|absent,
- *    "tokenizer": str|absent, "init_seed": str|absent,
+ *    "tokenizer": str|absent, "init_seed": str|absent, "growth": [...]|absent,
  *    "shards": [{"stage", "layers": [l0, l1], "embed", "head", "file",
  *                "sha256", "bytes", "node"|absent, "device"|absent, "tf32": bool|absent}]}
  * The config is encoded from m->cfg. The manifest is checked as
@@ -132,8 +134,10 @@ nl_status nl_manifest_open_shards(const nl_manifest *m, struct nl_st_file **file
  * backend `be` from the shards of a verified manifest: every tensor from
  * whichever shard holds it (the "re-cut": the range need not match the
  * shard boundaries), checked for shape. l1 < 0 means "to the last
- * layer". Each shard read must agree with
- * the manifest on its config and step (NL_ERR_FORMAT otherwise). When
+ * layer". Each shard read must agree with the manifest on its step and
+ * on its config, apart from num_layers and vocab_size, which a growth
+ * changes without rewriting the shards it leaves alone (NL_ERR_FORMAT
+ * otherwise). The model gets the manifest's growth history. When
  * mom_m and mom_v are not NULL (both or neither: device buffers of the
  * new model's n_params floats, model layout) they are filled from
  * `optim.m.<name>` / `optim.v.<name>` (NL_ERR_NOTFOUND naming the tensor

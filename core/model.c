@@ -218,6 +218,7 @@ void nl_model_destroy(nl_model **mp)
         m->be->free(m->be, m->params);
     free(m->table);
     free(m->layers);
+    free(m->growth);
     free(m);
     *mp = NULL;
 }
@@ -271,44 +272,59 @@ void nl_model_init_table_rows(const nl_param *p, uint64_t seed, int64_t vocab_ch
     }
 }
 
-nl_status nl_model_init_random(nl_model *m, uint64_t seed, nl_error *err)
+/* One parameter; host is a scratch buffer of CHUNK floats. */
+enum { INIT_CHUNK = 1 << 20 };
+static nl_status init_param(nl_model *m, const nl_param *p, uint64_t seed, float *host,
+                            nl_error *err)
 {
-    enum { CHUNK = 1 << 20 };
-    float *host = malloc(CHUNK * sizeof(float));
+    const size_t n = nl_param_numel(p);
+    float *dev = nl_model_param_data(m, p);
+    if (p->kind == NL_PARAM_TABLE) {
+        /* one block of vocab_chunk rows at a time, so no stream is
+         * entered in the middle */
+        const int64_t cols = p->shape[1], chunk = m->cfg.vocab_chunk;
+        size_t need = (size_t)(chunk < p->shape[0] ? chunk : p->shape[0]) * (size_t)cols;
+        float *blk = need <= INIT_CHUNK ? host : malloc(need * sizeof(float));
+        if (!blk)
+            return nl_error_set(err, NL_ERR_NOMEM, "init: %s: out of memory", p->name);
+        for (int64_t r0 = 0; r0 < p->shape[0]; r0 += chunk) {
+            int64_t r1 = r0 + chunk < p->shape[0] ? r0 + chunk : p->shape[0];
+            nl_model_init_table_rows(p, seed, chunk, r0, r1, blk);
+            m->be->upload(m->be, dev + r0 * cols, blk, (size_t)(r1 - r0) * cols * sizeof(float));
+        }
+        if (blk != host)
+            free(blk);
+        return NL_OK;
+    }
+    nl_rng r;
+    nl_rng_seed(&r, seed, nl_rng_hash(p->name));
+    for (size_t o = 0; o < n; o += INIT_CHUNK) {
+        size_t k = n - o < INIT_CHUNK ? n - o : INIT_CHUNK;
+        for (size_t j = 0; j < k; j++)
+            host[j] = p->kind == NL_PARAM_NORM ? 1.0f : (float)(p->init_std * nl_rng_normal(&r));
+        m->be->upload(m->be, dev + o, host, k * sizeof(float));
+    }
+    return NL_OK;
+}
+
+nl_status nl_model_init_param(nl_model *m, const nl_param *p, uint64_t seed, nl_error *err)
+{
+    float *host = malloc(INIT_CHUNK * sizeof(float));
     if (!host)
         return nl_error_set(err, NL_ERR_NOMEM, "init: out of memory");
-    for (int i = 0; i < m->n_table; i++) {
-        const nl_param *p = &m->table[i];
-        const size_t n = nl_param_numel(p);
-        float *dev = nl_model_param_data(m, p);
-        if (p->kind == NL_PARAM_TABLE) {
-            /* one block of vocab_chunk rows at a time, so no stream is
-             * entered in the middle */
-            const int64_t cols = p->shape[1], chunk = m->cfg.vocab_chunk;
-            size_t need = (size_t)(chunk < p->shape[0] ? chunk : p->shape[0]) * (size_t)cols;
-            float *blk = need <= CHUNK ? host : malloc(need * sizeof(float));
-            if (!blk) {
-                free(host);
-                return nl_error_set(err, NL_ERR_NOMEM, "init: %s: out of memory", p->name);
-            }
-            for (int64_t r0 = 0; r0 < p->shape[0]; r0 += chunk) {
-                int64_t r1 = r0 + chunk < p->shape[0] ? r0 + chunk : p->shape[0];
-                nl_model_init_table_rows(p, seed, chunk, r0, r1, blk);
-                m->be->upload(m->be, dev + r0 * cols, blk, (size_t)(r1 - r0) * cols * sizeof(float));
-            }
-            if (blk != host)
-                free(blk);
-            continue;
-        }
-        nl_rng r;
-        nl_rng_seed(&r, seed, nl_rng_hash(p->name));
-        for (size_t o = 0; o < n; o += CHUNK) {
-            size_t k = n - o < CHUNK ? n - o : CHUNK;
-            for (size_t j = 0; j < k; j++)
-                host[j] = p->kind == NL_PARAM_NORM ? 1.0f : (float)(p->init_std * nl_rng_normal(&r));
-            m->be->upload(m->be, dev + o, host, k * sizeof(float));
-        }
-    }
+    nl_status st = init_param(m, p, seed, host, err);
     free(host);
-    return NL_OK;
+    return st;
+}
+
+nl_status nl_model_init_random(nl_model *m, uint64_t seed, nl_error *err)
+{
+    float *host = malloc(INIT_CHUNK * sizeof(float));
+    nl_status st = NL_OK;
+    if (!host)
+        return nl_error_set(err, NL_ERR_NOMEM, "init: out of memory");
+    for (int i = 0; i < m->n_table && st == NL_OK; i++)
+        st = init_param(m, &m->table[i], seed, host, err);
+    free(host);
+    return st;
 }

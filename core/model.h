@@ -46,7 +46,8 @@ typedef struct nl_layer_weights {
     float *experts;        /* E blocks of [w_gate (F, d); w_up (F, d); w_down (d, F)] */
 } nl_layer_weights;
 
-typedef struct nl_lora nl_lora; /* core/lora.h */
+typedef struct nl_lora nl_lora;     /* core/lora.h */
+typedef struct nl_growth nl_growth; /* core/grow.h */
 
 typedef struct nl_model {
     nl_config cfg;
@@ -65,6 +66,8 @@ typedef struct nl_model {
     float *lm_head;        /* (C, d) or NULL */
     float *classifier;     /* (num_classes, d) with the head when num_classes > 0, or NULL */
     nl_lora *lora;         /* attached adapters (core/lora.h, which owns them), or NULL */
+    nl_growth *growth;     /* growth history, oldest first (core/grow.h), owned; or NULL */
+    int n_growth;
 } nl_model;
 
 /* Build the stage [l0, l1) with zeroed parameters. The config must pass
@@ -79,6 +82,9 @@ void nl_model_destroy(nl_model **m);
  * stream per vocab_chunk block of rows, so a stage or a grown table gets
  * exactly the values a whole-model init with the same seed gives. */
 nl_status nl_model_init_random(nl_model *m, uint64_t seed, nl_error *err);
+
+/* Initialise one parameter of the table as nl_model_init_random does. */
+nl_status nl_model_init_param(nl_model *m, const nl_param *p, uint64_t seed, nl_error *err);
 
 /* Fill rows [row0, row1) of a table parameter from its per-block streams
  * (used by init and by vocabulary growth). dst is host memory for those
