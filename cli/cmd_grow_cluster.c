@@ -26,16 +26,25 @@ static void print_growth(const nl_rx *rx)
                     ? json_loadb((const char *)f->t.data, (size_t)f->len, 0, NULL)
                     : NULL;
     json_t *from = json_object_get(o, "from"), *to = json_object_get(o, "to");
-    if (from && to)
-        fprintf(stderr,
-                "grew the model at step %lld: vocabulary %lld -> %lld (tokenizer %lld -> %lld "
-                "ids) in %.2f s\n",
-                (long long)json_integer_value(json_object_get(o, "step")),
-                (long long)json_integer_value(json_object_get(from, "vocab_size")),
-                (long long)json_integer_value(json_object_get(to, "vocab_size")),
-                (long long)json_integer_value(json_object_get(o, "tokenizer_from")),
-                (long long)json_integer_value(json_object_get(o, "tokenizer_to")),
-                json_number_value(json_object_get(o, "seconds")));
+    const char *keys[] = {"vocab_size", "num_layers", "hidden_dim", "ffn_dim"};
+    const char *names[] = {"vocabulary", "layers", "hidden_dim", "ffn_dim"};
+    if (from && to) {
+        fprintf(stderr, "grew the model at step %lld:",
+                (long long)json_integer_value(json_object_get(o, "step")));
+        int any = 0;
+        for (int i = 0; i < 4; i++) {
+            const json_int_t x = json_integer_value(json_object_get(from, keys[i]));
+            const json_int_t y = json_integer_value(json_object_get(to, keys[i]));
+            if (x != y)
+                fprintf(stderr, "%s %s %lld -> %lld", any++ ? "," : "", names[i], (long long)x,
+                        (long long)y);
+        }
+        if (json_object_get(o, "tokenizer_to"))
+            fprintf(stderr, " (tokenizer %lld -> %lld ids)",
+                    (long long)json_integer_value(json_object_get(o, "tokenizer_from")),
+                    (long long)json_integer_value(json_object_get(o, "tokenizer_to")));
+        fprintf(stderr, " in %.2f s\n", json_number_value(json_object_get(o, "seconds")));
+    }
     json_t *mf = json_object_get(o, "manifest");
     if (json_is_string(mf))
         fprintf(stderr, "the cluster's model is now %s\n", json_string_value(mf));
@@ -128,6 +137,63 @@ int nl_cmd_remote_tokenizer_learn(int argc, char **argv)
     free(input);
     if (st != NL_OK) {
         fprintf(stderr, "neuroctl tokenizer learn: %s (%s)\n", err.msg, nl_status_str(err.status));
+        return 1;
+    }
+    return 0;
+}
+
+int nl_cmd_remote_grow(int argc, char **argv)
+{
+    nl_flag flags[] = {
+        {"layers", 1, "grow the depth to N layers (identity blocks appended)", NULL},
+        {"hidden-dim", 1, "grow the width to D (whole heads of the same head_dim)", NULL},
+        {"ffn-dim", 1, "grow the experts' hidden size to F", NULL},
+        NL_REMOTE_FLAGS_TIMEOUT("seconds to wait for the growth and reload (default 600)"),
+        {0}};
+    const char *usage =
+        "neuroctl grow (--cluster DIR | --coordinator EP --key K --coordinator-key P)\n"
+        "    [--layers N] [--hidden-dim D [--ffn-dim F]]\n"
+        "  the coordinator grows the manifest the stages hold (neuroctl grow's rules: logits\n"
+        "  unchanged, new AdamW moments zero) and the stages reload it on a new plan. Between\n"
+        "  jobs only, and only when the stages hold a checkpoint's weights (docs/cluster.md,\n"
+        "  \"Growth\"). The vocabulary grows with neuroctl tokenizer learn --cluster";
+    for (int i = 1; i < argc; i++)
+        if (strcmp(argv[i], "--model") == 0 || strcmp(argv[i], "--vocab-size") == 0 ||
+            strcmp(argv[i], "--manifest") == 0) {
+            fprintf(stderr, "neuroctl grow: %s is for a local model; a cluster grows its own "
+                            "(--layers, --hidden-dim, --ffn-dim; the vocabulary: neuroctl "
+                            "tokenizer learn --cluster)\n",
+                    argv[i]);
+            return 2;
+        }
+    int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
+    if (rc)
+        return rc == 1 ? 0 : rc;
+    long long v[3] = {0, 0, 0};
+    const char *names[3] = {"layers", "hidden-dim", "ffn-dim"};
+    const char *keys[3] = {"layers", "hidden_dim", "ffn_dim"};
+    nl_wire_param ps[3];
+    int n = 0;
+    for (int i = 0; i < 3; i++) {
+        if (!nl_args_get(flags, names[i]))
+            continue;
+        if ((rc = nl_args_int(flags, names[i], 1, 1 << 22, &v[i])))
+            return rc;
+        ps[n++] = (nl_wire_param){.key = keys[i], .kind = NL_WIRE_PARAM_INT, .i = v[i]};
+    }
+    if (n == 0) {
+        fprintf(stderr, "neuroctl grow: give --layers, --hidden-dim or --ffn-dim\n");
+        nl_args_help(stderr, usage, flags);
+        return 2;
+    }
+    nl_error err = {0};
+    nl_remote r = {0};
+    nl_status st = nl_remote_open(&r, flags, 600, &err);
+    if (st == NL_OK)
+        st = run_grow(&r, ps, n, &err);
+    nl_remote_close(&r);
+    if (st != NL_OK) {
+        fprintf(stderr, "neuroctl grow: %s (%s)\n", err.msg, nl_status_str(err.status));
         return 1;
     }
     return 0;

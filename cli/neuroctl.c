@@ -51,7 +51,7 @@ int main(int argc, char **argv)
         usage(stdout);
         return 0;
     }
-    /* forward, generate, train and tokenizer learn go to a cluster when one is named */
+    /* forward, generate, train, grow and tokenizer learn go to a cluster when one is named */
     int remote = 0;
     for (int i = 2; i < argc; i++)
         remote |= strcmp(argv[i], "--coordinator") == 0 || strcmp(argv[i], "--cluster") == 0;
@@ -63,6 +63,8 @@ int main(int argc, char **argv)
         return nl_cmd_remote_train(argc - 1, argv + 1);
     if (remote && strcmp(argv[1], "tokenizer") == 0 && argc > 2 && strcmp(argv[2], "learn") == 0)
         return nl_cmd_remote_tokenizer_learn(argc - 1, argv + 1);
+    if (remote && strcmp(argv[1], "grow") == 0)
+        return nl_cmd_remote_grow(argc - 1, argv + 1);
     for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
         if (strcmp(argv[1], commands[i].name) == 0)
             return commands[i].run(argc - 1, argv + 1);

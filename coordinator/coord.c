@@ -838,7 +838,8 @@ static void tick(nl_coord *c)
     if (c->loads_active)
         stream_loads(c);
     coord_check_jobs(c, now);
-    replan_at_rest(c);
+    if (!coord_grow_tick(c)) /* --grow auto may deepen the model first (coord_grow.c) */
+        replan_at_rest(c);
     if (!c->plan && now - c->last_plan_try > 0.5)
         try_plan(c);
 }

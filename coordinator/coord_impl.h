@@ -198,6 +198,8 @@ struct nl_coord {
     char data_root[4096], ckpt_root[4096];
     int growths;              /* growths since it started (coord_grow.c) */
     coord_growth last_growth; /* the last of them */
+    int growing;              /* a growth of --grow auto runs in a worker */
+    uint64_t grow_sig;        /* the live nodes --grow auto last judged */
     uint64_t client_drops; /* messages to clients dropped (queue full, or gone) */
     double drop_logged;    /* when a drop was last logged */
 };
@@ -356,37 +358,53 @@ void coord_growth_record(nl_coord *c, int kind, int64_t step, const nl_config *b
  * stages trained since the last checkpoint, a checkpoint file source. */
 const char *coord_grow_refusal(const nl_coord *c, char *why, size_t cap);
 
-/* Vocabulary growth: the tokenizer learns `add` ids from a text file, the
- * model's vocab_size becomes max(vocab_size, the tokenizer's) and, when
- * the stages hold a manifest, a grown one is written into out_dir. The
- * task owns everything in it; run it in a worker. */
-typedef struct coord_vocab_grow {
+/* One growth, prepared on the loop and run in a worker: the tokenizer
+ * learns `add` ids from a text file (input; NULL: none) and the model's
+ * vocab_size becomes max(vocab_size, the tokenizer's); the depth and width
+ * grow to layers, hidden_dim, ffn_dim (0: unchanged). When the stages hold
+ * a manifest, the grown one (nl_manifest_grow, core/grow.h) is written
+ * beside it, in <its directory>-<what>-<size>, and opened; from the seed
+ * (vocabulary only) the nodes draw the grown tables. The work owns
+ * everything in it. */
+typedef struct coord_grow_work {
     /* in */
     char *tok;   /* the cluster's tokenizer text, or NULL (bytes) */
-    char *input; /* the text file (resolved under --data-root) */
+    char *input; /* the text file (resolved under --data-root), or NULL */
     int64_t add;
+    int layers, hidden_dim, ffn_dim;
     size_t max_bytes;
     nl_config cfg; /* now */
     char *src;     /* the manifest the stages hold, or NULL (the seed) */
-    char *out_dir; /* with src: where the grown manifest goes */
-    uint64_t seed; /* the model's init seed: new rows' streams */
     /* out */
+    int kind; /* COORD_GROW_*: the first dimension that grew */
     char *new_tok;
     int64_t tok_before, tok_after;
     nl_config grown;
     cmanifest mf; /* with src: the grown manifest, verified and opened */
     int have_mf;
-} coord_vocab_grow;
-/* On the loop: fill g from the cluster (copies). */
-nl_status coord_vocab_grow_prepare(nl_coord *c, coord_vocab_grow *g, const char *input,
-                                   int64_t add, const char *out_dir, nl_error *err);
+} coord_grow_work;
+/* On the loop: fill g from the cluster (copies); NL_ERR_STATE for depth or
+ * width on a cluster that serves the seed. */
+nl_status coord_grow_prepare(nl_coord *c, coord_grow_work *g, const char *input, int64_t add,
+                             int layers, int hidden_dim, int ffn_dim, nl_error *err);
 /* In a worker. */
-nl_status coord_vocab_grow_run(coord_vocab_grow *g, nl_error *err);
+nl_status coord_grow_run(coord_grow_work *g, nl_error *err);
 /* On the loop, after a successful run: the grown model becomes the
  * source (the tokenizer and config too), the stages reload, the growth is
- * recorded at `step`. */
-void coord_vocab_grow_install(nl_coord *c, coord_vocab_grow *g, int64_t step, double seconds);
-void coord_vocab_grow_release(coord_vocab_grow *g);
+ * recorded at the source's step. */
+void coord_grow_install(nl_coord *c, coord_grow_work *g, double seconds);
+/* The growth just installed as a client's event ("event": "grow"). */
+struct json_t *coord_grow_event(const nl_coord *c, const coord_grow_work *g);
+void coord_grow_release(coord_grow_work *g);
+
+/* --grow auto: when the live nodes changed since the last judgement, the
+ * depth nl_sizing_propose_depth proposes for them (with the running
+ * job's training memory, or the sizing defaults), if deeper than now and
+ * past the hysteresis (nl_sizing_should_change); else 0. */
+int coord_grow_auto_depth(nl_coord *c);
+/* The loop's turn, at rest (ready, no job): 1 while a growth of --grow
+ * auto runs in a worker (the caller then leaves the plan alone). */
+int coord_grow_tick(nl_coord *c);
 
 /* ---------------------------------------------------------------- coord_jobs.c
  * The jobs' dispatch, called by the loop (coord.c). */

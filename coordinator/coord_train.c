@@ -24,7 +24,8 @@
 
 /* TR_PREPARING: a worker reads the data (and the manifest it resumes);
  * TR_LOADING: the cluster loads */
-typedef enum { TR_PREPARING = 0, TR_LOADING, TR_BEGIN, TR_STEP, TR_EVAL, TR_CKPT } tr_phase;
+/* TR_GROW: at a checkpoint, a worker grows the model (--grow auto) */
+typedef enum { TR_PREPARING = 0, TR_LOADING, TR_BEGIN, TR_STEP, TR_EVAL, TR_CKPT, TR_GROW } tr_phase;
 
 typedef struct ctrain {
     /* the run, as the client asked for it */
@@ -550,6 +551,73 @@ static void ckpt_free(cwork *w)
     free(k);
 }
 
+/* --grow auto at a checkpoint (issue 16): the model deepens when the
+ * nodes now hold more layers (coord_grow_auto_depth); a worker writes the
+ * grown manifest, then the stages reload it on a new plan (joining nodes
+ * take the new layers) and the job goes on from its step. */
+typedef struct grow_task {
+    cwork w;
+    coord_grow_work g;
+    nl_status st;
+    nl_error err;
+    double t0;
+} grow_task;
+
+static void grow_run(cwork *w)
+{
+    grow_task *k = (grow_task *)w;
+    k->st = coord_grow_run(&k->g, &k->err);
+}
+
+static void grow_free(cwork *w)
+{
+    grow_task *k = (grow_task *)w;
+    coord_grow_release(&k->g);
+    free(k);
+}
+
+static void grow_done(nl_coord *c, cwork *w)
+{
+    grow_task *k = (grow_task *)w;
+    cjob *j = coord_job_find(c, w->job_id);
+    ctrain *t = j ? j->state : NULL;
+    if (!t || t->phase != TR_GROW)
+        return;
+    if (k->st != NL_OK) { /* the job goes on at the size it has */
+        NL_WARN("train job %llu: --grow auto at step %lld: %s", (unsigned long long)j->id,
+                (long long)t->step, k->err.msg);
+        start_step(c, j);
+        return;
+    }
+    coord_grow_install(c, &k->g, coord_now() - k->t0);
+    report(c, j, NL_JOB_RUNNING, "the model grew", coord_grow_event(c, &k->g));
+    coord_close_session(c, j);
+    wait_reload(c, j);
+}
+
+static int grow_at_checkpoint(nl_coord *c, cjob *j)
+{
+    ctrain *t = j->state;
+    nl_error e = {0};
+    const int depth = coord_grow_auto_depth(c);
+    grow_task *k = depth ? calloc(1, sizeof *k) : NULL;
+    if (!k)
+        return 0;
+    if (coord_grow_prepare(c, &k->g, NULL, 0, depth, 0, 0, &e) != NL_OK) {
+        NL_WARN("train job %llu: --grow auto: %s", (unsigned long long)j->id, e.msg);
+        free(k);
+        return 0;
+    }
+    k->w = (cwork){.run = grow_run, .done = grow_done, .free = grow_free, .job_id = j->id};
+    k->t0 = coord_now();
+    if (coord_work_start(c, &k->w, &e) != NL_OK) {
+        NL_WARN("train job %llu: --grow auto: %s", (unsigned long long)j->id, e.msg);
+        return 0;
+    }
+    t->phase = TR_GROW;
+    return 1;
+}
+
 /* The manifest is written and verified: it becomes the source; report it
  * and go on. A job that ended meanwhile leaves the source as it was (its
  * stages reload from there). */
@@ -578,6 +646,9 @@ static void ckpt_done(nl_coord *c, cwork *w)
         coord_observe_speeds(c); /* a stage slower or faster than planned asks for a re-plan */
     if (t->step == t->steps) {
         finish(c, j);
+    } else if (grow_at_checkpoint(c, j)) {
+        /* --grow auto: the nodes hold a deeper model; a worker grows the
+         * manifest, then the job goes on from it on a new plan */
     } else if (coord_replan_gain(c, "at the checkpoint")) {
         /* a node joined, or the stages' observed speeds call for another
          * split: the job goes on from this manifest on the new plan */
@@ -720,7 +791,7 @@ typedef struct prep_task {
     nl_dataset *ds;
     nl_dataset_info info;
     int grow; /* --learn-vocab: v learns from the data and grows the model first */
-    coord_vocab_grow v;
+    coord_grow_work v;
     double grow_s;
 } prep_task;
 
@@ -734,7 +805,7 @@ static void prep_run(cwork *w)
     }
     if (p->grow) { /* the data teaches the tokenizer first; it is then tokenized with it */
         const double t0 = coord_now();
-        if ((p->st = coord_vocab_grow_run(&p->v, &p->err)) != NL_OK) {
+        if ((p->st = coord_grow_run(&p->v, &p->err)) != NL_OK) {
             nl_error_prefix(&p->err, "--learn-vocab");
             return;
         }
@@ -755,7 +826,7 @@ static void prep_free(cwork *w)
     free(p->data);
     free(p->tok);
     coord_manifest_release(&p->mf);
-    coord_vocab_grow_release(&p->v);
+    coord_grow_release(&p->v);
     nl_dataset_destroy(&p->ds);
     free(p);
 }
@@ -772,14 +843,8 @@ static int install_growth(nl_coord *c, cjob *j, prep_task *p)
     for (int i = 0; i < COORD_MAX_JOBS; i++)
         if (c->jobs[i].phase != JOB_FREE && &c->jobs[i] != j)
             coord_job_fail(c, &c->jobs[i], "the cluster reloads: its model grows");
-    coord_vocab_grow_install(c, &p->v, c->src_manifest ? c->src_step : 0, p->grow_s);
-    json_t *o = coord_growth_json(&c->last_growth);
-    json_object_set_new(o, "event", json_string("grow"));
-    json_object_set_new(o, "tokenizer_from", json_integer((json_int_t)p->v.tok_before));
-    json_object_set_new(o, "tokenizer_to", json_integer((json_int_t)p->v.tok_after));
-    if (c->src_manifest)
-        json_object_set_new(o, "manifest", json_string(c->src_path));
-    report(c, j, NL_JOB_RUNNING, "vocabulary grown", o);
+    coord_grow_install(c, &p->v, p->grow_s);
+    report(c, j, NL_JOB_RUNNING, "vocabulary grown", coord_grow_event(c, &p->v));
     return 1;
 }
 
@@ -888,7 +953,6 @@ static const char *confine_paths(nl_coord *c, ctrain *t, const char **resume, ch
 static int prepare_growth(nl_coord *c, ctrain *t, prep_task *p, const char *resume, char *why,
                           size_t cap)
 {
-    char dir[PATH_MAX];
     nl_error e = {0};
     const size_t n = strlen(t->data);
     if (resume) {
@@ -902,9 +966,7 @@ static int prepare_growth(nl_coord *c, ctrain *t, prep_task *p, const char *resu
     }
     if (coord_grow_refusal(c, why, cap))
         return 0;
-    snprintf(dir, sizeof dir, "%s/grown-vocab-step-%06lld", t->ckpt_dir,
-             (long long)(c->src_manifest ? c->src_step : 0));
-    if (coord_vocab_grow_prepare(c, &p->v, t->data, t->learn_vocab, dir, &e) != NL_OK) {
+    if (coord_grow_prepare(c, &p->v, t->data, t->learn_vocab, 0, 0, 0, &e) != NL_OK) {
         snprintf(why, cap, "%s", e.msg);
         return 0;
     }
