@@ -262,6 +262,15 @@ void coord_grow_install(nl_coord *c, coord_grow_work *g, double seconds)
         }
         c->cfg = g->grown;
         coord_reload(c);
+        /* no manifest holds the history yet: the next one written will */
+        nl_growth *h = realloc(c->growth, (size_t)(c->n_growth + 1) * sizeof *h);
+        if (h) {
+            h[c->n_growth++] = (nl_growth){.step = step, .kind = NL_GROW_VOCAB, .before = before,
+                                           .after = c->cfg, .adam_steps = 0};
+            c->growth = h;
+        } else {
+            NL_WARN("grow: out of memory for the growth history");
+        }
     }
     coord_growth_record(c, g->kind, step, &before, &c->cfg, seconds);
 }
@@ -283,23 +292,35 @@ json_t *coord_grow_event(const nl_coord *c, const coord_grow_work *g)
 
 /* ---------------------------------------------------------------- --grow auto */
 
-/* The live nodes' count and memory: what a depth proposal depends on. */
-static uint64_t node_signature(const nl_coord *c, int *n)
+/* The live nodes' count and memory, and the training memory judged
+ * with: what a depth proposal depends on. */
+static uint64_t node_signature(const nl_coord *c, const nl_mem_opts *mo, int *n)
 {
-    uint64_t total = 0;
+    uint64_t h = 1469598103934665603ull;
+    const uint64_t v[4] = {(uint64_t)mo->micro_rows, (uint64_t)mo->in_flight,
+                           (uint64_t)mo->recompute, (uint64_t)mo->training};
     *n = 0;
     for (int i = 0; i < c->n_nodes; i++)
         if (c->nodes[i].life == NODE_LIVE) {
-            total += c->nodes[i].memory;
+            h = (h ^ c->nodes[i].memory) * 1099511628211ull;
+            h = (h ^ c->nodes[i].id) * 1099511628211ull;
             (*n)++;
         }
-    return total * 65537u + (uint64_t)*n;
+    for (int i = 0; i < 4; i++)
+        h = (h ^ v[i]) * 1099511628211ull;
+    return h;
 }
 
 int coord_grow_auto_depth(nl_coord *c)
 {
     int n = 0;
-    const uint64_t sig = node_signature(c, &n);
+    nl_sizing_opts so;
+    nl_sizing_opts_init(&so);
+    if (c->train_mem.training) /* a job runs: the memory it trains with */
+        c->grow_mem = c->train_mem;
+    if (c->grow_mem.training) /* or the last job's */
+        so.plan.mem = c->grow_mem;
+    const uint64_t sig = node_signature(c, &so.plan.mem, &n);
     if (!c->o.grow_auto || !c->have_cfg || !c->src_manifest || sig == c->grow_sig || n == 0)
         return 0;
     c->grow_sig = sig; /* judged once per set of nodes */
@@ -313,10 +334,6 @@ int coord_grow_auto_depth(nl_coord *c)
             const double g = x->seen_gflops > 0 ? x->seen_gflops : x->gflops;
             pn[n++] = (nl_plan_node){(int)x->id, x->memory, g > 0 ? g : 1.0, 0.0};
         }
-    nl_sizing_opts so;
-    nl_sizing_opts_init(&so);
-    if (c->train_mem.training) /* a job runs: its own training memory */
-        so.plan.mem = c->train_mem;
     nl_sizing sz;
     nl_error e = {0};
     int depth = 0;
@@ -392,6 +409,8 @@ int coord_grow_tick(nl_coord *c)
 {
     if (c->growing)
         return 1;
+    if (c->train_mem.training) /* judged at rest with the memory the last job trained with */
+        c->grow_mem = c->train_mem;
     if (!c->o.grow_auto || !c->ready || !c->plan)
         return 0;
     for (int i = 0; i < COORD_MAX_JOBS; i++)

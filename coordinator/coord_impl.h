@@ -64,9 +64,16 @@ typedef struct cnode {
 /* The mapped files of the weights' source. LAYER_LOAD chunks point into
  * them without a copy, so a replaced source is retired, and unmapped only
  * when libzmq has let go of every chunk (ref idle). */
+typedef struct cown {
+    int l0, l1, embed, head;
+} cown;
 typedef struct csource {
     nl_st_file **files;
     int n;
+    /* a manifest's: what the plan takes from each file (a growth may leave
+     * a tensor in a reused shard that a new one now holds: the plan's
+     * owner is served, as nl_manifest_load_stage reads it); NULL: all */
+    cown *own;
     nl_txref ref;
     struct csource *next; /* in the retired list */
 } csource;
@@ -177,6 +184,8 @@ struct nl_coord {
     int resumable;   /* the stages hold a manifest's weights and moments, untouched */
     char *tok_text;  /* the model's tokenizer, or NULL */
     char *init_seed; /* the seed the weights were first drawn from (text), or NULL */
+    struct nl_growth *growth; /* the model's growth history (core/grow.h): the source's, */
+    int n_growth;             /* then the growths since; manifests written carry it */
     nl_plan *plan;
     int planned_once;
     int replan_wanted;   /* a node joined (or a standby left) since the plan was made */
@@ -199,7 +208,8 @@ struct nl_coord {
     int growths;              /* growths since it started (coord_grow.c) */
     coord_growth last_growth; /* the last of them */
     int growing;              /* a growth of --grow auto runs in a worker */
-    uint64_t grow_sig;        /* the live nodes --grow auto last judged */
+    uint64_t grow_sig;        /* the live nodes (and memory options) --grow auto last judged */
+    nl_mem_opts grow_mem;     /* the training memory of the last job (--grow auto judges with it) */
     uint64_t client_drops; /* messages to clients dropped (queue full, or gone) */
     double drop_logged;    /* when a drop was last logged */
 };
@@ -234,6 +244,9 @@ void coord_status_to(nl_coord *c, const uint8_t *rid, size_t rid_len, uint64_t j
  * closing retires the current one. */
 csource *coord_source_new(int n);
 void coord_close_source(nl_coord *c);
+/* Whether the source's file `file` is where the plan takes tensor `name`
+ * (or its moments) from. */
+int coord_source_owns(const csource *src, int file, const char *name);
 /* Unmap the retired sources no send holds any more (all: force). */
 void coord_reap_sources(nl_coord *c, int force);
 /* Forget the plan: the next tick plans and loads again from the source. */
@@ -242,9 +255,12 @@ void coord_drop_plan(nl_coord *c);
 void coord_reload(nl_coord *c);
 /* A verified manifest, opened as a source (coord_manifest_open touches
  * no coordinator state: a worker runs it). */
+struct nl_growth;
 typedef struct cmanifest {
     csource *src;
     char *tok, *seed; /* its tokenizer and initialisation seed, or NULL */
+    struct nl_growth *growth; /* its growth history (core/grow.h), or NULL */
+    int n_growth;
     nl_config cfg;
     int64_t step, adam;
     char path[4096];
@@ -397,10 +413,11 @@ void coord_grow_install(nl_coord *c, coord_grow_work *g, double seconds);
 struct json_t *coord_grow_event(const nl_coord *c, const coord_grow_work *g);
 void coord_grow_release(coord_grow_work *g);
 
-/* --grow auto: when the live nodes changed since the last judgement, the
- * depth nl_sizing_propose_depth proposes for them (with the running
- * job's training memory, or the sizing defaults), if deeper than now and
- * past the hysteresis (nl_sizing_should_change); else 0. */
+/* --grow auto: when the live nodes (or the training memory) changed since
+ * the last judgement, the depth nl_sizing_propose_depth proposes for them
+ * (with the running job's training memory, else the last job's, else the
+ * sizing defaults), if deeper than now and past the hysteresis
+ * (nl_sizing_should_change); else 0. */
 int coord_grow_auto_depth(nl_coord *c);
 /* The loop's turn, at rest (ready, no job): 1 while a growth of --grow
  * auto runs in a worker (the caller then leaves the plan alone). */

@@ -20,6 +20,7 @@
 #include "coord_impl.h"
 #include "core/checkpoint.h"
 #include "core/fileio.h"
+#include "core/grow.h"
 #include "core/train.h"
 
 /* TR_PREPARING: a worker reads the data (and the manifest it resumes);
@@ -547,6 +548,7 @@ static void ckpt_free(cwork *w)
     free((char *)k->mf.train_json);
     free((char *)k->mf.tokenizer);
     free((char *)k->mf.init_seed);
+    free(k->mf.growth);
     coord_manifest_release(&k->out);
     free(k);
 }
@@ -697,9 +699,15 @@ static void write_manifest(nl_coord *c, cjob *j)
                           .train_json = tj ? json_dumps(tj, JSON_COMPACT) : NULL,
                           .tokenizer = dup_or_null(c->tok_text, &oom),
                           .init_seed = dup_or_null(c->init_seed, &oom),
+                          .growth = c->n_growth ? malloc((size_t)c->n_growth * sizeof *c->growth)
+                                                : NULL,
+                          .n_growth = c->n_growth,
                           .n_shards = t->stages,
                           .shards = t->shards};
     json_decref(tj);
+    oom |= c->n_growth && !k->mf.growth;
+    if (k->mf.growth) /* the model's growth history goes on (core/grow.h) */
+        memcpy(k->mf.growth, c->growth, (size_t)c->n_growth * sizeof *c->growth);
     t->shards = fresh;
     snprintf(k->path, sizeof k->path, "%s/step-%06lld/manifest.json", t->ckpt_dir,
              (long long)t->step);

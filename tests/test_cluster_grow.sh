@@ -9,12 +9,23 @@
 #    the growth; 4 more steps on text with the new ids move a new id's row;
 #    `neuroctl train --learn-vocab` grows it again from its own data before
 #    it starts, and the client's log has the growth's event line.
+#  - depth (neurocoord --grow auto): a 2-node cluster (2 layers) trains 20
+#    steps; a third node joins; at rest, right after that checkpoint, the
+#    coordinator grows the model to 3 layers and re-plans over the 3 nodes;
+#    the logits are bit-identical before and after; a second job (with a
+#    smaller microbatch, so more layers fit) grows it again, to 6, right
+#    after its step-30 checkpoint and goes on: the exported models before
+#    and after that growth give bit-identical logits, and the new layers'
+#    weights move in the steps after each growth; the step-40 result then
+#    resumes on a 2-node cluster (another plan) with the same logits.
 set -uo pipefail
 N="$NL_BUILD_DIR/cli/neuroctl"
 DEV=(--device "${NL_TEST_DEVICE:-cpu}")
 export NL_TEST_GFLOPS=20 # equal throughputs: plans do not hang on disturbed probes
 W=$(mktemp -d)
+extra=0
 cleanup() {
+  [ "$extra" -gt 0 ] && kill "$extra" 2>/dev/null && wait "$extra" 2>/dev/null
   for c in "$W"/c*; do "$N" cluster down --dir "$c" >/dev/null 2>&1; done
   rm -rf "$W"
 }
@@ -79,6 +90,27 @@ elif what == "grown":         # grown OLD_MANIFEST NEW_MANIFEST OLD_CAP NEW_CAP
     assert len(grown) == 6, grown   # two tables, each with its two moments
     assert m1["config"]["vocab_size"] > m0["config"]["vocab_size"]
     print("tables and moments grown on stages %s only: %s" % (stages, [k for _, k in grown]))
+elif what == "same":          # same A B: logits bit-identical
+    a, b = tensors(sys.argv[2])["logits"], tensors(sys.argv[3])["logits"]
+    assert a == b, "logits differ"
+    print("logits bit-identical (%s)" % (a[0],))
+elif what == "layers_moved":  # layers_moved A_MANIFEST B_MANIFEST L0 L1: every weight of layers [L0, L1) moved
+    (_, a), (_, b) = shards(sys.argv[2]), shards(sys.argv[3])
+    wa = {k: v for s in a for k, v in s.items() if not k.startswith("optim.")}
+    wb = {k: v for s in b for k, v in s.items() if not k.startswith("optim.")}
+    for l in range(int(sys.argv[4]), int(sys.argv[5])):
+        for k in (x for x in wb if x.startswith("layers.%d." % l)):
+            assert k in wa, k
+            if k.endswith("attention_norm.weight") or k.endswith("ffn_norm.weight"):
+                continue
+            d = max(abs(x - y) for x, y in zip(wa[k][1], wb[k][1]))
+            assert d > 0, "%s did not move" % k
+    print("layers [%s, %s) moved" % (sys.argv[4], sys.argv[5]))
+elif what == "history":       # history MANIFEST KIND...: the manifest's growth history, oldest first
+    m = json.load(open(sys.argv[2]))
+    kinds = [g["kind"] for g in m.get("growth", [])]
+    assert kinds == sys.argv[3:], kinds
+    print("growth history:", kinds)
 elif what == "moved":         # moved A_MANIFEST B_MANIFEST ROW: the embedding row ROW changed
     (_, a), (_, b) = shards(sys.argv[2]), shards(sys.argv[3])
     r = int(sys.argv[4])
@@ -153,6 +185,88 @@ check grep -q '"event":"grow"' "$W/grow.jsonl"
 check grep -q '"grow_step":8' "$W/grow.jsonl"
 check test -f "$W/ck/step-000010/manifest.json"
 check grep -q '"vocab_size": *399' "$W/ck/step-000010/manifest.json"
+
+check $PY "$W/st.py" history "$W/ck/step-000010/manifest.json" vocab vocab
+"$N" cluster down --dir "$C" > /dev/null 2>&1
+
+# ---- depth: --grow auto as a third node joins ----
+sed -e 's/^num_layers: 6/num_layers: 2/' -e 's/^vocab_size: 300/vocab_size: 256/' \
+  -e 's/^vocab_chunk: 64/vocab_chunk: 256/' "$W/cfg.yaml" > "$W/cfg2.yaml"
+# The nodes' memory is chosen by the memory model (core/memory.c) so that,
+# for a job of 2 x 32 rows in 2 microbatches, two nodes hold 2 layers but
+# not the 3 that the hysteresis (1.3x parameters) asks for, and three
+# nodes do; with 1 x 32 rows three nodes hold 6 layers.
+MEM=37952K
+D="$W/cd"
+check "$N" cluster up "${DEV[@]}" --dir "$D" --nodes 2 --config "$W/cfg2.yaml" --seed 3 --memory $MEM \
+  --kv-budget 1M --threads 1 --node-timeout-ms 3000 --timeout 60 --grow auto
+check "$N" train --cluster "$D" --data "$W/data.txt" --steps 20 "${RUN[@]}" --checkpoint-dir "$W/dk" \
+  2> "$W/d1.err"
+check grep -q "on 2 pipeline stages" "$W/d1.err"
+check "$N" forward --cluster "$D" --tokens "$W/ids.safetensors" --out "$W/d_before.safetensors"
+NODE="$NL_BUILD_DIR/node/neuronode"
+"$N" keygen --out "$W/extra" > /dev/null
+echo "$(cat "$W/extra.pub") node  # extra" >> "$D/coord/authorized_keys"
+kill -HUP "$(cat "$D/coord.pid")"
+sleep 0.5
+"$NODE" join "${DEV[@]}" "$(cat "$D/coord/endpoint")" --key "$W/extra.key" \
+  --coordinator-key "$D/coord/coordinator.pub" --memory $MEM --kv-budget 1M --threads 1 \
+  --checkpoint-root / --name extra > "$W/extra.log" 2>&1 &
+extra=$!
+grown=0
+for i in $(seq 1 150); do
+  if "$N" status --cluster "$D" 2> /dev/null > "$W/dstatus.txt" && grep -q "^cluster: ready" "$W/dstatus.txt" &&
+     grep -q "L=3" "$W/dstatus.txt"; then grown=1; break; fi
+  sleep 0.2
+done
+cat "$W/dstatus.txt"
+check test "$grown" -eq 1
+check grep -q "last growth: depth at step 20: L 2 -> 3" "$W/dstatus.txt"
+check test "$(grep -c serving "$W/dstatus.txt")" -eq 3
+check grep -q "the model grows from 2" "$D/coord.log"
+G1="$W/dk/step-000020-depth-3/manifest.json"
+check test -f "$G1"
+check $PY "$W/st.py" history "$G1" depth
+check "$N" forward --cluster "$D" --tokens "$W/ids.safetensors" --out "$W/d_after.safetensors"
+check $PY "$W/st.py" same "$W/d_before.safetensors" "$W/d_after.safetensors"
+
+# a job with smaller microbatches: the nodes hold more layers; it grows at
+# its first checkpoint (step 30) and goes on to step 40
+check "$N" train --cluster "$D" --data "$W/data.txt" --steps 40 --batch 2 --seq 32 --microbatches 2 \
+  --lr 3e-3 --seed 1 --checkpoint-every 10 --checkpoint-dir "$W/dk" --log "$W/d2.jsonl" 2> "$W/d2.err"
+cat "$W/d2.err"
+check grep -q "resuming at step 20" "$W/d2.err"
+check grep -q "the model grew (depth) at step 30: num_layers 3 -> 6" "$W/d2.err"
+check grep -q '"event":"grow".*"grow_step":30' "$W/d2.jsonl"
+check grep -q '"kind":"depth"' "$W/d2.jsonl"
+G2="$W/dk/step-000030-depth-6/manifest.json"
+check test -f "$G2"
+check test -f "$W/dk/step-000040/manifest.json"
+check $PY "$W/st.py" history "$W/dk/step-000040/manifest.json" depth depth
+check $PY "$W/st.py" layers_moved "$G1" "$W/dk/step-000030/manifest.json" 2 3
+check $PY "$W/st.py" layers_moved "$G2" "$W/dk/step-000040/manifest.json" 3 6
+for m in step-000030 step-000030-depth-6; do
+  check "$N" export --manifest "$W/dk/$m" --out "$W/$m.safetensors"
+  check "$N" forward "${DEV[@]}" --model "$W/$m.safetensors" --tokens "$W/ids.safetensors" \
+    --out "$W/$m.logits.safetensors" --threads 1
+done
+check $PY "$W/st.py" same "$W/step-000030.logits.safetensors" "$W/step-000030-depth-6.logits.safetensors"
+check "$N" forward --cluster "$D" --tokens "$W/ids.safetensors" --out "$W/d40.safetensors"
+kill "$extra" 2> /dev/null
+wait "$extra" 2> /dev/null
+"$N" cluster down --dir "$D" > /dev/null 2>&1
+
+# the result resumes from its manifest on another plan (2 nodes)
+R="$W/cr"
+check "$N" cluster up "${DEV[@]}" --dir "$R" --nodes 2 --resume "$W/dk/step-000040" --memory 64M \
+  --kv-budget 1M --threads 1 --node-timeout-ms 3000 --timeout 60
+"$N" status --cluster "$R" > "$W/rstatus.txt"
+check grep -q "L=6" "$W/rstatus.txt"
+check "$N" forward --cluster "$R" --tokens "$W/ids.safetensors" --out "$W/r40.safetensors"
+check $PY "$W/st.py" same "$W/d40.safetensors" "$W/r40.safetensors"
+check "$N" train --cluster "$R" --data "$W/data.txt" --steps 42 --batch 2 --seq 32 --microbatches 2 \
+  --lr 3e-3 --seed 1 --checkpoint-dir "$W/rk" 2> "$W/r.err"
+check grep -q "resuming at step 40" "$W/r.err"
 
 echo "test_cluster_grow: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
