@@ -18,6 +18,10 @@
 #    and after that growth give bit-identical logits, and the new layers'
 #    weights move in the steps after each growth; the step-40 result then
 #    resumes on a 2-node cluster (another plan) with the same logits.
+#  - width: `neuroctl grow --cluster --hidden-dim 64` widens that cluster's
+#    model (32 -> 64, whole heads); logits within 1e-5 (relative) of the
+#    narrow model's, and training goes on without a loss spike: the first
+#    step after it is within the spread of the ten before.
 set -uo pipefail
 N="$NL_BUILD_DIR/cli/neuroctl"
 DEV=(--device "${NL_TEST_DEVICE:-cpu}")
@@ -106,6 +110,20 @@ elif what == "layers_moved":  # layers_moved A_MANIFEST B_MANIFEST L0 L1: every 
             d = max(abs(x - y) for x, y in zip(wa[k][1], wb[k][1]))
             assert d > 0, "%s did not move" % k
     print("layers [%s, %s) moved" % (sys.argv[4], sys.argv[5]))
+elif what == "close":         # close A B TOL: relative L2 distance of the logits at most TOL
+    a, b = tensors(sys.argv[2])["logits"][1], tensors(sys.argv[3])["logits"][1]
+    assert len(a) == len(b)
+    num = sum((x - y) ** 2 for x, y in zip(a, b)); den = sum(x * x for x in a)
+    rel = (num / den) ** 0.5
+    assert rel <= float(sys.argv[4]), rel
+    print("logits within %.2e (relative)" % rel)
+elif what == "no_spike":      # no_spike BEFORE.jsonl AFTER.jsonl: first loss after within the spread before
+    def losses(p):
+        return [r["loss"] for r in map(json.loads, open(p)) if "step" in r and "loss" in r]
+    a, b = losses(sys.argv[2]), losses(sys.argv[3])
+    lo, hi = min(a[-10:]), max(a[-10:])
+    assert b[0] <= hi + 0.5 * (hi - lo), (b[0], lo, hi)
+    print("first loss after widening %.4f; the ten before in [%.4f, %.4f]" % (b[0], lo, hi))
 elif what == "history":       # history MANIFEST KIND...: the manifest's growth history, oldest first
     m = json.load(open(sys.argv[2]))
     kinds = [g["kind"] for g in m.get("growth", [])]
@@ -264,9 +282,29 @@ check "$N" cluster up "${DEV[@]}" --dir "$R" --nodes 2 --resume "$W/dk/step-0000
 check grep -q "L=6" "$W/rstatus.txt"
 check "$N" forward --cluster "$R" --tokens "$W/ids.safetensors" --out "$W/r40.safetensors"
 check $PY "$W/st.py" same "$W/d40.safetensors" "$W/r40.safetensors"
-check "$N" train --cluster "$R" --data "$W/data.txt" --steps 42 --batch 2 --seq 32 --microbatches 2 \
-  --lr 3e-3 --seed 1 --checkpoint-dir "$W/rk" 2> "$W/r.err"
+check "$N" train --cluster "$R" --data "$W/data.txt" --steps 50 --batch 2 --seq 32 --microbatches 2 \
+  --lr 3e-3 --seed 1 --checkpoint-dir "$W/rk" --log "$W/r1.jsonl" 2> "$W/r.err"
 check grep -q "resuming at step 40" "$W/r.err"
+
+# ---- width on the cluster ----
+check "$N" forward --cluster "$R" --tokens "$W/ids.safetensors" --out "$W/w_before.safetensors"
+check "$N" grow --cluster "$R" --hidden-dim 64 2> "$W/w.err"
+cat "$W/w.err"
+check grep -q "grew the model at step 50: hidden_dim 32 -> 64" "$W/w.err"
+"$N" status --cluster "$R" > "$W/wstatus.txt"
+check grep -q "model: d=64 L=6 H=8 G=4" "$W/wstatus.txt"
+check grep -q "last growth: width at step 50: d 32 -> 64" "$W/wstatus.txt"
+check "$N" forward --cluster "$R" --tokens "$W/ids.safetensors" --out "$W/w_after.safetensors"
+check $PY "$W/st.py" close "$W/w_before.safetensors" "$W/w_after.safetensors" 1e-5
+check "$N" train --cluster "$R" --data "$W/data.txt" --steps 60 --batch 2 --seq 32 --microbatches 2 \
+  --lr 3e-3 --seed 1 --checkpoint-dir "$W/rk" --log "$W/r2.jsonl" 2> "$W/r2.err"
+check grep -q "resuming at step 50" "$W/r2.err"
+check $PY "$W/st.py" no_spike "$W/r1.jsonl" "$W/r2.jsonl"
+check $PY "$W/st.py" history "$W/rk/step-000060/manifest.json" depth depth width
+# by hand between jobs only; a depth the model has is refused by name
+"$N" grow --cluster "$R" --layers 6 2> "$W/w2.err"
+check test $? -eq 1
+check grep -q "the model has 6 already" "$W/w2.err"
 
 echo "test_cluster_grow: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
