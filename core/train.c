@@ -1,7 +1,9 @@
 /* The stage trainer: saved activations per microbatch slot, the backward
- * pass through head, layers and embedding, and AdamW. */
+ * pass through head, layers and embedding, and AdamW (whose parameters
+ * created by growth count their bias correction from their birth). */
 #include "train.h"
 
+#include "grow.h"
 #include "lora.h"
 
 #include <math.h>
@@ -25,6 +27,17 @@ typedef struct train_slot {
     float *clogits;      /* (B, K) class logits, then their gradient */
     int32_t *labels_d;   /* (B) */
 } train_slot;
+
+/* Part of parameter `param` that a growth created when `born` AdamW steps
+ * had been taken (rows x columns of the tensor; a 1-D one is a column). */
+typedef struct born_region {
+    int param;
+    nl_grow_rect r;
+    int64_t born;
+} born_region;
+
+/* Floats of one band of a parameter stepped at a time around its regions. */
+#define BORN_CHUNK ((size_t)1 << 20)
 
 struct nl_trainer {
     nl_model *m;
@@ -54,6 +67,11 @@ struct nl_trainer {
     double *aux_d;        /* (1) one forward's aux loss */
     int use_global;
     int inject_nan;
+    /* AdamW after growth: the regions growth created, by parameter, each
+     * with the AdamW step it was born at (docs/training.md) */
+    born_region *born;
+    int n_born;
+    float *born_buf; /* 4 x BORN_CHUNK floats: a band's regions gathered */
 };
 
 nl_adamw_opts nl_adamw_defaults(void)
@@ -155,6 +173,39 @@ static void slot_free(nl_trainer *t, train_slot *s)
     be->free(be, s->logits);
 }
 
+/* The regions the model's growth history created in its parameters (only
+ * those born after step 0: earlier ones count from step 1 like the rest),
+ * and the scratch their update needs. */
+static nl_status born_regions(nl_trainer *t, nl_error *err)
+{
+    const nl_model *m = t->m;
+    for (int pass = 0; pass < 2; pass++) { /* count, then fill */
+        t->n_born = 0;
+        for (int i = 0; i < m->n_table; i++) {
+            const nl_param *p = &m->table[i];
+            const int64_t R = p->shape[0], C = p->ndim == 2 ? p->shape[1] : 1;
+            for (int h = 0; h < m->n_growth; h++) {
+                nl_grow_rect r[2];
+                const int n =
+                    m->growth[h].adam_steps > 0 ? nl_growth_regions(&m->growth[h], p->name, r) : 0;
+                for (int k = 0; k < n; k++) {
+                    if (r[k].r1 > R || r[k].c1 > C || r[k].r0 >= r[k].r1 || r[k].c0 >= r[k].c1)
+                        continue; /* not this tensor's shape: history of another config */
+                    if (pass)
+                        t->born[t->n_born] = (born_region){i, r[k], m->growth[h].adam_steps};
+                    t->n_born++;
+                }
+            }
+        }
+        if (pass || t->n_born == 0)
+            break;
+        if (!(t->born = calloc((size_t)t->n_born, sizeof *t->born)) ||
+            !(t->born_buf = t->be->alloc(t->be, 4 * BORN_CHUNK * sizeof(float))))
+            return nl_error_set(err, NL_ERR_NOMEM, "trainer: out of memory for growth regions");
+    }
+    return NL_OK;
+}
+
 nl_status nl_trainer_new(nl_trainer **out, nl_model *m, int max_rows, int slots, int recompute,
                          nl_error *err)
 {
@@ -207,6 +258,8 @@ nl_status nl_trainer_new(nl_trainer **out, nl_model *m, int max_rows, int slots,
                           m->n_params);
         goto fail;
     }
+    if (!m->lora && (st = born_regions(t, err)) != NL_OK)
+        goto fail;
     if ((st = nl_layer_acts_alloc(&t->work, be, c, max_rows, 1, err)) != NL_OK ||
         (st = nl_layer_scratch_alloc(&t->sc, be, c, max_rows, err)) != NL_OK)
         goto fail;
@@ -235,7 +288,7 @@ void nl_trainer_destroy(nl_trainer **tp)
         nl_layer_scratch_free(&t->sc, be);
     void *dev[] = {t->grads,     t->mom[0],   t->mom[1],   t->dbuf[0],       t->dbuf[1], t->pos_d,
                    t->targets_d, t->losses_d, t->counts_d, t->global_frac_d, t->aux_d, t->doc_d,
-                   t->dpooled};
+                   t->dpooled, t->born_buf};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         be->free(be, dev[i]);
     free(t->pos_h);
@@ -247,6 +300,7 @@ void nl_trainer_destroy(nl_trainer **tp)
     free(t->losses_h);
     free(t->counts);
     free(t->global_frac);
+    free(t->born);
     free(t);
     *tp = NULL;
 }
@@ -604,6 +658,69 @@ double nl_trainer_grad_sumsq(const nl_trainer *t)
     return t->be->sumsq(t->be, t->grads, t->m->n_params);
 }
 
+/* Bias corrections of a region born at `born`, at step t (float, as the
+ * slot takes them). */
+static void born_bc(nl_adamw_opts o, int64_t t, int64_t born, float *bc1, float *bc2)
+{
+    const double k = (double)(t - born > 0 ? t - born : 1);
+    *bc1 = (float)(1.0 - pow(o.beta1, k));
+    *bc2 = (float)(1.0 - pow(o.beta2, k));
+}
+
+/* One AdamW step of parameter p whose regions b[0..n) (some may have the
+ * global corrections by now) count from their birth. Band by band: the
+ * regions' parts gathered, the whole band stepped with the global
+ * corrections, the gathered copies with their own, then scattered back.
+ * Each element's update is elementwise, so the old elements get exactly
+ * the bits one call over the tensor gives. */
+static void step_born(nl_trainer *t, const nl_param *p, const born_region *b, int n, float lr,
+                      float grad_scale, nl_adamw_opts o, float wd, float bc1, float bc2)
+{
+    nl_backend *be = t->be;
+    const int64_t R = p->shape[0], C = p->ndim == 2 ? p->shape[1] : 1;
+    const int64_t band = (int64_t)BORN_CHUNK / C > 0 ? (int64_t)BORN_CHUNK / C : 1;
+    float *base[4] = {t->m->params + p->offset, t->grads + p->offset, t->mom[0] + p->offset,
+                      t->mom[1] + p->offset};
+    float *buf[4];
+    for (int j = 0; j < 4; j++)
+        buf[j] = t->born_buf + (size_t)j * BORN_CHUNK;
+    for (int64_t r = 0; r < R; r += band) {
+        const int64_t r_end = r + band < R ? r + band : R;
+        size_t off = 0;
+        for (int i = 0; i < n; i++) { /* gather */
+            const int64_t a = b[i].r.r0 > r ? b[i].r.r0 : r,
+                          z = b[i].r.r1 < r_end ? b[i].r.r1 : r_end;
+            const int64_t w = b[i].r.c1 - b[i].r.c0;
+            if (a >= z)
+                continue;
+            for (int j = 0; j < 4; j++)
+                be->copy_rows(be, buf[j] + off, (int)w, base[j] + a * C + b[i].r.c0, (int)C,
+                              (int)(z - a), (int)w);
+            off += (size_t)((z - a) * w);
+        }
+        be->adamw(be, base[0] + r * C, base[1] + r * C, base[2] + r * C, base[3] + r * C,
+                  (size_t)((r_end - r) * C), lr, o.beta1, o.beta2, o.eps, wd, bc1, bc2, grad_scale);
+        off = 0;
+        for (int i = 0; i < n; i++) { /* the regions' own step, scattered back */
+            const int64_t a = b[i].r.r0 > r ? b[i].r.r0 : r,
+                          z = b[i].r.r1 < r_end ? b[i].r.r1 : r_end;
+            const int64_t w = b[i].r.c1 - b[i].r.c0;
+            if (a >= z)
+                continue;
+            float rb1, rb2;
+            born_bc(o, t->adam_t, b[i].born, &rb1, &rb2);
+            const size_t cnt = (size_t)((z - a) * w);
+            be->adamw(be, buf[0] + off, buf[1] + off, buf[2] + off, buf[3] + off, cnt, lr, o.beta1,
+                      o.beta2, o.eps, wd, rb1, rb2, grad_scale);
+            for (int j = 0; j < 4; j++)
+                if (j != 1) /* the gradient is read, not written */
+                    be->copy_rows(be, base[j] + a * C + b[i].r.c0, (int)C, buf[j] + off, (int)w,
+                                  (int)(z - a), (int)w);
+            off += cnt;
+        }
+    }
+}
+
 void nl_trainer_step(nl_trainer *t, float lr, float grad_scale, nl_adamw_opts o)
 {
     nl_model *m = t->m;
@@ -616,12 +733,24 @@ void nl_trainer_step(nl_trainer *t, float lr, float grad_scale, nl_adamw_opts o)
                      o.beta1, o.beta2, o.eps, 0.0f, bc1, bc2, grad_scale);
         return;
     }
+    int b = 0; /* t->born is in parameter order */
     for (int i = 0; i < m->n_table; i++) {
         const nl_param *p = &m->table[i];
         const float wd = p->kind == NL_PARAM_NORM ? 0.0f : o.weight_decay;
-        t->be->adamw(t->be, m->params + p->offset, t->grads + p->offset, t->mom[0] + p->offset,
-                     t->mom[1] + p->offset, nl_param_numel(p), lr, o.beta1, o.beta2, o.eps, wd,
-                     bc1, bc2, grad_scale);
+        int n = 0, live = 0;
+        while (b + n < t->n_born && t->born[b + n].param == i) {
+            float rb1, rb2; /* a region whose corrections have caught up is like the rest */
+            born_bc(o, t->adam_t, t->born[b + n].born, &rb1, &rb2);
+            live |= rb1 != bc1 || rb2 != bc2;
+            n++;
+        }
+        if (live)
+            step_born(t, p, t->born + b, n, lr, grad_scale, o, wd, bc1, bc2);
+        else
+            t->be->adamw(t->be, m->params + p->offset, t->grads + p->offset, t->mom[0] + p->offset,
+                         t->mom[1] + p->offset, nl_param_numel(p), lr, o.beta1, o.beta2, o.eps, wd,
+                         bc1, bc2, grad_scale);
+        b += n;
     }
 }
 

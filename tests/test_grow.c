@@ -445,6 +445,126 @@ static void test_history(nl_backend *be)
     nl_model_destroy(&m);
 }
 
+/* ---------------------------------------------------------------- AdamW */
+
+/* One step of model `a` (with its history) and of `b` (the same weights
+ * and moments, no history). Elements outside every region must get the
+ * same bits; those inside must follow AdamW with the corrections of their
+ * birth at `born`. Returns the number of region elements checked. */
+static size_t step_pair(nl_backend *be, nl_model *a, nl_model *b, float **mom, int64_t adam,
+                        int64_t born, int expect_live)
+{
+    nl_error err = {0};
+    nl_trainer *ta = NULL, *tb = NULL;
+    nl_step_result r;
+    int32_t tok[B * T], tgt[B * T];
+    const size_t n = a->n_params;
+    const nl_adamw_opts o = nl_adamw_defaults();
+    const float lr = 1e-2f;
+    size_t checked = 0;
+    CHECK_OK(nl_trainer_new(&ta, a, B * T, 1, 0, &err), &err);
+    CHECK_OK(nl_trainer_new(&tb, b, B * T, 1, 0, &err), &err);
+    if (!ta || !tb)
+        goto out;
+    nl_trainer *both[2] = {ta, tb};
+    for (int k = 0; k < 2; k++) {
+        be->copy_rows(be, nl_trainer_moment(both[k], 0), 0, mom[0], 0, 1, (int)n);
+        be->copy_rows(be, nl_trainer_moment(both[k], 1), 0, mom[1], 0, 1, (int)n);
+        nl_trainer_set_adam_steps(both[k], adam);
+    }
+    float *p0 = check_download(be, a->params, n);
+    batch(tok, tgt, (int)a->cfg.vocab_size, 4);
+    /* no clipping: grad_scale 1 */
+    CHECK_OK(nl_trainer_step_local(ta, tok, tgt, B, T, 1, lr, 1e9f, o, &r, &err), &err);
+    CHECK_OK(nl_trainer_step_local(tb, tok, tgt, B, T, 1, lr, 1e9f, o, &r, &err), &err);
+    float *pa = check_download(be, a->params, n), *pb = check_download(be, b->params, n);
+    float *g = check_download(be, nl_trainer_grads(ta), n);
+    float *m0 = check_download(be, mom[0], n), *v0 = check_download(be, mom[1], n);
+    const double k = (double)(adam + 1 - born);
+    const float bc1 = (float)(1.0 - pow(o.beta1, k)), bc2 = (float)(1.0 - pow(o.beta2, k));
+    int outside = 1, inside = 1, differs = 0;
+    for (int i = 0; i < a->n_table; i++) {
+        const nl_param *p = &a->table[i];
+        const int64_t C = p->ndim == 2 ? p->shape[1] : 1;
+        for (size_t e = 0; e < nl_param_numel(p); e++) {
+            const int64_t row = (int64_t)e / C, col = (int64_t)e % C;
+            int in = 0;
+            for (int h = 0; h < a->n_growth && !in; h++) {
+                nl_grow_rect rr[2];
+                const int nr = nl_growth_regions(&a->growth[h], p->name, rr);
+                for (int q = 0; q < nr; q++)
+                    in |= row >= rr[q].r0 && row < rr[q].r1 && col >= rr[q].c0 && col < rr[q].c1;
+            }
+            const size_t j = p->offset + e;
+            if (!in || !expect_live) {
+                outside &= memcmp(&pa[j], &pb[j], 4) == 0;
+                continue;
+            }
+            const float wd = p->kind == NL_PARAM_NORM ? 0.0f : o.weight_decay;
+            const float mi = o.beta1 * m0[j] + (1.0f - o.beta1) * g[j];
+            const float vi = o.beta2 * v0[j] + (1.0f - o.beta2) * g[j] * g[j];
+            const float want = p0[j] - lr * (mi / bc1 / (sqrtf(vi / bc2) + o.eps) + wd * p0[j]);
+            inside &= fabsf(pa[j] - want) <= 1e-6f * fmaxf(1.0f, fabsf(want));
+            differs |= pa[j] != pb[j];
+            checked++;
+        }
+    }
+    CHECK(outside, "old elements: the same bits as without growth regions");
+    if (expect_live) {
+        CHECK(inside, "new elements: bias correction counted from their birth");
+        CHECK(differs, "and that differs from counting from step 1");
+    }
+    free(p0);
+    free(pa);
+    free(pb);
+    free(g);
+    free(m0);
+    free(v0);
+out:
+    nl_trainer_destroy(&ta);
+    nl_trainer_destroy(&tb);
+    return checked;
+}
+
+static void test_adamw(nl_backend *be)
+{
+    nl_error err = {0};
+    nl_model *a = NULL, *b = NULL;
+    float *mom[2];
+    int64_t adam = 0;
+    nl_config c = cfg_with(100);
+    CHECK_OK(nl_model_new(&a, be, &c, 0, 2, 1, 1, &err), &err);
+    if (!a)
+        return;
+    CHECK_OK(nl_model_init_random(a, 42, &err), &err);
+    moments_new(be, a, mom);
+    train(a, mom, &adam, 3, 0);
+    /* all three kinds at step 3 */
+    nl_config c0 = a->cfg;
+    CHECK_OK(nl_model_grow_vocab(a, 200, 42, mom, 2, &err), &err);
+    nl_config c1 = a->cfg;
+    CHECK_OK(nl_model_grow_depth(a, 3, 42, mom, 2, &err), &err);
+    nl_config c2 = a->cfg;
+    CHECK_OK(nl_model_grow_width(a, 64, 40, 42, mom, 2, &err), &err);
+    nl_growth h[3] = {{3, NL_GROW_VOCAB, c0, c1, adam},
+                      {3, NL_GROW_DEPTH, c1, c2, adam},
+                      {3, NL_GROW_WIDTH, c2, a->cfg, adam}};
+    CHECK_OK(nl_model_set_growth(a, h, 3, &err), &err);
+    CHECK_OK(nl_model_new(&b, be, &a->cfg, 0, 3, 1, 1, &err), &err);
+    if (b) {
+        be->copy_rows(be, b->params, 0, a->params, 0, 1, (int)a->n_params);
+        size_t n = step_pair(be, a, b, mom, adam, adam, 1);
+        CHECK(n > a->n_params / 2, "%zu new elements checked", n);
+        /* 400 steps after birth the corrections agree in float: no region is live */
+        be->copy_rows(be, b->params, 0, a->params, 0, 1, (int)a->n_params);
+        step_pair(be, a, b, mom, adam + 400, adam, 0);
+    }
+    be->free(be, mom[0]);
+    be->free(be, mom[1]);
+    nl_model_destroy(&a);
+    nl_model_destroy(&b);
+}
+
 /* ---------------------------------------------------------------- manifest */
 
 static char dir[256];
@@ -633,6 +753,7 @@ int main(void)
     test_depth(be);
     test_width(be);
     test_history(be);
+    test_adamw(be);
     test_manifest(be);
     nl_backend_destroy(&be);
     return check_done("test_grow");
