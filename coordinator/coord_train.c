@@ -25,6 +25,10 @@
 
 /* TR_PREPARING: a worker reads the data (and the manifest it resumes);
  * TR_LOADING: the cluster loads */
+/* The growth entries a training job sends its stages, at most (the wire
+ * takes 64 params; the job's own are 9). */
+#define COORD_GROWTH_PARAMS 48
+
 /* TR_GROW: at a checkpoint, a worker grows the model (--grow auto) */
 typedef enum { TR_PREPARING = 0, TR_LOADING, TR_BEGIN, TR_STEP, TR_EVAL, TR_CKPT, TR_GROW } tr_phase;
 
@@ -245,6 +249,40 @@ static int plan_for_training(nl_coord *c, cjob *j)
     return 0;
 }
 
+/* The model's growth history for the stages (params growth.N, one entry
+ * each: a parameter string holds at most 4096 bytes): their trainers count
+ * the AdamW bias correction of what a growth created from its birth, as
+ * local training does (node/stage_train.c). Entries born at step 0 change
+ * nothing and are left out; of the others the last COORD_GROWTH_PARAMS go.
+ * Returns how many params it filled; texts[] are the caller's to free. */
+static int growth_params(const nl_coord *c, nl_wire_param *ps, char keys[][24], char **texts)
+{
+    int n = 0, first = c->n_growth;
+    for (int i = c->n_growth - 1; i >= 0 && n < COORD_GROWTH_PARAMS; i--)
+        if (c->growth[i].adam_steps > 0) {
+            first = i;
+            n++;
+        }
+    n = 0;
+    for (int i = first; i < c->n_growth; i++) {
+        char *text = c->growth[i].adam_steps > 0 ? nl_growth_to_json(&c->growth[i], 1) : NULL;
+        if (!text)
+            continue;
+        if (strlen(text) > 4096) {
+            NL_WARN("growth entry %d is longer than a parameter: its new parameters' AdamW bias "
+                    "correction counts from step 1",
+                    i);
+            free(text);
+            continue;
+        }
+        snprintf(keys[n], sizeof keys[n], "growth.%d", i);
+        texts[n] = text;
+        ps[n] = (nl_wire_param){.key = keys[n], .kind = NL_WIRE_PARAM_STR, .s = text};
+        n++;
+    }
+    return n;
+}
+
 static void begin(nl_coord *c, cjob *j)
 {
     ctrain *t = j->state;
@@ -273,7 +311,7 @@ static void begin(nl_coord *c, cjob *j)
              (long long)t->start);
         return;
     }
-    nl_wire_param ps[9] = {
+    nl_wire_param ps[9 + COORD_GROWTH_PARAMS] = {
         {.key = "job", .kind = NL_WIRE_PARAM_INT, .i = (int64_t)j->id},
         {.key = "micro_batch", .kind = NL_WIRE_PARAM_INT, .i = t->batch / t->micro},
         {.key = "seq", .kind = NL_WIRE_PARAM_INT, .i = t->seq},
@@ -286,12 +324,16 @@ static void begin(nl_coord *c, cjob *j)
          .kind = NL_WIRE_PARAM_INT,
          .i = t->eval_every > 0 ? t->eval_batches * t->micro : 0},
     };
+    char keys[COORD_GROWTH_PARAMS][24], *texts[COORD_GROWTH_PARAMS] = {NULL};
+    const int np = 9 + growth_params(c, ps + 9, keys, texts);
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
-    m.u.job_submit = (nl_msg_job_submit){NL_JOB_TRAIN, 9, ps};
+    m.u.job_submit = (nl_msg_job_submit){NL_JOB_TRAIN, (uint32_t)np, ps};
     int lost = 0, rc = send_all(c, &m, &lost);
     nl_wire_msg_free(&m);
+    for (int i = 0; i < COORD_GROWTH_PARAMS; i++)
+        free(texts[i]);
     if (rc != 0) {
         unreachable(c, j, lost);
         return;

@@ -124,6 +124,15 @@ elif what == "no_spike":      # no_spike BEFORE.jsonl AFTER.jsonl: first loss af
     lo, hi = min(a[-10:]), max(a[-10:])
     assert b[0] <= hi + 0.5 * (hi - lo), (b[0], lo, hi)
     print("first loss after widening %.4f; the ten before in [%.4f, %.4f]" % (b[0], lo, hi))
+elif what == "weights":       # weights A B: every tensor (weights and moments) within 1e-5
+    a, b = tensors(sys.argv[2]), tensors(sys.argv[3])
+    assert set(a) == set(b), set(a) ^ set(b)
+    def rel(x, y):
+        num = sum((p - q) ** 2 for p, q in zip(x, y)); den = sum(q * q for q in y)
+        return (num / den) ** 0.5 if den else num ** 0.5
+    worst = max((rel(a[k][1], b[k][1]), k) for k in b)
+    print("%d tensors: worst relative error %.2e (%s)" % (len(b), worst[0], worst[1]))
+    assert worst[0] <= 1e-5, worst
 elif what == "history":       # history MANIFEST KIND...: the manifest's growth history, oldest first
     m = json.load(open(sys.argv[2]))
     kinds = [g["kind"] for g in m.get("growth", [])]
@@ -269,6 +278,13 @@ for m in step-000030 step-000030-depth-6; do
     --out "$W/$m.logits.safetensors" --threads 1
 done
 check $PY "$W/st.py" same "$W/step-000030.logits.safetensors" "$W/step-000030-depth-6.logits.safetensors"
+# the grown model trains on the cluster as in one process: the new layers'
+# AdamW bias correction counts from their birth (step 20) on both
+check "$N" export --manifest "$W/dk/step-000020-depth-3" --out "$W/g1.safetensors"
+check "$N" train "${DEV[@]}" --resume "$W/g1.safetensors" --data "$W/data.txt" --steps 40 --batch 2 \
+  --seq 32 --microbatches 2 --lr 3e-3 --seed 1 --checkpoint-every 10 --checkpoint-dir "$W/lk" \
+  --threads 1 --out "$W/l40.safetensors" 2> "$W/l.err"
+check $PY "$W/st.py" weights "$W/step-000030.safetensors" "$W/lk/step-000030.safetensors"
 check "$N" forward --cluster "$D" --tokens "$W/ids.safetensors" --out "$W/d40.safetensors"
 kill "$extra" 2> /dev/null
 wait "$extra" 2> /dev/null
