@@ -1,19 +1,20 @@
 /* Growth of the cluster's model (issue 16, DESIGN.md section 5): the
  * `grow` job kind (neuroctl tokenizer learn --cluster, neuroctl grow
- * --cluster) and the vocabulary growth a training job runs before it
- * starts (--learn-vocab, coord_train.c).
+ * --cluster), the growth a training job runs before it starts
+ * (--learn-vocab, coord_train.c) and `--grow auto` (depth as nodes join:
+ * at rest here, at a training checkpoint in coord_train.c).
  *
- * Every growth follows one path: a worker (coord_work.c) reads the
- * source the stages hold (the last verified manifest, or the seed), writes
- * the grown model as a new manifest beside it (every shard rewritten with
- * the new config; the tables and their AdamW moments of the embedding and
- * head stages grown by whole vocab_chunks with nl_model_grow_vocab, every
- * other tensor copied unchanged), verifies it, and on the loop the
- * coordinator makes it the source and reloads the stages. A cluster that
- * starts from the seed has no files: its vocabulary grows by config alone
- * (new table rows come from the same per-chunk streams the nodes draw the
- * old ones from). Growth is refused while the stages hold weights trained
- * since the last checkpoint: a reload would lose them. */
+ * Every growth follows one path: on the loop, coord_grow_prepare copies
+ * what it needs; a worker (coord_work.c) lets the tokenizer learn (for the
+ * vocabulary) and writes the grown model as a new manifest beside the one
+ * the stages hold (nl_manifest_grow, core/grow.h: shards it leaves alone
+ * reused, new moments zero, a history entry per grown dimension) and
+ * verifies it; back on the loop coord_grow_install makes it the source and
+ * reloads the stages on a new plan. A cluster that serves the seed has no
+ * files: its vocabulary grows by config alone (the nodes draw the new table
+ * rows from the same per-chunk streams as the old ones). Growth is refused
+ * while the stages hold weights trained since the last checkpoint: a
+ * reload would lose them. */
 #include <errno.h>
 #include <jansson.h>
 #include <limits.h>
@@ -263,12 +264,14 @@ void coord_grow_install(nl_coord *c, coord_grow_work *g, double seconds)
         c->cfg = g->grown;
         coord_reload(c);
         /* no manifest holds the history yet: the next one written will */
-        nl_growth *h = realloc(c->growth, (size_t)(c->n_growth + 1) * sizeof *h);
+        nl_growth *h = before.vocab_size == c->cfg.vocab_size
+                           ? NULL /* the tokenizer alone: nothing grew */
+                           : realloc(c->growth, (size_t)(c->n_growth + 1) * sizeof *h);
         if (h) {
             h[c->n_growth++] = (nl_growth){.step = step, .kind = NL_GROW_VOCAB, .before = before,
                                            .after = c->cfg, .adam_steps = 0};
             c->growth = h;
-        } else {
+        } else if (before.vocab_size != c->cfg.vocab_size) {
             NL_WARN("grow: out of memory for the growth history");
         }
     }
