@@ -215,6 +215,28 @@ check grep -q '"vocab_size": *399' "$W/ck/step-000010/manifest.json"
 check $PY "$W/st.py" history "$W/ck/step-000010/manifest.json" vocab vocab
 "$N" cluster down --dir "$C" > /dev/null 2>&1
 
+# ---- a cluster that serves the seed grows its vocabulary by config ----
+S="$W/cs"
+check "$N" cluster up "${DEV[@]}" --dir "$S" --nodes 2 --config "$W/cfg.yaml" --seed 5 --memory 64M \
+  --kv-budget 1M --threads 1 --node-timeout-ms 3000 --timeout 60
+check "$N" forward --cluster "$S" --tokens "$W/ids.safetensors" --out "$W/s_before.safetensors"
+check "$N" tokenizer learn --cluster "$S" --input "$W/new.txt" --add 100 2> "$W/s.err"
+check grep -q "vocabulary 300 -> 359" "$W/s.err"
+check "$N" forward --cluster "$S" --tokens "$W/ids.safetensors" --out "$W/s_after.safetensors"
+check $PY "$W/st.py" same_old "$W/s_before.safetensors" "$W/s_after.safetensors" 300
+# its first checkpoint keeps the growth in its history
+check "$N" train --cluster "$S" --data "$W/new.txt" --steps 2 "${RUN[@]}" --checkpoint-dir "$W/sk" 2> /dev/null
+check $PY "$W/st.py" history "$W/sk/step-000002/manifest.json" vocab
+"$N" cluster down --dir "$S" > /dev/null 2>&1
+# a cluster that serves a checkpoint file is told how to grow
+check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
+check "$N" cluster up "${DEV[@]}" --dir "$S" --nodes 1 --model "$W/m.safetensors" --memory 64M \
+  --kv-budget 1M --threads 1 --node-timeout-ms 3000 --timeout 60
+"$N" grow --cluster "$S" --layers 8 2> "$W/s2.err"
+check test $? -eq 1
+check grep -q "growth needs a training manifest" "$W/s2.err"
+"$N" cluster down --dir "$S" > /dev/null 2>&1
+
 # ---- depth: --grow auto as a third node joins ----
 sed -e 's/^num_layers: 6/num_layers: 2/' -e 's/^vocab_size: 300/vocab_size: 256/' \
   -e 's/^vocab_chunk: 64/vocab_chunk: 256/' "$W/cfg.yaml" > "$W/cfg2.yaml"
