@@ -19,7 +19,7 @@ static const struct {
     {"train", nl_cmd_train, "train a model in this process, or on a cluster (--coordinator)"},
     {"finetune", nl_cmd_finetune, "train LoRA adapters on a frozen model (writes the adapter file)"},
     {"lora", nl_cmd_lora, "lora merge: fold an adapter into a full checkpoint"},
-    {"grow", nl_cmd_grow, "grow a checkpoint's vocabulary (tables and optimizer moments)"},
+    {"grow", nl_cmd_grow, "grow a checkpoint's vocabulary, depth or width (function-preserving)"},
     {"export", nl_cmd_export, "join a sharded checkpoint, or write a Hugging Face directory"},
     {"import", nl_cmd_import, "convert a Hugging Face Mixtral directory into a checkpoint"},
     {"bench", nl_cmd_bench, "measure forward, decode, training and GEMM throughput"},

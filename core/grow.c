@@ -197,6 +197,8 @@ static nl_status regrow(nl_model *m, const nl_config *c, int l1, nl_grow_kind ki
     }
     if (st != NL_OK)
         goto out;
+    if (be->wrote) /* copy_rows is not a slot that marks a bf16 copy stale */
+        be->wrote(be, g->params, g->n_params * sizeof(float));
     /* the grown block into m; the history stays with m */
     nl_model tmp = *m;
     *m = *g;

@@ -99,17 +99,23 @@ elif what == "same":          # same A B: logits bit-identical
     a, b = tensors(sys.argv[2])["logits"], tensors(sys.argv[3])["logits"]
     assert a == b, "logits differ"
     print("logits bit-identical (%s)" % (a[0],))
-elif what == "layers_moved":  # layers_moved A_MANIFEST B_MANIFEST L0 L1: every weight of layers [L0, L1) moved
+elif what == "layers_moved":  # layers_moved A_MANIFEST B_MANIFEST L0 L1: layers [L0, L1) train
+    # every weight outside the experts moved (wo: the block is no longer the
+    # identity), and some expert's w_down did (an expert no token was routed
+    # to in these steps keeps its zero w_down)
     (_, a), (_, b) = shards(sys.argv[2]), shards(sys.argv[3])
     wa = {k: v for s in a for k, v in s.items() if not k.startswith("optim.")}
     wb = {k: v for s in b for k, v in s.items() if not k.startswith("optim.")}
     for l in range(int(sys.argv[4]), int(sys.argv[5])):
+        downs = 0
         for k in (x for x in wb if x.startswith("layers.%d." % l)):
             assert k in wa, k
-            if k.endswith("attention_norm.weight") or k.endswith("ffn_norm.weight"):
-                continue
-            d = max(abs(x - y) for x, y in zip(wa[k][1], wb[k][1]))
-            assert d > 0, "%s did not move" % k
+            moved = max(abs(x - y) for x, y in zip(wa[k][1], wb[k][1])) > 0
+            if ".experts." in k:
+                downs += moved and k.endswith("w_down.weight")
+            elif not k.endswith("norm.weight"):
+                assert moved, "%s did not move" % k
+        assert downs > 0, "no w_down of layer %d moved" % l
     print("layers [%s, %s) moved" % (sys.argv[4], sys.argv[5]))
 elif what == "close":         # close A B TOL: relative L2 distance of the logits at most TOL
     a, b = tensors(sys.argv[2])["logits"][1], tensors(sys.argv[3])["logits"][1]
