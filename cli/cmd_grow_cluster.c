@@ -160,9 +160,10 @@ int nl_cmd_remote_grow(int argc, char **argv)
     for (int i = 1; i < argc; i++)
         if (strcmp(argv[i], "--model") == 0 || strcmp(argv[i], "--vocab-size") == 0 ||
             strcmp(argv[i], "--manifest") == 0) {
-            fprintf(stderr, "neuroctl grow: %s is for a local model; a cluster grows its own "
-                            "(--layers, --hidden-dim, --ffn-dim; the vocabulary: neuroctl "
-                            "tokenizer learn --cluster)\n",
+            fprintf(stderr,
+                    "neuroctl grow: %s is for a local model; a cluster grows its own "
+                    "(--layers, --hidden-dim, --ffn-dim; the vocabulary: neuroctl "
+                    "tokenizer learn --cluster)\n",
                     argv[i]);
             return 2;
         }

@@ -238,8 +238,8 @@ static void on_grow(watch *w, const json_t *ev)
     for (int i = 0; i < 4; i++) {
         const long long a = integer(from, keys[i], 0), b = integer(to, keys[i], 0);
         if (a != b && at < sizeof what)
-            at += (size_t)snprintf(what + at, sizeof what - at, "%s%s %lld -> %lld",
-                                   at ? ", " : "", keys[i], a, b);
+            at += (size_t)snprintf(what + at, sizeof what - at, "%s%s %lld -> %lld", at ? ", " : "",
+                                   keys[i], a, b);
     }
     nl_train_progress_break(&w->prog);
     fprintf(stderr, "the model grew (%s) at step %lld: %s\n", kind ? kind : "?",
@@ -499,8 +499,8 @@ static nl_status submit(nl_remote *r, const rtrain_opts *o, nl_error *err)
     };
     int n = 17;
     if (o->learn_vocab > 0)
-        ps[n++] = (nl_wire_param){.key = "learn_vocab", .kind = NL_WIRE_PARAM_INT,
-                                  .i = o->learn_vocab};
+        ps[n++] =
+            (nl_wire_param){.key = "learn_vocab", .kind = NL_WIRE_PARAM_INT, .i = o->learn_vocab};
     if (o->resume)
         ps[n++] = (nl_wire_param){.key = "resume", .kind = NL_WIRE_PARAM_STR, .s = o->resume};
     return nl_remote_submit(r, NL_JOB_TRAIN, ps, n, NULL, 0, 0, err);

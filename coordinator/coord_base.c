@@ -169,8 +169,8 @@ nl_status coord_manifest_open(cmanifest *out, const char *path, const char *root
                         !(out->src->own = calloc((size_t)m->n_shards, sizeof *out->src->own))))
         st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
     for (int i = 0; st == NL_OK && i < m->n_shards; i++) /* what the plan takes from each */
-        out->src->own[i] = (cown){m->shards[i].l0, m->shards[i].l1, m->shards[i].has_embed,
-                                  m->shards[i].has_head};
+        out->src->own[i] =
+            (cown){m->shards[i].l0, m->shards[i].l1, m->shards[i].has_embed, m->shards[i].has_head};
     /* each shard read whole, hashed, and served from that very copy: what
      * was verified is what the stages get (a file changed since cannot be) */
     if (st == NL_OK)

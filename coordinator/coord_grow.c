@@ -42,13 +42,12 @@ static const char *kind_name(int kind)
 
 json_t *coord_growth_json(const coord_growth *g)
 {
-    return json_pack("{s:s,s:I,s:{s:I,s:i,s:i,s:i},s:{s:I,s:i,s:i,s:i},s:f}", "kind",
-                     kind_name(g->kind), "step", (json_int_t)g->step, "from", "vocab_size",
-                     (json_int_t)g->before.vocab_size, "num_layers", g->before.num_layers,
-                     "hidden_dim", g->before.hidden_dim, "ffn_dim", g->before.ffn_dim, "to",
-                     "vocab_size", (json_int_t)g->after.vocab_size, "num_layers",
-                     g->after.num_layers, "hidden_dim", g->after.hidden_dim, "ffn_dim",
-                     g->after.ffn_dim, "seconds", g->seconds);
+    return json_pack(
+        "{s:s,s:I,s:{s:I,s:i,s:i,s:i},s:{s:I,s:i,s:i,s:i},s:f}", "kind", kind_name(g->kind), "step",
+        (json_int_t)g->step, "from", "vocab_size", (json_int_t)g->before.vocab_size, "num_layers",
+        g->before.num_layers, "hidden_dim", g->before.hidden_dim, "ffn_dim", g->before.ffn_dim,
+        "to", "vocab_size", (json_int_t)g->after.vocab_size, "num_layers", g->after.num_layers,
+        "hidden_dim", g->after.hidden_dim, "ffn_dim", g->after.ffn_dim, "seconds", g->seconds);
 }
 
 void coord_growth_record(nl_coord *c, int kind, int64_t step, const nl_config *before,
@@ -59,8 +58,8 @@ void coord_growth_record(nl_coord *c, int kind, int64_t step, const nl_config *b
     NL_INFO("grew the model (%s) at step %lld: vocab %lld -> %lld, layers %d -> %d, width %d -> "
             "%d, in %.2f s",
             kind_name(kind), (long long)step, (long long)before->vocab_size,
-            (long long)after->vocab_size, before->num_layers, after->num_layers,
-            before->hidden_dim, after->hidden_dim, seconds);
+            (long long)after->vocab_size, before->num_layers, after->num_layers, before->hidden_dim,
+            after->hidden_dim, seconds);
 }
 
 /* ---------------------------------------------------------------- off the loop */
@@ -142,8 +141,7 @@ out:
 
 nl_status coord_grow_run(coord_grow_work *g, nl_error *err)
 {
-    nl_grow_spec spec = {.n_layers = g->layers, .hidden_dim = g->hidden_dim,
-                         .ffn_dim = g->ffn_dim};
+    nl_grow_spec spec = {.n_layers = g->layers, .hidden_dim = g->hidden_dim, .ffn_dim = g->ffn_dim};
     char dir[PATH_MAX], path[PATH_MAX], *grown = NULL;
     nl_status st = NL_OK;
     int64_t vocab = g->cfg.vocab_size;
@@ -173,7 +171,9 @@ nl_status coord_grow_run(coord_grow_work *g, nl_error *err)
     /* beside the manifest the stages hold: <its dir>-<what>-<size> */
     const char *slash = strrchr(g->src, '/');
     snprintf(dir, sizeof dir, "%.*s-%s-%lld", slash ? (int)(slash - g->src) : 0, g->src,
-             g->kind == COORD_GROW_VOCAB ? "vocab" : g->kind == COORD_GROW_DEPTH ? "depth" : "width",
+             g->kind == COORD_GROW_VOCAB   ? "vocab"
+             : g->kind == COORD_GROW_DEPTH ? "depth"
+                                           : "width",
              (long long)(g->kind == COORD_GROW_VOCAB   ? g->grown.vocab_size
                          : g->kind == COORD_GROW_DEPTH ? g->grown.num_layers
                                                        : g->grown.hidden_dim));
@@ -210,12 +210,14 @@ const char *coord_grow_refusal(const nl_coord *c, char *why, size_t cap)
     if (!c->have_cfg)
         snprintf(why, cap, "the cluster has no model yet: %s", c->state);
     else if (c->stages_modified)
-        snprintf(why, cap, "the stages hold weights trained since the last checkpoint; a growth "
-                           "reloads them (train with a final checkpoint first)");
+        snprintf(why, cap,
+                 "the stages hold weights trained since the last checkpoint; a growth "
+                 "reloads them (train with a final checkpoint first)");
     else if (c->src && !c->src_manifest)
-        snprintf(why, cap, "the cluster serves the checkpoint %s: growth needs a training "
-                           "manifest (train on the cluster with a checkpoint, or start it with "
-                           "--resume MANIFEST)",
+        snprintf(why, cap,
+                 "the cluster serves the checkpoint %s: growth needs a training "
+                 "manifest (train on the cluster with a checkpoint, or start it with "
+                 "--resume MANIFEST)",
                  c->src_path);
     else
         return NULL;
@@ -268,8 +270,11 @@ void coord_grow_install(nl_coord *c, coord_grow_work *g, double seconds)
                            ? NULL /* the tokenizer alone: nothing grew */
                            : realloc(c->growth, (size_t)(c->n_growth + 1) * sizeof *h);
         if (h) {
-            h[c->n_growth++] = (nl_growth){.step = step, .kind = NL_GROW_VOCAB, .before = before,
-                                           .after = c->cfg, .adam_steps = 0};
+            h[c->n_growth++] = (nl_growth){.step = step,
+                                           .kind = NL_GROW_VOCAB,
+                                           .before = before,
+                                           .after = c->cfg,
+                                           .adam_steps = 0};
             c->growth = h;
         } else if (before.vocab_size != c->cfg.vocab_size) {
             NL_WARN("grow: out of memory for the growth history");
@@ -563,9 +568,8 @@ static const char *read_grow(nl_coord *c, const nl_msg_job_submit *s, char *real
                  c->cfg.num_layers);
         return why;
     }
-    const char *bad = in ? coord_confine_file(c->data_root, in->s, NULL, c->o.max_data_bytes, real,
-                                              cap)
-                         : NULL;
+    const char *bad =
+        in ? coord_confine_file(c->data_root, in->s, NULL, c->o.max_data_bytes, real, cap) : NULL;
     if (bad) {
         snprintf(why, wcap, "grow: params.input: %s (the coordinator's --data-root)", bad);
         return why;
@@ -596,9 +600,9 @@ static void grow_submit(nl_coord *c, const nl_rx *rx)
         return;
     cgrow *g = j->state = calloc(1, sizeof *g);
     grow_task *k = calloc(1, sizeof *k);
-    const char *bad = !g || !k ? "out of memory"
-                               : read_grow(c, &rx->msg.u.job_submit, real, sizeof real, v, why,
-                                           sizeof why);
+    const char *bad =
+        !g || !k ? "out of memory"
+                 : read_grow(c, &rx->msg.u.job_submit, real, sizeof real, v, why, sizeof why);
     if (!bad && coord_grow_prepare(c, &k->g, v[0] ? real : NULL, v[0], (int)v[1], (int)v[2],
                                    (int)v[3], &e) != NL_OK)
         bad = e.msg;
@@ -609,10 +613,8 @@ static void grow_submit(nl_coord *c, const nl_rx *rx)
         coord_job_fail(c, j, bad);
         return;
     }
-    k->w = (cwork){.run = grow_task_run,
-                   .done = grow_task_done,
-                   .free = grow_task_free,
-                   .job_id = j->id};
+    k->w = (cwork){
+        .run = grow_task_run, .done = grow_task_done, .free = grow_task_free, .job_id = j->id};
     g->t0 = coord_now();
     coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, "growing", NULL);
     if (coord_work_start(c, &k->w, &e) != NL_OK)

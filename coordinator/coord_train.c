@@ -30,7 +30,15 @@
 #define COORD_GROWTH_PARAMS 48
 
 /* TR_GROW: at a checkpoint, a worker grows the model (--grow auto) */
-typedef enum { TR_PREPARING = 0, TR_LOADING, TR_BEGIN, TR_STEP, TR_EVAL, TR_CKPT, TR_GROW } tr_phase;
+typedef enum {
+    TR_PREPARING = 0,
+    TR_LOADING,
+    TR_BEGIN,
+    TR_STEP,
+    TR_EVAL,
+    TR_CKPT,
+    TR_GROW
+} tr_phase;
 
 typedef struct ctrain {
     /* the run, as the client asked for it */
@@ -741,8 +749,8 @@ static void write_manifest(nl_coord *c, cjob *j)
                           .train_json = tj ? json_dumps(tj, JSON_COMPACT) : NULL,
                           .tokenizer = dup_or_null(c->tok_text, &oom),
                           .init_seed = dup_or_null(c->init_seed, &oom),
-                          .growth = c->n_growth ? malloc((size_t)c->n_growth * sizeof *c->growth)
-                                                : NULL,
+                          .growth =
+                              c->n_growth ? malloc((size_t)c->n_growth * sizeof *c->growth) : NULL,
                           .n_growth = c->n_growth,
                           .n_shards = t->stages,
                           .shards = t->shards};
@@ -1006,8 +1014,9 @@ static int prepare_growth(nl_coord *c, ctrain *t, prep_task *p, const char *resu
     nl_error e = {0};
     const size_t n = strlen(t->data);
     if (resume) {
-        snprintf(why, cap, "not with --resume (the vocabulary grows on the model the cluster "
-                           "holds)");
+        snprintf(why, cap,
+                 "not with --resume (the vocabulary grows on the model the cluster "
+                 "holds)");
         return 0;
     }
     if (n >= 4 && strcmp(t->data + n - 4, ".tok") == 0) {

@@ -175,7 +175,8 @@ static nl_status growth_params(nl_model *m, const nl_msg_job_submit *j, nl_error
         if (strncmp(p->key, "growth.", 7) != 0)
             continue;
         if (p->kind != NL_WIRE_PARAM_STR) {
-            st = nl_error_set(err, NL_ERR_PROTO, "train JOB_SUBMIT params.%s: not a string", p->key);
+            st =
+                nl_error_set(err, NL_ERR_PROTO, "train JOB_SUBMIT params.%s: not a string", p->key);
             break;
         }
         if ((st = nl_growth_from_json(p->s, &h, &k, err)) != NL_OK) {
