@@ -395,6 +395,10 @@ static int cluster_up(const nl_flag *flags, const char *dir)
         cargv[ca++] = "--http-tokens";
         cargv[ca++] = (char *)http_tokens;
     }
+    if (nl_args_get(flags, "grow")) {
+        cargv[ca++] = "--grow";
+        cargv[ca++] = (char *)nl_args_get(flags, "grow");
+    }
     cargv[ca] = NULL;
     snprintf(log, sizeof log, "%s/coord.log", dir);
     snprintf(pidf, sizeof pidf, "%s/coord.pid", dir);
@@ -549,13 +553,15 @@ int nl_cmd_cluster(int argc, char **argv)
          "up: times a training job goes on by itself after losing a stage (neurocoord "
          "--train-resumes; default 3)",
          NULL},
+        {"grow", 1,
+         "up: auto: the model deepens as nodes join (neurocoord --grow; default off)", NULL},
         {"timeout", 1, "up: seconds to wait for the cluster to be ready (default 120)", NULL},
         {0}};
     const char *usage =
         "neuroctl cluster up|down [--dir DIR] [--nodes N] [--model M | --config C | "
         "--resume MANIFEST] "
         "[--memory SIZE] [--threads N] [--spin N] [--kv-budget SIZE] [--device D[,D...]] "
-        "[--tf32] [--precision fp32|bf16] [--http HOST:PORT [--http-tokens FILE]]";
+        "[--tf32] [--precision fp32|bf16] [--http HOST:PORT [--http-tokens FILE]] [--grow auto]";
     const char *pos[1] = {NULL};
     int npos = 0;
     int rc = nl_args_parse(argc, argv, flags, usage, pos, 1, &npos);

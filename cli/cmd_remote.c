@@ -303,6 +303,29 @@ out:
 
 /* ---------------------------------------------------------------- status */
 
+/* The last growth of the model (issue 16), if it grew since the
+ * coordinator started. */
+static void print_growth(const json_t *g)
+{
+    if (!json_is_object(g))
+        return;
+    const json_t *from = json_object_get(g, "from"), *to = json_object_get(g, "to");
+    const char *keys[] = {"vocab_size", "num_layers", "hidden_dim", "ffn_dim"};
+    const char *names[] = {"vocab", "L", "d", "F"};
+    printf("last growth: %s at step %lld:", json_string_value(json_object_get(g, "kind")),
+           (long long)json_integer_value(json_object_get(g, "step")));
+    int any = 0;
+    for (int i = 0; i < 4; i++) {
+        const json_int_t a = json_integer_value(json_object_get(from, keys[i]));
+        const json_int_t b = json_integer_value(json_object_get(to, keys[i]));
+        if (a != b)
+            printf("%s %s %lld -> %lld", any++ ? "," : "", names[i], (long long)a, (long long)b);
+    }
+    printf("%s (%.2f s; %lld since the coordinator started)\n", any ? "" : " the tokenizer only",
+           json_number_value(json_object_get(g, "seconds")),
+           (long long)json_integer_value(json_object_get(g, "count")));
+}
+
 int nl_cmd_status(int argc, char **argv)
 {
     nl_flag flags[] = {
@@ -342,6 +365,7 @@ int nl_cmd_status(int argc, char **argv)
                json_integer_value(json_object_get(cfg, "ffn_dim")),
                json_integer_value(json_object_get(cfg, "num_experts")),
                json_integer_value(json_object_get(cfg, "vocab_size")));
+    print_growth(json_object_get(st, "growth"));
     printf("%-4s %-8s %-10s %9s %9s %-11s %8s %10s %9s\n", "node", "state", "device", "memory",
            "planned", "layers", "GFLOP/s", "stage ms", "heartbeat");
     size_t i;

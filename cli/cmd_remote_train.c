@@ -45,6 +45,7 @@ typedef struct rtrain_opts {
     long long lora_rank;
     double lora_alpha;
     const char *lora_targets;
+    long long learn_vocab; /* --learn-vocab: ids the cluster's tokenizer learns from the data */
 } rtrain_opts;
 
 /* ---------------------------------------------------------------- flags */
@@ -127,6 +128,9 @@ static int read_opts(rtrain_opts *o, const nl_flag *flags)
     if ((rc = nl_train_run_read(flags, &o->r)))
         return rc;
     o->seq_default = !nl_args_get(flags, "seq");
+    if (nl_args_get(flags, "learn-vocab") &&
+        (rc = nl_args_int(flags, "learn-vocab", 1, 1 << 24, &o->learn_vocab)))
+        return rc;
     o->final_ckpt = 1; /* the last step is always kept: joined into --out, or as a checkpoint */
     /* else the nodes make it when they write the last step: a job refused
      * at once leaves no empty directory behind */
@@ -225,6 +229,37 @@ static void on_node_lost(watch *w, const json_t *ev)
         if (text)
             fprintf(w->log, "%s\n", text);
         free(text);
+        fflush(w->log);
+    }
+}
+
+/* The model grew (issue 16): say so, and log it as a record with "event"
+ * (its step as "grow_step": step records stay keyed by step). */
+static void on_grow(watch *w, const json_t *ev)
+{
+    const json_t *from = json_object_get(ev, "from"), *to = json_object_get(ev, "to");
+    const char *kind = json_string_value(json_object_get(ev, "kind"));
+    const char *keys[] = {"vocab_size", "num_layers", "hidden_dim", "ffn_dim"};
+    char what[256] = "";
+    size_t at = 0;
+    for (int i = 0; i < 4; i++) {
+        const long long a = integer(from, keys[i], 0), b = integer(to, keys[i], 0);
+        if (a != b && at < sizeof what)
+            at += (size_t)snprintf(what + at, sizeof what - at, "%s%s %lld -> %lld", at ? ", " : "",
+                                   keys[i], a, b);
+    }
+    nl_train_progress_break(&w->prog);
+    fprintf(stderr, "the model grew (%s) at step %lld: %s\n", kind ? kind : "?",
+            integer(ev, "step", -1), what[0] ? what : "the tokenizer only");
+    if (w->log) {
+        json_t *rec = json_deep_copy(ev);
+        json_object_set_new(rec, "grow_step", json_integer(integer(ev, "step", -1)));
+        json_object_del(rec, "step");
+        char *text = rec ? json_dumps(rec, JSON_COMPACT) : NULL;
+        if (text)
+            fprintf(w->log, "%s\n", text);
+        free(text);
+        json_decref(rec);
         fflush(w->log);
     }
 }
@@ -383,6 +418,8 @@ static nl_status on_status(watch *w, const nl_rx *rx, nl_error *err)
         if (w->log)
             fprintf(w->log, "{\"event\":\"replan\",\"resume_step\":%lld}\n",
                     integer(ev, "step", -1));
+    } else if (event && strcmp(event, "grow") == 0) {
+        on_grow(w, ev);
     } else if (event && strcmp(event, "step") == 0) {
         st = on_step(w, ev, err);
     } else if (event && strcmp(event, "checkpoint") == 0) {
@@ -473,17 +510,22 @@ static nl_status submit(nl_remote *r, const rtrain_opts *o, nl_error *err)
         {.key = "recompute", .kind = NL_WIRE_PARAM_BOOL, .b = o->r.recompute},
         {.key = "final_checkpoint", .kind = NL_WIRE_PARAM_BOOL, .b = o->final_ckpt},
         {.key = "seq_default", .kind = NL_WIRE_PARAM_BOOL, .b = o->seq_default},
-        {.key = "resume", .kind = NL_WIRE_PARAM_STR, .s = o->resume},
     };
+    int n = 17;
     if (o->finetune) { /* no resume: the adapters start afresh */
-        ps[17] = (nl_wire_param){.key = "lora_rank", .kind = NL_WIRE_PARAM_INT, .i = o->lora_rank};
-        ps[18] =
+        ps[n++] = (nl_wire_param){.key = "lora_rank", .kind = NL_WIRE_PARAM_INT, .i = o->lora_rank};
+        ps[n++] =
             (nl_wire_param){.key = "lora_alpha", .kind = NL_WIRE_PARAM_FLOAT, .f = o->lora_alpha};
-        ps[19] = (nl_wire_param){
+        ps[n++] = (nl_wire_param){
             .key = "lora_targets", .kind = NL_WIRE_PARAM_STR, .s = (char *)o->lora_targets};
-        return nl_remote_submit(r, NL_JOB_FINETUNE, ps, 20, NULL, 0, 0, err);
+        return nl_remote_submit(r, NL_JOB_FINETUNE, ps, n, NULL, 0, 0, err);
     }
-    return nl_remote_submit(r, NL_JOB_TRAIN, ps, o->resume ? 18 : 17, NULL, 0, 0, err);
+    if (o->learn_vocab > 0)
+        ps[n++] =
+            (nl_wire_param){.key = "learn_vocab", .kind = NL_WIRE_PARAM_INT, .i = o->learn_vocab};
+    if (o->resume)
+        ps[n++] = (nl_wire_param){.key = "resume", .kind = NL_WIRE_PARAM_STR, .s = o->resume};
+    return nl_remote_submit(r, NL_JOB_TRAIN, ps, n, NULL, 0, 0, err);
 }
 
 /* --out: join the final checkpoint's shards into one file. */
@@ -604,6 +646,10 @@ static int remote_main(int argc, char **argv, int finetune)
         {"out", 1, "join the final checkpoint's shards into this file (safetensors)", NULL},
         NL_CLI_FORCE_FLAG,
         {"resume", 1, "continue from this checkpoint manifest (or its directory)", NULL},
+        {"learn-vocab", 1,
+         "before training, the cluster's tokenizer learns up to N ids from --data (text) and the "
+         "model's tables grow past their capacity (docs/cluster.md, \"Growth\")",
+         NULL},
         {"attach", 1,
          "follow training job JOB that runs already (after the client or the coordinator "
          "restarted; neuroctl jobs lists them): its progress, --log and --out",
@@ -628,7 +674,7 @@ static int remote_main(int argc, char **argv, int finetune)
                         "DIR) --data DATA --steps N [--batch B] [--seq T] [--microbatches M] "
                         "[--lr X] [--warmup W] [--seed S] [--eval-every K] [--checkpoint-every K] "
                         "[--log LOG.jsonl] [--out FINAL.safetensors [--force]] "
-                        "[--resume MANIFEST] | --attach JOB [--log LOG.jsonl] "
+                        "[--resume MANIFEST] [--learn-vocab N] | --attach JOB [--log LOG.jsonl] "
                         "[--out FINAL.safetensors [--force]]";
     if (finetune)
         usage = "neuroctl finetune (--coordinator EP --key K --coordinator-key P | --cluster DIR) "

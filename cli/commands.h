@@ -32,6 +32,10 @@ int nl_cmd_remote_generate(int argc, char **argv);
 int nl_cmd_remote_train(int argc, char **argv);
 int nl_cmd_remote_finetune(int argc, char **argv);
 int nl_cmd_remote_embed(int argc, char **argv);
+/* tokenizer learn on a cluster (cmd_grow_cluster.c); argv[0] is "tokenizer" */
+int nl_cmd_remote_tokenizer_learn(int argc, char **argv);
+/* grow on a cluster (cmd_grow_cluster.c) */
+int nl_cmd_remote_grow(int argc, char **argv);
 
 /* Poll a local cluster's status (cluster up's directory) until it is ready
  * (returns 0) or timeout_s pass (-1); state gets the last state seen. */

@@ -51,7 +51,8 @@ int main(int argc, char **argv)
         usage(stdout);
         return 0;
     }
-    /* forward, generate, train, finetune and embed go to a cluster when one is named */
+    /* forward, generate, train, finetune, embed, grow and tokenizer learn go to a cluster when
+     * one is named */
     int remote = 0;
     for (int i = 2; i < argc; i++)
         remote |= strcmp(argv[i], "--coordinator") == 0 || strcmp(argv[i], "--cluster") == 0;
@@ -65,6 +66,10 @@ int main(int argc, char **argv)
         return nl_cmd_remote_finetune(argc - 1, argv + 1);
     if (remote && strcmp(argv[1], "embed") == 0)
         return nl_cmd_remote_embed(argc - 1, argv + 1);
+    if (remote && strcmp(argv[1], "tokenizer") == 0 && argc > 2 && strcmp(argv[2], "learn") == 0)
+        return nl_cmd_remote_tokenizer_learn(argc - 1, argv + 1);
+    if (remote && strcmp(argv[1], "grow") == 0)
+        return nl_cmd_remote_grow(argc - 1, argv + 1);
     for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
         if (strcmp(argv[1], commands[i].name) == 0)
             return commands[i].run(argc - 1, argv + 1);

@@ -266,6 +266,7 @@ void nl_coord_destroy(nl_coord **cp)
     free(c->nodes);
     free(c->tok_text);
     free(c->init_seed);
+    free(c->growth);
     nl_keys_wipe(&c->keys);
     free(c);
     *cp = NULL;
@@ -487,7 +488,8 @@ static int send_next_chunk(nl_coord *c, cnode *n, nl_wire_msg *m)
         nl_st_file *f = c->src->files[ld->file];
         for (; ld->entry < nl_st_count(f); ld->entry++, ld->chunk = 0) {
             const nl_st_entry *e = nl_st_entry_at(f, ld->entry);
-            if (!stage_holds(c, s, e->name) || e->dtype != NL_DTYPE_F32)
+            if (!stage_holds(c, s, e->name) || e->dtype != NL_DTYPE_F32 ||
+                !coord_source_owns(c->src, ld->file, e->name))
                 continue;
             const uint64_t numel = e->nbytes / 4;
             uint32_t chunks = (uint32_t)((numel + CHUNK_FLOATS - 1) / CHUNK_FLOATS);
@@ -919,7 +921,8 @@ static void tick(nl_coord *c)
     if (c->loads_active)
         stream_loads(c);
     coord_check_jobs(c, now);
-    replan_at_rest(c);
+    if (!coord_grow_tick(c)) /* --grow auto may deepen the model first (coord_grow.c) */
+        replan_at_rest(c);
     if (!c->plan && now - c->last_plan_try > 0.5)
         try_plan(c);
 }

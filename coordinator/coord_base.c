@@ -13,6 +13,7 @@
 
 #include "base/log.h"
 #include "coord_impl.h"
+#include "core/grow.h"
 
 double coord_now(void)
 {
@@ -79,7 +80,25 @@ static void free_source(csource *src)
     for (int i = 0; i < src->n; i++)
         nl_st_close(&src->files[i]);
     free(src->files);
+    free(src->own);
     free(src);
+}
+
+int coord_source_owns(const csource *src, int file, const char *name)
+{
+    if (!src->own) /* one checkpoint: every tensor in it is the model's */
+        return 1;
+    const cown *o = &src->own[file];
+    int l = -1, used = 0;
+    if (strncmp(name, "optim.m.", 8) == 0 || strncmp(name, "optim.v.", 8) == 0)
+        name += 8;
+    if (strcmp(name, "tok_embeddings.weight") == 0)
+        return o->embed;
+    if (strcmp(name, "norm.weight") == 0 || strcmp(name, "lm_head.weight") == 0)
+        return o->head;
+    if (sscanf(name, "layers.%d.%n", &l, &used) == 1 && used > 0)
+        return l >= o->l0 && l < o->l1;
+    return 1;
 }
 
 void coord_reap_sources(nl_coord *c, int force)
@@ -127,6 +146,7 @@ void coord_manifest_release(cmanifest *m)
         free_source(m->src);
     free(m->tok);
     free(m->seed);
+    free(m->growth);
     memset(m, 0, sizeof *m);
 }
 
@@ -145,8 +165,12 @@ nl_status coord_manifest_open(cmanifest *out, const char *path, const char *root
             st = nl_error_set(err, NL_ERR_AUTH, "shard %s (stage %d): %s", m->shards[i].file, i,
                               bad);
     }
-    if (st == NL_OK && !(out->src = coord_source_new(m->n_shards)))
+    if (st == NL_OK && (!(out->src = coord_source_new(m->n_shards)) ||
+                        !(out->src->own = calloc((size_t)m->n_shards, sizeof *out->src->own))))
         st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+    for (int i = 0; st == NL_OK && i < m->n_shards; i++) /* what the plan takes from each */
+        out->src->own[i] =
+            (cown){m->shards[i].l0, m->shards[i].l1, m->shards[i].has_embed, m->shards[i].has_head};
     /* each shard read whole, hashed, and served from that very copy: what
      * was verified is what the stages get (a file changed since cannot be) */
     if (st == NL_OK)
@@ -154,6 +178,13 @@ nl_status coord_manifest_open(cmanifest *out, const char *path, const char *root
     if (st == NL_OK && ((m->tokenizer && !(out->tok = strdup(m->tokenizer))) ||
                         (m->init_seed && !(out->seed = strdup(m->init_seed)))))
         st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+    if (st == NL_OK && m->n_growth > 0) { /* its growth history goes on in later manifests */
+        if (!(out->growth = malloc((size_t)m->n_growth * sizeof *out->growth)))
+            st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+        else
+            memcpy(out->growth, m->growth, (size_t)m->n_growth * sizeof *out->growth);
+        out->n_growth = st == NL_OK ? m->n_growth : 0;
+    }
     if (st == NL_OK) {
         out->cfg = m->cfg;
         out->step = m->step;
@@ -178,8 +209,11 @@ void coord_manifest_install(nl_coord *c, cmanifest *m, int reload)
     snprintf(c->src_path, sizeof c->src_path, "%s", m->path);
     free(c->tok_text);
     free(c->init_seed);
+    free(c->growth);
     c->tok_text = m->tok;
     c->init_seed = m->seed;
+    c->growth = m->growth;
+    c->n_growth = m->n_growth;
     c->cfg = m->cfg;
     c->have_cfg = 1;
     NL_INFO("source: %s, step %lld, %d shards (verified)", m->path, (long long)m->step, c->src->n);

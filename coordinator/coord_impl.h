@@ -65,9 +65,16 @@ typedef struct cnode {
 /* The mapped files of the weights' source. LAYER_LOAD chunks point into
  * them without a copy, so a replaced source is retired, and unmapped only
  * when libzmq has let go of every chunk (ref idle). */
+typedef struct cown {
+    int l0, l1, embed, head;
+} cown;
 typedef struct csource {
     nl_st_file **files;
     int n;
+    /* a manifest's: what the plan takes from each file (a growth may leave
+     * a tensor in a reused shard that a new one now holds: the plan's
+     * owner is served, as nl_manifest_load_stage reads it); NULL: all */
+    cown *own;
     nl_txref ref;
     struct csource *next; /* in the retired list */
 } csource;
@@ -129,7 +136,7 @@ struct cjob {
 };
 
 extern const cjob_ops coord_forward_ops, coord_generate_ops, coord_train_ops, coord_finetune_ops,
-    coord_embed_ops;
+    coord_embed_ops, coord_grow_ops;
 
 /* ---------------------------------------------------------------- fine-tuning
  * A fine-tuning job (coord_finetune.c) is a training job (coord_train.c)
@@ -176,6 +183,15 @@ struct cwork {
     cwork *next;
 };
 
+/* One growth of the model (coord_grow.c), as status and events show it. */
+enum { COORD_GROW_VOCAB = 1, COORD_GROW_DEPTH, COORD_GROW_WIDTH };
+typedef struct coord_growth {
+    int kind; /* COORD_GROW_* */
+    int64_t step;
+    nl_config before, after;
+    double seconds;
+} coord_growth;
+
 struct nl_coord {
     nl_coord_opts o;
     nl_net *net;
@@ -200,6 +216,8 @@ struct nl_coord {
     int resumable;   /* the stages hold a manifest's weights and moments, untouched */
     char *tok_text;  /* the model's tokenizer, or NULL */
     char *init_seed; /* the seed the weights were first drawn from (text), or NULL */
+    struct nl_growth *growth; /* the model's growth history (core/grow.h): the source's, */
+    int n_growth;             /* then the growths since; manifests written carry it */
     nl_plan *plan;
     int planned_once;
     int replan_wanted;   /* a node joined (or a standby left) since the plan was made */
@@ -219,6 +237,11 @@ struct nl_coord {
     int roles; /* the roles of the key whose message is being handled (NL_KEY_ROLE_*) */
     /* where clients' paths may lead: resolved --data-root, --checkpoint-root */
     char data_root[4096], ckpt_root[4096];
+    int growths;              /* growths since it started (coord_grow.c) */
+    coord_growth last_growth; /* the last of them */
+    int growing;              /* a growth of --grow auto runs in a worker */
+    uint64_t grow_sig;        /* the live nodes (and memory options) --grow auto last judged */
+    nl_mem_opts grow_mem;     /* the training memory of the last job (--grow auto judges with it) */
     uint64_t client_drops; /* messages to clients dropped (queue full, or gone) */
     double drop_logged;    /* when a drop was last logged */
 };
@@ -253,6 +276,9 @@ void coord_status_to(nl_coord *c, const uint8_t *rid, size_t rid_len, uint64_t j
  * closing retires the current one. */
 csource *coord_source_new(int n);
 void coord_close_source(nl_coord *c);
+/* Whether the source's file `file` is where the plan takes tensor `name`
+ * (or its moments) from. */
+int coord_source_owns(const csource *src, int file, const char *name);
 /* Unmap the retired sources no send holds any more (all: force). */
 void coord_reap_sources(nl_coord *c, int force);
 /* Forget the plan: the next tick plans and loads again from the source. */
@@ -261,9 +287,12 @@ void coord_drop_plan(nl_coord *c);
 void coord_reload(nl_coord *c);
 /* A verified manifest, opened as a source (coord_manifest_open touches
  * no coordinator state: a worker runs it). */
+struct nl_growth;
 typedef struct cmanifest {
     csource *src;
     char *tok, *seed; /* its tokenizer and initialisation seed, or NULL */
+    struct nl_growth *growth; /* its growth history (core/grow.h), or NULL */
+    int n_growth;
     nl_config cfg;
     int64_t step, adam;
     char path[4096];
@@ -363,6 +392,68 @@ nl_status coord_work_start(nl_coord *c, cwork *w, nl_error *err);
 void coord_work_reap(nl_coord *c);
 /* Wait for every task, freeing them unreported; close the pipe. */
 void coord_work_shutdown(nl_coord *c);
+
+/* ---------------------------------------------------------------- coord_grow.c
+ * Growth of the model (DESIGN.md section 5). */
+
+struct json_t;
+/* A growth as JSON: kind, step, from and to (vocab_size, num_layers,
+ * hidden_dim, ffn_dim), seconds. */
+struct json_t *coord_growth_json(const coord_growth *g);
+void coord_growth_record(nl_coord *c, int kind, int64_t step, const nl_config *before,
+                         const nl_config *after, double seconds);
+/* NULL when the model may grow now, else why not (into why): no model,
+ * stages trained since the last checkpoint, a checkpoint file source. */
+const char *coord_grow_refusal(const nl_coord *c, char *why, size_t cap);
+
+/* One growth, prepared on the loop and run in a worker: the tokenizer
+ * learns `add` ids from a text file (input; NULL: none) and the model's
+ * vocab_size becomes max(vocab_size, the tokenizer's); the depth and width
+ * grow to layers, hidden_dim, ffn_dim (0: unchanged). When the stages hold
+ * a manifest, the grown one (nl_manifest_grow, core/grow.h) is written
+ * beside it, in <its directory>-<what>-<size>, and opened; from the seed
+ * (vocabulary only) the nodes draw the grown tables. The work owns
+ * everything in it. */
+typedef struct coord_grow_work {
+    /* in */
+    char *tok;   /* the cluster's tokenizer text, or NULL (bytes) */
+    char *input; /* the text file (resolved under --data-root), or NULL */
+    int64_t add;
+    int layers, hidden_dim, ffn_dim;
+    size_t max_bytes;
+    nl_config cfg; /* now */
+    char *src;     /* the manifest the stages hold, or NULL (the seed) */
+    /* out */
+    int kind; /* COORD_GROW_*: the first dimension that grew */
+    char *new_tok;
+    int64_t tok_before, tok_after;
+    nl_config grown;
+    cmanifest mf; /* with src: the grown manifest, verified and opened */
+    int have_mf;
+} coord_grow_work;
+/* On the loop: fill g from the cluster (copies); NL_ERR_STATE for depth or
+ * width on a cluster that serves the seed. */
+nl_status coord_grow_prepare(nl_coord *c, coord_grow_work *g, const char *input, int64_t add,
+                             int layers, int hidden_dim, int ffn_dim, nl_error *err);
+/* In a worker. */
+nl_status coord_grow_run(coord_grow_work *g, nl_error *err);
+/* On the loop, after a successful run: the grown model becomes the
+ * source (the tokenizer and config too), the stages reload, the growth is
+ * recorded at the source's step. */
+void coord_grow_install(nl_coord *c, coord_grow_work *g, double seconds);
+/* The growth just installed as a client's event ("event": "grow"). */
+struct json_t *coord_grow_event(const nl_coord *c, const coord_grow_work *g);
+void coord_grow_release(coord_grow_work *g);
+
+/* --grow auto: when the live nodes (or the training memory) changed since
+ * the last judgement, the depth nl_sizing_propose_depth proposes for them
+ * (with the running job's training memory, else the last job's, else the
+ * sizing defaults), if deeper than now and past the hysteresis
+ * (nl_sizing_should_change); else 0. */
+int coord_grow_auto_depth(nl_coord *c);
+/* The loop's turn, at rest (ready, no job): 1 while a growth of --grow
+ * auto runs in a worker (the caller then leaves the plan alone). */
+int coord_grow_tick(nl_coord *c);
 
 /* ---------------------------------------------------------------- coord_jobs.c
  * The jobs' dispatch, called by the loop (coord.c). */

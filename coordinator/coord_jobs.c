@@ -11,7 +11,7 @@
 #include "coord_impl.h"
 
 static const cjob_ops *const kinds[] = {&coord_forward_ops, &coord_generate_ops, &coord_train_ops,
-                                        &coord_finetune_ops, &coord_embed_ops};
+                                        &coord_finetune_ops, &coord_embed_ops, &coord_grow_ops};
 
 static void status_reply(nl_coord *c, const nl_rx *rx, uint64_t job, int state, const char *msg)
 {
@@ -288,6 +288,12 @@ static json_t *status_json(nl_coord *c, bool full)
                                                   "followed", j->rid_len > 0));
     }
     json_object_set_new(root, "jobs", jobs);
+    if (c->growths > 0) { /* issue 16: the last growth, and how many */
+        json_t *g = coord_growth_json(&c->last_growth);
+        if (g)
+            json_object_set_new(g, "count", json_integer(c->growths));
+        json_object_set_new(root, "growth", g ? g : json_null());
+    }
     if (c->tok_text)
         json_object_set_new(root, "tokenizer", json_string(c->tok_text));
     return root;

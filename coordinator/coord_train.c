@@ -20,11 +20,25 @@
 #include "coord_impl.h"
 #include "core/checkpoint.h"
 #include "core/fileio.h"
+#include "core/grow.h"
 #include "core/train.h"
 
 /* TR_PREPARING: a worker reads the data (and the manifest it resumes);
  * TR_LOADING: the cluster loads */
-typedef enum { TR_PREPARING = 0, TR_LOADING, TR_BEGIN, TR_STEP, TR_EVAL, TR_CKPT } tr_phase;
+/* The growth entries a training job sends its stages, at most (the wire
+ * takes 64 params; the job's own are 9). */
+#define COORD_GROWTH_PARAMS 48
+
+/* TR_GROW: at a checkpoint, a worker grows the model (--grow auto) */
+typedef enum {
+    TR_PREPARING = 0,
+    TR_LOADING,
+    TR_BEGIN,
+    TR_STEP,
+    TR_EVAL,
+    TR_CKPT,
+    TR_GROW
+} tr_phase;
 
 typedef struct ctrain {
     /* the run, as the client asked for it */
@@ -32,6 +46,7 @@ typedef struct ctrain {
     int64_t steps, batch, seq, micro, seed, warmup, eval_every, eval_batches, ckpt_every;
     double lr, min_lr, holdout;
     int recompute, final_ckpt;
+    int64_t learn_vocab; /* ids the tokenizer learns from the data first (coord_grow.c), or 0 */
     /* where it is */
     int phase, stages;
     nl_dataset *ds;
@@ -244,6 +259,40 @@ static int plan_for_training(nl_coord *c, cjob *j)
     return 0;
 }
 
+/* The model's growth history for the stages (params growth.N, one entry
+ * each: a parameter string holds at most 4096 bytes): their trainers count
+ * the AdamW bias correction of what a growth created from its birth, as
+ * local training does (node/stage_train.c). Entries born at step 0 change
+ * nothing and are left out; of the others the last COORD_GROWTH_PARAMS go.
+ * Returns how many params it filled; texts[] are the caller's to free. */
+static int growth_params(const nl_coord *c, nl_wire_param *ps, char keys[][24], char **texts)
+{
+    int n = 0, first = c->n_growth;
+    for (int i = c->n_growth - 1; i >= 0 && n < COORD_GROWTH_PARAMS; i--)
+        if (c->growth[i].adam_steps > 0) {
+            first = i;
+            n++;
+        }
+    n = 0;
+    for (int i = first; i < c->n_growth; i++) {
+        char *text = c->growth[i].adam_steps > 0 ? nl_growth_to_json(&c->growth[i], 1) : NULL;
+        if (!text)
+            continue;
+        if (strlen(text) > 4096) {
+            NL_WARN("growth entry %d is longer than a parameter: its new parameters' AdamW bias "
+                    "correction counts from step 1",
+                    i);
+            free(text);
+            continue;
+        }
+        snprintf(keys[n], sizeof keys[n], "growth.%d", i);
+        texts[n] = text;
+        ps[n] = (nl_wire_param){.key = keys[n], .kind = NL_WIRE_PARAM_STR, .s = text};
+        n++;
+    }
+    return n;
+}
+
 static void begin(nl_coord *c, cjob *j)
 {
     ctrain *t = j->state;
@@ -274,7 +323,7 @@ static void begin(nl_coord *c, cjob *j)
              (long long)t->start);
         return;
     }
-    nl_wire_param ps[9 + COORD_FT_PARAMS] = {
+    nl_wire_param ps[9 + COORD_GROWTH_PARAMS + COORD_FT_PARAMS] = {
         {.key = "job", .kind = NL_WIRE_PARAM_INT, .i = (int64_t)j->id},
         {.key = "micro_batch", .kind = NL_WIRE_PARAM_INT, .i = t->batch / t->micro},
         {.key = "seq", .kind = NL_WIRE_PARAM_INT, .i = t->seq},
@@ -287,13 +336,17 @@ static void begin(nl_coord *c, cjob *j)
          .kind = NL_WIRE_PARAM_INT,
          .i = t->eval_every > 0 ? t->eval_batches * t->micro : 0},
     };
+    char keys[COORD_GROWTH_PARAMS][24], *texts[COORD_GROWTH_PARAMS] = {NULL};
+    int np = 9 + growth_params(c, ps + 9, keys, texts);
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
-    const int np = 9 + (t->ft ? coord_finetune_stage_params(t->ft, t->seed, ps + 9) : 0);
+    np += t->ft ? coord_finetune_stage_params(t->ft, t->seed, ps + np) : 0;
     m.u.job_submit = (nl_msg_job_submit){t->ft ? NL_JOB_FINETUNE : NL_JOB_TRAIN, (uint32_t)np, ps};
     int lost = 0, rc = send_all(c, &m, &lost);
     nl_wire_msg_free(&m);
+    for (int i = 0; i < COORD_GROWTH_PARAMS; i++)
+        free(texts[i]);
     if (rc != 0) {
         unreachable(c, j, lost);
         return;
@@ -571,8 +624,76 @@ static void ckpt_free(cwork *w)
     free((char *)k->mf.train_json);
     free((char *)k->mf.tokenizer);
     free((char *)k->mf.init_seed);
+    free(k->mf.growth);
     coord_manifest_release(&k->out);
     free(k);
+}
+
+/* --grow auto at a checkpoint (issue 16): the model deepens when the
+ * nodes now hold more layers (coord_grow_auto_depth); a worker writes the
+ * grown manifest, then the stages reload it on a new plan (joining nodes
+ * take the new layers) and the job goes on from its step. */
+typedef struct grow_task {
+    cwork w;
+    coord_grow_work g;
+    nl_status st;
+    nl_error err;
+    double t0;
+} grow_task;
+
+static void grow_run(cwork *w)
+{
+    grow_task *k = (grow_task *)w;
+    k->st = coord_grow_run(&k->g, &k->err);
+}
+
+static void grow_free(cwork *w)
+{
+    grow_task *k = (grow_task *)w;
+    coord_grow_release(&k->g);
+    free(k);
+}
+
+static void grow_done(nl_coord *c, cwork *w)
+{
+    grow_task *k = (grow_task *)w;
+    cjob *j = coord_job_find(c, w->job_id);
+    ctrain *t = j ? j->state : NULL;
+    if (!t || t->phase != TR_GROW)
+        return;
+    if (k->st != NL_OK) { /* the job goes on at the size it has */
+        NL_WARN("train job %llu: --grow auto at step %lld: %s", (unsigned long long)j->id,
+                (long long)t->step, k->err.msg);
+        start_step(c, j);
+        return;
+    }
+    coord_grow_install(c, &k->g, coord_now() - k->t0);
+    report(c, j, NL_JOB_RUNNING, "the model grew", coord_grow_event(c, &k->g));
+    coord_close_session(c, j);
+    wait_reload(c, j);
+}
+
+static int grow_at_checkpoint(nl_coord *c, cjob *j)
+{
+    ctrain *t = j->state;
+    nl_error e = {0};
+    const int depth = coord_grow_auto_depth(c);
+    grow_task *k = depth ? calloc(1, sizeof *k) : NULL;
+    if (!k)
+        return 0;
+    if (coord_grow_prepare(c, &k->g, NULL, 0, depth, 0, 0, &e) != NL_OK) {
+        NL_WARN("train job %llu: --grow auto: %s", (unsigned long long)j->id, e.msg);
+        free(k);
+        return 0;
+    }
+    k->w = (cwork){.run = grow_run, .done = grow_done, .free = grow_free, .job_id = j->id};
+    k->t0 = coord_now();
+    if (coord_work_start(c, &k->w, &e) != NL_OK) {
+        NL_WARN("train job %llu: --grow auto: %s", (unsigned long long)j->id, e.msg);
+        return 0;
+    }
+    t->phase = TR_GROW;
+    return 1;
 }
 
 /* The manifest is written and verified: it becomes the source; report it
@@ -603,6 +724,9 @@ static void ckpt_done(nl_coord *c, cwork *w)
         coord_observe_speeds(c); /* a stage slower or faster than planned asks for a re-plan */
     if (t->step == t->steps) {
         finish(c, j);
+    } else if (grow_at_checkpoint(c, j)) {
+        /* --grow auto: the nodes hold a deeper model; a worker grows the
+         * manifest, then the job goes on from it on a new plan */
     } else if (coord_replan_gain(c, "at the checkpoint")) {
         /* a node joined, or the stages' observed speeds call for another
          * split: the job goes on from this manifest on the new plan */
@@ -667,9 +791,15 @@ static void write_manifest(nl_coord *c, cjob *j)
                           .train_json = tj ? json_dumps(tj, JSON_COMPACT) : NULL,
                           .tokenizer = dup_or_null(c->tok_text, &oom),
                           .init_seed = dup_or_null(c->init_seed, &oom),
+                          .growth =
+                              c->n_growth ? malloc((size_t)c->n_growth * sizeof *c->growth) : NULL,
+                          .n_growth = c->n_growth,
                           .n_shards = t->stages,
                           .shards = t->shards};
     json_decref(tj);
+    oom |= c->n_growth && !k->mf.growth;
+    if (k->mf.growth) /* the model's growth history goes on (core/grow.h) */
+        memcpy(k->mf.growth, c->growth, (size_t)c->n_growth * sizeof *c->growth);
     t->shards = fresh;
     snprintf(k->path, sizeof k->path, "%s/step-%06lld/manifest.json", t->ckpt_dir,
              (long long)t->step);
@@ -729,6 +859,11 @@ static const char *read_params(ctrain *t, const nl_msg_job_submit *s, const char
         t->recompute = p->kind == NL_WIRE_PARAM_BOOL && p->b;
     if ((p = coord_param(s, "final_checkpoint")))
         t->final_ckpt = p->kind == NL_WIRE_PARAM_BOOL && p->b;
+    if ((p = coord_param(s, "learn_vocab"))) {
+        if (p->kind != NL_WIRE_PARAM_INT || p->i < 0 || p->i > (1 << 24))
+            return "learn_vocab (0 to 2^24 ids)";
+        t->learn_vocab = p->i;
+    }
     *resume = (p = coord_param(s, "resume")) && p->kind == NL_WIRE_PARAM_STR ? p->s : NULL;
     if (t->batch % t->micro != 0)
         return "microbatches (must divide batch)";
@@ -755,6 +890,9 @@ typedef struct prep_task {
     cmanifest mf;
     nl_dataset *ds;
     nl_dataset_info info;
+    int grow; /* --learn-vocab: v learns from the data and grows the model first */
+    coord_grow_work v;
+    double grow_s;
 } prep_task;
 
 static void prep_run(cwork *w)
@@ -765,9 +903,20 @@ static void prep_run(cwork *w)
         p->resume_failed = 1;
         return;
     }
-    p->st = nl_dataset_load_model(&p->ds, p->data, p->resume ? p->mf.tok : p->tok,
-                                  p->resume ? p->mf.cfg.vocab_size : p->vocab, p->holdout,
-                                  "the cluster's model", &p->info, &p->err);
+    if (p->grow) { /* the data teaches the tokenizer first; it is then tokenized with it */
+        const double t0 = coord_now();
+        if ((p->st = coord_grow_run(&p->v, &p->err)) != NL_OK) {
+            nl_error_prefix(&p->err, "--learn-vocab");
+            return;
+        }
+        p->grow_s = coord_now() - t0;
+    }
+    const char *tok = p->resume ? p->mf.tok : p->grow ? p->v.new_tok : p->tok;
+    const int64_t vocab = p->resume ? p->mf.cfg.vocab_size
+                          : p->grow ? p->v.grown.vocab_size
+                                    : p->vocab;
+    p->st = nl_dataset_load_model(&p->ds, p->data, tok, vocab, p->holdout, "the cluster's model",
+                                  &p->info, &p->err);
 }
 
 static void prep_free(cwork *w)
@@ -777,8 +926,26 @@ static void prep_free(cwork *w)
     free(p->data);
     free(p->tok);
     coord_manifest_release(&p->mf);
+    coord_grow_release(&p->v);
     nl_dataset_destroy(&p->ds);
     free(p);
+}
+
+/* --learn-vocab: the grown model becomes the source and the stages reload
+ * (the job begins once they have); the client is told. 0: the job failed. */
+static int install_growth(nl_coord *c, cjob *j, prep_task *p)
+{
+    char why[700];
+    if (coord_grow_refusal(c, why, sizeof why)) { /* it changed while the worker ran */
+        fail(c, j, "--learn-vocab: %s", why);
+        return 0;
+    }
+    for (int i = 0; i < COORD_MAX_JOBS; i++)
+        if (c->jobs[i].phase != JOB_FREE && &c->jobs[i] != j)
+            coord_job_fail(c, &c->jobs[i], "the cluster reloads: its model grows");
+    coord_grow_install(c, &p->v, p->grow_s);
+    report(c, j, NL_JOB_RUNNING, "vocabulary grown", coord_grow_event(c, &p->v));
+    return 1;
 }
 
 /* The job is prepared: a resumed one reloads the cluster from its
@@ -815,6 +982,8 @@ static void prep_done(nl_coord *c, cwork *w)
         fail(c, j, "%s", p->err.msg);
         return;
     }
+    if (p->grow && !install_growth(c, j, p))
+        return;
     t->ds = p->ds;
     p->ds = NULL;
     if (p->info.tokenized)
@@ -877,6 +1046,33 @@ static const char *confine_paths(nl_coord *c, ctrain *t, const char **resume, ch
     snprintf(t->ckpt_dir, sizeof t->ckpt_dir, "%s", dir);
     free(dir);
     return NULL;
+}
+
+/* --learn-vocab: the growth the job's worker runs before it reads the
+ * data (from the data itself); 0 and why when it cannot. */
+static int prepare_growth(nl_coord *c, ctrain *t, prep_task *p, const char *resume, char *why,
+                          size_t cap)
+{
+    nl_error e = {0};
+    const size_t n = strlen(t->data);
+    if (resume) {
+        snprintf(why, cap,
+                 "not with --resume (the vocabulary grows on the model the cluster "
+                 "holds)");
+        return 0;
+    }
+    if (n >= 4 && strcmp(t->data + n - 4, ".tok") == 0) {
+        snprintf(why, cap, "%s holds token ids; the tokenizer learns from text", t->data);
+        return 0;
+    }
+    if (coord_grow_refusal(c, why, cap))
+        return 0;
+    if (coord_grow_prepare(c, &p->v, t->data, t->learn_vocab, 0, 0, 0, &e) != NL_OK) {
+        snprintf(why, cap, "%s", e.msg);
+        return 0;
+    }
+    p->grow = 1;
+    return 1;
 }
 
 static void train_submit(nl_coord *c, const nl_rx *rx)
@@ -950,6 +1146,11 @@ void coord_train_submit(nl_coord *c, const nl_rx *rx, cft *ft)
     if (oom) {
         prep_free(&p->w);
         fail(c, j, "out of memory");
+        return;
+    }
+    if (t->learn_vocab > 0 && !prepare_growth(c, t, p, resume, why, sizeof why)) {
+        prep_free(&p->w);
+        fail(c, j, "train: --learn-vocab: %s", why);
         return;
     }
     t->phase = TR_PREPARING;

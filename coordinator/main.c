@@ -65,6 +65,12 @@ int main(int argc, char **argv)
          "gets better by this fraction; the stages reload from the checkpoint or manifest served "
          "(default 0.1; 1: never)",
          NULL},
+        {"grow", 1,
+         "auto: the model deepens as nodes join (issue 16): at rest, or during training right "
+         "after a checkpoint, when the nodes' memory holds more layers by the sizing rule and its "
+         "hysteresis, the coordinator appends identity layers and the stages reload on a new "
+         "plan; off (default): the model keeps its size unless a client grows it",
+         NULL},
         {"data-root", 1,
          "a training job's data must lie under this directory (default <state-dir>/data)", NULL},
         {"checkpoint-root", 1,
@@ -147,6 +153,12 @@ int main(int argc, char **argv)
     o.train_resumes = (int)train_resumes;
     o.plan_rows = (int)rows;
     o.replan_margin = margin;
+    const char *grow = nl_args_get(flags, "grow");
+    if (grow && strcmp(grow, "auto") != 0 && strcmp(grow, "off") != 0) {
+        fprintf(stderr, "--grow: '%s' is not auto or off\n", grow);
+        return 2;
+    }
+    o.grow_auto = grow && strcmp(grow, "auto") == 0;
     nl_log_set_name("coord");
     if (o.plaintext)
         NL_WARN("--plaintext: the nodes' and clients' sockets are neither encrypted nor "

@@ -86,12 +86,15 @@ typedef enum nl_node_state {
 /* NL_JOB_FINETUNE: LoRA adapters trained through the frozen pipeline
  * (docs/cluster.md, "LoRA fine-tuning"); NL_JOB_EMBED: pooled embeddings
  * of token ids ("Embeddings") */
+/* NL_JOB_GROW: a client asks the coordinator to grow the cluster's model
+ * (coordinator/coord_grow.c); no node ever sees it. */
 typedef enum nl_job_kind {
     NL_JOB_FORWARD = 0,
     NL_JOB_GENERATE,
     NL_JOB_TRAIN,
     NL_JOB_FINETUNE,
-    NL_JOB_EMBED
+    NL_JOB_EMBED,
+    NL_JOB_GROW
 } nl_job_kind;
 
 typedef enum nl_job_state {

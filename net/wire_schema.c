@@ -109,7 +109,7 @@ static const nl_wire_field f_token[] = {
     F_BOOL(nl_msg_token, done),
 };
 static const nl_wire_field f_job_submit[] = {
-    F_U32(nl_msg_job_submit, kind, NL_JOB_FORWARD, NL_JOB_EMBED),
+    F_U32(nl_msg_job_submit, kind, NL_JOB_FORWARD, NL_JOB_GROW),
     F_LIST(nl_msg_job_submit, params, NL_WK_PARAMS, nparams, 0, 64),
 };
 static const nl_wire_field f_job_status[] = {

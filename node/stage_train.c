@@ -53,6 +53,7 @@
 #include "../base/log.h"
 #include "../core/checkpoint.h"
 #include "../core/fileio.h"
+#include "../core/grow.h"
 #include "../core/lora.h"
 #include "../core/manifest.h"
 #include "../core/memory.h"
@@ -223,6 +224,46 @@ static nl_status int_param(const nl_msg_job_submit *j, const char *key, bool req
                     : NL_OK;
 }
 
+/* The model's growth history, as the coordinator sends it (params
+ * growth.0, growth.1, ..., each a JSON array of entries, core/grow.h):
+ * the trainer counts the AdamW bias correction of what a growth created
+ * from its birth, as local training does. None: an empty history. */
+static nl_status growth_params(nl_model *m, const nl_msg_job_submit *j, nl_error *err)
+{
+    nl_growth *all = NULL;
+    int n = 0;
+    nl_status st = NL_OK;
+    for (uint32_t i = 0; i < j->nparams && st == NL_OK; i++) {
+        const nl_wire_param *p = &j->params[i];
+        nl_growth *h = NULL;
+        int k = 0;
+        if (strncmp(p->key, "growth.", 7) != 0)
+            continue;
+        if (p->kind != NL_WIRE_PARAM_STR) {
+            st =
+                nl_error_set(err, NL_ERR_PROTO, "train JOB_SUBMIT params.%s: not a string", p->key);
+            break;
+        }
+        if ((st = nl_growth_from_json(p->s, &h, &k, err)) != NL_OK) {
+            nl_error_prefix(err, "train JOB_SUBMIT params.%s", p->key);
+            break;
+        }
+        nl_growth *grown = k ? realloc(all, (size_t)(n + k) * sizeof *all) : all;
+        if (!grown) {
+            st = nl_error_set(err, NL_ERR_NOMEM, "train JOB_SUBMIT: out of memory");
+        } else {
+            all = grown;
+            memcpy(all + n, h, (size_t)k * sizeof *h);
+            n += k;
+        }
+        free(h);
+    }
+    if (st == NL_OK)
+        st = nl_model_set_growth(m, all, n, err);
+    free(all);
+    return st;
+}
+
 /* Each replica's model (replica 0: the stage's; the others: a copy of its
  * weights, sent by the communicator), trainer and staging buffer. */
 static nl_status make_replicas(nl_stage *s, int recompute, nl_error *err)
@@ -239,6 +280,8 @@ static nl_status make_replicas(nl_stage *s, int recompute, nl_error *err)
             p->m = NULL;
             st = nl_model_new(&p->m, p->be, &m0->cfg, m0->l0, m0->l1, m0->has_embed, m0->has_head,
                               err);
+            if (st == NL_OK)
+                st = nl_model_set_growth(p->m, m0->growth, m0->n_growth, err);
             if (st == NL_OK && p->m->n_params != m0->n_params)
                 st = nl_error_set(err, NL_ERR_STATE,
                                   "replica %d: %zu parameters where replica 0 has %zu", r,
@@ -306,7 +349,8 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_msg_job_submit *j, uint64_t 
         (st = int_param(j, "start_step", false, 0, INT64_MAX / 2, &start, err)) != NL_OK ||
         (st = int_param(j, "adam_steps", false, 0, INT64_MAX / 2, &adam, err)) != NL_OK ||
         (st = int_param(j, "moments", false, 0, 1, &moments, err)) != NL_OK ||
-        (st = int_param(j, "eval_hops", false, 0, 1 << 30, &eval_hops, err)) != NL_OK)
+        (st = int_param(j, "eval_hops", false, 0, 1 << 30, &eval_hops, err)) != NL_OK ||
+        (st = growth_params(m, j, err)) != NL_OK)
         return st;
     if (mbB * T > (1 << 24))
         return nl_error_set(err, NL_ERR_RANGE, "train job %lld: microbatch %lld x %lld is too big",

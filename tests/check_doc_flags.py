@@ -28,6 +28,9 @@ SUBCOMMANDS = ["init", "forward", "generate", "grad", "train", "grow", "export",
                "status", "cluster", "keygen", "tokenizer", "selftest", "serve", "import"]
 # these go to a cluster with --cluster: their flags there are part of them too
 REMOTE = ["forward", "generate", "train"]
+# ... and these with a subcommand of their own
+REMOTE_ARGV = {"grow": ["grow", "--cluster", "x", "--help"],
+               "tokenizer": ["tokenizer", "learn", "--cluster", "x", "--help"]}
 # a command of another tool: the flags after it on a line are its own
 FOREIGN = re.compile(r"(?<![\w-])(cmake|ctest|python3?|pip3?|git|bash|apt(-get)?|perf|valgrind|"
                      r"nvidia-smi|torchrun|clang|gcc|nvcc|timeout|taskset|numactl|"
@@ -51,6 +54,8 @@ def all_helps():
         h = help_of([NEUROCTL, sub, "--help"])
         if sub in REMOTE:
             h += help_of([NEUROCTL, sub, "--cluster", "x", "--help"])
+        if sub in REMOTE_ARGV:
+            h += help_of([NEUROCTL] + REMOTE_ARGV[sub])
         helps["neuroctl " + sub] = h
     helps["neurocoord"] = help_of([NEUROCOORD, "--help"])
     helps["neuronode"] = help_of([NEURONODE, "join", "--help"])

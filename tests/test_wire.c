@@ -35,13 +35,13 @@ static void test_job_kinds(void)
         {.key = "lora_targets", .kind = NL_WIRE_PARAM_STR, .s = (char *)"wq,wk,wv,wo"},
         {.key = "lengths", .kind = NL_WIRE_PARAM_STR, .s = (char *)"3,17,1"},
     };
-    for (uint32_t kind = NL_JOB_FORWARD; kind <= NL_JOB_EMBED + 1; kind++) {
+    for (uint32_t kind = NL_JOB_FORWARD; kind <= NL_JOB_GROW + 1; kind++) {
         nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
         m.u.job_submit = (nl_msg_job_submit){kind, 4, (nl_wire_param *)ft};
         nl_status st = enc_msg(&m, &e, NULL, &err); /* the encoder checks the schema too */
         if (st == NL_OK)
             st = nl_wire_decode(&d, e.parts, e.nparts, NULL, &err);
-        if (kind <= NL_JOB_EMBED) {
+        if (kind <= NL_JOB_GROW) {
             CHECK(st == NL_OK && d.u.job_submit.kind == kind && d.u.job_submit.nparams == 4 &&
                       strcmp(d.u.job_submit.params[2].s, "wq,wk,wv,wo") == 0 &&
                       strcmp(d.u.job_submit.params[3].s, "3,17,1") == 0,
