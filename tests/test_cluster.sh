@@ -9,37 +9,10 @@
 # coordinator stays up and re-plans, and the next request succeeds;
 # unauthorised node and client keys are refused; cluster down stops all;
 # a session evicted from a node's KV budget fails that generation only.
-set -uo pipefail
-N="$NL_BUILD_DIR/cli/neuroctl"
-# the device of the local tools and the nodes (scripts/test.sh runs the suite
-# once more with NL_TEST_DEVICE=cpu-devsim)
-DEV=(--device "${NL_TEST_DEVICE:-cpu}")
-W=$(mktemp -d)
+. "$(dirname "$0")/cluster_lib.sh"
 C="$W/cluster"
-cleanup() {
-  "$N" cluster down --dir "$C" >/dev/null 2>&1
-  "$N" cluster down --dir "$W/cluster2" >/dev/null 2>&1
-  "$N" cluster down --dir "$W/cluster3" >/dev/null 2>&1
-  pkill -f "$W" 2>/dev/null
-  rm -rf "$W"
-}
-trap cleanup EXIT
-pass=0
-fail=0
-check() { if "$@"; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL: $*" >&2; fi; }
-PY=/usr/bin/python3
 
-cat > "$W/cfg.yaml" <<'YAML'
-hidden_dim: 64
-num_layers: 6
-num_heads: 4
-num_kv_heads: 2
-ffn_dim: 64
-num_experts: 4
-vocab_size: 256
-vocab_chunk: 256
-max_seq_len: 256
-YAML
+small_config "$W/cfg.yaml" 64 6 64 256
 check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
 check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 3 --model "$W/m.safetensors" --memory 64M --threads 1 \
   --node-timeout-ms 2000 --timeout 60

@@ -23,22 +23,10 @@
 #    narrow model's, and training goes on without a loss spike: against the
 #    narrow model trained on from the same checkpoint, the first loss is the
 #    same and the next ten stay within the spread of the narrow ones.
-set -uo pipefail
-N="$NL_BUILD_DIR/cli/neuroctl"
-DEV=(--device "${NL_TEST_DEVICE:-cpu}")
+. "$(dirname "$0")/cluster_lib.sh"
 export NL_TEST_GFLOPS=20 # equal throughputs: plans do not hang on disturbed probes
-W=$(mktemp -d)
 extra=0
-cleanup() {
-  [ "$extra" -gt 0 ] && kill "$extra" 2>/dev/null && wait "$extra" 2>/dev/null
-  for c in "$W"/c*; do "$N" cluster down --dir "$c" >/dev/null 2>&1; done
-  rm -rf "$W"
-}
-trap cleanup EXIT
-pass=0
-fail=0
-check() { if "$@"; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL: $*" >&2; fi; }
-PY=/usr/bin/python3
+test_cleanup() { [ "$extra" -gt 0 ] && kill "$extra" 2>/dev/null && wait "$extra" 2>/dev/null; }
 
 cat > "$W/st.py" <<'PY'
 import json, struct, sys

@@ -4,38 +4,15 @@
 # (the planner's bottleneck halves, beyond --replan-margin), logs the old
 # and new plan, and the stages reload from the checkpoint; forward through
 # the two stages equals the local forward.
-set -uo pipefail
-N="$NL_BUILD_DIR/cli/neuroctl"
-NODE="$NL_BUILD_DIR/node/neuronode"
-DEV=(--device "${NL_TEST_DEVICE:-cpu}")
+. "$(dirname "$0")/cluster_lib.sh"
 # equal, fixed throughputs: the plan does not depend on probes disturbed by
 # tests running beside this one
 export NL_TEST_GFLOPS=20
-W=$(mktemp -d)
 C="$W/cluster"
 extra=0
-cleanup() {
-  [ "$extra" -gt 0 ] && kill "$extra" 2>/dev/null && wait "$extra" 2>/dev/null
-  "$N" cluster down --dir "$C" >/dev/null 2>&1
-  rm -rf "$W"
-}
-trap cleanup EXIT
-pass=0
-fail=0
-check() { if "$@"; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL: $*" >&2; fi; }
-PY=/usr/bin/python3
+test_cleanup() { [ "$extra" -gt 0 ] && kill "$extra" 2>/dev/null && wait "$extra" 2>/dev/null; }
 
-cat > "$W/cfg.yaml" <<'YAML'
-hidden_dim: 64
-num_layers: 6
-num_heads: 4
-num_kv_heads: 2
-ffn_dim: 64
-num_experts: 4
-vocab_size: 256
-vocab_chunk: 256
-max_seq_len: 256
-YAML
+small_config "$W/cfg.yaml" 64 6 64 256
 check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
 check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 1 --model "$W/m.safetensors" --memory 64M \
   --threads 1 --node-timeout-ms 2000 --timeout 60

@@ -13,32 +13,10 @@
 #  - embeddings through the cluster (neuroctl embed --cluster) equal local
 #    ones within 1e-5, for a decoder (also with the joined adapter) and for
 #    an encoder (pads kept out of attention on every stage).
-set -uo pipefail
-N="$NL_BUILD_DIR/cli/neuroctl"
+. "$(dirname "$0")/cluster_lib.sh"
 export NL_TEST_GFLOPS=20 # equal probes: the plan is 3 stages whatever else runs
-DEV=(--device "${NL_TEST_DEVICE:-cpu}")
-W=$(mktemp -d)
-cleanup() {
-  for c in "$W"/c*; do "$N" cluster down --dir "$c" >/dev/null 2>&1; done
-  rm -rf "$W"
-}
-trap cleanup EXIT
-pass=0
-fail=0
-check() { if "$@"; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL: $*" >&2; fi; }
-PY=/usr/bin/python3
 
-cat > "$W/cfg.yaml" <<'YAML'
-hidden_dim: 32
-num_layers: 6
-num_heads: 4
-num_kv_heads: 2
-ffn_dim: 48
-num_experts: 4
-vocab_size: 256
-vocab_chunk: 256
-max_seq_len: 64
-YAML
+small_config "$W/cfg.yaml" 32 6 48 64
 cat "$NL_SOURCE_DIR"/README.md "$NL_SOURCE_DIR"/docs/*.md > "$W/data.txt"
 check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
 RUN=(--data "$W/data.txt" --steps 6 --batch 8 --seq 32 --microbatches 4 --lr 3e-3

@@ -7,35 +7,12 @@
 # all of them: a standby), the
 # job goes on from that checkpoint, and its final weights are bit-identical
 # to the same job on one node.
-set -uo pipefail
-N="$NL_BUILD_DIR/cli/neuroctl"
-NODE="$NL_BUILD_DIR/node/neuronode"
-DEV=(--device "${NL_TEST_DEVICE:-cpu}")
+. "$(dirname "$0")/cluster_lib.sh"
 export NL_TEST_GFLOPS=20
-W=$(mktemp -d)
 extra=0
-cleanup() {
-  [ "$extra" -gt 0 ] && kill "$extra" 2>/dev/null
-  for c in "$W"/c*; do "$N" cluster down --dir "$c" >/dev/null 2>&1; done
-  rm -rf "$W"
-}
-trap cleanup EXIT
-pass=0
-fail=0
-check() { if "$@"; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL: $*" >&2; fi; }
-PY=/usr/bin/python3
+test_cleanup() { [ "$extra" -gt 0 ] && kill "$extra" 2>/dev/null; }
 
-cat > "$W/cfg.yaml" <<'YAML'
-hidden_dim: 32
-num_layers: 6
-num_heads: 4
-num_kv_heads: 2
-ffn_dim: 48
-num_experts: 4
-vocab_size: 256
-vocab_chunk: 256
-max_seq_len: 64
-YAML
+small_config "$W/cfg.yaml" 32 6 48 64
 cat "$NL_SOURCE_DIR"/README.md "$NL_SOURCE_DIR"/docs/*.md > "$W/data.txt"
 check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
 RUN=(--data "$W/data.txt" --steps 60 --batch 16 --seq 64 --microbatches 2 --lr 3e-3 --seed 1

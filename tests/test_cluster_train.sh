@@ -16,38 +16,13 @@
 #    heartbeat timeout plus one second, naming the node and the last
 #    checkpointed step, and a resume from that manifest on the nodes left
 #    completes the run, matching one process.
-set -uo pipefail
-N="$NL_BUILD_DIR/cli/neuroctl"
+. "$(dirname "$0")/cluster_lib.sh"
 # every node reports the same throughput (neuronode's test hook), so the
 # plans this test counts stages of do not hang on probes that other tests
 # running at the same time disturb
 export NL_TEST_GFLOPS=20
-# the device of the local tools and the nodes (scripts/test.sh runs the suite
-# once more with NL_TEST_DEVICE=cpu-devsim)
-DEV=(--device "${NL_TEST_DEVICE:-cpu}")
-W=$(mktemp -d)
-cleanup() {
-  for c in "$W"/c*; do "$N" cluster down --dir "$c" >/dev/null 2>&1; done
-  pkill -f "$W" 2>/dev/null
-  rm -rf "$W"
-}
-trap cleanup EXIT
-pass=0
-fail=0
-check() { if "$@"; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL: $*" >&2; fi; }
-PY=/usr/bin/python3
 
-cat > "$W/cfg.yaml" <<'YAML'
-hidden_dim: 32
-num_layers: 6
-num_heads: 4
-num_kv_heads: 2
-ffn_dim: 48
-num_experts: 4
-vocab_size: 256
-vocab_chunk: 256
-max_seq_len: 64
-YAML
+small_config "$W/cfg.yaml" 32 6 48 64
 # real English text: the project's own documents
 cat "$NL_SOURCE_DIR"/README.md "$NL_SOURCE_DIR"/docs/*.md > "$W/data.txt"
 check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7

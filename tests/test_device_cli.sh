@@ -22,21 +22,7 @@
 #  - a device error while serving (test hook NL_TEST_DEVICE_FAIL) fails
 #    the job with the device's error named, and the node leaves the cluster
 #    and exits 1 (inference and training).
-set -uo pipefail
-N="$NL_BUILD_DIR/cli/neuroctl"
-NODE="$NL_BUILD_DIR/node/neuronode"
-# the device of the local tools and the nodes (scripts/test.sh runs the suite
-# once more with NL_TEST_DEVICE=cpu-devsim)
-DEV=(--device "${NL_TEST_DEVICE:-cpu}")
-W=$(mktemp -d)
-cleanup() {
-  for c in "$W"/c*; do "$N" cluster down --dir "$c" >/dev/null 2>&1; done
-  rm -rf "$W"
-}
-trap cleanup EXIT
-pass=0
-fail=0
-check() { if "$@"; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL: $*" >&2; fi; }
+. "$(dirname "$0")/cluster_lib.sh"
 # run CMD...: sets rc, out (stdout and stderr) and secs (wall time)
 run() {
   local t0

@@ -10,24 +10,15 @@
 #    microbatches shared by two backends, gradients all-reduced) trains
 #    with every step's loss within 1e-6 of the same cluster with one
 #    replica per node, and within 1e-5 of neuroctl train in one process.
-set -uo pipefail
-N="$NL_BUILD_DIR/cli/neuroctl"
-NODE="$NL_BUILD_DIR/node/neuronode"
-COORD="$NL_BUILD_DIR/coordinator/neurocoord"
+. "$(dirname "$0")/cluster_lib.sh"
 DEVICE="${NL_TEST_DEVICE:-cpu}"
 export NL_TEST_GFLOPS=20 # one throughput for every node: the plan does not depend on probes
-W=$(mktemp -d)
 pids=()
-cleanup() {
-  for c in "$W"/c*; do "$N" cluster down --dir "$c" >/dev/null 2>&1; done
+test_cleanup() {
+  local p
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
   wait 2>/dev/null
-  rm -rf "$W"
 }
-trap cleanup EXIT
-pass=0
-fail=0
-check() { if "$@"; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL: $*" >&2; fi; }
 run() {
   local t0
   t0=$(date +%s.%N)
@@ -56,17 +47,7 @@ for bad in "cpu,cuda:0|not of one kind" "cuda:0,0|cuda:0 twice" "cpu,|empty devi
 done
 
 # ---- a cluster with a replicated node against the same cluster without ----
-cat > "$W/cfg.yaml" <<'YAML'
-hidden_dim: 32
-num_layers: 4
-num_heads: 4
-num_kv_heads: 2
-ffn_dim: 48
-num_experts: 4
-vocab_size: 256
-vocab_chunk: 256
-max_seq_len: 64
-YAML
+small_config "$W/cfg.yaml" 32 4 48 64
 cat "$NL_SOURCE_DIR"/README.md "$NL_SOURCE_DIR"/docs/*.md > "$W/data.txt"
 check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
 RUN=(--data "$W/data.txt" --steps 6 --batch 8 --seq 32 --microbatches 4 --lr 3e-3 --seed 1)

@@ -1,0 +1,46 @@
+# Sourced by the shell tests that start local clusters: the tools, the
+# device, a scratch directory that is cleaned up with every cluster in it,
+# the pass/fail counters, and the small model configs they train.
+#   N (neuroctl), NODE (neuronode), COORD (neurocoord), PY, DEV (the
+#   --device of the local tools and the nodes: scripts/test.sh runs the
+#   suite once more with NL_TEST_DEVICE=cpu-devsim), W (scratch), check CMD...
+# A test that starts processes of its own defines test_cleanup; it runs
+# first at exit. Clusters go down with `cluster down` (every directory
+# under W that has a coord.pid), then anything still naming W is killed.
+set -uo pipefail
+N="$NL_BUILD_DIR/cli/neuroctl"
+NODE="$NL_BUILD_DIR/node/neuronode"
+COORD="$NL_BUILD_DIR/coordinator/neurocoord"
+PY=/usr/bin/python3
+DEV=(--device "${NL_TEST_DEVICE:-cpu}")
+W=$(mktemp -d)
+pass=0
+fail=0
+check() { if "$@"; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL: $*" >&2; fi; }
+
+cluster_lib_exit() {
+  declare -F test_cleanup >/dev/null && test_cleanup
+  local p
+  for p in "$W"/*/coord.pid; do
+    [ -e "$p" ] && "$N" cluster down --dir "$(dirname "$p")" >/dev/null 2>&1
+  done
+  pkill -f "$W" 2>/dev/null
+  rm -rf "$W"
+}
+trap cluster_lib_exit EXIT
+
+# small_config FILE HIDDEN LAYERS FFN MAX_SEQ: 4 heads (2 kv), 4 experts,
+# a byte vocabulary in one chunk
+small_config() {
+  cat > "$1" <<YAML
+hidden_dim: $2
+num_layers: $3
+num_heads: 4
+num_kv_heads: 2
+ffn_dim: $4
+num_experts: 4
+vocab_size: 256
+vocab_chunk: 256
+max_seq_len: $5
+YAML
+}
