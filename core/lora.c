@@ -129,6 +129,23 @@ static nl_status alloc_blocks(nl_lora *lo)
     return ok ? NL_OK : NL_ERR_NOMEM;
 }
 
+/* The trained head starts as the base's. */
+static void copy_head(nl_lora *lo)
+{
+    const nl_config *c = &lo->m->cfg;
+    if (lo->classifier)
+        lo->m->be->copy_rows(lo->m->be, lo->classifier, c->hidden_dim, lo->base_classifier,
+                             c->hidden_dim, c->num_classes, c->hidden_dim);
+}
+
+float *nl_lora_grad_of(const nl_model *m, const float *w)
+{
+    const nl_lora *lo = m->lora;
+    if (!lo || w < lo->params || w >= lo->params + lo->n_params)
+        return NULL;
+    return lo->grads + (w - lo->params);
+}
+
 nl_status nl_lora_new(nl_lora **out, nl_model *m, int rank, float alpha, int targets, int max_rows,
                       nl_error *err)
 {
@@ -158,6 +175,17 @@ nl_status nl_lora_new(nl_lora **out, nl_model *m, int rank, float alpha, int tar
         for (int t = 0; t < N_TARGETS; t++)
             if (targets & (1 << t))
                 add_target(lo, l, t);
+    nl_param *head = NULL;
+    if (m->classifier) { /* trained with the adapters: last in the table */
+        head = &lo->table[lo->n_table++];
+        snprintf(head->name, sizeof head->name, "classifier.weight");
+        head->kind = NL_PARAM_MATRIX;
+        head->ndim = 2;
+        head->shape[0] = m->cfg.num_classes;
+        head->shape[1] = m->cfg.hidden_dim;
+        head->offset = lo->n_params;
+        lo->n_params += nl_param_numel(head);
+    }
     if (alloc_blocks(lo) != NL_OK)
         goto nomem;
     for (int l = 0, i = 0; l < L; l++)
@@ -168,6 +196,12 @@ nl_status nl_lora_new(nl_lora **out, nl_model *m, int rank, float alpha, int tar
                 mp->B = lo->params + lo->table[i + 1].offset;
                 i += t >= 4 ? 2 * E : 2;
             }
+    if (head) {
+        lo->classifier = lo->params + head->offset;
+        lo->base_classifier = m->classifier;
+        copy_head(lo);
+        m->classifier = lo->classifier;
+    }
     m->lora = lo;
     *out = lo;
     return NL_OK;
@@ -184,6 +218,8 @@ void nl_lora_destroy(nl_lora **lop)
     nl_backend *be = lo->m->be;
     if (lo->m->lora == lo)
         lo->m->lora = NULL;
+    if (lo->classifier && lo->m->classifier == lo->classifier)
+        lo->m->classifier = lo->base_classifier;
     void *dev[] = {lo->params, lo->grads, lo->mom[0], lo->mom[1], lo->u,   lo->du,
                    lo->t,      lo->sg,    lo->svec,   lo->ones,   lo->iota};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
@@ -209,6 +245,7 @@ nl_status nl_lora_init_random(nl_lora *lo, uint64_t seed, nl_error *err)
     }
     lo->m->be->upload(lo->m->be, lo->params, h, lo->n_params * sizeof *h);
     free(h);
+    copy_head(lo);
     return nl_backend_check(lo->m->be, err);
 }
 
@@ -489,9 +526,13 @@ nl_status nl_lora_load(nl_lora **out, nl_model *m, const char *path, int max_row
         st = nl_error_set(err, NL_ERR_NOMEM, "lora: out of memory");
         goto out;
     }
+    int has_head = 0;
     for (int i = 0; i < lo->n_table; i++) {
         const nl_param *p = &lo->table[i];
         const nl_st_entry *e = nl_st_find(f, p->name);
+        if (!e && lo->params + p->offset == lo->classifier)
+            continue; /* an adapter without a head: the base's stays */
+        has_head |= lo->params + p->offset == lo->classifier;
         if (!e || e->dtype != NL_DTYPE_F32 || e->ndim != 2 || e->shape[0] != p->shape[0] ||
             e->shape[1] != p->shape[1]) {
             st = nl_error_set(err, NL_ERR_SHAPE, "%s: %s missing or not F32 [%lld, %lld]", path,
@@ -501,6 +542,8 @@ nl_status nl_lora_load(nl_lora **out, nl_model *m, const char *path, int max_row
         memcpy(h + p->offset, nl_st_tensor_data(f, e), nl_param_numel(p) * sizeof *h);
     }
     m->be->upload(m->be, lo->params, h, lo->n_params * sizeof *h);
+    if (!has_head)
+        copy_head(lo);
     st = nl_backend_check(m->be, err);
 out:
     free(h);
@@ -539,6 +582,10 @@ nl_status nl_lora_merge(nl_lora *lo, nl_error *err)
                          m->layers[l].experts + e * ef + (size_t)t * F * d, mp->in);
         }
     (void)w;
+    if (lo->classifier) { /* the base's head becomes the trained one */
+        be->copy_rows(be, lo->base_classifier, d, lo->classifier, d, m->cfg.num_classes, d);
+        m->classifier = lo->base_classifier;
+    }
     be->zero(be, lo->params, lo->n_params * sizeof(float));
     return nl_backend_check(be, err);
 }

@@ -12,6 +12,13 @@
  * adjacent), so the grouped GEMMs of the expert dispatch run them without
  * host counts, as the base experts run.
  *
+ * A model with a classification head (num_classes, on this stage) also
+ * trains the head with the adapters, as PEFT's sequence classification
+ * does (a head left at its random initialisation caps what adapters can
+ * learn): the block holds a copy "classifier.weight" [K, d], the model's
+ * classifier pointer points at it while the adapters are attached, and the
+ * adapter file carries it (a file without it keeps the base's head).
+ *
  * Ownership: nl_lora_new borrows the model (which must outlive the
  * adapters); nl_lora_destroy(&lo) frees them and detaches them from the
  * model. */
@@ -56,6 +63,8 @@ struct nl_lora {
      * slots, alpha / r and ones that moe_combine needs to add rows */
     float *t, *sg, *svec, *ones;
     int32_t *iota;
+    float *classifier;      /* the trained head in params, or NULL */
+    float *base_classifier; /* the model's own head, restored on detach */
 };
 
 /* Adapters of rank r for the targets (NL_LORA_* bits) of every layer of m,
@@ -78,8 +87,13 @@ nl_status nl_lora_save(const nl_lora *lo, const char *path, const char *base_sha
 nl_status nl_lora_load(nl_lora **out, nl_model *m, const char *path, int max_rows, nl_error *err);
 
 /* Fold the adapters into the base weights: W += (alpha / r) B A (every
- * expert's own for expert targets). */
+ * expert's own for expert targets); the head, if any, becomes the trained
+ * one. */
 nl_status nl_lora_merge(nl_lora *lo, nl_error *err);
+
+/* The gradient of a weight w inside the adapters' block (the trained head),
+ * or NULL when w is not there (a base weight). */
+float *nl_lora_grad_of(const nl_model *m, const float *w);
 
 /* Layer hooks (core/layer.c, layer_backward.c): no-ops without adapters. */
 void nl_lora_forward_qkv(const nl_model *m, int li, const float *xn, float *qkv, int N);

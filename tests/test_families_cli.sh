@@ -203,6 +203,8 @@ out=$("$NEUROCTL" finetune "${DEV[@]}" --objective classify --model "$W/cls.safe
     --lora-rank 4 --lora-targets wq,wv --out "$W/cls_ad.safetensors" --threads 2 2>&1) ||
     bad "classify finetune: $out"
 check test -s "$W/cls_ad.safetensors"
+# the head trains with the adapters and travels in their file
+check grep -q "classifier.weight" "$W/cls_ad.safetensors"
 
 echo "test_families_cli: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
