@@ -8,7 +8,7 @@
 # on every attention map and expert matrix) on the frozen base, whose
 # classifier head trains with the adapters. Prints held-out accuracy against
 # the majority class, and each run's memory model, peak RSS and times.
-# About 5 CPU-minutes in all (a few minutes on an idle 2-core machine).
+# About 3.5 minutes on a 2-core machine (measured: docs/BENCHMARKS.md).
 #   bench/fortunes_demo.sh [BUILD_DIR] [WORK_DIR]
 # Why these choices (the first recipe, byte-level ids, stayed at the
 # majority class): a fortune's topic is in its words, and 2048 BPE ids make
