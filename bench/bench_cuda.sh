@@ -4,7 +4,9 @@
 #   0. test_ops cuda:0 (every slot against naive loops; again with
 #      CUDA_LAUNCH_BLOCKING=1, so a fault is reported by the op that made it);
 #   1. neuroctl selftest --device cuda:0 (FP32, then --tf32): every CUDA slot
-#      against the CPU backend, and a small model's routing, logits, decode
+#      against the CPU backend (with the model variants' GeGLU, YaRN RoPE and
+#      masked attention forward and backward: encoder, local windows, packed
+#      documents; cli/selftest_family.c), and a small model's routing, logits, decode
 #      (and, once the device can train, one layer forward/backward and three
 #      local training steps);
 #   2. bench_cuda: SGEMM and memory-bound kernels against the spec sheet,

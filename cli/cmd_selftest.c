@@ -251,6 +251,28 @@ static int has(nl_selftest *c, int present, const char *check, const char *shape
 
 #define NEED(c, slot, shape) has((c), (c)->be[1]->slot != NULL, #slot, (shape))
 
+/* The helpers above for the other selftest files (selftest.h). */
+pair *nl_selftest_dev(nl_selftest *c, const void *host, size_t bytes)
+{
+    return dev(c, host, bytes);
+}
+
+float *nl_selftest_rnd(nl_selftest *c, size_t n, double lo, double hi)
+{
+    return rnd(c, n, lo, hi);
+}
+
+void nl_selftest_mirror(nl_selftest *c, pair *p)
+{
+    mirror(c, p);
+}
+
+double nl_selftest_cmp_cols(nl_selftest *c, const pair *p, size_t rows, size_t stride,
+                            size_t col0, size_t cols)
+{
+    return cmp_cols(c, p, rows, stride, col0, cols);
+}
+
 /* ---------------------------------------------------------------- memory */
 
 /* upload at a byte offset, download back: the same bytes */
@@ -898,6 +920,7 @@ int nl_cmd_selftest(int argc, char **argv)
         printf("skip  backward and optimizer slots, layer backward, training steps: %s cannot "
                "train\n",
                c.be[1]->name);
+    nl_selftest_family(&c);
     nl_selftest_model(&c, (uint64_t)seed);
     printf("selftest: %d passed, %d failed\n", c.passed, c.failed);
     nl_backend_destroy(&c.be[1]);

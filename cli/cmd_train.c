@@ -759,7 +759,10 @@ static int train_main(int argc, char **argv, int finetune)
         {"lora-rank", 1, "finetune: rank r of the adapters (default 8)", NULL},
         {"lora-alpha", 1, "finetune: alpha; the adapters add (alpha / r) x A^T B^T (default 16)",
          NULL},
-        {"lora-targets", 1, "finetune: the maps adapted, of wq,wk,wv,wo (default all four)", NULL},
+        {"lora-targets", 1,
+         "finetune: the maps adapted, of wq,wk,wv,wo,w_gate,w_up,w_down (the last three: every "
+         "expert's; default wq,wk,wv,wo)",
+         NULL},
         NL_CLI_PRECISION_FLAG,
         {0}};
     const char *usage =

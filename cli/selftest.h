@@ -1,5 +1,6 @@
 /* Private to neuroctl selftest (cli/cmd_selftest.c, the op checks and the
- * command; cli/selftest_model.c, the small model's checks): the harness
+ * command; cli/selftest_family.c, the model variants' slots;
+ * cli/selftest_model.c, the small model's checks): the harness
  * that holds one buffer on two backends, and the report of each check. */
 #ifndef NL_CLI_SELFTEST_H
 #define NL_CLI_SELFTEST_H
@@ -68,6 +69,23 @@ void nl_selftest_line(nl_selftest *c, int ok, const char *check, const char *sha
  * check's buffers are released. */
 void nl_selftest_done(nl_selftest *c, const char *check, const char *shape, double err, double tol);
 void nl_selftest_release(nl_selftest *c);
+
+/* For the checks outside cmd_selftest.c: a buffer of `bytes` on both
+ * backends holding `host` (zeros when NULL; on failure c->oom is set and
+ * the pair's pointers are NULL); n uniform floats in [lo, hi) in a host
+ * buffer; the reference's bytes of p copied to the target; the scaled max
+ * error of columns [col0, col0 + cols) of rows of p on the two backends. */
+pair *nl_selftest_dev(nl_selftest *c, const void *host, size_t bytes);
+float *nl_selftest_rnd(nl_selftest *c, size_t n, double lo, double hi);
+void nl_selftest_mirror(nl_selftest *c, pair *p);
+double nl_selftest_cmp_cols(nl_selftest *c, const pair *p, size_t rows, size_t stride,
+                            size_t col0, size_t cols);
+
+/* The optional slots of DESIGN section 6's variants (GeGLU, YaRN RoPE,
+ * masked attention forward, and where the target can train their
+ * backwards), skipped by name where the target leaves them NULL
+ * (cli/selftest_family.c). */
+void nl_selftest_family(nl_selftest *c);
 
 /* A small model on both backends: routing, logits, NL_SELFTEST_DECODE
  * greedy decode steps, and where the target can train one layer forward

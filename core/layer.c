@@ -183,9 +183,11 @@ static void route(nl_layer_acts *a, int N, int E, int k)
 
 /* The host_routing forward of the experts: download, route, upload the
  * tables, and one pair of GEMMs per expert sized by the host counts. */
-static void experts_host_routed(nl_backend *be, const nl_config *c, const nl_layer_weights *w,
-                                nl_layer_acts *a, int N)
+static void experts_host_routed(const nl_model *m, int li, nl_layer_acts *a, int N)
 {
+    nl_backend *be = m->be;
+    const nl_config *c = &m->cfg;
+    const nl_layer_weights *w = &m->layers[li - m->l0];
     const int d = c->hidden_dim, E = c->num_experts, k = c->top_k, F = c->ffn_dim;
     const size_t nk = (size_t)N * k;
     be->download(be, a->probs_h, a->probs, (size_t)N * E * sizeof(float));
@@ -205,8 +207,10 @@ static void experts_host_routed(nl_backend *be, const nl_config *c, const nl_lay
         const float *wdown = wgu + 2 * (size_t)F * d;      /* (d, F) */
         float *gu = a->gu + (size_t)o * 2 * F, *hs = a->hs + (size_t)o * F;
         be->gemm(be, 0, 1, n, 2 * F, d, 1.0f, a->xe + (size_t)o * d, d, wgu, d, 0.0f, gu, 2 * F);
+        nl_lora_forward_expert(m, li, e, a->xe + (size_t)o * d, gu, n, 0); /* adapters, if any */
         ffn_act_forward(be, c, hs, gu, n);
         be->gemm(be, 0, 1, n, d, F, 1.0f, hs, F, wdown, F, 0.0f, a->ye + (size_t)o * d, d);
+        nl_lora_forward_expert(m, li, e, hs, a->ye + (size_t)o * d, n, 1);
     }
 }
 
@@ -279,7 +283,7 @@ static void moe_block(nl_model *m, int li, nl_layer_acts *a, int N, const nl_lay
         be->softmax_forward(be, a->probs, N, E);
     }
     if (a->host_routing) {
-        experts_host_routed(be, c, w, a, N);
+        experts_host_routed(m, li, a, N);
     } else {
         /* grouped dispatch: each expert runs only on the rows routed to it,
          * sized on the device by the offsets (a token takes an expert at
@@ -287,16 +291,18 @@ static void moe_block(nl_model *m, int li, nl_layer_acts *a, int N, const nl_lay
         be->moe_route(be, a->choice_d, a->w_d, a->offsets_d, a->perm_d, a->slot_d, a->probs, N, E,
                       k);
         be->gather_rows(be, a->xe, a->xn2, a->perm_d, N * k, d);
-        if (be->moe_ffn_forward &&
-            c->ffn_act != NL_FFN_GEGLU) { /* one pass: each group's SwiGLU while it is in cache */
+        if (be->moe_ffn_forward && c->ffn_act != NL_FFN_GEGLU &&
+            !nl_lora_on_experts(m)) { /* one pass: each group's SwiGLU while it is in cache */
             be->moe_ffn_forward(be, a->ye, a->hs, a->gu, a->xe, w->experts, expert_floats, d, F,
                                 a->offsets_d, E, N);
         } else {
             be->gemm_grouped(be, 1, 2 * F, d, a->xe, d, w->experts, d, expert_floats, a->gu, 2 * F,
                              a->offsets_d, E, N);
+            nl_lora_forward_gu(m, li, a->xe, a->gu, a->offsets_d, N); /* adapters, if any */
             ffn_act_forward(be, c, a->hs, a->gu, N * k); /* row-wise: all groups at once */
             be->gemm_grouped(be, 1, d, F, a->hs, F, w->experts + 2 * (size_t)F * d, F,
                              expert_floats, a->ye, d, a->offsets_d, E, N);
+            nl_lora_forward_down(m, li, a->hs, a->ye, a->offsets_d, N);
         }
     }
     if (a->x_out != a->h1)

@@ -87,8 +87,8 @@ static void moe_backward(nl_model *m, int li, const nl_layer_acts *a, nl_layer_g
     be->moe_combine_backward(be, s->dye, s->dw, dy, a->ye, a->slot_d, a->w_d, N, k, d);
     /* the experts, grouped by the device offsets: no host counts */
     const float *wdown0 = w->experts + 2 * (size_t)F * d;
-    if (be->moe_ffn_backward &&
-        c->ffn_act != NL_FFN_GEGLU) { /* group by group, each SwiGLU backward while in cache */
+    if (be->moe_ffn_backward && c->ffn_act != NL_FFN_GEGLU &&
+        !nl_lora_on_experts(m)) { /* group by group, each SwiGLU backward while in cache */
         be->moe_ffn_backward(be, s->dxe, s->dgu, s->dhs, gslot(m, grads, w->experts), s->dye, a->xe,
                              a->gu, a->hs, w->experts, expert_floats, d, F, a->offsets_d, E);
     } else {
@@ -96,6 +96,7 @@ static void moe_backward(nl_model *m, int li, const nl_layer_acts *a, nl_layer_g
                          E, N);
         be->gemm_grouped_wgrad(be, d, F, s->dye, d, a->hs, F, gslot(m, grads, wdown0), F,
                                expert_floats, a->offsets_d, E);
+        nl_lora_backward_down(m, li, a->hs, s->dye, s->dhs, a->offsets_d, N); /* adapters */
         if (c->ffn_act == NL_FFN_GEGLU) /* row-wise: all groups */
             be->geglu_backward(be, s->dgu, s->dhs, a->gu, N * k, F);
         else
@@ -104,6 +105,7 @@ static void moe_backward(nl_model *m, int li, const nl_layer_acts *a, nl_layer_g
                                d, expert_floats, a->offsets_d, E);
         be->gemm_grouped(be, 0, d, 2 * F, s->dgu, 2 * F, w->experts, d, expert_floats, s->dxe, d,
                          a->offsets_d, E, N);
+        nl_lora_backward_gu(m, li, a->xe, s->dgu, s->dxe, a->offsets_d, N);
     }
     /* each token's input gradient is the sum over its k dispatch slots */
     be->zero(be, s->dxn, (size_t)N * d * sizeof(float));

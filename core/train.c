@@ -405,8 +405,9 @@ static void classify_backward(nl_trainer *t, train_slot *s, float *dxn, int B, i
     nl_backend *be = t->be;
     const nl_model *m = t->m;
     const int d = m->cfg.hidden_dim, K = m->cfg.num_classes;
+    float *dw = nl_lora_grad_of(m, m->classifier); /* a head trained with adapters */
     be->gemm(be, 1, 0, K, d, B, 1.0f, s->clogits, K, s->pooled, d, 1.0f,
-             t->grads + (m->classifier - m->params), d);
+             dw ? dw : t->grads + (m->classifier - m->params), d);
     be->gemm(be, 0, 0, B, d, K, 1.0f, s->clogits, K, m->classifier, d, 0.0f, t->dpooled, d);
     be->zero(be, dxn, (size_t)B * T * d * sizeof(float));
     for (int b = 0; b < B; b++) {

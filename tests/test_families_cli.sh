@@ -128,9 +128,19 @@ out=$("$NEUROCTL" generate "${DEV[@]}" --model "$W/dec.safetensors" --adapter "$
 check "$NEUROCTL" embed "${DEV[@]}" --model "$W/dec.safetensors" --adapter "$W/ad.safetensors" \
     --input "$W/lines.txt" --out "$W/e_ad.safetensors" --seq 32
 out=$("$NEUROCTL" finetune --model "$W/dec.safetensors" --data "$W/data.txt" --steps 1 \
-    --lora-targets wq,w_up --out "$W/x.safetensors" 2>&1)
+    --lora-targets wq,w_in --out "$W/x.safetensors" 2>&1)
 check test $? -eq 2
-check grep -q "'w_up' is not one of wq, wk, wv, wo" <<< "$out"
+check grep -q "'w_in' is not one of wq, wk, wv, wo, w_gate, w_up, w_down" <<< "$out"
+# adapters on every expert's w_gate, w_up, w_down (4 experts): trained,
+# named per expert, the base unchanged byte for byte
+cp "$W/dec.orig" "$W/dec_e.safetensors"
+out=$("$NEUROCTL" finetune "${DEV[@]}" --model "$W/dec_e.safetensors" --data "$W/data.txt" \
+    --steps 3 --batch 4 --seq 32 --lr 1e-2 --lora-rank 2 --lora-targets wo,w_gate,w_up,w_down \
+    --out "$W/ad_e.safetensors" --threads 2 2>&1) || bad "expert finetune: $out"
+check cmp -s "$W/dec_e.safetensors" "$W/dec.orig"
+check grep -q "layers.1.moe.experts.3.w_down.lora_B.weight" "$W/ad_e.safetensors"
+check "$NEUROCTL" lora merge --model "$W/dec_e.safetensors" --adapter "$W/ad_e.safetensors" \
+    --out "$W/merged_e.safetensors"
 
 # refusals that name what is wrong
 out=$("$NEUROCTL" generate --model "$W/enc2.safetensors" --prompt-tokens 1,2 --max-new 2 2>&1)
@@ -193,6 +203,8 @@ out=$("$NEUROCTL" finetune "${DEV[@]}" --objective classify --model "$W/cls.safe
     --lora-rank 4 --lora-targets wq,wv --out "$W/cls_ad.safetensors" --threads 2 2>&1) ||
     bad "classify finetune: $out"
 check test -s "$W/cls_ad.safetensors"
+# the head trains with the adapters and travels in their file
+check grep -q "classifier.weight" "$W/cls_ad.safetensors"
 
 echo "test_families_cli: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]

@@ -287,6 +287,8 @@ int main(void)
     for (size_t i = 0; i < sizeof configs / sizeof configs[0]; i++)
         check_config(be, configs[i]);
     check_lora(be, "lora");
+    check_lora(be, "lora_moe");   /* the experts' w_gate, w_up, w_down too */
+    check_lora(be, "lora_dense"); /* a dense GeGLU encoder's one expert */
     nl_backend_destroy(&be);
     return check_done("test_golden");
 }

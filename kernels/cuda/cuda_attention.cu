@@ -12,12 +12,19 @@
  *   keys first and then the values in the same buffer. Each warp owns BQ / 4
  *   queries of the tile; lane j scores key j of the tile against them, and
  *   lane j keeps output columns j, j + 32, ... of each of them.
- * - decode (T <= DECODE_MAX_T): one block of 8 warps per (sequence, head,
- *   query), so one token over a long cache keeps 256 threads per head
- *   busy. Warp w takes the 32-key chunks w, w + 8, w + 16, ...; its lanes
+ * - decode (T <= DECODE_MAX_T, no packed documents): one block of 8 warps
+ *   per (sequence, head, query), so one token over a long cache keeps 256
+ *   threads per head busy. Warp w takes the 32-key chunks w, w + 8, w + 16, ...; its lanes
  *   split the head dimension (a warp reduction per score) and read K and V
  *   rows straight from global memory, coalesced. The 8 partial softmax
  *   states are merged in shared memory, in warp order, at the end.
+ *
+ * Both take a DESIGN section 6 mask (cuda_mask.cuh): a query walks only the
+ * key tiles its range reaches (so a local layer costs O(T W)), keys of
+ * another document get no weight (prefill only: packed rows have no cache,
+ * and a document check in the decode kernel pushed its 256 bucket past
+ * ptxas's register budget into spills), and the zeroed mask is the causal
+ * one.
  *
  * The online-softmax step and merge are kernels/elem.h's, shared with the
  * CPU backend. */
@@ -33,6 +40,8 @@ namespace
 {
 
 #include "cuda_reduce.cuh"
+
+#include "cuda_mask.cuh"
 
 constexpr int BK = 32;           /* keys per tile or chunk: one per lane */
 constexpr int PREFILL_WARPS = 4; /* warps per prefill block */
@@ -65,7 +74,7 @@ __device__ __forceinline__ void load_tile(float (*dst)[HDB + 1], const float *sr
 template <int HDB, int BQ>
 __global__ void __launch_bounds__(PREFILL_WARPS *WARP, PREFILL_MIN_BLOCKS)
     attn_prefill(float *out, float *lse, const float *q, int q_stride, const float *k,
-                 const float *v, int kv_stride, nl_attn_shape s)
+                 const float *v, int kv_stride, nl_attn_shape s, nl_attn_mask mk)
 {
     constexpr int R = HDB / WARP;           /* output columns per lane */
     constexpr int QPW = BQ / PREFILL_WARPS; /* queries per warp */
@@ -101,27 +110,36 @@ __global__ void __launch_bounds__(PREFILL_WARPS *WARP, PREFILL_MIN_BLOCKS)
     const float *kb = k + kv_off;
     const float *vb = v + kv_off;
 
-    /* per query of this warp: the last key it sees (absolute; -1 for a row
-     * past T), the running max and sum, the output columns */
-    int lim[QPW];
+    /* per query of this warp: the keys [lo, hi) it sees (empty for a row
+     * past T) and its document, the running max and sum, the output columns */
+    const int nkeys = s.past + s.T;
+    const int32_t *doc = mk.doc ? mk.doc + (size_t)b * s.T : nullptr;
+    int lo[QPW], hi[QPW], qdoc[QPW];
     float m[QPW], l[QPW], acc[QPW][R], p[QPW];
 #pragma unroll
     for (int i = 0; i < QPW; i++) {
         const int qi = warp * QPW + i;
-        lim[i] = qi < nq ? s.past + t0 + qi : -1;
+        lo[i] = hi[i] = 0;
+        if (qi < nq)
+            attn_range(mk, s.past + t0 + qi, nkeys, lo[i], hi[i]);
+        qdoc[i] = doc && qi < nq ? doc[t0 + qi] : 0;
         m[i] = -INFINITY;
         l[i] = 0.0f;
 #pragma unroll
         for (int r = 0; r < R; r++)
             acc[i][r] = 0.0f;
     }
-    /* the tile's last query sees keys 0 .. past + t0 + nq - 1 */
-    const int kend = s.past + t0 + nq;
+    /* the tile's queries see keys kbeg .. kend - 1 (both ends move up with
+     * the query; causal: 0 .. past + t0 + nq - 1) */
+    int kbeg, kend, unused;
+    attn_range(mk, s.past + t0, nkeys, kbeg, unused);
+    attn_range(mk, s.past + t0 + nq - 1, nkeys, unused, kend);
     /* q and K columns past hd are zero, so the dot product may run to a
      * multiple of 4 (<= HDB) and read q four columns at a time */
     const int hd4 = (hd + 3) & ~3;
-    for (int j0 = 0; j0 < kend; j0 += BK) {
+    for (int j0 = kbeg; j0 < kend; j0 += BK) {
         const int nk = min(BK, kend - j0);
+        const int kdoc = doc && lane < nk ? doc[j0 + lane] : 0; /* lane j's key */
         __syncthreads(); /* qs is written; the last value tile is read */
         load_tile<HDB>(kv, kb, kv_stride, j0, nk, hd);
         __syncthreads();
@@ -147,15 +165,19 @@ __global__ void __launch_bounds__(PREFILL_WARPS *WARP, PREFILL_MIN_BLOCKS)
 #pragma unroll
         for (int i = 0; i < QPW; i++) {
             p[i] = 0.0f;
-            if (j0 <= lim[i]) { /* warp-uniform: key j0 is visible, so the max is finite */
-                const bool vis = j0 + lane <= lim[i]; /* implies lane < nk */
+            if (j0 < hi[i] && j0 + nk > lo[i]) { /* warp-uniform: the tile meets the range */
+                const int j = j0 + lane;
+                const bool vis = j >= lo[i] && j < hi[i] && (!doc || kdoc == qdoc[i]);
                 const float sv = vis ? sc[i] : -INFINITY;
-                const float corr = nl_elem_online_max(&m[i], warp_max(sv));
-                p[i] = vis ? nl_elem_expf(sv - m[i]) : 0.0f;
-                l[i] = l[i] * corr + warp_sum(p[i]);
+                const float bmax = warp_max(sv);
+                if (bmax != -INFINITY) { /* warp-uniform: some key of the tile is visible */
+                    const float corr = nl_elem_online_max(&m[i], bmax);
+                    p[i] = vis ? nl_elem_expf(sv - m[i]) : 0.0f;
+                    l[i] = l[i] * corr + warp_sum(p[i]);
 #pragma unroll
-                for (int r = 0; r < R; r++)
-                    acc[i][r] *= corr;
+                    for (int r = 0; r < R; r++)
+                        acc[i][r] *= corr;
+                }
             }
         }
 
@@ -163,8 +185,9 @@ __global__ void __launch_bounds__(PREFILL_WARPS *WARP, PREFILL_MIN_BLOCKS)
         load_tile<HDB>(kv, vb, kv_stride, j0, nk, hd);
         __syncthreads();
 
-        /* acc += p V over the keys each query sees (as the CPU: a key in
-         * a query's future is skipped, not multiplied by 0) */
+        /* acc += p V over the keys in each query's range (as the CPU: a
+         * key outside it is skipped, not multiplied by 0; a key of another
+         * document inside it has p = 0) */
         for (int j = 0; j < nk; j++) {
             float vj[R];
 #pragma unroll
@@ -173,7 +196,7 @@ __global__ void __launch_bounds__(PREFILL_WARPS *WARP, PREFILL_MIN_BLOCKS)
 #pragma unroll
             for (int i = 0; i < QPW; i++) {
                 const float pj = __shfl_sync(FULL_MASK, p[i], j);
-                if (j0 + j <= lim[i]) {
+                if (j0 + j >= lo[i] && j0 + j < hi[i]) {
 #pragma unroll
                     for (int r = 0; r < R; r++)
                         acc[i][r] = fmaf(pj, vj[r], acc[i][r]);
@@ -184,7 +207,7 @@ __global__ void __launch_bounds__(PREFILL_WARPS *WARP, PREFILL_MIN_BLOCKS)
 
 #pragma unroll
     for (int i = 0; i < QPW; i++) {
-        if (lim[i] < 0)
+        if (warp * QPW + i >= nq)
             continue;
         const int t = t0 + warp * QPW + i;
         float *o = out + ((size_t)b * s.T + (size_t)t) * ((size_t)s.H * hd) + (size_t)h * hd;
@@ -206,7 +229,7 @@ __global__ void __launch_bounds__(PREFILL_WARPS *WARP, PREFILL_MIN_BLOCKS)
 template <int HDB>
 __global__ void __launch_bounds__(DECODE_WARPS *WARP)
     attn_decode(float *out, float *lse, const float *q, int q_stride, const float *k,
-                const float *v, int kv_stride, nl_attn_shape s)
+                const float *v, int kv_stride, nl_attn_shape s, nl_attn_mask mk)
 {
     constexpr int R = HDB / WARP; /* columns per lane: c = lane + 32 r */
     constexpr int KU = 8;         /* keys scored at once (independent reductions) */
@@ -236,8 +259,9 @@ __global__ void __launch_bounds__(DECODE_WARPS *WARP)
     const float *vb = v + kv_off;
 
     float m = -INFINITY, l = 0.0f;
-    const int kend = s.past + t + 1; /* keys 0 .. past + t */
-    for (int j0 = warp * BK; j0 < kend; j0 += DECODE_WARPS * BK) {
+    int kbeg, kend; /* causal: keys 0 .. past + t */
+    attn_range(mk, s.past + t, s.past + s.T, kbeg, kend);
+    for (int j0 = kbeg + warp * BK; j0 < kend; j0 += DECODE_WARPS * BK) {
         const int nk = min(BK, kend - j0); /* >= 1 */
         float sc = -INFINITY;              /* lane j: score of key j0 + j */
         for (int j = 0; j < nk; j += KU) {
@@ -312,18 +336,20 @@ __global__ void __launch_bounds__(DECODE_WARPS *WARP)
 
 template <int HDB, int BQ>
 void launch_prefill(cudaStream_t st, unsigned blocks, float *out, float *lse, const float *q,
-                    int q_stride, const float *k, const float *v, int kv_stride, nl_attn_shape s)
+                    int q_stride, const float *k, const float *v, int kv_stride, nl_attn_shape s,
+                    nl_attn_mask mk)
 {
     attn_prefill<HDB, BQ>
-        <<<blocks, PREFILL_WARPS * WARP, 0, st>>>(out, lse, q, q_stride, k, v, kv_stride, s);
+        <<<blocks, PREFILL_WARPS * WARP, 0, st>>>(out, lse, q, q_stride, k, v, kv_stride, s, mk);
 }
 
 template <int HDB>
 void launch_decode(cudaStream_t st, unsigned blocks, float *out, float *lse, const float *q,
-                   int q_stride, const float *k, const float *v, int kv_stride, nl_attn_shape s)
+                   int q_stride, const float *k, const float *v, int kv_stride, nl_attn_shape s,
+                   nl_attn_mask mk)
 {
     attn_decode<HDB>
-        <<<blocks, DECODE_WARPS * WARP, 0, st>>>(out, lse, q, q_stride, k, v, kv_stride, s);
+        <<<blocks, DECODE_WARPS * WARP, 0, st>>>(out, lse, q, q_stride, k, v, kv_stride, s, mk);
 }
 
 /* Query tile per head-dim bucket (shared memory: queries BQ x HDB plus one
@@ -331,12 +357,19 @@ void launch_decode(cudaStream_t st, unsigned blocks, float *out, float *lse, con
  * accumulators per lane). */
 constexpr int BQ64 = 16, BQ128 = 16, BQ256 = 8;
 
+/* The decode kernel runs short calls without packed documents (which come
+ * only without a cache, where the prefill kernel serves any T). */
+bool use_decode(const nl_attn_shape &s, const nl_attn_mask &mk)
+{
+    return s.T <= DECODE_MAX_T && !mk.doc;
+}
+
 /* Blocks the chosen kernel needs, or 0 if that passes the grid's x limit. */
-unsigned count_blocks(const nl_attn_shape &s, int hdb)
+unsigned count_blocks(const nl_attn_shape &s, const nl_attn_mask &mk, int hdb)
 {
     const long long bh = (long long)s.B * s.H;
     long long per = s.T; /* decode: one block per query */
-    if (s.T > DECODE_MAX_T) {
+    if (!use_decode(s, mk)) {
         const int bq = hdb == 64 ? BQ64 : hdb == 128 ? BQ128 : BQ256;
         per = (s.T + bq - 1) / bq;
     }
@@ -366,30 +399,40 @@ extern "C" int nl_cuda_attention_forward(void *stream, float *out, float *lse, c
                                          int q_stride, const float *k, const float *v,
                                          int kv_stride, nl_attn_shape s)
 {
+    const nl_attn_mask causal = {};
+    return nl_cuda_attention_masked_forward(stream, out, lse, q, q_stride, k, v, kv_stride, s,
+                                            causal);
+}
+
+extern "C" int nl_cuda_attention_masked_forward(void *stream, float *out, float *lse,
+                                                const float *q, int q_stride, const float *k,
+                                                const float *v, int kv_stride, nl_attn_shape s,
+                                                nl_attn_mask mk)
+{
     static_assert(NL_BACKEND_MAX_HEAD_DIM <= 256, "add a head-dim bucket");
     if (s.B == 0 || s.T == 0 || s.H == 0)
         return s.B < 0 || s.T < 0 || s.H < 0 ? (int)cudaErrorInvalidValue : (int)cudaSuccess;
-    if (!shape_ok(out, q, q_stride, k, v, kv_stride, s))
+    if (!shape_ok(out, q, q_stride, k, v, kv_stride, s) || !attn_mask_ok(mk, s))
         return (int)cudaErrorInvalidValue;
     const int hdb = s.hd <= 64 ? 64 : s.hd <= 128 ? 128 : 256;
-    const unsigned blocks = count_blocks(s, hdb);
+    const unsigned blocks = count_blocks(s, mk, hdb);
     if (blocks == 0)
         return (int)cudaErrorInvalidValue;
     cudaStream_t st = (cudaStream_t)stream;
-    if (s.T <= DECODE_MAX_T) {
+    if (use_decode(s, mk)) {
         if (hdb == 64)
-            launch_decode<64>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s);
+            launch_decode<64>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s, mk);
         else if (hdb == 128)
-            launch_decode<128>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s);
+            launch_decode<128>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s, mk);
         else
-            launch_decode<256>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s);
+            launch_decode<256>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s, mk);
     } else {
         if (hdb == 64)
-            launch_prefill<64, BQ64>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s);
+            launch_prefill<64, BQ64>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s, mk);
         else if (hdb == 128)
-            launch_prefill<128, BQ128>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s);
+            launch_prefill<128, BQ128>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s, mk);
         else
-            launch_prefill<256, BQ256>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s);
+            launch_prefill<256, BQ256>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s, mk);
     }
     return (int)cudaGetLastError();
 }

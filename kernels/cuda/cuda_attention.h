@@ -31,6 +31,19 @@ extern "C" {
 int nl_cuda_attention_forward(void *stream, float *out, float *lse, const float *q, int q_stride,
                               const float *k, const float *v, int kv_stride, nl_attn_shape s);
 
+/* The same under a DESIGN section 6 mask (the attention_masked_forward
+ * slot, twin of nl_cpu_attention_masked_forward): query t sits at absolute
+ * position i = past + t and sees the keys of its window (causal (i - W, i],
+ * bidirectional abs(i - j) <= W / 2; all of 0 .. past + T - 1 for a global
+ * bidirectional mask), and with mask.doc (B, T) device document ids only
+ * the keys of its own document. Key tiles outside a query tile's window are
+ * not visited. A negative window, or documents with past > 0, launch
+ * nothing and return cudaErrorInvalidValue; a zeroed mask is
+ * nl_cuda_attention_forward. */
+int nl_cuda_attention_masked_forward(void *stream, float *out, float *lse, const float *q,
+                                     int q_stride, const float *k, const float *v, int kv_stride,
+                                     nl_attn_shape s, nl_attn_mask mask);
+
 #ifdef __cplusplus
 }
 #endif

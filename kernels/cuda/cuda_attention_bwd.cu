@@ -24,6 +24,11 @@
  * templated on the forward's head-dim buckets HDB (64, 128, 256; hd <= HDB)
  * with tiles that keep the static shared memory under 48 KiB.
  *
+ * Under a DESIGN section 6 mask (cuda_mask.cuh) a key tile visits only the
+ * query tiles whose windows reach it and a query tile only the key tiles
+ * its window reaches, so a local layer's backward also costs O(T W); a pair
+ * the mask hides (another document) gets p = dS = 0.
+ *
  * elem.h's exponential is the one the forward and the CPU backend use. */
 #include "cuda_attention_bwd.h"
 
@@ -37,6 +42,9 @@ namespace
 {
 
 constexpr int WARP = 32;
+
+#include "cuda_mask.cuh"
+
 constexpr int TILE_WARPS = 4; /* warps per dkdv or dq block */
 constexpr int NT = TILE_WARPS * WARP;
 constexpr int ROW_THREADS = 256; /* rows per rowdot block */
@@ -138,16 +146,18 @@ __device__ void load_keys(tile_smem<HDB, BQ, BK> &sm, const float *kb, const flo
 }
 
 /* P and dS of the staged query rows (first at t0, nq of them) against the
- * staged keys (first at j0). Query t sees key j when j <= t; an unseen pair,
- * and a row past nq, gets exactly 0. Called by every thread.
+ * staged keys (first at j0, nk of them). Query t sees key j when j is in
+ * its mask's range (causal: j <= t) and, with doc (the sequence's document
+ * ids), in its document; an unseen pair, and a row past nq or a key past
+ * nk, gets exactly 0. Called by every thread.
  *
  * Thread x takes key j = x % BK against rows x / BK + m * (NT / BK), so it
  * reads k_j and v_j once a column for all its rows (the rows of a warp's
  * lanes differ only where BK < 32, and the +1 of qs and dos puts them in
  * different banks). */
 template <int HDB, int BQ, int BK>
-__device__ void score_tile(tile_smem<HDB, BQ, BK> &sm, bool want_p, int t0, int nq, int j0, int hd,
-                           float scale)
+__device__ void score_tile(tile_smem<HDB, BQ, BK> &sm, bool want_p, int t0, int nq, int j0, int nk,
+                           int hd, float scale, const nl_attn_mask &mk, const int32_t *doc, int T)
 {
     constexpr int STEP = NT / BK;              /* rows between a thread's rows */
     constexpr int MI = (BQ + STEP - 1) / STEP; /* rows per thread */
@@ -177,7 +187,13 @@ __device__ void score_tile(tile_smem<HDB, BQ, BK> &sm, bool want_p, int t0, int 
         if (BQ % STEP != 0 && i >= BQ)
             continue;
         float p = 0.0f, ds = 0.0f;
-        if (i < nq && j0 + j <= t0 + i) {
+        bool vis = i < nq && j < nk;
+        if (vis) {
+            int lo, hi;
+            attn_range(mk, t0 + i, T, lo, hi);
+            vis = j0 + j >= lo && j0 + j < hi && (!doc || doc[j0 + j] == doc[t0 + i]);
+        }
+        if (vis) {
             p = nl_elem_expf(scale * sc[m] - sm.lse[i]);
             ds = scale * p * (dp[m] - sm.D[i]);
         }
@@ -194,7 +210,7 @@ template <int HDB, int BQ, int BK>
 __global__ void __launch_bounds__(NT)
     attn_bwd_dkdv(float *dk, float *dv, const float *dout, const float *q, int q_stride,
                   const float *k, const float *v, int kv_stride, const float *out, const float *lse,
-                  const float *Dg, nl_attn_shape s)
+                  const float *Dg, nl_attn_shape s, nl_attn_mask mk)
 {
     constexpr int R = HDB / WARP;        /* columns per lane */
     constexpr int KPW = BK / TILE_WARPS; /* keys per warp */
@@ -220,14 +236,17 @@ __global__ void __launch_bounds__(NT)
         for (int r = 0; r < R; r++)
             dka[u][r] = dva[u][r] = 0.0f;
 
+    /* only queries [qlo, qhi) see keys of the tile (causal: from j0 on) */
+    const int32_t *doc = mk.doc ? mk.doc + (size_t)b * s.T : nullptr;
+    int qlo, qhi;
+    attn_query_range(mk, j0, j0 + nk, s.T, qlo, qhi);
     for (int h = g * per; h < (g + 1) * per; h++) {
-        /* queries before j0 see none of the tile's keys */
-        for (int t0 = j0 / BQ * BQ; t0 < s.T; t0 += BQ) {
+        for (int t0 = qlo / BQ * BQ; t0 < qhi; t0 += BQ) {
             const int nq = min(BQ, s.T - t0);
             __syncthreads(); /* the keys are staged; the last rows are read */
             load_queries(sm, q, q_stride, dout, out, lse, Dg, s, b, h, t0, nq);
             __syncthreads();
-            score_tile(sm, true, t0, nq, j0, hd, scale);
+            score_tile(sm, true, t0, nq, j0, nk, hd, scale, mk, doc, s.T);
             __syncthreads();
             for (int i = 0; i < nq; i++) {
                 float dc[R], qc[R];
@@ -273,7 +292,7 @@ template <int HDB, int BQ, int BK>
 __global__ void __launch_bounds__(NT)
     attn_bwd_dq(float *dq, const float *dout, const float *q, int q_stride, const float *k,
                 const float *v, int kv_stride, const float *out, const float *lse, const float *Dg,
-                nl_attn_shape s)
+                nl_attn_shape s, nl_attn_mask mk)
 {
     constexpr int R = HDB / WARP;        /* columns per lane */
     constexpr int QPW = BQ / TILE_WARPS; /* queries per warp */
@@ -300,13 +319,17 @@ __global__ void __launch_bounds__(NT)
         for (int r = 0; r < R; r++)
             acc[u][r] = 0.0f;
 
-    const int kend = t0 + nq; /* the tile's last query sees keys 0 .. kend - 1 */
-    for (int j0 = 0; j0 < kend; j0 += BK) {
+    /* the tile's queries see keys kbeg .. kend - 1 (causal: 0 .. t0 + nq - 1) */
+    const int32_t *doc = mk.doc ? mk.doc + (size_t)b * s.T : nullptr;
+    int kbeg, kend, unused;
+    attn_range(mk, t0, s.T, kbeg, unused);
+    attn_range(mk, t0 + nq - 1, s.T, unused, kend);
+    for (int j0 = kbeg; j0 < kend; j0 += BK) {
         const int nk = min(BK, kend - j0);
         __syncthreads(); /* the queries are staged; the last keys are read */
         load_keys(sm, k + kv_off, v + kv_off, kv_stride, j0, nk, hd);
         __syncthreads();
-        score_tile(sm, false, t0, nq, j0, hd, scale);
+        score_tile(sm, false, t0, nq, j0, nk, hd, scale, mk, doc, s.T);
         __syncthreads();
         for (int j = 0; j < nk; j++) {
             float kc[R];
@@ -349,15 +372,16 @@ struct bwd_args {
     const float *dout, *q, *k, *v, *out, *lse, *D;
     int q_stride, kv_stride;
     nl_attn_shape s;
+    nl_attn_mask mk;
 };
 
 template <int HDB, int TILE> void launch_tiles(cudaStream_t st, const bwd_args &a)
 {
     const unsigned ntiles = (unsigned)((a.s.T + TILE - 1) / TILE);
     attn_bwd_dkdv<HDB, TILE, TILE><<<(unsigned)(a.s.B * a.s.G) * ntiles, NT, 0, st>>>(
-        a.dk, a.dv, a.dout, a.q, a.q_stride, a.k, a.v, a.kv_stride, a.out, a.lse, a.D, a.s);
+        a.dk, a.dv, a.dout, a.q, a.q_stride, a.k, a.v, a.kv_stride, a.out, a.lse, a.D, a.s, a.mk);
     attn_bwd_dq<HDB, TILE, TILE><<<(unsigned)(a.s.B * a.s.H) * ntiles, NT, 0, st>>>(
-        a.dq, a.dout, a.q, a.q_stride, a.k, a.v, a.kv_stride, a.out, a.lse, a.D, a.s);
+        a.dq, a.dout, a.q, a.q_stride, a.k, a.v, a.kv_stride, a.out, a.lse, a.D, a.s, a.mk);
 }
 
 bool shape_ok(const bwd_args &a)
@@ -371,6 +395,9 @@ bool shape_ok(const bwd_args &a)
         return false;
     /* no cache; the kernels step positions by up to a tile past T in int */
     if (s.past != 0 || s.kv_cap != s.T || s.T > INT_MAX - 64)
+        return false;
+    /* windows step positions by W past T in int too */
+    if (!attn_mask_ok(a.mk, s) || a.mk.window > INT_MAX - 64 - s.T)
         return false;
     if ((long long)a.q_stride < (long long)s.H * s.hd ||
         (long long)a.kv_stride < (long long)s.G * s.hd)
@@ -397,10 +424,22 @@ extern "C" int nl_cuda_attention_backward(void *stream, float *dq, float *dk, fl
                                           const float *out, const float *lse, float *scratch,
                                           nl_attn_shape s)
 {
+    const nl_attn_mask causal = {};
+    return nl_cuda_attention_masked_backward(stream, dq, dk, dv, dout, q, q_stride, k, v, kv_stride,
+                                             out, lse, scratch, s, causal);
+}
+
+extern "C" int nl_cuda_attention_masked_backward(void *stream, float *dq, float *dk, float *dv,
+                                                 const float *dout, const float *q, int q_stride,
+                                                 const float *k, const float *v, int kv_stride,
+                                                 const float *out, const float *lse,
+                                                 float *scratch, nl_attn_shape s,
+                                                 nl_attn_mask mk)
+{
     static_assert(NL_BACKEND_MAX_HEAD_DIM <= 256, "add a head-dim bucket");
     if (s.B == 0 || s.T == 0 || s.H == 0)
         return s.B < 0 || s.T < 0 || s.H < 0 ? (int)cudaErrorInvalidValue : (int)cudaSuccess;
-    const bwd_args a = {dq, dk, dv, dout, q, k, v, out, lse, scratch, q_stride, kv_stride, s};
+    const bwd_args a = {dq, dk, dv, dout, q, k, v, out, lse, scratch, q_stride, kv_stride, s, mk};
     if (!shape_ok(a))
         return (int)cudaErrorInvalidValue;
     cudaStream_t st = (cudaStream_t)stream;

@@ -54,6 +54,19 @@ int nl_cuda_attention_backward(void *stream, float *dq, float *dk, float *dv, co
                                int kv_stride, const float *out, const float *lse, float *scratch,
                                nl_attn_shape s);
 
+/* The same under the DESIGN section 6 mask of the forward (the
+ * attention_masked_backward slot, twin of
+ * nl_cpu_attention_masked_backward; see nl_cuda_attention_masked_forward):
+ * tiles outside each other's windows are not visited, pairs of different
+ * documents get no gradient. A negative window launches nothing and
+ * returns cudaErrorInvalidValue; a zeroed mask is
+ * nl_cuda_attention_backward. */
+int nl_cuda_attention_masked_backward(void *stream, float *dq, float *dk, float *dv,
+                                      const float *dout, const float *q, int q_stride,
+                                      const float *k, const float *v, int kv_stride,
+                                      const float *out, const float *lse, float *scratch,
+                                      nl_attn_shape s, nl_attn_mask mask);
+
 #ifdef __cplusplus
 }
 #endif

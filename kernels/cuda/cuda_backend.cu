@@ -2,8 +2,9 @@
  * the slot table, device memory, errors and the GEMM through cuBLAS. The
  * forward kernels are in cuda_ops.cu and cuda_attention.cu, the backward
  * and optimizer kernels in cuda_backward.cu and cuda_attention_bwd.cu, the
- * routing and grouped expert GEMMs in cuda_moe.cu;
- * every slot runs on the device (can_train = 1).
+ * routing and grouped expert GEMMs in cuda_moe.cu, the model variants'
+ * GeGLU and YaRN RoPE in cuda_family.cu (their masked attention with the
+ * attention kernels); every slot runs on the device (can_train = 1).
  *
  * One backend = one device, one non-blocking stream, one cuBLAS handle
  * bound to that stream with a workspace allocated at creation, so nothing
@@ -49,6 +50,7 @@ extern "C" {
 #include "cuda_attention_bwd.h"
 #include "cuda_backward.h"
 #include "cuda_comm.h"
+#include "cuda_family.h"
 #include "cuda_moe.h"
 #include "cuda_ops.h"
 
@@ -479,6 +481,34 @@ void cu_attention_forward(nl_backend *be, float *out, float *lse, const float *q
              nl_cuda_attention_forward(c->stream, out, lse, q, q_stride, k, v, kv_stride, s));
 }
 
+void cu_rope_scaled_forward(nl_backend *be, float *x, const int32_t *pos, int N, int row,
+                            int col0, int heads, int hd, float base, nl_rope_scaling sc)
+{
+    cuda_ctx *c = enter(be);
+    if (sc.type != NL_ROPE_YARN) /* as the CPU: no scaling is plain RoPE */
+        launched(c, "rope_forward",
+                 nl_cuda_rope_forward(c->stream, x, pos, N, row, col0, heads, hd, base));
+    else
+        launched_shape(c,
+                       nl_cuda_rope_yarn_forward(c->stream, x, pos, N, row, col0, heads, hd, base,
+                                                 sc),
+                       "rope_scaled_forward (N %d hd %d factor %g L0 %d)", N, hd, sc.factor,
+                       sc.original_max_seq_len);
+}
+
+void cu_attention_masked_forward(nl_backend *be, float *out, float *lse, const float *q,
+                                 int q_stride, const float *k, const float *v, int kv_stride,
+                                 nl_attn_shape s, nl_attn_mask mask)
+{
+    cuda_ctx *c = enter(be);
+    launched_shape(c,
+                   nl_cuda_attention_masked_forward(c->stream, out, lse, q, q_stride, k, v,
+                                                    kv_stride, s, mask),
+                   "attention_masked_forward (B %d T %d past %d H %d hd %d bidir %d window %d "
+                   "doc %s)",
+                   s.B, s.T, s.past, s.H, s.hd, mask.bidir, mask.window, mask.doc ? "yes" : "no");
+}
+
 void cu_softmax_forward(nl_backend *be, float *x, int N, int C)
 {
     cuda_ctx *c = enter(be);
@@ -489,6 +519,13 @@ void cu_swiglu_forward(nl_backend *be, float *out, const float *gu, int N, int F
 {
     cuda_ctx *c = enter(be);
     launched(c, "swiglu_forward", nl_cuda_swiglu_forward(c->stream, out, gu, N, F));
+}
+
+void cu_geglu_forward(nl_backend *be, float *out, const float *gu, int N, int F)
+{
+    cuda_ctx *c = enter(be);
+    launched_shape(c, nl_cuda_geglu_forward(c->stream, out, gu, N, F), "geglu_forward (N %d F %d)",
+                   N, F);
 }
 
 void cu_gather_rows(nl_backend *be, float *out, const float *src, const int32_t *idx, int n, int C)
@@ -602,6 +639,30 @@ void cu_attention_backward(nl_backend *be, float *dq, float *dk, float *dv, cons
                    "attention_backward (B %d T %d past %d kv_cap %d H %d G %d hd %d q_stride %d "
                    "kv_stride %d)",
                    s.B, s.T, s.past, s.kv_cap, s.H, s.G, s.hd, q_stride, kv_stride);
+}
+
+void cu_attention_masked_backward(nl_backend *be, float *dq, float *dk, float *dv,
+                                  const float *dout, const float *q, int q_stride, const float *k,
+                                  const float *v, int kv_stride, const float *out,
+                                  const float *lse, nl_attn_shape s, nl_attn_mask mask)
+{
+    cuda_ctx *c = enter(be);
+    const size_t need = nl_cuda_attention_backward_scratch(s);
+    float *scratch = need > 0 && need <= c->scratch_bytes ? (float *)c->scratch : NULL;
+    launched_shape(c,
+                   nl_cuda_attention_masked_backward(c->stream, dq, dk, dv, dout, q, q_stride, k,
+                                                     v, kv_stride, out, lse, scratch, s, mask),
+                   "attention_masked_backward (B %d T %d past %d kv_cap %d H %d G %d hd %d "
+                   "bidir %d window %d doc %s)",
+                   s.B, s.T, s.past, s.kv_cap, s.H, s.G, s.hd, mask.bidir, mask.window,
+                   mask.doc ? "yes" : "no");
+}
+
+void cu_geglu_backward(nl_backend *be, float *dgu, const float *dh, const float *gu, int N, int F)
+{
+    cuda_ctx *c = enter(be);
+    launched_shape(c, nl_cuda_geglu_backward(c->stream, dgu, dh, gu, N, F),
+                   "geglu_backward (N %d F %d)", N, F);
 }
 
 void cu_swiglu_backward(nl_backend *be, float *dgu, const float *dh, const float *gu, int N, int F)
@@ -801,9 +862,12 @@ void fill_table(nl_backend *be)
     be->embedding_forward = cu_embedding_forward;
     be->rmsnorm_forward = cu_rmsnorm_forward;
     be->rope_forward = cu_rope_forward;
+    be->rope_scaled_forward = cu_rope_scaled_forward;
     be->attention_forward = cu_attention_forward;
+    be->attention_masked_forward = cu_attention_masked_forward;
     be->softmax_forward = cu_softmax_forward;
     be->swiglu_forward = cu_swiglu_forward;
+    be->geglu_forward = cu_geglu_forward;
     be->gather_rows = cu_gather_rows;
     be->copy_rows = cu_copy_rows;
     be->moe_combine = cu_moe_combine;
@@ -815,7 +879,9 @@ void fill_table(nl_backend *be)
     be->embedding_backward = cu_embedding_backward;
     be->rmsnorm_backward = cu_rmsnorm_backward;
     be->attention_backward = cu_attention_backward;
+    be->attention_masked_backward = cu_attention_masked_backward;
     be->swiglu_backward = cu_swiglu_backward;
+    be->geglu_backward = cu_geglu_backward;
     be->moe_combine_backward = cu_moe_combine_backward;
     be->cross_entropy = cu_cross_entropy;
     be->sumsq = cu_sumsq;

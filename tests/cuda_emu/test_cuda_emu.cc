@@ -39,6 +39,9 @@ int nl_emu_attention_backward_checks(void);
 /* tests/cuda_emu/emu_moe.cc: routing and the grouped GEMMs (cuda_moe.cu),
  * likewise */
 int nl_emu_moe_checks(void);
+/* tests/cuda_emu/emu_family.cc: GeGLU, YaRN and the masked attention
+ * (DESIGN section 6), likewise */
+int nl_emu_family_checks(void);
 
 namespace
 {
@@ -925,6 +928,7 @@ int main(void)
     test_adamw(cpu);
     CHECK(nl_emu_attention_backward_checks() == 0, "attention backward: see its failures above");
     CHECK(nl_emu_moe_checks() == 0, "routing: see its failures above");
+    CHECK(nl_emu_family_checks() == 0, "model variants: see their failures above");
     nl_backend_destroy(&cpu);
     return check_done("test_cuda_emu");
 }

@@ -230,8 +230,15 @@ def classify_case(name, cfg_kw, batch, seq, seed):
     return 0
 
 
-# LoRA adapters (DESIGN 6) on a frozen MoE decoder: the adapters' gradients.
-LORA = {"lora": (dict(_FAM), 2, 21, 6000, 4, 8.0, ("wq", "wk", "wv", "wo"))}
+# LoRA adapters (DESIGN 6) on a frozen MoE decoder: the adapters' gradients;
+# lora_moe adapts every expert's w_gate, w_up, w_down too (4 experts, top 2),
+# lora_dense a dense GeGLU encoder's one expert.
+LORA = {"lora": (dict(_FAM), 2, 21, 6000, 4, 8.0, ("wq", "wk", "wv", "wo")),
+        "lora_moe": (dict(_FAM), 2, 19, 6100, 4, 8.0,
+                     ("wq", "wo", "w_gate", "w_up", "w_down")),
+        "lora_dense": (dict(_FAM, num_experts=1, top_k=1, causal=False,
+                            ffn_act="geglu"), 2, 17, 6200, 3, 6.0,
+                       ("wv", "w_gate", "w_up", "w_down"))}
 
 
 def lora_case(name, cfg_kw, batch, seq, seed, rank, alpha, targets):
@@ -241,19 +248,13 @@ def lora_case(name, cfg_kw, batch, seq, seed, rank, alpha, targets):
     cfg, weights, tokens, targets_, used, _ = make_case(cfg_kw, batch, seq, seed)
     gen = torch.Generator().manual_seed(used + 1)
     adapters = {}
-    d = cfg["hidden_dim"]
-    hd = d // cfg["num_heads"]
-    outs = {"wq": cfg["num_heads"] * hd, "wk": cfg["num_kv_heads"] * hd,
-            "wv": cfg["num_kv_heads"] * hd, "wo": d}
-    for l in range(cfg["num_layers"]):
-        for t in targets:
-            n_in = cfg["num_heads"] * hd if t == "wo" else d
-            p = "layers.%d.attention.%s." % (l, t)
-            adapters[p + "lora_A.weight"] = torch.randn(
-                rank, n_in, generator=gen) / rank
-            adapters[p + "lora_B.weight"] = torch.randn(
-                outs[t], rank, generator=gen) * 0.1
     model = nlref.NeuroLLM(cfg, weights).double()
+    for p, owner, t in nlref.lora_sites(model, targets):
+        base = getattr(owner, t)
+        adapters[p + "lora_A.weight"] = torch.randn(
+            rank, base.in_features, generator=gen) / rank
+        adapters[p + "lora_B.weight"] = torch.randn(
+            base.out_features, rank, generator=gen) * 0.1
     nlref.add_lora(model, rank, alpha, targets, adapters)
     loss, ce, aux, logits = nlref.forward_loss(model, tokens, targets_)
     loss.backward()

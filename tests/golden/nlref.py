@@ -627,20 +627,34 @@ class LoRA(nn.Module):
         return self.base(x) + self.scale * self.lora_B(self.lora_A(x))
 
 
-def add_lora(model, rank, alpha, targets, adapters):
-    """Wrap the targets (e.g. ("wq", "wo")) of every layer's attention in
-    LoRA with the given {name: tensor} adapters; freeze everything else."""
-    for p in model.parameters():
-        p.requires_grad_(False)
+EXPERT_TARGETS = ("w_gate", "w_up", "w_down")
+
+
+def lora_sites(model, targets):
+    """(adapter name prefix, owning module, attribute) of every map the
+    targets name: wq/wk/wv/wo of each layer's attention, and w_gate/w_up/
+    w_down of each expert (each expert its own adapter)."""
     for l, layer in enumerate(model.layers):
         for t in targets:
-            lo = LoRA(getattr(layer.attention, t), rank, alpha).to(
-                layer.attention_norm.weight.dtype)
-            name = "layers.%d.attention.%s." % (l, t)
-            with torch.no_grad():
-                lo.lora_A.weight.copy_(adapters[name + "lora_A.weight"])
-                lo.lora_B.weight.copy_(adapters[name + "lora_B.weight"])
-            setattr(layer.attention, t, lo)
+            if t in EXPERT_TARGETS:
+                for e, ex in enumerate(layer.moe.experts):
+                    yield "layers.%d.moe.experts.%d.%s." % (l, e, t), ex, t
+            else:
+                yield "layers.%d.attention.%s." % (l, t), layer.attention, t
+
+
+def add_lora(model, rank, alpha, targets, adapters):
+    """Wrap the targets (e.g. ("wq", "wo", "w_up")) of every layer in LoRA
+    with the given {name: tensor} adapters; freeze everything else."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    dtype = model.layers[0].attention_norm.weight.dtype
+    for name, owner, t in list(lora_sites(model, targets)):
+        lo = LoRA(getattr(owner, t), rank, alpha).to(dtype)
+        with torch.no_grad():
+            lo.lora_A.weight.copy_(adapters[name + "lora_A.weight"])
+            lo.lora_B.weight.copy_(adapters[name + "lora_B.weight"])
+        setattr(owner, t, lo)
     return model
 
 
