@@ -183,7 +183,7 @@ void nl_coord_destroy(nl_coord **cp)
     nl_net_destroy(&c->net);
     coord_close_source(c);
     coord_reap_sources(c, 1); /* the sockets are gone: nothing points into them */
-    free(c->nodes);
+    coord_nodes_free(c);
     free(c->tok_text);
     free(c->init_seed);
     nl_keys_wipe(&c->keys);
@@ -207,7 +207,7 @@ static void node_lost(nl_coord *c, cnode *n, int life, const char *why)
         snprintf(msg, sizeof msg, "node %u (standby, %s) %s", n->id, n->endpoint, why);
     }
     NL_WARN("%s", msg);
-    n->life = life;
+    coord_node_unlive(c, n, life);
     n->stage = -1;
     if (stage >= 0) {
         coord_jobs_stage_lost(c, msg);
@@ -227,29 +227,27 @@ static void on_join(nl_coord *c, const nl_rx *rx)
                            "JOIN names a key other than the one this connection authenticated", &e);
         return;
     }
-    for (int i = 0; i < c->n_nodes; i++)
-        if (c->nodes[i].life == NODE_LIVE && strcmp(c->nodes[i].key, j->pubkey) == 0)
-            node_lost(c, &c->nodes[i], NODE_LEFT, "joined again (restarted)");
-    cnode *n = NULL;
-    for (int i = 0; i < c->n_nodes && !n; i++)
-        if (c->nodes[i].life != NODE_LIVE)
-            n = &c->nodes[i];
-    if (!n && c->n_nodes < COORD_MAX_NODES) { /* the table grows: no cnode * is kept across */
-        const int cap = c->n_nodes ? 2 * c->n_nodes : 16;
-        cnode *grown = realloc(c->nodes, (size_t)cap * sizeof *grown);
-        if (grown) {
-            memset(grown + c->n_nodes, 0, (size_t)(cap - c->n_nodes) * sizeof *grown);
-            n = &grown[c->n_nodes];
-            c->nodes = grown;
-            c->n_nodes = cap;
-        }
-    }
-    if (!n) {
-        nl_sock_send_error(c->ctl, rx, NL_ERR_CAPACITY, NL_MSG_JOIN, "too many nodes", &e);
+    if (strlen(j->pubkey) > NL_KEY_Z85_LEN) { /* it is indexed whole */
+        nl_sock_send_error(c->ctl, rx, NL_ERR_PROTO, NL_MSG_JOIN,
+                           "JOIN: the key is longer than a Z85 key", &e);
         return;
     }
-    memset(n, 0, sizeof *n);
-    n->life = NODE_LIVE;
+    /* the live nodes are unique by key and by routing id (coord_base.c's
+     * indexes): the key's old node restarted; a routing id that another
+     * connection took over no longer reaches its old node */
+    cnode *old = coord_node_by_key(c, j->pubkey);
+    if (old)
+        node_lost(c, old, NODE_LEFT, "joined again (restarted)");
+    if ((old = coord_node_by_rid_raw(c, rx->rid, rx->rid_len)))
+        node_lost(c, old, NODE_DEAD,
+                  "cannot be reached: another connection took over its routing id");
+    cnode *n = coord_node_take(c); /* the table may grow: no cnode * is kept across */
+    if (!n) {
+        nl_sock_send_error(
+            c->ctl, rx, NL_ERR_CAPACITY, NL_MSG_JOIN,
+            c->n_live >= COORD_MAX_NODES ? "too many nodes" : "out of memory for another node", &e);
+        return;
+    }
     n->id = ++c->next_node_id;
     snprintf(n->key, sizeof n->key, "%s", j->pubkey);
     memcpy(n->rid, rx->rid, rx->rid_len);
@@ -260,7 +258,7 @@ static void on_join(nl_coord *c, const nl_rx *rx)
     n->gflops = j->gemm_gflops;
     n->threads = j->threads;
     n->joined = n->last_seen = coord_now();
-    n->stage = -1;
+    coord_node_live(c, n);
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_ACCEPT);
@@ -295,7 +293,7 @@ static void on_heartbeat(nl_coord *c, const nl_rx *rx)
                            &e);
         return;
     }
-    n->last_seen = coord_now();
+    coord_node_seen(c, n);
     if (c->train_mem.training && n->stage >= 0 && n->loaded) { /* a stage's busy fraction */
         n->load_sum += rx->msg.u.heartbeat.load;
         n->load_n++;
@@ -307,12 +305,11 @@ static void on_node_error(nl_coord *c, const nl_rx *rx)
     cnode *n = coord_node_by_rid(c, rx);
     const nl_msg_error *e = &rx->msg.u.error;
     char why[1600], who[320] = "";
-    /* a node that cannot reach a neighbour names its endpoint: say whose */
-    for (int i = 0; i < c->n_nodes && !who[0]; i++) {
-        const cnode *o = &c->nodes[i];
-        const char *at = o->life != NODE_FREE && o != n && o->endpoint[0]
-                             ? strstr(e->message, o->endpoint)
-                             : NULL;
+    /* a node that cannot reach a neighbour names its endpoint: say whose
+     * (the neighbours are the plan's stages: not a scan of every node) */
+    for (int s = 0; c->plan && s < c->plan->n_stages && !who[0]; s++) {
+        const cnode *o = coord_stage_node(c, s);
+        const char *at = o && o != n && o->endpoint[0] ? strstr(e->message, o->endpoint) : NULL;
         const char end = at ? at[strlen(o->endpoint)] : '0';
         if (at && (end < '0' || end > '9')) /* not the prefix of a longer port */
             snprintf(who, sizeof who, " [%s is node %u, stage %d]", o->endpoint, o->id, o->stage);
@@ -457,10 +454,11 @@ static int stream_loads(nl_coord *c)
     while (progress && sent < LOAD_TURN) {
         progress = 0;
         active = 0;
-        for (int i = 0; i < c->n_nodes && sent < LOAD_TURN; i++) {
-            cnode *n = &c->nodes[i];
-            cload *ld = &n->ld;
-            if (!ld->active)
+        /* only a stage of the plan loads: not a scan of every node */
+        for (int s = 0; c->plan && s < c->plan->n_stages && sent < LOAD_TURN; s++) {
+            cnode *n = coord_stage_node(c, s);
+            cload *ld = n ? &n->ld : NULL;
+            if (!ld || !ld->active)
                 continue;
             if (n->life != NODE_LIVE || n->stage < 0 || !c->plan || ld->epoch != c->epoch) {
                 ld->active = 0; /* its plan is gone */
@@ -614,9 +612,7 @@ static void plan_over(nl_coord *c, nl_plan_node *pn, int n, uint64_t total)
     nl_error e = {0};
     c->last_plan_try = coord_now();
     /* the minimums gate the first plan; later plans use whoever is left */
-    int live = 0;
-    for (int i = 0; i < c->n_nodes; i++)
-        live += c->nodes[i].life == NODE_LIVE;
+    const int live = c->n_live;
     if (!c->planned_once && (live < c->o.min_nodes || total < c->o.min_memory)) {
         coord_set_state(c, "waiting for nodes: %d of %d joined, %.2f of %.2f GiB offered", live,
                         c->o.min_nodes, (double)total / (1 << 30),
@@ -641,11 +637,14 @@ static void plan_over(nl_coord *c, nl_plan_node *pn, int n, uint64_t total)
                 c->cfg.num_kv_heads, c->cfg.ffn_dim, sz.report);
     }
     nl_plan *plan = NULL;
+    const double t0 = coord_now();
     if (nl_plan_layers(&plan, &c->cfg, pn, n, &po, &e) != NL_OK) {
         coord_set_state(c, "not enough capacity: %s", e.msg);
         coord_fail_waiting(c, c->state);
         return;
     }
+    NL_INFO("planned over %d live nodes (%d offered to the planner) in %.3f s", c->n_live, n,
+            coord_now() - t0);
     c->plan = plan;
     c->planned_once = 1;
     c->replan_wanted = 0; /* this plan saw every node there is */
@@ -823,17 +822,16 @@ static void tick(nl_coord *c)
 {
     const double now = coord_now();
     coord_reap_sources(c, 0);
-    for (int i = 0; i < c->n_nodes; i++) {
-        cnode *n = &c->nodes[i];
-        if (n->life == NODE_LIVE && n->unreachable) {
-            char why[sizeof n->why];
+    /* the oldest heartbeat first (an unreachable node before it): O(1)
+     * per turn and per death, not a scan of every node */
+    for (cnode *n; (n = coord_node_oldest(c)) &&
+                   (n->unreachable || (now - n->last_seen) * 1e3 > c->o.node_timeout_ms);) {
+        char why[sizeof n->why];
+        if (n->unreachable)
             memcpy(why, n->why, sizeof why);
-            node_lost(c, n, NODE_DEAD, why);
-        } else if (n->life == NODE_LIVE && (now - n->last_seen) * 1e3 > c->o.node_timeout_ms) {
-            char why[128];
+        else
             snprintf(why, sizeof why, "sent no heartbeat for %.1f s: dead", now - n->last_seen);
-            node_lost(c, n, NODE_DEAD, why);
-        }
+        node_lost(c, n, NODE_DEAD, why);
     }
     if (c->loads_active)
         stream_loads(c);
