@@ -510,10 +510,20 @@ static int faster_first(const void *a, const void *b)
     return (x->id > y->id) - (x->id < y->id);
 }
 
+/* The planner's time grows as N min(N, L) (core/planner.h), and a plan
+ * has at most L stages: over many nodes it is offered the fastest
+ * plan_offer() of them first, and all (at most NL_PLAN_MAX_NODES) only
+ * when those cannot hold the model (plan_layers). */
+static int plan_offer(const nl_coord *c)
+{
+    const int k = 4 * c->cfg.num_layers;
+    return k < 64 ? 64 : k;
+}
+
 /* The live nodes as the planner sees them; returns how many, and their
- * memory in all. The planner takes at most NL_PLAN_MAX_NODES: beyond that
- * the fastest are offered (a stage holds at least one layer, so a plan
- * uses at most num_layers of them) and the others stay standbys. */
+ * memory in all. Beyond plan_offer() nodes they are sorted fastest first;
+ * at most NL_PLAN_MAX_NODES of them are returned (the others stay
+ * standbys). */
 static int plan_nodes(const nl_coord *c, nl_plan_node *pn, uint64_t *total)
 {
     int n = 0;
@@ -526,11 +536,20 @@ static int plan_nodes(const nl_coord *c, nl_plan_node *pn, uint64_t *total)
             *total += c->nodes[i].memory;
             n++;
         }
-    if (n > NL_PLAN_MAX_NODES) {
+    if (n > plan_offer(c))
         qsort(pn, (size_t)n, sizeof *pn, faster_first);
-        n = NL_PLAN_MAX_NODES;
-    }
-    return n;
+    return n < NL_PLAN_MAX_NODES ? n : NL_PLAN_MAX_NODES;
+}
+
+/* nl_plan_layers over the fastest plan_offer() of pn[0, n) (sorted by
+ * plan_nodes), then, if they cannot hold the model, over all n. */
+static nl_status plan_layers(const nl_coord *c, nl_plan **out, const nl_plan_node *pn, int n,
+                             const nl_plan_opts *po, nl_error *err)
+{
+    const int k = plan_offer(c);
+    if (n > k && nl_plan_layers(out, &c->cfg, pn, k, po, err) == NL_OK)
+        return NL_OK;
+    return nl_plan_layers(out, &c->cfg, pn, n, po, err);
 }
 
 /* Plans are for inference memory, but while a training job runs for its
@@ -638,13 +657,13 @@ static void plan_over(nl_coord *c, nl_plan_node *pn, int n, uint64_t total)
     }
     nl_plan *plan = NULL;
     const double t0 = coord_now();
-    if (nl_plan_layers(&plan, &c->cfg, pn, n, &po, &e) != NL_OK) {
+    if (plan_layers(c, &plan, pn, n, &po, &e) != NL_OK) {
         coord_set_state(c, "not enough capacity: %s", e.msg);
         coord_fail_waiting(c, c->state);
         return;
     }
-    NL_INFO("planned over %d live nodes (%d offered to the planner) in %.3f s", c->n_live, n,
-            coord_now() - t0);
+    NL_INFO("planned over %d live nodes (%d offered to the planner) in %.3f s", c->n_live,
+            n > plan_offer(c) ? plan_offer(c) : n, coord_now() - t0);
     c->plan = plan;
     c->planned_once = 1;
     c->replan_wanted = 0; /* this plan saw every node there is */
@@ -711,8 +730,8 @@ int coord_plan_possible(nl_coord *c, char *why, size_t cap)
     nl_plan_node *pn = plan_nodes_new(c, &n, &total);
     nl_plan_opts po = plan_opts(c);
     nl_plan *p = NULL;
-    const nl_status st = pn ? nl_plan_layers(&p, &c->cfg, pn, n, &po, &e)
-                            : nl_error_set(&e, NL_ERR_NOMEM, "out of memory");
+    const nl_status st =
+        pn ? plan_layers(c, &p, pn, n, &po, &e) : nl_error_set(&e, NL_ERR_NOMEM, "out of memory");
     nl_plan_destroy(&p);
     free(pn);
     if (st != NL_OK)
@@ -732,7 +751,7 @@ int coord_replan_gain(nl_coord *c, const char *when)
     nl_plan_opts po = plan_opts(c);
     nl_plan *cand = NULL;
     int gain = 0;
-    if (!pn || nl_plan_layers(&cand, &c->cfg, pn, n, &po, &e) != NL_OK) {
+    if (!pn || plan_layers(c, &cand, pn, n, &po, &e) != NL_OK) {
         NL_INFO("re-plan %s: no plan over the %d nodes: %s", when, n, pn ? e.msg : "out of memory");
         free(pn);
         return 0;
