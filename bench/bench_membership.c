@@ -82,6 +82,18 @@ static double cpu_of(pid_t pid, long *rss)
     return (double)(ut + st) / (double)sysconf(_SC_CLK_TCK);
 }
 
+/* The 1-minute load average (other work on the machine skews every figure). */
+static double load_avg(void)
+{
+    double l = -1;
+    FILE *f = fopen("/proc/loadavg", "r");
+    if (f && fscanf(f, "%lf", &l) != 1)
+        l = -1;
+    if (f)
+        fclose(f);
+    return l;
+}
+
 /* ---------------------------------------------------------------- a group of nodes */
 
 static volatile sig_atomic_t group_stop;
@@ -227,7 +239,7 @@ typedef struct logscan {
     int deaths_after;                  /* deaths after t_after */
     double first_death, last_death;    /* ... their times */
     double plan_after_death;           /* the last plan made after t_after */
-    double planner_s;                  /* the last "planned over" line's seconds */
+    double planner_s, planner_cpu;     /* the last "planned over" line's seconds, CPU */
     int planner_nodes, planner_offered;
 } logscan;
 
@@ -259,8 +271,8 @@ static void scan_log(const char *path, double t_after, logscan *ls)
             if (t_after > 0 && t >= t_after)
                 ls->plan_after_death = t;
         } else if ((p = strstr(line, "planned over "))) {
-            sscanf(p, "planned over %d live nodes (%d offered to the planner) in %lf s",
-                   &ls->planner_nodes, &ls->planner_offered, &ls->planner_s);
+            sscanf(p, "planned over %d live nodes (%d offered to the planner) in %lf s (%lf",
+                   &ls->planner_nodes, &ls->planner_offered, &ls->planner_s, &ls->planner_cpu);
         }
     }
     if (f)
@@ -396,10 +408,10 @@ static void vanish(const args *a, group *fast, const char *log)
              now_s() - t0 < 3.0 * a->timeout_ms / 1e3 + 60);
     printf("vanish: %d nodes killed at once; %d declared dead, the first %.2f s and the last "
            "%.2f s after the kill (--node-timeout-ms %d); the new plan %.2f s after the kill "
-           "(%.3f s after the last death; planner %.3f s over %d nodes)\n",
+           "(%.3f s after the last death; planner %.3f s, %.3f s of CPU, over %d nodes)\n",
            a->vanish, ls.deaths_after, ls.first_death - t_kill, ls.last_death - t_kill,
            a->timeout_ms, ls.plan_after_death - t_kill, ls.plan_after_death - ls.last_death,
-           ls.planner_s, ls.planner_nodes);
+           ls.planner_s, ls.planner_cpu, ls.planner_nodes);
 }
 
 int main(int argc, char **argv)
@@ -445,7 +457,8 @@ int main(int argc, char **argv)
         g[k++] = (group){0, a.vanish, FAST_GFLOPS, 0, -1};
     for (int lo = a.vanish; lo < a.nodes; lo += a.per_proc, k++)
         g[k] = (group){lo, lo + a.per_proc < a.nodes ? lo + a.per_proc : a.nodes, 10.0, 0, -1};
-    const double t0 = day_s();
+    long rss;
+    const double t0 = day_s(), cj0 = cpu_of(pid, &rss);
     for (k = 0; k < ng; k++)
         if (!start_group(&g[k], ep, pub, kp, a.plain)) {
             fprintf(stderr, "could not start group %d\n", k);
@@ -455,8 +468,11 @@ int main(int argc, char **argv)
         }
     double t_joined;
     const int accepted = collect_joins(g, ng, &t_joined);
-    printf("%d nodes (%s, %d processes): %d accepted in %.2f s\n", a.nodes,
-           a.plain ? "plaintext" : "CURVE", ng, accepted, t_joined - t0);
+    const double cj1 = cpu_of(pid, &rss);
+    printf("%d nodes (%s, %d processes): %d accepted in %.2f s; the coordinator used %.2f s of "
+           "CPU meanwhile; load average %.1f\n",
+           a.nodes, a.plain ? "plaintext" : "CURVE", ng, accepted, t_joined - t0, cj1 - cj0,
+           load_avg());
     /* all heartbeat every second: the coordinator's CPU and memory */
     logscan before, after;
     scan_log(log, 0, &before);
@@ -469,10 +485,10 @@ int main(int argc, char **argv)
            "%.1f MiB; %d nodes declared dead meanwhile\n",
            accepted, a.secs, 100.0 * (c1 - c0) / (w1 - w0), (double)rss1 / 1024,
            after.deaths - before.deaths);
-    printf("plan: %d joins logged; the planner took %.3f s over %d nodes (%d offered to it); "
-           "the plan was made %.2f s after the last join\n",
-           after.joins, after.planner_s, after.planner_nodes, after.planner_offered,
-           after.plan_after_join - after.last_join);
+    printf("plan: %d joins logged; the planner took %.3f s (%.3f s of CPU) over %d nodes (%d "
+           "offered to it); the plan was made %.2f s after the last join\n",
+           after.joins, after.planner_s, after.planner_cpu, after.planner_nodes,
+           after.planner_offered, after.plan_after_join - after.last_join);
     if (a.vanish > 0)
         vanish(&a, &g[0], log);
     stop_groups(g, ng);

@@ -656,14 +656,18 @@ static void plan_over(nl_coord *c, nl_plan_node *pn, int n, uint64_t total)
                 c->cfg.num_kv_heads, c->cfg.ffn_dim, sz.report);
     }
     nl_plan *plan = NULL;
+    struct timespec cpu0, cpu1;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &cpu0);
     const double t0 = coord_now();
     if (plan_layers(c, &plan, pn, n, &po, &e) != NL_OK) {
         coord_set_state(c, "not enough capacity: %s", e.msg);
         coord_fail_waiting(c, c->state);
         return;
     }
-    NL_INFO("planned over %d live nodes (%d offered to the planner) in %.3f s", c->n_live,
-            n > plan_offer(c) ? plan_offer(c) : n, coord_now() - t0);
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &cpu1);
+    NL_INFO("planned over %d live nodes (%d offered to the planner) in %.3f s (%.3f s of CPU)",
+            c->n_live, n > plan_offer(c) ? plan_offer(c) : n, coord_now() - t0,
+            (double)(cpu1.tv_sec - cpu0.tv_sec) + 1e-9 * (double)(cpu1.tv_nsec - cpu0.tv_nsec));
     c->plan = plan;
     c->planned_once = 1;
     c->replan_wanted = 0; /* this plan saw every node there is */
