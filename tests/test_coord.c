@@ -552,6 +552,22 @@ static void test_train_reports(assigned *a)
               rx.msg.u.hop.step == 1,
           "step 1 did not begin once both stages took the job");
     nl_rx_free(&rx);
+    /* a stage that cannot reach its neighbour: the job waits for the
+     * heartbeat's verdict, and so does a failure that follows from it on
+     * the same plan (the soak's: the next stage's protocol error) */
+    node_status(last, job, NL_JOB_FAILED,
+                "job 1 step 1 microbatch 0: cannot reach the previous stage at tcp://x: gone");
+    node_status(first, job, NL_JOB_FAILED,
+                "GRADIENT of microbatch 1, but the next backward is of microbatch 0");
+    pump_for(0.3);
+    int failed = 0;
+    nl_rx_init(&rx);
+    while (nl_sock_recv(client.sock, &rx, 0, &err) == NL_OK) {
+        failed |= rx.msg.type == NL_MSG_JOB_STATUS && rx.msg.u.job_status.state == NL_JOB_FAILED;
+        nl_rx_free(&rx);
+        nl_rx_init(&rx);
+    }
+    CHECK(!failed, "a failure after a stage could not reach its neighbour failed the job");
     send_grad_norm(first, job, 1, 0, 1.0);
     send_grad_norm(last, job, 1, 1, NAN);
     nl_wire_msg m;
