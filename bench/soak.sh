@@ -77,9 +77,12 @@ for l in open(sys.argv[2]):
     if m:
         d = datetime.datetime.now().replace(hour=int(m[1]), minute=int(m[2]), second=0, microsecond=0)
         out.append(d.timestamp() + float(m[3]))
-for k in kills:
-    after = [t for t in out if t > k]
-    print("%.2f" % (after[0] - k) if after else "?", end=" ")
+# a kill is paired with the first resumed step before the next kill; none:
+# the node killed was a standby (no stage lost), shown as "-"
+for i, k in enumerate(kills):
+    nxt = kills[i + 1] if i + 1 < len(kills) else float("inf")
+    after = [t for t in out if k < t < nxt]
+    print("%.2f" % (after[0] - k) if after else "-", end=" ")
 print()
 PY
 man=$(ls -d "$W"/ck/step-* 2>/dev/null | tail -1)

@@ -263,7 +263,7 @@ void nl_coord_destroy(nl_coord **cp)
     nl_net_destroy(&c->net);
     coord_close_source(c);
     coord_reap_sources(c, 1); /* the sockets are gone: nothing points into them */
-    free(c->nodes);
+    coord_nodes_free(c);
     free(c->tok_text);
     free(c->init_seed);
     free(c->growth);
@@ -288,7 +288,7 @@ static void node_lost(nl_coord *c, cnode *n, int life, const char *why)
         snprintf(msg, sizeof msg, "node %u (standby, %s) %s", n->id, n->endpoint, why);
     }
     NL_WARN("%s", msg);
-    n->life = life;
+    coord_node_unlive(c, n, life);
     n->stage = -1;
     if (stage >= 0) {
         coord_jobs_stage_lost(c, msg);
@@ -308,29 +308,27 @@ static void on_join(nl_coord *c, const nl_rx *rx)
                            "JOIN names a key other than the one this connection authenticated", &e);
         return;
     }
-    for (int i = 0; i < c->n_nodes; i++)
-        if (c->nodes[i].life == NODE_LIVE && strcmp(c->nodes[i].key, j->pubkey) == 0)
-            node_lost(c, &c->nodes[i], NODE_LEFT, "joined again (restarted)");
-    cnode *n = NULL;
-    for (int i = 0; i < c->n_nodes && !n; i++)
-        if (c->nodes[i].life != NODE_LIVE)
-            n = &c->nodes[i];
-    if (!n && c->n_nodes < COORD_MAX_NODES) { /* the table grows: no cnode * is kept across */
-        const int cap = c->n_nodes ? 2 * c->n_nodes : 16;
-        cnode *grown = realloc(c->nodes, (size_t)cap * sizeof *grown);
-        if (grown) {
-            memset(grown + c->n_nodes, 0, (size_t)(cap - c->n_nodes) * sizeof *grown);
-            n = &grown[c->n_nodes];
-            c->nodes = grown;
-            c->n_nodes = cap;
-        }
-    }
-    if (!n) {
-        nl_sock_send_error(c->ctl, rx, NL_ERR_CAPACITY, NL_MSG_JOIN, "too many nodes", &e);
+    if (strlen(j->pubkey) > NL_KEY_Z85_LEN) { /* it is indexed whole */
+        nl_sock_send_error(c->ctl, rx, NL_ERR_PROTO, NL_MSG_JOIN,
+                           "JOIN: the key is longer than a Z85 key", &e);
         return;
     }
-    memset(n, 0, sizeof *n);
-    n->life = NODE_LIVE;
+    /* the live nodes are unique by key and by routing id (coord_base.c's
+     * indexes): the key's old node restarted; a routing id that another
+     * connection took over no longer reaches its old node */
+    cnode *old = coord_node_by_key(c, j->pubkey);
+    if (old)
+        node_lost(c, old, NODE_LEFT, "joined again (restarted)");
+    if ((old = coord_node_by_rid_raw(c, rx->rid, rx->rid_len)))
+        node_lost(c, old, NODE_DEAD,
+                  "cannot be reached: another connection took over its routing id");
+    cnode *n = coord_node_take(c); /* the table may grow: no cnode * is kept across */
+    if (!n) {
+        nl_sock_send_error(
+            c->ctl, rx, NL_ERR_CAPACITY, NL_MSG_JOIN,
+            c->n_live >= COORD_MAX_NODES ? "too many nodes" : "out of memory for another node", &e);
+        return;
+    }
     n->id = ++c->next_node_id;
     snprintf(n->key, sizeof n->key, "%s", j->pubkey);
     memcpy(n->rid, rx->rid, rx->rid_len);
@@ -341,7 +339,7 @@ static void on_join(nl_coord *c, const nl_rx *rx)
     n->gflops = j->gemm_gflops;
     n->threads = j->threads;
     n->joined = n->last_seen = coord_now();
-    n->stage = -1;
+    coord_node_live(c, n);
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_ACCEPT);
@@ -376,8 +374,8 @@ static void on_heartbeat(nl_coord *c, const nl_rx *rx)
                            &e);
         return;
     }
-    n->last_seen = coord_now();
-    n->hb = rx->msg.u.heartbeat;                               /* its figures, for the status */
+    coord_node_seen(c, n);
+    n->hb = rx->msg.u.heartbeat; /* its figures, for the status */
     if (c->train_mem.training && n->stage >= 0 && n->loaded) { /* a stage's busy fraction */
         n->load_sum += rx->msg.u.heartbeat.load;
         n->load_n++;
@@ -389,12 +387,11 @@ static void on_node_error(nl_coord *c, const nl_rx *rx)
     cnode *n = coord_node_by_rid(c, rx);
     const nl_msg_error *e = &rx->msg.u.error;
     char why[1600], who[320] = "";
-    /* a node that cannot reach a neighbour names its endpoint: say whose */
-    for (int i = 0; i < c->n_nodes && !who[0]; i++) {
-        const cnode *o = &c->nodes[i];
-        const char *at = o->life != NODE_FREE && o != n && o->endpoint[0]
-                             ? strstr(e->message, o->endpoint)
-                             : NULL;
+    /* a node that cannot reach a neighbour names its endpoint: say whose
+     * (the neighbours are the plan's stages: not a scan of every node) */
+    for (int s = 0; c->plan && s < c->plan->n_stages && !who[0]; s++) {
+        const cnode *o = coord_stage_node(c, s);
+        const char *at = o && o != n && o->endpoint[0] ? strstr(e->message, o->endpoint) : NULL;
         const char end = at ? at[strlen(o->endpoint)] : '0';
         if (at && (end < '0' || end > '9')) /* not the prefix of a longer port */
             snprintf(who, sizeof who, " [%s is node %u, stage %d]", o->endpoint, o->id, o->stage);
@@ -540,10 +537,11 @@ static int stream_loads(nl_coord *c)
     while (progress && sent < LOAD_TURN) {
         progress = 0;
         active = 0;
-        for (int i = 0; i < c->n_nodes && sent < LOAD_TURN; i++) {
-            cnode *n = &c->nodes[i];
-            cload *ld = &n->ld;
-            if (!ld->active)
+        /* only a stage of the plan loads: not a scan of every node */
+        for (int s = 0; c->plan && s < c->plan->n_stages && sent < LOAD_TURN; s++) {
+            cnode *n = coord_stage_node(c, s);
+            cload *ld = n ? &n->ld : NULL;
+            if (!ld || !ld->active)
                 continue;
             if (n->life != NODE_LIVE || n->stage < 0 || !c->plan || ld->epoch != c->epoch) {
                 ld->active = 0; /* its plan is gone */
@@ -595,10 +593,20 @@ static int faster_first(const void *a, const void *b)
     return (x->id > y->id) - (x->id < y->id);
 }
 
+/* The planner's time grows as N min(N, L) (core/planner.h), and a plan
+ * has at most L stages: over many nodes it is offered the fastest
+ * plan_offer() of them first, and all (at most NL_PLAN_MAX_NODES) only
+ * when those cannot hold the model (plan_layers). */
+static int plan_offer(const nl_coord *c)
+{
+    const int k = 4 * c->cfg.num_layers;
+    return k < 64 ? 64 : k;
+}
+
 /* The live nodes as the planner sees them; returns how many, and their
- * memory in all. The planner takes at most NL_PLAN_MAX_NODES: beyond that
- * the fastest are offered (a stage holds at least one layer, so a plan
- * uses at most num_layers of them) and the others stay standbys. */
+ * memory in all. Beyond plan_offer() nodes they are sorted fastest first;
+ * at most NL_PLAN_MAX_NODES of them are returned (the others stay
+ * standbys). */
 static int plan_nodes(const nl_coord *c, nl_plan_node *pn, uint64_t *total)
 {
     int n = 0;
@@ -611,11 +619,20 @@ static int plan_nodes(const nl_coord *c, nl_plan_node *pn, uint64_t *total)
             *total += c->nodes[i].memory;
             n++;
         }
-    if (n > NL_PLAN_MAX_NODES) {
+    if (n > plan_offer(c))
         qsort(pn, (size_t)n, sizeof *pn, faster_first);
-        n = NL_PLAN_MAX_NODES;
-    }
-    return n;
+    return n < NL_PLAN_MAX_NODES ? n : NL_PLAN_MAX_NODES;
+}
+
+/* nl_plan_layers over the fastest plan_offer() of pn[0, n) (sorted by
+ * plan_nodes), then, if they cannot hold the model, over all n. */
+static nl_status plan_layers(const nl_coord *c, nl_plan **out, const nl_plan_node *pn, int n,
+                             const nl_plan_opts *po, nl_error *err)
+{
+    const int k = plan_offer(c);
+    if (n > k && nl_plan_layers(out, &c->cfg, pn, k, po, err) == NL_OK)
+        return NL_OK;
+    return nl_plan_layers(out, &c->cfg, pn, n, po, err);
 }
 
 /* Plans are for inference memory, but while a training job runs for its
@@ -697,9 +714,7 @@ static void plan_over(nl_coord *c, nl_plan_node *pn, int n, uint64_t total)
     nl_error e = {0};
     c->last_plan_try = coord_now();
     /* the minimums gate the first plan; later plans use whoever is left */
-    int live = 0;
-    for (int i = 0; i < c->n_nodes; i++)
-        live += c->nodes[i].life == NODE_LIVE;
+    const int live = c->n_live;
     if (!c->planned_once && (live < c->o.min_nodes || total < c->o.min_memory)) {
         coord_set_state(c, "waiting for nodes: %d of %d joined, %.2f of %.2f GiB offered", live,
                         c->o.min_nodes, (double)total / (1 << 30),
@@ -724,11 +739,18 @@ static void plan_over(nl_coord *c, nl_plan_node *pn, int n, uint64_t total)
                 c->cfg.num_kv_heads, c->cfg.ffn_dim, sz.report);
     }
     nl_plan *plan = NULL;
-    if (nl_plan_layers(&plan, &c->cfg, pn, n, &po, &e) != NL_OK) {
+    struct timespec cpu0, cpu1;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &cpu0);
+    const double t0 = coord_now();
+    if (plan_layers(c, &plan, pn, n, &po, &e) != NL_OK) {
         coord_set_state(c, "not enough capacity: %s", e.msg);
         coord_fail_waiting(c, c->state);
         return;
     }
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &cpu1);
+    NL_INFO("planned over %d live nodes (%d offered to the planner) in %.3f s (%.3f s of CPU)",
+            c->n_live, n > plan_offer(c) ? plan_offer(c) : n, coord_now() - t0,
+            (double)(cpu1.tv_sec - cpu0.tv_sec) + 1e-9 * (double)(cpu1.tv_nsec - cpu0.tv_nsec));
     c->plan = plan;
     c->planned_once = 1;
     c->replan_wanted = 0; /* this plan saw every node there is */
@@ -795,8 +817,8 @@ int coord_plan_possible(nl_coord *c, char *why, size_t cap)
     nl_plan_node *pn = plan_nodes_new(c, &n, &total);
     nl_plan_opts po = plan_opts(c);
     nl_plan *p = NULL;
-    const nl_status st = pn ? nl_plan_layers(&p, &c->cfg, pn, n, &po, &e)
-                            : nl_error_set(&e, NL_ERR_NOMEM, "out of memory");
+    const nl_status st =
+        pn ? plan_layers(c, &p, pn, n, &po, &e) : nl_error_set(&e, NL_ERR_NOMEM, "out of memory");
     nl_plan_destroy(&p);
     free(pn);
     if (st != NL_OK)
@@ -816,7 +838,7 @@ int coord_replan_gain(nl_coord *c, const char *when)
     nl_plan_opts po = plan_opts(c);
     nl_plan *cand = NULL;
     int gain = 0;
-    if (!pn || nl_plan_layers(&cand, &c->cfg, pn, n, &po, &e) != NL_OK) {
+    if (!pn || plan_layers(c, &cand, pn, n, &po, &e) != NL_OK) {
         NL_INFO("re-plan %s: no plan over the %d nodes: %s", when, n, pn ? e.msg : "out of memory");
         free(pn);
         return 0;
@@ -906,17 +928,16 @@ static void tick(nl_coord *c)
 {
     const double now = coord_now();
     coord_reap_sources(c, 0);
-    for (int i = 0; i < c->n_nodes; i++) {
-        cnode *n = &c->nodes[i];
-        if (n->life == NODE_LIVE && n->unreachable) {
-            char why[sizeof n->why];
+    /* the oldest heartbeat first (an unreachable node before it): O(1)
+     * per turn and per death, not a scan of every node */
+    for (cnode *n; (n = coord_node_oldest(c)) &&
+                   (n->unreachable || (now - n->last_seen) * 1e3 > c->o.node_timeout_ms);) {
+        char why[sizeof n->why];
+        if (n->unreachable)
             memcpy(why, n->why, sizeof why);
-            node_lost(c, n, NODE_DEAD, why);
-        } else if (n->life == NODE_LIVE && (now - n->last_seen) * 1e3 > c->o.node_timeout_ms) {
-            char why[128];
+        else
             snprintf(why, sizeof why, "sent no heartbeat for %.1f s: dead", now - n->last_seen);
-            node_lost(c, n, NODE_DEAD, why);
-        }
+        node_lost(c, n, NODE_DEAD, why);
     }
     if (c->loads_active)
         stream_loads(c);

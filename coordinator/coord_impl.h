@@ -15,9 +15,11 @@
 #include "core/safetensors.h"
 #include "net/transport.h"
 
-/* The node table grows (doubling) to at most this many slots; a slot of a
- * dead or departed node is reused. Lookups by routing id or node id scan
- * the table: O(slots) per message. */
+/* The node table grows (doubling) to at most this many slots; the lowest
+ * slot of a dead or departed node is reused. A live node is found by its
+ * routing id, node id or key through hash tables, and expiry looks at the
+ * oldest heartbeat only (coord_base.c, "the node table"): a message costs
+ * O(1) in the number of nodes. */
 #define COORD_MAX_NODES 65536
 #define COORD_MAX_JOBS 64
 #define COORD_MAX_TOKENS (1 << 20) /* tokens in one forward request */
@@ -57,6 +59,7 @@ typedef struct cnode {
     int stage;                /* index into the plan, -1: standby */
     int loaded;               /* LOAD_DONE received for the current epoch */
     int unreachable;          /* a send failed: declared dead at the next tick */
+    int32_t older, newer;     /* live: its neighbours in the list by last_seen (slots, -1) */
     cload ld;                 /* streaming its stage's tensors */
     nl_msg_heartbeat hb;      /* its last heartbeat: sessions, KV bytes, batch figures */
     char why[600];
@@ -204,6 +207,16 @@ struct nl_coord {
     void *observe_ctx;
     cnode *nodes; /* n_nodes slots (NODE_FREE: never used) */
     int n_nodes;
+    int n_live;
+    /* the live nodes' indexes (coord_base.c): by routing id, node id and
+     * key, open addressing over 2 n_nodes cells holding slots (-1: empty) */
+    int32_t *by_rid, *by_id, *by_key;
+    uint64_t hash_seed;
+    /* the live nodes from the oldest heartbeat to the newest (slots; an
+     * unreachable one is put first), and the slots not live, a min-heap */
+    int32_t oldest, newest;
+    int32_t *free_slots;
+    int n_free;
     uint32_t next_node_id;
     nl_config cfg, base;
     int have_cfg;
@@ -257,10 +270,38 @@ void coord_dispatch(nl_coord *c, const nl_rx *rx, int roles);
 
 double coord_now(void);
 void coord_set_state(nl_coord *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* The node table. Every lookup of a live node is O(1) in the number of
+ * nodes (hash tables); a slot is taken, made live and lost through these
+ * alone, so that the indexes stay true. */
+
+/* The live node of stage `stage` of the current plan, or NULL. */
 cnode *coord_stage_node(nl_coord *c, int stage);
 /* The live node a message came from: by its routing id, and (CURVE) from
  * the key it joined with; or NULL. */
 cnode *coord_node_by_rid(nl_coord *c, const nl_rx *rx);
+/* The live node holding this routing id (whatever its key), with this
+ * node id, or with this public key (Z85); or NULL. */
+cnode *coord_node_by_rid_raw(nl_coord *c, const uint8_t *rid, size_t rid_len);
+cnode *coord_node_by_id(nl_coord *c, uint32_t id);
+cnode *coord_node_by_key(nl_coord *c, const char *key);
+/* The lowest slot that holds no live node, zeroed (the table grows by
+ * doubling up to COORD_MAX_NODES); NULL when full or out of memory. Any
+ * cnode * taken before is then stale. The caller fills id, key and rid
+ * (unique among the live: see on_join) and calls coord_node_live. */
+cnode *coord_node_take(nl_coord *c);
+/* The taken node becomes live: indexed, its heartbeat the newest. */
+void coord_node_live(nl_coord *c, cnode *n);
+/* A live node is no longer (life: NODE_DEAD or NODE_LEFT): out of the
+ * indexes, its slot free for the next join. */
+void coord_node_unlive(nl_coord *c, cnode *n, int life);
+/* A heartbeat: last_seen is now, the newest (an unreachable node stays
+ * first, to be declared dead). */
+void coord_node_seen(nl_coord *c, cnode *n);
+/* The live node with the oldest heartbeat (or an unreachable one), the
+ * first to expire; NULL when none is live. */
+cnode *coord_node_oldest(nl_coord *c);
+void coord_nodes_free(nl_coord *c);
 /* Send to a node; a node that cannot be reached is declared dead at the
  * next tick (its jobs fail, the cluster re-plans). */
 nl_status coord_send_node(nl_coord *c, cnode *n, nl_wire_msg *m);

@@ -71,6 +71,8 @@ typedef struct ctrain {
     double t_lost;     /* when the last stage was lost (0: none since the last step) */
     int64_t lost_at;   /* the step it was lost at */
     int mem_replanned; /* the cluster planned again for its training memory */
+    /* the plan on which a stage could not reach its neighbour (0: none) */
+    uint64_t verdict_epoch;
     json_t *journal;   /* the client's parameters, journaled (coord_journal.c) */
     cft *ft;           /* a fine-tuning job (coord_finetune.c): its adapters; NULL: training */
 } ctrain;
@@ -1392,16 +1394,25 @@ static int train_stage_lost(nl_coord *c, cjob *j, const char *why)
  * the neighbour has most likely died and the heartbeat timeout will say
  * so: with resumes left the job waits for that verdict (train_stage_lost
  * then resumes it); a neighbour that lives on leaves the job to
- * --job-timeout-ms. Any other failure (the device, the data) fails it. */
+ * --job-timeout-ms. So does any failure after that one on the same plan:
+ * the other stages' protocol errors follow from the lost hop (the soak
+ * saw "GRADIENT of microbatch 1, but the next backward is of microbatch
+ * 0" from the stage whose gradient could not be sent). Any other failure
+ * (the device, the data) fails it. */
 static int train_node_failed(nl_coord *c, cjob *j, const char *why)
 {
-    const ctrain *t = j->state;
-    if (!t || t->ft || t->phase < TR_BEGIN || t->resumes >= c->o.train_resumes ||
-        !strstr(why, "cannot reach the "))
+    ctrain *t = j->state;
+    if (!t || t->ft || t->phase < TR_BEGIN || t->resumes >= c->o.train_resumes)
         return 0;
+    const int cut = strstr(why, "cannot reach the ") != NULL;
+    if (!cut && t->verdict_epoch != c->epoch)
+        return 0;
+    if (cut)
+        t->verdict_epoch = c->epoch;
     NL_WARN("train job %llu: %s; waiting for the heartbeat timeout to tell whether a node died "
-            "(then the job resumes)",
-            (unsigned long long)j->id, why);
+            "(then the job resumes)%s",
+            (unsigned long long)j->id, why,
+            cut ? "" : " (after a stage could not reach its neighbour on this plan)");
     return 1;
 }
 

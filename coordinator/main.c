@@ -2,6 +2,7 @@
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 
 #include "base/args.h"
@@ -17,6 +18,24 @@ static void on_stop(int sig)
 {
     (void)sig;
     stop_flag = 1;
+}
+
+/* Every node holds one descriptor (its connection): raise the soft limit
+ * to the hard one and say how many nodes that admits. */
+static void raise_nofile(void)
+{
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0)
+        return;
+    const rlim_t was = rl.rlim_cur;
+    rl.rlim_cur = rl.rlim_max;
+    if (rl.rlim_cur != was && setrlimit(RLIMIT_NOFILE, &rl) != 0)
+        rl.rlim_cur = was;
+    const long long fds = rl.rlim_cur == RLIM_INFINITY ? 1 << 20 : (long long)rl.rlim_cur;
+    const long long nodes = fds - 128 < 65536 ? fds - 128 : 65536;
+    NL_INFO("descriptors: %lld (hard limit %lld): room for about %lld nodes and clients at once "
+            "(a connection each; the node table holds 65536)",
+            fds, rl.rlim_max == RLIM_INFINITY ? -1 : (long long)rl.rlim_max, nodes > 0 ? nodes : 0);
 }
 
 /* What /v1/models lists: the file served, or "cluster". */
@@ -90,7 +109,10 @@ int main(int argc, char **argv)
     const char *usage = "neurocoord --listen ENDPOINT [--client-listen ENDPOINT] --state-dir DIR "
                         "[--model MODEL.safetensors | "
                         "--config CFG.yaml | --resume MANIFEST] [--http HOST:PORT "
-                        "[--http-tokens FILE]] [options]";
+                        "[--http-tokens FILE]] [options]\n"
+                        "Each connected node or client holds a descriptor: neurocoord raises its "
+                        "descriptor limit (RLIMIT_NOFILE) to the hard limit at start and logs how "
+                        "many nodes that admits (ulimit -Hn; the node table holds 65536).";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -160,6 +182,7 @@ int main(int argc, char **argv)
     }
     o.grow_auto = grow && strcmp(grow, "auto") == 0;
     nl_log_set_name("coord");
+    raise_nofile();
     if (o.plaintext)
         NL_WARN("--plaintext: the nodes' and clients' sockets are neither encrypted nor "
                 "authenticated");

@@ -6,7 +6,7 @@
 #    where the kernel has no sch_netem) a training job (30 steps,
 #    checkpoints every 10) completes, bit-identical to the same job on
 #    loopback;
-#  - a node cut off (its link down) for longer than the heartbeat timeout
+#  - the node of a stage cut off (its link down) longer than the heartbeat timeout
 #    is handled like a death: the job resumes on the nodes left and ends
 #    bit-identical; the node, linked again, joins again.
 # Needs root and `ip netns`; skipped (77) with a message otherwise.
@@ -137,7 +137,8 @@ check ip netns exec "${P}c" "$N" train "${CL[@]}" "${RUN[@]}" --checkpoint-dir "
 tail -2 "$W/netem.err" | tr '\r' '\n' | tail -2
 check $PY "$W/same.py" "$W/netem.safetensors" "$W/ref.safetensors"
 
-# ---- a partition of node 2 longer than the timeout: handled like a death ----
+# ---- a partition of a stage's node longer than the timeout: handled like a
+# death ----
 # (the trained weights of the last job are on the stages: this job resumes
 # from its own manifest, so start from the model again)
 kill "${pids[0]}"
@@ -154,9 +155,17 @@ for i in $(seq 1 600); do
   grep -q '"step":13,' "$W/cut.jsonl" 2>/dev/null && break
   sleep 0.05
 done
-ip -n "${P}n2" link set eth0 down
+# the node of the current plan's last stage (cutting a standby would not
+# interrupt the job): its id from the coordinator's log, its namespace from
+# its data endpoint's address (node k is 10.77.0.(k+1), in namespace nk)
+sid=$(grep -o "plan [0-9]*: stage [0-9]* on node [0-9]*" "$W/coord.log" | tail -1 | awk '{ print $NF }')
+cut=$(($(grep "node $sid joined: " "$W/coord.log" | tail -1 |
+  grep -o "data tcp://10\.77\.0\.[0-9]*" | grep -o "[0-9]*$") - 1))
+echo "cutting off n$cut (node $sid, the last stage)"
+check test "$cut" -ge 1 -a "$cut" -le 3
+ip -n "${P}n$cut" link set eth0 down
 sleep 5
-ip -n "${P}n2" link set eth0 up
+ip -n "${P}n$cut" link set eth0 up
 wait $job
 rc=$?
 tr '\r' '\n' < "$W/cut.err" | grep -v "^step" | tail -4
@@ -165,7 +174,7 @@ check grep -q "sent no heartbeat" "$W/cut.err"
 check grep -q "resumed at step 10" "$W/cut.err"
 check $PY "$W/same.py" "$W/cut.safetensors" "$W/ref.safetensors"
 joined_again=0
-for i in $(seq 1 60); do grep -q "joined again as node" "$W/n2.log" && joined_again=1 && break; sleep 0.5; done
+for i in $(seq 1 60); do grep -q "joined again as node" "$W/n$cut.log" && joined_again=1 && break; sleep 0.5; done
 check test $joined_again -eq 1
 
 echo "test_chaos: $pass passed, $fail failed"

@@ -195,6 +195,9 @@ static void start_coord(void)
 
 /* ---------------------------------------------------------------- join -> plan */
 
+/* The heartbeat period and timeout an ACCEPT must carry. */
+static int join_hb = HB_MS, join_to = TIMEOUT_MS;
+
 static void join(fake *f, double gflops)
 {
     nl_wire_msg m;
@@ -207,8 +210,8 @@ static void join(fake *f, double gflops)
     fake_send(f, &m);
     if (pump_until(f, NL_MSG_ACCEPT, &rx)) {
         f->id = rx.msg.u.accept.node_id;
-        CHECK(f->id > 0 && rx.msg.u.accept.heartbeat_ms == HB_MS &&
-                  rx.msg.u.accept.timeout_ms == TIMEOUT_MS,
+        CHECK(f->id > 0 && rx.msg.u.accept.heartbeat_ms == (uint32_t)join_hb &&
+                  rx.msg.u.accept.timeout_ms == (uint32_t)join_to,
               "ACCEPT %u %u %u", f->id, rx.msg.u.accept.heartbeat_ms, rx.msg.u.accept.timeout_ms);
         f->beating = 1;
     }
@@ -559,6 +562,22 @@ static void test_train_reports(assigned *a)
               rx.msg.u.hop.step == 1,
           "step 1 did not begin once both stages took the job");
     nl_rx_free(&rx);
+    /* a stage that cannot reach its neighbour: the job waits for the
+     * heartbeat's verdict, and so does a failure that follows from it on
+     * the same plan (the soak's: the next stage's protocol error) */
+    node_status(last, job, NL_JOB_FAILED,
+                "job 1 step 1 microbatch 0: cannot reach the previous stage at tcp://x: gone");
+    node_status(first, job, NL_JOB_FAILED,
+                "GRADIENT of microbatch 1, but the next backward is of microbatch 0");
+    pump_for(0.3);
+    int failed = 0;
+    nl_rx_init(&rx);
+    while (nl_sock_recv(client.sock, &rx, 0, &err) == NL_OK) {
+        failed |= rx.msg.type == NL_MSG_JOB_STATUS && rx.msg.u.job_status.state == NL_JOB_FAILED;
+        nl_rx_free(&rx);
+        nl_rx_init(&rx);
+    }
+    CHECK(!failed, "a failure after a stage could not reach its neighbour failed the job");
     send_grad_norm(first, job, 1, 0, 1.0);
     send_grad_norm(last, job, 1, 1, NAN);
     nl_wire_msg m;
@@ -1236,6 +1255,252 @@ static void test_endpoints(void)
         fprintf(stderr, "could not remove %s\n", dir);
 }
 
+/* ---------------------------------------------------------------- the node index */
+
+/* The node table's indexes (coordinator/coord_base.c), on a coordinator
+ * of its own that never plans (--min-nodes out of reach):
+ *  - IX nodes join (the table grows from 16 slots to 512), each with its
+ *    own id; every node's heartbeat is taken under its id and refused
+ *    under another node's (its routing id finds it and no other);
+ *  - a third stop beating: they are declared dead after the timeout and
+ *    not before, the others (beating) live; a dead node's heartbeat is
+ *    refused;
+ *  - the dead join again on the same connections: new ids, in the slots
+ *    they left (the table lists IX nodes again, none dead);
+ *  - a live node that joins again from a new connection (a restart) is
+ *    its new id only;
+ *  - a connection that takes over a gone node's routing id with another
+ *    key joins, and its heartbeats are its own (the old node is dead). */
+#define IX 300
+#define IX_BEAT_MS 250
+#define IX_TIMEOUT_MS 1500
+
+static fake ix[IX];
+static int ix_refused[IX];
+
+static void ix_beat(fake *f, uint32_t id)
+{
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_HEARTBEAT);
+    m.u.heartbeat = (nl_msg_heartbeat){id, ++f->seq, 0, 0.0};
+    fake_send(f, &m);
+}
+
+/* Turn the loop for s seconds: the beating nodes beat every IX_BEAT_MS;
+ * every ERROR a node gets is counted in ix_refused. */
+static void ix_pump(double s)
+{
+    const double t0 = now_s();
+    nl_rx rx;
+    nl_rx_init(&rx);
+    while (now_s() - t0 < s) {
+        for (int k = 0; k < 50; k++)
+            nl_coord_step(coord, 0);
+        const double t = now_s();
+        for (int i = 0; i < IX; i++) {
+            fake *f = &ix[i];
+            if (f->beating && (t - f->last_beat) * 1e3 >= IX_BEAT_MS) {
+                ix_beat(f, f->id);
+                f->last_beat = t;
+            }
+            nl_error err = {0};
+            while (nl_sock_recv(f->sock, &rx, 0, &err) == NL_OK) {
+                if (rx.msg.type == NL_MSG_ERROR && strstr(rx.msg.u.error.message, "unknown node"))
+                    ix_refused[i]++;
+                if (rx.msg.type == NL_MSG_ACCEPT && !f->id) { /* it beats from now on */
+                    f->id = rx.msg.u.accept.node_id;
+                    f->beating = 1;
+                    f->last_beat = t;
+                }
+                nl_rx_free(&rx);
+                nl_rx_init(&rx);
+            }
+        }
+        usleep(1000);
+    }
+    nl_rx_free(&rx);
+}
+
+/* How many times needle occurs in the status JSON f is answered. */
+static int status_count(fake *f, const char *needle)
+{
+    char *t = status_text(f);
+    int n = t ? 0 : -1;
+    for (const char *p = t; p && (p = strstr(p, needle)); p++)
+        n++;
+    free(t);
+    return n;
+}
+
+/* Nodes from, from + step, ... JOIN (again) and the loop turns until
+ * each is ACCEPTed (beating from then on); returns how many were. */
+static int ix_join(int from, int step)
+{
+    int want = 0, got = 0;
+    for (int i = from; i < IX; i += step, want++) {
+        ix[i].id = 0;
+        ix[i].beating = 0;
+        nl_wire_msg m;
+        nl_wire_msg_init(&m);
+        nl_wire_msg_reset(&m, NL_MSG_JOIN);
+        m.u.join = (nl_msg_join){ix[i].key, "cpu", 1ull << 30, 1.0, 1, ix[i].endpoint};
+        fake_send(&ix[i], &m);
+    }
+    for (const double t0 = now_s(); got < want && now_s() - t0 < WAIT_S;) {
+        ix_pump(0.05);
+        got = 0;
+        for (int i = from; i < IX; i += step)
+            got += ix[i].id > 0;
+    }
+    return got;
+}
+
+static int ix_refusals(int from, int step)
+{
+    int n = 0;
+    for (int i = from; i < IX; i += step)
+        n += ix_refused[i];
+    return n;
+}
+
+static void test_node_index(void)
+{
+    nl_coord *saved = coord;
+    char dir[256];
+    snprintf(dir, sizeof dir, "/tmp/nl_test_coord_index_XXXXXX");
+    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    nl_coord_opts o;
+    nl_coord_opts_init(&o);
+    o.listen = "tcp://127.0.0.1:*";
+    o.state_dir = dir;
+    o.min_nodes = 1 << 30; /* membership only */
+    o.heartbeat_ms = IX_BEAT_MS;
+    o.node_timeout_ms = IX_TIMEOUT_MS;
+    o.plaintext = 1;
+    nl_error err = {0};
+    coord = NULL;
+    CHECK_OK(nl_coord_new(&coord, &o, &err), &err);
+    if (!coord) {
+        coord = saved;
+        return;
+    }
+    join_hb = IX_BEAT_MS;
+    join_to = IX_TIMEOUT_MS;
+    fake cl;
+    fake_open(&cl, "ixclient", "");
+    /* IX nodes join, each with its own id */
+    uint32_t max_id = 0;
+    for (int i = 0; i < IX; i++) {
+        char key[16], ep[64];
+        snprintf(key, sizeof key, "ix%04d", i);
+        snprintf(ep, sizeof ep, "tcp://127.0.0.1:%d", 40000 + i);
+        fake_open(&ix[i], key, ep);
+    }
+    const int accepted = ix_join(0, 1);
+    for (int i = 0; i < IX; i++)
+        max_id = ix[i].id > max_id ? ix[i].id : max_id;
+    CHECK(accepted == IX && max_id == IX, "%d of %d joined, ids up to %u", accepted, IX, max_id);
+    /* heartbeats under their own ids taken, under a neighbour's refused */
+    for (int i = 0; i < IX; i++)
+        ix_beat(&ix[i], ix[(i + 1) % IX].id);
+    ix_pump(1.0);
+    int once = 0;
+    for (int i = 0; i < IX; i++)
+        once += ix_refused[i] == 1;
+    CHECK(once == IX, "%d of %d nodes had exactly their one wrong heartbeat refused", once, IX);
+    CHECK(status_count(&cl, "\"state\":\"joined\"") == IX, "the status lists %d joined nodes",
+          status_count(&cl, "\"state\":\"joined\""));
+    /* a third stop: dead after the timeout, not before; the others live */
+    memset(ix_refused, 0, sizeof ix_refused);
+    for (int i = 0; i < IX; i += 3)
+        ix[i].beating = 0;
+    ix_pump(IX_TIMEOUT_MS * 1e-3 - 0.5);
+    CHECK(status_count(&cl, "\"state\":\"dead\"") == 0, "%d nodes dead before the timeout",
+          status_count(&cl, "\"state\":\"dead\""));
+    ix_pump(1.0);
+    CHECK(status_count(&cl, "\"state\":\"dead\"") == IX / 3, "%d of the %d silent nodes dead",
+          status_count(&cl, "\"state\":\"dead\""), IX / 3);
+    for (int i = 0; i < IX; i += 3)
+        ix_beat(&ix[i], ix[i].id);
+    ix_pump(0.3);
+    CHECK(ix_refusals(0, 3) == IX / 3 && ix_refusals(1, 3) + ix_refusals(2, 3) == 0,
+          "heartbeats refused: %d of the dead (%d sent), %d of the live", ix_refusals(0, 3),
+          IX / 3, ix_refusals(1, 3) + ix_refusals(2, 3));
+    /* the dead join again: new ids in the slots they left */
+    memset(ix_refused, 0, sizeof ix_refused);
+    int fresh = 0;
+    ix_join(0, 3);
+    for (int i = 0; i < IX; i += 3)
+        fresh += ix[i].id > max_id;
+    CHECK(fresh == IX / 3, "%d of %d joined again with new ids", fresh, IX / 3);
+    ix_pump(0.6);
+    CHECK(ix_refusals(0, 1) == 0, "%d heartbeats refused after the re-joins", ix_refusals(0, 1));
+    CHECK(status_count(&cl, "\"id\":") == IX && status_count(&cl, "\"state\":\"dead\"") == 0,
+          "after the re-joins the status lists %d nodes (%d dead), not %d",
+          status_count(&cl, "\"id\":"), status_count(&cl, "\"state\":\"dead\""), IX);
+    /* a live node restarts: a new connection, the same key */
+    const uint32_t was = ix[1].id;
+    nl_sock_destroy(&ix[1].sock);
+    fake_open(&ix[1], "ix0001", "tcp://127.0.0.1:40001");
+    ix_join(1, IX);
+    ix_beat(&ix[1], was);
+    ix_pump(0.5);
+    CHECK(ix[1].id != was && ix_refused[1] == 1 && ix_refusals(0, 1) == 1,
+          "restart: id %u (was %u), %d refusals of the old id, %d in all", ix[1].id, was,
+          ix_refused[1], ix_refusals(0, 1));
+    /* a gone node's routing id taken over by another key */
+    fake a, b;
+    fake_open(&a, "ixA", "tcp://127.0.0.1:49998");
+    nl_sock_destroy(&a.sock);
+    nl_sock_opts so = {.type = ZMQ_DEALER, .plaintext = true, .name = "fake", .linger_ms = 0};
+    CHECK_OK(nl_sock_new(&a.sock, net, &so, &err), &err);
+    zmq_setsockopt(nl_sock_handle(a.sock), ZMQ_ROUTING_ID, "ixRID", 5);
+    CHECK_OK(nl_sock_connect(a.sock, nl_coord_endpoint(coord), &err), &err);
+    join(&a, 1.0);
+    nl_sock_destroy(&a.sock);
+    for (int i = 0; i < 60; i++)
+        nl_coord_step(coord, 5);
+    fake_open(&b, "ixB", "tcp://127.0.0.1:49999");
+    nl_sock_destroy(&b.sock);
+    CHECK_OK(nl_sock_new(&b.sock, net, &so, &err), &err);
+    zmq_setsockopt(nl_sock_handle(b.sock), ZMQ_ROUTING_ID, "ixRID", 5);
+    CHECK_OK(nl_sock_connect(b.sock, nl_coord_endpoint(coord), &err), &err);
+    join(&b, 1.0);
+    CHECK(a.id > 0 && b.id > 0 && b.id != a.id, "takeover: ids %u and %u", a.id, b.id);
+    nl_rx rx;
+    nl_rx_init(&rx);
+    ix_beat(&b, b.id);
+    ix_beat(&b, 0);
+    CHECK(pump_until(&b, NL_MSG_ERROR, &rx) && rx.msg.u.error.req_type == NL_MSG_HEARTBEAT,
+          "takeover: a heartbeat under no node's id is refused");
+    nl_rx_free(&rx);
+    nl_rx_init(&rx);
+    nl_error e2 = {0};
+    int more = 0;
+    for (int i = 0; i < 20; i++) {
+        nl_coord_step(coord, 5);
+        if (nl_sock_recv(b.sock, &rx, 0, &e2) == NL_OK)
+            more++;
+        nl_rx_free(&rx);
+        nl_rx_init(&rx);
+    }
+    CHECK(more == 0, "takeover: the new node's own heartbeat was refused");
+    nl_rx_free(&rx);
+    nl_sock_destroy(&b.sock);
+    for (int i = 0; i < IX; i++)
+        nl_sock_destroy(&ix[i].sock);
+    nl_sock_destroy(&cl.sock);
+    nl_coord_destroy(&coord);
+    coord = saved;
+    join_hb = HB_MS;
+    join_to = TIMEOUT_MS;
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", dir);
+}
+
 int main(void)
 {
     nl_log_set_level(getenv("NL_TEST_VERBOSE") ? NL_LOG_DEBUG : NL_LOG_WARN);
@@ -1243,6 +1508,7 @@ int main(void)
     CHECK_OK(nl_net_new(&net, NULL, &err), &err);
     test_endpoints();
     test_roles();
+    test_node_index();
     start_coord();
     assigned a[2];
     if (test_join_plan(a)) {
