@@ -1283,7 +1283,7 @@ static void ix_beat(fake *f, uint32_t id)
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_HEARTBEAT);
-    m.u.heartbeat = (nl_msg_heartbeat){id, ++f->seq, 0, 0.0};
+    m.u.heartbeat = (nl_msg_heartbeat){.node_id = id, .seq = ++f->seq};
     fake_send(f, &m);
 }
 
