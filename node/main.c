@@ -120,7 +120,7 @@ static int load_identity(const char *key, const char *state_dir, bool plaintext,
 
 static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypair *kp)
 {
-    long long threads = 0;
+    long long threads = 0, batch_decode = 0, prefill_chunk = 0, batch_wait = -1;
     double connect_s = 30;
     const char *level = nl_args_get(flags, "log-level");
     o->plaintext = nl_args_get(flags, "plaintext") != NULL;
@@ -183,6 +183,9 @@ static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypa
         nl_args_size(flags, "kv-budget", &o->kv_budget) ||
         nl_args_size(flags, "reserve", &o->reserve_bytes) ||
         nl_args_int(flags, "threads", 0, 4096, &threads) ||
+        nl_args_int(flags, "batch-decode", 1, 1024, &batch_decode) ||
+        nl_args_int(flags, "prefill-chunk", 1, 65536, &prefill_chunk) ||
+        nl_args_int(flags, "batch-wait-ms", 0, 10000, &batch_wait) ||
         nl_args_double(flags, "connect-timeout", 0.001, 86400, &connect_s))
         return 2;
     nl_error derr;
@@ -209,6 +212,9 @@ static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypa
     if (level)
         nl_log_set_level((nl_log_level)nl_log_parse_level(level));
     o->threads = (int)threads;
+    o->batch_decode = (int)batch_decode;
+    o->prefill_chunk = (int)prefill_chunk;
+    o->batch_wait_ms = batch_wait < 0 ? 0 : batch_wait == 0 ? -1 : (int)batch_wait;
     o->connect_timeout_ms = (int)(connect_s * 1000);
     if (o->plaintext) {
         NL_WARN("INSECURE: --plaintext: no encryption and no authentication on any socket");
@@ -258,6 +264,17 @@ int main(int argc, char **argv)
          NULL},
         {"listen", 1, "ENDPOINT: data socket (default tcp://127.0.0.1:*)", NULL},
         {"kv-budget", 1, "SIZE: KV caches of generation sessions (default 256M)", NULL},
+        {"batch-decode", 1,
+         "N: generation sessions' decode steps run together in one batch, at most (default 32)",
+         NULL},
+        {"prefill-chunk", 1,
+         "N: prompt positions a batch takes, at most: a longer prompt is run in chunks so it "
+         "does not stall the others (default 64)",
+         NULL},
+        {"batch-wait-ms", 1,
+         "MS: longest wait for the other active sessions' hops before a batch runs (default 20; "
+         "0: run at once)",
+         NULL},
         {"name", 1, "NAME: shown in log lines (default node-<id>)", NULL},
         {"log-level", 1, "debug, info, warn, error or off (default info)", NULL},
         {"connect-timeout", 1, "SECONDS: keep trying the coordinator this long (default 30)", NULL},

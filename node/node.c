@@ -354,6 +354,9 @@ static nl_status start(node *n, nl_error *err)
         return st;
     nl_stage_opts so = {.memory_bytes = n->memory,
                         .kv_budget = o->kv_budget,
+                        .batch_decode = o->batch_decode,
+                        .prefill_chunk = o->prefill_chunk,
+                        .batch_wait_ms = o->batch_wait_ms,
                         .send_wait_ms = 1, /* wait_sent waited already */
                         .ckpt_root = n->ckpt_root ? n->ckpt_root : "/nonexistent",
                         .inject_nan_step = o->inject_nan_step,
