@@ -198,7 +198,9 @@ int nl_cmd_grow(int argc, char **argv)
         {0}};
     const char *usage =
         "neuroctl grow (--model MODEL --out GROWN | --manifest DIR --out DIR2) [--vocab-size N | "
-        "--tokenizer TOK] [--layers N] [--hidden-dim D] [--ffn-dim F] [--seed S] [--force]";
+        "--tokenizer TOK] [--layers N] [--hidden-dim D] [--ffn-dim F] [--seed S] [--force]\n"
+        "       neuroctl grow (--cluster DIR | --coordinator EP ...) [--layers N] [--hidden-dim D "
+        "[--ffn-dim F]]: the cluster's model (docs/cluster.md, \"Growth\")";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
