@@ -1,5 +1,7 @@
 /* Private to node/: the node's device (node_device.c), used by the event
- * loop in node.c when it starts. */
+ * loop in node.c when it starts; the event loop's state and the functions
+ * that node.c (the connection and the dispatch) and node_jobs.c (the
+ * handlers of the messages) share. */
 #ifndef NL_NODE_IMPL_H
 #define NL_NODE_IMPL_H
 
@@ -7,7 +9,9 @@
 
 #include "../kernels/backend.h"
 #include "../kernels/comm.h"
+#include "../net/transport.h"
 #include "node.h"
+#include "stage.h"
 
 typedef struct nl_node_device {
     /* one backend per replica (--device D[,D...]), owned by the caller once
@@ -25,5 +29,85 @@ typedef struct nl_node_device {
 nl_status nl_node_device_open(nl_node_device *d, const nl_node_opts *o, nl_error *err);
 /* Free the backends; safe on a zeroed or closed device. */
 void nl_node_device_close(nl_node_device *d);
+
+/* ---- the event loop's state (node.c, node_jobs.c) ---- */
+
+typedef struct node {
+    const nl_node_opts *o;
+    nl_node_device dev; /* the backends: one per replica (node_device.c) */
+    nl_stage *stage;
+    nl_net *net;
+    nl_sock *ctl, *data, *next;
+    void *next_mon; /* PAIR reading the next socket's handshake events */
+    int mon_seq;
+    /* from ASSIGN; the last stage's next is the first stage (the token
+     * ring), "" when the stage is alone */
+    char next_ep[257], next_key[NL_KEY_Z85_LEN + 1];
+    char prev_ep[257]; /* from ASSIGN, for messages */
+    double gflops;
+    int threads;
+    uint64_t memory;          /* offered: --memory, or a GPU's free memory less the reserve */
+    uint64_t last_failed_job; /* the last job fail_job reported */
+    char *ckpt_root;          /* --checkpoint-root, resolved; NULL: no checkpoints here */
+    uint32_t node_id;
+    uint32_t heartbeat_ms, timeout_ms;
+    /* joining again: a coordinator that answers "unknown node" (it
+     * restarted, or declared this node dead) gets JOIN again, with the
+     * same key and data endpoint, every rejoin_wait_ms (doubling to
+     * REJOIN_MAX_MS) until it ACCEPTs; no heartbeats meanwhile */
+    bool rejoining;
+    int64_t rejoin_at_ms;
+    int rejoin_wait_ms, rejoins;
+    uint64_t hb_seq;
+    int64_t next_hb_ms;
+    int64_t window_ms; /* start of the load window (since the last heartbeat) */
+    double busy_ms;    /* time spent in forwards in that window */
+    /* a training job's time on this node, logged when it ends */
+    int64_t train_t0;     /* its first message (0: none yet) */
+    double train_busy_ms; /* handling its messages: compute and sends */
+    double train_send_ms; /* of which handing hops to the transport */
+    uint64_t train_hops, train_bytes;
+    uint8_t prev_rid[NL_ROUTING_ID_MAX]; /* the previous stage on data: GRADIENTs go there */
+    size_t prev_rid_len;
+    nl_rx rx;
+    nl_wire_msg tx;
+} node;
+
+/* node.c: the clock, the sends and the coordinator's socket */
+int64_t nl_node_mono_ms(void);
+/* Send tx on the control socket; a failure is logged (the caller goes on). */
+nl_status nl_node_send_ctl(node *n, const char *what);
+/* ERROR {code, req_type, message} to the coordinator, logged as well. */
+void nl_node_send_error(node *n, nl_status code, nl_msg_type req_type, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+/* The failure of one job's work here: JOB_STATUS {job, failed, message}
+ * to the coordinator, which fails that job and no other. Logged as well. */
+void nl_node_fail_job(node *n, uint64_t job, nl_status code, nl_msg_type req_type, const char *fmt,
+                      ...) __attribute__((format(printf, 5, 6)));
+void nl_node_send_heartbeat(node *n);
+/* Wait, heartbeating, until the stage's last output has been sent. */
+void nl_node_wait_sent(node *n);
+nl_status nl_node_make_socket(node *n, nl_sock **out, int type, bool server, const char *server_key,
+                              const char *name, nl_sock_kind kind, int linger_ms,
+                              int send_timeout_ms, nl_error *err);
+
+/* node_jobs.c: the next stage's socket */
+void nl_node_drop_next(node *n);
+void nl_node_on_next_event(node *n);
+/* node_jobs.c: the handlers of the messages */
+void nl_node_handle_assign(node *n, const nl_msg_assign *a);
+void nl_node_handle_layer_load(node *n, const nl_wire_msg *m);
+void nl_node_handle_load_done(node *n, const nl_msg_load_done *d);
+void nl_node_handle_activation(node *n, const nl_wire_msg *m);
+void nl_node_run_batch(node *n);
+void nl_node_handle_job_submit(node *n, const nl_msg_job_submit *j);
+void nl_node_handle_embed_submit(node *n, const nl_msg_job_submit *j);
+void nl_node_close_session(node *n, uint64_t id);
+void nl_node_handle_train(node *n, const nl_wire_msg *m);
+void nl_node_handle_train_submit(node *n, const nl_msg_job_submit *j);
+/* Log a training job's time on this node when it ends. */
+void nl_node_train_summary(node *n, uint64_t job);
+bool nl_node_is_train_hop(const nl_wire_msg *m);
+void nl_node_train_poll(node *n);
 
 #endif

@@ -1,0 +1,490 @@
+/* The handlers of the node's messages, called by the event loop in node.c:
+ * the next stage's socket, assignment and loading, inference and embedding
+ * jobs, and training (the stage does the work; these send its results). */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "../base/log.h"
+#include "../core/fileio.h"
+#include "../net/transport.h"
+#include "node_impl.h"
+#include "stage.h"
+
+/* ===================== the next stage ===================== */
+
+void nl_node_drop_next(node *n)
+{
+    if (n->next_mon) {
+        if (n->next)
+            zmq_socket_monitor(nl_sock_handle(n->next), NULL, 0);
+        zmq_close(n->next_mon);
+        n->next_mon = NULL;
+    }
+    nl_sock_destroy(&n->next); /* linger 0: queued hops are dropped and released */
+}
+
+/* Connect the next socket on first use. The coordinator sends work only
+ * after every stage answered LOAD_DONE, so the next stage has its ASSIGN
+ * (and this node's key in its allow-list) by then: connecting earlier
+ * could race it, and a refused CURVE handshake is not retried by libzmq.
+ * A monitor reports the handshake's outcome (see nl_node_on_next_event). */
+static nl_status ensure_next(node *n, nl_error *err)
+{
+    char mon_ep[64];
+    if (n->next)
+        return NL_OK;
+    nl_status st = nl_node_make_socket(n, &n->next, ZMQ_DEALER, false, n->next_key, "next",
+                                       NL_SOCK_BULK, 0, 0, err);
+    if (st != NL_OK)
+        return st;
+    snprintf(mon_ep, sizeof mon_ep, "inproc://neuronode-next-%d", ++n->mon_seq);
+    int zero = 0;
+    if (zmq_socket_monitor(nl_sock_handle(n->next), mon_ep,
+                           ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH |
+                               ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                               ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_DISCONNECTED) ==
+            0 &&
+        (n->next_mon = zmq_socket(nl_net_zmq_context(n->net), ZMQ_PAIR)) != NULL) {
+        zmq_setsockopt(n->next_mon, ZMQ_LINGER, &zero, sizeof zero);
+        if (zmq_connect(n->next_mon, mon_ep) != 0) {
+            zmq_close(n->next_mon);
+            n->next_mon = NULL;
+        }
+    }
+    if (!n->next_mon)
+        NL_WARN("cannot watch the next socket's handshakes: %s", zmq_strerror(zmq_errno()));
+    st = nl_sock_connect(n->next, n->next_ep, err);
+    if (st != NL_OK)
+        nl_node_drop_next(n);
+    return st;
+}
+
+/* A handshake event of the next socket. A refused handshake is final in
+ * libzmq (no reconnect), and the hops queued for it are lost: tell the
+ * coordinator, and start over with a new socket on the next send. */
+void nl_node_on_next_event(node *n)
+{
+    uint8_t ev[6];
+    char addr[256];
+    int len = zmq_recv(n->next_mon, ev, sizeof ev, ZMQ_DONTWAIT);
+    int alen = len < 0 ? -1 : zmq_recv(n->next_mon, addr, sizeof addr - 1, 0);
+    if (len != 6 || alen < 0) /* [event u16, value u32] + the peer's address */
+        return;
+    int event = ev[0] | ev[1] << 8;
+    if (event == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
+        NL_INFO("connected to the next stage at %s", n->next_ep);
+    } else if (event == ZMQ_EVENT_DISCONNECTED) {
+        NL_WARN("the next stage at %s disconnected", n->next_ep);
+    } else {
+        nl_node_send_error(
+            n, NL_ERR_AUTH, NL_MSG_ASSIGN,
+            "the next stage at %s refused this node's handshake (%s): is ASSIGN's next_key "
+            "its key, and does it admit this node's key as prev_key?",
+            n->next_ep,
+            event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH ? "not authorised" : "protocol error");
+        nl_node_drop_next(n);
+    }
+}
+
+/* ===================== assignment and loading ===================== */
+
+void nl_node_handle_assign(node *n, const nl_msg_assign *a)
+{
+    nl_error e;
+    if (a->node_id != n->node_id) {
+        nl_node_send_error(n, NL_ERR_INVALID, NL_MSG_ASSIGN,
+                           "ASSIGN epoch %llu is for node %u; this is %u",
+                           (unsigned long long)a->epoch, a->node_id, n->node_id);
+        return;
+    }
+    nl_node_drop_next(n); /* drops what was queued for the old next stage */
+    n->next_ep[0] = n->next_key[0] = '\0';
+    n->prev_rid_len = 0;
+    nl_node_wait_sent(n);
+    nl_status st = nl_stage_assign(n->stage, a, &e);
+    const char *prev = a->prev_key;
+    if (st == NL_OK)
+        st = nl_sock_allow(n->data, prev[0] ? &prev : NULL, prev[0] ? 1 : 0, &e);
+    if (st != NL_OK) {
+        nl_sock_allow(n->data, NULL, 0, NULL);
+        nl_node_send_error(n, st, NL_MSG_ASSIGN, "%s", e.msg);
+        return;
+    }
+    snprintf(n->next_ep, sizeof n->next_ep, "%s", a->next_endpoint);
+    snprintf(n->prev_ep, sizeof n->prev_ep, "%s", a->prev_endpoint);
+    snprintf(n->next_key, sizeof n->next_key, "%s", a->next_key);
+    const nl_model *m = nl_stage_model(n->stage);
+    NL_INFO("assigned epoch %llu: stage %u of %u, layers [%u, %u)%s%s, %zu parameters (%.1f MiB, "
+            "%.1f MiB planned); prev %s, next %s",
+            (unsigned long long)a->epoch, a->stage, a->num_stages, a->layer0, a->layer1,
+            a->has_embed ? " + embedding" : "", a->has_head ? " + head" : "", m->n_params,
+            (double)m->n_params * 4 / (1 << 20), (double)a->memory_planned / (1 << 20),
+            a->prev_endpoint[0] ? a->prev_endpoint : "(coordinator)",
+            a->next_endpoint[0] ? a->next_endpoint : "(coordinator)");
+}
+
+void nl_node_handle_layer_load(node *n, const nl_wire_msg *m)
+{
+    nl_error e;
+    bool stale = false;
+    const nl_msg_layer_load *l = &m->u.layer_load;
+    nl_status st = nl_stage_load_chunk(n->stage, l, &m->frames[0], &stale, &e);
+    if (st != NL_OK)
+        nl_node_send_error(n, st, NL_MSG_LAYER_LOAD, "%s", e.msg);
+    else if (stale)
+        NL_DEBUG("ignored LAYER_LOAD %s of epoch %llu (current %llu)", l->name,
+                 (unsigned long long)l->epoch, (unsigned long long)nl_stage_epoch(n->stage));
+}
+
+void nl_node_handle_load_done(node *n, const nl_msg_load_done *d)
+{
+    nl_error e;
+    nl_stage_loaded info;
+    bool stale = false;
+    nl_status st = nl_stage_load_done(n->stage, d->epoch, d->tensors, &info, &stale, &e);
+    if (st != NL_OK) {
+        nl_node_send_error(n, st, NL_MSG_LOAD_DONE, "%s", e.msg);
+        return;
+    }
+    if (stale) {
+        NL_INFO("ignored LOAD_DONE of epoch %llu (current %llu)", (unsigned long long)d->epoch,
+                (unsigned long long)nl_stage_epoch(n->stage));
+        return;
+    }
+    NL_INFO("loaded epoch %llu: %u tensors, %llu bytes in %.2f s%s", (unsigned long long)d->epoch,
+            info.tensors, (unsigned long long)info.bytes, info.seconds,
+            info.from_seed ? " (initialised from the seed)" : "");
+    nl_wire_msg_reset(&n->tx, NL_MSG_LOAD_DONE);
+    n->tx.u.load_done = (nl_msg_load_done){d->epoch, n->node_id, info.tensors, info.bytes};
+    nl_node_send_ctl(n, "LOAD_DONE");
+}
+
+/* ===================== jobs ===================== */
+
+/* The token ring: the last stage sends the token it sampled straight to
+ * the first stage, at the session's next position (the coordinator only
+ * relays the token to the client). A stage that is also the first queues
+ * it for its next batch. */
+static void feed_first(node *n, const nl_msg_tensor_hop *hop, const nl_stage_out *out)
+{
+    nl_error e;
+    const nl_msg_tensor_hop next = {hop->job_id, 0, 0, hop->session_id, (uint64_t)out->feed_pos,
+                                    0.0};
+    const nl_model *m = nl_stage_model(n->stage);
+    if (m && m->has_embed) {
+        const int64_t shape[2] = {1, 1};
+        nl_wire_frame f = {0};
+        nl_wire_frame_set(&f, &out->token, NL_DTYPE_I32, shape, 2);
+        nl_status st = nl_stage_enqueue(n->stage, &next, &f, &e);
+        if (st != NL_OK)
+            nl_node_fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION, "%s", e.msg);
+        return;
+    }
+    nl_status st = n->next_ep[0] ? ensure_next(n, &e)
+                                 : nl_error_set(&e, NL_ERR_STATE, "no first stage to feed");
+    if (st == NL_OK) {
+        const int64_t shape[2] = {1, 1};
+        nl_wire_msg_reset(&n->tx, NL_MSG_ACTIVATION);
+        n->tx.u.hop = next;
+        nl_wire_frame_set(&n->tx.frames[0], &out->token, NL_DTYPE_I32, shape, 2); /* copied */
+        n->tx.nframes = 1;
+        st = nl_sock_send(n->next, NULL, 0, &n->tx, &e);
+    }
+    if (st != NL_OK)
+        nl_node_fail_job(
+            n, hop->job_id, st, NL_MSG_ACTIVATION,
+            "job %llu session %llu: cannot feed the token to the first stage at %s: %s",
+            (unsigned long long)hop->job_id, (unsigned long long)hop->session_id, n->next_ep,
+            e.msg);
+}
+
+/* Send what a hop gave: a token to the coordinator (and the first
+ * stage), logits to the coordinator, hidden states to the next stage. */
+static void send_output(node *n, const nl_msg_tensor_hop *hop, const nl_stage_out *o)
+{
+    nl_error e;
+    nl_status st;
+    const nl_stage_out out = *o;
+    nl_txref *ref = nl_stage_txref(n->stage);
+    if (out.kind == NL_STAGE_OUT_TOKEN) {
+        if (out.feed) /* first: it is the next token's critical path */
+            feed_first(n, hop, &out);
+        uint32_t id = (uint32_t)out.token;
+        nl_wire_msg_reset(&n->tx, NL_MSG_TOKEN);
+        n->tx.u.token = (nl_msg_token){hop->job_id, hop->session_id, 1, &id, out.last};
+        nl_node_send_ctl(n, "TOKEN");
+        return;
+    }
+    if (out.kind == NL_STAGE_OUT_LOGITS) {
+        nl_wire_msg_reset(&n->tx, NL_MSG_RESULT);
+        n->tx.u.hop = (nl_msg_tensor_hop){hop->job_id, 0, 0, 0, hop->pos_offset, out.aux};
+        nl_txref_frame(&n->tx.frames[0], ref, out.data, NL_DTYPE_F32, out.shape, out.ndim);
+        n->tx.nframes = 1;
+        nl_node_send_ctl(n, "RESULT");
+        return;
+    }
+    if (!n->next_ep[0]) {
+        nl_node_fail_job(n, hop->job_id, NL_ERR_STATE, NL_MSG_ACTIVATION,
+                         "job %llu: this stage has no next stage to send its hidden states to",
+                         (unsigned long long)hop->job_id);
+        return;
+    }
+    if ((st = ensure_next(n, &e)) != NL_OK) {
+        nl_node_fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION, "job %llu: %s",
+                         (unsigned long long)hop->job_id, e.msg);
+        return;
+    }
+    nl_wire_msg_reset(&n->tx, NL_MSG_ACTIVATION);
+    n->tx.u.hop = (nl_msg_tensor_hop){hop->job_id, 0, 0, hop->session_id, hop->pos_offset, out.aux};
+    nl_txref_frame(&n->tx.frames[0], ref, out.data, NL_DTYPE_F32, out.shape, out.ndim);
+    n->tx.nframes = 1;
+    st = nl_sock_send(n->next, NULL, 0, &n->tx, &e);
+    if (st != NL_OK)
+        nl_node_fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION,
+                         "job %llu: cannot send to the next stage: %s",
+                         (unsigned long long)hop->job_id, e.msg);
+}
+
+void nl_node_handle_activation(node *n, const nl_wire_msg *m)
+{
+    nl_error e;
+    nl_stage_out out;
+    const nl_msg_tensor_hop *hop = &m->u.hop;
+    if (hop->session_id && nl_stage_session_closed(n->stage, hop->session_id)) {
+        NL_DEBUG("dropped a hop of closed session %llu", (unsigned long long)hop->session_id);
+        return; /* in flight when its job ended or was cancelled */
+    }
+    nl_status st;
+    if (hop->session_id) { /* queued: run in the next batch (nl_node_run_batch) */
+        if ((st = nl_stage_enqueue(n->stage, hop, &m->frames[0], &e)) != NL_OK)
+            nl_node_fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION, "%s", e.msg);
+        return;
+    }
+    nl_node_wait_sent(n);
+    int64_t t0 = nl_node_mono_ms();
+    st = nl_stage_forward(n->stage, hop, &m->frames[0], &out, &e);
+    n->busy_ms += (double)(nl_node_mono_ms() - t0);
+    if (st != NL_OK) {
+        nl_node_fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION, "%s", e.msg);
+        return;
+    }
+    send_output(n, hop, &out);
+}
+
+/* Run one batch of the queued session hops and send what finished. */
+void nl_node_run_batch(node *n)
+{
+    nl_error e;
+    const nl_stage_result *r = NULL;
+    int k = 0;
+    nl_node_wait_sent(n);
+    int64_t t0 = nl_node_mono_ms();
+    nl_status st = nl_stage_run_batch(n->stage, &r, &k, &e);
+    n->busy_ms += (double)(nl_node_mono_ms() - t0);
+    for (int i = 0; i < k; i++) {
+        const nl_msg_tensor_hop hop = {r[i].job_id,     0,           0, r[i].session_id,
+                                       r[i].pos_offset, r[i].out.aux};
+        if (r[i].st != NL_OK)
+            nl_node_fail_job(n, r[i].job_id, r[i].st, NL_MSG_ACTIVATION, "%s", r[i].msg);
+        else
+            send_output(n, &hop, &r[i].out);
+    }
+    if (st != NL_OK) /* the device: the loop stops, and the node leaves */
+        NL_ERROR("a batch of sessions: %s", e.msg);
+}
+
+void nl_node_handle_job_submit(node *n, const nl_msg_job_submit *j)
+{
+    nl_error e;
+    nl_stage_session_params p;
+    nl_status st = nl_stage_parse_session(j, &p, &e);
+    if (st == NL_OK)
+        st = nl_stage_open_session(n->stage, &p, &e);
+    if (st != NL_OK) { /* p.id is 0 if the request named no session */
+        nl_node_fail_job(n, p.id, st, NL_MSG_JOB_SUBMIT, "%s", e.msg);
+        return;
+    }
+    NL_INFO("session %llu open: %d positions, KV %zu of %llu bytes in use, %d sessions",
+            (unsigned long long)p.id, p.capacity, nl_stage_kv_used(n->stage),
+            (unsigned long long)n->o->kv_budget, nl_stage_session_count(n->stage));
+    nl_wire_msg_reset(&n->tx, NL_MSG_JOB_STATUS);
+    n->tx.u.job_status = (nl_msg_job_status){p.id, NL_JOB_RUNNING, 0.0, "session open"};
+    nl_node_send_ctl(n, "JOB_STATUS");
+}
+
+/* An embedding job's request (node/stage_embed.c): the hop that follows
+ * keeps its pads apart and, on the last stage, is pooled. */
+void nl_node_handle_embed_submit(node *n, const nl_msg_job_submit *j)
+{
+    nl_error e;
+    uint64_t job = 0;
+    nl_status st = nl_stage_embed_begin(n->stage, j, &job, &e);
+    if (st != NL_OK) {
+        nl_node_fail_job(n, job, st, NL_MSG_JOB_SUBMIT, "%s", e.msg);
+        return;
+    }
+    nl_wire_msg_reset(&n->tx, NL_MSG_JOB_STATUS);
+    n->tx.u.job_status = (nl_msg_job_status){job, NL_JOB_RUNNING, 0.0, "embedding"};
+    nl_node_send_ctl(n, "JOB_STATUS");
+}
+
+/* JOB_CANCEL of a generation: drop the session, saying what it cost here. */
+void nl_node_close_session(node *n, uint64_t id)
+{
+    nl_stage_session_info i;
+    if (!nl_stage_session(n->stage, id, &i))
+        return;
+    nl_stage_close_session(n->stage, id);
+    NL_INFO("session %llu closed: %d positions; prefill %.2f ms, %d decode steps of %.3f ms each "
+            "(this stage's compute)",
+            (unsigned long long)id, i.len, i.prefill_s * 1e3, i.steps,
+            i.steps ? i.step_s * 1e3 / i.steps : 0.0);
+}
+
+/* ===================== training ===================== */
+
+/* Where the stage's training messages go (nl_stage_send_fn). */
+static nl_status train_send_to(node *n, nl_stage_dest to, nl_wire_msg *m, nl_error *err);
+
+/* Sends, timed: what hops cost the stage (bench/bench_pipeline.sh reads
+ * the summary logged at the job's end). */
+static nl_status train_send(void *ctx, nl_stage_dest to, nl_wire_msg *m, nl_error *err)
+{
+    node *n = ctx;
+    struct timespec a, b;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    nl_status st = train_send_to(n, to, m, err);
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    if (nl_node_mono_ms() >= n->next_hb_ms) /* a long run of queued hops keeps the heartbeat */
+        nl_node_send_heartbeat(n);
+    n->train_send_ms += (double)(b.tv_sec - a.tv_sec) * 1e3 + (double)(b.tv_nsec - a.tv_nsec) / 1e6;
+    n->train_hops++;
+    for (int i = 0; i < m->nframes; i++)
+        n->train_bytes += m->frames[i].len;
+    return st;
+}
+
+static nl_status train_send_to(node *n, nl_stage_dest to, nl_wire_msg *m, nl_error *err)
+{
+    if (to == NL_STAGE_TO_COORD)
+        return nl_sock_send(n->ctl, NULL, 0, m, err);
+    nl_status st;
+    if (to == NL_STAGE_TO_PREV) {
+        if (!n->prev_rid_len)
+            return nl_error_set(err, NL_ERR_STATE, "no previous stage has sent to this one");
+        st = nl_sock_send(n->data, n->prev_rid, n->prev_rid_len, m, err);
+        /* the coordinator names the node behind the endpoint */
+        return st == NL_OK
+                   ? st
+                   : nl_error_prefix(err, "cannot reach the previous stage at %s", n->prev_ep);
+    }
+    if (!n->next_ep[0])
+        return nl_error_set(err, NL_ERR_STATE, "this stage has no next stage");
+    st = ensure_next(n, err);
+    if (st == NL_OK)
+        st = nl_sock_send(n->next, NULL, 0, m, err);
+    return st == NL_OK ? st : nl_error_prefix(err, "cannot reach the next stage at %s", n->next_ep);
+}
+
+/* CKPT_REQ.dir confined to the node's checkpoint root (resolved, links
+ * followed, missing directories made 0700): *out is the real directory,
+ * malloc'd. Without a root the node writes no checkpoints. */
+static nl_status ckpt_dir(node *n, const char *dir, char **out, nl_error *err)
+{
+    *out = NULL;
+    if (!n->ckpt_root)
+        return nl_error_set(err, NL_ERR_AUTH,
+                            "CKPT_REQ: this node has no --checkpoint-root (nor --state-dir): it "
+                            "writes no checkpoints");
+    nl_status st = nl_path_confine(n->ckpt_root, dir, out, err);
+    return st == NL_OK ? st : nl_error_prefix(err, "CKPT_REQ under --checkpoint-root");
+}
+
+/* A training message from any socket: the stage runs what it can. */
+void nl_node_handle_train(node *n, const nl_wire_msg *m)
+{
+    if (m->type == NL_MSG_CKPT_REQ) /* writing a shard takes a while: be heard first */
+        nl_node_send_heartbeat(n);
+    nl_error e;
+    struct timespec a, b;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    if (!n->train_t0)
+        n->train_t0 = nl_node_mono_ms();
+    if (!nl_stage_train_holds(n->stage, m)) { /* in flight when its job ended */
+        NL_DEBUG("dropped a %s of a job this stage does not train", nl_wire_type_name(m->type));
+        return;
+    }
+    const uint64_t job = nl_stage_train_job_of(m); /* a training or fine-tuning job */
+    char *real = NULL;
+    nl_status st = NL_OK;
+    if (m->type == NL_MSG_CKPT_REQ && (st = ckpt_dir(n, m->u.ckpt_req.dir, &real, &e)) == NL_OK) {
+        nl_wire_msg req = *m; /* the stage writes into the real directory */
+        req.u.ckpt_req.dir = real;
+        st = nl_stage_train_input(n->stage, &req, train_send, n, &e);
+    } else if (st == NL_OK) {
+        st = nl_stage_train_input(n->stage, m, train_send, n, &e);
+    }
+    free(real);
+    if (n->o->inject_slow_ms > 0 && m->type != NL_MSG_CKPT_REQ) {
+        const long long ns = (long long)(n->o->inject_slow_ms * 1e6);
+        struct timespec d = {(time_t)(ns / 1000000000LL), (long)(ns % 1000000000LL)};
+        nanosleep(&d, NULL);
+    }
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    const double ms = (double)(b.tv_sec - a.tv_sec) * 1e3 + (double)(b.tv_nsec - a.tv_nsec) / 1e6;
+    n->busy_ms += ms;
+    n->train_busy_ms += ms;
+    if (st != NL_OK)
+        nl_node_fail_job(n, job, st, m->type, "%s", e.msg);
+}
+
+void nl_node_handle_train_submit(node *n, const nl_msg_job_submit *j)
+{
+    nl_error e;
+    uint64_t job = 0;
+    nl_status st = nl_stage_train_begin(n->stage, j, &job, &e);
+    if (st != NL_OK) { /* job is 0 if the request named none */
+        nl_node_fail_job(n, job, st, NL_MSG_JOB_SUBMIT, "%s", e.msg);
+        return;
+    }
+    nl_wire_msg_reset(&n->tx, NL_MSG_JOB_STATUS);
+    n->tx.u.job_status = (nl_msg_job_status){job, NL_JOB_RUNNING, 0.0, "training"};
+    nl_node_send_ctl(n, "JOB_STATUS");
+}
+
+/* How the ended job's time went on this node. */
+void nl_node_train_summary(node *n, uint64_t job)
+{
+    const double wall = n->train_t0 ? (double)(nl_node_mono_ms() - n->train_t0) : 0.0;
+    const double compute = n->train_busy_ms - n->train_send_ms;
+    NL_INFO("train job %llu ended: %.1f s, of which computing %.1f s (%.0f%%), sending %llu "
+            "messages (%.1f MiB) %.3f s (%.1f%%), waiting %.1f s (%.0f%%)",
+            (unsigned long long)job, wall / 1e3, compute / 1e3,
+            wall > 0 ? 100 * compute / wall : 0.0, (unsigned long long)n->train_hops,
+            (double)n->train_bytes / (1 << 20), n->train_send_ms / 1e3,
+            wall > 0 ? 100 * n->train_send_ms / wall : 0.0, (wall - n->train_busy_ms) / 1e3,
+            wall > 0 ? 100 * (wall - n->train_busy_ms) / wall : 0.0);
+    n->train_t0 = 0;
+    n->train_busy_ms = n->train_send_ms = 0;
+    n->train_hops = n->train_bytes = 0;
+}
+
+bool nl_node_is_train_hop(const nl_wire_msg *m)
+{
+    return m->type == NL_MSG_COUNT || m->type == NL_MSG_EVAL ||
+           (m->type == NL_MSG_ACTIVATION && m->u.hop.step != 0);
+}
+
+/* The training job's replicas finished some work: send what it made. */
+void nl_node_train_poll(node *n)
+{
+    nl_error e;
+    uint64_t job = 0;
+    nl_stage_train_running(n->stage, &job);
+    nl_status st = nl_stage_train_poll(n->stage, train_send, n, &e);
+    if (st != NL_OK)
+        nl_node_fail_job(n, job, st, NL_MSG_STEP, "%s", e.msg);
+}
