@@ -1,7 +1,10 @@
 /* Training on one pipeline stage: the job's trainer, the 1F1B schedule
  * over a step's microbatches, gradients sent upstream, the optimizer step
  * the coordinator decides, evaluation, and the stage's checkpoint shard
- * (see stage.h and docs/cluster.md, "Training").
+ * (see stage.h and docs/cluster.md, "Training"). This file holds the
+ * job's state and life and the messages it receives (hops queued, STEP,
+ * CKPT_REQ); stage_train_hops.c runs the replicas' jobs and the schedule,
+ * behind stage_train_impl.h.
  *
  * Inputs that cannot run yet (a microbatch whose activation slot is still
  * in use, a hop of the next step that overtook the STEP message of this
@@ -44,7 +47,6 @@
  * its error, which names the replica's device. */
 #include <errno.h>
 #include <math.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -59,90 +61,11 @@
 #include "../core/memory.h"
 #include "../core/train.h"
 #include "replica_workers.h"
-#include "stage_impl.h"
-
-/* A forward-type hop waiting to run: its frames copied. */
-typedef struct hop_in {
-    nl_msg_type type; /* COUNT, ACTIVATION or EVAL */
-    uint64_t step;
-    uint32_t mb;
-    double aux;
-    void *x;          /* tokens (I32, rows) on the first stage, else hidden (F32, rows x d) */
-    int32_t *targets; /* (rows), or NULL (COUNT) */
-    size_t bytes;     /* of x and targets */
-} hop_in;
-
-/* Bytes the queue of hops from the previous stage may hold (issue 15):
- * at least this, or a step's counting and training hops and 8 more. */
-#define QUEUE_MIN_BYTES (64ull << 20)
-
-/* One data-parallel replica of the stage. */
-typedef struct replica {
-    nl_backend *be; /* borrowed: the stage's rbe[r] */
-    nl_model *m;    /* replica 0: the stage's model (borrowed); others: the job's copy (owned) */
-    nl_trainer *tr;
-    float *x_d; /* device staging of a hidden-state input or gradient frame */
-} replica;
-
-/* A replica's piece of work, run on its lane; the node's thread owns it
- * before the push and after the pop. */
-typedef enum job_kind { JOB_BEGIN, JOB_COUNT, JOB_FORWARD, JOB_BACKWARD, JOB_STEP } job_kind;
-
-typedef struct rjob {
-    nl_wjob w; /* w.lane: the replica */
-    job_kind kind;
-    uint64_t step;
-    uint32_t mb;
-    int slot;
-    double aux;       /* the hop's */
-    void *x;          /* owned: tokens or hidden states of a hop, or a GRADIENT's dy (host) */
-    int32_t *targets; /* owned: the hop's targets, or NULL */
-    bool inject_nan;  /* test hook: a NaN into this forward's gradient */
-    bool last;        /* the step's last counting pass or backward */
-    float lr, clip;   /* JOB_STEP */
-    /* results */
-    nl_msg_type out_type; /* what out holds to send (COUNT, ACTIVATION, GRADIENT), or 0 */
-    float *out;           /* host, rows x d: kept for the job's next use */
-    double ce, a;         /* a forward's cross-entropy sum and aux loss */
-    nl_status st;
-    nl_error err;
-    struct rjob *all_next;  /* every job made */
-    struct rjob *free_next; /* the ones not in use */
-} rjob;
-
-typedef struct stage_train {
-    uint64_t job;
-    replica rep[NL_COMM_MAX];
-    int R;      /* replicas */
-    int rslots; /* activation slots of each replica: ceil(slots / R) */
-    int mbB, T, M, slots, eval_hops;
-    size_t rows, d;
-    int64_t applied;       /* optimizer steps applied (the step a hop needs is applied + 1) */
-    uint64_t begun;        /* the step whose gradients are being accumulated (0: none) */
-    int counted, fwd, bwd; /* this step's counting passes, forwards and backwards run */
-    int finished;          /* this step's gradients are reported; waiting for STEP */
-    double ce, aux;        /* the last stage: this step's cross-entropy sum and aux loss */
-    int evals;             /* evaluation hops run (the last stage: and their loss sum) */
-    double eval_ce;
-    hop_in *q; /* FIFO ring of hops waiting to run */
-    int qhead, qlen, qcap;
-    size_t qbytes; /* the hops' bytes in the queue */
-    nl_host_stage stage; /* host view of an output to send */
-    nl_wire_msg tx;
-    /* the replicas' lanes (one replica: inline) */
-    nl_workers *w;
-    bool async;               /* results are taken back from nl_stage_train_poll */
-    bool has_embed, has_head; /* the stage's model's, for the lanes */
-    bool counts_ready;        /* this step's counting pass is summed and in use */
-    rjob *jobs, *free_jobs;
-    atomic_int failed; /* a job failed: the lanes skip the rest */
-    nl_status poison;  /* ... and the error every later message gets */
-    char poison_msg[NL_ERROR_MSG_MAX];
-} stage_train;
+#include "stage_train_impl.h"
 
 /* ===================== life ===================== */
 
-static void hop_free(hop_in *h)
+void nl_stage_train_hop_free(hop_in *h)
 {
     free(h->x);
     free(h->targets);
@@ -165,7 +88,7 @@ void nl_stage_train_free(nl_stage *s)
         free(j);
     }
     for (int i = 0; i < t->qlen; i++)
-        hop_free(&t->q[(t->qhead + i) % t->qcap]);
+        nl_stage_train_hop_free(&t->q[(t->qhead + i) % t->qcap]);
     free(t->q);
     for (int r = 0; r < t->R; r++) {
         replica *p = &t->rep[r];
@@ -301,8 +224,6 @@ static nl_status make_replicas(nl_stage *s, int recompute, nl_error *err)
     return st;
 }
 
-static void run_job(void *ctx, nl_wjob *w); /* a lane's: below */
-
 nl_status nl_stage_train_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
                                nl_error *err)
 {
@@ -405,7 +326,7 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_msg_job_submit *j, uint64_t 
     t->async = threads && s->o.train_async;
     st = make_replicas(s, (int)recompute, err);
     if (st == NL_OK)
-        st = nl_workers_new(&t->w, t->R, threads, run_job, t, err);
+        st = nl_workers_new(&t->w, t->R, threads, nl_stage_train_run_job, t, err);
     if (st != NL_OK) {
         nl_stage_train_free(s);
         return nl_error_prefix(err, "train job %lld", (long long)job);
@@ -434,434 +355,6 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_msg_job_submit *j, uint64_t 
                 rslots == 1 ? "" : "es",
                 t->M < t->R ? "; fewer microbatches than replicas leave some idle" : "");
     return NL_OK;
-}
-
-/* ===================== sending ===================== */
-
-/* Send a hop (type) of this job with hidden states (rows x d, host) and
- * optionally the targets, to the next stage or (GRADIENT) the previous. */
-static nl_status send_host(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_msg_type type,
-                           uint64_t step, uint32_t mb, double aux, const float *x,
-                           const int32_t *targets, nl_error *err)
-{
-    stage_train *t = s->train;
-    const int64_t xs[3] = {t->mbB, t->T, (int64_t)t->d}, ts[2] = {t->mbB, t->T};
-    nl_wire_msg_reset(&t->tx, type);
-    t->tx.u.hop = (nl_msg_tensor_hop){t->job, step, mb, 0, 0, aux};
-    nl_wire_frame_set(&t->tx.frames[0], x, NL_DTYPE_F32, xs, 3);
-    t->tx.nframes = 1;
-    if (targets) {
-        nl_wire_frame_set(&t->tx.frames[1], targets, NL_DTYPE_I32, ts, 2);
-        t->tx.nframes = 2;
-    }
-    return send(ctx, type == NL_MSG_GRADIENT ? NL_STAGE_TO_PREV : NL_STAGE_TO_NEXT, &t->tx, err);
-}
-
-/* send_host of hidden states in the memory of be. */
-static nl_status send_hop(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_msg_type type,
-                          uint64_t step, uint32_t mb, double aux, nl_backend *be,
-                          const float *x_dev, const int32_t *targets, nl_error *err)
-{
-    stage_train *t = s->train;
-    const float *x =
-        nl_backend_read_view(be, &t->stage, x_dev, t->rows * t->d * sizeof(float), err);
-    if (!x)
-        return nl_error_prefix(err, "train job %llu", (unsigned long long)t->job);
-    return send_host(s, send, ctx, type, step, mb, aux, x, targets, err);
-}
-
-/* The step's gradients are all in: the replicas' sum on every replica,
- * then this stage's share of the norm, and on the last stage the losses.
- * The lanes are idle (every job of the step has been taken back). */
-static nl_status finish_step(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_error *err)
-{
-    stage_train *t = s->train;
-    if (t->R > 1) {
-        float *grads[NL_COMM_MAX];
-        for (int r = 0; r < t->R; r++)
-            grads[r] = nl_trainer_grads(t->rep[r].tr);
-        nl_status st = nl_comm_allreduce_sum(s->comm, grads, s->model->n_params, err);
-        if (st != NL_OK)
-            return nl_error_prefix(err, "the gradients of %d replicas", t->R);
-    }
-    const double sumsq = nl_trainer_grad_sumsq(t->rep[0].tr);
-    t->finished = 1;
-    nl_wire_msg_reset(&t->tx, NL_MSG_GRAD_NORM);
-    t->tx.u.grad_norm = (nl_msg_grad_norm){t->job, t->begun, (uint32_t)s->stage_idx,
-                                           isnan(sumsq) || sumsq >= 0 ? sumsq : NAN};
-    nl_status st = send(ctx, NL_STAGE_TO_COORD, &t->tx, err);
-    if (st != NL_OK || !s->model->has_head)
-        return st;
-    nl_wire_msg_reset(&t->tx, NL_MSG_LOSS);
-    t->tx.u.loss = (nl_msg_loss){t->job, t->begun, false, t->ce, t->aux, (uint64_t)t->M * t->rows};
-    return send(ctx, NL_STAGE_TO_COORD, &t->tx, err);
-}
-
-/* ===================== the replicas' jobs ===================== */
-
-/* A job to fill (from the free list, or a new one). */
-static rjob *job_get(stage_train *t, job_kind kind, int lane, nl_error *err)
-{
-    rjob *j = t->free_jobs;
-    if (j) {
-        t->free_jobs = j->free_next;
-    } else {
-        j = calloc(1, sizeof *j);
-        /* an output to send: a counting pass or forward that goes on, a gradient that goes back */
-        if (j && (!t->has_head || !t->has_embed))
-            j->out = malloc(t->rows * t->d * sizeof(float));
-        if (!j || ((!t->has_head || !t->has_embed) && !j->out)) {
-            free(j);
-            nl_error_set(err, NL_ERR_NOMEM, "train job %llu: out of memory",
-                         (unsigned long long)t->job);
-            return NULL;
-        }
-        j->all_next = t->jobs;
-        t->jobs = j;
-    }
-    float *out = j->out;
-    rjob *all = j->all_next;
-    memset(j, 0, sizeof *j);
-    j->out = out;
-    j->all_next = all;
-    j->kind = kind;
-    j->w.lane = lane;
-    return j;
-}
-
-static void job_put(stage_train *t, rjob *j)
-{
-    free(j->x);
-    free(j->targets);
-    j->x = NULL;
-    j->targets = NULL;
-    j->free_next = t->free_jobs;
-    t->free_jobs = j;
-}
-
-/* Copy a device output of the job's replica into j->out, to be sent. */
-static nl_status take_output(nl_backend *be, rjob *j, nl_msg_type type, const float *dev,
-                             size_t floats)
-{
-    be->download(be, j->out, dev, floats * sizeof(float));
-    j->out_type = type;
-    return nl_backend_check(be, &j->err);
-}
-
-/* The backward of a job's microbatch (dy in the replica's memory; NULL:
- * from the loss) and the gradient to send upstream. */
-static nl_status job_backward(stage_train *t, replica *p, rjob *j, const float *dy)
-{
-    nl_status st = nl_trainer_backward(p->tr, j->slot, dy, &j->err);
-    if (st == NL_OK && !t->has_embed)
-        st = take_output(p->be, j, NL_MSG_GRADIENT, nl_trainer_input_grad(p->tr), t->rows * t->d);
-    return st;
-}
-
-/* Runs on the replica's lane (replica_workers.h). */
-static void run_job(void *ctx, nl_wjob *w)
-{
-    stage_train *t = ctx;
-    rjob *j = (rjob *)w;
-    replica *p = &t->rep[w->lane];
-    const size_t n = t->rows * t->d;
-    const int32_t *tokens = t->has_embed ? j->x : NULL;
-    const float *x = NULL;
-    nl_status st = NL_OK;
-    if (atomic_load(&t->failed)) {
-        j->st = nl_error_set(&j->err, NL_ERR_STATE, "skipped: an earlier job failed");
-        return;
-    }
-    if (!t->has_embed && (j->kind == JOB_COUNT || j->kind == JOB_FORWARD))
-        x = nl_backend_device_view(p->be, p->x_d, j->x, n * sizeof(float));
-    switch (j->kind) {
-    case JOB_BEGIN:
-        nl_trainer_begin_step(p->tr, (int64_t)t->M * (int64_t)t->rows);
-        break;
-    case JOB_STEP:
-        nl_trainer_step(p->tr, j->lr, j->clip, nl_adamw_defaults());
-        st = nl_backend_check(p->be, &j->err);
-        break;
-    case JOB_COUNT:
-        st = nl_trainer_count_routes(p->tr, t->mbB, t->T, tokens, x, &j->err);
-        if (st == NL_OK && !t->has_head)
-            st = take_output(p->be, j, NL_MSG_COUNT, nl_trainer_count_output(p->tr), n);
-        break;
-    case JOB_FORWARD:
-        if (j->inject_nan)
-            nl_trainer_inject_nan(p->tr);
-        st = nl_trainer_forward(p->tr, j->slot, t->mbB, t->T, tokens, x,
-                                t->has_head ? j->targets : NULL, &j->ce, &j->a, &j->err);
-        if (st == NL_OK && !t->has_head)
-            st = take_output(p->be, j, NL_MSG_ACTIVATION, nl_trainer_output(p->tr, j->slot), n);
-        else if (st == NL_OK) /* the last stage's backward starts from its loss */
-            st = job_backward(t, p, j, NULL);
-        break;
-    case JOB_BACKWARD:
-        st = job_backward(t, p, j, nl_backend_device_view(p->be, p->x_d, j->x, n * sizeof(float)));
-        break;
-    }
-    j->st = st;
-    if (st != NL_OK)
-        atomic_store(&t->failed, 1);
-}
-
-/* The counting pass is complete: the replicas' route counts added up
- * (exact integers), and every replica uses the batch's shares. The lanes
- * are idle. */
-static void use_counts(nl_stage *s)
-{
-    stage_train *t = s->train;
-    const size_t n = (size_t)(s->model->l1 - s->model->l0) * (size_t)s->model->cfg.num_experts;
-    int64_t *sum = nl_trainer_route_counts(t->rep[0].tr);
-    for (int r = 1; r < t->R; r++) {
-        const int64_t *c = nl_trainer_route_counts(t->rep[r].tr);
-        for (size_t i = 0; i < n; i++)
-            sum[i] += c[i];
-    }
-    for (int r = 0; r < t->R; r++)
-        nl_trainer_use_counts(t->rep[r].tr, sum);
-    t->counts_ready = true;
-}
-
-/* A finished job, on the node's thread in the order of dispatch: its
- * output sent, its loss added, and what completes a pass. */
-static nl_status take_back(nl_stage *s, rjob *j, nl_stage_send_fn send, void *ctx, nl_error *err)
-{
-    stage_train *t = s->train;
-    nl_status st = j->st;
-    if (st != NL_OK) {
-        nl_error_set(err, st, "%s", j->err.msg);
-        if (t->R > 1)
-            nl_error_prefix(err, "replica %d (%s)", j->w.lane, t->rep[j->w.lane].be->name);
-    }
-    if (st == NL_OK && j->kind == JOB_FORWARD && t->has_head) {
-        t->ce += j->ce;
-        t->aux += j->aux + j->a;
-    }
-    if (st == NL_OK && j->out_type)
-        st = send_host(s, send, ctx, j->out_type, j->step, j->mb,
-                       j->out_type == NL_MSG_ACTIVATION ? j->aux + j->a : 0.0, j->out,
-                       j->out_type == NL_MSG_ACTIVATION ? j->targets : NULL, err);
-    if (st == NL_OK && j->last && j->kind == JOB_COUNT)
-        use_counts(s);
-    else if (st == NL_OK && j->last)
-        st = finish_step(s, send, ctx, err);
-    if (st != NL_OK && j->kind != JOB_BEGIN && j->kind != JOB_STEP)
-        return nl_error_prefix(err, "job %llu step %llu microbatch %u", (unsigned long long)t->job,
-                               (unsigned long long)j->step, j->mb);
-    return st;
-}
-
-/* Take back the finished jobs in order (wait: every job dispatched, once
- * finished). The first error ends the job on this stage (poison). */
-static nl_status take_done(nl_stage *s, bool wait, nl_stage_send_fn send, void *ctx, nl_error *err)
-{
-    stage_train *t = s->train;
-    nl_wjob *w;
-    while ((w = nl_workers_pop_done(t->w, wait))) {
-        rjob *j = (rjob *)w;
-        nl_status st = t->poison ? NL_OK : take_back(s, j, send, ctx, err);
-        job_put(t, j);
-        if (st != NL_OK) {
-            t->poison = st;
-            snprintf(t->poison_msg, sizeof t->poison_msg, "%s", err->msg);
-            atomic_store(&t->failed, 1);
-        }
-    }
-    return t->poison ? nl_error_set(err, t->poison, "%s", t->poison_msg) : NL_OK;
-}
-
-/* Queue a job on its replica's lane (inline: run it now), then take back
- * what has finished. */
-static nl_status dispatch(nl_stage *s, rjob *j, nl_stage_send_fn send, void *ctx, nl_error *err)
-{
-    nl_workers_push(s->train->w, &j->w);
-    return take_done(s, false, send, ctx, err);
-}
-
-/* ===================== running a hop ===================== */
-
-/* The replica that runs microbatch mb, and its activation slot there. */
-static int replica_of(const stage_train *t, uint32_t mb)
-{
-    return (int)(mb % (uint32_t)t->R);
-}
-
-static int slot_of(const stage_train *t, uint32_t mb)
-{
-    return (int)(mb / (uint32_t)t->R % (uint32_t)t->rslots);
-}
-
-/* A new step: every replica zeroes its gradients, in its lane's order
- * (after the previous step's AdamW). */
-static nl_status begin(nl_stage *s, uint64_t step, nl_stage_send_fn send, void *ctx, nl_error *err)
-{
-    stage_train *t = s->train;
-    nl_status st = NL_OK;
-    for (int r = 0; r < t->R && st == NL_OK; r++) {
-        rjob *j = job_get(t, JOB_BEGIN, r, err);
-        st = j ? dispatch(s, j, send, ctx, err) : NL_ERR_NOMEM;
-    }
-    t->begun = step;
-    t->counted = t->fwd = t->bwd = 0;
-    t->finished = 0;
-    t->counts_ready = false;
-    t->ce = t->aux = 0.0;
-    return st;
-}
-
-/* The input of a hop on replica p: host tokens (first stage) or hidden
- * states in p's memory. */
-static void hop_input(nl_stage *s, replica *p, const hop_in *h, const int32_t **tokens,
-                      const float **x)
-{
-    stage_train *t = s->train;
-    *tokens = NULL;
-    *x = NULL;
-    if (s->model->has_embed)
-        *tokens = h->x;
-    else
-        *x = nl_backend_device_view(p->be, p->x_d, h->x, t->rows * t->d * sizeof(float));
-}
-
-static bool runnable(const stage_train *t, const hop_in *h)
-{
-    if (h->type == NL_MSG_EVAL)
-        return h->step == (uint64_t)t->applied && t->fwd == t->bwd;
-    if (h->step != (uint64_t)t->applied + 1 || t->finished)
-        return false;
-    if (h->type == NL_MSG_COUNT)
-        return t->counted < t->M && t->fwd == 0;
-    /* one microbatch needs no counting pass; one that came is summed first */
-    return (t->counts_ready || (t->M == 1 && t->counted == 0)) && t->fwd - t->bwd < t->slots &&
-           t->fwd < t->M;
-}
-
-/* An evaluation hop: a forward on replica 0, as inference, once every
- * job dispatched before it has been taken back. */
-static nl_status run_eval(nl_stage *s, const hop_in *h, nl_stage_send_fn send, void *ctx,
-                          nl_error *err)
-{
-    stage_train *t = s->train;
-    replica *p = &t->rep[0];
-    const int32_t *tokens;
-    const float *x;
-    double ce = 0.0;
-    nl_status st = take_done(s, true, send, ctx, err);
-    if (st != NL_OK)
-        return st;
-    hop_input(s, p, h, &tokens, &x);
-    if (h->mb % (uint32_t)t->M == 0) { /* a new held-out batch, as local evaluation */
-        nl_trainer_begin_step(p->tr, (int64_t)t->M * (int64_t)t->rows);
-        t->begun = 0;
-    }
-    st = nl_trainer_forward(p->tr, 0, t->mbB, t->T, tokens, x, h->targets, &ce, NULL, err);
-    if (st == NL_OK && !s->model->has_head)
-        st = send_hop(s, send, ctx, NL_MSG_EVAL, h->step, h->mb, 0.0, p->be,
-                      nl_trainer_output(p->tr, 0), h->targets, err);
-    if (st != NL_OK)
-        return st;
-    t->eval_ce += ce;
-    if (++t->evals < t->eval_hops)
-        return NL_OK;
-    if (!s->model->has_head) {
-        t->evals = 0;
-        return NL_OK;
-    }
-    nl_wire_msg_reset(&t->tx, NL_MSG_LOSS);
-    t->tx.u.loss =
-        (nl_msg_loss){t->job, h->step, true, t->eval_ce, 0.0, (uint64_t)t->evals * t->rows};
-    t->evals = 0;
-    t->eval_ce = 0.0;
-    return send(ctx, NL_STAGE_TO_COORD, &t->tx, err);
-}
-
-/* Dispatch a counting pass or a training forward to its replica: the job
- * takes the hop's buffers. */
-static nl_status run_hop(nl_stage *s, hop_in *h, nl_stage_send_fn send, void *ctx, nl_error *err)
-{
-    stage_train *t = s->train;
-    if (h->type == NL_MSG_EVAL)
-        return run_eval(s, h, send, ctx, err);
-    nl_status st = NL_OK;
-    if (t->begun != h->step && (st = begin(s, h->step, send, ctx, err)) != NL_OK)
-        return st;
-    rjob *j =
-        job_get(t, h->type == NL_MSG_COUNT ? JOB_COUNT : JOB_FORWARD, replica_of(t, h->mb), err);
-    if (!j)
-        return NL_ERR_NOMEM;
-    j->step = h->step;
-    j->mb = h->mb;
-    j->aux = h->aux;
-    j->x = h->x;
-    j->targets = h->targets;
-    h->x = NULL;
-    h->targets = NULL;
-    if (h->type == NL_MSG_COUNT) {
-        j->last = ++t->counted == t->M;
-        return dispatch(s, j, send, ctx, err);
-    }
-    j->slot = slot_of(t, h->mb);
-    if (s->o.inject_nan_step > 0 &&
-        (h->step == (uint64_t)s->o.inject_nan_step ||
-         (s->o.inject_nan_on && h->step > (uint64_t)s->o.inject_nan_step)) &&
-        t->fwd == 0 &&
-        (s->o.inject_nan_stage < 0 || s->o.inject_nan_stage == s->stage_idx)) {
-        NL_WARN("test hook: a NaN goes into this stage's gradient at step %llu",
-                (unsigned long long)h->step);
-        j->inject_nan = true;
-    }
-    t->fwd++;
-    if (t->has_head) /* the last stage's backward follows its forward in the same job */
-        j->last = ++t->bwd == t->M;
-    return dispatch(s, j, send, ctx, err);
-}
-
-/* Run the queued hops that can run now, in order. */
-static nl_status drain(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_error *err)
-{
-    stage_train *t = s->train;
-    while (t->qlen > 0) {
-        hop_in *h = &t->q[t->qhead];
-        if (!runnable(t, h))
-            return NL_OK;
-        /* microbatches run in order: a duplicated or reordered hop would
-         * overwrite an activation slot in flight */
-        const uint32_t want = h->type == NL_MSG_COUNT        ? (uint32_t)t->counted
-                              : h->type == NL_MSG_ACTIVATION ? (uint32_t)t->fwd
-                                                             : (uint32_t)t->evals;
-        const uint64_t step = h->step;
-        const uint32_t mb = h->mb;
-        nl_status st = h->mb == want ? run_hop(s, h, send, ctx, err)
-                                     : nl_error_set(err, NL_ERR_STATE,
-                                                    "%s of microbatch %u, but the next is %u",
-                                                    nl_wire_type_name(h->type), h->mb, want);
-        t->qbytes -= h->bytes;
-        hop_free(h);
-        t->qhead = (t->qhead + 1) % t->qcap;
-        t->qlen--;
-        if (st != NL_OK && t->poison) /* a job's error says where it was */
-            return st;
-        if (st != NL_OK)
-            return nl_error_prefix(err, "job %llu step %llu microbatch %u",
-                                   (unsigned long long)t->job, (unsigned long long)step, mb);
-    }
-    return NL_OK;
-}
-
-/* Take back what finished and dispatch what became runnable; without
- * train_async, until every job dispatched has been taken back. */
-static nl_status advance(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_error *err)
-{
-    stage_train *t = s->train;
-    for (;;) {
-        nl_status st = take_done(s, !t->async, send, ctx, err);
-        if (st == NL_OK)
-            st = drain(s, send, ctx, err);
-        if (st != NL_OK || t->async || nl_workers_pending(t->w) == 0)
-            return st;
-    }
 }
 
 /* ===================== receiving ===================== */
@@ -901,14 +394,16 @@ static nl_status enqueue(nl_stage *s, const nl_wire_msg *m, nl_error *err)
     if (t->qlen >= 2 * t->M + t->eval_hops + 8)
         return nl_error_set(err, NL_ERR_LIMIT, "%s: %d hops are waiting already", what, t->qlen);
     if (hop->step > (uint64_t)t->applied + 2)
-        return nl_error_set(err, NL_ERR_STATE, "%s: step %llu, but %lld steps are applied: ahead "
-                            "of the schedule", what, (unsigned long long)hop->step,
-                            (long long)t->applied);
+        return nl_error_set(err, NL_ERR_STATE,
+                            "%s: step %llu, but %lld steps are applied: ahead "
+                            "of the schedule",
+                            what, (unsigned long long)hop->step, (long long)t->applied);
     const size_t hop_bytes = m->frames[0].len + (want_targets ? t->rows * sizeof(int32_t) : 0);
     const uint64_t cap_bytes = (uint64_t)(2 * t->M + 8) * hop_bytes > QUEUE_MIN_BYTES
                                    ? (uint64_t)(2 * t->M + 8) * hop_bytes
                                    : QUEUE_MIN_BYTES;
-    if (!first && t->qbytes + hop_bytes > cap_bytes) /* the first stage's come from the coordinator */
+    if (!first &&
+        t->qbytes + hop_bytes > cap_bytes) /* the first stage's come from the coordinator */
         return nl_error_set(err, NL_ERR_LIMIT,
                             "%s: %zu bytes of hops are waiting already (at most %llu): the "
                             "previous stage is too far ahead",
@@ -928,7 +423,7 @@ static nl_status enqueue(nl_stage *s, const nl_wire_msg *m, nl_error *err)
     hop_in h = {m->type, hop->step, hop->microbatch, hop->aux, NULL, NULL, 0};
     const size_t xbytes = m->frames[0].len, ybytes = t->rows * sizeof(int32_t);
     if (!(h.x = malloc(xbytes)) || (want_targets && !(h.targets = malloc(ybytes)))) {
-        hop_free(&h);
+        nl_stage_train_hop_free(&h);
         return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", what);
     }
     memcpy(h.x, x->data, xbytes);
@@ -938,7 +433,7 @@ static nl_status enqueue(nl_stage *s, const nl_wire_msg *m, nl_error *err)
         for (size_t i = 0; i < xbytes / sizeof(float); i++)
             acc += v[i] * 0.0f;
         if (acc != 0.0f) {
-            hop_free(&h);
+            nl_stage_train_hop_free(&h);
             return nl_error_set(err, NL_ERR_RANGE,
                                 "%s: the previous stage's hidden states hold non-finite values",
                                 what);
@@ -975,19 +470,20 @@ static nl_status on_gradient(nl_stage *s, const nl_wire_msg *m, nl_stage_send_fn
                             t->mbB, t->T, t->d);
     /* a copy of the frame for the replica's lane (the message goes when
      * this returns) */
-    rjob *j = job_get(t, JOB_BACKWARD, replica_of(t, hop->microbatch), err);
+    rjob *j =
+        nl_stage_train_job_get(t, JOB_BACKWARD, nl_stage_train_replica_of(t, hop->microbatch), err);
     if (!j)
         return NL_ERR_NOMEM;
     if (!(j->x = malloc(m->frames[0].len))) {
-        job_put(t, j);
+        nl_stage_train_job_put(t, j);
         return nl_error_set(err, NL_ERR_NOMEM, "GRADIENT: out of memory");
     }
     memcpy(j->x, g->data, m->frames[0].len);
     j->step = hop->step;
     j->mb = hop->microbatch;
-    j->slot = slot_of(t, hop->microbatch);
+    j->slot = nl_stage_train_slot_of(t, hop->microbatch);
     j->last = ++t->bwd == t->M;
-    return dispatch(s, j, send, ctx, err);
+    return nl_stage_train_dispatch(s, j, send, ctx, err);
 }
 
 static nl_status on_step(nl_stage *s, const nl_msg_step *p, nl_stage_send_fn send, void *ctx,
@@ -1003,13 +499,13 @@ static nl_status on_step(nl_stage *s, const nl_msg_step *p, nl_stage_send_fn sen
      * gradients, each on its lane */
     nl_status st = NL_OK;
     for (int r = 0; p->apply && r < t->R && st == NL_OK; r++) {
-        rjob *j = job_get(t, JOB_STEP, r, err);
+        rjob *j = nl_stage_train_job_get(t, JOB_STEP, r, err);
         if (!j)
             return NL_ERR_NOMEM;
         j->step = p->step;
         j->lr = (float)p->lr;
         j->clip = (float)p->clip_scale;
-        st = dispatch(s, j, send, ctx, err);
+        st = nl_stage_train_dispatch(s, j, send, ctx, err);
     }
     t->applied = (int64_t)p->step;
     t->finished = 0;
@@ -1046,7 +542,8 @@ static nl_status on_ckpt(nl_stage *s, const nl_msg_ckpt_req *r, nl_stage_send_fn
     stage_train *t = s->train;
     char path[1200], hex[65];
     uint64_t bytes = 0;
-    nl_status st = take_done(s, true, send, ctx, err); /* the lanes idle: AdamW applied */
+    nl_status st =
+        nl_stage_train_take_done(s, true, send, ctx, err); /* the lanes idle: AdamW applied */
     if (st != NL_OK)
         return st;
     if (r->step != (uint64_t)t->applied || t->fwd != t->bwd)
@@ -1135,7 +632,7 @@ nl_status nl_stage_train_input(nl_stage *s, const nl_wire_msg *m, nl_stage_send_
                             nl_wire_type_name(m->type));
     }
     if (st == NL_OK)
-        st = advance(s, send, ctx, err);
+        st = nl_stage_train_advance(s, send, ctx, err);
     /* the device's error comes first: it also explains a failed step */
     nl_status dst = nl_stage_check_device(s, err);
     return dst != NL_OK ? dst : st;
@@ -1154,7 +651,7 @@ nl_status nl_stage_train_poll(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_
     nl_workers_clear_fd(t->w);
     if (t->poison) /* said once already, when it happened */
         return NL_OK;
-    nl_status st = advance(s, send, ctx, err);
+    nl_status st = nl_stage_train_advance(s, send, ctx, err);
     nl_status dst = nl_stage_check_device(s, err);
     return dst != NL_OK ? dst : st;
 }

@@ -1,0 +1,441 @@
+/* Training on one stage, the running part (see the top of stage_train.c):
+ * the hops sent on, the replicas' jobs on their lanes and taken back in
+ * order, and the 1F1B schedule that dispatches what has become runnable. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../base/log.h"
+#include "../core/train.h"
+#include "replica_workers.h"
+#include "stage_train_impl.h"
+
+/* ===================== sending ===================== */
+
+/* Send a hop (type) of this job with hidden states (rows x d, host) and
+ * optionally the targets, to the next stage or (GRADIENT) the previous. */
+static nl_status send_host(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_msg_type type,
+                           uint64_t step, uint32_t mb, double aux, const float *x,
+                           const int32_t *targets, nl_error *err)
+{
+    stage_train *t = s->train;
+    const int64_t xs[3] = {t->mbB, t->T, (int64_t)t->d}, ts[2] = {t->mbB, t->T};
+    nl_wire_msg_reset(&t->tx, type);
+    t->tx.u.hop = (nl_msg_tensor_hop){t->job, step, mb, 0, 0, aux};
+    nl_wire_frame_set(&t->tx.frames[0], x, NL_DTYPE_F32, xs, 3);
+    t->tx.nframes = 1;
+    if (targets) {
+        nl_wire_frame_set(&t->tx.frames[1], targets, NL_DTYPE_I32, ts, 2);
+        t->tx.nframes = 2;
+    }
+    return send(ctx, type == NL_MSG_GRADIENT ? NL_STAGE_TO_PREV : NL_STAGE_TO_NEXT, &t->tx, err);
+}
+
+/* send_host of hidden states in the memory of be. */
+static nl_status send_hop(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_msg_type type,
+                          uint64_t step, uint32_t mb, double aux, nl_backend *be,
+                          const float *x_dev, const int32_t *targets, nl_error *err)
+{
+    stage_train *t = s->train;
+    const float *x =
+        nl_backend_read_view(be, &t->stage, x_dev, t->rows * t->d * sizeof(float), err);
+    if (!x)
+        return nl_error_prefix(err, "train job %llu", (unsigned long long)t->job);
+    return send_host(s, send, ctx, type, step, mb, aux, x, targets, err);
+}
+
+/* The step's gradients are all in: the replicas' sum on every replica,
+ * then this stage's share of the norm, and on the last stage the losses.
+ * The lanes are idle (every job of the step has been taken back). */
+static nl_status finish_step(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_error *err)
+{
+    stage_train *t = s->train;
+    if (t->R > 1) {
+        float *grads[NL_COMM_MAX];
+        for (int r = 0; r < t->R; r++)
+            grads[r] = nl_trainer_grads(t->rep[r].tr);
+        nl_status st = nl_comm_allreduce_sum(s->comm, grads, s->model->n_params, err);
+        if (st != NL_OK)
+            return nl_error_prefix(err, "the gradients of %d replicas", t->R);
+    }
+    const double sumsq = nl_trainer_grad_sumsq(t->rep[0].tr);
+    t->finished = 1;
+    nl_wire_msg_reset(&t->tx, NL_MSG_GRAD_NORM);
+    t->tx.u.grad_norm = (nl_msg_grad_norm){t->job, t->begun, (uint32_t)s->stage_idx,
+                                           isnan(sumsq) || sumsq >= 0 ? sumsq : NAN};
+    nl_status st = send(ctx, NL_STAGE_TO_COORD, &t->tx, err);
+    if (st != NL_OK || !s->model->has_head)
+        return st;
+    nl_wire_msg_reset(&t->tx, NL_MSG_LOSS);
+    t->tx.u.loss = (nl_msg_loss){t->job, t->begun, false, t->ce, t->aux, (uint64_t)t->M * t->rows};
+    return send(ctx, NL_STAGE_TO_COORD, &t->tx, err);
+}
+
+/* ===================== the replicas' jobs ===================== */
+
+/* A job to fill (from the free list, or a new one). */
+rjob *nl_stage_train_job_get(stage_train *t, job_kind kind, int lane, nl_error *err)
+{
+    rjob *j = t->free_jobs;
+    if (j) {
+        t->free_jobs = j->free_next;
+    } else {
+        j = calloc(1, sizeof *j);
+        /* an output to send: a counting pass or forward that goes on, a gradient that goes back */
+        if (j && (!t->has_head || !t->has_embed))
+            j->out = malloc(t->rows * t->d * sizeof(float));
+        if (!j || ((!t->has_head || !t->has_embed) && !j->out)) {
+            free(j);
+            nl_error_set(err, NL_ERR_NOMEM, "train job %llu: out of memory",
+                         (unsigned long long)t->job);
+            return NULL;
+        }
+        j->all_next = t->jobs;
+        t->jobs = j;
+    }
+    float *out = j->out;
+    rjob *all = j->all_next;
+    memset(j, 0, sizeof *j);
+    j->out = out;
+    j->all_next = all;
+    j->kind = kind;
+    j->w.lane = lane;
+    return j;
+}
+
+void nl_stage_train_job_put(stage_train *t, rjob *j)
+{
+    free(j->x);
+    free(j->targets);
+    j->x = NULL;
+    j->targets = NULL;
+    j->free_next = t->free_jobs;
+    t->free_jobs = j;
+}
+
+/* Copy a device output of the job's replica into j->out, to be sent. */
+static nl_status take_output(nl_backend *be, rjob *j, nl_msg_type type, const float *dev,
+                             size_t floats)
+{
+    be->download(be, j->out, dev, floats * sizeof(float));
+    j->out_type = type;
+    return nl_backend_check(be, &j->err);
+}
+
+/* The backward of a job's microbatch (dy in the replica's memory; NULL:
+ * from the loss) and the gradient to send upstream. */
+static nl_status job_backward(stage_train *t, replica *p, rjob *j, const float *dy)
+{
+    nl_status st = nl_trainer_backward(p->tr, j->slot, dy, &j->err);
+    if (st == NL_OK && !t->has_embed)
+        st = take_output(p->be, j, NL_MSG_GRADIENT, nl_trainer_input_grad(p->tr), t->rows * t->d);
+    return st;
+}
+
+/* Runs on the replica's lane (replica_workers.h). */
+void nl_stage_train_run_job(void *ctx, nl_wjob *w)
+{
+    stage_train *t = ctx;
+    rjob *j = (rjob *)w;
+    replica *p = &t->rep[w->lane];
+    const size_t n = t->rows * t->d;
+    const int32_t *tokens = t->has_embed ? j->x : NULL;
+    const float *x = NULL;
+    nl_status st = NL_OK;
+    if (atomic_load(&t->failed)) {
+        j->st = nl_error_set(&j->err, NL_ERR_STATE, "skipped: an earlier job failed");
+        return;
+    }
+    if (!t->has_embed && (j->kind == JOB_COUNT || j->kind == JOB_FORWARD))
+        x = nl_backend_device_view(p->be, p->x_d, j->x, n * sizeof(float));
+    switch (j->kind) {
+    case JOB_BEGIN:
+        nl_trainer_begin_step(p->tr, (int64_t)t->M * (int64_t)t->rows);
+        break;
+    case JOB_STEP:
+        nl_trainer_step(p->tr, j->lr, j->clip, nl_adamw_defaults());
+        st = nl_backend_check(p->be, &j->err);
+        break;
+    case JOB_COUNT:
+        st = nl_trainer_count_routes(p->tr, t->mbB, t->T, tokens, x, &j->err);
+        if (st == NL_OK && !t->has_head)
+            st = take_output(p->be, j, NL_MSG_COUNT, nl_trainer_count_output(p->tr), n);
+        break;
+    case JOB_FORWARD:
+        if (j->inject_nan)
+            nl_trainer_inject_nan(p->tr);
+        st = nl_trainer_forward(p->tr, j->slot, t->mbB, t->T, tokens, x,
+                                t->has_head ? j->targets : NULL, &j->ce, &j->a, &j->err);
+        if (st == NL_OK && !t->has_head)
+            st = take_output(p->be, j, NL_MSG_ACTIVATION, nl_trainer_output(p->tr, j->slot), n);
+        else if (st == NL_OK) /* the last stage's backward starts from its loss */
+            st = job_backward(t, p, j, NULL);
+        break;
+    case JOB_BACKWARD:
+        st = job_backward(t, p, j, nl_backend_device_view(p->be, p->x_d, j->x, n * sizeof(float)));
+        break;
+    }
+    j->st = st;
+    if (st != NL_OK)
+        atomic_store(&t->failed, 1);
+}
+
+/* The counting pass is complete: the replicas' route counts added up
+ * (exact integers), and every replica uses the batch's shares. The lanes
+ * are idle. */
+static void use_counts(nl_stage *s)
+{
+    stage_train *t = s->train;
+    const size_t n = (size_t)(s->model->l1 - s->model->l0) * (size_t)s->model->cfg.num_experts;
+    int64_t *sum = nl_trainer_route_counts(t->rep[0].tr);
+    for (int r = 1; r < t->R; r++) {
+        const int64_t *c = nl_trainer_route_counts(t->rep[r].tr);
+        for (size_t i = 0; i < n; i++)
+            sum[i] += c[i];
+    }
+    for (int r = 0; r < t->R; r++)
+        nl_trainer_use_counts(t->rep[r].tr, sum);
+    t->counts_ready = true;
+}
+
+/* A finished job, on the node's thread in the order of dispatch: its
+ * output sent, its loss added, and what completes a pass. */
+static nl_status take_back(nl_stage *s, rjob *j, nl_stage_send_fn send, void *ctx, nl_error *err)
+{
+    stage_train *t = s->train;
+    nl_status st = j->st;
+    if (st != NL_OK) {
+        nl_error_set(err, st, "%s", j->err.msg);
+        if (t->R > 1)
+            nl_error_prefix(err, "replica %d (%s)", j->w.lane, t->rep[j->w.lane].be->name);
+    }
+    if (st == NL_OK && j->kind == JOB_FORWARD && t->has_head) {
+        t->ce += j->ce;
+        t->aux += j->aux + j->a;
+    }
+    if (st == NL_OK && j->out_type)
+        st = send_host(s, send, ctx, j->out_type, j->step, j->mb,
+                       j->out_type == NL_MSG_ACTIVATION ? j->aux + j->a : 0.0, j->out,
+                       j->out_type == NL_MSG_ACTIVATION ? j->targets : NULL, err);
+    if (st == NL_OK && j->last && j->kind == JOB_COUNT)
+        use_counts(s);
+    else if (st == NL_OK && j->last)
+        st = finish_step(s, send, ctx, err);
+    if (st != NL_OK && j->kind != JOB_BEGIN && j->kind != JOB_STEP)
+        return nl_error_prefix(err, "job %llu step %llu microbatch %u", (unsigned long long)t->job,
+                               (unsigned long long)j->step, j->mb);
+    return st;
+}
+
+/* Take back the finished jobs in order (wait: every job dispatched, once
+ * finished). The first error ends the job on this stage (poison). */
+nl_status nl_stage_train_take_done(nl_stage *s, bool wait, nl_stage_send_fn send, void *ctx,
+                                   nl_error *err)
+{
+    stage_train *t = s->train;
+    nl_wjob *w;
+    while ((w = nl_workers_pop_done(t->w, wait))) {
+        rjob *j = (rjob *)w;
+        nl_status st = t->poison ? NL_OK : take_back(s, j, send, ctx, err);
+        nl_stage_train_job_put(t, j);
+        if (st != NL_OK) {
+            t->poison = st;
+            snprintf(t->poison_msg, sizeof t->poison_msg, "%s", err->msg);
+            atomic_store(&t->failed, 1);
+        }
+    }
+    return t->poison ? nl_error_set(err, t->poison, "%s", t->poison_msg) : NL_OK;
+}
+
+/* Queue a job on its replica's lane (inline: run it now), then take back
+ * what has finished. */
+nl_status nl_stage_train_dispatch(nl_stage *s, rjob *j, nl_stage_send_fn send, void *ctx,
+                                  nl_error *err)
+{
+    nl_workers_push(s->train->w, &j->w);
+    return nl_stage_train_take_done(s, false, send, ctx, err);
+}
+
+/* ===================== running a hop ===================== */
+
+/* The replica that runs microbatch mb, and its activation slot there. */
+int nl_stage_train_replica_of(const stage_train *t, uint32_t mb)
+{
+    return (int)(mb % (uint32_t)t->R);
+}
+
+int nl_stage_train_slot_of(const stage_train *t, uint32_t mb)
+{
+    return (int)(mb / (uint32_t)t->R % (uint32_t)t->rslots);
+}
+
+/* A new step: every replica zeroes its gradients, in its lane's order
+ * (after the previous step's AdamW). */
+static nl_status begin(nl_stage *s, uint64_t step, nl_stage_send_fn send, void *ctx, nl_error *err)
+{
+    stage_train *t = s->train;
+    nl_status st = NL_OK;
+    for (int r = 0; r < t->R && st == NL_OK; r++) {
+        rjob *j = nl_stage_train_job_get(t, JOB_BEGIN, r, err);
+        st = j ? nl_stage_train_dispatch(s, j, send, ctx, err) : NL_ERR_NOMEM;
+    }
+    t->begun = step;
+    t->counted = t->fwd = t->bwd = 0;
+    t->finished = 0;
+    t->counts_ready = false;
+    t->ce = t->aux = 0.0;
+    return st;
+}
+
+/* The input of a hop on replica p: host tokens (first stage) or hidden
+ * states in p's memory. */
+static void hop_input(nl_stage *s, replica *p, const hop_in *h, const int32_t **tokens,
+                      const float **x)
+{
+    stage_train *t = s->train;
+    *tokens = NULL;
+    *x = NULL;
+    if (s->model->has_embed)
+        *tokens = h->x;
+    else
+        *x = nl_backend_device_view(p->be, p->x_d, h->x, t->rows * t->d * sizeof(float));
+}
+
+static bool runnable(const stage_train *t, const hop_in *h)
+{
+    if (h->type == NL_MSG_EVAL)
+        return h->step == (uint64_t)t->applied && t->fwd == t->bwd;
+    if (h->step != (uint64_t)t->applied + 1 || t->finished)
+        return false;
+    if (h->type == NL_MSG_COUNT)
+        return t->counted < t->M && t->fwd == 0;
+    /* one microbatch needs no counting pass; one that came is summed first */
+    return (t->counts_ready || (t->M == 1 && t->counted == 0)) && t->fwd - t->bwd < t->slots &&
+           t->fwd < t->M;
+}
+
+/* An evaluation hop: a forward on replica 0, as inference, once every
+ * job dispatched before it has been taken back. */
+static nl_status run_eval(nl_stage *s, const hop_in *h, nl_stage_send_fn send, void *ctx,
+                          nl_error *err)
+{
+    stage_train *t = s->train;
+    replica *p = &t->rep[0];
+    const int32_t *tokens;
+    const float *x;
+    double ce = 0.0;
+    nl_status st = nl_stage_train_take_done(s, true, send, ctx, err);
+    if (st != NL_OK)
+        return st;
+    hop_input(s, p, h, &tokens, &x);
+    if (h->mb % (uint32_t)t->M == 0) { /* a new held-out batch, as local evaluation */
+        nl_trainer_begin_step(p->tr, (int64_t)t->M * (int64_t)t->rows);
+        t->begun = 0;
+    }
+    st = nl_trainer_forward(p->tr, 0, t->mbB, t->T, tokens, x, h->targets, &ce, NULL, err);
+    if (st == NL_OK && !s->model->has_head)
+        st = send_hop(s, send, ctx, NL_MSG_EVAL, h->step, h->mb, 0.0, p->be,
+                      nl_trainer_output(p->tr, 0), h->targets, err);
+    if (st != NL_OK)
+        return st;
+    t->eval_ce += ce;
+    if (++t->evals < t->eval_hops)
+        return NL_OK;
+    if (!s->model->has_head) {
+        t->evals = 0;
+        return NL_OK;
+    }
+    nl_wire_msg_reset(&t->tx, NL_MSG_LOSS);
+    t->tx.u.loss =
+        (nl_msg_loss){t->job, h->step, true, t->eval_ce, 0.0, (uint64_t)t->evals * t->rows};
+    t->evals = 0;
+    t->eval_ce = 0.0;
+    return send(ctx, NL_STAGE_TO_COORD, &t->tx, err);
+}
+
+/* Dispatch a counting pass or a training forward to its replica: the job
+ * takes the hop's buffers. */
+static nl_status run_hop(nl_stage *s, hop_in *h, nl_stage_send_fn send, void *ctx, nl_error *err)
+{
+    stage_train *t = s->train;
+    if (h->type == NL_MSG_EVAL)
+        return run_eval(s, h, send, ctx, err);
+    nl_status st = NL_OK;
+    if (t->begun != h->step && (st = begin(s, h->step, send, ctx, err)) != NL_OK)
+        return st;
+    rjob *j = nl_stage_train_job_get(t, h->type == NL_MSG_COUNT ? JOB_COUNT : JOB_FORWARD,
+                                     nl_stage_train_replica_of(t, h->mb), err);
+    if (!j)
+        return NL_ERR_NOMEM;
+    j->step = h->step;
+    j->mb = h->mb;
+    j->aux = h->aux;
+    j->x = h->x;
+    j->targets = h->targets;
+    h->x = NULL;
+    h->targets = NULL;
+    if (h->type == NL_MSG_COUNT) {
+        j->last = ++t->counted == t->M;
+        return nl_stage_train_dispatch(s, j, send, ctx, err);
+    }
+    j->slot = nl_stage_train_slot_of(t, h->mb);
+    if (s->o.inject_nan_step > 0 &&
+        (h->step == (uint64_t)s->o.inject_nan_step ||
+         (s->o.inject_nan_on && h->step > (uint64_t)s->o.inject_nan_step)) &&
+        t->fwd == 0 && (s->o.inject_nan_stage < 0 || s->o.inject_nan_stage == s->stage_idx)) {
+        NL_WARN("test hook: a NaN goes into this stage's gradient at step %llu",
+                (unsigned long long)h->step);
+        j->inject_nan = true;
+    }
+    t->fwd++;
+    if (t->has_head) /* the last stage's backward follows its forward in the same job */
+        j->last = ++t->bwd == t->M;
+    return nl_stage_train_dispatch(s, j, send, ctx, err);
+}
+
+/* Run the queued hops that can run now, in order. */
+static nl_status drain(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_error *err)
+{
+    stage_train *t = s->train;
+    while (t->qlen > 0) {
+        hop_in *h = &t->q[t->qhead];
+        if (!runnable(t, h))
+            return NL_OK;
+        /* microbatches run in order: a duplicated or reordered hop would
+         * overwrite an activation slot in flight */
+        const uint32_t want = h->type == NL_MSG_COUNT        ? (uint32_t)t->counted
+                              : h->type == NL_MSG_ACTIVATION ? (uint32_t)t->fwd
+                                                             : (uint32_t)t->evals;
+        const uint64_t step = h->step;
+        const uint32_t mb = h->mb;
+        nl_status st = h->mb == want ? run_hop(s, h, send, ctx, err)
+                                     : nl_error_set(err, NL_ERR_STATE,
+                                                    "%s of microbatch %u, but the next is %u",
+                                                    nl_wire_type_name(h->type), h->mb, want);
+        t->qbytes -= h->bytes;
+        nl_stage_train_hop_free(h);
+        t->qhead = (t->qhead + 1) % t->qcap;
+        t->qlen--;
+        if (st != NL_OK && t->poison) /* a job's error says where it was */
+            return st;
+        if (st != NL_OK)
+            return nl_error_prefix(err, "job %llu step %llu microbatch %u",
+                                   (unsigned long long)t->job, (unsigned long long)step, mb);
+    }
+    return NL_OK;
+}
+
+/* Take back what finished and dispatch what became runnable; without
+ * train_async, until every job dispatched has been taken back. */
+nl_status nl_stage_train_advance(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_error *err)
+{
+    stage_train *t = s->train;
+    for (;;) {
+        nl_status st = nl_stage_train_take_done(s, !t->async, send, ctx, err);
+        if (st == NL_OK)
+            st = drain(s, send, ctx, err);
+        if (st != NL_OK || t->async || nl_workers_pending(t->w) == 0)
+            return st;
+    }
+}

@@ -1,0 +1,121 @@
+/* The inside of a training job on one stage, shared by node/stage_train.c
+ * (the job's state and life, the messages it receives, the optimizer step
+ * and the checkpoints) and node/stage_train_hops.c (the replicas' jobs and
+ * the 1F1B schedule that runs the hops). Private to those two files; the
+ * design is told at the top of stage_train.c. */
+#ifndef NL_NODE_STAGE_TRAIN_IMPL_H
+#define NL_NODE_STAGE_TRAIN_IMPL_H
+
+#include <stdatomic.h>
+
+#include "../core/train.h"
+#include "replica_workers.h"
+#include "stage_impl.h"
+
+/* A forward-type hop waiting to run: its frames copied. */
+typedef struct hop_in {
+    nl_msg_type type; /* COUNT, ACTIVATION or EVAL */
+    uint64_t step;
+    uint32_t mb;
+    double aux;
+    void *x;          /* tokens (I32, rows) on the first stage, else hidden (F32, rows x d) */
+    int32_t *targets; /* (rows), or NULL (COUNT) */
+    size_t bytes;     /* of x and targets */
+} hop_in;
+
+/* Bytes the queue of hops from the previous stage may hold (issue 15):
+ * at least this, or a step's counting and training hops and 8 more. */
+#define QUEUE_MIN_BYTES (64ull << 20)
+
+/* One data-parallel replica of the stage. */
+typedef struct replica {
+    nl_backend *be; /* borrowed: the stage's rbe[r] */
+    nl_model *m;    /* replica 0: the stage's model (borrowed); others: the job's copy (owned) */
+    nl_trainer *tr;
+    float *x_d; /* device staging of a hidden-state input or gradient frame */
+} replica;
+
+/* A replica's piece of work, run on its lane; the node's thread owns it
+ * before the push and after the pop. */
+typedef enum job_kind { JOB_BEGIN, JOB_COUNT, JOB_FORWARD, JOB_BACKWARD, JOB_STEP } job_kind;
+
+typedef struct rjob {
+    nl_wjob w; /* w.lane: the replica */
+    job_kind kind;
+    uint64_t step;
+    uint32_t mb;
+    int slot;
+    double aux;       /* the hop's */
+    void *x;          /* owned: tokens or hidden states of a hop, or a GRADIENT's dy (host) */
+    int32_t *targets; /* owned: the hop's targets, or NULL */
+    bool inject_nan;  /* test hook: a NaN into this forward's gradient */
+    bool last;        /* the step's last counting pass or backward */
+    float lr, clip;   /* JOB_STEP */
+    /* results */
+    nl_msg_type out_type; /* what out holds to send (COUNT, ACTIVATION, GRADIENT), or 0 */
+    float *out;           /* host, rows x d: kept for the job's next use */
+    double ce, a;         /* a forward's cross-entropy sum and aux loss */
+    nl_status st;
+    nl_error err;
+    struct rjob *all_next;  /* every job made */
+    struct rjob *free_next; /* the ones not in use */
+} rjob;
+
+typedef struct stage_train {
+    uint64_t job;
+    replica rep[NL_COMM_MAX];
+    int R;      /* replicas */
+    int rslots; /* activation slots of each replica: ceil(slots / R) */
+    int mbB, T, M, slots, eval_hops;
+    size_t rows, d;
+    int64_t applied;       /* optimizer steps applied (the step a hop needs is applied + 1) */
+    uint64_t begun;        /* the step whose gradients are being accumulated (0: none) */
+    int counted, fwd, bwd; /* this step's counting passes, forwards and backwards run */
+    int finished;          /* this step's gradients are reported; waiting for STEP */
+    double ce, aux;        /* the last stage: this step's cross-entropy sum and aux loss */
+    int evals;             /* evaluation hops run (the last stage: and their loss sum) */
+    double eval_ce;
+    hop_in *q; /* FIFO ring of hops waiting to run */
+    int qhead, qlen, qcap;
+    size_t qbytes;       /* the hops' bytes in the queue */
+    nl_host_stage stage; /* host view of an output to send */
+    nl_wire_msg tx;
+    /* the replicas' lanes (one replica: inline) */
+    nl_workers *w;
+    bool async;               /* results are taken back from nl_stage_train_poll */
+    bool has_embed, has_head; /* the stage's model's, for the lanes */
+    bool counts_ready;        /* this step's counting pass is summed and in use */
+    rjob *jobs, *free_jobs;
+    atomic_int failed; /* a job failed: the lanes skip the rest */
+    nl_status poison;  /* ... and the error every later message gets */
+    char poison_msg[NL_ERROR_MSG_MAX];
+} stage_train;
+
+/* ---- stage_train.c ---- */
+
+/* Free a queued hop's copies. */
+void nl_stage_train_hop_free(hop_in *h);
+
+/* ---- stage_train_hops.c: the replicas' jobs and the schedule ---- */
+
+/* Take back what finished and dispatch what became runnable; without
+ * train_async, until every job dispatched has been taken back. */
+nl_status nl_stage_train_advance(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_error *err);
+/* Queue a job on its replica's lane (inline: run it now), then take back
+ * what has finished. */
+nl_status nl_stage_train_dispatch(nl_stage *s, rjob *j, nl_stage_send_fn send, void *ctx,
+                                  nl_error *err);
+/* A job to fill (from the free list, or a new one). */
+rjob *nl_stage_train_job_get(stage_train *t, job_kind kind, int lane, nl_error *err);
+void nl_stage_train_job_put(stage_train *t, rjob *j);
+/* The replica that runs microbatch mb, and its activation slot there. */
+int nl_stage_train_replica_of(const stage_train *t, uint32_t mb);
+int nl_stage_train_slot_of(const stage_train *t, uint32_t mb);
+/* Runs on the replica's lane (replica_workers.h). */
+void nl_stage_train_run_job(void *ctx, nl_wjob *w);
+/* Take back the finished jobs in order (wait: every job dispatched, once
+ * finished). The first error ends the job on this stage (poison). */
+nl_status nl_stage_train_take_done(nl_stage *s, bool wait, nl_stage_send_fn send, void *ctx,
+                                   nl_error *err);
+
+#endif
