@@ -29,7 +29,7 @@ typedef enum { NODE_FREE = 0, NODE_LIVE, NODE_DEAD, NODE_LEFT } node_life;
 
 struct csource;
 
-/* Where a stage's streaming of its tensors is (coord.c, stream_loads). */
+/* Where a stage's streaming of its tensors is (coord_plan.c, coord_stream_loads). */
 typedef struct cload {
     int active;
     uint64_t epoch;            /* the plan it loads */
@@ -372,7 +372,7 @@ cnode *coord_node_by_key(nl_coord *c, const char *key);
 /* The lowest slot that holds no live node, zeroed (the table grows by
  * doubling up to COORD_MAX_NODES); NULL when full or out of memory. Any
  * cnode * taken before is then stale. The caller fills id, key and rid
- * (unique among the live: see on_join) and calls coord_node_live. */
+ * (unique among the live: see coord_on_join) and calls coord_node_live. */
 cnode *coord_node_take(nl_coord *c);
 /* The taken node becomes live: indexed, its heartbeat the newest. */
 void coord_node_live(nl_coord *c, cnode *n);
@@ -469,7 +469,28 @@ const char *coord_join_path(const char *root, const char *path, char *out, size_
  * file). out gets the resolved path. */
 const char *coord_confine_file(const char *root, const char *path, const char *dir_file,
                                uint64_t max_bytes, char *out, size_t cap);
-/* ---------------------------------------------------------------- coord.c */
+/* ---------------------------------------------------------------- coord_members.c
+ * Membership; coord.c's dispatch hands it the nodes' messages. */
+
+/* A node is gone (life: NODE_DEAD or NODE_LEFT): fail what it carried (a
+ * generation waits to resume) and plan again. */
+void coord_node_lost(nl_coord *c, cnode *n, int life, const char *why);
+void coord_on_join(nl_coord *c, const nl_rx *rx);
+void coord_on_leave(nl_coord *c, const nl_rx *rx);
+void coord_on_heartbeat(nl_coord *c, const nl_rx *rx);
+void coord_on_node_error(nl_coord *c, const nl_rx *rx);
+
+/* ---------------------------------------------------------------- coord_plan.c
+ * Planning and loading; coord.c's tick and dispatch drive it. */
+
+/* Plan over the live nodes and assign the stages (or say why not). */
+void coord_try_plan(nl_coord *c);
+/* Send the loading stages their next chunks; how many are still active. */
+int coord_stream_loads(nl_coord *c);
+/* With no job running, a plan that beats the current one is loaded. */
+void coord_replan_at_rest(nl_coord *c);
+/* A stage reports it has loaded its tensors. */
+void coord_on_load_done(nl_coord *c, const nl_rx *rx);
 
 /* Whether every stage of the current plan holds mo's memory on its node
  * (training: the microbatches in flight capped by 1F1B); if not, why says
