@@ -1,8 +1,9 @@
 /* The training job's preparation (coord_train.c runs the steps): the
  * client's parameters read and checked, its paths confined to the data
- * and checkpoint roots, then a worker reads and tokenizes the data (after
- * --learn-vocab), verifies the manifest it resumes from and installs its
- * growth; the job then waits for a plan that holds its training memory. */
+ * and checkpoint roots, then a worker verifies the manifest it resumes
+ * from, with --learn-vocab learns the vocabulary and grows the model, and
+ * reads and tokenizes the data; once it is done, a resumed job reloads the
+ * cluster from its manifest and the job begins when the cluster is ready. */
 #include <jansson.h>
 #include <limits.h>
 #include <math.h>
