@@ -127,7 +127,7 @@ static void index_remove(nl_coord *c, int kind, cnode *n)
     const void *key = node_key(n, kind, &len);
     i = index_probe(c, kind, key, len);
     if (t[i] != (int32_t)(n - c->nodes))
-        return; /* not there (a duplicate that on_join refused) */
+        return; /* not there (a duplicate that coord_on_join refused) */
     /* backward shift: a later cell of the cluster moves into the hole when
      * its home is not within (hole, its cell] */
     for (size_t j = (i + 1) & mask; t[j] >= 0; j = (j + 1) & mask) {

@@ -13,6 +13,7 @@
 #include "core/manifest.h"
 #include "core/planner.h"
 #include "core/safetensors.h"
+#include "core/train.h"
 #include "net/transport.h"
 
 /* The node table grows (doubling) to at most this many slots; the lowest
@@ -28,7 +29,7 @@ typedef enum { NODE_FREE = 0, NODE_LIVE, NODE_DEAD, NODE_LEFT } node_life;
 
 struct csource;
 
-/* Where a stage's streaming of its tensors is (coord.c, stream_loads). */
+/* Where a stage's streaming of its tensors is (coord_plan.c, coord_stream_loads). */
 typedef struct cload {
     int active;
     uint64_t epoch;            /* the plan it loads */
@@ -168,6 +169,89 @@ nl_status coord_finetune_gather(nl_coord *c, uint64_t job, const cft *ft,
 /* The joined file is written (why NULL), or why not: the job ends. */
 void coord_train_finetuned(nl_coord *c, uint64_t job, const char *adapter, const char *why);
 
+/* ---------------------------------------------------------------- a training job's state
+ * Shared by coord_train.c (the steps, reports and recoveries),
+ * coord_train_prep.c (the job's preparation) and coord_train_ckpt.c (its
+ * checkpoints). */
+/* The growth entries a training job sends its stages, at most (the wire
+ * takes 64 params; the job's own are 9). */
+#define COORD_GROWTH_PARAMS 48
+
+/* TR_PREPARING: a worker reads the data (and the manifest it resumes);
+ * TR_LOADING: the cluster loads; TR_GROW: at a checkpoint, a worker grows
+ * the model (--grow auto) */
+typedef enum {
+    TR_PREPARING = 0,
+    TR_LOADING,
+    TR_BEGIN,
+    TR_STEP,
+    TR_EVAL,
+    TR_CKPT,
+    TR_GROW
+} tr_phase;
+
+typedef struct ctrain {
+    /* the run, as the client asked for it */
+    char data[4097], ckpt_dir[1001]; /* CKPT_REQ.dir holds at most 1024 bytes */
+    int64_t steps, batch, seq, micro, seed, warmup, eval_every, eval_batches, ckpt_every;
+    double lr, min_lr, holdout;
+    int recompute, final_ckpt;
+    int64_t learn_vocab; /* ids the tokenizer learns from the data first (coord_grow.c), or 0 */
+    /* where it is */
+    int phase, stages;
+    nl_dataset *ds;
+    int32_t *tokens, *targets; /* (batch, seq) */
+    int64_t start, step;       /* steps done */
+    int moments;
+    int64_t adam; /* AdamW steps the stages have taken */
+    int acks, norms, have_loss;
+    int skips;       /* steps skipped in a row (non-finite) */
+    int seq_default; /* seq is the client's default, not typed: fit to max_seq_len */
+    int bad_stage;   /* the stage whose report of this step was not finite, or -1 */
+    uint8_t *got;    /* per stage: GRAD_NORM (1) or CKPT_DONE (2) in */
+    double sumsq, ce, aux, t_step, step_s;
+    nl_step_result r;
+    double lr_now, eval_loss;
+    int has_eval;
+    nl_manifest_shard *shards; /* the checkpoint being written */
+    char manifest[4096];       /* the last one written (or the one resumed) */
+    int64_t manifest_step;
+    /* recoveries: a stage lost, the job goes on from the last manifest */
+    int resumes;       /* done so far (at most --train-resumes) */
+    double t_lost;     /* when the last stage was lost (0: none since the last step) */
+    int64_t lost_at;   /* the step it was lost at */
+    int mem_replanned; /* the cluster planned again for its training memory */
+    /* the plan on which a stage could not reach its neighbour (0: none) */
+    uint64_t verdict_epoch;
+    struct json_t *journal; /* the client's parameters, journaled (coord_journal.c) */
+    cft *ft;                /* a fine-tuning job (coord_finetune.c): its adapters; NULL: training */
+} ctrain;
+
+/* JOB_STATUS running (or done) to the client with a JSON report; takes
+ * the reference to o. */
+struct json_t;
+void coord_train_report(nl_coord *c, cjob *j, int state, const char *msg, struct json_t *o);
+/* The job fails with the formatted reason. */
+void coord_train_fail(nl_coord *c, cjob *j, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* Frees n shards' strings and the table. */
+void coord_train_free_shards(nl_manifest_shard *sh, int n);
+/* The cluster is loaded with the job's plan: the run begins (or goes on
+ * from the source's step). */
+void coord_train_begin(nl_coord *c, cjob *j);
+/* The next step's microbatches go to the first stage. */
+void coord_train_start_step(nl_coord *c, cjob *j);
+/* The job waits while the cluster plans again and reloads its source. */
+void coord_train_wait_reload(nl_coord *c, cjob *j);
+/* The run is done: the client is told and the job ends. */
+void coord_train_finish(nl_coord *c, cjob *j);
+/* Every shard of the step is in: a worker writes the manifest. */
+void coord_train_write_manifest(nl_coord *c, cjob *j);
+/* Whether the shard at path was trained with TF32 (NL_MANIFEST_TF32_*). */
+int coord_train_shard_tf32(const char *path);
+/* strdup of s, or NULL for NULL; *oom set when the copy failed. */
+char *coord_train_dup(const char *s, int *oom);
+
 /* A task for a worker (coord_work.c); a task's struct begins with it. */
 typedef struct cwork cwork;
 struct cwork {
@@ -288,7 +372,7 @@ cnode *coord_node_by_key(nl_coord *c, const char *key);
 /* The lowest slot that holds no live node, zeroed (the table grows by
  * doubling up to COORD_MAX_NODES); NULL when full or out of memory. Any
  * cnode * taken before is then stale. The caller fills id, key and rid
- * (unique among the live: see on_join) and calls coord_node_live. */
+ * (unique among the live: see coord_on_join) and calls coord_node_live. */
 cnode *coord_node_take(nl_coord *c);
 /* The taken node becomes live: indexed, its heartbeat the newest. */
 void coord_node_live(nl_coord *c, cnode *n);
@@ -385,7 +469,28 @@ const char *coord_join_path(const char *root, const char *path, char *out, size_
  * file). out gets the resolved path. */
 const char *coord_confine_file(const char *root, const char *path, const char *dir_file,
                                uint64_t max_bytes, char *out, size_t cap);
-/* ---------------------------------------------------------------- coord.c */
+/* ---------------------------------------------------------------- coord_members.c
+ * Membership; coord.c's dispatch hands it the nodes' messages. */
+
+/* A node is gone (life: NODE_DEAD or NODE_LEFT): fail what it carried (a
+ * generation waits to resume) and plan again. */
+void coord_node_lost(nl_coord *c, cnode *n, int life, const char *why);
+void coord_on_join(nl_coord *c, const nl_rx *rx);
+void coord_on_leave(nl_coord *c, const nl_rx *rx);
+void coord_on_heartbeat(nl_coord *c, const nl_rx *rx);
+void coord_on_node_error(nl_coord *c, const nl_rx *rx);
+
+/* ---------------------------------------------------------------- coord_plan.c
+ * Planning and loading; coord.c's tick and dispatch drive it. */
+
+/* Plan over the live nodes and assign the stages (or say why not). */
+void coord_try_plan(nl_coord *c);
+/* Send the loading stages their next chunks; how many are still active. */
+int coord_stream_loads(nl_coord *c);
+/* With no job running, a plan that beats the current one is loaded. */
+void coord_replan_at_rest(nl_coord *c);
+/* A stage reports it has loaded its tensors. */
+void coord_on_load_done(nl_coord *c, const nl_rx *rx);
 
 /* Whether every stage of the current plan holds mo's memory on its node
  * (training: the microbatches in flight capped by 1F1B); if not, why says

@@ -1,0 +1,158 @@
+/* The coordinator's membership: a node joins (its key, name and figures
+ * checked), sends heartbeats, leaves or reports an error; a node that is
+ * gone fails what it carried and the cluster plans again (coord.c's tick
+ * declares the silent ones dead). */
+#include "coord_impl.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+#include "base/log.h"
+#include "core/checkpoint.h"
+#include "core/fileio.h"
+#include "core/sizing.h"
+
+/* A node is gone (dead or left): fail what it carried (a generation waits
+ * to resume) and plan again. */
+void coord_node_lost(nl_coord *c, cnode *n, int life, const char *why)
+{
+    const int stage = n->stage;
+    char msg[512];
+    if (stage >= 0 && c->plan) {
+        const nl_plan_stage *s = &c->plan->stages[stage];
+        snprintf(msg, sizeof msg, "node %u (stage %d, layers [%d, %d), %s) %s", n->id, stage, s->l0,
+                 s->l1, n->endpoint, why);
+    } else {
+        snprintf(msg, sizeof msg, "node %u (standby, %s) %s", n->id, n->endpoint, why);
+    }
+    NL_WARN("%s", msg);
+    coord_node_unlive(c, n, life);
+    n->stage = -1;
+    if (stage >= 0) {
+        coord_jobs_stage_lost(c, msg);
+        coord_drop_plan(c);
+        coord_set_state(c, "re-planning: %s", msg);
+    } else {
+        c->replan_wanted = 1; /* a standby: the plan may still be the best */
+    }
+}
+
+void coord_on_join(nl_coord *c, const nl_rx *rx)
+{
+    const nl_msg_join *j = &rx->msg.u.join;
+    nl_error e = {0};
+    if (!c->o.plaintext && strcmp(j->pubkey, rx->peer) != 0) {
+        nl_sock_send_error(c->ctl, rx, NL_ERR_AUTH, NL_MSG_JOIN,
+                           "JOIN names a key other than the one this connection authenticated", &e);
+        return;
+    }
+    if (strlen(j->pubkey) > NL_KEY_Z85_LEN) { /* it is indexed whole */
+        nl_sock_send_error(c->ctl, rx, NL_ERR_PROTO, NL_MSG_JOIN,
+                           "JOIN: the key is longer than a Z85 key", &e);
+        return;
+    }
+    /* the live nodes are unique by key and by routing id (coord_base.c's
+     * indexes): the key's old node restarted; a routing id that another
+     * connection took over no longer reaches its old node */
+    cnode *old = coord_node_by_key(c, j->pubkey);
+    if (old)
+        coord_node_lost(c, old, NODE_LEFT, "joined again (restarted)");
+    if ((old = coord_node_by_rid_raw(c, rx->rid, rx->rid_len)))
+        coord_node_lost(c, old, NODE_DEAD,
+                        "cannot be reached: another connection took over its routing id");
+    cnode *n = coord_node_take(c); /* the table may grow: no cnode * is kept across */
+    if (!n) {
+        nl_sock_send_error(
+            c->ctl, rx, NL_ERR_CAPACITY, NL_MSG_JOIN,
+            c->n_live >= COORD_MAX_NODES ? "too many nodes" : "out of memory for another node", &e);
+        return;
+    }
+    n->id = ++c->next_node_id;
+    snprintf(n->key, sizeof n->key, "%s", j->pubkey);
+    memcpy(n->rid, rx->rid, rx->rid_len);
+    n->rid_len = rx->rid_len;
+    snprintf(n->device, sizeof n->device, "%s", j->device);
+    snprintf(n->endpoint, sizeof n->endpoint, "%s", j->data_endpoint);
+    n->memory = j->memory_bytes;
+    n->gflops = j->gemm_gflops;
+    n->threads = j->threads;
+    n->joined = n->last_seen = coord_now();
+    coord_node_live(c, n);
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_ACCEPT);
+    m.u.accept =
+        (nl_msg_accept){n->id, (uint32_t)c->o.heartbeat_ms, (uint32_t)c->o.node_timeout_ms};
+    if (nl_sock_reply(c->ctl, rx, &m, &e) != NL_OK)
+        NL_WARN("ACCEPT to node %u: %s", n->id, e.msg);
+    nl_wire_msg_free(&m);
+    NL_INFO("node %u joined: %s, %.1f GiB, %.1f GFLOP/s, %u threads, data %s, key %.8s...", n->id,
+            n->device, (double)n->memory / (1 << 30), n->gflops, n->threads, n->endpoint, n->key);
+    c->last_plan_try = 0;
+    c->replan_wanted = 1;
+}
+
+void coord_on_leave(nl_coord *c, const nl_rx *rx)
+{
+    cnode *n = coord_node_by_rid(c, rx);
+    if (!n)
+        return;
+    char why[300], reason[256];
+    snprintf(why, sizeof why, "left (%s)",
+             nl_log_escape(reason, sizeof reason, rx->msg.u.leave.reason));
+    coord_node_lost(c, n, NODE_LEFT, why);
+}
+
+void coord_on_heartbeat(nl_coord *c, const nl_rx *rx)
+{
+    cnode *n = coord_node_by_rid(c, rx);
+    nl_error e = {0};
+    if (!n || n->id != rx->msg.u.heartbeat.node_id) {
+        nl_sock_send_error(c->ctl, rx, NL_ERR_STATE, NL_MSG_HEARTBEAT, "unknown node: JOIN first",
+                           &e);
+        return;
+    }
+    coord_node_seen(c, n);
+    n->hb = rx->msg.u.heartbeat;                               /* its figures, for the status */
+    if (c->train_mem.training && n->stage >= 0 && n->loaded) { /* a stage's busy fraction */
+        n->load_sum += rx->msg.u.heartbeat.load;
+        n->load_n++;
+    }
+}
+
+void coord_on_node_error(nl_coord *c, const nl_rx *rx)
+{
+    cnode *n = coord_node_by_rid(c, rx);
+    const nl_msg_error *e = &rx->msg.u.error;
+    char why[1600], who[320] = "";
+    /* a node that cannot reach a neighbour names its endpoint: say whose
+     * (the neighbours are the plan's stages: not a scan of every node) */
+    for (int s = 0; c->plan && s < c->plan->n_stages && !who[0]; s++) {
+        const cnode *o = coord_stage_node(c, s);
+        const char *at = o && o != n && o->endpoint[0] ? strstr(e->message, o->endpoint) : NULL;
+        const char end = at ? at[strlen(o->endpoint)] : '0';
+        if (at && (end < '0' || end > '9')) /* not the prefix of a longer port */
+            snprintf(who, sizeof who, " [%s is node %u, stage %d]", o->endpoint, o->id, o->stage);
+    }
+    char text[1200];
+    snprintf(why, sizeof why, "node %u: %s (%s)%s", n ? n->id : 0,
+             nl_log_escape(text, sizeof text, e->message), nl_status_str((nl_status)e->code), who);
+    NL_WARN("%s", why);
+    if (!n || n->stage < 0)
+        return; /* not a stage: it carries no job */
+    if (e->req_type == NL_MSG_LAYER_LOAD || e->req_type == NL_MSG_LOAD_DONE ||
+        e->req_type == NL_MSG_ASSIGN) {
+        coord_set_state(c, "loading failed: %s", why);
+        coord_drop_plan(c);
+        c->last_plan_try = coord_now() + 5.0; /* do not spin on a broken load */
+        return;
+    }
+    coord_fail_stage_jobs(c, why); /* the jobs it serves: those running on this plan */
+}

@@ -1,0 +1,530 @@
+/* The coordinator's planning and loading: the plan over the live nodes
+ * (core/sizing, core/planner), its assignments, each stage's tensors
+ * streamed in LAYER_LOAD chunks, re-planning at rest or at a training
+ * checkpoint when a plan over the nodes now beats the current one. */
+#include "coord_impl.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+#include "base/log.h"
+#include "core/checkpoint.h"
+#include "core/fileio.h"
+#include "core/sizing.h"
+
+#define CHUNK_FLOATS (1u << 20) /* 4 MiB per LAYER_LOAD frame */
+
+static void send_assign(nl_coord *c, int stage, const char *cfg_json)
+{
+    const nl_plan_stage *s = &c->plan->stages[stage];
+    /* the stages make a ring: the last stage sends the tokens it samples
+     * straight to the first (a single stage feeds itself) */
+    const int ns = c->plan->n_stages;
+    cnode *n = coord_stage_node(c, stage),
+          *prev = ns > 1 ? coord_stage_node(c, (stage + ns - 1) % ns) : NULL,
+          *next = ns > 1 ? coord_stage_node(c, (stage + 1) % ns) : NULL;
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_ASSIGN);
+    m.u.assign = (nl_msg_assign){.epoch = c->epoch,
+                                 .node_id = n->id,
+                                 .stage = (uint32_t)stage,
+                                 .num_stages = (uint32_t)c->plan->n_stages,
+                                 .layer0 = (uint32_t)s->l0,
+                                 .layer1 = (uint32_t)s->l1,
+                                 .has_embed = s->has_embed,
+                                 .has_head = s->has_head,
+                                 .config_json = cfg_json,
+                                 .seed = c->o.seed,
+                                 .prev_endpoint = prev ? prev->endpoint : "",
+                                 .prev_key = prev ? prev->key : "",
+                                 .next_endpoint = next ? next->endpoint : "",
+                                 .next_key = next ? next->key : "",
+                                 .memory_planned = s->bytes};
+    coord_send_node(c, n, &m);
+    nl_wire_msg_free(&m);
+}
+
+/* Does source tensor `name` belong to stage s? The optimizer moments
+ * (optim.m.<name>, optim.v.<name>) go with their tensor when the source is
+ * a manifest, so that training resumes; a checkpoint's stay here. */
+static int stage_holds(const nl_coord *c, const nl_plan_stage *s, const char *name)
+{
+    int l = -1, used = 0;
+    if (strncmp(name, "optim.m.", 8) == 0 || strncmp(name, "optim.v.", 8) == 0) {
+        if (!c->src_manifest)
+            return 0;
+        name += 8;
+    }
+    if (strcmp(name, "tok_embeddings.weight") == 0)
+        return s->has_embed;
+    if (strcmp(name, "norm.weight") == 0 || strcmp(name, "lm_head.weight") == 0)
+        return s->has_head;
+    if (sscanf(name, "layers.%d.%n", &l, &used) == 1 && used > 0)
+        return l >= s->l0 && l < s->l1;
+    return 0; /* optimizer moments and anything else stay here */
+}
+
+/* Streaming a stage's tensors runs in steps on the loop (issue 22 item
+ * 6): each turn sends chunks (LAYER_LOAD, 4 MiB, pointing into the mapped
+ * source: no copy) to the stages that load, round-robin, while fewer than
+ * LOAD_WINDOW chunks of the source wait in libzmq's queues. A big model
+ * thus never fills a peer's queue (its high-water mark would make a send
+ * wait up to the socket's send timeout), heartbeats and clients are served
+ * between chunks, and the memory libzmq holds stays bounded. The cursor
+ * (cnode.ld) restarts when the source changes and stops with its epoch. */
+#define LOAD_WINDOW 64 /* chunks in flight, all stages together: 256 MiB */
+#define LOAD_TURN 16   /* chunks one turn sends at most */
+
+/* Send the stage's next chunk: 1 sent, 0 none left, -1 the send failed. */
+static int send_next_chunk(nl_coord *c, cnode *n, nl_wire_msg *m)
+{
+    const nl_plan_stage *s = &c->plan->stages[n->stage];
+    cload *ld = &n->ld;
+    for (; c->src && ld->file < c->src->n; ld->file++, ld->entry = 0) {
+        nl_st_file *f = c->src->files[ld->file];
+        for (; ld->entry < nl_st_count(f); ld->entry++, ld->chunk = 0) {
+            const nl_st_entry *e = nl_st_entry_at(f, ld->entry);
+            if (!stage_holds(c, s, e->name) || e->dtype != NL_DTYPE_F32 ||
+                !coord_source_owns(c->src, ld->file, e->name))
+                continue;
+            const uint64_t numel = e->nbytes / 4;
+            uint32_t chunks = (uint32_t)((numel + CHUNK_FLOATS - 1) / CHUNK_FLOATS);
+            chunks = chunks ? chunks : 1;
+            if (ld->chunk >= chunks)
+                continue;
+            const char *data = nl_st_tensor_data(f, e);
+            const uint64_t off = (uint64_t)ld->chunk * CHUNK_FLOATS;
+            const int64_t cnt = (int64_t)(numel - off < CHUNK_FLOATS ? numel - off : CHUNK_FLOATS);
+            nl_wire_msg_reset(m, NL_MSG_LAYER_LOAD);
+            m->u.layer_load.epoch = c->epoch;
+            m->u.layer_load.name = e->name;
+            m->u.layer_load.ndim = e->ndim;
+            memcpy(m->u.layer_load.shape, e->shape, sizeof e->shape);
+            m->u.layer_load.offset = off;
+            m->u.layer_load.chunk = ld->chunk;
+            m->u.layer_load.chunks = chunks;
+            nl_txref_frame(&m->frames[0], &c->src->ref, (void *)(data + off * 4), NL_DTYPE_F32,
+                           &cnt, 1);
+            m->nframes = 1;
+            if (coord_send_node(c, n, m) != NL_OK)
+                return -1;
+            if (++ld->chunk == chunks) {
+                ld->tensors++;
+                ld->bytes += e->nbytes;
+            }
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Begin streaming stage s's tensors (none without a source: LOAD_DONE
+ * {tensors 0} then tells the node to initialise from the seed). */
+static void start_load(nl_coord *c, int stage)
+{
+    cnode *n = coord_stage_node(c, stage);
+    if (n)
+        n->ld = (cload){.active = 1, .epoch = c->epoch, .src = c->src, .t0 = coord_now()};
+}
+
+/* One turn of streaming; returns how many stages still load. */
+int coord_stream_loads(nl_coord *c)
+{
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    int active = 0, sent = 0, progress = 1;
+    while (progress && sent < LOAD_TURN) {
+        progress = 0;
+        active = 0;
+        /* only a stage of the plan loads: not a scan of every node */
+        for (int s = 0; c->plan && s < c->plan->n_stages && sent < LOAD_TURN; s++) {
+            cnode *n = coord_stage_node(c, s);
+            cload *ld = n ? &n->ld : NULL;
+            if (!ld || !ld->active)
+                continue;
+            if (n->life != NODE_LIVE || n->stage < 0 || !c->plan || ld->epoch != c->epoch) {
+                ld->active = 0; /* its plan is gone */
+                continue;
+            }
+            if (ld->src != c->src) /* a new source: from the start */
+                *ld = (cload){.active = 1, .epoch = c->epoch, .src = c->src, .t0 = ld->t0};
+            active++;
+            if (c->src && atomic_load(&c->src->ref.pending) >= LOAD_WINDOW)
+                continue; /* libzmq holds enough: next turn */
+            const int r = send_next_chunk(c, n, &m);
+            if (r > 0) {
+                sent++;
+                progress = 1;
+                continue;
+            }
+            ld->active = 0;
+            active--;
+            if (r < 0) /* declared dead at this tick */
+                continue;
+            nl_wire_msg_reset(&m, NL_MSG_LOAD_DONE);
+            m.u.load_done = (nl_msg_load_done){c->epoch, n->id, ld->tensors, ld->bytes};
+            coord_send_node(c, n, &m);
+            if (c->src)
+                NL_INFO("stage %d: sent %u tensors (%.1f MiB) to node %u in %.2f s", n->stage,
+                        ld->tensors, (double)ld->bytes / (1 << 20), n->id, coord_now() - ld->t0);
+        }
+    }
+    nl_wire_msg_free(&m);
+    c->loads_active = active;
+    return active;
+}
+
+static double hop_seconds(const nl_coord *c)
+{
+    /* one request's activations over loopback-class links, plus a fixed
+     * per-message cost */
+    return 1e-4 + (double)c->o.plan_rows * c->cfg.hidden_dim * 4 / 1e9;
+}
+
+/* Faster first, then more memory, then the lower id. */
+static int faster_first(const void *a, const void *b)
+{
+    const nl_plan_node *x = a, *y = b;
+    if (x->gflops != y->gflops)
+        return x->gflops > y->gflops ? -1 : 1;
+    if (x->memory_bytes != y->memory_bytes)
+        return x->memory_bytes > y->memory_bytes ? -1 : 1;
+    return (x->id > y->id) - (x->id < y->id);
+}
+
+/* The planner's time grows as N min(N, L) (core/planner.h), and a plan
+ * has at most L stages: over many nodes it is offered the fastest
+ * plan_offer() of them first, and all (at most NL_PLAN_MAX_NODES) only
+ * when those cannot hold the model (plan_layers). */
+static int plan_offer(const nl_coord *c)
+{
+    const int k = 4 * c->cfg.num_layers;
+    return k < 64 ? 64 : k;
+}
+
+/* The live nodes as the planner sees them; returns how many, and their
+ * memory in all. Beyond plan_offer() nodes they are sorted fastest first;
+ * at most NL_PLAN_MAX_NODES of them are returned (the others stay
+ * standbys). */
+static int plan_nodes(const nl_coord *c, nl_plan_node *pn, uint64_t *total)
+{
+    int n = 0;
+    *total = 0;
+    for (int i = 0; i < c->n_nodes; i++)
+        if (c->nodes[i].life == NODE_LIVE) {
+            const double g =
+                c->nodes[i].seen_gflops > 0 ? c->nodes[i].seen_gflops : c->nodes[i].gflops;
+            pn[n] = (nl_plan_node){(int)c->nodes[i].id, c->nodes[i].memory, g > 0 ? g : 1.0, 0.0};
+            *total += c->nodes[i].memory;
+            n++;
+        }
+    if (n > plan_offer(c))
+        qsort(pn, (size_t)n, sizeof *pn, faster_first);
+    return n < NL_PLAN_MAX_NODES ? n : NL_PLAN_MAX_NODES;
+}
+
+/* nl_plan_layers over the fastest plan_offer() of pn[0, n) (sorted by
+ * plan_nodes), then, if they cannot hold the model, over all n. */
+static nl_status plan_layers(const nl_coord *c, nl_plan **out, const nl_plan_node *pn, int n,
+                             const nl_plan_opts *po, nl_error *err)
+{
+    const int k = plan_offer(c);
+    if (n > k && nl_plan_layers(out, &c->cfg, pn, k, po, err) == NL_OK)
+        return NL_OK;
+    return nl_plan_layers(out, &c->cfg, pn, n, po, err);
+}
+
+/* Plans are for inference memory, but while a training job runs for its
+ * training memory (c->train_mem: weights, gradients, moments and the
+ * microbatches in flight, core/memory.h). */
+static nl_plan_opts plan_opts(const nl_coord *c)
+{
+    if (c->train_mem.training)
+        return (nl_plan_opts){.mem = c->train_mem};
+    return (nl_plan_opts){.mem = {.training = 0, .micro_rows = c->o.plan_rows, .in_flight = 1}};
+}
+
+int coord_plan_holds(const nl_coord *c, const nl_mem_opts *mo, char *why, size_t cap)
+{
+    const int S = c->plan ? c->plan->n_stages : 0;
+    for (int s = 0; s < S; s++) {
+        const nl_plan_stage *ps = &c->plan->stages[s];
+        const cnode *n = coord_stage_node((nl_coord *)c, s);
+        nl_mem_opts o = *mo;
+        /* 1F1B: a stage keeps at most as many microbatches as there are
+         * stages from it to the last (as the node counts them) */
+        if (o.training && (o.in_flight <= 0 || o.in_flight > S - s))
+            o.in_flight = S - s;
+        const nl_mem_estimate me =
+            nl_memory_estimate(&c->cfg, ps->l1 - ps->l0, ps->has_embed, ps->has_head, &o);
+        if (n && me.total > n->memory) {
+            snprintf(why, cap,
+                     "stage %d (node %u, layers [%d, %d)) needs %llu bytes for training but the "
+                     "node offers %llu: %llu bytes short",
+                     s, n->id, ps->l0, ps->l1, (unsigned long long)me.total,
+                     (unsigned long long)n->memory, (unsigned long long)(me.total - n->memory));
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* Log a plan, each stage and standby, as `what` (its epoch, or "old"). */
+static void log_plan(const nl_coord *c, const nl_plan *plan, const char *what)
+{
+    for (int s = 0; s < plan->n_stages; s++)
+        NL_INFO("plan %s: stage %d on node %d: layers [%d, %d)%s%s, %.1f MiB, %.2f ms", what, s,
+                plan->stages[s].node_id, plan->stages[s].l0, plan->stages[s].l1,
+                plan->stages[s].has_embed ? " +embed" : "",
+                plan->stages[s].has_head ? " +head" : "", (double)plan->stages[s].bytes / (1 << 20),
+                plan->stages[s].seconds * 1e3);
+    for (int i = 0; i < plan->n_standby; i++)
+        NL_INFO("plan %s: node %d is a standby", what, plan->standby[i]);
+    (void)c;
+}
+
+/* The live nodes as the planner sees them, in a new array (NULL: out of
+ * memory); *n how many, *total their memory. */
+static nl_plan_node *plan_nodes_new(const nl_coord *c, int *n, uint64_t *total)
+{
+    nl_plan_node *pn = malloc((size_t)(c->n_nodes ? c->n_nodes : 1) * sizeof *pn);
+    *n = pn ? plan_nodes(c, pn, total) : 0;
+    for (int i = 0; i < *n; i++)
+        pn[i].hop_seconds = hop_seconds(c);
+    return pn;
+}
+
+static void plan_over(nl_coord *c, nl_plan_node *pn, int n, uint64_t total);
+
+void coord_try_plan(nl_coord *c)
+{
+    int n = 0;
+    uint64_t total = 0;
+    nl_plan_node *pn = plan_nodes_new(c, &n, &total);
+    if (!pn)
+        coord_set_state(c, "planning: out of memory");
+    else
+        plan_over(c, pn, n, total);
+    free(pn);
+}
+
+static void plan_over(nl_coord *c, nl_plan_node *pn, int n, uint64_t total)
+{
+    nl_error e = {0};
+    c->last_plan_try = coord_now();
+    /* the minimums gate the first plan; later plans use whoever is left */
+    const int live = c->n_live;
+    if (!c->planned_once && (live < c->o.min_nodes || total < c->o.min_memory)) {
+        coord_set_state(c, "waiting for nodes: %d of %d joined, %.2f of %.2f GiB offered", live,
+                        c->o.min_nodes, (double)total / (1 << 30),
+                        (double)c->o.min_memory / (1 << 30));
+        return;
+    }
+    nl_plan_opts po = plan_opts(c);
+    if (!c->have_cfg) {
+        nl_sizing_opts so;
+        nl_sizing_opts_init(&so);
+        so.plan = po;
+        nl_sizing sz;
+        if (nl_sizing_choose(&sz, &c->base, pn, n, &so, &e) != NL_OK) {
+            coord_set_state(c, "not enough capacity to size a model: %s", e.msg);
+            coord_fail_waiting(c, c->state);
+            return;
+        }
+        c->cfg = sz.cfg;
+        c->have_cfg = 1;
+        NL_INFO("sized the model from %.2f GiB: d=%d L=%d H=%d G=%d F=%d (%s)",
+                (double)total / (1 << 30), c->cfg.hidden_dim, c->cfg.num_layers, c->cfg.num_heads,
+                c->cfg.num_kv_heads, c->cfg.ffn_dim, sz.report);
+    }
+    nl_plan *plan = NULL;
+    struct timespec cpu0, cpu1;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &cpu0);
+    const double t0 = coord_now();
+    if (plan_layers(c, &plan, pn, n, &po, &e) != NL_OK) {
+        coord_set_state(c, "not enough capacity: %s", e.msg);
+        coord_fail_waiting(c, c->state);
+        return;
+    }
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &cpu1);
+    NL_INFO("planned over %d live nodes (%d offered to the planner) in %.3f s (%.3f s of CPU)",
+            c->n_live, n > plan_offer(c) ? plan_offer(c) : n, coord_now() - t0,
+            (double)(cpu1.tv_sec - cpu0.tv_sec) + 1e-9 * (double)(cpu1.tv_nsec - cpu0.tv_nsec));
+    c->plan = plan;
+    c->planned_once = 1;
+    c->replan_wanted = 0; /* this plan saw every node there is */
+    c->epoch++;
+    char *cfg_json = nl_config_to_json(&c->cfg), epoch[32];
+    for (int s = 0; s < plan->n_stages; s++) {
+        cnode *node = coord_stage_node(c, s);
+        node->stage = s;
+        node->loaded = 0;
+    }
+    snprintf(epoch, sizeof epoch, "%llu", (unsigned long long)c->epoch);
+    log_plan(c, plan, epoch);
+    for (int s = 0; s < plan->n_stages && cfg_json; s++)
+        send_assign(c, s, cfg_json);
+    for (int s = 0; s < plan->n_stages && cfg_json; s++)
+        start_load(c, s);
+    coord_stream_loads(c);
+    free(cfg_json);
+    coord_set_state(c, "loading %d stages (plan %llu)", plan->n_stages,
+                    (unsigned long long)c->epoch);
+}
+
+/* Heartbeats a stage needs since the last checkpoint to be judged. */
+#define OBSERVE_MIN_BEATS 3
+
+void coord_observe_speeds(nl_coord *c)
+{
+    const int S = c->plan ? c->plan->n_stages : 0;
+    double loads = 0, pred = 0;
+    int ok = S > 1;
+    for (int s = 0; s < S && ok; s++) {
+        const cnode *n = coord_stage_node(c, s);
+        ok = n && n->load_n >= OBSERVE_MIN_BEATS;
+        loads += ok ? n->load_sum / n->load_n : 0;
+        pred += c->plan->stages[s].seconds;
+    }
+    for (int s = 0; s < S && ok && loads > 0.05 * S && pred > 0; s++) {
+        /* a stage's share of the busy time against its predicted share:
+         * the plan's per-microbatch seconds rescaled to the observed ones */
+        cnode *n = coord_stage_node(c, s);
+        const double load = n->load_sum / n->load_n;
+        const double was = n->seen_gflops > 0 ? n->seen_gflops : n->gflops;
+        const double seen_s = load / loads * pred, pred_s = c->plan->stages[s].seconds;
+        const double g = seen_s > 0 ? was * pred_s / seen_s : was;
+        if (fabs(g / was - 1.0) > c->o.replan_margin) {
+            NL_INFO("observed: node %u (stage %d) busy %.0f%% over %d heartbeats, %.2f ms per "
+                    "microbatch against %.2f ms planned: %.1f GFLOP/s instead of %.1f",
+                    n->id, s, 100 * load, n->load_n, seen_s * 1e3, pred_s * 1e3, g, was);
+            n->seen_gflops = g;
+            c->replan_wanted = 1;
+        }
+    }
+    for (int i = 0; i < c->n_nodes; i++) {
+        c->nodes[i].load_sum = 0;
+        c->nodes[i].load_n = 0;
+    }
+}
+
+int coord_plan_possible(nl_coord *c, char *why, size_t cap)
+{
+    uint64_t total = 0;
+    nl_error e = {0};
+    int n = 0;
+    nl_plan_node *pn = plan_nodes_new(c, &n, &total);
+    nl_plan_opts po = plan_opts(c);
+    nl_plan *p = NULL;
+    const nl_status st =
+        pn ? plan_layers(c, &p, pn, n, &po, &e) : nl_error_set(&e, NL_ERR_NOMEM, "out of memory");
+    nl_plan_destroy(&p);
+    free(pn);
+    if (st != NL_OK)
+        snprintf(why, cap, "%s", e.msg);
+    return st == NL_OK;
+}
+
+int coord_replan_gain(nl_coord *c, const char *when)
+{
+    if (!c->replan_wanted || !c->plan || !c->have_cfg)
+        return 0;
+    c->replan_wanted = 0;
+    uint64_t total = 0;
+    nl_error e = {0};
+    int n = 0;
+    nl_plan_node *pn = plan_nodes_new(c, &n, &total);
+    nl_plan_opts po = plan_opts(c);
+    nl_plan *cand = NULL;
+    int gain = 0;
+    if (!pn || plan_layers(c, &cand, pn, n, &po, &e) != NL_OK) {
+        NL_INFO("re-plan %s: no plan over the %d nodes: %s", when, n, pn ? e.msg : "out of memory");
+        free(pn);
+        return 0;
+    }
+    /* the current split's time by the same cost model (it may have been
+     * made for inference) at the nodes' figures now (observed speeds may
+     * have changed them): nl_plan_stage_seconds, the planner's formula */
+    double was = 0;
+    for (int s = 0; s < c->plan->n_stages; s++) {
+        const nl_plan_stage *ps = &c->plan->stages[s];
+        const nl_plan_node *nd = NULL;
+        for (int i = 0; i < n && !nd; i++)
+            if (pn[i].id == ps->node_id)
+                nd = &pn[i];
+        const double t =
+            nd ? nl_plan_stage_seconds(&c->cfg, &po, nd, ps->l1 - ps->l0, s, c->plan->n_stages)
+               : ps->seconds;
+        if (t > was)
+            was = t;
+    }
+    const double now = cand->bottleneck;
+    if (!(now < was * (1.0 - c->o.replan_margin))) {
+        NL_INFO("re-plan %s: the plan stays (bottleneck %.2f ms; %d nodes would give %.2f ms, "
+                "not better by --replan-margin %.2f)",
+                when, was * 1e3, n, now * 1e3, c->o.replan_margin);
+    } else if (c->stages_modified) {
+        NL_WARN("re-plan %s: %d nodes would give a bottleneck of %.2f ms instead of %.2f ms, "
+                "but the stages hold weights trained since the last checkpoint; the plan stays",
+                when, n, now * 1e3, was * 1e3);
+    } else {
+        NL_INFO("re-plan %s: bottleneck %.2f ms -> %.2f ms over %d nodes (--replan-margin "
+                "%.2f); the stages reload from %s",
+                when, was * 1e3, now * 1e3, n, c->o.replan_margin,
+                c->src_path[0] ? c->src_path : "the seed");
+        log_plan(c, c->plan, "old");
+        log_plan(c, cand, "new");
+        gain = 1;
+    }
+    nl_plan_destroy(&cand);
+    free(pn);
+    return gain;
+}
+
+/* A node joined or a standby left (replan_wanted) and the cluster is at
+ * rest (ready, no job): plan again over the nodes there are now when the
+ * planner predicts a bottleneck better by --replan-margin (hysteresis);
+ * the stages then reload from the source (the checkpoint or the last
+ * manifest). Not while the stages hold trained weights that no checkpoint
+ * has: a reload would lose them. (During a training job the job asks at
+ * its next checkpoint: coord_train.c.) */
+void coord_replan_at_rest(nl_coord *c)
+{
+    if (!c->replan_wanted || !c->ready || !c->plan || !c->have_cfg)
+        return;
+    for (int i = 0; i < COORD_MAX_JOBS; i++)
+        if (c->jobs[i].phase != JOB_FREE)
+            return; /* at the end of the job */
+    if (coord_replan_gain(c, "at rest"))
+        coord_reload(c);
+}
+
+void coord_on_load_done(nl_coord *c, const nl_rx *rx)
+{
+    cnode *n = coord_node_by_rid(c, rx);
+    if (!n || rx->msg.u.load_done.epoch != c->epoch || n->stage < 0)
+        return; /* a stale plan's answer */
+    n->loaded = 1;
+    coord_jobs_touch(c);
+    NL_INFO("node %u loaded stage %d: %u tensors, %.1f MiB", n->id, n->stage,
+            rx->msg.u.load_done.tensors, (double)rx->msg.u.load_done.bytes / (1 << 20));
+    for (int s = 0; s < c->plan->n_stages; s++) {
+        cnode *m = coord_stage_node(c, s);
+        if (!m || !m->loaded)
+            return;
+    }
+    c->ready = 1;
+    c->stages_modified = 0;         /* they hold the source's weights */
+    c->resumable = c->src_manifest; /* the stages hold the manifest's weights and moments */
+    coord_set_state(c, "ready: %d stages, bottleneck %.2f ms per request (plan %llu)",
+                    c->plan->n_stages, c->plan->bottleneck * 1e3, (unsigned long long)c->epoch);
+    coord_jobs_ready(c);
+}

@@ -1,0 +1,365 @@
+/* The training job's preparation (coord_train.c runs the steps): the
+ * client's parameters read and checked, its paths confined to the data
+ * and checkpoint roots, then a worker verifies the manifest it resumes
+ * from, with --learn-vocab learns the vocabulary and grows the model, and
+ * reads and tokenizes the data; once it is done, a resumed job reloads the
+ * cluster from its manifest and the job begins when the cluster is ready. */
+#include <jansson.h>
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "base/log.h"
+#include "coord_impl.h"
+#include "core/checkpoint.h"
+#include "core/fileio.h"
+#include "core/grow.h"
+#include "core/train.h"
+
+/* Read the run's parameters; NULL or the name of the one at fault. */
+static const char *read_params(ctrain *t, const nl_msg_job_submit *s, const char **resume)
+{
+    static const char *const ints[] = {"steps",        "batch",        "seq",
+                                       "microbatches", "seed",         "warmup",
+                                       "eval_every",   "eval_batches", "checkpoint_every"};
+    int64_t *iv[] = {&t->steps,  &t->batch,      &t->seq,          &t->micro,     &t->seed,
+                     &t->warmup, &t->eval_every, &t->eval_batches, &t->ckpt_every};
+    static const int64_t lo[] = {1, 1, 1, 1, 0, 0, 0, 1, 0};
+    static const int64_t hi[] = {INT32_MAX, 65536,     1 << 20, 65536,    INT64_MAX,
+                                 INT32_MAX, INT32_MAX, 1 << 20, INT32_MAX};
+    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
+        const nl_wire_param *p = coord_param(s, ints[i]);
+        if (!p || p->kind != NL_WIRE_PARAM_INT || p->i < lo[i] || p->i > hi[i])
+            return ints[i];
+        *iv[i] = p->i;
+    }
+    const nl_wire_param *sd = coord_param(s, "seq_default");
+    t->seq_default = sd && sd->kind == NL_WIRE_PARAM_BOOL && sd->b;
+    static const char *const fl[] = {"lr", "min_lr", "holdout"};
+    double *fv[] = {&t->lr, &t->min_lr, &t->holdout};
+    static const double fhi[] = {10.0, 10.0, 0.5};
+    for (size_t i = 0; i < 3; i++) {
+        const nl_wire_param *p = coord_param(s, fl[i]);
+        double v = !p                               ? NAN
+                   : p->kind == NL_WIRE_PARAM_FLOAT ? p->f
+                   : p->kind == NL_WIRE_PARAM_INT   ? (double)p->i
+                                                    : NAN;
+        if (!(v >= 0.0 && v <= fhi[i]))
+            return fl[i];
+        *fv[i] = v;
+    }
+    const nl_wire_param *p;
+    if (!(p = coord_param(s, "data")) || p->kind != NL_WIRE_PARAM_STR || !p->s[0])
+        return "data";
+    snprintf(t->data, sizeof t->data, "%s", p->s);
+    if (!(p = coord_param(s, "checkpoint_dir")) || p->kind != NL_WIRE_PARAM_STR || !p->s[0] ||
+        strlen(p->s) >= sizeof t->ckpt_dir)
+        return "checkpoint_dir (a path of at most 1000 bytes)";
+    snprintf(t->ckpt_dir, sizeof t->ckpt_dir, "%s", p->s);
+    if ((p = coord_param(s, "recompute")))
+        t->recompute = p->kind == NL_WIRE_PARAM_BOOL && p->b;
+    if ((p = coord_param(s, "final_checkpoint")))
+        t->final_ckpt = p->kind == NL_WIRE_PARAM_BOOL && p->b;
+    if ((p = coord_param(s, "learn_vocab"))) {
+        if (p->kind != NL_WIRE_PARAM_INT || p->i < 0 || p->i > (1 << 24))
+            return "learn_vocab (0 to 2^24 ids)";
+        t->learn_vocab = p->i;
+    }
+    *resume = (p = coord_param(s, "resume")) && p->kind == NL_WIRE_PARAM_STR ? p->s : NULL;
+    if (t->batch % t->micro != 0)
+        return "microbatches (must divide batch)";
+    if ((t->batch / t->micro) * t->seq > (1 << 24) || t->eval_batches * t->micro > (1 << 30))
+        return "batch (a microbatch of at most 2^24 rows; eval_batches x microbatches <= 2^30)";
+    if (t->eval_every > 0 && t->holdout <= 0.0)
+        return "eval_every (needs holdout > 0)";
+    return NULL;
+}
+
+/* Preparing a job, off the loop: the manifest it resumes from verified
+ * and opened, then its data read (and tokenized, with the tokenizer of
+ * the model it trains). */
+typedef struct prep_task {
+    cwork w;
+    char *resume;    /* a manifest (resolved under root), or NULL */
+    char root[4096]; /* the checkpoint root its shards must lie under */
+    char *data, *tok;
+    int64_t vocab;
+    double holdout;
+    nl_status st;
+    nl_error err;
+    int resume_failed;
+    cmanifest mf;
+    nl_dataset *ds;
+    nl_dataset_info info;
+    int grow; /* --learn-vocab: v learns from the data and grows the model first */
+    coord_grow_work v;
+    double grow_s;
+} prep_task;
+
+static void prep_run(cwork *w)
+{
+    prep_task *p = (prep_task *)w;
+    if (p->resume && (p->st = coord_manifest_open(&p->mf, p->resume, p->root, &p->err)) != NL_OK) {
+        p->resume_failed = 1;
+        return;
+    }
+    if (p->grow) { /* the data teaches the tokenizer first; it is then tokenized with it */
+        const double t0 = coord_now();
+        if ((p->st = coord_grow_run(&p->v, &p->err)) != NL_OK) {
+            nl_error_prefix(&p->err, "--learn-vocab");
+            return;
+        }
+        p->grow_s = coord_now() - t0;
+    }
+    const char *tok = p->resume ? p->mf.tok : p->grow ? p->v.new_tok : p->tok;
+    const int64_t vocab = p->resume ? p->mf.cfg.vocab_size
+                          : p->grow ? p->v.grown.vocab_size
+                                    : p->vocab;
+    p->st = nl_dataset_load_model(&p->ds, p->data, tok, vocab, p->holdout, "the cluster's model",
+                                  &p->info, &p->err);
+}
+
+static void prep_free(cwork *w)
+{
+    prep_task *p = (prep_task *)w;
+    free(p->resume);
+    free(p->data);
+    free(p->tok);
+    coord_manifest_release(&p->mf);
+    coord_grow_release(&p->v);
+    nl_dataset_destroy(&p->ds);
+    free(p);
+}
+
+/* --learn-vocab: the grown model becomes the source and the stages reload
+ * (the job begins once they have); the client is told. 0: the job failed. */
+static int install_growth(nl_coord *c, cjob *j, prep_task *p)
+{
+    char why[700];
+    if (coord_grow_refusal(c, why, sizeof why)) { /* it changed while the worker ran */
+        coord_train_fail(c, j, "--learn-vocab: %s", why);
+        return 0;
+    }
+    for (int i = 0; i < COORD_MAX_JOBS; i++)
+        if (c->jobs[i].phase != JOB_FREE && &c->jobs[i] != j)
+            coord_job_fail(c, &c->jobs[i], "the cluster reloads: its model grows");
+    coord_grow_install(c, &p->v, p->grow_s);
+    coord_train_report(c, j, NL_JOB_RUNNING, "vocabulary grown", coord_grow_event(c, &p->v));
+    return 1;
+}
+
+/* The job is prepared: a resumed one reloads the cluster from its
+ * manifest; it begins once the cluster is ready. */
+static void prep_done(nl_coord *c, cwork *w)
+{
+    prep_task *p = (prep_task *)w;
+    cjob *j = coord_job_find(c, w->job_id);
+    ctrain *t = j ? j->state : NULL;
+    char why[700];
+    if (!t || t->phase != TR_PREPARING)
+        return;
+    if (p->resume_failed) {
+        coord_train_fail(c, j, "--resume: %s", p->err.msg);
+        return;
+    }
+    if (p->resume) {
+        /* other jobs lose their stages to the reload */
+        for (int i = 0; i < COORD_MAX_JOBS; i++)
+            if (c->jobs[i].phase != JOB_FREE && &c->jobs[i] != j)
+                coord_job_fail(c, &c->jobs[i], "the cluster reloads to resume a training job");
+        coord_manifest_install(c, &p->mf, 1);
+        snprintf(why, sizeof why, "verified %s; loading it onto the nodes", p->resume);
+        coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, why, NULL);
+    }
+    if (t->seq > c->cfg.max_seq_len && t->seq_default) {
+        t->seq = c->cfg.max_seq_len; /* the client's default, not a typed --seq: fit it */
+    } else if (t->seq > c->cfg.max_seq_len) {
+        coord_train_fail(c, j, "--seq %lld: the model's max_seq_len is %d", (long long)t->seq,
+                         c->cfg.max_seq_len);
+        return;
+    }
+    if (p->st != NL_OK) {
+        coord_train_fail(c, j, "%s", p->err.msg);
+        return;
+    }
+    if (p->grow && !install_growth(c, j, p))
+        return;
+    t->ds = p->ds;
+    p->ds = NULL;
+    if (p->info.tokenized)
+        NL_INFO("train job %llu: tokenized %s: %zu bytes -> %zu tokens in %.1f s",
+                (unsigned long long)j->id, t->data, p->info.text_bytes, t->ds->n, p->info.encode_s);
+    const size_t n = (size_t)t->batch * (size_t)t->seq;
+    if (!(t->tokens = malloc(n * sizeof *t->tokens)) ||
+        !(t->targets = malloc(n * sizeof *t->targets))) {
+        coord_train_fail(c, j, "out of memory");
+        return;
+    }
+    /* it begins once the cluster is ready (at once unless it reloads) */
+    t->phase = TR_LOADING;
+    j->phase = JOB_WAITING;
+    j->last_progress = coord_now();
+    if (c->ready)
+        coord_train_begin(c, j);
+}
+
+/* The job's client-chosen paths kept under the operator's roots (issue
+ * 15): data under --data-root (a regular file of at most
+ * --max-data-bytes), checkpoint_dir (made) and resume under
+ * --checkpoint-root, each resolved with realpath (a link inside a root
+ * that leads out is refused). t->data, t->ckpt_dir and *resume become the
+ * resolved paths. NULL, or what is wrong (in why): nothing about files
+ * outside the roots. */
+static const char *confine_paths(nl_coord *c, ctrain *t, const char **resume, char *resume_real,
+                                 size_t cap, char *why, size_t wcap)
+{
+    char real[PATH_MAX], joined[PATH_MAX];
+    const char *bad =
+        coord_confine_file(c->data_root, t->data, NULL, c->o.max_data_bytes, real, sizeof real);
+    if (bad || strlen(real) >= sizeof t->data) {
+        snprintf(why, wcap, "params.data: %s (the coordinator's --data-root)",
+                 bad ? bad : "too long");
+        return why;
+    }
+    snprintf(t->data, sizeof t->data, "%s", real);
+    if (*resume) {
+        if ((bad = coord_confine_file(c->ckpt_root, *resume, "manifest.json", 64u << 20,
+                                      resume_real, cap))) {
+            snprintf(why, wcap, "params.resume: %s (the coordinator's --checkpoint-root)", bad);
+            return why;
+        }
+        *resume = resume_real;
+    }
+    char *dir = NULL;
+    nl_error e = {0};
+    if ((bad = coord_join_path(c->ckpt_root, t->ckpt_dir, joined, sizeof joined)) ||
+        nl_path_confine(c->ckpt_root, joined, &dir, &e) != NL_OK ||
+        strlen(dir) >= sizeof t->ckpt_dir) {
+        snprintf(why, wcap, "params.checkpoint_dir: %.400s (the coordinator's --checkpoint-root)",
+                 bad                       ? bad
+                 : dir                     ? "too long"
+                 : e.status == NL_ERR_AUTH ? "leads outside the root (a symbolic link)"
+                                           : e.msg);
+        free(dir);
+        return why;
+    }
+    snprintf(t->ckpt_dir, sizeof t->ckpt_dir, "%s", dir);
+    free(dir);
+    return NULL;
+}
+
+/* --learn-vocab: the growth the job's worker runs before it reads the
+ * data (from the data itself); 0 and why when it cannot. */
+static int prepare_growth(nl_coord *c, ctrain *t, prep_task *p, const char *resume, char *why,
+                          size_t cap)
+{
+    nl_error e = {0};
+    const size_t n = strlen(t->data);
+    if (resume) {
+        snprintf(why, cap,
+                 "not with --resume (the vocabulary grows on the model the cluster "
+                 "holds)");
+        return 0;
+    }
+    if (n >= 4 && strcmp(t->data + n - 4, ".tok") == 0) {
+        snprintf(why, cap, "%s holds token ids; the tokenizer learns from text", t->data);
+        return 0;
+    }
+    if (coord_grow_refusal(c, why, cap))
+        return 0;
+    if (coord_grow_prepare(c, &p->v, t->data, t->learn_vocab, 0, 0, 0, &e) != NL_OK) {
+        snprintf(why, cap, "%s", e.msg);
+        return 0;
+    }
+    p->grow = 1;
+    return 1;
+}
+
+void coord_train_submit(nl_coord *c, const nl_rx *rx, cft *ft)
+{
+    const nl_msg_job_submit *s = &rx->msg.u.job_submit;
+    nl_error e = {0};
+    char why[700];
+    /* one training job at a time, and none beside fine-tuning (which
+     * needs the weights frozen); fine-tuning jobs may run together */
+    for (int i = 0; i < COORD_MAX_JOBS; i++) {
+        const cjob *o = &c->jobs[i];
+        if (o->phase == JOB_FREE || (o->ops != &coord_train_ops && o->ops != &coord_finetune_ops) ||
+            (ft && o->ops == &coord_finetune_ops))
+            continue;
+        snprintf(why, sizeof why, "job %llu is %s already; %s", (unsigned long long)o->id,
+                 o->ops == &coord_train_ops ? "training" : "fine-tuning",
+                 ft ? "fine-tuning needs the weights frozen" : "one at a time");
+        coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, why, NULL);
+        free(ft);
+        return;
+    }
+    cjob *j = coord_job_new(c, rx, ft ? &coord_finetune_ops : &coord_train_ops);
+    if (!j) {
+        free(ft);
+        return;
+    }
+    ctrain *t = j->state = calloc(1, sizeof *t);
+    prep_task *p = calloc(1, sizeof *p);
+    if (!t || !p) {
+        free(p);
+        free(ft);
+        coord_train_fail(c, j, "out of memory");
+        return;
+    }
+    t->ft = ft;
+    t->bad_stage = -1;
+    const char *resume = NULL, *bad = read_params(t, s, &resume);
+    if (!bad && ft && resume)
+        bad = "resume (a fine-tuning job starts its adapters afresh)";
+    if (bad) {
+        free(p);
+        coord_train_fail(c, j, "%s: params.%s is missing or out of range", j->ops->name, bad);
+        return;
+    }
+    char resume_real[PATH_MAX];
+    if ((bad = confine_paths(c, t, &resume, resume_real, sizeof resume_real, why, sizeof why))) {
+        free(p);
+        coord_train_fail(c, j, "train: %s", bad);
+        return;
+    }
+    snprintf(p->root, sizeof p->root, "%s", c->ckpt_root);
+    coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, "running", NULL);
+    /* a job recovered from the journal (no client yet) waits for the nodes */
+    if (!resume && !c->ready && rx->rid_len > 0) {
+        free(p);
+        coord_train_fail(c, j, "the cluster is not ready: %s", c->state);
+        return;
+    }
+    p->w = (cwork){.run = prep_run, .done = prep_done, .free = prep_free, .job_id = j->id};
+    p->vocab = c->cfg.vocab_size;
+    p->holdout = t->holdout;
+    int oom = 0;
+    p->resume = coord_train_dup(resume, &oom);
+    p->data = coord_train_dup(t->data, &oom);
+    p->tok = coord_train_dup(resume ? NULL : c->tok_text, &oom);
+    if (oom) {
+        prep_free(&p->w);
+        coord_train_fail(c, j, "out of memory");
+        return;
+    }
+    if (t->learn_vocab > 0 && !prepare_growth(c, t, p, resume, why, sizeof why)) {
+        prep_free(&p->w);
+        coord_train_fail(c, j, "train: --learn-vocab: %s", why);
+        return;
+    }
+    t->phase = TR_PREPARING;
+    if (!ft && !(t->journal = coord_journal_params(s))) {
+        prep_free(&p->w);
+        coord_train_fail(c, j, "out of memory");
+        return;
+    }
+    if (!ft) /* a fine-tuning job is not journaled: it ends with the coordinator */
+        coord_journal_train(c, j->id, t->journal, resume);
+    if (coord_work_start(c, &p->w, &e) != NL_OK)
+        coord_train_fail(c, j, "%s", e.msg);
+}

@@ -1,0 +1,146 @@
+/* The fakes that the coordinator's in-process tests (test_coord.c,
+ * test_coord_peers.c) script: nodes and clients as plain DEALER sockets on
+ * loopback, heartbeats, and pumps that turn the coordinator's loop until a
+ * message arrives. Its checks count apart from the test's own (check.h's
+ * counters are per file): the test adds them with coord_fake_add_counts. */
+#include <fcntl.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "../base/log.h"
+#include "../coordinator/coord.h"
+#include "../net/handshake.h"
+#include "../net/keys.h"
+#include "../net/transport.h"
+#include "check.h"
+#include "coord_fake.h"
+
+nl_coord *coord;
+nl_net *net;
+fake nodes[3];
+
+double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* A fake node (with a data endpoint), or a fake client (endpoint ""): on
+ * the coordinator's nodes' or clients' socket. */
+void fake_open(fake *f, const char *key, const char *endpoint)
+{
+    nl_error err = {0};
+    memset(f, 0, sizeof *f);
+    /* a JOIN names a key of 40 characters (Z85) */
+    snprintf(f->key, sizeof f->key, "%s0000000000000000000000000000000000000000", key);
+    snprintf(f->endpoint, sizeof f->endpoint, "%s", endpoint);
+    nl_sock_opts o = {.type = ZMQ_DEALER, .plaintext = true, .name = "fake", .linger_ms = 0};
+    CHECK_OK(nl_sock_new(&f->sock, net, &o, &err), &err);
+    CHECK_OK(nl_sock_connect(
+                 f->sock, endpoint[0] ? nl_coord_endpoint(coord) : nl_coord_client_endpoint(coord),
+                 &err),
+             &err);
+}
+
+void fake_send(fake *f, nl_wire_msg *m)
+{
+    nl_error err = {0};
+    CHECK_OK(nl_sock_send(f->sock, NULL, 0, m, &err), &err);
+    nl_wire_msg_free(m);
+}
+
+void heartbeats(void)
+{
+    const double t = now_s();
+    for (int i = 0; i < 3; i++) {
+        fake *f = &nodes[i];
+        if (!f->beating || (t - f->last_beat) * 1e3 < HB_MS)
+            continue;
+        nl_wire_msg m;
+        nl_wire_msg_init(&m);
+        nl_wire_msg_reset(&m, NL_MSG_HEARTBEAT);
+        m.u.heartbeat = (nl_msg_heartbeat){.node_id = f->id, .seq = ++f->seq};
+        fake_send(f, &m);
+        f->last_beat = t;
+    }
+}
+
+/* Turn the coordinator's loop (and the fake nodes' heartbeats) until f
+ * receives a message of type want into rx; other messages to f are
+ * skipped. Returns 0 on time out. */
+int pump_until(fake *f, nl_msg_type want, nl_rx *rx)
+{
+    const double t0 = now_s();
+    while (now_s() - t0 < WAIT_S) {
+        nl_coord_step(coord, 5);
+        heartbeats();
+        nl_error err = {0};
+        nl_rx_free(rx);
+        nl_rx_init(rx);
+        if (nl_sock_recv(f->sock, rx, 0, &err) != NL_OK)
+            continue;
+        if (rx->msg.type == want)
+            return 1;
+        NL_DEBUG("%s: skipped %s", f->key, nl_wire_type_name(rx->msg.type));
+    }
+    fprintf(stderr, "%s: no %s within %.0f s (coordinator: %s)\n", f->key, nl_wire_type_name(want),
+            WAIT_S, nl_coord_state(coord));
+    return 0;
+}
+
+/* Turn the loop until the coordinator's state begins with prefix. */
+int pump_state(const char *prefix)
+{
+    const double t0 = now_s();
+    while (now_s() - t0 < WAIT_S) {
+        if (strncmp(nl_coord_state(coord), prefix, strlen(prefix)) == 0)
+            return 1;
+        nl_coord_step(coord, 5);
+        heartbeats();
+    }
+    fprintf(stderr, "state '%s' is not '%s...'\n", nl_coord_state(coord), prefix);
+    return 0;
+}
+
+int check_pump(int ok, const char *what)
+{
+    CHECK(ok, "%s", what);
+    return ok;
+}
+
+/* ---------------------------------------------------------------- joins */
+
+/* The heartbeat period and timeout an ACCEPT must carry. */
+int join_hb = HB_MS, join_to = TIMEOUT_MS;
+
+void join(fake *f, double gflops)
+{
+    nl_wire_msg m;
+    nl_rx rx;
+    nl_rx_init(&rx);
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOIN);
+    /* slow nodes: compute outweighs the hop, so the planner uses both */
+    m.u.join = (nl_msg_join){f->key, "cpu", 1ull << 30, gflops, 1, f->endpoint};
+    fake_send(f, &m);
+    if (pump_until(f, NL_MSG_ACCEPT, &rx)) {
+        f->id = rx.msg.u.accept.node_id;
+        CHECK(f->id > 0 && rx.msg.u.accept.heartbeat_ms == (uint32_t)join_hb &&
+                  rx.msg.u.accept.timeout_ms == (uint32_t)join_to,
+              "ACCEPT %u %u %u", f->id, rx.msg.u.accept.heartbeat_ms, rx.msg.u.accept.timeout_ms);
+        f->beating = 1;
+    }
+    nl_rx_free(&rx);
+}
+
+void coord_fake_add_counts(int *pass, int *fail)
+{
+    *pass += check_pass_count;
+    *fail += check_fail_count;
+}

@@ -1,0 +1,56 @@
+/* The fakes of the coordinator's in-process tests (coord_fake.c), shared
+ * by test_coord.c and test_coord_peers.c. */
+#ifndef NL_TEST_COORD_FAKE_H
+#define NL_TEST_COORD_FAKE_H
+
+#include <stdint.h>
+
+#include "../coordinator/coord.h"
+#include "../net/transport.h"
+
+#define WAIT_S 10.0 /* for a message that must arrive */
+#define HB_MS 50
+#define TIMEOUT_MS 600
+
+typedef struct fake {
+    nl_sock *sock;
+    char key[41];      /* what its JOIN calls its key (plaintext: any text) */
+    char endpoint[64]; /* its (pretended) data endpoint */
+    uint32_t id;       /* from ACCEPT */
+    int beating;       /* sends heartbeats while the test pumps */
+    double last_beat;
+    uint64_t seq;
+} fake;
+
+/* The coordinator under test (the test makes it), the context of every
+ * socket, and the three nodes the heartbeats go out for. */
+extern nl_coord *coord;
+extern nl_net *net;
+extern fake nodes[3];
+/* The heartbeat period and timeout an ACCEPT must carry. */
+extern int join_hb, join_to;
+
+double now_s(void);
+/* A fake node (with a data endpoint), or a fake client (endpoint ""): on
+ * the coordinator's nodes' or clients' socket. */
+void fake_open(fake *f, const char *key, const char *endpoint);
+/* Send m from f (and free it). */
+void fake_send(fake *f, nl_wire_msg *m);
+/* The beating nodes[] that are due send a HEARTBEAT. */
+void heartbeats(void);
+/* Turn the coordinator's loop (and the fake nodes' heartbeats) until f
+ * receives a message of type want into rx; other messages to f are
+ * skipped. Returns 0 on time out. */
+int pump_until(fake *f, nl_msg_type want, nl_rx *rx);
+/* Turn the loop until the coordinator's state begins with prefix. */
+int pump_state(const char *prefix);
+/* A pump that must succeed: counted as a check. */
+#define CHECK_PUMP(call) check_pump((call), #call)
+int check_pump(int ok, const char *what);
+/* f JOINs with gflops and checks its ACCEPT (id, join_hb, join_to); it
+ * then beats while the test pumps. */
+void join(fake *f, double gflops);
+/* Adds the fakes' checks to the test's counts (before check_done). */
+void coord_fake_add_counts(int *pass, int *fail);
+
+#endif

@@ -1,0 +1,522 @@
+/* Unit tests of the coordinator's peers, in-process (the fakes of
+ * coord_fake.c against coordinators of the tests' own):
+ *  - roles under CURVE: what a node's key, a client's and an admin's may
+ *    send on which socket, and what a status shows each of them;
+ *  - the clients' endpoint derived from --listen, or refused;
+ *  - the node table's indexes under hundreds of joins, deaths and rejoins.
+ * The cluster's story (join, plan, jobs, death) is test_coord.c's. */
+#include <fcntl.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "../base/log.h"
+#include "../coordinator/coord.h"
+#include "../net/handshake.h"
+#include "../net/keys.h"
+#include "../net/transport.h"
+#include "check.h"
+#include "coord_fake.h"
+
+/* ---------------------------------------------------------------- roles (CURVE) */
+
+/* A CURVE client of the coordinator with key kp (and routing id rid, if
+ * not NULL), on its nodes' socket or its clients' (client). */
+static void curve_open(fake *f, const nl_keypair *kp, const char *server, const char *rid,
+                       int on_clients)
+{
+    nl_error err = {0};
+    memset(f, 0, sizeof *f);
+    snprintf(f->key, sizeof f->key, "%s", kp->public_z85);
+    nl_sock_opts o = {
+        .type = ZMQ_DEALER, .keys = kp, .server_key = server, .name = "curve-fake", .linger_ms = 0};
+    CHECK_OK(nl_sock_new(&f->sock, net, &o, &err), &err);
+    if (rid)
+        zmq_setsockopt(nl_sock_handle(f->sock), ZMQ_ROUTING_ID, rid, strlen(rid));
+    CHECK_OK(
+        nl_sock_connect(
+            f->sock, on_clients ? nl_coord_client_endpoint(coord) : nl_coord_endpoint(coord), &err),
+        &err);
+}
+
+/* f sends m; the coordinator must answer with an ERROR whose message
+ * holds want. */
+static void refused(fake *f, nl_wire_msg *m, const char *want, const char *what)
+{
+    nl_rx rx;
+    nl_rx_init(&rx);
+    fake_send(f, m);
+    CHECK(pump_until(f, NL_MSG_ERROR, &rx) && strstr(rx.msg.u.error.message, want), "%s: %s", what,
+          rx.msg.type == NL_MSG_ERROR ? rx.msg.u.error.message : "no ERROR");
+    nl_rx_free(&rx);
+}
+
+/* The status JSON the coordinator answers f's query with (malloc'd). */
+static char *status_text(fake *f)
+{
+    nl_wire_msg m;
+    nl_rx rx;
+    nl_rx_init(&rx);
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOB_QUERY);
+    m.u.job_ref.job_id = 0;
+    fake_send(f, &m);
+    char *text = NULL;
+    if (pump_until(f, NL_MSG_JOB_STATUS, &rx) && rx.msg.nframes == 1) {
+        const size_t n = (size_t)rx.msg.frames[0].t.shape[0];
+        if ((text = malloc(n + 1))) {
+            memcpy(text, rx.msg.frames[0].t.data, n);
+            text[n] = '\0';
+        }
+    }
+    nl_rx_free(&rx);
+    return text;
+}
+
+/* Does a CURVE connection with key kp to endpoint ep fail its handshake
+ * (ZAP refuses the key)? */
+static int handshake_refused(const nl_keypair *kp, const char *server, const char *ep)
+{
+    nl_error err = {0};
+    nl_sock *s = NULL;
+    nl_handshake *hs = NULL;
+    nl_sock_opts o = {
+        .type = ZMQ_DEALER, .keys = kp, .server_key = server, .name = "curve-fake", .linger_ms = 0};
+    nl_status st = nl_sock_new(&s, net, &o, &err);
+    if (st == NL_OK && (st = nl_handshake_watch(&hs, net, s, &err)) == NL_OK &&
+        (st = nl_sock_connect(s, ep, &err)) == NL_OK)
+        st = nl_handshake_wait(hs, ep, 5000, &err);
+    nl_handshake_destroy(&hs);
+    nl_sock_destroy(&s);
+    return st == NL_ERR_AUTH && strstr(err.msg, "refused this key");
+}
+
+/* Issue 15, finding 8: each socket admits its role's keys alone (ZAP): a
+ * client key never reaches the nodes' bulk-sized socket, a node key never
+ * the clients'; a key with both roles (no role word) that knocks at the
+ * wrong one is told where to go. */
+static void roles_by_socket(const nl_keypair *node, const nl_keypair *ckey,
+                            const nl_keypair *legacy, const char *server)
+{
+    CHECK(handshake_refused(ckey, server, nl_coord_endpoint(coord)),
+          "a client key's handshake on the nodes' socket is not refused");
+    CHECK(handshake_refused(node, server, nl_coord_client_endpoint(coord)),
+          "a node key's handshake on the clients' socket is not refused");
+    fake on_nodes, on_clients;
+    curve_open(&on_nodes, legacy, server, NULL, 0);
+    curve_open(&on_clients, legacy, server, NULL, 1);
+    char want[400];
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    snprintf(want, sizeof want, "clients connect to %s", nl_coord_client_endpoint(coord));
+    for (int i = 0; i < 7; i++) { /* no strikes: a ban (5) would drop the last unanswered */
+        nl_wire_msg_reset(&m, NL_MSG_JOB_QUERY);
+        m.u.job_ref.job_id = 0;
+        refused(&on_nodes, &m, want, "a JOB_QUERY on the nodes' socket");
+    }
+    nl_wire_msg_reset(&m, NL_MSG_HELLO);
+    m.u.hello = (nl_msg_hello){NL_ROLE_NODE, "test"};
+    snprintf(want, sizeof want, "nodes connect to %s", nl_coord_endpoint(coord));
+    refused(&on_clients, &m, want, "a node's HELLO on the clients' socket");
+    nl_sock_destroy(&on_nodes.sock);
+    nl_sock_destroy(&on_clients.sock);
+}
+
+/* Issue 15, findings 2 and 7, on a CURVE coordinator whose authorized_keys
+ * gives each key a role: a client key cannot JOIN, report LOAD_DONE or
+ * GRAD_NORM; a node key cannot submit; a client's status shows no node's
+ * key or endpoint, an admin's does; and a connection that takes over a
+ * node's routing id with another key is not that node (its HEARTBEAT is
+ * refused). */
+static void test_roles(void)
+{
+    nl_coord *plain = coord;
+    char dir[256], path[400];
+    snprintf(dir, sizeof dir, "/tmp/nl_test_coord_roles_XXXXXX");
+    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    nl_keypair node, ckey, admin, other, legacy;
+    nl_error err = {0};
+    CHECK_OK(nl_keys_generate(&legacy, &err), &err);
+    CHECK_OK(nl_keys_generate(&node, &err), &err);
+    CHECK_OK(nl_keys_generate(&ckey, &err), &err);
+    CHECK_OK(nl_keys_generate(&admin, &err), &err);
+    CHECK_OK(nl_keys_generate(&other, &err), &err);
+    snprintf(path, sizeof path, "%s/authorized_keys", dir);
+    FILE *fp = fopen(path, "w");
+    CHECK(fp != NULL, "%s", path);
+    if (!fp)
+        return;
+    fprintf(fp, "%s node  # a node\n%s client\n%s admin # the operator\n%s node\n%s\n",
+            node.public_z85, ckey.public_z85, admin.public_z85, other.public_z85,
+            legacy.public_z85);
+    fclose(fp);
+    nl_coord_opts o;
+    nl_coord_opts_init(&o);
+    o.listen = "tcp://127.0.0.1:*";
+    o.state_dir = dir;
+    o.min_nodes = 5; /* no plan: membership and roles only */
+    o.node_timeout_ms = 60000;
+    coord = NULL;
+    CHECK_OK(nl_coord_new(&coord, &o, &err), &err);
+    char server[NL_KEY_Z85_LEN + 1];
+    snprintf(path, sizeof path, "%s/coordinator.pub", dir);
+    if (!coord || nl_keys_load_public(server, path, &err) != NL_OK) {
+        nl_coord_destroy(&coord);
+        coord = plain;
+        return;
+    }
+    roles_by_socket(&node, &ckey, &legacy, server);
+    fake n, cl, ad, spoof;
+    curve_open(&n, &node, server, "nodeRID", 0);
+    curve_open(&cl, &ckey, server, NULL, 1);
+    curve_open(&ad, &admin, server, NULL, 1);
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOIN);
+    m.u.join = (nl_msg_join){ckey.public_z85, "cpu", UINT64_MAX, 1e6, 1, "tcp://10.0.0.1:1"};
+    refused(&cl, &m, "not for a key of this role", "a client's JOIN");
+    nl_wire_msg_reset(&m, NL_MSG_LOAD_DONE);
+    m.u.load_done = (nl_msg_load_done){1, 1, 0, 0};
+    refused(&cl, &m, "not for a key of this role", "a client's LOAD_DONE");
+    nl_wire_msg_reset(&m, NL_MSG_GRAD_NORM);
+    m.u.grad_norm = (nl_msg_grad_norm){1, 1, 0, 1.0};
+    refused(&cl, &m, "not for a key of this role", "a client's GRAD_NORM");
+    nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
+    m.u.job_submit = (nl_msg_job_submit){NL_JOB_FORWARD, 0, NULL};
+    refused(&n, &m, "not for a key of this role", "a node's JOB_SUBMIT");
+    /* the node joins */
+    nl_rx rx;
+    nl_rx_init(&rx);
+    nl_wire_msg_reset(&m, NL_MSG_JOIN);
+    m.u.join = (nl_msg_join){node.public_z85, "cpu", 1ull << 30, 1.0, 1, "tcp://10.9.8.7:4242"};
+    fake_send(&n, &m);
+    uint32_t id = 0;
+    if (CHECK_PUMP(pump_until(&n, NL_MSG_ACCEPT, &rx)))
+        id = rx.msg.u.accept.node_id;
+    char *ct = status_text(&cl), *at = status_text(&ad);
+    CHECK(ct && strstr(ct, "\"nodes\"") && !strstr(ct, node.public_z85) &&
+              !strstr(ct, "10.9.8.7") && !strstr(ct, "\"endpoint\""),
+          "a client's status shows nodes' keys or endpoints: %s", ct ? ct : "(none)");
+    CHECK(at && strstr(at, node.public_z85) && strstr(at, "10.9.8.7"),
+          "an admin's status lacks the nodes: %s", at ? at : "(none)");
+    free(ct);
+    free(at);
+    /* another key takes over the node's routing id once it is gone */
+    nl_sock_destroy(&n.sock);
+    for (int i = 0; i < 60; i++)
+        nl_coord_step(coord, 5);
+    curve_open(&spoof, &other, server, "nodeRID", 0);
+    nl_wire_msg_reset(&m, NL_MSG_HEARTBEAT);
+    m.u.heartbeat = (nl_msg_heartbeat){.node_id = id, .seq = 1};
+    refused(&spoof, &m, "unknown node", "a HEARTBEAT under a node's routing id, another key");
+    nl_rx_free(&rx);
+    nl_sock_destroy(&spoof.sock);
+    nl_sock_destroy(&cl.sock);
+    nl_sock_destroy(&ad.sock);
+    nl_coord_destroy(&coord);
+    coord = plain;
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", dir);
+}
+
+static void test_endpoints(void)
+{
+    char dir[] = "/tmp/nl_test_coord_ep_XXXXXX", listen[300], want[320], path[400], line[400];
+    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    snprintf(listen, sizeof listen, "ipc://%s/c.sock", dir);
+    snprintf(want, sizeof want, "%s-client", listen);
+    nl_coord_opts o;
+    nl_coord_opts_init(&o);
+    o.listen = listen;
+    o.state_dir = dir;
+    o.plaintext = 1;
+    o.min_nodes = 5;
+    nl_coord *c = NULL;
+    nl_error err = {0};
+    CHECK_OK(nl_coord_new(&c, &o, &err), &err);
+    if (c) {
+        CHECK(strcmp(nl_coord_client_endpoint(c), want) == 0, "clients' endpoint %s for %s",
+              nl_coord_client_endpoint(c), listen);
+        snprintf(path, sizeof path, "%s/client_endpoint", dir);
+        FILE *f = fopen(path, "r");
+        CHECK(f && fgets(line, sizeof line, f) && strncmp(line, want, strlen(want)) == 0,
+              "%s does not name %s", path, want);
+        if (f)
+            fclose(f);
+    }
+    nl_coord_destroy(&c);
+    o.listen = "tcp://127.0.0.1:65535";
+    nl_status st = nl_coord_new(&c, &o, &err);
+    CHECK(st == NL_ERR_INVALID && strstr(err.msg, "give --client-listen"),
+          "--listen at port 65535: %s '%s'", nl_status_str(st), err.msg);
+    nl_coord_destroy(&c);
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", dir);
+}
+
+/* ---------------------------------------------------------------- the node index */
+
+/* The node table's indexes (coordinator/coord_base.c), on a coordinator
+ * of its own that never plans (--min-nodes out of reach):
+ *  - IX nodes join (the table grows from 16 slots to 512), each with its
+ *    own id; every node's heartbeat is taken under its id and refused
+ *    under another node's (its routing id finds it and no other);
+ *  - a third stop beating: they are declared dead after the timeout and
+ *    not before, the others (beating) live; a dead node's heartbeat is
+ *    refused;
+ *  - the dead join again on the same connections: new ids, in the slots
+ *    they left (the table lists IX nodes again, none dead);
+ *  - a live node that joins again from a new connection (a restart) is
+ *    its new id only;
+ *  - a connection that takes over a gone node's routing id with another
+ *    key joins, and its heartbeats are its own (the old node is dead). */
+#define IX 300
+#define IX_BEAT_MS 250
+#define IX_TIMEOUT_MS 1500
+
+static fake ix[IX];
+static int ix_refused[IX];
+
+static void ix_beat(fake *f, uint32_t id)
+{
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_HEARTBEAT);
+    m.u.heartbeat = (nl_msg_heartbeat){.node_id = id, .seq = ++f->seq};
+    fake_send(f, &m);
+}
+
+/* Turn the loop for s seconds: the beating nodes beat every IX_BEAT_MS;
+ * every ERROR a node gets is counted in ix_refused. */
+static void ix_pump(double s)
+{
+    const double t0 = now_s();
+    nl_rx rx;
+    nl_rx_init(&rx);
+    while (now_s() - t0 < s) {
+        for (int k = 0; k < 50; k++)
+            nl_coord_step(coord, 0);
+        const double t = now_s();
+        for (int i = 0; i < IX; i++) {
+            fake *f = &ix[i];
+            if (f->beating && (t - f->last_beat) * 1e3 >= IX_BEAT_MS) {
+                ix_beat(f, f->id);
+                f->last_beat = t;
+            }
+            nl_error err = {0};
+            while (nl_sock_recv(f->sock, &rx, 0, &err) == NL_OK) {
+                if (rx.msg.type == NL_MSG_ERROR && strstr(rx.msg.u.error.message, "unknown node"))
+                    ix_refused[i]++;
+                if (rx.msg.type == NL_MSG_ACCEPT && !f->id) { /* it beats from now on */
+                    f->id = rx.msg.u.accept.node_id;
+                    f->beating = 1;
+                    f->last_beat = t;
+                }
+                nl_rx_free(&rx);
+                nl_rx_init(&rx);
+            }
+        }
+        usleep(1000);
+    }
+    nl_rx_free(&rx);
+}
+
+/* How many times needle occurs in the status JSON f is answered. */
+static int status_count(fake *f, const char *needle)
+{
+    char *t = status_text(f);
+    int n = t ? 0 : -1;
+    for (const char *p = t; p && (p = strstr(p, needle)); p++)
+        n++;
+    free(t);
+    return n;
+}
+
+/* Nodes from, from + step, ... JOIN (again) and the loop turns until
+ * each is ACCEPTed (beating from then on); returns how many were. */
+static int ix_join(int from, int step)
+{
+    int want = 0, got = 0;
+    for (int i = from; i < IX; i += step, want++) {
+        ix[i].id = 0;
+        ix[i].beating = 0;
+        nl_wire_msg m;
+        nl_wire_msg_init(&m);
+        nl_wire_msg_reset(&m, NL_MSG_JOIN);
+        m.u.join = (nl_msg_join){ix[i].key, "cpu", 1ull << 30, 1.0, 1, ix[i].endpoint};
+        fake_send(&ix[i], &m);
+    }
+    for (const double t0 = now_s(); got < want && now_s() - t0 < WAIT_S;) {
+        ix_pump(0.05);
+        got = 0;
+        for (int i = from; i < IX; i += step)
+            got += ix[i].id > 0;
+    }
+    return got;
+}
+
+static int ix_refusals(int from, int step)
+{
+    int n = 0;
+    for (int i = from; i < IX; i += step)
+        n += ix_refused[i];
+    return n;
+}
+
+static void test_node_index(void)
+{
+    nl_coord *saved = coord;
+    char dir[256];
+    snprintf(dir, sizeof dir, "/tmp/nl_test_coord_index_XXXXXX");
+    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    nl_coord_opts o;
+    nl_coord_opts_init(&o);
+    o.listen = "tcp://127.0.0.1:*";
+    o.state_dir = dir;
+    o.min_nodes = 1 << 30; /* membership only */
+    o.heartbeat_ms = IX_BEAT_MS;
+    o.node_timeout_ms = IX_TIMEOUT_MS;
+    o.plaintext = 1;
+    nl_error err = {0};
+    coord = NULL;
+    CHECK_OK(nl_coord_new(&coord, &o, &err), &err);
+    if (!coord) {
+        coord = saved;
+        return;
+    }
+    join_hb = IX_BEAT_MS;
+    join_to = IX_TIMEOUT_MS;
+    fake cl;
+    fake_open(&cl, "ixclient", "");
+    /* IX nodes join, each with its own id */
+    uint32_t max_id = 0;
+    for (int i = 0; i < IX; i++) {
+        char key[16], ep[64];
+        snprintf(key, sizeof key, "ix%04d", i);
+        snprintf(ep, sizeof ep, "tcp://127.0.0.1:%d", 40000 + i);
+        fake_open(&ix[i], key, ep);
+    }
+    const int accepted = ix_join(0, 1);
+    for (int i = 0; i < IX; i++)
+        max_id = ix[i].id > max_id ? ix[i].id : max_id;
+    CHECK(accepted == IX && max_id == IX, "%d of %d joined, ids up to %u", accepted, IX, max_id);
+    /* heartbeats under their own ids taken, under a neighbour's refused */
+    for (int i = 0; i < IX; i++)
+        ix_beat(&ix[i], ix[(i + 1) % IX].id);
+    ix_pump(1.0);
+    int once = 0;
+    for (int i = 0; i < IX; i++)
+        once += ix_refused[i] == 1;
+    CHECK(once == IX, "%d of %d nodes had exactly their one wrong heartbeat refused", once, IX);
+    CHECK(status_count(&cl, "\"state\":\"joined\"") == IX, "the status lists %d joined nodes",
+          status_count(&cl, "\"state\":\"joined\""));
+    /* a third stop: dead after the timeout, not before; the others live */
+    memset(ix_refused, 0, sizeof ix_refused);
+    for (int i = 0; i < IX; i += 3)
+        ix[i].beating = 0;
+    ix_pump(IX_TIMEOUT_MS * 1e-3 - 0.5);
+    CHECK(status_count(&cl, "\"state\":\"dead\"") == 0, "%d nodes dead before the timeout",
+          status_count(&cl, "\"state\":\"dead\""));
+    ix_pump(1.0);
+    CHECK(status_count(&cl, "\"state\":\"dead\"") == IX / 3, "%d of the %d silent nodes dead",
+          status_count(&cl, "\"state\":\"dead\""), IX / 3);
+    for (int i = 0; i < IX; i += 3)
+        ix_beat(&ix[i], ix[i].id);
+    ix_pump(0.3);
+    CHECK(ix_refusals(0, 3) == IX / 3 && ix_refusals(1, 3) + ix_refusals(2, 3) == 0,
+          "heartbeats refused: %d of the dead (%d sent), %d of the live", ix_refusals(0, 3), IX / 3,
+          ix_refusals(1, 3) + ix_refusals(2, 3));
+    /* the dead join again: new ids in the slots they left */
+    memset(ix_refused, 0, sizeof ix_refused);
+    int fresh = 0;
+    ix_join(0, 3);
+    for (int i = 0; i < IX; i += 3)
+        fresh += ix[i].id > max_id;
+    CHECK(fresh == IX / 3, "%d of %d joined again with new ids", fresh, IX / 3);
+    ix_pump(0.6);
+    CHECK(ix_refusals(0, 1) == 0, "%d heartbeats refused after the re-joins", ix_refusals(0, 1));
+    CHECK(status_count(&cl, "\"id\":") == IX && status_count(&cl, "\"state\":\"dead\"") == 0,
+          "after the re-joins the status lists %d nodes (%d dead), not %d",
+          status_count(&cl, "\"id\":"), status_count(&cl, "\"state\":\"dead\""), IX);
+    /* a live node restarts: a new connection, the same key */
+    const uint32_t was = ix[1].id;
+    nl_sock_destroy(&ix[1].sock);
+    fake_open(&ix[1], "ix0001", "tcp://127.0.0.1:40001");
+    ix_join(1, IX);
+    ix_beat(&ix[1], was);
+    ix_pump(0.5);
+    CHECK(ix[1].id != was && ix_refused[1] == 1 && ix_refusals(0, 1) == 1,
+          "restart: id %u (was %u), %d refusals of the old id, %d in all", ix[1].id, was,
+          ix_refused[1], ix_refusals(0, 1));
+    /* a gone node's routing id taken over by another key */
+    fake a, b;
+    fake_open(&a, "ixA", "tcp://127.0.0.1:49998");
+    nl_sock_destroy(&a.sock);
+    nl_sock_opts so = {.type = ZMQ_DEALER, .plaintext = true, .name = "fake", .linger_ms = 0};
+    CHECK_OK(nl_sock_new(&a.sock, net, &so, &err), &err);
+    zmq_setsockopt(nl_sock_handle(a.sock), ZMQ_ROUTING_ID, "ixRID", 5);
+    CHECK_OK(nl_sock_connect(a.sock, nl_coord_endpoint(coord), &err), &err);
+    join(&a, 1.0);
+    nl_sock_destroy(&a.sock);
+    for (int i = 0; i < 60; i++)
+        nl_coord_step(coord, 5);
+    fake_open(&b, "ixB", "tcp://127.0.0.1:49999");
+    nl_sock_destroy(&b.sock);
+    CHECK_OK(nl_sock_new(&b.sock, net, &so, &err), &err);
+    zmq_setsockopt(nl_sock_handle(b.sock), ZMQ_ROUTING_ID, "ixRID", 5);
+    CHECK_OK(nl_sock_connect(b.sock, nl_coord_endpoint(coord), &err), &err);
+    join(&b, 1.0);
+    CHECK(a.id > 0 && b.id > 0 && b.id != a.id, "takeover: ids %u and %u", a.id, b.id);
+    nl_rx rx;
+    nl_rx_init(&rx);
+    ix_beat(&b, b.id);
+    ix_beat(&b, 0);
+    CHECK(pump_until(&b, NL_MSG_ERROR, &rx) && rx.msg.u.error.req_type == NL_MSG_HEARTBEAT,
+          "takeover: a heartbeat under no node's id is refused");
+    nl_rx_free(&rx);
+    nl_rx_init(&rx);
+    nl_error e2 = {0};
+    int more = 0;
+    for (int i = 0; i < 20; i++) {
+        nl_coord_step(coord, 5);
+        if (nl_sock_recv(b.sock, &rx, 0, &e2) == NL_OK)
+            more++;
+        nl_rx_free(&rx);
+        nl_rx_init(&rx);
+    }
+    CHECK(more == 0, "takeover: the new node's own heartbeat was refused");
+    nl_rx_free(&rx);
+    nl_sock_destroy(&b.sock);
+    for (int i = 0; i < IX; i++)
+        nl_sock_destroy(&ix[i].sock);
+    nl_sock_destroy(&cl.sock);
+    nl_coord_destroy(&coord);
+    coord = saved;
+    join_hb = HB_MS;
+    join_to = TIMEOUT_MS;
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", dir);
+}
+
+int main(void)
+{
+    nl_log_set_level(getenv("NL_TEST_VERBOSE") ? NL_LOG_DEBUG : NL_LOG_WARN);
+    nl_error err = {0};
+    CHECK_OK(nl_net_new(&net, NULL, &err), &err);
+    test_endpoints();
+    test_roles();
+    test_node_index();
+    nl_net_destroy(&net);
+    coord_fake_add_counts(&check_pass_count, &check_fail_count);
+    return check_done("test_coord_peers");
+}
