@@ -10,7 +10,7 @@
 # fully, and with LoRA adapters (rank 8, on every attention map and expert
 # matrix) on the frozen base, whose classifier head trains with the
 # adapters. Prints held-out accuracy against the majority class, and each
-# run's memory model, peak RSS and times.
+# run's peak RSS and times (and the pretraining's memory model).
 # About 2.5 minutes on a 2-core machine (measured: docs/BENCHMARKS.md).
 #   bench/fortunes_demo.sh [BUILD_DIR] [WORK_DIR]
 # Why these choices (docs/BENCHMARKS.md, fortunes, has each measurement):
