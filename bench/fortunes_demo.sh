@@ -11,7 +11,7 @@
 # matrix) on the frozen base, whose classifier head trains with the
 # adapters. Prints held-out accuracy against the majority class, and each
 # run's peak RSS and times (and the pretraining's memory model).
-# About 2.5 minutes on a 2-core machine (measured: docs/BENCHMARKS.md).
+# About 2 to 7 minutes on a shared 2-core machine (measured: docs/BENCHMARKS.md).
 #   bench/fortunes_demo.sh [BUILD_DIR] [WORK_DIR]
 # Why these choices (docs/BENCHMARKS.md, fortunes, has each measurement):
 # 2048 BPE ids make most words one id, so mean-pooled states start out as a
@@ -60,7 +60,7 @@ echo "== pretraining (causal LM) on the other 39 fortunes files' text"
     --seq 64 --lr 5e-3 --eval-every 1600 --out "$W/base.safetensors" --threads 2 --force 2>&1 |
     grep -E '^training|eval|^wrote|peak RSS'
 common=(--objective classify --model "$W/base.safetensors" --data "$W/fortunes.tsv" --steps 600
-        --batch 16 --seq 64 --holdout 0.2 --seed 7 --eval-every 600 --eval-batches 32 --threads 2
+        --batch 16 --seq 64 --holdout 0.2 --seed 7 --eval-every 600 --eval-batches 128 --threads 2
         --force)
 echo "== full fine-tuning"
 "${T[@]}" "$N" train "${common[@]}" --lr 2e-3 --out "$W/full.safetensors" 2>&1 |
