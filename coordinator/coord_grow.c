@@ -215,7 +215,7 @@ const char *coord_grow_refusal(const nl_coord *c, char *why, size_t cap)
                  "reloads them (train with a final checkpoint first)");
     else if (c->src && !c->src_manifest)
         snprintf(why, cap,
-                 "the cluster serves the checkpoint %s: growth needs a training "
+                 "the cluster serves the checkpoint %.400s: growth needs a training "
                  "manifest (train on the cluster with a checkpoint, or start it with "
                  "--resume MANIFEST)",
                  c->src_path);
