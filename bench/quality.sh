@@ -91,7 +91,7 @@ now() { date +%s.%N; }
 # one `neuroctl init` + `neuroctl train`: $1 = init seed, $2 = data seed,
 # $3 = log; prints the training wall time in seconds
 train_c() {
-    "$NEUROCTL" init --config "$CONFIG" --out "$OUT/init-$1.safetensors" --seed "$1" >&2
+    "$NEUROCTL" init --config "$CONFIG" --out "$OUT/init-$1.safetensors" --seed "$1" --force >&2
     local t0 t1
     t0=$(now)
     "$NEUROCTL" train --model "$OUT/init-$1.safetensors" "${COMMON[@]}" --seed "$2" \
