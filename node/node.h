@@ -95,4 +95,12 @@ typedef struct nl_node_opts {
  * refuses the JOIN, is an error (the message says which). */
 nl_status nl_node_run(const nl_node_opts *o, nl_error *err);
 
+/* neuronode's command line (node_cli.c): parses `neuronode join ENDPOINT
+ * [flags]` into *o (its strings point into argv; o->keys = kp, read from
+ * --key or the state dir; coord_key holds NL_KEY_Z85_LEN + 1 chars),
+ * printing --help and usage errors. -1: run the node; else the process's
+ * exit status (0 after --help, 2 for a usage error, 1 otherwise). o->stop
+ * is left as it was. */
+int nl_node_cli(int argc, char **argv, nl_node_opts *o, char *coord_key, nl_keypair *kp);
+
 #endif

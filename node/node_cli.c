@@ -1,0 +1,290 @@
+/* neuronode's command line (node/node.h, nl_node_cli): the flags of
+ * `neuronode join`, their --help, the node's identity (--key or the state
+ * dir's node.key) and the options nl_node_run takes. In the library so
+ * that main.c stays the process's signals and nothing else. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "../base/args.h"
+#include "../base/log.h"
+#include "../kernels/backend.h"
+#include "../net/keys.h"
+#include "node.h"
+
+#define USAGE                                                                                      \
+    "neuronode join ENDPOINT --key NODE.key --coordinator-key COORD.pub [--device D] "             \
+    "[--memory SIZE] [flags]"
+
+static void help(FILE *f, const nl_flag *flags)
+{
+    nl_args_help(f, USAGE, flags);
+    fprintf(f,
+            "\nJoins the coordinator at ENDPOINT (its --listen, e.g. tcp://host:7000; clients use\n"
+            "its --client-listen) and serves the layers it assigns until SIGINT or SIGTERM,\n"
+            "then sends LEAVE and exits 0. Sizes take K, M, G or T suffixes (powers of\n"
+            "1024). Without --key, --state-dir/node.key is used\n"
+            "(created on first start). On the CPU (cpu, cpu-devsim) --memory is required; a\n"
+            "GPU (cuda:N) offers its free memory once the backend is up, less --reserve, and\n"
+            "--memory, when given, caps that. A device that cannot be opened (no CUDA driver\n"
+            "or device, no CUDA backend in this build) or that fails while serving ends the\n"
+            "node with status 1 and the device's error. A device whose backend cannot\n"
+            "train refuses training jobs; each fails with that reason.\n"
+            "\n"
+            "Several devices (--device cuda:0,1,... or cpu,cpu for tests) run the stage as\n"
+            "data-parallel replicas in this process: each device holds a whole copy of the\n"
+            "stage; a training step's microbatches are shared among them (microbatch i on\n"
+            "replica i mod R), their gradients are summed (NCCL between GPUs, through the\n"
+            "host otherwise) before the norm and AdamW, and every replica applies the same\n"
+            "update. Inference runs on the first device. The node offers the smallest\n"
+            "replica's memory (on the CPU, --memory is each replica's) and reports the first\n"
+            "device's throughput. Every device is opened at the start: one that is missing\n"
+            "ends the node (status 1) naming it. NCCL stays inside this process; stages on\n"
+            "other machines are reached over ZeroMQ with CURVE only (docs/cluster.md).\n"
+            "\n"
+            "Checkpoint shards are written only under --checkpoint-root (resolved, links\n"
+            "followed, so a link inside it cannot lead out), by default <state-dir>/checkpoints;\n"
+            "a node with neither refuses checkpoint requests. Files are 0600, directories 0700.\n"
+            "Exit status: 0 stopped, 1 failed, 2 usage error.\n");
+#ifdef NL_TEST_HOOKS
+    fprintf(f, "This is a test build: NL_TEST_INJECT_NAN_STEP=K (K+: from K on) and\n"
+               "NL_TEST_INJECT_NAN_STAGE=S put a NaN into the gradient of step K on stage S.\n");
+#endif
+}
+
+/* The node's identity: --key FILE, or <state-dir>/node.key (created when
+ * absent), or with --plaintext and neither, a throwaway key for the JOIN. */
+static int load_identity(const char *key, const char *state_dir, bool plaintext, nl_keypair *kp)
+{
+    nl_error err;
+    char path[1024];
+    if (!key && state_dir) {
+        if (mkdir(state_dir, 0700) != 0 && errno != EEXIST) {
+            fprintf(stderr, "neuronode: --state-dir %s: %s\n", state_dir, strerror(errno));
+            return 1;
+        }
+        if (nl_keys_check_trusted(state_dir, &err) != NL_OK) {
+            fprintf(stderr, "neuronode: --state-dir: %s\n", err.msg);
+            return 1;
+        }
+        snprintf(path, sizeof path, "%s/node.key", state_dir);
+        struct stat sb;
+        if (stat(path, &sb) != 0) {
+            char prefix[1024];
+            snprintf(prefix, sizeof prefix, "%s/node", state_dir);
+            if (nl_keys_generate(kp, &err) != NL_OK ||
+                nl_keys_save(kp, prefix, false, &err) != NL_OK) {
+                fprintf(stderr, "neuronode: %s\n", err.msg);
+                return 1;
+            }
+            NL_INFO("created the node key %s (public key in %s/node.pub)", path, state_dir);
+            return 0;
+        }
+        key = path;
+    }
+    if (!key && plaintext)
+        return nl_keys_generate(kp, &err) == NL_OK ? 0 : 1;
+    if (!key) {
+        fprintf(stderr, "neuronode: --key NODE.key is required (or --state-dir; see "
+                        "`neuroctl keygen`)\n");
+        return 2;
+    }
+    if (nl_keys_load_secret(kp, key, &err) != NL_OK) {
+        fprintf(stderr, "neuronode: --key: %s\n", err.msg);
+        return 1;
+    }
+    return 0;
+}
+
+static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypair *kp)
+{
+    long long threads = 0, batch_decode = 0, prefill_chunk = 0, batch_wait = -1;
+    double connect_s = 30;
+    const char *level = nl_args_get(flags, "log-level");
+    o->plaintext = nl_args_get(flags, "plaintext") != NULL;
+    o->listen = nl_args_get(flags, "listen") ? nl_args_get(flags, "listen") : "tcp://127.0.0.1:*";
+    o->name = nl_args_get(flags, "name");
+    o->device = nl_args_get(flags, "device") ? nl_args_get(flags, "device") : "cpu";
+    o->kv_budget = 256ULL << 20;
+    /* checkpoint shards: under --checkpoint-root, else <state-dir>/checkpoints,
+     * else nowhere (CKPT_REQ refused) */
+    static char state_root[1100];
+    const char *state_dir = nl_args_get(flags, "state-dir");
+    o->ckpt_root = nl_args_get(flags, "checkpoint-root");
+    if (!o->ckpt_root && state_dir) {
+        snprintf(state_root, sizeof state_root, "%s/checkpoints", state_dir);
+        o->ckpt_root = state_root;
+    }
+    o->inject_nan_stage = -1;
+#ifdef NL_TEST_HOOKS
+    /* test hooks (test builds only: -DNL_TEST_HOOKS=ON):
+     * NL_TEST_INJECT_NAN_STEP=K puts a NaN into the gradient of step index
+     * K (0-based, as neuroctl train's hook), "K+" into every step from K
+     * on, on the stage NL_TEST_INJECT_NAN_STAGE (default: every stage) */
+    const char *nan_step = getenv("NL_TEST_INJECT_NAN_STEP"),
+               *nan_stage = getenv("NL_TEST_INJECT_NAN_STAGE");
+    o->inject_nan_step = nan_step ? atoll(nan_step) + 1 : 0;
+    o->inject_nan_on = nan_step && strchr(nan_step, '+') != NULL;
+    o->inject_nan_stage = nan_stage ? atoi(nan_stage) : -1;
+#endif
+    /* test hook: NL_TEST_DEVICE_FAIL=K makes the device's K-th check fail
+     * (the first is after the throughput probe, the second after LOAD_DONE) */
+    const char *dev_fail = getenv("NL_TEST_DEVICE_FAIL");
+    o->inject_device_fail = dev_fail ? atoi(dev_fail) : 0;
+    /* test hook: NL_TEST_GFLOPS=X reports X GFLOP/s instead of the probe's
+     * figure, so a test's plan does not depend on a noisy measurement */
+    const char *gflops = getenv("NL_TEST_GFLOPS");
+    o->inject_gflops = gflops ? atof(gflops) : 0.0;
+    /* test hook: NL_TEST_SLOW_MS=X makes each training message take X ms
+     * longer (the coordinator's observed stage times re-balance the plan) */
+    const char *slow = getenv("NL_TEST_SLOW_MS");
+    o->inject_slow_ms = slow ? atof(slow) : 0.0;
+    /* test hook: NL_TEST_DEVICE_NO_TRAIN=1 makes the device one that cannot train */
+    o->inject_no_train = getenv("NL_TEST_DEVICE_NO_TRAIN") != NULL;
+    /* test hook: NL_TEST_DEVICE_MEM=FREE,TOTAL (MiB) gives the device a GPU's
+     * memory report, so the offer's arithmetic runs without a GPU */
+    const char *mem = getenv("NL_TEST_DEVICE_MEM");
+    unsigned long long mfree = 0, mtotal = 0;
+    if (mem && sscanf(mem, "%llu,%llu", &mfree, &mtotal) == 2) {
+        o->inject_mem_free = mfree << 20;
+        o->inject_mem_total = mtotal << 20;
+    }
+    o->tf32 = nl_args_get(flags, "tf32") != NULL;
+    const char *prec = nl_args_get(flags, "precision");
+    o->bf16 = prec && strcmp(prec, "bf16") == 0;
+    if (prec && !o->bf16 && strcmp(prec, "fp32") != 0) {
+        fprintf(stderr, "neuronode: --precision %s: not fp32 or bf16\n", prec);
+        return 2;
+    }
+    o->has_reserve = nl_args_get(flags, "reserve") != NULL;
+    if (nl_args_size(flags, "memory", &o->memory_bytes) ||
+        nl_args_size(flags, "kv-budget", &o->kv_budget) ||
+        nl_args_size(flags, "reserve", &o->reserve_bytes) ||
+        nl_args_int(flags, "threads", 0, 4096, &threads) ||
+        nl_args_int(flags, "batch-decode", 1, 1024, &batch_decode) ||
+        nl_args_int(flags, "prefill-chunk", 1, 65536, &prefill_chunk) ||
+        nl_args_int(flags, "batch-wait-ms", 0, 10000, &batch_wait) ||
+        nl_args_double(flags, "connect-timeout", 0.001, 86400, &connect_s))
+        return 2;
+    nl_error derr;
+    int replicas = 0;
+    if (nl_node_parse_devices(o->device, NULL, &replicas, &derr) != NL_OK) {
+        fprintf(stderr, "neuronode: --%s\n", derr.msg);
+        return 2;
+    }
+    /* a GPU measures what it offers; the CPU offers what it is told */
+    const bool own_memory = strncmp(o->device, "cuda:", 5) == 0 || o->inject_mem_total;
+    if (!own_memory && !nl_args_get(flags, "memory")) {
+        fprintf(stderr, "neuronode: --memory SIZE is required on --device %s (e.g. --memory 8G)\n",
+                o->device);
+        return 2;
+    }
+    if (nl_args_get(flags, "memory") && o->memory_bytes == 0) {
+        fprintf(stderr, "neuronode: --memory 0: nothing to offer\n");
+        return 2;
+    }
+    if (level && nl_log_parse_level(level) < 0) {
+        fprintf(stderr, "neuronode: --log-level %s: use debug, info, warn, error or off\n", level);
+        return 2;
+    }
+    if (level)
+        nl_log_set_level((nl_log_level)nl_log_parse_level(level));
+    o->threads = (int)threads;
+    o->batch_decode = (int)batch_decode;
+    o->prefill_chunk = (int)prefill_chunk;
+    o->batch_wait_ms = batch_wait < 0 ? 0 : batch_wait == 0 ? -1 : (int)batch_wait;
+    o->connect_timeout_ms = (int)(connect_s * 1000);
+    if (o->plaintext) {
+        NL_WARN("INSECURE: --plaintext: no encryption and no authentication on any socket");
+    } else {
+        const char *ck = nl_args_get(flags, "coordinator-key");
+        nl_error err;
+        if (!ck) {
+            fprintf(stderr, "neuronode: --coordinator-key COORD.pub is required (the "
+                            "coordinator's <state-dir>/coordinator.pub)\n");
+            return 2;
+        }
+        if (nl_keys_load_public(coord_key, ck, &err) != NL_OK) {
+            fprintf(stderr, "neuronode: --coordinator-key: %s\n", err.msg);
+            return 1;
+        }
+        o->coordinator_key = coord_key;
+    }
+    int rc =
+        load_identity(nl_args_get(flags, "key"), nl_args_get(flags, "state-dir"), o->plaintext, kp);
+    o->keys = kp;
+    return rc;
+}
+
+int nl_node_cli(int argc, char **argv, nl_node_opts *o, char *coord_key, nl_keypair *kp)
+{
+    static nl_flag flags[] = {
+        {"key", 1, "FILE: this node's secret key (neuroctl keygen)", NULL},
+        {"coordinator-key", 1, "FILE: the coordinator's public key (coordinator.pub)", NULL},
+        {"memory", 1,
+         "SIZE: memory offered for weights, activations and caches (e.g. 8G); required on the "
+         "CPU; on a GPU it caps the device's free memory offered",
+         NULL},
+        {"state-dir", 1, "DIR: holds node.key when --key is not given", NULL},
+        {"threads", 1, "N: compute threads (default: all cores)", NULL},
+        {"device", 1,
+         "D[,D...]: where the stage computes: cpu (default), cpu-devsim or cuda:N; several "
+         "(cuda:0,1 or cpu,cpu) make data-parallel replicas",
+         NULL},
+        {"tf32", 0, "GPU GEMMs may use TF32 tensor-core math (default: FP32)", NULL},
+        {"precision", 1,
+         "P: GEMM precision, fp32 (default) or bf16 (CPU with AVX512-BF16 or AMX; FP32 master "
+         "weights, accumulation and optimizer)",
+         NULL},
+        {"reserve", 1,
+         "SIZE: a GPU's memory kept free, not offered (default: 256M or 5% of the device, "
+         "whichever is larger)",
+         NULL},
+        {"listen", 1, "ENDPOINT: data socket (default tcp://127.0.0.1:*)", NULL},
+        {"kv-budget", 1, "SIZE: KV caches of generation sessions (default 256M)", NULL},
+        {"batch-decode", 1,
+         "N: generation sessions' decode steps run together in one batch, at most (default 32)",
+         NULL},
+        {"prefill-chunk", 1,
+         "N: prompt positions a batch takes, at most: a longer prompt is run in chunks so it "
+         "does not stall the others (default 64)",
+         NULL},
+        {"batch-wait-ms", 1,
+         "MS: longest wait for the other active sessions' hops before a batch runs (default 20; "
+         "0: run at once)",
+         NULL},
+        {"name", 1, "NAME: shown in log lines (default node-<id>)", NULL},
+        {"log-level", 1, "debug, info, warn, error or off (default info)", NULL},
+        {"connect-timeout", 1, "SECONDS: keep trying the coordinator this long (default 30)", NULL},
+        {"checkpoint-root", 1,
+         "DIR: training checkpoint shards may only be written under it (default: "
+         "<state-dir>/checkpoints; without either, none are written)",
+         NULL},
+        {"plaintext", 0, "INSECURE: no CURVE encryption or authentication (debugging only)", NULL},
+        {NULL, 0, NULL, NULL}};
+    const char *pos[2] = {NULL, NULL};
+    int npos = 0;
+    for (int i = 1; i < argc; i++)
+        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+            help(stdout, flags);
+            return 0;
+        }
+    if (argc < 2 || strcmp(argv[1], "join") != 0) {
+        fprintf(stderr, "usage: %s\n(see neuronode --help)\n", USAGE);
+        return 2;
+    }
+    int rc = nl_args_parse(argc - 1, argv + 1, flags, USAGE, pos, 1, &npos);
+    if (rc)
+        return rc == 1 ? 0 : 2;
+    if (npos != 1) {
+        fprintf(stderr, "neuronode join: the coordinator's ENDPOINT is required\n");
+        return 2;
+    }
+    nl_log_set_name(nl_args_get(flags, "name") ? nl_args_get(flags, "name") : "node");
+    o->coordinator = pos[0];
+    if ((rc = parse_opts(flags, o, coord_key, kp)) != 0)
+        return rc;
+    return -1;
+}
