@@ -23,6 +23,26 @@ static void copy_by_name(nl_backend *be, const nl_model *from, const float *src,
     }
 }
 
+/* Swap the grown model g into m (g then holds the old block, for its
+ * caller to destroy); the growth history stays with m. The old moments
+ * are freed and fresh[] (the grown ones) take their place. */
+static void adopt_grown(nl_model *m, nl_model *g, float **moments, float **fresh, int n_moments)
+{
+    nl_backend *be = m->be;
+    nl_model tmp = *m;
+    *m = *g;
+    *g = tmp;
+    m->growth = g->growth;
+    m->n_growth = g->n_growth;
+    g->growth = NULL;
+    g->n_growth = 0;
+    for (int i = 0; i < n_moments; i++) {
+        be->free(be, moments[i]);
+        moments[i] = fresh[i];
+        fresh[i] = NULL;
+    }
+}
+
 nl_status nl_model_grow_vocab(nl_model *m, int64_t vocab_size, uint64_t seed, float **moments,
                               int n_moments, nl_error *err)
 {
@@ -75,19 +95,7 @@ nl_status nl_model_grow_vocab(nl_model *m, int64_t vocab_size, uint64_t seed, fl
         free(host);
         host = NULL;
     }
-    /* swap the grown block into m; the history stays with m */
-    nl_model tmp = *m;
-    *m = *g;
-    *g = tmp;
-    m->growth = g->growth;
-    m->n_growth = g->n_growth;
-    g->growth = NULL;
-    g->n_growth = 0;
-    for (int i = 0; i < n_moments; i++) {
-        be->free(be, moments[i]);
-        moments[i] = fresh[i];
-        fresh[i] = NULL;
-    }
+    adopt_grown(m, g, moments, fresh, n_moments);
 out:
     for (int i = 0; fresh && i < n_moments; i++)
         be->free(be, fresh[i]);
@@ -199,19 +207,7 @@ static nl_status regrow(nl_model *m, const nl_config *c, int l1, nl_grow_kind ki
         goto out;
     if (be->wrote) /* copy_rows is not a slot that marks a bf16 copy stale */
         be->wrote(be, g->params, g->n_params * sizeof(float));
-    /* the grown block into m; the history stays with m */
-    nl_model tmp = *m;
-    *m = *g;
-    *g = tmp;
-    m->growth = g->growth;
-    m->n_growth = g->n_growth;
-    g->growth = NULL;
-    g->n_growth = 0;
-    for (int i = 0; i < n_moments; i++) {
-        be->free(be, moments[i]);
-        moments[i] = fresh[i];
-        fresh[i] = NULL;
-    }
+    adopt_grown(m, g, moments, fresh, n_moments);
 out:
     for (int i = 0; fresh && i < n_moments; i++)
         be->free(be, fresh[i]);
