@@ -357,7 +357,6 @@ nl_status coord_send_node(nl_coord *c, cnode *n, nl_wire_msg *m)
     return st;
 }
 
-
 /* ---------------------------------------------------------------- the source */
 
 static void free_source(csource *src)
@@ -444,8 +443,8 @@ nl_status coord_manifest_open(cmanifest *out, const char *path, const char *root
      * not be a link that leads out, nor anything but a regular file */
     for (int i = 0; st == NL_OK && root && i < m->n_shards; i++) {
         char real[PATH_MAX];
-        const char *bad = coord_confine_file(root, m->shards[i].path, NULL, UINT64_MAX, real,
-                                             sizeof real);
+        const char *bad =
+            coord_confine_file(root, m->shards[i].path, NULL, UINT64_MAX, real, sizeof real);
         if (bad)
             st = nl_error_set(err, NL_ERR_AUTH, "shard %s (stage %d): %s", m->shards[i].file, i,
                               bad);
@@ -783,4 +782,19 @@ const char *coord_confine_file(const char *root, const char *path, const char *d
         return "the path is too long";
     memcpy(out, real, strlen(real) + 1);
     return NULL;
+}
+
+void coord_finish_with_result(nl_coord *c, cjob *j, const nl_rx *rx)
+{
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_RESULT);
+    m.u.hop = rx->msg.u.hop;
+    m.frames[0] = rx->msg.frames[0];
+    m.frames[0].free_fn = NULL; /* copied by the send */
+    m.nframes = 1;
+    coord_send_client(c, j->rid, j->rid_len, &m);
+    nl_wire_msg_free(&m);
+    coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_DONE, 1.0, "done", NULL);
+    coord_job_free(j);
 }

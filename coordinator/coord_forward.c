@@ -31,17 +31,7 @@ static void forward_on_message(nl_coord *c, cjob *j, const nl_rx *rx)
         coord_job_fail(c, j, "the last stage's RESULT is not one F32 frame of logits");
         return;
     }
-    nl_wire_msg m;
-    nl_wire_msg_init(&m);
-    nl_wire_msg_reset(&m, NL_MSG_RESULT);
-    m.u.hop = rx->msg.u.hop;
-    m.frames[0] = rx->msg.frames[0];
-    m.frames[0].free_fn = NULL; /* copied by the send */
-    m.nframes = 1;
-    coord_send_client(c, j->rid, j->rid_len, &m);
-    nl_wire_msg_free(&m);
-    coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_DONE, 1.0, "done", NULL);
-    coord_job_free(j);
+    coord_finish_with_result(c, j, rx);
 }
 
 const cjob_ops coord_forward_ops = {

@@ -440,6 +440,9 @@ cjob *coord_job_new(nl_coord *c, const nl_rx *rx, const cjob_ops *ops);
 cjob *coord_job_find(nl_coord *c, uint64_t id);
 /* Free the job's state and its slot (a job that is done). */
 void coord_job_free(cjob *j);
+/* A forward or embed job's answer: the last stage's RESULT (one frame)
+ * goes to the client as it is, then DONE, and the job is freed. */
+void coord_finish_with_result(nl_coord *c, cjob *j, const nl_rx *rx);
 /* The job fails: its client is told why, its stages forget it. */
 void coord_job_fail(nl_coord *c, cjob *j, const char *why);
 /* A job parameter by key, or NULL. */
