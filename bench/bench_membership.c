@@ -111,6 +111,17 @@ typedef struct group {
     int report; /* the parent's end of its pipe */
 } group;
 
+/* Node gi's JOIN (its key, a data endpoint of its own). */
+static void send_join(nl_sock *s, nl_wire_msg *m, const nl_keypair *kp, const group *g, int gi)
+{
+    char dep[64];
+    nl_error e = {0};
+    snprintf(dep, sizeof dep, "tcp://127.0.0.1:%d", 20000 + gi);
+    nl_wire_msg_reset(m, NL_MSG_JOIN);
+    m->u.join = (nl_msg_join){kp[gi].public_z85, "cpu", 1ull << 30, g->gflops + gi % 7, 1, dep};
+    nl_sock_send(s, NULL, 0, m, &e);
+}
+
 /* In a child: nodes [lo, hi) join, report "accepted seconds-of-day" on fd
  * once all are in (or after 600 s), then heartbeat every second until
  * SIGTERM. Returns the exit status. */
@@ -123,7 +134,8 @@ static int run_group(const char *ep, const char *pub, const nl_keypair *kp, cons
     nl_sock **s = calloc((size_t)n, sizeof *s);
     uint32_t *id = calloc((size_t)n, sizeof *id);
     uint64_t *seq = calloc((size_t)n, sizeof *seq);
-    if (!net || !s || !id || !seq)
+    char *joined = calloc((size_t)n, 1); /* accepted at least once */
+    if (!net || !s || !id || !seq || !joined)
         return 1;
     for (int k = 0; k < nctx; k++) {
         nl_net_opts no = nl_net_opts_default();
@@ -136,7 +148,6 @@ static int run_group(const char *ep, const char *pub, const nl_keypair *kp, cons
     nl_wire_msg_init(&m);
     for (int i = 0; i < n; i++) {
         const int gi = g->lo + i;
-        char dep[64];
         nl_sock_opts o = {.type = ZMQ_DEALER,
                           .keys = &kp[gi],
                           .server_key = pub,
@@ -149,10 +160,7 @@ static int run_group(const char *ep, const char *pub, const nl_keypair *kp, cons
             fprintf(stderr, "node %d: %s\n", gi, e.msg);
             return 1;
         }
-        snprintf(dep, sizeof dep, "tcp://127.0.0.1:%d", 20000 + gi);
-        nl_wire_msg_reset(&m, NL_MSG_JOIN);
-        m.u.join = (nl_msg_join){kp[gi].public_z85, "cpu", 1ull << 30, g->gflops + gi % 7, 1, dep};
-        nl_sock_send(s[i], NULL, 0, &m, &e);
+        send_join(s[i], &m, kp, g, gi);
     }
     /* the ACCEPTs; the accepted heartbeat every second meanwhile */
     int accepted = 0, reported = 0;
@@ -165,7 +173,13 @@ static int run_group(const char *ep, const char *pub, const nl_keypair *kp, cons
             while (nl_sock_recv(s[i], &rx, 0, &e) == NL_OK) { /* ASSIGN, LOAD_DONE...: dropped */
                 if (rx.msg.type == NL_MSG_ACCEPT && !id[i]) {
                     id[i] = rx.msg.u.accept.node_id;
-                    accepted++;
+                    accepted += !joined[i];
+                    joined[i] = 1;
+                } else if (rx.msg.type == NL_MSG_ERROR && id[i] &&
+                           rx.msg.u.error.req_type == NL_MSG_HEARTBEAT &&
+                           rx.msg.u.error.code == NL_ERR_STATE) {
+                    id[i] = 0; /* declared dead while it lived: join again, as neuronode does */
+                    send_join(s[i], &m, kp, g, g->lo + i);
                 }
                 nl_rx_free(&rx);
             }
