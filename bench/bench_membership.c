@@ -420,6 +420,11 @@ static void vanish(const args *a, group *fast, const char *log)
         scan_log(log, t_kill, &ls);
     } while ((ls.deaths_after < a->vanish || ls.plan_after_death < ls.last_death) &&
              now_s() - t0 < 3.0 * a->timeout_ms / 1e3 + 60);
+    if (ls.plan_after_death < 0) {
+        printf("vanish: %d nodes killed at once; %d declared dead; no plan was made after the "
+               "kill (see the log)\n", a->vanish, ls.deaths_after);
+        return;
+    }
     printf("vanish: %d nodes killed at once; %d declared dead, the first %.2f s and the last "
            "%.2f s after the kill (--node-timeout-ms %d); the new plan %.2f s after the kill "
            "(%.3f s after the last death; planner %.3f s, %.3f s of CPU, over %d nodes)\n",
@@ -499,10 +504,14 @@ int main(int argc, char **argv)
            "%.1f MiB; %d nodes declared dead meanwhile\n",
            accepted, a.secs, 100.0 * (c1 - c0) / (w1 - w0), (double)rss1 / 1024,
            after.deaths - before.deaths);
-    printf("plan: %d joins logged; the planner took %.3f s (%.3f s of CPU) over %d nodes (%d "
-           "offered to it); the plan was made %.2f s after the last join\n",
-           after.joins, after.planner_s, after.planner_cpu, after.planner_nodes,
-           after.planner_offered, after.plan_after_join - after.last_join);
+    if (after.plan_after_join < 0)
+        printf("plan: %d joins logged; no plan was made after the last join (see the log)\n",
+               after.joins);
+    else
+        printf("plan: %d joins logged; the planner took %.3f s (%.3f s of CPU) over %d nodes (%d "
+               "offered to it); the plan was made %.2f s after the last join\n",
+               after.joins, after.planner_s, after.planner_cpu, after.planner_nodes,
+               after.planner_offered, after.plan_after_join - after.last_join);
     if (a.vanish > 0)
         vanish(&a, &g[0], log);
     stop_groups(g, ng);
