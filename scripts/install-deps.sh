@@ -37,7 +37,7 @@ PKGS=(
   libmicrohttpd-dev libjs-chart.js prometheus chromium
   python3 python3-torch python3-numpy python3-venv python3-requests python3-yaml
   python3-zmq python3-msgpack
-  fortunes iproute2 procps time
+  fortunes iproute2 iptables libnetfilter-queue-dev procps time
 )
 missing=()
 for p in "${PKGS[@]}"; do

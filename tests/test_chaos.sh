@@ -2,8 +2,10 @@
 # Network faults (issue 22, label chaos): the coordinator and three nodes
 # each in a network namespace, joined by veth pairs to a bridge in a hub
 # namespace (10.77.0.0/24); no process listens outside them.
-#  - with tc netem on every link (20 ms delay, 1% loss; said and left out
-#    where the kernel has no sch_netem) a training job (30 steps,
+#  - with tc netem on every link (20 ms delay, 1% loss; where the kernel
+#    has no sch_netem, the same from a netfilter queue held by
+#    tests/netdelay.c; said and left out where neither exists) a training
+#    job (30 steps,
 #    checkpoints every 10) completes, bit-identical to the same job on
 #    loopback;
 #  - the node of a stage cut off (its link down) longer than the heartbeat timeout
@@ -24,8 +26,9 @@ ip netns del "${P}probe"
 export NL_TEST_GFLOPS=20
 W=$(mktemp -d)
 pids=()
+nd_pids=() # tests/netdelay.c, where faults come from a netfilter queue
 cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
+  for p in "${pids[@]}" "${nd_pids[@]}"; do kill "$p" 2>/dev/null; done
   "$N" cluster down --dir "$W/ref" >/dev/null 2>&1
   for ns in hub c n1 n2 n3; do ip netns del "$P$ns" 2>/dev/null; done
   rm -rf "$W"
@@ -56,6 +59,23 @@ netem() { # on every namespace's link; 1 if the kernel has no netem
     ip netns exec "$P$ns" tc qdisc replace dev eth0 root netem delay 20ms loss 1% 2>/dev/null ||
       return 1
   done
+}
+# Without netem: every namespace's outgoing packets go through a netfilter
+# queue that tests/netdelay.c holds 20 ms and drops 1% of (seeded); 1 when
+# iptables' NFQUEUE or the tool is missing.
+ND="$NL_BUILD_DIR/tests/netdelay"
+nfqueue() {
+  [ -x "$ND" ] && command -v iptables >/dev/null || return 1
+  local seed=1
+  for ns in c n1 n2 n3; do
+    ip netns exec "$P$ns" iptables -A OUTPUT -o eth0 -j NFQUEUE --queue-num 0 --queue-bypass \
+      2>/dev/null || return 1
+    ip netns exec "$P$ns" "$ND" 0 20 1 $seed > "$W/netdelay-$ns.log" 2>&1 &
+    nd_pids+=($!) # not in pids: pids[0] must stay the coordinator
+    seed=$((seed + 1))
+  done
+  sleep 0.3
+  for ns in c n1 n2 n3; do grep -q "^netdelay: queue 0" "$W/netdelay-$ns.log" || return 1; done
 }
 
 cat > "$W/cfg.yaml" <<'YAML'
@@ -113,10 +133,17 @@ start_node() { # k: in namespace nk, at 10.77.0.(k+1)
   pids+=($!)
 }
 CL=(--coordinator tcp://10.77.0.1:7701 --key "$W/client.key" --coordinator-key "$W/coord/coordinator.pub")
-have_netem=1
-netem || have_netem=0
-[ $have_netem -eq 1 ] ||
-  echo "note: this kernel has no netem qdisc (sch_netem): the delay and loss part runs without them"
+faults=netem
+if ! netem; then
+  faults=nfqueue
+  nfqueue || faults=none
+fi
+case $faults in
+  nfqueue) echo "note: this kernel has no netem qdisc (sch_netem): 20 ms and 1% loss come from" \
+             "a netfilter queue (tests/netdelay.c)" ;;
+  none) echo "note: no netem qdisc and no NFQUEUE (iptables, tests/netdelay): the delay and loss" \
+          "part runs without them" ;;
+esac
 start_coord
 for i in $(seq 1 50); do [ -f "$W/coord/coordinator.pub" ] && break; sleep 0.1; done
 for k in 1 2 3; do start_node $k; done
@@ -130,12 +157,21 @@ check test $ready -eq 1
 check grep -q "listening on tcp://10.77.0.1:7700 (nodes) and tcp://10.77.0.1:7701 (clients)" "$W/coord.log"
 check test "$(grep -c "joined: .*data tcp://10.77.0.[234]:7701" "$W/coord.log")" -eq 3
 
-# ---- delay and loss (where the kernel has netem): the job completes,
+# ---- delay and loss (netem, else a netfilter queue): the job completes,
 # bit-identical ----
 check ip netns exec "${P}c" "$N" train "${CL[@]}" "${RUN[@]}" --checkpoint-dir "$W/ck1" \
   --out "$W/netem.safetensors" --timeout 120 2> "$W/netem.err"
 tail -2 "$W/netem.err" | tr '\r' '\n' | tail -2
 check $PY "$W/same.py" "$W/netem.safetensors" "$W/ref.safetensors"
+if [ $faults = nfqueue ]; then # the faults were there: packets held, some dropped
+  kill -TERM "${nd_pids[@]}" 2>/dev/null
+  wait "${nd_pids[@]}" 2>/dev/null
+  cat "$W"/netdelay-*.log | grep packets
+  held=$(cat "$W"/netdelay-*.log | awk '/packets/ {p += $2; d += $4} END {print p + 0, d + 0}')
+  check test "${held% *}" -gt 1000
+  check test "${held#* }" -gt 0
+  for ns in c n1 n2 n3; do ip netns exec "$P$ns" iptables -F OUTPUT; done
+fi
 
 # ---- a partition of a stage's node longer than the timeout: handled like a
 # death ----
