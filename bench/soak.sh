@@ -8,6 +8,8 @@
 # it joins again). At the end: steps completed, resumes, the time lost per
 # event (kill -> first step after the resume, from the logs), and whether
 # the last manifest verifies (neuroctl export reads every shard's hash).
+# CONFIG=configs/bench-small.yaml trains that config instead of the small
+# default one (d=64, L=8).
 set -uo pipefail
 B=${1:?usage: soak.sh BUILD_DIR [MINUTES] [MIN_GAP_S] [MAX_GAP_S]}
 MIN=${2:-30}
@@ -19,7 +21,10 @@ job=0
 C="$W/c"
 trap '"$N" cluster down --dir "$C" >/dev/null 2>&1; kill $job 2>/dev/null; echo "work dir $W"' EXIT
 export NL_TEST_GFLOPS=20
-cat > "$W/cfg.yaml" <<'YAML'
+if [ -n "${CONFIG:-}" ]; then
+  cp "$CONFIG" "$W/cfg.yaml" || exit 1
+else
+  cat > "$W/cfg.yaml" <<'YAML'
 hidden_dim: 64
 num_layers: 8
 num_heads: 4
@@ -30,6 +35,7 @@ vocab_size: 256
 vocab_chunk: 256
 max_seq_len: 128
 YAML
+fi
 SRC=$(cd "$(dirname "$0")/.." && pwd)
 cat "$SRC"/README.md "$SRC"/docs/*.md > "$W/data.txt"
 "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7 >/dev/null || exit 1

@@ -294,7 +294,7 @@ static void tick(nl_coord *c)
     coord_check_jobs(c, now);
     if (!coord_grow_tick(c)) /* --grow auto may deepen the model first (coord_grow.c) */
         coord_replan_at_rest(c);
-    if (!c->plan && now - c->last_plan_try > 0.5)
+    if (!c->plan && now - c->last_plan_try > 0.5 && !c->manifests_writing)
         coord_try_plan(c);
 }
 

@@ -323,6 +323,8 @@ struct nl_coord {
     int ready;
     char state[512];
     double last_plan_try;
+    int manifests_writing; /* training checkpoints' manifests a worker is writing: a re-plan
+                              waits for them (a stage lost meanwhile resumes from that one) */
     nl_mem_opts train_mem; /* a training job's memory (training 0: none): plans hold it */
     int loads_active;      /* stages whose tensors are still being streamed */
     cjob jobs[COORD_MAX_JOBS];

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "base/log.h"
 #include "coord_impl.h"
@@ -55,6 +56,13 @@ typedef struct ckpt_task {
 static void ckpt_run(cwork *w)
 {
     ckpt_task *k = (ckpt_task *)w;
+#ifdef NL_TEST_HOOKS
+    /* test builds: NL_TEST_MANIFEST_DELAY_MS=T holds every manifest's
+     * writing T ms (a stage lost meanwhile: test_cluster_resume) */
+    const char *delay = getenv("NL_TEST_MANIFEST_DELAY_MS");
+    if (delay && atoi(delay) > 0)
+        usleep((useconds_t)atoi(delay) * 1000u);
+#endif
     for (int i = 0; i < k->mf.n_shards; i++)
         k->mf.shards[i].tf32 = coord_train_shard_tf32(k->mf.shards[i].path);
     k->st = nl_manifest_write(k->path, &k->mf, &k->err);
@@ -142,6 +150,27 @@ static int grow_at_checkpoint(nl_coord *c, cjob *j)
     return 1;
 }
 
+/* A stage was lost while this manifest was being written: every shard was
+ * in, and re-planning waited for the worker (coord.c). The job resumes
+ * from this checkpoint rather than the one before: less work is redone,
+ * and the replay never meets the checkpoint's files, which a stage
+ * refuses to overwrite. */
+static void resumed_past(nl_coord *c, cjob *j, ckpt_task *k)
+{
+    ctrain *t = j->state;
+    coord_manifest_install(c, &k->out, 0);
+    c->stages_modified = 0;
+    coord_journal_train(c, j->id, t->journal, k->path);
+    snprintf(t->manifest, sizeof t->manifest, "%s", k->path);
+    t->manifest_step = k->mf.step;
+    NL_INFO("train job %llu: checkpoint of step %lld: %s (written while a stage was lost: the "
+            "job resumes from it)",
+            (unsigned long long)j->id, (long long)k->mf.step, k->path);
+    json_t *o = json_pack("{s:s,s:I,s:s}", "event", "checkpoint", "step", (json_int_t)k->mf.step,
+                          "manifest", k->path);
+    coord_train_report(c, j, NL_JOB_RUNNING, "checkpoint", o);
+}
+
 /* The manifest is written and verified: it becomes the source; report it
  * and go on. A job that ended meanwhile leaves the source as it was (its
  * stages reload from there). */
@@ -150,6 +179,11 @@ static void ckpt_done(nl_coord *c, cwork *w)
     ckpt_task *k = (ckpt_task *)w;
     cjob *j = coord_job_find(c, w->job_id);
     ctrain *t = j ? j->state : NULL;
+    c->manifests_writing--;
+    if (t && t->phase == TR_LOADING && k->st == NL_OK && k->mf.step > c->src_step) {
+        resumed_past(c, j, k);
+        return;
+    }
     if (!t || t->phase != TR_CKPT || t->step != k->mf.step)
         return;
     if (k->st != NL_OK) {
@@ -257,4 +291,6 @@ void coord_train_write_manifest(nl_coord *c, cjob *j)
     }
     if (coord_work_start(c, &k->w, &e) != NL_OK)
         coord_train_fail(c, j, "checkpoint of step %lld: %s", (long long)t->step, e.msg);
+    else
+        c->manifests_writing++;
 }
