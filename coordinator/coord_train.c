@@ -313,7 +313,8 @@ void coord_train_begin(nl_coord *c, cjob *j)
         json_array_append_new(devices, n ? json_string(n->device) : json_null());
     }
     json_object_set_new(o, "devices", devices);
-    if (t->resumes > 0) { /* the nodes' plan after a loss */
+    if (t->resumes > 0 && t->t_lost > 0) { /* the nodes' plan after a loss (not a re-plan at a
+                                                checkpoint that follows one) */
         json_object_set_new(o, "resumes", json_integer(t->resumes));
         json_object_set_new(o, "plan", json_integer((json_int_t)c->epoch));
         json_object_set_new(o, "since_lost_s", jnum(coord_now() - t->t_lost));
@@ -322,7 +323,8 @@ void coord_train_begin(nl_coord *c, cjob *j)
                 (unsigned long long)j->id, (long long)t->start, (unsigned long long)c->epoch,
                 t->stages, coord_now() - t->t_lost, t->resumes, c->o.train_resumes);
     }
-    coord_train_report(c, j, NL_JOB_RUNNING, t->resumes > 0 ? "resumed" : "starting", o);
+    coord_train_report(c, j, NL_JOB_RUNNING, t->resumes > 0 && t->t_lost > 0 ? "resumed" : "starting",
+                       o);
     NL_INFO("train job %llu: %lld steps of %lld x %lld in %lld microbatches on %d stages, from "
             "step %lld%s",
             (unsigned long long)j->id, (long long)t->steps, (long long)t->batch, (long long)t->seq,
