@@ -760,7 +760,9 @@ static int train_main(int argc, char **argv, int finetune)
         {"objective", 1,
          "clm (next token), mlm (masked tokens, DESIGN 6: mask_prob of the positions, mask id "
          "<|pad|>) or classify (DATA: one label<TAB>text example per line; the model needs "
-         "num_classes); default: the config's objective",
+         "num_classes; each evaluation scores the whole held-out split, each example once); "
+         "default: the config's objective. The same on a cluster (--cluster: the coordinator "
+         "checks it against the cluster's model)",
          NULL},
         {"lora-rank", 1, "finetune: rank r of the adapters (default 8)", NULL},
         {"lora-alpha", 1, "finetune: alpha; the adapters add (alpha / r) x A^T B^T (default 16)",
