@@ -301,22 +301,24 @@ static void on_start(watch *w, const json_t *ev)
     }
     const int classify = json_object_get(ev, "examples") != NULL;
     const char *obj = json_string_value(json_object_get(ev, "objective"));
-    char what[96];
+    char what[96], objective[48] = ""; /* next-token says nothing (as before objectives) */
     if (classify)
         snprintf(what, sizeof what, "%lld examples into %lld classes", integer(ev, "examples", 0),
                  integer(ev, "classes", 0));
     else
         snprintf(what, sizeof what, "%lld tokens", integer(ev, "tokens", 0));
+    if (obj && strcmp(obj, "clm") != 0) /* a coordinator's word: letters only, or "?" */
+        snprintf(objective, sizeof objective, " (objective %s)",
+                 strlen(obj) < 16 && strspn(obj, "abcdefghijklmnopqrstuvwxyz") == strlen(obj)
+                     ? obj
+                     : "?");
     fprintf(stderr,
             "training %lld parameters on %s (%lld held out): %" PRId64 " steps of %lld x "
-            "%lld in %lld microbatches on %lld pipeline stages%s%s%s (objective %s)\n",
+            "%lld in %lld microbatches on %lld pipeline stages%s%s%s%s\n",
             integer(ev, "params", 0), what, integer(ev, "held_out", 0), w->steps,
             integer(ev, "batch", w->o->r.batch), integer(ev, "seq", w->o->r.seq),
             integer(ev, "microbatches", w->o->r.micro), integer(ev, "stages", 0),
-            w->devices[0] ? " (devices " : "", w->devices, w->devices[0] ? ")" : "",
-            obj && strlen(obj) < 16 && strspn(obj, "abcdefghijklmnopqrstuvwxyz") == strlen(obj)
-                ? obj
-                : "?");
+            w->devices[0] ? " (devices " : "", w->devices, w->devices[0] ? ")" : "", objective);
 }
 
 static nl_status on_step(watch *w, const json_t *ev, nl_error *err)
