@@ -136,8 +136,9 @@ static int read_opts(rtrain_opts *o, const nl_flag *flags)
         return 2;
     }
     if (o->finetune && o->objective && strcmp(o->objective, "clm") != 0) {
-        fprintf(stderr, "--objective %s: fine-tuning on a cluster trains next-token prediction "
-                        "(clm); fine-tune in one process for mlm or classify\n",
+        fprintf(stderr,
+                "--objective %s: fine-tuning on a cluster trains next-token prediction "
+                "(clm); fine-tune in one process for mlm or classify\n",
                 o->objective);
         return 2;
     }
@@ -554,8 +555,7 @@ static nl_status submit(nl_remote *r, const rtrain_opts *o, nl_error *err)
         ps[n++] =
             (nl_wire_param){.key = "learn_vocab", .kind = NL_WIRE_PARAM_INT, .i = o->learn_vocab};
     if (o->objective)
-        ps[n++] =
-            (nl_wire_param){.key = "objective", .kind = NL_WIRE_PARAM_STR, .s = o->objective};
+        ps[n++] = (nl_wire_param){.key = "objective", .kind = NL_WIRE_PARAM_STR, .s = o->objective};
     if (o->resume)
         ps[n++] = (nl_wire_param){.key = "resume", .kind = NL_WIRE_PARAM_STR, .s = o->resume};
     return nl_remote_submit(r, NL_JOB_TRAIN, ps, n, NULL, 0, 0, err);

@@ -167,8 +167,8 @@ static int send_hop(nl_coord *c, cjob *j, nl_msg_type type, uint64_t step, uint3
  * classification's examples (the held-out split in order, each once).
  * *valid: the predictions its loss is over (for classification, the
  * sequences; of a held-out batch, the examples in it). */
-static nl_status make_batch(const nl_coord *c, ctrain *t, int split, uint64_t index,
-                            int64_t *valid, nl_error *e)
+static nl_status make_batch(const nl_coord *c, ctrain *t, int split, uint64_t index, int64_t *valid,
+                            nl_error *e)
 {
     const int B = (int)t->batch, T = (int)t->seq;
     nl_status st;
@@ -187,9 +187,9 @@ static nl_status make_batch(const nl_coord *c, ctrain *t, int split, uint64_t in
     st = nl_dataset_batch(t->ds, split, (uint64_t)t->seed, index, B, T, t->tokens, t->targets, e);
     *valid = (int64_t)B * T;
     if (st == NL_OK && t->objective == NL_OBJ_MLM)
-        *valid = (int64_t)nl_mlm_mask(t->tokens, t->targets, (size_t)B * T, c->cfg.mask_prob,
-                                      c->cfg.vocab_size, (uint64_t)t->seed + (uint64_t)split,
-                                      index);
+        *valid =
+            (int64_t)nl_mlm_mask(t->tokens, t->targets, (size_t)B * T, c->cfg.mask_prob,
+                                 c->cfg.vocab_size, (uint64_t)t->seed + (uint64_t)split, index);
     return st;
 }
 
@@ -351,13 +351,13 @@ void coord_train_begin(nl_coord *c, cjob *j)
     static const char *const obj_names[] = {"clm", "mlm", "classify"};
     const size_t n_all = t->lds ? t->lds->n : t->ds->n,
                  n_train = t->lds ? t->lds->n_train : t->ds->n_train;
-    json_t *o = json_pack(
-        "{s:s,s:I,s:I,s:I,s:I,s:I,s:i,s:I,s:I,s:I,s:s}", "event", "start", "start_step",
-        (json_int_t)t->start, "steps", (json_int_t)t->steps, "params",
-        (json_int_t)nl_config_param_count(&c->cfg), t->lds ? "examples" : "tokens",
-        (json_int_t)n_train, "held_out", (json_int_t)(n_all - n_train), "stages", t->stages,
-        "batch", (json_int_t)t->batch, "seq", (json_int_t)t->seq, "microbatches",
-        (json_int_t)t->micro, "objective", obj_names[t->objective]);
+    json_t *o =
+        json_pack("{s:s,s:I,s:I,s:I,s:I,s:I,s:i,s:I,s:I,s:I,s:s}", "event", "start", "start_step",
+                  (json_int_t)t->start, "steps", (json_int_t)t->steps, "params",
+                  (json_int_t)nl_config_param_count(&c->cfg), t->lds ? "examples" : "tokens",
+                  (json_int_t)n_train, "held_out", (json_int_t)(n_all - n_train), "stages",
+                  t->stages, "batch", (json_int_t)t->batch, "seq", (json_int_t)t->seq,
+                  "microbatches", (json_int_t)t->micro, "objective", obj_names[t->objective]);
     if (o && t->lds)
         json_object_set_new(o, "classes", json_integer(t->lds->n_classes));
     json_t *devices = json_array(); /* each stage's device, as its node's JOIN said */

@@ -129,7 +129,7 @@ typedef struct prep_task {
     cmanifest mf;
     nl_dataset *ds;
     nl_dataset_info info;
-    int classify;     /* the data is labelled examples (lds), split by seed */
+    int classify; /* the data is labelled examples (lds), split by seed */
     uint64_t seed;
     nl_labelled *lds;
     int grow; /* --learn-vocab: v learns from the data and grows the model first */

@@ -221,7 +221,6 @@ typedef struct nl_msg_train_hop {
     uint64_t loss_rows; /* the step's predictions, or 0 */
 } nl_msg_train_hop;
 
-
 typedef struct nl_msg_token {
     uint64_t job_id, session_id;
     uint32_t ntokens; /* <= 4096 */

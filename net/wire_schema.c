@@ -196,8 +196,8 @@ static const nl_wire_tdesc tdescs[NL_MSG_TYPE_MAX] = {
     /* a training step's counting pass and an evaluation: as ACTIVATION */
     [NL_MSG_COUNT] = {"COUNT", f_train_hop, NF(f_train_hop), 1, 5, 1, NL_MAX_DIMS,
                       DT_FLOAT | DT(I32), check_activation},
-    [NL_MSG_EVAL] = {"EVAL", f_train_hop, NF(f_train_hop), 1, 5, 1, NL_MAX_DIMS,
-                     DT_FLOAT | DT(I32), check_activation},
+    [NL_MSG_EVAL] = {"EVAL", f_train_hop, NF(f_train_hop), 1, 5, 1, NL_MAX_DIMS, DT_FLOAT | DT(I32),
+                     check_activation},
     [NL_MSG_TOKEN] = {"TOKEN", f_token, NF(f_token), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_JOB_SUBMIT] = {"JOB_SUBMIT", f_job_submit, NF(f_job_submit), 0, 4, 1, NL_MAX_DIMS,
                            DT(I32) | DT(I64) | DT(F32), check_job_submit},
@@ -499,13 +499,15 @@ static nl_status check_activation(const nl_wire_msg *m, const nl_wire_tdesc *td,
         if (!(x & (1u << bit)))
             continue;
         if (f >= m->nframes)
-            return nl_error_set(err, NL_ERR_PROTO, "%s: extras %u names %s, but frame %d is missing",
-                                td->name, x, what[bit], f);
+            return nl_error_set(err, NL_ERR_PROTO,
+                                "%s: extras %u names %s, but frame %d is missing", td->name, x,
+                                what[bit], f);
         const nl_tensor *t = &m->frames[f].t;
         const int want_dims = bit < 2 ? 2 : 1;
         if (t->dtype != NL_DTYPE_I32 || t->ndim != want_dims)
-            return nl_error_set(err, NL_ERR_DTYPE, "%s: frame %d (%s) must be I32 of %d dimension%s",
-                                td->name, f, what[bit], want_dims, want_dims > 1 ? "s" : "");
+            return nl_error_set(err, NL_ERR_DTYPE,
+                                "%s: frame %d (%s) must be I32 of %d dimension%s", td->name, f,
+                                what[bit], want_dims, want_dims > 1 ? "s" : "");
         f++;
     }
     if (f != m->nframes)

@@ -375,8 +375,7 @@ static nl_status run_eval(nl_stage *s, const hop_in *h, nl_stage_send_fn send, v
         st = eval_labels(s, p, h, err);
     if (st == NL_OK)
         st = nl_trainer_forward(p->tr, 0, t->mbB, t->T, tokens, x, h->e.targets, &ce, NULL, err);
-    if (st == NL_OK && classify &&
-        (st = nl_trainer_class_probs(p->tr, 0, t->probs, err)) == NL_OK)
+    if (st == NL_OK && classify && (st = nl_trainer_class_probs(p->tr, 0, t->probs, err)) == NL_OK)
         nl_labelled_score(t->probs, h->e.labels, t->mbB, s->model->cfg.num_classes, &t->eval_ce,
                           &t->eval_right, &t->eval_n);
     nl_trainer_set_labels(p->tr, NULL, NULL, 0, 0, NULL);
@@ -395,9 +394,9 @@ static nl_status run_eval(nl_stage *s, const hop_in *h, nl_stage_send_fn send, v
         return NL_OK;
     }
     nl_wire_msg_reset(&t->tx, NL_MSG_LOSS);
-    t->tx.u.loss = (nl_msg_loss){t->job, h->step, true, t->eval_ce, 0.0,
-                                 t->eval_classify ? (uint64_t)t->eval_n
-                                                  : (uint64_t)t->evals * t->rows};
+    t->tx.u.loss = (nl_msg_loss){
+        t->job,     h->step, true,
+        t->eval_ce, 0.0,     t->eval_classify ? (uint64_t)t->eval_n : (uint64_t)t->evals * t->rows};
     t->tx.u.train_loss.correct = t->eval_classify ? (uint64_t)t->eval_right : 0;
     t->evals = 0;
     t->eval_ce = 0.0;

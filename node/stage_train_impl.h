@@ -27,8 +27,8 @@ typedef struct hop_in {
     uint64_t step;
     uint32_t mb;
     double aux;
-    void *x;     /* tokens (I32, rows) on the first stage, else hidden (F32, rows x d) */
-    hop_extra e; /* the rest of its frames */
+    void *x;      /* tokens (I32, rows) on the first stage, else hidden (F32, rows x d) */
+    hop_extra e;  /* the rest of its frames */
     size_t bytes; /* of all its frames */
 } hop_in;
 
@@ -54,12 +54,12 @@ typedef struct rjob {
     uint64_t step;
     uint32_t mb;
     int slot;
-    double aux;       /* the hop's */
-    void *x;          /* owned: tokens or hidden states of a hop, or a GRADIENT's dy (host) */
-    hop_extra e;      /* owned: the hop's other frames (JOB_BEGIN: loss_rows only) */
-    bool inject_nan;  /* test hook: a NaN into this forward's gradient */
-    bool last;        /* the step's last counting pass or backward */
-    float lr, clip;   /* JOB_STEP */
+    double aux;      /* the hop's */
+    void *x;         /* owned: tokens or hidden states of a hop, or a GRADIENT's dy (host) */
+    hop_extra e;     /* owned: the hop's other frames (JOB_BEGIN: loss_rows only) */
+    bool inject_nan; /* test hook: a NaN into this forward's gradient */
+    bool last;       /* the step's last counting pass or backward */
+    float lr, clip;  /* JOB_STEP */
     /* results */
     nl_msg_type out_type; /* what out holds to send (COUNT, ACTIVATION, GRADIENT), or 0 */
     float *out;           /* host, rows x d: kept for the job's next use */

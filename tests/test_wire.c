@@ -281,7 +281,7 @@ static bool heartbeat_field_zero(const nl_msg_heartbeat *h, const char *key)
 static bool added_later(nl_msg_type t, const nl_wire_msg *d, const char *key)
 {
     if (t == NL_MSG_ACTIVATION || t == NL_MSG_COUNT || t == NL_MSG_EVAL)
-        return strcmp(key, "extras") == 0    ? d->u.train_hop.extras == 0
+        return strcmp(key, "extras") == 0      ? d->u.train_hop.extras == 0
                : strcmp(key, "loss_rows") == 0 ? d->u.train_hop.loss_rows == 0
                                                : false;
     return t == NL_MSG_LOSS && strcmp(key, "correct") == 0 && d->u.train_loss.correct == 0;
@@ -465,10 +465,9 @@ static void extras_sample(nl_wire_msg *m, nl_msg_type type, unsigned extras)
     m->u.hop = (nl_msg_tensor_hop){11, 250, 3, 0, 0, 0.0};
     nl_wire_frame_set(&m->frames[0], hx_tokens, NL_DTYPE_I32, sh, 2);
     m->nframes = 1;
-    nl_wire_hop_set_extras(m, 2, 5, extras & NL_HOP_TARGETS ? hx_targets : NULL,
-                           extras & NL_HOP_DOCS ? hx_docs : NULL,
-                           extras & NL_HOP_LABELS ? hx_labels : NULL,
-                           extras & NL_HOP_LENGTHS ? hx_lengths : NULL);
+    nl_wire_hop_set_extras(
+        m, 2, 5, extras & NL_HOP_TARGETS ? hx_targets : NULL, extras & NL_HOP_DOCS ? hx_docs : NULL,
+        extras & NL_HOP_LABELS ? hx_labels : NULL, extras & NL_HOP_LENGTHS ? hx_lengths : NULL);
     m->u.train_hop.loss_rows = extras & NL_HOP_LABELS ? 2 : 3;
 }
 
@@ -494,9 +493,9 @@ static void test_train_hops(void)
             nl_status st = enc_msg(&m, &e, NULL, &err);
             if (st == NL_OK)
                 st = nl_wire_decode(&d, e.parts, e.nparts, NULL, &err);
-            CHECK(st == NL_OK && d.u.train_hop.extras == x && d.u.train_hop.loss_rows ==
-                                                                   m.u.train_hop.loss_rows &&
-                      d.u.hop.step == 250 && d.u.hop.microbatch == 3,
+            CHECK(st == NL_OK && d.u.train_hop.extras == x &&
+                      d.u.train_hop.loss_rows == m.u.train_hop.loss_rows && d.u.hop.step == 250 &&
+                      d.u.hop.microbatch == 3,
                   "%s extras %u: %s", nl_wire_type_name(types[ti]), x,
                   st == NL_OK ? "decoded wrong" : err.msg);
             if (st != NL_OK)
@@ -537,8 +536,8 @@ static void test_train_hops(void)
         int nframes, ndim1;
         const char *want;
     } bad[] = {
-        {NL_MSG_ACTIVATION, 16, 1, 0, "extras"},        /* a bit past the last */
-        {NL_MSG_ACTIVATION, NL_HOP_DOCS, 1, 0, "missing"}, /* names a frame not sent */
+        {NL_MSG_ACTIVATION, 16, 1, 0, "extras"},              /* a bit past the last */
+        {NL_MSG_ACTIVATION, NL_HOP_DOCS, 1, 0, "missing"},    /* names a frame not sent */
         {NL_MSG_ACTIVATION, NL_HOP_TARGETS, 3, 2, "names 2"}, /* a frame more */
         {NL_MSG_ACTIVATION, NL_HOP_LABELS, 2, 2, "labels"},   /* labels of 2 dimensions */
         {NL_MSG_EVAL, 0, 3, 2, "names none"},                 /* older form, 3 frames */
@@ -547,8 +546,8 @@ static void test_train_hops(void)
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         extras_sample(&m, bad[i].type, 0);
         for (int f = 1; f < bad[i].nframes; f++)
-            nl_wire_frame_set(&m.frames[f], hx_targets, NL_DTYPE_I32, bad[i].ndim1 == 2 ? sh : sh + 1,
-                              bad[i].ndim1 == 2 ? 2 : 1);
+            nl_wire_frame_set(&m.frames[f], hx_targets, NL_DTYPE_I32,
+                              bad[i].ndim1 == 2 ? sh : sh + 1, bad[i].ndim1 == 2 ? 2 : 1);
         m.nframes = bad[i].nframes;
         m.u.train_hop.extras = bad[i].extras;
         st = enc_msg(&m, &e, NULL, &err);
