@@ -644,6 +644,12 @@ static int run_classify(const train_opts *o)
         nl_labelled_load(&ds, o->data, cm.tokenizer, cfg.vocab_size, o->r.holdout,
                          (uint64_t)o->r.seed, &err) != NL_OK)
         goto out;
+    if (o->r.eval_every > 0 && ds->n == ds->n_train) {
+        nl_error_set(&err, NL_ERR_INVALID,
+                     "%s: holdout %g of %zu examples holds none out to evaluate", o->data,
+                     o->r.holdout, ds->n);
+        goto out;
+    }
     if (ds->n_classes > cfg.num_classes) {
         nl_error_set(&err, NL_ERR_SHAPE, "%s: %d classes, but the model's num_classes is %d",
                      o->data, ds->n_classes, cfg.num_classes);

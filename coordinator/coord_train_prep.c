@@ -233,6 +233,11 @@ static void prep_done(nl_coord *c, cwork *w)
         coord_train_fail(c, j, "%s", why);
         return;
     }
+    if (p->lds && t->eval_every > 0 && p->lds->n == p->lds->n_train) {
+        coord_train_fail(c, j, "%s: holdout %g of %zu examples holds none out to evaluate", t->data,
+                         t->holdout, p->lds->n);
+        return;
+    }
     if (p->lds && p->lds->n_classes > c->cfg.num_classes) {
         coord_train_fail(c, j, "%s: %d classes, but the model's num_classes is %d", t->data,
                          p->lds->n_classes, c->cfg.num_classes);

@@ -117,6 +117,16 @@ out=$("$N" train --cluster "$C" --objective classify --data "$W/broken.tsv" --st
 echo "$out" | tail -1
 check test $rc -ne 0
 check grep -q "broken.tsv:2: expected label<TAB>text" <<< "$out"
+printf 'red\tapple\nblue\tsea\n' > "$W/two.tsv" # 10% of 2 examples: none held out
+out=$("$N" train --cluster "$C" --objective classify --data "$W/two.tsv" --steps 1 --batch 2 \
+  --seq 8 --eval-every 1 --checkpoint-dir "$W/ck_two" 2>&1); rc=$?
+echo "$out" | tail -1
+check test $rc -ne 0
+check grep -q "two.tsv: holdout 0.1 of 2 examples holds none out to evaluate" <<< "$out"
+out=$("$N" train "${DEV[@]}" --model "$W/enc.safetensors" --objective classify --data "$W/two.tsv" \
+  --steps 1 --batch 2 --seq 8 --eval-every 1 --checkpoint-dir "$W/ck_two_local" 2>&1); rc=$?
+check test $rc -ne 0
+check grep -q "two.tsv: holdout 0.1 of 2 examples holds none out to evaluate" <<< "$out"
 out=$("$N" train --cluster "$C" --objective next --data "$W/data.txt" --steps 1 2>&1); rc=$?
 check test $rc -eq 2
 check grep -q "'next' is not clm, mlm or classify" <<< "$out"
