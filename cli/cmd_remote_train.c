@@ -46,6 +46,7 @@ typedef struct rtrain_opts {
     double lora_alpha;
     const char *lora_targets;
     long long learn_vocab; /* --learn-vocab: ids the cluster's tokenizer learns from the data */
+    const char *objective; /* --objective clm|mlm|classify, or NULL: the model's config's */
 } rtrain_opts;
 
 /* ---------------------------------------------------------------- flags */
@@ -128,6 +129,19 @@ static int read_opts(rtrain_opts *o, const nl_flag *flags)
     if ((rc = nl_train_run_read(flags, &o->r)))
         return rc;
     o->seq_default = !nl_args_get(flags, "seq");
+    /* the coordinator checks it against the model (mask id, classifier) */
+    if ((o->objective = nl_args_get(flags, "objective")) && strcmp(o->objective, "clm") != 0 &&
+        strcmp(o->objective, "mlm") != 0 && strcmp(o->objective, "classify") != 0) {
+        fprintf(stderr, "--objective: '%.40s' is not clm, mlm or classify\n", o->objective);
+        return 2;
+    }
+    if (o->finetune && o->objective && strcmp(o->objective, "clm") != 0) {
+        fprintf(stderr,
+                "--objective %s: fine-tuning on a cluster trains next-token prediction "
+                "(clm); fine-tune in one process for mlm or classify\n",
+                o->objective);
+        return 2;
+    }
     if (nl_args_get(flags, "learn-vocab") &&
         (rc = nl_args_int(flags, "learn-vocab", 1, 1 << 24, &o->learn_vocab)))
         return rc;
@@ -286,13 +300,26 @@ static void on_start(watch *w, const json_t *ev)
     } else if (S > 0) {
         fprintf(stderr, "resuming at step %lld\n", S);
     }
+    const int classify = json_object_get(ev, "examples") != NULL;
+    const char *obj = json_string_value(json_object_get(ev, "objective"));
+    char what[96], objective[48] = ""; /* next-token says nothing (as before objectives) */
+    if (classify)
+        snprintf(what, sizeof what, "%lld examples into %lld classes", integer(ev, "examples", 0),
+                 integer(ev, "classes", 0));
+    else
+        snprintf(what, sizeof what, "%lld tokens", integer(ev, "tokens", 0));
+    if (obj && strcmp(obj, "clm") != 0) /* a coordinator's word: letters only, or "?" */
+        snprintf(objective, sizeof objective, " (objective %s)",
+                 strlen(obj) < 16 && strspn(obj, "abcdefghijklmnopqrstuvwxyz") == strlen(obj)
+                     ? obj
+                     : "?");
     fprintf(stderr,
-            "training %lld parameters on %lld tokens (%lld held out): %" PRId64 " steps of %lld x "
-            "%lld in %lld microbatches on %lld pipeline stages%s%s%s\n",
-            integer(ev, "params", 0), integer(ev, "tokens", 0), integer(ev, "held_out", 0),
-            w->steps, integer(ev, "batch", w->o->r.batch), integer(ev, "seq", w->o->r.seq),
+            "training %lld parameters on %s (%lld held out): %" PRId64 " steps of %lld x "
+            "%lld in %lld microbatches on %lld pipeline stages%s%s%s%s\n",
+            integer(ev, "params", 0), what, integer(ev, "held_out", 0), w->steps,
+            integer(ev, "batch", w->o->r.batch), integer(ev, "seq", w->o->r.seq),
             integer(ev, "microbatches", w->o->r.micro), integer(ev, "stages", 0),
-            w->devices[0] ? " (devices " : "", w->devices, w->devices[0] ? ")" : "");
+            w->devices[0] ? " (devices " : "", w->devices, w->devices[0] ? ")" : "", objective);
 }
 
 static nl_status on_step(watch *w, const json_t *ev, nl_error *err)
@@ -331,6 +358,10 @@ static nl_status on_step(watch *w, const json_t *ev, nl_error *err)
         s.tf32 = json_is_true(tf32);
     w->skipped += s.skipped;
     nl_train_report_step(&w->prog, &s, w->log);
+    if (json_object_get(ev, "eval_accuracy")) { /* classify: over the whole held-out split */
+        nl_train_progress_break(&w->prog);
+        fprintf(stderr, "held-out accuracy %.4f\n", num(ev, "eval_accuracy"));
+    }
     return NL_OK;
 }
 
@@ -523,6 +554,8 @@ static nl_status submit(nl_remote *r, const rtrain_opts *o, nl_error *err)
     if (o->learn_vocab > 0)
         ps[n++] =
             (nl_wire_param){.key = "learn_vocab", .kind = NL_WIRE_PARAM_INT, .i = o->learn_vocab};
+    if (o->objective)
+        ps[n++] = (nl_wire_param){.key = "objective", .kind = NL_WIRE_PARAM_STR, .s = o->objective};
     if (o->resume)
         ps[n++] = (nl_wire_param){.key = "resume", .kind = NL_WIRE_PARAM_STR, .s = o->resume};
     return nl_remote_submit(r, NL_JOB_TRAIN, ps, n, NULL, 0, 0, err);
@@ -650,6 +683,11 @@ static int remote_main(int argc, char **argv, int finetune)
          "before training, the cluster's tokenizer learns up to N ids from --data (text) and the "
          "model's tables grow past their capacity (docs/cluster.md, \"Growth\")",
          NULL},
+        {"objective", 1,
+         "clm (next token), mlm (masked tokens) or classify (DATA: label<TAB>text lines; the "
+         "model needs num_classes); default: the cluster model's config's objective; the "
+         "coordinator checks it against the model",
+         NULL},
         {"attach", 1,
          "follow training job JOB that runs already (after the client or the coordinator "
          "restarted; neuroctl jobs lists them): its progress, --log and --out",
@@ -674,7 +712,8 @@ static int remote_main(int argc, char **argv, int finetune)
                         "DIR) --data DATA --steps N [--batch B] [--seq T] [--microbatches M] "
                         "[--lr X] [--warmup W] [--seed S] [--eval-every K] [--checkpoint-every K] "
                         "[--log LOG.jsonl] [--out FINAL.safetensors [--force]] "
-                        "[--resume MANIFEST] [--learn-vocab N] | --attach JOB [--log LOG.jsonl] "
+                        "[--resume MANIFEST] [--learn-vocab N] [--objective clm|mlm|classify] | "
+                        "--attach JOB [--log LOG.jsonl] "
                         "[--out FINAL.safetensors [--force]]";
     if (finetune)
         usage = "neuroctl finetune (--coordinator EP --key K --coordinator-key P | --cluster DIR) "

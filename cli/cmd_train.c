@@ -562,35 +562,41 @@ static int check_against_model(const nl_flag *flags, train_opts *o)
 
 /* ---------------------------------------------------------------- classify */
 
-/* Held-out loss and accuracy of the classifier over eval_batches batches. */
+/* Held-out loss and accuracy of the classifier over the whole held-out
+ * split, in order, each example once (the last batch is partial: its
+ * other rows are scored out), in microbatches as a cluster evaluates. */
 static nl_status eval_classify(nl_trainer *tr, const nl_labelled *ds, const train_opts *o, int K,
                                int32_t *tokens, int32_t *lengths, int32_t *labels, int32_t *doc,
                                float *probs, double *loss, double *acc, nl_error *err)
 {
-    const int B = (int)o->r.batch, T = (int)o->r.seq;
-    double ce = 0.0;
+    const int B = (int)o->r.batch, T = (int)o->r.seq, M = (int)o->r.micro, mb = B / M;
+    const size_t batches = nl_labelled_eval_batches(ds, B);
+    double ce = 0.0, ignored = 0.0;
     int64_t right = 0, n = 0;
-    nl_status st = NL_OK;
-    for (long long i = 0; i < o->r.eval_batches && st == NL_OK; i++) {
-        if ((st = nl_labelled_batch(ds, 1, (uint64_t)o->r.seed, (uint64_t)i, B, T, tokens, lengths,
-                                    labels, doc, err)) != NL_OK)
+    int32_t *given = malloc((size_t)mb * sizeof *given);
+    nl_status st = given ? NL_OK : nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+    for (size_t i = 0; i < batches && st == NL_OK; i++) {
+        if ((st = nl_labelled_eval_batch(ds, i, B, T, tokens, lengths, labels, doc, NULL, err)) !=
+            NL_OK)
             break;
         nl_trainer_begin_step(tr, (int64_t)B * T);
         nl_trainer_set_loss_rows(tr, B);
-        if ((st = nl_trainer_set_docs(tr, doc, B * T, err)) != NL_OK ||
-            (st = nl_trainer_set_labels(tr, labels, lengths, B, T, err)) != NL_OK ||
-            (st = nl_trainer_forward(tr, 0, B, T, tokens, NULL, NULL, &ce, NULL, err)) != NL_OK ||
-            (st = nl_trainer_class_probs(tr, 0, probs, err)) != NL_OK)
-            break;
-        for (int b = 0; b < B; b++, n++) {
-            int best = 0;
-            for (int k = 1; k < K; k++)
-                best = probs[(size_t)b * K + k] > probs[(size_t)b * K + best] ? k : best;
-            right += best == labels[b];
+        for (int j = 0; j < M && st == NL_OK; j++) {
+            const size_t r0 = (size_t)j * mb * T;
+            for (int b = 0; b < mb; b++) /* the rows past the split: any class, scored out */
+                given[b] = labels[j * mb + b] < 0 ? 0 : labels[j * mb + b];
+            if ((st = nl_trainer_set_docs(tr, doc + r0, mb * T, err)) != NL_OK ||
+                (st = nl_trainer_set_labels(tr, given, lengths + j * mb, mb, T, err)) != NL_OK ||
+                (st = nl_trainer_forward(tr, 0, mb, T, tokens + r0, NULL, NULL, &ignored, NULL,
+                                         err)) != NL_OK ||
+                (st = nl_trainer_class_probs(tr, 0, probs, err)) != NL_OK)
+                break;
+            nl_labelled_score(probs, labels + j * mb, mb, K, &ce, &right, &n);
         }
     }
     nl_trainer_set_labels(tr, NULL, NULL, 0, 0, NULL);
     nl_trainer_set_docs(tr, NULL, 0, NULL);
+    free(given);
     *loss = n ? ce / (double)n : 0.0;
     *acc = n ? (double)right / (double)n : 0.0;
     return st;
@@ -638,6 +644,12 @@ static int run_classify(const train_opts *o)
         nl_labelled_load(&ds, o->data, cm.tokenizer, cfg.vocab_size, o->r.holdout,
                          (uint64_t)o->r.seed, &err) != NL_OK)
         goto out;
+    if (o->r.eval_every > 0 && ds->n == ds->n_train) {
+        nl_error_set(&err, NL_ERR_INVALID,
+                     "%s: holdout %g of %zu examples holds none out to evaluate", o->data,
+                     o->r.holdout, ds->n);
+        goto out;
+    }
     if (ds->n_classes > cfg.num_classes) {
         nl_error_set(&err, NL_ERR_SHAPE, "%s: %d classes, but the model's num_classes is %d",
                      o->data, ds->n_classes, cfg.num_classes);
@@ -754,7 +766,9 @@ static int train_main(int argc, char **argv, int finetune)
         {"objective", 1,
          "clm (next token), mlm (masked tokens, DESIGN 6: mask_prob of the positions, mask id "
          "<|pad|>) or classify (DATA: one label<TAB>text example per line; the model needs "
-         "num_classes); default: the config's objective",
+         "num_classes; each evaluation scores the whole held-out split, each example once); "
+         "default: the config's objective. The same on a cluster (--cluster: the coordinator "
+         "checks it against the cluster's model)",
          NULL},
         {"lora-rank", 1, "finetune: rank r of the adapters (default 8)", NULL},
         {"lora-alpha", 1, "finetune: alpha; the adapters add (alpha / r) x A^T B^T (default 16)",

@@ -10,6 +10,7 @@
 
 #include "coord.h"
 #include "core/data.h"
+#include "core/labelled.h"
 #include "core/manifest.h"
 #include "core/planner.h"
 #include "core/safetensors.h"
@@ -190,6 +191,10 @@ typedef enum {
     TR_GROW
 } tr_phase;
 
+/* A training job's objective: NL_OBJ_CLM, NL_OBJ_MLM (core/config.h) or
+ * classification (labelled data, the model's classifier). */
+enum { COORD_OBJ_CLASSIFY = NL_OBJ_MLM + 1 };
+
 typedef struct ctrain {
     /* the run, as the client asked for it */
     char data[4097], ckpt_dir[1001]; /* CKPT_REQ.dir holds at most 1024 bytes */
@@ -197,10 +202,17 @@ typedef struct ctrain {
     double lr, min_lr, holdout;
     int recompute, final_ckpt;
     int64_t learn_vocab; /* ids the tokenizer learns from the data first (coord_grow.c), or 0 */
+    int objective;       /* NL_OBJ_CLM, NL_OBJ_MLM, COORD_OBJ_CLASSIFY; -1: the model's */
     /* where it is */
     int phase, stages;
-    nl_dataset *ds;
+    nl_dataset *ds;            /* the token stream (clm, mlm) */
+    nl_labelled *lds;          /* the labelled examples (classify) */
     int32_t *tokens, *targets; /* (batch, seq) */
+    int32_t *docs;             /* classify: (batch, seq) the padding's document */
+    int32_t *labels, *lengths; /* classify: (batch) */
+    int64_t valid;             /* the predictions this step's loss is over */
+    double eval_rows;          /* an evaluation's predictions (mlm: the masked ones) */
+    double eval_acc;           /* classify: the last evaluation's accuracy */
     int64_t start, step;       /* steps done */
     int moments;
     int64_t adam; /* AdamW steps the stages have taken */

@@ -65,7 +65,8 @@ static int stage_holds(const nl_coord *c, const nl_plan_stage *s, const char *na
     }
     if (strcmp(name, "tok_embeddings.weight") == 0)
         return s->has_embed;
-    if (strcmp(name, "norm.weight") == 0 || strcmp(name, "lm_head.weight") == 0)
+    if (strcmp(name, "norm.weight") == 0 || strcmp(name, "lm_head.weight") == 0 ||
+        strcmp(name, "classifier.weight") == 0) /* the classifier (num_classes) with the head */
         return s->has_head;
     if (sscanf(name, "layers.%d.%n", &l, &used) == 1 && used > 0)
         return l >= s->l0 && l < s->l1;

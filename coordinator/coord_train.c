@@ -42,8 +42,12 @@ static void train_free(cjob *j)
     if (!t)
         return;
     nl_dataset_destroy(&t->ds);
+    nl_labelled_destroy(&t->lds);
     free(t->tokens);
     free(t->targets);
+    free(t->docs);
+    free(t->labels);
+    free(t->lengths);
     free(t->got);
     coord_train_free_shards(t->shards, t->stages);
     json_decref(t->journal);
@@ -130,27 +134,70 @@ static void unreachable(nl_coord *c, cjob *j, int s)
         coord_train_fail(c, j, "stage %d has no live node", s);
 }
 
-/* A hop of `type` with microbatch j of the batch in tokens/targets to
- * stage 0. */
+/* A hop of `type` with microbatch mb of the batch in t->tokens (and the
+ * objective's arrays: the targets, or classification's documents, labels
+ * and lengths; a COUNT takes the documents only) to stage 0. */
 static int send_hop(nl_coord *c, cjob *j, nl_msg_type type, uint64_t step, uint32_t mb,
-                    const int32_t *tokens, const int32_t *targets)
+                    int64_t loss_rows)
 {
     const ctrain *t = j->state;
-    const int64_t shape[2] = {t->batch / t->micro, t->seq};
+    const int64_t B = t->batch / t->micro, shape[2] = {B, t->seq};
+    const size_t rows = (size_t)B * (size_t)t->seq, m0 = mb % (uint32_t)t->micro;
+    const bool count = type == NL_MSG_COUNT, classify = t->lds != NULL;
     cnode *first = coord_stage_node(c, 0);
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, type);
     m.u.hop = (nl_msg_tensor_hop){j->id, step, mb, 0, 0, 0.0};
-    nl_wire_frame_set(&m.frames[0], tokens, NL_DTYPE_I32, shape, 2); /* copied by the send */
+    nl_wire_frame_set(&m.frames[0], t->tokens + m0 * rows, NL_DTYPE_I32, shape, 2); /* copied */
     m.nframes = 1;
-    if (targets) {
-        nl_wire_frame_set(&m.frames[1], targets, NL_DTYPE_I32, shape, 2);
-        m.nframes = 2;
-    }
+    nl_wire_hop_set_extras(&m, B, t->seq, count || classify ? NULL : t->targets + m0 * rows,
+                           classify ? t->docs + m0 * rows : NULL,
+                           classify && !count ? t->labels + m0 * B : NULL,
+                           classify && !count ? t->lengths + m0 * B : NULL);
+    m.u.train_hop.loss_rows = loss_rows > 0 ? (uint64_t)loss_rows : 0;
     int rc = first && coord_send_node(c, first, &m) == NL_OK ? 0 : -1;
     nl_wire_msg_free(&m);
     return rc;
+}
+
+/* Batch `index` of a split (0: training, 1: held out) of the job's
+ * objective into t->tokens and the rest, as local training makes it
+ * (cli/cmd_train.c): next-token windows; mlm's masked tokens (DESIGN 6);
+ * classification's examples (the held-out split in order, each once).
+ * *valid: the predictions its loss is over (for classification, the
+ * sequences; of a held-out batch, the examples in it). */
+static nl_status make_batch(const nl_coord *c, ctrain *t, int split, uint64_t index, int64_t *valid,
+                            nl_error *e)
+{
+    const int B = (int)t->batch, T = (int)t->seq;
+    nl_status st;
+    if (t->lds && split == 0) {
+        *valid = B;
+        return nl_labelled_batch(t->lds, 0, (uint64_t)t->seed, index, B, T, t->tokens, t->lengths,
+                                 t->labels, t->docs, e);
+    }
+    if (t->lds) {
+        int n = 0;
+        st = nl_labelled_eval_batch(t->lds, (size_t)index, B, T, t->tokens, t->lengths, t->labels,
+                                    t->docs, &n, e);
+        *valid = n;
+        return st;
+    }
+    st = nl_dataset_batch(t->ds, split, (uint64_t)t->seed, index, B, T, t->tokens, t->targets, e);
+    *valid = (int64_t)B * T;
+    if (st == NL_OK && t->objective == NL_OBJ_MLM)
+        *valid =
+            (int64_t)nl_mlm_mask(t->tokens, t->targets, (size_t)B * T, c->cfg.mask_prob,
+                                 c->cfg.vocab_size, (uint64_t)t->seed + (uint64_t)split, index);
+    return st;
+}
+
+/* The held-out batches of an evaluation: eval_batches, or (classify) as
+ * many as the held-out split fills. */
+static int64_t eval_batches(const ctrain *t)
+{
+    return t->lds ? (int64_t)nl_labelled_eval_batches(t->lds, (int)t->batch) : t->eval_batches;
 }
 
 /* ---------------------------------------------------------------- the run */
@@ -282,7 +329,7 @@ void coord_train_begin(nl_coord *c, cjob *j)
         {.key = "moments", .kind = NL_WIRE_PARAM_BOOL, .b = t->moments != 0},
         {.key = "eval_hops",
          .kind = NL_WIRE_PARAM_INT,
-         .i = t->eval_every > 0 ? t->eval_batches * t->micro : 0},
+         .i = t->eval_every > 0 ? eval_batches(t) * t->micro : 0},
     };
     char keys[COORD_GROWTH_PARAMS][24], *texts[COORD_GROWTH_PARAMS] = {NULL};
     int np = 9 + growth_params(c, ps + 9, keys, texts);
@@ -301,12 +348,18 @@ void coord_train_begin(nl_coord *c, cjob *j)
     }
     t->phase = TR_BEGIN;
     t->acks = 0;
-    json_t *o = json_pack(
-        "{s:s,s:I,s:I,s:I,s:I,s:I,s:i,s:I,s:I,s:I}", "event", "start", "start_step",
-        (json_int_t)t->start, "steps", (json_int_t)t->steps, "params",
-        (json_int_t)nl_config_param_count(&c->cfg), "tokens", (json_int_t)t->ds->n_train,
-        "held_out", (json_int_t)(t->ds->n - t->ds->n_train), "stages", t->stages, "batch",
-        (json_int_t)t->batch, "seq", (json_int_t)t->seq, "microbatches", (json_int_t)t->micro);
+    static const char *const obj_names[] = {"clm", "mlm", "classify"};
+    const size_t n_all = t->lds ? t->lds->n : t->ds->n,
+                 n_train = t->lds ? t->lds->n_train : t->ds->n_train;
+    json_t *o =
+        json_pack("{s:s,s:I,s:I,s:I,s:I,s:I,s:i,s:I,s:I,s:I,s:s}", "event", "start", "start_step",
+                  (json_int_t)t->start, "steps", (json_int_t)t->steps, "params",
+                  (json_int_t)nl_config_param_count(&c->cfg), t->lds ? "examples" : "tokens",
+                  (json_int_t)n_train, "held_out", (json_int_t)(n_all - n_train), "stages",
+                  t->stages, "batch", (json_int_t)t->batch, "seq", (json_int_t)t->seq,
+                  "microbatches", (json_int_t)t->micro, "objective", obj_names[t->objective]);
+    if (o && t->lds)
+        json_object_set_new(o, "classes", json_integer(t->lds->n_classes));
     json_t *devices = json_array(); /* each stage's device, as its node's JOIN said */
     for (int s = 0; devices && s < t->stages; s++) {
         cnode *n = coord_stage_node(c, s);
@@ -337,12 +390,13 @@ void coord_train_start_step(nl_coord *c, cjob *j)
     ctrain *t = j->state;
     nl_error e = {0};
     const uint64_t k = (uint64_t)t->step + 1;
-    const size_t rows = (size_t)(t->batch / t->micro) * (size_t)t->seq;
-    if (nl_dataset_batch(t->ds, 0, (uint64_t)t->seed, (uint64_t)t->step, (int)t->batch, (int)t->seq,
-                         t->tokens, t->targets, &e) != NL_OK) {
+    if (make_batch(c, t, 0, (uint64_t)t->step, &t->valid, &e) != NL_OK) {
         coord_train_fail(c, j, "%s", e.msg);
         return;
     }
+    /* the loss rows the last stage's gradient is scaled by: every position
+     * of clm (0 says so), the masked ones of mlm, the sequences of classify */
+    const int64_t loss_rows = t->objective == NL_OBJ_CLM ? 0 : t->valid;
     t->t_step = coord_now();
     t->phase = TR_STEP;
     /* until a checkpoint of these weights is the source (fine-tuning
@@ -354,11 +408,10 @@ void coord_train_start_step(nl_coord *c, cjob *j)
     memset(t->got, 0, (size_t)t->stages);
     /* the batch's expert shares first (DESIGN: frac_e over the whole batch) */
     for (int64_t mb = 0; t->micro > 1 && mb < t->micro; mb++)
-        if (send_hop(c, j, NL_MSG_COUNT, k, (uint32_t)mb, t->tokens + mb * rows, NULL) != 0)
+        if (send_hop(c, j, NL_MSG_COUNT, k, (uint32_t)mb, loss_rows) != 0)
             goto unreachable;
     for (int64_t mb = 0; mb < t->micro; mb++)
-        if (send_hop(c, j, NL_MSG_ACTIVATION, k, (uint32_t)mb, t->tokens + mb * rows,
-                     t->targets + mb * rows) != 0)
+        if (send_hop(c, j, NL_MSG_ACTIVATION, k, (uint32_t)mb, loss_rows) != 0)
             goto unreachable;
     return;
 unreachable:
@@ -378,7 +431,7 @@ static void decide(nl_coord *c, cjob *j)
     ctrain *t = j->state;
     nl_step_result *r = &t->r;
     /* the decision local training makes too (core/train.h) */
-    const double scale = nl_step_decide(r, t->ce, (double)t->batch * (double)t->seq, t->aux,
+    const double scale = nl_step_decide(r, t->ce, t->valid > 0 ? (double)t->valid : 1.0, t->aux,
                                         c->cfg.aux_loss_coef, t->sumsq, NL_TRAIN_CLIP_NORM);
     if (!r->skipped) {
         t->skips = 0;
@@ -407,19 +460,20 @@ static void decide(nl_coord *c, cjob *j)
     j->last_progress = coord_now();
     t->has_eval = 0;
     if (t->eval_every > 0 && (due(t->step, t->eval_every) || t->step == t->steps)) {
-        /* the held-out batches, as local evaluation draws them */
-        const size_t rows_mb = (size_t)(t->batch / t->micro) * (size_t)t->seq;
+        /* the held-out batches, as local evaluation makes them */
         nl_error e = {0};
         t->phase = TR_EVAL;
-        for (int64_t i = 0; i < t->eval_batches; i++) {
-            if (nl_dataset_batch(t->ds, 1, (uint64_t)t->seed, (uint64_t)i, (int)t->batch,
-                                 (int)t->seq, t->tokens, t->targets, &e) != NL_OK) {
+        t->eval_rows = 0.0;
+        for (int64_t i = 0; i < eval_batches(t); i++) {
+            int64_t n = 0;
+            if (make_batch(c, t, 1, (uint64_t)i, &n, &e) != NL_OK) {
                 coord_train_fail(c, j, "evaluation: %s", e.msg);
                 return;
             }
+            t->eval_rows += (double)n;
             for (int64_t mb = 0; mb < t->micro; mb++)
                 if (send_hop(c, j, NL_MSG_EVAL, (uint64_t)t->step, (uint32_t)(i * t->micro + mb),
-                             t->tokens + mb * rows_mb, t->targets + mb * rows_mb) != 0) {
+                             t->lds ? t->batch : 0) != 0) {
                     unreachable(c, j, 0);
                     return;
                 }
@@ -479,6 +533,8 @@ static void after_step(nl_coord *c, cjob *j)
         "tokens_per_s", jnum((double)t->batch * (double)t->seq / t->step_s), "skipped", r->skipped);
     if (o && t->has_eval)
         json_object_set_new(o, "eval_loss", jnum(t->eval_loss));
+    if (o && t->has_eval && t->lds)
+        json_object_set_new(o, "eval_accuracy", jnum(t->eval_acc));
     char msg[64];
     snprintf(msg, sizeof msg, "step %lld of %lld", (long long)t->step, (long long)t->steps);
     coord_train_report(c, j, NL_JOB_RUNNING, msg, o);
@@ -637,8 +693,20 @@ static void on_loss(nl_coord *c, cjob *j, const nl_rx *rx)
             last, l->ce_sum, (long long)t->step);
         return;
     }
+    if (t->lds && (l->rows != (uint64_t)t->eval_rows || rx->msg.u.train_loss.correct > l->rows)) {
+        coord_train_fail(c, j,
+                         "stage %u (the last) scored %llu held-out examples (%llu right) at step "
+                         "%lld, but %.0f were sent: refused",
+                         last, (unsigned long long)l->rows,
+                         (unsigned long long)rx->msg.u.train_loss.correct, (long long)t->step,
+                         t->eval_rows);
+        return;
+    }
     j->last_progress = coord_now();
-    t->eval_loss = l->ce_sum / ((double)t->eval_batches * (double)t->batch * (double)t->seq);
+    /* the mean over the predictions: every position (clm), the masked ones
+     * (mlm), the held-out examples (classify) */
+    t->eval_loss = l->ce_sum / (t->eval_rows > 0 ? t->eval_rows : 1.0);
+    t->eval_acc = t->lds && l->rows ? (double)rx->msg.u.train_loss.correct / (double)l->rows : 0.0;
     t->has_eval = 1;
     after_step(c, j);
 }

@@ -69,6 +69,17 @@ static const char *read_params(ctrain *t, const nl_msg_job_submit *s, const char
             return "learn_vocab (0 to 2^24 ids)";
         t->learn_vocab = p->i;
     }
+    t->objective = -1; /* the model's (its config's objective) */
+    if ((p = coord_param(s, "objective"))) {
+        if (p->kind != NL_WIRE_PARAM_STR)
+            return "objective (clm, mlm or classify)";
+        t->objective = strcmp(p->s, "clm") == 0        ? NL_OBJ_CLM
+                       : strcmp(p->s, "mlm") == 0      ? NL_OBJ_MLM
+                       : strcmp(p->s, "classify") == 0 ? COORD_OBJ_CLASSIFY
+                                                       : -2;
+        if (t->objective == -2)
+            return "objective (clm, mlm or classify)";
+    }
     *resume = (p = coord_param(s, "resume")) && p->kind == NL_WIRE_PARAM_STR ? p->s : NULL;
     if (t->batch % t->micro != 0)
         return "microbatches (must divide batch)";
@@ -76,7 +87,30 @@ static const char *read_params(ctrain *t, const nl_msg_job_submit *s, const char
         return "batch (a microbatch of at most 2^24 rows; eval_batches x microbatches <= 2^30)";
     if (t->eval_every > 0 && t->holdout <= 0.0)
         return "eval_every (needs holdout > 0)";
+    if (t->objective == COORD_OBJ_CLASSIFY && t->learn_vocab > 0)
+        return "learn_vocab (not with objective classify: the vocabulary learns from text)";
     return NULL;
+}
+
+/* The objective against the model, as local training checks it (cli/
+ * cmd_train.c): the config's when the client named none; mlm needs the
+ * mask id in the vocabulary, classify a classifier. NULL, or why not. */
+static const char *objective_refusal(const nl_config *cfg, int *obj, char *why, size_t cap)
+{
+    if (*obj < 0)
+        *obj = cfg->objective;
+    if (*obj == NL_OBJ_MLM && cfg->vocab_size <= NL_CONFIG_MASK_ID)
+        snprintf(why, cap,
+                 "--objective mlm: the model's vocab_size %lld does not hold the mask id %d "
+                 "(<|pad|>)",
+                 (long long)cfg->vocab_size, NL_CONFIG_MASK_ID);
+    else if (*obj == COORD_OBJ_CLASSIFY && cfg->num_classes <= 0)
+        snprintf(why, cap,
+                 "--objective classify: the model has no classifier (set num_classes in its "
+                 "config)");
+    else
+        return NULL;
+    return why;
 }
 
 /* Preparing a job, off the loop: the manifest it resumes from verified
@@ -95,6 +129,9 @@ typedef struct prep_task {
     cmanifest mf;
     nl_dataset *ds;
     nl_dataset_info info;
+    int classify; /* the data is labelled examples (lds), split by seed */
+    uint64_t seed;
+    nl_labelled *lds;
     int grow; /* --learn-vocab: v learns from the data and grows the model first */
     coord_grow_work v;
     double grow_s;
@@ -119,8 +156,11 @@ static void prep_run(cwork *w)
     const int64_t vocab = p->resume ? p->mf.cfg.vocab_size
                           : p->grow ? p->v.grown.vocab_size
                                     : p->vocab;
-    p->st = nl_dataset_load_model(&p->ds, p->data, tok, vocab, p->holdout, "the cluster's model",
-                                  &p->info, &p->err);
+    if (p->classify) /* label<TAB>text lines (core/labelled.h), as local training reads them */
+        p->st = nl_labelled_load(&p->lds, p->data, tok, vocab, p->holdout, p->seed, &p->err);
+    else
+        p->st = nl_dataset_load_model(&p->ds, p->data, tok, vocab, p->holdout,
+                                      "the cluster's model", &p->info, &p->err);
 }
 
 static void prep_free(cwork *w)
@@ -132,6 +172,7 @@ static void prep_free(cwork *w)
     coord_manifest_release(&p->mf);
     coord_grow_release(&p->v);
     nl_dataset_destroy(&p->ds);
+    nl_labelled_destroy(&p->lds);
     free(p);
 }
 
@@ -188,14 +229,33 @@ static void prep_done(nl_coord *c, cwork *w)
     }
     if (p->grow && !install_growth(c, j, p))
         return;
+    if (objective_refusal(&c->cfg, &t->objective, why, sizeof why)) { /* the client's, checked */
+        coord_train_fail(c, j, "%s", why);
+        return;
+    }
+    if (p->lds && t->eval_every > 0 && p->lds->n == p->lds->n_train) {
+        coord_train_fail(c, j, "%s: holdout %g of %zu examples holds none out to evaluate", t->data,
+                         t->holdout, p->lds->n);
+        return;
+    }
+    if (p->lds && p->lds->n_classes > c->cfg.num_classes) {
+        coord_train_fail(c, j, "%s: %d classes, but the model's num_classes is %d", t->data,
+                         p->lds->n_classes, c->cfg.num_classes);
+        return;
+    }
     t->ds = p->ds;
+    t->lds = p->lds;
     p->ds = NULL;
+    p->lds = NULL;
     if (p->info.tokenized)
         NL_INFO("train job %llu: tokenized %s: %zu bytes -> %zu tokens in %.1f s",
                 (unsigned long long)j->id, t->data, p->info.text_bytes, t->ds->n, p->info.encode_s);
     const size_t n = (size_t)t->batch * (size_t)t->seq;
     if (!(t->tokens = malloc(n * sizeof *t->tokens)) ||
-        !(t->targets = malloc(n * sizeof *t->targets))) {
+        !(t->targets = malloc(n * sizeof *t->targets)) ||
+        (t->lds && (!(t->docs = malloc(n * sizeof *t->docs)) ||
+                    !(t->labels = malloc((size_t)t->batch * sizeof *t->labels)) ||
+                    !(t->lengths = malloc((size_t)t->batch * sizeof *t->lengths))))) {
         coord_train_fail(c, j, "out of memory");
         return;
     }
@@ -316,6 +376,10 @@ void coord_train_submit(nl_coord *c, const nl_rx *rx, cft *ft)
     const char *resume = NULL, *bad = read_params(t, s, &resume);
     if (!bad && ft && resume)
         bad = "resume (a fine-tuning job starts its adapters afresh)";
+    if (!bad && ft && t->objective > NL_OBJ_CLM)
+        bad = "objective (a fine-tuning job on a cluster trains next-token prediction)";
+    if (ft)
+        t->objective = NL_OBJ_CLM;
     if (bad) {
         free(p);
         coord_train_fail(c, j, "%s: params.%s is missing or out of range", j->ops->name, bad);
@@ -335,9 +399,21 @@ void coord_train_submit(nl_coord *c, const nl_rx *rx, cft *ft)
         coord_train_fail(c, j, "the cluster is not ready: %s", c->state);
         return;
     }
+    /* the objective against the model it trains now (a resumed one's is
+     * checked again once its manifest is installed) */
+    if (!resume && t->objective != -1) {
+        int obj = t->objective;
+        if (objective_refusal(&c->cfg, &obj, why, sizeof why)) {
+            free(p);
+            coord_train_fail(c, j, "train: %s", why);
+            return;
+        }
+    }
     p->w = (cwork){.run = prep_run, .done = prep_done, .free = prep_free, .job_id = j->id};
     p->vocab = c->cfg.vocab_size;
     p->holdout = t->holdout;
+    p->classify = t->objective == COORD_OBJ_CLASSIFY;
+    p->seed = (uint64_t)t->seed;
     int oom = 0;
     p->resume = coord_train_dup(resume, &oom);
     p->data = coord_train_dup(t->data, &oom);

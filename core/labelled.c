@@ -2,6 +2,7 @@
  * tokenize, sort the class names, split and draw batches (labelled.h). */
 #include "labelled.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -224,6 +225,27 @@ void nl_labelled_destroy(nl_labelled **dsp)
     *dsp = NULL;
 }
 
+/* Row b of a batch: example e cut to its first T ids and padded (doc 1
+ * on the pads), its length and label. */
+static void fill_row(const nl_labelled *ds, size_t e, int b, int T, int32_t *tokens,
+                     int32_t *lengths, int32_t *labels, int32_t *doc)
+{
+    size_t n = ds->start[e + 1] - ds->start[e];
+    n = n > (size_t)T ? (size_t)T : n;
+    if (n == 0) { /* an example whose text made no ids: one pad */
+        n = 1;
+        tokens[(size_t)b * T] = 0;
+    } else {
+        memcpy(tokens + (size_t)b * T, ds->ids + ds->start[e], n * sizeof *tokens);
+    }
+    for (size_t t = n; t < (size_t)T; t++)
+        tokens[(size_t)b * T + t] = 0;
+    for (size_t t = 0; t < (size_t)T; t++)
+        doc[(size_t)b * T + t] = t >= n;
+    lengths[b] = (int32_t)n;
+    labels[b] = ds->label[e];
+}
+
 nl_status nl_labelled_batch(const nl_labelled *ds, int split, uint64_t seed, uint64_t index, int B,
                             int T, int32_t *tokens, int32_t *lengths, int32_t *labels, int32_t *doc,
                             nl_error *err)
@@ -234,22 +256,58 @@ nl_status nl_labelled_batch(const nl_labelled *ds, int split, uint64_t seed, uin
                             split ? "held-out" : "training");
     nl_rng r;
     nl_rng_seed(&r, seed ^ ((uint64_t)split << 63), index ^ nl_rng_hash("labelled-batch"));
-    for (int b = 0; b < B; b++) {
-        const size_t e = first + (size_t)nl_rng_below(&r, count);
-        size_t n = ds->start[e + 1] - ds->start[e];
-        n = n > (size_t)T ? (size_t)T : n;
-        if (n == 0) { /* an example whose text made no ids: one pad */
-            n = 1;
-            tokens[(size_t)b * T] = 0;
-        } else {
-            memcpy(tokens + (size_t)b * T, ds->ids + ds->start[e], n * sizeof *tokens);
-        }
-        for (size_t t = n; t < (size_t)T; t++)
-            tokens[(size_t)b * T + t] = 0;
-        for (size_t t = 0; t < (size_t)T; t++)
-            doc[(size_t)b * T + t] = t >= n;
-        lengths[b] = (int32_t)n;
-        labels[b] = ds->label[e];
-    }
+    for (int b = 0; b < B; b++)
+        fill_row(ds, first + (size_t)nl_rng_below(&r, count), b, T, tokens, lengths, labels, doc);
     return NL_OK;
+}
+
+size_t nl_labelled_eval_batches(const nl_labelled *ds, int B)
+{
+    const size_t held = ds->n - ds->n_train;
+    return B > 0 ? (held + (size_t)B - 1) / (size_t)B : 0;
+}
+
+nl_status nl_labelled_eval_batch(const nl_labelled *ds, size_t index, int B, int T, int32_t *tokens,
+                                 int32_t *lengths, int32_t *labels, int32_t *doc, int *count,
+                                 nl_error *err)
+{
+    if (index >= nl_labelled_eval_batches(ds, B))
+        return nl_error_set(err, NL_ERR_RANGE,
+                            "held-out batch %zu of %zu (%zu examples in batches of %d)", index,
+                            nl_labelled_eval_batches(ds, B), ds->n - ds->n_train, B);
+    int k = 0;
+    for (int b = 0; b < B; b++) {
+        const size_t e = ds->n_train + index * (size_t)B + (size_t)b;
+        if (e < ds->n) {
+            fill_row(ds, e, b, T, tokens, lengths, labels, doc);
+            k++;
+            continue;
+        }
+        for (int t = 0; t < T; t++) { /* past the end: one pad, scored out */
+            tokens[(size_t)b * T + t] = 0;
+            doc[(size_t)b * T + t] = t >= 1;
+        }
+        lengths[b] = 1;
+        labels[b] = -1;
+    }
+    if (count)
+        *count = k;
+    return NL_OK;
+}
+
+void nl_labelled_score(const float *probs, const int32_t *labels, int B, int K, double *ce,
+                       int64_t *right, int64_t *n)
+{
+    for (int b = 0; b < B; b++) {
+        if (labels[b] < 0 || labels[b] >= K)
+            continue;
+        const float *p = probs + (size_t)b * K;
+        int best = 0;
+        for (int k = 1; k < K; k++)
+            best = p[k] > p[best] ? k : best;
+        const double q = p[labels[b]];
+        *ce -= log(q > 1e-30 ? q : 1e-30);
+        *right += best == labels[b];
+        *n += 1;
+    }
 }

@@ -47,4 +47,23 @@ nl_status nl_labelled_batch(const nl_labelled *ds, int split, uint64_t seed, uin
                             int T, int32_t *tokens, int32_t *lengths, int32_t *labels, int32_t *doc,
                             nl_error *err);
 
+/* The held-out split in order, each example once (evaluation): batches of
+ * B rows, the last one partial. nl_labelled_eval_batches is how many
+ * there are (0 when nothing is held out). nl_labelled_eval_batch fills
+ * batch `index` as nl_labelled_batch does, with examples n_train + index
+ * B + b in order; rows past the split's end get label -1 (not an example:
+ * score them out) over one pad id. *count (may be NULL): the examples in
+ * the batch. Returns NL_ERR_RANGE when index is past the last batch. */
+size_t nl_labelled_eval_batches(const nl_labelled *ds, int B);
+nl_status nl_labelled_eval_batch(const nl_labelled *ds, size_t index, int B, int T, int32_t *tokens,
+                                 int32_t *lengths, int32_t *labels, int32_t *doc, int *count,
+                                 nl_error *err);
+
+/* Score B rows of class probabilities (host, (B, K)) against labels:
+ * rows whose label is below 0 are skipped; the others add -ln p[label]
+ * to *ce, 1 to *n and, when the most probable class (the first of equal
+ * ones) is the label, 1 to *right. Local and cluster evaluation share it. */
+void nl_labelled_score(const float *probs, const int32_t *labels, int B, int K, double *ce,
+                       int64_t *right, int64_t *n);
+
 #endif

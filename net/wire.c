@@ -82,6 +82,35 @@ void nl_wire_msg_reset(nl_wire_msg *m, nl_msg_type type)
     m->version = NL_WIRE_VERSION;
 }
 
+const nl_tensor *nl_wire_hop_frame(const nl_wire_msg *m, unsigned what)
+{
+    if (m->type != NL_MSG_ACTIVATION && m->type != NL_MSG_COUNT && m->type != NL_MSG_EVAL)
+        return NULL;
+    const uint32_t x = m->u.train_hop.extras;
+    if (x == 0) /* the older form: a frame 1 is the targets */
+        return what == NL_HOP_TARGETS && m->nframes == 2 ? &m->frames[1].t : NULL;
+    if (!(x & what))
+        return NULL;
+    int f = 1;
+    for (unsigned bit = 1; bit < what; bit <<= 1)
+        f += (x & bit) != 0;
+    return f < m->nframes ? &m->frames[f].t : NULL;
+}
+
+void nl_wire_hop_set_extras(nl_wire_msg *m, int64_t B, int64_t T, const int32_t *targets,
+                            const int32_t *docs, const int32_t *labels, const int32_t *lengths)
+{
+    const int32_t *arr[4] = {targets, docs, labels, lengths};
+    const int64_t bt[2] = {B, T};
+    m->u.train_hop.extras = 0;
+    for (int bit = 0; bit < 4; bit++) {
+        if (!arr[bit] || m->nframes >= NL_WIRE_MAX_FRAMES)
+            continue;
+        nl_wire_frame_set(&m->frames[m->nframes++], arr[bit], NL_DTYPE_I32, bt, bit < 2 ? 2 : 1);
+        m->u.train_hop.extras |= 1u << bit;
+    }
+}
+
 void nl_wire_msg_free(nl_wire_msg *m)
 {
     if (!m)

@@ -187,14 +187,39 @@ typedef struct nl_msg_load_done {
  * I32 targets [B, T] along the pipeline to the last stage. GRADIENT: one
  * float frame, the gradient of the hidden state. COUNT and EVAL are the
  * training job's other forward passes and carry frames as ACTIVATION.
- * In a training job `step` is the 1-based step the hop belongs to. */
-typedef struct nl_msg_tensor_hop { /* ACTIVATION, GRADIENT, RESULT */
+ * In a training job `step` is the 1-based step the hop belongs to.
+ *
+ * The training objectives (docs/protocol.md, "Training hops"): ACTIVATION,
+ * COUNT and EVAL may say in `extras` (u.train_hop) which I32 frames follow frame 0, in
+ * the order of the bits: targets [B, T], document ids [B, T] (packed rows,
+ * classification's padding), labels [B] and valid lengths [B]
+ * (classification); extras 0 is the older form, where a frame 1 is the
+ * targets. `loss_rows` is the number of predictions the step's mean loss
+ * is over (masked positions, or sequences); 0: every position. Both are
+ * optional on the wire (absent: 0). */
+enum {
+    NL_HOP_TARGETS = 1u << 0,
+    NL_HOP_DOCS = 1u << 1,
+    NL_HOP_LABELS = 1u << 2,
+    NL_HOP_LENGTHS = 1u << 3,
+    NL_HOP_ALL = 15u
+};
+typedef struct nl_msg_tensor_hop { /* ACTIVATION, GRADIENT, RESULT, COUNT, EVAL */
     uint64_t job_id, step;
     uint32_t microbatch;
     uint64_t session_id;
     uint64_t pos_offset;
     double aux; /* load-balancing loss summed over the stages so far */
 } nl_msg_tensor_hop;
+
+/* ACTIVATION, COUNT and EVAL as a training job sends them: the hop (which
+ * u.hop reads as well: it is the first member) and the objectives' fields.
+ * Set them after nl_wire_msg_reset (assigning u.hop leaves them alone). */
+typedef struct nl_msg_train_hop {
+    nl_msg_tensor_hop hop;
+    uint32_t extras;    /* NL_HOP_* frames after frame 0 */
+    uint64_t loss_rows; /* the step's predictions, or 0 */
+} nl_msg_train_hop;
 
 typedef struct nl_msg_token {
     uint64_t job_id, session_id;
@@ -264,6 +289,14 @@ typedef struct nl_msg_loss {
     uint64_t rows; /* rows the sum is over */
 } nl_msg_loss;
 
+/* LOSS with the field added for classification (u.loss reads the rest):
+ * of an evaluation, the rows whose most probable class is their label
+ * (optional on the wire: absent, 0). */
+typedef struct nl_msg_train_loss {
+    nl_msg_loss loss;
+    uint64_t correct;
+} nl_msg_train_loss;
+
 typedef struct nl_msg_ckpt_done {
     uint64_t job_id, step;
     uint32_t stage;
@@ -306,6 +339,8 @@ typedef struct nl_wire_msg {
         nl_msg_ckpt_req ckpt_req;
         nl_msg_ckpt_done ckpt_done;
         nl_msg_loss loss;
+        nl_msg_train_hop train_hop;   /* ACTIVATION, COUNT, EVAL */
+        nl_msg_train_loss train_loss; /* LOSS */
     } u;
     int nframes;
     nl_wire_frame frames[NL_WIRE_MAX_FRAMES];
@@ -347,6 +382,16 @@ void nl_wire_wbuf_free(nl_wire_wbuf *b);
  * free_fn (or use nl_txref_frame) to send without copying. */
 void nl_wire_frame_set(nl_wire_frame *f, const void *data, nl_dtype dtype, const int64_t *shape,
                        int ndim);
+
+/* The frame of a decoded (or filled) ACTIVATION, COUNT or EVAL that
+ * holds `what` (one NL_HOP_* bit), or NULL when it has none. */
+const nl_tensor *nl_wire_hop_frame(const nl_wire_msg *m, unsigned what);
+/* Fill the frames after frame 0 of a training hop: each array that is not
+ * NULL (targets and docs [B, T], labels and lengths [B]) becomes an I32
+ * frame in NL_HOP_* order, and u.train_hop.extras says which came. m->nframes must
+ * be 1 (frame 0 set). */
+void nl_wire_hop_set_extras(nl_wire_msg *m, int64_t B, int64_t T, const int32_t *targets,
+                            const int32_t *docs, const int32_t *labels, const int32_t *lengths);
 
 void nl_wire_msg_init(nl_wire_msg *m);
 /* Zero the fields and frames and set the type; keeps the arena. */

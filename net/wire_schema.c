@@ -102,6 +102,17 @@ static const nl_wire_field f_hop[] = {
     F_U64(nl_msg_tensor_hop, pos_offset, 0, INT32_MAX),
     F_F64(nl_msg_tensor_hop, aux, -1e30, 1e30),
 };
+/* the training hops: the objectives' frames and loss rows, added later */
+static const nl_wire_field f_train_hop[] = {
+    F_U64(nl_msg_tensor_hop, job_id, U64_ANY),
+    F_U64(nl_msg_tensor_hop, step, U64_ANY),
+    F_U32(nl_msg_tensor_hop, microbatch, U32_ANY),
+    F_U64(nl_msg_tensor_hop, session_id, U64_ANY),
+    F_U64(nl_msg_tensor_hop, pos_offset, 0, INT32_MAX),
+    F_F64(nl_msg_tensor_hop, aux, -1e30, 1e30),
+    F_U32_OPT(nl_msg_train_hop, extras),
+    F_U64_OPT(nl_msg_train_hop, loss_rows),
+};
 static const nl_wire_field f_token[] = {
     F_U64(nl_msg_token, job_id, U64_ANY),
     F_U64(nl_msg_token, session_id, U64_ANY),
@@ -141,6 +152,7 @@ static const nl_wire_field f_loss[] = {
     {"ce_sum", NL_WK_F64, 0, 1, offsetof(nl_msg_loss, ce_sum), 0, 0, 0, 0, HUGE_VAL, 0},
     {"aux", NL_WK_F64, 0, 1, offsetof(nl_msg_loss, aux), 0, 0, 0, 0, HUGE_VAL, 0},
     F_U64(nl_msg_loss, rows, U64_ANY),
+    F_U64_OPT(nl_msg_train_loss, correct),
 };
 static const nl_wire_field f_ckpt_req[] = {
     F_U64(nl_msg_ckpt_req, job_id, U64_ANY),
@@ -175,15 +187,16 @@ static const nl_wire_tdesc tdescs[NL_MSG_TYPE_MAX] = {
     [NL_MSG_LAYER_LOAD] = {"LAYER_LOAD", f_layer_load, NF(f_layer_load), 1, 1, 1, 1,
                            DT_FLOAT | DT(F64) | DT(I32) | DT(I64), check_layer_load},
     [NL_MSG_LOAD_DONE] = {"LOAD_DONE", f_load_done, NF(f_load_done), 0, 0, 0, 0, 0, NULL},
-    [NL_MSG_ACTIVATION] = {"ACTIVATION", f_hop, NF(f_hop), 1, 2, 1, NL_MAX_DIMS, DT_FLOAT | DT(I32),
-                           check_activation},
+    [NL_MSG_ACTIVATION] = {"ACTIVATION", f_train_hop, NF(f_train_hop), 1, 5, 1, NL_MAX_DIMS,
+                           DT_FLOAT | DT(I32), check_activation},
     [NL_MSG_GRADIENT] = {"GRADIENT", f_hop, NF(f_hop), 1, 1, 1, NL_MAX_DIMS, DT_FLOAT, NULL},
     /* the last stage's logits (F32 [B, T, V]) for a forward job, to the
      * coordinator and on to the client */
     [NL_MSG_RESULT] = {"RESULT", f_hop, NF(f_hop), 1, 1, 1, NL_MAX_DIMS, DT_FLOAT, NULL},
     /* a training step's counting pass and an evaluation: as ACTIVATION */
-    [NL_MSG_COUNT] = {"COUNT", f_hop, NF(f_hop), 1, 1, 1, NL_MAX_DIMS, DT_FLOAT | DT(I32), NULL},
-    [NL_MSG_EVAL] = {"EVAL", f_hop, NF(f_hop), 1, 2, 1, NL_MAX_DIMS, DT_FLOAT | DT(I32),
+    [NL_MSG_COUNT] = {"COUNT", f_train_hop, NF(f_train_hop), 1, 5, 1, NL_MAX_DIMS,
+                      DT_FLOAT | DT(I32), check_activation},
+    [NL_MSG_EVAL] = {"EVAL", f_train_hop, NF(f_train_hop), 1, 5, 1, NL_MAX_DIMS, DT_FLOAT | DT(I32),
                      check_activation},
     [NL_MSG_TOKEN] = {"TOKEN", f_token, NF(f_token), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_JOB_SUBMIT] = {"JOB_SUBMIT", f_job_submit, NF(f_job_submit), 0, 4, 1, NL_MAX_DIMS,
@@ -463,10 +476,43 @@ static nl_status check_layer_load(const nl_wire_msg *m, const nl_wire_tdesc *td,
     return NL_OK;
 }
 
+/* A training hop's frames after frame 0: as hop.extras names them (each
+ * I32), or without extras (the older form) at most the targets. */
 static nl_status check_activation(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err)
 {
-    if (m->nframes == 2 && m->frames[1].t.dtype != NL_DTYPE_I32)
-        return nl_error_set(err, NL_ERR_DTYPE, "%s: frame 1 (targets) must be I32", td->name);
+    static const char *const what[] = {"targets", "document ids", "labels", "lengths"};
+    const uint32_t x = m->u.train_hop.extras;
+    if (x & ~(uint32_t)NL_HOP_ALL)
+        return nl_error_set(err, NL_ERR_RANGE, "%s.extras: %u names frames that do not exist",
+                            td->name, x);
+    if (x == 0) {
+        if (m->nframes > 2 || (m->type == NL_MSG_COUNT && m->nframes > 1))
+            return nl_error_set(err, NL_ERR_PROTO,
+                                "%s: %d tensor frames, but extras names none after frame 0",
+                                td->name, m->nframes);
+        if (m->nframes == 2 && m->frames[1].t.dtype != NL_DTYPE_I32)
+            return nl_error_set(err, NL_ERR_DTYPE, "%s: frame 1 (targets) must be I32", td->name);
+        return NL_OK;
+    }
+    int f = 1;
+    for (int bit = 0; bit < 4; bit++) {
+        if (!(x & (1u << bit)))
+            continue;
+        if (f >= m->nframes)
+            return nl_error_set(err, NL_ERR_PROTO,
+                                "%s: extras %u names %s, but frame %d is missing", td->name, x,
+                                what[bit], f);
+        const nl_tensor *t = &m->frames[f].t;
+        const int want_dims = bit < 2 ? 2 : 1;
+        if (t->dtype != NL_DTYPE_I32 || t->ndim != want_dims)
+            return nl_error_set(err, NL_ERR_DTYPE,
+                                "%s: frame %d (%s) must be I32 of %d dimension%s", td->name, f,
+                                what[bit], want_dims, want_dims > 1 ? "s" : "");
+        f++;
+    }
+    if (f != m->nframes)
+        return nl_error_set(err, NL_ERR_PROTO, "%s: %d tensor frames, but extras %u names %d",
+                            td->name, m->nframes, x, f);
     return NL_OK;
 }
 

@@ -65,12 +65,20 @@
 
 /* ===================== life ===================== */
 
+void nl_stage_train_extra_free(hop_extra *e)
+{
+    free(e->targets);
+    free(e->docs);
+    free(e->labels);
+    free(e->lengths);
+    *e = (hop_extra){0};
+}
+
 void nl_stage_train_hop_free(hop_in *h)
 {
     free(h->x);
-    free(h->targets);
     h->x = NULL;
-    h->targets = NULL;
+    nl_stage_train_extra_free(&h->e);
 }
 
 void nl_stage_train_free(nl_stage *s)
@@ -83,7 +91,7 @@ void nl_stage_train_free(nl_stage *s)
         rjob *j = t->jobs;
         t->jobs = j->all_next;
         free(j->x);
-        free(j->targets);
+        nl_stage_train_extra_free(&j->e);
         free(j->out);
         free(j);
     }
@@ -100,6 +108,8 @@ void nl_stage_train_free(nl_stage *s)
     }
     nl_host_stage_free(&t->stage);
     nl_wire_msg_free(&t->tx);
+    free(t->probs);
+    free(t->given);
     free(t);
     s->train = NULL;
 }
@@ -359,6 +369,57 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_msg_job_submit *j, uint64_t 
 
 /* ===================== receiving ===================== */
 
+/* The frames a forward-type hop carries besides its input, checked
+ * against the job's shapes: ACTIVATION and EVAL need the targets, or the
+ * labels and lengths (classification); of a COUNT only the documents
+ * count. */
+static nl_status hop_frames(const stage_train *t, const nl_wire_msg *m, const nl_tensor *f[4],
+                            size_t *bytes, nl_error *err)
+{
+    static const char *const name[4] = {"targets", "document ids", "labels", "lengths"};
+    const char *what = nl_wire_type_name(m->type);
+    *bytes = 0;
+    for (int i = 0; i < 4; i++) {
+        f[i] = nl_wire_hop_frame(m, 1u << i);
+        if (m->type == NL_MSG_COUNT && i != 1)
+            f[i] = NULL; /* a counting pass needs the documents at most */
+        if (!f[i])
+            continue;
+        const bool rows = i < 2; /* [mbB, T]; the others [mbB] */
+        if (f[i]->dtype != NL_DTYPE_I32 || f[i]->ndim != (rows ? 2 : 1) ||
+            f[i]->shape[0] != t->mbB || (rows && f[i]->shape[1] != t->T))
+            return rows ? nl_error_set(err, NL_ERR_SHAPE, "%s: the %s must be I32 [%d, %d]", what,
+                                       name[i], t->mbB, t->T)
+                        : nl_error_set(err, NL_ERR_SHAPE, "%s: the %s must be I32 [%d]", what,
+                                       name[i], t->mbB);
+        *bytes += (rows ? t->rows : (size_t)t->mbB) * sizeof(int32_t);
+    }
+    if (m->type != NL_MSG_COUNT && !f[0] && !(f[2] && f[3]))
+        return nl_error_set(err, NL_ERR_SHAPE,
+                            "%s: frame 1 must be I32 targets [%d, %d] (or, to classify, labels "
+                            "and lengths [%d])",
+                            what, t->mbB, t->T, t->mbB);
+    if (!f[2] != !f[3])
+        return nl_error_set(err, NL_ERR_PROTO, "%s: labels and lengths come together", what);
+    return NL_OK;
+}
+
+/* Copy the frames hop_frames found into e; 0 or out of memory. */
+static int copy_extra(hop_extra *e, const nl_tensor *f[4], uint64_t loss_rows)
+{
+    int32_t **dst[4] = {&e->targets, &e->docs, &e->labels, &e->lengths};
+    e->loss_rows = loss_rows;
+    for (int i = 0; i < 4; i++) {
+        if (!f[i])
+            continue;
+        const size_t n = (size_t)nl_shape_numel(f[i]->shape, f[i]->ndim) * sizeof(int32_t);
+        if (!(*dst[i] = malloc(n)))
+            return -1;
+        memcpy(*dst[i], f[i]->data, n);
+    }
+    return 0;
+}
+
 /* Check a forward-type hop's frames against the job and copy it into the
  * queue. */
 static nl_status enqueue(nl_stage *s, const nl_wire_msg *m, nl_error *err)
@@ -366,7 +427,7 @@ static nl_status enqueue(nl_stage *s, const nl_wire_msg *m, nl_error *err)
     stage_train *t = s->train;
     const nl_msg_tensor_hop *hop = &m->u.hop;
     const char *what = nl_wire_type_name(m->type);
-    const bool first = s->model->has_embed, want_targets = m->type != NL_MSG_COUNT;
+    const bool first = s->model->has_embed;
     const nl_tensor *x = &m->frames[0].t;
     const uint64_t limit = m->type == NL_MSG_EVAL ? (uint64_t)t->eval_hops : (uint64_t)t->M;
     if (hop->microbatch >= limit)
@@ -383,10 +444,11 @@ static nl_status enqueue(nl_stage *s, const nl_wire_msg *m, nl_error *err)
         return nl_error_set(
             err, NL_ERR_SHAPE, "%s: frame 0 must be %s [%d, %d%s] for this job's microbatches",
             what, first ? "I32 token ids" : "F32 hidden states", t->mbB, t->T, first ? "" : ", d");
-    const nl_tensor *y = m->nframes > 1 ? &m->frames[1].t : NULL;
-    if (want_targets && (!y || y->ndim != 2 || y->shape[0] != t->mbB || y->shape[1] != t->T))
-        return nl_error_set(err, NL_ERR_SHAPE, "%s: frame 1 must be I32 targets [%d, %d]", what,
-                            t->mbB, t->T);
+    const nl_tensor *f[4];
+    size_t extra_bytes = 0;
+    nl_status st = hop_frames(t, m, f, &extra_bytes, err);
+    if (st != NL_OK)
+        return st;
     /* at most a step's counting and training hops and an evaluation can be
      * ahead of this stage; more is a peer that does not follow the schedule.
      * The next step's hops can come before this stage has applied the
@@ -398,7 +460,7 @@ static nl_status enqueue(nl_stage *s, const nl_wire_msg *m, nl_error *err)
                             "%s: step %llu, but %lld steps are applied: ahead "
                             "of the schedule",
                             what, (unsigned long long)hop->step, (long long)t->applied);
-    const size_t hop_bytes = m->frames[0].len + (want_targets ? t->rows * sizeof(int32_t) : 0);
+    const size_t hop_bytes = m->frames[0].len + extra_bytes;
     const uint64_t cap_bytes = (uint64_t)(2 * t->M + 8) * hop_bytes > QUEUE_MIN_BYTES
                                    ? (uint64_t)(2 * t->M + 8) * hop_bytes
                                    : QUEUE_MIN_BYTES;
@@ -420,9 +482,9 @@ static nl_status enqueue(nl_stage *s, const nl_wire_msg *m, nl_error *err)
         t->qcap = cap;
         t->qhead = 0;
     }
-    hop_in h = {m->type, hop->step, hop->microbatch, hop->aux, NULL, NULL, 0};
-    const size_t xbytes = m->frames[0].len, ybytes = t->rows * sizeof(int32_t);
-    if (!(h.x = malloc(xbytes)) || (want_targets && !(h.targets = malloc(ybytes)))) {
+    hop_in h = {.type = m->type, .step = hop->step, .mb = hop->microbatch, .aux = hop->aux};
+    const size_t xbytes = m->frames[0].len;
+    if (!(h.x = malloc(xbytes)) || copy_extra(&h.e, f, m->u.train_hop.loss_rows) != 0) {
         nl_stage_train_hop_free(&h);
         return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", what);
     }
@@ -439,8 +501,6 @@ static nl_status enqueue(nl_stage *s, const nl_wire_msg *m, nl_error *err)
                                 what);
         }
     }
-    if (want_targets)
-        memcpy(h.targets, y->data, ybytes);
     h.bytes = hop_bytes;
     t->qbytes += hop_bytes;
     t->q[(t->qhead + t->qlen++) % t->qcap] = h;

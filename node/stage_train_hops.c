@@ -7,27 +7,31 @@
 #include <string.h>
 
 #include "../base/log.h"
+#include "../core/labelled.h"
 #include "../core/train.h"
 #include "replica_workers.h"
 #include "stage_train_impl.h"
 
 /* ===================== sending ===================== */
 
-/* Send a hop (type) of this job with hidden states (rows x d, host) and
- * optionally the targets, to the next stage or (GRADIENT) the previous. */
+/* Send a hop (type) of this job with hidden states (rows x d, host) to
+ * the next stage or (GRADIENT) the previous; e (NULL for a GRADIENT): the
+ * frames that travel on with it (a COUNT's documents only). */
 static nl_status send_host(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_msg_type type,
                            uint64_t step, uint32_t mb, double aux, const float *x,
-                           const int32_t *targets, nl_error *err)
+                           const hop_extra *e, nl_error *err)
 {
     stage_train *t = s->train;
-    const int64_t xs[3] = {t->mbB, t->T, (int64_t)t->d}, ts[2] = {t->mbB, t->T};
+    const int64_t xs[3] = {t->mbB, t->T, (int64_t)t->d};
     nl_wire_msg_reset(&t->tx, type);
     t->tx.u.hop = (nl_msg_tensor_hop){t->job, step, mb, 0, 0, aux};
     nl_wire_frame_set(&t->tx.frames[0], x, NL_DTYPE_F32, xs, 3);
     t->tx.nframes = 1;
-    if (targets) {
-        nl_wire_frame_set(&t->tx.frames[1], targets, NL_DTYPE_I32, ts, 2);
-        t->tx.nframes = 2;
+    if (e) {
+        const bool count = type == NL_MSG_COUNT;
+        nl_wire_hop_set_extras(&t->tx, t->mbB, t->T, count ? NULL : e->targets, e->docs,
+                               count ? NULL : e->labels, count ? NULL : e->lengths);
+        t->tx.u.train_hop.loss_rows = e->loss_rows;
     }
     return send(ctx, type == NL_MSG_GRADIENT ? NL_STAGE_TO_PREV : NL_STAGE_TO_NEXT, &t->tx, err);
 }
@@ -35,14 +39,14 @@ static nl_status send_host(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_msg
 /* send_host of hidden states in the memory of be. */
 static nl_status send_hop(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_msg_type type,
                           uint64_t step, uint32_t mb, double aux, nl_backend *be,
-                          const float *x_dev, const int32_t *targets, nl_error *err)
+                          const float *x_dev, const hop_extra *e, nl_error *err)
 {
     stage_train *t = s->train;
     const float *x =
         nl_backend_read_view(be, &t->stage, x_dev, t->rows * t->d * sizeof(float), err);
     if (!x)
         return nl_error_prefix(err, "train job %llu", (unsigned long long)t->job);
-    return send_host(s, send, ctx, type, step, mb, aux, x, targets, err);
+    return send_host(s, send, ctx, type, step, mb, aux, x, e, err);
 }
 
 /* The step's gradients are all in: the replicas' sum on every replica,
@@ -107,9 +111,8 @@ rjob *nl_stage_train_job_get(stage_train *t, job_kind kind, int lane, nl_error *
 void nl_stage_train_job_put(stage_train *t, rjob *j)
 {
     free(j->x);
-    free(j->targets);
     j->x = NULL;
-    j->targets = NULL;
+    nl_stage_train_extra_free(&j->e);
     j->free_next = t->free_jobs;
     t->free_jobs = j;
 }
@@ -152,21 +155,30 @@ void nl_stage_train_run_job(void *ctx, nl_wjob *w)
     switch (j->kind) {
     case JOB_BEGIN:
         nl_trainer_begin_step(p->tr, (int64_t)t->M * (int64_t)t->rows);
+        if (j->e.loss_rows > 0) /* the masked positions, or the sequences */
+            nl_trainer_set_loss_rows(p->tr, (int64_t)j->e.loss_rows);
         break;
     case JOB_STEP:
         nl_trainer_step(p->tr, j->lr, j->clip, nl_adamw_defaults());
         st = nl_backend_check(p->be, &j->err);
         break;
     case JOB_COUNT:
-        st = nl_trainer_count_routes(p->tr, t->mbB, t->T, tokens, x, &j->err);
+        st = nl_trainer_set_docs(p->tr, j->e.docs, (int)t->rows, &j->err);
+        if (st == NL_OK)
+            st = nl_trainer_count_routes(p->tr, t->mbB, t->T, tokens, x, &j->err);
         if (st == NL_OK && !t->has_head)
             st = take_output(p->be, j, NL_MSG_COUNT, nl_trainer_count_output(p->tr), n);
         break;
     case JOB_FORWARD:
         if (j->inject_nan)
             nl_trainer_inject_nan(p->tr);
-        st = nl_trainer_forward(p->tr, j->slot, t->mbB, t->T, tokens, x,
-                                t->has_head ? j->targets : NULL, &j->ce, &j->a, &j->err);
+        /* the documents on every stage; the labels on the last (classification) */
+        st = nl_trainer_set_docs(p->tr, j->e.docs, (int)t->rows, &j->err);
+        if (st == NL_OK && t->has_head)
+            st = nl_trainer_set_labels(p->tr, j->e.labels, j->e.lengths, t->mbB, t->T, &j->err);
+        if (st == NL_OK)
+            st = nl_trainer_forward(p->tr, j->slot, t->mbB, t->T, tokens, x,
+                                    t->has_head ? j->e.targets : NULL, &j->ce, &j->a, &j->err);
         if (st == NL_OK && !t->has_head)
             st = take_output(p->be, j, NL_MSG_ACTIVATION, nl_trainer_output(p->tr, j->slot), n);
         else if (st == NL_OK) /* the last stage's backward starts from its loss */
@@ -217,7 +229,7 @@ static nl_status take_back(nl_stage *s, rjob *j, nl_stage_send_fn send, void *ct
     if (st == NL_OK && j->out_type)
         st = send_host(s, send, ctx, j->out_type, j->step, j->mb,
                        j->out_type == NL_MSG_ACTIVATION ? j->aux + j->a : 0.0, j->out,
-                       j->out_type == NL_MSG_ACTIVATION ? j->targets : NULL, err);
+                       j->out_type == NL_MSG_GRADIENT ? NULL : &j->e, err);
     if (st == NL_OK && j->last && j->kind == JOB_COUNT)
         use_counts(s);
     else if (st == NL_OK && j->last)
@@ -272,12 +284,15 @@ int nl_stage_train_slot_of(const stage_train *t, uint32_t mb)
 
 /* A new step: every replica zeroes its gradients, in its lane's order
  * (after the previous step's AdamW). */
-static nl_status begin(nl_stage *s, uint64_t step, nl_stage_send_fn send, void *ctx, nl_error *err)
+static nl_status begin(nl_stage *s, uint64_t step, uint64_t loss_rows, nl_stage_send_fn send,
+                       void *ctx, nl_error *err)
 {
     stage_train *t = s->train;
     nl_status st = NL_OK;
     for (int r = 0; r < t->R && st == NL_OK; r++) {
         rjob *j = nl_stage_train_job_get(t, JOB_BEGIN, r, err);
+        if (j)
+            j->e.loss_rows = loss_rows;
         st = j ? nl_stage_train_dispatch(s, j, send, ctx, err) : NL_ERR_NOMEM;
     }
     t->begun = step;
@@ -315,6 +330,25 @@ static bool runnable(const stage_train *t, const hop_in *h)
            t->fwd < t->M;
 }
 
+/* The last stage's evaluation of classification: score the microbatch's
+ * class probabilities (rows labelled -1, past the held-out split, are
+ * scored out; the trainer is given class 0 for them). */
+static nl_status eval_labels(nl_stage *s, replica *p, const hop_in *h, nl_error *err)
+{
+    stage_train *t = s->train;
+    const int K = s->model->cfg.num_classes;
+    if (K <= 0)
+        return nl_error_set(err, NL_ERR_INVALID,
+                            "EVAL: labels, but the model has no classifier (num_classes)");
+    if ((!t->probs && !(t->probs = malloc((size_t)t->mbB * K * sizeof *t->probs))) ||
+        (!t->given && !(t->given = malloc((size_t)t->mbB * sizeof *t->given))))
+        return nl_error_set(err, NL_ERR_NOMEM, "EVAL: out of memory");
+    for (int b = 0; b < t->mbB; b++)
+        t->given[b] = h->e.labels[b] < 0 ? 0 : h->e.labels[b];
+    t->eval_classify = true;
+    return nl_trainer_set_labels(p->tr, t->given, h->e.lengths, t->mbB, t->T, err);
+}
+
 /* An evaluation hop: a forward on replica 0, as inference, once every
  * job dispatched before it has been taken back. */
 static nl_status run_eval(nl_stage *s, const hop_in *h, nl_stage_send_fn send, void *ctx,
@@ -331,15 +365,28 @@ static nl_status run_eval(nl_stage *s, const hop_in *h, nl_stage_send_fn send, v
     hop_input(s, p, h, &tokens, &x);
     if (h->mb % (uint32_t)t->M == 0) { /* a new held-out batch, as local evaluation */
         nl_trainer_begin_step(p->tr, (int64_t)t->M * (int64_t)t->rows);
+        if (h->e.loss_rows > 0)
+            nl_trainer_set_loss_rows(p->tr, (int64_t)h->e.loss_rows);
         t->begun = 0;
     }
-    st = nl_trainer_forward(p->tr, 0, t->mbB, t->T, tokens, x, h->targets, &ce, NULL, err);
+    const bool classify = s->model->has_head && h->e.labels;
+    st = nl_trainer_set_docs(p->tr, h->e.docs, (int)t->rows, err);
+    if (st == NL_OK && classify)
+        st = eval_labels(s, p, h, err);
+    if (st == NL_OK)
+        st = nl_trainer_forward(p->tr, 0, t->mbB, t->T, tokens, x, h->e.targets, &ce, NULL, err);
+    if (st == NL_OK && classify && (st = nl_trainer_class_probs(p->tr, 0, t->probs, err)) == NL_OK)
+        nl_labelled_score(t->probs, h->e.labels, t->mbB, s->model->cfg.num_classes, &t->eval_ce,
+                          &t->eval_right, &t->eval_n);
+    nl_trainer_set_labels(p->tr, NULL, NULL, 0, 0, NULL);
+    nl_trainer_set_docs(p->tr, NULL, 0, NULL);
     if (st == NL_OK && !s->model->has_head)
         st = send_hop(s, send, ctx, NL_MSG_EVAL, h->step, h->mb, 0.0, p->be,
-                      nl_trainer_output(p->tr, 0), h->targets, err);
+                      nl_trainer_output(p->tr, 0), &h->e, err);
     if (st != NL_OK)
         return st;
-    t->eval_ce += ce;
+    if (!classify)
+        t->eval_ce += ce;
     if (++t->evals < t->eval_hops)
         return NL_OK;
     if (!s->model->has_head) {
@@ -347,10 +394,14 @@ static nl_status run_eval(nl_stage *s, const hop_in *h, nl_stage_send_fn send, v
         return NL_OK;
     }
     nl_wire_msg_reset(&t->tx, NL_MSG_LOSS);
-    t->tx.u.loss =
-        (nl_msg_loss){t->job, h->step, true, t->eval_ce, 0.0, (uint64_t)t->evals * t->rows};
+    t->tx.u.loss = (nl_msg_loss){
+        t->job,     h->step, true,
+        t->eval_ce, 0.0,     t->eval_classify ? (uint64_t)t->eval_n : (uint64_t)t->evals * t->rows};
+    t->tx.u.train_loss.correct = t->eval_classify ? (uint64_t)t->eval_right : 0;
     t->evals = 0;
     t->eval_ce = 0.0;
+    t->eval_n = t->eval_right = 0;
+    t->eval_classify = false;
     return send(ctx, NL_STAGE_TO_COORD, &t->tx, err);
 }
 
@@ -362,7 +413,7 @@ static nl_status run_hop(nl_stage *s, hop_in *h, nl_stage_send_fn send, void *ct
     if (h->type == NL_MSG_EVAL)
         return run_eval(s, h, send, ctx, err);
     nl_status st = NL_OK;
-    if (t->begun != h->step && (st = begin(s, h->step, send, ctx, err)) != NL_OK)
+    if (t->begun != h->step && (st = begin(s, h->step, h->e.loss_rows, send, ctx, err)) != NL_OK)
         return st;
     rjob *j = nl_stage_train_job_get(t, h->type == NL_MSG_COUNT ? JOB_COUNT : JOB_FORWARD,
                                      nl_stage_train_replica_of(t, h->mb), err);
@@ -372,9 +423,9 @@ static nl_status run_hop(nl_stage *s, hop_in *h, nl_stage_send_fn send, void *ct
     j->mb = h->mb;
     j->aux = h->aux;
     j->x = h->x;
-    j->targets = h->targets;
+    j->e = h->e;
     h->x = NULL;
-    h->targets = NULL;
+    h->e = (hop_extra){0};
     if (h->type == NL_MSG_COUNT) {
         j->last = ++t->counted == t->M;
         return nl_stage_train_dispatch(s, j, send, ctx, err);

@@ -12,15 +12,24 @@
 #include "replica_workers.h"
 #include "stage_impl.h"
 
+/* What a training hop carries besides its input (net/wire.h, NL_HOP_*),
+ * each owned and NULL when it did not come: the targets (rows; not on a
+ * COUNT), the document ids (rows), and classification's labels and
+ * lengths (mbB); loss_rows, the step's predictions (0: every row). */
+typedef struct hop_extra {
+    int32_t *targets, *docs, *labels, *lengths;
+    uint64_t loss_rows;
+} hop_extra;
+
 /* A forward-type hop waiting to run: its frames copied. */
 typedef struct hop_in {
     nl_msg_type type; /* COUNT, ACTIVATION or EVAL */
     uint64_t step;
     uint32_t mb;
     double aux;
-    void *x;          /* tokens (I32, rows) on the first stage, else hidden (F32, rows x d) */
-    int32_t *targets; /* (rows), or NULL (COUNT) */
-    size_t bytes;     /* of x and targets */
+    void *x;      /* tokens (I32, rows) on the first stage, else hidden (F32, rows x d) */
+    hop_extra e;  /* the rest of its frames */
+    size_t bytes; /* of all its frames */
 } hop_in;
 
 /* Bytes the queue of hops from the previous stage may hold (issue 15):
@@ -45,12 +54,12 @@ typedef struct rjob {
     uint64_t step;
     uint32_t mb;
     int slot;
-    double aux;       /* the hop's */
-    void *x;          /* owned: tokens or hidden states of a hop, or a GRADIENT's dy (host) */
-    int32_t *targets; /* owned: the hop's targets, or NULL */
-    bool inject_nan;  /* test hook: a NaN into this forward's gradient */
-    bool last;        /* the step's last counting pass or backward */
-    float lr, clip;   /* JOB_STEP */
+    double aux;      /* the hop's */
+    void *x;         /* owned: tokens or hidden states of a hop, or a GRADIENT's dy (host) */
+    hop_extra e;     /* owned: the hop's other frames (JOB_BEGIN: loss_rows only) */
+    bool inject_nan; /* test hook: a NaN into this forward's gradient */
+    bool last;       /* the step's last counting pass or backward */
+    float lr, clip;  /* JOB_STEP */
     /* results */
     nl_msg_type out_type; /* what out holds to send (COUNT, ACTIVATION, GRADIENT), or 0 */
     float *out;           /* host, rows x d: kept for the job's next use */
@@ -75,6 +84,13 @@ typedef struct stage_train {
     double ce, aux;        /* the last stage: this step's cross-entropy sum and aux loss */
     int evals;             /* evaluation hops run (the last stage: and their loss sum) */
     double eval_ce;
+    /* the last stage's evaluation of classification (labels came): the
+     * rows scored and right, the class probabilities and the labels given
+     * to the trainer of a microbatch (rows past the held-out split: 0) */
+    bool eval_classify;
+    int64_t eval_n, eval_right;
+    float *probs;
+    int32_t *given;
     hop_in *q; /* FIFO ring of hops waiting to run */
     int qhead, qlen, qcap;
     size_t qbytes;       /* the hops' bytes in the queue */
@@ -95,6 +111,8 @@ typedef struct stage_train {
 
 /* Free a queued hop's copies. */
 void nl_stage_train_hop_free(hop_in *h);
+/* Free the arrays of e (and NULL them). */
+void nl_stage_train_extra_free(hop_extra *e);
 
 /* ---- stage_train_hops.c: the replicas' jobs and the schedule ---- */
 

@@ -476,6 +476,9 @@ static void test_train_reports(assigned *a)
     CHECK(pump_state("ready: 2 stages"), "not ready after the reload");
 }
 
+/* The objective param submit_train adds (NULL: none, the model's). */
+static const char *train_objective;
+
 /* Submit a training job of 2 steps with these paths (resume may be NULL). */
 static void submit_train(const char *data, const char *ckpt, const char *resume)
 {
@@ -498,6 +501,9 @@ static void submit_train(const char *data, const char *ckpt, const char *resume)
     uint32_t n = 14;
     if (resume)
         ps[n++] = (nl_wire_param){.key = "resume", .kind = NL_WIRE_PARAM_STR, .s = resume};
+    if (train_objective)
+        ps[n++] =
+            (nl_wire_param){.key = "objective", .kind = NL_WIRE_PARAM_STR, .s = train_objective};
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
@@ -567,6 +573,16 @@ static void test_train_paths(assigned *a)
     train_refused("ok.txt", "ck/../../x", NULL, "checkpoint_dir", hide);
     train_refused("ok.txt", "ck", "/nonexistent", "params.resume", hide);
     train_refused("ok.txt", "ck", "nothing-here", "params.resume: no such file", hide);
+    /* the objective, checked again by the coordinator whatever the client
+     * checked: a name it does not know, and ones the model cannot train
+     * (this one's 256 ids hold no mask id, and it has no classifier) */
+    train_objective = "next";
+    train_refused("ok.txt", "ck", NULL, "params.objective", hide);
+    train_objective = "mlm";
+    train_refused("ok.txt", "ck", NULL, "does not hold the mask id", hide);
+    train_objective = "classify";
+    train_refused("ok.txt", "ck", NULL, "has no classifier", hide);
+    train_objective = NULL;
     float logits[8] = {1, 2, 3, 4, 5, 6, 7, 8};
     send_result(last, fwd, logits, 8);
     nl_rx rx;

@@ -276,6 +276,24 @@ static bool heartbeat_field_zero(const nl_msg_heartbeat *h, const char *key)
                                            : false;
 }
 
+/* Fields added to a type later: a peer that does not send them (an older
+ * one) is read as sending 0. */
+static bool added_later(nl_msg_type t, const nl_wire_msg *d, const char *key)
+{
+    if (t == NL_MSG_ACTIVATION || t == NL_MSG_COUNT || t == NL_MSG_EVAL)
+        return strcmp(key, "extras") == 0      ? d->u.train_hop.extras == 0
+               : strcmp(key, "loss_rows") == 0 ? d->u.train_hop.loss_rows == 0
+                                               : false;
+    return t == NL_MSG_LOSS && strcmp(key, "correct") == 0 && d->u.train_loss.correct == 0;
+}
+
+static bool is_added_later(nl_msg_type t, const char *key)
+{
+    return ((t == NL_MSG_ACTIVATION || t == NL_MSG_COUNT || t == NL_MSG_EVAL) &&
+            (strcmp(key, "extras") == 0 || strcmp(key, "loss_rows") == 0)) ||
+           (t == NL_MSG_LOSS && strcmp(key, "correct") == 0);
+}
+
 static void test_wrong_types(void)
 {
     nl_wire_msg m, d;
@@ -321,6 +339,10 @@ static void test_wrong_types(void)
             if (all_types[i] == NL_MSG_HEARTBEAT && k >= 6) /* added later: optional */
                 CHECK(st == NL_OK && heartbeat_field_zero(&d.u.heartbeat, key),
                       "a HEARTBEAT without %s (an older node's) was not read as 0: %s", key,
+                      st == NL_OK ? "not 0" : err.msg);
+            else if (is_added_later(all_types[i], key))
+                CHECK(st == NL_OK && added_later(all_types[i], &d, key),
+                      "a %s without %s (an older peer's) was not read as 0: %s", tn, key,
                       st == NL_OK ? "not 0" : err.msg);
             else
                 CHECK(st != NL_OK, "%s without %s was accepted", tn, key);
@@ -422,6 +444,128 @@ static void test_mutations(void)
     nl_wire_wbuf_free(&e3.hdr);
 }
 
+/* ---- the training objectives' hop frames (docs/protocol.md) ---- */
+
+static const int32_t hx_tokens[10] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
+static const int32_t hx_targets[10] = {-1, 2, -1, -1, 5, -1, 7, -1, -1, -1};
+static const int32_t hx_docs[10] = {0, 0, 0, 1, 1, 0, 0, 0, 0, 1};
+static const int32_t hx_labels[2] = {1, 0}, hx_lengths[2] = {3, 4};
+
+/* A training hop with extras (NL_HOP_* bits) and loss rows: tokens [2, 5]
+ * and the named arrays; LOSS with a correct count when type is LOSS. */
+static void extras_sample(nl_wire_msg *m, nl_msg_type type, unsigned extras)
+{
+    const int64_t sh[2] = {2, 5};
+    nl_wire_msg_reset(m, type);
+    if (type == NL_MSG_LOSS) {
+        m->u.loss = (nl_msg_loss){11, 250, true, 3.5, 0.0, 37};
+        m->u.train_loss.correct = 29;
+        return;
+    }
+    m->u.hop = (nl_msg_tensor_hop){11, 250, 3, 0, 0, 0.0};
+    nl_wire_frame_set(&m->frames[0], hx_tokens, NL_DTYPE_I32, sh, 2);
+    m->nframes = 1;
+    nl_wire_hop_set_extras(
+        m, 2, 5, extras & NL_HOP_TARGETS ? hx_targets : NULL, extras & NL_HOP_DOCS ? hx_docs : NULL,
+        extras & NL_HOP_LABELS ? hx_labels : NULL, extras & NL_HOP_LENGTHS ? hx_lengths : NULL);
+    m->u.train_hop.loss_rows = extras & NL_HOP_LABELS ? 2 : 3;
+}
+
+static bool frame_is(const nl_tensor *t, const int32_t *want, int ndim, int64_t n)
+{
+    return t && t->dtype == NL_DTYPE_I32 && t->ndim == ndim &&
+           nl_shape_numel(t->shape, t->ndim) == n &&
+           memcmp(t->data, want, (size_t)n * sizeof *want) == 0;
+}
+
+static void test_train_hops(void)
+{
+    nl_wire_msg m, d;
+    enc e = {0};
+    nl_error err;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_init(&d);
+    /* every combination round-trips, each array found by its bit */
+    const nl_msg_type types[] = {NL_MSG_ACTIVATION, NL_MSG_EVAL, NL_MSG_COUNT};
+    for (int ti = 0; ti < 3; ti++)
+        for (unsigned x = 1; x <= NL_HOP_ALL; x++) {
+            extras_sample(&m, types[ti], x);
+            nl_status st = enc_msg(&m, &e, NULL, &err);
+            if (st == NL_OK)
+                st = nl_wire_decode(&d, e.parts, e.nparts, NULL, &err);
+            CHECK(st == NL_OK && d.u.train_hop.extras == x &&
+                      d.u.train_hop.loss_rows == m.u.train_hop.loss_rows && d.u.hop.step == 250 &&
+                      d.u.hop.microbatch == 3,
+                  "%s extras %u: %s", nl_wire_type_name(types[ti]), x,
+                  st == NL_OK ? "decoded wrong" : err.msg);
+            if (st != NL_OK)
+                continue;
+            CHECK(!(x & NL_HOP_TARGETS) == !nl_wire_hop_frame(&d, NL_HOP_TARGETS) &&
+                      (!(x & NL_HOP_TARGETS) ||
+                       frame_is(nl_wire_hop_frame(&d, NL_HOP_TARGETS), hx_targets, 2, 10)),
+                  "extras %u: the targets", x);
+            CHECK(!(x & NL_HOP_DOCS) == !nl_wire_hop_frame(&d, NL_HOP_DOCS) &&
+                      (!(x & NL_HOP_DOCS) ||
+                       frame_is(nl_wire_hop_frame(&d, NL_HOP_DOCS), hx_docs, 2, 10)),
+                  "extras %u: the documents", x);
+            CHECK(!(x & NL_HOP_LABELS) == !nl_wire_hop_frame(&d, NL_HOP_LABELS) &&
+                      (!(x & NL_HOP_LABELS) ||
+                       frame_is(nl_wire_hop_frame(&d, NL_HOP_LABELS), hx_labels, 1, 2)),
+                  "extras %u: the labels", x);
+            CHECK(!(x & NL_HOP_LENGTHS) == !nl_wire_hop_frame(&d, NL_HOP_LENGTHS) &&
+                      (!(x & NL_HOP_LENGTHS) ||
+                       frame_is(nl_wire_hop_frame(&d, NL_HOP_LENGTHS), hx_lengths, 1, 2)),
+                  "extras %u: the lengths", x);
+        }
+    /* the older form: no extras, frame 1 is the targets */
+    extras_sample(&m, NL_MSG_ACTIVATION, 0);
+    const int64_t sh[2] = {2, 5};
+    nl_wire_frame_set(&m.frames[1], hx_targets, NL_DTYPE_I32, sh, 2);
+    m.nframes = 2;
+    nl_status st = enc_msg(&m, &e, NULL, &err);
+    if (st == NL_OK)
+        st = nl_wire_decode(&d, e.parts, e.nparts, NULL, &err);
+    CHECK(st == NL_OK && frame_is(nl_wire_hop_frame(&d, NL_HOP_TARGETS), hx_targets, 2, 10) &&
+              !nl_wire_hop_frame(&d, NL_HOP_DOCS),
+          "ACTIVATION without extras: %s", st == NL_OK ? "frame 1 is not the targets" : err.msg);
+    CHECK(!nl_wire_hop_frame(&m, NL_HOP_DOCS), "a hop without documents has them");
+    /* refused: frames that do not match extras (the encoder checks as the decoder does) */
+    struct {
+        nl_msg_type type;
+        unsigned extras;
+        int nframes, ndim1;
+        const char *want;
+    } bad[] = {
+        {NL_MSG_ACTIVATION, 16, 1, 0, "extras"},              /* a bit past the last */
+        {NL_MSG_ACTIVATION, NL_HOP_DOCS, 1, 0, "missing"},    /* names a frame not sent */
+        {NL_MSG_ACTIVATION, NL_HOP_TARGETS, 3, 2, "names 2"}, /* a frame more */
+        {NL_MSG_ACTIVATION, NL_HOP_LABELS, 2, 2, "labels"},   /* labels of 2 dimensions */
+        {NL_MSG_EVAL, 0, 3, 2, "names none"},                 /* older form, 3 frames */
+        {NL_MSG_COUNT, 0, 2, 2, "names none"},                /* older COUNT with a frame 1 */
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        extras_sample(&m, bad[i].type, 0);
+        for (int f = 1; f < bad[i].nframes; f++)
+            nl_wire_frame_set(&m.frames[f], hx_targets, NL_DTYPE_I32,
+                              bad[i].ndim1 == 2 ? sh : sh + 1, bad[i].ndim1 == 2 ? 2 : 1);
+        m.nframes = bad[i].nframes;
+        m.u.train_hop.extras = bad[i].extras;
+        st = enc_msg(&m, &e, NULL, &err);
+        CHECK(st != NL_OK && strstr(err.msg, bad[i].want), "bad hop %zu accepted or wrong: %s", i,
+              st == NL_OK ? "accepted" : err.msg);
+    }
+    /* LOSS of a classification's evaluation: the correct count */
+    extras_sample(&m, NL_MSG_LOSS, 0);
+    st = enc_msg(&m, &e, NULL, &err);
+    if (st == NL_OK)
+        st = nl_wire_decode(&d, e.parts, e.nparts, NULL, &err);
+    CHECK(st == NL_OK && d.u.train_loss.correct == 29 && d.u.loss.rows == 37,
+          "LOSS with correct: %s", st == NL_OK ? "decoded wrong" : err.msg);
+    nl_wire_wbuf_free(&e.hdr);
+    nl_wire_msg_free(&m);
+    nl_wire_msg_free(&d);
+}
+
 /* ---- fuzz corpus (the format of fuzz/fuzz_wire.c) ---- */
 
 static void put_u32(FILE *f, uint32_t v)
@@ -430,38 +574,62 @@ static void put_u32(FILE *f, uint32_t v)
     fwrite(b, 1, 4, f);
 }
 
+/* One corpus file: m encoded, at DIR/NN-TYPE[-suffix]. */
+static int write_one(const char *dir, nl_wire_msg *m, enc *e, const char *suffix)
+{
+    nl_error err;
+    if (enc_msg(m, e, NULL, &err) != NL_OK) {
+        fprintf(stderr, "encode: %s\n", err.msg);
+        return 1;
+    }
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%02d-%s%s%s", dir, m->type, nl_wire_type_name(m->type),
+             suffix ? "-" : "", suffix ? suffix : "");
+    FILE *f = fopen(path, "wb");
+    if (!f) {
+        perror(path);
+        return 1;
+    }
+    fputc(e->nparts - 1, f);
+    put_u32(f, (uint32_t)e->hdr.len);
+    fwrite(e->hdr.data, 1, e->hdr.len, f);
+    for (int k = 1; k < e->nparts; k++) {
+        put_u32(f, (uint32_t)e->parts[k].len);
+        fwrite(e->parts[k].data, 1, e->parts[k].len, f);
+    }
+    fclose(f);
+    return 0;
+}
+
 static int write_corpus(const char *dir)
 {
     nl_wire_msg m;
     enc e = {0};
-    nl_error err;
+    int rc = 0;
     nl_wire_msg_init(&m);
-    for (int i = 0; i < NTYPES; i++) {
+    for (int i = 0; i < NTYPES && rc == 0; i++) {
         sample(&m, all_types[i]);
-        if (enc_msg(&m, &e, NULL, &err) != NL_OK) {
-            fprintf(stderr, "encode: %s\n", err.msg);
-            return 1;
-        }
-        char path[4096];
-        snprintf(path, sizeof path, "%s/%02d-%s", dir, all_types[i],
-                 nl_wire_type_name(all_types[i]));
-        FILE *f = fopen(path, "wb");
-        if (!f) {
-            perror(path);
-            return 1;
-        }
-        fputc(e.nparts - 1, f);
-        put_u32(f, (uint32_t)e.hdr.len);
-        fwrite(e.hdr.data, 1, e.hdr.len, f);
-        for (int k = 1; k < e.nparts; k++) {
-            put_u32(f, (uint32_t)e.parts[k].len);
-            fwrite(e.parts[k].data, 1, e.parts[k].len, f);
-        }
-        fclose(f);
+        rc = write_one(dir, &m, &e, NULL);
+    }
+    /* the objectives' hops: mlm's targets, classification's documents,
+     * labels and lengths, a counting pass with documents, and the LOSS of
+     * a classification's evaluation */
+    static const struct {
+        nl_msg_type type;
+        unsigned extras;
+        const char *suffix;
+    } x[] = {{NL_MSG_ACTIVATION, NL_HOP_TARGETS, "mlm"},
+             {NL_MSG_ACTIVATION, NL_HOP_DOCS | NL_HOP_LABELS | NL_HOP_LENGTHS, "classify"},
+             {NL_MSG_COUNT, NL_HOP_DOCS, "docs"},
+             {NL_MSG_EVAL, NL_HOP_DOCS | NL_HOP_LABELS | NL_HOP_LENGTHS, "classify"},
+             {NL_MSG_LOSS, 0, "classify"}};
+    for (size_t i = 0; i < sizeof x / sizeof x[0] && rc == 0; i++) {
+        extras_sample(&m, x[i].type, x[i].extras);
+        rc = write_one(dir, &m, &e, x[i].suffix);
     }
     nl_wire_msg_free(&m);
     nl_wire_wbuf_free(&e.hdr);
-    return 0;
+    return rc;
 }
 
 int main(int argc, char **argv)
@@ -474,5 +642,6 @@ int main(int argc, char **argv)
     test_truncation();
     test_wrong_types();
     test_mutations();
+    test_train_hops();
     return check_done("test_wire");
 }

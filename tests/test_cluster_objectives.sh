@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# The training objectives on a cluster (issue 18), as real processes on
+# loopback, each against neuroctl train in one process on the same
+# checkpoint, seed, data and batches:
+#  - mlm on an encoder (causal: false, geglu, dense FFN, alternating local
+#    windows) over 3 nodes, its objective the config's: every step's loss
+#    and eval loss, and the final weights and moments, bit for bit;
+#  - classify (label<TAB>text, a classifier on mean-pooled states) over the
+#    same 3 nodes: losses, the held-out accuracy (every held-out example
+#    once) and the weights, bit for bit;
+#  - refusals, by name: classify on a model without num_classes, mlm on a
+#    vocabulary without the mask id, a labelled file with a bad line, an
+#    unknown objective.
+. "$(dirname "$0")/cluster_lib.sh"
+export NL_TEST_GFLOPS=20 # equal throughputs: 3 nodes make 3 stages
+
+# an encoder with a classifier; its config trains masked tokens
+cat > "$W/enc.yaml" <<'YAML'
+hidden_dim: 32
+num_layers: 3
+num_heads: 4
+num_kv_heads: 2
+ffn_dim: 48
+num_experts: 1
+top_k: 1
+vocab_size: 264
+vocab_chunk: 264
+max_seq_len: 32
+causal: false
+ffn_act: geglu
+attention_window: 8
+global_every: 2
+objective: mlm
+num_classes: 3
+YAML
+small_config "$W/clm.yaml" 32 2 48 32 # a decoder: no classifier, no mask id
+check "$N" init --config "$W/enc.yaml" --out "$W/enc.safetensors" --seed 5
+check "$N" init --config "$W/clm.yaml" --out "$W/clm.safetensors" --seed 5
+cat "$NL_SOURCE_DIR"/README.md "$NL_SOURCE_DIR"/docs/cluster.md > "$W/data.txt"
+for i in $(seq 1 60); do
+  printf 'red\tthe apple and the cherry %d\nblue\tthe sea and the sky %d\ngreen\tgrass and leaves %d\n' \
+    "$i" "$i" "$i"
+done > "$W/labels.tsv"
+printf 'red\tapple\nno tab on this line\n' > "$W/broken.tsv"
+
+cat > "$W/cmp.py" <<'PY'
+import json, struct, sys
+def log(p):
+    return {r["step"]: r for r in map(json.loads, open(p)) if "step" in r}
+def tensors(p):
+    b = open(p, "rb").read(); n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n])
+    out = {}
+    for k, v in h.items():
+        if k == "__metadata__": continue
+        s, e = v["data_offsets"]; out[k] = b[8 + n + s: 8 + n + e]
+    return out, h.get("__metadata__", {})
+what = sys.argv[1]
+if what == "logs":      # logs A B: every step's losses equal
+    a, b = log(sys.argv[2]), log(sys.argv[3])
+    assert sorted(a) == sorted(b) and a, (sorted(a), sorted(b))
+    for k in b:
+        for key in ("loss", "ce_loss", "eval_loss", "grad_norm"):
+            assert (key in a[k]) == (key in b[k]), (k, key)
+            if key in b[k]:
+                assert a[k][key] == b[k][key], (k, key, a[k][key], b[k][key])
+    print("%d steps: the losses are equal" % len(b))
+elif what == "weights":  # weights A B: every tensor (weights and moments) bit for bit
+    (a, ma), (b, mb) = tensors(sys.argv[2]), tensors(sys.argv[3])
+    assert set(a) == set(b), set(a) ^ set(b)
+    diff = [k for k in b if a[k] != b[k]]
+    assert not diff, "differ: %s" % diff[:5]
+    assert ma.get("step") == mb.get("step") and ma.get("adam_steps") == mb.get("adam_steps"), (ma, mb)
+    print("%d tensors: bit-identical" % len(b))
+PY
+
+C="$W/c3"
+check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 3 --model "$W/enc.safetensors" --memory 64M \
+  --threads 1 --node-timeout-ms 2000 --timeout 60
+
+# ---- mlm (the config's objective): 3 nodes against one process ----
+MLM=(--data "$W/data.txt" --steps 4 --batch 4 --seq 32 --microbatches 2 --lr 3e-3 --seed 1
+     --eval-every 2 --eval-batches 2)
+check "$N" train "${DEV[@]}" --model "$W/enc.safetensors" "${MLM[@]}" --threads 1 \
+  --log "$W/mlm_local.jsonl" --out "$W/mlm_local.safetensors" 2> "$W/mlm_local.err"
+check "$N" train --cluster "$C" "${MLM[@]}" --checkpoint-dir "$W/ck_mlm" --log "$W/mlm.jsonl" \
+  --out "$W/mlm.safetensors" 2> "$W/mlm.err"
+cat "$W/mlm.err"
+check grep -q "on 3 pipeline stages.*(objective mlm)" "$W/mlm.err"
+check $PY "$W/cmp.py" logs "$W/mlm.jsonl" "$W/mlm_local.jsonl"
+check $PY "$W/cmp.py" weights "$W/mlm.safetensors" "$W/mlm_local.safetensors"
+
+# ---- classify: labelled examples through the pipeline (a cluster of the
+# untrained model again: the one above holds what mlm trained) ----
+check "$N" cluster down --dir "$C"
+C="$W/c3b"
+check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 3 --model "$W/enc.safetensors" --memory 64M \
+  --threads 1 --node-timeout-ms 2000 --timeout 60
+CLS=(--objective classify --data "$W/labels.tsv" --steps 6 --batch 6 --seq 16 --microbatches 2
+     --lr 3e-3 --seed 2 --eval-every 3)
+check "$N" train "${DEV[@]}" --model "$W/enc.safetensors" "${CLS[@]}" --threads 1 \
+  --log "$W/cls_local.jsonl" --out "$W/cls_local.safetensors" 2> "$W/cls_local.err"
+check "$N" train --cluster "$C" "${CLS[@]}" --checkpoint-dir "$W/ck_cls" --log "$W/cls.jsonl" \
+  --out "$W/cls.safetensors" 2> "$W/cls.err"
+cat "$W/cls.err"
+check grep -q "on 162 examples into 3 classes (18 held out).*(objective classify)" "$W/cls.err"
+check $PY "$W/cmp.py" logs "$W/cls.jsonl" "$W/cls_local.jsonl"
+check $PY "$W/cmp.py" weights "$W/cls.safetensors" "$W/cls_local.safetensors"
+acc_local=$(grep -o 'held-out accuracy [0-9.]*' "$W/cls_local.err" | cut -d' ' -f3 | tr '\n' ' ')
+acc=$(grep -o 'held-out accuracy [0-9.]*' "$W/cls.err" | cut -d' ' -f3 | tr '\n' ' ')
+echo "held-out accuracy: cluster $acc, one process $acc_local"
+check test -n "$acc"
+check test "$acc" = "$acc_local"
+
+# ---- refusals ----
+out=$("$N" train --cluster "$C" --objective classify --data "$W/broken.tsv" --steps 1 --batch 2 \
+  --seq 8 --checkpoint-dir "$W/ck_bad" 2>&1); rc=$?
+echo "$out" | tail -1
+check test $rc -ne 0
+check grep -q "broken.tsv:2: expected label<TAB>text" <<< "$out"
+printf 'red\tapple\nblue\tsea\n' > "$W/two.tsv" # 10% of 2 examples: none held out
+out=$("$N" train --cluster "$C" --objective classify --data "$W/two.tsv" --steps 1 --batch 2 \
+  --seq 8 --eval-every 1 --checkpoint-dir "$W/ck_two" 2>&1); rc=$?
+echo "$out" | tail -1
+check test $rc -ne 0
+check grep -q "two.tsv: holdout 0.1 of 2 examples holds none out to evaluate" <<< "$out"
+out=$("$N" train "${DEV[@]}" --model "$W/enc.safetensors" --objective classify --data "$W/two.tsv" \
+  --steps 1 --batch 2 --seq 8 --eval-every 1 --checkpoint-dir "$W/ck_two_local" 2>&1); rc=$?
+check test $rc -ne 0
+check grep -q "two.tsv: holdout 0.1 of 2 examples holds none out to evaluate" <<< "$out"
+out=$("$N" train --cluster "$C" --objective next --data "$W/data.txt" --steps 1 2>&1); rc=$?
+check test $rc -eq 2
+check grep -q "'next' is not clm, mlm or classify" <<< "$out"
+check "$N" cluster down --dir "$C"
+
+C2="$W/c2"
+check "$N" cluster up "${DEV[@]}" --dir "$C2" --nodes 2 --model "$W/clm.safetensors" --memory 64M \
+  --threads 1 --node-timeout-ms 2000 --timeout 60
+out=$("$N" train --cluster "$C2" --objective classify --data "$W/labels.tsv" --steps 1 --batch 2 \
+  --seq 8 --checkpoint-dir "$W/ck_nc" 2>&1); rc=$?
+echo "$out" | tail -1
+check test $rc -ne 0
+check grep -q "has no classifier (set num_classes" <<< "$out"
+out=$("$N" train --cluster "$C2" --objective mlm --data "$W/data.txt" --steps 1 --batch 2 \
+  --seq 8 --checkpoint-dir "$W/ck_nm" 2>&1); rc=$?
+echo "$out" | tail -1
+check test $rc -ne 0
+check grep -q "does not hold the mask id" <<< "$out"
+check "$N" cluster down --dir "$C2"
+
+echo "test_cluster_objectives: $pass passed, $fail failed"
+[ "$fail" -eq 0 ]
