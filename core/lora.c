@@ -587,5 +587,7 @@ nl_status nl_lora_merge(nl_lora *lo, nl_error *err)
         m->classifier = lo->base_classifier;
     }
     be->zero(be, lo->params, lo->n_params * sizeof(float));
+    if (be->wrote) /* the GEMMs above wrote the weights: any bf16 copy of them is stale */
+        be->wrote(be, m->params, m->n_params * sizeof(float));
     return nl_backend_check(be, err);
 }

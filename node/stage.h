@@ -100,10 +100,14 @@ typedef struct nl_stage_session_params {
     uint64_t seed;
     int limit; /* 0..capacity tokens the last stage feeds back itself (the
                 * token ring); 0: whoever opened the session feeds them */
+    const char *adapter; /* params.adapter (borrowed from the request), or NULL: a LoRA
+                          * adapter file under the node's --checkpoint-root that every
+                          * forward of the session applies; such a session's hops run
+                          * alone, not in the batch */
 } nl_stage_session_params;
 
 /* Read a JOB_SUBMIT {kind generate, params session, capacity, temperature,
- * top_p, seed, limit} by the schema the coordinator uses too
+ * top_p, seed, limit[, adapter]} by the schema the coordinator uses too
  * (net/genparams.h): session and capacity are required, temperature
  * defaults to 0.8, top_p to 0.95, seed and limit to 0; a value of the
  * wrong type or out of range is NL_ERR_RANGE naming its key; other keys

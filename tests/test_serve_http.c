@@ -60,9 +60,11 @@ static void fake_end(void *ctx, void *jp)
     free(jp);
 }
 
-static nl_status fake_embed(void *ctx, const char *text, size_t len, const int32_t *ids, int n,
-                            float **vec, int *dim, int *tokens, nl_error *err)
+static nl_status fake_embed(void *ctx, int model, const char *text, size_t len,
+                            const int32_t *ids, int n, float **vec, int *dim, int *tokens,
+                            nl_error *err)
 {
+    (void)model;
     *vec = calloc(2, sizeof **vec);
     (*vec)[0] = 0.6f;
     (*vec)[1] = 0.8f;
