@@ -255,7 +255,7 @@ typedef enum nl_stage_dest { NL_STAGE_TO_NEXT, NL_STAGE_TO_PREV, NL_STAGE_TO_COO
 typedef nl_status (*nl_stage_send_fn)(void *ctx, nl_stage_dest to, nl_wire_msg *m, nl_error *err);
 
 /* JOB_SUBMIT {kind finetune}: the same params plus lora_rank, lora_alpha,
- * lora_targets ("wq,wk,wv,wo") and lora_seed: a LoRA fine-tuning job
+ * lora_targets ("wq,wk,wv,wo", and the experts' "w_gate,w_up,w_down") and lora_seed: a LoRA fine-tuning job
  * (node/stage_lora.c) with adapters of its own on the frozen weights;
  * several may run at once, but none beside a training job.
  * JOB_SUBMIT {kind train, params: job, micro_batch, seq, microbatches,
