@@ -569,7 +569,8 @@ int nl_cmd_cluster(int argc, char **argv)
         "neuroctl cluster up|down [--dir DIR] [--nodes N] [--model M | --config C | "
         "--resume MANIFEST] "
         "[--memory SIZE] [--threads N] [--spin N] [--kv-budget SIZE] [--device D[,D...]] "
-        "[--tf32] [--precision fp32|bf16] [--http HOST:PORT [--http-tokens FILE] [--http-adapter NAME=FILE]] [--grow auto]";
+        "[--tf32] [--precision fp32|bf16] [--http HOST:PORT [--http-tokens FILE] [--http-adapter "
+        "NAME=FILE]] [--grow auto]";
     const char *pos[1] = {NULL};
     int npos = 0;
     int rc = nl_args_parse(argc, argv, flags, usage, pos, 1, &npos);

@@ -19,7 +19,7 @@
 #include "remote.h"
 
 #define ADAPTER_HELP                                                                               \
-    "LoRA adapter file under the cluster's --checkpoint-root, shared with the nodes (e.g. the "  \
+    "LoRA adapter file under the cluster's --checkpoint-root, shared with the nodes (e.g. the "    \
     "one neuroctl finetune --cluster joined there): every stage applies it to this job"
 
 /* --adapter as an absolute path (the coordinator and the nodes resolve
@@ -63,7 +63,8 @@ int nl_cmd_remote_forward(int argc, char **argv)
     const char *adapter = adapter_flag(flags, abs_adapter, &rc);
     if (rc)
         return rc;
-    const nl_wire_param ap[1] = {{.key = "adapter", .kind = NL_WIRE_PARAM_STR, .s = (char *)adapter}};
+    const nl_wire_param ap[1] = {
+        {.key = "adapter", .kind = NL_WIRE_PARAM_STR, .s = (char *)adapter}};
     nl_error err = {0};
     nl_remote r = {0};
     nl_rx rx;

@@ -589,8 +589,8 @@ int nl_cmd_serve(int argc, char **argv)
         goto out;
     /* the batched engine applies no adapters: the adapter is folded into
      * the weights once (W += alpha/r B A), as `neuroctl lora merge` does */
-    if (adapter && (nl_lora_load(&lo, e.m, adapter, 1, &err) != NL_OK ||
-                    nl_lora_merge(lo, &err) != NL_OK)) {
+    if (adapter &&
+        (nl_lora_load(&lo, e.m, adapter, 1, &err) != NL_OK || nl_lora_merge(lo, &err) != NL_OK)) {
         nl_error_prefix(&err, "--adapter");
         goto out;
     }

@@ -25,7 +25,8 @@ typedef struct cgen {
      * `produced` from ids, replaying), `seen` of this session's so far */
     int resumes, coord_feeds, seen;
     nl_genparams params; /* the client's, then the session's */
-    char adapter[PATH_MAX]; /* resolved under --checkpoint-root, or "" */
+    /* params.adapter resolved under --checkpoint-root, or "" */
+    char adapter[PATH_MAX];
 } cgen;
 
 /* Open the session on every stage of the plan. With limit, the last stage

@@ -919,8 +919,8 @@ static nl_status parse_adapters(nl_coord_http *h, const char *spec, nl_error *er
     for (char *item = strtok_r(h->spec, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
         char *eq = strchr(item, '=');
         if (!eq || eq == item || !eq[1])
-            return nl_error_set(err, NL_ERR_INVALID,
-                                "--http-adapter: '%.200s' is not NAME=FILE", item);
+            return nl_error_set(err, NL_ERR_INVALID, "--http-adapter: '%.200s' is not NAME=FILE",
+                                item);
         *eq = '\0';
         if (h->n_models == MAX_ADAPTERS)
             return nl_error_set(err, NL_ERR_INVALID, "--http-adapter: more than %d adapters",

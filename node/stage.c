@@ -494,8 +494,9 @@ nl_status nl_stage_parse_session(const nl_msg_job_submit *j, nl_stage_session_pa
     for (uint32_t i = 0; st == NL_OK && i < j->nparams; i++) /* optional: an adapter file */
         if (strcmp(j->params[i].key, "adapter") == 0) {
             if (j->params[i].kind != NL_WIRE_PARAM_STR || !j->params[i].s[0])
-                st = nl_error_set(err, NL_ERR_PROTO, "JOB_SUBMIT generate: params.adapter is not "
-                                                     "a path");
+                st = nl_error_set(err, NL_ERR_PROTO,
+                                  "JOB_SUBMIT generate: params.adapter is not "
+                                  "a path");
             else
                 p->adapter = j->params[i].s;
         }
@@ -751,8 +752,9 @@ static nl_status run_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wir
      * more wait for the device per token */
     float aux = 0.0f;
     /* an embed or forward job's adapters, if any, for this forward only */
-    nl_stage_adapter_attach(s, em ? nl_stage_embed_adapter(em) : NULL);
-    st = nl_forward(m, s->rs, &a, se ? NULL : &aux, err);
+    st = nl_stage_adapter_use(s, em ? nl_stage_embed_adapter(em) : NULL, B * T, err);
+    if (st == NL_OK)
+        st = nl_forward(m, s->rs, &a, se ? NULL : &aux, err);
     nl_stage_adapter_attach(s, NULL);
     if (st != NL_OK)
         return nl_error_prefix(err, "%s", who);
@@ -815,8 +817,9 @@ nl_status nl_stage_forward_adapted(nl_stage *s, session *se, const void *in, int
         s->be->upload(s->be, s->xin_d, in, (size_t)T * d * sizeof(float));
         a.x_in = s->xin_d;
     }
-    nl_stage_adapter_attach(s, se->lo);
-    st = nl_forward(m, s->rs, &a, NULL, err);
+    st = nl_stage_adapter_use(s, se->lo, T, err);
+    if (st == NL_OK)
+        st = nl_forward(m, s->rs, &a, NULL, err);
     nl_stage_adapter_attach(s, NULL);
     if (st != NL_OK)
         return st;

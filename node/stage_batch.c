@@ -355,7 +355,8 @@ static void run_adapted(nl_stage *s, int *nres)
         r->out.aux = q->aux;
         const double t0 = nl_stage_now();
         nl_status st = NL_OK;
-        if (!m->has_head && !reserve((void **)&q->acc, &q->acc_cap, (size_t)q->T * d * sizeof(float)))
+        if (!m->has_head &&
+            !reserve((void **)&q->acc, &q->acc_cap, (size_t)q->T * d * sizeof(float)))
             st = nl_error_set(&e, NL_ERR_NOMEM, "out of memory for %d positions", q->T);
         if (st == NL_OK)
             st = nl_stage_forward_adapted(s, se, q->in, q->T, q->acc, &r->out, &e);

@@ -27,8 +27,9 @@ typedef struct session {
     int steps;
     uint64_t picked; /* the batch (s->batch_seq) that last took one of its hops */
     double last_in;  /* when its last hop arrived here (0: none yet) */
-    struct nl_lora *lo; /* its adapter (a reference of the stage's cache), or NULL: then
-                         * its hops run alone, not in the batch (stage_batch.c) */
+    /* its adapter (a reference of the stage's cache), or NULL; with one,
+     * its hops run alone, not in the batch (stage_batch.c) */
+    struct nl_lora *lo;
 } session;
 
 /* A session's hop waiting for a batch (node/stage_batch.c). The slots of
@@ -170,18 +171,21 @@ void nl_stage_lora_free_all(nl_stage *s);
 
 /* ---- adapters for inference (stage_lora.c) ---- */
 /* The adapter file at path (a file under the node's --checkpoint-root)
- * loaded for this stage's layers, for forwards of up to max_rows rows;
- * kept in a small cache by path and file identity (device, inode, size,
- * modification time), so that the jobs and sessions naming one file share
- * one copy. A reference: give it back with nl_stage_adapter_put. Never
- * left attached to the model: nl_stage_adapter_attach around a forward. */
-nl_status nl_stage_adapter_get(nl_stage *s, const char *path, struct nl_lora **lo,
-                               nl_error *err);
+ * loaded for this stage's layers; kept in a small cache by path and file
+ * identity (device, inode, size, modification time), so that the jobs and
+ * sessions naming one file share one copy. A reference: give it back with
+ * nl_stage_adapter_put. Never left attached to the model:
+ * nl_stage_adapter_use around a forward, then nl_stage_adapter_attach
+ * (s, NULL). */
+nl_status nl_stage_adapter_get(nl_stage *s, const char *path, struct nl_lora **lo, nl_error *err);
 void nl_stage_adapter_put(nl_stage *s, struct nl_lora *lo);
 /* Attach lo (its adapters and its trained head, if any) to the stage's
  * model for the forwards that follow; NULL detaches (the base's head
  * back). */
 void nl_stage_adapter_attach(nl_stage *s, struct nl_lora *lo);
+/* Attach lo (NULL: none) for a forward of rows rows, its scratch grown to
+ * them first (the cache loads a file with scratch for one row). */
+nl_status nl_stage_adapter_use(nl_stage *s, struct nl_lora *lo, int rows, nl_error *err);
 /* Free every cached adapter (the model goes; no references left). */
 void nl_stage_adapter_free_all(nl_stage *s);
 /* A session's hop with an adapter, alone through the ordinary forward

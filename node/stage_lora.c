@@ -256,6 +256,14 @@ void nl_stage_adapter_attach(nl_stage *s, nl_lora *lo)
         m->classifier = lo->classifier;
 }
 
+nl_status nl_stage_adapter_use(nl_stage *s, nl_lora *lo, int rows, nl_error *err)
+{
+    nl_status st = lo ? nl_lora_reserve(lo, rows, err) : NL_OK;
+    if (st == NL_OK)
+        nl_stage_adapter_attach(s, lo);
+    return st;
+}
+
 static void adapter_drop(nl_stage *s, int i)
 {
     nl_lora_destroy(&s->ad[i].lo); /* detached: it frees its block */
@@ -323,7 +331,7 @@ nl_status nl_stage_adapter_get(nl_stage *s, const char *path, nl_lora **lo, nl_e
     }
     nl_lora *l = NULL;
     nl_stage_adapter_attach(s, NULL); /* nl_lora_load attaches to a bare model */
-    nl_status st = nl_lora_load(&l, s->model, real, s->max_rows, err);
+    nl_status st = nl_lora_load(&l, s->model, real, 1, err); /* scratch: as its users need */
     nl_stage_adapter_attach(s, NULL);
     if (st != NL_OK)
         return nl_error_prefix(err, "params.adapter");

@@ -589,9 +589,9 @@ enum MHD_Result http_completions(nl_http *h, struct MHD_Connection *c, http_req 
     json_t *ch = json_pack("{s:i, s:o, s:o, s:s, s:n}", "index", 0, "text",
                            json_text(g->text, g->tlen, 1, NULL), "token_ids",
                            ids_json(g->ids, g->nids), "finish_reason", g->finish, "logprobs");
-    json_t *j = json_pack("{s:s, s:s, s:I, s:s, s:[o], s:o}", "id", g->id, "object",
-                          "text_completion", "created", g->created, "model", g->model,
-                          "choices", ch, "usage", usage_json(g));
+    json_t *j =
+        json_pack("{s:s, s:s, s:I, s:s, s:[o], s:o}", "id", g->id, "object", "text_completion",
+                  "created", g->created, "model", g->model, "choices", ch, "usage", usage_json(g));
     char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
     json_decref(j);
     gen_free(g);
@@ -709,9 +709,9 @@ enum MHD_Result http_models(nl_http *h, struct MHD_Connection *c, http_req *rq)
 {
     json_t *data = json_array(), *j = NULL;
     for (int i = 0; data && i <= h->be.n_models; i++)
-        json_array_append_new(data, json_pack("{s:s, s:s, s:i, s:s}", "id", model_name(h, i),
-                                              "object", "model", "created", 0, "owned_by",
-                                              "neurollm"));
+        json_array_append_new(data,
+                              json_pack("{s:s, s:s, s:i, s:s}", "id", model_name(h, i), "object",
+                                        "model", "created", 0, "owned_by", "neurollm"));
     if (data)
         j = json_pack("{s:s, s:o}", "object", "list", "data", data);
     char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;

@@ -64,9 +64,8 @@ static void fake_end(void *ctx, void *jp)
     free(jp);
 }
 
-static nl_status fake_embed(void *ctx, int model, const char *text, size_t len,
-                            const int32_t *ids, int n, float **vec, int *dim, int *tokens,
-                            nl_error *err)
+static nl_status fake_embed(void *ctx, int model, const char *text, size_t len, const int32_t *ids,
+                            int n, float **vec, int *dim, int *tokens, nl_error *err)
 {
     last_model = model;
     *vec = calloc(2, sizeof **vec);
@@ -218,11 +217,11 @@ static void test_models(const nl_http_backend *base)
         const char *body;
         int model;
         const char *name;
-    } cases[] = {{"{\"prompt\": \"x\", \"max_tokens\": 1, \"model\": \"ad2\"}", 2, "ad2"},
-                 {"{\"prompt\": \"x\", \"max_tokens\": 1, \"model\": \"fake\"}", 0, "fake"},
-                 {"{\"prompt\": \"x\", \"max_tokens\": 1}", 0, "fake"},
-                 {"{\"prompt\": \"x\", \"max_tokens\": 1, \"model\": \"ad1\", \"stream\": true}", 1,
-                  "ad1"}};
+    } cases[] = {
+        {"{\"prompt\": \"x\", \"max_tokens\": 1, \"model\": \"ad2\"}", 2, "ad2"},
+        {"{\"prompt\": \"x\", \"max_tokens\": 1, \"model\": \"fake\"}", 0, "fake"},
+        {"{\"prompt\": \"x\", \"max_tokens\": 1}", 0, "fake"},
+        {"{\"prompt\": \"x\", \"max_tokens\": 1, \"model\": \"ad1\", \"stream\": true}", 1, "ad1"}};
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         last_model = -1;
         r = request(port, "POST", "/v1/completions", cases[i].body, NULL);
