@@ -12,7 +12,6 @@
  * once into the stage's cache, stage_lora.c). A forward job with an
  * adapter takes the same path (JOB_SUBMIT kind forward {job, batch, seq,
  * adapter}): its hop applies the adapter and returns logits, unpooled. */
-#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
