@@ -395,6 +395,10 @@ static int cluster_up(const nl_flag *flags, const char *dir)
         cargv[ca++] = "--http-tokens";
         cargv[ca++] = (char *)http_tokens;
     }
+    if (nl_args_get(flags, "http-adapter")) {
+        cargv[ca++] = "--http-adapter";
+        cargv[ca++] = (char *)nl_args_get(flags, "http-adapter");
+    }
     if (nl_args_get(flags, "grow")) {
         cargv[ca++] = "--grow";
         cargv[ca++] = (char *)nl_args_get(flags, "grow");
@@ -549,6 +553,10 @@ int nl_cmd_cluster(int argc, char **argv)
          "one); the address is printed and kept in DIR/coord/http",
          NULL},
         {"http-tokens", 1, "up: bearer tokens file for --http (neurocoord --http-tokens)", NULL},
+        {"http-adapter", 1,
+         "up: NAME=FILE[,NAME=FILE...]: --http also serves each adapter as model NAME "
+         "(neurocoord --http-adapter)",
+         NULL},
         {"train-resumes", 1,
          "up: times a training job goes on by itself after losing a stage (neurocoord "
          "--train-resumes; default 3)",
@@ -561,7 +569,8 @@ int nl_cmd_cluster(int argc, char **argv)
         "neuroctl cluster up|down [--dir DIR] [--nodes N] [--model M | --config C | "
         "--resume MANIFEST] "
         "[--memory SIZE] [--threads N] [--spin N] [--kv-budget SIZE] [--device D[,D...]] "
-        "[--tf32] [--precision fp32|bf16] [--http HOST:PORT [--http-tokens FILE]] [--grow auto]";
+        "[--tf32] [--precision fp32|bf16] [--http HOST:PORT [--http-tokens FILE] [--http-adapter "
+        "NAME=FILE]] [--grow auto]";
     const char *pos[1] = {NULL};
     int npos = 0;
     int rc = nl_args_parse(argc, argv, flags, usage, pos, 1, &npos);

@@ -1,7 +1,9 @@
 /* neuroctl's cluster commands: forward, generate and status through a
  * coordinator (--coordinator ENDPOINT --key CLIENT.key --coordinator-key
  * COORD.pub, or --cluster DIR for a local cluster made by `cluster up`). */
+#include <errno.h>
 #include <jansson.h>
+#include <limits.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -16,16 +18,38 @@
 #include "core/tokenizer.h"
 #include "remote.h"
 
+#define ADAPTER_HELP                                                                               \
+    "LoRA adapter file under the cluster's --checkpoint-root, shared with the nodes (e.g. the "    \
+    "one neuroctl finetune --cluster joined there): every stage applies it to this job"
+
+/* --adapter as an absolute path (the coordinator and the nodes resolve
+ * it), into buf; NULL without the flag; 1 in *rc on a path that is not. */
+static const char *adapter_flag(const nl_flag *flags, char *buf, int *rc)
+{
+    const char *ad = nl_args_get(flags, "adapter");
+    *rc = 0;
+    if (!ad)
+        return NULL;
+    if (!realpath(ad, buf)) {
+        fprintf(stderr, "--adapter: %s: %s\n", ad, strerror(errno));
+        *rc = 1;
+        return NULL;
+    }
+    return buf;
+}
+
 /* ---------------------------------------------------------------- forward */
 
 int nl_cmd_remote_forward(int argc, char **argv)
 {
     nl_flag flags[] = {{"tokens", 1, "input: safetensors with 'tokens' I32/I64 [B, T]", NULL},
                        {"out", 1, "output: 'logits' F32 [B, T, vocab] and 'aux_loss' F32 []", NULL},
+                       {"adapter", 1, ADAPTER_HELP, NULL},
                        NL_REMOTE_FLAGS,
                        {0}};
     const char *usage = "neuroctl forward (--cluster DIR | --coordinator EP --key K "
-                        "--coordinator-key P) --tokens IN.safetensors --out OUT.safetensors";
+                        "--coordinator-key P) --tokens IN.safetensors --out OUT.safetensors "
+                        "[--adapter A]";
     for (int i = 1; i < argc; i++)
         if (nl_remote_refuse_node_flag(argv[i]))
             return 2;
@@ -35,6 +59,12 @@ int nl_cmd_remote_forward(int argc, char **argv)
     const char *in = nl_args_get(flags, "tokens"), *out = nl_args_get(flags, "out");
     if ((rc = nl_cli_require("forward", usage, flags, "tokens", "out", (const char *)NULL)))
         return rc;
+    char abs_adapter[PATH_MAX];
+    const char *adapter = adapter_flag(flags, abs_adapter, &rc);
+    if (rc)
+        return rc;
+    const nl_wire_param ap[1] = {
+        {.key = "adapter", .kind = NL_WIRE_PARAM_STR, .s = (char *)adapter}};
     nl_error err = {0};
     nl_remote r = {0};
     nl_rx rx;
@@ -47,7 +77,8 @@ int nl_cmd_remote_forward(int argc, char **argv)
     rc = 1;
     if (nl_cli_read_ids_file(in, "tokens", &ids, &B, &T, &err) != NL_OK ||
         nl_remote_open(&r, flags, 60, &err) != NL_OK ||
-        nl_remote_submit(&r, NL_JOB_FORWARD, NULL, 0, ids, B, T, &err) != NL_OK)
+        nl_remote_submit(&r, NL_JOB_FORWARD, adapter ? ap : NULL, adapter ? 1 : 0, ids, B, T,
+                         &err) != NL_OK)
         goto out;
     const double deadline = nl_remote_now() + r.timeout_ms / 1e3;
     while (nl_remote_recv(&r, &rx, deadline, &err) == NL_OK) {
@@ -152,11 +183,12 @@ int nl_cmd_remote_generate(int argc, char **argv)
                        {"temperature", 1, "sampling temperature; 0 is greedy (default 0.8)", NULL},
                        {"top-p", 1, "nucleus sampling mass in (0, 1] (default 0.95)", NULL},
                        {"seed", 1, "sampling seed (default 0)", NULL},
+                       {"adapter", 1, ADAPTER_HELP, NULL},
                        NL_REMOTE_FLAGS,
                        {0}};
     const char *usage = "neuroctl generate (--cluster DIR | --coordinator EP --key K "
                         "--coordinator-key P) (--prompt-tokens 1,2,3 | --prompt TEXT) "
-                        "[--max-new N] ...";
+                        "[--max-new N] [--adapter A] ...";
     for (int i = 1; i < argc; i++)
         if (nl_remote_refuse_node_flag(argv[i]))
             return 2;
@@ -175,6 +207,10 @@ int nl_cmd_remote_generate(int argc, char **argv)
         (rc = nl_args_int(flags, "seed", 0, INT64_MAX, &seed)) ||
         (rc = nl_args_double(flags, "temperature", 0.0, 100.0, &temp)) ||
         (rc = nl_args_double(flags, "top-p", 1e-6, 1.0, &top_p)))
+        return rc;
+    char abs_adapter[PATH_MAX];
+    const char *adapter = adapter_flag(flags, abs_adapter, &rc);
+    if (rc)
         return rc;
     nl_error err = {0};
     nl_remote r = {0};
@@ -215,11 +251,12 @@ int nl_cmd_remote_generate(int argc, char **argv)
         goto out;
     }
     ids = malloc((size_t)max_new * sizeof *ids);
-    nl_wire_param ps[4] = {
+    nl_wire_param ps[5] = {
         {.key = "max_new", .kind = NL_WIRE_PARAM_INT, .i = max_new},
         {.key = "temperature", .kind = NL_WIRE_PARAM_FLOAT, .f = temp},
         {.key = "top_p", .kind = NL_WIRE_PARAM_FLOAT, .f = top_p},
         {.key = "seed", .kind = NL_WIRE_PARAM_INT, .i = seed},
+        {.key = "adapter", .kind = NL_WIRE_PARAM_STR, .s = (char *)adapter},
     };
     nl_gen_clock clock;
     nl_gen_clock_start(&clock);
@@ -227,7 +264,8 @@ int nl_cmd_remote_generate(int argc, char **argv)
     sigemptyset(&sa.sa_mask);
     gen_interrupted = 0;
     handler = sigaction(SIGINT, &sa, &old_sa) == 0;
-    if (!ids || nl_remote_submit(&r, NL_JOB_GENERATE, ps, 4, prompt, 1, (int)P, &err) != NL_OK)
+    if (!ids || nl_remote_submit(&r, NL_JOB_GENERATE, ps, adapter ? 5 : 4, prompt, 1, (int)P,
+                                 &err) != NL_OK)
         goto out;
     double deadline = nl_remote_now() + r.timeout_ms / 1e3;
     for (;;) {

@@ -21,6 +21,7 @@
 #include "commands.h"
 #include "core/batch.h"
 #include "core/checkpoint.h"
+#include "core/lora.h"
 #include "core/sampler.h"
 #include "core/tokenizer.h"
 #include "serve/http.h"
@@ -371,9 +372,10 @@ static void be_end(void *ctx, void *jp)
     pthread_mutex_unlock(&e->mu);
 }
 
-static nl_status be_embed(void *ctx, const char *text, size_t len, const int32_t *ids, int n,
-                          float **vec, int *dim, int *tokens, nl_error *err)
+static nl_status be_embed(void *ctx, int model, const char *text, size_t len, const int32_t *ids,
+                          int n, float **vec, int *dim, int *tokens, nl_error *err)
 {
+    (void)model; /* one model served (an adapter is merged into it) */
     engine *e = ctx;
     int32_t *p = NULL;
     int P = 0;
@@ -508,6 +510,10 @@ int nl_cmd_serve(int argc, char **argv)
 {
     nl_flag flags[] = {
         {"model", 1, "checkpoint (safetensors) to serve", NULL},
+        {"adapter", 1,
+         "LoRA adapter file (neuroctl finetune --out) merged into the served weights at load; "
+         "/v1/models names the model MODEL+ADAPTER",
+         NULL},
         {"http", 1, "HOST:PORT to listen on (default 127.0.0.1:8080; port 0: any free port)", NULL},
         {"http-tokens", 1, "file of bearer tokens, one a line (required off loopback)", NULL},
         {"max-batch", 1, "generations decoded together (default 16)", NULL},
@@ -524,7 +530,8 @@ int nl_cmd_serve(int argc, char **argv)
         NL_CLI_PRECISION_FLAG,
         NL_CLI_TF32_FLAG,
         {0}};
-    const char *usage = "neuroctl serve --model MODEL [--http HOST:PORT] [--http-tokens FILE] "
+    const char *usage = "neuroctl serve --model MODEL [--adapter A] [--http HOST:PORT] "
+                        "[--http-tokens FILE] "
                         "[--max-batch N] [--prefill-chunk N] [--max-requests N] [--http-timeout S] "
                         "[--threads N] "
                         "[--spin N] [--device D] [--tf32]";
@@ -551,8 +558,15 @@ int nl_cmd_serve(int argc, char **argv)
     nl_error err = {0};
     nl_backend *be = NULL;
     engine e = {.max_batch = (int)max_batch, .chunk = (int)chunk, .t_start = now_s()};
-    const char *slash = strrchr(model, '/');
+    const char *slash = strrchr(model, '/'), *adapter = nl_args_get(flags, "adapter");
     e.name = slash ? slash + 1 : model;
+    char merged_name[512];
+    if (adapter) { /* the weights served are the merged ones: the name says so */
+        const char *as = strrchr(adapter, '/');
+        snprintf(merged_name, sizeof merged_name, "%s+%s", e.name, as ? as + 1 : adapter);
+        e.name = merged_name;
+    }
+    nl_lora *lo = NULL;
     pthread_mutex_init(&e.mu, NULL);
     pthread_mutex_init(&e.tok_mu, NULL);
     pthread_mutex_init(&e.model_mu, NULL);
@@ -571,8 +585,17 @@ int nl_cmd_serve(int argc, char **argv)
     if (nl_checkpoint_tokenizer(model, &e.tok, &err) != NL_OK ||
         (!e.tok && nl_tokenizer_new_bytes(&e.tok, &err) != NL_OK) ||
         nl_cli_backend_new(&be, device, (int)threads, tf32, bf16, 0, &err) != NL_OK ||
-        nl_checkpoint_load(&e.m, be, model, 0, -1, 1, 1, NULL, &err) != NL_OK ||
-        nl_batch_new(&e.batch, e.m, e.max_batch + e.chunk, &err) != NL_OK)
+        nl_checkpoint_load(&e.m, be, model, 0, -1, 1, 1, NULL, &err) != NL_OK)
+        goto out;
+    /* the batched engine applies no adapters: the adapter is folded into
+     * the weights once (W += alpha/r B A), as `neuroctl lora merge` does */
+    if (adapter &&
+        (nl_lora_load(&lo, e.m, adapter, 1, &err) != NL_OK || nl_lora_merge(lo, &err) != NL_OK)) {
+        nl_error_prefix(&err, "--adapter");
+        goto out;
+    }
+    nl_lora_destroy(&lo);
+    if (nl_batch_new(&e.batch, e.m, e.max_batch + e.chunk, &err) != NL_OK)
         goto out;
     if (pthread_create(&th, NULL, engine_main, &e) != 0) {
         nl_error_set(&err, NL_ERR_INTERNAL, "cannot start the engine thread");
@@ -623,6 +646,7 @@ out:
         job_free(j);
     }
     nl_batch_destroy(&e.batch);
+    nl_lora_destroy(&lo);
     nl_model_destroy(&e.m);
     nl_backend_destroy(&be);
     nl_tokenizer_destroy(&e.tok);

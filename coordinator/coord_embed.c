@@ -7,7 +7,12 @@
  * RESULT, which the coordinator relays to the client as a forward's.
  * params.adapter (optional): a LoRA adapter file under --checkpoint-root
  * (for example one a fine-tuning job joined), which every stage applies
- * to its layers for this job. */
+ * to its layers for this job.
+ *
+ * A forward job with params.adapter takes the same road (coord_forward.c
+ * hands it here): every stage first takes JOB_SUBMIT kind forward {job,
+ * batch, seq, adapter}, then the ids go in, and the last stage's logits
+ * come back unpooled. */
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,6 +27,7 @@ typedef struct cembed {
     int B, T;
     char lengths[NL_EMBED_LENGTHS_MAX + 1];
     char adapter[4096]; /* resolved under --checkpoint-root, or "" */
+    int pool;           /* an embed job; 0: a forward job with an adapter */
     int acks;
     uint8_t *acked; /* per stage */
 } cembed;
@@ -42,7 +48,8 @@ static void refuse(nl_coord *c, const nl_rx *rx, const char *why)
     coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, why, NULL);
 }
 
-static void embed_submit(nl_coord *c, const nl_rx *rx)
+/* An embed job (pool), or a forward job with an adapter. */
+static void request_submit(nl_coord *c, const nl_rx *rx, int pool)
 {
     const nl_msg_job_submit *s = &rx->msg.u.job_submit;
     const nl_wire_param *len = coord_param(s, "lengths"), *ad = coord_param(s, "adapter");
@@ -54,12 +61,14 @@ static void embed_submit(nl_coord *c, const nl_rx *rx)
         refuse(c, rx, bad);
         return;
     }
-    int32_t *lengths = malloc((size_t)B * sizeof *lengths);
-    if (!lengths) {
+    int32_t *lengths = pool ? malloc((size_t)B * sizeof *lengths) : NULL;
+    if (pool && !lengths) {
         refuse(c, rx, "out of memory");
         return;
     }
-    if (!len || len->kind != NL_WIRE_PARAM_STR) {
+    if (!pool) {
+        /* a forward job: no lengths */
+    } else if (!len || len->kind != NL_WIRE_PARAM_STR) {
         nl_error_set(&err, NL_ERR_PROTO, "embed: params.lengths (each text's positions) missing");
         bad = err.msg;
     } else if (nl_embed_parse_lengths(len->s, B, T, lengths, &err) != NL_OK) {
@@ -80,7 +89,7 @@ static void embed_submit(nl_coord *c, const nl_rx *rx)
         refuse(c, rx, bad);
         return;
     }
-    cjob *j = coord_job_new(c, rx, &coord_embed_ops);
+    cjob *j = coord_job_new(c, rx, pool ? &coord_embed_ops : &coord_forward_adapted_ops);
     if (!j)
         return;
     cembed *e = j->state = calloc(1, sizeof *e);
@@ -95,7 +104,8 @@ static void embed_submit(nl_coord *c, const nl_rx *rx)
     memcpy(e->ids, rx->msg.frames[0].t.data, (size_t)B * T * sizeof *e->ids);
     e->B = B;
     e->T = T;
-    snprintf(e->lengths, sizeof e->lengths, "%s", len->s);
+    e->pool = pool;
+    snprintf(e->lengths, sizeof e->lengths, "%s", pool ? len->s : "");
     snprintf(e->adapter, sizeof e->adapter, "%s", adapter);
     j->epoch = c->epoch;
     coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, "running", NULL);
@@ -103,15 +113,18 @@ static void embed_submit(nl_coord *c, const nl_rx *rx)
         {.key = "job", .kind = NL_WIRE_PARAM_INT, .i = (int64_t)j->id},
         {.key = "batch", .kind = NL_WIRE_PARAM_INT, .i = B},
         {.key = "seq", .kind = NL_WIRE_PARAM_INT, .i = T},
-        {.key = "lengths", .kind = NL_WIRE_PARAM_STR, .s = e->lengths},
         {.key = "adapter", .kind = NL_WIRE_PARAM_STR, .s = e->adapter},
+        {.key = "lengths", .kind = NL_WIRE_PARAM_STR, .s = e->lengths},
     };
+    const uint32_t np = 3 + (e->adapter[0] != 0) + (uint32_t)pool; /* lengths last */
+    if (pool && !e->adapter[0])
+        ps[3] = ps[4];
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     for (int st = 0; st < c->plan->n_stages; st++) {
         cnode *n = coord_stage_node(c, st);
         nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
-        m.u.job_submit = (nl_msg_job_submit){NL_JOB_EMBED, e->adapter[0] ? 5 : 4, ps};
+        m.u.job_submit = (nl_msg_job_submit){pool ? NL_JOB_EMBED : NL_JOB_FORWARD, np, ps};
         if (!n || coord_send_node(c, n, &m) != NL_OK) {
             nl_wire_msg_free(&m);
             coord_job_fail(c, j, "a stage of the plan cannot be reached");
@@ -143,8 +156,12 @@ static void embed_on_message(nl_coord *c, cjob *j, const nl_rx *rx)
         e->acks < c->plan->n_stages)
         return;
     const nl_tensor *t = &rx->msg.frames[0].t;
-    if (rx->msg.nframes != 1 || t->dtype != NL_DTYPE_F32 || t->ndim != 2 || t->shape[0] != e->B ||
-        t->shape[1] != c->cfg.hidden_dim) {
+    if (!e->pool && (rx->msg.nframes != 1 || t->dtype != NL_DTYPE_F32)) {
+        coord_job_fail(c, j, "the last stage's RESULT is not one F32 frame of logits");
+        return;
+    }
+    if (e->pool && (rx->msg.nframes != 1 || t->dtype != NL_DTYPE_F32 || t->ndim != 2 ||
+                    t->shape[0] != e->B || t->shape[1] != c->cfg.hidden_dim)) {
         coord_job_fail(c, j, "the last stage's RESULT is not F32 [batch, hidden_dim] embeddings");
         return;
     }
@@ -157,10 +174,30 @@ static void embed_abort(nl_coord *c, cjob *j)
     coord_close_session(c, j);
 }
 
+static void embed_submit(nl_coord *c, const nl_rx *rx)
+{
+    request_submit(c, rx, 1);
+}
+
+void coord_forward_adapted_submit(nl_coord *c, const nl_rx *rx)
+{
+    request_submit(c, rx, 0);
+}
+
 const cjob_ops coord_embed_ops = {
     .kind = NL_JOB_EMBED,
     .name = "embed",
     .submit = embed_submit,
+    .on_message = embed_on_message,
+    .abort = embed_abort,
+    .free = embed_free,
+};
+
+/* A forward job with an adapter (made by coord_forward_adapted_submit). */
+const cjob_ops coord_forward_adapted_ops = {
+    .kind = NL_JOB_FORWARD,
+    .name = "forward",
+    .submit = coord_forward_adapted_submit,
     .on_message = embed_on_message,
     .abort = embed_abort,
     .free = embed_free,

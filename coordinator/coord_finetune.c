@@ -35,7 +35,7 @@ static void ft_submit(nl_coord *c, const nl_rx *rx)
         bad = "lora_alpha (a number in (0, 1e6])";
     else if (!tg || tg->kind != NL_WIRE_PARAM_STR || strlen(tg->s) >= sizeof(((cft *)0)->targets) ||
              nl_lora_parse_targets(tg->s, &targets, &e) != NL_OK)
-        bad = "lora_targets (some of wq,wk,wv,wo)";
+        bad = "lora_targets (some of wq,wk,wv,wo,w_gate,w_up,w_down)";
     if (bad) {
         snprintf(why, sizeof why, "finetune: params.%s is missing or out of range", bad);
         coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, why, NULL);

@@ -1,6 +1,9 @@
 /* The forward job: a client's token ids go to the first stage, through
  * the pipeline, and the last stage's logits come back as one RESULT that
- * the coordinator relays to the client. It keeps no state of its own. */
+ * the coordinator relays to the client. It keeps no state of its own.
+ * With params.adapter (a LoRA adapter file under --checkpoint-root) the
+ * stages must take the adapter first: that job runs as coord_embed.c's
+ * requests do (coord_forward_adapted_submit). */
 #include <string.h>
 
 #include "base/log.h"
@@ -8,6 +11,10 @@
 
 static void forward_submit(nl_coord *c, const nl_rx *rx)
 {
+    if (coord_param(&rx->msg.u.job_submit, "adapter")) {
+        coord_forward_adapted_submit(c, rx);
+        return;
+    }
     int B = 0, T = 0;
     const char *bad = coord_check_tokens(c, rx, &B, &T);
     if (bad) {

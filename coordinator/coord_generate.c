@@ -2,7 +2,11 @@
  * last stage samples each token and feeds it to the first itself (the
  * token ring); the coordinator relays the tokens to the client. A
  * generation that loses a stage waits for the next plan and resumes there
- * (up to --gen-resumes times), the coordinator replaying its tokens. */
+ * (up to --gen-resumes times), the coordinator replaying its tokens.
+ * params.adapter (optional): a LoRA adapter file under --checkpoint-root
+ * that every stage applies to the session (node/stage_batch.c runs such a
+ * session's hops alone, outside the batch). */
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,6 +25,8 @@ typedef struct cgen {
      * `produced` from ids, replaying), `seen` of this session's so far */
     int resumes, coord_feeds, seen;
     nl_genparams params; /* the client's, then the session's */
+    /* params.adapter resolved under --checkpoint-root, or "" */
+    char adapter[PATH_MAX];
 } cgen;
 
 /* Open the session on every stage of the plan. With limit, the last stage
@@ -40,13 +46,16 @@ static void open_session(nl_coord *c, cjob *j)
     nl_genparams session = g->params;
     session.session = j->id;
     session.limit = g->coord_feeds ? 0 : g->params.limit;
-    nl_wire_param ps[NL_GENPARAMS_SESSION_KEYS];
+    nl_wire_param ps[NL_GENPARAMS_SESSION_KEYS + 1];
     nl_genparams_session_wire(&session, ps);
+    ps[NL_GENPARAMS_SESSION_KEYS] =
+        (nl_wire_param){.key = "adapter", .kind = NL_WIRE_PARAM_STR, .s = g->adapter};
+    const uint32_t np = NL_GENPARAMS_SESSION_KEYS + (g->adapter[0] != 0);
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     for (int st = 0; st < c->plan->n_stages; st++) {
         nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
-        m.u.job_submit = (nl_msg_job_submit){NL_JOB_GENERATE, NL_GENPARAMS_SESSION_KEYS, ps};
+        m.u.job_submit = (nl_msg_job_submit){NL_JOB_GENERATE, np, ps};
         coord_send_node(c, coord_stage_node(c, st), &m);
     }
     nl_wire_msg_free(&m);
@@ -72,11 +81,21 @@ static void generate_submit(nl_coord *c, const nl_rx *rx)
     }
     nl_genparams *gp = &g->params;
     nl_error e = {0};
-    const char *why = NULL;
+    const char *why = NULL, *off = NULL;
+    const nl_wire_param *ad = coord_param(s, "adapter");
+    char msg[700];
     if (nl_genparams_parse(gp, s->params, s->nparams, NL_GENPARAMS_REQUEST, &e) != NL_OK)
         why = e.msg;
     else if (B != 1 || T >= c->cfg.max_seq_len)
         why = "generate needs one prompt [1, T] shorter than max_seq_len";
+    else if (ad && (off = ad->kind != NL_WIRE_PARAM_STR
+                              ? "not a path"
+                              : coord_confine_file(c->ckpt_root, ad->s, NULL, 1ull << 34,
+                                                   g->adapter, sizeof g->adapter)) != NULL) {
+        /* a file the stages read: under the operator's checkpoint root */
+        snprintf(msg, sizeof msg, "params.adapter: %s (the coordinator's --checkpoint-root)", off);
+        why = msg;
+    }
     if (why) {
         coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, why, NULL);
         coord_job_free(j);

@@ -26,6 +26,7 @@
 #define POLL_MS 500
 #define CANCEL_WAIT_S 2.0
 #define MAX_NODES 256
+#define MAX_ADAPTERS 16
 
 typedef struct seen_node {
     int64_t id;
@@ -35,6 +36,12 @@ typedef struct seen_node {
 struct nl_coord_http {
     nl_coord *coord;
     char name[256];
+    /* --http-adapter: models of their own, each the cluster's weights with
+     * an adapter file that every stage applies (params.adapter) */
+    char *spec;                       /* the flag's copy, cut into names */
+    const char *models[MAX_ADAPTERS]; /* names, after name */
+    char *adapters[MAX_ADAPTERS];     /* absolute paths */
+    int n_models;
     nl_net *net;
     nl_keypair kp;
     char endpoint[256];
@@ -406,6 +413,12 @@ static void refresh_if_not_ready(nl_coord_http *h)
     nl_sock_destroy(&s);
 }
 
+/* The adapter file of model k (0: the base, none). */
+static const char *adapter_of(const nl_coord_http *h, int k)
+{
+    return k > 0 && k <= h->n_models ? h->adapters[k - 1] : NULL;
+}
+
 static nl_status be_start(void *ctx, const nl_http_completion *rq, void **jobp, int *ptoks,
                           nl_error *err)
 {
@@ -455,16 +468,18 @@ static nl_status be_start(void *ctx, const nl_http_completion *rq, void **jobp, 
         err->status = st = NL_ERR_STATE; /* 503: the cluster cannot be reached */
         goto out;
     }
-    nl_wire_param ps[4] = {
+    const char *adapter = adapter_of(h, rq->model);
+    nl_wire_param ps[5] = {
         {.key = "max_new", .kind = NL_WIRE_PARAM_INT, .i = rq->max_tokens},
         {.key = "temperature", .kind = NL_WIRE_PARAM_FLOAT, .f = rq->temperature},
         {.key = "top_p", .kind = NL_WIRE_PARAM_FLOAT, .f = rq->top_p},
         {.key = "seed", .kind = NL_WIRE_PARAM_INT, .i = (int64_t)rq->seed},
+        {.key = "adapter", .kind = NL_WIRE_PARAM_STR, .s = (char *)adapter},
     };
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
-    m.u.job_submit = (nl_msg_job_submit){NL_JOB_GENERATE, 4, ps};
+    m.u.job_submit = (nl_msg_job_submit){NL_JOB_GENERATE, adapter ? 5 : 4, ps};
     const int64_t shape[2] = {1, P};
     nl_wire_frame_set(&m.frames[0], prompt, NL_DTYPE_I32, shape, 2);
     m.nframes = 1;
@@ -603,8 +618,8 @@ static void be_end(void *ctx, void *jp)
 
 /* One input through the cluster's embed job (coord_embed.c): the last
  * stage pools; a RESULT F32 [1, d] comes back. */
-static nl_status be_embed(void *ctx, const char *text, size_t len, const int32_t *ids, int n,
-                          float **vec, int *dim, int *tokens, nl_error *err)
+static nl_status be_embed(void *ctx, int model, const char *text, size_t len, const int32_t *ids,
+                          int n, float **vec, int *dim, int *tokens, nl_error *err)
 {
     nl_coord_http *h = ctx;
     const nl_http_completion rq = {
@@ -624,11 +639,14 @@ static nl_status be_embed(void *ctx, const char *text, size_t len, const int32_t
                           ctxlen);
     char lengths[24];
     snprintf(lengths, sizeof lengths, "%d", P);
-    const nl_wire_param ps[1] = {{.key = "lengths", .kind = NL_WIRE_PARAM_STR, .s = lengths}};
+    const char *adapter = adapter_of(h, model);
+    const nl_wire_param ps[2] = {
+        {.key = "lengths", .kind = NL_WIRE_PARAM_STR, .s = lengths},
+        {.key = "adapter", .kind = NL_WIRE_PARAM_STR, .s = (char *)adapter}};
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
-    m.u.job_submit = (nl_msg_job_submit){NL_JOB_EMBED, 1, (nl_wire_param *)ps};
+    m.u.job_submit = (nl_msg_job_submit){NL_JOB_EMBED, adapter ? 2 : 1, (nl_wire_param *)ps};
     const int64_t shape[2] = {1, P};
     nl_wire_frame_set(&m.frames[0], p, NL_DTYPE_I32, shape, 2);
     m.nframes = 1;
@@ -888,9 +906,44 @@ static void local_endpoint(char *out, size_t cap, const char *ep)
         snprintf(out, cap, "%s", ep);
 }
 
+/* --http-adapter NAME=FILE[,NAME=FILE...]: each name unique and not the
+ * base's, each file there (made absolute: the coordinator confines it to
+ * its --checkpoint-root at each request, the nodes to theirs). */
+static nl_status parse_adapters(nl_coord_http *h, const char *spec, nl_error *err)
+{
+    if (!spec || !*spec)
+        return NL_OK;
+    if (!(h->spec = strdup(spec)))
+        return nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+    char *save = NULL;
+    for (char *item = strtok_r(h->spec, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
+        char *eq = strchr(item, '=');
+        if (!eq || eq == item || !eq[1])
+            return nl_error_set(err, NL_ERR_INVALID, "--http-adapter: '%.200s' is not NAME=FILE",
+                                item);
+        *eq = '\0';
+        if (h->n_models == MAX_ADAPTERS)
+            return nl_error_set(err, NL_ERR_INVALID, "--http-adapter: more than %d adapters",
+                                MAX_ADAPTERS);
+        int dup = strcmp(item, h->name) == 0;
+        for (int i = 0; i < h->n_models; i++)
+            dup |= strcmp(item, h->models[i]) == 0;
+        if (dup)
+            return nl_error_set(err, NL_ERR_INVALID, "--http-adapter: the name '%.200s' is taken",
+                                item);
+        char *path = realpath(eq + 1, NULL);
+        if (!path)
+            return nl_error_set(err, NL_ERR_IO, "--http-adapter %s: %.300s: %s", item, eq + 1,
+                                strerror(errno));
+        h->models[h->n_models] = item;
+        h->adapters[h->n_models++] = path;
+    }
+    return NL_OK;
+}
+
 nl_status nl_coord_http_start(nl_coord_http **out, nl_coord *c, const char *name,
-                              const char *state_dir, int plaintext, const nl_http_opts *ho,
-                              nl_error *err)
+                              const char *adapters, const char *state_dir, int plaintext,
+                              const nl_http_opts *ho, nl_error *err)
 {
     *out = NULL;
     nl_coord_http *h = calloc(1, sizeof *h);
@@ -909,6 +962,8 @@ nl_status nl_coord_http_start(nl_coord_http **out, nl_coord *c, const char *name
     char path[4096];
     snprintf(path, sizeof path, "%s/coordinator.pub", state_dir);
     nl_status st;
+    if ((st = parse_adapters(h, adapters, err)) != NL_OK)
+        goto fail;
     if (!plaintext && ((st = nl_keys_load_public(h->server_key, path, err)) != NL_OK ||
                        (st = nl_keys_generate(&h->kp, err)) != NL_OK ||
                        (st = nl_coord_admit_key(c, h->kp.public_z85, err)) != NL_OK))
@@ -917,6 +972,8 @@ nl_status nl_coord_http_start(nl_coord_http **out, nl_coord *c, const char *name
         goto fail;
     nl_http_backend b = {.ctx = h,
                          .model_name = h->name,
+                         .models = h->models,
+                         .n_models = h->n_models,
                          .completion_start = be_start,
                          .completion_next = be_next,
                          .completion_end = be_end,
@@ -960,6 +1017,9 @@ void nl_coord_http_stop(nl_coord_http **hp)
     pthread_cond_destroy(&h->cv);
     pthread_mutex_destroy(&h->tok_mu);
     pthread_mutex_destroy(&h->mu);
+    for (int i = 0; i < h->n_models; i++)
+        free(h->adapters[i]);
+    free(h->spec);
     free(h);
 }
 

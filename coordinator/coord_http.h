@@ -21,10 +21,14 @@ typedef struct nl_coord_http nl_coord_http;
 
 /* Serve ho (its address, tokens and limits) for the coordinator c, whose
  * public key is state_dir/coordinator.pub (unless plaintext); name is
- * what /v1/models lists (copied). */
+ * what /v1/models lists first (copied). adapters (NULL: none) is
+ * --http-adapter's "NAME=FILE[,NAME=FILE...]": each NAME is a model of its
+ * own in /v1/models, the cluster's weights with the LoRA adapter FILE
+ * (under the coordinator's and the nodes' --checkpoint-root) applied by
+ * every stage; a request's "model" selects it, an unknown name is 404. */
 nl_status nl_coord_http_start(nl_coord_http **out, nl_coord *c, const char *name,
-                              const char *state_dir, int plaintext, const nl_http_opts *ho,
-                              nl_error *err);
+                              const char *adapters, const char *state_dir, int plaintext,
+                              const nl_http_opts *ho, nl_error *err);
 void nl_coord_http_stop(nl_coord_http **h);
 int nl_coord_http_port(const nl_coord_http *h);
 

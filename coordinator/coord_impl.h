@@ -142,6 +142,10 @@ struct cjob {
 
 extern const cjob_ops coord_forward_ops, coord_generate_ops, coord_train_ops, coord_finetune_ops,
     coord_embed_ops, coord_grow_ops;
+/* A forward job with params.adapter (coord_embed.c): the stages take the
+ * adapter before the ids; its ops are coord_forward_adapted_ops. */
+extern const cjob_ops coord_forward_adapted_ops;
+void coord_forward_adapted_submit(nl_coord *c, const nl_rx *rx);
 
 /* ---------------------------------------------------------------- fine-tuning
  * A fine-tuning job (coord_finetune.c) is a training job (coord_train.c)

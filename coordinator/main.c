@@ -103,19 +103,28 @@ int main(int argc, char **argv)
          NULL},
         {"http-tokens", 1, "file of bearer tokens for --http, one a line (required off loopback)",
          NULL},
+        {"http-adapter", 1,
+         "NAME=FILE[,NAME=FILE...]: --http also serves model NAME, the cluster's weights with "
+         "the LoRA adapter FILE (under --checkpoint-root, shared with the nodes) applied by every "
+         "stage; /v1/models lists it and a request's \"model\" selects it (docs/serving.md)",
+         NULL},
         {"log-level", 1, "debug, info, warn or error (default info)", NULL},
         {"plaintext", 0, "INSECURE: no CURVE encryption or authentication", NULL},
         {0}};
     const char *usage = "neurocoord --listen ENDPOINT [--client-listen ENDPOINT] --state-dir DIR "
                         "[--model MODEL.safetensors | "
                         "--config CFG.yaml | --resume MANIFEST] [--http HOST:PORT "
-                        "[--http-tokens FILE]] [options]\n"
+                        "[--http-tokens FILE] [--http-adapter NAME=FILE,...]] [options]\n"
                         "Each connected node or client holds a descriptor: neurocoord raises its "
                         "descriptor limit (RLIMIT_NOFILE) to the hard limit at start and logs how "
                         "many nodes that admits (ulimit -Hn; the node table holds 65536).";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
+    if (nl_args_get(flags, "http-adapter") && !nl_args_get(flags, "http")) {
+        fprintf(stderr, "--http-adapter: only with --http\n");
+        return 2;
+    }
     nl_coord_opts o;
     nl_coord_opts_init(&o);
     o.listen = nl_args_get(flags, "listen");
@@ -200,8 +209,8 @@ int main(int argc, char **argv)
     nl_http_opts ho = {.addr = http, .tokens_path = nl_args_get(flags, "http-tokens")};
     rc = 0;
     if (nl_auth_hup_install(&err) != NL_OK || nl_coord_new(&c, &o, &err) != NL_OK ||
-        (http && nl_coord_http_start(&web, c, model_name(&o), o.state_dir, o.plaintext, &ho,
-                                     &err) != NL_OK))
+        (http && nl_coord_http_start(&web, c, model_name(&o), nl_args_get(flags, "http-adapter"),
+                                     o.state_dir, o.plaintext, &ho, &err) != NL_OK))
         rc = 1;
     if (rc == 0 && web) { /* say where, and keep it in STATE_DIR/http for cluster up */
         const char *colon = strrchr(http, ':');

@@ -82,25 +82,19 @@ static void add_target(nl_lora *lo, int l, int t)
         }
 }
 
-/* The device blocks: parameters, gradients, moments and the scratch (for
- * expert targets sized by the max_rows top_k dispatch rows, with the
- * identity slots, alpha / r and ones that adding rows through moe_combine
- * needs, uploaded once). */
-static nl_status alloc_blocks(nl_lora *lo)
+/* The scratch for max_rows rows (for expert targets sized by the max_rows
+ * top_k dispatch rows, with the identity slots, alpha / r and ones that
+ * adding rows through moe_combine needs, uploaded once). */
+static nl_status alloc_scratch(nl_lora *lo)
 {
     nl_backend *be = lo->m->be;
     const nl_config *c = &lo->m->cfg;
     const int experts = (lo->targets & NL_LORA_EXPERTS) != 0;
-    const size_t bytes = (lo->n_params + 1) * sizeof(float);
     const size_t er = (size_t)lo->max_rows * (size_t)c->top_k; /* dispatch rows */
     const size_t rows = experts && er > (size_t)lo->max_rows ? er : (size_t)lo->max_rows;
     const size_t w = 2 * (size_t)c->ffn_dim > (size_t)c->hidden_dim ? 2 * (size_t)c->ffn_dim
                                                                       : (size_t)c->hidden_dim;
     int ok = 1;
-    ok &= (lo->params = be->alloc(be, bytes)) != NULL;
-    ok &= (lo->grads = be->alloc(be, bytes)) != NULL;
-    ok &= (lo->mom[0] = be->alloc(be, bytes)) != NULL;
-    ok &= (lo->mom[1] = be->alloc(be, bytes)) != NULL;
     ok &= (lo->u = be->alloc(be, rows * lo->rank * sizeof(float))) != NULL;
     ok &= (lo->du = be->alloc(be, rows * lo->rank * sizeof(float))) != NULL;
     if (!ok || !experts)
@@ -127,6 +121,45 @@ static nl_status alloc_blocks(nl_lora *lo)
     free(h);
     free(hi);
     return ok ? NL_OK : NL_ERR_NOMEM;
+}
+
+static void free_scratch(nl_lora *lo)
+{
+    nl_backend *be = lo->m->be;
+    void **dev[] = {(void **)&lo->u,    (void **)&lo->du,   (void **)&lo->t,   (void **)&lo->sg,
+                    (void **)&lo->svec, (void **)&lo->ones, (void **)&lo->iota};
+    for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) {
+        be->free(be, *dev[i]);
+        *dev[i] = NULL;
+    }
+}
+
+/* The device blocks: parameters, gradients, moments, and the scratch. */
+static nl_status alloc_blocks(nl_lora *lo)
+{
+    nl_backend *be = lo->m->be;
+    const size_t bytes = (lo->n_params + 1) * sizeof(float);
+    int ok = 1;
+    ok &= (lo->params = be->alloc(be, bytes)) != NULL;
+    ok &= (lo->grads = be->alloc(be, bytes)) != NULL;
+    ok &= (lo->mom[0] = be->alloc(be, bytes)) != NULL;
+    ok &= (lo->mom[1] = be->alloc(be, bytes)) != NULL;
+    return ok ? alloc_scratch(lo) : NL_ERR_NOMEM;
+}
+
+nl_status nl_lora_reserve(nl_lora *lo, int rows, nl_error *err)
+{
+    if (rows <= lo->max_rows && lo->u)
+        return NL_OK;
+    const int had = lo->max_rows;
+    free_scratch(lo);
+    lo->max_rows = rows > had ? rows : had;
+    if (alloc_scratch(lo) != NL_OK) {
+        free_scratch(lo);
+        lo->max_rows = 0; /* unusable until a reserve succeeds */
+        return nl_error_set(err, NL_ERR_NOMEM, "lora: out of memory for %d rows of scratch", rows);
+    }
+    return NL_OK;
 }
 
 /* The trained head starts as the base's. */
@@ -220,10 +253,10 @@ void nl_lora_destroy(nl_lora **lop)
         lo->m->lora = NULL;
     if (lo->classifier && lo->m->classifier == lo->classifier)
         lo->m->classifier = lo->base_classifier;
-    void *dev[] = {lo->params, lo->grads, lo->mom[0], lo->mom[1], lo->u,   lo->du,
-                   lo->t,      lo->sg,    lo->svec,   lo->ones,   lo->iota};
+    void *dev[] = {lo->params, lo->grads, lo->mom[0], lo->mom[1]};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         be->free(be, dev[i]);
+    free_scratch(lo);
     free(lo->maps);
     free(lo->emaps);
     free(lo->table);
@@ -587,5 +620,7 @@ nl_status nl_lora_merge(nl_lora *lo, nl_error *err)
         m->classifier = lo->base_classifier;
     }
     be->zero(be, lo->params, lo->n_params * sizeof(float));
+    if (be->wrote) /* the GEMMs above wrote the weights: any bf16 copy of them is stale */
+        be->wrote(be, m->params, m->n_params * sizeof(float));
     return nl_backend_check(be, err);
 }

@@ -73,6 +73,9 @@ struct nl_lora {
 nl_status nl_lora_new(nl_lora **out, nl_model *m, int rank, float alpha, int targets, int max_rows,
                       nl_error *err);
 void nl_lora_destroy(nl_lora **lo);
+/* Grow the scratch for forwards of up to rows rows (nothing to do when
+ * it holds that many already). */
+nl_status nl_lora_reserve(nl_lora *lo, int rows, nl_error *err);
 
 /* A from normal(0, 1/r) per tensor stream (seed, name), B zero. */
 nl_status nl_lora_init_random(nl_lora *lo, uint64_t seed, nl_error *err);

@@ -427,8 +427,8 @@ static void on_control(node *n)
     case NL_MSG_JOB_SUBMIT:
         if (m->u.job_submit.kind == NL_JOB_TRAIN || m->u.job_submit.kind == NL_JOB_FINETUNE)
             nl_node_handle_train_submit(n, &m->u.job_submit);
-        else if (m->u.job_submit.kind == NL_JOB_EMBED)
-            nl_node_handle_embed_submit(n, &m->u.job_submit);
+        else if (m->u.job_submit.kind == NL_JOB_EMBED || m->u.job_submit.kind == NL_JOB_FORWARD)
+            nl_node_handle_embed_submit(n, &m->u.job_submit); /* forward: with an adapter */
         else
             nl_node_handle_job_submit(n, &m->u.job_submit);
         break;

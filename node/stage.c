@@ -67,6 +67,8 @@ static void session_free(nl_stage *s, session *se)
     nl_kvcache_destroy(&se->kv);
     if (se->has_sampler)
         nl_sampler_free(&se->smp);
+    nl_stage_adapter_put(s, se->lo);
+    se->lo = NULL;
     s->kv_used -= se->bytes;
     se->bytes = 0;
 }
@@ -87,6 +89,7 @@ static void drop_model(nl_stage *s)
     nl_stage_embed_free_all(s);
     nl_stage_batch_free(s);
     sessions_clear(s);
+    nl_stage_adapter_free_all(s); /* after everyone who held one */
     for (int i = 0; i < 2; i++) {
         free(s->mom_h[i]);
         s->mom_h[i] = NULL;
@@ -488,6 +491,15 @@ nl_status nl_stage_parse_session(const nl_msg_job_submit *j, nl_stage_session_pa
                                    .top_p = (float)g.top_p,
                                    .seed = (uint64_t)g.seed,
                                    .limit = g.limit};
+    for (uint32_t i = 0; st == NL_OK && i < j->nparams; i++) /* optional: an adapter file */
+        if (strcmp(j->params[i].key, "adapter") == 0) {
+            if (j->params[i].kind != NL_WIRE_PARAM_STR || !j->params[i].s[0])
+                st = nl_error_set(err, NL_ERR_PROTO,
+                                  "JOB_SUBMIT generate: params.adapter is not "
+                                  "a path");
+            else
+                p->adapter = j->params[i].s;
+        }
     return st;
 }
 
@@ -534,6 +546,8 @@ nl_status nl_stage_open_session(nl_stage *s, const nl_stage_session_params *p, n
     while (s->n_sess > 0 && s->kv_used + bytes > s->o.kv_budget)
         evict_lru(s, p->id);
     session se = {.id = p->id, .bytes = bytes, .used = ++s->tick, .limit = p->limit};
+    if (p->adapter && (st = nl_stage_adapter_get(s, p->adapter, &se.lo, err)) != NL_OK)
+        return nl_error_prefix(err, "session %llu", id);
     st = nl_kvcache_new(&se.kv, m, 1, p->capacity, err);
     if (st == NL_OK && m->has_head) {
         st = nl_sampler_init(&se.smp, (int)m->cfg.vocab_size, p->temperature, p->top_p, p->seed,
@@ -542,6 +556,7 @@ nl_status nl_stage_open_session(nl_stage *s, const nl_stage_session_params *p, n
     }
     if (st != NL_OK) {
         nl_kvcache_destroy(&se.kv);
+        nl_stage_adapter_put(s, se.lo);
         return nl_error_prefix(err, "session %llu", id);
     }
     s->sess[s->n_sess++] = se;
@@ -721,7 +736,8 @@ static nl_status run_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wir
     const stage_embed *em = se ? NULL : nl_stage_embed_find(s, hop->job_id);
     if (em && (st = nl_stage_embed_check(em, B, T, err)) != NL_OK)
         return st;
-    if (em) {
+    const bool pool = em && nl_stage_embed_pools(em);
+    if (pool) {
         a.doc = m->cfg.causal ? NULL : nl_stage_embed_doc(em);
         a.states = m->has_head;
     }
@@ -735,9 +751,11 @@ static nl_status run_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wir
     /* a session's decode step asks for no aux loss: reading it would be one
      * more wait for the device per token */
     float aux = 0.0f;
-    m->lora = em ? nl_stage_embed_adapter(em) : NULL; /* an embed job's adapters, if any */
-    st = nl_forward(m, s->rs, &a, se ? NULL : &aux, err);
-    m->lora = NULL;
+    /* an embed or forward job's adapters, if any, for this forward only */
+    st = nl_stage_adapter_use(s, em ? nl_stage_embed_adapter(em) : NULL, B * T, err);
+    if (st == NL_OK)
+        st = nl_forward(m, s->rs, &a, se ? NULL : &aux, err);
+    nl_stage_adapter_attach(s, NULL);
     if (st != NL_OK)
         return nl_error_prefix(err, "%s", who);
     if (se)
@@ -755,7 +773,7 @@ static nl_status run_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wir
         out->shape[0] = B, out->shape[1] = T, out->shape[2] = (int64_t)d;
         return host_output(s, res, rows * d, out, err);
     }
-    if (em) { /* the states, pooled, in place of logits; the request is used */
+    if (pool) { /* the states, pooled, in place of logits; the request is used */
         st = host_output(s, res, rows * d, out, err);
         if (st == NL_OK)
             st = nl_stage_embed_pool(s, em, out->data, out, err);
@@ -763,6 +781,8 @@ static nl_status run_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wir
         return st;
     }
     if (!se) {
+        if (em)
+            nl_stage_embed_end(s, hop->job_id); /* a forward job's adapter: used */
         out->kind = NL_STAGE_OUT_LOGITS;
         out->ndim = 3;
         out->shape[0] = B, out->shape[1] = T, out->shape[2] = cols;
@@ -778,6 +798,47 @@ static nl_status run_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wir
     out->last = se->limit > 0 && se->produced >= se->limit;
     out->feed = se->limit > 0 && !out->last && se->kv->len < se->kv->cap;
     out->feed_pos = se->kv->len;
+    return NL_OK;
+}
+
+nl_status nl_stage_forward_adapted(nl_stage *s, session *se, const void *in, int T, float *hid,
+                                   nl_stage_out *o, nl_error *err)
+{
+    nl_model *m = s->model;
+    const size_t d = (size_t)m->cfg.hidden_dim;
+    nl_status st = ensure_buffers(s, T, err);
+    if (st != NL_OK)
+        return st;
+    nl_forward_args a = {.B = 1, .T = T, .kv = se->kv, .last_only = m->has_head};
+    if (m->has_embed) {
+        memcpy(s->tok_h, in, (size_t)T * sizeof(int32_t));
+        a.tokens = s->tok_h;
+    } else {
+        s->be->upload(s->be, s->xin_d, in, (size_t)T * d * sizeof(float));
+        a.x_in = s->xin_d;
+    }
+    st = nl_stage_adapter_use(s, se->lo, T, err);
+    if (st == NL_OK)
+        st = nl_forward(m, s->rs, &a, NULL, err);
+    nl_stage_adapter_attach(s, NULL);
+    if (st != NL_OK)
+        return st;
+    se->used = ++s->tick;
+    int cols = 0;
+    const float *res = nl_runstate_output(s->rs, &cols);
+    if (!m->has_head) {
+        s->be->download(s->be, hid, res, (size_t)T * d * sizeof(float));
+        return nl_backend_check(s->be, err);
+    }
+    nl_stage_out view = {0};
+    if ((st = host_output(s, res, (size_t)cols, &view, err)) != NL_OK) /* last_only: one row */
+        return st;
+    o->kind = NL_STAGE_OUT_TOKEN;
+    o->token = nl_sampler_sample(&se->smp, view.data);
+    se->produced++;
+    o->last = se->limit > 0 && se->produced >= se->limit;
+    o->feed = se->limit > 0 && !o->last && se->kv->len < se->kv->cap;
+    o->feed_pos = se->kv->len;
     return NL_OK;
 }
 

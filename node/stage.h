@@ -100,10 +100,14 @@ typedef struct nl_stage_session_params {
     uint64_t seed;
     int limit; /* 0..capacity tokens the last stage feeds back itself (the
                 * token ring); 0: whoever opened the session feeds them */
+    /* params.adapter (borrowed from the request), or NULL: a LoRA adapter
+     * file under the node's --checkpoint-root that every forward of the
+     * session applies; such a session's hops run alone, not in the batch */
+    const char *adapter;
 } nl_stage_session_params;
 
 /* Read a JOB_SUBMIT {kind generate, params session, capacity, temperature,
- * top_p, seed, limit} by the schema the coordinator uses too
+ * top_p, seed, limit[, adapter]} by the schema the coordinator uses too
  * (net/genparams.h): session and capacity are required, temperature
  * defaults to 0.8, top_p to 0.95, seed and limit to 0; a value of the
  * wrong type or out of range is NL_ERR_RANGE naming its key; other keys
@@ -251,9 +255,10 @@ typedef enum nl_stage_dest { NL_STAGE_TO_NEXT, NL_STAGE_TO_PREV, NL_STAGE_TO_COO
 typedef nl_status (*nl_stage_send_fn)(void *ctx, nl_stage_dest to, nl_wire_msg *m, nl_error *err);
 
 /* JOB_SUBMIT {kind finetune}: the same params plus lora_rank, lora_alpha,
- * lora_targets ("wq,wk,wv,wo") and lora_seed: a LoRA fine-tuning job
- * (node/stage_lora.c) with adapters of its own on the frozen weights;
- * several may run at once, but none beside a training job.
+ * lora_targets ("wq,wk,wv,wo" and the experts' "w_gate,w_up,w_down") and
+ * lora_seed: a LoRA fine-tuning job (node/stage_lora.c) with adapters of
+ * its own on the frozen weights; several may run at once, but none beside
+ * a training job.
  * JOB_SUBMIT {kind train, params: job, micro_batch, seq, microbatches,
  * recompute, start_step (steps already applied), adam_steps, moments (take
  * the optimizer moments that came with the weights), eval_hops (hops of

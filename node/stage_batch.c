@@ -2,7 +2,10 @@
  * arrived, and the batch that runs the decode steps of many sessions and
  * one chunk of prompts together through core/batch.c. Its own file
  * because stage.c holds loading and the single forward; this is the
- * scheduling that serves many generations at once. */
+ * scheduling that serves many generations at once. A session with an
+ * adapter (params.adapter) is not batched: core/batch.c's padded GEMMs
+ * apply no adapters, so each of its hops runs alone after the batch,
+ * through the ordinary forward with the adapter attached for that call. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -233,8 +236,8 @@ static int pick(nl_stage *s, int *nres)
                          : "the session is no longer open on this stage");
             continue;
         }
-        if (se->picked == s->batch_seq)
-            continue; /* its earlier hop runs first */
+        if (se->picked == s->batch_seq || se->lo)
+            continue; /* its earlier hop runs first; an adapter's runs alone */
         int take = q->T - q->done;
         if (q->T == 1) {
             if (decode == s->batch_decode)
@@ -331,6 +334,56 @@ static nl_status finish(nl_stage *s, int n, double t0, double t1, int *nres, nl_
     return NL_OK;
 }
 
+/* The oldest hop of each session with an adapter, each alone (after the
+ * batch; stage.c's nl_stage_forward_adapted): its hidden states in the
+ * slot's acc (which, like obuf, stays until the next batch). */
+static void run_adapted(nl_stage *s, int *nres)
+{
+    const nl_model *m = s->model;
+    const size_t d = (size_t)m->cfg.hidden_dim;
+    for (int i = 0; i < s->n_q; i++) {
+        queued_hop *q = &s->q[i];
+        session *se = q->gone ? NULL : nl_stage_find_session(s, q->session_id);
+        if (!se || !se->lo || se->picked == s->batch_seq)
+            continue;
+        se->picked = s->batch_seq;
+        nl_error e = {0};
+        nl_stage_result *r = &s->res[(*nres)++];
+        *r = (nl_stage_result){q->job_id, q->session_id, q->pos, NL_OK, "", {0}};
+        r->out.B = 1;
+        r->out.T = q->T;
+        r->out.aux = q->aux;
+        const double t0 = nl_stage_now();
+        nl_status st = NL_OK;
+        if (!m->has_head &&
+            !reserve((void **)&q->acc, &q->acc_cap, (size_t)q->T * d * sizeof(float)))
+            st = nl_error_set(&e, NL_ERR_NOMEM, "out of memory for %d positions", q->T);
+        if (st == NL_OK)
+            st = nl_stage_forward_adapted(s, se, q->in, q->T, q->acc, &r->out, &e);
+        const double t1 = nl_stage_now();
+        if (st != NL_OK) {
+            r->st = st;
+            snprintf(r->msg, sizeof r->msg, "job %llu session %llu: %.400s",
+                     (unsigned long long)q->job_id, (unsigned long long)q->session_id, e.msg);
+        } else if (!m->has_head) {
+            r->out.kind = NL_STAGE_OUT_HIDDEN;
+            r->out.data = q->acc;
+            r->out.ndim = 3;
+            r->out.shape[0] = 1, r->out.shape[1] = q->T, r->out.shape[2] = (int64_t)d;
+        }
+        if (q->T == 1) {
+            se->steps++;
+            se->step_s += t1 - t0;
+        } else {
+            se->prefill_s += t1 - t0;
+        }
+        q->gone = true;
+        s->fig.hops++;
+        s->fig.hop_s += t1 - q->t_in;
+        s->fig.compute_s += t1 - t0;
+    }
+}
+
 nl_status nl_stage_run_batch(nl_stage *s, const nl_stage_result **res, int *nres, nl_error *err)
 {
     *res = s->res;
@@ -379,6 +432,8 @@ nl_status nl_stage_run_batch(nl_stage *s, const nl_stage_result **res, int *nres
         s->fig.rows += (uint64_t)rows;
         s->fig.compute_s += t1 - t0;
     }
+    if (st == NL_OK)
+        run_adapted(s, nres);
     compact(s);
     nl_status dst = nl_stage_check_device(s, err);
     return dst != NL_OK ? dst : NL_OK;

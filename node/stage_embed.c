@@ -8,8 +8,10 @@
  * is used by one hop and then forgotten; at most EMBED_MAX wait at once
  * (the oldest goes first). With params.adapter (an adapter file under the
  * node's --checkpoint-root, e.g. one a cluster fine-tuning joined) each
- * stage applies its layers' adapters to that one forward. */
-#include <limits.h>
+ * stage applies its layers' adapters to that one forward (the file loaded
+ * once into the stage's cache, stage_lora.c). A forward job with an
+ * adapter takes the same path (JOB_SUBMIT kind forward {job, batch, seq,
+ * adapter}): its hop applies the adapter and returns logits, unpooled. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,41 +27,22 @@ struct stage_embed {
     uint64_t job;
     int B, T;
     int32_t *lengths; /* (B) */
-    int32_t *doc;     /* (B, T): 1 on the pads */
+    int32_t *doc;     /* (B, T): 1 on the pads (an embed job's) */
+    bool pool;        /* an embed job; else a forward job with an adapter (logits out) */
     nl_lora *lo;      /* the adapters the forward applies (not attached between hops), or NULL */
 };
 
-static void req_free(stage_embed *r)
+static void req_free(nl_stage *s, stage_embed *r)
 {
     free(r->lengths);
     free(r->doc);
-    nl_lora_destroy(&r->lo);
-}
-
-/* params.adapter: an adapter file under this node's --checkpoint-root
- * (the coordinator confined it to its own; the node checks again), its
- * tensors of this stage's layers loaded for rows rows. */
-static nl_status load_adapter(nl_stage *s, const char *path, int rows, nl_lora **lo, nl_error *err)
-{
-    char root[PATH_MAX], real[PATH_MAX];
-    if (!s->o.ckpt_root || !realpath(s->o.ckpt_root, root))
-        return nl_error_set(err, NL_ERR_AUTH,
-                            "params.adapter: this node has no --checkpoint-root to read adapters "
-                            "from");
-    const size_t n = strlen(root);
-    if (!realpath(path, real) || strncmp(real, root, n) != 0 ||
-        (real[n] != '/' && !(n == 1 && root[0] == '/')))
-        return nl_error_set(err, NL_ERR_AUTH,
-                            "params.adapter: not a file under this node's --checkpoint-root %s",
-                            root);
-    nl_status st = nl_lora_load(lo, s->model, real, rows, err);
-    s->model->lora = NULL; /* attached by each of the job's hops only */
-    return st;
+    nl_stage_adapter_put(s, r->lo); /* the stage's cache keeps it a while */
+    r->lo = NULL;
 }
 
 static void drop(nl_stage *s, int i)
 {
-    req_free(&s->emb[i]);
+    req_free(s, &s->emb[i]);
     memmove(&s->emb[i], &s->emb[i + 1], (size_t)(s->n_emb - i - 1) * sizeof *s->emb);
     s->n_emb--;
 }
@@ -106,42 +89,48 @@ nl_status nl_stage_embed_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t
 {
     const nl_wire_param *job = param(j, "job"), *B = param(j, "batch"), *T = param(j, "seq"),
                         *len = param(j, "lengths"), *ad = param(j, "adapter");
+    const bool pool = j->kind != NL_JOB_FORWARD;
+    const char *what = pool ? "embed" : "forward";
     *job_id = job && job->kind == NL_WIRE_PARAM_INT && job->i > 0 ? (uint64_t)job->i : 0;
     if (!*job_id)
-        return nl_error_set(err, NL_ERR_PROTO, "embed JOB_SUBMIT: no params.job");
+        return nl_error_set(err, NL_ERR_PROTO, "%s JOB_SUBMIT: no params.job", what);
     if (!s->ready)
-        return nl_error_set(err, NL_ERR_STATE, "embed job %llu: this stage has no model loaded",
+        return nl_error_set(err, NL_ERR_STATE, "%s job %llu: this stage has no model loaded", what,
                             (unsigned long long)*job_id);
     const nl_model *m = s->model;
     if (!B || B->kind != NL_WIRE_PARAM_INT || !T || T->kind != NL_WIRE_PARAM_INT || B->i < 1 ||
         T->i < 1 || T->i > m->cfg.max_seq_len || B->i * T->i > s->max_rows)
         return nl_error_set(err, NL_ERR_RANGE,
-                            "embed job %llu: params.batch and params.seq must be integers with "
+                            "%s job %llu: params.batch and params.seq must be integers with "
                             "seq in 1..%d and batch x seq in 1..%d",
-                            (unsigned long long)*job_id, m->cfg.max_seq_len, s->max_rows);
-    if (!len || len->kind != NL_WIRE_PARAM_STR)
+                            what, (unsigned long long)*job_id, m->cfg.max_seq_len, s->max_rows);
+    if (pool && (!len || len->kind != NL_WIRE_PARAM_STR))
         return nl_error_set(err, NL_ERR_PROTO, "embed job %llu: no params.lengths",
                             (unsigned long long)*job_id);
     if (nl_stage_embed_find(s, *job_id))
-        return nl_error_set(err, NL_ERR_STATE, "embed job %llu: already open on this stage",
+        return nl_error_set(err, NL_ERR_STATE, "%s job %llu: already open on this stage", what,
                             (unsigned long long)*job_id);
-    stage_embed r = {.job = *job_id, .B = (int)B->i, .T = (int)T->i};
-    r.lengths = malloc((size_t)r.B * sizeof *r.lengths);
-    r.doc = malloc((size_t)r.B * r.T * sizeof *r.doc);
-    nl_status st = r.lengths && r.doc ? NL_OK : nl_error_set(err, NL_ERR_NOMEM, "out of memory");
-    if (st == NL_OK)
-        st = nl_embed_parse_lengths(len->s, r.B, r.T, r.lengths, err);
+    stage_embed r = {.job = *job_id, .B = (int)B->i, .T = (int)T->i, .pool = pool};
+    nl_status st = NL_OK;
+    if (pool) {
+        r.lengths = malloc((size_t)r.B * sizeof *r.lengths);
+        r.doc = malloc((size_t)r.B * r.T * sizeof *r.doc);
+        st = r.lengths && r.doc ? NL_OK : nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+        if (st == NL_OK)
+            st = nl_embed_parse_lengths(len->s, r.B, r.T, r.lengths, err);
+    }
     if (st == NL_OK && ad && ad->kind != NL_WIRE_PARAM_STR)
         st = nl_error_set(err, NL_ERR_PROTO, "params.adapter: not a path");
     if (st == NL_OK && ad)
-        st = load_adapter(s, ad->s, r.B * r.T, &r.lo, err);
+        st = nl_stage_adapter_get(s, ad->s, &r.lo, err);
     if (st == NL_OK && !s->emb && !(s->emb = calloc(EMBED_MAX, sizeof *s->emb)))
         st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
     if (st != NL_OK) {
-        req_free(&r);
-        return nl_error_prefix(err, "embed job %llu", (unsigned long long)*job_id);
+        req_free(s, &r);
+        return nl_error_prefix(err, "%s job %llu", what, (unsigned long long)*job_id);
     }
-    nl_embed_doc(r.doc, r.lengths, r.B, r.T);
+    if (pool)
+        nl_embed_doc(r.doc, r.lengths, r.B, r.T);
     if (s->n_emb == EMBED_MAX) {
         NL_WARN("embed: %d requests wait; job %llu's is dropped", EMBED_MAX,
                 (unsigned long long)s->emb[0].job);
@@ -154,8 +143,9 @@ nl_status nl_stage_embed_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t
 nl_status nl_stage_embed_check(const stage_embed *r, int B, int T, nl_error *err)
 {
     if (B != r->B || T != r->T)
-        return nl_error_set(err, NL_ERR_SHAPE, "embed job %llu: a batch of %d x %d, not %d x %d",
-                            (unsigned long long)r->job, B, T, r->B, r->T);
+        return nl_error_set(err, NL_ERR_SHAPE, "%s job %llu: a batch of %d x %d, not %d x %d",
+                            r->pool ? "embed" : "forward", (unsigned long long)r->job, B, T, r->B,
+                            r->T);
     return NL_OK;
 }
 
@@ -167,6 +157,11 @@ const int32_t *nl_stage_embed_doc(const stage_embed *r)
 nl_lora *nl_stage_embed_adapter(const stage_embed *r)
 {
     return r->lo;
+}
+
+bool nl_stage_embed_pools(const stage_embed *r)
+{
+    return r->pool;
 }
 
 nl_status nl_stage_embed_pool(nl_stage *s, const stage_embed *r, const float *states,

@@ -27,6 +27,9 @@ typedef struct session {
     int steps;
     uint64_t picked; /* the batch (s->batch_seq) that last took one of its hops */
     double last_in;  /* when its last hop arrived here (0: none yet) */
+    /* its adapter (a reference of the stage's cache), or NULL; with one,
+     * its hops run alone, not in the batch (stage_batch.c) */
+    struct nl_lora *lo;
 } session;
 
 /* A session's hop waiting for a batch (node/stage_batch.c). The slots of
@@ -102,6 +105,10 @@ struct nl_stage {
     int n_emb;
     float *emb_out;
     size_t emb_out_cap;
+    /* adapter files loaded for inference (stage_lora.c), shared by the
+     * jobs and sessions that name them */
+    struct stage_adapter *ad;
+    int n_ad, cap_ad;
 
     /* sessions */
     session *sess;
@@ -161,6 +168,33 @@ nl_status nl_stage_lora_input(nl_stage *s, uint64_t job, const nl_wire_msg *m,
 /* End one job (false: not one of this stage's), or all (the model goes). */
 bool nl_stage_lora_end(nl_stage *s, uint64_t job);
 void nl_stage_lora_free_all(nl_stage *s);
+
+/* ---- adapters for inference (stage_lora.c) ---- */
+/* The adapter file at path (a file under the node's --checkpoint-root)
+ * loaded for this stage's layers; kept in a small cache by path and file
+ * identity (device, inode, size, modification time), so that the jobs and
+ * sessions naming one file share one copy. A reference: give it back with
+ * nl_stage_adapter_put. Never left attached to the model:
+ * nl_stage_adapter_use around a forward, then nl_stage_adapter_attach
+ * (s, NULL). */
+nl_status nl_stage_adapter_get(nl_stage *s, const char *path, struct nl_lora **lo, nl_error *err);
+void nl_stage_adapter_put(nl_stage *s, struct nl_lora *lo);
+/* Attach lo (its adapters and its trained head, if any) to the stage's
+ * model for the forwards that follow; NULL detaches (the base's head
+ * back). */
+void nl_stage_adapter_attach(nl_stage *s, struct nl_lora *lo);
+/* Attach lo (NULL: none) for a forward of rows rows, its scratch grown to
+ * them first (the cache loads a file with scratch for one row). */
+nl_status nl_stage_adapter_use(nl_stage *s, struct nl_lora *lo, int rows, nl_error *err);
+/* Free every cached adapter (the model goes; no references left). */
+void nl_stage_adapter_free_all(nl_stage *s);
+/* A session's hop with an adapter, alone through the ordinary forward
+ * (stage.c; core/batch.c applies no adapters): T positions of in (I32
+ * tokens on the first stage, else (T, d) F32, host) at the end of the
+ * session's cache. Not the last stage: the (T, d) hidden states into hid
+ * (host); the last: o->token sampled, and o's kind, last, feed set. */
+nl_status nl_stage_forward_adapted(nl_stage *s, session *se, const void *in, int T, float *hid,
+                                   nl_stage_out *o, nl_error *err);
 /* Wait until the replicas' threads have finished what they were given,
  * before other work uses replica 0's backend (stage_train.c). */
 void nl_stage_train_quiesce(nl_stage *s);
@@ -181,6 +215,9 @@ nl_status nl_stage_embed_check(const stage_embed *r, int B, int T, nl_error *err
 const int32_t *nl_stage_embed_doc(const stage_embed *r);
 /* Its adapters (to attach for its forward only), or NULL. */
 struct nl_lora *nl_stage_embed_adapter(const stage_embed *r);
+/* Whether the request pools (an embed job) or asks for the logits (a
+ * forward job with an adapter, JOB_SUBMIT kind forward). */
+bool nl_stage_embed_pools(const stage_embed *r);
 /* The last stage: pool the final-normed states (host, B x T x d) into
  * out as [B, d] vectors. */
 nl_status nl_stage_embed_pool(nl_stage *s, const stage_embed *r, const float *states,

@@ -11,7 +11,14 @@
  * stage's model carries no adapters between messages: a message of job J
  * swaps J's training state into s->train and J's adapters onto the model,
  * runs it through stage_train.c, and swaps both out again, so that
- * inference and every other job see the base alone. */
+ * inference and every other job see the base alone.
+ *
+ * Also here: the adapters that inference applies (params.adapter of an
+ * embed, forward or generate job), loaded from files under the node's
+ * --checkpoint-root into a small cache shared by the jobs and sessions
+ * that name the same file, and attached to the model for one forward at
+ * a time. */
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,6 +26,8 @@
 #include "../base/log.h"
 #include "../core/lora.h"
 #include "stage_impl.h"
+
+#include <sys/stat.h>
 
 struct stage_ft {
     uint64_t job;
@@ -39,7 +48,7 @@ static struct stage_train *swap_in(nl_stage *s, stage_ft *f)
 {
     struct stage_train *saved = s->train;
     s->train = f->train;
-    s->model->lora = f->lo;
+    nl_stage_adapter_attach(s, f->lo);
     return saved;
 }
 
@@ -47,7 +56,7 @@ static void swap_out(nl_stage *s, stage_ft *f, struct stage_train *saved)
 {
     f->train = s->train;
     s->train = saved;
-    s->model->lora = NULL;
+    nl_stage_adapter_attach(s, NULL);
 }
 
 /* Free job i's state and adapters and drop it from the table. */
@@ -217,4 +226,148 @@ nl_status nl_stage_lora_input(nl_stage *s, uint64_t job, const nl_wire_msg *m,
     nl_status st = nl_stage_train_input(s, m, send, ctx, err);
     swap_out(s, f, saved);
     return st;
+}
+
+/* ---------------------------------------------------------------- adapters for inference */
+
+#define ADAPTERS_KEPT 8 /* unreferenced files kept loaded */
+
+typedef struct stage_adapter stage_adapter;
+
+struct stage_adapter {
+    char path[PATH_MAX]; /* resolved */
+    dev_t dev;
+    ino_t ino;
+    off_t size;
+    struct timespec mtime;
+    nl_lora *lo;
+    int refs;
+    bool stale; /* the file changed since: freed with its last reference */
+    uint64_t used;
+};
+
+void nl_stage_adapter_attach(nl_stage *s, nl_lora *lo)
+{
+    nl_model *m = s->model;
+    if (m->lora && m->lora->classifier) /* its trained head goes with it */
+        m->classifier = m->lora->base_classifier;
+    m->lora = lo;
+    if (lo && lo->classifier)
+        m->classifier = lo->classifier;
+}
+
+nl_status nl_stage_adapter_use(nl_stage *s, nl_lora *lo, int rows, nl_error *err)
+{
+    nl_status st = lo ? nl_lora_reserve(lo, rows, err) : NL_OK;
+    if (st == NL_OK)
+        nl_stage_adapter_attach(s, lo);
+    return st;
+}
+
+static void adapter_drop(nl_stage *s, int i)
+{
+    nl_lora_destroy(&s->ad[i].lo); /* detached: it frees its block */
+    s->ad[i] = s->ad[--s->n_ad];
+}
+
+/* Drop unreferenced stale entries, and the least recently used
+ * unreferenced ones beyond ADAPTERS_KEPT. */
+static void adapter_trim(nl_stage *s)
+{
+    for (int i = s->n_ad - 1; i >= 0; i--)
+        if (!s->ad[i].refs && s->ad[i].stale)
+            adapter_drop(s, i);
+    for (;;) {
+        int idle = 0, lru = -1;
+        for (int i = 0; i < s->n_ad; i++)
+            if (!s->ad[i].refs) {
+                idle++;
+                if (lru < 0 || s->ad[i].used < s->ad[lru].used)
+                    lru = i;
+            }
+        if (idle <= ADAPTERS_KEPT)
+            return;
+        adapter_drop(s, lru);
+    }
+}
+
+nl_status nl_stage_adapter_get(nl_stage *s, const char *path, nl_lora **lo, nl_error *err)
+{
+    char root[PATH_MAX], real[PATH_MAX];
+    struct stat sb;
+    *lo = NULL;
+    if (!s->o.ckpt_root || !realpath(s->o.ckpt_root, root))
+        return nl_error_set(err, NL_ERR_AUTH,
+                            "params.adapter: this node has no --checkpoint-root to read adapters "
+                            "from");
+    const size_t n = strlen(root);
+    if (!realpath(path, real) || strncmp(real, root, n) != 0 ||
+        (real[n] != '/' && !(n == 1 && root[0] == '/')) || stat(real, &sb) != 0 ||
+        !S_ISREG(sb.st_mode))
+        return nl_error_set(err, NL_ERR_AUTH,
+                            "params.adapter: not a file under this node's --checkpoint-root %s",
+                            root);
+    for (int i = 0; i < s->n_ad; i++) {
+        stage_adapter *a = &s->ad[i];
+        if (a->stale || strcmp(a->path, real) != 0)
+            continue;
+        if (a->dev == sb.st_dev && a->ino == sb.st_ino && a->size == sb.st_size &&
+            a->mtime.tv_sec == sb.st_mtim.tv_sec && a->mtime.tv_nsec == sb.st_mtim.tv_nsec) {
+            a->refs++;
+            a->used = ++s->tick;
+            *lo = a->lo;
+            return NL_OK;
+        }
+        a->stale = true; /* rewritten: those who hold it keep the old one */
+    }
+    adapter_trim(s);
+    if (s->n_ad == s->cap_ad) {
+        const int cap = s->cap_ad ? 2 * s->cap_ad : 4;
+        stage_adapter *ad = realloc(s->ad, (size_t)cap * sizeof *ad);
+        if (!ad)
+            return nl_error_set(err, NL_ERR_NOMEM, "params.adapter: out of memory");
+        s->ad = ad;
+        s->cap_ad = cap;
+    }
+    nl_lora *l = NULL;
+    nl_stage_adapter_attach(s, NULL); /* nl_lora_load attaches to a bare model */
+    nl_status st = nl_lora_load(&l, s->model, real, 1, err); /* scratch: as its users need */
+    nl_stage_adapter_attach(s, NULL);
+    if (st != NL_OK)
+        return nl_error_prefix(err, "params.adapter");
+    stage_adapter *a = &s->ad[s->n_ad++];
+    *a = (stage_adapter){.dev = sb.st_dev,
+                         .ino = sb.st_ino,
+                         .size = sb.st_size,
+                         .mtime = sb.st_mtim,
+                         .lo = l,
+                         .refs = 1,
+                         .used = ++s->tick};
+    snprintf(a->path, sizeof a->path, "%s", real);
+    NL_INFO("adapter %s: rank %d on layers [%d, %d) loaded (%d adapter file%s cached)", real,
+            l->rank, s->model->l0, s->model->l1, s->n_ad, s->n_ad == 1 ? "" : "s");
+    *lo = l;
+    return NL_OK;
+}
+
+void nl_stage_adapter_put(nl_stage *s, nl_lora *lo)
+{
+    for (int i = 0; lo && i < s->n_ad; i++)
+        if (s->ad[i].lo == lo) {
+            if (s->ad[i].refs > 0)
+                s->ad[i].refs--;
+            adapter_trim(s);
+            return;
+        }
+}
+
+void nl_stage_adapter_free_all(nl_stage *s)
+{
+    if (s->model)
+        nl_stage_adapter_attach(s, NULL);
+    while (s->n_ad > 0)
+        adapter_drop(s, s->n_ad - 1);
+    free(s->ad);
+    s->ad = NULL;
+    s->cap_ad = 0;
 }

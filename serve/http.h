@@ -40,6 +40,7 @@ typedef struct nl_http_completion {
     double top_p;       /* (0, 1] */
     uint64_t seed;
     int stream;
+    int model; /* the request's "model": 0 the backend's model_name, k its models[k - 1] */
 } nl_http_completion;
 
 /* What completion_next reports. */
@@ -52,7 +53,16 @@ typedef enum nl_http_next {
 
 typedef struct nl_http_backend {
     void *ctx;
-    const char *model_name; /* what /v1/models lists */
+    const char *model_name; /* what /v1/models lists first */
+    /* More models the backend serves (e.g. adapters on the same weights),
+     * listed after model_name: a request selects one by its "model" field
+     * (nl_http_completion.model, embed's model). With none, "model" is
+     * not checked (any name is the one model, as OpenAI clients send a
+     * fixed name); with some, a name that is neither model_name nor one of
+     * them is answered 404. The array and strings must outlive the
+     * server. */
+    const char *const *models;
+    int n_models;
     /* Start a generation: *job for the calls below, *prompt_tokens the
      * prompt's length in tokens. Errors: NL_ERR_INVALID or NL_ERR_RANGE
      * (400; the message names the field), NL_ERR_CAPACITY (429),
@@ -66,11 +76,12 @@ typedef struct nl_http_backend {
     /* Cancel the generation if it still runs and free the job (a client
      * that went away ends here). */
     void (*completion_end)(void *ctx, void *job);
-    /* The embedding of one input (text or ids) into a malloc'd vector of
-     * *dim floats the caller frees; *tokens its length in tokens. Same
-     * error mapping as completion_start, and NL_ERR_UNSUPPORTED: 501. */
-    nl_status (*embed)(void *ctx, const char *text, size_t len, const int32_t *ids, int n,
-                       float **vec, int *dim, int *tokens, nl_error *err);
+    /* The embedding of one input (text or ids) by model (as
+     * nl_http_completion.model) into a malloc'd vector of *dim floats the
+     * caller frees; *tokens its length in tokens. Same error mapping as
+     * completion_start, and NL_ERR_UNSUPPORTED: 501. */
+    nl_status (*embed)(void *ctx, int model, const char *text, size_t len, const int32_t *ids,
+                       int n, float **vec, int *dim, int *tokens, nl_error *err);
     /* A malloc'd JSON object for /api/status (NULL: out of memory). */
     char *(*status_json)(void *ctx);
     /* Malloc'd Prometheus text appended to the server's own metrics. */

@@ -174,6 +174,27 @@ static int get_ids(json_t *a, const char *param, int32_t **ids, int *n, field_er
     return 0;
 }
 
+/* The request's "model": 0 the backend's model_name, k its models[k - 1];
+ * -1 (fe set) when the backend serves several and names none of them. */
+static int pick_model(const nl_http *h, json_t *o, field_err *fe)
+{
+    json_t *j = json_object_get(o, "model");
+    const char *name = json_is_string(j) ? json_string_value(j) : NULL;
+    if (!name || h->be.n_models == 0 || strcmp(name, h->be.model_name) == 0)
+        return 0;
+    for (int i = 0; i < h->be.n_models; i++)
+        if (strcmp(name, h->be.models[i]) == 0)
+            return i + 1;
+    bad(fe, "model", "model: '%.200s' is not served here (GET /v1/models lists the %d models)",
+        name, h->be.n_models + 1);
+    return -1;
+}
+
+static const char *model_name(const nl_http *h, int model)
+{
+    return model > 0 && model <= h->be.n_models ? h->be.models[model - 1] : h->be.model_name;
+}
+
 typedef struct comp_req {
     nl_http_completion c;
     int32_t *ids;
@@ -274,6 +295,7 @@ static json_t *parse_body(http_req *rq, field_err *fe)
 typedef struct gen_state {
     nl_http *h;
     void *job;
+    const char *model; /* the name answers carry */
     char id[40];
     long long created;
     int stream;
@@ -435,7 +457,7 @@ static int pend_chunk(gen_state *g, json_t *text, json_t *ids, const char *finis
     if (ch && !finish)
         json_object_set_new(ch, "finish_reason", json_null());
     json_t *j = json_pack("{s:s, s:s, s:I, s:s, s:[o]}", "id", g->id, "object", "text_completion",
-                          "created", g->created, "model", g->h->be.model_name, "choices", ch);
+                          "created", g->created, "model", g->model, "choices", ch);
     if (j && usage)
         json_object_set_new(j, "usage", usage_json(g));
     char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
@@ -508,11 +530,16 @@ enum MHD_Result http_completions(nl_http *h, struct MHD_Connection *c, http_req 
         res = http_error(h, c, rq, 400, fe.param[0] ? fe.param : NULL, "%s", fe.msg);
         goto out;
     }
+    if ((r.c.model = pick_model(h, body, &fe)) < 0) {
+        res = http_error(h, c, rq, 404, "model", "%s", fe.msg);
+        goto out;
+    }
     if (!(g = calloc(1, sizeof *g))) {
         res = http_error(h, c, rq, 500, NULL, "out of memory");
         goto out;
     }
     g->h = h;
+    g->model = model_name(h, r.c.model);
     g->stream = r.c.stream;
     g->created = (long long)time(NULL);
     pthread_mutex_lock(&h->mu);
@@ -562,9 +589,9 @@ enum MHD_Result http_completions(nl_http *h, struct MHD_Connection *c, http_req 
     json_t *ch = json_pack("{s:i, s:o, s:o, s:s, s:n}", "index", 0, "text",
                            json_text(g->text, g->tlen, 1, NULL), "token_ids",
                            ids_json(g->ids, g->nids), "finish_reason", g->finish, "logprobs");
-    json_t *j = json_pack("{s:s, s:s, s:I, s:s, s:[o], s:o}", "id", g->id, "object",
-                          "text_completion", "created", g->created, "model", h->be.model_name,
-                          "choices", ch, "usage", usage_json(g));
+    json_t *j =
+        json_pack("{s:s, s:s, s:I, s:s, s:[o], s:o}", "id", g->id, "object", "text_completion",
+                  "created", g->created, "model", g->model, "choices", ch, "usage", usage_json(g));
     char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
     json_decref(j);
     gen_free(g);
@@ -605,6 +632,11 @@ enum MHD_Result http_embeddings(nl_http *h, struct MHD_Connection *c, http_req *
             goto bad_req;
         }
     }
+    const int model = pick_model(h, body, &fe);
+    if (model < 0) {
+        res = http_error(h, c, rq, 404, "model", "%s", fe.msg);
+        goto out;
+    }
     json_t *in = json_object_get(body, "input");
     if (!in) {
         bad(&fe, "input", "input: required");
@@ -644,7 +676,7 @@ enum MHD_Result http_embeddings(nl_http *h, struct MHD_Connection *c, http_req *
         float *vec = NULL;
         int dim = 0, toks = 0;
         nl_error err = {0};
-        nl_status st = h->be.embed(h->be.ctx, text, len, ids, n, &vec, &dim, &toks, &err);
+        nl_status st = h->be.embed(h->be.ctx, model, text, len, ids, n, &vec, &dim, &toks, &err);
         if (st != NL_OK) {
             res = http_error(h, c, rq, http_code_of(st), "input", "input[%zu]: %s", i, err.msg);
             goto out;
@@ -658,7 +690,7 @@ enum MHD_Result http_embeddings(nl_http *h, struct MHD_Connection *c, http_req *
         total += toks;
     }
     out = json_pack("{s:s, s:O, s:s, s:{s:i, s:i}}", "object", "list", "data", data, "model",
-                    h->be.model_name, "usage", "prompt_tokens", total, "total_tokens", total);
+                    model_name(h, model), "usage", "prompt_tokens", total, "total_tokens", total);
     char *s = out ? json_dumps(out, JSON_COMPACT) : NULL;
     res = s ? http_reply(h, c, rq, 200, "application/json", s, strlen(s))
             : http_error(h, c, rq, 500, NULL, "out of memory");
@@ -675,9 +707,13 @@ out:
 
 enum MHD_Result http_models(nl_http *h, struct MHD_Connection *c, http_req *rq)
 {
-    json_t *j =
-        json_pack("{s:s, s:[{s:s, s:s, s:i, s:s}]}", "object", "list", "data", "id",
-                  h->be.model_name, "object", "model", "created", 0, "owned_by", "neurollm");
+    json_t *data = json_array(), *j = NULL;
+    for (int i = 0; data && i <= h->be.n_models; i++)
+        json_array_append_new(data,
+                              json_pack("{s:s, s:s, s:i, s:s}", "id", model_name(h, i), "object",
+                                        "model", "created", 0, "owned_by", "neurollm"));
+    if (data)
+        j = json_pack("{s:s, s:o}", "object", "list", "data", data);
     char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
     json_decref(j);
     if (!s)

@@ -9,7 +9,14 @@
 #    the fine-tuning jobs is bit-identical (every stage computes it);
 #  - two clients fine-tune different adapters on the pipeline at once, and
 #    each gets what it got alone;
+#  - adapters on the experts' w_gate, w_up, w_down too (with wq, wo):
+#    the cluster equals one process step for step;
 #  - a training job is refused while a fine-tuning job runs;
+#  - forward and generate through the cluster with an adapter (params.
+#    adapter, every stage applies its layers' part) equal the local tools
+#    with --adapter; adapter-less generations running at the same time
+#    (batched on the stages, while the adapter's session runs alone) are
+#    unchanged;
 #  - embeddings through the cluster (neuroctl embed --cluster) equal local
 #    ones within 1e-5, for a decoder (also with the joined adapter) and for
 #    an encoder (pads kept out of attention on every stage).
@@ -23,6 +30,7 @@ RUN=(--data "$W/data.txt" --steps 6 --batch 8 --seq 32 --microbatches 4 --lr 3e-
      --eval-every 3 --eval-batches 2)
 A=(--seed 1 --lora-rank 8 --lora-alpha 16)
 B=(--seed 2 --lora-rank 4 --lora-alpha 8 --lora-targets wq,wv)
+E=(--seed 3 --lora-rank 4 --lora-alpha 8 --lora-targets wq,wo,w_gate,w_up,w_down)
 
 cat > "$W/cmp.py" <<'PY'
 import json, struct, sys
@@ -75,6 +83,8 @@ check "$N" finetune "${DEV[@]}" --model "$W/m.safetensors" "${RUN[@]}" "${A[@]}"
   --log "$W/localA.jsonl" --out "$W/localA.safetensors" 2> "$W/localA.err"
 check "$N" finetune "${DEV[@]}" --model "$W/m.safetensors" "${RUN[@]}" "${B[@]}" --threads 1 \
   --log "$W/localB.jsonl" --out "$W/localB.safetensors" 2> "$W/localB.err"
+check "$N" finetune "${DEV[@]}" --model "$W/m.safetensors" "${RUN[@]}" "${E[@]}" --threads 1 \
+  --log "$W/localE.jsonl" --out "$W/localE.safetensors" 2> "$W/localE.err"
 
 # ---- the cluster ----
 C="$W/c3"
@@ -93,6 +103,20 @@ check test "$(ls "$W"/ck/lora-job*/stage-*.safetensors | wc -l)" -eq 3
 # the joined file is an ordinary adapter file: the local tools apply it
 check "$N" forward "${DEV[@]}" --model "$W/m.safetensors" --adapter "$W/remoteA.safetensors" \
   --tokens "$W/in.safetensors" --out "$W/fwdA.safetensors" --threads 1
+
+# expert targets: every expert's w_gate, w_up, w_down adapted on its stage
+check "$N" finetune --cluster "$C" "${RUN[@]}" "${E[@]}" --checkpoint-dir "$W/ckE" \
+  --log "$W/remoteE.jsonl" --out "$W/remoteE.safetensors" 2> "$W/remoteE.err"
+check $PY "$W/cmp.py" logs "$W/remoteE.jsonl" "$W/localE.jsonl" 6
+check $PY "$W/cmp.py" adapter "$W/remoteE.safetensors" "$W/localE.safetensors"
+check $PY - "$W/remoteE.safetensors" <<'PY'
+import json, struct, sys
+b = open(sys.argv[1], "rb").read(); h = json.loads(b[8:8 + struct.unpack("<Q", b[:8])[0]])
+for l in range(6):  # every layer, every one of the 4 experts
+    for e in range(4):
+        for t in ("w_gate", "w_up", "w_down"):
+            assert "layers.%d.moe.experts.%d.%s.lora_B.weight" % (l, e, t) in h, (l, e, t)
+PY
 
 # two adapters at once, each as it was alone
 "$N" finetune --cluster "$C" "${RUN[@]}" "${A[@]}" --checkpoint-dir "$W/ck2" \
@@ -187,6 +211,85 @@ check grep -q "ready: 2 stages" "$W/enc_up.err"
 check "$N" embed --cluster "$CE" --input "$W/texts.txt" --seq 40 --batch 4 --out "$W/enc_remote.safetensors"
 check $PY "$W/emb.py" "$W/enc_remote.safetensors" "$W/enc_local.safetensors"
 "$N" cluster down --dir "$CE" > /dev/null 2>&1
+
+# ---- forward and generate through the cluster with an adapter ----
+# the expert adapter as the cluster joined it (under its checkpoint root),
+# against the local tools with the client's copy
+AE=$(ls "$W"/ckE/lora-job*/adapter.safetensors | head -n 1)
+check "$N" forward "${DEV[@]}" --model "$W/m.safetensors" --adapter "$W/remoteE.safetensors" \
+  --tokens "$W/in.safetensors" --out "$W/fwdE_local.safetensors" --threads 1
+check "$N" forward --cluster "$C" --adapter "$AE" --tokens "$W/in.safetensors" \
+  --out "$W/fwdE_remote.safetensors"
+cat > "$W/logits.py" <<'PY'
+import json, struct, sys
+def t(p, name):
+    b = open(p, "rb").read(); n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n])
+    v = h[name]; s, e = v["data_offsets"]; raw = b[8 + n + s: 8 + n + e]
+    return v["shape"], struct.unpack("<%df" % (len(raw) // 4), raw)
+(sa, a), (sb, b) = t(sys.argv[1], "logits"), t(sys.argv[2], "logits")
+assert sa == sb, (sa, sb)
+num = sum((x - y) ** 2 for x, y in zip(a, b)) ** 0.5; den = sum(y * y for y in b) ** 0.5
+xa, xb = t(sys.argv[1], "aux_loss")[1][0], t(sys.argv[2], "aux_loss")[1][0]
+print("logits %s: relative error %.2e (%s); aux loss %.2e" %
+      (sa, num / den, "bit-identical" if a == b else "not bit-identical", abs(xa - xb) / abs(xb)))
+assert num / den <= 1e-5 and abs(xa - xb) <= 1e-5 * abs(xb)
+PY
+check $PY "$W/logits.py" "$W/fwdE_remote.safetensors" "$W/fwdE_local.safetensors"
+check "$N" forward "${DEV[@]}" --model "$W/m.safetensors" --tokens "$W/in.safetensors" \
+  --out "$W/fwd_local.safetensors" --threads 1
+check $PY - "$W" <<'PY'
+import sys  # the adapter changed the logits
+w = sys.argv[1]
+assert open(w + "/fwdE_local.safetensors", "rb").read() != open(w + "/fwd_local.safetensors", "rb").read()
+PY
+# generate, greedy: the same ids as local generate --adapter, for the
+# attention adapter A and the expert one; meanwhile adapter-less seeded
+# sampled generations (batched on the stages) give what they give alone
+P=5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24
+G=(--prompt-tokens $P --max-new 24)
+gen_ids() { "$@" 2> /dev/null | head -n 1; }
+gen_ids "$N" generate "${DEV[@]}" --model "$W/m.safetensors" --adapter "$W/remoteA.safetensors" \
+  "${G[@]}" --temperature 0 --threads 1 > "$W/genA_local.txt"
+gen_ids "$N" generate "${DEV[@]}" --model "$W/m.safetensors" --adapter "$W/remoteE.safetensors" \
+  "${G[@]}" --temperature 0 --threads 1 > "$W/genE_local.txt"
+gen_ids "$N" generate "${DEV[@]}" --model "$W/m.safetensors" "${G[@]}" --temperature 0 \
+  --threads 1 > "$W/genbase_local.txt"
+gen_ids "$N" generate --cluster "$C" "${G[@]}" --temperature 0.9 --seed 5 > "$W/gen0_solo.txt"
+check test "$(wc -w < "$W/gen0_solo.txt")" -eq 24
+pids=()
+for i in 1 2; do
+  gen_ids "$N" generate --cluster "$C" --adapter "$AD" "${G[@]}" --temperature 0 > "$W/genA_$i.txt" &
+  pids+=($!)
+  gen_ids "$N" generate --cluster "$C" --adapter "$AE" "${G[@]}" --temperature 0 > "$W/genE_$i.txt" &
+  pids+=($!)
+  gen_ids "$N" generate --cluster "$C" "${G[@]}" --temperature 0.9 --seed 5 > "$W/gen0_$i.txt" &
+  pids+=($!)
+done
+wait "${pids[@]}"
+for i in 1 2; do
+  check cmp "$W/genA_$i.txt" "$W/genA_local.txt"
+  check cmp "$W/genE_$i.txt" "$W/genE_local.txt"
+  check cmp "$W/gen0_$i.txt" "$W/gen0_solo.txt"
+done
+check test "$(wc -w < "$W/genA_local.txt")" -eq 24
+check $PY - "$W" <<'PY'
+import sys  # the adapters changed what is generated
+w = sys.argv[1]
+a, e, z = (open(w + f).read() for f in ("/genA_local.txt", "/genE_local.txt", "/genbase_local.txt"))
+assert a != z and e != z and a != e, (a, e, z)
+PY
+# every stage loaded each adapter file once (its cache), for forward, generate and embed
+for n in "$C"/node-*.log; do
+  check test "$(grep -c "adapter .*ckE/lora-job.*loaded" "$n")" -eq 1
+done
+# a file that is not an adapter: the stages refuse it, the job fails saying so
+"$N" generate --cluster "$C" --adapter "$W/data.txt" "${G[@]}" 2> "$W/noad.err"
+check test $? -ne 0
+check grep -q "params.adapter" "$W/noad.err"
+"$N" forward --cluster "$C" --adapter "$W/data.txt" --tokens "$W/in.safetensors" \
+  --out "$W/never.safetensors" 2> "$W/noad2.err"
+check test $? -ne 0
+check grep -q "params.adapter" "$W/noad2.err"
 
 # refusals: a bad target, and finetune without --out
 "$N" finetune --cluster "$C" "${RUN[@]}" --lora-targets wz --out "$W/x.safetensors" 2> "$W/bad.err"

@@ -14,14 +14,22 @@
  *  - the token ring: a session's limit makes the last stage say which
  *    tokens to feed to the first (and where), the last one and a full
  *    cache stop it; closed sessions are remembered; decode steps are
- *    accounted per session. */
+ *    accounted per session;
+ *  - adapters: a session with a LoRA adapter file (under the stage's
+ *    --checkpoint-root) generates what a local generation with the adapter
+ *    attached does, its hops running alone in the same nl_stage_run_batch
+ *    as the batch of an adapter-less session, whose ids stay the base's;
+ *    a file outside the root or not there is refused by name. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "../base/log.h"
 #include "../core/forward.h"
+#include "../core/lora.h"
 #include "../core/memory.h"
+#include "../core/rng.h"
 #include "../core/sampler.h"
 #include "../node/stage.h"
 #include "check.h"
@@ -52,7 +60,8 @@ static nl_msg_assign mk_assign(uint64_t epoch, uint32_t stage, uint32_t nst, int
     return a;
 }
 
-static int prefill_chunk; /* the stages' (0: the default) */
+static int prefill_chunk;     /* the stages' (0: the default) */
+static const char *ckpt_root; /* the stages' --checkpoint-root (NULL: none) */
 
 static nl_stage *mk_stage(uint64_t memory, uint64_t kv_budget)
 {
@@ -61,7 +70,8 @@ static nl_stage *mk_stage(uint64_t memory, uint64_t kv_budget)
     nl_stage_opts o = {.memory_bytes = memory,
                        .kv_budget = kv_budget,
                        .send_wait_ms = 200,
-                       .prefill_chunk = prefill_chunk};
+                       .prefill_chunk = prefill_chunk,
+                       .ckpt_root = ckpt_root};
     CHECK_OK(nl_stage_new(&s, be, &o, &err), &err);
     return s;
 }
@@ -797,6 +807,124 @@ static void test_batched(nl_model *ref)
     nl_stage_destroy(&r1);
 }
 
+/* ---- adapters ---- */
+
+/* The results of one batch on s: n_want of them, by session (ids 1, 2). */
+static void batch_by_session(nl_stage *s, int n_want, nl_stage_result by[3], nl_error *err)
+{
+    const nl_stage_result *r = NULL;
+    int n = -1;
+    memset(by, 0, 3 * sizeof *by);
+    CHECK_OK(nl_stage_run_batch(s, &r, &n, err), err);
+    CHECK(n == n_want, "one nl_stage_run_batch gave %d results, expected %d", n, n_want);
+    for (int i = 0; i < n; i++) {
+        CHECK(r[i].st == NL_OK && r[i].session_id >= 1 && r[i].session_id <= 2,
+              "result %d: session %llu: %s", i, (unsigned long long)r[i].session_id, r[i].msg);
+        if (r[i].session_id >= 1 && r[i].session_id <= 2)
+            by[r[i].session_id] = r[i];
+    }
+}
+
+static void test_adapters(nl_model *ref)
+{
+    nl_error err;
+    enum { P = 6, N = 7 };
+    char dir[] = "/tmp/nl_stage_adapter_XXXXXX", path[64], outside[] = "/tmp/nl_ad_XXXXXX";
+    if (!mkdtemp(dir)) {
+        CHECK(0, "mkdtemp");
+        return;
+    }
+    snprintf(path, sizeof path, "%s/ad.safetensors", dir);
+    /* an adapter on wq, wo and the experts' w_up, A and B random (B is
+     * zero when drawn: it would change nothing) */
+    nl_lora *lo = NULL;
+    CHECK_OK(nl_lora_new(&lo, ref, 2, 4.0f, NL_LORA_WQ | NL_LORA_WO | NL_LORA_W_UP, P, &err), &err);
+    if (!lo)
+        return;
+    float *h = malloc(lo->n_params * sizeof *h);
+    nl_rng r;
+    nl_rng_seed(&r, 77, 1);
+    for (size_t i = 0; i < lo->n_params; i++)
+        h[i] = (float)(0.3 * nl_rng_normal(&r));
+    be->upload(be, lo->params, h, lo->n_params * sizeof *h);
+    free(h);
+    CHECK_OK(nl_lora_save(lo, path, NULL, &err), &err);
+    int32_t prompt[P] = {7, 1, 99, 250, 3, 42}, want_ad[N], want_base[N], got[3][N];
+    local_generate(ref, prompt, P, N, want_ad); /* with the adapter attached */
+    nl_lora_destroy(&lo);
+    local_generate(ref, prompt, P, N, want_base);
+    CHECK(memcmp(want_ad, want_base, sizeof want_ad) != 0, "the adapter changes the ids");
+    ckpt_root = dir;
+    nl_stage *s0 = loaded_stage(ref, 0, 2, 0, 2, 1 << 20);
+    nl_stage *s1 = loaded_stage(ref, 1, 2, 2, cfg.num_layers, 1 << 20);
+    ckpt_root = NULL;
+    /* session 1 with the adapter, 2 without; on both stages */
+    nl_stage_session_params sp = {.capacity = P + N, .temperature = 0, .top_p = 1};
+    for (uint64_t id = 1; id <= 2; id++) {
+        sp.id = id;
+        sp.adapter = id == 1 ? path : NULL;
+        CHECK_OK(nl_stage_open_session(s0, &sp, &err), &err);
+        CHECK_OK(nl_stage_open_session(s1, &sp, &err), &err);
+    }
+    int32_t cur[3] = {0, 0, 0};
+    uint64_t pos = 0;
+    for (int i = 0; i < N; i++) {
+        nl_stage_result by[3];
+        float *hid[3] = {NULL, NULL, NULL};
+        const int T = i == 0 ? P : 1;
+        for (uint64_t id = 1; id <= 2; id++) {
+            nl_msg_tensor_hop hop = {.job_id = id, .session_id = id, .pos_offset = pos};
+            nl_wire_frame f = tok_frame(i == 0 ? prompt : &cur[id], 1, T);
+            CHECK_OK(nl_stage_enqueue(s0, &hop, &f, &err), &err);
+        }
+        batch_by_session(s0, 2, by, &err);   /* the batch (2) and the adapter's hop alone (1) */
+        for (uint64_t id = 1; id <= 2; id++) /* outputs live until the next batch */
+            hid[id] = host_copy(by[id].out.data, (size_t)T * cfg.hidden_dim);
+        for (uint64_t id = 1; id <= 2; id++) {
+            nl_msg_tensor_hop hop = {.job_id = id, .session_id = id, .pos_offset = pos};
+            nl_wire_frame f = out_frame(&by[id].out);
+            f.t.data = hid[id];
+            CHECK_OK(nl_stage_enqueue(s1, &hop, &f, &err), &err);
+        }
+        batch_by_session(s1, 2, by, &err);
+        for (uint64_t id = 1; id <= 2; id++) {
+            CHECK(by[id].out.kind == NL_STAGE_OUT_TOKEN, "session %llu: a token",
+                  (unsigned long long)id);
+            got[id][i] = cur[id] = by[id].out.token;
+            free(hid[id]);
+        }
+        pos += (uint64_t)T;
+    }
+    CHECK(memcmp(got[1], want_ad, sizeof want_ad) == 0,
+          "the adapter's session: the ids of a local generation with it");
+    CHECK(memcmp(got[2], want_base, sizeof want_base) == 0,
+          "the session beside it: the base's ids");
+    nl_stage_figures fg;
+    nl_stage_get_figures(s0, &fg);
+    CHECK(fg.hops == 2 * N && fg.batches == N && fg.rows == P + N - 1,
+          "figures: %llu hops (both sessions), %llu batches and %llu rows (the base's alone)",
+          (unsigned long long)fg.hops, (unsigned long long)fg.batches, (unsigned long long)fg.rows);
+    /* refusals: a file outside the root, a file not there */
+    CHECK(mkdtemp(outside) != NULL, "mkdtemp");
+    char out_path[64];
+    snprintf(out_path, sizeof out_path, "%s/ad.safetensors", outside);
+    rename(path, out_path);
+    sp.id = 3;
+    sp.adapter = out_path;
+    CHECK(nl_stage_open_session(s0, &sp, &err) == NL_ERR_AUTH &&
+              strstr(err.msg, "--checkpoint-root"),
+          "an adapter outside the root: %s", err.msg);
+    sp.adapter = path;
+    CHECK(nl_stage_open_session(s0, &sp, &err) == NL_ERR_AUTH && strstr(err.msg, "params.adapter"),
+          "an adapter not there: %s", err.msg);
+    CHECK(!nl_stage_session(s0, 3, NULL), "no session opened by a refusal");
+    nl_stage_destroy(&s0);
+    nl_stage_destroy(&s1);
+    remove(out_path);
+    rmdir(outside);
+    rmdir(dir);
+}
+
 static void test_budget(nl_model *ref)
 {
     nl_error err;
@@ -886,6 +1014,7 @@ int main(void)
         test_session_params();
         test_budget(ref);
         test_batched(ref);
+        test_adapters(ref);
     }
     nl_model_destroy(&ref);
     nl_backend_destroy(&be);

@@ -4,7 +4,9 @@ sockets): completions equal `neuroctl generate` with the same seed,
 streaming gives the same ids chunk by chunk, 16 concurrent seeded
 generations equal their solo runs, bad requests get 4xx with a message
 and the server stays up, a dropped stream frees its session, the limits
-(429, 401, slow clients) hold, embeddings are unit vectors, events flow.
+(429, 401, slow clients) hold, embeddings are unit vectors, events flow;
+serve --adapter (merged at load) completes as `neuroctl generate
+--adapter` does, and /v1/models names the pair.
 Optional argument: a file to write the server's /metrics text into."""
 import json
 import os
@@ -79,11 +81,11 @@ class Server:
         return self.p.returncode
 
 
-def generate_ids(model, prompt, n, temp, top_p, seed):
+def generate_ids(model, prompt, n, temp, top_p, seed, *extra):
     out = subprocess.run([NEUROCTL, "generate", "--model", model, "--prompt-tokens",
                           ",".join(map(str, prompt)), "--max-new", str(n), "--temperature",
                           str(temp), "--top-p", str(top_p), "--seed", str(seed), "--threads",
-                          "2", "--device", DEVICE], capture_output=True, check=True)
+                          "2", "--device", DEVICE, *extra], capture_output=True, check=True)
     return [int(x) for x in out.stdout.splitlines()[0].split()]
 
 
@@ -259,6 +261,42 @@ def test_embeddings_models_events(s, model):
           "/api/events replays start and request events")
 
 
+def test_adapter(model, tmp):
+    """serve --adapter: the adapter is merged into the served weights; greedy
+    completions give the ids of generate --adapter (unmerged: equal within
+    float rounding, which greedy decoding does not see here)."""
+    data, ad = os.path.join(tmp, "data.txt"), os.path.join(tmp, "ad.safetensors")
+    with open(data, "w") as f:
+        f.write(open(os.path.join(SRC, "README.md")).read())
+    subprocess.run([NEUROCTL, "finetune", "--model", model, "--data", data, "--steps", "8",
+                    "--batch", "4", "--seq", "32", "--lr", "3e-2", "--lora-rank", "4",
+                    "--lora-targets", "wq,wv,wo,w_up", "--threads", "2", "--device", DEVICE,
+                    "--out", ad], check=True, capture_output=True)
+    s = Server(model, "--adapter", ad)
+    try:
+        code, r = s.json("/v1/models")
+        check(code == 200 and [m["id"] for m in r["data"]] == ["m.safetensors+ad.safetensors"],
+              "/v1/models names the model and its adapter: %s" % r)
+        moved = False
+        for prompt in ([1, 2, 3], list(range(40, 75))):
+            want = generate_ids(model, prompt, 16, 0.0, 1.0, 0, "--adapter", ad)
+            base = generate_ids(model, prompt, 16, 0.0, 1.0, 0)
+            moved |= want != base
+            r = completion(s, prompt, 16, 0.0, 1.0, 0, model="anything")
+            if r:
+                got = r["choices"][0]["token_ids"]
+                check(got == want, "serve --adapter ids %s equal generate --adapter's %s" %
+                      (got, want))
+                check(r["model"] == "m.safetensors+ad.safetensors", "the answer names the pair")
+        check(moved, "the adapter changes what is generated")
+    finally:
+        check(s.stop() == 0, "serve --adapter stops cleanly")
+    r = subprocess.run([NEUROCTL, "serve", "--model", model, "--adapter", data, "--http",
+                        "127.0.0.1:0"], capture_output=True, text=True, timeout=30)
+    check(r.returncode != 0 and "--adapter: " + data in r.stderr,
+          "a file that is not an adapter is refused: %s" % r.stderr.strip())
+
+
 def test_limits(model, tmp):
     # 429 past --max-requests
     s = Server(model, "--max-requests", "1")
@@ -322,6 +360,7 @@ def main():
             rc = s.stop()
             check(rc == 0, "serve stops cleanly on SIGTERM (rc %s)" % rc)
         test_limits(model, tmp)
+        test_adapter(model, tmp)
     print("test_serve: %d failed" % len(failures))
     return 1 if failures else 0
 

@@ -14,7 +14,11 @@ cluster up --http):
         stage closes the session (its KV cache freed) and /metrics counts it;
         after SIGHUP reloads authorized_keys the HTTP side's in-memory key is
         still admitted; a coordinator without nodes (--plaintext) answers
-        503 and stops cleanly
+        503 and stops cleanly; with --http-adapter tuned=ADAPTER, /v1/models
+        lists "tuned", a completion naming it gives the ids of `neuroctl
+        generate --cluster --adapter` (greedy and seeded sampling), an
+        embedding naming it equals `neuroctl embed --adapter` in one process,
+        and an unknown model is 404
   web   with --http-tokens passed on by cluster up (401 without one), and
         while the cluster trains: headless Chromium renders the dashboard
         (one row per node, with the node's KV cache and batch figures from
@@ -79,6 +83,15 @@ def cluster_up(w, extra):
                 "num_experts: 4\nvocab_size: 256\nvocab_chunk: 256\nmax_seq_len: 256\n")
     subprocess.run([N, "init", "--config", cfg, "--out", w + "/m.safetensors", "--seed", "7"],
                    check=True, stdout=subprocess.DEVNULL)
+    if what == "api":  # an adapter the HTTP side serves as a model of its own
+        with open(w + "/data.txt", "w") as f:
+            f.write(open(os.path.join(S, "README.md")).read())
+        subprocess.run([N, "finetune", "--model", w + "/m.safetensors", "--data", w + "/data.txt",
+                        "--steps", "8", "--batch", "4", "--seq", "32", "--lr", "3e-2",
+                        "--lora-rank", "4", "--lora-targets", "wq,wv,wo,w_gate", "--threads", "1",
+                        "--device", DEV, "--out", w + "/ad.safetensors"],
+                       check=True, capture_output=True)
+        extra = extra + ["--http-adapter", "tuned=" + w + "/ad.safetensors"]
     out = subprocess.run([N, "cluster", "up", "--device", DEV, "--dir", w + "/c", "--nodes", "3",
                           "--model", w + "/m.safetensors", "--memory", "64M", "--threads", "1",
                           "--http", "127.0.0.1:0", "--timeout", "60"] + extra,
@@ -88,10 +101,10 @@ def cluster_up(w, extra):
     return m.group(1)
 
 
-def local_ids(prompt, n, temp, top_p, seed):
+def local_ids(prompt, n, temp, top_p, seed, *extra):
     out = subprocess.run([N, "generate", "--cluster", W + "/c", "--prompt-tokens",
                           ",".join(map(str, prompt)), "--max-new", str(n), "--temperature",
-                          str(temp), "--top-p", str(top_p), "--seed", str(seed)],
+                          str(temp), "--top-p", str(top_p), "--seed", str(seed), *extra],
                          check=True, capture_output=True).stdout
     return [int(x) for x in out.split(b"\n")[0].split()]
 
@@ -289,7 +302,53 @@ def test_api(url):
                                                "temperature": 0})
     check(code == 200 and json.loads(body)["choices"][0]["token_ids"] ==
           local_ids([1, 2, 3], 10, 0.0, 1.0, 0), "served after the cancel and a SIGHUP: %d %s" % (code, body[:300]))
+    test_adapter(url)
     test_not_ready()
+
+
+def embedding_file(path):
+    raw = open(path, "rb").read()
+    hn = int.from_bytes(raw[:8], "little")
+    return struct.unpack("<%df" % ((len(raw) - 8 - hn) // 4), raw[8 + hn:])
+
+
+def test_adapter(url):
+    """--http-adapter tuned=ADAPTER: a model of its own, selected by "model"."""
+    ad = W + "/ad.safetensors"
+    ids = [m["id"] for m in json.loads(get(url + "v1/models"))["data"]]
+    check(ids == ["m.safetensors", "tuned"], "/v1/models lists the adapter: %s" % ids)
+    moved = False
+    for p, t, seed in (([1, 2, 3], 0.0, 0), (list(range(30, 60)), 0.9, 6)):
+        want = local_ids(p, 16, t, 0.9, seed, "--adapter", ad)
+        base = local_ids(p, 16, t, 0.9, seed)
+        moved |= want != base
+        code, body = post(url + "v1/completions", {"prompt": p, "max_tokens": 16, "temperature": t,
+                                                   "top_p": 0.9, "seed": seed, "model": "tuned"})
+        r = json.loads(body) if code == 200 else {}
+        check(code == 200 and r["choices"][0]["token_ids"] == want and r["model"] == "tuned",
+              "model tuned: %d %s, generate --cluster --adapter gives %s" % (code, body[:300], want))
+        code, body = post(url + "v1/completions", {"prompt": p, "max_tokens": 16, "temperature": t,
+                                                   "top_p": 0.9, "seed": seed,
+                                                   "model": "m.safetensors"})
+        check(code == 200 and json.loads(body)["choices"][0]["token_ids"] == base,
+              "model m.safetensors: the base's ids %d %s" % (code, body[:300]))
+    check(moved, "the adapter changes what is generated")
+    code, body = post(url + "v1/completions", {"prompt": [1, 2], "model": "nope"})
+    msg = json.loads(body).get("error", {}).get("message", "") if body[:1] == b"{" else ""
+    check(code == 404 and "nope" in msg, "an unknown model: 404 with a message: %d %s" % (code, body))
+    # an embedding through the adapter: as neuroctl embed --adapter in one process
+    subprocess.run([N, "embed", "--model", W + "/m.safetensors", "--adapter", ad, "--input",
+                    W + "/hi.txt", "--out", W + "/hi_ad.safetensors", "--threads", "1"],
+                   check=True, capture_output=True)
+    want, base = embedding_file(W + "/hi_ad.safetensors"), embedding_file(W + "/hi.safetensors")
+    code, text = post(url + "v1/embeddings", {"input": [104, 105], "model": "tuned"})
+    got = json.loads(text)["data"][0]["embedding"] if code == 200 else []
+    err = max([abs(a - b) for a, b in zip(got, want)] or [1.0])
+    check(code == 200 and len(got) == len(want) and err < 1e-5 and json.loads(text)["model"] == "tuned",
+          "an embedding with the adapter: %d %s (max diff %g)" % (code, text[:200], err))
+    check(max(abs(a - b) for a, b in zip(want, base)) > 1e-4, "the adapter changes the embedding")
+    code, text = post(url + "v1/embeddings", {"input": [104, 105], "model": "nope"})
+    check(code == 404, "an unknown model's embedding: 404 (%d)" % code)
 
 
 def test_not_ready():

@@ -2,7 +2,9 @@
  * would plug in its own): stop strings across tokens, UTF-8 split across
  * tokens in a stream, a backend failing mid-stream, backend errors mapped
  * to HTTP codes, the event feed, token files and addresses refused at
- * start. Requests go over real loopback sockets. */
+ * start, and a backend serving several models (a request's "model"
+ * selects one; an unknown one is 404). Requests go over real loopback
+ * sockets. */
 #include "check.h"
 #include "serve/http.h"
 
@@ -21,6 +23,7 @@ typedef struct fake_job {
 } fake_job;
 
 static int ended;
+static int last_model = -1; /* the model the last request asked the backend for */
 
 static nl_status fake_start(void *ctx, const nl_http_completion *rq, void **job, int *ptoks,
                             nl_error *err)
@@ -29,6 +32,7 @@ static nl_status fake_start(void *ctx, const nl_http_completion *rq, void **job,
         return nl_error_set(err, NL_ERR_CAPACITY, "all slots taken");
     if (rq->prompt_text && strcmp(rq->prompt_text, "long") == 0)
         return nl_error_set(err, NL_ERR_RANGE, "max_tokens: too many for the context");
+    last_model = rq->model;
     fake_job *j = calloc(1, sizeof *j);
     j->max = rq->max_tokens;
     j->fail_at = rq->prompt_text && strcmp(rq->prompt_text, "midfail") == 0 ? 2 : -1;
@@ -60,9 +64,10 @@ static void fake_end(void *ctx, void *jp)
     free(jp);
 }
 
-static nl_status fake_embed(void *ctx, const char *text, size_t len, const int32_t *ids, int n,
-                            float **vec, int *dim, int *tokens, nl_error *err)
+static nl_status fake_embed(void *ctx, int model, const char *text, size_t len, const int32_t *ids,
+                            int n, float **vec, int *dim, int *tokens, nl_error *err)
 {
+    last_model = model;
     *vec = calloc(2, sizeof **vec);
     (*vec)[0] = 0.6f;
     (*vec)[1] = 0.8f;
@@ -189,6 +194,62 @@ static void test_api(int port, nl_http *h)
     CHECK(ended == 4, "every started job ended (%d)", ended);
 }
 
+/* A backend with two more models: "model" picks one, by name. */
+static void test_models(const nl_http_backend *base)
+{
+    static const char *const more[] = {"ad1", "ad2"};
+    nl_http_backend b = *base;
+    b.models = more;
+    b.n_models = 2;
+    nl_error err = {0};
+    nl_http *h = NULL;
+    nl_http_opts o = {.addr = "127.0.0.1:0"};
+    CHECK_OK(nl_http_start(&h, &o, &b, &err), &err);
+    if (!h)
+        return;
+    const int port = nl_http_port(h);
+    char *r = request(port, "GET", "/v1/models", NULL, NULL);
+    expect(r, "\"data\":[{\"id\":\"fake\"", "the base first");
+    expect(r, "{\"id\":\"ad1\"", "then ad1");
+    expect(r, "{\"id\":\"ad2\"", "and ad2");
+    free(r);
+    const struct {
+        const char *body;
+        int model;
+        const char *name;
+    } cases[] = {
+        {"{\"prompt\": \"x\", \"max_tokens\": 1, \"model\": \"ad2\"}", 2, "ad2"},
+        {"{\"prompt\": \"x\", \"max_tokens\": 1, \"model\": \"fake\"}", 0, "fake"},
+        {"{\"prompt\": \"x\", \"max_tokens\": 1}", 0, "fake"},
+        {"{\"prompt\": \"x\", \"max_tokens\": 1, \"model\": \"ad1\", \"stream\": true}", 1, "ad1"}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        last_model = -1;
+        r = request(port, "POST", "/v1/completions", cases[i].body, NULL);
+        char want[64];
+        snprintf(want, sizeof want, "\"model\":\"%s\"", cases[i].name);
+        expect(r, "HTTP/1.1 200", cases[i].body);
+        expect(r, want, "the answer names the model");
+        CHECK(last_model == cases[i].model, "%s: the backend got model %d, not %d", cases[i].body,
+              last_model, cases[i].model);
+        free(r);
+    }
+    last_model = -1;
+    r = request(port, "POST", "/v1/completions", "{\"prompt\": \"x\", \"model\": \"gpt-4\"}", NULL);
+    expect(r, "HTTP/1.1 404", "an unknown model");
+    expect(r, "'gpt-4' is not served here", "named in the message");
+    expect(r, "\"param\":\"model\"", "the field");
+    CHECK(last_model == -1, "the backend was not asked");
+    free(r);
+    r = request(port, "POST", "/v1/embeddings", "{\"input\": \"a\", \"model\": \"ad1\"}", NULL);
+    expect(r, "\"model\":\"ad1\"", "an embedding by ad1");
+    CHECK(last_model == 1, "the backend embedded with model %d, not 1", last_model);
+    free(r);
+    r = request(port, "POST", "/v1/embeddings", "{\"input\": \"a\", \"model\": \"x\"}", NULL);
+    expect(r, "HTTP/1.1 404", "an embedding by an unknown model");
+    free(r);
+    nl_http_stop(&h);
+}
+
 static void test_start_refusals(const nl_http_backend *b)
 {
     nl_error err = {0};
@@ -236,8 +297,15 @@ int main(void)
     CHECK_OK(nl_http_start(&h, &o, &b, &err), &err);
     if (h) {
         test_api(nl_http_port(h), h);
+        /* one model: "model" is not checked (clients send a fixed name) */
+        char *r = request(nl_http_port(h), "POST", "/v1/completions",
+                          "{\"prompt\": \"x\", \"max_tokens\": 1, \"model\": \"gpt-4\"}", NULL);
+        expect(r, "HTTP/1.1 200", "any model name with one model served");
+        expect(r, "\"model\":\"fake\"", "answered by it");
+        free(r);
         nl_http_stop(&h);
     }
+    test_models(&b);
     test_start_refusals(&b);
     return check_done("test_serve_http");
 }
