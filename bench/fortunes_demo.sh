@@ -60,7 +60,7 @@ echo "== pretraining (causal LM) on the other 39 fortunes files' text"
     --seq 64 --lr 5e-3 --eval-every 1600 --out "$W/base.safetensors" --threads 2 --force 2>&1 |
     grep -E '^training|eval|^wrote|peak RSS'
 common=(--objective classify --model "$W/base.safetensors" --data "$W/fortunes.tsv" --steps 600
-        --batch 16 --seq 64 --holdout 0.2 --seed 7 --eval-every 600 --eval-batches 128 --threads 2
+        --batch 16 --seq 64 --holdout 0.2 --seed 7 --eval-every 600 --threads 2
         --force)
 echo "== full fine-tuning"
 "${T[@]}" "$N" train "${common[@]}" --lr 2e-3 --out "$W/full.safetensors" 2>&1 |
