@@ -289,8 +289,11 @@ void coord_train_write_manifest(nl_coord *c, cjob *j)
         coord_train_fail(c, j, "checkpoint of step %lld: out of memory", (long long)t->step);
         return;
     }
-    if (coord_work_start(c, &k->w, &e) != NL_OK)
+    if (coord_work_start(c, &k->w, &e) != NL_OK) {
         coord_train_fail(c, j, "checkpoint of step %lld: %s", (long long)t->step, e.msg);
-    else
-        c->manifests_writing++;
+        return;
+    }
+    c->manifests_writing++;
+    NL_INFO("train job %llu: checkpoint of step %lld: every shard is in; writing %s",
+            (unsigned long long)j->id, (long long)t->step, k->path);
 }

@@ -110,8 +110,8 @@ PY
 "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck8" --log "$W/held.jsonl" \
   --out "$W/held.safetensors" 2> "$W/held.err" &
 job=$!
-for i in $(seq 1 1200); do
-  [ "$(ls "$W"/ck8/step-000010/stage-*.safetensors 2>/dev/null | wc -l)" -eq 3 ] && break
+for i in $(seq 1 1200); do # every stage reported its shard: the manifest is being written
+  grep -q "checkpoint of step 10: every shard is in" "$C/coord.log" && break
   sleep 0.05
 done
 check test ! -e "$W/ck8/step-000010/manifest.json"
