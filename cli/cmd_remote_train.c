@@ -135,13 +135,6 @@ static int read_opts(rtrain_opts *o, const nl_flag *flags)
         fprintf(stderr, "--objective: '%.40s' is not clm, mlm or classify\n", o->objective);
         return 2;
     }
-    if (o->finetune && o->objective && strcmp(o->objective, "clm") != 0) {
-        fprintf(stderr,
-                "--objective %s: fine-tuning on a cluster trains next-token prediction "
-                "(clm); fine-tune in one process for mlm or classify\n",
-                o->objective);
-        return 2;
-    }
     if (nl_args_get(flags, "learn-vocab") &&
         (rc = nl_args_int(flags, "learn-vocab", 1, 1 << 24, &o->learn_vocab)))
         return rc;
@@ -543,6 +536,8 @@ static nl_status submit(nl_remote *r, const rtrain_opts *o, nl_error *err)
         {.key = "seq_default", .kind = NL_WIRE_PARAM_BOOL, .b = o->seq_default},
     };
     int n = 17;
+    if (o->objective) /* fine-tuning too: the adapters learn any objective */
+        ps[n++] = (nl_wire_param){.key = "objective", .kind = NL_WIRE_PARAM_STR, .s = o->objective};
     if (o->finetune) { /* no resume: the adapters start afresh */
         ps[n++] = (nl_wire_param){.key = "lora_rank", .kind = NL_WIRE_PARAM_INT, .i = o->lora_rank};
         ps[n++] =
@@ -554,8 +549,6 @@ static nl_status submit(nl_remote *r, const rtrain_opts *o, nl_error *err)
     if (o->learn_vocab > 0)
         ps[n++] =
             (nl_wire_param){.key = "learn_vocab", .kind = NL_WIRE_PARAM_INT, .i = o->learn_vocab};
-    if (o->objective)
-        ps[n++] = (nl_wire_param){.key = "objective", .kind = NL_WIRE_PARAM_STR, .s = o->objective};
     if (o->resume)
         ps[n++] = (nl_wire_param){.key = "resume", .kind = NL_WIRE_PARAM_STR, .s = o->resume};
     return nl_remote_submit(r, NL_JOB_TRAIN, ps, n, NULL, 0, 0, err);
@@ -748,9 +741,11 @@ static int remote_main(int argc, char **argv, int finetune)
             return 2;
         }
         if (!nl_args_get(flags, "out") || nl_args_get(flags, "resume") ||
-            nl_args_get(flags, "attach") || nl_args_get(flags, "checkpoint-every")) {
-            fprintf(stderr, "neuroctl finetune: give --out (no --resume, --attach or "
-                            "--checkpoint-every: the adapters are written once, at the end)\n");
+            nl_args_get(flags, "attach") || nl_args_get(flags, "checkpoint-every") ||
+            nl_args_get(flags, "learn-vocab")) {
+            fprintf(stderr, "neuroctl finetune: give --out (no --resume, --attach, "
+                            "--checkpoint-every or --learn-vocab: the adapters are written once, "
+                            "at the end, on the base as it is)\n");
             return 2;
         }
     }

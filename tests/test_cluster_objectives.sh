@@ -71,11 +71,115 @@ elif what == "weights":  # weights A B: every tensor (weights and moments) bit f
     assert not diff, "differ: %s" % diff[:5]
     assert ma.get("step") == mb.get("step") and ma.get("adam_steps") == mb.get("adam_steps"), (ma, mb)
     print("%d tensors: bit-identical" % len(b))
+elif what == "adapter":  # adapter A B [head]: every adapter tensor (and the head), bit for bit, and the metadata
+    (a, ma), (b, mb) = tensors(sys.argv[2]), tensors(sys.argv[3])
+    assert set(a) == set(b), sorted(set(a) ^ set(b))
+    assert ("classifier.weight" in b) == (sys.argv[4:] == ["head"]), sorted(b)
+    for key in ("format", "rank", "alpha", "targets", "base_sha256"):
+        assert ma.get(key) == mb.get(key), (key, ma.get(key), mb.get(key))
+    diff = [k for k in b if a[k] != b[k]]
+    assert not diff, "differ: %s" % diff[:5]
+    moved = [k for k in b if k.endswith("lora_B.weight") and any(b[k])]
+    assert moved, "the adapters did not train"
+    print("%d adapter tensors%s: bit-identical, metadata equal" %
+          (len(b), " (with the head)" if "classifier.weight" in b else ""))
+elif what == "head":  # head ADAPTER MODEL moved|same: the adapter's classifier.weight against the base's
+    (a, _), (b, _) = tensors(sys.argv[2]), tensors(sys.argv[3])
+    assert (a["classifier.weight"] != b["classifier.weight"]) == (sys.argv[4] == "moved"), sys.argv[4]
+    print("the adapter's head: %s" % ("trained" if sys.argv[4] == "moved" else "the base's"))
+elif what == "strip":  # strip A OUT: A without classifier.weight
+    b = open(sys.argv[2], "rb").read(); n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n])
+    del h["classifier.weight"]
+    data, off = b"", 0
+    for k in sorted(k for k in h if k != "__metadata__"):
+        s, e = h[k]["data_offsets"]; data += b[8 + n + s: 8 + n + e]
+        h[k]["data_offsets"] = [off, off + e - s]; off += e - s
+    hb = json.dumps(h).encode(); hb += b" " * (-len(hb) % 8)
+    open(sys.argv[3], "wb").write(struct.pack("<Q", len(hb)) + hb + data)
+elif what == "near":  # near A B NAME: tensor NAME within 1e-5 (relative, L2)
+    (a, _), (b, _) = tensors(sys.argv[2]), tensors(sys.argv[3])
+    x, y = (struct.unpack("<%df" % (len(t[sys.argv[4]]) // 4), t[sys.argv[4]]) for t in (a, b))
+    assert len(x) == len(y), (len(x), len(y))
+    num = sum((p - q) ** 2 for p, q in zip(x, y)) ** 0.5; den = sum(q * q for q in y) ** 0.5
+    print("%s: relative error %.2e" % (sys.argv[4], num / den))
+    assert num / den <= 1e-5, num / den
 PY
 
 C="$W/c3"
 check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 3 --model "$W/enc.safetensors" --memory 64M \
   --threads 1 --node-timeout-ms 2000 --timeout 60
+
+# ---- LoRA fine-tuning with the objectives, on the frozen base (before
+# anything trains it): classify, then mlm (the config's objective), each
+# against neuroctl finetune in one process; rank 4 on wq, wv and the dense
+# FFN's one expert's w_up; the last stage's adapters carry the trained
+# classifier head, as the local adapter file does ----
+$PY - "$W" <<'PY'
+import json, struct, sys
+toks = [(i * 37 + 11) % 256 for i in range(21)]
+h = json.dumps({"tokens": {"dtype": "I32", "shape": [1, 21], "data_offsets": [0, 4 * len(toks)]}}).encode()
+h += b" " * (-len(h) % 8)
+open(sys.argv[1] + "/in.safetensors", "wb").write(struct.pack("<Q", len(h)) + h + struct.pack("<%di" % len(toks), *toks))
+PY
+check "$N" forward --cluster "$C" --tokens "$W/in.safetensors" --out "$W/before.safetensors"
+LORA=(--lora-rank 4 --lora-alpha 8 --lora-targets wq,wv,w_up)
+FCLS=(--objective classify --data "$W/labels.tsv" --steps 6 --batch 6 --seq 16 --microbatches 2
+      --lr 3e-3 --seed 3 --eval-every 3)
+check "$N" finetune "${DEV[@]}" --model "$W/enc.safetensors" "${FCLS[@]}" "${LORA[@]}" --threads 1 \
+  --log "$W/ftc_local.jsonl" --out "$W/ftc_local.safetensors" 2> "$W/ftc_local.err"
+check "$N" finetune --cluster "$C" "${FCLS[@]}" "${LORA[@]}" --checkpoint-dir "$W/ck_ftc" \
+  --log "$W/ftc.jsonl" --out "$W/ftc.safetensors" 2> "$W/ftc.err"
+cat "$W/ftc.err"
+check grep -q "on 162 examples into 3 classes (18 held out).*(objective classify)" "$W/ftc.err"
+check $PY "$W/cmp.py" logs "$W/ftc.jsonl" "$W/ftc_local.jsonl"
+check $PY "$W/cmp.py" adapter "$W/ftc.safetensors" "$W/ftc_local.safetensors" head
+acc_local=$(grep -o 'held-out accuracy [0-9.]*' "$W/ftc_local.err" | cut -d' ' -f3 | tr '\n' ' ')
+acc=$(grep -o 'held-out accuracy [0-9.]*' "$W/ftc.err" | cut -d' ' -f3 | tr '\n' ' ')
+echo "fine-tuned held-out accuracy: cluster $acc, one process $acc_local"
+check test -n "$acc"
+check test "$acc" = "$acc_local"
+FMLM=(--data "$W/data.txt" --steps 4 --batch 4 --seq 32 --microbatches 2 --lr 3e-3 --seed 1
+      --eval-every 2 --eval-batches 2)
+check "$N" finetune "${DEV[@]}" --model "$W/enc.safetensors" "${FMLM[@]}" "${LORA[@]}" --threads 1 \
+  --log "$W/ftm_local.jsonl" --out "$W/ftm_local.safetensors" 2> "$W/ftm_local.err"
+check "$N" finetune --cluster "$C" "${FMLM[@]}" "${LORA[@]}" --checkpoint-dir "$W/ck_ftm" \
+  --log "$W/ftm.jsonl" --out "$W/ftm.safetensors" 2> "$W/ftm.err"
+cat "$W/ftm.err"
+check grep -q "on 3 pipeline stages.*(objective mlm)" "$W/ftm.err"
+check $PY "$W/cmp.py" logs "$W/ftm.jsonl" "$W/ftm_local.jsonl"
+check $PY "$W/cmp.py" adapter "$W/ftm.safetensors" "$W/ftm_local.safetensors" head
+# the base is frozen: the same forward through every stage, bit for bit
+check "$N" forward --cluster "$C" --tokens "$W/in.safetensors" --out "$W/after.safetensors"
+check cmp "$W/before.safetensors" "$W/after.safetensors"
+# the head: classify trained it, mlm left the base's
+check $PY "$W/cmp.py" head "$W/ftc.safetensors" "$W/enc.safetensors" moved
+check $PY "$W/cmp.py" head "$W/ftm.safetensors" "$W/enc.safetensors" same
+# an adapter with the head, applied through the cluster (the file the
+# cluster joined): forward gives the language-model logits, as the local
+# tool does; forward and embed (the pooled states) do not read the head,
+# so the same adapter without it gives the same bytes (embed --cluster
+# needs a tokenizer for this vocabulary of 264: local embed here)
+ADC=$(ls "$W"/ck_ftc/lora-job*/adapter.safetensors | head -n 1)
+$PY "$W/cmp.py" strip "$W/ftc.safetensors" "$W/ftc_nohead.safetensors"
+check "$N" forward --cluster "$C" --adapter "$ADC" --tokens "$W/in.safetensors" \
+  --out "$W/fwdc_remote.safetensors"
+check "$N" forward "${DEV[@]}" --model "$W/enc.safetensors" --adapter "$W/ftc.safetensors" \
+  --tokens "$W/in.safetensors" --out "$W/fwdc_local.safetensors" --threads 1
+check "$N" forward "${DEV[@]}" --model "$W/enc.safetensors" --adapter "$W/ftc_nohead.safetensors" \
+  --tokens "$W/in.safetensors" --out "$W/fwdc_nohead.safetensors" --threads 1
+check $PY "$W/cmp.py" near "$W/fwdc_remote.safetensors" "$W/fwdc_local.safetensors" logits
+check cmp "$W/fwdc_local.safetensors" "$W/fwdc_nohead.safetensors"
+check $PY - "$W" <<'PY'
+import sys  # the adapter changed the logits
+w = sys.argv[1]
+assert open(w + "/fwdc_local.safetensors", "rb").read() != open(w + "/before.safetensors", "rb").read()
+PY
+cut -f2 "$W/labels.tsv" | head -n 5 > "$W/texts.txt"
+check "$N" embed "${DEV[@]}" --model "$W/enc.safetensors" --adapter "$W/ftc.safetensors" \
+  --input "$W/texts.txt" --seq 16 --batch 1 --threads 1 --out "$W/embc_local.safetensors"
+check "$N" embed "${DEV[@]}" --model "$W/enc.safetensors" --adapter "$W/ftc_nohead.safetensors" \
+  --input "$W/texts.txt" --seq 16 --batch 1 --threads 1 --out "$W/embc_nohead.safetensors"
+check cmp "$W/embc_local.safetensors" "$W/embc_nohead.safetensors"
 
 # ---- mlm (the config's objective): 3 nodes against one process ----
 MLM=(--data "$W/data.txt" --steps 4 --batch 4 --seq 32 --microbatches 2 --lr 3e-3 --seed 1
