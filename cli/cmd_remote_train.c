@@ -690,7 +690,10 @@ static int remote_main(int argc, char **argv, int finetune)
         {"lora-rank", 1, "finetune: rank r of the adapters (default 8)", NULL},
         {"lora-alpha", 1, "finetune: alpha; the adapters add (alpha / r) x A^T B^T (default 16)",
          NULL},
-        {"lora-targets", 1, "finetune: the maps adapted, of wq,wk,wv,wo (default all four)", NULL},
+        {"lora-targets", 1,
+         "finetune: the maps adapted, of wq,wk,wv,wo,w_gate,w_up,w_down (the last three: every "
+         "expert's; default wq,wk,wv,wo)",
+         NULL},
         {0}};
     if (finetune) { /* finetune's own words for the flags that differ */
         for (nl_flag *fl = flags; fl->name; fl++)
@@ -700,6 +703,18 @@ static int remote_main(int argc, char **argv, int finetune)
             else if (strcmp(fl->name, "checkpoint-dir") == 0)
                 fl->help = "where the stages write their adapter shards and the cluster joins "
                            "them (DIR/lora-job<ID>; default: checkpoints)";
+            else if (strcmp(fl->name, "objective") == 0)
+                fl->help = "what the adapters learn: clm (next token), mlm (masked tokens) or "
+                           "classify (DATA: label<TAB>text lines; the model needs num_classes); "
+                           "default: the cluster model's config's objective. With a "
+                           "classification head (num_classes) the last stage trains a copy of "
+                           "classifier.weight with the adapters and the adapter file carries it, "
+                           "as local finetune's does";
+            else if (strcmp(fl->name, "resume") == 0 || strcmp(fl->name, "learn-vocab") == 0 ||
+                     strcmp(fl->name, "attach") == 0 ||
+                     strcmp(fl->name, "checkpoint-every") == 0)
+                fl->help = "train only (refused by finetune: the adapters start afresh on the "
+                           "base as it is and are written once, at the end)";
     }
     const char *usage = "neuroctl train (--coordinator EP --key K --coordinator-key P | --cluster "
                         "DIR) --data DATA --steps N [--batch B] [--seq T] [--microbatches M] "
@@ -711,9 +726,9 @@ static int remote_main(int argc, char **argv, int finetune)
     if (finetune)
         usage = "neuroctl finetune (--coordinator EP --key K --coordinator-key P | --cluster DIR) "
                 "--data DATA --steps N --out ADAPTER.safetensors [--lora-rank R] [--lora-alpha A] "
-                "[--lora-targets wq,wk,wv,wo] [--batch B] [--seq T] [--microbatches M] [--lr X] "
-                "[--warmup W] [--seed S] [--eval-every K] [--log LOG.jsonl] [--checkpoint-dir D] "
-                "[--force]";
+                "[--lora-targets wq,wk,wv,wo[,w_gate,w_up,w_down]] [--objective clm|mlm|classify] "
+                "[--batch B] [--seq T] [--microbatches M] [--lr X] [--warmup W] [--seed S] "
+                "[--eval-every K] [--log LOG.jsonl] [--checkpoint-dir D] [--force]";
     int rc = refuse_local_flags(argc, argv, flags);
     if (rc || (rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL)))
         return rc == 1 ? 0 : rc;

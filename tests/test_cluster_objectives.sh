@@ -8,9 +8,16 @@
 #  - classify (label<TAB>text, a classifier on mean-pooled states) over the
 #    same 3 nodes: losses, the held-out accuracy (every held-out example
 #    once) and the weights, bit for bit;
-#  - refusals, by name: classify on a model without num_classes, mlm on a
-#    vocabulary without the mask id, a labelled file with a bad line, an
-#    unknown objective.
+#  - LoRA fine-tuning (neuroctl finetune --cluster) with classify and mlm
+#    (the config's) over the same 3 nodes, rank 4 on wq, wv and the dense
+#    FFN's w_up: losses, held-out accuracy and the adapter file (with the
+#    classifier head, trained by classify) bit for bit against neuroctl
+#    finetune in one process; the base unchanged (a forward before and
+#    after); a forward through the cluster with the head-carrying adapter
+#    equals the local one, and forward and embed ignore the head;
+#  - refusals, by name: classify on a model without num_classes (train and
+#    finetune), mlm on a vocabulary without the mask id, a labelled file
+#    with a bad line, an unknown objective, finetune --learn-vocab.
 . "$(dirname "$0")/cluster_lib.sh"
 export NL_TEST_GFLOPS=20 # equal throughputs: 3 nodes make 3 stages
 
@@ -244,6 +251,16 @@ out=$("$N" train --cluster "$C2" --objective classify --data "$W/labels.tsv" --s
 echo "$out" | tail -1
 check test $rc -ne 0
 check grep -q "has no classifier (set num_classes" <<< "$out"
+out=$("$N" finetune --cluster "$C2" --objective classify --data "$W/labels.tsv" --steps 1 \
+  --batch 2 --seq 8 --checkpoint-dir "$W/ck_fnc" --out "$W/never.safetensors" 2>&1); rc=$?
+echo "$out" | tail -1
+check test $rc -ne 0
+check grep -q "has no classifier (set num_classes" <<< "$out"
+check test ! -e "$W/never.safetensors"
+out=$("$N" finetune --cluster "$C2" --learn-vocab 300 --data "$W/data.txt" --steps 1 --batch 2 \
+  --seq 8 --out "$W/never.safetensors" 2>&1); rc=$?
+check test $rc -eq 2
+check grep -q "learn-vocab" <<< "$out"
 out=$("$N" train --cluster "$C2" --objective mlm --data "$W/data.txt" --steps 1 --batch 2 \
   --seq 8 --checkpoint-dir "$W/ck_nm" 2>&1); rc=$?
 echo "$out" | tail -1
