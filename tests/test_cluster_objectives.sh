@@ -12,8 +12,8 @@
 #    (the config's) over the same 3 nodes, rank 4 on wq, wv and the dense
 #    FFN's w_up: losses, held-out accuracy and the adapter file (with the
 #    classifier head, trained by classify) bit for bit against neuroctl
-#    finetune in one process; the base unchanged (a forward before and
-#    after); a forward through the cluster with the head-carrying adapter
+#    finetune in one process, also when both run at once; the base
+#    unchanged (a forward before and after); a forward through the cluster with the head-carrying adapter
 #    equals the local one, and forward and embed ignore the head;
 #  - refusals, by name: classify on a model without num_classes (train and
 #    finetune), mlm on a vocabulary without the mask id, a labelled file
@@ -155,6 +155,22 @@ cat "$W/ftm.err"
 check grep -q "on 3 pipeline stages.*(objective mlm)" "$W/ftm.err"
 check $PY "$W/cmp.py" logs "$W/ftm.jsonl" "$W/ftm_local.jsonl"
 check $PY "$W/cmp.py" adapter "$W/ftm.safetensors" "$W/ftm_local.safetensors" head
+# both at once on the same stages (each job's adapters and head its own):
+# each equals its solo run
+"$N" finetune --cluster "$C" "${FCLS[@]}" "${LORA[@]}" --checkpoint-dir "$W/ck_both" \
+  --log "$W/bothc.jsonl" --out "$W/bothc.safetensors" 2> "$W/bothc.err" &
+pc=$!
+"$N" finetune --cluster "$C" "${FMLM[@]}" "${LORA[@]}" --checkpoint-dir "$W/ck_both" \
+  --log "$W/bothm.jsonl" --out "$W/bothm.safetensors" 2> "$W/bothm.err" &
+pm=$!
+wait $pc; rc_c=$?
+wait $pm; rc_m=$?
+check test "$rc_c" -eq 0
+check test "$rc_m" -eq 0
+check $PY "$W/cmp.py" logs "$W/bothc.jsonl" "$W/ftc_local.jsonl"
+check $PY "$W/cmp.py" adapter "$W/bothc.safetensors" "$W/ftc.safetensors" head
+check $PY "$W/cmp.py" logs "$W/bothm.jsonl" "$W/ftm_local.jsonl"
+check $PY "$W/cmp.py" adapter "$W/bothm.safetensors" "$W/ftm.safetensors" head
 # the base is frozen: the same forward through every stage, bit for bit
 check "$N" forward --cluster "$C" --tokens "$W/in.safetensors" --out "$W/after.safetensors"
 check cmp "$W/before.safetensors" "$W/after.safetensors"
