@@ -15,6 +15,10 @@
 #    finetune in one process, also when both run at once; the base
 #    unchanged (a forward before and after); a forward through the cluster with the head-carrying adapter
 #    equals the local one, and forward and embed ignore the head;
+#  - classify fine-tuning on a decoder with 4 experts and a classifier
+#    (adapters on wq, wv and every expert's w_gate and w_down) equals one
+#    process bit for bit, and greedy generation through the cluster with
+#    that adapter gives the local tool's ids;
 #  - refusals, by name: classify on a model without num_classes (train and
 #    finetune), mlm on a vocabulary without the mask id, a labelled file
 #    with a bad line, an unknown objective, finetune --learn-vocab.
@@ -258,6 +262,41 @@ out=$("$N" train --cluster "$C" --objective next --data "$W/data.txt" --steps 1 
 check test $rc -eq 2
 check grep -q "'next' is not clm, mlm or classify" <<< "$out"
 check "$N" cluster down --dir "$C"
+
+# ---- classify fine-tuning on a decoder with 4 experts (top 2) and a
+# classifier: adapters on wq, wv and every expert's w_gate and w_down, the
+# batch's expert shares first (COUNT hops with the documents); then greedy
+# generation through the cluster with that adapter (it carries the head,
+# which generation does not read) equals the local one ----
+small_config "$W/moe.yaml" 32 3 48 32
+echo "num_classes: 3" >> "$W/moe.yaml"
+check "$N" init --config "$W/moe.yaml" --out "$W/moe.safetensors" --seed 6
+CM="$W/c3moe"
+check "$N" cluster up "${DEV[@]}" --dir "$CM" --nodes 3 --model "$W/moe.safetensors" --memory 64M \
+  --threads 1 --node-timeout-ms 2000 --timeout 60
+LORAE=(--lora-rank 4 --lora-alpha 8 --lora-targets wq,wv,w_gate,w_down)
+check "$N" finetune "${DEV[@]}" --model "$W/moe.safetensors" "${FCLS[@]}" "${LORAE[@]}" \
+  --threads 1 --log "$W/fte_local.jsonl" --out "$W/fte_local.safetensors" 2> "$W/fte_local.err"
+check "$N" finetune --cluster "$CM" "${FCLS[@]}" "${LORAE[@]}" --checkpoint-dir "$W/ck_fte" \
+  --log "$W/fte.jsonl" --out "$W/fte.safetensors" 2> "$W/fte.err"
+cat "$W/fte.err"
+check grep -q "(objective classify)" "$W/fte.err"
+check $PY "$W/cmp.py" logs "$W/fte.jsonl" "$W/fte_local.jsonl"
+check $PY "$W/cmp.py" adapter "$W/fte.safetensors" "$W/fte_local.safetensors" head
+check $PY "$W/cmp.py" head "$W/fte.safetensors" "$W/moe.safetensors" moved
+acc_local=$(grep -o 'held-out accuracy [0-9.]*' "$W/fte_local.err" | cut -d' ' -f3 | tr '\n' ' ')
+acc=$(grep -o 'held-out accuracy [0-9.]*' "$W/fte.err" | cut -d' ' -f3 | tr '\n' ' ')
+check test -n "$acc"
+check test "$acc" = "$acc_local"
+AE=$(ls "$W"/ck_fte/lora-job*/adapter.safetensors | head -n 1)
+G=(--prompt-tokens 5,6,7,8,9,10,11,12 --max-new 12 --temperature 0)
+"$N" generate --cluster "$CM" --adapter "$AE" "${G[@]}" 2> /dev/null | head -n 1 > "$W/gen_remote.txt"
+"$N" generate "${DEV[@]}" --model "$W/moe.safetensors" --adapter "$W/fte.safetensors" "${G[@]}" \
+  --threads 1 2> /dev/null | head -n 1 > "$W/gen_local.txt"
+echo "generated with the adapter: $(cat "$W/gen_remote.txt")"
+check test "$(wc -w < "$W/gen_remote.txt")" -eq 12
+check cmp "$W/gen_remote.txt" "$W/gen_local.txt"
+check "$N" cluster down --dir "$CM"
 
 C2="$W/c2"
 check "$N" cluster up "${DEV[@]}" --dir "$C2" --nodes 2 --model "$W/clm.safetensors" --memory 64M \
