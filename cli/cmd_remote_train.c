@@ -711,8 +711,7 @@ static int remote_main(int argc, char **argv, int finetune)
                            "classifier.weight with the adapters and the adapter file carries it, "
                            "as local finetune's does";
             else if (strcmp(fl->name, "resume") == 0 || strcmp(fl->name, "learn-vocab") == 0 ||
-                     strcmp(fl->name, "attach") == 0 ||
-                     strcmp(fl->name, "checkpoint-every") == 0)
+                     strcmp(fl->name, "attach") == 0 || strcmp(fl->name, "checkpoint-every") == 0)
                 fl->help = "train only (refused by finetune: the adapters start afresh on the "
                            "base as it is and are written once, at the end)";
     }
