@@ -306,13 +306,19 @@ static void on_start(watch *w, const json_t *ev)
                  strlen(obj) < 16 && strspn(obj, "abcdefghijklmnopqrstuvwxyz") == strlen(obj)
                      ? obj
                      : "?");
+    char lead[200]; /* what trains: the model, or adapters on it (it stays frozen) */
+    if (w->o->finetune)
+        snprintf(lead, sizeof lead, "fine-tuning rank-%lld adapters (%.60s) beside %lld frozen",
+                 w->o->lora_rank, w->o->lora_targets, integer(ev, "params", 0));
+    else
+        snprintf(lead, sizeof lead, "training %lld", integer(ev, "params", 0));
     fprintf(stderr,
-            "training %lld parameters on %s (%lld held out): %" PRId64 " steps of %lld x "
+            "%s parameters on %s (%lld held out): %" PRId64 " steps of %lld x "
             "%lld in %lld microbatches on %lld pipeline stages%s%s%s%s\n",
-            integer(ev, "params", 0), what, integer(ev, "held_out", 0), w->steps,
-            integer(ev, "batch", w->o->r.batch), integer(ev, "seq", w->o->r.seq),
-            integer(ev, "microbatches", w->o->r.micro), integer(ev, "stages", 0),
-            w->devices[0] ? " (devices " : "", w->devices, w->devices[0] ? ")" : "", objective);
+            lead, what, integer(ev, "held_out", 0), w->steps, integer(ev, "batch", w->o->r.batch),
+            integer(ev, "seq", w->o->r.seq), integer(ev, "microbatches", w->o->r.micro),
+            integer(ev, "stages", 0), w->devices[0] ? " (devices " : "", w->devices,
+            w->devices[0] ? ")" : "", objective);
 }
 
 static nl_status on_step(watch *w, const json_t *ev, nl_error *err)
