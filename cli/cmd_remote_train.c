@@ -135,13 +135,6 @@ static int read_opts(rtrain_opts *o, const nl_flag *flags)
         fprintf(stderr, "--objective: '%.40s' is not clm, mlm or classify\n", o->objective);
         return 2;
     }
-    if (o->finetune && o->objective && strcmp(o->objective, "clm") != 0) {
-        fprintf(stderr,
-                "--objective %s: fine-tuning on a cluster trains next-token prediction "
-                "(clm); fine-tune in one process for mlm or classify\n",
-                o->objective);
-        return 2;
-    }
     if (nl_args_get(flags, "learn-vocab") &&
         (rc = nl_args_int(flags, "learn-vocab", 1, 1 << 24, &o->learn_vocab)))
         return rc;
@@ -313,13 +306,19 @@ static void on_start(watch *w, const json_t *ev)
                  strlen(obj) < 16 && strspn(obj, "abcdefghijklmnopqrstuvwxyz") == strlen(obj)
                      ? obj
                      : "?");
+    char lead[200]; /* what trains: the model, or adapters on it (it stays frozen) */
+    if (w->o->finetune)
+        snprintf(lead, sizeof lead, "fine-tuning rank-%lld adapters (%.60s) beside %lld frozen",
+                 w->o->lora_rank, w->o->lora_targets, integer(ev, "params", 0));
+    else
+        snprintf(lead, sizeof lead, "training %lld", integer(ev, "params", 0));
     fprintf(stderr,
-            "training %lld parameters on %s (%lld held out): %" PRId64 " steps of %lld x "
+            "%s parameters on %s (%lld held out): %" PRId64 " steps of %lld x "
             "%lld in %lld microbatches on %lld pipeline stages%s%s%s%s\n",
-            integer(ev, "params", 0), what, integer(ev, "held_out", 0), w->steps,
-            integer(ev, "batch", w->o->r.batch), integer(ev, "seq", w->o->r.seq),
-            integer(ev, "microbatches", w->o->r.micro), integer(ev, "stages", 0),
-            w->devices[0] ? " (devices " : "", w->devices, w->devices[0] ? ")" : "", objective);
+            lead, what, integer(ev, "held_out", 0), w->steps, integer(ev, "batch", w->o->r.batch),
+            integer(ev, "seq", w->o->r.seq), integer(ev, "microbatches", w->o->r.micro),
+            integer(ev, "stages", 0), w->devices[0] ? " (devices " : "", w->devices,
+            w->devices[0] ? ")" : "", objective);
 }
 
 static nl_status on_step(watch *w, const json_t *ev, nl_error *err)
@@ -543,6 +542,8 @@ static nl_status submit(nl_remote *r, const rtrain_opts *o, nl_error *err)
         {.key = "seq_default", .kind = NL_WIRE_PARAM_BOOL, .b = o->seq_default},
     };
     int n = 17;
+    if (o->objective) /* fine-tuning too: the adapters learn any objective */
+        ps[n++] = (nl_wire_param){.key = "objective", .kind = NL_WIRE_PARAM_STR, .s = o->objective};
     if (o->finetune) { /* no resume: the adapters start afresh */
         ps[n++] = (nl_wire_param){.key = "lora_rank", .kind = NL_WIRE_PARAM_INT, .i = o->lora_rank};
         ps[n++] =
@@ -554,8 +555,6 @@ static nl_status submit(nl_remote *r, const rtrain_opts *o, nl_error *err)
     if (o->learn_vocab > 0)
         ps[n++] =
             (nl_wire_param){.key = "learn_vocab", .kind = NL_WIRE_PARAM_INT, .i = o->learn_vocab};
-    if (o->objective)
-        ps[n++] = (nl_wire_param){.key = "objective", .kind = NL_WIRE_PARAM_STR, .s = o->objective};
     if (o->resume)
         ps[n++] = (nl_wire_param){.key = "resume", .kind = NL_WIRE_PARAM_STR, .s = o->resume};
     return nl_remote_submit(r, NL_JOB_TRAIN, ps, n, NULL, 0, 0, err);
@@ -697,7 +696,10 @@ static int remote_main(int argc, char **argv, int finetune)
         {"lora-rank", 1, "finetune: rank r of the adapters (default 8)", NULL},
         {"lora-alpha", 1, "finetune: alpha; the adapters add (alpha / r) x A^T B^T (default 16)",
          NULL},
-        {"lora-targets", 1, "finetune: the maps adapted, of wq,wk,wv,wo (default all four)", NULL},
+        {"lora-targets", 1,
+         "finetune: the maps adapted, of wq,wk,wv,wo,w_gate,w_up,w_down (the last three: every "
+         "expert's; default wq,wk,wv,wo)",
+         NULL},
         {0}};
     if (finetune) { /* finetune's own words for the flags that differ */
         for (nl_flag *fl = flags; fl->name; fl++)
@@ -707,6 +709,17 @@ static int remote_main(int argc, char **argv, int finetune)
             else if (strcmp(fl->name, "checkpoint-dir") == 0)
                 fl->help = "where the stages write their adapter shards and the cluster joins "
                            "them (DIR/lora-job<ID>; default: checkpoints)";
+            else if (strcmp(fl->name, "objective") == 0)
+                fl->help = "what the adapters learn: clm (next token), mlm (masked tokens) or "
+                           "classify (DATA: label<TAB>text lines; the model needs num_classes); "
+                           "default: the cluster model's config's objective. With a "
+                           "classification head (num_classes) the last stage trains a copy of "
+                           "classifier.weight with the adapters and the adapter file carries it, "
+                           "as local finetune's does";
+            else if (strcmp(fl->name, "resume") == 0 || strcmp(fl->name, "learn-vocab") == 0 ||
+                     strcmp(fl->name, "attach") == 0 || strcmp(fl->name, "checkpoint-every") == 0)
+                fl->help = "train only (refused by finetune: the adapters start afresh on the "
+                           "base as it is and are written once, at the end)";
     }
     const char *usage = "neuroctl train (--coordinator EP --key K --coordinator-key P | --cluster "
                         "DIR) --data DATA --steps N [--batch B] [--seq T] [--microbatches M] "
@@ -718,9 +731,9 @@ static int remote_main(int argc, char **argv, int finetune)
     if (finetune)
         usage = "neuroctl finetune (--coordinator EP --key K --coordinator-key P | --cluster DIR) "
                 "--data DATA --steps N --out ADAPTER.safetensors [--lora-rank R] [--lora-alpha A] "
-                "[--lora-targets wq,wk,wv,wo] [--batch B] [--seq T] [--microbatches M] [--lr X] "
-                "[--warmup W] [--seed S] [--eval-every K] [--log LOG.jsonl] [--checkpoint-dir D] "
-                "[--force]";
+                "[--lora-targets wq,wk,wv,wo[,w_gate,w_up,w_down]] [--objective clm|mlm|classify] "
+                "[--batch B] [--seq T] [--microbatches M] [--lr X] [--warmup W] [--seed S] "
+                "[--eval-every K] [--log LOG.jsonl] [--checkpoint-dir D] [--force]";
     int rc = refuse_local_flags(argc, argv, flags);
     if (rc || (rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL)))
         return rc == 1 ? 0 : rc;
@@ -748,9 +761,11 @@ static int remote_main(int argc, char **argv, int finetune)
             return 2;
         }
         if (!nl_args_get(flags, "out") || nl_args_get(flags, "resume") ||
-            nl_args_get(flags, "attach") || nl_args_get(flags, "checkpoint-every")) {
-            fprintf(stderr, "neuroctl finetune: give --out (no --resume, --attach or "
-                            "--checkpoint-every: the adapters are written once, at the end)\n");
+            nl_args_get(flags, "attach") || nl_args_get(flags, "checkpoint-every") ||
+            nl_args_get(flags, "learn-vocab")) {
+            fprintf(stderr, "neuroctl finetune: give --out (no --resume, --attach, "
+                            "--checkpoint-every or --learn-vocab: the adapters are written once, "
+                            "at the end, on the base as it is)\n");
             return 2;
         }
     }

@@ -1,12 +1,15 @@
 /* The coordinator's LoRA fine-tuning job (JOB_SUBMIT kind finetune,
  * docs/cluster.md "LoRA fine-tuning"): a training job of coord_train.c
- * whose stages train adapters on their frozen weights. This file holds
- * what differs: the adapters' parameters (checked here, handed to every
- * stage), and the end, where a worker checks each stage's adapter shard
- * against the hash it reported and joins them into one adapter file with
- * the metadata of a local one (format neurollm-lora/1, rank, alpha,
- * targets, the base's SHA-256). Several fine-tuning jobs may run at once
- * on one pipeline; none beside a training job (coord_train_submit). */
+ * whose stages train adapters on their frozen weights, with any of the
+ * training objectives (clm, mlm, classify: the same batches, hops and
+ * evaluations). This file holds what differs: the adapters' parameters
+ * (checked here, handed to every stage), and the end, where a worker
+ * checks each stage's adapter shard against the hash it reported and
+ * joins them into one adapter file with the tensors and metadata of a
+ * local one (the last stage's shard carries classifier.weight when the
+ * model has a head; format neurollm-lora/1, rank, alpha, targets, the
+ * base's SHA-256). Several fine-tuning jobs may run at once on one
+ * pipeline; none beside a training job (coord_train_submit). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

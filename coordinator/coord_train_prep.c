@@ -376,10 +376,8 @@ void coord_train_submit(nl_coord *c, const nl_rx *rx, cft *ft)
     const char *resume = NULL, *bad = read_params(t, s, &resume);
     if (!bad && ft && resume)
         bad = "resume (a fine-tuning job starts its adapters afresh)";
-    if (!bad && ft && t->objective > NL_OBJ_CLM)
-        bad = "objective (a fine-tuning job on a cluster trains next-token prediction)";
-    if (ft)
-        t->objective = NL_OBJ_CLM;
+    if (!bad && ft && t->learn_vocab > 0)
+        bad = "learn_vocab (a fine-tuning job keeps the base as it is)";
     if (bad) {
         free(p);
         coord_train_fail(c, j, "%s: params.%s is missing or out of range", j->ops->name, bad);

@@ -5,7 +5,9 @@
  * stage_train.c, which it runs unchanged: the job's trainer is made with
  * the adapters attached, so it keeps moments for the adapters alone, takes
  * their gradients' norm and steps only them; the base weights are never
- * written.
+ * written. Any objective runs so (its frames ride the hops as in
+ * training); on the stage with a classification head the adapters hold a
+ * copy of the head that trains with them and goes into the shard.
  *
  * Several jobs may fine-tune at once on the same frozen weights. The
  * stage's model carries no adapters between messages: a message of job J
