@@ -73,7 +73,7 @@ static void start_coord(void)
     o.min_nodes = 2;
     o.heartbeat_ms = HB_MS;
     o.node_timeout_ms = TIMEOUT_MS;
-    o.job_timeout_ms = 10 * TIMEOUT_MS; /* a loaded machine stalls the fakes for a second */
+    o.job_timeout_ms = 4 * TIMEOUT_MS; /* a loaded machine stalls the fakes for a second */
     o.plaintext = 1;
     nl_error err = {0};
     CHECK_OK(nl_coord_new(&coord, &o, &err), &err);
