@@ -204,7 +204,7 @@ out:
 
 /* ---------------------------------------------------------------- on a cluster */
 
-/* The cluster's tokenizer (or bytes for a byte-level model), vocabulary,
+/* The cluster's tokenizer (bytes when its model has none), vocabulary,
  * context and width, from its status. */
 static nl_status cluster_model(nl_remote *r, nl_tokenizer **tok, int64_t *vocab, int *max_seq,
                                int *d, nl_error *err)
@@ -221,10 +221,8 @@ static nl_status cluster_model(nl_remote *r, nl_tokenizer **tok, int64_t *vocab,
         s = nl_error_set(err, NL_ERR_STATE, "the cluster has no model yet (its status names none)");
     else if (json_is_string(tk))
         s = nl_tokenizer_load_buffer(tok, json_string_value(tk), json_string_length(tk), err);
-    else if (*vocab <= 256)
+    else /* bytes, as `neuroctl embed --model` reads a model without a tokenizer */
         s = nl_tokenizer_new_bytes(tok, err);
-    else
-        s = nl_error_set(err, NL_ERR_STATE, "the cluster's model has no tokenizer");
     json_decref(st);
     return s;
 }
@@ -271,7 +269,8 @@ static nl_status embed_batch(nl_remote *r, const int32_t *ids, const int32_t *le
 int nl_cmd_remote_embed(int argc, char **argv)
 {
     nl_flag flags[] = {
-        {"input", 1, "text file: one text per line (through the cluster's tokenizer)", NULL},
+        {"input", 1, "text file: one text per line (through the cluster's tokenizer, else bytes)",
+         NULL},
         {"out", 1, "output: 'embeddings' F32 [lines, hidden_dim], L2-normalised", NULL},
         {"seq", 1, "ids kept per line (default: the model's max_seq_len)", NULL},
         {"batch", 1, "lines per embed job (default 16)", NULL},

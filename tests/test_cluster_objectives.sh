@@ -184,8 +184,9 @@ check $PY "$W/cmp.py" head "$W/ftm.safetensors" "$W/enc.safetensors" same
 # an adapter with the head, applied through the cluster (the file the
 # cluster joined): forward gives the language-model logits, as the local
 # tool does; forward and embed (the pooled states) do not read the head,
-# so the same adapter without it gives the same bytes (embed --cluster
-# needs a tokenizer for this vocabulary of 264: local embed here)
+# so the same adapter without it gives the same bytes; embed --cluster
+# with it equals the local embed (this model has no tokenizer: bytes, as
+# locally)
 ADC=$(ls "$W"/ck_ftc/lora-job*/adapter.safetensors | head -n 1)
 $PY "$W/cmp.py" strip "$W/ftc.safetensors" "$W/ftc_nohead.safetensors"
 check "$N" forward --cluster "$C" --adapter "$ADC" --tokens "$W/in.safetensors" \
@@ -207,6 +208,9 @@ check "$N" embed "${DEV[@]}" --model "$W/enc.safetensors" --adapter "$W/ftc.safe
 check "$N" embed "${DEV[@]}" --model "$W/enc.safetensors" --adapter "$W/ftc_nohead.safetensors" \
   --input "$W/texts.txt" --seq 16 --batch 1 --threads 1 --out "$W/embc_nohead.safetensors"
 check cmp "$W/embc_local.safetensors" "$W/embc_nohead.safetensors"
+check "$N" embed --cluster "$C" --adapter "$ADC" --input "$W/texts.txt" --seq 16 --batch 1 \
+  --out "$W/embc_remote.safetensors"
+check $PY "$W/cmp.py" near "$W/embc_remote.safetensors" "$W/embc_local.safetensors" embeddings
 
 # ---- mlm (the config's objective): 3 nodes against one process ----
 MLM=(--data "$W/data.txt" --steps 4 --batch 4 --seq 32 --microbatches 2 --lr 3e-3 --seed 1
