@@ -754,7 +754,10 @@ static int train_main(int argc, char **argv, int finetune)
          "where checkpoints go (default: checkpoints); without --out the last step is saved "
          "there too, and Ctrl-C keeps the steps done there",
          NULL},
-        {"out", 1, "final checkpoint (weights and optimizer state)", NULL},
+        {"out", 1,
+         "final checkpoint (weights and optimizer state); finetune: the adapter file (the "
+         "adapters, and the classifier head when the model has one)",
+         NULL},
         NL_CLI_FORCE_FLAG,
         {"resume", 1, "continue from this checkpoint (weights, moments, step)", NULL},
         {"threads", 1, "worker threads (default: all cores)", NULL},
