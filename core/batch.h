@@ -32,7 +32,8 @@
 #include "kvcache.h"
 #include "model.h"
 
-/* the padded M of a small GEMM on a backend without gemm_rows */
+/* the M a small GEMM is padded to on a backend without gemm_rows (and the
+ * number of sessions a stage does not wait beyond, node/stage_batch.c) */
 #define NL_BATCH_MIN_ROWS 16
 
 typedef struct nl_batch nl_batch;
