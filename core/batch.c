@@ -1,7 +1,8 @@
 /* Batched decoding of independent sequences (see batch.h): shared GEMMs
  * over every row of the batch, attention per sequence with its own cache,
- * and GEMMs of fewer than NL_BATCH_MIN_ROWS rows padded so that a row's
- * result never depends on the batch around it. */
+ * and every GEMM row-invariant (the backend's gemm_rows, or small GEMMs
+ * padded to NL_BATCH_MIN_ROWS rows) so that a row's result never depends
+ * on the batch around it. */
 #include "batch.h"
 
 #include "layer.h"
@@ -12,9 +13,14 @@
 
 /* ---------------------------------------------------------------- padded GEMM */
 
-/* The model's backend with one slot changed: gemm pads a small M to
- * NL_BATCH_MIN_ROWS rows through device scratch. The table is a copy, so
- * every other slot sees the same ctx; `be` must stay the first member. */
+/* The model's backend with one slot changed: gemm computes every row
+ * the same way whatever M is. Through the backend's gemm_rows where it
+ * has one and the call is a plain product (alpha 1, beta 0 or 1: all but
+ * an adapter's scaled one), for every M, since its bits need not equal
+ * gemm's; otherwise through gemm with a small M padded to
+ * NL_BATCH_MIN_ROWS rows in device scratch. The table is a
+ * copy, so every other slot sees the same ctx; `be` must stay the first
+ * member. */
 typedef struct pad_backend {
     nl_backend be;
     nl_backend *inner;
@@ -29,6 +35,10 @@ static void pad_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int
     pad_backend *p = (pad_backend *)be;
     nl_backend *in = p->inner;
     const int R = NL_BATCH_MIN_ROWS;
+    if (in->gemm_rows && !trans_a && alpha == 1.0f && (beta == 0.0f || beta == 1.0f)) {
+        in->gemm_rows(in, trans_b, M, N, K, A, lda, B, ldb, beta != 0.0f, C, ldc);
+        return;
+    }
     if (trans_a || M >= R || K > p->k_max || N > p->n_max) {
         in->gemm(in, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
         return;

@@ -12,12 +12,16 @@
  *
  * Batch invariance: a row's result must not depend on which other rows
  * share its GEMMs, or a seeded generation would give other tokens when
- * others run beside it. oneDNN's sgemm computes a row the same way for
- * any M >= 16 but takes other paths (another summation order) below, so
- * the batch runs every GEMM of fewer than 16 rows padded to 16 rows
- * (NL_BATCH_MIN_ROWS). Sequences decoded here therefore give the same
- * ids alone or among others; they may differ in the last bits from
- * nl_forward, whose small GEMMs are not padded.
+ * others run beside it. The batch runs its GEMMs through the backend's
+ * gemm_rows (kernels/backend.h), whose rows come out the same for any M
+ * (the CPU: oneDNN's matmul primitive); an expert group of 1 to 15 rows
+ * costs only its own rows. A backend without gemm_rows (CUDA) runs
+ * gemm, whose small-M paths are not invariant (oneDNN's sgemm computes
+ * a row the same way for any M >= 16 but takes other paths below), with
+ * every GEMM of fewer than NL_BATCH_MIN_ROWS rows padded to that many.
+ * Sequences decoded here therefore give the same ids alone or among
+ * others; they may differ in the last bits from nl_forward, which uses
+ * neither.
  *
  * Ownership: nl_batch_new borrows the model (which must outlive the
  * batch) and its backend; caches passed in segments stay the caller's.
@@ -28,6 +32,8 @@
 #include "kvcache.h"
 #include "model.h"
 
+/* the M a small GEMM is padded to on a backend without gemm_rows (and the
+ * number of sessions a stage does not wait beyond, node/stage_batch.c) */
 #define NL_BATCH_MIN_ROWS 16
 
 typedef struct nl_batch nl_batch;

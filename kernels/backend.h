@@ -88,7 +88,7 @@ typedef struct nl_rope_scaling {
 /* Bumped whenever struct nl_backend, nl_backend_opts, nl_attn_shape,
  * nl_attn_mask, nl_rope_scaling or nl_error changes: a backend module
  * built against another version is refused when it is loaded. */
-#define NL_BACKEND_ABI 5
+#define NL_BACKEND_ABI 6
 
 /* Largest head dimension any backend's attention and RoPE support. */
 #define NL_BACKEND_MAX_HEAD_DIM 256
@@ -143,6 +143,15 @@ struct nl_backend {
      * or X^T as trans_a / trans_b say; lda, ldb, ldc are row strides. */
     void (*gemm)(nl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
                  const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc);
+    /* Optional (NULL: no such GEMM; a caller that needs the invariance
+     * pads small M instead, as core/batch.c does): C[M,N] = A op(B), or
+     * C += A op(B) with accumulate, where row i of C depends only on row
+     * i of A (and of C), bit for bit, for any M: a batch's row gives the
+     * same bits alone or among others. row-major, strides as in gemm. On
+     * the CPU: oneDNN's matmul primitive (gemm's sgemm is not M-invariant
+     * below M = 16); NULL with bf16 and on CUDA. */
+    void (*gemm_rows)(nl_backend *be, int trans_b, int M, int N, int K, const float *A, int lda,
+                      const float *B, int ldb, int accumulate, float *C, int ldc);
     /* bf16 compute (be->bf16): gemm rounds A and B to bf16 and accumulates
      * in FP32 into C, which stays FP32 like every other buffer. Operands
      * inside a range given to bf16_weights are read from its bf16 copy;

@@ -101,6 +101,12 @@ static void ds_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int 
                   ldc);
 }
 
+static void ds_gemm_rows(nl_backend *be, int trans_b, int M, int N, int K, const float *A, int lda,
+                         const float *B, int ldb, int accumulate, float *C, int ldc)
+{
+    cpu(be)->gemm_rows(cpu(be), trans_b, M, N, K, UF(A), lda, UF(B), ldb, accumulate, UF(C), ldc);
+}
+
 static void ds_embedding_forward(nl_backend *be, float *out, const int32_t *tokens,
                                  const float *table, int N, int C)
 {
@@ -346,6 +352,7 @@ nl_status nl_devsim_backend_new(nl_backend **out, const nl_backend_opts *o, nl_e
     be->zero = ds_zero;
     be->mem_stats = ds_mem_stats;
     be->gemm = ds_gemm;
+    be->gemm_rows = inner->gemm_rows ? ds_gemm_rows : NULL;
     be->bf16 = inner->bf16;
     be->bf16_weights = inner->bf16_weights ? ds_bf16_weights : NULL;
     be->embedding_forward = ds_embedding_forward;

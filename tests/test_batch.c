@@ -4,7 +4,9 @@
  * two stages (hidden states from one batch into the next) gives the
  * whole model's logits bit for bit; the embedding is the L2-normalised
  * mean of the final-normed states; bad input is refused without touching
- * the caches. */
+ * the caches. The backend's row-invariant GEMM (gemm_rows), on which the
+ * batch's invariance rests, gives every row the same bits for any M; and
+ * the invariance holds through padding too, where a backend has none. */
 #include "check.h"
 #include "core/batch.h"
 #include "core/forward.h"
@@ -336,6 +338,84 @@ static void test_embed(nl_model *m, nl_backend *be)
     nl_batch_destroy(&b);
 }
 
+/* ---------------------------------------------------------------- gemm_rows */
+
+/* The backend's row-invariant GEMM, which the batch relies on: for every
+ * M from 1 to 17 (the sizes of a decode batch's expert groups) and a few
+ * larger, rows o .. o + M - 1 of a product give the bits those rows have
+ * inside one 80-row product, for this test's shapes and bench-small's
+ * (experts, QKV, router, head), with B transposed (overwriting or
+ * accumulating) or not; and the values are the product (against gemm). */
+static void test_gemm_rows(nl_backend *be)
+{
+    if (!be->gemm_rows) {
+        printf("test_batch: %s has no gemm_rows (the batch pads instead)\n", be->name);
+        return;
+    }
+    enum { R = 80 };
+    static const int shapes[][2] = {/* N, K */
+                                    {192, 64},   {64, 96},   {128, 64},  {300, 64}, {8, 64},
+                                    {1024, 256}, {256, 512}, {384, 256}, {8, 256},  {8192, 256}};
+    static const int ms[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 20, 33, 64};
+    uint64_t seed = 12345;
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int N = shapes[si][0], K = shapes[si][1];
+        const size_t na = (size_t)R * K, nb = (size_t)N * K, nc = (size_t)R * N;
+        float *h = malloc((na + nb + nc) * sizeof *h);
+        float *A = be->alloc(be, na * 4), *B = be->alloc(be, nb * 4);
+        float *C0 = be->alloc(be, nc * 4), *C = be->alloc(be, nc * 4), *G = be->alloc(be, nc * 4);
+        CHECK(h && A && B && C0 && C && G, "out of memory");
+        for (size_t i = 0; h && i < na + nb + nc; i++) {
+            seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+            h[i] = (float)((double)(seed >> 40) / (double)(1 << 24) - 0.5);
+        }
+        if (h && A && B && C0 && C && G) {
+            be->upload(be, A, h, na * 4);
+            be->upload(be, B, h + na, nb * 4);
+            be->upload(be, C0, h + na + nb, nc * 4);
+            for (int tb = 0; tb <= 1; tb++)
+                for (int acc = 0; acc <= tb; acc++) { /* the batch accumulates with trans_b */
+                    const int ldb = tb ? K : N;
+                    /* the reference: one product of all R rows */
+                    be->copy_rows(be, G, N, C0, N, R, N);
+                    be->gemm_rows(be, tb, R, N, K, A, K, B, ldb, acc, G, N);
+                    float *ref = check_download(be, G, nc);
+                    be->copy_rows(be, C, N, C0, N, R, N);
+                    be->gemm(be, 0, tb, R, N, K, 1.0f, A, K, B, ldb, acc ? 1.0f : 0.0f, C, N);
+                    float *plain = check_download(be, C, nc);
+                    CHECK(ref && plain && check_rel_err(ref, plain, nc) < 1e-5,
+                          "gemm_rows N %d K %d trans_b %d acc %d: rel err %g against gemm", N, K,
+                          tb, acc, ref && plain ? check_rel_err(ref, plain, nc) : -1.0);
+                    int bad = 0;
+                    for (size_t mi = 0; ref && mi < sizeof ms / sizeof ms[0]; mi++) {
+                        const int M = ms[mi], o = R - M; /* the last M rows: other alignments */
+                        be->copy_rows(be, C, N, C0, N, R, N);
+                        be->gemm_rows(be, tb, M, N, K, A + (size_t)o * K, K, B, ldb, acc,
+                                      C + (size_t)o * N, N);
+                        float *got = check_download(be, C, nc);
+                        if (!got || memcmp(got + (size_t)o * N, ref + (size_t)o * N,
+                                           (size_t)M * N * sizeof(float)) != 0) {
+                            CHECK(0,
+                                  "gemm_rows N %d K %d trans_b %d acc %d: %d rows give other "
+                                  "bits than inside %d rows",
+                                  N, K, tb, acc, M, R);
+                            bad = 1;
+                        }
+                        free(got);
+                    }
+                    CHECK(!bad, "gemm_rows N %d K %d trans_b %d acc %d: row invariant", N, K, tb,
+                          acc);
+                    free(ref);
+                    free(plain);
+                }
+        }
+        free(h);
+        void *dev[] = {A, B, C0, C, G};
+        for (size_t i = 0; i < 5; i++)
+            be->free(be, dev[i]);
+    }
+}
+
 int main(void)
 {
     nl_error err = {0};
@@ -348,8 +428,16 @@ int main(void)
     CHECK_OK(nl_model_new(&m, be, &c, 0, c.num_layers, 1, 1, &err), &err);
     if (m) {
         CHECK_OK(nl_model_init_random(m, 77, &err), &err);
+        test_gemm_rows(be);
         test_matches_forward(m);
         test_alone_vs_together(m);
+        if (be->gemm_rows) { /* and through padding, as on a backend without it */
+            void (*rows)(nl_backend *, int, int, int, int, const float *, int, const float *, int,
+                         int, float *, int) = be->gemm_rows;
+            be->gemm_rows = NULL;
+            test_alone_vs_together(m);
+            be->gemm_rows = rows;
+        }
         test_stages(m, be);
         test_embed(m, be);
     }

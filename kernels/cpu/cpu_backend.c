@@ -350,6 +350,7 @@ static void cpu_adamw(nl_backend *be, float *p, const float *g, float *m, float 
 static void cpu_destroy(nl_backend *be)
 {
     nl_cpu_bf16_free(be);
+    nl_cpu_matmul_free(be);
     free(((cpu_ctx *)be->ctx)->rope);
     free(be->ctx);
     free(be);
@@ -388,6 +389,7 @@ nl_status nl_cpu_backend_new(nl_backend **out, const nl_backend_opts *o, nl_erro
     be->can_train = 1;
     be->gemm_probe = 512;
     be->gemm = cpu_gemm;
+    be->gemm_rows = o->bf16 ? NULL : nl_cpu_gemm_rows; /* bf16 GEMMs: gemm only */
     ctx->bf16 = be->bf16 = o->bf16 != 0;
     be->bf16_weights = o->bf16 ? nl_cpu_bf16_weights : NULL;
     be->wrote = nl_cpu_bf16_wrote;

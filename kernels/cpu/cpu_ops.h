@@ -27,6 +27,7 @@ typedef struct nl_cpu_ctx {
     size_t scratch_cap[2]; /* elements at scratch[i] */
     float *rope;           /* RoPE (cos, sin) table of one call (malloc'd, grown on demand) */
     size_t rope_cap;       /* floats at rope */
+    struct nl_cpu_matmul *matmul; /* gemm_rows' primitives (cpu_matmul.c), made on first use */
 } nl_cpu_ctx;
 
 static inline int nl_cpu_threads(const nl_backend *be)
@@ -55,6 +56,11 @@ static inline void nl_cpu_attn_range(const nl_attn_mask *mk, int i, int nkeys, i
     *lo = *lo < 0 ? 0 : *lo;
     *hi = *hi > nkeys ? nkeys : *hi;
 }
+
+/* cpu_matmul.c: the gemm_rows slot, and freeing its primitives */
+void nl_cpu_gemm_rows(nl_backend *be, int trans_b, int M, int N, int K, const float *A, int lda,
+                      const float *B, int ldb, int accumulate, float *C, int ldc);
+void nl_cpu_matmul_free(nl_backend *be);
 
 /* cpu_attention.c */
 void nl_cpu_attention_forward(nl_backend *be, float *out, float *lse, const float *q, int q_stride,
