@@ -211,11 +211,12 @@ nl_status nl_stage_run_batch(nl_stage *s, const nl_stage_result **res, int *n, n
 
 /* When to run the queue: seconds from now (0: now; -1: nothing queued).
  * Now when every active session (one with a hop here in the last 2 s)
- * has a hop queued, or NL_BATCH_MIN_ROWS sessions have (a batch that
- * fills the padded GEMMs), else when the oldest queued hop has waited
- * batch_wait_ms: a session still on another stage is waited for a
+ * has a hop queued, or NL_BATCH_MIN_ROWS sessions have (16 rows: a
+ * batch big enough to run at once), else when the oldest queued hop has
+ * waited batch_wait_ms: a session still on another stage is waited for a
  * little, so that the sessions travel the ring in few, full batches
- * rather than in many small ones that each pay for 16 rows. */
+ * rather than in many small ones that each read all of the stage's
+ * weights (a decode step is bound by reading them). */
 double nl_stage_batch_due(const nl_stage *s);
 
 /* What the stage has done for sessions since it was made (heartbeats
