@@ -91,7 +91,10 @@ for i, k in enumerate(kills):
     print("%.2f" % (after[0] - k) if after else "-", end=" ")
 print()
 PY
-man=$(ls -d "$W"/ck/step-* 2>/dev/null | tail -1)
+# the newest checkpoint with a manifest (the job is stopped by SIGINT at the
+# end: a checkpoint it was writing then has shards but no manifest)
+man=$(ls -d "$W"/ck/step-*/manifest.json 2>/dev/null | tail -1)
+man=${man%/manifest.json}
 if [ -n "$man" ] && "$N" export --manifest "$man" --out "$W/final.safetensors" >/dev/null 2>&1; then
   echo "the last manifest ($man) verifies"
 else

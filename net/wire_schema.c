@@ -94,22 +94,16 @@ static const nl_wire_field f_load_done[] = {
     F_U32(nl_msg_load_done, tensors, U32_ANY),
     F_U64(nl_msg_load_done, bytes, U64_ANY),
 };
-static const nl_wire_field f_hop[] = {
-    F_U64(nl_msg_tensor_hop, job_id, U64_ANY),
-    F_U64(nl_msg_tensor_hop, step, U64_ANY),
-    F_U32(nl_msg_tensor_hop, microbatch, U32_ANY),
-    F_U64(nl_msg_tensor_hop, session_id, U64_ANY),
-    F_U64(nl_msg_tensor_hop, pos_offset, 0, INT32_MAX),
-    F_F64(nl_msg_tensor_hop, aux, -1e30, 1e30),
-};
+#define HOP_FIELDS                                                                               \
+    F_U64(nl_msg_tensor_hop, job_id, U64_ANY), F_U64(nl_msg_tensor_hop, step, U64_ANY),          \
+        F_U32(nl_msg_tensor_hop, microbatch, U32_ANY),                                           \
+        F_U64(nl_msg_tensor_hop, session_id, U64_ANY),                                           \
+        F_U64(nl_msg_tensor_hop, pos_offset, 0, INT32_MAX),                                      \
+        F_F64(nl_msg_tensor_hop, aux, -1e30, 1e30)
+static const nl_wire_field f_hop[] = {HOP_FIELDS};
 /* the training hops: the objectives' frames and loss rows, added later */
 static const nl_wire_field f_train_hop[] = {
-    F_U64(nl_msg_tensor_hop, job_id, U64_ANY),
-    F_U64(nl_msg_tensor_hop, step, U64_ANY),
-    F_U32(nl_msg_tensor_hop, microbatch, U32_ANY),
-    F_U64(nl_msg_tensor_hop, session_id, U64_ANY),
-    F_U64(nl_msg_tensor_hop, pos_offset, 0, INT32_MAX),
-    F_F64(nl_msg_tensor_hop, aux, -1e30, 1e30),
+    HOP_FIELDS,
     F_U32_OPT(nl_msg_train_hop, extras),
     F_U64_OPT(nl_msg_train_hop, loss_rows),
 };

@@ -136,14 +136,22 @@ check "$N" forward --cluster "$C" --tokens "$W/in.safetensors" --out "$W/before.
 LORA=(--lora-rank 4 --lora-alpha 8 --lora-targets wq,wv,w_up)
 FCLS=(--objective classify --data "$W/labels.tsv" --steps 6 --batch 6 --seq 16 --microbatches 2
       --lr 3e-3 --seed 3 --eval-every 3)
-check "$N" finetune "${DEV[@]}" --model "$W/enc.safetensors" "${FCLS[@]}" "${LORA[@]}" --threads 1 \
-  --log "$W/ftc_local.jsonl" --out "$W/ftc_local.safetensors" 2> "$W/ftc_local.err"
-check "$N" finetune --cluster "$C" "${FCLS[@]}" "${LORA[@]}" --checkpoint-dir "$W/ck_ftc" \
-  --log "$W/ftc.jsonl" --out "$W/ftc.safetensors" 2> "$W/ftc.err"
-cat "$W/ftc.err"
-check grep -q "on 162 examples into 3 classes (18 held out).*(objective classify)" "$W/ftc.err"
-check $PY "$W/cmp.py" logs "$W/ftc.jsonl" "$W/ftc_local.jsonl"
+# both VERB NAME ARGS...: VERB (train or finetune) the encoder with ARGS in
+# one process and through the cluster, into NAME_local.* and NAME.*; every
+# step's losses equal
+both() {
+  local verb=$1 name=$2
+  shift 2
+  check "$N" "$verb" "${DEV[@]}" --model "$W/enc.safetensors" "$@" --threads 1 \
+    --log "$W/${name}_local.jsonl" --out "$W/${name}_local.safetensors" 2> "$W/${name}_local.err"
+  check "$N" "$verb" --cluster "$C" "$@" --checkpoint-dir "$W/ck_$name" \
+    --log "$W/$name.jsonl" --out "$W/$name.safetensors" 2> "$W/$name.err"
+  cat "$W/$name.err"
+  check $PY "$W/cmp.py" logs "$W/$name.jsonl" "$W/${name}_local.jsonl"
+}
+both finetune ftc "${FCLS[@]}" "${LORA[@]}"
 check $PY "$W/cmp.py" adapter "$W/ftc.safetensors" "$W/ftc_local.safetensors" head
+check grep -q "on 162 examples into 3 classes (18 held out).*(objective classify)" "$W/ftc.err"
 acc_local=$(grep -o 'held-out accuracy [0-9.]*' "$W/ftc_local.err" | cut -d' ' -f3 | tr '\n' ' ')
 acc=$(grep -o 'held-out accuracy [0-9.]*' "$W/ftc.err" | cut -d' ' -f3 | tr '\n' ' ')
 echo "fine-tuned held-out accuracy: cluster $acc, one process $acc_local"
@@ -151,14 +159,9 @@ check test -n "$acc"
 check test "$acc" = "$acc_local"
 FMLM=(--data "$W/data.txt" --steps 4 --batch 4 --seq 32 --microbatches 2 --lr 3e-3 --seed 1
       --eval-every 2 --eval-batches 2)
-check "$N" finetune "${DEV[@]}" --model "$W/enc.safetensors" "${FMLM[@]}" "${LORA[@]}" --threads 1 \
-  --log "$W/ftm_local.jsonl" --out "$W/ftm_local.safetensors" 2> "$W/ftm_local.err"
-check "$N" finetune --cluster "$C" "${FMLM[@]}" "${LORA[@]}" --checkpoint-dir "$W/ck_ftm" \
-  --log "$W/ftm.jsonl" --out "$W/ftm.safetensors" 2> "$W/ftm.err"
-cat "$W/ftm.err"
-check grep -q "on 3 pipeline stages.*(objective mlm)" "$W/ftm.err"
-check $PY "$W/cmp.py" logs "$W/ftm.jsonl" "$W/ftm_local.jsonl"
+both finetune ftm "${FMLM[@]}" "${LORA[@]}"
 check $PY "$W/cmp.py" adapter "$W/ftm.safetensors" "$W/ftm_local.safetensors" head
+check grep -q "on 3 pipeline stages.*(objective mlm)" "$W/ftm.err"
 # both at once on the same stages (each job's adapters and head its own):
 # each equals its solo run
 "$N" finetune --cluster "$C" "${FCLS[@]}" "${LORA[@]}" --checkpoint-dir "$W/ck_both" \
@@ -215,13 +218,8 @@ check $PY "$W/cmp.py" near "$W/embc_remote.safetensors" "$W/embc_local.safetenso
 # ---- mlm (the config's objective): 3 nodes against one process ----
 MLM=(--data "$W/data.txt" --steps 4 --batch 4 --seq 32 --microbatches 2 --lr 3e-3 --seed 1
      --eval-every 2 --eval-batches 2)
-check "$N" train "${DEV[@]}" --model "$W/enc.safetensors" "${MLM[@]}" --threads 1 \
-  --log "$W/mlm_local.jsonl" --out "$W/mlm_local.safetensors" 2> "$W/mlm_local.err"
-check "$N" train --cluster "$C" "${MLM[@]}" --checkpoint-dir "$W/ck_mlm" --log "$W/mlm.jsonl" \
-  --out "$W/mlm.safetensors" 2> "$W/mlm.err"
-cat "$W/mlm.err"
+both train mlm "${MLM[@]}"
 check grep -q "on 3 pipeline stages.*(objective mlm)" "$W/mlm.err"
-check $PY "$W/cmp.py" logs "$W/mlm.jsonl" "$W/mlm_local.jsonl"
 check $PY "$W/cmp.py" weights "$W/mlm.safetensors" "$W/mlm_local.safetensors"
 
 # ---- classify: labelled examples through the pipeline (a cluster of the
@@ -232,13 +230,8 @@ check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 3 --model "$W/enc.safetenso
   --threads 1 --node-timeout-ms 2000 --timeout 60
 CLS=(--objective classify --data "$W/labels.tsv" --steps 6 --batch 6 --seq 16 --microbatches 2
      --lr 3e-3 --seed 2 --eval-every 3)
-check "$N" train "${DEV[@]}" --model "$W/enc.safetensors" "${CLS[@]}" --threads 1 \
-  --log "$W/cls_local.jsonl" --out "$W/cls_local.safetensors" 2> "$W/cls_local.err"
-check "$N" train --cluster "$C" "${CLS[@]}" --checkpoint-dir "$W/ck_cls" --log "$W/cls.jsonl" \
-  --out "$W/cls.safetensors" 2> "$W/cls.err"
-cat "$W/cls.err"
+both train cls "${CLS[@]}"
 check grep -q "on 162 examples into 3 classes (18 held out).*(objective classify)" "$W/cls.err"
-check $PY "$W/cmp.py" logs "$W/cls.jsonl" "$W/cls_local.jsonl"
 check $PY "$W/cmp.py" weights "$W/cls.safetensors" "$W/cls_local.safetensors"
 acc_local=$(grep -o 'held-out accuracy [0-9.]*' "$W/cls_local.err" | cut -d' ' -f3 | tr '\n' ' ')
 acc=$(grep -o 'held-out accuracy [0-9.]*' "$W/cls.err" | cut -d' ' -f3 | tr '\n' ' ')

@@ -38,6 +38,21 @@ assert not diff
 assert ma.get("step") == mb.get("step") and ma.get("adam_steps") == mb.get("adam_steps"), (ma, mb)
 PY
 
+# stage1_node DIR: the key path (less .pub) of the node holding stage 1 of
+# the cluster in DIR: its id from the coordinator's log, its key from that
+# node's JOIN line, then its pid file beside the key
+stage1_node() {
+  $PY - "$1" <<'PY'
+import glob, re, sys
+c = sys.argv[1]; log = open(c + "/coord.log").read()
+node = re.findall(r"plan \d+: stage 1 on node (\d+)", log)[-1]
+key = re.search(r"node %s joined: .* key (\S{8})\.\.\." % node, log).group(1)
+for pub in glob.glob(c + "/node-*.pub"):
+    if open(pub).read().startswith(key):
+        print(pub[:-4]); break
+PY
+}
+
 # ---- the undisturbed run ----
 check "$N" "${UP[@]}" --nodes 4 --dir "$W/c1"
 check "$N" train --cluster "$W/c1" "${RUN[@]}" --checkpoint-dir "$W/ck1" --log "$W/ref.jsonl" \
@@ -52,16 +67,7 @@ C="$W/c2"
 check "$N" "${UP[@]}" --nodes 4 --dir "$C"
 # the node of stage 1: its key in the coordinator's log, then its pid file
 # (found before the job starts, so the kill follows step 23 closely)
-victim=$($PY - "$C" <<'PY'
-import glob, re, sys
-c = sys.argv[1]; log = open(c + "/coord.log").read()
-node = re.findall(r"plan \d+: stage 1 on node (\d+)", log)[-1]
-key = re.search(r"node %s joined: .* key (\S{8})\.\.\." % node, log).group(1)
-for pub in glob.glob(c + "/node-*.pub"):
-    if open(pub).read().startswith(key):
-        print(pub[:-4]); break
-PY
-)
+victim=$(stage1_node "$C")
 "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck2" --log "$W/killed.jsonl" \
   --out "$W/killed.safetensors" 2> "$W/killed.err" &
 job=$!
@@ -97,16 +103,7 @@ check $PY "$W/same.py" "$W/killed.safetensors" "$W/ref.safetensors"
 # never meets that checkpoint's files; bit-identical ----
 C="$W/c8"
 check env NL_TEST_MANIFEST_DELAY_MS=4000 "$N" "${UP[@]}" --nodes 4 --dir "$C"
-victim=$($PY - "$C" <<'PY'
-import glob, re, sys
-c = sys.argv[1]; log = open(c + "/coord.log").read()
-node = re.findall(r"plan \d+: stage 1 on node (\d+)", log)[-1]
-key = re.search(r"node %s joined: .* key (\S{8})\.\.\." % node, log).group(1)
-for pub in glob.glob(c + "/node-*.pub"):
-    if open(pub).read().startswith(key):
-        print(pub[:-4]); break
-PY
-)
+victim=$(stage1_node "$C")
 "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck8" --log "$W/held.jsonl" \
   --out "$W/held.safetensors" 2> "$W/held.err" &
 job=$!
