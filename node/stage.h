@@ -212,11 +212,15 @@ nl_status nl_stage_run_batch(nl_stage *s, const nl_stage_result **res, int *n, n
 /* When to run the queue: seconds from now (0: now; -1: nothing queued).
  * Now when every active session (one with a hop here in the last 2 s)
  * has a hop queued, or NL_BATCH_MIN_ROWS sessions have (16 rows: a
- * batch big enough to run at once), else when the oldest queued hop has
- * waited batch_wait_ms: a session still on another stage is waited for a
+ * batch big enough to run at once), or none of the others is expected
+ * back before the oldest queued hop has waited batch_wait_ms (a
+ * session's next hop is expected one period of its ring after its last);
+ * else when the last of those expected arrives, at most batch_wait_ms
+ * after the oldest hop. A session still on another stage is waited for a
  * little, so that the sessions travel the ring in few, full batches
  * rather than in many small ones that each read all of the stage's
- * weights (a decode step is bound by reading them). */
+ * weights (a decode step is bound by reading them); one that cannot be
+ * back in time is not. */
 double nl_stage_batch_due(const nl_stage *s);
 
 /* What the stage has done for sessions since it was made (heartbeats

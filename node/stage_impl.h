@@ -27,6 +27,7 @@ typedef struct session {
     int steps;
     uint64_t picked; /* the batch (s->batch_seq) that last took one of its hops */
     double last_in;  /* when its last hop arrived here (0: none yet) */
+    double period;   /* the time between its hops' arrivals here, smoothed (0: unknown) */
     /* its adapter (a reference of the stage's cache), or NULL; with one,
      * its hops run alone, not in the batch (stage_batch.c) */
     struct nl_lora *lo;
