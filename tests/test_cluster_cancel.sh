@@ -4,7 +4,8 @@
 # is interrupted at step ~7. The client exits 130, the coordinator lets
 # the step under way end, writes a checkpoint of it, and the job ends as
 # cancelled naming the manifest; the manifest verifies, and `--resume` of
-# it to step 40 ends bit-identical to an undisturbed 40-step run.
+# it to step 40 ends bit-identical to an undisturbed 40-step run. A second
+# Ctrl-C leaves at once, and the coordinator still writes the checkpoint.
 . "$(dirname "$0")/cluster_lib.sh"
 export NL_TEST_GFLOPS=20
 
@@ -70,6 +71,26 @@ C="$W/c2"
 check "$N" "${UP[@]}" --nodes 2 --dir "$C"
 check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck2" --out "$W/ref.safetensors" \
   2> "$W/ref.err"
+# ---- a second Ctrl-C leaves at once; the coordinator still keeps the steps ----
+"$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck3" --log "$W/twice.jsonl" \
+  2> "$W/twice.err" &
+job=$!
+for i in $(seq 1 1200); do
+  grep -q '"step":3,' "$W/twice.jsonl" 2>/dev/null && break
+  sleep 0.02
+done
+kill -INT $job
+for i in $(seq 1 200); do grep -q "cancelling job" "$W/twice.err" && break; sleep 0.01; done
+kill -INT $job
+wait $job
+check test $? -eq 130
+check grep -q "interrupted again: left job" "$W/twice.err"
+for i in $(seq 1 200); do grep -q "cancelled at step [0-9]*; kept" "$C/coord.log" && break; sleep 0.05; done
+k2=$(sed -n 's/^.*cancelled at step \([0-9]*\); kept .*$/\1/p' "$C/coord.log" | tail -1)
+echo "left at once; the coordinator kept step ${k2:-?}"
+check test -n "$k2"
+check "$N" export --manifest "$(printf '%s/ck3/step-%06d' "$W" "${k2:-0}")" \
+  --out "$W/twice.safetensors"
 "$N" cluster down --dir "$C" >/dev/null
 check $PY "$W/same.py" "$W/resumed.safetensors" "$W/ref.safetensors"
 
