@@ -5,7 +5,8 @@
  * follows the job's JOB_STATUS messages, whose JSON frame carries the
  * events (start, step, checkpoint, done); it writes the log itself and,
  * with --out, joins the final checkpoint's shards into one file. Ctrl-C
- * cancels the job. The protocol is in docs/training.md ("On a cluster"). */
+ * cancels the job, which keeps the steps done in a checkpoint as local
+ * training does. The protocol is in docs/training.md ("On a cluster"). */
 #include <errno.h>
 #include <inttypes.h>
 #include <jansson.h>
@@ -708,11 +709,11 @@ out:
     if (interrupted && rc == 1)
         rc = 130;
     nl_train_progress_break(&w.prog);
-    if (rc && err.status == NL_OK) /* stopped: the lines above say where the steps are */
-        ;
-    else if (rc && w.failed) /* the coordinator's message names the node and the last checkpoint */
+    /* (a job stopped by Ctrl-C has no error: the lines above say where its steps are) */
+    if (rc && err.status != NL_OK && w.failed) /* the coordinator's message names the node and
+                                                   the last checkpoint */
         fprintf(stderr, "neuroctl train: %s\n", err.msg);
-    else if (rc)
+    else if (rc && err.status != NL_OK)
         fprintf(stderr, "neuroctl train: %s (%s)\n", err.msg, nl_status_str(err.status));
     nl_remote_close(&r);
     if (w.log)

@@ -654,13 +654,11 @@ static int train_cancel(nl_coord *c, cjob *j, const nl_rx *rx)
     const int64_t k = t->phase == TR_STEP ? t->step + 1 : t->step;
     char msg[200];
     snprintf(msg, sizeof msg, "stopping after step %lld: writing a checkpoint", (long long)k);
+    const int own = j->rid_len == rx->rid_len && memcmp(j->rid, rx->rid, rx->rid_len) == 0;
     if (!t->cancel)
         NL_INFO("%s job %llu cancelled by %s at step %lld: %s", j->ops->name,
-                (unsigned long long)j->id,
-                j->rid_len == rx->rid_len && memcmp(j->rid, rx->rid, rx->rid_len) == 0
-                    ? "its client"
-                    : "an admin",
-                (long long)t->step, msg);
+                (unsigned long long)j->id, own ? "its client" : "an admin", (long long)t->step,
+                msg);
     t->cancel = 1;
     json_t *o = json_pack("{s:s,s:I}", "event", "stopping", "step", (json_int_t)k);
     char *text = o ? json_dumps(o, JSON_COMPACT) : NULL;

@@ -506,8 +506,8 @@ static void test_train_cancel(assigned *a)
         nl_wire_msg_reset(&m, NL_MSG_JOB_CANCEL);
         m.u.job_ref.job_id = job;
         fake_send(&client, &m);
-        CHECK(client_status(&j2, &state, msg, sizeof msg) && j2 == job &&
-                  state == NL_JOB_RUNNING && strstr(msg, "stopping after step 1: writing a checkpoint"),
+        CHECK(client_status(&j2, &state, msg, sizeof msg) && j2 == job && state == NL_JOB_RUNNING &&
+                  strstr(msg, "stopping after step 1: writing a checkpoint"),
               "cancel %d during step 1: state %u: %s", k + 1, state, msg);
     }
     send_grad_norm(first, job, 1, 0, 1.0);
