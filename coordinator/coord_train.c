@@ -664,6 +664,8 @@ static int train_cancel(nl_coord *c, cjob *j, const nl_rx *rx)
     char *text = o ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
     coord_status_to(c, rx->rid, rx->rid_len, j->id, NL_JOB_RUNNING, 0.0, msg, text);
+    if (!own) /* an admin's: the job's client learns it too */
+        coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, msg, text);
     free(text);
     return 1;
 }

@@ -71,7 +71,13 @@ C="$W/c2"
 check "$N" "${UP[@]}" --nodes 2 --dir "$C"
 check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck2" --out "$W/ref.safetensors" \
   2> "$W/ref.err"
-# ---- a second Ctrl-C leaves at once; the coordinator still keeps the steps ----
+"$N" cluster down --dir "$C" >/dev/null
+check $PY "$W/same.py" "$W/resumed.safetensors" "$W/ref.safetensors"
+
+# ---- a second Ctrl-C leaves at once; the coordinator still keeps the steps
+# (its manifests are held 1.5 s by a test hook, so the client leaves first) ----
+C="$W/c3"
+check env NL_TEST_MANIFEST_DELAY_MS=1500 "$N" "${UP[@]}" --nodes 2 --dir "$C"
 "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck3" --log "$W/twice.jsonl" \
   2> "$W/twice.err" &
 job=$!
@@ -85,6 +91,7 @@ kill -INT $job
 wait $job
 check test $? -eq 130
 check grep -q "interrupted again: left job" "$W/twice.err"
+check test -z "$(ls "$W"/ck3/step-*/manifest.json 2>/dev/null)"
 for i in $(seq 1 200); do grep -q "cancelled at step [0-9]*; kept" "$C/coord.log" && break; sleep 0.05; done
 k2=$(sed -n 's/^.*cancelled at step \([0-9]*\); kept .*$/\1/p' "$C/coord.log" | tail -1)
 echo "left at once; the coordinator kept step ${k2:-?}"
@@ -92,7 +99,6 @@ check test -n "$k2"
 check "$N" export --manifest "$(printf '%s/ck3/step-%06d' "$W" "${k2:-0}")" \
   --out "$W/twice.safetensors"
 "$N" cluster down --dir "$C" >/dev/null
-check $PY "$W/same.py" "$W/resumed.safetensors" "$W/ref.safetensors"
 
 echo "test_cluster_cancel: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
