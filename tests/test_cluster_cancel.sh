@@ -5,7 +5,8 @@
 # the step under way end, writes a checkpoint of it, and the job ends as
 # cancelled naming the manifest; the manifest verifies, and `--resume` of
 # it to step 40 ends bit-identical to an undisturbed 40-step run. A second
-# Ctrl-C leaves at once, and the coordinator still writes the checkpoint.
+# Ctrl-C leaves at once, and the coordinator still writes the checkpoint;
+# a Ctrl-C while a checkpoint is written keeps that one.
 . "$(dirname "$0")/cluster_lib.sh"
 export NL_TEST_GFLOPS=20
 
@@ -98,6 +99,21 @@ echo "left at once; the coordinator kept step ${k2:-?}"
 check test -n "$k2"
 check "$N" export --manifest "$(printf '%s/ck3/step-%06d' "$W" "${k2:-0}")" \
   --out "$W/twice.safetensors"
+# ---- Ctrl-C while the checkpoint of step 20 is being written (the soak's
+# case): that checkpoint is finished and kept, and no other is written ----
+"$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck4" 2> "$W/mid.err" &
+job=$!
+for i in $(seq 1 1200); do
+  grep -q "checkpoint of step 20: every shard is in; writing $W/ck4" "$C/coord.log" && break
+  sleep 0.02
+done
+kill -INT $job
+wait $job
+check test $? -eq 130
+tr '\r' '\n' < "$W/mid.err" | grep -v "^step" | tail -2
+check grep -q "stopping after step 20: writing a checkpoint" "$W/mid.err"
+check grep -q "interrupted after step 20 of 40: kept $W/ck4/step-000020/manifest.json" "$W/mid.err"
+check test "$(ls -d "$W"/ck4/step-* | wc -l)" -eq 1
 "$N" cluster down --dir "$C" >/dev/null
 
 echo "test_cluster_cancel: $pass passed, $fail failed"
