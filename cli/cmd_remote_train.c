@@ -5,7 +5,8 @@
  * follows the job's JOB_STATUS messages, whose JSON frame carries the
  * events (start, step, checkpoint, done); it writes the log itself and,
  * with --out, joins the final checkpoint's shards into one file. Ctrl-C
- * cancels the job. The protocol is in docs/training.md ("On a cluster"). */
+ * cancels the job, which keeps the steps done in a checkpoint as local
+ * training does. The protocol is in docs/training.md ("On a cluster"). */
 #include <errno.h>
 #include <inttypes.h>
 #include <jansson.h>
@@ -29,7 +30,7 @@
 #include "train_report.h"
 
 #define PARAM_STR_MAX 4096 /* the wire's limit on a parameter string */
-#define CANCEL_WAIT_S 5.0  /* after Ctrl-C, how long to wait for the job to end */
+#define CANCEL_WAIT_S 5.0  /* after Ctrl-C, how long to wait for the submit's answer */
 #define POLL_S 0.2         /* receive in slices this long to notice Ctrl-C */
 
 typedef struct rtrain_opts {
@@ -170,15 +171,20 @@ typedef struct watch {
     char *adapter;          /* finetune: the joined adapter file (done event), or NULL */
     int ended;              /* the job reached DONE, FAILED or CANCELLED */
     int failed;             /* refused, failed or cancelled: err says so as it is */
+    int stopped;            /* cancelled with the steps done kept (cancelled event) */
+    long long stop_step;    /* the step it stopped at */
     char devices[512];      /* the stages' devices from the start event, "cuda:0,cpu", or "" */
 } watch;
 
+/* Ctrl-C's so far: the first cancels the job (which keeps the steps
+ * done), a second leaves at once */
 static volatile sig_atomic_t interrupted;
 
 static void on_sigint(int sig)
 {
     (void)sig;
-    interrupted = 1;
+    if (interrupted < 2)
+        interrupted++;
 }
 
 static double num(const json_t *o, const char *key)
@@ -416,15 +422,30 @@ static nl_status on_status(watch *w, const nl_rx *rx, nl_error *err)
     } else if (s->job_id != w->job) {
         return NL_OK;
     }
+    json_t *ev = NULL;
+    nl_status st = status_json(w, rx, &ev, err);
+    const char *event = json_string_value(json_object_get(ev, "event"));
+    if (st == NL_OK && s->state == NL_JOB_CANCELLED && event && strcmp(event, "cancelled") == 0) {
+        /* cancelled, the steps done kept: where (run() says so) */
+        w->ended = w->stopped = 1;
+        w->stop_step = integer(ev, "step", -1);
+        st = keep_path(&w->manifest, ev, err);
+        if (st == NL_OK)
+            st = keep_key(&w->adapter, ev, "adapter", err);
+        if (st == NL_OK && !w->manifest && !w->adapter) {
+            nl_train_progress_break(&w->prog);
+            fprintf(stderr, "%s\n", s->message);
+        }
+        json_decref(ev);
+        return st;
+    }
     if (nl_remote_job_failed(rx, err)) {
+        json_decref(ev);
         w->ended = w->failed = 1;
         return err->status;
     }
-    json_t *ev = NULL;
-    nl_status st = status_json(w, rx, &ev, err);
     if (st != NL_OK)
         return st;
-    const char *event = json_string_value(json_object_get(ev, "event"));
     if (s->state == NL_JOB_DONE) {
         w->ended = 1;
         st = keep_path(&w->manifest, ev, err);
@@ -435,6 +456,12 @@ static nl_status on_status(watch *w, const nl_rx *rx, nl_error *err)
             nl_train_progress_break(&w->prog);
             fprintf(stderr, "%s\n", s->message);
         }
+    } else if (event && strcmp(event, "stopping") == 0) { /* the answer to our JOB_CANCEL */
+        nl_train_progress_break(&w->prog);
+        fprintf(stderr,
+                "stopping after step %lld: writing a checkpoint (Ctrl-C again to leave; the "
+                "coordinator finishes it)\n",
+                integer(ev, "step", -1));
     } else if (event && strcmp(event, "start") == 0) {
         on_start(w, ev);
     } else if (event && strcmp(event, "node_lost") == 0) {
@@ -467,9 +494,9 @@ static nl_status gave_up(const watch *w, const nl_remote *r, nl_error *err)
                             "interrupted before the coordinator acknowledged the job");
     if (interrupted)
         return nl_error_set(err, NL_ERR_TIMEOUT,
-                            "interrupted; the coordinator did not end job %" PRIu64
-                            " within %.0f s",
-                            w->job, CANCEL_WAIT_S);
+                            "interrupted; no message from the coordinator in %d s (--timeout): "
+                            "job %" PRIu64 " may still be writing its checkpoint (neuroctl status)",
+                            r->timeout_ms / 1000, w->job);
     if (!w->acked)
         return nl_error_set(err, NL_ERR_TIMEOUT,
                             "no answer from the coordinator to the submit in %d s (--timeout)",
@@ -480,8 +507,11 @@ static nl_status gave_up(const watch *w, const nl_remote *r, nl_error *err)
                         r->timeout_ms / 1000, w->job);
 }
 
-/* Read until the job ends. The timeout counts from the last message; after
- * Ctrl-C the job is cancelled once and given CANCEL_WAIT_S to end. */
+/* Read until the job ends. The timeout counts from the last message. After
+ * Ctrl-C the job is cancelled once: it ends after the step under way and
+ * a checkpoint of it (while messages come, there is no other limit); a
+ * job not yet acknowledged is given CANCEL_WAIT_S. A second Ctrl-C leaves
+ * at once: the coordinator still finishes the checkpoint. */
 static nl_status follow(nl_remote *r, watch *w, nl_error *err)
 {
     nl_rx rx;
@@ -493,6 +523,15 @@ static nl_status follow(nl_remote *r, watch *w, nl_error *err)
         const double now = nl_remote_now();
         if (interrupted && !cancel_by)
             cancel_by = now + CANCEL_WAIT_S;
+        if (interrupted > 1) {
+            st = nl_error_set(err, NL_ERR_STATE,
+                              w->acked ? "interrupted again: left job %" PRIu64
+                                         " (the coordinator finishes its checkpoint; neuroctl "
+                                         "status)"
+                                       : "interrupted before the coordinator acknowledged the job",
+                              w->job);
+            break;
+        }
         if (interrupted && !cancelled && w->acked) {
             nl_train_progress_break(&w->prog);
             fprintf(stderr, "interrupted: cancelling job %" PRIu64 "\n", w->job);
@@ -500,7 +539,7 @@ static nl_status follow(nl_remote *r, watch *w, nl_error *err)
             if ((st = nl_remote_cancel(r, w->job, err)) != NL_OK)
                 break;
         }
-        const double limit = interrupted ? cancel_by : last + r->timeout_ms / 1e3;
+        const double limit = interrupted && !w->acked ? cancel_by : last + r->timeout_ms / 1e3;
         if (now >= limit) {
             st = gave_up(w, r, err);
             break;
@@ -616,7 +655,7 @@ static int run(const nl_flag *flags, const rtrain_opts *o)
     nl_error err = {0};
     nl_remote r = {0};
     watch w = {.o = o, .steps = o->r.steps};
-    struct sigaction sa = {.sa_handler = on_sigint, .sa_flags = SA_RESETHAND}, old;
+    struct sigaction sa = {.sa_handler = on_sigint}, old;
     int rc = 1, handler = 0;
     nl_train_progress_init(&w.prog, o->r.progress_s);
     if (nl_remote_open(&r, flags, 600, &err) != NL_OK)
@@ -631,7 +670,7 @@ static int run(const nl_flag *flags, const rtrain_opts *o)
         nl_error_set(&err, NL_ERR_IO, "%s: cannot open the log", o->log);
         goto out;
     }
-    /* from here Ctrl-C cancels the job; a second one kills the client */
+    /* from here Ctrl-C cancels the job; a second one leaves at once */
     sigemptyset(&sa.sa_mask);
     interrupted = 0;
     handler = sigaction(SIGINT, &sa, &old) == 0;
@@ -640,7 +679,24 @@ static int run(const nl_flag *flags, const rtrain_opts *o)
         goto out;
     nl_train_progress_break(&w.prog);
     nl_train_report_skipped(w.skipped);
-    if (!interrupted && o->out &&
+    if (w.stopped) { /* cancelled: the steps done are kept, as local training keeps them */
+        rc = 130;
+        if (o->finetune && o->out && adapter_out(&w, o->out, &err) != NL_OK) {
+            rc = 1;
+            goto out;
+        }
+        if (o->finetune && o->out)
+            fprintf(stderr, "interrupted after step %lld of %lld: kept the adapters in %s\n",
+                    w.stop_step, (long long)w.steps, o->out);
+        else if (w.manifest)
+            fprintf(stderr,
+                    "interrupted after step %lld of %lld: kept %s (continue with --resume %s)\n",
+                    w.stop_step, (long long)w.steps, w.manifest, w.manifest);
+        goto out;
+    }
+    /* a job that reached its last step while Ctrl-C was pressed is done,
+     * as a local one is: --out is written and the exit is 0 */
+    if (o->out &&
         (o->finetune ? adapter_out(&w, o->out, &err) : export_out(&w, o->out, &err)) != NL_OK)
         goto out;
     /* the last line says where the last step is kept */
@@ -650,15 +706,14 @@ static int run(const nl_flag *flags, const rtrain_opts *o)
 out:
     if (handler)
         sigaction(SIGINT, &old, NULL);
-    if (interrupted) {
+    if (interrupted && rc == 1)
         rc = 130;
-        if (err.status == NL_OK) /* the job ended on its own while we waited */
-            w.failed = nl_error_set(&err, NL_ERR_STATE, "interrupted") != NL_OK;
-    }
     nl_train_progress_break(&w.prog);
-    if (rc && w.failed) /* the coordinator's message names the node and the last checkpoint */
+    /* (a job stopped by Ctrl-C has no error: the lines above say where its steps are) */
+    if (rc && err.status != NL_OK && w.failed) /* the coordinator's message names the node and
+                                                   the last checkpoint */
         fprintf(stderr, "neuroctl train: %s\n", err.msg);
-    else if (rc)
+    else if (rc && err.status != NL_OK)
         fprintf(stderr, "neuroctl train: %s (%s)\n", err.msg, nl_status_str(err.status));
     nl_remote_close(&r);
     if (w.log)

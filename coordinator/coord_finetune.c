@@ -196,6 +196,13 @@ static void ft_abort(nl_coord *c, cjob *j)
     coord_train_ops.abort(c, j);
 }
 
+/* Ctrl-C: the step under way ends and the adapters trained so far are
+ * written and joined, as at the end of the job (coord_train.c) */
+static int ft_cancel(nl_coord *c, cjob *j, const nl_rx *rx)
+{
+    return coord_train_ops.cancel(c, j, rx);
+}
+
 static void ft_free(cjob *j)
 {
     coord_train_ops.free(j);
@@ -210,6 +217,7 @@ const cjob_ops coord_finetune_ops = {
     .node_failed = ft_node_failed,
     .ready = ft_ready,
     .abort = ft_abort,
+    .cancel = ft_cancel,
     .fail_note = NULL,
     .free = ft_free,
 };

@@ -122,6 +122,10 @@ typedef struct cjob_ops {
     /* The job ends before it is done (failed, cancelled): tell the stages
      * and undo what it changed. NULL: nothing to undo. */
     void (*abort)(nl_coord *c, cjob *j);
+    /* A JOB_CANCEL from rx (the job's client or an admin): 1 if the job
+     * winds down by itself (it answered rx and ends later, cancelled), 0
+     * (or NULL): it ends now (abort, then freed). */
+    int (*cancel)(nl_coord *c, cjob *j, const nl_rx *rx);
     /* The tail of its failure message, or NULL. */
     void (*fail_note)(const cjob *j, char *buf, size_t cap);
     /* Free the kind's state (NULL-safe on a job that has none). */
@@ -241,6 +245,7 @@ typedef struct ctrain {
     uint64_t verdict_epoch;
     struct json_t *journal; /* the client's parameters, journaled (coord_journal.c) */
     cft *ft;                /* a fine-tuning job (coord_finetune.c): its adapters; NULL: training */
+    int cancel; /* cancelled: the step under way ends, a checkpoint keeps it, then the job ends */
 } ctrain;
 
 /* JOB_STATUS running (or done) to the client with a JSON report; takes
@@ -261,6 +266,9 @@ void coord_train_start_step(nl_coord *c, cjob *j);
 void coord_train_wait_reload(nl_coord *c, cjob *j);
 /* The run is done: the client is told and the job ends. */
 void coord_train_finish(nl_coord *c, cjob *j);
+/* A cancelled job's steps are kept (t->manifest, or a fine-tuning job's
+ * adapters): the client is told which, and the job ends as cancelled. */
+void coord_train_cancelled(nl_coord *c, cjob *j);
 /* Every shard of the step is in: a worker writes the manifest. */
 void coord_train_write_manifest(nl_coord *c, cjob *j);
 /* Whether the shard at path was trained with TF32 (NL_MANIFEST_TF32_*). */

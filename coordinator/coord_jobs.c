@@ -136,6 +136,8 @@ void coord_on_cancel(nl_coord *c, const nl_rx *rx)
         status_reply(c, rx, rx->msg.u.job_ref.job_id, NL_JOB_FAILED, "no such job of yours");
         return;
     }
+    if (j->ops->cancel && j->ops->cancel(c, j, rx))
+        return; /* it winds down: the steps done are kept, then it ends */
     if (j->ops->abort)
         j->ops->abort(c, j);
     NL_INFO("job %llu cancelled by %s", (unsigned long long)j->id,

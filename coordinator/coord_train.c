@@ -483,17 +483,37 @@ static void decide(nl_coord *c, cjob *j)
     after_step(c, j);
 }
 
-void coord_train_finish(nl_coord *c, cjob *j)
+/* The job ends, done or (cancelled) with the steps done kept: the client
+ * is told where they are, and the stages free their trainers. Either way
+ * the stages hold the weights of the last checkpoint (or of a done run),
+ * so nothing is reloaded. */
+static void train_end(nl_coord *c, cjob *j, int cancelled)
 {
     ctrain *t = j->state;
-    json_t *o = json_pack("{s:s,s:I}", "event", "done", "step", (json_int_t)t->step);
-    if (t->manifest[0] && t->manifest_step == t->step)
+    const int kept = t->manifest[0] && t->manifest_step == t->step;
+    const char *adapter = t->ft && t->ft->adapter[0] ? t->ft->adapter : NULL;
+    json_t *o = json_pack("{s:s,s:I}", "event", cancelled ? "cancelled" : "done", "step",
+                          (json_int_t)t->step);
+    if (kept)
         json_object_set_new(o, "manifest", json_string(t->manifest));
-    if (t->ft && t->ft->adapter[0])
-        json_object_set_new(o, "adapter", json_string(t->ft->adapter));
-    NL_INFO("%s job %llu: done at step %lld", j->ops->name, (unsigned long long)j->id,
-            (long long)t->step);
-    coord_train_report(c, j, NL_JOB_DONE, "done", o);
+    if (adapter)
+        json_object_set_new(o, "adapter", json_string(adapter));
+    char msg[8400] = "done";
+    if (cancelled && adapter)
+        snprintf(msg, sizeof msg, "cancelled at step %lld; kept the adapters in %s",
+                 (long long)t->step, adapter);
+    else if (cancelled && kept)
+        snprintf(msg, sizeof msg, "cancelled at step %lld; kept %s (continue with --resume %s)",
+                 (long long)t->step, t->manifest, t->manifest);
+    else if (cancelled)
+        snprintf(msg, sizeof msg, "cancelled at step %lld; no step of this job to keep",
+                 (long long)t->step);
+    if (cancelled)
+        NL_INFO("%s job %llu: %s", j->ops->name, (unsigned long long)j->id, msg);
+    else
+        NL_INFO("%s job %llu: done at step %lld", j->ops->name, (unsigned long long)j->id,
+                (long long)t->step);
+    coord_train_report(c, j, cancelled ? NL_JOB_CANCELLED : NL_JOB_DONE, msg, o);
     if (!t->ft) {
         memset(&c->train_mem, 0, sizeof c->train_mem); /* plans are for inference again */
         coord_journal_clear(c);
@@ -506,6 +526,16 @@ void coord_train_finish(nl_coord *c, cjob *j)
     send_all(c, &m, &lost); /* one that cannot be reached is declared dead at the tick */
     nl_wire_msg_free(&m);
     coord_job_free(j);
+}
+
+void coord_train_finish(nl_coord *c, cjob *j)
+{
+    train_end(c, j, 0);
+}
+
+void coord_train_cancelled(nl_coord *c, cjob *j)
+{
+    train_end(c, j, 1);
 }
 
 /* Where the stages write this step's shards: DIR/step-NNNNNN, or (a
@@ -548,9 +578,10 @@ static void after_step(nl_coord *c, cjob *j)
     if (r->skipped)
         NL_WARN("train job %llu: step %lld skipped: non-finite %s", (unsigned long long)j->id,
                 (long long)t->step, isfinite(r->loss) ? "gradient" : "loss");
-    /* a fine-tuning job writes its adapters once, at the end */
-    const int ckpt = t->ft ? t->step == t->steps
-                           : (due(t->step, t->ckpt_every) && t->step < t->steps) ||
+    /* a fine-tuning job writes its adapters once, at the end (or when
+     * cancelled); a cancelled training job keeps the steps done */
+    const int ckpt = t->ft ? t->step == t->steps || t->cancel
+                           : ((due(t->step, t->ckpt_every) || t->cancel) && t->step < t->steps) ||
                                  (t->step == t->steps && t->final_ckpt);
     if (!ckpt) {
         if (t->step == t->steps)
@@ -605,6 +636,38 @@ static void train_abort(nl_coord *c, cjob *j)
                 (unsigned long long)j->id, c->src_path[0] ? c->src_path : "the seed");
         coord_reload(c);
     }
+}
+
+/* JOB_CANCEL of a job that has begun: the step under way ends (or the
+ * checkpoint being written is finished), a checkpoint keeps the steps
+ * done (after_step asks for it; ckpt_done and coord_train_finetuned then
+ * end the job as cancelled), as local training does on Ctrl-C. A job
+ * preparing, loading or not yet at its first step has nothing to keep: it
+ * ends now (0). A second cancel changes nothing: the checkpoint under way
+ * is not lost. A stage lost meanwhile: the ordinary rules, then the job
+ * ends at the manifest it resumed from (train_ready). */
+static int train_cancel(nl_coord *c, cjob *j, const nl_rx *rx)
+{
+    ctrain *t = j->state;
+    if (!t || t->phase <= TR_BEGIN)
+        return 0;
+    const int64_t k = t->phase == TR_STEP ? t->step + 1 : t->step;
+    char msg[200];
+    snprintf(msg, sizeof msg, "stopping after step %lld: writing a checkpoint", (long long)k);
+    const int own = j->rid_len == rx->rid_len && memcmp(j->rid, rx->rid, rx->rid_len) == 0;
+    if (!t->cancel)
+        NL_INFO("%s job %llu cancelled by %s at step %lld: %s", j->ops->name,
+                (unsigned long long)j->id, own ? "its client" : "an admin", (long long)t->step,
+                msg);
+    t->cancel = 1;
+    json_t *o = json_pack("{s:s,s:I}", "event", "stopping", "step", (json_int_t)k);
+    char *text = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    coord_status_to(c, rx->rid, rx->rid_len, j->id, NL_JOB_RUNNING, 0.0, msg, text);
+    if (!own) /* an admin's: the job's client learns it too */
+        coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, msg, text);
+    free(text);
+    return 1;
 }
 
 /* Whether a training report about j, claiming stage `stage`, comes from
@@ -853,8 +916,18 @@ static int train_node_failed(nl_coord *c, cjob *j, const char *why)
 /* The cluster is ready: a job that waited for it to load begins. */
 static void train_ready(nl_coord *c, cjob *j)
 {
-    if (((ctrain *)j->state)->phase == TR_LOADING)
-        coord_train_begin(c, j);
+    ctrain *t = j->state;
+    if (t->phase != TR_LOADING)
+        return;
+    if (t->cancel && !t->ft) { /* cancelled, then a stage lost: the source keeps the steps */
+        if (c->src_manifest) {
+            snprintf(t->manifest, sizeof t->manifest, "%s", c->src_path);
+            t->manifest_step = t->step = c->src_step;
+        }
+        coord_train_cancelled(c, j);
+        return;
+    }
+    coord_train_begin(c, j);
 }
 
 const cjob_ops coord_train_ops = {
@@ -866,6 +939,7 @@ const cjob_ops coord_train_ops = {
     .node_failed = train_node_failed,
     .ready = train_ready,
     .abort = train_abort,
+    .cancel = train_cancel,
     .fail_note = train_fail_note,
     .free = train_free,
 };

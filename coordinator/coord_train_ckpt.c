@@ -115,6 +115,10 @@ static void grow_done(nl_coord *c, cwork *w)
     ctrain *t = j ? j->state : NULL;
     if (!t || t->phase != TR_GROW)
         return;
+    if (t->cancel) { /* the model stays as the checkpoint has it */
+        coord_train_cancelled(c, j);
+        return;
+    }
     if (k->st != NL_OK) { /* the job goes on at the size it has */
         NL_WARN("train job %llu: --grow auto at step %lld: %s", (unsigned long long)j->id,
                 (long long)t->step, k->err.msg);
@@ -200,10 +204,12 @@ static void ckpt_done(nl_coord *c, cwork *w)
     json_t *o = json_pack("{s:s,s:I,s:s}", "event", "checkpoint", "step", (json_int_t)t->step,
                           "manifest", k->path);
     coord_train_report(c, j, NL_JOB_RUNNING, "checkpoint", o);
-    if (t->step < t->steps)
+    if (t->step < t->steps && !t->cancel)
         coord_observe_speeds(c); /* a stage slower or faster than planned asks for a re-plan */
     if (t->step == t->steps) {
         coord_train_finish(c, j);
+    } else if (t->cancel) {
+        coord_train_cancelled(c, j); /* the steps done are kept: the job ends */
     } else if (grow_at_checkpoint(c, j)) {
         /* --grow auto: the nodes hold a deeper model; a worker grows the
          * manifest, then the job goes on from it on a new plan */
@@ -234,7 +240,10 @@ void coord_train_finetuned(nl_coord *c, uint64_t job, const char *adapter, const
     snprintf(t->ft->adapter, sizeof t->ft->adapter, "%s", adapter);
     NL_INFO("finetune job %llu: adapters of step %lld in %s", (unsigned long long)j->id,
             (long long)t->step, adapter);
-    coord_train_finish(c, j);
+    if (t->cancel && t->step < t->steps)
+        coord_train_cancelled(c, j);
+    else
+        coord_train_finish(c, j);
 }
 
 char *coord_train_dup(const char *s, int *oom)

@@ -149,6 +149,11 @@ check test ! -e "$W/never.safetensors"
 kill -INT $pl
 wait $pl
 check test $? -eq 130
+# Ctrl-C keeps the adapters trained so far in --out, as local fine-tuning does
+tr '\r' '\n' < "$W/long.err" | grep -v "^step" | tail -3
+check grep -q "interrupted after step [0-9]* of 100000: kept the adapters in $W/long.safetensors" \
+  "$W/long.err"
+check test -s "$W/long.safetensors"
 
 # the base is frozen: the same forward, bit for bit
 check "$N" forward --cluster "$C" --tokens "$W/in.safetensors" --out "$W/after.safetensors"

@@ -24,7 +24,8 @@
  *  - a training job's paths (issue 15, finding 1): FIFOs, files outside
  *    the roots, links that lead out, "..", files too big and a bad resume
  *    fail that job alone, revealing nothing; a file in the root makes a
- *    job that begins, and a cancel reloads its stages.
+ *    job that begins, and a cancel reloads its stages; a job cancelled
+ *    during a step asks its stages for a checkpoint of it first.
  *
  * The fakes are coord_fake.c's; the coordinator's peers (roles under
  * CURVE, its endpoints, the node index) are test_coord_peers.c's. */
@@ -476,6 +477,70 @@ static void test_train_reports(assigned *a)
     CHECK(pump_state("ready: 2 stages"), "not ready after the reload");
 }
 
+/* Ctrl-C of a training job that has begun (JOB_CANCEL): the step under
+ * way ends and the coordinator asks every stage for a checkpoint of it
+ * before the job ends (a second cancel changes nothing); the fakes write
+ * none, so the job then fails for want of progress and the stages reload. */
+static void test_train_cancel(assigned *a)
+{
+    fake *first = stage_of(a, 0), *last = stage_of(a, 1);
+    uint64_t job = 0, j2 = 0;
+    uint32_t state = 0;
+    char msg[512];
+    submit_train("ok.txt", "ck", NULL);
+    CHECK(client_status(&job, &state, msg, sizeof msg) && state == NL_JOB_RUNNING, "train: %s",
+          msg);
+    CHECK(client_status(&j2, &state, msg, sizeof msg) && j2 == job && strcmp(msg, "starting") == 0,
+          "train: %s", msg);
+    nl_rx rx;
+    nl_rx_init(&rx);
+    for (int i = 0; i < 2; i++)
+        CHECK_PUMP(pump_until(&nodes[i], NL_MSG_JOB_SUBMIT, &rx));
+    node_status(first, job, NL_JOB_RUNNING, "took it");
+    node_status(last, job, NL_JOB_RUNNING, "took it");
+    CHECK(pump_until(first, NL_MSG_ACTIVATION, &rx) && rx.msg.u.hop.step == 1,
+          "cancel: step 1 did not begin");
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    for (int k = 0; k < 2; k++) { /* the second: already stopping */
+        nl_wire_msg_reset(&m, NL_MSG_JOB_CANCEL);
+        m.u.job_ref.job_id = job;
+        fake_send(&client, &m);
+        CHECK(client_status(&j2, &state, msg, sizeof msg) && j2 == job && state == NL_JOB_RUNNING &&
+                  strstr(msg, "stopping after step 1: writing a checkpoint"),
+              "cancel %d during step 1: state %u: %s", k + 1, state, msg);
+    }
+    send_grad_norm(first, job, 1, 0, 1.0);
+    send_grad_norm(last, job, 1, 1, 1.0);
+    nl_wire_msg_reset(&m, NL_MSG_LOSS);
+    m.u.loss = (nl_msg_loss){job, 1, false, 100.0, 0.5, 64};
+    fake_send(last, &m);
+    for (int i = 0; i < 2; i++) { /* the step ends, then its checkpoint (2 steps, none due) */
+        CHECK(pump_until(stage_of(a, i), NL_MSG_STEP, &rx) && rx.msg.u.step.step == 1 &&
+                  rx.msg.u.step.apply,
+              "cancelled: stage %d got no STEP 1", i);
+        CHECK(pump_until(stage_of(a, i), NL_MSG_CKPT_REQ, &rx) && rx.msg.u.ckpt_req.job_id == job &&
+                  rx.msg.u.ckpt_req.step == 1 && strstr(rx.msg.u.ckpt_req.dir, "step-000001"),
+              "cancelled: stage %d was not asked for the checkpoint of step 1", i);
+    }
+    nl_error err = {0};
+    int step2 = 0;
+    pump_for(0.2);
+    while (nl_sock_recv(first->sock, &rx, 0, &err) == NL_OK)
+        step2 |= rx.msg.type == NL_MSG_ACTIVATION;
+    CHECK(!step2, "a cancelled job began step 2");
+    nl_rx_free(&rx);
+    nl_wire_msg_free(&m);
+    do {
+        if (!client_status(&j2, &state, msg, sizeof msg))
+            break;
+    } while (state == NL_JOB_RUNNING);
+    CHECK(j2 == job && state == NL_JOB_FAILED, "the stalled checkpoint: state %u: %s", state, msg);
+    CHECK(take_plan(&nodes[0], &a[0]) && take_plan(&nodes[1], &a[1]),
+          "no reload after the cancelled job failed");
+    CHECK(pump_state("ready: 2 stages"), "not ready after the reload");
+}
+
 /* The objective param submit_train adds (NULL: none, the model's). */
 static const char *train_objective;
 
@@ -628,6 +693,7 @@ static void test_train_paths(assigned *a)
     CHECK(pump_state("ready: 2 stages") && strstr(nl_coord_state(coord), plan) != NULL,
           "after the cancel: %s (the plan was %s)", nl_coord_state(coord), plan);
     test_train_reports(a);
+    test_train_cancel(a);
 }
 
 /* ---------------------------------------------------------------- death */
