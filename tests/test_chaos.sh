@@ -93,17 +93,6 @@ cat "$NL_SOURCE_DIR"/README.md "$NL_SOURCE_DIR"/docs/*.md > "$W/data.txt"
 check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
 RUN=(--data "$W/data.txt" --steps 30 --batch 16 --seq 64 --microbatches 2 --lr 3e-3 --seed 1
      --checkpoint-every 10)
-cat > "$W/same.py" <<'PY'
-import json, struct, sys
-def tensors(p):
-    b = open(p, "rb").read(); n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n])
-    return {k: b[8 + n + v["data_offsets"][0]: 8 + n + v["data_offsets"][1]]
-            for k, v in h.items() if k != "__metadata__"}
-a, b = tensors(sys.argv[1]), tensors(sys.argv[2])
-diff = [k for k in b if a.get(k) != b[k]]
-print("%d tensors, %d differ" % (len(b), len(diff)))
-assert set(a) == set(b) and not diff
-PY
 
 # ---- the reference, on loopback ----
 check "$N" cluster up --device cpu --dir "$W/ref" --nodes 3 --model "$W/m.safetensors" \
@@ -162,7 +151,7 @@ check test "$(grep -c "joined: .*data tcp://10.77.0.[234]:7701" "$W/coord.log")"
 check ip netns exec "${P}c" "$N" train "${CL[@]}" "${RUN[@]}" --checkpoint-dir "$W/ck1" \
   --out "$W/netem.safetensors" --timeout 120 2> "$W/netem.err"
 tail -2 "$W/netem.err" | tr '\r' '\n' | tail -2
-check $PY "$W/same.py" "$W/netem.safetensors" "$W/ref.safetensors"
+check $PY "$NL_SOURCE_DIR/tests/same_tensors.py" "$W/netem.safetensors" "$W/ref.safetensors"
 if [ $faults = nfqueue ]; then # the faults were there: packets held, some dropped
   kill -TERM "${nd_pids[@]}" 2>/dev/null
   wait "${nd_pids[@]}" 2>/dev/null
@@ -208,7 +197,7 @@ tr '\r' '\n' < "$W/cut.err" | grep -v "^step" | tail -4
 check test $rc -eq 0
 check grep -q "sent no heartbeat" "$W/cut.err"
 check grep -q "resumed at step 10" "$W/cut.err"
-check $PY "$W/same.py" "$W/cut.safetensors" "$W/ref.safetensors"
+check $PY "$NL_SOURCE_DIR/tests/same_tensors.py" "$W/cut.safetensors" "$W/ref.safetensors"
 joined_again=0
 for i in $(seq 1 60); do grep -q "joined again as node" "$W/n$cut.log" && joined_again=1 && break; sleep 0.5; done
 check test $joined_again -eq 1

@@ -17,20 +17,6 @@ RUN=(--data "$W/data.txt" --steps 40 --batch 16 --seq 64 --microbatches 2 --lr 3
      --checkpoint-every 20)
 UP=(cluster up "${DEV[@]}" --model "$W/m.safetensors" --memory 64M --threads 1 --timeout 60)
 
-cat > "$W/same.py" <<'PY'
-# same.py A B: every tensor of two safetensors files is bit-identical
-import json, struct, sys
-def tensors(p):
-    b = open(p, "rb").read(); n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n])
-    return {k: b[8 + n + v["data_offsets"][0]: 8 + n + v["data_offsets"][1]]
-            for k, v in h.items() if k != "__metadata__"}, h.get("__metadata__", {})
-(a, ma), (b, mb) = tensors(sys.argv[1]), tensors(sys.argv[2])
-assert set(a) == set(b), set(a) ^ set(b)
-diff = [k for k in b if a[k] != b[k]]
-print("%d tensors, %d differ%s" % (len(b), len(diff), (": " + ", ".join(diff[:5])) if diff else ""))
-assert not diff
-assert ma.get("step") == mb.get("step") and ma.get("adam_steps") == mb.get("adam_steps"), (ma, mb)
-PY
 
 # ---- the interrupted run: Ctrl-C at step ~7 ----
 C="$W/c1"
@@ -73,7 +59,7 @@ check "$N" "${UP[@]}" --nodes 2 --dir "$C"
 check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck2" --out "$W/ref.safetensors" \
   2> "$W/ref.err"
 "$N" cluster down --dir "$C" >/dev/null
-check $PY "$W/same.py" "$W/resumed.safetensors" "$W/ref.safetensors"
+check $PY "$NL_SOURCE_DIR/tests/same_tensors.py" "$W/resumed.safetensors" "$W/ref.safetensors"
 
 # ---- a second Ctrl-C leaves at once; the coordinator still keeps the steps
 # (its manifests are held 1.5 s by a test hook, so the client leaves first) ----

@@ -19,18 +19,6 @@ RUN=(--data "$W/data.txt" --steps 60 --batch 16 --seq 64 --microbatches 2 --lr 3
      --checkpoint-every 30)
 UP=(cluster up "${DEV[@]}" --model "$W/m.safetensors" --memory 64M --threads 1
     --node-timeout-ms 3000 --timeout 60)
-cat > "$W/same.py" <<'PY'
-import json, struct, sys
-def tensors(p):
-    b = open(p, "rb").read(); n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n])
-    return {k: b[8 + n + v["data_offsets"][0]: 8 + n + v["data_offsets"][1]]
-            for k, v in h.items() if k != "__metadata__"}
-a, b = tensors(sys.argv[1]), tensors(sys.argv[2])
-assert set(a) == set(b), set(a) ^ set(b)
-diff = [k for k in b if a[k] != b[k]]
-print("%d tensors, %d differ" % (len(b), len(diff)))
-assert not diff
-PY
 
 # ---- the reference: the same job on one node ----
 check "$N" "${UP[@]}" --nodes 1 --dir "$W/c1"
@@ -79,7 +67,7 @@ echo "the slow node held ${old:-?} layers, then ${new:-?}"
 check test -n "$old"
 check test -n "$new"
 check test "${new:-9}" -lt "${old:-0}"
-check $PY "$W/same.py" "$W/slow.safetensors" "$W/ref.safetensors"
+check $PY "$NL_SOURCE_DIR/tests/same_tensors.py" "$W/slow.safetensors" "$W/ref.safetensors"
 
 echo "test_cluster_rebalance: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]

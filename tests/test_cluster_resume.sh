@@ -23,20 +23,6 @@ RUN=(--data "$W/data.txt" --steps 40 --batch 16 --seq 64 --microbatches 2 --lr 3
 UP=(cluster up "${DEV[@]}" --model "$W/m.safetensors" --memory 64M --threads 1
     --node-timeout-ms 2000 --timeout 60)
 
-cat > "$W/same.py" <<'PY'
-# same.py A B: every tensor of two safetensors files is bit-identical
-import json, struct, sys
-def tensors(p):
-    b = open(p, "rb").read(); n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n])
-    return {k: b[8 + n + v["data_offsets"][0]: 8 + n + v["data_offsets"][1]]
-            for k, v in h.items() if k != "__metadata__"}, h.get("__metadata__", {})
-(a, ma), (b, mb) = tensors(sys.argv[1]), tensors(sys.argv[2])
-assert set(a) == set(b), set(a) ^ set(b)
-diff = [k for k in b if a[k] != b[k]]
-print("%d tensors, %d differ%s" % (len(b), len(diff), (": " + ", ".join(diff[:5])) if diff else ""))
-assert not diff
-assert ma.get("step") == mb.get("step") and ma.get("adam_steps") == mb.get("adam_steps"), (ma, mb)
-PY
 
 # stage1_node DIR: the key path (less .pub) of the node holding stage 1 of
 # the cluster in DIR: its id from the coordinator's log, its key from that
@@ -93,7 +79,7 @@ check grep -q "train job 1: resumed at step $rs on plan" "$C/coord.log"
 # the nodes left plan 3 stages again: the standby took one
 check grep -q "resumed at step $rs on plan [0-9]* (3 stages)" "$C/coord.log"
 grep "the first after the resume" "$C/coord.log" | sed 's/^.*train job/measured: train job/'
-check $PY "$W/same.py" "$W/killed.safetensors" "$W/ref.safetensors"
+check $PY "$NL_SOURCE_DIR/tests/same_tensors.py" "$W/killed.safetensors" "$W/ref.safetensors"
 "$N" cluster down --dir "$W/c2" >/dev/null
 
 # ---- a stage lost while the coordinator writes a checkpoint's manifest
@@ -121,7 +107,7 @@ check test $rc -eq 0
 check grep -q "checkpoint of step 10: .* (written while a stage was lost: the job resumes from it)" \
   "$C/coord.log"
 check grep -q "train job 1: resumed at step 10 on plan" "$C/coord.log"
-check $PY "$W/same.py" "$W/held.safetensors" "$W/ref.safetensors"
+check $PY "$NL_SOURCE_DIR/tests/same_tensors.py" "$W/held.safetensors" "$W/ref.safetensors"
 "$N" cluster down --dir "$C" >/dev/null
 
 # ---- a node joins at step ~5: taken in at the next checkpoint ----
@@ -155,7 +141,7 @@ check grep -q "on 3 pipeline stages" "$W/joined.err"
 check grep -q "\"event\":\"replan\",\"resume_step\":${at:-x}" "$W/joined.jsonl"
 check grep -q "re-plan at the checkpoint: bottleneck" "$C/coord.log"
 check grep -q "plan new: stage 2" "$C/coord.log"
-check $PY "$W/same.py" "$W/joined.safetensors" "$W/ref.safetensors"
+check $PY "$NL_SOURCE_DIR/tests/same_tensors.py" "$W/joined.safetensors" "$W/ref.safetensors"
 # ---- training memory (item 3): a batch no plan holds is refused with the
 # shortfall in bytes, and the cluster stays as it was ----
 out=$("$N" train --cluster "$C" --data "$W/data.txt" --steps 2 --batch 1024 --seq 64 \
@@ -215,7 +201,7 @@ tr '\r' '\n' < "$W/attached.err" | grep -v "^step" | tail -4
 check grep -q "resuming at step $js" "$W/attached.err"
 check grep -q "journal .*: train job 1 was running; it resumes from .*step-0000$js" "$C/coord.log"
 check grep -q "joined again as node" "$C"/node-1.log
-check $PY "$W/same.py" "$W/restarted.safetensors" "$W/ref.safetensors"
+check $PY "$NL_SOURCE_DIR/tests/same_tensors.py" "$W/restarted.safetensors" "$W/ref.safetensors"
 check grep -q '"train":null' "$C/coord/journal.json"
 "$N" cluster down --dir "$C" >/dev/null
 
