@@ -1,0 +1,216 @@
+/* neurocoord --http: the cluster's status as JSON (GET /api/status) and
+ * its figures in Prometheus' text format (GET /metrics), from the last
+ * status the poller took and the counters of the completions
+ * (coord_http.c). */
+#include <inttypes.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "coord_http_impl.h"
+
+/* ---------------------------------------------------------------- status, metrics */
+
+char *coord_http_status(void *ctx)
+{
+    nl_coord_http *h = ctx;
+    pthread_mutex_lock(&h->mu);
+    json_t *st = h->status ? json_deep_copy(h->status) : json_pack("{s:s}", "state", "unknown");
+    const double tps = h->tps;
+    json_t *train = h->have_train
+                        ? json_pack("{s:I,s:f,s:f}", "step", (json_int_t)h->train_step, "loss",
+                                    isfinite(h->train_loss) ? h->train_loss : -1.0, "tokens_per_s",
+                                    h->train_tps)
+                        : json_null();
+    json_object_set_new(st, "sessions", json_pack("{s:i,s:i}", "active", h->active, "queued", 0));
+    json_object_set_new(st, "tokens_generated", json_integer((json_int_t)h->tokens));
+    pthread_mutex_unlock(&h->mu);
+    json_t *cfg = json_object_get(st, "config"), *nodes = json_object_get(st, "nodes"), *n;
+    json_object_set_new(st, "mode", json_string("cluster"));
+    json_object_set_new(
+        st, "model",
+        json_pack("{s:s,s:O,s:O,s:O,s:O}", "name", h->name, "layers",
+                  cfg ? json_object_get(cfg, "num_layers") : json_null(), "hidden_dim",
+                  cfg ? json_object_get(cfg, "hidden_dim") : json_null(), "vocab_size",
+                  cfg ? json_object_get(cfg, "vocab_size") : json_null(), "max_seq_len",
+                  cfg ? json_object_get(cfg, "max_seq_len") : json_null()));
+    json_object_set_new(st, "training", train);
+    size_t i;
+    json_array_foreach(nodes, i, n)
+    {
+        char name[32];
+        snprintf(name, sizeof name, "node-%lld",
+                 (long long)json_integer_value(json_object_get(n, "id")));
+        const int serving = strcmp(coord_http_node_state(n), "serving") == 0;
+        json_t *planned = json_object_get(n, "memory_planned"),
+               *pred = json_object_get(n, "predicted_s");
+        json_object_set_new(n, "name", json_string(name));
+        json_object_set(n, "memory_offered", json_object_get(n, "memory"));
+        json_object_set_new(n, "memory_used", json_integer(json_integer_value(planned)));
+        json_object_set_new(n, "tokens_per_s", serving ? json_real(tps) : json_null());
+        json_object_set_new(n, "stage_ms",
+                            pred ? json_real(json_number_value(pred) * 1e3) : json_null());
+        /* the node's own figures (heartbeats): mean compute per batch, mean
+         * time a session hop spends on the stage, and hops per batch */
+        const double hops = (double)json_integer_value(json_object_get(n, "hops")),
+                     batches = (double)json_integer_value(json_object_get(n, "batches"));
+        json_object_set_new(
+            n, "batch_ms",
+            batches > 0
+                ? json_real(json_number_value(json_object_get(n, "compute_s")) * 1e3 / batches)
+                : json_null());
+        json_object_set_new(
+            n, "hop_ms",
+            hops > 0 ? json_real(json_number_value(json_object_get(n, "hop_s")) * 1e3 / hops)
+                     : json_null());
+        json_object_set_new(n, "hops_per_batch",
+                            batches > 0 ? json_real(hops / batches) : json_null());
+    }
+    char *s = json_dumps(st, JSON_COMPACT);
+    json_decref(st);
+    return s;
+}
+
+/* Append to a growing buffer; *s NULL once out of memory. */
+static void put(char **s, size_t *n, size_t *cap, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+static void put(char **s, size_t *n, size_t *cap, const char *fmt, ...)
+{
+    for (int tries = 0; *s && tries < 2; tries++) {
+        va_list ap;
+        va_start(ap, fmt);
+        int k = vsnprintf(*s + *n, *cap - *n, fmt, ap);
+        va_end(ap);
+        if (k >= 0 && (size_t)k < *cap - *n) {
+            *n += (size_t)k;
+            return;
+        }
+        size_t nc = *cap * 2 + (size_t)(k > 0 ? k : 0) + 1;
+        char *p = realloc(*s, nc);
+        if (!p) {
+            free(*s);
+            *s = NULL;
+            return;
+        }
+        *s = p;
+        *cap = nc;
+    }
+}
+
+#define HELP(name, type, help)                                                                     \
+    put(&s, &n, &cap, "# HELP " name " " help "\n# TYPE " name " " type "\n")
+
+/* The figures nodes report in their heartbeats, one family each. */
+static void node_figures(char **sp, size_t *np, size_t *capp, json_t *nodes)
+{
+    static const struct {
+        const char *key, *name, *type, *help;
+    } fig[] = {
+        {"kv_bytes", "neurollm_node_kv_cache_bytes", "gauge", "Bytes of KV caches on a node."},
+        {"sessions", "neurollm_node_sessions", "gauge", "Generation sessions open on a node."},
+        {"hops", "neurollm_node_hops_total", "counter", "Session hops a node's stage finished."},
+        {"batches", "neurollm_node_batches_total", "counter",
+         "Batches of session hops a node's stage ran."},
+        {"compute_s", "neurollm_node_compute_seconds_total", "counter",
+         "Seconds a node's stage spent computing batches of session hops."},
+        {"hop_s", "neurollm_node_hop_seconds_total", "counter",
+         "Seconds session hops spent on a node's stage, from arrival to output, summed."},
+    };
+    char *s = *sp;
+    size_t n = *np, cap = *capp;
+    for (size_t k = 0; k < sizeof fig / sizeof fig[0]; k++) {
+        json_t *o;
+        size_t i;
+        put(&s, &n, &cap, "# HELP %s %s\n# TYPE %s %s\n", fig[k].name, fig[k].help, fig[k].name,
+            fig[k].type);
+        json_array_foreach(nodes, i, o)
+        {
+            json_t *v = json_object_get(o, fig[k].key);
+            put(&s, &n, &cap, "%s{node=\"node-%lld\"} %.17g\n", fig[k].name,
+                (long long)json_integer_value(json_object_get(o, "id")),
+                v ? json_number_value(v) : 0.0);
+        }
+    }
+    *sp = s;
+    *np = n;
+    *capp = cap;
+}
+
+char *coord_http_metrics(void *ctx)
+{
+    nl_coord_http *h = ctx;
+    size_t n = 0, cap = 4096;
+    char *s = malloc(cap);
+    if (!s)
+        return NULL;
+    s[0] = '\0';
+    static const char *const states[] = {"joined", "standby", "loading", "serving", "dead", "left"};
+    pthread_mutex_lock(&h->mu);
+    json_t *nodes = h->status ? json_object_get(h->status, "nodes") : NULL, *o;
+    size_t i;
+    HELP("neurollm_nodes", "gauge", "Nodes known to the coordinator, by state.");
+    for (size_t k = 0; k < sizeof states / sizeof states[0]; k++) {
+        int count = 0;
+        json_array_foreach(nodes, i, o) count += strcmp(coord_http_node_state(o), states[k]) == 0;
+        put(&s, &n, &cap, "neurollm_nodes{state=\"%s\"} %d\n", states[k], count);
+    }
+    HELP("neurollm_node_layers", "gauge", "Layers a node holds in the plan.");
+    json_array_foreach(nodes, i, o)
+    {
+        json_t *l = json_object_get(o, "layers");
+        long long id = (long long)json_integer_value(json_object_get(o, "id"));
+        put(&s, &n, &cap, "neurollm_node_layers{node=\"node-%lld\"} %lld\n", id,
+            l ? (long long)(json_integer_value(json_array_get(l, 1)) -
+                            json_integer_value(json_array_get(l, 0)))
+              : 0LL);
+    }
+    HELP("neurollm_node_memory_offered_bytes", "gauge", "Memory a node offered when it joined.");
+    json_array_foreach(nodes, i, o)
+        put(&s, &n, &cap, "neurollm_node_memory_offered_bytes{node=\"node-%lld\"} %lld\n",
+            (long long)json_integer_value(json_object_get(o, "id")),
+            (long long)json_integer_value(json_object_get(o, "memory")));
+    HELP("neurollm_node_memory_planned_bytes", "gauge", "Memory the plan gives a node's stage.");
+    json_array_foreach(nodes, i, o)
+        put(&s, &n, &cap, "neurollm_node_memory_planned_bytes{node=\"node-%lld\"} %lld\n",
+            (long long)json_integer_value(json_object_get(o, "id")),
+            (long long)json_integer_value(json_object_get(o, "memory_planned")));
+    HELP("neurollm_node_stage_predicted_seconds", "gauge",
+         "The planner's time for one request row through a node's stage.");
+    json_array_foreach(nodes, i, o)
+        put(&s, &n, &cap, "neurollm_node_stage_predicted_seconds{node=\"node-%lld\"} %.9g\n",
+            (long long)json_integer_value(json_object_get(o, "id")),
+            json_number_value(json_object_get(o, "predicted_s")));
+    node_figures(&s, &n, &cap, nodes);
+    HELP("neurollm_plan_epoch", "gauge", "The placement generation.");
+    put(&s, &n, &cap, "neurollm_plan_epoch %lld\n", (long long)h->epoch);
+    HELP("neurollm_tokens_generated_total", "counter", "Tokens relayed to HTTP clients.");
+    put(&s, &n, &cap, "neurollm_tokens_generated_total %" PRIu64 "\n", h->tokens);
+    HELP("neurollm_prompt_tokens_total", "counter", "Prompt tokens of HTTP completions.");
+    put(&s, &n, &cap, "neurollm_prompt_tokens_total %" PRIu64 "\n", h->prompt_tokens);
+    HELP("neurollm_generations_finished_total", "counter", "HTTP generations ended.");
+    put(&s, &n, &cap, "neurollm_generations_finished_total %" PRIu64 "\n", h->finished);
+    HELP("neurollm_generations_cancelled_total", "counter",
+         "HTTP generations cancelled on every stage because their client went away.");
+    put(&s, &n, &cap, "neurollm_generations_cancelled_total %" PRIu64 "\n", h->cancelled);
+    HELP("neurollm_sessions_active", "gauge", "HTTP generations running on the cluster.");
+    put(&s, &n, &cap, "neurollm_sessions_active %d\n", h->active);
+    HELP("neurollm_tokens_per_second", "gauge", "Tokens relayed over the last second.");
+    put(&s, &n, &cap, "neurollm_tokens_per_second %.6g\n", h->tps);
+    if (h->have_train) {
+        HELP("neurollm_train_step", "gauge", "The training job's last step.");
+        put(&s, &n, &cap, "neurollm_train_step %lld\n", (long long)h->train_step);
+        HELP("neurollm_train_loss", "gauge", "The training loss of the last step.");
+        put(&s, &n, &cap, "neurollm_train_loss %.9g\n", h->train_loss);
+        HELP("neurollm_train_tokens_per_second", "gauge", "Training tokens per second.");
+        put(&s, &n, &cap, "neurollm_train_tokens_per_second %.6g\n", h->train_tps);
+        if (!isnan(h->eval_loss)) {
+            HELP("neurollm_train_eval_loss", "gauge", "The last held-out loss.");
+            put(&s, &n, &cap, "neurollm_train_eval_loss %.9g\n", h->eval_loss);
+        }
+    }
+    pthread_mutex_unlock(&h->mu);
+    return s;
+}
