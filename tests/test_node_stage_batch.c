@@ -1,0 +1,304 @@
+/* Unit tests of node/stage's batched session hops (test_node_stage.c has
+ * the rest; the harness is stage_harness.h):
+ *  - batching: sessions' decode steps and a prompt's chunks run as one
+ *    batch and each equals its lone forward; a prompt in chunks equals it
+ *    at once; when the queue is due (every active session queued, or none
+ *    of the others expected back within the wait); closed and evicted
+ *    sessions' queued hops;
+ *  - adapters: a session with a LoRA adapter file (under the stage's
+ *    --checkpoint-root) generates what a local generation with the adapter
+ *    attached does, its hops running alone in the same nl_stage_run_batch
+ *    as the batch of an adapter-less session, whose ids stay the base's;
+ *    a file outside the root or not there is refused by name. */
+#include <unistd.h>
+
+#include "../core/lora.h"
+#include "stage_harness.h"
+
+/* ---- batched session hops ---- */
+
+static float *host_copy(const float *p, size_t n)
+{
+    float *c = malloc(n * sizeof *c);
+    if (c && p)
+        memcpy(c, p, n * sizeof *c);
+    return c;
+}
+
+static nl_stage_result one_result(nl_stage *s, int want, nl_error *err)
+{
+    const nl_stage_result *r = NULL;
+    int n = -1;
+    nl_stage_result out = {0};
+    CHECK_OK(nl_stage_run_batch(s, &r, &n, err), err);
+    CHECK(n == want, "a batch gave %d results, expected %d", n, want);
+    if (n >= 1)
+        out = r[0];
+    return out;
+}
+
+/* Two sessions queued on a stage with a prefill chunk of 4: a 10-token
+ * prompt runs over three batches beside the other session's hops, which
+ * come out at once; its output is the whole prompt's, as a lone forward
+ * gives it; positions follow the queued hops; the last stage samples the
+ * same token; a closed session's queued hop is dropped, an evicted one's
+ * fails; the figures count hops and batches; the queue is due at once
+ * when every active session has a hop in it, else after a short wait. */
+static void test_batched(nl_model *ref)
+{
+    nl_error err;
+    prefill_chunk = 4;
+    nl_stage *s0 = loaded_stage(ref, 0, 2, 0, 2, 1 << 20);
+    nl_stage *s1 = loaded_stage(ref, 1, 2, 2, cfg.num_layers, 1 << 20);
+    prefill_chunk = 0;
+    nl_stage *r0 = loaded_stage(ref, 0, 2, 0, 2, 1 << 20);
+    nl_stage *r1 = loaded_stage(ref, 1, 2, 2, cfg.num_layers, 1 << 20);
+    nl_stage_session_params sp = {.capacity = 16, .temperature = 0, .top_p = 1};
+    for (uint64_t id = 1; id <= 2; id++) {
+        sp.id = id;
+        CHECK_OK(nl_stage_open_session(s0, &sp, &err), &err);
+        CHECK_OK(nl_stage_open_session(s1, &sp, &err), &err);
+        CHECK_OK(nl_stage_open_session(r0, &sp, &err), &err);
+        CHECK_OK(nl_stage_open_session(r1, &sp, &err), &err);
+    }
+    int32_t pa[10] = {3, 1, 4, 1, 5, 9, 2, 6, 5, 3}, pb[2] = {27, 18};
+    const size_t d = (size_t)cfg.hidden_dim;
+    nl_msg_tensor_hop ha = {.job_id = 1, .session_id = 1}, hb = {.job_id = 2, .session_id = 2};
+    nl_wire_frame fa = tok_frame(pa, 1, 10), fb = tok_frame(pb, 1, 1);
+    CHECK_OK(nl_stage_enqueue(s0, &ha, &fa, &err), &err);
+    CHECK_OK(nl_stage_enqueue(s0, &hb, &fb, &err), &err);
+    CHECK(nl_stage_enqueue(s0, &hb, &fb, &err) == NL_ERR_RANGE && strstr(err.msg, "queued"),
+          "a hop at a position its queued hop takes: %s", err.msg);
+    nl_msg_tensor_hop hb2 = hb;
+    hb2.pos_offset = 1;
+    nl_wire_frame fb2 = tok_frame(pb + 1, 1, 1);
+    CHECK_OK(nl_stage_enqueue(s0, &hb2, &fb2, &err), &err); /* behind its first */
+    CHECK(nl_stage_queued(s0) == 3, "3 hops queued (%d)", nl_stage_queued(s0));
+    /* references: each hop alone, unchunked */
+    nl_stage_out o;
+    float *want_a = NULL, *want_b[2] = {NULL, NULL};
+    CHECK_OK(nl_stage_forward(r0, &ha, &fa, &o, &err), &err);
+    want_a = host_copy(o.data, 10 * d); /* an output is host memory */
+    CHECK_OK(nl_stage_forward(r0, &hb, &fb, &o, &err), &err);
+    want_b[0] = host_copy(o.data, d);
+    CHECK_OK(nl_stage_forward(r0, &hb2, &fb2, &o, &err), &err);
+    want_b[1] = host_copy(o.data, d);
+    /* batch 1: 4 of A's positions and B's first hop; batch 2: 4 more and
+     * B's second; batch 3: A's last 2, and A's output */
+    for (int k = 0; k < 2; k++) {
+        nl_stage_result r = one_result(s0, 1, &err);
+        CHECK(r.st == NL_OK && r.session_id == 2 && r.pos_offset == (uint64_t)k &&
+                  r.out.kind == NL_STAGE_OUT_HIDDEN && r.out.shape[1] == 1,
+              "batch %d: B's hop %d (session %llu)", k + 1, k, (unsigned long long)r.session_id);
+        if (r.out.data)
+            CHECK(check_rel_err(r.out.data, want_b[k], d) < 1e-5, "B's hop %d as alone", k);
+    }
+    nl_stage_result ra = one_result(s0, 1, &err);
+    CHECK(ra.st == NL_OK && ra.session_id == 1 && ra.out.shape[1] == 10 && ra.out.data,
+          "batch 3: A's 10 positions");
+    if (ra.out.data)
+        CHECK(check_rel_err(ra.out.data, want_a, 10 * d) < 1e-5,
+              "A's prompt in 3 chunks as in one (%.2g)",
+              check_rel_err(ra.out.data, want_a, 10 * d));
+    nl_stage_figures fg;
+    nl_stage_get_figures(s0, &fg);
+    CHECK(fg.hops == 3 && fg.batches == 3 && fg.rows == 12 && fg.compute_s > 0 &&
+              fg.hop_s >= fg.compute_s,
+          "figures: %llu hops, %llu batches, %llu rows", (unsigned long long)fg.hops,
+          (unsigned long long)fg.batches, (unsigned long long)fg.rows);
+    /* the last stage: A's hidden states in, the token a lone forward samples */
+    nl_wire_frame h = out_frame(&ra.out);
+    h.t.data = want_a;
+    CHECK_OK(nl_stage_enqueue(s1, &ha, &h, &err), &err);
+    nl_stage_result rt = one_result(s1, 0, &err); /* 4 of 10 */
+    rt = one_result(s1, 0, &err);
+    rt = one_result(s1, 1, &err);
+    CHECK_OK(nl_stage_forward(r1, &ha, &h, &o, &err), &err);
+    CHECK(rt.st == NL_OK && rt.out.kind == NL_STAGE_OUT_TOKEN && rt.out.token == o.token,
+          "the last stage samples %d after chunks, %d at once", rt.out.token, o.token);
+    /* when the queue is due: at once when every active session has a hop
+     * queued, else after a short wait for the others */
+    CHECK(nl_stage_batch_due(r0) == -1.0, "nothing queued on r0");
+    int32_t t1 = 11, t2 = 12;
+    nl_msg_tensor_hop n1 = {.job_id = 1, .session_id = 1, .pos_offset = 10},
+                      n2 = {.job_id = 2, .session_id = 2, .pos_offset = 2};
+    nl_wire_frame g1 = tok_frame(&t1, 1, 1), g2 = tok_frame(&t2, 1, 1);
+    CHECK_OK(nl_stage_enqueue(r0, &n1, &g1, &err), &err);
+    const double due = nl_stage_batch_due(r0);
+    CHECK(due > 0.0 && due <= 0.020, "one of two active sessions queued: due in %g s", due);
+    CHECK_OK(nl_stage_enqueue(r0, &n2, &g2, &err), &err);
+    CHECK(nl_stage_batch_due(r0) == 0.0, "both queued: due now");
+    nl_stage_result rr = one_result(r0, 2, &err);
+    CHECK(rr.st == NL_OK, "the two ran together");
+    /* a session not expected back before the wait runs out (its period on
+     * the ring is longer) is not waited for: session 2 comes every 60 ms
+     * (its smoothed period passes 20 ms after a few) */
+    for (int k = 0; k < 5; k++) {
+        if (k)
+            usleep(60000);
+        n2.pos_offset = 3 + (uint64_t)k;
+        CHECK_OK(nl_stage_enqueue(r0, &n2, &g2, &err), &err);
+        rr = one_result(r0, 1, &err);
+        CHECK(rr.st == NL_OK, "session 2's hop %d", k);
+    }
+    n1.pos_offset = 11;
+    CHECK_OK(nl_stage_enqueue(r0, &n1, &g1, &err), &err); /* session 2 ran just now */
+    CHECK(nl_stage_batch_due(r0) == 0.0, "session 2 is due back in 60 ms: not waited for");
+    rr = one_result(r0, 1, &err);
+    CHECK(rr.st == NL_OK && rr.session_id == 1, "session 1 ran alone");
+    /* closed while queued: dropped; evicted while queued: fails */
+    h.t.shape[1] = 1;
+    h.t.data = want_b[0];
+    CHECK_OK(nl_stage_enqueue(s1, &hb, &h, &err), &err);
+    nl_stage_close_session(s1, 2);
+    CHECK(nl_stage_queued(s1) == 0, "a closed session's queued hop went with it");
+    nl_stage_destroy(&s1);
+    size_t one = nl_kvcache_bytes(&cfg, 2, 1, 16);
+    nl_stage *se = loaded_stage(ref, 0, 2, 0, 2, one * 2);
+    for (uint64_t id = 1; id <= 2; id++) {
+        sp.id = id;
+        CHECK_OK(nl_stage_open_session(se, &sp, &err), &err);
+    }
+    CHECK_OK(nl_stage_enqueue(se, &ha, &fa, &err), &err);
+    sp.id = 3; /* evicts session 1, the least recently used */
+    CHECK_OK(nl_stage_open_session(se, &sp, &err), &err);
+    nl_stage_result rv = one_result(se, 1, &err);
+    CHECK(rv.st == NL_ERR_NOTFOUND && rv.session_id == 1 && strstr(rv.msg, "evicted"),
+          "an evicted session's queued hop: %s", rv.msg);
+    CHECK(nl_stage_queued(se) == 0, "nothing left queued");
+    free(want_a);
+    free(want_b[0]);
+    free(want_b[1]);
+    nl_stage_destroy(&se);
+    nl_stage_destroy(&s0);
+    nl_stage_destroy(&r0);
+    nl_stage_destroy(&r1);
+}
+
+/* ---- adapters ---- */
+
+/* The results of one batch on s: n_want of them, by session (ids 1, 2). */
+static void batch_by_session(nl_stage *s, int n_want, nl_stage_result by[3], nl_error *err)
+{
+    const nl_stage_result *r = NULL;
+    int n = -1;
+    memset(by, 0, 3 * sizeof *by);
+    CHECK_OK(nl_stage_run_batch(s, &r, &n, err), err);
+    CHECK(n == n_want, "one nl_stage_run_batch gave %d results, expected %d", n, n_want);
+    for (int i = 0; i < n; i++) {
+        CHECK(r[i].st == NL_OK && r[i].session_id >= 1 && r[i].session_id <= 2,
+              "result %d: session %llu: %s", i, (unsigned long long)r[i].session_id, r[i].msg);
+        if (r[i].session_id >= 1 && r[i].session_id <= 2)
+            by[r[i].session_id] = r[i];
+    }
+}
+
+static void test_adapters(nl_model *ref)
+{
+    nl_error err;
+    enum { P = 6, N = 7 };
+    char dir[] = "/tmp/nl_stage_adapter_XXXXXX", path[64], outside[] = "/tmp/nl_ad_XXXXXX";
+    if (!mkdtemp(dir)) {
+        CHECK(0, "mkdtemp");
+        return;
+    }
+    snprintf(path, sizeof path, "%s/ad.safetensors", dir);
+    /* an adapter on wq, wo and the experts' w_up, A and B random (B is
+     * zero when drawn: it would change nothing) */
+    nl_lora *lo = NULL;
+    CHECK_OK(nl_lora_new(&lo, ref, 2, 4.0f, NL_LORA_WQ | NL_LORA_WO | NL_LORA_W_UP, P, &err), &err);
+    if (!lo)
+        return;
+    float *h = malloc(lo->n_params * sizeof *h);
+    nl_rng r;
+    nl_rng_seed(&r, 77, 1);
+    for (size_t i = 0; i < lo->n_params; i++)
+        h[i] = (float)(0.3 * nl_rng_normal(&r));
+    be->upload(be, lo->params, h, lo->n_params * sizeof *h);
+    free(h);
+    CHECK_OK(nl_lora_save(lo, path, NULL, &err), &err);
+    int32_t prompt[P] = {7, 1, 99, 250, 3, 42}, want_ad[N], want_base[N], got[3][N];
+    local_generate(ref, prompt, P, N, want_ad); /* with the adapter attached */
+    nl_lora_destroy(&lo);
+    local_generate(ref, prompt, P, N, want_base);
+    CHECK(memcmp(want_ad, want_base, sizeof want_ad) != 0, "the adapter changes the ids");
+    ckpt_root = dir;
+    nl_stage *s0 = loaded_stage(ref, 0, 2, 0, 2, 1 << 20);
+    nl_stage *s1 = loaded_stage(ref, 1, 2, 2, cfg.num_layers, 1 << 20);
+    ckpt_root = NULL;
+    /* session 1 with the adapter, 2 without; on both stages */
+    nl_stage_session_params sp = {.capacity = P + N, .temperature = 0, .top_p = 1};
+    for (uint64_t id = 1; id <= 2; id++) {
+        sp.id = id;
+        sp.adapter = id == 1 ? path : NULL;
+        CHECK_OK(nl_stage_open_session(s0, &sp, &err), &err);
+        CHECK_OK(nl_stage_open_session(s1, &sp, &err), &err);
+    }
+    int32_t cur[3] = {0, 0, 0};
+    uint64_t pos = 0;
+    for (int i = 0; i < N; i++) {
+        nl_stage_result by[3];
+        float *hid[3] = {NULL, NULL, NULL};
+        const int T = i == 0 ? P : 1;
+        for (uint64_t id = 1; id <= 2; id++) {
+            nl_msg_tensor_hop hop = {.job_id = id, .session_id = id, .pos_offset = pos};
+            nl_wire_frame f = tok_frame(i == 0 ? prompt : &cur[id], 1, T);
+            CHECK_OK(nl_stage_enqueue(s0, &hop, &f, &err), &err);
+        }
+        batch_by_session(s0, 2, by, &err);   /* the batch (2) and the adapter's hop alone (1) */
+        for (uint64_t id = 1; id <= 2; id++) /* outputs live until the next batch */
+            hid[id] = host_copy(by[id].out.data, (size_t)T * cfg.hidden_dim);
+        for (uint64_t id = 1; id <= 2; id++) {
+            nl_msg_tensor_hop hop = {.job_id = id, .session_id = id, .pos_offset = pos};
+            nl_wire_frame f = out_frame(&by[id].out);
+            f.t.data = hid[id];
+            CHECK_OK(nl_stage_enqueue(s1, &hop, &f, &err), &err);
+        }
+        batch_by_session(s1, 2, by, &err);
+        for (uint64_t id = 1; id <= 2; id++) {
+            CHECK(by[id].out.kind == NL_STAGE_OUT_TOKEN, "session %llu: a token",
+                  (unsigned long long)id);
+            got[id][i] = cur[id] = by[id].out.token;
+            free(hid[id]);
+        }
+        pos += (uint64_t)T;
+    }
+    CHECK(memcmp(got[1], want_ad, sizeof want_ad) == 0,
+          "the adapter's session: the ids of a local generation with it");
+    CHECK(memcmp(got[2], want_base, sizeof want_base) == 0,
+          "the session beside it: the base's ids");
+    nl_stage_figures fg;
+    nl_stage_get_figures(s0, &fg);
+    CHECK(fg.hops == 2 * N && fg.batches == N && fg.rows == P + N - 1,
+          "figures: %llu hops (both sessions), %llu batches and %llu rows (the base's alone)",
+          (unsigned long long)fg.hops, (unsigned long long)fg.batches, (unsigned long long)fg.rows);
+    /* refusals: a file outside the root, a file not there */
+    CHECK(mkdtemp(outside) != NULL, "mkdtemp");
+    char out_path[64];
+    snprintf(out_path, sizeof out_path, "%s/ad.safetensors", outside);
+    rename(path, out_path);
+    sp.id = 3;
+    sp.adapter = out_path;
+    CHECK(nl_stage_open_session(s0, &sp, &err) == NL_ERR_AUTH &&
+              strstr(err.msg, "--checkpoint-root"),
+          "an adapter outside the root: %s", err.msg);
+    sp.adapter = path;
+    CHECK(nl_stage_open_session(s0, &sp, &err) == NL_ERR_AUTH && strstr(err.msg, "params.adapter"),
+          "an adapter not there: %s", err.msg);
+    CHECK(!nl_stage_session(s0, 3, NULL), "no session opened by a refusal");
+    nl_stage_destroy(&s0);
+    nl_stage_destroy(&s1);
+    remove(out_path);
+    rmdir(outside);
+    rmdir(dir);
+}
+
+int main(void)
+{
+    nl_model *ref = NULL;
+    if (stage_harness_start("test_node_stage_batch", &ref)) {
+        test_batched(ref);
+        test_adapters(ref);
+    }
+    return stage_harness_end("test_node_stage_batch", &ref);
+}
