@@ -111,8 +111,11 @@ check $PY "$NL_SOURCE_DIR/tests/same_tensors.py" "$W/held.safetensors" "$W/ref.s
 "$N" cluster down --dir "$C" >/dev/null
 
 # ---- a node joins at step ~5: taken in at the next checkpoint ----
+# (each training message of the two nodes takes 40 ms more, NL_TEST_SLOW_MS:
+# the 35 steps after the join last long enough for a node started on a
+# busy machine to join before the last checkpoint)
 C="$W/c4"
-check "$N" "${UP[@]}" --nodes 2 --dir "$C"
+check env NL_TEST_SLOW_MS=40 "$N" "${UP[@]}" --nodes 2 --dir "$C"
 "$N" keygen --out "$W/extra" >/dev/null
 echo "$(cat "$W/extra.pub")  # extra" >> "$C/coord/authorized_keys"
 kill -HUP "$(cat "$C/coord.pid")"

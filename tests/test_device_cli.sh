@@ -31,7 +31,9 @@ run() {
   rc=$?
   secs=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.2f", b - a }')
 }
-quick() { awk -v s="$secs" 'BEGIN { exit !(s < 5) }'; }
+# "at once": well under the 50 s or 60 s timeouts these commands would otherwise
+# wait for, with room for a loaded machine
+quick() { awk -v s="$secs" 'BEGIN { exit !(s < 15) }'; }
 
 cat > "$W/cfg.yaml" <<'YAML'
 hidden_dim: 32
@@ -139,9 +141,11 @@ check test $rc -eq 0
 check grep -q "\"device\":\"${NL_TEST_DEVICE:-cpu}\".*\"train_tok_s\":[0-9]" <<< "$out"
 
 # ---- a mixed pipeline: the simulated device and the CPU, each node its own ----
+# both nodes report one throughput (NL_TEST_GFLOPS), so the plan is two
+# stages whatever the start-up probes of two processes on a busy machine say
 C="$W/c-mixed"
-check "$N" cluster up --dir "$C" --nodes 2 --model "$W/m.safetensors" --memory 64M --threads 1 \
-  --device cpu-devsim,cpu --timeout 60
+check env NL_TEST_GFLOPS=20 "$N" cluster up --dir "$C" --nodes 2 --model "$W/m.safetensors" \
+  --memory 64M --threads 1 --device cpu-devsim,cpu --timeout 60
 st=$("$N" status --cluster "$C")
 check grep -Eq "^[0-9]+ +serving +cpu-devsim " <<< "$st"
 check grep -Eq "^[0-9]+ +serving +cpu " <<< "$st"
@@ -235,14 +239,14 @@ check "$N" cluster down --dir "$C"
 # the first forward
 C="$W/c-fail"
 NL_TEST_DEVICE_FAIL=3 "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 1 --model "$W/m.safetensors" \
-  --memory 64M --threads 1 --node-timeout-ms 2000 --timeout 60 > /dev/null 2>&1
+  --memory 64M --threads 1 --node-timeout-ms 10000 --timeout 60 > /dev/null 2>&1
 check test $? -eq 0
 pid=$(cat "$C/node-1.pid")
 run "$N" forward --cluster "$C" --tokens "$W/in.safetensors" --out "$W/x.safetensors" --timeout 20
 check test $rc -eq 1
 check grep -q "device ${NL_TEST_DEVICE:-cpu}: injected device error (NL_TEST_DEVICE_FAIL)" <<< "$out"
 echo "$out" | tail -1
-for i in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.05; done
+for i in $(seq 1 400); do kill -0 "$pid" 2>/dev/null || break; sleep 0.05; done
 check test ! -d "/proc/$pid"
 check grep -q "leaving: device ${NL_TEST_DEVICE:-cpu}: injected device error" "$C/node-1.log"
 check grep -q "neuronode: device ${NL_TEST_DEVICE:-cpu}: injected device error" "$C/node-1.log"
@@ -275,13 +279,13 @@ check grep -q "device $d: 200.0 MiB free, no more than the reserve of 256.0 MiB:
 # ... and during training: the first training message's check fails the job
 C="$W/c-failtrain"
 NL_TEST_DEVICE_FAIL=3 "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 1 --model "$W/m.safetensors" \
-  --memory 64M --threads 1 --node-timeout-ms 2000 --timeout 60 > /dev/null 2>&1
+  --memory 64M --threads 1 --node-timeout-ms 10000 --timeout 60 > /dev/null 2>&1
 check test $? -eq 0
 run "$N" train --cluster "$C" --data "$W/data.txt" --steps 2 --batch 2 --seq 8 --timeout 20
 check test $rc -eq 1
 check grep -q "job [0-9]* failed: node 1 (stage 0): device ${NL_TEST_DEVICE:-cpu}: injected device error" <<< "$out"
 echo "$out" | tail -1
-for i in $(seq 1 100); do grep -q "^neuronode: device" "$C/node-1.log" && break; sleep 0.05; done
+for i in $(seq 1 400); do grep -q "^neuronode: device" "$C/node-1.log" && break; sleep 0.05; done
 check grep -q "leaving: device ${NL_TEST_DEVICE:-cpu}: injected device error" "$C/node-1.log"
 check "$N" cluster down --dir "$C"
 
