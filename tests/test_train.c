@@ -3,6 +3,8 @@
  * backend's own allocation count, and the host synchronisations of the
  * trainer's calls (independent of the layer count). Gradients against PyTorch are in
  * test_golden. */
+#include <float.h>
+
 #include "check.h"
 #include "core/data.h"
 #include "core/forward.h"
@@ -217,6 +219,80 @@ static void test_learning(nl_backend *be)
     nl_model_destroy(&m);
 }
 
+/* The size of an optimizer step. At step 1, Adam's bias-corrected moments
+ * are m = g and v = g^2, so every weight with a gradient well above eps
+ * moves by lr (lr * g / (|g| + eps)); a weight the batch did not touch
+ * (an embedding row of a token that is not in it) moves by its decay
+ * alone, lr * wd * p. With the same batch again, the second step's
+ * corrected moments are again about g and g^2: another step of about lr.
+ * A bias correction off by one step moves 0.74 lr (beta2 0.95). */
+static int cmp_double(const void *a, const void *b)
+{
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static void test_step_size(nl_backend *be)
+{
+    enum { B = 2, T = 6 };
+    const float lr = 1e-5f; /* small: the second step's gradient is nearly the first's */
+    nl_config c = small_config();
+    nl_error err = {0};
+    nl_model *m = new_model(be, &c, 21);
+    nl_trainer *t = NULL;
+    if (!m)
+        return;
+    CHECK_OK(nl_trainer_new(&t, m, B * T, 1, 0, &err), &err);
+    const nl_param *emb = nl_model_find_param(m, "tok_embeddings.weight");
+    CHECK(emb != NULL, "the embedding table is a parameter");
+    int32_t tok[B * T], tgt[B * T];
+    for (int i = 0; i < B * T; i++) { /* tokens 0..5 only: rows 6.. get no gradient */
+        tok[i] = (int32_t)(i % 6);
+        tgt[i] = (int32_t)((i + 1) % 6);
+    }
+    nl_adamw_opts o = nl_adamw_defaults();
+    float *p0 = check_download(be, m->params, m->n_params);
+    for (int step = 1; t && emb && step <= 2; step++) {
+        nl_step_result res;
+        CHECK_OK(nl_trainer_step_local(t, tok, tgt, B, T, 1, lr, 1e9f, o, &res, &err), &err);
+        float *p1 = check_download(be, m->params, m->n_params);
+        /* the moved weights outside the embedding's untouched rows:
+         * |dp| less the decay's share, over lr */
+        double *r = malloc(m->n_params * sizeof *r);
+        size_t n = 0, untouched = 0, decay_bad = 0;
+        const size_t e0 = emb->offset + 6 * (size_t)c.hidden_dim,
+                     e1 = emb->offset + nl_param_numel(emb);
+        for (size_t i = 0; r && i < m->n_params; i++) {
+            const double d = (double)p1[i] - p0[i];
+            if (i >= e0 && i < e1) { /* no gradient: decay alone */
+                const double want = -(double)lr * o.weight_decay * p0[i];
+                decay_bad += fabs(d - want) > 1e-2 * fabs(want) + 2 * FLT_EPSILON * fabs(p0[i]);
+                untouched++;
+            } else if (d != 0) {
+                r[n++] = fabs(d) / lr;
+            }
+        }
+        if (r && n) {
+            qsort(r, n, sizeof *r, cmp_double);
+            const double med = r[n / 2];
+            /* the decay adds at most lr * wd * |p| (|p| < 1 here): 10% */
+            CHECK(med > 0.98 && med < 1.1, "step %d: median move %.4f lr, expected about 1 lr",
+                  step, med);
+            printf("AdamW step %d: median move %.4f lr over %zu weights; %zu untouched weights "
+                   "decayed by lr wd p\n",
+                   step, med, n, untouched);
+        }
+        CHECK(untouched > 0 && decay_bad == 0, "step %d: %zu of %zu untouched weights did not "
+              "move by lr wd p alone", step, decay_bad, untouched);
+        free(r);
+        free(p0);
+        p0 = p1;
+    }
+    free(p0);
+    nl_trainer_destroy(&t);
+    nl_model_destroy(&m);
+}
+
 static void test_memory_model(nl_backend *be)
 {
     nl_config c = small_config();
@@ -358,6 +434,7 @@ int main(void)
         return check_done("test_train");
     test_parity(be);
     test_guard(be);
+    test_step_size(be);
     test_memory_model(be);
     test_syncs(be);
     test_learning(be);
