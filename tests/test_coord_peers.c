@@ -197,7 +197,17 @@ static void test_roles(void)
     uint32_t id = 0;
     if (CHECK_PUMP(pump_until(&n, NL_MSG_ACCEPT, &rx)))
         id = rx.msg.u.accept.node_id;
+    /* another node key names the joined node's key in its JOIN: refused,
+     * and the node keeps its place (the status still has its endpoint) */
+    fake imp;
+    curve_open(&imp, &other, server, NULL, 0);
+    nl_wire_msg_reset(&m, NL_MSG_JOIN);
+    m.u.join = (nl_msg_join){node.public_z85, "cpu", 1ull << 30, 1.0, 1, "tcp://10.6.6.6:666"};
+    refused(&imp, &m, "JOIN names a key other than the one this connection authenticated",
+            "a JOIN naming another node's key");
+    nl_sock_destroy(&imp.sock);
     char *ct = status_text(&cl), *at = status_text(&ad);
+    CHECK(at && !strstr(at, "10.6.6.6"), "the impostor is in the status: %s", at ? at : "(none)");
     CHECK(ct && strstr(ct, "\"nodes\"") && !strstr(ct, node.public_z85) &&
               !strstr(ct, "10.9.8.7") && !strstr(ct, "\"endpoint\""),
           "a client's status shows nodes' keys or endpoints: %s", ct ? ct : "(none)");
