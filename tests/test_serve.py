@@ -192,6 +192,15 @@ def test_bad_requests(s):
         (b'{"prompt": [1], "n": 2}', "n", "n"),
         (b'{"prompt": [1], "prompt": [2]}', "duplicate", None),
     ]
+    # the context's end: a prompt of 3 tokens leaves CTX - 3 to generate;
+    # one more is refused before any work (not a 500 from the KV cache)
+    ctx = int(re.search(r"^max_seq_len: *(\d+)", open(os.path.join(SRC, "configs", "tiny.yaml")).read(),
+                        re.M).group(1))
+    cases.append((json.dumps({"prompt": [1, 2, 3], "max_tokens": ctx - 2}).encode(),
+                  "max_tokens: %d is more than the %d positions" % (ctx - 2, ctx - 3), "max_tokens"))
+    code, r = s.json("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": ctx - 3})
+    check(code == 200 and r["usage"]["completion_tokens"] <= ctx - 3,
+          "max_tokens up to the context's end: %s %s" % (code, str(r)[:200]))
     for raw, words, param in cases:
         code, r = s.json("/v1/completions", raw=raw)
         ok = code == 400 and isinstance(r, dict) and words in r["error"]["message"]

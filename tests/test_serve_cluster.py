@@ -217,7 +217,10 @@ def test_api(url):
     bad = [(b"{bad", 400), (b"[1,2]", 400), ({"prompt": 5}, 400), ({"prompt": [1], "max_tokens": "x"}, 400),
            ({"prompt": [1], "max_tokens": 100000}, 400), ({"prompt": [1, 999]}, 400),
            ({"prompt": [1], "bogus": 1}, 400), ({"prompt": [1], "top_p": 0}, 400),
-           (b"x" * (2 << 20), 413)]
+           (b"x" * (2 << 20), 413),
+           # one past the context's end (256 positions, a prompt of 3): refused
+           # before any work, not a 500 from a stage's KV cache
+           ({"prompt": [1, 2, 3], "max_tokens": 254}, 400)]
     for body, want_code in bad:
         code, text = post(url + "v1/completions", body)
         msg = ""
@@ -226,6 +229,8 @@ def test_api(url):
         except Exception:
             pass
         check(code == want_code and msg, "bad request %s: %d %r" % (str(body)[:60], code, text[:200]))
+    code, text = post(url + "v1/completions", {"prompt": [1, 2, 3], "max_tokens": 253})
+    check(code == 200, "max_tokens up to the context's end: %d %s" % (code, text[:200]))
     # embeddings: the last stage pools; equal to neuroctl embed in one process
     code, text = post(url + "v1/embeddings", {"input": [104, 105]})
     with open(W + "/hi.txt", "w") as f:
