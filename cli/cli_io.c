@@ -2,8 +2,11 @@
  * neuroctl's commands. */
 #include "cli_io.h"
 
+#include "core/fileio.h"
+
 #include <errno.h>
 #include <inttypes.h>
+#include <libgen.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -202,6 +205,21 @@ int nl_cli_input_file(const char *flag, const char *path)
         return 1;
     }
     return 0;
+}
+
+int nl_cli_can_write(const char *flag, const char *path, int is_dir)
+{
+    if (!path)
+        return 0;
+    char *copy = strdup(path);
+    nl_error err = {0};
+    nl_status st = copy ? nl_file_can_create(is_dir ? copy : dirname(copy), &err)
+                        : nl_error_set(&err, NL_ERR_NOMEM, "out of memory");
+    free(copy);
+    if (st == NL_OK)
+        return 0;
+    fprintf(stderr, "--%s %s: %s\n", flag, path, err.msg);
+    return 1;
 }
 
 int nl_cli_may_write(const nl_flag *flags, const char *flag, const char *path)

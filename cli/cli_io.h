@@ -62,6 +62,12 @@ int nl_cli_input_file(const char *flag, const char *path);
  * "PATH exists (give --force to replace it)", exit 1. */
 int nl_cli_may_write(const nl_flag *flags, const char *flag, const char *path);
 
+/* --flag PATH can be written where it goes, tried before any work (a file
+ * is made and removed there: see nl_file_can_create): in PATH itself when
+ * is_dir, else in PATH's directory. Else the flag, the path and why,
+ * exit 1. NULL passes. */
+int nl_cli_can_write(const char *flag, const char *path, int is_dir);
+
 /* The --force switch of a command that writes files a user may care about. */
 /* clang-format off */
 #define NL_CLI_FORCE_FLAG {"force", 0, "replace an existing output file", NULL}

@@ -108,18 +108,6 @@ static char *abs_ckpt_dir(const char *dir)
     return a;
 }
 
-/* --out's directory must be writable before hours of training. */
-static int out_writable(const char *out)
-{
-    char *copy = strdup(out);
-    const char *dir = copy ? dirname(copy) : ".";
-    int rc = access(dir, W_OK);
-    if (rc != 0)
-        fprintf(stderr, "--out: cannot write into %s: %s\n", dir, strerror(errno));
-    free(copy);
-    return rc;
-}
-
 /* Local training's defaults and checks, then the paths the cluster needs.
  * Returns 0, 1 (a path is at fault) or 2 (usage). */
 static int read_opts(rtrain_opts *o, const nl_flag *flags)
@@ -148,7 +136,8 @@ static int read_opts(rtrain_opts *o, const nl_flag *flags)
         !(o->data = abs_existing("data", nl_args_get(flags, "data"))) ||
         (resume && !(o->resume = abs_existing("resume", resume))) ||
         !(o->ckpt_dir = abs_ckpt_dir(dir ? dir : "checkpoints")) ||
-        (o->out && out_writable(o->out) != 0) || nl_cli_may_write(flags, "out", o->out))
+        nl_cli_can_write("out", o->out, 0) || nl_cli_can_write("log", o->log, 0) ||
+        nl_cli_may_write(flags, "out", o->out))
         return 1;
     return 0;
 }
@@ -662,8 +651,10 @@ static int run(const nl_flag *flags, const rtrain_opts *o)
         goto out;
     /* made once the cluster answers */
     if (o->make_dir &&
-        (nl_file_mkdirs(o->ckpt_dir, &err) != NL_OK || access(o->ckpt_dir, W_OK) != 0)) {
-        nl_error_set(&err, NL_ERR_IO, "--checkpoint-dir: cannot create or write %s", o->ckpt_dir);
+        (nl_file_mkdirs(o->ckpt_dir, &err) != NL_OK || nl_file_can_create(o->ckpt_dir, &err) != NL_OK)) {
+        char why[sizeof err.msg];
+        snprintf(why, sizeof why, "%s", err.msg);
+        nl_error_set(&err, NL_ERR_IO, "--checkpoint-dir %s: %s", o->ckpt_dir, why);
         goto out;
     }
     if (o->log && !(w.log = fopen(o->log, o->resume || o->attach ? "a" : "w"))) {
@@ -831,7 +822,7 @@ static int remote_main(int argc, char **argv, int finetune)
         o.attach = (uint64_t)job;
         o.log = nl_args_get(flags, "log");
         o.out = nl_args_get(flags, "out");
-        return o.out && out_writable(o.out) != 0 ? 1 : run(flags, &o);
+        return nl_cli_can_write("out", o.out, 0) || nl_cli_can_write("log", o.log, 0) ? 1 : run(flags, &o);
     }
     if (!nl_args_get(flags, "data") || !nl_args_get(flags, "steps")) {
         nl_args_help(stderr, usage, flags);

@@ -360,7 +360,7 @@ static int run_train(const train_opts *o)
     carried_meta cm = {0};
     nl_train_progress prog;
     struct sigaction sa = {.sa_handler = on_sigint, .sa_flags = SA_RESETHAND}, old_sa;
-    char path[4096];
+    char path[4096], hint[8400] = "";
     nl_train_progress_init(&prog, o->r.progress_s);
     sigemptyset(&sa.sa_mask);
     interrupted = 0;
@@ -490,11 +490,37 @@ static int run_train(const train_opts *o)
     /* the last step is always kept: in --out, or as the last checkpoint */
     if (!o->out)
         step_path(path, sizeof path, o, o->r.steps);
-    if (save_whole(m, tr, o, &cm, o->out ? o->out : path, o->r.steps, &err) != NL_OK)
+    if (save_whole(m, tr, o, &cm, o->out ? o->out : path, o->r.steps, &err) != NL_OK) {
+        /* the disk filled, or the place went away, after the check at the
+         * start: the trained model goes to the checkpoint directory, or
+         * the temporary one, and the message says where */
+        nl_error kept = {0};
+        const char *dirs[] = {o->ckpt_dir, getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp"};
+        for (int i = 0; o->out && i < 2; i++) {
+            if (i == 0)
+                step_path(path, sizeof path, o, o->r.steps);
+            else
+                snprintf(path, sizeof path, "%s/neuroctl-train-%ld-step-%06lld.safetensors",
+                         dirs[1], (long)getpid(), o->r.steps);
+            if ((i == 1 || nl_file_mkdirs(o->ckpt_dir, &kept) == NL_OK) &&
+                save_whole(m, tr, o, &cm, path, o->r.steps, &kept) == NL_OK) {
+                snprintf(hint, sizeof hint, "kept the trained model in %s instead", path);
+                goto out;
+            }
+        }
         goto out;
+    }
     fprintf(stderr, "wrote %s (step %lld)\n", o->out ? o->out : path, o->r.steps);
     rc = 0;
 out:
+    if (rc == 1 && !hint[0] && err.status == NL_ERR_IO && step > start && o->r.ckpt_every > 0) {
+        /* a write failed mid-run (a full disk): the last checkpoint kept */
+        char last[4096];
+        step_path(last, sizeof last, o, step / o->r.ckpt_every * o->r.ckpt_every);
+        if (step >= o->r.ckpt_every && access(last, R_OK) == 0)
+            snprintf(hint, sizeof hint, "the last checkpoint is %s (continue with --resume %s)",
+                     last, last);
+    }
     if (handler)
         sigaction(SIGINT, &old_sa, NULL);
     free(cm.tokenizer);
@@ -511,26 +537,10 @@ out:
     if (rc == 1) {
         nl_train_progress_break(&prog);
         fprintf(stderr, "neuroctl train: %s (%s)\n", err.msg, nl_status_str(err.status));
+        if (hint[0])
+            fprintf(stderr, "%s\n", hint);
     }
     return rc;
-}
-
-/* Can dir be written, or made where its nearest existing parent is? (It
- * is made once the run starts, so that a run refused first leaves none.) */
-static int dir_writable(const char *dir)
-{
-    char p[4096];
-    snprintf(p, sizeof p, "%s", dir);
-    for (;;) {
-        if (access(p, F_OK) == 0)
-            return access(p, W_OK) == 0;
-        char *slash = strrchr(p, '/');
-        if (!slash)
-            return access(".", W_OK) == 0;
-        if (slash == p)
-            return access("/", W_OK) == 0;
-        *slash = '\0';
-    }
 }
 
 /* The flags against the model, before any work: --seq within its
@@ -844,10 +854,12 @@ static int train_main(int argc, char **argv, int finetune)
     }
     if (!o.ckpt_dir)
         o.ckpt_dir = "checkpoints";
-    if ((o.r.ckpt_every > 0 || !o.out) && !dir_writable(o.ckpt_dir)) {
-        fprintf(stderr, "--checkpoint-dir: cannot create or write %s\n", o.ckpt_dir);
+    /* every output is tried before the first step: a run must not learn
+     * at its end that it has nowhere to go (the checkpoint directory is
+     * made once the run starts, so that a run refused first leaves none) */
+    if (((o.r.ckpt_every > 0 || !o.out) && nl_cli_can_write("checkpoint-dir", o.ckpt_dir, 1)) ||
+        nl_cli_can_write("out", o.out, 0) || nl_cli_can_write("log", o.log, 0))
         return 1;
-    }
     if (o.objective && strcmp(o.objective, "classify") == 0) {
         if (o.resume || !o.model) {
             fprintf(stderr, "--objective classify: give --model (--resume is for clm and mlm)\n");

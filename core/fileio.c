@@ -235,6 +235,42 @@ nl_status nl_file_mkdirs(const char *path, nl_error *err)
     return st;
 }
 
+nl_status nl_file_can_create(const char *dir, nl_error *err)
+{
+    char p[PATH_MAX];
+    struct stat sb;
+    if (snprintf(p, sizeof p, "%s", dir[0] ? dir : ".") >= (int)sizeof p)
+        return nl_error_set(err, NL_ERR_INVALID, "%.200s...: the path is too long", dir);
+    while (stat(p, &sb) != 0) { /* the nearest existing parent */
+        char *slash = strrchr(p, '/');
+        if (!slash)
+            snprintf(p, sizeof p, ".");
+        else if (slash == p)
+            p[1] = '\0';
+        else
+            *slash = '\0';
+    }
+    if (!S_ISDIR(sb.st_mode))
+        return nl_error_set(err, NL_ERR_IO, "cannot write in %s: it is not a directory", p);
+    char probe[PATH_MAX + 64];
+    for (int k = 0; k < 64; k++) {
+        snprintf(probe, sizeof probe, "%s/.nl-probe.%ld.%d", p, (long)getpid(), k);
+        int fd = open(probe, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW, 0600);
+        if (fd >= 0) {
+            close(fd);
+            unlink(probe);
+            return NL_OK;
+        }
+        if (errno != EEXIST) {
+            /* /proc and /sys answer "no such file" to a new name */
+            const char *why = errno == ENOENT ? "the file system takes no new files there"
+                                              : strerror(errno);
+            return nl_error_set(err, NL_ERR_IO, "cannot write in %s: %s", p, why);
+        }
+    }
+    return nl_error_set(err, NL_ERR_IO, "cannot write in %s: 64 probe names are taken", p);
+}
+
 /* ------------------------------------------------------------ confinement */
 
 /* p lies under the resolved root r (or is r). */

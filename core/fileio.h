@@ -39,6 +39,14 @@ nl_status nl_atomic_commit_new(nl_atomic_file **af, nl_error *err);
  * fsync the parent of each directory it creates. */
 nl_status nl_file_mkdirs(const char *path, nl_error *err);
 
+/* Can files be made in directory `dir` (made later with nl_file_mkdirs if
+ * missing)? Tried, not inferred from permission bits (root passes every
+ * access() check, even on /proc or a read-only mount): a probe file is
+ * created in `dir`, or in its nearest existing parent when `dir` does not
+ * exist yet, and removed. NL_ERR_IO naming the directory and why when it
+ * cannot; nothing is left behind either way. */
+nl_status nl_file_can_create(const char *dir, nl_error *err);
+
 /* fsync the directory that holds `path`. */
 nl_status nl_file_sync_parent(const char *path, nl_error *err);
 

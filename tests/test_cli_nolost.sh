@@ -2,6 +2,8 @@
 # Integration test of issue 20 (no lost work, no guessing) and issue 21's
 # progress output, through the real binaries:
 #  - train keeps its last step without --out, and with --checkpoint-every;
+#    a disk that fills keeps the model elsewhere, or names the last
+#    checkpoint to resume from;
 #    Ctrl-C keeps the steps done (exit 130, no temporary left) and resumes;
 #  - init, grow, export, tokenizer train and train --out refuse to replace
 #    a file without --force;
@@ -9,6 +11,8 @@
 #    dead port are told apart at once (client and node); cluster up prints
 #    a coordinator's early exit at once and warns of a --memory the KV
 #    budget fills; a public key given as the secret is named;
+#  - --checkpoint-dir, --out and --log that cannot be written (/proc) are
+#    refused before the first step, locally and on a cluster;
 #  - --seq is checked against the model first; generate says when
 #    max_seq_len cut it short; missing flags are named; small messages;
 #  - progress: a line per --progress-every into a pipe, the JSONL log per
@@ -69,6 +73,28 @@ check test -s "$W/ck1/step-000002.safetensors"
 check test -s "$W/ck1/step-000004.safetensors"
 check test -s "$W/ck1/step-000005.safetensors" # not a multiple of 2: kept all the same
 check test "$(tail -1 "$W/ck1.err")" = "wrote $W/ck1/step-000005.safetensors (step 5)"
+
+# ---- 1b. a disk that fills during the run (a small tmpfs in a mount
+# namespace of this test): --out that cannot be written at the end keeps
+# the model in the checkpoint directory and says so; a checkpoint that
+# cannot be written names the last one kept and the --resume to use ----
+ck=$(stat -c %s "$W/ck1/step-000002.safetensors")
+full() { unshare -m sh -c 'mount -t tmpfs -o size="$1" tmpfs "$2" && shift 2 && exec "$@"' _ "$@"; }
+mkdir -p "$W/full"
+out=$(full 16k "$W/full" "$N" train "${DEV[@]}" --model "$W/m.safetensors" "${T[@]}" --steps 3 \
+  --out "$W/full/o.safetensors" --checkpoint-dir "$W/ck-out" 2>&1); rc=$?
+check test $rc -eq 1
+check grep -q "No space left on device" <<< "$out"
+check test "$(tail -1 <<< "$out")" = "kept the trained model in $W/ck-out/step-000003.safetensors instead"
+check "$N" train "${DEV[@]}" --resume "$W/ck-out/step-000003.safetensors" "${T[@]}" --steps 4 \
+  --out "$W/ck-out/resumed.safetensors"
+out=$(full $((ck * 3 / 2)) "$W/full" sh -c '"$@"; r=$?; ls "'"$W"'/full/ck"; exit $r' _ \
+  "$N" train "${DEV[@]}" --model "$W/m.safetensors" "${T[@]}" --steps 6 --checkpoint-every 2 \
+  --checkpoint-dir "$W/full/ck" 2>&1); rc=$?
+check test $rc -eq 1
+check grep -q "No space left on device" <<< "$out"
+check grep -qF "the last checkpoint is $W/full/ck/step-000002.safetensors (continue with --resume $W/full/ck/step-000002.safetensors)" <<< "$out"
+check test "$(tail -1 <<< "$out")" = "step-000002.safetensors" # and nothing half-written beside it
 
 # ---- 2. Ctrl-C: stop at a step boundary, keep the steps, exit 130 ----
 "$N" train "${DEV[@]}" --model "$W/m.safetensors" "${T[@]}" --steps 1000000 --checkpoint-dir "$W/ck2" \
@@ -244,6 +270,19 @@ check grep -q "of 2 x 64" "$W/rseq.err"
   --checkpoint-dir "$W/rck2" > /dev/null 2> "$W/rseq2.err"
 check test $? -eq 1
 check grep -qF -- "--seq 100: the model's max_seq_len is 64" "$W/rseq2.err"
+# an output that cannot be written is found before the first step, locally
+# and on a cluster, by trying (root passes access() even on /proc)
+for a in "--checkpoint-dir /proc --checkpoint-every 1" "--out /proc/x.safetensors" \
+         "--log /proc/x.jsonl"; do
+  for where in "--model $W/m.safetensors" "--cluster $W/c1"; do
+    # shellcheck disable=SC2086
+    out=$("$N" train $where --data "$W/data.txt" --steps 2 --batch 2 --seq 16 $a 2>&1); rc=$?
+    check test $rc -eq 1
+    check grep -qF -- "${a%% *} /proc" <<< "$out"
+    check grep -qF "cannot write in /proc: the file system takes no new files there" <<< "$out"
+    check test "$(grep -c '^step\|loss' <<< "$out")" -eq 0
+  done
+done
 # 5: a wrong --coordinator-key, a key not in authorized_keys, the secret
 # coordinator.key as --coordinator-key, a dead port: each at once, each its own
 out=$(fast 5 "$N" status --coordinator "$EP" --key "$W/c1/client.key" --coordinator-key "$W/other.pub" --timeout 30 2>&1); rc=$?
