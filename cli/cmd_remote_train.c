@@ -657,7 +657,7 @@ static int run(const nl_flag *flags, const rtrain_opts *o)
         nl_error_set(&err, NL_ERR_IO, "--checkpoint-dir %s: %s", o->ckpt_dir, why);
         goto out;
     }
-    if (o->log && !(w.log = fopen(o->log, o->resume || o->attach ? "a" : "w"))) {
+    if (o->log && !(w.log = fopen(o->log, "a"))) {
         nl_error_set(&err, NL_ERR_IO, "%s: cannot open the log", o->log);
         goto out;
     }

@@ -400,7 +400,7 @@ static int run_train(const train_opts *o)
         nl_error_set(&err, NL_ERR_NOMEM, "out of memory");
         goto out;
     }
-    if (o->log && !(logf = fopen(o->log, o->resume ? "a" : "w"))) {
+    if (o->log && !(logf = fopen(o->log, "a"))) {
         nl_error_set(&err, NL_ERR_IO, "%s: cannot open the log", o->log);
         goto out;
     }
@@ -678,7 +678,7 @@ static int run_classify(const train_opts *o)
         nl_error_set(&err, NL_ERR_NOMEM, "out of memory");
         goto out;
     }
-    if (o->log && !(logf = fopen(o->log, "w"))) {
+    if (o->log && !(logf = fopen(o->log, "a"))) {
         nl_error_set(&err, NL_ERR_IO, "%s: cannot open the log", o->log);
         goto out;
     }

@@ -74,6 +74,13 @@ check test -s "$W/ck1/step-000004.safetensors"
 check test -s "$W/ck1/step-000005.safetensors" # not a multiple of 2: kept all the same
 check test "$(tail -1 "$W/ck1.err")" = "wrote $W/ck1/step-000005.safetensors (step 5)"
 
+# ---- 1a. --log appends: a second run into the same log keeps the first's records ----
+for r in 1 2; do
+  "$N" train "${DEV[@]}" --model "$W/m.safetensors" "${T[@]}" --steps 2 --log "$W/two.jsonl" \
+    --checkpoint-dir "$W/ck-log$r" 2>/dev/null
+done
+check test "$(grep -c '"step":' "$W/two.jsonl")" -eq 4
+
 # ---- 1b. a disk that fills during the run (a small tmpfs in a mount
 # namespace of this test): --out that cannot be written at the end keeps
 # the model in the checkpoint directory and says so; a checkpoint that
