@@ -650,40 +650,56 @@ const uint16_t *bf16_piece(cuda_ctx *c, const uint16_t *weight, const float *bas
     return conv;
 }
 
+/* what the pieces of one bf16 GEMM share */
+struct bf16_call {
+    cuda_ctx *c;
+    int ta, tb, lda, ldb, ldc;
+    float alpha, beta;
+    const float *A, *B;
+    float *C;
+    const uint16_t *aw, *bw; /* weight copies at A, B; NULL: converted */
+    const uint16_t *ap;      /* the current piece of A */
+    int la;
+};
+
+/* B's converted piece starts this many elements (256 bytes) aligned after A's */
+#define NL_CUDA_BF16_SLACK 128
+
+void bf16_piece_gemm(void *arg, const nl_bf16_piece *pc)
+{
+    bf16_call *g = (bf16_call *)arg;
+    cuda_ctx *c = g->c;
+    if (pc->new_a) {
+        const float *ax = g->ta ? g->A + (size_t)pc->k0 * g->lda + pc->m0
+                                : g->A + (size_t)pc->m0 * g->lda + pc->k0;
+        g->ap = bf16_piece(c, g->aw, g->A, ax, g->ta ? pc->k : pc->m, g->ta ? pc->m : pc->k,
+                           g->lda, c->conv, &g->la);
+    }
+    const size_t a_used = g->aw ? 0
+                                : ((size_t)pc->m * pc->k + NL_CUDA_BF16_SLACK - 1) /
+                                      NL_CUDA_BF16_SLACK * NL_CUDA_BF16_SLACK;
+    const float *bx = g->tb ? g->B + (size_t)pc->n0 * g->ldb + pc->k0
+                            : g->B + (size_t)pc->k0 * g->ldb + pc->n0;
+    int lb = 0;
+    const uint16_t *bp = bf16_piece(c, g->bw, g->B, bx, g->tb ? pc->n : pc->k,
+                                    g->tb ? pc->k : pc->n, g->ldb, c->conv + a_used, &lb);
+    lt_gemm(c, g->ta, g->tb, pc->m, pc->n, pc->k, g->alpha, g->ap, g->la, bp, lb,
+            pc->first_k ? g->beta : 1.0f, g->C + (size_t)pc->m0 * g->ldc + pc->n0, g->ldc);
+}
+
 void gemm_bf16(cuda_ctx *c, int ta, int tb, int M, int N, int K, float alpha, const float *A,
                int lda, const float *B, int ldb, float beta, float *C, int ldc)
 {
     int rc = 0;
-    const uint16_t *aw = nl_cuda_bf16_weight_operand(&c->w, c->stream, A, ta ? K : M, ta ? M : K,
-                                                     lda, &rc);
+    bf16_call g = {c, ta, tb, lda, ldb, ldc, alpha, beta, A, B, C, NULL, NULL, NULL, 0};
+    g.aw = nl_cuda_bf16_weight_operand(&c->w, c->stream, A, ta ? K : M, ta ? M : K, lda, &rc);
     launched(c, "gemm (bf16): weight copy", rc);
-    const uint16_t *bw = nl_cuda_bf16_weight_operand(&c->w, c->stream, B, tb ? N : K, tb ? K : N,
-                                                     ldb, &rc);
+    g.bw = nl_cuda_bf16_weight_operand(&c->w, c->stream, B, tb ? N : K, tb ? K : N, ldb, &rc);
     launched(c, "gemm (bf16): weight copy", rc);
-    /* B's converted piece starts 256 bytes aligned after A's */
-    const size_t slack = 128;
     int mc, nc, kc;
-    nl_bf16_chunks(M, N, K, !aw, !bw, NL_CUDA_BF16_CONV_ELEMS - slack, &mc, &nc, &kc);
-    for (int k0 = 0; k0 < K; k0 += kc) {
-        const int kn = K - k0 < kc ? K - k0 : kc;
-        const float bk = k0 == 0 ? beta : 1.0f; /* later pieces of K add */
-        for (int m0 = 0; m0 < M; m0 += mc) {
-            const int mn = M - m0 < mc ? M - m0 : mc;
-            int la = 0, lb = 0;
-            const float *ax = ta ? A + (size_t)k0 * lda + m0 : A + (size_t)m0 * lda + k0;
-            const uint16_t *ap =
-                bf16_piece(c, aw, A, ax, ta ? kn : mn, ta ? mn : kn, lda, c->conv, &la);
-            uint16_t *bconv = c->conv + (aw ? 0 : ((size_t)mn * kn + slack - 1) / slack * slack);
-            for (int n0 = 0; n0 < N; n0 += nc) {
-                const int nn = N - n0 < nc ? N - n0 : nc;
-                const float *bx = tb ? B + (size_t)n0 * ldb + k0 : B + (size_t)k0 * ldb + n0;
-                const uint16_t *bp =
-                    bf16_piece(c, bw, B, bx, tb ? nn : kn, tb ? kn : nn, ldb, bconv, &lb);
-                lt_gemm(c, ta, tb, mn, nn, kn, alpha, ap, la, bp, lb, bk,
-                        C + (size_t)m0 * ldc + n0, ldc);
-            }
-        }
-    }
+    nl_bf16_chunks(M, N, K, !g.aw, !g.bw, NL_CUDA_BF16_CONV_ELEMS - NL_CUDA_BF16_SLACK, &mc, &nc,
+                   &kc);
+    nl_bf16_for_pieces(M, N, K, mc, nc, kc, bf16_piece_gemm, &g);
 }
 
 /* bf16_weights: one range per call (core/model.c registers a model's

@@ -77,9 +77,9 @@ static inline void nl_bf16_chunks(int M, int N, int K, int a_conv, int b_conv, s
         /* a weight gradient: the summed dimension (pieces of K add into
          * C); M and N only when one row of each does not fit */
         if (m + n > cap) {
-            if (n < cap / 2)
+            if (n <= cap / 2)
                 m = cap - n;
-            else if (m < cap / 2)
+            else if (m <= cap / 2)
                 n = cap - m;
             else {
                 m = cap / 2;
@@ -108,6 +108,37 @@ static inline void nl_bf16_chunks(int M, int N, int K, int a_conv, int b_conv, s
     *mc = (int)m;
     *nc = (int)n;
     *kc = (int)k;
+}
+
+/* One piece of a cut GEMM: rows m0 .. m0 + m of C, columns n0 .. n0 + n,
+ * the summed range k0 .. k0 + k; first_k: the first piece of K (it applies
+ * beta; later ones add with beta 1); new_a: the first piece of this (m0,
+ * k0), where A's part changes (a converted A is converted then, and kept
+ * for the pieces of N that follow). */
+typedef struct nl_bf16_piece {
+    int m0, n0, k0, m, n, k;
+    int first_k, new_a;
+} nl_bf16_piece;
+
+/* Call fn for each piece of the (mc, nc, kc) cut of an M x N x K GEMM, K
+ * outermost, then M, then N: the order the backend queues them. */
+static inline void nl_bf16_for_pieces(int M, int N, int K, int mc, int nc, int kc,
+                                      void (*fn)(void *arg, const nl_bf16_piece *pc), void *arg)
+{
+    for (int k0 = 0; k0 < K; k0 += kc)
+        for (int m0 = 0; m0 < M; m0 += mc)
+            for (int n0 = 0; n0 < N; n0 += nc) {
+                nl_bf16_piece pc;
+                pc.m0 = m0;
+                pc.n0 = n0;
+                pc.k0 = k0;
+                pc.m = M - m0 < mc ? M - m0 : mc;
+                pc.n = N - n0 < nc ? N - n0 : nc;
+                pc.k = K - k0 < kc ? K - k0 : kc;
+                pc.first_k = k0 == 0;
+                pc.new_a = n0 == 0;
+                fn(arg, &pc);
+            }
 }
 
 #endif
