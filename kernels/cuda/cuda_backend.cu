@@ -49,7 +49,7 @@ extern "C" {
 #include "cuda_attention.h"
 #include "cuda_attention_bwd.h"
 #include "cuda_backward.h"
-#include "cuda_bf16.h"
+#include "cuda_mixed.h"
 #include "cuda_comm.h"
 #include "cuda_family.h"
 #include "cuda_gemm_plan.h"

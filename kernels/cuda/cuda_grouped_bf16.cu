@@ -1,7 +1,7 @@
 /* The grouped expert GEMMs in bf16 on the tensor cores: the gemm_grouped
  * and gemm_grouped_wgrad slots of a bf16 backend, all experts of a layer
  * in one launch per projection, sized from the device offsets (no host
- * sync). See cuda_bf16.h.
+ * sync). See cuda_mixed.h.
  *
  * Why a kernel of our own: cuBLAS's grouped GEMM (cublasGemmGroupedBatchedEx)
  * takes each group's m, n, k in host arrays, so the counts would have to
@@ -9,7 +9,7 @@
  * cuBLASLt batched GEMMs need equal shapes, i.e. every expert padded to
  * the largest count (max_rows is the token count: E / k times the work).
  * Here a block's row tile finds its expert from a tile map that one small
- * kernel computes from the offsets on the device (cuda_bf16.cu, tested in
+ * kernel computes from the offsets on the device (cuda_mixed.cu, tested in
  * the emulation).
  *
  * Tiles: 128 x 64 outputs per block of 8 warps (4 x 2), each warp 32 x 32
@@ -22,8 +22,8 @@
  * group's rows or the matrix read 0, stores go through a per-warp staging
  * tile with bounds checks. Not yet tuned or run on a GPU: no cp.async, no
  * wgmma; cuBLASLt's dense kernels are faster per FLOP. */
-#include "cuda_bf16.h"
-#include "cuda_bf16.cuh"
+#include "cuda_mixed.h"
+#include "cuda_mixed.cuh"
 
 #include "../elem.h"
 

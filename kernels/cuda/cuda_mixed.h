@@ -1,7 +1,7 @@
 /* Private to kernels/cuda: bf16 compute on CUDA (be->bf16). The table of
  * weight ranges with bf16 copies and their dirty flags (host code), the
  * conversion and AdamW kernels that make and keep the copies, and the tile
- * map of the grouped expert GEMMs, all in cuda_bf16.cu, which the CPU
+ * map of the grouped expert GEMMs, all in cuda_mixed.cu, which the CPU
  * emulation (tests/cuda_emu) runs; the bf16 grouped GEMM kernels, which use
  * the tensor cores, in cuda_grouped_bf16.cu. The dense GEMM's cuBLASLt call
  * is in cuda_backend.cu, its pure parameter choice in cuda_gemm_plan.h.
@@ -10,8 +10,8 @@
  * return the cudaError_t of their last launch as an int (0 on success;
  * cudaErrorInvalidValue, nothing launched, for a shape they refuse). This
  * header includes no CUDA header. */
-#ifndef NL_CUDA_BF16_H
-#define NL_CUDA_BF16_H
+#ifndef NL_CUDA_MIXED_H
+#define NL_CUDA_MIXED_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -86,7 +86,7 @@ int nl_cuda_adamw_bf16(void *stream, float *p, uint16_t *copy, const float *g, f
  * a negative count). One block of the map kernel computes it from the
  * device offsets, so the host never needs the counts; a GEMM block with
  * row-tile number t finds its group by binary search
- * (nl_cuda_tile_lookup, cuda_bf16.cuh) and exits when t >=
+ * (nl_cuda_tile_lookup, cuda_mixed.cuh) and exits when t >=
  * tile_start[groups]. */
 int nl_cuda_tile_map(void *stream, int32_t *tile_start, const int32_t *offsets, int groups,
                      int tile_rows);

@@ -1,15 +1,15 @@
 /* bf16 compute on CUDA, the part the CPU emulation (tests/cuda_emu) runs:
  * the table of weight ranges with bf16 copies and their dirty flags, the
  * conversion kernels, AdamW writing the copy in the same pass as the
- * weights, and the tile map of the grouped expert GEMMs (cuda_bf16.h says
+ * weights, and the tile map of the grouped expert GEMMs (cuda_mixed.h says
  * what each does). The tensor-core grouped GEMMs are in
  * cuda_grouped_bf16.cu, the dense GEMM's cuBLASLt call in cuda_backend.cu.
  *
  * Rounding: nl_elem_to_bf16 (kernels/elem.h), the CPU's rule, so a copy
  * made here holds the bits cpu_bf16.c makes. No atomics, no dynamic shared
  * memory, no allocation. */
-#include "cuda_bf16.h"
-#include "cuda_bf16.cuh"
+#include "cuda_mixed.h"
+#include "cuda_mixed.cuh"
 
 #include "../elem.h"
 

@@ -1,8 +1,8 @@
 /* Private to kernels/cuda: the device half of the grouped GEMMs' tile map
- * (cuda_bf16.h). Included by cuda_bf16.cu and cuda_grouped_bf16.cu, and
+ * (cuda_mixed.h). Included by cuda_mixed.cu and cuda_grouped_bf16.cu, and
  * compiled on the host by the tests (NL_HD). */
-#ifndef NL_CUDA_BF16_CUH
-#define NL_CUDA_BF16_CUH
+#ifndef NL_CUDA_MIXED_CUH
+#define NL_CUDA_MIXED_CUH
 
 #include "../elem.h"
 
