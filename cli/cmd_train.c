@@ -405,7 +405,11 @@ static int run_train(const train_opts *o)
         goto out;
     }
     nl_mem_opts mo = {
-        .training = 1, .micro_rows = mb * T, .in_flight = 1, .recompute = (int)o->r.recompute};
+        .training = 1,
+        .micro_rows = mb * T,
+        .in_flight = 1,
+        .recompute = (int)o->r.recompute,
+        .precision = nl_mem_precision(be)};
     nl_mem_estimate me = nl_memory_estimate(&m->cfg, m->cfg.num_layers, 1, 1, &mo);
     if (lo) /* finetune: no moments for the frozen base; the adapters' four buffers instead */
         me.total = me.total - me.moments + (uint64_t)lo->n_params * 4 * sizeof(float);
