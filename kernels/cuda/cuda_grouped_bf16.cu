@@ -56,6 +56,7 @@ constexpr unsigned MAX_GRID_YZ = 65535;
  * 32 consecutive floats. Elements at outer >= ov or inner >= iv are 0. */
 template <int OUTER, int INNER> struct tile_regs {
     static constexpr int N = OUTER * INNER / THREADS;
+    static_assert(OUTER * INNER % THREADS == 0, "a tile is a whole number of loads per thread");
     float v[N];
 
     __device__ __forceinline__ void load(const float *base, int ld, int ov, int iv)

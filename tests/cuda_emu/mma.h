@@ -9,9 +9,9 @@
  * the whole tile and does the whole product, so each lane's result is the
  * warp's. What this checks: the kernel's tiling, its shared-memory layouts
  * and leading dimensions, its row-major/col-major choices, its bounds and
- * barriers. What it cannot: the hardware's alignment rules (load and store
- * pointers must be 32-byte aligned, ldm a multiple of 8 for 16-bit
- * elements: checked here as asserts) and the tensor cores' own rounding
+ * barriers, and WMMA's alignment rules (load and store pointers 32-byte
+ * aligned, ldm a multiple of 16 bytes: checked on every call). What it
+ * cannot: the tensor cores' own rounding
  * (products of bf16 are exact in float; the sum here is sequential FMAs in
  * k order). */
 #ifndef NL_EMU_MMA_H
@@ -19,9 +19,10 @@
 
 #include "cuda_bf16.h"
 
-#include <assert.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <type_traits>
 
 namespace nvcuda
@@ -59,13 +60,16 @@ inline void fill_fragment(fragment<Use, M, N, K, T, L> &f, float v)
         f.x[i] = v;
 }
 
+/* WMMA's rules, checked in every build (not an assert: tests run with
+ * NDEBUG): a broken one ends the test with a message. */
 inline void emu_check_ptr(const void *p, unsigned ldm, size_t elem)
 {
-    assert(((uintptr_t)p & 31) == 0 && "wmma: the pointer must be 32-byte aligned");
-    assert((ldm * elem) % 16 == 0 && "wmma: ldm must be a multiple of 16 bytes");
-    (void)p;
-    (void)ldm;
-    (void)elem;
+    if (((uintptr_t)p & 31) != 0 || (ldm * elem) % 16 != 0) {
+        fprintf(stderr, "cuda_emu: wmma: pointer %p (must be 32-byte aligned) or ldm %u (must "
+                        "be a multiple of 16 bytes) breaks WMMA's rules\n",
+                p, ldm);
+        abort();
+    }
 }
 
 template <class Use, int M, int N, int K, class T, class L, class P>
