@@ -874,8 +874,9 @@ int nl_cmd_selftest(int argc, char **argv)
          "cli/selftest_bf16.c)",
          NULL},
         {0}};
-    const char *usage = "neuroctl selftest --device D [--ref cpu] [--threads N] [--seed S] [--tf32] "
-                        "[--precision fp32|bf16]";
+    const char *usage =
+        "neuroctl selftest --device D [--ref cpu] [--threads N] [--seed S] [--tf32] "
+        "[--precision fp32|bf16]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc == 1)
         printf("\nEvery slot of D against the reference on random inputs, then a small model's\n"

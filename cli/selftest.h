@@ -31,7 +31,7 @@ typedef struct nl_selftest {
     nl_backend *be[2]; /* 0: reference, 1: target */
     nl_rng rng;
     int tf32;
-    int bf16; /* --precision bf16: the target's GEMMs in bf16 (selftest_bf16.c) */
+    int bf16;       /* --precision bf16: the target's GEMMs in bf16 (selftest_bf16.c) */
     float lr_scale; /* the target's learning rate in the training checks, times this
                        (1; NL_TEST_SELFTEST_LR_SCALE, a test hook, shows they can fail) */
     int passed, failed;

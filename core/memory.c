@@ -95,6 +95,7 @@ nl_mem_estimate nl_memory_estimate(const nl_config *c, int n_layers, int has_emb
         e.bf16_copies = 2 * P;
     if (o->precision == NL_MEM_BF16)
         e.workspace += bf16_host_scratch(c, N, o->training, has_head);
-    e.total = e.bf16_copies + e.weights + e.grads + e.moments + e.activations + e.kv_cache + e.workspace + e.runtime;
+    e.total = e.bf16_copies + e.weights + e.grads + e.moments + e.activations + e.kv_cache +
+              e.workspace + e.runtime;
     return e;
 }

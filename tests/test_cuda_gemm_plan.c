@@ -49,8 +49,10 @@ static void colmajor_gemm(const nl_lt_plan *p, float alpha, const float *a, cons
         for (int j = 0; j < p->n; j++) {
             double s = 0;
             for (int q = 0; q < p->k; q++) {
-                const float x = p->a.trans ? a[q + (size_t)i * p->a.ld] : a[i + (size_t)q * p->a.ld];
-                const float y = p->b.trans ? b[j + (size_t)q * p->b.ld] : b[q + (size_t)j * p->b.ld];
+                const float x =
+                    p->a.trans ? a[q + (size_t)i * p->a.ld] : a[i + (size_t)q * p->a.ld];
+                const float y =
+                    p->b.trans ? b[j + (size_t)q * p->b.ld] : b[q + (size_t)j * p->b.ld];
                 s += (double)x * y;
             }
             c[i + (size_t)j * p->c.ld] = (float)(alpha * s + beta * c[i + (size_t)j * p->c.ld]);
@@ -122,10 +124,10 @@ static void one_piece(void *arg, const nl_bf16_piece *pc)
         for (int j = 0; j < pc->n; j++)
             for (int p = 0; p < pc->k; p++)
                 r->hits[((size_t)(pc->m0 + i) * r->N + pc->n0 + j) * r->K + pc->k0 + p]++;
-    const float *a = r->ta ? r->A + (size_t)pc->k0 * r->lda + pc->m0
-                           : r->A + (size_t)pc->m0 * r->lda + pc->k0;
-    const float *b = r->tb ? r->B + (size_t)pc->n0 * r->ldb + pc->k0
-                           : r->B + (size_t)pc->k0 * r->ldb + pc->n0;
+    const float *a =
+        r->ta ? r->A + (size_t)pc->k0 * r->lda + pc->m0 : r->A + (size_t)pc->m0 * r->lda + pc->k0;
+    const float *b =
+        r->tb ? r->B + (size_t)pc->n0 * r->ldb + pc->k0 : r->B + (size_t)pc->k0 * r->ldb + pc->n0;
     rowmajor_gemm(r->ta, r->tb, pc->m, pc->n, pc->k, r->alpha, a, r->lda, b, r->ldb,
                   pc->first_k ? r->beta : 1.0f, r->C + (size_t)pc->m0 * r->ldc + pc->n0, r->ldc);
 }
@@ -153,8 +155,8 @@ static void test_chunks(void)
               "chunks M %d N %d K %d cap %zu: %d %d %d", r.M, r.N, r.K, r.cap, mc, nc, kc);
         if (!r.a_conv && !r.b_conv)
             CHECK(mc == r.M && nc == r.N && kc == r.K, "weights only: cut %d %d %d", mc, nc, kc);
-        const size_t na = (size_t)(r.ta ? r.K : r.M) * r.lda, nb = (size_t)(r.tb ? r.N : r.K) * r.ldb,
-                     ncn = (size_t)r.M * r.ldc;
+        const size_t na = (size_t)(r.ta ? r.K : r.M) * r.lda,
+                     nb = (size_t)(r.tb ? r.N : r.K) * r.ldb, ncn = (size_t)r.M * r.ldc;
         float *A = malloc(na * sizeof *A), *B = malloc(nb * sizeof *B);
         float *C1 = malloc(ncn * sizeof *C1), *C2 = malloc(ncn * sizeof *C2);
         r.hits = calloc((size_t)r.M * r.N * r.K, sizeof *r.hits);
@@ -172,8 +174,8 @@ static void test_chunks(void)
         int once = 1;
         for (size_t i = 0; i < (size_t)r.M * r.N * r.K; i++)
             once &= r.hits[i] == 1;
-        CHECK(once, "pieces (%d %d %d of %d %d %d) do not cover each product once", mc, nc, kc,
-              r.M, r.N, r.K);
+        CHECK(once, "pieces (%d %d %d of %d %d %d) do not cover each product once", mc, nc, kc, r.M,
+              r.N, r.K);
         CHECK(r.bad_fit == 0, "%d pieces overflow a scratch of %zu (a %d b %d; %d %d %d)",
               r.bad_fit, r.cap, r.a_conv, r.b_conv, mc, nc, kc);
         CHECK(r.bad_first == 0, "first_k wrong");
@@ -192,7 +194,8 @@ static void test_chunks(void)
     nl_bf16_chunks(8192, 768, 32768, 1, 0, (size_t)32 << 20, &mc, &nc, &kc);
     CHECK(mc == 1024 && nc == 768 && kc == 32768, "head dx: %d %d %d", mc, nc, kc);
     nl_bf16_chunks(32768, 768, 8192, 1, 1, (size_t)32 << 20, &mc, &nc, &kc);
-    CHECK(mc == 32768 && nc == 768 && kc == (32 << 20) / (32768 + 768), "head dW: %d %d %d", mc, nc, kc);
+    CHECK(mc == 32768 && nc == 768 && kc == (32 << 20) / (32768 + 768), "head dW: %d %d %d", mc, nc,
+          kc);
 }
 
 int main(void)

@@ -50,9 +50,8 @@ static void test_terms(void)
             o.precision = NL_MEM_BF16;
             const nl_mem_estimate h = nl_memory_estimate(&c, c.num_layers, 1, head, &o);
             const uint64_t P = (uint64_t)nl_stage_param_count(&c, c.num_layers, 1, head);
-            CHECK(f.bf16_copies == 0 && f.total == f.weights + f.grads + f.moments +
-                                                       f.activations + f.kv_cache + f.workspace +
-                                                       f.runtime,
+            CHECK(f.bf16_copies == 0 && f.total == f.weights + f.grads + f.moments + f.activations +
+                                                       f.kv_cache + f.workspace + f.runtime,
                   "fp32 (training %d head %d): no bf16 term", training, head);
             CHECK(dv.bf16_copies == 2 * P && dv.total == f.total + 2 * P &&
                       dv.workspace == f.workspace && dv.runtime == f.runtime,
@@ -108,8 +107,8 @@ static void test_measured(void)
     CHECK_OK(nl_model_new(&m, be, &c, 0, c.num_layers, 1, 1, &err), &err);
     CHECK_OK(nl_trainer_new(&t, m, B * T, 2, 0, &err), &err);
     be->mem_stats(be, &after, NULL);
-    nl_mem_opts o = {.training = 1, .micro_rows = B * T, .in_flight = 2,
-                     .precision = nl_mem_precision(be)};
+    nl_mem_opts o = {
+        .training = 1, .micro_rows = B * T, .in_flight = 2, .precision = nl_mem_precision(be)};
     const nl_mem_estimate e = nl_memory_estimate(&c, c.num_layers, 1, 1, &o);
     nl_mem_opts of = o;
     of.precision = NL_MEM_FP32;
@@ -126,8 +125,8 @@ static void test_measured(void)
     }
     for (int s = 0; s < 2 && t; s++) {
         nl_step_result res;
-        CHECK_OK(nl_trainer_step_local(t, tok, tgt, B, T, 1, 1e-2f, 1.0f, nl_adamw_defaults(),
-                                       &res, &err),
+        CHECK_OK(nl_trainer_step_local(t, tok, tgt, B, T, 1, 1e-2f, 1.0f, nl_adamw_defaults(), &res,
+                                       &err),
                  &err);
     }
     be->mem_stats(be, NULL, &peak);

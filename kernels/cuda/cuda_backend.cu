@@ -49,10 +49,10 @@ extern "C" {
 #include "cuda_attention.h"
 #include "cuda_attention_bwd.h"
 #include "cuda_backward.h"
-#include "cuda_mixed.h"
 #include "cuda_comm.h"
 #include "cuda_family.h"
 #include "cuda_gemm_plan.h"
+#include "cuda_mixed.h"
 #include "cuda_moe.h"
 #include "cuda_ops.h"
 
@@ -202,11 +202,11 @@ struct cuda_ctx {
      * attention) test for "bf16 mode" */
     int bf16;
     cublasLtHandle_t lt;
-    nl_cuda_bf16_table w;     /* the weight ranges and their bf16 copies */
-    uint16_t *conv;           /* NL_CUDA_BF16_CONV_ELEMS: converted activations */
-    int32_t *tile_start;      /* NL_CUDA_MAX_GROUPS + 1: the grouped GEMMs' tile map */
+    nl_cuda_bf16_table w; /* the weight ranges and their bf16 copies */
+    uint16_t *conv;       /* NL_CUDA_BF16_CONV_ELEMS: converted activations */
+    int32_t *tile_start;  /* NL_CUDA_MAX_GROUPS + 1: the grouped GEMMs' tile map */
     lt_entry lt_cache[NL_CUDA_LT_CACHE];
-    int lt_next;              /* the entry to replace when the cache is full */
+    int lt_next; /* the entry to replace when the cache is full */
 };
 
 cuda_ctx *ctx_of(nl_backend *be)
@@ -615,8 +615,8 @@ lt_entry *lt_lookup(cuda_ctx *c, int ta, int tb, int M, int N, int K, int lda, i
 void lt_gemm(cuda_ctx *c, int ta, int tb, int M, int N, int K, float alpha, const uint16_t *A,
              int lda, const uint16_t *B, int ldb, float beta, float *C, int ldc)
 {
-    lt_entry *e = lt_lookup(c, ta, tb, M, N, K, lda, ldb, ldc, align_of(A), align_of(B),
-                            align_of(C));
+    lt_entry *e =
+        lt_lookup(c, ta, tb, M, N, K, lda, ldb, ldc, align_of(A), align_of(B), align_of(C));
     if (!e)
         return;
     cublasStatus_t s;
@@ -672,14 +672,14 @@ void bf16_piece_gemm(void *arg, const nl_bf16_piece *pc)
     if (pc->new_a) {
         const float *ax = g->ta ? g->A + (size_t)pc->k0 * g->lda + pc->m0
                                 : g->A + (size_t)pc->m0 * g->lda + pc->k0;
-        g->ap = bf16_piece(c, g->aw, g->A, ax, g->ta ? pc->k : pc->m, g->ta ? pc->m : pc->k,
-                           g->lda, c->conv, &g->la);
+        g->ap = bf16_piece(c, g->aw, g->A, ax, g->ta ? pc->k : pc->m, g->ta ? pc->m : pc->k, g->lda,
+                           c->conv, &g->la);
     }
     const size_t a_used = g->aw ? 0
                                 : ((size_t)pc->m * pc->k + NL_CUDA_BF16_SLACK - 1) /
                                       NL_CUDA_BF16_SLACK * NL_CUDA_BF16_SLACK;
-    const float *bx = g->tb ? g->B + (size_t)pc->n0 * g->ldb + pc->k0
-                            : g->B + (size_t)pc->k0 * g->ldb + pc->n0;
+    const float *bx =
+        g->tb ? g->B + (size_t)pc->n0 * g->ldb + pc->k0 : g->B + (size_t)pc->k0 * g->ldb + pc->n0;
     int lb = 0;
     const uint16_t *bp = bf16_piece(c, g->bw, g->B, bx, g->tb ? pc->n : pc->k,
                                     g->tb ? pc->k : pc->n, g->ldb, c->conv + a_used, &lb);
@@ -875,9 +875,8 @@ void cu_gemm_grouped(nl_backend *be, int trans_b, int N, int K, const float *A, 
     cuda_ctx *c = enter(be);
     if (c->bf16 && groups <= NL_CUDA_MAX_GROUPS) { /* tensor cores, one launch */
         launched_shape(c,
-                       nl_cuda_gemm_grouped_bf16(c->stream, trans_b, N, K, A, lda, B, ldb,
-                                                 b_stride, C, ldc, offsets, groups, max_rows,
-                                                 c->tile_start),
+                       nl_cuda_gemm_grouped_bf16(c->stream, trans_b, N, K, A, lda, B, ldb, b_stride,
+                                                 C, ldc, offsets, groups, max_rows, c->tile_start),
                        "gemm_grouped (bf16) (N %d K %d groups %d max_rows %d)", N, K, groups,
                        max_rows);
         return;
@@ -1023,8 +1022,8 @@ void cu_adamw(nl_backend *be, float *p, const float *g, float *m, float *v, size
     uint16_t *copy = c->bf16 ? nl_cuda_bf16_adamw_copy(&c->w, p, n) : NULL;
     if (copy) {
         launched_shape(c,
-                       nl_cuda_adamw_bf16(c->stream, p, copy, g, m, v, n, lr, b1, b2, eps, wd,
-                                          bc1, bc2, grad_scale),
+                       nl_cuda_adamw_bf16(c->stream, p, copy, g, m, v, n, lr, b1, b2, eps, wd, bc1,
+                                          bc2, grad_scale),
                        "adamw (bf16) (n %zu)", n);
         return;
     }

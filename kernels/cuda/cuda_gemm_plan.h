@@ -32,10 +32,10 @@ typedef struct nl_lt_matrix {
 } nl_lt_matrix;
 
 typedef struct nl_lt_plan {
-    int m, n, k;        /* cuBLASLt's: op(a) is m x k, op(b) k x n, c m x n */
-    nl_lt_matrix a;     /* our B */
-    nl_lt_matrix b;     /* our A */
-    nl_lt_matrix c;     /* our C (and D) */
+    int m, n, k;    /* cuBLASLt's: op(a) is m x k, op(b) k x n, c m x n */
+    nl_lt_matrix a; /* our B */
+    nl_lt_matrix b; /* our A */
+    nl_lt_matrix c; /* our C (and D) */
 } nl_lt_plan;
 
 /* Row-major op(A) (M x K), op(B) (K x N), C (M x N), row strides lda,
@@ -69,8 +69,8 @@ static inline nl_lt_plan nl_lt_plan_make(int trans_a, int trans_b, int M, int N,
 /* Piece sizes (*mc, *nc, *kc, each >= 1 and at most M, N, K) such that the
  * scratch a piece needs, a_conv ? mc kc : 0 plus b_conv ? kc nc : 0 bf16
  * elements, is at most cap (cap >= 2). */
-static inline void nl_bf16_chunks(int M, int N, int K, int a_conv, int b_conv, size_t cap,
-                                  int *mc, int *nc, int *kc)
+static inline void nl_bf16_chunks(int M, int N, int K, int a_conv, int b_conv, size_t cap, int *mc,
+                                  int *nc, int *kc)
 {
     size_t m = (size_t)M, n = (size_t)N, k = (size_t)K;
     if (a_conv && b_conv) {

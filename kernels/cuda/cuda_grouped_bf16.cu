@@ -22,8 +22,8 @@
  * group's rows or the matrix read 0, stores go through a per-warp staging
  * tile with bounds checks. Not yet tuned or run on a GPU: no cp.async, no
  * wgmma; cuBLASLt's dense kernels are faster per FLOP. */
-#include "cuda_mixed.h"
 #include "cuda_mixed.cuh"
+#include "cuda_mixed.h"
 
 #include "../elem.h"
 
@@ -47,7 +47,7 @@ constexpr int cmax(int a, int b)
     return a > b ? a : b;
 }
 /* a slice tile in shared memory: BM (or BN) rows of BK, or BK rows of BM (BN), padded */
-constexpr int TILE_ELEMS = cmax(cmax(BM, BN) * (BK + PAD), BK * (cmax(BM, BN) + PAD));
+constexpr int TILE_ELEMS = cmax(cmax(BM, BN) * (BK + PAD), BK *(cmax(BM, BN) + PAD));
 constexpr unsigned MAX_GRID_YZ = 65535;
 
 /* A tile of OUTER x INNER floats, INNER the contiguous dimension in global
@@ -178,9 +178,8 @@ __device__ __forceinline__ void block_tile(int M, int N, int K, int m0, int n0, 
  * grid's rows walk the map's tiles. */
 template <bool TB>
 __global__ void __launch_bounds__(THREADS)
-    grouped_kernel(int N, int K, const float *A, int lda, const float *B, int ldb,
-                   size_t b_stride, float *C, int ldc, const int32_t *offsets,
-                   const int32_t *tile_start, int groups)
+    grouped_kernel(int N, int K, const float *A, int lda, const float *B, int ldb, size_t b_stride,
+                   float *C, int ldc, const int32_t *offsets, const int32_t *tile_start, int groups)
 {
     __shared__ __align__(32) __nv_bfloat16 As[TILE_ELEMS];
     __shared__ __align__(32) __nv_bfloat16 Bs[TILE_ELEMS];
@@ -212,8 +211,8 @@ __global__ void __launch_bounds__(THREADS)
     const int n0 = (int)blockIdx.x * BN;
     for (int m0 = (int)blockIdx.y * BM; m0 < M; m0 += (int)gridDim.y * BM)
         block_tile<false, false, true>(M, N, rows, m0, n0, A + (size_t)r0 * lda, lda,
-                                       B + (size_t)r0 * ldb, ldb, C + (size_t)g * c_stride, ldc,
-                                       As, Bs, stage);
+                                       B + (size_t)r0 * ldb, ldb, C + (size_t)g * c_stride, ldc, As,
+                                       Bs, stage);
 }
 
 unsigned tiles_of(long n, int t)

@@ -8,8 +8,8 @@
  * Rounding: nl_elem_to_bf16 (kernels/elem.h), the CPU's rule, so a copy
  * made here holds the bits cpu_bf16.c makes. No atomics, no dynamic shared
  * memory, no allocation. */
-#include "cuda_mixed.h"
 #include "cuda_mixed.cuh"
+#include "cuda_mixed.h"
 
 #include "../elem.h"
 
@@ -199,13 +199,13 @@ extern "C" int nl_cuda_to_bf16_rows(void *stream, uint16_t *dst, int ld_dst, con
     const unsigned cx = (unsigned)((cols + CONV_THREADS - 1) / CONV_THREADS);
     const dim3 grid(cx < 64 ? cx : 64, rows < 65535 ? (unsigned)rows : 65535u);
     to_bf16_rows_kernel<<<grid, CONV_THREADS, 0, (cudaStream_t)stream>>>(dst, ld_dst, src, ld_src,
-                                                                        rows, cols);
+                                                                         rows, cols);
     return launched();
 }
 
-extern "C" int nl_cuda_adamw_bf16(void *stream, float *p, uint16_t *copy, const float *g,
-                                  float *m, float *v, size_t n, float lr, float b1, float b2,
-                                  float eps, float wd, float bc1, float bc2, float grad_scale)
+extern "C" int nl_cuda_adamw_bf16(void *stream, float *p, uint16_t *copy, const float *g, float *m,
+                                  float *v, size_t n, float lr, float b1, float b2, float eps,
+                                  float wd, float bc1, float bc2, float grad_scale)
 {
     if (n == 0)
         return 0;

@@ -30,11 +30,16 @@ namespace nvcuda
 namespace wmma
 {
 
-struct row_major {};
-struct col_major {};
-struct matrix_a {};
-struct matrix_b {};
-struct accumulator {};
+struct row_major {
+};
+struct col_major {
+};
+struct matrix_a {
+};
+struct matrix_b {
+};
+struct accumulator {
+};
 enum layout_t { mem_row_major, mem_col_major };
 
 inline float emu_value(float v)
@@ -65,8 +70,9 @@ inline void fill_fragment(fragment<Use, M, N, K, T, L> &f, float v)
 inline void emu_check_ptr(const void *p, unsigned ldm, size_t elem)
 {
     if (((uintptr_t)p & 31) != 0 || (ldm * elem) % 16 != 0) {
-        fprintf(stderr, "cuda_emu: wmma: pointer %p (must be 32-byte aligned) or ldm %u (must "
-                        "be a multiple of 16 bytes) breaks WMMA's rules\n",
+        fprintf(stderr,
+                "cuda_emu: wmma: pointer %p (must be 32-byte aligned) or ldm %u (must "
+                "be a multiple of 16 bytes) breaks WMMA's rules\n",
                 p, ldm);
         abort();
     }
@@ -79,8 +85,9 @@ inline void load_matrix_sync(fragment<Use, M, N, K, T, L> &f, const P *p, unsign
     typedef fragment<Use, M, N, K, T, L> F;
     for (int r = 0; r < F::R; r++)
         for (int c = 0; c < F::C; c++)
-            f.x[r * F::C + c] = emu_value(std::is_same<L, row_major>::value ? p[(size_t)r * ldm + c]
-                                                                             : p[r + (size_t)c * ldm]);
+            f.x[r * F::C + c] =
+                emu_value(std::is_same<L, row_major>::value ? p[(size_t)r * ldm + c]
+                                                            : p[r + (size_t)c * ldm]);
 }
 
 template <int M, int N, int K>

@@ -77,8 +77,8 @@ uint16_t ref_bf16(float x)
         return (uint16_t)(u >> 16);
     const double dl = fabs((double)x - (double)from_bits(lo));
     /* hi may be inf (0x7f800000): its distance is to 2^128 */
-    const double hv = (hi & 0x7fffffffu) == 0x7f800000u ? ldexp(x < 0 ? -1.0 : 1.0, 128)
-                                                         : (double)from_bits(hi);
+    const double hv =
+        (hi & 0x7fffffffu) == 0x7f800000u ? ldexp(x < 0 ? -1.0 : 1.0, 128) : (double)from_bits(hi);
     const double dh = fabs((double)x - hv);
     if (dl < dh)
         return (uint16_t)(lo >> 16);
@@ -91,7 +91,14 @@ uint16_t ref_bf16(float x)
 
 void test_conversion(void)
 {
-    std::vector<float> x = {0.0f, -0.0f, 1.0f, -1.0f, 3.14159265f, 65504.0f, 1e-40f, -1e-45f,
+    std::vector<float> x = {0.0f,
+                            -0.0f,
+                            1.0f,
+                            -1.0f,
+                            3.14159265f,
+                            65504.0f,
+                            1e-40f,
+                            -1e-45f,
                             from_bits(0x3f808000u), /* 1 + 2^-8: a tie, stays 1 (even) */
                             from_bits(0x3f818000u), /* a tie, rounds up to the even 0x3f82 */
                             from_bits(0x3f808001u), /* just past a tie: up */
@@ -99,10 +106,14 @@ void test_conversion(void)
                             from_bits(0x7f7fffffu), /* FLT_MAX: rounds to inf */
                             from_bits(0x7f7f7fffu), /* below the halfway point: finite */
                             from_bits(0x7f7f8000u), /* the halfway point, odd: up to inf */
-                            from_bits(0xff7fffffu), INFINITY, -INFINITY,
+                            from_bits(0xff7fffffu),
+                            INFINITY,
+                            -INFINITY,
                             from_bits(0x7fc00000u), /* quiet NaN */
                             from_bits(0x7f800001u), /* signalling NaN: must stay a NaN */
-                            from_bits(0xffffffffu), from_bits(0x807fffffu), from_bits(0x00008000u)};
+                            from_bits(0xffffffffu),
+                            from_bits(0x807fffffu),
+                            from_bits(0x00008000u)};
     for (int i = 0; i < 20000; i++)
         x.push_back(from_bits(next32()));
     const size_t n = x.size();
@@ -113,7 +124,8 @@ void test_conversion(void)
         const uint16_t r = ref_bf16(x[i]);
         if (got[i + 1] != r || nl_elem_to_bf16(x[i]) != r) {
             if (bad++ < 5)
-                fprintf(stderr, "to_bf16(%a = 0x%08x): kernel 0x%04x, elem 0x%04x, reference 0x%04x\n",
+                fprintf(stderr,
+                        "to_bf16(%a = 0x%08x): kernel 0x%04x, elem 0x%04x, reference 0x%04x\n",
                         (double)x[i], bits(x[i]), got[i + 1], nl_elem_to_bf16(x[i]), r);
         }
         if (isnan(x[i]) != isnan(nl_elem_from_bf16(got[i + 1])))
@@ -220,8 +232,8 @@ void test_refresh(void)
                           0.05f, 1.0f);
             float gk = 1e-3f * (i + 1);
             uint16_t ck = 0;
-            nl_cuda_adamw_bf16(nullptr, &pk, &ck, &gk, &mk, &vk, 1, 1e-2f, 0.9f, 0.95f, 1e-8f,
-                               0.1f, 0.1f, 0.05f, 1.0f);
+            nl_cuda_adamw_bf16(nullptr, &pk, &ck, &gk, &mk, &vk, 1, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f,
+                               0.1f, 0.05f, 1.0f);
             close &= fabsf(pk - pp) <= 1e-6f * fabsf(pp) && ck == ref_bf16(pk);
         }
         CHECK(close, "adamw_bf16: the FP32 update of nl_elem_adamw and its bf16");
@@ -275,14 +287,14 @@ void test_refresh(void)
 
 void test_tile_map(void)
 {
-    const int cases[][2] = {{1, 1}, {8, 0}, {8, 5}, {8, 300}, {3, 129}, {300, 7}, {700, 40},
-                            {256, 1000}, {257, 3}};
+    const int cases[][2] = {{1, 1},   {8, 0},    {8, 5},      {8, 300}, {3, 129},
+                            {300, 7}, {700, 40}, {256, 1000}, {257, 3}};
     for (const auto &cs : cases) {
         const int G = cs[0], scale = cs[1];
         std::vector<int32_t> off(G + 1, 0);
         for (int gi = 0; gi < G; gi++) {
             const int kind = irand(4); /* empty, one row, a tile's worth, random */
-            const int rows = scale == 0 ? 0
+            const int rows = scale == 0  ? 0
                              : kind == 0 ? 0
                              : kind == 1 ? 1
                              : kind == 2 ? 128 * (1 + irand(2))
@@ -313,7 +325,8 @@ void test_tile_map(void)
             CHECK(found, "tile map G %d tile %d: lookup", G, TR);
             CHECK(nl_cuda_tile_bound(G, max_rows, -1, TR) >= total &&
                       nl_cuda_tile_bound(G, max_rows, off[G], TR) >= total,
-                  "tile bound G %d: %ld, %ld < %d tiles", G, nl_cuda_tile_bound(G, max_rows, -1, TR),
+                  "tile bound G %d: %ld, %ld < %d tiles", G,
+                  nl_cuda_tile_bound(G, max_rows, -1, TR),
                   nl_cuda_tile_bound(G, max_rows, off[G], TR), total);
         }
     }
@@ -435,7 +448,8 @@ void wgrad_case(int M, int N, const std::vector<int> &counts)
         snprintf(what, sizeof what, "wgrad M %d N %d group %d of %d (%d rows)", M, N, gi, G,
                  counts[gi]);
         if (counts[gi] == 0)
-            CHECK(memcmp(&C[gi * c_stride], &C0[gi * c_stride], (size_t)M * ldc * sizeof(float)) == 0,
+            CHECK(memcmp(&C[gi * c_stride], &C0[gi * c_stride], (size_t)M * ldc * sizeof(float)) ==
+                      0,
                   "%s: an empty group's C changed", what);
         else
             CHECK(rows_close(&C[gi * c_stride], ref.data(), M, N, ldc, 1e-5, what), "%s", what);
@@ -450,11 +464,11 @@ void wgrad_case(int M, int N, const std::vector<int> &counts)
 void test_grouped(void)
 {
     grouped_case(1, 40, 48, {0, 1, 130, 7, 0, 64}, 0); /* empty, one row, > one tile */
-    grouped_case(0, 70, 33, {5, 0, 129, 2}, 0);         /* odd widths, a 2-tile group */
-    grouped_case(1, 16, 16, {200, 3}, 60);               /* max_rows below the truth */
-    grouped_case(1, 8, 5, {0, 0, 0}, 4);                 /* every group empty */
-    wgrad_case(40, 70, {0, 1, 37, 150});                 /* empty, one row, > a slice */
-    wgrad_case(130, 33, {9, 0});                         /* M past one tile */
+    grouped_case(0, 70, 33, {5, 0, 129, 2}, 0);        /* odd widths, a 2-tile group */
+    grouped_case(1, 16, 16, {200, 3}, 60);             /* max_rows below the truth */
+    grouped_case(1, 8, 5, {0, 0, 0}, 4);               /* every group empty */
+    wgrad_case(40, 70, {0, 1, 37, 150});               /* empty, one row, > a slice */
+    wgrad_case(130, 33, {9, 0});                       /* M past one tile */
     /* bad shapes are refused, nothing launched */
     const long before = emu_launch_count();
     CHECK(nl_cuda_gemm_grouped_bf16(nullptr, 1, -1, 4, nullptr, 4, nullptr, 4, 0, nullptr, 4,
