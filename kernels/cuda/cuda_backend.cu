@@ -501,12 +501,15 @@ void cu_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int K, floa
  * workspace (the one stream orders the two libraries' use of it). Where
  * cuBLASLt offers no algorithm, cublasGemmEx computes the same thing. */
 
-/* the alignment of p in bytes, as cuBLASLt's preference counts it (<= 256) */
+/* The alignment of p in bytes for cuBLASLt's preference, at most 16 (its
+ * kernels' widest vector access): the preference is a guaranteed minimum,
+ * and capping it keeps the cache's keys few (operands at different offsets
+ * of the weights share an entry). */
 unsigned align_of(const void *p)
 {
     const uintptr_t u = (uintptr_t)p;
     unsigned a = 1;
-    while (a < 256 && !(u & a))
+    while (a < 16 && !(u & a))
         a <<= 1;
     return a;
 }
