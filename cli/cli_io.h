@@ -28,8 +28,9 @@ int nl_cli_parse_ids(const char *s, int32_t **out);
 #define NL_CLI_TF32_FLAG                                                                           \
     {"tf32", 0, "GPU GEMMs may use TF32 tensor-core math (default: FP32)", NULL}
 #define NL_CLI_PRECISION_FLAG                                                                      \
-    {"precision", 1, "P: GEMM precision, fp32 (default) or bf16 (CPU with AVX512-BF16 or AMX; "    \
-     "FP32 master weights, accumulation, norms, softmax, loss and optimizer)", NULL}
+    {"precision", 1, "P: GEMM precision, fp32 (default) or bf16 (CPU with AVX512-BF16 or AMX, "    \
+     "or a CUDA GPU of compute capability 8.0 or newer; FP32 master weights, accumulation, "      \
+     "norms, softmax, loss and optimizer)", NULL}
 /* clang-format on */
 
 /* Read --device (and --tf32 and --precision when the table has them) into

@@ -219,6 +219,7 @@ void nl_selftest_line(nl_selftest *c, int ok, const char *check, const char *sha
 /* Close a check: the target's queue must be clean, then err <= tol. */
 void nl_selftest_done(nl_selftest *c, const char *check, const char *shape, double err, double tol)
 {
+    tol = nl_selftest_bf16_tol(c, check, tol);
     nl_error e = {0};
     nl_backend *t = c->be[1];
     nl_status st = t->sync(t, &e);
@@ -868,9 +869,14 @@ int nl_cmd_selftest(int argc, char **argv)
         {"threads", 1, "CPU worker threads of both backends (default: all cores)", NULL},
         {"seed", 1, "seed of the random inputs and the model (default 1)", NULL},
         {"tf32", 0, "allow TF32 in the target's GEMM (looser GEMM and model tolerances)", NULL},
+        {"precision", 1,
+         "P: the target's GEMM precision, fp32 (default) or bf16 (bf16 tolerances, "
+         "cli/selftest_bf16.c)",
+         NULL},
         {0}};
     const char *usage =
-        "neuroctl selftest --device D [--ref cpu] [--threads N] [--seed S] [--tf32]";
+        "neuroctl selftest --device D [--ref cpu] [--threads N] [--seed S] [--tf32] "
+        "[--precision fp32|bf16]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc == 1)
         printf("\nEvery slot of D against the reference on random inputs, then a small model's\n"
@@ -898,21 +904,28 @@ int nl_cmd_selftest(int argc, char **argv)
         fprintf(stderr, "neuroctl selftest: %s\n", err.msg);
         return 2;
     }
-    nl_selftest c = {.tf32 = nl_args_get(flags, "tf32") != NULL, .lr_scale = 1.0f};
+    const char *prec = nl_args_get(flags, "precision");
+    if (prec && strcmp(prec, "fp32") != 0 && strcmp(prec, "bf16") != 0) {
+        fprintf(stderr, "neuroctl selftest: --precision %s: not fp32 or bf16\n", prec);
+        return 2;
+    }
+    nl_selftest c = {.tf32 = nl_args_get(flags, "tf32") != NULL,
+                     .bf16 = prec && strcmp(prec, "bf16") == 0,
+                     .lr_scale = 1.0f};
     const char *lr_scale = getenv("NL_TEST_SELFTEST_LR_SCALE"); /* test hook */
     if (lr_scale)
         c.lr_scale = (float)atof(lr_scale);
     nl_rng_seed(&c.rng, (uint64_t)seed, 0);
     if (nl_backend_new(&c.be[0], ref, &(nl_backend_opts){.threads = (int)threads}, &err) != NL_OK ||
         nl_backend_new(&c.be[1], device,
-                       &(nl_backend_opts){.threads = (int)threads, .tf32 = c.tf32},
+                       &(nl_backend_opts){.threads = (int)threads, .tf32 = c.tf32, .bf16 = c.bf16},
                        &err) != NL_OK) {
         fprintf(stderr, "neuroctl selftest: %s (%s)\n", err.msg, nl_status_str(err.status));
         nl_backend_destroy(&c.be[0]);
         return 3;
     }
-    printf("selftest: %s against %s, seed %lld%s\n", c.be[1]->name, c.be[0]->name, seed,
-           c.tf32 ? ", TF32" : "");
+    printf("selftest: %s against %s, seed %lld%s%s\n", c.be[1]->name, c.be[0]->name, seed,
+           c.tf32 ? ", TF32" : "", c.bf16 ? ", bf16 GEMMs" : "");
     forward_ops(&c);
     if (c.be[1]->can_train)
         backward_ops(&c);

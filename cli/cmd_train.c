@@ -404,8 +404,11 @@ static int run_train(const train_opts *o)
         nl_error_set(&err, NL_ERR_IO, "%s: cannot open the log", o->log);
         goto out;
     }
-    nl_mem_opts mo = {
-        .training = 1, .micro_rows = mb * T, .in_flight = 1, .recompute = (int)o->r.recompute};
+    nl_mem_opts mo = {.training = 1,
+                      .micro_rows = mb * T,
+                      .in_flight = 1,
+                      .recompute = (int)o->r.recompute,
+                      .precision = nl_mem_precision(be)};
     nl_mem_estimate me = nl_memory_estimate(&m->cfg, m->cfg.num_layers, 1, 1, &mo);
     if (lo) /* finetune: no moments for the frozen base; the adapters' four buffers instead */
         me.total = me.total - me.moments + (uint64_t)lo->n_params * 4 * sizeof(float);

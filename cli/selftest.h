@@ -31,6 +31,7 @@ typedef struct nl_selftest {
     nl_backend *be[2]; /* 0: reference, 1: target */
     nl_rng rng;
     int tf32;
+    int bf16;       /* --precision bf16: the target's GEMMs in bf16 (selftest_bf16.c) */
     float lr_scale; /* the target's learning rate in the training checks, times this
                        (1; NL_TEST_SELFTEST_LR_SCALE, a test hook, shows they can fail) */
     int passed, failed;
@@ -69,6 +70,9 @@ void nl_selftest_line(nl_selftest *c, int ok, const char *check, const char *sha
  * check's buffers are released. */
 void nl_selftest_done(nl_selftest *c, const char *check, const char *shape, double err, double tol);
 void nl_selftest_release(nl_selftest *c);
+/* A check's tolerance for the target's precision: tol, or with c->bf16 the
+ * check's bf16 tolerance where cli/selftest_bf16.c has one (the larger). */
+double nl_selftest_bf16_tol(const nl_selftest *c, const char *check, double tol);
 
 /* For the checks outside cmd_selftest.c: a buffer of `bytes` on both
  * backends holding `host` (zeros when NULL; on failure c->oom is set and

@@ -271,7 +271,8 @@ static void check_layer(nl_selftest *c, model_side ms[2], uint64_t seed)
     const nl_config *cfg = &ms[0].m->cfg;
     const int N = MB * MT, d = cfg->hidden_dim, k = cfg->top_k;
     const size_t nd = (size_t)N * d, np = ms[0].m->n_params;
-    const double tol_x = c->tf32 ? 1e-2 : TOL_RED, tol_g = c->tf32 ? 1e-2 : TOL_TRAIN_W;
+    const double tol_x = nl_selftest_bf16_tol(c, "layer_forward", c->tf32 ? 1e-2 : TOL_RED),
+                 tol_g = nl_selftest_bf16_tol(c, "layer_backward_dx", c->tf32 ? 1e-2 : TOL_TRAIN_W);
     char shape[80];
     snprintf(shape, sizeof shape, "B=%d T=%d d=%d E=%d k=%d", MB, MT, d, cfg->num_experts, k);
     nl_layer_acts a[2] = {{0}};
@@ -354,7 +355,8 @@ static void check_train_steps(nl_selftest *c, model_side ms[2], uint64_t seed)
     enum { STEPS = 3, B = 4, T = 16, M = 2 };
     const nl_config *cfg = &ms[0].m->cfg;
     const size_t np = ms[0].m->n_params;
-    const double tol_l = c->tf32 ? 1e-2 : TOL_TRAIN_LOSS, tol_w = c->tf32 ? 1e-2 : TOL_TRAIN_W;
+    const double tol_l = nl_selftest_bf16_tol(c, "train_loss", c->tf32 ? 1e-2 : TOL_TRAIN_LOSS),
+                 tol_w = c->tf32 ? 1e-2 : TOL_TRAIN_W; /* train_weights: nl_selftest_done's */
     char shape[80];
     snprintf(shape, sizeof shape, "steps=%d B=%d T=%d M=%d L=%d", STEPS, B, T, M, cfg->num_layers);
     nl_trainer *tr[2] = {0};
@@ -399,7 +401,8 @@ void nl_selftest_model(nl_selftest *c, uint64_t seed)
     model_config(&cfg);
     model_side ms[2];
     nl_error e = {0};
-    const double tol = c->tf32 ? 1e-2 : 1e-5, tie = c->tf32 ? 1e-3 : NEAR_TIE;
+    const double tol = nl_selftest_bf16_tol(c, "model_logits", c->tf32 ? 1e-2 : 1e-5),
+                 tie = nl_selftest_bf16_tol(c, "near_tie", c->tf32 ? 1e-3 : NEAR_TIE);
     int ok = 1;
     for (int s = 0; s < 2 && ok; s++)
         ok = side_new(&ms[s], c->be[s], &cfg, seed, &e) == NL_OK;

@@ -24,6 +24,37 @@ static uint64_t routing_host_bytes(const nl_config *c, uint64_t N)
     return 4 * (N * E + 4 * N * k + 3 * E + 1);
 }
 
+int nl_mem_precision(const nl_backend *be)
+{
+    return !be || !be->bf16 ? NL_MEM_FP32 : be->host_memory ? NL_MEM_BF16 : NL_MEM_BF16_DEVICE;
+}
+
+static uint64_t max3(uint64_t a, uint64_t b, uint64_t c)
+{
+    const uint64_t m = a > b ? a : b;
+    return m > c ? m : c;
+}
+
+/* The CPU backend's bf16 operand buffers (cpu_bf16.c: one for A, one for
+ * B, grown to the largest converted operand): A is an activation of N rows
+ * (the input of a projection; in training also the gradient of an output,
+ * the head's logits among them), B only in a weight gradient (the input
+ * of the projection). */
+static uint64_t bf16_host_scratch(const nl_config *c, uint64_t N, int training, int has_head)
+{
+    const uint64_t d = (uint64_t)c->hidden_dim, hd = (uint64_t)nl_config_head_dim(c);
+    const uint64_t q = (uint64_t)c->num_heads * hd, F = (uint64_t)c->ffn_dim;
+    const uint64_t qkv = q + 2 * (uint64_t)c->num_kv_heads * hd;
+    uint64_t wa = max3(d, q, F), wb = 0;
+    if (training) {
+        wa = max3(wa, qkv, 2 * F);
+        if (has_head && (uint64_t)c->vocab_size > wa)
+            wa = (uint64_t)c->vocab_size;
+        wb = max3(d, q, F);
+    }
+    return 2 * N * (wa + wb);
+}
+
 nl_mem_estimate nl_memory_estimate(const nl_config *c, int n_layers, int has_embed, int has_head,
                                    const nl_mem_opts *o)
 {
@@ -60,6 +91,11 @@ nl_mem_estimate nl_memory_estimate(const nl_config *c, int n_layers, int has_emb
         e.workspace = acts + nl_layer_scratch_floats(c, (int)N) * 4 + 4 * N * (2 * d + 3) +
                       4 * N * 4 + routing_host_bytes(c, N) * (1 + (o->recompute ? 0 : slots * L));
     }
-    e.total = e.weights + e.grads + e.moments + e.activations + e.kv_cache + e.workspace + e.runtime;
+    if (o->precision != NL_MEM_FP32)
+        e.bf16_copies = 2 * P;
+    if (o->precision == NL_MEM_BF16)
+        e.workspace += bf16_host_scratch(c, N, o->training, has_head);
+    e.total = e.bf16_copies + e.weights + e.grads + e.moments + e.activations + e.kv_cache +
+              e.workspace + e.runtime;
     return e;
 }

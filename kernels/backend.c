@@ -146,11 +146,6 @@ nl_status nl_backend_new(nl_backend **out, const char *device, const nl_backend_
         return st;
     if (o->threads < 0)
         return nl_error_set(err, NL_ERR_INVALID, "threads: %d is negative", o->threads);
-    if (o->bf16 && strncmp(device, "cuda:", 5) == 0)
-        return nl_error_set(err, NL_ERR_UNSUPPORTED,
-                            "%s: bf16 compute is not implemented on CUDA yet; use --precision fp32 "
-                            "(or --tf32) there, or --device cpu",
-                            device);
     if (strcmp(device, "cpu") == 0)
         return nl_cpu_backend_new(out, o, err);
     if (strcmp(device, "cpu-devsim") == 0)

@@ -351,9 +351,11 @@ struct nl_backend {
 typedef struct nl_backend_opts {
     int threads; /* CPU worker threads (0: all cores) */
     int tf32;    /* CUDA: allow TF32 tensor-core math in GEMM (default: FP32) */
-    /* GEMMs in bf16 with FP32 accumulation (default: FP32). CPU only, and
-     * only where the CPU has AVX512-BF16 or AMX (oneDNN's ISA query):
-     * nl_backend_new refuses it elsewhere with NL_ERR_UNSUPPORTED. */
+    /* GEMMs in bf16 with FP32 accumulation (default: FP32). On the CPU
+     * only where it has AVX512-BF16 or AMX (oneDNN's ISA query); on CUDA
+     * from compute capability 8.0 (cuBLASLt and tensor-core grouped GEMMs,
+     * kernels/cuda/cuda_mixed.h): nl_backend_new refuses it elsewhere with
+     * NL_ERR_UNSUPPORTED. */
     int bf16;
 } nl_backend_opts;
 

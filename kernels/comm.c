@@ -253,5 +253,14 @@ nl_status nl_comm_broadcast(nl_comm *c, float *const *buf, size_t n, int root, n
     if (root < 0 || root >= c->n)
         return nl_error_set(err, NL_ERR_RANGE, "%s broadcast: root %d of %d replicas", c->name,
                             root, c->n);
-    return c->n == 1 ? NL_OK : c->broadcast(c, buf, n, root, err);
+    if (c->n == 1)
+        return NL_OK;
+    st = c->broadcast(c, buf, n, root, err);
+    /* a collective writes device memory by a way no slot sees (NCCL): any
+     * bf16 copy of it is stale on the receivers (the host path's uploads
+     * already said so; saying it twice costs nothing) */
+    for (int r = 0; st == NL_OK && r < c->n; r++)
+        if (r != root && c->be[r]->wrote)
+            c->be[r]->wrote(c->be[r], buf[r], n * sizeof(float));
+    return st;
 }

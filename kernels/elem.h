@@ -242,4 +242,32 @@ NL_HD void nl_elem_adamw(float *p, float *m, float *v, float g, float lr, float 
     *p -= lr * (mi / bc1 / (sqrtf(vi / bc2) + eps) + wd * *p);
 }
 
+/* ---------------------------------------------------------------- bf16 */
+
+/* FP32 to bf16 bits by round-to-nearest-even: the top 16 bits after adding
+ * 0x7fff plus the lowest kept bit. A value that rounds past the largest
+ * finite bf16 becomes inf (as IEEE rounding does); inf stays inf; a NaN
+ * stays a NaN of the same sign, made quiet (bit 6 of the bf16, the top
+ * mantissa bit, set), since rounding could carry a signalling NaN's
+ * payload into the exponent and make it inf. The same bits as the CPU's
+ * _mm512_cvtneps_pbh and CUDA's __float2bfloat16_rn for every non-NaN. */
+NL_HD uint16_t nl_elem_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* bf16 bits to FP32 (exact). */
+NL_HD float nl_elem_from_bf16(uint16_t h)
+{
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 #endif

@@ -61,7 +61,7 @@ typedef struct nl_node_opts {
     bool plaintext;              /* INSECURE: no CURVE on any socket */
     const char *device;          /* "cpu", "cpu-devsim" or "cuda:N"; a list makes replicas */
     int tf32;                    /* GPU GEMMs may use TF32 */
-    int bf16;                    /* --precision bf16: CPU GEMMs in bf16 */
+    int bf16;                    /* --precision bf16: GEMMs in bf16 (CPU or CUDA) */
     const char *listen;          /* data endpoint to bind; NULL = tcp://127.0.0.1:* */
     const char *name;            /* log name; NULL = "node-<id>" once accepted */
     uint64_t memory_bytes;       /* offered to the coordinator; 0 on a GPU: its free memory */

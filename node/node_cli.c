@@ -235,8 +235,8 @@ int nl_node_cli(int argc, char **argv, nl_node_opts *o, char *coord_key, nl_keyp
          NULL},
         {"tf32", 0, "GPU GEMMs may use TF32 tensor-core math (default: FP32)", NULL},
         {"precision", 1,
-         "P: GEMM precision, fp32 (default) or bf16 (CPU with AVX512-BF16 or AMX; FP32 master "
-         "weights, accumulation and optimizer)",
+         "P: GEMM precision, fp32 (default) or bf16 (CPU with AVX512-BF16 or AMX, or a CUDA GPU "
+         "of compute capability 8.0 or newer; FP32 master weights, accumulation and optimizer)",
          NULL},
         {"reserve", 1,
          "SIZE: a GPU's memory kept free, not offered (default: 256M or 5% of the device, "

@@ -187,10 +187,10 @@ static int rows_limit(const nl_stage *s)
 {
     const nl_model *m = s->model;
     const int probe = 1024;
-    nl_mem_opts mo = {.micro_rows = probe};
+    nl_mem_opts mo = {.micro_rows = probe, .precision = nl_mem_precision(s->be)};
     nl_mem_estimate e = nl_memory_estimate(&m->cfg, m->l1 - m->l0, m->has_embed, m->has_head, &mo);
     uint64_t per_row = (e.activations + e.workspace) / probe + 4 * (uint64_t)m->cfg.hidden_dim + 4;
-    uint64_t fixed = e.weights + e.runtime + s->o.kv_budget;
+    uint64_t fixed = e.weights + e.bf16_copies + e.runtime + s->o.kv_budget;
     uint64_t rows = s->o.memory_bytes > fixed ? (s->o.memory_bytes - fixed) / per_row : 0;
     if (rows < (uint64_t)m->cfg.max_seq_len) {
         NL_WARN("stage: --memory leaves room for %llu rows of activations; allowing one sequence "

@@ -301,7 +301,8 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_msg_job_submit *j, uint64_t 
     nl_mem_opts mo = {.training = 1,
                       .micro_rows = (int)(mbB * T),
                       .in_flight = rslots,
-                      .recompute = (int)recompute};
+                      .recompute = (int)recompute,
+                      .precision = nl_mem_precision(s->be)};
     nl_mem_estimate me = nl_memory_estimate(&m->cfg, m->l1 - m->l0, m->has_embed, m->has_head, &mo);
     if (m->lora) /* fine-tuning: no moments for the frozen base (the adapters' are small) */
         me.total -= me.moments;

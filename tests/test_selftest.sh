@@ -11,6 +11,10 @@
 #   no-cuda  without a usable GPU, selftest --device cuda:0 exits 3 within
 #            a few seconds, without a signal, naming "no CUDA" (device or
 #            backend); an exit 0 means a GPU is present, which passes too.
+#   bf16     cpu-devsim with --precision bf16 against cpu (FP32): passes
+#            with the bf16 tolerances (cli/selftest_bf16.c), the training
+#            checks among them; skipped (77) on a CPU without AVX512-BF16.
+#   cuda-bf16  cuda:0 with --precision bf16 against cpu: as cuda.
 set -uo pipefail
 NEUROCTL="$NL_BUILD_DIR/cli/neuroctl"
 MODE="${1:-}"
@@ -83,8 +87,31 @@ no-cuda)
     fi
     echo "clean failure in ${ms} ms"
     ;;
+bf16 | cuda-bf16)
+    dev=cpu-devsim
+    [ "$MODE" = cuda-bf16 ] && dev=cuda:0
+    "$NEUROCTL" selftest --device "$dev" --precision bf16 --threads 2 >"$W/out" 2>"$W/err"
+    rc=$?
+    cat "$W/out" "$W/err"
+    if [ "$rc" -eq 3 ] && grep -q "no CUDA\|AVX512-BF16" "$W/err" && [ "${NL_REQUIRE_DEVICE:-0}" != 1 ]; then
+        echo "skipped: no bf16 on $dev here"
+        exit 77
+    fi
+    read -r passed failed <<<"$(summary)"
+    if [ "$rc" -ne 0 ] || [ "${failed:-x}" != 0 ] || [ "${passed:-0}" -lt 60 ] ||
+        ! grep -q "bf16 GEMMs" "$W/out"; then
+        echo "FAIL: selftest --device $dev --precision bf16: exit $rc, ${passed:-?} passed, ${failed:-?} failed" >&2
+        exit 1
+    fi
+    for check in gemm gemm_grouped model_logits train_loss train_weights; do
+        if ! grep -q "^ok  *$check " "$W/out"; then
+            echo "FAIL: selftest --device $dev --precision bf16 has no passing $check line" >&2
+            exit 1
+        fi
+    done
+    ;;
 *)
-    echo "usage: test_selftest.sh devsim|cuda|no-cuda" >&2
+    echo "usage: test_selftest.sh devsim|cuda|no-cuda|bf16|cuda-bf16" >&2
     exit 2
     ;;
 esac

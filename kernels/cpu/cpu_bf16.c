@@ -11,6 +11,8 @@
  * (relative error at most 2^-8 per element); products and sums are FP32. */
 #include "cpu_ops.h"
 
+#include "../elem.h"
+
 #include <immintrin.h>
 #include <omp.h>
 #include <string.h>
@@ -40,14 +42,11 @@ nl_status nl_cpu_bf16_supported(nl_error *err)
 
 /* ---------------------------------------------------------------- conversion */
 
+/* round to nearest, ties to even; NaN stays a quiet NaN: the rule the
+ * CUDA backend's copies use too (kernels/elem.h) */
 static uint16_t to_bf16(float f)
 {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40); /* NaN stays a (quiet) NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);         /* round to nearest, ties to even */
-    return (uint16_t)(u >> 16);
+    return nl_elem_to_bf16(f);
 }
 
 /* n floats to bf16 with the CPU's own instruction (rounds the same way);
