@@ -38,6 +38,8 @@
  *   - the model: expert choices as sets per (layer, token), err counts the
  *     differences away from near-ties (k-th and (k+1)-th probabilities
  *     within 1e-5, reported as notes); greedy ids, err counts differences.
+ *   - attention_backward: dq, dk, dv each against its own scale floored at
+ *     1/4 of the largest of the three (at T = 1 dq = dk = 0 up to rounding).
  *   - training: a layer's x_out (1e-5), dx and parameter gradients (1e-4)
  *     scaled as element-wise ops; each step's loss |t - r| / |r| (1e-5);
  *     the weights after the third step max |diff| / max |w| (1e-4). With
@@ -145,11 +147,12 @@ static void *down(nl_selftest *c, const pair *p, int side)
 }
 
 /* Scaled max error of columns [col0, col0 + cols) of `rows` rows of
- * stride `stride`: max |t - r| / max |r| over those elements. */
-static double err_cols(const float *r, const float *t, size_t rows, size_t stride, size_t col0,
-                       size_t cols)
+ * stride `stride`: max |t - r| / max(max |r|, floor) over those elements
+ * (floor 0: the tensor's own scale; see check_attention_backward). */
+static double err_cols_floor(const float *r, const float *t, size_t rows, size_t stride,
+                             size_t col0, size_t cols, double floor)
 {
-    double diff = 0.0, scale = 0.0;
+    double diff = 0.0, scale = floor;
     for (size_t i = 0; i < rows; i++)
         for (size_t j = col0; j < col0 + cols; j++) {
             const float a = r[i * stride + j], b = t[i * stride + j];
@@ -159,6 +162,22 @@ static double err_cols(const float *r, const float *t, size_t rows, size_t strid
             scale = fmax(scale, fabs((double)a));
         }
     return scale > 0.0 ? diff / scale : diff;
+}
+
+static double err_cols(const float *r, const float *t, size_t rows, size_t stride, size_t col0,
+                       size_t cols)
+{
+    return err_cols_floor(r, t, rows, stride, col0, cols, 0.0);
+}
+
+/* max |x| over columns [col0, col0 + cols) of `rows` rows of x */
+static double max_abs_cols(const float *x, size_t rows, size_t stride, size_t col0, size_t cols)
+{
+    double m = 0.0;
+    for (size_t i = 0; i < rows; i++)
+        for (size_t j = col0; j < col0 + cols; j++)
+            m = fmax(m, fabs((double)x[i * stride + j]));
+    return m;
 }
 
 double nl_selftest_err_all(const float *r, const float *t, size_t n)
@@ -670,7 +689,18 @@ static void check_rmsnorm_backward(nl_selftest *c, int N, int C)
 }
 
 /* packed q | k | v rows as in training; out and lse from the reference's
- * forward; dq, dk, dv each judged against its own scale */
+ * forward; dq, dk, dv each judged against its own scale, floored at 1/4
+ * of the largest of the three (as tests/cuda_emu does). Why the floor:
+ * where a query sees one key (T = 1, the first row of every sequence),
+ * p = 1, out = v and ds = scale p (dout.v - dout.out) is 0 but for
+ * rounding, so dq = dk = 0 mathematically. The CPU computes dout.v in
+ * column order and D = dout.out as a SIMD reduction: its ds, dq and dk
+ * are rounding noise (~1e-8); the CUDA kernel computes both dots in the
+ * same order, gets ds = 0 exactly and dq = dk = 0. Judged against their
+ * own scale (the noise) that is err = max|r| / max|r| = 1: the failure
+ * the first H100 run reported for B=3 T=1 H=2 G=2 hd=16 (FP32 and TF32
+ * alike: no GEMM is involved). It is no kernel error; the emulation's
+ * test had this floor from the start. */
 static void check_attention_backward(nl_selftest *c, int B, int T, int H, int G, int hd)
 {
     char shape[80];
@@ -693,9 +723,18 @@ static void check_attention_backward(nl_selftest *c, int B, int T, int H, int G,
                                        D(dout), D(qkv), qs, (const float *)D(qkv) + ko,
                                        (const float *)D(qkv) + vo, qs, D(out), D(lse), s));
     }
-    double e = cmp_cols(c, dqkv, N, qs, 0, ko);
-    e = max2(e, cmp_cols(c, dqkv, N, qs, ko, vo - ko));
-    e = max2(e, cmp_cols(c, dqkv, N, qs, vo, qs - vo));
+    const float *r = down(c, dqkv, 0), *t = down(c, dqkv, 1);
+    double e = INFINITY;
+    if (!c->oom) {
+        const size_t col0[3] = {0, (size_t)ko, (size_t)vo};
+        const size_t cols[3] = {(size_t)ko, (size_t)(vo - ko), (size_t)(qs - vo)};
+        double all = 0.0;
+        for (int i = 0; i < 3; i++)
+            all = fmax(all, max_abs_cols(r, N, qs, col0[i], cols[i]));
+        e = 0.0;
+        for (int i = 0; i < 3; i++)
+            e = max2(e, err_cols_floor(r, t, N, qs, col0[i], cols[i], 0.25 * all));
+    }
     nl_selftest_done(c, "attention_backward", shape, e, TOL_ATTN);
 }
 
