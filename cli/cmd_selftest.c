@@ -47,9 +47,9 @@
  * Tolerances: element-wise 1e-6 (swiglu, rope, moe_combine, adamw, the dy
  * of moe_combine_backward); reductions, norms, softmax, cross-entropy, attention,
  * router probabilities and model logits 1e-5; GEMM 1e-5 sqrt(K). These are
- * the FP32 row of nl_selftest_tols below; --tf32 takes the TF32 row (GEMM
- * 2e-3, router probabilities 2e-3, logits and the layer and training
- * checks 1e-2, train_weights 5e-2).
+ * the FP32 row of nl_selftest_tols (selftest_tols.c); --tf32 takes the
+ * TF32 row (GEMM 2e-3, router probabilities 2e-3, logits and the layer and
+ * training checks 1e-2, train_weights 5e-2).
  *
  * Exit status: 0 all passed, 1 a check failed, 2 usage error, 3 a backend
  * could not be created (e.g. "cuda:0: no CUDA device"), with its message. */
@@ -64,53 +64,6 @@
 #include "selftest.h"
 
 /* ---------------------------------------------------------------- tolerances */
-
-/* One row per precision of the target (selftest.h names the columns).
- * FP32: a reordered fp32 sum, 1e-6 element-wise, 1e-5 for reductions.
- * TF32 (router_probs: the first H100 run's 1.9e-4 with a margin of 10;
- * train_weights: an estimate, not yet measured; bench/gpu_check.sh prints
- * each err):
- *   - gemm 2e-3 of |A||B| (two inputs rounded to 2^-11 each);
- *   - router_probs 2e-3: the router's logits come from a TF32 GEMM, and
- *     softmax passes their absolute error on (1.9e-4 measured against
- *     FP32's 1e-5, which did not account for the GEMM);
- *   - logits 1e-2, a sanity bound: the error of three layers of TF32 GEMMs;
- *   - the layer and training checks 1e-2, train_weights 5e-2 (a model
- *     trained with TF32 GEMMs moves differently by design; the bound
- *     catches a wrong update, not TF32's rounding).
- * Checks without a GEMM (element-wise, reductions, attention: the CUDA
- * attention kernels are fp32 FMA loops) keep the FP32 bounds. */
-const nl_selftest_tols nl_selftest_tols_fp32 = {
-    .name = "FP32",
-    .elem = 1e-6,
-    .red = 1e-5,
-    .attn = 1e-5,
-    .gemm = 1e-5,
-    .gemm_sqrt_k = 1,
-    .router_probs = 1e-5,
-    .logits = 1e-5,
-    .near_tie = 1e-5,
-    .layer_x = 1e-5,
-    .layer_grad = 1e-4,
-    .train_loss = 1e-5,
-    .train_weights = 1e-3,
-};
-
-const nl_selftest_tols nl_selftest_tols_tf32 = {
-    .name = "TF32",
-    .elem = 1e-6,
-    .red = 1e-5,
-    .attn = 1e-5,
-    .gemm = 2e-3,
-    .gemm_sqrt_k = 0,
-    .router_probs = 2e-3,
-    .logits = 1e-2,
-    .near_tie = 1e-3,
-    .layer_x = 1e-2,
-    .layer_grad = 1e-2,
-    .train_loss = 1e-2,
-    .train_weights = 5e-2,
-};
 
 /* The bound of a GEMM over a summed length K. */
 static double tol_gemm(const nl_selftest *c, int K)

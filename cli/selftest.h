@@ -13,7 +13,7 @@
 #include "kernels/backend.h"
 
 /* The tolerance of every check, one row per precision of the target
- * (nl_selftest_tols in cmd_selftest.c; how each err is measured is in
+ * (the rows are in selftest_tols.c; how each err is measured is in
  * cmd_selftest.c's opening comment, the table is also in docs/BENCHMARKS.md).
  * TF32 rounds the GEMMs' inputs to 10 mantissa bits (relative 2^-11, about
  * 5e-4): a check that does not run a GEMM keeps its FP32 bound, one
