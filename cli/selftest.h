@@ -25,8 +25,10 @@ typedef struct nl_selftest_tols {
     double attn;          /* attention forward and backward (no GEMM on the CUDA path) */
     double gemm;          /* gemm: error relative to |A||B|, times sqrt(K) when gemm_sqrt_k */
     int gemm_sqrt_k;      /* times sqrt(K): FP32 sums grow so, TF32 input rounding not */
-    double router_probs;  /* the model's router probabilities (softmax of a GEMM's logits) */
-    double logits;        /* the model's logits and decode logits */
+    double router_probs;  /* the model's router probabilities and aux loss (after a GEMM) */
+    double logits;        /* the model's prefill logits */
+    double decode_logits; /* its decode logits (a decode token's routing is not seen) */
+    double greedy_differ; /* greedy ids that may differ away from near-ties */
     double near_tie;      /* top-k probabilities or logits closer than this: a tie, not judged */
     double layer_x;       /* one layer's x_out */
     double layer_grad;    /* one layer's dx and parameter gradients */

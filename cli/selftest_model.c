@@ -184,7 +184,7 @@ static void check_logits(nl_selftest *c, model_side ms[2], const int32_t *tok, d
     nl_selftest_line(c, nl_selftest_err_all(lg[0], lg[1], (size_t)N * V) <= tol, "model_logits",
                      shape, nl_selftest_err_all(lg[0], lg[1], (size_t)N * V), tol, NULL);
     nl_selftest_done(c, "model_aux_loss", shape,
-                     fabs((double)aux[1] - aux[0]) / fabs((double)aux[0]), c->tol->red);
+                     fabs((double)aux[1] - aux[0]) / fabs((double)aux[0]), c->tol->router_probs);
 }
 
 static int argmax(const float *x, int n, double *gap)
@@ -246,7 +246,7 @@ static void check_decode(nl_selftest *c, model_side ms[2], const int32_t *prompt
         next = id[0];
     }
     nl_selftest_line(c, worst <= tol, "model_decode_logits", shape, worst, tol, NULL);
-    nl_selftest_done(c, "model_greedy_ids", shape, differ, 0);
+    nl_selftest_done(c, "model_greedy_ids", shape, differ, c->tol->greedy_differ);
 }
 
 /* ---------------------------------------------------------------- training */
@@ -500,7 +500,7 @@ void nl_selftest_model(nl_selftest *c, uint64_t seed)
             check_logits(c, ms, tok, tol);
         tok = nl_selftest_ids(c, MT, (int)cfg.vocab_size);
         if (tok)
-            check_decode(c, ms, tok, tol, tie);
+            check_decode(c, ms, tok, c->tol->decode_logits, tie);
         nl_selftest_release(c);
         if (c->be[1]->can_train) {
             check_layer(c, ms, seed);
