@@ -122,7 +122,8 @@ fi
 selftest_figures() { # LOG: the summary line and the failed checks, short
     local s f
     s=$(grep -E '^selftest: [0-9]+ passed' "$1" | tail -1)
-    f=$(grep -E '^FAIL ' "$1" | awk '{printf "%s%s %s", (NR > 1 ? "; " : ""), $2, $NF}' | head -c 400)
+    f=$(grep -E '^FAIL ' "$1" | sed -E 's/^FAIL +([A-Za-z_0-9]+) .*(err=[^ ]+ tol=[^ ]+).*/\1 \2/' |
+        tr '\n' ';' | head -c 400)
     echo "${s:-no summary: $(tail -1 "$1" | head -c 200)}${f:+ | $f}"
 }
 if want b; then
