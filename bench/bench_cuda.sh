@@ -21,7 +21,11 @@
 #      (train_tok_s, train_peak_frac) must be there;
 #   4. a mixed 2-node local cluster (one node on cuda:0, one on cpu): forward
 #      logits within 1e-5 relative of a CPU-only run, greedy generation
-#      equal to it;
+#      equal to it. The nodes report equal throughputs (NL_TEST_GFLOPS=
+#      MIXED_GFLOPS, default 100): the probe ranks a GPU so far above a CPU
+#      that the planner would give it every layer and "mixed" would run on
+#      one device (the first H100 run); the plan is checked (mixed_split:
+#      2 stages, one on each device) and the part fails without it;
 #   5. training (TRAIN_CONFIG, default bench-small; 20 steps, fixed seed):
 #      (a) two local `neuroctl train --device cuda:0` runs of the same job
 #      write byte-identical checkpoints (cmp), their header and log say the
@@ -29,7 +33,8 @@
 #      FP32 are reported, not judged); (b) a 2-node local cluster, one node on
 #      cuda:0 and one on cpu, trains the job with losses within 1e-4 relative
 #      of a cpu,cpu cluster's, step by step (the JSONL logs), and its
-#      manifest names each stage's device and tf32;
+#      manifest names each stage's device and tf32; the split is forced and
+#      checked as in part 4 (train_split);
 #   6. data-parallel replicas, where the machine has 2 or more GPUs
 #      (nvidia-smi -L), else skipped with a line that says so: one node
 #      training TRAIN_CONFIG with --device cuda:0 and with cuda:0,1 (each
@@ -38,7 +43,10 @@
 #      replica, and two runs on two replicas byte-identical.
 # Every command is echoed into OUT/commands.log and its output kept in OUT
 # (default $OUT, else ./bench-cuda-out); OUT/summary.txt has one line per
-# step. Builds into NL_BUILD_DIR (default build-cuda) when the binaries are
+# step. Models, checkpoints, data and cluster directories go to a scratch
+# directory outside OUT (SCRATCH, default a mktemp -d, removed at exit
+# unless KEEP_SCRATCH=1), so OUT holds logs only and a run's record packs
+# into a small archive; the cluster and node logs are copied into OUT. Builds into NL_BUILD_DIR (default build-cuda) when the binaries are
 # not there. Exit status: 0 when every step passed, 1 otherwise.
 #
 # Usage: bench/bench_cuda.sh
@@ -48,7 +56,10 @@
 # BENCH_CUDA_ARGS (extra flags of bench_cuda), REPLICAS (the two-replica
 # device list of part 6; default cuda:0,1 where two GPUs answer),
 # REPLICA_JOB (its job's size: "--steps 12 --batch 16 --seq 128
-# --microbatches 4"), ONLY (a list of parts to run, e.g. "6"; default all).
+# --microbatches 4"), ONLY (a list of parts to run, e.g. "6"; default all),
+# MIXED_GFLOPS (the throughput both nodes of parts 4 and 5 report: 100),
+# SCRATCH, KEEP_SCRATCH, NO_BUILD (1: never build, fail when neuroctl is
+# missing; bench/gpu_check.sh sets it).
 # A dry run of the script
 # without a GPU:
 #   DEVICE=cpu-devsim CONFIGS=tiny CPU_CONFIGS=tiny MIXED_CONFIG=tiny TRAIN_CONFIG=tiny \
@@ -68,6 +79,27 @@ TRAIN_CONFIG=${TRAIN_CONFIG:-bench-small}
 read -r -a BENCH_CUDA_ARGS <<<"${BENCH_CUDA_ARGS:-}"
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
+MIXED_GFLOPS=${MIXED_GFLOPS:-100}
+if [ -n "${SCRATCH:-}" ]; then
+    mkdir -p "$SCRATCH"
+else
+    SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/bench-cuda.XXXXXX")
+fi
+SCRATCH=$(cd "$SCRATCH" && pwd)
+case "$SCRATCH/" in "$OUT"/*)
+    echo "bench_cuda.sh: SCRATCH ($SCRATCH) must not be inside OUT ($OUT)" >&2
+    exit 2
+    ;;
+esac
+# the parts define cleanup (4), cleanup_train (5), cleanup_replicas (6)
+on_exit() {
+    local f
+    for f in cleanup cleanup_train cleanup_replicas; do
+        declare -F $f >/dev/null && $f
+    done
+    [ "${KEEP_SCRATCH:-0}" = 1 ] || rm -rf "$SCRATCH"
+}
+trap on_exit EXIT
 LOG="$OUT/commands.log"
 SUMMARY="$OUT/summary.txt"
 NEUROCTL="$BUILD/cli/neuroctl"
@@ -92,6 +124,35 @@ step() {
 
 want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; } # PART: in ONLY (or no ONLY)
 
+# check_split NAME CLUSTER_DIR DEVICES: the cluster's plan has exactly two
+# stages, one on each of the comma-separated DEVICES (from status --json)
+check_split() {
+    local name=$1 dir=$2 devs=$3
+    "$NEUROCTL" status --cluster "$dir" --json >"$OUT/${name}_status.json" 2>&1
+    $PY - "$OUT/${name}_status.json" "$devs" >"$OUT/$name.txt" 2>&1 <<'PY'
+import json, sys
+st = json.load(open(sys.argv[1]))
+want = sorted(sys.argv[2].split(","))
+stages = sorted((n["layers"][0], n["layers"][1], n.get("device")) for n in st.get("nodes", [])
+                if isinstance(n.get("layers"), list) and n["layers"][1] > n["layers"][0])
+plan = ", ".join("%s [%d,%d)" % (d, a, b) for a, b, d in stages)
+print("plan: %s" % (plan or "no stages"))
+if sorted(d for _, _, d in stages) != want:
+    sys.exit("not a 2-stage pipeline over %s: %s" % (",".join(want), plan or "no stages"))
+PY
+    local rc=$?
+    result "$name" $rc "$(tail -1 "$OUT/$name.txt")"
+    return $rc
+}
+
+# keep_logs DIR PREFIX: copy the small logs of a cluster or job directory into OUT
+keep_logs() {
+    local f
+    find "$1" -type f \( -name '*.log' -o -name '*.jsonl' \) -size -4M 2>/dev/null | while read -r f; do
+        cp "$f" "$OUT/$2_$(echo "${f#"$1"/}" | tr '/' '_')"
+    done
+}
+
 result() { # NAME RC [NOTE]
     local what=ok
     [ "$2" -eq 0 ] || { what=FAIL; failed=1; }
@@ -106,7 +167,11 @@ result() { # NAME RC [NOTE]
     /usr/local/cuda/bin/nvcc --version 2>&1 | tail -2
     nproc
 } >"$OUT/machine.txt"
-if [ ! -x "$NEUROCTL" ] || [ ! -x "$BUILD/bench/bench_cuda" ] || [ ! -e "$BUILD/lib/libnl_cuda.so" ]; then
+if [ "${NO_BUILD:-0}" = 1 ] && [ ! -x "$NEUROCTL" ]; then # bench/gpu_check.sh: never build
+    echo "bench_cuda.sh: $NEUROCTL is missing and NO_BUILD=1" >&2
+    exit 2
+elif [ "${NO_BUILD:-0}" != 1 ] && { [ ! -x "$NEUROCTL" ] || [ ! -x "$BUILD/bench/bench_cuda" ] ||
+    [ ! -e "$BUILD/lib/libnl_cuda.so" ]; }; then
     # everything: the CUDA module is loaded at run time, so no binary depends on it
     step configure 600 cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DNL_CUDA=ON
     step build 1800 cmake --build "$BUILD" -j "$(nproc)"
@@ -215,11 +280,10 @@ fi # part 3
 
 # ---------------------------------------------------------------- 4. mixed cluster
 if want 4; then
-W="$OUT/mixed"
+W="$SCRATCH/mixed"
 C="$W/cluster"
 mkdir -p "$W"
-cleanup() { "$NEUROCTL" cluster down --dir "$C" >/dev/null 2>&1; }
-trap cleanup EXIT
+cleanup() { "$NEUROCTL" cluster down --dir "$C" >/dev/null 2>&1; keep_logs "$C" mixed; }
 step mixed_init 300 "$NEUROCTL" init --config "$SRC/configs/$MIXED_CONFIG.yaml" \
     --out "$W/m.safetensors" --seed 5
 result mixed_init $?
@@ -232,10 +296,11 @@ h = json.dumps({"tokens": {"dtype": "I32", "shape": [3, 21], "data_offsets": [0,
 h += b" " * (-len(h) % 8)
 open(w + "/in.safetensors", "wb").write(struct.pack("<Q", len(h)) + h + struct.pack("<%di" % len(toks), *toks))
 PY
-step mixed_up 300 "$NEUROCTL" cluster up --dir "$C" --nodes 2 --device "$DEVICE,cpu" \
-    --model "$W/m.safetensors" --memory 8G --timeout 240
+step mixed_up 300 env NL_TEST_GFLOPS="$MIXED_GFLOPS" "$NEUROCTL" cluster up --dir "$C" --nodes 2 \
+    --device "$DEVICE,cpu" --model "$W/m.safetensors" --memory 8G --timeout 240
 result mixed_up $?
 "$NEUROCTL" status --cluster "$C" >"$OUT/mixed_status.txt" 2>&1
+check_split mixed_split "$C" "$DEVICE,cpu"
 step mixed_forward_cpu 300 "$NEUROCTL" forward --device cpu --model "$W/m.safetensors" \
     --tokens "$W/in.safetensors" --out "$W/local.safetensors"
 step mixed_forward_cluster 300 "$NEUROCTL" forward --cluster "$C" --tokens "$W/in.safetensors" \
@@ -268,15 +333,23 @@ r=$(head -1 "$OUT/mixed_generate_cluster.out")
 [ -n "$l" ] && [ "$l" = "$r" ]
 result mixed_greedy $? "cpu: $l | cluster: $r"
 cleanup
+unset -f cleanup
 
 fi # part 4
 
 # ---------------------------------------------------------------- 5. training
 if want 5; then
-TW="$OUT/train"
-mkdir -p "$TW"
-cleanup_train() { for d in "$TW"/cluster-*; do "$NEUROCTL" cluster down --dir "$d" >/dev/null 2>&1; done; }
-trap 'declare -F cleanup >/dev/null && cleanup; cleanup_train' EXIT
+TW="$SCRATCH/train" # the model, data and checkpoints; the logs go to TL
+TL="$OUT/train"
+mkdir -p "$TW" "$TL"
+cleanup_train() {
+    local d
+    for d in "$TW"/cluster-*; do
+        [ -d "$d" ] || continue
+        "$NEUROCTL" cluster down --dir "$d" >/dev/null 2>&1
+        keep_logs "$d" "train_$(basename "$d")"
+    done
+}
 step train_init 300 "$NEUROCTL" init --config "$SRC/configs/$TRAIN_CONFIG.yaml" --out "$TW/m.safetensors" --seed 9
 result train_init $?
 cat "$SRC"/README.md "$SRC"/docs/*.md >"$TW/data.txt" # bytes: ids below 256, valid in every config
@@ -284,21 +357,21 @@ JOB=(--data "$TW/data.txt" --steps 20 --batch 8 --seq 64 --microbatches 2 --lr 1
 # (a) the same job twice on the device: the same bytes
 for r in 1 2; do
     step "train_local_$r" 900 "$NEUROCTL" train --device "$DEVICE" --model "$TW/m.safetensors" "${JOB[@]}" \
-        --log "$TW/local$r.jsonl" --out "$TW/local$r.safetensors"
+        --log "$TL/local$r.jsonl" --out "$TW/local$r.safetensors"
     result "train_local_$r" $? "$(grep -o 'on [^ ]* (TF32 [a-z]*)' "$OUT/train_local_$r.err")"
 done
 cmp "$TW/local1.safetensors" "$TW/local2.safetensors" >"$OUT/train_cmp.txt" 2>&1 &&
     echo "byte-identical checkpoints ($(wc -c <"$TW/local1.safetensors") bytes)" >"$OUT/train_cmp.txt"
 result train_reproducible $? "two runs on $DEVICE: $(head -1 "$OUT/train_cmp.txt")"
-grep -q "\"device\":\"$DEVICE\",\"tf32\":false}" "$TW/local1.jsonl" &&
+grep -q "\"device\":\"$DEVICE\",\"tf32\":false" "$TL/local1.jsonl" &&
     grep -q "on $DEVICE (TF32 off)" "$OUT/train_local_1.err"
 result train_reported $? "device and tf32 false in the header and log"
 step train_local_tf32 900 "$NEUROCTL" train --device "$DEVICE" --tf32 --model "$TW/m.safetensors" "${JOB[@]}" \
-    --log "$TW/tf32.jsonl" --out "$TW/tf32.safetensors"
+    --log "$TL/tf32.jsonl" --out "$TW/tf32.safetensors"
 rc=$?
-[ $rc -eq 0 ] && grep -q "\"tf32\":true}" "$TW/tf32.jsonl"
+[ $rc -eq 0 ] && grep -q "\"tf32\":true" "$TL/tf32.jsonl"
 rc=$?
-note=$($PY - "$TW/tf32.jsonl" "$TW/local1.jsonl" 2>&1 <<'PY'
+note=$($PY - "$TL/tf32.jsonl" "$TL/local1.jsonl" 2>&1 <<'PY'
 import json, sys
 a, b = ([json.loads(l) for l in open(p)] for p in sys.argv[1:3])
 w = max(abs(x["loss"] - y["loss"]) / abs(y["loss"]) for x, y in zip(a, b))
@@ -309,16 +382,20 @@ result train_tf32 $rc "$note"
 # (b) a cuda + cpu pipeline against a cpu + cpu one, loss for loss
 for devs in "$DEVICE,cpu" "cpu,cpu"; do
     name=${devs//[:,]/-}
-    step "train_up_$name" 300 "$NEUROCTL" cluster up --dir "$TW/cluster-$name" --nodes 2 --device "$devs" \
+    step "train_up_$name" 300 env NL_TEST_GFLOPS="$MIXED_GFLOPS" "$NEUROCTL" cluster up \
+        --dir "$TW/cluster-$name" --nodes 2 --device "$devs" \
         --model "$TW/m.safetensors" --memory 8G --timeout 240
     result "train_up_$name" $?
+    [ "$devs" = "cpu,cpu" ] || check_split train_split "$TW/cluster-$name" "$devs"
     step "train_cluster_$name" 1200 "$NEUROCTL" train --cluster "$TW/cluster-$name" "${JOB[@]}" \
-        --log "$TW/cluster-$name.jsonl" --checkpoint-every 20 --checkpoint-dir "$TW/ck-$name"
+        --log "$TL/cluster-$name.jsonl" --checkpoint-every 20 --checkpoint-dir "$TW/ck-$name"
     result "train_cluster_$name" $? "$(head -1 "$OUT/train_cluster_$name.err")"
+    cp "$TW/ck-$name/step-000020/manifest.json" "$TL/manifest-$name.json" 2>/dev/null
     "$NEUROCTL" cluster down --dir "$TW/cluster-$name" >/dev/null 2>&1
+    keep_logs "$TW/cluster-$name" "train_cluster-$name"
 done
 mixed=${DEVICE//[:,]/-}-cpu
-$PY - "$TW/cluster-$mixed.jsonl" "$TW/cluster-cpu-cpu.jsonl" "$TW/ck-$mixed/step-000020/manifest.json" \
+$PY - "$TL/cluster-$mixed.jsonl" "$TL/cluster-cpu-cpu.jsonl" "$TL/manifest-$mixed.json" \
     >"$OUT/train_mixed_compare.txt" 2>&1 <<'PY'
 import json, sys
 a, b = ([json.loads(l) for l in open(p)] for p in sys.argv[1:3])
@@ -335,6 +412,7 @@ print("mixed pipeline against cpu,cpu: 20 steps, worst relative loss difference 
 PY
 result train_mixed $? "$(tail -1 "$OUT/train_mixed_compare.txt")"
 cleanup_train
+unset -f cleanup_train
 fi # part 5
 
 # ---------------------------------------------------------------- 6. replicas
@@ -351,11 +429,10 @@ if [ -z "$REPLICAS" ]; then
     echo "skip  replicas  skipped: $gpus GPU(s) here, two are needed (REPLICAS=cpu,cpu runs it on the CPU)" |
         tee -a "$SUMMARY"
 else
-RW="$OUT/replicas"
+RW="$SCRATCH/replicas" # the logs are copied into OUT (keep_logs)
 mkdir -p "$RW"
 rpids=()
 cleanup_replicas() { for p in "${rpids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; rpids=(); }
-trap 'declare -F cleanup >/dev/null && cleanup; declare -F cleanup_train >/dev/null && cleanup_train; cleanup_replicas' EXIT
 "$NEUROCTL" init --config "$SRC/configs/$TRAIN_CONFIG.yaml" --out "$RW/m.safetensors" --seed 9 >/dev/null
 cat "$SRC"/README.md "$SRC"/docs/*.md >"$RW/data.txt"
 for k in client node; do "$NEUROCTL" keygen --out "$RW/$k" >/dev/null; done
@@ -411,6 +488,7 @@ print("two replicas: %.0f tok/s, one: %.0f tok/s, ratio %.2f; worst relative los
 assert worst <= 1e-6, worst
 PY
 result replicas_speed $? "$(tail -1 "$OUT/replicas_compare.txt")"
+keep_logs "$RW" replicas
 fi
 fi # part 6
 

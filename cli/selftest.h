@@ -12,12 +12,36 @@
 #include "core/rng.h"
 #include "kernels/backend.h"
 
-#define TOL_ELEM 1e-6
-#define TOL_RED 1e-5
-#define TOL_ATTN 1e-5
-#define TOL_TRAIN_LOSS 1e-5 /* a training step's loss, relative */
-#define TOL_TRAIN_W 1e-4    /* weights after training steps, gradients of a layer */
-#define NEAR_TIE 1e-5       /* two top-k router probabilities closer than this */
+/* The tolerance of every check, one row per precision of the target
+ * (the rows are in selftest_tols.c; how each err is measured is in
+ * cmd_selftest.c's opening comment, the table is also in docs/BENCHMARKS.md).
+ * TF32 rounds the GEMMs' inputs to 10 mantissa bits (relative 2^-11, about
+ * 5e-4): a check that does not run a GEMM keeps its FP32 bound, one
+ * downstream of a GEMM gets a bound of a few TF32 roundings. */
+typedef struct nl_selftest_tols {
+    const char *name;     /* "FP32", "TF32" */
+    double elem;          /* element-wise ops (swiglu, rope, moe_combine, adamw, weights) */
+    double red;           /* reductions, norms, softmax, cross-entropy, aux, router backward */
+    double attn;          /* attention forward and backward (no GEMM on the CUDA path) */
+    double gemm;          /* gemm: error relative to |A||B|, times sqrt(K) when gemm_sqrt_k */
+    int gemm_sqrt_k;      /* times sqrt(K): FP32 sums grow so, TF32 input rounding not */
+    double router_probs;  /* the model's router probabilities and aux loss (after a GEMM) */
+    double logits;        /* the model's prefill logits */
+    double decode_logits; /* its decode logits (a decode token's routing is not seen) */
+    double greedy_differ; /* greedy ids that may differ away from near-ties */
+    double near_tie;      /* top-k probabilities or logits closer than this: a tie, not judged */
+    double layer_x;       /* one layer's x_out */
+    double layer_grad;    /* one layer's dx and parameter gradients */
+    double train_loss;    /* a training step's loss, relative */
+    double train_weights; /* the weights' gradient-weighted update error (selftest_model.c) */
+} nl_selftest_tols;
+
+extern const nl_selftest_tols nl_selftest_tols_fp32, nl_selftest_tols_tf32;
+
+/* The target's row in the op checks, each of which holds its nl_selftest *c */
+#define TOL_ELEM (c->tol->elem)
+#define TOL_RED (c->tol->red)
+#define TOL_ATTN (c->tol->attn)
 
 #define MAX_LIVE 24
 
@@ -34,6 +58,7 @@ typedef struct nl_selftest {
     int bf16;       /* --precision bf16: the target's GEMMs in bf16 (selftest_bf16.c) */
     float lr_scale; /* the target's learning rate in the training checks, times this
                        (1; NL_TEST_SELFTEST_LR_SCALE, a test hook, shows they can fail) */
+    const nl_selftest_tols *tol; /* the target's precision's row */
     int passed, failed;
     pair live[MAX_LIVE]; /* this check's device buffers */
     int n_live;

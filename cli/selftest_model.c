@@ -158,7 +158,8 @@ static void check_routing(nl_selftest *c, model_side ms[2], const int32_t *tok, 
     snprintf(tshape, sizeof tshape, "%s near-ties=%d", shape, ties);
     nl_selftest_line(c, differ == 0, "model_routing", tshape, differ, 0, NULL);
     nl_selftest_done(c, "model_router_probs", shape,
-                     nl_selftest_err_all(probs[0], probs[1], (size_t)L * N * E), TOL_RED);
+                     nl_selftest_err_all(probs[0], probs[1], (size_t)L * N * E),
+                     c->tol->router_probs);
 }
 
 /* nl_forward of the whole prefill on both: logits and the aux loss. */
@@ -183,7 +184,7 @@ static void check_logits(nl_selftest *c, model_side ms[2], const int32_t *tok, d
     nl_selftest_line(c, nl_selftest_err_all(lg[0], lg[1], (size_t)N * V) <= tol, "model_logits",
                      shape, nl_selftest_err_all(lg[0], lg[1], (size_t)N * V), tol, NULL);
     nl_selftest_done(c, "model_aux_loss", shape,
-                     fabs((double)aux[1] - aux[0]) / fabs((double)aux[0]), TOL_RED);
+                     fabs((double)aux[1] - aux[0]) / fabs((double)aux[0]), c->tol->router_probs);
 }
 
 static int argmax(const float *x, int n, double *gap)
@@ -245,7 +246,7 @@ static void check_decode(nl_selftest *c, model_side ms[2], const int32_t *prompt
         next = id[0];
     }
     nl_selftest_line(c, worst <= tol, "model_decode_logits", shape, worst, tol, NULL);
-    nl_selftest_done(c, "model_greedy_ids", shape, differ, 0);
+    nl_selftest_done(c, "model_greedy_ids", shape, differ, c->tol->greedy_differ);
 }
 
 /* ---------------------------------------------------------------- training */
@@ -271,8 +272,8 @@ static void check_layer(nl_selftest *c, model_side ms[2], uint64_t seed)
     const nl_config *cfg = &ms[0].m->cfg;
     const int N = MB * MT, d = cfg->hidden_dim, k = cfg->top_k;
     const size_t nd = (size_t)N * d, np = ms[0].m->n_params;
-    const double tol_x = nl_selftest_bf16_tol(c, "layer_forward", c->tf32 ? 1e-2 : TOL_RED),
-                 tol_g = nl_selftest_bf16_tol(c, "layer_backward_dx", c->tf32 ? 1e-2 : TOL_TRAIN_W);
+    const double tol_x = nl_selftest_bf16_tol(c, "layer_forward", c->tol->layer_x),
+                 tol_g = nl_selftest_bf16_tol(c, "layer_backward_dx", c->tol->layer_grad);
     char shape[80];
     snprintf(shape, sizeof shape, "B=%d T=%d d=%d E=%d k=%d", MB, MT, d, cfg->num_experts, k);
     nl_layer_acts a[2] = {{0}};
@@ -344,28 +345,96 @@ static void check_layer(nl_selftest *c, model_side ms[2], uint64_t seed)
     nl_selftest_done(c, "layer_backward_grads", shape, egr, tol_g);
 }
 
+/* The weights after training, judged by what the loss sees of them.
+ * AdamW's first steps move a weight by about lr sign(g) whatever |g| is
+ * (m / sqrt(v) is g / |g| at step 1): where g is rounding noise (a sum
+ * that cancels, a gradient many orders below the tensor's largest) the
+ * two backends' signs are a coin toss, and that weight differs by up to
+ * 2 lr a step. Judged as max |diff| / max |w| this failed the first H100
+ * run (2.84e-4 against 1e-4, FP32; 0.0129 against 0.01, TF32) though
+ * every gradient, every loss and AdamW itself agreed. Such weights do not
+ * matter: the loss changes by g dw, about 0 for them. So the error is the
+ * weights' difference weighted by the reference's gradients, as a
+ * fraction of the update weighted the same way:
+ *   err = sum_e G_e |w_t,e - w_r,e| / sum_e G_e |w_r,e - w0_e|,
+ *   G_e = sum over the steps of |g_e| (the reference's gradients),
+ * a bound on the first-order loss change of the difference relative to
+ * that of the update. A learning rate 1% off gives err 0.01; a wrong
+ * gradient of a tensor gives its share of the weighted update; a coin-toss
+ * sign on a noise-level gradient adds 2 steps times its tiny G_e. The
+ * note line gives the plain max |diff| in units of lr, and how many
+ * weights differ by more than half a step, with the largest G_e among
+ * them relative to the largest G_e (tiny when they are the noise). */
+typedef struct train_weights_err {
+    double err;       /* the weighted error above */
+    double max_steps; /* max |w_t - w_r| / lr */
+    size_t far;       /* weights more than lr / 2 apart */
+    double far_g;     /* the largest G_e among those, over the largest G_e */
+} train_weights_err;
+
+static train_weights_err weights_err(const float *w0, const float *wr, const float *wt,
+                                     const float *G, size_t n, double lr)
+{
+    train_weights_err r = {0};
+    double num = 0.0, den = 0.0, gmax = 0.0, gfar = 0.0;
+    for (size_t e = 0; e < n; e++) {
+        const double d = fabs((double)wt[e] - (double)wr[e]);
+        if (!isfinite(d)) {
+            r.err = INFINITY;
+            return r;
+        }
+        num += (double)G[e] * d;
+        den += (double)G[e] * fabs((double)wr[e] - (double)w0[e]);
+        gmax = fmax(gmax, G[e]);
+        r.max_steps = fmax(r.max_steps, d / lr);
+        if (d > 0.5 * lr) {
+            r.far++;
+            gfar = fmax(gfar, G[e]);
+        }
+    }
+    r.err = den > 0.0 ? num / den : (num > 0.0 ? INFINITY : 0.0);
+    r.far_g = gmax > 0.0 ? gfar / gmax : 0.0;
+    return r;
+}
+
+/* Download n floats of the device buffer d on side s into h (NULL: none). */
+static void fetch(nl_selftest *c, int s, float *h, const float *d, size_t n)
+{
+    if (h && !c->oom)
+        c->be[s]->download(c->be[s], h, d, n * sizeof(float));
+}
+
 /* Three local training steps (core/train.h, two microbatches each, so the
  * counting pass runs too) from the same weights on the same batches: the
- * loss of each step within TOL_TRAIN_LOSS relative, the weights after the
- * last within TOL_TRAIN_W (max |diff| / max |w|). c->lr_scale (a test
+ * loss of each step within tol->train_loss relative, the weights after the
+ * last by weights_err within tol->train_weights. c->lr_scale (a test
  * hook) perturbs the target's learning rate so the check can be seen to
  * fail. */
 static void check_train_steps(nl_selftest *c, model_side ms[2], uint64_t seed)
 {
     enum { STEPS = 3, B = 4, T = 16, M = 2 };
+    const float lr = 3e-3f;
     const nl_config *cfg = &ms[0].m->cfg;
     const size_t np = ms[0].m->n_params;
-    const double tol_l = nl_selftest_bf16_tol(c, "train_loss", c->tf32 ? 1e-2 : TOL_TRAIN_LOSS),
-                 tol_w = c->tf32 ? 1e-2 : TOL_TRAIN_W; /* train_weights: nl_selftest_done's */
+    const double tol_l = nl_selftest_bf16_tol(c, "train_loss", c->tol->train_loss),
+                 tol_w = c->tol->train_weights; /* train_weights: nl_selftest_done's */
     char shape[80];
     snprintf(shape, sizeof shape, "steps=%d B=%d T=%d M=%d L=%d", STEPS, B, T, M, cfg->num_layers);
     nl_trainer *tr[2] = {0};
     nl_error e = {0};
     nl_status st = NL_OK;
-    double eloss = 0.0, ew = INFINITY;
+    double eloss = 0.0;
+    train_weights_err ew = {.err = INFINITY};
+    float *w0 = nl_selftest_hbuf(c, np * sizeof(float)),
+          *g = nl_selftest_hbuf(c, np * sizeof(float));
+    float *G = nl_selftest_hbuf(c, np * sizeof(float)); /* zeroed */
+    if (c->oom)
+        st = nl_error_set(&e, NL_ERR_NOMEM, "out of memory");
     for (int s = 0; s < 2 && st == NL_OK; s++) /* fresh weights: earlier checks left none changed */
         if ((st = nl_model_init_random(ms[s].m, seed + 1, &e)) == NL_OK)
             st = nl_trainer_new(&tr[s], ms[s].m, B / M * T, 1, 0, &e);
+    if (st == NL_OK)
+        fetch(c, 0, w0, ms[0].m->params, np);
     for (int step = 0; step < STEPS && st == NL_OK; step++) {
         int32_t *tok = nl_selftest_ids(c, (size_t)B * T + 1, (int)cfg->vocab_size);
         if (!tok) {
@@ -374,25 +443,37 @@ static void check_train_steps(nl_selftest *c, model_side ms[2], uint64_t seed)
         }
         double loss[2] = {0};
         for (int s = 0; s < 2 && st == NL_OK; s++) {
-            const float lr = 3e-3f * (s ? c->lr_scale : 1.0f);
             nl_step_result r;
-            st = nl_trainer_step_local(tr[s], tok, tok + 1, B, T, M, lr, 1.0f, nl_adamw_defaults(),
-                                       &r, &e);
+            st = nl_trainer_step_local(tr[s], tok, tok + 1, B, T, M, lr * (s ? c->lr_scale : 1.0f),
+                                       1.0f, nl_adamw_defaults(), &r, &e);
             if (st == NL_OK && (st = c->be[s]->sync(c->be[s], &e)) == NL_OK)
                 loss[s] = r.skipped ? NAN : r.loss;
+        }
+        if (st == NL_OK) { /* G += |the reference's gradients| */
+            fetch(c, 0, g, nl_trainer_grads(tr[0]), np);
+            for (size_t i = 0; !c->oom && i < np; i++)
+                G[i] += fabsf(g[i]);
         }
         const double rel = fabs(loss[1] - loss[0]) / fabs(loss[0]);
         eloss = max2(eloss, isfinite(loss[0]) && isfinite(loss[1]) ? rel : INFINITY);
         if (st == NL_OK)
             printf("note  train_loss  step %d: %.9g against %.9g\n", step + 1, loss[1], loss[0]);
     }
-    if (st == NL_OK)
-        ew = cmp_dev(c, (float *const[2]){ms[0].m->params, ms[1].m->params}, np);
+    float *wr = nl_selftest_hbuf(c, np * sizeof(float)),
+          *wt = nl_selftest_hbuf(c, np * sizeof(float));
+    if (st == NL_OK && !c->oom) {
+        fetch(c, 0, wr, ms[0].m->params, np);
+        fetch(c, 1, wt, ms[1].m->params, np);
+        ew = weights_err(w0, wr, wt, G, np, lr);
+        printf("note  train_weights  max |diff| %.3g lr; %zu of %zu weights more than lr/2 apart, "
+               "their gradients at most %.3g of the largest\n",
+               ew.max_steps, ew.far, np, ew.far_g);
+    }
     for (int s = 0; s < 2; s++)
         nl_trainer_destroy(&tr[s]);
     nl_selftest_line(c, st == NL_OK && eloss <= tol_l, "train_loss", shape,
                      st == NL_OK ? eloss : INFINITY, tol_l, st == NL_OK ? NULL : e.msg);
-    nl_selftest_done(c, "train_weights", shape, ew, tol_w);
+    nl_selftest_done(c, "train_weights", shape, c->oom ? INFINITY : ew.err, tol_w);
 }
 
 void nl_selftest_model(nl_selftest *c, uint64_t seed)
@@ -401,8 +482,8 @@ void nl_selftest_model(nl_selftest *c, uint64_t seed)
     model_config(&cfg);
     model_side ms[2];
     nl_error e = {0};
-    const double tol = nl_selftest_bf16_tol(c, "model_logits", c->tf32 ? 1e-2 : 1e-5),
-                 tie = nl_selftest_bf16_tol(c, "near_tie", c->tf32 ? 1e-3 : NEAR_TIE);
+    const double tol = nl_selftest_bf16_tol(c, "model_logits", c->tol->logits),
+                 tie = nl_selftest_bf16_tol(c, "near_tie", c->tol->near_tie);
     int ok = 1;
     for (int s = 0; s < 2 && ok; s++)
         ok = side_new(&ms[s], c->be[s], &cfg, seed, &e) == NL_OK;
@@ -422,7 +503,9 @@ void nl_selftest_model(nl_selftest *c, uint64_t seed)
             check_logits(c, ms, tok, tol);
         tok = nl_selftest_ids(c, MT, (int)cfg.vocab_size);
         if (tok)
-            check_decode(c, ms, tok, tol, tie);
+            check_decode(c, ms, tok,
+                         nl_selftest_bf16_tol(c, "model_decode_logits", c->tol->decode_logits),
+                         tie);
         nl_selftest_release(c);
         if (c->be[1]->can_train) {
             check_layer(c, ms, seed);

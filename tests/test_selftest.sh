@@ -5,6 +5,11 @@
 #            and backward, three local steps) among them; then, with the
 #            target's learning rate 1% off (NL_TEST_SELFTEST_LR_SCALE, a test
 #            hook), train_loss and train_weights FAIL and the exit is 1.
+#   tf32     cpu against cpu with the target's gemm fed TF32-rounded inputs
+#            (NL_TEST_SELFTEST_TF32_ROUND, a test hook) and the TF32 row of
+#            tolerances, seeds 1, 2 and 6 (6: a routing flip in decode):
+#            every check passes, and router_probs' err is over FP32's 1e-5
+#            (the rounding is really applied).
 #   cuda     cuda:0 against cpu: must pass where a GPU is usable; reports
 #            skipped (exit 77) when the device cannot be created, unless
 #            NL_REQUIRE_DEVICE=1 (the scripted GPU run), which fails then.
@@ -48,6 +53,28 @@ devsim)
         echo "FAIL: a 1% learning-rate change on the target went unnoticed (exit $rc)" >&2
         exit 1
     fi
+    ;;
+tf32)
+    for seed in 1 2 6; do
+        NL_TEST_SELFTEST_TF32_ROUND=1 "$NEUROCTL" selftest --device cpu --threads 2 --seed $seed \
+            >"$W/out" 2>"$W/err"
+        rc=$?
+        read -r passed failed <<<"$(summary)"
+        grep -E "^(FAIL|ok) +(model_router_probs|model_decode_logits|train_weights) " "$W/out"
+        if [ "$rc" -ne 0 ] || [ "${failed:-x}" != 0 ]; then
+            cat "$W/out" "$W/err"
+            echo "FAIL: TF32 rounding, seed $seed: exit $rc, ${passed:-?} passed, ${failed:-?} failed" >&2
+            exit 1
+        fi
+    done
+    # the rounding is real (the last run, seed 6): router_probs' err is over
+    # FP32's bound of 1e-5, as on the H100 (1.9e-4)
+    err=$(sed -n 's/^ok  *model_router_probs .* err=\([^ ]*\) .*/\1/p' "$W/out")
+    if ! awk -v e="${err:-0}" 'BEGIN { exit !(e > 1e-5) }'; then
+        echo "FAIL: TF32 rounding: model_router_probs err ${err:-?} is within FP32's 1e-5: no rounding?" >&2
+        exit 1
+    fi
+    echo "TF32 rounding: model_router_probs err $err (FP32's bound 1e-5)"
     ;;
 cuda)
     "$NEUROCTL" selftest --device cuda:0 >"$W/out" 2>"$W/err"
@@ -111,7 +138,7 @@ bf16 | cuda-bf16)
     done
     ;;
 *)
-    echo "usage: test_selftest.sh devsim|cuda|no-cuda|bf16|cuda-bf16" >&2
+    echo "usage: test_selftest.sh devsim|tf32|cuda|no-cuda|bf16|cuda-bf16" >&2
     exit 2
     ;;
 esac

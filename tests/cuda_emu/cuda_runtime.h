@@ -12,13 +12,27 @@
  *   has arrived at the same call site. A barrier some threads never reach
  *   (divergence, an early return) is reported as a launch failure.
  * - Scheduling is warp-greedy: a warp runs until all its lanes wait at a
- *   __syncthreads or have returned, then the next warp runs; odd blocks
- *   take the warps in reverse order. So a missing __syncthreads lets one
+ *   __syncthreads or have returned, then the next warp runs. Every block
+ *   draws its own order from the seed (NL_EMU_SEED, default 1, or
+ *   emu_set_seed), the launch count and its index: the warps forwards,
+ *   backwards (a quarter of the blocks each) or shuffled (half), the lanes
+ *   of a warp upwards or downwards. So a missing __syncthreads lets one
  *   warp overwrite or read shared memory before the others are done, as it
- *   can on a GPU.
+ *   can on a GPU, and a result that depends on the order differs between
+ *   blocks and between seeds (CTest runs the test with two seeds).
  * - __shared__ variables are statics in one linker section that is filled
- *   with NaN bytes before every block, so reading shared memory no thread
- *   of the block wrote gives NaN, not the previous block's data.
+ *   before every block with one of three poison bytes, drawn like the
+ *   order: 0xff (NaN), 0x7f (3.39e38, finite) or 0xc7 (-1.0e5): reading
+ *   shared memory no thread of the block wrote gives garbage, never the
+ *   previous block's data or zeros, and not only NaN (which fmaxf, a
+ *   compare or a select can silently drop).
+ * - Partial warps (a block size not a multiple of 32) are modelled: the
+ *   missing lanes never arrive, a shuffle whose source lane is missing
+ *   returns all-ones bits (NaN as a float; undefined on a GPU), and a
+ *   lane that returned before a shuffle its warp makes is a deadlock.
+ * - Locals: test_cuda_emu is compiled with -ftrivial-auto-var-init=pattern
+ *   where the compiler has it, so a kernel's uninitialised local starts as
+ *   0xfe bytes (-1.69e38), not whatever the reused coroutine stack held.
  * - __CUDA_ARCH__ is defined, so kernels/elem.h takes its device branch
  *   (expf, not the CPU's polynomial).
  * - The launch syntax k<<<grid, block, smem, stream>>>(args) is rewritten
@@ -209,6 +223,8 @@ void emu_run(dim3 grid, dim3 block, size_t shmem, void (*body)(void *), void *ar
 /* How many launches were made (the test checks that an empty shape
  * launches nothing). */
 long emu_launch_count(void);
+/* The seed of the blocks' schedules and poison bytes (else NL_EMU_SEED). */
+void emu_set_seed(uint64_t s);
 
 /* k<<<grid, block, shmem, stream>>>(args...) is rewritten to
  * k | emu_cfg(grid, block, shmem, stream)(args...): the config object

@@ -129,7 +129,15 @@ std::vector<warp> warps;
 context main_ctx;
 int nth, nwarps, cur = -1; /* cur: running thread, -1 the launcher */
 int sync_arrived, ndone;
-bool reverse; /* take warps in reverse order (odd blocks) */
+/* The block's schedule (see cuda_runtime.h): warps in `order` (pos[w]: the
+ * place of warp w in it), the lanes of a warp upwards or downwards. */
+std::vector<int> order, pos;
+bool lanes_down;
+uint64_t seed = 1, seed_set; /* NL_EMU_SEED or emu_set_seed; seed_set: read */
+/* shared memory poison of a block, one byte repeated: NaN (0xff), a huge
+ * finite 3.39e38 (0x7f), a negative -1.0e5 (0xc7); as ints all large */
+const unsigned char POISON[] = {0xff, 0x7f, 0xc7};
+constexpr uint64_t NONE_BITS = ~(uint64_t)0; /* a shuffle from a lane that is not there */
 bool block_failed;
 void (*body_fn)(void *);
 void *body_arg;
@@ -191,26 +199,74 @@ __attribute__((format(printf, 1, 2))) void fail(const char *fmt, ...)
 
 /* The next thread to run: the rest of the current warp (lanes after `from`,
  * wrapping), then the other warps in this block's order, or -1. */
+/* The first runnable lane of warp w in the block's lane order, or -1. */
+int first_lane(int w)
+{
+    const int n = warps[w].lanes;
+    for (int i = 0; i < n; i++) {
+        const int t = w * 32 + (lanes_down ? n - 1 - i : i);
+        if (th[t].state == RUN)
+            return t;
+    }
+    return -1;
+}
+
 int pick_next(int from)
 {
     const int w0 = from / 32;
     if (warps[w0].runnable > 0) {
         const int n = warps[w0].lanes, lane = from % 32;
         for (int i = 1; i <= n; i++) {
-            const int t = w0 * 32 + (lane + i) % n;
+            const int t = w0 * 32 + (lanes_down ? lane - i + n : lane + i) % n;
             if (th[t].state == RUN)
                 return t;
         }
     }
     for (int k = 1; k < nwarps; k++) {
-        const int w = reverse ? (w0 - k + nwarps) % nwarps : (w0 + k) % nwarps;
-        if (warps[w].runnable == 0)
-            continue;
-        for (int l = 0; l < warps[w].lanes; l++)
-            if (th[w * 32 + l].state == RUN)
-                return w * 32 + l;
+        const int w = order[(pos[w0] + k) % nwarps];
+        if (warps[w].runnable > 0)
+            return first_lane(w);
     }
     return -1;
+}
+
+uint64_t mix(uint64_t x) /* splitmix64's finaliser */
+{
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+/* This block's schedule and poison, from the seed, the launch and the
+ * block: warps forward, backward or in a random order (a quarter, a
+ * quarter, a half of the blocks), lanes up or down, one of the POISON
+ * bytes. Returns the poison byte. */
+unsigned char plan_block(void)
+{
+    if (!seed_set) {
+        const char *e = getenv("NL_EMU_SEED");
+        if (e && *e)
+            seed = strtoull(e, nullptr, 0);
+        seed_set = 1;
+    }
+    uint64_t r =
+        mix(seed ^ mix((uint64_t)launches ^ mix(((uint64_t)blockIdx.z << 42) ^
+                                                ((uint64_t)blockIdx.y << 21) ^ blockIdx.x)));
+    order.resize(nwarps);
+    pos.resize(nwarps);
+    const int kind = (int)(r & 3);
+    for (int w = 0; w < nwarps; w++)
+        order[w] = kind == 1 ? nwarps - 1 - w : w;
+    for (int w = nwarps - 1; kind >= 2 && w > 0; w--) { /* Fisher-Yates */
+        r = mix(r);
+        std::swap(order[w], order[(int)(r % (uint64_t)(w + 1))]);
+    }
+    for (int w = 0; w < nwarps; w++)
+        pos[order[w]] = w;
+    r = mix(r);
+    lanes_down = (r & 1) != 0;
+    return POISON[(r >> 1) % sizeof POISON];
 }
 
 /* Describe where the threads are, for a deadlock report. */
@@ -315,9 +371,10 @@ void init_context(int t)
 
 void run_block(void)
 {
+    const unsigned char poison = plan_block();
     char *lo = __start_nl_emu_shared, *hi = __stop_nl_emu_shared;
     if (lo && hi > lo)
-        memset(lo, 0xff, (size_t)(hi - lo));
+        memset(lo, poison, (size_t)(hi - lo));
     sync_arrived = ndone = 0;
     for (int w = 0; w < nwarps; w++) {
         warps[w].lanes = min(32, nth - 32 * w);
@@ -332,8 +389,7 @@ void run_block(void)
         x.idx = {t % blockDim.x, t / blockDim.x % blockDim.y, t / (blockDim.x * blockDim.y)};
         init_context(t);
     }
-    const int first = reverse ? (nwarps - 1) * 32 : 0;
-    switch_to(-1, first, false);
+    switch_to(-1, first_lane(order[0]), false);
 }
 
 } // namespace
@@ -371,6 +427,12 @@ long emu_launch_count(void)
     return launches;
 }
 
+void emu_set_seed(uint64_t s)
+{
+    seed = s;
+    seed_set = 1;
+}
+
 unsigned emu_lane(void)
 {
     return (unsigned)cur % 32;
@@ -391,7 +453,7 @@ void emu_syncthreads(int line)
             set_state(t, RUN);
         sync_arrived = 0;
         /* start the next phase from the block's first warp in its order */
-        const int first = reverse ? (nwarps - 1) * 32 : 0;
+        const int first = first_lane(order[0]);
         if (first != cur)
             switch_to(cur, first, false);
         return;
@@ -427,7 +489,9 @@ uint64_t emu_warp_exchange(unsigned mask, uint64_t mine, int src, int line)
         w.arrived = 0;
     }
     yield_from_current(false);
-    return src >= 0 && src < w.lanes ? w.buf[par][src] : mine;
+    /* a lane of a partial warp that does not exist: undefined on a GPU,
+     * all ones here (NaN as a float) */
+    return src >= w.lanes && src < 32 ? NONE_BITS : src >= 0 && src < 32 ? w.buf[par][src] : mine;
 }
 
 void emu_syncwarp(unsigned mask, int line)
@@ -490,7 +554,6 @@ void emu_run(dim3 grid, dim3 block, size_t shmem, void (*body)(void *), void *ar
         for (unsigned y = 0; y < grid.y; y++)
             for (unsigned x = 0; x < grid.x; x++) {
                 blockIdx = {x, y, z};
-                reverse = ((x + y + z) & 1) != 0;
                 block_failed = false;
                 run_block();
                 if (block_failed) {

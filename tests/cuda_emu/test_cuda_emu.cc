@@ -39,6 +39,10 @@ int nl_emu_attention_backward_checks(void);
 /* tests/cuda_emu/emu_moe.cc: routing and the grouped GEMMs (cuda_moe.cu),
  * likewise */
 int nl_emu_moe_checks(void);
+/* tests/cuda_emu/emu_selfcheck.cc: the emulator against kernels wrong on
+ * purpose (it must expose each) */
+int nl_emu_selfcheck(void);
+
 /* tests/cuda_emu/emu_family.cc: GeGLU, YaRN and the masked attention
  * (DESIGN section 6), likewise */
 int nl_emu_family_checks(void);
@@ -908,6 +912,7 @@ int main(void)
         fprintf(stderr, "test_cuda_emu: no CPU backend: %s\n", err.msg);
         return 1;
     }
+    CHECK(nl_emu_selfcheck() == 0, "the emulator's own checks: see their failures above");
     test_launchers();
     test_embedding_gather(cpu);
     test_rmsnorm(cpu);

@@ -1,0 +1,210 @@
+#!/usr/bin/env bash
+# The short scripted check of issue 28 on a GPU machine: under 5 minutes of
+# device time on an H100, most important first, every step time-boxed with
+# `timeout` (and skipped once the run's budget is spent), each step's output
+# in OUT/NAME.log, one line per step in OUT/summary.txt:
+#   PASS|FAIL|SKIP  NAME  figures or why
+#   a. test_ops, test_ops_train on DEVICE (every slot against naive loops);
+#   b. neuroctl selftest --device DEVICE: FP32, --tf32, --precision bf16
+#      (bf16 on CUDA is being added in parallel: recorded, may fail today);
+#      the figures are the failed checks' err against tol;
+#   c. neuroctl bench --device DEVICE, B = BATCH, on each of BENCH_SPECS
+#      (CONFIG:T), every spec in bf16, then every spec in FP32: forward,
+#      decode and training tokens/s;
+#   d. bench/hf_mixtral_bench.py: transformers' MixtralForCausalLM from the
+#      same configs in bf16, eager (sdpa) and torch.compile (HF_COMPILE_SPECS
+#      only: compiling costs tens of seconds a shape), forward and training
+#      tokens/s, the ratios ours / transformers and the fraction of the
+#      GPU's dense bf16 peak (OUT/hf_mixtral.log, JSON lines);
+#   e. bench/bench_cuda.sh parts 4 and 5: a cuda + cpu cluster forced into a
+#      2-stage split (forward, greedy decode, 20 training steps against
+#      cpu + cpu), last, with what is left of the budget.
+# It never builds: the binaries must be at NL_BUILD_DIR (as `bash .gpu/run.sh
+# bench/gpu_check.sh` sets it in the unpacked tree of ../shared/tools/
+# gpu-pack.sh), else it exits 2. Models and checkpoints go to a scratch
+# directory outside OUT, so OUT is logs only (a small archive).
+#
+# Usage: bench/gpu_check.sh
+# Environment: OUT (./gpu-check-out), NL_BUILD_DIR (build), DEVICE (cuda:0),
+#   BUDGET_S (290: no step starts past it, each is cut at it), BATCH (8),
+#   BENCH_SPECS ("bench-large:256 bench-large:1024 bench-xl:1024"),
+#   PRECISIONS ("bf16 fp32"), HF_DEVICE (cuda), HF_COMPILE_SPECS
+#   (bench-large:1024), HF_ITERS (3), MIXED_CONFIG (bench-small),
+#   TRAIN_CONFIG (tiny), MIXED_LIMIT_S (150: step e's limit), PYTHON
+#   (python3), ONLY (steps a..e, e.g. "a b").
+# A dry run without a GPU (cpu-devsim; hf_mixtral_bench.py SKIPs without torch):
+#   DEVICE=cpu-devsim BENCH_SPECS="tiny:32" BATCH=2 HF_DEVICE=cpu HF_COMPILE_SPECS= \
+#   MIXED_CONFIG=tiny TRAIN_CONFIG=tiny NL_BUILD_DIR=build bench/gpu_check.sh
+# (on a small shared CPU machine step e needs MIXED_LIMIT_S=400 BUDGET_S=500)
+# Exit status: 0 when no step failed (SKIPs allowed), 1 otherwise, 2 usage.
+set -uo pipefail
+SRC=$(cd "$(dirname "$0")/.." && pwd)
+BUILD=${NL_BUILD_DIR:-$SRC/build}
+OUT=${OUT:-./gpu-check-out}
+DEVICE=${DEVICE:-cuda:0}
+BUDGET_S=${BUDGET_S:-290}
+BATCH=${BATCH:-8}
+BENCH_SPECS=${BENCH_SPECS:-bench-large:256 bench-large:1024 bench-xl:1024}
+PRECISIONS=${PRECISIONS:-bf16 fp32}
+HF_DEVICE=${HF_DEVICE:-cuda}
+HF_COMPILE_SPECS=${HF_COMPILE_SPECS-bench-large:1024}
+HF_ITERS=${HF_ITERS:-3}
+MIXED_CONFIG=${MIXED_CONFIG:-bench-small}
+TRAIN_CONFIG=${TRAIN_CONFIG:-tiny}
+PY=${PYTHON:-python3}
+NEUROCTL="$BUILD/cli/neuroctl"
+
+for f in "$NEUROCTL" "$BUILD/tests/test_ops" "$BUILD/tests/test_ops_train"; do
+    if [ ! -x "$f" ]; then
+        echo "gpu_check.sh: $f is missing: build first (this script never builds), or set NL_BUILD_DIR" >&2
+        exit 2
+    fi
+done
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+T0=$(date +%s)
+failed=0
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+{
+    echo "date: $(date -u +%FT%TZ)"
+    echo "commit: $(git -C "$SRC" rev-parse HEAD 2>/dev/null || echo "unknown (no git: a packed tree)")"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -4
+    echo "device: $DEVICE, budget ${BUDGET_S} s, batch $BATCH, specs: $BENCH_SPECS"
+} >"$OUT/machine.txt"
+
+want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
+left() { echo $((BUDGET_S - ($(date +%s) - T0))); }
+
+line() { # VERDICT NAME [FIGURES]
+    [ "$1" = FAIL ] && failed=1
+    printf '%-4s  %-28s  %s\n' "$1" "$2" "${3:-}" | tee -a "$SUMMARY"
+}
+
+# run NAME LIMIT_S MIN_S CMD...: CMD with stdout and stderr in OUT/NAME.log,
+# cut at min(LIMIT_S, the budget left); not started when less than MIN_S is
+# left (SKIP, rc 125). Sets RC and SECS.
+run() {
+    local name=$1 limit=$2 min=$3 l
+    shift 3
+    l=$(left)
+    if [ "$l" -lt "$min" ]; then
+        RC=125 SECS=0
+        line SKIP "$name" "budget: ${l} s left, the step needs ${min} s"
+        return 125
+    fi
+    [ "$l" -lt "$limit" ] && limit=$l
+    echo "+ $* (limit ${limit} s)" >"$OUT/$name.log"
+    local t=$(date +%s)
+    timeout -s INT -k "${KILL_AFTER:-10}" "$limit" "$@" >>"$OUT/$name.log" 2>&1
+    RC=$? SECS=$(($(date +%s) - t))
+    [ $RC -eq 124 ] && echo "gpu_check: cut at ${limit} s" >>"$OUT/$name.log"
+    return $RC
+}
+
+verdict() { # NAME FIGURES: PASS or FAIL from RC (124: cut)
+    local v=PASS
+    [ "$RC" -eq 0 ] || v=FAIL
+    [ "$RC" -eq 124 ] && set -- "$1" "cut at the time limit; $2"
+    line $v "$1" "$2 (${SECS} s)"
+}
+
+# ---------------------------------------------------------------- a. op tests
+if want a; then
+    for t in test_ops test_ops_train; do
+        run "$t" 120 20 "$BUILD/tests/$t" "$DEVICE" && true
+        [ "$RC" -ne 125 ] && verdict "$t" "$(tail -1 "$OUT/$t.log")"
+    done
+fi
+
+# ---------------------------------------------------------------- b. selftest
+selftest_figures() { # LOG: the summary line and the failed checks, short
+    local s f
+    s=$(grep -E '^selftest: [0-9]+ passed' "$1" | tail -1)
+    f=$(grep -E '^FAIL ' "$1" | sed -E 's/^FAIL +([A-Za-z_0-9]+) .*(err=[^ ]+ tol=[^ ]+).*/\1 \2/' |
+        tr '\n' ';' | head -c 400)
+    echo "${s:-no summary: $(tail -1 "$1" | head -c 200)}${f:+ | $f}"
+}
+if want b; then
+    run selftest_fp32 90 20 "$NEUROCTL" selftest --device "$DEVICE" && true
+    [ "$RC" -ne 125 ] && verdict selftest_fp32 "$(selftest_figures "$OUT/selftest_fp32.log")"
+    run selftest_tf32 90 20 "$NEUROCTL" selftest --device "$DEVICE" --tf32 && true
+    [ "$RC" -ne 125 ] && verdict selftest_tf32 "$(selftest_figures "$OUT/selftest_tf32.log")"
+    run selftest_bf16 90 20 "$NEUROCTL" selftest --device "$DEVICE" --precision bf16 && true
+    [ "$RC" -ne 125 ] && verdict selftest_bf16 "$(selftest_figures "$OUT/selftest_bf16.log")"
+fi
+
+# ---------------------------------------------------------------- c. our benchmarks
+OURS=()
+if want c; then
+    for p in $PRECISIONS; do # bf16 first: FP32's figures exist from the first run
+        for spec in $BENCH_SPECS; do
+            cfg=${spec%%:*} T=${spec##*:}
+            name="bench_${cfg}_T${T}_$p"
+            run "$name" 75 20 "$NEUROCTL" bench --device "$DEVICE" --precision "$p" \
+                --config "$SRC/configs/$cfg.yaml" --batch "$BATCH" --seq "$T" --repeats 3 \
+                --decode-tokens 16 && true
+            [ "$RC" -eq 125 ] && continue
+            OURS+=(--ours "$OUT/$name.log")
+            figs=$($PY - "$OUT/$name.log" <<'PY' 2>&1
+import json, sys
+j = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+if not j:
+    sys.exit("no JSON line")
+g = j[-1]
+f = lambda k: "%.0f" % g[k] if g.get(k) else "-"
+print("forward %s tok/s, decode %s tok/s, train %s tok/s, %s" % (
+    f("forward_tok_s"), f("decode_tok_s"), f("train_tok_s"), g.get("precision")))
+PY
+)
+            verdict "$name" "$figs"
+        done
+    done
+fi
+
+# ---------------------------------------------------------------- d. transformers
+if want d; then
+    specs=()
+    for spec in $BENCH_SPECS; do specs+=(--spec "$SRC/configs/${spec%%:*}.yaml:${spec##*:}"); done
+    run hf_mixtral 150 45 "$PY" "$SRC/bench/hf_mixtral_bench.py" "${specs[@]}" --batch "$BATCH" \
+        --device "$HF_DEVICE" --compile-specs "$(echo $HF_COMPILE_SPECS | tr ' ' ',')" \
+        --warmup 1 --iters "$HF_ITERS" "${OURS[@]}" && true
+    if [ "$RC" -eq 77 ]; then
+        line SKIP hf_mixtral "$(grep -m1 'not installed' "$OUT/hf_mixtral.log")"
+    elif [ "$RC" -ne 125 ]; then
+        figs=$($PY - "$OUT/hf_mixtral.log" <<'PY' 2>&1
+import json, sys
+out = []
+for l in open(sys.argv[1]):
+    if not l.startswith("{"):
+        continue
+    j = json.loads(l)
+    if j.get("impl") == "transformers":
+        out.append("%s %s %s T%s %s" % (j["mode"], j["what"], j["config"], j["seq"],
+                   "%.0f tok/s" % j["tok_s"] if j.get("tok_s") else "error"))
+    elif "ratio" in j:
+        out.append("%s %s T%s %s: %.2fx" % (j["ratio"], j["config"], j["seq"], j["what"], j["value"]))
+print("; ".join(out)[:1500])
+PY
+)
+        verdict hf_mixtral "$figs"
+    fi
+fi
+
+# ---------------------------------------------------------------- e. mixed devices
+if want e; then
+    # 60 s after the INT for bench_cuda.sh's EXIT trap to take its clusters down
+    KILL_AFTER=60 run bench_cuda_mixed "${MIXED_LIMIT_S:-150}" 60 env ONLY="4 5" NO_BUILD=1 OUT="$OUT/bench_cuda" NL_BUILD_DIR="$BUILD" \
+        DEVICE="$DEVICE" MIXED_CONFIG="$MIXED_CONFIG" TRAIN_CONFIG="$TRAIN_CONFIG" \
+        bash "$SRC/bench/bench_cuda.sh" && true
+    if [ "$RC" -ne 125 ]; then
+        # each line's verdict, and the two plans
+        verdict bench_cuda_mixed "$(awk '$1 == "ok" || $1 == "FAIL" {printf "%s%s=%s", n++ ? " " : "", $2, $1}' \
+            "$OUT/bench_cuda/summary.txt" 2>/dev/null); $(grep -hE '^plan:' "$OUT/bench_cuda/mixed_split.txt" \
+            "$OUT/bench_cuda/train_split.txt" 2>/dev/null | tr '\n' ';')"
+    fi
+fi
+
+echo "gpu_check: $(($(date +%s) - T0)) s; summary in $SUMMARY" | tee -a "$OUT/machine.txt"
+exit $failed
