@@ -268,6 +268,12 @@ static void test_fused_experts(void)
         CHECK_OK(check_backend_new(&be[v], 2, &err), &err);
         if (!be[v])
             return;
+        if (v == 0 && !(be[0]->moe_ffn_forward && be[0]->moe_ffn_backward)) {
+            /* optional slots (the CUDA backend has none): nothing to compare */
+            printf("fused expert slots: %s has none, skipped\n", be[0]->name);
+            nl_backend_destroy(&be[0]);
+            return;
+        }
         if (v == 1) { /* the separate calls */
             be[v]->moe_ffn_forward = NULL;
             be[v]->moe_ffn_backward = NULL;
@@ -297,8 +303,6 @@ static void test_fused_experts(void)
         nl_trainer_destroy(&t);
         nl_model_destroy(&m);
     }
-    CHECK(be[0]->moe_ffn_forward && be[0]->moe_ffn_backward, "%s: no fused expert slots",
-          be[0]->name);
     CHECK(params[0] && params[1] && memcmp(params[0], params[1], n * sizeof(float)) == 0,
           "fused expert feed-forward: parameters after 3 steps differ from the separate calls'");
     for (int v = 0; v < 2; v++) {
