@@ -318,6 +318,24 @@ bool run(nl_cudnn *cd, entry *en, const key &k)
     return false;
 }
 
+/* FP32 tensor `which` of the caller into its packed bf16 scratch, and back
+ * (cudnn_sdpa_desc.h's nl_sdpa_pack_of says where each row goes). */
+int pack(nl_cudnn *cd, uint16_t *dst, const nl_sdpa_desc *d, int which, nl_attn_shape s,
+         const float *src, int q_stride, int kv_stride)
+{
+    const nl_sdpa_pack p = nl_sdpa_pack_of(d, which, s, q_stride, kv_stride);
+    return nl_cuda_pack_bf16(cd->stream, dst, p.dst_cap, p.dst_stride, src, p.src_cap,
+                             p.src_stride, p.nseq, p.rows, p.width);
+}
+
+int unpack(nl_cudnn *cd, float *dst, const nl_sdpa_desc *d, int which, nl_attn_shape s,
+           const uint16_t *src, int q_stride, int kv_stride)
+{
+    const nl_sdpa_pack p = nl_sdpa_pack_of(d, which, s, q_stride, kv_stride);
+    return nl_cuda_unpack_bf16(cd->stream, dst, p.src_cap, p.src_stride, src, p.dst_cap,
+                               p.dst_stride, p.nseq, p.rows, p.width);
+}
+
 } // namespace
 
 extern "C" nl_cudnn *nl_cudnn_new(int device, void *stream, int bf16)
@@ -391,12 +409,11 @@ extern "C" int nl_cudnn_attention_forward(nl_cudnn *cd, float *out, float *lse, 
     uint16_t *qb = (uint16_t *)(sc + l.q), *kb = (uint16_t *)(sc + l.k);
     uint16_t *vb = (uint16_t *)(sc + l.v), *ob = (uint16_t *)(sc + l.o);
     int32_t *seq = (int32_t *)(sc + l.seq);
-    const int HD = s.H * s.hd, GD = s.G * s.hd, S = (int)d.s_kv, rows = s.past + s.T;
-    int rc = nl_cuda_pack_bf16(cd->stream, qb, s.T, HD, q, s.T, q_stride, s.B, s.T, HD);
+    int rc = pack(cd, qb, &d, NL_SDPA_Q, s, q, q_stride, kv_stride);
     if (!rc)
-        rc = nl_cuda_pack_bf16(cd->stream, kb, S, GD, k, s.kv_cap, kv_stride, s.B, rows, GD);
+        rc = pack(cd, kb, &d, NL_SDPA_K, s, k, q_stride, kv_stride);
     if (!rc)
-        rc = nl_cuda_pack_bf16(cd->stream, vb, S, GD, v, s.kv_cap, kv_stride, s.B, rows, GD);
+        rc = pack(cd, vb, &d, NL_SDPA_V, s, v, q_stride, kv_stride);
     if (!rc && d.padding) {
         rc = nl_cuda_fill_i32(cd->stream, seq, s.B, d.seq_len_q);
         if (!rc)
@@ -416,7 +433,7 @@ extern "C" int nl_cudnn_attention_forward(nl_cudnn *cd, float *out, float *lse, 
     }
     if (!run(cd, en, kk))
         return 0;
-    return nl_cuda_unpack_bf16(cd->stream, out, s.T, HD, ob, s.T, HD, s.B, s.T, HD) == 0;
+    return unpack(cd, out, &d, NL_SDPA_O, s, ob, q_stride, kv_stride) == 0;
 }
 
 extern "C" int nl_cudnn_attention_backward(nl_cudnn *cd, float *dq, float *dk, float *dv,
@@ -442,16 +459,15 @@ extern "C" int nl_cudnn_attention_backward(nl_cudnn *cd, float *dq, float *dk, f
     uint16_t *vb = (uint16_t *)(sc + l.v), *ob = (uint16_t *)(sc + l.o);
     uint16_t *dqb = (uint16_t *)(sc + l.dq), *dkb = (uint16_t *)(sc + l.dk);
     uint16_t *dvb = (uint16_t *)(sc + l.dv), *dob = (uint16_t *)(sc + l.dout);
-    const int T = s.T, HD = s.H * s.hd, GD = s.G * s.hd;
-    int rc = nl_cuda_pack_bf16(cd->stream, qb, T, HD, q, T, q_stride, s.B, T, HD);
+    int rc = pack(cd, qb, &d, NL_SDPA_Q, s, q, q_stride, kv_stride);
     if (!rc)
-        rc = nl_cuda_pack_bf16(cd->stream, kb, T, GD, k, T, kv_stride, s.B, T, GD);
+        rc = pack(cd, kb, &d, NL_SDPA_K, s, k, q_stride, kv_stride);
     if (!rc)
-        rc = nl_cuda_pack_bf16(cd->stream, vb, T, GD, v, T, kv_stride, s.B, T, GD);
+        rc = pack(cd, vb, &d, NL_SDPA_V, s, v, q_stride, kv_stride);
     if (!rc)
-        rc = nl_cuda_pack_bf16(cd->stream, ob, T, HD, out, T, HD, s.B, T, HD);
+        rc = pack(cd, ob, &d, NL_SDPA_O, s, out, q_stride, kv_stride);
     if (!rc)
-        rc = nl_cuda_pack_bf16(cd->stream, dob, T, HD, dout, T, HD, s.B, T, HD);
+        rc = pack(cd, dob, &d, NL_SDPA_O, s, dout, q_stride, kv_stride);
     if (rc)
         return 0;
     en->pack[U_Q] = qb;
@@ -465,11 +481,11 @@ extern "C" int nl_cudnn_attention_backward(nl_cudnn *cd, float *dq, float *dk, f
     en->pack[U_DV] = dvb;
     if (!run(cd, en, kk))
         return 0;
-    rc = nl_cuda_unpack_bf16(cd->stream, dq, T, q_stride, dqb, T, HD, s.B, T, HD);
+    rc = unpack(cd, dq, &d, NL_SDPA_Q, s, dqb, q_stride, kv_stride);
     if (!rc)
-        rc = nl_cuda_unpack_bf16(cd->stream, dk, T, kv_stride, dkb, T, GD, s.B, T, GD);
+        rc = unpack(cd, dk, &d, NL_SDPA_K, s, dkb, q_stride, kv_stride);
     if (!rc)
-        rc = nl_cuda_unpack_bf16(cd->stream, dv, T, kv_stride, dvb, T, GD, s.B, T, GD);
+        rc = unpack(cd, dv, &d, NL_SDPA_V, s, dvb, q_stride, kv_stride);
     return rc == 0;
 }
 

@@ -176,4 +176,42 @@ NL_SDPA_HD static inline int64_t nl_sdpa_strided_row(int64_t r, int rows, int ca
     return ((r / rows) * cap + r % rows) * (int64_t)stride;
 }
 
+/* How tensor `which` (NL_SDPA_Q for Q and dQ, NL_SDPA_K / NL_SDPA_V for
+ * K, V, dK, dV, NL_SDPA_O for O and dO) moves between the caller's FP32
+ * layout (backend.h: q rows q_stride apart, the K/V cache kv_cap rows per
+ * sequence kv_stride apart, out and dout packed) and its packed bf16
+ * scratch: `rows` rows of `width` elements for each of nseq sequences; the
+ * packed side is (dst_cap, dst_stride), the FP32 side (src_cap,
+ * src_stride), both for nl_sdpa_strided_row. Packing reads FP32 and writes
+ * bf16; unpacking (O, dQ, dK, dV) the reverse, with the same numbers. */
+typedef struct nl_sdpa_pack {
+    int nseq, rows, width;
+    int dst_cap, dst_stride; /* the packed bf16 side */
+    int src_cap, src_stride; /* the caller's FP32 side */
+} nl_sdpa_pack;
+
+static inline nl_sdpa_pack nl_sdpa_pack_of(const nl_sdpa_desc *d, int which, nl_attn_shape s,
+                                           int q_stride, int kv_stride)
+{
+    nl_sdpa_pack p;
+    const int HD = s.H * s.hd, GD = s.G * s.hd;
+    p.nseq = s.B;
+    if (which == NL_SDPA_K || which == NL_SDPA_V) {
+        p.rows = s.past + s.T;
+        p.width = GD;
+        p.dst_cap = (int)d->s_kv;
+        p.dst_stride = GD;
+        p.src_cap = s.kv_cap;
+        p.src_stride = kv_stride;
+    } else {
+        p.rows = s.T;
+        p.width = HD;
+        p.dst_cap = s.T;
+        p.dst_stride = HD;
+        p.src_cap = s.T;
+        p.src_stride = which == NL_SDPA_Q ? q_stride : HD;
+    }
+    return p;
+}
+
 #endif
