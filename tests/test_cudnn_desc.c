@@ -163,8 +163,8 @@ static int layout_matches(nl_attn_shape s, int q_stride, int kv_stride, int whic
                 }
     /* the dims cover the packed buffer exactly */
     const int64_t *dim = d.dim[which];
-    bad += dim[0] != s.B || dim[1] != heads || dim[3] != s.hd ||
-           dim[2] != (kv ? d.s_kv : s.T) || dim[2] * dim[1] * dim[3] != (int64_t)p.dst_cap * p.dst_stride;
+    bad += dim[0] != s.B || dim[1] != heads || dim[3] != s.hd || dim[2] != (kv ? d.s_kv : s.T) ||
+           dim[2] * dim[1] * dim[3] != (int64_t)p.dst_cap * p.dst_stride;
     free(src);
     free(dst);
     return bad == 0;

@@ -52,8 +52,8 @@ extern "C" {
 #include "cuda_attention.h"
 #include "cuda_attention_bwd.h"
 #include "cuda_backward.h"
-#include "cuda_cudnn.h"
 #include "cuda_comm.h"
+#include "cuda_cudnn.h"
 #include "cuda_family.h"
 #include "cuda_moe.h"
 #include "cuda_ops.h"
@@ -180,8 +180,8 @@ struct cuda_ctx {
     size_t in_use, peak;
     nl_status sticky; /* the first error, kept */
     char msg[NL_ERROR_MSG_MAX];
-    int bf16;          /* nl_backend_opts.bf16 */
-    nl_cudnn *cudnn;   /* attention through cuDNN (cuda_cudnn.h), or NULL */
+    int bf16;        /* nl_backend_opts.bf16 */
+    nl_cudnn *cudnn; /* attention through cuDNN (cuda_cudnn.h), or NULL */
 };
 
 cuda_ctx *ctx_of(nl_backend *be)

@@ -35,6 +35,7 @@ extern "C" {
 #include <cudnn_frontend.h>
 
 #include <memory>
+#include <new>
 #include <string>
 #include <unordered_map>
 
@@ -75,8 +76,8 @@ struct key_hash {
 };
 
 struct entry {
-    std::shared_ptr<fe::graph::Graph> graph; /* NULL: failed, fall back */
-    std::unordered_map<int64_t, void *> pack;  /* uid -> pointer, refilled per call */
+    std::shared_ptr<fe::graph::Graph> graph;  /* NULL: failed, fall back */
+    std::unordered_map<int64_t, void *> pack; /* uid -> pointer, refilled per call */
     size_t workspace = 0;
 };
 
@@ -155,13 +156,13 @@ std::shared_ptr<fe::graph::Tensor_attributes> tensor_of(std::shared_ptr<fe::grap
                                                         const nl_sdpa_desc &d, int which,
                                                         int64_t uid, const char *name)
 {
-    return g->tensor(fe::graph::Tensor_attributes()
-                         .set_name(name)
-                         .set_uid(uid)
-                         .set_dim({d.dim[which][0], d.dim[which][1], d.dim[which][2],
-                                   d.dim[which][3]})
-                         .set_stride({d.stride[which][0], d.stride[which][1], d.stride[which][2],
-                                      d.stride[which][3]}));
+    return g->tensor(
+        fe::graph::Tensor_attributes()
+            .set_name(name)
+            .set_uid(uid)
+            .set_dim({d.dim[which][0], d.dim[which][1], d.dim[which][2], d.dim[which][3]})
+            .set_stride(
+                {d.stride[which][0], d.stride[which][1], d.stride[which][2], d.stride[which][3]}));
 }
 
 void set_out(std::shared_ptr<fe::graph::Tensor_attributes> &t, const nl_sdpa_desc &d, int which,
@@ -189,9 +190,11 @@ void set_mask(A &a, const nl_sdpa_desc &d, std::shared_ptr<fe::graph::Tensor_att
         a.set_padding_mask(true).set_seq_len_q(sq).set_seq_len_kv(skv);
 }
 
-/* Build the graph of a key; the error text in *why on failure. */
+/* Build the graph of a key; the error text in *why on failure. The
+ * backward asks for cuDNN's deterministic algorithm (no atomics: two runs,
+ * the same bits) when `deterministic`. */
 std::shared_ptr<fe::graph::Graph> build(nl_cudnn *cd, const nl_sdpa_desc &d, bool bwd, bool stats,
-                                        std::string *why)
+                                        bool deterministic, std::string *why)
 {
     auto g = std::make_shared<fe::graph::Graph>();
     g->set_io_data_type(fe::DataType_t::BFLOAT16)
@@ -231,7 +234,7 @@ std::shared_ptr<fe::graph::Graph> build(nl_cudnn *cd, const nl_sdpa_desc &d, boo
         S->set_data_type(fe::DataType_t::FLOAT);
         auto a = fe::graph::SDPA_backward_attributes()
                      .set_name("nl_sdpa_backward")
-                     .set_deterministic_algorithm(true); /* two runs, the same bits */
+                     .set_deterministic_algorithm(deterministic);
         set_mask(a, d, sq, skv);
         auto [dQ, dK, dV] = g->sdpa_backward(Q, K, V, O, dO, S, a);
         set_out(dQ, d, NL_SDPA_Q, U_DQ);
@@ -257,11 +260,16 @@ entry *lookup(nl_cudnn *cd, const nl_sdpa_desc &d, const key &k, bool bwd, size_
         cd->graphs.erase(cd->graphs.begin());
     entry &en = cd->graphs[k];
     std::string why;
-    try {
-        en.graph = build(cd, d, bwd, k.stats != 0, &why);
-    } catch (const std::exception &x) { /* the frontend throws only on bad_alloc and kin */
-        en.graph = nullptr;
-        why = x.what();
+    en.graph = build(cd, d, bwd, k.stats != 0, true, &why);
+    if (!en.graph && bwd) {
+        /* no deterministic engine for this shape: take the fast one, say so */
+        std::string why2;
+        en.graph = build(cd, d, bwd, k.stats != 0, false, &why2);
+        if (en.graph)
+            nl_log_write(NL_LOG_WARN,
+                         "cuda:%d: cuDNN attention backward (B %d T %d H %d G %d hd %d bidir %d "
+                         "window %d): no deterministic engine (%s); using a nondeterministic one",
+                         cd->device, k.B, k.T, k.H, k.G, k.hd, k.bidir, k.window, why.c_str());
     }
     int64_t ws = 0;
     if (en.graph && !en.graph->get_workspace_size(ws).is_good()) {
@@ -282,6 +290,15 @@ entry *lookup(nl_cudnn *cd, const nl_sdpa_desc &d, const key &k, bool bwd, size_
         return nullptr;
     }
     en.workspace = (size_t)ws;
+    /* every uid in the pack now, so a call only assigns (never allocates) */
+    for (int64_t uid : {U_Q, U_K, U_V, U_O, U_STATS, U_SEQ_Q, U_SEQ_KV, U_DQ, U_DK, U_DV, U_DO})
+        en.pack[uid] = nullptr;
+    if (!k.stats)
+        en.pack.erase(U_STATS);
+    if (!k.padding) {
+        en.pack.erase(U_SEQ_Q);
+        en.pack.erase(U_SEQ_KV);
+    }
     return &en;
 }
 
@@ -324,8 +341,8 @@ int pack(nl_cudnn *cd, uint16_t *dst, const nl_sdpa_desc *d, int which, nl_attn_
          const float *src, int q_stride, int kv_stride)
 {
     const nl_sdpa_pack p = nl_sdpa_pack_of(d, which, s, q_stride, kv_stride);
-    return nl_cuda_pack_bf16(cd->stream, dst, p.dst_cap, p.dst_stride, src, p.src_cap,
-                             p.src_stride, p.nseq, p.rows, p.width);
+    return nl_cuda_pack_bf16(cd->stream, dst, p.dst_cap, p.dst_stride, src, p.src_cap, p.src_stride,
+                             p.nseq, p.rows, p.width);
 }
 
 int unpack(nl_cudnn *cd, float *dst, const nl_sdpa_desc *d, int which, nl_attn_shape s,
@@ -369,7 +386,8 @@ extern "C" nl_cudnn *nl_cudnn_new(int device, void *stream, int bf16)
     cd->handle = h;
     nl_log_write(NL_LOG_INFO, "cuda:%d: attention through cuDNN %zu (frontend %d.%d.%d)%s", device,
                  cudnnGetVersion(), CUDNN_FRONTEND_MAJOR_VERSION, CUDNN_FRONTEND_MINOR_VERSION,
-                 CUDNN_FRONTEND_PATCH_VERSION, force && !bf16 ? ", forced for an FP32 backend" : "");
+                 CUDNN_FRONTEND_PATCH_VERSION,
+                 force && !bf16 ? ", forced for an FP32 backend" : "");
     return cd;
 }
 
@@ -389,9 +407,11 @@ extern "C" void nl_cudnn_destroy(nl_cudnn **p)
     *p = nullptr;
 }
 
-extern "C" int nl_cudnn_attention_forward(nl_cudnn *cd, float *out, float *lse, const float *q,
-                                          int q_stride, const float *k, const float *v,
-                                          int kv_stride, nl_attn_shape s, const nl_attn_mask *mask)
+namespace
+{
+
+int forward(nl_cudnn *cd, float *out, float *lse, const float *q, int q_stride, const float *k,
+            const float *v, int kv_stride, nl_attn_shape s, const nl_attn_mask *mask)
 {
     if (!cd || !out || !q || !k || !v)
         return 0;
@@ -436,11 +456,9 @@ extern "C" int nl_cudnn_attention_forward(nl_cudnn *cd, float *out, float *lse, 
     return unpack(cd, out, &d, NL_SDPA_O, s, ob, q_stride, kv_stride) == 0;
 }
 
-extern "C" int nl_cudnn_attention_backward(nl_cudnn *cd, float *dq, float *dk, float *dv,
-                                           const float *dout, const float *q, int q_stride,
-                                           const float *k, const float *v, int kv_stride,
-                                           const float *out, const float *lse, nl_attn_shape s,
-                                           const nl_attn_mask *mask)
+int backward(nl_cudnn *cd, float *dq, float *dk, float *dv, const float *dout, const float *q,
+             int q_stride, const float *k, const float *v, int kv_stride, const float *out,
+             const float *lse, nl_attn_shape s, const nl_attn_mask *mask)
 {
     if (!cd || !dq || !dk || !dv || !dout || !q || !k || !v || !out || !lse)
         return 0;
@@ -487,6 +505,46 @@ extern "C" int nl_cudnn_attention_backward(nl_cudnn *cd, float *dq, float *dk, f
     if (!rc)
         rc = unpack(cd, dv, &d, NL_SDPA_V, s, dvb, q_stride, kv_stride);
     return rc == 0;
+}
+
+/* What the frontend may throw (std::bad_alloc and kin) never crosses into
+ * C: a throw is one log line and a fallback. */
+void thrown(nl_cudnn *cd, const char *what)
+{
+    nl_log_write(NL_LOG_WARN, "cuda:%d: cuDNN attention: %s; falling back to the module's kernels",
+                 cd->device, what);
+}
+
+} // namespace
+
+extern "C" int nl_cudnn_attention_forward(nl_cudnn *cd, float *out, float *lse, const float *q,
+                                          int q_stride, const float *k, const float *v,
+                                          int kv_stride, nl_attn_shape s, const nl_attn_mask *mask)
+{
+    try {
+        return forward(cd, out, lse, q, q_stride, k, v, kv_stride, s, mask);
+    } catch (const std::exception &x) {
+        thrown(cd, x.what());
+    } catch (...) {
+        thrown(cd, "unknown exception");
+    }
+    return 0;
+}
+
+extern "C" int nl_cudnn_attention_backward(nl_cudnn *cd, float *dq, float *dk, float *dv,
+                                           const float *dout, const float *q, int q_stride,
+                                           const float *k, const float *v, int kv_stride,
+                                           const float *out, const float *lse, nl_attn_shape s,
+                                           const nl_attn_mask *mask)
+{
+    try {
+        return backward(cd, dq, dk, dv, dout, q, q_stride, k, v, kv_stride, out, lse, s, mask);
+    } catch (const std::exception &x) {
+        thrown(cd, x.what());
+    } catch (...) {
+        thrown(cd, "unknown exception");
+    }
+    return 0;
 }
 
 #else /* built without the cuDNN frontend: every entry point declines */

@@ -52,8 +52,8 @@ int nl_cudnn_attention_forward(nl_cudnn *cd, float *out, float *lse, const float
 /* The attention_masked_backward slot's contract; returns as the forward. */
 int nl_cudnn_attention_backward(nl_cudnn *cd, float *dq, float *dk, float *dv, const float *dout,
                                 const float *q, int q_stride, const float *k, const float *v,
-                                int kv_stride, const float *out, const float *lse,
-                                nl_attn_shape s, const nl_attn_mask *mask);
+                                int kv_stride, const float *out, const float *lse, nl_attn_shape s,
+                                const nl_attn_mask *mask);
 
 /* ---- inside the module: the packing kernels of cuda_cudnn_convert.cu.
  * Rows r of nseq * rows: source row nl_sdpa_strided_row(r, rows, src_cap,
@@ -61,9 +61,8 @@ int nl_cudnn_attention_backward(nl_cudnn *cd, float *dq, float *dk, float *dv, c
  * dst_stride), `width` elements each. Return the launch's cudaError_t. */
 int nl_cuda_pack_bf16(void *stream, uint16_t *dst, int dst_cap, int dst_stride, const float *src,
                       int src_cap, int src_stride, int nseq, int rows, int width);
-int nl_cuda_unpack_bf16(void *stream, float *dst, int dst_cap, int dst_stride,
-                        const uint16_t *src, int src_cap, int src_stride, int nseq, int rows,
-                        int width);
+int nl_cuda_unpack_bf16(void *stream, float *dst, int dst_cap, int dst_stride, const uint16_t *src,
+                        int src_cap, int src_stride, int nseq, int rows, int width);
 /* dst[0 .. n) = value */
 int nl_cuda_fill_i32(void *stream, int32_t *dst, int n, int value);
 

@@ -49,14 +49,7 @@
 #endif
 
 /* the tensors of a forward graph, in the order of their cuDNN uids (1 + index) */
-enum {
-    NL_SDPA_Q = 0,
-    NL_SDPA_K,
-    NL_SDPA_V,
-    NL_SDPA_O,
-    NL_SDPA_STATS,
-    NL_SDPA_NTENSORS
-};
+enum { NL_SDPA_Q = 0, NL_SDPA_K, NL_SDPA_V, NL_SDPA_O, NL_SDPA_STATS, NL_SDPA_NTENSORS };
 
 typedef struct nl_sdpa_desc {
     /* NULL: cuDNN can run this call; else why the module's kernels run it */
@@ -64,12 +57,12 @@ typedef struct nl_sdpa_desc {
     int64_t b, h_q, h_kv, s_q, s_kv, d; /* s_kv: rows of K/V per sequence */
     int64_t dim[NL_SDPA_NTENSORS][4];   /* (b, heads, rows, d or 1) */
     int64_t stride[NL_SDPA_NTENSORS][4];
-    int has_right, has_left;    /* diagonal band bounds set */
+    int has_right, has_left; /* diagonal band bounds set */
     int right_bound, left_bound;
-    int bottom_right;           /* 1: bottom-right diagonal alignment */
-    int padding;                /* 1: seq_len_q / seq_len_kv arrays (B int32 each) */
-    int seq_len_q, seq_len_kv;  /* their value for every sequence */
-    float scale;                /* 1 / sqrt(hd) */
+    int bottom_right;          /* 1: bottom-right diagonal alignment */
+    int padding;               /* 1: seq_len_q / seq_len_kv arrays (B int32 each) */
+    int seq_len_q, seq_len_kv; /* their value for every sequence */
+    float scale;               /* 1 / sqrt(hd) */
 } nl_sdpa_desc;
 
 /* Head dims the cuDNN path takes; others fall back. */
