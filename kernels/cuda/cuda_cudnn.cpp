@@ -33,6 +33,7 @@ extern "C" {
 #include <cuda_runtime.h>
 #include <cudnn.h>
 #include <cudnn_frontend.h>
+#include <dlfcn.h>
 
 #include <memory>
 #include <new>
@@ -40,6 +41,13 @@ extern "C" {
 #include <unordered_map>
 
 namespace fe = cudnn_frontend;
+
+/* The frontend is built with NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING: it calls
+ * cuDNN (and NVRTC, which one of its experimental engines uses) through
+ * dlsym on this handle, which nl_cudnn_new fills. So the module never needs
+ * libcudnn to load: a machine without cuDNN keeps the CUDA backend, with
+ * attention on the module's kernels and one log line saying why. */
+void *cudnn_frontend::cudnn_dlhandle = nullptr;
 
 namespace
 {
@@ -353,6 +361,65 @@ int unpack(nl_cudnn *cd, float *dst, const nl_sdpa_desc *d, int which, nl_attn_s
                                p.dst_stride, p.nseq, p.rows, p.width);
 }
 
+/* libcudnn.so.9 where the loader finds it (LD_LIBRARY_PATH, the module's
+ * run path), else in the folder CMake found it in. The handle is kept for
+ * the process's life (the graphs of several backends share it). */
+bool load_cudnn(int device)
+{
+    if (fe::cudnn_dlhandle)
+        return true;
+    void *h = dlopen("libcudnn.so.9", RTLD_NOW | RTLD_LOCAL);
+    std::string err = h ? "" : dlerror();
+#ifdef NL_CUDNN_LIB_DIR
+    if (!h) {
+        h = dlopen(NL_CUDNN_LIB_DIR "/libcudnn.so.9", RTLD_NOW | RTLD_LOCAL);
+        if (!h)
+            err += std::string("; ") + dlerror();
+    }
+#endif
+    if (!h) {
+        nl_log_write(NL_LOG_WARN,
+                     "cuda:%d: cuDNN not found (%s): attention uses the module's kernels", device,
+                     err.c_str());
+        return false;
+    }
+    fe::cudnn_dlhandle = h;
+    return true;
+}
+
+nl_cudnn *make(int device, void *stream, bool force, bool bf16)
+{
+    if (!load_cudnn(device))
+        return nullptr;
+    cudnnHandle_t h = nullptr;
+    cudnnStatus_t st = fe::detail::create_handle(&h);
+    if (st == CUDNN_STATUS_SUCCESS)
+        st = fe::detail::set_stream(h, (cudaStream_t)stream);
+    if (st != CUDNN_STATUS_SUCCESS) {
+        nl_log_write(NL_LOG_WARN,
+                     "cuda:%d: cuDNN unavailable (%s, library %zu): attention uses the module's "
+                     "kernels",
+                     device, fe::detail::get_error_string(st), fe::detail::get_backend_version());
+        if (h)
+            fe::detail::destroy_handle(h);
+        cudaGetLastError();
+        return nullptr;
+    }
+    nl_cudnn *cd = new (std::nothrow) nl_cudnn;
+    if (!cd) {
+        fe::detail::destroy_handle(h);
+        return nullptr;
+    }
+    cd->device = device;
+    cd->stream = (cudaStream_t)stream;
+    cd->handle = h;
+    nl_log_write(NL_LOG_INFO, "cuda:%d: attention through cuDNN %zu (frontend %d.%d.%d)%s", device,
+                 fe::detail::get_backend_version(), CUDNN_FRONTEND_MAJOR_VERSION,
+                 CUDNN_FRONTEND_MINOR_VERSION, CUDNN_FRONTEND_PATCH_VERSION,
+                 force && !bf16 ? ", forced for an FP32 backend" : "");
+    return cd;
+}
+
 } // namespace
 
 extern "C" nl_cudnn *nl_cudnn_new(int device, void *stream, int bf16)
@@ -362,33 +429,14 @@ extern "C" nl_cudnn *nl_cudnn_new(int device, void *stream, int bf16)
     const bool force = env && strcmp(env, "force") == 0;
     if (off || (!bf16 && !force))
         return nullptr;
-    cudnnHandle_t h = nullptr;
-    cudnnStatus_t st = cudnnCreate(&h);
-    if (st == CUDNN_STATUS_SUCCESS)
-        st = cudnnSetStream(h, (cudaStream_t)stream);
-    if (st != CUDNN_STATUS_SUCCESS) {
+    try {
+        return make(device, stream, force, bf16 != 0);
+    } catch (const std::exception &x) { /* the shim throws when a symbol is missing */
         nl_log_write(NL_LOG_WARN,
-                     "cuda:%d: cuDNN unavailable (%s, library %zu): attention uses the module's "
-                     "kernels",
-                     device, cudnnGetErrorString(st), cudnnGetVersion());
-        if (h)
-            cudnnDestroy(h);
-        cudaGetLastError();
-        return nullptr;
+                     "cuda:%d: cuDNN unavailable (%s): attention uses the module's kernels", device,
+                     x.what());
     }
-    nl_cudnn *cd = new (std::nothrow) nl_cudnn;
-    if (!cd) {
-        cudnnDestroy(h);
-        return nullptr;
-    }
-    cd->device = device;
-    cd->stream = (cudaStream_t)stream;
-    cd->handle = h;
-    nl_log_write(NL_LOG_INFO, "cuda:%d: attention through cuDNN %zu (frontend %d.%d.%d)%s", device,
-                 cudnnGetVersion(), CUDNN_FRONTEND_MAJOR_VERSION, CUDNN_FRONTEND_MINOR_VERSION,
-                 CUDNN_FRONTEND_PATCH_VERSION,
-                 force && !bf16 ? ", forced for an FP32 backend" : "");
-    return cd;
+    return nullptr;
 }
 
 extern "C" void nl_cudnn_destroy(nl_cudnn **p)
@@ -401,7 +449,7 @@ extern "C" void nl_cudnn_destroy(nl_cudnn **p)
         cudaFree(cd->scratch);
     if (cd->workspace)
         cudaFree(cd->workspace);
-    cudnnDestroy(cd->handle);
+    fe::detail::destroy_handle(cd->handle);
     cudaGetLastError();
     delete cd;
     *p = nullptr;

@@ -36,7 +36,8 @@ typedef struct nl_cudnn nl_cudnn;
 
 /* The state of one backend's cuDNN attention, or NULL when it is off:
  * NL_CUDNN_ATTN=0, an FP32 backend (bf16 == 0) without NL_CUDNN_ATTN=force,
- * a module built without cuDNN, or cudnnCreate failing (logged once).
+ * a module built without cuDNN, libcudnn.so.9 not found (it is dlopen'ed,
+ * never linked) or cudnnCreate failing (the last two logged).
  * stream is the backend's cudaStream_t; device its ordinal. */
 nl_cudnn *nl_cudnn_new(int device, void *stream, int bf16);
 /* Free the graphs, the handle and the scratch; safe on NULL, sets *p NULL.
