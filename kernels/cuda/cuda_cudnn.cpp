@@ -149,7 +149,8 @@ bool grow(nl_cudnn *cd, void **p, size_t *have, size_t need)
         cudaFree(*p);
     *p = nullptr;
     *have = 0;
-    if (cudaMalloc(p, need) != cudaSuccess || cudaMemset(*p, 0, need) != cudaSuccess) {
+    if (cudaMalloc(p, need) != cudaSuccess ||
+        cudaMemsetAsync(*p, 0, need, cd->stream) != cudaSuccess) {
         cudaGetLastError();
         if (*p)
             cudaFree(*p);
