@@ -1033,6 +1033,7 @@ int nl_cmd_selftest(int argc, char **argv)
                "train\n",
                c.be[1]->name);
     nl_selftest_family(&c);
+    nl_selftest_cudnn(&c, device, (int)threads);
     nl_selftest_model(&c, (uint64_t)seed);
     printf("selftest: %d passed, %d failed\n", c.passed, c.failed);
     nl_backend_destroy(&c.be[1]);

@@ -1,6 +1,7 @@
 /* Private to neuroctl selftest (cli/cmd_selftest.c, the op checks and the
  * command; cli/selftest_family.c, the model variants' slots;
- * cli/selftest_model.c, the small model's checks): the harness
+ * cli/selftest_model.c, the small model's checks; cli/selftest_cudnn.c,
+ * cuDNN's attention): the harness
  * that holds one buffer on two backends, and the report of each check. */
 #ifndef NL_CLI_SELFTEST_H
 #define NL_CLI_SELFTEST_H
@@ -115,6 +116,12 @@ double nl_selftest_cmp_cols(nl_selftest *c, const pair *p, size_t rows, size_t s
  * backwards), skipped by name where the target leaves them NULL
  * (cli/selftest_family.c). */
 void nl_selftest_family(nl_selftest *c);
+
+/* The CUDA module's cuDNN flash attention (kernels/cuda/cuda_cudnn.h) on
+ * the device of `device` against the reference, through a second backend
+ * made with NL_CUDNN_ATTN=force, on bf16 tolerances; one "skip" line where
+ * the device is not CUDA or cuDNN is not in use (cli/selftest_cudnn.c). */
+void nl_selftest_cudnn(nl_selftest *c, const char *device, int threads);
 
 /* A small model on both backends: routing, logits, NL_SELFTEST_DECODE
  * greedy decode steps, and where the target can train one layer forward

@@ -26,9 +26,50 @@ hf_venv() {
     echo "$HF_PINS" > "$HF_VENV/.pins" &&
     echo "install-deps: $HF_VENV ready (transformers 4.38.2)"
 }
+
+# cuDNN's header-only C++ frontend (the graph API behind the CUDA module's
+# flash attention, kernels/cuda/cuda_cudnn.cpp), pinned: the headers of the
+# nvidia-cudnn-frontend wheel on PyPI (its include/ is the same in every
+# wheel; the cp311 manylinux one is named so that any pip fetches the same
+# bytes), checked against its sha256 and unpacked into .deps/ (git-ignored),
+# where CMake looks (NL_CUDNN). Fetched only where CUDA is built (nvcc
+# present); cuDNN's libraries themselves come with the CUDA toolkit.
+CUDNN_FE_VERSION=1.32.0
+CUDNN_FE_SHA256=c6006556017a4d1c914c52a556c71b1267f2d6a0500f742e7b4edef539878df0
+CUDNN_FE_DIR="$ROOT/.deps/cudnn-frontend"
+cudnn_frontend() {
+  if ! command -v nvcc >/dev/null 2>&1 && [ ! -x /usr/local/cuda/bin/nvcc ]; then
+    echo "install-deps: no nvcc: the CUDA module is not built, cuDNN frontend not needed"
+    return 0
+  fi
+  if [ -f "$CUDNN_FE_DIR/.version" ] && [ "$(cat "$CUDNN_FE_DIR/.version")" = "$CUDNN_FE_VERSION" ]; then
+    echo "install-deps: cuDNN frontend $CUDNN_FE_VERSION present in $CUDNN_FE_DIR"
+    return 0
+  fi
+  local tmp whl
+  tmp="$(mktemp -d)"
+  python3 -m pip download -q --no-deps --only-binary :all: --platform manylinux_2_28_x86_64 \
+    --python-version 3.11 --implementation cp -d "$tmp" "nvidia-cudnn-frontend==$CUDNN_FE_VERSION" &&
+    whl="$(ls "$tmp"/nvidia_cudnn_frontend-*.whl)" &&
+    echo "$CUDNN_FE_SHA256  $whl" | sha256sum -c --quiet - &&
+    rm -rf "$CUDNN_FE_DIR" && mkdir -p "$CUDNN_FE_DIR" &&
+    python3 -c "import sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith('include/')])" "$whl" "$CUDNN_FE_DIR" &&
+    [ -f "$CUDNN_FE_DIR/include/cudnn_frontend.h" ] &&
+    echo "$CUDNN_FE_VERSION" > "$CUDNN_FE_DIR/.version" &&
+    echo "install-deps: cuDNN frontend $CUDNN_FE_VERSION unpacked into $CUDNN_FE_DIR"
+  local rc=$?
+  rm -rf "$tmp"
+  return $rc
+}
 if [ "${1:-}" = "--hf-venv" ]; then
   hf_venv
   exit 0
+fi
+if [ "${1:-}" = "--cudnn-frontend" ]; then
+  cudnn_frontend
+  exit $?
 fi
 
 PKGS=(
@@ -54,3 +95,5 @@ else
 fi
 # The venv needs the package index; without it only the HF test skips.
 hf_venv || echo "install-deps: could not make $HF_VENV (no package index?); test_hf_transformers will skip"
+# Without the package index the CUDA module builds without cuDNN attention.
+cudnn_frontend || echo "install-deps: could not fetch the cuDNN frontend (no package index?); the CUDA module builds without cuDNN attention"

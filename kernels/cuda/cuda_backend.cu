@@ -4,7 +4,10 @@
  * and optimizer kernels in cuda_backward.cu and cuda_attention_bwd.cu, the
  * routing and grouped expert GEMMs in cuda_moe.cu, the model variants'
  * GeGLU and YaRN RoPE in cuda_family.cu (their masked attention with the
- * attention kernels); every slot runs on the device (can_train = 1).
+ * attention kernels); every slot runs on the device (can_train = 1). In
+ * bf16 mode the attention slots first offer the call to cuDNN's flash
+ * attention (cuda_cudnn.h; NL_CUDNN_ATTN=0 turns it off, =force turns it
+ * on for FP32 too) and run their own kernels when it declines.
  *
  * One backend = one device, one non-blocking stream, one cuBLAS handle
  * bound to that stream with a workspace allocated at creation, so nothing
@@ -50,6 +53,7 @@ extern "C" {
 #include "cuda_attention_bwd.h"
 #include "cuda_backward.h"
 #include "cuda_comm.h"
+#include "cuda_cudnn.h"
 #include "cuda_family.h"
 #include "cuda_gemm_plan.h"
 #include "cuda_mixed.h"
@@ -207,6 +211,7 @@ struct cuda_ctx {
     int32_t *tile_start;  /* NL_CUDA_MAX_GROUPS + 1: the grouped GEMMs' tile map */
     lt_entry lt_cache[NL_CUDA_LT_CACHE];
     int lt_next; /* the entry to replace when the cache is full */
+    nl_cudnn *cudnn; /* attention through cuDNN (cuda_cudnn.h), or NULL */
 };
 
 cuda_ctx *ctx_of(nl_backend *be)
@@ -767,6 +772,8 @@ void cu_attention_forward(nl_backend *be, float *out, float *lse, const float *q
                           const float *k, const float *v, int kv_stride, nl_attn_shape s)
 {
     cuda_ctx *c = enter(be);
+    if (nl_cudnn_attention_forward(c->cudnn, out, lse, q, q_stride, k, v, kv_stride, s, NULL))
+        return;
     launched(c, "attention_forward",
              nl_cuda_attention_forward(c->stream, out, lse, q, q_stride, k, v, kv_stride, s));
 }
@@ -791,6 +798,8 @@ void cu_attention_masked_forward(nl_backend *be, float *out, float *lse, const f
                                  nl_attn_shape s, nl_attn_mask mask)
 {
     cuda_ctx *c = enter(be);
+    if (nl_cudnn_attention_forward(c->cudnn, out, lse, q, q_stride, k, v, kv_stride, s, &mask))
+        return;
     launched_shape(c,
                    nl_cuda_attention_masked_forward(c->stream, out, lse, q, q_stride, k, v,
                                                     kv_stride, s, mask),
@@ -935,6 +944,9 @@ void cu_attention_backward(nl_backend *be, float *dq, float *dk, float *dv, cons
                            int kv_stride, const float *out, const float *lse, nl_attn_shape s)
 {
     cuda_ctx *c = enter(be);
+    if (nl_cudnn_attention_backward(c->cudnn, dq, dk, dv, dout, q, q_stride, k, v, kv_stride, out,
+                                    lse, s, NULL))
+        return;
     /* the row sums D in scratch when they fit, else per tile (same bits) */
     const size_t need = nl_cuda_attention_backward_scratch(s);
     float *scratch = need > 0 && need <= c->scratch_bytes ? (float *)c->scratch : NULL;
@@ -952,6 +964,9 @@ void cu_attention_masked_backward(nl_backend *be, float *dq, float *dk, float *d
                                   const float *lse, nl_attn_shape s, nl_attn_mask mask)
 {
     cuda_ctx *c = enter(be);
+    if (nl_cudnn_attention_backward(c->cudnn, dq, dk, dv, dout, q, q_stride, k, v, kv_stride, out,
+                                    lse, s, &mask))
+        return;
     const size_t need = nl_cuda_attention_backward_scratch(s);
     float *scratch = need > 0 && need <= c->scratch_bytes ? (float *)c->scratch : NULL;
     launched_shape(c,
@@ -1044,6 +1059,7 @@ void cu_destroy(nl_backend *be)
         cudaSetDevice(c->device);
         if (c->stream)
             cudaStreamSynchronize(c->stream);
+        nl_cudnn_destroy(&c->cudnn);
         /* what the caller did not free goes with the backend */
         for (size_t i = 0; i < c->table.cap; i++)
             if (c->table.keys[i])
@@ -1313,6 +1329,7 @@ NL_EXPORT nl_status nl_cuda_backend_new(nl_backend **out, int device, const nl_b
         return st;
     }
     be->runtime_bytes = runtime;
+    c->cudnn = nl_cudnn_new(device, c->stream, c->bf16); /* NULL: off or unavailable */
     fill_table(be);
     *out = be;
     return NL_OK;
