@@ -26,6 +26,7 @@
 #include "core/fileio.h"
 #include "core/lora.h"
 #include "core/manifest.h"
+#include "core/objective.h"
 #include "remote.h"
 #include "train_report.h"
 
@@ -131,9 +132,11 @@ static int read_opts(rtrain_opts *o, const nl_flag *flags)
         return rc;
     o->seq_default = !nl_args_get(flags, "seq");
     /* the coordinator checks it against the model (mask id, classifier) */
-    if ((o->objective = nl_args_get(flags, "objective")) && strcmp(o->objective, "clm") != 0 &&
-        strcmp(o->objective, "mlm") != 0 && strcmp(o->objective, "classify") != 0) {
-        fprintf(stderr, "--objective: '%.40s' is not clm, mlm or classify\n", o->objective);
+    nl_error err = {0};
+    int obj = NL_OBJ_MODEL;
+    if ((o->objective = nl_args_get(flags, "objective")) &&
+        nl_objective_parse(o->objective, &obj, &err) != NL_OK) {
+        fprintf(stderr, "--objective: %s\n", err.msg);
         return 2;
     }
     if (nl_args_get(flags, "learn-vocab") &&

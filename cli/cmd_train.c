@@ -173,48 +173,14 @@ static nl_status save_adapter(const nl_lora *lo, const train_opts *o, nl_error *
     return st;
 }
 
-/* Which objective a run trains: --objective, else the config's. */
-enum { OBJ_CLM = NL_OBJ_CLM, OBJ_MLM = NL_OBJ_MLM, OBJ_CLASSIFY };
-
+/* Which objective a run trains (core/objective.h): --objective, else the
+ * config's, checked against the model. */
 static nl_status pick_objective(const train_opts *o, const nl_config *c, int *obj, nl_error *err)
 {
-    *obj = c->objective;
-    if (!o->objective)
-        return NL_OK;
-    if (strcmp(o->objective, "clm") == 0)
-        *obj = OBJ_CLM;
-    else if (strcmp(o->objective, "mlm") == 0)
-        *obj = OBJ_MLM;
-    else if (strcmp(o->objective, "classify") == 0)
-        *obj = OBJ_CLASSIFY;
-    else
-        return nl_error_set(err, NL_ERR_INVALID, "--objective: '%.40s' is not clm, mlm or classify",
-                            o->objective);
-    if (*obj == OBJ_MLM && c->vocab_size <= NL_CONFIG_MASK_ID)
-        return nl_error_set(err, NL_ERR_INVALID,
-                            "--objective mlm: the model's vocab_size %lld does not hold the mask "
-                            "id %d (<|pad|>)",
-                            (long long)c->vocab_size, NL_CONFIG_MASK_ID);
-    if (*obj == OBJ_CLASSIFY && c->num_classes <= 0)
-        return nl_error_set(err, NL_ERR_INVALID,
-                            "--objective classify: the model has no classifier (set num_classes "
-                            "in its config)");
-    return NL_OK;
-}
-
-/* A batch of the run's objective: next-token windows, or (mlm) the same
- * tokens masked by DESIGN section 6's rule with ignored other targets.
- * Returns the number of targets that count. */
-static nl_status objective_batch(const nl_dataset *ds, int obj, const nl_config *c, int split,
-                                 uint64_t seed, uint64_t index, int B, int T, int32_t *tokens,
-                                 int32_t *targets, int64_t *valid, nl_error *err)
-{
-    nl_status st = nl_dataset_batch(ds, split, seed, index, B, T, tokens, targets, err);
-    *valid = (int64_t)B * T;
-    if (st == NL_OK && obj == OBJ_MLM)
-        *valid = (int64_t)nl_mlm_mask(tokens, targets, (size_t)B * T, c->mask_prob, c->vocab_size,
-                                      seed + (uint64_t)split, index);
-    return st;
+    *obj = NL_OBJ_MODEL;
+    if (o->objective && nl_objective_parse(o->objective, obj, err) != NL_OK)
+        return nl_error_prefix(err, "--objective");
+    return nl_objective_check(c, obj, err);
 }
 
 /* Mean cross-entropy over eval_batches held-out batches (over the targets
@@ -228,8 +194,8 @@ static nl_status eval_loss(nl_trainer *tr, const nl_dataset *ds, const train_opt
     int64_t valid = 0, n = 0;
     nl_status st = NL_OK;
     for (long long i = 0; i < o->r.eval_batches && st == NL_OK; i++) {
-        st = objective_batch(ds, obj, c, 1, (uint64_t)o->r.seed, (uint64_t)i, B, T, tokens, targets,
-                             &n, err);
+        st = nl_objective_batch(ds, obj, c, 1, (uint64_t)o->r.seed, (uint64_t)i, B, T, tokens,
+                                targets, &n, err);
         valid += n;
         nl_trainer_begin_step(tr, (int64_t)B * T);
         for (int j = 0; j < o->r.micro && st == NL_OK; j++)
@@ -353,7 +319,7 @@ static int run_train(const train_opts *o)
     FILE *logf = NULL;
     int32_t *tokens = NULL, *targets = NULL;
     int64_t start = 0, step = 0;
-    int rc = 1, handler = 0, obj = OBJ_CLM;
+    int rc = 1, handler = 0, obj = NL_OBJ_CLM;
     const int B = (int)o->r.batch, T = (int)o->r.seq, M = (int)o->r.micro, mb = B / M;
     const char *src = o->resume ? o->resume : o->model;
     nl_config cfg;
@@ -427,8 +393,8 @@ static int run_train(const train_opts *o)
         const double lr = nl_lr_at(step, o->r.steps, o->r.warmup, o->r.lr, o->r.min_lr);
         nl_step_result r;
         int64_t valid = 0;
-        if (objective_batch(ds, obj, &m->cfg, 0, (uint64_t)o->r.seed, (uint64_t)step, B, T, tokens,
-                            targets, &valid, &err) != NL_OK)
+        if (nl_objective_batch(ds, obj, &m->cfg, 0, (uint64_t)o->r.seed, (uint64_t)step, B, T,
+                               tokens, targets, &valid, &err) != NL_OK)
             goto out;
         if (inject && atoll(inject) == step)
             nl_trainer_inject_nan(tr);
@@ -632,7 +598,7 @@ static int run_classify(const train_opts *o)
     FILE *logf = NULL;
     int32_t *tokens = NULL, *lengths = NULL, *labels = NULL, *doc = NULL;
     float *probs = NULL;
-    int rc = 1, obj = OBJ_CLASSIFY, major = 0;
+    int rc = 1, obj = NL_OBJ_CLASSIFY, major = 0;
     const int B = (int)o->r.batch, T = (int)o->r.seq, M = (int)o->r.micro;
     nl_config cfg;
     carried_meta cm = {0};

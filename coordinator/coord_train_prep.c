@@ -18,6 +18,7 @@
 #include "core/checkpoint.h"
 #include "core/fileio.h"
 #include "core/grow.h"
+#include "core/objective.h"
 #include "core/train.h"
 
 /* Read the run's parameters; NULL or the name of the one at fault. */
@@ -69,17 +70,10 @@ static const char *read_params(ctrain *t, const nl_msg_job_submit *s, const char
             return "learn_vocab (0 to 2^24 ids)";
         t->learn_vocab = p->i;
     }
-    t->objective = -1; /* the model's (its config's objective) */
-    if ((p = coord_param(s, "objective"))) {
-        if (p->kind != NL_WIRE_PARAM_STR)
-            return "objective (clm, mlm or classify)";
-        t->objective = strcmp(p->s, "clm") == 0        ? NL_OBJ_CLM
-                       : strcmp(p->s, "mlm") == 0      ? NL_OBJ_MLM
-                       : strcmp(p->s, "classify") == 0 ? COORD_OBJ_CLASSIFY
-                                                       : -2;
-        if (t->objective == -2)
-            return "objective (clm, mlm or classify)";
-    }
+    t->objective = NL_OBJ_MODEL; /* the model's (its config's objective) */
+    if ((p = coord_param(s, "objective")) &&
+        (p->kind != NL_WIRE_PARAM_STR || nl_objective_parse(p->s, &t->objective, NULL) != NL_OK))
+        return "objective (clm, mlm or classify)";
     *resume = (p = coord_param(s, "resume")) && p->kind == NL_WIRE_PARAM_STR ? p->s : NULL;
     if (t->batch % t->micro != 0)
         return "microbatches (must divide batch)";
@@ -87,30 +81,9 @@ static const char *read_params(ctrain *t, const nl_msg_job_submit *s, const char
         return "batch (a microbatch of at most 2^24 rows; eval_batches x microbatches <= 2^30)";
     if (t->eval_every > 0 && t->holdout <= 0.0)
         return "eval_every (needs holdout > 0)";
-    if (t->objective == COORD_OBJ_CLASSIFY && t->learn_vocab > 0)
+    if (t->objective == NL_OBJ_CLASSIFY && t->learn_vocab > 0)
         return "learn_vocab (not with objective classify: the vocabulary learns from text)";
     return NULL;
-}
-
-/* The objective against the model, as local training checks it (cli/
- * cmd_train.c): the config's when the client named none; mlm needs the
- * mask id in the vocabulary, classify a classifier. NULL, or why not. */
-static const char *objective_refusal(const nl_config *cfg, int *obj, char *why, size_t cap)
-{
-    if (*obj < 0)
-        *obj = cfg->objective;
-    if (*obj == NL_OBJ_MLM && cfg->vocab_size <= NL_CONFIG_MASK_ID)
-        snprintf(why, cap,
-                 "--objective mlm: the model's vocab_size %lld does not hold the mask id %d "
-                 "(<|pad|>)",
-                 (long long)cfg->vocab_size, NL_CONFIG_MASK_ID);
-    else if (*obj == COORD_OBJ_CLASSIFY && cfg->num_classes <= 0)
-        snprintf(why, cap,
-                 "--objective classify: the model has no classifier (set num_classes in its "
-                 "config)");
-    else
-        return NULL;
-    return why;
 }
 
 /* Preparing a job, off the loop: the manifest it resumes from verified
@@ -201,6 +174,7 @@ static void prep_done(nl_coord *c, cwork *w)
     cjob *j = coord_job_find(c, w->job_id);
     ctrain *t = j ? j->state : NULL;
     char why[700];
+    nl_error e = {0};
     if (!t || t->phase != TR_PREPARING)
         return;
     if (p->resume_failed) {
@@ -229,8 +203,8 @@ static void prep_done(nl_coord *c, cwork *w)
     }
     if (p->grow && !install_growth(c, j, p))
         return;
-    if (objective_refusal(&c->cfg, &t->objective, why, sizeof why)) { /* the client's, checked */
-        coord_train_fail(c, j, "%s", why);
+    if (nl_objective_check(&c->cfg, &t->objective, &e) != NL_OK) { /* the client's, checked */
+        coord_train_fail(c, j, "%s", e.msg);
         return;
     }
     if (p->lds && t->eval_every > 0 && p->lds->n == p->lds->n_train) {
@@ -399,18 +373,18 @@ void coord_train_submit(nl_coord *c, const nl_rx *rx, cft *ft)
     }
     /* the objective against the model it trains now (a resumed one's is
      * checked again once its manifest is installed) */
-    if (!resume && t->objective != -1) {
+    if (!resume && t->objective != NL_OBJ_MODEL) {
         int obj = t->objective;
-        if (objective_refusal(&c->cfg, &obj, why, sizeof why)) {
+        if (nl_objective_check(&c->cfg, &obj, &e) != NL_OK) {
             free(p);
-            coord_train_fail(c, j, "train: %s", why);
+            coord_train_fail(c, j, "train: %s", e.msg);
             return;
         }
     }
     p->w = (cwork){.run = prep_run, .done = prep_done, .free = prep_free, .job_id = j->id};
     p->vocab = c->cfg.vocab_size;
     p->holdout = t->holdout;
-    p->classify = t->objective == COORD_OBJ_CLASSIFY;
+    p->classify = t->objective == NL_OBJ_CLASSIFY;
     p->seed = (uint64_t)t->seed;
     int oom = 0;
     p->resume = coord_train_dup(resume, &oom);

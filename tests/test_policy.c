@@ -6,12 +6,16 @@
  *    default); a wrong type or a value out of range is NL_ERR_RANGE naming
  *    the key; a missing required key NL_ERR_PROTO naming it; keys of the
  *    other use are ignored; the session's wire params read back equal;
+ *  - core/objective: names, the default (the model's), and the check
+ *    against a model (mlm needs the mask id, classify a classifier);
  *  - core/train nl_step_decide: the loss composition, the gradient norm,
  *    the clipping factor (1 below the clip norm) and the non-finite
  *    guard. */
 #include <math.h>
 #include <string.h>
 
+#include "../core/config.h"
+#include "../core/objective.h"
 #include "../core/train.h"
 #include "../net/genparams.h"
 #include "check.h"
@@ -100,6 +104,39 @@ static void test_session(void)
           "the session's wire params read back differently");
 }
 
+static void test_objective(void)
+{
+    nl_error err = {0};
+    int obj = -5;
+    for (int i = NL_OBJ_CLM; i <= NL_OBJ_CLASSIFY; i++) {
+        CHECK_OK(nl_objective_parse(nl_objective_name(i), &obj, &err), &err);
+        CHECK(obj == i, "%s read back as %d", nl_objective_name(i), obj);
+    }
+    CHECK(nl_objective_parse("next", &obj, &err) == NL_ERR_INVALID &&
+              strcmp(err.msg, "'next' is not clm, mlm or classify") == 0,
+          "next: %s", err.msg);
+    nl_config c = {.vocab_size = 256, .objective = NL_OBJ_CLM};
+    obj = NL_OBJ_MODEL;
+    CHECK_OK(nl_objective_check(&c, &obj, &err), &err);
+    CHECK(obj == NL_OBJ_CLM, "the model's objective: %d", obj);
+    obj = NL_OBJ_MLM;
+    CHECK(nl_objective_check(&c, &obj, &err) == NL_ERR_INVALID &&
+              strstr(err.msg, "does not hold the mask id"),
+          "mlm on 256 ids: %s", err.msg);
+    obj = NL_OBJ_CLASSIFY;
+    CHECK(nl_objective_check(&c, &obj, &err) == NL_ERR_INVALID &&
+              strstr(err.msg, "has no classifier"),
+          "classify without classes: %s", err.msg);
+    c.vocab_size = 300;
+    c.num_classes = 3;
+    obj = NL_OBJ_MLM;
+    CHECK_OK(nl_objective_check(&c, &obj, &err), &err);
+    obj = NL_OBJ_CLASSIFY;
+    CHECK_OK(nl_objective_check(&c, &obj, &err), &err);
+    CHECK(nl_objective_loss_rows(NL_OBJ_CLM, 7) == 0 && nl_objective_loss_rows(NL_OBJ_MLM, 7) == 7,
+          "loss rows");
+}
+
 static void test_step_decide(void)
 {
     nl_step_result r;
@@ -121,6 +158,7 @@ int main(void)
 {
     test_request();
     test_session();
+    test_objective();
     test_step_decide();
     return check_done("test_policy");
 }
