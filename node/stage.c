@@ -490,16 +490,8 @@ nl_status nl_stage_parse_session(const nl_msg_job_submit *j, nl_stage_session_pa
                                    .temperature = (float)g.temperature,
                                    .top_p = (float)g.top_p,
                                    .seed = (uint64_t)g.seed,
-                                   .limit = g.limit};
-    for (uint32_t i = 0; st == NL_OK && i < j->nparams; i++) /* optional: an adapter file */
-        if (strcmp(j->params[i].key, "adapter") == 0) {
-            if (j->params[i].kind != NL_WIRE_PARAM_STR || !j->params[i].s[0])
-                st = nl_error_set(err, NL_ERR_PROTO,
-                                  "JOB_SUBMIT generate: params.adapter is not "
-                                  "a path");
-            else
-                p->adapter = j->params[i].s;
-        }
+                                   .limit = g.limit,
+                                   .adapter = g.adapter};
     return st;
 }
 

@@ -5,7 +5,8 @@
  *    a number is expected is that number (`temperature: 0` is 0, not the
  *    default); a wrong type or a value out of range is NL_ERR_RANGE naming
  *    the key; a missing required key NL_ERR_PROTO naming it; keys of the
- *    other use are ignored; the session's wire params read back equal;
+ *    other use are ignored; the session's wire params read back equal,
+ *    with the adapter when there is one;
  *  - core/objective: names, the default (the model's), and the check
  *    against a model (mlm needs the mask id, classify a classifier);
  *  - core/train nl_step_decide: the loss composition, the gradient norm,
@@ -102,6 +103,16 @@ static void test_session(void)
     CHECK(h.session == 77 && h.capacity == 9 && h.limit == 3 && h.temperature == 0.0 &&
               h.top_p == 0.75 && h.seed == 4,
           "the session's wire params read back differently");
+    g.adapter = "/ck/a.safetensors";
+    nl_wire_param wa[NL_GENPARAMS_SESSION_MAX];
+    const uint32_t n = nl_genparams_session_wire(&g, wa);
+    CHECK(n == NL_GENPARAMS_SESSION_MAX, "an adapter: %u params", n);
+    CHECK_OK(nl_genparams_parse(&h, wa, n, NL_GENPARAMS_SESSION, &err), &err);
+    CHECK(h.adapter && strcmp(h.adapter, g.adapter) == 0, "the adapter read back differently");
+    nl_wire_param noad[] = {P_INT("session", 5), P_INT("capacity", 9), P_INT("adapter", 3)};
+    CHECK(nl_genparams_parse(&h, noad, 3, NL_GENPARAMS_SESSION, &err) == NL_ERR_RANGE &&
+              strstr(err.msg, "params.adapter"),
+          "an adapter that is no path: %s", err.msg);
 }
 
 static void test_objective(void)
