@@ -27,10 +27,11 @@
 #include "core/lora.h"
 #include "core/manifest.h"
 #include "core/objective.h"
+#include "net/trainparams.h"
 #include "remote.h"
 #include "train_report.h"
 
-#define PARAM_STR_MAX 4096 /* the wire's limit on a parameter string */
+#define PARAM_STR_MAX 4096 /* the wire's limit on a parameter string (trainparams: data) */
 #define CANCEL_WAIT_S 5.0  /* after Ctrl-C, how long to wait for the submit's answer */
 #define POLL_S 0.2         /* receive in slices this long to notice Ctrl-C */
 
@@ -48,7 +49,7 @@ typedef struct rtrain_opts {
     double lora_alpha;
     const char *lora_targets;
     long long learn_vocab; /* --learn-vocab: ids the cluster's tokenizer learns from the data */
-    const char *objective; /* --objective clm|mlm|classify, or NULL: the model's config's */
+    int objective;         /* --objective (core/objective.h), or NL_OBJ_MODEL: the config's */
 } rtrain_opts;
 
 /* ---------------------------------------------------------------- flags */
@@ -133,14 +134,16 @@ static int read_opts(rtrain_opts *o, const nl_flag *flags)
     o->seq_default = !nl_args_get(flags, "seq");
     /* the coordinator checks it against the model (mask id, classifier) */
     nl_error err = {0};
-    int obj = NL_OBJ_MODEL;
-    if ((o->objective = nl_args_get(flags, "objective")) &&
-        nl_objective_parse(o->objective, &obj, &err) != NL_OK) {
+    const char *obj = nl_args_get(flags, "objective");
+    o->objective = NL_OBJ_MODEL;
+    if (obj && nl_objective_parse(obj, &o->objective, &err) != NL_OK) {
         fprintf(stderr, "--objective: %s\n", err.msg);
         return 2;
     }
+    double lo = 0, hi = 0;
+    nl_trainparams_range("learn_vocab", &lo, &hi);
     if (nl_args_get(flags, "learn-vocab") &&
-        (rc = nl_args_int(flags, "learn-vocab", 1, 1 << 24, &o->learn_vocab)))
+        (rc = nl_args_int(flags, "learn-vocab", 1, (long long)hi, &o->learn_vocab)))
         return rc;
     o->final_ckpt = 1; /* the last step is always kept: joined into --out, or as a checkpoint */
     /* else the nodes make it when they write the last step: a job refused
@@ -562,44 +565,28 @@ static nl_status follow(nl_remote *r, watch *w, nl_error *err)
 
 /* ---------------------------------------------------------------- the command */
 
+/* The request, written by the schema the coordinator reads it with
+ * (net/trainparams.h). */
 static nl_status submit(nl_remote *r, const rtrain_opts *o, nl_error *err)
 {
-    nl_wire_param ps[21] = {
-        {.key = "data", .kind = NL_WIRE_PARAM_STR, .s = o->data},
-        {.key = "steps", .kind = NL_WIRE_PARAM_INT, .i = o->r.steps},
-        {.key = "batch", .kind = NL_WIRE_PARAM_INT, .i = o->r.batch},
-        {.key = "seq", .kind = NL_WIRE_PARAM_INT, .i = o->r.seq},
-        {.key = "microbatches", .kind = NL_WIRE_PARAM_INT, .i = o->r.micro},
-        {.key = "lr", .kind = NL_WIRE_PARAM_FLOAT, .f = o->r.lr},
-        {.key = "min_lr", .kind = NL_WIRE_PARAM_FLOAT, .f = o->r.min_lr},
-        {.key = "warmup", .kind = NL_WIRE_PARAM_INT, .i = o->r.warmup},
-        {.key = "seed", .kind = NL_WIRE_PARAM_INT, .i = o->r.seed},
-        {.key = "holdout", .kind = NL_WIRE_PARAM_FLOAT, .f = o->r.holdout},
-        {.key = "eval_every", .kind = NL_WIRE_PARAM_INT, .i = o->r.eval_every},
-        {.key = "eval_batches", .kind = NL_WIRE_PARAM_INT, .i = o->r.eval_batches},
-        {.key = "checkpoint_every", .kind = NL_WIRE_PARAM_INT, .i = o->r.ckpt_every},
-        {.key = "checkpoint_dir", .kind = NL_WIRE_PARAM_STR, .s = o->ckpt_dir},
-        {.key = "recompute", .kind = NL_WIRE_PARAM_BOOL, .b = o->r.recompute},
-        {.key = "final_checkpoint", .kind = NL_WIRE_PARAM_BOOL, .b = o->final_ckpt},
-        {.key = "seq_default", .kind = NL_WIRE_PARAM_BOOL, .b = o->seq_default},
-    };
-    int n = 17;
-    if (o->objective) /* fine-tuning too: the adapters learn any objective */
-        ps[n++] = (nl_wire_param){.key = "objective", .kind = NL_WIRE_PARAM_STR, .s = o->objective};
-    if (o->finetune) { /* no resume: the adapters start afresh */
-        ps[n++] = (nl_wire_param){.key = "lora_rank", .kind = NL_WIRE_PARAM_INT, .i = o->lora_rank};
-        ps[n++] =
-            (nl_wire_param){.key = "lora_alpha", .kind = NL_WIRE_PARAM_FLOAT, .f = o->lora_alpha};
-        ps[n++] = (nl_wire_param){
-            .key = "lora_targets", .kind = NL_WIRE_PARAM_STR, .s = (char *)o->lora_targets};
-        return nl_remote_submit(r, NL_JOB_FINETUNE, ps, n, NULL, 0, 0, err);
-    }
-    if (o->learn_vocab > 0)
-        ps[n++] =
-            (nl_wire_param){.key = "learn_vocab", .kind = NL_WIRE_PARAM_INT, .i = o->learn_vocab};
-    if (o->resume)
-        ps[n++] = (nl_wire_param){.key = "resume", .kind = NL_WIRE_PARAM_STR, .s = o->resume};
-    return nl_remote_submit(r, NL_JOB_TRAIN, ps, n, NULL, 0, 0, err);
+    nl_trainparams p;
+    nl_wire_param ps[NL_TRAINPARAMS_MAX_KEYS];
+    nl_trainparams_defaults(&p);
+    p.data = o->data;
+    p.checkpoint_dir = o->ckpt_dir;
+    p.resume = o->resume; /* finetune has none: the adapters start afresh */
+    nl_train_run_params(&o->r, &p);
+    p.final_ckpt = o->final_ckpt;
+    p.seq_default = o->seq_default;
+    p.learn_vocab = o->learn_vocab;
+    p.objective = o->objective; /* fine-tuning too: the adapters learn any objective */
+    p.lora_rank = o->lora_rank;
+    p.lora_alpha = o->lora_alpha;
+    p.lora_targets = o->lora_targets;
+    const uint32_t n =
+        nl_trainparams_wire(&p, o->finetune ? NL_TRAINPARAMS_FINETUNE : NL_TRAINPARAMS_TRAIN, ps);
+    return nl_remote_submit(r, o->finetune ? NL_JOB_FINETUNE : NL_JOB_TRAIN, ps, n, NULL, 0, 0,
+                            err);
 }
 
 /* --out: join the final checkpoint's shards into one file. */
@@ -803,16 +790,21 @@ static int remote_main(int argc, char **argv, int finetune)
         fprintf(stderr, "--lora-*: use neuroctl finetune\n");
         return 2;
     }
-    if (finetune) {
+    if (finetune) { /* the schema's defaults and ranges (net/trainparams.h) */
         nl_error err = {0};
+        nl_trainparams d;
+        double lo = 0, hi = 0, alo = 0, ahi = 0;
         int bits = 0;
+        nl_trainparams_defaults(&d);
+        nl_trainparams_range("lora_rank", &lo, &hi);
+        nl_trainparams_range("lora_alpha", &alo, &ahi);
         o.finetune = 1;
-        o.lora_rank = 8;
-        o.lora_alpha = 16.0;
+        o.lora_rank = d.lora_rank;
+        o.lora_alpha = d.lora_alpha;
         if (!o.lora_targets)
-            o.lora_targets = "wq,wk,wv,wo";
-        if ((rc = nl_args_int(flags, "lora-rank", 1, 1024, &o.lora_rank)) ||
-            (rc = nl_args_double(flags, "lora-alpha", 1e-6, 1e6, &o.lora_alpha)))
+            o.lora_targets = d.lora_targets;
+        if ((rc = nl_args_int(flags, "lora-rank", (long long)lo, (long long)hi, &o.lora_rank)) ||
+            (rc = nl_args_double(flags, "lora-alpha", 1e-6, ahi, &o.lora_alpha))) /* > 0 */
             return rc;
         if (nl_lora_parse_targets(o.lora_targets, &bits, &err) != NL_OK) {
             fprintf(stderr, "%s\n", err.msg);

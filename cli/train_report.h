@@ -10,7 +10,8 @@
 
 #include "base/args.h"
 
-/* The run's options: the same flags, defaults and checks everywhere. */
+/* The run's options: the same flags, defaults and checks everywhere (the
+ * ranges, defaults and batch rule of net/trainparams.h). */
 typedef struct nl_train_run {
     long long steps, batch, seq, micro, seed, warmup, eval_every, eval_batches, ckpt_every;
     double lr, min_lr, holdout;
@@ -45,6 +46,11 @@ typedef struct nl_train_run {
  * their defaults, ranges and cross-checks. 0, or the exit code after the
  * fault is printed (2: usage). */
 int nl_train_run_read(const nl_flag *flags, nl_train_run *r);
+
+/* The run's options into their keys of a training request (the other
+ * fields of p are left as they are). */
+struct nl_trainparams;
+void nl_train_run_params(const nl_train_run *r, struct nl_trainparams *p);
 
 /* One finished step and the run it belongs to. */
 typedef struct nl_train_step {

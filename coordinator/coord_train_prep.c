@@ -6,7 +6,6 @@
  * cluster from its manifest and the job begins when the cluster is ready. */
 #include <jansson.h>
 #include <limits.h>
-#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -20,70 +19,39 @@
 #include "core/grow.h"
 #include "core/objective.h"
 #include "core/train.h"
+#include "net/trainparams.h"
 
-/* Read the run's parameters; NULL or the name of the one at fault. */
-static const char *read_params(ctrain *t, const nl_msg_job_submit *s, const char **resume)
+/* Read the run's parameters by their schema (net/trainparams.h, which
+ * checks them and the rules across them); NL_OK, or why not in e. */
+static nl_status read_params(ctrain *t, const nl_msg_job_submit *s, const char **resume,
+                             nl_error *e)
 {
-    static const char *const ints[] = {"steps",        "batch",        "seq",
-                                       "microbatches", "seed",         "warmup",
-                                       "eval_every",   "eval_batches", "checkpoint_every"};
-    int64_t *iv[] = {&t->steps,  &t->batch,      &t->seq,          &t->micro,     &t->seed,
-                     &t->warmup, &t->eval_every, &t->eval_batches, &t->ckpt_every};
-    static const int64_t lo[] = {1, 1, 1, 1, 0, 0, 0, 1, 0};
-    static const int64_t hi[] = {INT32_MAX, 65536,     1 << 20, 65536,    INT64_MAX,
-                                 INT32_MAX, INT32_MAX, 1 << 20, INT32_MAX};
-    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
-        const nl_wire_param *p = coord_param(s, ints[i]);
-        if (!p || p->kind != NL_WIRE_PARAM_INT || p->i < lo[i] || p->i > hi[i])
-            return ints[i];
-        *iv[i] = p->i;
-    }
-    const nl_wire_param *sd = coord_param(s, "seq_default");
-    t->seq_default = sd && sd->kind == NL_WIRE_PARAM_BOOL && sd->b;
-    static const char *const fl[] = {"lr", "min_lr", "holdout"};
-    double *fv[] = {&t->lr, &t->min_lr, &t->holdout};
-    static const double fhi[] = {10.0, 10.0, 0.5};
-    for (size_t i = 0; i < 3; i++) {
-        const nl_wire_param *p = coord_param(s, fl[i]);
-        double v = !p                               ? NAN
-                   : p->kind == NL_WIRE_PARAM_FLOAT ? p->f
-                   : p->kind == NL_WIRE_PARAM_INT   ? (double)p->i
-                                                    : NAN;
-        if (!(v >= 0.0 && v <= fhi[i]))
-            return fl[i];
-        *fv[i] = v;
-    }
-    const nl_wire_param *p;
-    if (!(p = coord_param(s, "data")) || p->kind != NL_WIRE_PARAM_STR || !p->s[0])
-        return "data";
-    snprintf(t->data, sizeof t->data, "%s", p->s);
-    if (!(p = coord_param(s, "checkpoint_dir")) || p->kind != NL_WIRE_PARAM_STR || !p->s[0] ||
-        strlen(p->s) >= sizeof t->ckpt_dir)
-        return "checkpoint_dir (a path of at most 1000 bytes)";
-    snprintf(t->ckpt_dir, sizeof t->ckpt_dir, "%s", p->s);
-    if ((p = coord_param(s, "recompute")))
-        t->recompute = p->kind == NL_WIRE_PARAM_BOOL && p->b;
-    if ((p = coord_param(s, "final_checkpoint")))
-        t->final_ckpt = p->kind == NL_WIRE_PARAM_BOOL && p->b;
-    if ((p = coord_param(s, "learn_vocab"))) {
-        if (p->kind != NL_WIRE_PARAM_INT || p->i < 0 || p->i > (1 << 24))
-            return "learn_vocab (0 to 2^24 ids)";
-        t->learn_vocab = p->i;
-    }
-    t->objective = NL_OBJ_MODEL; /* the model's (its config's objective) */
-    if ((p = coord_param(s, "objective")) &&
-        (p->kind != NL_WIRE_PARAM_STR || nl_objective_parse(p->s, &t->objective, NULL) != NL_OK))
-        return "objective (clm, mlm or classify)";
-    *resume = (p = coord_param(s, "resume")) && p->kind == NL_WIRE_PARAM_STR ? p->s : NULL;
-    if (t->batch % t->micro != 0)
-        return "microbatches (must divide batch)";
-    if ((t->batch / t->micro) * t->seq > (1 << 24) || t->eval_batches * t->micro > (1 << 30))
-        return "batch (a microbatch of at most 2^24 rows; eval_batches x microbatches <= 2^30)";
-    if (t->eval_every > 0 && t->holdout <= 0.0)
-        return "eval_every (needs holdout > 0)";
-    if (t->objective == NL_OBJ_CLASSIFY && t->learn_vocab > 0)
-        return "learn_vocab (not with objective classify: the vocabulary learns from text)";
-    return NULL;
+    nl_trainparams p;
+    nl_status st = nl_trainparams_parse(&p, s->params, s->nparams,
+                                        t->ft ? NL_TRAINPARAMS_FINETUNE : NL_TRAINPARAMS_TRAIN, e);
+    if (st != NL_OK)
+        return st;
+    t->steps = p.steps;
+    t->batch = p.batch;
+    t->seq = p.seq;
+    t->micro = p.micro;
+    t->seed = p.seed;
+    t->warmup = p.warmup;
+    t->eval_every = p.eval_every;
+    t->eval_batches = p.eval_batches;
+    t->ckpt_every = p.ckpt_every;
+    t->lr = p.lr;
+    t->min_lr = p.min_lr;
+    t->holdout = p.holdout;
+    t->recompute = p.recompute;
+    t->final_ckpt = p.final_ckpt;
+    t->seq_default = p.seq_default;
+    t->learn_vocab = p.learn_vocab;
+    t->objective = p.objective; /* NL_OBJ_MODEL: the model's */
+    snprintf(t->data, sizeof t->data, "%s", p.data);
+    snprintf(t->ckpt_dir, sizeof t->ckpt_dir, "%s", p.checkpoint_dir);
+    *resume = p.resume;
+    return NL_OK;
 }
 
 /* Preparing a job, off the loop: the manifest it resumes from verified
@@ -347,14 +315,10 @@ void coord_train_submit(nl_coord *c, const nl_rx *rx, cft *ft)
     }
     t->ft = ft;
     t->bad_stage = -1;
-    const char *resume = NULL, *bad = read_params(t, s, &resume);
-    if (!bad && ft && resume)
-        bad = "resume (a fine-tuning job starts its adapters afresh)";
-    if (!bad && ft && t->learn_vocab > 0)
-        bad = "learn_vocab (a fine-tuning job keeps the base as it is)";
-    if (bad) {
+    const char *resume = NULL, *bad = NULL;
+    if (read_params(t, s, &resume, &e) != NL_OK) {
         free(p);
-        coord_train_fail(c, j, "%s: params.%s is missing or out of range", j->ops->name, bad);
+        coord_train_fail(c, j, "%s: %s", j->ops->name, e.msg);
         return;
     }
     char resume_real[PATH_MAX];

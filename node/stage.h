@@ -270,6 +270,7 @@ typedef nl_status (*nl_stage_send_fn)(void *ctx, nl_stage_dest to, nl_wire_msg *
  * one evaluation)}: make the job's trainer, replacing any earlier job.
  * The stage keeps the activations of min(stages from here to the last,
  * microbatches) microbatches (1F1B); the memory model must fit --memory.
+ * Both kinds' params are read by net/trainparams.h (its stage uses).
  * *job_id is set as soon as it is read. */
 nl_status nl_stage_train_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
                                nl_error *err);

@@ -19,6 +19,7 @@
 #include "../base/log.h"
 #include "../core/embed.h"
 #include "../core/lora.h"
+#include "../net/params.h"
 #include "stage_impl.h"
 
 #define EMBED_MAX 64
@@ -76,12 +77,10 @@ bool nl_stage_embed_end(nl_stage *s, uint64_t job)
     return false;
 }
 
+/* A parameter of the request by key, or NULL. */
 static const nl_wire_param *param(const nl_msg_job_submit *j, const char *key)
 {
-    for (uint32_t i = 0; i < j->nparams; i++)
-        if (strcmp(j->params[i].key, key) == 0)
-            return &j->params[i];
-    return NULL;
+    return nl_params_find(j->params, j->nparams, key);
 }
 
 nl_status nl_stage_embed_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,

@@ -150,17 +150,19 @@ double nl_stage_now(void);
 
 /* Free the training job's state (stage_train.c); safe without one. */
 void nl_stage_train_free(nl_stage *s);
-/* nl_stage_train_begin's work for a training job, into s->train (any
- * earlier one freed); with adapters attached to s->model the trainer
+/* nl_stage_train_begin's work for a training job of parameters p (read
+ * from j, whose growth history it reads), into s->train (any earlier one
+ * freed); with adapters attached to s->model the trainer
  * steps them alone (stage_lora.c makes fine-tuning jobs so). */
-nl_status nl_stage_train_make(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
-                              nl_error *err);
+struct nl_trainparams;
+nl_status nl_stage_train_make(nl_stage *s, const struct nl_trainparams *p,
+                              const nl_msg_job_submit *j, nl_error *err);
 
 /* ---- LoRA fine-tuning jobs (stage_lora.c) ---- */
 typedef struct stage_ft stage_ft;
 /* JOB_SUBMIT kind finetune: the job's adapters and its training state. */
-nl_status nl_stage_lora_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
-                              nl_error *err);
+nl_status nl_stage_lora_begin(nl_stage *s, const struct nl_trainparams *p,
+                              const nl_msg_job_submit *j, nl_error *err);
 /* Whether job is a fine-tuning job of this stage. */
 bool nl_stage_lora_holds(const nl_stage *s, uint64_t job);
 /* A training message of fine-tuning job `job`, run with its adapters. */

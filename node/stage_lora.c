@@ -27,6 +27,7 @@
 
 #include "../base/log.h"
 #include "../core/lora.h"
+#include "../net/trainparams.h"
 #include "stage_impl.h"
 
 #include <sys/stat.h>
@@ -98,112 +99,51 @@ bool nl_stage_lora_end(nl_stage *s, uint64_t job)
     return false;
 }
 
-/* A parameter of the request by key, or NULL. */
-static const nl_wire_param *param(const nl_msg_job_submit *j, const char *key)
-{
-    for (uint32_t i = 0; i < j->nparams; i++)
-        if (strcmp(j->params[i].key, key) == 0)
-            return &j->params[i];
-    return NULL;
-}
-
-/* An integer parameter within [lo, hi] (dflt when absent and not required). */
-static nl_status int_of(const nl_msg_job_submit *j, const char *key, int required, int64_t lo,
-                        int64_t hi, int64_t dflt, int64_t *v, nl_error *err)
-{
-    const nl_wire_param *p = param(j, key);
-    *v = dflt;
-    if (!p)
-        return required ? nl_error_set(err, NL_ERR_PROTO, "finetune JOB_SUBMIT: no params.%s", key)
-                        : NL_OK;
-    if (p->kind != NL_WIRE_PARAM_INT || p->i < lo || p->i > hi)
-        return nl_error_set(err, NL_ERR_RANGE,
-                            "finetune JOB_SUBMIT params.%s: not an integer in [%lld, %lld]", key,
-                            (long long)lo, (long long)hi);
-    *v = p->i;
-    return NL_OK;
-}
-
 /* The adapters the request asks for (rank, alpha, targets, seed), made on
- * the stage's model for microbatches of mbB x T rows and drawn from the
- * seed; attached to the model on return. */
-static nl_status make_adapters(nl_stage *s, const nl_msg_job_submit *j, nl_lora **lo, nl_error *err)
+ * the stage's model for microbatches of micro_batch x seq rows and drawn
+ * from the seed; attached to the model on return. */
+static nl_status make_adapters(nl_stage *s, const nl_trainparams *p, nl_lora **lo, nl_error *err)
 {
-    int64_t rank = 0, seed = 0, mbB = 0, T = 0;
-    int targets = 0;
-    nl_status st;
-    if ((st = int_of(j, "lora_rank", 1, 1, NL_LORA_MAX_RANK, 0, &rank, err)) != NL_OK ||
-        (st = int_of(j, "lora_seed", 1, 0, INT64_MAX, 0, &seed, err)) != NL_OK ||
-        (st = int_of(j, "micro_batch", 1, 1, 1 << 20, 0, &mbB, err)) != NL_OK ||
-        (st = int_of(j, "seq", 1, 1, s->model->cfg.max_seq_len, 0, &T, err)) != NL_OK)
-        return st;
-    if (mbB * T > (1 << 24))
-        return nl_error_set(err, NL_ERR_RANGE, "finetune: microbatch %lld x %lld is too big",
-                            (long long)mbB, (long long)T);
-    const nl_wire_param *a = param(j, "lora_alpha"), *tg = param(j, "lora_targets");
-    const double alpha = !a                               ? -1.0
-                         : a->kind == NL_WIRE_PARAM_FLOAT ? a->f
-                         : a->kind == NL_WIRE_PARAM_INT   ? (double)a->i
-                                                          : -1.0;
-    if (!(alpha > 0.0 && alpha <= 1e6))
-        return nl_error_set(err, NL_ERR_RANGE,
-                            "finetune JOB_SUBMIT params.lora_alpha: not a number in (0, 1e6]");
-    if (!tg || tg->kind != NL_WIRE_PARAM_STR)
-        return nl_error_set(err, NL_ERR_PROTO, "finetune JOB_SUBMIT: no params.lora_targets");
-    if ((st = nl_lora_parse_targets(tg->s, &targets, err)) != NL_OK)
-        return nl_error_prefix(err, "finetune JOB_SUBMIT params.lora_targets");
-    if ((st = nl_lora_new(lo, s->model, (int)rank, (float)alpha, targets, (int)(mbB * T), err)) !=
-            NL_OK ||
-        (st = nl_lora_init_random(*lo, (uint64_t)seed, err)) != NL_OK)
+    nl_status st = nl_lora_new(lo, s->model, (int)p->lora_rank, (float)p->lora_alpha, p->lora_bits,
+                               (int)(p->micro_batch * p->seq), err);
+    if (st == NL_OK && (st = nl_lora_init_random(*lo, (uint64_t)p->lora_seed, err)) != NL_OK)
         nl_lora_destroy(lo);
     return st;
 }
 
-nl_status nl_stage_lora_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
+nl_status nl_stage_lora_begin(nl_stage *s, const nl_trainparams *p, const nl_msg_job_submit *j,
                               nl_error *err)
 {
-    int64_t job = 0;
-    nl_status st = int_of(j, "job", 1, 1, INT64_MAX, 0, &job, err);
-    *job_id = (uint64_t)job;
-    if (st != NL_OK)
-        return st;
-    if (!s->ready)
-        return nl_error_set(err, NL_ERR_STATE, "finetune job %lld: this stage has no model loaded",
-                            (long long)job);
+    const long long job = (long long)p->job;
+    nl_status st;
     uint64_t other = 0;
     if (nl_stage_train_running(s, &other))
         return nl_error_set(err, NL_ERR_STATE,
                             "finetune job %lld: training job %llu changes this stage's weights",
-                            (long long)job, (unsigned long long)other);
+                            job, (unsigned long long)other);
     if (s->n_rep > 1) /* the adapters would need the replicas' all-reduce: not built */
         return nl_error_set(err, NL_ERR_UNSUPPORTED,
                             "finetune job %lld: fine-tuning on %d data-parallel replicas is not "
                             "available (run the node on one device)",
-                            (long long)job, s->n_rep);
-    if (find(s, (uint64_t)job))
+                            job, s->n_rep);
+    if (find(s, p->job))
         return nl_error_set(err, NL_ERR_STATE, "finetune job %lld: already runs on this stage",
-                            (long long)job);
-    const nl_wire_param *mo = param(j, "moments");
-    if (mo && mo->kind == NL_WIRE_PARAM_BOOL && mo->b)
-        return nl_error_set(err, NL_ERR_INVALID,
-                            "finetune job %lld: adapters start fresh (no moments)", (long long)job);
+                            job);
     if (s->n_ft == s->cap_ft) {
         const int cap = s->cap_ft ? 2 * s->cap_ft : 4;
         stage_ft *ft = realloc(s->ft, (size_t)cap * sizeof *ft);
         if (!ft)
-            return nl_error_set(err, NL_ERR_NOMEM, "finetune job %lld: out of memory",
-                                (long long)job);
+            return nl_error_set(err, NL_ERR_NOMEM, "finetune job %lld: out of memory", job);
         s->ft = ft;
         s->cap_ft = cap;
     }
-    stage_ft f = {.job = (uint64_t)job};
-    if ((st = make_adapters(s, j, &f.lo, err)) != NL_OK)
-        return nl_error_prefix(err, "finetune job %lld", (long long)job);
+    stage_ft f = {.job = p->job};
+    if ((st = make_adapters(s, p, &f.lo, err)) != NL_OK)
+        return nl_error_prefix(err, "finetune job %lld", job);
     /* the training job's state, made with the adapters attached */
     struct stage_train *saved = swap_in(s, &f);
     s->train = NULL;
-    uint64_t id = 0;
-    st = nl_stage_train_make(s, j, &id, err);
+    st = nl_stage_train_make(s, p, j, err);
     swap_out(s, &f, saved);
     if (st != NL_OK) {
         nl_lora_destroy(&f.lo);
@@ -212,7 +152,7 @@ nl_status nl_stage_lora_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t 
     s->ft[s->n_ft++] = f;
     NL_INFO("finetune job %llu: rank %d adapters on layers [%d, %d), %zu parameters train; the "
             "base is frozen (%d fine-tuning job%s on this stage)",
-            (unsigned long long)job, f.lo->rank, s->model->l0, s->model->l1, f.lo->n_params,
+            (unsigned long long)p->job, f.lo->rank, s->model->l0, s->model->l1, f.lo->n_params,
             s->n_ft, s->n_ft == 1 ? "" : "s");
     return NL_OK;
 }

@@ -60,6 +60,7 @@
 #include "../core/manifest.h"
 #include "../core/memory.h"
 #include "../core/train.h"
+#include "../net/trainparams.h"
 #include "replica_workers.h"
 #include "stage_train_impl.h"
 
@@ -129,32 +130,6 @@ bool nl_stage_train_end(nl_stage *s, uint64_t job_id)
         return false;
     nl_stage_train_free(s);
     return true;
-}
-
-/* An integer job parameter (required unless *v holds a default and
- * required is false), within [lo, hi]. */
-static nl_status int_param(const nl_msg_job_submit *j, const char *key, bool required, int64_t lo,
-                           int64_t hi, int64_t *v, nl_error *err)
-{
-    for (uint32_t i = 0; i < j->nparams; i++) {
-        const nl_wire_param *p = &j->params[i];
-        if (strcmp(p->key, key) != 0)
-            continue;
-        if (p->kind == NL_WIRE_PARAM_BOOL)
-            *v = p->b;
-        else if (p->kind == NL_WIRE_PARAM_INT)
-            *v = p->i;
-        else
-            return nl_error_set(err, NL_ERR_PROTO, "train JOB_SUBMIT params.%s: not an integer",
-                                key);
-        if (*v < lo || *v > hi)
-            return nl_error_set(err, NL_ERR_RANGE,
-                                "train JOB_SUBMIT params.%s: %lld is outside [%lld, %lld]", key,
-                                (long long)*v, (long long)lo, (long long)hi);
-        return NL_OK;
-    }
-    return required ? nl_error_set(err, NL_ERR_PROTO, "train JOB_SUBMIT: no params.%s", key)
-                    : NL_OK;
 }
 
 /* The model's growth history, as the coordinator sends it (params
@@ -237,55 +212,48 @@ static nl_status make_replicas(nl_stage *s, int recompute, nl_error *err)
 nl_status nl_stage_train_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
                                nl_error *err)
 {
-    if (j->kind == NL_JOB_FINETUNE) /* adapters on the frozen weights (stage_lora.c) */
-        return nl_stage_lora_begin(s, j, job_id, err);
-    if (s->n_ft > 0) { /* before the trainer takes anything (the moments) */
-        int64_t job = 0;
-        nl_status st = int_param(j, "job", true, 1, INT64_MAX, &job, err);
-        *job_id = (uint64_t)job;
-        return st != NL_OK ? st
-                           : nl_error_set(err, NL_ERR_STATE,
-                                          "train job %lld: %d fine-tuning job%s use this stage's "
-                                          "weights frozen",
-                                          (long long)job, s->n_ft, s->n_ft == 1 ? "" : "s");
-    }
-    return nl_stage_train_make(s, j, job_id, err);
+    const bool ft = j->kind == NL_JOB_FINETUNE;
+    const char *what = ft ? "finetune" : "train";
+    nl_trainparams p;
+    /* the schema the coordinator writes them by (net/trainparams.h) */
+    nl_status st = nl_trainparams_parse(&p, j->params, j->nparams,
+                                        ft ? NL_TRAINPARAMS_STAGE_FT : NL_TRAINPARAMS_STAGE, err);
+    *job_id = p.job; /* read first: known unless it is the fault */
+    if (st != NL_OK)
+        return st;
+    if (!s->ready)
+        return nl_error_set(err, NL_ERR_STATE, "%s job %llu: this stage has no model loaded", what,
+                            (unsigned long long)p.job);
+    if (p.seq > s->model->cfg.max_seq_len)
+        return nl_error_set(
+            err, NL_ERR_RANGE, "%s job %llu: params.seq %lld is above the model's max_seq_len %d",
+            what, (unsigned long long)p.job, (long long)p.seq, s->model->cfg.max_seq_len);
+    if (ft) /* adapters on the frozen weights (stage_lora.c) */
+        return nl_stage_lora_begin(s, &p, j, err);
+    if (s->n_ft > 0) /* before the trainer takes anything (the moments) */
+        return nl_error_set(err, NL_ERR_STATE,
+                            "train job %llu: %d fine-tuning job%s use this stage's weights frozen",
+                            (unsigned long long)p.job, s->n_ft, s->n_ft == 1 ? "" : "s");
+    return nl_stage_train_make(s, &p, j, err);
 }
 
-nl_status nl_stage_train_make(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
+nl_status nl_stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg_job_submit *j,
                               nl_error *err)
 {
-    int64_t job = 0, mbB = 0, T = 0, M = 0, recompute = 0, start = 0, adam = 0, moments = 0,
-            eval_hops = 0;
+    const long long job = (long long)p->job;
+    const int64_t mbB = p->micro_batch, T = p->seq, M = p->micro, start = p->start_step;
+    const int recompute = p->recompute, moments = p->moments;
     nl_status st;
-    *job_id = 0;
-    if ((st = int_param(j, "job", true, 1, INT64_MAX, &job, err)) != NL_OK)
-        return st;
-    *job_id = (uint64_t)job;
     for (int r = 0; r < s->n_rep; r++)
         if (!s->rbe[r]->can_train)
             return nl_error_set(err, NL_ERR_UNSUPPORTED,
                                 "%s: training on this device is not available yet (train job %lld)",
-                                s->rbe[r]->name, (long long)job);
+                                s->rbe[r]->name, job);
     if ((st = nl_stage_device_status(s, err)) != NL_OK)
         return st;
-    if (!s->ready)
-        return nl_error_set(err, NL_ERR_STATE, "train job %lld: this stage has no model loaded",
-                            (long long)job);
     nl_model *m = s->model;
-    if ((st = int_param(j, "micro_batch", true, 1, 1 << 20, &mbB, err)) != NL_OK ||
-        (st = int_param(j, "seq", true, 1, m->cfg.max_seq_len, &T, err)) != NL_OK ||
-        (st = int_param(j, "microbatches", true, 1, 65536, &M, err)) != NL_OK ||
-        (st = int_param(j, "recompute", false, 0, 1, &recompute, err)) != NL_OK ||
-        (st = int_param(j, "start_step", false, 0, INT64_MAX / 2, &start, err)) != NL_OK ||
-        (st = int_param(j, "adam_steps", false, 0, INT64_MAX / 2, &adam, err)) != NL_OK ||
-        (st = int_param(j, "moments", false, 0, 1, &moments, err)) != NL_OK ||
-        (st = int_param(j, "eval_hops", false, 0, 1 << 30, &eval_hops, err)) != NL_OK ||
-        (st = growth_params(m, j, err)) != NL_OK)
+    if ((st = growth_params(m, j, err)) != NL_OK)
         return st;
-    if (mbB * T > (1 << 24))
-        return nl_error_set(err, NL_ERR_RANGE, "train job %lld: microbatch %lld x %lld is too big",
-                            (long long)job, (long long)mbB, (long long)T);
     if (moments && !s->have_moments)
         return nl_error_set(err, NL_ERR_STATE,
                             "train job %lld: resuming needs the optimizer moments, but none came "
@@ -316,15 +284,15 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_msg_job_submit *j, uint64_t 
     nl_stage_train_free(s);
     stage_train *t = calloc(1, sizeof *t);
     if (!t)
-        return nl_error_set(err, NL_ERR_NOMEM, "train job %lld: out of memory", (long long)job);
+        return nl_error_set(err, NL_ERR_NOMEM, "train job %lld: out of memory", job);
     s->train = t;
     nl_wire_msg_init(&t->tx);
-    t->job = (uint64_t)job;
+    t->job = p->job;
     t->mbB = (int)mbB;
     t->T = (int)T;
     t->M = (int)M;
     t->slots = slots;
-    t->eval_hops = (int)eval_hops;
+    t->eval_hops = (int)p->eval_hops;
     t->rows = (size_t)(mbB * T);
     t->d = (size_t)m->cfg.hidden_dim;
     t->applied = start;
@@ -339,7 +307,7 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_msg_job_submit *j, uint64_t 
         st = nl_workers_new(&t->w, t->R, threads, nl_stage_train_run_job, t, err);
     if (st != NL_OK) {
         nl_stage_train_free(s);
-        return nl_error_prefix(err, "train job %lld", (long long)job);
+        return nl_error_prefix(err, "train job %lld", job);
     }
     if (moments) { /* the resumed run's moments: into every trainer, then freed here */
         for (int i = 0; i < 2; i++) {
@@ -351,7 +319,7 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_msg_job_submit *j, uint64_t 
         }
         s->have_moments = false;
         for (int r = 0; r < t->R; r++)
-            nl_trainer_set_adam_steps(t->rep[r].tr, adam);
+            nl_trainer_set_adam_steps(t->rep[r].tr, p->adam_steps);
     }
     NL_INFO("train job %llu: stage %d of %d, %d microbatches of %d x %d, %d in flight%s, from "
             "step %lld%s",
