@@ -75,8 +75,10 @@ static void session_free(nl_stage *s, session *se)
 
 static void sessions_clear(nl_stage *s)
 {
-    for (int i = 0; i < s->n_sess; i++)
+    for (int i = 0; i < s->n_sess; i++) {
+        nl_stage_job_forget(s, s->sess[i].id);
         session_free(s, &s->sess[i]);
+    }
     s->n_sess = 0;
     s->evicted = s->closed = (ended_ids){0};
 }
@@ -84,8 +86,7 @@ static void sessions_clear(nl_stage *s)
 /* Free the model and everything sized for it. The output must be idle. */
 static void drop_model(nl_stage *s)
 {
-    nl_stage_train_free(s); /* it borrows the model */
-    nl_stage_lora_free_all(s);
+    nl_stage_jobs_free_all(s); /* training jobs borrow the model */
     nl_stage_embed_free_all(s);
     nl_stage_batch_free(s);
     sessions_clear(s);
@@ -434,6 +435,7 @@ session *nl_stage_find_session(const nl_stage *s, uint64_t id)
 
 static void remove_session(nl_stage *s, session *se)
 {
+    nl_stage_job_forget(s, se->id); /* the stage's jobs by id (stage_jobs.c) */
     session_free(s, se);
     *se = s->sess[--s->n_sess];
 }

@@ -43,6 +43,7 @@ static void req_free(nl_stage *s, stage_embed *r)
 
 static void drop(nl_stage *s, int i)
 {
+    nl_stage_job_forget(s, s->emb[i].job); /* the stage's jobs by id (stage_jobs.c) */
     req_free(s, &s->emb[i]);
     memmove(&s->emb[i], &s->emb[i + 1], (size_t)(s->n_emb - i - 1) * sizeof *s->emb);
     s->n_emb--;
