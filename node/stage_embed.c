@@ -187,3 +187,31 @@ nl_status nl_stage_embed_pool(nl_stage *s, const stage_embed *r, const float *st
     out->shape[2] = 0;
     return NL_OK;
 }
+
+/* ---- the embed and forward kinds of the stage's jobs (stage_jobs.c) ---- */
+
+static nl_status embed_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
+                             void **state, nl_error *err)
+{
+    *state = NULL;
+    return nl_stage_embed_begin(s, j, job_id, err);
+}
+
+static void embed_end(nl_stage *s, uint64_t job, void *state)
+{
+    (void)state;
+    nl_stage_embed_end(s, job);
+}
+
+/* an embedding job's request: its hop keeps its pads apart and, on the
+ * last stage, is pooled; a forward job's comes with an adapter only */
+const stage_job_ops nl_stage_embed_ops = {.kind = NL_JOB_EMBED,
+                                          .name = "embed",
+                                          .status = "embedding",
+                                          .begin = embed_begin,
+                                          .end = embed_end};
+const stage_job_ops nl_stage_forward_ops = {.kind = NL_JOB_FORWARD,
+                                            .name = "forward",
+                                            .status = "embedding",
+                                            .begin = embed_begin,
+                                            .end = embed_end};

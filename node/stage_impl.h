@@ -134,6 +134,9 @@ struct nl_stage {
     nl_stage_figures fig;
 };
 
+/* Close every session (the model goes, or its assignment failed)
+ * (stage_session.c). */
+void nl_stage_sessions_clear(nl_stage *s);
 /* The queue and the batch engine (stage_batch.c): dropped with the model;
  * a session's queued hops go with it. */
 void nl_stage_batch_free(nl_stage *s);
@@ -180,9 +183,12 @@ typedef struct stage_job {
     void *state;
 } stage_job;
 
-/* The kinds with state of their own: training (stage_train.c) and LoRA
- * fine-tuning (stage_lora.c). */
-extern const stage_job_ops nl_stage_train_ops, nl_stage_lora_ops;
+/* The kinds: generate (stage_session.c), embed and forward with an
+ * adapter (stage_embed.c), whose jobs live in those files' stores; train
+ * (stage_train.c) and LoRA fine-tuning (stage_lora.c), whose jobs own
+ * their state here. */
+extern const stage_job_ops nl_stage_generate_ops, nl_stage_embed_ops, nl_stage_forward_ops,
+    nl_stage_train_ops, nl_stage_lora_ops;
 
 stage_job *nl_stage_job_find(const nl_stage *s, uint64_t id);
 /* The first job of a kind, or NULL; how many there are. */

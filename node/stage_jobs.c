@@ -12,78 +12,17 @@
  * wait for their one hop: stage_embed.c): their entries here hold no
  * state, and those stores forget the entry when they drop a job by
  * themselves (nl_stage_job_forget). Their hops take the inference path
- * (nl_stage_forward, nl_stage_enqueue), not nl_stage_job_input. */
+ * (nl_stage_forward, nl_stage_enqueue), not nl_stage_job_input. Each
+ * kind's ops are in its own file: generate in stage_session.c, embed and
+ * forward in stage_embed.c, train in stage_train.c, finetune in
+ * stage_lora.c. */
 #include <stdlib.h>
 
-#include "../base/log.h"
 #include "stage_impl.h"
 
-/* ---------------------------------------------------------------- the inference kinds */
-
-static nl_status generate_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
-                                void **state, nl_error *err)
-{
-    nl_stage_session_params p;
-    *state = NULL;
-    nl_status st = nl_stage_parse_session(j, &p, err);
-    *job_id = p.id; /* 0 if the request named no session */
-    if (st == NL_OK)
-        st = nl_stage_open_session(s, &p, err);
-    if (st == NL_OK)
-        NL_INFO("session %llu open: %d positions, KV %zu of %llu bytes in use, %d sessions",
-                (unsigned long long)p.id, p.capacity, nl_stage_kv_used(s),
-                (unsigned long long)s->o.kv_budget, nl_stage_session_count(s));
-    return st;
-}
-
-/* JOB_CANCEL of a generation: drop the session, saying what it cost here. */
-static void generate_end(nl_stage *s, uint64_t job, void *state)
-{
-    nl_stage_session_info i;
-    (void)state;
-    if (!nl_stage_session(s, job, &i))
-        return;
-    nl_stage_close_session(s, job);
-    NL_INFO("session %llu closed: %d positions; prefill %.2f ms, %d decode steps of %.3f ms each "
-            "(this stage's compute)",
-            (unsigned long long)job, i.len, i.prefill_s * 1e3, i.steps,
-            i.steps ? i.step_s * 1e3 / i.steps : 0.0);
-}
-
-static nl_status embed_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
-                             void **state, nl_error *err)
-{
-    *state = NULL;
-    return nl_stage_embed_begin(s, j, job_id, err);
-}
-
-static void embed_end(nl_stage *s, uint64_t job, void *state)
-{
-    (void)state;
-    nl_stage_embed_end(s, job);
-}
-
-static const stage_job_ops generate_ops = {.kind = NL_JOB_GENERATE,
-                                           .name = "generate",
-                                           .status = "session open",
-                                           .begin = generate_begin,
-                                           .end = generate_end};
-/* an embedding job's request: its hop keeps its pads apart and, on the
- * last stage, is pooled; a forward job's comes with an adapter only */
-static const stage_job_ops embed_ops = {.kind = NL_JOB_EMBED,
-                                        .name = "embed",
-                                        .status = "embedding",
-                                        .begin = embed_begin,
-                                        .end = embed_end};
-static const stage_job_ops forward_ops = {.kind = NL_JOB_FORWARD,
-                                          .name = "forward",
-                                          .status = "embedding",
-                                          .begin = embed_begin,
-                                          .end = embed_end};
-
-static const stage_job_ops *const kinds[] = {&generate_ops, &embed_ops, &forward_ops,
-                                             &nl_stage_train_ops, &nl_stage_lora_ops};
-
+static const stage_job_ops *const kinds[] = {&nl_stage_generate_ops, &nl_stage_embed_ops,
+                                             &nl_stage_forward_ops, &nl_stage_train_ops,
+                                             &nl_stage_lora_ops};
 /* ---------------------------------------------------------------- the table */
 
 stage_job *nl_stage_job_find(const nl_stage *s, uint64_t id)
