@@ -1,6 +1,10 @@
-/* The inside of a pipeline stage, shared by node/stage.c (assignment,
- * loading, inference) and node/stage_train.c (training jobs). Private to
- * node/. */
+/* The inside of a pipeline stage, shared by the stage's files: stage.c
+ * (assignment, loading, the forward hop), stage_session.c (generation
+ * sessions), stage_batch.c (their hops in batches), stage_jobs.c (the
+ * jobs by id and their kinds), stage_train.c and stage_train_hops.c
+ * (through stage_train_impl.h: training jobs), stage_lora.c (fine-tuning
+ * jobs, adapters for inference) and stage_embed.c (embedding requests).
+ * Private to node/. */
 #ifndef NL_NODE_STAGE_IMPL_H
 #define NL_NODE_STAGE_IMPL_H
 
