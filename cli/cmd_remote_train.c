@@ -290,29 +290,14 @@ out:
     return rc;
 }
 
-/* neuroctl finetune's adapters: the schema's defaults and ranges
- * (net/trainparams.h), and the flags it refuses. 0, or 2 (usage). */
+/* neuroctl finetune's adapters (the schema's defaults and ranges, as
+ * local finetune's), and the flags it refuses. 0, or 2 (usage). */
 static int read_lora_opts(rtrain_opts *o, const nl_flag *flags)
 {
-    nl_error err = {0};
-    nl_trainparams d;
-    double lo = 0, hi = 0, alo = 0, ahi = 0;
     int bits = 0, rc;
-    nl_trainparams_defaults(&d);
-    nl_trainparams_range("lora_rank", &lo, &hi);
-    nl_trainparams_range("lora_alpha", &alo, &ahi);
     o->finetune = 1;
-    o->lora_rank = d.lora_rank;
-    o->lora_alpha = d.lora_alpha;
-    if (!o->lora_targets)
-        o->lora_targets = d.lora_targets;
-    if ((rc = nl_args_int(flags, "lora-rank", (long long)lo, (long long)hi, &o->lora_rank)) ||
-        (rc = nl_args_double(flags, "lora-alpha", 1e-6, ahi, &o->lora_alpha))) /* > 0 */
+    if ((rc = nl_train_lora_read(flags, &o->lora_rank, &o->lora_alpha, &o->lora_targets, &bits)))
         return rc;
-    if (nl_lora_parse_targets(o->lora_targets, &bits, &err) != NL_OK) {
-        fprintf(stderr, "%s\n", err.msg);
-        return 2;
-    }
     if (!nl_args_get(flags, "out") || nl_args_get(flags, "resume") ||
         nl_args_get(flags, "attach") || nl_args_get(flags, "checkpoint-every") ||
         nl_args_get(flags, "learn-vocab")) {

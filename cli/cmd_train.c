@@ -689,17 +689,9 @@ static int train_main(int argc, char **argv, int finetune)
         return 2;
     }
     if (finetune) {
-        nl_error err = {0};
-        o.lora_rank = 8;
-        o.lora_alpha = 16.0;
-        if ((rc = nl_args_int(flags, "lora-rank", 1, NL_LORA_MAX_RANK, &o.lora_rank)) ||
-            (rc = nl_args_double(flags, "lora-alpha", 1e-6, 1e6, &o.lora_alpha)))
+        const char *text = NULL;
+        if ((rc = nl_train_lora_read(flags, &o.lora_rank, &o.lora_alpha, &text, &o.lora_targets)))
             return rc;
-        if (nl_lora_parse_targets(lr_targets ? lr_targets : "wq,wk,wv,wo", &o.lora_targets, &err) !=
-            NL_OK) {
-            fprintf(stderr, "%s\n", err.msg);
-            return 2;
-        }
         if (!o.out || o.resume || !o.model) {
             fprintf(stderr, "neuroctl finetune: give --model and --out (no --resume)\n");
             return 2;

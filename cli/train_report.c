@@ -11,6 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "core/lora.h"
 #include "net/trainparams.h"
 
 double nl_train_clock(void)
@@ -229,4 +230,28 @@ void nl_train_run_params(const nl_train_run *r, nl_trainparams *p)
     p->min_lr = r->min_lr;
     p->holdout = r->holdout;
     p->recompute = r->recompute;
+}
+
+int nl_train_lora_read(const nl_flag *flags, long long *rank, double *alpha, const char **targets,
+                       int *bits)
+{
+    nl_trainparams d;
+    nl_error err = {0};
+    double lo = 0, hi = 0, alo = 0, ahi = 0;
+    int rc;
+    nl_trainparams_defaults(&d);
+    nl_trainparams_range("lora_rank", &lo, &hi);
+    nl_trainparams_range("lora_alpha", &alo, &ahi);
+    *rank = d.lora_rank;
+    *alpha = d.lora_alpha;
+    *targets =
+        nl_args_get(flags, "lora-targets") ? nl_args_get(flags, "lora-targets") : d.lora_targets;
+    if ((rc = nl_args_int(flags, "lora-rank", (long long)lo, (long long)hi, rank)) ||
+        (rc = nl_args_double(flags, "lora-alpha", 1e-6, ahi, alpha))) /* alpha > 0 */
+        return rc;
+    if (nl_lora_parse_targets(*targets, bits, &err) != NL_OK) {
+        fprintf(stderr, "%s\n", err.msg);
+        return 2;
+    }
+    return 0;
 }

@@ -47,6 +47,14 @@ typedef struct nl_train_run {
  * fault is printed (2: usage). */
 int nl_train_run_read(const nl_flag *flags, nl_train_run *r);
 
+/* neuroctl finetune's adapter flags (--lora-rank, --lora-alpha,
+ * --lora-targets), local or on a cluster, with the defaults and ranges of
+ * net/trainparams.h: *targets is the flag's or the default's text, *bits
+ * it parsed (core/lora.h). 0, or the exit code after the fault is printed
+ * (2: usage). */
+int nl_train_lora_read(const nl_flag *flags, long long *rank, double *alpha, const char **targets,
+                       int *bits);
+
 /* The run's options into their keys of a training request (the other
  * fields of p are left as they are). */
 struct nl_trainparams;
