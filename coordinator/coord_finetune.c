@@ -16,31 +16,20 @@
 
 #include "coord_impl.h"
 #include "core/lora.h"
+#include "net/trainparams.h"
 
 /* ---------------------------------------------------------------- submit */
 
+/* The adapters' parameters by the training schema (net/trainparams.h);
+ * the job's other parameters are read again by coord_train_submit. */
 static void ft_submit(nl_coord *c, const nl_rx *rx)
 {
     const nl_msg_job_submit *s = &rx->msg.u.job_submit;
-    const nl_wire_param *rank = coord_param(s, "lora_rank"), *alpha = coord_param(s, "lora_alpha"),
-                        *tg = coord_param(s, "lora_targets");
-    const char *bad = NULL;
+    nl_trainparams p;
     nl_error e = {0};
     char why[600];
-    int targets = 0;
-    const double a = !alpha                               ? -1.0
-                     : alpha->kind == NL_WIRE_PARAM_FLOAT ? alpha->f
-                     : alpha->kind == NL_WIRE_PARAM_INT   ? (double)alpha->i
-                                                          : -1.0;
-    if (!rank || rank->kind != NL_WIRE_PARAM_INT || rank->i < 1 || rank->i > NL_LORA_MAX_RANK)
-        bad = "lora_rank (an integer in [1, 1024])";
-    else if (!(a > 0.0 && a <= 1e6))
-        bad = "lora_alpha (a number in (0, 1e6])";
-    else if (!tg || tg->kind != NL_WIRE_PARAM_STR || strlen(tg->s) >= sizeof(((cft *)0)->targets) ||
-             nl_lora_parse_targets(tg->s, &targets, &e) != NL_OK)
-        bad = "lora_targets (some of wq,wk,wv,wo,w_gate,w_up,w_down)";
-    if (bad) {
-        snprintf(why, sizeof why, "finetune: params.%s is missing or out of range", bad);
+    if (nl_trainparams_parse(&p, s->params, s->nparams, NL_TRAINPARAMS_FINETUNE, &e) != NL_OK) {
+        snprintf(why, sizeof why, "finetune: %s", e.msg);
         coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, why, NULL);
         return;
     }
@@ -49,9 +38,9 @@ static void ft_submit(nl_coord *c, const nl_rx *rx)
         coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, "out of memory", NULL);
         return;
     }
-    ft->rank = rank->i;
-    ft->alpha = a;
-    snprintf(ft->targets, sizeof ft->targets, "%s", tg->s);
+    ft->rank = p.lora_rank;
+    ft->alpha = p.lora_alpha;
+    snprintf(ft->targets, sizeof ft->targets, "%s", p.lora_targets);
     if (!c->src_manifest) /* a checkpoint file: its hash names the base in the adapter file */
         snprintf(ft->base, sizeof ft->base, "%s", c->src_path);
     coord_train_submit(c, rx, ft);

@@ -199,10 +199,6 @@ typedef enum {
     TR_GROW
 } tr_phase;
 
-/* A training job's objective: NL_OBJ_CLM, NL_OBJ_MLM (core/config.h) or
- * classification (labelled data, the model's classifier). */
-enum { COORD_OBJ_CLASSIFY = NL_OBJ_MLM + 1 };
-
 typedef struct ctrain {
     /* the run, as the client asked for it */
     char data[4097], ckpt_dir[1001]; /* CKPT_REQ.dir holds at most 1024 bytes */
@@ -210,7 +206,7 @@ typedef struct ctrain {
     double lr, min_lr, holdout;
     int recompute, final_ckpt;
     int64_t learn_vocab; /* ids the tokenizer learns from the data first (coord_grow.c), or 0 */
-    int objective;       /* NL_OBJ_CLM, NL_OBJ_MLM, COORD_OBJ_CLASSIFY; -1: the model's */
+    int objective;       /* core/objective.h; NL_OBJ_MODEL: the model's */
     /* where it is */
     int phase, stages;
     nl_dataset *ds;            /* the token stream (clm, mlm) */

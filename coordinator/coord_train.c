@@ -23,6 +23,7 @@
 #include "core/checkpoint.h"
 #include "core/fileio.h"
 #include "core/grow.h"
+#include "core/objective.h"
 #include "core/train.h"
 
 void coord_train_free_shards(nl_manifest_shard *sh, int n)
@@ -162,16 +163,15 @@ static int send_hop(nl_coord *c, cjob *j, nl_msg_type type, uint64_t step, uint3
 }
 
 /* Batch `index` of a split (0: training, 1: held out) of the job's
- * objective into t->tokens and the rest, as local training makes it
- * (cli/cmd_train.c): next-token windows; mlm's masked tokens (DESIGN 6);
- * classification's examples (the held-out split in order, each once).
+ * objective into t->tokens and the rest, as local training makes it:
+ * the token objectives' batches (core/objective.h); classification's
+ * examples (the held-out split in order, each once).
  * *valid: the predictions its loss is over (for classification, the
  * sequences; of a held-out batch, the examples in it). */
 static nl_status make_batch(const nl_coord *c, ctrain *t, int split, uint64_t index, int64_t *valid,
                             nl_error *e)
 {
     const int B = (int)t->batch, T = (int)t->seq;
-    nl_status st;
     if (t->lds && split == 0) {
         *valid = B;
         return nl_labelled_batch(t->lds, 0, (uint64_t)t->seed, index, B, T, t->tokens, t->lengths,
@@ -179,18 +179,13 @@ static nl_status make_batch(const nl_coord *c, ctrain *t, int split, uint64_t in
     }
     if (t->lds) {
         int n = 0;
-        st = nl_labelled_eval_batch(t->lds, (size_t)index, B, T, t->tokens, t->lengths, t->labels,
-                                    t->docs, &n, e);
+        nl_status st = nl_labelled_eval_batch(t->lds, (size_t)index, B, T, t->tokens, t->lengths,
+                                              t->labels, t->docs, &n, e);
         *valid = n;
         return st;
     }
-    st = nl_dataset_batch(t->ds, split, (uint64_t)t->seed, index, B, T, t->tokens, t->targets, e);
-    *valid = (int64_t)B * T;
-    if (st == NL_OK && t->objective == NL_OBJ_MLM)
-        *valid =
-            (int64_t)nl_mlm_mask(t->tokens, t->targets, (size_t)B * T, c->cfg.mask_prob,
-                                 c->cfg.vocab_size, (uint64_t)t->seed + (uint64_t)split, index);
-    return st;
+    return nl_objective_batch(t->ds, t->objective, &c->cfg, split, (uint64_t)t->seed, index, B, T,
+                              t->tokens, t->targets, valid, e);
 }
 
 /* The held-out batches of an evaluation: eval_batches, or (classify) as
@@ -348,16 +343,15 @@ void coord_train_begin(nl_coord *c, cjob *j)
     }
     t->phase = TR_BEGIN;
     t->acks = 0;
-    static const char *const obj_names[] = {"clm", "mlm", "classify"};
     const size_t n_all = t->lds ? t->lds->n : t->ds->n,
                  n_train = t->lds ? t->lds->n_train : t->ds->n_train;
-    json_t *o =
-        json_pack("{s:s,s:I,s:I,s:I,s:I,s:I,s:i,s:I,s:I,s:I,s:s}", "event", "start", "start_step",
-                  (json_int_t)t->start, "steps", (json_int_t)t->steps, "params",
-                  (json_int_t)nl_config_param_count(&c->cfg), t->lds ? "examples" : "tokens",
-                  (json_int_t)n_train, "held_out", (json_int_t)(n_all - n_train), "stages",
-                  t->stages, "batch", (json_int_t)t->batch, "seq", (json_int_t)t->seq,
-                  "microbatches", (json_int_t)t->micro, "objective", obj_names[t->objective]);
+    json_t *o = json_pack("{s:s,s:I,s:I,s:I,s:I,s:I,s:i,s:I,s:I,s:I,s:s}", "event", "start",
+                          "start_step", (json_int_t)t->start, "steps", (json_int_t)t->steps,
+                          "params", (json_int_t)nl_config_param_count(&c->cfg),
+                          t->lds ? "examples" : "tokens", (json_int_t)n_train, "held_out",
+                          (json_int_t)(n_all - n_train), "stages", t->stages, "batch",
+                          (json_int_t)t->batch, "seq", (json_int_t)t->seq, "microbatches",
+                          (json_int_t)t->micro, "objective", nl_objective_name(t->objective));
     if (o && t->lds)
         json_object_set_new(o, "classes", json_integer(t->lds->n_classes));
     json_t *devices = json_array(); /* each stage's device, as its node's JOIN said */
@@ -396,7 +390,7 @@ void coord_train_start_step(nl_coord *c, cjob *j)
     }
     /* the loss rows the last stage's gradient is scaled by: every position
      * of clm (0 says so), the masked ones of mlm, the sequences of classify */
-    const int64_t loss_rows = t->objective == NL_OBJ_CLM ? 0 : t->valid;
+    const int64_t loss_rows = nl_objective_loss_rows(t->objective, t->valid);
     t->t_step = coord_now();
     t->phase = TR_STEP;
     /* until a checkpoint of these weights is the source (fine-tuning

@@ -6,7 +6,6 @@
  * cluster from its manifest and the job begins when the cluster is ready. */
 #include <jansson.h>
 #include <limits.h>
-#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,99 +17,41 @@
 #include "core/checkpoint.h"
 #include "core/fileio.h"
 #include "core/grow.h"
+#include "core/objective.h"
 #include "core/train.h"
+#include "net/trainparams.h"
 
-/* Read the run's parameters; NULL or the name of the one at fault. */
-static const char *read_params(ctrain *t, const nl_msg_job_submit *s, const char **resume)
+/* Read the run's parameters by their schema (net/trainparams.h, which
+ * checks them and the rules across them); NL_OK, or why not in e. */
+static nl_status read_params(ctrain *t, const nl_msg_job_submit *s, const char **resume,
+                             nl_error *e)
 {
-    static const char *const ints[] = {"steps",        "batch",        "seq",
-                                       "microbatches", "seed",         "warmup",
-                                       "eval_every",   "eval_batches", "checkpoint_every"};
-    int64_t *iv[] = {&t->steps,  &t->batch,      &t->seq,          &t->micro,     &t->seed,
-                     &t->warmup, &t->eval_every, &t->eval_batches, &t->ckpt_every};
-    static const int64_t lo[] = {1, 1, 1, 1, 0, 0, 0, 1, 0};
-    static const int64_t hi[] = {INT32_MAX, 65536,     1 << 20, 65536,    INT64_MAX,
-                                 INT32_MAX, INT32_MAX, 1 << 20, INT32_MAX};
-    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
-        const nl_wire_param *p = coord_param(s, ints[i]);
-        if (!p || p->kind != NL_WIRE_PARAM_INT || p->i < lo[i] || p->i > hi[i])
-            return ints[i];
-        *iv[i] = p->i;
-    }
-    const nl_wire_param *sd = coord_param(s, "seq_default");
-    t->seq_default = sd && sd->kind == NL_WIRE_PARAM_BOOL && sd->b;
-    static const char *const fl[] = {"lr", "min_lr", "holdout"};
-    double *fv[] = {&t->lr, &t->min_lr, &t->holdout};
-    static const double fhi[] = {10.0, 10.0, 0.5};
-    for (size_t i = 0; i < 3; i++) {
-        const nl_wire_param *p = coord_param(s, fl[i]);
-        double v = !p                               ? NAN
-                   : p->kind == NL_WIRE_PARAM_FLOAT ? p->f
-                   : p->kind == NL_WIRE_PARAM_INT   ? (double)p->i
-                                                    : NAN;
-        if (!(v >= 0.0 && v <= fhi[i]))
-            return fl[i];
-        *fv[i] = v;
-    }
-    const nl_wire_param *p;
-    if (!(p = coord_param(s, "data")) || p->kind != NL_WIRE_PARAM_STR || !p->s[0])
-        return "data";
-    snprintf(t->data, sizeof t->data, "%s", p->s);
-    if (!(p = coord_param(s, "checkpoint_dir")) || p->kind != NL_WIRE_PARAM_STR || !p->s[0] ||
-        strlen(p->s) >= sizeof t->ckpt_dir)
-        return "checkpoint_dir (a path of at most 1000 bytes)";
-    snprintf(t->ckpt_dir, sizeof t->ckpt_dir, "%s", p->s);
-    if ((p = coord_param(s, "recompute")))
-        t->recompute = p->kind == NL_WIRE_PARAM_BOOL && p->b;
-    if ((p = coord_param(s, "final_checkpoint")))
-        t->final_ckpt = p->kind == NL_WIRE_PARAM_BOOL && p->b;
-    if ((p = coord_param(s, "learn_vocab"))) {
-        if (p->kind != NL_WIRE_PARAM_INT || p->i < 0 || p->i > (1 << 24))
-            return "learn_vocab (0 to 2^24 ids)";
-        t->learn_vocab = p->i;
-    }
-    t->objective = -1; /* the model's (its config's objective) */
-    if ((p = coord_param(s, "objective"))) {
-        if (p->kind != NL_WIRE_PARAM_STR)
-            return "objective (clm, mlm or classify)";
-        t->objective = strcmp(p->s, "clm") == 0        ? NL_OBJ_CLM
-                       : strcmp(p->s, "mlm") == 0      ? NL_OBJ_MLM
-                       : strcmp(p->s, "classify") == 0 ? COORD_OBJ_CLASSIFY
-                                                       : -2;
-        if (t->objective == -2)
-            return "objective (clm, mlm or classify)";
-    }
-    *resume = (p = coord_param(s, "resume")) && p->kind == NL_WIRE_PARAM_STR ? p->s : NULL;
-    if (t->batch % t->micro != 0)
-        return "microbatches (must divide batch)";
-    if ((t->batch / t->micro) * t->seq > (1 << 24) || t->eval_batches * t->micro > (1 << 30))
-        return "batch (a microbatch of at most 2^24 rows; eval_batches x microbatches <= 2^30)";
-    if (t->eval_every > 0 && t->holdout <= 0.0)
-        return "eval_every (needs holdout > 0)";
-    if (t->objective == COORD_OBJ_CLASSIFY && t->learn_vocab > 0)
-        return "learn_vocab (not with objective classify: the vocabulary learns from text)";
-    return NULL;
-}
-
-/* The objective against the model, as local training checks it (cli/
- * cmd_train.c): the config's when the client named none; mlm needs the
- * mask id in the vocabulary, classify a classifier. NULL, or why not. */
-static const char *objective_refusal(const nl_config *cfg, int *obj, char *why, size_t cap)
-{
-    if (*obj < 0)
-        *obj = cfg->objective;
-    if (*obj == NL_OBJ_MLM && cfg->vocab_size <= NL_CONFIG_MASK_ID)
-        snprintf(why, cap,
-                 "--objective mlm: the model's vocab_size %lld does not hold the mask id %d "
-                 "(<|pad|>)",
-                 (long long)cfg->vocab_size, NL_CONFIG_MASK_ID);
-    else if (*obj == COORD_OBJ_CLASSIFY && cfg->num_classes <= 0)
-        snprintf(why, cap,
-                 "--objective classify: the model has no classifier (set num_classes in its "
-                 "config)");
-    else
-        return NULL;
-    return why;
+    nl_trainparams p;
+    nl_status st = nl_trainparams_parse(&p, s->params, s->nparams,
+                                        t->ft ? NL_TRAINPARAMS_FINETUNE : NL_TRAINPARAMS_TRAIN, e);
+    if (st != NL_OK)
+        return st;
+    t->steps = p.steps;
+    t->batch = p.batch;
+    t->seq = p.seq;
+    t->micro = p.micro;
+    t->seed = p.seed;
+    t->warmup = p.warmup;
+    t->eval_every = p.eval_every;
+    t->eval_batches = p.eval_batches;
+    t->ckpt_every = p.ckpt_every;
+    t->lr = p.lr;
+    t->min_lr = p.min_lr;
+    t->holdout = p.holdout;
+    t->recompute = p.recompute;
+    t->final_ckpt = p.final_ckpt;
+    t->seq_default = p.seq_default;
+    t->learn_vocab = p.learn_vocab;
+    t->objective = p.objective; /* NL_OBJ_MODEL: the model's */
+    snprintf(t->data, sizeof t->data, "%s", p.data);
+    snprintf(t->ckpt_dir, sizeof t->ckpt_dir, "%s", p.checkpoint_dir);
+    *resume = p.resume;
+    return NL_OK;
 }
 
 /* Preparing a job, off the loop: the manifest it resumes from verified
@@ -201,6 +142,7 @@ static void prep_done(nl_coord *c, cwork *w)
     cjob *j = coord_job_find(c, w->job_id);
     ctrain *t = j ? j->state : NULL;
     char why[700];
+    nl_error e = {0};
     if (!t || t->phase != TR_PREPARING)
         return;
     if (p->resume_failed) {
@@ -229,8 +171,8 @@ static void prep_done(nl_coord *c, cwork *w)
     }
     if (p->grow && !install_growth(c, j, p))
         return;
-    if (objective_refusal(&c->cfg, &t->objective, why, sizeof why)) { /* the client's, checked */
-        coord_train_fail(c, j, "%s", why);
+    if (nl_objective_check(&c->cfg, &t->objective, &e) != NL_OK) { /* the client's, checked */
+        coord_train_fail(c, j, "%s", e.msg);
         return;
     }
     if (p->lds && t->eval_every > 0 && p->lds->n == p->lds->n_train) {
@@ -373,14 +315,10 @@ void coord_train_submit(nl_coord *c, const nl_rx *rx, cft *ft)
     }
     t->ft = ft;
     t->bad_stage = -1;
-    const char *resume = NULL, *bad = read_params(t, s, &resume);
-    if (!bad && ft && resume)
-        bad = "resume (a fine-tuning job starts its adapters afresh)";
-    if (!bad && ft && t->learn_vocab > 0)
-        bad = "learn_vocab (a fine-tuning job keeps the base as it is)";
-    if (bad) {
+    const char *resume = NULL, *bad = NULL;
+    if (read_params(t, s, &resume, &e) != NL_OK) {
         free(p);
-        coord_train_fail(c, j, "%s: params.%s is missing or out of range", j->ops->name, bad);
+        coord_train_fail(c, j, "%s: %s", j->ops->name, e.msg);
         return;
     }
     char resume_real[PATH_MAX];
@@ -399,18 +337,18 @@ void coord_train_submit(nl_coord *c, const nl_rx *rx, cft *ft)
     }
     /* the objective against the model it trains now (a resumed one's is
      * checked again once its manifest is installed) */
-    if (!resume && t->objective != -1) {
+    if (!resume && t->objective != NL_OBJ_MODEL) {
         int obj = t->objective;
-        if (objective_refusal(&c->cfg, &obj, why, sizeof why)) {
+        if (nl_objective_check(&c->cfg, &obj, &e) != NL_OK) {
             free(p);
-            coord_train_fail(c, j, "train: %s", why);
+            coord_train_fail(c, j, "train: %s", e.msg);
             return;
         }
     }
     p->w = (cwork){.run = prep_run, .done = prep_done, .free = prep_free, .job_id = j->id};
     p->vocab = c->cfg.vocab_size;
     p->holdout = t->holdout;
-    p->classify = t->objective == COORD_OBJ_CLASSIFY;
+    p->classify = t->objective == NL_OBJ_CLASSIFY;
     p->seed = (uint64_t)t->seed;
     int oom = 0;
     p->resume = coord_train_dup(resume, &oom);
