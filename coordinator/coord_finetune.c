@@ -211,6 +211,8 @@ static void ft_free(cjob *j)
 const cjob_ops coord_finetune_ops = {
     .kind = NL_JOB_FINETUNE,
     .name = "finetune",
+    .takes = COORD_TAKES(NL_MSG_JOB_STATUS) | COORD_TAKES(NL_MSG_GRAD_NORM) |
+             COORD_TAKES(NL_MSG_LOSS) | COORD_TAKES(NL_MSG_CKPT_DONE),
     .submit = ft_submit,
     .on_message = ft_on_message,
     .stage_lost = ft_stage_lost,

@@ -100,9 +100,16 @@ typedef enum { JOB_FREE = 0, JOB_RUNNING, JOB_WAITING } job_phase;
 
 typedef struct cjob cjob;
 
+/* A bit of cjob_ops.takes: the message type t (below NL_MSG_TYPE_MAX, 64). */
+#define COORD_TAKES(t) (UINT64_C(1) << (t))
+
 typedef struct cjob_ops {
     int kind; /* nl_job_kind */
     const char *name;
+    /* The message types a job of this kind takes from its stages
+     * (COORD_TAKES bits); any other naming the job is refused (an ERROR to
+     * the node, e.g. a TOKEN naming a forward or training job). */
+    uint64_t takes;
     /* A client's JOB_SUBMIT of this kind: check it, make the job
      * (coord_job_new) and start it, or answer the client's failure. */
     void (*submit)(nl_coord *c, const nl_rx *rx);

@@ -933,6 +933,8 @@ static void train_ready(nl_coord *c, cjob *j)
 const cjob_ops coord_train_ops = {
     .kind = NL_JOB_TRAIN,
     .name = "train",
+    .takes = COORD_TAKES(NL_MSG_JOB_STATUS) | COORD_TAKES(NL_MSG_GRAD_NORM) |
+             COORD_TAKES(NL_MSG_LOSS) | COORD_TAKES(NL_MSG_CKPT_DONE),
     .submit = train_submit,
     .on_message = train_on_message,
     .stage_lost = train_stage_lost,
