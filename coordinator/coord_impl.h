@@ -627,6 +627,23 @@ void coord_grow_install(nl_coord *c, coord_grow_work *g, double seconds);
 struct json_t *coord_grow_event(const nl_coord *c, const coord_grow_work *g);
 void coord_grow_release(coord_grow_work *g);
 
+/* A growth as a worker's task: the one task of --grow auto at rest, the
+ * grow job and --grow auto at a training checkpoint. */
+typedef struct coord_grow_task {
+    cwork w;
+    coord_grow_work g;
+    nl_status st; /* the run's */
+    nl_error err;
+    double t0;      /* when it was made */
+    char src[4096]; /* the source it grows (c->src_path then) */
+} coord_grow_task;
+/* On the loop: a growth prepared (coord_grow_prepare) as a task for job
+ * (0: none) whose done is `done`, for coord_work_start; NULL and err (out
+ * of memory, or why it cannot be prepared). */
+coord_grow_task *coord_grow_task_new(nl_coord *c, uint64_t job, const char *input, int64_t add,
+                                     int layers, int hidden_dim, int ffn_dim,
+                                     void (*done)(nl_coord *c, cwork *w), nl_error *err);
+
 /* --grow auto: when the live nodes (or the training memory) changed since
  * the last judgement, the depth nl_sizing_propose_depth proposes for them
  * (with the running job's training memory, else the last job's, else the

@@ -87,30 +87,9 @@ static void ckpt_free(cwork *w)
  * nodes now hold more layers (coord_grow_auto_depth); a worker writes the
  * grown manifest, then the stages reload it on a new plan (joining nodes
  * take the new layers) and the job goes on from its step. */
-typedef struct grow_task {
-    cwork w;
-    coord_grow_work g;
-    nl_status st;
-    nl_error err;
-    double t0;
-} grow_task;
-
-static void grow_run(cwork *w)
-{
-    grow_task *k = (grow_task *)w;
-    k->st = coord_grow_run(&k->g, &k->err);
-}
-
-static void grow_free(cwork *w)
-{
-    grow_task *k = (grow_task *)w;
-    coord_grow_release(&k->g);
-    free(k);
-}
-
 static void grow_done(nl_coord *c, cwork *w)
 {
-    grow_task *k = (grow_task *)w;
+    coord_grow_task *k = (coord_grow_task *)w;
     cjob *j = coord_job_find(c, w->job_id);
     ctrain *t = j ? j->state : NULL;
     if (!t || t->phase != TR_GROW)
@@ -136,16 +115,13 @@ static int grow_at_checkpoint(nl_coord *c, cjob *j)
     ctrain *t = j->state;
     nl_error e = {0};
     const int depth = coord_grow_auto_depth(c);
-    grow_task *k = depth ? calloc(1, sizeof *k) : NULL;
-    if (!k)
+    if (!depth)
         return 0;
-    if (coord_grow_prepare(c, &k->g, NULL, 0, depth, 0, 0, &e) != NL_OK) {
+    coord_grow_task *k = coord_grow_task_new(c, j->id, NULL, 0, depth, 0, 0, grow_done, &e);
+    if (!k) {
         NL_WARN("train job %llu: --grow auto: %s", (unsigned long long)j->id, e.msg);
-        free(k);
         return 0;
     }
-    k->w = (cwork){.run = grow_run, .done = grow_done, .free = grow_free, .job_id = j->id};
-    k->t0 = coord_now();
     if (coord_work_start(c, &k->w, &e) != NL_OK) {
         NL_WARN("train job %llu: --grow auto: %s", (unsigned long long)j->id, e.msg);
         return 0;
