@@ -9,17 +9,19 @@
  * local one (the last stage's shard carries classifier.weight when the
  * model has a head; format neurollm-lora/1, rank, alpha, targets, the
  * base's SHA-256). Several fine-tuning jobs may run at once on one
- * pipeline; none beside a training job (coord_train_submit). */
+ * pipeline; none beside a training job (coord_train_submit). Everything
+ * else is the training job's state machine (coord_train.c, which holds
+ * coord_finetune_ops too), which tells a fine-tuning job by its state. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "coord_impl.h"
+#include "coord_train_impl.h"
 #include "core/lora.h"
 
 /* ---------------------------------------------------------------- submit */
 
-static void ft_submit(nl_coord *c, const nl_rx *rx)
+void coord_finetune_submit(nl_coord *c, const nl_rx *rx)
 {
     const nl_msg_job_submit *s = &rx->msg.u.job_submit;
     const nl_wire_param *rank = coord_param(s, "lora_rank"), *alpha = coord_param(s, "lora_alpha"),
@@ -132,7 +134,8 @@ static void gather_run(cwork *w)
 static void gather_done(nl_coord *c, cwork *w)
 {
     gather_task *g = (gather_task *)w;
-    coord_train_finetuned(c, w->job_id, g->out, g->st == NL_OK ? NULL : g->err.msg);
+    const tr_in in = {.why = g->st == NL_OK ? NULL : g->err.msg, .path = g->out};
+    coord_train_event(c, w->job_id, TE_WRITTEN, &in);
 }
 
 static void gather_free(cwork *w)
@@ -166,60 +169,3 @@ nl_status coord_finetune_gather(nl_coord *c, uint64_t job, const cft *ft,
     snprintf(g->out, sizeof g->out, "%s/adapter.safetensors", dir);
     return coord_work_start(c, &g->w, err);
 }
-
-/* ---------------------------------------------------------------- the kind
- * Everything else is the training job's (coord_train.c), which tells a
- * fine-tuning job by its state. */
-
-static void ft_on_message(nl_coord *c, cjob *j, const nl_rx *rx)
-{
-    coord_train_ops.on_message(c, j, rx);
-}
-
-static int ft_stage_lost(nl_coord *c, cjob *j, const char *why)
-{
-    return coord_train_ops.stage_lost(c, j, why);
-}
-
-static int ft_node_failed(nl_coord *c, cjob *j, const char *why)
-{
-    return coord_train_ops.node_failed(c, j, why);
-}
-
-static void ft_ready(nl_coord *c, cjob *j)
-{
-    coord_train_ops.ready(c, j);
-}
-
-static void ft_abort(nl_coord *c, cjob *j)
-{
-    coord_train_ops.abort(c, j);
-}
-
-/* Ctrl-C: the step under way ends and the adapters trained so far are
- * written and joined, as at the end of the job (coord_train.c) */
-static int ft_cancel(nl_coord *c, cjob *j, const nl_rx *rx)
-{
-    return coord_train_ops.cancel(c, j, rx);
-}
-
-static void ft_free(cjob *j)
-{
-    coord_train_ops.free(j);
-}
-
-const cjob_ops coord_finetune_ops = {
-    .kind = NL_JOB_FINETUNE,
-    .name = "finetune",
-    .takes = COORD_TAKES(NL_MSG_JOB_STATUS) | COORD_TAKES(NL_MSG_GRAD_NORM) |
-             COORD_TAKES(NL_MSG_LOSS) | COORD_TAKES(NL_MSG_CKPT_DONE),
-    .submit = ft_submit,
-    .on_message = ft_on_message,
-    .stage_lost = ft_stage_lost,
-    .node_failed = ft_node_failed,
-    .ready = ft_ready,
-    .abort = ft_abort,
-    .cancel = ft_cancel,
-    .fail_note = NULL,
-    .free = ft_free,
-};

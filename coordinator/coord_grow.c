@@ -1,8 +1,8 @@
 /* Growth of the cluster's model (issue 16, DESIGN.md section 5): the
  * `grow` job kind (neuroctl tokenizer learn --cluster, neuroctl grow
  * --cluster), the growth a training job runs before it starts
- * (--learn-vocab, coord_train.c) and `--grow auto` (depth as nodes join:
- * at rest here, at a training checkpoint in coord_train.c).
+ * (--learn-vocab, coord_train_prep.c) and `--grow auto` (depth as nodes
+ * join: at rest here, at a training checkpoint in coord_train_ckpt.c).
  *
  * Every growth follows one path: on the loop, coord_grow_prepare copies
  * what it needs; a worker (coord_work.c) lets the tokenizer learn (for the
@@ -596,8 +596,8 @@ static void grow_submit(nl_coord *c, const nl_rx *rx)
     const char *bad =
         !g ? "out of memory"
            : read_grow(c, &rx->msg.u.job_submit, real, sizeof real, v, why, sizeof why);
-    if (!bad && !(k = coord_grow_task_new(c, j->id, v[0] ? real : NULL, v[0], (int)v[1],
-                                          (int)v[2], (int)v[3], grow_job_done, &e)))
+    if (!bad && !(k = coord_grow_task_new(c, j->id, v[0] ? real : NULL, v[0], (int)v[1], (int)v[2],
+                                          (int)v[3], grow_job_done, &e)))
         bad = e.msg;
     if (bad) {
         coord_job_fail(c, j, bad);
