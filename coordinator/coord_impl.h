@@ -14,12 +14,9 @@
 #include <stdatomic.h>
 
 #include "coord.h"
-#include "core/data.h"
-#include "core/labelled.h"
 #include "core/manifest.h"
 #include "core/planner.h"
 #include "core/safetensors.h"
-#include "core/train.h"
 #include "net/transport.h"
 
 /* The node table grows (doubling) to at most this many slots; the lowest

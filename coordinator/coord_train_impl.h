@@ -18,6 +18,9 @@
 #include <stdint.h>
 
 #include "coord_impl.h"
+#include "core/data.h"
+#include "core/labelled.h"
+#include "core/train.h"
 
 struct json_t;
 
