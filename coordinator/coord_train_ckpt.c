@@ -164,13 +164,6 @@ void coord_train_keep(nl_coord *c, cjob *j, const tr_in *in)
     t->manifest_step = k->mf.step;
 }
 
-char *coord_train_dup(const char *s, int *oom)
-{
-    char *d = s ? strdup(s) : NULL;
-    *oom |= s && !d;
-    return d;
-}
-
 /* Every shard is in: a worker writes the manifest (ckpt_task). The job
  * hands it this checkpoint's shards and takes a fresh table. NULL, or why
  * the job fails. */

@@ -16,6 +16,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "coord_impl.h"
 #include "core/data.h"
@@ -94,6 +95,14 @@ typedef struct ctrain {
     int cancel; /* cancelled: the step under way ends, a checkpoint keeps it, then the job ends */
 } ctrain;
 
+/* strdup of s, or NULL for NULL; *oom set when the copy failed. */
+static inline char *coord_train_dup(const char *s, int *oom)
+{
+    char *d = s ? strdup(s) : NULL;
+    *oom |= s && !d;
+    return d;
+}
+
 /* ---------------------------------------------------------------- coord_train.c */
 
 /* What moves a training job on: the stages' reports, counted (TAKEN,
@@ -146,8 +155,6 @@ const char *coord_train_prepare(nl_coord *c, cjob *j, const nl_msg_job_submit *s
  * the batches' buffers), checked against the model. NULL, or why the job
  * fails (in why). */
 const char *coord_train_prepared(nl_coord *c, cjob *j, const tr_in *in, char *why, size_t cap);
-/* strdup of s, or NULL for NULL; *oom set when the copy failed. */
-char *coord_train_dup(const char *s, int *oom);
 
 /* ---------------------------------------------------------------- coord_train_ckpt.c */
 
