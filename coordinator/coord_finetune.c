@@ -9,9 +9,9 @@
  * local one (the last stage's shard carries classifier.weight when the
  * model has a head; format neurollm-lora/1, rank, alpha, targets, the
  * base's SHA-256). Several fine-tuning jobs may run at once on one
- * pipeline; none beside a training job (coord_train_submit). Everything
- * else is the training job's state machine (coord_train.c, which holds
- * coord_finetune_ops too), which tells a fine-tuning job by its state. */
+ * pipeline; none beside a training job. Everything else is the training
+ * job's state machine (coord_train.c, which holds coord_finetune_ops
+ * too), which tells a fine-tuning job by its state. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,7 +21,7 @@
 
 /* ---------------------------------------------------------------- submit */
 
-void coord_finetune_submit(nl_coord *c, const nl_rx *rx)
+cft *coord_finetune_params(nl_coord *c, const nl_rx *rx)
 {
     const nl_msg_job_submit *s = &rx->msg.u.job_submit;
     const nl_wire_param *rank = coord_param(s, "lora_rank"), *alpha = coord_param(s, "lora_alpha"),
@@ -44,19 +44,19 @@ void coord_finetune_submit(nl_coord *c, const nl_rx *rx)
     if (bad) {
         snprintf(why, sizeof why, "finetune: params.%s is missing or out of range", bad);
         coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, why, NULL);
-        return;
+        return NULL;
     }
     cft *ft = calloc(1, sizeof *ft);
     if (!ft) {
         coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, "out of memory", NULL);
-        return;
+        return NULL;
     }
     ft->rank = rank->i;
     ft->alpha = a;
     snprintf(ft->targets, sizeof ft->targets, "%s", tg->s);
     if (!c->src_manifest) /* a checkpoint file: its hash names the base in the adapter file */
         snprintf(ft->base, sizeof ft->base, "%s", c->src_path);
-    coord_train_submit(c, rx, ft);
+    return ft;
 }
 
 int coord_finetune_stage_params(const cft *ft, int64_t seed, nl_wire_param *ps)
@@ -131,11 +131,10 @@ static void gather_run(cwork *w)
     g->st = st;
 }
 
-static void gather_done(nl_coord *c, cwork *w)
+void coord_finetune_result(cwork *w, tr_in *in)
 {
     gather_task *g = (gather_task *)w;
-    const tr_in in = {.why = g->st == NL_OK ? NULL : g->err.msg, .path = g->out};
-    coord_train_event(c, w->job_id, TE_WRITTEN, &in);
+    *in = (tr_in){.why = g->st == NL_OK ? NULL : g->err.msg, .path = g->out};
 }
 
 static void gather_free(cwork *w)
@@ -147,7 +146,8 @@ static void gather_free(cwork *w)
 }
 
 nl_status coord_finetune_gather(nl_coord *c, uint64_t job, const cft *ft,
-                                const nl_manifest_shard *sh, int n, const char *dir, nl_error *err)
+                                const nl_manifest_shard *sh, int n, const char *dir, tr_done done,
+                                nl_error *err)
 {
     gather_task *g = calloc(1, sizeof *g);
     if (g) {
@@ -159,7 +159,7 @@ nl_status coord_finetune_gather(nl_coord *c, uint64_t job, const cft *ft,
             gather_free(&g->w);
         return nl_error_set(err, NL_ERR_NOMEM, "out of memory");
     }
-    g->w = (cwork){.run = gather_run, .done = gather_done, .free = gather_free, .job_id = job};
+    g->w = (cwork){.run = gather_run, .done = done, .free = gather_free, .job_id = job};
     g->ft = *ft;
     g->n = n;
     for (int i = 0; i < n; i++) {

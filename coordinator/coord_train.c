@@ -12,12 +12,15 @@
  *
  * This file alone decides the job's transitions: the states (tr_state),
  * the events (tr_event, coord_train_impl.h) and train_on, the transition
- * function. Its inputs are the stages' reports (coord_train_stages.c), the
- * cluster (ready, a stage lost) and the client (cancel); its leaves do a
- * part of the work and hand the result back without deciding anything:
- * coord_train_prep.c (the preparation), coord_train_ckpt.c (the
- * checkpoints), coord_train_wire.c (what goes to the stages) and
- * coord_train_report.c (what the client is told). */
+ * function, through which every event goes: the stages' reports, the
+ * leaves' workers, the cluster (ready, a stage lost) and the client
+ * (cancel). It calls its leaves, which do a part of the work and hand the
+ * result back without deciding anything, and none of them calls it (a
+ * worker reports to the done this file gave it): coord_train_stages.c
+ * (the stages' reports, checked and counted), coord_train_prep.c (the
+ * preparation), coord_train_ckpt.c (the checkpoints), coord_train_wire.c
+ * (what goes to the stages) and coord_train_report.c (what the client is
+ * told). */
 #include <jansson.h>
 #include <math.h>
 #include <stdarg.h>
@@ -88,24 +91,11 @@ typedef enum {
 } tr_state;
 
 static void to(nl_coord *c, cjob *j, tr_state s);
+static int train_on(nl_coord *c, cjob *j, tr_event ev, const tr_in *in);
 
 static void train_free(cjob *j)
 {
-    ctrain *t = j->state;
-    if (!t)
-        return;
-    nl_dataset_destroy(&t->ds);
-    nl_labelled_destroy(&t->lds);
-    free(t->tokens);
-    free(t->targets);
-    free(t->docs);
-    free(t->labels);
-    free(t->lengths);
-    free(t->got);
-    coord_train_free_shards(t->shards, t->stages);
-    json_decref(t->journal);
-    free(t->ft);
-    free(t);
+    coord_train_state_free(j->state);
     j->state = NULL;
 }
 
@@ -119,6 +109,45 @@ train_fail(nl_coord *c, cjob *j, const char *fmt, ...)
     vsnprintf(why, sizeof why, fmt, ap);
     va_end(ap);
     coord_job_fail(c, j, why);
+}
+
+/* ---------------------------------------------------------------- the workers' ends */
+
+/* A worker's result for the job it worked for (nothing if it has ended). */
+static void on_work(nl_coord *c, const cwork *w, tr_event ev, const tr_in *in)
+{
+    cjob *j = coord_job_find(c, w->job_id);
+    if (j && j->state && (j->ops == &coord_train_ops || j->ops == &coord_finetune_ops))
+        train_on(c, j, ev, in);
+}
+
+/* The leaves' workers report here (cwork.done): the preparation, the
+ * manifest, the adapter file, the growth. */
+static void prepared(nl_coord *c, cwork *w)
+{
+    const tr_in in = {.task = w};
+    on_work(c, w, TE_PREPARED, &in);
+}
+
+static void manifest_written(nl_coord *c, cwork *w)
+{
+    tr_in in;
+    coord_train_manifest_result(c, w, &in);
+    on_work(c, w, TE_WRITTEN, &in);
+}
+
+static void adapters_joined(nl_coord *c, cwork *w)
+{
+    tr_in in;
+    coord_finetune_result(w, &in);
+    on_work(c, w, TE_WRITTEN, &in);
+}
+
+static void grown(nl_coord *c, cwork *w)
+{
+    const coord_grow_task *k = (const coord_grow_task *)w;
+    const tr_in in = {.why = k->st == NL_OK ? NULL : k->err.msg, .task = w};
+    on_work(c, w, TE_GROWN, &in);
 }
 
 /* ---------------------------------------------------------------- failures */
@@ -218,6 +247,24 @@ static void enter_ckpt(nl_coord *c, cjob *j)
     t->acks = 0;
 }
 
+/* WRITE: a worker writes the manifest, or joins a fine-tuning job's
+ * adapters into one file. */
+static void enter_write(nl_coord *c, cjob *j)
+{
+    ctrain *t = j->state;
+    char why[900], dir[1100];
+    nl_error e = {0};
+    if (!t->ft) {
+        if (coord_train_write_manifest(c, j, manifest_written, why, sizeof why))
+            train_fail(c, j, "%s", why);
+        return;
+    }
+    coord_train_ckpt_dir(j, dir, sizeof dir);
+    if (coord_finetune_gather(c, j->id, t->ft, t->shards, t->stages, dir, adapters_joined, &e) !=
+        NL_OK)
+        train_fail(c, j, "the adapters of step %lld: %s", (long long)t->step, e.msg);
+}
+
 /* DONE, CANCELLED: the job ends, done or (cancelled) with the steps done
  * kept: the client is told where they are, and the stages free their
  * trainers. Either way the stages hold the weights of the last checkpoint
@@ -258,12 +305,9 @@ static void to(nl_coord *c, cjob *j, tr_state s)
     case TR_CKPT:
         enter_ckpt(c, j);
         break;
-    case TR_WRITE: {
-        char why[900];
-        if (coord_train_write(c, j, why, sizeof why))
-            train_fail(c, j, "%s", why);
+    case TR_WRITE:
+        enter_write(c, j);
         break;
-    }
     case TR_DONE:
     case TR_CANCELLED:
         enter_end(c, j, s == TR_CANCELLED);
@@ -276,51 +320,24 @@ static void to(nl_coord *c, cjob *j, tr_state s)
 
 /* ---------------------------------------------------------------- the transitions */
 
-/* Plans hold the job's training memory from now on; 1 if the current plan
- * does, 0 if the job now waits for a plan that does (LOADING) or failed. */
-static int plan_for_training(nl_coord *c, cjob *j)
-{
-    ctrain *t = j->state;
-    char why[400];
-    c->train_mem = (nl_mem_opts){.training = 1,
-                                 .micro_rows = (int)(t->batch / t->micro * t->seq),
-                                 .in_flight = (int)t->micro,
-                                 .recompute = t->recompute};
-    if (coord_plan_holds(c, &c->train_mem, why, sizeof why))
-        return 1;
-    char none[400];
-    if (!coord_plan_possible(c, none, sizeof none)) {
-        train_fail(c, j, "training memory: %s; and no plan over the nodes holds it: %s", why, none);
-        return 0;
-    }
-    if (t->mem_replanned || c->stages_modified) {
-        train_fail(c, j, "training memory: %s%s", why,
-                   c->stages_modified
-                       ? " (the stages hold weights trained since the last checkpoint, "
-                         "so the cluster does not plan again)"
-                       : "");
-        return 0;
-    }
-    t->mem_replanned = 1;
-    NL_INFO("train job %llu: %s; planning again for training memory", (unsigned long long)j->id,
-            why);
-    char msg[500];
-    snprintf(msg, sizeof msg, "%s; planning again for training memory", why);
-    coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, msg, NULL);
-    to(c, j, TR_LOADING);
-    coord_reload(c); /* a plan that cannot hold it fails the job with the shortfall */
-    return 0;
-}
-
 /* LOADING, the cluster ready: the run begins (or goes on from the
  * source's step) on its plan. */
 static void begin(nl_coord *c, cjob *j)
 {
     ctrain *t = j->state;
+    char why[900];
     /* a fine-tuning job keeps no moments of the base: each stage checks
      * that its adapters' job fits, and the plan stays as it is */
-    if (!t->ft && !plan_for_training(c, j))
+    const int held = t->ft ? 1 : coord_train_memory(c, j, why, sizeof why);
+    if (held < 0) {
+        train_fail(c, j, "%s", why);
         return;
+    }
+    if (held == 0) { /* the cluster plans again for the training memory */
+        to(c, j, TR_LOADING);
+        coord_reload(c); /* a plan that cannot hold it fails the job with the shortfall */
+        return;
+    }
     free(t->got);
     coord_train_free_shards(t->shards, t->stages); /* a resumed job's, of its former plan */
     t->stages = c->plan->n_stages;
@@ -468,7 +485,7 @@ static void written(nl_coord *c, cjob *j, const tr_in *in)
         to(c, j, TR_DONE);
     } else if (t->cancel) {
         to(c, j, TR_CANCELLED); /* the steps done are kept: the job ends */
-    } else if (coord_train_grow(c, j)) {
+    } else if (coord_train_grow(c, j, grown)) {
         /* --grow auto: the nodes hold a deeper model; a worker grows the
          * manifest, then the job goes on from it on a new plan */
         to(c, j, TR_GROW);
@@ -489,7 +506,7 @@ static void written(nl_coord *c, cjob *j, const tr_in *in)
 /* GROW, GROWN: the grown model becomes the source and the stages reload
  * it on a new plan (LOADING); a growth that failed leaves the model as it
  * is and the job goes on; a cancelled job ends with its checkpoint. */
-static void grown(nl_coord *c, cjob *j, const tr_in *in)
+static void on_grown(nl_coord *c, cjob *j, const tr_in *in)
 {
     ctrain *t = j->state;
     coord_grow_task *k = in->task;
@@ -560,14 +577,14 @@ static int cancel(nl_coord *c, cjob *j, const nl_rx *rx)
     return 1;
 }
 
-/* The state that awaits the stages' reports making ev (-1: ev is none). */
-static int awaited(tr_event ev)
+/* The event the stages' reports make in state `phase` (-1: none). */
+static int awaited(int phase)
 {
-    return ev == TE_TAKEN       ? TR_BEGIN
-           : ev == TE_REPORTED  ? TR_STEP
-           : ev == TE_EVALUATED ? TR_EVAL
-           : ev == TE_SHARDS    ? TR_CKPT
-                                : -1;
+    return phase == TR_BEGIN  ? TE_TAKEN
+           : phase == TR_STEP ? TE_REPORTED
+           : phase == TR_EVAL ? TE_EVALUATED
+           : phase == TR_CKPT ? TE_SHARDS
+                              : -1;
 }
 
 /* The transition function: what event ev (with in) does to job j in the
@@ -577,7 +594,8 @@ static int train_on(nl_coord *c, cjob *j, tr_event ev, const tr_in *in)
 {
     ctrain *t = j->state;
     char why[900];
-    if (awaited(ev) >= 0 && t->phase != awaited(ev))
+    if ((ev == TE_TAKEN || ev == TE_REPORTED || ev == TE_EVALUATED || ev == TE_SHARDS) &&
+        awaited(t->phase) != (int)ev)
         return 1; /* the stages' reports make an event in one state only */
     switch (ev) {
     case TE_PREPARED:
@@ -622,7 +640,7 @@ static int train_on(nl_coord *c, cjob *j, tr_event ev, const tr_in *in)
         written(c, j, in);
         return 1;
     case TE_GROWN:
-        grown(c, j, in);
+        on_grown(c, j, in);
         return 1;
     case TE_LOST:
         return lost(c, j, in->why);
@@ -632,34 +650,25 @@ static int train_on(nl_coord *c, cjob *j, tr_event ev, const tr_in *in)
     return 1;
 }
 
-void coord_train_event(nl_coord *c, uint64_t job, tr_event ev, const tr_in *in)
-{
-    cjob *j = coord_job_find(c, job);
-    if (j && j->state && (j->ops == &coord_train_ops || j->ops == &coord_finetune_ops))
-        train_on(c, j, ev, in);
-}
-
-int coord_train_awaits(const cjob *j, tr_event ev)
+/* A stage's report (cjob_ops.on_message): the last one the state awaits
+ * is its event. */
+static void train_on_message(nl_coord *c, cjob *j, const nl_rx *rx)
 {
     const ctrain *t = j->state;
-    return t && awaited(ev) >= 0 && t->phase == awaited(ev);
+    char why[900];
+    const int ev = t ? awaited(t->phase) : -1;
+    const int rc = coord_train_stage_report(c, j, rx, ev, why, sizeof why);
+    if (rc < 0)
+        train_fail(c, j, "%s", why);
+    else if (rc > 0)
+        train_on(c, j, (tr_event)ev, NULL);
 }
 
-/* ---------------------------------------------------------------- the kinds' operations */
-
-void coord_train_submit(nl_coord *c, const nl_rx *rx, cft *ft)
+/* A training job (ft NULL) or a fine-tuning one (takes ft). */
+static void submit(nl_coord *c, const nl_rx *rx, cft *ft)
 {
     char why[900];
-    /* one training job at a time, and none beside fine-tuning (which
-     * needs the weights frozen); fine-tuning jobs may run together */
-    for (int i = 0; i < COORD_MAX_JOBS; i++) {
-        const cjob *o = &c->jobs[i];
-        if (o->phase == JOB_FREE || (o->ops != &coord_train_ops && o->ops != &coord_finetune_ops) ||
-            (ft && o->ops == &coord_finetune_ops))
-            continue;
-        snprintf(why, sizeof why, "job %llu is %s already; %s", (unsigned long long)o->id,
-                 o->ops == &coord_train_ops ? "training" : "fine-tuning",
-                 ft ? "fine-tuning needs the weights frozen" : "one at a time");
+    if (coord_train_refusal(c, ft != NULL, why, sizeof why)) {
         coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, why, NULL);
         free(ft);
         return;
@@ -677,7 +686,7 @@ void coord_train_submit(nl_coord *c, const nl_rx *rx, cft *ft)
     }
     t->ft = ft;
     t->bad_stage = -1;
-    if (coord_train_prepare(c, j, &rx->msg.u.job_submit, why, sizeof why)) {
+    if (coord_train_prepare(c, j, &rx->msg.u.job_submit, prepared, why, sizeof why)) {
         train_fail(c, j, "%s", why);
         return;
     }
@@ -686,7 +695,14 @@ void coord_train_submit(nl_coord *c, const nl_rx *rx, cft *ft)
 
 static void train_submit(nl_coord *c, const nl_rx *rx)
 {
-    coord_train_submit(c, rx, NULL);
+    submit(c, rx, NULL);
+}
+
+static void finetune_submit(nl_coord *c, const nl_rx *rx)
+{
+    cft *ft = coord_finetune_params(c, rx);
+    if (ft)
+        submit(c, rx, ft);
 }
 
 /* A failed or cancelled job: the stages end it, and those whose weights it
@@ -727,31 +743,12 @@ static void train_ready(nl_coord *c, cjob *j)
     train_on(c, j, TE_READY, NULL);
 }
 
-/* A stage failed the job. When it cannot reach a neighbour (node.c says
- * "cannot reach the previous/next stage"; JOB_STATUS carries no code),
- * the neighbour has most likely died and the heartbeat timeout will say
- * so: with resumes left the job waits for that verdict (LOST then resumes
- * it); a neighbour that lives on leaves the job to --job-timeout-ms. So
- * does any failure after that one on the same plan: the other stages'
- * protocol errors follow from the lost hop (the soak saw "GRADIENT of
- * microbatch 1, but the next backward is of microbatch 0" from the stage
- * whose gradient could not be sent). Any other failure (the device, the
- * data) fails it. No state changes. */
+/* A stage failed the job: 1 if it goes on, waiting for the heartbeat
+ * verdict on a lost neighbour (coord_train_stage_failed). */
 static int train_node_failed(nl_coord *c, cjob *j, const char *why)
 {
-    ctrain *t = j->state;
-    if (!t || t->ft || t->phase < TR_BEGIN || t->resumes >= c->o.train_resumes)
-        return 0;
-    const int cut = strstr(why, "cannot reach the ") != NULL;
-    if (!cut && t->verdict_epoch != c->epoch)
-        return 0;
-    if (cut)
-        t->verdict_epoch = c->epoch;
-    NL_WARN("train job %llu: %s; waiting for the heartbeat timeout to tell whether a node died "
-            "(then the job resumes)%s",
-            (unsigned long long)j->id, why,
-            cut ? "" : " (after a stage could not reach its neighbour on this plan)");
-    return 1;
+    const ctrain *t = j->state;
+    return t && coord_train_stage_failed(c, j, t->phase >= TR_BEGIN, why);
 }
 
 #define TRAIN_TAKES                                                                                \
@@ -763,7 +760,7 @@ const cjob_ops coord_train_ops = {
     .name = "train",
     .takes = TRAIN_TAKES,
     .submit = train_submit,
-    .on_message = coord_train_on_message,
+    .on_message = train_on_message,
     .stage_lost = train_stage_lost,
     .node_failed = train_node_failed,
     .ready = train_ready,
@@ -779,8 +776,8 @@ const cjob_ops coord_finetune_ops = {
     .kind = NL_JOB_FINETUNE,
     .name = "finetune",
     .takes = TRAIN_TAKES,
-    .submit = coord_finetune_submit,
-    .on_message = coord_train_on_message,
+    .submit = finetune_submit,
+    .on_message = train_on_message,
     .stage_lost = train_stage_lost,
     .node_failed = train_node_failed,
     .ready = train_ready,

@@ -4,8 +4,8 @@
  * and verifies it (a fine-tuning job's: joins the adapters,
  * coord_finetune.c), and the manifest becomes the source the cluster
  * reloads from; at a checkpoint a worker may grow the model (--grow
- * auto). Each worker hands its result back (coord_train_event): what
- * comes next is the state machine's to decide. */
+ * auto). Each worker reports to the state machine (the done it was
+ * given): what comes next is the machine's to decide. */
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -140,15 +140,12 @@ static void ckpt_free(cwork *w)
     free(k);
 }
 
-/* The manifest is written and verified (or not): the state machine
- * decides (the job may have ended, or lost a stage meanwhile). */
-static void ckpt_done(nl_coord *c, cwork *w)
+void coord_train_manifest_result(nl_coord *c, cwork *w, tr_in *in)
 {
     ckpt_task *k = (ckpt_task *)w;
     c->manifests_writing--;
-    const tr_in in = {
+    *in = (tr_in){
         .why = k->st == NL_OK ? NULL : k->err.msg, .step = k->mf.step, .path = k->path, .task = k};
-    coord_train_event(c, w->job_id, TE_WRITTEN, &in);
 }
 
 /* TE_WRITTEN: the manifest becomes the source (the stages hold its
@@ -165,9 +162,8 @@ void coord_train_keep(nl_coord *c, cjob *j, const tr_in *in)
 }
 
 /* Every shard is in: a worker writes the manifest (ckpt_task). The job
- * hands it this checkpoint's shards and takes a fresh table. NULL, or why
- * the job fails. */
-static const char *write_manifest(nl_coord *c, cjob *j, char *why, size_t cap)
+ * hands it this checkpoint's shards and takes a fresh table. */
+const char *coord_train_write_manifest(nl_coord *c, cjob *j, tr_done done, char *why, size_t cap)
 {
     ctrain *t = j->state;
     nl_error e = {0};
@@ -184,7 +180,7 @@ static const char *write_manifest(nl_coord *c, cjob *j, char *why, size_t cap)
                            (json_int_t)t->seq, "microbatches", (json_int_t)t->micro, "lr", t->lr,
                            "min_lr", t->min_lr, "warmup", (json_int_t)t->warmup);
     int oom = 0;
-    k->w = (cwork){.run = ckpt_run, .done = ckpt_done, .free = ckpt_free, .job_id = j->id};
+    k->w = (cwork){.run = ckpt_run, .done = done, .free = ckpt_free, .job_id = j->id};
     k->mf = (nl_manifest){.step = t->step,
                           .adam_steps = t->adam, /* the stages step together */
                           .cfg = c->cfg,
@@ -220,41 +216,15 @@ static const char *write_manifest(nl_coord *c, cjob *j, char *why, size_t cap)
     return NULL;
 }
 
-const char *coord_train_write(nl_coord *c, cjob *j, char *why, size_t cap)
-{
-    ctrain *t = j->state;
-    if (!t->ft)
-        return write_manifest(c, j, why, cap);
-    char dir[1100];
-    nl_error e = {0}; /* fine-tuning: a worker joins the adapters into one file */
-    coord_train_ckpt_dir(j, dir, sizeof dir);
-    if (coord_finetune_gather(c, j->id, t->ft, t->shards, t->stages, dir, &e) == NL_OK)
-        return NULL;
-    snprintf(why, cap, "the adapters of step %lld: %s", (long long)t->step, e.msg);
-    return why;
-}
-
 /* ---------------------------------------------------------------- --grow auto */
 
-/* --grow auto at a checkpoint (issue 16): the model deepens when the
- * nodes now hold more layers (coord_grow_auto_depth); a worker writes the
- * grown manifest, then (the state machine) the stages reload it on a new
- * plan (joining nodes take the new layers) and the job goes on from its
- * step. */
-static void grow_done(nl_coord *c, cwork *w)
-{
-    coord_grow_task *k = (coord_grow_task *)w;
-    const tr_in in = {.why = k->st == NL_OK ? NULL : k->err.msg, .task = k};
-    coord_train_event(c, w->job_id, TE_GROWN, &in);
-}
-
-int coord_train_grow(nl_coord *c, cjob *j)
+int coord_train_grow(nl_coord *c, cjob *j, tr_done done)
 {
     nl_error e = {0};
     const int depth = coord_grow_auto_depth(c);
     if (!depth)
         return 0;
-    coord_grow_task *k = coord_grow_task_new(c, j->id, NULL, 0, depth, 0, 0, grow_done, &e);
+    coord_grow_task *k = coord_grow_task_new(c, j->id, NULL, 0, depth, 0, 0, done, &e);
     if (!k) {
         NL_WARN("train job %llu: --grow auto: %s", (unsigned long long)j->id, e.msg);
         return 0;

@@ -1,16 +1,18 @@
 /* The training job's own state, private to the files of the training and
  * fine-tuning jobs: coord_train.c, the job's state machine, the one owner
- * of its transitions (its states are its own: tr_state); the stages'
- * reports, checked and counted into events (coord_train_stages.c); the
- * leaves, which do a part of the work and hand the result back but decide
- * nothing: coord_train_prep.c (the preparation: parameters, paths, the
+ * of its transitions (its states are its own: tr_state); and its leaves,
+ * which do a part of the work and hand the result back but decide
+ * nothing: coord_train_stages.c (the stages' reports, checked and
+ * counted), coord_train_prep.c (the preparation: parameters, paths, the
  * worker that reads the data), coord_train_ckpt.c (the checkpoints:
  * shards, the manifest's worker, --grow auto's), coord_train_wire.c (what
  * goes to the stages: the job, the batches' hops) and coord_train_report.c
  * (what the client is told); and coord_finetune.c (what a fine-tuning job
- * adds). A worker's result, like the stages' last report, is an event
- * (coord_train_event). The rest of the coordinator sees the two jobs
- * through their operations tables (coord_train_ops, coord_finetune_ops). */
+ * adds). The state machine calls the others, never the other way: a
+ * leaf's worker reports to the done the machine gave it, and a stage's
+ * report is counted by coord_train_stages.c and then is the machine's
+ * event. The rest of the coordinator sees the two jobs through their
+ * operations tables (coord_train_ops, coord_finetune_ops). */
 #ifndef NL_COORD_TRAIN_IMPL_H
 #define NL_COORD_TRAIN_IMPL_H
 
@@ -108,7 +110,9 @@ static inline char *coord_train_dup(const char *s, int *oom)
 /* What moves a training job on: the stages' reports, counted (TAKEN,
  * REPORTED, EVALUATED, SHARDS), the leaves' workers (PREPARED, WRITTEN,
  * GROWN), the cluster (READY, LOST) and the client (CANCEL). The state
- * machine decides what each means in the state the job is in. */
+ * machine decides what each means in the state the job is in; no leaf
+ * calls it: it calls them, and their workers report to the done it
+ * gave them. */
 typedef enum {
     TE_PREPARED,  /* the preparation's worker is done (in: its result) */
     TE_READY,     /* the cluster is loaded with a plan */
@@ -122,7 +126,8 @@ typedef enum {
     TE_CANCEL     /* a JOB_CANCEL (in->rx) */
 } tr_event;
 
-/* What an event brings; borrowed for the call. */
+/* What an event brings (a worker's result, filled by its leaf); borrowed
+ * for the call. */
 typedef struct tr_in {
     const char *why;  /* a worker's failure (NULL: it succeeded), or the stage lost */
     int64_t step;     /* the step a checkpoint was of */
@@ -131,30 +136,36 @@ typedef struct tr_in {
     const nl_rx *rx;  /* TE_CANCEL: the request */
 } tr_in;
 
-/* Event ev for job `job` (a leaf's worker is done, or the stages' reports
- * are in): the state machine decides what it does (nothing if the job
- * has ended meanwhile). */
-void coord_train_event(nl_coord *c, uint64_t job, tr_event ev, const tr_in *in);
-/* Whether job j is in the state that awaits the stages' reports making
- * ev (TAKEN: BEGIN; REPORTED: STEP; EVALUATED: EVAL; SHARDS: CKPT). */
-int coord_train_awaits(const cjob *j, tr_event ev);
-/* Submit a training job (ft NULL) or a fine-tuning one (takes ft). */
-void coord_train_submit(nl_coord *c, const nl_rx *rx, cft *ft);
+/* A worker's end (cwork.done): the state machine's, given to the leaf
+ * that starts the worker. */
+typedef void (*tr_done)(nl_coord *c, cwork *w);
 
 /* ---------------------------------------------------------------- coord_train_prep.c */
 
+/* Why no training job (finetune 0) or fine-tuning job may begin now
+ * (another runs: one training job at a time, none beside fine-tuning,
+ * which needs the weights frozen), in why; or NULL. */
+const char *coord_train_refusal(const nl_coord *c, int finetune, char *why, size_t cap);
 /* The client's parameters read and checked into t, its paths confined
  * under the roots, the job journaled, and the worker started that verifies
  * the manifest it resumes from, grows the vocabulary (--learn-vocab) and
- * reads the data (its end: TE_PREPARED). NULL, or why the job fails (in
- * why). */
-const char *coord_train_prepare(nl_coord *c, cjob *j, const nl_msg_job_submit *s, char *why,
-                                size_t cap);
+ * reads the data (then done: TE_PREPARED, in->task the worker's task).
+ * NULL, or why the job fails (in why). */
+const char *coord_train_prepare(nl_coord *c, cjob *j, const nl_msg_job_submit *s, tr_done done,
+                                char *why, size_t cap);
 /* TE_PREPARED: what the worker made goes into the cluster (a resumed
  * manifest, a grown vocabulary: the stages reload) and the job (the data,
  * the batches' buffers), checked against the model. NULL, or why the job
  * fails (in why). */
 const char *coord_train_prepared(nl_coord *c, cjob *j, const tr_in *in, char *why, size_t cap);
+
+/* As the job begins: plans hold its training memory from now on
+ * (c->train_mem). 1 if the current plan does; 0 if the cluster must plan
+ * again (the client is told; once: a second time, or with weights trained
+ * since the last checkpoint, is -1); -1 and why when no plan can. */
+int coord_train_memory(nl_coord *c, cjob *j, char *why, size_t cap);
+/* Frees the job's state (NULL-safe). */
+void coord_train_state_free(ctrain *t);
 
 /* ---------------------------------------------------------------- coord_train_ckpt.c */
 
@@ -167,22 +178,30 @@ const char *coord_train_shard(nl_coord *c, cjob *j, const cnode *n, const nl_msg
                               char *why, size_t cap);
 /* Frees n shards' strings and the table. */
 void coord_train_free_shards(nl_manifest_shard *sh, int n);
-/* Every shard is in: a worker writes the manifest and verifies it (a
- * fine-tuning job's: joins the adapters) and hands back TE_WRITTEN. NULL,
- * or why the job fails (in why). */
-const char *coord_train_write(nl_coord *c, cjob *j, char *why, size_t cap);
+/* Every shard is in: a worker writes the manifest last and verifies it
+ * (then done); NULL, or why the job fails (in why). Its result, on the
+ * loop (the manifest no longer counts as being written), for TE_WRITTEN. */
+const char *coord_train_write_manifest(nl_coord *c, cjob *j, tr_done done, char *why, size_t cap);
+void coord_train_manifest_result(nl_coord *c, cwork *w, tr_in *in);
 /* TE_WRITTEN of a manifest: it becomes the source (the stages hold its
  * weights), journaled, the job's last checkpoint. */
 void coord_train_keep(nl_coord *c, cjob *j, const tr_in *in);
-/* --grow auto at a checkpoint: 1 when a worker grows the model (it hands
- * back TE_GROWN, in->task a coord_grow_task), 0 when it does not grow. */
-int coord_train_grow(nl_coord *c, cjob *j);
+/* --grow auto at a checkpoint: 1 when a worker grows the model (then
+ * done, w a coord_grow_task), 0 when it does not grow. */
+int coord_train_grow(nl_coord *c, cjob *j, tr_done done);
 
 /* ---------------------------------------------------------------- coord_train_stages.c */
 
-/* A node's message about the job (cjob_ops.on_message): JOB_STATUS
- * running, GRAD_NORM, LOSS, CKPT_DONE. */
-void coord_train_on_message(nl_coord *c, cjob *j, const nl_rx *rx);
+/* A stage's report (JOB_STATUS running, GRAD_NORM, LOSS, CKPT_DONE),
+ * checked and counted into the job whose state awaits event `awaits`
+ * (-1: none): 1 when it completes that event, 0 when not (or it is not
+ * taken), -1 when it cannot be true (why: the job fails). */
+int coord_train_stage_report(nl_coord *c, cjob *j, const nl_rx *rx, int awaits, char *why,
+                             size_t cap);
+/* A stage reports that it failed the job (why names it) that has begun
+ * (or not): 1 if the job waits for the heartbeat verdict on a lost
+ * neighbour (cjob_ops.node_failed), 0 if it fails. */
+int coord_train_stage_failed(nl_coord *c, cjob *j, int begun, const char *why);
 
 /* ---------------------------------------------------------------- coord_train_wire.c */
 
@@ -236,15 +255,17 @@ void coord_train_fail_note(const cjob *j, char *buf, size_t cap);
 /* ---------------------------------------------------------------- coord_finetune.c */
 
 /* A client's JOB_SUBMIT of kind finetune: the adapters' parameters
- * checked, then coord_train_submit. */
-void coord_finetune_submit(nl_coord *c, const nl_rx *rx);
+ * checked; NULL when they are refused (the client is answered). */
+cft *coord_finetune_params(nl_coord *c, const nl_rx *rx);
 /* The stages' JOB_SUBMIT parameters of the adapters (into ps, at most
  * COORD_FT_PARAMS; borrowed from ft): how many. */
 int coord_finetune_stage_params(const cft *ft, int64_t seed, nl_wire_param *ps);
 /* Every stage's adapter shard (sh[0..n), in dir) is in: a worker checks
- * their hashes and joins them into dir/adapter.safetensors, then hands
- * back TE_WRITTEN (in->path: the file). */
+ * their hashes and joins them into dir/adapter.safetensors (then done).
+ * Its result, for TE_WRITTEN (in->path: the file). */
 nl_status coord_finetune_gather(nl_coord *c, uint64_t job, const cft *ft,
-                                const nl_manifest_shard *sh, int n, const char *dir, nl_error *err);
+                                const nl_manifest_shard *sh, int n, const char *dir, tr_done done,
+                                nl_error *err);
+void coord_finetune_result(cwork *w, tr_in *in);
 
 #endif

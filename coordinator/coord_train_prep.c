@@ -3,8 +3,10 @@
  * read and checked, its paths confined to the data and checkpoint roots,
  * then a worker verifies the manifest it resumes from, with --learn-vocab
  * learns the vocabulary and grows the model, and reads and tokenizes the
- * data, and hands its result back (TE_PREPARED); coord_train_prepared then
- * puts it into the cluster and the job. */
+ * data, and reports to the state machine (the done it was given);
+ * coord_train_prepared then puts what it made into the cluster and the
+ * job. As the job begins, its training memory is held against the plan
+ * (coord_train_memory). The job's state is freed here too. */
 #include <jansson.h>
 #include <limits.h>
 #include <math.h>
@@ -190,14 +192,6 @@ static const char *install_growth(nl_coord *c, cjob *j, prep_task *p, char *why,
     return NULL;
 }
 
-/* The worker is done: the state machine decides (the job may have ended
- * meanwhile). */
-static void prep_done(nl_coord *c, cwork *w)
-{
-    const tr_in in = {.task = w};
-    coord_train_event(c, w->job_id, TE_PREPARED, &in);
-}
-
 /* A resumed job reloads the cluster from its manifest (it begins once the
  * cluster is ready); a grown vocabulary is installed likewise. */
 const char *coord_train_prepared(nl_coord *c, cjob *j, const tr_in *in, char *why, size_t cap)
@@ -334,13 +328,31 @@ static int prepare_growth(nl_coord *c, ctrain *t, prep_task *p, const char *resu
     return 1;
 }
 
+const char *coord_train_refusal(const nl_coord *c, int finetune, char *why, size_t cap)
+{
+    /* one training job at a time, and none beside fine-tuning (which
+     * needs the weights frozen); fine-tuning jobs may run together */
+    for (int i = 0; i < COORD_MAX_JOBS; i++) {
+        const cjob *o = &c->jobs[i];
+        const int kind = o->phase == JOB_FREE ? -1 : o->ops->kind;
+        if ((kind != NL_JOB_TRAIN && kind != NL_JOB_FINETUNE) ||
+            (finetune && kind == NL_JOB_FINETUNE))
+            continue;
+        snprintf(why, cap, "job %llu is %s already; %s", (unsigned long long)o->id,
+                 kind == NL_JOB_TRAIN ? "training" : "fine-tuning",
+                 finetune ? "fine-tuning needs the weights frozen" : "one at a time");
+        return why;
+    }
+    return NULL;
+}
+
 /* The worker's task, made and started: NULL, or why the job fails. */
 static const char *start_worker(nl_coord *c, cjob *j, prep_task *p, const nl_msg_job_submit *s,
-                                const char *resume, char *why, size_t cap)
+                                const char *resume, tr_done done, char *why, size_t cap)
 {
     ctrain *t = j->state;
     nl_error e = {0};
-    p->w = (cwork){.run = prep_run, .done = prep_done, .free = prep_free, .job_id = j->id};
+    p->w = (cwork){.run = prep_run, .done = done, .free = prep_free, .job_id = j->id};
     p->vocab = c->cfg.vocab_size;
     p->holdout = t->holdout;
     p->classify = t->objective == COORD_OBJ_CLASSIFY;
@@ -374,8 +386,8 @@ static const char *start_worker(nl_coord *c, cjob *j, prep_task *p, const nl_msg
     return NULL;
 }
 
-const char *coord_train_prepare(nl_coord *c, cjob *j, const nl_msg_job_submit *s, char *why,
-                                size_t cap)
+const char *coord_train_prepare(nl_coord *c, cjob *j, const nl_msg_job_submit *s, tr_done done,
+                                char *why, size_t cap)
 {
     ctrain *t = j->state;
     char refusal[700];
@@ -419,5 +431,54 @@ const char *coord_train_prepare(nl_coord *c, cjob *j, const nl_msg_job_submit *s
             return why;
         }
     }
-    return start_worker(c, j, p, s, resume, why, cap);
+    return start_worker(c, j, p, s, resume, done, why, cap);
+}
+
+int coord_train_memory(nl_coord *c, cjob *j, char *why, size_t cap)
+{
+    ctrain *t = j->state;
+    char held[400], none[400];
+    c->train_mem = (nl_mem_opts){.training = 1,
+                                 .micro_rows = (int)(t->batch / t->micro * t->seq),
+                                 .in_flight = (int)t->micro,
+                                 .recompute = t->recompute};
+    if (coord_plan_holds(c, &c->train_mem, held, sizeof held))
+        return 1;
+    if (!coord_plan_possible(c, none, sizeof none)) {
+        snprintf(why, cap, "training memory: %s; and no plan over the nodes holds it: %s", held,
+                 none);
+        return -1;
+    }
+    if (t->mem_replanned || c->stages_modified) {
+        snprintf(why, cap, "training memory: %s%s", held,
+                 c->stages_modified ? " (the stages hold weights trained since the last "
+                                      "checkpoint, so the cluster does not plan again)"
+                                    : "");
+        return -1;
+    }
+    t->mem_replanned = 1;
+    NL_INFO("train job %llu: %s; planning again for training memory", (unsigned long long)j->id,
+            held);
+    char msg[500];
+    snprintf(msg, sizeof msg, "%s; planning again for training memory", held);
+    coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, msg, NULL);
+    return 0;
+}
+
+void coord_train_state_free(ctrain *t)
+{
+    if (!t)
+        return;
+    nl_dataset_destroy(&t->ds);
+    nl_labelled_destroy(&t->lds);
+    free(t->tokens);
+    free(t->targets);
+    free(t->docs);
+    free(t->labels);
+    free(t->lengths);
+    free(t->got);
+    coord_train_free_shards(t->shards, t->stages);
+    json_decref(t->journal);
+    free(t->ft);
+    free(t);
 }

@@ -1,174 +1,188 @@
-/* The stages' reports about a training job, the inputs of its state
- * machine (coord_train.c): each is checked (it comes from the stage it
- * claims, of the plan the job runs on, about the step under way, and is
- * not a lie) and counted; the last one expected becomes an event (TAKEN,
- * REPORTED, EVALUATED, SHARDS) for the state machine, which awaits it in
- * one state (coord_train_awaits) and decides what follows. A report that
- * cannot be true fails the job. */
+/* The stages' reports about a training job, a leaf of its state machine
+ * (coord_train.c), which says what the job's state awaits: each report
+ * is checked (it comes from the stage it claims, of the plan the job runs
+ * on, about the step under way, and is not a lie) and counted into the
+ * job, and the machine is told whether it completes the awaited event
+ * (TAKEN, REPORTED, EVALUATED, SHARDS) or cannot be true (the machine then
+ * fails the job). A stage's report of a failure is judged here too. */
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "base/log.h"
 #include "coord_train_impl.h"
 
-/* The job fails: a stage's report cannot be true. */
-static void __attribute__((format(printf, 3, 4)))
-report_fail(nl_coord *c, cjob *j, const char *fmt, ...)
+/* A stage's report being taken. */
+typedef struct srep {
+    nl_coord *c;
+    cjob *j;
+    ctrain *t;
+    const nl_rx *rx;
+    int awaits; /* the event the job's state awaits (tr_event), or -1 */
+    char *why;  /* a lie's message */
+    size_t cap;
+} srep;
+
+/* The report cannot be true: why, and -1. */
+static int __attribute__((format(printf, 2, 3))) lie(srep *r, const char *fmt, ...)
 {
-    char why[900];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(why, sizeof why, fmt, ap);
+    vsnprintf(r->why, r->cap, fmt, ap);
     va_end(ap);
-    coord_job_fail(c, j, why);
+    return -1;
 }
 
-/* Whether a training report about j, claiming stage `stage`, comes from
- * that stage while the job awaits reports that make `ev`, on the current
- * plan. */
-static int report_ok(nl_coord *c, cjob *j, const nl_rx *rx, uint32_t stage, tr_event ev)
+/* Whether a training report claiming stage `stage` comes from that stage
+ * while the job awaits ev, on the current plan. */
+static int report_ok(srep *r, uint32_t stage, tr_event ev)
 {
-    const ctrain *t = j->state;
-    cnode *n = coord_node_by_rid(c, rx);
-    if (!t || !coord_train_awaits(j, ev) || j->epoch != c->epoch)
+    cnode *n = coord_node_by_rid(r->c, r->rx);
+    if (r->awaits != (int)ev || r->j->epoch != r->c->epoch)
         return 0;
-    if (!n || n->stage != (int)stage || stage >= (uint32_t)t->stages) {
+    if (!n || n->stage != (int)stage || stage >= (uint32_t)r->t->stages) {
         NL_WARN("a training report for job %llu claims stage %u but comes from %s",
-                (unsigned long long)j->id, stage, n ? "another stage" : "no stage");
+                (unsigned long long)r->j->id, stage, n ? "another stage" : "no stage");
         return 0;
     }
     return 1;
 }
 
 /* A stage took the job (JOB_STATUS running); once all have, TAKEN. */
-static void on_ack(nl_coord *c, cjob *j, const nl_rx *rx)
+static int on_ack(srep *r)
 {
-    cnode *n = coord_node_by_rid(c, rx);
-    ctrain *t = j->state;
-    if (!coord_train_awaits(j, TE_TAKEN) || !n || n->stage < 0 || j->epoch != c->epoch ||
+    cnode *n = coord_node_by_rid(r->c, r->rx);
+    ctrain *t = r->t;
+    if (r->awaits != TE_TAKEN || !n || n->stage < 0 || r->j->epoch != r->c->epoch ||
         t->got[n->stage])
-        return;
+        return 0;
     t->got[n->stage] = 1;
-    j->last_progress = coord_now();
-    if (++t->acks == t->stages)
-        coord_train_event(c, j->id, TE_TAKEN, NULL);
+    r->j->last_progress = coord_now();
+    return ++t->acks == t->stages;
 }
 
-static void on_grad_norm(nl_coord *c, cjob *j, const nl_rx *rx)
+static int on_grad_norm(srep *r)
 {
-    const nl_msg_grad_norm *g = &rx->msg.u.grad_norm;
-    ctrain *t = j->state;
-    if (!report_ok(c, j, rx, g->stage, TE_REPORTED) || g->step != (uint64_t)t->step + 1 ||
+    const nl_msg_grad_norm *g = &r->rx->msg.u.grad_norm;
+    ctrain *t = r->t;
+    if (!report_ok(r, g->stage, TE_REPORTED) || g->step != (uint64_t)t->step + 1 ||
         t->got[g->stage])
-        return;
-    if (g->sumsq < 0) { /* no sum of squares is negative: a lie */
-        report_fail(c, j,
-                    "stage %u reported a gradient sum of squares of %g for step %lld: refused",
-                    g->stage, g->sumsq, (long long)t->step + 1);
-        return;
-    }
+        return 0;
+    if (g->sumsq < 0) /* no sum of squares is negative: a lie */
+        return lie(r, "stage %u reported a gradient sum of squares of %g for step %lld: refused",
+                   g->stage, g->sumsq, (long long)t->step + 1);
     if (!isfinite(g->sumsq) && t->bad_stage < 0) /* the step is skipped (decide) */
         t->bad_stage = (int)g->stage;
-    j->last_progress = coord_now();
+    r->j->last_progress = coord_now();
     t->got[g->stage] = 1;
     t->sumsq += g->sumsq;
-    if (++t->norms == t->stages && t->have_loss)
-        coord_train_event(c, j->id, TE_REPORTED, NULL);
+    return ++t->norms == t->stages && t->have_loss;
 }
 
 /* The evaluation's loss: the mean over the predictions (every position
  * of clm, the masked ones of mlm, the held-out examples of classify). */
-static void on_eval_loss(nl_coord *c, cjob *j, const nl_rx *rx)
+static int on_eval_loss(srep *r)
 {
-    const nl_msg_loss *l = &rx->msg.u.loss;
-    ctrain *t = j->state;
+    const nl_msg_loss *l = &r->rx->msg.u.loss;
+    const uint64_t correct = r->rx->msg.u.train_loss.correct;
+    ctrain *t = r->t;
     const uint32_t last = (uint32_t)(t->stages - 1);
-    if (!report_ok(c, j, rx, last, TE_EVALUATED) || l->step != (uint64_t)t->step)
-        return;
-    if (!isfinite(l->ce_sum) || l->ce_sum < 0) {
-        report_fail(c, j,
-                    "stage %u (the last) reported an evaluation loss of %g at step %lld: refused",
-                    last, l->ce_sum, (long long)t->step);
-        return;
-    }
-    if (t->lds && (l->rows != (uint64_t)t->eval_rows || rx->msg.u.train_loss.correct > l->rows)) {
-        report_fail(c, j,
-                    "stage %u (the last) scored %llu held-out examples (%llu right) at step %lld, "
-                    "but %.0f were sent: refused",
-                    last, (unsigned long long)l->rows,
-                    (unsigned long long)rx->msg.u.train_loss.correct, (long long)t->step,
-                    t->eval_rows);
-        return;
-    }
-    j->last_progress = coord_now();
+    if (!report_ok(r, last, TE_EVALUATED) || l->step != (uint64_t)t->step)
+        return 0;
+    if (!isfinite(l->ce_sum) || l->ce_sum < 0)
+        return lie(r, "stage %u (the last) reported an evaluation loss of %g at step %lld: refused",
+                   last, l->ce_sum, (long long)t->step);
+    if (t->lds && (l->rows != (uint64_t)t->eval_rows || correct > l->rows))
+        return lie(r,
+                   "stage %u (the last) scored %llu held-out examples (%llu right) at step %lld, "
+                   "but %.0f were sent: refused",
+                   last, (unsigned long long)l->rows, (unsigned long long)correct,
+                   (long long)t->step, t->eval_rows);
+    r->j->last_progress = coord_now();
     t->eval_loss = l->ce_sum / (t->eval_rows > 0 ? t->eval_rows : 1.0);
-    t->eval_acc = t->lds && l->rows ? (double)rx->msg.u.train_loss.correct / (double)l->rows : 0.0;
+    t->eval_acc = t->lds && l->rows ? (double)correct / (double)l->rows : 0.0;
     t->has_eval = 1;
-    coord_train_event(c, j->id, TE_EVALUATED, NULL);
+    return 1;
 }
 
-static void on_loss(nl_coord *c, cjob *j, const nl_rx *rx)
+static int on_loss(srep *r)
 {
-    const nl_msg_loss *l = &rx->msg.u.loss;
-    ctrain *t = j->state;
+    const nl_msg_loss *l = &r->rx->msg.u.loss;
+    ctrain *t = r->t;
     const uint32_t last = (uint32_t)(t->stages - 1);
-    if (l->eval) {
-        on_eval_loss(c, j, rx);
-        return;
-    }
-    if (!report_ok(c, j, rx, last, TE_REPORTED) || l->step != (uint64_t)t->step + 1 || t->have_loss)
-        return;
-    if (l->ce_sum < 0) { /* a cross-entropy is never negative: a lie */
-        report_fail(c, j,
-                    "stage %u (the last) reported a loss of %g (aux %g) for step %lld: refused",
-                    last, l->ce_sum, l->aux, (long long)t->step + 1);
-        return;
-    }
+    if (l->eval)
+        return on_eval_loss(r);
+    if (!report_ok(r, last, TE_REPORTED) || l->step != (uint64_t)t->step + 1 || t->have_loss)
+        return 0;
+    if (l->ce_sum < 0) /* a cross-entropy is never negative: a lie */
+        return lie(r, "stage %u (the last) reported a loss of %g (aux %g) for step %lld: refused",
+                   last, l->ce_sum, l->aux, (long long)t->step + 1);
     if ((!isfinite(l->ce_sum) || !isfinite(l->aux)) && t->bad_stage < 0)
         t->bad_stage = (int)last; /* the step is skipped (decide) */
-    j->last_progress = coord_now();
+    r->j->last_progress = coord_now();
     t->ce = l->ce_sum;
     t->aux = l->aux;
     t->have_loss = 1;
-    if (t->norms == t->stages)
-        coord_train_event(c, j->id, TE_REPORTED, NULL);
+    return t->norms == t->stages;
 }
 
-static void on_ckpt_done(nl_coord *c, cjob *j, const nl_rx *rx)
+static int on_ckpt_done(srep *r)
 {
-    const nl_msg_ckpt_done *d = &rx->msg.u.ckpt_done;
-    ctrain *t = j->state;
-    char why[1300];
-    if (!report_ok(c, j, rx, d->stage, TE_SHARDS) || d->step != (uint64_t)t->step ||
-        t->got[d->stage])
-        return;
-    if (coord_train_shard(c, j, coord_node_by_rid(c, rx), d, why, sizeof why)) {
-        report_fail(c, j, "%s", why);
-        return;
-    }
-    j->last_progress = coord_now();
+    const nl_msg_ckpt_done *d = &r->rx->msg.u.ckpt_done;
+    ctrain *t = r->t;
+    if (!report_ok(r, d->stage, TE_SHARDS) || d->step != (uint64_t)t->step || t->got[d->stage])
+        return 0;
+    if (coord_train_shard(r->c, r->j, coord_node_by_rid(r->c, r->rx), d, r->why, r->cap))
+        return -1;
+    r->j->last_progress = coord_now();
     t->got[d->stage] = 2;
-    if (++t->acks == t->stages)
-        coord_train_event(c, j->id, TE_SHARDS, NULL);
+    return ++t->acks == t->stages;
 }
 
-void coord_train_on_message(nl_coord *c, cjob *j, const nl_rx *rx)
+int coord_train_stage_report(nl_coord *c, cjob *j, const nl_rx *rx, int awaits, char *why,
+                             size_t cap)
 {
+    srep r = {c, j, j->state, rx, awaits, why, cap};
+    if (!r.t)
+        return 0;
     switch (rx->msg.type) {
     case NL_MSG_JOB_STATUS:
-        on_ack(c, j, rx);
-        break;
+        return on_ack(&r);
     case NL_MSG_GRAD_NORM:
-        on_grad_norm(c, j, rx);
-        break;
+        return on_grad_norm(&r);
     case NL_MSG_LOSS:
-        on_loss(c, j, rx);
-        break;
+        return on_loss(&r);
     case NL_MSG_CKPT_DONE:
-        on_ckpt_done(c, j, rx);
-        break;
+        return on_ckpt_done(&r);
     default:
-        break;
+        return 0;
     }
+}
+
+/* A stage failed the job. When it cannot reach a neighbour (node.c says
+ * "cannot reach the previous/next stage"; JOB_STATUS carries no code),
+ * the neighbour has most likely died and the heartbeat timeout will say
+ * so: with resumes left the job waits for that verdict (the state
+ * machine's LOST then resumes it); a neighbour that lives on leaves the
+ * job to --job-timeout-ms. So does any failure after that one on the same
+ * plan: the other stages' protocol errors follow from the lost hop (the
+ * soak saw "GRADIENT of microbatch 1, but the next backward is of
+ * microbatch 0" from the stage whose gradient could not be sent). Any
+ * other failure (the device, the data) fails it. */
+int coord_train_stage_failed(nl_coord *c, cjob *j, int begun, const char *why)
+{
+    ctrain *t = j->state;
+    if (t->ft || !begun || t->resumes >= c->o.train_resumes)
+        return 0;
+    const int cut = strstr(why, "cannot reach the ") != NULL;
+    if (!cut && t->verdict_epoch != c->epoch)
+        return 0;
+    if (cut)
+        t->verdict_epoch = c->epoch;
+    NL_WARN("train job %llu: %s; waiting for the heartbeat timeout to tell whether a node died "
+            "(then the job resumes)%s",
+            (unsigned long long)j->id, why,
+            cut ? "" : " (after a stage could not reach its neighbour on this plan)");
+    return 1;
 }
