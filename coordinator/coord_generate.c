@@ -227,6 +227,7 @@ static void generate_free(cjob *j)
 const cjob_ops coord_generate_ops = {
     .kind = NL_JOB_GENERATE,
     .name = "generate",
+    .takes = COORD_TAKES(NL_MSG_TOKEN) | COORD_TAKES(NL_MSG_JOB_STATUS),
     .submit = generate_submit,
     .on_message = generate_on_message,
     .stage_lost = generate_stage_lost,

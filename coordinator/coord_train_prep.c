@@ -1,24 +1,22 @@
-/* The training job's preparation (coord_train.c runs the steps): the
- * client's parameters read and checked, its paths confined to the data
- * and checkpoint roots, then a worker verifies the manifest it resumes
- * from, with --learn-vocab learns the vocabulary and grows the model, and
- * reads and tokenizes the data; once it is done, a resumed job reloads the
- * cluster from its manifest and the job begins when the cluster is ready. */
+/* A training job's preparation, a leaf of the job's state machine
+ * (coord_train.c), which decides what follows: the client's parameters
+ * read and checked, its paths confined to the data and checkpoint roots,
+ * then a worker verifies the manifest it resumes from, with --learn-vocab
+ * learns the vocabulary and grows the model, and reads and tokenizes the
+ * data, and reports to the state machine (the done it was given);
+ * coord_train_prepared then puts what it made into the cluster and the
+ * job. As the job begins, its training memory is held against the plan
+ * (coord_train_memory). The job's state is freed here too. */
 #include <jansson.h>
 #include <limits.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #include "base/log.h"
-#include "coord_impl.h"
-#include "core/checkpoint.h"
+#include "coord_train_impl.h"
 #include "core/fileio.h"
-#include "core/grow.h"
 #include "core/objective.h"
-#include "core/train.h"
 #include "net/trainparams.h"
 
 /* Read the run's parameters by their schema (net/trainparams.h, which
@@ -118,36 +116,32 @@ static void prep_free(cwork *w)
 }
 
 /* --learn-vocab: the grown model becomes the source and the stages reload
- * (the job begins once they have); the client is told. 0: the job failed. */
-static int install_growth(nl_coord *c, cjob *j, prep_task *p)
+ * (the job begins once they have); the client is told. NULL, or why the
+ * job fails. */
+static const char *install_growth(nl_coord *c, cjob *j, prep_task *p, char *why, size_t cap)
 {
-    char why[700];
-    if (coord_grow_refusal(c, why, sizeof why)) { /* it changed while the worker ran */
-        coord_train_fail(c, j, "--learn-vocab: %s", why);
-        return 0;
+    char refusal[700];
+    if (coord_grow_refusal(c, refusal, sizeof refusal)) { /* it changed while the worker ran */
+        snprintf(why, cap, "--learn-vocab: %s", refusal);
+        return why;
     }
     for (int i = 0; i < COORD_MAX_JOBS; i++)
         if (c->jobs[i].phase != JOB_FREE && &c->jobs[i] != j)
             coord_job_fail(c, &c->jobs[i], "the cluster reloads: its model grows");
     coord_grow_install(c, &p->v, p->grow_s);
     coord_train_report(c, j, NL_JOB_RUNNING, "vocabulary grown", coord_grow_event(c, &p->v));
-    return 1;
+    return NULL;
 }
 
-/* The job is prepared: a resumed one reloads the cluster from its
- * manifest; it begins once the cluster is ready. */
-static void prep_done(nl_coord *c, cwork *w)
+/* A resumed job reloads the cluster from its manifest (it begins once the
+ * cluster is ready); a grown vocabulary is installed likewise. */
+const char *coord_train_prepared(nl_coord *c, cjob *j, const tr_in *in, char *why, size_t cap)
 {
-    prep_task *p = (prep_task *)w;
-    cjob *j = coord_job_find(c, w->job_id);
-    ctrain *t = j ? j->state : NULL;
-    char why[700];
-    nl_error e = {0};
-    if (!t || t->phase != TR_PREPARING)
-        return;
+    prep_task *p = in->task;
+    ctrain *t = j->state;
     if (p->resume_failed) {
-        coord_train_fail(c, j, "--resume: %s", p->err.msg);
-        return;
+        snprintf(why, cap, "--resume: %s", p->err.msg);
+        return why;
     }
     if (p->resume) {
         /* other jobs lose their stages to the reload */
@@ -155,35 +149,37 @@ static void prep_done(nl_coord *c, cwork *w)
             if (c->jobs[i].phase != JOB_FREE && &c->jobs[i] != j)
                 coord_job_fail(c, &c->jobs[i], "the cluster reloads to resume a training job");
         coord_manifest_install(c, &p->mf, 1);
-        snprintf(why, sizeof why, "verified %s; loading it onto the nodes", p->resume);
-        coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, why, NULL);
+        char msg[700];
+        snprintf(msg, sizeof msg, "verified %s; loading it onto the nodes", p->resume);
+        coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, msg, NULL);
     }
     if (t->seq > c->cfg.max_seq_len && t->seq_default) {
         t->seq = c->cfg.max_seq_len; /* the client's default, not a typed --seq: fit it */
     } else if (t->seq > c->cfg.max_seq_len) {
-        coord_train_fail(c, j, "--seq %lld: the model's max_seq_len is %d", (long long)t->seq,
-                         c->cfg.max_seq_len);
-        return;
+        snprintf(why, cap, "--seq %lld: the model's max_seq_len is %d", (long long)t->seq,
+                 c->cfg.max_seq_len);
+        return why;
     }
     if (p->st != NL_OK) {
-        coord_train_fail(c, j, "%s", p->err.msg);
-        return;
+        snprintf(why, cap, "%s", p->err.msg);
+        return why;
     }
-    if (p->grow && !install_growth(c, j, p))
-        return;
+    if (p->grow && install_growth(c, j, p, why, cap))
+        return why;
+    nl_error e = {0};
     if (nl_objective_check(&c->cfg, &t->objective, &e) != NL_OK) { /* the client's, checked */
-        coord_train_fail(c, j, "%s", e.msg);
-        return;
+        snprintf(why, cap, "%s", e.msg);
+        return why;
     }
     if (p->lds && t->eval_every > 0 && p->lds->n == p->lds->n_train) {
-        coord_train_fail(c, j, "%s: holdout %g of %zu examples holds none out to evaluate", t->data,
-                         t->holdout, p->lds->n);
-        return;
+        snprintf(why, cap, "%s: holdout %g of %zu examples holds none out to evaluate", t->data,
+                 t->holdout, p->lds->n);
+        return why;
     }
     if (p->lds && p->lds->n_classes > c->cfg.num_classes) {
-        coord_train_fail(c, j, "%s: %d classes, but the model's num_classes is %d", t->data,
-                         p->lds->n_classes, c->cfg.num_classes);
-        return;
+        snprintf(why, cap, "%s: %d classes, but the model's num_classes is %d", t->data,
+                 p->lds->n_classes, c->cfg.num_classes);
+        return why;
     }
     t->ds = p->ds;
     t->lds = p->lds;
@@ -198,15 +194,10 @@ static void prep_done(nl_coord *c, cwork *w)
         (t->lds && (!(t->docs = malloc(n * sizeof *t->docs)) ||
                     !(t->labels = malloc((size_t)t->batch * sizeof *t->labels)) ||
                     !(t->lengths = malloc((size_t)t->batch * sizeof *t->lengths))))) {
-        coord_train_fail(c, j, "out of memory");
-        return;
+        snprintf(why, cap, "out of memory");
+        return why;
     }
-    /* it begins once the cluster is ready (at once unless it reloads) */
-    t->phase = TR_LOADING;
-    j->phase = JOB_WAITING;
-    j->last_progress = coord_now();
-    if (c->ready)
-        coord_train_begin(c, j);
+    return NULL;
 }
 
 /* The job's client-chosen paths kept under the operator's roots (issue
@@ -281,71 +272,31 @@ static int prepare_growth(nl_coord *c, ctrain *t, prep_task *p, const char *resu
     return 1;
 }
 
-void coord_train_submit(nl_coord *c, const nl_rx *rx, cft *ft)
+const char *coord_train_refusal(const nl_coord *c, int finetune, char *why, size_t cap)
 {
-    const nl_msg_job_submit *s = &rx->msg.u.job_submit;
-    nl_error e = {0};
-    char why[700];
     /* one training job at a time, and none beside fine-tuning (which
      * needs the weights frozen); fine-tuning jobs may run together */
     for (int i = 0; i < COORD_MAX_JOBS; i++) {
         const cjob *o = &c->jobs[i];
-        if (o->phase == JOB_FREE || (o->ops != &coord_train_ops && o->ops != &coord_finetune_ops) ||
-            (ft && o->ops == &coord_finetune_ops))
+        const int kind = o->phase == JOB_FREE ? -1 : o->ops->kind;
+        if ((kind != NL_JOB_TRAIN && kind != NL_JOB_FINETUNE) ||
+            (finetune && kind == NL_JOB_FINETUNE))
             continue;
-        snprintf(why, sizeof why, "job %llu is %s already; %s", (unsigned long long)o->id,
-                 o->ops == &coord_train_ops ? "training" : "fine-tuning",
-                 ft ? "fine-tuning needs the weights frozen" : "one at a time");
-        coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, why, NULL);
-        free(ft);
-        return;
+        snprintf(why, cap, "job %llu is %s already; %s", (unsigned long long)o->id,
+                 kind == NL_JOB_TRAIN ? "training" : "fine-tuning",
+                 finetune ? "fine-tuning needs the weights frozen" : "one at a time");
+        return why;
     }
-    cjob *j = coord_job_new(c, rx, ft ? &coord_finetune_ops : &coord_train_ops);
-    if (!j) {
-        free(ft);
-        return;
-    }
-    ctrain *t = j->state = calloc(1, sizeof *t);
-    prep_task *p = calloc(1, sizeof *p);
-    if (!t || !p) {
-        free(p);
-        free(ft);
-        coord_train_fail(c, j, "out of memory");
-        return;
-    }
-    t->ft = ft;
-    t->bad_stage = -1;
-    const char *resume = NULL, *bad = NULL;
-    if (read_params(t, s, &resume, &e) != NL_OK) {
-        free(p);
-        coord_train_fail(c, j, "%s: %s", j->ops->name, e.msg);
-        return;
-    }
-    char resume_real[PATH_MAX];
-    if ((bad = confine_paths(c, t, &resume, resume_real, sizeof resume_real, why, sizeof why))) {
-        free(p);
-        coord_train_fail(c, j, "train: %s", bad);
-        return;
-    }
-    snprintf(p->root, sizeof p->root, "%s", c->ckpt_root);
-    coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, "running", NULL);
-    /* a job recovered from the journal (no client yet) waits for the nodes */
-    if (!resume && !c->ready && rx->rid_len > 0) {
-        free(p);
-        coord_train_fail(c, j, "the cluster is not ready: %s", c->state);
-        return;
-    }
-    /* the objective against the model it trains now (a resumed one's is
-     * checked again once its manifest is installed) */
-    if (!resume && t->objective != NL_OBJ_MODEL) {
-        int obj = t->objective;
-        if (nl_objective_check(&c->cfg, &obj, &e) != NL_OK) {
-            free(p);
-            coord_train_fail(c, j, "train: %s", e.msg);
-            return;
-        }
-    }
-    p->w = (cwork){.run = prep_run, .done = prep_done, .free = prep_free, .job_id = j->id};
+    return NULL;
+}
+
+/* The worker's task, made and started: NULL, or why the job fails. */
+static const char *start_worker(nl_coord *c, cjob *j, prep_task *p, const nl_msg_job_submit *s,
+                                const char *resume, tr_done done, char *why, size_t cap)
+{
+    ctrain *t = j->state;
+    nl_error e = {0};
+    p->w = (cwork){.run = prep_run, .done = done, .free = prep_free, .job_id = j->id};
     p->vocab = c->cfg.vocab_size;
     p->holdout = t->holdout;
     p->classify = t->objective == NL_OBJ_CLASSIFY;
@@ -356,22 +307,119 @@ void coord_train_submit(nl_coord *c, const nl_rx *rx, cft *ft)
     p->tok = coord_train_dup(resume ? NULL : c->tok_text, &oom);
     if (oom) {
         prep_free(&p->w);
-        coord_train_fail(c, j, "out of memory");
-        return;
+        snprintf(why, cap, "out of memory");
+        return why;
     }
-    if (t->learn_vocab > 0 && !prepare_growth(c, t, p, resume, why, sizeof why)) {
+    char refusal[700];
+    if (t->learn_vocab > 0 && !prepare_growth(c, t, p, resume, refusal, sizeof refusal)) {
         prep_free(&p->w);
-        coord_train_fail(c, j, "train: --learn-vocab: %s", why);
-        return;
+        snprintf(why, cap, "train: --learn-vocab: %s", refusal);
+        return why;
     }
-    t->phase = TR_PREPARING;
-    if (!ft && !(t->journal = coord_journal_params(s))) {
+    if (!t->ft && !(t->journal = coord_journal_params(s))) {
         prep_free(&p->w);
-        coord_train_fail(c, j, "out of memory");
-        return;
+        snprintf(why, cap, "out of memory");
+        return why;
     }
-    if (!ft) /* a fine-tuning job is not journaled: it ends with the coordinator */
+    if (!t->ft) /* a fine-tuning job is not journaled: it ends with the coordinator */
         coord_journal_train(c, j->id, t->journal, resume);
-    if (coord_work_start(c, &p->w, &e) != NL_OK)
-        coord_train_fail(c, j, "%s", e.msg);
+    if (coord_work_start(c, &p->w, &e) != NL_OK) {
+        snprintf(why, cap, "%s", e.msg);
+        return why;
+    }
+    return NULL;
+}
+
+const char *coord_train_prepare(nl_coord *c, cjob *j, const nl_msg_job_submit *s, tr_done done,
+                                char *why, size_t cap)
+{
+    ctrain *t = j->state;
+    char refusal[700];
+    prep_task *p = calloc(1, sizeof *p);
+    if (!p) {
+        snprintf(why, cap, "out of memory");
+        return why;
+    }
+    nl_error e = {0};
+    const char *resume = NULL, *bad = NULL;
+    if (read_params(t, s, &resume, &e) != NL_OK) {
+        free(p);
+        snprintf(why, cap, "%s: %s", j->ops->name, e.msg);
+        return why;
+    }
+    char resume_real[PATH_MAX];
+    if ((bad = confine_paths(c, t, &resume, resume_real, sizeof resume_real, refusal,
+                             sizeof refusal))) {
+        free(p);
+        snprintf(why, cap, "train: %s", bad);
+        return why;
+    }
+    snprintf(p->root, sizeof p->root, "%s", c->ckpt_root);
+    coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, "running", NULL);
+    /* a job recovered from the journal (no client yet) waits for the nodes */
+    if (!resume && !c->ready && j->rid_len > 0) {
+        free(p);
+        snprintf(why, cap, "the cluster is not ready: %s", c->state);
+        return why;
+    }
+    /* the objective against the model it trains now (a resumed one's is
+     * checked again once its manifest is installed) */
+    if (!resume && t->objective != NL_OBJ_MODEL) {
+        int obj = t->objective;
+        if (nl_objective_check(&c->cfg, &obj, &e) != NL_OK) {
+            free(p);
+            snprintf(why, cap, "train: %s", e.msg);
+            return why;
+        }
+    }
+    return start_worker(c, j, p, s, resume, done, why, cap);
+}
+
+int coord_train_memory(nl_coord *c, cjob *j, char *why, size_t cap)
+{
+    ctrain *t = j->state;
+    char held[400], none[400];
+    c->train_mem = (nl_mem_opts){.training = 1,
+                                 .micro_rows = (int)(t->batch / t->micro * t->seq),
+                                 .in_flight = (int)t->micro,
+                                 .recompute = t->recompute};
+    if (coord_plan_holds(c, &c->train_mem, held, sizeof held))
+        return 1;
+    if (!coord_plan_possible(c, none, sizeof none)) {
+        snprintf(why, cap, "training memory: %s; and no plan over the nodes holds it: %s", held,
+                 none);
+        return -1;
+    }
+    if (t->mem_replanned || c->stages_modified) {
+        snprintf(why, cap, "training memory: %s%s", held,
+                 c->stages_modified ? " (the stages hold weights trained since the last "
+                                      "checkpoint, so the cluster does not plan again)"
+                                    : "");
+        return -1;
+    }
+    t->mem_replanned = 1;
+    NL_INFO("train job %llu: %s; planning again for training memory", (unsigned long long)j->id,
+            held);
+    char msg[500];
+    snprintf(msg, sizeof msg, "%s; planning again for training memory", held);
+    coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, msg, NULL);
+    return 0;
+}
+
+void coord_train_state_free(ctrain *t)
+{
+    if (!t)
+        return;
+    nl_dataset_destroy(&t->ds);
+    nl_labelled_destroy(&t->lds);
+    free(t->tokens);
+    free(t->targets);
+    free(t->docs);
+    free(t->labels);
+    free(t->lengths);
+    free(t->got);
+    coord_train_free_shards(t->shards, t->stages);
+    json_decref(t->journal);
+    free(t->ft);
+    free(t);
 }
