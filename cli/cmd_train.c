@@ -1,4 +1,5 @@
-/* neuroctl grad and neuroctl train (in this process). */
+/* neuroctl train and finetune (in this process); neuroctl grad is in
+ * cmd_grad.c. */
 #include <inttypes.h>
 #include <signal.h>
 #include <stdio.h>
@@ -21,110 +22,6 @@
 #include "core/tokenizer.h"
 #include "core/train.h"
 #include "train_report.h"
-
-/* ---------------------------------------------------------------- grad */
-
-int nl_cmd_grad(int argc, char **argv)
-{
-    nl_flag flags[] = {
-        {"model", 1, "checkpoint (safetensors)", NULL},
-        {"batch", 1, "input: 'tokens' and 'targets', I32/I64 [B, T]", NULL},
-        {"out", 1, "output: every weight's gradient, and loss, ce_loss, aux_loss", NULL},
-        {"threads", 1, "worker threads (default: all cores)", NULL},
-        NL_CLI_DEVICE_FLAG,
-        {0}};
-    const char *usage =
-        "neuroctl grad --model MODEL --batch IN.safetensors --out GRADS.safetensors "
-        "[--threads N] [--device D]";
-    int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
-    if (rc)
-        return rc == 1 ? 0 : rc;
-    const char *model = nl_args_get(flags, "model"), *in = nl_args_get(flags, "batch"),
-               *out = nl_args_get(flags, "out"), *device = NULL;
-    long long threads = 0;
-    int tf32 = 0, bf16 = 0;
-    if (!model || !in || !out) {
-        nl_args_help(stderr, usage, flags);
-        return 2;
-    }
-    if ((rc = nl_args_int(flags, "threads", 0, 1024, &threads)) ||
-        (rc = nl_cli_device_flags(flags, &device, &tf32, &bf16)))
-        return rc;
-    nl_error err = {0};
-    nl_st_file *f = NULL;
-    nl_backend *be = NULL;
-    nl_model *m = NULL;
-    nl_trainer *tr = NULL;
-    nl_st_writer *w = NULL;
-    int32_t *tokens = NULL, *targets = NULL;
-    float *grads = NULL;
-    int B = 0, T = 0, B2 = 0, T2 = 0;
-    rc = 1;
-    if (nl_cli_backend_new(&be, device, (int)threads, 0, 0, 1, &err) != NL_OK ||
-        nl_st_open(&f, in, &err) != NL_OK ||
-        nl_cli_read_ids(f, in, "tokens", &tokens, &B, &T, &err) != NL_OK ||
-        nl_cli_read_ids(f, in, "targets", &targets, &B2, &T2, &err) != NL_OK)
-        goto out;
-    if (B != B2 || T != T2) {
-        nl_error_set(&err, NL_ERR_SHAPE, "%s: tokens [%d, %d] and targets [%d, %d] differ", in, B,
-                     T, B2, T2);
-        goto out;
-    }
-    if (nl_checkpoint_load(&m, be, model, 0, -1, 1, 1, NULL, &err) != NL_OK ||
-        nl_trainer_new(&tr, m, B * T, 1, 0, &err) != NL_OK)
-        goto out;
-    double ce = 0.0, aux = 0.0;
-    int64_t valid = 0; /* targets below 0 are ignored: the mean is over the others */
-    for (int n = 0; n < B * T; n++)
-        valid += targets[n] >= 0;
-    valid = valid > 0 ? valid : 1;
-    nl_trainer_begin_step(tr, (int64_t)B * T);
-    nl_trainer_set_loss_rows(tr, valid);
-    if (nl_trainer_forward(tr, 0, B, T, tokens, NULL, targets, &ce, &aux, &err) != NL_OK ||
-        nl_trainer_backward(tr, 0, NULL, &err) != NL_OK) {
-        nl_error_prefix(&err, "%s", in);
-        goto out;
-    }
-    grads = malloc(m->n_params * sizeof(float) + 1);
-    if (!grads) {
-        nl_error_set(&err, NL_ERR_NOMEM, "out of memory");
-        goto out;
-    }
-    be->download(be, grads, nl_trainer_grads(tr), m->n_params * sizeof(float));
-    if (nl_cli_device_check(be, &err) != NL_OK)
-        goto out;
-    float ce_loss = (float)(ce / (double)valid), aux_loss = (float)aux;
-    float loss = (float)(ce / (double)valid + m->cfg.aux_loss_coef * aux);
-    int64_t scalar[1] = {0};
-    if (!(w = nl_st_writer_new())) {
-        nl_error_set(&err, NL_ERR_NOMEM, "out of memory");
-        goto out;
-    }
-    for (int i = 0; i < m->n_table; i++) {
-        const nl_param *p = &m->table[i];
-        if (nl_st_writer_add(w, p->name, NL_DTYPE_F32, p->ndim, p->shape, grads + p->offset,
-                             &err) != NL_OK)
-            goto out;
-    }
-    if (nl_st_writer_add(w, "loss", NL_DTYPE_F32, 0, scalar, &loss, &err) != NL_OK ||
-        nl_st_writer_add(w, "ce_loss", NL_DTYPE_F32, 0, scalar, &ce_loss, &err) != NL_OK ||
-        nl_st_writer_add(w, "aux_loss", NL_DTYPE_F32, 0, scalar, &aux_loss, &err) != NL_OK ||
-        nl_st_writer_write(w, out, &err) != NL_OK)
-        goto out;
-    rc = 0;
-out:
-    nl_st_writer_destroy(&w);
-    nl_st_close(&f);
-    free(grads);
-    free(tokens);
-    free(targets);
-    nl_trainer_destroy(&tr);
-    nl_model_destroy(&m);
-    nl_backend_destroy(&be);
-    if (rc)
-        fprintf(stderr, "neuroctl grad: %s (%s)\n", err.msg, nl_status_str(err.status));
-    return rc;
-}
 
 /* ---------------------------------------------------------------- train */
 
@@ -173,48 +70,14 @@ static nl_status save_adapter(const nl_lora *lo, const train_opts *o, nl_error *
     return st;
 }
 
-/* Which objective a run trains: --objective, else the config's. */
-enum { OBJ_CLM = NL_OBJ_CLM, OBJ_MLM = NL_OBJ_MLM, OBJ_CLASSIFY };
-
+/* Which objective a run trains (core/objective.h): --objective, else the
+ * config's, checked against the model. */
 static nl_status pick_objective(const train_opts *o, const nl_config *c, int *obj, nl_error *err)
 {
-    *obj = c->objective;
-    if (!o->objective)
-        return NL_OK;
-    if (strcmp(o->objective, "clm") == 0)
-        *obj = OBJ_CLM;
-    else if (strcmp(o->objective, "mlm") == 0)
-        *obj = OBJ_MLM;
-    else if (strcmp(o->objective, "classify") == 0)
-        *obj = OBJ_CLASSIFY;
-    else
-        return nl_error_set(err, NL_ERR_INVALID, "--objective: '%.40s' is not clm, mlm or classify",
-                            o->objective);
-    if (*obj == OBJ_MLM && c->vocab_size <= NL_CONFIG_MASK_ID)
-        return nl_error_set(err, NL_ERR_INVALID,
-                            "--objective mlm: the model's vocab_size %lld does not hold the mask "
-                            "id %d (<|pad|>)",
-                            (long long)c->vocab_size, NL_CONFIG_MASK_ID);
-    if (*obj == OBJ_CLASSIFY && c->num_classes <= 0)
-        return nl_error_set(err, NL_ERR_INVALID,
-                            "--objective classify: the model has no classifier (set num_classes "
-                            "in its config)");
-    return NL_OK;
-}
-
-/* A batch of the run's objective: next-token windows, or (mlm) the same
- * tokens masked by DESIGN section 6's rule with ignored other targets.
- * Returns the number of targets that count. */
-static nl_status objective_batch(const nl_dataset *ds, int obj, const nl_config *c, int split,
-                                 uint64_t seed, uint64_t index, int B, int T, int32_t *tokens,
-                                 int32_t *targets, int64_t *valid, nl_error *err)
-{
-    nl_status st = nl_dataset_batch(ds, split, seed, index, B, T, tokens, targets, err);
-    *valid = (int64_t)B * T;
-    if (st == NL_OK && obj == OBJ_MLM)
-        *valid = (int64_t)nl_mlm_mask(tokens, targets, (size_t)B * T, c->mask_prob, c->vocab_size,
-                                      seed + (uint64_t)split, index);
-    return st;
+    *obj = NL_OBJ_MODEL;
+    if (o->objective && nl_objective_parse(o->objective, obj, err) != NL_OK)
+        return nl_error_prefix(err, "--objective");
+    return nl_objective_check(c, obj, err);
 }
 
 /* Mean cross-entropy over eval_batches held-out batches (over the targets
@@ -228,8 +91,8 @@ static nl_status eval_loss(nl_trainer *tr, const nl_dataset *ds, const train_opt
     int64_t valid = 0, n = 0;
     nl_status st = NL_OK;
     for (long long i = 0; i < o->r.eval_batches && st == NL_OK; i++) {
-        st = objective_batch(ds, obj, c, 1, (uint64_t)o->r.seed, (uint64_t)i, B, T, tokens, targets,
-                             &n, err);
+        st = nl_objective_batch(ds, obj, c, 1, (uint64_t)o->r.seed, (uint64_t)i, B, T, tokens,
+                                targets, &n, err);
         valid += n;
         nl_trainer_begin_step(tr, (int64_t)B * T);
         for (int j = 0; j < o->r.micro && st == NL_OK; j++)
@@ -353,7 +216,7 @@ static int run_train(const train_opts *o)
     FILE *logf = NULL;
     int32_t *tokens = NULL, *targets = NULL;
     int64_t start = 0, step = 0;
-    int rc = 1, handler = 0, obj = OBJ_CLM;
+    int rc = 1, handler = 0, obj = NL_OBJ_CLM;
     const int B = (int)o->r.batch, T = (int)o->r.seq, M = (int)o->r.micro, mb = B / M;
     const char *src = o->resume ? o->resume : o->model;
     nl_config cfg;
@@ -430,8 +293,8 @@ static int run_train(const train_opts *o)
         const double lr = nl_lr_at(step, o->r.steps, o->r.warmup, o->r.lr, o->r.min_lr);
         nl_step_result r;
         int64_t valid = 0;
-        if (objective_batch(ds, obj, &m->cfg, 0, (uint64_t)o->r.seed, (uint64_t)step, B, T, tokens,
-                            targets, &valid, &err) != NL_OK)
+        if (nl_objective_batch(ds, obj, &m->cfg, 0, (uint64_t)o->r.seed, (uint64_t)step, B, T,
+                               tokens, targets, &valid, &err) != NL_OK)
             goto out;
         if (inject && atoll(inject) == step)
             nl_trainer_inject_nan(tr);
@@ -645,7 +508,7 @@ static int run_classify(const train_opts *o)
     FILE *logf = NULL;
     int32_t *tokens = NULL, *lengths = NULL, *labels = NULL, *doc = NULL;
     float *probs = NULL;
-    int rc = 1, obj = OBJ_CLASSIFY, major = 0;
+    int rc = 1, obj = NL_OBJ_CLASSIFY, major = 0;
     const int B = (int)o->r.batch, T = (int)o->r.seq, M = (int)o->r.micro;
     nl_config cfg;
     carried_meta cm = {0};
@@ -839,17 +702,9 @@ static int train_main(int argc, char **argv, int finetune)
         return 2;
     }
     if (finetune) {
-        nl_error err = {0};
-        o.lora_rank = 8;
-        o.lora_alpha = 16.0;
-        if ((rc = nl_args_int(flags, "lora-rank", 1, NL_LORA_MAX_RANK, &o.lora_rank)) ||
-            (rc = nl_args_double(flags, "lora-alpha", 1e-6, 1e6, &o.lora_alpha)))
+        const char *text = NULL;
+        if ((rc = nl_train_lora_read(flags, &o.lora_rank, &o.lora_alpha, &text, &o.lora_targets)))
             return rc;
-        if (nl_lora_parse_targets(lr_targets ? lr_targets : "wq,wk,wv,wo", &o.lora_targets, &err) !=
-            NL_OK) {
-            fprintf(stderr, "%s\n", err.msg);
-            return 2;
-        }
         if (!o.out || o.resume || !o.model) {
             fprintf(stderr, "neuroctl finetune: give --model and --out (no --resume)\n");
             return 2;

@@ -11,6 +11,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "core/lora.h"
+#include "net/trainparams.h"
+
 double nl_train_clock(void)
 {
     struct timespec ts;
@@ -151,44 +154,104 @@ void nl_train_report_skipped(int64_t skipped)
         fprintf(stderr, "%" PRId64 " step(s) skipped for non-finite values\n", skipped);
 }
 
+/* An integer or number flag in its key's range (net/trainparams.h; the
+ * flag is the key with '-' for '_'). */
+static int int_flag(const nl_flag *flags, const char *flag, const char *key, long long *v)
+{
+    double lo = 0, hi = 0;
+    nl_trainparams_range(key, &lo, &hi);
+    return nl_args_int(flags, flag, (long long)lo, hi >= 9.2e18 ? INT64_MAX : (long long)hi, v);
+}
+
+static int num_flag(const nl_flag *flags, const char *flag, const char *key, double *v)
+{
+    double lo = 0, hi = 0;
+    nl_trainparams_range(key, &lo, &hi);
+    return nl_args_double(flags, flag, lo, hi, v);
+}
+
 int nl_train_run_read(const nl_flag *flags, nl_train_run *r)
 {
     int rc;
-    *r = (nl_train_run){.batch = 8,
-                        .seq = 256,
-                        .micro = 1,
-                        .eval_batches = 4,
-                        .lr = 3e-4,
-                        .holdout = 0.1,
+    nl_trainparams d; /* the schema's defaults */
+    nl_error err = {0};
+    nl_trainparams_defaults(&d);
+    *r = (nl_train_run){.batch = d.batch,
+                        .seq = d.seq,
+                        .micro = d.micro,
+                        .seed = d.seed,
+                        .eval_every = d.eval_every,
+                        .eval_batches = d.eval_batches,
+                        .ckpt_every = d.ckpt_every,
+                        .lr = d.lr,
+                        .holdout = d.holdout,
                         .progress_s = 10.0,
                         .warmup = -1,
                         .min_lr = -1};
     r->recompute = nl_args_get(flags, "recompute") != NULL;
-    if ((rc = nl_args_int(flags, "steps", 1, INT32_MAX, &r->steps)) ||
-        (rc = nl_args_int(flags, "batch", 1, 65536, &r->batch)) ||
-        (rc = nl_args_int(flags, "seq", 1, 1 << 20, &r->seq)) ||
-        (rc = nl_args_int(flags, "microbatches", 1, 65536, &r->micro)) ||
-        (rc = nl_args_int(flags, "seed", 0, INT64_MAX, &r->seed)) ||
-        (rc = nl_args_int(flags, "warmup", 0, INT32_MAX, &r->warmup)) ||
-        (rc = nl_args_int(flags, "eval-every", 0, INT32_MAX, &r->eval_every)) ||
-        (rc = nl_args_int(flags, "eval-batches", 1, 1 << 20, &r->eval_batches)) ||
-        (rc = nl_args_int(flags, "checkpoint-every", 0, INT32_MAX, &r->ckpt_every)) ||
-        (rc = nl_args_double(flags, "lr", 0.0, 10.0, &r->lr)) ||
-        (rc = nl_args_double(flags, "min-lr", 0.0, 10.0, &r->min_lr)) ||
-        (rc = nl_args_double(flags, "holdout", 0.0, 0.5, &r->holdout)) ||
+    if ((rc = int_flag(flags, "steps", "steps", &r->steps)) ||
+        (rc = int_flag(flags, "batch", "batch", &r->batch)) ||
+        (rc = int_flag(flags, "seq", "seq", &r->seq)) ||
+        (rc = int_flag(flags, "microbatches", "microbatches", &r->micro)) ||
+        (rc = int_flag(flags, "seed", "seed", &r->seed)) ||
+        (rc = int_flag(flags, "warmup", "warmup", &r->warmup)) ||
+        (rc = int_flag(flags, "eval-every", "eval_every", &r->eval_every)) ||
+        (rc = int_flag(flags, "eval-batches", "eval_batches", &r->eval_batches)) ||
+        (rc = int_flag(flags, "checkpoint-every", "checkpoint_every", &r->ckpt_every)) ||
+        (rc = num_flag(flags, "lr", "lr", &r->lr)) ||
+        (rc = num_flag(flags, "min-lr", "min_lr", &r->min_lr)) ||
+        (rc = num_flag(flags, "holdout", "holdout", &r->holdout)) ||
         (rc = nl_args_double(flags, "progress-every", 0.0, 86400.0, &r->progress_s)))
         return rc;
-    if (r->batch % r->micro != 0) {
-        fprintf(stderr, "--microbatches: %lld does not divide --batch %lld\n", r->micro, r->batch);
-        return 2;
-    }
-    if (r->eval_every > 0 && r->holdout <= 0.0) {
-        fprintf(stderr, "--eval-every needs held-out data (--holdout > 0)\n");
+    nl_train_run_params(r, &d);
+    if (nl_trainparams_check_batch(&d, "--", &err) != NL_OK) {
+        fprintf(stderr, "%s\n", err.msg);
         return 2;
     }
     if (r->warmup < 0)
         r->warmup = r->steps / 10;
     if (r->min_lr < 0)
         r->min_lr = r->lr / 10;
+    return 0;
+}
+
+void nl_train_run_params(const nl_train_run *r, nl_trainparams *p)
+{
+    p->steps = r->steps;
+    p->batch = r->batch;
+    p->seq = r->seq;
+    p->micro = r->micro;
+    p->seed = r->seed;
+    p->warmup = r->warmup;
+    p->eval_every = r->eval_every;
+    p->eval_batches = r->eval_batches;
+    p->ckpt_every = r->ckpt_every;
+    p->lr = r->lr;
+    p->min_lr = r->min_lr;
+    p->holdout = r->holdout;
+    p->recompute = r->recompute;
+}
+
+int nl_train_lora_read(const nl_flag *flags, long long *rank, double *alpha, const char **targets,
+                       int *bits)
+{
+    nl_trainparams d;
+    nl_error err = {0};
+    double lo = 0, hi = 0, alo = 0, ahi = 0;
+    int rc;
+    nl_trainparams_defaults(&d);
+    nl_trainparams_range("lora_rank", &lo, &hi);
+    nl_trainparams_range("lora_alpha", &alo, &ahi);
+    *rank = d.lora_rank;
+    *alpha = d.lora_alpha;
+    *targets =
+        nl_args_get(flags, "lora-targets") ? nl_args_get(flags, "lora-targets") : d.lora_targets;
+    if ((rc = nl_args_int(flags, "lora-rank", (long long)lo, (long long)hi, rank)) ||
+        (rc = nl_args_double(flags, "lora-alpha", 1e-6, ahi, alpha))) /* alpha > 0 */
+        return rc;
+    if (nl_lora_parse_targets(*targets, bits, &err) != NL_OK) {
+        fprintf(stderr, "%s\n", err.msg);
+        return 2;
+    }
     return 0;
 }

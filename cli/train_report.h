@@ -10,7 +10,8 @@
 
 #include "base/args.h"
 
-/* The run's options: the same flags, defaults and checks everywhere. */
+/* The run's options: the same flags, defaults and checks everywhere (the
+ * ranges, defaults and batch rule of net/trainparams.h). */
 typedef struct nl_train_run {
     long long steps, batch, seq, micro, seed, warmup, eval_every, eval_batches, ckpt_every;
     double lr, min_lr, holdout;
@@ -45,6 +46,19 @@ typedef struct nl_train_run {
  * their defaults, ranges and cross-checks. 0, or the exit code after the
  * fault is printed (2: usage). */
 int nl_train_run_read(const nl_flag *flags, nl_train_run *r);
+
+/* neuroctl finetune's adapter flags (--lora-rank, --lora-alpha,
+ * --lora-targets), local or on a cluster, with the defaults and ranges of
+ * net/trainparams.h: *targets is the flag's or the default's text, *bits
+ * it parsed (core/lora.h). 0, or the exit code after the fault is printed
+ * (2: usage). */
+int nl_train_lora_read(const nl_flag *flags, long long *rank, double *alpha, const char **targets,
+                       int *bits);
+
+/* The run's options into their keys of a training request (the other
+ * fields of p are left as they are). */
+struct nl_trainparams;
+void nl_train_run_params(const nl_train_run *r, struct nl_trainparams *p);
 
 /* One finished step and the run it belongs to. */
 typedef struct nl_train_step {

@@ -187,6 +187,7 @@ void coord_forward_adapted_submit(nl_coord *c, const nl_rx *rx)
 const cjob_ops coord_embed_ops = {
     .kind = NL_JOB_EMBED,
     .name = "embed",
+    .takes = COORD_TAKES(NL_MSG_RESULT) | COORD_TAKES(NL_MSG_JOB_STATUS),
     .submit = embed_submit,
     .on_message = embed_on_message,
     .abort = embed_abort,
@@ -197,6 +198,7 @@ const cjob_ops coord_embed_ops = {
 const cjob_ops coord_forward_adapted_ops = {
     .kind = NL_JOB_FORWARD,
     .name = "forward",
+    .takes = COORD_TAKES(NL_MSG_RESULT) | COORD_TAKES(NL_MSG_JOB_STATUS),
     .submit = coord_forward_adapted_submit,
     .on_message = embed_on_message,
     .abort = embed_abort,

@@ -9,52 +9,44 @@
  * local one (the last stage's shard carries classifier.weight when the
  * model has a head; format neurollm-lora/1, rank, alpha, targets, the
  * base's SHA-256). Several fine-tuning jobs may run at once on one
- * pipeline; none beside a training job (coord_train_submit). */
+ * pipeline; none beside a training job. Everything else is the training
+ * job's state machine (coord_train.c, which holds coord_finetune_ops
+ * too), which tells a fine-tuning job by its state. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "coord_impl.h"
+#include "coord_train_impl.h"
 #include "core/lora.h"
+#include "net/trainparams.h"
 
 /* ---------------------------------------------------------------- submit */
 
-static void ft_submit(nl_coord *c, const nl_rx *rx)
+/* The adapters' parameters by the training schema (net/trainparams.h);
+ * the job's other parameters are read again by the preparation
+ * (coord_train_prep.c). */
+cft *coord_finetune_params(nl_coord *c, const nl_rx *rx)
 {
     const nl_msg_job_submit *s = &rx->msg.u.job_submit;
-    const nl_wire_param *rank = coord_param(s, "lora_rank"), *alpha = coord_param(s, "lora_alpha"),
-                        *tg = coord_param(s, "lora_targets");
-    const char *bad = NULL;
+    nl_trainparams p;
     nl_error e = {0};
     char why[600];
-    int targets = 0;
-    const double a = !alpha                               ? -1.0
-                     : alpha->kind == NL_WIRE_PARAM_FLOAT ? alpha->f
-                     : alpha->kind == NL_WIRE_PARAM_INT   ? (double)alpha->i
-                                                          : -1.0;
-    if (!rank || rank->kind != NL_WIRE_PARAM_INT || rank->i < 1 || rank->i > NL_LORA_MAX_RANK)
-        bad = "lora_rank (an integer in [1, 1024])";
-    else if (!(a > 0.0 && a <= 1e6))
-        bad = "lora_alpha (a number in (0, 1e6])";
-    else if (!tg || tg->kind != NL_WIRE_PARAM_STR || strlen(tg->s) >= sizeof(((cft *)0)->targets) ||
-             nl_lora_parse_targets(tg->s, &targets, &e) != NL_OK)
-        bad = "lora_targets (some of wq,wk,wv,wo,w_gate,w_up,w_down)";
-    if (bad) {
-        snprintf(why, sizeof why, "finetune: params.%s is missing or out of range", bad);
+    if (nl_trainparams_parse(&p, s->params, s->nparams, NL_TRAINPARAMS_FINETUNE, &e) != NL_OK) {
+        snprintf(why, sizeof why, "finetune: %s", e.msg);
         coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, why, NULL);
-        return;
+        return NULL;
     }
     cft *ft = calloc(1, sizeof *ft);
     if (!ft) {
         coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, "out of memory", NULL);
-        return;
+        return NULL;
     }
-    ft->rank = rank->i;
-    ft->alpha = a;
-    snprintf(ft->targets, sizeof ft->targets, "%s", tg->s);
+    ft->rank = p.lora_rank;
+    ft->alpha = p.lora_alpha;
+    snprintf(ft->targets, sizeof ft->targets, "%s", p.lora_targets);
     if (!c->src_manifest) /* a checkpoint file: its hash names the base in the adapter file */
         snprintf(ft->base, sizeof ft->base, "%s", c->src_path);
-    coord_train_submit(c, rx, ft);
+    return ft;
 }
 
 int coord_finetune_stage_params(const cft *ft, int64_t seed, nl_wire_param *ps)
@@ -129,10 +121,10 @@ static void gather_run(cwork *w)
     g->st = st;
 }
 
-static void gather_done(nl_coord *c, cwork *w)
+void coord_finetune_result(cwork *w, tr_in *in)
 {
     gather_task *g = (gather_task *)w;
-    coord_train_finetuned(c, w->job_id, g->out, g->st == NL_OK ? NULL : g->err.msg);
+    *in = (tr_in){.why = g->st == NL_OK ? NULL : g->err.msg, .path = g->out};
 }
 
 static void gather_free(cwork *w)
@@ -144,7 +136,8 @@ static void gather_free(cwork *w)
 }
 
 nl_status coord_finetune_gather(nl_coord *c, uint64_t job, const cft *ft,
-                                const nl_manifest_shard *sh, int n, const char *dir, nl_error *err)
+                                const nl_manifest_shard *sh, int n, const char *dir, tr_done done,
+                                nl_error *err)
 {
     gather_task *g = calloc(1, sizeof *g);
     if (g) {
@@ -156,7 +149,7 @@ nl_status coord_finetune_gather(nl_coord *c, uint64_t job, const cft *ft,
             gather_free(&g->w);
         return nl_error_set(err, NL_ERR_NOMEM, "out of memory");
     }
-    g->w = (cwork){.run = gather_run, .done = gather_done, .free = gather_free, .job_id = job};
+    g->w = (cwork){.run = gather_run, .done = done, .free = gather_free, .job_id = job};
     g->ft = *ft;
     g->n = n;
     for (int i = 0; i < n; i++) {
@@ -166,58 +159,3 @@ nl_status coord_finetune_gather(nl_coord *c, uint64_t job, const cft *ft,
     snprintf(g->out, sizeof g->out, "%s/adapter.safetensors", dir);
     return coord_work_start(c, &g->w, err);
 }
-
-/* ---------------------------------------------------------------- the kind
- * Everything else is the training job's (coord_train.c), which tells a
- * fine-tuning job by its state. */
-
-static void ft_on_message(nl_coord *c, cjob *j, const nl_rx *rx)
-{
-    coord_train_ops.on_message(c, j, rx);
-}
-
-static int ft_stage_lost(nl_coord *c, cjob *j, const char *why)
-{
-    return coord_train_ops.stage_lost(c, j, why);
-}
-
-static int ft_node_failed(nl_coord *c, cjob *j, const char *why)
-{
-    return coord_train_ops.node_failed(c, j, why);
-}
-
-static void ft_ready(nl_coord *c, cjob *j)
-{
-    coord_train_ops.ready(c, j);
-}
-
-static void ft_abort(nl_coord *c, cjob *j)
-{
-    coord_train_ops.abort(c, j);
-}
-
-/* Ctrl-C: the step under way ends and the adapters trained so far are
- * written and joined, as at the end of the job (coord_train.c) */
-static int ft_cancel(nl_coord *c, cjob *j, const nl_rx *rx)
-{
-    return coord_train_ops.cancel(c, j, rx);
-}
-
-static void ft_free(cjob *j)
-{
-    coord_train_ops.free(j);
-}
-
-const cjob_ops coord_finetune_ops = {
-    .kind = NL_JOB_FINETUNE,
-    .name = "finetune",
-    .submit = ft_submit,
-    .on_message = ft_on_message,
-    .stage_lost = ft_stage_lost,
-    .node_failed = ft_node_failed,
-    .ready = ft_ready,
-    .abort = ft_abort,
-    .cancel = ft_cancel,
-    .fail_note = NULL,
-    .free = ft_free,
-};

@@ -44,6 +44,7 @@ static void forward_on_message(nl_coord *c, cjob *j, const nl_rx *rx)
 const cjob_ops coord_forward_ops = {
     .kind = NL_JOB_FORWARD,
     .name = "forward",
+    .takes = COORD_TAKES(NL_MSG_RESULT) | COORD_TAKES(NL_MSG_JOB_STATUS),
     .submit = forward_submit,
     .on_message = forward_on_message,
 };

@@ -46,11 +46,9 @@ static void open_session(nl_coord *c, cjob *j)
     nl_genparams session = g->params;
     session.session = j->id;
     session.limit = g->coord_feeds ? 0 : g->params.limit;
-    nl_wire_param ps[NL_GENPARAMS_SESSION_KEYS + 1];
-    nl_genparams_session_wire(&session, ps);
-    ps[NL_GENPARAMS_SESSION_KEYS] =
-        (nl_wire_param){.key = "adapter", .kind = NL_WIRE_PARAM_STR, .s = g->adapter};
-    const uint32_t np = NL_GENPARAMS_SESSION_KEYS + (g->adapter[0] != 0);
+    session.adapter = g->adapter[0] ? g->adapter : NULL;
+    nl_wire_param ps[NL_GENPARAMS_SESSION_MAX];
+    const uint32_t np = nl_genparams_session_wire(&session, ps);
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     for (int st = 0; st < c->plan->n_stages; st++) {
@@ -82,20 +80,18 @@ static void generate_submit(nl_coord *c, const nl_rx *rx)
     nl_genparams *gp = &g->params;
     nl_error e = {0};
     const char *why = NULL, *off = NULL;
-    const nl_wire_param *ad = coord_param(s, "adapter");
     char msg[700];
     if (nl_genparams_parse(gp, s->params, s->nparams, NL_GENPARAMS_REQUEST, &e) != NL_OK)
         why = e.msg;
     else if (B != 1 || T >= c->cfg.max_seq_len)
         why = "generate needs one prompt [1, T] shorter than max_seq_len";
-    else if (ad && (off = ad->kind != NL_WIRE_PARAM_STR
-                              ? "not a path"
-                              : coord_confine_file(c->ckpt_root, ad->s, NULL, 1ull << 34,
-                                                   g->adapter, sizeof g->adapter)) != NULL) {
+    else if (gp->adapter && (off = coord_confine_file(c->ckpt_root, gp->adapter, NULL, 1ull << 34,
+                                                      g->adapter, sizeof g->adapter)) != NULL) {
         /* a file the stages read: under the operator's checkpoint root */
         snprintf(msg, sizeof msg, "params.adapter: %s (the coordinator's --checkpoint-root)", off);
         why = msg;
     }
+    gp->adapter = NULL; /* the request's, resolved into g->adapter */
     if (why) {
         coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, why, NULL);
         coord_job_free(j);
@@ -231,6 +227,7 @@ static void generate_free(cjob *j)
 const cjob_ops coord_generate_ops = {
     .kind = NL_JOB_GENERATE,
     .name = "generate",
+    .takes = COORD_TAKES(NL_MSG_TOKEN) | COORD_TAKES(NL_MSG_JOB_STATUS),
     .submit = generate_submit,
     .on_message = generate_on_message,
     .stage_lost = generate_stage_lost,

@@ -1,8 +1,8 @@
 /* Growth of the cluster's model (issue 16, DESIGN.md section 5): the
  * `grow` job kind (neuroctl tokenizer learn --cluster, neuroctl grow
  * --cluster), the growth a training job runs before it starts
- * (--learn-vocab, coord_train.c) and `--grow auto` (depth as nodes join:
- * at rest here, at a training checkpoint in coord_train.c).
+ * (--learn-vocab, coord_train_prep.c) and `--grow auto` (depth as nodes
+ * join: at rest here, at a training checkpoint in coord_train_ckpt.c).
  *
  * Every growth follows one path: on the loop, coord_grow_prepare copies
  * what it needs; a worker (coord_work.c) lets the tokenizer learn (for the
@@ -363,33 +363,50 @@ int coord_grow_auto_depth(nl_coord *c)
     return depth;
 }
 
-/* A growth at rest (--grow auto, no job): the task is the job's-less
- * worker task; when it is done the cluster must still be at rest. */
-typedef struct rest_task {
-    cwork w;
-    coord_grow_work g;
-    nl_status st;
-    nl_error err;
-    double t0;
-    char src[4096]; /* the source it grew */
-} rest_task;
+/* ---------------------------------------------------------------- the growth task
+ * One growth in a worker, for all three of its users: --grow auto at rest
+ * (below), the grow job (below) and --grow auto at a training checkpoint
+ * (coord_train_ckpt.c). */
 
-static void rest_run(cwork *w)
+static void grow_task_run(cwork *w)
 {
-    rest_task *k = (rest_task *)w;
+    coord_grow_task *k = (coord_grow_task *)w;
     k->st = coord_grow_run(&k->g, &k->err);
 }
 
-static void rest_free(cwork *w)
+static void grow_task_free(cwork *w)
 {
-    rest_task *k = (rest_task *)w;
+    coord_grow_task *k = (coord_grow_task *)w;
     coord_grow_release(&k->g);
     free(k);
 }
 
+coord_grow_task *coord_grow_task_new(nl_coord *c, uint64_t job, const char *input, int64_t add,
+                                     int layers, int hidden_dim, int ffn_dim,
+                                     void (*done)(nl_coord *c, cwork *w), nl_error *err)
+{
+    coord_grow_task *k = calloc(1, sizeof *k);
+    if (!k) {
+        nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+        return NULL;
+    }
+    if (coord_grow_prepare(c, &k->g, input, add, layers, hidden_dim, ffn_dim, err) != NL_OK) {
+        free(k);
+        return NULL;
+    }
+    k->w = (cwork){.run = grow_task_run, .done = done, .free = grow_task_free, .job_id = job};
+    k->t0 = coord_now();
+    snprintf(k->src, sizeof k->src, "%s", c->src_path);
+    return k;
+}
+
+/* ---------------------------------------------------------------- --grow auto at rest */
+
+/* A growth at rest (no job): when it is done the cluster must still be
+ * at rest, on the source it grew. */
 static void rest_done(nl_coord *c, cwork *w)
 {
-    rest_task *k = (rest_task *)w;
+    coord_grow_task *k = (coord_grow_task *)w;
     char why[700];
     int busy = 0;
     c->growing = 0;
@@ -430,16 +447,12 @@ int coord_grow_tick(nl_coord *c)
     const int depth = coord_grow_auto_depth(c);
     if (!depth)
         return 0;
-    rest_task *k = calloc(1, sizeof *k);
     nl_error e = {0};
-    if (!k || coord_grow_prepare(c, &k->g, NULL, 0, depth, 0, 0, &e) != NL_OK) {
-        NL_WARN("--grow auto: %s", k ? e.msg : "out of memory");
-        free(k);
+    coord_grow_task *k = coord_grow_task_new(c, 0, NULL, 0, depth, 0, 0, rest_done, &e);
+    if (!k) {
+        NL_WARN("--grow auto: %s", e.msg);
         return 0;
     }
-    k->w = (cwork){.run = rest_run, .done = rest_done, .free = rest_free, .job_id = 0};
-    k->t0 = coord_now();
-    snprintf(k->src, sizeof k->src, "%s", c->src_path);
     if (coord_work_start(c, &k->w, &e) != NL_OK) {
         NL_WARN("--grow auto: %s", e.msg);
         return 0;
@@ -457,26 +470,6 @@ typedef struct cgrow {
     json_t *event;
 } cgrow;
 
-typedef struct grow_task {
-    cwork w;
-    coord_grow_work g;
-    nl_status st;
-    nl_error err;
-} grow_task;
-
-static void grow_task_run(cwork *w)
-{
-    grow_task *k = (grow_task *)w;
-    k->st = coord_grow_run(&k->g, &k->err);
-}
-
-static void grow_task_free(cwork *w)
-{
-    grow_task *k = (grow_task *)w;
-    coord_grow_release(&k->g);
-    free(k);
-}
-
 static void grow_report(nl_coord *c, cjob *j, int state, const char *msg)
 {
     const cgrow *g = j->state;
@@ -486,9 +479,9 @@ static void grow_report(nl_coord *c, cjob *j, int state, const char *msg)
     free(text);
 }
 
-static void grow_task_done(nl_coord *c, cwork *w)
+static void grow_job_done(nl_coord *c, cwork *w)
 {
-    grow_task *k = (grow_task *)w;
+    coord_grow_task *k = (coord_grow_task *)w;
     cjob *j = coord_job_find(c, w->job_id);
     cgrow *g = j ? j->state : NULL;
     char why[700];
@@ -599,23 +592,18 @@ static void grow_submit(nl_coord *c, const nl_rx *rx)
     if (!j)
         return;
     cgrow *g = j->state = calloc(1, sizeof *g);
-    grow_task *k = calloc(1, sizeof *k);
+    coord_grow_task *k = NULL;
     const char *bad =
-        !g || !k ? "out of memory"
-                 : read_grow(c, &rx->msg.u.job_submit, real, sizeof real, v, why, sizeof why);
-    if (!bad && coord_grow_prepare(c, &k->g, v[0] ? real : NULL, v[0], (int)v[1], (int)v[2],
-                                   (int)v[3], &e) != NL_OK)
+        !g ? "out of memory"
+           : read_grow(c, &rx->msg.u.job_submit, real, sizeof real, v, why, sizeof why);
+    if (!bad && !(k = coord_grow_task_new(c, j->id, v[0] ? real : NULL, v[0], (int)v[1], (int)v[2],
+                                          (int)v[3], grow_job_done, &e)))
         bad = e.msg;
     if (bad) {
-        if (k)
-            coord_grow_release(&k->g);
-        free(k);
         coord_job_fail(c, j, bad);
         return;
     }
-    k->w = (cwork){
-        .run = grow_task_run, .done = grow_task_done, .free = grow_task_free, .job_id = j->id};
-    g->t0 = coord_now();
+    g->t0 = k->t0;
     coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, "growing", NULL);
     if (coord_work_start(c, &k->w, &e) != NL_OK)
         coord_job_fail(c, j, e.msg);

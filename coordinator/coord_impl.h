@@ -1,7 +1,12 @@
-/* Internals of the coordinator, shared by its files: coord.c (membership,
- * planning, loading, the loop), coord_jobs.c (the jobs' dispatch and
- * status), one file per job kind (coord_forward.c, coord_generate.c,
- * coord_train.c) and coord_base.c (the helpers they all use). */
+/* Internals of the coordinator, shared by its files: coord.c (setup and
+ * the loop), coord_members.c (membership), coord_plan.c (planning and
+ * loading), coord_jobs.c (the jobs' dispatch, cancel and the status
+ * report), one file per job kind behind its operations table
+ * (coord_forward.c, coord_generate.c, coord_embed.c, coord_grow.c,
+ * coord_train.c and coord_finetune.c, whose own state is in
+ * coord_train_impl.h), coord_base.c (the helpers they all use: the node
+ * table, sends, the weights' source, the job table), coord_work.c (the
+ * workers) and coord_journal.c (the training job's journal). */
 #ifndef NL_COORD_IMPL_H
 #define NL_COORD_IMPL_H
 
@@ -9,12 +14,9 @@
 #include <stdatomic.h>
 
 #include "coord.h"
-#include "core/data.h"
-#include "core/labelled.h"
 #include "core/manifest.h"
 #include "core/planner.h"
 #include "core/safetensors.h"
-#include "core/train.h"
 #include "net/transport.h"
 
 /* The node table grows (doubling) to at most this many slots; the lowest
@@ -100,9 +102,16 @@ typedef enum { JOB_FREE = 0, JOB_RUNNING, JOB_WAITING } job_phase;
 
 typedef struct cjob cjob;
 
+/* A bit of cjob_ops.takes: the message type t (below NL_MSG_TYPE_MAX, 64). */
+#define COORD_TAKES(t) (UINT64_C(1) << (t))
+
 typedef struct cjob_ops {
     int kind; /* nl_job_kind */
     const char *name;
+    /* The message types a job of this kind takes from its stages
+     * (COORD_TAKES bits); any other naming the job is refused (an ERROR to
+     * the node, e.g. a TOKEN naming a forward or training job). */
+    uint64_t takes;
     /* A client's JOB_SUBMIT of this kind: check it, make the job
      * (coord_job_new) and start it, or answer the client's failure. */
     void (*submit)(nl_coord *c, const nl_rx *rx);
@@ -150,131 +159,6 @@ extern const cjob_ops coord_forward_ops, coord_generate_ops, coord_train_ops, co
  * adapter before the ids; its ops are coord_forward_adapted_ops. */
 extern const cjob_ops coord_forward_adapted_ops;
 void coord_forward_adapted_submit(nl_coord *c, const nl_rx *rx);
-
-/* ---------------------------------------------------------------- fine-tuning
- * A fine-tuning job (coord_finetune.c) is a training job (coord_train.c)
- * whose stages train LoRA adapters on their frozen weights: the same
- * steps, evaluations and decisions; no journal, no plan for training
- * memory, no resume; at the end each stage writes its adapters and a
- * worker joins them into one file for the client. */
-typedef struct cft {
-    int64_t rank;
-    double alpha;
-    char targets[40];   /* "wq,wk,wv,wo" or a part of it */
-    char base[4096];    /* the weights' source file (its SHA-256 goes into the file), or "" */
-    char adapter[1200]; /* the joined adapter file, once written */
-} cft;
-#define COORD_FT_PARAMS 4 /* parameters coord_finetune_stage_params adds */
-/* Submit a training job (ft NULL) or a fine-tuning one (takes ft). */
-void coord_train_submit(nl_coord *c, const nl_rx *rx, cft *ft);
-/* The stages' JOB_SUBMIT parameters of the adapters (into ps, at most
- * COORD_FT_PARAMS; borrowed from ft): how many. */
-int coord_finetune_stage_params(const cft *ft, int64_t seed, nl_wire_param *ps);
-/* Every stage's adapter shard (sh[0..n), in dir) is in: a worker checks
- * their hashes and joins them into dir/adapter.safetensors, then calls
- * coord_train_finetuned. */
-nl_status coord_finetune_gather(nl_coord *c, uint64_t job, const cft *ft,
-                                const nl_manifest_shard *sh, int n, const char *dir, nl_error *err);
-/* The joined file is written (why NULL), or why not: the job ends. */
-void coord_train_finetuned(nl_coord *c, uint64_t job, const char *adapter, const char *why);
-
-/* ---------------------------------------------------------------- a training job's state
- * Shared by coord_train.c (the steps, reports and recoveries),
- * coord_train_prep.c (the job's preparation) and coord_train_ckpt.c (its
- * checkpoints). */
-/* The growth entries a training job sends its stages, at most (the wire
- * takes 64 params; the job's own are 9). */
-#define COORD_GROWTH_PARAMS 48
-
-/* TR_PREPARING: a worker reads the data (and the manifest it resumes);
- * TR_LOADING: the cluster loads; TR_GROW: at a checkpoint, a worker grows
- * the model (--grow auto) */
-typedef enum {
-    TR_PREPARING = 0,
-    TR_LOADING,
-    TR_BEGIN,
-    TR_STEP,
-    TR_EVAL,
-    TR_CKPT,
-    TR_GROW
-} tr_phase;
-
-/* A training job's objective: NL_OBJ_CLM, NL_OBJ_MLM (core/config.h) or
- * classification (labelled data, the model's classifier). */
-enum { COORD_OBJ_CLASSIFY = NL_OBJ_MLM + 1 };
-
-typedef struct ctrain {
-    /* the run, as the client asked for it */
-    char data[4097], ckpt_dir[1001]; /* CKPT_REQ.dir holds at most 1024 bytes */
-    int64_t steps, batch, seq, micro, seed, warmup, eval_every, eval_batches, ckpt_every;
-    double lr, min_lr, holdout;
-    int recompute, final_ckpt;
-    int64_t learn_vocab; /* ids the tokenizer learns from the data first (coord_grow.c), or 0 */
-    int objective;       /* NL_OBJ_CLM, NL_OBJ_MLM, COORD_OBJ_CLASSIFY; -1: the model's */
-    /* where it is */
-    int phase, stages;
-    nl_dataset *ds;            /* the token stream (clm, mlm) */
-    nl_labelled *lds;          /* the labelled examples (classify) */
-    int32_t *tokens, *targets; /* (batch, seq) */
-    int32_t *docs;             /* classify: (batch, seq) the padding's document */
-    int32_t *labels, *lengths; /* classify: (batch) */
-    int64_t valid;             /* the predictions this step's loss is over */
-    double eval_rows;          /* an evaluation's predictions (mlm: the masked ones) */
-    double eval_acc;           /* classify: the last evaluation's accuracy */
-    int64_t start, step;       /* steps done */
-    int moments;
-    int64_t adam; /* AdamW steps the stages have taken */
-    int acks, norms, have_loss;
-    int skips;       /* steps skipped in a row (non-finite) */
-    int seq_default; /* seq is the client's default, not typed: fit to max_seq_len */
-    int bad_stage;   /* the stage whose report of this step was not finite, or -1 */
-    uint8_t *got;    /* per stage: GRAD_NORM (1) or CKPT_DONE (2) in */
-    double sumsq, ce, aux, t_step, step_s;
-    nl_step_result r;
-    double lr_now, eval_loss;
-    int has_eval;
-    nl_manifest_shard *shards; /* the checkpoint being written */
-    char manifest[4096];       /* the last one written (or the one resumed) */
-    int64_t manifest_step;
-    /* recoveries: a stage lost, the job goes on from the last manifest */
-    int resumes;       /* done so far (at most --train-resumes) */
-    double t_lost;     /* when the last stage was lost (0: none since the last step) */
-    int64_t lost_at;   /* the step it was lost at */
-    int mem_replanned; /* the cluster planned again for its training memory */
-    /* the plan on which a stage could not reach its neighbour (0: none) */
-    uint64_t verdict_epoch;
-    struct json_t *journal; /* the client's parameters, journaled (coord_journal.c) */
-    cft *ft;                /* a fine-tuning job (coord_finetune.c): its adapters; NULL: training */
-    int cancel; /* cancelled: the step under way ends, a checkpoint keeps it, then the job ends */
-} ctrain;
-
-/* JOB_STATUS running (or done) to the client with a JSON report; takes
- * the reference to o. */
-struct json_t;
-void coord_train_report(nl_coord *c, cjob *j, int state, const char *msg, struct json_t *o);
-/* The job fails with the formatted reason. */
-void coord_train_fail(nl_coord *c, cjob *j, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-/* Frees n shards' strings and the table. */
-void coord_train_free_shards(nl_manifest_shard *sh, int n);
-/* The cluster is loaded with the job's plan: the run begins (or goes on
- * from the source's step). */
-void coord_train_begin(nl_coord *c, cjob *j);
-/* The next step's microbatches go to the first stage. */
-void coord_train_start_step(nl_coord *c, cjob *j);
-/* The job waits while the cluster plans again and reloads its source. */
-void coord_train_wait_reload(nl_coord *c, cjob *j);
-/* The run is done: the client is told and the job ends. */
-void coord_train_finish(nl_coord *c, cjob *j);
-/* A cancelled job's steps are kept (t->manifest, or a fine-tuning job's
- * adapters): the client is told which, and the job ends as cancelled. */
-void coord_train_cancelled(nl_coord *c, cjob *j);
-/* Every shard of the step is in: a worker writes the manifest. */
-void coord_train_write_manifest(nl_coord *c, cjob *j);
-/* Whether the shard at path was trained with TF32 (NL_MANIFEST_TF32_*). */
-int coord_train_shard_tf32(const char *path);
-/* strdup of s, or NULL for NULL; *oom set when the copy failed. */
-char *coord_train_dup(const char *s, int *oom);
 
 /* A task for a worker (coord_work.c); a task's struct begins with it. */
 typedef struct cwork cwork;
@@ -619,6 +503,23 @@ void coord_grow_install(nl_coord *c, coord_grow_work *g, double seconds);
 /* The growth just installed as a client's event ("event": "grow"). */
 struct json_t *coord_grow_event(const nl_coord *c, const coord_grow_work *g);
 void coord_grow_release(coord_grow_work *g);
+
+/* A growth as a worker's task: the one task of --grow auto at rest, the
+ * grow job and --grow auto at a training checkpoint. */
+typedef struct coord_grow_task {
+    cwork w;
+    coord_grow_work g;
+    nl_status st; /* the run's */
+    nl_error err;
+    double t0;      /* when it was made */
+    char src[4096]; /* the source it grows (c->src_path then) */
+} coord_grow_task;
+/* On the loop: a growth prepared (coord_grow_prepare) as a task for job
+ * (0: none) whose done is `done`, for coord_work_start; NULL and err (out
+ * of memory, or why it cannot be prepared). */
+coord_grow_task *coord_grow_task_new(nl_coord *c, uint64_t job, const char *input, int64_t add,
+                                     int layers, int hidden_dim, int ffn_dim,
+                                     void (*done)(nl_coord *c, cwork *w), nl_error *err);
 
 /* --grow auto: when the live nodes (or the training memory) changed since
  * the last judgement, the depth nl_sizing_propose_depth proposes for them

@@ -81,24 +81,6 @@ static void on_node_failure(nl_coord *c, const cnode *n, cjob *j, const nl_msg_j
         NL_INFO("job %llu, already ended: %s", (unsigned long long)s->job_id, why);
 }
 
-/* The message types a job of each kind takes from its stages. */
-static bool kind_takes(const cjob *j, int type)
-{
-    switch (j->ops->kind) {
-    case NL_JOB_FORWARD:
-    case NL_JOB_EMBED:
-        return type == NL_MSG_RESULT || type == NL_MSG_JOB_STATUS;
-    case NL_JOB_GENERATE:
-        return type == NL_MSG_TOKEN || type == NL_MSG_JOB_STATUS;
-    case NL_JOB_TRAIN:
-    case NL_JOB_FINETUNE:
-        return type == NL_MSG_JOB_STATUS || type == NL_MSG_GRAD_NORM || type == NL_MSG_LOSS ||
-               type == NL_MSG_CKPT_DONE;
-    default:
-        return false;
-    }
-}
-
 void coord_on_job_message(nl_coord *c, const nl_rx *rx)
 {
     const int type = rx->msg.type;
@@ -112,9 +94,10 @@ void coord_on_job_message(nl_coord *c, const nl_rx *rx)
         nl_sock_send_error(c->ctl, rx, NL_ERR_STATE, (uint32_t)type, why, &e);
         return;
     }
-    if (j && !kind_takes(j, type)) { /* e.g. a TOKEN naming a forward or training job */
-        snprintf(why, sizeof why, "job %llu is a %s job: it takes no %s",
-                 (unsigned long long)j->id, j->ops->name, nl_wire_type_name(type));
+    /* e.g. a TOKEN naming a forward or training job */
+    if (j && !(j->ops->takes & COORD_TAKES(type))) {
+        snprintf(why, sizeof why, "job %llu is a %s job: it takes no %s", (unsigned long long)j->id,
+                 j->ops->name, nl_wire_type_name(type));
         NL_WARN("node %u: %s", n->id, why);
         nl_sock_send_error(c->ctl, rx, NL_ERR_STATE, (uint32_t)type, why, &e);
         return;

@@ -1,29 +1,27 @@
-/* The training job's checkpoints (coord_train.c runs the steps): once
- * every stage has written its shard, a worker writes the manifest last
- * and verifies it, and it becomes the source the cluster reloads from; at
- * a checkpoint a worker may grow the model (--grow auto). */
+/* A training job's checkpoints, a leaf of the job's state machine
+ * (coord_train.c), which decides when: each stage's shard recorded as it
+ * reports it; once every shard is in, a worker writes the manifest last
+ * and verifies it (a fine-tuning job's: joins the adapters,
+ * coord_finetune.c), and the manifest becomes the source the cluster
+ * reloads from; at a checkpoint a worker may grow the model (--grow
+ * auto). Each worker reports to the state machine (the done it was
+ * given): what comes next is the machine's to decide. */
 #include <jansson.h>
-#include <limits.h>
-#include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include "base/log.h"
-#include "coord_impl.h"
+#include "coord_train_impl.h"
 #include "core/checkpoint.h"
-#include "core/fileio.h"
 #include "core/grow.h"
-#include "core/train.h"
 
 /* Whether the shard at path was trained with TF32 allowed, as its node
  * recorded it in the shard's "train" metadata (no wire message carries a
  * node's --tf32). A shard that does not say, or cannot be read, leaves it
  * unknown; the manifest's hashes and the reload judge the file itself. */
-int coord_train_shard_tf32(const char *path)
+static int shard_tf32(const char *path)
 {
     char *meta = NULL;
     nl_error e = {0};
@@ -36,6 +34,65 @@ int coord_train_shard_tf32(const char *path)
     }
     free(meta);
     return tf32;
+}
+
+void coord_train_free_shards(nl_manifest_shard *sh, int n)
+{
+    for (int i = 0; sh && i < n; i++) {
+        free(sh[i].file);
+        free(sh[i].path);
+        free(sh[i].node);
+        free(sh[i].device);
+    }
+    free(sh);
+}
+
+void coord_train_ckpt_dir(const cjob *j, char *buf, size_t cap)
+{
+    const ctrain *t = j->state;
+    if (t->ft)
+        snprintf(buf, cap, "%s/lora-job%llu", t->ckpt_dir, (unsigned long long)j->id);
+    else
+        snprintf(buf, cap, "%s/step-%06lld", t->ckpt_dir, (long long)t->step);
+}
+
+const char *coord_train_shard(nl_coord *c, cjob *j, const cnode *n, const nl_msg_ckpt_done *d,
+                              char *why, size_t cap)
+{
+    ctrain *t = j->state;
+    nl_manifest_shard *sh = &t->shards[d->stage];
+    const nl_plan_stage *ps = &c->plan->stages[d->stage];
+    char want[1200], node[128], dir[1100];
+    /* the shard must be exactly where it was asked to be */
+    coord_train_ckpt_dir(j, dir, sizeof dir);
+    snprintf(want, sizeof want, "%s/stage-%u.safetensors", dir, d->stage);
+    if (strcmp(d->path, want) != 0) {
+        snprintf(why, cap, "stage %u wrote its shard to %s, not %s", d->stage, d->path, want);
+        return why;
+    }
+    const char *file = strrchr(d->path, '/') + 1;
+    free(sh->file);
+    free(sh->path);
+    free(sh->node);
+    free(sh->device);
+    snprintf(node, sizeof node, "node %u %s", n->id, n->key);
+    *sh = (nl_manifest_shard){.stage = (int)d->stage,
+                              .l0 = ps->l0,
+                              .l1 = ps->l1,
+                              .has_embed = ps->has_embed,
+                              .has_head = ps->has_head,
+                              .file = strdup(file),
+                              .path = strdup(d->path),
+                              .bytes = d->bytes,
+                              .node = strdup(node),
+                              .device = strdup(n->device), /* as its JOIN said */
+                              .tf32 = shard_tf32(d->path)};
+    snprintf(sh->sha256, sizeof sh->sha256, "%s", d->sha256);
+    if (!sh->file || !sh->path || !sh->node || !sh->device) {
+        snprintf(why, cap, "out of memory");
+        return why;
+    }
+    return NULL;
 }
 
 /* Writing a checkpoint's manifest, off the loop: the shards' TF32 flags
@@ -64,7 +121,7 @@ static void ckpt_run(cwork *w)
         usleep((useconds_t)atoi(delay) * 1000u);
 #endif
     for (int i = 0; i < k->mf.n_shards; i++)
-        k->mf.shards[i].tf32 = coord_train_shard_tf32(k->mf.shards[i].path);
+        k->mf.shards[i].tf32 = shard_tf32(k->mf.shards[i].path);
     k->st = nl_manifest_write(k->path, &k->mf, &k->err);
     if (k->st == NL_OK)
         k->st = coord_manifest_open(&k->out, k->path, k->root, &k->err);
@@ -83,179 +140,30 @@ static void ckpt_free(cwork *w)
     free(k);
 }
 
-/* --grow auto at a checkpoint (issue 16): the model deepens when the
- * nodes now hold more layers (coord_grow_auto_depth); a worker writes the
- * grown manifest, then the stages reload it on a new plan (joining nodes
- * take the new layers) and the job goes on from its step. */
-typedef struct grow_task {
-    cwork w;
-    coord_grow_work g;
-    nl_status st;
-    nl_error err;
-    double t0;
-} grow_task;
-
-static void grow_run(cwork *w)
-{
-    grow_task *k = (grow_task *)w;
-    k->st = coord_grow_run(&k->g, &k->err);
-}
-
-static void grow_free(cwork *w)
-{
-    grow_task *k = (grow_task *)w;
-    coord_grow_release(&k->g);
-    free(k);
-}
-
-static void grow_done(nl_coord *c, cwork *w)
-{
-    grow_task *k = (grow_task *)w;
-    cjob *j = coord_job_find(c, w->job_id);
-    ctrain *t = j ? j->state : NULL;
-    if (!t || t->phase != TR_GROW)
-        return;
-    if (t->cancel) { /* the model stays as the checkpoint has it */
-        coord_train_cancelled(c, j);
-        return;
-    }
-    if (k->st != NL_OK) { /* the job goes on at the size it has */
-        NL_WARN("train job %llu: --grow auto at step %lld: %s", (unsigned long long)j->id,
-                (long long)t->step, k->err.msg);
-        coord_train_start_step(c, j);
-        return;
-    }
-    coord_grow_install(c, &k->g, coord_now() - k->t0);
-    coord_train_report(c, j, NL_JOB_RUNNING, "the model grew", coord_grow_event(c, &k->g));
-    coord_close_session(c, j);
-    coord_train_wait_reload(c, j);
-}
-
-static int grow_at_checkpoint(nl_coord *c, cjob *j)
-{
-    ctrain *t = j->state;
-    nl_error e = {0};
-    const int depth = coord_grow_auto_depth(c);
-    grow_task *k = depth ? calloc(1, sizeof *k) : NULL;
-    if (!k)
-        return 0;
-    if (coord_grow_prepare(c, &k->g, NULL, 0, depth, 0, 0, &e) != NL_OK) {
-        NL_WARN("train job %llu: --grow auto: %s", (unsigned long long)j->id, e.msg);
-        free(k);
-        return 0;
-    }
-    k->w = (cwork){.run = grow_run, .done = grow_done, .free = grow_free, .job_id = j->id};
-    k->t0 = coord_now();
-    if (coord_work_start(c, &k->w, &e) != NL_OK) {
-        NL_WARN("train job %llu: --grow auto: %s", (unsigned long long)j->id, e.msg);
-        return 0;
-    }
-    t->phase = TR_GROW;
-    return 1;
-}
-
-/* A stage was lost while this manifest was being written: every shard was
- * in, and re-planning waited for the worker (coord.c). The job resumes
- * from this checkpoint rather than the one before: less work is redone,
- * and the replay never meets the checkpoint's files, which a stage
- * refuses to overwrite. */
-static void resumed_past(nl_coord *c, cjob *j, ckpt_task *k)
-{
-    ctrain *t = j->state;
-    coord_manifest_install(c, &k->out, 0);
-    c->stages_modified = 0;
-    coord_journal_train(c, j->id, t->journal, k->path);
-    snprintf(t->manifest, sizeof t->manifest, "%s", k->path);
-    t->manifest_step = k->mf.step;
-    NL_INFO("train job %llu: checkpoint of step %lld: %s (written while a stage was lost: the "
-            "job resumes from it)",
-            (unsigned long long)j->id, (long long)k->mf.step, k->path);
-    json_t *o = json_pack("{s:s,s:I,s:s}", "event", "checkpoint", "step", (json_int_t)k->mf.step,
-                          "manifest", k->path);
-    coord_train_report(c, j, NL_JOB_RUNNING, "checkpoint", o);
-}
-
-/* The manifest is written and verified: it becomes the source; report it
- * and go on. A job that ended meanwhile leaves the source as it was (its
- * stages reload from there). */
-static void ckpt_done(nl_coord *c, cwork *w)
+void coord_train_manifest_result(nl_coord *c, cwork *w, tr_in *in)
 {
     ckpt_task *k = (ckpt_task *)w;
-    cjob *j = coord_job_find(c, w->job_id);
-    ctrain *t = j ? j->state : NULL;
     c->manifests_writing--;
-    if (t && t->phase == TR_LOADING && k->st == NL_OK && k->mf.step > c->src_step) {
-        resumed_past(c, j, k);
-        return;
-    }
-    if (!t || t->phase != TR_CKPT || t->step != k->mf.step)
-        return;
-    if (k->st != NL_OK) {
-        coord_train_fail(c, j, "checkpoint of step %lld: %s", (long long)t->step, k->err.msg);
-        return;
-    }
+    *in = (tr_in){
+        .why = k->st == NL_OK ? NULL : k->err.msg, .step = k->mf.step, .path = k->path, .task = k};
+}
+
+/* TE_WRITTEN: the manifest becomes the source (the stages hold its
+ * weights; reload 0) and the job's last checkpoint, journaled. */
+void coord_train_keep(nl_coord *c, cjob *j, const tr_in *in)
+{
+    ctrain *t = j->state;
+    ckpt_task *k = in->task;
     coord_manifest_install(c, &k->out, 0);
     c->stages_modified = 0; /* the source holds the stages' weights */
     coord_journal_train(c, j->id, t->journal, k->path);
     snprintf(t->manifest, sizeof t->manifest, "%s", k->path);
-    t->manifest_step = t->step;
-    NL_INFO("train job %llu: checkpoint of step %lld: %s", (unsigned long long)j->id,
-            (long long)t->step, k->path);
-    json_t *o = json_pack("{s:s,s:I,s:s}", "event", "checkpoint", "step", (json_int_t)t->step,
-                          "manifest", k->path);
-    coord_train_report(c, j, NL_JOB_RUNNING, "checkpoint", o);
-    if (t->step < t->steps && !t->cancel)
-        coord_observe_speeds(c); /* a stage slower or faster than planned asks for a re-plan */
-    if (t->step == t->steps) {
-        coord_train_finish(c, j);
-    } else if (t->cancel) {
-        coord_train_cancelled(c, j); /* the steps done are kept: the job ends */
-    } else if (grow_at_checkpoint(c, j)) {
-        /* --grow auto: the nodes hold a deeper model; a worker grows the
-         * manifest, then the job goes on from it on a new plan */
-    } else if (coord_replan_gain(c, "at the checkpoint")) {
-        /* a node joined, or the stages' observed speeds call for another
-         * split: the job goes on from this manifest on the new plan */
-        json_t *r = json_pack("{s:s,s:I,s:s}", "event", "replan", "step", (json_int_t)t->step,
-                              "manifest", k->path);
-        coord_train_report(c, j, NL_JOB_RUNNING, "re-planning at the checkpoint", r);
-        coord_close_session(c, j);
-        coord_train_wait_reload(c, j);
-        coord_reload(c);
-    } else {
-        coord_train_start_step(c, j);
-    }
-}
-
-void coord_train_finetuned(nl_coord *c, uint64_t job, const char *adapter, const char *why)
-{
-    cjob *j = coord_job_find(c, job);
-    ctrain *t = j ? j->state : NULL;
-    if (!t || !t->ft || t->phase != TR_CKPT)
-        return; /* it ended meanwhile */
-    if (why) {
-        coord_train_fail(c, j, "the adapters of step %lld: %s", (long long)t->step, why);
-        return;
-    }
-    snprintf(t->ft->adapter, sizeof t->ft->adapter, "%s", adapter);
-    NL_INFO("finetune job %llu: adapters of step %lld in %s", (unsigned long long)j->id,
-            (long long)t->step, adapter);
-    if (t->cancel && t->step < t->steps)
-        coord_train_cancelled(c, j);
-    else
-        coord_train_finish(c, j);
-}
-
-char *coord_train_dup(const char *s, int *oom)
-{
-    char *d = s ? strdup(s) : NULL;
-    *oom |= s && !d;
-    return d;
+    t->manifest_step = k->mf.step;
 }
 
 /* Every shard is in: a worker writes the manifest (ckpt_task). The job
  * hands it this checkpoint's shards and takes a fresh table. */
-void coord_train_write_manifest(nl_coord *c, cjob *j)
+const char *coord_train_write_manifest(nl_coord *c, cjob *j, tr_done done, char *why, size_t cap)
 {
     ctrain *t = j->state;
     nl_error e = {0};
@@ -264,15 +172,15 @@ void coord_train_write_manifest(nl_coord *c, cjob *j)
     if (!k || !fresh) {
         free(k);
         free(fresh);
-        coord_train_fail(c, j, "out of memory");
-        return;
+        snprintf(why, cap, "out of memory");
+        return why;
     }
     json_t *tj = json_pack("{s:I,s:I,s:I,s:I,s:I,s:f,s:f,s:I}", "seed", (json_int_t)t->seed,
                            "steps", (json_int_t)t->steps, "batch", (json_int_t)t->batch, "seq",
                            (json_int_t)t->seq, "microbatches", (json_int_t)t->micro, "lr", t->lr,
                            "min_lr", t->min_lr, "warmup", (json_int_t)t->warmup);
     int oom = 0;
-    k->w = (cwork){.run = ckpt_run, .done = ckpt_done, .free = ckpt_free, .job_id = j->id};
+    k->w = (cwork){.run = ckpt_run, .done = done, .free = ckpt_free, .job_id = j->id};
     k->mf = (nl_manifest){.step = t->step,
                           .adam_steps = t->adam, /* the stages step together */
                           .cfg = c->cfg,
@@ -295,14 +203,35 @@ void coord_train_write_manifest(nl_coord *c, cjob *j)
     snprintf(k->root, sizeof k->root, "%s", c->ckpt_root);
     if (oom || !k->mf.config_json || !k->mf.train_json) {
         ckpt_free(&k->w);
-        coord_train_fail(c, j, "checkpoint of step %lld: out of memory", (long long)t->step);
-        return;
+        snprintf(why, cap, "checkpoint of step %lld: out of memory", (long long)t->step);
+        return why;
     }
     if (coord_work_start(c, &k->w, &e) != NL_OK) {
-        coord_train_fail(c, j, "checkpoint of step %lld: %s", (long long)t->step, e.msg);
-        return;
+        snprintf(why, cap, "checkpoint of step %lld: %s", (long long)t->step, e.msg);
+        return why;
     }
     c->manifests_writing++;
     NL_INFO("train job %llu: checkpoint of step %lld: every shard is in; writing %s",
             (unsigned long long)j->id, (long long)t->step, k->path);
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- --grow auto */
+
+int coord_train_grow(nl_coord *c, cjob *j, tr_done done)
+{
+    nl_error e = {0};
+    const int depth = coord_grow_auto_depth(c);
+    if (!depth)
+        return 0;
+    coord_grow_task *k = coord_grow_task_new(c, j->id, NULL, 0, depth, 0, 0, done, &e);
+    if (!k) {
+        NL_WARN("train job %llu: --grow auto: %s", (unsigned long long)j->id, e.msg);
+        return 0;
+    }
+    if (coord_work_start(c, &k->w, &e) != NL_OK) {
+        NL_WARN("train job %llu: --grow auto: %s", (unsigned long long)j->id, e.msg);
+        return 0;
+    }
+    return 1;
 }

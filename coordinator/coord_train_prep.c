@@ -1,116 +1,55 @@
-/* The training job's preparation (coord_train.c runs the steps): the
- * client's parameters read and checked, its paths confined to the data
- * and checkpoint roots, then a worker verifies the manifest it resumes
- * from, with --learn-vocab learns the vocabulary and grows the model, and
- * reads and tokenizes the data; once it is done, a resumed job reloads the
- * cluster from its manifest and the job begins when the cluster is ready. */
+/* A training job's preparation, a leaf of the job's state machine
+ * (coord_train.c), which decides what follows: the client's parameters
+ * read and checked, its paths confined to the data and checkpoint roots,
+ * then a worker verifies the manifest it resumes from, with --learn-vocab
+ * learns the vocabulary and grows the model, and reads and tokenizes the
+ * data, and reports to the state machine (the done it was given);
+ * coord_train_prepared then puts what it made into the cluster and the
+ * job. As the job begins, its training memory is held against the plan
+ * (coord_train_memory). The job's state is freed here too. */
 #include <jansson.h>
 #include <limits.h>
-#include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #include "base/log.h"
-#include "coord_impl.h"
-#include "core/checkpoint.h"
+#include "coord_train_impl.h"
 #include "core/fileio.h"
-#include "core/grow.h"
-#include "core/train.h"
+#include "core/objective.h"
+#include "net/trainparams.h"
 
-/* Read the run's parameters; NULL or the name of the one at fault. */
-static const char *read_params(ctrain *t, const nl_msg_job_submit *s, const char **resume)
+/* Read the run's parameters by their schema (net/trainparams.h, which
+ * checks them and the rules across them); NL_OK, or why not in e. */
+static nl_status read_params(ctrain *t, const nl_msg_job_submit *s, const char **resume,
+                             nl_error *e)
 {
-    static const char *const ints[] = {"steps",        "batch",        "seq",
-                                       "microbatches", "seed",         "warmup",
-                                       "eval_every",   "eval_batches", "checkpoint_every"};
-    int64_t *iv[] = {&t->steps,  &t->batch,      &t->seq,          &t->micro,     &t->seed,
-                     &t->warmup, &t->eval_every, &t->eval_batches, &t->ckpt_every};
-    static const int64_t lo[] = {1, 1, 1, 1, 0, 0, 0, 1, 0};
-    static const int64_t hi[] = {INT32_MAX, 65536,     1 << 20, 65536,    INT64_MAX,
-                                 INT32_MAX, INT32_MAX, 1 << 20, INT32_MAX};
-    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
-        const nl_wire_param *p = coord_param(s, ints[i]);
-        if (!p || p->kind != NL_WIRE_PARAM_INT || p->i < lo[i] || p->i > hi[i])
-            return ints[i];
-        *iv[i] = p->i;
-    }
-    const nl_wire_param *sd = coord_param(s, "seq_default");
-    t->seq_default = sd && sd->kind == NL_WIRE_PARAM_BOOL && sd->b;
-    static const char *const fl[] = {"lr", "min_lr", "holdout"};
-    double *fv[] = {&t->lr, &t->min_lr, &t->holdout};
-    static const double fhi[] = {10.0, 10.0, 0.5};
-    for (size_t i = 0; i < 3; i++) {
-        const nl_wire_param *p = coord_param(s, fl[i]);
-        double v = !p                               ? NAN
-                   : p->kind == NL_WIRE_PARAM_FLOAT ? p->f
-                   : p->kind == NL_WIRE_PARAM_INT   ? (double)p->i
-                                                    : NAN;
-        if (!(v >= 0.0 && v <= fhi[i]))
-            return fl[i];
-        *fv[i] = v;
-    }
-    const nl_wire_param *p;
-    if (!(p = coord_param(s, "data")) || p->kind != NL_WIRE_PARAM_STR || !p->s[0])
-        return "data";
-    snprintf(t->data, sizeof t->data, "%s", p->s);
-    if (!(p = coord_param(s, "checkpoint_dir")) || p->kind != NL_WIRE_PARAM_STR || !p->s[0] ||
-        strlen(p->s) >= sizeof t->ckpt_dir)
-        return "checkpoint_dir (a path of at most 1000 bytes)";
-    snprintf(t->ckpt_dir, sizeof t->ckpt_dir, "%s", p->s);
-    if ((p = coord_param(s, "recompute")))
-        t->recompute = p->kind == NL_WIRE_PARAM_BOOL && p->b;
-    if ((p = coord_param(s, "final_checkpoint")))
-        t->final_ckpt = p->kind == NL_WIRE_PARAM_BOOL && p->b;
-    if ((p = coord_param(s, "learn_vocab"))) {
-        if (p->kind != NL_WIRE_PARAM_INT || p->i < 0 || p->i > (1 << 24))
-            return "learn_vocab (0 to 2^24 ids)";
-        t->learn_vocab = p->i;
-    }
-    t->objective = -1; /* the model's (its config's objective) */
-    if ((p = coord_param(s, "objective"))) {
-        if (p->kind != NL_WIRE_PARAM_STR)
-            return "objective (clm, mlm or classify)";
-        t->objective = strcmp(p->s, "clm") == 0        ? NL_OBJ_CLM
-                       : strcmp(p->s, "mlm") == 0      ? NL_OBJ_MLM
-                       : strcmp(p->s, "classify") == 0 ? COORD_OBJ_CLASSIFY
-                                                       : -2;
-        if (t->objective == -2)
-            return "objective (clm, mlm or classify)";
-    }
-    *resume = (p = coord_param(s, "resume")) && p->kind == NL_WIRE_PARAM_STR ? p->s : NULL;
-    if (t->batch % t->micro != 0)
-        return "microbatches (must divide batch)";
-    if ((t->batch / t->micro) * t->seq > (1 << 24) || t->eval_batches * t->micro > (1 << 30))
-        return "batch (a microbatch of at most 2^24 rows; eval_batches x microbatches <= 2^30)";
-    if (t->eval_every > 0 && t->holdout <= 0.0)
-        return "eval_every (needs holdout > 0)";
-    if (t->objective == COORD_OBJ_CLASSIFY && t->learn_vocab > 0)
-        return "learn_vocab (not with objective classify: the vocabulary learns from text)";
-    return NULL;
-}
-
-/* The objective against the model, as local training checks it (cli/
- * cmd_train.c): the config's when the client named none; mlm needs the
- * mask id in the vocabulary, classify a classifier. NULL, or why not. */
-static const char *objective_refusal(const nl_config *cfg, int *obj, char *why, size_t cap)
-{
-    if (*obj < 0)
-        *obj = cfg->objective;
-    if (*obj == NL_OBJ_MLM && cfg->vocab_size <= NL_CONFIG_MASK_ID)
-        snprintf(why, cap,
-                 "--objective mlm: the model's vocab_size %lld does not hold the mask id %d "
-                 "(<|pad|>)",
-                 (long long)cfg->vocab_size, NL_CONFIG_MASK_ID);
-    else if (*obj == COORD_OBJ_CLASSIFY && cfg->num_classes <= 0)
-        snprintf(why, cap,
-                 "--objective classify: the model has no classifier (set num_classes in its "
-                 "config)");
-    else
-        return NULL;
-    return why;
+    nl_trainparams p;
+    nl_status st = nl_trainparams_parse(&p, s->params, s->nparams,
+                                        t->ft ? NL_TRAINPARAMS_FINETUNE : NL_TRAINPARAMS_TRAIN, e);
+    if (st != NL_OK)
+        return st;
+    t->steps = p.steps;
+    t->batch = p.batch;
+    t->seq = p.seq;
+    t->micro = p.micro;
+    t->seed = p.seed;
+    t->warmup = p.warmup;
+    t->eval_every = p.eval_every;
+    t->eval_batches = p.eval_batches;
+    t->ckpt_every = p.ckpt_every;
+    t->lr = p.lr;
+    t->min_lr = p.min_lr;
+    t->holdout = p.holdout;
+    t->recompute = p.recompute;
+    t->final_ckpt = p.final_ckpt;
+    t->seq_default = p.seq_default;
+    t->learn_vocab = p.learn_vocab;
+    t->objective = p.objective; /* NL_OBJ_MODEL: the model's */
+    snprintf(t->data, sizeof t->data, "%s", p.data);
+    snprintf(t->ckpt_dir, sizeof t->ckpt_dir, "%s", p.checkpoint_dir);
+    *resume = p.resume;
+    return NL_OK;
 }
 
 /* Preparing a job, off the loop: the manifest it resumes from verified
@@ -177,35 +116,32 @@ static void prep_free(cwork *w)
 }
 
 /* --learn-vocab: the grown model becomes the source and the stages reload
- * (the job begins once they have); the client is told. 0: the job failed. */
-static int install_growth(nl_coord *c, cjob *j, prep_task *p)
+ * (the job begins once they have); the client is told. NULL, or why the
+ * job fails. */
+static const char *install_growth(nl_coord *c, cjob *j, prep_task *p, char *why, size_t cap)
 {
-    char why[700];
-    if (coord_grow_refusal(c, why, sizeof why)) { /* it changed while the worker ran */
-        coord_train_fail(c, j, "--learn-vocab: %s", why);
-        return 0;
+    char refusal[700];
+    if (coord_grow_refusal(c, refusal, sizeof refusal)) { /* it changed while the worker ran */
+        snprintf(why, cap, "--learn-vocab: %s", refusal);
+        return why;
     }
     for (int i = 0; i < COORD_MAX_JOBS; i++)
         if (c->jobs[i].phase != JOB_FREE && &c->jobs[i] != j)
             coord_job_fail(c, &c->jobs[i], "the cluster reloads: its model grows");
     coord_grow_install(c, &p->v, p->grow_s);
     coord_train_report(c, j, NL_JOB_RUNNING, "vocabulary grown", coord_grow_event(c, &p->v));
-    return 1;
+    return NULL;
 }
 
-/* The job is prepared: a resumed one reloads the cluster from its
- * manifest; it begins once the cluster is ready. */
-static void prep_done(nl_coord *c, cwork *w)
+/* A resumed job reloads the cluster from its manifest (it begins once the
+ * cluster is ready); a grown vocabulary is installed likewise. */
+const char *coord_train_prepared(nl_coord *c, cjob *j, const tr_in *in, char *why, size_t cap)
 {
-    prep_task *p = (prep_task *)w;
-    cjob *j = coord_job_find(c, w->job_id);
-    ctrain *t = j ? j->state : NULL;
-    char why[700];
-    if (!t || t->phase != TR_PREPARING)
-        return;
+    prep_task *p = in->task;
+    ctrain *t = j->state;
     if (p->resume_failed) {
-        coord_train_fail(c, j, "--resume: %s", p->err.msg);
-        return;
+        snprintf(why, cap, "--resume: %s", p->err.msg);
+        return why;
     }
     if (p->resume) {
         /* other jobs lose their stages to the reload */
@@ -213,35 +149,37 @@ static void prep_done(nl_coord *c, cwork *w)
             if (c->jobs[i].phase != JOB_FREE && &c->jobs[i] != j)
                 coord_job_fail(c, &c->jobs[i], "the cluster reloads to resume a training job");
         coord_manifest_install(c, &p->mf, 1);
-        snprintf(why, sizeof why, "verified %s; loading it onto the nodes", p->resume);
-        coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, why, NULL);
+        char msg[700];
+        snprintf(msg, sizeof msg, "verified %s; loading it onto the nodes", p->resume);
+        coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, msg, NULL);
     }
     if (t->seq > c->cfg.max_seq_len && t->seq_default) {
         t->seq = c->cfg.max_seq_len; /* the client's default, not a typed --seq: fit it */
     } else if (t->seq > c->cfg.max_seq_len) {
-        coord_train_fail(c, j, "--seq %lld: the model's max_seq_len is %d", (long long)t->seq,
-                         c->cfg.max_seq_len);
-        return;
+        snprintf(why, cap, "--seq %lld: the model's max_seq_len is %d", (long long)t->seq,
+                 c->cfg.max_seq_len);
+        return why;
     }
     if (p->st != NL_OK) {
-        coord_train_fail(c, j, "%s", p->err.msg);
-        return;
+        snprintf(why, cap, "%s", p->err.msg);
+        return why;
     }
-    if (p->grow && !install_growth(c, j, p))
-        return;
-    if (objective_refusal(&c->cfg, &t->objective, why, sizeof why)) { /* the client's, checked */
-        coord_train_fail(c, j, "%s", why);
-        return;
+    if (p->grow && install_growth(c, j, p, why, cap))
+        return why;
+    nl_error e = {0};
+    if (nl_objective_check(&c->cfg, &t->objective, &e) != NL_OK) { /* the client's, checked */
+        snprintf(why, cap, "%s", e.msg);
+        return why;
     }
     if (p->lds && t->eval_every > 0 && p->lds->n == p->lds->n_train) {
-        coord_train_fail(c, j, "%s: holdout %g of %zu examples holds none out to evaluate", t->data,
-                         t->holdout, p->lds->n);
-        return;
+        snprintf(why, cap, "%s: holdout %g of %zu examples holds none out to evaluate", t->data,
+                 t->holdout, p->lds->n);
+        return why;
     }
     if (p->lds && p->lds->n_classes > c->cfg.num_classes) {
-        coord_train_fail(c, j, "%s: %d classes, but the model's num_classes is %d", t->data,
-                         p->lds->n_classes, c->cfg.num_classes);
-        return;
+        snprintf(why, cap, "%s: %d classes, but the model's num_classes is %d", t->data,
+                 p->lds->n_classes, c->cfg.num_classes);
+        return why;
     }
     t->ds = p->ds;
     t->lds = p->lds;
@@ -256,15 +194,10 @@ static void prep_done(nl_coord *c, cwork *w)
         (t->lds && (!(t->docs = malloc(n * sizeof *t->docs)) ||
                     !(t->labels = malloc((size_t)t->batch * sizeof *t->labels)) ||
                     !(t->lengths = malloc((size_t)t->batch * sizeof *t->lengths))))) {
-        coord_train_fail(c, j, "out of memory");
-        return;
+        snprintf(why, cap, "out of memory");
+        return why;
     }
-    /* it begins once the cluster is ready (at once unless it reloads) */
-    t->phase = TR_LOADING;
-    j->phase = JOB_WAITING;
-    j->last_progress = coord_now();
-    if (c->ready)
-        coord_train_begin(c, j);
+    return NULL;
 }
 
 /* The job's client-chosen paths kept under the operator's roots (issue
@@ -339,78 +272,34 @@ static int prepare_growth(nl_coord *c, ctrain *t, prep_task *p, const char *resu
     return 1;
 }
 
-void coord_train_submit(nl_coord *c, const nl_rx *rx, cft *ft)
+const char *coord_train_refusal(const nl_coord *c, int finetune, char *why, size_t cap)
 {
-    const nl_msg_job_submit *s = &rx->msg.u.job_submit;
-    nl_error e = {0};
-    char why[700];
     /* one training job at a time, and none beside fine-tuning (which
      * needs the weights frozen); fine-tuning jobs may run together */
     for (int i = 0; i < COORD_MAX_JOBS; i++) {
         const cjob *o = &c->jobs[i];
-        if (o->phase == JOB_FREE || (o->ops != &coord_train_ops && o->ops != &coord_finetune_ops) ||
-            (ft && o->ops == &coord_finetune_ops))
+        const int kind = o->phase == JOB_FREE ? -1 : o->ops->kind;
+        if ((kind != NL_JOB_TRAIN && kind != NL_JOB_FINETUNE) ||
+            (finetune && kind == NL_JOB_FINETUNE))
             continue;
-        snprintf(why, sizeof why, "job %llu is %s already; %s", (unsigned long long)o->id,
-                 o->ops == &coord_train_ops ? "training" : "fine-tuning",
-                 ft ? "fine-tuning needs the weights frozen" : "one at a time");
-        coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, why, NULL);
-        free(ft);
-        return;
+        snprintf(why, cap, "job %llu is %s already; %s", (unsigned long long)o->id,
+                 kind == NL_JOB_TRAIN ? "training" : "fine-tuning",
+                 finetune ? "fine-tuning needs the weights frozen" : "one at a time");
+        return why;
     }
-    cjob *j = coord_job_new(c, rx, ft ? &coord_finetune_ops : &coord_train_ops);
-    if (!j) {
-        free(ft);
-        return;
-    }
-    ctrain *t = j->state = calloc(1, sizeof *t);
-    prep_task *p = calloc(1, sizeof *p);
-    if (!t || !p) {
-        free(p);
-        free(ft);
-        coord_train_fail(c, j, "out of memory");
-        return;
-    }
-    t->ft = ft;
-    t->bad_stage = -1;
-    const char *resume = NULL, *bad = read_params(t, s, &resume);
-    if (!bad && ft && resume)
-        bad = "resume (a fine-tuning job starts its adapters afresh)";
-    if (!bad && ft && t->learn_vocab > 0)
-        bad = "learn_vocab (a fine-tuning job keeps the base as it is)";
-    if (bad) {
-        free(p);
-        coord_train_fail(c, j, "%s: params.%s is missing or out of range", j->ops->name, bad);
-        return;
-    }
-    char resume_real[PATH_MAX];
-    if ((bad = confine_paths(c, t, &resume, resume_real, sizeof resume_real, why, sizeof why))) {
-        free(p);
-        coord_train_fail(c, j, "train: %s", bad);
-        return;
-    }
-    snprintf(p->root, sizeof p->root, "%s", c->ckpt_root);
-    coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, "running", NULL);
-    /* a job recovered from the journal (no client yet) waits for the nodes */
-    if (!resume && !c->ready && rx->rid_len > 0) {
-        free(p);
-        coord_train_fail(c, j, "the cluster is not ready: %s", c->state);
-        return;
-    }
-    /* the objective against the model it trains now (a resumed one's is
-     * checked again once its manifest is installed) */
-    if (!resume && t->objective != -1) {
-        int obj = t->objective;
-        if (objective_refusal(&c->cfg, &obj, why, sizeof why)) {
-            free(p);
-            coord_train_fail(c, j, "train: %s", why);
-            return;
-        }
-    }
-    p->w = (cwork){.run = prep_run, .done = prep_done, .free = prep_free, .job_id = j->id};
+    return NULL;
+}
+
+/* The worker's task, made and started: NULL, or why the job fails. */
+static const char *start_worker(nl_coord *c, cjob *j, prep_task *p, const nl_msg_job_submit *s,
+                                const char *resume, tr_done done, char *why, size_t cap)
+{
+    ctrain *t = j->state;
+    nl_error e = {0};
+    p->w = (cwork){.run = prep_run, .done = done, .free = prep_free, .job_id = j->id};
     p->vocab = c->cfg.vocab_size;
     p->holdout = t->holdout;
-    p->classify = t->objective == COORD_OBJ_CLASSIFY;
+    p->classify = t->objective == NL_OBJ_CLASSIFY;
     p->seed = (uint64_t)t->seed;
     int oom = 0;
     p->resume = coord_train_dup(resume, &oom);
@@ -418,22 +307,119 @@ void coord_train_submit(nl_coord *c, const nl_rx *rx, cft *ft)
     p->tok = coord_train_dup(resume ? NULL : c->tok_text, &oom);
     if (oom) {
         prep_free(&p->w);
-        coord_train_fail(c, j, "out of memory");
-        return;
+        snprintf(why, cap, "out of memory");
+        return why;
     }
-    if (t->learn_vocab > 0 && !prepare_growth(c, t, p, resume, why, sizeof why)) {
+    char refusal[700];
+    if (t->learn_vocab > 0 && !prepare_growth(c, t, p, resume, refusal, sizeof refusal)) {
         prep_free(&p->w);
-        coord_train_fail(c, j, "train: --learn-vocab: %s", why);
-        return;
+        snprintf(why, cap, "train: --learn-vocab: %s", refusal);
+        return why;
     }
-    t->phase = TR_PREPARING;
-    if (!ft && !(t->journal = coord_journal_params(s))) {
+    if (!t->ft && !(t->journal = coord_journal_params(s))) {
         prep_free(&p->w);
-        coord_train_fail(c, j, "out of memory");
-        return;
+        snprintf(why, cap, "out of memory");
+        return why;
     }
-    if (!ft) /* a fine-tuning job is not journaled: it ends with the coordinator */
+    if (!t->ft) /* a fine-tuning job is not journaled: it ends with the coordinator */
         coord_journal_train(c, j->id, t->journal, resume);
-    if (coord_work_start(c, &p->w, &e) != NL_OK)
-        coord_train_fail(c, j, "%s", e.msg);
+    if (coord_work_start(c, &p->w, &e) != NL_OK) {
+        snprintf(why, cap, "%s", e.msg);
+        return why;
+    }
+    return NULL;
+}
+
+const char *coord_train_prepare(nl_coord *c, cjob *j, const nl_msg_job_submit *s, tr_done done,
+                                char *why, size_t cap)
+{
+    ctrain *t = j->state;
+    char refusal[700];
+    prep_task *p = calloc(1, sizeof *p);
+    if (!p) {
+        snprintf(why, cap, "out of memory");
+        return why;
+    }
+    nl_error e = {0};
+    const char *resume = NULL, *bad = NULL;
+    if (read_params(t, s, &resume, &e) != NL_OK) {
+        free(p);
+        snprintf(why, cap, "%s: %s", j->ops->name, e.msg);
+        return why;
+    }
+    char resume_real[PATH_MAX];
+    if ((bad = confine_paths(c, t, &resume, resume_real, sizeof resume_real, refusal,
+                             sizeof refusal))) {
+        free(p);
+        snprintf(why, cap, "train: %s", bad);
+        return why;
+    }
+    snprintf(p->root, sizeof p->root, "%s", c->ckpt_root);
+    coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, "running", NULL);
+    /* a job recovered from the journal (no client yet) waits for the nodes */
+    if (!resume && !c->ready && j->rid_len > 0) {
+        free(p);
+        snprintf(why, cap, "the cluster is not ready: %s", c->state);
+        return why;
+    }
+    /* the objective against the model it trains now (a resumed one's is
+     * checked again once its manifest is installed) */
+    if (!resume && t->objective != NL_OBJ_MODEL) {
+        int obj = t->objective;
+        if (nl_objective_check(&c->cfg, &obj, &e) != NL_OK) {
+            free(p);
+            snprintf(why, cap, "train: %s", e.msg);
+            return why;
+        }
+    }
+    return start_worker(c, j, p, s, resume, done, why, cap);
+}
+
+int coord_train_memory(nl_coord *c, cjob *j, char *why, size_t cap)
+{
+    ctrain *t = j->state;
+    char held[400], none[400];
+    c->train_mem = (nl_mem_opts){.training = 1,
+                                 .micro_rows = (int)(t->batch / t->micro * t->seq),
+                                 .in_flight = (int)t->micro,
+                                 .recompute = t->recompute};
+    if (coord_plan_holds(c, &c->train_mem, held, sizeof held))
+        return 1;
+    if (!coord_plan_possible(c, none, sizeof none)) {
+        snprintf(why, cap, "training memory: %s; and no plan over the nodes holds it: %s", held,
+                 none);
+        return -1;
+    }
+    if (t->mem_replanned || c->stages_modified) {
+        snprintf(why, cap, "training memory: %s%s", held,
+                 c->stages_modified ? " (the stages hold weights trained since the last "
+                                      "checkpoint, so the cluster does not plan again)"
+                                    : "");
+        return -1;
+    }
+    t->mem_replanned = 1;
+    NL_INFO("train job %llu: %s; planning again for training memory", (unsigned long long)j->id,
+            held);
+    char msg[500];
+    snprintf(msg, sizeof msg, "%s; planning again for training memory", held);
+    coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, msg, NULL);
+    return 0;
+}
+
+void coord_train_state_free(ctrain *t)
+{
+    if (!t)
+        return;
+    nl_dataset_destroy(&t->ds);
+    nl_labelled_destroy(&t->lds);
+    free(t->tokens);
+    free(t->targets);
+    free(t->docs);
+    free(t->labels);
+    free(t->lengths);
+    free(t->got);
+    coord_train_free_shards(t->shards, t->stages);
+    json_decref(t->journal);
+    free(t->ft);
+    free(t);
 }

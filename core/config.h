@@ -9,6 +9,7 @@
 
 #include "../base/status.h"
 #include "../kernels/backend.h"
+#include "objective.h"
 
 typedef struct nl_config {
     int64_t vocab_size;  /* active vocabulary; default NL_DEFAULT_VOCAB */
@@ -34,9 +35,6 @@ typedef struct nl_config {
     double mask_prob;     /* mlm: share of positions masked; 0.3 */
     int num_classes;      /* K > 0: classifier.weight [K, d] on mean-pooled states; 0 */
 } nl_config;
-
-/* objective */
-enum { NL_OBJ_CLM = 0, NL_OBJ_MLM = 1 };
 
 /* The masked-LM mask id: the tokenizer's reserved <|pad|> (258), which
  * encoding never emits (core/tokenizer.h, NL_TOKEN_PAD). */

@@ -9,12 +9,35 @@
  * read past a part's end is caught by ASan.
  *
  * Property: whatever decodes re-encodes, and that encoding decodes again
- * and re-encodes to the same bytes. */
+ * and re-encodes to the same bytes. A JOB_SUBMIT's params go through
+ * every use of the job schemas (net/genparams.h, net/trainparams.h): a
+ * training request or stage job they accept, written back by the schema,
+ * is accepted again. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "../net/genparams.h"
+#include "../net/trainparams.h"
 #include "../net/wire.h"
+
+/* The job schemas over a JOB_SUBMIT's params. */
+static void schemas(const nl_msg_job_submit *j)
+{
+    nl_genparams g;
+    nl_trainparams t, u;
+    nl_wire_param w[NL_TRAINPARAMS_MAX_KEYS];
+    nl_error err;
+    for (int use = NL_GENPARAMS_REQUEST; use <= NL_GENPARAMS_SESSION; use++)
+        nl_genparams_parse(&g, j->params, j->nparams, (nl_genparams_use)use, &err);
+    for (int use = NL_TRAINPARAMS_TRAIN; use <= NL_TRAINPARAMS_STAGE_FT; use++) {
+        if (nl_trainparams_parse(&t, j->params, j->nparams, (nl_trainparams_use)use, &err) != NL_OK)
+            continue;
+        const uint32_t n = nl_trainparams_wire(&t, (nl_trainparams_use)use, w);
+        if (nl_trainparams_parse(&u, w, n, (nl_trainparams_use)use, &err) != NL_OK)
+            abort();
+    }
+}
 
 static size_t take_u32(const uint8_t **p, size_t *left)
 {
@@ -84,6 +107,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         if (nl_wire_encode(&m2, &w2, &rl, &err) != NL_OK || w2.len != w1.len ||
             memcmp(w1.data, w2.data, w1.len) != 0)
             abort();
+        if (m.type == NL_MSG_JOB_SUBMIT)
+            schemas(&m.u.job_submit);
     }
     for (int i = 0; i < n; i++)
         free(bufs[i]);

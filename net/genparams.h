@@ -10,12 +10,15 @@
  *   session      integer  >= 1             required a session
  *   capacity     integer  1 .. 2^31 - 1    required a session
  *   limit        integer  0 .. 2^31 - 1    0        a session
+ *   adapter      string   1 .. 4096 bytes  none     both (a LoRA adapter file)
  *
- * A number may come as an integer or a float (`temperature: 0` is 0); an
- * integer must come as one. A value of the wrong type or out of range is
- * NL_ERR_RANGE and a missing required key NL_ERR_PROTO, each with a
- * message naming the key: never a silent default. Keys of the other use,
- * and unknown keys, are ignored. */
+ * The coordinator resolves a request's adapter under its --checkpoint-root
+ * and sends the session the resolved path; the node resolves it again
+ * under its own. Read by net/params.h: a number may come as an integer or
+ * a float (`temperature: 0` is 0); an integer must come as one. A value
+ * of the wrong type or out of range is NL_ERR_RANGE and a missing
+ * required key NL_ERR_PROTO, each with a message naming the key: never a
+ * silent default. Keys of the other use, and unknown keys, are ignored. */
 #ifndef NL_GENPARAMS_H
 #define NL_GENPARAMS_H
 
@@ -30,14 +33,17 @@ typedef struct nl_genparams {
     int max_new;
     double temperature, top_p;
     int64_t seed;
-    uint64_t session; /* the generation job's id */
-    int capacity;     /* positions of the session's KV cache */
-    int limit;        /* tokens the last stage feeds back itself (the token ring); 0: none */
+    uint64_t session;    /* the generation job's id */
+    int capacity;        /* positions of the session's KV cache */
+    int limit;           /* tokens the last stage feeds back itself (the token ring); 0: none */
+    const char *adapter; /* a LoRA adapter file, or NULL (parsed: points into the params) */
 } nl_genparams;
 
+/* The session's wire params: these always, and the adapter when set. */
 #define NL_GENPARAMS_SESSION_KEYS 6
+#define NL_GENPARAMS_SESSION_MAX 7
 
-/* The defaults of the table above (session and capacity 0). */
+/* The defaults of the table above (session and capacity 0, no adapter). */
 void nl_genparams_defaults(nl_genparams *p);
 
 /* Read params[0..n) for `use` into p (defaults first). Keys are read in
@@ -45,8 +51,9 @@ void nl_genparams_defaults(nl_genparams *p);
 nl_status nl_genparams_parse(nl_genparams *p, const nl_wire_param *params, uint32_t n,
                              nl_genparams_use use, nl_error *err);
 
-/* The session's parameters as NL_GENPARAMS_SESSION_KEYS wire params in
- * out (their keys are static strings). */
-void nl_genparams_session_wire(const nl_genparams *p, nl_wire_param *out);
+/* The session's parameters as wire params in out (room for
+ * NL_GENPARAMS_SESSION_MAX; their keys are static strings, the adapter
+ * p's); returns how many. */
+uint32_t nl_genparams_session_wire(const nl_genparams *p, nl_wire_param *out);
 
 #endif

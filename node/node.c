@@ -358,8 +358,8 @@ static void start_rejoin(node *n, const char *why)
         return;
     NL_WARN("the coordinator does not know this node (%s): joining again",
             nl_log_escape(text, sizeof text, why));
-    if (nl_stage_train_running(n->stage, &job) && nl_stage_train_end(n->stage, job))
-        nl_node_train_summary(n, job);
+    if (nl_stage_train_running(n->stage, &job))
+        nl_node_end_job(n, job);
     n->rejoining = true;
     n->rejoin_at_ms = nl_node_mono_ms();
     n->rejoin_wait_ms = REJOIN_FIRST_MS;
@@ -425,18 +425,10 @@ static void on_control(node *n)
         nl_node_handle_train(n, m);
         break;
     case NL_MSG_JOB_SUBMIT:
-        if (m->u.job_submit.kind == NL_JOB_TRAIN || m->u.job_submit.kind == NL_JOB_FINETUNE)
-            nl_node_handle_train_submit(n, &m->u.job_submit);
-        else if (m->u.job_submit.kind == NL_JOB_EMBED || m->u.job_submit.kind == NL_JOB_FORWARD)
-            nl_node_handle_embed_submit(n, &m->u.job_submit); /* forward: with an adapter */
-        else
-            nl_node_handle_job_submit(n, &m->u.job_submit);
+        nl_node_handle_job_submit(n, &m->u.job_submit);
         break;
     case NL_MSG_JOB_CANCEL:
-        nl_node_close_session(n, m->u.job_ref.job_id);
-        nl_stage_embed_end(n->stage, m->u.job_ref.job_id);
-        if (nl_stage_train_end(n->stage, m->u.job_ref.job_id))
-            nl_node_train_summary(n, m->u.job_ref.job_id);
+        nl_node_end_job(n, m->u.job_ref.job_id);
         break;
     case NL_MSG_ERROR:
         if (m->u.error.req_type == NL_MSG_HEARTBEAT && m->u.error.code == NL_ERR_STATE) {

@@ -100,11 +100,10 @@ void nl_node_handle_layer_load(node *n, const nl_wire_msg *m);
 void nl_node_handle_load_done(node *n, const nl_msg_load_done *d);
 void nl_node_handle_activation(node *n, const nl_wire_msg *m);
 void nl_node_run_batch(node *n);
+/* JOB_SUBMIT and JOB_CANCEL of every kind: the stage's job table. */
 void nl_node_handle_job_submit(node *n, const nl_msg_job_submit *j);
-void nl_node_handle_embed_submit(node *n, const nl_msg_job_submit *j);
-void nl_node_close_session(node *n, uint64_t id);
+void nl_node_end_job(node *n, uint64_t job);
 void nl_node_handle_train(node *n, const nl_wire_msg *m);
-void nl_node_handle_train_submit(node *n, const nl_msg_job_submit *j);
 /* Log a training job's time on this node when it ends. */
 void nl_node_train_summary(node *n, uint64_t job);
 bool nl_node_is_train_hop(const nl_wire_msg *m);

@@ -296,52 +296,29 @@ void nl_node_run_batch(node *n)
         NL_ERROR("a batch of sessions: %s", e.msg);
 }
 
+/* JOB_SUBMIT of any kind: the stage begins the job (node/stage_jobs.c). */
 void nl_node_handle_job_submit(node *n, const nl_msg_job_submit *j)
 {
     nl_error e;
-    nl_stage_session_params p;
-    nl_status st = nl_stage_parse_session(j, &p, &e);
-    if (st == NL_OK)
-        st = nl_stage_open_session(n->stage, &p, &e);
-    if (st != NL_OK) { /* p.id is 0 if the request named no session */
-        nl_node_fail_job(n, p.id, st, NL_MSG_JOB_SUBMIT, "%s", e.msg);
-        return;
-    }
-    NL_INFO("session %llu open: %d positions, KV %zu of %llu bytes in use, %d sessions",
-            (unsigned long long)p.id, p.capacity, nl_stage_kv_used(n->stage),
-            (unsigned long long)n->o->kv_budget, nl_stage_session_count(n->stage));
-    nl_wire_msg_reset(&n->tx, NL_MSG_JOB_STATUS);
-    n->tx.u.job_status = (nl_msg_job_status){p.id, NL_JOB_RUNNING, 0.0, "session open"};
-    nl_node_send_ctl(n, "JOB_STATUS");
-}
-
-/* An embedding job's request (node/stage_embed.c): the hop that follows
- * keeps its pads apart and, on the last stage, is pooled. */
-void nl_node_handle_embed_submit(node *n, const nl_msg_job_submit *j)
-{
-    nl_error e;
     uint64_t job = 0;
-    nl_status st = nl_stage_embed_begin(n->stage, j, &job, &e);
-    if (st != NL_OK) {
+    const char *status = NULL;
+    nl_status st = nl_stage_job_begin(n->stage, j, &job, &status, &e);
+    if (st != NL_OK) { /* job is 0 if the request named none */
         nl_node_fail_job(n, job, st, NL_MSG_JOB_SUBMIT, "%s", e.msg);
         return;
     }
     nl_wire_msg_reset(&n->tx, NL_MSG_JOB_STATUS);
-    n->tx.u.job_status = (nl_msg_job_status){job, NL_JOB_RUNNING, 0.0, "embedding"};
+    n->tx.u.job_status = (nl_msg_job_status){job, NL_JOB_RUNNING, 0.0, status};
     nl_node_send_ctl(n, "JOB_STATUS");
 }
 
-/* JOB_CANCEL of a generation: drop the session, saying what it cost here. */
-void nl_node_close_session(node *n, uint64_t id)
+/* JOB_CANCEL of any kind (or a training job that ends with the node's
+ * connection): the stage ends the job; a training job's time is logged. */
+void nl_node_end_job(node *n, uint64_t job)
 {
-    nl_stage_session_info i;
-    if (!nl_stage_session(n->stage, id, &i))
-        return;
-    nl_stage_close_session(n->stage, id);
-    NL_INFO("session %llu closed: %d positions; prefill %.2f ms, %d decode steps of %.3f ms each "
-            "(this stage's compute)",
-            (unsigned long long)id, i.len, i.prefill_s * 1e3, i.steps,
-            i.steps ? i.step_s * 1e3 / i.steps : 0.0);
+    const int kind = nl_stage_job_end(n->stage, job);
+    if (kind == NL_JOB_TRAIN || kind == NL_JOB_FINETUNE)
+        nl_node_train_summary(n, job);
 }
 
 /* ===================== training ===================== */
@@ -413,19 +390,19 @@ void nl_node_handle_train(node *n, const nl_wire_msg *m)
     clock_gettime(CLOCK_MONOTONIC, &a);
     if (!n->train_t0)
         n->train_t0 = nl_node_mono_ms();
-    if (!nl_stage_train_holds(n->stage, m)) { /* in flight when its job ended */
+    if (!nl_stage_job_holds(n->stage, m)) { /* in flight when its job ended */
         NL_DEBUG("dropped a %s of a job this stage does not train", nl_wire_type_name(m->type));
         return;
     }
-    const uint64_t job = nl_stage_train_job_of(m); /* a training or fine-tuning job */
+    const uint64_t job = nl_stage_job_of(m); /* a training or fine-tuning job */
     char *real = NULL;
     nl_status st = NL_OK;
     if (m->type == NL_MSG_CKPT_REQ && (st = ckpt_dir(n, m->u.ckpt_req.dir, &real, &e)) == NL_OK) {
         nl_wire_msg req = *m; /* the stage writes into the real directory */
         req.u.ckpt_req.dir = real;
-        st = nl_stage_train_input(n->stage, &req, train_send, n, &e);
+        st = nl_stage_job_input(n->stage, &req, train_send, n, &e);
     } else if (st == NL_OK) {
-        st = nl_stage_train_input(n->stage, m, train_send, n, &e);
+        st = nl_stage_job_input(n->stage, m, train_send, n, &e);
     }
     free(real);
     if (n->o->inject_slow_ms > 0 && m->type != NL_MSG_CKPT_REQ) {
@@ -439,20 +416,6 @@ void nl_node_handle_train(node *n, const nl_wire_msg *m)
     n->train_busy_ms += ms;
     if (st != NL_OK)
         nl_node_fail_job(n, job, st, m->type, "%s", e.msg);
-}
-
-void nl_node_handle_train_submit(node *n, const nl_msg_job_submit *j)
-{
-    nl_error e;
-    uint64_t job = 0;
-    nl_status st = nl_stage_train_begin(n->stage, j, &job, &e);
-    if (st != NL_OK) { /* job is 0 if the request named none */
-        nl_node_fail_job(n, job, st, NL_MSG_JOB_SUBMIT, "%s", e.msg);
-        return;
-    }
-    nl_wire_msg_reset(&n->tx, NL_MSG_JOB_STATUS);
-    n->tx.u.job_status = (nl_msg_job_status){job, NL_JOB_RUNNING, 0.0, "training"};
-    nl_node_send_ctl(n, "JOB_STATUS");
 }
 
 /* How the ended job's time went on this node. */

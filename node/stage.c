@@ -1,5 +1,5 @@
-/* One pipeline stage: the assigned model, its loading, the forward hop and
- * the generation sessions (see stage.h). */
+/* One pipeline stage: the assigned model, its loading and the forward hop
+ * (see stage.h); the generation sessions are stage_session.c's. */
 #include "stage.h"
 #include "stage_impl.h"
 
@@ -11,7 +11,6 @@
 
 #include "../base/log.h"
 #include "../core/memory.h"
-#include "../net/genparams.h"
 
 double nl_stage_now(void)
 {
@@ -62,33 +61,13 @@ nl_status nl_stage_new(nl_stage **out, nl_backend *be, const nl_stage_opts *o, n
     return nl_stage_new_replicas(out, &be, 1, NULL, o, err);
 }
 
-static void session_free(nl_stage *s, session *se)
-{
-    nl_kvcache_destroy(&se->kv);
-    if (se->has_sampler)
-        nl_sampler_free(&se->smp);
-    nl_stage_adapter_put(s, se->lo);
-    se->lo = NULL;
-    s->kv_used -= se->bytes;
-    se->bytes = 0;
-}
-
-static void sessions_clear(nl_stage *s)
-{
-    for (int i = 0; i < s->n_sess; i++)
-        session_free(s, &s->sess[i]);
-    s->n_sess = 0;
-    s->evicted = s->closed = (ended_ids){0};
-}
-
 /* Free the model and everything sized for it. The output must be idle. */
 static void drop_model(nl_stage *s)
 {
-    nl_stage_train_free(s); /* it borrows the model */
-    nl_stage_lora_free_all(s);
+    nl_stage_jobs_free_all(s); /* training jobs borrow the model */
     nl_stage_embed_free_all(s);
     nl_stage_batch_free(s);
-    sessions_clear(s);
+    nl_stage_sessions_clear(s);
     nl_stage_adapter_free_all(s); /* after everyone who held one */
     for (int i = 0; i < 2; i++) {
         free(s->mom_h[i]);
@@ -267,7 +246,7 @@ nl_status nl_stage_assign(nl_stage *s, const nl_msg_assign *a, nl_error *err)
          * next assignment or nl_stage_destroy; nothing runs on them */
         if (nl_txref_idle(&s->tx))
             drop_model(s);
-        sessions_clear(s);
+        nl_stage_sessions_clear(s);
         s->ready = false;
         s->assign_failed = true;
         snprintf(s->assign_err, sizeof s->assign_err, "%s", err ? err->msg : "refused");
@@ -420,190 +399,6 @@ nl_status nl_stage_load_done(nl_stage *s, uint64_t epoch, uint32_t tensors, nl_s
     info->bytes = (uint64_t)m->n_params * sizeof(float);
     info->seconds = now_s() - s->t_assign;
     return NL_OK;
-}
-
-/* ===================== sessions ===================== */
-
-session *nl_stage_find_session(const nl_stage *s, uint64_t id)
-{
-    for (int i = 0; i < s->n_sess; i++)
-        if (s->sess[i].id == id)
-            return &s->sess[i];
-    return NULL;
-}
-
-static void remove_session(nl_stage *s, session *se)
-{
-    session_free(s, se);
-    *se = s->sess[--s->n_sess];
-}
-
-static void ended_add(ended_ids *e, uint64_t id)
-{
-    e->id[e->at] = id;
-    e->at = (e->at + 1) % ENDED_MEMORY;
-    if (e->n < ENDED_MEMORY)
-        e->n++;
-}
-
-static bool ended_has(const ended_ids *e, uint64_t id)
-{
-    for (int i = 0; id && i < e->n; i++)
-        if (e->id[i] == id)
-            return true;
-    return false;
-}
-
-static void ended_forget(ended_ids *e, uint64_t id)
-{
-    for (int i = 0; i < e->n; i++)
-        if (e->id[i] == id)
-            e->id[i] = 0; /* 0 is never a session id */
-}
-
-static void evict_lru(nl_stage *s, uint64_t for_id)
-{
-    session *lru = &s->sess[0];
-    for (int i = 1; i < s->n_sess; i++)
-        if (s->sess[i].used < lru->used)
-            lru = &s->sess[i];
-    NL_INFO("stage: evicted session %llu (%zu bytes of KV cache, %d positions) to make room for "
-            "session %llu",
-            (unsigned long long)lru->id, lru->bytes, lru->kv ? lru->kv->len : 0,
-            (unsigned long long)for_id);
-    ended_add(&s->evicted, lru->id);
-    remove_session(s, lru);
-}
-
-nl_status nl_stage_parse_session(const nl_msg_job_submit *j, nl_stage_session_params *p,
-                                 nl_error *err)
-{
-    nl_genparams g;
-    *p = (nl_stage_session_params){0};
-    if (j->kind != NL_JOB_GENERATE)
-        return nl_error_set(err, NL_ERR_UNSUPPORTED,
-                            "JOB_SUBMIT: a node opens generation sessions only (kind %u)", j->kind);
-    /* the schema shared with the coordinator (net/genparams.h) */
-    nl_status st = nl_genparams_parse(&g, j->params, j->nparams, NL_GENPARAMS_SESSION, err);
-    *p = (nl_stage_session_params){.id = g.session,
-                                   .capacity = g.capacity,
-                                   .temperature = (float)g.temperature,
-                                   .top_p = (float)g.top_p,
-                                   .seed = (uint64_t)g.seed,
-                                   .limit = g.limit};
-    for (uint32_t i = 0; st == NL_OK && i < j->nparams; i++) /* optional: an adapter file */
-        if (strcmp(j->params[i].key, "adapter") == 0) {
-            if (j->params[i].kind != NL_WIRE_PARAM_STR || !j->params[i].s[0])
-                st = nl_error_set(err, NL_ERR_PROTO,
-                                  "JOB_SUBMIT generate: params.adapter is not "
-                                  "a path");
-            else
-                p->adapter = j->params[i].s;
-        }
-    return st;
-}
-
-static nl_status grow_sessions(nl_stage *s, nl_error *err)
-{
-    if (s->n_sess < s->cap_sess)
-        return NL_OK;
-    int cap = s->cap_sess ? 2 * s->cap_sess : 8;
-    session *n = realloc(s->sess, (size_t)cap * sizeof *n);
-    if (!n)
-        return nl_error_set(err, NL_ERR_NOMEM, "stage: out of memory for sessions");
-    s->sess = n;
-    s->cap_sess = cap;
-    return NL_OK;
-}
-
-nl_status nl_stage_open_session(nl_stage *s, const nl_stage_session_params *p, nl_error *err)
-{
-    unsigned long long id = (unsigned long long)p->id;
-    if (!s->ready)
-        return nl_error_set(err, NL_ERR_STATE, "session %llu: this stage has no model loaded", id);
-    const nl_model *m = s->model;
-    if (p->id == 0 || p->capacity < 1 || p->capacity > m->cfg.max_seq_len)
-        return nl_error_set(err, NL_ERR_RANGE, "session %llu: capacity %d is outside 1..%d", id,
-                            p->capacity, m->cfg.max_seq_len);
-    if (p->limit < 0 || p->limit > p->capacity)
-        return nl_error_set(err, NL_ERR_RANGE, "session %llu: limit %d is outside 0..%d", id,
-                            p->limit, p->capacity);
-    size_t bytes = nl_kvcache_bytes(&m->cfg, m->l1 - m->l0, 1, p->capacity);
-    if (bytes > s->o.kv_budget)
-        return nl_error_set(err, NL_ERR_CAPACITY,
-                            "session %llu: a KV cache of %d positions takes %zu bytes, more than "
-                            "the whole budget of %llu (--kv-budget)",
-                            id, p->capacity, bytes, (unsigned long long)s->o.kv_budget);
-    session *old = nl_stage_find_session(s, p->id);
-    if (old) {
-        NL_INFO("stage: session %llu opened again: its old cache is dropped", id);
-        remove_session(s, old);
-    }
-    nl_stage_batch_drop_session(s, p->id); /* hops queued for an old one */
-    nl_status st = grow_sessions(s, err);
-    if (st != NL_OK)
-        return st;
-    while (s->n_sess > 0 && s->kv_used + bytes > s->o.kv_budget)
-        evict_lru(s, p->id);
-    session se = {.id = p->id, .bytes = bytes, .used = ++s->tick, .limit = p->limit};
-    if (p->adapter && (st = nl_stage_adapter_get(s, p->adapter, &se.lo, err)) != NL_OK)
-        return nl_error_prefix(err, "session %llu", id);
-    st = nl_kvcache_new(&se.kv, m, 1, p->capacity, err);
-    if (st == NL_OK && m->has_head) {
-        st = nl_sampler_init(&se.smp, (int)m->cfg.vocab_size, p->temperature, p->top_p, p->seed,
-                             err);
-        se.has_sampler = st == NL_OK;
-    }
-    if (st != NL_OK) {
-        nl_kvcache_destroy(&se.kv);
-        nl_stage_adapter_put(s, se.lo);
-        return nl_error_prefix(err, "session %llu", id);
-    }
-    s->sess[s->n_sess++] = se;
-    s->kv_used += bytes;
-    ended_forget(&s->evicted, p->id);
-    ended_forget(&s->closed, p->id);
-    return NL_OK;
-}
-
-bool nl_stage_close_session(nl_stage *s, uint64_t id)
-{
-    session *se = nl_stage_find_session(s, id);
-    if (!se)
-        return false;
-    remove_session(s, se);
-    nl_stage_batch_drop_session(s, id);
-    ended_add(&s->closed, id);
-    return true;
-}
-
-bool nl_stage_session(const nl_stage *s, uint64_t id, nl_stage_session_info *info)
-{
-    const session *se = nl_stage_find_session(s, id);
-    if (se && info)
-        *info = (nl_stage_session_info){se->kv->cap,   se->kv->len, se->bytes, se->has_sampler,
-                                        se->prefill_s, se->steps,   se->step_s};
-    return se != NULL;
-}
-
-bool nl_stage_session_evicted(const nl_stage *s, uint64_t id)
-{
-    return ended_has(&s->evicted, id);
-}
-
-bool nl_stage_session_closed(const nl_stage *s, uint64_t id)
-{
-    return ended_has(&s->closed, id);
-}
-
-int nl_stage_session_count(const nl_stage *s)
-{
-    return s->n_sess;
-}
-
-size_t nl_stage_kv_used(const nl_stage *s)
-{
-    return s->kv_used;
 }
 
 /* ===================== the forward hop ===================== */

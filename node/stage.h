@@ -41,7 +41,7 @@ typedef struct nl_stage_opts {
     int prefill_chunk;       /* prompt positions per batch; 0 = 64 */
     int batch_wait_ms;       /* longest wait for the other active sessions; 0 = 20, < 0: none */
     /* data-parallel replicas (each computes on its own thread): */
-    int train_async;     /* nl_stage_train_input returns once the work is dispatched; the
+    int train_async;     /* nl_stage_job_input returns once the work is dispatched; the
                           * results go out from nl_stage_train_poll (the daemon) */
     int replicas_inline; /* tests: the replicas run one after another on the caller's thread */
 } nl_stage_opts;
@@ -172,7 +172,7 @@ typedef struct nl_stage_out {
  * through the stage. session_id 0 is a forward job without a cache
  * (pos_offset 0); any other id must be an open session with B = 1 and
  * pos_offset equal to its cache length. Training hops (step or
- * microbatch != 0) are refused: they go to nl_stage_train_input. */
+ * microbatch != 0) are refused: they go to nl_stage_job_input. */
 nl_status nl_stage_forward(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wire_frame *in,
                            nl_stage_out *out, nl_error *err);
 
@@ -259,51 +259,66 @@ bool nl_stage_embed_end(nl_stage *s, uint64_t job);
 typedef enum nl_stage_dest { NL_STAGE_TO_NEXT, NL_STAGE_TO_PREV, NL_STAGE_TO_COORD } nl_stage_dest;
 typedef nl_status (*nl_stage_send_fn)(void *ctx, nl_stage_dest to, nl_wire_msg *m, nl_error *err);
 
-/* JOB_SUBMIT {kind finetune}: the same params plus lora_rank, lora_alpha,
- * lora_targets ("wq,wk,wv,wo" and the experts' "w_gate,w_up,w_down") and
- * lora_seed: a LoRA fine-tuning job (node/stage_lora.c) with adapters of
- * its own on the frozen weights; several may run at once, but none beside
- * a training job.
- * JOB_SUBMIT {kind train, params: job, micro_batch, seq, microbatches,
- * recompute, start_step (steps already applied), adam_steps, moments (take
- * the optimizer moments that came with the weights), eval_hops (hops of
- * one evaluation)}: make the job's trainer, replacing any earlier job.
- * The stage keeps the activations of min(stages from here to the last,
- * microbatches) microbatches (1F1B); the memory model must fit --memory.
- * *job_id is set as soon as it is read. */
-nl_status nl_stage_train_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
-                               nl_error *err);
+/* ---- jobs (node/stage_jobs.c; training: stage_train.c, stage_lora.c) ---- */
 
-/* A message of the training job: COUNT, ACTIVATION (step >= 1) and EVAL
- * hops (checked, queued, run in order when their step and a free
- * activation slot allow), GRADIENT (the backward of the oldest microbatch
- * in flight), STEP (AdamW with the coordinator's learning rate and
- * clipping scale, or a skip) and CKPT_REQ (this stage's shard written
- * atomically to DIR/stage-<i>.safetensors, answered with CKPT_DONE and its
- * SHA-256). What the stage produces goes out through send before this
- * returns: hops on, gradients back, GRAD_NORM (and on the last stage LOSS)
- * when a step's gradients are all in. */
-nl_status nl_stage_train_input(nl_stage *s, const nl_wire_msg *m, nl_stage_send_fn send, void *ctx,
-                               nl_error *err);
-/* Is the message (one nl_stage_train_input takes) of the job this stage
- * trains? One that is not was in flight when its job ended or was
+/* JOB_SUBMIT of any kind a node runs, found in the stage's table of kinds;
+ * the job joins the stage's jobs by id. *job_id is set as soon as it is
+ * read (0: the request named none); *status (may be NULL) becomes the
+ * JOB_STATUS text of a job begun ("training").
+ *  - generate: a session (nl_stage_parse_session, nl_stage_open_session).
+ *  - embed, forward with an adapter: a request for the next hop
+ *    (nl_stage_embed_begin).
+ *  - train {params: job, micro_batch, seq, microbatches, recompute,
+ *    start_step (steps already applied), adam_steps, moments (take the
+ *    optimizer moments that came with the weights), eval_hops (hops of
+ *    one evaluation)}: make the job's trainer, replacing any earlier
+ *    training job. The stage keeps the activations of min(stages from
+ *    here to the last, microbatches) microbatches (1F1B); the memory
+ *    model must fit --memory.
+ *  - finetune: the same params plus lora_rank, lora_alpha, lora_targets
+ *    ("wq,wk,wv,wo" and the experts' "w_gate,w_up,w_down") and lora_seed:
+ *    a LoRA fine-tuning job (node/stage_lora.c) with adapters and a
+ *    trainer of its own on the frozen weights; several may run at once,
+ *    but none beside a training job.
+ * Both training kinds' params are read by net/trainparams.h (its stage
+ * uses). */
+nl_status nl_stage_job_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
+                             const char **status, nl_error *err);
+
+/* JOB_CANCEL (or a training job's end): the job ends and is freed (a
+ * session closed, a trainer freed). Returns its kind (nl_job_kind), or -1
+ * when the stage has no such job. */
+int nl_stage_job_end(nl_stage *s, uint64_t job);
+
+/* A message of a training or fine-tuning job: COUNT, ACTIVATION (step >=
+ * 1) and EVAL hops (checked, queued, run in order when their step and a
+ * free activation slot allow), GRADIENT (the backward of the oldest
+ * microbatch in flight), STEP (AdamW with the coordinator's learning rate
+ * and clipping scale, or a skip) and CKPT_REQ (this stage's shard written
+ * atomically to DIR/stage-<i>.safetensors, answered with CKPT_DONE and
+ * its SHA-256). What the stage produces goes out through send before this
+ * returns: hops on, gradients back, GRAD_NORM (and on the last stage
+ * LOSS) when a step's gradients are all in. */
+nl_status nl_stage_job_input(nl_stage *s, const nl_wire_msg *m, nl_stage_send_fn send, void *ctx,
+                             nl_error *err);
+/* Does one of the stage's jobs take the message (one nl_stage_job_input
+ * takes)? One that none does was in flight when its job ended or was
  * cancelled: stale, to be dropped. */
-bool nl_stage_train_holds(const nl_stage *s, const nl_wire_msg *m);
+bool nl_stage_job_holds(const nl_stage *s, const nl_wire_msg *m);
+/* The job a training message is of. */
+uint64_t nl_stage_job_of(const nl_wire_msg *m);
 
 /* With train_async and several replicas: a descriptor that becomes
- * readable when a replica finished a piece of work, for the daemon's poll
- * (-1 when there is none: no job, one replica, or not async). Then
- * nl_stage_train_poll sends what finished in the order nl_stage_train_input
- * would have and runs what became runnable; its error is the job's. */
+ * readable when a replica of the training job finished a piece of work,
+ * for the daemon's poll (-1 when there is none: no job, one replica, or
+ * not async). Then nl_stage_train_poll sends what finished in the order
+ * nl_stage_job_input would have and runs what became runnable; its error
+ * is the job's. */
 int nl_stage_train_fd(const nl_stage *s);
 nl_status nl_stage_train_poll(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_error *err);
 
-/* JOB_CANCEL or the job's end: free its trainer. False if it is not this
- * stage's training job. */
-bool nl_stage_train_end(nl_stage *s, uint64_t job_id);
+/* Whether a training job (not a fine-tuning one) runs, and its id. */
 bool nl_stage_train_running(const nl_stage *s, uint64_t *job_id);
-/* The job a training message (one nl_stage_train_input takes) is of. */
-uint64_t nl_stage_train_job_of(const nl_wire_msg *m);
 
 /* ---- state ---- */
 

@@ -19,6 +19,7 @@
 #include "../base/log.h"
 #include "../core/embed.h"
 #include "../core/lora.h"
+#include "../net/params.h"
 #include "stage_impl.h"
 
 #define EMBED_MAX 64
@@ -42,6 +43,7 @@ static void req_free(nl_stage *s, stage_embed *r)
 
 static void drop(nl_stage *s, int i)
 {
+    nl_stage_job_forget(s, s->emb[i].job); /* the stage's jobs by id (stage_jobs.c) */
     req_free(s, &s->emb[i]);
     memmove(&s->emb[i], &s->emb[i + 1], (size_t)(s->n_emb - i - 1) * sizeof *s->emb);
     s->n_emb--;
@@ -76,12 +78,10 @@ bool nl_stage_embed_end(nl_stage *s, uint64_t job)
     return false;
 }
 
+/* A parameter of the request by key, or NULL. */
 static const nl_wire_param *param(const nl_msg_job_submit *j, const char *key)
 {
-    for (uint32_t i = 0; i < j->nparams; i++)
-        if (strcmp(j->params[i].key, key) == 0)
-            return &j->params[i];
-    return NULL;
+    return nl_params_find(j->params, j->nparams, key);
 }
 
 nl_status nl_stage_embed_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
@@ -187,3 +187,31 @@ nl_status nl_stage_embed_pool(nl_stage *s, const stage_embed *r, const float *st
     out->shape[2] = 0;
     return NL_OK;
 }
+
+/* ---- the embed and forward kinds of the stage's jobs (stage_jobs.c) ---- */
+
+static nl_status embed_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
+                             void **state, nl_error *err)
+{
+    *state = NULL;
+    return nl_stage_embed_begin(s, j, job_id, err);
+}
+
+static void embed_end(nl_stage *s, uint64_t job, void *state)
+{
+    (void)state;
+    nl_stage_embed_end(s, job);
+}
+
+/* an embedding job's request: its hop keeps its pads apart and, on the
+ * last stage, is pooled; a forward job's comes with an adapter only */
+const stage_job_ops nl_stage_embed_ops = {.kind = NL_JOB_EMBED,
+                                          .name = "embed",
+                                          .status = "embedding",
+                                          .begin = embed_begin,
+                                          .end = embed_end};
+const stage_job_ops nl_stage_forward_ops = {.kind = NL_JOB_FORWARD,
+                                            .name = "forward",
+                                            .status = "embedding",
+                                            .begin = embed_begin,
+                                            .end = embed_end};

@@ -1,6 +1,10 @@
-/* The inside of a pipeline stage, shared by node/stage.c (assignment,
- * loading, inference) and node/stage_train.c (training jobs). Private to
- * node/. */
+/* The inside of a pipeline stage, shared by the stage's files: stage.c
+ * (assignment, loading, the forward hop), stage_session.c (generation
+ * sessions), stage_batch.c (their hops in batches), stage_jobs.c (the
+ * jobs by id and their kinds), stage_train.c and stage_train_hops.c
+ * (through stage_train_impl.h: training jobs), stage_lora.c (fine-tuning
+ * jobs, adapters for inference) and stage_embed.c (embedding requests).
+ * Private to node/. */
 #ifndef NL_NODE_STAGE_IMPL_H
 #define NL_NODE_STAGE_IMPL_H
 
@@ -95,11 +99,10 @@ struct nl_stage {
     float *mom_h[2];
     bool have_moments;
 
-    /* the training job, if one runs (node/stage_train.c) */
-    struct stage_train *train;
-    /* LoRA fine-tuning jobs (node/stage_lora.c), n_ft of cap_ft */
-    struct stage_ft *ft;
-    int n_ft, cap_ft;
+    /* the jobs by id, n_jobs of cap_jobs (node/stage_jobs.c): a training
+     * job and fine-tuning jobs own their state there */
+    struct stage_job *jobs;
+    int n_jobs, cap_jobs;
     /* embedding requests waiting for their hop (node/stage_embed.c), and
      * the last stage's pooled output */
     struct stage_embed *emb;
@@ -135,6 +138,9 @@ struct nl_stage {
     nl_stage_figures fig;
 };
 
+/* Close every session (the model goes, or its assignment failed)
+ * (stage_session.c). */
+void nl_stage_sessions_clear(nl_stage *s);
 /* The queue and the batch engine (stage_batch.c): dropped with the model;
  * a session's queued hops go with it. */
 void nl_stage_batch_free(nl_stage *s);
@@ -148,27 +154,79 @@ nl_status nl_stage_wait_output(nl_stage *s, const char *what, nl_error *err);
 session *nl_stage_find_session(const nl_stage *s, uint64_t id);
 double nl_stage_now(void);
 
-/* Free the training job's state (stage_train.c); safe without one. */
-void nl_stage_train_free(nl_stage *s);
-/* nl_stage_train_begin's work for a training job, into s->train (any
- * earlier one freed); with adapters attached to s->model the trainer
- * steps them alone (stage_lora.c makes fine-tuning jobs so). */
-nl_status nl_stage_train_make(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
-                              nl_error *err);
+/* ---- the stage's jobs (stage_jobs.c) ---- */
 
-/* ---- LoRA fine-tuning jobs (stage_lora.c) ---- */
-typedef struct stage_ft stage_ft;
-/* JOB_SUBMIT kind finetune: the job's adapters and its training state. */
-nl_status nl_stage_lora_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
-                              nl_error *err);
-/* Whether job is a fine-tuning job of this stage. */
-bool nl_stage_lora_holds(const nl_stage *s, uint64_t job);
-/* A training message of fine-tuning job `job`, run with its adapters. */
-nl_status nl_stage_lora_input(nl_stage *s, uint64_t job, const nl_wire_msg *m,
-                              nl_stage_send_fn send, void *ctx, nl_error *err);
-/* End one job (false: not one of this stage's), or all (the model goes). */
-bool nl_stage_lora_end(nl_stage *s, uint64_t job);
-void nl_stage_lora_free_all(nl_stage *s);
+/* A kind of job on the stage: how one begins, which messages it takes,
+ * how it runs one, ends and is freed. */
+typedef struct stage_job_ops {
+    int kind; /* nl_job_kind */
+    const char *name;
+    const char *status; /* the JOB_STATUS text once begun ("training") */
+    /* JOB_SUBMIT of the kind: check it and begin the job; *job_id as soon
+     * as it is read; *state: the job's, owned by the table, or NULL for a
+     * kind whose jobs live in a store of their own (sessions, embedding
+     * requests). */
+    nl_status (*begin)(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id, void **state,
+                       nl_error *err);
+    /* Does the job take m? NULL: no message comes through the table. */
+    bool (*holds)(const void *state, const nl_wire_msg *m);
+    /* A message the job holds: the stage runs what it can; what it
+     * produces goes out through send. */
+    nl_status (*input)(nl_stage *s, void *state, const nl_wire_msg *m, nl_stage_send_fn send,
+                       void *ctx, nl_error *err);
+    /* JOB_CANCEL: the job ends (out of the table already). NULL: nothing
+     * but free. */
+    void (*end)(nl_stage *s, uint64_t job, void *state);
+    /* Free the state (NULL-safe); also when the model goes. */
+    void (*free)(nl_stage *s, void *state);
+} stage_job_ops;
+
+typedef struct stage_job {
+    uint64_t id;
+    const stage_job_ops *ops;
+    void *state;
+} stage_job;
+
+/* The kinds: generate (stage_session.c), embed and forward with an
+ * adapter (stage_embed.c), whose jobs live in those files' stores; train
+ * (stage_train.c) and LoRA fine-tuning (stage_lora.c), whose jobs own
+ * their state here. */
+extern const stage_job_ops nl_stage_generate_ops, nl_stage_embed_ops, nl_stage_forward_ops,
+    nl_stage_train_ops, nl_stage_lora_ops;
+
+stage_job *nl_stage_job_find(const nl_stage *s, uint64_t id);
+/* The first job of a kind, or NULL; how many there are. */
+stage_job *nl_stage_job_first(const nl_stage *s, int kind);
+int nl_stage_job_count(const nl_stage *s, int kind);
+/* A store dropped job id by itself (a session evicted, an embedding
+ * request used): its entry goes (a job with state of its own stays). */
+void nl_stage_job_forget(nl_stage *s, uint64_t id);
+/* End and free every job of a kind without a word (a new training job
+ * replaces the last). */
+void nl_stage_job_drop_kind(nl_stage *s, int kind);
+/* Free every job (the model goes). */
+void nl_stage_jobs_free_all(nl_stage *s);
+
+/* ---- training and fine-tuning jobs (stage_train.c, stage_lora.c) ---- */
+struct stage_train;
+struct nl_trainparams;
+/* A training job's JOB_SUBMIT read by its schema (net/trainparams.h, the
+ * stage uses) and checked against the stage: a model loaded, seq within
+ * its max_seq_len. *job_id as soon as it is read. */
+nl_status nl_stage_train_params(nl_stage *s, const nl_msg_job_submit *j, struct nl_trainparams *p,
+                                uint64_t *job_id, nl_error *err);
+/* The state of a training job of parameters p (read from j, whose growth
+ * history it reads), made on the stage's model; with adapters attached
+ * to s->model its trainer steps them alone (stage_lora.c makes
+ * fine-tuning jobs so). */
+nl_status nl_stage_train_make(nl_stage *s, const struct nl_trainparams *p,
+                              const nl_msg_job_submit *j, struct stage_train **out, nl_error *err);
+/* Free a training job's state (NULL-safe). */
+void nl_stage_train_free(struct stage_train *t);
+/* A training message of job t (nl_stage_train_takes says which). */
+bool nl_stage_train_takes(const nl_wire_msg *m);
+nl_status nl_stage_train_input(nl_stage *s, struct stage_train *t, const nl_wire_msg *m,
+                               nl_stage_send_fn send, void *ctx, nl_error *err);
 
 /* ---- adapters for inference (stage_lora.c) ---- */
 /* The adapter file at path (a file under the node's --checkpoint-root)

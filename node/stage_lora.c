@@ -1,19 +1,20 @@
 /* LoRA fine-tuning jobs on one pipeline stage (JOB_SUBMIT kind finetune,
- * docs/cluster.md "LoRA fine-tuning"): each job owns adapters for this
- * stage's layers (core/lora.h, drawn from the run's seed as local
- * `neuroctl finetune` draws them) and a training job's state of
- * stage_train.c, which it runs unchanged: the job's trainer is made with
- * the adapters attached, so it keeps moments for the adapters alone, takes
- * their gradients' norm and steps only them; the base weights are never
- * written. Any objective runs so (its frames ride the hops as in
- * training); on the stage with a classification head the adapters hold a
- * copy of the head that trains with them and goes into the shard.
+ * docs/cluster.md "LoRA fine-tuning"), a kind of the stage's jobs
+ * (stage_jobs.c): each job owns adapters for this stage's layers
+ * (core/lora.h, drawn from the run's seed as local `neuroctl finetune`
+ * draws them) and a training job's state of stage_train.c, which it runs
+ * unchanged: the job's trainer is made with the adapters attached, so it
+ * keeps moments for the adapters alone, takes their gradients' norm and
+ * steps only them; the base weights are never written. Any objective runs
+ * so (its frames ride the hops as in training); on the stage with a
+ * classification head the adapters hold a copy of the head that trains
+ * with them and goes into the shard.
  *
  * Several jobs may fine-tune at once on the same frozen weights. The
  * stage's model carries no adapters between messages: a message of job J
- * swaps J's training state into s->train and J's adapters onto the model,
- * runs it through stage_train.c, and swaps both out again, so that
- * inference and every other job see the base alone.
+ * runs on J's own training state with J's adapters attached to the model
+ * for its duration, so that inference and every other job see the base
+ * alone.
  *
  * Also here: the adapters that inference applies (params.adapter of an
  * embed, forward or generate job), loaded from files under the node's
@@ -27,208 +28,113 @@
 
 #include "../base/log.h"
 #include "../core/lora.h"
+#include "../net/trainparams.h"
 #include "stage_impl.h"
 
 #include <sys/stat.h>
 
-struct stage_ft {
-    uint64_t job;
-    struct stage_train *train; /* stage_train.c's state of the job */
+/* A fine-tuning job's state (stage_job_ops.state). */
+typedef struct stage_ft {
+    struct stage_train *train; /* stage_train.c's state of the job, its own */
     nl_lora *lo;               /* its adapters (not attached between messages) */
-};
+} stage_ft;
 
-static stage_ft *find(const nl_stage *s, uint64_t job)
+static void ft_free(nl_stage *s, void *state)
 {
-    for (int i = 0; job && i < s->n_ft; i++)
-        if (s->ft[i].job == job)
-            return &s->ft[i];
-    return NULL;
-}
-
-/* Job f's state and adapters in place of the stage's; swap_out undoes it. */
-static struct stage_train *swap_in(nl_stage *s, stage_ft *f)
-{
-    struct stage_train *saved = s->train;
-    s->train = f->train;
-    nl_stage_adapter_attach(s, f->lo);
-    return saved;
-}
-
-static void swap_out(nl_stage *s, stage_ft *f, struct stage_train *saved)
-{
-    f->train = s->train;
-    s->train = saved;
-    nl_stage_adapter_attach(s, NULL);
-}
-
-/* Free job i's state and adapters and drop it from the table. */
-static void ft_drop(nl_stage *s, int i)
-{
-    stage_ft *f = &s->ft[i];
-    if (s->model) {
-        struct stage_train *saved = swap_in(s, f);
-        nl_stage_train_free(s);
-        swap_out(s, f, saved);
-    }
+    stage_ft *f = state;
+    if (!f)
+        return;
+    if (s->model) /* the trainer goes with its adapters attached, as it was made */
+        nl_stage_adapter_attach(s, f->lo);
+    nl_stage_train_free(f->train);
+    if (s->model)
+        nl_stage_adapter_attach(s, NULL);
     nl_lora_destroy(&f->lo); /* detached already: it frees its block */
-    s->ft[i] = s->ft[--s->n_ft];
-}
-
-void nl_stage_lora_free_all(nl_stage *s)
-{
-    while (s->n_ft > 0)
-        ft_drop(s, s->n_ft - 1);
-    free(s->ft);
-    s->ft = NULL;
-    s->cap_ft = 0;
-}
-
-bool nl_stage_lora_holds(const nl_stage *s, uint64_t job)
-{
-    return find(s, job) != NULL;
-}
-
-bool nl_stage_lora_end(nl_stage *s, uint64_t job)
-{
-    for (int i = 0; i < s->n_ft; i++)
-        if (s->ft[i].job == job) {
-            ft_drop(s, i);
-            return true;
-        }
-    return false;
-}
-
-/* A parameter of the request by key, or NULL. */
-static const nl_wire_param *param(const nl_msg_job_submit *j, const char *key)
-{
-    for (uint32_t i = 0; i < j->nparams; i++)
-        if (strcmp(j->params[i].key, key) == 0)
-            return &j->params[i];
-    return NULL;
-}
-
-/* An integer parameter within [lo, hi] (dflt when absent and not required). */
-static nl_status int_of(const nl_msg_job_submit *j, const char *key, int required, int64_t lo,
-                        int64_t hi, int64_t dflt, int64_t *v, nl_error *err)
-{
-    const nl_wire_param *p = param(j, key);
-    *v = dflt;
-    if (!p)
-        return required ? nl_error_set(err, NL_ERR_PROTO, "finetune JOB_SUBMIT: no params.%s", key)
-                        : NL_OK;
-    if (p->kind != NL_WIRE_PARAM_INT || p->i < lo || p->i > hi)
-        return nl_error_set(err, NL_ERR_RANGE,
-                            "finetune JOB_SUBMIT params.%s: not an integer in [%lld, %lld]", key,
-                            (long long)lo, (long long)hi);
-    *v = p->i;
-    return NL_OK;
+    free(f);
 }
 
 /* The adapters the request asks for (rank, alpha, targets, seed), made on
- * the stage's model for microbatches of mbB x T rows and drawn from the
- * seed; attached to the model on return. */
-static nl_status make_adapters(nl_stage *s, const nl_msg_job_submit *j, nl_lora **lo, nl_error *err)
+ * the stage's model for microbatches of micro_batch x seq rows and drawn
+ * from the seed; attached to the model on return. */
+static nl_status make_adapters(nl_stage *s, const nl_trainparams *p, nl_lora **lo, nl_error *err)
 {
-    int64_t rank = 0, seed = 0, mbB = 0, T = 0;
-    int targets = 0;
-    nl_status st;
-    if ((st = int_of(j, "lora_rank", 1, 1, NL_LORA_MAX_RANK, 0, &rank, err)) != NL_OK ||
-        (st = int_of(j, "lora_seed", 1, 0, INT64_MAX, 0, &seed, err)) != NL_OK ||
-        (st = int_of(j, "micro_batch", 1, 1, 1 << 20, 0, &mbB, err)) != NL_OK ||
-        (st = int_of(j, "seq", 1, 1, s->model->cfg.max_seq_len, 0, &T, err)) != NL_OK)
-        return st;
-    if (mbB * T > (1 << 24))
-        return nl_error_set(err, NL_ERR_RANGE, "finetune: microbatch %lld x %lld is too big",
-                            (long long)mbB, (long long)T);
-    const nl_wire_param *a = param(j, "lora_alpha"), *tg = param(j, "lora_targets");
-    const double alpha = !a                               ? -1.0
-                         : a->kind == NL_WIRE_PARAM_FLOAT ? a->f
-                         : a->kind == NL_WIRE_PARAM_INT   ? (double)a->i
-                                                          : -1.0;
-    if (!(alpha > 0.0 && alpha <= 1e6))
-        return nl_error_set(err, NL_ERR_RANGE,
-                            "finetune JOB_SUBMIT params.lora_alpha: not a number in (0, 1e6]");
-    if (!tg || tg->kind != NL_WIRE_PARAM_STR)
-        return nl_error_set(err, NL_ERR_PROTO, "finetune JOB_SUBMIT: no params.lora_targets");
-    if ((st = nl_lora_parse_targets(tg->s, &targets, err)) != NL_OK)
-        return nl_error_prefix(err, "finetune JOB_SUBMIT params.lora_targets");
-    if ((st = nl_lora_new(lo, s->model, (int)rank, (float)alpha, targets, (int)(mbB * T), err)) !=
-            NL_OK ||
-        (st = nl_lora_init_random(*lo, (uint64_t)seed, err)) != NL_OK)
+    nl_status st = nl_lora_new(lo, s->model, (int)p->lora_rank, (float)p->lora_alpha, p->lora_bits,
+                               (int)(p->micro_batch * p->seq), err);
+    if (st == NL_OK && (st = nl_lora_init_random(*lo, (uint64_t)p->lora_seed, err)) != NL_OK)
         nl_lora_destroy(lo);
     return st;
 }
 
-nl_status nl_stage_lora_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
-                              nl_error *err)
+/* JOB_SUBMIT kind finetune (stage_job_ops.begin). */
+static nl_status ft_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id, void **state,
+                          nl_error *err)
 {
-    int64_t job = 0;
-    nl_status st = int_of(j, "job", 1, 1, INT64_MAX, 0, &job, err);
-    *job_id = (uint64_t)job;
+    nl_trainparams p;
+    uint64_t other = 0;
+    *state = NULL;
+    nl_status st = nl_stage_train_params(s, j, &p, job_id, err);
+    const long long job = (long long)p.job;
     if (st != NL_OK)
         return st;
-    if (!s->ready)
-        return nl_error_set(err, NL_ERR_STATE, "finetune job %lld: this stage has no model loaded",
-                            (long long)job);
-    uint64_t other = 0;
     if (nl_stage_train_running(s, &other))
         return nl_error_set(err, NL_ERR_STATE,
                             "finetune job %lld: training job %llu changes this stage's weights",
-                            (long long)job, (unsigned long long)other);
+                            job, (unsigned long long)other);
     if (s->n_rep > 1) /* the adapters would need the replicas' all-reduce: not built */
         return nl_error_set(err, NL_ERR_UNSUPPORTED,
                             "finetune job %lld: fine-tuning on %d data-parallel replicas is not "
                             "available (run the node on one device)",
-                            (long long)job, s->n_rep);
-    if (find(s, (uint64_t)job))
+                            job, s->n_rep);
+    if (nl_stage_job_find(s, p.job))
         return nl_error_set(err, NL_ERR_STATE, "finetune job %lld: already runs on this stage",
-                            (long long)job);
-    const nl_wire_param *mo = param(j, "moments");
-    if (mo && mo->kind == NL_WIRE_PARAM_BOOL && mo->b)
-        return nl_error_set(err, NL_ERR_INVALID,
-                            "finetune job %lld: adapters start fresh (no moments)", (long long)job);
-    if (s->n_ft == s->cap_ft) {
-        const int cap = s->cap_ft ? 2 * s->cap_ft : 4;
-        stage_ft *ft = realloc(s->ft, (size_t)cap * sizeof *ft);
-        if (!ft)
-            return nl_error_set(err, NL_ERR_NOMEM, "finetune job %lld: out of memory",
-                                (long long)job);
-        s->ft = ft;
-        s->cap_ft = cap;
+                            job);
+    stage_ft *f = calloc(1, sizeof *f);
+    if (!f)
+        return nl_error_set(err, NL_ERR_NOMEM, "finetune job %lld: out of memory", job);
+    if ((st = make_adapters(s, &p, &f->lo, err)) != NL_OK) {
+        free(f);
+        return nl_error_prefix(err, "finetune job %lld", job);
     }
-    stage_ft f = {.job = (uint64_t)job};
-    if ((st = make_adapters(s, j, &f.lo, err)) != NL_OK)
-        return nl_error_prefix(err, "finetune job %lld", (long long)job);
     /* the training job's state, made with the adapters attached */
-    struct stage_train *saved = swap_in(s, &f);
-    s->train = NULL;
-    uint64_t id = 0;
-    st = nl_stage_train_make(s, j, &id, err);
-    swap_out(s, &f, saved);
+    nl_stage_adapter_attach(s, f->lo);
+    st = nl_stage_train_make(s, &p, j, &f->train, err);
+    nl_stage_adapter_attach(s, NULL);
     if (st != NL_OK) {
-        nl_lora_destroy(&f.lo);
+        ft_free(s, f);
         return st;
     }
-    s->ft[s->n_ft++] = f;
-    NL_INFO("finetune job %llu: rank %d adapters on layers [%d, %d), %zu parameters train; the "
+    *state = f;
+    const int n = nl_stage_job_count(s, NL_JOB_FINETUNE) + 1; /* with this one */
+    NL_INFO("finetune job %lld: rank %d adapters on layers [%d, %d), %zu parameters train; the "
             "base is frozen (%d fine-tuning job%s on this stage)",
-            (unsigned long long)job, f.lo->rank, s->model->l0, s->model->l1, f.lo->n_params,
-            s->n_ft, s->n_ft == 1 ? "" : "s");
+            job, f->lo->rank, s->model->l0, s->model->l1, f->lo->n_params, n, n == 1 ? "" : "s");
     return NL_OK;
 }
 
-nl_status nl_stage_lora_input(nl_stage *s, uint64_t job, const nl_wire_msg *m,
-                              nl_stage_send_fn send, void *ctx, nl_error *err)
+static bool ft_holds(const void *state, const nl_wire_msg *m)
 {
-    stage_ft *f = find(s, job);
-    if (!f || !s->model)
-        return nl_error_set(err, NL_ERR_STATE, "%s: job %llu is not fine-tuning on this stage",
-                            nl_wire_type_name(m->type), (unsigned long long)job);
-    struct stage_train *saved = swap_in(s, f);
-    nl_status st = nl_stage_train_input(s, m, send, ctx, err);
-    swap_out(s, f, saved);
+    (void)state;
+    return nl_stage_train_takes(m);
+}
+
+/* A message of the job, run with its adapters attached. */
+static nl_status ft_input(nl_stage *s, void *state, const nl_wire_msg *m, nl_stage_send_fn send,
+                          void *ctx, nl_error *err)
+{
+    stage_ft *f = state;
+    nl_stage_adapter_attach(s, f->lo);
+    nl_status st = nl_stage_train_input(s, f->train, m, send, ctx, err);
+    nl_stage_adapter_attach(s, NULL);
     return st;
 }
+
+const stage_job_ops nl_stage_lora_ops = {.kind = NL_JOB_FINETUNE,
+                                         .name = "finetune",
+                                         .status = "training",
+                                         .begin = ft_begin,
+                                         .holds = ft_holds,
+                                         .input = ft_input,
+                                         .free = ft_free};
 
 /* ---------------------------------------------------------------- adapters for inference */
 

@@ -60,6 +60,7 @@
 #include "../core/manifest.h"
 #include "../core/memory.h"
 #include "../core/train.h"
+#include "../net/trainparams.h"
 #include "replica_workers.h"
 #include "stage_train_impl.h"
 
@@ -81,9 +82,8 @@ void nl_stage_train_hop_free(hop_in *h)
     nl_stage_train_extra_free(&h->e);
 }
 
-void nl_stage_train_free(nl_stage *s)
+void nl_stage_train_free(stage_train *t)
 {
-    stage_train *t = s->train;
     if (!t)
         return;
     nl_workers_destroy(&t->w); /* the jobs running finish; the queued are dropped */
@@ -111,50 +111,21 @@ void nl_stage_train_free(nl_stage *s)
     free(t->probs);
     free(t->given);
     free(t);
-    s->train = NULL;
+}
+
+/* The stage's training job (not a fine-tuning one), or NULL. */
+static stage_train *training(const nl_stage *s)
+{
+    const stage_job *e = nl_stage_job_first(s, NL_JOB_TRAIN);
+    return e ? e->state : NULL;
 }
 
 bool nl_stage_train_running(const nl_stage *s, uint64_t *job_id)
 {
-    if (s->train && job_id)
-        *job_id = s->train->job;
-    return s->train != NULL;
-}
-
-bool nl_stage_train_end(nl_stage *s, uint64_t job_id)
-{
-    if (nl_stage_lora_end(s, job_id))
-        return true;
-    if (!s->train || s->train->job != job_id)
-        return false;
-    nl_stage_train_free(s);
-    return true;
-}
-
-/* An integer job parameter (required unless *v holds a default and
- * required is false), within [lo, hi]. */
-static nl_status int_param(const nl_msg_job_submit *j, const char *key, bool required, int64_t lo,
-                           int64_t hi, int64_t *v, nl_error *err)
-{
-    for (uint32_t i = 0; i < j->nparams; i++) {
-        const nl_wire_param *p = &j->params[i];
-        if (strcmp(p->key, key) != 0)
-            continue;
-        if (p->kind == NL_WIRE_PARAM_BOOL)
-            *v = p->b;
-        else if (p->kind == NL_WIRE_PARAM_INT)
-            *v = p->i;
-        else
-            return nl_error_set(err, NL_ERR_PROTO, "train JOB_SUBMIT params.%s: not an integer",
-                                key);
-        if (*v < lo || *v > hi)
-            return nl_error_set(err, NL_ERR_RANGE,
-                                "train JOB_SUBMIT params.%s: %lld is outside [%lld, %lld]", key,
-                                (long long)*v, (long long)lo, (long long)hi);
-        return NL_OK;
-    }
-    return required ? nl_error_set(err, NL_ERR_PROTO, "train JOB_SUBMIT: no params.%s", key)
-                    : NL_OK;
+    const stage_train *t = training(s);
+    if (t && job_id)
+        *job_id = t->job;
+    return t != NULL;
 }
 
 /* The model's growth history, as the coordinator sends it (params
@@ -199,9 +170,8 @@ static nl_status growth_params(nl_model *m, const nl_msg_job_submit *j, nl_error
 
 /* Each replica's model (replica 0: the stage's; the others: a copy of its
  * weights, sent by the communicator), trainer and staging buffer. */
-static nl_status make_replicas(nl_stage *s, int recompute, nl_error *err)
+static nl_status make_replicas(nl_stage *s, stage_train *t, int recompute, nl_error *err)
 {
-    stage_train *t = s->train;
     const nl_model *m0 = s->model;
     float *params[NL_COMM_MAX];
     nl_status st = NL_OK;
@@ -234,58 +204,66 @@ static nl_status make_replicas(nl_stage *s, int recompute, nl_error *err)
     return st;
 }
 
-nl_status nl_stage_train_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
-                               nl_error *err)
+nl_status nl_stage_train_params(nl_stage *s, const nl_msg_job_submit *j, nl_trainparams *p,
+                                uint64_t *job_id, nl_error *err)
 {
-    if (j->kind == NL_JOB_FINETUNE) /* adapters on the frozen weights (stage_lora.c) */
-        return nl_stage_lora_begin(s, j, job_id, err);
-    if (s->n_ft > 0) { /* before the trainer takes anything (the moments) */
-        int64_t job = 0;
-        nl_status st = int_param(j, "job", true, 1, INT64_MAX, &job, err);
-        *job_id = (uint64_t)job;
-        return st != NL_OK ? st
-                           : nl_error_set(err, NL_ERR_STATE,
-                                          "train job %lld: %d fine-tuning job%s use this stage's "
-                                          "weights frozen",
-                                          (long long)job, s->n_ft, s->n_ft == 1 ? "" : "s");
-    }
-    return nl_stage_train_make(s, j, job_id, err);
+    const bool ft = j->kind == NL_JOB_FINETUNE;
+    const char *what = ft ? "finetune" : "train";
+    /* the schema the coordinator writes them by (net/trainparams.h) */
+    nl_status st = nl_trainparams_parse(p, j->params, j->nparams,
+                                        ft ? NL_TRAINPARAMS_STAGE_FT : NL_TRAINPARAMS_STAGE, err);
+    *job_id = p->job; /* read first: known unless it is the fault */
+    if (st != NL_OK)
+        return st;
+    if (!s->ready)
+        return nl_error_set(err, NL_ERR_STATE, "%s job %llu: this stage has no model loaded", what,
+                            (unsigned long long)p->job);
+    if (p->seq > s->model->cfg.max_seq_len)
+        return nl_error_set(
+            err, NL_ERR_RANGE, "%s job %llu: params.seq %lld is above the model's max_seq_len %d",
+            what, (unsigned long long)p->job, (long long)p->seq, s->model->cfg.max_seq_len);
+    return NL_OK;
 }
 
-nl_status nl_stage_train_make(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
-                              nl_error *err)
+/* JOB_SUBMIT kind train (stage_job_ops.begin): the job's state, made
+ * once its checks pass, replacing any earlier training job. */
+static nl_status train_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job_id,
+                             void **state, nl_error *err)
 {
-    int64_t job = 0, mbB = 0, T = 0, M = 0, recompute = 0, start = 0, adam = 0, moments = 0,
-            eval_hops = 0;
-    nl_status st;
-    *job_id = 0;
-    if ((st = int_param(j, "job", true, 1, INT64_MAX, &job, err)) != NL_OK)
+    nl_trainparams p;
+    stage_train *t = NULL;
+    const int n_ft = nl_stage_job_count(s, NL_JOB_FINETUNE);
+    *state = NULL;
+    nl_status st = nl_stage_train_params(s, j, &p, job_id, err);
+    if (st != NL_OK)
         return st;
-    *job_id = (uint64_t)job;
+    if (n_ft > 0) /* before the trainer takes anything (the moments) */
+        return nl_error_set(err, NL_ERR_STATE,
+                            "train job %llu: %d fine-tuning job%s use this stage's weights frozen",
+                            (unsigned long long)p.job, n_ft, n_ft == 1 ? "" : "s");
+    if ((st = nl_stage_train_make(s, &p, j, &t, err)) == NL_OK)
+        *state = t;
+    return st;
+}
+
+nl_status nl_stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg_job_submit *j,
+                              stage_train **out, nl_error *err)
+{
+    const long long job = (long long)p->job;
+    *out = NULL;
+    const int64_t mbB = p->micro_batch, T = p->seq, M = p->micro, start = p->start_step;
+    const int recompute = p->recompute, moments = p->moments;
+    nl_status st;
     for (int r = 0; r < s->n_rep; r++)
         if (!s->rbe[r]->can_train)
             return nl_error_set(err, NL_ERR_UNSUPPORTED,
                                 "%s: training on this device is not available yet (train job %lld)",
-                                s->rbe[r]->name, (long long)job);
+                                s->rbe[r]->name, job);
     if ((st = nl_stage_device_status(s, err)) != NL_OK)
         return st;
-    if (!s->ready)
-        return nl_error_set(err, NL_ERR_STATE, "train job %lld: this stage has no model loaded",
-                            (long long)job);
     nl_model *m = s->model;
-    if ((st = int_param(j, "micro_batch", true, 1, 1 << 20, &mbB, err)) != NL_OK ||
-        (st = int_param(j, "seq", true, 1, m->cfg.max_seq_len, &T, err)) != NL_OK ||
-        (st = int_param(j, "microbatches", true, 1, 65536, &M, err)) != NL_OK ||
-        (st = int_param(j, "recompute", false, 0, 1, &recompute, err)) != NL_OK ||
-        (st = int_param(j, "start_step", false, 0, INT64_MAX / 2, &start, err)) != NL_OK ||
-        (st = int_param(j, "adam_steps", false, 0, INT64_MAX / 2, &adam, err)) != NL_OK ||
-        (st = int_param(j, "moments", false, 0, 1, &moments, err)) != NL_OK ||
-        (st = int_param(j, "eval_hops", false, 0, 1 << 30, &eval_hops, err)) != NL_OK ||
-        (st = growth_params(m, j, err)) != NL_OK)
+    if ((st = growth_params(m, j, err)) != NL_OK)
         return st;
-    if (mbB * T > (1 << 24))
-        return nl_error_set(err, NL_ERR_RANGE, "train job %lld: microbatch %lld x %lld is too big",
-                            (long long)job, (long long)mbB, (long long)T);
     if (moments && !s->have_moments)
         return nl_error_set(err, NL_ERR_STATE,
                             "train job %lld: resuming needs the optimizer moments, but none came "
@@ -314,18 +292,17 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_msg_job_submit *j, uint64_t 
                             (long long)job, m->l0, m->l1, rslots, (long long)mbB, (long long)T,
                             (unsigned long long)me.total, (unsigned long long)s->o.memory_bytes,
                             s->n_rep > 1 ? " on each replica" : "");
-    nl_stage_train_free(s);
+    nl_stage_job_drop_kind(s, NL_JOB_TRAIN); /* the earlier job's memory first */
     stage_train *t = calloc(1, sizeof *t);
     if (!t)
-        return nl_error_set(err, NL_ERR_NOMEM, "train job %lld: out of memory", (long long)job);
-    s->train = t;
+        return nl_error_set(err, NL_ERR_NOMEM, "train job %lld: out of memory", job);
     nl_wire_msg_init(&t->tx);
-    t->job = (uint64_t)job;
+    t->job = p->job;
     t->mbB = (int)mbB;
     t->T = (int)T;
     t->M = (int)M;
     t->slots = slots;
-    t->eval_hops = (int)eval_hops;
+    t->eval_hops = (int)p->eval_hops;
     t->rows = (size_t)(mbB * T);
     t->d = (size_t)m->cfg.hidden_dim;
     t->applied = start;
@@ -335,12 +312,12 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_msg_job_submit *j, uint64_t 
     t->has_head = m->has_head;
     const bool threads = t->R > 1 && !s->o.replicas_inline;
     t->async = threads && s->o.train_async;
-    st = make_replicas(s, (int)recompute, err);
+    st = make_replicas(s, t, (int)recompute, err);
     if (st == NL_OK)
         st = nl_workers_new(&t->w, t->R, threads, nl_stage_train_run_job, t, err);
     if (st != NL_OK) {
-        nl_stage_train_free(s);
-        return nl_error_prefix(err, "train job %lld", (long long)job);
+        nl_stage_train_free(t);
+        return nl_error_prefix(err, "train job %lld", job);
     }
     if (moments) { /* the resumed run's moments: into every trainer, then freed here */
         for (int i = 0; i < 2; i++) {
@@ -352,7 +329,7 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_msg_job_submit *j, uint64_t 
         }
         s->have_moments = false;
         for (int r = 0; r < t->R; r++)
-            nl_trainer_set_adam_steps(t->rep[r].tr, adam);
+            nl_trainer_set_adam_steps(t->rep[r].tr, p->adam_steps);
     }
     NL_INFO("train job %llu: stage %d of %d, %d microbatches of %d x %d, %d in flight%s, from "
             "step %lld%s",
@@ -365,6 +342,7 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_msg_job_submit *j, uint64_t 
                 (unsigned long long)t->job, t->R, nl_comm_name(s->comm), rslots,
                 rslots == 1 ? "" : "es",
                 t->M < t->R ? "; fewer microbatches than replicas leave some idle" : "");
+    *out = t;
     return NL_OK;
 }
 
@@ -423,9 +401,8 @@ static int copy_extra(hop_extra *e, const nl_tensor *f[4], uint64_t loss_rows)
 
 /* Check a forward-type hop's frames against the job and copy it into the
  * queue. */
-static nl_status enqueue(nl_stage *s, const nl_wire_msg *m, nl_error *err)
+static nl_status enqueue(nl_stage *s, stage_train *t, const nl_wire_msg *m, nl_error *err)
 {
-    stage_train *t = s->train;
     const nl_msg_tensor_hop *hop = &m->u.hop;
     const char *what = nl_wire_type_name(m->type);
     const bool first = s->model->has_embed;
@@ -508,10 +485,9 @@ static nl_status enqueue(nl_stage *s, const nl_wire_msg *m, nl_error *err)
     return NL_OK;
 }
 
-static nl_status on_gradient(nl_stage *s, const nl_wire_msg *m, nl_stage_send_fn send, void *ctx,
-                             nl_error *err)
+static nl_status on_gradient(nl_stage *s, stage_train *t, const nl_wire_msg *m,
+                             nl_stage_send_fn send, void *ctx, nl_error *err)
 {
-    stage_train *t = s->train;
     const nl_msg_tensor_hop *hop = &m->u.hop;
     const nl_tensor *g = &m->frames[0].t;
     if (s->model->has_head)
@@ -544,13 +520,12 @@ static nl_status on_gradient(nl_stage *s, const nl_wire_msg *m, nl_stage_send_fn
     j->mb = hop->microbatch;
     j->slot = nl_stage_train_slot_of(t, hop->microbatch);
     j->last = ++t->bwd == t->M;
-    return nl_stage_train_dispatch(s, j, send, ctx, err);
+    return nl_stage_train_dispatch(s, t, j, send, ctx, err);
 }
 
-static nl_status on_step(nl_stage *s, const nl_msg_step *p, nl_stage_send_fn send, void *ctx,
-                         nl_error *err)
+static nl_status on_step(nl_stage *s, stage_train *t, const nl_msg_step *p, nl_stage_send_fn send,
+                         void *ctx, nl_error *err)
 {
-    stage_train *t = s->train;
     if (p->step != (uint64_t)t->applied + 1 || !t->finished || t->begun != p->step)
         return nl_error_set(err, NL_ERR_STATE, "STEP %llu, but this stage %s step %llu",
                             (unsigned long long)p->step,
@@ -566,7 +541,7 @@ static nl_status on_step(nl_stage *s, const nl_msg_step *p, nl_stage_send_fn sen
         j->step = p->step;
         j->lr = (float)p->lr;
         j->clip = (float)p->clip_scale;
-        st = nl_stage_train_dispatch(s, j, send, ctx, err);
+        st = nl_stage_train_dispatch(s, t, j, send, ctx, err);
     }
     t->applied = (int64_t)p->step;
     t->finished = 0;
@@ -597,14 +572,13 @@ static nl_status check_ckpt_dir(const nl_stage *s, const char *dir, nl_error *er
     return NL_OK;
 }
 
-static nl_status on_ckpt(nl_stage *s, const nl_msg_ckpt_req *r, nl_stage_send_fn send, void *ctx,
-                         nl_error *err)
+static nl_status on_ckpt(nl_stage *s, stage_train *t, const nl_msg_ckpt_req *r,
+                         nl_stage_send_fn send, void *ctx, nl_error *err)
 {
-    stage_train *t = s->train;
     char path[1200], hex[65];
     uint64_t bytes = 0;
     nl_status st =
-        nl_stage_train_take_done(s, true, send, ctx, err); /* the lanes idle: AdamW applied */
+        nl_stage_train_take_done(s, t, true, send, ctx, err); /* the lanes idle: AdamW applied */
     if (st != NL_OK)
         return st;
     if (r->step != (uint64_t)t->applied || t->fwd != t->bwd)
@@ -642,83 +616,108 @@ static nl_status on_ckpt(nl_stage *s, const nl_msg_ckpt_req *r, nl_stage_send_fn
     return send(ctx, NL_STAGE_TO_COORD, &t->tx, err);
 }
 
-static uint64_t msg_job(const nl_wire_msg *m)
+bool nl_stage_train_takes(const nl_wire_msg *m)
 {
-    return m->type == NL_MSG_STEP       ? m->u.step.job_id
-           : m->type == NL_MSG_CKPT_REQ ? m->u.ckpt_req.job_id
-                                        : m->u.hop.job_id;
+    switch (m->type) {
+    case NL_MSG_COUNT:
+    case NL_MSG_EVAL:
+    case NL_MSG_GRADIENT:
+    case NL_MSG_STEP:
+    case NL_MSG_CKPT_REQ:
+        return true;
+    case NL_MSG_ACTIVATION:
+        return m->u.hop.step != 0; /* step 0: an inference hop */
+    default:
+        return false;
+    }
 }
 
-uint64_t nl_stage_train_job_of(const nl_wire_msg *m)
+nl_status nl_stage_train_input(nl_stage *s, stage_train *t, const nl_wire_msg *m,
+                               nl_stage_send_fn send, void *ctx, nl_error *err)
 {
-    return msg_job(m);
-}
-
-bool nl_stage_train_holds(const nl_stage *s, const nl_wire_msg *m)
-{
-    return (s->train && s->train->job == msg_job(m)) || nl_stage_lora_holds(s, msg_job(m));
-}
-
-nl_status nl_stage_train_input(nl_stage *s, const nl_wire_msg *m, nl_stage_send_fn send, void *ctx,
-                               nl_error *err)
-{
-    if (!(s->train && s->train->job == msg_job(m)) && nl_stage_lora_holds(s, msg_job(m)))
-        return nl_stage_lora_input(s, msg_job(m), m, send, ctx, err);
-    if (!nl_stage_train_holds(s, m))
-        return nl_error_set(err, NL_ERR_STATE, "%s: job %llu is not training on this stage",
-                            nl_wire_type_name(m->type), (unsigned long long)msg_job(m));
     nl_status st = nl_stage_device_status(s, err);
     if (st != NL_OK)
         return st;
-    stage_train *t = s->train;
     if (t->poison) /* a job failed here: this stage's part of it has ended */
         return nl_error_set(err, t->poison, "%s", t->poison_msg);
     switch (m->type) {
     case NL_MSG_COUNT:
     case NL_MSG_ACTIVATION:
     case NL_MSG_EVAL:
-        st = enqueue(s, m, err);
+        st = enqueue(s, t, m, err);
         break;
     case NL_MSG_GRADIENT:
-        st = on_gradient(s, m, send, ctx, err);
+        st = on_gradient(s, t, m, send, ctx, err);
         break;
     case NL_MSG_STEP:
-        st = on_step(s, &m->u.step, send, ctx, err);
+        st = on_step(s, t, &m->u.step, send, ctx, err);
         break;
     case NL_MSG_CKPT_REQ:
-        st = on_ckpt(s, &m->u.ckpt_req, send, ctx, err);
+        st = on_ckpt(s, t, &m->u.ckpt_req, send, ctx, err);
         break;
     default:
         return nl_error_set(err, NL_ERR_UNSUPPORTED, "%s is not a training message",
                             nl_wire_type_name(m->type));
     }
     if (st == NL_OK)
-        st = nl_stage_train_advance(s, send, ctx, err);
+        st = nl_stage_train_advance(s, t, send, ctx, err);
     /* the device's error comes first: it also explains a failed step */
     nl_status dst = nl_stage_check_device(s, err);
     return dst != NL_OK ? dst : st;
 }
 
+/* ---- the training kind's operations (stage_jobs.c) ---- */
+
+static bool train_holds(const void *state, const nl_wire_msg *m)
+{
+    (void)state;
+    return nl_stage_train_takes(m);
+}
+
+static nl_status train_input(nl_stage *s, void *state, const nl_wire_msg *m, nl_stage_send_fn send,
+                             void *ctx, nl_error *err)
+{
+    return nl_stage_train_input(s, state, m, send, ctx, err);
+}
+
+static void train_free(nl_stage *s, void *state)
+{
+    (void)s;
+    nl_stage_train_free(state);
+}
+
+const stage_job_ops nl_stage_train_ops = {.kind = NL_JOB_TRAIN,
+                                          .name = "train",
+                                          .status = "training",
+                                          .begin = train_begin,
+                                          .holds = train_holds,
+                                          .input = train_input,
+                                          .free = train_free};
+
+/* ---- the replicas' threads (one training job at a time has them) ---- */
+
 int nl_stage_train_fd(const nl_stage *s)
 {
-    return s->train && s->train->async ? nl_workers_fd(s->train->w) : -1;
+    const stage_train *t = training(s);
+    return t && t->async ? nl_workers_fd(t->w) : -1;
 }
 
 nl_status nl_stage_train_poll(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_error *err)
 {
-    stage_train *t = s->train;
+    stage_train *t = training(s);
     if (!t)
         return NL_OK;
     nl_workers_clear_fd(t->w);
     if (t->poison) /* said once already, when it happened */
         return NL_OK;
-    nl_status st = nl_stage_train_advance(s, send, ctx, err);
+    nl_status st = nl_stage_train_advance(s, t, send, ctx, err);
     nl_status dst = nl_stage_check_device(s, err);
     return dst != NL_OK ? dst : st;
 }
 
 void nl_stage_train_quiesce(nl_stage *s)
 {
-    if (s->train)
-        nl_workers_wait_all(s->train->w);
+    const stage_train *t = training(s);
+    if (t)
+        nl_workers_wait_all(t->w);
 }

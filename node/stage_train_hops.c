@@ -17,11 +17,10 @@
 /* Send a hop (type) of this job with hidden states (rows x d, host) to
  * the next stage or (GRADIENT) the previous; e (NULL for a GRADIENT): the
  * frames that travel on with it (a COUNT's documents only). */
-static nl_status send_host(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_msg_type type,
-                           uint64_t step, uint32_t mb, double aux, const float *x,
+static nl_status send_host(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
+                           nl_msg_type type, uint64_t step, uint32_t mb, double aux, const float *x,
                            const hop_extra *e, nl_error *err)
 {
-    stage_train *t = s->train;
     const int64_t xs[3] = {t->mbB, t->T, (int64_t)t->d};
     nl_wire_msg_reset(&t->tx, type);
     t->tx.u.hop = (nl_msg_tensor_hop){t->job, step, mb, 0, 0, aux};
@@ -37,24 +36,23 @@ static nl_status send_host(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_msg
 }
 
 /* send_host of hidden states in the memory of be. */
-static nl_status send_hop(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_msg_type type,
-                          uint64_t step, uint32_t mb, double aux, nl_backend *be,
+static nl_status send_hop(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
+                          nl_msg_type type, uint64_t step, uint32_t mb, double aux, nl_backend *be,
                           const float *x_dev, const hop_extra *e, nl_error *err)
 {
-    stage_train *t = s->train;
     const float *x =
         nl_backend_read_view(be, &t->stage, x_dev, t->rows * t->d * sizeof(float), err);
     if (!x)
         return nl_error_prefix(err, "train job %llu", (unsigned long long)t->job);
-    return send_host(s, send, ctx, type, step, mb, aux, x, e, err);
+    return send_host(s, t, send, ctx, type, step, mb, aux, x, e, err);
 }
 
 /* The step's gradients are all in: the replicas' sum on every replica,
  * then this stage's share of the norm, and on the last stage the losses.
  * The lanes are idle (every job of the step has been taken back). */
-static nl_status finish_step(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_error *err)
+static nl_status finish_step(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
+                             nl_error *err)
 {
-    stage_train *t = s->train;
     if (t->R > 1) {
         float *grads[NL_COMM_MAX];
         for (int r = 0; r < t->R; r++)
@@ -196,9 +194,8 @@ void nl_stage_train_run_job(void *ctx, nl_wjob *w)
 /* The counting pass is complete: the replicas' route counts added up
  * (exact integers), and every replica uses the batch's shares. The lanes
  * are idle. */
-static void use_counts(nl_stage *s)
+static void use_counts(nl_stage *s, stage_train *t)
 {
-    stage_train *t = s->train;
     const size_t n = (size_t)(s->model->l1 - s->model->l0) * (size_t)s->model->cfg.num_experts;
     int64_t *sum = nl_trainer_route_counts(t->rep[0].tr);
     for (int r = 1; r < t->R; r++) {
@@ -213,9 +210,9 @@ static void use_counts(nl_stage *s)
 
 /* A finished job, on the node's thread in the order of dispatch: its
  * output sent, its loss added, and what completes a pass. */
-static nl_status take_back(nl_stage *s, rjob *j, nl_stage_send_fn send, void *ctx, nl_error *err)
+static nl_status take_back(nl_stage *s, stage_train *t, rjob *j, nl_stage_send_fn send, void *ctx,
+                           nl_error *err)
 {
-    stage_train *t = s->train;
     nl_status st = j->st;
     if (st != NL_OK) {
         nl_error_set(err, st, "%s", j->err.msg);
@@ -227,13 +224,13 @@ static nl_status take_back(nl_stage *s, rjob *j, nl_stage_send_fn send, void *ct
         t->aux += j->aux + j->a;
     }
     if (st == NL_OK && j->out_type)
-        st = send_host(s, send, ctx, j->out_type, j->step, j->mb,
+        st = send_host(s, t, send, ctx, j->out_type, j->step, j->mb,
                        j->out_type == NL_MSG_ACTIVATION ? j->aux + j->a : 0.0, j->out,
                        j->out_type == NL_MSG_GRADIENT ? NULL : &j->e, err);
     if (st == NL_OK && j->last && j->kind == JOB_COUNT)
-        use_counts(s);
+        use_counts(s, t);
     else if (st == NL_OK && j->last)
-        st = finish_step(s, send, ctx, err);
+        st = finish_step(s, t, send, ctx, err);
     if (st != NL_OK && j->kind != JOB_BEGIN && j->kind != JOB_STEP)
         return nl_error_prefix(err, "job %llu step %llu microbatch %u", (unsigned long long)t->job,
                                (unsigned long long)j->step, j->mb);
@@ -242,14 +239,13 @@ static nl_status take_back(nl_stage *s, rjob *j, nl_stage_send_fn send, void *ct
 
 /* Take back the finished jobs in order (wait: every job dispatched, once
  * finished). The first error ends the job on this stage (poison). */
-nl_status nl_stage_train_take_done(nl_stage *s, bool wait, nl_stage_send_fn send, void *ctx,
-                                   nl_error *err)
+nl_status nl_stage_train_take_done(nl_stage *s, stage_train *t, bool wait, nl_stage_send_fn send,
+                                   void *ctx, nl_error *err)
 {
-    stage_train *t = s->train;
     nl_wjob *w;
     while ((w = nl_workers_pop_done(t->w, wait))) {
         rjob *j = (rjob *)w;
-        nl_status st = t->poison ? NL_OK : take_back(s, j, send, ctx, err);
+        nl_status st = t->poison ? NL_OK : take_back(s, t, j, send, ctx, err);
         nl_stage_train_job_put(t, j);
         if (st != NL_OK) {
             t->poison = st;
@@ -262,11 +258,11 @@ nl_status nl_stage_train_take_done(nl_stage *s, bool wait, nl_stage_send_fn send
 
 /* Queue a job on its replica's lane (inline: run it now), then take back
  * what has finished. */
-nl_status nl_stage_train_dispatch(nl_stage *s, rjob *j, nl_stage_send_fn send, void *ctx,
-                                  nl_error *err)
+nl_status nl_stage_train_dispatch(nl_stage *s, stage_train *t, rjob *j, nl_stage_send_fn send,
+                                  void *ctx, nl_error *err)
 {
-    nl_workers_push(s->train->w, &j->w);
-    return nl_stage_train_take_done(s, false, send, ctx, err);
+    nl_workers_push(t->w, &j->w);
+    return nl_stage_train_take_done(s, t, false, send, ctx, err);
 }
 
 /* ===================== running a hop ===================== */
@@ -284,16 +280,15 @@ int nl_stage_train_slot_of(const stage_train *t, uint32_t mb)
 
 /* A new step: every replica zeroes its gradients, in its lane's order
  * (after the previous step's AdamW). */
-static nl_status begin(nl_stage *s, uint64_t step, uint64_t loss_rows, nl_stage_send_fn send,
-                       void *ctx, nl_error *err)
+static nl_status begin(nl_stage *s, stage_train *t, uint64_t step, uint64_t loss_rows,
+                       nl_stage_send_fn send, void *ctx, nl_error *err)
 {
-    stage_train *t = s->train;
     nl_status st = NL_OK;
     for (int r = 0; r < t->R && st == NL_OK; r++) {
         rjob *j = nl_stage_train_job_get(t, JOB_BEGIN, r, err);
         if (j)
             j->e.loss_rows = loss_rows;
-        st = j ? nl_stage_train_dispatch(s, j, send, ctx, err) : NL_ERR_NOMEM;
+        st = j ? nl_stage_train_dispatch(s, t, j, send, ctx, err) : NL_ERR_NOMEM;
     }
     t->begun = step;
     t->counted = t->fwd = t->bwd = 0;
@@ -305,10 +300,9 @@ static nl_status begin(nl_stage *s, uint64_t step, uint64_t loss_rows, nl_stage_
 
 /* The input of a hop on replica p: host tokens (first stage) or hidden
  * states in p's memory. */
-static void hop_input(nl_stage *s, replica *p, const hop_in *h, const int32_t **tokens,
-                      const float **x)
+static void hop_input(nl_stage *s, stage_train *t, replica *p, const hop_in *h,
+                      const int32_t **tokens, const float **x)
 {
-    stage_train *t = s->train;
     *tokens = NULL;
     *x = NULL;
     if (s->model->has_embed)
@@ -333,9 +327,9 @@ static bool runnable(const stage_train *t, const hop_in *h)
 /* The last stage's evaluation of classification: score the microbatch's
  * class probabilities (rows labelled -1, past the held-out split, are
  * scored out; the trainer is given class 0 for them). */
-static nl_status eval_labels(nl_stage *s, replica *p, const hop_in *h, nl_error *err)
+static nl_status eval_labels(nl_stage *s, stage_train *t, replica *p, const hop_in *h,
+                             nl_error *err)
 {
-    stage_train *t = s->train;
     const int K = s->model->cfg.num_classes;
     if (K <= 0)
         return nl_error_set(err, NL_ERR_INVALID,
@@ -351,18 +345,17 @@ static nl_status eval_labels(nl_stage *s, replica *p, const hop_in *h, nl_error 
 
 /* An evaluation hop: a forward on replica 0, as inference, once every
  * job dispatched before it has been taken back. */
-static nl_status run_eval(nl_stage *s, const hop_in *h, nl_stage_send_fn send, void *ctx,
-                          nl_error *err)
+static nl_status run_eval(nl_stage *s, stage_train *t, const hop_in *h, nl_stage_send_fn send,
+                          void *ctx, nl_error *err)
 {
-    stage_train *t = s->train;
     replica *p = &t->rep[0];
     const int32_t *tokens;
     const float *x;
     double ce = 0.0;
-    nl_status st = nl_stage_train_take_done(s, true, send, ctx, err);
+    nl_status st = nl_stage_train_take_done(s, t, true, send, ctx, err);
     if (st != NL_OK)
         return st;
-    hop_input(s, p, h, &tokens, &x);
+    hop_input(s, t, p, h, &tokens, &x);
     if (h->mb % (uint32_t)t->M == 0) { /* a new held-out batch, as local evaluation */
         nl_trainer_begin_step(p->tr, (int64_t)t->M * (int64_t)t->rows);
         if (h->e.loss_rows > 0)
@@ -372,7 +365,7 @@ static nl_status run_eval(nl_stage *s, const hop_in *h, nl_stage_send_fn send, v
     const bool classify = s->model->has_head && h->e.labels;
     st = nl_trainer_set_docs(p->tr, h->e.docs, (int)t->rows, err);
     if (st == NL_OK && classify)
-        st = eval_labels(s, p, h, err);
+        st = eval_labels(s, t, p, h, err);
     if (st == NL_OK)
         st = nl_trainer_forward(p->tr, 0, t->mbB, t->T, tokens, x, h->e.targets, &ce, NULL, err);
     if (st == NL_OK && classify && (st = nl_trainer_class_probs(p->tr, 0, t->probs, err)) == NL_OK)
@@ -381,7 +374,7 @@ static nl_status run_eval(nl_stage *s, const hop_in *h, nl_stage_send_fn send, v
     nl_trainer_set_labels(p->tr, NULL, NULL, 0, 0, NULL);
     nl_trainer_set_docs(p->tr, NULL, 0, NULL);
     if (st == NL_OK && !s->model->has_head)
-        st = send_hop(s, send, ctx, NL_MSG_EVAL, h->step, h->mb, 0.0, p->be,
+        st = send_hop(s, t, send, ctx, NL_MSG_EVAL, h->step, h->mb, 0.0, p->be,
                       nl_trainer_output(p->tr, 0), &h->e, err);
     if (st != NL_OK)
         return st;
@@ -407,13 +400,13 @@ static nl_status run_eval(nl_stage *s, const hop_in *h, nl_stage_send_fn send, v
 
 /* Dispatch a counting pass or a training forward to its replica: the job
  * takes the hop's buffers. */
-static nl_status run_hop(nl_stage *s, hop_in *h, nl_stage_send_fn send, void *ctx, nl_error *err)
+static nl_status run_hop(nl_stage *s, stage_train *t, hop_in *h, nl_stage_send_fn send, void *ctx,
+                         nl_error *err)
 {
-    stage_train *t = s->train;
     if (h->type == NL_MSG_EVAL)
-        return run_eval(s, h, send, ctx, err);
+        return run_eval(s, t, h, send, ctx, err);
     nl_status st = NL_OK;
-    if (t->begun != h->step && (st = begin(s, h->step, h->e.loss_rows, send, ctx, err)) != NL_OK)
+    if (t->begun != h->step && (st = begin(s, t, h->step, h->e.loss_rows, send, ctx, err)) != NL_OK)
         return st;
     rjob *j = nl_stage_train_job_get(t, h->type == NL_MSG_COUNT ? JOB_COUNT : JOB_FORWARD,
                                      nl_stage_train_replica_of(t, h->mb), err);
@@ -428,7 +421,7 @@ static nl_status run_hop(nl_stage *s, hop_in *h, nl_stage_send_fn send, void *ct
     h->e = (hop_extra){0};
     if (h->type == NL_MSG_COUNT) {
         j->last = ++t->counted == t->M;
-        return nl_stage_train_dispatch(s, j, send, ctx, err);
+        return nl_stage_train_dispatch(s, t, j, send, ctx, err);
     }
     j->slot = nl_stage_train_slot_of(t, h->mb);
     if (s->o.inject_nan_step > 0 &&
@@ -442,13 +435,12 @@ static nl_status run_hop(nl_stage *s, hop_in *h, nl_stage_send_fn send, void *ct
     t->fwd++;
     if (t->has_head) /* the last stage's backward follows its forward in the same job */
         j->last = ++t->bwd == t->M;
-    return nl_stage_train_dispatch(s, j, send, ctx, err);
+    return nl_stage_train_dispatch(s, t, j, send, ctx, err);
 }
 
 /* Run the queued hops that can run now, in order. */
-static nl_status drain(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_error *err)
+static nl_status drain(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx, nl_error *err)
 {
-    stage_train *t = s->train;
     while (t->qlen > 0) {
         hop_in *h = &t->q[t->qhead];
         if (!runnable(t, h))
@@ -460,7 +452,7 @@ static nl_status drain(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_error *
                                                              : (uint32_t)t->evals;
         const uint64_t step = h->step;
         const uint32_t mb = h->mb;
-        nl_status st = h->mb == want ? run_hop(s, h, send, ctx, err)
+        nl_status st = h->mb == want ? run_hop(s, t, h, send, ctx, err)
                                      : nl_error_set(err, NL_ERR_STATE,
                                                     "%s of microbatch %u, but the next is %u",
                                                     nl_wire_type_name(h->type), h->mb, want);
@@ -479,13 +471,13 @@ static nl_status drain(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_error *
 
 /* Take back what finished and dispatch what became runnable; without
  * train_async, until every job dispatched has been taken back. */
-nl_status nl_stage_train_advance(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_error *err)
+nl_status nl_stage_train_advance(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
+                                 nl_error *err)
 {
-    stage_train *t = s->train;
     for (;;) {
-        nl_status st = nl_stage_train_take_done(s, !t->async, send, ctx, err);
+        nl_status st = nl_stage_train_take_done(s, t, !t->async, send, ctx, err);
         if (st == NL_OK)
-            st = drain(s, send, ctx, err);
+            st = drain(s, t, send, ctx, err);
         if (st != NL_OK || t->async || nl_workers_pending(t->w) == 0)
             return st;
     }

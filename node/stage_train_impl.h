@@ -118,11 +118,12 @@ void nl_stage_train_extra_free(hop_extra *e);
 
 /* Take back what finished and dispatch what became runnable; without
  * train_async, until every job dispatched has been taken back. */
-nl_status nl_stage_train_advance(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_error *err);
+nl_status nl_stage_train_advance(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
+                                 nl_error *err);
 /* Queue a job on its replica's lane (inline: run it now), then take back
  * what has finished. */
-nl_status nl_stage_train_dispatch(nl_stage *s, rjob *j, nl_stage_send_fn send, void *ctx,
-                                  nl_error *err);
+nl_status nl_stage_train_dispatch(nl_stage *s, stage_train *t, rjob *j, nl_stage_send_fn send,
+                                  void *ctx, nl_error *err);
 /* A job to fill (from the free list, or a new one). */
 rjob *nl_stage_train_job_get(stage_train *t, job_kind kind, int lane, nl_error *err);
 void nl_stage_train_job_put(stage_train *t, rjob *j);
@@ -133,7 +134,7 @@ int nl_stage_train_slot_of(const stage_train *t, uint32_t mb);
 void nl_stage_train_run_job(void *ctx, nl_wjob *w);
 /* Take back the finished jobs in order (wait: every job dispatched, once
  * finished). The first error ends the job on this stage (poison). */
-nl_status nl_stage_train_take_done(nl_stage *s, bool wait, nl_stage_send_fn send, void *ctx,
-                                   nl_error *err);
+nl_status nl_stage_train_take_done(nl_stage *s, stage_train *t, bool wait, nl_stage_send_fn send,
+                                   void *ctx, nl_error *err);
 
 #endif

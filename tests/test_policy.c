@@ -5,15 +5,28 @@
  *    a number is expected is that number (`temperature: 0` is 0, not the
  *    default); a wrong type or a value out of range is NL_ERR_RANGE naming
  *    the key; a missing required key NL_ERR_PROTO naming it; keys of the
- *    other use are ignored; the session's wire params read back equal;
+ *    other use are ignored; the session's wire params read back equal,
+ *    with the adapter when there is one;
+ *  - net/trainparams: a training job's parameters. What the client writes
+ *    the coordinator reads back equal (train and finetune), and so a
+ *    stage its own; a missing key is NL_ERR_PROTO, a bad one NL_ERR_RANGE
+ *    naming it; the rules across keys (the batch rule, named as flags or
+ *    as params; fine-tuning without resume, learn_vocab or moments; a
+ *    microbatch of at most 2^24 rows on a stage);
+ *  - core/objective: names, the default (the model's), and the check
+ *    against a model (mlm needs the mask id, classify a classifier);
  *  - core/train nl_step_decide: the loss composition, the gradient norm,
  *    the clipping factor (1 below the clip norm) and the non-finite
  *    guard. */
 #include <math.h>
 #include <string.h>
 
+#include "../core/config.h"
+#include "../core/objective.h"
 #include "../core/train.h"
 #include "../net/genparams.h"
+#include "../net/params.h"
+#include "../net/trainparams.h"
 #include "check.h"
 
 #define P_INT(k, v) ((nl_wire_param){.key = (k), .kind = NL_WIRE_PARAM_INT, .i = (v)})
@@ -98,6 +111,205 @@ static void test_session(void)
     CHECK(h.session == 77 && h.capacity == 9 && h.limit == 3 && h.temperature == 0.0 &&
               h.top_p == 0.75 && h.seed == 4,
           "the session's wire params read back differently");
+    g.adapter = "/ck/a.safetensors";
+    nl_wire_param wa[NL_GENPARAMS_SESSION_MAX];
+    const uint32_t n = nl_genparams_session_wire(&g, wa);
+    CHECK(n == NL_GENPARAMS_SESSION_MAX, "an adapter: %u params", n);
+    CHECK_OK(nl_genparams_parse(&h, wa, n, NL_GENPARAMS_SESSION, &err), &err);
+    CHECK(h.adapter && strcmp(h.adapter, g.adapter) == 0, "the adapter read back differently");
+    nl_wire_param noad[] = {P_INT("session", 5), P_INT("capacity", 9), P_INT("adapter", 3)};
+    CHECK(nl_genparams_parse(&h, noad, 3, NL_GENPARAMS_SESSION, &err) == NL_ERR_RANGE &&
+              strstr(err.msg, "params.adapter"),
+          "an adapter that is no path: %s", err.msg);
+}
+
+/* A client's request as neuroctl train writes it. */
+static nl_trainparams request(void)
+{
+    nl_trainparams p;
+    nl_trainparams_defaults(&p);
+    p.data = "/d/data.txt";
+    p.checkpoint_dir = "/ck";
+    p.steps = 6;
+    p.batch = 4;
+    p.seq = 16;
+    p.micro = 2;
+    p.seed = 5;
+    p.warmup = 1;
+    p.eval_every = 3;
+    p.lr = 1e-3;
+    p.min_lr = 1e-4;
+    p.final_ckpt = 1;
+    return p;
+}
+
+static void test_train_request(void)
+{
+    nl_trainparams p = request(), q;
+    nl_error err = {0};
+    nl_wire_param w[NL_TRAINPARAMS_MAX_KEYS];
+    uint32_t n = nl_trainparams_wire(&p, NL_TRAINPARAMS_TRAIN, w);
+    CHECK_OK(nl_trainparams_parse(&q, w, n, NL_TRAINPARAMS_TRAIN, &err), &err);
+    CHECK(q.steps == 6 && q.batch == 4 && q.seq == 16 && q.micro == 2 && q.seed == 5 &&
+              q.warmup == 1 && q.eval_every == 3 && q.eval_batches == 4 && q.lr == 1e-3 &&
+              q.min_lr == 1e-4 && q.holdout == 0.1 && q.final_ckpt && !q.recompute &&
+              q.objective == NL_OBJ_MODEL && !q.resume && q.learn_vocab == 0 &&
+              strcmp(q.data, "/d/data.txt") == 0 && strcmp(q.checkpoint_dir, "/ck") == 0,
+          "the request read back differently");
+    CHECK(!nl_params_find(w, n, "resume") && !nl_params_find(w, n, "objective") &&
+              !nl_params_find(w, n, "lora_rank") && nl_params_find(w, n, "recompute"),
+          "written: unset optional keys left out, booleans in, other uses' keys out");
+    p.objective = NL_OBJ_MLM;
+    p.resume = "/ck/step-3";
+    n = nl_trainparams_wire(&p, NL_TRAINPARAMS_TRAIN, w);
+    CHECK_OK(nl_trainparams_parse(&q, w, n, NL_TRAINPARAMS_TRAIN, &err), &err);
+    CHECK(q.objective == NL_OBJ_MLM && q.resume && strcmp(q.resume, "/ck/step-3") == 0,
+          "objective and resume read back differently");
+    /* a missing key, a bad one, an unknown objective */
+    CHECK(nl_trainparams_parse(&q, w + 1, n - 1, NL_TRAINPARAMS_TRAIN, &err) == NL_ERR_PROTO &&
+              strstr(err.msg, w[0].key),
+          "missing %s: %s", w[0].key, err.msg);
+    nl_wire_param bad[NL_TRAINPARAMS_MAX_KEYS + 1];
+    memcpy(bad, w, n * sizeof *w);
+    for (uint32_t i = 0; i < n; i++)
+        if (strcmp(bad[i].key, "objective") == 0)
+            bad[i].s = "next";
+    CHECK(nl_trainparams_parse(&q, bad, n, NL_TRAINPARAMS_TRAIN, &err) == NL_ERR_RANGE &&
+              strstr(err.msg, "params.objective") && strstr(err.msg, "'next'"),
+          "objective next: %s", err.msg);
+    /* the batch rule, as params and as flags */
+    p = request();
+    p.micro = 3;
+    n = nl_trainparams_wire(&p, NL_TRAINPARAMS_TRAIN, w);
+    CHECK(nl_trainparams_parse(&q, w, n, NL_TRAINPARAMS_TRAIN, &err) == NL_ERR_RANGE &&
+              strstr(err.msg, "params.microbatches: 3 does not divide params.batch 4"),
+          "microbatches 3 of 4: %s", err.msg);
+    CHECK(nl_trainparams_check_batch(&p, "--", &err) == NL_ERR_RANGE &&
+              strcmp(err.msg, "--microbatches: 3 does not divide --batch 4") == 0,
+          "as flags: %s", err.msg);
+    p = request();
+    p.holdout = 0.0;
+    CHECK(nl_trainparams_check_batch(&p, "--", &err) == NL_ERR_RANGE &&
+              strcmp(err.msg, "--eval-every needs held-out data (--holdout > 0)") == 0,
+          "eval without held-out data: %s", err.msg);
+    p = request();
+    p.batch = 65536;
+    p.micro = 1;
+    p.seq = 1024;
+    CHECK(nl_trainparams_check_batch(&p, "params.", &err) == NL_ERR_RANGE &&
+              strstr(err.msg, "2^24"),
+          "a microbatch of 2^26 rows: %s", err.msg);
+    p = request();
+    p.objective = NL_OBJ_CLASSIFY;
+    p.learn_vocab = 100;
+    n = nl_trainparams_wire(&p, NL_TRAINPARAMS_TRAIN, w);
+    CHECK(nl_trainparams_parse(&q, w, n, NL_TRAINPARAMS_TRAIN, &err) == NL_ERR_RANGE &&
+              strstr(err.msg, "params.learn_vocab"),
+          "classify with learn_vocab: %s", err.msg);
+}
+
+static void test_finetune(void)
+{
+    nl_trainparams p = request(), q;
+    nl_error err = {0};
+    nl_wire_param w[NL_TRAINPARAMS_MAX_KEYS];
+    p.lora_rank = 4;
+    p.lora_targets = "wq,wo";
+    uint32_t n = nl_trainparams_wire(&p, NL_TRAINPARAMS_FINETUNE, w);
+    CHECK_OK(nl_trainparams_parse(&q, w, n, NL_TRAINPARAMS_FINETUNE, &err), &err);
+    CHECK(q.lora_rank == 4 && q.lora_alpha == 16.0 && strcmp(q.lora_targets, "wq,wo") == 0 &&
+              q.lora_bits != 0 && q.steps == 6,
+          "the finetune request read back differently");
+    p.resume = "/ck/step-3";
+    n = nl_trainparams_wire(&p, NL_TRAINPARAMS_FINETUNE, w);
+    CHECK(nl_trainparams_parse(&q, w, n, NL_TRAINPARAMS_FINETUNE, &err) == NL_ERR_RANGE &&
+              strstr(err.msg, "params.resume"),
+          "finetune with resume: %s", err.msg);
+    p.resume = NULL;
+    p.lora_targets = "wq,bogus";
+    n = nl_trainparams_wire(&p, NL_TRAINPARAMS_FINETUNE, w);
+    CHECK(nl_trainparams_parse(&q, w, n, NL_TRAINPARAMS_FINETUNE, &err) != NL_OK &&
+              strstr(err.msg, "params.lora_targets"),
+          "bad targets: %s", err.msg);
+    p.lora_targets = "wq";
+    p.lora_alpha = 0.0;
+    n = nl_trainparams_wire(&p, NL_TRAINPARAMS_FINETUNE, w);
+    CHECK(nl_trainparams_parse(&q, w, n, NL_TRAINPARAMS_FINETUNE, &err) == NL_ERR_RANGE &&
+              strstr(err.msg, "params.lora_alpha"),
+          "alpha 0: %s", err.msg);
+}
+
+static void test_train_stage(void)
+{
+    nl_trainparams q;
+    nl_error err = {0};
+    nl_wire_param st[] = {P_INT("job", 9),
+                          P_INT("micro_batch", 2),
+                          P_INT("seq", 4),
+                          P_INT("microbatches", 3),
+                          P_INT("recompute", 1),
+                          P_BOOL("moments", true),
+                          P_STR("data", "not a stage's: ignored")};
+    CHECK_OK(nl_trainparams_parse(&q, st, 7, NL_TRAINPARAMS_STAGE, &err), &err);
+    CHECK(q.job == 9 && q.micro_batch == 2 && q.seq == 4 && q.micro == 3 && q.recompute &&
+              q.moments && q.start_step == 0 && q.eval_hops == 0,
+          "a stage's job read differently");
+    CHECK(nl_trainparams_parse(&q, st, 2, NL_TRAINPARAMS_STAGE, &err) == NL_ERR_PROTO &&
+              strstr(err.msg, "params.seq") && q.job == 9,
+          "no seq: %s", err.msg);
+    /* fine-tuning: its adapters' keys, and no moments */
+    nl_wire_param ft[] = {P_INT("job", 9),
+                          P_INT("micro_batch", 2),
+                          P_INT("seq", 4),
+                          P_INT("microbatches", 3),
+                          P_INT("lora_rank", 2),
+                          P_FLT("lora_alpha", 4),
+                          P_STR("lora_targets", "wq"),
+                          P_INT("lora_seed", 7),
+                          P_BOOL("moments", true)};
+    CHECK(nl_trainparams_parse(&q, ft, 9, NL_TRAINPARAMS_STAGE_FT, &err) == NL_ERR_INVALID &&
+              strstr(err.msg, "params.moments"),
+          "fine-tuning with moments: %s", err.msg);
+    CHECK_OK(nl_trainparams_parse(&q, ft, 8, NL_TRAINPARAMS_STAGE_FT, &err), &err);
+    CHECK(q.lora_rank == 2 && q.lora_alpha == 4.0 && q.lora_seed == 7, "a stage's adapters");
+    nl_wire_param big[] = {P_INT("job", 9), P_INT("micro_batch", 1 << 20), P_INT("seq", 32),
+                           P_INT("microbatches", 1)};
+    CHECK(nl_trainparams_parse(&q, big, 4, NL_TRAINPARAMS_STAGE, &err) == NL_ERR_RANGE &&
+              strstr(err.msg, "2^24"),
+          "a microbatch of 2^25 rows: %s", err.msg);
+}
+
+static void test_objective(void)
+{
+    nl_error err = {0};
+    int obj = -5;
+    for (int i = NL_OBJ_CLM; i <= NL_OBJ_CLASSIFY; i++) {
+        CHECK_OK(nl_objective_parse(nl_objective_name(i), &obj, &err), &err);
+        CHECK(obj == i, "%s read back as %d", nl_objective_name(i), obj);
+    }
+    CHECK(nl_objective_parse("next", &obj, &err) == NL_ERR_INVALID &&
+              strcmp(err.msg, "'next' is not clm, mlm or classify") == 0,
+          "next: %s", err.msg);
+    nl_config c = {.vocab_size = 256, .objective = NL_OBJ_CLM};
+    obj = NL_OBJ_MODEL;
+    CHECK_OK(nl_objective_check(&c, &obj, &err), &err);
+    CHECK(obj == NL_OBJ_CLM, "the model's objective: %d", obj);
+    obj = NL_OBJ_MLM;
+    CHECK(nl_objective_check(&c, &obj, &err) == NL_ERR_INVALID &&
+              strstr(err.msg, "does not hold the mask id"),
+          "mlm on 256 ids: %s", err.msg);
+    obj = NL_OBJ_CLASSIFY;
+    CHECK(nl_objective_check(&c, &obj, &err) == NL_ERR_INVALID &&
+              strstr(err.msg, "has no classifier"),
+          "classify without classes: %s", err.msg);
+    c.vocab_size = 300;
+    c.num_classes = 3;
+    obj = NL_OBJ_MLM;
+    CHECK_OK(nl_objective_check(&c, &obj, &err), &err);
+    obj = NL_OBJ_CLASSIFY;
+    CHECK_OK(nl_objective_check(&c, &obj, &err), &err);
+    CHECK(nl_objective_loss_rows(NL_OBJ_CLM, 7) == 0 && nl_objective_loss_rows(NL_OBJ_MLM, 7) == 7,
+          "loss rows");
 }
 
 static void test_step_decide(void)
@@ -121,6 +333,10 @@ int main(void)
 {
     test_request();
     test_session();
+    test_train_request();
+    test_finetune();
+    test_train_stage();
+    test_objective();
     test_step_decide();
     return check_done("test_policy");
 }

@@ -160,7 +160,7 @@ static nl_status step_bus(int *turn, nl_error *err)
         if (!pop(&q[s], &m, &p))
             continue;
         *turn = s + 1;
-        nl_status st = nl_stage_train_input(stages[s], &m, bus_send, &idx[s], err);
+        nl_status st = nl_stage_job_input(stages[s], &m, bus_send, &idx[s], err);
         packet_free(&p);
         nl_wire_msg_free(&m);
         return st;
@@ -216,7 +216,7 @@ static void begin_job(uint64_t job, int mbB, int T, int M)
     for (int s = 0; s < NST; s++) {
         uint64_t id = 0;
         nl_error err;
-        CHECK_OK(nl_stage_train_begin(stages[s], &j, &id, &err), &err);
+        CHECK_OK(nl_stage_job_begin(stages[s], &j, &id, NULL, &err), &err);
     }
 }
 
@@ -310,7 +310,7 @@ static void train(int reps, bool async, bool inline_reps, int steps, run_result 
         }
     for (int s = 0; s < NST; s++) {
         nl_stage_train_quiesce(stages[s]); /* AdamW done (ending drops queued work) */
-        CHECK(nl_stage_train_end(stages[s], job), "stage %d: the job ended", s);
+        CHECK(nl_stage_job_end(stages[s], job) >= 0, "stage %d: the job ended", s);
         const nl_model *m = nl_stage_model(stages[s]);
         r->w[s] = check_download(bes[s][0], m->params, m->n_params);
         r->nw[s] = m->n_params;
@@ -408,13 +408,13 @@ static void replica_fails(void)
     nl_wire_msg_reset(&m, NL_MSG_STEP);
     m.u.step = (nl_msg_step){job, 1, true, 1.0, 1e-3};
     nl_error e2;
-    CHECK(nl_stage_train_input(stages[1], &m, bus_send, &idx[1], &e2) != NL_OK &&
+    CHECK(nl_stage_job_input(stages[1], &m, bus_send, &idx[1], &e2) != NL_OK &&
               strstr(e2.msg, "replica 1"),
           "after the failure: %s", e2.msg);
     nl_wire_msg_free(&m);
     bad->check = check;
     for (int s = 0; s < NST; s++) {
-        CHECK(nl_stage_train_end(stages[s], job), "stage %d: the job ended", s);
+        CHECK(nl_stage_job_end(stages[s], job) >= 0, "stage %d: the job ended", s);
         nl_stage_destroy(&stages[s]);
         fifo_clear(&q[s]);
     }

@@ -139,9 +139,9 @@ static void pump(int nst)
         packet p;
         nl_error err;
         if (pop(&stage_q[c / Q_KINDS][c % Q_KINDS], &m, &p)) {
-            CHECK_OK(nl_stage_train_input(stages[c / Q_KINDS], &m, bus_send, &ctx_idx[c / Q_KINDS],
-                                          &err),
-                     &err);
+            CHECK_OK(
+                nl_stage_job_input(stages[c / Q_KINDS], &m, bus_send, &ctx_idx[c / Q_KINDS], &err),
+                &err);
             packet_free(&p);
         }
     }
@@ -204,7 +204,7 @@ static void begin_job(int nst, uint64_t job, int mbB, int T, int M, int eval_hop
     for (int s = 0; s < nst; s++) {
         uint64_t id = 0;
         nl_error err;
-        CHECK_OK(nl_stage_train_begin(stages[s], &j, &id, &err), &err);
+        CHECK_OK(nl_stage_job_begin(stages[s], &j, &id, NULL, &err), &err);
         CHECK(id == job, "job id %llu", (unsigned long long)id);
     }
 }
@@ -401,19 +401,19 @@ static void flood(void)
     m.frames[1].len = sizeof tgt;
     m.nframes = 2;
     CHECK(cfg.hidden_dim <= 32, "hidden_dim %d", cfg.hidden_dim);
-    CHECK(nl_stage_train_input(stages[1], &m, bus_send, &ctx_idx[1], &err) == NL_ERR_STATE &&
+    CHECK(nl_stage_job_input(stages[1], &m, bus_send, &ctx_idx[1], &err) == NL_ERR_STATE &&
               strstr(err.msg, "ahead"),
           "a hop two steps ahead: %s", err.msg);
     m.u.hop.step = 2; /* the step after the next: may overtake a STEP, and waits */
     x[5] = NAN;
-    CHECK(nl_stage_train_input(stages[1], &m, bus_send, &ctx_idx[1], &err) == NL_ERR_RANGE &&
+    CHECK(nl_stage_job_input(stages[1], &m, bus_send, &ctx_idx[1], &err) == NL_ERR_RANGE &&
               strstr(err.msg, "non-finite"),
           "a NaN in the hidden states: %s", err.msg);
     x[5] = 0.0f;
     nl_status st = NL_OK;
     int n = 0;
     while (n < 200000 &&
-           (st = nl_stage_train_input(stages[1], &m, bus_send, &ctx_idx[1], &err)) == NL_OK)
+           (st = nl_stage_job_input(stages[1], &m, bus_send, &ctx_idx[1], &err)) == NL_OK)
         n++;
     CHECK(st == NL_ERR_LIMIT && strstr(err.msg, "bytes") && n > 1000 && n < 70000,
           "a flood of %d hops: %s", n, st == NL_OK ? "accepted" : err.msg);
@@ -439,27 +439,27 @@ static void refusals(void)
     nl_wire_frame_set(&m.frames[1], tgt, NL_DTYPE_I32, bad, 2);
     m.nframes = 2;
     m.frames[0].len = m.frames[1].len = 3 * 4 * sizeof(int32_t); /* tok and tgt are big enough */
-    CHECK(nl_stage_train_input(stages[0], &m, bus_send, &ctx_idx[0], &err) == NL_ERR_SHAPE,
+    CHECK(nl_stage_job_input(stages[0], &m, bus_send, &ctx_idx[0], &err) == NL_ERR_SHAPE,
           "wrong shape: %s", err.msg);
     /* another job */
     nl_wire_frame_set(&m.frames[0], tok, NL_DTYPE_I32, ok, 2);
     nl_wire_frame_set(&m.frames[1], tgt, NL_DTYPE_I32, ok, 2);
     m.frames[0].len = m.frames[1].len = 8 * sizeof(int32_t);
     m.u.hop.job_id = 6;
-    CHECK(!nl_stage_train_holds(stages[0], &m) &&
-              nl_stage_train_input(stages[0], &m, bus_send, &ctx_idx[0], &err) == NL_ERR_STATE &&
+    CHECK(!nl_stage_job_holds(stages[0], &m) &&
+              nl_stage_job_input(stages[0], &m, bus_send, &ctx_idx[0], &err) == NL_ERR_STATE &&
               strstr(err.msg, "job 6"),
           "another job (stale): %s", err.msg);
     /* microbatch out of range */
     m.u.hop.job_id = job;
     m.u.hop.step = 1;
     m.u.hop.microbatch = 2;
-    CHECK(nl_stage_train_input(stages[0], &m, bus_send, &ctx_idx[0], &err) == NL_ERR_RANGE,
+    CHECK(nl_stage_job_input(stages[0], &m, bus_send, &ctx_idx[0], &err) == NL_ERR_RANGE,
           "microbatch 2 of 2: %s", err.msg);
     /* the counting pass of microbatch 1 before 0: refused */
     m.type = NL_MSG_COUNT;
     m.u.hop.microbatch = 1;
-    CHECK(nl_stage_train_input(stages[0], &m, bus_send, &ctx_idx[0], &err) == NL_ERR_STATE &&
+    CHECK(nl_stage_job_input(stages[0], &m, bus_send, &ctx_idx[0], &err) == NL_ERR_STATE &&
               strstr(err.msg, "next is 0"),
           "out of order: %s", err.msg);
     m.type = NL_MSG_ACTIVATION;
@@ -471,21 +471,21 @@ static void refusals(void)
     nl_wire_frame_set(&m.frames[0], g, NL_DTYPE_F32, gs, 3);
     m.frames[0].len = sizeof g;
     m.nframes = 1;
-    CHECK(nl_stage_train_input(stages[1], &m, bus_send, &ctx_idx[1], &err) == NL_ERR_STATE,
+    CHECK(nl_stage_job_input(stages[1], &m, bus_send, &ctx_idx[1], &err) == NL_ERR_STATE,
           "early GRADIENT: %s", err.msg);
     /* a STEP before the gradients */
     nl_wire_msg_reset(&m, NL_MSG_STEP);
     m.u.step = (nl_msg_step){job, 1, true, 1.0, 1e-3};
-    CHECK(nl_stage_train_input(stages[1], &m, bus_send, &ctx_idx[1], &err) == NL_ERR_STATE,
+    CHECK(nl_stage_job_input(stages[1], &m, bus_send, &ctx_idx[1], &err) == NL_ERR_STATE,
           "early STEP: %s", err.msg);
     /* checkpoints outside --checkpoint-root, or with .. */
     nl_wire_msg_reset(&m, NL_MSG_CKPT_REQ);
     m.u.ckpt_req = (nl_msg_ckpt_req){job, 0, "/tmp/elsewhere"};
-    CHECK(nl_stage_train_input(stages[1], &m, bus_send, &ctx_idx[1], &err) == NL_ERR_AUTH &&
+    CHECK(nl_stage_job_input(stages[1], &m, bus_send, &ctx_idx[1], &err) == NL_ERR_AUTH &&
               strstr(err.msg, "checkpoint-root"),
           "outside the root: %s", err.msg);
     m.u.ckpt_req.dir = "/nonexistent-root/../etc";
-    CHECK(nl_stage_train_input(stages[1], &m, bus_send, &ctx_idx[1], &err) == NL_ERR_INVALID,
+    CHECK(nl_stage_job_input(stages[1], &m, bus_send, &ctx_idx[1], &err) == NL_ERR_INVALID,
           "dot-dot: %s", err.msg);
     /* moments asked for but none loaded */
     nl_wire_param ps[5] = {
@@ -497,17 +497,17 @@ static void refusals(void)
     };
     nl_msg_job_submit j = {NL_JOB_TRAIN, 5, ps};
     uint64_t id = 0;
-    CHECK(nl_stage_train_begin(stages[0], &j, &id, &err) == NL_ERR_STATE && id == 9,
+    CHECK(nl_stage_job_begin(stages[0], &j, &id, NULL, &err) == NL_ERR_STATE && id == 9,
           "moments without any: %s", err.msg);
     ps[4].key = "seq";
     ps[4].kind = NL_WIRE_PARAM_INT;
     ps[4].i = cfg.max_seq_len + 1;
     j.nparams = 4;
     ps[2] = ps[4];
-    CHECK(nl_stage_train_begin(stages[0], &j, &id, &err) == NL_ERR_RANGE, "seq past max: %s",
+    CHECK(nl_stage_job_begin(stages[0], &j, &id, NULL, &err) == NL_ERR_RANGE, "seq past max: %s",
           err.msg);
-    CHECK(nl_stage_train_end(stages[0], job), "a refused begin dropped the running job");
-    CHECK(nl_stage_train_end(stages[1], job) && !nl_stage_train_running(stages[1], NULL),
+    CHECK(nl_stage_job_end(stages[0], job) >= 0, "a refused begin dropped the running job");
+    CHECK(nl_stage_job_end(stages[1], job) >= 0 && !nl_stage_train_running(stages[1], NULL),
           "end of the job");
     nl_wire_msg_free(&m);
     free_stages(NST);

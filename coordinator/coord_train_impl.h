@@ -1,0 +1,267 @@
+/* The training job's own state, private to the files of the training and
+ * fine-tuning jobs: coord_train.c, the job's state machine, the one owner
+ * of its transitions (its states are its own: tr_state); and its leaves,
+ * which do a part of the work and hand the result back but decide
+ * nothing: coord_train_stages.c (the stages' reports, checked and
+ * counted), coord_train_prep.c (the preparation: parameters, paths, the
+ * worker that reads the data), coord_train_ckpt.c (the checkpoints:
+ * shards, the manifest's worker, --grow auto's), coord_train_wire.c (what
+ * goes to the stages: the job, the batches' hops) and coord_train_report.c
+ * (what the client is told); and coord_finetune.c (what a fine-tuning job
+ * adds). The state machine calls the others, never the other way: a
+ * leaf's worker reports to the done the machine gave it, and a stage's
+ * report is counted by coord_train_stages.c and then is the machine's
+ * event. The rest of the coordinator sees the two jobs through their
+ * operations tables (coord_train_ops, coord_finetune_ops). */
+#ifndef NL_COORD_TRAIN_IMPL_H
+#define NL_COORD_TRAIN_IMPL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "coord_impl.h"
+#include "core/data.h"
+#include "core/labelled.h"
+#include "core/train.h"
+
+struct json_t;
+
+/* ---------------------------------------------------------------- the state */
+
+/* A fine-tuning job (coord_finetune.c) is a training job whose stages
+ * train LoRA adapters on their frozen weights: the same steps,
+ * evaluations and decisions; no journal, no plan for training memory, no
+ * resume; at the end each stage writes its adapters and a worker joins
+ * them into one file for the client. */
+typedef struct cft {
+    int64_t rank;
+    double alpha;
+    char targets[40];   /* "wq,wk,wv,wo" or a part of it */
+    char base[4096];    /* the weights' source file (its SHA-256 goes into the file), or "" */
+    char adapter[1200]; /* the joined adapter file, once written */
+} cft;
+#define COORD_FT_PARAMS 4 /* parameters coord_finetune_stage_params adds */
+
+/* The growth entries a training job sends its stages, at most (the wire
+ * takes 64 params; the job's own are 9). */
+#define COORD_GROWTH_PARAMS 48
+
+typedef struct ctrain {
+    /* the run, as the client asked for it */
+    char data[4097], ckpt_dir[1001]; /* CKPT_REQ.dir holds at most 1024 bytes */
+    int64_t steps, batch, seq, micro, seed, warmup, eval_every, eval_batches, ckpt_every;
+    double lr, min_lr, holdout;
+    int recompute, final_ckpt;
+    int64_t learn_vocab; /* ids the tokenizer learns from the data first (coord_grow.c), or 0 */
+    int objective;       /* core/objective.h; NL_OBJ_MODEL: the model's */
+    /* where it is */
+    int phase; /* tr_state (coord_train.c): the state machine's alone */
+    int stages;
+    nl_dataset *ds;            /* the token stream (clm, mlm) */
+    nl_labelled *lds;          /* the labelled examples (classify) */
+    int32_t *tokens, *targets; /* (batch, seq) */
+    int32_t *docs;             /* classify: (batch, seq) the padding's document */
+    int32_t *labels, *lengths; /* classify: (batch) */
+    int64_t valid;             /* the predictions this step's loss is over */
+    double eval_rows;          /* an evaluation's predictions (mlm: the masked ones) */
+    double eval_acc;           /* classify: the last evaluation's accuracy */
+    int64_t start, step;       /* steps done */
+    int moments;
+    int64_t adam; /* AdamW steps the stages have taken */
+    int acks, norms, have_loss;
+    int skips;       /* steps skipped in a row (non-finite) */
+    int seq_default; /* seq is the client's default, not typed: fit to max_seq_len */
+    int bad_stage;   /* the stage whose report of this step was not finite, or -1 */
+    uint8_t *got;    /* per stage: GRAD_NORM (1) or CKPT_DONE (2) in */
+    double sumsq, ce, aux, t_step, step_s;
+    nl_step_result r;
+    double lr_now, eval_loss;
+    int has_eval;
+    nl_manifest_shard *shards; /* the checkpoint being written */
+    char manifest[4096];       /* the last one written (or the one resumed) */
+    int64_t manifest_step;
+    /* recoveries: a stage lost, the job goes on from the last manifest */
+    int resumes;       /* done so far (at most --train-resumes) */
+    double t_lost;     /* when the last stage was lost (0: none since the last step) */
+    int64_t lost_at;   /* the step it was lost at */
+    int mem_replanned; /* the cluster planned again for its training memory */
+    /* the plan on which a stage could not reach its neighbour (0: none) */
+    uint64_t verdict_epoch;
+    struct json_t *journal; /* the client's parameters, journaled (coord_journal.c) */
+    cft *ft;                /* a fine-tuning job (coord_finetune.c): its adapters; NULL: training */
+    int cancel; /* cancelled: the step under way ends, a checkpoint keeps it, then the job ends */
+} ctrain;
+
+/* strdup of s, or NULL for NULL; *oom set when the copy failed. */
+static inline char *coord_train_dup(const char *s, int *oom)
+{
+    char *d = s ? strdup(s) : NULL;
+    *oom |= s && !d;
+    return d;
+}
+
+/* ---------------------------------------------------------------- coord_train.c */
+
+/* What moves a training job on: the stages' reports, counted (TAKEN,
+ * REPORTED, EVALUATED, SHARDS), the leaves' workers (PREPARED, WRITTEN,
+ * GROWN), the cluster (READY, LOST) and the client (CANCEL). The state
+ * machine decides what each means in the state the job is in; no leaf
+ * calls it: it calls them, and their workers report to the done it
+ * gave them. */
+typedef enum {
+    TE_PREPARED,  /* the preparation's worker is done (in: its result) */
+    TE_READY,     /* the cluster is loaded with a plan */
+    TE_TAKEN,     /* every stage took the job (JOB_STATUS running) */
+    TE_REPORTED,  /* the step's GRAD_NORMs and the last stage's LOSS are in */
+    TE_EVALUATED, /* the evaluation's LOSS is in */
+    TE_SHARDS,    /* every stage's CKPT_DONE is in */
+    TE_WRITTEN,   /* the manifest's (or the adapters') worker is done (in) */
+    TE_GROWN,     /* --grow auto's worker is done (in) */
+    TE_LOST,      /* a stage of the plan is lost (in->why) */
+    TE_CANCEL     /* a JOB_CANCEL (in->rx) */
+} tr_event;
+
+/* What an event brings (a worker's result, filled by its leaf); borrowed
+ * for the call. */
+typedef struct tr_in {
+    const char *why;  /* a worker's failure (NULL: it succeeded), or the stage lost */
+    int64_t step;     /* the step a checkpoint was of */
+    const char *path; /* the file written: a manifest, the adapter file */
+    void *task;       /* the leaf's task: what it made (coord_train_prepared takes it) */
+    const nl_rx *rx;  /* TE_CANCEL: the request */
+} tr_in;
+
+/* A worker's end (cwork.done): the state machine's, given to the leaf
+ * that starts the worker. */
+typedef void (*tr_done)(nl_coord *c, cwork *w);
+
+/* ---------------------------------------------------------------- coord_train_prep.c */
+
+/* Why no training job (finetune 0) or fine-tuning job may begin now
+ * (another runs: one training job at a time, none beside fine-tuning,
+ * which needs the weights frozen), in why; or NULL. */
+const char *coord_train_refusal(const nl_coord *c, int finetune, char *why, size_t cap);
+/* The client's parameters read and checked into t, its paths confined
+ * under the roots, the job journaled, and the worker started that verifies
+ * the manifest it resumes from, grows the vocabulary (--learn-vocab) and
+ * reads the data (then done: TE_PREPARED, in->task the worker's task).
+ * NULL, or why the job fails (in why). */
+const char *coord_train_prepare(nl_coord *c, cjob *j, const nl_msg_job_submit *s, tr_done done,
+                                char *why, size_t cap);
+/* TE_PREPARED: what the worker made goes into the cluster (a resumed
+ * manifest, a grown vocabulary: the stages reload) and the job (the data,
+ * the batches' buffers), checked against the model. NULL, or why the job
+ * fails (in why). */
+const char *coord_train_prepared(nl_coord *c, cjob *j, const tr_in *in, char *why, size_t cap);
+
+/* As the job begins: plans hold its training memory from now on
+ * (c->train_mem). 1 if the current plan does; 0 if the cluster must plan
+ * again (the client is told; once: a second time, or with weights trained
+ * since the last checkpoint, is -1); -1 and why when no plan can. */
+int coord_train_memory(nl_coord *c, cjob *j, char *why, size_t cap);
+/* Frees the job's state (NULL-safe). */
+void coord_train_state_free(ctrain *t);
+
+/* ---------------------------------------------------------------- coord_train_ckpt.c */
+
+/* Where the stages write this step's shards: DIR/step-NNNNNN, or (a
+ * fine-tuning job's adapters) DIR/lora-job<ID>. */
+void coord_train_ckpt_dir(const cjob *j, char *buf, size_t cap);
+/* A stage's CKPT_DONE (from node n, checked as the step's) into the job's
+ * table of shards; NULL, or why the job fails (in why). */
+const char *coord_train_shard(nl_coord *c, cjob *j, const cnode *n, const nl_msg_ckpt_done *d,
+                              char *why, size_t cap);
+/* Frees n shards' strings and the table. */
+void coord_train_free_shards(nl_manifest_shard *sh, int n);
+/* Every shard is in: a worker writes the manifest last and verifies it
+ * (then done); NULL, or why the job fails (in why). Its result, on the
+ * loop (the manifest no longer counts as being written), for TE_WRITTEN. */
+const char *coord_train_write_manifest(nl_coord *c, cjob *j, tr_done done, char *why, size_t cap);
+void coord_train_manifest_result(nl_coord *c, cwork *w, tr_in *in);
+/* TE_WRITTEN of a manifest: it becomes the source (the stages hold its
+ * weights), journaled, the job's last checkpoint. */
+void coord_train_keep(nl_coord *c, cjob *j, const tr_in *in);
+/* --grow auto at a checkpoint: 1 when a worker grows the model (then
+ * done, w a coord_grow_task), 0 when it does not grow. */
+int coord_train_grow(nl_coord *c, cjob *j, tr_done done);
+
+/* ---------------------------------------------------------------- coord_train_stages.c */
+
+/* A stage's report (JOB_STATUS running, GRAD_NORM, LOSS, CKPT_DONE),
+ * checked and counted into the job whose state awaits event `awaits`
+ * (-1: none): 1 when it completes that event, 0 when not (or it is not
+ * taken), -1 when it cannot be true (why: the job fails). */
+int coord_train_stage_report(nl_coord *c, cjob *j, const nl_rx *rx, int awaits, char *why,
+                             size_t cap);
+/* A stage reports that it failed the job (why names it) that has begun
+ * (or not): 1 if the job waits for the heartbeat verdict on a lost
+ * neighbour (cjob_ops.node_failed), 0 if it fails. */
+int coord_train_stage_failed(nl_coord *c, cjob *j, int begun, const char *why);
+
+/* ---------------------------------------------------------------- coord_train_wire.c */
+
+/* To every stage, each 0, or -1 and *lost the stage that cannot be
+ * reached: JOB_SUBMIT (the job's shapes, where it starts, the model's
+ * growth history, a fine-tuning job's adapters); STEP (step t->step + 1
+ * applied unless t->r skipped it, with scale and t->lr_now); CKPT_REQ
+ * (step t->step's shards into dir); JOB_CANCEL (the job ended: the
+ * stages free their trainers; one that cannot be reached is declared
+ * dead at the tick). */
+int coord_train_send_job(nl_coord *c, cjob *j, int *lost);
+int coord_train_send_decision(nl_coord *c, cjob *j, double scale, int *lost);
+int coord_train_send_ckpt_req(nl_coord *c, cjob *j, const char *dir, int *lost);
+void coord_train_send_end(nl_coord *c, cjob *j);
+
+/* Batch `index` of a split (0: training, 1: held out) into t->tokens and
+ * the objective's arrays; *valid: the predictions its loss is over. */
+nl_status coord_train_make_batch(const nl_coord *c, ctrain *t, int split, uint64_t index,
+                                 int64_t *valid, nl_error *e);
+/* The held-out batches of an evaluation. */
+int64_t coord_train_eval_batches(const ctrain *t);
+/* Step t->step + 1's batch (made) to the first stage, its expert counts
+ * first: 0, or -1 when the first stage cannot be reached. */
+int coord_train_send_step(nl_coord *c, cjob *j);
+/* An evaluation's held-out batches to the first stage: 0; -1 and e when a
+ * batch cannot be made; 1 when the first stage cannot be reached. */
+int coord_train_send_eval(nl_coord *c, cjob *j, nl_error *e);
+
+/* ---------------------------------------------------------------- coord_train_report.c */
+
+/* JOB_STATUS `state` to the client with a JSON report; takes the
+ * reference to o. */
+void coord_train_report(nl_coord *c, cjob *j, int state, const char *msg, struct json_t *o);
+/* The run begins (or resumes): its figures, each stage's device. */
+void coord_train_report_start(nl_coord *c, cjob *j);
+/* The step (and its evaluation) is done. */
+void coord_train_report_step(nl_coord *c, cjob *j);
+/* A checkpoint is kept (its step and manifest). */
+void coord_train_report_ckpt(nl_coord *c, cjob *j, int64_t step, const char *manifest);
+/* The job ends, done or cancelled with its steps kept: the client is told
+ * where they are. */
+void coord_train_report_end(nl_coord *c, cjob *j, int cancelled);
+/* A JOB_CANCEL (rx) is taken: the job stops after step k (first: the
+ * first cancel, logged). */
+void coord_train_report_stopping(nl_coord *c, cjob *j, const nl_rx *rx, int64_t k, int first);
+/* A stage was lost (why) at t->lost_at: the job resumes from the source. */
+void coord_train_report_lost(nl_coord *c, cjob *j, const char *why);
+/* The tail of a failure message: the last checkpoint (cjob_ops.fail_note). */
+void coord_train_fail_note(const cjob *j, char *buf, size_t cap);
+
+/* ---------------------------------------------------------------- coord_finetune.c */
+
+/* A client's JOB_SUBMIT of kind finetune: the adapters' parameters
+ * checked; NULL when they are refused (the client is answered). */
+cft *coord_finetune_params(nl_coord *c, const nl_rx *rx);
+/* The stages' JOB_SUBMIT parameters of the adapters (into ps, at most
+ * COORD_FT_PARAMS; borrowed from ft): how many. */
+int coord_finetune_stage_params(const cft *ft, int64_t seed, nl_wire_param *ps);
+/* Every stage's adapter shard (sh[0..n), in dir) is in: a worker checks
+ * their hashes and joins them into dir/adapter.safetensors (then done).
+ * Its result, for TE_WRITTEN (in->path: the file). */
+nl_status coord_finetune_gather(nl_coord *c, uint64_t job, const cft *ft,
+                                const nl_manifest_shard *sh, int n, const char *dir, tr_done done,
+                                nl_error *err);
+void coord_finetune_result(cwork *w, tr_in *in);
+
+#endif

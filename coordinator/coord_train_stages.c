@@ -1,0 +1,188 @@
+/* The stages' reports about a training job, a leaf of its state machine
+ * (coord_train.c), which says what the job's state awaits: each report
+ * is checked (it comes from the stage it claims, of the plan the job runs
+ * on, about the step under way, and is not a lie) and counted into the
+ * job, and the machine is told whether it completes the awaited event
+ * (TAKEN, REPORTED, EVALUATED, SHARDS) or cannot be true (the machine then
+ * fails the job). A stage's report of a failure is judged here too. */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "base/log.h"
+#include "coord_train_impl.h"
+
+/* A stage's report being taken. */
+typedef struct srep {
+    nl_coord *c;
+    cjob *j;
+    ctrain *t;
+    const nl_rx *rx;
+    int awaits; /* the event the job's state awaits (tr_event), or -1 */
+    char *why;  /* a lie's message */
+    size_t cap;
+} srep;
+
+/* The report cannot be true: why, and -1. */
+static int __attribute__((format(printf, 2, 3))) lie(srep *r, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(r->why, r->cap, fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+/* Whether a training report claiming stage `stage` comes from that stage
+ * while the job awaits ev, on the current plan. */
+static int report_ok(srep *r, uint32_t stage, tr_event ev)
+{
+    cnode *n = coord_node_by_rid(r->c, r->rx);
+    if (r->awaits != (int)ev || r->j->epoch != r->c->epoch)
+        return 0;
+    if (!n || n->stage != (int)stage || stage >= (uint32_t)r->t->stages) {
+        NL_WARN("a training report for job %llu claims stage %u but comes from %s",
+                (unsigned long long)r->j->id, stage, n ? "another stage" : "no stage");
+        return 0;
+    }
+    return 1;
+}
+
+/* A stage took the job (JOB_STATUS running); once all have, TAKEN. */
+static int on_ack(srep *r)
+{
+    cnode *n = coord_node_by_rid(r->c, r->rx);
+    ctrain *t = r->t;
+    if (r->awaits != TE_TAKEN || !n || n->stage < 0 || r->j->epoch != r->c->epoch ||
+        t->got[n->stage])
+        return 0;
+    t->got[n->stage] = 1;
+    r->j->last_progress = coord_now();
+    return ++t->acks == t->stages;
+}
+
+static int on_grad_norm(srep *r)
+{
+    const nl_msg_grad_norm *g = &r->rx->msg.u.grad_norm;
+    ctrain *t = r->t;
+    if (!report_ok(r, g->stage, TE_REPORTED) || g->step != (uint64_t)t->step + 1 ||
+        t->got[g->stage])
+        return 0;
+    if (g->sumsq < 0) /* no sum of squares is negative: a lie */
+        return lie(r, "stage %u reported a gradient sum of squares of %g for step %lld: refused",
+                   g->stage, g->sumsq, (long long)t->step + 1);
+    if (!isfinite(g->sumsq) && t->bad_stage < 0) /* the step is skipped (decide) */
+        t->bad_stage = (int)g->stage;
+    r->j->last_progress = coord_now();
+    t->got[g->stage] = 1;
+    t->sumsq += g->sumsq;
+    return ++t->norms == t->stages && t->have_loss;
+}
+
+/* The evaluation's loss: the mean over the predictions (every position
+ * of clm, the masked ones of mlm, the held-out examples of classify). */
+static int on_eval_loss(srep *r)
+{
+    const nl_msg_loss *l = &r->rx->msg.u.loss;
+    const uint64_t correct = r->rx->msg.u.train_loss.correct;
+    ctrain *t = r->t;
+    const uint32_t last = (uint32_t)(t->stages - 1);
+    if (!report_ok(r, last, TE_EVALUATED) || l->step != (uint64_t)t->step)
+        return 0;
+    if (!isfinite(l->ce_sum) || l->ce_sum < 0)
+        return lie(r, "stage %u (the last) reported an evaluation loss of %g at step %lld: refused",
+                   last, l->ce_sum, (long long)t->step);
+    if (t->lds && (l->rows != (uint64_t)t->eval_rows || correct > l->rows))
+        return lie(r,
+                   "stage %u (the last) scored %llu held-out examples (%llu right) at step %lld, "
+                   "but %.0f were sent: refused",
+                   last, (unsigned long long)l->rows, (unsigned long long)correct,
+                   (long long)t->step, t->eval_rows);
+    r->j->last_progress = coord_now();
+    t->eval_loss = l->ce_sum / (t->eval_rows > 0 ? t->eval_rows : 1.0);
+    t->eval_acc = t->lds && l->rows ? (double)correct / (double)l->rows : 0.0;
+    t->has_eval = 1;
+    return 1;
+}
+
+static int on_loss(srep *r)
+{
+    const nl_msg_loss *l = &r->rx->msg.u.loss;
+    ctrain *t = r->t;
+    const uint32_t last = (uint32_t)(t->stages - 1);
+    if (l->eval)
+        return on_eval_loss(r);
+    if (!report_ok(r, last, TE_REPORTED) || l->step != (uint64_t)t->step + 1 || t->have_loss)
+        return 0;
+    if (l->ce_sum < 0) /* a cross-entropy is never negative: a lie */
+        return lie(r, "stage %u (the last) reported a loss of %g (aux %g) for step %lld: refused",
+                   last, l->ce_sum, l->aux, (long long)t->step + 1);
+    if ((!isfinite(l->ce_sum) || !isfinite(l->aux)) && t->bad_stage < 0)
+        t->bad_stage = (int)last; /* the step is skipped (decide) */
+    r->j->last_progress = coord_now();
+    t->ce = l->ce_sum;
+    t->aux = l->aux;
+    t->have_loss = 1;
+    return t->norms == t->stages;
+}
+
+static int on_ckpt_done(srep *r)
+{
+    const nl_msg_ckpt_done *d = &r->rx->msg.u.ckpt_done;
+    ctrain *t = r->t;
+    if (!report_ok(r, d->stage, TE_SHARDS) || d->step != (uint64_t)t->step || t->got[d->stage])
+        return 0;
+    if (coord_train_shard(r->c, r->j, coord_node_by_rid(r->c, r->rx), d, r->why, r->cap))
+        return -1;
+    r->j->last_progress = coord_now();
+    t->got[d->stage] = 2;
+    return ++t->acks == t->stages;
+}
+
+int coord_train_stage_report(nl_coord *c, cjob *j, const nl_rx *rx, int awaits, char *why,
+                             size_t cap)
+{
+    srep r = {c, j, j->state, rx, awaits, why, cap};
+    if (!r.t)
+        return 0;
+    switch (rx->msg.type) {
+    case NL_MSG_JOB_STATUS:
+        return on_ack(&r);
+    case NL_MSG_GRAD_NORM:
+        return on_grad_norm(&r);
+    case NL_MSG_LOSS:
+        return on_loss(&r);
+    case NL_MSG_CKPT_DONE:
+        return on_ckpt_done(&r);
+    default:
+        return 0;
+    }
+}
+
+/* A stage failed the job. When it cannot reach a neighbour (node.c says
+ * "cannot reach the previous/next stage"; JOB_STATUS carries no code),
+ * the neighbour has most likely died and the heartbeat timeout will say
+ * so: with resumes left the job waits for that verdict (the state
+ * machine's LOST then resumes it); a neighbour that lives on leaves the
+ * job to --job-timeout-ms. So does any failure after that one on the same
+ * plan: the other stages' protocol errors follow from the lost hop (the
+ * soak saw "GRADIENT of microbatch 1, but the next backward is of
+ * microbatch 0" from the stage whose gradient could not be sent). Any
+ * other failure (the device, the data) fails it. */
+int coord_train_stage_failed(nl_coord *c, cjob *j, int begun, const char *why)
+{
+    ctrain *t = j->state;
+    if (t->ft || !begun || t->resumes >= c->o.train_resumes)
+        return 0;
+    const int cut = strstr(why, "cannot reach the ") != NULL;
+    if (!cut && t->verdict_epoch != c->epoch)
+        return 0;
+    if (cut)
+        t->verdict_epoch = c->epoch;
+    NL_WARN("train job %llu: %s; waiting for the heartbeat timeout to tell whether a node died "
+            "(then the job resumes)%s",
+            (unsigned long long)j->id, why,
+            cut ? "" : " (after a stage could not reach its neighbour on this plan)");
+    return 1;
+}

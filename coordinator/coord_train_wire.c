@@ -1,0 +1,224 @@
+/* What a training job sends its stages, a leaf of the job's state
+ * machine (coord_train.c), which decides when: the job itself (JOB_SUBMIT,
+ * with the model's growth history), each step's batch and each
+ * evaluation's held-out batches, made as local training makes them
+ * (core/objective.h), cut into microbatches and sent as hops (the targets
+ * ride along to the last stage). It changes no state of the job but the
+ * batch arrays; a stage that cannot be reached is the caller's to judge. */
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/log.h"
+#include "coord_train_impl.h"
+#include "core/grow.h"
+#include "core/objective.h"
+#include "core/train.h"
+
+/* Send m to every stage: 0, or -1 and *lost the stage that cannot be
+ * reached. */
+static int send_all(nl_coord *c, nl_wire_msg *m, int *lost)
+{
+    for (int s = 0; s < c->plan->n_stages; s++) {
+        cnode *n = coord_stage_node(c, s);
+        if (!n || coord_send_node(c, n, m) != NL_OK) {
+            *lost = s;
+            return -1;
+        }
+    }
+    return 0;
+}
+
+int coord_train_send_decision(nl_coord *c, cjob *j, double scale, int *lost)
+{
+    const ctrain *t = j->state;
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_STEP);
+    m.u.step = (nl_msg_step){j->id, (uint64_t)t->step + 1, !t->r.skipped, scale, t->lr_now};
+    int rc = send_all(c, &m, lost);
+    nl_wire_msg_free(&m);
+    return rc;
+}
+
+int coord_train_send_ckpt_req(nl_coord *c, cjob *j, const char *dir, int *lost)
+{
+    const ctrain *t = j->state;
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_CKPT_REQ);
+    m.u.ckpt_req = (nl_msg_ckpt_req){j->id, (uint64_t)t->step, dir};
+    int rc = send_all(c, &m, lost);
+    nl_wire_msg_free(&m);
+    return rc;
+}
+
+void coord_train_send_end(nl_coord *c, cjob *j)
+{
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOB_CANCEL);
+    m.u.job_ref.job_id = j->id;
+    int lost = 0;
+    send_all(c, &m, &lost); /* one that cannot be reached is declared dead at the tick */
+    nl_wire_msg_free(&m);
+}
+
+/* The model's growth history for the stages (params growth.N, one entry
+ * each: a parameter string holds at most 4096 bytes): their trainers count
+ * the AdamW bias correction of what a growth created from its birth, as
+ * local training does (node/stage_train.c). Entries born at step 0 change
+ * nothing and are left out; of the others the last COORD_GROWTH_PARAMS go.
+ * Returns how many params it filled; texts[] are the caller's to free. */
+static int growth_params(const nl_coord *c, nl_wire_param *ps, char keys[][24], char **texts)
+{
+    int n = 0, first = c->n_growth;
+    for (int i = c->n_growth - 1; i >= 0 && n < COORD_GROWTH_PARAMS; i--)
+        if (c->growth[i].adam_steps > 0) {
+            first = i;
+            n++;
+        }
+    n = 0;
+    for (int i = first; i < c->n_growth; i++) {
+        char *text = c->growth[i].adam_steps > 0 ? nl_growth_to_json(&c->growth[i], 1) : NULL;
+        if (!text)
+            continue;
+        if (strlen(text) > 4096) {
+            NL_WARN("growth entry %d is longer than a parameter: its new parameters' AdamW bias "
+                    "correction counts from step 1",
+                    i);
+            free(text);
+            continue;
+        }
+        snprintf(keys[n], sizeof keys[n], "growth.%d", i);
+        texts[n] = text;
+        ps[n] = (nl_wire_param){.key = keys[n], .kind = NL_WIRE_PARAM_STR, .s = text};
+        n++;
+    }
+    return n;
+}
+
+int coord_train_send_job(nl_coord *c, cjob *j, int *lost)
+{
+    ctrain *t = j->state;
+    nl_wire_param ps[9 + COORD_GROWTH_PARAMS + COORD_FT_PARAMS] = {
+        {.key = "job", .kind = NL_WIRE_PARAM_INT, .i = (int64_t)j->id},
+        {.key = "micro_batch", .kind = NL_WIRE_PARAM_INT, .i = t->batch / t->micro},
+        {.key = "seq", .kind = NL_WIRE_PARAM_INT, .i = t->seq},
+        {.key = "microbatches", .kind = NL_WIRE_PARAM_INT, .i = t->micro},
+        {.key = "recompute", .kind = NL_WIRE_PARAM_BOOL, .b = t->recompute != 0},
+        {.key = "start_step", .kind = NL_WIRE_PARAM_INT, .i = t->start},
+        {.key = "adam_steps", .kind = NL_WIRE_PARAM_INT, .i = t->adam},
+        {.key = "moments", .kind = NL_WIRE_PARAM_BOOL, .b = t->moments != 0},
+        {.key = "eval_hops",
+         .kind = NL_WIRE_PARAM_INT,
+         .i = t->eval_every > 0 ? coord_train_eval_batches(t) * t->micro : 0},
+    };
+    char keys[COORD_GROWTH_PARAMS][24], *texts[COORD_GROWTH_PARAMS] = {NULL};
+    int np = 9 + growth_params(c, ps + 9, keys, texts);
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
+    np += t->ft ? coord_finetune_stage_params(t->ft, t->seed, ps + np) : 0;
+    m.u.job_submit = (nl_msg_job_submit){t->ft ? NL_JOB_FINETUNE : NL_JOB_TRAIN, (uint32_t)np, ps};
+    int rc = send_all(c, &m, lost);
+    nl_wire_msg_free(&m);
+    for (int i = 0; i < COORD_GROWTH_PARAMS; i++)
+        free(texts[i]);
+    return rc;
+}
+
+/* Batch `index` of a split (0: training, 1: held out) of the job's
+ * objective into t->tokens and the rest, as local training makes it:
+ * the token objectives' batches (core/objective.h); classification's
+ * examples (the held-out split in order, each once).
+ * *valid: the predictions its loss is over (for classification, the
+ * sequences; of a held-out batch, the examples in it). */
+nl_status coord_train_make_batch(const nl_coord *c, ctrain *t, int split, uint64_t index,
+                                 int64_t *valid, nl_error *e)
+{
+    const int B = (int)t->batch, T = (int)t->seq;
+    if (t->lds && split == 0) {
+        *valid = B;
+        return nl_labelled_batch(t->lds, 0, (uint64_t)t->seed, index, B, T, t->tokens, t->lengths,
+                                 t->labels, t->docs, e);
+    }
+    if (t->lds) {
+        int n = 0;
+        nl_status st = nl_labelled_eval_batch(t->lds, (size_t)index, B, T, t->tokens, t->lengths,
+                                              t->labels, t->docs, &n, e);
+        *valid = n;
+        return st;
+    }
+    return nl_objective_batch(t->ds, t->objective, &c->cfg, split, (uint64_t)t->seed, index, B, T,
+                              t->tokens, t->targets, valid, e);
+}
+
+/* The held-out batches of an evaluation: eval_batches, or (classify) as
+ * many as the held-out split fills. */
+int64_t coord_train_eval_batches(const ctrain *t)
+{
+    return t->lds ? (int64_t)nl_labelled_eval_batches(t->lds, (int)t->batch) : t->eval_batches;
+}
+
+/* A hop of `type` with microbatch mb of the batch in t->tokens (and the
+ * objective's arrays: the targets, or classification's documents, labels
+ * and lengths; a COUNT takes the documents only) to stage 0. */
+static int send_hop(nl_coord *c, cjob *j, nl_msg_type type, uint64_t step, uint32_t mb,
+                    int64_t loss_rows)
+{
+    const ctrain *t = j->state;
+    const int64_t B = t->batch / t->micro, shape[2] = {B, t->seq};
+    const size_t rows = (size_t)B * (size_t)t->seq, m0 = mb % (uint32_t)t->micro;
+    const bool count = type == NL_MSG_COUNT, classify = t->lds != NULL;
+    cnode *first = coord_stage_node(c, 0);
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, type);
+    m.u.hop = (nl_msg_tensor_hop){j->id, step, mb, 0, 0, 0.0};
+    nl_wire_frame_set(&m.frames[0], t->tokens + m0 * rows, NL_DTYPE_I32, shape, 2); /* copied */
+    m.nframes = 1;
+    nl_wire_hop_set_extras(&m, B, t->seq, count || classify ? NULL : t->targets + m0 * rows,
+                           classify ? t->docs + m0 * rows : NULL,
+                           classify && !count ? t->labels + m0 * B : NULL,
+                           classify && !count ? t->lengths + m0 * B : NULL);
+    m.u.train_hop.loss_rows = loss_rows > 0 ? (uint64_t)loss_rows : 0;
+    int rc = first && coord_send_node(c, first, &m) == NL_OK ? 0 : -1;
+    nl_wire_msg_free(&m);
+    return rc;
+}
+
+int coord_train_send_step(nl_coord *c, cjob *j)
+{
+    const ctrain *t = j->state;
+    const uint64_t k = (uint64_t)t->step + 1;
+    /* the loss rows the last stage's gradient is scaled by: every position
+     * of clm (0 says so), the masked ones of mlm, the sequences of classify */
+    const int64_t loss_rows = nl_objective_loss_rows(t->objective, t->valid);
+    /* the batch's expert shares first (DESIGN: frac_e over the whole batch) */
+    for (int64_t mb = 0; t->micro > 1 && mb < t->micro; mb++)
+        if (send_hop(c, j, NL_MSG_COUNT, k, (uint32_t)mb, loss_rows) != 0)
+            return -1;
+    for (int64_t mb = 0; mb < t->micro; mb++)
+        if (send_hop(c, j, NL_MSG_ACTIVATION, k, (uint32_t)mb, loss_rows) != 0)
+            return -1;
+    return 0;
+}
+
+int coord_train_send_eval(nl_coord *c, cjob *j, nl_error *e)
+{
+    ctrain *t = j->state;
+    t->eval_rows = 0.0;
+    for (int64_t i = 0; i < coord_train_eval_batches(t); i++) {
+        int64_t n = 0;
+        if (coord_train_make_batch(c, t, 1, (uint64_t)i, &n, e) != NL_OK)
+            return -1;
+        t->eval_rows += (double)n;
+        for (int64_t mb = 0; mb < t->micro; mb++)
+            if (send_hop(c, j, NL_MSG_EVAL, (uint64_t)t->step, (uint32_t)(i * t->micro + mb),
+                         t->lds ? t->batch : 0) != 0)
+                return 1;
+    }
+    return 0;
+}
