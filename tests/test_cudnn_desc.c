@@ -199,8 +199,19 @@ static void test_layouts(void)
     printf("layouts: Q, K, V, O packed and read back through the cuDNN dims/strides\n");
 }
 
+/* Decode steps (a few queries over a cache) are left to the module's
+ * kernels; prefill, chunks of 16 or more and the backward go to cuDNN. */
+static void test_worth_it(void)
+{
+    CHECK(!nl_sdpa_worth_it(shape(4, 1, 500, 1024, 8, 2, 64)), "a decode step goes to cuDNN");
+    CHECK(!nl_sdpa_worth_it(shape(1, 15, 40, 64, 8, 2, 64)), "15 queries over a cache go to cuDNN");
+    CHECK(nl_sdpa_worth_it(shape(1, 16, 40, 64, 8, 2, 64)), "a chunk of 16 does not go to cuDNN");
+    CHECK(nl_sdpa_worth_it(shape(8, 1, 0, 1, 8, 2, 64)), "a cacheless call does not go to cuDNN");
+}
+
 int main(void)
 {
+    test_worth_it();
     test_masks();
     test_bounds();
     test_fallback();

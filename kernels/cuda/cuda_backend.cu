@@ -212,6 +212,12 @@ struct cuda_ctx {
     lt_entry lt_cache[NL_CUDA_LT_CACHE];
     int lt_next; /* the entry to replace when the cache is full */
     nl_cudnn *cudnn; /* attention through cuDNN (cuda_cudnn.h), or NULL */
+    /* the expert groups' row offsets last read to the host (bf16 grouped
+     * GEMMs of many rows): valid for off_ptr until a slot that may write
+     * offsets runs (upload, zero, moe_route) */
+    const int32_t *off_ptr;
+    int off_groups;
+    int32_t off_host[NL_BACKEND_MAX_EXPERTS + 1];
 };
 
 cuda_ctx *ctx_of(nl_backend *be)
@@ -390,6 +396,7 @@ void cu_upload(nl_backend *be, void *dst, const void *src, size_t bytes)
     if (!bytes)
         return;
     cuda_ctx *c = enter(be);
+    c->off_ptr = NULL; /* it may have written routing offsets */
     if (c->bf16) /* into weights: their bf16 copy is made again on next use */
         nl_cuda_bf16_mark(&c->w, dst, bytes);
     if (staged_upload(be, c, dst, src, bytes))
@@ -418,6 +425,7 @@ void cu_zero(nl_backend *be, void *p, size_t bytes)
     if (!bytes)
         return;
     cuda_ctx *c = enter(be);
+    c->off_ptr = NULL;
     if (c->bf16)
         nl_cuda_bf16_mark(&c->w, p, bytes);
     ok(c, "zero", cudaMemsetAsync(p, 0, bytes, c->stream));
@@ -854,6 +862,7 @@ void cu_moe_route(nl_backend *be, int32_t *choice, float *w, int32_t *offsets, i
                   int32_t *slot, const float *probs, int N, int E, int k)
 {
     cuda_ctx *c = enter(be);
+    c->off_ptr = NULL;
     launched_shape(c, nl_cuda_moe_route(c->stream, choice, w, offsets, perm, slot, probs, N, E, k),
                    "moe_route (N %d E %d k %d)", N, E, k);
 }
@@ -880,11 +889,54 @@ void cu_moe_router_backward(nl_backend *be, float *dl, const float *dw, const fl
         "moe_router_backward (N %d E %d k %d)", N, E, k);
 }
 
+/* bf16 grouped GEMMs of many rows (prefill, training) run as one cuBLASLt
+ * GEMM per expert, sized by the offsets read to the host once per routing
+ * (one wait per layer's dispatch, shared by its grouped calls): cuBLASLt
+ * ran the experts of bench-large's forward at T 1024 about twice as fast
+ * as the one-launch tensor-core kernel on an H100 (issue 28). Fewer rows
+ * (decode) keep that kernel: no host wait per token. */
+#define NL_CUDA_GROUPED_HOST_ROWS 64
+
+/* The offsets at dev on the host (checked: 0 first, never decreasing,
+ * each group at most max_rows), or NULL after a failure (sticky). */
+const int32_t *host_offsets(nl_backend *be, cuda_ctx *c, const int32_t *dev, int groups,
+                            int max_rows)
+{
+    if (groups < 1 || groups > NL_BACKEND_MAX_EXPERTS) {
+        fail(c, NL_ERR_INTERNAL, "%s: grouped gemm: %d groups", c->name, groups);
+        return NULL;
+    }
+    if (c->off_ptr != dev || c->off_groups != groups) {
+        cu_download(be, c->off_host, dev, (size_t)(groups + 1) * sizeof(int32_t));
+        if (c->sticky != NL_OK)
+            return NULL;
+        c->off_ptr = dev;
+        c->off_groups = groups;
+    }
+    const int32_t *o = c->off_host;
+    for (int g = 0; g < groups; g++)
+        if (o[0] != 0 || o[g + 1] < o[g] || o[g + 1] - o[g] > max_rows) {
+            c->off_ptr = NULL;
+            fail(c, NL_ERR_INTERNAL, "%s: grouped gemm: group %d has rows %d..%d (at most %d)",
+                 c->name, g, o[g], o[g + 1], max_rows);
+            return NULL;
+        }
+    return o;
+}
+
 void cu_gemm_grouped(nl_backend *be, int trans_b, int N, int K, const float *A, int lda,
                      const float *B, int ldb, size_t b_stride, float *C, int ldc,
                      const int32_t *offsets, int groups, int max_rows)
 {
     cuda_ctx *c = enter(be);
+    if (c->bf16 && max_rows >= NL_CUDA_GROUPED_HOST_ROWS) {
+        const int32_t *o = host_offsets(be, c, offsets, groups, max_rows);
+        for (int g = 0; o && g < groups; g++)
+            if (o[g + 1] > o[g])
+                cu_gemm(be, 0, trans_b, o[g + 1] - o[g], N, K, 1.0f, A + (size_t)o[g] * lda, lda,
+                        B + g * b_stride, ldb, 0.0f, C + (size_t)o[g] * ldc, ldc);
+        return;
+    }
     if (c->bf16 && groups <= NL_CUDA_MAX_GROUPS) { /* tensor cores, one launch */
         launched_shape(c,
                        nl_cuda_gemm_grouped_bf16(c->stream, trans_b, N, K, A, lda, B, ldb, b_stride,
@@ -904,11 +956,12 @@ void cu_gemm_grouped_wgrad(nl_backend *be, int M, int N, const float *A, int lda
                            int groups)
 {
     cuda_ctx *c = enter(be);
-    if (c->bf16) {
-        launched_shape(c,
-                       nl_cuda_gemm_grouped_wgrad_bf16(c->stream, M, N, A, lda, B, ldb, C, ldc,
-                                                       c_stride, offsets, groups),
-                       "gemm_grouped_wgrad (bf16) (M %d N %d groups %d)", M, N, groups);
+    if (c->bf16) { /* training only: one cuBLASLt GEMM per expert (above) */
+        const int32_t *o = host_offsets(be, c, offsets, groups, INT32_MAX);
+        for (int g = 0; o && g < groups; g++)
+            if (o[g + 1] > o[g])
+                cu_gemm(be, 1, 0, M, N, o[g + 1] - o[g], 1.0f, A + (size_t)o[g] * lda, lda,
+                        B + (size_t)o[g] * ldb, ldb, 1.0f, C + g * c_stride, ldc);
         return;
     }
     launched_shape(c,

@@ -100,6 +100,7 @@ struct nl_cudnn {
     size_t scratch_bytes = 0;
     void *workspace = nullptr;
     size_t workspace_bytes = 0;
+    bool force = false; /* NL_CUDNN_ATTN=force: every shape it can describe */
 };
 
 namespace
@@ -414,6 +415,7 @@ nl_cudnn *make(int device, void *stream, bool force, bool bf16)
     cd->device = device;
     cd->stream = (cudaStream_t)stream;
     cd->handle = h;
+    cd->force = force;
     nl_log_write(NL_LOG_INFO, "cuda:%d: attention through cuDNN %zu (frontend %d.%d.%d)%s", device,
                  fe::detail::get_backend_version(), CUDNN_FRONTEND_MAJOR_VERSION,
                  CUDNN_FRONTEND_MINOR_VERSION, CUDNN_FRONTEND_PATCH_VERSION,
@@ -462,7 +464,7 @@ namespace
 int forward(nl_cudnn *cd, float *out, float *lse, const float *q, int q_stride, const float *k,
             const float *v, int kv_stride, nl_attn_shape s, const nl_attn_mask *mask)
 {
-    if (!cd || !out || !q || !k || !v)
+    if (!cd || !out || !q || !k || !v || (!cd->force && !nl_sdpa_worth_it(s)))
         return 0;
     nl_sdpa_desc d;
     nl_sdpa_describe(&d, s, mask ? mask->bidir : 0, mask ? mask->window : 0,

@@ -65,6 +65,17 @@ typedef struct nl_sdpa_desc {
     float scale;               /* 1 / sqrt(hd) */
 } nl_sdpa_desc;
 
+/* Queries per call below which a call with a cache (past > 0) is left to
+ * the module's kernels unless cuDNN is forced: a decode step would convert
+ * the whole FP32 cache to bf16 for a few queries (bench-large's decode went
+ * from 438 to 55 tokens/s on an H100), where the module's kernel reads the
+ * cache in place. The descriptor itself (nl_sdpa_describe) covers them. */
+#define NL_SDPA_MIN_CACHED_T 16
+static inline int nl_sdpa_worth_it(nl_attn_shape s)
+{
+    return s.past == 0 || s.T >= NL_SDPA_MIN_CACHED_T;
+}
+
 /* Head dims the cuDNN path takes; others fall back. */
 static inline int nl_sdpa_head_dim_ok(int hd)
 {
