@@ -889,12 +889,15 @@ void cu_moe_router_backward(nl_backend *be, float *dl, const float *dw, const fl
         "moe_router_backward (N %d E %d k %d)", N, E, k);
 }
 
-/* bf16 grouped GEMMs of many rows (prefill, training) run as one cuBLASLt
- * GEMM per expert, sized by the offsets read to the host once per routing
- * (one wait per layer's dispatch, shared by its grouped calls): cuBLASLt
- * ran the experts of bench-large's forward at T 1024 about twice as fast
- * as the one-launch tensor-core kernel on an H100 (issue 28). Fewer rows
- * (decode) keep that kernel: no host wait per token. */
+/* The forward's bf16 grouped GEMMs of many rows (prefill, training's
+ * forward: trans_b, the weights as stored) run as one cuBLASLt GEMM per
+ * expert, sized by the offsets read to the host once per routing (one wait
+ * per layer's dispatch, shared by its two calls): on an H100 this took
+ * bench-large's forward at T 1024 from 241K to 647K tokens/s (issue 28).
+ * Fewer rows (decode) keep the one-launch tensor-core kernel: no host wait
+ * per token. So does the backward (dgrad and wgrad): per expert through
+ * cuBLASLt it made training at T 256 slower on the same GPU (22K against
+ * 49K tokens/s; not yet profiled). */
 #define NL_CUDA_GROUPED_HOST_ROWS 64
 
 /* The offsets at dev on the host (checked: 0 first, never decreasing,
@@ -929,7 +932,7 @@ void cu_gemm_grouped(nl_backend *be, int trans_b, int N, int K, const float *A, 
                      const int32_t *offsets, int groups, int max_rows)
 {
     cuda_ctx *c = enter(be);
-    if (c->bf16 && max_rows >= NL_CUDA_GROUPED_HOST_ROWS) {
+    if (c->bf16 && trans_b && max_rows >= NL_CUDA_GROUPED_HOST_ROWS) {
         const int32_t *o = host_offsets(be, c, offsets, groups, max_rows);
         for (int g = 0; o && g < groups; g++)
             if (o[g + 1] > o[g])
@@ -956,12 +959,11 @@ void cu_gemm_grouped_wgrad(nl_backend *be, int M, int N, const float *A, int lda
                            int groups)
 {
     cuda_ctx *c = enter(be);
-    if (c->bf16) { /* training only: one cuBLASLt GEMM per expert (above) */
-        const int32_t *o = host_offsets(be, c, offsets, groups, INT32_MAX);
-        for (int g = 0; o && g < groups; g++)
-            if (o[g + 1] > o[g])
-                cu_gemm(be, 1, 0, M, N, o[g + 1] - o[g], 1.0f, A + (size_t)o[g] * lda, lda,
-                        B + (size_t)o[g] * ldb, ldb, 1.0f, C + g * c_stride, ldc);
+    if (c->bf16) {
+        launched_shape(c,
+                       nl_cuda_gemm_grouped_wgrad_bf16(c->stream, M, N, A, lda, B, ldb, C, ldc,
+                                                       c_stride, offsets, groups),
+                       "gemm_grouped_wgrad (bf16) (M %d N %d groups %d)", M, N, groups);
         return;
     }
     launched_shape(c,
