@@ -218,6 +218,7 @@ struct cuda_ctx {
     const int32_t *off_ptr;
     int off_groups;
     int32_t off_host[NL_BACKEND_MAX_EXPERTS + 1];
+    int experts_kernel; /* NL_CUDA_EXPERTS=kernel: never per expert (below) */
 };
 
 cuda_ctx *ctx_of(nl_backend *be)
@@ -897,7 +898,10 @@ void cu_moe_router_backward(nl_backend *be, float *dl, const float *dw, const fl
  * Fewer rows (decode) keep the one-launch tensor-core kernel: no host wait
  * per token. So does the backward (dgrad and wgrad): per expert through
  * cuBLASLt it made training at T 256 slower on the same GPU (22K against
- * 49K tokens/s; not yet profiled). */
+ * 49K tokens/s; not yet profiled). Training as a whole measured slower
+ * with the forward per expert too (42K against 68K tokens/s at T 1024,
+ * other runs): NL_CUDA_EXPERTS=kernel keeps the one-launch kernel for every
+ * call, the faster choice for training until a profile says why. */
 #define NL_CUDA_GROUPED_HOST_ROWS 64
 
 /* The offsets at dev on the host (checked: 0 first, never decreasing,
@@ -932,7 +936,7 @@ void cu_gemm_grouped(nl_backend *be, int trans_b, int N, int K, const float *A, 
                      const int32_t *offsets, int groups, int max_rows)
 {
     cuda_ctx *c = enter(be);
-    if (c->bf16 && trans_b && max_rows >= NL_CUDA_GROUPED_HOST_ROWS) {
+    if (c->bf16 && trans_b && max_rows >= NL_CUDA_GROUPED_HOST_ROWS && !c->experts_kernel) {
         const int32_t *o = host_offsets(be, c, offsets, groups, max_rows);
         for (int g = 0; o && g < groups; g++)
             if (o[g + 1] > o[g])
@@ -1384,6 +1388,8 @@ NL_EXPORT nl_status nl_cuda_backend_new(nl_backend **out, int device, const nl_b
         return st;
     }
     be->runtime_bytes = runtime;
+    const char *ex = getenv("NL_CUDA_EXPERTS");
+    c->experts_kernel = ex && strcmp(ex, "kernel") == 0;
     c->cudnn = nl_cudnn_new(device, c->stream, c->bf16); /* NULL: off or unavailable */
     fill_table(be);
     *out = be;
