@@ -5,6 +5,7 @@
 
 #include "base/args.h"
 #include "commands.h"
+#include "nl_version.h" /* written at build time: cli/version.cmake */
 
 static const struct {
     const char *name;
@@ -37,7 +38,8 @@ static const struct {
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: neuroctl COMMAND [options]   (neuroctl COMMAND --help for its flags)\n\n"
+    fprintf(f, "usage: neuroctl COMMAND [options]   (neuroctl COMMAND --help for its flags)\n"
+               "       neuroctl --version\n\n"
                "commands:\n");
     for (size_t i = 0; i < N_COMMANDS; i++)
         fprintf(f, "  %-12s %s\n", commands[i].name, commands[i].help);
@@ -71,11 +73,23 @@ static int unknown_command(const char *name)
     return 2;
 }
 
+static void version(void)
+{
+    if (NL_VERSION_GIT[0])
+        printf("neuroctl %s (git %s)\n", NL_VERSION, NL_VERSION_GIT);
+    else
+        printf("neuroctl %s\n", NL_VERSION);
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 2) {
         usage(stderr);
         return 2;
+    }
+    if (strcmp(argv[1], "--version") == 0 || strcmp(argv[1], "version") == 0) {
+        version();
+        return 0;
     }
     if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 ||
         strcmp(argv[1], "help") == 0) {

@@ -57,6 +57,8 @@ def all_helps():
         if sub in REMOTE_ARGV:
             h += help_of([NEUROCTL] + REMOTE_ARGV[sub])
         helps["neuroctl " + sub] = h
+    # the general usage: flags of neuroctl itself (--version)
+    helps["neuroctl"] = help_of([NEUROCTL, "--help"])
     helps["neurocoord"] = help_of([NEUROCOORD, "--help"])
     helps["neuronode"] = help_of([NEURONODE, "join", "--help"])
     return helps

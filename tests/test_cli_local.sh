@@ -142,6 +142,11 @@ check grep -qF "unknown option '--tokenizr': did you mean --tokenizer?" <<< "$ou
 out=$("$NEUROCTL" trian 2>&1); rc=$?
 check test $rc -eq 2
 check grep -qF "unknown command 'trian': did you mean train?" <<< "$out"
+# the version, one line, exit 0; help COMMAND is that command's own usage
+out=$("$NEUROCTL" --version); rc=$?
+check test $rc -eq 0
+check grep -qE '^neuroctl [0-9]+\.[0-9]+\.[0-9]+( \(git [^)]+\))?$' <<< "$out"
+check test "$("$NEUROCTL" version)" = "$out"
 "$NEUROCTL" generate "${DEV[@]}" --model "$W/m.safetensors" --prompt-tokens 1,x >/dev/null 2>&1
 check test $? -eq 2
 
