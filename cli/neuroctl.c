@@ -38,7 +38,8 @@ static const struct {
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: neuroctl COMMAND [options]   (neuroctl COMMAND --help for its flags)\n"
+    fprintf(f, "usage: neuroctl COMMAND [options]   (neuroctl help COMMAND, or neuroctl COMMAND "
+               "--help, for its flags)\n"
                "       neuroctl --version\n\n"
                "commands:\n");
     for (size_t i = 0; i < N_COMMANDS; i++)
@@ -92,9 +93,17 @@ int main(int argc, char **argv)
         return 0;
     }
     if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 ||
-        strcmp(argv[1], "help") == 0) {
+        (strcmp(argv[1], "help") == 0 && argc == 2)) {
         usage(stdout);
         return 0;
+    }
+    if (strcmp(argv[1], "help") == 0) {
+        /* help COMMAND: the command's own usage, as COMMAND --help prints it */
+        int c = find_command(argv[2]);
+        if (c < 0)
+            return unknown_command(argv[2]);
+        char *help_argv[] = {argv[2], "--help", NULL};
+        return commands[c].run(2, help_argv);
     }
     /* forward, generate, train, finetune, embed, grow and tokenizer learn go to a cluster when
      * one is named */

@@ -147,6 +147,12 @@ out=$("$NEUROCTL" --version); rc=$?
 check test $rc -eq 0
 check grep -qE '^neuroctl [0-9]+\.[0-9]+\.[0-9]+( \(git [^)]+\))?$' <<< "$out"
 check test "$("$NEUROCTL" version)" = "$out"
+out=$("$NEUROCTL" help train); rc=$?
+check test $rc -eq 0
+check grep -q "^usage: neuroctl train --model" <<< "$out"
+check test "$out" = "$("$NEUROCTL" train --help)"
+"$NEUROCTL" help frobnicate >/dev/null 2>&1
+check test $? -eq 2
 "$NEUROCTL" generate "${DEV[@]}" --model "$W/m.safetensors" --prompt-tokens 1,x >/dev/null 2>&1
 check test $? -eq 2
 
