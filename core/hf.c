@@ -821,6 +821,7 @@ nl_status nl_hf_export(const char *src, const char *dir, uint64_t shard_bytes, n
         free(p);
     else
         written[n_written++] = p;
+    c.stats->vocab_size = cfg.vocab_size;
 out:
     for (int i = 0; i < n_written; i++) {
         if (st)

@@ -36,6 +36,7 @@ typedef struct nl_hf_stats {
     char converted_from[8]; /* the dtype of the first of them */
     int tied;               /* import: lm_head copied from the tied embedding */
     int has_tokenizer;      /* export: the vocabulary files were written */
+    int64_t vocab_size;     /* export: the model's ids (bytes only up to 259: no tokenizer) */
 } nl_hf_stats;
 
 /* Parse a Hugging Face config.json (text of len bytes; `label` starts

@@ -90,6 +90,13 @@ sum0=$(sha256sum < "$W/imported.safetensors")
 expect 1 "already exists.*--force\|--force" "$N" import --hf "$W/hf-ckpt" --out "$W/imported.safetensors"
 check test "$sum0" = "$(sha256sum < "$W/imported.safetensors")"
 check "$N" import --hf "$W/hf-ckpt" --out "$W/imported.safetensors" --force
+# no tokenizer: "ids are bytes" only where they are (issue 34: 280 ids were "byte ids")
+expect 0 "no tokenizer in the source, so no vocabulary files: its 280 ids are not bytes" \
+  "$N" export --format hf --model "$W/imported.safetensors" --out "$W/hf-imported"
+printf 'hidden_dim: 32\nnum_layers: 1\nnum_heads: 4\nnum_kv_heads: 2\nffn_dim: 48\nvocab_size: 256\n' > "$W/bytes.yaml"
+check "$N" init --config "$W/bytes.yaml" --out "$W/bytes.safetensors"
+expect 0 "no tokenizer in the source: its ids are bytes" \
+  "$N" export --format hf --model "$W/bytes.safetensors" --out "$W/hf-bytes"
 /usr/bin/python3 - "$W" <<'PY'
 import json, struct, sys
 w = sys.argv[1]
