@@ -48,11 +48,11 @@ int nl_cmd_import(int argc, char **argv)
     return 0;
 }
 
-int nl_cli_export_hf(const char *src, const char *out, uint64_t shard_bytes)
+int nl_cli_export_hf(const char *src, const char *out, uint64_t shard_bytes, int force)
 {
     nl_error err = {0};
     nl_hf_stats s;
-    if (nl_hf_export(src, out, shard_bytes, &s, &err) != NL_OK) {
+    if (nl_hf_export(src, out, shard_bytes, force, &s, &err) != NL_OK) {
         fprintf(stderr, "neuroctl export: %s (%s)\n", err.msg, nl_status_str(err.status));
         return 1;
     }
@@ -69,5 +69,8 @@ int nl_cli_export_hf(const char *src, const char *out, uint64_t shard_bytes)
                 "; no tokenizer in the source, so no vocabulary files: its %" PRId64
                 " ids are not bytes (a reader needs the tokenizer they were trained with)\n",
                 s.vocab_size);
+    if (s.replaced || s.kept)
+        fprintf(stderr, "--force: replaced %d file(s) in %s; kept %d other(s)%s%s\n", s.replaced,
+                out, s.kept, s.kept ? ": " : "", s.kept_names);
     return 0;
 }

@@ -78,6 +78,15 @@ done
 check test -e "$W/hf-ckpt/vocab.json" -a -e "$W/hf-ckpt/model.safetensors.index.json"
 check grep -q '"architectures"' "$W/hf-ckpt/config.json"
 expect 1 "not empty" "$N" export --format hf --model "$W/m.safetensors" --out "$W/hf-ckpt"
+# --force: the files an export writes are replaced, others kept, and it says so
+echo notes > "$W/hf-ckpt/notes.txt"
+n_ours=$(($(ls "$W/hf-ckpt" | wc -l) - 1))
+expect 0 "^--force: replaced $n_ours file(s) in .*hf-ckpt; kept 1 other(s): notes.txt" \
+  "$N" export --format hf --model "$W/m.safetensors" --out "$W/hf-ckpt" --shard-size 30K --force
+check grep -q notes "$W/hf-ckpt/notes.txt"
+for f in "$W"/hf-man/*; do
+  check cmp "$f" "$W/hf-ckpt/${f##*/}"
+done
 # a damaged shard: refused before anything is written
 printf 'X' | dd of="$W/shards/stage-1.safetensors" bs=1 seek=200 conv=notrunc 2>/dev/null
 expect 1 "sha256 mismatch" "$N" export --format hf --manifest "$W/shards" --out "$W/hf-bad"
