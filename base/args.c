@@ -52,11 +52,7 @@ int nl_args_nearness(const char *given, const char *known)
     int typo = d <= (ng / 3 > 1 ? (int)(ng / 3) : 1);
     /* one a prefix of the other: step and steps, checkpoint and checkpoint-dir */
     int prefix = shorter >= 3 && strncmp(given, known, shorter) == 0;
-    /* the same first word: max-tokens and max-new */
-    const char *dg = strchr(given, '-'), *dk = strchr(known, '-');
-    int word = dg && dk && dg - given >= 3 && dg - given == dk - known &&
-               strncmp(given, known, (size_t)(dg - given)) == 0;
-    return typo || prefix || word ? d : -1;
+    return typo || prefix ? d : -1;
 }
 
 /* Whether text holds word (letters and digits, any case) as a whole word. */
@@ -72,6 +68,17 @@ static int names_word(const char *text, const char *word)
     return 0;
 }
 
+/* The part of name after its first word ("tokens" of "max-tokens") when
+ * known has that first word too, else NULL. */
+static const char *rest_after_shared_word(const char *name, const char *known)
+{
+    const char *dash = strchr(name, '-');
+    size_t n = dash ? (size_t)(dash - name) : 0;
+    if (n < 2 || !dash[1] || strncmp(name, known, n) != 0 || known[n] != '-')
+        return NULL;
+    return dash + 1;
+}
+
 const char *nl_args_suggest(const nl_flag *flags, const char *given)
 {
     const char *best = NULL;
@@ -85,6 +92,13 @@ const char *nl_args_suggest(const nl_flag *flags, const char *given)
     }
     if (best || strlen(given) < 3)
         return best;
+    /* the same first word, and the help names the rest: max-tokens and max-new
+     * ("tokens to generate"), not serve's max-batch ("generations decoded") */
+    for (const nl_flag *fl = flags; fl->name; fl++) {
+        const char *rest = rest_after_shared_word(given, fl->name);
+        if (rest && fl->help && names_word(fl->help, rest))
+            return fl->name;
+    }
     /* none close by spelling: the one flag whose help names it (port: --http) */
     for (const nl_flag *fl = flags; fl->name; fl++) {
         if (!fl->help || !names_word(fl->help, given))

@@ -25,12 +25,14 @@ void nl_args_help(FILE *f, const char *usage, const nl_flag *flags);
 
 /* How far a mistyped name (a flag without its "--", a command) is from a
  * known one: the edit distance when the two are close enough to suggest
- * (a typo or two, one a prefix of the other, or the same first word before
- * a '-', as max-tokens and max-new), else -1. */
+ * (a typo or two, a swap counted as one; one a prefix of the other), else
+ * -1. */
 int nl_args_nearness(const char *given, const char *known);
 /* The known flag closest to given (without its "--"), or NULL when none is
- * close: by nl_args_nearness, else the one flag whose help names given as
- * a word (port: --http, "HOST:PORT"). The result points into flags. */
+ * close: by nl_args_nearness; else one of the same first word whose help
+ * names the rest (max-tokens: --max-new, "tokens to generate"); else the
+ * one flag whose help names given as a word (port: --http, "HOST:PORT").
+ * The result points into flags. */
 const char *nl_args_suggest(const nl_flag *flags, const char *given);
 
 const char *nl_args_get(const nl_flag *flags, const char *name);

@@ -30,6 +30,12 @@ static void test_suggest(void)
     CHECK(s && strcmp(s, "top-p") == 0, "top_p: %s", s ? s : "(none)");
     s = nl_args_suggest(g, "prompt");
     CHECK(s && strcmp(s, "prompt-tokens") == 0, "prompt: %s", s ? s : "(none)");
+    /* the same first word alone is not enough: the help must name the rest */
+    nl_flag batch[] = {{"max-batch", 1, "generations decoded together", NULL},
+                       {"max-requests", 1, "concurrent /v1 requests before 429", NULL},
+                       {0}};
+    s = nl_args_suggest(batch, "max-tokens");
+    CHECK(!s, "max-tokens on serve: %s", s);
     s = nl_args_suggest(g, "port");
     CHECK(!s, "port on generate: %s", s);
     s = nl_args_suggest(g, "frobnicate");
