@@ -26,11 +26,13 @@ int nl_cmd_export(int argc, char **argv)
                         "[--force]\n"
                         "  verifies every shard (size, sha256) and joins them with their "
                         "optimizer state\n"
-                        "neuroctl export --format hf --manifest M|--model CKPT --out DIR\n"
+                        "neuroctl export --format hf --manifest M|--model CKPT --out DIR "
+                        "[--force]\n"
                         "  writes config.json (MixtralForCausalLM; a dense model: "
                         "LlamaForCausalLM), the weights in Hugging Face "
                         "names and RoPE order,\n  and the vocabulary (vocab.json, merges.txt, "
-                        "neurollm-tokenizer.txt)";
+                        "neurollm-tokenizer.txt);\n  DIR must be new or empty, or with --force "
+                        "those files are replaced and others kept";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -44,7 +46,8 @@ int nl_cmd_export(int argc, char **argv)
             nl_args_help(stderr, usage, flags);
             return 2;
         }
-        return nl_cli_export_hf(model ? model : path, out, shard);
+        return nl_cli_export_hf(model ? model : path, out, shard,
+                                nl_args_get(flags, "force") != NULL);
     }
     if (format && strcmp(format, "neurollm") != 0) {
         fprintf(stderr, "--format: '%s' is neither neurollm nor hf\n", format);

@@ -8,6 +8,7 @@
 #include "cli_io.h"
 #include "commands.h"
 #include "core/hf.h"
+#include "core/tokenizer.h"
 
 int nl_cmd_import(int argc, char **argv)
 {
@@ -47,20 +48,29 @@ int nl_cmd_import(int argc, char **argv)
     return 0;
 }
 
-int nl_cli_export_hf(const char *src, const char *out, uint64_t shard_bytes)
+int nl_cli_export_hf(const char *src, const char *out, uint64_t shard_bytes, int force)
 {
     nl_error err = {0};
     nl_hf_stats s;
-    if (nl_hf_export(src, out, shard_bytes, &s, &err) != NL_OK) {
+    if (nl_hf_export(src, out, shard_bytes, force, &s, &err) != NL_OK) {
         fprintf(stderr, "neuroctl export: %s (%s)\n", err.msg, nl_status_str(err.status));
         return 1;
     }
-    fprintf(
-        stderr,
-        "exported %s to %s in the Hugging Face layout: %d tensors in %d weight file(s), %" PRIu64
-        " bytes%s\n",
-        src, out, s.n_tensors, s.n_files, s.bytes_out,
-        s.has_tokenizer ? "; vocabulary in vocab.json, merges.txt, neurollm-tokenizer.txt"
-                        : "; no tokenizer in the source (byte ids)");
+    fprintf(stderr,
+            "exported %s to %s in the Hugging Face layout: %d tensors in %d weight file(s), "
+            "%" PRIu64 " bytes",
+            src, out, s.n_tensors, s.n_files, s.bytes_out);
+    if (s.has_tokenizer)
+        fprintf(stderr, "; vocabulary in vocab.json, merges.txt, neurollm-tokenizer.txt\n");
+    else if (s.vocab_size <= NL_TOKEN_FIRST_MERGE)
+        fprintf(stderr, "; no tokenizer in the source: its ids are bytes\n");
+    else
+        fprintf(stderr,
+                "; no tokenizer in the source, so no vocabulary files: its %" PRId64
+                " ids are not bytes (a reader needs the tokenizer they were trained with)\n",
+                s.vocab_size);
+    if (s.replaced || s.kept)
+        fprintf(stderr, "--force: replaced %d file(s) in %s; kept %d other(s)%s%s\n", s.replaced,
+                out, s.kept, s.kept ? ": " : "", s.kept_names);
     return 0;
 }

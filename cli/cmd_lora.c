@@ -17,6 +17,10 @@ int nl_cmd_lora(int argc, char **argv)
                        {"out", 1, "merged checkpoint to write", NULL},
                        {0}};
     const char *usage = "neuroctl lora merge --model BASE --adapter ADAPTER --out MERGED";
+    if (argc >= 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
+        nl_args_help(stdout, usage, flags);
+        return 0;
+    }
     if (argc < 2 || strcmp(argv[1], "merge") != 0) {
         fprintf(stderr, "usage: %s\n", usage);
         return 2;

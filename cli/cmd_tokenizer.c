@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 #include <time.h>
 
+#include "base/args.h"
 #include "commands.h"
 #include "core/fileio.h"
 #include "core/tokenizer.h"
@@ -124,6 +125,17 @@ static int parse_opts(int argc, char **argv, opts *o)
             if (parse_count(argv[++i], 1, LLONG_MAX, &o->min_count) != 0)
                 return usage_error("--min-count '%s' is not a positive number", argv[i]);
         } else {
+            /* the options above, for a suggestion (base/args) */
+            static const nl_flag known[] = {
+                {"help", 0, NULL, NULL},       {"force", 0, NULL, NULL},
+                {"quiet", 0, NULL, NULL},      {"strict", 0, NULL, NULL},
+                {"input", 1, NULL, NULL},      {"tokenizer", 1, NULL, NULL},
+                {"out", 1, NULL, NULL},        {"output", 1, NULL, NULL},
+                {"vocab-size", 1, NULL, NULL}, {"add", 1, NULL, NULL},
+                {"min-count", 1, NULL, NULL},  {0}};
+            const char *near = strncmp(a, "--", 2) == 0 ? nl_args_suggest(known, a + 2) : NULL;
+            if (near)
+                return usage_error("unknown option '%s': did you mean --%s?", a, near);
             return usage_error("unknown option '%s'", a);
         }
     }

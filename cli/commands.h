@@ -23,9 +23,10 @@ int nl_cmd_import(int argc, char **argv);
 int nl_cmd_embed(int argc, char **argv);
 int nl_cmd_finetune(int argc, char **argv);
 int nl_cmd_lora(int argc, char **argv);
-/* export --format hf (cli/cmd_hf.c): src is a checkpoint or a manifest. */
+/* export --format hf (cli/cmd_hf.c): src is a checkpoint or a manifest;
+ * force: out may hold files (those the export writes are replaced). */
 #include <stdint.h>
-int nl_cli_export_hf(const char *src, const char *out, uint64_t shard_bytes);
+int nl_cli_export_hf(const char *src, const char *out, uint64_t shard_bytes, int force);
 /* The same commands against a cluster (--coordinator or --cluster given). */
 int nl_cmd_remote_forward(int argc, char **argv);
 int nl_cmd_remote_generate(int argc, char **argv);

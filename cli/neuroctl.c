@@ -3,7 +3,9 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "base/args.h"
 #include "commands.h"
+#include "nl_version.h" /* written at build time: cli/version.cmake */
 
 static const struct {
     const char *name;
@@ -32,12 +34,52 @@ static const struct {
     {"selftest", nl_cmd_selftest, "check a backend's every slot and a small model against the CPU"},
 };
 
+#define N_COMMANDS (sizeof commands / sizeof commands[0])
+
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: neuroctl COMMAND [options]   (neuroctl COMMAND --help for its flags)\n\n"
+    fprintf(f, "usage: neuroctl COMMAND [options]   (neuroctl help COMMAND, or neuroctl COMMAND "
+               "--help, for its flags)\n"
+               "       neuroctl --version\n\n"
                "commands:\n");
-    for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
+    for (size_t i = 0; i < N_COMMANDS; i++)
         fprintf(f, "  %-12s %s\n", commands[i].name, commands[i].help);
+}
+
+static int find_command(const char *name)
+{
+    for (size_t i = 0; i < N_COMMANDS; i++)
+        if (strcmp(name, commands[i].name) == 0)
+            return (int)i;
+    return -1;
+}
+
+/* An unknown command, with the closest known one when one is close. */
+static int unknown_command(const char *name)
+{
+    const char *near = NULL;
+    int near_d = -1;
+    for (size_t i = 0; i < N_COMMANDS; i++) {
+        int d = nl_args_nearness(name, commands[i].name);
+        if (d >= 0 && (near_d < 0 || d < near_d)) {
+            near = commands[i].name;
+            near_d = d;
+        }
+    }
+    if (near)
+        fprintf(stderr, "neuroctl: unknown command '%s': did you mean %s?\n\n", name, near);
+    else
+        fprintf(stderr, "neuroctl: unknown command '%s'\n\n", name);
+    usage(stderr);
+    return 2;
+}
+
+static void version(void)
+{
+    if (NL_VERSION_GIT[0])
+        printf("neuroctl %s (git %s)\n", NL_VERSION, NL_VERSION_GIT);
+    else
+        printf("neuroctl %s\n", NL_VERSION);
 }
 
 int main(int argc, char **argv)
@@ -46,10 +88,22 @@ int main(int argc, char **argv)
         usage(stderr);
         return 2;
     }
+    if (strcmp(argv[1], "--version") == 0 || strcmp(argv[1], "version") == 0) {
+        version();
+        return 0;
+    }
     if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 ||
-        strcmp(argv[1], "help") == 0) {
+        (strcmp(argv[1], "help") == 0 && argc == 2)) {
         usage(stdout);
         return 0;
+    }
+    if (strcmp(argv[1], "help") == 0) {
+        /* help COMMAND: the command's own usage, as COMMAND --help prints it */
+        int c = find_command(argv[2]);
+        if (c < 0)
+            return unknown_command(argv[2]);
+        char *help_argv[] = {argv[2], "--help", NULL};
+        return commands[c].run(2, help_argv);
     }
     /* forward, generate, train, finetune, embed, grow and tokenizer learn go to a cluster when
      * one is named */
@@ -70,10 +124,8 @@ int main(int argc, char **argv)
         return nl_cmd_remote_tokenizer_learn(argc - 1, argv + 1);
     if (remote && strcmp(argv[1], "grow") == 0)
         return nl_cmd_remote_grow(argc - 1, argv + 1);
-    for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
-        if (strcmp(argv[1], commands[i].name) == 0)
-            return commands[i].run(argc - 1, argv + 1);
-    fprintf(stderr, "neuroctl: unknown command '%s'\n\n", argv[1]);
-    usage(stderr);
-    return 2;
+    int c = find_command(argv[1]);
+    if (c < 0)
+        return unknown_command(argv[1]);
+    return commands[c].run(argc - 1, argv + 1);
 }

@@ -691,9 +691,13 @@ static nl_status open_ours(hf_conv *c, const char *src, nl_config *cfg, char **t
     return NL_OK;
 }
 
-static nl_status check_out_dir(const char *dir, int *created, nl_error *err)
+/* DIR for an export: made when missing (*created), else it must be empty,
+ * or with force hold anything (*n_before: its entries, for the report). */
+static nl_status check_out_dir(const char *dir, int force, int *created, int *n_before,
+                               nl_error *err)
 {
     DIR *d = opendir(dir);
+    *n_before = 0;
     if (!d && errno == ENOENT) {
         *created = 1;
         return nl_file_mkdirs(dir, err);
@@ -701,13 +705,50 @@ static nl_status check_out_dir(const char *dir, int *created, nl_error *err)
     if (!d)
         FAIL(NL_ERR_IO, "%s: %s", dir, strerror(errno));
     struct dirent *e;
-    int empty = 1;
-    while ((e = readdir(d)) && empty)
-        empty = !strcmp(e->d_name, ".") || !strcmp(e->d_name, "..");
+    while ((e = readdir(d)))
+        *n_before += strcmp(e->d_name, ".") && strcmp(e->d_name, "..");
     closedir(d);
-    if (!empty)
-        FAIL(NL_ERR_STATE, "%s: not empty; export into a new or empty directory", dir);
+    if (*n_before && !force)
+        FAIL(NL_ERR_STATE,
+             "%s: not empty; export into a new or empty directory, or give --force to replace "
+             "the files an export writes there (others are kept)",
+             dir);
     return NL_OK;
+}
+
+/* After an export into a directory that held n_before entries: the ones
+ * it did not write were kept (counted and named in stats), the rest
+ * replaced. */
+static void count_kept(const char *dir, char **written, int n_written, int n_before,
+                       nl_hf_stats *stats)
+{
+    DIR *d = opendir(dir);
+    struct dirent *e;
+    size_t used = 0, cap = sizeof stats->kept_names;
+    int full = 0;
+    while (d && (e = readdir(d))) {
+        int ours = !strcmp(e->d_name, ".") || !strcmp(e->d_name, "..");
+        for (int i = 0; i < n_written && !ours; i++) {
+            const char *slash = strrchr(written[i], '/');
+            ours = !strcmp(slash ? slash + 1 : written[i], e->d_name);
+        }
+        if (ours)
+            continue;
+        stats->kept++;
+        if (full)
+            continue;
+        size_t need = strlen(e->d_name) + (used ? 2 : 0);
+        if (used + need + 6 < cap) { /* room left for ", ..." */
+            used += (size_t)snprintf(stats->kept_names + used, cap - used, "%s%s", used ? ", " : "",
+                                     e->d_name);
+        } else {
+            strcpy(stats->kept_names + used, used ? ", ..." : "...");
+            full = 1;
+        }
+    }
+    if (d)
+        closedir(d);
+    stats->replaced = n_before - stats->kept;
 }
 
 /* One weight file of an export: jobs [j0, j1). */
@@ -785,15 +826,15 @@ out:
     return st;
 }
 
-nl_status nl_hf_export(const char *src, const char *dir, uint64_t shard_bytes, nl_hf_stats *stats,
-                       nl_error *err)
+nl_status nl_hf_export(const char *src, const char *dir, uint64_t shard_bytes, int force,
+                       nl_hf_stats *stats, nl_error *err)
 {
     nl_hf_stats dummy;
     nl_config cfg;
     hf_conv c = {.cfg = &cfg, .to_ours = 0, .stats = stats ? stats : &dummy};
     memset(c.stats, 0, sizeof *c.stats);
     char *tok = NULL, *cj = NULL, **written = NULL;
-    int n_written = 0, created = 0;
+    int n_written = 0, created = 0, n_before = 0;
     nl_status st;
     if ((st = open_ours(&c, src, &cfg, &tok, err)) || (st = hf_representable(&cfg, src, err)) ||
         (st = build_jobs(&c, err)))
@@ -808,7 +849,7 @@ nl_status nl_hf_export(const char *src, const char *dir, uint64_t shard_bytes, n
         st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
         goto out;
     }
-    if ((st = check_out_dir(dir, &created, err)) ||
+    if ((st = check_out_dir(dir, force, &created, &n_before, err)) ||
         (st = write_weights(&c, dir, shard_bytes ? shard_bytes : NL_HF_SHARD_DEFAULT, written,
                             &n_written, err)) ||
         (tok && (st = write_vocab(dir, tok, written, &n_written, err))))
@@ -821,6 +862,9 @@ nl_status nl_hf_export(const char *src, const char *dir, uint64_t shard_bytes, n
         free(p);
     else
         written[n_written++] = p;
+    c.stats->vocab_size = cfg.vocab_size;
+    if (!st && n_before)
+        count_kept(dir, written, n_written, n_before, c.stats);
 out:
     for (int i = 0; i < n_written; i++) {
         if (st)

@@ -36,6 +36,10 @@ typedef struct nl_hf_stats {
     char converted_from[8]; /* the dtype of the first of them */
     int tied;               /* import: lm_head copied from the tied embedding */
     int has_tokenizer;      /* export: the vocabulary files were written */
+    int64_t vocab_size;     /* export: the model's ids (bytes only up to 259: no tokenizer) */
+    int replaced;           /* export --force: files of the directory written over */
+    int kept;               /* export --force: entries of the directory it did not write */
+    char kept_names[200];   /* ... their names, ", "-separated, "..." when cut */
 } nl_hf_stats;
 
 /* Parse a Hugging Face config.json (text of len bytes; `label` starts
@@ -64,14 +68,17 @@ void nl_hf_rope_permute(float *dst, const float *src, int heads, int head_dim, i
  * tokenizer) from the model in DIR. stats may be NULL. */
 nl_status nl_hf_import(const char *dir, const char *out, nl_hf_stats *stats, nl_error *err);
 
-/* neuroctl export --format hf: write DIR (created; must be empty or new)
+/* neuroctl export --format hf: write DIR (created; must be empty or new,
+ * or with force may hold files: those the export writes are replaced, the
+ * others kept and counted in stats)
  * with config.json, model.safetensors or model-0000i-of-0000n.safetensors
  * plus model.safetensors.index.json (a new shard starts past shard_bytes),
  * and, when the source carries a tokenizer, vocab.json, merges.txt and
  * neurollm-tokenizer.txt. `src` is a checkpoint (.safetensors), or a
  * manifest (a .json file or the directory holding manifest.json), whose
- * shards are verified first. On failure the files written are removed. */
-nl_status nl_hf_export(const char *src, const char *dir, uint64_t shard_bytes, nl_hf_stats *stats,
-                       nl_error *err);
+ * shards are verified first. On failure the files written are removed
+ * (with force, also those it had replaced). */
+nl_status nl_hf_export(const char *src, const char *dir, uint64_t shard_bytes, int force,
+                       nl_hf_stats *stats, nl_error *err);
 
 #endif

@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """Every flag the README and docs/ name exists in the --help of its command.
 
+`neuroctl help COMMAND` must print what `neuroctl COMMAND --help` prints,
+for every command the general usage lists.
+
 A flag after a command on the same line (`neuroctl train ... --out`,
 `neurocoord --node-timeout-ms`, `neuronode join ... --memory`) must be in
 that command's --help; a code block's continuation line (one that starts
@@ -57,9 +60,27 @@ def all_helps():
         if sub in REMOTE_ARGV:
             h += help_of([NEUROCTL] + REMOTE_ARGV[sub])
         helps["neuroctl " + sub] = h
+    # the general usage: flags of neuroctl itself (--version)
+    helps["neuroctl"] = help_of([NEUROCTL, "--help"])
     helps["neurocoord"] = help_of([NEUROCOORD, "--help"])
     helps["neuronode"] = help_of([NEURONODE, "join", "--help"])
     return helps
+
+
+def check_help_command():
+    """neuroctl help CMD prints CMD's own usage (issue 34: help train printed
+    the general one), for every command of the general usage."""
+    general = help_of([NEUROCTL, "--help"])
+    cmds = re.findall(r"^  ([a-z]+)  ", general.split("commands:", 1)[-1], re.M)
+    bad = []
+    if len(cmds) < len(SUBCOMMANDS):
+        bad.append("neuroctl --help lists %d commands: %r" % (len(cmds), cmds))
+    for c in cmds:
+        own = help_of([NEUROCTL, c, "--help"])
+        via = help_of([NEUROCTL, "help", c])
+        if not own.startswith("usage: neuroctl " + c) or via != own:
+            bad.append("neuroctl help %s: %r, neuroctl %s --help: %r" % (c, via[:80], c, own[:80]))
+    return bad
 
 
 def flags_in(text):
@@ -134,7 +155,10 @@ def main():
     for m in missing:
         print(m.replace(SRC.rstrip("/") + "/", ""))
     print("check_doc_flags: %d files, %d flags known, %d missing" % (len(docs), len(known), len(missing)))
-    return 1 if missing else 0
+    bad_help = check_help_command()
+    for b in bad_help:
+        print(b)
+    return 1 if missing or bad_help else 0
 
 
 if __name__ == "__main__":

@@ -122,6 +122,37 @@ check grep -q "trunc.safetensors" <<< "$out"
 check test $? -eq 2
 "$NEUROCTL" frobnicate >/dev/null 2>&1
 check test $? -eq 2
+# an unknown flag or command comes with the closest known one, or with none
+# when none is close (issue 34)
+out=$("$NEUROCTL" generate --model "$W/m.safetensors" --prompt-tokens 1 --max-tokens 5 2>&1); rc=$?
+check test $rc -eq 2
+check grep -qF "unknown flag '--max-tokens': did you mean --max-new?" <<< "$out"
+out=$("$NEUROCTL" train --model "$W/m.safetensors" --data "$W/data.txt" --step 3 2>&1); rc=$?
+check test $rc -eq 2
+check grep -qF "unknown flag '--step': did you mean --steps?" <<< "$out"
+out=$("$NEUROCTL" serve --model "$W/m.safetensors" --port 8080 2>&1); rc=$?
+check test $rc -eq 2
+check grep -qF "unknown flag '--port': did you mean --http?" <<< "$out"
+out=$("$NEUROCTL" generate --model "$W/m.safetensors" --port 8080 2>&1); rc=$?
+check test $rc -eq 2
+check grep -qF "unknown flag '--port' (see --help)" <<< "$out"
+out=$("$NEUROCTL" tokenizer encode --tokenizr x 2>&1); rc=$?
+check test $rc -eq 2
+check grep -qF "unknown option '--tokenizr': did you mean --tokenizer?" <<< "$out"
+out=$("$NEUROCTL" trian 2>&1); rc=$?
+check test $rc -eq 2
+check grep -qF "unknown command 'trian': did you mean train?" <<< "$out"
+# the version, one line, exit 0; help COMMAND is that command's own usage
+out=$("$NEUROCTL" --version); rc=$?
+check test $rc -eq 0
+check grep -qE '^neuroctl [0-9]+\.[0-9]+\.[0-9]+( \(git [^)]+\))?$' <<< "$out"
+check test "$("$NEUROCTL" version)" = "$out"
+out=$("$NEUROCTL" help train); rc=$?
+check test $rc -eq 0
+check grep -q "^usage: neuroctl train --model" <<< "$out"
+check test "$out" = "$("$NEUROCTL" train --help)"
+"$NEUROCTL" help frobnicate >/dev/null 2>&1
+check test $? -eq 2
 "$NEUROCTL" generate "${DEV[@]}" --model "$W/m.safetensors" --prompt-tokens 1,x >/dev/null 2>&1
 check test $? -eq 2
 

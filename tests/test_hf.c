@@ -279,7 +279,7 @@ static void test_good(void)
 
     /* export: the HF tensors come back bit for bit; import again: ours do */
     char *exp = strdup(path_in(root, "good-export")), *again = strdup(path_in(root, "again.st"));
-    CHECK_OK(nl_hf_export(out, exp, 0, &s, &err), &err);
+    CHECK_OK(nl_hf_export(out, exp, 0, 0, &s, &err), &err);
     CHECK(s.n_files == 1 && !s.has_tokenizer, "export stats");
     CHECK(same_tensors(path_in(src, "model.safetensors"), path_in(exp, "model.safetensors")),
           "export gives back the imported tensors exactly");
@@ -288,22 +288,33 @@ static void test_good(void)
     /* sharded export: 800 bytes per file at most (a tensor larger goes alone) */
     char *exp2 = strdup(path_in(root, "good-export-sharded")),
          *again2 = strdup(path_in(root, "again2.st"));
-    CHECK_OK(nl_hf_export(out, exp2, 800, &s, &err), &err);
+    CHECK_OK(nl_hf_export(out, exp2, 800, 0, &s, &err), &err);
     CHECK(s.n_files > 2, "sharded export: %d files", s.n_files);
     CHECK(access(path_in(exp2, "model.safetensors.index.json"), F_OK) == 0, "index written");
     CHECK_OK(nl_hf_import(exp2, again2, NULL, &err), &err);
     CHECK(same_tensors(out, again2), "sharded export imports back bit-identical");
     /* export refuses a non-empty directory and writes nothing there */
     int before = count_entries(exp);
-    CHECK(nl_hf_export(out, exp, 0, NULL, &err) == NL_ERR_STATE && strstr(err.msg, "not empty"),
+    CHECK(nl_hf_export(out, exp, 0, 0, NULL, &err) == NL_ERR_STATE && strstr(err.msg, "not empty"),
           "non-empty: %s", err.msg);
     CHECK(count_entries(exp) == before, "nothing added");
-    CHECK(nl_hf_export(path_in(root, "nope.safetensors"), path_in(root, "nope-dir"), 0, NULL,
+    /* with force: the export's files are replaced, another file is kept and named */
+    FILE *nf = fopen(path_in(exp, "notes.txt"), "w");
+    CHECK(nf && fputs("mine\n", nf) >= 0 && fclose(nf) == 0, "notes.txt");
+    CHECK_OK(nl_hf_export(out, exp, 0, 1, &s, &err), &err);
+    CHECK(s.replaced == before && s.kept == 1 && strcmp(s.kept_names, "notes.txt") == 0,
+          "force: replaced %d of %d, kept %d (%s)", s.replaced, before, s.kept, s.kept_names);
+    CHECK(count_entries(exp) == before + 1 && access(path_in(exp, "notes.txt"), F_OK) == 0,
+          "force keeps notes.txt");
+    CHECK(s.vocab_size == V && !s.has_tokenizer, "vocab_size %lld", (long long)s.vocab_size);
+    CHECK(same_tensors(path_in(src, "model.safetensors"), path_in(exp, "model.safetensors")),
+          "force: the tensors written again");
+    CHECK(nl_hf_export(path_in(root, "nope.safetensors"), path_in(root, "nope-dir"), 0, 0, NULL,
                        &err) == NL_ERR_NOTFOUND &&
               count_entries(path_in(root, "nope-dir")) < 0,
           "missing source: %s; no directory made", err.msg);
     /* an HF directory is not one of our checkpoints */
-    CHECK(nl_hf_export(path_in(src, "model.safetensors"), path_in(root, "nope-dir"), 0, NULL,
+    CHECK(nl_hf_export(path_in(src, "model.safetensors"), path_in(root, "nope-dir"), 0, 0, NULL,
                        &err) == NL_ERR_FORMAT &&
               strstr(err.msg, "not a NeuroLLM checkpoint"),
           "foreign source: %s", err.msg);

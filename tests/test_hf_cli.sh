@@ -78,6 +78,15 @@ done
 check test -e "$W/hf-ckpt/vocab.json" -a -e "$W/hf-ckpt/model.safetensors.index.json"
 check grep -q '"architectures"' "$W/hf-ckpt/config.json"
 expect 1 "not empty" "$N" export --format hf --model "$W/m.safetensors" --out "$W/hf-ckpt"
+# --force: the files an export writes are replaced, others kept, and it says so
+echo notes > "$W/hf-ckpt/notes.txt"
+n_ours=$(($(ls "$W/hf-ckpt" | wc -l) - 1))
+expect 0 "^--force: replaced $n_ours file(s) in .*hf-ckpt; kept 1 other(s): notes.txt" \
+  "$N" export --format hf --model "$W/m.safetensors" --out "$W/hf-ckpt" --shard-size 30K --force
+check grep -q notes "$W/hf-ckpt/notes.txt"
+for f in "$W"/hf-man/*; do
+  check cmp "$f" "$W/hf-ckpt/${f##*/}"
+done
 # a damaged shard: refused before anything is written
 printf 'X' | dd of="$W/shards/stage-1.safetensors" bs=1 seek=200 conv=notrunc 2>/dev/null
 expect 1 "sha256 mismatch" "$N" export --format hf --manifest "$W/shards" --out "$W/hf-bad"
@@ -90,6 +99,13 @@ sum0=$(sha256sum < "$W/imported.safetensors")
 expect 1 "already exists.*--force\|--force" "$N" import --hf "$W/hf-ckpt" --out "$W/imported.safetensors"
 check test "$sum0" = "$(sha256sum < "$W/imported.safetensors")"
 check "$N" import --hf "$W/hf-ckpt" --out "$W/imported.safetensors" --force
+# no tokenizer: "ids are bytes" only where they are (issue 34: 280 ids were "byte ids")
+expect 0 "no tokenizer in the source, so no vocabulary files: its 280 ids are not bytes" \
+  "$N" export --format hf --model "$W/imported.safetensors" --out "$W/hf-imported"
+printf 'hidden_dim: 32\nnum_layers: 1\nnum_heads: 4\nnum_kv_heads: 2\nffn_dim: 48\nvocab_size: 256\n' > "$W/bytes.yaml"
+check "$N" init --config "$W/bytes.yaml" --out "$W/bytes.safetensors"
+expect 0 "no tokenizer in the source: its ids are bytes" \
+  "$N" export --format hf --model "$W/bytes.safetensors" --out "$W/hf-bytes"
 /usr/bin/python3 - "$W" <<'PY'
 import json, struct, sys
 w = sys.argv[1]
