@@ -117,6 +117,32 @@ static void on_grow(rtrain_watch *w, const json_t *ev)
     }
 }
 
+/* A new job on trained weights (weights_step > 0, start_step 0): where
+ * the weights came from, and how to continue that job instead. */
+static void say_fresh_start(const json_t *ev)
+{
+    const long long ws = integer(ev, "weights_step", 0), wj = integer(ev, "weights_job", 0);
+    const char *ck = json_string_value(json_object_get(ev, "weights_checkpoint"));
+    char job[40] = "";
+    if (wj > 0)
+        snprintf(job, sizeof job, " of job %lld", wj);
+    if (ck && wj > 0)
+        fprintf(stderr,
+                "starting at step 0 from the cluster's current weights (loaded from checkpoint "
+                "step %lld%s); --resume %.1000s continues that job's steps instead\n",
+                ws, job, ck);
+    else if (ck)
+        fprintf(stderr,
+                "starting at step 0 from the cluster's current weights (loaded from step %lld of "
+                "%.1000s)\n",
+                ws, ck);
+    else
+        fprintf(stderr,
+                "starting at step 0 from the cluster's current weights (trained to step %lld%s, "
+                "not checkpointed)\n",
+                ws, job);
+}
+
 static void on_start(rtrain_watch *w, const json_t *ev)
 {
     const long long S = integer(ev, "start_step", 0);
@@ -138,6 +164,8 @@ static void on_start(rtrain_watch *w, const json_t *ev)
         }
     } else if (S > 0) {
         fprintf(stderr, "resuming at step %lld\n", S);
+    } else if (integer(ev, "weights_step", 0) > 0 && !w->o->finetune) {
+        say_fresh_start(ev);
     }
     const int classify = json_object_get(ev, "examples") != NULL;
     const char *obj = json_string_value(json_object_get(ev, "objective"));

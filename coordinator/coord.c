@@ -43,8 +43,11 @@ void nl_coord_opts_init(nl_coord_opts *o)
 static nl_status load_model_source(nl_coord *c, nl_error *err)
 {
     nl_config_init(&c->base);
-    if (c->o.resume)
-        return coord_use_manifest(c, c->o.resume, 0, err);
+    if (c->o.resume) { /* the operator's resume: the first training job continues it */
+        nl_status st = coord_use_manifest(c, c->o.resume, 0, err);
+        c->src_continues = st == NL_OK;
+        return st;
+    }
     if (c->o.model) {
         if (!(c->src = coord_source_new(1)))
             return nl_error_set(err, NL_ERR_NOMEM, "out of memory");

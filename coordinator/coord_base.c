@@ -409,6 +409,8 @@ void coord_close_source(nl_coord *c)
     c->src_manifest = 0;
     c->src_step = c->src_adam = 0;
     c->resumable = 0;
+    c->src_continues = 0;
+    c->src_job = 0;
     c->src_path[0] = '\0';
 }
 

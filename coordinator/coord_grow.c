@@ -257,6 +257,9 @@ void coord_grow_install(nl_coord *c, coord_grow_work *g, double seconds)
     if (g->have_mf) {
         coord_manifest_install(c, &g->mf, 1);
         g->have_mf = 0;
+        /* the grown model goes on from its step: its new parameters' bias
+         * correction counts from their birth (docs/training.md) */
+        c->src_continues = 1;
     } else { /* the seed: the nodes draw the grown tables themselves */
         if (g->new_tok) {
             free(c->tok_text);

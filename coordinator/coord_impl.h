@@ -225,6 +225,15 @@ struct nl_coord {
     int n_growth;             /* then the growths since; manifests written carry it */
     nl_plan *plan;
     int planned_once;
+    /* a new training job continues the source's steps, schedule and moments
+     * (the operator's neurocoord --resume, or a growth, made it the source
+     * and no job has taken it since); otherwise a job without --resume
+     * starts at step 0 from the weights the stages hold */
+    int src_continues;
+    /* the job that wrote the source's manifest, and the job and step of
+     * the weights the stages hold (job 0: none of this coordinator's) */
+    uint64_t src_job, weights_job;
+    int64_t weights_step;
     int replan_wanted;   /* a node joined (or a standby left) since the plan was made */
     int stages_modified; /* a training job changed the stages' weights since the source */
     uint64_t epoch;

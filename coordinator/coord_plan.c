@@ -525,6 +525,8 @@ void coord_on_load_done(nl_coord *c, const nl_rx *rx)
     c->ready = 1;
     c->stages_modified = 0;         /* they hold the source's weights */
     c->resumable = c->src_manifest; /* the stages hold the manifest's weights and moments */
+    c->weights_job = c->src_job;
+    c->weights_step = c->src_step;
     coord_set_state(c, "ready: %d stages, bottleneck %.2f ms per request (plan %llu)",
                     c->plan->n_stages, c->plan->bottleneck * 1e3, (unsigned long long)c->epoch);
     coord_jobs_ready(c);

@@ -51,7 +51,8 @@
  *  PREPARING    PREPARED                              LOADING, then as READY if ready
  *  LOADING      READY [cancelled]                     CANCELLED (the source keeps its steps)
  *               READY [the plan lacks its memory]     LOADING (the cluster plans again)
- *               READY                                 BEGIN
+ *               READY                                 BEGIN (at the source's step when the
+ *                                                     job continues it, else at step 0)
  *               WRITTEN [past the source's step]      LOADING (resumes from that manifest)
  *  BEGIN        TAKEN                                 STEP
  *  STEP         REPORTED [an evaluation due]          EVAL
@@ -320,8 +321,9 @@ static void to(nl_coord *c, cjob *j, tr_state s)
 
 /* ---------------------------------------------------------------- the transitions */
 
-/* LOADING, the cluster ready: the run begins (or goes on from the
- * source's step) on its plan. */
+/* LOADING, the cluster ready: the run begins on its plan, at the
+ * source's step with its moments when the job continues it (t->cont),
+ * else at step 0 with fresh moments from the weights the stages hold. */
 static void begin(nl_coord *c, cjob *j)
 {
     ctrain *t = j->state;
@@ -349,7 +351,8 @@ static void begin(nl_coord *c, cjob *j)
     }
     j->phase = JOB_RUNNING;
     j->epoch = c->epoch;
-    if (c->resumable && !t->ft) { /* the stages hold a manifest's weights and moments */
+    /* the stages hold a manifest's weights and moments, which this job continues */
+    if (c->resumable && !t->ft && t->cont) {
         t->start = t->step = c->src_step;
         t->moments = 1;
         t->adam = c->src_adam;
@@ -429,6 +432,10 @@ static void decide(nl_coord *c, cjob *j)
     }
     t->step++;
     t->adam += !r->skipped;
+    if (!t->ft) { /* the weights the stages hold now */
+        c->weights_job = j->id;
+        c->weights_step = t->step;
+    }
     j->last_progress = coord_now();
     t->has_eval = 0;
     if (t->eval_every > 0 && (due(t->step, t->eval_every) || t->step == t->steps))
@@ -623,8 +630,12 @@ static int train_on(nl_coord *c, cjob *j, tr_event ev, const tr_in *in)
         begin(c, j);
         return 1;
     case TE_TAKEN: /* BEGIN: step 1 */
-        if (!t->ft)
-            c->resumable = 0; /* the stages took the moments; the weights are about to move */
+        if (!t->ft) {
+            /* the stages took the moments and the weights are about to
+             * move; a resume is taken once: later jobs start at step 0 */
+            c->resumable = 0;
+            c->src_continues = 0;
+        }
         next_step(c, j);
         return 1;
     case TE_REPORTED:

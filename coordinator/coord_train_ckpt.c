@@ -155,7 +155,10 @@ void coord_train_keep(nl_coord *c, cjob *j, const tr_in *in)
     ctrain *t = j->state;
     ckpt_task *k = in->task;
     coord_manifest_install(c, &k->out, 0);
+    c->src_job = j->id;
     c->stages_modified = 0; /* the source holds the stages' weights */
+    /* a resume of this job goes on from here */
+    t->cont = 1;
     coord_journal_train(c, j->id, t->journal, k->path);
     snprintf(t->manifest, sizeof t->manifest, "%s", k->path);
     t->manifest_step = k->mf.step;

@@ -67,6 +67,11 @@ typedef struct ctrain {
     double eval_rows;          /* an evaluation's predictions (mlm: the masked ones) */
     double eval_acc;           /* classify: the last evaluation's accuracy */
     int64_t start, step;       /* steps done */
+    /* the job goes on from the source's step with its moments when the
+     * stages hold it untouched: its --resume (or the journal's), a source
+     * that continues (c->src_continues), or a checkpoint of its own; a
+     * job without begins at step 0 from the weights the stages hold */
+    int cont;
     int moments;
     int64_t adam; /* AdamW steps the stages have taken */
     int acks, norms, have_loss;

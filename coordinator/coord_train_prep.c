@@ -166,6 +166,10 @@ const char *coord_train_prepared(nl_coord *c, cjob *j, const tr_in *in, char *wh
     }
     if (p->grow && install_growth(c, j, p, why, cap))
         return why;
+    /* only a resume goes on with the source's steps, schedule and moments
+     * (its own, the operator's or a growth's); any other job starts at
+     * step 0 from the weights the stages hold */
+    t->cont = p->resume != NULL || c->src_continues;
     nl_error e = {0};
     if (nl_objective_check(&c->cfg, &t->objective, &e) != NL_OK) { /* the client's, checked */
         snprintf(why, cap, "%s", e.msg);

@@ -61,6 +61,15 @@ void coord_train_report_start(nl_coord *c, cjob *j)
         json_array_append_new(devices, n ? json_string(n->device) : json_null());
     }
     json_object_set_new(o, "devices", devices);
+    if (!t->ft && t->start == 0 && c->weights_step > 0) {
+        /* a new job on trained weights: it starts at step 0 from them, and
+         * the client says where they came from */
+        json_object_set_new(o, "weights_step", json_integer((json_int_t)c->weights_step));
+        if (c->weights_job > 0)
+            json_object_set_new(o, "weights_job", json_integer((json_int_t)c->weights_job));
+        if (!c->stages_modified && c->src_path[0])
+            json_object_set_new(o, "weights_checkpoint", json_string(c->src_path));
+    }
     if (t->resumes > 0 && t->t_lost > 0) { /* the nodes' plan after a loss (not a re-plan at a
                                                 checkpoint that follows one) */
         json_object_set_new(o, "resumes", json_integer(t->resumes));

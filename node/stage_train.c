@@ -319,18 +319,21 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg
         nl_stage_train_free(t);
         return nl_error_prefix(err, "train job %lld", job);
     }
-    if (moments) { /* the resumed run's moments: into every trainer, then freed here */
-        for (int i = 0; i < 2; i++) {
+    if (moments) { /* the resumed run's moments: into every trainer */
+        for (int i = 0; i < 2; i++)
             for (int r = 0; r < t->R; r++)
                 t->rep[r].be->upload(t->rep[r].be, nl_trainer_moment(t->rep[r].tr, i), s->mom_h[i],
                                      m->n_params * sizeof(float));
-            free(s->mom_h[i]);
-            s->mom_h[i] = NULL;
-        }
-        s->have_moments = false;
         for (int r = 0; r < t->R; r++)
             nl_trainer_set_adam_steps(t->rep[r].tr, p->adam_steps);
     }
+    /* the checkpoint's moments are freed here: taken by a resumed job, or
+     * dropped by a new one, which starts with zero moments at AdamW step 0 */
+    for (int i = 0; i < 2; i++) {
+        free(s->mom_h[i]);
+        s->mom_h[i] = NULL;
+    }
+    s->have_moments = false;
     NL_INFO("train job %llu: stage %d of %d, %d microbatches of %d x %d, %d in flight%s, from "
             "step %lld%s",
             (unsigned long long)t->job, s->stage_idx, s->num_stages, t->M, t->mbB, t->T, slots,

@@ -7,7 +7,8 @@
 # by itself, its final weights and moments bit-identical to an undisturbed
 # run of the same job, and the client's log records the loss and the
 # resume. Then --train-resumes 0 fails the job
-# at the first loss, naming the node and the last checkpoint.
+# at the first loss, naming the node and the last checkpoint, and the next
+# job without --resume starts at step 0 from the reloaded weights.
 . "$(dirname "$0")/cluster_lib.sh"
 # equal, fixed throughputs: plans do not hang on probes that other tests
 # running at the same time disturb
@@ -224,6 +225,32 @@ rc=$?
 tail -2 "$W/nores.err"
 check test $rc -eq 1
 check grep -q "last checkpoint: step 10" "$W/nores.err"
+
+# ---- a new job after the failure (issue 34 item 3): the cluster reloaded
+# the step-10 manifest, and a job without --resume starts at step 0 with
+# its own --steps and fresh moments from those weights, saying so; it ends
+# bit-identical to one process trained from the same weights ----
+for i in $(seq 1 3000); do # the reload, however slow the machine
+  "$N" status --cluster "$C" 2> /dev/null | grep -q "^cluster: ready" && break
+  sleep 0.2
+done
+FRESH=(--data "$W/data.txt" --batch 16 --seq 64 --microbatches 2 --lr 3e-3 --seed 1)
+check "$N" train --cluster "$C" "${FRESH[@]}" --steps 4 --checkpoint-dir "$W/ck9" --log "$W/fresh.jsonl" \
+  --out "$W/fresh.safetensors" 2> "$W/fresh.err"
+tr '\r' '\n' < "$W/fresh.err" | grep -v "^step" | head -3
+check grep -q "^starting at step 0 from the cluster's current weights (loaded from checkpoint step 10 of job 1)" \
+  "$W/fresh.err"
+check test "$(grep -c "resuming at step" "$W/fresh.err")" -eq 0
+check test "$(grep -c '"step":' "$W/fresh.jsonl")" -eq 4
+check grep -q '^{"step":1,' "$W/fresh.jsonl"
+check "$N" export --manifest "$W/ck3/step-000010" --out "$W/w10.safetensors"
+check "$N" train "${DEV[@]}" --model "$W/w10.safetensors" "${FRESH[@]}" --steps 4 --threads 1 \
+  --out "$W/local4.safetensors" 2> /dev/null
+check $PY "$NL_SOURCE_DIR/tests/same_tensors.py" "$W/fresh.safetensors" "$W/local4.safetensors"
+# --resume of that manifest still continues its steps
+check "$N" train --cluster "$C" "${FRESH[@]}" --steps 12 --checkpoint-dir "$W/ck10" \
+  --resume "$W/ck3/step-000010" 2> "$W/cont.err"
+check grep -q "^resuming at step 10" "$W/cont.err"
 
 echo "test_cluster_resume: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
