@@ -132,8 +132,13 @@ static void test_batched(nl_model *ref)
     nl_msg_tensor_hop n1 = {.job_id = 1, .session_id = 1, .pos_offset = 10},
                       n2 = {.job_id = 2, .session_id = 2, .pos_offset = 2};
     nl_wire_frame g1 = tok_frame(&t1, 1, 1), g2 = tok_frame(&t2, 1, 1);
-    /* (the wait is 20 ms from the enqueue: a loaded machine may stall this
-     * thread past it, and then the queue is due at once, rightly) */
+    /* (session 2 is made late first: its period is the time between its
+     * last two forwards, which a sanitizer build or a loaded machine makes
+     * longer than the wait, and a session due back after the wait is not
+     * waited for; 300 ms stays inside its 2 s of activity. The wait is
+     * 20 ms from the enqueue: a machine that stalls this thread past it
+     * makes the queue due at once, rightly) */
+    usleep(300000);
     const double t0 = now_s();
     CHECK_OK(nl_stage_enqueue(r0, &n1, &g1, &err), &err);
     const double due = nl_stage_batch_due(r0), waited = now_s() - t0;
