@@ -49,6 +49,7 @@ extern "C" {
 #include "../backend.h"
 #include "../backend_impl.h"
 }
+#include "../../base/log.h"
 #include "cuda_attention.h"
 #include "cuda_attention_bwd.h"
 #include "cuda_backward.h"
@@ -71,6 +72,7 @@ extern "C" {
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define NL_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -219,6 +221,17 @@ struct cuda_ctx {
     int off_groups;
     int32_t off_host[NL_BACKEND_MAX_EXPERTS + 1];
     int experts_kernel; /* NL_CUDA_EXPERTS=kernel: never per expert (below) */
+    /* NL_CUDA_PROFILE=1: each slot's time, the device's and the host's
+     * until the next slot, measured by waiting for the stream at every
+     * slot's entry (so overlap is gone: a diagnostic, not a speed) */
+    int profile;
+    const char *prof_prev; /* the slot entered last */
+    double prof_t;         /* when it was entered */
+    struct {
+        const char *name;
+        uint64_t calls;
+        double s;
+    } prof[64];
 };
 
 cuda_ctx *ctx_of(nl_backend *be)
@@ -273,9 +286,58 @@ __attribute__((format(printf, 3, 4))) void launched_shape(cuda_ctx *c, int rc, c
 
 /* Every slot starts here: the backend's device becomes current on the
  * calling thread (a cheap check when it already is). */
-cuda_ctx *enter(nl_backend *be)
+double prof_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* NL_CUDA_PROFILE: the time since the last slot's entry is that slot's. */
+void prof_mark(cuda_ctx *c, const char *slot)
+{
+    cudaStreamSynchronize(c->stream);
+    const double t = prof_now();
+    if (c->prof_prev) {
+        int i = 0;
+        while (i < 63 && c->prof[i].name && c->prof[i].name != c->prof_prev)
+            i++;
+        c->prof[i].name = c->prof_prev;
+        c->prof[i].calls++;
+        c->prof[i].s += t - c->prof_t;
+    }
+    c->prof_prev = slot;
+    c->prof_t = t;
+}
+
+/* The profile, largest first, into the log (at destroy). */
+void prof_report(cuda_ctx *c)
+{
+    double total = 0;
+    int n = 0;
+    while (n < 64 && c->prof[n].name)
+        total += c->prof[n++].s;
+    nl_log_write(NL_LOG_WARN, "%s: NL_CUDA_PROFILE: %.3f s in %d slots (device and host time "
+                              "from each slot's entry to the next's)", c->name, total, n);
+    for (int k = 0; k < n; k++) {
+        int best = k;
+        for (int i = k + 1; i < n; i++)
+            if (c->prof[i].s > c->prof[best].s)
+                best = i;
+        const auto e = c->prof[best];
+        c->prof[best] = c->prof[k];
+        c->prof[k] = e;
+        nl_log_write(NL_LOG_WARN, "%s: profile %-24s %8llu calls %9.3f ms %5.1f%%", c->name,
+                     e.name, (unsigned long long)e.calls, e.s * 1e3,
+                     total > 0 ? 100.0 * e.s / total : 0.0);
+    }
+}
+
+cuda_ctx *enter_slot(nl_backend *be, const char *slot)
 {
     cuda_ctx *c = ctx_of(be);
+    if (c->profile)
+        prof_mark(c, slot);
     ok(c, "set device", cudaSetDevice(c->device));
     /* a launch check reads the thread's last error: drop one left by other
      * code so it is not blamed on this op (a sticky fault comes back anyway) */
@@ -297,7 +359,7 @@ nl_status report(cuda_ctx *c, nl_error *err)
 
 void *cu_alloc(nl_backend *be, size_t bytes)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     const size_t rounded = bytes == 0 ? 256 : (bytes + 255) & ~(size_t)255;
     if (rounded < bytes)
         return NULL;
@@ -336,7 +398,7 @@ void cu_free(nl_backend *be, void *p)
 {
     if (!p)
         return;
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     size_t bytes = 0;
     pthread_mutex_lock(&c->lock);
     const bool found = table_remove(&c->table, (uintptr_t)p, &bytes);
@@ -396,7 +458,7 @@ void cu_upload(nl_backend *be, void *dst, const void *src, size_t bytes)
 {
     if (!bytes)
         return;
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     c->off_ptr = NULL; /* it may have written routing offsets */
     if (c->bf16) /* into weights: their bf16 copy is made again on next use */
         nl_cuda_bf16_mark(&c->w, dst, bytes);
@@ -413,7 +475,7 @@ void cu_download(nl_backend *be, void *dst, const void *src, size_t bytes)
 {
     if (!bytes)
         return;
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     be->stats.host_syncs++;
     cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->stream);
     if (e == cudaSuccess)
@@ -425,7 +487,7 @@ void cu_zero(nl_backend *be, void *p, size_t bytes)
 {
     if (!bytes)
         return;
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     c->off_ptr = NULL;
     if (c->bf16)
         nl_cuda_bf16_mark(&c->w, p, bytes);
@@ -434,7 +496,7 @@ void cu_zero(nl_backend *be, void *p, size_t bytes)
 
 nl_status cu_sync(nl_backend *be, nl_error *err)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     be->stats.host_syncs++;
     ok(c, "sync", cudaStreamSynchronize(c->stream));
     ok(c, "sync", cudaGetLastError());
@@ -443,7 +505,7 @@ nl_status cu_sync(nl_backend *be, nl_error *err)
 
 nl_status cu_check(nl_backend *be, nl_error *err)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     ok(c, "check", cudaGetLastError());
     /* a fault of finished work shows without waiting for the rest */
     const cudaError_t e = cudaStreamQuery(c->stream);
@@ -456,7 +518,7 @@ nl_status cu_check(nl_backend *be, nl_error *err)
 
 nl_status cu_mem_info(nl_backend *be, size_t *free_bytes, size_t *total_bytes, nl_error *err)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     size_t f = 0, t = 0;
     const cudaError_t e = cudaMemGetInfo(&f, &t);
     if (e != cudaSuccess) {
@@ -483,7 +545,7 @@ void gemm_bf16(cuda_ctx *c, int ta, int tb, int M, int N, int K, float alpha, co
 void cu_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
              const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     if (M <= 0 || N <= 0)
         return;
     if (K <= 0) {
@@ -723,7 +785,7 @@ void gemm_bf16(cuda_ctx *c, int ta, int tb, int M, int N, int K, float alpha, co
  * parameters as one); the copy is counted in mem_stats like any alloc. */
 nl_status cu_bf16_weights(nl_backend *be, const float *p, size_t n, nl_error *err)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     nl_cuda_bf16_range *r = nl_cuda_bf16_find_base(&c->w, p);
     if (r) { /* forget (n == 0) or size again */
         be->free(be, r->copy);
@@ -756,7 +818,7 @@ void cu_wrote(nl_backend *be, const void *p, size_t bytes)
 void cu_embedding_forward(nl_backend *be, float *out, const int32_t *tokens, const float *table,
                           int N, int C)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     launched(c, "embedding_forward",
              nl_cuda_embedding_forward(c->stream, out, tokens, table, N, C));
 }
@@ -764,7 +826,7 @@ void cu_embedding_forward(nl_backend *be, float *out, const int32_t *tokens, con
 void cu_rmsnorm_forward(nl_backend *be, float *out, float *rstd, const float *inp, const float *w,
                         int N, int C, float eps)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     launched(c, "rmsnorm_forward",
              nl_cuda_rmsnorm_forward(c->stream, out, rstd, inp, w, N, C, eps));
 }
@@ -772,7 +834,7 @@ void cu_rmsnorm_forward(nl_backend *be, float *out, float *rstd, const float *in
 void cu_rope_forward(nl_backend *be, float *x, const int32_t *pos, int N, int row, int col0,
                      int heads, int hd, float base)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     launched(c, "rope_forward",
              nl_cuda_rope_forward(c->stream, x, pos, N, row, col0, heads, hd, base));
 }
@@ -780,7 +842,7 @@ void cu_rope_forward(nl_backend *be, float *x, const int32_t *pos, int N, int ro
 void cu_attention_forward(nl_backend *be, float *out, float *lse, const float *q, int q_stride,
                           const float *k, const float *v, int kv_stride, nl_attn_shape s)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     if (nl_cudnn_attention_forward(c->cudnn, out, lse, q, q_stride, k, v, kv_stride, s, NULL))
         return;
     launched(c, "attention_forward",
@@ -790,7 +852,7 @@ void cu_attention_forward(nl_backend *be, float *out, float *lse, const float *q
 void cu_rope_scaled_forward(nl_backend *be, float *x, const int32_t *pos, int N, int row,
                             int col0, int heads, int hd, float base, nl_rope_scaling sc)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     if (sc.type != NL_ROPE_YARN) /* as the CPU: no scaling is plain RoPE */
         launched(c, "rope_forward",
                  nl_cuda_rope_forward(c->stream, x, pos, N, row, col0, heads, hd, base));
@@ -806,7 +868,7 @@ void cu_attention_masked_forward(nl_backend *be, float *out, float *lse, const f
                                  int q_stride, const float *k, const float *v, int kv_stride,
                                  nl_attn_shape s, nl_attn_mask mask)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     if (nl_cudnn_attention_forward(c->cudnn, out, lse, q, q_stride, k, v, kv_stride, s, &mask))
         return;
     launched_shape(c,
@@ -819,33 +881,33 @@ void cu_attention_masked_forward(nl_backend *be, float *out, float *lse, const f
 
 void cu_softmax_forward(nl_backend *be, float *x, int N, int C)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     launched(c, "softmax_forward", nl_cuda_softmax_forward(c->stream, x, N, C));
 }
 
 void cu_swiglu_forward(nl_backend *be, float *out, const float *gu, int N, int F)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     launched(c, "swiglu_forward", nl_cuda_swiglu_forward(c->stream, out, gu, N, F));
 }
 
 void cu_geglu_forward(nl_backend *be, float *out, const float *gu, int N, int F)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     launched_shape(c, nl_cuda_geglu_forward(c->stream, out, gu, N, F), "geglu_forward (N %d F %d)",
                    N, F);
 }
 
 void cu_gather_rows(nl_backend *be, float *out, const float *src, const int32_t *idx, int n, int C)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     launched(c, "gather_rows", nl_cuda_gather_rows(c->stream, out, src, idx, n, C));
 }
 
 void cu_copy_rows(nl_backend *be, float *dst, int dst_stride, const float *src, int src_stride,
                   int rows, int cols)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     launched(c, "copy_rows",
              nl_cuda_copy_rows(c->stream, dst, dst_stride, src, src_stride, rows, cols));
 }
@@ -853,7 +915,7 @@ void cu_copy_rows(nl_backend *be, float *dst, int dst_stride, const float *src, 
 void cu_moe_combine(nl_backend *be, float *x, const float *y, const int32_t *slot, const float *w,
                     int N, int k, int C)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     launched(c, "moe_combine", nl_cuda_moe_combine(c->stream, x, y, slot, w, N, k, C));
 }
 
@@ -862,7 +924,7 @@ void cu_moe_combine(nl_backend *be, float *x, const float *y, const int32_t *slo
 void cu_moe_route(nl_backend *be, int32_t *choice, float *w, int32_t *offsets, int32_t *perm,
                   int32_t *slot, const float *probs, int N, int E, int k)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     c->off_ptr = NULL;
     launched_shape(c, nl_cuda_moe_route(c->stream, choice, w, offsets, perm, slot, probs, N, E, k),
                    "moe_route (N %d E %d k %d)", N, E, k);
@@ -872,7 +934,7 @@ void cu_moe_aux(nl_backend *be, double *aux, float *frac, int64_t *counts, const
                 const int32_t *offsets, const float *global_frac, int N, int E, int k,
                 double aux_rows)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     launched_shape(c,
                    nl_cuda_moe_aux(c->stream, aux, frac, counts, probs, offsets, global_frac, N, E,
                                    k, aux_rows),
@@ -883,7 +945,7 @@ void cu_moe_router_backward(nl_backend *be, float *dl, const float *dw, const fl
                             const int32_t *choice, const float *w, const float *frac, int N, int E,
                             int k, float aux_scale)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     launched_shape(
         c,
         nl_cuda_moe_router_backward(c->stream, dl, dw, probs, choice, w, frac, N, E, k, aux_scale),
@@ -935,7 +997,7 @@ void cu_gemm_grouped(nl_backend *be, int trans_b, int N, int K, const float *A, 
                      const float *B, int ldb, size_t b_stride, float *C, int ldc,
                      const int32_t *offsets, int groups, int max_rows)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     if (c->bf16 && trans_b && max_rows >= NL_CUDA_GROUPED_HOST_ROWS && !c->experts_kernel) {
         const int32_t *o = host_offsets(be, c, offsets, groups, max_rows);
         for (int g = 0; o && g < groups; g++)
@@ -962,7 +1024,7 @@ void cu_gemm_grouped_wgrad(nl_backend *be, int M, int N, const float *A, int lda
                            int ldb, float *C, int ldc, size_t c_stride, const int32_t *offsets,
                            int groups)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     if (c->bf16) {
         launched_shape(c,
                        nl_cuda_gemm_grouped_wgrad_bf16(c->stream, M, N, A, lda, B, ldb, C, ldc,
@@ -981,7 +1043,7 @@ void cu_gemm_grouped_wgrad(nl_backend *be, int M, int N, const float *A, int lda
 void cu_embedding_backward(nl_backend *be, float *dtable, const float *dout, const int32_t *tokens,
                            int N, int C)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     launched_shape(c,
                    nl_cuda_embedding_backward(c->stream, dtable, dout, tokens, N, C, c->scratch,
                                               c->scratch_bytes),
@@ -991,7 +1053,7 @@ void cu_embedding_backward(nl_backend *be, float *dtable, const float *dout, con
 void cu_rmsnorm_backward(nl_backend *be, float *dinp, float *dw, const float *dout,
                          const float *inp, const float *w, const float *rstd, int N, int C)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     launched_shape(c,
                    nl_cuda_rmsnorm_backward(c->stream, dinp, dw, dout, inp, w, rstd, N, C,
                                             c->scratch, c->scratch_bytes),
@@ -1002,7 +1064,7 @@ void cu_attention_backward(nl_backend *be, float *dq, float *dk, float *dv, cons
                            const float *q, int q_stride, const float *k, const float *v,
                            int kv_stride, const float *out, const float *lse, nl_attn_shape s)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     if (nl_cudnn_attention_backward(c->cudnn, dq, dk, dv, dout, q, q_stride, k, v, kv_stride, out,
                                     lse, s, NULL))
         return;
@@ -1022,7 +1084,7 @@ void cu_attention_masked_backward(nl_backend *be, float *dq, float *dk, float *d
                                   const float *v, int kv_stride, const float *out,
                                   const float *lse, nl_attn_shape s, nl_attn_mask mask)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     if (nl_cudnn_attention_backward(c->cudnn, dq, dk, dv, dout, q, q_stride, k, v, kv_stride, out,
                                     lse, s, &mask))
         return;
@@ -1039,14 +1101,14 @@ void cu_attention_masked_backward(nl_backend *be, float *dq, float *dk, float *d
 
 void cu_geglu_backward(nl_backend *be, float *dgu, const float *dh, const float *gu, int N, int F)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     launched_shape(c, nl_cuda_geglu_backward(c->stream, dgu, dh, gu, N, F),
                    "geglu_backward (N %d F %d)", N, F);
 }
 
 void cu_swiglu_backward(nl_backend *be, float *dgu, const float *dh, const float *gu, int N, int F)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     launched_shape(c, nl_cuda_swiglu_backward(c->stream, dgu, dh, gu, N, F),
                    "swiglu_backward (N %d F %d)", N, F);
 }
@@ -1054,7 +1116,7 @@ void cu_swiglu_backward(nl_backend *be, float *dgu, const float *dh, const float
 void cu_moe_combine_backward(nl_backend *be, float *dy, float *dw, const float *dx, const float *y,
                              const int32_t *slot, const float *w, int N, int k, int C)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     launched_shape(c, nl_cuda_moe_combine_backward(c->stream, dy, dw, dx, y, slot, w, N, k, C),
                    "moe_combine_backward (N %d k %d C %d)", N, k, C);
 }
@@ -1062,7 +1124,7 @@ void cu_moe_combine_backward(nl_backend *be, float *dy, float *dw, const float *
 void cu_cross_entropy(nl_backend *be, float *logits, float *losses, const int32_t *targets, int N,
                       int V, float scale)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     launched_shape(c, nl_cuda_cross_entropy(c->stream, logits, losses, targets, N, V, scale),
                    "cross_entropy (N %d V %d)", N, V);
 }
@@ -1073,7 +1135,7 @@ void cu_cross_entropy(nl_backend *be, float *logits, float *losses, const int32_
  * device that cannot be trusted. */
 double cu_sumsq(nl_backend *be, const float *x, size_t n)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     be->stats.host_syncs++;
     if (n == 0)
         return report(c, NULL) == NL_OK ? 0.0 : NAN;
@@ -1093,7 +1155,7 @@ double cu_sumsq(nl_backend *be, const float *x, size_t n)
 void cu_adamw(nl_backend *be, float *p, const float *g, float *m, float *v, size_t n, float lr,
               float b1, float b2, float eps, float wd, float bc1, float bc2, float grad_scale)
 {
-    cuda_ctx *c = enter(be);
+    cuda_ctx *c = enter_slot(be, __func__);
     /* bf16: the copy of these weights is written in the same pass (or,
      * when it is stale anyway, made again on the next GEMM) */
     uint16_t *copy = c->bf16 ? nl_cuda_bf16_adamw_copy(&c->w, p, n) : NULL;
@@ -1118,6 +1180,10 @@ void cu_destroy(nl_backend *be)
         cudaSetDevice(c->device);
         if (c->stream)
             cudaStreamSynchronize(c->stream);
+        if (c->profile && c->stream) {
+            prof_mark(c, NULL);
+            prof_report(c);
+        }
         nl_cudnn_destroy(&c->cudnn);
         /* what the caller did not free goes with the backend */
         for (size_t i = 0; i < c->table.cap; i++)
@@ -1390,6 +1456,8 @@ NL_EXPORT nl_status nl_cuda_backend_new(nl_backend **out, int device, const nl_b
     be->runtime_bytes = runtime;
     const char *ex = getenv("NL_CUDA_EXPERTS");
     c->experts_kernel = ex && strcmp(ex, "kernel") == 0;
+    const char *pr = getenv("NL_CUDA_PROFILE");
+    c->profile = pr && strcmp(pr, "1") == 0;
     c->cudnn = nl_cudnn_new(device, c->stream, c->bf16); /* NULL: off or unavailable */
     fill_table(be);
     *out = be;
