@@ -46,10 +46,10 @@
  * mem_info reports. Kernels that cuBLAS loads lazily on first use are not
  * included either. */
 extern "C" {
+#include "../../base/log.h"
 #include "../backend.h"
 #include "../backend_impl.h"
 }
-#include "../../base/log.h"
 #include "cuda_attention.h"
 #include "cuda_attention_bwd.h"
 #include "cuda_backward.h"
