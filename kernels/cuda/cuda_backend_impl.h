@@ -1,0 +1,144 @@
+/* The CUDA backend's private context (C++; seen only by its sources):
+ * cuda_backend.cu owns the context, its errors and profile, device memory,
+ * creation and destruction; cuda_gemm.cu the GEMM slots (cuBLAS, the bf16
+ * path through cuBLASLt and its descriptor cache, the grouped expert
+ * GEMMs); cuda_slots.cu the other slots, thin wrappers over the kernels'
+ * launchers. cuda_backend.cu's opening comment is the backend's contract. */
+#pragma once
+
+extern "C" {
+#include "../backend.h"
+#include "../backend_impl.h"
+}
+#include "cuda_cudnn.h"
+#include "cuda_mixed.h"
+
+#include <cublasLt.h>
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+namespace nl_cu
+{
+
+/* Device pointer -> bytes, for mem_stats: open addressing with linear
+ * probing, key 0 empty, at most half full, deletion by backward shift. */
+struct alloc_table {
+    uintptr_t *keys;
+    size_t *sizes;
+    size_t cap; /* a power of two, or 0 */
+    size_t count;
+};
+
+/* the pinned staging ring of small uploads */
+#define NL_CUDA_STAGE_SLOTS 16
+#define NL_CUDA_STAGE_SLOT (64u << 10)
+
+/* bf16: the scratch that activation operands are converted into (bf16
+ * elements; 64 MiB), the cached cuBLASLt descriptors, and the most groups
+ * the grouped GEMMs' tile map holds (gemm_grouped's own grid limit) */
+#define NL_CUDA_BF16_CONV_ELEMS ((size_t)32 << 20)
+#define NL_CUDA_LT_CACHE 64
+#define NL_CUDA_MAX_GROUPS 65535
+
+/* One cached cuBLASLt GEMM: its shape, strides and operand alignments,
+ * the descriptors and the heuristic's algorithm for them. */
+struct lt_entry {
+    bool used;
+    int ta, tb, M, N, K, lda, ldb, ldc;
+    unsigned align_a, align_b, align_c;
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t la, lb, lc;
+    cublasLtMatmulAlgo_t algo;
+    bool has_algo; /* false: no cuBLASLt algorithm; cublasGemmEx runs it */
+};
+
+struct cuda_ctx {
+    int device;
+    char name[24]; /* "cuda:N", also be->name */
+    cudaStream_t stream;
+    cublasHandle_t cublas;
+    void *workspace; /* cuBLAS workspace */
+    size_t workspace_bytes;
+    void *scratch; /* reduction scratch of the backward ops */
+    size_t scratch_bytes;
+    unsigned char *stage;                     /* pinned, NL_CUDA_STAGE_SLOTS slots; NULL: none */
+    cudaEvent_t stage_done[NL_CUDA_STAGE_SLOTS]; /* recorded after each slot's copy */
+    bool stage_pending[NL_CUDA_STAGE_SLOTS];
+    int stage_next;
+    pthread_mutex_t lock; /* guards table, in_use, peak, sticky, msg */
+    bool lock_ready;
+    alloc_table table;
+    size_t in_use, peak;
+    nl_status sticky; /* the first error, kept */
+    char msg[NL_ERROR_MSG_MAX];
+    /* bf16 compute (nl_backend_opts.bf16); the field other slots (a bf16
+     * attention) test for "bf16 mode" */
+    int bf16;
+    cublasLtHandle_t lt;
+    nl_cuda_bf16_table w; /* the weight ranges and their bf16 copies */
+    uint16_t *conv;       /* NL_CUDA_BF16_CONV_ELEMS: converted activations */
+    int32_t *tile_start;  /* NL_CUDA_MAX_GROUPS + 1: the grouped GEMMs' tile map */
+    lt_entry lt_cache[NL_CUDA_LT_CACHE];
+    int lt_next; /* the entry to replace when the cache is full */
+    nl_cudnn *cudnn; /* attention through cuDNN (cuda_cudnn.h), or NULL */
+    /* the expert groups' row offsets last read to the host (bf16 grouped
+     * GEMMs of many rows): valid for off_ptr until a slot that may write
+     * offsets runs (upload, zero, moe_route) */
+    const int32_t *off_ptr;
+    int off_groups;
+    int32_t off_host[NL_BACKEND_MAX_EXPERTS + 1];
+    int experts_kernel; /* NL_CUDA_EXPERTS=kernel: never per expert (below) */
+    /* NL_CUDA_PROFILE=1: each slot's time, the device's and the host's
+     * until the next slot, measured by waiting for the stream at every
+     * slot's entry (so overlap is gone: a diagnostic, not a speed) */
+    int profile;
+    const char *prof_prev; /* the slot entered last */
+    double prof_t;         /* when it was entered */
+    struct {
+        const char *name;
+        uint64_t calls;
+        double s;
+    } prof[64];
+};
+
+cuda_ctx *ctx_of(nl_backend *be);
+
+/* Keep the first error. */
+__attribute__((format(printf, 3, 4))) void fail(cuda_ctx *c, nl_status st, const char *fmt, ...);
+
+/* Record a CUDA error of `op`; true when there was none. */
+bool ok(cuda_ctx *c, const char *op, cudaError_t e);
+
+/* After a launcher (which returns cudaGetLastError as an int). */
+void launched(cuda_ctx *c, const char *op, int rc);
+
+/* After a backward launcher: a failure names the op and its shape, and a
+ * refused shape (cudaErrorInvalidValue, nothing launched) is NL_ERR_SHAPE. */
+__attribute__((format(printf, 3, 4))) void launched_shape(cuda_ctx *c, int rc, const char *fmt,
+                                                          ...);
+
+/* Every slot starts here: the backend's device becomes current on the
+ * calling thread; with NL_CUDA_PROFILE the previous slot's time is taken. */
+cuda_ctx *enter_slot(nl_backend *be, const char *slot);
+
+/* The kept error into err (NL_OK when none). */
+nl_status report(cuda_ctx *c, nl_error *err);
+
+/* The download slot (waits for the stream), for slots that read a few
+ * values back. */
+void cu_download(nl_backend *be, void *dst, const void *src, size_t bytes);
+
+/* cuda_gemm.cu: frees one cached cuBLASLt entry (at destroy); fills the
+ * table's GEMM slots (gemm, gemm_grouped, gemm_grouped_wgrad, and in bf16
+ * mode bf16_weights and wrote). */
+void lt_entry_free(lt_entry *e);
+void fill_gemm_slots(nl_backend *be);
+
+/* cuda_slots.cu: fills the other compute slots. */
+void fill_op_slots(nl_backend *be);
+
+} // namespace nl_cu

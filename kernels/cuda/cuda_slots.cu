@@ -1,0 +1,319 @@
+/* The CUDA backend's compute slots other than the GEMMs: each checks
+ * nothing the launcher does not, queues the launcher's kernel on the
+ * backend's stream and keeps its error (the private context:
+ * cuda_backend_impl.h; the kernels: cuda_ops.cu, cuda_attention*.cu,
+ * cuda_backward.cu, cuda_moe.cu, cuda_family.cu; in bf16 mode attention
+ * first offers the call to cuDNN, cuda_cudnn.h). */
+#include "cuda_attention.h"
+#include "cuda_attention_bwd.h"
+#include "cuda_backend_impl.h"
+#include "cuda_backward.h"
+#include "cuda_family.h"
+#include "cuda_moe.h"
+#include "cuda_ops.h"
+
+namespace nl_cu
+{
+
+/* ---------------------------------------------------------------- forward ops */
+
+void cu_embedding_forward(nl_backend *be, float *out, const int32_t *tokens, const float *table,
+                          int N, int C)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    launched(c, "embedding_forward",
+             nl_cuda_embedding_forward(c->stream, out, tokens, table, N, C));
+}
+
+void cu_rmsnorm_forward(nl_backend *be, float *out, float *rstd, const float *inp, const float *w,
+                        int N, int C, float eps)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    launched(c, "rmsnorm_forward",
+             nl_cuda_rmsnorm_forward(c->stream, out, rstd, inp, w, N, C, eps));
+}
+
+void cu_rope_forward(nl_backend *be, float *x, const int32_t *pos, int N, int row, int col0,
+                     int heads, int hd, float base)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    launched(c, "rope_forward",
+             nl_cuda_rope_forward(c->stream, x, pos, N, row, col0, heads, hd, base));
+}
+
+void cu_attention_forward(nl_backend *be, float *out, float *lse, const float *q, int q_stride,
+                          const float *k, const float *v, int kv_stride, nl_attn_shape s)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    if (nl_cudnn_attention_forward(c->cudnn, out, lse, q, q_stride, k, v, kv_stride, s, NULL))
+        return;
+    launched(c, "attention_forward",
+             nl_cuda_attention_forward(c->stream, out, lse, q, q_stride, k, v, kv_stride, s));
+}
+
+void cu_rope_scaled_forward(nl_backend *be, float *x, const int32_t *pos, int N, int row,
+                            int col0, int heads, int hd, float base, nl_rope_scaling sc)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    if (sc.type != NL_ROPE_YARN) /* as the CPU: no scaling is plain RoPE */
+        launched(c, "rope_forward",
+                 nl_cuda_rope_forward(c->stream, x, pos, N, row, col0, heads, hd, base));
+    else
+        launched_shape(c,
+                       nl_cuda_rope_yarn_forward(c->stream, x, pos, N, row, col0, heads, hd, base,
+                                                 sc),
+                       "rope_scaled_forward (N %d hd %d factor %g L0 %d)", N, hd, sc.factor,
+                       sc.original_max_seq_len);
+}
+
+void cu_attention_masked_forward(nl_backend *be, float *out, float *lse, const float *q,
+                                 int q_stride, const float *k, const float *v, int kv_stride,
+                                 nl_attn_shape s, nl_attn_mask mask)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    if (nl_cudnn_attention_forward(c->cudnn, out, lse, q, q_stride, k, v, kv_stride, s, &mask))
+        return;
+    launched_shape(c,
+                   nl_cuda_attention_masked_forward(c->stream, out, lse, q, q_stride, k, v,
+                                                    kv_stride, s, mask),
+                   "attention_masked_forward (B %d T %d past %d H %d hd %d bidir %d window %d "
+                   "doc %s)",
+                   s.B, s.T, s.past, s.H, s.hd, mask.bidir, mask.window, mask.doc ? "yes" : "no");
+}
+
+void cu_softmax_forward(nl_backend *be, float *x, int N, int C)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    launched(c, "softmax_forward", nl_cuda_softmax_forward(c->stream, x, N, C));
+}
+
+void cu_swiglu_forward(nl_backend *be, float *out, const float *gu, int N, int F)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    launched(c, "swiglu_forward", nl_cuda_swiglu_forward(c->stream, out, gu, N, F));
+}
+
+void cu_geglu_forward(nl_backend *be, float *out, const float *gu, int N, int F)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    launched_shape(c, nl_cuda_geglu_forward(c->stream, out, gu, N, F), "geglu_forward (N %d F %d)",
+                   N, F);
+}
+
+void cu_gather_rows(nl_backend *be, float *out, const float *src, const int32_t *idx, int n, int C)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    launched(c, "gather_rows", nl_cuda_gather_rows(c->stream, out, src, idx, n, C));
+}
+
+void cu_copy_rows(nl_backend *be, float *dst, int dst_stride, const float *src, int src_stride,
+                  int rows, int cols)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    launched(c, "copy_rows",
+             nl_cuda_copy_rows(c->stream, dst, dst_stride, src, src_stride, rows, cols));
+}
+
+void cu_moe_combine(nl_backend *be, float *x, const float *y, const int32_t *slot, const float *w,
+                    int N, int k, int C)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    launched(c, "moe_combine", nl_cuda_moe_combine(c->stream, x, y, slot, w, N, k, C));
+}
+
+/* ---------------------------------------------------------------- routing */
+
+void cu_moe_route(nl_backend *be, int32_t *choice, float *w, int32_t *offsets, int32_t *perm,
+                  int32_t *slot, const float *probs, int N, int E, int k)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    c->off_ptr = NULL;
+    launched_shape(c, nl_cuda_moe_route(c->stream, choice, w, offsets, perm, slot, probs, N, E, k),
+                   "moe_route (N %d E %d k %d)", N, E, k);
+}
+
+void cu_moe_aux(nl_backend *be, double *aux, float *frac, int64_t *counts, const float *probs,
+                const int32_t *offsets, const float *global_frac, int N, int E, int k,
+                double aux_rows)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    launched_shape(c,
+                   nl_cuda_moe_aux(c->stream, aux, frac, counts, probs, offsets, global_frac, N, E,
+                                   k, aux_rows),
+                   "moe_aux (N %d E %d k %d)", N, E, k);
+}
+
+void cu_moe_router_backward(nl_backend *be, float *dl, const float *dw, const float *probs,
+                            const int32_t *choice, const float *w, const float *frac, int N, int E,
+                            int k, float aux_scale)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    launched_shape(
+        c,
+        nl_cuda_moe_router_backward(c->stream, dl, dw, probs, choice, w, frac, N, E, k, aux_scale),
+        "moe_router_backward (N %d E %d k %d)", N, E, k);
+}
+
+/* ---------------------------------------------------------------- backward ops */
+
+void cu_embedding_backward(nl_backend *be, float *dtable, const float *dout, const int32_t *tokens,
+                           int N, int C)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    launched_shape(c,
+                   nl_cuda_embedding_backward(c->stream, dtable, dout, tokens, N, C, c->scratch,
+                                              c->scratch_bytes),
+                   "embedding_backward (N %d C %d)", N, C);
+}
+
+void cu_rmsnorm_backward(nl_backend *be, float *dinp, float *dw, const float *dout,
+                         const float *inp, const float *w, const float *rstd, int N, int C)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    launched_shape(c,
+                   nl_cuda_rmsnorm_backward(c->stream, dinp, dw, dout, inp, w, rstd, N, C,
+                                            c->scratch, c->scratch_bytes),
+                   "rmsnorm_backward (N %d C %d)", N, C);
+}
+
+void cu_attention_backward(nl_backend *be, float *dq, float *dk, float *dv, const float *dout,
+                           const float *q, int q_stride, const float *k, const float *v,
+                           int kv_stride, const float *out, const float *lse, nl_attn_shape s)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    if (nl_cudnn_attention_backward(c->cudnn, dq, dk, dv, dout, q, q_stride, k, v, kv_stride, out,
+                                    lse, s, NULL))
+        return;
+    /* the row sums D in scratch when they fit, else per tile (same bits) */
+    const size_t need = nl_cuda_attention_backward_scratch(s);
+    float *scratch = need > 0 && need <= c->scratch_bytes ? (float *)c->scratch : NULL;
+    launched_shape(c,
+                   nl_cuda_attention_backward(c->stream, dq, dk, dv, dout, q, q_stride, k, v,
+                                              kv_stride, out, lse, scratch, s),
+                   "attention_backward (B %d T %d past %d kv_cap %d H %d G %d hd %d q_stride %d "
+                   "kv_stride %d)",
+                   s.B, s.T, s.past, s.kv_cap, s.H, s.G, s.hd, q_stride, kv_stride);
+}
+
+void cu_attention_masked_backward(nl_backend *be, float *dq, float *dk, float *dv,
+                                  const float *dout, const float *q, int q_stride, const float *k,
+                                  const float *v, int kv_stride, const float *out,
+                                  const float *lse, nl_attn_shape s, nl_attn_mask mask)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    if (nl_cudnn_attention_backward(c->cudnn, dq, dk, dv, dout, q, q_stride, k, v, kv_stride, out,
+                                    lse, s, &mask))
+        return;
+    const size_t need = nl_cuda_attention_backward_scratch(s);
+    float *scratch = need > 0 && need <= c->scratch_bytes ? (float *)c->scratch : NULL;
+    launched_shape(c,
+                   nl_cuda_attention_masked_backward(c->stream, dq, dk, dv, dout, q, q_stride, k,
+                                                     v, kv_stride, out, lse, scratch, s, mask),
+                   "attention_masked_backward (B %d T %d past %d kv_cap %d H %d G %d hd %d "
+                   "bidir %d window %d doc %s)",
+                   s.B, s.T, s.past, s.kv_cap, s.H, s.G, s.hd, mask.bidir, mask.window,
+                   mask.doc ? "yes" : "no");
+}
+
+void cu_geglu_backward(nl_backend *be, float *dgu, const float *dh, const float *gu, int N, int F)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    launched_shape(c, nl_cuda_geglu_backward(c->stream, dgu, dh, gu, N, F),
+                   "geglu_backward (N %d F %d)", N, F);
+}
+
+void cu_swiglu_backward(nl_backend *be, float *dgu, const float *dh, const float *gu, int N, int F)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    launched_shape(c, nl_cuda_swiglu_backward(c->stream, dgu, dh, gu, N, F),
+                   "swiglu_backward (N %d F %d)", N, F);
+}
+
+void cu_moe_combine_backward(nl_backend *be, float *dy, float *dw, const float *dx, const float *y,
+                             const int32_t *slot, const float *w, int N, int k, int C)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    launched_shape(c, nl_cuda_moe_combine_backward(c->stream, dy, dw, dx, y, slot, w, N, k, C),
+                   "moe_combine_backward (N %d k %d C %d)", N, k, C);
+}
+
+void cu_cross_entropy(nl_backend *be, float *logits, float *losses, const int32_t *targets, int N,
+                      int V, float scale)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    launched_shape(c, nl_cuda_cross_entropy(c->stream, logits, losses, targets, N, V, scale),
+                   "cross_entropy (N %d V %d)", N, V);
+}
+
+/* Queues the two reduction kernels, then waits for the one double: the
+ * slot returns a value, so it synchronises the stream. NaN when the
+ * backend has failed (now or before): never a plausible norm from a
+ * device that cannot be trusted. */
+double cu_sumsq(nl_backend *be, const float *x, size_t n)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    be->stats.host_syncs++;
+    if (n == 0)
+        return report(c, NULL) == NL_OK ? 0.0 : NAN;
+    /* the result in the scratch's first 256 bytes, the partials after them */
+    double *res = (double *)c->scratch;
+    launched_shape(
+        c, nl_cuda_sumsq(c->stream, res, x, n, (char *)c->scratch + 256, c->scratch_bytes - 256),
+        "sumsq (n %zu)", n);
+    double h = NAN;
+    cudaError_t e = cudaMemcpyAsync(&h, res, sizeof h, cudaMemcpyDeviceToHost, c->stream);
+    if (e == cudaSuccess)
+        e = cudaStreamSynchronize(c->stream);
+    ok(c, "sumsq", e);
+    return report(c, NULL) == NL_OK ? h : NAN;
+}
+
+void cu_adamw(nl_backend *be, float *p, const float *g, float *m, float *v, size_t n, float lr,
+              float b1, float b2, float eps, float wd, float bc1, float bc2, float grad_scale)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    /* bf16: the copy of these weights is written in the same pass (or,
+     * when it is stale anyway, made again on the next GEMM) */
+    uint16_t *copy = c->bf16 ? nl_cuda_bf16_adamw_copy(&c->w, p, n) : NULL;
+    if (copy) {
+        launched_shape(c,
+                       nl_cuda_adamw_bf16(c->stream, p, copy, g, m, v, n, lr, b1, b2, eps, wd, bc1,
+                                          bc2, grad_scale),
+                       "adamw (bf16) (n %zu)", n);
+        return;
+    }
+    launched_shape(
+        c, nl_cuda_adamw(c->stream, p, g, m, v, n, lr, b1, b2, eps, wd, bc1, bc2, grad_scale),
+        "adamw (n %zu)", n);
+}
+
+void fill_op_slots(nl_backend *be)
+{
+    be->embedding_forward = cu_embedding_forward;
+    be->rmsnorm_forward = cu_rmsnorm_forward;
+    be->rope_forward = cu_rope_forward;
+    be->attention_forward = cu_attention_forward;
+    be->rope_scaled_forward = cu_rope_scaled_forward;
+    be->attention_masked_forward = cu_attention_masked_forward;
+    be->softmax_forward = cu_softmax_forward;
+    be->swiglu_forward = cu_swiglu_forward;
+    be->geglu_forward = cu_geglu_forward;
+    be->gather_rows = cu_gather_rows;
+    be->copy_rows = cu_copy_rows;
+    be->moe_combine = cu_moe_combine;
+    be->moe_route = cu_moe_route;
+    be->moe_aux = cu_moe_aux;
+    be->moe_router_backward = cu_moe_router_backward;
+    be->embedding_backward = cu_embedding_backward;
+    be->rmsnorm_backward = cu_rmsnorm_backward;
+    be->attention_backward = cu_attention_backward;
+    be->attention_masked_backward = cu_attention_masked_backward;
+    be->geglu_backward = cu_geglu_backward;
+    be->swiglu_backward = cu_swiglu_backward;
+    be->moe_combine_backward = cu_moe_combine_backward;
+    be->cross_entropy = cu_cross_entropy;
+    be->sumsq = cu_sumsq;
+    be->adamw = cu_adamw;
+}
+
+} // namespace nl_cu
