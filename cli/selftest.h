@@ -100,16 +100,36 @@ void nl_selftest_release(nl_selftest *c);
  * check's bf16 tolerance where cli/selftest_bf16.c has one (the larger). */
 double nl_selftest_bf16_tol(const nl_selftest *c, const char *check, double tol);
 
-/* For the checks outside cmd_selftest.c: a buffer of `bytes` on both
- * backends holding `host` (zeros when NULL; on failure c->oom is set and
- * the pair's pointers are NULL); n uniform floats in [lo, hi) in a host
- * buffer; the reference's bytes of p copied to the target; the scaled max
- * error of columns [col0, col0 + cols) of rows of p on the two backends. */
+/* The harness the op checks share (cli/cmd_selftest.c): a buffer of
+ * `bytes` on both backends holding `host` (zeros when NULL; on failure
+ * c->oom is set and the pair's pointers are NULL); n uniform floats in
+ * [lo, hi) and a random permutation of 0..n-1 in host buffers; the
+ * reference's bytes of p copied to the target; one side's bytes of p in a
+ * host buffer; the scaled max error of p on the two backends (all n
+ * floats, or columns [col0, col0 + cols) of rows), of two host tensors'
+ * columns with a floor under the scale, and max |x| over such columns; the
+ * GEMM tolerance for an inner size K. */
 pair *nl_selftest_dev(nl_selftest *c, const void *host, size_t bytes);
 float *nl_selftest_rnd(nl_selftest *c, size_t n, double lo, double hi);
+int32_t *nl_selftest_perm(nl_selftest *c, int n);
 void nl_selftest_mirror(nl_selftest *c, pair *p);
-double nl_selftest_cmp_cols(nl_selftest *c, const pair *p, size_t rows, size_t stride,
-                            size_t col0, size_t cols);
+void *nl_selftest_down(nl_selftest *c, const pair *p, int side);
+double nl_selftest_cmp(nl_selftest *c, const pair *p, size_t n);
+double nl_selftest_cmp_cols(nl_selftest *c, const pair *p, size_t rows, size_t stride, size_t col0,
+                            size_t cols);
+double nl_selftest_err_cols_floor(const float *r, const float *t, size_t rows, size_t stride,
+                                  size_t col0, size_t cols, double floor);
+double nl_selftest_max_abs_cols(const float *x, size_t rows, size_t stride, size_t col0,
+                                size_t cols);
+double nl_selftest_tol_gemm(const nl_selftest *c, int K);
+
+/* A slot the target leaves NULL fails its check (one line, "not
+ * implemented on <target>"): 0 then, 1 when the slot is there. */
+int nl_selftest_has(nl_selftest *c, int present, const char *check, const char *shape);
+#define NEED(c, slot, shape) nl_selftest_has((c), (c)->be[1]->slot != NULL, #slot, (shape))
+
+/* The backward and optimizer slots' checks (cli/selftest_backward.c). */
+void nl_selftest_backward_ops(nl_selftest *c);
 
 /* The optional slots of DESIGN section 6's variants (GeGLU, YaRN RoPE,
  * masked attention forward, and where the target can train their

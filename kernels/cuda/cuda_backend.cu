@@ -20,8 +20,8 @@
  * pinned staging ring and queued without waiting, so the source may be
  * reused at once; the slot's event is waited for only when the ring comes
  * round to it while the device has not yet read it. Larger uploads wait
- * for their copy. So a decode step waits for the host once: its logits. Each entry point first makes the
- * backend's device current on the calling thread.
+ * for their copy. So a decode step waits for the host once: its logits. Each entry point first
+ * makes the backend's device current on the calling thread.
  *
  * Errors: the first failure (a launch error, a failed asynchronous call,
  * a shape a kernel refuses) is kept, with a message "cuda:N: <op>: <what>";
@@ -218,8 +218,10 @@ void prof_report(cuda_ctx *c)
     int n = 0;
     while (n < 64 && c->prof[n].name)
         total += c->prof[n++].s;
-    nl_log_write(NL_LOG_WARN, "%s: NL_CUDA_PROFILE: %.3f s in %d slots (device and host time "
-                              "from each slot's entry to the next's)", c->name, total, n);
+    nl_log_write(NL_LOG_WARN,
+                 "%s: NL_CUDA_PROFILE: %.3f s in %d slots (device and host time "
+                 "from each slot's entry to the next's)",
+                 c->name, total, n);
     for (int k = 0; k < n; k++) {
         int best = k;
         for (int i = k + 1; i < n; i++)
@@ -228,9 +230,8 @@ void prof_report(cuda_ctx *c)
         const auto e = c->prof[best];
         c->prof[best] = c->prof[k];
         c->prof[k] = e;
-        nl_log_write(NL_LOG_WARN, "%s: profile %-24s %8llu calls %9.3f ms %5.1f%%", c->name,
-                     e.name, (unsigned long long)e.calls, e.s * 1e3,
-                     total > 0 ? 100.0 * e.s / total : 0.0);
+        nl_log_write(NL_LOG_WARN, "%s: profile %-24s %8llu calls %9.3f ms %5.1f%%", c->name, e.name,
+                     (unsigned long long)e.calls, e.s * 1e3, total > 0 ? 100.0 * e.s / total : 0.0);
     }
 }
 
@@ -360,7 +361,7 @@ void cu_upload(nl_backend *be, void *dst, const void *src, size_t bytes)
         return;
     cuda_ctx *c = enter_slot(be, __func__);
     c->off_ptr = NULL; /* it may have written routing offsets */
-    if (c->bf16) /* into weights: their bf16 copy is made again on next use */
+    if (c->bf16)       /* into weights: their bf16 copy is made again on next use */
         nl_cuda_bf16_mark(&c->w, dst, bytes);
     if (staged_upload(be, c, dst, src, bytes))
         return;
@@ -581,7 +582,8 @@ nl_status setup(cuda_ctx *c, const nl_backend_opts *o, size_t *runtime, nl_error
                       cudaHostAllocDefault) == cudaSuccess) {
         int made = 0;
         while (made < NL_CUDA_STAGE_SLOTS &&
-               cudaEventCreateWithFlags(&c->stage_done[made], cudaEventDisableTiming) == cudaSuccess)
+               cudaEventCreateWithFlags(&c->stage_done[made], cudaEventDisableTiming) ==
+                   cudaSuccess)
             made++;
         if (made < NL_CUDA_STAGE_SLOTS) {
             while (made > 0)

@@ -65,7 +65,7 @@ struct cuda_ctx {
     size_t workspace_bytes;
     void *scratch; /* reduction scratch of the backward ops */
     size_t scratch_bytes;
-    unsigned char *stage;                     /* pinned, NL_CUDA_STAGE_SLOTS slots; NULL: none */
+    unsigned char *stage;                        /* pinned, NL_CUDA_STAGE_SLOTS slots; NULL: none */
     cudaEvent_t stage_done[NL_CUDA_STAGE_SLOTS]; /* recorded after each slot's copy */
     bool stage_pending[NL_CUDA_STAGE_SLOTS];
     int stage_next;
@@ -83,7 +83,7 @@ struct cuda_ctx {
     uint16_t *conv;       /* NL_CUDA_BF16_CONV_ELEMS: converted activations */
     int32_t *tile_start;  /* NL_CUDA_MAX_GROUPS + 1: the grouped GEMMs' tile map */
     lt_entry lt_cache[NL_CUDA_LT_CACHE];
-    int lt_next; /* the entry to replace when the cache is full */
+    int lt_next;     /* the entry to replace when the cache is full */
     nl_cudnn *cudnn; /* attention through cuDNN (cuda_cudnn.h), or NULL */
     /* the expert groups' row offsets last read to the host (bf16 grouped
      * GEMMs of many rows): valid for off_ptr until a slot that may write

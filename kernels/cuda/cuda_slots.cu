@@ -51,19 +51,18 @@ void cu_attention_forward(nl_backend *be, float *out, float *lse, const float *q
              nl_cuda_attention_forward(c->stream, out, lse, q, q_stride, k, v, kv_stride, s));
 }
 
-void cu_rope_scaled_forward(nl_backend *be, float *x, const int32_t *pos, int N, int row,
-                            int col0, int heads, int hd, float base, nl_rope_scaling sc)
+void cu_rope_scaled_forward(nl_backend *be, float *x, const int32_t *pos, int N, int row, int col0,
+                            int heads, int hd, float base, nl_rope_scaling sc)
 {
     cuda_ctx *c = enter_slot(be, __func__);
     if (sc.type != NL_ROPE_YARN) /* as the CPU: no scaling is plain RoPE */
         launched(c, "rope_forward",
                  nl_cuda_rope_forward(c->stream, x, pos, N, row, col0, heads, hd, base));
     else
-        launched_shape(c,
-                       nl_cuda_rope_yarn_forward(c->stream, x, pos, N, row, col0, heads, hd, base,
-                                                 sc),
-                       "rope_scaled_forward (N %d hd %d factor %g L0 %d)", N, hd, sc.factor,
-                       sc.original_max_seq_len);
+        launched_shape(
+            c, nl_cuda_rope_yarn_forward(c->stream, x, pos, N, row, col0, heads, hd, base, sc),
+            "rope_scaled_forward (N %d hd %d factor %g L0 %d)", N, hd, sc.factor,
+            sc.original_max_seq_len);
 }
 
 void cu_attention_masked_forward(nl_backend *be, float *out, float *lse, const float *q,
@@ -197,8 +196,8 @@ void cu_attention_backward(nl_backend *be, float *dq, float *dk, float *dv, cons
 
 void cu_attention_masked_backward(nl_backend *be, float *dq, float *dk, float *dv,
                                   const float *dout, const float *q, int q_stride, const float *k,
-                                  const float *v, int kv_stride, const float *out,
-                                  const float *lse, nl_attn_shape s, nl_attn_mask mask)
+                                  const float *v, int kv_stride, const float *out, const float *lse,
+                                  nl_attn_shape s, nl_attn_mask mask)
 {
     cuda_ctx *c = enter_slot(be, __func__);
     if (nl_cudnn_attention_backward(c->cudnn, dq, dk, dv, dout, q, q_stride, k, v, kv_stride, out,
@@ -207,8 +206,8 @@ void cu_attention_masked_backward(nl_backend *be, float *dq, float *dk, float *d
     const size_t need = nl_cuda_attention_backward_scratch(s);
     float *scratch = need > 0 && need <= c->scratch_bytes ? (float *)c->scratch : NULL;
     launched_shape(c,
-                   nl_cuda_attention_masked_backward(c->stream, dq, dk, dv, dout, q, q_stride, k,
-                                                     v, kv_stride, out, lse, scratch, s, mask),
+                   nl_cuda_attention_masked_backward(c->stream, dq, dk, dv, dout, q, q_stride, k, v,
+                                                     kv_stride, out, lse, scratch, s, mask),
                    "attention_masked_backward (B %d T %d past %d kv_cap %d H %d G %d hd %d "
                    "bidir %d window %d doc %s)",
                    s.B, s.T, s.past, s.kv_cap, s.H, s.G, s.hd, mask.bidir, mask.window,
