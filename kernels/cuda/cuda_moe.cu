@@ -24,6 +24,9 @@ constexpr int ROW_THREADS = 128;   /* route and router backward: one thread per 
 constexpr int TABLE_THREADS = 256; /* the one block of the tables and the aux loss */
 constexpr int TM = 64, TN = 64, TK = 16, GEMM_THREADS = 256; /* grouped GEMM tiles */
 constexpr unsigned MAX_GRID_YZ = 65535;
+/* few-row grouped GEMM (decode): a launch whose max_rows is at most
+ * GEMV_MAX_ROWS runs one warp per output column, GEMV_ROWS rows at a time */
+constexpr int GEMV_WARPS = 8, GEMV_ROWS = 4, GEMV_MAX_ROWS = 8;
 
 unsigned row_grid(int rows)
 {
@@ -253,6 +256,51 @@ __global__ void __launch_bounds__(GEMM_THREADS)
     }
 }
 
+/* The few-row grouped GEMM with trans_b (decode: one or a few tokens per
+ * expert). The tile kernel above gives such a launch one block per 64
+ * columns, of which one or two rows are live and most of the block idles
+ * through K / 16 barriers; here warp w of block (x, g) owns column
+ * n = x GEMV_WARPS + w of group g and reads the weight row B_g[n, :] once
+ * per GEMV_ROWS rows, its lanes striding along K (consecutive lanes,
+ * consecutive addresses), so the launch reads each live expert's weights
+ * at the memory's pace. Every row's sum runs in the same order whatever
+ * the group's row count (lane l adds k = l, l + 32, ... in order, then a
+ * fixed xor tree): a row gives the same bits alone or among others. Any
+ * row count is correct (rows beyond GEMV_ROWS take more passes), so a
+ * max_rows below a group's count costs time only. */
+__global__ void __launch_bounds__(GEMV_WARPS * 32)
+    grouped_gemv_kernel(int N, int K, const float *A, int lda, const float *B, int ldb,
+                        size_t b_stride, float *C, int ldc, const int32_t *offsets)
+{
+    const int g = blockIdx.y;
+    const int r0 = offsets[g], rows = offsets[g + 1] - r0;
+    const int n = blockIdx.x * GEMV_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (rows <= 0 || n >= N)
+        return; /* uniform in the warp: no shuffle below is left waiting */
+    const float *w = B + g * b_stride + (size_t)n * ldb;
+    for (int i0 = 0; i0 < rows; i0 += GEMV_ROWS) {
+        const int live = rows - i0 < GEMV_ROWS ? rows - i0 : GEMV_ROWS;
+        const float *a = A + (size_t)(r0 + i0) * lda;
+        float acc[GEMV_ROWS] = {};
+#pragma unroll 4
+        for (int k = lane; k < K; k += 32) {
+            const float wk = w[k];
+#pragma unroll
+            for (int i = 0; i < GEMV_ROWS; i++)
+                if (i < live)
+                    acc[i] = fmaf(a[(size_t)i * lda + k], wk, acc[i]);
+        }
+#pragma unroll
+        for (int i = 0; i < GEMV_ROWS; i++) {
+            float v = acc[i];
+            for (int off = 16; off > 0; off >>= 1)
+                v += __shfl_xor_sync(0xffffffffu, v, off);
+            if (lane == 0 && i < live)
+                C[(size_t)(r0 + i0 + i) * ldc + n] = v;
+        }
+    }
+}
+
 unsigned tiles(long n, int t)
 {
     return (unsigned)((n + t - 1) / t);
@@ -316,9 +364,15 @@ extern "C" int nl_cuda_gemm_grouped(void *stream, int trans_b, int N, int K, con
         return (int)cudaErrorInvalidValue;
     if (N == 0 || groups == 0 || max_rows == 0)
         return 0;
+    cudaStream_t s = (cudaStream_t)stream;
+    if (trans_b && max_rows <= GEMV_MAX_ROWS) {
+        const dim3 grid(tiles(N, GEMV_WARPS), (unsigned)groups);
+        grouped_gemv_kernel<<<grid, GEMV_WARPS * 32, 0, s>>>(N, K, A, lda, B, ldb, b_stride, C,
+                                                             ldc, offsets);
+        return launched();
+    }
     const unsigned ty = tiles(max_rows, TM);
     const dim3 grid(tiles(N, TN), ty < MAX_GRID_YZ ? ty : MAX_GRID_YZ, (unsigned)groups);
-    cudaStream_t s = (cudaStream_t)stream;
     if (trans_b)
         grouped_gemm_kernel<true, false>
             <<<grid, GEMM_THREADS, 0, s>>>(0, N, K, A, lda, B, ldb, b_stride, C, ldc, 0, offsets);

@@ -40,7 +40,10 @@ int nl_cuda_moe_router_backward(void *stream, float *dl, const float *dw, const 
  * ascending p. A block reads its group's row count from offsets and exits
  * at once when its tile lies past it; row tiles past max_rows are walked
  * by the blocks of the grid (so an understated bound costs time, never
- * rows). */
+ * rows). With trans_b and max_rows <= 8 (decode) it runs instead one warp
+ * per output column, lanes along K: each row summed in the same order
+ * whatever the group's row count (a row's bits do not depend on the
+ * others), every row correct whatever max_rows says. */
 int nl_cuda_gemm_grouped(void *stream, int trans_b, int N, int K, const float *A, int lda,
                          const float *B, int ldb, size_t b_stride, float *C, int ldc,
                          const int32_t *offsets, int groups, int max_rows);

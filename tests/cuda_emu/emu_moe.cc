@@ -29,6 +29,7 @@ extern "C" {
 
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
 #include <vector>
 
 namespace
@@ -213,6 +214,34 @@ groups make_groups(const std::vector<int> &sizes)
     return g;
 }
 
+/* The few-row path (trans_b, max_rows <= 8) sums each row in an order of
+ * its own: a group's rows computed together give the bits each gives
+ * alone, and the bits of the same rows inside a larger group. */
+void gemv_rows_case(int rows, int N, int K)
+{
+    char what[96];
+    snprintf(what, sizeof what, "gemm_grouped few rows: %d rows together and alone, N %d K %d",
+             rows, N, K);
+    std::vector<float> A((size_t)rows * K), B((size_t)N * K), C((size_t)rows * N, NAN),
+        one((size_t)N, NAN);
+    for (float &v : A)
+        v = moe_frand();
+    for (float &v : B)
+        v = moe_frand();
+    const int32_t all[2] = {0, rows};
+    CHECK(nl_cuda_gemm_grouped(nullptr, 1, N, K, A.data(), K, B.data(), K, 0, C.data(), N, all, 1,
+                               rows) == 0,
+          "%s: launcher", what);
+    for (int r = 0; r < rows; r++) {
+        const int32_t alone[2] = {0, 1};
+        CHECK(nl_cuda_gemm_grouped(nullptr, 1, N, K, A.data() + (size_t)r * K, K, B.data(), K, 0,
+                                   one.data(), N, alone, 1, 1) == 0,
+              "%s: launcher", what);
+        CHECK(memcmp(one.data(), C.data() + (size_t)r * N, N * sizeof(float)) == 0,
+              "%s: row %d differs", what, r);
+    }
+}
+
 void grouped_case(nl_backend *cpu, const std::vector<int> &sizes, int trans_b, int N, int K,
                   int max_rows, int pad)
 {
@@ -336,7 +365,12 @@ int nl_emu_moe_checks(void)
         grouped_case(cpu, {1, 1}, tb, 1, 1, 1, 2);
         grouped_case(cpu, {0, 130, 0}, tb, 65, 17, 2, 3); /* max_rows below the count */
         grouped_case(cpu, {5, 9, 2, 0, 4, 6, 1, 3}, tb, 100, 70, 9, 1);
+        /* decode: a token's two experts among eight; a few tokens */
+        grouped_case(cpu, {1, 0, 0, 1, 0, 0, 0, 0}, tb, 257, 769, 1, 0);
+        grouped_case(cpu, {2, 3, 0, 8, 1}, tb, 70, 33, 8, 2);
+        grouped_case(cpu, {5, 0}, tb, 9, 1, 8, 0);
     }
+    gemv_rows_case(7, 65, 300);
     wgrad_case(cpu, {3, 0, 70, 1}, 33, 37, 0);
     wgrad_case(cpu, {0, 0}, 5, 5, 1);
     wgrad_case(cpu, {130, 1, 0, 17}, 65, 70, 3);
