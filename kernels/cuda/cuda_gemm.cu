@@ -334,6 +334,31 @@ const int32_t *host_offsets(nl_backend *be, cuda_ctx *c, const int32_t *dev, int
     return o;
 }
 
+/* bf16 decode (few rows per expert): one warp per output column reading
+ * the experts' bf16 copy, half the bytes of the FP32 weights the
+ * tensor-core kernel reads (cuda_moe.h). False, nothing queued, where no
+ * copy holds every group's weights (the caller's kernel then runs). */
+bool few_rows_bf16(cuda_ctx *c, int N, int K, const float *A, int lda, const float *B, int ldb,
+                   size_t b_stride, float *C, int ldc, const int32_t *offsets, int groups)
+{
+    if (groups < 1 || ldb < 1 || b_stride % (size_t)ldb != 0)
+        return false;
+    /* the groups' weights as one operand: rows of ldb floats from B */
+    const size_t rows = (size_t)(groups - 1) * (b_stride / (size_t)ldb) + (size_t)N;
+    if (rows > INT32_MAX)
+        return false;
+    int rc = 0;
+    const uint16_t *w = nl_cuda_bf16_weight_operand(&c->w, c->stream, B, (int)rows, K, ldb, &rc);
+    launched_shape(c, rc, "gemm_grouped (bf16): convert the weights (%zu rows of %d)", rows, K);
+    if (!w)
+        return false;
+    launched_shape(c,
+                   nl_cuda_gemm_grouped_few_bf16(c->stream, N, K, A, lda, w, ldb, b_stride, C, ldc,
+                                                 offsets, groups),
+                   "gemm_grouped (bf16, few rows) (N %d K %d groups %d)", N, K, groups);
+    return true;
+}
+
 void cu_gemm_grouped(nl_backend *be, int trans_b, int N, int K, const float *A, int lda,
                      const float *B, int ldb, size_t b_stride, float *C, int ldc,
                      const int32_t *offsets, int groups, int max_rows)
@@ -347,6 +372,9 @@ void cu_gemm_grouped(nl_backend *be, int trans_b, int N, int K, const float *A, 
                         B + g * b_stride, ldb, 0.0f, C + (size_t)o[g] * ldc, ldc);
         return;
     }
+    if (c->bf16 && trans_b && max_rows <= NL_CUDA_GROUPED_FEW_ROWS &&
+        few_rows_bf16(c, N, K, A, lda, B, ldb, b_stride, C, ldc, offsets, groups))
+        return;
     if (c->bf16 && groups <= NL_CUDA_MAX_GROUPS) { /* tensor cores, one launch */
         launched_shape(c,
                        nl_cuda_gemm_grouped_bf16(c->stream, trans_b, N, K, A, lda, B, ldb, b_stride,

@@ -10,6 +10,7 @@
 #include "cuda_moe.h"
 
 #include "../backend.h"
+#include "../elem.h"
 
 #include <cuda_runtime.h>
 #include <math.h>
@@ -26,7 +27,7 @@ constexpr int TM = 64, TN = 64, TK = 16, GEMM_THREADS = 256; /* grouped GEMM til
 constexpr unsigned MAX_GRID_YZ = 65535;
 /* few-row grouped GEMM (decode): a launch whose max_rows is at most
  * GEMV_MAX_ROWS runs one warp per output column, GEMV_ROWS rows at a time */
-constexpr int GEMV_WARPS = 8, GEMV_ROWS = 4, GEMV_MAX_ROWS = 8;
+constexpr int GEMV_WARPS = 8, GEMV_ROWS = 4, GEMV_MAX_ROWS = NL_CUDA_GROUPED_FEW_ROWS;
 
 unsigned row_grid(int rows)
 {
@@ -268,27 +269,45 @@ __global__ void __launch_bounds__(GEMM_THREADS)
  * fixed xor tree): a row gives the same bits alone or among others. Any
  * row count is correct (rows beyond GEMV_ROWS take more passes), so a
  * max_rows below a group's count costs time only. */
+template <typename W> __device__ __forceinline__ float gemv_weight(const W *w, int k);
+template <> __device__ __forceinline__ float gemv_weight<float>(const float *w, int k)
+{
+    return w[k];
+}
+/* bf16 weights (the backend's copy): widened exactly; the activation is
+ * rounded to bf16 too, so a product is bf16 x bf16 summed in FP32, as in
+ * every bf16 GEMM of the backend */
+template <> __device__ __forceinline__ float gemv_weight<uint16_t>(const uint16_t *w, int k)
+{
+    return nl_elem_from_bf16(w[k]);
+}
+template <typename W> __device__ __forceinline__ float gemv_act(float a)
+{
+    return sizeof(W) == 2 ? nl_elem_from_bf16(nl_elem_to_bf16(a)) : a;
+}
+
+template <typename W>
 __global__ void __launch_bounds__(GEMV_WARPS * 32)
-    grouped_gemv_kernel(int N, int K, const float *A, int lda, const float *B, int ldb,
-                        size_t b_stride, float *C, int ldc, const int32_t *offsets)
+    grouped_gemv_kernel(int N, int K, const float *A, int lda, const W *B, int ldb, size_t b_stride,
+                        float *C, int ldc, const int32_t *offsets)
 {
     const int g = blockIdx.y;
     const int r0 = offsets[g], rows = offsets[g + 1] - r0;
     const int n = blockIdx.x * GEMV_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (rows <= 0 || n >= N)
         return; /* uniform in the warp: no shuffle below is left waiting */
-    const float *w = B + g * b_stride + (size_t)n * ldb;
+    const W *w = B + g * b_stride + (size_t)n * ldb;
     for (int i0 = 0; i0 < rows; i0 += GEMV_ROWS) {
         const int live = rows - i0 < GEMV_ROWS ? rows - i0 : GEMV_ROWS;
         const float *a = A + (size_t)(r0 + i0) * lda;
         float acc[GEMV_ROWS] = {};
 #pragma unroll 4
         for (int k = lane; k < K; k += 32) {
-            const float wk = w[k];
+            const float wk = gemv_weight(w, k);
 #pragma unroll
             for (int i = 0; i < GEMV_ROWS; i++)
                 if (i < live)
-                    acc[i] = fmaf(a[(size_t)i * lda + k], wk, acc[i]);
+                    acc[i] = fmaf(gemv_act<W>(a[(size_t)i * lda + k]), wk, acc[i]);
         }
 #pragma unroll
         for (int i = 0; i < GEMV_ROWS; i++) {
@@ -367,8 +386,8 @@ extern "C" int nl_cuda_gemm_grouped(void *stream, int trans_b, int N, int K, con
     cudaStream_t s = (cudaStream_t)stream;
     if (trans_b && max_rows <= GEMV_MAX_ROWS) {
         const dim3 grid(tiles(N, GEMV_WARPS), (unsigned)groups);
-        grouped_gemv_kernel<<<grid, GEMV_WARPS * 32, 0, s>>>(N, K, A, lda, B, ldb, b_stride, C,
-                                                             ldc, offsets);
+        grouped_gemv_kernel<float>
+            <<<grid, GEMV_WARPS * 32, 0, s>>>(N, K, A, lda, B, ldb, b_stride, C, ldc, offsets);
         return launched();
     }
     const unsigned ty = tiles(max_rows, TM);
@@ -379,6 +398,21 @@ extern "C" int nl_cuda_gemm_grouped(void *stream, int trans_b, int N, int K, con
     else
         grouped_gemm_kernel<false, false>
             <<<grid, GEMM_THREADS, 0, s>>>(0, N, K, A, lda, B, ldb, b_stride, C, ldc, 0, offsets);
+    return launched();
+}
+
+extern "C" int nl_cuda_gemm_grouped_few_bf16(void *stream, int N, int K, const float *A, int lda,
+                                             const uint16_t *B, int ldb, size_t b_stride, float *C,
+                                             int ldc, const int32_t *offsets, int groups)
+{
+    if (N < 0 || K < 0 || groups < 0 || lda < 0 || ldb < 0 || ldc < 0 ||
+        (unsigned)groups > MAX_GRID_YZ)
+        return (int)cudaErrorInvalidValue;
+    if (N == 0 || groups == 0)
+        return 0;
+    const dim3 grid(tiles(N, GEMV_WARPS), (unsigned)groups);
+    grouped_gemv_kernel<uint16_t><<<grid, GEMV_WARPS * 32, 0, (cudaStream_t)stream>>>(
+        N, K, A, lda, B, ldb, b_stride, C, ldc, offsets);
     return launched();
 }
 

@@ -40,13 +40,21 @@ int nl_cuda_moe_router_backward(void *stream, float *dl, const float *dw, const 
  * ascending p. A block reads its group's row count from offsets and exits
  * at once when its tile lies past it; row tiles past max_rows are walked
  * by the blocks of the grid (so an understated bound costs time, never
- * rows). With trans_b and max_rows <= 8 (decode) it runs instead one warp
+ * rows). With trans_b and max_rows <= NL_CUDA_GROUPED_FEW_ROWS (decode) it runs instead one warp
  * per output column, lanes along K: each row summed in the same order
  * whatever the group's row count (a row's bits do not depend on the
  * others), every row correct whatever max_rows says. */
 int nl_cuda_gemm_grouped(void *stream, int trans_b, int N, int K, const float *A, int lda,
                          const float *B, int ldb, size_t b_stride, float *C, int ldc,
                          const int32_t *offsets, int groups, int max_rows);
+/* The few-row path above with bf16 weights (trans_b): B is the backend's
+ * bf16 copy of the expert weights (same strides), each activation rounded
+ * to bf16, products summed in FP32: a decode token reads half the bytes.
+ * The bf16 backend calls it for max_rows <= NL_CUDA_GROUPED_FEW_ROWS. */
+#define NL_CUDA_GROUPED_FEW_ROWS 8
+int nl_cuda_gemm_grouped_few_bf16(void *stream, int N, int K, const float *A, int lda,
+                                  const uint16_t *B, int ldb, size_t b_stride, float *C, int ldc,
+                                  const int32_t *offsets, int groups);
 /* The same tiles over (M, N) of each group, the group's rows being the
  * summed dimension; C_g += A_g^T B_g. */
 int nl_cuda_gemm_grouped_wgrad(void *stream, int M, int N, const float *A, int lda, const float *B,

@@ -242,6 +242,58 @@ void gemv_rows_case(int rows, int N, int K)
     }
 }
 
+/* The few-row path with bf16 weights: against sums in double of the
+ * bf16-rounded products (activation and weight both rounded), within
+ * 1e-5 of sum |a b|; rows alone give the bits they give together. */
+void gemv_bf16_case(const std::vector<int> &sizes, int N, int K, int pad)
+{
+    char what[128];
+    const groups g = make_groups(sizes);
+    const int G = (int)sizes.size();
+    snprintf(what, sizeof what, "gemm_grouped_few_bf16 G %d rows %d N %d K %d pad %d", G, g.rows, N,
+             K, pad);
+    const int lda = K + pad, ldb = K + pad, ldc = N + pad;
+    const size_t b_stride = (size_t)N * ldb + 3 * ldb;
+    std::vector<float> A((size_t)(g.rows + 1) * lda), C((size_t)(g.rows + 1) * ldc, 777.0f),
+        one((size_t)ldc, 777.0f);
+    std::vector<uint16_t> B(b_stride * G);
+    for (float &v : A)
+        v = moe_frand();
+    for (uint16_t &v : B)
+        v = nl_elem_to_bf16(moe_frand());
+    CHECK(nl_cuda_gemm_grouped_few_bf16(nullptr, N, K, A.data(), lda, B.data(), ldb, b_stride,
+                                        C.data(), ldc, g.off.data(), G) == 0,
+          "%s: launcher", what);
+    double worst = 0.0;
+    int bad_rows = 0;
+    for (int gi = 0; gi < G; gi++)
+        for (int r = g.off[gi]; r < g.off[gi + 1]; r++) {
+            for (int n = 0; n < N; n++) {
+                double sum = 0.0, mag = 0.0;
+                for (int k = 0; k < K; k++) {
+                    const double a = nl_elem_from_bf16(nl_elem_to_bf16(A[(size_t)r * lda + k]));
+                    const double b = nl_elem_from_bf16(B[gi * b_stride + (size_t)n * ldb + k]);
+                    sum += a * b;
+                    mag += fabs(a * b);
+                }
+                const double e = fabs(C[(size_t)r * ldc + n] - sum) / (mag > 0 ? mag : 1.0);
+                worst = e > worst ? e : worst;
+            }
+            for (int n = N; n < ldc; n++)
+                bad_rows += C[(size_t)r * ldc + n] != 777.0f; /* padding stays */
+            /* the same row alone, through the same group's weights */
+            const int32_t alone[2] = {0, 1};
+            nl_cuda_gemm_grouped_few_bf16(nullptr, N, K, A.data() + (size_t)r * lda, lda,
+                                          B.data() + gi * b_stride, ldb, b_stride, one.data(), ldc,
+                                          alone, 1);
+            bad_rows += memcmp(one.data(), C.data() + (size_t)r * ldc, N * sizeof(float)) != 0;
+        }
+    CHECK(worst <= 1e-5, "%s: error %.3g", what, worst);
+    CHECK(bad_rows == 0, "%s: %d rows differ alone or wrote padding", what, bad_rows);
+    for (int n = 0; n < ldc; n++)
+        CHECK(C[(size_t)g.rows * ldc + n] == 777.0f, "%s: a row past the groups written", what);
+}
+
 void grouped_case(nl_backend *cpu, const std::vector<int> &sizes, int trans_b, int N, int K,
                   int max_rows, int pad)
 {
@@ -371,6 +423,9 @@ int nl_emu_moe_checks(void)
         grouped_case(cpu, {5, 0}, tb, 9, 1, 8, 0);
     }
     gemv_rows_case(7, 65, 300);
+    gemv_bf16_case({1, 0, 0, 1, 0, 0, 0, 0}, 257, 769, 0);
+    gemv_bf16_case({2, 3, 0, 8, 1}, 70, 33, 2);
+    gemv_bf16_case({0, 0}, 5, 5, 0);
     wgrad_case(cpu, {3, 0, 70, 1}, 33, 37, 0);
     wgrad_case(cpu, {0, 0}, 5, 5, 1);
     wgrad_case(cpu, {130, 1, 0, 17}, 65, 70, 3);
