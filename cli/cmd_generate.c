@@ -58,10 +58,11 @@ static nl_status generate(nl_model *m, const int32_t *prompt, int P, int max_new
     for (int i = 0; i < max_new && kv->len < cap; i++) {
         if ((st = nl_forward(m, rs, &a, NULL, err)) != NL_OK)
             goto out;
-        be->download(be, logits, nl_runstate_output(rs, NULL), (size_t)V * sizeof(float));
-        if ((st = nl_cli_device_check(be, err)) != NL_OK)
+        if ((st = nl_sampler_next(smp, be, nl_runstate_output(rs, NULL), logits, &next, err)) !=
+            NL_OK) {
+            nl_error_prefix(err, "device %s", be->name);
             goto out;
-        next = nl_sampler_sample(smp, logits);
+        }
         emit(next, ctx);
         a.T = 1;
         a.tokens = &next;

@@ -4,6 +4,9 @@
 
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
+
+#include "../kernels/elem.h"
 
 nl_status nl_sampler_init(nl_sampler *s, int vocab, float temperature, float top_p, uint64_t seed,
                           nl_error *err)
@@ -50,27 +53,16 @@ static int by_prob_desc(const void *a, const void *b, void *ctx)
 int32_t nl_sampler_sample(nl_sampler *s, const float *logits)
 {
     const int V = s->vocab;
-    int32_t best = 0;
-    for (int i = 1; i < V; i++)
-        if (logits[i] > logits[best])
-            best = i;
     if (s->temperature == 0.0f)
-        return best;
-    /* softmax at temperature */
+        return nl_elem_sample_argmax(logits, V);
+    const double u = nl_rng_uniform(&s->rng);
+    if (s->top_p >= 1.0f)
+        return nl_elem_sample_row(logits, V, s->temperature, u);
+    const int32_t best = nl_elem_sample_argmax(logits, V);
     double sum = 0.0;
     for (int i = 0; i < V; i++) {
-        s->probs[i] = expf((logits[i] - logits[best]) / s->temperature);
+        s->probs[i] = nl_elem_sample_weight(logits[i], logits[best], s->temperature);
         sum += s->probs[i];
-    }
-    double u = nl_rng_uniform(&s->rng);
-    if (s->top_p >= 1.0f) {
-        double acc = 0.0, target = u * sum;
-        for (int i = 0; i < V; i++) {
-            acc += s->probs[i];
-            if (acc > target)
-                return i;
-        }
-        return best;
     }
     /* nucleus: the smallest set of most likely tokens whose mass reaches top_p */
     for (int i = 0; i < V; i++)
@@ -87,4 +79,34 @@ int32_t nl_sampler_sample(nl_sampler *s, const float *logits)
             return s->order[i];
     }
     return s->order[0];
+}
+
+/* NL_HOST_SAMPLING=1: never the backend's sample slot (for comparisons) */
+static int host_sampling(void)
+{
+    const char *e = getenv("NL_HOST_SAMPLING");
+    return e && strcmp(e, "1") == 0;
+}
+
+int nl_sampler_device(const nl_sampler *s, const nl_backend *be)
+{
+    return be->sample && (s->temperature == 0.0f || s->top_p >= 1.0f) &&
+           s->vocab <= NL_SAMPLE_MAX_VOCAB && !host_sampling();
+}
+
+nl_status nl_sampler_next(nl_sampler *s, nl_backend *be, const float *logits, float *host,
+                          int32_t *id, nl_error *err)
+{
+    if (nl_sampler_device(s, be)) {
+        const double u = s->temperature == 0.0f ? 0.0 : nl_rng_uniform(&s->rng);
+        *id = be->sample(be, logits, s->vocab, s->temperature, u);
+        return nl_backend_check(be, err);
+    }
+    if (!host)
+        return nl_error_set(err, NL_ERR_INTERNAL, "sampler: no host buffer for the logits");
+    be->download(be, host, logits, (size_t)s->vocab * sizeof(float));
+    nl_status st = nl_backend_check(be, err);
+    if (st == NL_OK)
+        *id = nl_sampler_sample(s, host);
+    return st;
 }

@@ -88,7 +88,11 @@ typedef struct nl_rope_scaling {
 /* Bumped whenever struct nl_backend, nl_backend_opts, nl_attn_shape,
  * nl_attn_mask, nl_rope_scaling or nl_error changes: a backend module
  * built against another version is refused when it is loaded. */
-#define NL_BACKEND_ABI 6
+#define NL_BACKEND_ABI 7
+
+/* the largest vocabulary the sample slot takes (a GPU keeps one block's
+ * chunk sums, NL_SAMPLE_CHUNK ids each, in shared memory) */
+#define NL_SAMPLE_MAX_VOCAB (1024 * 256)
 
 /* Largest head dimension any backend's attention and RoPE support. */
 #define NL_BACKEND_MAX_HEAD_DIM 256
@@ -339,6 +343,14 @@ struct nl_backend {
     /* Sum of squares of x in double precision (inf or nan if any element
      * is not finite). */
     double (*sumsq)(nl_backend *be, const float *x, size_t n);
+    /* Optional (NULL: the caller downloads the logits and samples on the
+     * host): the next token from one row of V logits, returned to the host
+     * (the call waits for it, as sumsq does), by the rule of elem.h's
+     * nl_elem_sample_row: greedy when temperature is 0, else at that
+     * temperature with the uniform u in [0, 1) the caller drew. V is at
+     * most NL_SAMPLE_MAX_VOCAB. On a device failure: -1, and the error is
+     * kept for check. */
+    int32_t (*sample)(nl_backend *be, const float *logits, int V, float temperature, double u);
     /* One AdamW update of n parameters with gradient g * grad_scale:
      *   m = b1 m + (1 - b1) g';  v = b2 v + (1 - b2) g'^2
      *   p -= lr * (m / bc1 / (sqrt(v / bc2) + eps) + wd * p)

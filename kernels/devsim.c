@@ -238,6 +238,12 @@ static void ds_cross_entropy(nl_backend *be, float *logits, float *losses, const
     cpu(be)->cross_entropy(cpu(be), UF(logits), UF(losses), UI(targets), N, V, scale);
 }
 
+static int32_t ds_sample(nl_backend *be, const float *logits, int V, float temperature, double u)
+{
+    be->stats.host_syncs++;
+    return cpu(be)->sample(cpu(be), UF(logits), V, temperature, u);
+}
+
 static double ds_sumsq(nl_backend *be, const float *x, size_t n)
 {
     be->stats.host_syncs++;
@@ -383,6 +389,7 @@ nl_status nl_devsim_backend_new(nl_backend **out, const nl_backend_opts *o, nl_e
     be->moe_combine_backward = ds_moe_combine_backward;
     be->cross_entropy = ds_cross_entropy;
     be->sumsq = ds_sumsq;
+    be->sample = ds_sample;
     be->adamw = ds_adamw;
     *out = be;
     return NL_OK;

@@ -2,11 +2,13 @@
  * CUDA backend (compiled by nvcc): SiLU and its derivative, the SwiGLU
  * and GeGLU forward values and backward pairs, the RoPE angle (and YaRN's
  * scaled frequencies), the RoPE angle and rotation, the
- * online-softmax merge, the RMSNorm scale and the AdamW update of one
- * element. Each backend's loops and kernels call these, so the two compute
- * the same expressions in the same order (equal to about 1 ulp: nvcc fuses
+ * online-softmax merge, the RMSNorm scale, the AdamW update of one
+ * element, bf16 rounding and the sampling rule of a token. Each
+ * backend's loops and kernels call these, so the two compute the same
+ * expressions in the same order (equal to about 1 ulp: nvcc fuses
  * multiply-adds where gcc, in C11 mode, does not, and the exponentials
- * differ); tests/test_elem.c checks them against double-precision
+ * differ; the sampling rule is equal bit for bit: it uses nl_expf on both
+ * sides); tests/test_elem.c checks them against double-precision
  * references.
  *
  * Everything here is an inline function marked NL_HD: __host__ __device__
@@ -268,6 +270,92 @@ NL_HD float nl_elem_from_bf16(uint16_t h)
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
+}
+
+/* ---------------------------------------------------------------- sampling
+ *
+ * The next token from one row of logits l[0..V): greedy (temperature 0:
+ * the largest logit, ties to the lower id, NaN never chosen, 0 when every
+ * logit is NaN) or at temperature t with a uniform u in [0, 1): each
+ * token's weight p_i = nl_expf((l_i - max) / t) (a float), summed in
+ * double over chunks of NL_SAMPLE_CHUNK ids (each chunk in id order, the
+ * chunks' sums then in chunk order: a GPU sums the chunks side by side to
+ * the same bits); the token is the first id whose running sum exceeds
+ * u * total, found by the chunks' running sum and then inside the chunk
+ * (the chunk's last id when rounding leaves the scan short; the greedy id
+ * when u * total is never exceeded). core/sampler.c and every backend's
+ * sample slot use these pieces, so a seeded generation gives the same ids
+ * wherever it samples. nl_expf, not the device's expf: the same float on
+ * both sides. */
+#define NL_SAMPLE_CHUNK 256
+
+/* true when (v, i) beats the best so far (bv, bi) */
+NL_HD int nl_elem_sample_better(float v, int i, float bv, int bi)
+{
+    return v > bv || (v == bv && i < bi);
+}
+
+/* a token's weight; 0 for a NaN logit (never sampled, as never greedy) */
+NL_HD float nl_elem_sample_weight(float l, float lmax, float t)
+{
+    const float x = (l - lmax) / t;
+    return x == x ? nl_expf(x) : 0.0f;
+}
+
+/* the weights of ids [i0, i1) summed in id order */
+NL_HD double nl_elem_sample_chunk(const float *l, int i0, int i1, float lmax, float t)
+{
+    double s = 0.0;
+    for (int i = i0; i < i1; i++)
+        s += nl_elem_sample_weight(l[i], lmax, t);
+    return s;
+}
+
+/* inside the chunk [i0, i1) whose running sum reaches past target: acc is
+ * the sum of the chunks before it */
+NL_HD int nl_elem_sample_scan(const float *l, int i0, int i1, float lmax, float t, double acc,
+                              double target)
+{
+    for (int i = i0; i < i1; i++) {
+        acc += nl_elem_sample_weight(l[i], lmax, t);
+        if (acc > target)
+            return i;
+    }
+    return i1 - 1;
+}
+
+/* the greedy id of l[0..V) */
+NL_HD int nl_elem_sample_argmax(const float *l, int V)
+{
+    float bv = -INFINITY;
+    int bi = V;
+    for (int i = 0; i < V; i++)
+        if (nl_elem_sample_better(l[i], i, bv, bi))
+            bv = l[i], bi = i;
+    return bi < V ? bi : 0;
+}
+
+/* The whole rule on one thread (the host's): greedy when t == 0. */
+NL_HD int nl_elem_sample_row(const float *l, int V, float t, double u)
+{
+    const int best = nl_elem_sample_argmax(l, V);
+    if (!(t > 0.0f))
+        return best;
+    const float lmax = l[best];
+    double total = 0.0;
+    for (int i0 = 0; i0 < V; i0 += NL_SAMPLE_CHUNK)
+        total += nl_elem_sample_chunk(l, i0, i0 + NL_SAMPLE_CHUNK < V ? i0 + NL_SAMPLE_CHUNK : V,
+                                      lmax, t);
+    const double target = u * total;
+    double acc = 0.0;
+    for (int i0 = 0; i0 < V; i0 += NL_SAMPLE_CHUNK) {
+        const int i1 = i0 + NL_SAMPLE_CHUNK < V ? i0 + NL_SAMPLE_CHUNK : V;
+        const double c = nl_elem_sample_chunk(l, i0, i1, lmax, t);
+        if (acc + c > target)
+            return nl_elem_sample_scan(l, i0, i1, lmax, t, acc, target);
+        acc += c;
+    }
+    return best;
 }
 
 #endif

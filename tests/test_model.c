@@ -7,6 +7,7 @@
 #include "core/forward.h"
 #include "core/layer.h"
 #include "core/model.h"
+#include "core/sampler.h"
 
 #include <stdlib.h>
 
@@ -308,6 +309,80 @@ out:
     nl_backend_destroy(&be);
 }
 
+/* Sampling through the backend's sample slot (only the id comes back)
+ * gives the ids of sampling the downloaded logits on the host
+ * (NL_HOST_SAMPLING=1), over 256 decode steps: greedy, seeded temperature
+ * sampling, and top-p (which samples on the host either way). */
+static void gen_ids(nl_model *m, float temperature, float top_p, uint64_t seed, int32_t *ids, int n,
+                    int *on_device)
+{
+    nl_error err = {0};
+    nl_backend *be = m->be;
+    const int V = (int)m->cfg.vocab_size;
+    nl_runstate *rs = NULL;
+    nl_kvcache *kv = NULL;
+    nl_sampler smp = {0};
+    float *host = malloc((size_t)V * sizeof *host);
+    int32_t prompt[3] = {5, 17, 200}, next = 0;
+    CHECK_OK(nl_runstate_new(&rs, m, 3, &err), &err);
+    CHECK_OK(nl_kvcache_new(&kv, m, 1, n + 3, &err), &err);
+    CHECK_OK(nl_sampler_init(&smp, V, temperature, top_p, seed, &err), &err);
+    *on_device = nl_sampler_device(&smp, be);
+    nl_forward_args a = {.B = 1, .T = 3, .tokens = prompt, .kv = kv, .last_only = 1};
+    for (int i = 0; rs && kv && host && i < n; i++) {
+        if (nl_forward(m, rs, &a, NULL, &err) != NL_OK ||
+            nl_sampler_next(&smp, be, nl_runstate_output(rs, NULL), host, &next, &err) != NL_OK) {
+            CHECK(0, "decode step %d: %s", i, err.msg);
+            break;
+        }
+        ids[i] = next;
+        a.T = 1;
+        a.tokens = &next;
+    }
+    nl_sampler_free(&smp);
+    free(host);
+    nl_kvcache_destroy(&kv);
+    nl_runstate_destroy(&rs);
+}
+
+static void test_device_sampling(nl_backend *be, const nl_config *base)
+{
+    enum { N = 256 };
+    nl_config c = *base;
+    c.max_seq_len = N + 8;
+    nl_config_fill_derived(&c);
+    nl_model *m = make_model(be, &c, 0, c.num_layers, 1, 1);
+    if (!m)
+        return;
+    const struct {
+        float t, top_p;
+        uint64_t seed;
+    } modes[] = {{0.0f, 1.0f, 1}, {0.8f, 1.0f, 7}, {1.5f, 1.0f, 9}, {0.9f, 0.9f, 3}};
+    for (size_t k = 0; k < sizeof modes / sizeof *modes; k++) {
+        int32_t dev[N], host[N];
+        int on_dev = 0, on_host = 0;
+        gen_ids(m, modes[k].t, modes[k].top_p, modes[k].seed, dev, N, &on_dev);
+        setenv("NL_HOST_SAMPLING", "1", 1);
+        gen_ids(m, modes[k].t, modes[k].top_p, modes[k].seed, host, N, &on_host);
+        unsetenv("NL_HOST_SAMPLING");
+        CHECK(on_dev == (be->sample != NULL && modes[k].top_p >= 1.0f) && !on_host,
+              "temperature %g top-p %g: sampled on the device %d, with NL_HOST_SAMPLING %d",
+              modes[k].t, modes[k].top_p, on_dev, on_host);
+        int first = -1, distinct = 0;
+        for (int i = 0; i < N; i++) {
+            if (first < 0 && dev[i] != host[i])
+                first = i;
+            distinct += i > 0 && dev[i] != dev[i - 1];
+        }
+        CHECK(first < 0, "temperature %g top-p %g: ids differ from step %d (%d vs %d)", modes[k].t,
+              modes[k].top_p, first, first < 0 ? 0 : dev[first], first < 0 ? 0 : host[first]);
+        CHECK(modes[k].t == 0.0f || distinct > N / 4,
+              "temperature %g: only %d changes of id in %d steps (is it sampling?)", modes[k].t,
+              distinct, N);
+    }
+    nl_model_destroy(&m);
+}
+
 int main(void)
 {
     nl_error err = {0};
@@ -321,6 +396,7 @@ int main(void)
     test_kv_decode(be, &c);
     test_split(be, &c);
     test_decode_syncs(&c);
+    test_device_sampling(be, &c);
     nl_backend_destroy(&be);
     return check_done("test_model");
 }

@@ -3,6 +3,7 @@
  * plain C loops that the compiler vectorises, threaded with OpenMP. */
 #include "../backend.h"
 #include "../backend_impl.h"
+#include "../elem.h"
 #include "cpu_math.h"
 #include "cpu_ops.h"
 
@@ -90,6 +91,12 @@ static double cpu_sumsq(nl_backend *be, const float *x, size_t n)
 {
     be->stats.host_syncs++; /* a result for the host */
     return nl_cpu_sumsq(be, x, n);
+}
+
+static int32_t cpu_sample(nl_backend *be, const float *logits, int V, float temperature, double u)
+{
+    be->stats.host_syncs++; /* a result for the host */
+    return nl_elem_sample_row(logits, V, temperature, u);
 }
 
 static void cpu_zero(nl_backend *be, void *p, size_t bytes)
@@ -421,6 +428,7 @@ nl_status nl_cpu_backend_new(nl_backend **out, const nl_backend_opts *o, nl_erro
     be->moe_combine_backward = nl_cpu_moe_combine_backward;
     be->cross_entropy = nl_cpu_cross_entropy;
     be->sumsq = cpu_sumsq;
+    be->sample = cpu_sample;
     be->adamw = cpu_adamw;
     *out = be;
     return NL_OK;

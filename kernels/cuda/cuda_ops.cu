@@ -183,6 +183,72 @@ int launched(void)
     return (int)cudaGetLastError();
 }
 
+/* ---------------------------------------------------------------- sampling */
+
+constexpr int SAMPLE_THREADS = 256;
+constexpr int SAMPLE_MAX_CHUNKS = NL_SAMPLE_MAX_VOCAB / NL_SAMPLE_CHUNK;
+
+/* One block: elem.h's nl_elem_sample_row with its parallel parts side by
+ * side. The greedy id by a tree over (value, id) pairs: "better" is a total
+ * order, so any tree finds the sequential loop's id; each chunk's sum by
+ * one thread in id order, the chunks' running sum and the scan inside the
+ * chosen chunk by thread 0, in the host's order: the same id, bit for bit. */
+__global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_kernel(int32_t *out, const float *l, int V, float t, double u)
+{
+    __shared__ float bv[SAMPLE_THREADS];
+    __shared__ int bi[SAMPLE_THREADS];
+    __shared__ double sums[SAMPLE_MAX_CHUNKS];
+    const int tid = threadIdx.x;
+    float v = -INFINITY;
+    int vi = V;
+    for (int i = tid; i < V; i += SAMPLE_THREADS)
+        if (nl_elem_sample_better(l[i], i, v, vi))
+            v = l[i], vi = i;
+    bv[tid] = v;
+    bi[tid] = vi;
+    __syncthreads();
+    for (int h = SAMPLE_THREADS / 2; h > 0; h >>= 1) {
+        if (tid < h && nl_elem_sample_better(bv[tid + h], bi[tid + h], bv[tid], bi[tid])) {
+            bv[tid] = bv[tid + h];
+            bi[tid] = bi[tid + h];
+        }
+        __syncthreads();
+    }
+    const int best = bi[0] < V ? bi[0] : 0;
+    if (!(t > 0.0f)) {
+        if (tid == 0)
+            *out = best;
+        return;
+    }
+    const float lmax = l[best];
+    const int chunks = (V + NL_SAMPLE_CHUNK - 1) / NL_SAMPLE_CHUNK;
+    for (int c = tid; c < chunks; c += SAMPLE_THREADS) {
+        const int i0 = c * NL_SAMPLE_CHUNK;
+        sums[c] = nl_elem_sample_chunk(l, i0, i0 + NL_SAMPLE_CHUNK < V ? i0 + NL_SAMPLE_CHUNK : V,
+                                       lmax, t);
+    }
+    __syncthreads();
+    if (tid != 0)
+        return;
+    double total = 0.0;
+    for (int c = 0; c < chunks; c++)
+        total += sums[c];
+    const double target = u * total;
+    double acc = 0.0;
+    int id = best;
+    for (int c = 0; c < chunks; c++) {
+        if (acc + sums[c] > target) {
+            const int i0 = c * NL_SAMPLE_CHUNK;
+            id = nl_elem_sample_scan(l, i0, i0 + NL_SAMPLE_CHUNK < V ? i0 + NL_SAMPLE_CHUNK : V,
+                                     lmax, t, acc, target);
+            break;
+        }
+        acc += sums[c];
+    }
+    *out = id;
+}
+
 } // namespace
 
 /* ---------------------------------------------------------------- launchers */
@@ -230,6 +296,15 @@ extern "C" int nl_cuda_softmax_forward(void *stream, float *x, int N, int C)
     /* wide rows (a vocabulary) get a whole 1024-thread block each */
     softmax_kernel<<<row_blocks(N), row_threads(C, C > 8192 ? 1024 : 256), 0,
                      (cudaStream_t)stream>>>(x, N, C);
+    return launched();
+}
+
+extern "C" int nl_cuda_sample(void *stream, int32_t *out, const float *logits, int V, float t,
+                              double u)
+{
+    if (V < 1 || V > NL_SAMPLE_MAX_VOCAB || !(t >= 0.0f) || !(u >= 0.0 && u < 1.0))
+        return (int)cudaErrorInvalidValue;
+    sample_kernel<<<1, SAMPLE_THREADS, 0, (cudaStream_t)stream>>>(out, logits, V, t, u);
     return launched();
 }
 

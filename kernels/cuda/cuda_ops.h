@@ -22,6 +22,10 @@ int nl_cuda_rmsnorm_forward(void *stream, float *out, float *rstd, const float *
 int nl_cuda_rope_forward(void *stream, float *x, const int32_t *pos, int N, int row, int col0,
                          int heads, int hd, float base);
 int nl_cuda_softmax_forward(void *stream, float *x, int N, int C);
+/* The next token from one row of V logits into *out (device), by elem.h's
+ * nl_elem_sample_row (greedy when t is 0): one block. Refuses V outside
+ * [1, NL_SAMPLE_MAX_VOCAB], t < 0 and u outside [0, 1). */
+int nl_cuda_sample(void *stream, int32_t *out, const float *logits, int V, float t, double u);
 int nl_cuda_swiglu_forward(void *stream, float *out, const float *gu, int N, int F);
 int nl_cuda_gather_rows(void *stream, float *out, const float *src, const int32_t *idx, int n,
                         int C);

@@ -267,6 +267,22 @@ double cu_sumsq(nl_backend *be, const float *x, size_t n)
     return report(c, NULL) == NL_OK ? h : NAN;
 }
 
+int32_t cu_sample(nl_backend *be, const float *logits, int V, float temperature, double u)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    be->stats.host_syncs++;
+    /* the id in the reduction scratch's first bytes (the stream orders its users) */
+    int32_t *res = (int32_t *)c->scratch;
+    launched_shape(c, nl_cuda_sample(c->stream, res, logits, V, temperature, u),
+                   "sample (V %d temperature %g u %g)", V, temperature, u);
+    int32_t h = -1;
+    cudaError_t e = cudaMemcpyAsync(&h, res, sizeof h, cudaMemcpyDeviceToHost, c->stream);
+    if (e == cudaSuccess)
+        e = cudaStreamSynchronize(c->stream);
+    ok(c, "sample", e);
+    return report(c, NULL) == NL_OK ? h : -1;
+}
+
 void cu_adamw(nl_backend *be, float *p, const float *g, float *m, float *v, size_t n, float lr,
               float b1, float b2, float eps, float wd, float bc1, float bc2, float grad_scale)
 {
@@ -312,6 +328,7 @@ void fill_op_slots(nl_backend *be)
     be->moe_combine_backward = cu_moe_combine_backward;
     be->cross_entropy = cu_cross_entropy;
     be->sumsq = cu_sumsq;
+    be->sample = cu_sample;
     be->adamw = cu_adamw;
 }
 

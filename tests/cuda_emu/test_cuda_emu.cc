@@ -21,6 +21,7 @@
 
 extern "C" {
 #include "kernels/backend.h"
+#include "kernels/elem.h"
 }
 #include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/cuda_backward.h"
@@ -351,6 +352,53 @@ void test_softmax(nl_backend *cpu)
         cpu->softmax_forward(cpu, b.p(), N, C);
         check_elem(what, a, b, 1e-5, 1e-30);
     }
+}
+
+/* The sample kernel against the CPU backend's sample slot (elem.h's
+ * sequential rule): the same id, for greedy (with tied maxima and NaN)
+ * and temperature sampling across chunk edges and a 50,000-id vocabulary. */
+void test_sample(nl_backend *cpu)
+{
+    const int vocabs[] = {1, 255, 256, 257, 1000, 50000};
+    const float temps[] = {0.0f, 0.05f, 0.7f, 1.3f, 20.0f};
+    const double us[] = {0.0, 1e-9, 0.25, 0.5, 0.999999};
+    int32_t idv = -1, *id = &idv; /* device memory is host memory here */
+    int n = 0, bad = 0, past_chunk0 = 0;
+    for (int V : vocabs) {
+        buf l((size_t)V);
+        /* its own stream: the other tests' inputs stay as they were */
+        uint32_t r = 12345u + (uint32_t)V;
+        for (int i = 0; i < V; i++) {
+            r = r * 1664525u + 1013904223u;
+            l[i] = 12.0f * ((float)(r >> 8) / 16777216.0f - 0.5f);
+        }
+        if (V > 300) { /* a tied maximum, and NaN before it (never sampled) */
+            l[7] = 6.5f;
+            l[V - 3] = 6.5f;
+            l[3] = NAN;
+        }
+        for (float t : temps)
+            for (double u : us) {
+                check_rc("sample", nl_cuda_sample(nullptr, id, l.p(), V, t, u));
+                const int32_t want = cpu->sample(cpu, l.p(), V, t, u);
+                n++;
+                past_chunk0 += want >= NL_SAMPLE_CHUNK;
+                if (*id != want) {
+                    bad++;
+                    fprintf(stderr, "sample V %d t %g u %g: %d, the CPU %d\n", V, t, u, *id,
+                            want);
+                }
+            }
+    }
+    CHECK(bad == 0, "sample: %d of %d ids differ from the CPU's", bad, n);
+    CHECK(past_chunk0 >= 10, "sample: only %d of %d ids past the first chunk", past_chunk0, n);
+    buf all_nan(300);
+    for (int i = 0; i < 300; i++)
+        all_nan[i] = NAN;
+    check_rc("sample (NaN)", nl_cuda_sample(nullptr, id, all_nan.p(), 300, 0.0f, 0.0));
+    CHECK(*id == 0, "sample: every logit NaN gives %d, not 0", *id);
+    CHECK(nl_cuda_sample(nullptr, id, all_nan.p(), 0, 0.0f, 0.0) != 0, "sample: V 0 accepted");
+    CHECK(nl_cuda_sample(nullptr, id, all_nan.p(), 300, 1.0f, 1.0) != 0, "sample: u 1 accepted");
 }
 
 void test_swiglu(nl_backend *cpu)
@@ -918,6 +966,7 @@ int main(void)
     test_rmsnorm(cpu);
     test_rope(cpu);
     test_softmax(cpu);
+    test_sample(cpu);
     test_swiglu(cpu);
     test_copy_rows(cpu);
     test_moe_combine(cpu);
