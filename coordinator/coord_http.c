@@ -197,6 +197,9 @@ static void take_status(nl_coord_http *h, json_t *st, int diff)
     else if (need_tok && !json_is_string(t) && vocab > 0 && vocab <= 256)
         nl_tokenizer_new_bytes(&tok, &e);
     json_object_del(st, "tokenizer");
+    const char *ct = json_string_value(json_object_get(st, "chat_template"));
+    char *chat = ct ? strdup(ct) : NULL;
+    json_object_del(st, "chat_template");
     if (diff)
         diff_status(h, st);
     pthread_mutex_lock(&h->mu);
@@ -208,6 +211,8 @@ static void take_status(nl_coord_http *h, json_t *st, int diff)
         h->tok = tok;
         tok = NULL;
     }
+    free(h->chat);
+    h->chat = chat;
     pthread_mutex_unlock(&h->mu);
     nl_tokenizer_destroy(&tok);
 }
@@ -380,6 +385,9 @@ static nl_status be_start(void *ctx, const nl_http_completion *rq, void **jobp, 
     int32_t *prompt = NULL;
     int P = 0;
     gen *g = NULL;
+    if (rq->logprobs >= 0) /* the stages send back no log-probabilities yet */
+        return nl_error_set(err, NL_ERR_UNSUPPORTED,
+                            "logprobs: not served by a cluster (neuroctl serve has them)");
     refresh_if_not_ready(h);
     nl_status st = prompt_ids(h, rq, &prompt, &P, err);
     if (st != NL_OK)
@@ -482,7 +490,7 @@ static void gen_take(gen *g, const nl_rx *rx)
 }
 
 static nl_http_next be_next(void *ctx, void *jp, int32_t *id, const char **text, size_t *len,
-                            int timeout_ms, nl_error *err)
+                            nl_http_logprob *lp, int timeout_ms, nl_error *err)
 {
     nl_coord_http *h = ctx;
     gen *g = jp;
@@ -568,6 +576,17 @@ static void be_end(void *ctx, void *jp)
     h->cancelled += (uint64_t)g->cancelled;
     pthread_mutex_unlock(&h->mu);
     gen_free(g);
+}
+
+/* The cluster's chat template (the same for its adapters). */
+static char *be_chat_template(void *ctx, int model)
+{
+    nl_coord_http *h = ctx;
+    (void)model;
+    pthread_mutex_lock(&h->mu);
+    char *s = h->chat ? strdup(h->chat) : NULL;
+    pthread_mutex_unlock(&h->mu);
+    return s;
 }
 
 /* One input through the cluster's embed job (coord_embed.c): the last
@@ -728,6 +747,7 @@ nl_status nl_coord_http_start(nl_coord_http **out, nl_coord *c, const char *name
                          .completion_next = be_next,
                          .completion_end = be_end,
                          .embed = be_embed,
+                         .chat_template = be_chat_template,
                          .status_json = coord_http_status,
                          .metrics_text = coord_http_metrics};
     if ((st = nl_http_start(&h->http, ho, &b, err)) != NL_OK)
@@ -764,6 +784,7 @@ void nl_coord_http_stop(nl_coord_http **hp)
     nl_keys_wipe(&h->kp);
     json_decref(h->status);
     nl_tokenizer_destroy(&h->tok);
+    free(h->chat);
     pthread_cond_destroy(&h->cv);
     pthread_mutex_destroy(&h->tok_mu);
     pthread_mutex_destroy(&h->mu);

@@ -42,6 +42,7 @@ struct nl_coord_http {
     /* under mu */
     json_t *status; /* the last status, without its tokenizer */
     nl_tokenizer *tok;
+    char *chat; /* the cluster's chat template (JSON), or NULL: the default */
     pthread_mutex_t tok_mu; /* the encoder keeps a cache */
     int64_t vocab;
     int max_seq;

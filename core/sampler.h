@@ -25,4 +25,10 @@ void nl_sampler_free(nl_sampler *s);
 /* Pick a token id from host logits (vocab). */
 int32_t nl_sampler_sample(nl_sampler *s, const float *logits);
 
+/* The log-softmax of logits (vocab V, temperature 1) at `chosen` into
+ * *chosen_lp, and the k most likely ids (descending, ties to the lower
+ * id) with theirs into top_ids / top_lps (room for k). */
+void nl_sampler_logprobs(const float *logits, int V, int32_t chosen, int k, float *chosen_lp,
+                         int32_t *top_ids, float *top_lps);
+
 #endif

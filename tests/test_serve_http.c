@@ -42,7 +42,7 @@ static nl_status fake_start(void *ctx, const nl_http_completion *rq, void **job,
 }
 
 static nl_http_next fake_next(void *ctx, void *jp, int32_t *id, const char **text, size_t *len,
-                              int timeout_ms, nl_error *err)
+                              nl_http_logprob *lp, int timeout_ms, nl_error *err)
 {
     fake_job *j = jp;
     if (j->next == j->fail_at) {
