@@ -29,7 +29,9 @@
 typedef struct gen {
     nl_sock *s;
     uint64_t job;
-    int32_t *ids; /* (max_new) received */
+    int32_t *ids;         /* (max_new) received */
+    nl_http_logprob *lps; /* (max_new) their log-probabilities, when asked */
+    int logprobs;         /* the request's k, or -1 */
     int n, max_new, consumed;
     int done, failed, counted;
     int cancelled; /* the coordinator confirmed our JOB_CANCEL */
@@ -354,6 +356,7 @@ static void gen_free(gen *g)
         return;
     nl_sock_destroy(&g->s);
     free(g->ids);
+    free(g->lps);
     free(g);
 }
 
@@ -385,9 +388,6 @@ static nl_status be_start(void *ctx, const nl_http_completion *rq, void **jobp, 
     int32_t *prompt = NULL;
     int P = 0;
     gen *g = NULL;
-    if (rq->logprobs >= 0) /* the stages send back no log-probabilities yet */
-        return nl_error_set(err, NL_ERR_UNSUPPORTED,
-                            "logprobs: not served by a cluster (neuroctl serve has them)");
     refresh_if_not_ready(h);
     nl_status st = prompt_ids(h, rq, &prompt, &P, err);
     if (st != NL_OK)
@@ -421,27 +421,33 @@ static nl_status be_start(void *ctx, const nl_http_completion *rq, void **jobp, 
         goto out;
     }
     if (!(g = calloc(1, sizeof *g)) ||
-        !(g->ids = malloc((size_t)rq->max_tokens * sizeof *g->ids))) {
+        !(g->ids = malloc((size_t)rq->max_tokens * sizeof *g->ids)) ||
+        (rq->logprobs >= 0 && !(g->lps = calloc((size_t)rq->max_tokens, sizeof *g->lps)))) {
         st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
         goto out;
     }
     g->max_new = rq->max_tokens;
+    g->logprobs = rq->logprobs;
     if ((st = open_client(h, &g->s, err)) != NL_OK) {
         err->status = st = NL_ERR_STATE; /* 503: the cluster cannot be reached */
         goto out;
     }
     const char *adapter = adapter_of(h, rq->model);
-    nl_wire_param ps[5] = {
+    nl_wire_param ps[6] = {
         {.key = "max_new", .kind = NL_WIRE_PARAM_INT, .i = rq->max_tokens},
         {.key = "temperature", .kind = NL_WIRE_PARAM_FLOAT, .f = rq->temperature},
         {.key = "top_p", .kind = NL_WIRE_PARAM_FLOAT, .f = rq->top_p},
         {.key = "seed", .kind = NL_WIRE_PARAM_INT, .i = (int64_t)rq->seed},
-        {.key = "adapter", .kind = NL_WIRE_PARAM_STR, .s = (char *)adapter},
     };
+    uint32_t np = 4;
+    if (adapter)
+        ps[np++] = (nl_wire_param){.key = "adapter", .kind = NL_WIRE_PARAM_STR, .s = (char *)adapter};
+    if (rq->logprobs >= 0) /* net/genparams.h: 1 + k */
+        ps[np++] = (nl_wire_param){.key = "logprobs", .kind = NL_WIRE_PARAM_INT, .i = rq->logprobs + 1};
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
-    m.u.job_submit = (nl_msg_job_submit){NL_JOB_GENERATE, adapter ? 5 : 4, ps};
+    m.u.job_submit = (nl_msg_job_submit){NL_JOB_GENERATE, np, ps};
     const int64_t shape[2] = {1, P};
     nl_wire_frame_set(&m.frames[0], prompt, NL_DTYPE_I32, shape, 2);
     m.nframes = 1;
@@ -482,6 +488,23 @@ static void gen_take(gen *g, const nl_rx *rx)
     } else if (rx->msg.type == NL_MSG_TOKEN) {
         const nl_msg_token *t = &rx->msg.u.token;
         g->job = t->job_id;
+        if (g->lps && t->ntokens == 1 && g->n < g->max_new) {
+            if (rx->msg.nframes != 1 || t->ntop != (uint32_t)g->logprobs) {
+                g->failed = 1;
+                snprintf(g->why, sizeof g->why, "a token came without its %d log-probabilities",
+                         g->logprobs + 1);
+                return;
+            }
+            nl_http_logprob *lp = &g->lps[g->n];
+            float v[1 + NL_WIRE_MAX_TOP]; /* the frame's bytes need not be aligned */
+            memcpy(v, rx->msg.frames[0].t.data, (t->ntop + 1) * sizeof *v);
+            lp->logprob = v[0];
+            lp->k = (int)t->ntop;
+            for (uint32_t i = 0; i < t->ntop; i++) {
+                lp->top_ids[i] = (int32_t)t->top_ids[i];
+                lp->top[i] = v[1 + i];
+            }
+        }
         for (uint32_t i = 0; i < t->ntokens && g->n < g->max_new; i++)
             g->ids[g->n++] = (int32_t)t->tokens[i];
         if (t->done || g->n == g->max_new)
@@ -517,6 +540,8 @@ static nl_http_next be_next(void *ctx, void *jp, int32_t *id, const char **text,
     }
     nl_rx_free(&rx);
     if (g->consumed < g->n) {
+        if (g->lps)
+            *lp = g->lps[g->consumed];
         *id = g->ids[g->consumed++];
         pthread_mutex_lock(&h->mu);
         h->tokens++;
@@ -576,6 +601,22 @@ static void be_end(void *ctx, void *jp)
     h->cancelled += (uint64_t)g->cancelled;
     pthread_mutex_unlock(&h->mu);
     gen_free(g);
+}
+
+/* A token's bytes, for logprobs' alternatives. */
+static size_t be_token_bytes(void *ctx, int32_t id, char *buf, size_t cap)
+{
+    nl_coord_http *h = ctx;
+    const uint8_t *p = NULL;
+    size_t n = 0;
+    pthread_mutex_lock(&h->mu);
+    nl_tokenizer *tok = h->tok;
+    pthread_mutex_unlock(&h->mu);
+    if (!tok || nl_tokenizer_token_bytes(tok, id, &p, &n) != NL_OK)
+        return 0;
+    n = n < cap ? n : cap;
+    memcpy(buf, p, n);
+    return n;
 }
 
 /* The cluster's chat template (the same for its adapters). */
@@ -748,6 +789,7 @@ nl_status nl_coord_http_start(nl_coord_http **out, nl_coord *c, const char *name
                          .completion_end = be_end,
                          .embed = be_embed,
                          .chat_template = be_chat_template,
+                         .token_bytes = be_token_bytes,
                          .status_json = coord_http_status,
                          .metrics_text = coord_http_metrics};
     if ((st = nl_http_start(&h->http, ho, &b, err)) != NL_OK)

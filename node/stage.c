@@ -586,13 +586,8 @@ static nl_status run_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wir
     st = host_output(s, res, (size_t)cols, out, err); /* last_only: one row */
     if (st != NL_OK)
         return st;
-    out->kind = NL_STAGE_OUT_TOKEN;
-    out->token = nl_sampler_sample(&se->smp, out->data);
+    stage_sample(se, out->data, out);
     out->data = NULL;
-    se->produced++;
-    out->last = se->limit > 0 && se->produced >= se->limit;
-    out->feed = se->limit > 0 && !out->last && se->kv->len < se->kv->cap;
-    out->feed_pos = se->kv->len;
     return NL_OK;
 }
 
@@ -628,12 +623,7 @@ nl_status nl_stage_forward_adapted(nl_stage *s, session *se, const void *in, int
     nl_stage_out view = {0};
     if ((st = host_output(s, res, (size_t)cols, &view, err)) != NL_OK) /* last_only: one row */
         return st;
-    o->kind = NL_STAGE_OUT_TOKEN;
-    o->token = nl_sampler_sample(&se->smp, view.data);
-    se->produced++;
-    o->last = se->limit > 0 && se->produced >= se->limit;
-    o->feed = se->limit > 0 && !o->last && se->kv->len < se->kv->cap;
-    o->feed_pos = se->kv->len;
+    stage_sample(se, view.data, o);
     return NL_OK;
 }
 

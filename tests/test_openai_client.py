@@ -13,8 +13,8 @@ cluster, every call issue 32 names, with values checked:
                          the documented default template renders; the
                          stream (with include_usage: a last chunk with no
                          choices and the usage) gives the same content;
-                         n=2 seeded repeats; logprobs/top_logprobs (serve)
-                         as above; max_completion_tokens bounds the answer
+                         n=2 seeded repeats; logprobs/top_logprobs as
+                         above; max_completion_tokens bounds the answer
   embeddings             the client's default (base64) decodes to exactly
                          the floats of encoding_format="float"
   refusals               an unknown field is refused with 400 naming it
@@ -59,7 +59,7 @@ def check_logprobs(tops, chosen, label):
         check(abs(max(top) - lp) < 1e-6, "%s: greedy takes the top one (%g, %s)" % (label, lp, top))
 
 
-def completions(cl, model, has_logprobs):
+def completions(cl, model):
     kw = dict(model=model, prompt="The cat", max_tokens=12, temperature=0)
     r = cl.completions.create(**kw)
     text = r.choices[0].text
@@ -85,22 +85,16 @@ def completions(cl, model, has_logprobs):
         lone = cl.completions.create(seed=11 + i, **sk).choices[0].text
         check(two.choices[i].text == lone, "choice %d uses seed + %d" % (i, i))
     check(two.usage.completion_tokens == 20, "usage counts both choices")
-    if has_logprobs:
-        lp = cl.completions.create(logprobs=2, **kw).choices[0]
-        check(lp.text == text, "logprobs do not change the text")
-        check(len(lp.logprobs.tokens) == 12 and len(lp.logprobs.text_offset) == 12,
-              "a logprob per token")
-        check_logprobs([list(t.values()) for t in lp.logprobs.top_logprobs],
-                       lp.logprobs.token_logprobs, "completions logprobs")
-    else:
-        try:
-            cl.completions.create(logprobs=2, **kw)
-            check(False, "a cluster refuses logprobs")
-        except openai.APIStatusError as e:
-            check(e.status_code == 501 and "logprobs" in str(e), "logprobs refused: %s" % e)
+    lp = cl.completions.create(logprobs=2, **kw).choices[0]
+    check(lp.text == text, "logprobs do not change the text")
+    check(len(lp.logprobs.tokens) == 12 and len(lp.logprobs.text_offset) == 12,
+          "a logprob per token")
+    check_logprobs([list(t.values()) for t in lp.logprobs.top_logprobs],
+                   lp.logprobs.token_logprobs, "completions logprobs")
+    return lp.logprobs.token_logprobs
 
 
-def chat(cl, model, has_logprobs):
+def chat(cl, model):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
     kw = dict(model=model, messages=msgs, max_tokens=10, temperature=0)
     r = cl.chat.completions.create(**kw)
@@ -129,12 +123,11 @@ def chat(cl, model, has_logprobs):
                                    temperature=0)
     check(m.usage.completion_tokens == 3 and m.choices[0].finish_reason == "length",
           "max_completion_tokens=3: %s" % m.usage)
-    if has_logprobs:
-        lp = cl.chat.completions.create(logprobs=True, top_logprobs=2, **kw).choices[0]
-        check(lp.message.content == content and len(lp.logprobs.content) == 10,
-              "chat logprobs per token")
-        check_logprobs([[t.logprob for t in c.top_logprobs] for c in lp.logprobs.content],
-                       [c.logprob for c in lp.logprobs.content], "chat logprobs")
+    lp = cl.chat.completions.create(logprobs=True, top_logprobs=2, **kw).choices[0]
+    check(lp.message.content == content and len(lp.logprobs.content) == 10,
+          "chat logprobs per token")
+    check_logprobs([[t.logprob for t in c.top_logprobs] for c in lp.logprobs.content],
+                   [c.logprob for c in lp.logprobs.content], "chat logprobs")
 
 
 def embeddings_and_refusals(cl, model):
@@ -150,18 +143,19 @@ def embeddings_and_refusals(cl, model):
         check("bogus" in str(e), "the refusal names the field: %s" % e)
 
 
-def drive(url, label, has_logprobs):
+def drive(url, label):
     cl = openai.OpenAI(base_url=url + "v1", api_key="unused", max_retries=0, timeout=180)
     models = [m.id for m in cl.models.list().data]
     check(len(models) >= 1, "%s: models.list: %s" % (label, models))
-    completions(cl, models[0], has_logprobs)
-    chat(cl, models[0], has_logprobs)
+    lps = completions(cl, models[0])
+    chat(cl, models[0])
     embeddings_and_refusals(cl, models[0])
+    return lps
 
 
 def main():
     w = tempfile.mkdtemp()
-    serve = None
+    serve, serve_lps = None, []
     try:
         with open(w + "/cfg.yaml", "w") as f:  # tiny, byte-level: fast on 2 shared cores
             f.write("hidden_dim: 64\nnum_layers: 6\nnum_heads: 4\nnum_kv_heads: 2\nffn_dim: 64\n"
@@ -173,7 +167,7 @@ def main():
                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         m = re.search(r"(http://127\.0\.0\.1:\d+/)", serve.stdout.readline())
         if check(m is not None, "neuroctl serve started"):
-            drive(m.group(1), "serve", True)
+            serve_lps = drive(m.group(1), "serve")
         serve.terminate()
         serve.wait(30)
         out = subprocess.run([N, "cluster", "up", "--device", DEV, "--dir", w + "/c", "--nodes",
@@ -182,7 +176,12 @@ def main():
                              check=True, capture_output=True, text=True).stdout
         m = re.search(r"http: (http://[0-9.:]+/)", out)
         if check(m is not None, "cluster up prints the HTTP address: " + out):
-            drive(m.group(1), "cluster", False)
+            cluster_lps = drive(m.group(1), "cluster")
+            # the same model in one process and on the stages: the same
+            # log-probabilities within float rounding (the GEMMs differ)
+            check(len(serve_lps) == len(cluster_lps) and
+                  all(abs(a - b) < 1e-4 for a, b in zip(serve_lps, cluster_lps)),
+                  "cluster logprobs %s equal serve's %s" % (cluster_lps, serve_lps))
     finally:
         if serve and serve.poll() is None:
             serve.kill()
