@@ -22,6 +22,7 @@
 #include "core/batch.h"
 #include "core/checkpoint.h"
 #include "core/lora.h"
+#include "core/chat_template.h"
 #include "core/sampler.h"
 #include "core/tokenizer.h"
 #include "serve/http.h"
@@ -620,6 +621,7 @@ int nl_cmd_serve(int argc, char **argv)
     signal(SIGPIPE, SIG_IGN);
     if (nl_checkpoint_tokenizer(model, &e.tok, &err) != NL_OK ||
         nl_checkpoint_meta(model, "chat_template", &e.chat_template, &err) != NL_OK ||
+        nl_chat_template_check(e.chat_template, "metadata 'chat_template'", &err) != NL_OK ||
         (!e.tok && nl_tokenizer_new_bytes(&e.tok, &err) != NL_OK) ||
         nl_cli_backend_new(&be, device, (int)threads, tf32, bf16, 0, &err) != NL_OK ||
         nl_checkpoint_load(&e.m, be, model, 0, -1, 1, 1, NULL, &err) != NL_OK)

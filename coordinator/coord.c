@@ -16,6 +16,7 @@
 #include <time.h>
 
 #include "base/log.h"
+#include "core/chat_template.h"
 #include "core/checkpoint.h"
 #include "core/fileio.h"
 #include "core/sizing.h"
@@ -60,6 +61,8 @@ static nl_status load_model_source(nl_coord *c, nl_error *err)
             st = nl_checkpoint_meta(c->o.model, "init_seed", &c->init_seed, err);
         if (st == NL_OK)
             st = nl_checkpoint_meta(c->o.model, "chat_template", &c->chat_text, err);
+        if (st == NL_OK)
+            st = nl_chat_template_check(c->chat_text, "metadata 'chat_template'", err);
         snprintf(c->src_path, sizeof c->src_path, "%s", c->o.model);
         c->have_cfg = st == NL_OK;
         return st;

@@ -307,6 +307,16 @@ nl_status nl_chat_template_render(const nl_chat_template *t, const nl_chat_msg *
     return NL_OK;
 }
 
+nl_status nl_chat_template_check(const char *json, const char *label, nl_error *err)
+{
+    nl_chat_template *t = NULL;
+    if (!json)
+        return NL_OK;
+    nl_status st = nl_chat_template_parse(&t, json, strlen(json), err);
+    nl_chat_template_destroy(&t);
+    return st == NL_OK ? NL_OK : nl_error_prefix(err, "%s", label);
+}
+
 nl_status nl_chat_template_of_checkpoint(const char *path, nl_chat_template **out, nl_error *err)
 {
     char *text = NULL;

@@ -90,6 +90,10 @@ nl_status nl_chat_template_render(const nl_chat_template *t, const nl_chat_msg *
 nl_status nl_chat_template_of_checkpoint(const char *path, nl_chat_template **out,
                                          nl_error *err);
 
+/* Check a stored template's JSON text (NULL passes: none stored); the
+ * message starts with `label`. */
+nl_status nl_chat_template_check(const char *json, const char *label, nl_error *err);
+
 void nl_chat_template_destroy(nl_chat_template **t);
 
 /* ---- Hugging Face directories (chat_template_hf.c) ---- */

@@ -14,6 +14,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "chat_template.h"
 #include "fileio.h"
 #include "grow.h"
 #include "manifest_impl.h"
@@ -294,7 +295,8 @@ static nl_status parse_head(nl_manifest *m, json_t *root, nl_error *err)
         return nl_error_set(err, NL_ERR_NOMEM, "train: out of memory");
     if ((st = get_str(root, "", "tokenizer", 0, &m->tokenizer, err)) ||
         (st = get_str(root, "", "init_seed", 0, &m->init_seed, err)) ||
-        (st = get_str(root, "", "chat_template", 0, &m->chat_template, err)))
+        (st = get_str(root, "", "chat_template", 0, &m->chat_template, err)) ||
+        (st = nl_chat_template_check(m->chat_template, "chat_template", err)))
         return st;
     json_t *g = member(root, "growth", 1);
     if (g && !json_is_array(g))
