@@ -20,9 +20,9 @@
 #include "cli_io.h"
 #include "commands.h"
 #include "core/batch.h"
+#include "core/chat_template.h"
 #include "core/checkpoint.h"
 #include "core/lora.h"
-#include "core/chat_template.h"
 #include "core/sampler.h"
 #include "core/tokenizer.h"
 #include "serve/http.h"
@@ -40,7 +40,7 @@ typedef struct job {
     int max_new;
     nl_kvcache *kv; /* from admission until finished */
     nl_sampler smp;
-    int32_t *out; /* (max_new) sampled ids */
+    int32_t *out;         /* (max_new) sampled ids */
     nl_http_logprob *lps; /* (max_new) their logprobs, when asked (logprobs >= 0) */
     int logprobs;
     int produced, consumed;

@@ -61,9 +61,9 @@ static nl_status make(nl_chat_template **out, const char *family, const char *bo
     return NL_OK;
 }
 
-static const char *const chatml[2 * NL_CHAT_ROLES] = {
-    "<|im_start|>system\n",    "<|im_end|>\n", "<|im_start|>user\n", "<|im_end|>\n",
-    "<|im_start|>assistant\n", "<|im_end|>\n"};
+static const char *const chatml[2 * NL_CHAT_ROLES] = {"<|im_start|>system\n",    "<|im_end|>\n",
+                                                      "<|im_start|>user\n",      "<|im_end|>\n",
+                                                      "<|im_start|>assistant\n", "<|im_end|>\n"};
 
 nl_status nl_chat_template_default(nl_chat_template **out, nl_error *err)
 {
@@ -174,8 +174,9 @@ char *nl_chat_template_to_json(const nl_chat_template *t)
 {
     json_t *roles = json_object();
     for (int r = 0; roles && r < NL_CHAT_ROLES; r++)
-        json_object_set_new(roles, role_names[r],
-                            json_pack("{s:s, s:s}", "prefix", t->prefix[r], "suffix", t->suffix[r]));
+        json_object_set_new(
+            roles, role_names[r],
+            json_pack("{s:s, s:s}", "prefix", t->prefix[r], "suffix", t->suffix[r]));
     json_t *j = json_pack("{s:s, s:s, s:s, s:o, s:s, s:b}", "format", NL_CHAT_FORMAT, "family",
                           t->family, "bos", t->bos, "roles", roles, "generation", t->generation,
                           "system_in_user", t->system_in_user);
@@ -209,7 +210,7 @@ nl_status nl_chat_template_from_hf(nl_chat_template **out, const char *jinja, co
     char eos_nl[300];
     snprintf(eos_nl, sizeof eos_nl, "%s\n", eos);
     if (strstr(jinja, "<|user|>")) {
-        const char *const z[2 * NL_CHAT_ROLES] = {"<|system|>\n", eos_nl, "<|user|>\n", eos_nl,
+        const char *const z[2 * NL_CHAT_ROLES] = {"<|system|>\n",    eos_nl, "<|user|>\n", eos_nl,
                                                   "<|assistant|>\n", eos_nl};
         return make(out, "zephyr", "", z, "<|assistant|>\n", 0, jinja, err);
     }
@@ -217,9 +218,12 @@ nl_status nl_chat_template_from_hf(nl_chat_template **out, const char *jinja, co
         /* the system message goes inside the first user turn: Llama-2
          * between <<SYS>> markers, Mistral before the user's text */
         const int l2 = strstr(jinja, "<<SYS>>") != NULL;
-        const char *const inst[2 * NL_CHAT_ROLES] = {
-            l2 ? "<<SYS>>\n" : "", l2 ? "\n<</SYS>>\n\n" : "\n\n", "[INST] ", " [/INST]",
-            l2 ? " " : "",         eos};
+        const char *const inst[2 * NL_CHAT_ROLES] = {l2 ? "<<SYS>>\n" : "",
+                                                     l2 ? "\n<</SYS>>\n\n" : "\n\n",
+                                                     "[INST] ",
+                                                     " [/INST]",
+                                                     l2 ? " " : "",
+                                                     eos};
         return make(out, l2 ? "llama2" : "mistral", bos, inst, "", 1, jinja, err);
     }
     return nl_error_set(err, NL_ERR_UNSUPPORTED,

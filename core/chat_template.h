@@ -30,7 +30,7 @@
 #include "../base/status.h"
 
 #define NL_CHAT_FORMAT "neurollm-chat/1"
-#define NL_CHAT_MAX_FIELD 4096      /* bytes of one prefix, suffix, bos or generation */
+#define NL_CHAT_MAX_FIELD 4096       /* bytes of one prefix, suffix, bos or generation */
 #define NL_CHAT_MAX_SOURCE (1 << 16) /* bytes of the kept Jinja source */
 
 typedef enum nl_chat_role {
@@ -87,8 +87,7 @@ nl_status nl_chat_template_render(const nl_chat_template *t, const nl_chat_msg *
 /* The template a checkpoint carries (metadata `chat_template`), or the
  * default when it has none; a malformed one is NL_ERR_FORMAT naming the
  * file. */
-nl_status nl_chat_template_of_checkpoint(const char *path, nl_chat_template **out,
-                                         nl_error *err);
+nl_status nl_chat_template_of_checkpoint(const char *path, nl_chat_template **out, nl_error *err);
 
 /* Check a stored template's JSON text (NULL passes: none stored); the
  * message starts with `label`. */
@@ -113,7 +112,6 @@ nl_status nl_chat_template_read_hf(const char *dir, char **json, char *family, c
  * `chat_template` in DIR/tokenizer_config.json, adding the key to the file
  * when an export wrote one, else writing a file with that key alone.
  * *wrote says whether a new file was written (0 when there is no source). */
-nl_status nl_chat_template_write_hf(const char *dir, const char *json, int *wrote,
-                                    nl_error *err);
+nl_status nl_chat_template_write_hf(const char *dir, const char *json, int *wrote, nl_error *err);
 
 #endif

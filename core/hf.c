@@ -691,7 +691,8 @@ static nl_status open_ours(hf_conv *c, const char *src, nl_config *cfg, char **t
              fmt ? "is not " NL_CHECKPOINT_FORMAT : "missing", cj ? "present" : "missing");
     if ((st = nl_config_from_json(cfg, cj, err)) || (st = nl_config_validate(cfg, 1, err)))
         return nl_error_prefix(err, "%s: config", src);
-    const char *tok = nl_st_header_meta(h, "tokenizer"), *ch = nl_st_header_meta(h, "chat_template");
+    const char *tok = nl_st_header_meta(h, "tokenizer"),
+               *ch = nl_st_header_meta(h, "chat_template");
     if ((tok && !(*tokenizer = strdup(tok))) || (ch && !(*chat = strdup(ch))))
         FAIL(NL_ERR_NOMEM, "out of memory");
     return NL_OK;
@@ -842,8 +843,8 @@ nl_status nl_hf_export(const char *src, const char *dir, uint64_t shard_bytes, i
     char *tok = NULL, *cj = NULL, **written = NULL, *chat = NULL;
     int n_written = 0, created = 0, n_before = 0;
     nl_status st;
-    if ((st = open_ours(&c, src, &cfg, &tok, &chat, err)) || (st = hf_representable(&cfg, src, err)) ||
-        (st = build_jobs(&c, err)))
+    if ((st = open_ours(&c, src, &cfg, &tok, &chat, err)) ||
+        (st = hf_representable(&cfg, src, err)) || (st = build_jobs(&c, err)))
         goto out;
     for (int i = 0; i < c.n_jobs && !st; i++)
         st = resolve(&c, &c.jobs[i], c.jobs[i].ours, c.jobs[i].our_rows, 1, err);

@@ -171,8 +171,8 @@ nl_status nl_stage_open_session(nl_stage *s, const nl_stage_session_params *p, n
                   .bytes = bytes,
                   .used = ++s->tick,
                   .limit = p->limit,
-                  .logprobs = p->logprobs > 0 && p->logprobs <= 1 + NL_WIRE_MAX_TOP ? p->logprobs
-                                                                                     : 0};
+                  .logprobs =
+                      p->logprobs > 0 && p->logprobs <= 1 + NL_WIRE_MAX_TOP ? p->logprobs : 0};
     if (p->adapter && (st = nl_stage_adapter_get(s, p->adapter, &se.lo, err)) != NL_OK)
         return nl_error_prefix(err, "session %llu", id);
     st = nl_kvcache_new(&se.kv, m, 1, p->capacity, err);

@@ -19,16 +19,11 @@
 #define MAX_SUBSCRIBERS 32
 #define KEEPALIVE_MS 10000
 
-static const char *ep_names[EP_COUNT] = {"/v1/completions",
-                                         "/v1/chat/completions",
-                                         "/v1/embeddings",
-                                         "/v1/models",
-                                         "/api/status",
-                                         "/api/events",
-                                         "/metrics",
-                                         "/",
-                                         "/static",
-                                         "other"};
+static const char *ep_names[EP_COUNT] = {"/v1/completions", "/v1/chat/completions",
+                                         "/v1/embeddings",  "/v1/models",
+                                         "/api/status",     "/api/events",
+                                         "/metrics",        "/",
+                                         "/static",         "other"};
 
 /* ---------------------------------------------------------------- replies */
 

@@ -270,9 +270,9 @@ static int parse_common(json_t *o, gen_req *r, field_err *fe)
 
 static int parse_completion(json_t *o, gen_req *r, field_err *fe)
 {
-    static const char *const known[] = {"prompt", "max_tokens", "temperature", "top_p",  "seed",
-                                        "stop",   "stream",     "n",           "logprobs",
-                                        "stream_options"};
+    static const char *const known[] = {"prompt",   "max_tokens",    "temperature", "top_p",
+                                        "seed",     "stop",          "stream",      "n",
+                                        "logprobs", "stream_options"};
     nl_http_completion *c = &r->c;
     long long max_tokens = 16, logprobs = -1;
     if (check_fields(o, known, sizeof known / sizeof known[0], fe))
@@ -385,8 +385,8 @@ static int render_messages(nl_http *h, json_t *msgs, gen_req *r, field_err *fe)
         }
         int ro = json_is_string(role) ? nl_chat_role_of(json_string_value(role)) : -1;
         if (ro < 0) {
-            bad(fe, "messages",
-                "messages[%zu].role: expected system, developer, user or assistant", i);
+            bad(fe, "messages", "messages[%zu].role: expected system, developer, user or assistant",
+                i);
             goto out;
         }
         cm[i].role = (nl_chat_role)ro;
@@ -415,10 +415,10 @@ out:
 
 static int parse_chat(nl_http *h, json_t *o, gen_req *r, field_err *fe)
 {
-    static const char *const known[] = {
-        "messages", "max_tokens",   "max_completion_tokens", "temperature", "top_p",
-        "seed",     "stop",         "stream",                "n",           "logprobs",
-        "top_logprobs", "stream_options"};
+    static const char *const known[] = {"messages",    "max_tokens",   "max_completion_tokens",
+                                        "temperature", "top_p",        "seed",
+                                        "stop",        "stream",       "n",
+                                        "logprobs",    "top_logprobs", "stream_options"};
     nl_http_completion *c = &r->c;
     long long max_tokens = 16, mct = -1, top = -1;
     if (check_fields(o, known, sizeof known / sizeof known[0], fe) || parse_common(o, r, fe) ||
@@ -612,7 +612,8 @@ enum MHD_Result http_embeddings(nl_http *h, struct MHD_Connection *c, http_req *
         total += toks;
     }
     out = json_pack("{s:s, s:O, s:s, s:{s:i, s:i}}", "object", "list", "data", data, "model",
-                    http_model_name(h, model), "usage", "prompt_tokens", total, "total_tokens", total);
+                    http_model_name(h, model), "usage", "prompt_tokens", total, "total_tokens",
+                    total);
     char *s = out ? json_dumps(out, JSON_COMPACT) : NULL;
     res = s ? http_reply(h, c, rq, 200, "application/json", s, strlen(s))
             : http_error(h, c, rq, 500, NULL, "out of memory");
@@ -632,8 +633,8 @@ enum MHD_Result http_models(nl_http *h, struct MHD_Connection *c, http_req *rq)
     json_t *data = json_array(), *j = NULL;
     for (int i = 0; data && i <= h->be.n_models; i++)
         json_array_append_new(data,
-                              json_pack("{s:s, s:s, s:i, s:s}", "id", http_model_name(h, i), "object",
-                                        "model", "created", 0, "owned_by", "neurollm"));
+                              json_pack("{s:s, s:s, s:i, s:s}", "id", http_model_name(h, i),
+                                        "object", "model", "created", 0, "owned_by", "neurollm"));
     if (data)
         j = json_pack("{s:s, s:o}", "object", "list", "data", data);
     char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;

@@ -118,8 +118,8 @@ static int choice_step(gen_state *g, gen_choice *ch, int timeout_ms)
     const char *t = NULL;
     size_t n = 0;
     nl_http_logprob lp = {0};
-    nl_http_next r = g->h->be.completion_next(g->h->be.ctx, ch->job, &id, &t, &n, &lp, timeout_ms,
-                                              &g->err);
+    nl_http_next r =
+        g->h->be.completion_next(g->h->be.ctx, ch->job, &id, &t, &n, &lp, timeout_ms, &g->err);
     if (r == NL_HTTP_WAIT)
         return 0;
     if (r != NL_HTTP_TOKEN) {
@@ -159,8 +159,8 @@ static int choice_step(gen_state *g, gen_choice *ch, int timeout_ms)
 static json_t *usage_json(const gen_state *g)
 {
     int ct = completion_tokens(g);
-    return json_pack("{s:i, s:i, s:i}", "prompt_tokens", g->prompt_tokens, "completion_tokens",
-                     ct, "total_tokens", g->prompt_tokens + ct);
+    return json_pack("{s:i, s:i, s:i}", "prompt_tokens", g->prompt_tokens, "completion_tokens", ct,
+                     "total_tokens", g->prompt_tokens + ct);
 }
 
 static json_t *ids_json(const int32_t *ids, size_t n)
@@ -203,10 +203,9 @@ static json_t *logprobs_json(gen_state *g, const gen_choice *ch, size_t a, size_
                                                      (double)lp->top[k], "bytes", tb));
             }
             json_t *tt = tok_text(g, ch->ids[i], &bytes);
-            json_array_append_new(content,
-                                  json_pack("{s:o, s:f, s:o, s:o}", "token", tt, "logprob",
-                                            (double)lp->logprob, "bytes", bytes, "top_logprobs",
-                                            top));
+            json_array_append_new(content, json_pack("{s:o, s:f, s:o, s:o}", "token", tt, "logprob",
+                                                     (double)lp->logprob, "bytes", bytes,
+                                                     "top_logprobs", top));
         }
         return json_pack("{s:o}", "content", content);
     }
@@ -230,8 +229,8 @@ static json_t *logprobs_json(gen_state *g, const gen_choice *ch, size_t a, size_
         json_array_append_new(offs, json_integer((json_int_t)*off));
         *off += n;
     }
-    return json_pack("{s:o, s:o, s:o, s:o}", "tokens", toks, "token_logprobs", lps,
-                     "top_logprobs", tops, "text_offset", offs);
+    return json_pack("{s:o, s:o, s:o, s:o}", "tokens", toks, "token_logprobs", lps, "top_logprobs",
+                     tops, "text_offset", offs);
 }
 
 /* One choice of an answer or a chunk: text (owned), ids [a, b). */
@@ -267,8 +266,8 @@ static json_t *choice_json(gen_state *g, int i, json_t *text, size_t a, size_t b
 
 static json_t *envelope(gen_state *g, json_t *choices)
 {
-    const char *obj = g->chat ? (g->stream ? "chat.completion.chunk" : "chat.completion")
-                              : "text_completion";
+    const char *obj =
+        g->chat ? (g->stream ? "chat.completion.chunk" : "chat.completion") : "text_completion";
     return json_pack("{s:s, s:s, s:I, s:s, s:o}", "id", g->id, "object", obj, "created",
                      (json_int_t)g->created, "model", g->model, "choices", choices);
 }
@@ -305,8 +304,8 @@ static int pend_choice(gen_state *g, int i, int finishing)
     const size_t a = ch->ids_sent, b = ch->nids;
     ch->ids_sent = b;
     g->role_sent |= 1 << i;
-    json_t *j = envelope(g, json_pack("[o]", choice_json(g, i, t, a, b,
-                                                         finishing ? ch->finish : NULL, first)));
+    json_t *j = envelope(
+        g, json_pack("[o]", choice_json(g, i, t, a, b, finishing ? ch->finish : NULL, first)));
     if (j && finishing && !g->chat && all_done(g) && !g->include_usage)
         json_object_set_new(j, "usage", usage_json(g)); /* as before: usage on the last */
     return pend_json(g, j);
@@ -316,8 +315,8 @@ static int pend_end(gen_state *g)
 {
     int rc = 0;
     if (g->failed) {
-        rc |= pend_json(g, json_pack("{s:{s:s, s:s}}", "error", "message", g->err.msg, "type",
-                                     "server_error"));
+        rc |= pend_json(
+            g, json_pack("{s:{s:s, s:s}}", "error", "message", g->err.msg, "type", "server_error"));
     }
     if (g->include_usage) {
         json_t *j = envelope(g, json_array());
@@ -450,9 +449,9 @@ static enum MHD_Result gen_whole(gen_state *g, struct MHD_Connection *c, http_re
                           all_done(g) ? g->err.msg : "the server is stopping");
     json_t *choices = json_array();
     for (int i = 0; choices && i < g->n; i++)
-        json_array_append_new(choices,
-                              choice_json(g, i, http_json_text(g->ch[i].text, g->ch[i].tlen, 1, NULL),
-                                          0, g->ch[i].nids, g->ch[i].finish, 0));
+        json_array_append_new(
+            choices, choice_json(g, i, http_json_text(g->ch[i].text, g->ch[i].tlen, 1, NULL), 0,
+                                 g->ch[i].nids, g->ch[i].finish, 0));
     json_t *j = choices ? envelope(g, choices) : NULL;
     if (j)
         json_object_set_new(j, "usage", usage_json(g));

@@ -125,8 +125,9 @@ int main(void)
     check_family("{% ... %}<|user|>\n", "zephyr",
                  "<|system|>\nBe brief.</s>\n<|user|>\nHi</s>\n<|assistant|>\nHello!</s>\n"
                  "<|user|>\nBye</s>\n<|assistant|>\n");
-    check_family("{{ bos_token }}[INST] <<SYS>>\\n", "llama2",
-                 "<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST] Hello!</s>[INST] Bye [/INST]");
+    check_family(
+        "{{ bos_token }}[INST] <<SYS>>\\n", "llama2",
+        "<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST] Hello!</s>[INST] Bye [/INST]");
     check_family("{{ bos_token }}[INST] {{ m }} [/INST]", "mistral",
                  "<s>[INST] Be brief.\n\nHi [/INST]Hello!</s>[INST] Bye [/INST]");
     t = NULL;

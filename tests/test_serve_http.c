@@ -169,8 +169,8 @@ static void test_api(int port, nl_http *h)
                 "{\"input\": \"a\", \"encoding_format\": \"base64\"}", NULL);
     expect(r, "\"embedding\":\"mpkZP83MTD8=\"", "base64 embedding");
     free(r);
-    r = request(port, "POST", "/v1/embeddings",
-                "{\"input\": \"a\", \"encoding_format\": \"int8\"}", NULL);
+    r = request(port, "POST", "/v1/embeddings", "{\"input\": \"a\", \"encoding_format\": \"int8\"}",
+                NULL);
     expect(r, "\"param\":\"encoding_format\"", "int8 refused");
     free(r);
     /* chat and the new fields: refusals name the field */

@@ -503,9 +503,12 @@ static void test_token_logprobs(void)
         float v0;
         int frame;
         const char *want; /* NULL: accepted */
-    } cases[] = {{1, 2, 3, -0.5f, 1, NULL},          {1, 2, 2, -0.5f, 1, "log-probabilities"},
-                 {1, 2, 3, 0.25f, 1, "not a finite"}, {1, 2, 3, NAN, 1, "not a finite"},
-                 {1, 2, 0, -0.5f, 0, "top_ids"},     {2, 1, 2, -0.5f, 1, "2 tokens"},
+    } cases[] = {{1, 2, 3, -0.5f, 1, NULL},
+                 {1, 2, 2, -0.5f, 1, "log-probabilities"},
+                 {1, 2, 3, 0.25f, 1, "not a finite"},
+                 {1, 2, 3, NAN, 1, "not a finite"},
+                 {1, 2, 0, -0.5f, 0, "top_ids"},
+                 {2, 1, 2, -0.5f, 1, "2 tokens"},
                  {1, 0, 1, 0.0f, 1, NULL}};
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         nl_wire_msg_reset(&m, NL_MSG_TOKEN);
