@@ -41,6 +41,10 @@ int nl_cmd_import(int argc, char **argv)
                 s.converted, s.converted_from);
     if (s.tied)
         fprintf(stderr, "note: tie_word_embeddings: lm_head.weight is a copy of the embedding\n");
+    if (s.chat_warning[0])
+        fprintf(stderr, "warning: %s\n", s.chat_warning);
+    else if (s.chat_family[0])
+        fprintf(stderr, "note: chat template: the %s family (docs/serving.md)\n", s.chat_family);
     fprintf(stderr,
             "imported %s into %s: %d tensors from %d file(s), %" PRIu64 " bytes read, %" PRIu64
             " written\n",
@@ -69,6 +73,8 @@ int nl_cli_export_hf(const char *src, const char *out, uint64_t shard_bytes, int
                 "; no tokenizer in the source, so no vocabulary files: its %" PRId64
                 " ids are not bytes (a reader needs the tokenizer they were trained with)\n",
                 s.vocab_size);
+    if (s.chat_written)
+        fprintf(stderr, "chat template: the original in tokenizer_config.json\n");
     if (s.replaced || s.kept)
         fprintf(stderr, "--force: replaced %d file(s) in %s; kept %d other(s)%s%s\n", s.replaced,
                 out, s.kept, s.kept ? ": " : "", s.kept_names);

@@ -20,6 +20,7 @@
 #include "cli_io.h"
 #include "commands.h"
 #include "core/batch.h"
+#include "core/chat_template.h"
 #include "core/checkpoint.h"
 #include "core/lora.h"
 #include "core/sampler.h"
@@ -39,7 +40,9 @@ typedef struct job {
     int max_new;
     nl_kvcache *kv; /* from admission until finished */
     nl_sampler smp;
-    int32_t *out; /* (max_new) sampled ids */
+    int32_t *out;         /* (max_new) sampled ids */
+    nl_http_logprob *lps; /* (max_new) their logprobs, when asked (logprobs >= 0) */
+    int logprobs;
     int produced, consumed;
     int failed;
     char errmsg[NL_ERROR_MSG_MAX];
@@ -49,6 +52,7 @@ typedef struct engine {
     nl_model *m;
     nl_batch *batch;
     nl_tokenizer *tok;
+    char *chat_template;      /* the checkpoint's, JSON (core/chat_template.h) */
     pthread_mutex_t tok_mu;   /* the encoder keeps a cache */
     pthread_mutex_t model_mu; /* the batch's activations: engine steps, embeddings */
     int max_batch, chunk;
@@ -96,6 +100,7 @@ static void job_free(job *j)
     nl_sampler_free(&j->smp);
     free(j->prompt);
     free(j->out);
+    free(j->lps);
     free(j);
 }
 
@@ -216,7 +221,15 @@ static void *engine_main(void *arg)
                     continue;
                 j->state = JOB_DECODE;
             }
-            j->out[j->produced++] = nl_sampler_sample(&j->smp, nl_batch_logits(e->batch, i));
+            const float *lg = nl_batch_logits(e->batch, i);
+            const int32_t tok = nl_sampler_sample(&j->smp, lg);
+            if (j->lps) {
+                nl_http_logprob *lp = &j->lps[j->produced];
+                lp->k = j->logprobs;
+                nl_sampler_logprobs(lg, j->smp.vocab, tok, lp->k, &lp->logprob, lp->top_ids,
+                                    lp->top);
+            }
+            j->out[j->produced++] = tok;
             e->tokens++;
             if (j->produced == j->max_new)
                 job_finish(e, j);
@@ -297,7 +310,9 @@ static nl_status be_start(void *ctx, const nl_http_completion *rq, void **jobp, 
         goto fail;
     }
     j->max_new = rq->max_tokens;
-    if (!(j->out = malloc((size_t)j->max_new * sizeof *j->out))) {
+    j->logprobs = rq->logprobs;
+    if (!(j->out = malloc((size_t)j->max_new * sizeof *j->out)) ||
+        (rq->logprobs >= 0 && !(j->lps = calloc((size_t)j->max_new, sizeof *j->lps)))) {
         st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
         goto fail;
     }
@@ -322,7 +337,7 @@ fail:
 }
 
 static nl_http_next be_next(void *ctx, void *jp, int32_t *id, const char **text, size_t *len,
-                            int timeout_ms, nl_error *err)
+                            nl_http_logprob *lp, int timeout_ms, nl_error *err)
 {
     engine *e = ctx;
     job *j = jp;
@@ -340,6 +355,8 @@ static nl_http_next be_next(void *ctx, void *jp, int32_t *id, const char **text,
             break;
     nl_http_next r = NL_HTTP_WAIT;
     if (j->consumed < j->produced) {
+        if (j->lps)
+            *lp = j->lps[j->consumed];
         *id = j->out[j->consumed++];
         r = NL_HTTP_TOKEN;
     } else if (j->failed || e->stop) {
@@ -360,6 +377,26 @@ static nl_http_next be_next(void *ctx, void *jp, int32_t *id, const char **text,
         *len = n;
     }
     return r;
+}
+
+static char *be_chat_template(void *ctx, int model)
+{
+    engine *e = ctx;
+    (void)model;
+    return e->chat_template ? strdup(e->chat_template) : NULL;
+}
+
+static size_t be_token_bytes(void *ctx, int32_t id, char *buf, size_t cap)
+{
+    engine *e = ctx;
+    const uint8_t *p = NULL;
+    size_t n = 0;
+    if (id < 0 || id >= e->m->cfg.vocab_size ||
+        nl_tokenizer_token_bytes(e->tok, id, &p, &n) != NL_OK)
+        return 0;
+    n = n < cap ? n : cap;
+    memcpy(buf, p, n);
+    return n;
 }
 
 static void be_end(void *ctx, void *jp)
@@ -583,6 +620,8 @@ int nl_cmd_serve(int argc, char **argv)
     pthread_sigmask(SIG_BLOCK, &sigs, NULL);
     signal(SIGPIPE, SIG_IGN);
     if (nl_checkpoint_tokenizer(model, &e.tok, &err) != NL_OK ||
+        nl_checkpoint_meta(model, "chat_template", &e.chat_template, &err) != NL_OK ||
+        nl_chat_template_check(e.chat_template, "metadata 'chat_template'", &err) != NL_OK ||
         (!e.tok && nl_tokenizer_new_bytes(&e.tok, &err) != NL_OK) ||
         nl_cli_backend_new(&be, device, (int)threads, tf32, bf16, 0, &err) != NL_OK ||
         nl_checkpoint_load(&e.m, be, model, 0, -1, 1, 1, NULL, &err) != NL_OK)
@@ -608,6 +647,8 @@ int nl_cmd_serve(int argc, char **argv)
                           .completion_next = be_next,
                           .completion_end = be_end,
                           .embed = be_embed,
+                          .chat_template = be_chat_template,
+                          .token_bytes = be_token_bytes,
                           .status_json = be_status,
                           .metrics_text = be_metrics};
     nl_http_opts ho = {.addr = addr ? addr : "127.0.0.1:8080",
@@ -650,6 +691,7 @@ out:
     nl_model_destroy(&e.m);
     nl_backend_destroy(&be);
     nl_tokenizer_destroy(&e.tok);
+    free(e.chat_template);
     if (rc)
         fprintf(stderr, "neuroctl serve: %s (%s)\n", err.msg, nl_status_str(err.status));
     return rc;

@@ -16,6 +16,7 @@
 #include <time.h>
 
 #include "base/log.h"
+#include "core/chat_template.h"
 #include "core/checkpoint.h"
 #include "core/fileio.h"
 #include "core/sizing.h"
@@ -58,6 +59,10 @@ static nl_status load_model_source(nl_coord *c, nl_error *err)
             st = nl_checkpoint_meta(c->o.model, "tokenizer", &c->tok_text, err);
         if (st == NL_OK)
             st = nl_checkpoint_meta(c->o.model, "init_seed", &c->init_seed, err);
+        if (st == NL_OK)
+            st = nl_checkpoint_meta(c->o.model, "chat_template", &c->chat_text, err);
+        if (st == NL_OK)
+            st = nl_chat_template_check(c->chat_text, "metadata 'chat_template'", err);
         snprintf(c->src_path, sizeof c->src_path, "%s", c->o.model);
         c->have_cfg = st == NL_OK;
         return st;
@@ -269,6 +274,7 @@ void nl_coord_destroy(nl_coord **cp)
     coord_nodes_free(c);
     free(c->tok_text);
     free(c->init_seed);
+    free(c->chat_text);
     free(c->growth);
     nl_keys_wipe(&c->keys);
     free(c);

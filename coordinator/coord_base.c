@@ -432,6 +432,7 @@ void coord_manifest_release(cmanifest *m)
         free_source(m->src);
     free(m->tok);
     free(m->seed);
+    free(m->chat);
     free(m->growth);
     memset(m, 0, sizeof *m);
 }
@@ -462,7 +463,8 @@ nl_status coord_manifest_open(cmanifest *out, const char *path, const char *root
     if (st == NL_OK)
         st = nl_manifest_open_shards(m, out->src->files, err);
     if (st == NL_OK && ((m->tokenizer && !(out->tok = strdup(m->tokenizer))) ||
-                        (m->init_seed && !(out->seed = strdup(m->init_seed)))))
+                        (m->init_seed && !(out->seed = strdup(m->init_seed))) ||
+                        (m->chat_template && !(out->chat = strdup(m->chat_template)))))
         st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
     if (st == NL_OK && m->n_growth > 0) { /* its growth history goes on in later manifests */
         if (!(out->growth = malloc((size_t)m->n_growth * sizeof *out->growth)))
@@ -495,9 +497,11 @@ void coord_manifest_install(nl_coord *c, cmanifest *m, int reload)
     snprintf(c->src_path, sizeof c->src_path, "%s", m->path);
     free(c->tok_text);
     free(c->init_seed);
+    free(c->chat_text);
     free(c->growth);
     c->tok_text = m->tok;
     c->init_seed = m->seed;
+    c->chat_text = m->chat;
     c->growth = m->growth;
     c->n_growth = m->n_growth;
     c->cfg = m->cfg;

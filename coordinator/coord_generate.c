@@ -166,7 +166,15 @@ static void on_token(nl_coord *c, cjob *j, const nl_rx *rx)
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_TOKEN);
-    m.u.token = (nl_msg_token){j->id, j->id, 1, t->tokens, done};
+    m.u.token = (nl_msg_token){j->id, j->id, 1, t->tokens, done, 0, NULL};
+    if (g->params.logprobs > 0 && rx->msg.nframes == 1 && /* relayed as they came (checked) */
+        t->ntop == (uint32_t)g->params.logprobs - 1) {
+        const nl_tensor *f = &rx->msg.frames[0].t;
+        m.u.token.ntop = t->ntop;
+        m.u.token.top_ids = t->top_ids;
+        nl_wire_frame_set(&m.frames[0], f->data, NL_DTYPE_F32, f->shape, 1);
+        m.nframes = 1;
+    }
     coord_send_client(c, j->rid, j->rid_len, &m);
     nl_wire_msg_free(&m);
     if (done) { /* the last stage fed nothing more */

@@ -221,6 +221,7 @@ struct nl_coord {
     int resumable;   /* the stages hold a manifest's weights and moments, untouched */
     char *tok_text;  /* the model's tokenizer, or NULL */
     char *init_seed; /* the seed the weights were first drawn from (text), or NULL */
+    char *chat_text; /* the model's chat template (JSON, core/chat_template.h), or NULL */
     struct nl_growth *growth; /* the model's growth history (core/grow.h): the source's, */
     int n_growth;             /* then the growths since; manifests written carry it */
     nl_plan *plan;
@@ -335,6 +336,7 @@ struct nl_growth;
 typedef struct cmanifest {
     csource *src;
     char *tok, *seed; /* its tokenizer and initialisation seed, or NULL */
+    char *chat;       /* its chat template, or NULL */
     struct nl_growth *growth; /* its growth history (core/grow.h), or NULL */
     int n_growth;
     nl_config cfg;

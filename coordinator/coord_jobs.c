@@ -281,6 +281,8 @@ static json_t *status_json(nl_coord *c, bool full)
     }
     if (c->tok_text)
         json_object_set_new(root, "tokenizer", json_string(c->tok_text));
+    if (c->chat_text)
+        json_object_set_new(root, "chat_template", json_string(c->chat_text));
     return root;
 }
 

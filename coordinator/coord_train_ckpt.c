@@ -135,6 +135,7 @@ static void ckpt_free(cwork *w)
     free((char *)k->mf.train_json);
     free((char *)k->mf.tokenizer);
     free((char *)k->mf.init_seed);
+    free((char *)k->mf.chat_template);
     free(k->mf.growth);
     coord_manifest_release(&k->out);
     free(k);
@@ -191,6 +192,7 @@ const char *coord_train_write_manifest(nl_coord *c, cjob *j, tr_done done, char 
                           .train_json = tj ? json_dumps(tj, JSON_COMPACT) : NULL,
                           .tokenizer = coord_train_dup(c->tok_text, &oom),
                           .init_seed = coord_train_dup(c->init_seed, &oom),
+                          .chat_template = coord_train_dup(c->chat_text, &oom),
                           .growth =
                               c->n_growth ? malloc((size_t)c->n_growth * sizeof *c->growth) : NULL,
                           .n_growth = c->n_growth,

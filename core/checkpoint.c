@@ -79,6 +79,8 @@ nl_status nl_checkpoint_save(const nl_model *m, const char *path, int64_t step,
         st = nl_st_writer_set_meta(w, "tokenizer", extra->tokenizer, err);
     if (st == NL_OK && extra && extra->init_seed)
         st = nl_st_writer_set_meta(w, "init_seed", extra->init_seed, err);
+    if (st == NL_OK && extra && extra->chat_template)
+        st = nl_st_writer_set_meta(w, "chat_template", extra->chat_template, err);
     if (st == NL_OK && m->n_growth > 0) {
         char *h = nl_growth_to_json(m->growth, m->n_growth);
         st = h ? nl_st_writer_set_meta(w, "growth", h, err)

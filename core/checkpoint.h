@@ -18,7 +18,8 @@
  * - the tokenizer, as its file text in metadata `tokenizer`, so that the
  *   checkpoint alone turns text into tokens and back;
  * - the seed the weights were initialised from (`init_seed`), which
- *   vocabulary growth draws new rows from.
+ *   vocabulary growth draws new rows from;
+ * - the chat template (`chat_template`, JSON: core/chat_template.h).
  * The model's growth history (m->growth, core/grow.h) is saved as metadata
  * `growth` whenever it has one, and nl_checkpoint_load reads it back. */
 typedef struct nl_ckpt_extra {
@@ -26,7 +27,8 @@ typedef struct nl_ckpt_extra {
     int64_t adam_steps;
     const char *train_json;
     const char *tokenizer;
-    const char *init_seed; /* decimal text, or NULL */
+    const char *init_seed;     /* decimal text, or NULL */
+    const char *chat_template; /* JSON text (core/chat_template.h), or NULL */
 } nl_ckpt_extra;
 
 /* Write every parameter of the stage (and what `extra` carries; may be

@@ -17,6 +17,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "chat_template.h"
 #include "checkpoint.h"
 #include "fileio.h"
 #include "manifest.h"
@@ -493,7 +494,7 @@ nl_status nl_hf_import(const char *dir, const char *out, nl_hf_stats *stats, nl_
     nl_config cfg;
     hf_conv c = {.cfg = &cfg, .to_ours = 1, .stats = stats ? stats : &dummy};
     memset(c.stats, 0, sizeof *c.stats);
-    char *cpath = join(dir, "config.json"), *text = NULL, *cfg_json = NULL;
+    char *cpath = join(dir, "config.json"), *text = NULL, *cfg_json = NULL, *chat = NULL;
     nl_st_writer *w = NULL;
     int tied = 0;
     size_t len;
@@ -502,7 +503,9 @@ nl_status nl_hf_import(const char *dir, const char *out, nl_hf_stats *stats, nl_
         return nl_error_set(err, NL_ERR_NOMEM, "out of memory");
     if ((st = nl_file_read_all(cpath, NL_HF_MAX_JSON, &text, &len, err)) ||
         (st = nl_hf_config_parse(&cfg, &tied, text, len, cpath, err)) ||
-        (st = open_hf_weights(&c, dir, err)) || (st = build_jobs(&c, err)))
+        (st = open_hf_weights(&c, dir, err)) || (st = build_jobs(&c, err)) ||
+        (st = nl_chat_template_read_hf(dir, &chat, c.stats->chat_family, c.stats->chat_warning,
+                                       err)))
         goto out;
     for (int i = 0; i < c.n_jobs; i++) {
         hf_job *j = &c.jobs[i];
@@ -526,11 +529,13 @@ nl_status nl_hf_import(const char *dir, const char *out, nl_hf_stats *stats, nl_
     }
     if (!st && !(st = nl_st_writer_set_meta(w, "format", NL_CHECKPOINT_FORMAT, err)) &&
         !(st = nl_st_writer_set_meta(w, "config", cfg_json, err)) &&
-        !(st = nl_st_writer_set_meta(w, "step", "0", err)))
+        !(st = nl_st_writer_set_meta(w, "step", "0", err)) &&
+        !(chat && (st = nl_st_writer_set_meta(w, "chat_template", chat, err))))
         st = nl_st_writer_write(w, out, err);
 out:
     nl_st_writer_destroy(&w);
     conv_free(&c);
+    free(chat);
     free(cfg_json);
     free(text);
     free(cpath);
@@ -659,7 +664,7 @@ static nl_status hf_representable(const nl_config *c, const char *src, nl_error 
 }
 
 static nl_status open_ours(hf_conv *c, const char *src, nl_config *cfg, char **tokenizer,
-                           nl_error *err)
+                           char **chat, nl_error *err)
 {
     struct stat sb;
     size_t n = strlen(src);
@@ -670,7 +675,8 @@ static nl_status open_ours(hf_conv *c, const char *src, nl_config *cfg, char **t
             *cfg = m->cfg;
             for (int i = 0; i < m->n_shards && !st; i++)
                 st = src_add(&c->src, m->shards[i].path, err);
-            if (!st && m->tokenizer && !(*tokenizer = strdup(m->tokenizer)))
+            if (!st && ((m->tokenizer && !(*tokenizer = strdup(m->tokenizer))) ||
+                        (m->chat_template && !(*chat = strdup(m->chat_template)))))
                 st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
         }
         nl_manifest_destroy(&m);
@@ -685,8 +691,9 @@ static nl_status open_ours(hf_conv *c, const char *src, nl_config *cfg, char **t
              fmt ? "is not " NL_CHECKPOINT_FORMAT : "missing", cj ? "present" : "missing");
     if ((st = nl_config_from_json(cfg, cj, err)) || (st = nl_config_validate(cfg, 1, err)))
         return nl_error_prefix(err, "%s: config", src);
-    const char *tok = nl_st_header_meta(h, "tokenizer");
-    if (tok && !(*tokenizer = strdup(tok)))
+    const char *tok = nl_st_header_meta(h, "tokenizer"),
+               *ch = nl_st_header_meta(h, "chat_template");
+    if ((tok && !(*tokenizer = strdup(tok))) || (ch && !(*chat = strdup(ch))))
         FAIL(NL_ERR_NOMEM, "out of memory");
     return NL_OK;
 }
@@ -833,11 +840,11 @@ nl_status nl_hf_export(const char *src, const char *dir, uint64_t shard_bytes, i
     nl_config cfg;
     hf_conv c = {.cfg = &cfg, .to_ours = 0, .stats = stats ? stats : &dummy};
     memset(c.stats, 0, sizeof *c.stats);
-    char *tok = NULL, *cj = NULL, **written = NULL;
+    char *tok = NULL, *cj = NULL, **written = NULL, *chat = NULL;
     int n_written = 0, created = 0, n_before = 0;
     nl_status st;
-    if ((st = open_ours(&c, src, &cfg, &tok, err)) || (st = hf_representable(&cfg, src, err)) ||
-        (st = build_jobs(&c, err)))
+    if ((st = open_ours(&c, src, &cfg, &tok, &chat, err)) ||
+        (st = hf_representable(&cfg, src, err)) || (st = build_jobs(&c, err)))
         goto out;
     for (int i = 0; i < c.n_jobs && !st; i++)
         st = resolve(&c, &c.jobs[i], c.jobs[i].ours, c.jobs[i].our_rows, 1, err);
@@ -863,6 +870,9 @@ nl_status nl_hf_export(const char *src, const char *dir, uint64_t shard_bytes, i
     else
         written[n_written++] = p;
     c.stats->vocab_size = cfg.vocab_size;
+    if (!st && !(st = nl_chat_template_write_hf(dir, chat, &c.stats->chat_written, err)) &&
+        c.stats->chat_written && !(written[n_written++] = join(dir, "tokenizer_config.json")))
+        st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
     if (!st && n_before)
         count_kept(dir, written, n_written, n_before, c.stats);
 out:
@@ -877,5 +887,6 @@ out:
     conv_free(&c);
     free(cj);
     free(tok);
+    free(chat);
     return st;
 }

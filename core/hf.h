@@ -40,6 +40,9 @@ typedef struct nl_hf_stats {
     int replaced;           /* export --force: files of the directory written over */
     int kept;               /* export --force: entries of the directory it did not write */
     char kept_names[200];   /* ... their names, ", "-separated, "..." when cut */
+    char chat_family[16];   /* import: the chat template's family ("" none); export: "" */
+    char chat_warning[256]; /* import: an unrecognised chat template (the default is used) */
+    int chat_written;       /* export: tokenizer_config.json written for the chat template */
 } nl_hf_stats;
 
 /* Parse a Hugging Face config.json (text of len bytes; `label` starts

@@ -14,6 +14,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "chat_template.h"
 #include "fileio.h"
 #include "grow.h"
 #include "manifest_impl.h"
@@ -293,7 +294,9 @@ static nl_status parse_head(nl_manifest *m, json_t *root, nl_error *err)
     if (t && !(m->train_json = nl_manifest_json_dump(t, JSON_COMPACT)))
         return nl_error_set(err, NL_ERR_NOMEM, "train: out of memory");
     if ((st = get_str(root, "", "tokenizer", 0, &m->tokenizer, err)) ||
-        (st = get_str(root, "", "init_seed", 0, &m->init_seed, err)))
+        (st = get_str(root, "", "init_seed", 0, &m->init_seed, err)) ||
+        (st = get_str(root, "", "chat_template", 0, &m->chat_template, err)) ||
+        (st = nl_chat_template_check(m->chat_template, "chat_template", err)))
         return st;
     json_t *g = member(root, "growth", 1);
     if (g && !json_is_array(g))
@@ -390,6 +393,7 @@ void nl_manifest_destroy(nl_manifest **mp)
     free(m->config_json);
     free(m->train_json);
     free(m->tokenizer);
+    free(m->chat_template);
     free(m->init_seed);
     free(m->growth);
     free(m);

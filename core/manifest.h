@@ -58,6 +58,7 @@ typedef struct nl_manifest {
                                  the manifest), or NULL */
     char *tokenizer;          /* tokenizer file text, or NULL */
     char *init_seed;          /* decimal text, or NULL */
+    char *chat_template;      /* JSON text (core/chat_template.h), or NULL */
     struct nl_growth *growth; /* growth history (core/grow.h), oldest first, or NULL */
     int n_growth;
     int n_shards;
@@ -66,7 +67,8 @@ typedef struct nl_manifest {
 
 /* Write atomically (nl_file_write_atomic) as JSON:
  *   {"format", "step", "adam_steps", "config": {...}, "train": {...}|absent,
- *    "tokenizer": str|absent, "init_seed": str|absent, "growth": [...]|absent,
+ *    "tokenizer": str|absent, "init_seed": str|absent, "chat_template": str|absent,
+ *    "growth": [...]|absent,
  *    "shards": [{"stage", "layers": [l0, l1], "embed", "head", "file",
  *                "sha256", "bytes", "node"|absent, "device"|absent, "tf32": bool|absent}]}
  * The config is encoded from m->cfg. The manifest is checked as

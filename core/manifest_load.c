@@ -356,7 +356,8 @@ nl_status nl_manifest_export_ex(const nl_manifest *m, const char *out,
                            .adam_steps = m->adam_steps,
                            .train_json = train,
                            .tokenizer = m->tokenizer,
-                           .init_seed = m->init_seed};
+                           .init_seed = m->init_seed,
+                           .chat_template = m->chat_template};
     if ((st = nl_checkpoint_save(model, out, m->step, &extra, err)) != NL_OK)
         goto out;
     if (stats) {

@@ -96,7 +96,8 @@ nl_status nl_manifest_to_json(const nl_manifest *m, char **out, nl_error *err)
     if ((st = put_json(root, "config", cfg, err)) ||
         (m->train_json && (st = put_json(root, "train", m->train_json, err))) ||
         (st = put_str(root, "", "tokenizer", m->tokenizer, err)) ||
-        (st = put_str(root, "", "init_seed", m->init_seed, err)))
+        (st = put_str(root, "", "init_seed", m->init_seed, err)) ||
+        (st = put_str(root, "", "chat_template", m->chat_template, err)))
         goto out;
     if (m->n_growth > 0) {
         char *h = nl_growth_to_json(m->growth, m->n_growth);

@@ -110,3 +110,30 @@ nl_status nl_sampler_next(nl_sampler *s, nl_backend *be, const float *logits, fl
         *id = nl_sampler_sample(s, host);
     return st;
 }
+
+void nl_sampler_logprobs(const float *logits, int V, int32_t chosen, int k, float *chosen_lp,
+                         int32_t *top_ids, float *top_lps)
+{
+    float mx = logits[0];
+    for (int i = 1; i < V; i++)
+        mx = logits[i] > mx ? logits[i] : mx;
+    double sum = 0.0;
+    for (int i = 0; i < V; i++)
+        sum += exp((double)logits[i] - mx);
+    const double lse = mx + log(sum);
+    *chosen_lp = (float)(logits[chosen] - lse);
+    /* top k by insertion: k is small (at most 20) */
+    int n = 0;
+    for (int i = 0; i < V; i++) {
+        if (n == k && (k == 0 || logits[i] <= logits[top_ids[n - 1]]))
+            continue;
+        int at = n < k ? n++ : k - 1;
+        while (at > 0 && logits[i] > logits[top_ids[at - 1]]) {
+            top_ids[at] = top_ids[at - 1];
+            at--;
+        }
+        top_ids[at] = i;
+    }
+    for (int j = 0; j < n; j++)
+        top_lps[j] = (float)(logits[top_ids[j]] - lse);
+}

@@ -40,4 +40,10 @@ int nl_sampler_device(const nl_sampler *s, const nl_backend *be);
 nl_status nl_sampler_next(nl_sampler *s, nl_backend *be, const float *logits, float *host,
                           int32_t *id, nl_error *err);
 
+/* The log-softmax of logits (vocab V, temperature 1) at `chosen` into
+ * *chosen_lp, and the k most likely ids (descending, ties to the lower
+ * id) with theirs into top_ids / top_lps (room for k). */
+void nl_sampler_logprobs(const float *logits, int V, int32_t chosen, int k, float *chosen_lp,
+                         int32_t *top_ids, float *top_lps);
+
 #endif

@@ -293,7 +293,7 @@ int main(int argc, char **argv)
     submit_tokens(&o, &m, NL_JOB_FORWARD, ids, 3, NULL, 0);
     nl_wire_msg_reset(&m, NL_MSG_TOKEN);
     uint32_t tok = 5;
-    m.u.token = (nl_msg_token){1, 1, 1, &tok, false};
+    m.u.token = (nl_msg_token){1, 1, 1, &tok, false, 0, NULL};
     rec(&o, 0, N, 0, &m);
     nl_wire_msg_reset(&m, NL_MSG_RESULT);
     m.u.hop = (nl_msg_tensor_hop){1, 0, 0, 0, 0, 0.0};
@@ -316,7 +316,7 @@ int main(int argc, char **argv)
     const uint32_t toks[3] = {7, 9, 1000};
     for (int k = 0; k < 3; k++) {
         nl_wire_msg_reset(&m, NL_MSG_TOKEN);
-        m.u.token = (nl_msg_token){1, 1, 1, &toks[k], false};
+        m.u.token = (nl_msg_token){1, 1, 1, &toks[k], false, 0, NULL};
         rec(&o, 0, N, 1, &m);
     }
     save(dir, "generate", &o);

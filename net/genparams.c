@@ -19,6 +19,7 @@ static const nl_param_key keys[] = {
     {"top_p", NL_PT_NUM, REQ | SES, 0, 0, 1, 1, F(top_p)},
     {"seed", NL_PT_INT, REQ | SES, 0, 0, (double)INT64_MAX, 0, F(seed)},
     {"adapter", NL_PT_STR, REQ | SES, 0, 1, 4096, 0, F(adapter)},
+    {"logprobs", NL_PT_INT, REQ | SES, 0, 0, 21, 0, F(logprobs)},
 };
 
 void nl_genparams_defaults(nl_genparams *p)
@@ -42,8 +43,10 @@ uint32_t nl_genparams_session_wire(const nl_genparams *p, nl_wire_param *out)
     out[3] = (nl_wire_param){.key = "top_p", .kind = NL_WIRE_PARAM_FLOAT, .f = p->top_p};
     out[4] = (nl_wire_param){.key = "seed", .kind = NL_WIRE_PARAM_INT, .i = p->seed};
     out[5] = (nl_wire_param){.key = "limit", .kind = NL_WIRE_PARAM_INT, .i = p->limit};
-    if (!p->adapter)
-        return NL_GENPARAMS_SESSION_KEYS;
-    out[6] = (nl_wire_param){.key = "adapter", .kind = NL_WIRE_PARAM_STR, .s = p->adapter};
-    return NL_GENPARAMS_SESSION_MAX;
+    uint32_t n = NL_GENPARAMS_SESSION_KEYS;
+    if (p->adapter)
+        out[n++] = (nl_wire_param){.key = "adapter", .kind = NL_WIRE_PARAM_STR, .s = p->adapter};
+    if (p->logprobs)
+        out[n++] = (nl_wire_param){.key = "logprobs", .kind = NL_WIRE_PARAM_INT, .i = p->logprobs};
+    return n;
 }

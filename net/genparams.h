@@ -11,6 +11,8 @@
  *   capacity     integer  1 .. 2^31 - 1    required a session
  *   limit        integer  0 .. 2^31 - 1    0        a session
  *   adapter      string   1 .. 4096 bytes  none     both (a LoRA adapter file)
+ *   logprobs     integer  0 .. 21          0        both (0: none; 1 + k: each token's
+ *                                                    log-probability and the top k ids')
  *
  * The coordinator resolves a request's adapter under its --checkpoint-root
  * and sends the session the resolved path; the node resolves it again
@@ -37,11 +39,13 @@ typedef struct nl_genparams {
     int capacity;        /* positions of the session's KV cache */
     int limit;           /* tokens the last stage feeds back itself (the token ring); 0: none */
     const char *adapter; /* a LoRA adapter file, or NULL (parsed: points into the params) */
+    int logprobs;        /* 0: none; 1 + k: log-probabilities, the top k (k <= 20) */
 } nl_genparams;
 
-/* The session's wire params: these always, and the adapter when set. */
+/* The session's wire params: these always, the adapter and logprobs when
+ * set. */
 #define NL_GENPARAMS_SESSION_KEYS 6
-#define NL_GENPARAMS_SESSION_MAX 7
+#define NL_GENPARAMS_SESSION_MAX 8
 
 /* The defaults of the table above (session and capacity 0, no adapter). */
 void nl_genparams_defaults(nl_genparams *p);

@@ -221,12 +221,18 @@ typedef struct nl_msg_train_hop {
     uint64_t loss_rows; /* the step's predictions, or 0 */
 } nl_msg_train_hop;
 
+/* A generation's tokens. With logprobs asked for (params.logprobs), a
+ * TOKEN of one token carries `top_ids` (0..20 ids, optional) and one F32
+ * frame [1 + ntop]: the token's log-probability, then the top ids'. */
 typedef struct nl_msg_token {
     uint64_t job_id, session_id;
     uint32_t ntokens; /* <= 4096 */
     const uint32_t *tokens;
     bool done;
+    uint32_t ntop; /* <= NL_WIRE_MAX_TOP */
+    const uint32_t *top_ids;
 } nl_msg_token;
+#define NL_WIRE_MAX_TOP 20
 
 typedef enum nl_wire_param_kind {
     NL_WIRE_PARAM_INT = 0,

@@ -112,6 +112,9 @@ static const nl_wire_field f_token[] = {
     F_U64(nl_msg_token, session_id, U64_ANY),
     F_LIST(nl_msg_token, tokens, NL_WK_U32_LIST, ntokens, 0, 4096),
     F_BOOL(nl_msg_token, done),
+    /* optional (added with logprobs): absent reads as no ids */
+    {"top_ids", NL_WK_U32_LIST, 0, 0, offsetof(nl_msg_token, top_ids), offsetof(nl_msg_token, ntop),
+     0, NL_WIRE_MAX_TOP, 0, 0, 1},
 };
 static const nl_wire_field f_job_submit[] = {
     F_U32(nl_msg_job_submit, kind, NL_JOB_FORWARD, NL_JOB_GROW),
@@ -168,6 +171,7 @@ static nl_status check_assign(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_
 static nl_status check_layer_load(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_job_submit(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_activation(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
+static nl_status check_token(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 
 static const nl_wire_tdesc tdescs[NL_MSG_TYPE_MAX] = {
     [NL_MSG_HELLO] = {"HELLO", f_hello, NF(f_hello), 0, 0, 0, 0, 0, NULL},
@@ -192,7 +196,8 @@ static const nl_wire_tdesc tdescs[NL_MSG_TYPE_MAX] = {
                       DT_FLOAT | DT(I32), check_activation},
     [NL_MSG_EVAL] = {"EVAL", f_train_hop, NF(f_train_hop), 1, 5, 1, NL_MAX_DIMS, DT_FLOAT | DT(I32),
                      check_activation},
-    [NL_MSG_TOKEN] = {"TOKEN", f_token, NF(f_token), 0, 0, 0, 0, 0, NULL},
+    /* + an optional F32 frame [1 + ntop]: log-probabilities (check_token) */
+    [NL_MSG_TOKEN] = {"TOKEN", f_token, NF(f_token), 0, 1, 1, 1, DT(F32), check_token},
     [NL_MSG_JOB_SUBMIT] = {"JOB_SUBMIT", f_job_submit, NF(f_job_submit), 0, 4, 1, NL_MAX_DIMS,
                            DT(I32) | DT(I64) | DT(F32), check_job_submit},
     /* + an optional U8 frame: a JSON report (the cluster's status) */
@@ -472,6 +477,34 @@ static nl_status check_layer_load(const nl_wire_msg *m, const nl_wire_tdesc *td,
 
 /* A training hop's frames after frame 0: as hop.extras names them (each
  * I32), or without extras (the older form) at most the targets. */
+/* Log-probabilities ride on a TOKEN of one token: the frame holds 1 +
+ * ntop of them, each finite and <= 0; top ids come only with the frame. */
+static nl_status check_token(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err)
+{
+    const nl_msg_token *t = &m->u.token;
+    if (m->nframes == 0) {
+        if (t->ntop)
+            return nl_error_set(err, NL_ERR_PROTO, "%s.top_ids: %u ids without log-probabilities",
+                                td->name, t->ntop);
+        return NL_OK;
+    }
+    const nl_tensor *f = &m->frames[0].t;
+    if (t->ntokens != 1 || f->shape[0] != (int64_t)t->ntop + 1)
+        return nl_error_set(err, NL_ERR_SHAPE,
+                            "%s: log-probabilities [%lld] for %u tokens and %u top ids (want [%u] "
+                            "for one token)",
+                            td->name, (long long)f->shape[0], t->ntokens, t->ntop, t->ntop + 1);
+    for (int64_t i = 0; f->data && i < f->shape[0]; i++) {
+        float v; /* a frame's bytes need not be aligned */
+        memcpy(&v, (const char *)f->data + i * (int64_t)sizeof v, sizeof v);
+        if (!(v <= 0.0f) || !isfinite(v))
+            return nl_error_set(err, NL_ERR_RANGE,
+                                "%s: log-probability %lld is %g, not a finite number <= 0",
+                                td->name, (long long)i, (double)v);
+    }
+    return NL_OK;
+}
+
 static nl_status check_activation(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err)
 {
     static const char *const what[] = {"targets", "document ids", "labels", "lengths"};

@@ -214,7 +214,14 @@ static void send_output(node *n, const nl_msg_tensor_hop *hop, const nl_stage_ou
             feed_first(n, hop, &out);
         uint32_t id = (uint32_t)out.token;
         nl_wire_msg_reset(&n->tx, NL_MSG_TOKEN);
-        n->tx.u.token = (nl_msg_token){hop->job_id, hop->session_id, 1, &id, out.last};
+        n->tx.u.token = (nl_msg_token){hop->job_id, hop->session_id, 1, &id, out.last, 0, NULL};
+        if (out.lp_n > 0) { /* the token's log-probabilities: one F32 frame */
+            const int64_t shape[1] = {out.lp_n};
+            n->tx.u.token.ntop = (uint32_t)out.lp_n - 1;
+            n->tx.u.token.top_ids = out.lp_ids;
+            nl_wire_frame_set(&n->tx.frames[0], (void *)out.lp, NL_DTYPE_F32, shape, 1);
+            n->tx.nframes = 1;
+        }
         nl_node_send_ctl(n, "TOKEN");
         return;
     }

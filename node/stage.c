@@ -502,18 +502,26 @@ static nl_status host_output(nl_stage *s, const float *dev, size_t n, nl_stage_o
     return NL_OK;
 }
 
-/* A session's next token from the logits row at dev (cols of them): on
- * the device where the backend samples (only the id comes back), else from
- * a host view of the row. */
-static nl_status sample_row(nl_stage *s, session *se, const float *dev, int cols, int32_t *tok,
+/* A session's next token from the logits row at dev (cols of them), into
+ * o (stage_sample): on the device where the backend samples and no
+ * log-probabilities are asked for (only the id comes back), else from a
+ * host view of the row. */
+static nl_status sample_row(nl_stage *s, session *se, const float *dev, int cols, nl_stage_out *o,
                             nl_error *err)
 {
-    if (nl_sampler_device(&se->smp, s->be))
-        return nl_sampler_next(&se->smp, s->be, dev, NULL, tok, err);
+    if (se->logprobs == 0 && nl_sampler_device(&se->smp, s->be)) {
+        int32_t token = 0;
+        const nl_status st = nl_sampler_next(&se->smp, s->be, dev, NULL, &token, err);
+        if (st == NL_OK) {
+            o->lp_n = 0;
+            stage_sampled(se, token, o);
+        }
+        return st;
+    }
     nl_stage_out view = {0};
     const nl_status st = host_output(s, dev, (size_t)cols, &view, err);
     if (st == NL_OK)
-        *tok = nl_sampler_sample(&se->smp, view.data);
+        stage_sample(se, view.data, o);
     return st;
 }
 
@@ -598,15 +606,10 @@ static nl_status run_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wir
         out->shape[0] = B, out->shape[1] = T, out->shape[2] = cols;
         return host_output(s, res, rows * (size_t)cols, out, err);
     }
-    st = sample_row(s, se, res, cols, &out->token, err); /* last_only: one row */
+    st = sample_row(s, se, res, cols, out, err); /* last_only: one row */
     if (st != NL_OK)
         return st;
-    out->kind = NL_STAGE_OUT_TOKEN;
     out->data = NULL;
-    se->produced++;
-    out->last = se->limit > 0 && se->produced >= se->limit;
-    out->feed = se->limit > 0 && !out->last && se->kv->len < se->kv->cap;
-    out->feed_pos = se->kv->len;
     return NL_OK;
 }
 
@@ -639,13 +642,8 @@ nl_status nl_stage_forward_adapted(nl_stage *s, session *se, const void *in, int
         s->be->download(s->be, hid, res, (size_t)T * d * sizeof(float));
         return nl_backend_check(s->be, err);
     }
-    if ((st = sample_row(s, se, res, cols, &o->token, err)) != NL_OK) /* last_only: one row */
+    if ((st = sample_row(s, se, res, cols, o, err)) != NL_OK) /* last_only: one row */
         return st;
-    o->kind = NL_STAGE_OUT_TOKEN;
-    se->produced++;
-    o->last = se->limit > 0 && se->produced >= se->limit;
-    o->feed = se->limit > 0 && !o->last && se->kv->len < se->kv->cap;
-    o->feed_pos = se->kv->len;
     return NL_OK;
 }
 

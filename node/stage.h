@@ -104,6 +104,7 @@ typedef struct nl_stage_session_params {
      * file under the node's --checkpoint-root that every forward of the
      * session applies; such a session's hops run alone, not in the batch */
     const char *adapter;
+    int logprobs; /* 0: none; 1 + k: each token's log-probability and the top k ids' */
 } nl_stage_session_params;
 
 /* Read a JOB_SUBMIT {kind generate, params session, capacity, temperature,
@@ -165,6 +166,12 @@ typedef struct nl_stage_out {
                     * not the last token, and the cache has room) */
     int64_t feed_pos;
     int B, T; /* the batch that ran */
+    /* TOKEN of a session that asks for logprobs (lp_n = 1 + k, else 0):
+     * lp[0] the token's log-probability, lp[1 + i] that of lp_ids[i], the
+     * i-th most likely id (core/sampler.h, nl_sampler_logprobs) */
+    int lp_n;
+    float lp[1 + NL_WIRE_MAX_TOP];
+    uint32_t lp_ids[NL_WIRE_MAX_TOP];
 } nl_stage_out;
 
 /* Run ACTIVATION {job_id, session_id, pos_offset, aux} + frame 0 (I32

@@ -282,12 +282,7 @@ static int pick(nl_stage *s, int *nres)
 /* The last stage's answer to a finished hop: its session samples. */
 static void sample_token(nl_stage *s, session *se, int seg, nl_stage_out *o)
 {
-    o->kind = NL_STAGE_OUT_TOKEN;
-    o->token = nl_sampler_sample(&se->smp, nl_batch_logits(s->batch, seg));
-    se->produced++;
-    o->last = se->limit > 0 && se->produced >= se->limit;
-    o->feed = se->limit > 0 && !o->last && se->kv->len < se->kv->cap;
-    o->feed_pos = se->kv->len;
+    stage_sample(se, nl_batch_logits(s->batch, seg), o);
 }
 
 /* After the batch: hidden states into acc (a prompt's chunks) or obuf,

@@ -25,6 +25,7 @@ typedef struct session {
     uint64_t used; /* the stage's tick at the last use: LRU order */
     int limit;     /* tokens the last stage feeds back itself (0: none) */
     int produced;  /* tokens sampled so far (last stage) */
+    int logprobs;  /* 0: none; 1 + k: log-probabilities with each token (the top k) */
     /* its forwards on this stage: several positions (the prompt), and
      * decode steps of one */
     double prefill_s, step_s;
@@ -152,6 +153,13 @@ nl_status nl_stage_check_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl
                              nl_error *err);
 nl_status nl_stage_wait_output(nl_stage *s, const char *what, nl_error *err);
 session *nl_stage_find_session(const nl_stage *s, uint64_t id);
+/* The last stage's answer for a session: sample its token from host
+ * logits into o (TOKEN, with the log-probabilities it asks for), count it,
+ * and say whether it is the last and whether to feed it back. */
+void stage_sample(session *se, const float *logits, nl_stage_out *o);
+/* The same after the token was sampled elsewhere (on the device; no
+ * log-probabilities then): o gets it, counted, last and feed set. */
+void stage_sampled(session *se, int32_t token, nl_stage_out *o);
 double nl_stage_now(void);
 
 /* ---- the stage's jobs (stage_jobs.c) ---- */

@@ -86,6 +86,29 @@ static void evict_lru(nl_stage *s, uint64_t for_id)
     remove_session(s, lru);
 }
 
+void stage_sampled(session *se, int32_t token, nl_stage_out *o)
+{
+    o->kind = NL_STAGE_OUT_TOKEN;
+    o->token = token;
+    se->produced++;
+    o->last = se->limit > 0 && se->produced >= se->limit;
+    o->feed = se->limit > 0 && !o->last && se->kv->len < se->kv->cap;
+    o->feed_pos = se->kv->len;
+}
+
+void stage_sample(session *se, const float *logits, nl_stage_out *o)
+{
+    const int32_t token = nl_sampler_sample(&se->smp, logits);
+    o->lp_n = se->logprobs;
+    if (o->lp_n > 0) {
+        int32_t top[NL_WIRE_MAX_TOP];
+        nl_sampler_logprobs(logits, se->smp.vocab, token, o->lp_n - 1, &o->lp[0], top, &o->lp[1]);
+        for (int i = 0; i < o->lp_n - 1; i++)
+            o->lp_ids[i] = (uint32_t)top[i];
+    }
+    stage_sampled(se, token, o);
+}
+
 nl_status nl_stage_parse_session(const nl_msg_job_submit *j, nl_stage_session_params *p,
                                  nl_error *err)
 {
@@ -102,7 +125,8 @@ nl_status nl_stage_parse_session(const nl_msg_job_submit *j, nl_stage_session_pa
                                    .top_p = (float)g.top_p,
                                    .seed = (uint64_t)g.seed,
                                    .limit = g.limit,
-                                   .adapter = g.adapter};
+                                   .adapter = g.adapter,
+                                   .logprobs = g.logprobs};
     return st;
 }
 
@@ -148,7 +172,12 @@ nl_status nl_stage_open_session(nl_stage *s, const nl_stage_session_params *p, n
         return st;
     while (s->n_sess > 0 && s->kv_used + bytes > s->o.kv_budget)
         evict_lru(s, p->id);
-    session se = {.id = p->id, .bytes = bytes, .used = ++s->tick, .limit = p->limit};
+    session se = {.id = p->id,
+                  .bytes = bytes,
+                  .used = ++s->tick,
+                  .limit = p->limit,
+                  .logprobs =
+                      p->logprobs > 0 && p->logprobs <= 1 + NL_WIRE_MAX_TOP ? p->logprobs : 0};
     if (p->adapter && (st = nl_stage_adapter_get(s, p->adapter, &se.lo, err)) != NL_OK)
         return nl_error_prefix(err, "session %llu", id);
     st = nl_kvcache_new(&se.kv, m, 1, p->capacity, err);

@@ -8,10 +8,16 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 
 # transformers with Mixtral that runs on Debian's torch 1.13, over the
 # system packages (torch, numpy, requests, yaml), with pinned --no-deps
-# installs so that pip never pulls a second torch.
+# installs so that pip never pulls a second torch; and the official openai
+# client (tests/test_openai_client.py) with every package it imports,
+# pinned too (over Debian's older certifi, idna, distro and
+# typing-extensions; wheels for Python 3.11 on manylinux x86_64).
 HF_VENV="${NL_HF_VENV:-$ROOT/.venv-hf}"
 HF_PINS="transformers==4.38.2 tokenizers==0.15.2 safetensors==0.4.2 huggingface-hub==0.20.3
- tqdm==4.66.2 regex==2023.12.25 filelock==3.13.1 fsspec==2024.2.0 packaging==23.2"
+ tqdm==4.66.2 regex==2023.12.25 filelock==3.13.1 fsspec==2024.2.0 packaging==23.2
+ openai==1.57.0 httpx==0.28.1 httpcore==1.0.7 anyio==4.7.0 sniffio==1.3.1 h11==0.14.0
+ pydantic==2.10.3 pydantic-core==2.27.1 typing-extensions==4.12.2 annotated-types==0.7.0
+ distro==1.9.0 jiter==0.8.2 idna==3.10 certifi==2024.8.30"
 hf_venv() {
   if [ -f "$HF_VENV/.pins" ] && [ "$(cat "$HF_VENV/.pins")" = "$HF_PINS" ]; then
     echo "install-deps: $HF_VENV present"
@@ -22,9 +28,9 @@ hf_venv() {
   # shellcheck disable=SC2086
   /usr/bin/python3 -m venv --system-site-packages "$HF_VENV" &&
     "$HF_VENV/bin/pip" install -q --no-deps $HF_PINS &&
-    "$HF_VENV/bin/python" -c "import transformers, torch; transformers.MixtralForCausalLM" &&
+    "$HF_VENV/bin/python" -c "import transformers, torch, openai; transformers.MixtralForCausalLM" &&
     echo "$HF_PINS" > "$HF_VENV/.pins" &&
-    echo "install-deps: $HF_VENV ready (transformers 4.38.2)"
+    echo "install-deps: $HF_VENV ready (transformers 4.38.2, openai 1.57.0)"
 }
 
 # cuDNN's header-only C++ frontend (the graph API behind the CUDA module's

@@ -19,15 +19,11 @@
 #define MAX_SUBSCRIBERS 32
 #define KEEPALIVE_MS 10000
 
-static const char *ep_names[EP_COUNT] = {"/v1/completions",
-                                         "/v1/embeddings",
-                                         "/v1/models",
-                                         "/api/status",
-                                         "/api/events",
-                                         "/metrics",
-                                         "/",
-                                         "/static",
-                                         "other"};
+static const char *ep_names[EP_COUNT] = {"/v1/completions", "/v1/chat/completions",
+                                         "/v1/embeddings",  "/v1/models",
+                                         "/api/status",     "/api/events",
+                                         "/metrics",        "/",
+                                         "/static",         "other"};
 
 /* ---------------------------------------------------------------- replies */
 
@@ -345,6 +341,7 @@ static int route(const char *url, const char *method, int *ep, int *post)
         const char *url;
         int ep, post;
     } r[] = {{"/v1/completions", EP_COMPLETIONS, 1},
+             {"/v1/chat/completions", EP_CHAT, 1},
              {"/v1/embeddings", EP_EMBEDDINGS, 1},
              {"/v1/models", EP_MODELS, 0},
              {"/api/status", EP_STATUS, 0},
@@ -372,6 +369,8 @@ static enum MHD_Result dispatch(nl_http *h, struct MHD_Connection *c, http_req *
     switch (rq->ep) {
     case EP_COMPLETIONS:
         return http_completions(h, c, rq);
+    case EP_CHAT:
+        return http_chat(h, c, rq);
     case EP_EMBEDDINGS:
         return http_embeddings(h, c, rq);
     case EP_MODELS:
@@ -426,7 +425,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         /* the page and Chart.js hold no data: a browser may load them to ask for a token */
         if (rq->ep != EP_DASHBOARD && rq->ep != EP_STATIC && !token_ok(h, c))
             return http_error(h, c, rq, 401, NULL, "a valid bearer token is required");
-        if (rq->ep == EP_COMPLETIONS || rq->ep == EP_EMBEDDINGS) {
+        if (rq->ep == EP_COMPLETIONS || rq->ep == EP_CHAT || rq->ep == EP_EMBEDDINGS) {
             pthread_mutex_lock(&h->mu);
             int busy = h->in_flight >= h->o.max_requests;
             if (!busy) {

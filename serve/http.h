@@ -7,7 +7,9 @@
  * a backend's: a table of callbacks that `neuroctl serve` fills from one
  * process's batched decoder and a coordinator can fill from its cluster.
  *
- * Endpoints: POST /v1/completions, POST /v1/embeddings, GET /v1/models,
+ * Endpoints: POST /v1/completions, POST /v1/chat/completions (messages
+ * rendered to a prompt by the model's chat template, core/chat_template.h),
+ * POST /v1/embeddings, GET /v1/models,
  * GET /api/status, GET /api/events (server-sent events), GET /metrics,
  * GET / (the dashboard) and GET /static/chart.js (Debian's Chart.js, when
  * installed). docs/serving.md describes them.
@@ -28,6 +30,8 @@
 #include "base/status.h"
 
 #define NL_HTTP_MAX_STOP 4
+#define NL_HTTP_MAX_LOGPROBS 20 /* top alternatives a request may ask for */
+#define NL_HTTP_MAX_N 16        /* choices of one request */
 
 /* A completion request after the server checked every field. */
 typedef struct nl_http_completion {
@@ -40,8 +44,19 @@ typedef struct nl_http_completion {
     double top_p;       /* (0, 1] */
     uint64_t seed;
     int stream;
-    int model; /* the request's "model": 0 the backend's model_name, k its models[k - 1] */
+    int model;    /* the request's "model": 0 the backend's model_name, k its models[k - 1] */
+    int logprobs; /* -1: none; k in 0..NL_HTTP_MAX_LOGPROBS: each token's log-probability and
+                     the k most likely ids' (completion_next fills *lp) */
 } nl_http_completion;
+
+/* A sampled token's log-probability and the top k alternatives', from the
+ * log-softmax of the model's logits (temperature 1, before top-p). */
+typedef struct nl_http_logprob {
+    float logprob;
+    int k;
+    int32_t top_ids[NL_HTTP_MAX_LOGPROBS];
+    float top[NL_HTTP_MAX_LOGPROBS]; /* descending; ties to the lower id */
+} nl_http_logprob;
 
 /* What completion_next reports. */
 typedef enum nl_http_next {
@@ -66,13 +81,16 @@ typedef struct nl_http_backend {
     /* Start a generation: *job for the calls below, *prompt_tokens the
      * prompt's length in tokens. Errors: NL_ERR_INVALID or NL_ERR_RANGE
      * (400; the message names the field), NL_ERR_CAPACITY (429),
-     * NL_ERR_STATE (503), others 500. */
+     * NL_ERR_STATE (503), NL_ERR_UNSUPPORTED (501: e.g. logprobs where the
+     * backend has none), others 500. */
     nl_status (*completion_start)(void *ctx, const nl_http_completion *req, void **job,
                                   int *prompt_tokens, nl_error *err);
     /* The next token within timeout_ms. Its bytes (*text, *len) stay valid
-     * until the next call on the job. */
+     * until the next call on the job; *lp is filled when the request asked
+     * for logprobs. */
     nl_http_next (*completion_next)(void *ctx, void *job, int32_t *id, const char **text,
-                                    size_t *len, int timeout_ms, nl_error *err);
+                                    size_t *len, nl_http_logprob *lp, int timeout_ms,
+                                    nl_error *err);
     /* Cancel the generation if it still runs and free the job (a client
      * that went away ends here). */
     void (*completion_end)(void *ctx, void *job);
@@ -82,6 +100,14 @@ typedef struct nl_http_backend {
      * completion_start, and NL_ERR_UNSUPPORTED: 501. */
     nl_status (*embed)(void *ctx, int model, const char *text, size_t len, const int32_t *ids,
                        int n, float **vec, int *dim, int *tokens, nl_error *err);
+    /* The chat template of model (as nl_http_completion.model) as malloc'd
+     * JSON text (core/chat_template.h), or NULL for the default. May be
+     * NULL itself: the default. */
+    char *(*chat_template)(void *ctx, int model);
+    /* The bytes of token id copied into buf (at most cap), for the text of
+     * top_logprobs alternatives; returns the length (0: none). May be NULL
+     * for a backend without logprobs. */
+    size_t (*token_bytes)(void *ctx, int32_t id, char *buf, size_t cap);
     /* A malloc'd JSON object for /api/status (NULL: out of memory). */
     char *(*status_json)(void *ctx);
     /* Malloc'd Prometheus text appended to the server's own metrics. */

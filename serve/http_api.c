@@ -1,20 +1,21 @@
-/* The /v1 endpoints in the OpenAI shapes: every field of a request is
- * checked (400 naming the field), generation runs through the backend's
- * callbacks, answers come whole or as server-sent events, one chunk per
- * token, then `data: [DONE]`. Stop strings and UTF-8 are handled here so
- * that every backend behaves the same. */
+/* The /v1 requests in the OpenAI shapes: every field of a request is
+ * checked (400 naming the field), a chat's messages are rendered to one
+ * prompt by the model's chat template (core/chat_template.h); the
+ * completion then runs in http_gen.c. Embeddings (float or base64) and
+ * the model list are answered here. */
 #include "http_impl.h"
 
-#include <inttypes.h>
+#include <sodium.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
-#define KEEPALIVE_MS 10000
+#include "core/chat_template.h"
+
 #define MAX_STOP_LEN 256
 #define MAX_EMBED_INPUTS 64
+#define MAX_MESSAGES 1024
 
 /* ---------------------------------------------------------------- UTF-8 */
 
@@ -74,7 +75,7 @@ static size_t utf8_clean(const char *s, size_t n, int final, char *out, size_t *
     return i;
 }
 
-static json_t *json_text(const char *s, size_t n, int final, size_t *used)
+json_t *http_json_text(const char *s, size_t n, int final, size_t *used)
 {
     char *out = malloc(3 * n + 1);
     if (!out)
@@ -142,16 +143,14 @@ static int ignorable(const char *k, json_t *v)
 {
     if (strcmp(k, "model") == 0 || strcmp(k, "user") == 0)
         return json_is_string(v) || json_is_null(v);
-    if (strcmp(k, "n") == 0 || strcmp(k, "best_of") == 0)
+    if (strcmp(k, "best_of") == 0)
         return json_is_null(v) || (json_is_integer(v) && json_integer_value(v) == 1);
-    if (strcmp(k, "logprobs") == 0 || strcmp(k, "suffix") == 0 || strcmp(k, "logit_bias") == 0)
+    if (strcmp(k, "suffix") == 0 || strcmp(k, "logit_bias") == 0)
         return json_is_null(v);
     if (strcmp(k, "echo") == 0)
         return json_is_null(v) || json_is_false(v);
     if (strcmp(k, "presence_penalty") == 0 || strcmp(k, "frequency_penalty") == 0)
         return json_is_null(v) || (json_is_number(v) && json_number_value(v) == 0.0);
-    if (strcmp(k, "stream_options") == 0)
-        return json_is_null(v) || json_is_object(v);
     return 0;
 }
 
@@ -190,64 +189,64 @@ static int pick_model(const nl_http *h, json_t *o, field_err *fe)
     return -1;
 }
 
-static const char *model_name(const nl_http *h, int model)
+const char *http_model_name(const nl_http *h, int model)
 {
     return model > 0 && model <= h->be.n_models ? h->be.models[model - 1] : h->be.model_name;
 }
 
-typedef struct comp_req {
-    nl_http_completion c;
-    int32_t *ids;
-    const char *stops[NL_HTTP_MAX_STOP];
-    int n_stop;
-} comp_req;
-
-static int parse_completion(json_t *o, comp_req *r, field_err *fe)
+/* Every field of o is one of known[] or ignorable. */
+static int check_fields(json_t *o, const char *const *known, size_t n, field_err *fe)
 {
-    static const char *known[] = {"prompt", "max_tokens", "temperature", "top_p",
-                                  "seed",   "stop",       "stream"};
     const char *k;
     json_t *v;
     json_object_foreach(o, k, v)
     {
         int ok = 0;
-        for (size_t i = 0; i < sizeof known / sizeof known[0]; i++)
+        for (size_t i = 0; i < n; i++)
             ok |= strcmp(k, known[i]) == 0;
         if (!ok && !ignorable(k, v))
             return bad(fe, k, "%s: not a field this server takes (or not at its default)", k);
     }
+    return 0;
+}
+
+/* The fields completions and chat share: sampling, n, stop, stream and
+ * stream_options. max_tokens is read by the caller. */
+static int parse_common(json_t *o, gen_req *r, field_err *fe)
+{
     nl_http_completion *c = &r->c;
-    long long max_tokens = 16, seed = 0;
+    long long seed = 0, n = 1;
     c->temperature = 1.0;
     c->top_p = 1.0;
-    json_t *p = json_object_get(o, "prompt");
-    if (!p)
-        return bad(fe, "prompt", "prompt: required");
-    if (json_is_array(p) && json_array_size(p) == 1 && json_is_string(json_array_get(p, 0)))
-        p = json_array_get(p, 0); /* ["text"]: one prompt */
-    if (json_is_string(p)) {
-        c->prompt_text = json_string_value(p);
-        c->prompt_len = json_string_length(p);
-        if (c->prompt_len == 0)
-            return bad(fe, "prompt", "prompt: empty");
-    } else if (json_is_array(p)) {
-        if (get_ids(p, "prompt", &r->ids, &c->n_prompt_ids, fe))
-            return -1;
-        c->prompt_ids = r->ids;
-    } else {
-        return bad(fe, "prompt", "prompt: expected a string or an array of token ids");
-    }
-    if (get_int(o, "max_tokens", 1, INT32_MAX, &max_tokens, fe) ||
-        get_int(o, "seed", 0, INT64_MAX, &seed, fe) ||
+    if (get_int(o, "seed", 0, INT64_MAX, &seed, fe) || get_int(o, "n", 1, NL_HTTP_MAX_N, &n, fe) ||
         get_num(o, "temperature", 0.0, 100.0, 0, &c->temperature, fe) ||
         get_num(o, "top_p", 0.0, 1.0, 1, &c->top_p, fe))
         return -1;
-    c->max_tokens = (int)max_tokens;
     c->seed = (uint64_t)seed;
+    r->n = (int)n;
     json_t *s = json_object_get(o, "stream");
     if (s && !json_is_null(s) && !json_is_boolean(s))
         return bad(fe, "stream", "stream: expected true or false");
     c->stream = s && json_is_true(s);
+    json_t *so = json_object_get(o, "stream_options");
+    if (so && !json_is_null(so)) {
+        const char *k;
+        json_t *v;
+        if (!json_is_object(so))
+            return bad(fe, "stream_options", "stream_options: expected an object");
+        json_object_foreach(so, k, v)
+        {
+            if (strcmp(k, "include_usage") != 0)
+                return bad(fe, "stream_options", "stream_options.%s: not a field this server takes",
+                           k);
+            if (!json_is_boolean(v) && !json_is_null(v))
+                return bad(fe, "stream_options",
+                           "stream_options.include_usage: expected true or false");
+            r->include_usage = json_is_true(v);
+        }
+        if (!c->stream)
+            return bad(fe, "stream_options", "stream_options: only with \"stream\": true");
+    }
     json_t *st = json_object_get(o, "stop");
     if (st && !json_is_null(st)) {
         if (json_is_string(st)) {
@@ -267,6 +266,178 @@ static int parse_completion(json_t *o, comp_req *r, field_err *fe)
                 return bad(fe, "stop", "stop: each string must have 1..%d bytes", MAX_STOP_LEN);
     }
     return 0;
+}
+
+static int parse_completion(json_t *o, gen_req *r, field_err *fe)
+{
+    static const char *const known[] = {"prompt",   "max_tokens",    "temperature", "top_p",
+                                        "seed",     "stop",          "stream",      "n",
+                                        "logprobs", "stream_options"};
+    nl_http_completion *c = &r->c;
+    long long max_tokens = 16, logprobs = -1;
+    if (check_fields(o, known, sizeof known / sizeof known[0], fe))
+        return -1;
+    json_t *p = json_object_get(o, "prompt");
+    if (!p)
+        return bad(fe, "prompt", "prompt: required");
+    if (json_is_array(p) && json_array_size(p) == 1 && json_is_string(json_array_get(p, 0)))
+        p = json_array_get(p, 0); /* ["text"]: one prompt */
+    if (json_is_string(p)) {
+        c->prompt_text = json_string_value(p);
+        c->prompt_len = json_string_length(p);
+        if (c->prompt_len == 0)
+            return bad(fe, "prompt", "prompt: empty");
+    } else if (json_is_array(p)) {
+        if (get_ids(p, "prompt", &r->ids, &c->n_prompt_ids, fe))
+            return -1;
+        c->prompt_ids = r->ids;
+    } else {
+        return bad(fe, "prompt", "prompt: expected a string or an array of token ids");
+    }
+    if (get_int(o, "max_tokens", 1, INT32_MAX, &max_tokens, fe) ||
+        get_int(o, "logprobs", 0, NL_HTTP_MAX_LOGPROBS, &logprobs, fe) || parse_common(o, r, fe))
+        return -1;
+    c->max_tokens = (int)max_tokens;
+    c->logprobs = (int)logprobs;
+    return 0;
+}
+
+/* A message's content: a string, or an array of {"type": "text", "text"}
+ * parts (joined). *owned is set when the text was joined. */
+static int message_text(json_t *m, size_t i, const char **text, size_t *len, char **owned,
+                        field_err *fe)
+{
+    json_t *ct = json_object_get(m, "content");
+    if (json_is_string(ct)) {
+        *text = json_string_value(ct);
+        *len = json_string_length(ct);
+        return 0;
+    }
+    if (json_is_null(ct) || !ct) {
+        *text = "";
+        *len = 0;
+        return 0;
+    }
+    if (!json_is_array(ct))
+        return bad(fe, "messages", "messages[%zu].content: expected a string or text parts", i);
+    size_t n = 0, k;
+    json_t *part;
+    json_array_foreach(ct, k, part)
+    {
+        json_t *ty = json_object_get(part, "type"), *tx = json_object_get(part, "text");
+        if (!json_is_string(ty) || strcmp(json_string_value(ty), "text") != 0 ||
+            !json_is_string(tx))
+            return bad(fe, "messages",
+                       "messages[%zu].content[%zu]: only {\"type\": \"text\", \"text\": ...} "
+                       "parts are served",
+                       i, k);
+        n += json_string_length(tx);
+    }
+    if (!(*owned = malloc(n + 1)))
+        return bad(fe, "messages", "out of memory");
+    n = 0;
+    json_array_foreach(ct, k, part)
+    {
+        json_t *tx = json_object_get(part, "text");
+        memcpy(*owned + n, json_string_value(tx), json_string_length(tx));
+        n += json_string_length(tx);
+    }
+    (*owned)[n] = 0;
+    *text = *owned;
+    *len = n;
+    return 0;
+}
+
+/* messages rendered by the model's chat template into r->rendered. */
+static int render_messages(nl_http *h, json_t *msgs, gen_req *r, field_err *fe)
+{
+    static const char *const mkeys[] = {"role", "content", "name"};
+    size_t n = json_array_size(msgs);
+    if (!json_is_array(msgs) || n == 0 || n > MAX_MESSAGES)
+        return bad(fe, "messages", "messages: expected an array of 1..%d messages", MAX_MESSAGES);
+    nl_chat_msg *cm = calloc(n, sizeof *cm);
+    char **owned = calloc(n, sizeof *owned);
+    char *tjson = h->be.chat_template ? h->be.chat_template(h->be.ctx, r->c.model) : NULL;
+    nl_chat_template *t = NULL;
+    nl_error err = {0};
+    int rc = -1;
+    if (!cm || !owned) {
+        bad(fe, "messages", "out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        json_t *m = json_array_get(msgs, i), *role = json_object_get(m, "role");
+        if (!json_is_object(m)) {
+            bad(fe, "messages", "messages[%zu]: expected an object", i);
+            goto out;
+        }
+        const char *k;
+        json_t *v;
+        json_object_foreach(m, k, v)
+        {
+            int ok = 0;
+            for (size_t j = 0; j < sizeof mkeys / sizeof mkeys[0]; j++)
+                ok |= strcmp(k, mkeys[j]) == 0;
+            if (!ok) {
+                bad(fe, "messages", "messages[%zu].%s: not a field this server takes", i, k);
+                goto out;
+            }
+        }
+        int ro = json_is_string(role) ? nl_chat_role_of(json_string_value(role)) : -1;
+        if (ro < 0) {
+            bad(fe, "messages", "messages[%zu].role: expected system, developer, user or assistant",
+                i);
+            goto out;
+        }
+        cm[i].role = (nl_chat_role)ro;
+        if (message_text(m, i, &cm[i].content, &cm[i].len, &owned[i], fe))
+            goto out;
+    }
+    nl_status st = tjson ? nl_chat_template_parse(&t, tjson, strlen(tjson), &err)
+                         : nl_chat_template_default(&t, &err);
+    if (st == NL_OK)
+        st = nl_chat_template_render(t, cm, (int)n, 1, &r->rendered, &r->c.prompt_len, &err);
+    if (st != NL_OK) {
+        bad(fe, "", "the model's chat template: %s", err.msg);
+        goto out;
+    }
+    r->c.prompt_text = r->rendered;
+    rc = 0;
+out:
+    for (size_t i = 0; owned && i < n; i++)
+        free(owned[i]);
+    free(owned);
+    free(cm);
+    free(tjson);
+    nl_chat_template_destroy(&t);
+    return rc;
+}
+
+static int parse_chat(nl_http *h, json_t *o, gen_req *r, field_err *fe)
+{
+    static const char *const known[] = {"messages",    "max_tokens",   "max_completion_tokens",
+                                        "temperature", "top_p",        "seed",
+                                        "stop",        "stream",       "n",
+                                        "logprobs",    "top_logprobs", "stream_options"};
+    nl_http_completion *c = &r->c;
+    long long max_tokens = 16, mct = -1, top = -1;
+    if (check_fields(o, known, sizeof known / sizeof known[0], fe) || parse_common(o, r, fe) ||
+        get_int(o, "max_tokens", 1, INT32_MAX, &max_tokens, fe) ||
+        get_int(o, "max_completion_tokens", 1, INT32_MAX, &mct, fe) ||
+        get_int(o, "top_logprobs", 0, NL_HTTP_MAX_LOGPROBS, &top, fe))
+        return -1;
+    json_t *lp = json_object_get(o, "logprobs");
+    if (lp && !json_is_null(lp) && !json_is_boolean(lp))
+        return bad(fe, "logprobs", "logprobs: expected true or false");
+    c->logprobs = json_is_true(lp) ? (top >= 0 ? (int)top : 0) : -1;
+    if (top >= 0 && c->logprobs < 0)
+        return bad(fe, "top_logprobs", "top_logprobs: only with \"logprobs\": true");
+    c->max_tokens = (int)(mct > 0 ? mct : max_tokens);
+    json_t *msgs = json_object_get(o, "messages");
+    if (!msgs)
+        return bad(fe, "messages", "messages: required");
+    r->chat = 1;
+    return render_messages(h, msgs, r, fe);
 }
 
 /* The body as a JSON object, or a 400 naming what is wrong. */
@@ -290,320 +461,69 @@ static json_t *parse_body(http_req *rq, field_err *fe)
     return j;
 }
 
-/* ---------------------------------------------------------------- generation */
+/* ---------------------------------------------------------------- completions */
 
-typedef struct gen_state {
-    nl_http *h;
-    void *job;
-    const char *model; /* the name answers carry */
-    char id[40];
-    long long created;
-    int stream;
-    int prompt_tokens, completion_tokens;
-    char *stops[NL_HTTP_MAX_STOP];
-    int n_stop;
-    size_t max_stop;
-    char *text; /* generated bytes, cut at a stop string */
-    size_t tlen, tcap, sent;
-    int32_t *ids;
-    int nids, idcap;
-    int done, closed;   /* generation over; stream fully formatted */
-    const char *finish; /* "length", "stop", "error" */
-    nl_error err;
-    char *pend; /* stream bytes not yet handed to the socket */
-    size_t plen, poff, pcap;
-    int waited_ms;
-} gen_state;
-
-static void gen_end_job(gen_state *g)
-{
-    if (g->job) {
-        g->h->be.completion_end(g->h->be.ctx, g->job);
-        g->job = NULL;
-    }
-}
-
-static int grow(void **p, size_t *cap, size_t need, size_t elem)
-{
-    if (need <= *cap)
-        return 0;
-    size_t c = *cap ? *cap : 64;
-    while (c < need)
-        c *= 2;
-    void *q = realloc(*p, c * elem);
-    if (!q)
-        return -1;
-    *p = q;
-    *cap = c;
-    return 0;
-}
-
-/* The earliest stop string that starts at or after `from`: its offset,
- * or -1. */
-static long find_stop(const gen_state *g, size_t from)
-{
-    long best = -1;
-    for (int i = 0; i < g->n_stop; i++) {
-        size_t sl = strlen(g->stops[i]);
-        for (size_t o = from; o + sl <= g->tlen; o++)
-            if (memcmp(g->text + o, g->stops[i], sl) == 0) {
-                if (best < 0 || (long)o < best)
-                    best = (long)o;
-                break;
-            }
-    }
-    return best;
-}
-
-/* One step: 1 a token, 0 nothing yet, -1 the generation is over. */
-static int gen_step(gen_state *g, int timeout_ms)
-{
-    if (g->done)
-        return -1;
-    int32_t id = 0;
-    const char *t = NULL;
-    size_t n = 0;
-    nl_http_next r =
-        g->h->be.completion_next(g->h->be.ctx, g->job, &id, &t, &n, timeout_ms, &g->err);
-    if (r == NL_HTTP_WAIT)
-        return 0;
-    if (r != NL_HTTP_TOKEN) {
-        g->done = 1;
-        g->finish = r == NL_HTTP_DONE ? "length" : "error";
-        gen_end_job(g);
-        return -1;
-    }
-    size_t icap = (size_t)g->idcap;
-    if (grow((void **)&g->ids, &icap, (size_t)g->nids + 1, sizeof *g->ids) ||
-        grow((void **)&g->text, &g->tcap, g->tlen + n + 1, 1)) {
-        nl_error_set(&g->err, NL_ERR_NOMEM, "out of memory");
-        g->done = 1;
-        g->finish = "error";
-        gen_end_job(g);
-        return -1;
-    }
-    g->idcap = (int)icap;
-    g->ids[g->nids++] = id;
-    g->completion_tokens++;
-    size_t old = g->tlen;
-    memcpy(g->text + g->tlen, t, n);
-    g->tlen += n;
-    if (g->n_stop) {
-        size_t from = old + 1 > g->max_stop ? old + 1 - g->max_stop : 0;
-        long at = find_stop(g, from);
-        if (at >= 0) {
-            g->tlen = (size_t)at;
-            if (g->sent > g->tlen)
-                g->sent = g->tlen;
-            g->done = 1;
-            g->finish = "stop";
-            gen_end_job(g); /* cancels the rest of the generation */
-        }
-    }
-    return 1;
-}
-
-static json_t *usage_json(const gen_state *g)
-{
-    return json_pack("{s:i, s:i, s:i}", "prompt_tokens", g->prompt_tokens, "completion_tokens",
-                     g->completion_tokens, "total_tokens", g->prompt_tokens + g->completion_tokens);
-}
-
-static json_t *ids_json(const int32_t *ids, int n)
-{
-    json_t *a = json_array();
-    for (int i = 0; a && i < n; i++)
-        json_array_append_new(a, json_integer(ids[i]));
-    return a;
-}
-
-static void gen_publish(gen_state *g, const char *finish)
-{
-    char ev[256];
-    snprintf(ev, sizeof ev,
-             "{\"endpoint\":\"/v1/completions\",\"id\":\"%s\",\"stream\":%s,\"prompt_tokens\":%d,"
-             "\"completion_tokens\":%d,\"finish_reason\":\"%s\"}",
-             g->id, g->stream ? "true" : "false", g->prompt_tokens, g->completion_tokens, finish);
-    nl_http_publish(g->h, "request", ev);
-}
-
-static void gen_free(void *cls)
-{
-    gen_state *g = cls;
-    gen_publish(g, g->done ? g->finish : "cancelled");
-    gen_end_job(g);
-    for (int i = 0; i < g->n_stop; i++)
-        free(g->stops[i]);
-    free(g->text);
-    free(g->ids);
-    free(g->pend);
-    free(g);
-}
-
-/* Append one SSE data line to the pending stream bytes. */
-static int pend_add(gen_state *g, const char *s, size_t n)
-{
-    if (grow((void **)&g->pend, &g->pcap, g->plen + n, 1))
-        return -1;
-    memcpy(g->pend + g->plen, s, n);
-    g->plen += n;
-    return 0;
-}
-
-static int pend_chunk(gen_state *g, json_t *text, json_t *ids, const char *finish, int usage)
-{
-    json_t *ch = json_pack("{s:i, s:o, s:o, s:s?}", "index", 0, "text", text, "token_ids", ids,
-                           "finish_reason", finish);
-    if (ch && !finish)
-        json_object_set_new(ch, "finish_reason", json_null());
-    json_t *j = json_pack("{s:s, s:s, s:I, s:s, s:[o]}", "id", g->id, "object", "text_completion",
-                          "created", g->created, "model", g->model, "choices", ch);
-    if (j && usage)
-        json_object_set_new(j, "usage", usage_json(g));
-    char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
-    json_decref(j);
-    int rc = !s || pend_add(g, "data: ", 6) || pend_add(g, s, strlen(s)) || pend_add(g, "\n\n", 2);
-    free(s);
-    return rc ? -1 : 0;
-}
-
-static ssize_t gen_read(void *cls, uint64_t pos, char *buf, size_t max)
-{
-    gen_state *g = cls;
-    while (g->poff == g->plen) {
-        if (g->closed || http_stopping(g->h))
-            return g->closed ? MHD_CONTENT_READER_END_OF_STREAM : MHD_CONTENT_READER_END_WITH_ERROR;
-        g->plen = g->poff = 0;
-        int32_t before = g->nids;
-        int r = gen_step(g, 1000);
-        if (r == 0) {
-            g->waited_ms += 1000;
-            if (g->waited_ms >= KEEPALIVE_MS) {
-                g->waited_ms = 0;
-                if (pend_add(g, ": keep-alive\n\n", 14))
-                    return MHD_CONTENT_READER_END_WITH_ERROR;
-            }
-            continue;
-        }
-        g->waited_ms = 0;
-        size_t used = 0;
-        int rc = 0;
-        if (r == 1 || g->nids > before) { /* the token's chunk (text up to a stop) */
-            json_t *t = json_text(g->text + g->sent, g->tlen - g->sent, 0, &used);
-            g->sent += used;
-            rc |= pend_chunk(g, t, ids_json(&g->ids[before], g->nids - before), NULL, 0);
-        }
-        if (g->done) {
-            if (g->finish && strcmp(g->finish, "error") == 0) {
-                json_t *e = json_pack("{s:{s:s, s:s}}", "error", "message", g->err.msg, "type",
-                                      "server_error");
-                char *s = e ? json_dumps(e, JSON_COMPACT) : NULL;
-                json_decref(e);
-                rc |= !s || pend_add(g, "data: ", 6) || pend_add(g, s, strlen(s)) ||
-                      pend_add(g, "\n\n", 2);
-                free(s);
-            }
-            json_t *t = json_text(g->text + g->sent, g->tlen - g->sent, 1, &used);
-            g->sent += used;
-            rc |= pend_chunk(g, t, json_array(), g->finish, 1);
-            rc |= pend_add(g, "data: [DONE]\n\n", 14);
-            g->closed = 1;
-        }
-        if (rc)
-            return MHD_CONTENT_READER_END_WITH_ERROR;
-    }
-    size_t n = g->plen - g->poff < max ? g->plen - g->poff : max;
-    memcpy(buf, g->pend + g->poff, n);
-    g->poff += n;
-    return (ssize_t)n;
-}
-
-enum MHD_Result http_completions(nl_http *h, struct MHD_Connection *c, http_req *rq)
+/* POST /v1/completions and /v1/chat/completions: check, then run. */
+static enum MHD_Result completions(nl_http *h, struct MHD_Connection *c, http_req *rq, int chat)
 {
     field_err fe = {{0}, {0}};
-    comp_req r;
+    gen_req r;
     memset(&r, 0, sizeof r);
     json_t *body = parse_body(rq, &fe);
-    gen_state *g = NULL;
     enum MHD_Result res;
-    if (!body || parse_completion(body, &r, &fe)) {
-        res = http_error(h, c, rq, 400, fe.param[0] ? fe.param : NULL, "%s", fe.msg);
-        goto out;
-    }
-    if ((r.c.model = pick_model(h, body, &fe)) < 0) {
+    int model = body ? pick_model(h, body, &fe) : 0;
+    if (model < 0) {
         res = http_error(h, c, rq, 404, "model", "%s", fe.msg);
         goto out;
     }
-    if (!(g = calloc(1, sizeof *g))) {
-        res = http_error(h, c, rq, 500, NULL, "out of memory");
+    r.c.model = model;
+    if (!body || (chat ? parse_chat(h, body, &r, &fe) : parse_completion(body, &r, &fe))) {
+        res = http_error(h, c, rq, 400, fe.param[0] ? fe.param : NULL, "%s", fe.msg);
         goto out;
     }
-    g->h = h;
-    g->model = model_name(h, r.c.model);
-    g->stream = r.c.stream;
-    g->created = (long long)time(NULL);
-    pthread_mutex_lock(&h->mu);
-    snprintf(g->id, sizeof g->id, "cmpl-%" PRIu64, ++h->created_id);
-    pthread_mutex_unlock(&h->mu);
-    for (int i = 0; i < r.n_stop; i++) {
-        g->stops[g->n_stop++] = strdup(r.stops[i]);
-        size_t l = strlen(r.stops[i]);
-        g->max_stop = l > g->max_stop ? l : g->max_stop;
-    }
-    nl_error err = {0};
-    nl_status st = h->be.completion_start(h->be.ctx, &r.c, &g->job, &g->prompt_tokens, &err);
-    if (st != NL_OK) {
-        int code = http_code_of(st);
-        const char *param = strncmp(err.msg, "max_tokens", 10) == 0 ? "max_tokens"
-                            : strncmp(err.msg, "prompt", 6) == 0    ? "prompt"
-                                                                    : NULL;
-        res = http_error(h, c, rq, code, param, "%s", err.msg);
-        g->done = 1;
-        g->finish = "rejected";
-        gen_free(g);
-        goto out;
-    }
-    if (g->stream) {
-        struct MHD_Response *resp =
-            MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 4096, gen_read, g, gen_free);
-        if (!resp) {
-            gen_free(g);
-            res = MHD_NO;
-            goto out;
-        }
-        MHD_add_response_header(resp, "Content-Type", "text/event-stream");
-        MHD_add_response_header(resp, "Cache-Control", "no-store");
-        res = MHD_queue_response(c, 200, resp);
-        MHD_destroy_response(resp);
-        http_count(h, rq->ep, 200);
-        goto out;
-    }
-    while (gen_step(g, 1000) >= 0 && !http_stopping(h))
-        ;
-    if (!g->done || strcmp(g->finish, "error") == 0) {
-        res =
-            http_error(h, c, rq, 500, NULL, "%s", g->done ? g->err.msg : "the server is stopping");
-        gen_free(g);
-        goto out;
-    }
-    json_t *ch = json_pack("{s:i, s:o, s:o, s:s, s:n}", "index", 0, "text",
-                           json_text(g->text, g->tlen, 1, NULL), "token_ids",
-                           ids_json(g->ids, g->nids), "finish_reason", g->finish, "logprobs");
-    json_t *j =
-        json_pack("{s:s, s:s, s:I, s:s, s:[o], s:o}", "id", g->id, "object", "text_completion",
-                  "created", g->created, "model", g->model, "choices", ch, "usage", usage_json(g));
-    char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
-    json_decref(j);
-    gen_free(g);
-    res = s ? http_reply(h, c, rq, 200, "application/json", s, strlen(s))
-            : http_error(h, c, rq, 500, NULL, "out of memory");
+    res = http_generate(h, c, rq, &r);
 out:
     free(r.ids);
+    free(r.rendered);
     json_decref(body);
     return res;
 }
 
+enum MHD_Result http_completions(nl_http *h, struct MHD_Connection *c, http_req *rq)
+{
+    return completions(h, c, rq, 0);
+}
+
+enum MHD_Result http_chat(nl_http *h, struct MHD_Connection *c, http_req *rq)
+{
+    return completions(h, c, rq, 1);
+}
+
 /* ---------------------------------------------------------------- embeddings */
+
+/* The floats as OpenAI's encoding_format "base64" has them: the
+ * little-endian float32 bytes, base64 (libsodium's, original variant). */
+static json_t *base64_floats(const float *v, int dim)
+{
+    size_t nb = (size_t)dim * 4;
+    unsigned char *b = malloc(nb ? nb : 1);
+    size_t cap = sodium_base64_ENCODED_LEN(nb, sodium_base64_VARIANT_ORIGINAL);
+    char *s = malloc(cap);
+    json_t *j = NULL;
+    if (b && s) {
+        for (int i = 0; i < dim; i++) {
+            uint32_t u;
+            memcpy(&u, &v[i], 4);
+            for (int k = 0; k < 4; k++)
+                b[4 * i + k] = (unsigned char)(u >> (8 * k));
+        }
+        sodium_bin2base64(s, cap, b, nb, sodium_base64_VARIANT_ORIGINAL);
+        j = json_string(s);
+    }
+    free(b);
+    free(s);
+    return j;
+}
 
 enum MHD_Result http_embeddings(nl_http *h, struct MHD_Connection *c, http_req *rq)
 {
@@ -611,6 +531,7 @@ enum MHD_Result http_embeddings(nl_http *h, struct MHD_Connection *c, http_req *
     json_t *body = parse_body(rq, &fe), *data = NULL, *out = NULL;
     enum MHD_Result res;
     int32_t *ids = NULL;
+    int b64 = 0;
     if (!body)
         goto bad_req;
     const char *k;
@@ -620,11 +541,12 @@ enum MHD_Result http_embeddings(nl_http *h, struct MHD_Connection *c, http_req *
         if (strcmp(k, "input") == 0)
             continue;
         if (strcmp(k, "encoding_format") == 0) {
-            if (!json_is_null(v) &&
-                !(json_is_string(v) && strcmp(json_string_value(v), "float") == 0)) {
-                bad(&fe, k, "encoding_format: only \"float\" is served");
+            const char *f = json_string_value(v);
+            if (!json_is_null(v) && !(f && (strcmp(f, "float") == 0 || strcmp(f, "base64") == 0))) {
+                bad(&fe, k, "encoding_format: \"float\" or \"base64\"");
                 goto bad_req;
             }
+            b64 = f && strcmp(f, "base64") == 0;
             continue;
         }
         if (!ignorable(k, v)) {
@@ -681,8 +603,8 @@ enum MHD_Result http_embeddings(nl_http *h, struct MHD_Connection *c, http_req *
             res = http_error(h, c, rq, http_code_of(st), "input", "input[%zu]: %s", i, err.msg);
             goto out;
         }
-        json_t *a = json_array();
-        for (int j = 0; a && j < dim; j++)
+        json_t *a = b64 ? base64_floats(vec, dim) : json_array();
+        for (int j = 0; !b64 && a && j < dim; j++)
             json_array_append_new(a, json_real(vec[j]));
         free(vec);
         json_array_append_new(data, json_pack("{s:s, s:I, s:o}", "object", "embedding", "index",
@@ -690,7 +612,8 @@ enum MHD_Result http_embeddings(nl_http *h, struct MHD_Connection *c, http_req *
         total += toks;
     }
     out = json_pack("{s:s, s:O, s:s, s:{s:i, s:i}}", "object", "list", "data", data, "model",
-                    model_name(h, model), "usage", "prompt_tokens", total, "total_tokens", total);
+                    http_model_name(h, model), "usage", "prompt_tokens", total, "total_tokens",
+                    total);
     char *s = out ? json_dumps(out, JSON_COMPACT) : NULL;
     res = s ? http_reply(h, c, rq, 200, "application/json", s, strlen(s))
             : http_error(h, c, rq, 500, NULL, "out of memory");
@@ -710,8 +633,8 @@ enum MHD_Result http_models(nl_http *h, struct MHD_Connection *c, http_req *rq)
     json_t *data = json_array(), *j = NULL;
     for (int i = 0; data && i <= h->be.n_models; i++)
         json_array_append_new(data,
-                              json_pack("{s:s, s:s, s:i, s:s}", "id", model_name(h, i), "object",
-                                        "model", "created", 0, "owned_by", "neurollm"));
+                              json_pack("{s:s, s:s, s:i, s:s}", "id", http_model_name(h, i),
+                                        "object", "model", "created", 0, "owned_by", "neurollm"));
     if (data)
         j = json_pack("{s:s, s:o}", "object", "list", "data", data);
     char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;

@@ -1,6 +1,8 @@
 /* Private to serve/: the server's state, shared by http.c (the daemon,
- * routing, limits, tokens, events, metrics, static pages) and http_api.c
- * (the /v1 endpoints). Split by concern to keep each file short. */
+ * routing, limits, tokens, events, metrics, static pages), http_api.c
+ * (the /v1 requests: fields, chat rendering, embeddings, models) and
+ * http_gen.c (running a completion's choices and formatting the answer or
+ * the event stream). Split by concern to keep each file short. */
 #ifndef NL_SERVE_HTTP_IMPL_H
 #define NL_SERVE_HTTP_IMPL_H
 
@@ -12,6 +14,7 @@
 
 enum {
     EP_COMPLETIONS,
+    EP_CHAT,
     EP_EMBEDDINGS,
     EP_MODELS,
     EP_STATUS,
@@ -74,8 +77,32 @@ int http_code_of(nl_status st);
 /* Whether nl_http_stop has begun (streams end). */
 int http_stopping(nl_http *h);
 
+/* A completion or chat request after its fields were checked. */
+typedef struct gen_req {
+    nl_http_completion c; /* c.seed is choice 0's; choice i uses seed + i (mod 2^63) */
+    int32_t *ids;         /* owned: prompt ids */
+    char *rendered;       /* owned: a chat's prompt text */
+    const char *stops[NL_HTTP_MAX_STOP];
+    int n_stop;
+    int n;             /* choices, 1..NL_HTTP_MAX_N */
+    int chat;          /* answer in the chat.completion shapes */
+    int include_usage; /* stream_options.include_usage */
+} gen_req;
+
+/* Run req's choices and answer (whole, or as server-sent events); req
+ * stays the caller's. */
+enum MHD_Result http_generate(nl_http *h, struct MHD_Connection *c, http_req *rq,
+                              const gen_req *req);
+/* The name answers carry for model k. */
+const char *http_model_name(const nl_http *h, int model);
+/* Valid UTF-8 of s[0..n) as a JSON string (invalid bytes U+FFFD); unless
+ * final an incomplete sequence at the end is left out (*used: bytes
+ * taken; may be NULL). */
+json_t *http_json_text(const char *s, size_t n, int final, size_t *used);
+
 /* /v1 endpoints (http_api.c). */
 enum MHD_Result http_completions(nl_http *h, struct MHD_Connection *c, http_req *rq);
+enum MHD_Result http_chat(nl_http *h, struct MHD_Connection *c, http_req *rq);
 enum MHD_Result http_embeddings(nl_http *h, struct MHD_Connection *c, http_req *rq);
 enum MHD_Result http_models(nl_http *h, struct MHD_Connection *c, http_req *rq);
 

@@ -283,7 +283,7 @@ static void send_token(fake *f, uint64_t job, uint32_t tok)
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_TOKEN);
-    m.u.token = (nl_msg_token){job, job, 1, &tok, false};
+    m.u.token = (nl_msg_token){job, job, 1, &tok, false, 0, NULL};
     fake_send(f, &m);
 }
 

@@ -99,6 +99,22 @@ sum0=$(sha256sum < "$W/imported.safetensors")
 expect 1 "already exists.*--force\|--force" "$N" import --hf "$W/hf-ckpt" --out "$W/imported.safetensors"
 check test "$sum0" = "$(sha256sum < "$W/imported.safetensors")"
 check "$N" import --hf "$W/hf-ckpt" --out "$W/imported.safetensors" --force
+# a chat template (issue 32): a known family is recognised, the original goes
+# back out with the export; an unknown one gives the default with a warning
+cp -r "$W/hf-ckpt" "$W/hf-chat"
+CT='{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}'
+printf '{"chat_template": "%s", "eos_token": "<|im_end|>"}' "$CT" > "$W/hf-chat/tokenizer_config.json"
+expect 0 "chat template: the chatml family" "$N" import --hf "$W/hf-chat" --out "$W/chat.safetensors"
+expect 0 "chat template: the original in tokenizer_config.json" \
+  "$N" export --format hf --model "$W/chat.safetensors" --out "$W/hf-chat-out"
+check /usr/bin/python3 -c "import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.argv[2])); sys.exit(a['chat_template'] != b['chat_template'])" \
+  "$W/hf-chat/tokenizer_config.json" "$W/hf-chat-out/tokenizer_config.json"
+printf '{"chat_template": "{{ messages | tojson }}"}' > "$W/hf-chat/tokenizer_config.json"
+expect 0 "warning: tokenizer_config.json: chat_template .{{ messages | tojson }}.*default" \
+  "$N" import --hf "$W/hf-chat" --out "$W/chat2.safetensors"
+printf '{"chat_template": 7}' > "$W/hf-chat/tokenizer_config.json"
+expect 1 "chat_template: expected a string" "$N" import --hf "$W/hf-chat" --out "$W/chat3.safetensors"
+check test ! -e "$W/chat3.safetensors"
 # no tokenizer: "ids are bytes" only where they are (issue 34: 280 ids were "byte ids")
 expect 0 "no tokenizer in the source, so no vocabulary files: its 280 ids are not bytes" \
   "$N" export --format hf --model "$W/imported.safetensors" --out "$W/hf-imported"

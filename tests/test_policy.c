@@ -114,9 +114,18 @@ static void test_session(void)
     g.adapter = "/ck/a.safetensors";
     nl_wire_param wa[NL_GENPARAMS_SESSION_MAX];
     const uint32_t n = nl_genparams_session_wire(&g, wa);
-    CHECK(n == NL_GENPARAMS_SESSION_MAX, "an adapter: %u params", n);
+    CHECK(n == NL_GENPARAMS_SESSION_KEYS + 1, "an adapter: %u params", n);
     CHECK_OK(nl_genparams_parse(&h, wa, n, NL_GENPARAMS_SESSION, &err), &err);
     CHECK(h.adapter && strcmp(h.adapter, g.adapter) == 0, "the adapter read back differently");
+    g.logprobs = 3; /* log-probabilities and the top 2 */
+    CHECK(nl_genparams_session_wire(&g, wa) == NL_GENPARAMS_SESSION_MAX, "logprobs: 8 params");
+    CHECK_OK(nl_genparams_parse(&h, wa, NL_GENPARAMS_SESSION_MAX, NL_GENPARAMS_SESSION, &err),
+             &err);
+    CHECK(h.logprobs == 3, "logprobs read back as %d", h.logprobs);
+    nl_wire_param lp[] = {P_INT("session", 5), P_INT("capacity", 9), P_INT("logprobs", 22)};
+    CHECK(nl_genparams_parse(&h, lp, 3, NL_GENPARAMS_SESSION, &err) == NL_ERR_RANGE &&
+              strstr(err.msg, "logprobs"),
+          "logprobs 22 refused: %s", err.msg);
     nl_wire_param noad[] = {P_INT("session", 5), P_INT("capacity", 9), P_INT("adapter", 3)};
     CHECK(nl_genparams_parse(&h, noad, 3, NL_GENPARAMS_SESSION, &err) == NL_ERR_RANGE &&
               strstr(err.msg, "params.adapter"),

@@ -189,7 +189,8 @@ def test_bad_requests(s):
         (b'{"prompt": ""}', "empty", "prompt"),
         (b'{"max_tokens": 3}', "prompt: required", "prompt"),
         (b'{"prompt": [1], "bogus": 1}', "bogus", "bogus"),
-        (b'{"prompt": [1], "n": 2}', "n", "n"),
+        (b'{"prompt": [1], "n": 17}', "n", "n"),
+        (b'{"prompt": [1], "logprobs": 21}', "logprobs", "logprobs"),
         (b'{"prompt": [1], "prompt": [2]}', "duplicate", None),
     ]
     # the context's end: a prompt of 3 tokens leaves CTX - 3 to generate;

@@ -42,7 +42,7 @@ static nl_status fake_start(void *ctx, const nl_http_completion *rq, void **job,
 }
 
 static nl_http_next fake_next(void *ctx, void *jp, int32_t *id, const char **text, size_t *len,
-                              int timeout_ms, nl_error *err)
+                              nl_http_logprob *lp, int timeout_ms, nl_error *err)
 {
     fake_job *j = jp;
     if (j->next == j->fail_at) {
@@ -164,9 +164,48 @@ static void test_api(int port, nl_http *h)
     expect(r, "\"index\":1", "two embeddings");
     expect(r, "\"prompt_tokens\":5", "their tokens");
     free(r);
+    /* base64: the little-endian float32 bytes of 0.6f, 0.8f */
     r = request(port, "POST", "/v1/embeddings",
                 "{\"input\": \"a\", \"encoding_format\": \"base64\"}", NULL);
-    expect(r, "\"param\":\"encoding_format\"", "base64 refused");
+    expect(r, "\"embedding\":\"mpkZP83MTD8=\"", "base64 embedding");
+    free(r);
+    r = request(port, "POST", "/v1/embeddings", "{\"input\": \"a\", \"encoding_format\": \"int8\"}",
+                NULL);
+    expect(r, "\"param\":\"encoding_format\"", "int8 refused");
+    free(r);
+    /* chat and the new fields: refusals name the field */
+    static const char *const refused[][2] = {
+        {"{\"messages\": [{\"role\": \"tool\", \"content\": \"x\"}]}", "messages"},
+        {"{\"messages\": []}", "messages"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\", \"bogus\": 1}]}", "messages"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"top_logprobs\": 2}",
+         "top_logprobs"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"n\": 17}", "n"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], "
+         "\"stream_options\": {\"include_usage\": true}}",
+         "stream_options"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"stream\": true, "
+         "\"stream_options\": {\"other\": 1}}",
+         "stream_options"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"functions\": []}",
+         "functions"},
+    };
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+        char want[64];
+        snprintf(want, sizeof want, "\"param\":\"%s\"", refused[i][1]);
+        r = request(port, "POST", "/v1/chat/completions", refused[i][0], NULL);
+        expect(r, "HTTP/1.1 400", refused[i][0]);
+        expect(r, want, refused[i][0]);
+        free(r);
+    }
+    /* a chat through the (fake) backend: the default template's prompt */
+    r = request(port, "POST", "/v1/chat/completions",
+                "{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"text\", "
+                "\"text\": \"hi\"}]}], \"max_completion_tokens\": 2}",
+                NULL);
+    expect(r, "\"object\":\"chat.completion\"", "a chat completion");
+    expect(r, "\"role\":\"assistant\"", "the assistant's message");
+    expect(r, "\"completion_tokens\":2", "max_completion_tokens");
     free(r);
     nl_http_publish(h, "train_step", "{\"step\":3,\"loss\":2.5}");
     int s = socket(AF_INET, SOCK_STREAM, 0);
@@ -191,7 +230,7 @@ static void test_api(int port, nl_http *h)
     expect(r, "neurollm_http_requests_total{endpoint=\"/v1/completions\",code=\"429\"} 1",
            "429 counted");
     free(r);
-    CHECK(ended == 4, "every started job ended (%d)", ended);
+    CHECK(ended == 5, "every started job ended (%d)", ended); /* 4 completions, a chat */
 }
 
 /* A backend with two more models: "model" picks one, by name. */

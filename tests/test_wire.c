@@ -284,6 +284,11 @@ static bool added_later(nl_msg_type t, const nl_wire_msg *d, const char *key)
         return strcmp(key, "extras") == 0      ? d->u.train_hop.extras == 0
                : strcmp(key, "loss_rows") == 0 ? d->u.train_hop.loss_rows == 0
                                                : false;
+    /* frames that are all optional: without any, "tensors" may be absent */
+    if ((t == NL_MSG_TOKEN || t == NL_MSG_JOB_STATUS) && strcmp(key, "tensors") == 0)
+        return d->nframes == 0;
+    if (t == NL_MSG_TOKEN) /* with logprobs: top ids and a frame; neither before */
+        return strcmp(key, "top_ids") == 0 && d->u.token.ntop == 0;
     return t == NL_MSG_LOSS && strcmp(key, "correct") == 0 && d->u.train_loss.correct == 0;
 }
 
@@ -291,7 +296,9 @@ static bool is_added_later(nl_msg_type t, const char *key)
 {
     return ((t == NL_MSG_ACTIVATION || t == NL_MSG_COUNT || t == NL_MSG_EVAL) &&
             (strcmp(key, "extras") == 0 || strcmp(key, "loss_rows") == 0)) ||
-           (t == NL_MSG_LOSS && strcmp(key, "correct") == 0);
+           (t == NL_MSG_LOSS && strcmp(key, "correct") == 0) ||
+           (t == NL_MSG_TOKEN && strcmp(key, "top_ids") == 0) ||
+           ((t == NL_MSG_TOKEN || t == NL_MSG_JOB_STATUS) && strcmp(key, "tensors") == 0);
 }
 
 static void test_wrong_types(void)
@@ -478,6 +485,59 @@ static bool frame_is(const nl_tensor *t, const int32_t *want, int ndim, int64_t 
            memcmp(t->data, want, (size_t)n * sizeof *want) == 0;
 }
 
+/* A TOKEN with log-probabilities (issue 32): round-trips; a frame of the
+ * wrong length, a value above 0 or NaN, ids without a frame and a frame
+ * with several tokens are refused. */
+static void test_token_logprobs(void)
+{
+    nl_wire_msg m, d;
+    enc e = {0};
+    nl_error err;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_init(&d);
+    uint32_t tok[2] = {7, 8}, top[2] = {7, 3};
+    float lp[3] = {-0.5f, -0.5f, -1.25f};
+    struct {
+        uint32_t ntok, ntop;
+        int64_t len;
+        float v0;
+        int frame;
+        const char *want; /* NULL: accepted */
+    } cases[] = {{1, 2, 3, -0.5f, 1, NULL},
+                 {1, 2, 2, -0.5f, 1, "log-probabilities"},
+                 {1, 2, 3, 0.25f, 1, "not a finite"},
+                 {1, 2, 3, NAN, 1, "not a finite"},
+                 {1, 2, 0, -0.5f, 0, "top_ids"},
+                 {2, 1, 2, -0.5f, 1, "2 tokens"},
+                 {1, 0, 1, 0.0f, 1, NULL}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        nl_wire_msg_reset(&m, NL_MSG_TOKEN);
+        m.u.token = (nl_msg_token){5, 5, cases[i].ntok, tok, false, cases[i].ntop, top};
+        lp[0] = cases[i].v0;
+        if (cases[i].frame) {
+            nl_wire_frame_set(&m.frames[0], lp, NL_DTYPE_F32, &cases[i].len, 1);
+            m.nframes = 1;
+        }
+        nl_status st = enc_msg(&m, &e, NULL, &err);
+        if (st == NL_OK)
+            st = nl_wire_decode(&d, e.parts, e.nparts, NULL, &err);
+        if (!cases[i].want) {
+            float got = 1.0f;
+            if (st == NL_OK && d.nframes == 1)
+                memcpy(&got, d.frames[0].t.data, sizeof got);
+            CHECK(st == NL_OK && d.u.token.ntop == cases[i].ntop && d.nframes == 1 &&
+                      got == cases[i].v0 && (cases[i].ntop == 0 || d.u.token.top_ids[1] == 3),
+                  "TOKEN logprobs case %zu: %s", i, st == NL_OK ? "decoded wrong" : err.msg);
+        } else {
+            CHECK(st != NL_OK && strstr(err.msg, cases[i].want), "TOKEN case %zu refused: %s", i,
+                  st == NL_OK ? "accepted" : err.msg);
+        }
+    }
+    nl_wire_msg_free(&m);
+    nl_wire_msg_free(&d);
+    nl_wire_wbuf_free(&e.hdr);
+}
+
 static void test_train_hops(void)
 {
     nl_wire_msg m, d;
@@ -643,5 +703,6 @@ int main(int argc, char **argv)
     test_wrong_types();
     test_mutations();
     test_train_hops();
+    test_token_logprobs();
     return check_done("test_wire");
 }

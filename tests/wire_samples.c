@@ -110,7 +110,7 @@ void sample(nl_wire_msg *m, nl_msg_type t)
         break;
     }
     case NL_MSG_TOKEN:
-        m->u.token = (nl_msg_token){11, 99, 5, token_ids, true};
+        m->u.token = (nl_msg_token){11, 99, 5, token_ids, true, 0, NULL};
         break;
     case NL_MSG_JOB_SUBMIT: {
         m->u.job_submit = (nl_msg_job_submit){NL_JOB_GENERATE, 4, params};

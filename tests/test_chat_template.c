@@ -1,0 +1,147 @@
+/* Chat templates (core/chat_template.h): the default renders ChatML; the
+ * Hugging Face families map to the strings their Jinja programs produce
+ * for a system + user + assistant + user conversation; the JSON form
+ * round-trips and refuses what is malformed, naming the field; a Hugging
+ * Face directory's tokenizer_config.json is read and written back. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "core/chat_template.h"
+
+static const nl_chat_msg conv[] = {{NL_CHAT_SYSTEM, "Be brief.", 9},
+                                   {NL_CHAT_USER, "Hi", 2},
+                                   {NL_CHAT_ASSISTANT, "Hello!", 6},
+                                   {NL_CHAT_USER, "Bye", 3}};
+
+static void check_render(const nl_chat_template *t, const char *want, const char *label)
+{
+    char *out = NULL;
+    size_t len = 0;
+    nl_error err = {0};
+    CHECK_OK(nl_chat_template_render(t, conv, 4, 1, &out, &len, &err), &err);
+    CHECK(out && strcmp(out, want) == 0 && len == strlen(want), "%s: got [%s]", label,
+          out ? out : "(null)");
+    free(out);
+}
+
+static void check_family(const char *jinja, const char *family, const char *want)
+{
+    nl_chat_template *t = NULL;
+    nl_error err = {0};
+    CHECK_OK(nl_chat_template_from_hf(&t, jinja, "<s>", "</s>", &err), &err);
+    if (!t)
+        return;
+    CHECK(strcmp(t->family, family) == 0 && t->source && strcmp(t->source, jinja) == 0,
+          "%s: family %s", family, t->family);
+    check_render(t, want, family);
+    /* the JSON form round-trips */
+    char *j = nl_chat_template_to_json(t);
+    nl_chat_template *u = NULL;
+    CHECK_OK(nl_chat_template_parse(&u, j, strlen(j), &err), &err);
+    if (u)
+        check_render(u, want, "round trip");
+    nl_chat_template_destroy(&u);
+    nl_chat_template_destroy(&u); /* NULL-safe */
+    free(j);
+    nl_chat_template_destroy(&t);
+}
+
+static void check_refused(const char *json, const char *needle)
+{
+    nl_chat_template *t = NULL;
+    nl_error err = {0};
+    nl_status st = nl_chat_template_parse(&t, json, strlen(json), &err);
+    CHECK(st != NL_OK && !t && strstr(err.msg, needle), "refused naming %s: %s", needle, err.msg);
+}
+
+static void check_hf_dir(void)
+{
+    char dir[] = "/tmp/nl_chat_XXXXXX", path[64];
+    if (!mkdtemp(dir))
+        return;
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
+    FILE *f = fopen(path, "w");
+    fputs("{\"bos_token\": {\"content\": \"<|begin_of_text|>\"}, \"eos_token\": \"<|eot_id|>\", "
+          "\"chat_template\": \"{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
+          "<|end_header_id|>\\n\\n{{ m['content'] }}<|eot_id|>{% endfor %}\"}",
+          f);
+    fclose(f);
+    char *json = NULL, family[16], warn[256];
+    nl_error err = {0};
+    CHECK_OK(nl_chat_template_read_hf(dir, &json, family, warn, &err), &err);
+    CHECK(json && strcmp(family, "llama3") == 0 && !warn[0], "llama3 from a directory: %s", family);
+    nl_chat_template *t = NULL;
+    if (json && nl_chat_template_parse(&t, json, strlen(json), &err) == NL_OK)
+        CHECK(strcmp(t->bos, "<|begin_of_text|>") == 0, "bos from bos_token: %s", t->bos);
+    nl_chat_template_destroy(&t);
+    /* written back into a fresh directory: the original string */
+    unlink(path);
+    int wrote = 0;
+    CHECK_OK(nl_chat_template_write_hf(dir, json, &wrote, &err), &err);
+    char *back = NULL, fam2[16], warn2[256];
+    CHECK_OK(nl_chat_template_read_hf(dir, &back, fam2, warn2, &err), &err);
+    CHECK(wrote && back && strcmp(fam2, "llama3") == 0, "written back: %d %s", wrote, fam2);
+    free(back);
+    free(json);
+    /* an unknown family: the default, with a warning, the source kept */
+    f = fopen(path, "w");
+    fputs("{\"chat_template\": \"{{ messages }}\"}", f);
+    fclose(f);
+    CHECK_OK(nl_chat_template_read_hf(dir, &json, family, warn, &err), &err);
+    CHECK(json && strcmp(family, "chatml") == 0 && strstr(warn, "{{ messages }}") &&
+              strstr(json, "\"source\""),
+          "unknown family: the default, warned: %s", warn);
+    free(json);
+    unlink(path);
+    rmdir(dir);
+}
+
+int main(void)
+{
+    nl_chat_template *t = NULL;
+    nl_error err = {0};
+    CHECK_OK(nl_chat_template_default(&t, &err), &err);
+    if (t)
+        check_render(t,
+                     "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                     "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n"
+                     "<|im_start|>assistant\n",
+                     "default");
+    nl_chat_template_destroy(&t);
+    check_family("{% for m in messages %}<|im_start|>...", "chatml",
+                 "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                 "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n"
+                 "<|im_start|>assistant\n");
+    check_family("{{ bos_token }}{% ... %}<|start_header_id|>", "llama3",
+                 "<s><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+                 "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+                 "<|start_header_id|>assistant<|end_header_id|>\n\nHello!<|eot_id|>"
+                 "<|start_header_id|>user<|end_header_id|>\n\nBye<|eot_id|>"
+                 "<|start_header_id|>assistant<|end_header_id|>\n\n");
+    check_family("{% ... %}<|user|>\n", "zephyr",
+                 "<|system|>\nBe brief.</s>\n<|user|>\nHi</s>\n<|assistant|>\nHello!</s>\n"
+                 "<|user|>\nBye</s>\n<|assistant|>\n");
+    check_family(
+        "{{ bos_token }}[INST] <<SYS>>\\n", "llama2",
+        "<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST] Hello!</s>[INST] Bye [/INST]");
+    check_family("{{ bos_token }}[INST] {{ m }} [/INST]", "mistral",
+                 "<s>[INST] Be brief.\n\nHi [/INST]Hello!</s>[INST] Bye [/INST]");
+    t = NULL;
+    CHECK(nl_chat_template_from_hf(&t, "{{ messages }}", NULL, NULL, &err) == NL_ERR_UNSUPPORTED &&
+              !t,
+          "an unknown family is NL_ERR_UNSUPPORTED");
+    check_refused("{\"format\": \"neurollm-chat/2\", \"generation\": \"\"}", "format");
+    check_refused("{\"format\": \"neurollm-chat/1\", \"generation\": \"\", \"extra\": 1}", "extra");
+    check_refused("{\"format\": \"neurollm-chat/1\", \"generation\": \"\", \"roles\": {}}",
+                  "roles.system");
+    check_refused("{\"format\": \"neurollm-chat/1\", \"generation\": 3}", "generation");
+    check_refused("[1]", "JSON object");
+    CHECK(nl_chat_role_of("developer") == NL_CHAT_SYSTEM && nl_chat_role_of("tool") < 0,
+          "roles by name");
+    check_hf_dir();
+    return check_done("test_chat_template");
+}
