@@ -335,10 +335,13 @@ static nl_status prompt_ids(nl_coord_http *h, const nl_http_completion *rq, int3
     }
     for (int i = 0; i < *P; i++)
         if ((*out)[i] < 0 || (*out)[i] >= V) {
+            nl_status st = nl_error_set(err, NL_ERR_RANGE,
+                                        "prompt: token %d at position %d is outside the model's "
+                                        "vocabulary 0..%lld",
+                                        (*out)[i], i, (long long)V - 1);
             free(*out);
             *out = NULL;
-            return nl_error_set(err, NL_ERR_RANGE, "prompt: token %d at %d is outside 0..%lld", i,
-                                i, (long long)V - 1);
+            return st;
         }
     return NL_OK;
 }
@@ -722,6 +725,7 @@ nl_status nl_coord_http_start(nl_coord_http **out, nl_coord *c, const char *name
         goto fail;
     nl_http_backend b = {.ctx = h,
                          .model_name = h->name,
+                         .model_name_now = coord_http_model_name,
                          .models = h->models,
                          .n_models = h->n_models,
                          .completion_start = be_start,

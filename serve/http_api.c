@@ -180,8 +180,14 @@ static int pick_model(const nl_http *h, json_t *o, field_err *fe)
 {
     json_t *j = json_object_get(o, "model");
     const char *name = json_is_string(j) ? json_string_value(j) : NULL;
+    char now[256];
     if (!name || h->be.n_models == 0 || strcmp(name, h->be.model_name) == 0)
         return 0;
+    if (h->be.model_name_now) {
+        h->be.model_name_now(h->be.ctx, now, sizeof now);
+        if (strcmp(name, now) == 0)
+            return 0;
+    }
     for (int i = 0; i < h->be.n_models; i++)
         if (strcmp(name, h->be.models[i]) == 0)
             return i + 1;
@@ -190,9 +196,15 @@ static int pick_model(const nl_http *h, json_t *o, field_err *fe)
     return -1;
 }
 
-static const char *model_name(const nl_http *h, int model)
+/* Model k's name; the backend's own (0) may be written into buf (256 bytes). */
+static const char *model_name(const nl_http *h, int model, char *buf)
 {
-    return model > 0 && model <= h->be.n_models ? h->be.models[model - 1] : h->be.model_name;
+    if (model > 0 && model <= h->be.n_models)
+        return h->be.models[model - 1];
+    if (!h->be.model_name_now)
+        return h->be.model_name;
+    h->be.model_name_now(h->be.ctx, buf, 256);
+    return buf;
 }
 
 typedef struct comp_req {
@@ -296,6 +308,7 @@ typedef struct gen_state {
     nl_http *h;
     void *job;
     const char *model; /* the name answers carry */
+    char model_buf[256];
     char id[40];
     long long created;
     int stream;
@@ -539,7 +552,7 @@ enum MHD_Result http_completions(nl_http *h, struct MHD_Connection *c, http_req 
         goto out;
     }
     g->h = h;
-    g->model = model_name(h, r.c.model);
+    g->model = model_name(h, r.c.model, g->model_buf);
     g->stream = r.c.stream;
     g->created = (long long)time(NULL);
     pthread_mutex_lock(&h->mu);
@@ -611,6 +624,7 @@ enum MHD_Result http_embeddings(nl_http *h, struct MHD_Connection *c, http_req *
     json_t *body = parse_body(rq, &fe), *data = NULL, *out = NULL;
     enum MHD_Result res;
     int32_t *ids = NULL;
+    char name_buf[256];
     if (!body)
         goto bad_req;
     const char *k;
@@ -690,7 +704,7 @@ enum MHD_Result http_embeddings(nl_http *h, struct MHD_Connection *c, http_req *
         total += toks;
     }
     out = json_pack("{s:s, s:O, s:s, s:{s:i, s:i}}", "object", "list", "data", data, "model",
-                    model_name(h, model), "usage", "prompt_tokens", total, "total_tokens", total);
+                    model_name(h, model, name_buf), "usage", "prompt_tokens", total, "total_tokens", total);
     char *s = out ? json_dumps(out, JSON_COMPACT) : NULL;
     res = s ? http_reply(h, c, rq, 200, "application/json", s, strlen(s))
             : http_error(h, c, rq, 500, NULL, "out of memory");
@@ -707,10 +721,11 @@ out:
 
 enum MHD_Result http_models(nl_http *h, struct MHD_Connection *c, http_req *rq)
 {
+    char name_buf[256];
     json_t *data = json_array(), *j = NULL;
     for (int i = 0; data && i <= h->be.n_models; i++)
         json_array_append_new(data,
-                              json_pack("{s:s, s:s, s:i, s:s}", "id", model_name(h, i), "object",
+                              json_pack("{s:s, s:s, s:i, s:s}", "id", model_name(h, i, name_buf), "object",
                                         "model", "created", 0, "owned_by", "neurollm"));
     if (data)
         j = json_pack("{s:s, s:o}", "object", "list", "data", data);
