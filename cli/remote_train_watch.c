@@ -151,6 +151,13 @@ static void on_start(rtrain_watch *w, const json_t *ev)
     w->start_step = S;
     w->start_time = nl_train_clock();
     w->started = 1;
+    if (w->replanned && S > 0) { /* the same job on a new plan: what changed, not the header */
+        w->replanned = 0;
+        fprintf(stderr, "resuming at step %lld on %lld pipeline stages%s%s%s\n", S,
+                integer(ev, "stages", 0), w->devices[0] ? " (devices " : "", w->devices,
+                w->devices[0] ? ")" : "");
+        return;
+    }
     if (integer(ev, "resumes", 0) > 0) {
         fprintf(stderr, "resumed at step %lld on plan %lld, %.2f s after the loss\n", S,
                 integer(ev, "plan", 0), num(ev, "since_lost_s"));
@@ -193,6 +200,24 @@ static void on_start(rtrain_watch *w, const json_t *ev)
             integer(ev, "seq", w->o->r.seq), integer(ev, "microbatches", w->o->r.micro),
             integer(ev, "stages", 0), w->devices[0] ? " (devices " : "", w->devices,
             w->devices[0] ? ")" : "", objective);
+}
+
+/* A re-plan at a checkpoint: why (a node joined, or the stages' measured
+ * speeds), in the coordinator's words where they are plain text. */
+static void on_replan(rtrain_watch *w, const json_t *ev)
+{
+    const char *why = json_string_value(json_object_get(ev, "reason"));
+    if (!why || strlen(why) > 120 || strspn(why, "abcdefghijklmnopqrstuvwxyz' ") != strlen(why))
+        why = "the cluster changed"; /* an older coordinator, or words not to print */
+    nl_train_progress_break(&w->prog);
+    fprintf(stderr, "re-planning at the checkpoint of step %lld (%s): the job goes on from it\n",
+            integer(ev, "step", -1), why);
+    w->replanned = 1;
+    if (w->log) {
+        fprintf(w->log, "{\"event\":\"replan\",\"resume_step\":%lld,\"reason\":\"%s\"}\n",
+                integer(ev, "step", -1), why);
+        fflush(w->log);
+    }
 }
 
 static nl_status on_step(rtrain_watch *w, const json_t *ev, nl_error *err)
@@ -335,14 +360,7 @@ static nl_status on_status(rtrain_watch *w, const nl_rx *rx, nl_error *err)
     } else if (event && strcmp(event, "node_lost") == 0) {
         on_node_lost(w, ev);
     } else if (event && strcmp(event, "replan") == 0) {
-        nl_train_progress_break(&w->prog);
-        fprintf(stderr,
-                "nodes joined: the job goes on from the checkpoint of step %lld on a new "
-                "plan\n",
-                integer(ev, "step", -1));
-        if (w->log)
-            fprintf(w->log, "{\"event\":\"replan\",\"resume_step\":%lld}\n",
-                    integer(ev, "step", -1));
+        on_replan(w, ev);
     } else if (event && strcmp(event, "grow") == 0) {
         on_grow(w, ev);
     } else if (event && strcmp(event, "step") == 0) {

@@ -234,7 +234,8 @@ struct nl_coord {
      * the weights the stages hold (job 0: none of this coordinator's) */
     uint64_t src_job, weights_job;
     int64_t weights_step;
-    int replan_wanted;   /* a node joined (or a standby left) since the plan was made */
+    int replan_wanted;   /* why a re-plan may pay since the plan was made: COORD_REPLAN_* bits */
+    int replan_why;      /* replan_wanted's bits as the last coord_replan_gain saw them */
     int stages_modified; /* a training job changed the stages' weights since the source */
     uint64_t epoch;
     int ready;
@@ -422,8 +423,13 @@ int coord_plan_holds(const nl_coord *c, const nl_mem_opts *mo, char *why, size_t
  * the training memory of a running training job); if not, why says so
  * (with the shortfall in bytes). */
 int coord_plan_possible(nl_coord *c, char *why, size_t cap);
-/* A node joined or a standby left since the plan (replan_wanted, which it
- * clears): 1 if a plan over the live nodes now beats the current one's
+/* Why a re-plan is wanted (replan_wanted's bits). */
+enum { COORD_REPLAN_JOINED = 1, COORD_REPLAN_LEFT = 2, COORD_REPLAN_SPEEDS = 4 };
+/* Those bits as words for a user ("a node joined", "the stages' measured
+ * speeds", ...); never NULL. */
+const char *coord_replan_reason(int why);
+/* A node joined, a standby left or a stage's speed moved since the plan
+ * (replan_wanted, which it clears, keeping its bits in replan_why): 1 if a plan over the live nodes now beats the current one's
  * bottleneck by --replan-margin and the stages' weights are in the source
  * (the old and new plans are logged); the caller then reloads. `when`
  * names the moment in the log ("at rest", "at the checkpoint"). */

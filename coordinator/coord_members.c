@@ -40,7 +40,7 @@ void coord_node_lost(nl_coord *c, cnode *n, int life, const char *why)
         coord_drop_plan(c);
         coord_set_state(c, "re-planning: %s", msg);
     } else {
-        c->replan_wanted = 1; /* a standby: the plan may still be the best */
+        c->replan_wanted |= COORD_REPLAN_LEFT; /* a standby: the plan may still be the best */
     }
 }
 
@@ -96,7 +96,7 @@ void coord_on_join(nl_coord *c, const nl_rx *rx)
     NL_INFO("node %u joined: %s, %.1f GiB, %.1f GFLOP/s, %u threads, data %s, key %.8s...", n->id,
             n->device, (double)n->memory / (1 << 30), n->gflops, n->threads, n->endpoint, n->key);
     c->last_plan_try = 0;
-    c->replan_wanted = 1;
+    c->replan_wanted |= COORD_REPLAN_JOINED;
 }
 
 void coord_on_leave(nl_coord *c, const nl_rx *rx)

@@ -408,7 +408,7 @@ void coord_observe_speeds(nl_coord *c)
                     "microbatch against %.2f ms planned: %.1f GFLOP/s instead of %.1f",
                     n->id, s, 100 * load, n->load_n, seen_s * 1e3, pred_s * 1e3, g, was);
             n->seen_gflops = g;
-            c->replan_wanted = 1;
+            c->replan_wanted |= COORD_REPLAN_SPEEDS;
         }
     }
     for (int i = 0; i < c->n_nodes; i++) {
@@ -434,10 +434,25 @@ int coord_plan_possible(nl_coord *c, char *why, size_t cap)
     return st == NL_OK;
 }
 
+const char *coord_replan_reason(int why)
+{
+    static const char *const words[8] = {
+        "no change",
+        "a node joined",
+        "a standby node left",
+        "nodes joined and left",
+        "the stages' measured speeds differ from the plan's",
+        "a node joined and the stages' measured speeds differ from the plan's",
+        "a standby node left and the stages' measured speeds differ from the plan's",
+        "nodes joined and left and the stages' measured speeds differ from the plan's"};
+    return words[why & 7];
+}
+
 int coord_replan_gain(nl_coord *c, const char *when)
 {
     if (!c->replan_wanted || !c->plan || !c->have_cfg)
         return 0;
+    c->replan_why = c->replan_wanted;
     c->replan_wanted = 0;
     uint64_t total = 0;
     nl_error e = {0};

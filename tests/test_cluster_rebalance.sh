@@ -48,6 +48,11 @@ tr '\r' '\n' < "$W/train.err" | grep -v "^step" | tail -6
 grep "observed:\|re-plan at the checkpoint\|plan old\|plan new" "$C/coord.log"
 check grep -q "observed: node 2 (stage [01]) busy" "$C/coord.log"
 check grep -q "re-plan at the checkpoint: bottleneck" "$C/coord.log"
+# the client says why: measured speeds, not a join (issue 34, item 5)
+check grep -q "^re-planning at the checkpoint of step 30 (the stages' measured speeds differ" \
+  "$W/train.err"
+check test "$(grep -c "parameters on" "$W/train.err")" -eq 1 # the header once
+check test "$(grep -c "nodes joined" "$W/train.err")" -eq 0
 layers() { # layers of node 2 in the plan logged as $1 (old or new) at the checkpoint; 0: standby
   $PY - "$C/coord.log" "$1" <<'PY'
 import re, sys
