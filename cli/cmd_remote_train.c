@@ -234,6 +234,7 @@ static int run(const nl_flag *flags, const rtrain_opts *o)
     if ((o->attach ? attach(&r, o->attach, &err) : submit(&r, o, &err)) != NL_OK ||
         rtrain_follow(&r, &w, &err) != NL_OK)
         goto out;
+    nl_error_clear(&err); /* the job was followed to its end: nothing before this is an error */
     nl_train_progress_break(&w.prog);
     nl_train_report_skipped(w.skipped);
     if (w.stopped) { /* cancelled: the steps done are kept, as local training keeps them */

@@ -377,11 +377,11 @@ static nl_status gave_up(const rtrain_watch *w, const nl_remote *r, nl_error *er
 {
     if (rtrain_interrupted && !w->acked)
         return nl_error_set(err, NL_ERR_TIMEOUT,
-                            "rtrain_interrupted before the coordinator acknowledged the job");
+                            "interrupted before the coordinator acknowledged the job");
     if (rtrain_interrupted)
         return nl_error_set(
             err, NL_ERR_TIMEOUT,
-            "rtrain_interrupted; no message from the coordinator in %d s (--timeout): "
+            "interrupted; no message from the coordinator in %d s (--timeout): "
             "job %" PRIu64 " may still be writing its checkpoint (neuroctl status)",
             r->timeout_ms / 1000, w->job);
     if (!w->acked)
@@ -413,16 +413,16 @@ nl_status rtrain_follow(nl_remote *r, rtrain_watch *w, nl_error *err)
         if (rtrain_interrupted > 1) {
             st = nl_error_set(
                 err, NL_ERR_STATE,
-                w->acked ? "rtrain_interrupted again: left job %" PRIu64
+                w->acked ? "interrupted again: left job %" PRIu64
                            " (the coordinator finishes its checkpoint; neuroctl "
                            "status)"
-                         : "rtrain_interrupted before the coordinator acknowledged the job",
+                         : "interrupted before the coordinator acknowledged the job",
                 w->job);
             break;
         }
         if (rtrain_interrupted && !cancelled && w->acked) {
             nl_train_progress_break(&w->prog);
-            fprintf(stderr, "rtrain_interrupted: cancelling job %" PRIu64 "\n", w->job);
+            fprintf(stderr, "interrupted: cancelling job %" PRIu64 "\n", w->job);
             cancelled = 1;
             if ((st = nl_remote_cancel(r, w->job, err)) != NL_OK)
                 break;
@@ -436,6 +436,7 @@ nl_status rtrain_follow(nl_remote *r, rtrain_watch *w, nl_error *err)
         st = nl_remote_recv(r, &rx, now + POLL_S < limit ? now + POLL_S : limit, err);
         if (st == NL_ERR_TIMEOUT) {
             st = NL_OK; /* a slice passed: look at the clock and Ctrl-C again */
+            nl_error_clear(err); /* not an error: a job that ends well must not report it */
             continue;
         }
         last = nl_remote_now();
