@@ -224,6 +224,7 @@ struct nl_coord {
     struct nl_growth *growth; /* the model's growth history (core/grow.h): the source's, */
     int n_growth;             /* then the growths since; manifests written carry it */
     nl_plan *plan;
+    int plan_training; /* the plan was made during a training job, for its microbatches */
     int planned_once;
     /* a new training job continues the source's steps, schedule and moments
      * (the operator's neurocoord --resume, or a growth, made it the source
@@ -423,6 +424,13 @@ int coord_plan_holds(const nl_coord *c, const nl_mem_opts *mo, char *why, size_t
  * the training memory of a running training job); if not, why says so
  * (with the shortfall in bytes). */
 int coord_plan_possible(nl_coord *c, char *why, size_t cap);
+/* The plan's predicted seconds for one request of --plan-rows rows
+ * (inference, at the nodes' throughputs now) on stage s, and on its
+ * slowest stage: what status reports, whatever the plan was made for (a
+ * plan made during a training job has its own bottleneck in that job's
+ * microbatches, forward and backward: not a figure for serving). */
+double coord_stage_request_s(nl_coord *c, int s);
+double coord_plan_request_s(nl_coord *c);
 /* Why a re-plan is wanted (replan_wanted's bits). */
 enum { COORD_REPLAN_JOINED = 1, COORD_REPLAN_LEFT = 2, COORD_REPLAN_SPEEDS = 4 };
 /* Those bits as words for a user ("a node joined", "the stages' measured

@@ -73,6 +73,21 @@ check test -n "$old"
 check test -n "$new"
 check test "${new:-9}" -lt "${old:-0}"
 check $PY "$NL_SOURCE_DIR/tests/same_tensors.py" "$W/slow.safetensors" "$W/ref.safetensors"
+# the plan made at the checkpoint was made for training: status reports its
+# figure per request (what serving costs) and the training microbatch's
+# apart (forward and backward of the job's 512 rows: about 3x a request of
+# --plan-rows 512), never the one as the other (issue 34, item 5)
+"$N" status --cluster "$C" --json > "$W/after.json"
+check $PY - "$W/after.json" <<'EOF'
+import json, sys
+st = json.load(open(sys.argv[1]))
+b, tb = st["bottleneck_s"], st.get("train_bottleneck_s")
+pred = max(n["predicted_s"] for n in st["nodes"] if "predicted_s" in n)
+print("per request %.2f ms, per training microbatch %s ms" % (b * 1e3, tb and round(tb * 1e3, 2)))
+sys.exit(0 if tb and tb > 2 * b and abs(pred - b) < 1e-9 else 1)
+EOF
+check grep -q "^this plan was made for training: [0-9.]* ms per training microbatch" \
+  <("$N" status --cluster "$C")
 
 echo "test_cluster_rebalance: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
