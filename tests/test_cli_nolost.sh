@@ -179,8 +179,13 @@ check grep -q "1 steps of 1 x 64 in" <<< "$out"
 "$N" generate "${DEV[@]}" --model "$W/m.safetensors" --prompt-tokens 1,2,3,4 --max-new 200 \
   --temperature 0 > "$W/gen.out" 2> "$W/gen.err"
 check test $? -eq 0
-check test "$(head -1 "$W/gen.out" | wc -w)" -eq 61 # the last sampled at position 64
-check grep -q "stopped after 61 of --max-new 200 tokens: with the prompt's 4 they reach the model's max_seq_len 64" "$W/gen.err"
+check test "$(head -1 "$W/gen.out" | wc -w)" -eq 60 # with the prompt's 4: the 64 positions
+check grep -q "stopped after 60 of --max-new 200 tokens: with the prompt's 4 they reach the model's max_seq_len 64" "$W/gen.err"
+# exactly to the context's end: all of them, nothing to say
+"$N" generate "${DEV[@]}" --model "$W/m.safetensors" --prompt-tokens 1,2,3,4 --max-new 60 \
+  --temperature 0 > "$W/gen60.out" 2> "$W/gen60.err"
+check test "$(head -1 "$W/gen60.out" | wc -w)" -eq 60
+check test -z "$(grep "stopped after" "$W/gen60.err")"
 
 # ---- 11. smaller ones ----
 out=$("$N" train 2>&1); rc=$?
@@ -281,7 +286,8 @@ check grep -q "\[0,2)+e+h" <<< "$out"
 "$N" generate --cluster "$W/c1" --prompt-tokens 1,2,3,4 --max-new 200 --temperature 0 \
   > "$W/rgen.out" 2> "$W/rgen.err"
 check test $? -eq 0
-check grep -q "stopped after [0-9]* of --max-new 200 tokens: .* max_seq_len 64" "$W/rgen.err"
+check grep -q "stopped after 60 of --max-new 200 tokens: .* max_seq_len 64" "$W/rgen.err"
+check test "$(head -1 "$W/rgen.out" | wc -w)" -eq 60 # as many as the HTTP API's largest max_tokens
 # 8 on a cluster: no --seq, the default 256 fits the model's max_seq_len 64;
 # a typed --seq past it is refused naming it
 "$N" train --cluster "$W/c1" --data "$W/data.txt" --steps 1 --batch 2 --checkpoint-dir "$W/rck" \
