@@ -431,6 +431,9 @@ int coord_plan_possible(nl_coord *c, char *why, size_t cap);
  * microbatches, forward and backward: not a figure for serving). */
 double coord_stage_request_s(nl_coord *c, int s);
 double coord_plan_request_s(nl_coord *c);
+/* Send LEAVE to every live node (the cluster is going down: a node that
+ * gets it stops instead of waiting to rejoin); returns how many were sent. */
+int coord_dismiss_nodes(nl_coord *c, const char *why);
 /* Why a re-plan is wanted (replan_wanted's bits). */
 enum { COORD_REPLAN_JOINED = 1, COORD_REPLAN_LEFT = 2, COORD_REPLAN_SPEEDS = 4 };
 /* Those bits as words for a user ("a node joined", "the stages' measured

@@ -99,6 +99,23 @@ void coord_on_join(nl_coord *c, const nl_rx *rx)
     c->replan_wanted |= COORD_REPLAN_JOINED;
 }
 
+int coord_dismiss_nodes(nl_coord *c, const char *why)
+{
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    int sent = 0;
+    for (int i = 0; i < c->n_nodes; i++) {
+        cnode *n = &c->nodes[i];
+        if (n->life != NODE_LIVE)
+            continue;
+        nl_wire_msg_reset(&m, NL_MSG_LEAVE);
+        m.u.leave = (nl_msg_leave){n->id, why};
+        sent += coord_send_node(c, n, &m) == NL_OK;
+    }
+    nl_wire_msg_free(&m);
+    return sent;
+}
+
 void coord_on_leave(nl_coord *c, const nl_rx *rx)
 {
     cnode *n = coord_node_by_rid(c, rx);
