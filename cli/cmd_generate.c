@@ -19,8 +19,9 @@
 
 /* Generate up to max_new tokens after the prompt with the KV cache,
  * calling emit for each; the prompt and the tokens made fill at most the
- * context (P + made <= max_seq_len), as the HTTP API's max_tokens. warmup: run the prompt and one decode step once
- * first (kernels compiled, buffers touched), then start the clock. */
+ * context (P + made <= max_seq_len), as the HTTP API's max_tokens.
+ * warmup: run the prompt and one decode step once first (kernels
+ * compiled, buffers touched), then start the clock. */
 static nl_status generate(nl_model *m, const int32_t *prompt, int P, int max_new, nl_sampler *smp,
                           bool warmup, nl_gen_clock *clock, void (*emit)(int32_t, void *),
                           void *ctx, nl_error *err)

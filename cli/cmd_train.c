@@ -192,32 +192,21 @@ typedef struct run_locks {
     nl_file_lock *dir, *out, *log;
 } run_locks;
 
-static nl_status lock_one(nl_file_lock **lk, const char *flag, const char *path,
-                          const char *suffix, nl_error *err)
-{
-    char lp[4200], what[4200];
-    snprintf(lp, sizeof lp, "%s%s", path, suffix);
-    snprintf(what, sizeof what, "--%s %s", flag, path);
-    return nl_file_lock_take(lk, lp, what, err);
-}
-
 /* The checkpoint directory, made and locked (once). */
 static nl_status ckpt_dir_ready(const train_opts *o, run_locks *lk, nl_error *err)
 {
     if (lk->dir)
         return NL_OK;
     nl_status st = nl_file_mkdirs(o->ckpt_dir, err);
-    return st == NL_OK ? lock_one(&lk->dir, "checkpoint-dir", o->ckpt_dir, "/.neuroctl.lock", err)
+    return st == NL_OK ? nl_cli_lock(&lk->dir, "checkpoint-dir", o->ckpt_dir, "/.neuroctl.lock", err)
                        : st;
 }
 
 static nl_status lock_outputs(const train_opts *o, run_locks *lk, nl_error *err)
 {
-    nl_status st = NL_OK;
-    if (o->out)
-        st = lock_one(&lk->out, "out", o->out, ".lock", err);
-    if (st == NL_OK && o->log)
-        st = lock_one(&lk->log, "log", o->log, ".lock", err);
+    nl_status st = nl_cli_lock(&lk->out, "out", o->out, ".lock", err);
+    if (st == NL_OK)
+        st = nl_cli_lock(&lk->log, "log", o->log, ".lock", err);
     if (st == NL_OK && (o->r.ckpt_every > 0 || !o->out))
         st = ckpt_dir_ready(o, lk, err);
     return st;

@@ -440,10 +440,11 @@ enum { COORD_REPLAN_JOINED = 1, COORD_REPLAN_LEFT = 2, COORD_REPLAN_SPEEDS = 4 }
  * speeds", ...); never NULL. */
 const char *coord_replan_reason(int why);
 /* A node joined, a standby left or a stage's speed moved since the plan
- * (replan_wanted, which it clears, keeping its bits in replan_why): 1 if a plan over the live nodes now beats the current one's
- * bottleneck by --replan-margin and the stages' weights are in the source
- * (the old and new plans are logged); the caller then reloads. `when`
- * names the moment in the log ("at rest", "at the checkpoint"). */
+ * (replan_wanted, which it clears, keeping its bits in replan_why): 1 if
+ * a plan over the live nodes now beats the current one's bottleneck by
+ * --replan-margin and the stages' weights are in the source (the old and
+ * new plans are logged); the caller then reloads. `when` names the
+ * moment in the log ("at rest", "at the checkpoint"). */
 int coord_replan_gain(nl_coord *c, const char *when);
 /* At a training checkpoint: each stage's throughput as observed (its
  * nodes' busy fractions since the last checkpoint against the plan's

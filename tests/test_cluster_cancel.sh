@@ -28,6 +28,13 @@ for i in $(seq 1 1200); do
   grep -q '"step":7,' "$W/cut.jsonl" 2>/dev/null && break
   sleep 0.02
 done
+# a second client given the running one's --out or --log is refused, naming its pid
+for f in "--out $W/never.safetensors" "--log $W/cut.jsonl"; do
+  # shellcheck disable=SC2086 # $f is a flag and its value
+  out=$("$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck-other" $f 2>&1)
+  check test $? -eq 1
+  check grep -qF -- "$f: another run (pid $job) is writing there" <<< "$out"
+done
 kill -INT $job
 wait $job
 rc=$?
