@@ -433,7 +433,8 @@ int nl_cmd_status(int argc, char **argv)
                json_real_value(json_object_get(n, "heartbeat_age_s")));
     }
     printf("(layers [a,b): the node holds layers a..b-1; +e the embedding, +h the output head)\n");
-    json_t *b = json_object_get(st, "bottleneck_s"), *tb = json_object_get(st, "train_bottleneck_s");
+    json_t *b = json_object_get(st, "bottleneck_s"),
+           *tb = json_object_get(st, "train_bottleneck_s");
     if (b)
         printf("predicted bottleneck: %.2f ms per request (stage ms: the same, per stage)\n",
                json_real_value(b) * 1e3);

@@ -198,8 +198,9 @@ static nl_status ckpt_dir_ready(const train_opts *o, run_locks *lk, nl_error *er
     if (lk->dir)
         return NL_OK;
     nl_status st = nl_file_mkdirs(o->ckpt_dir, err);
-    return st == NL_OK ? nl_cli_lock(&lk->dir, "checkpoint-dir", o->ckpt_dir, "/.neuroctl.lock", err)
-                       : st;
+    return st == NL_OK
+               ? nl_cli_lock(&lk->dir, "checkpoint-dir", o->ckpt_dir, "/.neuroctl.lock", err)
+               : st;
 }
 
 static nl_status lock_outputs(const train_opts *o, run_locks *lk, nl_error *err)

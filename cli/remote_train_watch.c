@@ -379,11 +379,10 @@ static nl_status gave_up(const rtrain_watch *w, const nl_remote *r, nl_error *er
         return nl_error_set(err, NL_ERR_TIMEOUT,
                             "interrupted before the coordinator acknowledged the job");
     if (rtrain_interrupted)
-        return nl_error_set(
-            err, NL_ERR_TIMEOUT,
-            "interrupted; no message from the coordinator in %d s (--timeout): "
-            "job %" PRIu64 " may still be writing its checkpoint (neuroctl status)",
-            r->timeout_ms / 1000, w->job);
+        return nl_error_set(err, NL_ERR_TIMEOUT,
+                            "interrupted; no message from the coordinator in %d s (--timeout): "
+                            "job %" PRIu64 " may still be writing its checkpoint (neuroctl status)",
+                            r->timeout_ms / 1000, w->job);
     if (!w->acked)
         return nl_error_set(err, NL_ERR_TIMEOUT,
                             "no answer from the coordinator to the submit in %d s (--timeout)",
@@ -411,13 +410,12 @@ nl_status rtrain_follow(nl_remote *r, rtrain_watch *w, nl_error *err)
         if (rtrain_interrupted && !cancel_by)
             cancel_by = now + CANCEL_WAIT_S;
         if (rtrain_interrupted > 1) {
-            st = nl_error_set(
-                err, NL_ERR_STATE,
-                w->acked ? "interrupted again: left job %" PRIu64
-                           " (the coordinator finishes its checkpoint; neuroctl "
-                           "status)"
-                         : "interrupted before the coordinator acknowledged the job",
-                w->job);
+            st = nl_error_set(err, NL_ERR_STATE,
+                              w->acked ? "interrupted again: left job %" PRIu64
+                                         " (the coordinator finishes its checkpoint; neuroctl "
+                                         "status)"
+                                       : "interrupted before the coordinator acknowledged the job",
+                              w->job);
             break;
         }
         if (rtrain_interrupted && !cancelled && w->acked) {

@@ -225,8 +225,9 @@ static json_t *status_json(nl_coord *c, bool full)
             json_object_set_new(root, "train_bottleneck_s", json_real(c->plan->bottleneck));
     }
     /* the weights the stages hold: job 0 step 0 are the files they started from */
-    json_object_set_new(root, "weights", json_pack("{s:I,s:I}", "job", (json_int_t)c->weights_job,
-                                                   "step", (json_int_t)c->weights_step));
+    json_object_set_new(root, "weights",
+                        json_pack("{s:I,s:I}", "job", (json_int_t)c->weights_job, "step",
+                                  (json_int_t)c->weights_step));
     for (int i = 0; i < c->n_nodes; i++) {
         const cnode *n = &c->nodes[i];
         if (n->life == NODE_FREE)

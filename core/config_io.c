@@ -264,10 +264,9 @@ static nl_status at(const yaml_ctx *c, size_t line0, nl_error *err)
  * its neighbours causes (a tab, or a key one column off). */
 static bool indentation_problem(const char *problem)
 {
-    static const char *const known[] = {"did not find expected key",
-                                        "mapping values are not allowed",
-                                        "did not find expected <document start>",
-                                        "did not find expected '-' indicator"};
+    static const char *const known[] = {
+        "did not find expected key", "mapping values are not allowed",
+        "did not find expected <document start>", "did not find expected '-' indicator"};
     for (size_t i = 0; problem && i < sizeof known / sizeof known[0]; i++)
         if (strstr(problem, known[i]))
             return true;
@@ -371,7 +370,8 @@ static nl_status yaml_pair(yaml_ctx *c, nl_config *cfg, const char *map, nl_erro
          * it ("2 num_heads"): the line at fault is the one it ran into */
         const size_t last = c->ev.end_mark.line + (c->ev.end_mark.column == 0 ? 0 : 1);
         char msg[NL_ERROR_MSG_MAX + 256];
-        snprintf(msg, sizeof msg, "%s (line %zu is indented deeper than the key %.40s on line %zu, "
+        snprintf(msg, sizeof msg,
+                 "%s (line %zu is indented deeper than the key %.40s on line %zu, "
                  "so YAML reads it as the rest of that key's value: start it in the key's column)",
                  err->msg, last, keys[k].name, line0 + 1);
         nl_error_set(err, st, "%s", msg);

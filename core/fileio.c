@@ -434,10 +434,9 @@ nl_status nl_file_lock_take(nl_file_lock **out, const char *lock_path, const cha
                                 lock_path, strerror(errno));
         if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
             const int e = errno;
-            nl_status st = e == EWOULDBLOCK
-                               ? lock_busy(fd, lock_path, what, err)
-                               : nl_error_set(err, NL_ERR_IO, "%s: cannot lock %s: %s", what,
-                                              lock_path, strerror(e));
+            nl_status st = e == EWOULDBLOCK ? lock_busy(fd, lock_path, what, err)
+                                            : nl_error_set(err, NL_ERR_IO, "%s: cannot lock %s: %s",
+                                                           what, lock_path, strerror(e));
             close(fd);
             return st;
         }

@@ -704,7 +704,8 @@ enum MHD_Result http_embeddings(nl_http *h, struct MHD_Connection *c, http_req *
         total += toks;
     }
     out = json_pack("{s:s, s:O, s:s, s:{s:i, s:i}}", "object", "list", "data", data, "model",
-                    model_name(h, model, name_buf), "usage", "prompt_tokens", total, "total_tokens", total);
+                    model_name(h, model, name_buf), "usage", "prompt_tokens", total, "total_tokens",
+                    total);
     char *s = out ? json_dumps(out, JSON_COMPACT) : NULL;
     res = s ? http_reply(h, c, rq, 200, "application/json", s, strlen(s))
             : http_error(h, c, rq, 500, NULL, "out of memory");
@@ -725,8 +726,8 @@ enum MHD_Result http_models(nl_http *h, struct MHD_Connection *c, http_req *rq)
     json_t *data = json_array(), *j = NULL;
     for (int i = 0; data && i <= h->be.n_models; i++)
         json_array_append_new(data,
-                              json_pack("{s:s, s:s, s:i, s:s}", "id", model_name(h, i, name_buf), "object",
-                                        "model", "created", 0, "owned_by", "neurollm"));
+                              json_pack("{s:s, s:s, s:i, s:s}", "id", model_name(h, i, name_buf),
+                                        "object", "model", "created", 0, "owned_by", "neurollm"));
     if (data)
         j = json_pack("{s:s, s:o}", "object", "list", "data", data);
     char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
