@@ -230,3 +230,14 @@ int nl_cli_may_write(const nl_flag *flags, const char *flag, const char *path)
     fprintf(stderr, "--%s %s: the file exists (give --force to replace it)\n", flag, path);
     return 1;
 }
+
+nl_status nl_cli_lock(nl_file_lock **lk, const char *flag, const char *path, const char *suffix,
+                      nl_error *err)
+{
+    char lp[4200], what[4200];
+    if (!path)
+        return NL_OK;
+    snprintf(lp, sizeof lp, "%s%s", path, suffix);
+    snprintf(what, sizeof what, "--%s %s", flag, path);
+    return nl_file_lock_take(lk, lp, what, err);
+}

@@ -4,6 +4,7 @@
 #define NL_CLI_IO_H
 
 #include "base/args.h"
+#include "core/fileio.h"
 #include "core/safetensors.h"
 #include "kernels/backend.h"
 
@@ -68,6 +69,13 @@ int nl_cli_may_write(const nl_flag *flags, const char *flag, const char *path);
  * is_dir, else in PATH's directory. Else the flag, the path and why,
  * exit 1. NULL passes. */
 int nl_cli_can_write(const char *flag, const char *path, int is_dir);
+
+/* Hold --flag PATH for the run (core/fileio.h, nl_file_lock_take) by the
+ * lock file PATH + suffix (".lock" beside a file, "/.neuroctl.lock" in a
+ * directory): a second run given the same path is refused, naming this
+ * one's pid. NULL path: nothing locked, NL_OK. */
+nl_status nl_cli_lock(nl_file_lock **lk, const char *flag, const char *path, const char *suffix,
+                      nl_error *err);
 
 /* The --force switch of a command that writes files a user may care about. */
 /* clang-format off */

@@ -113,7 +113,19 @@ static int ours(pid_t pid, const char *what)
     return n > 0 && strstr(cmd, what) != NULL;
 }
 
-/* Stop a cluster's processes; quiet: no summary line (after a failed up). */
+/* Wait up to ms for pid to stop running `what`; 1 if it did. */
+static int gone_within(pid_t pid, const char *what, int ms)
+{
+    for (int t = 0; t < ms && kill(pid, 0) == 0 && ours(pid, what); t += 50)
+        sleep_ms(50);
+    return !(kill(pid, 0) == 0 && ours(pid, what));
+}
+
+/* Stop a cluster's processes; quiet: no summary line (after a failed up).
+ * The coordinator goes first, with SIGUSR2: it asks every node that joined
+ * it to leave (nodes started by hand too, which would otherwise wait for
+ * it forever) and stops once they have; then whatever of this directory's
+ * processes still runs gets SIGTERM (SIGKILL after 5 s). */
 static int cluster_down(const char *dir, int quiet)
 {
     DIR *d = opendir(dir);
@@ -123,9 +135,9 @@ static int cluster_down(const char *dir, int quiet)
     }
     pid_t pids[512];
     char files[512][640];
-    int n = 0;
+    int n = 0, n_nodes = 0; /* pids[0, n_nodes): nodes; then the coordinator */
     struct dirent *e;
-    /* nodes first, then the coordinator */
+    /* the nodes, then the coordinator */
     for (int pass = 0; pass < 2; pass++) {
         rewinddir(d);
         while ((e = readdir(d)) && n < 512) {
@@ -145,18 +157,20 @@ static int cluster_down(const char *dir, int quiet)
             snprintf(files[n], sizeof files[n], "%s", path);
             pids[n++] = pid > 1 && ours(pid, pass ? "neurocoord" : "neuronode") ? pid : 0;
         }
+        if (pass == 0)
+            n_nodes = n;
     }
     closedir(d);
     int stopped = 0;
+    for (int i = 0; i < n; i++)
+        stopped += pids[i] > 0;
+    for (int i = n_nodes; i < n; i++) /* its nodes leave, then it stops (within 10 s) */
+        if (pids[i] > 0 && kill(pids[i], SIGUSR2) == 0 && gone_within(pids[i], "neurocoord", 20000))
+            pids[i] = 0;
     for (int i = 0; i < n; i++) {
-        if (pids[i] > 0 && kill(pids[i], SIGTERM) == 0) {
-            for (int t = 0; t < 5000 && kill(pids[i], 0) == 0 && ours(pids[i], "neuro"); t += 50)
-                sleep_ms(50);
-            if (kill(pids[i], 0) == 0 && ours(pids[i], "neuro")) {
-                fprintf(stderr, "cluster down: pid %d ignored SIGTERM; killing it\n", (int)pids[i]);
-                kill(pids[i], SIGKILL);
-            }
-            stopped++;
+        if (pids[i] > 0 && kill(pids[i], SIGTERM) == 0 && !gone_within(pids[i], "neuro", 5000)) {
+            fprintf(stderr, "cluster down: pid %d ignored SIGTERM; killing it\n", (int)pids[i]);
+            kill(pids[i], SIGKILL);
         }
         unlink(files[i]);
     }

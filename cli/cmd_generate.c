@@ -18,14 +18,18 @@
 #include "core/train.h"
 
 /* Generate up to max_new tokens after the prompt with the KV cache,
- * calling emit for each. warmup: run the prompt and one decode step once
- * first (kernels compiled, buffers touched), then start the clock. */
+ * calling emit for each; the prompt and the tokens made fill at most the
+ * context (P + made <= max_seq_len), as the HTTP API's max_tokens.
+ * warmup: run the prompt and one decode step once first (kernels
+ * compiled, buffers touched), then start the clock. */
 static nl_status generate(nl_model *m, const int32_t *prompt, int P, int max_new, nl_sampler *smp,
                           bool warmup, nl_gen_clock *clock, void (*emit)(int32_t, void *),
                           void *ctx, nl_error *err)
 {
     nl_backend *be = m->be;
     const int V = (int)m->cfg.vocab_size;
+    if (max_new > m->cfg.max_seq_len - P)
+        max_new = m->cfg.max_seq_len - P;
     int cap = P + max_new;
     nl_runstate *rs = NULL;
     nl_kvcache *kv = NULL;
@@ -104,7 +108,10 @@ int nl_cmd_generate(int argc, char **argv)
         {"model", 1, "checkpoint (safetensors)", NULL},
         {"prompt-tokens", 1, "prompt as comma-separated token ids, e.g. 1,2,3", NULL},
         {"prompt", 1, "prompt as text, through the model's tokenizer; prints text", NULL},
-        {"max-new", 1, "tokens to generate (default 32)", NULL},
+        {"max-new", 1,
+         "tokens to generate (default 32); the prompt and they fill at most max_seq_len (as the "
+         "HTTP API's max_tokens): past it generation stops there and says so",
+         NULL},
         {"temperature", 1, "sampling temperature; 0 is greedy (default 0.8)", NULL},
         {"top-p", 1, "nucleus sampling mass in (0, 1] (default 0.95)", NULL},
         {"seed", 1, "sampling seed (default 0)", NULL},

@@ -433,9 +433,15 @@ int nl_cmd_status(int argc, char **argv)
                json_real_value(json_object_get(n, "heartbeat_age_s")));
     }
     printf("(layers [a,b): the node holds layers a..b-1; +e the embedding, +h the output head)\n");
-    json_t *b = json_object_get(st, "bottleneck_s");
+    json_t *b = json_object_get(st, "bottleneck_s"),
+           *tb = json_object_get(st, "train_bottleneck_s");
     if (b)
-        printf("predicted bottleneck: %.2f ms per request\n", json_real_value(b) * 1e3);
+        printf("predicted bottleneck: %.2f ms per request (stage ms: the same, per stage)\n",
+               json_real_value(b) * 1e3);
+    if (tb) /* the plan was made during a training job, for its microbatches */
+        printf("this plan was made for training: %.2f ms per training microbatch (forward and "
+               "backward)\n",
+               json_real_value(tb) * 1e3);
     json_decref(st);
     return 0;
 }

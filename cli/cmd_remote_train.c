@@ -210,10 +210,13 @@ static int run(const nl_flag *flags, const rtrain_opts *o)
     nl_error err = {0};
     nl_remote r = {0};
     rtrain_watch w = {.o = o, .steps = o->r.steps};
+    nl_file_lock *lk_out = NULL, *lk_log = NULL; /* as local training: one run at a time */
     struct sigaction sa = {.sa_handler = rtrain_on_sigint}, old;
     int rc = 1, handler = 0;
     nl_train_progress_init(&w.prog, o->r.progress_s);
-    if (nl_remote_open(&r, flags, 600, &err) != NL_OK)
+    if (nl_cli_lock(&lk_out, "out", o->out, ".lock", &err) != NL_OK ||
+        nl_cli_lock(&lk_log, "log", o->log, ".lock", &err) != NL_OK ||
+        nl_remote_open(&r, flags, 600, &err) != NL_OK)
         goto out;
     /* made once the cluster answers */
     if (o->make_dir &&
@@ -234,6 +237,7 @@ static int run(const nl_flag *flags, const rtrain_opts *o)
     if ((o->attach ? attach(&r, o->attach, &err) : submit(&r, o, &err)) != NL_OK ||
         rtrain_follow(&r, &w, &err) != NL_OK)
         goto out;
+    nl_error_clear(&err); /* the job was followed to its end: nothing before this is an error */
     nl_train_progress_break(&w.prog);
     nl_train_report_skipped(w.skipped);
     if (w.stopped) { /* cancelled: the steps done are kept, as local training keeps them */
@@ -275,6 +279,8 @@ out:
     nl_remote_close(&r);
     if (w.log)
         fclose(w.log);
+    nl_file_lock_release(&lk_log);
+    nl_file_lock_release(&lk_out);
     free(w.last_ckpt);
     free(w.manifest);
     free(w.adapter);

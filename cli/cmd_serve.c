@@ -269,7 +269,7 @@ static nl_status prompt_ids(engine *e, const char *text, size_t len, const int32
     for (int i = 0; i < n; i++)
         if ((*out)[i] < 0 || (*out)[i] >= V) {
             nl_status st = nl_error_set(err, NL_ERR_RANGE,
-                                        "prompt: token %d at %d is outside the model's "
+                                        "prompt: token %d at position %d is outside the model's "
                                         "vocabulary 0..%lld",
                                         (*out)[i], i, (long long)V - 1);
             free(*out);

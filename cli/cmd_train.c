@@ -182,6 +182,44 @@ static void step_path(char *buf, size_t cap, const train_opts *o, int64_t step)
     snprintf(buf, cap, "%s/step-%06" PRId64 ".safetensors", o->ckpt_dir, step);
 }
 
+/* The run's locks (core/fileio.h) on what it writes: --out, --log and the
+ * checkpoint directory (taken when the run first needs it), held until it
+ * ends, so that a second run given the same paths at the same time is
+ * refused, with the first one's pid, instead of writing over it (the
+ * "exists, give --force" check at the start cannot see a file that is not
+ * written yet). --force replaces a file, never a live run's. */
+typedef struct run_locks {
+    nl_file_lock *dir, *out, *log;
+} run_locks;
+
+/* The checkpoint directory, made and locked (once). */
+static nl_status ckpt_dir_ready(const train_opts *o, run_locks *lk, nl_error *err)
+{
+    if (lk->dir)
+        return NL_OK;
+    nl_status st = nl_file_mkdirs(o->ckpt_dir, err);
+    return st == NL_OK
+               ? nl_cli_lock(&lk->dir, "checkpoint-dir", o->ckpt_dir, "/.neuroctl.lock", err)
+               : st;
+}
+
+static nl_status lock_outputs(const train_opts *o, run_locks *lk, nl_error *err)
+{
+    nl_status st = nl_cli_lock(&lk->out, "out", o->out, ".lock", err);
+    if (st == NL_OK)
+        st = nl_cli_lock(&lk->log, "log", o->log, ".lock", err);
+    if (st == NL_OK && (o->r.ckpt_every > 0 || !o->out))
+        st = ckpt_dir_ready(o, lk, err);
+    return st;
+}
+
+static void unlock_outputs(run_locks *lk)
+{
+    nl_file_lock_release(&lk->dir);
+    nl_file_lock_release(&lk->out);
+    nl_file_lock_release(&lk->log);
+}
+
 /* A local step's progress record (local and classify training alike). */
 static nl_train_step step_record(const train_opts *o, const nl_step_result *r, int64_t step,
                                  int64_t start, double lr, double tokens_per_s, double t_begin,
@@ -221,6 +259,7 @@ static int run_train(const train_opts *o)
     const char *src = o->resume ? o->resume : o->model;
     nl_config cfg;
     carried_meta cm = {0};
+    run_locks lk = {0};
     nl_train_progress prog;
     struct sigaction sa = {.sa_handler = on_sigint, .sa_flags = SA_RESETHAND}, old_sa;
     char path[4096], hint[8400] = "";
@@ -263,6 +302,8 @@ static int run_train(const train_opts *o)
         nl_error_set(&err, NL_ERR_NOMEM, "out of memory");
         goto out;
     }
+    if (lock_outputs(o, &lk, &err) != NL_OK)
+        goto out;
     if (o->log && !(logf = fopen(o->log, "a"))) {
         nl_error_set(&err, NL_ERR_IO, "%s: cannot open the log", o->log);
         goto out;
@@ -282,8 +323,6 @@ static int run_train(const train_opts *o)
             nl_config_param_count(&m->cfg), ds->n_train, ds->n - ds->n_train, o->r.steps, B, T, M,
             be->name, o->tf32 ? "on" : "off", o->bf16 ? "bf16" : "FP32",
             (double)me.total / (1 << 20), (double)ds->n * 4 / (1 << 20));
-    if ((o->r.ckpt_every > 0 || !o->out) && nl_file_mkdirs(o->ckpt_dir, &err) != NL_OK)
-        goto out;
     const nl_adamw_opts adam = nl_adamw_defaults();
     const char *inject = getenv("NL_TEST_INJECT_NAN_STEP"); /* test hook */
     const double t_begin = nl_train_clock();
@@ -337,7 +376,7 @@ static int run_train(const train_opts *o)
         }
         step_path(path, sizeof path, o, step);
         const int saved = o->r.ckpt_every > 0 && step % o->r.ckpt_every == 0; /* just now */
-        if (!saved && (nl_file_mkdirs(o->ckpt_dir, &err) != NL_OK ||
+        if (!saved && (ckpt_dir_ready(o, &lk, &err) != NL_OK ||
                        save_whole(m, tr, o, &cm, path, step, &err) != NL_OK)) {
             rc = 1;
             goto out;
@@ -368,7 +407,7 @@ static int run_train(const train_opts *o)
             else
                 snprintf(path, sizeof path, "%s/neuroctl-train-%ld-step-%06lld.safetensors",
                          dirs[1], (long)getpid(), o->r.steps);
-            if ((i == 1 || nl_file_mkdirs(o->ckpt_dir, &kept) == NL_OK) &&
+            if ((i == 1 || ckpt_dir_ready(o, &lk, &kept) == NL_OK) &&
                 save_whole(m, tr, o, &cm, path, o->r.steps, &kept) == NL_OK) {
                 snprintf(hint, sizeof hint, "kept the trained model in %s instead", path);
                 goto out;
@@ -393,6 +432,7 @@ out:
     free(cm.init_seed);
     if (logf)
         fclose(logf);
+    unlock_outputs(&lk);
     free(tokens);
     free(targets);
     nl_dataset_destroy(&ds);
@@ -512,6 +552,7 @@ static int run_classify(const train_opts *o)
     const int B = (int)o->r.batch, T = (int)o->r.seq, M = (int)o->r.micro;
     nl_config cfg;
     carried_meta cm = {0};
+    run_locks lk = {0};
     if (nl_cli_backend_new(&be, o->device, (int)o->threads, o->tf32, o->bf16, 1, &err) != NL_OK ||
         nl_checkpoint_read_config(o->model, &cfg, NULL, &err) != NL_OK ||
         pick_objective(o, &cfg, &obj, &err) != NL_OK ||
@@ -544,6 +585,8 @@ static int run_classify(const train_opts *o)
         nl_error_set(&err, NL_ERR_NOMEM, "out of memory");
         goto out;
     }
+    if (lock_outputs(o, &lk, &err) != NL_OK)
+        goto out;
     if (o->log && !(logf = fopen(o->log, "a"))) {
         nl_error_set(&err, NL_ERR_IO, "%s: cannot open the log", o->log);
         goto out;
@@ -589,7 +632,7 @@ static int run_classify(const train_opts *o)
         char path[4096];
         if (!o->out)
             step_path(path, sizeof path, o, o->r.steps);
-        if ((!o->out && nl_file_mkdirs(o->ckpt_dir, &err) != NL_OK) ||
+        if ((!o->out && ckpt_dir_ready(o, &lk, &err) != NL_OK) ||
             save_whole(m, tr, o, &cm, o->out ? o->out : path, o->r.steps, &err) != NL_OK)
             goto out;
         fprintf(stderr, "wrote %s (step %lld)\n", o->out ? o->out : path, o->r.steps);
@@ -600,6 +643,7 @@ out:
     free(cm.init_seed);
     if (logf)
         fclose(logf);
+    unlock_outputs(&lk);
     nl_trainer_destroy(&tr);
     nl_lora_destroy(&lo);
     free(tokens);

@@ -145,8 +145,10 @@ nl_status nl_remote_recv(nl_remote *r, nl_rx *rx, double deadline, nl_error *err
         nl_rx_free(rx);
         nl_rx_init(rx);
         nl_status st = nl_sock_recv(r->s, rx, (int)(left * 1000) + 1, err);
-        if (st == NL_ERR_TIMEOUT)
+        if (st == NL_ERR_TIMEOUT) {
+            nl_error_clear(err); /* not yet: the deadline decides */
             continue;
+        }
         if (st != NL_OK)
             return st;
         if (rx->msg.type == NL_MSG_ERROR)

@@ -48,6 +48,7 @@ typedef struct rtrain_watch {
     int stopped;            /* cancelled with the steps done kept (cancelled event) */
     long long stop_step;    /* the step it stopped at */
     char devices[512];      /* the stages' devices from the start event, "cuda:0,cpu", or "" */
+    int replanned;          /* a replan event came: the next start is the same job going on */
 } rtrain_watch;
 
 /* Ctrl-C's so far (rtrain_on_sigint counts them): the first cancels the

@@ -151,6 +151,13 @@ static void on_start(rtrain_watch *w, const json_t *ev)
     w->start_step = S;
     w->start_time = nl_train_clock();
     w->started = 1;
+    if (w->replanned && S > 0) { /* the same job on a new plan: what changed, not the header */
+        w->replanned = 0;
+        fprintf(stderr, "resuming at step %lld on %lld pipeline stages%s%s%s\n", S,
+                integer(ev, "stages", 0), w->devices[0] ? " (devices " : "", w->devices,
+                w->devices[0] ? ")" : "");
+        return;
+    }
     if (integer(ev, "resumes", 0) > 0) {
         fprintf(stderr, "resumed at step %lld on plan %lld, %.2f s after the loss\n", S,
                 integer(ev, "plan", 0), num(ev, "since_lost_s"));
@@ -193,6 +200,24 @@ static void on_start(rtrain_watch *w, const json_t *ev)
             integer(ev, "seq", w->o->r.seq), integer(ev, "microbatches", w->o->r.micro),
             integer(ev, "stages", 0), w->devices[0] ? " (devices " : "", w->devices,
             w->devices[0] ? ")" : "", objective);
+}
+
+/* A re-plan at a checkpoint: why (a node joined, or the stages' measured
+ * speeds), in the coordinator's words where they are plain text. */
+static void on_replan(rtrain_watch *w, const json_t *ev)
+{
+    const char *why = json_string_value(json_object_get(ev, "reason"));
+    if (!why || strlen(why) > 120 || strspn(why, "abcdefghijklmnopqrstuvwxyz' ") != strlen(why))
+        why = "the cluster changed"; /* an older coordinator, or words not to print */
+    nl_train_progress_break(&w->prog);
+    fprintf(stderr, "re-planning at the checkpoint of step %lld (%s): the job goes on from it\n",
+            integer(ev, "step", -1), why);
+    w->replanned = 1;
+    if (w->log) {
+        fprintf(w->log, "{\"event\":\"replan\",\"resume_step\":%lld,\"reason\":\"%s\"}\n",
+                integer(ev, "step", -1), why);
+        fflush(w->log);
+    }
 }
 
 static nl_status on_step(rtrain_watch *w, const json_t *ev, nl_error *err)
@@ -335,14 +360,7 @@ static nl_status on_status(rtrain_watch *w, const nl_rx *rx, nl_error *err)
     } else if (event && strcmp(event, "node_lost") == 0) {
         on_node_lost(w, ev);
     } else if (event && strcmp(event, "replan") == 0) {
-        nl_train_progress_break(&w->prog);
-        fprintf(stderr,
-                "nodes joined: the job goes on from the checkpoint of step %lld on a new "
-                "plan\n",
-                integer(ev, "step", -1));
-        if (w->log)
-            fprintf(w->log, "{\"event\":\"replan\",\"resume_step\":%lld}\n",
-                    integer(ev, "step", -1));
+        on_replan(w, ev);
     } else if (event && strcmp(event, "grow") == 0) {
         on_grow(w, ev);
     } else if (event && strcmp(event, "step") == 0) {
@@ -359,13 +377,12 @@ static nl_status gave_up(const rtrain_watch *w, const nl_remote *r, nl_error *er
 {
     if (rtrain_interrupted && !w->acked)
         return nl_error_set(err, NL_ERR_TIMEOUT,
-                            "rtrain_interrupted before the coordinator acknowledged the job");
+                            "interrupted before the coordinator acknowledged the job");
     if (rtrain_interrupted)
-        return nl_error_set(
-            err, NL_ERR_TIMEOUT,
-            "rtrain_interrupted; no message from the coordinator in %d s (--timeout): "
-            "job %" PRIu64 " may still be writing its checkpoint (neuroctl status)",
-            r->timeout_ms / 1000, w->job);
+        return nl_error_set(err, NL_ERR_TIMEOUT,
+                            "interrupted; no message from the coordinator in %d s (--timeout): "
+                            "job %" PRIu64 " may still be writing its checkpoint (neuroctl status)",
+                            r->timeout_ms / 1000, w->job);
     if (!w->acked)
         return nl_error_set(err, NL_ERR_TIMEOUT,
                             "no answer from the coordinator to the submit in %d s (--timeout)",
@@ -393,18 +410,17 @@ nl_status rtrain_follow(nl_remote *r, rtrain_watch *w, nl_error *err)
         if (rtrain_interrupted && !cancel_by)
             cancel_by = now + CANCEL_WAIT_S;
         if (rtrain_interrupted > 1) {
-            st = nl_error_set(
-                err, NL_ERR_STATE,
-                w->acked ? "rtrain_interrupted again: left job %" PRIu64
-                           " (the coordinator finishes its checkpoint; neuroctl "
-                           "status)"
-                         : "rtrain_interrupted before the coordinator acknowledged the job",
-                w->job);
+            st = nl_error_set(err, NL_ERR_STATE,
+                              w->acked ? "interrupted again: left job %" PRIu64
+                                         " (the coordinator finishes its checkpoint; neuroctl "
+                                         "status)"
+                                       : "interrupted before the coordinator acknowledged the job",
+                              w->job);
             break;
         }
         if (rtrain_interrupted && !cancelled && w->acked) {
             nl_train_progress_break(&w->prog);
-            fprintf(stderr, "rtrain_interrupted: cancelling job %" PRIu64 "\n", w->job);
+            fprintf(stderr, "interrupted: cancelling job %" PRIu64 "\n", w->job);
             cancelled = 1;
             if ((st = nl_remote_cancel(r, w->job, err)) != NL_OK)
                 break;
@@ -418,6 +434,7 @@ nl_status rtrain_follow(nl_remote *r, rtrain_watch *w, nl_error *err)
         st = nl_remote_recv(r, &rx, now + POLL_S < limit ? now + POLL_S : limit, err);
         if (st == NL_ERR_TIMEOUT) {
             st = NL_OK; /* a slice passed: look at the clock and Ctrl-C again */
+            nl_error_clear(err); /* not an error: a job that ends well must not report it */
             continue;
         }
         last = nl_remote_now();

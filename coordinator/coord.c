@@ -24,6 +24,7 @@
 /* The ZAP domains of the nodes' and the clients' sockets */
 #define COORD_NODE_DOMAIN "coord"
 #define COORD_CLIENT_DOMAIN "coord-client"
+#define DISMISS_WAIT_S 10.0 /* NL_COORD_STOP_NODES: how long the nodes' LEAVEs are awaited */
 
 void nl_coord_opts_init(nl_coord_opts *o)
 {
@@ -503,6 +504,18 @@ nl_status nl_coord_run(nl_coord *c, volatile sig_atomic_t *stop, nl_error *err)
         nl_coord_step(c, 100);
     }
     (void)err;
+    if (*stop == NL_COORD_STOP_NODES) {
+        /* the cluster goes down (neuroctl cluster down): every node that
+         * joined, started by cluster up or by hand, is asked to leave, and
+         * their LEAVEs are awaited (nodes that do not answer are left) */
+        const int asked = coord_dismiss_nodes(c, "the cluster is going down");
+        const double until = coord_now() + DISMISS_WAIT_S;
+        while (c->n_live > 0 && coord_now() < until)
+            nl_coord_step(c, 100);
+        NL_INFO("stopping: asked %d node(s) to leave; %d left, %d did not answer", asked,
+                asked - c->n_live, c->n_live);
+        return NL_OK;
+    }
     NL_INFO("stopping");
     return NL_OK;
 }

@@ -54,6 +54,12 @@ void nl_coord_destroy(nl_coord **c);
 /* Run until *stop becomes non-zero (set by a signal handler). SIGHUP
  * reloads authorized_keys (nl_auth_hup_install must have been called). */
 nl_status nl_coord_run(nl_coord *c, volatile sig_atomic_t *stop, nl_error *err);
+/* *stop set to this (neurocoord's SIGUSR2, neuroctl cluster down): before
+ * returning, nl_coord_run sends every live node LEAVE (a node stops on
+ * it instead of waiting to rejoin) and waits up to 10 s for their LEAVEs.
+ * Any other value stops the coordinator alone: its nodes wait for it to
+ * come back (a restart), as they do when it dies. */
+#define NL_COORD_STOP_NODES 2
 
 /* One turn of the event loop: wait up to timeout_ms for one message,
  * handle it, then the timers (deaths, job timeouts, planning). Tests drive

@@ -98,8 +98,9 @@ static void generate_submit(nl_coord *c, const nl_rx *rx)
         return;
     }
     gp->capacity = T + gp->max_new < c->cfg.max_seq_len ? T + gp->max_new : c->cfg.max_seq_len;
-    /* as local generation: stop at max_new tokens or a full cache */
-    gp->limit = gp->max_new < gp->capacity - T + 1 ? gp->max_new : gp->capacity - T + 1;
+    /* as local generation and the HTTP API: stop at max_new tokens or when
+     * the prompt and the tokens made fill the context (T + limit <= max_seq_len) */
+    gp->limit = gp->max_new < gp->capacity - T ? gp->max_new : gp->capacity - T;
     g->ids = malloc(((size_t)T + (size_t)gp->limit) * sizeof *g->ids);
     if (!g->ids) {
         coord_job_free(j);

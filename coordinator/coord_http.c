@@ -375,6 +375,7 @@ nl_status nl_coord_http_start(nl_coord_http **out, nl_coord *c, const char *name
         goto fail;
     nl_http_backend b = {.ctx = h,
                          .model_name = h->name,
+                         .model_name_now = coord_http_model_name,
                          .models = h->models,
                          .n_models = h->n_models,
                          .completion_start = coord_http_gen_start,

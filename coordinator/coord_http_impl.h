@@ -87,6 +87,8 @@ char *coord_http_chat_template(void *ctx, int model);
 
 /* A status node's state ("?" when it has none). */
 const char *coord_http_node_state(json_t *n);
+/* The name of the weights served now (the backend's model_name_now). */
+void coord_http_model_name(void *ctx, char *buf, size_t cap);
 /* The backend's status_json and metrics_text (coord_http_report.c). */
 char *coord_http_status(void *ctx);
 char *coord_http_metrics(void *ctx);

@@ -63,10 +63,13 @@ static nl_status prompt_ids(nl_coord_http *h, const nl_http_completion *rq, int3
     }
     for (int i = 0; i < *P; i++)
         if ((*out)[i] < 0 || (*out)[i] >= V) {
+            nl_status st = nl_error_set(err, NL_ERR_RANGE,
+                                        "prompt: token %d at position %d is outside the model's "
+                                        "vocabulary 0..%lld",
+                                        (*out)[i], i, (long long)V - 1);
             free(*out);
             *out = NULL;
-            return nl_error_set(err, NL_ERR_RANGE, "prompt: token %d at %d is outside 0..%lld", i,
-                                i, (long long)V - 1);
+            return st;
         }
     return NL_OK;
 }

@@ -11,12 +11,39 @@
 
 #include "coord_http_impl.h"
 
+/* ---------------------------------------------------------------- the model's name */
+
+/* What is served now, from the last status (under mu): the file the
+ * cluster started from, until a training job changes the weights; then
+ * the job and step that made them ("m.safetensors@job-2-step-200"), so
+ * that a name never stands for weights it no longer is. */
+static void model_name_locked(const nl_coord_http *h, char *buf, size_t cap)
+{
+    json_t *w = h->status ? json_object_get(h->status, "weights") : NULL;
+    const long long job = (long long)json_integer_value(json_object_get(w, "job")),
+                    step = (long long)json_integer_value(json_object_get(w, "step"));
+    if (job > 0)
+        snprintf(buf, cap, "%.200s@job-%lld-step-%lld", h->name, job, step);
+    else
+        snprintf(buf, cap, "%s", h->name);
+}
+
+void coord_http_model_name(void *ctx, char *buf, size_t cap)
+{
+    nl_coord_http *h = ctx;
+    pthread_mutex_lock(&h->mu);
+    model_name_locked(h, buf, cap);
+    pthread_mutex_unlock(&h->mu);
+}
+
 /* ---------------------------------------------------------------- status, metrics */
 
 char *coord_http_status(void *ctx)
 {
     nl_coord_http *h = ctx;
+    char served[256];
     pthread_mutex_lock(&h->mu);
+    model_name_locked(h, served, sizeof served);
     json_t *st = h->status ? json_deep_copy(h->status) : json_pack("{s:s}", "state", "unknown");
     const double tps = h->tps;
     json_t *train = h->have_train
@@ -31,7 +58,7 @@ char *coord_http_status(void *ctx)
     json_object_set_new(st, "mode", json_string("cluster"));
     json_object_set_new(
         st, "model",
-        json_pack("{s:s,s:O,s:O,s:O,s:O}", "name", h->name, "layers",
+        json_pack("{s:s,s:s,s:O,s:O,s:O,s:O}", "name", served, "file", h->name, "layers",
                   cfg ? json_object_get(cfg, "num_layers") : json_null(), "hidden_dim",
                   cfg ? json_object_get(cfg, "hidden_dim") : json_null(), "vocab_size",
                   cfg ? json_object_get(cfg, "vocab_size") : json_null(), "max_seq_len",

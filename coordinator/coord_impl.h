@@ -225,6 +225,7 @@ struct nl_coord {
     struct nl_growth *growth; /* the model's growth history (core/grow.h): the source's, */
     int n_growth;             /* then the growths since; manifests written carry it */
     nl_plan *plan;
+    int plan_training; /* the plan was made during a training job, for its microbatches */
     int planned_once;
     /* a new training job continues the source's steps, schedule and moments
      * (the operator's neurocoord --resume, or a growth, made it the source
@@ -235,7 +236,8 @@ struct nl_coord {
      * the weights the stages hold (job 0: none of this coordinator's) */
     uint64_t src_job, weights_job;
     int64_t weights_step;
-    int replan_wanted;   /* a node joined (or a standby left) since the plan was made */
+    int replan_wanted;   /* why a re-plan may pay since the plan was made: COORD_REPLAN_* bits */
+    int replan_why;      /* replan_wanted's bits as the last coord_replan_gain saw them */
     int stages_modified; /* a training job changed the stages' weights since the source */
     uint64_t epoch;
     int ready;
@@ -424,11 +426,27 @@ int coord_plan_holds(const nl_coord *c, const nl_mem_opts *mo, char *why, size_t
  * the training memory of a running training job); if not, why says so
  * (with the shortfall in bytes). */
 int coord_plan_possible(nl_coord *c, char *why, size_t cap);
-/* A node joined or a standby left since the plan (replan_wanted, which it
- * clears): 1 if a plan over the live nodes now beats the current one's
- * bottleneck by --replan-margin and the stages' weights are in the source
- * (the old and new plans are logged); the caller then reloads. `when`
- * names the moment in the log ("at rest", "at the checkpoint"). */
+/* The plan's predicted seconds for one request of --plan-rows rows
+ * (inference, at the nodes' throughputs now) on stage s, and on its
+ * slowest stage: what status reports, whatever the plan was made for (a
+ * plan made during a training job has its own bottleneck in that job's
+ * microbatches, forward and backward: not a figure for serving). */
+double coord_stage_request_s(nl_coord *c, int s);
+double coord_plan_request_s(nl_coord *c);
+/* Send LEAVE to every live node (the cluster is going down: a node that
+ * gets it stops instead of waiting to rejoin); returns how many were sent. */
+int coord_dismiss_nodes(nl_coord *c, const char *why);
+/* Why a re-plan is wanted (replan_wanted's bits). */
+enum { COORD_REPLAN_JOINED = 1, COORD_REPLAN_LEFT = 2, COORD_REPLAN_SPEEDS = 4 };
+/* Those bits as words for a user ("a node joined", "the stages' measured
+ * speeds", ...); never NULL. */
+const char *coord_replan_reason(int why);
+/* A node joined, a standby left or a stage's speed moved since the plan
+ * (replan_wanted, which it clears, keeping its bits in replan_why): 1 if
+ * a plan over the live nodes now beats the current one's bottleneck by
+ * --replan-margin and the stages' weights are in the source (the old and
+ * new plans are logged); the caller then reloads. `when` names the
+ * moment in the log ("at rest", "at the checkpoint"). */
 int coord_replan_gain(nl_coord *c, const char *when);
 /* At a training checkpoint: each stage's throughput as observed (its
  * nodes' busy fractions since the last checkpoint against the plan's

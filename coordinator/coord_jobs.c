@@ -219,8 +219,15 @@ static json_t *status_json(nl_coord *c, bool full)
             json_object_set_new(root, "config", cfg);
         free(cj);
     }
-    if (c->plan)
-        json_object_set_new(root, "bottleneck_s", json_real(c->plan->bottleneck));
+    if (c->plan) { /* per request; a plan made for training also has its microbatches' */
+        json_object_set_new(root, "bottleneck_s", json_real(coord_plan_request_s(c)));
+        if (c->plan_training)
+            json_object_set_new(root, "train_bottleneck_s", json_real(c->plan->bottleneck));
+    }
+    /* the weights the stages hold: job 0 step 0 are the files they started from */
+    json_object_set_new(root, "weights",
+                        json_pack("{s:I,s:I}", "job", (json_int_t)c->weights_job, "step",
+                                  (json_int_t)c->weights_step));
     for (int i = 0; i < c->n_nodes; i++) {
         const cnode *n = &c->nodes[i];
         if (n->life == NODE_FREE)
@@ -258,7 +265,7 @@ static json_t *status_json(nl_coord *c, bool full)
             json_object_set_new(o, "embed", json_boolean(s->has_embed));
             json_object_set_new(o, "head", json_boolean(s->has_head));
             json_object_set_new(o, "memory_planned", json_integer((json_int_t)s->bytes));
-            json_object_set_new(o, "predicted_s", json_real(s->seconds));
+            json_object_set_new(o, "predicted_s", json_real(coord_stage_request_s(c, n->stage)));
         }
         json_array_append_new(nodes, o);
     }

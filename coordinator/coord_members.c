@@ -40,7 +40,7 @@ void coord_node_lost(nl_coord *c, cnode *n, int life, const char *why)
         coord_drop_plan(c);
         coord_set_state(c, "re-planning: %s", msg);
     } else {
-        c->replan_wanted = 1; /* a standby: the plan may still be the best */
+        c->replan_wanted |= COORD_REPLAN_LEFT; /* a standby: the plan may still be the best */
     }
 }
 
@@ -96,7 +96,24 @@ void coord_on_join(nl_coord *c, const nl_rx *rx)
     NL_INFO("node %u joined: %s, %.1f GiB, %.1f GFLOP/s, %u threads, data %s, key %.8s...", n->id,
             n->device, (double)n->memory / (1 << 30), n->gflops, n->threads, n->endpoint, n->key);
     c->last_plan_try = 0;
-    c->replan_wanted = 1;
+    c->replan_wanted |= COORD_REPLAN_JOINED;
+}
+
+int coord_dismiss_nodes(nl_coord *c, const char *why)
+{
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    int sent = 0;
+    for (int i = 0; i < c->n_nodes; i++) {
+        cnode *n = &c->nodes[i];
+        if (n->life != NODE_LIVE)
+            continue;
+        nl_wire_msg_reset(&m, NL_MSG_LEAVE);
+        m.u.leave = (nl_msg_leave){n->id, why};
+        sent += coord_send_node(c, n, &m) == NL_OK;
+    }
+    nl_wire_msg_free(&m);
+    return sent;
 }
 
 void coord_on_leave(nl_coord *c, const nl_rx *rx)

@@ -246,11 +246,38 @@ static nl_status plan_layers(const nl_coord *c, nl_plan **out, const nl_plan_nod
 /* Plans are for inference memory, but while a training job runs for its
  * training memory (c->train_mem: weights, gradients, moments and the
  * microbatches in flight, core/memory.h). */
+static nl_plan_opts request_opts(const nl_coord *c)
+{
+    return (nl_plan_opts){.mem = {.training = 0, .micro_rows = c->o.plan_rows, .in_flight = 1}};
+}
+
 static nl_plan_opts plan_opts(const nl_coord *c)
 {
     if (c->train_mem.training)
         return (nl_plan_opts){.mem = c->train_mem};
-    return (nl_plan_opts){.mem = {.training = 0, .micro_rows = c->o.plan_rows, .in_flight = 1}};
+    return request_opts(c);
+}
+
+double coord_stage_request_s(nl_coord *c, int s)
+{
+    const nl_plan_stage *ps = &c->plan->stages[s];
+    const cnode *n = coord_stage_node(c, s);
+    const double g = !n ? 0 : n->seen_gflops > 0 ? n->seen_gflops : n->gflops;
+    if (g <= 0)
+        return ps->seconds;
+    const nl_plan_opts po = request_opts(c);
+    const nl_plan_node nd = {(int)n->id, n->memory, g, hop_seconds(c)};
+    return nl_plan_stage_seconds(&c->cfg, &po, &nd, ps->l1 - ps->l0, s, c->plan->n_stages);
+}
+
+double coord_plan_request_s(nl_coord *c)
+{
+    double worst = 0;
+    for (int s = 0; c->plan && s < c->plan->n_stages; s++) {
+        const double t = coord_stage_request_s(c, s);
+        worst = t > worst ? t : worst;
+    }
+    return worst;
 }
 
 int coord_plan_holds(const nl_coord *c, const nl_mem_opts *mo, char *why, size_t cap)
@@ -360,6 +387,7 @@ static void plan_over(nl_coord *c, nl_plan_node *pn, int n, uint64_t total)
             c->n_live, n > plan_offer(c) ? plan_offer(c) : n, coord_now() - t0,
             (double)(cpu1.tv_sec - cpu0.tv_sec) + 1e-9 * (double)(cpu1.tv_nsec - cpu0.tv_nsec));
     c->plan = plan;
+    c->plan_training = po.mem.training;
     c->planned_once = 1;
     c->replan_wanted = 0; /* this plan saw every node there is */
     c->epoch++;
@@ -408,7 +436,7 @@ void coord_observe_speeds(nl_coord *c)
                     "microbatch against %.2f ms planned: %.1f GFLOP/s instead of %.1f",
                     n->id, s, 100 * load, n->load_n, seen_s * 1e3, pred_s * 1e3, g, was);
             n->seen_gflops = g;
-            c->replan_wanted = 1;
+            c->replan_wanted |= COORD_REPLAN_SPEEDS;
         }
     }
     for (int i = 0; i < c->n_nodes; i++) {
@@ -434,10 +462,25 @@ int coord_plan_possible(nl_coord *c, char *why, size_t cap)
     return st == NL_OK;
 }
 
+const char *coord_replan_reason(int why)
+{
+    static const char *const words[8] = {
+        "no change",
+        "a node joined",
+        "a standby node left",
+        "nodes joined and left",
+        "the stages' measured speeds differ from the plan's",
+        "a node joined and the stages' measured speeds differ from the plan's",
+        "a standby node left and the stages' measured speeds differ from the plan's",
+        "nodes joined and left and the stages' measured speeds differ from the plan's"};
+    return words[why & 7];
+}
+
 int coord_replan_gain(nl_coord *c, const char *when)
 {
     if (!c->replan_wanted || !c->plan || !c->have_cfg)
         return 0;
+    c->replan_why = c->replan_wanted;
     c->replan_wanted = 0;
     uint64_t total = 0;
     nl_error e = {0};
@@ -528,6 +571,6 @@ void coord_on_load_done(nl_coord *c, const nl_rx *rx)
     c->weights_job = c->src_job;
     c->weights_step = c->src_step;
     coord_set_state(c, "ready: %d stages, bottleneck %.2f ms per request (plan %llu)",
-                    c->plan->n_stages, c->plan->bottleneck * 1e3, (unsigned long long)c->epoch);
+                    c->plan->n_stages, coord_plan_request_s(c) * 1e3, (unsigned long long)c->epoch);
     coord_jobs_ready(c);
 }

@@ -499,8 +499,8 @@ static void written(nl_coord *c, cjob *j, const tr_in *in)
     } else if (coord_replan_gain(c, "at the checkpoint")) {
         /* a node joined, or the stages' observed speeds call for another
          * split: the job goes on from this manifest on the new plan */
-        json_t *o = json_pack("{s:s,s:I,s:s}", "event", "replan", "step", (json_int_t)t->step,
-                              "manifest", in->path);
+        json_t *o = json_pack("{s:s,s:I,s:s,s:s}", "event", "replan", "step", (json_int_t)t->step,
+                              "manifest", in->path, "reason", coord_replan_reason(c->replan_why));
         coord_train_report(c, j, NL_JOB_RUNNING, "re-planning at the checkpoint", o);
         coord_close_session(c, j);
         to(c, j, TR_LOADING);

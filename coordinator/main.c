@@ -14,10 +14,11 @@
 
 static volatile sig_atomic_t stop_flag;
 
+/* SIGINT, SIGTERM: stop (the nodes wait for a restart); SIGUSR2: take
+ * the cluster down, the nodes with it (neuroctl cluster down). */
 static void on_stop(int sig)
 {
-    (void)sig;
-    stop_flag = 1;
+    stop_flag = sig == SIGUSR2 || stop_flag == NL_COORD_STOP_NODES ? NL_COORD_STOP_NODES : 1;
 }
 
 /* Every node holds one descriptor (its connection): raise the soft limit
@@ -201,6 +202,7 @@ int main(int argc, char **argv)
     sa.sa_handler = on_stop;
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGUSR2, &sa, NULL);
     signal(SIGPIPE, SIG_IGN);
     nl_error err = {0};
     nl_coord *c = NULL;

@@ -260,6 +260,19 @@ static nl_status at(const yaml_ctx *c, size_t line0, nl_error *err)
     return nl_error_prefix(err, "line %zu", line0 + 1);
 }
 
+/* libyaml's structural problems, all of which a line indented unlike
+ * its neighbours causes (a tab, or a key one column off). */
+static bool indentation_problem(const char *problem)
+{
+    static const char *const known[] = {
+        "did not find expected key", "mapping values are not allowed",
+        "did not find expected <document start>", "did not find expected '-' indicator"};
+    for (size_t i = 0; problem && i < sizeof known / sizeof known[0]; i++)
+        if (strstr(problem, known[i]))
+            return true;
+    return false;
+}
+
 static nl_status next_event(yaml_ctx *c, nl_error *err)
 {
     if (c->have_ev)
@@ -268,9 +281,15 @@ static nl_status next_event(yaml_ctx *c, nl_error *err)
     if (!yaml_parser_parse(&c->parser, &c->ev)) {
         if (c->parser.error == YAML_MEMORY_ERROR)
             return nl_error_set(err, NL_ERR_NOMEM, "out of memory parsing YAML");
-        nl_error_set(err, NL_ERR_INVALID, "YAML syntax error: %s%s%s",
+        /* the problem's mark is the line at fault; the context's is
+         * where the enclosing mapping began, named only as context */
+        nl_error_set(err, NL_ERR_INVALID, "YAML syntax error: %s%s%s%s",
                      c->parser.problem ? c->parser.problem : "unknown problem",
-                     c->parser.context ? " " : "", c->parser.context ? c->parser.context : "");
+                     c->parser.context ? " " : "", c->parser.context ? c->parser.context : "",
+                     indentation_problem(c->parser.problem)
+                         ? " (check this line's indentation: every key of a mapping starts in "
+                           "the same column, with spaces, not tabs)"
+                         : "");
         return at(c, c->parser.problem_mark.line, err);
     }
     c->have_ev = true;
@@ -345,6 +364,19 @@ static nl_status yaml_pair(yaml_ctx *c, nl_config *cfg, const char *map, nl_erro
     if (keys[k].kind == K_MAP)
         return yaml_map(c, cfg, keys[k].name, err);
     st = yaml_set(cfg, k, &c->ev, err);
+    if (st != NL_OK && c->ev.data.scalar.style == YAML_PLAIN_SCALAR_STYLE &&
+        c->ev.end_mark.line > c->ev.start_mark.line) {
+        /* a line indented deeper than the keys continues the value above
+         * it ("2 num_heads"): the line at fault is the one it ran into */
+        const size_t last = c->ev.end_mark.line + (c->ev.end_mark.column == 0 ? 0 : 1);
+        char msg[NL_ERROR_MSG_MAX + 256];
+        snprintf(msg, sizeof msg,
+                 "%s (line %zu is indented deeper than the key %.40s on line %zu, "
+                 "so YAML reads it as the rest of that key's value: start it in the key's column)",
+                 err->msg, last, keys[k].name, line0 + 1);
+        nl_error_set(err, st, "%s", msg);
+        return at(c, last - 1, err);
+    }
     if (st != NL_OK)
         return at(c, c->ev.start_mark.line, err);
     return NL_OK;

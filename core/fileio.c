@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -394,4 +395,85 @@ nl_status nl_path_confine(const char *root, const char *dir, char **out, nl_erro
 out:
     free(p);
     return st;
+}
+
+/* ------------------------------------------------------------ run locks */
+
+struct nl_file_lock {
+    int fd;
+    char *path;
+};
+
+/* Another process holds the lock on fd: say who. */
+static nl_status lock_busy(int fd, const char *lock_path, const char *what, nl_error *err)
+{
+    char buf[24] = "";
+    const ssize_t n = pread(fd, buf, sizeof buf - 1, 0);
+    const long pid = n > 0 ? strtol(buf, NULL, 10) : 0;
+    if (pid > 0)
+        return nl_error_set(err, NL_ERR_STATE,
+                            "%s: another run (pid %ld) is writing there (it holds %s); wait for "
+                            "it to end, or choose another path",
+                            what, pid, lock_path);
+    return nl_error_set(err, NL_ERR_STATE,
+                        "%s: another run is writing there (it holds %s); wait for it to end, or "
+                        "choose another path",
+                        what, lock_path);
+}
+
+nl_status nl_file_lock_take(nl_file_lock **out, const char *lock_path, const char *what,
+                            nl_error *err)
+{
+    *out = NULL;
+    /* the holder before us removes the file before it unlocks: a lock
+     * taken on a removed file is dropped and the name opened again */
+    for (int tries = 0; tries < 16; tries++) {
+        int fd = open(lock_path, O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+        if (fd < 0)
+            return nl_error_set(err, NL_ERR_IO, "%s: cannot make the lock file %s: %s", what,
+                                lock_path, strerror(errno));
+        if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+            const int e = errno;
+            nl_status st = e == EWOULDBLOCK ? lock_busy(fd, lock_path, what, err)
+                                            : nl_error_set(err, NL_ERR_IO, "%s: cannot lock %s: %s",
+                                                           what, lock_path, strerror(e));
+            close(fd);
+            return st;
+        }
+        struct stat held, named;
+        if (fstat(fd, &held) == 0 && stat(lock_path, &named) == 0 && held.st_dev == named.st_dev &&
+            held.st_ino == named.st_ino) {
+            char pid[24];
+            const int n = snprintf(pid, sizeof pid, "%ld\n", (long)getpid());
+            nl_file_lock *lk = calloc(1, sizeof *lk);
+            if (!lk || !(lk->path = strdup(lock_path)) || ftruncate(fd, 0) != 0 ||
+                pwrite(fd, pid, (size_t)n, 0) != n) {
+                const int e = errno;
+                if (lk)
+                    free(lk->path);
+                free(lk);
+                unlink(lock_path);
+                close(fd);
+                return nl_error_set(err, NL_ERR_IO, "%s: cannot write the lock file %s: %s", what,
+                                    lock_path, strerror(e));
+            }
+            lk->fd = fd;
+            *out = lk;
+            return NL_OK;
+        }
+        close(fd);
+    }
+    return nl_error_set(err, NL_ERR_STATE, "%s: the lock file %s keeps being replaced", what,
+                        lock_path);
+}
+
+void nl_file_lock_release(nl_file_lock **lk)
+{
+    if (!lk || !*lk)
+        return;
+    unlink((*lk)->path);
+    close((*lk)->fd);
+    free((*lk)->path);
+    free(*lk);
+    *lk = NULL;
 }

@@ -70,4 +70,21 @@ nl_status nl_file_write_atomic(const char *path, const void *buf, size_t n, nl_e
 nl_status nl_file_read_all(const char *path, size_t max_bytes, char **out, size_t *len,
                            nl_error *err);
 
+/* A run's hold on a path it writes (a checkpoint directory, an output, a
+ * log) for as long as it runs: flock(2) on a lock file, so that a second
+ * run given the same path is refused while the first lives, and a run
+ * that dies (even by SIGKILL) holds nothing. The lock file holds the
+ * holder's pid, for the message. */
+typedef struct nl_file_lock nl_file_lock;
+
+/* Lock `lock_path` (created 0600 if missing, never through a link).
+ * `what` names the thing locked for the user ("--out x.safetensors").
+ * NL_ERR_STATE naming the other run's pid when another process holds it;
+ * NL_ERR_IO when the lock file cannot be made. */
+nl_status nl_file_lock_take(nl_file_lock **out, const char *lock_path, const char *what,
+                            nl_error *err);
+/* Remove the lock file (still holding the lock, so that no one locks a
+ * removed file), unlock, free and NULL *lk. Safe on NULL. */
+void nl_file_lock_release(nl_file_lock **lk);
+
 #endif

@@ -37,7 +37,7 @@ int64_t nl_node_mono_ms(void)
 
 static bool stopping(const node *n)
 {
-    return n->o->stop && *n->o->stop;
+    return n->dismissed || (n->o->stop && *n->o->stop);
 }
 
 /* Stop serving: a signal, or the device failed (the stage refuses all work). */
@@ -442,6 +442,11 @@ static void on_control(node *n)
                 nl_status_str(m->u.error.code < NL_STATUS_COUNT ? (nl_status)m->u.error.code
                                                                 : NL_ERR_PROTO));
         break;
+    case NL_MSG_LEAVE: /* the coordinator takes the cluster down: stop, do not rejoin */
+        NL_INFO("the coordinator asks this node to leave (%s): stopping",
+                nl_log_escape(text, sizeof text, m->u.leave.reason ? m->u.leave.reason : ""));
+        n->dismissed = true;
+        break;
     case NL_MSG_ACCEPT:
         if (n->rejoining) {
             accepted_again(n, &m->u.accept);
@@ -575,7 +580,7 @@ nl_status nl_node_run(const nl_node_opts *o, nl_error *err)
         serve(&n);
         st = nl_stage_device_status(n.stage, err);
         if (st == NL_OK) {
-            leave(&n, "stopped by a signal");
+            leave(&n, n.dismissed ? "asked to leave by the coordinator" : "stopped by a signal");
         } else { /* the job that met the error has failed with it; a training job dies too */
             uint64_t job = 0;
             if (nl_stage_train_running(n.stage, &job) && job != n.last_failed_job)

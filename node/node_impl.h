@@ -56,6 +56,9 @@ typedef struct node {
      * same key and data endpoint, every rejoin_wait_ms (doubling to
      * REJOIN_MAX_MS) until it ACCEPTs; no heartbeats meanwhile */
     bool rejoining;
+    /* the coordinator sent LEAVE (neuroctl cluster down, neurocoord's
+     * SIGUSR2): the node stops as on SIGTERM, and does not rejoin */
+    bool dismissed;
     int64_t rejoin_at_ms;
     int rejoin_wait_ms, rejoins;
     uint64_t hb_seq;

@@ -85,3 +85,13 @@ if [ "$SERVE" = 1 ]; then
   exit 1
 fi
 $NEUROCTL cluster down --dir "$CLUSTER"
+# What to try next (tests/check_doc_flags.py checks these commands' flags).
+cat <<EOF
+
+what next (. scripts/env.sh puts neuroctl on your PATH):
+  neuroctl generate --model $OUT/model.safetensors --prompt "Q: Why " --max-new 60 --temperature 0.7
+  neuroctl serve --model $OUT/model.safetensors --http 127.0.0.1:8080   # the HTTP API, in one process
+  neuroctl train --model $OUT/model.safetensors --data YOUR.txt --steps 200 --out $OUT/yours.safetensors
+  scripts/demo.sh --serve   # the same run, then the cluster stays up serving it (dashboard, HTTP API)
+(README.md: training on your own text, the cluster across machines, the HTTP API)
+EOF

@@ -69,6 +69,10 @@ typedef enum nl_http_next {
 typedef struct nl_http_backend {
     void *ctx;
     const char *model_name; /* what /v1/models lists first */
+    /* Optional, where the weights change under the server (a cluster that
+     * trains): the name of what is served now, written into buf; requests
+     * may still give model_name. NULL: model_name is always the name. */
+    void (*model_name_now)(void *ctx, char *buf, size_t cap);
     /* More models the backend serves (e.g. adapters on the same weights),
      * listed after model_name: a request selects one by its "model" field
      * (nl_http_completion.model, embed's model). With none, "model" is

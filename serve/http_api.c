@@ -179,8 +179,14 @@ static int pick_model(const nl_http *h, json_t *o, field_err *fe)
 {
     json_t *j = json_object_get(o, "model");
     const char *name = json_is_string(j) ? json_string_value(j) : NULL;
+    char now[256];
     if (!name || h->be.n_models == 0 || strcmp(name, h->be.model_name) == 0)
         return 0;
+    if (h->be.model_name_now) {
+        h->be.model_name_now(h->be.ctx, now, sizeof now);
+        if (strcmp(name, now) == 0)
+            return 0;
+    }
     for (int i = 0; i < h->be.n_models; i++)
         if (strcmp(name, h->be.models[i]) == 0)
             return i + 1;
@@ -189,9 +195,14 @@ static int pick_model(const nl_http *h, json_t *o, field_err *fe)
     return -1;
 }
 
-const char *http_model_name(const nl_http *h, int model)
+const char *http_model_name(const nl_http *h, int model, char *buf)
 {
-    return model > 0 && model <= h->be.n_models ? h->be.models[model - 1] : h->be.model_name;
+    if (model > 0 && model <= h->be.n_models)
+        return h->be.models[model - 1];
+    if (!h->be.model_name_now)
+        return h->be.model_name;
+    h->be.model_name_now(h->be.ctx, buf, 256);
+    return buf;
 }
 
 /* Every field of o is one of known[] or ignorable. */
@@ -527,6 +538,7 @@ static json_t *base64_floats(const float *v, int dim)
 
 enum MHD_Result http_embeddings(nl_http *h, struct MHD_Connection *c, http_req *rq)
 {
+    char name_buf[256];
     field_err fe = {{0}, {0}};
     json_t *body = parse_body(rq, &fe), *data = NULL, *out = NULL;
     enum MHD_Result res;
@@ -612,8 +624,8 @@ enum MHD_Result http_embeddings(nl_http *h, struct MHD_Connection *c, http_req *
         total += toks;
     }
     out = json_pack("{s:s, s:O, s:s, s:{s:i, s:i}}", "object", "list", "data", data, "model",
-                    http_model_name(h, model), "usage", "prompt_tokens", total, "total_tokens",
-                    total);
+                    http_model_name(h, model, name_buf), "usage", "prompt_tokens", total,
+                    "total_tokens", total);
     char *s = out ? json_dumps(out, JSON_COMPACT) : NULL;
     res = s ? http_reply(h, c, rq, 200, "application/json", s, strlen(s))
             : http_error(h, c, rq, 500, NULL, "out of memory");
@@ -630,11 +642,12 @@ out:
 
 enum MHD_Result http_models(nl_http *h, struct MHD_Connection *c, http_req *rq)
 {
+    char name_buf[256];
     json_t *data = json_array(), *j = NULL;
     for (int i = 0; data && i <= h->be.n_models; i++)
-        json_array_append_new(data,
-                              json_pack("{s:s, s:s, s:i, s:s}", "id", http_model_name(h, i),
-                                        "object", "model", "created", 0, "owned_by", "neurollm"));
+        json_array_append_new(data, json_pack("{s:s, s:s, s:i, s:s}", "id",
+                                              http_model_name(h, i, name_buf), "object", "model",
+                                              "created", 0, "owned_by", "neurollm"));
     if (data)
         j = json_pack("{s:s, s:o}", "object", "list", "data", data);
     char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;

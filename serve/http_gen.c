@@ -30,6 +30,7 @@ typedef struct gen_choice {
 typedef struct gen_state {
     nl_http *h;
     const char *model; /* the name answers carry */
+    char model_buf[256];
     char id[48];
     long long created;
     int stream, chat, include_usage, logprobs, n;
@@ -468,7 +469,7 @@ enum MHD_Result http_generate(nl_http *h, struct MHD_Connection *c, http_req *rq
     if (!g)
         return http_error(h, c, rq, 500, NULL, "out of memory");
     g->h = h;
-    g->model = http_model_name(h, req->c.model);
+    g->model = http_model_name(h, req->c.model, g->model_buf);
     g->stream = req->c.stream;
     g->chat = req->chat;
     g->include_usage = req->include_usage;

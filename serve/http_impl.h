@@ -93,8 +93,9 @@ typedef struct gen_req {
  * stays the caller's. */
 enum MHD_Result http_generate(nl_http *h, struct MHD_Connection *c, http_req *rq,
                               const gen_req *req);
-/* The name answers carry for model k. */
-const char *http_model_name(const nl_http *h, int model);
+/* The name answers carry for model k; the backend's own (0) may be
+ * written into buf (256 bytes). */
+const char *http_model_name(const nl_http *h, int model, char *buf);
 /* Valid UTF-8 of s[0..n) as a JSON string (invalid bytes U+FFFD); unless
  * final an incomplete sequence at the end is left out (*used: bytes
  * taken; may be NULL). */

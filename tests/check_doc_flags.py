@@ -154,7 +154,20 @@ def main():
         missing += check_file(d, helps, known)
     for m in missing:
         print(m.replace(SRC.rstrip("/") + "/", ""))
-    print("check_doc_flags: %d files, %d flags known, %d missing" % (len(docs), len(known), len(missing)))
+    # the demo ends by naming what to try next: neuroctl commands, whose
+    # flags are checked as the docs' are
+    demo = os.path.join(SRC, "scripts", "demo.sh")
+    text = open(demo).read()
+    nxt = text[text.find("what next"):] if "what next" in text else ""
+    if len(re.findall(r"^  neuroctl \w+ ", nxt, re.M)) < 2:
+        missing.append("scripts/demo.sh: does not end by naming 2 neuroctl commands to try next")
+    for m in re.finditer(r"^  neuroctl (\w+) ([^#\n]*)", nxt, re.M):
+        own = helps.get("neuroctl " + m.group(1), "")
+        for f in FLAG.findall(m.group(2)):
+            if f not in flags_in(own):
+                missing.append("scripts/demo.sh: what next: --%s (not in neuroctl %s --help)"
+                               % (f, m.group(1)))
+    print("check_doc_flags: %d files, %d flags known, %d missing" % (len(docs) + 1, len(known), len(missing)))
     bad_help = check_help_command()
     for b in bad_help:
         print(b)

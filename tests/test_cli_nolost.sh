@@ -5,6 +5,8 @@
 #    a disk that fills keeps the model elsewhere, or names the last
 #    checkpoint to resume from;
 #    Ctrl-C keeps the steps done (exit 130, no temporary left) and resumes;
+#    a second run given a running one's --checkpoint-dir, --out or --log
+#    is refused, naming its pid;
 #  - init, grow, export, tokenizer train and train --out refuse to replace
 #    a file without --force;
 #  - after cluster down a client fails at once; the four key mistakes and a
@@ -105,9 +107,21 @@ check test "$(tail -1 <<< "$out")" = "step-000002.safetensors" # and nothing hal
 
 # ---- 2. Ctrl-C: stop at a step boundary, keep the steps, exit 130 ----
 "$N" train "${DEV[@]}" --model "$W/m.safetensors" "${T[@]}" --steps 1000000 --checkpoint-dir "$W/ck2" \
-  --log "$W/int.jsonl" 2> "$W/int.err" &
+  --checkpoint-every 999999 --out "$W/int.safetensors" --log "$W/int.jsonl" 2> "$W/int.err" &
 pid=$!
 for _ in $(seq 1 300); do [ -s "$W/int.jsonl" ] && break; sleep 0.1; done
+# ---- 2a. while it runs, a second run given its --checkpoint-dir, --out or --log is refused
+# before it writes anything, and the message names the first run's pid ----
+for f in "--checkpoint-dir $W/ck2" "--out $W/int.safetensors" "--log $W/int.jsonl"; do
+  # shellcheck disable=SC2086 # $f is a flag and its value
+  out=$("$N" train "${DEV[@]}" --model "$W/m.safetensors" "${T[@]}" --steps 2 \
+    --checkpoint-dir "$W/ck2-other" $f 2>&1); rc=$?
+  check test $rc -eq 1
+  check grep -qF -- "$f: another run (pid $pid) is writing there" <<< "$out"
+done
+check test ! -e "$W/int.safetensors"
+check test ! -e "$W/ck2/step-000002.safetensors"
+check test "$(grep -c '^{"step":1,' "$W/int.jsonl")" -eq 1 # the first run's records only
 kill -INT "$pid"
 for _ in $(seq 1 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
 if kill -0 "$pid" 2>/dev/null; then # Ctrl-C did not stop it within 30 s
@@ -119,6 +133,7 @@ check test $? -eq 130
 kept=$(sed -n 's/^interrupted after step \([0-9]*\) of 1000000: kept \(.*\) (continue with --resume .*)$/\2/p' "$W/int.err")
 check test -s "$kept"
 check test "$(find "$W/ck2" -name '*.tmp*' | wc -l)" -eq 0
+check test "$(find "$W" -name '*.lock' | wc -l)" -eq 0 # the locks go with the run
 done_steps=$(sed -n 's/^interrupted after step \([0-9]*\) of.*/\1/p' "$W/int.err")
 check test "$kept" = "$W/ck2/step-$(printf %06d "$done_steps").safetensors"
 check "$N" train "${DEV[@]}" --resume "$kept" "${T[@]}" --steps $((done_steps + 1)) --out "$W/resumed.safetensors"
@@ -164,8 +179,13 @@ check grep -q "1 steps of 1 x 64 in" <<< "$out"
 "$N" generate "${DEV[@]}" --model "$W/m.safetensors" --prompt-tokens 1,2,3,4 --max-new 200 \
   --temperature 0 > "$W/gen.out" 2> "$W/gen.err"
 check test $? -eq 0
-check test "$(head -1 "$W/gen.out" | wc -w)" -eq 61 # the last sampled at position 64
-check grep -q "stopped after 61 of --max-new 200 tokens: with the prompt's 4 they reach the model's max_seq_len 64" "$W/gen.err"
+check test "$(head -1 "$W/gen.out" | wc -w)" -eq 60 # with the prompt's 4: the 64 positions
+check grep -q "stopped after 60 of --max-new 200 tokens: with the prompt's 4 they reach the model's max_seq_len 64" "$W/gen.err"
+# exactly to the context's end: all of them, nothing to say
+"$N" generate "${DEV[@]}" --model "$W/m.safetensors" --prompt-tokens 1,2,3,4 --max-new 60 \
+  --temperature 0 > "$W/gen60.out" 2> "$W/gen60.err"
+check test "$(head -1 "$W/gen60.out" | wc -w)" -eq 60
+check test -z "$(grep "stopped after" "$W/gen60.err")"
 
 # ---- 11. smaller ones ----
 out=$("$N" train 2>&1); rc=$?
@@ -266,7 +286,8 @@ check grep -q "\[0,2)+e+h" <<< "$out"
 "$N" generate --cluster "$W/c1" --prompt-tokens 1,2,3,4 --max-new 200 --temperature 0 \
   > "$W/rgen.out" 2> "$W/rgen.err"
 check test $? -eq 0
-check grep -q "stopped after [0-9]* of --max-new 200 tokens: .* max_seq_len 64" "$W/rgen.err"
+check grep -q "stopped after 60 of --max-new 200 tokens: .* max_seq_len 64" "$W/rgen.err"
+check test "$(head -1 "$W/rgen.out" | wc -w)" -eq 60 # as many as the HTTP API's largest max_tokens
 # 8 on a cluster: no --seq, the default 256 fits the model's max_seq_len 64;
 # a typed --seq past it is refused naming it
 "$N" train --cluster "$W/c1" --data "$W/data.txt" --steps 1 --batch 2 --checkpoint-dir "$W/rck" \

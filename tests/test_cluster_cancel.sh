@@ -28,6 +28,13 @@ for i in $(seq 1 1200); do
   grep -q '"step":7,' "$W/cut.jsonl" 2>/dev/null && break
   sleep 0.02
 done
+# a second client given the running one's --out or --log is refused, naming its pid
+for f in "--out $W/never.safetensors" "--log $W/cut.jsonl"; do
+  # shellcheck disable=SC2086 # $f is a flag and its value
+  out=$("$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck-other" $f 2>&1)
+  check test $? -eq 1
+  check grep -qF -- "$f: another run (pid $job) is writing there" <<< "$out"
+done
 kill -INT $job
 wait $job
 rc=$?
@@ -42,6 +49,10 @@ check test "$k" -ge 7 -a "$k" -lt 20
 M=$(printf '%s/ck1/step-%06d/manifest.json' "$W" "$k")
 check grep -q "stopping after step [0-9]*: writing a checkpoint (Ctrl-C again to leave" "$W/cut.err"
 check grep -q "interrupted after step $k of 40: kept $M (continue with --resume $M)" "$W/cut.err"
+# a Ctrl-C that kept its steps reports no error (a poll's time-out was
+# printed as "no answer from the coordinator in time")
+check grep -q "^interrupted: cancelling job" "$W/cut.err"
+check test -z "$(grep "neuroctl train:\|rtrain_" "$W/cut.err")"
 check grep -q "cancelled at step $k; kept $M" "$C/coord.log"
 # the client joins no --out on Ctrl-C (local training does not either)
 check test ! -e "$W/never.safetensors"
@@ -77,7 +88,7 @@ for i in $(seq 1 200); do grep -q "cancelling job" "$W/twice.err" && break; slee
 kill -INT $job
 wait $job
 check test $? -eq 130
-check grep -q "interrupted again: left job" "$W/twice.err"
+check grep -q "^neuroctl train: interrupted again: left job" "$W/twice.err"
 check test -z "$(ls "$W"/ck3/step-*/manifest.json 2>/dev/null)"
 for i in $(seq 1 200); do grep -q "cancelled at step [0-9]*; kept" "$C/coord.log" && break; sleep 0.05; done
 k2=$(sed -n 's/^.*cancelled at step \([0-9]*\); kept .*$/\1/p' "$C/coord.log" | tail -1)
@@ -99,6 +110,7 @@ check test $? -eq 130
 tr '\r' '\n' < "$W/mid.err" | grep -v "^step" | tail -2
 check grep -q "stopping after step 20: writing a checkpoint" "$W/mid.err"
 check grep -q "interrupted after step 20 of 40: kept $W/ck4/step-000020/manifest.json" "$W/mid.err"
+check test -z "$(grep "neuroctl train:\|rtrain_" "$W/mid.err")"
 check test "$(ls -d "$W"/ck4/step-* | wc -l)" -eq 1
 "$N" cluster down --dir "$C" >/dev/null
 

@@ -3,7 +3,8 @@
 # a second node joins; within seconds the coordinator plans two stages
 # (the planner's bottleneck halves, beyond --replan-margin), logs the old
 # and new plan, and the stages reload from the checkpoint; forward through
-# the two stages equals the local forward.
+# the two stages equals the local forward; cluster down stops the node
+# started by hand as well as its own.
 . "$(dirname "$0")/cluster_lib.sh"
 # equal, fixed throughputs: the plan does not depend on probes disturbed by
 # tests running beside this one
@@ -71,6 +72,21 @@ d = max(abs(x - y) for x, y in zip(a["logits"][1], b["logits"][1]))
 print("forward after the join: max abs diff %.3g" % d)
 assert d <= 1e-6, d
 PY
+
+# cluster down takes down the node started by hand too (issue 34, item 6):
+# the coordinator asks every node that joined it to leave before it stops
+check "$N" cluster down --dir "$C"
+for i in $(seq 1 600); do kill -0 "$extra" 2>/dev/null || break; sleep 0.1; done
+if kill -0 "$extra" 2>/dev/null; then
+  check false "the node started by hand outlived cluster down by 60 s"
+else
+  wait "$extra"
+  check test $? -eq 0
+  extra=0
+fi
+check grep -q "the coordinator asks this node to leave (the cluster is going down): stopping" \
+  "$W/extra.log"
+check grep -q "stopping: asked 2 node(s) to leave; 2 left, 0 did not answer" "$C/coord.log"
 
 echo "test_cluster_join: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]

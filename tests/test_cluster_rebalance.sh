@@ -48,6 +48,11 @@ tr '\r' '\n' < "$W/train.err" | grep -v "^step" | tail -6
 grep "observed:\|re-plan at the checkpoint\|plan old\|plan new" "$C/coord.log"
 check grep -q "observed: node 2 (stage [01]) busy" "$C/coord.log"
 check grep -q "re-plan at the checkpoint: bottleneck" "$C/coord.log"
+# the client says why: measured speeds, not a join (issue 34, item 5)
+check grep -q "^re-planning at the checkpoint of step 30 (the stages' measured speeds differ" \
+  "$W/train.err"
+check test "$(grep -c "parameters on" "$W/train.err")" -eq 1 # the header once
+check test "$(grep -c "nodes joined" "$W/train.err")" -eq 0
 layers() { # layers of node 2 in the plan logged as $1 (old or new) at the checkpoint; 0: standby
   $PY - "$C/coord.log" "$1" <<'PY'
 import re, sys
@@ -68,6 +73,21 @@ check test -n "$old"
 check test -n "$new"
 check test "${new:-9}" -lt "${old:-0}"
 check $PY "$NL_SOURCE_DIR/tests/same_tensors.py" "$W/slow.safetensors" "$W/ref.safetensors"
+# the plan made at the checkpoint was made for training: status reports its
+# figure per request (what serving costs) and the training microbatch's
+# apart (forward and backward of the job's 512 rows: about 3x a request of
+# --plan-rows 512), never the one as the other (issue 34, item 5)
+"$N" status --cluster "$C" --json > "$W/after.json"
+check $PY - "$W/after.json" <<'EOF'
+import json, sys
+st = json.load(open(sys.argv[1]))
+b, tb = st["bottleneck_s"], st.get("train_bottleneck_s")
+pred = max(n["predicted_s"] for n in st["nodes"] if "predicted_s" in n)
+print("per request %.2f ms, per training microbatch %s ms" % (b * 1e3, tb and round(tb * 1e3, 2)))
+sys.exit(0 if tb and tb > 2 * b and abs(pred - b) < 1e-9 else 1)
+EOF
+check grep -q "^this plan was made for training: [0-9.]* ms per training microbatch" \
+  <("$N" status --cluster "$C")
 
 echo "test_cluster_rebalance: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]

@@ -138,11 +138,14 @@ check test $rc -eq 0
 check grep -q "on 2 pipeline stages" "$W/joined.err"
 # the first checkpoint after the join (the node starts at step 5; the
 # coordinator's log says when it joined)
-at=$(sed -n 's/^resuming at step \([0-9]*\)$/\1/p' "$W/joined.err" | head -1)
+at=$(sed -n 's/^resuming at step \([0-9]*\) on 3 pipeline stages.*/\1/p' "$W/joined.err" | head -1)
 echo "joined during training; taken in at the checkpoint of step ${at:-?}"
 check test -n "$at"
 check grep -q "on 3 pipeline stages" "$W/joined.err"
-check grep -q "\"event\":\"replan\",\"resume_step\":${at:-x}" "$W/joined.jsonl"
+check grep -q "\"event\":\"replan\",\"resume_step\":${at:-x},\"reason\":\"a node joined" "$W/joined.jsonl"
+# the re-plan says why, and the header is not printed again for the same job
+check grep -q "^re-planning at the checkpoint of step ${at:-x} (a node joined" "$W/joined.err"
+check test "$(grep -c "parameters on" "$W/joined.err")" -eq 1
 check grep -q "re-plan at the checkpoint: bottleneck" "$C/coord.log"
 check grep -q "plan new: stage 2" "$C/coord.log"
 check $PY "$NL_SOURCE_DIR/tests/same_tensors.py" "$W/joined.safetensors" "$W/ref.safetensors"

@@ -99,6 +99,11 @@ static const struct bad {
     {"aux_loss_coef: -0.1\n", {"aux_loss_coef", ">= 0"}},
     {"top_k: 2\ntop_k: 2\n", {"line 2", "top_k", "duplicate key (first given on line 1)"}},
     {"top_k: 2\nhidden_dim: 5: 3\n", {"line 2", "YAML syntax error", "mapping values"}},
+    /* a mis-indented line is named, not the key above it (issue 34, item 5) */
+    {"hidden_dim: 32\nnum_layers: 2\n  num_heads: 2\n",
+     {"line 3: num_layers", "'2 num_heads'", "line 3 is indented deeper than the key num_layers"}},
+    {"  hidden_dim: 32\nnum_layers: 2\n", {"line 2: YAML syntax error", "indentation"}},
+    {"hidden_dim: 32\n\tnum_layers: 2\n", {"line 2", "YAML syntax error"}},
     {"{top_k: 2\n", {"YAML syntax error"}},
     {"\"unterminated\n", {"YAML syntax error"}},
     {"- 1\n- 2\n", {"line 1", "must be a mapping", "sequence"}},

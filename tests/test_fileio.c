@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "check.h"
@@ -171,6 +172,46 @@ static void test_confine(void)
     free(out);
 }
 
+/* Run locks (issue 34, item 4): a second taker is refused with the
+ * holder's pid while the first holds the lock; after the release (or the
+ * holder's death) the path is free again and no lock file is left. */
+static void test_run_lock(void)
+{
+    nl_error err = {0};
+    nl_file_lock *a = NULL, *b = NULL;
+    const char *lp = at("ck.lock");
+    CHECK(nl_file_lock_take(&a, lp, "--checkpoint-dir ck", &err) == NL_OK, "take: %s", err.msg);
+    /* flock conflicts between two opens even in one process: the second
+     * take stands for a second run */
+    nl_status st = nl_file_lock_take(&b, lp, "--checkpoint-dir ck", &err);
+    char pid[32];
+    snprintf(pid, sizeof pid, "(pid %ld)", (long)getpid());
+    CHECK(st == NL_ERR_STATE && !b, "the second take is refused (%s)", nl_status_str(st));
+    CHECK(strstr(err.msg, pid) && strstr(err.msg, "--checkpoint-dir ck"),
+          "the refusal names the path and the holder's pid: %s", err.msg);
+    nl_file_lock_release(&a);
+    CHECK(!a && access(lp, F_OK) != 0, "released: the lock file is gone");
+    nl_file_lock_release(&a); /* safe twice */
+    CHECK(nl_file_lock_take(&b, lp, "x", &err) == NL_OK, "free again: %s", err.msg);
+    nl_file_lock_release(&b);
+    /* a holder that dies holds nothing (the child exits with the lock) */
+    pid_t child = fork();
+    if (child == 0) {
+        nl_file_lock *c = NULL;
+        _exit(nl_file_lock_take(&c, lp, "x", &err) == NL_OK ? 0 : 1);
+    }
+    int ws = 0;
+    waitpid(child, &ws, 0);
+    CHECK(WIFEXITED(ws) && WEXITSTATUS(ws) == 0, "the child took the lock");
+    CHECK(nl_file_lock_take(&b, lp, "x", &err) == NL_OK, "a dead holder's lock: %s", err.msg);
+    nl_file_lock_release(&b);
+    /* a planted link at the lock's name is not followed */
+    CHECK(symlink(at("elsewhere"), lp) == 0, "symlink");
+    CHECK(nl_file_lock_take(&b, lp, "x", &err) == NL_ERR_IO && access(at("elsewhere"), F_OK) != 0,
+          "a link at the lock's name is refused, nothing made where it points");
+    unlink(lp);
+}
+
 int main(void)
 {
     umask(022);
@@ -179,6 +220,7 @@ int main(void)
     test_planted_links();
     test_no_replace();
     test_confine();
+    test_run_lock();
     char cmd[300];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
     if (system(cmd) != 0)

@@ -229,6 +229,10 @@ def test_api(url):
         except Exception:
             pass
         check(code == want_code and msg, "bad request %s: %d %r" % (str(body)[:60], code, text[:200]))
+    # an id outside the vocabulary is named, with its position
+    code, text = post(url + "v1/completions", {"prompt": [1, 2, 999, 4]})
+    check(code == 400 and b"token 999 at position 2 is outside" in text,
+          "an out-of-vocabulary id: %d %s" % (code, text[:200]))
     code, text = post(url + "v1/completions", {"prompt": [1, 2, 3], "max_tokens": 253})
     check(code == 200, "max_tokens up to the context's end: %d %s" % (code, text[:200]))
     # embeddings: the last stage pools; equal to neuroctl embed in one process
@@ -443,6 +447,14 @@ def test_web(url):
         # an evaluation (every 5 steps; 6 are done)
         feed.join(timeout=120)
         check({"join", "plan", "train_step", "eval"} <= seen, "events seen: %s" % seen)
+        # the served weights are named by the job and step that made them,
+        # not by the file the cluster started from (issue 34, item 5)
+        served = json.loads(get(url + "v1/models"))["data"][0]["id"]
+        st = json.loads(get(url + "api/status"))
+        check(re.match(r"^m\.safetensors@job-\d+-step-\d+$", served) and
+              re.match(r"^m\.safetensors@job-\d+-step-\d+$", st["model"]["name"]) and
+              st["model"]["file"] == "m.safetensors",
+              "after training: /v1/models %s, status %s" % (served, st["model"]))
         shot = os.path.join(B, "tests", "serve-cluster-dashboard.png")
         if os.path.exists(shot):
             os.remove(shot)
