@@ -1,6 +1,8 @@
-/* Private to neurocoord --http (coord_http.c, coord_http_report.c): the
- * backend's state, shared by the completion threads, the status poller
- * and the coordinator's loop (under mu, as coord_http.c says). */
+/* Private to neurocoord --http (coord_http.c: the backend and its poller;
+ * coord_http_events.c: what happens, as events with their times and as
+ * the training job's card; coord_http_report.c: /api/status, /metrics):
+ * the backend's state, shared by the completion threads, the status
+ * poller and the coordinator's loop (under mu, as coord_http.c says). */
 #ifndef NL_COORD_HTTP_IMPL_H
 #define NL_COORD_HTTP_IMPL_H
 
@@ -18,6 +20,23 @@ typedef struct seen_node {
     int64_t id;
     char state[16];
 } seen_node;
+
+/* The last training job the coordinator reported on (its reports'
+ * "start", "step", "done" ... events): what the dashboard's job card
+ * shows, during the run and after it. Times are coord_http_now()'s. */
+typedef struct train_card {
+    uint64_t job; /* 0: no training job seen yet */
+    char state[16]; /* running, done, cancelled, failed */
+    char started[40]; /* when its start was reported (ISO 8601, UTC) */
+    char message[1024]; /* the end's message ("done", "cancelled at step 12; ...") */
+    int64_t start_step, step, steps, batch, seq;
+    int stages, resumes;
+    double loss, eval_loss, tps; /* NAN: none yet */
+    int64_t eval_step;
+    double t_start, t_end; /* the start report, the end (0: running) */
+    double t_first, t_last; /* the first step after the (re)start, the last step */
+    int64_t first_step;
+} train_card;
 
 struct nl_coord_http {
     nl_coord *coord;
@@ -48,9 +67,8 @@ struct nl_coord_http {
     uint64_t tokens, prompt_tokens, finished, cancelled, failed;
     int active;
     double tps;
-    int have_train;
-    int64_t train_step;
-    double train_loss, eval_loss, train_tps;
+    uint64_t coord_tokens; /* tokens the cluster generated, any client's (its status) */
+    train_card train;
     /* the poller's own: what the last status showed */
     seen_node seen[MAX_NODES];
     int nseen;
@@ -60,6 +78,25 @@ struct nl_coord_http {
 
 /* A status node's state ("?" when it has none). */
 const char *coord_http_node_state(json_t *n);
+/* Monotonic seconds. */
+double coord_http_now(void);
+/* Seconds a training job has left at now, from its mean step time so
+ * far (NAN: not known yet, or not running). Under mu. */
+double coord_http_train_eta(const train_card *t, double now);
+/* The plan's stages in pipeline order, from a status's nodes: a new
+ * array of {stage, node, id, device, state, layers, layers_text, busy}. */
+json_t *coord_http_pipeline(json_t *nodes);
+
+/* Events (coord_http_events.c). Publish an event o (consumed) of a type
+ * on /api/events, stamped with the time it is recorded ("time", ISO 8601
+ * UTC with milliseconds). Any thread, without mu. */
+void coord_http_publish(nl_coord_http *h, const char *type, json_t *o);
+/* What changed since the last status (joins, deaths, a new plan, the
+ * cluster's state), as events. The poller's thread only. */
+void coord_http_diff(nl_coord_http *h, json_t *st);
+/* nl_coord_observe's callback: training reports become events and the
+ * job card. The coordinator's loop thread. */
+void coord_http_on_report(void *ctx, uint64_t job, int state, const char *msg, const char *json);
 /* The backend's status_json and metrics_text (coord_http_report.c). */
 char *coord_http_status(void *ctx);
 char *coord_http_metrics(void *ctx);

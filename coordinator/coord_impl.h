@@ -255,6 +255,7 @@ struct nl_coord {
     char data_root[4096], ckpt_root[4096];
     int growths;              /* growths since it started (coord_grow.c) */
     coord_growth last_growth; /* the last of them */
+    uint64_t tokens_generated; /* by generate jobs since it started, any client's */
     int growing;              /* a growth of --grow auto runs in a worker */
     uint64_t grow_sig;        /* the live nodes (and memory options) --grow auto last judged */
     nl_mem_opts grow_mem;     /* the training memory of the last job (--grow auto judges with it) */
