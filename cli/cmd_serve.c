@@ -434,7 +434,7 @@ static char *be_status(void *ctx)
              "\"vocab_size\":%lld,\"max_seq_len\":%d,\"params\":%" PRId64 "},"
              "\"nodes\":[{\"name\":\"local\",\"state\":\"serving\",\"device\":\"%s\","
              "\"memory_offered\":%s,\"memory_used\":%zu,\"stage\":0,\"layers\":[0,%d],"
-             "\"layers_text\":\"%s\",\"tokens_per_s\":%.2f,\"stage_ms\":%.3f}],"
+             "\"layers_text\":\"%s\",\"tokens_per_s\":%.2f,\"stage_ms\":%.3f,\"kv_bytes\":%zu}],"
              "\"pipeline\":[{\"stage\":0,\"node\":\"local\",\"device\":\"%s\","
              "\"state\":\"serving\",\"layers\":[0,%d],\"layers_text\":\"%s\",\"busy\":null}],"
              "\"sessions\":{\"active\":%d,\"queued\":%d,\"kv_cache_bytes\":%zu,"
@@ -442,7 +442,7 @@ static char *be_status(void *ctx)
              "\"tokens_generated\":%" PRIu64 ",\"uptime_s\":%.1f,\"training\":null}",
              e->name, c->num_layers, c->hidden_dim, (long long)c->vocab_size, c->max_seq_len,
              nl_config_param_count(c), be->name, offered, used, c->num_layers, range, e->tps,
-             e->step_ms, be->name, c->num_layers, range,
+             e->step_ms, e->kv_bytes, be->name, c->num_layers, range,
              e->active, e->queued, e->kv_bytes, e->max_batch, e->chunk, e->tokens,
              now_s() - e->t_start);
     pthread_mutex_unlock(&e->mu);

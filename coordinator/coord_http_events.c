@@ -1,40 +1,23 @@
 /* neurocoord --http: what happens on the cluster, as /api/events and as
- * the training job's card in /api/status. Each event is stamped with the
- * wall-clock time it is recorded: a training report when the coordinator's
- * loop sends it (nl_coord_observe calls us then), a join, a death or a new
- * plan when the poller sees it in a status (within POLL_MS). The dashboard
- * shows these times, not the time a browser happened to read the feed. */
+ * the training job's card in /api/status. Each event carries the
+ * wall-clock time it is recorded (nl_http_publish stamps it): a training
+ * report when the coordinator's loop sends it (nl_coord_observe calls us
+ * then), a join, a death or a new plan when the poller sees it in a
+ * status (within POLL_MS). The dashboard shows these times, not the time
+ * a browser happened to read the feed. */
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "coord_http_impl.h"
 
 /* Real numbers in events: enough digits for a loss, not sixteen. */
 #define EVENT_DIGITS 7
 
-/* The wall-clock time now, ISO 8601 in UTC with milliseconds. */
-static void iso_now(char *out, size_t cap)
-{
-    struct timespec ts;
-    struct tm tm;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    gmtime_r(&ts.tv_sec, &tm);
-    char day[32];
-    strftime(day, sizeof day, "%Y-%m-%dT%H:%M:%S", &tm);
-    snprintf(out, cap, "%.20s.%03dZ", day, (int)(ts.tv_nsec / 1000000L % 1000));
-}
-
 void coord_http_publish(nl_coord_http *h, const char *type, json_t *o)
 {
-    if (o && !json_object_get(o, "time")) {
-        char t[40];
-        iso_now(t, sizeof t);
-        json_object_set_new(o, "time", json_string(t));
-    }
     char *s = o ? json_dumps(o, JSON_COMPACT | JSON_REAL_PRECISION(EVENT_DIGITS)) : NULL;
     json_decref(o);
     if (s && h->http)
@@ -143,7 +126,7 @@ static void card_start(train_card *t, uint64_t job, json_t *o, double now)
         t->job = job;
         t->loss = t->eval_loss = t->tps = NAN;
         t->t_start = now;
-        iso_now(t->started, sizeof t->started);
+        nl_http_time_now(t->started, sizeof t->started);
     }
     snprintf(t->state, sizeof t->state, "running");
     t->start_step = json_integer_value(json_object_get(o, "start_step"));
