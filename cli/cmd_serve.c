@@ -442,9 +442,8 @@ static char *be_status(void *ctx)
              "\"tokens_generated\":%" PRIu64 ",\"uptime_s\":%.1f,\"training\":null}",
              e->name, c->num_layers, c->hidden_dim, (long long)c->vocab_size, c->max_seq_len,
              nl_config_param_count(c), be->name, offered, used, c->num_layers, range, e->tps,
-             e->step_ms, e->kv_bytes, be->name, c->num_layers, range,
-             e->active, e->queued, e->kv_bytes, e->max_batch, e->chunk, e->tokens,
-             now_s() - e->t_start);
+             e->step_ms, e->kv_bytes, be->name, c->num_layers, range, e->active, e->queued,
+             e->kv_bytes, e->max_batch, e->chunk, e->tokens, now_s() - e->t_start);
     pthread_mutex_unlock(&e->mu);
     return s;
 }

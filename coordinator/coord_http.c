@@ -179,9 +179,9 @@ static void *poller_main(void *arg)
         }
         const int busy = h->active > 0 || h->tps > 0;
         if (t - last_stats >= (busy ? 1.0 : 10.0)) {
-            json_t *o = json_pack("{s:f,s:i,s:I,s:I}", "tokens_per_s", h->tps, "active",
-                                  h->active, "tokens", (json_int_t)h->coord_tokens,
-                                  "http_tokens", (json_int_t)h->tokens);
+            json_t *o = json_pack("{s:f,s:i,s:I,s:I}", "tokens_per_s", h->tps, "active", h->active,
+                                  "tokens", (json_int_t)h->coord_tokens, "http_tokens",
+                                  (json_int_t)h->tokens);
             pthread_mutex_unlock(&h->mu);
             coord_http_publish(h, "stats", o);
             pthread_mutex_lock(&h->mu);

@@ -190,8 +190,9 @@ void coord_http_on_report(void *ctx, uint64_t job, int state, const char *msg, c
             card_end(&h->train, "failed", msg, NULL, now);
         pthread_mutex_unlock(&h->mu);
         if (ours)
-            coord_http_publish(h, "train_failed", json_pack("{s:I,s:s}", "job", (json_int_t)job,
-                                                            "message", msg ? msg : "failed"));
+            coord_http_publish(
+                h, "train_failed",
+                json_pack("{s:I,s:s}", "job", (json_int_t)job, "message", msg ? msg : "failed"));
         json_decref(o);
         return;
     }
@@ -208,8 +209,8 @@ void coord_http_on_report(void *ctx, uint64_t job, int state, const char *msg, c
         json_t *loss = json_object_get(o, "loss"), *eval = json_object_get(o, "eval_loss");
         coord_http_publish(h, "train_step",
                            json_pack("{s:I,s:I,s:O?,s:O,s:O?}", "job", (json_int_t)job, "step",
-                                     (json_int_t)step, "steps", json_object_get(o, "steps"),
-                                     "loss", loss ? loss : json_null(), "tokens_per_s",
+                                     (json_int_t)step, "steps", json_object_get(o, "steps"), "loss",
+                                     loss ? loss : json_null(), "tokens_per_s",
                                      json_object_get(o, "tokens_per_s")));
         if (json_is_number(eval))
             coord_http_publish(h, "eval",

@@ -25,15 +25,15 @@ typedef struct seen_node {
  * "start", "step", "done" ... events): what the dashboard's job card
  * shows, during the run and after it. Times are coord_http_now()'s. */
 typedef struct train_card {
-    uint64_t job; /* 0: no training job seen yet */
-    char state[16]; /* running, done, cancelled, failed */
-    char started[40]; /* when its start was reported (ISO 8601, UTC) */
+    uint64_t job;       /* 0: no training job seen yet */
+    char state[16];     /* running, done, cancelled, failed */
+    char started[40];   /* when its start was reported (ISO 8601, UTC) */
     char message[1024]; /* the end's message ("done", "cancelled at step 12; ...") */
     int64_t start_step, step, steps, batch, seq;
     int stages, resumes;
     double loss, eval_loss, tps; /* NAN: none yet */
     int64_t eval_step;
-    double t_start, t_end; /* the start report, the end (0: running) */
+    double t_start, t_end;  /* the start report, the end (0: running) */
     double t_first, t_last; /* the first step after the (re)start, the last step */
     int64_t first_step;
 } train_card;

@@ -32,8 +32,8 @@ json_t *coord_http_pipeline(json_t *nodes)
         free(staged);
         return out;
     }
-    json_array_foreach(nodes, i, n) if (json_is_integer(json_object_get(n, "stage")))
-        staged[k++] = n;
+    json_array_foreach(nodes, i, n) if (json_is_integer(json_object_get(n, "stage"))) staged[k++] =
+        n;
     qsort(staged, k, sizeof *staged, by_stage);
     for (i = 0; i < k; i++) {
         n = staged[i];
@@ -42,14 +42,16 @@ json_t *coord_http_pipeline(json_t *nodes)
                  (long long)json_integer_value(json_object_get(n, "id")));
         /* busy: the share of its last heartbeat's period the node computed */
         const double load = json_number_value(json_object_get(n, "load"));
-        json_array_append_new(
-            out, json_pack("{s:O,s:s,s:O,s:O,s:s,s:O,s:O?,s:f}", "stage",
-                           json_object_get(n, "stage"), "node", name, "id",
-                           json_object_get(n, "id"), "device", json_object_get(n, "device"),
-                           "state", coord_http_node_state(n), "layers",
-                           json_object_get(n, "layers"), "layers_text",
-                           json_object_get(n, "layers_text"), "busy",
-                           load < 0 ? 0.0 : load > 1 ? 1.0 : load));
+        json_array_append_new(out, json_pack("{s:O,s:s,s:O,s:O,s:s,s:O,s:O?,s:f}", "stage",
+                                             json_object_get(n, "stage"), "node", name, "id",
+                                             json_object_get(n, "id"), "device",
+                                             json_object_get(n, "device"), "state",
+                                             coord_http_node_state(n), "layers",
+                                             json_object_get(n, "layers"), "layers_text",
+                                             json_object_get(n, "layers_text"), "busy",
+                                             load < 0   ? 0.0
+                                             : load > 1 ? 1.0
+                                                        : load));
     }
     free(staged);
     return out;
@@ -70,8 +72,9 @@ static json_t *train_json(const train_card *t, double now)
         "{s:I,s:s,s:s,s:I,s:I,s:I,s:o,s:o,s:o,s:o,s:o,s:f,s:i,s:i}", "job", (json_int_t)t->job,
         "state", t->state, "started", t->started, "start_step", (json_int_t)t->start_step, "step",
         (json_int_t)t->step, "steps", (json_int_t)t->steps, "loss", jnum(t->loss), "eval_loss",
-        jnum(t->eval_loss), "eval_step", t->eval_step > 0 ? json_integer(t->eval_step) : json_null(),
-        "tokens_per_s", jnum(t->tps), "eta_s", jnum(coord_http_train_eta(t, now)), "elapsed_s",
+        jnum(t->eval_loss), "eval_step",
+        t->eval_step > 0 ? json_integer(t->eval_step) : json_null(), "tokens_per_s", jnum(t->tps),
+        "eta_s", jnum(coord_http_train_eta(t, now)), "elapsed_s",
         (running ? now : t->t_end) - t->t_start, "stages", t->stages, "resumes", t->resumes);
     if (o && !running)
         json_object_set_new(o, "message", json_string(t->message));
