@@ -80,7 +80,10 @@ void coord_http_diff(nl_coord_http *h, json_t *st)
         json_t *o = json_pack("{s:I,s:o}", "epoch", (json_int_t)epoch, "stages",
                               coord_http_pipeline(nodes));
         pthread_mutex_lock(&h->mu);
-        if (o && h->train.job && strcmp(h->train.state, "running") == 0) {
+        if (o && h->epoch >= 0 && h->train.job && strcmp(h->train.state, "running") == 0) {
+            char what[64];
+            snprintf(what, sizeof what, "plan %lld", (long long)epoch);
+            coord_http_mark(&h->train, h->train.step, "replan", what);
             json_object_set_new(o, "job", json_integer((json_int_t)h->train.job));
             json_object_set_new(o, "step", json_integer((json_int_t)h->train.step));
         }
@@ -96,6 +99,45 @@ void coord_http_diff(nl_coord_http *h, json_t *st)
 }
 
 /* ---------------------------------------------------------------- training reports */
+
+static void curve_add(loss_curve *c, int64_t step, double loss)
+{
+    if (c->stride < 1)
+        c->stride = 1;
+    if (c->offered++ % c->stride != 0)
+        return;
+    if (c->n == CURVE_POINTS) { /* thin out: keep every other point */
+        for (int i = 0; i < CURVE_POINTS / 2; i++) {
+            c->step[i] = c->step[2 * i];
+            c->loss[i] = c->loss[2 * i];
+        }
+        c->n = CURVE_POINTS / 2;
+        c->stride *= 2;
+    }
+    c->step[c->n] = step;
+    c->loss[c->n++] = (float)loss;
+}
+
+/* A resumed job goes back to its checkpoint: the steps after it are redone. */
+static void curve_cut(loss_curve *c, int64_t from)
+{
+    while (c->n > 0 && c->step[c->n - 1] > from)
+        c->n--;
+}
+
+void coord_http_mark(train_card *t, int64_t step, const char *kind, const char *what)
+{
+    if (!t->job || strcmp(t->state, "running") != 0)
+        return;
+    if (t->n_marks == CARD_MARKS) {
+        memmove(t->marks, t->marks + 1, (CARD_MARKS - 1) * sizeof t->marks[0]);
+        t->n_marks--;
+    }
+    card_mark *m = &t->marks[t->n_marks++];
+    m->step = step;
+    snprintf(m->kind, sizeof m->kind, "%s", kind);
+    snprintf(m->what, sizeof m->what, "%s", what);
+}
 
 double coord_http_train_eta(const train_card *t, double now)
 {
@@ -130,12 +172,16 @@ static void card_start(train_card *t, uint64_t job, json_t *o, double now)
     }
     snprintf(t->state, sizeof t->state, "running");
     t->start_step = json_integer_value(json_object_get(o, "start_step"));
+    curve_cut(&t->curve, t->start_step);
+    curve_cut(&t->eval_curve, t->start_step);
     t->step = t->start_step;
     t->steps = json_integer_value(json_object_get(o, "steps"));
     t->batch = json_integer_value(json_object_get(o, "batch"));
     t->seq = json_integer_value(json_object_get(o, "seq"));
     t->stages = (int)json_integer_value(json_object_get(o, "stages"));
-    t->resumes = (int)json_integer_value(json_object_get(o, "resumes"));
+    const int resumes = (int)json_integer_value(json_object_get(o, "resumes"));
+    if (resumes > t->resumes) /* a re-plan at a later checkpoint does not say it again */
+        t->resumes = resumes;
     t->t_first = 0;
     t->t_last = now;
 }
@@ -160,9 +206,11 @@ static void card_step(train_card *t, uint64_t job, int64_t step, json_t *o, doub
         t->steps = json_integer_value(json_object_get(o, "steps"));
     t->loss = num_or_nan(json_object_get(o, "loss"));
     t->tps = num_or_nan(json_object_get(o, "tokens_per_s"));
+    curve_add(&t->curve, step, t->loss);
     if (json_is_number(json_object_get(o, "eval_loss"))) {
         t->eval_loss = json_number_value(json_object_get(o, "eval_loss"));
         t->eval_step = step;
+        curve_add(&t->eval_curve, step, t->eval_loss);
     }
 }
 
@@ -174,6 +222,27 @@ static void card_end(train_card *t, const char *state, const char *msg, json_t *
     if (json_is_integer(json_object_get(o, "step")))
         t->step = json_integer_value(json_object_get(o, "step"));
     t->t_end = now;
+}
+
+static const char *str_or(json_t *o, const char *key, const char *dflt)
+{
+    const char *s = json_string_value(json_object_get(o, key));
+    return s ? s : dflt;
+}
+
+/* A growth or a lost stage, marked on the curve. Under mu. */
+static void mark_report(train_card *t, const char *ev, json_t *o)
+{
+    char what[192];
+    if (strcmp(ev, "grow") == 0) {
+        snprintf(what, sizeof what, "the model grew (%s)", str_or(o, "kind", "?"));
+        coord_http_mark(t, json_integer_value(json_object_get(o, "step")), "grow", what);
+        return;
+    }
+    snprintf(what, sizeof what, "a stage was lost (%s); resumed from step %lld",
+             str_or(o, "why", "?"),
+             (long long)json_integer_value(json_object_get(o, "resume_step")));
+    coord_http_mark(t, json_integer_value(json_object_get(o, "lost_step")), "lost", what);
 }
 
 void coord_http_on_report(void *ctx, uint64_t job, int state, const char *msg, const char *json)
@@ -204,6 +273,8 @@ void coord_http_on_report(void *ctx, uint64_t job, int state, const char *msg, c
         card_step(&h->train, job, step, o, now);
     else if (h->train.job == job && (strcmp(ev, "done") == 0 || strcmp(ev, "cancelled") == 0))
         card_end(&h->train, ev, msg, o, now);
+    else if (strcmp(ev, "grow") == 0 || strcmp(ev, "node_lost") == 0)
+        mark_report(&h->train, ev, o);
     pthread_mutex_unlock(&h->mu);
     if (strcmp(ev, "step") == 0) {
         json_t *loss = json_object_get(o, "loss"), *eval = json_object_get(o, "eval_loss");

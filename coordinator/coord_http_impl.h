@@ -21,6 +21,25 @@ typedef struct seen_node {
     char state[16];
 } seen_node;
 
+#define CURVE_POINTS 512 /* a loss curve's points kept: past it, every other one goes */
+#define CARD_MARKS 32    /* marks kept on a job's curve: past it, the oldest goes */
+
+/* A loss curve by step, thinned as it grows so that a page opened late
+ * still draws the whole run (TensorBoard's curves do the same). */
+typedef struct loss_curve {
+    int64_t step[CURVE_POINTS];
+    float loss[CURVE_POINTS]; /* NAN: a non-finite loss */
+    int n, stride;            /* every stride-th point offered is kept */
+    int64_t offered;
+} loss_curve;
+
+/* Something that changed the run, marked on its curve at a step. */
+typedef struct card_mark {
+    int64_t step;
+    char kind[16]; /* replan, grow, lost */
+    char what[192];
+} card_mark;
+
 /* The last training job the coordinator reported on (its reports'
  * "start", "step", "done" ... events): what the dashboard's job card
  * shows, during the run and after it. Times are coord_http_now()'s. */
@@ -36,6 +55,9 @@ typedef struct train_card {
     double t_start, t_end;  /* the start report, the end (0: running) */
     double t_first, t_last; /* the first step after the (re)start, the last step */
     int64_t first_step;
+    loss_curve curve, eval_curve;
+    card_mark marks[CARD_MARKS];
+    int n_marks;
 } train_card;
 
 struct nl_coord_http {
@@ -83,6 +105,8 @@ double coord_http_now(void);
 /* Seconds a training job has left at now, from its mean step time so
  * far (NAN: not known yet, or not running). Under mu. */
 double coord_http_train_eta(const train_card *t, double now);
+/* Mark the running job's curve at step (no job running: nothing). Under mu. */
+void coord_http_mark(train_card *t, int64_t step, const char *kind, const char *what);
 /* The plan's stages in pipeline order, from a status's nodes: a new
  * array of {stage, node, id, device, state, layers, layers_text, busy}. */
 json_t *coord_http_pipeline(json_t *nodes);

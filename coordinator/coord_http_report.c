@@ -62,6 +62,23 @@ static json_t *jnum(double x)
     return isfinite(x) ? json_real(x) : json_null();
 }
 
+static json_t *curve_json(const loss_curve *c)
+{
+    json_t *a = json_array();
+    for (int i = 0; a && i < c->n; i++)
+        json_array_append_new(a, json_pack("[I,o]", (json_int_t)c->step[i], jnum(c->loss[i])));
+    return a;
+}
+
+static json_t *marks_json(const train_card *t)
+{
+    json_t *a = json_array();
+    for (int i = 0; a && i < t->n_marks; i++)
+        json_array_append_new(a, json_pack("{s:I,s:s,s:s}", "step", (json_int_t)t->marks[i].step,
+                                           "kind", t->marks[i].kind, "what", t->marks[i].what));
+    return a;
+}
+
 /* The job card: the last training job, running or ended. Under mu. */
 static json_t *train_json(const train_card *t, double now)
 {
@@ -78,6 +95,11 @@ static json_t *train_json(const train_card *t, double now)
         (running ? now : t->t_end) - t->t_start, "stages", t->stages, "resumes", t->resumes);
     if (o && !running)
         json_object_set_new(o, "message", json_string(t->message));
+    if (o) {
+        json_object_set_new(o, "curve", curve_json(&t->curve));
+        json_object_set_new(o, "eval_curve", curve_json(&t->eval_curve));
+        json_object_set_new(o, "marks", marks_json(t));
+    }
     return o;
 }
 

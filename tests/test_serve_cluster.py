@@ -29,8 +29,10 @@ cluster up --http):
         rows carry the KV cache and batch figures of their heartbeats, no
         table cell is empty, the tokens/s chart has training points, and
         the event log's lines carry the server's times (evaluations at
-        different steps, different times); after Ctrl-C the card shows the
-        cancelled job. /api/events carries join, plan, train_step and eval
+        different steps, different times); a node killed mid-run: the job
+        resumes and the loss chart marks the lost stage and the re-plan;
+        after Ctrl-C the card shows the cancelled job. /api/events carries
+        join, plan, train_step and eval
         events, each with its time, and promtool accepts /metrics with the
         training figures. The screenshot is kept as
         $NL_BUILD_DIR/tests/serve-cluster-dashboard.png. Exit 77 (skipped)
@@ -605,6 +607,28 @@ def test_web(url):
                            and len([1 for k, _ in events_in(d) if k == "eval"]) >= 3,
                            "the card of the running job with its ETA, and evaluations in the log")
         check_running(dom, t_begin)
+        # a stage lost mid-run: the job resumes by itself, and the loss
+        # chart marks the loss and the re-plan at their steps
+        st = json.loads(get(url + "api/status"))
+        victim = [p["id"] for p in st["pipeline"] if p["stage"] == 1][0]
+        with open("%s/c/node-%d.pid" % (W, victim)) as f:
+            os.kill(int(f.read().split()[0]), signal.SIGKILL)
+        deadline = time.time() + 150
+        while time.time() < deadline:
+            tr = json.loads(get(url + "api/status")).get("training") or {}
+            kinds = {m["kind"] for m in tr.get("marks", [])}
+            if {"lost", "replan"} <= kinds and tr.get("state") == "running" and tr.get("resumes", 0) >= 1:
+                break
+            time.sleep(0.5)
+        check({"lost", "replan"} <= kinds and tr.get("resumes", 0) >= 1,
+              "/api/status: the job resumed, with the loss and the re-plan marked: %s %s"
+              % (tr.get("marks"), tr.get("resumes")))
+        dom = render_until(page, lambda d: re.search(r'<li data-kind="lost">step \d+: a stage was lost', d)
+                           and re.search(r'<li data-kind="replan">step \d+: plan \d+', d),
+                           "the loss chart's marks list the lost stage and the re-plan")
+        m = re.search(r'id="loss-chart"[^>]*data-marks="(\d+)"', dom)
+        check(m is not None and int(m.group(1)) >= 2, "the loss chart has the marks")
+        check("A stage was lost at step" in dom, "the event log says a stage was lost")
         shot = os.path.join(B, "tests", "serve-cluster-dashboard.png")
         if os.path.exists(shot):
             os.remove(shot)
