@@ -34,7 +34,8 @@ json_t *coord_http_pipeline(json_t *nodes)
     }
     json_array_foreach(nodes, i, n) if (json_is_integer(json_object_get(n, "stage"))) staged[k++] =
         n;
-    qsort(staged, k, sizeof *staged, by_stage);
+    if (k > 1)
+        qsort(staged, k, sizeof *staged, by_stage);
     for (i = 0; i < k; i++) {
         n = staged[i];
         char name[32];
