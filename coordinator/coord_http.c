@@ -177,11 +177,14 @@ static void *poller_main(void *arg)
             last_tokens = h->coord_tokens;
             last_tick = t;
         }
-        const int busy = h->active > 0 || h->tps > 0;
+        const int training = h->train.job && strcmp(h->train.state, "running") == 0;
+        const int busy = h->active > 0 || h->tps > 0 || training;
         if (t - last_stats >= (busy ? 1.0 : 10.0)) {
             json_t *o = json_pack("{s:f,s:i,s:I,s:I}", "tokens_per_s", h->tps, "active", h->active,
                                   "tokens", (json_int_t)h->coord_tokens, "http_tokens",
                                   (json_int_t)h->tokens);
+            if (o && training && isfinite(h->train.tps)) /* the training job's, once a second */
+                json_object_set_new(o, "train_tokens_per_s", json_real(h->train.tps));
             pthread_mutex_unlock(&h->mu);
             coord_http_publish(h, "stats", o);
             pthread_mutex_lock(&h->mu);

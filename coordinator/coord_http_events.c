@@ -278,11 +278,18 @@ void coord_http_on_report(void *ctx, uint64_t job, int state, const char *msg, c
     pthread_mutex_unlock(&h->mu);
     if (strcmp(ev, "step") == 0) {
         json_t *loss = json_object_get(o, "loss"), *eval = json_object_get(o, "eval_loss");
-        coord_http_publish(h, "train_step",
-                           json_pack("{s:I,s:I,s:O?,s:O,s:O?}", "job", (json_int_t)job, "step",
-                                     (json_int_t)step, "steps", json_object_get(o, "steps"), "loss",
-                                     loss ? loss : json_null(), "tokens_per_s",
-                                     json_object_get(o, "tokens_per_s")));
+        /* a small model steps hundreds of times a second: a step event at
+         * most every STEP_EVENT_S (and at an evaluation, and the last
+         * step) keeps the feed's history for what else happens */
+        const int last = step >= json_integer_value(json_object_get(o, "steps"));
+        if (now - h->step_published >= STEP_EVENT_S || json_is_number(eval) || last) {
+            h->step_published = now;
+            coord_http_publish(h, "train_step",
+                               json_pack("{s:I,s:I,s:O?,s:O,s:O?}", "job", (json_int_t)job, "step",
+                                         (json_int_t)step, "steps", json_object_get(o, "steps"),
+                                         "loss", loss ? loss : json_null(), "tokens_per_s",
+                                         json_object_get(o, "tokens_per_s")));
+        }
         if (json_is_number(eval))
             coord_http_publish(h, "eval",
                                json_pack("{s:I,s:I,s:O}", "job", (json_int_t)job, "step",

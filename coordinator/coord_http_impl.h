@@ -21,6 +21,7 @@ typedef struct seen_node {
     char state[16];
 } seen_node;
 
+#define STEP_EVENT_S 0.1 /* train_step events at most this often (the card has every step) */
 #define CURVE_POINTS 512 /* a loss curve's points kept: past it, every other one goes */
 #define CARD_MARKS 32    /* marks kept on a job's curve: past it, the oldest goes */
 
@@ -91,6 +92,7 @@ struct nl_coord_http {
     double tps;
     uint64_t coord_tokens; /* tokens the cluster generated, any client's (its status) */
     train_card train;
+    double step_published; /* when the last train_step event went out (the loop's thread) */
     /* the poller's own: what the last status showed */
     seen_node seen[MAX_NODES];
     int nseen;

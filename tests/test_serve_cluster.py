@@ -401,11 +401,14 @@ def render(page, shot=None):
     """The page as a fresh headless Chromium renders it (it reads
     /api/status and the event feed's recent history), or a screenshot."""
     ch = CHROMIUM + ["--user-data-dir=" + W + "/chrome"]
-    if shot:
-        subprocess.run(ch + ["--screenshot=" + shot, page], capture_output=True, timeout=120)
+    try:
+        if shot:
+            subprocess.run(ch + ["--screenshot=" + shot, page], capture_output=True, timeout=90)
+            return ""
+        return subprocess.run(ch + ["--dump-dom", page], capture_output=True, text=True,
+                              timeout=90).stdout
+    except subprocess.TimeoutExpired:  # a starved browser: the caller tries again
         return ""
-    return subprocess.run(ch + ["--dump-dom", page], capture_output=True, text=True,
-                          timeout=120).stdout
 
 
 def render_until(page, cond, what, deadline_s=150):
