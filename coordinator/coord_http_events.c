@@ -192,7 +192,9 @@ static void card_step(train_card *t, uint64_t job, int64_t step, json_t *o, doub
     if (t->job != job) { /* a job followed from the middle (the HTTP side came later) */
         memset(t, 0, sizeof *t);
         t->job = job;
+        t->eval_loss = NAN;
         t->t_start = now;
+        nl_http_time_now(t->started, sizeof t->started);
         t->start_step = step - 1;
         snprintf(t->state, sizeof t->state, "running");
     }

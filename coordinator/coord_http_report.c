@@ -32,8 +32,11 @@ json_t *coord_http_pipeline(json_t *nodes)
         free(staged);
         return out;
     }
-    json_array_foreach(nodes, i, n) if (json_is_integer(json_object_get(n, "stage"))) staged[k++] =
-        n;
+    json_array_foreach(nodes, i, n)
+    {
+        if (json_is_integer(json_object_get(n, "stage")))
+            staged[k++] = n;
+    }
     if (k > 1)
         qsort(staged, k, sizeof *staged, by_stage);
     for (i = 0; i < k; i++) {
@@ -43,16 +46,16 @@ json_t *coord_http_pipeline(json_t *nodes)
                  (long long)json_integer_value(json_object_get(n, "id")));
         /* busy: the share of its last heartbeat's period the node computed */
         const double load = json_number_value(json_object_get(n, "load"));
-        json_array_append_new(out, json_pack("{s:O,s:s,s:O,s:O,s:s,s:O,s:O?,s:f}", "stage",
-                                             json_object_get(n, "stage"), "node", name, "id",
-                                             json_object_get(n, "id"), "device",
-                                             json_object_get(n, "device"), "state",
-                                             coord_http_node_state(n), "layers",
-                                             json_object_get(n, "layers"), "layers_text",
-                                             json_object_get(n, "layers_text"), "busy",
-                                             load < 0   ? 0.0
-                                             : load > 1 ? 1.0
-                                                        : load));
+        json_t *p = json_object();
+        json_object_set(p, "stage", json_object_get(n, "stage"));
+        json_object_set_new(p, "node", json_string(name));
+        json_object_set(p, "id", json_object_get(n, "id"));
+        json_object_set(p, "device", json_object_get(n, "device"));
+        json_object_set_new(p, "state", json_string(coord_http_node_state(n)));
+        json_object_set(p, "layers", json_object_get(n, "layers"));
+        json_object_set(p, "layers_text", json_object_get(n, "layers_text"));
+        json_object_set_new(p, "busy", json_real(load < 0 ? 0.0 : load > 1 ? 1.0 : load));
+        json_array_append_new(out, p);
     }
     free(staged);
     return out;
