@@ -140,7 +140,8 @@ char *coord_http_status(void *ctx)
                *pred = json_object_get(n, "predicted_s");
         json_object_set_new(n, "name", json_string(name));
         json_object_set(n, "memory_offered", json_object_get(n, "memory"));
-        json_object_set_new(n, "memory_used", json_integer(json_integer_value(planned)));
+        json_object_set_new(n, "memory_used",
+                            planned ? json_integer(json_integer_value(planned)) : json_null());
         json_object_set_new(n, "tokens_per_s", serving ? json_real(tps) : json_null());
         json_object_set_new(n, "stage_ms",
                             pred ? json_real(json_number_value(pred) * 1e3) : json_null());

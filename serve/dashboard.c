@@ -156,7 +156,7 @@ const char nl_http_dashboard_html[] =
 "  item('job-eval', 'eval loss', ok(t.eval_loss) ? fix(t.eval_loss, 4) + ' (step ' + t.eval_step + ')' : null,\n"
 "       'no evaluation yet (--eval-every)');\n"
 "  item('job-tps', 'tokens/s', whole(t.tokens_per_s), 'no step reported yet');\n"
-"  item('job-elapsed', 'elapsed', dur(t.elapsed_s), '');\n"
+"  if (running) item('job-elapsed', 'elapsed', dur(t.elapsed_s), '');\n"
 "  item('job-stages', 'stages', t.stages || null, 'not reported');\n"
 "  job.appendChild(bar); job.appendChild(dl);\n"
 "}\n"

@@ -34,8 +34,9 @@ cluster up --http):
         after Ctrl-C the card shows the cancelled job. /api/events carries
         join, plan, train_step and eval
         events, each with its time, and promtool accepts /metrics with the
-        training figures. The screenshot is kept as
-        $NL_BUILD_DIR/tests/serve-cluster-dashboard.png. Exit 77 (skipped)
+        training figures. The screenshots are kept as
+        $NL_BUILD_DIR/tests/serve-cluster-dashboard.png (training) and
+        serve-cluster-dashboard-after.png (cancelled). Exit 77 (skipped)
         without chromium or promtool.
 """
 import calendar
@@ -646,6 +647,7 @@ def test_web(url):
             long_job.wait()
     dom = render_until(page, lambda d: job_card(d).get("state") == "cancelled",
                        "the card shows the cancelled job's final state")
+    render(page, os.path.join(B, "tests", "serve-cluster-dashboard-after.png"))
     card = job_card(dom)
     check("cancelled at step" in card.get("title", "") and card.get("step") == card.get("job-step", "").split(" ")[0],
           "the cancelled job's card: %s" % card)
