@@ -179,7 +179,7 @@ void nl_http_time_now(char *out, size_t cap)
  * one; otherwise a copy. The publisher's text is kept as it wrote it. */
 static char *stamp_time(const char *json)
 {
-    json_t *o = json_loads(json, JSON_DISABLE_EOF_CHECK, NULL);
+    json_t *o = json_loads(json, 0, NULL); /* one whole object: its last } closes it */
     const int add = json_is_object(o) && !json_object_get(o, "time");
     const int empty = add && json_object_size(o) == 0;
     json_decref(o);
