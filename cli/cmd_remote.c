@@ -14,6 +14,7 @@
 #include "base/args.h"
 #include "cli_io.h"
 #include "commands.h"
+#include "core/planner.h"
 #include "core/safetensors.h"
 #include "core/tokenizer.h"
 #include "remote.h"
@@ -413,11 +414,10 @@ int nl_cmd_status(int argc, char **argv)
         char layers[32] = "-", planned[32] = "-", pred[32] = "-";
         json_t *l = json_object_get(n, "layers");
         if (json_is_array(l))
-            snprintf(layers, sizeof layers, "[%lld,%lld)%s%s",
-                     json_integer_value(json_array_get(l, 0)),
-                     json_integer_value(json_array_get(l, 1)),
-                     json_is_true(json_object_get(n, "embed")) ? "+e" : "",
-                     json_is_true(json_object_get(n, "head")) ? "+h" : "");
+            nl_plan_range_str(layers, sizeof layers, (int)json_integer_value(json_array_get(l, 0)),
+                              (int)json_integer_value(json_array_get(l, 1)),
+                              json_is_true(json_object_get(n, "embed")),
+                              json_is_true(json_object_get(n, "head")));
         if (json_object_get(n, "memory_planned"))
             snprintf(planned, sizeof planned, "%.0fM",
                      (double)json_integer_value(json_object_get(n, "memory_planned")) / (1 << 20));

@@ -23,6 +23,7 @@
 #include "core/chat_template.h"
 #include "core/checkpoint.h"
 #include "core/lora.h"
+#include "core/planner.h"
 #include "core/sampler.h"
 #include "core/tokenizer.h"
 #include "serve/http.h"
@@ -459,6 +460,8 @@ static char *be_status(void *ctx)
     char offered[32] = "null";
     if (have_total)
         snprintf(offered, sizeof offered, "%zu", total);
+    char range[64]; /* one process holds every layer, the embedding and the head */
+    nl_plan_range_str(range, sizeof range, 0, c->num_layers, 1, 1);
     char *s = malloc(2048);
     if (!s)
         return NULL;
@@ -467,15 +470,17 @@ static char *be_status(void *ctx)
              "{\"mode\":\"single\",\"model\":{\"name\":\"%s\",\"layers\":%d,\"hidden_dim\":%d,"
              "\"vocab_size\":%lld,\"max_seq_len\":%d,\"params\":%" PRId64 "},"
              "\"nodes\":[{\"name\":\"local\",\"state\":\"serving\",\"device\":\"%s\","
-             "\"memory_offered\":%s,\"memory_used\":%zu,\"layers\":[0,%d],"
-             "\"tokens_per_s\":%.2f,\"stage_ms\":%.3f}],"
+             "\"memory_offered\":%s,\"memory_used\":%zu,\"stage\":0,\"layers\":[0,%d],"
+             "\"layers_text\":\"%s\",\"tokens_per_s\":%.2f,\"stage_ms\":%.3f,\"kv_bytes\":%zu}],"
+             "\"pipeline\":[{\"stage\":0,\"node\":\"local\",\"device\":\"%s\","
+             "\"state\":\"serving\",\"layers\":[0,%d],\"layers_text\":\"%s\",\"busy\":null}],"
              "\"sessions\":{\"active\":%d,\"queued\":%d,\"kv_cache_bytes\":%zu,"
              "\"max_batch\":%d,\"prefill_chunk\":%d},"
              "\"tokens_generated\":%" PRIu64 ",\"uptime_s\":%.1f,\"training\":null}",
              e->name, c->num_layers, c->hidden_dim, (long long)c->vocab_size, c->max_seq_len,
-             nl_config_param_count(c), be->name, offered, used, c->num_layers, e->tps, e->step_ms,
-             e->active, e->queued, e->kv_bytes, e->max_batch, e->chunk, e->tokens,
-             now_s() - e->t_start);
+             nl_config_param_count(c), be->name, offered, used, c->num_layers, range, e->tps,
+             e->step_ms, e->kv_bytes, be->name, c->num_layers, range, e->active, e->queued,
+             e->kv_bytes, e->max_batch, e->chunk, e->tokens, now_s() - e->t_start);
     pthread_mutex_unlock(&e->mu);
     return s;
 }

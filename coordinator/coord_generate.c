@@ -163,6 +163,7 @@ static void on_token(nl_coord *c, cjob *j, const nl_rx *rx)
         return;
     }
     g->ids[g->prompt_len + g->produced++] = tok;
+    c->tokens_generated++;
     const int done = g->produced >= g->params.limit;
     nl_wire_msg m;
     nl_wire_msg_init(&m);

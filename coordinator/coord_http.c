@@ -3,7 +3,7 @@
  *
  * Threads: libmicrohttpd's connection threads run the completions, each
  * on its own DEALER socket; the poller thread owns one more socket for
- * the status; the coordinator's loop thread calls on_report. Everything
+ * the status; the coordinator's loop thread calls coord_http_on_report. Everything
  * they share lives under h->mu. */
 #include "coord_http.h"
 #include "coord_http_impl.h"
@@ -95,80 +95,6 @@ json_t *coord_http_query_status(nl_sock *s, nl_error *err)
     return out;
 }
 
-/* ---------------------------------------------------------------- events */
-
-static void publish(nl_coord_http *h, const char *type, json_t *o)
-{
-    char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
-    json_decref(o);
-    if (s && h->http)
-        nl_http_publish(h->http, type, s);
-    free(s);
-}
-
-const char *coord_http_node_state(json_t *n)
-{
-    const char *s = json_string_value(json_object_get(n, "state"));
-    return s ? s : "?";
-}
-
-/* Compare a new status with what the last one showed: joins, deaths,
- * departures, state changes, a new plan. Poller thread only. */
-static void diff_status(nl_coord_http *h, json_t *st)
-{
-    json_t *nodes = json_object_get(st, "nodes"), *n;
-    size_t i;
-    json_array_foreach(nodes, i, n)
-    {
-        int64_t id = json_integer_value(json_object_get(n, "id"));
-        const char *state = coord_http_node_state(n);
-        seen_node *s = NULL;
-        for (int k = 0; k < h->nseen; k++)
-            if (h->seen[k].id == id)
-                s = &h->seen[k];
-        if (!s && h->nseen < MAX_NODES) {
-            s = &h->seen[h->nseen++];
-            s->id = id;
-            s->state[0] = '\0';
-            char name[32];
-            snprintf(name, sizeof name, "node-%lld", (long long)id);
-            publish(h, "join",
-                    json_pack("{s:s,s:I,s:O,s:O}", "node", name, "id", (json_int_t)id, "device",
-                              json_object_get(n, "device"), "memory",
-                              json_object_get(n, "memory")));
-        }
-        if (s && strcmp(s->state, state) != 0) {
-            const char *type = strcmp(state, "dead") == 0   ? "death"
-                               : strcmp(state, "left") == 0 ? "leave"
-                                                            : "node";
-            if (s->state[0] || strcmp(type, "node") != 0)
-                publish(h, type,
-                        json_pack("{s:I,s:s,s:s}", "id", (json_int_t)id, "state", state, "was",
-                                  s->state[0] ? s->state : "new"));
-            snprintf(s->state, sizeof s->state, "%s", state);
-        }
-    }
-    int64_t epoch = json_integer_value(json_object_get(st, "plan_epoch"));
-    if (epoch != h->epoch) {
-        json_t *stages = json_array();
-        json_array_foreach(nodes, i, n)
-        {
-            json_t *l = json_object_get(n, "layers");
-            if (l)
-                json_array_append_new(stages,
-                                      json_pack("{s:O,s:O,s:O}", "id", json_object_get(n, "id"),
-                                                "stage", json_object_get(n, "stage"), "layers", l));
-        }
-        publish(h, "plan", json_pack("{s:I,s:o}", "epoch", (json_int_t)epoch, "stages", stages));
-        h->epoch = epoch;
-    }
-    const char *cs = json_string_value(json_object_get(st, "state"));
-    if (cs && strcmp(cs, h->state) != 0) {
-        publish(h, "cluster", json_pack("{s:s}", "state", cs));
-        snprintf(h->state, sizeof h->state, "%s", cs);
-    }
-}
-
 /* Keep the status (and the tokenizer, once); with diff (the poller's
  * thread only), say what changed. */
 void coord_http_take_status(nl_coord_http *h, json_t *st, int diff)
@@ -190,12 +116,15 @@ void coord_http_take_status(nl_coord_http *h, json_t *st, int diff)
     char *chat = ct ? strdup(ct) : NULL;
     json_object_del(st, "chat_template");
     if (diff)
-        diff_status(h, st);
+        coord_http_diff(h, st);
     pthread_mutex_lock(&h->mu);
     json_decref(h->status);
     h->status = st;
     h->vocab = vocab;
     h->max_seq = (int)json_integer_value(json_object_get(cfg, "max_seq_len"));
+    const json_int_t made = json_integer_value(json_object_get(st, "tokens_generated"));
+    if (made > 0 && (uint64_t)made > h->coord_tokens)
+        h->coord_tokens = (uint64_t)made;
     if (tok && !h->tok) {
         h->tok = tok;
         tok = NULL;
@@ -212,7 +141,7 @@ static void *poller_main(void *arg)
     nl_sock *s = NULL;
     nl_error e = {0};
     double last_tick = coord_http_now(), last_stats = 0.0;
-    uint64_t last_tokens = 0;
+    uint64_t last_tokens = UINT64_MAX; /* the cluster's count at last_tick */
     pthread_mutex_lock(&h->mu);
     while (!h->stop) {
         pthread_mutex_unlock(&h->mu);
@@ -227,17 +156,26 @@ static void *poller_main(void *arg)
         }
         pthread_mutex_lock(&h->mu);
         const double t = coord_http_now();
-        if (t - last_tick >= 1.0) {
-            h->tps = (double)(h->tokens - last_tokens) / (t - last_tick);
-            last_tokens = h->tokens;
+        /* tokens/s of every generation on the cluster, HTTP's and other
+         * clients' (neuroctl generate), from the coordinator's count */
+        if (last_tokens == UINT64_MAX) {
+            last_tokens = h->coord_tokens;
+            last_tick = t;
+        } else if (t - last_tick >= 1.0) {
+            h->tps = (double)(h->coord_tokens - last_tokens) / (t - last_tick);
+            last_tokens = h->coord_tokens;
             last_tick = t;
         }
-        const int busy = h->active > 0 || h->tps > 0;
+        const int training = h->train.job && strcmp(h->train.state, "running") == 0;
+        const int busy = h->active > 0 || h->tps > 0 || training;
         if (t - last_stats >= (busy ? 1.0 : 10.0)) {
-            json_t *o = json_pack("{s:f,s:i,s:I}", "tokens_per_s", h->tps, "active", h->active,
-                                  "tokens", (json_int_t)h->tokens);
+            json_t *o = json_pack("{s:f,s:i,s:I,s:I}", "tokens_per_s", h->tps, "active", h->active,
+                                  "tokens", (json_int_t)h->coord_tokens, "http_tokens",
+                                  (json_int_t)h->tokens);
+            if (o && training && isfinite(h->train.tps)) /* the training job's, once a second */
+                json_object_set_new(o, "train_tokens_per_s", json_real(h->train.tps));
             pthread_mutex_unlock(&h->mu);
-            publish(h, "stats", o);
+            coord_http_publish(h, "stats", o);
             pthread_mutex_lock(&h->mu);
             last_stats = t;
         }
@@ -252,47 +190,6 @@ static void *poller_main(void *arg)
     pthread_mutex_unlock(&h->mu);
     nl_sock_destroy(&s);
     return NULL;
-}
-
-/* The coordinator's loop thread: a JOB_STATUS to some client. Training
- * reports become events and figures; the rest is not ours. */
-static void on_report(void *ctx, uint64_t job, int state, const char *msg, const char *json)
-{
-    nl_coord_http *h = ctx;
-    (void)state;
-    (void)msg;
-    json_t *o = json ? json_loads(json, 0, NULL) : NULL;
-    const char *ev = json_string_value(json_object_get(o, "event"));
-    if (!ev) {
-        json_decref(o);
-        return;
-    }
-    const int64_t step = json_integer_value(json_object_get(o, "step"));
-    if (strcmp(ev, "step") == 0) {
-        json_t *loss = json_object_get(o, "loss"), *eval = json_object_get(o, "eval_loss");
-        pthread_mutex_lock(&h->mu);
-        h->have_train = 1;
-        h->train_step = step;
-        h->train_loss = json_is_number(loss) ? json_number_value(loss) : NAN;
-        h->train_tps = json_number_value(json_object_get(o, "tokens_per_s"));
-        if (json_is_number(eval))
-            h->eval_loss = json_number_value(eval);
-        pthread_mutex_unlock(&h->mu);
-        publish(h, "train_step",
-                json_pack("{s:I,s:I,s:O,s:O}", "job", (json_int_t)job, "step", (json_int_t)step,
-                          "loss", loss ? loss : json_null(), "tokens_per_s",
-                          json_object_get(o, "tokens_per_s")));
-        if (json_is_number(eval))
-            publish(h, "eval",
-                    json_pack("{s:I,s:I,s:O}", "job", (json_int_t)job, "step", (json_int_t)step,
-                              "loss", eval));
-    } else {
-        char type[64];
-        snprintf(type, sizeof type, "train_%s", ev);
-        json_object_set_new(o, "job", json_integer((json_int_t)job));
-        publish(h, type, json_incref(o));
-    }
-    json_decref(o);
 }
 
 /* ---------------------------------------------------------------- start, stop */
@@ -355,7 +252,7 @@ nl_status nl_coord_http_start(nl_coord_http **out, nl_coord *c, const char *name
     h->coord = c;
     snprintf(h->name, sizeof h->name, "%s", name);
     h->plaintext = plaintext;
-    h->eval_loss = NAN;
+    h->train.loss = h->train.eval_loss = h->train.tps = NAN;
     h->epoch = -1;
     pthread_mutex_init(&h->mu, NULL);
     pthread_mutex_init(&h->tok_mu, NULL);
@@ -388,7 +285,7 @@ nl_status nl_coord_http_start(nl_coord_http **out, nl_coord *c, const char *name
                          .metrics_text = coord_http_metrics};
     if ((st = nl_http_start(&h->http, ho, &b, err)) != NL_OK)
         goto fail;
-    nl_coord_observe(c, on_report, h);
+    nl_coord_observe(c, coord_http_on_report, h);
     if (pthread_create(&h->poller, NULL, poller_main, h) != 0) {
         st = nl_error_set(err, NL_ERR_INTERNAL, "cannot start the status poller");
         goto fail;

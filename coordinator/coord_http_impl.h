@@ -1,8 +1,10 @@
 /* Private to neurocoord --http (coord_http.c: the client connection, the
  * status poller, lifetime; coord_http_jobs.c: completions and embeddings
- * as jobs; coord_http_report.c: status and metrics): the backend's state,
- * shared by the completion threads, the status poller and the
- * coordinator's loop (under mu, as coord_http.c says). */
+ * as jobs; coord_http_events.c: what happens, as events with their times
+ * and as the training job's card; coord_http_report.c: /api/status,
+ * /metrics): the backend's state, shared by the completion threads, the
+ * status poller and the coordinator's loop (under mu, as coord_http.c
+ * says). */
 #ifndef NL_COORD_HTTP_IMPL_H
 #define NL_COORD_HTTP_IMPL_H
 
@@ -20,6 +22,46 @@ typedef struct seen_node {
     int64_t id;
     char state[16];
 } seen_node;
+
+#define STEP_EVENT_S 0.1 /* train_step events at most this often (the card has every step) */
+#define CURVE_POINTS 512 /* a loss curve's points kept: past it, every other one goes */
+#define CARD_MARKS 32    /* marks kept on a job's curve: past it, the oldest goes */
+
+/* A loss curve by step, thinned as it grows so that a page opened late
+ * still draws the whole run (TensorBoard's curves do the same). */
+typedef struct loss_curve {
+    int64_t step[CURVE_POINTS];
+    float loss[CURVE_POINTS]; /* NAN: a non-finite loss */
+    int n, stride;            /* every stride-th point offered is kept */
+    int64_t offered;
+} loss_curve;
+
+/* Something that changed the run, marked on its curve at a step. */
+typedef struct card_mark {
+    int64_t step;
+    char kind[16]; /* replan, grow, lost */
+    char what[192];
+} card_mark;
+
+/* The last training job the coordinator reported on (its reports'
+ * "start", "step", "done" ... events): what the dashboard's job card
+ * shows, during the run and after it. Times are coord_http_now()'s. */
+typedef struct train_card {
+    uint64_t job;       /* 0: no training job seen yet */
+    char state[16];     /* running, done, cancelled, failed */
+    char started[40];   /* when its start was reported (ISO 8601, UTC) */
+    char message[1024]; /* the end's message ("done", "cancelled at step 12; ...") */
+    int64_t start_step, step, steps, batch, seq;
+    int stages, resumes;
+    double loss, eval_loss, tps; /* NAN: none yet */
+    int64_t eval_step;
+    double t_start, t_end;  /* the start report, the end (0: running) */
+    double t_first, t_last; /* the first step after the (re)start, the last step */
+    int64_t first_step;
+    loss_curve curve, eval_curve;
+    card_mark marks[CARD_MARKS];
+    int n_marks;
+} train_card;
 
 struct nl_coord_http {
     nl_coord *coord;
@@ -51,9 +93,9 @@ struct nl_coord_http {
     uint64_t tokens, prompt_tokens, finished, cancelled, failed;
     int active;
     double tps;
-    int have_train;
-    int64_t train_step;
-    double train_loss, eval_loss, train_tps;
+    uint64_t coord_tokens; /* tokens the cluster generated, any client's (its status) */
+    train_card train;
+    double step_published; /* when the last train_step event went out (the loop's thread) */
     /* the poller's own: what the last status showed */
     seen_node seen[MAX_NODES];
     int nseen;
@@ -89,6 +131,25 @@ char *coord_http_chat_template(void *ctx, int model);
 const char *coord_http_node_state(json_t *n);
 /* The name of the weights served now (the backend's model_name_now). */
 void coord_http_model_name(void *ctx, char *buf, size_t cap);
+/* Seconds a training job has left at now, from its mean step time so
+ * far (NAN: not known yet, or not running). Under mu. */
+double coord_http_train_eta(const train_card *t, double now);
+/* Mark the running job's curve at step (no job running: nothing). Under mu. */
+void coord_http_mark(train_card *t, int64_t step, const char *kind, const char *what);
+/* The plan's stages in pipeline order, from a status's nodes: a new
+ * array of {stage, node, id, device, state, layers, layers_text, busy}. */
+json_t *coord_http_pipeline(json_t *nodes);
+
+/* Events (coord_http_events.c). Publish an event o (consumed) of a type
+ * on /api/events, stamped with the time it is recorded ("time", ISO 8601
+ * UTC with milliseconds). Any thread, without mu. */
+void coord_http_publish(nl_coord_http *h, const char *type, json_t *o);
+/* What changed since the last status (joins, deaths, a new plan, the
+ * cluster's state), as events. The poller's thread only. */
+void coord_http_diff(nl_coord_http *h, json_t *st);
+/* nl_coord_observe's callback: training reports become events and the
+ * job card. The coordinator's loop thread. */
+void coord_http_on_report(void *ctx, uint64_t job, int state, const char *msg, const char *json);
 /* The backend's status_json and metrics_text (coord_http_report.c). */
 char *coord_http_status(void *ctx);
 char *coord_http_metrics(void *ctx);

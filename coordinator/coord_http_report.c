@@ -38,6 +38,100 @@ void coord_http_model_name(void *ctx, char *buf, size_t cap)
 
 /* ---------------------------------------------------------------- status, metrics */
 
+static int by_stage(const void *a, const void *b)
+{
+    json_t *x = *(json_t *const *)a, *y = *(json_t *const *)b;
+    const json_int_t sx = json_integer_value(json_object_get(x, "stage")),
+                     sy = json_integer_value(json_object_get(y, "stage"));
+    const json_int_t ix = json_integer_value(json_object_get(x, "id")),
+                     iy = json_integer_value(json_object_get(y, "id"));
+    return sx != sy ? (sx > sy) - (sx < sy) : (ix > iy) - (ix < iy);
+}
+
+json_t *coord_http_pipeline(json_t *nodes)
+{
+    json_t *out = json_array(), *n;
+    size_t i, k = 0, count = json_array_size(nodes);
+    json_t **staged = count ? calloc(count, sizeof *staged) : NULL;
+    if (!out || (count && !staged)) {
+        free(staged);
+        return out;
+    }
+    json_array_foreach(nodes, i, n)
+    {
+        if (json_is_integer(json_object_get(n, "stage")))
+            staged[k++] = n;
+    }
+    if (k > 1)
+        qsort(staged, k, sizeof *staged, by_stage);
+    for (i = 0; i < k; i++) {
+        n = staged[i];
+        char name[32];
+        snprintf(name, sizeof name, "node-%lld",
+                 (long long)json_integer_value(json_object_get(n, "id")));
+        /* busy: the share of its last heartbeat's period the node computed */
+        const double load = json_number_value(json_object_get(n, "load"));
+        json_t *p = json_object();
+        json_object_set(p, "stage", json_object_get(n, "stage"));
+        json_object_set_new(p, "node", json_string(name));
+        json_object_set(p, "id", json_object_get(n, "id"));
+        json_object_set(p, "device", json_object_get(n, "device"));
+        json_object_set_new(p, "state", json_string(coord_http_node_state(n)));
+        json_object_set(p, "layers", json_object_get(n, "layers"));
+        json_object_set(p, "layers_text", json_object_get(n, "layers_text"));
+        json_object_set_new(p, "busy", json_real(load < 0 ? 0.0 : load > 1 ? 1.0 : load));
+        json_array_append_new(out, p);
+    }
+    free(staged);
+    return out;
+}
+
+static json_t *jnum(double x)
+{
+    return isfinite(x) ? json_real(x) : json_null();
+}
+
+static json_t *curve_json(const loss_curve *c)
+{
+    json_t *a = json_array();
+    for (int i = 0; a && i < c->n; i++)
+        json_array_append_new(a, json_pack("[I,o]", (json_int_t)c->step[i], jnum(c->loss[i])));
+    return a;
+}
+
+static json_t *marks_json(const train_card *t)
+{
+    json_t *a = json_array();
+    for (int i = 0; a && i < t->n_marks; i++)
+        json_array_append_new(a, json_pack("{s:I,s:s,s:s}", "step", (json_int_t)t->marks[i].step,
+                                           "kind", t->marks[i].kind, "what", t->marks[i].what));
+    return a;
+}
+
+/* The job card: the last training job, running or ended. Under mu. */
+static json_t *train_json(const train_card *t, double now)
+{
+    if (!t->job)
+        return json_null();
+    const int running = strcmp(t->state, "running") == 0;
+    json_t *o = json_pack(
+        "{s:I,s:s,s:s,s:I,s:I,s:I,s:o,s:o,s:o,s:o,s:o,s:f,s:i,s:i}", "job", (json_int_t)t->job,
+        "state", t->state, "started", t->started, "start_step", (json_int_t)t->start_step, "step",
+        (json_int_t)t->step, "steps", (json_int_t)t->steps, "loss", jnum(t->loss), "eval_loss",
+        jnum(t->eval_loss), "eval_step",
+        t->eval_step > 0 ? json_integer(t->eval_step) : json_null(), "tokens_per_s", jnum(t->tps),
+        "eta_s", jnum(coord_http_train_eta(t, now)), "elapsed_s",
+        (running ? now : t->t_end) - t->t_start, "stages", t->stages, "resumes", t->resumes);
+    if (o && !running)
+        json_object_set_new(o, "message", json_string(t->message));
+    if (o) {
+        json_object_set_new(o, "curve", curve_json(&t->curve));
+        json_object_set_new(o, "eval_curve", curve_json(&t->eval_curve));
+        json_object_set_new(o, "marks", marks_json(t));
+    }
+    return o;
+}
+
 char *coord_http_status(void *ctx)
 {
     nl_coord_http *h = ctx;
@@ -46,13 +140,10 @@ char *coord_http_status(void *ctx)
     model_name_locked(h, served, sizeof served);
     json_t *st = h->status ? json_deep_copy(h->status) : json_pack("{s:s}", "state", "unknown");
     const double tps = h->tps;
-    json_t *train = h->have_train
-                        ? json_pack("{s:I,s:f,s:f}", "step", (json_int_t)h->train_step, "loss",
-                                    isfinite(h->train_loss) ? h->train_loss : -1.0, "tokens_per_s",
-                                    h->train_tps)
-                        : json_null();
+    json_t *train = train_json(&h->train, coord_http_now());
     json_object_set_new(st, "sessions", json_pack("{s:i,s:i}", "active", h->active, "queued", 0));
-    json_object_set_new(st, "tokens_generated", json_integer((json_int_t)h->tokens));
+    json_object_set_new(st, "tokens_generated", json_integer((json_int_t)h->coord_tokens));
+    json_object_set_new(st, "http_tokens_generated", json_integer((json_int_t)h->tokens));
     pthread_mutex_unlock(&h->mu);
     json_t *cfg = json_object_get(st, "config"), *nodes = json_object_get(st, "nodes"), *n;
     json_object_set_new(st, "mode", json_string("cluster"));
@@ -64,6 +155,7 @@ char *coord_http_status(void *ctx)
                   cfg ? json_object_get(cfg, "vocab_size") : json_null(), "max_seq_len",
                   cfg ? json_object_get(cfg, "max_seq_len") : json_null()));
     json_object_set_new(st, "training", train);
+    json_object_set_new(st, "pipeline", coord_http_pipeline(json_object_get(st, "nodes")));
     size_t i;
     json_array_foreach(nodes, i, n)
     {
@@ -75,7 +167,8 @@ char *coord_http_status(void *ctx)
                *pred = json_object_get(n, "predicted_s");
         json_object_set_new(n, "name", json_string(name));
         json_object_set(n, "memory_offered", json_object_get(n, "memory"));
-        json_object_set_new(n, "memory_used", json_integer(json_integer_value(planned)));
+        json_object_set_new(n, "memory_used",
+                            planned ? json_integer(json_integer_value(planned)) : json_null());
         json_object_set_new(n, "tokens_per_s", serving ? json_real(tps) : json_null());
         json_object_set_new(n, "stage_ms",
                             pred ? json_real(json_number_value(pred) * 1e3) : json_null());
@@ -213,8 +306,11 @@ char *coord_http_metrics(void *ctx)
     node_figures(&s, &n, &cap, nodes);
     HELP("neurollm_plan_epoch", "gauge", "The placement generation.");
     put(&s, &n, &cap, "neurollm_plan_epoch %lld\n", (long long)h->epoch);
-    HELP("neurollm_tokens_generated_total", "counter", "Tokens relayed to HTTP clients.");
-    put(&s, &n, &cap, "neurollm_tokens_generated_total %" PRIu64 "\n", h->tokens);
+    HELP("neurollm_tokens_generated_total", "counter",
+         "Tokens the cluster generated, for any client (HTTP or neuroctl generate).");
+    put(&s, &n, &cap, "neurollm_tokens_generated_total %" PRIu64 "\n", h->coord_tokens);
+    HELP("neurollm_http_tokens_total", "counter", "Tokens relayed to HTTP clients.");
+    put(&s, &n, &cap, "neurollm_http_tokens_total %" PRIu64 "\n", h->tokens);
     HELP("neurollm_prompt_tokens_total", "counter", "Prompt tokens of HTTP completions.");
     put(&s, &n, &cap, "neurollm_prompt_tokens_total %" PRIu64 "\n", h->prompt_tokens);
     HELP("neurollm_generations_finished_total", "counter", "HTTP generations ended.");
@@ -224,18 +320,28 @@ char *coord_http_metrics(void *ctx)
     put(&s, &n, &cap, "neurollm_generations_cancelled_total %" PRIu64 "\n", h->cancelled);
     HELP("neurollm_sessions_active", "gauge", "HTTP generations running on the cluster.");
     put(&s, &n, &cap, "neurollm_sessions_active %d\n", h->active);
-    HELP("neurollm_tokens_per_second", "gauge", "Tokens relayed over the last second.");
+    HELP("neurollm_tokens_per_second", "gauge",
+         "Tokens the cluster generated over the last second, for any client.");
     put(&s, &n, &cap, "neurollm_tokens_per_second %.6g\n", h->tps);
-    if (h->have_train) {
+    const train_card *t = &h->train;
+    if (t->job) {
         HELP("neurollm_train_step", "gauge", "The training job's last step.");
-        put(&s, &n, &cap, "neurollm_train_step %lld\n", (long long)h->train_step);
-        HELP("neurollm_train_loss", "gauge", "The training loss of the last step.");
-        put(&s, &n, &cap, "neurollm_train_loss %.9g\n", h->train_loss);
-        HELP("neurollm_train_tokens_per_second", "gauge", "Training tokens per second.");
-        put(&s, &n, &cap, "neurollm_train_tokens_per_second %.6g\n", h->train_tps);
-        if (!isnan(h->eval_loss)) {
+        put(&s, &n, &cap, "neurollm_train_step %lld\n", (long long)t->step);
+        HELP("neurollm_train_steps", "gauge", "The step the training job ends at.");
+        put(&s, &n, &cap, "neurollm_train_steps %lld\n", (long long)t->steps);
+        HELP("neurollm_train_running", "gauge", "1 while the training job runs, 0 after it.");
+        put(&s, &n, &cap, "neurollm_train_running %d\n", strcmp(t->state, "running") == 0);
+        if (!isnan(t->loss)) {
+            HELP("neurollm_train_loss", "gauge", "The training loss of the last step.");
+            put(&s, &n, &cap, "neurollm_train_loss %.9g\n", t->loss);
+        }
+        if (!isnan(t->tps)) {
+            HELP("neurollm_train_tokens_per_second", "gauge", "Training tokens per second.");
+            put(&s, &n, &cap, "neurollm_train_tokens_per_second %.6g\n", t->tps);
+        }
+        if (!isnan(t->eval_loss)) {
             HELP("neurollm_train_eval_loss", "gauge", "The last held-out loss.");
-            put(&s, &n, &cap, "neurollm_train_eval_loss %.9g\n", h->eval_loss);
+            put(&s, &n, &cap, "neurollm_train_eval_loss %.9g\n", t->eval_loss);
         }
     }
     pthread_mutex_unlock(&h->mu);

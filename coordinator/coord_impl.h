@@ -256,6 +256,8 @@ struct nl_coord {
     int roles; /* the roles of the key whose message is being handled (NL_KEY_ROLE_*) */
     /* where clients' paths may lead: resolved --data-root, --checkpoint-root */
     char data_root[4096], ckpt_root[4096];
+    /* tokens generate jobs produced since it started, for any client */
+    uint64_t tokens_generated;
     int growths;              /* growths since it started (coord_grow.c) */
     coord_growth last_growth; /* the last of them */
     int growing;              /* a growth of --grow auto runs in a worker */

@@ -212,6 +212,7 @@ static json_t *status_json(nl_coord *c, bool full)
     if (full)
         json_object_set_new(root, "endpoint", json_string(c->endpoint));
     json_object_set_new(root, "plan_epoch", json_integer((json_int_t)c->epoch));
+    json_object_set_new(root, "tokens_generated", json_integer((json_int_t)c->tokens_generated));
     if (c->have_cfg) {
         char *cj = nl_config_to_json(&c->cfg);
         json_t *cfg = cj ? json_loads(cj, 0, NULL) : NULL;
@@ -261,7 +262,10 @@ static json_t *status_json(nl_coord *c, bool full)
         if (n->stage >= 0 && c->plan) {
             const nl_plan_stage *s = &c->plan->stages[n->stage];
             json_object_set_new(o, "stage", json_integer(n->stage));
+            char text[64];
+            nl_plan_range_str(text, sizeof text, s->l0, s->l1, s->has_embed, s->has_head);
             json_object_set_new(o, "layers", json_pack("[ii]", s->l0, s->l1));
+            json_object_set_new(o, "layers_text", json_string(text));
             json_object_set_new(o, "embed", json_boolean(s->has_embed));
             json_object_set_new(o, "head", json_boolean(s->has_head));
             json_object_set_new(o, "memory_planned", json_integer((json_int_t)s->bytes));

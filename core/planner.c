@@ -4,6 +4,7 @@
 #include "planner.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -743,4 +744,10 @@ void nl_plan_destroy(nl_plan **pp)
     free((*pp)->standby);
     free(*pp);
     *pp = NULL;
+}
+
+void nl_plan_range_str(char *out, size_t cap, int l0, int l1, int embed, int head)
+{
+    if (cap > 0)
+        snprintf(out, cap, "[%d,%d)%s%s", l0, l1, embed ? "+e" : "", head ? "+h" : "");
 }

@@ -63,6 +63,7 @@
 #ifndef NL_PLANNER_H
 #define NL_PLANNER_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "config.h"
@@ -136,5 +137,11 @@ uint64_t nl_plan_stage_bytes(const nl_config *cfg, const nl_plan_opts *opts, int
                              int stage, int n_stages);
 double nl_plan_stage_seconds(const nl_config *cfg, const nl_plan_opts *opts,
                              const nl_plan_node *node, int n_layers, int stage, int n_stages);
+
+/* A stage's share of the model as people read it (neuroctl status, the
+ * dashboard): "[l0,l1)" for layers l0..l1-1, then "+e" when it holds the
+ * token embedding and "+h" the output head, e.g. "[0,3)+e". The one
+ * formatter of it: out gets at most cap bytes, NUL included. */
+void nl_plan_range_str(char *out, size_t cap, int l0, int l1, int embed, int head);
 
 #endif

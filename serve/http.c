@@ -160,11 +160,42 @@ static nl_status load_tokens(nl_http *h, const char *path, nl_error *err)
 
 /* ---------------------------------------------------------------- events */
 
+void nl_http_time_now(char *out, size_t cap)
+{
+    struct timespec ts;
+    struct tm tm;
+    char day[32];
+    clock_gettime(CLOCK_REALTIME, &ts);
+    gmtime_r(&ts.tv_sec, &tm);
+    strftime(day, sizeof day, "%Y-%m-%dT%H:%M:%S", &tm);
+    snprintf(out, cap, "%.20s.%03dZ", day, (int)(ts.tv_nsec / 1000000L % 1000));
+}
+
+/* The event's JSON with "time" (now) added when it is an object without
+ * one; otherwise a copy. The publisher's text is kept as it wrote it. */
+static char *stamp_time(const char *json)
+{
+    json_t *o = json_loads(json, 0, NULL); /* one whole object: its last } closes it */
+    const int add = json_is_object(o) && !json_object_get(o, "time");
+    const int empty = add && json_object_size(o) == 0;
+    json_decref(o);
+    const char *end = add ? strrchr(json, '}') : NULL;
+    if (!end)
+        return strdup(json);
+    char t[40];
+    nl_http_time_now(t, sizeof t);
+    const size_t head = (size_t)(end - json), cap = head + strlen(t) + 16;
+    char *s = malloc(cap);
+    if (s)
+        snprintf(s, cap, "%.*s%s\"time\":\"%s\"}", (int)head, json, empty ? "" : ",", t);
+    return s;
+}
+
 void nl_http_publish(nl_http *h, const char *type, const char *json)
 {
     if (!h)
         return;
-    char *t = strdup(type), *j = strdup(json);
+    char *t = strdup(type), *j = stamp_time(json);
     if (!t || !j) {
         free(t);
         free(j);

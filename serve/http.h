@@ -139,7 +139,12 @@ void nl_http_stop(nl_http **h);
 int nl_http_port(const nl_http *h);
 
 /* Append an event for /api/events: type (e.g. "request", "stats") and a
- * JSON object as text (copied). The last 512 are kept for new clients. */
+ * JSON object as text (copied). The last 512 are kept for new clients.
+ * An object without a "time" gets one: when it was published, as
+ * nl_http_time_now writes it. */
 void nl_http_publish(nl_http *h, const char *type, const char *json);
+/* The wall-clock time now, as events carry it: ISO 8601 in UTC with
+ * milliseconds ("2026-01-31T12:00:00.123Z", 24 bytes and the NUL). */
+void nl_http_time_now(char *out, size_t cap);
 
 #endif

@@ -19,15 +19,27 @@ cluster up --http):
         generate --cluster --adapter` (greedy and seeded sampling), an
         embedding naming it equals `neuroctl embed --adapter` in one process,
         and an unknown model is 404
-  web   with --http-tokens passed on by cluster up (401 without one), and
-        while the cluster trains: headless Chromium renders the dashboard
-        (one row per node, with the node's KV cache and batch figures from
-        its heartbeats; a loss chart with points; the screenshot is kept
-        as $NL_BUILD_DIR/tests/serve-cluster-dashboard.png), /api/events
-        carries join, plan and train_step events, and promtool accepts
-        /metrics with the training figures. Exit 77 (skipped) without
-        chromium or promtool.
+  web   with --http-tokens passed on by cluster up (401 without one):
+        "tokens generated" counts an HTTP completion and a neuroctl
+        generate; after a short training job headless Chromium renders its
+        card's final state (step 20 of 20, final loss, time taken); while a
+        long job trains the card shows the step of the total and an ETA,
+        the pipeline is in stage order with each stage's layers as
+        neuroctl status writes them, its device and busy share, the node
+        rows carry the KV cache and batch figures of their heartbeats, no
+        table cell is empty, the tokens/s chart has training points, and
+        the event log's lines carry the server's times (evaluations at
+        different steps, different times); a node killed mid-run: the job
+        resumes and the loss chart marks the lost stage and the re-plan;
+        after Ctrl-C the card shows the cancelled job. /api/events carries
+        join, plan, train_step and eval
+        events, each with its time, and promtool accepts /metrics with the
+        training figures. The screenshots are kept as
+        $NL_BUILD_DIR/tests/serve-cluster-dashboard.png (training) and
+        serve-cluster-dashboard-after.png (cancelled). Exit 77 (skipped)
+        without chromium or promtool.
 """
+import calendar
 import json
 import os
 import threading
@@ -386,11 +398,132 @@ def test_not_ready():
         check(p.wait(timeout=30) == 0, "neurocoord --http stops cleanly on SIGTERM")
 
 
+CHROMIUM = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+            "--virtual-time-budget=5000", "--window-size=1280,1400"]
+
+
+def render(page, shot=None):
+    """The page as a fresh headless Chromium renders it (it reads
+    /api/status and the event feed's recent history), or a screenshot."""
+    ch = CHROMIUM + ["--user-data-dir=" + W + "/chrome"]
+    try:
+        if shot:
+            subprocess.run(ch + ["--screenshot=" + shot, page], capture_output=True, timeout=90)
+            return ""
+        return subprocess.run(ch + ["--dump-dom", page], capture_output=True, text=True,
+                              timeout=90).stdout
+    except subprocess.TimeoutExpired:  # a starved browser: the caller tries again
+        return ""
+
+
+def render_until(page, cond, what, deadline_s=150):
+    """Render until cond(dom) holds: a busy machine is slow to render and
+    to train, so the deadline is generous and the pause between tries is
+    no assertion."""
+    end = time.time() + deadline_s
+    dom = ""
+    while True:
+        dom = render(page)
+        if cond(dom) or time.time() > end:
+            break
+        time.sleep(0.5)
+    check(cond(dom), what + " (rendered until %d s had passed)" % deadline_s)
+    return dom
+
+
+def job_card(dom):
+    """The job card's data attributes and its fields' texts."""
+    m = re.search(r'<section id="job"([^>]*)>(.*?)</section>', dom, re.S)
+    if not m:
+        return {}
+    card = dict(re.findall(r'data-([a-z]+)="([^"]*)"', m.group(1)))
+    card.update(re.findall(r'<dd id="(job-[a-z]+)"[^>]*>([^<]*)</dd>', m.group(2)))
+    t = re.search(r'<div id="job-title">([^<]*)</div>', m.group(2))
+    card["title"] = t.group(1) if t else ""
+    return card
+
+
+def events_in(dom):
+    """(type, time) of each line of the event log, newest first."""
+    return re.findall(r'<li class="event" data-type="([a-z_]+)" data-time="([^"]*)">', dom)
+
+
+def iso_s(t):
+    return calendar.timegm(time.strptime(t[:19], "%Y-%m-%dT%H:%M:%S")) + float(t[19:-1] or 0)
+
+
+def cli_layers():
+    """{node name: layers} as neuroctl status writes them."""
+    out = subprocess.run([N, "status", "--cluster", W + "/c"], check=True, capture_output=True,
+                         text=True).stdout
+    return {"node-" + f[0]: f[5] for f in (l.split() for l in out.splitlines())
+            if len(f) >= 6 and f[0].isdigit()}
+
+
+def check_running(dom, t_begin):
+    """The dashboard while the long job trains: its card, the pipeline in
+    stage order as the CLI writes it, events with the server's times."""
+    card = job_card(dom)
+    check(card.get("state") == "running" and re.match(r"^\d+ of 1000000$", card.get("job-step", "")),
+          "the card shows the step of the total while training: %s" % card)
+    check(re.match(r"^\d+ (s|min \d+ s|h \d+ min)$", card.get("job-eta", "")) is not None
+          and card.get("eta", "") != "", "the card shows an ETA while training: %s" % card)
+    for k in ("job-loss", "job-eval", "job-tps"):
+        check(re.match(r"^[0-9.,]+", card.get(k, "")) is not None, "the card's %s: %s" % (k, card))
+    order = [int(x) for x in re.findall(r'<div data-stage="(\d+)"', dom)]
+    rows = re.findall(r'<tr class="stage" data-stage="(\d+)">(.*?)</tr>', dom)
+    check(len(order) == 3 and order == sorted(order) == [int(r[0]) for r in rows],
+          "the plan bar and the stage table in stage order: %s %s" % (order, [r[0] for r in rows]))
+    want = cli_layers()
+    got = {}
+    for stage, row in rows:
+        c = re.findall(r"<td[^>]*>([^<]*)</td>", row)
+        got[c[1]] = c[3]
+        check(re.match(r"^\d+%$", c[4]) is not None, "stage %s's busy share: %s" % (stage, c))
+        check(c[2] == "cpu" or c[2] == DEV, "stage %s's device: %s" % (stage, c))
+    check(got == want, "each stage's layers as neuroctl status writes them: %s, the CLI %s" % (got, want))
+    check(rows and "+e" in rows[0][1] and "+h" in rows[-1][1], "the embedding and head in the ranges")
+    check(re.search(r"<td></td>|<td [^>]*></td>", dom) is None, "no empty cell in the tables")
+    ev = events_in(dom)
+    check(ev and all(t for _, t in ev), "every logged event has the server's time: %s" % ev[:5])
+    times = [iso_s(t) for _, t in ev if t]
+    check(times == sorted(times, reverse=True), "the log is newest first by server time")
+    check(all(t_begin - 5 <= t <= time.time() + 5 for t in times),
+          "the events' times are when they happened: %s" % ev[:5])
+    evals = [t for k, t in ev if k == "eval"]
+    check(len(evals) >= 3 and len(set(evals)) == len(evals),
+          "evaluations at different steps carry different times: %s" % evals)
+    m = re.search(r'id="tps-chart"[^>]*data-points1="(\d+)"', dom)
+    check(m is not None and int(m.group(1)) > 0, "the tokens/s chart has training points")
+    m = re.search(r'id="loss-chart" data-points="(\d+)"', dom)
+    check(m is not None and int(m.group(1)) > 0, "a loss chart with points")
+    rows = re.findall(r'<tr class="node">(.*?)</tr>', dom)
+    check(len(rows) == 3, "%d node rows, expected 3" % len(rows))
+    # each serving node's row: its KV cache, ms per batch, hop ms and
+    # hops per batch (columns 9 to 12) from its heartbeats
+    cells = [re.findall(r"<td[^>]*>([^<]*)</td>", r) for r in rows]
+    served = [c for c in cells if len(c) == 12 and c[1] == "serving"]
+    check(served and all(re.match(r"^\d+\.\d MiB$", c[8]) and
+                         all(re.match(r"^\d+\.\d+$", x) for x in c[9:12]) for c in served),
+          "node rows show KV cache, batch ms, hop ms, hops/batch: %s" % cells)
+    check(re.search(r"[0-9,]+ tokens generated \(all clients, [0-9,]+ over HTTP\)", dom) is not None,
+          "the summary counts every client's tokens")
+
+
+def train(steps, ck, **kw):
+    return subprocess.Popen([N, "train", "--cluster", W + "/c", "--data", W + "/data.txt",
+                             "--steps", str(steps), "--batch", "4", "--seq", "32",
+                             "--microbatches", "2", "--lr", "3e-3", "--eval-every", "5",
+                             "--checkpoint-dir", W + "/" + ck],
+                            stdout=subprocess.DEVNULL, stderr=open(W + "/" + ck + ".err", "w"), **kw)
+
+
 def test_web(url):
     for tool in ("chromium", "promtool"):
         if not shutil.which(tool):
             print("SKIP: %s is not installed" % tool)
             sys.exit(77)
+    t_begin = time.time()
     # the tokens passed on by cluster up: 401 without one
     try:
         urllib.request.urlopen(url + "metrics", timeout=10)
@@ -398,10 +531,12 @@ def test_web(url):
     except urllib.error.HTTPError as e:
         check(e.code == 401, "/metrics without a token: %d" % e.code)
     HDR["Authorization"] = "Bearer " + TOKEN
+    page = url + "#token=" + TOKEN
     # the event feed, read from before training on, as a dashboard does: a
     # client that subscribes late gets only the recent history, and on a
     # busy machine the join and plan events can be older than that
     seen = set()
+    untimed = []
 
     def follow_events():
         try:
@@ -411,6 +546,8 @@ def test_web(url):
                     line = line.decode().strip()
                     if line.startswith("event: "):
                         seen.add(line[7:])
+                    if line.startswith("data: ") and '"time":"' not in line:
+                        untimed.append(line)
                     if {"join", "plan", "train_step", "eval"} <= seen:
                         return
         except OSError:
@@ -418,21 +555,59 @@ def test_web(url):
 
     feed = threading.Thread(target=follow_events, daemon=True)
     feed.start()
-    # a completion first: the stages' batch figures then fill the node rows
+    # a completion and a CLI generation first: the stages' batch figures
+    # then fill the node rows, and "tokens generated" counts both
     code, body = post(url + "v1/completions", {"prompt": [1, 2, 3], "max_tokens": 8})
     check(code == 200, "completion before training: %d %s" % (code, body[:200]))
+    local_ids([1, 2, 3], 6, 0, 1, 1)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        st = json.loads(get(url + "api/status"))
+        if st.get("tokens_generated", 0) >= 14:
+            break
+        time.sleep(0.5)
+    check(st.get("tokens_generated") == 14 and st.get("http_tokens_generated") == 8,
+          "tokens generated: all clients' 14, 8 of them over HTTP: %s %s" %
+          (st.get("tokens_generated"), st.get("http_tokens_generated")))
     with open(W + "/data.txt", "w") as f:
         for name in ("README.md", "docs/ARCHITECTURE.md"):
             f.write(open(os.path.join(S, name)).read())
-    tr = subprocess.Popen([N, "train", "--cluster", W + "/c", "--data", W + "/data.txt",
-                           "--steps", "400", "--batch", "4", "--seq", "32", "--microbatches", "2",
-                           "--lr", "3e-3", "--eval-every", "5"],
-                          stdout=subprocess.DEVNULL, stderr=open(W + "/train.err", "w"))
+    # a short job to its end: the card keeps its final state
+    short = train(20, "ck-short")
+    check(short.wait(timeout=240) == 0, "the short training job: " + open(W + "/ck-short.err").read())
+    dom = render_until(page, lambda d: job_card(d).get("state") == "done",
+                       "the card shows the finished job")
+    card = job_card(dom)
+    check(card.get("step") == "20" and card.get("steps") == "20" and card.get("job-step") == "20 of 20"
+          and re.match(r"^\d+\.\d{4}$", card.get("job-loss", "")) is not None
+          and re.match(r"^\d+ (s|min)", card.get("job-eta", "")) is not None,
+          "the finished job's card: step 20 of 20, its final loss, how long it took: %s" % card)
+    st = json.loads(get(url + "api/status"))
+    tr = st.get("training") or {}
+    check(tr.get("state") == "done" and tr.get("step") == 20 and tr.get("eta_s") is None
+          and isinstance(tr.get("eval_loss"), float), "/api/status training after the job: %s" % tr)
+    feed.join(timeout=120)
+    check({"join", "plan", "train_step", "eval"} <= seen, "events seen: %s" % seen)
+    check(not untimed, "events without the server's time: %s" % untimed[:3])
+    # the served weights are named by the job and step that made them,
+    # not by the file the cluster started from (issue 34, item 5)
+    served = json.loads(get(url + "v1/models"))["data"][0]["id"]
+    st = json.loads(get(url + "api/status"))
+    check(re.match(r"^m\.safetensors@job-\d+-step-\d+$", served) and
+          re.match(r"^m\.safetensors@job-\d+-step-\d+$", st["model"]["name"]) and
+          st["model"]["file"] == "m.safetensors",
+          "after training: /v1/models %s, status %s" % (served, st["model"]))
+    # a long job, watched while it trains, then cancelled
+    long_job = train(1000000, "ck-long")
     try:
-        deadline = time.time() + 90
-        while time.time() < deadline and (metric(url, "neurollm_train_step") or 0) < 6:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            tr = json.loads(get(url + "api/status")).get("training") or {}
+            if tr.get("steps") == 1000000 and tr.get("step", 0) >= 20:
+                break
             time.sleep(0.5)
-        check((metric(url, "neurollm_train_step") or 0) >= 6, "training steps in /metrics")
+        check(tr.get("state") == "running" and isinstance(tr.get("eta_s"), float),
+              "/api/status training while the job runs: %s" % tr)
         metrics = get(url + "metrics")
         p = subprocess.run(["promtool", "check", "metrics"], input=metrics, text=True,
                            capture_output=True)
@@ -440,49 +615,56 @@ def test_web(url):
         nodes = {k: int(v) for k, v in re.findall(r'neurollm_nodes\{state="(\w+)"\} (\d+)', metrics)}
         check(nodes.get("serving", 0) >= 1 and nodes.get("serving", 0) + nodes.get("standby", 0) == 3,
               "/metrics: nodes by state %s" % nodes)
-        for m in ("neurollm_train_loss ",
-                  'neurollm_node_layers{node="node-1"}', "neurollm_tokens_generated_total"):
+        for m in ("neurollm_train_loss ", "neurollm_train_running 1", "neurollm_train_steps 1000000",
+                  'neurollm_node_layers{node="node-1"}', "neurollm_tokens_generated_total 14"):
             check(m in metrics, "/metrics lacks " + m)
-        # the event feed since before training: joins, the plan, steps and
-        # an evaluation (every 5 steps; 6 are done)
-        feed.join(timeout=120)
-        check({"join", "plan", "train_step", "eval"} <= seen, "events seen: %s" % seen)
-        # the served weights are named by the job and step that made them,
-        # not by the file the cluster started from (issue 34, item 5)
-        served = json.loads(get(url + "v1/models"))["data"][0]["id"]
+        dom = render_until(page, lambda d: job_card(d).get("state") == "running"
+                           and job_card(d).get("eta", "") != ""
+                           and len([1 for k, _ in events_in(d) if k == "eval"]) >= 3,
+                           "the card of the running job with its ETA, and evaluations in the log")
+        check_running(dom, t_begin)
+        # a stage lost mid-run: the job resumes by itself, and the loss
+        # chart marks the loss and the re-plan at their steps
         st = json.loads(get(url + "api/status"))
-        check(re.match(r"^m\.safetensors@job-\d+-step-\d+$", served) and
-              re.match(r"^m\.safetensors@job-\d+-step-\d+$", st["model"]["name"]) and
-              st["model"]["file"] == "m.safetensors",
-              "after training: /v1/models %s, status %s" % (served, st["model"]))
+        victim = [p["id"] for p in st["pipeline"] if p["stage"] == 1][0]
+        with open("%s/c/node-%d.pid" % (W, victim)) as f:
+            os.kill(int(f.read().split()[0]), signal.SIGKILL)
+        deadline = time.time() + 150
+        while time.time() < deadline:
+            tr = json.loads(get(url + "api/status")).get("training") or {}
+            kinds = {m["kind"] for m in tr.get("marks", [])}
+            if {"lost", "replan"} <= kinds and tr.get("state") == "running" and tr.get("resumes", 0) >= 1:
+                break
+            time.sleep(0.5)
+        check({"lost", "replan"} <= kinds and tr.get("resumes", 0) >= 1,
+              "/api/status: the job resumed, with the loss and the re-plan marked: %s %s"
+              % (tr.get("marks"), tr.get("resumes")))
+        dom = render_until(page, lambda d: re.search(r'<li data-kind="lost">step \d+: a stage was lost', d)
+                           and re.search(r'<li data-kind="replan">step \d+: plan \d+', d),
+                           "the loss chart's marks list the lost stage and the re-plan")
+        m = re.search(r'id="loss-chart"[^>]*data-marks="(\d+)"', dom)
+        check(m is not None and int(m.group(1)) >= 2, "the loss chart has the marks")
+        check("A stage was lost at step" in dom, "the event log says a stage was lost")
         shot = os.path.join(B, "tests", "serve-cluster-dashboard.png")
         if os.path.exists(shot):
             os.remove(shot)
-        ch = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-              "--user-data-dir=" + W + "/chrome", "--virtual-time-budget=5000",
-              "--window-size=1280,1000"]
-        page = url + "#token=" + TOKEN
-        dom = subprocess.run(ch + ["--dump-dom", page], capture_output=True, text=True,
-                             timeout=120).stdout
-        subprocess.run(ch + ["--screenshot=" + shot, page], capture_output=True, timeout=120)
-        rows = dom.count('<tr class="node">')
-        check(rows == 3, "%d node rows, expected 3" % rows)
-        # each serving node's row: its KV cache, ms per batch, hop ms and
-        # hops per batch (columns 9 to 12) from its heartbeats
-        cells = [re.findall(r"<td>([^<]*)</td>", r) for r in
-                 re.findall(r'<tr class="node">(.*?)</tr>', dom)]
-        served = [c for c in cells if len(c) == 12 and c[1] == "serving"]
-        check(served and all(re.match(r"^\d+\.\d MiB$", c[8]) and
-                             all(re.match(r"^\d+\.\d+$", x) for x in c[9:12]) for c in served),
-              "node rows show KV cache, batch ms, hop ms, hops/batch: %s" % cells)
-        m = re.search(r'id="loss-chart" data-points="(\d+)"', dom)
-        check(m is not None and int(m.group(1)) > 0, "a loss chart with points")
+        render(page, shot)
         check(os.path.getsize(shot) > 0 if os.path.exists(shot) else False, "a screenshot")
-        if fails:
-            print(dom[:3000], file=sys.stderr)
     finally:
-        tr.terminate()
-        tr.wait()
+        long_job.send_signal(signal.SIGINT)  # Ctrl-C: the job stops at a checkpoint
+        try:
+            long_job.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            long_job.kill()
+            long_job.wait()
+    dom = render_until(page, lambda d: job_card(d).get("state") == "cancelled",
+                       "the card shows the cancelled job's final state")
+    render(page, os.path.join(B, "tests", "serve-cluster-dashboard-after.png"))
+    card = job_card(dom)
+    check("cancelled at step" in card.get("title", "") and card.get("step") == card.get("job-step", "").split(" ")[0],
+          "the cancelled job's card: %s" % card)
+    if fails:
+        print(dom[:4000], file=sys.stderr)
 
 
 W = tempfile.mkdtemp()

@@ -208,6 +208,9 @@ static void test_api(int port, nl_http *h)
     expect(r, "\"completion_tokens\":2", "max_completion_tokens");
     free(r);
     nl_http_publish(h, "train_step", "{\"step\":3,\"loss\":2.5}");
+    nl_http_publish(h, "stamped", "{\"time\":\"when it happened\"}");
+    nl_http_publish(h, "empty", "{}");
+    nl_http_publish(h, "last", "{\"n\":1}");
     int s = socket(AF_INET, SOCK_STREAM, 0);
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
@@ -216,7 +219,8 @@ static void test_api(int port, nl_http *h)
     if (connect(s, (struct sockaddr *)&a, sizeof a) == 0) {
         const char *q = "GET /api/events HTTP/1.1\r\nHost: t\r\n\r\n";
         if (write(s, q, strlen(q)) > 0)
-            while (!strstr(buf, "train_step") && len < sizeof buf - 1) {
+            while (!(strstr(buf, "event: last") && strstr(strstr(buf, "event: last"), "}\n\n")) &&
+                   len < sizeof buf - 1) {
                 ssize_t n = read(s, buf + len, sizeof buf - 1 - len);
                 if (n <= 0)
                     break;
@@ -224,7 +228,18 @@ static void test_api(int port, nl_http *h)
             }
     }
     close(s);
-    expect(buf, "event: train_step\ndata: {\"step\":3,\"loss\":2.5}", "a published event");
+    /* each event carries the time it was published, unless it has its own */
+    expect(buf, "event: train_step\ndata: {\"step\":3,\"loss\":2.5,\"time\":\"",
+           "a published event");
+    expect(buf, "event: stamped\ndata: {\"time\":\"when it happened\"}\n", "an event's own time");
+    expect(buf, "event: empty\ndata: {\"time\":\"", "an empty object's time");
+    const char *t = strstr(buf, "\"loss\":2.5,\"time\":\"");
+    int y = 0, mo = 0, d = 0, hh = 0, mm = 0, ss = 0, ms = 0, n = 0;
+    CHECK(t &&
+              sscanf(t + 19, "%4d-%2d-%2dT%2d:%2d:%2d.%3dZ\"}%n", &y, &mo, &d, &hh, &mm, &ss, &ms,
+                     &n) == 7 &&
+              n == 26 && y >= 2024,
+          "the time is ISO 8601 UTC with milliseconds: %.40s", t ? t + 19 : "(none)");
     expect(buf, "event: request", "the completions' events");
     r = request(port, "GET", "/metrics", NULL, NULL);
     expect(r, "neurollm_http_requests_total{endpoint=\"/v1/completions\",code=\"429\"} 1",

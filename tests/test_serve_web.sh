@@ -3,8 +3,10 @@
 #   metrics    Prometheus' own linter (promtool check metrics, Debian's
 #              prometheus) accepts /metrics after real traffic
 #   dashboard  headless Chromium (Debian's chromium) renders GET / from a
-#              serving process: one row per node, the plan, a tokens/s chart
-#              with points, the event log; the screenshot is kept as
+#              serving process: one row per node, the plan with the layers
+#              as neuroctl status writes them, a tokens/s chart with points,
+#              the event log as sentences with the server's times; the
+#              screenshot is kept as
 #              $NL_BUILD_DIR/tests/serve-dashboard.png
 # Usage: test_serve_web.sh metrics|dashboard. Exit 77 (skipped) only when
 # the tool is not installed (scripts/install-deps.sh installs both).
@@ -61,10 +63,16 @@ else
   check 'data-ready="1"' "a rendered status (body data-ready)"
   rows=$(grep -o '<tr class="node">' <<<"$dom" | wc -l)
   [ "$rows" -eq 1 ] || { echo "FAIL: $rows node rows, expected 1"; fail=1; }
-  check '<div [^>]*style="width: 100%;[^"]*">local 0..3</div>' "the plan bar: local holds layers 0..3"
+  check '<div data-stage="0"[^>]*style="width: 100%;[^"]*">stage 0 · local · \[0,4\)\+e\+h</div>' \
+    "the plan bar: local holds layers 0..3, the embedding and the head, as neuroctl status writes it"
+  check '<td>local</td><td>serving</td><td>[^<]+</td><td[^>]*>[^<]+</td><td>[0-9.]+ MiB</td><td>\[0,4\)\+e\+h</td>' \
+    "the node row with its layers as neuroctl status writes them"
   check 'id="tps-chart" data-points="[1-9][0-9]*"' "a tokens/s chart with points"
-  check '<li class="event">[^<]*start' "the start event in the log"
-  check '<li class="event">[^<]*request' "a request event in the log"
+  # events as sentences, each with the time the server published it
+  T='data-time="20[0-9-]+T[0-9:.]+Z"><time datetime="20[0-9-]+T[0-9:.]+Z">[0-9:.]+</time>'
+  check "<li class=\"event\" data-type=\"start\" $T"'Serving m.safetensors on ' "the start event in the log"
+  check "<li class=\"event\" data-type=\"request\" $T"'Request cmpl-[0-9]+: 3 prompt tokens, 24 generated \(length\)' \
+    "a request event in the log"
   check '90 tokens generated|[0-9]+ tokens generated' "the summary line"
   [ -s "$shot" ] || { echo "FAIL: no screenshot at $shot"; fail=1; }
   [ $fail -eq 0 ] || { echo "--- DOM:"; head -c 4000 "$T/dom.html"; echo; cat "$T/chrome.err" | tail -5; }
