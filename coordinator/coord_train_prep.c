@@ -326,7 +326,7 @@ static const char *start_worker(nl_coord *c, cjob *j, prep_task *p, const nl_msg
         return why;
     }
     if (!t->ft) /* a fine-tuning job is not journaled: it ends with the coordinator */
-        coord_journal_train(c, j->id, t->journal, resume);
+        coord_journal_train(c, j, t->journal, resume);
     if (coord_work_start(c, &p->w, &e) != NL_OK) {
         snprintf(why, cap, "%s", e.msg);
         return why;

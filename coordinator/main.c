@@ -97,6 +97,10 @@ int main(int argc, char **argv)
          "<state-dir>/checkpoints); share it with the nodes' --checkpoint-root",
          NULL},
         {"max-data-bytes", 1, "a training job's data file at most (default 1G)", NULL},
+        {"max-jobs-per-key", 1,
+         "jobs one client key may hold at once (default 16; the table holds 64; the HTTP side's "
+         "completions count as one key's)",
+         NULL},
         {"http", 1,
          "also serve HTTP on HOST:PORT (port 0: any free port): the OpenAI-style API, "
          "/api/status, /api/events, /metrics and the dashboard (docs/serving.md)",
@@ -137,7 +141,7 @@ int main(int argc, char **argv)
     o.data_root = nl_args_get(flags, "data-root");
     o.checkpoint_root = nl_args_get(flags, "checkpoint-root");
     long long seed = 0, min_nodes = 1, hb = 1000, nto = 5000, jto = 120000, rows = 512, resumes = 2,
-              train_resumes = 3;
+              train_resumes = 3, jobs_per_key = 16;
     uint64_t min_mem = 0, max_data = 1ull << 30;
     double margin = 0.1;
     if (!o.listen || !o.state_dir || (!!o.model + !!o.config + !!o.resume > 1)) {
@@ -156,6 +160,7 @@ int main(int argc, char **argv)
         (rc = nl_args_int(flags, "gen-resumes", 0, 1000, &resumes)) ||
         (rc = nl_args_int(flags, "train-resumes", 0, 1000, &train_resumes)) ||
         (rc = nl_args_int(flags, "plan-rows", 1, 1 << 20, &rows)) ||
+        (rc = nl_args_int(flags, "max-jobs-per-key", 1, 64, &jobs_per_key)) ||
         (rc = nl_args_size(flags, "min-memory", &min_mem)) ||
         (rc = nl_args_size(flags, "max-data-bytes", &max_data)) ||
         (rc = nl_args_double(flags, "replan-margin", 0.0, 1.0, &margin)))
@@ -183,6 +188,7 @@ int main(int argc, char **argv)
     o.gen_resumes = (int)resumes;
     o.train_resumes = (int)train_resumes;
     o.plan_rows = (int)rows;
+    o.max_jobs_per_key = (int)jobs_per_key;
     o.replan_margin = margin;
     const char *grow = nl_args_get(flags, "grow");
     if (grow && strcmp(grow, "auto") != 0 && strcmp(grow, "off") != 0) {
