@@ -98,7 +98,7 @@ int main(int argc, char **argv)
          NULL},
         {"max-data-bytes", 1, "a training job's data file at most (default 1G)", NULL},
         {"max-jobs-per-key", 1,
-         "jobs one client key may hold at once (default 16; the table holds 64; the HTTP side's "
+         "jobs one client key may hold at once (default 32; the table holds 64; the HTTP side's "
          "completions count as one key's)",
          NULL},
         {"http", 1,
@@ -106,6 +106,15 @@ int main(int argc, char **argv)
          "/api/status, /api/events, /metrics and the dashboard (docs/serving.md)",
          NULL},
         {"http-tokens", 1, "file of bearer tokens for --http, one a line (required off loopback)",
+         NULL},
+        {"http-per-ip", 1, "connections one client address may hold at once (default 32)", NULL},
+        {"http-deadline", 1,
+         "seconds a non-streaming completion may take: then it is cancelled and answered 504 "
+         "(default 600)",
+         NULL},
+        {"http-allow-host", 1,
+         "NAME[,NAME...]: without tokens, Host names a request may carry besides localhost and "
+         "IP addresses (others are refused 403: a web page cannot reach the API by DNS rebinding)",
          NULL},
         {"http-adapter", 1,
          "NAME=FILE[,NAME=FILE...]: --http also serves model NAME, the cluster's weights with "
@@ -141,7 +150,8 @@ int main(int argc, char **argv)
     o.data_root = nl_args_get(flags, "data-root");
     o.checkpoint_root = nl_args_get(flags, "checkpoint-root");
     long long seed = 0, min_nodes = 1, hb = 1000, nto = 5000, jto = 120000, rows = 512, resumes = 2,
-              train_resumes = 3, jobs_per_key = 16;
+              train_resumes = 3, jobs_per_key = 32,
+              per_ip = 32, deadline = 600;
     uint64_t min_mem = 0, max_data = 1ull << 30;
     double margin = 0.1;
     if (!o.listen || !o.state_dir || (!!o.model + !!o.config + !!o.resume > 1)) {
@@ -161,6 +171,8 @@ int main(int argc, char **argv)
         (rc = nl_args_int(flags, "train-resumes", 0, 1000, &train_resumes)) ||
         (rc = nl_args_int(flags, "plan-rows", 1, 1 << 20, &rows)) ||
         (rc = nl_args_int(flags, "max-jobs-per-key", 1, 64, &jobs_per_key)) ||
+        (rc = nl_args_int(flags, "http-per-ip", 1, 65536, &per_ip)) ||
+        (rc = nl_args_int(flags, "http-deadline", 1, 86400 * 7, &deadline)) ||
         (rc = nl_args_size(flags, "min-memory", &min_mem)) ||
         (rc = nl_args_size(flags, "max-data-bytes", &max_data)) ||
         (rc = nl_args_double(flags, "replan-margin", 0.0, 1.0, &margin)))
@@ -212,7 +224,11 @@ int main(int argc, char **argv)
     nl_coord *c = NULL;
     nl_coord_http *web = NULL;
     const char *http = nl_args_get(flags, "http");
-    nl_http_opts ho = {.addr = http, .tokens_path = nl_args_get(flags, "http-tokens")};
+    nl_http_opts ho = {.addr = http,
+                       .tokens_path = nl_args_get(flags, "http-tokens"),
+                       .per_ip = (int)per_ip,
+                       .deadline_s = (int)deadline,
+                       .allow_hosts = nl_args_get(flags, "http-allow-host")};
     rc = 0;
     if (nl_auth_hup_install(&err) != NL_OK || nl_coord_new(&c, &o, &err) != NL_OK ||
         (http && nl_coord_http_start(&web, c, model_name(&o), nl_args_get(flags, "http-adapter"),

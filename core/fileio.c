@@ -179,13 +179,25 @@ nl_status nl_file_read_all(const char *path, size_t max_bytes, char **out, size_
     *len = 0;
     nl_status st = NL_OK;
     char *buf = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f)
+    /* O_NONBLOCK: opening a FIFO for reading would wait for a writer for
+     * ever; it is refused below, as is anything but a regular file */
+    const int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+    if (fd < 0)
         return nl_error_set(err, NL_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     struct stat sb;
-    if (fstat(fileno(f), &sb) != 0) {
+    FILE *f = NULL;
+    if (fstat(fd, &sb) != 0)
         st = nl_error_set(err, NL_ERR_IO, "%s: cannot stat: %s", path, strerror(errno));
-        goto out;
+    else if (!S_ISREG(sb.st_mode))
+        st = nl_error_set(err, NL_ERR_IO, "%s: not a regular file", path);
+    if (st != NL_OK) {
+        close(fd);
+        return st;
+    }
+    if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) != 0 || !(f = fdopen(fd, "rb"))) {
+        st = nl_error_set(err, NL_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+        close(fd);
+        return st;
     }
     if ((unsigned long long)sb.st_size > max_bytes) {
         st = nl_error_set(err, NL_ERR_LIMIT, "%s: %lld bytes is above the limit of %zu", path,

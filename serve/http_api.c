@@ -578,8 +578,17 @@ enum MHD_Result http_completions(nl_http *h, struct MHD_Connection *c, http_req 
         http_count(h, rq->ep, 200);
         goto out;
     }
-    while (gen_step(g, 1000) >= 0 && !http_stopping(h))
+    const double t0 = http_clock();
+    while (gen_step(g, 1000) >= 0 && !http_stopping(h) && !http_past_deadline(h, t0))
         ;
+    if (!g->done && !http_stopping(h)) { /* gen_free cancels the generation */
+        res = http_error(h, c, rq, 504, NULL,
+                         "no answer within the deadline of %d s (--http-deadline): the "
+                         "generation is cancelled",
+                         h->o.deadline_s);
+        gen_free(g);
+        goto out;
+    }
     if (!g->done || strcmp(g->finish, "error") == 0) {
         res =
             http_error(h, c, rq, 500, NULL, "%s", g->done ? g->err.msg : "the server is stopping");

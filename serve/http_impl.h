@@ -73,6 +73,10 @@ int http_code_of(nl_status st);
 
 /* Whether nl_http_stop has begun (streams end). */
 int http_stopping(nl_http *h);
+/* A monotonic clock (seconds), and whether a non-streaming completion
+ * begun at t0 is past its deadline (nl_http_opts.deadline_s). */
+double http_clock(void);
+int http_past_deadline(const nl_http *h, double t0);
 
 /* /v1 endpoints (http_api.c). */
 enum MHD_Result http_completions(nl_http *h, struct MHD_Connection *c, http_req *rq);
