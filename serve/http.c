@@ -6,6 +6,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <sodium.h>
 #include <stdarg.h>
@@ -14,7 +15,9 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #define DEFAULT_CHARTJS "/usr/share/javascript/chart.js/chart.min.js"
 #define MAX_SUBSCRIBERS 32
@@ -124,11 +127,37 @@ static int token_ok(nl_http *h, struct MHD_Connection *c)
     return ok;
 }
 
+/* The tokens file, open for reading (*out): a regular file that only its
+ * owner may read or write (what ssh asks of a secret key). */
+static nl_status open_tokens(const char *path, FILE **out, nl_error *err)
+{
+    const int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY); /* a FIFO: no wait */
+    struct stat sb;
+    nl_status st = NL_OK;
+    *out = NULL;
+    if (fd < 0 || fstat(fd, &sb) != 0)
+        st = nl_error_set(err, NL_ERR_IO, "--http-tokens %s: %s", path, strerror(errno));
+    else if (!S_ISREG(sb.st_mode))
+        st = nl_error_set(err, NL_ERR_IO, "--http-tokens %s: not a regular file", path);
+    else if (sb.st_mode & 077)
+        st = nl_error_set(err, NL_ERR_AUTH,
+                          "--http-tokens %s: group or others may read or write it (mode %03o): "
+                          "chmod 600 it",
+                          path, (unsigned)(sb.st_mode & 0777));
+    else if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) != 0 ||
+             !(*out = fdopen(fd, "r")))
+        st = nl_error_set(err, NL_ERR_IO, "--http-tokens %s: %s", path, strerror(errno));
+    if (!*out && fd >= 0)
+        close(fd);
+    return st;
+}
+
 static nl_status load_tokens(nl_http *h, const char *path, nl_error *err)
 {
-    FILE *f = fopen(path, "r");
-    if (!f)
-        return nl_error_set(err, NL_ERR_IO, "--http-tokens %s: %s", path, strerror(errno));
+    FILE *f = NULL;
+    const nl_status opened = open_tokens(path, &f, err);
+    if (opened != NL_OK)
+        return opened;
     char line[1024];
     nl_status st = NL_OK;
     while (fgets(line, sizeof line, f)) {

@@ -326,6 +326,12 @@ def test_limits(model, tmp):
     toks = os.path.join(tmp, "tokens")
     with open(toks, "w") as f:
         f.write("# tokens\nsecret-token-0123456789\n")
+    os.chmod(toks, 0o644)
+    r = subprocess.run([NEUROCTL, "serve", "--model", model, "--http", "127.0.0.1:0",
+                        "--http-tokens", toks], capture_output=True, text=True, timeout=30)
+    check(r.returncode != 0 and "chmod 600" in r.stderr,
+          "a tokens file others may read is refused: %s" % r.stderr.strip())
+    os.chmod(toks, 0o600)
     s = Server(model, "--http-tokens", toks, "--http-timeout", "2")
     try:
         code, r = s.json("/v1/models")

@@ -480,6 +480,7 @@ try:
     if what == "web":
         with open(W + "/tokens", "w") as f:
             f.write(TOKEN + "\n")
+        os.chmod(W + "/tokens", 0o600)  # a tokens file others may read is refused
         extra = ["--http-tokens", W + "/tokens"]
     URL = cluster_up(W, extra)
     if URL:

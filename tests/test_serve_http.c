@@ -12,6 +12,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/time.h>
 #include <unistd.h>
 
@@ -378,6 +379,13 @@ static void test_start_refusals(const nl_http_backend *b)
         o.tokens_path = path;
         CHECK(nl_http_start(&h, &o, b, &err) == NL_ERR_FORMAT, "a short token refused");
         expect(err.msg, "16 or more", "the message says why");
+        chmod(path, 0644); /* issue 31: others may read it */
+        CHECK(nl_http_start(&h, &o, b, &err) == NL_ERR_AUTH, "a world-readable tokens file");
+        expect(err.msg, "chmod 600", "the message says what to do");
+        unlink(path);
+        CHECK(mkfifo(path, 0600) == 0, "mkfifo");
+        CHECK(nl_http_start(&h, &o, b, &err) == NL_ERR_IO, "a FIFO as the tokens file");
+        expect(err.msg, "not a regular file", "the message says why");
         unlink(path);
     }
     o.tokens_path = NULL;
