@@ -285,7 +285,11 @@ static int run_train(const train_opts *o)
     if ((o->r.ckpt_every > 0 || !o->out) && nl_file_mkdirs(o->ckpt_dir, &err) != NL_OK)
         goto out;
     const nl_adamw_opts adam = nl_adamw_defaults();
-    const char *inject = getenv("NL_TEST_INJECT_NAN_STEP"); /* test hook */
+#ifdef NL_TEST_HOOKS
+    const char *inject = getenv("NL_TEST_INJECT_NAN_STEP"); /* test hook (test builds only) */
+#else
+    const char *inject = NULL;
+#endif
     const double t_begin = nl_train_clock();
     int64_t skipped = 0;
     for (step = start; step < o->r.steps && !interrupted; step++) {
