@@ -36,6 +36,7 @@ void nl_coord_opts_init(nl_coord_opts *o)
     o->plan_rows = 512;
     o->replan_margin = 0.1;
     o->max_data_bytes = 1ull << 30;
+    o->max_data_total = 1ull << 30;
     o->max_jobs_per_key = 32;
 }
 

@@ -44,6 +44,7 @@ typedef struct nl_coord_opts {
      * <state_dir>/checkpoints (created 0700). */
     const char *data_root, *checkpoint_root;
     uint64_t max_data_bytes; /* a training job's data file at most (default 1 GiB) */
+    uint64_t max_data_total; /* the data files of the training jobs running, together (1 GiB) */
     int max_jobs_per_key;    /* jobs one client key may hold at once (default 32: half the table) */
 } nl_coord_opts;
 

@@ -97,6 +97,11 @@ int main(int argc, char **argv)
          "<state-dir>/checkpoints); share it with the nodes' --checkpoint-root",
          NULL},
         {"max-data-bytes", 1, "a training job's data file at most (default 1G)", NULL},
+        {"max-data-total", 1,
+         "the data files of the training and fine-tuning jobs running, together, at most (each "
+         "job holds its data's token ids in the coordinator's memory, about 4 bytes a token; "
+         "default 1G): a job past it is refused",
+         NULL},
         {"max-jobs-per-key", 1,
          "jobs one client key may hold at once (default 32; the table holds 64; the HTTP side's "
          "completions count as one key's)",
@@ -152,7 +157,7 @@ int main(int argc, char **argv)
     long long seed = 0, min_nodes = 1, hb = 1000, nto = 5000, jto = 120000, rows = 512, resumes = 2,
               train_resumes = 3, jobs_per_key = 32,
               per_ip = 32, deadline = 600;
-    uint64_t min_mem = 0, max_data = 1ull << 30;
+    uint64_t min_mem = 0, max_data = 1ull << 30, max_total = 1ull << 30;
     double margin = 0.1;
     if (!o.listen || !o.state_dir || (!!o.model + !!o.config + !!o.resume > 1)) {
         if (!o.listen || !o.state_dir)
@@ -175,6 +180,7 @@ int main(int argc, char **argv)
         (rc = nl_args_int(flags, "http-deadline", 1, 86400 * 7, &deadline)) ||
         (rc = nl_args_size(flags, "min-memory", &min_mem)) ||
         (rc = nl_args_size(flags, "max-data-bytes", &max_data)) ||
+        (rc = nl_args_size(flags, "max-data-total", &max_total)) ||
         (rc = nl_args_double(flags, "replan-margin", 0.0, 1.0, &margin)))
         return rc;
     const char *lvl = nl_args_get(flags, "log-level");
@@ -194,6 +200,7 @@ int main(int argc, char **argv)
     o.min_nodes = (int)min_nodes;
     o.min_memory = min_mem;
     o.max_data_bytes = max_data;
+    o.max_data_total = max_total;
     o.heartbeat_ms = (int)hb;
     o.node_timeout_ms = (int)nto;
     o.job_timeout_ms = (int)jto;
