@@ -231,8 +231,10 @@ int main(int argc, char **argv)
     nl_coord *c = NULL;
     nl_coord_http *web = NULL;
     const char *http = nl_args_get(flags, "http");
+    /* its /v1 requests are jobs of one key: past --max-jobs-per-key, 429 */
     nl_http_opts ho = {.addr = http,
                        .tokens_path = nl_args_get(flags, "http-tokens"),
+                       .max_requests = (int)jobs_per_key,
                        .per_ip = (int)per_ip,
                        .deadline_s = (int)deadline,
                        .allow_hosts = nl_args_get(flags, "http-allow-host")};

@@ -523,8 +523,9 @@ nl_status nl_sock_recv(nl_sock *s, nl_rx *rx, int timeout_ms, nl_error *err)
         return st;
     int n = rx->nparts;
     int hdr = s->type == ZMQ_ROUTER ? 1 : 0;
-    if (s->guard) /* a whole message came from this connection */
-        nl_connguard_seen(s->guard, zmq_msg_get(&rx->parts[0], ZMQ_SRCFD));
+    if (s->guard) /* a whole message came from this connection (the routing id
+                   * part carries no metadata: the header's does) */
+        nl_connguard_seen(s->guard, zmq_msg_get(&rx->parts[hdr < n ? hdr : 0], ZMQ_SRCFD));
     find_peer(s, rx, hdr);
     if (s->type == ZMQ_ROUTER && n >= 1) {
         rx->rid_len = zmq_msg_size(&rx->parts[0]);

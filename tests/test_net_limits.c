@@ -172,6 +172,31 @@ static void test_total_cap(nl_net *net, void *zctx)
         st = nl_sock_recv(s, &rx, 4000, &err);
         CHECK(st == NL_OK && rx.msg.type == NL_MSG_HEARTBEAT && rx.msg.u.heartbeat.node_id == 3,
               "an ordinary message: %s '%s'", nl_status_str(st), err.msg);
+        /* the connection guard counts from each whole message: 20 of 512
+         * KiB one after the other (10 MiB, past its 2 MiB + 64 KiB here)
+         * all arrive, on the same connection */
+        static float act[128 << 10];
+        const int64_t shape[2] = {1, 128 << 10};
+        uint8_t rid[NL_ROUTING_ID_MAX];
+        size_t rid_len = rx.rid_len;
+        memcpy(rid, rx.rid, rid_len);
+        int got = 0, same = 0;
+        for (int i = 0; i < 20; i++) {
+            nl_wire_msg_reset(&m, NL_MSG_RESULT);
+            m.u.hop = (nl_msg_tensor_hop){(uint64_t)i + 1, 0, 0, 0, 0, 0.0};
+            nl_wire_frame_set(&m.frames[0], act, NL_DTYPE_F32, shape, 2);
+            m.nframes = 1;
+            if (nl_sock_send(c, NULL, 0, &m, &err) == NL_OK &&
+                nl_sock_recv(s, &rx, 4000, &err) == NL_OK && rx.msg.type == NL_MSG_RESULT &&
+                rx.msg.u.hop.job_id == (uint64_t)i + 1) {
+                got++; /* a cut connection comes back under another routing id */
+                same += rx.rid_len == rid_len && memcmp(rx.rid, rid, rid_len) == 0;
+            }
+        }
+        CHECK(got == 20 && same == 20,
+              "%d of 20 messages of 512 KiB arrived through the guard, %d on the first "
+              "connection (%s)",
+              got, same, err.msg);
         nl_wire_msg_free(&m);
     }
     nl_sock_destroy(&c);
