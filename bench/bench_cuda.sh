@@ -173,7 +173,8 @@ if [ "${NO_BUILD:-0}" = 1 ] && [ ! -x "$NEUROCTL" ]; then # bench/gpu_check.sh: 
 elif [ "${NO_BUILD:-0}" != 1 ] && { [ ! -x "$NEUROCTL" ] || [ ! -x "$BUILD/bench/bench_cuda" ] ||
     [ ! -e "$BUILD/lib/libnl_cuda.so" ]; }; then
     # everything: the CUDA module is loaded at run time, so no binary depends on it
-    step configure 600 cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DNL_CUDA=ON
+    step configure 600 cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DNL_CUDA=ON \
+        -DNL_TEST_HOOKS=ON # the nodes report NL_TEST_GFLOPS (a test hook)
     step build 1800 cmake --build "$BUILD" -j "$(nproc)"
     result build $?
 fi

@@ -13,6 +13,9 @@ LAYERS=${3:-10}
 N="$B/cli/neuroctl"
 W=$(mktemp -d)
 trap '"$N" cluster down --dir "$W/c" >/dev/null 2>&1; rm -rf "$W"' EXIT
+# NL_TEST_GFLOPS is a test hook: BUILD_DIR must be a test build (-DNL_TEST_HOOKS=ON)
+grep -aq NL_TEST_GFLOPS "$B/node/neuronode" ||
+  { echo "$B is not a test build (-DNL_TEST_HOOKS=ON): its nodes ignore NL_TEST_GFLOPS" >&2; exit 2; }
 export NL_TEST_GFLOPS=20
 cat > "$W/big.yaml" <<YAML
 hidden_dim: 512

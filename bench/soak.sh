@@ -20,6 +20,9 @@ W=$(mktemp -d)
 job=0
 C="$W/c"
 trap '"$N" cluster down --dir "$C" >/dev/null 2>&1; kill $job 2>/dev/null; echo "work dir $W"' EXIT
+# NL_TEST_GFLOPS is a test hook: BUILD_DIR must be a test build (-DNL_TEST_HOOKS=ON)
+grep -aq NL_TEST_GFLOPS "$B/node/neuronode" ||
+  { echo "$B is not a test build (-DNL_TEST_HOOKS=ON): its nodes ignore NL_TEST_GFLOPS" >&2; exit 2; }
 export NL_TEST_GFLOPS=20
 if [ -n "${CONFIG:-}" ]; then
   cp "$CONFIG" "$W/cfg.yaml" || exit 1

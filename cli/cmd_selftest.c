@@ -746,9 +746,11 @@ int nl_cmd_selftest(int argc, char **argv)
                      .lr_scale = 1.0f};
     /* the precision's row; bf16 widens it check by check (selftest_bf16.c) */
     c.tol = c.tf32 ? &nl_selftest_tols_tf32 : &nl_selftest_tols_fp32;
-    const char *lr_scale = getenv("NL_TEST_SELFTEST_LR_SCALE"); /* test hook */
+#ifdef NL_TEST_HOOKS
+    const char *lr_scale = getenv("NL_TEST_SELFTEST_LR_SCALE"); /* test hook (test builds only) */
     if (lr_scale)
         c.lr_scale = (float)atof(lr_scale);
+#endif
     nl_rng_seed(&c.rng, (uint64_t)seed, 0);
     if (nl_backend_new(&c.be[0], ref, &(nl_backend_opts){.threads = (int)threads}, &err) != NL_OK ||
         nl_backend_new(&c.be[1], device,
@@ -758,7 +760,12 @@ int nl_cmd_selftest(int argc, char **argv)
         nl_backend_destroy(&c.be[0]);
         return 3;
     }
-    if (getenv("NL_TEST_SELFTEST_TF32_ROUND") && c.be[1]->host_memory) { /* test hook */
+#ifdef NL_TEST_HOOKS
+    const int tf32_round = getenv("NL_TEST_SELFTEST_TF32_ROUND") != NULL; /* test hook */
+#else
+    const int tf32_round = 0;
+#endif
+    if (tf32_round && c.be[1]->host_memory) {
         c.tol = &nl_selftest_tols_tf32;
         fp32_gemm = c.be[1]->gemm;
         c.be[1]->gemm = tf32_gemm;

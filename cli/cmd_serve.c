@@ -8,6 +8,7 @@
  * at the next step and its KV cache freed. */
 #include <errno.h>
 #include <inttypes.h>
+#include <jansson.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -457,31 +458,28 @@ static char *be_status(void *ctx)
     be->mem_stats(be, &used, &peak);
     nl_error err = {0};
     int have_total = be->mem_info && be->mem_info(be, &free_b, &total, &err) == NL_OK;
-    char offered[32] = "null";
-    if (have_total)
-        snprintf(offered, sizeof offered, "%zu", total);
     char range[64]; /* one process holds every layer, the embedding and the head */
     nl_plan_range_str(range, sizeof range, 0, c->num_layers, 1, 1);
-    char *s = malloc(2048);
-    if (!s)
-        return NULL;
+    /* built with jansson: the model's file name is the operator's, any bytes */
     pthread_mutex_lock(&e->mu);
-    snprintf(s, 2048,
-             "{\"mode\":\"single\",\"model\":{\"name\":\"%s\",\"layers\":%d,\"hidden_dim\":%d,"
-             "\"vocab_size\":%lld,\"max_seq_len\":%d,\"params\":%" PRId64 "},"
-             "\"nodes\":[{\"name\":\"local\",\"state\":\"serving\",\"device\":\"%s\","
-             "\"memory_offered\":%s,\"memory_used\":%zu,\"stage\":0,\"layers\":[0,%d],"
-             "\"layers_text\":\"%s\",\"tokens_per_s\":%.2f,\"stage_ms\":%.3f,\"kv_bytes\":%zu}],"
-             "\"pipeline\":[{\"stage\":0,\"node\":\"local\",\"device\":\"%s\","
-             "\"state\":\"serving\",\"layers\":[0,%d],\"layers_text\":\"%s\",\"busy\":null}],"
-             "\"sessions\":{\"active\":%d,\"queued\":%d,\"kv_cache_bytes\":%zu,"
-             "\"max_batch\":%d,\"prefill_chunk\":%d},"
-             "\"tokens_generated\":%" PRIu64 ",\"uptime_s\":%.1f,\"training\":null}",
-             e->name, c->num_layers, c->hidden_dim, (long long)c->vocab_size, c->max_seq_len,
-             nl_config_param_count(c), be->name, offered, used, c->num_layers, range, e->tps,
-             e->step_ms, e->kv_bytes, be->name, c->num_layers, range, e->active, e->queued,
-             e->kv_bytes, e->max_batch, e->chunk, e->tokens, now_s() - e->t_start);
+    json_t *o = json_pack(
+        "{s:s,s:{s:s,s:i,s:i,s:I,s:i,s:I},s:[{s:s,s:s,s:s,s:o,s:I,s:i,s:[i,i],s:s,s:f,s:f,s:I}],"
+        "s:[{s:i,s:s,s:s,s:s,s:[i,i],s:s,s:n}],s:{s:i,s:i,s:I,s:i,s:i},s:I,s:f,s:n}",
+        "mode", "single", "model", "name", e->name, "layers", c->num_layers, "hidden_dim",
+        c->hidden_dim, "vocab_size", (json_int_t)c->vocab_size, "max_seq_len", c->max_seq_len,
+        "params", (json_int_t)nl_config_param_count(c), "nodes", "name", "local", "state",
+        "serving", "device", be->name, "memory_offered",
+        have_total ? json_integer((json_int_t)total) : json_null(), "memory_used",
+        (json_int_t)used, "stage", 0, "layers", 0, c->num_layers, "layers_text", range,
+        "tokens_per_s", e->tps, "stage_ms", e->step_ms, "kv_bytes", (json_int_t)e->kv_bytes,
+        "pipeline", "stage", 0, "node", "local", "device", be->name, "state", "serving",
+        "layers", 0, c->num_layers, "layers_text", range, "busy", "sessions", "active",
+        e->active, "queued", e->queued, "kv_cache_bytes", (json_int_t)e->kv_bytes, "max_batch",
+        e->max_batch, "prefill_chunk", e->chunk, "tokens_generated", (json_int_t)e->tokens,
+        "uptime_s", now_s() - e->t_start, "training");
     pthread_mutex_unlock(&e->mu);
+    char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
     return s;
 }
 
@@ -548,41 +546,87 @@ static void respawn_with_spin(int argc, char **argv, long long spin)
     (void)argc;
 }
 
+/* neuroctl serve's flags. */
+static nl_flag flags[] = {
+    {"model", 1, "checkpoint (safetensors) to serve", NULL},
+    {"adapter", 1,
+     "LoRA adapter file (neuroctl finetune --out) merged into the served weights at load; "
+     "/v1/models names the model MODEL+ADAPTER",
+     NULL},
+    {"http", 1, "HOST:PORT to listen on (default 127.0.0.1:8080; port 0: any free port)", NULL},
+    {"http-tokens", 1, "file of bearer tokens, one a line (required off loopback)", NULL},
+    {"http-per-ip", 1, "connections one client address may hold at once (default 32)", NULL},
+    {"http-deadline", 1,
+     "seconds a non-streaming completion may take: then it is cancelled and answered 504 "
+     "(default 600)",
+     NULL},
+    {"http-allow-host", 1,
+     "NAME[,NAME...]: without tokens, Host names a request may carry besides localhost and "
+     "IP addresses (others are refused 403: a web page cannot reach the API by DNS rebinding)",
+     NULL},
+    {"max-batch", 1, "generations decoded together (default 16)", NULL},
+    {"prefill-chunk", 1, "prompt positions per step while others decode (default 64)", NULL},
+    {"max-requests", 1, "concurrent /v1 requests before 429 (default 64)", NULL},
+    {"http-timeout", 1, "seconds a connection may sit idle, e.g. a slow client (default 30)",
+     NULL},
+    {"threads", 1, "worker threads (default: all cores)", NULL},
+    {"spin", 1,
+     "iterations an idle OpenMP thread spins before it sleeps (GOMP_SPINCOUNT; default 1000, "
+     "or the environment's GOMP_SPINCOUNT or OMP_WAIT_POLICY)",
+     NULL},
+    NL_CLI_DEVICE_FLAG,
+    NL_CLI_PRECISION_FLAG,
+    NL_CLI_TF32_FLAG,
+    {0}};
+
+/* The server's options from the flags; 0, or the exit code. */
+static int http_opts(nl_http_opts *ho)
+{
+    long long max_req = 64, timeout = 30, per_ip = 32, deadline = 600;
+    int rc;
+    if ((rc = nl_args_int(flags, "max-requests", 1, 4096, &max_req)) ||
+        (rc = nl_args_int(flags, "http-timeout", 1, 86400, &timeout)) ||
+        (rc = nl_args_int(flags, "http-per-ip", 1, 65536, &per_ip)) ||
+        (rc = nl_args_int(flags, "http-deadline", 1, 86400 * 7, &deadline)))
+        return rc;
+    const char *addr = nl_args_get(flags, "http");
+    *ho = (nl_http_opts){.addr = addr ? addr : "127.0.0.1:8080",
+                         .tokens_path = nl_args_get(flags, "http-tokens"),
+                         .max_requests = (int)max_req,
+                         .timeout_s = (int)timeout,
+                         .per_ip = (int)per_ip,
+                         .deadline_s = (int)deadline,
+                         .allow_hosts = nl_args_get(flags, "http-allow-host")};
+    return 0;
+}
+
+/* The "start" event, built with jansson: the model's file name is the
+ * operator's, any bytes. */
+static void publish_start(engine *e, const nl_backend *be)
+{
+    json_t *start = json_pack("{s:s,s:s,s:i}", "model", e->name, "device", be->name, "layers",
+                              e->m->cfg.num_layers);
+    char *ev = start ? json_dumps(start, JSON_COMPACT) : NULL;
+    json_decref(start);
+    if (ev)
+        nl_http_publish(e->http, "start", ev);
+    free(ev);
+}
+
 int nl_cmd_serve(int argc, char **argv)
 {
-    nl_flag flags[] = {
-        {"model", 1, "checkpoint (safetensors) to serve", NULL},
-        {"adapter", 1,
-         "LoRA adapter file (neuroctl finetune --out) merged into the served weights at load; "
-         "/v1/models names the model MODEL+ADAPTER",
-         NULL},
-        {"http", 1, "HOST:PORT to listen on (default 127.0.0.1:8080; port 0: any free port)", NULL},
-        {"http-tokens", 1, "file of bearer tokens, one a line (required off loopback)", NULL},
-        {"max-batch", 1, "generations decoded together (default 16)", NULL},
-        {"prefill-chunk", 1, "prompt positions per step while others decode (default 64)", NULL},
-        {"max-requests", 1, "concurrent /v1 requests before 429 (default 64)", NULL},
-        {"http-timeout", 1, "seconds a connection may sit idle, e.g. a slow client (default 30)",
-         NULL},
-        {"threads", 1, "worker threads (default: all cores)", NULL},
-        {"spin", 1,
-         "iterations an idle OpenMP thread spins before it sleeps (GOMP_SPINCOUNT; default 1000, "
-         "or the environment's GOMP_SPINCOUNT or OMP_WAIT_POLICY)",
-         NULL},
-        NL_CLI_DEVICE_FLAG,
-        NL_CLI_PRECISION_FLAG,
-        NL_CLI_TF32_FLAG,
-        {0}};
     const char *usage = "neuroctl serve --model MODEL [--adapter A] [--http HOST:PORT] "
                         "[--http-tokens FILE] "
                         "[--max-batch N] [--prefill-chunk N] [--max-requests N] [--http-timeout S] "
+                        "[--http-per-ip N] [--http-deadline S] [--http-allow-host NAMES] "
                         "[--threads N] "
                         "[--spin N] [--device D] [--tf32]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
     const char *model = nl_args_get(flags, "model"), *device = NULL;
-    const char *addr = nl_args_get(flags, "http");
-    long long max_batch = 16, chunk = 64, max_req = 64, threads = 0, timeout = 30, spin = 1000;
+    nl_http_opts ho;
+    long long max_batch = 16, chunk = 64, threads = 0, spin = 1000;
     int tf32 = 0, bf16 = 0;
     if (!model) {
         nl_args_help(stderr, usage, flags);
@@ -590,11 +634,9 @@ int nl_cmd_serve(int argc, char **argv)
     }
     if ((rc = nl_args_int(flags, "max-batch", 1, 256, &max_batch)) ||
         (rc = nl_args_int(flags, "prefill-chunk", 1, 4096, &chunk)) ||
-        (rc = nl_args_int(flags, "max-requests", 1, 4096, &max_req)) ||
-        (rc = nl_args_int(flags, "http-timeout", 1, 86400, &timeout)) ||
         (rc = nl_args_int(flags, "threads", 0, 1024, &threads)) ||
         (rc = nl_args_int(flags, "spin", 0, 100000000, &spin)) ||
-        (rc = nl_cli_device_flags(flags, &device, &tf32, &bf16)))
+        (rc = nl_cli_device_flags(flags, &device, &tf32, &bf16)) || (rc = http_opts(&ho)))
         return rc;
     respawn_with_spin(argc, argv, spin);
     nl_error err = {0};
@@ -656,16 +698,9 @@ int nl_cmd_serve(int argc, char **argv)
                           .token_bytes = be_token_bytes,
                           .status_json = be_status,
                           .metrics_text = be_metrics};
-    nl_http_opts ho = {.addr = addr ? addr : "127.0.0.1:8080",
-                       .tokens_path = nl_args_get(flags, "http-tokens"),
-                       .max_requests = (int)max_req,
-                       .timeout_s = (int)timeout};
     if (nl_http_start(&e.http, &ho, &hb, &err) != NL_OK)
         goto out;
-    char ev[256];
-    snprintf(ev, sizeof ev, "{\"model\":\"%s\",\"device\":\"%s\",\"layers\":%d}", e.name, be->name,
-             e.m->cfg.num_layers);
-    nl_http_publish(e.http, "start", ev);
+    publish_start(&e, be);
     const char *colon = strrchr(ho.addr, ':');
     printf("neuroctl serve: %s on http://%.*s:%d/ (Ctrl-C stops)\n", e.name, (int)(colon - ho.addr),
            ho.addr, nl_http_port(e.http));

@@ -324,7 +324,11 @@ static int run_train(const train_opts *o)
             be->name, o->tf32 ? "on" : "off", o->bf16 ? "bf16" : "FP32",
             (double)me.total / (1 << 20), (double)ds->n * 4 / (1 << 20));
     const nl_adamw_opts adam = nl_adamw_defaults();
-    const char *inject = getenv("NL_TEST_INJECT_NAN_STEP"); /* test hook */
+#ifdef NL_TEST_HOOKS
+    const char *inject = getenv("NL_TEST_INJECT_NAN_STEP"); /* test hook (test builds only) */
+#else
+    const char *inject = NULL;
+#endif
     const double t_begin = nl_train_clock();
     int64_t skipped = 0;
     for (step = start; step < o->r.steps && !interrupted; step++) {

@@ -38,6 +38,8 @@ void nl_coord_opts_init(nl_coord_opts *o)
     o->plan_rows = 512;
     o->replan_margin = 0.1;
     o->max_data_bytes = 1ull << 30;
+    o->max_data_total = 1ull << 30;
+    o->max_jobs_per_key = 32;
 }
 
 /* ---------------------------------------------------------------- setup */
@@ -449,7 +451,8 @@ nl_status nl_coord_admit_key(nl_coord *c, const char *z85, nl_error *err)
 {
     if (c->o.plaintext) /* no keys are checked */
         return NL_OK;
-    return nl_auth_pin_key(nl_net_auth(c->net), COORD_CLIENT_DOMAIN, z85, err);
+    /* a client, not an admin (issue 31): no nodes' keys or endpoints, only its own jobs */
+    return nl_auth_pin_key(nl_net_auth(c->net), COORD_CLIENT_DOMAIN, z85, NL_KEY_ROLE_CLIENT, err);
 }
 
 void nl_coord_observe(nl_coord *c, nl_coord_observer fn, void *ctx)

@@ -44,6 +44,8 @@ typedef struct nl_coord_opts {
      * <state_dir>/checkpoints (created 0700). */
     const char *data_root, *checkpoint_root;
     uint64_t max_data_bytes; /* a training job's data file at most (default 1 GiB) */
+    uint64_t max_data_total; /* the data files of the training jobs running, together (1 GiB) */
+    int max_jobs_per_key;    /* jobs one client key may hold at once (default 32: half the table) */
 } nl_coord_opts;
 
 void nl_coord_opts_init(nl_coord_opts *o);
@@ -74,8 +76,8 @@ const char *nl_coord_client_endpoint(const nl_coord *c);
 const char *nl_coord_state(const nl_coord *c);
 
 /* For an in-process client (coordinator/coord_http.c): admit its public
- * key (Z85) on the client socket besides authorized_keys, for the
- * coordinator's life (a SIGHUP reload keeps it). */
+ * key (Z85) on the client socket besides authorized_keys, with the client
+ * role (not admin), for the coordinator's life (a SIGHUP reload keeps it). */
 nl_status nl_coord_admit_key(nl_coord *c, const char *z85, nl_error *err);
 
 /* Called on the loop's thread with every JOB_STATUS the coordinator sends

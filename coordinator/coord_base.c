@@ -1,7 +1,7 @@
 /* The coordinator's helpers, used by the loop (coord.c), the jobs'
  * dispatch (coord_jobs.c) and every job kind: time, state, nodes and
- * sends, the weights' source, and the job table. They call no job code but
- * through a job's operations table (coord_impl.h). */
+ * sends, the weights' source, and the jobs' sends and failures. They call
+ * no job code but through a job's operations table (coord_impl.h). */
 #include <errno.h>
 #include <limits.h>
 #include <stdarg.h>
@@ -580,43 +580,6 @@ void coord_status_to(nl_coord *c, const uint8_t *rid, size_t rid_len, uint64_t j
     nl_wire_msg_free(&m);
     if (c->observe)
         c->observe(c->observe_ctx, job, state, msg, json);
-}
-
-cjob *coord_job_find(nl_coord *c, uint64_t id)
-{
-    for (int i = 0; i < COORD_MAX_JOBS; i++)
-        if (c->jobs[i].phase != JOB_FREE && c->jobs[i].id == id)
-            return &c->jobs[i];
-    return NULL;
-}
-
-void coord_job_free(cjob *j)
-{
-    if (j->ops && j->ops->free)
-        j->ops->free(j);
-    memset(j, 0, sizeof *j);
-}
-
-cjob *coord_job_new(nl_coord *c, const nl_rx *rx, const cjob_ops *ops)
-{
-    cjob *j = NULL;
-    for (int i = 0; i < COORD_MAX_JOBS && !j; i++)
-        if (c->jobs[i].phase == JOB_FREE)
-            j = &c->jobs[i];
-    if (!j) {
-        coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0,
-                        "too many jobs at once; try again", NULL);
-        return NULL;
-    }
-    memset(j, 0, sizeof *j);
-    j->phase = JOB_RUNNING;
-    j->id = ++c->next_job;
-    j->ops = ops;
-    memcpy(j->rid, rx->rid, rx->rid_len);
-    j->rid_len = rx->rid_len;
-    j->epoch = c->epoch;
-    j->last_progress = coord_now();
-    return j;
 }
 
 void coord_close_session(nl_coord *c, cjob *j)

@@ -1,11 +1,11 @@
 /* Internals of the coordinator, shared by its files: coord.c (setup and
  * the loop), coord_members.c (membership), coord_plan.c (planning and
- * loading), coord_jobs.c (the jobs' dispatch, cancel and the status
- * report), one file per job kind behind its operations table
+ * loading), coord_jobs.c (the jobs' table and dispatch, cancel and the
+ * status report), one file per job kind behind its operations table
  * (coord_forward.c, coord_generate.c, coord_embed.c, coord_grow.c,
  * coord_train.c and coord_finetune.c, whose own state is in
  * coord_train_impl.h), coord_base.c (the helpers they all use: the node
- * table, sends, the weights' source, the job table), coord_work.c (the
+ * table, sends, the weights' source), coord_work.c (the
  * workers) and coord_journal.c (the training job's journal). */
 #ifndef NL_COORD_IMPL_H
 #define NL_COORD_IMPL_H
@@ -145,8 +145,12 @@ struct cjob {
     int phase;
     uint64_t id;
     const cjob_ops *ops;
-    uint8_t rid[NL_ROUTING_ID_MAX]; /* the client's */
+    uint8_t rid[NL_ROUTING_ID_MAX]; /* the connection that follows it (its reports go there) */
     size_t rid_len;
+    /* the key that submitted it (Z85; "plain:<addr>" in plaintext; "" for a
+     * job recovered from a journal that named none): only that key, or an
+     * admin, may query, follow or cancel it (coord_job_mine) */
+    char owner[NL_PEER_ID_MAX];
     uint64_t epoch; /* the plan it runs on */
     double last_progress;
     int working; /* tasks of its own in a worker (coord_work.c): it cannot time out */
@@ -359,12 +363,6 @@ void coord_manifest_install(nl_coord *c, cmanifest *m, int reload);
 /* Both, on the loop (at start, before it serves anyone). */
 nl_status coord_use_manifest(nl_coord *c, const char *path, int reload, nl_error *err);
 
-/* The job table. coord_job_new: a free slot for a client's request, or
- * NULL (the client is answered). */
-cjob *coord_job_new(nl_coord *c, const nl_rx *rx, const cjob_ops *ops);
-cjob *coord_job_find(nl_coord *c, uint64_t id);
-/* Free the job's state and its slot (a job that is done). */
-void coord_job_free(cjob *j);
 /* A forward or embed job's answer: the last stage's RESULT (one frame)
  * goes to the client as it is, then DONE, and the job is freed. */
 void coord_finish_with_result(nl_coord *c, cjob *j, const nl_rx *rx);
@@ -463,9 +461,9 @@ void coord_observe_speeds(nl_coord *c);
 struct json_t;
 /* A submission's parameters as JSON (without "resume"), or NULL. */
 struct json_t *coord_journal_params(const nl_msg_job_submit *s);
-/* Job `job` trains with params, its last verified manifest `manifest`
- * (NULL: none yet). */
-void coord_journal_train(nl_coord *c, uint64_t job, const struct json_t *params,
+/* Job j trains with params, its last verified manifest `manifest`
+ * (NULL: none yet); its key is kept with it. */
+void coord_journal_train(nl_coord *c, const cjob *j, const struct json_t *params,
                          const char *manifest);
 /* No training job runs. */
 void coord_journal_clear(nl_coord *c);
@@ -563,7 +561,18 @@ int coord_grow_auto_depth(nl_coord *c);
 int coord_grow_tick(nl_coord *c);
 
 /* ---------------------------------------------------------------- coord_jobs.c
- * The jobs' dispatch, called by the loop (coord.c). */
+ * The jobs' table and dispatch, called by the loop (coord.c). */
+
+/* The job table. coord_job_new: a free slot for a client's request, owned
+ * by rx's key, or NULL (the client is answered: the table is full, or the
+ * key holds --max-jobs-per-key jobs already). */
+cjob *coord_job_new(nl_coord *c, const nl_rx *rx, const cjob_ops *ops);
+/* Whether rx's key may see and touch job j: the key that submitted it, or
+ * an admin (the roles of the message being handled, c->roles). */
+bool coord_job_mine(const nl_coord *c, const cjob *j, const nl_rx *rx);
+cjob *coord_job_find(nl_coord *c, uint64_t id);
+/* Free the job's state and its slot (a job that is done). */
+void coord_job_free(cjob *j);
 
 void coord_on_submit(nl_coord *c, const nl_rx *rx);
 /* A node's message about a job (JOB_STATUS, TOKEN, RESULT, GRAD_NORM,

@@ -1,7 +1,9 @@
-/* The jobs' dispatch: the loop (coord.c) hands it every message about a
- * job and every event of the cluster (a stage lost, a plan ready, the
- * clock); it finds the job and calls its kind's operations (coord_impl.h).
- * Cancel and the cluster's status report are here too. */
+/* The jobs' table and dispatch: the loop (coord.c) hands it every message
+ * about a job and every event of the cluster (a stage lost, a plan ready,
+ * the clock); it finds the job and calls its kind's operations
+ * (coord_impl.h). Each job belongs to the key that submitted it: query,
+ * follow and cancel check that (coord_job_mine). Cancel and the cluster's
+ * status report are here too. */
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,9 +15,107 @@
 static const cjob_ops *const kinds[] = {&coord_forward_ops, &coord_generate_ops, &coord_train_ops,
                                         &coord_finetune_ops, &coord_embed_ops, &coord_grow_ops};
 
+/* ---------------------------------------------------------------- the table */
+
+cjob *coord_job_find(nl_coord *c, uint64_t id)
+{
+    for (int i = 0; i < COORD_MAX_JOBS; i++)
+        if (c->jobs[i].phase != JOB_FREE && c->jobs[i].id == id)
+            return &c->jobs[i];
+    return NULL;
+}
+
+void coord_job_free(cjob *j)
+{
+    if (j->ops && j->ops->free)
+        j->ops->free(j);
+    memset(j, 0, sizeof *j);
+}
+
+cjob *coord_job_new(nl_coord *c, const nl_rx *rx, const cjob_ops *ops)
+{
+    cjob *j = NULL;
+    int held = 0;
+    for (int i = 0; i < COORD_MAX_JOBS; i++) {
+        if (c->jobs[i].phase == JOB_FREE && !j)
+            j = &c->jobs[i];
+        else if (c->jobs[i].phase != JOB_FREE && rx->peer[0] &&
+                 strcmp(c->jobs[i].owner, rx->peer) == 0)
+            held++;
+    }
+    const int cap = c->o.max_jobs_per_key > 0 ? c->o.max_jobs_per_key : COORD_MAX_JOBS;
+    if (!j || held >= cap) { /* one key must not fill the table for everyone */
+        char why[200];
+        if (j)
+            snprintf(why, sizeof why,
+                     "too many jobs of this key at once: %d (neurocoord --max-jobs-per-key); "
+                     "try again when one ends",
+                     held);
+        else
+            snprintf(why, sizeof why, "too many jobs at once; try again");
+        coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, why, NULL);
+        return NULL;
+    }
+    memset(j, 0, sizeof *j);
+    j->phase = JOB_RUNNING;
+    j->id = ++c->next_job;
+    j->ops = ops;
+    memcpy(j->rid, rx->rid, rx->rid_len);
+    j->rid_len = rx->rid_len;
+    snprintf(j->owner, sizeof j->owner, "%s", rx->peer);
+    j->epoch = c->epoch;
+    j->last_progress = coord_now();
+    return j;
+}
+
+bool coord_job_mine(const nl_coord *c, const cjob *j, const nl_rx *rx)
+{
+    if (c->roles & NL_KEY_ROLE_ADMIN)
+        return true;
+    return j->owner[0] && strcmp(j->owner, rx->peer) == 0;
+}
+
+/* ---------------------------------------------------------------- dispatch */
+
 static void status_reply(nl_coord *c, const nl_rx *rx, uint64_t job, int state, const char *msg)
 {
     coord_status_to(c, rx->rid, rx->rid_len, job, state, 0.0, msg, NULL);
+}
+
+/* Whether a submission reloads the cluster, failing every job in flight:
+ * a growth, a training job that resumes a manifest or learns a vocabulary. */
+static bool reloads_cluster(const nl_msg_job_submit *s)
+{
+    if (s->kind == NL_JOB_GROW)
+        return true;
+    if (s->kind != NL_JOB_TRAIN)
+        return false;
+    const nl_wire_param *lv = coord_param(s, "learn_vocab");
+    return coord_param(s, "resume") || (lv && lv->kind == NL_WIRE_PARAM_INT && lv->i > 0);
+}
+
+/* What the submitting key's role forbids (issue 31): growing the model is
+ * an admin's; a job that reloads the cluster is a client's only while no
+ * other key's job runs (it would fail them). NULL: allowed. */
+static const char *submit_refusal(const nl_coord *c, const nl_rx *rx, char *why, size_t cap)
+{
+    const nl_msg_job_submit *s = &rx->msg.u.job_submit;
+    if (c->roles & NL_KEY_ROLE_ADMIN)
+        return NULL;
+    if (s->kind == NL_JOB_GROW)
+        return "growing the model takes the admin role (authorized_keys)";
+    if (!reloads_cluster(s))
+        return NULL;
+    int others = 0;
+    for (int i = 0; i < COORD_MAX_JOBS; i++)
+        others += c->jobs[i].phase != JOB_FREE && strcmp(c->jobs[i].owner, rx->peer) != 0;
+    if (others == 0)
+        return NULL;
+    snprintf(why, cap,
+             "a training job with resume or learn_vocab reloads the cluster and would fail the %d "
+             "job(s) of other clients running: try again when they end, or ask an admin",
+             others);
+    return why;
 }
 
 void coord_on_submit(nl_coord *c, const nl_rx *rx)
@@ -29,6 +129,11 @@ void coord_on_submit(nl_coord *c, const nl_rx *rx)
     if (!ops) {
         snprintf(why, sizeof why, "no job of kind %u", s->kind);
         status_reply(c, rx, 0, NL_JOB_FAILED, why);
+        return;
+    }
+    const char *no = submit_refusal(c, rx, why, sizeof why);
+    if (no) {
+        status_reply(c, rx, 0, NL_JOB_FAILED, no);
         return;
     }
     if (!c->ready && s->kind != NL_JOB_TRAIN) { /* a resumed training job loads first */
@@ -110,12 +215,17 @@ void coord_on_job_message(nl_coord *c, const nl_rx *rx)
         j->ops->on_message(c, j, rx);
 }
 
+static bool same_rid(const cjob *j, const nl_rx *rx)
+{
+    return j->rid_len == rx->rid_len && memcmp(j->rid, rx->rid, rx->rid_len) == 0;
+}
+
+/* A JOB_CANCEL: only the job's key or an admin may; any other key is told
+ * what it would be told of a job that does not exist. */
 void coord_on_cancel(nl_coord *c, const nl_rx *rx)
 {
     cjob *j = coord_job_find(c, rx->msg.u.job_ref.job_id);
-    const bool admin = (c->roles & NL_KEY_ROLE_ADMIN) != 0; /* may cancel any job */
-    if (!j ||
-        (!admin && (j->rid_len != rx->rid_len || memcmp(j->rid, rx->rid, rx->rid_len) != 0))) {
+    if (!j || !coord_job_mine(c, j, rx)) {
         status_reply(c, rx, rx->msg.u.job_ref.job_id, NL_JOB_FAILED, "no such job of yours");
         return;
     }
@@ -123,12 +233,12 @@ void coord_on_cancel(nl_coord *c, const nl_rx *rx)
         return; /* it winds down: the steps done are kept, then it ends */
     if (j->ops->abort)
         j->ops->abort(c, j);
+    const bool owner = j->owner[0] && strcmp(j->owner, rx->peer) == 0;
     NL_INFO("job %llu cancelled by %s", (unsigned long long)j->id,
-            j->rid_len == rx->rid_len && memcmp(j->rid, rx->rid, rx->rid_len) == 0 ? "its client"
-                                                                                   : "an admin");
-    if (j->rid_len != rx->rid_len || memcmp(j->rid, rx->rid, rx->rid_len) != 0)
+            owner ? "its client" : "an admin");
+    if (!same_rid(j, rx)) /* the connection that follows it is told too */
         coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_CANCELLED, 0.0,
-                        "cancelled by an admin", NULL);
+                        owner ? "cancelled by its client" : "cancelled by an admin", NULL);
     status_reply(c, rx, j->id, NL_JOB_CANCELLED, "cancelled");
     coord_job_free(j);
 }
@@ -200,10 +310,11 @@ void coord_check_jobs(nl_coord *c, double now)
 
 /* ---------------------------------------------------------------- status */
 
-/* The cluster's status; full (every node's key and endpoint) when full is
- * set (an admin), else what a client needs: the state, the config and
- * each node's device, memory and stage. */
-static json_t *status_json(nl_coord *c, bool full)
+/* The cluster's status; full (every node's key and endpoint, every job)
+ * when full is set (an admin), else what a client needs: the state, the
+ * config, each node's device, memory and stage, its own jobs and how many
+ * jobs others hold. */
+static json_t *status_json(nl_coord *c, const nl_rx *rx, bool full)
 {
     json_t *root = json_object(), *nodes = json_array();
     const double now = coord_now();
@@ -275,14 +386,22 @@ static json_t *status_json(nl_coord *c, bool full)
     }
     json_object_set_new(root, "nodes", nodes);
     json_t *jobs = json_array();
+    int others = 0;
     for (int i = 0; jobs && i < COORD_MAX_JOBS; i++) {
         const cjob *j = &c->jobs[i];
-        if (j->phase != JOB_FREE)
-            json_array_append_new(jobs, json_pack("{s:I,s:s,s:s,s:b}", "id", (json_int_t)j->id,
-                                                  "kind", j->ops->name, "state",
-                                                  j->phase == JOB_WAITING ? "waiting" : "running",
-                                                  "followed", j->rid_len > 0));
+        if (j->phase == JOB_FREE)
+            continue;
+        if (!full && !(j->owner[0] && strcmp(j->owner, rx->peer) == 0)) {
+            others++; /* another key's: neither its id nor its kind */
+            continue;
+        }
+        json_array_append_new(jobs, json_pack("{s:I,s:s,s:s,s:b}", "id", (json_int_t)j->id,
+                                              "kind", j->ops->name, "state",
+                                              j->phase == JOB_WAITING ? "waiting" : "running",
+                                              "followed", j->rid_len > 0));
     }
+    if (!full)
+        json_object_set_new(root, "jobs_of_others", json_integer(others));
     json_object_set_new(root, "jobs", jobs);
     if (c->growths > 0) { /* issue 16: the last growth, and how many */
         json_t *g = coord_growth_json(&c->last_growth);
@@ -297,20 +416,32 @@ static json_t *status_json(nl_coord *c, bool full)
     return root;
 }
 
+/* A JOB_QUERY of one job: its key (from any connection: neuroctl train
+ * --attach) follows it from now on; an admin sees its state, and follows
+ * it only when no connection does (a job recovered from the journal), so a
+ * job's reports go to the connection its key chose and to no other. Any
+ * other key is told "no such job", as of one that does not exist. */
+static void query_job(nl_coord *c, const nl_rx *rx, uint64_t id)
+{
+    cjob *j = coord_job_find(c, id);
+    if (j && !coord_job_mine(c, j, rx))
+        j = NULL;
+    if (j && ((j->owner[0] && strcmp(j->owner, rx->peer) == 0) || j->rid_len == 0)) {
+        memcpy(j->rid, rx->rid, rx->rid_len);
+        j->rid_len = rx->rid_len;
+    }
+    status_reply(c, rx, id, j ? NL_JOB_RUNNING : NL_JOB_FAILED, j ? "running" : "no such job");
+}
+
 void coord_on_query(nl_coord *c, const nl_rx *rx)
 {
     const uint64_t id = rx->msg.u.job_ref.job_id;
     nl_error e = {0};
     if (id != 0) {
-        cjob *j = coord_job_find(c, id);
-        if (j) { /* the asking client follows the job from now on (neuroctl train --attach) */
-            memcpy(j->rid, rx->rid, rx->rid_len);
-            j->rid_len = rx->rid_len;
-        }
-        status_reply(c, rx, id, j ? NL_JOB_RUNNING : NL_JOB_FAILED, j ? "running" : "no such job");
+        query_job(c, rx, id);
         return;
     }
-    json_t *root = status_json(c, (c->roles & NL_KEY_ROLE_ADMIN) != 0);
+    json_t *root = status_json(c, rx, (c->roles & NL_KEY_ROLE_ADMIN) != 0);
     char *text = root ? json_dumps(root, JSON_COMPACT) : NULL;
     json_decref(root);
     if (!text) {

@@ -10,7 +10,10 @@
  *
  * The file:
  *   {"next_job": N, "train": {"id": J, "params": {KEY: VALUE, ...},
- *                             "manifest": PATH or null} or null}
+ *                             "manifest": PATH or null,
+ *                             "owner": KEY or null} or null}
+ * "owner" is the key that submitted the job: the job recovered is that
+ * key's again (without it, only an admin may follow or cancel it).
  * A parameter's JSON type gives its wire kind (integer, real, boolean,
  * string). */
 #include <jansson.h>
@@ -59,11 +62,12 @@ json_t *coord_journal_params(const nl_msg_job_submit *s)
     return o;
 }
 
-void coord_journal_train(nl_coord *c, uint64_t job, const json_t *params, const char *manifest)
+void coord_journal_train(nl_coord *c, const cjob *j, const json_t *params, const char *manifest)
 {
-    json_t *t =
-        json_pack("{s:I,s:O,s:o}", "id", (json_int_t)job, "params", (json_t *)params, "manifest",
-                  manifest && manifest[0] ? json_string(manifest) : json_null());
+    json_t *t = json_pack("{s:I,s:O,s:o,s:o}", "id", (json_int_t)j->id, "params",
+                          (json_t *)params, "manifest",
+                          manifest && manifest[0] ? json_string(manifest) : json_null(), "owner",
+                          j->owner[0] ? json_string(j->owner) : json_null());
     journal_write(c, t);
     json_decref(t);
 }
@@ -116,6 +120,7 @@ void coord_journal_recover(nl_coord *c)
     json_t *t = json_object_get(root, "train");
     json_t *params = json_object_get(t, "params"), *id = json_object_get(t, "id");
     const char *manifest = json_string_value(json_object_get(t, "manifest"));
+    const char *owner = json_string_value(json_object_get(t, "owner"));
     if (json_is_object(params) && json_is_integer(id) && json_integer_value(id) > 0) {
         nl_wire_param ps[64];
         nl_rx rx;
@@ -124,6 +129,7 @@ void coord_journal_recover(nl_coord *c)
         rx.msg.u.job_submit = (nl_msg_job_submit){NL_JOB_TRAIN, 0, ps};
         rx.msg.u.job_submit.nparams = (uint32_t)submit_from(params, manifest, ps, 64);
         rx.rid_len = 0; /* no client until one attaches */
+        snprintf(rx.peer, sizeof rx.peer, "%s", owner ? owner : ""); /* its key's again */
         const uint64_t next = c->next_job;
         c->next_job = (uint64_t)json_integer_value(id) - 1; /* the job keeps its id */
         NL_INFO("journal %s: train job %llu was running; it resumes from %s", path,

@@ -160,7 +160,7 @@ void coord_train_keep(nl_coord *c, cjob *j, const tr_in *in)
     c->stages_modified = 0; /* the source holds the stages' weights */
     /* a resume of this job goes on from here */
     t->cont = 1;
-    coord_journal_train(c, j->id, t->journal, k->path);
+    coord_journal_train(c, j, t->journal, k->path);
     snprintf(t->manifest, sizeof t->manifest, "%s", k->path);
     t->manifest_step = k->mf.step;
 }

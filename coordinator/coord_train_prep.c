@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "base/log.h"
 #include "coord_train_impl.h"
@@ -204,6 +205,24 @@ const char *coord_train_prepared(nl_coord *c, cjob *j, const tr_in *in, char *wh
     return NULL;
 }
 
+/* Whether t's data (the file at real) fits beside the data every other
+ * training or fine-tuning job holds in the coordinator's memory (each
+ * reads its file whole and keeps its token ids: issue 31): their files'
+ * sizes together at most --max-data-total. */
+static int data_fits(const nl_coord *c, ctrain *t, const char *real)
+{
+    struct stat sb;
+    t->data_bytes = stat(real, &sb) == 0 ? (uint64_t)sb.st_size : 0;
+    uint64_t held = t->data_bytes;
+    for (int i = 0; i < COORD_MAX_JOBS; i++) {
+        const cjob *o = &c->jobs[i];
+        if (o->phase != JOB_FREE && o->state && o->state != t &&
+            (o->ops == &coord_train_ops || o->ops == &coord_finetune_ops))
+            held += ((const ctrain *)o->state)->data_bytes;
+    }
+    return held <= c->o.max_data_total;
+}
+
 /* The job's client-chosen paths kept under the operator's roots (issue
  * 15): data under --data-root (a regular file of at most
  * --max-data-bytes), checkpoint_dir (made) and resume under
@@ -223,6 +242,12 @@ static const char *confine_paths(nl_coord *c, ctrain *t, const char **resume, ch
         return why;
     }
     snprintf(t->data, sizeof t->data, "%s", real);
+    if (!data_fits(c, t, real)) {
+        snprintf(why, wcap,
+                 "params.data: with the data the training jobs running hold, it passes the "
+                 "coordinator's --max-data-total; try again when one ends");
+        return why;
+    }
     if (*resume) {
         if ((bad = coord_confine_file(c->ckpt_root, *resume, "manifest.json", 64u << 20,
                                       resume_real, cap))) {
@@ -326,7 +351,7 @@ static const char *start_worker(nl_coord *c, cjob *j, prep_task *p, const nl_msg
         return why;
     }
     if (!t->ft) /* a fine-tuning job is not journaled: it ends with the coordinator */
-        coord_journal_train(c, j->id, t->journal, resume);
+        coord_journal_train(c, j, t->journal, resume);
     if (coord_work_start(c, &p->w, &e) != NL_OK) {
         snprintf(why, cap, "%s", e.msg);
         return why;

@@ -160,15 +160,16 @@ void coord_train_report_stopping(nl_coord *c, cjob *j, const nl_rx *rx, int64_t 
     char msg[200];
     snprintf(msg, sizeof msg, "stopping after step %lld: writing a checkpoint", (long long)k);
     const int own = j->rid_len == rx->rid_len && memcmp(j->rid, rx->rid, rx->rid_len) == 0;
+    const int owner = j->owner[0] && strcmp(j->owner, rx->peer) == 0;
     if (first)
         NL_INFO("%s job %llu cancelled by %s at step %lld: %s", j->ops->name,
-                (unsigned long long)j->id, own ? "its client" : "an admin", (long long)t->step,
+                (unsigned long long)j->id, owner ? "its client" : "an admin", (long long)t->step,
                 msg);
     json_t *o = json_pack("{s:s,s:I}", "event", "stopping", "step", (json_int_t)k);
     char *text = o ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
     coord_status_to(c, rx->rid, rx->rid_len, j->id, NL_JOB_RUNNING, 0.0, msg, text);
-    if (!own) /* an admin's: the job's client learns it too */
+    if (!own) /* from another connection (an admin's): the one that follows it learns it too */
         coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, msg, text);
     free(text);
 }

@@ -47,71 +47,151 @@ static const char *model_name(const nl_coord_opts *o)
     return p ? (slash && slash[1] ? slash + 1 : p) : "cluster";
 }
 
+/* neurocoord's flags (main parses them once). */
+static nl_flag flags[] = {
+    {"listen", 1,
+     "the nodes' endpoint, e.g. tcp://0.0.0.0:7000 (port * picks a free one); written to "
+     "<state-dir>/endpoint",
+     NULL},
+    {"client-listen", 1,
+     "the clients' endpoint (neuroctl, control-sized messages only; default: --listen's port "
+     "+ 1, e.g. tcp://0.0.0.0:7001; * stays *); written to <state-dir>/client_endpoint",
+     NULL},
+    {"state-dir", 1, "keys, authorized_keys and the endpoint files live here", NULL},
+    {"model", 1, "checkpoint to serve (safetensors)", NULL},
+    {"config", 1, "model config (YAML); without hidden_dim/num_layers it is sized", NULL},
+    {"resume", 1,
+     "a training manifest (or its directory): serve its weights and let the next train job "
+     "continue from its step",
+     NULL},
+    {"seed", 1, "initialisation seed when there is no checkpoint (default 0)", NULL},
+    {"min-nodes", 1, "plan once this many nodes have joined (default 1)", NULL},
+    {"min-memory", 1, "... and they offer at least this much memory (default 0)", NULL},
+    {"heartbeat-ms", 1, "heartbeat period told to nodes (default 1000)", NULL},
+    {"node-timeout-ms", 1, "a node silent this long is dead (default 5000)", NULL},
+    {"job-timeout-ms", 1, "a job with no progress this long fails (default 120000)", NULL},
+    {"gen-resumes", 1,
+     "times a generation resumes on a new plan after losing a stage, replaying its tokens "
+     "(default 2; 0: it fails)",
+     NULL},
+    {"train-resumes", 1,
+     "times a training job goes on by itself after losing a stage: the nodes left re-plan, "
+     "reload the last verified manifest and continue from its step (default 3; 0: it fails)",
+     NULL},
+    {"plan-rows", 1, "rows (tokens) of one request the plan must fit (default 512)", NULL},
+    {"replan-margin", 1,
+     "when a node joins (or a standby leaves) and no job runs, plan again if the bottleneck "
+     "gets better by this fraction; the stages reload from the checkpoint or manifest served "
+     "(default 0.1; 1: never)",
+     NULL},
+    {"grow", 1,
+     "auto: the model deepens as nodes join (issue 16): at rest, or during training right "
+     "after a checkpoint, when the nodes' memory holds more layers by the sizing rule and its "
+     "hysteresis, the coordinator appends identity layers and the stages reload on a new "
+     "plan; off (default): the model keeps its size unless a client grows it",
+     NULL},
+    {"data-root", 1,
+     "a training job's data must lie under this directory (default <state-dir>/data)", NULL},
+    {"checkpoint-root", 1,
+     "a training job's checkpoint_dir and resume must lie under this directory (default "
+     "<state-dir>/checkpoints); share it with the nodes' --checkpoint-root",
+     NULL},
+    {"max-data-bytes", 1, "a training job's data file at most (default 1G)", NULL},
+    {"max-data-total", 1,
+     "the data files of the training and fine-tuning jobs running, together, at most (each "
+     "job holds its data's token ids in the coordinator's memory, about 4 bytes a token; "
+     "default 1G): a job past it is refused",
+     NULL},
+    {"max-jobs-per-key", 1,
+     "jobs one client key may hold at once (default 32; the table holds 64; the HTTP side's "
+     "completions count as one key's)",
+     NULL},
+    {"http", 1,
+     "also serve HTTP on HOST:PORT (port 0: any free port): the OpenAI-style API, "
+     "/api/status, /api/events, /metrics and the dashboard (docs/serving.md)",
+     NULL},
+    {"http-tokens", 1, "file of bearer tokens for --http, one a line (required off loopback)",
+     NULL},
+    {"http-per-ip", 1, "connections one client address may hold at once (default 32)", NULL},
+    {"http-deadline", 1,
+     "seconds a non-streaming completion may take: then it is cancelled and answered 504 "
+     "(default 600)",
+     NULL},
+    {"http-allow-host", 1,
+     "NAME[,NAME...]: without tokens, Host names a request may carry besides localhost and "
+     "IP addresses (others are refused 403: a web page cannot reach the API by DNS rebinding)",
+     NULL},
+    {"http-adapter", 1,
+     "NAME=FILE[,NAME=FILE...]: --http also serves model NAME, the cluster's weights with "
+     "the LoRA adapter FILE (under --checkpoint-root, shared with the nodes) applied by every "
+     "stage; /v1/models lists it and a request's \"model\" selects it (docs/serving.md)",
+     NULL},
+    {"log-level", 1, "debug, info, warn or error (default info)", NULL},
+    {"plaintext", 0, "INSECURE: no CURVE encryption or authentication", NULL},
+    {0}};
+
+/* The numeric flags into o; 0, or the exit code (the message printed). */
+static int numbers(nl_coord_opts *o)
+{
+    long long seed = 0, min_nodes = 1, hb = 1000, nto = 5000, jto = 120000, rows = 512, resumes = 2,
+              train_resumes = 3, jobs_per_key = 32;
+    uint64_t min_mem = 0, max_data = 1ull << 30, max_total = 1ull << 30;
+    double margin = 0.1;
+    int rc;
+    if ((rc = nl_args_int(flags, "seed", 0, INT64_MAX, &seed)) ||
+        (rc = nl_args_int(flags, "min-nodes", 1, 65536, &min_nodes)) ||
+        (rc = nl_args_int(flags, "heartbeat-ms", 10, 60000, &hb)) ||
+        (rc = nl_args_int(flags, "node-timeout-ms", 20, 3600000, &nto)) ||
+        (rc = nl_args_int(flags, "job-timeout-ms", 100, 86400000, &jto)) ||
+        (rc = nl_args_int(flags, "gen-resumes", 0, 1000, &resumes)) ||
+        (rc = nl_args_int(flags, "train-resumes", 0, 1000, &train_resumes)) ||
+        (rc = nl_args_int(flags, "plan-rows", 1, 1 << 20, &rows)) ||
+        (rc = nl_args_int(flags, "max-jobs-per-key", 1, 64, &jobs_per_key)) ||
+        (rc = nl_args_size(flags, "min-memory", &min_mem)) ||
+        (rc = nl_args_size(flags, "max-data-bytes", &max_data)) ||
+        (rc = nl_args_size(flags, "max-data-total", &max_total)) ||
+        (rc = nl_args_double(flags, "replan-margin", 0.0, 1.0, &margin)))
+        return rc;
+    if (nto <= hb) {
+        fprintf(stderr, "--node-timeout-ms must exceed --heartbeat-ms\n");
+        return 2;
+    }
+    o->seed = (uint64_t)seed;
+    o->min_nodes = (int)min_nodes;
+    o->min_memory = min_mem;
+    o->max_data_bytes = max_data;
+    o->max_data_total = max_total;
+    o->heartbeat_ms = (int)hb;
+    o->node_timeout_ms = (int)nto;
+    o->job_timeout_ms = (int)jto;
+    o->gen_resumes = (int)resumes;
+    o->train_resumes = (int)train_resumes;
+    o->plan_rows = (int)rows;
+    o->max_jobs_per_key = (int)jobs_per_key;
+    o->replan_margin = margin;
+    return 0;
+}
+
+/* The HTTP side's options (--http): its /v1 requests are jobs of one key,
+ * so past --max-jobs-per-key they are answered 429. 0, or the exit code. */
+static int http_opts(nl_http_opts *ho, const nl_coord_opts *o)
+{
+    long long per_ip = 32, deadline = 600;
+    int rc;
+    if ((rc = nl_args_int(flags, "http-per-ip", 1, 65536, &per_ip)) ||
+        (rc = nl_args_int(flags, "http-deadline", 1, 86400 * 7, &deadline)))
+        return rc;
+    *ho = (nl_http_opts){.addr = nl_args_get(flags, "http"),
+                         .tokens_path = nl_args_get(flags, "http-tokens"),
+                         .max_requests = o->max_jobs_per_key,
+                         .per_ip = (int)per_ip,
+                         .deadline_s = (int)deadline,
+                         .allow_hosts = nl_args_get(flags, "http-allow-host")};
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
-    nl_flag flags[] = {
-        {"listen", 1,
-         "the nodes' endpoint, e.g. tcp://0.0.0.0:7000 (port * picks a free one); written to "
-         "<state-dir>/endpoint",
-         NULL},
-        {"client-listen", 1,
-         "the clients' endpoint (neuroctl, control-sized messages only; default: --listen's port "
-         "+ 1, e.g. tcp://0.0.0.0:7001; * stays *); written to <state-dir>/client_endpoint",
-         NULL},
-        {"state-dir", 1, "keys, authorized_keys and the endpoint files live here", NULL},
-        {"model", 1, "checkpoint to serve (safetensors)", NULL},
-        {"config", 1, "model config (YAML); without hidden_dim/num_layers it is sized", NULL},
-        {"resume", 1,
-         "a training manifest (or its directory): serve its weights and let the next train job "
-         "continue from its step",
-         NULL},
-        {"seed", 1, "initialisation seed when there is no checkpoint (default 0)", NULL},
-        {"min-nodes", 1, "plan once this many nodes have joined (default 1)", NULL},
-        {"min-memory", 1, "... and they offer at least this much memory (default 0)", NULL},
-        {"heartbeat-ms", 1, "heartbeat period told to nodes (default 1000)", NULL},
-        {"node-timeout-ms", 1, "a node silent this long is dead (default 5000)", NULL},
-        {"job-timeout-ms", 1, "a job with no progress this long fails (default 120000)", NULL},
-        {"gen-resumes", 1,
-         "times a generation resumes on a new plan after losing a stage, replaying its tokens "
-         "(default 2; 0: it fails)",
-         NULL},
-        {"train-resumes", 1,
-         "times a training job goes on by itself after losing a stage: the nodes left re-plan, "
-         "reload the last verified manifest and continue from its step (default 3; 0: it fails)",
-         NULL},
-        {"plan-rows", 1, "rows (tokens) of one request the plan must fit (default 512)", NULL},
-        {"replan-margin", 1,
-         "when a node joins (or a standby leaves) and no job runs, plan again if the bottleneck "
-         "gets better by this fraction; the stages reload from the checkpoint or manifest served "
-         "(default 0.1; 1: never)",
-         NULL},
-        {"grow", 1,
-         "auto: the model deepens as nodes join (issue 16): at rest, or during training right "
-         "after a checkpoint, when the nodes' memory holds more layers by the sizing rule and its "
-         "hysteresis, the coordinator appends identity layers and the stages reload on a new "
-         "plan; off (default): the model keeps its size unless a client grows it",
-         NULL},
-        {"data-root", 1,
-         "a training job's data must lie under this directory (default <state-dir>/data)", NULL},
-        {"checkpoint-root", 1,
-         "a training job's checkpoint_dir and resume must lie under this directory (default "
-         "<state-dir>/checkpoints); share it with the nodes' --checkpoint-root",
-         NULL},
-        {"max-data-bytes", 1, "a training job's data file at most (default 1G)", NULL},
-        {"http", 1,
-         "also serve HTTP on HOST:PORT (port 0: any free port): the OpenAI-style API, "
-         "/api/status, /api/events, /metrics and the dashboard (docs/serving.md)",
-         NULL},
-        {"http-tokens", 1, "file of bearer tokens for --http, one a line (required off loopback)",
-         NULL},
-        {"http-adapter", 1,
-         "NAME=FILE[,NAME=FILE...]: --http also serves model NAME, the cluster's weights with "
-         "the LoRA adapter FILE (under --checkpoint-root, shared with the nodes) applied by every "
-         "stage; /v1/models lists it and a request's \"model\" selects it (docs/serving.md)",
-         NULL},
-        {"log-level", 1, "debug, info, warn or error (default info)", NULL},
-        {"plaintext", 0, "INSECURE: no CURVE encryption or authentication", NULL},
-        {0}};
     const char *usage = "neurocoord --listen ENDPOINT [--client-listen ENDPOINT] --state-dir DIR "
                         "[--model MODEL.safetensors | "
                         "--config CFG.yaml | --resume MANIFEST] [--http HOST:PORT "
@@ -137,10 +217,6 @@ int main(int argc, char **argv)
     o.plaintext = nl_args_get(flags, "plaintext") != NULL;
     o.data_root = nl_args_get(flags, "data-root");
     o.checkpoint_root = nl_args_get(flags, "checkpoint-root");
-    long long seed = 0, min_nodes = 1, hb = 1000, nto = 5000, jto = 120000, rows = 512, resumes = 2,
-              train_resumes = 3;
-    uint64_t min_mem = 0, max_data = 1ull << 30;
-    double margin = 0.1;
     if (!o.listen || !o.state_dir || (!!o.model + !!o.config + !!o.resume > 1)) {
         if (!o.listen || !o.state_dir)
             fprintf(stderr, "neurocoord: missing --%s\n\n", !o.listen ? "listen" : "state-dir");
@@ -149,17 +225,7 @@ int main(int argc, char **argv)
         nl_args_help(stderr, usage, flags);
         return 2;
     }
-    if ((rc = nl_args_int(flags, "seed", 0, INT64_MAX, &seed)) ||
-        (rc = nl_args_int(flags, "min-nodes", 1, 65536, &min_nodes)) ||
-        (rc = nl_args_int(flags, "heartbeat-ms", 10, 60000, &hb)) ||
-        (rc = nl_args_int(flags, "node-timeout-ms", 20, 3600000, &nto)) ||
-        (rc = nl_args_int(flags, "job-timeout-ms", 100, 86400000, &jto)) ||
-        (rc = nl_args_int(flags, "gen-resumes", 0, 1000, &resumes)) ||
-        (rc = nl_args_int(flags, "train-resumes", 0, 1000, &train_resumes)) ||
-        (rc = nl_args_int(flags, "plan-rows", 1, 1 << 20, &rows)) ||
-        (rc = nl_args_size(flags, "min-memory", &min_mem)) ||
-        (rc = nl_args_size(flags, "max-data-bytes", &max_data)) ||
-        (rc = nl_args_double(flags, "replan-margin", 0.0, 1.0, &margin)))
+    if ((rc = numbers(&o)) != 0)
         return rc;
     const char *lvl = nl_args_get(flags, "log-level");
     if (lvl) {
@@ -170,21 +236,6 @@ int main(int argc, char **argv)
         }
         nl_log_set_level((nl_log_level)l);
     }
-    if (nto <= hb) {
-        fprintf(stderr, "--node-timeout-ms must exceed --heartbeat-ms\n");
-        return 2;
-    }
-    o.seed = (uint64_t)seed;
-    o.min_nodes = (int)min_nodes;
-    o.min_memory = min_mem;
-    o.max_data_bytes = max_data;
-    o.heartbeat_ms = (int)hb;
-    o.node_timeout_ms = (int)nto;
-    o.job_timeout_ms = (int)jto;
-    o.gen_resumes = (int)resumes;
-    o.train_resumes = (int)train_resumes;
-    o.plan_rows = (int)rows;
-    o.replan_margin = margin;
     const char *grow = nl_args_get(flags, "grow");
     if (grow && strcmp(grow, "auto") != 0 && strcmp(grow, "off") != 0) {
         fprintf(stderr, "--grow: '%s' is not auto or off\n", grow);
@@ -208,7 +259,9 @@ int main(int argc, char **argv)
     nl_coord *c = NULL;
     nl_coord_http *web = NULL;
     const char *http = nl_args_get(flags, "http");
-    nl_http_opts ho = {.addr = http, .tokens_path = nl_args_get(flags, "http-tokens")};
+    nl_http_opts ho;
+    if (http && (rc = http_opts(&ho, &o)) != 0)
+        return rc;
     rc = 0;
     if (nl_auth_hup_install(&err) != NL_OK || nl_coord_new(&c, &o, &err) != NL_OK ||
         (http && nl_coord_http_start(&web, c, model_name(&o), nl_args_get(flags, "http-adapter"),

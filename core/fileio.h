@@ -65,8 +65,10 @@ nl_status nl_path_confine(const char *root, const char *dir, char **out, nl_erro
 /* Write a whole buffer atomically. */
 nl_status nl_file_write_atomic(const char *path, const void *buf, size_t n, nl_error *err);
 
-/* Read a whole file of at most max_bytes into a malloc'd buffer (with a
- * NUL byte after the end, not counted in *len). The caller frees *out. */
+/* Read a whole regular file of at most max_bytes into a malloc'd buffer
+ * (with a NUL byte after the end, not counted in *len). The caller frees
+ * *out. A FIFO, device or directory is refused (NL_ERR_IO) without
+ * waiting: opening a FIFO would block until a writer came. */
 nl_status nl_file_read_all(const char *path, size_t max_bytes, char **out, size_t *len,
                            nl_error *err);
 

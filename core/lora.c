@@ -183,10 +183,13 @@ nl_status nl_lora_new(nl_lora **out, nl_model *m, int rank, float alpha, int tar
                       nl_error *err)
 {
     *out = NULL;
-    if (rank < 1 || rank > NL_LORA_MAX_RANK || !(alpha > 0.0f) || targets <= 0 ||
-        targets >= 1 << N_TARGETS || max_rows < 1)
-        return nl_error_set(err, NL_ERR_INVALID, "lora: rank %d (1..%d), alpha %g (> 0), %d rows",
-                            rank, NL_LORA_MAX_RANK, alpha, max_rows);
+    /* an adapter file is untrusted: alpha inf or 1e38 would make every
+     * adapted output infinite (NaN down the line) */
+    if (rank < 1 || rank > NL_LORA_MAX_RANK || !(alpha > 0.0f) || !(alpha <= NL_LORA_MAX_ALPHA) ||
+        targets <= 0 || targets >= 1 << N_TARGETS || max_rows < 1)
+        return nl_error_set(err, NL_ERR_INVALID,
+                            "lora: rank %d (1..%d), alpha %g (0 < alpha <= %g), %d rows", rank,
+                            NL_LORA_MAX_RANK, alpha, NL_LORA_MAX_ALPHA, max_rows);
     if (m->lora)
         return nl_error_set(err, NL_ERR_STATE, "lora: the model already has adapters");
     const int L = m->l1 - m->l0;
@@ -549,9 +552,16 @@ nl_status nl_lora_load(nl_lora **out, nl_model *m, const char *path, int max_row
                           path);
         goto out;
     }
+    char *rend = NULL, *aend = NULL;
+    const long r = strtol(rank, &rend, 10);
+    const double a = strtod(alpha, &aend);
+    if (rend == rank || *rend || aend == alpha || *aend || r < 1 || r > NL_LORA_MAX_RANK) {
+        st = nl_error_set(err, NL_ERR_FORMAT, "%s: rank '%.40s' or alpha '%.40s' is not a number",
+                          path, rank, alpha);
+        goto out;
+    }
     if ((st = nl_lora_parse_targets(tg, &targets, err)) != NL_OK ||
-        (st = nl_lora_new(&lo, m, atoi(rank), (float)atof(alpha), targets, max_rows, err)) !=
-            NL_OK) {
+        (st = nl_lora_new(&lo, m, (int)r, (float)a, targets, max_rows, err)) != NL_OK) {
         nl_error_prefix(err, "%s", path);
         goto out;
     }

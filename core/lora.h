@@ -38,6 +38,7 @@ enum {
     NL_LORA_EXPERTS = NL_LORA_W_GATE | NL_LORA_W_UP | NL_LORA_W_DOWN
 };
 #define NL_LORA_MAX_RANK 1024
+#define NL_LORA_MAX_ALPHA 1e6 /* alpha in (0, this]: finite, as a request's params.lora_alpha */
 
 typedef struct nl_lora_map {
     float *A, *B; /* (r, in), (out, r) device, in the parameter block */

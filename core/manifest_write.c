@@ -184,7 +184,7 @@ nl_status nl_manifest_write(const char *path, const nl_manifest *m, nl_error *er
         free(text);
         return nl_error_prefix(err, "%s", path);
     }
-    st = nl_atomic_open_mode(&af, path, 0644, err);
+    st = nl_atomic_open(&af, path, err); /* 0600, as its shards (issue 31) */
     if (st == NL_OK)
         st = nl_atomic_write(af, text, strlen(text), err);
     if (st == NL_OK)

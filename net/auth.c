@@ -248,7 +248,7 @@ static void install_keys(domain *d, nl_keylist *kl)
     nl_error e;
     for (size_t i = 0; i < d->pinned.n; i++)
         if (!nl_keylist_has(kl, d->pinned.keys[i]) &&
-            nl_keylist_add(kl, d->pinned.keys[i], &e) != NL_OK)
+            nl_keylist_add_roles(kl, d->pinned.keys[i], d->pinned.roles[i], &e) != NL_OK)
             NL_WARN("auth: domain %s: a pinned key is left out: %s", d->name, e.msg);
     nl_keylist_sort(kl);
     nl_keylist_free(&d->keys);
@@ -355,19 +355,22 @@ nl_status nl_auth_reload(nl_auth *a, nl_error *err)
     return first;
 }
 
-nl_status nl_auth_pin_key(nl_auth *a, const char *domain_name, const char *z85, nl_error *err)
+nl_status nl_auth_pin_key(nl_auth *a, const char *domain_name, const char *z85, int roles,
+                          nl_error *err)
 {
     uint8_t k[NL_KEY_BYTES];
     nl_status st = nl_key_decode(k, z85, err);
     if (st != NL_OK)
         return st;
+    if (!(roles & NL_KEY_ROLE_ALL) || (roles & ~NL_KEY_ROLE_ALL))
+        return nl_error_set(err, NL_ERR_INVALID, "pinned key: role bits 0x%x", roles);
     pthread_mutex_lock(&a->mu);
     domain *d;
     st = get_domain(a, domain_name, &d, err);
     if (st == NL_OK && !nl_keylist_has(&d->pinned, k))
-        st = nl_keylist_add(&d->pinned, k, err);
+        st = nl_keylist_add_roles(&d->pinned, k, roles, err);
     if (st == NL_OK && !nl_keylist_has(&d->keys, k) &&
-        (st = nl_keylist_add(&d->keys, k, err)) == NL_OK)
+        (st = nl_keylist_add_roles(&d->keys, k, roles, err)) == NL_OK)
         nl_keylist_sort(&d->keys);
     pthread_mutex_unlock(&a->mu);
     return st;

@@ -61,10 +61,12 @@ nl_status nl_auth_watch_file(nl_auth *a, const char *domain, const char *path, n
 /* Re-read every watched file. A file that fails to parse keeps its old
  * list (and the error names it); the others are still reloaded. */
 nl_status nl_auth_reload(nl_auth *a, nl_error *err);
-/* Admit one more key on a domain for the life of the process, kept
- * through nl_auth_watch_file, nl_auth_reload and nl_auth_set_keys (e.g. a
- * daemon's own in-process client, whose key is made at start). */
-nl_status nl_auth_pin_key(nl_auth *a, const char *domain, const char *z85, nl_error *err);
+/* Admit one more key on a domain, with these roles (NL_KEY_ROLE_* bits),
+ * for the life of the process, kept through nl_auth_watch_file,
+ * nl_auth_reload and nl_auth_set_keys (e.g. a daemon's own in-process
+ * client, whose key is made at start). */
+nl_status nl_auth_pin_key(nl_auth *a, const char *domain, const char *z85, int roles,
+                          nl_error *err);
 /* INSECURE: admit NULL-mechanism (plaintext) peers on a domain. Logged. */
 nl_status nl_auth_allow_plaintext(nl_auth *a, const char *domain, nl_error *err);
 /* Forget a domain (its sockets are gone). */

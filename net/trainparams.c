@@ -43,7 +43,7 @@ static const nl_param_key keys[] = {
     {"learn_vocab", NL_PT_INT, REQ, 0, 0, 1 << 24, 0, F(learn_vocab)},
     {"objective", NL_PT_OBJECTIVE, REQ, 0, 0, 0, 0, F(objective)},
     {"lora_rank", NL_PT_INT, FT | SFT, FT | SFT, 1, NL_LORA_MAX_RANK, 0, F(lora_rank)},
-    {"lora_alpha", NL_PT_NUM, FT | SFT, FT | SFT, 0, 1e6, 1, F(lora_alpha)},
+    {"lora_alpha", NL_PT_NUM, FT | SFT, FT | SFT, 0, NL_LORA_MAX_ALPHA, 1, F(lora_alpha)},
     {"lora_targets", NL_PT_STR, FT | SFT, FT | SFT, 1, 39, 0, F(lora_targets)},
     {"lora_seed", NL_PT_INT, SFT, SFT, 0, I64, 0, F(lora_seed)},
     {"start_step", NL_PT_INT, STG, 0, 0, (double)(INT64_MAX / 2), 0, F(start_step)},

@@ -2,6 +2,8 @@
  * the versioned hello, and the bad-input policy (strike, answer, drop). */
 #include "transport.h"
 
+#include "connguard.h"
+
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,6 +31,7 @@ struct nl_sock {
     char server_key[NL_KEY_Z85_LEN + 1];
     char endpoint[256];
     uint64_t max_msg; /* bytes of all parts of one message */
+    nl_connguard *guard; /* a control-sized server's: cuts a message that never ends */
     nl_wire_wbuf wbuf;
 };
 
@@ -218,6 +221,12 @@ nl_status nl_sock_new(nl_sock **out, nl_net *net, const nl_sock_opts *o, nl_erro
         st = setint(s, ZMQ_ROUTER_MANDATORY, 1, "ROUTER_MANDATORY", err);
     if (st == NL_OK)
         st = setup_security(s, o, err);
+    /* libzmq buffers a message whole before anyone sees it: on a control
+     * socket that peers reach (a server), a connection whose unfinished
+     * message outgrows two messages' limit is cut (net/connguard.h) */
+    if (st == NL_OK && control && s->server)
+        st = nl_connguard_new(&s->guard, net->zctx, s->zs, s->name, 2 * s->max_msg + (64u << 10),
+                              err);
     if (st != NL_OK)
         goto fail;
     if (o->plaintext)
@@ -234,6 +243,7 @@ void nl_sock_destroy(nl_sock **sp)
     if (!sp || !*sp)
         return;
     nl_sock *s = *sp;
+    nl_connguard_destroy(&s->guard, s->zs);
     if (s->zs)
         zmq_close(s->zs);
     if (s->private_domain)
@@ -513,6 +523,9 @@ nl_status nl_sock_recv(nl_sock *s, nl_rx *rx, int timeout_ms, nl_error *err)
         return st;
     int n = rx->nparts;
     int hdr = s->type == ZMQ_ROUTER ? 1 : 0;
+    if (s->guard) /* a whole message came from this connection (the routing id
+                   * part carries no metadata: the header's does) */
+        nl_connguard_seen(s->guard, zmq_msg_get(&rx->parts[hdr < n ? hdr : 0], ZMQ_SRCFD));
     find_peer(s, rx, hdr);
     if (s->type == ZMQ_ROUTER && n >= 1) {
         rx->rid_len = zmq_msg_size(&rx->parts[0]);

@@ -119,7 +119,8 @@ static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypa
     }
     o->inject_nan_stage = -1;
 #ifdef NL_TEST_HOOKS
-    /* test hooks (test builds only: -DNL_TEST_HOOKS=ON):
+    /* test hooks (test builds only: -DNL_TEST_HOOKS=ON; a production
+     * neuronode reads none of these variables):
      * NL_TEST_INJECT_NAN_STEP=K puts a NaN into the gradient of step index
      * K (0-based, as neuroctl train's hook), "K+" into every step from K
      * on, on the stage NL_TEST_INJECT_NAN_STAGE (default: every stage) */
@@ -128,29 +129,29 @@ static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypa
     o->inject_nan_step = nan_step ? atoll(nan_step) + 1 : 0;
     o->inject_nan_on = nan_step && strchr(nan_step, '+') != NULL;
     o->inject_nan_stage = nan_stage ? atoi(nan_stage) : -1;
-#endif
-    /* test hook: NL_TEST_DEVICE_FAIL=K makes the device's K-th check fail
-     * (the first is after the throughput probe, the second after LOAD_DONE) */
+    /* NL_TEST_DEVICE_FAIL=K makes the device's K-th check fail (the first
+     * is after the throughput probe, the second after LOAD_DONE) */
     const char *dev_fail = getenv("NL_TEST_DEVICE_FAIL");
     o->inject_device_fail = dev_fail ? atoi(dev_fail) : 0;
-    /* test hook: NL_TEST_GFLOPS=X reports X GFLOP/s instead of the probe's
-     * figure, so a test's plan does not depend on a noisy measurement */
+    /* NL_TEST_GFLOPS=X reports X GFLOP/s instead of the probe's figure, so
+     * a test's plan does not depend on a noisy measurement */
     const char *gflops = getenv("NL_TEST_GFLOPS");
     o->inject_gflops = gflops ? atof(gflops) : 0.0;
-    /* test hook: NL_TEST_SLOW_MS=X makes each training message take X ms
-     * longer (the coordinator's observed stage times re-balance the plan) */
+    /* NL_TEST_SLOW_MS=X makes each training message take X ms longer (the
+     * coordinator's observed stage times re-balance the plan) */
     const char *slow = getenv("NL_TEST_SLOW_MS");
     o->inject_slow_ms = slow ? atof(slow) : 0.0;
-    /* test hook: NL_TEST_DEVICE_NO_TRAIN=1 makes the device one that cannot train */
+    /* NL_TEST_DEVICE_NO_TRAIN=1 makes the device one that cannot train */
     o->inject_no_train = getenv("NL_TEST_DEVICE_NO_TRAIN") != NULL;
-    /* test hook: NL_TEST_DEVICE_MEM=FREE,TOTAL (MiB) gives the device a GPU's
-     * memory report, so the offer's arithmetic runs without a GPU */
+    /* NL_TEST_DEVICE_MEM=FREE,TOTAL (MiB) gives the device a GPU's memory
+     * report, so the offer's arithmetic runs without a GPU */
     const char *mem = getenv("NL_TEST_DEVICE_MEM");
     unsigned long long mfree = 0, mtotal = 0;
     if (mem && sscanf(mem, "%llu,%llu", &mfree, &mtotal) == 2) {
         o->inject_mem_free = mfree << 20;
         o->inject_mem_total = mtotal << 20;
     }
+#endif
     o->tf32 = nl_args_get(flags, "tf32") != NULL;
     const char *prec = nl_args_get(flags, "precision");
     o->bf16 = prec && strcmp(prec, "bf16") == 0;

@@ -13,6 +13,7 @@
 
 #include "../base/log.h"
 
+#ifdef NL_TEST_HOOKS /* test builds only (-DNL_TEST_HOOKS=ON) */
 /* Test hook (NL_TEST_DEVICE_FAIL=K): the backend's check slot fails from
  * its K-th call on, as a device's sticky asynchronous error would. One
  * node per process, so the state is the process's. */
@@ -39,6 +40,7 @@ static nl_status fake_mem_info(nl_backend *be, size_t *free_bytes, size_t *total
     *total_bytes = fake_total;
     return NL_OK;
 }
+#endif
 
 /* ---------------------------------------------------------------- the list */
 
@@ -158,6 +160,7 @@ static nl_status open_one(nl_node_device *n, const char *name, int r, int count,
     if (st != NL_OK)
         return st;
     n->n++;
+#ifdef NL_TEST_HOOKS
     if (o->inject_device_fail > 0 && n->n == 1) { /* replica 0's: one hook per process */
         real_check = (*be)->check;
         atomic_store(&checks_left, o->inject_device_fail);
@@ -170,6 +173,7 @@ static nl_status open_one(nl_node_device *n, const char *name, int r, int count,
         fake_total = (size_t)o->inject_mem_total;
         (*be)->mem_info = fake_mem_info;
     }
+#endif
     return NL_OK;
 }
 

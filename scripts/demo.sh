@@ -76,7 +76,7 @@ for prompt in "The " "Q: What is " "A man "; do
     --temperature 0.7 --top-p 0.9 --seed 3
 done
 if [ "$SERVE" = 1 ]; then
-  printf '\n\ndashboard: %s\ntry: curl %sv1/completions -d '"'"'{"prompt": "The ", "max_tokens": 40, "seed": 3}'"'"'\n' \
+  printf '\n\ndashboard: %s\ntry: curl %sv1/completions -H '"'"'Content-Type: application/json'"'"' -d '"'"'{"prompt": "The ", "max_tokens": 40, "seed": 3}'"'"'\n' \
     "$URL" "$URL"
   echo "serving until Ctrl-C"
   trap 'echo; $NEUROCTL cluster down --dir "$CLUSTER"; exit 0' INT TERM

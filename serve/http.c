@@ -6,14 +6,18 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <sodium.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #define DEFAULT_CHARTJS "/usr/share/javascript/chart.js/chart.min.js"
 #define MAX_SUBSCRIBERS 32
@@ -119,11 +123,37 @@ static int token_ok(nl_http *h, struct MHD_Connection *c)
     return ok;
 }
 
+/* The tokens file, open for reading (*out): a regular file that only its
+ * owner may read or write (what ssh asks of a secret key). */
+static nl_status open_tokens(const char *path, FILE **out, nl_error *err)
+{
+    const int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY); /* a FIFO: no wait */
+    struct stat sb;
+    nl_status st = NL_OK;
+    *out = NULL;
+    if (fd < 0 || fstat(fd, &sb) != 0)
+        st = nl_error_set(err, NL_ERR_IO, "--http-tokens %s: %s", path, strerror(errno));
+    else if (!S_ISREG(sb.st_mode))
+        st = nl_error_set(err, NL_ERR_IO, "--http-tokens %s: not a regular file", path);
+    else if (sb.st_mode & 077)
+        st = nl_error_set(err, NL_ERR_AUTH,
+                          "--http-tokens %s: group or others may read or write it (mode %03o): "
+                          "chmod 600 it",
+                          path, (unsigned)(sb.st_mode & 0777));
+    else if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) != 0 ||
+             !(*out = fdopen(fd, "r")))
+        st = nl_error_set(err, NL_ERR_IO, "--http-tokens %s: %s", path, strerror(errno));
+    if (!*out && fd >= 0)
+        close(fd);
+    return st;
+}
+
 static nl_status load_tokens(nl_http *h, const char *path, nl_error *err)
 {
-    FILE *f = fopen(path, "r");
-    if (!f)
-        return nl_error_set(err, NL_ERR_IO, "--http-tokens %s: %s", path, strerror(errno));
+    FILE *f = NULL;
+    const nl_status opened = open_tokens(path, &f, err);
+    if (opened != NL_OK)
+        return opened;
     char line[1024];
     nl_status st = NL_OK;
     while (fgets(line, sizeof line, f)) {
@@ -364,6 +394,63 @@ static enum MHD_Result http_metrics(nl_http *h, struct MHD_Connection *c, http_r
     return http_reply(h, c, rq, 200, "text/plain; version=0.0.4; charset=utf-8", all, n + el);
 }
 
+/* ---------------------------------------------------------------- origin */
+
+/* Whether the request's Host names this server in a way a page of another
+ * site cannot make a browser send: an IP literal, localhost, or a name the
+ * operator allowed (--http-allow-host). With DNS rebinding a page's own
+ * name resolves to 127.0.0.1, and its requests carry that name. */
+static int host_ok(const nl_http *h, struct MHD_Connection *c)
+{
+    const char *v = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Host");
+    char name[256];
+    if (!v) /* HTTP/1.0 without Host: no browser sends that */
+        return 1;
+    const char *end = v[0] == '[' ? strchr(v, ']') : strchr(v, ':');
+    const size_t n = v[0] == '[' ? (end ? (size_t)(end - v - 1) : 0) : end ? (size_t)(end - v)
+                                                                           : strlen(v);
+    if (n == 0 || n >= sizeof name)
+        return 0;
+    memcpy(name, v[0] == '[' ? v + 1 : v, n);
+    name[n] = 0;
+    for (size_t i = 0; i < n; i++)
+        name[i] = (char)(name[i] >= 'A' && name[i] <= 'Z' ? name[i] + 32 : name[i]);
+    unsigned char addr[16];
+    if (inet_pton(AF_INET, name, addr) == 1 || inet_pton(AF_INET6, name, addr) == 1 ||
+        strcmp(name, "localhost") == 0)
+        return 1;
+    for (const char *a = h->o.allow_hosts; a && *a;) {
+        const char *comma = strchr(a, ',');
+        const size_t len = comma ? (size_t)(comma - a) : strlen(a);
+        if (len == n && strncasecmp(a, name, n) == 0)
+            return 1;
+        a = comma ? comma + 1 : a + len;
+    }
+    return 0;
+}
+
+/* Whether a POST says its body is JSON (a form or text/plain, what a page
+ * may send another site without asking, is not). */
+static int json_body(struct MHD_Connection *c)
+{
+    const char *t = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Type");
+    const size_t n = strlen("application/json");
+    return t && strncasecmp(t, "application/json", n) == 0 &&
+           (t[n] == 0 || t[n] == ';' || t[n] == ' ');
+}
+
+double http_clock(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+int http_past_deadline(const nl_http *h, double t0)
+{
+    return http_clock() - t0 > (double)h->o.deadline_s;
+}
+
 /* ---------------------------------------------------------------- routing */
 
 static int route(const char *url, const char *method, int *ep, int *post)
@@ -453,9 +540,18 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
                 return http_error(h, c, rq, 404, NULL, "no such endpoint: %s %s", method, url);
             return http_error(h, c, rq, 405, NULL, "%s takes %s", url, post ? "POST" : "GET");
         }
+        /* without tokens any page a browser shows could call us: only our own names */
+        if (h->n_tokens == 0 && !host_ok(h, c))
+            return http_error(h, c, rq, 403, NULL,
+                              "Host '%.100s' is not a name of this server (localhost, an address, "
+                              "or --http-allow-host)",
+                              MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Host"));
         /* the page and Chart.js hold no data: a browser may load them to ask for a token */
         if (rq->ep != EP_DASHBOARD && rq->ep != EP_STATIC && !token_ok(h, c))
             return http_error(h, c, rq, 401, NULL, "a valid bearer token is required");
+        if (post && !json_body(c))
+            return http_error(h, c, rq, 415, NULL,
+                              "a POST to %s takes Content-Type: application/json", url);
         if (rq->ep == EP_COMPLETIONS || rq->ep == EP_CHAT || rq->ep == EP_EMBEDDINGS) {
             pthread_mutex_lock(&h->mu);
             int busy = h->in_flight >= h->o.max_requests;
@@ -595,6 +691,8 @@ nl_status nl_http_start(nl_http **out, const nl_http_opts *o, const nl_http_back
     h->o.max_body = o->max_body ? o->max_body : (size_t)1 << 20;
     h->o.max_requests = o->max_requests > 0 ? o->max_requests : 64;
     h->o.timeout_s = o->timeout_s > 0 ? o->timeout_s : 30;
+    h->o.per_ip = o->per_ip > 0 ? o->per_ip : 32;
+    h->o.deadline_s = o->deadline_s > 0 ? o->deadline_s : 600;
     pthread_mutex_init(&h->mu, NULL);
     pthread_cond_init(&h->cv, NULL);
     if (o->tokens_path && (st = load_tokens(h, o->tokens_path, err)) != NL_OK) {
@@ -608,7 +706,8 @@ nl_status nl_http_start(nl_http **out, const nl_http_opts *o, const nl_http_back
         flags, 0, NULL, NULL, on_request, h, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss,
         MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)h->o.timeout_s, MHD_OPTION_CONNECTION_LIMIT,
         (unsigned)(h->o.max_requests + MAX_SUBSCRIBERS + 32), MHD_OPTION_NOTIFY_COMPLETED,
-        on_completed, h, MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)256 << 10, MHD_OPTION_END);
+        on_completed, h, MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)256 << 10,
+        MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned)h->o.per_ip, MHD_OPTION_END);
     if (!h->d) {
         int e = errno;
         nl_http_stop(&h);

@@ -2,8 +2,10 @@
  * feed, Prometheus metrics and a dashboard page, on libmicrohttpd.
  *
  * The server knows no model. It parses and checks every request, enforces
- * the limits (body size, concurrent requests, slow clients, bearer tokens
- * off loopback) and formats every answer; the work behind the endpoints is
+ * the limits (body size, concurrent requests, connections per address,
+ * slow clients, a non-streaming completion's deadline, bearer tokens off
+ * loopback; without tokens, the Host header and a JSON Content-Type, so a
+ * web page cannot drive it) and formats every answer; the work behind the endpoints is
  * a backend's: a table of callbacks that `neuroctl serve` fills from one
  * process's batched decoder and a coordinator can fill from its cluster.
  *
@@ -125,6 +127,12 @@ typedef struct nl_http_opts {
     int max_requests;         /* concurrent /v1 requests before 429; 0: 64 */
     int timeout_s;            /* idle connection timeout; 0: 30 */
     const char *chartjs_path; /* NULL: /usr/share/javascript/chart.js/chart.min.js */
+    int per_ip;               /* connections from one address at once; 0: 32 */
+    int deadline_s;           /* a non-streaming completion's answer within; 0: 600 */
+    /* Host names besides localhost and IP literals that requests may name
+     * in their Host header when there are no tokens (comma-separated), or
+     * NULL: a page of another site (DNS rebinding) is refused */
+    const char *allow_hosts;
 } nl_http_opts;
 
 typedef struct nl_http nl_http;

@@ -442,9 +442,15 @@ static enum MHD_Result gen_start(gen_state *g, struct MHD_Connection *c, http_re
 static enum MHD_Result gen_whole(gen_state *g, struct MHD_Connection *c, http_req *rq)
 {
     nl_http *h = g->h;
-    while (!all_done(g) && !http_stopping(h))
+    const double t0 = http_clock();
+    while (!all_done(g) && !http_stopping(h) && !http_past_deadline(h, t0))
         for (int i = 0; i < g->n; i++)
             choice_step(g, &g->ch[i], g->n > 1 ? 50 : 1000);
+    if (!all_done(g) && !http_stopping(h)) /* the caller's release cancels the choices */
+        return http_error(h, c, rq, 504, NULL,
+                          "no answer within the deadline of %d s (--http-deadline): the "
+                          "generation is cancelled",
+                          h->o.deadline_s);
     if (!all_done(g) || g->failed)
         return http_error(h, c, rq, 500, NULL, "%s",
                           all_done(g) ? g->err.msg : "the server is stopping");

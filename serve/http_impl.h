@@ -76,6 +76,10 @@ int http_code_of(nl_status st);
 
 /* Whether nl_http_stop has begun (streams end). */
 int http_stopping(nl_http *h);
+/* A monotonic clock (seconds), and whether a non-streaming completion
+ * begun at t0 is past its deadline (nl_http_opts.deadline_s). */
+double http_clock(void);
+int http_past_deadline(const nl_http *h, double t0);
 
 /* A completion or chat request after its fields were checked. */
 typedef struct gen_req {

@@ -23,7 +23,8 @@
  *    --replan-margin and leaves the plan as it is;
  *  - a training job's paths (issue 15, finding 1): FIFOs, files outside
  *    the roots, links that lead out, "..", files too big and a bad resume
- *    fail that job alone, revealing nothing; a file in the root makes a
+ *    fail that job alone, revealing nothing, as does data past
+ *    --max-data-total (issue 31); a file in the root makes a
  *    job that begins, and a cancel reloads its stages; a job cancelled
  *    during a step asks its stages for a checkpoint of it first.
  *
@@ -76,6 +77,7 @@ static void start_coord(void)
     o.node_timeout_ms = TIMEOUT_MS;
     o.job_timeout_ms = 4 * TIMEOUT_MS; /* a loaded machine stalls the fakes for a second */
     o.plaintext = 1;
+    o.max_data_total = 64 << 10; /* issue 31: mid.txt passes it */
     nl_error err = {0};
     CHECK_OK(nl_coord_new(&coord, &o, &err), &err);
     if (!coord)
@@ -633,6 +635,10 @@ static void test_train_paths(assigned *a)
     if (fp)
         fclose(fp);
     CHECK(truncate(big, (2ll << 30)) == 0, "truncate %s", big); /* sparse: 2 GiB > 1 GiB */
+    snprintf(path, sizeof path, "%s/data/mid.txt", tmpdir);
+    if ((fp = fopen(path, "w")))
+        fclose(fp);
+    CHECK(truncate(path, 128 << 10) == 0, "truncate %s", path); /* > --max-data-total here */
     /* a forward job in flight while the bad ones fail */
     fake *first = stage_of(a, 0), *last = stage_of(a, 1);
     const int32_t ids[2] = {3, 4};
@@ -642,6 +648,7 @@ static void test_train_paths(assigned *a)
     train_refused(key, "ck", NULL, "must lie under the root", hide);
     train_refused("key.txt", "ck", NULL, "leads outside the root", hide);
     train_refused("big.txt", "ck", NULL, "larger than", hide);
+    train_refused("mid.txt", "ck", NULL, "--max-data-total", hide);
     train_refused("../coordinator.key", "ck", NULL, "'..'", hide);
     train_refused("ok.txt", "/etc", NULL, "checkpoint_dir", hide);
     train_refused("ok.txt", "ck/../../x", NULL, "checkpoint_dir", hide);

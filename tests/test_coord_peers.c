@@ -2,6 +2,8 @@
  * coord_fake.c against coordinators of the tests' own):
  *  - roles under CURVE: what a node's key, a client's and an admin's may
  *    send on which socket, and what a status shows each of them;
+ *  - the jobs' owners: a job is its key's (and an admin's) alone, a key
+ *    holds at most --max-jobs-per-key jobs, growing is an admin's;
  *  - the clients' endpoint derived from --listen, or refused;
  *  - the node table's indexes under hundreds of joins, deaths and rejoins.
  * The cluster's story (join, plan, jobs, death) is test_coord.c's. */
@@ -518,6 +520,247 @@ static void test_node_index(void)
         fprintf(stderr, "could not remove %s\n", dir);
 }
 
+
+/* ---------------------------------------------------------------- jobs' owners (CURVE) */
+
+/* The next JOB_STATUS to f: its job, state and message (0: none). */
+static int status_of(fake *f, uint64_t *job, uint32_t *state, char *msg, size_t cap)
+{
+    nl_rx rx;
+    nl_rx_init(&rx);
+    int ok = pump_until(f, NL_MSG_JOB_STATUS, &rx);
+    if (ok) {
+        *job = rx.msg.u.job_status.job_id;
+        *state = rx.msg.u.job_status.state;
+        snprintf(msg, cap, "%s", rx.msg.u.job_status.message);
+    }
+    nl_rx_free(&rx);
+    return ok;
+}
+
+static void send_ref(fake *f, nl_msg_type type, uint64_t job)
+{
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, type);
+    m.u.job_ref.job_id = job;
+    fake_send(f, &m);
+}
+
+static void submit_generate(fake *f)
+{
+    static const int32_t prompt[3] = {4, 5, 6};
+    const int64_t shape[2] = {1, 3};
+    nl_wire_param ps[1] = {{.key = "max_new", .kind = NL_WIRE_PARAM_INT, .i = 4}};
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
+    m.u.job_submit = (nl_msg_job_submit){NL_JOB_GENERATE, 1, ps};
+    nl_wire_frame_set(&m.frames[0], prompt, NL_DTYPE_I32, shape, 2);
+    m.nframes = 1;
+    fake_send(f, &m);
+}
+
+/* f submits kind with params ps (no frame) and must be refused at once
+ * with a message that holds want. */
+static void submit_refused(fake *f, uint32_t kind, nl_wire_param *ps, uint32_t n,
+                           const char *want, const char *what)
+{
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
+    m.u.job_submit = (nl_msg_job_submit){kind, n, ps};
+    fake_send(f, &m);
+    uint64_t job = 1;
+    uint32_t state = 0;
+    char msg[700] = "";
+    CHECK(status_of(f, &job, &state, msg, sizeof msg) && job == 0 && state == NL_JOB_FAILED &&
+              strstr(msg, want),
+          "%s: job %llu state %u: %s", what, (unsigned long long)job, state, msg);
+}
+
+/* One stage (a fake node) takes the plan: ASSIGN, LOAD_DONE both ways. */
+static int one_stage(fake *n)
+{
+    nl_rx rx;
+    nl_rx_init(&rx);
+    uint64_t epoch = 0;
+    int ok = pump_until(n, NL_MSG_ASSIGN, &rx);
+    if (ok)
+        epoch = rx.msg.u.assign.epoch;
+    ok = ok && pump_until(n, NL_MSG_LOAD_DONE, &rx);
+    if (ok) {
+        nl_wire_msg m;
+        nl_wire_msg_init(&m);
+        nl_wire_msg_reset(&m, NL_MSG_LOAD_DONE);
+        m.u.load_done = (nl_msg_load_done){epoch, n->id, 0, 1000};
+        fake_send(n, &m);
+        ok = pump_state("ready");
+    }
+    nl_rx_free(&rx);
+    return ok;
+}
+
+/* Issue 31, item 6: a job belongs to the key that submitted it. Another
+ * client key that names its id is told "no such job" (query, cancel),
+ * sees neither its id nor its kind in the status, and cannot take its
+ * tokens; the same key from another connection follows it (attach); an
+ * admin sees it without taking its reports, and cancels it (its follower
+ * is told). A key holds at most --max-jobs-per-key jobs; a client cannot
+ * grow the model, nor reload the cluster under other keys' jobs. */
+static void ownership(const nl_keypair *node, const nl_keypair *alice, const nl_keypair *bob,
+                      const nl_keypair *admin, const char *server)
+{
+    fake n, a, a2, b, ad;
+    nl_rx rx;
+    nl_rx_init(&rx);
+    curve_open(&n, node, server, NULL, 0);
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOIN);
+    m.u.join = (nl_msg_join){node->public_z85, "cpu", 1ull << 30, 1.0, 1, "tcp://127.0.0.1:1"};
+    fake_send(&n, &m);
+    if (CHECK_PUMP(pump_until(&n, NL_MSG_ACCEPT, &rx)))
+        n.id = rx.msg.u.accept.node_id;
+    if (!CHECK_PUMP(one_stage(&n))) {
+        nl_sock_destroy(&n.sock);
+        nl_rx_free(&rx);
+        return;
+    }
+    curve_open(&a, alice, server, NULL, 1);
+    curve_open(&b, bob, server, NULL, 1);
+    curve_open(&ad, admin, server, NULL, 1);
+    uint64_t job = 0, got = 0;
+    uint32_t state = 0;
+    char msg[700];
+    submit_generate(&a);
+    CHECK(status_of(&a, &job, &state, msg, sizeof msg) && job > 0 && state == NL_JOB_RUNNING,
+          "alice's generation: %s", msg);
+    /* bob names alice's job */
+    send_ref(&b, NL_MSG_JOB_QUERY, job);
+    CHECK(status_of(&b, &got, &state, msg, sizeof msg) && state == NL_JOB_FAILED &&
+              strcmp(msg, "no such job") == 0,
+          "bob's query of alice's job: state %u: %s", state, msg);
+    send_ref(&b, NL_MSG_JOB_CANCEL, job);
+    CHECK(status_of(&b, &got, &state, msg, sizeof msg) && state == NL_JOB_FAILED &&
+              strstr(msg, "no such job"),
+          "bob's cancel of alice's job: state %u: %s", state, msg);
+    char *bt = status_text(&b), *at = status_text(&a), idtext[80];
+    snprintf(idtext, sizeof idtext, "\"jobs\":[{\"id\":%llu,", (unsigned long long)job);
+    CHECK(bt && strstr(bt, "\"jobs\":[]") && strstr(bt, "\"jobs_of_others\":1"),
+          "bob's status shows alice's job: %s", bt ? bt : "(none)");
+    CHECK(at && strstr(at, idtext), "alice's status lacks her job: %s", at ? at : "(none)");
+    free(bt);
+    free(at);
+    /* alice follows it from another connection; an admin looks at it */
+    curve_open(&a2, alice, server, NULL, 1);
+    send_ref(&a2, NL_MSG_JOB_QUERY, job);
+    CHECK(status_of(&a2, &got, &state, msg, sizeof msg) && got == job && state == NL_JOB_RUNNING,
+          "alice's attach: state %u: %s", state, msg);
+    send_ref(&ad, NL_MSG_JOB_QUERY, job);
+    CHECK(status_of(&ad, &got, &state, msg, sizeof msg) && got == job && state == NL_JOB_RUNNING,
+          "the admin's query: state %u: %s", state, msg);
+    /* the stage opens the session, then its token goes to alice's new
+     * connection, not to bob or the admin */
+    CHECK_PUMP(pump_until(&n, NL_MSG_JOB_SUBMIT, &rx));
+    nl_wire_msg_reset(&m, NL_MSG_JOB_STATUS);
+    m.u.job_status = (nl_msg_job_status){job, NL_JOB_RUNNING, 0.0, "session open"};
+    fake_send(&n, &m);
+    CHECK_PUMP(pump_until(&n, NL_MSG_ACTIVATION, &rx));
+    uint32_t tok = 9;
+    nl_wire_msg_reset(&m, NL_MSG_TOKEN);
+    m.u.token = (nl_msg_token){job, job, 1, &tok, false, 0, NULL};
+    fake_send(&n, &m);
+    CHECK(pump_until(&a2, NL_MSG_TOKEN, &rx) && rx.msg.u.token.job_id == job,
+          "alice's follower got no token");
+    nl_error err = {0};
+    nl_rx_free(&rx);
+    nl_rx_init(&rx);
+    CHECK(nl_sock_recv(b.sock, &rx, 0, &err) == NL_ERR_TIMEOUT &&
+              nl_sock_recv(ad.sock, &rx, 0, &err) == NL_ERR_TIMEOUT,
+          "bob or the admin got a message of alice's job (%s)", nl_wire_type_name(rx.msg.type));
+    /* limits by role: a client grows nothing, reloads nothing under alice's job */
+    nl_wire_param grow[1] = {{.key = "layers", .kind = NL_WIRE_PARAM_INT, .i = 12}};
+    submit_refused(&b, NL_JOB_GROW, grow, 1, "admin role", "bob's grow job");
+    nl_wire_param resume[1] = {{.key = "resume", .kind = NL_WIRE_PARAM_STR, .s = "m/manifest.json"}};
+    submit_refused(&b, NL_JOB_TRAIN, resume, 1, "would fail the 1 job(s) of other clients",
+                   "bob's training job with resume");
+    /* --max-jobs-per-key 2: alice's third is refused, naming the flag */
+    submit_generate(&a);
+    CHECK(status_of(&a, &got, &state, msg, sizeof msg) && state == NL_JOB_RUNNING && got != job,
+          "alice's second generation: %s", msg);
+    submit_generate(&a);
+    CHECK(status_of(&a, &got, &state, msg, sizeof msg) && state == NL_JOB_FAILED &&
+              strstr(msg, "--max-jobs-per-key"),
+          "alice's third job: state %u: %s", state, msg);
+    /* the admin cancels alice's first job: her follower is told */
+    send_ref(&ad, NL_MSG_JOB_CANCEL, job);
+    CHECK(status_of(&ad, &got, &state, msg, sizeof msg) && got == job &&
+              state == NL_JOB_CANCELLED,
+          "the admin's cancel: state %u: %s", state, msg);
+    CHECK(status_of(&a2, &got, &state, msg, sizeof msg) && got == job &&
+              state == NL_JOB_CANCELLED && strstr(msg, "admin"),
+          "alice's follower after the admin's cancel: state %u: %s", state, msg);
+    nl_wire_msg_free(&m);
+    nl_rx_free(&rx);
+    nl_sock_destroy(&n.sock);
+    nl_sock_destroy(&a.sock);
+    nl_sock_destroy(&a2.sock);
+    nl_sock_destroy(&b.sock);
+    nl_sock_destroy(&ad.sock);
+}
+
+static void test_ownership(void)
+{
+    nl_coord *plain = coord;
+    char dir[256], path[400];
+    snprintf(dir, sizeof dir, "/tmp/nl_test_coord_own_XXXXXX");
+    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    nl_keypair node, alice, bob, admin;
+    nl_error err = {0};
+    CHECK_OK(nl_keys_generate(&node, &err), &err);
+    CHECK_OK(nl_keys_generate(&alice, &err), &err);
+    CHECK_OK(nl_keys_generate(&bob, &err), &err);
+    CHECK_OK(nl_keys_generate(&admin, &err), &err);
+    snprintf(path, sizeof path, "%s/authorized_keys", dir);
+    FILE *fp = fopen(path, "w");
+    CHECK(fp != NULL, "%s", path);
+    if (!fp)
+        return;
+    fprintf(fp, "%s node\n%s client\n%s client\n%s admin\n", node.public_z85, alice.public_z85,
+            bob.public_z85, admin.public_z85);
+    fclose(fp);
+    char cfg[400];
+    snprintf(cfg, sizeof cfg, "%s/cfg.yaml", dir);
+    if ((fp = fopen(cfg, "w"))) {
+        fputs("hidden_dim: 64\nnum_layers: 2\nnum_heads: 4\nnum_kv_heads: 2\nffn_dim: 64\n"
+              "num_experts: 4\nvocab_size: 256\nvocab_chunk: 256\nmax_seq_len: 256\n",
+              fp);
+        fclose(fp);
+    }
+    nl_coord_opts o;
+    nl_coord_opts_init(&o);
+    o.listen = "tcp://127.0.0.1:*";
+    o.state_dir = dir;
+    o.config = cfg;
+    o.min_nodes = 1;
+    o.node_timeout_ms = 60000; /* the fake node sends no heartbeats */
+    o.job_timeout_ms = 60000;
+    o.max_jobs_per_key = 2;
+    coord = NULL;
+    CHECK_OK(nl_coord_new(&coord, &o, &err), &err);
+    char server[NL_KEY_Z85_LEN + 1];
+    snprintf(path, sizeof path, "%s/coordinator.pub", dir);
+    if (coord && nl_keys_load_public(server, path, &err) == NL_OK)
+        ownership(&node, &alice, &bob, &admin, server);
+    nl_coord_destroy(&coord);
+    coord = plain;
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", dir);
+}
+
 int main(void)
 {
     nl_log_set_level(getenv("NL_TEST_VERBOSE") ? NL_LOG_DEBUG : NL_LOG_WARN);
@@ -525,6 +768,7 @@ int main(void)
     CHECK_OK(nl_net_new(&net, NULL, &err), &err);
     test_endpoints();
     test_roles();
+    test_ownership();
     test_node_index();
     nl_net_destroy(&net);
     coord_fake_add_counts(&check_pass_count, &check_fail_count);

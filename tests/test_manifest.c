@@ -307,6 +307,9 @@ static void test_durability(const nl_model *whole, const nl_manifest *m0)
     CHECK(before && after && n0 == n1 && memcmp(before, after, n0) == 0, "the shard is intact");
     free(before);
     free(after);
+    struct stat ms;
+    CHECK(stat(mpath, &ms) == 0 && (ms.st_mode & 0777) == 0600,
+          "the manifest's mode %03o, not 0600 as its shards'", (unsigned)(ms.st_mode & 0777));
     st = nl_manifest_write(mpath, m0, &err);
     CHECK(st == NL_ERR_STATE && strstr(err.msg, "refusing to replace"),
           "a second manifest over the first: %s '%s'", nl_status_str(st), err.msg);

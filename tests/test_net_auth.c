@@ -824,19 +824,24 @@ static void test_pinned(void)
     CHECK_OK(nl_file_write_atomic(path, text, (size_t)n, &err), &err);
     CHECK_OK(nl_auth_watch_file(au, "pin", path, &err), &err);
     CHECK(!nl_auth_allowed(au, "pin", p.public_z85), "admitted before it was pinned");
-    CHECK_OK(nl_auth_pin_key(au, "pin", p.public_z85, &err), &err);
+    CHECK_OK(nl_auth_pin_key(au, "pin", p.public_z85, NL_KEY_ROLE_CLIENT, &err), &err);
     CHECK(nl_auth_allowed(au, "pin", p.public_z85) && nl_auth_allowed(au, "pin", a.public_z85),
           "pinned or file key refused");
+    CHECK(nl_auth_roles(au, "pin", p.public_z85) == NL_KEY_ROLE_CLIENT,
+          "the pinned key has roles 0x%x, not client alone", nl_auth_roles(au, "pin", p.public_z85));
     n = snprintf(text, sizeof text, "%s\n", b.public_z85);
     CHECK_OK(nl_file_write_atomic(path, text, (size_t)n, &err), &err);
     CHECK_OK(nl_auth_reload(au, &err), &err);
     CHECK(nl_auth_allowed(au, "pin", p.public_z85), "a reload dropped the pinned key");
+    CHECK(nl_auth_roles(au, "pin", p.public_z85) == NL_KEY_ROLE_CLIENT,
+          "a reload gave the pinned key roles 0x%x", nl_auth_roles(au, "pin", p.public_z85));
     CHECK(nl_auth_allowed(au, "pin", b.public_z85) && !nl_auth_allowed(au, "pin", a.public_z85),
           "the reload did not replace the file's keys");
     CHECK_OK(nl_auth_set_keys_z85(au, "pin", NULL, 0, &err), &err);
     CHECK(nl_auth_allowed(au, "pin", p.public_z85) && !nl_auth_allowed(au, "pin", b.public_z85),
           "set_keys: the pinned key is kept, the rest replaced");
-    CHECK(nl_auth_pin_key(au, "pin", "not a key", &err) != NL_OK, "a bad key pinned");
+    CHECK(nl_auth_pin_key(au, "pin", "not a key", NL_KEY_ROLE_CLIENT, &err) != NL_OK,
+          "a bad key pinned");
     CHECK(!nl_auth_allowed(au, "other", p.public_z85), "pinned on another domain");
     nl_net_destroy(&net);
 }

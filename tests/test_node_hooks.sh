@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
-# The node's NaN-injection hooks (NL_TEST_INJECT_NAN_*) exist in test
-# builds only (issue 15, finding 11): a build without -DNL_TEST_HOOKS=ON
-# has no trace of them in the neuronode binary, and a test build says so
-# in --help. $1: 1 when this build has them, 0 when not.
+# The test hooks exist in test builds only (issue 15, finding 11; issue
+# 31): a build without -DNL_TEST_HOOKS=ON has no trace of them (the node's
+# NL_TEST_INJECT_NAN_*, NL_TEST_GFLOPS, NL_TEST_SLOW_MS, NL_TEST_DEVICE_*;
+# neuroctl's NL_TEST_INJECT_NAN_STEP and NL_TEST_SELFTEST_*), and a test
+# build says so in --help. $1: 1 when this build has them, 0 when not.
 set -u
 NODE="$NL_BUILD_DIR/node/neuronode"
 fail=0
 if [ "${1:-0}" = 1 ]; then
   "$NODE" --help | grep -q "test build: NL_TEST_INJECT_NAN_STEP" || { echo "FAIL: no hooks in --help"; fail=1; }
 else
-  if grep -aq NL_TEST_INJECT_NAN "$NODE"; then echo "FAIL: a production neuronode reads NL_TEST_INJECT_NAN_*"; fail=1; fi
+  # issue 31: none of the hooks, in the node or in neuroctl
+  for hook in NL_TEST_INJECT_NAN NL_TEST_GFLOPS NL_TEST_SLOW_MS NL_TEST_DEVICE_; do
+    if grep -aq "$hook" "$NODE"; then echo "FAIL: a production neuronode reads $hook*"; fail=1; fi
+  done
+  for hook in NL_TEST_INJECT_NAN NL_TEST_SELFTEST_; do
+    if grep -aq "$hook" "$NL_BUILD_DIR/cli/neuroctl"; then
+      echo "FAIL: a production neuroctl reads $hook*"; fail=1
+    fi
+  done
   if "$NODE" --help | grep -q NL_TEST_INJECT_NAN; then echo "FAIL: --help lists the hooks"; fail=1; fi
 fi
 [ $fail = 0 ] && echo "test_node_hooks: passed (hooks ${1:-0})"

@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "../core/config.h"
+#include "../core/lora.h"
 #include "../core/objective.h"
 #include "../core/train.h"
 #include "../net/genparams.h"
@@ -246,6 +247,14 @@ static void test_finetune(void)
     CHECK(nl_trainparams_parse(&q, w, n, NL_TRAINPARAMS_FINETUNE, &err) == NL_ERR_RANGE &&
               strstr(err.msg, "params.lora_alpha"),
           "alpha 0: %s", err.msg);
+    /* issue 31: an adapter file's alpha is held to the same range (its
+     * arguments are checked before the model is looked at) */
+    nl_lora *lo = NULL;
+    static const float bad[] = {INFINITY, 1e38f, NAN, -1.0f, 0.0f};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        CHECK(nl_lora_new(&lo, NULL, 4, bad[i], NL_LORA_WQ, 8, &err) == NL_ERR_INVALID && !lo &&
+                  strstr(err.msg, "alpha"),
+              "an adapter with alpha %g: %s", (double)bad[i], err.msg);
 }
 
 static void test_train_stage(void)

@@ -11,6 +11,7 @@ Optional argument: a file to write the server's /metrics text into."""
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -223,7 +224,7 @@ def test_dropped_client(s):
     start = s.metrics()["neurollm_tokens_generated_total"]
     sock = socket.create_connection(("127.0.0.1", s.port))
     body = json.dumps(dict(prompt=[1, 2, 3], max_tokens=200, stream=True, seed=1)).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
     got = b""
     while got.count(b"data: ") < 2:
@@ -259,7 +260,7 @@ def test_embeddings_models_events(s, model):
     check(code == 200 and len(r["nodes"]) == 1 and r["nodes"][0]["layers"] == [0, 4],
           "/api/status: one node with 4 layers")
     sock = socket.create_connection(("127.0.0.1", s.port), timeout=10)
-    sock.sendall(b"GET /api/events HTTP/1.1\r\nHost: x\r\n\r\n")
+    sock.sendall(b"GET /api/events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     got = b""
     while b"event: request" not in got or b"event: start" not in got:
         d = sock.recv(65536)
@@ -313,7 +314,8 @@ def test_limits(model, tmp):
     try:
         sock = socket.create_connection(("127.0.0.1", s.port))
         body = json.dumps(dict(prompt=[1], max_tokens=200, stream=True)).encode()
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n"
                      % len(body) + body)
         sock.recv(100)
         code, r = s.json("/v1/completions", {"prompt": [1], "max_tokens": 1})
@@ -325,6 +327,12 @@ def test_limits(model, tmp):
     toks = os.path.join(tmp, "tokens")
     with open(toks, "w") as f:
         f.write("# tokens\nsecret-token-0123456789\n")
+    os.chmod(toks, 0o644)
+    r = subprocess.run([NEUROCTL, "serve", "--model", model, "--http", "127.0.0.1:0",
+                        "--http-tokens", toks], capture_output=True, text=True, timeout=30)
+    check(r.returncode != 0 and "chmod 600" in r.stderr,
+          "a tokens file others may read is refused: %s" % r.stderr.strip())
+    os.chmod(toks, 0o600)
     s = Server(model, "--http-tokens", toks, "--http-timeout", "2")
     try:
         code, r = s.json("/v1/models")
@@ -336,7 +344,7 @@ def test_limits(model, tmp):
         code, _ = s.request("/")
         check(code == 200, "the page itself needs no token")
         sock = socket.create_connection(("127.0.0.1", s.port), timeout=15)
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         t0 = time.time()
         try:
             closed = sock.recv(100) == b""
@@ -349,6 +357,20 @@ def test_limits(model, tmp):
                        capture_output=True, text=True, timeout=30)
     check(r.returncode != 0 and "--http-tokens" in r.stderr,
           "binding off loopback without tokens is refused: %s" % r.stderr.strip())
+
+
+def test_odd_name(model, tmp):
+    # issue 31: the model's file name goes into /api/status and the events
+    # as a JSON string, escaped, whatever bytes it holds
+    odd = os.path.join(tmp, 'we"ird\\name\x01.safetensors')
+    shutil.copyfile(model, odd)
+    s = Server(odd)
+    try:
+        code, r = s.json("/api/status")
+        check(code == 200 and r["model"]["name"] == os.path.basename(odd),
+              "/api/status names the odd model file: %s" % (r,))
+    finally:
+        s.stop()
 
 
 def main():
@@ -371,6 +393,7 @@ def main():
             check(rc == 0, "serve stops cleanly on SIGTERM (rc %s)" % rc)
         test_limits(model, tmp)
         test_adapter(model, tmp)
+        test_odd_name(model, tmp)
     print("test_serve: %d failed" % len(failures))
     return 1 if failures else 0
 

@@ -284,7 +284,7 @@ def test_api(url):
         before = metric(url, "neurollm_generations_finished_total")
         cancelled = metric(url, "neurollm_generations_cancelled_total")
         sk = socket.create_connection((host, int(port)))
-        sk.sendall(("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+        sk.sendall(("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
                     "\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)).encode())
         got = b""
         while got.count(b"data: ") < 3:
@@ -674,6 +674,7 @@ try:
     if what == "web":
         with open(W + "/tokens", "w") as f:
             f.write(TOKEN + "\n")
+        os.chmod(W + "/tokens", 0o600)  # a tokens file others may read is refused
         extra = ["--http-tokens", W + "/tokens"]
     URL = cluster_up(W, extra)
     if URL:

@@ -3,14 +3,17 @@
  * tokens in a stream, a backend failing mid-stream, backend errors mapped
  * to HTTP codes, the event feed, token files and addresses refused at
  * start, and a backend serving several models (a request's "model"
- * selects one; an unknown one is 404). Requests go over real loopback
- * sockets. */
+ * selects one; an unknown one is 404), the Host and Content-Type a server
+ * without tokens takes, connections per address and the deadline of a
+ * non-streaming completion. Requests go over real loopback sockets. */
 #include "check.h"
 #include "serve/http.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 /* ---------------------------------------------------------------- backend */
@@ -19,7 +22,7 @@ static const char *script[] = {"ab", "\xC3", "\xA9", "cd", "ST", "OP", "zz"};
 #define NSCRIPT 7
 
 typedef struct fake_job {
-    int next, max, fail_at;
+    int next, max, fail_at, hang;
 } fake_job;
 
 static int ended;
@@ -36,6 +39,7 @@ static nl_status fake_start(void *ctx, const nl_http_completion *rq, void **job,
     fake_job *j = calloc(1, sizeof *j);
     j->max = rq->max_tokens;
     j->fail_at = rq->prompt_text && strcmp(rq->prompt_text, "midfail") == 0 ? 2 : -1;
+    j->hang = rq->prompt_text && strcmp(rq->prompt_text, "hang") == 0; /* a stuck job */
     *ptoks = rq->prompt_text ? (int)rq->prompt_len : rq->n_prompt_ids;
     *job = j;
     return NL_OK;
@@ -45,6 +49,10 @@ static nl_http_next fake_next(void *ctx, void *jp, int32_t *id, const char **tex
                               nl_http_logprob *lp, int timeout_ms, nl_error *err)
 {
     fake_job *j = jp;
+    if (j->hang) {
+        usleep((useconds_t)(timeout_ms < 20 ? timeout_ms : 20) * 1000);
+        return NL_HTTP_WAIT;
+    }
     if (j->next == j->fail_at) {
         nl_error_set(err, NL_ERR_IO, "stage 2 went away");
         return NL_HTTP_FAILED;
@@ -78,24 +86,43 @@ static nl_status fake_embed(void *ctx, int model, const char *text, size_t len, 
 
 /* ---------------------------------------------------------------- client */
 
-/* One request on a fresh connection; the whole answer (headers and body)
- * into a malloc'd string. */
-static char *request(int port, const char *method, const char *path, const char *body,
-                     const char *extra)
+/* A connection to port from the loopback address `from` (127.0.0.x), or -1.
+ * Reads time out after 30 s, so a server that never answers fails the
+ * test rather than hanging it. */
+static int dial(int port, const char *from)
 {
     int s = socket(AF_INET, SOCK_STREAM, 0);
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (s < 0 || connect(s, (struct sockaddr *)&a, sizeof a) != 0) {
+    struct sockaddr_in src = {.sin_family = AF_INET};
+    struct timeval tv = {30, 0};
+    if (s >= 0)
+        setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    if (s < 0 || (from && (inet_pton(AF_INET, from, &src.sin_addr) != 1 ||
+                           bind(s, (struct sockaddr *)&src, sizeof src) != 0)) ||
+        connect(s, (struct sockaddr *)&a, sizeof a) != 0) {
         if (s >= 0)
             close(s);
-        return NULL;
+        return -1;
     }
-    char head[512];
-    int n =
-        snprintf(head, sizeof head,
-                 "%s %s HTTP/1.1\r\nHost: t\r\nConnection: close\r\n%sContent-Length: %zu\r\n\r\n",
-                 method, path, extra ? extra : "", body ? strlen(body) : 0);
+    return s;
+}
+
+/* One request on a fresh connection with these headers (NULL: Host
+ * 127.0.0.1, and a JSON Content-Type with a body); the whole answer
+ * (headers and body) into a malloc'd string. */
+static char *request_with(int port, const char *method, const char *path, const char *body,
+                          const char *headers)
+{
+    int s = dial(port, NULL);
+    if (s < 0)
+        return NULL;
+    char head[1024], std[128];
+    snprintf(std, sizeof std, "Host: 127.0.0.1:%d\r\n%s", port,
+             body ? "Content-Type: application/json\r\n" : "");
+    int n = snprintf(head, sizeof head,
+                     "%s %s HTTP/1.1\r\n%sConnection: close\r\nContent-Length: %zu\r\n\r\n",
+                     method, path, headers ? headers : std, body ? strlen(body) : 0);
     if (write(s, head, (size_t)n) != n || (body && write(s, body, strlen(body)) < 0)) {
         close(s);
         return NULL;
@@ -109,6 +136,16 @@ static char *request(int port, const char *method, const char *path, const char 
     if (out)
         out[len] = 0;
     return out;
+}
+
+/* The same with the standard headers and `extra` ones. */
+static char *request(int port, const char *method, const char *path, const char *body,
+                     const char *extra)
+{
+    char h[600];
+    snprintf(h, sizeof h, "Host: 127.0.0.1:%d\r\n%s%s", port,
+             body ? "Content-Type: application/json\r\n" : "", extra ? extra : "");
+    return request_with(port, method, path, body, h);
 }
 
 static void expect(const char *got, const char *want, const char *what)
@@ -217,7 +254,7 @@ static void test_api(int port, nl_http *h)
     char buf[8192] = {0};
     size_t len = 0;
     if (connect(s, (struct sockaddr *)&a, sizeof a) == 0) {
-        const char *q = "GET /api/events HTTP/1.1\r\nHost: t\r\n\r\n";
+        const char *q = "GET /api/events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
         if (write(s, q, strlen(q)) > 0)
             while (!(strstr(buf, "event: last") && strstr(strstr(buf, "event: last"), "}\n\n")) &&
                    len < sizeof buf - 1) {
@@ -304,6 +341,76 @@ static void test_models(const nl_http_backend *base)
     nl_http_stop(&h);
 }
 
+
+/* Issue 31, item 6: a page of another site cannot drive a server without
+ * tokens (its Host is refused unless allowed; a POST must say JSON, which
+ * a page cannot send another site unasked); one address cannot take every
+ * connection (a flood of idle ones from 127.0.0.2 leaves 127.0.0.1
+ * served); a non-streaming completion that gets no answer is cancelled at
+ * its deadline and answered 504. */
+static void test_origin_and_limits(const nl_http_backend *b)
+{
+    nl_error err = {0};
+    nl_http *h = NULL;
+    nl_http_opts o = {.addr = "127.0.0.1:0",
+                      .max_requests = 4,
+                      .per_ip = 8,
+                      .deadline_s = 1,
+                      .allow_hosts = "neuro.lan,Box"};
+    CHECK_OK(nl_http_start(&h, &o, b, &err), &err);
+    if (!h)
+        return;
+    const int port = nl_http_port(h);
+    const char *body = "{\"prompt\": \"x\", \"max_tokens\": 1}";
+    char *r = request_with(port, "POST", "/v1/completions", body,
+                           "Host: evil.example:8080\r\nContent-Type: application/json\r\n");
+    expect(r, "HTTP/1.1 403", "a Host of another site");
+    expect(r, "--http-allow-host", "the refusal names the flag");
+    free(r);
+    const char *good[] = {"Host: localhost:1\r\n", "Host: [::1]:8080\r\n", "Host: 10.0.0.7\r\n",
+                          "Host: NEURO.lan:80\r\n", "Host: box\r\n"};
+    for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
+        char hd[200];
+        snprintf(hd, sizeof hd, "%sContent-Type: application/json\r\n", good[i]);
+        r = request_with(port, "POST", "/v1/completions", body, hd);
+        expect(r, "HTTP/1.1 200", good[i]);
+        free(r);
+    }
+    r = request_with(port, "POST", "/v1/completions", body,
+                     "Host: 127.0.0.1\r\nContent-Type: text/plain\r\n");
+    expect(r, "HTTP/1.1 415", "a text/plain POST");
+    expect(r, "application/json", "the refusal says what it takes");
+    free(r);
+    r = request_with(port, "POST", "/v1/completions", body, "Host: 127.0.0.1\r\n");
+    expect(r, "HTTP/1.1 415", "a POST without a Content-Type");
+    free(r);
+    r = request_with(port, "POST", "/v1/completions", body,
+                     "Host: 127.0.0.1\r\nContent-Type: application/json; charset=utf-8\r\n");
+    expect(r, "HTTP/1.1 200", "JSON with a charset");
+    free(r);
+    /* more idle connections from one address than the server holds in all */
+    enum { FLOOD = 80 };
+    int fl[FLOOD], open_ = 0;
+    for (int i = 0; i < FLOOD; i++)
+        if ((fl[i] = dial(port, "127.0.0.2")) >= 0)
+            open_++;
+    CHECK(open_ > 0, "no connection from 127.0.0.2");
+    r = request(port, "GET", "/v1/models", NULL, NULL);
+    expect(r, "HTTP/1.1 200", "127.0.0.1 served while 127.0.0.2 holds idle connections");
+    free(r);
+    for (int i = 0; i < FLOOD; i++)
+        if (fl[i] >= 0)
+            close(fl[i]);
+    /* a stuck generation */
+    const int before = ended;
+    r = request(port, "POST", "/v1/completions", "{\"prompt\": \"hang\", \"max_tokens\": 4}", NULL);
+    expect(r, "HTTP/1.1 504", "a completion past its deadline");
+    expect(r, "--http-deadline", "the answer names the flag");
+    free(r);
+    CHECK(ended == before + 1, "the stuck generation was not ended (%d)", ended - before);
+    nl_http_stop(&h);
+}
+
 static void test_start_refusals(const nl_http_backend *b)
 {
     nl_error err = {0};
@@ -326,6 +433,13 @@ static void test_start_refusals(const nl_http_backend *b)
         o.tokens_path = path;
         CHECK(nl_http_start(&h, &o, b, &err) == NL_ERR_FORMAT, "a short token refused");
         expect(err.msg, "16 or more", "the message says why");
+        chmod(path, 0644); /* issue 31: others may read it */
+        CHECK(nl_http_start(&h, &o, b, &err) == NL_ERR_AUTH, "a world-readable tokens file");
+        expect(err.msg, "chmod 600", "the message says what to do");
+        unlink(path);
+        CHECK(mkfifo(path, 0600) == 0, "mkfifo");
+        CHECK(nl_http_start(&h, &o, b, &err) == NL_ERR_IO, "a FIFO as the tokens file");
+        expect(err.msg, "not a regular file", "the message says why");
         unlink(path);
     }
     o.tokens_path = NULL;
@@ -360,6 +474,7 @@ int main(void)
         nl_http_stop(&h);
     }
     test_models(&b);
+    test_origin_and_limits(&b);
     test_start_refusals(&b);
     return check_done("test_serve_http");
 }

@@ -36,7 +36,7 @@ URL=$(grep -o 'http://[0-9.:]*/' "$T/serve.out") || { cat "$T/serve.err"; exit 1
 post() { curl -sf -H 'Content-Type: application/json' -d "$2" "${URL}${1#/}"; }
 for i in 1 2 3; do post /v1/completions "{\"prompt\":[1,2,$i],\"max_tokens\":24,\"seed\":$i}" >/dev/null; done
 post /v1/embeddings '{"input":"hello"}' >/dev/null
-curl -s -o /dev/null -d '{bad' "${URL}v1/completions"   # a 400 in the counts
+curl -s -o /dev/null -H 'Content-Type: application/json' -d '{bad' "${URL}v1/completions"   # a 400 in the counts
 fail=0
 if [ "$what" = metrics ]; then
   curl -sf "${URL}metrics" >"$T/metrics"
