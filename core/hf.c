@@ -256,11 +256,17 @@ nl_status hf_resolve(hf_conv *c, hf_job *j, const char *name, int64_t rows, int 
                          nl_error *err)
 {
     j->e = src_find(&c->src, name, &j->fi);
+    if (!j->e && c->to_ours && nl_config_dense(c->cfg))
+        FAIL(NL_ERR_NOTFOUND,
+             "tensor '%s' is missing (%s), though config.json asks for it (a %s, "
+             "num_hidden_layers %d)",
+             name, c->src.n == 1 ? c->src.f[0].path : "in none of the weight files", c->arch,
+             c->cfg->num_layers);
     if (!j->e && c->to_ours)
         FAIL(NL_ERR_NOTFOUND,
-             "tensor '%s' is missing (%s), though config.json asks for it (num_hidden_layers %d, "
-             "num_local_experts %d)",
-             name, c->src.n == 1 ? c->src.f[0].path : "in none of the weight files",
+             "tensor '%s' is missing (%s), though config.json asks for it (a %s, "
+             "num_hidden_layers %d, num_local_experts %d)",
+             name, c->src.n == 1 ? c->src.f[0].path : "in none of the weight files", c->arch,
              c->cfg->num_layers, c->cfg->num_experts);
     if (!j->e)
         FAIL(NL_ERR_NOTFOUND, "tensor '%s' is missing (%s)", name,

@@ -42,19 +42,33 @@ typedef struct nl_hf_stats {
     char kept_names[200];   /* ... their names, ", "-separated, "..." when cut */
 } nl_hf_stats;
 
+/* The longest architecture name nl_hf_config_parse reports, with its NUL. */
+#define NL_HF_ARCH_MAX 48
+
 /* Parse a Hugging Face config.json (text of len bytes; `label` starts
  * messages) into *cfg: MixtralForCausalLM, and LlamaForCausalLM or
- * MistralForCausalLM as the dense FFN (num_experts 1, top_k 1); refused
- * (NL_ERR_UNSUPPORTED, naming the key) is what the runtime cannot represent (sliding_window, rope_scaling, biases, an
+ * MistralForCausalLM as the dense FFN (num_experts 1, top_k 1).
+ * Mistral's and Mixtral's sliding_window W (shorter than the context)
+ * becomes attention_window W with every layer local (global_every 0);
+ * hidden_act "swish" is silu. Refused (NL_ERR_UNSUPPORTED, naming the
+ * key) is what the runtime cannot represent (rope_scaling, biases, an
  * activation other than silu, a head_dim other than hidden / heads).
  * vocab_chunk is set to vocab_size, so the tables hold exactly the
- * vocabulary. *tied gets tie_word_embeddings. Messages name the key. */
+ * vocabulary. *tied gets tie_word_embeddings; arch (may be NULL) the
+ * architecture's name as transformers spells it. Messages name the key. */
 nl_status nl_hf_config_parse(nl_config *cfg, int *tied, const char *json, size_t len,
-                             const char *label, nl_error *err);
+                             const char *label, char arch[NL_HF_ARCH_MAX], nl_error *err);
 
-/* config.json for a MixtralForCausalLM with cfg's sizes (malloc'd, NULL
- * when out of memory). with_tokenizer sets bos/eos to our <|begin|> and
- * <|end|> ids, else null. */
+/* The attention window Mistral's sliding_window expresses: cfg's
+ * attention_window when every layer is local (global_every 0), else 0. */
+int nl_hf_window(const nl_config *cfg);
+/* The architecture an export of cfg writes: MixtralForCausalLM (experts),
+ * MistralForCausalLM (dense with a sliding window) or LlamaForCausalLM. */
+const char *nl_hf_arch_of(const nl_config *cfg);
+
+/* config.json for cfg's architecture and sizes (malloc'd, NULL when out
+ * of memory). with_tokenizer sets bos/eos to our <|begin|> and <|end|>
+ * ids, else null. */
 char *nl_hf_config_to_json(const nl_config *cfg, int with_tokenizer);
 
 /* The RoPE row permutation of q_proj / k_proj ([heads * head_dim, cols]):

@@ -120,24 +120,27 @@ out:
     return st;
 }
 
-/* The source: a checkpoint, or a verified manifest's shards. */
-/* The options of DESIGN section 6 that Mixtral's and Llama's layouts do
- * not have: refused by name (the dense FFN is Llama's). */
+/* The options of DESIGN section 6 that Mixtral's, Llama's and Mistral's
+ * layouts do not have: refused by name (the dense FFN is Llama's, a
+ * window on every layer Mistral's sliding_window). */
 static nl_status hf_representable(const nl_config *c, const char *src, nl_error *err)
 {
-    const char *key = !c->causal                             ? "causal: false (an encoder)"
-                      : c->ffn_act != NL_FFN_SWIGLU          ? "ffn_act: geglu"
-                      : c->attention_window > 0              ? "attention_window"
+    const char *key = !c->causal                    ? "causal: false (an encoder)"
+                      : c->ffn_act != NL_FFN_SWIGLU ? "ffn_act: geglu"
+                      : c->attention_window > 0 && !nl_hf_window(c)
+                          ? "attention_window with global layers (global_every above 0)"
                       : c->rope_scaling.type != NL_ROPE_NONE ? "rope_scaling"
                       : c->num_classes > 0                   ? "num_classes (a classifier head)"
                                                              : NULL;
     if (key)
         FAIL(NL_ERR_UNSUPPORTED,
-             "%s: config %s has no place in the MixtralForCausalLM or LlamaForCausalLM layout", src,
-             key);
+             "%s: config %s has no place in the MixtralForCausalLM, LlamaForCausalLM or "
+             "MistralForCausalLM layout",
+             src, key);
     return NL_OK;
 }
 
+/* The source: a checkpoint, or a verified manifest's shards. */
 static nl_status open_ours(hf_conv *c, const char *src, nl_config *cfg, char **tokenizer,
                            nl_error *err)
 {
@@ -316,8 +319,10 @@ nl_status nl_hf_export(const char *src, const char *dir, uint64_t shard_bytes, i
     char *tok = NULL, *cj = NULL, **written = NULL;
     int n_written = 0, created = 0, n_before = 0;
     nl_status st;
-    if ((st = open_ours(&c, src, &cfg, &tok, err)) || (st = hf_representable(&cfg, src, err)) ||
-        (st = hf_build_jobs(&c, err)))
+    if ((st = open_ours(&c, src, &cfg, &tok, err)) || (st = hf_representable(&cfg, src, err)))
+        goto out;
+    snprintf(c.arch, sizeof c.arch, "%s", nl_hf_arch_of(&cfg));
+    if ((st = hf_build_jobs(&c, err)))
         goto out;
     for (int i = 0; i < c.n_jobs && !st; i++)
         st = hf_resolve(&c, &c.jobs[i], c.jobs[i].ours, c.jobs[i].our_rows, 1, err);

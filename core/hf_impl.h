@@ -47,6 +47,7 @@ typedef struct hf_job {
 
 typedef struct hf_conv {
     const nl_config *cfg;
+    char arch[NL_HF_ARCH_MAX]; /* the architecture read or written, for messages */
     int to_ours;
     src_set src;
     hf_job *jobs;

@@ -108,10 +108,15 @@ static nl_status check_unused(hf_conv *c, int tied, nl_error *err)
             if (n > 5 && strcmp(name + n - 5, ".bias") == 0)
                 FAIL(NL_ERR_UNSUPPORTED, "%s: tensor '%.80s': biases are not supported",
                      c->src.f[fi].path, name);
+            if (nl_config_dense(c->cfg))
+                FAIL(NL_ERR_FORMAT,
+                     "%s: tensor '%.80s' is not part of a %s of this config.json "
+                     "(num_hidden_layers %d)",
+                     c->src.f[fi].path, name, c->arch, c->cfg->num_layers);
             FAIL(NL_ERR_FORMAT,
-                 "%s: tensor '%.80s' is not part of a MixtralForCausalLM of this config.json "
+                 "%s: tensor '%.80s' is not part of a %s of this config.json "
                  "(num_hidden_layers %d, num_local_experts %d)",
-                 c->src.f[fi].path, name, c->cfg->num_layers, c->cfg->num_experts);
+                 c->src.f[fi].path, name, c->arch, c->cfg->num_layers, c->cfg->num_experts);
         }
     return NL_OK;
 }
@@ -130,7 +135,7 @@ nl_status nl_hf_import(const char *dir, const char *out, nl_hf_stats *stats, nl_
     if (!cpath)
         return nl_error_set(err, NL_ERR_NOMEM, "out of memory");
     if ((st = nl_file_read_all(cpath, NL_HF_MAX_JSON, &text, &len, err)) ||
-        (st = nl_hf_config_parse(&cfg, &tied, text, len, cpath, err)) ||
+        (st = nl_hf_config_parse(&cfg, &tied, text, len, cpath, c.arch, err)) ||
         (st = open_hf_weights(&c, dir, err)) || (st = hf_build_jobs(&c, err)))
         goto out;
     for (int i = 0; i < c.n_jobs; i++) {
