@@ -293,9 +293,10 @@ static void on_progress(void *ctx, int32_t done, int32_t target)
 }
 
 /* Count the words of every input file. */
-static nl_status read_corpus(const opts *o, nl_bpe_corpus **out, nl_error *err)
+static nl_status read_corpus(const opts *o, nl_tokenizer_split mode, nl_bpe_corpus **out,
+                             nl_error *err)
 {
-    nl_status st = nl_bpe_corpus_new(out, err);
+    nl_status st = nl_bpe_corpus_new(out, mode, err);
     for (int i = 0; i < o->n_inputs && st == NL_OK; i++) {
         char *buf = NULL;
         size_t len = 0;
@@ -322,7 +323,7 @@ static nl_status learn_and_save(const opts *o, nl_tokenizer *t, int32_t add, con
     to.progress = on_progress;
     to.progress_ctx = &p;
     int32_t before = nl_tokenizer_vocab_size(t);
-    nl_status st = read_corpus(o, &c, err);
+    nl_status st = read_corpus(o, nl_tokenizer_split_mode(t), &c, err);
     if (st != NL_OK)
         return st;
     clock_gettime(CLOCK_MONOTONIC, &p.t0);
@@ -397,7 +398,7 @@ static nl_status encode_text(nl_tokenizer *t, const char *s, size_t len, writer 
     nl_status st = NL_OK;
     for (size_t off = 0; off < len && st == NL_OK;) {
         size_t max = ENCODE_CHUNK, p;
-        while ((p = nl_tokenizer_safe_split(s + off, len - off, max)) == 0)
+        while ((p = nl_tokenizer_safe_split(nl_tokenizer_split_mode(t), s + off, len - off, max)) == 0)
             max *= 2; /* one word longer than a chunk */
         if (p > cap) {
             free(ids);

@@ -1,6 +1,7 @@
-/* Byte-level BPE tokenizer: the id tables, the GPT-2 style pre-tokenizer,
- * encoding (merges by rank, with a bounded word cache) and decoding.
- * Learning is in bpe_train.c, the file format in tokenizer_file.c. */
+/* Byte-level BPE tokenizer: the id tables, encoding (merges by rank, with
+ * a bounded word cache) and decoding. The pre-tokenizer is in
+ * tokenizer_split.c, learning in bpe_train.c, the file format in
+ * tokenizer_file.c. */
 #include "tokenizer.h"
 
 #include <limits.h>
@@ -232,6 +233,7 @@ nl_status nl_tokenizer_new_bytes(nl_tokenizer **out, nl_error *err)
         t->pool_len += n;
     }
     t->n_ids = NL_TOKEN_FIRST_MERGE;
+    t->split = NL_TOKENIZER_SPLIT_UNICODE;
     if ((st = nl_tokenizer_set_cache(t, NL_TOKENIZER_DEFAULT_CACHE, err)) != NL_OK)
         goto fail;
     *out = t;
@@ -272,6 +274,11 @@ int32_t nl_tokenizer_num_merges(const nl_tokenizer *t)
     return t->n_ids - NL_TOKEN_FIRST_MERGE;
 }
 
+nl_tokenizer_split nl_tokenizer_split_mode(const nl_tokenizer *t)
+{
+    return t->split;
+}
+
 int nl_tokenizer_is_special(int32_t id)
 {
     return id >= NL_TOKEN_BEGIN && id <= NL_TOKEN_PAD;
@@ -294,97 +301,6 @@ nl_status nl_tokenizer_merge_pair(const nl_tokenizer *t, int32_t id, int32_t *a,
     *a = t->merges[2 * (size_t)(id - NL_TOKEN_FIRST_MERGE)];
     *b = t->merges[2 * (size_t)(id - NL_TOKEN_FIRST_MERGE) + 1];
     return NL_OK;
-}
-
-/* ------------------------------------------------------------------ */
-/* pre-tokenization                                                    */
-/* ------------------------------------------------------------------ */
-
-/* Byte classes: whitespace (tab, LF, VT, FF, CR, space), letters (ASCII
- * letters and every byte >= 0x80), digits, and other. */
-enum { CW = 0, CL = 1, CN = 2, CO = 3 };
-
-#define ROW_OTHER CO, CO, CO, CO, CO, CO, CO, CO, CO, CO, CO, CO, CO, CO, CO, CO
-#define ROW_LETTER CL, CL, CL, CL, CL, CL, CL, CL, CL, CL, CL, CL, CL, CL, CL, CL
-static const uint8_t byte_class[256] = {
-    CO,         CO,         CO,         CO,         CO, CO, CO, CO,
-    CO,         CW,         CW,         CW,         CW, CW, CO, CO, /* 0x00 */
-    ROW_OTHER,                                                      /* 0x10 */
-    CW,         CO,         CO,         CO,         CO, CO, CO, CO,
-    CO,         CO,         CO,         CO,         CO, CO, CO, CO, /* 0x20 */
-    CN,         CN,         CN,         CN,         CN, CN, CN, CN,
-    CN,         CN,         CO,         CO,         CO, CO, CO, CO, /* 0x30 */
-    CO,         CL,         CL,         CL,         CL, CL, CL, CL,
-    CL,         CL,         CL,         CL,         CL, CL, CL, CL, /* 0x40 */
-    CL,         CL,         CL,         CL,         CL, CL, CL, CL,
-    CL,         CL,         CL,         CO,         CO, CO, CO, CO, /* 0x50 */
-    CO,         CL,         CL,         CL,         CL, CL, CL, CL,
-    CL,         CL,         CL,         CL,         CL, CL, CL, CL, /* 0x60 */
-    CL,         CL,         CL,         CL,         CL, CL, CL, CL,
-    CL,         CL,         CL,         CO,         CO, CO, CO, CO, /* 0x70 */
-    ROW_LETTER, ROW_LETTER, ROW_LETTER, ROW_LETTER,                 /* 0x80 */
-    ROW_LETTER, ROW_LETTER, ROW_LETTER, ROW_LETTER,                 /* 0xC0 */
-};
-
-/* Length of a contraction ('s 't 're 've 'm 'll 'd) at s[i] == '\'', or 0. */
-static size_t contraction_len(const uint8_t *s, size_t len, size_t i)
-{
-    if (i + 1 >= len)
-        return 0;
-    uint8_t d = s[i + 1];
-    if (d == 's' || d == 't' || d == 'm' || d == 'd')
-        return 2;
-    if (i + 2 >= len)
-        return 0;
-    uint8_t e = s[i + 2];
-    if ((d == 'r' && e == 'e') || (d == 'v' && e == 'e') || (d == 'l' && e == 'l'))
-        return 3;
-    return 0;
-}
-
-size_t nl_tokenizer_split_next(const void *text, size_t len, size_t i)
-{
-    const uint8_t *s = text;
-    if (i >= len)
-        return len;
-    uint8_t c = s[i];
-    if (c == '\'') {
-        size_t k = contraction_len(s, len, i);
-        if (k)
-            return i + k;
-    }
-    size_t j = i;
-    int cls = byte_class[c];
-    if (c == ' ' && i + 1 < len && byte_class[s[i + 1]] != CW) {
-        j = i + 1;
-        cls = byte_class[s[j]];
-    }
-    if (cls != CW) {
-        /* ` ?` then a run of letters, of digits or of other bytes */
-        j++;
-        while (j < len && byte_class[s[j]] == cls)
-            j++;
-        return j;
-    }
-    /* a whitespace run; one followed by a non-space leaves its last byte
-     * to the next word (`\s+(?!\S)`), unless it is one byte long (`\s+`) */
-    j = i + 1;
-    while (j < len && byte_class[s[j]] == CW)
-        j++;
-    if (j < len && j - i >= 2)
-        return j - 1;
-    return j;
-}
-
-size_t nl_tokenizer_safe_split(const void *text, size_t len, size_t max)
-{
-    const uint8_t *s = text;
-    if (len <= max)
-        return len;
-    for (size_t p = max; p >= 1; p--)
-        if (byte_class[s[p]] == CW && byte_class[s[p - 1]] != CW)
-            return p;
-    return 0;
 }
 
 /* ------------------------------------------------------------------ */
@@ -603,7 +519,7 @@ nl_status nl_tokenizer_encode_into(nl_tokenizer *t, const void *text, size_t len
             return st;
     }
     for (size_t pos = 0; pos < len;) {
-        size_t end = nl_tokenizer_split_next(s, len, pos), wl = end - pos, k = 0;
+        size_t end = nl_tokenizer_split_next(t->split, s, len, pos), wl = end - pos, k = 0;
         const int32_t *ids = NULL;
         int32_t one = s[pos];
         if (wl == 1) {

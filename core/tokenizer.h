@@ -4,8 +4,9 @@
  * <|end|> and <|pad|>, and every id from 259 on is a merge (a, b) whose
  * bytes are the bytes of a followed by the bytes of b. Merges are applied
  * by rank (the order they were learned). Text is first split into words in
- * the manner of GPT-2 (see nl_tokenizer_split_next and docs/tokenizer.md),
- * so a merge never crosses a word boundary.
+ * the manner of GPT-2 over Unicode letter, number and space classes (see
+ * nl_tokenizer_split_next and docs/tokenizer.md), so a merge never crosses
+ * a word boundary.
  *
  * Any byte string round-trips: decode(encode(x)) == x. Encoding never
  * emits the special ids; decoding a special id yields its name unless
@@ -95,13 +96,23 @@ nl_status nl_tokenizer_decode_flags(const nl_tokenizer *t, const int32_t *ids, s
 
 /* ---- pre-tokenization ---- */
 
+/* The classes the GPT-2 rule runs over: Unicode's (new tokenizers, and
+ * Hugging Face's ByteLevel pre-tokenizer), or version 1 files' bytes
+ * (every byte >= 0x80 a letter), kept for the models trained with them. */
+typedef enum {
+    NL_TOKENIZER_SPLIT_UNICODE = 0,
+    NL_TOKENIZER_SPLIT_BYTES = 1,
+} nl_tokenizer_split;
+
+nl_tokenizer_split nl_tokenizer_split_mode(const nl_tokenizer *t);
 /* End (exclusive) of the word that starts at pos (len if pos >= len). */
-size_t nl_tokenizer_split_next(const void *text, size_t len, size_t pos);
+size_t nl_tokenizer_split_next(nl_tokenizer_split mode, const void *text, size_t len, size_t pos);
 /* The largest p <= max (0 < p) at which text may be cut so that encoding
  * text[0, p) and text[p, len) separately gives the same ids as encoding
- * the whole: a whitespace byte that follows a non-whitespace byte, or
- * len itself when len <= max. 0 when there is no such place. */
-size_t nl_tokenizer_safe_split(const void *text, size_t len, size_t max);
+ * the whole: an ASCII whitespace byte that follows a character that is
+ * not whitespace, or len itself when len <= max. 0 when there is no such
+ * place. */
+size_t nl_tokenizer_safe_split(nl_tokenizer_split mode, const void *text, size_t len, size_t max);
 
 /* ---- learning ---- */
 
@@ -121,16 +132,18 @@ typedef struct nl_tokenizer_train_opts {
 nl_tokenizer_train_opts nl_tokenizer_train_opts_default(void);
 
 /* Word counts of a corpus, fed in pieces (e.g. one file at a time). Each
- * piece is split into words on its own; a word never spans two pieces. */
+ * piece is split into words on its own (by `mode`: the split of the
+ * tokenizer it will teach); a word never spans two pieces. */
 typedef struct nl_bpe_corpus nl_bpe_corpus;
 
-nl_status nl_bpe_corpus_new(nl_bpe_corpus **out, nl_error *err);
+nl_status nl_bpe_corpus_new(nl_bpe_corpus **out, nl_tokenizer_split mode, nl_error *err);
 void nl_bpe_corpus_destroy(nl_bpe_corpus **c);
 nl_status nl_bpe_corpus_add(nl_bpe_corpus *c, const void *text, size_t len, nl_error *err);
 size_t nl_bpe_corpus_unique_words(const nl_bpe_corpus *c);
 
 /* Add up to add_n merges learned from the corpus, which is first encoded
- * with the existing merges. New ids follow the existing ones; existing ids
+ * with the existing merges (NL_ERR_INVALID when the corpus was split
+ * otherwise than t splits). New ids follow the existing ones; existing ids
  * keep their bytes. Fewer merges are added when the pairs run out (see
  * min_count) or the id space (NL_TOKENIZER_MAX_IDS) is full. */
 nl_status nl_tokenizer_learn_corpus(nl_tokenizer *t, const nl_bpe_corpus *c, int32_t add_n,

@@ -1,10 +1,14 @@
-/* The tokenizer file, "neurollm-bpe 1": printable ASCII text, so that a
- * checkpoint can carry it as a metadata string.
+/* The tokenizer file: printable ASCII text, so that a checkpoint can carry
+ * it as a metadata string.
  *
- *     neurollm-bpe 1\n
+ *     neurollm-bpe 2\n
+ *     split unicode\n  (or bytes: the pre-tokenizer's classes)
  *     merges N\n
  *     A B\n            N lines: merge rank r defines id 259 + r
  *
+ * Version 1 has no split line and means split bytes (the classes every
+ * tokenizer had before version 2); a tokenizer that splits by bytes is
+ * still written as version 1, so such files round trip unchanged.
  * Numbers are decimal without sign or leading zeros, fields are separated
  * by exactly one space, every line ends with '\n' and nothing follows the
  * last merge. The reader accepts exactly what the writer produces, so
@@ -20,7 +24,7 @@
 #include "tokenizer_impl.h"
 
 #define MAGIC "neurollm-bpe"
-#define VERSION 1
+#define VERSION 2 /* the newest this reads; 1 is read too */
 
 /* ---- writing ---- */
 
@@ -46,7 +50,11 @@ nl_status nl_tokenizer_save_buffer(const nl_tokenizer *t, char **out, size_t *le
     char *buf = malloc(64 + nm * 22);
     if (!buf)
         return nl_error_set(err, NL_ERR_NOMEM, "tokenizer: out of memory saving %zu merges", nm);
-    char *p = buf + snprintf(buf, 64, "%s %d\nmerges %zu\n", MAGIC, VERSION, nm);
+    char *p = buf;
+    if (t->split == NL_TOKENIZER_SPLIT_BYTES)
+        p += snprintf(buf, 64, "%s 1\nmerges %zu\n", MAGIC, nm);
+    else
+        p += snprintf(buf, 64, "%s 2\nsplit unicode\nmerges %zu\n", MAGIC, nm);
     for (size_t r = 0; r < nm; r++) {
         p = put_u32(p, (uint32_t)t->merges[2 * r]);
         *p++ = ' ';
@@ -149,17 +157,41 @@ static nl_status parse_num(parser *ps, int64_t max, const char *what, int64_t *o
     return NL_OK;
 }
 
-static nl_status parse_header(parser *ps, int64_t *count)
+/* Version 2's "split unicode" or "split bytes" line. */
+static nl_status parse_split(parser *ps, nl_tokenizer_split *split)
+{
+    static const char *const names[2] = {"unicode", "bytes"};
+    nl_status st;
+    const char *kw = "split ";
+    for (size_t i = 0; kw[i]; i++)
+        if ((st = expect_byte(ps, (uint8_t)kw[i], "'split unicode' or 'split bytes'")) != NL_OK)
+            return st;
+    for (int m = 0; m < 2; m++) {
+        size_t n = strlen(names[m]), have = ps->len - ps->pos;
+        if (have <= n && memcmp(ps->s + ps->pos, names[m], have) == 0)
+            ps->pos = ps->len; /* cut inside the word: "end of file (truncated)" */
+        if (ps->len - ps->pos > n && memcmp(ps->s + ps->pos, names[m], n) == 0 &&
+            ps->s[ps->pos + n] == '\n') {
+            ps->pos += n;
+            *split = m == 0 ? NL_TOKENIZER_SPLIT_UNICODE : NL_TOKENIZER_SPLIT_BYTES;
+            return expect_byte(ps, '\n', "end of line after the split");
+        }
+    }
+    char fb[32];
+    return fail(ps, NL_ERR_FORMAT, "expected unicode or bytes after 'split', found %s",
+                found(ps, fb, sizeof fb));
+}
+
+static nl_status parse_header(parser *ps, int64_t *count, nl_tokenizer_split *split)
 {
     size_t ml = strlen(MAGIC);
     size_t have = ps->len < ml ? ps->len : ml;
     int64_t version = 0;
     nl_status st;
     if (ps->len == 0)
-        return fail(ps, NL_ERR_FORMAT, "empty file (expected '%s %d')", MAGIC, VERSION);
+        return fail(ps, NL_ERR_FORMAT, "empty file (expected '%s N')", MAGIC);
     if (memcmp(ps->s, MAGIC, have) != 0)
-        return fail(ps, NL_ERR_FORMAT, "bad magic: not a tokenizer file (expected '%s %d')", MAGIC,
-                    VERSION);
+        return fail(ps, NL_ERR_FORMAT, "bad magic: not a tokenizer file (expected '%s N')", MAGIC);
     if (have < ml) {
         ps->pos = have;
         return fail(ps, NL_ERR_FORMAT, "file ends inside the magic '%s' (truncated)", MAGIC);
@@ -170,12 +202,15 @@ static nl_status parse_header(parser *ps, int64_t *count)
     size_t vpos = ps->pos;
     if ((st = parse_num(ps, INT32_MAX, "version", &version)) != NL_OK)
         return st;
-    if (version != VERSION) {
+    if (version < 1 || version > VERSION) {
         ps->pos = vpos;
-        return fail(ps, NL_ERR_VERSION, "version %lld is not supported (this build reads %d)",
+        return fail(ps, NL_ERR_VERSION, "version %lld is not supported (this build reads 1 and %d)",
                     (long long)version, VERSION);
     }
     if ((st = expect_byte(ps, '\n', "end of line after the version")) != NL_OK)
+        return st;
+    *split = NL_TOKENIZER_SPLIT_BYTES;
+    if (version >= 2 && (st = parse_split(ps, split)) != NL_OK)
         return st;
     const char *kw = "merges ";
     for (size_t i = 0; kw[i]; i++)
@@ -254,11 +289,13 @@ nl_status nl_tokenizer_load_buffer(nl_tokenizer **out, const void *buf, size_t l
     nl_tokenizer *t = NULL;
     parser ps = {.s = buf, .len = len, .pos = 0, .line = 1, .err = err};
     int64_t count = 0;
-    nl_status st = parse_header(&ps, &count);
+    nl_tokenizer_split split = NL_TOKENIZER_SPLIT_BYTES;
+    nl_status st = parse_header(&ps, &count, &split);
     if (st != NL_OK)
         return st;
     if ((st = nl_tokenizer_new_bytes(&t, err)) != NL_OK)
         return st;
+    t->split = split;
     if ((st = parse_merges(&ps, t, count)) != NL_OK) {
         nl_tokenizer_destroy(&t);
         return st;

@@ -32,6 +32,7 @@ typedef struct nl_tok_cache {
 } nl_tok_cache;
 
 struct nl_tokenizer {
+    nl_tokenizer_split split; /* the pre-tokenizer's classes */
     int32_t n_ids, cap_ids;
     int32_t *merges;   /* (a, b) for merge rank r at [2r], [2r + 1] */
     size_t *tok_off;   /* offset of each id's bytes in pool */

@@ -18,11 +18,11 @@ static uint32_t rnd(void)
 /* ---- helpers ---- */
 
 /* The words of s joined by '|'. */
-static void split_join(const char *s, size_t len, char *out, size_t cap)
+static void split_join(nl_tokenizer_split mode, const char *s, size_t len, char *out, size_t cap)
 {
     size_t o = 0;
     for (size_t pos = 0; pos < len;) {
-        size_t end = nl_tokenizer_split_next(s, len, pos);
+        size_t end = nl_tokenizer_split_next(mode, s, len, pos);
         if (pos && o + 1 < cap)
             out[o++] = '|';
         for (size_t i = pos; i < end && o + 1 < cap; i++)
@@ -39,7 +39,8 @@ static size_t ref_encode(const nl_tokenizer *t, const uint8_t *s, size_t len, in
     size_t n = 0;
     int32_t nm = nl_tokenizer_num_merges(t);
     for (size_t pos = 0; pos < len;) {
-        size_t end = nl_tokenizer_split_next(s, len, pos), k = end - pos;
+        size_t end = nl_tokenizer_split_next(nl_tokenizer_split_mode(t), s, len, pos),
+               k = end - pos;
         int32_t *w = out + n;
         for (size_t i = 0; i < k; i++)
             w[i] = s[pos + i];
@@ -126,18 +127,56 @@ static void test_split(void)
         {"x \t y", "x| \t| y"},
     };
     char got[256];
+    /* both class tables agree on ASCII and on these: the version 1 byte
+     * classes (every byte >= 0x80 a letter) first */
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        split_join(cases[i].in, strlen(cases[i].in), got, sizeof got);
+        split_join(NL_TOKENIZER_SPLIT_BYTES, cases[i].in, strlen(cases[i].in), got, sizeof got);
         CHECK(strcmp(got, cases[i].want) == 0, "split '%s': got '%s' want '%s'", cases[i].in, got,
               cases[i].want);
+        if (strstr(cases[i].in, "\xf0\x9f\x98\x80"))
+            continue; /* an emoji is a letter only to the byte classes */
+        split_join(NL_TOKENIZER_SPLIT_UNICODE, cases[i].in, strlen(cases[i].in), got, sizeof got);
+        CHECK(strcmp(got, cases[i].want) == 0, "unicode split '%s': got '%s' want '%s'",
+              cases[i].in, got, cases[i].want);
+    }
+    /* Unicode classes, as the `tokenizers` library's ByteLevel
+     * pre-tokenizer cuts them (each checked with tokenizers 0.15.2) */
+    static const struct {
+        const char *in, *want;
+    } uni[] = {
+        {"don\u2019t won\u2019t it\u2019s",
+         "don|\u2019|t| won|\u2019|t| it|\u2019|s"}, /* 11 words, not 3 */
+        {"na\u00efve caf\u00e9", "na\u00efve| caf\u00e9"},
+        {"a\u2014b", "a|\u2014|b"},
+        {"x\u3000\u3000y", "x|\u3000|\u3000|y"},
+        {"x \u3000y", "x| |\u3000|y"},
+        {"x\u00a0y", "x|\u00a0|y"},
+        {"\u00bd\u00b2 \u2460x", "\u00bd\u00b2| \u2460|x"},
+        {"hi\U0001F600there, x", "hi|\U0001F600|there|,| x"},
+        {"x\xc2\x85\xc2\x85y", "x|\xc2\x85|\xc2\x85|y"}, /* U+0085 */
+        {"2024\u5e74", "2024|\u5e74"},
+        {"\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8",
+         "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8"},
+        {"e\u0301t", "e|\u0301|t"},
+        {"a\xff\xfe" "b \xc3", "a|\xff\xfe|b| \xc3"}, /* invalid UTF-8: class other */
+        {"\xe3\x80 a", "\xe3\x80| a"},
+    };
+    for (size_t i = 0; i < sizeof uni / sizeof uni[0]; i++) {
+        split_join(NL_TOKENIZER_SPLIT_UNICODE, uni[i].in, strlen(uni[i].in), got, sizeof got);
+        CHECK(strcmp(got, uni[i].want) == 0, "unicode split case %zu '%s': got '%s' want '%s'", i,
+              uni[i].in, got, uni[i].want);
     }
     /* NUL bytes are "other" bytes */
     const char nul[] = {'a', 0, 0, 'b', ' ', 0};
-    size_t e1 = nl_tokenizer_split_next(nul, sizeof nul, 0);
-    size_t e2 = nl_tokenizer_split_next(nul, sizeof nul, e1);
-    size_t e3 = nl_tokenizer_split_next(nul, sizeof nul, e2);
-    size_t e4 = nl_tokenizer_split_next(nul, sizeof nul, e3);
-    CHECK(e1 == 1 && e2 == 3 && e3 == 4 && e4 == 6, "NUL split %zu %zu %zu %zu", e1, e2, e3, e4);
+    for (int m = 0; m < 2; m++) {
+        nl_tokenizer_split mode = m ? NL_TOKENIZER_SPLIT_BYTES : NL_TOKENIZER_SPLIT_UNICODE;
+        size_t e1 = nl_tokenizer_split_next(mode, nul, sizeof nul, 0);
+        size_t e2 = nl_tokenizer_split_next(mode, nul, sizeof nul, e1);
+        size_t e3 = nl_tokenizer_split_next(mode, nul, sizeof nul, e2);
+        size_t e4 = nl_tokenizer_split_next(mode, nul, sizeof nul, e3);
+        CHECK(e1 == 1 && e2 == 3 && e3 == 4 && e4 == 6, "NUL split %zu %zu %zu %zu", e1, e2, e3,
+              e4);
+    }
 }
 
 static void test_safe_split(void)
@@ -148,13 +187,22 @@ static void test_safe_split(void)
     CHECK_OK(nl_tokenizer_train(&t, corpus, strlen(corpus), 300, NULL, &err), &err);
     if (!t)
         return;
-    static const char alpha[] = "the cat's  \n\t.,'sdog";
-    char buf[400];
-    for (int iter = 0; iter < 200; iter++) {
-        size_t len = 1 + rnd() % sizeof buf;
-        for (size_t i = 0; i < len; i++)
-            buf[i] = alpha[rnd() % (sizeof alpha - 1)];
-        size_t max = rnd() % len, p = nl_tokenizer_safe_split(buf, len, max);
+    /* ASCII, and pieces of UTF-8: ideographic space, no-break space,
+     * a curly quote, a letter, and a lone continuation byte */
+    static const char *alpha[] = {"t",        "h",        "e", " ", " ",  "c", "'", "s", "\n",
+                                  "\t",       ".",        ",", "d", "\u3000", "\u00a0",
+                                  "\u2019",   "\u00e9", "\x80"};
+    const size_t n_alpha = sizeof alpha / sizeof alpha[0];
+    char buf[1400];
+    for (int iter = 0; iter < 400; iter++) {
+        size_t len = 0, want = 1 + rnd() % 400;
+        while (len < want) {
+            const char *piece = alpha[rnd() % n_alpha];
+            memcpy(buf + len, piece, strlen(piece));
+            len += strlen(piece);
+        }
+        size_t max = rnd() % len,
+               p = nl_tokenizer_safe_split(nl_tokenizer_split_mode(t), buf, len, max);
         if (p == 0)
             continue;
         CHECK(p <= max || (p == len && len <= max), "split %zu beyond %zu", p, max);
@@ -170,9 +218,12 @@ static void test_safe_split(void)
         free(a);
         free(b);
     }
-    CHECK(nl_tokenizer_safe_split("aaaa", 4, 2) == 0, "no safe split in one word");
-    CHECK(nl_tokenizer_safe_split("ab cd", 5, 4) == 2, "split before the space");
-    CHECK(nl_tokenizer_safe_split("ab", 2, 5) == 2, "whole text fits");
+    const nl_tokenizer_split U = NL_TOKENIZER_SPLIT_UNICODE;
+    CHECK(nl_tokenizer_safe_split(U, "aaaa", 4, 2) == 0, "no safe split in one word");
+    CHECK(nl_tokenizer_safe_split(U, "ab cd", 5, 4) == 2, "split before the space");
+    CHECK(nl_tokenizer_safe_split(U, "ab", 2, 5) == 2, "whole text fits");
+    CHECK(nl_tokenizer_safe_split(U, "a\u3000 b", 6, 5) == 0, "not after an ideographic space");
+    CHECK(nl_tokenizer_safe_split(U, "a\u00e9 b", 5, 4) == 3, "after a two-byte letter");
     nl_tokenizer_destroy(&t);
 }
 
@@ -263,7 +314,7 @@ static int naive_train(const char *text, size_t len, int nmerges, int32_t (*out)
     for (size_t i = 0; i < len; i++)
         sym[i] = (uint8_t)text[i];
     for (size_t pos = 0; pos < len;)
-        pos = wend[nw++] = nl_tokenizer_split_next(text, len, pos);
+        pos = wend[nw++] = nl_tokenizer_split_next(NL_TOKENIZER_SPLIT_UNICODE, text, len, pos);
     int made = 0;
     for (; made < nmerges; made++) {
         memset(cnt, 0, (size_t)maxid * maxid * sizeof *cnt);
@@ -621,7 +672,7 @@ static void test_save_load(void)
     char *a = NULL, *b = NULL;
     size_t al = 0, bl = 0;
     CHECK_OK(nl_tokenizer_save_buffer(t, &a, &al, &err), &err);
-    const char *head = "neurollm-bpe 1\nmerges 12\n101 115\n259 116\n";
+    const char *head = "neurollm-bpe 2\nsplit unicode\nmerges 12\n101 115\n259 116\n";
     CHECK(a && strncmp(a, head, strlen(head)) == 0 && a[al] == '\0', "file starts '%s'", head);
     for (size_t i = 0; a && i < al; i++)
         if (!(a[i] == '\n' || (a[i] >= 0x20 && a[i] < 0x7F))) {
@@ -689,7 +740,12 @@ static void test_corrupt_matrix(void)
         {"neurollm-bpf 1\nmerges 0\n", "line 1, offset 0: bad magic", NL_ERR_FORMAT},
         {"NEUROLLM-BPE 1\nmerges 0\n", "bad magic", NL_ERR_FORMAT},
         {"\x89PNG\r\n", "bad magic", NL_ERR_FORMAT},
-        {"neurollm-bpe 2\nmerges 0\n", "line 1, offset 13: version 2 is not supported",
+        {"neurollm-bpe 2\nmerges 0\n", "line 2, offset 15: expected 'split unicode' or 'split bytes'",
+         NL_ERR_FORMAT},
+        {"neurollm-bpe 2\nsplit ascii\nmerges 0\n", "expected unicode or bytes after 'split'",
+         NL_ERR_FORMAT},
+        {"neurollm-bpe 2\nsplit unicode", "expected unicode or bytes", NL_ERR_FORMAT},
+        {"neurollm-bpe 3\nmerges 0\n", "line 1, offset 13: version 3 is not supported",
          NL_ERR_VERSION},
         {"neurollm-bpe 0\nmerges 0\n", "version 0", NL_ERR_VERSION},
         {"neurollm-bpe 01\nmerges 0\n", "version has a leading zero", NL_ERR_FORMAT},
@@ -762,7 +818,50 @@ static void test_corrupt_matrix(void)
     const char *good = "neurollm-bpe 1\nmerges 2\n97 98\n259 99\n";
     CHECK_OK(nl_tokenizer_load_buffer(&t, good, strlen(good), &err), &err);
     CHECK(t && nl_tokenizer_vocab_size(t) == 261, "good file loads");
+    /* version 1 keeps its byte classes, and is written back as it was */
+    char *back = NULL;
+    size_t bl = 0;
+    CHECK(t && nl_tokenizer_split_mode(t) == NL_TOKENIZER_SPLIT_BYTES, "version 1 splits by bytes");
+    CHECK_OK(t ? nl_tokenizer_save_buffer(t, &back, &bl, &err) : NL_ERR_INTERNAL, &err);
+    CHECK(back && bl == strlen(good) && !memcmp(back, good, bl), "version 1 saved as version 1");
+    free(back);
     nl_tokenizer_destroy(&t);
+    const char *v2[2] = {"neurollm-bpe 2\nsplit unicode\nmerges 1\n97 98\n",
+                         "neurollm-bpe 2\nsplit bytes\nmerges 1\n97 98\n"};
+    for (int i = 0; i < 2; i++) {
+        CHECK_OK(nl_tokenizer_load_buffer(&t, v2[i], strlen(v2[i]), &err), &err);
+        CHECK(t && nl_tokenizer_split_mode(t) ==
+                       (i ? NL_TOKENIZER_SPLIT_BYTES : NL_TOKENIZER_SPLIT_UNICODE),
+              "version 2 split %d", i);
+        nl_tokenizer_destroy(&t);
+    }
+    /* the same merges, the two splits: curly quotes differ */
+    nl_tokenizer *u = NULL, *b = NULL;
+    const char *v1 = "neurollm-bpe 1\nmerges 0\n", *un = "neurollm-bpe 2\nsplit unicode\nmerges 0\n";
+    CHECK_OK(nl_tokenizer_load_buffer(&b, v1, strlen(v1), &err), &err);
+    CHECK_OK(nl_tokenizer_load_buffer(&u, un, strlen(un), &err), &err);
+    const char *text = "don\u2019t";
+    CHECK_OK(nl_tokenizer_learn(u, text, strlen(text), 10, &(nl_tokenizer_train_opts){.min_count = 1},
+                                &err),
+             &err);
+    CHECK_OK(nl_tokenizer_learn(b, text, strlen(text), 10, &(nl_tokenizer_train_opts){.min_count = 1},
+                                &err),
+             &err);
+    int32_t *iu = NULL, *ib = NULL;
+    size_t nu = 0, nb = 0;
+    CHECK_OK(nl_tokenizer_encode(u, text, strlen(text), &iu, &nu, &err), &err);
+    CHECK_OK(nl_tokenizer_encode(b, text, strlen(text), &ib, &nb, &err), &err);
+    CHECK(nu == 3 && nb == 1, "don't with a curly quote: %zu ids (unicode, want 3), %zu (bytes, 1)", nu,
+          nb);
+    free(iu), free(ib);
+    nl_bpe_corpus *c = NULL;
+    CHECK_OK(nl_bpe_corpus_new(&c, NL_TOKENIZER_SPLIT_BYTES, &err), &err);
+    CHECK(nl_tokenizer_learn_corpus(u, c, 1, NULL, &err) == NL_ERR_INVALID &&
+              strstr(err.msg, "by byte classes"),
+          "a corpus cut otherwise is refused: %s", err.msg);
+    nl_bpe_corpus_destroy(&c);
+    nl_tokenizer_destroy(&u);
+    nl_tokenizer_destroy(&b);
 }
 
 int main(void)
