@@ -467,7 +467,7 @@ static nl_status decode_text(const nl_tokenizer *t, const opts *o, const char *s
                               "(ids 0..%d)",
                               name, line, start, (int)(pos - start > 20 ? 20 : pos - start),
                               s + start, pos - start > 20 ? "..." : "", vocab - 1);
-        } else if (o->strict && nl_tokenizer_is_special((int32_t)v)) {
+        } else if (o->strict && nl_tokenizer_is_special(t, (int32_t)v)) {
             st = nl_error_set(err, NL_ERR_RANGE,
                               "%s line %zu, offset %zu: special id %lld refused (--strict)", name,
                               line, start, v);
@@ -520,7 +520,7 @@ static int cmd_info(const opts *o, nl_error *err)
         const uint8_t *p;
         size_t l;
         nl_tokenizer_token_bytes(t, id, &p, &l);
-        if (!nl_tokenizer_is_special(id) && l > longest) {
+        if (!nl_tokenizer_is_special(t, id) && l > longest) {
             longest = l;
             longest_id = id;
         }

@@ -49,7 +49,7 @@ static char *token_string(const nl_tokenizer *t, int32_t id)
     if (!s)
         return NULL;
     for (size_t i = 0; i < n; i++)
-        o += nl_tokenizer_is_special(id) ? (*o = (char)p[i], 1) : byte_char(p[i], o);
+        o += nl_tokenizer_is_special(t, id) ? (*o = (char)p[i], 1) : byte_char(p[i], o);
     *o = '\0';
     return s;
 }

@@ -58,16 +58,26 @@ void nl_tokenizer_destroy(nl_tokenizer **t);
 /* Number of ids defined: 259 + number of merges. */
 int32_t nl_tokenizer_vocab_size(const nl_tokenizer *t);
 int32_t nl_tokenizer_num_merges(const nl_tokenizer *t);
-int nl_tokenizer_is_special(int32_t id);
+/* Whether id is a special token: 256..258 in a native tokenizer, the
+ * added tokens of an imported one. Encoding never emits one. */
+int nl_tokenizer_is_special(const nl_tokenizer *t, int32_t id);
+/* 1 for our own id layout (bytes 0..255, specials 256..258, merge r is
+ * id 259 + r); 0 for a tokenizer imported with another library's ids
+ * (docs/tokenizer.md, "Imported tokenizers"). */
+int nl_tokenizer_is_native(const nl_tokenizer *t);
 
 /* The bytes of id (a special id gives its name). *ptr points into the
  * tokenizer and stays valid until it is destroyed (learning moves it:
  * fetch again after nl_tokenizer_learn). NL_ERR_RANGE for an unknown id. */
 nl_status nl_tokenizer_token_bytes(const nl_tokenizer *t, int32_t id, const uint8_t **ptr,
                                    size_t *len);
-/* The two ids merged into id (id >= NL_TOKEN_FIRST_MERGE), e.g. to
- * initialise a new embedding row from its parts. NL_ERR_RANGE otherwise. */
+/* The two ids merged into id (the first merge that makes it), e.g. to
+ * initialise a new embedding row from its parts. NL_ERR_RANGE for an id
+ * no merge makes. */
 nl_status nl_tokenizer_merge_pair(const nl_tokenizer *t, int32_t id, int32_t *a, int32_t *b);
+/* Merge number rank: (a, b) makes out. NL_ERR_RANGE past the last. */
+nl_status nl_tokenizer_merge_at(const nl_tokenizer *t, int32_t rank, int32_t *a, int32_t *b,
+                                int32_t *out);
 
 /* Size of the encoder's word cache in words (0 disables it; at most
  * 2^24). It is allocated on the first encode: about 100 bytes per word. */

@@ -61,7 +61,7 @@ static void round_trip(nl_tokenizer *t, const uint8_t *s, size_t len)
     require(n <= len);
     for (size_t i = 0; i < n; i++)
         require(ids[i] >= 0 && ids[i] < nl_tokenizer_vocab_size(t) &&
-                !nl_tokenizer_is_special(ids[i]));
+                !nl_tokenizer_is_special(t, ids[i]));
     if ((uint64_t)len * (uint64_t)(nl_tokenizer_num_merges(t) + 1) < 400000) {
         int32_t *ref = malloc((len ? len : 1) * sizeof *ref);
         require(ref != NULL);

@@ -483,8 +483,8 @@ static void test_incremental(void)
     CHECK(same, "old ids keep their bytes");
     for (int32_t id = old; id < now; id++) {
         nl_tokenizer_merge_pair(t, id, &a, &b);
-        if (!(a >= 0 && a < id && b >= 0 && b < id && !nl_tokenizer_is_special(a) &&
-              !nl_tokenizer_is_special(b)))
+        if (!(a >= 0 && a < id && b >= 0 && b < id && !nl_tokenizer_is_special(t, a) &&
+              !nl_tokenizer_is_special(t, b)))
             same = 0;
     }
     CHECK(same, "new merges refer to earlier ids only");
