@@ -11,6 +11,7 @@
 
 #include "base/args.h"
 #include "commands.h"
+#include "core/checkpoint.h"
 #include "core/fileio.h"
 #include "core/tokenizer.h"
 
@@ -38,11 +39,14 @@ static const char *const usage_text =
     "         bytes in, token ids out as whitespace-separated decimal text\n"
     "  decode --tokenizer TOK [--input FILE] [--output FILE] [--strict]\n"
     "         ids (decimal, whitespace-separated) in, bytes out; --strict refuses\n"
-    "         the special ids 256..258, which otherwise decode to their names\n"
+    "         the special ids (256..258; an imported tokenizer's added tokens), which\n"
+    "         otherwise decode to their names\n"
     "  info   --tokenizer TOK\n"
     "         vocabulary size, merges and longest token\n"
     "\n"
-    "Input and output default to stdin and stdout ('-' names them too). Each input\n"
+    "TOK is a tokenizer file, or a checkpoint (.safetensors) that carries one (read\n"
+    "only: learn writes a file). Input and output default to stdin and stdout ('-'\n"
+    "names them too). Each input\n"
     "is read whole, up to 1 GiB. Output files are written atomically. --min-count K\n"
     "stops learning when the most frequent pair occurs fewer than K times\n"
     "(default 2). An existing --out is replaced only with --force. Progress goes to\n"
@@ -313,6 +317,19 @@ static nl_status read_corpus(const opts *o, nl_tokenizer_split mode, nl_bpe_corp
     return st;
 }
 
+/* --tokenizer: a tokenizer file, or a checkpoint (.safetensors) that
+ * carries one (e.g. one `neuroctl import --hf` wrote). */
+static nl_status load_tokenizer(const char *path, nl_tokenizer **t, nl_error *err)
+{
+    size_t n = strlen(path);
+    if (n < 12 || strcmp(path + n - 12, ".safetensors") != 0)
+        return nl_tokenizer_load(t, path, err);
+    nl_status st = nl_checkpoint_tokenizer(path, t, err);
+    if (st == NL_OK && !*t)
+        st = nl_error_set(err, NL_ERR_NOTFOUND, "%s: the checkpoint carries no tokenizer", path);
+    return st;
+}
+
 static nl_status learn_and_save(const opts *o, nl_tokenizer *t, int32_t add, const char *path,
                                 nl_error *err)
 {
@@ -371,7 +388,7 @@ static int cmd_learn(const opts *o, nl_error *err)
     if (o->out && out_exists(o))
         return 1;
     nl_tokenizer *t = NULL;
-    nl_status st = nl_tokenizer_load(&t, o->tokenizer, err);
+    nl_status st = load_tokenizer(o->tokenizer, &t, err);
     if (st == NL_OK)
         st = learn_and_save(o, t, (int32_t)o->add, o->out ? o->out : o->tokenizer, err);
     nl_tokenizer_destroy(&t);
@@ -491,7 +508,7 @@ static int cmd_code(const opts *o, int encode, nl_error *err)
     writer *w = malloc(sizeof *w);
     nl_status st = w ? NL_OK : nl_error_set(err, NL_ERR_NOMEM, "out of memory");
     if (st == NL_OK)
-        st = nl_tokenizer_load(&t, o->tokenizer, err);
+        st = load_tokenizer(o->tokenizer, &t, err);
     if (st == NL_OK)
         st = read_input(o->n_inputs ? o->inputs[0] : NULL, &text, &len, err);
     if (st == NL_OK && (st = writer_open(w, o->output, err)) == NL_OK) {
@@ -512,7 +529,7 @@ static int cmd_info(const opts *o, nl_error *err)
     if (!o->tokenizer)
         return usage_error("%s needs --tokenizer", "info");
     nl_tokenizer *t = NULL;
-    if (nl_tokenizer_load(&t, o->tokenizer, err) != NL_OK)
+    if (load_tokenizer(o->tokenizer, &t, err) != NL_OK)
         return 1;
     size_t longest = 0;
     int32_t longest_id = 0;

@@ -35,7 +35,8 @@ typedef struct nl_hf_stats {
     int converted;          /* import: tensors converted from BF16 or F16 to F32 */
     char converted_from[8]; /* the dtype of the first of them */
     int tied;               /* import: lm_head copied from the tied embedding */
-    int has_tokenizer;      /* export: the vocabulary files were written */
+    int has_tokenizer;      /* the tokenizer was written (export) or read (import) */
+    char tokenizer_note[512]; /* import: the tokenizer found, or why there is none */
     int64_t vocab_size;     /* export: the model's ids (bytes only up to 259: no tokenizer) */
     int replaced;           /* export --force: files of the directory written over */
     int kept;               /* export --force: entries of the directory it did not write */
@@ -78,8 +79,11 @@ char *nl_hf_config_to_json(const nl_config *cfg, int with_tokenizer);
 void nl_hf_rope_permute(float *dst, const float *src, int heads, int head_dim, int64_t cols,
                         int to_ours);
 
-/* neuroctl import --hf DIR --out MODEL: write our checkpoint (step 0, no
- * tokenizer) from the model in DIR. stats may be NULL. */
+/* neuroctl import --hf DIR --out MODEL: write our checkpoint (step 0)
+ * from the model in DIR, with its tokenizer when DIR has a byte-level BPE
+ * one (tokenizer.json, or vocab.json and merges.txt) and without one when
+ * it has none or another kind (stats->tokenizer_note says which). stats
+ * may be NULL. */
 nl_status nl_hf_import(const char *dir, const char *out, nl_hf_stats *stats, nl_error *err);
 
 /* neuroctl export --format hf: write DIR (created; must be empty or new,
@@ -87,8 +91,8 @@ nl_status nl_hf_import(const char *dir, const char *out, nl_hf_stats *stats, nl_
  * others kept and counted in stats)
  * with config.json, model.safetensors or model-0000i-of-0000n.safetensors
  * plus model.safetensors.index.json (a new shard starts past shard_bytes),
- * and, when the source carries a tokenizer, vocab.json, merges.txt and
- * neurollm-tokenizer.txt. `src` is a checkpoint (.safetensors), or a
+ * and, when the source carries a tokenizer, tokenizer.json,
+ * tokenizer_config.json, vocab.json, merges.txt and neurollm-tokenizer.txt. `src` is a checkpoint (.safetensors), or a
  * manifest (a .json file or the directory holding manifest.json), whose
  * shards are verified first. On failure the files written are removed
  * (with force, also those it had replaced). */

@@ -19,107 +19,6 @@
 
 #define FAIL HF_FAIL
 
-/* GPT-2's printable stand-ins for bytes (bytes_to_unicode), as UTF-8. */
-static size_t byte_char(uint8_t b, char out[3])
-{
-    unsigned cp = b;
-    if (!((b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174))) {
-        unsigned n = 0; /* the rank of b among the bytes that are remapped */
-        for (unsigned x = 0; x < b; x++)
-            n += !((x >= 33 && x <= 126) || (x >= 161 && x <= 172) || (x >= 174));
-        cp = 256 + n;
-    }
-    if (cp < 0x80) {
-        out[0] = (char)cp;
-        return 1;
-    }
-    out[0] = (char)(0xc0 | (cp >> 6));
-    out[1] = (char)(0x80 | (cp & 63));
-    return 2;
-}
-
-/* A token as GPT-2's vocab.json spells it (special ids: their names). */
-static char *token_string(const nl_tokenizer *t, int32_t id)
-{
-    const uint8_t *p;
-    size_t n;
-    if (nl_tokenizer_token_bytes(t, id, &p, &n) != NL_OK)
-        return NULL;
-    char *s = malloc(2 * n + 1), *o = s;
-    if (!s)
-        return NULL;
-    for (size_t i = 0; i < n; i++)
-        o += nl_tokenizer_is_special(t, id) ? (*o = (char)p[i], 1) : byte_char(p[i], o);
-    *o = '\0';
-    return s;
-}
-
-/* vocab.json, merges.txt (GPT-2's byte-level BPE files) and our own
- * tokenizer file, written to `written` (paths added for cleanup). */
-static nl_status write_vocab(const char *dir, const char *tok_text, char **written, int *n_written,
-                             nl_error *err)
-{
-    nl_tokenizer *t = NULL;
-    json_t *vocab = json_object();
-    char *vj = NULL, *merges = NULL, *p = NULL;
-    size_t cap = 64, len = 0;
-    nl_status st = nl_tokenizer_load_buffer(&t, tok_text, strlen(tok_text), err);
-    if (st) {
-        nl_error_prefix(err, "the source's tokenizer");
-        goto out;
-    }
-    merges = malloc(cap);
-    if (!vocab || !merges)
-        goto nomem;
-    len = (size_t)snprintf(merges, cap, "#version: 0.2\n");
-    for (int32_t id = 0; id < nl_tokenizer_vocab_size(t); id++) {
-        char *s = token_string(t, id);
-        if (!s || json_object_set_new(vocab, s, json_integer(id)) != 0) {
-            free(s);
-            goto nomem;
-        }
-        free(s);
-        int32_t a, b;
-        if (id < NL_TOKEN_FIRST_MERGE)
-            continue;
-        nl_tokenizer_merge_pair(t, id, &a, &b);
-        char *sa = token_string(t, a), *sb = token_string(t, b);
-        size_t need = sa && sb ? strlen(sa) + strlen(sb) + 3 : 0;
-        char *m = need && len + need > cap ? realloc(merges, cap = 2 * (len + need)) : merges;
-        if (m)
-            merges = m;
-        if (need && m)
-            len += (size_t)snprintf(merges + len, cap - len, "%s %s\n", sa, sb);
-        free(sa);
-        free(sb);
-        if (!need || !m)
-            goto nomem;
-    }
-    if (!(vj = json_dumps(vocab, JSON_COMPACT | JSON_ENSURE_ASCII)))
-        goto nomem;
-    static const char *names[3] = {"vocab.json", "merges.txt", "neurollm-tokenizer.txt"};
-    const char *bufs[3] = {vj, merges, tok_text};
-    for (int i = 0; i < 3 && !st; i++) {
-        if (!(p = hf_join(dir, names[i])))
-            goto nomem;
-        if (!(st = nl_file_write_atomic(p, bufs[i], strlen(bufs[i]), err))) {
-            written[(*n_written)++] = p;
-            p = NULL;
-        }
-        free(p);
-        p = NULL;
-    }
-    goto out;
-nomem:
-    st = nl_error_set(err, NL_ERR_NOMEM, "out of memory writing the vocabulary");
-out:
-    nl_tokenizer_destroy(&t);
-    json_decref(vocab);
-    free(vj);
-    free(merges);
-    return st;
-}
-
 /* The options of DESIGN section 6 that Mixtral's, Llama's and Mistral's
  * layouts do not have: refused by name (the dense FFN is Llama's, a
  * window on every layer Mistral's sliding_window). */
@@ -328,17 +227,22 @@ nl_status nl_hf_export(const char *src, const char *dir, uint64_t shard_bytes, i
         st = hf_resolve(&c, &c.jobs[i], c.jobs[i].ours, c.jobs[i].our_rows, 1, err);
     if (st || (st = hf_alloc_tmp(&c, err)))
         goto out;
-    /* Room for every weight file, the index and four small files. */
-    if (!(written = calloc((size_t)c.n_jobs + 8, sizeof *written)) ||
-        !(cj = nl_hf_config_to_json(&cfg, tok != NULL))) {
+    /* Room for every weight file, the index and six small files. */
+    if (!(written = calloc((size_t)c.n_jobs + 8, sizeof *written))) {
         st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
         goto out;
     }
+    int native = 0;
     if ((st = check_out_dir(dir, force, &created, &n_before, err)) ||
         (st = write_weights(&c, dir, shard_bytes ? shard_bytes : NL_HF_SHARD_DEFAULT, written,
                             &n_written, err)) ||
-        (tok && (st = write_vocab(dir, tok, written, &n_written, err))))
+        (tok && (st = hf_tokenizer_write(dir, tok, &cfg, &native, written, &n_written, err))))
         goto out;
+    /* bos/eos: our <|begin|> and <|end|>, where the ids are ours */
+    if (!(cj = nl_hf_config_to_json(&cfg, tok != NULL && native))) {
+        st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+        goto out;
+    }
     c.stats->has_tokenizer = tok != NULL;
     char *p = hf_join(dir, "config.json");
     if (!p)

@@ -5,6 +5,7 @@
 #ifndef NL_HF_IMPL_H
 #define NL_HF_IMPL_H
 
+#include <jansson.h>
 #include <stdint.h>
 
 #include "hf.h"
@@ -70,6 +71,27 @@ void hf_conv_free(hf_conv *c);
 
 /* dir/name, malloc'd (NULL when out of memory). */
 char *hf_join(const char *dir, const char *name);
+
+/* ------------------------------------------------------- the tokenizer */
+
+struct nl_tokenizer;
+
+/* Write the tokenizer (our file's text) as vocab.json, tokenizer.json,
+ * tokenizer_config.json, merges.txt and neurollm-tokenizer.txt in dir
+ * (paths appended to written). *native: whether its ids are our layout
+ * (then bos/eos are our <|begin|> and <|end|>). core/hf_tokenizer.c. */
+nl_status hf_tokenizer_write(const char *dir, const char *tok_text, const nl_config *cfg,
+                             int *native, char **written, int *n_written, nl_error *err);
+/* Read dir's tokenizer (tokenizer.json, else vocab.json and merges.txt)
+ * for a model of vocab_size rows: *tok_text gets our file's text
+ * (malloc'd), or stays NULL when there is none or it is a kind ours
+ * cannot be (not an error: the weights import without it). note says
+ * what was found either way. A malformed file is an error. */
+nl_status hf_tokenizer_read(const char *dir, int64_t vocab_size, char **tok_text, char *note,
+                            size_t note_cap, nl_error *err);
+/* tokenizer_config.json's object: every field an export writes there is
+ * made here (a new one, e.g. a chat template, is added here). */
+json_t *hf_tokenizer_config(const struct nl_tokenizer *t, const nl_config *cfg);
 
 #define HF_FAIL(st, ...) return nl_error_set(err, st, __VA_ARGS__)
 

@@ -127,7 +127,7 @@ nl_status nl_hf_import(const char *dir, const char *out, nl_hf_stats *stats, nl_
     nl_config cfg;
     hf_conv c = {.cfg = &cfg, .to_ours = 1, .stats = stats ? stats : &dummy};
     memset(c.stats, 0, sizeof *c.stats);
-    char *cpath = hf_join(dir, "config.json"), *text = NULL, *cfg_json = NULL;
+    char *cpath = hf_join(dir, "config.json"), *text = NULL, *cfg_json = NULL, *tok = NULL;
     nl_st_writer *w = NULL;
     int tied = 0;
     size_t len;
@@ -147,7 +147,9 @@ nl_status nl_hf_import(const char *dir, const char *out, nl_hf_stats *stats, nl_
     }
     c.stats->tied = tied;
     c.stats->n_files = c.src.n;
-    if ((st = check_unused(&c, tied, err)) || (st = hf_alloc_tmp(&c, err)))
+    if ((st = check_unused(&c, tied, err)) || (st = hf_alloc_tmp(&c, err)) ||
+        (st = hf_tokenizer_read(dir, cfg.vocab_size, &tok, c.stats->tokenizer_note,
+                                sizeof c.stats->tokenizer_note, err)))
         goto out;
     if (!(w = nl_st_writer_new()) || !(cfg_json = nl_config_to_json(&cfg))) {
         st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
@@ -158,6 +160,8 @@ nl_status nl_hf_import(const char *dir, const char *out, nl_hf_stats *stats, nl_
         int64_t shape[2] = {j->our_rows, j->cols};
         st = nl_st_writer_add_fill(w, j->ours, NL_DTYPE_F32, j->cols ? 2 : 1, shape, hf_fill, j, err);
     }
+    if (!st && tok && !(st = nl_st_writer_set_meta(w, "tokenizer", tok, err)))
+        c.stats->has_tokenizer = 1;
     if (!st && !(st = nl_st_writer_set_meta(w, "format", NL_CHECKPOINT_FORMAT, err)) &&
         !(st = nl_st_writer_set_meta(w, "config", cfg_json, err)) &&
         !(st = nl_st_writer_set_meta(w, "step", "0", err)))
@@ -168,5 +172,6 @@ out:
     free(cfg_json);
     free(text);
     free(cpath);
+    free(tok);
     return st;
 }

@@ -312,6 +312,53 @@ nl_status nl_tokenizer_new_bytes(nl_tokenizer **out, nl_error *err)
     return NL_OK;
 }
 
+nl_status nl_tokenizer_new_empty(nl_tokenizer **out, nl_tokenizer_split split, nl_error *err)
+{
+    nl_status st = nl_tok_new_empty(out, err);
+    if (st == NL_OK)
+        (*out)->split = split;
+    return st;
+}
+
+nl_status nl_tokenizer_append_token(nl_tokenizer *t, const void *bytes, size_t n, int special,
+                                    nl_error *err)
+{
+    if (n < 1 || n > NL_TOKENIZER_MAX_TOKEN_BYTES)
+        return nl_error_set(err, NL_ERR_LIMIT, "tokenizer: id %d: %zu bytes (1..%d)", t->n_ids, n,
+                            NL_TOKENIZER_MAX_TOKEN_BYTES);
+    return nl_tok_add_token(t, bytes, n, special, err);
+}
+
+nl_status nl_tokenizer_append_merge(nl_tokenizer *t, int32_t a, int32_t b, int32_t out,
+                                    nl_error *err)
+{
+    int32_t ab[3] = {a, b, out};
+    for (int k = 0; k < 3; k++) {
+        if (ab[k] < 0 || ab[k] >= t->n_ids)
+            return nl_error_set(err, NL_ERR_RANGE, "tokenizer: merge %d: id %d is not defined",
+                                t->n_merges, ab[k]);
+        if (t->special[ab[k]])
+            return nl_error_set(err, NL_ERR_FORMAT, "tokenizer: merge %d uses special id %d",
+                                t->n_merges, ab[k]);
+    }
+    size_t la = t->tok_len[a], lb = t->tok_len[b];
+    if (t->tok_len[out] != la + lb ||
+        memcmp(t->pool + t->tok_off[out], t->pool + t->tok_off[a], la) != 0 ||
+        memcmp(t->pool + t->tok_off[out] + la, t->pool + t->tok_off[b], lb) != 0)
+        return nl_error_set(err, NL_ERR_FORMAT,
+                            "tokenizer: merge %d: id %d's bytes are not id %d's then id %d's",
+                            t->n_merges, out, a, b);
+    if (nl_tok_merge_rank(t, a, b) >= 0)
+        return nl_error_set(err, NL_ERR_FORMAT, "tokenizer: merge %d: %d %d is merged already",
+                            t->n_merges, a, b);
+    return nl_tok_add_merge_to(t, a, b, out, err);
+}
+
+int nl_tokenizer_byte_id(const nl_tokenizer *t, uint8_t b)
+{
+    return t->byte_id[b];
+}
+
 void nl_tokenizer_destroy(nl_tokenizer **tp)
 {
     if (!tp || !*tp)

@@ -48,10 +48,32 @@ enum {
 
 typedef struct nl_tokenizer nl_tokenizer;
 
+/* The classes the GPT-2 rule runs over: Unicode's (new tokenizers, and
+ * Hugging Face's ByteLevel pre-tokenizer), or version 1 files' bytes
+ * (every byte >= 0x80 a letter), kept for the models trained with them. */
+typedef enum {
+    NL_TOKENIZER_SPLIT_UNICODE = 0,
+    NL_TOKENIZER_SPLIT_BYTES = 1,
+} nl_tokenizer_split;
+
+
 /* ---- life cycle ---- */
 
 /* A tokenizer with no merges: 259 ids (bytes and specials). */
 nl_status nl_tokenizer_new_bytes(nl_tokenizer **out, nl_error *err);
+/* Building a tokenizer with another library's ids (an import; then
+ * nl_tokenizer_is_native is 0): start with no ids, append every id in
+ * order (its bytes, 1..NL_TOKENIZER_MAX_TOKEN_BYTES; a special one's are
+ * its name), then the merges by rank: (a, b) makes out, whose bytes must
+ * be a's then b's. Every byte needs a one-byte id (nl_tokenizer_byte_id
+ * >= 0) before the tokenizer encodes. Errors name the id or merge. */
+nl_status nl_tokenizer_new_empty(nl_tokenizer **out, nl_tokenizer_split split, nl_error *err);
+nl_status nl_tokenizer_append_token(nl_tokenizer *t, const void *bytes, size_t n, int special,
+                                    nl_error *err);
+nl_status nl_tokenizer_append_merge(nl_tokenizer *t, int32_t a, int32_t b, int32_t out,
+                                    nl_error *err);
+/* The id of the one-byte token b (-1: none yet). */
+int nl_tokenizer_byte_id(const nl_tokenizer *t, uint8_t b);
 /* Free *t and set it to NULL; safe on NULL and twice. */
 void nl_tokenizer_destroy(nl_tokenizer **t);
 
@@ -105,14 +127,6 @@ nl_status nl_tokenizer_decode_flags(const nl_tokenizer *t, const int32_t *ids, s
                                     unsigned flags, char **out, size_t *len, nl_error *err);
 
 /* ---- pre-tokenization ---- */
-
-/* The classes the GPT-2 rule runs over: Unicode's (new tokenizers, and
- * Hugging Face's ByteLevel pre-tokenizer), or version 1 files' bytes
- * (every byte >= 0x80 a letter), kept for the models trained with them. */
-typedef enum {
-    NL_TOKENIZER_SPLIT_UNICODE = 0,
-    NL_TOKENIZER_SPLIT_BYTES = 1,
-} nl_tokenizer_split;
 
 nl_tokenizer_split nl_tokenizer_split_mode(const nl_tokenizer *t);
 /* End (exclusive) of the word that starts at pos (len if pos >= len). */
