@@ -73,6 +73,8 @@ int nl_cli_export_hf(const char *src, const char *out, uint64_t shard_bytes, int
                 "; no tokenizer in the source, so no vocabulary files: its %" PRId64
                 " ids are not bytes (a reader needs the tokenizer they were trained with)\n",
                 s.vocab_size);
+    if (s.tokenizer_note[0])
+        fprintf(stderr, "note: %s\n", s.tokenizer_note);
     if (s.replaced || s.kept)
         fprintf(stderr, "--force: replaced %d file(s) in %s; kept %d other(s)%s%s\n", s.replaced,
                 out, s.kept, s.kept ? ": " : "", s.kept_names);

@@ -36,7 +36,8 @@ typedef struct nl_hf_stats {
     char converted_from[8]; /* the dtype of the first of them */
     int tied;               /* import: lm_head copied from the tied embedding */
     int has_tokenizer;      /* the tokenizer was written (export) or read (import) */
-    char tokenizer_note[512]; /* import: the tokenizer found, or why there is none */
+    char tokenizer_note[512]; /* import: the tokenizer found, or why there is none;
+                               * export: what a reader should know ("" when nothing) */
     int64_t vocab_size;     /* export: the model's ids (bytes only up to 259: no tokenizer) */
     int replaced;           /* export --force: files of the directory written over */
     int kept;               /* export --force: entries of the directory it did not write */

@@ -79,9 +79,11 @@ struct nl_tokenizer;
 /* Write the tokenizer (our file's text) as vocab.json, tokenizer.json,
  * tokenizer_config.json, merges.txt and neurollm-tokenizer.txt in dir
  * (paths appended to written). *native: whether its ids are our layout
- * (then bos/eos are our <|begin|> and <|end|>). core/hf_tokenizer.c. */
+ * (then bos/eos are our <|begin|> and <|end|>). note (empty on entry)
+ * gets what a reader should know. core/hf_tokenizer.c. */
 nl_status hf_tokenizer_write(const char *dir, const char *tok_text, const nl_config *cfg,
-                             int *native, char **written, int *n_written, nl_error *err);
+                             int *native, char **written, int *n_written, char *note,
+                             size_t note_cap, nl_error *err);
 /* Read dir's tokenizer (tokenizer.json, else vocab.json and merges.txt)
  * for a model of vocab_size rows: *tok_text gets our file's text
  * (malloc'd), or stays NULL when there is none or it is a kind ours

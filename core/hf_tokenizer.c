@@ -128,11 +128,11 @@ static json_t *pre_tokenizer(const nl_tokenizer *t)
                      "trim_offsets", 1, "use_regex", 0);
 }
 
-/* The vocabulary (non-special tokens by their byte-level spelling), the
- * merges ("A B") and the added tokens (the specials). A string two ids
+/* The vocabulary (tokens by their byte-level spelling, specials by their
+ * names), the merges ("A B") and the added tokens (the specials). A string two ids
  * share has no place in a vocabulary that maps each string to one id. */
 static nl_status hf_tables(const nl_tokenizer *t, json_t *vocab, json_t *merges, json_t *added,
-                           nl_error *err)
+                           char *note, size_t note_cap, nl_error *err)
 {
     for (int32_t id = 0; id < nl_tokenizer_vocab_size(t); id++) {
         const uint8_t *p;
@@ -162,6 +162,27 @@ static nl_status hf_tables(const nl_tokenizer *t, json_t *vocab, json_t *merges,
         free(s);
         if (bad)
             FAIL(NL_ERR_NOMEM, "out of memory writing the vocabulary");
+    }
+    /* The specials go into the vocabulary too, under their names, or the
+     * library gives them new ids past it (as GPT-2 has <|endoftext|>). A
+     * special whose name is also a learned token's text cannot: there
+     * transformers gives the name that token's id (said in the note, not
+     * refused: the ids of encoding are unchanged). */
+    size_t i, used = strlen(note);
+    json_t *sp;
+    json_array_foreach(added, i, sp)
+    {
+        const char *s = json_string_value(json_object_get(sp, "content"));
+        json_t *clash = json_object_get(vocab, s);
+        if (!clash && json_object_set(vocab, s, json_object_get(sp, "id")))
+            FAIL(NL_ERR_NOMEM, "out of memory writing the vocabulary");
+        if (clash && used + 200 < note_cap)
+            used += (size_t)snprintf(
+                note + used, note_cap - used,
+                "%sspecial %s (id %lld) is also the text of token %lld, the id transformers "
+                "gives the name",
+                used ? "; " : "", s, (long long)json_integer_value(json_object_get(sp, "id")),
+                (long long)json_integer_value(clash));
     }
     for (int32_t r = 0; r < nl_tokenizer_num_merges(t); r++) {
         int32_t a, b, c;
@@ -205,11 +226,12 @@ static nl_status put(const char *dir, const char *name, const char *text, char *
 }
 
 nl_status hf_tokenizer_write(const char *dir, const char *tok_text, const nl_config *cfg,
-                             int *native, char **written, int *n_written, nl_error *err)
+                             int *native, char **written, int *n_written, char *note,
+                             size_t note_cap, nl_error *err)
 {
     nl_tokenizer *t = NULL;
     json_t *vocab = json_object(), *merges = json_array(), *added = json_array(), *tj = NULL;
-    json_t *tc = NULL, *vj = NULL;
+    json_t *tc = NULL;
     char *texts[4] = {NULL, NULL, NULL, NULL}, *mt = NULL;
     nl_status st = nl_tokenizer_load_buffer(&t, tok_text, strlen(tok_text), err);
     if (st) {
@@ -219,20 +241,9 @@ nl_status hf_tokenizer_write(const char *dir, const char *tok_text, const nl_con
     *native = nl_tokenizer_is_native(t);
     if (!vocab || !merges || !added)
         goto nomem;
-    if ((st = hf_tables(t, vocab, merges, added, err)))
+    if ((st = hf_tables(t, vocab, merges, added, note, note_cap, err)))
         goto out;
-    /* vocab.json also names the specials, as GPT-2's does */
-    if (!(vj = json_deep_copy(vocab)))
-        goto nomem;
-    size_t i;
-    json_t *a;
-    json_array_foreach(added, i, a)
-    {
-        const char *s = json_string_value(json_object_get(a, "content"));
-        if (!json_object_get(vj, s))
-            json_object_set(vj, s, json_object_get(a, "id"));
-    }
-    size_t cap = 32, len = 0;
+    size_t i, cap = 32, len = 0;
     json_t *m;
     json_array_foreach(merges, i, m) cap += json_string_length(m) + 1;
     if (!(mt = malloc(cap)))
@@ -241,7 +252,7 @@ nl_status hf_tokenizer_write(const char *dir, const char *tok_text, const nl_con
     json_array_foreach(merges, i, m) len +=
         (size_t)snprintf(mt + len, cap - len, "%s\n", json_string_value(m));
     if (!(tj = tokenizer_json(t, vocab, merges, added)) || !(tc = hf_tokenizer_config(t, cfg)) ||
-        !(texts[0] = json_dumps(vj, JSON_COMPACT | JSON_ENSURE_ASCII)) ||
+        !(texts[0] = json_dumps(vocab, JSON_COMPACT | JSON_ENSURE_ASCII)) ||
         !(texts[1] = json_dumps(tj, JSON_INDENT(2) | JSON_ENSURE_ASCII)) ||
         !(texts[2] = json_dumps(tc, JSON_INDENT(2) | JSON_SORT_KEYS | JSON_ENSURE_ASCII)))
         goto nomem;
@@ -258,7 +269,6 @@ out:
     json_decref(vocab);
     json_decref(merges);
     json_decref(added);
-    json_decref(vj);
     json_decref(tj);
     json_decref(tc);
     for (int k = 0; k < 4; k++)
@@ -621,11 +631,13 @@ nl_status hf_tokenizer_read(const char *dir, int64_t vocab_size, char **tok_text
     }
     if ((st = build(&src, vocab_size, &t, err)))
         goto out;
+    nl_tokenizer_settle(t);
     st = nl_tokenizer_save_buffer(t, tok_text, &len, err);
-    snprintf(note, note_cap, "%s: byte-level BPE, %d ids, %d merges, %s classes",
+    snprintf(note, note_cap, "%s: byte-level BPE, %d ids, %d merges, %s classes%s",
              root ? "tokenizer.json" : "vocab.json and merges.txt", nl_tokenizer_vocab_size(t),
              nl_tokenizer_num_merges(t),
-             src.split == NL_TOKENIZER_SPLIT_UNICODE ? "Unicode" : "byte");
+             src.split == NL_TOKENIZER_SPLIT_UNICODE ? "Unicode" : "byte",
+             nl_tokenizer_is_native(t) ? " (our own id layout)" : "");
 out:
     nl_tokenizer_destroy(&t);
     json_decref(root);

@@ -354,6 +354,26 @@ nl_status nl_tokenizer_append_merge(nl_tokenizer *t, int32_t a, int32_t b, int32
     return nl_tok_add_merge_to(t, a, b, out, err);
 }
 
+void nl_tokenizer_settle(nl_tokenizer *t)
+{
+    if (!t->explicit_ids || t->n_ids < NL_TOKEN_FIRST_MERGE ||
+        t->n_merges != t->n_ids - NL_TOKEN_FIRST_MERGE)
+        return;
+    for (int32_t id = 0; id < NL_TOKEN_FIRST_MERGE; id++) {
+        int special = id >= NL_TOKEN_BEGIN;
+        const char *name = special ? special_names[id - NL_TOKEN_BEGIN] : NULL;
+        if (t->special[id] != special ||
+            (special ? t->tok_len[id] != strlen(name) ||
+                           memcmp(t->pool + t->tok_off[id], name, t->tok_len[id]) != 0
+                     : t->tok_len[id] != 1 || t->pool[t->tok_off[id]] != id))
+            return;
+    }
+    for (int32_t r = 0; r < t->n_merges; r++)
+        if (t->merge_out[r] != NL_TOKEN_FIRST_MERGE + r)
+            return;
+    t->explicit_ids = 0;
+}
+
 int nl_tokenizer_byte_id(const nl_tokenizer *t, uint8_t b)
 {
     return t->byte_id[b];

@@ -72,6 +72,9 @@ nl_status nl_tokenizer_append_token(nl_tokenizer *t, const void *bytes, size_t n
                                     nl_error *err);
 nl_status nl_tokenizer_append_merge(nl_tokenizer *t, int32_t a, int32_t b, int32_t out,
                                     nl_error *err);
+/* After building: when the ids turn out to be exactly our layout (e.g.
+ * a tokenizer we exported, read back), the tokenizer is native again. */
+void nl_tokenizer_settle(nl_tokenizer *t);
 /* The id of the one-byte token b (-1: none yet). */
 int nl_tokenizer_byte_id(const nl_tokenizer *t, uint8_t b);
 /* Free *t and set it to NULL; safe on NULL and twice. */
