@@ -30,10 +30,10 @@ static size_t ref_encode(const nl_tokenizer *t, const uint8_t *s, size_t len, in
         size_t end = nl_tokenizer_split_next(nl_tokenizer_split_mode(t), s, len, pos), k = end - pos;
         int32_t *w = out + n;
         for (size_t i = 0; i < k; i++)
-            w[i] = s[pos + i];
+            w[i] = nl_tokenizer_byte_id(t, s[pos + i]);
         for (int32_t r = 0; r < nm && k > 1; r++) {
-            int32_t a = 0, b = 0, id = NL_TOKEN_FIRST_MERGE + r;
-            require(nl_tokenizer_merge_pair(t, id, &a, &b) == NL_OK);
+            int32_t a = 0, b = 0, id = 0;
+            require(nl_tokenizer_merge_at(t, r, &a, &b, &id) == NL_OK);
             size_t wr = 0;
             for (size_t rd = 0; rd < k;) {
                 if (rd + 1 < k && w[rd] == a && w[rd + 1] == b) {

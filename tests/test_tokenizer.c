@@ -864,6 +864,76 @@ static void test_corrupt_matrix(void)
     nl_tokenizer_destroy(&b);
 }
 
+/* The explicit form (ids where another library put them): loads, saves
+ * back byte for byte, encodes with its merges' result ids, and refuses
+ * what does not add up. */
+static void test_explicit(void)
+{
+    nl_error err = {0};
+    char *f = malloc(4096), *back = NULL;
+    size_t n = (size_t)snprintf(f, 4096, "neurollm-bpe 2\nsplit unicode\nids 261\nmerges 3\n");
+    for (int b = 255; b >= 0; b--) /* bytes in reverse: byte b is id 255 - b */
+        n += (size_t)snprintf(f + n, 4096 - n, "%02x\n", b);
+    n += (size_t)snprintf(f + n, 4096 - n, "* 3c7c656e647c3e\n6162\n616263\n6263\n616263\n");
+    /* a = 158, b = 157, c = 156; ab 257, abc 258 (and 260), bc 259 */
+    n += (size_t)snprintf(f + n, 4096 - n, "158 157 257\n257 156 258\n158 259 260\n");
+    nl_tokenizer *t = NULL;
+    CHECK_OK(nl_tokenizer_load_buffer(&t, f, n, &err), &err);
+    if (!t) {
+        free(f);
+        return;
+    }
+    CHECK(!nl_tokenizer_is_native(t) && nl_tokenizer_vocab_size(t) == 261 &&
+              nl_tokenizer_num_merges(t) == 3 && nl_tokenizer_is_special(t, 256) &&
+              !nl_tokenizer_is_special(t, 0) && nl_tokenizer_byte_id(t, 'a') == 158,
+          "explicit tokenizer shape");
+    size_t bl = 0;
+    CHECK_OK(nl_tokenizer_save_buffer(t, &back, &bl, &err), &err);
+    CHECK(back && bl == n && !memcmp(back, f, n), "explicit: save(load(x)) == x");
+    free(back);
+    int32_t *ids = NULL;
+    size_t k = 0;
+    CHECK_OK(nl_tokenizer_encode(t, "abc abd", 7, &ids, &k, &err), &err);
+    CHECK(k == 4 && ids[0] == 258 && ids[1] == 255 - ' ' && ids[2] == 257 && ids[3] == 155,
+          "explicit encode: %zu ids", k);
+    char *text = NULL;
+    CHECK_OK(nl_tokenizer_decode(t, ids, k, &text, &bl, &err), &err);
+    CHECK(text && bl == 7 && !memcmp(text, "abc abd", 7), "explicit decode");
+    free(text);
+    free(ids);
+    int32_t a, b, out;
+    CHECK(nl_tokenizer_merge_pair(t, 258, &a, &b) == NL_OK && a == 257 && b == 156,
+          "the first merge that makes 258");
+    CHECK(nl_tokenizer_merge_at(t, 2, &a, &b, &out) == NL_OK && out == 260, "merge 2 makes 260");
+    /* learning appends ids after the explicit ones */
+    CHECK_OK(nl_tokenizer_learn(t, "xyxy xyxy", 9, 1, NULL, &err), &err);
+    CHECK(nl_tokenizer_vocab_size(t) == 262, "learned id 261");
+    nl_tokenizer_destroy(&t);
+    static const struct {
+        const char *tail, *want;
+    } bad[] = {
+        {"158 157 258\n", "merge 0: id 258's bytes are not id 158's then id 157's"},
+        {"158 157 256\n", "uses a special id"},
+        {"158 157 261\n", "result id 261 is out of range"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        size_t m = (size_t)snprintf(f, 4096, "neurollm-bpe 2\nsplit unicode\nids 261\nmerges 1\n");
+        for (int c = 255; c >= 0; c--)
+            m += (size_t)snprintf(f + m, 4096 - m, "%02x\n", c);
+        m += (size_t)snprintf(f + m, 4096 - m, "* 3c7c656e647c3e\n6162\n616263\n6263\n616263\n%s",
+                              bad[i].tail);
+        nl_status st = nl_tokenizer_load_buffer(&t, f, m, &err);
+        CHECK(st != NL_OK && !t && strstr(err.msg, bad[i].want), "explicit bad %zu: %s", i,
+              err.msg);
+    }
+    /* a byte with no id */
+    size_t m = (size_t)snprintf(f, 4096, "neurollm-bpe 2\nsplit unicode\nids 1\nmerges 0\n41\n");
+    CHECK(nl_tokenizer_load_buffer(&t, f, m, &err) == NL_ERR_FORMAT &&
+              strstr(err.msg, "byte 0x00 has no id"),
+          "missing byte: %s", err.msg);
+    free(f);
+}
+
 int main(void)
 {
     test_split();
@@ -876,5 +946,6 @@ int main(void)
     test_decode();
     test_save_load();
     test_corrupt_matrix();
+    test_explicit();
     return check_done("test_tokenizer");
 }
