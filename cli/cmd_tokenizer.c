@@ -415,7 +415,8 @@ static nl_status encode_text(nl_tokenizer *t, const char *s, size_t len, writer 
     nl_status st = NL_OK;
     for (size_t off = 0; off < len && st == NL_OK;) {
         size_t max = ENCODE_CHUNK, p;
-        while ((p = nl_tokenizer_safe_split(nl_tokenizer_split_mode(t), s + off, len - off, max)) == 0)
+        while ((p = nl_tokenizer_safe_split(nl_tokenizer_split_mode(t), s + off, len - off, max)) ==
+               0)
             max *= 2; /* one word longer than a chunk */
         if (p > cap) {
             free(ids);

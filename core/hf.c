@@ -253,7 +253,7 @@ static const char *fmt_shape(char *buf, size_t n, int ndim, const int64_t *shape
  * check its dtype and shape (rows at least `rows`: our tables may have
  * spare capacity). */
 nl_status hf_resolve(hf_conv *c, hf_job *j, const char *name, int64_t rows, int exact,
-                         nl_error *err)
+                     nl_error *err)
 {
     j->e = src_find(&c->src, name, &j->fi);
     if (!j->e && c->to_ours && nl_config_dense(c->cfg))

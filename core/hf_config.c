@@ -135,8 +135,7 @@ static nl_status cfg_features(json_t *root, const char *label, nl_error *err)
     const char *a = json_string_value(act);
     if (act && (!a || (strcmp(a, "silu") != 0 && strcmp(a, "swish") != 0)))
         FAIL(NL_ERR_UNSUPPORTED,
-             "%s: hidden_act: only silu (or swish, the same function: SwiGLU) is supported",
-             label);
+             "%s: hidden_act: only silu (or swish, the same function: SwiGLU) is supported", label);
     if ((st = cfg_absent(root, label, "rope_scaling", "RoPE scaling", err)) ||
         (st = cfg_absent(root, label, "attention_bias", "a bias", err)) ||
         (st = cfg_absent(root, label, "mlp_bias", "a bias", err)))
@@ -240,7 +239,10 @@ char *nl_hf_config_to_json(const nl_config *c, int with_tokenizer)
     json_t *arch = json_array();
     json_array_append_new(arch, json_string(name));
     json_object_set_new(r, "architectures", arch);
-    json_object_set_new(r, "model_type", json_string(!dense ? "mixtral" : window ? "mistral" : "llama"));
+    json_object_set_new(r, "model_type",
+                        json_string(!dense   ? "mixtral"
+                                    : window ? "mistral"
+                                             : "llama"));
     json_object_set_new(r, "vocab_size", json_integer(c->vocab_size));
     json_object_set_new(r, "hidden_size", json_integer(c->hidden_dim));
     json_object_set_new(r, "intermediate_size", json_integer(c->ffn_dim));

@@ -236,8 +236,9 @@ nl_status nl_hf_export(const char *src, const char *dir, uint64_t shard_bytes, i
     if ((st = check_out_dir(dir, force, &created, &n_before, err)) ||
         (st = write_weights(&c, dir, shard_bytes ? shard_bytes : NL_HF_SHARD_DEFAULT, written,
                             &n_written, err)) ||
-        (tok && (st = hf_tokenizer_write(dir, tok, &cfg, &native, written, &n_written,
-                                   c.stats->tokenizer_note, sizeof c.stats->tokenizer_note, err))))
+        (tok &&
+         (st = hf_tokenizer_write(dir, tok, &cfg, &native, written, &n_written,
+                                  c.stats->tokenizer_note, sizeof c.stats->tokenizer_note, err))))
         goto out;
     /* bos/eos: our <|begin|> and <|end|>, where the ids are ours */
     if (!(cj = nl_hf_config_to_json(&cfg, tok != NULL && native))) {

@@ -141,8 +141,8 @@ nl_status nl_hf_import(const char *dir, const char *out, nl_hf_stats *stats, nl_
     for (int i = 0; i < c.n_jobs; i++) {
         hf_job *j = &c.jobs[i];
         int from_embed = tied && strcmp(j->ours, "lm_head.weight") == 0;
-        if ((st =
-                 hf_resolve(&c, j, from_embed ? "model.embed_tokens.weight" : j->hf, j->rows, 1, err)))
+        if ((st = hf_resolve(&c, j, from_embed ? "model.embed_tokens.weight" : j->hf, j->rows, 1,
+                             err)))
             goto out;
     }
     c.stats->tied = tied;
@@ -158,7 +158,8 @@ nl_status nl_hf_import(const char *dir, const char *out, nl_hf_stats *stats, nl_
     for (int i = 0; i < c.n_jobs && !st; i++) {
         hf_job *j = &c.jobs[i];
         int64_t shape[2] = {j->our_rows, j->cols};
-        st = nl_st_writer_add_fill(w, j->ours, NL_DTYPE_F32, j->cols ? 2 : 1, shape, hf_fill, j, err);
+        st = nl_st_writer_add_fill(w, j->ours, NL_DTYPE_F32, j->cols ? 2 : 1, shape, hf_fill, j,
+                                   err);
     }
     if (!st && tok && !(st = nl_st_writer_set_meta(w, "tokenizer", tok, err)))
         c.stats->has_tokenizer = 1;

@@ -140,9 +140,9 @@ static nl_status hf_tables(const nl_tokenizer *t, json_t *vocab, json_t *merges,
         nl_tokenizer_token_bytes(t, id, &p, &n);
         if (nl_tokenizer_is_special(t, id)) {
             if (json_array_append_new(added, json_pack("{s:i,s:s%,s:b,s:b,s:b,s:b,s:b}", "id", id,
-                                                       "content", (const char *)p, n,
-                                                       "single_word", 0, "lstrip", 0, "rstrip",
-                                                       0, "normalized", 0, "special", 1)))
+                                                       "content", (const char *)p, n, "single_word",
+                                                       0, "lstrip", 0, "rstrip", 0, "normalized", 0,
+                                                       "special", 1)))
                 FAIL(NL_ERR_NOMEM, "out of memory writing the vocabulary");
             continue;
         }
@@ -325,8 +325,7 @@ static int merge_parts(json_t *m, char *a, char *b, size_t cap)
         return 1;
     }
     if (json_is_array(m) && json_array_size(m) == 2 && json_is_string(json_array_get(m, 0)) &&
-        json_is_string(json_array_get(m, 1)) &&
-        json_string_length(json_array_get(m, 0)) < cap &&
+        json_is_string(json_array_get(m, 1)) && json_string_length(json_array_get(m, 0)) < cap &&
         json_string_length(json_array_get(m, 1)) < cap) {
         snprintf(a, cap, "%s", json_string_value(json_array_get(m, 0)));
         snprintf(b, cap, "%s", json_string_value(json_array_get(m, 1)));
@@ -345,8 +344,7 @@ static int64_t vocab_id(json_t *vocab, const char *s)
 /* Our tokenizer from src, ids 0..vocab_size-1: the vocabulary's and the
  * added tokens' where they are, "<|unused_ID|>" specials between and
  * after them (transformers' padded rows), then the merges. */
-static nl_status build(const hf_tok_src *src, int64_t vocab_size, nl_tokenizer **out,
-                       nl_error *err)
+static nl_status build(const hf_tok_src *src, int64_t vocab_size, nl_tokenizer **out, nl_error *err)
 {
     int64_t n = vocab_size;
     const char **strs = calloc((size_t)n, sizeof *strs); /* vocab string per id */
@@ -366,10 +364,11 @@ static nl_status build(const hf_tok_src *src, int64_t vocab_size, nl_tokenizer *
         int64_t id = json_is_integer(v) ? (int64_t)json_integer_value(v) : -1;
         if (id < 0 || id >= n || strs[id]) {
             st = nl_error_set(err, NL_ERR_FORMAT,
-                              "%s: vocab['%.60s']: %s (the model's vocab_size is %lld)",
-                              src->label, key,
-                              id < 0 ? "not an id" : id >= n ? "an id past the model's rows"
-                                                             : "an id another string has",
+                              "%s: vocab['%.60s']: %s (the model's vocab_size is %lld)", src->label,
+                              key,
+                              id < 0    ? "not an id"
+                              : id >= n ? "an id past the model's rows"
+                                        : "an id another string has",
                               (long long)n);
             goto out;
         }
@@ -383,9 +382,10 @@ static nl_status build(const hf_tok_src *src, int64_t vocab_size, nl_tokenizer *
             st = nl_error_set(err, NL_ERR_FORMAT,
                               "%s: added_tokens[%zu]: %s (the model's vocab_size is %lld)",
                               src->label, i,
-                              !json_is_string(c) ? "no content" : id < 0 ? "no id"
-                              : id >= n                                ? "an id past the model's rows"
-                                                                       : "an id added twice",
+                              !json_is_string(c) ? "no content"
+                              : id < 0           ? "no id"
+                              : id >= n          ? "an id past the model's rows"
+                                                 : "an id added twice",
                               (long long)n);
             goto out;
         }
@@ -434,9 +434,13 @@ static nl_status build(const hf_tok_src *src, int64_t vocab_size, nl_tokenizer *
         int64_t ia = vocab_id(src->vocab, a), ib = vocab_id(src->vocab, b),
                 ic = vocab_id(src->vocab, ab);
         if (ia < 0 || ib < 0 || ic < 0)
-            st = nl_error_set(err, NL_ERR_FORMAT, "%s: merges[%zu] '%.40s %.40s': '%.80s' is not "
+            st = nl_error_set(err, NL_ERR_FORMAT,
+                              "%s: merges[%zu] '%.40s %.40s': '%.80s' is not "
                               "in the vocabulary",
-                              src->label, i, a, b, ia < 0 ? a : ib < 0 ? b : ab);
+                              src->label, i, a, b,
+                              ia < 0   ? a
+                              : ib < 0 ? b
+                                       : ab);
         else if ((st = nl_tokenizer_append_merge(t, (int32_t)ia, (int32_t)ib, (int32_t)ic, err)))
             nl_error_prefix(err, "%s: merges[%zu]", src->label, i);
     }
@@ -504,16 +508,21 @@ static int unrepresentable(json_t *root, nl_tokenizer_split *split, char *why, s
     const char *eow = json_string_value(json_object_get(model, "end_of_word_suffix"));
     json_t *drop = json_object_get(model, "dropout");
     if (strcmp(mt, "BPE") != 0)
-        snprintf(why, cap, "model %s (a SentencePiece Unigram, WordPiece or word-level model), "
-                 "not byte-level BPE", mt);
+        snprintf(why, cap,
+                 "model %s (a SentencePiece Unigram, WordPiece or word-level model), "
+                 "not byte-level BPE",
+                 mt);
     else if (flag(model, "byte_fallback", 0))
-        snprintf(why, cap, "BPE with byte_fallback (SentencePiece's, as Llama 2, Mistral and "
+        snprintf(why, cap,
+                 "BPE with byte_fallback (SentencePiece's, as Llama 2, Mistral and "
                  "Mixtral have), not byte-level BPE");
     else if (strcmp(part_type(root, "normalizer"), "none") != 0)
         snprintf(why, cap, "normalizer %s", part_type(root, "normalizer"));
     else if (!read_split(pre, split))
-        snprintf(why, cap, "pre_tokenizer %s other than GPT-2's ByteLevel (with its regex, "
-                 "add_prefix_space false)", part_type(root, "pre_tokenizer"));
+        snprintf(why, cap,
+                 "pre_tokenizer %s other than GPT-2's ByteLevel (with its regex, "
+                 "add_prefix_space false)",
+                 part_type(root, "pre_tokenizer"));
     else if (strcmp(part_type(root, "decoder"), "none") != 0 &&
              strcmp(part_type(root, "decoder"), "ByteLevel") != 0)
         snprintf(why, cap, "decoder %s", part_type(root, "decoder"));
@@ -598,8 +607,10 @@ nl_status hf_tokenizer_read(const char *dir, int64_t vocab_size, char **tok_text
         if (unrepresentable(root, &src.split, why, note_cap)) {
             char tmp[400];
             snprintf(tmp, sizeof tmp, "%s", why);
-            snprintf(note, note_cap, "tokenizer.json: %s: our byte-level BPE cannot represent it; "
-                     "imported without a tokenizer (give token ids)", tmp);
+            snprintf(note, note_cap,
+                     "tokenizer.json: %s: our byte-level BPE cannot represent it; "
+                     "imported without a tokenizer (give token ids)",
+                     tmp);
             goto out;
         }
         json_t *model = json_object_get(root, "model");
@@ -613,7 +624,8 @@ nl_status hf_tokenizer_read(const char *dir, int64_t vocab_size, char **tok_text
             goto out;
         }
         if (!vroot || stat(mpath, &sb) != 0) {
-            snprintf(note, note_cap, "neither tokenizer.json nor vocab.json and merges.txt: "
+            snprintf(note, note_cap,
+                     "neither tokenizer.json nor vocab.json and merges.txt: "
                      "imported without a tokenizer (give token ids)");
             goto out;
         }

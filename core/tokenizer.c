@@ -145,8 +145,7 @@ static void cache_clear(nl_tok_cache *c)
     c->n = c->bytes_len = c->ids_len = 0;
 }
 
-nl_status nl_tok_add_token(nl_tokenizer *t, const uint8_t *p, size_t n, int special,
-                           nl_error *err)
+nl_status nl_tok_add_token(nl_tokenizer *t, const uint8_t *p, size_t n, int special, nl_error *err)
 {
     nl_status st;
     if (t->n_ids >= NL_TOKENIZER_MAX_IDS)
@@ -273,8 +272,8 @@ nl_status nl_tok_new_empty(nl_tokenizer **out, nl_error *err)
     t->special = malloc((size_t)t->cap_ids);
     t->pool_cap = 4096;
     t->pool = malloc(t->pool_cap);
-    if (!t->merges || !t->merge_out || !t->tok_off || !t->tok_len || !t->made_by ||
-        !t->special || !t->pool) {
+    if (!t->merges || !t->merge_out || !t->tok_off || !t->tok_len || !t->made_by || !t->special ||
+        !t->pool) {
         st = nl_error_set(err, NL_ERR_NOMEM, "tokenizer: out of memory");
         goto fail;
     }

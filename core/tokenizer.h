@@ -56,7 +56,6 @@ typedef enum {
     NL_TOKENIZER_SPLIT_BYTES = 1,
 } nl_tokenizer_split;
 
-
 /* ---- life cycle ---- */
 
 /* A tokenizer with no merges: 259 ids (bytes and specials). */

@@ -61,9 +61,9 @@ static nl_status save_explicit(const nl_tokenizer *t, char **out, size_t *len, n
     static const char hex[] = "0123456789abcdef";
     if (!buf)
         return nl_error_set(err, NL_ERR_NOMEM, "tokenizer: out of memory saving %d ids", t->n_ids);
-    p += snprintf(buf, 96, "%s 2\nsplit %s\nids %d\nmerges %d\n", MAGIC,
-                  t->split == NL_TOKENIZER_SPLIT_BYTES ? "bytes" : "unicode", t->n_ids,
-                  t->n_merges);
+    p +=
+        snprintf(buf, 96, "%s 2\nsplit %s\nids %d\nmerges %d\n", MAGIC,
+                 t->split == NL_TOKENIZER_SPLIT_BYTES ? "bytes" : "unicode", t->n_ids, t->n_merges);
     for (int32_t id = 0; id < t->n_ids; id++) {
         if (t->special[id]) {
             *p++ = '*';
@@ -427,8 +427,8 @@ static nl_status parse_explicit(parser *ps, nl_tokenizer *t)
             if ((st = expect_byte(ps, (uint8_t)kw[k][i], k ? "'merges COUNT'" : "'ids COUNT'")) !=
                 NL_OK)
                 return st;
-        if ((st = parse_num(ps, k ? INT32_MAX / 2 : NL_TOKENIZER_MAX_IDS, k ? "merge count" : "id count",
-                            v[k])) != NL_OK ||
+        if ((st = parse_num(ps, k ? INT32_MAX / 2 : NL_TOKENIZER_MAX_IDS,
+                            k ? "merge count" : "id count", v[k])) != NL_OK ||
             (st = expect_byte(ps, '\n', "end of line after the count")) != NL_OK)
             return st;
     }

@@ -102,8 +102,7 @@ nl_status nl_tok_new_empty(nl_tokenizer **out, nl_error *err);
 /* Append id t->n_ids with n bytes (1..NL_TOKENIZER_MAX_TOKEN_BYTES; a
  * special token's are its name). The first one-byte non-special id of a
  * byte becomes that byte's id. */
-nl_status nl_tok_add_token(nl_tokenizer *t, const uint8_t *p, size_t n, int special,
-                           nl_error *err);
+nl_status nl_tok_add_token(nl_tokenizer *t, const uint8_t *p, size_t n, int special, nl_error *err);
 /* Append merge rank t->n_merges: (a, b) makes the existing id out. The
  * caller has checked ids, bytes and that the pair is new. */
 nl_status nl_tok_add_merge_to(nl_tokenizer *t, int32_t a, int32_t b, int32_t out, nl_error *err);

@@ -27,7 +27,8 @@ static size_t ref_encode(const nl_tokenizer *t, const uint8_t *s, size_t len, in
     size_t n = 0;
     int32_t nm = nl_tokenizer_num_merges(t);
     for (size_t pos = 0; pos < len;) {
-        size_t end = nl_tokenizer_split_next(nl_tokenizer_split_mode(t), s, len, pos), k = end - pos;
+        size_t end = nl_tokenizer_split_next(nl_tokenizer_split_mode(t), s, len, pos),
+               k = end - pos;
         int32_t *w = out + n;
         for (size_t i = 0; i < k; i++)
             w[i] = nl_tokenizer_byte_id(t, s[pos + i]);

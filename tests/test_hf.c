@@ -7,8 +7,8 @@
  * output file left behind. The comparison with transformers itself is
  * tests/hf/check_hf.py. */
 #include "check.h"
-#include "core/fileio.h"
 #include "core/checkpoint.h"
+#include "core/fileio.h"
 #include "core/hf.h"
 #include "core/safetensors.h"
 
@@ -83,6 +83,19 @@ static void write_f8(const char *path)
     for (int i = 0; i < 12; i++)
         fputc(0x38, f);
     fclose(f);
+}
+
+/* model.safetensors.index.json for two shards: tensor i is in which[i]. */
+static void write_index(const char *dir, char (*names)[96], const int *which, int nt)
+{
+    static char idx[65536];
+    size_t k = (size_t)snprintf(idx, sizeof idx, "{\"metadata\": {}, \"weight_map\": {");
+    for (int i = 0; i < nt; i++)
+        k += (size_t)snprintf(idx + k, sizeof idx - k,
+                              "%s\"%s\": \"model-0000%d-of-00002.safetensors\"", i ? ", " : "",
+                              names[i], which[i] + 1);
+    snprintf(idx + k, sizeof idx - k, "}}");
+    spit(path_in(dir, "model.safetensors.index.json"), idx);
 }
 
 /* Write a MixtralForCausalLM directory: config.json and the weights (F32
@@ -201,14 +214,7 @@ static void write_model(const char *dir, const model_opts *o)
             CHECK_OK(
                 nl_st_writer_write(w[1], path_in(dir, "model-00002-of-00002.safetensors"), &err),
                 &err);
-        static char idx[65536];
-        size_t k = (size_t)snprintf(idx, sizeof idx, "{\"metadata\": {}, \"weight_map\": {");
-        for (int i = 0; i < nt; i++)
-            k += (size_t)snprintf(idx + k, sizeof idx - k,
-                                  "%s\"%s\": \"model-0000%d-of-00002.safetensors\"", i ? ", " : "",
-                                  names[i], which[i] + 1);
-        snprintf(idx + k, sizeof idx - k, "}}");
-        spit(path_in(dir, "model.safetensors.index.json"), idx);
+        write_index(dir, names, which, nt);
     }
     nl_st_writer_destroy(&w[0]);
     nl_st_writer_destroy(&w[1]);

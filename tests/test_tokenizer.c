@@ -158,7 +158,9 @@ static void test_split(void)
         {"\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8",
          "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8"},
         {"e\u0301t", "e|\u0301|t"},
-        {"a\xff\xfe" "b \xc3", "a|\xff\xfe|b| \xc3"}, /* invalid UTF-8: class other */
+        {"a\xff\xfe"
+         "b \xc3",
+         "a|\xff\xfe|b| \xc3"}, /* invalid UTF-8: class other */
         {"\xe3\x80 a", "\xe3\x80| a"},
     };
     for (size_t i = 0; i < sizeof uni / sizeof uni[0]; i++) {
@@ -189,9 +191,9 @@ static void test_safe_split(void)
         return;
     /* ASCII, and pieces of UTF-8: ideographic space, no-break space,
      * a curly quote, a letter, and a lone continuation byte */
-    static const char *alpha[] = {"t",        "h",        "e", " ", " ",  "c", "'", "s", "\n",
-                                  "\t",       ".",        ",", "d", "\u3000", "\u00a0",
-                                  "\u2019",   "\u00e9", "\x80"};
+    static const char *alpha[] = {"t", "h",      "e",      " ",      " ",      "c",
+                                  "'", "s",      "\n",     "\t",     ".",      ",",
+                                  "d", "\u3000", "\u00a0", "\u2019", "\u00e9", "\x80"};
     const size_t n_alpha = sizeof alpha / sizeof alpha[0];
     char buf[1400];
     for (int iter = 0; iter < 400; iter++) {
@@ -740,8 +742,8 @@ static void test_corrupt_matrix(void)
         {"neurollm-bpf 1\nmerges 0\n", "line 1, offset 0: bad magic", NL_ERR_FORMAT},
         {"NEUROLLM-BPE 1\nmerges 0\n", "bad magic", NL_ERR_FORMAT},
         {"\x89PNG\r\n", "bad magic", NL_ERR_FORMAT},
-        {"neurollm-bpe 2\nmerges 0\n", "line 2, offset 15: expected 'split unicode' or 'split bytes'",
-         NL_ERR_FORMAT},
+        {"neurollm-bpe 2\nmerges 0\n",
+         "line 2, offset 15: expected 'split unicode' or 'split bytes'", NL_ERR_FORMAT},
         {"neurollm-bpe 2\nsplit ascii\nmerges 0\n", "expected unicode or bytes after 'split'",
          NL_ERR_FORMAT},
         {"neurollm-bpe 2\nsplit unicode", "expected unicode or bytes", NL_ERR_FORMAT},
@@ -818,6 +820,17 @@ static void test_corrupt_matrix(void)
     const char *good = "neurollm-bpe 1\nmerges 2\n97 98\n259 99\n";
     CHECK_OK(nl_tokenizer_load_buffer(&t, good, strlen(good), &err), &err);
     CHECK(t && nl_tokenizer_vocab_size(t) == 261, "good file loads");
+    nl_tokenizer_destroy(&t);
+}
+
+/* Versions 1 and 2: each keeps its split, version 1 is written back as
+ * version 1, and the two splits cut a curly quote differently. */
+static void test_versions(void)
+{
+    nl_error err = {0};
+    nl_tokenizer *t = NULL;
+    const char *good = "neurollm-bpe 1\nmerges 2\n97 98\n259 99\n";
+    CHECK_OK(nl_tokenizer_load_buffer(&t, good, strlen(good), &err), &err);
     /* version 1 keeps its byte classes, and is written back as it was */
     char *back = NULL;
     size_t bl = 0;
@@ -837,22 +850,23 @@ static void test_corrupt_matrix(void)
     }
     /* the same merges, the two splits: curly quotes differ */
     nl_tokenizer *u = NULL, *b = NULL;
-    const char *v1 = "neurollm-bpe 1\nmerges 0\n", *un = "neurollm-bpe 2\nsplit unicode\nmerges 0\n";
+    const char *v1 = "neurollm-bpe 1\nmerges 0\n",
+               *un = "neurollm-bpe 2\nsplit unicode\nmerges 0\n";
     CHECK_OK(nl_tokenizer_load_buffer(&b, v1, strlen(v1), &err), &err);
     CHECK_OK(nl_tokenizer_load_buffer(&u, un, strlen(un), &err), &err);
     const char *text = "don\u2019t";
-    CHECK_OK(nl_tokenizer_learn(u, text, strlen(text), 10, &(nl_tokenizer_train_opts){.min_count = 1},
-                                &err),
+    CHECK_OK(nl_tokenizer_learn(u, text, strlen(text), 10,
+                                &(nl_tokenizer_train_opts){.min_count = 1}, &err),
              &err);
-    CHECK_OK(nl_tokenizer_learn(b, text, strlen(text), 10, &(nl_tokenizer_train_opts){.min_count = 1},
-                                &err),
+    CHECK_OK(nl_tokenizer_learn(b, text, strlen(text), 10,
+                                &(nl_tokenizer_train_opts){.min_count = 1}, &err),
              &err);
     int32_t *iu = NULL, *ib = NULL;
     size_t nu = 0, nb = 0;
     CHECK_OK(nl_tokenizer_encode(u, text, strlen(text), &iu, &nu, &err), &err);
     CHECK_OK(nl_tokenizer_encode(b, text, strlen(text), &ib, &nb, &err), &err);
-    CHECK(nu == 3 && nb == 1, "don't with a curly quote: %zu ids (unicode, want 3), %zu (bytes, 1)", nu,
-          nb);
+    CHECK(nu == 3 && nb == 1, "don't with a curly quote: %zu ids (unicode, want 3), %zu (bytes, 1)",
+          nu, nb);
     free(iu), free(ib);
     nl_bpe_corpus *c = NULL;
     CHECK_OK(nl_bpe_corpus_new(&c, NL_TOKENIZER_SPLIT_BYTES, &err), &err);
@@ -946,6 +960,7 @@ int main(void)
     test_decode();
     test_save_load();
     test_corrupt_matrix();
+    test_versions();
     test_explicit();
     return check_done("test_tokenizer");
 }
