@@ -36,12 +36,13 @@ typedef struct nl_hf_stats {
     char converted_from[8]; /* the dtype of the first of them */
     int tied;               /* import: lm_head copied from the tied embedding */
     int has_tokenizer;      /* the tokenizer was written (export) or read (import) */
-    char tokenizer_note[512]; /* import: the tokenizer found, or why there is none;
-                               * export: what a reader should know ("" when nothing) */
-    int64_t vocab_size;     /* export: the model's ids (bytes only up to 259: no tokenizer) */
-    int replaced;           /* export --force: files of the directory written over */
-    int kept;               /* export --force: entries of the directory it did not write */
-    char kept_names[200];   /* ... their names, ", "-separated, "..." when cut */
+    /* import: the tokenizer found, or why there is none; export: what a
+     * reader should know ("" when nothing) */
+    char tokenizer_note[512];
+    int64_t vocab_size;   /* export: the model's ids (bytes only up to 259: no tokenizer) */
+    int replaced;         /* export --force: files of the directory written over */
+    int kept;             /* export --force: entries of the directory it did not write */
+    char kept_names[200]; /* ... their names, ", "-separated, "..." when cut */
 } nl_hf_stats;
 
 /* The longest architecture name nl_hf_config_parse reports, with its NUL. */
@@ -87,16 +88,26 @@ void nl_hf_rope_permute(float *dst, const float *src, int heads, int head_dim, i
  * may be NULL. */
 nl_status nl_hf_import(const char *dir, const char *out, nl_hf_stats *stats, nl_error *err);
 
+/* A Hugging Face tokenizer.json (text of len bytes; `label` starts
+ * messages) for a model of vocab_size rows, as our tokenizer file's text
+ * (*tok_text, malloc'd): a byte-level BPE keeps its ids, the rows it does
+ * not define become <|unused_ID|> specials. Another kind (a Unigram,
+ * SentencePiece's BPE, a normalizer, another pre-tokenizer) is not an
+ * error: *tok_text stays NULL and note names what was found. A malformed
+ * file is (NL_ERR_FORMAT, naming the entry). docs/checkpoint-format.md. */
+nl_status nl_hf_tokenizer_parse(const char *json, size_t len, const char *label, int64_t vocab_size,
+                                char **tok_text, char *note, size_t note_cap, nl_error *err);
+
 /* neuroctl export --format hf: write DIR (created; must be empty or new,
  * or with force may hold files: those the export writes are replaced, the
  * others kept and counted in stats)
  * with config.json, model.safetensors or model-0000i-of-0000n.safetensors
  * plus model.safetensors.index.json (a new shard starts past shard_bytes),
  * and, when the source carries a tokenizer, tokenizer.json,
- * tokenizer_config.json, vocab.json, merges.txt and neurollm-tokenizer.txt. `src` is a checkpoint (.safetensors), or a
- * manifest (a .json file or the directory holding manifest.json), whose
- * shards are verified first. On failure the files written are removed
- * (with force, also those it had replaced). */
+ * tokenizer_config.json, vocab.json, merges.txt and neurollm-tokenizer.txt. `src` is a checkpoint
+ * (.safetensors), or a manifest (a .json file or the directory holding manifest.json), whose shards
+ * are verified first. On failure the files written are removed (with force, also those it had
+ * replaced). */
 nl_status nl_hf_export(const char *src, const char *dir, uint64_t shard_bytes, int force,
                        nl_hf_stats *stats, nl_error *err);
 

@@ -589,72 +589,93 @@ static nl_status read_merges_txt(const char *path, json_t **out, nl_error *err)
     return NL_OK;
 }
 
+/* src into our file's text, and the note saying what it was. */
+static nl_status finish(const hf_tok_src *src, int64_t vocab_size, const char *what,
+                        char **tok_text, char *note, size_t note_cap, nl_error *err)
+{
+    nl_tokenizer *t = NULL;
+    size_t len;
+    nl_status st;
+    if (!json_is_object(src->vocab) || !json_is_array(src->merges) ||
+        (src->added && !json_is_array(src->added)))
+        FAIL(NL_ERR_FORMAT, "%s: %s", src->label,
+             !json_is_object(src->vocab)   ? "model.vocab: not an object"
+             : !json_is_array(src->merges) ? "model.merges: not a list"
+                                           : "added_tokens: not a list");
+    if ((st = build(src, vocab_size, &t, err)))
+        return st;
+    nl_tokenizer_settle(t);
+    if (!(st = nl_tokenizer_save_buffer(t, tok_text, &len, err)))
+        snprintf(note, note_cap, "%s: byte-level BPE, %d ids, %d merges, %s classes%s", what,
+                 nl_tokenizer_vocab_size(t), nl_tokenizer_num_merges(t),
+                 src->split == NL_TOKENIZER_SPLIT_UNICODE ? "Unicode" : "byte",
+                 nl_tokenizer_is_native(t) ? " (our own id layout)" : "");
+    nl_tokenizer_destroy(&t);
+    return st;
+}
+
+nl_status nl_hf_tokenizer_parse(const char *json, size_t len, const char *label, int64_t vocab_size,
+                                char **tok_text, char *note, size_t note_cap, nl_error *err)
+{
+    json_error_t je;
+    char why[400];
+    hf_tok_src src = {.label = label, .split = NL_TOKENIZER_SPLIT_UNICODE};
+    *tok_text = NULL;
+    note[0] = '\0';
+    if (vocab_size < 1 || vocab_size > NL_TOKENIZER_MAX_IDS)
+        FAIL(NL_ERR_RANGE, "%s: a model of %lld rows", label, (long long)vocab_size);
+    json_t *root = json_loadb(json, len, 0, &je);
+    nl_status st = NL_OK;
+    if (!root || !json_is_object(root)) {
+        st = nl_error_set(err, NL_ERR_FORMAT, "%s: not a JSON object (line %d: %s)", label, je.line,
+                          root ? "top level" : je.text);
+    } else if (unrepresentable(root, &src.split, why, sizeof why)) {
+        snprintf(note, note_cap,
+                 "tokenizer.json: %s: our byte-level BPE cannot represent it; imported without a "
+                 "tokenizer (give token ids)",
+                 why);
+    } else {
+        json_t *model = json_object_get(root, "model");
+        src.vocab = json_object_get(model, "vocab");
+        src.merges = json_object_get(model, "merges");
+        src.added = json_object_get(root, "added_tokens");
+        st = finish(&src, vocab_size, "tokenizer.json", tok_text, note, note_cap, err);
+    }
+    json_decref(root);
+    return st;
+}
+
 nl_status hf_tokenizer_read(const char *dir, int64_t vocab_size, char **tok_text, char *note,
                             size_t note_cap, nl_error *err)
 {
-    char *tpath = NULL, *vpath = NULL, *mpath = NULL, *why = note;
-    json_t *root = NULL, *vroot = NULL, *merges = NULL;
-    nl_tokenizer *t = NULL;
-    hf_tok_src src = {.split = NL_TOKENIZER_SPLIT_UNICODE};
+    char *tpath = hf_join(dir, "tokenizer.json"), *vpath = NULL, *mpath = NULL, *text = NULL;
+    json_t *vroot = NULL, *merges = NULL;
     size_t len;
     struct stat sb;
-    nl_status st;
+    nl_status st = NL_OK;
     *tok_text = NULL;
     note[0] = '\0';
-    if ((st = load_json(dir, "tokenizer.json", &tpath, &root, err)))
-        goto out;
-    if (root) {
-        if (unrepresentable(root, &src.split, why, note_cap)) {
-            char tmp[400];
-            snprintf(tmp, sizeof tmp, "%s", why);
-            snprintf(note, note_cap,
-                     "tokenizer.json: %s: our byte-level BPE cannot represent it; "
-                     "imported without a tokenizer (give token ids)",
-                     tmp);
-            goto out;
-        }
-        json_t *model = json_object_get(root, "model");
-        src = (hf_tok_src){tpath, json_object_get(model, "vocab"), json_object_get(model, "merges"),
-                           json_object_get(root, "added_tokens"), src.split};
-    } else {
-        if ((st = load_json(dir, "vocab.json", &vpath, &vroot, err)))
-            goto out;
+    if (!tpath) {
+        st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+    } else if (stat(tpath, &sb) == 0) {
+        if (!(st = nl_file_read_all(tpath, NL_HF_MAX_JSON, &text, &len, err)))
+            st = nl_hf_tokenizer_parse(text, len, tpath, vocab_size, tok_text, note, note_cap, err);
+    } else if (!(st = load_json(dir, "vocab.json", &vpath, &vroot, err))) {
         if (!(mpath = hf_join(dir, "merges.txt"))) {
             st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
-            goto out;
-        }
-        if (!vroot || stat(mpath, &sb) != 0) {
+        } else if (!vroot || stat(mpath, &sb) != 0) {
             snprintf(note, note_cap,
-                     "neither tokenizer.json nor vocab.json and merges.txt: "
-                     "imported without a tokenizer (give token ids)");
-            goto out;
+                     "neither tokenizer.json nor vocab.json and merges.txt: imported without a "
+                     "tokenizer (give token ids)");
+        } else if (!(st = read_merges_txt(mpath, &merges, err))) {
+            hf_tok_src src = {vpath, vroot, merges, NULL, NL_TOKENIZER_SPLIT_UNICODE};
+            st = finish(&src, vocab_size, "vocab.json and merges.txt", tok_text, note, note_cap,
+                        err);
         }
-        if ((st = read_merges_txt(mpath, &merges, err)))
-            goto out;
-        src = (hf_tok_src){vpath, vroot, merges, NULL, NL_TOKENIZER_SPLIT_UNICODE};
     }
-    if (!json_is_object(src.vocab) || !json_is_array(src.merges) ||
-        (src.added && !json_is_array(src.added))) {
-        st = nl_error_set(err, NL_ERR_FORMAT, "%s: %s", src.label,
-                          !json_is_object(src.vocab)   ? "model.vocab: not an object"
-                          : !json_is_array(src.merges) ? "model.merges: not a list"
-                                                       : "added_tokens: not a list");
-        goto out;
-    }
-    if ((st = build(&src, vocab_size, &t, err)))
-        goto out;
-    nl_tokenizer_settle(t);
-    st = nl_tokenizer_save_buffer(t, tok_text, &len, err);
-    snprintf(note, note_cap, "%s: byte-level BPE, %d ids, %d merges, %s classes%s",
-             root ? "tokenizer.json" : "vocab.json and merges.txt", nl_tokenizer_vocab_size(t),
-             nl_tokenizer_num_merges(t),
-             src.split == NL_TOKENIZER_SPLIT_UNICODE ? "Unicode" : "byte",
-             nl_tokenizer_is_native(t) ? " (our own id layout)" : "");
-out:
-    nl_tokenizer_destroy(&t);
-    json_decref(root);
     json_decref(vroot);
     json_decref(merges);
+    free(text);
     free(tpath);
     free(vpath);
     free(mpath);

@@ -11,6 +11,7 @@
 #include "core/fileio.h"
 #include "core/hf.h"
 #include "core/safetensors.h"
+#include "core/tokenizer.h"
 
 #include <dirent.h>
 #include <stdint.h>
@@ -612,6 +613,95 @@ static void test_window(void)
     free(d), free(ours), free(back), free(again);
 }
 
+/* tokenizer.json: a byte-level BPE keeps its ids (a special first here),
+ * other kinds are named and left out, malformed ones are refused naming
+ * the entry. The alphabet: GPT-2's stand-ins, U+0100 + n for the bytes
+ * that are not printable (space is U+0120, "Ġ"). */
+static void test_tokenizer_json(void)
+{
+    static char json[65536];
+    char *text = NULL, note[512];
+    nl_error err = {0};
+    /* ids: 0 the special, 1..256 the bytes in their stand-ins' order */
+    size_t n = (size_t)snprintf(json, sizeof json,
+                                "{\"added_tokens\": [{\"id\": 0, \"content\": \"<s>\"}], "
+                                "\"model\": {\"type\": \"BPE\", \"vocab\": {\"<s>\": 0");
+    int id = 1;
+    for (unsigned cp = 0; cp < 0x144; cp++) {
+        int printable = (cp >= 33 && cp <= 126) || (cp >= 161 && cp <= 172) ||
+                        (cp >= 174 && cp <= 255) || cp >= 256;
+        if (!printable)
+            continue;
+        if (cp == '"' || cp == '\\')
+            n += (size_t)snprintf(json + n, sizeof json - n, ", \"\\%c\": %d", (char)cp, id++);
+        else
+            n += (size_t)snprintf(json + n, sizeof json - n, ", \"\\u%04x\": %d", cp, id++);
+    }
+    n += (size_t)snprintf(json + n, sizeof json - n,
+                          ", \"ab\": 257, \"\\u0120ab\": 258}, \"merges\": [\"a b\", "
+                          "\"\\u0120 ab\"%s]}, \"pre_tokenizer\": {\"type\": \"ByteLevel\", "
+                          "\"add_prefix_space\": false}%s}",
+                          "", "");
+    CHECK(id == 257, "256 stand-ins: %d", id - 1);
+    CHECK_OK(nl_hf_tokenizer_parse(json, n, "tokenizer.json", 300, &text, note, sizeof note, &err),
+             &err);
+    nl_tokenizer *t = NULL;
+    CHECK_OK(text ? nl_tokenizer_load_buffer(&t, text, strlen(text), &err) : NL_ERR_INTERNAL, &err);
+    if (t) {
+        int32_t *ids = NULL;
+        size_t k = 0;
+        CHECK_OK(nl_tokenizer_encode(t, "ab ab", 5, &ids, &k, &err), &err);
+        CHECK(k == 2 && ids[0] == 257 && ids[1] == 258, "encode with the library's ids");
+        CHECK(nl_tokenizer_is_special(t, 0) && nl_tokenizer_is_special(t, 299) &&
+                  !nl_tokenizer_is_native(t) && nl_tokenizer_vocab_size(t) == 300,
+              "the special, the padded rows");
+        free(ids);
+        nl_tokenizer_destroy(&t);
+    }
+    free(text);
+    CHECK(strstr(note, "byte-level BPE, 300 ids, 2 merges, Unicode classes"), "note: %s", note);
+    /* rows fewer than the ids: refused */
+    CHECK(nl_hf_tokenizer_parse(json, n, "tokenizer.json", 200, &text, note, sizeof note, &err) ==
+                  NL_ERR_FORMAT &&
+              strstr(err.msg, "an id past the model's rows"),
+          "too few rows: %s", err.msg);
+    static const struct {
+        const char *from, *to, *want;
+        nl_status st;
+    } cases[] = {
+        {"\"a b\"", "\"a q\"", "merges[0] 'a q': 'aq' is not in the vocabulary", NL_ERR_FORMAT},
+        {"\"ab\": 257", "\"a b\": 257", "is not in GPT-2's byte alphabet", NL_ERR_UNSUPPORTED},
+        {"\"type\": \"BPE\"", "\"type\": \"BPE\", \"byte_fallback\": true", "", NL_OK},
+        {"\"type\": \"BPE\"", "\"type\": \"Unigram\"", "", NL_OK},
+        {"\"add_prefix_space\": false", "\"add_prefix_space\": true", "", NL_OK},
+        {"\"merges\": [", "\"merges\": 3, \"x\": [", "model.merges: not a list", NL_ERR_FORMAT},
+    };
+    static const char *notes[] = {"",
+                                  "",
+                                  "byte_fallback (SentencePiece's",
+                                  "model Unigram",
+                                  "pre_tokenizer ByteLevel other than GPT-2's",
+                                  ""};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        static char bad[65536];
+        const char *at = strstr(json, cases[i].from);
+        size_t pre = (size_t)(at - json);
+        int m = snprintf(bad, sizeof bad, "%.*s%s%s", (int)pre, json, cases[i].to,
+                         at + strlen(cases[i].from));
+        nl_status st = nl_hf_tokenizer_parse(bad, (size_t)m, "tokenizer.json", 300, &text, note,
+                                             sizeof note, &err);
+        CHECK(st == cases[i].st && (st != NL_OK || !text) &&
+                  (st == NL_OK ? strstr(note, notes[i]) && strstr(note, "imported without")
+                               : strstr(err.msg, cases[i].want) != NULL),
+              "tokenizer.json case %zu: %s '%s' / note '%s'", i, nl_status_str(st), err.msg, note);
+        free(text);
+        text = NULL;
+    }
+    CHECK(nl_hf_tokenizer_parse("[1]", 3, "tokenizer.json", 300, &text, note, sizeof note, &err) ==
+              NL_ERR_FORMAT,
+          "not an object");
+}
+
 int main(void)
 {
     snprintf(root, sizeof root, "%s/nl_test_hf.XXXXXX",
@@ -626,6 +716,7 @@ int main(void)
     test_bf16_and_tied();
     test_refused();
     test_window();
+    test_tokenizer_json();
     char cmd[600];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);
     if (system(cmd) != 0)
