@@ -42,7 +42,8 @@ static const char *const usage_text =
     "         the special ids (256..258; an imported tokenizer's added tokens), which\n"
     "         otherwise decode to their names\n"
     "  info   --tokenizer TOK\n"
-    "         vocabulary size, merges and longest token\n"
+    "         vocabulary size, merges, longest token, the split's classes (unicode,\n"
+    "         or bytes: a version 1 file) and the id layout (native, or imported)\n"
     "\n"
     "TOK is a tokenizer file, or a checkpoint (.safetensors) that carries one (read\n"
     "only: learn writes a file). Input and output default to stdin and stdout ('-'\n"
@@ -543,8 +544,10 @@ static int cmd_info(const opts *o, nl_error *err)
             longest_id = id;
         }
     }
-    printf("vocab_size %d\nmerges %d\nlongest_token %zu (id %d)\n", nl_tokenizer_vocab_size(t),
-           nl_tokenizer_num_merges(t), longest, longest_id);
+    printf("vocab_size %d\nmerges %d\nlongest_token %zu (id %d)\nsplit %s\nids %s\n",
+           nl_tokenizer_vocab_size(t), nl_tokenizer_num_merges(t), longest, longest_id,
+           nl_tokenizer_split_mode(t) == NL_TOKENIZER_SPLIT_BYTES ? "bytes" : "unicode",
+           nl_tokenizer_is_native(t) ? "native" : "explicit (imported)");
     nl_tokenizer_destroy(&t);
     return 0;
 }

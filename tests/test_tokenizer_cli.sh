@@ -51,6 +51,8 @@ check "file magic" grep -q '^neurollm-bpe 2$' "$TMP/tok.bpe"
 check "unicode split" grep -qx 'split unicode' "$TMP/tok.bpe"
 "$NEUROCTL" tokenizer info --tokenizer "$TMP/tok.bpe" >"$TMP/info"
 check "info vocab" grep -q '^vocab_size 800$' "$TMP/info"
+check "info split" grep -q '^split unicode$' "$TMP/info"
+check "info ids" grep -q '^ids native$' "$TMP/info"
 
 # encode / decode round trips, through files and through pipes
 for f in corpus.txt bytes.bin mixed.bin; do
@@ -78,6 +80,7 @@ printf 'don\xe2\x80\x99t don\xe2\x80\x99t won\xe2\x80\x99t\n' >"$TMP/quotes.txt"
 check "learn on version 1" "$NEUROCTL" tokenizer learn --tokenizer "$TMP/v1.bpe" --input "$TMP/quotes.txt" \
     --add 20 --min-count 1 --quiet
 check "version 1 stays version 1" grep -q '^neurollm-bpe 1$' "$TMP/v1.bpe"
+check "info: version 1 splits by bytes" sh -c "'$NEUROCTL' tokenizer info --tokenizer '$TMP/v1.bpe' | grep -q '^split bytes\$'"
 printf 'don\xe2\x80\x99t' | "$NEUROCTL" tokenizer encode --tokenizer "$TMP/v1.bpe" >"$TMP/v1.ids"
 check "version 1: one word" [ "$(wc -w <"$TMP/v1.ids")" -eq 1 ]
 "$NEUROCTL" tokenizer train --input "$TMP/quotes.txt" --vocab-size 290 --min-count 1 --out "$TMP/v2.bpe" --quiet
