@@ -29,10 +29,11 @@ int nl_cmd_export(int argc, char **argv)
                         "neuroctl export --format hf --manifest M|--model CKPT --out DIR "
                         "[--force]\n"
                         "  writes config.json (MixtralForCausalLM; a dense model: "
-                        "LlamaForCausalLM), the weights in Hugging Face "
-                        "names and RoPE order,\n  and the vocabulary (vocab.json, merges.txt, "
-                        "neurollm-tokenizer.txt);\n  DIR must be new or empty, or with --force "
-                        "those files are replaced and others kept";
+                        "LlamaForCausalLM, MistralForCausalLM with a sliding window),\n  the "
+                        "weights in Hugging Face names and RoPE order, and the tokenizer\n  "
+                        "(tokenizer.json + tokenizer_config.json for AutoTokenizer, vocab.json, "
+                        "merges.txt,\n  neurollm-tokenizer.txt); DIR must be new or empty, or "
+                        "with --force those files are\n  replaced and others kept";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;

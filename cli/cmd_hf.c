@@ -21,7 +21,9 @@ int nl_cmd_import(int argc, char **argv)
         "neuroctl import --hf DIR --out MODEL.safetensors [--force]\n"
         "  MixtralForCausalLM, LlamaForCausalLM or MistralForCausalLM (a dense FFN); one\n"
         "  model.safetensors or shards with model.safetensors.index.json; BF16/F16 become F32;\n"
-        "  streams tensor by tensor";
+        "  streams tensor by tensor. The tokenizer comes along when DIR has a byte-level BPE\n"
+        "  one (tokenizer.json, or vocab.json + merges.txt); another kind (SentencePiece,\n"
+        "  e.g. Llama 2's) is named and left out, and the weights import without it";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -41,6 +43,7 @@ int nl_cmd_import(int argc, char **argv)
                 s.converted, s.converted_from);
     if (s.tied)
         fprintf(stderr, "note: tie_word_embeddings: lm_head.weight is a copy of the embedding\n");
+    fprintf(stderr, "%s: %s\n", s.has_tokenizer ? "tokenizer" : "note", s.tokenizer_note);
     if (s.chat_warning[0])
         fprintf(stderr, "warning: %s\n", s.chat_warning);
     else if (s.chat_family[0])
@@ -65,7 +68,8 @@ int nl_cli_export_hf(const char *src, const char *out, uint64_t shard_bytes, int
             "%" PRIu64 " bytes",
             src, out, s.n_tensors, s.n_files, s.bytes_out);
     if (s.has_tokenizer)
-        fprintf(stderr, "; vocabulary in vocab.json, merges.txt, neurollm-tokenizer.txt\n");
+        fprintf(stderr, "; tokenizer in tokenizer.json, tokenizer_config.json, vocab.json, "
+                        "merges.txt, neurollm-tokenizer.txt\n");
     else if (s.vocab_size <= NL_TOKEN_FIRST_MERGE)
         fprintf(stderr, "; no tokenizer in the source: its ids are bytes\n");
     else
@@ -73,6 +77,8 @@ int nl_cli_export_hf(const char *src, const char *out, uint64_t shard_bytes, int
                 "; no tokenizer in the source, so no vocabulary files: its %" PRId64
                 " ids are not bytes (a reader needs the tokenizer they were trained with)\n",
                 s.vocab_size);
+    if (s.tokenizer_note[0])
+        fprintf(stderr, "note: %s\n", s.tokenizer_note);
     if (s.chat_written)
         fprintf(stderr, "chat template: the original in tokenizer_config.json\n");
     if (s.replaced || s.kept)

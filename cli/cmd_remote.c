@@ -301,7 +301,7 @@ int nl_cmd_remote_generate(int argc, char **argv)
             if (!ptext)
                 printf("%s%d", count > 1 ? " " : "", id);
             else if (nl_tokenizer_token_bytes(tok, id, &p, &n) == NL_OK &&
-                     !nl_tokenizer_is_special(id))
+                     !nl_tokenizer_is_special(tok, id))
                 fwrite(p, 1, n, stdout);
             fflush(stdout);
         }

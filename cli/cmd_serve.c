@@ -373,7 +373,7 @@ static nl_http_next be_next(void *ctx, void *jp, int32_t *id, const char **text,
     *len = 0;
     const uint8_t *p = NULL;
     size_t n = 0;
-    if (r == NL_HTTP_TOKEN && !nl_tokenizer_is_special(*id) &&
+    if (r == NL_HTTP_TOKEN && !nl_tokenizer_is_special(e->tok, *id) &&
         nl_tokenizer_token_bytes(e->tok, *id, &p, &n) == NL_OK) {
         *text = (const char *)p;
         *len = n;

@@ -11,6 +11,7 @@
 
 #include "base/args.h"
 #include "commands.h"
+#include "core/checkpoint.h"
 #include "core/fileio.h"
 #include "core/tokenizer.h"
 
@@ -38,11 +39,15 @@ static const char *const usage_text =
     "         bytes in, token ids out as whitespace-separated decimal text\n"
     "  decode --tokenizer TOK [--input FILE] [--output FILE] [--strict]\n"
     "         ids (decimal, whitespace-separated) in, bytes out; --strict refuses\n"
-    "         the special ids 256..258, which otherwise decode to their names\n"
+    "         the special ids (256..258; an imported tokenizer's added tokens), which\n"
+    "         otherwise decode to their names\n"
     "  info   --tokenizer TOK\n"
-    "         vocabulary size, merges and longest token\n"
+    "         vocabulary size, merges, longest token, the split's classes (unicode,\n"
+    "         or bytes: a version 1 file) and the id layout (native, or imported)\n"
     "\n"
-    "Input and output default to stdin and stdout ('-' names them too). Each input\n"
+    "TOK is a tokenizer file, or a checkpoint (.safetensors) that carries one (read\n"
+    "only: learn writes a file). Input and output default to stdin and stdout ('-'\n"
+    "names them too). Each input\n"
     "is read whole, up to 1 GiB. Output files are written atomically. --min-count K\n"
     "stops learning when the most frequent pair occurs fewer than K times\n"
     "(default 2). An existing --out is replaced only with --force. Progress goes to\n"
@@ -293,9 +298,10 @@ static void on_progress(void *ctx, int32_t done, int32_t target)
 }
 
 /* Count the words of every input file. */
-static nl_status read_corpus(const opts *o, nl_bpe_corpus **out, nl_error *err)
+static nl_status read_corpus(const opts *o, nl_tokenizer_split mode, nl_bpe_corpus **out,
+                             nl_error *err)
 {
-    nl_status st = nl_bpe_corpus_new(out, err);
+    nl_status st = nl_bpe_corpus_new(out, mode, err);
     for (int i = 0; i < o->n_inputs && st == NL_OK; i++) {
         char *buf = NULL;
         size_t len = 0;
@@ -312,6 +318,19 @@ static nl_status read_corpus(const opts *o, nl_bpe_corpus **out, nl_error *err)
     return st;
 }
 
+/* --tokenizer: a tokenizer file, or a checkpoint (.safetensors) that
+ * carries one (e.g. one `neuroctl import --hf` wrote). */
+static nl_status load_tokenizer(const char *path, nl_tokenizer **t, nl_error *err)
+{
+    size_t n = strlen(path);
+    if (n < 12 || strcmp(path + n - 12, ".safetensors") != 0)
+        return nl_tokenizer_load(t, path, err);
+    nl_status st = nl_checkpoint_tokenizer(path, t, err);
+    if (st == NL_OK && !*t)
+        st = nl_error_set(err, NL_ERR_NOTFOUND, "%s: the checkpoint carries no tokenizer", path);
+    return st;
+}
+
 static nl_status learn_and_save(const opts *o, nl_tokenizer *t, int32_t add, const char *path,
                                 nl_error *err)
 {
@@ -322,7 +341,7 @@ static nl_status learn_and_save(const opts *o, nl_tokenizer *t, int32_t add, con
     to.progress = on_progress;
     to.progress_ctx = &p;
     int32_t before = nl_tokenizer_vocab_size(t);
-    nl_status st = read_corpus(o, &c, err);
+    nl_status st = read_corpus(o, nl_tokenizer_split_mode(t), &c, err);
     if (st != NL_OK)
         return st;
     clock_gettime(CLOCK_MONOTONIC, &p.t0);
@@ -370,7 +389,7 @@ static int cmd_learn(const opts *o, nl_error *err)
     if (o->out && out_exists(o))
         return 1;
     nl_tokenizer *t = NULL;
-    nl_status st = nl_tokenizer_load(&t, o->tokenizer, err);
+    nl_status st = load_tokenizer(o->tokenizer, &t, err);
     if (st == NL_OK)
         st = learn_and_save(o, t, (int32_t)o->add, o->out ? o->out : o->tokenizer, err);
     nl_tokenizer_destroy(&t);
@@ -397,7 +416,8 @@ static nl_status encode_text(nl_tokenizer *t, const char *s, size_t len, writer 
     nl_status st = NL_OK;
     for (size_t off = 0; off < len && st == NL_OK;) {
         size_t max = ENCODE_CHUNK, p;
-        while ((p = nl_tokenizer_safe_split(s + off, len - off, max)) == 0)
+        while ((p = nl_tokenizer_safe_split(nl_tokenizer_split_mode(t), s + off, len - off, max)) ==
+               0)
             max *= 2; /* one word longer than a chunk */
         if (p > cap) {
             free(ids);
@@ -466,7 +486,7 @@ static nl_status decode_text(const nl_tokenizer *t, const opts *o, const char *s
                               "(ids 0..%d)",
                               name, line, start, (int)(pos - start > 20 ? 20 : pos - start),
                               s + start, pos - start > 20 ? "..." : "", vocab - 1);
-        } else if (o->strict && nl_tokenizer_is_special((int32_t)v)) {
+        } else if (o->strict && nl_tokenizer_is_special(t, (int32_t)v)) {
             st = nl_error_set(err, NL_ERR_RANGE,
                               "%s line %zu, offset %zu: special id %lld refused (--strict)", name,
                               line, start, v);
@@ -490,7 +510,7 @@ static int cmd_code(const opts *o, int encode, nl_error *err)
     writer *w = malloc(sizeof *w);
     nl_status st = w ? NL_OK : nl_error_set(err, NL_ERR_NOMEM, "out of memory");
     if (st == NL_OK)
-        st = nl_tokenizer_load(&t, o->tokenizer, err);
+        st = load_tokenizer(o->tokenizer, &t, err);
     if (st == NL_OK)
         st = read_input(o->n_inputs ? o->inputs[0] : NULL, &text, &len, err);
     if (st == NL_OK && (st = writer_open(w, o->output, err)) == NL_OK) {
@@ -511,7 +531,7 @@ static int cmd_info(const opts *o, nl_error *err)
     if (!o->tokenizer)
         return usage_error("%s needs --tokenizer", "info");
     nl_tokenizer *t = NULL;
-    if (nl_tokenizer_load(&t, o->tokenizer, err) != NL_OK)
+    if (load_tokenizer(o->tokenizer, &t, err) != NL_OK)
         return 1;
     size_t longest = 0;
     int32_t longest_id = 0;
@@ -519,13 +539,15 @@ static int cmd_info(const opts *o, nl_error *err)
         const uint8_t *p;
         size_t l;
         nl_tokenizer_token_bytes(t, id, &p, &l);
-        if (!nl_tokenizer_is_special(id) && l > longest) {
+        if (!nl_tokenizer_is_special(t, id) && l > longest) {
             longest = l;
             longest_id = id;
         }
     }
-    printf("vocab_size %d\nmerges %d\nlongest_token %zu (id %d)\n", nl_tokenizer_vocab_size(t),
-           nl_tokenizer_num_merges(t), longest, longest_id);
+    printf("vocab_size %d\nmerges %d\nlongest_token %zu (id %d)\nsplit %s\nids %s\n",
+           nl_tokenizer_vocab_size(t), nl_tokenizer_num_merges(t), longest, longest_id,
+           nl_tokenizer_split_mode(t) == NL_TOKENIZER_SPLIT_BYTES ? "bytes" : "unicode",
+           nl_tokenizer_is_native(t) ? "native" : "explicit (imported)");
     nl_tokenizer_destroy(&t);
     return 0;
 }

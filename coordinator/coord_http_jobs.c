@@ -276,7 +276,7 @@ nl_http_next coord_http_gen_next(void *ctx, void *jp, int32_t *id, const char **
         pthread_mutex_unlock(&h->mu);
         const uint8_t *p = NULL;
         size_t n = 0;
-        if (tok && !nl_tokenizer_is_special(*id) &&
+        if (tok && !nl_tokenizer_is_special(tok, *id) &&
             nl_tokenizer_token_bytes(tok, *id, &p, &n) == NL_OK) {
             *text = (const char *)p;
             *len = n;

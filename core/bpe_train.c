@@ -29,13 +29,14 @@ typedef struct corpus_slot {
 } corpus_slot;
 
 struct nl_bpe_corpus {
+    nl_tokenizer_split split;
     corpus_slot *slots;
     size_t mask, n;
     uint8_t *bytes;
     size_t bytes_len, bytes_cap;
 };
 
-nl_status nl_bpe_corpus_new(nl_bpe_corpus **out, nl_error *err)
+nl_status nl_bpe_corpus_new(nl_bpe_corpus **out, nl_tokenizer_split mode, nl_error *err)
 {
     nl_bpe_corpus *c = calloc(1, sizeof *c);
     *out = NULL;
@@ -44,6 +45,7 @@ nl_status nl_bpe_corpus_new(nl_bpe_corpus **out, nl_error *err)
         return nl_error_set(err, NL_ERR_NOMEM, "tokenizer: out of memory for a corpus");
     }
     c->mask = 1023;
+    c->split = mode;
     *out = c;
     return NL_OK;
 }
@@ -118,7 +120,7 @@ nl_status nl_bpe_corpus_add(nl_bpe_corpus *c, const void *text, size_t len, nl_e
 {
     const uint8_t *s = text;
     for (size_t pos = 0; pos < len;) {
-        size_t end = nl_tokenizer_split_next(s, len, pos);
+        size_t end = nl_tokenizer_split_next(c->split, s, len, pos);
         nl_status st = corpus_add_word(c, s + pos, end - pos, err);
         if (st != NL_OK)
             return st;
@@ -558,6 +560,12 @@ nl_status nl_tokenizer_learn_corpus(nl_tokenizer *t, const nl_bpe_corpus *c, int
     nl_status st = NL_OK;
     if (add_n < 0)
         return nl_error_set(err, NL_ERR_INVALID, "tokenizer: cannot add %d merges", add_n);
+    if (c->split != t->split)
+        return nl_error_set(err, NL_ERR_INVALID,
+                            "tokenizer: the corpus was cut into words by %s classes, the "
+                            "tokenizer cuts by %s ones",
+                            c->split == NL_TOKENIZER_SPLIT_BYTES ? "byte" : "Unicode",
+                            t->split == NL_TOKENIZER_SPLIT_BYTES ? "byte" : "Unicode");
     if (add_n > NL_TOKENIZER_MAX_IDS - t->n_ids)
         add_n = NL_TOKENIZER_MAX_IDS - t->n_ids;
     if (o.min_count < 1)
@@ -588,7 +596,7 @@ nl_status nl_tokenizer_learn(nl_tokenizer *t, const void *text, size_t len, int3
                              const nl_tokenizer_train_opts *opts, nl_error *err)
 {
     nl_bpe_corpus *c = NULL;
-    nl_status st = nl_bpe_corpus_new(&c, err);
+    nl_status st = nl_bpe_corpus_new(&c, t->split, err);
     if (st == NL_OK)
         st = nl_bpe_corpus_add(c, text, len, err);
     if (st == NL_OK)

@@ -111,7 +111,7 @@ nl_status nl_chat_template_read_hf(const char *dir, char **json, char *family, c
 /* Put the template's source (json: our JSON form, may be NULL) back as
  * `chat_template` in DIR/tokenizer_config.json, adding the key to the file
  * when an export wrote one, else writing a file with that key alone.
- * *wrote says whether a new file was written (0 when there is no source). */
+ * *wrote says whether the template was written (0 when there is no source). */
 nl_status nl_chat_template_write_hf(const char *dir, const char *json, int *wrote, nl_error *err);
 
 #endif

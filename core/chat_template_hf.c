@@ -124,7 +124,6 @@ nl_status nl_chat_template_write_hf(const char *dir, const char *json, int *wrot
         }
     } else {
         root = json_object();
-        *wrote = 1;
     }
     if (!root || json_object_set_new(root, "chat_template", json_string(t->source)) ||
         !(out = json_dumps(root, JSON_INDENT(2)))) {
@@ -132,6 +131,7 @@ nl_status nl_chat_template_write_hf(const char *dir, const char *json, int *wrot
         goto out;
     }
     st = nl_file_write_atomic(path, out, strlen(out), err);
+    *wrote = st == NL_OK;
 out:
     if (st != NL_OK)
         *wrote = 0;

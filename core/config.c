@@ -51,8 +51,8 @@ static nl_status validate_variants(const nl_config *c, nl_error *err)
         BAD("top_k: a dense FFN (num_experts 1) takes top_k 1, not %d", c->top_k);
     if (c->attention_window < 0 || c->attention_window > NL_CONFIG_MAX_SEQ)
         BAD("attention_window: %d is outside 0..%d", c->attention_window, NL_CONFIG_MAX_SEQ);
-    if (c->global_every < 1 || c->global_every > NL_CONFIG_MAX_LAYERS)
-        BAD("global_every: %d is outside 1..%d", c->global_every, NL_CONFIG_MAX_LAYERS);
+    if (c->global_every < 0 || c->global_every > NL_CONFIG_MAX_LAYERS)
+        BAD("global_every: %d is outside 0..%d", c->global_every, NL_CONFIG_MAX_LAYERS);
     if (c->num_classes < 0 || c->num_classes > NL_CONFIG_MAX_DIM)
         BAD("num_classes: %d is outside 0..%d", c->num_classes, NL_CONFIG_MAX_DIM);
     if (c->objective != NL_OBJ_CLM && c->objective != NL_OBJ_MLM)

@@ -29,7 +29,8 @@ typedef struct nl_config {
     int causal;           /* 1: decoder (default); 0: bidirectional encoder */
     int ffn_act;          /* NL_FFN_SWIGLU (default) or NL_FFN_GEGLU */
     int attention_window; /* W > 0: local layers; 0: global (default) */
-    int global_every;     /* with a window, layer l is global when l % n == 0; 1 */
+    int global_every;     /* with a window, layer l is global when l % n == 0; 1;
+                           * 0: no layer is global (Mistral's sliding window) */
     nl_rope_scaling rope_scaling; /* type NL_ROPE_NONE (default) or NL_ROPE_YARN */
     int objective;        /* NL_OBJ_CLM (default) or NL_OBJ_MLM */
     double mask_prob;     /* mlm: share of positions masked; 0.3 */
@@ -49,7 +50,7 @@ static inline int nl_config_dense(const nl_config *c) { return c->num_experts ==
 /* Whether layer l attends within the window (DESIGN 6). */
 static inline int nl_config_layer_local(const nl_config *c, int l)
 {
-    return c->attention_window > 0 && l % c->global_every != 0;
+    return c->attention_window > 0 && (c->global_every == 0 || l % c->global_every != 0);
 }
 
 /* Vocabulary used when neither the config nor a tokenizer gives one: the

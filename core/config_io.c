@@ -237,7 +237,9 @@ static nl_status yaml_set(nl_config *cfg, int k, const yaml_event_t *ev, nl_erro
         return nl_error_set(err, NL_ERR_INVALID, "%s: expected an integer, got '%s'", name, shown);
     if (r == -2)
         return nl_error_set(err, NL_ERR_INVALID, "%s: %s is out of range", name, shown);
-    if (v < 1)
+    /* 0 means "the default" to a user, so it is refused, except where it
+     * is a value of its own: global_every 0 (no global layer) */
+    if (v < 1 && !(v == 0 && keys[k].off == offsetof(nl_config, global_every)))
         return nl_error_set(err, NL_ERR_INVALID,
                             "%s: %lld must be at least 1 (leave the key out for the default)", name,
                             v);

@@ -65,8 +65,21 @@ static nl_status cfg_absent(json_t *root, const char *label, const char *key, co
     return NL_ERR_UNSUPPORTED;
 }
 
+/* The architectures this reads: the name, its model_type, whether its FFN
+ * is our dense one (num_experts 1) and whether transformers reads its
+ * sliding_window (Llama's config has none). */
+static const struct hf_arch {
+    const char *name, *model_type;
+    int dense, window;
+} hf_archs[] = {
+    {"MixtralForCausalLM", "mixtral", 0, 1},
+    {"LlamaForCausalLM", "llama", 1, 0},
+    {"MistralForCausalLM", "mistral", 1, 1},
+};
+
 /* The architecture: from architectures[0], else model_type. */
-static nl_status cfg_arch(json_t *root, const char *label, int *dense, nl_error *err)
+static nl_status cfg_arch(json_t *root, const char *label, const struct hf_arch **out,
+                          nl_error *err)
 {
     json_t *a = json_object_get(root, "architectures");
     const char *arch = NULL, *key = "architectures";
@@ -80,31 +93,49 @@ static nl_status cfg_arch(json_t *root, const char *label, int *dense, nl_error 
     } else {
         FAIL(NL_ERR_FORMAT, "%s: neither architectures nor model_type names the model", label);
     }
-    *dense = 0;
-    if (strcmp(arch, "MixtralForCausalLM") == 0 || strcmp(arch, "mixtral") == 0)
-        return NL_OK;
-    /* Llama and Mistral: our dense FFN (one expert, no router; DESIGN 6) */
-    *dense = 1;
-    if (strcmp(arch, "LlamaForCausalLM") == 0 || strcmp(arch, "llama") == 0 ||
-        strcmp(arch, "MistralForCausalLM") == 0 || strcmp(arch, "mistral") == 0)
-        return NL_OK;
+    for (size_t i = 0; i < sizeof hf_archs / sizeof hf_archs[0]; i++)
+        if (strcmp(arch, hf_archs[i].name) == 0 || strcmp(arch, hf_archs[i].model_type) == 0) {
+            *out = &hf_archs[i];
+            return NL_OK;
+        }
     FAIL(NL_ERR_UNSUPPORTED,
          "%s: %s: %.80s is not supported (MixtralForCausalLM, LlamaForCausalLM and "
          "MistralForCausalLM are)",
          label, key, arch);
 }
 
-static nl_status cfg_features(json_t *root, const char *label, int64_t max_pos, nl_error *err)
+/* Mistral's and Mixtral's sliding_window W: each query sees the keys
+ * j in (i - W, i] on every layer, which is our attention_window W with no
+ * global layer (global_every 0). null, absent, or a window at least the
+ * context long (it never hides a key): full attention. */
+static nl_status cfg_window(json_t *root, const char *label, const struct hf_arch *arch,
+                            int64_t max_pos, nl_config *cfg, nl_error *err)
+{
+    json_t *sw = json_object_get(root, "sliding_window");
+    if (!arch->window || !sw || json_is_null(sw))
+        return NL_OK; /* transformers' Llama does not read the key */
+    if (!json_is_integer(sw))
+        FAIL(NL_ERR_FORMAT, "%s: sliding_window: not an integer or null", label);
+    json_int_t w = json_integer_value(sw);
+    if (w < 1)
+        FAIL(NL_ERR_RANGE, "%s: sliding_window: %lld is not a positive window", label,
+             (long long)w);
+    if (w < max_pos) {
+        cfg->attention_window = (int)w;
+        cfg->global_every = 0;
+    }
+    return NL_OK;
+}
+
+static nl_status cfg_features(json_t *root, const char *label, nl_error *err)
 {
     nl_status st;
+    /* transformers' ACT2FN: "swish" is the same function as "silu" */
     json_t *act = json_object_get(root, "hidden_act");
-    if (act && (!json_is_string(act) || strcmp(json_string_value(act), "silu") != 0))
-        FAIL(NL_ERR_UNSUPPORTED, "%s: hidden_act: only silu (SwiGLU) is supported", label);
-    /* A window at least the context long never hides a key: the same model. */
-    json_t *sw = json_object_get(root, "sliding_window");
-    if (sw && !json_is_null(sw) && !(json_is_integer(sw) && json_integer_value(sw) >= max_pos) &&
-        (st = cfg_absent(root, label, "sliding_window", "sliding-window attention", err)))
-        return st;
+    const char *a = json_string_value(act);
+    if (act && (!a || (strcmp(a, "silu") != 0 && strcmp(a, "swish") != 0)))
+        FAIL(NL_ERR_UNSUPPORTED,
+             "%s: hidden_act: only silu (or swish, the same function: SwiGLU) is supported", label);
     if ((st = cfg_absent(root, label, "rope_scaling", "RoPE scaling", err)) ||
         (st = cfg_absent(root, label, "attention_bias", "a bias", err)) ||
         (st = cfg_absent(root, label, "mlp_bias", "a bias", err)))
@@ -113,20 +144,26 @@ static nl_status cfg_features(json_t *root, const char *label, int64_t max_pos, 
 }
 
 nl_status nl_hf_config_parse(nl_config *cfg, int *tied, const char *json, size_t len,
-                             const char *label, nl_error *err)
+                             const char *label, char arch_name[NL_HF_ARCH_MAX], nl_error *err)
 {
+    const struct hf_arch *arch = NULL;
     json_error_t je;
     json_t *root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &je);
     nl_status st = NL_OK;
     long long V = 0, d = 0, F = 0, L = 0, H = 0, G = 0, E = 1, k = 1, S = 0;
     int dense = 0;
+    if (arch_name)
+        arch_name[0] = '\0';
     if (!root || !json_is_object(root)) {
         st = nl_error_set(err, NL_ERR_FORMAT, "%s: not a JSON object (line %d: %s)", label, je.line,
                           root ? "top level" : je.text);
         goto out;
     }
-    if ((st = cfg_arch(root, label, &dense, err)))
+    if ((st = cfg_arch(root, label, &arch, err)))
         goto out;
+    dense = arch->dense;
+    if (arch_name)
+        snprintf(arch_name, NL_HF_ARCH_MAX, "%s", arch->name);
     if ((st = cfg_int(root, label, "vocab_size", -1, 1, NL_CONFIG_MAX_VOCAB, &V, err)) ||
         (st = cfg_int(root, label, "hidden_size", -1, 1, NL_CONFIG_MAX_DIM, &d, err)) ||
         (st = cfg_int(root, label, "intermediate_size", -1, 1, 16 * NL_CONFIG_MAX_DIM, &F, err)) ||
@@ -139,7 +176,7 @@ nl_status nl_hf_config_parse(nl_config *cfg, int *tied, const char *json, size_t
         (st = cfg_int(root, label, "max_position_embeddings", 131072, 1, NL_CONFIG_MAX_SEQ, &S,
                       err)))
         goto out;
-    if ((st = cfg_features(root, label, S, err)))
+    if ((st = cfg_features(root, label, err)))
         goto out;
     json_t *hd = json_object_get(root, "head_dim");
     if (hd && !json_is_null(hd) &&
@@ -170,7 +207,8 @@ nl_status nl_hf_config_parse(nl_config *cfg, int *tied, const char *json, size_t
     /* transformers' defaults: 1e6 for Mixtral, 1e4 for Llama and Mistral */
     if ((st = cfg_num(root, label, "rope_theta", dense ? 1e4 : 1e6, &cfg->rope_base, err)) ||
         (st = cfg_num(root, label, "rms_norm_eps", 1e-5, &cfg->norm_eps, err)) ||
-        (st = cfg_num(root, label, "router_aux_loss_coef", 0.001, &cfg->aux_loss_coef, err)))
+        (st = cfg_num(root, label, "router_aux_loss_coef", 0.001, &cfg->aux_loss_coef, err)) ||
+        (st = cfg_window(root, label, arch, S, cfg, err)))
         goto out;
     if ((st = nl_config_validate(cfg, 1, err)))
         nl_error_prefix(err, "%s: as our config", label);
@@ -179,16 +217,32 @@ out:
     return st;
 }
 
+const char *nl_hf_arch_of(const nl_config *c)
+{
+    return !nl_config_dense(c) ? "MixtralForCausalLM"
+           : nl_hf_window(c)   ? "MistralForCausalLM"
+                               : "LlamaForCausalLM";
+}
+
+int nl_hf_window(const nl_config *c)
+{
+    return c->attention_window > 0 && c->global_every == 0 ? c->attention_window : 0;
+}
+
 char *nl_hf_config_to_json(const nl_config *c, int with_tokenizer)
 {
     json_t *r = json_object();
     if (!r)
         return NULL;
-    const int dense = nl_config_dense(c);
+    const int dense = nl_config_dense(c), window = nl_hf_window(c);
+    const char *name = nl_hf_arch_of(c);
     json_t *arch = json_array();
-    json_array_append_new(arch, json_string(dense ? "LlamaForCausalLM" : "MixtralForCausalLM"));
+    json_array_append_new(arch, json_string(name));
     json_object_set_new(r, "architectures", arch);
-    json_object_set_new(r, "model_type", json_string(dense ? "llama" : "mixtral"));
+    json_object_set_new(r, "model_type",
+                        json_string(!dense   ? "mixtral"
+                                    : window ? "mistral"
+                                             : "llama"));
     json_object_set_new(r, "vocab_size", json_integer(c->vocab_size));
     json_object_set_new(r, "hidden_size", json_integer(c->hidden_dim));
     json_object_set_new(r, "intermediate_size", json_integer(c->ffn_dim));
@@ -200,7 +254,7 @@ char *nl_hf_config_to_json(const nl_config *c, int with_tokenizer)
         json_object_set_new(r, "num_experts_per_tok", json_integer(c->top_k));
         json_object_set_new(r, "router_aux_loss_coef", json_real(c->aux_loss_coef));
         json_object_set_new(r, "output_router_logits", json_false());
-    } else {
+    } else if (!window) {
         json_object_set_new(r, "attention_bias", json_false());
         json_object_set_new(r, "mlp_bias", json_false());
     }
@@ -209,7 +263,7 @@ char *nl_hf_config_to_json(const nl_config *c, int with_tokenizer)
     json_object_set_new(r, "rms_norm_eps", json_real(c->norm_eps));
     json_object_set_new(r, "hidden_act", json_string("silu"));
     json_object_set_new(r, "tie_word_embeddings", json_false());
-    json_object_set_new(r, "sliding_window", json_null());
+    json_object_set_new(r, "sliding_window", window ? json_integer(window) : json_null());
     json_object_set_new(r, "rope_scaling", json_null());
     json_object_set_new(r, "attention_dropout", json_real(0.0));
     json_object_set_new(r, "initializer_range", json_real(0.02));

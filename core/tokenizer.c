@@ -1,6 +1,7 @@
-/* Byte-level BPE tokenizer: the id tables, the GPT-2 style pre-tokenizer,
- * encoding (merges by rank, with a bounded word cache) and decoding.
- * Learning is in bpe_train.c, the file format in tokenizer_file.c. */
+/* Byte-level BPE tokenizer: the id tables, encoding (merges by rank, with
+ * a bounded word cache) and decoding. The pre-tokenizer is in
+ * tokenizer_split.c, learning in bpe_train.c, the file format in
+ * tokenizer_file.c. */
 #include "tokenizer.h"
 
 #include <limits.h>
@@ -82,22 +83,45 @@ static nl_status map_grow(nl_tokenizer *t, nl_error *err)
     return NL_OK;
 }
 
+/* Room for one more id. */
 static nl_status grow_ids(nl_tokenizer *t, nl_error *err)
 {
+    if (t->n_ids < t->cap_ids)
+        return NL_OK;
     int32_t cap = t->cap_ids > INT32_MAX / 2 ? INT32_MAX : t->cap_ids * 2;
-    size_t nm = (size_t)cap - NL_TOKEN_FIRST_MERGE;
-    int32_t *merges = realloc(t->merges, nm * 2 * sizeof *merges);
-    if (merges)
-        t->merges = merges;
     size_t *off = realloc(t->tok_off, (size_t)cap * sizeof *off);
     if (off)
         t->tok_off = off;
     uint16_t *len = realloc(t->tok_len, (size_t)cap * sizeof *len);
     if (len)
         t->tok_len = len;
-    if (!merges || !off || !len)
+    int32_t *made = realloc(t->made_by, (size_t)cap * sizeof *made);
+    if (made)
+        t->made_by = made;
+    uint8_t *sp = realloc(t->special, (size_t)cap);
+    if (sp)
+        t->special = sp;
+    if (!off || !len || !made || !sp)
         return nl_error_set(err, NL_ERR_NOMEM, "tokenizer: out of memory for %d ids", cap);
     t->cap_ids = cap;
+    return NL_OK;
+}
+
+/* Room for one more merge. */
+static nl_status grow_merges(nl_tokenizer *t, nl_error *err)
+{
+    if (t->n_merges < t->cap_merges)
+        return NL_OK;
+    int32_t cap = t->cap_merges > INT32_MAX / 4 ? INT32_MAX / 2 : t->cap_merges * 2;
+    int32_t *merges = realloc(t->merges, (size_t)cap * 2 * sizeof *merges);
+    if (merges)
+        t->merges = merges;
+    int32_t *mo = realloc(t->merge_out, (size_t)cap * sizeof *mo);
+    if (mo)
+        t->merge_out = mo;
+    if (!merges || !mo)
+        return nl_error_set(err, NL_ERR_NOMEM, "tokenizer: out of memory for %d merges", cap);
+    t->cap_merges = cap;
     return NL_OK;
 }
 
@@ -121,43 +145,75 @@ static void cache_clear(nl_tok_cache *c)
     c->n = c->bytes_len = c->ids_len = 0;
 }
 
-nl_status nl_tok_add_merge(nl_tokenizer *t, int32_t a, int32_t b, nl_error *err)
+nl_status nl_tok_add_token(nl_tokenizer *t, const uint8_t *p, size_t n, int special, nl_error *err)
 {
-    nl_status st = NL_OK;
+    nl_status st;
     if (t->n_ids >= NL_TOKENIZER_MAX_IDS)
         return nl_error_set(err, NL_ERR_LIMIT, "tokenizer: the id space (%d ids) is full",
                             NL_TOKENIZER_MAX_IDS);
-    if (t->n_ids == t->cap_ids && (st = grow_ids(t, err)) != NL_OK)
+    if ((st = grow_ids(t, err)) != NL_OK || (st = pool_reserve(t, n, err)) != NL_OK)
         return st;
-    if ((t->map_n + 1) * 2 > t->map_mask + 1 && (st = map_grow(t, err)) != NL_OK)
-        return st;
-    size_t la = t->tok_len[a], lb = t->tok_len[b];
-    if ((st = pool_reserve(t, la + lb, err)) != NL_OK)
-        return st;
-    if (t->cache.n)
-        cache_clear(&t->cache); /* cached words may now encode differently */
-    int32_t id = t->n_ids, rank = id - NL_TOKEN_FIRST_MERGE;
-    memcpy(t->pool + t->pool_len, t->pool + t->tok_off[a], la);
-    memcpy(t->pool + t->pool_len + la, t->pool + t->tok_off[b], lb);
+    int32_t id = t->n_ids;
+    memcpy(t->pool + t->pool_len, p, n);
     t->tok_off[id] = t->pool_len;
-    t->tok_len[id] = (uint16_t)(la + lb);
-    t->pool_len += la + lb;
-    t->merges[2 * (size_t)rank] = a;
-    t->merges[2 * (size_t)rank + 1] = b;
-    map_put(t, nl_tok_pair_key(a, b), rank);
+    t->tok_len[id] = (uint16_t)n;
+    t->pool_len += n;
+    t->made_by[id] = -1;
+    t->special[id] = (uint8_t)(special != 0);
+    if (!special && n == 1 && t->byte_id[p[0]] < 0)
+        t->byte_id[p[0]] = id;
     t->n_ids++;
     return NL_OK;
 }
 
+nl_status nl_tok_add_merge_to(nl_tokenizer *t, int32_t a, int32_t b, int32_t out, nl_error *err)
+{
+    nl_status st;
+    if ((st = grow_merges(t, err)) != NL_OK)
+        return st;
+    if ((t->map_n + 1) * 2 > t->map_mask + 1 && (st = map_grow(t, err)) != NL_OK)
+        return st;
+    if (t->cache.n)
+        cache_clear(&t->cache); /* cached words may now encode differently */
+    int32_t r = t->n_merges;
+    t->merges[2 * (size_t)r] = a;
+    t->merges[2 * (size_t)r + 1] = b;
+    t->merge_out[r] = out;
+    if (t->made_by[out] < 0)
+        t->made_by[out] = r;
+    map_put(t, nl_tok_pair_key(a, b), r);
+    t->n_merges++;
+    return NL_OK;
+}
+
+nl_status nl_tok_add_merge(nl_tokenizer *t, int32_t a, int32_t b, nl_error *err)
+{
+    size_t la = t->tok_len[a], lb = t->tok_len[b];
+    uint8_t buf[2 * NL_TOKENIZER_MAX_TOKEN_BYTES];
+    memcpy(buf, t->pool + t->tok_off[a], la); /* the pool may move */
+    memcpy(buf + la, t->pool + t->tok_off[b], lb);
+    nl_status st = nl_tok_add_token(t, buf, la + lb, 0, err);
+    if (st == NL_OK && (st = nl_tok_add_merge_to(t, a, b, t->n_ids - 1, err)) != NL_OK) {
+        t->n_ids--;
+        t->pool_len -= la + lb;
+    }
+    return st;
+}
+
 void nl_tok_truncate(nl_tokenizer *t, int32_t n_ids)
 {
-    if (n_ids >= t->n_ids || n_ids < NL_TOKEN_FIRST_MERGE)
+    if (n_ids >= t->n_ids || n_ids < 0)
         return;
     t->pool_len = t->tok_off[n_ids];
     t->n_ids = n_ids;
+    while (t->n_merges > 0 && t->merge_out[t->n_merges - 1] >= n_ids)
+        t->n_merges--;
+    for (int b = 0; b < 256; b++)
+        if (t->byte_id[b] >= n_ids)
+            t->byte_id[b] = -1;
     memset(t->map_keys, 0xFF, (t->map_mask + 1) * sizeof *t->map_keys);
     t->map_n = 0;
-    for (int32_t r = 0; r < n_ids - NL_TOKEN_FIRST_MERGE; r++)
+    for (int32_t r = 0; r < t->n_merges; r++)
         map_put(t, nl_tok_pair_key(t->merges[2 * (size_t)r], t->merges[2 * (size_t)r + 1]), r);
     cache_clear(&t->cache);
 }
@@ -199,7 +255,7 @@ static nl_status cache_alloc(nl_tok_cache *c, nl_error *err)
     return NL_OK;
 }
 
-nl_status nl_tokenizer_new_bytes(nl_tokenizer **out, nl_error *err)
+nl_status nl_tok_new_empty(nl_tokenizer **out, nl_error *err)
 {
     *out = NULL;
     nl_status st = NL_OK;
@@ -207,32 +263,26 @@ nl_status nl_tokenizer_new_bytes(nl_tokenizer **out, nl_error *err)
     if (!t)
         return nl_error_set(err, NL_ERR_NOMEM, "tokenizer: out of memory");
     t->cap_ids = 1024;
-    t->merges = malloc((size_t)(t->cap_ids - NL_TOKEN_FIRST_MERGE) * 2 * sizeof *t->merges);
+    t->cap_merges = 1024;
+    t->merges = malloc((size_t)t->cap_merges * 2 * sizeof *t->merges);
+    t->merge_out = malloc((size_t)t->cap_merges * sizeof *t->merge_out);
     t->tok_off = malloc((size_t)t->cap_ids * sizeof *t->tok_off);
     t->tok_len = malloc((size_t)t->cap_ids * sizeof *t->tok_len);
+    t->made_by = malloc((size_t)t->cap_ids * sizeof *t->made_by);
+    t->special = malloc((size_t)t->cap_ids);
     t->pool_cap = 4096;
     t->pool = malloc(t->pool_cap);
-    if (!t->merges || !t->tok_off || !t->tok_len || !t->pool) {
+    if (!t->merges || !t->merge_out || !t->tok_off || !t->tok_len || !t->made_by || !t->special ||
+        !t->pool) {
         st = nl_error_set(err, NL_ERR_NOMEM, "tokenizer: out of memory");
         goto fail;
     }
-    if ((st = map_init(t, 1024, err)) != NL_OK)
-        goto fail;
-    for (int i = 0; i < 256; i++) {
-        t->pool[i] = (uint8_t)i;
-        t->tok_off[i] = (size_t)i;
-        t->tok_len[i] = 1;
-    }
-    t->pool_len = 256;
-    for (int i = 0; i < 3; i++) {
-        size_t n = strlen(special_names[i]);
-        memcpy(t->pool + t->pool_len, special_names[i], n);
-        t->tok_off[NL_TOKEN_BEGIN + i] = t->pool_len;
-        t->tok_len[NL_TOKEN_BEGIN + i] = (uint16_t)n;
-        t->pool_len += n;
-    }
-    t->n_ids = NL_TOKEN_FIRST_MERGE;
-    if ((st = nl_tokenizer_set_cache(t, NL_TOKENIZER_DEFAULT_CACHE, err)) != NL_OK)
+    for (int i = 0; i < 256; i++)
+        t->byte_id[i] = -1;
+    t->explicit_ids = 1;
+    t->split = NL_TOKENIZER_SPLIT_UNICODE;
+    if ((st = map_init(t, 1024, err)) != NL_OK ||
+        (st = nl_tokenizer_set_cache(t, NL_TOKENIZER_DEFAULT_CACHE, err)) != NL_OK)
         goto fail;
     *out = t;
     return NL_OK;
@@ -241,12 +291,102 @@ fail:
     return st;
 }
 
+nl_status nl_tokenizer_new_bytes(nl_tokenizer **out, nl_error *err)
+{
+    nl_tokenizer *t = NULL;
+    nl_status st = nl_tok_new_empty(&t, err);
+    for (int i = 0; i < 256 && st == NL_OK; i++) {
+        uint8_t b = (uint8_t)i;
+        st = nl_tok_add_token(t, &b, 1, 0, err);
+    }
+    for (int i = 0; i < 3 && st == NL_OK; i++)
+        st = nl_tok_add_token(t, (const uint8_t *)special_names[i], strlen(special_names[i]), 1,
+                              err);
+    if (st != NL_OK) {
+        nl_tokenizer_destroy(&t);
+        return st;
+    }
+    t->explicit_ids = 0;
+    *out = t;
+    return NL_OK;
+}
+
+nl_status nl_tokenizer_new_empty(nl_tokenizer **out, nl_tokenizer_split split, nl_error *err)
+{
+    nl_status st = nl_tok_new_empty(out, err);
+    if (st == NL_OK)
+        (*out)->split = split;
+    return st;
+}
+
+nl_status nl_tokenizer_append_token(nl_tokenizer *t, const void *bytes, size_t n, int special,
+                                    nl_error *err)
+{
+    if (n < 1 || n > NL_TOKENIZER_MAX_TOKEN_BYTES)
+        return nl_error_set(err, NL_ERR_LIMIT, "tokenizer: id %d: %zu bytes (1..%d)", t->n_ids, n,
+                            NL_TOKENIZER_MAX_TOKEN_BYTES);
+    return nl_tok_add_token(t, bytes, n, special, err);
+}
+
+nl_status nl_tokenizer_append_merge(nl_tokenizer *t, int32_t a, int32_t b, int32_t out,
+                                    nl_error *err)
+{
+    int32_t ab[3] = {a, b, out};
+    for (int k = 0; k < 3; k++) {
+        if (ab[k] < 0 || ab[k] >= t->n_ids)
+            return nl_error_set(err, NL_ERR_RANGE, "tokenizer: merge %d: id %d is not defined",
+                                t->n_merges, ab[k]);
+        if (t->special[ab[k]])
+            return nl_error_set(err, NL_ERR_FORMAT, "tokenizer: merge %d uses special id %d",
+                                t->n_merges, ab[k]);
+    }
+    size_t la = t->tok_len[a], lb = t->tok_len[b];
+    if (t->tok_len[out] != la + lb ||
+        memcmp(t->pool + t->tok_off[out], t->pool + t->tok_off[a], la) != 0 ||
+        memcmp(t->pool + t->tok_off[out] + la, t->pool + t->tok_off[b], lb) != 0)
+        return nl_error_set(err, NL_ERR_FORMAT,
+                            "tokenizer: merge %d: id %d's bytes are not id %d's then id %d's",
+                            t->n_merges, out, a, b);
+    if (nl_tok_merge_rank(t, a, b) >= 0)
+        return nl_error_set(err, NL_ERR_FORMAT, "tokenizer: merge %d: %d %d is merged already",
+                            t->n_merges, a, b);
+    return nl_tok_add_merge_to(t, a, b, out, err);
+}
+
+void nl_tokenizer_settle(nl_tokenizer *t)
+{
+    if (!t->explicit_ids || t->n_ids < NL_TOKEN_FIRST_MERGE ||
+        t->n_merges != t->n_ids - NL_TOKEN_FIRST_MERGE)
+        return;
+    for (int32_t id = 0; id < NL_TOKEN_FIRST_MERGE; id++) {
+        int special = id >= NL_TOKEN_BEGIN;
+        const char *name = special ? special_names[id - NL_TOKEN_BEGIN] : NULL;
+        if (t->special[id] != special ||
+            (special ? t->tok_len[id] != strlen(name) ||
+                           memcmp(t->pool + t->tok_off[id], name, t->tok_len[id]) != 0
+                     : t->tok_len[id] != 1 || t->pool[t->tok_off[id]] != id))
+            return;
+    }
+    for (int32_t r = 0; r < t->n_merges; r++)
+        if (t->merge_out[r] != NL_TOKEN_FIRST_MERGE + r)
+            return;
+    t->explicit_ids = 0;
+}
+
+int nl_tokenizer_byte_id(const nl_tokenizer *t, uint8_t b)
+{
+    return t->byte_id[b];
+}
+
 void nl_tokenizer_destroy(nl_tokenizer **tp)
 {
     if (!tp || !*tp)
         return;
     nl_tokenizer *t = *tp;
     free(t->merges);
+    free(t->merge_out);
+    free(t->made_by);
+    free(t->special);
     free(t->tok_off);
     free(t->tok_len);
     free(t->pool);
@@ -269,12 +409,22 @@ int32_t nl_tokenizer_vocab_size(const nl_tokenizer *t)
 
 int32_t nl_tokenizer_num_merges(const nl_tokenizer *t)
 {
-    return t->n_ids - NL_TOKEN_FIRST_MERGE;
+    return t->n_merges;
 }
 
-int nl_tokenizer_is_special(int32_t id)
+int nl_tokenizer_is_native(const nl_tokenizer *t)
 {
-    return id >= NL_TOKEN_BEGIN && id <= NL_TOKEN_PAD;
+    return !t->explicit_ids;
+}
+
+nl_tokenizer_split nl_tokenizer_split_mode(const nl_tokenizer *t)
+{
+    return t->split;
+}
+
+int nl_tokenizer_is_special(const nl_tokenizer *t, int32_t id)
+{
+    return id >= 0 && id < t->n_ids && t->special[id];
 }
 
 nl_status nl_tokenizer_token_bytes(const nl_tokenizer *t, int32_t id, const uint8_t **ptr,
@@ -289,102 +439,22 @@ nl_status nl_tokenizer_token_bytes(const nl_tokenizer *t, int32_t id, const uint
 
 nl_status nl_tokenizer_merge_pair(const nl_tokenizer *t, int32_t id, int32_t *a, int32_t *b)
 {
-    if (id < NL_TOKEN_FIRST_MERGE || id >= t->n_ids)
+    if (id < 0 || id >= t->n_ids || t->made_by[id] < 0)
         return NL_ERR_RANGE;
-    *a = t->merges[2 * (size_t)(id - NL_TOKEN_FIRST_MERGE)];
-    *b = t->merges[2 * (size_t)(id - NL_TOKEN_FIRST_MERGE) + 1];
+    *a = t->merges[2 * (size_t)t->made_by[id]];
+    *b = t->merges[2 * (size_t)t->made_by[id] + 1];
     return NL_OK;
 }
 
-/* ------------------------------------------------------------------ */
-/* pre-tokenization                                                    */
-/* ------------------------------------------------------------------ */
-
-/* Byte classes: whitespace (tab, LF, VT, FF, CR, space), letters (ASCII
- * letters and every byte >= 0x80), digits, and other. */
-enum { CW = 0, CL = 1, CN = 2, CO = 3 };
-
-#define ROW_OTHER CO, CO, CO, CO, CO, CO, CO, CO, CO, CO, CO, CO, CO, CO, CO, CO
-#define ROW_LETTER CL, CL, CL, CL, CL, CL, CL, CL, CL, CL, CL, CL, CL, CL, CL, CL
-static const uint8_t byte_class[256] = {
-    CO,         CO,         CO,         CO,         CO, CO, CO, CO,
-    CO,         CW,         CW,         CW,         CW, CW, CO, CO, /* 0x00 */
-    ROW_OTHER,                                                      /* 0x10 */
-    CW,         CO,         CO,         CO,         CO, CO, CO, CO,
-    CO,         CO,         CO,         CO,         CO, CO, CO, CO, /* 0x20 */
-    CN,         CN,         CN,         CN,         CN, CN, CN, CN,
-    CN,         CN,         CO,         CO,         CO, CO, CO, CO, /* 0x30 */
-    CO,         CL,         CL,         CL,         CL, CL, CL, CL,
-    CL,         CL,         CL,         CL,         CL, CL, CL, CL, /* 0x40 */
-    CL,         CL,         CL,         CL,         CL, CL, CL, CL,
-    CL,         CL,         CL,         CO,         CO, CO, CO, CO, /* 0x50 */
-    CO,         CL,         CL,         CL,         CL, CL, CL, CL,
-    CL,         CL,         CL,         CL,         CL, CL, CL, CL, /* 0x60 */
-    CL,         CL,         CL,         CL,         CL, CL, CL, CL,
-    CL,         CL,         CL,         CO,         CO, CO, CO, CO, /* 0x70 */
-    ROW_LETTER, ROW_LETTER, ROW_LETTER, ROW_LETTER,                 /* 0x80 */
-    ROW_LETTER, ROW_LETTER, ROW_LETTER, ROW_LETTER,                 /* 0xC0 */
-};
-
-/* Length of a contraction ('s 't 're 've 'm 'll 'd) at s[i] == '\'', or 0. */
-static size_t contraction_len(const uint8_t *s, size_t len, size_t i)
+nl_status nl_tokenizer_merge_at(const nl_tokenizer *t, int32_t rank, int32_t *a, int32_t *b,
+                                int32_t *out)
 {
-    if (i + 1 >= len)
-        return 0;
-    uint8_t d = s[i + 1];
-    if (d == 's' || d == 't' || d == 'm' || d == 'd')
-        return 2;
-    if (i + 2 >= len)
-        return 0;
-    uint8_t e = s[i + 2];
-    if ((d == 'r' && e == 'e') || (d == 'v' && e == 'e') || (d == 'l' && e == 'l'))
-        return 3;
-    return 0;
-}
-
-size_t nl_tokenizer_split_next(const void *text, size_t len, size_t i)
-{
-    const uint8_t *s = text;
-    if (i >= len)
-        return len;
-    uint8_t c = s[i];
-    if (c == '\'') {
-        size_t k = contraction_len(s, len, i);
-        if (k)
-            return i + k;
-    }
-    size_t j = i;
-    int cls = byte_class[c];
-    if (c == ' ' && i + 1 < len && byte_class[s[i + 1]] != CW) {
-        j = i + 1;
-        cls = byte_class[s[j]];
-    }
-    if (cls != CW) {
-        /* ` ?` then a run of letters, of digits or of other bytes */
-        j++;
-        while (j < len && byte_class[s[j]] == cls)
-            j++;
-        return j;
-    }
-    /* a whitespace run; one followed by a non-space leaves its last byte
-     * to the next word (`\s+(?!\S)`), unless it is one byte long (`\s+`) */
-    j = i + 1;
-    while (j < len && byte_class[s[j]] == CW)
-        j++;
-    if (j < len && j - i >= 2)
-        return j - 1;
-    return j;
-}
-
-size_t nl_tokenizer_safe_split(const void *text, size_t len, size_t max)
-{
-    const uint8_t *s = text;
-    if (len <= max)
-        return len;
-    for (size_t p = max; p >= 1; p--)
-        if (byte_class[s[p]] == CW && byte_class[s[p - 1]] != CW)
-            return p;
-    return 0;
+    if (rank < 0 || rank >= t->n_merges)
+        return NL_ERR_RANGE;
+    *a = t->merges[2 * (size_t)rank];
+    *b = t->merges[2 * (size_t)rank + 1];
+    *out = t->merge_out[rank];
+    return NL_OK;
 }
 
 /* ------------------------------------------------------------------ */
@@ -444,7 +514,7 @@ static size_t encode_short(const nl_tokenizer *t, int32_t *sym, int32_t *rk, siz
             }
         if (best == INT32_MAX)
             break;
-        sym[bi] = NL_TOKEN_FIRST_MERGE + best;
+        sym[bi] = t->merge_out[best];
         memmove(sym + bi + 1, sym + bi + 2, (n - bi - 2) * sizeof *sym);
         memmove(rk + bi, rk + bi + 1, (n - bi - 2) * sizeof *rk);
         n--;
@@ -517,7 +587,7 @@ static size_t encode_long(const nl_tokenizer *t, int32_t *sym, int32_t *prev, in
         if (sym[i] < 0 || j < 0 || sym[i] != t->merges[2 * (size_t)r] ||
             sym[j] != t->merges[2 * (size_t)r + 1])
             continue; /* stale */
-        sym[i] = NL_TOKEN_FIRST_MERGE + r;
+        sym[i] = t->merge_out[r];
         sym[j] = -1;
         next[i] = next[j];
         if (next[j] >= 0)
@@ -543,8 +613,8 @@ nl_status nl_tok_encode_word(nl_tokenizer *t, const uint8_t *w, size_t len, cons
         return st;
     int32_t *sym = t->ws_sym;
     for (size_t i = 0; i < len; i++)
-        sym[i] = w[i];
-    if (t->n_ids == NL_TOKEN_FIRST_MERGE)
+        sym[i] = t->byte_id[w[i]];
+    if (t->n_merges == 0)
         *n = len;
     else if (len <= 64)
         *n = encode_short(t, sym, t->ws_rank, len);
@@ -603,9 +673,9 @@ nl_status nl_tokenizer_encode_into(nl_tokenizer *t, const void *text, size_t len
             return st;
     }
     for (size_t pos = 0; pos < len;) {
-        size_t end = nl_tokenizer_split_next(s, len, pos), wl = end - pos, k = 0;
+        size_t end = nl_tokenizer_split_next(t->split, s, len, pos), wl = end - pos, k = 0;
         const int32_t *ids = NULL;
-        int32_t one = s[pos];
+        int32_t one = t->byte_id[s[pos]];
         if (wl == 1) {
             ids = &one;
             k = 1;
@@ -672,10 +742,10 @@ nl_status nl_tokenizer_decode_flags(const nl_tokenizer *t, const int32_t *ids, s
                                 "tokenizer: id %d at position %zu is not in the vocabulary "
                                 "(ids 0..%d)",
                                 id, i, t->n_ids - 1);
-        if ((flags & NL_TOKENIZER_DECODE_STRICT) && nl_tokenizer_is_special(id))
+        if ((flags & NL_TOKENIZER_DECODE_STRICT) && t->special[id])
             return nl_error_set(err, NL_ERR_RANGE,
-                                "tokenizer: special id %d (%s) at position %zu is refused", id,
-                                special_names[id - NL_TOKEN_BEGIN], i);
+                                "tokenizer: special id %d (%.*s) at position %zu is refused", id,
+                                (int)t->tok_len[id], (const char *)t->pool + t->tok_off[id], i);
         total += t->tok_len[id];
     }
     char *buf = malloc(total + 1);

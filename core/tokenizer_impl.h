@@ -31,9 +31,21 @@ typedef struct nl_tok_cache {
     size_t ids_len, ids_cap;
 } nl_tok_cache;
 
+/* Ids and merges. A native tokenizer (explicit_ids 0) has ids 0..255 for
+ * the bytes, 256..258 for the specials and 259 + r for merge r; one
+ * imported from another library (explicit_ids 1) has its ids where that
+ * library put them: byte_id says which id each byte is, merge_out which
+ * id each merge makes (two merges may make the same id). */
 struct nl_tokenizer {
+    nl_tokenizer_split split; /* the pre-tokenizer's classes */
+    int explicit_ids;
     int32_t n_ids, cap_ids;
-    int32_t *merges;   /* (a, b) for merge rank r at [2r], [2r + 1] */
+    int32_t n_merges, cap_merges;
+    int32_t *merges;    /* (a, b) for merge rank r at [2r], [2r + 1] */
+    int32_t *merge_out; /* the id merge r makes */
+    int32_t *made_by;   /* per id: the first merge that makes it, or -1 */
+    uint8_t *special;   /* per id: 1 for a special token (never encoded) */
+    int32_t byte_id[256];
     size_t *tok_off;   /* offset of each id's bytes in pool */
     uint16_t *tok_len; /* <= NL_TOKENIZER_MAX_TOKEN_BYTES */
     uint8_t *pool;
@@ -84,8 +96,19 @@ static inline int32_t nl_tok_merge_rank(const nl_tokenizer *t, int32_t a, int32_
  * most NL_TOKENIZER_MAX_TOKEN_BYTES long. */
 nl_status nl_tok_add_merge(nl_tokenizer *t, int32_t a, int32_t b, nl_error *err);
 
-/* Drop the merges that define ids >= n_ids (n_ids >= 259), e.g. to undo
- * a failed learning step. */
+/* A tokenizer with no ids at all (explicit_ids), to be filled in id order
+ * by nl_tok_add_token and then nl_tok_add_merge_to (an import). */
+nl_status nl_tok_new_empty(nl_tokenizer **out, nl_error *err);
+/* Append id t->n_ids with n bytes (1..NL_TOKENIZER_MAX_TOKEN_BYTES; a
+ * special token's are its name). The first one-byte non-special id of a
+ * byte becomes that byte's id. */
+nl_status nl_tok_add_token(nl_tokenizer *t, const uint8_t *p, size_t n, int special, nl_error *err);
+/* Append merge rank t->n_merges: (a, b) makes the existing id out. The
+ * caller has checked ids, bytes and that the pair is new. */
+nl_status nl_tok_add_merge_to(nl_tokenizer *t, int32_t a, int32_t b, int32_t out, nl_error *err);
+
+/* Drop the ids >= n_ids and the merges that make them, e.g. to undo a
+ * failed learning step. */
 void nl_tok_truncate(nl_tokenizer *t, int32_t n_ids);
 
 /* Encode one word (len >= 1) without the cache. *ids points into the

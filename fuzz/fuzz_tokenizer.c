@@ -27,13 +27,14 @@ static size_t ref_encode(const nl_tokenizer *t, const uint8_t *s, size_t len, in
     size_t n = 0;
     int32_t nm = nl_tokenizer_num_merges(t);
     for (size_t pos = 0; pos < len;) {
-        size_t end = nl_tokenizer_split_next(s, len, pos), k = end - pos;
+        size_t end = nl_tokenizer_split_next(nl_tokenizer_split_mode(t), s, len, pos),
+               k = end - pos;
         int32_t *w = out + n;
         for (size_t i = 0; i < k; i++)
-            w[i] = s[pos + i];
+            w[i] = nl_tokenizer_byte_id(t, s[pos + i]);
         for (int32_t r = 0; r < nm && k > 1; r++) {
-            int32_t a = 0, b = 0, id = NL_TOKEN_FIRST_MERGE + r;
-            require(nl_tokenizer_merge_pair(t, id, &a, &b) == NL_OK);
+            int32_t a = 0, b = 0, id = 0;
+            require(nl_tokenizer_merge_at(t, r, &a, &b, &id) == NL_OK);
             size_t wr = 0;
             for (size_t rd = 0; rd < k;) {
                 if (rd + 1 < k && w[rd] == a && w[rd + 1] == b) {
@@ -61,7 +62,7 @@ static void round_trip(nl_tokenizer *t, const uint8_t *s, size_t len)
     require(n <= len);
     for (size_t i = 0; i < n; i++)
         require(ids[i] >= 0 && ids[i] < nl_tokenizer_vocab_size(t) &&
-                !nl_tokenizer_is_special(ids[i]));
+                !nl_tokenizer_is_special(t, ids[i]));
     if ((uint64_t)len * (uint64_t)(nl_tokenizer_num_merges(t) + 1) < 400000) {
         int32_t *ref = malloc((len ? len : 1) * sizeof *ref);
         require(ref != NULL);

@@ -81,6 +81,7 @@ fi
 PKGS=(
   build-essential cmake pkg-config clang libclang-rt-14-dev
   libdnnl-dev libopenblas-dev libzmq3-dev libmsgpack-dev libsodium-dev libyaml-dev libjansson-dev
+  libutf8proc-dev
   libmicrohttpd-dev libjs-chart.js prometheus chromium
   python3 python3-torch python3-numpy python3-venv python3-requests python3-yaml
   python3-zmq python3-msgpack

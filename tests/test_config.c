@@ -260,6 +260,18 @@ static void test_variants(void)
                     "num_experts: 1\ntop_k: 1\nattention_window: 128\nglobal_every: 3\n"
                     "rope_scaling:\n  type: yarn\n  factor: 4\n  original_max_seq_len: 512\n"
                     "vocab_size: 300\nobjective: mlm\nmask_prob: 0.15\nnum_classes: 4\n";
+    /* global_every 0: every layer local (Mistral's sliding window) */
+    CHECK_OK(parse(&a, "hidden_dim: 64\nnum_layers: 3\nattention_window: 8\nglobal_every: 0\n",
+                   &err),
+             &err);
+    CHECK(a.global_every == 0 && nl_config_layer_local(&a, 0) && nl_config_layer_local(&a, 2),
+          "global_every 0 makes layer 0 local too");
+    json = nl_config_to_json(&a);
+    CHECK(json && strstr(json, "\"global_every\":0"), "global_every 0 in the JSON: %s",
+          json ? json : "(null)");
+    CHECK_OK(nl_config_from_json(&b, json, &err), &err);
+    CHECK(b.global_every == 0, "global_every 0 reads back");
+    free(json);
     CHECK_OK(parse(&a, y, &err), &err);
     CHECK(a.causal == 0 && a.ffn_act == NL_FFN_GEGLU && a.num_experts == 1 &&
               a.attention_window == 128 && a.global_every == 3 &&
@@ -293,7 +305,7 @@ static void test_variants(void)
         {"rope_scaling:\n  type: yarn\n  factor: 0.5\n  original_max_seq_len: 8\n",
          "factor 0.5"},
         {"num_experts: 1\ntop_k: 2\n", "top_k: 2 must be in 1..num_experts"},
-        {"global_every: 0\n", "global_every: 0 must be at least 1"},
+        {"global_every: -1\n", "global_every: -1 must be at least 1"},
         {"factor: 4\n", "unknown key 'factor'"},
         {"objective: mlm\n", "objective: mlm needs vocab_size above the mask id 258"},
         {"objective: rtd\n", "objective: expected clm or mlm"},

@@ -7,9 +7,11 @@
  * output file left behind. The comparison with transformers itself is
  * tests/hf/check_hf.py. */
 #include "check.h"
+#include "core/checkpoint.h"
 #include "core/fileio.h"
 #include "core/hf.h"
 #include "core/safetensors.h"
+#include "core/tokenizer.h"
 
 #include <dirent.h>
 #include <stdint.h>
@@ -28,6 +30,8 @@ typedef struct model_opts {
     const char *arch;  /* architectures[0] (NULL: MixtralForCausalLM) */
     const char *act;   /* hidden_act (NULL: silu) */
     int no_vocab;      /* leave vocab_size out */
+    int dense;         /* Llama's and Mistral's MLP (mlp.*_proj) for expert 0, no router */
+    int unknown;       /* one more tensor, of no model */
 } model_opts;
 
 static uint32_t seed = 1;
@@ -80,6 +84,19 @@ static void write_f8(const char *path)
     for (int i = 0; i < 12; i++)
         fputc(0x38, f);
     fclose(f);
+}
+
+/* model.safetensors.index.json for two shards: tensor i is in which[i]. */
+static void write_index(const char *dir, char (*names)[96], const int *which, int nt)
+{
+    static char idx[65536];
+    size_t k = (size_t)snprintf(idx, sizeof idx, "{\"metadata\": {}, \"weight_map\": {");
+    for (int i = 0; i < nt; i++)
+        k += (size_t)snprintf(idx + k, sizeof idx - k,
+                              "%s\"%s\": \"model-0000%d-of-00002.safetensors\"", i ? ", " : "",
+                              names[i], which[i] + 1);
+    snprintf(idx + k, sizeof idx - k, "}}");
+    spit(path_in(dir, "model.safetensors.index.json"), idx);
 }
 
 /* Write a MixtralForCausalLM directory: config.json and the weights (F32
@@ -135,6 +152,16 @@ static void write_model(const char *dir, const model_opts *o)
                 snprintf(name, sizeof name, "model.layers.%d.%s.weight", l, per[r].part);
                 rows = per[r].rows;
                 cols = per[r].cols;
+                if (o->dense && r == 6)
+                    continue; /* no router */
+            } else if (o->dense) {
+                static const char *mlp[3] = {"gate_proj", "down_proj", "up_proj"};
+                int e = (r - 7) / 3, x = (r - 7) % 3;
+                if (e > 0)
+                    continue;
+                snprintf(name, sizeof name, "model.layers.%d.mlp.%s.weight", l, mlp[x]);
+                rows = x == 1 ? D : F;
+                cols = x == 1 ? F : D;
             } else {
                 int e = (r - 7) / 3, x = (r - 7) % 3;
                 snprintf(name, sizeof name,
@@ -167,6 +194,12 @@ static void write_model(const char *dir, const model_opts *o)
         which[nt++] = f;
         used += n;
     }
+    if (o->unknown) {
+        int64_t s = D;
+        CHECK_OK(nl_st_writer_add(w[0], "model.layers.0.self_attn.extra.weight", NL_DTYPE_F32, 1,
+                                  &s, pool, &err),
+                 &err);
+    }
     if (o->bias) {
         int64_t s = D;
         CHECK_OK(nl_st_writer_add(w[0], "model.layers.0.self_attn.o_proj.bias", NL_DTYPE_F32, 1, &s,
@@ -182,14 +215,7 @@ static void write_model(const char *dir, const model_opts *o)
             CHECK_OK(
                 nl_st_writer_write(w[1], path_in(dir, "model-00002-of-00002.safetensors"), &err),
                 &err);
-        static char idx[65536];
-        size_t k = (size_t)snprintf(idx, sizeof idx, "{\"metadata\": {}, \"weight_map\": {");
-        for (int i = 0; i < nt; i++)
-            k += (size_t)snprintf(idx + k, sizeof idx - k,
-                                  "%s\"%s\": \"model-0000%d-of-00002.safetensors\"", i ? ", " : "",
-                                  names[i], which[i] + 1);
-        snprintf(idx + k, sizeof idx - k, "}}");
-        spit(path_in(dir, "model.safetensors.index.json"), idx);
+        write_index(dir, names, which, nt);
     }
     nl_st_writer_destroy(&w[0]);
     nl_st_writer_destroy(&w[1]);
@@ -394,17 +420,30 @@ static void test_refused(void)
     refuse("llama", (model_opts){.arch = "LlamaForCausalLM"}, NL_ERR_NOTFOUND,
            "'model.layers.0.mlp.gate_proj.weight' is missing");
     refuse("mistral", (model_opts){.arch = "MistralForCausalLM"}, NL_ERR_NOTFOUND,
-           "mlp.gate_proj.weight' is missing");
+           "mlp.gate_proj.weight' is missing (");
+    refuse("mistral-arch", (model_opts){.arch = "MistralForCausalLM"}, NL_ERR_NOTFOUND,
+           "config.json asks for it (a MistralForCausalLM, num_hidden_layers 2)");
+    /* an unknown tensor is named with the architecture actually read */
+    refuse("mistral-unknown", (model_opts){.arch = "MistralForCausalLM", .dense = 1, .unknown = 1},
+           NL_ERR_FORMAT,
+           "'model.layers.0.self_attn.extra.weight' is not part of a MistralForCausalLM of this "
+           "config.json (num_hidden_layers 2)");
+    refuse("mixtral-unknown", (model_opts){.unknown = 1}, NL_ERR_FORMAT,
+           "extra.weight' is not part of a MixtralForCausalLM of this config.json "
+           "(num_hidden_layers 2, num_local_experts 3)");
     refuse("other-arch", (model_opts){.arch = "GPT2LMHeadModel"}, NL_ERR_UNSUPPORTED,
            "GPT2LMHeadModel is not supported");
     refuse("rope-scaling",
            (model_opts){.extra = ", \"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0}"},
            NL_ERR_UNSUPPORTED, "rope_scaling: {\"type\":\"linear\",\"factor\":2.0}: RoPE scaling");
     refuse("gelu", (model_opts){.act = "gelu"}, NL_ERR_UNSUPPORTED, "hidden_act: only silu");
+    refuse("relu", (model_opts){.act = "relu"}, NL_ERR_UNSUPPORTED,
+           "hidden_act: only silu (or swish");
     refuse("head-dim", (model_opts){.extra = ", \"head_dim\": 8"}, NL_ERR_UNSUPPORTED, "head_dim");
     refuse("attention-bias", (model_opts){.extra = ", \"attention_bias\": true"},
            NL_ERR_UNSUPPORTED, "attention_bias: true: a bias");
-    /* a window shorter than the context is refused; one as long is a no-op */
+    /* Mixtral's sliding_window is read (test_window); one as long as the
+     * context is no window at all */
     nl_error err = {0};
     char *d = strdup(path_in(root, "window"));
     seed = 3;
@@ -414,9 +453,7 @@ static void test_refused(void)
          "\"intermediate_size\": 7, \"num_hidden_layers\": 2, \"num_attention_heads\": 3, "
          "\"num_key_value_heads\": 1, \"num_local_experts\": 3, \"max_position_embeddings\": 128, "
          "\"sliding_window\": 64}");
-    CHECK(nl_hf_import(d, path_in(root, "w.st"), NULL, &err) == NL_ERR_UNSUPPORTED &&
-              strstr(err.msg, "sliding_window: 64: sliding-window attention"),
-          "window: %s", err.msg);
+    CHECK_OK(nl_hf_import(d, path_in(root, "w.st"), NULL, &err), &err);
     spit(path_in(d, "config.json"),
          "{\"architectures\": [\"MixtralForCausalLM\"], \"vocab_size\": 11, \"hidden_size\": 12, "
          "\"intermediate_size\": 7, \"num_hidden_layers\": 2, \"num_attention_heads\": 3, "
@@ -498,6 +535,173 @@ static void test_rope(void)
     CHECK(!memcmp(back, src, sizeof src), "to hf inverts to ours");
 }
 
+/* config.json keys that map onto our config: swish is silu; Mistral's and
+ * Mixtral's sliding_window is attention_window with every layer local,
+ * Llama's is not read (transformers' Llama has none); the architecture
+ * read is reported. Then a Mistral model with a window goes in and back
+ * out unchanged. */
+static nl_status parse_cfg(nl_config *c, char *arch, const char *arch_name, const char *more,
+                           nl_error *err)
+{
+    char json[1024];
+    int tied;
+    snprintf(json, sizeof json,
+             "{\"architectures\": [\"%s\"], \"vocab_size\": 11, \"hidden_size\": 12, "
+             "\"intermediate_size\": 7, \"num_hidden_layers\": 2, \"num_attention_heads\": 3, "
+             "\"num_key_value_heads\": 1, \"max_position_embeddings\": 128%s}",
+             arch_name, more);
+    return nl_hf_config_parse(c, &tied, json, strlen(json), "config.json", arch, err);
+}
+
+static void test_window(void)
+{
+    nl_error err = {0};
+    nl_config c;
+    char arch[NL_HF_ARCH_MAX];
+    CHECK_OK(parse_cfg(&c, arch, "MistralForCausalLM", ", \"sliding_window\": 4", &err), &err);
+    CHECK(c.attention_window == 4 && c.global_every == 0 && nl_config_layer_local(&c, 0) &&
+              !strcmp(arch, "MistralForCausalLM") && nl_config_dense(&c),
+          "mistral window 4: window %d, global_every %d, arch %s", c.attention_window,
+          c.global_every, arch);
+    CHECK_OK(parse_cfg(&c, arch, "MixtralForCausalLM", ", \"sliding_window\": 64", &err), &err);
+    CHECK(c.attention_window == 64 && c.global_every == 0 && !strcmp(arch, "MixtralForCausalLM"),
+          "mixtral window 64: %d", c.attention_window);
+    CHECK_OK(parse_cfg(&c, arch, "LlamaForCausalLM", ", \"sliding_window\": 64", &err), &err);
+    CHECK(c.attention_window == 0, "llama's sliding_window is not read: %d", c.attention_window);
+    CHECK_OK(parse_cfg(&c, arch, "mistral", ", \"sliding_window\": 128", &err), &err);
+    CHECK(c.attention_window == 0 && !strcmp(arch, "MistralForCausalLM"),
+          "a window as long as the context: full attention (%d, %s)", c.attention_window, arch);
+    CHECK_OK(parse_cfg(&c, arch, "MistralForCausalLM", ", \"sliding_window\": null", &err), &err);
+    CHECK(c.attention_window == 0, "null: full attention");
+    CHECK(parse_cfg(&c, arch, "MistralForCausalLM", ", \"sliding_window\": 0", &err) ==
+                  NL_ERR_RANGE &&
+              strstr(err.msg, "sliding_window: 0 is not a positive window"),
+          "window 0: %s", err.msg);
+    CHECK(parse_cfg(&c, arch, "MistralForCausalLM", ", \"sliding_window\": \"4\"", &err) ==
+                  NL_ERR_FORMAT &&
+              strstr(err.msg, "sliding_window: not an integer"),
+          "window '4': %s", err.msg);
+    CHECK_OK(parse_cfg(&c, arch, "MistralForCausalLM", ", \"hidden_act\": \"swish\"", &err), &err);
+    CHECK(nl_hf_window(&c) == 0 && !strcmp(nl_hf_arch_of(&c), "LlamaForCausalLM"),
+          "no window: exported as Llama");
+
+    /* in and back out */
+    char *d = strdup(path_in(root, "mistral")), *ours = strdup(path_in(root, "mistral.st"));
+    char *back = strdup(path_in(root, "mistral-hf")), *again = strdup(path_in(root, "m2.st"));
+    seed = 11;
+    write_model(d, &(model_opts){.arch = "MistralForCausalLM", .dense = 1});
+    spit(path_in(d, "config.json"),
+         "{\"architectures\": [\"MistralForCausalLM\"], \"vocab_size\": 11, \"hidden_size\": 12, "
+         "\"intermediate_size\": 7, \"num_hidden_layers\": 2, \"num_attention_heads\": 3, "
+         "\"num_key_value_heads\": 1, \"max_position_embeddings\": 128, \"sliding_window\": 5, "
+         "\"hidden_act\": \"swish\"}");
+    CHECK_OK(nl_hf_import(d, ours, NULL, &err), &err);
+    int64_t step;
+    CHECK_OK(nl_checkpoint_read_config(ours, &c, &step, &err), &err);
+    CHECK(c.attention_window == 5 && c.global_every == 0 && c.num_experts == 1,
+          "imported: window %d, global_every %d", c.attention_window, c.global_every);
+    CHECK_OK(nl_hf_export(ours, back, 0, 0, NULL, &err), &err);
+    char *text = NULL;
+    size_t len = 0;
+    CHECK_OK(nl_file_read_all(path_in(back, "config.json"), 1 << 20, &text, &len, &err), &err);
+    CHECK(text && strstr(text, "\"MistralForCausalLM\"") && strstr(text, "\"sliding_window\": 5") &&
+              strstr(text, "\"model_type\": \"mistral\""),
+          "exported config.json: %s", text ? text : "(none)");
+    free(text);
+    CHECK_OK(nl_hf_import(back, again, NULL, &err), &err);
+    CHECK(same_tensors(ours, again), "Mistral in, out and in again: the same checkpoint");
+    free(d), free(ours), free(back), free(again);
+}
+
+/* tokenizer.json: a byte-level BPE keeps its ids (a special first here),
+ * other kinds are named and left out, malformed ones are refused naming
+ * the entry. The alphabet: GPT-2's stand-ins, U+0100 + n for the bytes
+ * that are not printable (space is U+0120, "Ġ"). */
+static void test_tokenizer_json(void)
+{
+    static char json[65536];
+    char *text = NULL, note[512];
+    nl_error err = {0};
+    /* ids: 0 the special, 1..256 the bytes in their stand-ins' order */
+    size_t n = (size_t)snprintf(json, sizeof json,
+                                "{\"added_tokens\": [{\"id\": 0, \"content\": \"<s>\"}], "
+                                "\"model\": {\"type\": \"BPE\", \"vocab\": {\"<s>\": 0");
+    int id = 1;
+    for (unsigned cp = 0; cp < 0x144; cp++) {
+        int printable = (cp >= 33 && cp <= 126) || (cp >= 161 && cp <= 172) ||
+                        (cp >= 174 && cp <= 255) || cp >= 256;
+        if (!printable)
+            continue;
+        if (cp == '"' || cp == '\\')
+            n += (size_t)snprintf(json + n, sizeof json - n, ", \"\\%c\": %d", (char)cp, id++);
+        else
+            n += (size_t)snprintf(json + n, sizeof json - n, ", \"\\u%04x\": %d", cp, id++);
+    }
+    n += (size_t)snprintf(json + n, sizeof json - n,
+                          ", \"ab\": 257, \"\\u0120ab\": 258}, \"merges\": [\"a b\", "
+                          "\"\\u0120 ab\"%s]}, \"pre_tokenizer\": {\"type\": \"ByteLevel\", "
+                          "\"add_prefix_space\": false}%s}",
+                          "", "");
+    CHECK(id == 257, "256 stand-ins: %d", id - 1);
+    CHECK_OK(nl_hf_tokenizer_parse(json, n, "tokenizer.json", 300, &text, note, sizeof note, &err),
+             &err);
+    nl_tokenizer *t = NULL;
+    CHECK_OK(text ? nl_tokenizer_load_buffer(&t, text, strlen(text), &err) : NL_ERR_INTERNAL, &err);
+    if (t) {
+        int32_t *ids = NULL;
+        size_t k = 0;
+        CHECK_OK(nl_tokenizer_encode(t, "ab ab", 5, &ids, &k, &err), &err);
+        CHECK(k == 2 && ids[0] == 257 && ids[1] == 258, "encode with the library's ids");
+        CHECK(nl_tokenizer_is_special(t, 0) && nl_tokenizer_is_special(t, 299) &&
+                  !nl_tokenizer_is_native(t) && nl_tokenizer_vocab_size(t) == 300,
+              "the special, the padded rows");
+        free(ids);
+        nl_tokenizer_destroy(&t);
+    }
+    free(text);
+    CHECK(strstr(note, "byte-level BPE, 300 ids, 2 merges, Unicode classes"), "note: %s", note);
+    /* rows fewer than the ids: refused */
+    CHECK(nl_hf_tokenizer_parse(json, n, "tokenizer.json", 200, &text, note, sizeof note, &err) ==
+                  NL_ERR_FORMAT &&
+              strstr(err.msg, "an id past the model's rows"),
+          "too few rows: %s", err.msg);
+    static const struct {
+        const char *from, *to, *want;
+        nl_status st;
+    } cases[] = {
+        {"\"a b\"", "\"a q\"", "merges[0] 'a q': 'aq' is not in the vocabulary", NL_ERR_FORMAT},
+        {"\"ab\": 257", "\"a b\": 257", "is not in GPT-2's byte alphabet", NL_ERR_UNSUPPORTED},
+        {"\"type\": \"BPE\"", "\"type\": \"BPE\", \"byte_fallback\": true", "", NL_OK},
+        {"\"type\": \"BPE\"", "\"type\": \"Unigram\"", "", NL_OK},
+        {"\"add_prefix_space\": false", "\"add_prefix_space\": true", "", NL_OK},
+        {"\"merges\": [", "\"merges\": 3, \"x\": [", "model.merges: not a list", NL_ERR_FORMAT},
+    };
+    static const char *notes[] = {"",
+                                  "",
+                                  "byte_fallback (SentencePiece's",
+                                  "model Unigram",
+                                  "pre_tokenizer ByteLevel other than GPT-2's",
+                                  ""};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        static char bad[65536];
+        const char *at = strstr(json, cases[i].from);
+        size_t pre = (size_t)(at - json);
+        int m = snprintf(bad, sizeof bad, "%.*s%s%s", (int)pre, json, cases[i].to,
+                         at + strlen(cases[i].from));
+        nl_status st = nl_hf_tokenizer_parse(bad, (size_t)m, "tokenizer.json", 300, &text, note,
+                                             sizeof note, &err);
+        CHECK(st == cases[i].st && (st != NL_OK || !text) &&
+                  (st == NL_OK ? strstr(note, notes[i]) && strstr(note, "imported without")
+                               : strstr(err.msg, cases[i].want) != NULL),
+              "tokenizer.json case %zu: %s '%s' / note '%s'", i, nl_status_str(st), err.msg, note);
+        free(text);
+        text = NULL;
+    }
+    CHECK(nl_hf_tokenizer_parse("[1]", 3, "tokenizer.json", 300, &text, note, sizeof note, &err) ==
+              NL_ERR_FORMAT,
+          "not an object");
+}
+
 int main(void)
 {
     snprintf(root, sizeof root, "%s/nl_test_hf.XXXXXX",
@@ -511,6 +715,8 @@ int main(void)
     test_good();
     test_bf16_and_tied();
     test_refused();
+    test_window();
+    test_tokenizer_json();
     char cmd[600];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);
     if (system(cmd) != 0)

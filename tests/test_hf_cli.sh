@@ -98,7 +98,12 @@ check "$N" import --hf "$W/hf-ckpt" --out "$W/imported.safetensors"
 sum0=$(sha256sum < "$W/imported.safetensors")
 expect 1 "already exists.*--force\|--force" "$N" import --hf "$W/hf-ckpt" --out "$W/imported.safetensors"
 check test "$sum0" = "$(sha256sum < "$W/imported.safetensors")"
-check "$N" import --hf "$W/hf-ckpt" --out "$W/imported.safetensors" --force
+expect 0 "tokenizer: tokenizer.json: byte-level BPE, 280 ids, 21 merges, Unicode classes (our own id layout)" \
+  "$N" import --hf "$W/hf-ckpt" --out "$W/imported.safetensors" --force
+# the tokenizer came along: it is the one trained, ids and file
+check cmp <("$N" tokenizer encode --tokenizer "$W/tok.txt" --input "$W/text.txt") \
+  <("$N" tokenizer encode --tokenizer "$W/imported.safetensors" --input "$W/text.txt")
+check cmp "$W/hf-ckpt/neurollm-tokenizer.txt" "$W/tok.txt"
 # a chat template (issue 32): a known family is recognised, the original goes
 # back out with the export; an unknown one gives the default with a warning
 cp -r "$W/hf-ckpt" "$W/hf-chat"
@@ -116,8 +121,12 @@ printf '{"chat_template": 7}' > "$W/hf-chat/tokenizer_config.json"
 expect 1 "chat_template: expected a string" "$N" import --hf "$W/hf-chat" --out "$W/chat3.safetensors"
 check test ! -e "$W/chat3.safetensors"
 # no tokenizer: "ids are bytes" only where they are (issue 34: 280 ids were "byte ids")
+mkdir -p "$W/hf-notok"
+cp "$W"/hf-ckpt/config.json "$W"/hf-ckpt/model* "$W/hf-notok/"
+expect 0 "note: neither tokenizer.json nor vocab.json and merges.txt: imported without a tokenizer" \
+  "$N" import --hf "$W/hf-notok" --out "$W/notok.safetensors"
 expect 0 "no tokenizer in the source, so no vocabulary files: its 280 ids are not bytes" \
-  "$N" export --format hf --model "$W/imported.safetensors" --out "$W/hf-imported"
+  "$N" export --format hf --model "$W/notok.safetensors" --out "$W/hf-imported"
 printf 'hidden_dim: 32\nnum_layers: 1\nnum_heads: 4\nnum_kv_heads: 2\nffn_dim: 48\nvocab_size: 256\n' > "$W/bytes.yaml"
 check "$N" init --config "$W/bytes.yaml" --out "$W/bytes.safetensors"
 expect 0 "no tokenizer in the source: its ids are bytes" \

@@ -18,11 +18,11 @@ static uint32_t rnd(void)
 /* ---- helpers ---- */
 
 /* The words of s joined by '|'. */
-static void split_join(const char *s, size_t len, char *out, size_t cap)
+static void split_join(nl_tokenizer_split mode, const char *s, size_t len, char *out, size_t cap)
 {
     size_t o = 0;
     for (size_t pos = 0; pos < len;) {
-        size_t end = nl_tokenizer_split_next(s, len, pos);
+        size_t end = nl_tokenizer_split_next(mode, s, len, pos);
         if (pos && o + 1 < cap)
             out[o++] = '|';
         for (size_t i = pos; i < end && o + 1 < cap; i++)
@@ -39,7 +39,8 @@ static size_t ref_encode(const nl_tokenizer *t, const uint8_t *s, size_t len, in
     size_t n = 0;
     int32_t nm = nl_tokenizer_num_merges(t);
     for (size_t pos = 0; pos < len;) {
-        size_t end = nl_tokenizer_split_next(s, len, pos), k = end - pos;
+        size_t end = nl_tokenizer_split_next(nl_tokenizer_split_mode(t), s, len, pos),
+               k = end - pos;
         int32_t *w = out + n;
         for (size_t i = 0; i < k; i++)
             w[i] = s[pos + i];
@@ -126,18 +127,58 @@ static void test_split(void)
         {"x \t y", "x| \t| y"},
     };
     char got[256];
+    /* both class tables agree on ASCII and on these: the version 1 byte
+     * classes (every byte >= 0x80 a letter) first */
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        split_join(cases[i].in, strlen(cases[i].in), got, sizeof got);
+        split_join(NL_TOKENIZER_SPLIT_BYTES, cases[i].in, strlen(cases[i].in), got, sizeof got);
         CHECK(strcmp(got, cases[i].want) == 0, "split '%s': got '%s' want '%s'", cases[i].in, got,
               cases[i].want);
+        if (strstr(cases[i].in, "\xf0\x9f\x98\x80"))
+            continue; /* an emoji is a letter only to the byte classes */
+        split_join(NL_TOKENIZER_SPLIT_UNICODE, cases[i].in, strlen(cases[i].in), got, sizeof got);
+        CHECK(strcmp(got, cases[i].want) == 0, "unicode split '%s': got '%s' want '%s'",
+              cases[i].in, got, cases[i].want);
+    }
+    /* Unicode classes, as the `tokenizers` library's ByteLevel
+     * pre-tokenizer cuts them (each checked with tokenizers 0.15.2) */
+    static const struct {
+        const char *in, *want;
+    } uni[] = {
+        {"don\u2019t won\u2019t it\u2019s",
+         "don|\u2019|t| won|\u2019|t| it|\u2019|s"}, /* 11 words, not 3 */
+        {"na\u00efve caf\u00e9", "na\u00efve| caf\u00e9"},
+        {"a\u2014b", "a|\u2014|b"},
+        {"x\u3000\u3000y", "x|\u3000|\u3000|y"},
+        {"x \u3000y", "x| |\u3000|y"},
+        {"x\u00a0y", "x|\u00a0|y"},
+        {"\u00bd\u00b2 \u2460x", "\u00bd\u00b2| \u2460|x"},
+        {"hi\U0001F600there, x", "hi|\U0001F600|there|,| x"},
+        {"x\xc2\x85\xc2\x85y", "x|\xc2\x85|\xc2\x85|y"}, /* U+0085 */
+        {"2024\u5e74", "2024|\u5e74"},
+        {"\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8",
+         "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8"},
+        {"e\u0301t", "e|\u0301|t"},
+        {"a\xff\xfe"
+         "b \xc3",
+         "a|\xff\xfe|b| \xc3"}, /* invalid UTF-8: class other */
+        {"\xe3\x80 a", "\xe3\x80| a"},
+    };
+    for (size_t i = 0; i < sizeof uni / sizeof uni[0]; i++) {
+        split_join(NL_TOKENIZER_SPLIT_UNICODE, uni[i].in, strlen(uni[i].in), got, sizeof got);
+        CHECK(strcmp(got, uni[i].want) == 0, "unicode split case %zu '%s': got '%s' want '%s'", i,
+              uni[i].in, got, uni[i].want);
     }
     /* NUL bytes are "other" bytes */
     const char nul[] = {'a', 0, 0, 'b', ' ', 0};
-    size_t e1 = nl_tokenizer_split_next(nul, sizeof nul, 0);
-    size_t e2 = nl_tokenizer_split_next(nul, sizeof nul, e1);
-    size_t e3 = nl_tokenizer_split_next(nul, sizeof nul, e2);
-    size_t e4 = nl_tokenizer_split_next(nul, sizeof nul, e3);
-    CHECK(e1 == 1 && e2 == 3 && e3 == 4 && e4 == 6, "NUL split %zu %zu %zu %zu", e1, e2, e3, e4);
+    for (int m = 0; m < 2; m++) {
+        nl_tokenizer_split mode = m ? NL_TOKENIZER_SPLIT_BYTES : NL_TOKENIZER_SPLIT_UNICODE;
+        size_t e1 = nl_tokenizer_split_next(mode, nul, sizeof nul, 0);
+        size_t e2 = nl_tokenizer_split_next(mode, nul, sizeof nul, e1);
+        size_t e3 = nl_tokenizer_split_next(mode, nul, sizeof nul, e2);
+        size_t e4 = nl_tokenizer_split_next(mode, nul, sizeof nul, e3);
+        CHECK(e1 == 1 && e2 == 3 && e3 == 4 && e4 == 6, "NUL split %zu %zu %zu %zu", e1, e2, e3,
+              e4);
+    }
 }
 
 static void test_safe_split(void)
@@ -148,13 +189,22 @@ static void test_safe_split(void)
     CHECK_OK(nl_tokenizer_train(&t, corpus, strlen(corpus), 300, NULL, &err), &err);
     if (!t)
         return;
-    static const char alpha[] = "the cat's  \n\t.,'sdog";
-    char buf[400];
-    for (int iter = 0; iter < 200; iter++) {
-        size_t len = 1 + rnd() % sizeof buf;
-        for (size_t i = 0; i < len; i++)
-            buf[i] = alpha[rnd() % (sizeof alpha - 1)];
-        size_t max = rnd() % len, p = nl_tokenizer_safe_split(buf, len, max);
+    /* ASCII, and pieces of UTF-8: ideographic space, no-break space,
+     * a curly quote, a letter, and a lone continuation byte */
+    static const char *alpha[] = {"t", "h",      "e",      " ",      " ",      "c",
+                                  "'", "s",      "\n",     "\t",     ".",      ",",
+                                  "d", "\u3000", "\u00a0", "\u2019", "\u00e9", "\x80"};
+    const size_t n_alpha = sizeof alpha / sizeof alpha[0];
+    char buf[1400];
+    for (int iter = 0; iter < 400; iter++) {
+        size_t len = 0, want = 1 + rnd() % 400;
+        while (len < want) {
+            const char *piece = alpha[rnd() % n_alpha];
+            memcpy(buf + len, piece, strlen(piece));
+            len += strlen(piece);
+        }
+        size_t max = rnd() % len,
+               p = nl_tokenizer_safe_split(nl_tokenizer_split_mode(t), buf, len, max);
         if (p == 0)
             continue;
         CHECK(p <= max || (p == len && len <= max), "split %zu beyond %zu", p, max);
@@ -170,9 +220,12 @@ static void test_safe_split(void)
         free(a);
         free(b);
     }
-    CHECK(nl_tokenizer_safe_split("aaaa", 4, 2) == 0, "no safe split in one word");
-    CHECK(nl_tokenizer_safe_split("ab cd", 5, 4) == 2, "split before the space");
-    CHECK(nl_tokenizer_safe_split("ab", 2, 5) == 2, "whole text fits");
+    const nl_tokenizer_split U = NL_TOKENIZER_SPLIT_UNICODE;
+    CHECK(nl_tokenizer_safe_split(U, "aaaa", 4, 2) == 0, "no safe split in one word");
+    CHECK(nl_tokenizer_safe_split(U, "ab cd", 5, 4) == 2, "split before the space");
+    CHECK(nl_tokenizer_safe_split(U, "ab", 2, 5) == 2, "whole text fits");
+    CHECK(nl_tokenizer_safe_split(U, "a\u3000 b", 6, 5) == 0, "not after an ideographic space");
+    CHECK(nl_tokenizer_safe_split(U, "a\u00e9 b", 5, 4) == 3, "after a two-byte letter");
     nl_tokenizer_destroy(&t);
 }
 
@@ -263,7 +316,7 @@ static int naive_train(const char *text, size_t len, int nmerges, int32_t (*out)
     for (size_t i = 0; i < len; i++)
         sym[i] = (uint8_t)text[i];
     for (size_t pos = 0; pos < len;)
-        pos = wend[nw++] = nl_tokenizer_split_next(text, len, pos);
+        pos = wend[nw++] = nl_tokenizer_split_next(NL_TOKENIZER_SPLIT_UNICODE, text, len, pos);
     int made = 0;
     for (; made < nmerges; made++) {
         memset(cnt, 0, (size_t)maxid * maxid * sizeof *cnt);
@@ -432,8 +485,8 @@ static void test_incremental(void)
     CHECK(same, "old ids keep their bytes");
     for (int32_t id = old; id < now; id++) {
         nl_tokenizer_merge_pair(t, id, &a, &b);
-        if (!(a >= 0 && a < id && b >= 0 && b < id && !nl_tokenizer_is_special(a) &&
-              !nl_tokenizer_is_special(b)))
+        if (!(a >= 0 && a < id && b >= 0 && b < id && !nl_tokenizer_is_special(t, a) &&
+              !nl_tokenizer_is_special(t, b)))
             same = 0;
     }
     CHECK(same, "new merges refer to earlier ids only");
@@ -621,7 +674,7 @@ static void test_save_load(void)
     char *a = NULL, *b = NULL;
     size_t al = 0, bl = 0;
     CHECK_OK(nl_tokenizer_save_buffer(t, &a, &al, &err), &err);
-    const char *head = "neurollm-bpe 1\nmerges 12\n101 115\n259 116\n";
+    const char *head = "neurollm-bpe 2\nsplit unicode\nmerges 12\n101 115\n259 116\n";
     CHECK(a && strncmp(a, head, strlen(head)) == 0 && a[al] == '\0', "file starts '%s'", head);
     for (size_t i = 0; a && i < al; i++)
         if (!(a[i] == '\n' || (a[i] >= 0x20 && a[i] < 0x7F))) {
@@ -689,7 +742,12 @@ static void test_corrupt_matrix(void)
         {"neurollm-bpf 1\nmerges 0\n", "line 1, offset 0: bad magic", NL_ERR_FORMAT},
         {"NEUROLLM-BPE 1\nmerges 0\n", "bad magic", NL_ERR_FORMAT},
         {"\x89PNG\r\n", "bad magic", NL_ERR_FORMAT},
-        {"neurollm-bpe 2\nmerges 0\n", "line 1, offset 13: version 2 is not supported",
+        {"neurollm-bpe 2\nmerges 0\n",
+         "line 2, offset 15: expected 'split unicode' or 'split bytes'", NL_ERR_FORMAT},
+        {"neurollm-bpe 2\nsplit ascii\nmerges 0\n", "expected unicode or bytes after 'split'",
+         NL_ERR_FORMAT},
+        {"neurollm-bpe 2\nsplit unicode", "expected unicode or bytes", NL_ERR_FORMAT},
+        {"neurollm-bpe 3\nmerges 0\n", "line 1, offset 13: version 3 is not supported",
          NL_ERR_VERSION},
         {"neurollm-bpe 0\nmerges 0\n", "version 0", NL_ERR_VERSION},
         {"neurollm-bpe 01\nmerges 0\n", "version has a leading zero", NL_ERR_FORMAT},
@@ -765,6 +823,131 @@ static void test_corrupt_matrix(void)
     nl_tokenizer_destroy(&t);
 }
 
+/* Versions 1 and 2: each keeps its split, version 1 is written back as
+ * version 1, and the two splits cut a curly quote differently. */
+static void test_versions(void)
+{
+    nl_error err = {0};
+    nl_tokenizer *t = NULL;
+    const char *good = "neurollm-bpe 1\nmerges 2\n97 98\n259 99\n";
+    CHECK_OK(nl_tokenizer_load_buffer(&t, good, strlen(good), &err), &err);
+    /* version 1 keeps its byte classes, and is written back as it was */
+    char *back = NULL;
+    size_t bl = 0;
+    CHECK(t && nl_tokenizer_split_mode(t) == NL_TOKENIZER_SPLIT_BYTES, "version 1 splits by bytes");
+    CHECK_OK(t ? nl_tokenizer_save_buffer(t, &back, &bl, &err) : NL_ERR_INTERNAL, &err);
+    CHECK(back && bl == strlen(good) && !memcmp(back, good, bl), "version 1 saved as version 1");
+    free(back);
+    nl_tokenizer_destroy(&t);
+    const char *v2[2] = {"neurollm-bpe 2\nsplit unicode\nmerges 1\n97 98\n",
+                         "neurollm-bpe 2\nsplit bytes\nmerges 1\n97 98\n"};
+    for (int i = 0; i < 2; i++) {
+        CHECK_OK(nl_tokenizer_load_buffer(&t, v2[i], strlen(v2[i]), &err), &err);
+        CHECK(t && nl_tokenizer_split_mode(t) ==
+                       (i ? NL_TOKENIZER_SPLIT_BYTES : NL_TOKENIZER_SPLIT_UNICODE),
+              "version 2 split %d", i);
+        nl_tokenizer_destroy(&t);
+    }
+    /* the same merges, the two splits: curly quotes differ */
+    nl_tokenizer *u = NULL, *b = NULL;
+    const char *v1 = "neurollm-bpe 1\nmerges 0\n",
+               *un = "neurollm-bpe 2\nsplit unicode\nmerges 0\n";
+    CHECK_OK(nl_tokenizer_load_buffer(&b, v1, strlen(v1), &err), &err);
+    CHECK_OK(nl_tokenizer_load_buffer(&u, un, strlen(un), &err), &err);
+    const char *text = "don\u2019t";
+    CHECK_OK(nl_tokenizer_learn(u, text, strlen(text), 10,
+                                &(nl_tokenizer_train_opts){.min_count = 1}, &err),
+             &err);
+    CHECK_OK(nl_tokenizer_learn(b, text, strlen(text), 10,
+                                &(nl_tokenizer_train_opts){.min_count = 1}, &err),
+             &err);
+    int32_t *iu = NULL, *ib = NULL;
+    size_t nu = 0, nb = 0;
+    CHECK_OK(nl_tokenizer_encode(u, text, strlen(text), &iu, &nu, &err), &err);
+    CHECK_OK(nl_tokenizer_encode(b, text, strlen(text), &ib, &nb, &err), &err);
+    CHECK(nu == 3 && nb == 1, "don't with a curly quote: %zu ids (unicode, want 3), %zu (bytes, 1)",
+          nu, nb);
+    free(iu), free(ib);
+    nl_bpe_corpus *c = NULL;
+    CHECK_OK(nl_bpe_corpus_new(&c, NL_TOKENIZER_SPLIT_BYTES, &err), &err);
+    CHECK(nl_tokenizer_learn_corpus(u, c, 1, NULL, &err) == NL_ERR_INVALID &&
+              strstr(err.msg, "by byte classes"),
+          "a corpus cut otherwise is refused: %s", err.msg);
+    nl_bpe_corpus_destroy(&c);
+    nl_tokenizer_destroy(&u);
+    nl_tokenizer_destroy(&b);
+}
+
+/* The explicit form (ids where another library put them): loads, saves
+ * back byte for byte, encodes with its merges' result ids, and refuses
+ * what does not add up. */
+static void test_explicit(void)
+{
+    nl_error err = {0};
+    char *f = malloc(4096), *back = NULL;
+    size_t n = (size_t)snprintf(f, 4096, "neurollm-bpe 2\nsplit unicode\nids 261\nmerges 3\n");
+    for (int b = 255; b >= 0; b--) /* bytes in reverse: byte b is id 255 - b */
+        n += (size_t)snprintf(f + n, 4096 - n, "%02x\n", b);
+    n += (size_t)snprintf(f + n, 4096 - n, "* 3c7c656e647c3e\n6162\n616263\n6263\n616263\n");
+    /* a = 158, b = 157, c = 156; ab 257, abc 258 (and 260), bc 259 */
+    n += (size_t)snprintf(f + n, 4096 - n, "158 157 257\n257 156 258\n158 259 260\n");
+    nl_tokenizer *t = NULL;
+    CHECK_OK(nl_tokenizer_load_buffer(&t, f, n, &err), &err);
+    if (!t) {
+        free(f);
+        return;
+    }
+    CHECK(!nl_tokenizer_is_native(t) && nl_tokenizer_vocab_size(t) == 261 &&
+              nl_tokenizer_num_merges(t) == 3 && nl_tokenizer_is_special(t, 256) &&
+              !nl_tokenizer_is_special(t, 0) && nl_tokenizer_byte_id(t, 'a') == 158,
+          "explicit tokenizer shape");
+    size_t bl = 0;
+    CHECK_OK(nl_tokenizer_save_buffer(t, &back, &bl, &err), &err);
+    CHECK(back && bl == n && !memcmp(back, f, n), "explicit: save(load(x)) == x");
+    free(back);
+    int32_t *ids = NULL;
+    size_t k = 0;
+    CHECK_OK(nl_tokenizer_encode(t, "abc abd", 7, &ids, &k, &err), &err);
+    CHECK(k == 4 && ids[0] == 258 && ids[1] == 255 - ' ' && ids[2] == 257 && ids[3] == 155,
+          "explicit encode: %zu ids", k);
+    char *text = NULL;
+    CHECK_OK(nl_tokenizer_decode(t, ids, k, &text, &bl, &err), &err);
+    CHECK(text && bl == 7 && !memcmp(text, "abc abd", 7), "explicit decode");
+    free(text);
+    free(ids);
+    int32_t a, b, out;
+    CHECK(nl_tokenizer_merge_pair(t, 258, &a, &b) == NL_OK && a == 257 && b == 156,
+          "the first merge that makes 258");
+    CHECK(nl_tokenizer_merge_at(t, 2, &a, &b, &out) == NL_OK && out == 260, "merge 2 makes 260");
+    /* learning appends ids after the explicit ones */
+    CHECK_OK(nl_tokenizer_learn(t, "xyxy xyxy", 9, 1, NULL, &err), &err);
+    CHECK(nl_tokenizer_vocab_size(t) == 262, "learned id 261");
+    nl_tokenizer_destroy(&t);
+    static const struct {
+        const char *tail, *want;
+    } bad[] = {
+        {"158 157 258\n", "merge 0: id 258's bytes are not id 158's then id 157's"},
+        {"158 157 256\n", "uses a special id"},
+        {"158 157 261\n", "result id 261 is out of range"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        size_t m = (size_t)snprintf(f, 4096, "neurollm-bpe 2\nsplit unicode\nids 261\nmerges 1\n");
+        for (int c = 255; c >= 0; c--)
+            m += (size_t)snprintf(f + m, 4096 - m, "%02x\n", c);
+        m += (size_t)snprintf(f + m, 4096 - m, "* 3c7c656e647c3e\n6162\n616263\n6263\n616263\n%s",
+                              bad[i].tail);
+        nl_status st = nl_tokenizer_load_buffer(&t, f, m, &err);
+        CHECK(st != NL_OK && !t && strstr(err.msg, bad[i].want), "explicit bad %zu: %s", i,
+              err.msg);
+    }
+    /* a byte with no id */
+    size_t m = (size_t)snprintf(f, 4096, "neurollm-bpe 2\nsplit unicode\nids 1\nmerges 0\n41\n");
+    CHECK(nl_tokenizer_load_buffer(&t, f, m, &err) == NL_ERR_FORMAT &&
+              strstr(err.msg, "byte 0x00 has no id"),
+          "missing byte: %s", err.msg);
+    free(f);
+}
+
 int main(void)
 {
     test_split();
@@ -777,5 +960,7 @@ int main(void)
     test_decode();
     test_save_load();
     test_corrupt_matrix();
+    test_versions();
+    test_explicit();
     return check_done("test_tokenizer");
 }

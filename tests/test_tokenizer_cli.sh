@@ -47,9 +47,12 @@ printf 'caf\xc3\xa9 \xd0\xbc\xd0\xb8\xd1\x80 \xe4\xbd\xa0\xe5\xa5\xbd \xf0\x9f\x
 # train
 check "train" "$NEUROCTL" tokenizer train --input "$TMP/corpus.txt" "$TMP/mixed.bin" \
     --vocab-size 800 --out "$TMP/tok.bpe" --quiet
-check "file magic" grep -q '^neurollm-bpe 1$' "$TMP/tok.bpe"
+check "file magic" grep -q '^neurollm-bpe 2$' "$TMP/tok.bpe"
+check "unicode split" grep -qx 'split unicode' "$TMP/tok.bpe"
 "$NEUROCTL" tokenizer info --tokenizer "$TMP/tok.bpe" >"$TMP/info"
 check "info vocab" grep -q '^vocab_size 800$' "$TMP/info"
+check "info split" grep -q '^split unicode$' "$TMP/info"
+check "info ids" grep -q '^ids native$' "$TMP/info"
 
 # encode / decode round trips, through files and through pipes
 for f in corpus.txt bytes.bin mixed.bin; do
@@ -70,11 +73,25 @@ check "only ids below 800" awk '{ for (i = 1; i <= NF; i++) if ($i !~ /^[0-9]+$/
 check "encode empty" "$NEUROCTL" tokenizer encode --tokenizer "$TMP/tok.bpe" --input "$TMP/empty" --output "$TMP/empty.ids"
 check "empty gives no ids" [ ! -s "$TMP/empty.ids" ]
 
+# a version 1 file (byte classes: every byte >= 0x80 a letter) keeps them:
+# learning on it writes version 1 again, and a curly quote stays inside a word
+printf 'neurollm-bpe 1\nmerges 0\n' >"$TMP/v1.bpe"
+printf 'don\xe2\x80\x99t don\xe2\x80\x99t won\xe2\x80\x99t\n' >"$TMP/quotes.txt"
+check "learn on version 1" "$NEUROCTL" tokenizer learn --tokenizer "$TMP/v1.bpe" --input "$TMP/quotes.txt" \
+    --add 20 --min-count 1 --quiet
+check "version 1 stays version 1" grep -q '^neurollm-bpe 1$' "$TMP/v1.bpe"
+check "info: version 1 splits by bytes" sh -c "'$NEUROCTL' tokenizer info --tokenizer '$TMP/v1.bpe' | grep -q '^split bytes\$'"
+printf 'don\xe2\x80\x99t' | "$NEUROCTL" tokenizer encode --tokenizer "$TMP/v1.bpe" >"$TMP/v1.ids"
+check "version 1: one word" [ "$(wc -w <"$TMP/v1.ids")" -eq 1 ]
+"$NEUROCTL" tokenizer train --input "$TMP/quotes.txt" --vocab-size 290 --min-count 1 --out "$TMP/v2.bpe" --quiet
+printf 'don\xe2\x80\x99t' | "$NEUROCTL" tokenizer encode --tokenizer "$TMP/v2.bpe" >"$TMP/v2.ids"
+check "version 2: don, quote, t" [ "$(wc -w <"$TMP/v2.ids")" -eq 3 ]
+
 # learn: old merges stay, new ones follow
 check "learn" "$NEUROCTL" tokenizer learn --tokenizer "$TMP/tok.bpe" --input "$TMP/mixed.bin" \
     "$SRC/docs/tokenizer.md" --add 50 --out "$TMP/tok2.bpe" --quiet
-tail -n +3 "$TMP/tok.bpe" >"$TMP/old.merges"
-head -n "$(wc -l <"$TMP/old.merges")" <(tail -n +3 "$TMP/tok2.bpe") >"$TMP/new.prefix"
+tail -n +4 "$TMP/tok.bpe" >"$TMP/old.merges"
+head -n "$(wc -l <"$TMP/old.merges")" <(tail -n +4 "$TMP/tok2.bpe") >"$TMP/new.prefix"
 check "old merges unchanged" cmp -s "$TMP/old.merges" "$TMP/new.prefix"
 "$NEUROCTL" tokenizer info --tokenizer "$TMP/tok2.bpe" >"$TMP/info2"
 check "learn grows the vocabulary" grep -q '^vocab_size 850$' "$TMP/info2"

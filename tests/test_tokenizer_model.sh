@@ -32,7 +32,7 @@ python3 - "$W/m.safetensors" <<'PY' || { fail=$((fail + 1)); echo "FAIL: metadat
 import json, struct, sys
 f = open(sys.argv[1], "rb"); n = struct.unpack("<Q", f.read(8))[0]; h = json.loads(f.read(n))
 meta = h["__metadata__"]
-assert meta["tokenizer"].startswith("neurollm-bpe 1"), meta.keys()
+assert meta["tokenizer"].startswith("neurollm-bpe 2\nsplit unicode\n"), meta.keys()
 assert json.loads(meta["config"])["vocab_size"] == 300
 assert h["tok_embeddings.weight"]["shape"] == [512, 32]  # ceil(300/256)*256
 PY

@@ -125,7 +125,7 @@ def dense(cfg):
 def layer_window(cfg, l):
     """The attention window of layer l (0: global)."""
     w, n = cfg.get("attention_window", 0), cfg.get("global_every", 1)
-    return w if w > 0 and l % n != 0 else 0
+    return w if w > 0 and (n == 0 or l % n != 0) else 0
 
 
 def capacity_rows(cfg):

@@ -16,7 +16,13 @@ makes (.venv-hf: transformers over Debian's python3-torch). Usage:
    GPT2Tokenizer reads the exported vocab.json / merges.txt and encodes
    ASCII text as our tokenizer does.
 3. import -> export -> import gives bit-identical tensors and config.
+4. Llama: the dense FFN both ways.
+5. Mistral with sliding_window 4 (and hidden_act "swish") over 11 tokens,
+   which the window changes: imported, our logits match transformers'
+   (eager attention); exported back it is a MistralForCausalLM with
+   sliding_window 4 and the same logits.
 """
+import copy
 import json
 import os
 import subprocess
@@ -24,8 +30,8 @@ import sys
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import (GPT2Tokenizer, LlamaConfig, LlamaForCausalLM, MixtralConfig,
-                          MixtralForCausalLM)
+from transformers import (GPT2Tokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, MixtralConfig, MixtralForCausalLM)
 
 TOL = 1e-4
 NEUROCTL, WORK = sys.argv[1], sys.argv[2]
@@ -168,6 +174,38 @@ same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 print(f"{'ok  ' if same else 'FAIL'} Llama import -> export -> import: {len(a)} tensors bit-identical")
 if not same:
     failures.append("Llama round trip")
+
+# ---- 5. Mistral's sliding_window: our attention_window on every layer, both
+# ways (eager attention: transformers 4.38 applies the window's mask there)
+mcfg = MistralConfig(vocab_size=67, hidden_size=60, intermediate_size=37, num_hidden_layers=2,
+                     num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128,
+                     rope_theta=1e4, rms_norm_eps=1e-5, sliding_window=4, hidden_act="swish",
+                     tie_word_embeddings=False)
+mcfg._attn_implementation = "eager"
+mistral = MistralForCausalLM(mcfg).eval()
+with torch.no_grad():
+    for name, p in mistral.named_parameters():
+        p.copy_(torch.randn_like(p) * (0.3 if "norm" not in name else 0.2) +
+                (1.0 if "norm" in name else 0.0))
+mistral.save_pretrained(path("hf-mistral"), safe_serialization=True)
+run("import", "--hf", path("hf-mistral"), "--out", path("mistral.safetensors"))
+compare("import MistralForCausalLM (sliding_window 4, swish) vs transformers",
+        our_logits(path("mistral.safetensors"), ids), hf_logits(mistral, ids))
+fcfg = copy.deepcopy(mcfg)  # the model holds mcfg itself
+fcfg.sliding_window = None
+full = MistralForCausalLM(fcfg).eval()
+full.load_state_dict(mistral.state_dict())
+rel = ((hf_logits(full, ids) - hf_logits(mistral, ids)).abs().max()).item()
+if rel < 1e-3:
+    failures.append("the window of 4 changes nothing over 11 tokens: the test proves nothing")
+run("export", "--format", "hf", "--model", path("mistral.safetensors"), "--out", path("hf-mistral2"))
+back = json.load(open(path("hf-mistral2/config.json")))
+if back["architectures"][0] != "MistralForCausalLM" or back["sliding_window"] != 4:
+    failures.append("a windowed dense model exports as %s, sliding_window %s"
+                    % (back["architectures"][0], back["sliding_window"]))
+mine = MistralForCausalLM.from_pretrained(path("hf-mistral2"), attn_implementation="eager").eval()
+compare("windowed export vs MistralForCausalLM from_pretrained",
+        our_logits(path("mistral.safetensors"), ids), hf_logits(mine, ids))
 
 if failures:
     sys.exit("FAILED: " + ", ".join(failures))
