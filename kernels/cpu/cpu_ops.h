@@ -14,8 +14,8 @@
 typedef struct nl_cpu_bf16_range {
     const float *base; /* the FP32 weights (n floats); NULL: slot unused */
     size_t n;
-    uint16_t *copy;    /* (n) bf16, valid unless stale */
-    int stale;         /* a write since the copy was made */
+    uint16_t *copy; /* (n) bf16, valid unless stale */
+    int stale;      /* a write since the copy was made */
 } nl_cpu_bf16_range;
 
 typedef struct nl_cpu_ctx {
@@ -56,6 +56,17 @@ static inline void nl_cpu_attn_range(const nl_attn_mask *mk, int i, int nkeys, i
     *lo = *lo < 0 ? 0 : *lo;
     *hi = *hi > nkeys ? nkeys : *hi;
 }
+
+/* cpu_dot.c: C (M, N) = A (M, K) B^T (+ C when accumulating), B given as
+ * (N, K) row-major, every element computed the same way whatever M is
+ * (row invariant); gemm_rows takes it for every M, the plain gemm below
+ * NL_CPU_DOT_ROWS rows (a decode's), where dnnl_sgemm's paths depend on M.
+ * At NL_CPU_DOT_ROWS and above the plain gemm stays dnnl_sgemm, whose rows
+ * there do not depend on M: the batch's padding to NL_BATCH_MIN_ROWS
+ * (core/batch.h, the same 16) relies on that. */
+#define NL_CPU_DOT_ROWS 16
+void nl_cpu_gemm_dot(nl_backend *be, int M, int N, int K, const float *A, int lda, const float *B,
+                     int ldb, int accumulate, float *C, int ldc);
 
 /* cpu_matmul.c: the gemm_rows slot, and freeing its primitives */
 void nl_cpu_gemm_rows(nl_backend *be, int trans_b, int M, int N, int K, const float *A, int lda,
