@@ -11,6 +11,7 @@
 #include "core/batch.h"
 #include "core/forward.h"
 #include "core/sampler.h"
+#include "kernels/cpu/cpu_ops.h"
 
 #include <stdint.h>
 
@@ -357,7 +358,8 @@ static void test_embed(nl_model *m, nl_backend *be)
  * are the product (against gemm). With B transposed, the plain gemm at
  * up to 15 rows gives those bits too (the CPU runs both through one
  * kernel, kernels/cpu/cpu_dot.c): what makes a stage's batch decode as
- * `neuroctl generate` does. */
+ * `neuroctl generate` does; and that kernel gives the same bits through
+ * its AVX2 tiles alone as through its AVX-512 ones. */
 static void test_gemm_rows(nl_backend *be)
 {
     if (!be->gemm_rows) {
@@ -434,6 +436,18 @@ static void test_gemm_rows(nl_backend *be)
                     }
                     CHECK(!bad, "gemm_rows N %d K %d trans_b %d acc %d: row invariant", N, K, tb,
                           acc);
+                    if (tb && ref) { /* the AVX2 tiles alone: the same bits as with AVX-512's */
+                        const int had = nl_cpu_dot_avx512(0);
+                        be->copy_rows(be, C, N, C0, N, R, N);
+                        be->gemm_rows(be, 1, R, N, K, A, K, B, ldb, acc, C, N);
+                        nl_cpu_dot_avx512(1);
+                        float *got = check_download(be, C, nc);
+                        CHECK(got && memcmp(got, ref, nc * sizeof(float)) == 0,
+                              "gemm_rows N %d K %d acc %d: the same bits with AVX2 only as with "
+                              "AVX-512 (%s here)",
+                              N, K, acc, had ? "present" : "absent");
+                        free(got);
+                    }
                     free(ref);
                     free(plain);
                 }

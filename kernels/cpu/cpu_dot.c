@@ -120,6 +120,102 @@ static tile_fn *const tiles[MR][NR] = {{tile_1_1, tile_1_2, tile_1_3, tile_1_4},
                                        {tile_2_1, tile_2_2, tile_2_3, tile_2_4},
                                        {tile_3_1, tile_3_2, tile_3_3, tile_3_4}};
 
+#ifdef NL_DOT_AVX2
+/* Where the CPU has AVX-512 (checked at run time: the build targets
+ * x86-64-v3), a zmm register holds the eight lanes of two elements, C[i][j]
+ * in its low half and C[i][j + 1] in its high half: each half is the same
+ * FMA chain as an AVX2 register's, summed the same way (lanes_sum), so the
+ * bits do not depend on the CPU's ISA either; 32 registers hold tiles of 4
+ * rows by 4 pairs of columns (16 accumulators), reading A and B half as
+ * often per product as the AVX2 tiles. */
+#define NL_AVX512 __attribute__((target("avx512f,avx512dq"), always_inline))
+enum { MR5 = 4, NP5 = 4 };
+
+static inline NL_AVX512 void tile512(int mr, int np, int K, const float *A, int lda, const float *B,
+                                     int ldb, int acc, float *C, int ldc)
+{
+    __m512 s[MR5][NP5];
+#pragma GCC unroll 4
+    for (int i = 0; i < mr; i++)
+#pragma GCC unroll 4
+        for (int p = 0; p < np; p++)
+            s[i][p] = _mm512_setzero_ps();
+    int k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m512 a[MR5];
+#pragma GCC unroll 4
+        for (int i = 0; i < mr; i++) /* A's eight in both halves */
+            a[i] = _mm512_broadcast_f32x8(_mm256_loadu_ps(A + (size_t)i * lda + k));
+#pragma GCC unroll 4
+        for (int p = 0; p < np; p++) {
+            const float *b = B + (size_t)2 * p * ldb + k;
+            const __m512 bb = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(b)),
+                                                 _mm256_loadu_ps(b + ldb), 1);
+#pragma GCC unroll 4
+            for (int i = 0; i < mr; i++)
+                s[i][p] = _mm512_fmadd_ps(a[i], bb, s[i][p]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int p = 0; p < np; p++)
+            for (int h = 0; h < 2; h++) {
+                const __m256 v =
+                    h ? _mm512_extractf32x8_ps(s[i][p], 1) : _mm512_castps512_ps256(s[i][p]);
+                finish(lanes_sum(v), k, K, A + (size_t)i * lda, B + (size_t)(2 * p + h) * ldb, acc,
+                       C + (size_t)i * ldc + 2 * p + h);
+            }
+}
+
+#define TILE5(R, P)                                                                                \
+    __attribute__((target("avx512f,avx512dq"))) static void tile5_##R##_##P(                       \
+        int K, const float *A, int lda, const float *B, int ldb, int acc, float *C, int ldc)       \
+    {                                                                                              \
+        tile512(R, P, K, A, lda, B, ldb, acc, C, ldc);                                             \
+    }
+TILE5(1, 1)
+TILE5(1, 2)
+TILE5(1, 3)
+TILE5(1, 4)
+TILE5(2, 1)
+TILE5(2, 2)
+TILE5(2, 3)
+TILE5(2, 4)
+TILE5(3, 1)
+TILE5(3, 2)
+TILE5(3, 3)
+TILE5(3, 4)
+TILE5(4, 1)
+TILE5(4, 2)
+TILE5(4, 3)
+TILE5(4, 4)
+#undef TILE5
+static tile_fn *const tiles5[MR5][NP5] = {{tile5_1_1, tile5_1_2, tile5_1_3, tile5_1_4},
+                                          {tile5_2_1, tile5_2_2, tile5_2_3, tile5_2_4},
+                                          {tile5_3_1, tile5_3_2, tile5_3_3, tile5_3_4},
+                                          {tile5_4_1, tile5_4_2, tile5_4_3, tile5_4_4}};
+
+/* rows [0, M) of columns [j0, j1) in AVX-512 tiles; an odd last column in
+ * AVX2's */
+static void panel512(int M, int j0, int j1, int K, const float *A, int lda, const float *B, int ldb,
+                     int acc, float *C, int ldc)
+{
+    const int pairs_end = j0 + (j1 - j0) / 2 * 2;
+    for (int i = 0; i < M; i += MR5) {
+        const int mr = M - i < MR5 ? M - i : MR5;
+        for (int j = j0; j < pairs_end; j += 2 * NP5) {
+            const int np = (pairs_end - j) / 2 < NP5 ? (pairs_end - j) / 2 : NP5;
+            tiles5[mr - 1][np - 1](K, A + (size_t)i * lda, lda, B + (size_t)j * ldb, ldb, acc,
+                                   C + (size_t)i * ldc + j, ldc);
+        }
+        for (int r = 0; pairs_end < j1 && r < mr; r += MR) {
+            const int m3 = mr - r < MR ? mr - r : MR;
+            tiles[m3 - 1][0](K, A + (size_t)(i + r) * lda, lda, B + (size_t)pairs_end * ldb, ldb,
+                             acc, C + (size_t)(i + r) * ldc + pairs_end, ldc);
+        }
+    }
+}
+#endif
+
 /* rows [0, M) of columns [j0, j1) */
 static void panel(int M, int j0, int j1, int K, const float *A, int lda, const float *B, int ldb,
                   int acc, float *C, int ldc)
@@ -134,6 +230,21 @@ static void panel(int M, int j0, int j1, int K, const float *A, int lda, const f
     }
 }
 
+/* -1: not yet asked; then whether the AVX-512 tiles run */
+static int use_avx512 = -1;
+
+int nl_cpu_dot_avx512(int want)
+{
+#ifdef NL_DOT_AVX2
+    __builtin_cpu_init();
+    use_avx512 = want && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+#else
+    (void)want;
+    use_avx512 = 0;
+#endif
+    return use_avx512;
+}
+
 void nl_cpu_gemm_dot(nl_backend *be, int M, int N, int K, const float *A, int lda, const float *B,
                      int ldb, int accumulate, float *C, int ldc)
 {
@@ -146,9 +257,17 @@ void nl_cpu_gemm_dot(nl_backend *be, int M, int N, int K, const float *A, int ld
     /* a team only where each thread gets real work: a decode step's
      * router (N = experts) or a small expert is not worth the wake-up */
     const int team = threads > 1 && panels > 1 && (double)M * N * K >= 1e6;
+    void (*run)(int, int, int, int, const float *, int, const float *, int, int, float *, int) =
+        panel;
+#ifdef NL_DOT_AVX2
+    if (use_avx512 < 0)
+        nl_cpu_dot_avx512(1);
+    if (use_avx512)
+        run = panel512;
+#endif
 #pragma omp parallel for NL_CPU_TEAM(be) schedule(static) if (team)
     for (int p = 0; p < panels; p++) {
         const int j0 = p * cols, j1 = N - j0 < cols ? N : j0 + cols;
-        panel(M, j0, j1, K, A, lda, B, ldb, accumulate != 0, C, ldc);
+        run(M, j0, j1, K, A, lda, B, ldb, accumulate != 0, C, ldc);
     }
 }

@@ -67,6 +67,11 @@ static inline void nl_cpu_attn_range(const nl_attn_mask *mk, int i, int nkeys, i
 #define NL_CPU_DOT_ROWS 16
 void nl_cpu_gemm_dot(nl_backend *be, int M, int N, int K, const float *A, int lda, const float *B,
                      int ldb, int accumulate, float *C, int ldc);
+/* Whether nl_cpu_gemm_dot runs its AVX-512 tiles (where the CPU has them;
+ * the default) or only the AVX2 ones (want 0); returns whether it now runs
+ * them. The bits are the same either way (tests/test_batch.c checks);
+ * not thread-safe: for tests and benchmarks, before any product. */
+int nl_cpu_dot_avx512(int want);
 
 /* cpu_matmul.c: the gemm_rows slot, and freeing its primitives */
 void nl_cpu_gemm_rows(nl_backend *be, int trans_b, int M, int N, int K, const float *A, int lda,
