@@ -230,19 +230,21 @@ static void panel(int M, int j0, int j1, int K, const float *A, int lda, const f
     }
 }
 
-/* -1: not yet asked; then whether the AVX-512 tiles run */
+/* -1: not yet asked; then whether the AVX-512 tiles run (atomic: backends
+ * on several threads may make their first product at once) */
 static int use_avx512 = -1;
 
 int nl_cpu_dot_avx512(int want)
 {
+    int on = 0;
 #ifdef NL_DOT_AVX2
     __builtin_cpu_init();
-    use_avx512 = want && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+    on = want && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
 #else
     (void)want;
-    use_avx512 = 0;
 #endif
-    return use_avx512;
+    __atomic_store_n(&use_avx512, on, __ATOMIC_RELAXED);
+    return on;
 }
 
 void nl_cpu_gemm_dot(nl_backend *be, int M, int N, int K, const float *A, int lda, const float *B,
@@ -260,9 +262,10 @@ void nl_cpu_gemm_dot(nl_backend *be, int M, int N, int K, const float *A, int ld
     void (*run)(int, int, int, int, const float *, int, const float *, int, int, float *, int) =
         panel;
 #ifdef NL_DOT_AVX2
-    if (use_avx512 < 0)
-        nl_cpu_dot_avx512(1);
-    if (use_avx512)
+    int on = __atomic_load_n(&use_avx512, __ATOMIC_RELAXED);
+    if (on < 0)
+        on = nl_cpu_dot_avx512(1);
+    if (on)
         run = panel512;
 #endif
 #pragma omp parallel for NL_CPU_TEAM(be) schedule(static) if (team)
