@@ -24,9 +24,9 @@ static double now_s(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* C[M,N] = A[M,K] B[N,K]^T, as the model's y = x W^T */
-static nl_backend *be;
+static nl_backend *be; /* the CPU backend, for its gemm_rows */
 
+/* C[M,N] = A[M,K] B[N,K]^T, as the model's y = x W^T */
 static double run(int lib, int M, int N, int K, const float *A, const float *B, float *C)
 {
     int reps = 0;

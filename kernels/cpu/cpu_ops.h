@@ -14,8 +14,8 @@
 typedef struct nl_cpu_bf16_range {
     const float *base; /* the FP32 weights (n floats); NULL: slot unused */
     size_t n;
-    uint16_t *copy; /* (n) bf16, valid unless stale */
-    int stale;      /* a write since the copy was made */
+    uint16_t *copy;    /* (n) bf16, valid unless stale */
+    int stale;         /* a write since the copy was made */
 } nl_cpu_bf16_range;
 
 typedef struct nl_cpu_ctx {
@@ -69,8 +69,8 @@ void nl_cpu_gemm_dot(nl_backend *be, int M, int N, int K, const float *A, int ld
                      int ldb, int accumulate, float *C, int ldc);
 /* Whether nl_cpu_gemm_dot runs its AVX-512 tiles (where the CPU has them;
  * the default) or only the AVX2 ones (want 0); returns whether it now runs
- * them. The bits are the same either way (tests/test_batch.c checks);
- * not thread-safe: for tests and benchmarks, before any product. */
+ * them. The bits are the same either way (tests/test_batch.c checks); for
+ * tests and benchmarks (the first product asks for them by itself). */
 int nl_cpu_dot_avx512(int want);
 
 /* cpu_matmul.c: the gemm_rows slot, and freeing its primitives */
