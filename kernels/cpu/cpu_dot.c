@@ -255,10 +255,16 @@ void nl_cpu_gemm_dot(nl_backend *be, int M, int N, int K, const float *A, int ld
     const size_t row_bytes = (size_t)(K > 0 ? K : 1) * sizeof(float);
     int cols = (int)(PANEL_BYTES / row_bytes) / NR * NR;
     cols = cols < NR ? NR : cols;
-    const int panels = (N + cols - 1) / cols, threads = nl_cpu_threads(be);
-    /* a team only where each thread gets real work: a decode step's
-     * router (N = experts) or a small expert is not worth the wake-up */
-    const int team = threads > 1 && panels > 1 && (double)M * N * K >= 1e6;
+    const int threads = nl_cpu_threads(be);
+    /* a team only where each thread gets real work (at one row, 128 KB of
+     * weights or more): a decode step's router (N = experts) is not worth
+     * the wake-up; then panels small enough that every thread has one */
+    const int team = threads > 1 && N >= 2 * 8 && (double)M * N * K >= 3.2e4;
+    if (team) {
+        const int share = ((N + threads - 1) / threads + 7) / 8 * 8;
+        cols = share < cols ? share : cols;
+    }
+    const int panels = (N + cols - 1) / cols;
     void (*run)(int, int, int, int, const float *, int, const float *, int, int, float *, int) =
         panel;
 #ifdef NL_DOT_AVX2
