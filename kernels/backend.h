@@ -152,8 +152,10 @@ struct nl_backend {
      * C += A op(B) with accumulate, where row i of C depends only on row
      * i of A (and of C), bit for bit, for any M: a batch's row gives the
      * same bits alone or among others. row-major, strides as in gemm. On
-     * the CPU: oneDNN's matmul primitive (gemm's sgemm is not M-invariant
-     * below M = 16); NULL with bf16 and on CUDA. */
+     * the CPU: with trans_b its own dot-product kernel (kernels/cpu/
+     * cpu_dot.c), which gemm also runs below 16 rows, so the two agree bit
+     * for bit there (a decode's rows); without, oneDNN's matmul primitive
+     * (sgemm is not M-invariant below M = 16); NULL with bf16 and on CUDA. */
     void (*gemm_rows)(nl_backend *be, int trans_b, int M, int N, int K, const float *A, int lda,
                       const float *B, int ldb, int accumulate, float *C, int ldc);
     /* bf16 compute (be->bf16): gemm rounds A and B to bf16 and accumulates

@@ -84,6 +84,9 @@ typedef struct nl_node_opts {
     double inject_gflops;        /* test hook (NL_TEST_GFLOPS): reported throughput, if > 0 */
     double inject_slow_ms;       /* test hook (NL_TEST_SLOW_MS): each training message takes
                                   * this much longer here (a node slower than it said) */
+    double inject_slow_hop_ms;   /* test hook (NL_TEST_SLOW_HOP_MS): each batch of session hops
+                                  * waits this long first (a slow stage, so a test's session
+                                  * is still open when another opens) */
     bool inject_no_train;        /* test hook (NL_TEST_DEVICE_NO_TRAIN): the device cannot train */
     uint64_t inject_mem_free;    /* test hook (NL_TEST_DEVICE_MEM=FREE,TOTAL in MiB): the device */
     uint64_t inject_mem_total;   /* reports this memory, as a GPU would (0: no such hook) */

@@ -141,6 +141,10 @@ static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypa
      * coordinator's observed stage times re-balance the plan) */
     const char *slow = getenv("NL_TEST_SLOW_MS");
     o->inject_slow_ms = slow ? atof(slow) : 0.0;
+    /* NL_TEST_SLOW_HOP_MS=X makes each batch of session hops
+     * (generation) wait X ms first */
+    const char *slow_hop = getenv("NL_TEST_SLOW_HOP_MS");
+    o->inject_slow_hop_ms = slow_hop ? atof(slow_hop) : 0.0;
     /* NL_TEST_DEVICE_NO_TRAIN=1 makes the device one that cannot train */
     o->inject_no_train = getenv("NL_TEST_DEVICE_NO_TRAIN") != NULL;
     /* NL_TEST_DEVICE_MEM=FREE,TOTAL (MiB) gives the device a GPU's memory

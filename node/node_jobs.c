@@ -288,6 +288,10 @@ void nl_node_run_batch(node *n)
     const nl_stage_result *r = NULL;
     int k = 0;
     nl_node_wait_sent(n);
+    if (n->o->inject_slow_hop_ms > 0) {
+        const long long ns = (long long)(n->o->inject_slow_hop_ms * 1e6);
+        nanosleep(&(struct timespec){(time_t)(ns / 1000000000LL), (long)(ns % 1000000000LL)}, NULL);
+    }
     int64_t t0 = nl_node_mono_ms();
     nl_status st = nl_stage_run_batch(n->stage, &r, &k, &e);
     n->busy_ms += (double)(nl_node_mono_ms() - t0);

@@ -11,6 +11,7 @@
 #include "core/batch.h"
 #include "core/forward.h"
 #include "core/sampler.h"
+#include "kernels/cpu/cpu_ops.h"
 
 #include <stdint.h>
 
@@ -141,7 +142,9 @@ static void test_alone_vs_together(nl_model *m)
     nl_batch_destroy(&b); /* safe twice */
 }
 
-/* Greedy decoding through the batch follows nl_forward's logits. */
+/* Greedy decoding through the batch follows nl_forward's logits (with
+ * gemm_rows, bit for bit: the prompt's 9 rows and the decode's 1 are
+ * below NL_CPU_DOT_ROWS). */
 static void test_matches_forward(nl_model *m)
 {
     nl_error err = {0};
@@ -171,6 +174,12 @@ static void test_matches_forward(nl_model *m)
             break;
         double e = check_rel_err(got, ref, V);
         CHECK(e < 1e-4, "step %d: logits within 1e-4 of nl_forward (%.2g)", i, e);
+        /* a backend with gemm_rows computes a decode's few rows the same
+         * way in both (the CPU's dot-product kernel): the same bits, so a
+         * stage's batch and `neuroctl generate` give the same ids */
+        if (m->be->gemm_rows)
+            CHECK(memcmp(got, ref, V * sizeof(float)) == 0,
+                  "step %d: logits bit-identical to nl_forward's", i);
         next = 0;
         for (int v = 1; v < V; v++)
             next = ref[v] > ref[next] ? v : next;
@@ -344,8 +353,13 @@ static void test_embed(nl_model *m, nl_backend *be)
  * M from 1 to 17 (the sizes of a decode batch's expert groups) and a few
  * larger, rows o .. o + M - 1 of a product give the bits those rows have
  * inside one 80-row product, for this test's shapes and bench-small's
- * (experts, QKV, router, head), with B transposed (overwriting or
- * accumulating) or not; and the values are the product (against gemm). */
+ * (experts, QKV, router, head; K 64 .. 512, K not a multiple of 8 too),
+ * with B transposed (overwriting or accumulating) or not; and the values
+ * are the product (against gemm). With B transposed, the plain gemm at
+ * up to 15 rows gives those bits too (the CPU runs both through one
+ * kernel, kernels/cpu/cpu_dot.c): what makes a stage's batch decode as
+ * `neuroctl generate` does; and that kernel gives the same bits through
+ * its AVX2 tiles alone as through its AVX-512 ones. */
 static void test_gemm_rows(nl_backend *be)
 {
     if (!be->gemm_rows) {
@@ -354,8 +368,9 @@ static void test_gemm_rows(nl_backend *be)
     }
     enum { R = 80 };
     static const int shapes[][2] = {/* N, K */
-                                    {192, 64},   {64, 96},   {128, 64},  {300, 64}, {8, 64},
-                                    {1024, 256}, {256, 512}, {384, 256}, {8, 256},  {8192, 256}};
+                                    {192, 64}, {64, 96},    {128, 64},  {300, 64},
+                                    {8, 64},   {1024, 256}, {256, 512}, {384, 256},
+                                    {8, 256},  {8192, 256}, {37, 77},   {5, 3}};
     static const int ms[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 20, 33, 64};
     uint64_t seed = 12345;
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
@@ -402,9 +417,37 @@ static void test_gemm_rows(nl_backend *be)
                             bad = 1;
                         }
                         free(got);
+                        if (!tb || M >= 16 || bad)
+                            continue;
+                        /* the plain gemm at a decode's few rows: the same bits */
+                        be->copy_rows(be, C, N, C0, N, R, N);
+                        be->gemm(be, 0, 1, M, N, K, 1.0f, A + (size_t)o * K, K, B, ldb,
+                                 acc ? 1.0f : 0.0f, C + (size_t)o * N, N);
+                        got = check_download(be, C, nc);
+                        if (!got || memcmp(got + (size_t)o * N, ref + (size_t)o * N,
+                                           (size_t)M * N * sizeof(float)) != 0) {
+                            CHECK(0,
+                                  "gemm N %d K %d acc %d: %d rows give other bits than "
+                                  "gemm_rows",
+                                  N, K, acc, M);
+                            bad = 1;
+                        }
+                        free(got);
                     }
                     CHECK(!bad, "gemm_rows N %d K %d trans_b %d acc %d: row invariant", N, K, tb,
                           acc);
+                    if (tb && ref) { /* the AVX2 tiles alone: the same bits as with AVX-512's */
+                        const int had = nl_cpu_dot_avx512(0);
+                        be->copy_rows(be, C, N, C0, N, R, N);
+                        be->gemm_rows(be, 1, R, N, K, A, K, B, ldb, acc, C, N);
+                        nl_cpu_dot_avx512(1);
+                        float *got = check_download(be, C, nc);
+                        CHECK(got && memcmp(got, ref, nc * sizeof(float)) == 0,
+                              "gemm_rows N %d K %d acc %d: the same bits with AVX2 only as with "
+                              "AVX-512 (%s here)",
+                              N, K, acc, had ? "present" : "absent");
+                        free(got);
+                    }
                     free(ref);
                     free(plain);
                 }

@@ -208,10 +208,12 @@ check "$N" cluster down --dir "$C2"
 # holds one session of 253 positions (6 layers x 253 x 256 bytes); a second
 # generation evicts the first, which fails, naming the eviction, while the
 # second runs to the end with the local ids (tries again if the first had
-# ended before the second opened)
+# ended before the second opened). Each batch waits 5 ms first
+# (NL_TEST_SLOW_HOP_MS), so the first's 250 tokens take over a second, not
+# the few milliseconds that would end it before the second client opens.
 C3="$W/cluster3"
-check "$N" cluster up "${DEV[@]}" --dir "$C3" --nodes 1 --model "$W/m.safetensors" --memory 64M --threads 1 \
-  --kv-budget 600000 --timeout 60
+check env NL_TEST_SLOW_HOP_MS=5 "$N" cluster up "${DEV[@]}" --dir "$C3" --nodes 1 --model "$W/m.safetensors" \
+  --memory 64M --threads 1 --kv-budget 600000 --timeout 60
 # two generations at once on a single stage: it feeds each its own tokens
 # (one queued token per session); both give the local ids
 for p in 1,2,3 5,6,7; do

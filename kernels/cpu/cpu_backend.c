@@ -127,6 +127,14 @@ static void cpu_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int
                 C[(size_t)i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[(size_t)i * ldc + j];
         return;
     }
+    /* a decode's few rows of y = x W^T: the row-invariant dot-product
+     * kernel, as fast as dnnl_sgemm there and giving the bits a stage's
+     * batch gives (gemm_rows) */
+    if (!be->bf16 && !trans_a && trans_b && alpha == 1.0f && (beta == 0.0f || beta == 1.0f) &&
+        M < NL_CPU_DOT_ROWS) {
+        nl_cpu_gemm_dot(be, M, N, K, A, lda, B, ldb, beta != 0.0f, C, ldc);
+        return;
+    }
     /* oneDNN's OpenMP runtime sizes its team by omp_get_max_threads(): set
      * this backend's count for the call only, and put back the caller's */
     const int want = nl_cpu_threads(be), had = omp_get_max_threads();

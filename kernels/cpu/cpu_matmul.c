@@ -1,5 +1,8 @@
 /* The CPU backend's row-invariant GEMM (the gemm_rows slot, backend.h):
- * oneDNN's matmul primitive, whose f32 kernel (brgemm on AVX-512 and
+ * with B transposed (the model's y = x W^T) the dot-product kernel of
+ * cpu_dot.c, which computes every row the same way at every M and, unlike
+ * the primitive below, costs what dnnl_sgemm costs at a decode's few rows;
+ * otherwise oneDNN's matmul primitive, whose f32 kernel (brgemm on AVX-512 and
  * AVX2) computes every row of C the same way for any number of rows M,
  * where dnnl_sgemm takes other paths (another summation order) for M
  * from 1 to 15 than at M >= 16. tests/test_batch.c checks this row by
@@ -148,6 +151,10 @@ void nl_cpu_gemm_rows(nl_backend *be, int trans_b, int M, int N, int K, const fl
 {
     if (M <= 0 || N <= 0)
         return;
+    if (trans_b) { /* the model's products: the dot-product kernel at every M */
+        nl_cpu_gemm_dot(be, M, N, K, A, lda, B, ldb, accumulate, C, ldc);
+        return;
+    }
     /* as in cpu_gemm: oneDNN sizes its team (and a primitive its
      * blocking) by omp_get_max_threads(); this backend's count, for the
      * call only */

@@ -57,6 +57,22 @@ static inline void nl_cpu_attn_range(const nl_attn_mask *mk, int i, int nkeys, i
     *hi = *hi > nkeys ? nkeys : *hi;
 }
 
+/* cpu_dot.c: C (M, N) = A (M, K) B^T (+ C when accumulating), B given as
+ * (N, K) row-major, every element computed the same way whatever M is
+ * (row invariant); gemm_rows takes it for every M, the plain gemm below
+ * NL_CPU_DOT_ROWS rows (a decode's), where dnnl_sgemm's paths depend on M.
+ * At NL_CPU_DOT_ROWS and above the plain gemm stays dnnl_sgemm, whose rows
+ * there do not depend on M: the batch's padding to NL_BATCH_MIN_ROWS
+ * (core/batch.h, the same 16) relies on that. */
+#define NL_CPU_DOT_ROWS 16
+void nl_cpu_gemm_dot(nl_backend *be, int M, int N, int K, const float *A, int lda, const float *B,
+                     int ldb, int accumulate, float *C, int ldc);
+/* Whether nl_cpu_gemm_dot runs its AVX-512 tiles (where the CPU has them;
+ * the default) or only the AVX2 ones (want 0); returns whether it now runs
+ * them. The bits are the same either way (tests/test_batch.c checks); for
+ * tests and benchmarks (the first product asks for them by itself). */
+int nl_cpu_dot_avx512(int want);
+
 /* cpu_matmul.c: the gemm_rows slot, and freeing its primitives */
 void nl_cpu_gemm_rows(nl_backend *be, int trans_b, int M, int N, int K, const float *A, int lda,
                       const float *B, int ldb, int accumulate, float *C, int ldc);
