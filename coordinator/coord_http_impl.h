@@ -51,6 +51,7 @@ struct nl_coord_http {
     int have_train;
     int64_t train_step;
     double train_loss, eval_loss, train_tps;
+    int64_t train_dig_mismatches; /* the job's hops with disagreeing digests */
     /* the poller's own: what the last status showed */
     seen_node seen[MAX_NODES];
     int nseen;

@@ -206,6 +206,10 @@ char *coord_http_metrics(void *ctx)
         put(&s, &n, &cap, "neurollm_train_loss %.9g\n", h->train_loss);
         HELP("neurollm_train_tokens_per_second", "gauge", "Training tokens per second.");
         put(&s, &n, &cap, "neurollm_train_tokens_per_second %.6g\n", h->train_tps);
+        HELP("neurollm_train_digest_mismatches", "gauge",
+             "The training job's hops whose sender and receiver report different digests.");
+        put(&s, &n, &cap, "neurollm_train_digest_mismatches %lld\n",
+            (long long)h->train_dig_mismatches);
         if (!isnan(h->eval_loss)) {
             HELP("neurollm_train_eval_loss", "gauge", "The last held-out loss.");
             put(&s, &n, &cap, "neurollm_train_eval_loss %.9g\n", h->eval_loss);

@@ -219,6 +219,10 @@ typedef struct nl_msg_train_hop {
     nl_msg_tensor_hop hop;
     uint32_t extras;    /* NL_HOP_* frames after frame 0 */
     uint64_t loss_rows; /* the step's predictions, or 0 */
+    /* the hop's digest (net/hopdigest.h): 64 lowercase hex digits, or
+     * NULL / "" (an older peer). GRADIENT has it too (u.train_hop.digest),
+     * but neither extras nor loss_rows. */
+    const char *digest;
 } nl_msg_train_hop;
 
 typedef struct nl_msg_token {
@@ -261,11 +265,23 @@ typedef struct nl_msg_job_ref { /* JOB_CANCEL, JOB_QUERY (0 = all jobs) */
     uint64_t job_id;
 } nl_msg_job_ref;
 
+/* GRAD_NORM + an optional U8 frame [M, 4, 32]: the digests of the step's
+ * hops on this stage (NL_DIGEST_* order per microbatch; all zero: no such
+ * hop), docs/protocol.md, "Hop digests". */
 typedef struct nl_msg_grad_norm {
     uint64_t job_id, step;
     uint32_t stage;
     double sumsq; /* this stage's partial sum of squared gradients */
 } nl_msg_grad_norm;
+
+/* The four digests a stage keeps of each microbatch of a step. */
+enum {
+    NL_DIGEST_FWD_IN = 0, /* the ACTIVATION it received */
+    NL_DIGEST_FWD_OUT,    /* the ACTIVATION it sent on */
+    NL_DIGEST_BWD_IN,     /* the GRADIENT it received */
+    NL_DIGEST_BWD_OUT,    /* the GRADIENT it sent back */
+    NL_DIGEST_KINDS
+};
 
 typedef struct nl_msg_step {
     uint64_t job_id, step;

@@ -101,12 +101,18 @@ static const nl_wire_field f_load_done[] = {
         F_U64(nl_msg_tensor_hop, pos_offset, 0, INT32_MAX),                                      \
         F_F64(nl_msg_tensor_hop, aux, -1e30, 1e30)
 static const nl_wire_field f_hop[] = {HOP_FIELDS};
+/* a hop's digest (net/hopdigest.h): 64 lowercase hex digits, or absent
+ * (an older peer); check_digest refuses other lengths */
+#define F_DIGEST                                                                                 \
+    {"digest", NL_WK_STR, NL_WCS_HEX, 0, offsetof(nl_msg_train_hop, digest), 0, 0, 64, 0, 0, 1}
 /* the training hops: the objectives' frames and loss rows, added later */
 static const nl_wire_field f_train_hop[] = {
     HOP_FIELDS,
     F_U32_OPT(nl_msg_train_hop, extras),
     F_U64_OPT(nl_msg_train_hop, loss_rows),
+    F_DIGEST,
 };
+static const nl_wire_field f_grad_hop[] = {HOP_FIELDS, F_DIGEST};
 static const nl_wire_field f_token[] = {
     F_U64(nl_msg_token, job_id, U64_ANY),
     F_U64(nl_msg_token, session_id, U64_ANY),
@@ -168,6 +174,8 @@ static nl_status check_assign(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_
 static nl_status check_layer_load(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_job_submit(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_activation(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
+static nl_status check_digest(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
+static nl_status check_grad_norm(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 
 static const nl_wire_tdesc tdescs[NL_MSG_TYPE_MAX] = {
     [NL_MSG_HELLO] = {"HELLO", f_hello, NF(f_hello), 0, 0, 0, 0, 0, NULL},
@@ -183,7 +191,8 @@ static const nl_wire_tdesc tdescs[NL_MSG_TYPE_MAX] = {
     [NL_MSG_LOAD_DONE] = {"LOAD_DONE", f_load_done, NF(f_load_done), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_ACTIVATION] = {"ACTIVATION", f_train_hop, NF(f_train_hop), 1, 5, 1, NL_MAX_DIMS,
                            DT_FLOAT | DT(I32), check_activation},
-    [NL_MSG_GRADIENT] = {"GRADIENT", f_hop, NF(f_hop), 1, 1, 1, NL_MAX_DIMS, DT_FLOAT, NULL},
+    [NL_MSG_GRADIENT] = {"GRADIENT", f_grad_hop, NF(f_grad_hop), 1, 1, 1, NL_MAX_DIMS, DT_FLOAT,
+                         check_digest},
     /* the last stage's logits (F32 [B, T, V]) for a forward job, to the
      * coordinator and on to the client */
     [NL_MSG_RESULT] = {"RESULT", f_hop, NF(f_hop), 1, 1, 1, NL_MAX_DIMS, DT_FLOAT, NULL},
@@ -199,7 +208,9 @@ static const nl_wire_tdesc tdescs[NL_MSG_TYPE_MAX] = {
     [NL_MSG_JOB_STATUS] = {"JOB_STATUS", f_job_status, NF(f_job_status), 0, 1, 1, 1, DT(U8), NULL},
     [NL_MSG_JOB_CANCEL] = {"JOB_CANCEL", f_job_ref, NF(f_job_ref), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_JOB_QUERY] = {"JOB_QUERY", f_job_ref, NF(f_job_ref), 0, 0, 0, 0, 0, NULL},
-    [NL_MSG_GRAD_NORM] = {"GRAD_NORM", f_grad_norm, NF(f_grad_norm), 0, 0, 0, 0, 0, NULL},
+    /* + an optional U8 frame [M, 4, 32]: the step's hop digests */
+    [NL_MSG_GRAD_NORM] = {"GRAD_NORM", f_grad_norm, NF(f_grad_norm), 0, 1, 3, 3, DT(U8),
+                          check_grad_norm},
     [NL_MSG_STEP] = {"STEP", f_step, NF(f_step), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_CKPT_REQ] = {"CKPT_REQ", f_ckpt_req, NF(f_ckpt_req), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_CKPT_DONE] = {"CKPT_DONE", f_ckpt_done, NF(f_ckpt_done), 0, 0, 0, 0, 0, NULL},
@@ -470,12 +481,37 @@ static nl_status check_layer_load(const nl_wire_msg *m, const nl_wire_tdesc *td,
     return NL_OK;
 }
 
+/* A hop's digest: 64 hex digits, or none. */
+static nl_status check_digest(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err)
+{
+    const char *d = m->u.train_hop.digest;
+    const size_t n = d ? strlen(d) : 0;
+    if (n != 0 && n != 64)
+        return nl_error_set(err, NL_ERR_RANGE, "%s.digest: %zu hex digits, must be 64 (or absent)",
+                            td->name, n);
+    return NL_OK;
+}
+
+/* GRAD_NORM's digests: [M, 4, 32]. */
+static nl_status check_grad_norm(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err)
+{
+    const nl_tensor *t = m->nframes ? &m->frames[0].t : NULL;
+    if (t && (t->shape[1] != NL_DIGEST_KINDS || t->shape[2] != 32))
+        return nl_error_set(err, NL_ERR_SHAPE,
+                            "%s: the digests frame must be U8 [microbatches, %d, 32]", td->name,
+                            NL_DIGEST_KINDS);
+    return NL_OK;
+}
+
 /* A training hop's frames after frame 0: as hop.extras names them (each
  * I32), or without extras (the older form) at most the targets. */
 static nl_status check_activation(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err)
 {
     static const char *const what[] = {"targets", "document ids", "labels", "lengths"};
     const uint32_t x = m->u.train_hop.extras;
+    nl_status st = check_digest(m, td, err);
+    if (st != NL_OK)
+        return st;
     if (x & ~(uint32_t)NL_HOP_ALL)
         return nl_error_set(err, NL_ERR_RANGE, "%s.extras: %u names frames that do not exist",
                             td->name, x);

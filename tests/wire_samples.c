@@ -102,6 +102,9 @@ void sample(nl_wire_msg *m, nl_msg_type t)
         int64_t sh[3] = {2, 3, 16};
         set_frame(&m->frames[0], t == NL_MSG_GRADIENT ? NL_DTYPE_BF16 : NL_DTYPE_F32, act, 3, sh);
         m->nframes = 1;
+        if (t != NL_MSG_COUNT) /* a hop's digest (net/hopdigest.h); COUNT's absent */
+            m->u.train_hop.digest =
+                "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
         if (t == NL_MSG_ACTIVATION || t == NL_MSG_EVAL) { /* the targets ride along */
             int64_t tsh[2] = {2, 5};
             set_frame(&m->frames[1], NL_DTYPE_I32, toks_frame, 2, tsh);
@@ -133,9 +136,16 @@ void sample(nl_wire_msg *m, nl_msg_type t)
         m->nframes = 1;
         break;
     }
-    case NL_MSG_GRAD_NORM:
+    case NL_MSG_GRAD_NORM: { /* + the step's hop digests: 2 microbatches */
+        static uint8_t digests[2 * NL_DIGEST_KINDS * 32];
+        for (size_t i = 0; i < sizeof digests; i++)
+            digests[i] = (uint8_t)(i * 7);
         m->u.grad_norm = (nl_msg_grad_norm){11, 250, 2, 3.5e4};
+        int64_t sh[3] = {2, NL_DIGEST_KINDS, 32};
+        set_frame(&m->frames[0], NL_DTYPE_U8, digests, 3, sh);
+        m->nframes = 1;
         break;
+    }
     case NL_MSG_STEP:
         m->u.step = (nl_msg_step){11, 250, true, 0.5, 3e-4};
         break;
@@ -229,7 +239,8 @@ bool same_msg(const nl_wire_msg *a, const nl_wire_msg *b)
     case NL_MSG_GRADIENT:
         return p->hop.job_id == q->hop.job_id && p->hop.step == q->hop.step &&
                p->hop.microbatch == q->hop.microbatch && p->hop.session_id == q->hop.session_id &&
-               p->hop.pos_offset == q->hop.pos_offset && p->hop.aux == q->hop.aux;
+               p->hop.pos_offset == q->hop.pos_offset && p->hop.aux == q->hop.aux &&
+               (a->type == NL_MSG_RESULT || seq(p->train_hop.digest, q->train_hop.digest));
     case NL_MSG_TOKEN:
         return p->token.job_id == q->token.job_id && p->token.session_id == q->token.session_id &&
                p->token.ntokens == q->token.ntokens && p->token.done == q->token.done &&
