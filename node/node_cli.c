@@ -13,6 +13,7 @@
 #include "../kernels/backend.h"
 #include "../net/keys.h"
 #include "node.h"
+#include "stage.h"
 
 #define USAGE                                                                                      \
     "neuronode join ENDPOINT --key NODE.key --coordinator-key COORD.pub [--device D] "             \
@@ -50,7 +51,9 @@ static void help(FILE *f, const nl_flag *flags)
             "Exit status: 0 stopped, 1 failed, 2 usage error.\n");
 #ifdef NL_TEST_HOOKS
     fprintf(f, "This is a test build: NL_TEST_INJECT_NAN_STEP=K (K+: from K on) and\n"
-               "NL_TEST_INJECT_NAN_STAGE=S put a NaN into the gradient of step K on stage S.\n");
+               "NL_TEST_INJECT_NAN_STAGE=S put a NaN into the gradient of step K on stage S.\n"
+               "NL_TEST_LIE=KIND:Q[:SEED] makes the stage falsify a fraction Q of its training\n"
+               "outputs (KIND: bitflip, noise, stale, skip, backward; docs/security.md).\n");
 #endif
 }
 
@@ -128,6 +131,24 @@ static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypa
     o->inject_nan_step = nan_step ? atoll(nan_step) + 1 : 0;
     o->inject_nan_on = nan_step && strchr(nan_step, '+') != NULL;
     o->inject_nan_stage = nan_stage ? atoi(nan_stage) : -1;
+    /* NL_TEST_LIE=KIND:Q[:SEED]: the stage lies on a fraction Q of its work */
+    const char *lie = getenv("NL_TEST_LIE");
+    if (lie) {
+        char kind[16] = "";
+        double q = 0;
+        unsigned long long seed = 1;
+        int k = sscanf(lie, "%15[a-z]:%lf:%llu", kind, &q, &seed);
+        if (k < 2 || nl_stage_lie_kind(kind) < 0 || !(q >= 0 && q <= 1)) {
+            fprintf(stderr,
+                    "neuronode: NL_TEST_LIE=%s: expected KIND:Q[:SEED], KIND one of "
+                    "bitflip, noise, stale, skip, backward, Q in [0, 1]\n",
+                    lie);
+            return 2;
+        }
+        o->inject_lie_kind = nl_stage_lie_kind(kind);
+        o->inject_lie_rate = q;
+        o->inject_lie_seed = seed;
+    }
 #endif
     /* test hook: NL_TEST_DEVICE_FAIL=K makes the device's K-th check fail
      * (the first is after the throughput probe, the second after LOAD_DONE) */

@@ -9,6 +9,7 @@
 #include <stdatomic.h>
 
 #include "../core/train.h"
+#include "../net/hopdigest.h"
 #include "replica_workers.h"
 #include "stage_impl.h"
 
@@ -30,6 +31,7 @@ typedef struct hop_in {
     void *x;      /* tokens (I32, rows) on the first stage, else hidden (F32, rows x d) */
     hop_extra e;  /* the rest of its frames */
     size_t bytes; /* of all its frames */
+    uint8_t digest[NL_HOP_DIGEST_BYTES]; /* of the hop as it came (checked) */
 } hop_in;
 
 /* Bytes the queue of hops from the previous stage may hold (issue 15):
@@ -91,7 +93,12 @@ typedef struct stage_train {
     int64_t eval_n, eval_right;
     float *probs;
     int32_t *given;
-    hop_in *q; /* FIFO ring of hops waiting to run */
+    /* the digests of this step's hops (net/hopdigest.h): [M][NL_DIGEST_KINDS][32],
+     * zeroed when a step begins, sent with its GRAD_NORM */
+    uint8_t *dig;
+    char dig_hex[NL_HOP_DIGEST_HEX + 1]; /* the digest of the hop in tx */
+    float *lie_prev; /* test hook (stage_train_lie.c): the last step's outputs, and marks */
+    hop_in *q;       /* FIFO ring of hops waiting to run */
     int qhead, qlen, qcap;
     size_t qbytes;       /* the hops' bytes in the queue */
     nl_host_stage stage; /* host view of an output to send */
@@ -113,6 +120,16 @@ typedef struct stage_train {
 void nl_stage_train_hop_free(hop_in *h);
 /* Free the arrays of e (and NULL them). */
 void nl_stage_train_extra_free(hop_extra *e);
+/* The slot of this step's window that keeps digest `kind` of microbatch mb. */
+static inline uint8_t *nl_stage_train_dig(stage_train *t, uint32_t mb, int kind)
+{
+    return t->dig + ((size_t)mb * NL_DIGEST_KINDS + (size_t)kind) * NL_HOP_DIGEST_BYTES;
+}
+
+/* ---- stage_train_lie.c: a test hook (test builds only) ---- */
+
+/* Falsify j's output to send as s->o.lie says (a no-op without it). */
+void nl_stage_train_lie(nl_stage *s, stage_train *t, rjob *j);
 
 /* ---- stage_train_hops.c: the replicas' jobs and the schedule ---- */
 

@@ -17,7 +17,15 @@
  *    NL_TEST_DEVICE per stage, host all-reduce): the same pipeline and
  *    batches give every step's loss and gradient norm within 1e-6 of the
  *    single-replica run (and the local one within 1e-5), with 1F1B, one
- *    microbatch (an idle replica), recompute and the NaN guard. */
+ *    microbatch (an idle replica), recompute and the NaN guard;
+ *  - hop digests (net/hopdigest.h): every stage reports with its GRAD_NORM
+ *    the digests of the step's hops it received and sent; the sender's
+ *    and the receiver's agree on every hop, two runs give the same ones,
+ *    stage 0's are those of what it was fed, and a hop whose bytes do not
+ *    match its digest is refused (NL_ERR_INTEGRITY);
+ *  - the lying stage of the test hook (NL_TEST_HOOKS builds): each kind
+ *    changes what it sends on some microbatches (its digests there differ
+ *    from the honest run's) while its neighbours still agree with it. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,6 +34,7 @@
 #include "../base/log.h"
 #include "../core/rng.h"
 #include "../core/train.h"
+#include "../net/hopdigest.h"
 #include "../net/wire.h"
 #include "../node/stage.h"
 #include "check.h"
@@ -58,6 +67,13 @@ typedef struct fifo {
 } fifo;
 
 static fifo stage_q[NST][Q_KINDS], coord_q;
+/* the test hook's lie (make_stages gives it to stage lie_stage) */
+static nl_stage_lie test_lie;
+static int lie_stage = -1;
+/* the digests each stage reported with its last GRAD_NORM, [M][4][32] */
+#define MAXM 8
+static uint8_t dig_got[NST][MAXM * NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES];
+static int dig_frames;
 static nl_stage *stages[NST];
 static int ctx_idx[NST];
 static nl_rng rng;      /* the order of deliveries */
@@ -160,7 +176,8 @@ static void make_stages(int nst, const int *bounds, int64_t inject_step, int inj
                            .send_wait_ms = 100,
                            .ckpt_root = "/nonexistent-root",
                            .inject_nan_step = inject_step,
-                           .inject_nan_stage = inject_stage};
+                           .inject_nan_stage = inject_stage,
+                           .lie = s == lie_stage ? test_lie : (nl_stage_lie){0}};
         CHECK_OK(nl_stage_new_replicas(&stages[s], rbe, replicas, NULL, &o, &err), &err);
         nl_msg_assign a = {.epoch = 1,
                            .node_id = 1,
@@ -244,6 +261,11 @@ static void read_reports(coord_step *cs, uint64_t step)
                   (unsigned long long)m.u.grad_norm.step);
             cs->sumsq += m.u.grad_norm.sumsq;
             cs->norms++;
+            if (m.nframes == 1 && m.u.grad_norm.stage < NST &&
+                m.frames[0].len <= sizeof dig_got[0]) {
+                memcpy(dig_got[m.u.grad_norm.stage], m.frames[0].t.data, m.frames[0].len);
+                dig_frames++;
+            }
         } else if (m.type == NL_MSG_LOSS && !m.u.loss.eval) {
             cs->ce = m.u.loss.ce_sum;
             cs->aux = m.u.loss.aux;
@@ -540,6 +562,180 @@ static void replicas_agree(int B, int T, int M, int steps, int64_t inject, bool 
            inject ? " (NaN injected)" : "", recompute ? " (recompute)" : "", replicas, worst);
 }
 
+/* ---- hop digests ---- */
+
+static const uint8_t *dig_at(const uint8_t *d, int mb, int kind)
+{
+    return d + ((size_t)mb * NL_DIGEST_KINDS + (size_t)kind) * NL_HOP_DIGEST_BYTES;
+}
+
+/* `steps` steps of a 3-stage job with M microbatches and the same batches
+ * every run; out gets each step's digests [steps][NST][sizeof dig_got[0]];
+ * the hops fed to stage 0 are digested here into fed [steps][M][32]. */
+static void digest_run(int steps, int M, uint8_t *out, uint8_t *fed)
+{
+    const int bounds[NST + 1] = {0, 1, 2, 3};
+    const int mbB = 2, T = 8, rows = mbB * T, B = mbB * M;
+    const uint64_t job = 77;
+    nl_rng_seed(&data_rng, 4321, 0);
+    make_stages(NST, bounds, 0, -1, 1);
+    begin_job(NST, job, mbB, T, M, 0, false);
+    int32_t *tok = malloc((size_t)B * T * sizeof *tok), *tgt = malloc((size_t)B * T * sizeof *tgt);
+    for (int step = 1; step <= steps && tok && tgt; step++) {
+        random_batch(tok, tgt, B * T);
+        for (int mb = 0; mb < M; mb++)
+            feed(job, NL_MSG_COUNT, (uint64_t)step, (uint32_t)mb, tok + mb * rows, NULL, mbB, T);
+        for (int mb = 0; mb < M; mb++) {
+            feed(job, NL_MSG_ACTIVATION, (uint64_t)step, (uint32_t)mb, tok + mb * rows,
+                 tgt + mb * rows, mbB, T);
+            nl_wire_msg m; /* the digest stage 0 must have recorded */
+            nl_wire_msg_init(&m);
+            nl_wire_msg_reset(&m, NL_MSG_ACTIVATION);
+            m.u.hop = (nl_msg_tensor_hop){job, (uint64_t)step, (uint32_t)mb, 0, 0, 0.0};
+            const int64_t sh[2] = {mbB, T};
+            nl_wire_frame_set(&m.frames[0], tok + mb * rows, NL_DTYPE_I32, sh, 2);
+            nl_wire_frame_set(&m.frames[1], tgt + mb * rows, NL_DTYPE_I32, sh, 2);
+            m.nframes = 2;
+            nl_hop_digest(fed + ((size_t)(step - 1) * M + mb) * NL_HOP_DIGEST_BYTES, &m, 0);
+            nl_wire_msg_free(&m);
+        }
+        pump(NST);
+        coord_step cs = {0};
+        dig_frames = 0;
+        read_reports(&cs, (uint64_t)step);
+        CHECK(cs.norms == NST && dig_frames == NST, "step %d: %d norms, %d with digests", step,
+              cs.norms, dig_frames);
+        memcpy(out + (size_t)(step - 1) * sizeof dig_got, dig_got, sizeof dig_got);
+        nl_wire_msg m;
+        nl_wire_msg_init(&m);
+        nl_wire_msg_reset(&m, NL_MSG_STEP);
+        m.u.step = (nl_msg_step){job, (uint64_t)step, true, 1.0, 3e-3};
+        for (int s = 0; s < NST; s++)
+            push(&stage_q[s][Q_CTL], &m);
+        nl_wire_msg_free(&m);
+    }
+    pump(NST);
+    free(tok);
+    free(tgt);
+    free_stages(NST);
+}
+
+/* The reports of one step agree: each hop's digest at its sender is the
+ * one at its receiver, those that exist are set and the others zero;
+ * stage 0's inputs are what was fed. */
+static void digests_agree(const uint8_t *d, const uint8_t *fed, int M, int step)
+{
+    static const uint8_t zero[NL_HOP_DIGEST_BYTES];
+    for (int mb = 0; mb < M; mb++) {
+        for (int s = 0; s < NST; s++) {
+            const uint8_t *g = d + (size_t)s * sizeof dig_got[0];
+            const bool first = s == 0, last = s == NST - 1;
+            CHECK(!nl_hop_digest_none(dig_at(g, mb, NL_DIGEST_FWD_IN)) &&
+                      nl_hop_digest_none(dig_at(g, mb, NL_DIGEST_FWD_OUT)) == last &&
+                      nl_hop_digest_none(dig_at(g, mb, NL_DIGEST_BWD_IN)) == last &&
+                      nl_hop_digest_none(dig_at(g, mb, NL_DIGEST_BWD_OUT)) == first,
+                  "step %d stage %d microbatch %d: digests missing or where no hop was", step, s,
+                  mb);
+            if (last)
+                continue;
+            const uint8_t *h = g + sizeof dig_got[0];
+            CHECK(memcmp(dig_at(g, mb, NL_DIGEST_FWD_OUT), dig_at(h, mb, NL_DIGEST_FWD_IN), 32) ==
+                          0 &&
+                      memcmp(dig_at(h, mb, NL_DIGEST_BWD_OUT), dig_at(g, mb, NL_DIGEST_BWD_IN),
+                             32) == 0,
+                  "step %d microbatch %d: stages %d and %d report other digests of their hops",
+                  step, mb, s, s + 1);
+        }
+        CHECK(memcmp(dig_at(d, mb, NL_DIGEST_FWD_IN), fed + (size_t)mb * 32, 32) == 0 &&
+                  memcmp(zero, fed + (size_t)mb * 32, 32) != 0,
+              "step %d microbatch %d: stage 0's input digest is not that of what it was fed", step,
+              mb);
+    }
+}
+
+static void digests(void)
+{
+    enum { STEPS = 3, M = 4 };
+    const size_t per = sizeof dig_got, fper = (size_t)M * NL_HOP_DIGEST_BYTES;
+    uint8_t *a = calloc(STEPS, per), *b = calloc(STEPS, per), *fa = calloc(STEPS, fper),
+            *fb = calloc(STEPS, fper);
+    if (!a || !b || !fa || !fb) {
+        CHECK(0, "out of memory");
+        goto out;
+    }
+    lie_stage = -1;
+    digest_run(STEPS, M, a, fa);
+    digest_run(STEPS, M, b, fb);
+    for (int st = 0; st < STEPS; st++)
+        digests_agree(a + st * per, fa + st * fper, M, st + 1);
+    CHECK(memcmp(a, b, STEPS * per) == 0, "two runs of the same steps report other digests");
+    /* a hop whose bytes are not those its digest was made over */
+    {
+        const int bounds[NST + 1] = {0, 1, 2, 3};
+        int32_t tok[16] = {0}, tgt[16] = {0};
+        char hex[NL_HOP_DIGEST_HEX + 1];
+        nl_error err;
+        make_stages(NST, bounds, 0, -1, 1);
+        begin_job(NST, 78, 2, 8, 1, 0, false);
+        nl_wire_msg m;
+        nl_wire_msg_init(&m);
+        nl_wire_msg_reset(&m, NL_MSG_ACTIVATION);
+        m.u.hop = (nl_msg_tensor_hop){78, 1, 0, 0, 0, 0.0};
+        const int64_t sh[2] = {2, 8};
+        nl_wire_frame_set(&m.frames[0], tok, NL_DTYPE_I32, sh, 2);
+        nl_wire_frame_set(&m.frames[1], tgt, NL_DTYPE_I32, sh, 2);
+        m.nframes = 2;
+        nl_hop_digest_set(&m, 0, hex, NULL);
+        tok[3] = 1;
+        CHECK(nl_stage_job_input(stages[0], &m, bus_send, &ctx_idx[0], &err) == NL_ERR_INTEGRITY,
+              "a hop that does not match its digest: %s", err.msg);
+        nl_wire_msg_free(&m);
+        free_stages(NST);
+    }
+#ifdef NL_TEST_HOOKS
+    /* each lie on stage 1: what it sends differs on some microbatches,
+     * its neighbours agree with it (the wire cannot tell: a recompute can) */
+    static const char *const kinds[] = {"bitflip", "noise", "stale", "skip", "backward"};
+    for (int k = 0; k < 5; k++) {
+        test_lie = (nl_stage_lie){(nl_lie_kind)nl_stage_lie_kind(kinds[k]), 0.5, 3};
+        lie_stage = 1;
+        digest_run(STEPS, M, b, fb);
+        int fwd_diff = 0, bwd_diff = 0;
+        for (int st = 0; st < STEPS; st++) {
+            digests_agree(b + st * per, fb + st * fper, M, st + 1);
+            const uint8_t *ha = a + st * per + sizeof dig_got[0],
+                          *hb = b + st * per + sizeof dig_got[0];
+            for (int mb = 0; mb < M; mb++) {
+                fwd_diff += memcmp(dig_at(ha, mb, NL_DIGEST_FWD_OUT),
+                                   dig_at(hb, mb, NL_DIGEST_FWD_OUT), 32) != 0;
+                bwd_diff += memcmp(dig_at(ha, mb, NL_DIGEST_BWD_OUT),
+                                   dig_at(hb, mb, NL_DIGEST_BWD_OUT), 32) != 0;
+            }
+        }
+        const bool backward = test_lie.kind == NL_LIE_BACKWARD;
+        /* step 1's forwards of a backward liar are honest */
+        int fwd1 = 0;
+        for (int mb = 0; mb < M; mb++)
+            fwd1 += memcmp(dig_at(a + sizeof dig_got[0], mb, NL_DIGEST_FWD_OUT),
+                           dig_at(b + sizeof dig_got[0], mb, NL_DIGEST_FWD_OUT), 32) != 0;
+        CHECK((backward ? bwd_diff : fwd_diff) > 0 && (!backward || fwd1 == 0),
+              "lie %s: %d forwards and %d backwards differ from the honest run (step 1's "
+              "forwards: %d)",
+              kinds[k], fwd_diff, bwd_diff, fwd1);
+        printf("lie %s at q=0.5: %d of %d forwards and %d backwards of stage 1 differ\n", kinds[k],
+               fwd_diff, STEPS * M, bwd_diff);
+    }
+    lie_stage = -1;
+#endif
+    printf("digests: %d steps of %d microbatches agree at both ends of every hop, run to run\n",
+           STEPS, M);
+out:
+    free(a);
+    free(b);
+    free(fa);
+    free(fb);
+}
+
 int main(void)
 {
     nl_error err;
@@ -568,6 +764,7 @@ int main(void)
         parity(8, 8, 4, 3, 0, true, 1, NULL, NULL);  /* per-layer recompute on every stage */
         parity(8, 8, 4, 4, 2, false, 1, NULL, NULL); /* the guard */
         refusals();
+        digests();
         replicas_agree(8, 8, 4, 5, 0, false, 2);
         replicas_agree(12, 8, 6, 4, 0, false, 3); /* uneven shares: 2, 2, 2 of 6; slots 3 of 3 */
         replicas_agree(8, 8, 4, 3, 0, true, 3);   /* 2, 1, 1 of 4 with recompute */
