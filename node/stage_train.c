@@ -109,6 +109,9 @@ void nl_stage_train_free(stage_train *t)
     nl_host_stage_free(&t->stage);
     nl_wire_msg_free(&t->tx);
     free(t->dig);
+    nl_stage_train_kept_free(t);
+    free(t->kept);
+    free(t->counts);
     free(t->lie_prev);
     free(t->probs);
     free(t->given);
@@ -303,7 +306,8 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg
     t->mbB = (int)mbB;
     t->T = (int)T;
     t->M = (int)M;
-    if (!(t->dig = calloc((size_t)M, NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES))) {
+    if (!(t->dig = calloc((size_t)M, NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES)) ||
+        !(t->kept = calloc((size_t)M, sizeof *t->kept))) {
         nl_stage_train_free(t);
         return nl_error_set(err, NL_ERR_NOMEM, "train job %lld: out of memory", job);
     }

@@ -118,6 +118,7 @@ rjob *nl_stage_train_job_get(stage_train *t, job_kind kind, int lane, nl_error *
 
 void nl_stage_train_job_put(stage_train *t, rjob *j)
 {
+    nl_stage_train_keep(t, j); /* this step's inputs, for verification */
     free(j->x);
     j->x = NULL;
     nl_stage_train_extra_free(&j->e);
@@ -216,6 +217,13 @@ static void use_counts(nl_stage *s, stage_train *t)
     for (int r = 0; r < t->R; r++)
         nl_trainer_use_counts(t->rep[r].tr, sum);
     t->counts_ready = true;
+    /* kept for verification (stage_verify.h): the step's shares come from them */
+    int64_t *keep = t->n_counts == n ? t->counts : realloc(t->counts, n * sizeof *keep);
+    if (keep) {
+        memcpy(keep, sum, n * sizeof *keep);
+        t->counts = keep;
+        t->n_counts = n;
+    }
 }
 
 /* A finished job, on the node's thread in the order of dispatch: its
@@ -304,6 +312,7 @@ static nl_status begin(nl_stage *s, stage_train *t, uint64_t step, uint64_t loss
     }
     t->begun = step;
     memset(t->dig, 0, (size_t)t->M * NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES);
+    nl_stage_train_kept_free(t);
     t->counted = t->fwd = t->bwd = 0;
     t->finished = 0;
     t->counts_ready = false;

@@ -34,6 +34,15 @@ typedef struct hop_in {
     uint8_t digest[NL_HOP_DIGEST_BYTES]; /* of the hop as it came (checked) */
 } hop_in;
 
+/* What the stage keeps of one microbatch of the step under way, for
+ * verification by recompute (stage_verify.h): its inputs. */
+typedef struct kept_mb {
+    void *x;     /* the forward's input (tokens or hidden states), owned */
+    hop_extra e; /* the frames that came with it */
+    float *dy;   /* the GRADIENT received (host, rows x d), owned */
+    bool fwd, bwd;
+} kept_mb;
+
 /* Bytes the queue of hops from the previous stage may hold (issue 15):
  * at least this, or a step's counting and training hops and 8 more. */
 #define QUEUE_MIN_BYTES (64ull << 20)
@@ -97,6 +106,9 @@ typedef struct stage_train {
      * zeroed when a step begins, sent with its GRAD_NORM */
     uint8_t *dig;
     char dig_hex[NL_HOP_DIGEST_HEX + 1]; /* the digest of the hop in tx */
+    kept_mb *kept;                       /* [M]: this step's inputs, until the next step begins */
+    int64_t *counts;                     /* the step's route counts, once summed (verification) */
+    size_t n_counts;
     float *lie_prev; /* test hook (stage_train_lie.c): the last step's outputs, and marks */
     hop_in *q;       /* FIFO ring of hops waiting to run */
     int qhead, qlen, qcap;
@@ -125,6 +137,12 @@ static inline uint8_t *nl_stage_train_dig(stage_train *t, uint32_t mb, int kind)
 {
     return t->dig + ((size_t)mb * NL_DIGEST_KINDS + (size_t)kind) * NL_HOP_DIGEST_BYTES;
 }
+
+/* Keep a finished forward's or backward's inputs of this step (taking
+ * j->x and j->e), or free them (verification, stage_verify.h). */
+void nl_stage_train_keep(stage_train *t, rjob *j);
+/* Free what is kept of the step (a new one begins). */
+void nl_stage_train_kept_free(stage_train *t);
 
 /* ---- stage_train_lie.c: a test hook (test builds only) ---- */
 

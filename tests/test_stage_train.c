@@ -37,6 +37,7 @@
 #include "../net/hopdigest.h"
 #include "../net/wire.h"
 #include "../node/stage.h"
+#include "../node/stage_verify.h"
 #include "check.h"
 
 #define SEED 99
@@ -71,11 +72,42 @@ static fifo stage_q[NST][Q_KINDS], coord_q;
 static nl_stage_lie test_lie;
 static int lie_stage = -1;
 /* the digests each stage reported with its last GRAD_NORM, [M][4][32] */
-#define MAXM 8
+#define MAXM 4
 static uint8_t dig_got[NST][MAXM * NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES];
 static int dig_frames;
 static nl_stage *stages[NST];
 static int ctx_idx[NST];
+/* verification by recompute in digest_run (on rbe[1]): every (stage,
+ * microbatch) of every step redone and compared with the stage's report */
+static bool verify_on;
+static int verified, mismatched[NST], mismatch_fwd[NST], mismatch_bwd[NST];
+
+/* Redo every microbatch of every stage of the step that has just been
+ * reported (the stages are between GRAD_NORM and STEP). */
+static void verify_step(uint64_t job, uint64_t step, int M)
+{
+    for (int s = 0; s < NST; s++)
+        for (int mb = 0; mb < M; mb++) {
+            nl_verify_case c;
+            nl_error err;
+            uint8_t fwd[NL_HOP_DIGEST_BYTES], bwd[NL_HOP_DIGEST_BYTES];
+            nl_status st = nl_stage_verify_case(stages[s], job, step, (uint32_t)mb, &c, &err);
+            if (st == NL_OK)
+                st = nl_verify_recompute(rbe[1], &c, fwd, bwd, &err);
+            nl_verify_case_free(&c);
+            CHECK_OK(st, &err);
+            if (st != NL_OK)
+                continue;
+            const uint8_t *g = dig_got[s] + (size_t)mb * NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES;
+            const int f = memcmp(fwd, g + NL_DIGEST_FWD_OUT * NL_HOP_DIGEST_BYTES, 32) != 0;
+            const int b = memcmp(bwd, g + NL_DIGEST_BWD_OUT * NL_HOP_DIGEST_BYTES, 32) != 0;
+            verified++;
+            mismatched[s] += f || b;
+            mismatch_fwd[s] += f;
+            mismatch_bwd[s] += b;
+        }
+}
+
 static nl_rng rng;      /* the order of deliveries */
 static nl_rng data_rng; /* the batches: the same for every run of parity() */
 
@@ -606,6 +638,8 @@ static void digest_run(int steps, int M, uint8_t *out, uint8_t *fed)
         CHECK(cs.norms == NST && dig_frames == NST, "step %d: %d norms, %d with digests", step,
               cs.norms, dig_frames);
         memcpy(out + (size_t)(step - 1) * sizeof dig_got, dig_got, sizeof dig_got);
+        if (verify_on)
+            verify_step(job, (uint64_t)step, M);
         nl_wire_msg m;
         nl_wire_msg_init(&m);
         nl_wire_msg_reset(&m, NL_MSG_STEP);
@@ -736,6 +770,51 @@ out:
     free(fb);
 }
 
+/* Verification by recompute (stage_verify.h): every microbatch of every
+ * stage redone on another backend from the stage's kept inputs and its
+ * weights at the step's start gives the digests the stage reported, for
+ * an honest pipeline (no stage ever accused: a digest over padding or
+ * uninitialised bytes would differ); with a lying stage 1, exactly it is
+ * accused (its neighbours compute honestly on what they got), in the
+ * direction it lies. */
+static void recompute(void)
+{
+    enum { STEPS = 3, HONEST = 17, M = 4 }; /* 17 x 4 x 3 = 204 redone when honest */
+    uint8_t *a = calloc(HONEST, sizeof dig_got), *fa = calloc(HONEST, (size_t)M * 32);
+    verify_on = true;
+    lie_stage = -1;
+    verified = 0;
+    memset(mismatched, 0, sizeof mismatched);
+    if (a && fa)
+        digest_run(HONEST, M, a, fa);
+    CHECK(verified == HONEST * M * NST && !mismatched[0] && !mismatched[1] && !mismatched[2],
+          "honest: %d redone, accused %d %d %d", verified, mismatched[0], mismatched[1],
+          mismatched[2]);
+    printf("recompute: %d honest (stage, microbatch) redone, none accused\n", verified);
+#ifdef NL_TEST_HOOKS
+    static const char *const kinds[] = {"bitflip", "noise", "stale", "skip", "backward"};
+    for (int k = 0; k < 5 && a && fa; k++) {
+        test_lie = (nl_stage_lie){(nl_lie_kind)nl_stage_lie_kind(kinds[k]), 0.5, 3};
+        lie_stage = 1;
+        memset(mismatched, 0, sizeof mismatched);
+        memset(mismatch_fwd, 0, sizeof mismatch_fwd);
+        memset(mismatch_bwd, 0, sizeof mismatch_bwd);
+        digest_run(STEPS, M, a, fa);
+        const bool backward = test_lie.kind == NL_LIE_BACKWARD;
+        CHECK(mismatched[1] > 0 && !mismatched[0] && !mismatched[2] &&
+                  (backward ? mismatch_fwd[1] == 0 : mismatch_bwd[1] == 0),
+              "lie %s on stage 1: accused %d %d %d (stage 1: %d forwards, %d backwards)", kinds[k],
+              mismatched[0], mismatched[1], mismatched[2], mismatch_fwd[1], mismatch_bwd[1]);
+        printf("recompute: lie %s on stage 1 caught on %d of %d microbatches\n", kinds[k],
+               mismatched[1], STEPS * M);
+    }
+    lie_stage = -1;
+#endif
+    verify_on = false;
+    free(a);
+    free(fa);
+}
+
 int main(void)
 {
     nl_error err;
@@ -765,6 +844,7 @@ int main(void)
         parity(8, 8, 4, 4, 2, false, 1, NULL, NULL); /* the guard */
         refusals();
         digests();
+        recompute();
         replicas_agree(8, 8, 4, 5, 0, false, 2);
         replicas_agree(12, 8, 6, 4, 0, false, 3); /* uneven shares: 2, 2, 2 of 6; slots 3 of 3 */
         replicas_agree(8, 8, 4, 3, 0, true, 3);   /* 2, 1, 1 of 4 with recompute */
