@@ -21,6 +21,7 @@
 #include "../net/transport.h"
 #include "node_impl.h"
 #include "stage.h"
+#include "stage_verify.h"
 
 #define ACCEPT_WAIT_MS 10000 /* for the answer to JOIN */
 #define MAX_DRAIN 64         /* messages per socket per turn, so heartbeats keep time */
@@ -400,6 +401,20 @@ static void accepted_again(node *n, const nl_msg_accept *a)
 
 /* ===================== dispatch ===================== */
 
+/* A VERIFY_CASE: this node redoes another stage's microbatch on its first
+ * device (node/stage_verify.h) and answers VERIFY_RESULT. */
+static void verify(node *n, const nl_wire_msg *m)
+{
+    char hex[2][NL_HOP_DIGEST_HEX + 1];
+    nl_error e;
+    nl_status st = nl_verify_answer(n->stage, m, &n->tx, hex, &e);
+    if (st != NL_OK) {
+        nl_node_send_error(n, st, NL_MSG_VERIFY_CASE, "%s", e.msg);
+        return;
+    }
+    nl_node_send_ctl(n, "VERIFY_RESULT");
+}
+
 static void on_control(node *n)
 {
     const nl_wire_msg *m = &n->rx.msg;
@@ -424,7 +439,11 @@ static void on_control(node *n)
         break;
     case NL_MSG_STEP:
     case NL_MSG_CKPT_REQ:
+    case NL_MSG_VERIFY_REQ:
         nl_node_handle_train(n, m);
+        break;
+    case NL_MSG_VERIFY_CASE:
+        verify(n, m);
         break;
     case NL_MSG_JOB_SUBMIT:
         nl_node_handle_job_submit(n, &m->u.job_submit);

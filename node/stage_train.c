@@ -645,6 +645,7 @@ bool nl_stage_train_takes(const nl_wire_msg *m)
     case NL_MSG_GRADIENT:
     case NL_MSG_STEP:
     case NL_MSG_CKPT_REQ:
+    case NL_MSG_VERIFY_REQ:
         return true;
     case NL_MSG_ACTIVATION:
         return m->u.hop.step != 0; /* step 0: an inference hop */
@@ -675,6 +676,9 @@ nl_status nl_stage_train_input(nl_stage *s, stage_train *t, const nl_wire_msg *m
         break;
     case NL_MSG_CKPT_REQ:
         st = on_ckpt(s, t, &m->u.ckpt_req, send, ctx, err);
+        break;
+    case NL_MSG_VERIFY_REQ: /* stage_verify.c */
+        st = nl_stage_train_verify_req(s, t, &m->u.verify_req, send, ctx, err);
         break;
     default:
         return nl_error_set(err, NL_ERR_UNSUPPORTED, "%s is not a training message",

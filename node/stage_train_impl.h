@@ -143,6 +143,10 @@ static inline uint8_t *nl_stage_train_dig(stage_train *t, uint32_t mb, int kind)
 void nl_stage_train_keep(stage_train *t, rjob *j);
 /* Free what is kept of the step (a new one begins). */
 void nl_stage_train_kept_free(stage_train *t);
+/* VERIFY_REQ: the case of the microbatch asked for, as a VERIFY_CASE to
+ * the coordinator. */
+nl_status nl_stage_train_verify_req(nl_stage *s, stage_train *t, const nl_msg_verify_req *r,
+                                    nl_stage_send_fn send, void *ctx, nl_error *err);
 
 /* ---- stage_train_lie.c: a test hook (test builds only) ---- */
 

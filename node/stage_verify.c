@@ -206,3 +206,135 @@ done:
                         (unsigned long long)c->job, (unsigned long long)c->step, c->mb, c->stage);
     return st;
 }
+
+/* ===================== on the wire ===================== */
+
+nl_status nl_stage_train_verify_req(nl_stage *s, stage_train *t, const nl_msg_verify_req *r,
+                                    nl_stage_send_fn send, void *ctx, nl_error *err)
+{
+    nl_verify_case c;
+    nl_status st = nl_stage_verify_case(s, r->job_id, r->step, r->microbatch, &c, err);
+    if (st != NL_OK)
+        return st;
+    const size_t d = (size_t)c.cfg->hidden_dim;
+    const int64_t ws[1] = {(int64_t)c.n_weights}, ts[2] = {c.mbB, c.T},
+                  xs[3] = {c.mbB, c.T, (int64_t)d}, cs[2] = {c.l1 - c.l0, c.cfg->num_experts},
+                  bs[1] = {c.mbB};
+    nl_wire_msg *m = &t->tx;
+    nl_wire_msg_reset(m, NL_MSG_VERIFY_CASE);
+    const uint32_t extras = (c.targets ? NL_HOP_TARGETS : 0u) | (c.docs ? NL_HOP_DOCS : 0u) |
+                            (c.labels ? NL_HOP_LABELS : 0u) | (c.lengths ? NL_HOP_LENGTHS : 0u);
+    m->u.verify_case = (nl_msg_verify_case){
+        c.job,          c.step,      c.mb,       c.stage,          (uint32_t)c.l0,
+        (uint32_t)c.l1, c.has_embed, c.has_head, (uint32_t)c.mbB,  (uint32_t)c.T,
+        (uint32_t)c.M,  c.loss_rows, extras,     c.counts != NULL, ""};
+    int f = 0;
+    nl_wire_frame_set(&m->frames[f++], c.weights, NL_DTYPE_F32, ws, 1); /* copied by the send */
+    if (c.has_embed)
+        nl_wire_frame_set(&m->frames[f++], c.x, NL_DTYPE_I32, ts, 2);
+    else
+        nl_wire_frame_set(&m->frames[f++], c.x, NL_DTYPE_F32, xs, 3);
+    if (!c.has_head)
+        nl_wire_frame_set(&m->frames[f++], c.dy, NL_DTYPE_F32, xs, 3);
+    if (c.counts)
+        nl_wire_frame_set(&m->frames[f++], c.counts, NL_DTYPE_I64, cs, 2);
+    const int32_t *ex[4] = {c.targets, c.docs, c.labels, c.lengths};
+    for (int i = 0; i < 4; i++)
+        if (ex[i])
+            nl_wire_frame_set(&m->frames[f++], ex[i], NL_DTYPE_I32, i < 2 ? ts : bs, i < 2 ? 2 : 1);
+    m->nframes = f;
+    st = send(ctx, NL_STAGE_TO_COORD, m, err);
+    nl_verify_case_free(&c);
+    return st;
+}
+
+/* The case a VERIFY_CASE describes, checked against its config: cfg is
+ * filled from config_json; the pointers are into m's frames (the weights
+ * are copied: frames need not be aligned). */
+static nl_status case_of(const nl_wire_msg *m, nl_config *cfg, nl_verify_case *c, nl_error *err)
+{
+    const nl_msg_verify_case *v = &m->u.verify_case;
+    *c = (nl_verify_case){0};
+    nl_status st = nl_config_from_json(cfg, v->config_json, err);
+    if (st == NL_OK)
+        st = nl_config_validate(cfg, 1, err);
+    if (st != NL_OK)
+        return nl_error_prefix(err, "VERIFY_CASE config_json");
+    const int64_t B = v->batch, T = v->seq, d = cfg->hidden_dim;
+    if (v->layer1 > (uint32_t)cfg->num_layers || v->microbatch >= v->microbatches)
+        return nl_error_set(err, NL_ERR_RANGE,
+                            "VERIFY_CASE: layers [%u, %u) of %d, microbatch %u of %u", v->layer0,
+                            v->layer1, cfg->num_layers, v->microbatch, v->microbatches);
+    int f = 1;
+    const nl_tensor *x = &m->frames[f++].t, *dy = v->has_head ? NULL : &m->frames[f++].t;
+    const nl_tensor *cn = v->counts ? &m->frames[f++].t : NULL;
+    bool ok = x->shape[0] == B && x->shape[1] == T && (v->has_embed || x->shape[2] == d);
+    ok = ok && (!dy || (dy->shape[0] == B && dy->shape[1] == T && dy->shape[2] == d));
+    ok = ok && (!cn || (cn->shape[0] == (int64_t)(v->layer1 - v->layer0) &&
+                        cn->shape[1] == cfg->num_experts));
+    const int32_t **ex[4] = {&c->targets, &c->docs, &c->labels, &c->lengths};
+    for (int i = 0; i < 4; i++) {
+        if (!(v->extras & (1u << i)))
+            continue;
+        const nl_tensor *e = &m->frames[f++].t;
+        ok = ok && e->shape[0] == B && (i >= 2 || e->shape[1] == T);
+        *ex[i] = e->data;
+    }
+    if (!ok)
+        return nl_error_set(err, NL_ERR_SHAPE,
+                            "VERIFY_CASE: a frame does not fit microbatches of %lld x %lld with "
+                            "hidden size %lld",
+                            (long long)B, (long long)T, (long long)d);
+    *c = (nl_verify_case){.cfg = cfg,
+                          .l0 = (int)v->layer0,
+                          .l1 = (int)v->layer1,
+                          .has_embed = v->has_embed,
+                          .has_head = v->has_head,
+                          .stage = v->stage,
+                          .job = v->job_id,
+                          .step = v->step,
+                          .mb = v->microbatch,
+                          .mbB = (int)B,
+                          .T = (int)T,
+                          .M = (int)v->microbatches,
+                          .n_weights = (size_t)m->frames[0].t.shape[0],
+                          .x = x->data,
+                          .targets = c->targets,
+                          .docs = c->docs,
+                          .labels = c->labels,
+                          .lengths = c->lengths,
+                          .loss_rows = v->loss_rows,
+                          .dy = dy ? dy->data : NULL,
+                          .counts = cn ? cn->data : NULL};
+    if (!(c->weights = malloc(m->frames[0].len ? m->frames[0].len : 1)))
+        return nl_error_set(err, NL_ERR_NOMEM, "VERIFY_CASE: out of memory for the weights");
+    memcpy(c->weights, m->frames[0].t.data, m->frames[0].len);
+    return NL_OK;
+}
+
+nl_status nl_verify_answer(nl_stage *s, const nl_wire_msg *m, nl_wire_msg *out,
+                           char hex[2][NL_HOP_DIGEST_HEX + 1], nl_error *err)
+{
+    nl_backend *be = s->be;
+    nl_stage_train_quiesce(s);
+    nl_config cfg;
+    nl_verify_case c;
+    uint8_t fwd[NL_HOP_DIGEST_BYTES], bwd[NL_HOP_DIGEST_BYTES];
+    nl_status st = case_of(m, &cfg, &c, err);
+    if (st == NL_OK)
+        st = nl_verify_recompute(be, &c, fwd, bwd, err);
+    nl_verify_case_free(&c);
+    if (st != NL_OK)
+        return st;
+    const nl_msg_verify_case *v = &m->u.verify_case;
+    nl_hop_digest_hex(hex[0], fwd);
+    nl_hop_digest_hex(hex[1], bwd);
+    nl_wire_msg_reset(out, NL_MSG_VERIFY_RESULT);
+    out->u.verify_result = (nl_msg_verify_result){v->job_id,
+                                                  v->step,
+                                                  v->microbatch,
+                                                  v->stage,
+                                                  v->has_head ? "" : hex[0],
+                                                  v->has_embed ? "" : hex[1]};
+    return NL_OK;
+}

@@ -59,4 +59,11 @@ nl_status nl_verify_recompute(nl_backend *be, const nl_verify_case *c,
                               uint8_t fwd[NL_HOP_DIGEST_BYTES], uint8_t bwd[NL_HOP_DIGEST_BYTES],
                               nl_error *err);
 
+/* A verifier's answer to a VERIFY_CASE (docs/protocol.md): the case
+ * checked against its config, redone on the device of stage s (replica
+ * 0's; the stage's own training lanes wait, idle, meanwhile), and out
+ * made the VERIFY_RESULT (its digests in hex, owned by the caller). */
+nl_status nl_verify_answer(nl_stage *s, const nl_wire_msg *m, nl_wire_msg *out,
+                           char hex[2][NL_HOP_DIGEST_HEX + 1], nl_error *err);
+
 #endif

@@ -25,7 +25,14 @@
  *    match its digest is refused (NL_ERR_INTEGRITY);
  *  - the lying stage of the test hook (NL_TEST_HOOKS builds): each kind
  *    changes what it sends on some microbatches (its digests there differ
- *    from the honest run's) while its neighbours still agree with it. */
+ *    from the honest run's) while its neighbours still agree with it;
+ *  - verification by recompute (node/stage_verify.h): every (stage,
+ *    microbatch) of 17 honest steps redone on another backend from the
+ *    stage's kept inputs and weights gives the digests it reported (204,
+ *    none accused), and one per stage and step over the wire (VERIFY_REQ,
+ *    VERIFY_CASE through the codec, a verifier stage without a model,
+ *    VERIFY_RESULT); each kind of lie on stage 1 is accused there and an
+ *    honest stage never. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -77,36 +84,6 @@ static uint8_t dig_got[NST][MAXM * NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES];
 static int dig_frames;
 static nl_stage *stages[NST];
 static int ctx_idx[NST];
-/* verification by recompute in digest_run (on rbe[1]): every (stage,
- * microbatch) of every step redone and compared with the stage's report */
-static bool verify_on;
-static int verified, mismatched[NST], mismatch_fwd[NST], mismatch_bwd[NST];
-
-/* Redo every microbatch of every stage of the step that has just been
- * reported (the stages are between GRAD_NORM and STEP). */
-static void verify_step(uint64_t job, uint64_t step, int M)
-{
-    for (int s = 0; s < NST; s++)
-        for (int mb = 0; mb < M; mb++) {
-            nl_verify_case c;
-            nl_error err;
-            uint8_t fwd[NL_HOP_DIGEST_BYTES], bwd[NL_HOP_DIGEST_BYTES];
-            nl_status st = nl_stage_verify_case(stages[s], job, step, (uint32_t)mb, &c, &err);
-            if (st == NL_OK)
-                st = nl_verify_recompute(rbe[1], &c, fwd, bwd, &err);
-            nl_verify_case_free(&c);
-            CHECK_OK(st, &err);
-            if (st != NL_OK)
-                continue;
-            const uint8_t *g = dig_got[s] + (size_t)mb * NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES;
-            const int f = memcmp(fwd, g + NL_DIGEST_FWD_OUT * NL_HOP_DIGEST_BYTES, 32) != 0;
-            const int b = memcmp(bwd, g + NL_DIGEST_BWD_OUT * NL_HOP_DIGEST_BYTES, 32) != 0;
-            verified++;
-            mismatched[s] += f || b;
-            mismatch_fwd[s] += f;
-            mismatch_bwd[s] += b;
-        }
-}
 
 static nl_rng rng;      /* the order of deliveries */
 static nl_rng data_rng; /* the batches: the same for every run of parity() */
@@ -167,6 +144,82 @@ static nl_status bus_send(void *ctx, nl_stage_dest to, nl_wire_msg *m, nl_error 
     else
         return nl_error_set(err, NL_ERR_STATE, "stage %d has no such neighbour", s);
     return NL_OK;
+}
+
+/* verification by recompute in digest_run (on rbe[1]): every (stage,
+ * microbatch) of every step redone and compared with the stage's report */
+static bool verify_on;
+static int verified, mismatched[NST], mismatch_fwd[NST], mismatch_bwd[NST];
+/* ... and one microbatch of each stage a step over the wire: VERIFY_REQ to
+ * the stage, its VERIFY_CASE (through the codec) to a verifier stage
+ * holding no model, whose VERIFY_RESULT must match the stage's report */
+static nl_stage *verifier;
+static int wire_verified, wire_mismatched[NST];
+
+/* Redo every microbatch of every stage of the step that has just been
+ * reported (the stages are between GRAD_NORM and STEP). */
+static void verify_step(uint64_t job, uint64_t step, int M)
+{
+    for (int s = 0; s < NST; s++)
+        for (int mb = 0; mb < M; mb++) {
+            nl_verify_case c;
+            nl_error err;
+            uint8_t fwd[NL_HOP_DIGEST_BYTES], bwd[NL_HOP_DIGEST_BYTES];
+            nl_status st = nl_stage_verify_case(stages[s], job, step, (uint32_t)mb, &c, &err);
+            if (st == NL_OK)
+                st = nl_verify_recompute(rbe[1], &c, fwd, bwd, &err);
+            nl_verify_case_free(&c);
+            CHECK_OK(st, &err);
+            if (st != NL_OK)
+                continue;
+            const uint8_t *g = dig_got[s] + (size_t)mb * NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES;
+            const int f = memcmp(fwd, g + NL_DIGEST_FWD_OUT * NL_HOP_DIGEST_BYTES, 32) != 0;
+            const int b = memcmp(bwd, g + NL_DIGEST_BWD_OUT * NL_HOP_DIGEST_BYTES, 32) != 0;
+            verified++;
+            mismatched[s] += f || b;
+            mismatch_fwd[s] += f;
+            mismatch_bwd[s] += b;
+        }
+}
+
+static void verify_wire(uint64_t job, uint64_t step, int M)
+{
+    nl_wire_msg m, out;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_init(&out);
+    for (int s = 0; s < NST; s++) {
+        nl_error err;
+        const uint32_t mb = (uint32_t)((step + (uint64_t)s) % (uint64_t)M);
+        nl_wire_msg_reset(&m, NL_MSG_VERIFY_REQ);
+        m.u.verify_req = (nl_msg_verify_req){job, step, mb};
+        CHECK_OK(nl_stage_job_input(stages[s], &m, bus_send, &ctx_idx[s], &err), &err);
+        packet p;
+        if (!pop(&coord_q, &m, &p) || m.type != NL_MSG_VERIFY_CASE) {
+            CHECK(0, "stage %d: no VERIFY_CASE", s);
+            continue;
+        }
+        CHECK(m.u.verify_case.stage == (uint32_t)s && m.u.verify_case.microbatch == mb &&
+                  m.u.verify_case.config_json[0] == '\0',
+              "stage %d: VERIFY_CASE of stage %u microbatch %u", s, m.u.verify_case.stage,
+              m.u.verify_case.microbatch);
+        m.u.verify_case.config_json = cfg_json; /* the coordinator's part */
+        char hex[2][NL_HOP_DIGEST_HEX + 1], want[2][NL_HOP_DIGEST_HEX + 1];
+        nl_status st = nl_verify_answer(verifier, &m, &out, hex, &err);
+        CHECK_OK(st, &err);
+        packet_free(&p);
+        if (st != NL_OK)
+            continue;
+        const uint8_t *g = dig_got[s] + (size_t)mb * NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES;
+        nl_hop_digest_hex(want[0], g + NL_DIGEST_FWD_OUT * NL_HOP_DIGEST_BYTES);
+        nl_hop_digest_hex(want[1], g + NL_DIGEST_BWD_OUT * NL_HOP_DIGEST_BYTES);
+        const nl_msg_verify_result *r = &out.u.verify_result;
+        const bool ok = (s == NST - 1 ? !r->fwd[0] : strcmp(r->fwd, want[0]) == 0) &&
+                        (s == 0 ? !r->bwd[0] : strcmp(r->bwd, want[1]) == 0);
+        wire_verified++;
+        wire_mismatched[s] += !ok;
+    }
+    nl_wire_msg_free(&m);
+    nl_wire_msg_free(&out);
 }
 
 /* Deliver queued messages to the stages, from a randomly chosen non-empty
@@ -638,8 +691,10 @@ static void digest_run(int steps, int M, uint8_t *out, uint8_t *fed)
         CHECK(cs.norms == NST && dig_frames == NST, "step %d: %d norms, %d with digests", step,
               cs.norms, dig_frames);
         memcpy(out + (size_t)(step - 1) * sizeof dig_got, dig_got, sizeof dig_got);
-        if (verify_on)
+        if (verify_on) {
             verify_step(job, (uint64_t)step, M);
+            verify_wire(job, (uint64_t)step, M);
+        }
         nl_wire_msg m;
         nl_wire_msg_init(&m);
         nl_wire_msg_reset(&m, NL_MSG_STEP);
@@ -781,12 +836,20 @@ static void recompute(void)
 {
     enum { STEPS = 3, HONEST = 17, M = 4 }; /* 17 x 4 x 3 = 204 redone when honest */
     uint8_t *a = calloc(HONEST, sizeof dig_got), *fa = calloc(HONEST, (size_t)M * 32);
-    verify_on = true;
+    nl_error err;
+    nl_stage_opts vo = {.memory_bytes = 1ULL << 30, .kv_budget = 1 << 20, .send_wait_ms = 100};
+    CHECK_OK(nl_stage_new(&verifier, rbe[1], &vo, &err), &err);
+    verify_on = verifier != NULL;
     lie_stage = -1;
-    verified = 0;
+    verified = wire_verified = 0;
     memset(mismatched, 0, sizeof mismatched);
+    memset(wire_mismatched, 0, sizeof wire_mismatched);
     if (a && fa)
         digest_run(HONEST, M, a, fa);
+    CHECK(wire_verified == HONEST * NST && !wire_mismatched[0] && !wire_mismatched[1] &&
+              !wire_mismatched[2],
+          "honest over the wire: %d verified, accused %d %d %d", wire_verified, wire_mismatched[0],
+          wire_mismatched[1], wire_mismatched[2]);
     CHECK(verified == HONEST * M * NST && !mismatched[0] && !mismatched[1] && !mismatched[2],
           "honest: %d redone, accused %d %d %d", verified, mismatched[0], mismatched[1],
           mismatched[2]);
@@ -799,7 +862,11 @@ static void recompute(void)
         memset(mismatched, 0, sizeof mismatched);
         memset(mismatch_fwd, 0, sizeof mismatch_fwd);
         memset(mismatch_bwd, 0, sizeof mismatch_bwd);
+        memset(wire_mismatched, 0, sizeof wire_mismatched);
         digest_run(STEPS, M, a, fa);
+        CHECK(!wire_mismatched[0] && !wire_mismatched[2],
+              "lie %s on stage 1: an honest stage accused over the wire (%d, %d)", kinds[k],
+              wire_mismatched[0], wire_mismatched[2]);
         const bool backward = test_lie.kind == NL_LIE_BACKWARD;
         CHECK(mismatched[1] > 0 && !mismatched[0] && !mismatched[2] &&
                   (backward ? mismatch_fwd[1] == 0 : mismatch_bwd[1] == 0),
@@ -811,6 +878,7 @@ static void recompute(void)
     lie_stage = -1;
 #endif
     verify_on = false;
+    nl_stage_destroy(&verifier);
     free(a);
     free(fa);
 }
