@@ -6,6 +6,7 @@
 #include "coord_impl.h"
 
 #include <errno.h>
+#include <sodium.h>
 #include <limits.h>
 #include <math.h>
 #include <stdarg.h>
@@ -33,6 +34,7 @@ void nl_coord_opts_init(nl_coord_opts *o)
     o->job_timeout_ms = 120000;
     o->gen_resumes = 2;
     o->train_resumes = 3;
+    o->verify_rate = 0.05; /* docs/security.md: within 5% of tokens/s */
     o->plan_rows = 512;
     o->replan_margin = 0.1;
     o->max_data_bytes = 1ull << 30;
@@ -167,6 +169,7 @@ static nl_status setup_sockets(nl_coord *c, nl_error *err)
     nl_status st = nl_keys_ensure(c->o.state_dir, &c->keys, &created, err);
     if (st != NL_OK)
         return st;
+    randombytes_buf(c->verify_key, sizeof c->verify_key); /* libsodium is up: the keys are */
     if (created)
         NL_INFO("created %s/coordinator.key and coordinator.pub", c->o.state_dir);
     snprintf(path, sizeof path, "%s/authorized_keys", c->o.state_dir);
@@ -271,6 +274,7 @@ void nl_coord_destroy(nl_coord **cp)
     free(c->init_seed);
     free(c->growth);
     nl_keys_wipe(&c->keys);
+    sodium_memzero(c->verify_key, sizeof c->verify_key);
     free(c);
     *cp = NULL;
 }
@@ -367,6 +371,8 @@ void coord_dispatch(nl_coord *c, const nl_rx *rx, int roles)
     case NL_MSG_GRAD_NORM:
     case NL_MSG_LOSS:
     case NL_MSG_CKPT_DONE:
+    case NL_MSG_VERIFY_CASE:
+    case NL_MSG_VERIFY_RESULT:
         coord_on_job_message(c, rx);
         break;
     case NL_MSG_JOB_SUBMIT:

@@ -282,6 +282,8 @@ static void on_report(void *ctx, uint64_t job, int state, const char *msg, const
         h->train_loss = json_is_number(loss) ? json_number_value(loss) : NAN;
         h->train_tps = json_number_value(json_object_get(o, "tokens_per_s"));
         h->train_dig_mismatches = json_integer_value(json_object_get(o, "digest_mismatches"));
+        h->train_verified = json_integer_value(json_object_get(o, "verified"));
+        h->train_verify_mismatches = json_integer_value(json_object_get(o, "verify_mismatches"));
         if (json_is_number(eval))
             h->eval_loss = json_number_value(eval);
         pthread_mutex_unlock(&h->mu);

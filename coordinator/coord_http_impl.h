@@ -52,6 +52,7 @@ struct nl_coord_http {
     int64_t train_step;
     double train_loss, eval_loss, train_tps;
     int64_t train_dig_mismatches; /* the job's hops with disagreeing digests */
+    int64_t train_verified, train_verify_mismatches; /* redone by a verifier; found wrong */
     /* the poller's own: what the last status showed */
     seen_node seen[MAX_NODES];
     int nseen;

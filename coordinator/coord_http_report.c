@@ -210,6 +210,13 @@ char *coord_http_metrics(void *ctx)
              "The training job's hops whose sender and receiver report different digests.");
         put(&s, &n, &cap, "neurollm_train_digest_mismatches %lld\n",
             (long long)h->train_dig_mismatches);
+        HELP("neurollm_train_verified", "gauge",
+             "The training job's (stage, microbatch)s redone by a verifier (--verify-rate).");
+        put(&s, &n, &cap, "neurollm_train_verified %lld\n", (long long)h->train_verified);
+        HELP("neurollm_train_verify_mismatches", "gauge",
+             "Of those, the ones whose recompute gave other digests than the stage sent.");
+        put(&s, &n, &cap, "neurollm_train_verify_mismatches %lld\n",
+            (long long)h->train_verify_mismatches);
         if (!isnan(h->eval_loss)) {
             HELP("neurollm_train_eval_loss", "gauge", "The last held-out loss.");
             put(&s, &n, &cap, "neurollm_train_eval_loss %.9g\n", h->eval_loss);

@@ -194,6 +194,7 @@ struct nl_coord {
     nl_sock *cli;  /* the clients' socket (--client-listen; control-sized) */
     nl_sock *from; /* the socket of the message being handled (NULL: by its type) */
     nl_keypair keys;
+    uint8_t verify_key[32]; /* draws what --verify-rate checks: made at the start, never sent */
     char endpoint[256], client_endpoint[256];
     nl_coord_observer observe; /* nl_coord_observe, or NULL */
     void *observe_ctx;

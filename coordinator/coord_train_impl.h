@@ -84,6 +84,10 @@ typedef struct ctrain {
     uint8_t *dig;
     int dig_stages;
     int64_t dig_mismatches; /* hops whose sender and receiver disagree, in all */
+    /* verification by recompute (coord_train_verify.c): those under way,
+     * and (stage, microbatch)s drawn, redone and found wrong so far */
+    struct cverify *ver;
+    int64_t verify_sampled, verify_done, verify_mismatches;
     double sumsq, ce, aux, t_step, step_s;
     nl_step_result r;
     double lr_now, eval_loss;
@@ -110,6 +114,15 @@ static inline char *coord_train_dup(const char *s, int *oom)
     *oom |= s && !d;
     return d;
 }
+
+/* ---------------------------------------------------------------- coord_train_verify.c */
+
+/* The step's reports are in and its STEP is about to go: VERIFY_REQ to the
+ * stages of the (stage, microbatch)s drawn (--verify-rate). */
+void coord_train_verify_sample(nl_coord *c, cjob *j);
+/* A VERIFY_CASE (on to a verifier) or VERIFY_RESULT (compared). */
+void coord_train_verify_msg(nl_coord *c, cjob *j, const nl_rx *rx);
+void coord_train_verify_free(ctrain *t);
 
 /* ---------------------------------------------------------------- coord_train.c */
 

@@ -227,6 +227,10 @@ int coord_train_stage_report(nl_coord *c, cjob *j, const nl_rx *rx, int awaits, 
         return on_loss(&r);
     case NL_MSG_CKPT_DONE:
         return on_ckpt_done(&r);
+    case NL_MSG_VERIFY_CASE:
+    case NL_MSG_VERIFY_RESULT:
+        coord_train_verify_msg(c, j, rx); /* never an event the job awaits */
+        return 0;
     default:
         return 0;
     }

@@ -33,6 +33,7 @@ static int send_all(nl_coord *c, nl_wire_msg *m, int *lost)
 
 int coord_train_send_decision(nl_coord *c, cjob *j, double scale, int *lost)
 {
+    coord_train_verify_sample(c, j); /* before the STEP changes the weights */
     const ctrain *t = j->state;
     nl_wire_msg m;
     nl_wire_msg_init(&m);

@@ -1,0 +1,226 @@
+/* Verification by recompute, the coordinator's part, a leaf of the
+ * training job's state machine (coord_train.c) that decides nothing about
+ * the job's course (docs/security.md, "Catching a node that computes
+ * wrong").
+ *
+ * When a step's reports are in and before its STEP goes out, each (stage,
+ * microbatch) of the step is drawn with probability --verify-rate from a
+ * keyed BLAKE2b of (job, step, microbatch, stage) under a key the
+ * coordinator made at its start (randombytes) and never sends: no node can
+ * tell in advance which of its outputs will be checked. A drawn stage gets
+ * VERIFY_REQ on the same socket just before the STEP, so it answers from
+ * the weights the step began with and the inputs it kept; its
+ * VERIFY_CASE goes, with the model's config, to a verifier (a standby
+ * first, else the node of another stage), whose VERIFY_RESULT is compared
+ * with the digests the stage reported with its GRAD_NORM. A disagreement
+ * is logged and counted (the step report's `verify_mismatches`, /metrics).
+ * What a mismatch then does (an arbiter, the ban, the rollback) is not
+ * here yet (docs/security.md says what is left). */
+#include <sodium.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/log.h"
+#include "coord_train_impl.h"
+#include "net/hopdigest.h"
+
+/* A verification under way. */
+typedef struct cver {
+    int64_t step;
+    uint32_t mb;
+    int stage;
+    uint32_t node;     /* the stage's node */
+    uint32_t verifier; /* 0: its case has not come yet */
+    uint64_t epoch;
+    double t0;
+    uint8_t want[2][NL_HOP_DIGEST_BYTES]; /* the ACTIVATION and GRADIENT the stage reported */
+} cver;
+
+typedef struct cverify {
+    cver *p;
+    int n, cap;
+    uint32_t next; /* the verifier to try first (round robin) */
+} cverify;
+
+#define VERIFY_STALE_S 600.0 /* a verification still open after this is dropped */
+
+/* Whether (job, step, mb, stage) is drawn, by the coordinator's secret. */
+static int drawn(const nl_coord *c, uint64_t job, int64_t step, uint32_t mb, int stage)
+{
+    uint8_t in[24], out[8];
+    uint64_t v[3] = {job, (uint64_t)step, ((uint64_t)mb << 32) | (uint32_t)stage};
+    for (int i = 0; i < 3; i++)
+        for (int b = 0; b < 8; b++)
+            in[i * 8 + b] = (uint8_t)(v[i] >> (8 * b));
+    crypto_generichash(out, sizeof out, in, sizeof in, c->verify_key, sizeof c->verify_key);
+    uint64_t u = 0;
+    for (int b = 0; b < 8; b++)
+        u |= (uint64_t)out[b] << (8 * b);
+    return (double)(u >> 11) * 0x1.0p-53 < c->o.verify_rate;
+}
+
+void coord_train_verify_free(ctrain *t)
+{
+    if (t && t->ver) {
+        free(t->ver->p);
+        free(t->ver);
+        t->ver = NULL;
+    }
+}
+
+static cver *add(ctrain *t)
+{
+    cverify *v = t->ver;
+    if (!v && !(v = t->ver = calloc(1, sizeof *v)))
+        return NULL;
+    if (v->n == v->cap) {
+        int cap = v->cap ? 2 * v->cap : 16;
+        cver *p = realloc(v->p, (size_t)cap * sizeof *p);
+        if (!p)
+            return NULL;
+        v->p = p;
+        v->cap = cap;
+    }
+    return &v->p[v->n++];
+}
+
+static void drop(ctrain *t, int i)
+{
+    t->ver->p[i] = t->ver->p[--t->ver->n];
+}
+
+void coord_train_verify_sample(nl_coord *c, cjob *j)
+{
+    ctrain *t = j->state;
+    const int64_t step = t->step + 1;
+    if (c->o.verify_rate <= 0 || t->ft || !t->dig || t->dig_stages != t->stages)
+        return;
+    for (int i = 0; t->ver && i < t->ver->n; i++) /* a stale or former plan's: gone */
+        if (t->ver->p[i].epoch != c->epoch || coord_now() - t->ver->p[i].t0 > VERIFY_STALE_S)
+            drop(t, i--);
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    for (int s = 0; s < t->stages; s++) {
+        cnode *n = coord_stage_node(c, s);
+        for (int64_t mb = 0; n && mb < t->micro; mb++) {
+            if (!drawn(c, j->id, step, (uint32_t)mb, s))
+                continue;
+            cver *v = add(t);
+            if (!v)
+                break;
+            const uint8_t *d = t->dig + (((size_t)s * (size_t)t->micro + (size_t)mb) *
+                                         NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES);
+            *v = (cver){step, (uint32_t)mb, s, n->id, 0, c->epoch, coord_now(), {{0}}};
+            memcpy(v->want[0], d + NL_DIGEST_FWD_OUT * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
+            memcpy(v->want[1], d + NL_DIGEST_BWD_OUT * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
+            nl_wire_msg_reset(&m, NL_MSG_VERIFY_REQ);
+            m.u.verify_req = (nl_msg_verify_req){j->id, (uint64_t)step, (uint32_t)mb};
+            t->verify_sampled++;
+            if (coord_send_node(c, n, &m) != NL_OK)
+                t->ver->n--; /* the node is lost: the machine hears of it */
+        }
+    }
+    nl_wire_msg_free(&m);
+}
+
+/* The node that redoes a case of stage `stage` on node `not`: a standby
+ * first, else another stage's node, taken in turn; NULL: none. */
+static cnode *verifier_for(nl_coord *c, ctrain *t, uint32_t not )
+{
+    const nl_plan *p = c->plan;
+    for (int i = 0; p && i < p->n_standby; i++) {
+        cnode *n = coord_node_by_id(c, (uint32_t)p->standby[(i + t->ver->next) % p->n_standby]);
+        if (n && n->life == NODE_LIVE && !n->unreachable && n->id != not ) {
+            t->ver->next++;
+            return n;
+        }
+    }
+    for (int i = 0; i < t->stages; i++) {
+        cnode *n = coord_stage_node(c, (int)((i + t->ver->next) % (uint32_t)t->stages));
+        if (n && !n->unreachable && n->id != not ) {
+            t->ver->next++;
+            return n;
+        }
+    }
+    return NULL;
+}
+
+/* A stage's VERIFY_CASE: on to a verifier, with the model's config. */
+static void on_case(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
+{
+    ctrain *t = j->state;
+    const nl_msg_verify_case *k = &rx->msg.u.verify_case;
+    for (int i = 0; t->ver && i < t->ver->n; i++) {
+        cver *v = &t->ver->p[i];
+        if (v->verifier || v->node != from->id || v->step != (int64_t)k->step ||
+            v->mb != k->microbatch || v->stage != (int)k->stage)
+            continue;
+        cnode *to = verifier_for(c, t, from->id);
+        char *json = nl_config_to_json(&c->cfg);
+        nl_wire_msg m = rx->msg; /* a view: its arena and frames stay rx's */
+        m.u.verify_case.config_json = json;
+        if (!to || !json || coord_send_node(c, to, &m) != NL_OK) {
+            NL_WARN("train job %llu: no verifier for step %lld microbatch %u of stage %d%s",
+                    (unsigned long long)j->id, (long long)v->step, v->mb, v->stage,
+                    to ? " (the send failed)" : " (no other node)");
+            drop(t, i);
+        } else {
+            v->verifier = to->id;
+        }
+        free(json);
+        return;
+    }
+    NL_WARN("train job %llu: an unasked VERIFY_CASE from node %u (stage %u, step %llu) ignored",
+            (unsigned long long)j->id, from->id, k->stage, (unsigned long long)k->step);
+}
+
+/* A digest in hex as the verifier sent it, against the stage's. */
+static int same(const char *hex, const uint8_t want[NL_HOP_DIGEST_BYTES])
+{
+    char w[NL_HOP_DIGEST_HEX + 1];
+    if (nl_hop_digest_none(want))
+        return !hex[0];
+    nl_hop_digest_hex(w, want);
+    return strcmp(hex, w) == 0;
+}
+
+/* A verifier's VERIFY_RESULT, against the stage's report. */
+static void on_result(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
+{
+    ctrain *t = j->state;
+    const nl_msg_verify_result *r = &rx->msg.u.verify_result;
+    for (int i = 0; t->ver && i < t->ver->n; i++) {
+        cver *v = &t->ver->p[i];
+        if (v->verifier != from->id || v->step != (int64_t)r->step || v->mb != r->microbatch ||
+            v->stage != (int)r->stage)
+            continue;
+        const int fwd = same(r->fwd, v->want[0]), bwd = same(r->bwd, v->want[1]);
+        t->verify_done++;
+        if (fwd && bwd) {
+            NL_DEBUG("train job %llu: step %lld microbatch %u of stage %d verified by node %u",
+                     (unsigned long long)j->id, (long long)v->step, v->mb, v->stage, from->id);
+        } else {
+            t->verify_mismatches++;
+            NL_WARN("train job %llu: step %lld microbatch %u of stage %d (node %u): node %u's "
+                    "recompute gives another %s%s%s",
+                    (unsigned long long)j->id, (long long)v->step, v->mb, v->stage, v->node,
+                    from->id, fwd ? "" : "ACTIVATION", fwd || bwd ? "" : " and ",
+                    bwd ? "" : "GRADIENT");
+        }
+        drop(t, i);
+        return;
+    }
+}
+
+void coord_train_verify_msg(nl_coord *c, cjob *j, const nl_rx *rx)
+{
+    const cnode *from = coord_node_by_rid(c, rx);
+    ctrain *t = j->state;
+    if (!from || !t)
+        return;
+    if (rx->msg.type == NL_MSG_VERIFY_CASE)
+        on_case(c, j, rx, from);
+    else if (rx->msg.type == NL_MSG_VERIFY_RESULT)
+        on_result(c, j, rx, from);
+}
