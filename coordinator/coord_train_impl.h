@@ -87,7 +87,7 @@ typedef struct ctrain {
     /* verification by recompute (coord_train_verify.c): those under way,
      * and (stage, microbatch)s drawn, redone and found wrong so far */
     struct cverify *ver;
-    int64_t verify_sampled, verify_done, verify_mismatches;
+    int64_t verify_sampled, verify_done, verify_mismatches, verify_skipped;
     double sumsq, ce, aux, t_step, step_s;
     nl_step_result r;
     double lr_now, eval_loss;

@@ -124,21 +124,31 @@ void coord_train_verify_sample(nl_coord *c, cjob *j)
     nl_wire_msg_free(&m);
 }
 
-/* The node that redoes a case of stage `stage` on node `not`: a standby
- * first, else another stage's node, taken in turn; NULL: none. */
-static cnode *verifier_for(nl_coord *c, ctrain *t, uint32_t not )
+/* Whether two devices are of one class ("cpu", "cpu-devsim", "cuda"):
+ * digests are compared exactly, so only on the same class. */
+static int same_class(const char *a, const char *b)
+{
+    const size_t n = strncmp(a, "cuda:", 5) == 0 ? 5 : strlen(a) + 1;
+    return strncmp(a, b, n) == 0;
+}
+
+/* The node that redoes a case of node `of`'s stage: a standby of the same
+ * device class first, else another stage's node of that class, taken in
+ * turn; NULL: none. */
+static cnode *verifier_for(nl_coord *c, ctrain *t, const cnode *of)
 {
     const nl_plan *p = c->plan;
     for (int i = 0; p && i < p->n_standby; i++) {
         cnode *n = coord_node_by_id(c, (uint32_t)p->standby[(i + t->ver->next) % p->n_standby]);
-        if (n && n->life == NODE_LIVE && !n->unreachable && n->id != not ) {
+        if (n && n->life == NODE_LIVE && !n->unreachable && n->id != of->id &&
+            same_class(n->device, of->device)) {
             t->ver->next++;
             return n;
         }
     }
     for (int i = 0; i < t->stages; i++) {
         cnode *n = coord_stage_node(c, (int)((i + t->ver->next) % (uint32_t)t->stages));
-        if (n && !n->unreachable && n->id != not ) {
+        if (n && !n->unreachable && n->id != of->id && same_class(n->device, of->device)) {
             t->ver->next++;
             return n;
         }
@@ -156,14 +166,26 @@ static void on_case(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
         if (v->verifier || v->node != from->id || v->step != (int64_t)k->step ||
             v->mb != k->microbatch || v->stage != (int)k->stage)
             continue;
-        cnode *to = verifier_for(c, t, from->id);
-        char *json = nl_config_to_json(&c->cfg);
+        /* a verifier hears on its control socket: a bigger case would
+         * make its libzmq drop the connection */
+        uint64_t bytes = 0, part = 0;
+        for (int f = 0; f < rx->msg.nframes; f++) {
+            bytes += rx->msg.frames[f].len;
+            part = rx->msg.frames[f].len > part ? rx->msg.frames[f].len : part;
+        }
+        const int fits = part <= NL_SOCK_CONTROL_PART && bytes + 65536 <= NL_SOCK_CONTROL_MSG;
+        cnode *to = fits ? verifier_for(c, t, from) : NULL;
+        char *json = to ? nl_config_to_json(&c->cfg) : NULL;
         nl_wire_msg m = rx->msg; /* a view: its arena and frames stay rx's */
         m.u.verify_case.config_json = json;
         if (!to || !json || coord_send_node(c, to, &m) != NL_OK) {
-            NL_WARN("train job %llu: no verifier for step %lld microbatch %u of stage %d%s",
+            NL_WARN("train job %llu: step %lld microbatch %u of stage %d is not verified: %s",
                     (unsigned long long)j->id, (long long)v->step, v->mb, v->stage,
-                    to ? " (the send failed)" : " (no other node)");
+                    !fits ? "the stage's weights exceed what a verifier's control socket takes "
+                            "(16 MiB a part)"
+                    : !to ? "no other node of its device class"
+                          : "the send to the verifier failed");
+            t->verify_skipped++;
             drop(t, i);
         } else {
             v->verifier = to->id;
