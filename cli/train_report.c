@@ -77,8 +77,10 @@ static void log_record(const nl_train_step *s, FILE *log)
     if (s->has_checks)
         fprintf(log,
                 ",\"digest_mismatches\":%" PRId64 ",\"verified\":%" PRId64
-                ",\"verify_mismatches\":%" PRId64,
-                s->digest_mismatches, s->verified, s->verify_mismatches);
+                ",\"verify_mismatches\":%" PRId64 ",\"verify_convicted\":%" PRId64
+                ",\"verify_outvoted\":%" PRId64,
+                s->digest_mismatches, s->verified, s->verify_mismatches, s->verify_convicted,
+                s->verify_outvoted);
     fprintf(log, "}\n");
     fflush(log);
 }

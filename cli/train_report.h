@@ -78,6 +78,7 @@ typedef struct nl_train_step {
      * and of those found wrong; has_checks: they came */
     int has_checks;
     int64_t digest_mismatches, verified, verify_mismatches;
+    int64_t verify_convicted, verify_outvoted; /* arbitrated: a stage wrong, a verifier wrong */
 } nl_train_step;
 
 /* Monotonic seconds. */
@@ -107,7 +108,8 @@ void nl_train_progress_break(nl_train_progress *p);
  * NULL), one JSON object per step and a flush: {"step", "loss",
  * "ce_loss", "aux_loss", "lr", "grad_norm", "tokens_per_s", "skipped",
  * "eval_loss"|absent, "device": str|null, "tf32": bool|null, and on a
- * cluster "digest_mismatches", "verified", "verify_mismatches"}. */
+ * cluster "digest_mismatches", "verified", "verify_mismatches",
+ * "verify_convicted", "verify_outvoted"}. */
 void nl_train_report_step(nl_train_progress *p, const nl_train_step *s, FILE *log);
 
 /* "checkpoint PATH" on stderr, on a line of its own. */

@@ -88,6 +88,8 @@ typedef struct ctrain {
      * and (stage, microbatch)s drawn, redone and found wrong so far */
     struct cverify *ver;
     int64_t verify_sampled, verify_done, verify_mismatches, verify_skipped;
+    int64_t verify_convicted, verify_outvoted; /* arbitrated: stage wrong, verifier wrong */
+    uint32_t verify_guilty;                    /* the node last convicted (0: none) */
     double sumsq, ce, aux, t_step, step_s;
     nl_step_result r;
     double lr_now, eval_loss;

@@ -108,6 +108,9 @@ void coord_train_report_step(nl_coord *c, cjob *j)
         json_object_set_new(o, "verify_mismatches",
                             json_integer((json_int_t)t->verify_mismatches));
         json_object_set_new(o, "verify_skipped", json_integer((json_int_t)t->verify_skipped));
+        json_object_set_new(o, "verify_convicted",
+                            json_integer((json_int_t)t->verify_convicted));
+        json_object_set_new(o, "verify_outvoted", json_integer((json_int_t)t->verify_outvoted));
     }
     if (o && t->has_eval && t->lds)
         json_object_set_new(o, "eval_accuracy", jnum(t->eval_acc));

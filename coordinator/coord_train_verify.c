@@ -13,9 +13,11 @@
  * VERIFY_CASE goes, with the model's config, to a verifier (a standby
  * first, else the node of another stage), whose VERIFY_RESULT is compared
  * with the digests the stage reported with its GRAD_NORM. A disagreement
- * is logged and counted (the step report's `verify_mismatches`, /metrics).
- * What a mismatch then does (an arbiter, the ban, the rollback) is not
- * here yet (docs/security.md says what is left). */
+ * is logged and counted (the step report's `verify_mismatches`, /metrics),
+ * and the case (kept) goes to an arbiter, a third node of the class: two
+ * of the three agreeing convict the stage's node or outvote the verifier
+ * (`verify_convicted`, `verify_outvoted`). What a conviction then does (a
+ * ban, the rollback) is not here yet (docs/security.md says what is left). */
 #include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -35,6 +37,15 @@ typedef struct cver {
     uint64_t epoch;
     double t0;
     uint8_t want[2][NL_HOP_DIGEST_BYTES]; /* the ACTIVATION and GRADIENT the stage reported */
+    /* arbitration: the first verifier found a mismatch, `verifier` is now
+     * the arbiter; said: the first verifier's answer */
+    uint32_t first;
+    char said[2][NL_HOP_DIGEST_HEX + 1];
+    /* the case, kept for an arbiter: its fields and its frames in buf */
+    nl_msg_verify_case hdr;
+    nl_wire_frame fr[NL_WIRE_MAX_FRAMES];
+    int nfr;
+    uint8_t *buf;
 } cver;
 
 typedef struct cverify {
@@ -63,6 +74,8 @@ static int drawn(const nl_coord *c, uint64_t job, int64_t step, uint32_t mb, int
 void coord_train_verify_free(ctrain *t)
 {
     if (t && t->ver) {
+        for (int i = 0; i < t->ver->n; i++)
+            free(t->ver->p[i].buf);
         free(t->ver->p);
         free(t->ver);
         t->ver = NULL;
@@ -87,6 +100,7 @@ static cver *add(ctrain *t)
 
 static void drop(ctrain *t, int i)
 {
+    free(t->ver->p[i].buf);
     t->ver->p[i] = t->ver->p[--t->ver->n];
 }
 
@@ -111,7 +125,12 @@ void coord_train_verify_sample(nl_coord *c, cjob *j)
                 break;
             const uint8_t *d = t->dig + (((size_t)s * (size_t)t->micro + (size_t)mb) *
                                          NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES);
-            *v = (cver){step, (uint32_t)mb, s, n->id, 0, c->epoch, coord_now(), {{0}}};
+            *v = (cver){.step = step,
+                        .mb = (uint32_t)mb,
+                        .stage = s,
+                        .node = n->id,
+                        .epoch = c->epoch,
+                        .t0 = coord_now()};
             memcpy(v->want[0], d + NL_DIGEST_FWD_OUT * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
             memcpy(v->want[1], d + NL_DIGEST_BWD_OUT * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
             nl_wire_msg_reset(&m, NL_MSG_VERIFY_REQ);
@@ -135,12 +154,12 @@ static int same_class(const char *a, const char *b)
 /* The node that redoes a case of node `of`'s stage: a standby of the same
  * device class first, else another stage's node of that class, taken in
  * turn; NULL: none. */
-static cnode *verifier_for(nl_coord *c, ctrain *t, const cnode *of)
+static cnode *verifier_for(nl_coord *c, ctrain *t, const cnode *of, uint32_t also_not)
 {
     const nl_plan *p = c->plan;
     for (int i = 0; p && i < p->n_standby; i++) {
         cnode *n = coord_node_by_id(c, (uint32_t)p->standby[(i + t->ver->next) % p->n_standby]);
-        if (n && n->life == NODE_LIVE && !n->unreachable && n->id != of->id &&
+        if (n && n->life == NODE_LIVE && !n->unreachable && n->id != of->id && n->id != also_not &&
             same_class(n->device, of->device)) {
             t->ver->next++;
             return n;
@@ -148,12 +167,50 @@ static cnode *verifier_for(nl_coord *c, ctrain *t, const cnode *of)
     }
     for (int i = 0; i < t->stages; i++) {
         cnode *n = coord_stage_node(c, (int)((i + t->ver->next) % (uint32_t)t->stages));
-        if (n && !n->unreachable && n->id != of->id && same_class(n->device, of->device)) {
+        if (n && !n->unreachable && n->id != of->id && n->id != also_not &&
+            same_class(n->device, of->device)) {
             t->ver->next++;
             return n;
         }
     }
     return NULL;
+}
+
+/* Keep a copy of a stage's case (for an arbiter): 0, or -1 out of memory. */
+static int keep_case(cver *v, const nl_wire_msg *m, uint64_t bytes)
+{
+    if (!(v->buf = malloc(bytes ? bytes : 1)))
+        return -1;
+    v->hdr = m->u.verify_case;
+    v->hdr.config_json = NULL;
+    v->nfr = m->nframes;
+    size_t off = 0;
+    for (int f = 0; f < m->nframes; f++) {
+        v->fr[f] = m->frames[f];
+        memcpy(v->buf + off, m->frames[f].t.data, m->frames[f].len);
+        v->fr[f].t.data = v->buf + off;
+        v->fr[f].free_fn = NULL; /* copied by the send */
+        off += m->frames[f].len;
+    }
+    return 0;
+}
+
+/* The kept case to node `to`, with the model's config: 0, or -1. */
+static int send_case(nl_coord *c, const cver *v, cnode *to)
+{
+    char *json = nl_config_to_json(&c->cfg);
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_VERIFY_CASE);
+    m.u.verify_case = v->hdr;
+    m.u.verify_case.config_json = json;
+    for (int f = 0; f < v->nfr; f++)
+        m.frames[f] = v->fr[f];
+    m.nframes = v->nfr;
+    const int rc = json && coord_send_node(c, to, &m) == NL_OK ? 0 : -1;
+    nl_wire_msg_free(&m);
+    free(json);
+    return rc;
 }
 
 /* A stage's VERIFY_CASE: on to a verifier, with the model's config. */
@@ -174,11 +231,8 @@ static void on_case(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
             part = rx->msg.frames[f].len > part ? rx->msg.frames[f].len : part;
         }
         const int fits = part <= NL_SOCK_CONTROL_PART && bytes + 65536 <= NL_SOCK_CONTROL_MSG;
-        cnode *to = fits ? verifier_for(c, t, from) : NULL;
-        char *json = to ? nl_config_to_json(&c->cfg) : NULL;
-        nl_wire_msg m = rx->msg; /* a view: its arena and frames stay rx's */
-        m.u.verify_case.config_json = json;
-        if (!to || !json || coord_send_node(c, to, &m) != NL_OK) {
+        cnode *to = fits ? verifier_for(c, t, from, 0) : NULL;
+        if (!to || keep_case(v, &rx->msg, bytes) != 0 || send_case(c, v, to) != 0) {
             NL_WARN("train job %llu: step %lld microbatch %u of stage %d is not verified: %s",
                     (unsigned long long)j->id, (long long)v->step, v->mb, v->stage,
                     !fits ? "the stage's weights exceed what a verifier's control socket takes "
@@ -190,7 +244,6 @@ static void on_case(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
         } else {
             v->verifier = to->id;
         }
-        free(json);
         return;
     }
     NL_WARN("train job %llu: an unasked VERIFY_CASE from node %u (stage %u, step %llu) ignored",
@@ -207,7 +260,55 @@ static int same(const char *hex, const uint8_t want[NL_HOP_DIGEST_BYTES])
     return strcmp(hex, w) == 0;
 }
 
-/* A verifier's VERIFY_RESULT, against the stage's report. */
+/* A verifier's answer disagrees with the stage: the case goes to an
+ * arbiter (a third node of the class), or, with none, stays unresolved. */
+static int ask_arbiter(nl_coord *c, cjob *j, cver *v, const nl_msg_verify_result *r,
+                       const cnode *from)
+{
+    ctrain *t = j->state;
+    const cnode *stage = coord_node_by_id(c, v->node);
+    cnode *to = stage ? verifier_for(c, t, stage, from->id) : NULL;
+    snprintf(v->said[0], sizeof v->said[0], "%s", r->fwd);
+    snprintf(v->said[1], sizeof v->said[1], "%s", r->bwd);
+    if (!to || send_case(c, v, to) != 0) {
+        NL_WARN("train job %llu: step %lld microbatch %u of stage %d stays unresolved: no third "
+                "node to arbitrate between node %u and its verifier node %u",
+                (unsigned long long)j->id, (long long)v->step, v->mb, v->stage, v->node, from->id);
+        return -1;
+    }
+    v->first = from->id;
+    v->verifier = to->id;
+    return 0;
+}
+
+/* The arbiter's answer: two of the three agree. */
+static void judge(ctrain *t, cjob *j, const cver *v, const nl_msg_verify_result *r,
+                  const cnode *from)
+{
+    const int with_stage = same(r->fwd, v->want[0]) && same(r->bwd, v->want[1]);
+    const int with_first = strcmp(r->fwd, v->said[0]) == 0 && strcmp(r->bwd, v->said[1]) == 0;
+    if (with_first && !with_stage) {
+        t->verify_convicted++;
+        t->verify_guilty = v->node;
+        NL_WARN("train job %llu: node %u (stage %d) computed step %lld microbatch %u wrong: its "
+                "verifier node %u and the arbiter node %u agree",
+                (unsigned long long)j->id, v->node, v->stage, (long long)v->step, v->mb, v->first,
+                from->id);
+    } else if (with_stage && !with_first) {
+        t->verify_outvoted++;
+        NL_WARN("train job %llu: verifier node %u was wrong about step %lld microbatch %u of "
+                "stage %d: the arbiter node %u agrees with the stage's node %u",
+                (unsigned long long)j->id, v->first, (long long)v->step, v->mb, v->stage, from->id,
+                v->node);
+    } else {
+        NL_WARN("train job %llu: step %lld microbatch %u of stage %d unresolved: the stage's "
+                "node %u, the verifier node %u and the arbiter node %u all disagree",
+                (unsigned long long)j->id, (long long)v->step, v->mb, v->stage, v->node, v->first,
+                from->id);
+    }
+}
+
+/* A verifier's (or an arbiter's) VERIFY_RESULT, against the stage's report. */
 static void on_result(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
 {
     ctrain *t = j->state;
@@ -217,20 +318,26 @@ static void on_result(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
         if (v->verifier != from->id || v->step != (int64_t)r->step || v->mb != r->microbatch ||
             v->stage != (int)r->stage)
             continue;
+        if (v->first) { /* the arbiter's */
+            judge(t, j, v, r, from);
+            drop(t, i);
+            return;
+        }
         const int fwd = same(r->fwd, v->want[0]), bwd = same(r->bwd, v->want[1]);
         t->verify_done++;
         if (fwd && bwd) {
             NL_DEBUG("train job %llu: step %lld microbatch %u of stage %d verified by node %u",
                      (unsigned long long)j->id, (long long)v->step, v->mb, v->stage, from->id);
-        } else {
-            t->verify_mismatches++;
-            NL_WARN("train job %llu: step %lld microbatch %u of stage %d (node %u): node %u's "
-                    "recompute gives another %s%s%s",
-                    (unsigned long long)j->id, (long long)v->step, v->mb, v->stage, v->node,
-                    from->id, fwd ? "" : "ACTIVATION", fwd || bwd ? "" : " and ",
-                    bwd ? "" : "GRADIENT");
+            drop(t, i);
+            return;
         }
-        drop(t, i);
+        t->verify_mismatches++;
+        NL_WARN("train job %llu: step %lld microbatch %u of stage %d (node %u): node %u's "
+                "recompute gives another %s%s%s",
+                (unsigned long long)j->id, (long long)v->step, v->mb, v->stage, v->node, from->id,
+                fwd ? "" : "ACTIVATION", fwd || bwd ? "" : " and ", bwd ? "" : "GRADIENT");
+        if (ask_arbiter(c, j, v, r, from) != 0)
+            drop(t, i);
         return;
     }
 }

@@ -53,7 +53,9 @@ static void help(FILE *f, const nl_flag *flags)
     fprintf(f, "This is a test build: NL_TEST_INJECT_NAN_STEP=K (K+: from K on) and\n"
                "NL_TEST_INJECT_NAN_STAGE=S put a NaN into the gradient of step K on stage S.\n"
                "NL_TEST_LIE=KIND:Q[:SEED] makes the stage falsify a fraction Q of its training\n"
-               "outputs (KIND: bitflip, noise, stale, skip, backward; docs/security.md).\n");
+               "outputs (KIND: bitflip, noise, stale, skip, backward) or, KIND verifier, of its\n"
+               "answers as a verifier; NL_TEST_LIE_NODE=NAME: only on the node of that --name\n"
+               "(docs/security.md).\n");
 #endif
 }
 
@@ -141,13 +143,17 @@ static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypa
         if (k < 2 || nl_stage_lie_kind(kind) < 0 || !(q >= 0 && q <= 1)) {
             fprintf(stderr,
                     "neuronode: NL_TEST_LIE=%s: expected KIND:Q[:SEED], KIND one of "
-                    "bitflip, noise, stale, skip, backward, Q in [0, 1]\n",
+                    "bitflip, noise, stale, skip, backward, verifier, Q in [0, 1]\n",
                     lie);
             return 2;
         }
-        o->inject_lie_kind = nl_stage_lie_kind(kind);
-        o->inject_lie_rate = q;
-        o->inject_lie_seed = seed;
+        /* NL_TEST_LIE_NODE=NAME: only the node of that --name lies */
+        const char *who = getenv("NL_TEST_LIE_NODE");
+        if (!who || (o->name && strcmp(who, o->name) == 0)) {
+            o->inject_lie_kind = nl_stage_lie_kind(kind);
+            o->inject_lie_rate = q;
+            o->inject_lie_seed = seed;
+        }
     }
 #endif
     /* test hook: NL_TEST_DEVICE_FAIL=K makes the device's K-th check fail

@@ -32,11 +32,12 @@ typedef struct nl_stage nl_stage;
  * falsifies a fraction `rate` of its training outputs, drawn from seed. */
 typedef enum nl_lie_kind {
     NL_LIE_NONE = 0,
-    NL_LIE_BITFLIP, /* one mantissa bit of a forward output */
-    NL_LIE_NOISE,   /* uniform noise of 1e-3 on a forward output */
-    NL_LIE_STALE,   /* the previous step's forward output */
-    NL_LIE_SKIP,    /* its input instead of its output (skips its layers) */
-    NL_LIE_BACKWARD /* one bit of a gradient sent back; forwards honest */
+    NL_LIE_BITFLIP,  /* one mantissa bit of a forward output */
+    NL_LIE_NOISE,    /* uniform noise of 1e-3 on a forward output */
+    NL_LIE_STALE,    /* the previous step's forward output */
+    NL_LIE_SKIP,     /* its input instead of its output (skips its layers) */
+    NL_LIE_BACKWARD, /* one bit of a gradient sent back; forwards honest */
+    NL_LIE_VERIFIER  /* one bit of the digests it answers a VERIFY_CASE with; trains honestly */
 } nl_lie_kind;
 
 typedef struct nl_stage_lie {
@@ -45,8 +46,8 @@ typedef struct nl_stage_lie {
     uint64_t seed;
 } nl_stage_lie;
 
-/* The kind named s ("bitflip", "noise", "stale", "skip", "backward"), or
- * -1. */
+/* The kind named s ("bitflip", "noise", "stale", "skip", "backward",
+ * "verifier"), or -1. */
 int nl_stage_lie_kind(const char *s);
 
 typedef struct nl_stage_opts {

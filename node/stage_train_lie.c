@@ -12,6 +12,8 @@
  *   skip      its input instead of its output (a stage of one layer skips
  *             that layer); the first stage, whose input is tokens, does not
  *   backward  one bit of a gradient it sends back; its forwards are honest
+ *   verifier  it trains honestly, but as a verifier it answers a fraction
+ *             of the cases it redoes with one bit of a digest flipped
  *
  * In a build without the hooks nl_stage_train_lie does nothing. */
 #include <stdlib.h>
@@ -22,8 +24,9 @@
 
 int nl_stage_lie_kind(const char *s)
 {
-    static const char *const names[] = {"bitflip", "noise", "stale", "skip", "backward"};
-    for (int i = 0; s && i < 5; i++)
+    static const char *const names[] = {"bitflip", "noise",    "stale",
+                                        "skip",    "backward", "verifier"};
+    for (int i = 0; s && i < 6; i++)
         if (strcmp(s, names[i]) == 0)
             return i + 1;
     return -1;
@@ -55,14 +58,16 @@ static void flip_bit(float *x, size_t n, uint64_t h)
     memcpy(&x[i], &u, sizeof u);
 }
 
-static const char *const kind_name[] = {"", "bitflip", "noise", "stale", "skip", "backward"};
+static const char *const kind_name[] = {"",     "bitflip",  "noise",   "stale",
+                                        "skip", "backward", "verifier"};
 
 void nl_stage_train_lie(nl_stage *s, stage_train *t, rjob *j)
 {
     const nl_stage_lie *l = &s->o.lie;
     const bool fwd = j->out_type == NL_MSG_ACTIVATION, bwd = j->out_type == NL_MSG_GRADIENT;
     const size_t n = t->rows * t->d;
-    if (l->kind == NL_LIE_NONE || !(fwd || bwd) || j->mb >= (uint32_t)t->M)
+    if (l->kind == NL_LIE_NONE || l->kind == NL_LIE_VERIFIER || !(fwd || bwd) ||
+        j->mb >= (uint32_t)t->M)
         return;
     float *prev = NULL;
     if (l->kind == NL_LIE_STALE && fwd) { /* the honest output is kept for the next step */
@@ -111,6 +116,20 @@ void nl_stage_train_lie(nl_stage *s, stage_train *t, rjob *j)
     }
 }
 
+void nl_stage_verify_lie(const nl_stage *s, uint64_t job, uint64_t step, uint32_t mb,
+                         uint32_t stage, uint8_t fwd[NL_HOP_DIGEST_BYTES],
+                         uint8_t bwd[NL_HOP_DIGEST_BYTES])
+{
+    const nl_stage_lie *l = &s->o.lie;
+    if (l->kind != NL_LIE_VERIFIER || draw(l->seed, job, step, mb, 2 + (int)stage) >= l->rate)
+        return;
+    uint8_t *d = nl_hop_digest_none(fwd) ? bwd : fwd;
+    d[mix(l->seed ^ step) % NL_HOP_DIGEST_BYTES] ^= 1;
+    NL_WARN("test hook: this node lies (verifier) about job %llu step %llu microbatch %u of "
+            "stage %u",
+            (unsigned long long)job, (unsigned long long)step, mb, stage);
+}
+
 #else
 
 void nl_stage_train_lie(nl_stage *s, stage_train *t, rjob *j)
@@ -118,6 +137,13 @@ void nl_stage_train_lie(nl_stage *s, stage_train *t, rjob *j)
     (void)s;
     (void)t;
     (void)j;
+}
+
+void nl_stage_verify_lie(const nl_stage *s, uint64_t job, uint64_t step, uint32_t mb,
+                         uint32_t stage, uint8_t fwd[NL_HOP_DIGEST_BYTES],
+                         uint8_t bwd[NL_HOP_DIGEST_BYTES])
+{
+    (void)s, (void)job, (void)step, (void)mb, (void)stage, (void)fwd, (void)bwd;
 }
 
 #endif

@@ -327,6 +327,7 @@ nl_status nl_verify_answer(nl_stage *s, const nl_wire_msg *m, nl_wire_msg *out,
     if (st != NL_OK)
         return st;
     const nl_msg_verify_case *v = &m->u.verify_case;
+    nl_stage_verify_lie(s, v->job_id, v->step, v->microbatch, v->stage, fwd, bwd); /* test hook */
     nl_hop_digest_hex(hex[0], fwd);
     nl_hop_digest_hex(hex[1], bwd);
     nl_wire_msg_reset(out, NL_MSG_VERIFY_RESULT);

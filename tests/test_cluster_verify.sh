@@ -7,7 +7,10 @@
 #    hop digests agree at both ends of every hop;
 #  - lying: the same with every node lying on half its outputs in one way
 #    (the test hook NL_TEST_LIE; the recompute itself is honest): the
-#    coordinator finds mismatches and names the stage and node.
+#    coordinator finds mismatches and names the stage and node;
+#  - one lying node: a verifier and an arbiter (the third node) agree
+#    against it; a lying verifier: the arbiter sides with the stage, and
+#    the training (honest) equals the run without verification.
 . "$(dirname "$0")/cluster_lib.sh"
 export NL_TEST_GFLOPS=20
 
@@ -55,6 +58,21 @@ for kind in bitflip backward; do
   check test "$m" -gt 0
   check grep -q "recompute gives another" "$W/lie-$kind/coord.log"
 done
+
+# ---- one lying stage (node-2): a verifier and an arbiter convict it ----
+run lie-one 1 NL_TEST_LIE=noise:0.5:5 NL_TEST_LIE_NODE=node-2
+echo "lie-one: convicted $(last "$W/lie-one.jsonl" verify_convicted), outvoted $(last "$W/lie-one.jsonl" verify_outvoted)"
+check test "$(last "$W/lie-one.jsonl" verify_convicted)" -gt 0
+check test "$(last "$W/lie-one.jsonl" verify_outvoted)" -eq 0
+check grep -q "computed step .* wrong: its verifier node .* and the arbiter node .* agree" \
+  "$W/lie-one/coord.log"
+
+# ---- a lying verifier (node-2): the arbiter sides with the stage ----
+run lie-verifier 1 NL_TEST_LIE=verifier:1:5 NL_TEST_LIE_NODE=node-2
+echo "lie-verifier: convicted $(last "$W/lie-verifier.jsonl" verify_convicted), outvoted $(last "$W/lie-verifier.jsonl" verify_outvoted)"
+check test "$(last "$W/lie-verifier.jsonl" verify_outvoted)" -gt 0
+check test "$(last "$W/lie-verifier.jsonl" verify_convicted)" -eq 0
+check cmp "$W/plain.safetensors" "$W/lie-verifier.safetensors"
 
 echo "test_cluster_verify: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
