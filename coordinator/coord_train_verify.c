@@ -9,8 +9,9 @@
  * coordinator made at its start (randombytes) and never sends: no node can
  * tell in advance which of its outputs will be checked. A drawn stage gets
  * VERIFY_REQ on the same socket just before the STEP, so it answers from
- * the weights the step began with and the inputs it kept; its
- * VERIFY_CASE goes, with the model's config, to a verifier (a standby
+ * the weights the step began with and the inputs it kept; the inputs of
+ * its VERIFY_CASE must have the digests it reported receiving, and the
+ * case goes, with the model's config, to a verifier (a standby
  * first, else the node of another stage), whose VERIFY_RESULT is compared
  * with the digests the stage reported with its GRAD_NORM. A disagreement
  * is logged and counted (the step report's `verify_mismatches`, /metrics),
@@ -37,6 +38,7 @@ typedef struct cver {
     uint64_t epoch;
     double t0;
     uint8_t want[2][NL_HOP_DIGEST_BYTES]; /* the ACTIVATION and GRADIENT the stage reported */
+    uint8_t got[2][NL_HOP_DIGEST_BYTES];  /* ... and those it reported receiving */
     /* arbitration: the first verifier found a mismatch, `verifier` is now
      * the arbiter; said: the first verifier's answer */
     uint32_t first;
@@ -133,6 +135,8 @@ void coord_train_verify_sample(nl_coord *c, cjob *j)
                         .t0 = coord_now()};
             memcpy(v->want[0], d + NL_DIGEST_FWD_OUT * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
             memcpy(v->want[1], d + NL_DIGEST_BWD_OUT * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
+            memcpy(v->got[0], d + NL_DIGEST_FWD_IN * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
+            memcpy(v->got[1], d + NL_DIGEST_BWD_IN * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
             nl_wire_msg_reset(&m, NL_MSG_VERIFY_REQ);
             m.u.verify_req = (nl_msg_verify_req){j->id, (uint64_t)step, (uint32_t)mb};
             t->verify_sampled++;
@@ -213,6 +217,37 @@ static int send_case(nl_coord *c, const cver *v, cnode *to)
     return rc;
 }
 
+/* Whether a case's inputs are those the stage reported receiving: the
+ * digest of its ACTIVATION (the input and the frames that came with it)
+ * and of its GRADIENT, as hops into that stage. Without this a stage could
+ * hand over inputs made to fit a wrong output. */
+static int inputs_match(const cver *v, const nl_wire_msg *m)
+{
+    const nl_msg_verify_case *k = &m->u.verify_case;
+    uint8_t d[NL_HOP_DIGEST_BYTES];
+    nl_wire_msg h;
+    nl_wire_msg_init(&h);
+    nl_wire_msg_reset(&h, NL_MSG_ACTIVATION);
+    h.u.hop = (nl_msg_tensor_hop){k->job_id, k->step, k->microbatch, 0, 0, 0.0};
+    const int first_extra = 2 + !k->has_head + k->counts;
+    h.frames[0] = m->frames[1];
+    h.nframes = 1;
+    for (int f = first_extra; f < m->nframes; f++)
+        h.frames[h.nframes++] = m->frames[f];
+    nl_hop_digest(d, &h, k->stage);
+    int ok = memcmp(d, v->got[0], NL_HOP_DIGEST_BYTES) == 0;
+    if (ok && !k->has_head) {
+        nl_wire_msg_reset(&h, NL_MSG_GRADIENT);
+        h.u.hop = (nl_msg_tensor_hop){k->job_id, k->step, k->microbatch, 0, 0, 0.0};
+        h.frames[0] = m->frames[2];
+        h.nframes = 1;
+        nl_hop_digest(d, &h, k->stage);
+        ok = memcmp(d, v->got[1], NL_HOP_DIGEST_BYTES) == 0;
+    }
+    nl_wire_msg_free(&h);
+    return ok;
+}
+
 /* A stage's VERIFY_CASE: on to a verifier, with the model's config. */
 static void on_case(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
 {
@@ -223,6 +258,16 @@ static void on_case(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
         if (v->verifier || v->node != from->id || v->step != (int64_t)k->step ||
             v->mb != k->microbatch || v->stage != (int)k->stage)
             continue;
+        if (!inputs_match(v, &rx->msg)) { /* its own reports convict it */
+            t->verify_mismatches++;
+            t->verify_convicted++;
+            t->verify_guilty = v->node;
+            NL_WARN("train job %llu: node %u (stage %d) hands over other inputs for step %lld "
+                    "microbatch %u than the digests it reported receiving",
+                    (unsigned long long)j->id, v->node, v->stage, (long long)v->step, v->mb);
+            drop(t, i);
+            return;
+        }
         /* a verifier hears on its control socket: a bigger case would
          * make its libzmq drop the connection */
         uint64_t bytes = 0, part = 0;

@@ -6,7 +6,8 @@
  * computes wrong"). Which outputs it falsifies is drawn from its seed, the
  * job, the step, the microbatch and the direction, so a run repeats.
  *
- *   bitflip   one low mantissa bit of one element of a forward output
+ *   bitflip   one low mantissa bit of one element of an output (forward or
+ *             backward: every stage has one of them)
  *   noise     every element of a forward output plus uniform noise of 1e-3
  *   stale     the previous step's forward output of the same microbatch
  *   skip      its input instead of its output (a stage of one layer skips
@@ -75,8 +76,10 @@ void nl_stage_train_lie(nl_stage *s, stage_train *t, rjob *j)
             return;
         prev = t->lie_prev + (size_t)j->mb * n;
     }
-    const bool lies =
-        (l->kind == NL_LIE_BACKWARD) == bwd && draw(l->seed, t->job, j->step, j->mb, bwd) < l->rate;
+    /* a bit flip in whatever the stage sends (forward or backward); the
+     * backward lie in gradients only; the others in forward outputs */
+    const bool dir = l->kind == NL_LIE_BITFLIP || (l->kind == NL_LIE_BACKWARD) == bwd;
+    const bool lies = dir && draw(l->seed, t->job, j->step, j->mb, bwd) < l->rate;
     /* a stale output needs a step before it; a skip needs hidden states in */
     /* after the outputs, one mark per microbatch: an output is kept */
     const bool can = l->kind == NL_LIE_STALE ? prev && t->lie_prev[(size_t)t->M * n + j->mb] != 0.0f

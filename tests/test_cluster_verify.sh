@@ -29,6 +29,7 @@ run() { # run NAME RATE [ENV...]: a 3-node cluster, one training run
     --out "$W/$name.safetensors" 2> "$W/$name.err"
   check grep -q "on 3 pipeline stages" "$W/$name.err"
   "$N" cluster down --dir "$W/$name" > /dev/null 2>&1
+  [ -n "${KEEP:-}" ] && cp "$W/$name/coord.log" "$KEEP/$name.coord.log"
 }
 
 # ---- honest, every microbatch verified, against no verification ----
@@ -59,8 +60,9 @@ for kind in bitflip backward; do
   check grep -q "recompute gives another" "$W/lie-$kind/coord.log"
 done
 
-# ---- one lying stage (node-2): a verifier and an arbiter convict it ----
-run lie-one 1 NL_TEST_LIE=noise:0.5:5 NL_TEST_LIE_NODE=node-2
+# ---- one lying stage (node-2, whichever stage it holds): a verifier and
+# an arbiter convict it ----
+run lie-one 1 NL_TEST_LIE=bitflip:0.5:5 NL_TEST_LIE_NODE=node-2 # any stage's outputs
 echo "lie-one: convicted $(last "$W/lie-one.jsonl" verify_convicted), outvoted $(last "$W/lie-one.jsonl" verify_outvoted)"
 check test "$(last "$W/lie-one.jsonl" verify_convicted)" -gt 0
 check test "$(last "$W/lie-one.jsonl" verify_outvoted)" -eq 0
