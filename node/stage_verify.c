@@ -249,8 +249,10 @@ nl_status nl_stage_train_verify_req(nl_stage *s, stage_train *t, const nl_msg_ve
 }
 
 /* The case a VERIFY_CASE describes, checked against its config: cfg is
- * filled from config_json; the pointers are into m's frames (the weights
- * are copied: frames need not be aligned). */
+ * filled from config_json. Frames received need not be aligned for their
+ * element type: all of them are copied into one buffer (c->weights, at
+ * its start, owns it), each at an aligned offset, and the case points
+ * there. */
 static nl_status case_of(const nl_wire_msg *m, nl_config *cfg, nl_verify_case *c, nl_error *err)
 {
     const nl_msg_verify_case *v = &m->u.verify_case;
@@ -265,26 +267,39 @@ static nl_status case_of(const nl_wire_msg *m, nl_config *cfg, nl_verify_case *c
         return nl_error_set(err, NL_ERR_RANGE,
                             "VERIFY_CASE: layers [%u, %u) of %d, microbatch %u of %u", v->layer0,
                             v->layer1, cfg->num_layers, v->microbatch, v->microbatches);
-    int f = 1;
-    const nl_tensor *x = &m->frames[f++].t, *dy = v->has_head ? NULL : &m->frames[f++].t;
-    const nl_tensor *cn = v->counts ? &m->frames[f++].t : NULL;
+    /* frame indices: 0 weights, 1 input, [dy], [counts], extras */
+    const int fx = 1, fdy = v->has_head ? -1 : 2, fc = v->counts ? 2 + !v->has_head : -1;
+    int fe[4], f = 2 + !v->has_head + v->counts;
+    for (int i = 0; i < 4; i++)
+        fe[i] = v->extras & (1u << i) ? f++ : -1;
+    const nl_tensor *x = &m->frames[fx].t;
     bool ok = x->shape[0] == B && x->shape[1] == T && (v->has_embed || x->shape[2] == d);
-    ok = ok && (!dy || (dy->shape[0] == B && dy->shape[1] == T && dy->shape[2] == d));
-    ok = ok && (!cn || (cn->shape[0] == (int64_t)(v->layer1 - v->layer0) &&
-                        cn->shape[1] == cfg->num_experts));
-    const int32_t **ex[4] = {&c->targets, &c->docs, &c->labels, &c->lengths};
-    for (int i = 0; i < 4; i++) {
-        if (!(v->extras & (1u << i)))
-            continue;
-        const nl_tensor *e = &m->frames[f++].t;
-        ok = ok && e->shape[0] == B && (i >= 2 || e->shape[1] == T);
-        *ex[i] = e->data;
+    if (fdy >= 0) {
+        const nl_tensor *dy = &m->frames[fdy].t;
+        ok = ok && dy->shape[0] == B && dy->shape[1] == T && dy->shape[2] == d;
     }
+    if (fc >= 0)
+        ok = ok && m->frames[fc].t.shape[0] == (int64_t)(v->layer1 - v->layer0) &&
+             m->frames[fc].t.shape[1] == cfg->num_experts;
+    for (int i = 0; i < 4; i++)
+        ok = ok && (fe[i] < 0 || (m->frames[fe[i]].t.shape[0] == B &&
+                                  (i >= 2 || m->frames[fe[i]].t.shape[1] == T)));
     if (!ok)
         return nl_error_set(err, NL_ERR_SHAPE,
                             "VERIFY_CASE: a frame does not fit microbatches of %lld x %lld with "
                             "hidden size %lld",
                             (long long)B, (long long)T, (long long)d);
+    size_t off[NL_WIRE_MAX_FRAMES], total = 0;
+    for (int i = 0; i < m->nframes; i++) {
+        off[i] = total;
+        total += (m->frames[i].len + 63) & ~(size_t)63;
+    }
+    uint8_t *buf = malloc(total ? total : 1);
+    if (!buf)
+        return nl_error_set(err, NL_ERR_NOMEM, "VERIFY_CASE: out of memory");
+    for (int i = 0; i < m->nframes; i++)
+        memcpy(buf + off[i], m->frames[i].t.data, m->frames[i].len);
+#define AT(i, T) ((i) >= 0 ? (const T *)(const void *)(buf + off[(i)]) : NULL)
     *c = (nl_verify_case){.cfg = cfg,
                           .l0 = (int)v->layer0,
                           .l1 = (int)v->layer1,
@@ -297,18 +312,17 @@ static nl_status case_of(const nl_wire_msg *m, nl_config *cfg, nl_verify_case *c
                           .mbB = (int)B,
                           .T = (int)T,
                           .M = (int)v->microbatches,
+                          .weights = (float *)(void *)buf,
                           .n_weights = (size_t)m->frames[0].t.shape[0],
-                          .x = x->data,
-                          .targets = c->targets,
-                          .docs = c->docs,
-                          .labels = c->labels,
-                          .lengths = c->lengths,
+                          .x = buf + off[fx],
+                          .targets = AT(fe[0], int32_t),
+                          .docs = AT(fe[1], int32_t),
+                          .labels = AT(fe[2], int32_t),
+                          .lengths = AT(fe[3], int32_t),
                           .loss_rows = v->loss_rows,
-                          .dy = dy ? dy->data : NULL,
-                          .counts = cn ? cn->data : NULL};
-    if (!(c->weights = malloc(m->frames[0].len ? m->frames[0].len : 1)))
-        return nl_error_set(err, NL_ERR_NOMEM, "VERIFY_CASE: out of memory for the weights");
-    memcpy(c->weights, m->frames[0].t.data, m->frames[0].len);
+                          .dy = AT(fdy, float),
+                          .counts = AT(fc, int64_t)};
+#undef AT
     return NL_OK;
 }
 

@@ -29,7 +29,7 @@ run() { # run NAME RATE [ENV...]: a 3-node cluster, one training run
     --out "$W/$name.safetensors" 2> "$W/$name.err"
   check grep -q "on 3 pipeline stages" "$W/$name.err"
   "$N" cluster down --dir "$W/$name" > /dev/null 2>&1
-  [ -n "${KEEP:-}" ] && cp "$W/$name/coord.log" "$KEEP/$name.coord.log"
+  [ -n "${KEEP:-}" ] && for f in "$W/$name"/*.log; do cp "$f" "$KEEP/$name.$(basename "$f")"; done
 }
 
 # ---- honest, every microbatch verified, against no verification ----
