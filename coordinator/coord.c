@@ -285,6 +285,10 @@ static void tick(nl_coord *c)
 {
     const double now = coord_now();
     coord_reap_sources(c, 0);
+    cnode *q = c->quarantine ? coord_node_by_id(c, c->quarantine) : NULL;
+    c->quarantine = 0;
+    if (q && q->life == NODE_LIVE) /* convicted (coord_quarantine) */
+        coord_node_lost(c, q, NODE_DEAD, c->quarantine_why);
     /* the oldest heartbeat first (an unreachable node before it): O(1)
      * per turn and per death, not a scan of every node */
     for (cnode *n; (n = coord_node_oldest(c)) &&

@@ -17,8 +17,9 @@
  * is logged and counted (the step report's `verify_mismatches`, /metrics),
  * and the case (kept) goes to an arbiter, a third node of the class: two
  * of the three agreeing convict the stage's node or outvote the verifier
- * (`verify_convicted`, `verify_outvoted`). What a conviction then does (a
- * ban, the rollback) is not here yet (docs/security.md says what is left). */
+ * (`verify_convicted`, `verify_outvoted`). The node found wrong, a stage
+ * or a verifier, is quarantined and its key banned (coord_quarantine): the
+ * job resumes without it from its last checkpoint, as after a death. */
 #include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -217,6 +218,19 @@ static int send_case(nl_coord *c, const cver *v, cnode *to)
     return rc;
 }
 
+/* The node of a conviction: quarantined and banned (coord_members.c). */
+static void convict(nl_coord *c, cjob *j, const cver *v, const char *how)
+{
+    char why[300];
+    cnode *n = coord_node_by_id(c, v->node);
+    snprintf(why, sizeof why,
+             "convicted of computing wrong: train job %llu step %lld microbatch %u "
+             "stage %d (%s)",
+             (unsigned long long)j->id, (long long)v->step, v->mb, v->stage, how);
+    if (n && n->life == NODE_LIVE)
+        coord_quarantine(c, n, why);
+}
+
 /* Whether a case's inputs are those the stage reported receiving: the
  * digest of its ACTIVATION (the input and the frames that came with it)
  * and of its GRADIENT, as hops into that stage. Without this a stage could
@@ -265,6 +279,7 @@ static void on_case(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
             NL_WARN("train job %llu: node %u (stage %d) hands over other inputs for step %lld "
                     "microbatch %u than the digests it reported receiving",
                     (unsigned long long)j->id, v->node, v->stage, (long long)v->step, v->mb);
+            convict(c, j, v, "its case's inputs are not those it reported receiving");
             drop(t, i);
             return;
         }
@@ -327,7 +342,7 @@ static int ask_arbiter(nl_coord *c, cjob *j, cver *v, const nl_msg_verify_result
 }
 
 /* The arbiter's answer: two of the three agree. */
-static void judge(ctrain *t, cjob *j, const cver *v, const nl_msg_verify_result *r,
+static void judge(nl_coord *c, ctrain *t, cjob *j, const cver *v, const nl_msg_verify_result *r,
                   const cnode *from)
 {
     const int with_stage = same(r->fwd, v->want[0]) && same(r->bwd, v->want[1]);
@@ -339,12 +354,23 @@ static void judge(ctrain *t, cjob *j, const cver *v, const nl_msg_verify_result 
                 "verifier node %u and the arbiter node %u agree",
                 (unsigned long long)j->id, v->node, v->stage, (long long)v->step, v->mb, v->first,
                 from->id);
+        convict(c, j, v, "a verifier and an arbiter agree");
     } else if (with_stage && !with_first) {
         t->verify_outvoted++;
         NL_WARN("train job %llu: verifier node %u was wrong about step %lld microbatch %u of "
                 "stage %d: the arbiter node %u agrees with the stage's node %u",
                 (unsigned long long)j->id, v->first, (long long)v->step, v->mb, v->stage, from->id,
                 v->node);
+        cnode *liar = coord_node_by_id(c, v->first);
+        if (liar && liar->life == NODE_LIVE) {
+            char why[300];
+            snprintf(
+                why, sizeof why,
+                "convicted of verifying wrong: train job %llu step %lld microbatch %u stage %d "
+                "(an arbiter agrees with the stage)",
+                (unsigned long long)j->id, (long long)v->step, v->mb, v->stage);
+            coord_quarantine(c, liar, why);
+        }
     } else {
         NL_WARN("train job %llu: step %lld microbatch %u of stage %d unresolved: the stage's "
                 "node %u, the verifier node %u and the arbiter node %u all disagree",
@@ -364,7 +390,7 @@ static void on_result(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
             v->stage != (int)r->stage)
             continue;
         if (v->first) { /* the arbiter's */
-            judge(t, j, v, r, from);
+            judge(c, t, j, v, r, from);
             drop(t, i);
             return;
         }
