@@ -401,11 +401,12 @@ const char *coord_confine_file(const char *root, const char *path, const char *d
  * generation waits to resume) and plan again. */
 void coord_node_lost(nl_coord *c, cnode *n, int life, const char *why);
 void coord_on_join(nl_coord *c, const nl_rx *rx);
-/* Node n computed wrong (coord_train_verify.c): its key is banned (its
- * authorized_keys line commented out, so it stays banned across a
- * restart, and the allow-lists reloaded) and the node is dropped at the
- * next tick as a dead one (the jobs it carried resume without it). */
-void coord_quarantine(nl_coord *c, cnode *n, const char *why);
+/* Node n computed wrong in job `job` (coord_train_verify.c): its key is
+ * banned (its authorized_keys line commented out, so it stays banned
+ * across a restart, and the allow-lists reloaded), /api/events says so
+ * (train_quarantine), and the node is dropped at the next tick as a dead
+ * one (the jobs it carried resume without it). */
+void coord_quarantine(nl_coord *c, cnode *n, uint64_t job, const char *why);
 void coord_on_leave(nl_coord *c, const nl_rx *rx);
 void coord_on_heartbeat(nl_coord *c, const nl_rx *rx);
 void coord_on_node_error(nl_coord *c, const nl_rx *rx);

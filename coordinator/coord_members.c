@@ -5,6 +5,7 @@
 #include "coord_impl.h"
 
 #include <errno.h>
+#include <jansson.h>
 #include <limits.h>
 #include <math.h>
 #include <stdarg.h>
@@ -80,9 +81,18 @@ static nl_status ban_key(nl_coord *c, const char *key, const char *why, nl_error
     return st;
 }
 
-void coord_quarantine(nl_coord *c, cnode *n, const char *why)
+void coord_quarantine(nl_coord *c, cnode *n, uint64_t job, const char *why)
 {
     nl_error e = {0};
+    if (c->observe) { /* /api/events: train_quarantine */
+        json_t *o = json_pack("{s:s,s:I,s:s,s:s}", "event", "quarantine", "node", (json_int_t)n->id,
+                              "key", n->key, "why", why);
+        char *text = o ? json_dumps(o, JSON_COMPACT) : NULL;
+        if (text)
+            c->observe(c->observe_ctx, job, NL_JOB_RUNNING, "quarantined", text);
+        free(text);
+        json_decref(o);
+    }
     NL_WARN("node %u (key %.40s): %s: quarantined, its key banned", n->id, n->key, why);
     if (!c->o.plaintext && ban_key(c, n->key, why, &e) != NL_OK)
         NL_ERROR("cannot ban node %u's key in %s/authorized_keys: %s", n->id, c->o.state_dir,

@@ -228,7 +228,7 @@ static void convict(nl_coord *c, cjob *j, const cver *v, const char *how)
              "stage %d (%s)",
              (unsigned long long)j->id, (long long)v->step, v->mb, v->stage, how);
     if (n && n->life == NODE_LIVE)
-        coord_quarantine(c, n, why);
+        coord_quarantine(c, n, j->id, why);
 }
 
 /* Whether a case's inputs are those the stage reported receiving: the
@@ -369,7 +369,7 @@ static void judge(nl_coord *c, ctrain *t, cjob *j, const cver *v, const nl_msg_v
                 "convicted of verifying wrong: train job %llu step %lld microbatch %u stage %d "
                 "(an arbiter agrees with the stage)",
                 (unsigned long long)j->id, (long long)v->step, v->mb, v->stage);
-            coord_quarantine(c, liar, why);
+            coord_quarantine(c, liar, j->id, why);
         }
     } else {
         NL_WARN("train job %llu: step %lld microbatch %u of stage %d unresolved: the stage's "

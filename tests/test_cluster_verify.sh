@@ -20,14 +20,30 @@ check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
 RUN=(--data "$W/data.txt" --steps 4 --batch 8 --seq 16 --microbatches 4 --lr 3e-3 --seed 1)
 last() { tail -1 "$1" | $PY -c "import json,sys; print(json.load(sys.stdin)[\"$2\"])"; }
 
-run() { # run NAME RATE [ENV...]: a 3-node cluster, one training run
+run() { # run NAME RATE [ENV...]: a 3-node cluster (HTTP on), one training run
   local name=$1 rate=$2; shift 2
   env "$@" "$N" cluster up "${DEV[@]}" --dir "$W/$name" --nodes 3 --model "$W/m.safetensors" \
     --memory 64M --threads 1 --node-timeout-ms 4000 --timeout 60 --verify-rate "$rate" \
-    > "$W/$name.up" 2>&1
+    --http 127.0.0.1:0 > "$W/$name.up" 2>&1
   check "$N" train --cluster "$W/$name" "${RUN[@]}" --log "$W/$name.jsonl" --checkpoint-dir "$W/$name.ck" \
     --out "$W/$name.safetensors" 2> "$W/$name.err"
   check grep -q "on 3 pipeline stages" "$W/$name.err"
+  # the event feed's recent history (up to a quarantine), read before the
+  # cluster goes down
+  $PY - "$(cat "$W/$name/coord/http")" "${WANT_EVENT:-train_step}" > "$W/$name.events" 2>&1 <<'PY'
+import socket, sys, time
+host, port = sys.argv[1].replace("http://", "").rstrip("/").rsplit(":", 1)
+s = socket.create_connection((host, int(port)), timeout=60)
+s.sendall(b"GET /api/events HTTP/1.1\r\nHost: x\r\n\r\n")
+buf, end = b"", time.time() + 60
+want = ("event: " + sys.argv[2]).encode()
+while want not in buf and time.time() < end:
+    chunk = s.recv(65536)
+    if not chunk:
+        break
+    buf += chunk
+sys.stdout.write(buf.decode(errors="replace"))
+PY
   "$N" cluster down --dir "$W/$name" > /dev/null 2>&1
   [ -n "${KEEP:-}" ] && for f in "$W/$name"/*.log; do cp "$f" "$KEEP/$name.$(basename "$f")"; done
 }
@@ -56,13 +72,14 @@ PY
 # it is quarantined, its key banned in authorized_keys, and the job
 # resumes from its start (no checkpoint yet) on the two nodes left, ending
 # with the weights of the honest run, bit for bit ----
-run lie-one 1 NL_TEST_LIE=bitflip:0.5:5 NL_TEST_LIE_NODE=node-2
+WANT_EVENT=train_quarantine run lie-one 1 NL_TEST_LIE=bitflip:0.5:5 NL_TEST_LIE_NODE=node-2
 check grep -q "computed step .* wrong: its verifier node .* and the arbiter node .* agree" \
   "$W/lie-one/coord.log"
 check grep -q "quarantined, its key banned" "$W/lie-one/coord.log"
 check grep -q "^# banned: convicted of computing wrong.* node  # node-2" \
   "$W/lie-one/coord/authorized_keys"
 check grep -q '"event":"resumed"' "$W/lie-one.jsonl"
+check grep -q "event: train_quarantine" "$W/lie-one.events"
 check cmp "$W/plain.safetensors" "$W/lie-one.safetensors"
 
 # ---- a lying verifier (node-2): the arbiter sides with the stage; the
