@@ -107,15 +107,43 @@ static void drop(ctrain *t, int i)
     t->ver->p[i] = t->ver->p[--t->ver->n];
 }
 
+/* The node of a conviction: quarantined and banned (coord_members.c). */
+static void convict(nl_coord *c, cjob *j, const cver *v, const char *how)
+{
+    char why[300];
+    cnode *n = coord_node_by_id(c, v->node);
+    snprintf(why, sizeof why,
+             "convicted of computing wrong: train job %llu step %lld microbatch %u "
+             "stage %d (%s)",
+             (unsigned long long)j->id, (long long)v->step, v->mb, v->stage, how);
+    if (n && n->life == NODE_LIVE)
+        coord_quarantine(c, n, j->id, why);
+}
+
 void coord_train_verify_sample(nl_coord *c, cjob *j)
 {
     ctrain *t = j->state;
     const int64_t step = t->step + 1;
     if (c->o.verify_rate <= 0 || t->ft || !t->dig || t->dig_stages != t->stages)
         return;
-    for (int i = 0; t->ver && i < t->ver->n; i++) /* a stale or former plan's: gone */
-        if (t->ver->p[i].epoch != c->epoch || coord_now() - t->ver->p[i].t0 > VERIFY_STALE_S)
+    for (int i = 0; t->ver && i < t->ver->n; i++) { /* a stale or former plan's: gone */
+        cver *v = &t->ver->p[i];
+        if (v->epoch != c->epoch || coord_now() - v->t0 > VERIFY_STALE_S) {
             drop(t, i--);
+        } else if (!v->verifier && v->step < step) {
+            /* its stage answers a VERIFY_REQ at once, before the STEP, and
+             * its GRAD_NORM of this step came after on the same connection:
+             * a case still missing was withheld */
+            t->verify_mismatches++;
+            t->verify_convicted++;
+            t->verify_guilty = v->node;
+            NL_WARN("train job %llu: node %u (stage %d) did not hand over step %lld microbatch %u "
+                    "for verification",
+                    (unsigned long long)j->id, v->node, v->stage, (long long)v->step, v->mb);
+            convict(c, j, v, "it withheld its case");
+            drop(t, i--);
+        }
+    }
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     for (int s = 0; s < t->stages; s++) {
@@ -216,19 +244,6 @@ static int send_case(nl_coord *c, const cver *v, cnode *to)
     nl_wire_msg_free(&m);
     free(json);
     return rc;
-}
-
-/* The node of a conviction: quarantined and banned (coord_members.c). */
-static void convict(nl_coord *c, cjob *j, const cver *v, const char *how)
-{
-    char why[300];
-    cnode *n = coord_node_by_id(c, v->node);
-    snprintf(why, sizeof why,
-             "convicted of computing wrong: train job %llu step %lld microbatch %u "
-             "stage %d (%s)",
-             (unsigned long long)j->id, (long long)v->step, v->mb, v->stage, how);
-    if (n && n->life == NODE_LIVE)
-        coord_quarantine(c, n, j->id, why);
 }
 
 /* Whether a case's inputs are those the stage reported receiving: the

@@ -54,7 +54,8 @@ static void help(FILE *f, const nl_flag *flags)
                "NL_TEST_INJECT_NAN_STAGE=S put a NaN into the gradient of step K on stage S.\n"
                "NL_TEST_LIE=KIND:Q[:SEED] makes the stage falsify a fraction Q of its training\n"
                "outputs (KIND: bitflip, noise, stale, skip, backward) or, KIND verifier, of its\n"
-               "answers as a verifier; NL_TEST_LIE_NODE=NAME: only on the node of that --name\n"
+               "answers as a verifier (mute: it withholds its cases); NL_TEST_LIE_NODE=NAME:\n"
+               "only on the node of that --name\n"
                "(docs/security.md).\n");
 #endif
 }
@@ -119,7 +120,7 @@ static int read_lie(nl_node_opts *o)
     if (k < 2 || nl_stage_lie_kind(kind) < 0 || !(q >= 0 && q <= 1)) {
         fprintf(stderr,
                 "neuronode: NL_TEST_LIE=%s: expected KIND:Q[:SEED], KIND one of "
-                "bitflip, noise, stale, skip, backward, verifier, Q in [0, 1]\n",
+                "bitflip, noise, stale, skip, backward, verifier, mute, Q in [0, 1]\n",
                 lie);
         return 2;
     }

@@ -37,7 +37,8 @@ typedef enum nl_lie_kind {
     NL_LIE_STALE,    /* the previous step's forward output */
     NL_LIE_SKIP,     /* its input instead of its output (skips its layers) */
     NL_LIE_BACKWARD, /* one bit of a gradient sent back; forwards honest */
-    NL_LIE_VERIFIER  /* one bit of the digests it answers a VERIFY_CASE with; trains honestly */
+    NL_LIE_VERIFIER, /* one bit of the digests it answers a VERIFY_CASE with; trains honestly */
+    NL_LIE_MUTE      /* it trains honestly but never answers a VERIFY_REQ */
 } nl_lie_kind;
 
 typedef struct nl_stage_lie {
@@ -47,7 +48,7 @@ typedef struct nl_stage_lie {
 } nl_stage_lie;
 
 /* The kind named s ("bitflip", "noise", "stale", "skip", "backward",
- * "verifier"), or -1. */
+ * "verifier", "mute"), or -1. */
 int nl_stage_lie_kind(const char *s);
 
 typedef struct nl_stage_opts {

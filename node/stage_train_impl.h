@@ -152,6 +152,8 @@ nl_status nl_stage_train_verify_req(nl_stage *s, stage_train *t, const nl_msg_ve
 
 /* Falsify j's output to send as s->o.lie says (a no-op without it). */
 void nl_stage_train_lie(nl_stage *s, stage_train *t, rjob *j);
+/* A stage that withholds its cases (NL_LIE_MUTE): VERIFY_REQ unanswered. */
+bool nl_stage_verify_mute(const nl_stage *s);
 /* A verifier that lies (NL_LIE_VERIFIER): one bit of a digest of its
  * answer, on its fraction of the cases. */
 void nl_stage_verify_lie(const nl_stage *s, uint64_t job, uint64_t step, uint32_t mb,

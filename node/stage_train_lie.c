@@ -15,6 +15,7 @@
  *   backward  one bit of a gradient it sends back; its forwards are honest
  *   verifier  it trains honestly, but as a verifier it answers a fraction
  *             of the cases it redoes with one bit of a digest flipped
+ *   mute      it trains honestly but never hands over a case asked for
  *
  * In a build without the hooks nl_stage_train_lie does nothing. */
 #include <stdlib.h>
@@ -25,9 +26,9 @@
 
 int nl_stage_lie_kind(const char *s)
 {
-    static const char *const names[] = {"bitflip", "noise",    "stale",
-                                        "skip",    "backward", "verifier"};
-    for (int i = 0; s && i < 6; i++)
+    static const char *const names[] = {"bitflip",  "noise",    "stale", "skip",
+                                        "backward", "verifier", "mute"};
+    for (int i = 0; s && i < 7; i++)
         if (strcmp(s, names[i]) == 0)
             return i + 1;
     return -1;
@@ -59,15 +60,15 @@ static void flip_bit(float *x, size_t n, uint64_t h)
     memcpy(&x[i], &u, sizeof u);
 }
 
-static const char *const kind_name[] = {"",     "bitflip",  "noise",   "stale",
-                                        "skip", "backward", "verifier"};
+static const char *const kind_name[] = {"",     "bitflip",  "noise",    "stale",
+                                        "skip", "backward", "verifier", "mute"};
 
 void nl_stage_train_lie(nl_stage *s, stage_train *t, rjob *j)
 {
     const nl_stage_lie *l = &s->o.lie;
     const bool fwd = j->out_type == NL_MSG_ACTIVATION, bwd = j->out_type == NL_MSG_GRADIENT;
     const size_t n = t->rows * t->d;
-    if (l->kind == NL_LIE_NONE || l->kind == NL_LIE_VERIFIER || !(fwd || bwd) ||
+    if (l->kind == NL_LIE_NONE || l->kind >= NL_LIE_VERIFIER || !(fwd || bwd) ||
         j->mb >= (uint32_t)t->M)
         return;
     float *prev = NULL;
@@ -119,6 +120,13 @@ void nl_stage_train_lie(nl_stage *s, stage_train *t, rjob *j)
     }
 }
 
+bool nl_stage_verify_mute(const nl_stage *s)
+{
+    if (s->o.lie.kind == NL_LIE_MUTE)
+        NL_WARN("test hook: this stage withholds a case asked for verification");
+    return s->o.lie.kind == NL_LIE_MUTE;
+}
+
 void nl_stage_verify_lie(const nl_stage *s, uint64_t job, uint64_t step, uint32_t mb,
                          uint32_t stage, uint8_t fwd[NL_HOP_DIGEST_BYTES],
                          uint8_t bwd[NL_HOP_DIGEST_BYTES])
@@ -134,6 +142,12 @@ void nl_stage_verify_lie(const nl_stage *s, uint64_t job, uint64_t step, uint32_
 }
 
 #else
+
+bool nl_stage_verify_mute(const nl_stage *s)
+{
+    (void)s;
+    return false;
+}
 
 void nl_stage_train_lie(nl_stage *s, stage_train *t, rjob *j)
 {

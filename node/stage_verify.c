@@ -213,6 +213,8 @@ nl_status nl_stage_train_verify_req(nl_stage *s, stage_train *t, const nl_msg_ve
                                     nl_stage_send_fn send, void *ctx, nl_error *err)
 {
     nl_verify_case c;
+    if (nl_stage_verify_mute(s)) /* a test hook: a stage that withholds its cases */
+        return NL_OK;
     nl_status st = nl_stage_verify_case(s, r->job_id, r->step, r->microbatch, &c, err);
     if (st != NL_OK)
         return st;

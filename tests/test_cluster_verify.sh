@@ -91,5 +91,13 @@ check grep -q "^# banned: convicted of verifying wrong.* node  # node-2" \
   "$W/lie-verifier/coord/authorized_keys"
 check cmp "$W/plain.safetensors" "$W/lie-verifier.safetensors"
 
+# ---- a stage that withholds its cases (node-2): convicted at the next
+# step's reports, banned, and the job ends as the honest run ----
+run lie-mute 1 NL_TEST_LIE=mute:1 NL_TEST_LIE_NODE=node-2
+check grep -q "did not hand over step .* for verification" "$W/lie-mute/coord.log"
+check grep -q "^# banned: convicted of computing wrong.*withheld its case.* node  # node-2" \
+  "$W/lie-mute/coord/authorized_keys"
+check cmp "$W/plain.safetensors" "$W/lie-mute.safetensors"
+
 echo "test_cluster_verify: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
