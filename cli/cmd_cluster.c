@@ -405,6 +405,10 @@ static int cluster_up(const nl_flag *flags, const char *dir)
         snprintf(log, sizeof log, "%s/http", cdir);
         unlink(log);
     }
+    if (nl_args_get(flags, "verify-rate")) { /* checked by neurocoord */
+        cargv[ca++] = "--verify-rate";
+        cargv[ca++] = (char *)nl_args_get(flags, "verify-rate");
+    }
     if (http_tokens) {
         cargv[ca++] = "--http-tokens";
         cargv[ca++] = (char *)http_tokens;
@@ -577,6 +581,10 @@ int nl_cmd_cluster(int argc, char **argv)
          NULL},
         {"grow", 1,
          "up: auto: the model deepens as nodes join (neurocoord --grow; default off)", NULL},
+        {"verify-rate", 1,
+         "up: the fraction of a training step's (stage, microbatch)s another node redoes "
+         "(neurocoord --verify-rate; default 0.05)",
+         NULL},
         {"timeout", 1, "up: seconds to wait for the cluster to be ready (default 120)", NULL},
         {0}};
     const char *usage =

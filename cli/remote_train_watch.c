@@ -254,6 +254,12 @@ static nl_status on_step(rtrain_watch *w, const json_t *ev, nl_error *err)
         s.device = json_string_value(dev);
     if (json_is_boolean(tf32))
         s.tf32 = json_is_true(tf32);
+    s.has_checks = json_object_get(ev, "verified") != NULL;
+    s.digest_mismatches = integer(ev, "digest_mismatches", 0);
+    s.verified = integer(ev, "verified", 0);
+    s.verify_mismatches = integer(ev, "verify_mismatches", 0);
+    s.verify_convicted = integer(ev, "verify_convicted", 0);
+    s.verify_outvoted = integer(ev, "verify_outvoted", 0);
     w->skipped += s.skipped;
     nl_train_report_step(&w->prog, &s, w->log);
     if (json_object_get(ev, "eval_accuracy")) { /* classify: over the whole held-out split */

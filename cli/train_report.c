@@ -73,7 +73,15 @@ static void log_record(const nl_train_step *s, FILE *log)
         log_num(log, "eval_loss", s->eval_loss);
     fprintf(log, ",\"device\":");
     log_str(log, s->device);
-    fprintf(log, ",\"tf32\":%s}\n", s->tf32 < 0 ? "null" : s->tf32 ? "true" : "false");
+    fprintf(log, ",\"tf32\":%s", s->tf32 < 0 ? "null" : s->tf32 ? "true" : "false");
+    if (s->has_checks)
+        fprintf(log,
+                ",\"digest_mismatches\":%" PRId64 ",\"verified\":%" PRId64
+                ",\"verify_mismatches\":%" PRId64 ",\"verify_convicted\":%" PRId64
+                ",\"verify_outvoted\":%" PRId64,
+                s->digest_mismatches, s->verified, s->verify_mismatches, s->verify_convicted,
+                s->verify_outvoted);
+    fprintf(log, "}\n");
     fflush(log);
 }
 

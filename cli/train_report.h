@@ -73,6 +73,12 @@ typedef struct nl_train_step {
     const char *device; /* where it computes: "cpu", "cuda:0"; a cluster's stages joined by
                            ',' in stage order ("cuda:0,cpu"); NULL: not known */
     int tf32;           /* 1: TF32 GEMMs allowed, 0: FP32, -1: not known (a cluster) */
+    /* a cluster's checks so far (docs/security.md): hops whose two ends
+     * reported other digests, (stage, microbatch)s redone by a verifier,
+     * and of those found wrong; has_checks: they came */
+    int has_checks;
+    int64_t digest_mismatches, verified, verify_mismatches;
+    int64_t verify_convicted, verify_outvoted; /* arbitrated: a stage wrong, a verifier wrong */
 } nl_train_step;
 
 /* Monotonic seconds. */
@@ -101,7 +107,9 @@ void nl_train_progress_break(nl_train_progress *p);
  * start_time and now, and the eval loss when there is one; to log (may be
  * NULL), one JSON object per step and a flush: {"step", "loss",
  * "ce_loss", "aux_loss", "lr", "grad_norm", "tokens_per_s", "skipped",
- * "eval_loss"|absent, "device": str|null, "tf32": bool|null}. */
+ * "eval_loss"|absent, "device": str|null, "tf32": bool|null, and on a
+ * cluster "digest_mismatches", "verified", "verify_mismatches",
+ * "verify_convicted", "verify_outvoted"}. */
 void nl_train_report_step(nl_train_progress *p, const nl_train_step *s, FILE *log);
 
 /* "checkpoint PATH" on stderr, on a line of its own. */

@@ -6,6 +6,7 @@
 #include "coord_impl.h"
 
 #include <errno.h>
+#include <sodium.h>
 #include <limits.h>
 #include <math.h>
 #include <stdarg.h>
@@ -35,6 +36,7 @@ void nl_coord_opts_init(nl_coord_opts *o)
     o->job_timeout_ms = 120000;
     o->gen_resumes = 2;
     o->train_resumes = 3;
+    o->verify_rate = 0.05; /* docs/security.md: within 5% of tokens/s */
     o->plan_rows = 512;
     o->replan_margin = 0.1;
     o->max_data_bytes = 1ull << 30;
@@ -175,6 +177,7 @@ static nl_status setup_sockets(nl_coord *c, nl_error *err)
     nl_status st = nl_keys_ensure(c->o.state_dir, &c->keys, &created, err);
     if (st != NL_OK)
         return st;
+    randombytes_buf(c->verify_key, sizeof c->verify_key); /* libsodium is up: the keys are */
     if (created)
         NL_INFO("created %s/coordinator.key and coordinator.pub", c->o.state_dir);
     snprintf(path, sizeof path, "%s/authorized_keys", c->o.state_dir);
@@ -280,6 +283,7 @@ void nl_coord_destroy(nl_coord **cp)
     free(c->chat_text);
     free(c->growth);
     nl_keys_wipe(&c->keys);
+    sodium_memzero(c->verify_key, sizeof c->verify_key);
     free(c);
     *cp = NULL;
 }
@@ -290,6 +294,10 @@ static void tick(nl_coord *c)
 {
     const double now = coord_now();
     coord_reap_sources(c, 0);
+    cnode *q = c->quarantine ? coord_node_by_id(c, c->quarantine) : NULL;
+    c->quarantine = 0;
+    if (q && q->life == NODE_LIVE) /* convicted (coord_quarantine) */
+        coord_node_lost(c, q, NODE_DEAD, c->quarantine_why);
     /* the oldest heartbeat first (an unreachable node before it): O(1)
      * per turn and per death, not a scan of every node */
     for (cnode *n; (n = coord_node_oldest(c)) &&
@@ -376,6 +384,8 @@ void coord_dispatch(nl_coord *c, const nl_rx *rx, int roles)
     case NL_MSG_GRAD_NORM:
     case NL_MSG_LOSS:
     case NL_MSG_CKPT_DONE:
+    case NL_MSG_VERIFY_CASE:
+    case NL_MSG_VERIFY_RESULT:
         coord_on_job_message(c, rx);
         break;
     case NL_MSG_JOB_SUBMIT:

@@ -39,6 +39,8 @@ typedef struct nl_coord_opts {
                             * fraction (0.1: 10%; 1: never) */
     int plaintext;         /* INSECURE: no CURVE */
     int grow_auto;         /* --grow auto: the model deepens as nodes join (coord_grow.c) */
+    double verify_rate;    /* --verify-rate: the fraction of a training step's (stage,
+                            * microbatch)s redone by another node (coord_train_verify.c) */
     /* Where a training job's client-chosen paths may lead (data; resume
      * and checkpoint_dir): NULL for <state_dir>/data and
      * <state_dir>/checkpoints (created 0700). */

@@ -208,6 +208,9 @@ static void card_step(train_card *t, uint64_t job, int64_t step, json_t *o, doub
         t->steps = json_integer_value(json_object_get(o, "steps"));
     t->loss = num_or_nan(json_object_get(o, "loss"));
     t->tps = num_or_nan(json_object_get(o, "tokens_per_s"));
+    t->dig_mismatches = json_integer_value(json_object_get(o, "digest_mismatches"));
+    t->verified = json_integer_value(json_object_get(o, "verified"));
+    t->verify_mismatches = json_integer_value(json_object_get(o, "verify_mismatches"));
     curve_add(&t->curve, step, t->loss);
     if (json_is_number(json_object_get(o, "eval_loss"))) {
         t->eval_loss = json_number_value(json_object_get(o, "eval_loss"));

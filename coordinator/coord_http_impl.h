@@ -54,6 +54,8 @@ typedef struct train_card {
     int64_t start_step, step, steps, batch, seq;
     int stages, resumes;
     double loss, eval_loss, tps; /* NAN: none yet */
+    int64_t dig_mismatches;      /* the job's hops with disagreeing digests */
+    int64_t verified, verify_mismatches; /* redone by a verifier; found wrong */
     int64_t eval_step;
     double t_start, t_end;  /* the start report, the end (0: running) */
     double t_first, t_last; /* the first step after the (re)start, the last step */

@@ -339,6 +339,16 @@ char *coord_http_metrics(void *ctx)
             HELP("neurollm_train_tokens_per_second", "gauge", "Training tokens per second.");
             put(&s, &n, &cap, "neurollm_train_tokens_per_second %.6g\n", t->tps);
         }
+        HELP("neurollm_train_digest_mismatches", "gauge",
+             "The training job's hops whose sender and receiver report different digests.");
+        put(&s, &n, &cap, "neurollm_train_digest_mismatches %lld\n", (long long)t->dig_mismatches);
+        HELP("neurollm_train_verified", "gauge",
+             "The training job's (stage, microbatch)s redone by a verifier (--verify-rate).");
+        put(&s, &n, &cap, "neurollm_train_verified %lld\n", (long long)t->verified);
+        HELP("neurollm_train_verify_mismatches", "gauge",
+             "Of those, the ones whose recompute gave other digests than the stage sent.");
+        put(&s, &n, &cap, "neurollm_train_verify_mismatches %lld\n",
+            (long long)t->verify_mismatches);
         if (!isnan(t->eval_loss)) {
             HELP("neurollm_train_eval_loss", "gauge", "The last held-out loss.");
             put(&s, &n, &cap, "neurollm_train_eval_loss %.9g\n", t->eval_loss);

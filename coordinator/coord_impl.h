@@ -198,6 +198,9 @@ struct nl_coord {
     nl_sock *cli;  /* the clients' socket (--client-listen; control-sized) */
     nl_sock *from; /* the socket of the message being handled (NULL: by its type) */
     nl_keypair keys;
+    uint8_t verify_key[32]; /* draws what --verify-rate checks: made at the start, never sent */
+    uint32_t quarantine;     /* a node convicted of computing wrong: dropped at the next tick */
+    char quarantine_why[400];
     char endpoint[256], client_endpoint[256];
     nl_coord_observer observe; /* nl_coord_observe, or NULL */
     void *observe_ctx;
@@ -402,6 +405,12 @@ const char *coord_confine_file(const char *root, const char *path, const char *d
  * generation waits to resume) and plan again. */
 void coord_node_lost(nl_coord *c, cnode *n, int life, const char *why);
 void coord_on_join(nl_coord *c, const nl_rx *rx);
+/* Node n computed wrong in job `job` (coord_train_verify.c): its key is
+ * banned (its authorized_keys line commented out, so it stays banned
+ * across a restart, and the allow-lists reloaded), /api/events says so
+ * (train_quarantine), and the node is dropped at the next tick as a dead
+ * one (the jobs it carried resume without it). */
+void coord_quarantine(nl_coord *c, cnode *n, uint64_t job, const char *why);
 void coord_on_leave(nl_coord *c, const nl_rx *rx);
 void coord_on_heartbeat(nl_coord *c, const nl_rx *rx);
 void coord_on_node_error(nl_coord *c, const nl_rx *rx);

@@ -160,6 +160,10 @@ static uint64_t job_of(const nl_wire_msg *m)
         return m->u.loss.job_id;
     case NL_MSG_CKPT_DONE:
         return m->u.ckpt_done.job_id;
+    case NL_MSG_VERIFY_CASE:
+        return m->u.verify_case.job_id;
+    case NL_MSG_VERIFY_RESULT:
+        return m->u.verify_result.job_id;
     default:
         return 0;
     }

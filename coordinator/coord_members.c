@@ -5,6 +5,7 @@
 #include "coord_impl.h"
 
 #include <errno.h>
+#include <jansson.h>
 #include <limits.h>
 #include <math.h>
 #include <stdarg.h>
@@ -42,6 +43,62 @@ void coord_node_lost(nl_coord *c, cnode *n, int life, const char *why)
     } else {
         c->replan_wanted |= COORD_REPLAN_LEFT; /* a standby: the plan may still be the best */
     }
+}
+
+/* Comment out key's lines in <state-dir>/authorized_keys ("# banned:
+ * WHY: " before each) and reload the allow-lists. */
+static nl_status ban_key(nl_coord *c, const char *key, const char *why, nl_error *err)
+{
+    char path[4096], *text = NULL, *out = NULL;
+    size_t len = 0, n = 0;
+    snprintf(path, sizeof path, "%s/authorized_keys", c->o.state_dir);
+    nl_status st = nl_file_read_all(path, 16u << 20, &text, &len, err);
+    if (st != NL_OK)
+        return st;
+    const size_t klen = strlen(key);
+    int hits = 0;
+    if (!(out = malloc(len + 1 + 64 * (len / 40 + 1) + 512))) {
+        free(text);
+        return nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+    }
+    for (char *line = text, *end; line < text + len; line = end) {
+        end = memchr(line, '\n', (size_t)(text + len - line));
+        end = end ? end + 1 : text + len;
+        if ((size_t)(end - line) >= klen && memcmp(line, key, klen) == 0 &&
+            (line + klen == end || line[klen] == ' ' || line[klen] == '\t' || line[klen] == '\n')) {
+            n += (size_t)sprintf(out + n, "# banned: %.300s: ", why);
+            hits++;
+        }
+        memcpy(out + n, line, (size_t)(end - line));
+        n += (size_t)(end - line);
+    }
+    if (hits)
+        st = nl_file_write_atomic(path, out, n, err);
+    free(text);
+    free(out);
+    if (st == NL_OK && hits)
+        st = nl_auth_reload(nl_net_auth(c->net), err);
+    return st;
+}
+
+void coord_quarantine(nl_coord *c, cnode *n, uint64_t job, const char *why)
+{
+    nl_error e = {0};
+    if (c->observe) { /* /api/events: train_quarantine */
+        json_t *o = json_pack("{s:s,s:I,s:s,s:s}", "event", "quarantine", "node", (json_int_t)n->id,
+                              "key", n->key, "why", why);
+        char *text = o ? json_dumps(o, JSON_COMPACT) : NULL;
+        if (text)
+            c->observe(c->observe_ctx, job, NL_JOB_RUNNING, "quarantined", text);
+        free(text);
+        json_decref(o);
+    }
+    NL_WARN("node %u (key %.40s): %s: quarantined, its key banned", n->id, n->key, why);
+    if (!c->o.plaintext && ban_key(c, n->key, why, &e) != NL_OK)
+        NL_ERROR("cannot ban node %u's key in %s/authorized_keys: %s", n->id, c->o.state_dir,
+                 e.msg);
+    c->quarantine = n->id;
+    snprintf(c->quarantine_why, sizeof c->quarantine_why, "quarantined: %.300s", why);
 }
 
 void coord_on_join(nl_coord *c, const nl_rx *rx)

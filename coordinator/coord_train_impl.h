@@ -80,6 +80,17 @@ typedef struct ctrain {
     int seq_default; /* seq is the client's default, not typed: fit to max_seq_len */
     int bad_stage;   /* the stage whose report of this step was not finite, or -1 */
     uint8_t *got;    /* per stage: GRAD_NORM (1) or CKPT_DONE (2) in */
+    /* the step's hop digests as each stage reported them with its
+     * GRAD_NORM: [dig_stages][micro][NL_DIGEST_KINDS][32] (coord_train_stages.c) */
+    uint8_t *dig;
+    int dig_stages;
+    int64_t dig_mismatches; /* hops whose sender and receiver disagree, in all */
+    /* verification by recompute (coord_train_verify.c): those under way,
+     * and (stage, microbatch)s drawn, redone and found wrong so far */
+    struct cverify *ver;
+    int64_t verify_sampled, verify_done, verify_mismatches, verify_skipped;
+    int64_t verify_convicted, verify_outvoted; /* arbitrated: stage wrong, verifier wrong */
+    uint32_t verify_guilty;                    /* the node last convicted (0: none) */
     double sumsq, ce, aux, t_step, step_s;
     nl_step_result r;
     double lr_now, eval_loss;
@@ -106,6 +117,15 @@ static inline char *coord_train_dup(const char *s, int *oom)
     *oom |= s && !d;
     return d;
 }
+
+/* ---------------------------------------------------------------- coord_train_verify.c */
+
+/* The step's reports are in and its STEP is about to go: VERIFY_REQ to the
+ * stages of the (stage, microbatch)s drawn (--verify-rate). */
+void coord_train_verify_sample(nl_coord *c, cjob *j);
+/* A VERIFY_CASE (on to a verifier) or VERIFY_RESULT (compared). */
+void coord_train_verify_msg(nl_coord *c, cjob *j, const nl_rx *rx);
+void coord_train_verify_free(ctrain *t);
 
 /* ---------------------------------------------------------------- coord_train.c */
 

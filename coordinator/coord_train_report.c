@@ -101,6 +101,17 @@ void coord_train_report_step(nl_coord *c, cjob *j)
         "tokens_per_s", jnum((double)t->batch * (double)t->seq / t->step_s), "skipped", r->skipped);
     if (o && t->has_eval)
         json_object_set_new(o, "eval_loss", jnum(t->eval_loss));
+    if (o) { /* hops whose two ends report other digests; verification by recompute */
+        json_object_set_new(o, "digest_mismatches", json_integer((json_int_t)t->dig_mismatches));
+        json_object_set_new(o, "verify_sampled", json_integer((json_int_t)t->verify_sampled));
+        json_object_set_new(o, "verified", json_integer((json_int_t)t->verify_done));
+        json_object_set_new(o, "verify_mismatches",
+                            json_integer((json_int_t)t->verify_mismatches));
+        json_object_set_new(o, "verify_skipped", json_integer((json_int_t)t->verify_skipped));
+        json_object_set_new(o, "verify_convicted",
+                            json_integer((json_int_t)t->verify_convicted));
+        json_object_set_new(o, "verify_outvoted", json_integer((json_int_t)t->verify_outvoted));
+    }
     if (o && t->has_eval && t->lds)
         json_object_set_new(o, "eval_accuracy", jnum(t->eval_acc));
     char msg[64];

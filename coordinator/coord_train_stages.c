@@ -8,10 +8,12 @@
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "base/log.h"
 #include "coord_train_impl.h"
+#include "net/hopdigest.h"
 
 /* A stage's report being taken. */
 typedef struct srep {
@@ -62,6 +64,72 @@ static int on_ack(srep *r)
     return ++t->acks == t->stages;
 }
 
+/* The bytes of stage s's digests in the step's table. */
+static uint8_t *stage_digests(ctrain *t, int s)
+{
+    return t->dig + (size_t)s * (size_t)t->micro * NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES;
+}
+
+/* A GRAD_NORM's digests into the step's table (none: zero, nothing to
+ * compare); a frame of the wrong size is a lie. */
+static int take_digests(srep *r, uint32_t stage)
+{
+    ctrain *t = r->t;
+    const nl_wire_msg *m = &r->rx->msg;
+    const size_t per = (size_t)t->micro * NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES;
+    if (t->dig_stages != t->stages) {
+        free(t->dig);
+        if (!(t->dig = calloc((size_t)t->stages, per)))
+            return lie(r, "out of memory for the digests of %d stages", t->stages);
+        t->dig_stages = t->stages;
+    }
+    uint8_t *d = stage_digests(t, (int)stage);
+    if (m->nframes == 0) {
+        memset(d, 0, per);
+        return 0;
+    }
+    if (m->frames[0].t.shape[0] != t->micro)
+        return lie(r, "stage %u reported the digests of %lld microbatches for step %lld, but the "
+                      "step has %lld: refused",
+                   stage, (long long)m->frames[0].t.shape[0], (long long)t->step + 1,
+                   (long long)t->micro);
+    memcpy(d, m->frames[0].t.data, per);
+    return 0;
+}
+
+/* Every stage's digests of the step are in: each hop as its sender and its
+ * receiver saw it. A disagreement means one of the two reports what it did
+ * not send or receive (the wire's own check refuses a hop altered on the
+ * way); it is counted and logged (which of the two is at fault takes a
+ * recompute to tell). */
+static void compare_digests(srep *r)
+{
+    ctrain *t = r->t;
+    static const char *const dir[2] = {"ACTIVATION", "GRADIENT"};
+    for (int s = 0; s + 1 < t->stages; s++) {
+        const uint8_t *a = stage_digests(t, s), *b = stage_digests(t, s + 1);
+        for (int64_t mb = 0; mb < t->micro; mb++) {
+            const size_t o = (size_t)mb * NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES;
+            /* forward: s's FWD_OUT is s+1's FWD_IN; backward: s+1's BWD_OUT is s's BWD_IN */
+            const uint8_t *pair[2][2] = {
+                {a + o + NL_DIGEST_FWD_OUT * NL_HOP_DIGEST_BYTES,
+                 b + o + NL_DIGEST_FWD_IN * NL_HOP_DIGEST_BYTES},
+                {b + o + NL_DIGEST_BWD_OUT * NL_HOP_DIGEST_BYTES,
+                 a + o + NL_DIGEST_BWD_IN * NL_HOP_DIGEST_BYTES}};
+            for (int k = 0; k < 2; k++) {
+                if (nl_hop_digest_none(pair[k][0]) || nl_hop_digest_none(pair[k][1]) ||
+                    memcmp(pair[k][0], pair[k][1], NL_HOP_DIGEST_BYTES) == 0)
+                    continue;
+                t->dig_mismatches++;
+                NL_WARN("train job %llu step %lld microbatch %lld: the %s from stage %d to stage "
+                        "%d has one digest at its sender and another at its receiver",
+                        (unsigned long long)r->j->id, (long long)t->step + 1, (long long)mb,
+                        dir[k], k ? s + 1 : s, k ? s : s + 1);
+            }
+        }
+    }
+}
+
 static int on_grad_norm(srep *r)
 {
     const nl_msg_grad_norm *g = &r->rx->msg.u.grad_norm;
@@ -74,10 +142,14 @@ static int on_grad_norm(srep *r)
                    g->stage, g->sumsq, (long long)t->step + 1);
     if (!isfinite(g->sumsq) && t->bad_stage < 0) /* the step is skipped (decide) */
         t->bad_stage = (int)g->stage;
+    if (take_digests(r, g->stage) != 0)
+        return -1;
     r->j->last_progress = coord_now();
     t->got[g->stage] = 1;
     t->sumsq += g->sumsq;
-    return ++t->norms == t->stages && t->have_loss;
+    if (++t->norms == t->stages)
+        compare_digests(r);
+    return t->norms == t->stages && t->have_loss;
 }
 
 /* The evaluation's loss: the mean over the predictions (every position
@@ -155,6 +227,10 @@ int coord_train_stage_report(nl_coord *c, cjob *j, const nl_rx *rx, int awaits, 
         return on_loss(&r);
     case NL_MSG_CKPT_DONE:
         return on_ckpt_done(&r);
+    case NL_MSG_VERIFY_CASE:
+    case NL_MSG_VERIFY_RESULT:
+        coord_train_verify_msg(c, j, rx); /* never an event the job awaits */
+        return 0;
     default:
         return 0;
     }

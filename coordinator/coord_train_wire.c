@@ -15,6 +15,7 @@
 #include "core/grow.h"
 #include "core/objective.h"
 #include "core/train.h"
+#include "net/hopdigest.h"
 
 /* Send m to every stage: 0, or -1 and *lost the stage that cannot be
  * reached. */
@@ -32,6 +33,7 @@ static int send_all(nl_coord *c, nl_wire_msg *m, int *lost)
 
 int coord_train_send_decision(nl_coord *c, cjob *j, double scale, int *lost)
 {
+    coord_train_verify_sample(c, j); /* before the STEP changes the weights */
     const ctrain *t = j->state;
     nl_wire_msg m;
     nl_wire_msg_init(&m);
@@ -184,6 +186,8 @@ static int send_hop(nl_coord *c, cjob *j, nl_msg_type type, uint64_t step, uint3
                            classify && !count ? t->labels + m0 * B : NULL,
                            classify && !count ? t->lengths + m0 * B : NULL);
     m.u.train_hop.loss_rows = loss_rows > 0 ? (uint64_t)loss_rows : 0;
+    char digest[NL_HOP_DIGEST_HEX + 1]; /* stage 0 checks what it receives */
+    nl_hop_digest_set(&m, 0, digest, NULL);
     int rc = first && coord_send_node(c, first, &m) == NL_OK ? 0 : -1;
     nl_wire_msg_free(&m);
     return rc;

@@ -79,6 +79,11 @@ static nl_flag flags[] = {
      "reload the last verified manifest and continue from its step (default 3; 0: it fails)",
      NULL},
     {"plan-rows", 1, "rows (tokens) of one request the plan must fit (default 512)", NULL},
+    {"verify-rate", 1,
+     "the fraction P of a training step's (stage, microbatch)s another node redoes and "
+     "compares by digest, drawn from a secret the nodes never see (docs/security.md, "
+     "\"Catching a node that computes wrong\"; default 0.05; 0: none)",
+     NULL},
     {"replan-margin", 1,
      "when a node joins (or a standby leaves) and no job runs, plan again if the bottleneck "
      "gets better by this fraction; the stages reload from the checkpoint or manifest served "
@@ -150,7 +155,8 @@ static int numbers(nl_coord_opts *o)
         (rc = nl_args_size(flags, "min-memory", &min_mem)) ||
         (rc = nl_args_size(flags, "max-data-bytes", &max_data)) ||
         (rc = nl_args_size(flags, "max-data-total", &max_total)) ||
-        (rc = nl_args_double(flags, "replan-margin", 0.0, 1.0, &margin)))
+        (rc = nl_args_double(flags, "replan-margin", 0.0, 1.0, &margin)) ||
+        (rc = nl_args_double(flags, "verify-rate", 0.0, 1.0, &o->verify_rate)))
         return rc;
     if (nto <= hb) {
         fprintf(stderr, "--node-timeout-ms must exceed --heartbeat-ms\n");

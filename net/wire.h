@@ -69,6 +69,9 @@ typedef enum nl_msg_type {
     NL_MSG_CKPT_REQ = 52,
     NL_MSG_CKPT_DONE = 53,
     NL_MSG_LOSS = 54,
+    NL_MSG_VERIFY_REQ = 55,    /* verification by recompute: coord -> the stage checked */
+    NL_MSG_VERIFY_CASE = 56,   /* its case: stage -> coord -> verifier */
+    NL_MSG_VERIFY_RESULT = 57, /* the verifier's digests: verifier -> coord */
     NL_MSG_TYPE_MAX = 64 /* codes are below this */
 } nl_msg_type;
 
@@ -219,6 +222,10 @@ typedef struct nl_msg_train_hop {
     nl_msg_tensor_hop hop;
     uint32_t extras;    /* NL_HOP_* frames after frame 0 */
     uint64_t loss_rows; /* the step's predictions, or 0 */
+    /* the hop's digest (net/hopdigest.h): 64 lowercase hex digits, or
+     * NULL / "" (an older peer). GRADIENT has it too (u.train_hop.digest),
+     * but neither extras nor loss_rows. */
+    const char *digest;
 } nl_msg_train_hop;
 
 /* A generation's tokens. With logprobs asked for (params.logprobs), a
@@ -267,11 +274,23 @@ typedef struct nl_msg_job_ref { /* JOB_CANCEL, JOB_QUERY (0 = all jobs) */
     uint64_t job_id;
 } nl_msg_job_ref;
 
+/* GRAD_NORM + an optional U8 frame [M, 4, 32]: the digests of the step's
+ * hops on this stage (NL_DIGEST_* order per microbatch; all zero: no such
+ * hop), docs/protocol.md, "Hop digests". */
 typedef struct nl_msg_grad_norm {
     uint64_t job_id, step;
     uint32_t stage;
     double sumsq; /* this stage's partial sum of squared gradients */
 } nl_msg_grad_norm;
+
+/* The four digests a stage keeps of each microbatch of a step. */
+enum {
+    NL_DIGEST_FWD_IN = 0, /* the ACTIVATION it received */
+    NL_DIGEST_FWD_OUT,    /* the ACTIVATION it sent on */
+    NL_DIGEST_BWD_IN,     /* the GRADIENT it received */
+    NL_DIGEST_BWD_OUT,    /* the GRADIENT it sent back */
+    NL_DIGEST_KINDS
+};
 
 typedef struct nl_msg_step {
     uint64_t job_id, step;
@@ -311,6 +330,42 @@ typedef struct nl_msg_ckpt_done {
     uint64_t bytes;
 } nl_msg_ckpt_done;
 
+/* Verification by recompute (docs/security.md, "Catching a node that
+ * computes wrong"). VERIFY_REQ asks a stage, between its GRAD_NORM and the
+ * STEP, for microbatch `microbatch` of the step. */
+typedef struct nl_msg_verify_req {
+    uint64_t job_id, step;
+    uint32_t microbatch;
+} nl_msg_verify_req;
+
+/* VERIFY_CASE: what redoing it takes (node/stage_verify.h). Frames: 0 the
+ * stage's weights at the step's start, F32 [n]; 1 its input (I32 tokens
+ * [batch, seq] on the first stage, else F32 [batch, seq, d]); then, but on
+ * the last stage, the GRADIENT it received, F32 [batch, seq, d]; then with
+ * `counts` the step's route counts, I64 [layers, experts]; then the I32
+ * frames `extras` names (NL_HOP_*), as the ACTIVATION carried them.
+ * config_json is empty from the stage; the coordinator fills it for the
+ * verifier. */
+typedef struct nl_msg_verify_case {
+    uint64_t job_id, step;
+    uint32_t microbatch, stage;
+    uint32_t layer0, layer1;
+    bool has_embed, has_head;
+    uint32_t batch, seq, microbatches; /* the microbatch's rows and the step's microbatches */
+    uint64_t loss_rows;
+    uint32_t extras;
+    bool counts;
+    const char *config_json;
+} nl_msg_verify_case;
+
+/* VERIFY_RESULT: the digests of the ACTIVATION and GRADIENT the stage
+ * should have sent (64 hex digits, or "" where it sends none). */
+typedef struct nl_msg_verify_result {
+    uint64_t job_id, step;
+    uint32_t microbatch, stage;
+    const char *fwd, *bwd;
+} nl_msg_verify_result;
+
 /* One tensor frame. t.data/len are the bytes on the wire (len == numel *
  * dtype size). On send, free_fn (if set) is called exactly once when the
  * transport no longer needs the bytes, whatever the outcome: the bytes are
@@ -347,6 +402,9 @@ typedef struct nl_wire_msg {
         nl_msg_loss loss;
         nl_msg_train_hop train_hop;   /* ACTIVATION, COUNT, EVAL */
         nl_msg_train_loss train_loss; /* LOSS */
+        nl_msg_verify_req verify_req;
+        nl_msg_verify_case verify_case;
+        nl_msg_verify_result verify_result;
     } u;
     int nframes;
     nl_wire_frame frames[NL_WIRE_MAX_FRAMES];

@@ -101,12 +101,18 @@ static const nl_wire_field f_load_done[] = {
         F_U64(nl_msg_tensor_hop, pos_offset, 0, INT32_MAX),                                      \
         F_F64(nl_msg_tensor_hop, aux, -1e30, 1e30)
 static const nl_wire_field f_hop[] = {HOP_FIELDS};
+/* a hop's digest (net/hopdigest.h): 64 lowercase hex digits, or absent
+ * (an older peer); check_digest refuses other lengths */
+#define F_DIGEST                                                                                 \
+    {"digest", NL_WK_STR, NL_WCS_HEX, 0, offsetof(nl_msg_train_hop, digest), 0, 0, 64, 0, 0, 1}
 /* the training hops: the objectives' frames and loss rows, added later */
 static const nl_wire_field f_train_hop[] = {
     HOP_FIELDS,
     F_U32_OPT(nl_msg_train_hop, extras),
     F_U64_OPT(nl_msg_train_hop, loss_rows),
+    F_DIGEST,
 };
+static const nl_wire_field f_grad_hop[] = {HOP_FIELDS, F_DIGEST};
 static const nl_wire_field f_token[] = {
     F_U64(nl_msg_token, job_id, U64_ANY),
     F_U64(nl_msg_token, session_id, U64_ANY),
@@ -165,13 +171,49 @@ static const nl_wire_field f_ckpt_done[] = {
     F_U64(nl_msg_ckpt_done, bytes, U64_ANY),
 };
 
+static const nl_wire_field f_verify_req[] = {
+    F_U64(nl_msg_verify_req, job_id, U64_ANY),
+    F_U64(nl_msg_verify_req, step, U64_ANY),
+    F_U32(nl_msg_verify_req, microbatch, U32_ANY),
+};
+static const nl_wire_field f_verify_case[] = {
+    F_U64(nl_msg_verify_case, job_id, U64_ANY),
+    F_U64(nl_msg_verify_case, step, U64_ANY),
+    F_U32(nl_msg_verify_case, microbatch, U32_ANY),
+    F_U32(nl_msg_verify_case, stage, 0, 4095),
+    F_U32(nl_msg_verify_case, layer0, 0, 65536),
+    F_U32(nl_msg_verify_case, layer1, 0, 65536),
+    F_BOOL(nl_msg_verify_case, has_embed),
+    F_BOOL(nl_msg_verify_case, has_head),
+    F_U32(nl_msg_verify_case, batch, 1, 1u << 20),
+    F_U32(nl_msg_verify_case, seq, 1, 1u << 20),
+    F_U32(nl_msg_verify_case, microbatches, 1, 1u << 20),
+    F_U64(nl_msg_verify_case, loss_rows, U64_ANY),
+    F_U32(nl_msg_verify_case, extras, 0, NL_HOP_ALL),
+    F_BOOL(nl_msg_verify_case, counts),
+    F_STR(nl_msg_verify_case, config_json, NL_WCS_UTF8, 0, 49152),
+};
+static const nl_wire_field f_verify_result[] = {
+    F_U64(nl_msg_verify_result, job_id, U64_ANY),
+    F_U64(nl_msg_verify_result, step, U64_ANY),
+    F_U32(nl_msg_verify_result, microbatch, U32_ANY),
+    F_U32(nl_msg_verify_result, stage, 0, 4095),
+    F_STR(nl_msg_verify_result, fwd, NL_WCS_HEX, 0, 64),
+    F_STR(nl_msg_verify_result, bwd, NL_WCS_HEX, 0, 64),
+};
+
 static nl_status check_join(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
+static nl_status check_verify_case(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
+static nl_status check_verify_result(const nl_wire_msg *m, const nl_wire_tdesc *td,
+                                     nl_error *err);
 static nl_status check_accept(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_assign(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_layer_load(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_job_submit(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_activation(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_token(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
+static nl_status check_digest(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
+static nl_status check_grad_norm(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 
 static const nl_wire_tdesc tdescs[NL_MSG_TYPE_MAX] = {
     [NL_MSG_HELLO] = {"HELLO", f_hello, NF(f_hello), 0, 0, 0, 0, 0, NULL},
@@ -187,7 +229,8 @@ static const nl_wire_tdesc tdescs[NL_MSG_TYPE_MAX] = {
     [NL_MSG_LOAD_DONE] = {"LOAD_DONE", f_load_done, NF(f_load_done), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_ACTIVATION] = {"ACTIVATION", f_train_hop, NF(f_train_hop), 1, 5, 1, NL_MAX_DIMS,
                            DT_FLOAT | DT(I32), check_activation},
-    [NL_MSG_GRADIENT] = {"GRADIENT", f_hop, NF(f_hop), 1, 1, 1, NL_MAX_DIMS, DT_FLOAT, NULL},
+    [NL_MSG_GRADIENT] = {"GRADIENT", f_grad_hop, NF(f_grad_hop), 1, 1, 1, NL_MAX_DIMS, DT_FLOAT,
+                         check_digest},
     /* the last stage's logits (F32 [B, T, V]) for a forward job, to the
      * coordinator and on to the client */
     [NL_MSG_RESULT] = {"RESULT", f_hop, NF(f_hop), 1, 1, 1, NL_MAX_DIMS, DT_FLOAT, NULL},
@@ -204,11 +247,18 @@ static const nl_wire_tdesc tdescs[NL_MSG_TYPE_MAX] = {
     [NL_MSG_JOB_STATUS] = {"JOB_STATUS", f_job_status, NF(f_job_status), 0, 1, 1, 1, DT(U8), NULL},
     [NL_MSG_JOB_CANCEL] = {"JOB_CANCEL", f_job_ref, NF(f_job_ref), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_JOB_QUERY] = {"JOB_QUERY", f_job_ref, NF(f_job_ref), 0, 0, 0, 0, 0, NULL},
-    [NL_MSG_GRAD_NORM] = {"GRAD_NORM", f_grad_norm, NF(f_grad_norm), 0, 0, 0, 0, 0, NULL},
+    /* + an optional U8 frame [M, 4, 32]: the step's hop digests */
+    [NL_MSG_GRAD_NORM] = {"GRAD_NORM", f_grad_norm, NF(f_grad_norm), 0, 1, 3, 3, DT(U8),
+                          check_grad_norm},
     [NL_MSG_STEP] = {"STEP", f_step, NF(f_step), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_CKPT_REQ] = {"CKPT_REQ", f_ckpt_req, NF(f_ckpt_req), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_CKPT_DONE] = {"CKPT_DONE", f_ckpt_done, NF(f_ckpt_done), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_LOSS] = {"LOSS", f_loss, NF(f_loss), 0, 0, 0, 0, 0, NULL},
+    [NL_MSG_VERIFY_REQ] = {"VERIFY_REQ", f_verify_req, NF(f_verify_req), 0, 0, 0, 0, 0, NULL},
+    [NL_MSG_VERIFY_CASE] = {"VERIFY_CASE", f_verify_case, NF(f_verify_case), 2, 8, 1, 3,
+                            DT(F32) | DT(I32) | DT(I64), check_verify_case},
+    [NL_MSG_VERIFY_RESULT] = {"VERIFY_RESULT", f_verify_result, NF(f_verify_result), 0, 0, 0, 0,
+                              0, check_verify_result},
 };
 
 const nl_wire_tdesc *nl_wire_schema_of(uint32_t type)
@@ -475,6 +525,28 @@ static nl_status check_layer_load(const nl_wire_msg *m, const nl_wire_tdesc *td,
     return NL_OK;
 }
 
+/* A hop's digest: 64 hex digits, or none. */
+static nl_status check_digest(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err)
+{
+    const char *d = m->u.train_hop.digest;
+    const size_t n = d ? strlen(d) : 0;
+    if (n != 0 && n != 64)
+        return nl_error_set(err, NL_ERR_RANGE, "%s.digest: %zu hex digits, must be 64 (or absent)",
+                            td->name, n);
+    return NL_OK;
+}
+
+/* GRAD_NORM's digests: [M, 4, 32]. */
+static nl_status check_grad_norm(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err)
+{
+    const nl_tensor *t = m->nframes ? &m->frames[0].t : NULL;
+    if (t && (t->shape[1] != NL_DIGEST_KINDS || t->shape[2] != 32))
+        return nl_error_set(err, NL_ERR_SHAPE,
+                            "%s: the digests frame must be U8 [microbatches, %d, 32]", td->name,
+                            NL_DIGEST_KINDS);
+    return NL_OK;
+}
+
 /* A training hop's frames after frame 0: as hop.extras names them (each
  * I32), or without extras (the older form) at most the targets. */
 /* Log-probabilities ride on a TOKEN of one token: the frame holds 1 +
@@ -509,6 +581,9 @@ static nl_status check_activation(const nl_wire_msg *m, const nl_wire_tdesc *td,
 {
     static const char *const what[] = {"targets", "document ids", "labels", "lengths"};
     const uint32_t x = m->u.train_hop.extras;
+    nl_status st = check_digest(m, td, err);
+    if (st != NL_OK)
+        return st;
     if (x & ~(uint32_t)NL_HOP_ALL)
         return nl_error_set(err, NL_ERR_RANGE, "%s.extras: %u names frames that do not exist",
                             td->name, x);
@@ -540,6 +615,47 @@ static nl_status check_activation(const nl_wire_msg *m, const nl_wire_tdesc *td,
     if (f != m->nframes)
         return nl_error_set(err, NL_ERR_PROTO, "%s: %d tensor frames, but extras %u names %d",
                             td->name, m->nframes, x, f);
+    return NL_OK;
+}
+
+/* VERIFY_CASE: the frames its fields name, in their order, each of its
+ * dtype and rank (their sizes are the receiver's to check against the
+ * config). */
+static nl_status check_verify_case(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err)
+{
+    const nl_msg_verify_case *v = &m->u.verify_case;
+    nl_dtype want[8];
+    int rank[8], n = 0;
+    if (v->layer0 > v->layer1 || (v->has_embed && v->stage != 0))
+        return nl_error_set(err, NL_ERR_RANGE, "%s: layers [%u, %u) of stage %u%s", td->name,
+                            v->layer0, v->layer1, v->stage, v->has_embed ? " with the embedding" : "");
+    want[n] = NL_DTYPE_F32, rank[n++] = 1; /* the weights */
+    want[n] = v->has_embed ? NL_DTYPE_I32 : NL_DTYPE_F32, rank[n++] = v->has_embed ? 2 : 3;
+    if (!v->has_head)
+        want[n] = NL_DTYPE_F32, rank[n++] = 3; /* the GRADIENT received */
+    if (v->counts)
+        want[n] = NL_DTYPE_I64, rank[n++] = 2;
+    for (int bit = 0; bit < 4; bit++)
+        if (v->extras & (1u << bit))
+            want[n] = NL_DTYPE_I32, rank[n++] = bit < 2 ? 2 : 1;
+    if (m->nframes != n)
+        return nl_error_set(err, NL_ERR_PROTO, "%s: %d tensor frames, its fields name %d",
+                            td->name, m->nframes, n);
+    for (int i = 0; i < n; i++)
+        if (m->frames[i].t.dtype != want[i] || m->frames[i].t.ndim != rank[i])
+            return nl_error_set(err, NL_ERR_DTYPE, "%s: frame %d must be %s of %d dimension%s",
+                                td->name, i, nl_dtype_name(want[i]), rank[i],
+                                rank[i] > 1 ? "s" : "");
+    return NL_OK;
+}
+
+static nl_status check_verify_result(const nl_wire_msg *m, const nl_wire_tdesc *td,
+                                     nl_error *err)
+{
+    const nl_msg_verify_result *v = &m->u.verify_result;
+    const size_t f = v->fwd ? strlen(v->fwd) : 0, b = v->bwd ? strlen(v->bwd) : 0;
+    if ((f != 0 && f != 64) || (b != 0 && b != 64))
+        return nl_error_set(err, NL_ERR_RANGE, "%s: a digest is 64 hex digits or empty", td->name);
     return NL_OK;
 }
 

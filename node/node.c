@@ -21,6 +21,7 @@
 #include "../net/transport.h"
 #include "node_impl.h"
 #include "stage.h"
+#include "stage_verify.h"
 
 #define ACCEPT_WAIT_MS 10000 /* for the answer to JOIN */
 #define MAX_DRAIN 64         /* messages per socket per turn, so heartbeats keep time */
@@ -308,18 +309,20 @@ static nl_status start(node *n, nl_error *err)
         st = open_device(n, err);
     if (st != NL_OK)
         return st;
-    nl_stage_opts so = {.memory_bytes = n->memory,
-                        .kv_budget = o->kv_budget,
-                        .batch_decode = o->batch_decode,
-                        .prefill_chunk = o->prefill_chunk,
-                        .batch_wait_ms = o->batch_wait_ms,
-                        .send_wait_ms = 1, /* nl_node_wait_sent waited already */
-                        .ckpt_root = n->ckpt_root ? n->ckpt_root : "/nonexistent",
-                        .inject_nan_step = o->inject_nan_step,
-                        .inject_nan_stage = o->inject_nan_stage,
-                        .inject_nan_on = o->inject_nan_on,
-                        .tf32 = o->tf32,
-                        .train_async = 1}; /* replicas report through serve()'s poll */
+    nl_stage_opts so = {
+        .memory_bytes = n->memory,
+        .kv_budget = o->kv_budget,
+        .batch_decode = o->batch_decode,
+        .prefill_chunk = o->prefill_chunk,
+        .batch_wait_ms = o->batch_wait_ms,
+        .send_wait_ms = 1, /* nl_node_wait_sent waited already */
+        .ckpt_root = n->ckpt_root ? n->ckpt_root : "/nonexistent",
+        .inject_nan_step = o->inject_nan_step,
+        .inject_nan_stage = o->inject_nan_stage,
+        .inject_nan_on = o->inject_nan_on,
+        .lie = {(nl_lie_kind)o->inject_lie_kind, o->inject_lie_rate, o->inject_lie_seed},
+        .tf32 = o->tf32,
+        .train_async = 1}; /* replicas report through serve()'s poll */
     if ((st = nl_stage_new_replicas(&n->stage, n->dev.be, n->dev.n, n->dev.comm, &so, err)) !=
             NL_OK ||
         (st = nl_net_new(&n->net, NULL, err)) != NL_OK ||
@@ -398,6 +401,20 @@ static void accepted_again(node *n, const nl_msg_accept *a)
 
 /* ===================== dispatch ===================== */
 
+/* A VERIFY_CASE: this node redoes another stage's microbatch on its first
+ * device (node/stage_verify.h) and answers VERIFY_RESULT. */
+static void verify(node *n, const nl_wire_msg *m)
+{
+    char hex[2][NL_HOP_DIGEST_HEX + 1];
+    nl_error e;
+    nl_status st = nl_verify_answer(n->stage, m, &n->tx, hex, &e);
+    if (st != NL_OK) {
+        nl_node_send_error(n, st, NL_MSG_VERIFY_CASE, "%s", e.msg);
+        return;
+    }
+    nl_node_send_ctl(n, "VERIFY_RESULT");
+}
+
 static void on_control(node *n)
 {
     const nl_wire_msg *m = &n->rx.msg;
@@ -422,7 +439,11 @@ static void on_control(node *n)
         break;
     case NL_MSG_STEP:
     case NL_MSG_CKPT_REQ:
+    case NL_MSG_VERIFY_REQ:
         nl_node_handle_train(n, m);
+        break;
+    case NL_MSG_VERIFY_CASE:
+        verify(n, m);
         break;
     case NL_MSG_JOB_SUBMIT:
         nl_node_handle_job_submit(n, &m->u.job_submit);

@@ -79,6 +79,9 @@ typedef struct nl_node_opts {
     int64_t inject_nan_step;     /* test hook (NL_TEST_INJECT_NAN_STEP): 1-based step, 0 never */
     int inject_nan_stage;        /* ... on this stage only (-1 any) */
     int inject_nan_on;           /* ... and on every later step */
+    int inject_lie_kind;         /* test hook (NL_TEST_LIE): the stage lies (stage.h, */
+    double inject_lie_rate;      /* nl_lie_kind) on this fraction of its outputs, */
+    uint64_t inject_lie_seed;    /* drawn from this seed */
     int inject_device_fail;      /* test hook (NL_TEST_DEVICE_FAIL): the device's K-th check
                                   * after the start fails, and every later one (0 never) */
     double inject_gflops;        /* test hook (NL_TEST_GFLOPS): reported throughput, if > 0 */

@@ -13,6 +13,7 @@
 #include "../kernels/backend.h"
 #include "../net/keys.h"
 #include "node.h"
+#include "stage.h"
 
 #define USAGE                                                                                      \
     "neuronode join ENDPOINT --key NODE.key --coordinator-key COORD.pub [--device D] "             \
@@ -50,7 +51,12 @@ static void help(FILE *f, const nl_flag *flags)
             "Exit status: 0 stopped, 1 failed, 2 usage error.\n");
 #ifdef NL_TEST_HOOKS
     fprintf(f, "This is a test build: NL_TEST_INJECT_NAN_STEP=K (K+: from K on) and\n"
-               "NL_TEST_INJECT_NAN_STAGE=S put a NaN into the gradient of step K on stage S.\n");
+               "NL_TEST_INJECT_NAN_STAGE=S put a NaN into the gradient of step K on stage S.\n"
+               "NL_TEST_LIE=KIND:Q[:SEED] makes the stage falsify a fraction Q of its training\n"
+               "outputs (KIND: bitflip, noise, stale, skip, backward) or, KIND verifier, of its\n"
+               "answers as a verifier (mute: it withholds its cases); NL_TEST_LIE_NODE=NAME:\n"
+               "only on the node of that --name\n"
+               "(docs/security.md).\n");
 #endif
 }
 
@@ -98,6 +104,36 @@ static int load_identity(const char *key, const char *state_dir, bool plaintext,
     return 0;
 }
 
+#ifdef NL_TEST_HOOKS
+/* Test hook NL_TEST_LIE=KIND:Q[:SEED]: the stage lies on a fraction Q of
+ * its work (node/stage_train_lie.c); NL_TEST_LIE_NODE=NAME: only the node
+ * of that --name. 0, or 2 (usage) for a malformed value. */
+static int read_lie(nl_node_opts *o)
+{
+    const char *lie = getenv("NL_TEST_LIE");
+    if (!lie)
+        return 0;
+    char kind[16] = "";
+    double q = 0;
+    unsigned long long seed = 1;
+    int k = sscanf(lie, "%15[a-z]:%lf:%llu", kind, &q, &seed);
+    if (k < 2 || nl_stage_lie_kind(kind) < 0 || !(q >= 0 && q <= 1)) {
+        fprintf(stderr,
+                "neuronode: NL_TEST_LIE=%s: expected KIND:Q[:SEED], KIND one of "
+                "bitflip, noise, stale, skip, backward, verifier, mute, Q in [0, 1]\n",
+                lie);
+        return 2;
+    }
+    const char *who = getenv("NL_TEST_LIE_NODE");
+    if (!who || (o->name && strcmp(who, o->name) == 0)) {
+        o->inject_lie_kind = nl_stage_lie_kind(kind);
+        o->inject_lie_rate = q;
+        o->inject_lie_seed = seed;
+    }
+    return 0;
+}
+#endif
+
 static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypair *kp)
 {
     long long threads = 0, batch_decode = 0, prefill_chunk = 0, batch_wait = -1;
@@ -129,6 +165,8 @@ static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypa
     o->inject_nan_step = nan_step ? atoll(nan_step) + 1 : 0;
     o->inject_nan_on = nan_step && strchr(nan_step, '+') != NULL;
     o->inject_nan_stage = nan_stage ? atoi(nan_stage) : -1;
+    if (read_lie(o) != 0)
+        return 2;
     /* NL_TEST_DEVICE_FAIL=K makes the device's K-th check fail (the first
      * is after the throughput probe, the second after LOAD_DONE) */
     const char *dev_fail = getenv("NL_TEST_DEVICE_FAIL");

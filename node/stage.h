@@ -28,6 +28,29 @@
 
 typedef struct nl_stage nl_stage;
 
+/* A test hook (test builds only: node/stage_train_lie.c): the stage
+ * falsifies a fraction `rate` of its training outputs, drawn from seed. */
+typedef enum nl_lie_kind {
+    NL_LIE_NONE = 0,
+    NL_LIE_BITFLIP,  /* one mantissa bit of a forward output */
+    NL_LIE_NOISE,    /* uniform noise of 1e-3 on a forward output */
+    NL_LIE_STALE,    /* the previous step's forward output */
+    NL_LIE_SKIP,     /* its input instead of its output (skips its layers) */
+    NL_LIE_BACKWARD, /* one bit of a gradient sent back; forwards honest */
+    NL_LIE_VERIFIER, /* one bit of the digests it answers a VERIFY_CASE with; trains honestly */
+    NL_LIE_MUTE      /* it trains honestly but never answers a VERIFY_REQ */
+} nl_lie_kind;
+
+typedef struct nl_stage_lie {
+    nl_lie_kind kind;
+    double rate; /* the fraction of outputs falsified, 0-1 */
+    uint64_t seed;
+} nl_stage_lie;
+
+/* The kind named s ("bitflip", "noise", "stale", "skip", "backward",
+ * "verifier", "mute"), or -1. */
+int nl_stage_lie_kind(const char *s);
+
 typedef struct nl_stage_opts {
     uint64_t memory_bytes;   /* offered (--memory): weights + activations + KV budget */
     uint64_t kv_budget;      /* bytes for the KV caches of all sessions (--kv-budget) */
@@ -36,6 +59,7 @@ typedef struct nl_stage_opts {
     int64_t inject_nan_step; /* test hook: a NaN in the gradient of this 1-based step (0: never) */
     int inject_nan_stage;    /* ... on this stage only (-1: any) */
     int inject_nan_on;       /* ... and on every later step */
+    nl_stage_lie lie;        /* test hook (test builds only): a stage that lies */
     int tf32;                /* the backend allows TF32 (--tf32): recorded in training shards */
     int batch_decode;        /* decode steps per batch; 0 = 32 */
     int prefill_chunk;       /* prompt positions per batch; 0 = 64 */

@@ -149,9 +149,10 @@ int nl_stage_job_end(nl_stage *s, uint64_t id)
 
 uint64_t nl_stage_job_of(const nl_wire_msg *m)
 {
-    return m->type == NL_MSG_STEP       ? m->u.step.job_id
-           : m->type == NL_MSG_CKPT_REQ ? m->u.ckpt_req.job_id
-                                        : m->u.hop.job_id;
+    return m->type == NL_MSG_STEP         ? m->u.step.job_id
+           : m->type == NL_MSG_CKPT_REQ   ? m->u.ckpt_req.job_id
+           : m->type == NL_MSG_VERIFY_REQ ? m->u.verify_req.job_id
+                                          : m->u.hop.job_id;
 }
 
 bool nl_stage_job_holds(const nl_stage *s, const nl_wire_msg *m)

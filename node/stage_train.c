@@ -108,6 +108,11 @@ void nl_stage_train_free(stage_train *t)
     }
     nl_host_stage_free(&t->stage);
     nl_wire_msg_free(&t->tx);
+    free(t->dig);
+    nl_stage_train_kept_free(t);
+    free(t->kept);
+    free(t->counts);
+    free(t->lie_prev);
     free(t->probs);
     free(t->given);
     free(t);
@@ -301,6 +306,11 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg
     t->mbB = (int)mbB;
     t->T = (int)T;
     t->M = (int)M;
+    if (!(t->dig = calloc((size_t)M, NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES)) ||
+        !(t->kept = calloc((size_t)M, sizeof *t->kept))) {
+        nl_stage_train_free(t);
+        return nl_error_set(err, NL_ERR_NOMEM, "train job %lld: out of memory", job);
+    }
     t->slots = slots;
     t->eval_hops = (int)p->eval_hops;
     t->rows = (size_t)(mbB * T);
@@ -427,7 +437,10 @@ static nl_status enqueue(nl_stage *s, stage_train *t, const nl_wire_msg *m, nl_e
             what, first ? "I32 token ids" : "F32 hidden states", t->mbB, t->T, first ? "" : ", d");
     const nl_tensor *f[4];
     size_t extra_bytes = 0;
+    uint8_t digest[NL_HOP_DIGEST_BYTES];
     nl_status st = hop_frames(t, m, f, &extra_bytes, err);
+    if (st == NL_OK)
+        st = nl_hop_digest_check(m, (uint32_t)s->stage_idx, digest, err);
     if (st != NL_OK)
         return st;
     /* at most a step's counting and training hops and an evaluation can be
@@ -470,6 +483,7 @@ static nl_status enqueue(nl_stage *s, stage_train *t, const nl_wire_msg *m, nl_e
         return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", what);
     }
     memcpy(h.x, x->data, xbytes);
+    memcpy(h.digest, digest, sizeof digest);
     if (!first) { /* hidden states from the previous stage: finite, or refused (issue 15) */
         const float *v = h.x;
         float acc = 0.0f; /* NaN or infinity anywhere makes the sum non-finite */
@@ -508,6 +522,10 @@ static nl_status on_gradient(nl_stage *s, stage_train *t, const nl_wire_msg *m,
         g->shape[2] != (int64_t)t->d)
         return nl_error_set(err, NL_ERR_SHAPE, "GRADIENT: the frame must be F32 [%d, %d, %zu]",
                             t->mbB, t->T, t->d);
+    nl_status st = nl_hop_digest_check(
+        m, (uint32_t)s->stage_idx, nl_stage_train_dig(t, hop->microbatch, NL_DIGEST_BWD_IN), err);
+    if (st != NL_OK)
+        return st;
     /* a copy of the frame for the replica's lane (the message goes when
      * this returns) */
     rjob *j =
@@ -627,6 +645,7 @@ bool nl_stage_train_takes(const nl_wire_msg *m)
     case NL_MSG_GRADIENT:
     case NL_MSG_STEP:
     case NL_MSG_CKPT_REQ:
+    case NL_MSG_VERIFY_REQ:
         return true;
     case NL_MSG_ACTIVATION:
         return m->u.hop.step != 0; /* step 0: an inference hop */
@@ -657,6 +676,9 @@ nl_status nl_stage_train_input(nl_stage *s, stage_train *t, const nl_wire_msg *m
         break;
     case NL_MSG_CKPT_REQ:
         st = on_ckpt(s, t, &m->u.ckpt_req, send, ctx, err);
+        break;
+    case NL_MSG_VERIFY_REQ: /* stage_verify.c */
+        st = nl_stage_train_verify_req(s, t, &m->u.verify_req, send, ctx, err);
         break;
     default:
         return nl_error_set(err, NL_ERR_UNSUPPORTED, "%s is not a training message",

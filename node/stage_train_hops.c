@@ -32,6 +32,12 @@ static nl_status send_host(nl_stage *s, stage_train *t, nl_stage_send_fn send, v
                                count ? NULL : e->labels, count ? NULL : e->lengths);
         t->tx.u.train_hop.loss_rows = e->loss_rows;
     }
+    /* the digest for the stage it goes to; the step's own hops are kept */
+    const bool grad = type == NL_MSG_GRADIENT;
+    uint8_t *keep = (type == NL_MSG_ACTIVATION || grad) && step == t->begun && mb < (uint32_t)t->M
+                        ? nl_stage_train_dig(t, mb, grad ? NL_DIGEST_BWD_OUT : NL_DIGEST_FWD_OUT)
+                        : NULL;
+    nl_hop_digest_set(&t->tx, (uint32_t)(s->stage_idx + (grad ? -1 : 1)), t->dig_hex, keep);
     return send(ctx, type == NL_MSG_GRADIENT ? NL_STAGE_TO_PREV : NL_STAGE_TO_NEXT, &t->tx, err);
 }
 
@@ -66,6 +72,10 @@ static nl_status finish_step(nl_stage *s, stage_train *t, nl_stage_send_fn send,
     nl_wire_msg_reset(&t->tx, NL_MSG_GRAD_NORM);
     t->tx.u.grad_norm = (nl_msg_grad_norm){t->job, t->begun, (uint32_t)s->stage_idx,
                                            isnan(sumsq) || sumsq >= 0 ? sumsq : NAN};
+    /* the step's hop digests ride along (copied by the send) */
+    const int64_t dshape[3] = {t->M, NL_DIGEST_KINDS, NL_HOP_DIGEST_BYTES};
+    nl_wire_frame_set(&t->tx.frames[0], t->dig, NL_DTYPE_U8, dshape, 3);
+    t->tx.nframes = 1;
     nl_status st = send(ctx, NL_STAGE_TO_COORD, &t->tx, err);
     if (st != NL_OK || !s->model->has_head)
         return st;
@@ -108,6 +118,7 @@ rjob *nl_stage_train_job_get(stage_train *t, job_kind kind, int lane, nl_error *
 
 void nl_stage_train_job_put(stage_train *t, rjob *j)
 {
+    nl_stage_train_keep(t, j); /* this step's inputs, for verification */
     free(j->x);
     j->x = NULL;
     nl_stage_train_extra_free(&j->e);
@@ -206,6 +217,13 @@ static void use_counts(nl_stage *s, stage_train *t)
     for (int r = 0; r < t->R; r++)
         nl_trainer_use_counts(t->rep[r].tr, sum);
     t->counts_ready = true;
+    /* kept for verification (stage_verify.h): the step's shares come from them */
+    int64_t *keep = t->n_counts == n ? t->counts : realloc(t->counts, n * sizeof *keep);
+    if (keep) {
+        memcpy(keep, sum, n * sizeof *keep);
+        t->counts = keep;
+        t->n_counts = n;
+    }
 }
 
 /* A finished job, on the node's thread in the order of dispatch: its
@@ -223,10 +241,12 @@ static nl_status take_back(nl_stage *s, stage_train *t, rjob *j, nl_stage_send_f
         t->ce += j->ce;
         t->aux += j->aux + j->a;
     }
-    if (st == NL_OK && j->out_type)
+    if (st == NL_OK && j->out_type) {
+        nl_stage_train_lie(s, t, j); /* a test hook; nothing in other builds */
         st = send_host(s, t, send, ctx, j->out_type, j->step, j->mb,
                        j->out_type == NL_MSG_ACTIVATION ? j->aux + j->a : 0.0, j->out,
                        j->out_type == NL_MSG_GRADIENT ? NULL : &j->e, err);
+    }
     if (st == NL_OK && j->last && j->kind == JOB_COUNT)
         use_counts(s, t);
     else if (st == NL_OK && j->last)
@@ -291,6 +311,8 @@ static nl_status begin(nl_stage *s, stage_train *t, uint64_t step, uint64_t loss
         st = j ? nl_stage_train_dispatch(s, t, j, send, ctx, err) : NL_ERR_NOMEM;
     }
     t->begun = step;
+    memset(t->dig, 0, (size_t)t->M * NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES);
+    nl_stage_train_kept_free(t);
     t->counted = t->fwd = t->bwd = 0;
     t->finished = 0;
     t->counts_ready = false;
@@ -416,6 +438,8 @@ static nl_status run_hop(nl_stage *s, stage_train *t, hop_in *h, nl_stage_send_f
     j->mb = h->mb;
     j->aux = h->aux;
     j->x = h->x;
+    if (h->type == NL_MSG_ACTIVATION)
+        memcpy(nl_stage_train_dig(t, h->mb, NL_DIGEST_FWD_IN), h->digest, NL_HOP_DIGEST_BYTES);
     j->e = h->e;
     h->x = NULL;
     h->e = (hop_extra){0};

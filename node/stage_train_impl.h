@@ -9,6 +9,7 @@
 #include <stdatomic.h>
 
 #include "../core/train.h"
+#include "../net/hopdigest.h"
 #include "replica_workers.h"
 #include "stage_impl.h"
 
@@ -30,7 +31,17 @@ typedef struct hop_in {
     void *x;      /* tokens (I32, rows) on the first stage, else hidden (F32, rows x d) */
     hop_extra e;  /* the rest of its frames */
     size_t bytes; /* of all its frames */
+    uint8_t digest[NL_HOP_DIGEST_BYTES]; /* of the hop as it came (checked) */
 } hop_in;
+
+/* What the stage keeps of one microbatch of the step under way, for
+ * verification by recompute (stage_verify.h): its inputs. */
+typedef struct kept_mb {
+    void *x;     /* the forward's input (tokens or hidden states), owned */
+    hop_extra e; /* the frames that came with it */
+    float *dy;   /* the GRADIENT received (host, rows x d), owned */
+    bool fwd, bwd;
+} kept_mb;
 
 /* Bytes the queue of hops from the previous stage may hold (issue 15):
  * at least this, or a step's counting and training hops and 8 more. */
@@ -91,7 +102,15 @@ typedef struct stage_train {
     int64_t eval_n, eval_right;
     float *probs;
     int32_t *given;
-    hop_in *q; /* FIFO ring of hops waiting to run */
+    /* the digests of this step's hops (net/hopdigest.h): [M][NL_DIGEST_KINDS][32],
+     * zeroed when a step begins, sent with its GRAD_NORM */
+    uint8_t *dig;
+    char dig_hex[NL_HOP_DIGEST_HEX + 1]; /* the digest of the hop in tx */
+    kept_mb *kept;                       /* [M]: this step's inputs, until the next step begins */
+    int64_t *counts;                     /* the step's route counts, once summed (verification) */
+    size_t n_counts;
+    float *lie_prev; /* test hook (stage_train_lie.c): the last step's outputs, and marks */
+    hop_in *q;       /* FIFO ring of hops waiting to run */
     int qhead, qlen, qcap;
     size_t qbytes;       /* the hops' bytes in the queue */
     nl_host_stage stage; /* host view of an output to send */
@@ -113,6 +132,33 @@ typedef struct stage_train {
 void nl_stage_train_hop_free(hop_in *h);
 /* Free the arrays of e (and NULL them). */
 void nl_stage_train_extra_free(hop_extra *e);
+/* The slot of this step's window that keeps digest `kind` of microbatch mb. */
+static inline uint8_t *nl_stage_train_dig(stage_train *t, uint32_t mb, int kind)
+{
+    return t->dig + ((size_t)mb * NL_DIGEST_KINDS + (size_t)kind) * NL_HOP_DIGEST_BYTES;
+}
+
+/* Keep a finished forward's or backward's inputs of this step (taking
+ * j->x and j->e), or free them (verification, stage_verify.h). */
+void nl_stage_train_keep(stage_train *t, rjob *j);
+/* Free what is kept of the step (a new one begins). */
+void nl_stage_train_kept_free(stage_train *t);
+/* VERIFY_REQ: the case of the microbatch asked for, as a VERIFY_CASE to
+ * the coordinator. */
+nl_status nl_stage_train_verify_req(nl_stage *s, stage_train *t, const nl_msg_verify_req *r,
+                                    nl_stage_send_fn send, void *ctx, nl_error *err);
+
+/* ---- stage_train_lie.c: a test hook (test builds only) ---- */
+
+/* Falsify j's output to send as s->o.lie says (a no-op without it). */
+void nl_stage_train_lie(nl_stage *s, stage_train *t, rjob *j);
+/* A stage that withholds its cases (NL_LIE_MUTE): VERIFY_REQ unanswered. */
+bool nl_stage_verify_mute(const nl_stage *s);
+/* A verifier that lies (NL_LIE_VERIFIER): one bit of a digest of its
+ * answer, on its fraction of the cases. */
+void nl_stage_verify_lie(const nl_stage *s, uint64_t job, uint64_t step, uint32_t mb,
+                         uint32_t stage, uint8_t fwd[NL_HOP_DIGEST_BYTES],
+                         uint8_t bwd[NL_HOP_DIGEST_BYTES]);
 
 /* ---- stage_train_hops.c: the replicas' jobs and the schedule ---- */
 

@@ -17,7 +17,22 @@
  *    NL_TEST_DEVICE per stage, host all-reduce): the same pipeline and
  *    batches give every step's loss and gradient norm within 1e-6 of the
  *    single-replica run (and the local one within 1e-5), with 1F1B, one
- *    microbatch (an idle replica), recompute and the NaN guard. */
+ *    microbatch (an idle replica), recompute and the NaN guard;
+ *  - hop digests (net/hopdigest.h): every stage reports with its GRAD_NORM
+ *    the digests of the step's hops it received and sent; the sender's
+ *    and the receiver's agree on every hop, two runs give the same ones,
+ *    stage 0's are those of what it was fed, and a hop whose bytes do not
+ *    match its digest is refused (NL_ERR_INTEGRITY);
+ *  - the lying stage of the test hook (NL_TEST_HOOKS builds): each kind
+ *    changes what it sends on some microbatches (its digests there differ
+ *    from the honest run's) while its neighbours still agree with it;
+ *  - verification by recompute (node/stage_verify.h): every (stage,
+ *    microbatch) of 17 honest steps redone on another backend from the
+ *    stage's kept inputs and weights gives the digests it reported (204,
+ *    none accused), and one per stage and step over the wire (VERIFY_REQ,
+ *    VERIFY_CASE through the codec, a verifier stage without a model,
+ *    VERIFY_RESULT); each kind of lie on stage 1 is accused there and an
+ *    honest stage never. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,8 +41,10 @@
 #include "../base/log.h"
 #include "../core/rng.h"
 #include "../core/train.h"
+#include "../net/hopdigest.h"
 #include "../net/wire.h"
 #include "../node/stage.h"
+#include "../node/stage_verify.h"
 #include "check.h"
 
 #define SEED 99
@@ -58,8 +75,16 @@ typedef struct fifo {
 } fifo;
 
 static fifo stage_q[NST][Q_KINDS], coord_q;
+/* the test hook's lie (make_stages gives it to stage lie_stage) */
+static nl_stage_lie test_lie;
+static int lie_stage = -1;
+/* the digests each stage reported with its last GRAD_NORM, [M][4][32] */
+#define MAXM 4
+static uint8_t dig_got[NST][MAXM * NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES];
+static int dig_frames;
 static nl_stage *stages[NST];
 static int ctx_idx[NST];
+
 static nl_rng rng;      /* the order of deliveries */
 static nl_rng data_rng; /* the batches: the same for every run of parity() */
 
@@ -121,6 +146,82 @@ static nl_status bus_send(void *ctx, nl_stage_dest to, nl_wire_msg *m, nl_error 
     return NL_OK;
 }
 
+/* verification by recompute in digest_run (on rbe[1]): every (stage,
+ * microbatch) of every step redone and compared with the stage's report */
+static bool verify_on;
+static int verified, mismatched[NST], mismatch_fwd[NST], mismatch_bwd[NST];
+/* ... and one microbatch of each stage a step over the wire: VERIFY_REQ to
+ * the stage, its VERIFY_CASE (through the codec) to a verifier stage
+ * holding no model, whose VERIFY_RESULT must match the stage's report */
+static nl_stage *verifier;
+static int wire_verified, wire_mismatched[NST];
+
+/* Redo every microbatch of every stage of the step that has just been
+ * reported (the stages are between GRAD_NORM and STEP). */
+static void verify_step(uint64_t job, uint64_t step, int M)
+{
+    for (int s = 0; s < NST; s++)
+        for (int mb = 0; mb < M; mb++) {
+            nl_verify_case c;
+            nl_error err;
+            uint8_t fwd[NL_HOP_DIGEST_BYTES], bwd[NL_HOP_DIGEST_BYTES];
+            nl_status st = nl_stage_verify_case(stages[s], job, step, (uint32_t)mb, &c, &err);
+            if (st == NL_OK)
+                st = nl_verify_recompute(rbe[1], &c, fwd, bwd, &err);
+            nl_verify_case_free(&c);
+            CHECK_OK(st, &err);
+            if (st != NL_OK)
+                continue;
+            const uint8_t *g = dig_got[s] + (size_t)mb * NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES;
+            const int f = memcmp(fwd, g + NL_DIGEST_FWD_OUT * NL_HOP_DIGEST_BYTES, 32) != 0;
+            const int b = memcmp(bwd, g + NL_DIGEST_BWD_OUT * NL_HOP_DIGEST_BYTES, 32) != 0;
+            verified++;
+            mismatched[s] += f || b;
+            mismatch_fwd[s] += f;
+            mismatch_bwd[s] += b;
+        }
+}
+
+static void verify_wire(uint64_t job, uint64_t step, int M)
+{
+    nl_wire_msg m, out;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_init(&out);
+    for (int s = 0; s < NST; s++) {
+        nl_error err;
+        const uint32_t mb = (uint32_t)((step + (uint64_t)s) % (uint64_t)M);
+        nl_wire_msg_reset(&m, NL_MSG_VERIFY_REQ);
+        m.u.verify_req = (nl_msg_verify_req){job, step, mb};
+        CHECK_OK(nl_stage_job_input(stages[s], &m, bus_send, &ctx_idx[s], &err), &err);
+        packet p;
+        if (!pop(&coord_q, &m, &p) || m.type != NL_MSG_VERIFY_CASE) {
+            CHECK(0, "stage %d: no VERIFY_CASE", s);
+            continue;
+        }
+        CHECK(m.u.verify_case.stage == (uint32_t)s && m.u.verify_case.microbatch == mb &&
+                  m.u.verify_case.config_json[0] == '\0',
+              "stage %d: VERIFY_CASE of stage %u microbatch %u", s, m.u.verify_case.stage,
+              m.u.verify_case.microbatch);
+        m.u.verify_case.config_json = cfg_json; /* the coordinator's part */
+        char hex[2][NL_HOP_DIGEST_HEX + 1], want[2][NL_HOP_DIGEST_HEX + 1];
+        nl_status st = nl_verify_answer(verifier, &m, &out, hex, &err);
+        CHECK_OK(st, &err);
+        packet_free(&p);
+        if (st != NL_OK)
+            continue;
+        const uint8_t *g = dig_got[s] + (size_t)mb * NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES;
+        nl_hop_digest_hex(want[0], g + NL_DIGEST_FWD_OUT * NL_HOP_DIGEST_BYTES);
+        nl_hop_digest_hex(want[1], g + NL_DIGEST_BWD_OUT * NL_HOP_DIGEST_BYTES);
+        const nl_msg_verify_result *r = &out.u.verify_result;
+        const bool ok = (s == NST - 1 ? !r->fwd[0] : strcmp(r->fwd, want[0]) == 0) &&
+                        (s == 0 ? !r->bwd[0] : strcmp(r->bwd, want[1]) == 0);
+        wire_verified++;
+        wire_mismatched[s] += !ok;
+    }
+    nl_wire_msg_free(&m);
+    nl_wire_msg_free(&out);
+}
+
 /* Deliver queued messages to the stages, from a randomly chosen non-empty
  * socket each time, until every stage queue is empty. */
 static void pump(int nst)
@@ -160,7 +261,8 @@ static void make_stages(int nst, const int *bounds, int64_t inject_step, int inj
                            .send_wait_ms = 100,
                            .ckpt_root = "/nonexistent-root",
                            .inject_nan_step = inject_step,
-                           .inject_nan_stage = inject_stage};
+                           .inject_nan_stage = inject_stage,
+                           .lie = s == lie_stage ? test_lie : (nl_stage_lie){0}};
         CHECK_OK(nl_stage_new_replicas(&stages[s], rbe, replicas, NULL, &o, &err), &err);
         nl_msg_assign a = {.epoch = 1,
                            .node_id = 1,
@@ -244,6 +346,11 @@ static void read_reports(coord_step *cs, uint64_t step)
                   (unsigned long long)m.u.grad_norm.step);
             cs->sumsq += m.u.grad_norm.sumsq;
             cs->norms++;
+            if (m.nframes == 1 && m.u.grad_norm.stage < NST &&
+                m.frames[0].len <= sizeof dig_got[0]) {
+                memcpy(dig_got[m.u.grad_norm.stage], m.frames[0].t.data, m.frames[0].len);
+                dig_frames++;
+            }
         } else if (m.type == NL_MSG_LOSS && !m.u.loss.eval) {
             cs->ce = m.u.loss.ce_sum;
             cs->aux = m.u.loss.aux;
@@ -540,6 +647,243 @@ static void replicas_agree(int B, int T, int M, int steps, int64_t inject, bool 
            inject ? " (NaN injected)" : "", recompute ? " (recompute)" : "", replicas, worst);
 }
 
+/* ---- hop digests ---- */
+
+static const uint8_t *dig_at(const uint8_t *d, int mb, int kind)
+{
+    return d + ((size_t)mb * NL_DIGEST_KINDS + (size_t)kind) * NL_HOP_DIGEST_BYTES;
+}
+
+/* `steps` steps of a 3-stage job with M microbatches and the same batches
+ * every run; out gets each step's digests [steps][NST][sizeof dig_got[0]];
+ * the hops fed to stage 0 are digested here into fed [steps][M][32]. */
+static void digest_run(int steps, int M, uint8_t *out, uint8_t *fed)
+{
+    const int bounds[NST + 1] = {0, 1, 2, 3};
+    const int mbB = 2, T = 8, rows = mbB * T, B = mbB * M;
+    const uint64_t job = 77;
+    nl_rng_seed(&data_rng, 4321, 0);
+    make_stages(NST, bounds, 0, -1, 1);
+    begin_job(NST, job, mbB, T, M, 0, false);
+    int32_t *tok = malloc((size_t)B * T * sizeof *tok), *tgt = malloc((size_t)B * T * sizeof *tgt);
+    for (int step = 1; step <= steps && tok && tgt; step++) {
+        random_batch(tok, tgt, B * T);
+        for (int mb = 0; mb < M; mb++)
+            feed(job, NL_MSG_COUNT, (uint64_t)step, (uint32_t)mb, tok + mb * rows, NULL, mbB, T);
+        for (int mb = 0; mb < M; mb++) {
+            feed(job, NL_MSG_ACTIVATION, (uint64_t)step, (uint32_t)mb, tok + mb * rows,
+                 tgt + mb * rows, mbB, T);
+            nl_wire_msg m; /* the digest stage 0 must have recorded */
+            nl_wire_msg_init(&m);
+            nl_wire_msg_reset(&m, NL_MSG_ACTIVATION);
+            m.u.hop = (nl_msg_tensor_hop){job, (uint64_t)step, (uint32_t)mb, 0, 0, 0.0};
+            const int64_t sh[2] = {mbB, T};
+            nl_wire_frame_set(&m.frames[0], tok + mb * rows, NL_DTYPE_I32, sh, 2);
+            nl_wire_frame_set(&m.frames[1], tgt + mb * rows, NL_DTYPE_I32, sh, 2);
+            m.nframes = 2;
+            nl_hop_digest(fed + ((size_t)(step - 1) * M + mb) * NL_HOP_DIGEST_BYTES, &m, 0);
+            nl_wire_msg_free(&m);
+        }
+        pump(NST);
+        coord_step cs = {0};
+        dig_frames = 0;
+        read_reports(&cs, (uint64_t)step);
+        CHECK(cs.norms == NST && dig_frames == NST, "step %d: %d norms, %d with digests", step,
+              cs.norms, dig_frames);
+        memcpy(out + (size_t)(step - 1) * sizeof dig_got, dig_got, sizeof dig_got);
+        if (verify_on) {
+            verify_step(job, (uint64_t)step, M);
+            verify_wire(job, (uint64_t)step, M);
+        }
+        nl_wire_msg m;
+        nl_wire_msg_init(&m);
+        nl_wire_msg_reset(&m, NL_MSG_STEP);
+        m.u.step = (nl_msg_step){job, (uint64_t)step, true, 1.0, 3e-3};
+        for (int s = 0; s < NST; s++)
+            push(&stage_q[s][Q_CTL], &m);
+        nl_wire_msg_free(&m);
+    }
+    pump(NST);
+    free(tok);
+    free(tgt);
+    free_stages(NST);
+}
+
+/* The reports of one step agree: each hop's digest at its sender is the
+ * one at its receiver, those that exist are set and the others zero;
+ * stage 0's inputs are what was fed. */
+static void digests_agree(const uint8_t *d, const uint8_t *fed, int M, int step)
+{
+    static const uint8_t zero[NL_HOP_DIGEST_BYTES];
+    for (int mb = 0; mb < M; mb++) {
+        for (int s = 0; s < NST; s++) {
+            const uint8_t *g = d + (size_t)s * sizeof dig_got[0];
+            const bool first = s == 0, last = s == NST - 1;
+            CHECK(!nl_hop_digest_none(dig_at(g, mb, NL_DIGEST_FWD_IN)) &&
+                      nl_hop_digest_none(dig_at(g, mb, NL_DIGEST_FWD_OUT)) == last &&
+                      nl_hop_digest_none(dig_at(g, mb, NL_DIGEST_BWD_IN)) == last &&
+                      nl_hop_digest_none(dig_at(g, mb, NL_DIGEST_BWD_OUT)) == first,
+                  "step %d stage %d microbatch %d: digests missing or where no hop was", step, s,
+                  mb);
+            if (last)
+                continue;
+            const uint8_t *h = g + sizeof dig_got[0];
+            CHECK(memcmp(dig_at(g, mb, NL_DIGEST_FWD_OUT), dig_at(h, mb, NL_DIGEST_FWD_IN), 32) ==
+                          0 &&
+                      memcmp(dig_at(h, mb, NL_DIGEST_BWD_OUT), dig_at(g, mb, NL_DIGEST_BWD_IN),
+                             32) == 0,
+                  "step %d microbatch %d: stages %d and %d report other digests of their hops",
+                  step, mb, s, s + 1);
+        }
+        CHECK(memcmp(dig_at(d, mb, NL_DIGEST_FWD_IN), fed + (size_t)mb * 32, 32) == 0 &&
+                  memcmp(zero, fed + (size_t)mb * 32, 32) != 0,
+              "step %d microbatch %d: stage 0's input digest is not that of what it was fed", step,
+              mb);
+    }
+}
+
+static void digests(void)
+{
+    enum { STEPS = 3, M = 4 };
+    const size_t per = sizeof dig_got, fper = (size_t)M * NL_HOP_DIGEST_BYTES;
+    uint8_t *a = calloc(STEPS, per), *b = calloc(STEPS, per), *fa = calloc(STEPS, fper),
+            *fb = calloc(STEPS, fper);
+    if (!a || !b || !fa || !fb) {
+        CHECK(0, "out of memory");
+        goto out;
+    }
+    lie_stage = -1;
+    digest_run(STEPS, M, a, fa);
+    digest_run(STEPS, M, b, fb);
+    for (int st = 0; st < STEPS; st++)
+        digests_agree(a + st * per, fa + st * fper, M, st + 1);
+    CHECK(memcmp(a, b, STEPS * per) == 0, "two runs of the same steps report other digests");
+    /* a hop whose bytes are not those its digest was made over */
+    {
+        const int bounds[NST + 1] = {0, 1, 2, 3};
+        int32_t tok[16] = {0}, tgt[16] = {0};
+        char hex[NL_HOP_DIGEST_HEX + 1];
+        nl_error err;
+        make_stages(NST, bounds, 0, -1, 1);
+        begin_job(NST, 78, 2, 8, 1, 0, false);
+        nl_wire_msg m;
+        nl_wire_msg_init(&m);
+        nl_wire_msg_reset(&m, NL_MSG_ACTIVATION);
+        m.u.hop = (nl_msg_tensor_hop){78, 1, 0, 0, 0, 0.0};
+        const int64_t sh[2] = {2, 8};
+        nl_wire_frame_set(&m.frames[0], tok, NL_DTYPE_I32, sh, 2);
+        nl_wire_frame_set(&m.frames[1], tgt, NL_DTYPE_I32, sh, 2);
+        m.nframes = 2;
+        nl_hop_digest_set(&m, 0, hex, NULL);
+        tok[3] = 1;
+        CHECK(nl_stage_job_input(stages[0], &m, bus_send, &ctx_idx[0], &err) == NL_ERR_INTEGRITY,
+              "a hop that does not match its digest: %s", err.msg);
+        nl_wire_msg_free(&m);
+        free_stages(NST);
+    }
+#ifdef NL_TEST_HOOKS
+    /* each lie on stage 1: what it sends differs on some microbatches,
+     * its neighbours agree with it (the wire cannot tell: a recompute can) */
+    static const char *const kinds[] = {"bitflip", "noise", "stale", "skip", "backward"};
+    for (int k = 0; k < 5; k++) {
+        test_lie = (nl_stage_lie){(nl_lie_kind)nl_stage_lie_kind(kinds[k]), 0.5, 3};
+        lie_stage = 1;
+        digest_run(STEPS, M, b, fb);
+        int fwd_diff = 0, bwd_diff = 0;
+        for (int st = 0; st < STEPS; st++) {
+            digests_agree(b + st * per, fb + st * fper, M, st + 1);
+            const uint8_t *ha = a + st * per + sizeof dig_got[0],
+                          *hb = b + st * per + sizeof dig_got[0];
+            for (int mb = 0; mb < M; mb++) {
+                fwd_diff += memcmp(dig_at(ha, mb, NL_DIGEST_FWD_OUT),
+                                   dig_at(hb, mb, NL_DIGEST_FWD_OUT), 32) != 0;
+                bwd_diff += memcmp(dig_at(ha, mb, NL_DIGEST_BWD_OUT),
+                                   dig_at(hb, mb, NL_DIGEST_BWD_OUT), 32) != 0;
+            }
+        }
+        const bool backward = test_lie.kind == NL_LIE_BACKWARD;
+        /* step 1's forwards of a backward liar are honest */
+        int fwd1 = 0;
+        for (int mb = 0; mb < M; mb++)
+            fwd1 += memcmp(dig_at(a + sizeof dig_got[0], mb, NL_DIGEST_FWD_OUT),
+                           dig_at(b + sizeof dig_got[0], mb, NL_DIGEST_FWD_OUT), 32) != 0;
+        CHECK((backward ? bwd_diff : fwd_diff) > 0 && (!backward || fwd1 == 0),
+              "lie %s: %d forwards and %d backwards differ from the honest run (step 1's "
+              "forwards: %d)",
+              kinds[k], fwd_diff, bwd_diff, fwd1);
+        printf("lie %s at q=0.5: %d of %d forwards and %d backwards of stage 1 differ\n", kinds[k],
+               fwd_diff, STEPS * M, bwd_diff);
+    }
+    lie_stage = -1;
+#endif
+    printf("digests: %d steps of %d microbatches agree at both ends of every hop, run to run\n",
+           STEPS, M);
+out:
+    free(a);
+    free(b);
+    free(fa);
+    free(fb);
+}
+
+/* Verification by recompute (stage_verify.h): every microbatch of every
+ * stage redone on another backend from the stage's kept inputs and its
+ * weights at the step's start gives the digests the stage reported, for
+ * an honest pipeline (no stage ever accused: a digest over padding or
+ * uninitialised bytes would differ); with a lying stage 1, exactly it is
+ * accused (its neighbours compute honestly on what they got), in the
+ * direction it lies. */
+static void recompute(void)
+{
+    enum { STEPS = 3, HONEST = 17, M = 4 }; /* 17 x 4 x 3 = 204 redone when honest */
+    uint8_t *a = calloc(HONEST, sizeof dig_got), *fa = calloc(HONEST, (size_t)M * 32);
+    nl_error err;
+    nl_stage_opts vo = {.memory_bytes = 1ULL << 30, .kv_budget = 1 << 20, .send_wait_ms = 100};
+    CHECK_OK(nl_stage_new(&verifier, rbe[1], &vo, &err), &err);
+    verify_on = verifier != NULL;
+    lie_stage = -1;
+    verified = wire_verified = 0;
+    memset(mismatched, 0, sizeof mismatched);
+    memset(wire_mismatched, 0, sizeof wire_mismatched);
+    if (a && fa)
+        digest_run(HONEST, M, a, fa);
+    CHECK(wire_verified == HONEST * NST && !wire_mismatched[0] && !wire_mismatched[1] &&
+              !wire_mismatched[2],
+          "honest over the wire: %d verified, accused %d %d %d", wire_verified, wire_mismatched[0],
+          wire_mismatched[1], wire_mismatched[2]);
+    CHECK(verified == HONEST * M * NST && !mismatched[0] && !mismatched[1] && !mismatched[2],
+          "honest: %d redone, accused %d %d %d", verified, mismatched[0], mismatched[1],
+          mismatched[2]);
+    printf("recompute: %d honest (stage, microbatch) redone, none accused\n", verified);
+#ifdef NL_TEST_HOOKS
+    static const char *const kinds[] = {"bitflip", "noise", "stale", "skip", "backward"};
+    for (int k = 0; k < 5 && a && fa; k++) {
+        test_lie = (nl_stage_lie){(nl_lie_kind)nl_stage_lie_kind(kinds[k]), 0.5, 3};
+        lie_stage = 1;
+        memset(mismatched, 0, sizeof mismatched);
+        memset(mismatch_fwd, 0, sizeof mismatch_fwd);
+        memset(mismatch_bwd, 0, sizeof mismatch_bwd);
+        memset(wire_mismatched, 0, sizeof wire_mismatched);
+        digest_run(STEPS, M, a, fa);
+        CHECK(!wire_mismatched[0] && !wire_mismatched[2],
+              "lie %s on stage 1: an honest stage accused over the wire (%d, %d)", kinds[k],
+              wire_mismatched[0], wire_mismatched[2]);
+        const bool backward = test_lie.kind == NL_LIE_BACKWARD;
+        const bool both = test_lie.kind == NL_LIE_BITFLIP; /* lies in either direction */
+        CHECK(mismatched[1] > 0 && !mismatched[0] && !mismatched[2] &&
+                  (both || (backward ? mismatch_fwd[1] == 0 : mismatch_bwd[1] == 0)),
+              "lie %s on stage 1: accused %d %d %d (stage 1: %d forwards, %d backwards)", kinds[k],
+              mismatched[0], mismatched[1], mismatched[2], mismatch_fwd[1], mismatch_bwd[1]);
+        printf("recompute: lie %s on stage 1 caught on %d of %d microbatches\n", kinds[k],
+               mismatched[1], STEPS * M);
+    }
+    lie_stage = -1;
+#endif
+    verify_on = false;
+    nl_stage_destroy(&verifier);
+    free(a);
+    free(fa);
+}
+
 int main(void)
 {
     nl_error err;
@@ -568,6 +912,8 @@ int main(void)
         parity(8, 8, 4, 3, 0, true, 1, NULL, NULL);  /* per-layer recompute on every stage */
         parity(8, 8, 4, 4, 2, false, 1, NULL, NULL); /* the guard */
         refusals();
+        digests();
+        recompute();
         replicas_agree(8, 8, 4, 5, 0, false, 2);
         replicas_agree(12, 8, 6, 4, 0, false, 3); /* uneven shares: 2, 2, 2 of 6; slots 3 of 3 */
         replicas_agree(8, 8, 4, 3, 0, true, 3);   /* 2, 1, 1 of 4 with recompute */

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../net/hopdigest.h"
 #include "../net/wire.h"
 #include "check.h"
 #include "wire_samples.h"
@@ -280,6 +281,9 @@ static bool heartbeat_field_zero(const nl_msg_heartbeat *h, const char *key)
  * one) is read as sending 0. */
 static bool added_later(nl_msg_type t, const nl_wire_msg *d, const char *key)
 {
+    if (strcmp(key, "digest") == 0 && (t == NL_MSG_ACTIVATION || t == NL_MSG_COUNT ||
+                                       t == NL_MSG_EVAL || t == NL_MSG_GRADIENT))
+        return !d->u.train_hop.digest || !d->u.train_hop.digest[0];
     if (t == NL_MSG_ACTIVATION || t == NL_MSG_COUNT || t == NL_MSG_EVAL)
         return strcmp(key, "extras") == 0      ? d->u.train_hop.extras == 0
                : strcmp(key, "loss_rows") == 0 ? d->u.train_hop.loss_rows == 0
@@ -296,6 +300,9 @@ static bool is_added_later(nl_msg_type t, const char *key)
 {
     return ((t == NL_MSG_ACTIVATION || t == NL_MSG_COUNT || t == NL_MSG_EVAL) &&
             (strcmp(key, "extras") == 0 || strcmp(key, "loss_rows") == 0)) ||
+           ((t == NL_MSG_ACTIVATION || t == NL_MSG_COUNT || t == NL_MSG_EVAL ||
+             t == NL_MSG_GRADIENT) &&
+            strcmp(key, "digest") == 0) ||
            (t == NL_MSG_LOSS && strcmp(key, "correct") == 0) ||
            (t == NL_MSG_TOKEN && strcmp(key, "top_ids") == 0) ||
            ((t == NL_MSG_TOKEN || t == NL_MSG_JOB_STATUS) && strcmp(key, "tensors") == 0);
@@ -692,6 +699,97 @@ static int write_corpus(const char *dir)
     return rc;
 }
 
+/* Hop digests (net/hopdigest.h): a hop's digest set by its sender passes
+ * the receiver's check after the round trip; a changed byte of a frame,
+ * a changed field or the wrong receiving stage fails it with
+ * NL_ERR_INTEGRITY; only the tensor's bytes count (not what lies past it
+ * in the sender's buffer); a digest of the wrong length is refused by the
+ * decoder, and GRAD_NORM's digests frame must be [M, 4, 32]. */
+static void test_hop_digest(void)
+{
+    nl_wire_msg m, d;
+    enc e = {0};
+    nl_error err;
+    char hex[NL_HOP_DIGEST_HEX + 1];
+    uint8_t sent[NL_HOP_DIGEST_BYTES], got[NL_HOP_DIGEST_BYTES];
+    float buf[2 * 3 * 4 + 5]; /* the tensor, then bytes that are not part of it */
+    for (int i = 0; i < 29; i++)
+        buf[i] = 0.25f * (float)i;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_init(&d);
+    const nl_msg_type types[] = {NL_MSG_ACTIVATION, NL_MSG_GRADIENT, NL_MSG_COUNT, NL_MSG_EVAL};
+    for (int ti = 0; ti < 4; ti++) {
+        nl_wire_msg_reset(&m, types[ti]);
+        m.u.hop = (nl_msg_tensor_hop){7, 3, 1, 0, 0, 0.5};
+        const int64_t sh[3] = {2, 3, 4};
+        nl_wire_frame_set(&m.frames[0], buf, NL_DTYPE_F32, sh, 3);
+        m.nframes = 1;
+        nl_hop_digest_set(&m, 2, hex, sent);
+        nl_status st = enc_msg(&m, &e, NULL, &err);
+        if (st == NL_OK)
+            st = nl_wire_decode(&d, e.parts, e.nparts, NULL, &err);
+        if (st == NL_OK)
+            st = nl_hop_digest_check(&d, 2, got, &err);
+        CHECK(st == NL_OK && memcmp(sent, got, sizeof got) == 0 && strlen(d.u.train_hop.digest) == 64,
+              "%s: the digest does not survive the round trip: %s", nl_wire_type_name(types[ti]),
+              err.msg);
+        /* another receiving stage: another digest */
+        st = nl_hop_digest_check(&d, 1, got, &err);
+        CHECK(st == NL_ERR_INTEGRITY, "%s: the stage is not in the digest", nl_wire_type_name(types[ti]));
+        /* bytes past the tensor do not count */
+        buf[24] += 1.0f;
+        CHECK(nl_hop_digest_check(&d, 2, got, &err) == NL_OK && memcmp(sent, got, sizeof got) == 0,
+              "%s: the digest covers bytes past the tensor", nl_wire_type_name(types[ti]));
+        /* one bit of the tensor as received */
+        uint32_t u;
+        memcpy(&u, &buf[5], 4);
+        u ^= 1;
+        memcpy(&buf[5], &u, 4);
+        st = nl_hop_digest_check(&d, 2, got, &err);
+        CHECK(st == NL_ERR_INTEGRITY && strstr(err.msg, "does not match"),
+              "%s: a flipped bit passes the check (%s)", nl_wire_type_name(types[ti]),
+              nl_status_str(st));
+        u ^= 1;
+        memcpy(&buf[5], &u, 4);
+        /* a field */
+        d.u.hop.step = 4;
+        CHECK(nl_hop_digest_check(&d, 2, got, &err) == NL_ERR_INTEGRITY,
+              "%s: the step is not in the digest", nl_wire_type_name(types[ti]));
+        d.u.hop.step = 3;
+        d.u.hop.microbatch = 0;
+        CHECK(nl_hop_digest_check(&d, 2, got, &err) == NL_ERR_INTEGRITY,
+              "%s: the microbatch is not in the digest", nl_wire_type_name(types[ti]));
+    }
+    /* the direction (the type) is in it: an ACTIVATION's digest on a GRADIENT fails */
+    nl_wire_msg_reset(&m, NL_MSG_ACTIVATION);
+    m.u.hop = (nl_msg_tensor_hop){7, 3, 1, 0, 0, 0.0};
+    const int64_t sh[3] = {2, 3, 4};
+    nl_wire_frame_set(&m.frames[0], buf, NL_DTYPE_F32, sh, 3);
+    m.nframes = 1;
+    nl_hop_digest_set(&m, 2, hex, sent);
+    m.type = NL_MSG_GRADIENT;
+    CHECK(nl_hop_digest_check(&m, 2, got, &err) == NL_ERR_INTEGRITY, "the direction is not in the digest");
+    /* a digest that is not 64 hex digits */
+    hex[10] = '\0';
+    CHECK(enc_msg(&m, &e, NULL, &err) == NL_ERR_RANGE && strstr(err.msg, "digest"),
+          "a 10-digit digest is encoded");
+    /* a hop without one (an older peer) is taken and its digest recorded */
+    m.u.train_hop.digest = NULL;
+    CHECK(nl_hop_digest_check(&m, 2, got, &err) == NL_OK && !nl_hop_digest_none(got),
+          "a hop without a digest is refused or not digested");
+    /* GRAD_NORM's digests: [M, 4, 32] only */
+    uint8_t digs[2 * 3 * 32] = {0};
+    nl_wire_msg_reset(&m, NL_MSG_GRAD_NORM);
+    m.u.grad_norm = (nl_msg_grad_norm){7, 3, 0, 1.0};
+    const int64_t dsh[3] = {2, 3, 32};
+    nl_wire_frame_set(&m.frames[0], digs, NL_DTYPE_U8, dsh, 3);
+    m.nframes = 1;
+    CHECK(enc_msg(&m, &e, NULL, &err) == NL_ERR_SHAPE, "GRAD_NORM with digests [2, 3, 32] encoded");
+    nl_wire_msg_free(&m);
+    nl_wire_msg_free(&d);
+    nl_wire_wbuf_free(&e.hdr);
+}
+
 int main(int argc, char **argv)
 {
     fill_data();
@@ -704,5 +802,6 @@ int main(int argc, char **argv)
     test_mutations();
     test_train_hops();
     test_token_logprobs();
+    test_hop_digest();
     return check_done("test_wire");
 }

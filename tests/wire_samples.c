@@ -11,6 +11,7 @@ const nl_msg_type all_types[] = {
     NL_MSG_ACTIVATION, NL_MSG_GRADIENT,   NL_MSG_TOKEN,     NL_MSG_JOB_SUBMIT, NL_MSG_JOB_STATUS,
     NL_MSG_JOB_CANCEL, NL_MSG_JOB_QUERY,  NL_MSG_GRAD_NORM, NL_MSG_STEP,       NL_MSG_CKPT_REQ,
     NL_MSG_CKPT_DONE,  NL_MSG_RESULT,    NL_MSG_COUNT,     NL_MSG_EVAL,       NL_MSG_LOSS,
+    NL_MSG_VERIFY_REQ, NL_MSG_VERIFY_CASE, NL_MSG_VERIFY_RESULT,
 };
 const int wire_ntypes = (int)(sizeof all_types / sizeof all_types[0]);
 
@@ -102,6 +103,9 @@ void sample(nl_wire_msg *m, nl_msg_type t)
         int64_t sh[3] = {2, 3, 16};
         set_frame(&m->frames[0], t == NL_MSG_GRADIENT ? NL_DTYPE_BF16 : NL_DTYPE_F32, act, 3, sh);
         m->nframes = 1;
+        if (t != NL_MSG_COUNT) /* a hop's digest (net/hopdigest.h); COUNT's absent */
+            m->u.train_hop.digest =
+                "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
         if (t == NL_MSG_ACTIVATION || t == NL_MSG_EVAL) { /* the targets ride along */
             int64_t tsh[2] = {2, 5};
             set_frame(&m->frames[1], NL_DTYPE_I32, toks_frame, 2, tsh);
@@ -133,9 +137,16 @@ void sample(nl_wire_msg *m, nl_msg_type t)
         m->nframes = 1;
         break;
     }
-    case NL_MSG_GRAD_NORM:
+    case NL_MSG_GRAD_NORM: { /* + the step's hop digests: 2 microbatches */
+        static uint8_t digests[2 * NL_DIGEST_KINDS * 32];
+        for (size_t i = 0; i < sizeof digests; i++)
+            digests[i] = (uint8_t)(i * 7);
         m->u.grad_norm = (nl_msg_grad_norm){11, 250, 2, 3.5e4};
+        int64_t sh[3] = {2, NL_DIGEST_KINDS, 32};
+        set_frame(&m->frames[0], NL_DTYPE_U8, digests, 3, sh);
+        m->nframes = 1;
         break;
+    }
     case NL_MSG_STEP:
         m->u.step = (nl_msg_step){11, 250, true, 0.5, 3e-4};
         break;
@@ -144,6 +155,28 @@ void sample(nl_wire_msg *m, nl_msg_type t)
         break;
     case NL_MSG_LOSS:
         m->u.loss = (nl_msg_loss){11, 250, true, 1234.5, 0.0625, 4096};
+        break;
+    case NL_MSG_VERIFY_REQ:
+        m->u.verify_req = (nl_msg_verify_req){11, 250, 3};
+        break;
+    case NL_MSG_VERIFY_CASE: { /* a middle stage: weights, input, gradient, counts, targets */
+        static int64_t counts[2 * 4];
+        m->u.verify_case = (nl_msg_verify_case){11, 250, 3,  1,    4,     6,          false,
+                                                false, 2,  5, 4, 1234, NL_HOP_TARGETS, true,
+                                                "{\"hidden_dim\": 16}"};
+        const int64_t w[1] = {64}, x[3] = {2, 3, 16}, c[2] = {2, 4}, tg[2] = {2, 5};
+        set_frame(&m->frames[0], NL_DTYPE_F32, chunk, 1, w);
+        set_frame(&m->frames[1], NL_DTYPE_F32, act, 3, x);
+        set_frame(&m->frames[2], NL_DTYPE_F32, act, 3, x);
+        set_frame(&m->frames[3], NL_DTYPE_I64, counts, 2, c);
+        set_frame(&m->frames[4], NL_DTYPE_I32, toks_frame, 2, tg);
+        m->nframes = 5;
+        break;
+    }
+    case NL_MSG_VERIFY_RESULT:
+        m->u.verify_result = (nl_msg_verify_result){
+            11, 250, 3, 1, "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff",
+            ""};
         break;
     case NL_MSG_CKPT_DONE:
         m->u.ckpt_done =
@@ -229,7 +262,8 @@ bool same_msg(const nl_wire_msg *a, const nl_wire_msg *b)
     case NL_MSG_GRADIENT:
         return p->hop.job_id == q->hop.job_id && p->hop.step == q->hop.step &&
                p->hop.microbatch == q->hop.microbatch && p->hop.session_id == q->hop.session_id &&
-               p->hop.pos_offset == q->hop.pos_offset && p->hop.aux == q->hop.aux;
+               p->hop.pos_offset == q->hop.pos_offset && p->hop.aux == q->hop.aux &&
+               (a->type == NL_MSG_RESULT || seq(p->train_hop.digest, q->train_hop.digest));
     case NL_MSG_TOKEN:
         return p->token.job_id == q->token.job_id && p->token.session_id == q->token.session_id &&
                p->token.ntokens == q->token.ntokens && p->token.done == q->token.done &&
@@ -268,6 +302,22 @@ bool same_msg(const nl_wire_msg *a, const nl_wire_msg *b)
     case NL_MSG_CKPT_REQ:
         return p->ckpt_req.job_id == q->ckpt_req.job_id && p->ckpt_req.step == q->ckpt_req.step &&
                seq(p->ckpt_req.dir, q->ckpt_req.dir);
+    case NL_MSG_VERIFY_REQ:
+        return memcmp(&p->verify_req, &q->verify_req, sizeof p->verify_req) == 0;
+    case NL_MSG_VERIFY_CASE: {
+        const nl_msg_verify_case *x = &p->verify_case, *y = &q->verify_case;
+        return x->job_id == y->job_id && x->step == y->step && x->microbatch == y->microbatch &&
+               x->stage == y->stage && x->layer0 == y->layer0 && x->layer1 == y->layer1 &&
+               x->has_embed == y->has_embed && x->has_head == y->has_head &&
+               x->batch == y->batch && x->seq == y->seq && x->microbatches == y->microbatches &&
+               x->loss_rows == y->loss_rows && x->extras == y->extras && x->counts == y->counts &&
+               seq(x->config_json, y->config_json);
+    }
+    case NL_MSG_VERIFY_RESULT: {
+        const nl_msg_verify_result *x = &p->verify_result, *y = &q->verify_result;
+        return x->job_id == y->job_id && x->step == y->step && x->microbatch == y->microbatch &&
+               x->stage == y->stage && seq(x->fwd, y->fwd) && seq(x->bwd, y->bwd);
+    }
     case NL_MSG_LOSS:
         return p->loss.job_id == q->loss.job_id && p->loss.step == q->loss.step &&
                p->loss.eval == q->loss.eval && p->loss.ce_sum == q->loss.ce_sum &&

@@ -1,0 +1,441 @@
+/* Verification by recompute, the coordinator's part, a leaf of the
+ * training job's state machine (coord_train.c) that decides nothing about
+ * the job's course (docs/security.md, "Catching a node that computes
+ * wrong").
+ *
+ * When a step's reports are in and before its STEP goes out, each (stage,
+ * microbatch) of the step is drawn with probability --verify-rate from a
+ * keyed BLAKE2b of (job, step, microbatch, stage) under a key the
+ * coordinator made at its start (randombytes) and never sends: no node can
+ * tell in advance which of its outputs will be checked. A drawn stage gets
+ * VERIFY_REQ on the same socket just before the STEP, so it answers from
+ * the weights the step began with and the inputs it kept; the inputs of
+ * its VERIFY_CASE must have the digests it reported receiving, and the
+ * case goes, with the model's config, to a verifier (a standby
+ * first, else the node of another stage), whose VERIFY_RESULT is compared
+ * with the digests the stage reported with its GRAD_NORM. A disagreement
+ * is logged and counted (the step report's `verify_mismatches`, /metrics),
+ * and the case (kept) goes to an arbiter, a third node of the class: two
+ * of the three agreeing convict the stage's node or outvote the verifier
+ * (`verify_convicted`, `verify_outvoted`). The node found wrong, a stage
+ * or a verifier, is quarantined and its key banned (coord_quarantine): the
+ * job resumes without it from its last checkpoint, as after a death. */
+#include <sodium.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/log.h"
+#include "coord_train_impl.h"
+#include "net/hopdigest.h"
+
+/* A verification under way. */
+typedef struct cver {
+    int64_t step;
+    uint32_t mb;
+    int stage;
+    uint32_t node;     /* the stage's node */
+    uint32_t verifier; /* 0: its case has not come yet */
+    uint64_t epoch;
+    double t0;
+    uint8_t want[2][NL_HOP_DIGEST_BYTES]; /* the ACTIVATION and GRADIENT the stage reported */
+    uint8_t got[2][NL_HOP_DIGEST_BYTES];  /* ... and those it reported receiving */
+    /* arbitration: the first verifier found a mismatch, `verifier` is now
+     * the arbiter; said: the first verifier's answer */
+    uint32_t first;
+    char said[2][NL_HOP_DIGEST_HEX + 1];
+    /* the case, kept for an arbiter: its fields and its frames in buf */
+    nl_msg_verify_case hdr;
+    nl_wire_frame fr[NL_WIRE_MAX_FRAMES];
+    int nfr;
+    uint8_t *buf;
+} cver;
+
+typedef struct cverify {
+    cver *p;
+    int n, cap;
+    uint32_t next; /* the verifier to try first (round robin) */
+} cverify;
+
+#define VERIFY_STALE_S 600.0 /* a verification still open after this is dropped */
+
+/* Whether (job, step, mb, stage) is drawn, by the coordinator's secret. */
+static int drawn(const nl_coord *c, uint64_t job, int64_t step, uint32_t mb, int stage)
+{
+    uint8_t in[24], out[8];
+    uint64_t v[3] = {job, (uint64_t)step, ((uint64_t)mb << 32) | (uint32_t)stage};
+    for (int i = 0; i < 3; i++)
+        for (int b = 0; b < 8; b++)
+            in[i * 8 + b] = (uint8_t)(v[i] >> (8 * b));
+    crypto_generichash(out, sizeof out, in, sizeof in, c->verify_key, sizeof c->verify_key);
+    uint64_t u = 0;
+    for (int b = 0; b < 8; b++)
+        u |= (uint64_t)out[b] << (8 * b);
+    return (double)(u >> 11) * 0x1.0p-53 < c->o.verify_rate;
+}
+
+void coord_train_verify_free(ctrain *t)
+{
+    if (t && t->ver) {
+        for (int i = 0; i < t->ver->n; i++)
+            free(t->ver->p[i].buf);
+        free(t->ver->p);
+        free(t->ver);
+        t->ver = NULL;
+    }
+}
+
+static cver *add(ctrain *t)
+{
+    cverify *v = t->ver;
+    if (!v && !(v = t->ver = calloc(1, sizeof *v)))
+        return NULL;
+    if (v->n == v->cap) {
+        int cap = v->cap ? 2 * v->cap : 16;
+        cver *p = realloc(v->p, (size_t)cap * sizeof *p);
+        if (!p)
+            return NULL;
+        v->p = p;
+        v->cap = cap;
+    }
+    return &v->p[v->n++];
+}
+
+static void drop(ctrain *t, int i)
+{
+    free(t->ver->p[i].buf);
+    t->ver->p[i] = t->ver->p[--t->ver->n];
+}
+
+/* The node of a conviction: quarantined and banned (coord_members.c). */
+static void convict(nl_coord *c, cjob *j, const cver *v, const char *how)
+{
+    char why[300];
+    cnode *n = coord_node_by_id(c, v->node);
+    snprintf(why, sizeof why,
+             "convicted of computing wrong: train job %llu step %lld microbatch %u "
+             "stage %d (%s)",
+             (unsigned long long)j->id, (long long)v->step, v->mb, v->stage, how);
+    if (n && n->life == NODE_LIVE)
+        coord_quarantine(c, n, j->id, why);
+}
+
+void coord_train_verify_sample(nl_coord *c, cjob *j)
+{
+    ctrain *t = j->state;
+    const int64_t step = t->step + 1;
+    if (c->o.verify_rate <= 0 || t->ft || !t->dig || t->dig_stages != t->stages)
+        return;
+    for (int i = 0; t->ver && i < t->ver->n; i++) { /* a stale or former plan's: gone */
+        cver *v = &t->ver->p[i];
+        if (v->epoch != c->epoch || coord_now() - v->t0 > VERIFY_STALE_S) {
+            drop(t, i--);
+        } else if (!v->verifier && v->step < step) {
+            /* its stage answers a VERIFY_REQ at once, before the STEP, and
+             * its GRAD_NORM of this step came after on the same connection:
+             * a case still missing was withheld */
+            t->verify_mismatches++;
+            t->verify_convicted++;
+            t->verify_guilty = v->node;
+            NL_WARN("train job %llu: node %u (stage %d) did not hand over step %lld microbatch %u "
+                    "for verification",
+                    (unsigned long long)j->id, v->node, v->stage, (long long)v->step, v->mb);
+            convict(c, j, v, "it withheld its case");
+            drop(t, i--);
+        }
+    }
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    for (int s = 0; s < t->stages; s++) {
+        cnode *n = coord_stage_node(c, s);
+        for (int64_t mb = 0; n && mb < t->micro; mb++) {
+            if (!drawn(c, j->id, step, (uint32_t)mb, s))
+                continue;
+            cver *v = add(t);
+            if (!v)
+                break;
+            const uint8_t *d = t->dig + (((size_t)s * (size_t)t->micro + (size_t)mb) *
+                                         NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES);
+            *v = (cver){.step = step,
+                        .mb = (uint32_t)mb,
+                        .stage = s,
+                        .node = n->id,
+                        .epoch = c->epoch,
+                        .t0 = coord_now()};
+            memcpy(v->want[0], d + NL_DIGEST_FWD_OUT * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
+            memcpy(v->want[1], d + NL_DIGEST_BWD_OUT * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
+            memcpy(v->got[0], d + NL_DIGEST_FWD_IN * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
+            memcpy(v->got[1], d + NL_DIGEST_BWD_IN * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
+            nl_wire_msg_reset(&m, NL_MSG_VERIFY_REQ);
+            m.u.verify_req = (nl_msg_verify_req){j->id, (uint64_t)step, (uint32_t)mb};
+            t->verify_sampled++;
+            if (coord_send_node(c, n, &m) != NL_OK)
+                t->ver->n--; /* the node is lost: the machine hears of it */
+        }
+    }
+    nl_wire_msg_free(&m);
+}
+
+/* Whether two devices are of one class ("cpu", "cpu-devsim", "cuda"):
+ * digests are compared exactly, so only on the same class. */
+static int same_class(const char *a, const char *b)
+{
+    const size_t n = strncmp(a, "cuda:", 5) == 0 ? 5 : strlen(a) + 1;
+    return strncmp(a, b, n) == 0;
+}
+
+/* The node that redoes a case of node `of`'s stage: a standby of the same
+ * device class first, else another stage's node of that class, taken in
+ * turn; NULL: none. */
+static cnode *verifier_for(nl_coord *c, ctrain *t, const cnode *of, uint32_t also_not)
+{
+    const nl_plan *p = c->plan;
+    for (int i = 0; p && i < p->n_standby; i++) {
+        cnode *n = coord_node_by_id(c, (uint32_t)p->standby[(i + t->ver->next) % p->n_standby]);
+        if (n && n->life == NODE_LIVE && !n->unreachable && n->id != of->id && n->id != also_not &&
+            same_class(n->device, of->device)) {
+            t->ver->next++;
+            return n;
+        }
+    }
+    for (int i = 0; i < t->stages; i++) {
+        cnode *n = coord_stage_node(c, (int)((i + t->ver->next) % (uint32_t)t->stages));
+        if (n && !n->unreachable && n->id != of->id && n->id != also_not &&
+            same_class(n->device, of->device)) {
+            t->ver->next++;
+            return n;
+        }
+    }
+    return NULL;
+}
+
+/* Keep a copy of a stage's case (for an arbiter): 0, or -1 out of memory. */
+static int keep_case(cver *v, const nl_wire_msg *m, uint64_t bytes)
+{
+    if (!(v->buf = malloc(bytes ? bytes : 1)))
+        return -1;
+    v->hdr = m->u.verify_case;
+    v->hdr.config_json = NULL;
+    v->nfr = m->nframes;
+    size_t off = 0;
+    for (int f = 0; f < m->nframes; f++) {
+        v->fr[f] = m->frames[f];
+        memcpy(v->buf + off, m->frames[f].t.data, m->frames[f].len);
+        v->fr[f].t.data = v->buf + off;
+        v->fr[f].free_fn = NULL; /* copied by the send */
+        off += m->frames[f].len;
+    }
+    return 0;
+}
+
+/* The kept case to node `to`, with the model's config: 0, or -1. */
+static int send_case(nl_coord *c, const cver *v, cnode *to)
+{
+    char *json = nl_config_to_json(&c->cfg);
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_VERIFY_CASE);
+    m.u.verify_case = v->hdr;
+    m.u.verify_case.config_json = json;
+    for (int f = 0; f < v->nfr; f++)
+        m.frames[f] = v->fr[f];
+    m.nframes = v->nfr;
+    const int rc = json && coord_send_node(c, to, &m) == NL_OK ? 0 : -1;
+    nl_wire_msg_free(&m);
+    free(json);
+    return rc;
+}
+
+/* Whether a case's inputs are those the stage reported receiving: the
+ * digest of its ACTIVATION (the input and the frames that came with it)
+ * and of its GRADIENT, as hops into that stage. Without this a stage could
+ * hand over inputs made to fit a wrong output. */
+static int inputs_match(const cver *v, const nl_wire_msg *m)
+{
+    const nl_msg_verify_case *k = &m->u.verify_case;
+    uint8_t d[NL_HOP_DIGEST_BYTES];
+    nl_wire_msg h;
+    nl_wire_msg_init(&h);
+    nl_wire_msg_reset(&h, NL_MSG_ACTIVATION);
+    h.u.hop = (nl_msg_tensor_hop){k->job_id, k->step, k->microbatch, 0, 0, 0.0};
+    const int first_extra = 2 + !k->has_head + k->counts;
+    h.frames[0] = m->frames[1];
+    h.nframes = 1;
+    for (int f = first_extra; f < m->nframes; f++)
+        h.frames[h.nframes++] = m->frames[f];
+    nl_hop_digest(d, &h, k->stage);
+    int ok = memcmp(d, v->got[0], NL_HOP_DIGEST_BYTES) == 0;
+    if (ok && !k->has_head) {
+        nl_wire_msg_reset(&h, NL_MSG_GRADIENT);
+        h.u.hop = (nl_msg_tensor_hop){k->job_id, k->step, k->microbatch, 0, 0, 0.0};
+        h.frames[0] = m->frames[2];
+        h.nframes = 1;
+        nl_hop_digest(d, &h, k->stage);
+        ok = memcmp(d, v->got[1], NL_HOP_DIGEST_BYTES) == 0;
+    }
+    nl_wire_msg_free(&h);
+    return ok;
+}
+
+/* A stage's VERIFY_CASE: on to a verifier, with the model's config. */
+static void on_case(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
+{
+    ctrain *t = j->state;
+    const nl_msg_verify_case *k = &rx->msg.u.verify_case;
+    for (int i = 0; t->ver && i < t->ver->n; i++) {
+        cver *v = &t->ver->p[i];
+        if (v->verifier || v->node != from->id || v->step != (int64_t)k->step ||
+            v->mb != k->microbatch || v->stage != (int)k->stage)
+            continue;
+        if (!inputs_match(v, &rx->msg)) { /* its own reports convict it */
+            t->verify_mismatches++;
+            t->verify_convicted++;
+            t->verify_guilty = v->node;
+            NL_WARN("train job %llu: node %u (stage %d) hands over other inputs for step %lld "
+                    "microbatch %u than the digests it reported receiving",
+                    (unsigned long long)j->id, v->node, v->stage, (long long)v->step, v->mb);
+            convict(c, j, v, "its case's inputs are not those it reported receiving");
+            drop(t, i);
+            return;
+        }
+        /* a verifier hears on its control socket: a bigger case would
+         * make its libzmq drop the connection */
+        uint64_t bytes = 0, part = 0;
+        for (int f = 0; f < rx->msg.nframes; f++) {
+            bytes += rx->msg.frames[f].len;
+            part = rx->msg.frames[f].len > part ? rx->msg.frames[f].len : part;
+        }
+        const int fits = part <= NL_SOCK_CONTROL_PART && bytes + 65536 <= NL_SOCK_CONTROL_MSG;
+        cnode *to = fits ? verifier_for(c, t, from, 0) : NULL;
+        if (!to || keep_case(v, &rx->msg, bytes) != 0 || send_case(c, v, to) != 0) {
+            NL_WARN("train job %llu: step %lld microbatch %u of stage %d is not verified: %s",
+                    (unsigned long long)j->id, (long long)v->step, v->mb, v->stage,
+                    !fits ? "the stage's weights exceed what a verifier's control socket takes "
+                            "(16 MiB a part)"
+                    : !to ? "no other node of its device class"
+                          : "the send to the verifier failed");
+            t->verify_skipped++;
+            drop(t, i);
+        } else {
+            v->verifier = to->id;
+        }
+        return;
+    }
+    NL_WARN("train job %llu: an unasked VERIFY_CASE from node %u (stage %u, step %llu) ignored",
+            (unsigned long long)j->id, from->id, k->stage, (unsigned long long)k->step);
+}
+
+/* A digest in hex as the verifier sent it, against the stage's. */
+static int same(const char *hex, const uint8_t want[NL_HOP_DIGEST_BYTES])
+{
+    char w[NL_HOP_DIGEST_HEX + 1];
+    if (nl_hop_digest_none(want))
+        return !hex[0];
+    nl_hop_digest_hex(w, want);
+    return strcmp(hex, w) == 0;
+}
+
+/* A verifier's answer disagrees with the stage: the case goes to an
+ * arbiter (a third node of the class), or, with none, stays unresolved. */
+static int ask_arbiter(nl_coord *c, cjob *j, cver *v, const nl_msg_verify_result *r,
+                       const cnode *from)
+{
+    ctrain *t = j->state;
+    const cnode *stage = coord_node_by_id(c, v->node);
+    cnode *to = stage ? verifier_for(c, t, stage, from->id) : NULL;
+    snprintf(v->said[0], sizeof v->said[0], "%s", r->fwd);
+    snprintf(v->said[1], sizeof v->said[1], "%s", r->bwd);
+    if (!to || send_case(c, v, to) != 0) {
+        NL_WARN("train job %llu: step %lld microbatch %u of stage %d stays unresolved: no third "
+                "node to arbitrate between node %u and its verifier node %u",
+                (unsigned long long)j->id, (long long)v->step, v->mb, v->stage, v->node, from->id);
+        return -1;
+    }
+    v->first = from->id;
+    v->verifier = to->id;
+    return 0;
+}
+
+/* The arbiter's answer: two of the three agree. */
+static void judge(nl_coord *c, ctrain *t, cjob *j, const cver *v, const nl_msg_verify_result *r,
+                  const cnode *from)
+{
+    const int with_stage = same(r->fwd, v->want[0]) && same(r->bwd, v->want[1]);
+    const int with_first = strcmp(r->fwd, v->said[0]) == 0 && strcmp(r->bwd, v->said[1]) == 0;
+    if (with_first && !with_stage) {
+        t->verify_convicted++;
+        t->verify_guilty = v->node;
+        NL_WARN("train job %llu: node %u (stage %d) computed step %lld microbatch %u wrong: its "
+                "verifier node %u and the arbiter node %u agree",
+                (unsigned long long)j->id, v->node, v->stage, (long long)v->step, v->mb, v->first,
+                from->id);
+        convict(c, j, v, "a verifier and an arbiter agree");
+    } else if (with_stage && !with_first) {
+        t->verify_outvoted++;
+        NL_WARN("train job %llu: verifier node %u was wrong about step %lld microbatch %u of "
+                "stage %d: the arbiter node %u agrees with the stage's node %u",
+                (unsigned long long)j->id, v->first, (long long)v->step, v->mb, v->stage, from->id,
+                v->node);
+        cnode *liar = coord_node_by_id(c, v->first);
+        if (liar && liar->life == NODE_LIVE) {
+            char why[300];
+            snprintf(
+                why, sizeof why,
+                "convicted of verifying wrong: train job %llu step %lld microbatch %u stage %d "
+                "(an arbiter agrees with the stage)",
+                (unsigned long long)j->id, (long long)v->step, v->mb, v->stage);
+            coord_quarantine(c, liar, j->id, why);
+        }
+    } else {
+        NL_WARN("train job %llu: step %lld microbatch %u of stage %d unresolved: the stage's "
+                "node %u, the verifier node %u and the arbiter node %u all disagree",
+                (unsigned long long)j->id, (long long)v->step, v->mb, v->stage, v->node, v->first,
+                from->id);
+    }
+}
+
+/* A verifier's (or an arbiter's) VERIFY_RESULT, against the stage's report. */
+static void on_result(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
+{
+    ctrain *t = j->state;
+    const nl_msg_verify_result *r = &rx->msg.u.verify_result;
+    for (int i = 0; t->ver && i < t->ver->n; i++) {
+        cver *v = &t->ver->p[i];
+        if (v->verifier != from->id || v->step != (int64_t)r->step || v->mb != r->microbatch ||
+            v->stage != (int)r->stage)
+            continue;
+        if (v->first) { /* the arbiter's */
+            judge(c, t, j, v, r, from);
+            drop(t, i);
+            return;
+        }
+        const int fwd = same(r->fwd, v->want[0]), bwd = same(r->bwd, v->want[1]);
+        t->verify_done++;
+        if (fwd && bwd) {
+            NL_DEBUG("train job %llu: step %lld microbatch %u of stage %d verified by node %u",
+                     (unsigned long long)j->id, (long long)v->step, v->mb, v->stage, from->id);
+            drop(t, i);
+            return;
+        }
+        t->verify_mismatches++;
+        NL_WARN("train job %llu: step %lld microbatch %u of stage %d (node %u): node %u's "
+                "recompute gives another %s%s%s",
+                (unsigned long long)j->id, (long long)v->step, v->mb, v->stage, v->node, from->id,
+                fwd ? "" : "ACTIVATION", fwd || bwd ? "" : " and ", bwd ? "" : "GRADIENT");
+        if (ask_arbiter(c, j, v, r, from) != 0)
+            drop(t, i);
+        return;
+    }
+}
+
+void coord_train_verify_msg(nl_coord *c, cjob *j, const nl_rx *rx)
+{
+    const cnode *from = coord_node_by_rid(c, rx);
+    ctrain *t = j->state;
+    if (!from || !t)
+        return;
+    if (rx->msg.type == NL_MSG_VERIFY_CASE)
+        on_case(c, j, rx, from);
+    else if (rx->msg.type == NL_MSG_VERIFY_RESULT)
+        on_result(c, j, rx, from);
+}

@@ -1,0 +1,357 @@
+/* Verification by recompute, the node's part (see stage_verify.h): the
+ * inputs a training stage keeps of the step under way, the case of one
+ * microbatch made from them, and its redo on a verifier's backend. */
+#include "stage_verify.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "../core/model.h"
+#include "../core/train.h"
+#include "stage_train_impl.h"
+
+/* ===================== what a stage keeps ===================== */
+
+void nl_stage_train_keep(stage_train *t, rjob *j)
+{
+    if (!t->kept || j->st != NL_OK || !j->x || j->step != t->begun || j->mb >= (uint32_t)t->M ||
+        (j->kind != JOB_FORWARD && j->kind != JOB_BACKWARD))
+        return;
+    kept_mb *k = &t->kept[j->mb];
+    if (j->kind == JOB_FORWARD) {
+        free(k->x);
+        nl_stage_train_extra_free(&k->e);
+        k->x = j->x; /* taken: the job no longer owns them */
+        k->e = j->e;
+        j->e = (hop_extra){0};
+        k->fwd = true;
+    } else {
+        free(k->dy);
+        k->dy = j->x;
+        k->bwd = true;
+    }
+    j->x = NULL;
+}
+
+void nl_stage_train_kept_free(stage_train *t)
+{
+    for (int i = 0; t->kept && i < t->M; i++) {
+        kept_mb *k = &t->kept[i];
+        free(k->x);
+        free(k->dy);
+        nl_stage_train_extra_free(&k->e);
+        *k = (kept_mb){0};
+    }
+}
+
+/* ===================== a case ===================== */
+
+nl_status nl_stage_verify_case(nl_stage *s, uint64_t job, uint64_t step, uint32_t mb,
+                               nl_verify_case *c, nl_error *err)
+{
+    const stage_job *e = nl_stage_job_first(s, NL_JOB_TRAIN);
+    stage_train *t = e ? e->state : NULL;
+    *c = (nl_verify_case){0};
+    if (!t || t->job != job)
+        return nl_error_set(err, NL_ERR_STATE, "verify: no training job %llu on this stage",
+                            (unsigned long long)job);
+    if (t->begun != step || !t->finished || mb >= (uint32_t)t->M)
+        return nl_error_set(err, NL_ERR_STATE,
+                            "verify: step %llu microbatch %u, but this stage %s step %llu of %d "
+                            "microbatches",
+                            (unsigned long long)step, mb,
+                            t->finished ? "has finished" : "is still in",
+                            (unsigned long long)t->begun, t->M);
+    const kept_mb *k = &t->kept[mb];
+    const nl_model *m = s->model;
+    if (!k->fwd || (!m->has_head && !k->bwd))
+        return nl_error_set(err, NL_ERR_STATE, "verify: microbatch %u's inputs are not kept", mb);
+    if (!(c->weights = malloc(m->n_params * sizeof(float))))
+        return nl_error_set(err, NL_ERR_NOMEM, "verify: out of memory for the weights");
+    s->be->download(s->be, c->weights, m->params, m->n_params * sizeof(float));
+    c->n_weights = m->n_params;
+    c->cfg = &m->cfg;
+    c->l0 = m->l0;
+    c->l1 = m->l1;
+    c->has_embed = m->has_embed;
+    c->has_head = m->has_head;
+    c->stage = (uint32_t)s->stage_idx;
+    c->job = job;
+    c->step = step;
+    c->mb = mb;
+    c->mbB = t->mbB;
+    c->T = t->T;
+    c->M = t->M;
+    c->x = k->x;
+    c->targets = k->e.targets;
+    c->docs = k->e.docs;
+    c->labels = k->e.labels;
+    c->lengths = k->e.lengths;
+    c->loss_rows = k->e.loss_rows;
+    c->dy = m->has_head ? NULL : k->dy;
+    c->counts = t->counts_ready ? t->counts : NULL;
+    return nl_backend_check(s->be, err);
+}
+
+void nl_verify_case_free(nl_verify_case *c)
+{
+    if (!c)
+        return;
+    free(c->weights);
+    c->weights = NULL;
+}
+
+/* ===================== the redo ===================== */
+
+/* The digest of a hop the stage sends: as send_host in stage_train_hops.c
+ * makes it (hidden states, then an ACTIVATION's frames that travel on). */
+static void hop_digest(const nl_verify_case *c, nl_msg_type type, const float *x, size_t d,
+                       uint8_t out[NL_HOP_DIGEST_BYTES])
+{
+    const int64_t xs[3] = {c->mbB, c->T, (int64_t)d};
+    const bool grad = type == NL_MSG_GRADIENT;
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, type);
+    m.u.hop = (nl_msg_tensor_hop){c->job, c->step, c->mb, 0, 0, 0.0};
+    nl_wire_frame_set(&m.frames[0], x, NL_DTYPE_F32, xs, 3);
+    m.nframes = 1;
+    if (!grad)
+        nl_wire_hop_set_extras(&m, c->mbB, c->T, c->targets, c->docs, c->labels, c->lengths);
+    nl_hop_digest(out, &m, c->stage + (grad ? (uint32_t)-1 : 1u));
+    nl_wire_msg_free(&m);
+}
+
+typedef struct redo {
+    nl_backend *be;
+    nl_model *m;
+    nl_trainer *tr;
+    float *x_d, *host;
+} redo;
+
+static void redo_free(redo *r)
+{
+    nl_trainer_destroy(&r->tr);
+    nl_model_destroy(&r->m);
+    if (r->be)
+        r->be->free(r->be, r->x_d);
+    free(r->host);
+}
+
+/* The stage's layers from the case's weights, and a trainer of one slot. */
+static nl_status redo_make(redo *r, const nl_verify_case *c, size_t rows, size_t d, nl_error *err)
+{
+    nl_status st = nl_model_new(&r->m, r->be, c->cfg, c->l0, c->l1, c->has_embed, c->has_head, err);
+    if (st == NL_OK && r->m->n_params != c->n_weights)
+        st = nl_error_set(err, NL_ERR_SHAPE,
+                          "verify: the stage's layers [%d, %d) have %zu parameters, %zu came",
+                          c->l0, c->l1, r->m->n_params, c->n_weights);
+    if (st != NL_OK)
+        return st;
+    r->be->upload(r->be, r->m->params, c->weights, c->n_weights * sizeof(float));
+    st = nl_trainer_new(&r->tr, r->m, (int)rows, 1, 0, err);
+    if (st == NL_OK && (!(r->x_d = r->be->alloc(r->be, rows * d * sizeof(float))) ||
+                        !(r->host = malloc(rows * d * sizeof(float)))))
+        st = nl_error_set(err, NL_ERR_NOMEM, "verify: out of memory");
+    return st;
+}
+
+nl_status nl_verify_recompute(nl_backend *be, const nl_verify_case *c,
+                              uint8_t fwd[NL_HOP_DIGEST_BYTES], uint8_t bwd[NL_HOP_DIGEST_BYTES],
+                              nl_error *err)
+{
+    const size_t rows = (size_t)c->mbB * (size_t)c->T, d = (size_t)c->cfg->hidden_dim;
+    redo r = {.be = be};
+    memset(fwd, 0, NL_HOP_DIGEST_BYTES);
+    memset(bwd, 0, NL_HOP_DIGEST_BYTES);
+    nl_status st = redo_make(&r, c, rows, d, err);
+    if (st != NL_OK)
+        goto done;
+    /* as the stage's step: the batch's rows, its loss rows and its shares */
+    nl_trainer_begin_step(r.tr, (int64_t)c->M * (int64_t)rows);
+    if (c->loss_rows > 0)
+        nl_trainer_set_loss_rows(r.tr, (int64_t)c->loss_rows);
+    if (c->counts)
+        nl_trainer_use_counts(r.tr, c->counts);
+    const float *x = NULL;
+    if (!c->has_embed) {
+        be->upload(be, r.x_d, c->x, rows * d * sizeof(float));
+        x = r.x_d;
+    }
+    double ce = 0.0, aux = 0.0;
+    st = nl_trainer_set_docs(r.tr, c->docs, (int)rows, err);
+    if (st == NL_OK && c->has_head)
+        st = nl_trainer_set_labels(r.tr, c->labels, c->lengths, c->mbB, c->T, err);
+    if (st == NL_OK)
+        st = nl_trainer_forward(r.tr, 0, c->mbB, c->T, c->has_embed ? c->x : NULL, x,
+                                c->has_head ? c->targets : NULL, &ce, &aux, err);
+    if (st == NL_OK && !c->has_head) {
+        be->download(be, r.host, nl_trainer_output(r.tr, 0), rows * d * sizeof(float));
+        hop_digest(c, NL_MSG_ACTIVATION, r.host, d, fwd);
+    }
+    if (st == NL_OK && !c->has_head) /* the gradient the stage received */
+        be->upload(be, r.x_d, c->dy, rows * d * sizeof(float));
+    if (st == NL_OK)
+        st = nl_trainer_backward(r.tr, 0, c->has_head ? NULL : r.x_d, err);
+    if (st == NL_OK && !c->has_embed) {
+        be->download(be, r.host, nl_trainer_input_grad(r.tr), rows * d * sizeof(float));
+        hop_digest(c, NL_MSG_GRADIENT, r.host, d, bwd);
+    }
+    if (st == NL_OK)
+        st = nl_backend_check(be, err);
+done:
+    redo_free(&r);
+    if (st != NL_OK)
+        nl_error_prefix(err, "verify job %llu step %llu microbatch %u stage %u",
+                        (unsigned long long)c->job, (unsigned long long)c->step, c->mb, c->stage);
+    return st;
+}
+
+/* ===================== on the wire ===================== */
+
+nl_status nl_stage_train_verify_req(nl_stage *s, stage_train *t, const nl_msg_verify_req *r,
+                                    nl_stage_send_fn send, void *ctx, nl_error *err)
+{
+    nl_verify_case c;
+    if (nl_stage_verify_mute(s)) /* a test hook: a stage that withholds its cases */
+        return NL_OK;
+    nl_status st = nl_stage_verify_case(s, r->job_id, r->step, r->microbatch, &c, err);
+    if (st != NL_OK)
+        return st;
+    const size_t d = (size_t)c.cfg->hidden_dim;
+    const int64_t ws[1] = {(int64_t)c.n_weights}, ts[2] = {c.mbB, c.T},
+                  xs[3] = {c.mbB, c.T, (int64_t)d}, cs[2] = {c.l1 - c.l0, c.cfg->num_experts},
+                  bs[1] = {c.mbB};
+    nl_wire_msg *m = &t->tx;
+    nl_wire_msg_reset(m, NL_MSG_VERIFY_CASE);
+    const uint32_t extras = (c.targets ? NL_HOP_TARGETS : 0u) | (c.docs ? NL_HOP_DOCS : 0u) |
+                            (c.labels ? NL_HOP_LABELS : 0u) | (c.lengths ? NL_HOP_LENGTHS : 0u);
+    m->u.verify_case = (nl_msg_verify_case){
+        c.job,          c.step,      c.mb,       c.stage,          (uint32_t)c.l0,
+        (uint32_t)c.l1, c.has_embed, c.has_head, (uint32_t)c.mbB,  (uint32_t)c.T,
+        (uint32_t)c.M,  c.loss_rows, extras,     c.counts != NULL, ""};
+    int f = 0;
+    nl_wire_frame_set(&m->frames[f++], c.weights, NL_DTYPE_F32, ws, 1); /* copied by the send */
+    if (c.has_embed)
+        nl_wire_frame_set(&m->frames[f++], c.x, NL_DTYPE_I32, ts, 2);
+    else
+        nl_wire_frame_set(&m->frames[f++], c.x, NL_DTYPE_F32, xs, 3);
+    if (!c.has_head)
+        nl_wire_frame_set(&m->frames[f++], c.dy, NL_DTYPE_F32, xs, 3);
+    if (c.counts)
+        nl_wire_frame_set(&m->frames[f++], c.counts, NL_DTYPE_I64, cs, 2);
+    const int32_t *ex[4] = {c.targets, c.docs, c.labels, c.lengths};
+    for (int i = 0; i < 4; i++)
+        if (ex[i])
+            nl_wire_frame_set(&m->frames[f++], ex[i], NL_DTYPE_I32, i < 2 ? ts : bs, i < 2 ? 2 : 1);
+    m->nframes = f;
+    st = send(ctx, NL_STAGE_TO_COORD, m, err);
+    nl_verify_case_free(&c);
+    return st;
+}
+
+/* The case a VERIFY_CASE describes, checked against its config: cfg is
+ * filled from config_json. Frames received need not be aligned for their
+ * element type: all of them are copied into one buffer (c->weights, at
+ * its start, owns it), each at an aligned offset, and the case points
+ * there. */
+static nl_status case_of(const nl_wire_msg *m, nl_config *cfg, nl_verify_case *c, nl_error *err)
+{
+    const nl_msg_verify_case *v = &m->u.verify_case;
+    *c = (nl_verify_case){0};
+    nl_status st = nl_config_from_json(cfg, v->config_json, err);
+    if (st == NL_OK)
+        st = nl_config_validate(cfg, 1, err);
+    if (st != NL_OK)
+        return nl_error_prefix(err, "VERIFY_CASE config_json");
+    const int64_t B = v->batch, T = v->seq, d = cfg->hidden_dim;
+    if (v->layer1 > (uint32_t)cfg->num_layers || v->microbatch >= v->microbatches)
+        return nl_error_set(err, NL_ERR_RANGE,
+                            "VERIFY_CASE: layers [%u, %u) of %d, microbatch %u of %u", v->layer0,
+                            v->layer1, cfg->num_layers, v->microbatch, v->microbatches);
+    /* frame indices: 0 weights, 1 input, [dy], [counts], extras */
+    const int fx = 1, fdy = v->has_head ? -1 : 2, fc = v->counts ? 2 + !v->has_head : -1;
+    int fe[4], f = 2 + !v->has_head + v->counts;
+    for (int i = 0; i < 4; i++)
+        fe[i] = v->extras & (1u << i) ? f++ : -1;
+    const nl_tensor *x = &m->frames[fx].t;
+    bool ok = x->shape[0] == B && x->shape[1] == T && (v->has_embed || x->shape[2] == d);
+    if (fdy >= 0) {
+        const nl_tensor *dy = &m->frames[fdy].t;
+        ok = ok && dy->shape[0] == B && dy->shape[1] == T && dy->shape[2] == d;
+    }
+    if (fc >= 0)
+        ok = ok && m->frames[fc].t.shape[0] == (int64_t)(v->layer1 - v->layer0) &&
+             m->frames[fc].t.shape[1] == cfg->num_experts;
+    for (int i = 0; i < 4; i++)
+        ok = ok && (fe[i] < 0 || (m->frames[fe[i]].t.shape[0] == B &&
+                                  (i >= 2 || m->frames[fe[i]].t.shape[1] == T)));
+    if (!ok)
+        return nl_error_set(err, NL_ERR_SHAPE,
+                            "VERIFY_CASE: a frame does not fit microbatches of %lld x %lld with "
+                            "hidden size %lld",
+                            (long long)B, (long long)T, (long long)d);
+    size_t off[NL_WIRE_MAX_FRAMES], total = 0;
+    for (int i = 0; i < m->nframes; i++) {
+        off[i] = total;
+        total += (m->frames[i].len + 63) & ~(size_t)63;
+    }
+    uint8_t *buf = malloc(total ? total : 1);
+    if (!buf)
+        return nl_error_set(err, NL_ERR_NOMEM, "VERIFY_CASE: out of memory");
+    for (int i = 0; i < m->nframes; i++)
+        memcpy(buf + off[i], m->frames[i].t.data, m->frames[i].len);
+#define AT(i, T) ((i) >= 0 ? (const T *)(const void *)(buf + off[(i)]) : NULL)
+    *c = (nl_verify_case){.cfg = cfg,
+                          .l0 = (int)v->layer0,
+                          .l1 = (int)v->layer1,
+                          .has_embed = v->has_embed,
+                          .has_head = v->has_head,
+                          .stage = v->stage,
+                          .job = v->job_id,
+                          .step = v->step,
+                          .mb = v->microbatch,
+                          .mbB = (int)B,
+                          .T = (int)T,
+                          .M = (int)v->microbatches,
+                          .weights = (float *)(void *)buf,
+                          .n_weights = (size_t)m->frames[0].t.shape[0],
+                          .x = buf + off[fx],
+                          .targets = AT(fe[0], int32_t),
+                          .docs = AT(fe[1], int32_t),
+                          .labels = AT(fe[2], int32_t),
+                          .lengths = AT(fe[3], int32_t),
+                          .loss_rows = v->loss_rows,
+                          .dy = AT(fdy, float),
+                          .counts = AT(fc, int64_t)};
+#undef AT
+    return NL_OK;
+}
+
+nl_status nl_verify_answer(nl_stage *s, const nl_wire_msg *m, nl_wire_msg *out,
+                           char hex[2][NL_HOP_DIGEST_HEX + 1], nl_error *err)
+{
+    nl_backend *be = s->be;
+    nl_stage_train_quiesce(s);
+    nl_config cfg;
+    nl_verify_case c;
+    uint8_t fwd[NL_HOP_DIGEST_BYTES], bwd[NL_HOP_DIGEST_BYTES];
+    nl_status st = case_of(m, &cfg, &c, err);
+    if (st == NL_OK)
+        st = nl_verify_recompute(be, &c, fwd, bwd, err);
+    nl_verify_case_free(&c);
+    if (st != NL_OK)
+        return st;
+    const nl_msg_verify_case *v = &m->u.verify_case;
+    nl_stage_verify_lie(s, v->job_id, v->step, v->microbatch, v->stage, fwd, bwd); /* test hook */
+    nl_hop_digest_hex(hex[0], fwd);
+    nl_hop_digest_hex(hex[1], bwd);
+    nl_wire_msg_reset(out, NL_MSG_VERIFY_RESULT);
+    out->u.verify_result = (nl_msg_verify_result){v->job_id,
+                                                  v->step,
+                                                  v->microbatch,
+                                                  v->stage,
+                                                  v->has_head ? "" : hex[0],
+                                                  v->has_embed ? "" : hex[1]};
+    return NL_OK;
+}

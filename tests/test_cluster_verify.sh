@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Verification by recompute as real processes on loopback (issue 31):
+#  - honest: 3 nodes, --verify-rate 1: every (stage, microbatch) of every
+#    step is drawn and redone by another node from the stage's kept inputs
+#    and its weights at the step's start; none is found wrong, the run's losses
+#    and weights equal a run without verification bit for bit, and the
+#    hop digests agree at both ends of every hop;
+#  - one lying node (the test hook NL_TEST_LIE on node-2): a verifier and
+#    an arbiter (the third node) agree against it; it is quarantined, its
+#    key banned (authorized_keys), and the job resumes without it, ending
+#    equal to the honest run bit for bit;
+#  - a lying verifier: the arbiter sides with the stage, the verifier is
+#    quarantined and banned, and the training equals the honest run.
+. "$(dirname "$0")/cluster_lib.sh"
+export NL_TEST_GFLOPS=20
+
+small_config "$W/cfg.yaml" 32 3 48 32
+cat "$NL_SOURCE_DIR"/README.md > "$W/data.txt"
+check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
+RUN=(--data "$W/data.txt" --steps 4 --batch 8 --seq 16 --microbatches 4 --lr 3e-3 --seed 1)
+last() { tail -1 "$1" | $PY -c "import json,sys; print(json.load(sys.stdin)[\"$2\"])"; }
+
+run() { # run NAME RATE [ENV...]: a 3-node cluster (HTTP on), one training run
+  local name=$1 rate=$2; shift 2
+  env "$@" "$N" cluster up "${DEV[@]}" --dir "$W/$name" --nodes 3 --model "$W/m.safetensors" \
+    --memory 64M --threads 1 --node-timeout-ms 4000 --timeout 60 --verify-rate "$rate" \
+    --http 127.0.0.1:0 > "$W/$name.up" 2>&1
+  check "$N" train --cluster "$W/$name" "${RUN[@]}" --log "$W/$name.jsonl" --checkpoint-dir "$W/$name.ck" \
+    --out "$W/$name.safetensors" 2> "$W/$name.err"
+  check grep -q "on 3 pipeline stages" "$W/$name.err"
+  # the event feed's recent history (up to a quarantine), read before the
+  # cluster goes down
+  $PY - "$(cat "$W/$name/coord/http")" "${WANT_EVENT:-train_step}" > "$W/$name.events" 2>&1 <<'PY'
+import socket, sys, time
+host, port = sys.argv[1].replace("http://", "").rstrip("/").rsplit(":", 1)
+s = socket.create_connection((host, int(port)), timeout=60)
+s.sendall(b"GET /api/events HTTP/1.1\r\nHost: localhost\r\n\r\n")
+buf, end = b"", time.time() + 60
+want = ("event: " + sys.argv[2]).encode()
+while want not in buf and time.time() < end:
+    chunk = s.recv(65536)
+    if not chunk:
+        break
+    buf += chunk
+sys.stdout.write(buf.decode(errors="replace"))
+PY
+  "$N" cluster down --dir "$W/$name" > /dev/null 2>&1
+  [ -n "${KEEP:-}" ] && for f in "$W/$name"/*.log; do cp "$f" "$KEEP/$name.$(basename "$f")"; done
+}
+
+# ---- honest, every microbatch verified, against no verification ----
+run plain 0
+run honest 1
+check test "$(last "$W/honest.jsonl" verify_mismatches)" -eq 0
+check test "$(last "$W/honest.jsonl" digest_mismatches)" -eq 0
+check test "$(last "$W/plain.jsonl" verified)" -eq 0
+# the verifiers answer while the training goes on: a step's report counts
+# the answers in by then (those of the last steps may come after the last
+# report; tests/test_stage_train.c counts 204 of 204 deterministically)
+v=$(last "$W/honest.jsonl" verified)
+echo "honest: $v (stage, microbatch)s verified, none found wrong"
+check test "$v" -ge 1
+check cmp "$W/plain.safetensors" "$W/honest.safetensors"
+check $PY - "$W/plain.jsonl" "$W/honest.jsonl" <<'PY'
+import json, sys
+a, b = ([json.loads(l)["loss"] for l in open(p)] for p in sys.argv[1:3])
+assert a == b, (a, b)
+PY
+
+# ---- one lying stage (node-2, whichever stage it holds: a bit flip in
+# its forward or backward outputs): a verifier and an arbiter convict it;
+# it is quarantined, its key banned in authorized_keys, and the job
+# resumes from its start (no checkpoint yet) on the two nodes left, ending
+# with the weights of the honest run, bit for bit ----
+WANT_EVENT=train_quarantine run lie-one 1 NL_TEST_LIE=bitflip:0.5:5 NL_TEST_LIE_NODE=node-2
+check grep -q "computed step .* wrong: its verifier node .* and the arbiter node .* agree" \
+  "$W/lie-one/coord.log"
+check grep -q "quarantined, its key banned" "$W/lie-one/coord.log"
+check grep -q "^# banned: convicted of computing wrong.* node  # node-2" \
+  "$W/lie-one/coord/authorized_keys"
+check grep -q '"event":"resumed"' "$W/lie-one.jsonl"
+check grep -q "event: train_quarantine" "$W/lie-one.events"
+check cmp "$W/plain.safetensors" "$W/lie-one.safetensors"
+
+# ---- a lying verifier (node-2): the arbiter sides with the stage; the
+# verifier is quarantined and banned, and the training equals the honest
+# run ----
+run lie-verifier 1 NL_TEST_LIE=verifier:1:5 NL_TEST_LIE_NODE=node-2
+check grep -q "verifier node .* was wrong about step" "$W/lie-verifier/coord.log"
+check grep -q "^# banned: convicted of verifying wrong.* node  # node-2" \
+  "$W/lie-verifier/coord/authorized_keys"
+check cmp "$W/plain.safetensors" "$W/lie-verifier.safetensors"
+
+# ---- a stage that withholds its cases (node-2): convicted at the next
+# step's reports, banned, and the job ends as the honest run ----
+run lie-mute 1 NL_TEST_LIE=mute:1 NL_TEST_LIE_NODE=node-2
+check grep -q "did not hand over step .* for verification" "$W/lie-mute/coord.log"
+check grep -q "^# banned: convicted of computing wrong.*withheld its case.* node  # node-2" \
+  "$W/lie-mute/coord/authorized_keys"
+check cmp "$W/plain.safetensors" "$W/lie-mute.safetensors"
+
+echo "test_cluster_verify: $pass passed, $fail failed"
+[ "$fail" -eq 0 ]
