@@ -39,6 +39,7 @@ typedef struct nl_coord_opts {
                             * fraction (0.1: 10%; 1: never) */
     int plaintext;         /* INSECURE: no CURVE */
     int grow_auto;         /* --grow auto: the model deepens as nodes join (coord_grow.c) */
+    int wire;              /* --wire: nl_wire_precision of the stages' hops (told in ASSIGN) */
     /* Where a training job's client-chosen paths may lead (data; resume
      * and checkpoint_dir): NULL for <state_dir>/data and
      * <state_dir>/checkpoints (created 0700). */

@@ -47,7 +47,8 @@ static void send_assign(nl_coord *c, int stage, const char *cfg_json)
                                  .prev_key = prev ? prev->key : "",
                                  .next_endpoint = next ? next->endpoint : "",
                                  .next_key = next ? next->key : "",
-                                 .memory_planned = s->bytes};
+                                 .memory_planned = s->bytes,
+                                 .wire = (uint32_t)c->o.wire};
     coord_send_node(c, n, &m);
     nl_wire_msg_free(&m);
 }

@@ -11,6 +11,7 @@
 #include "coord_http.h"
 #include "core/fileio.h"
 #include "net/auth.h"
+#include "net/wire.h"
 
 static volatile sig_atomic_t stop_flag;
 
@@ -83,6 +84,11 @@ int main(int argc, char **argv)
          "when a node joins (or a standby leaves) and no job runs, plan again if the bottleneck "
          "gets better by this fraction; the stages reload from the checkpoint or manifest served "
          "(default 0.1; 1: never)",
+         NULL},
+        {"wire", 1,
+         "fp32 (default) or bf16: the precision of the hidden states and gradients the stages "
+         "send each other (bf16: rounded to nearest even when sent, widened when received; half "
+         "the bytes)",
          NULL},
         {"grow", 1,
          "auto: the model deepens as nodes join (issue 16): at rest, or during training right "
@@ -190,6 +196,13 @@ int main(int argc, char **argv)
         return 2;
     }
     o.grow_auto = grow && strcmp(grow, "auto") == 0;
+    const char *wire = nl_args_get(flags, "wire");
+    nl_wire_precision wp = NL_WIRE_FP32;
+    if (wire && nl_wire_precision_parse(wire, &wp) != 0) {
+        fprintf(stderr, "--wire: '%s' is not fp32 or bf16\n", wire);
+        return 2;
+    }
+    o.wire = (int)wp;
     nl_log_set_name("coord");
     raise_nofile();
     if (o.plaintext)

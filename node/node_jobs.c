@@ -239,7 +239,14 @@ static void send_output(node *n, const nl_msg_tensor_hop *hop, const nl_stage_ou
     }
     nl_wire_msg_reset(&n->tx, NL_MSG_ACTIVATION);
     n->tx.u.hop = (nl_msg_tensor_hop){hop->job_id, 0, 0, hop->session_id, hop->pos_offset, out.aux};
-    nl_txref_frame(&n->tx.frames[0], ref, out.data, NL_DTYPE_F32, out.shape, out.ndim);
+    if (nl_stage_wire(n->stage) == NL_WIRE_FP32) /* sent from the output buffer, not copied */
+        nl_txref_frame(&n->tx.frames[0], ref, out.data, NL_DTYPE_F32, out.shape, out.ndim);
+    else if ((st = nl_stage_hidden_out(n->stage, &n->tx.frames[0], out.data, out.shape, out.ndim,
+                                       &e)) != NL_OK) {
+        nl_node_fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION, "job %llu: %s",
+                         (unsigned long long)hop->job_id, e.msg);
+        return;
+    }
     n->tx.nframes = 1;
     st = nl_sock_send(n->next, NULL, 0, &n->tx, &e);
     if (st != NL_OK)
@@ -424,10 +431,12 @@ void nl_node_train_summary(node *n, uint64_t job)
     const double wall = n->train_t0 ? (double)(nl_node_mono_ms() - n->train_t0) : 0.0;
     const double compute = n->train_busy_ms - n->train_send_ms;
     NL_INFO("train job %llu ended: %.1f s, of which computing %.1f s (%.0f%%), sending %llu "
-            "messages (%.1f MiB) %.3f s (%.1f%%), waiting %.1f s (%.0f%%)",
+            "messages (%.1f MiB: %llu bytes of %s tensors) %.3f s (%.1f%%), waiting %.1f s "
+            "(%.0f%%)",
             (unsigned long long)job, wall / 1e3, compute / 1e3,
             wall > 0 ? 100 * compute / wall : 0.0, (unsigned long long)n->train_hops,
-            (double)n->train_bytes / (1 << 20), n->train_send_ms / 1e3,
+            (double)n->train_bytes / (1 << 20), (unsigned long long)n->train_bytes,
+            nl_wire_precision_name(nl_stage_wire(n->stage)), n->train_send_ms / 1e3,
             wall > 0 ? 100 * n->train_send_ms / wall : 0.0, (wall - n->train_busy_ms) / 1e3,
             wall > 0 ? 100 * (wall - n->train_busy_ms) / wall : 0.0);
     n->train_t0 = 0;
