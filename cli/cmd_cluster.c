@@ -403,6 +403,10 @@ static int cluster_up(const nl_flag *flags, const char *dir)
         cargv[ca++] = "--grow";
         cargv[ca++] = (char *)nl_args_get(flags, "grow");
     }
+    if (nl_args_get(flags, "heartbeat-ms")) {
+        cargv[ca++] = "--heartbeat-ms";
+        cargv[ca++] = (char *)nl_args_get(flags, "heartbeat-ms");
+    }
     if (nl_args_get(flags, "wire")) {
         cargv[ca++] = "--wire";
         cargv[ca++] = (char *)nl_args_get(flags, "wire");
@@ -567,6 +571,10 @@ int nl_cmd_cluster(int argc, char **argv)
          NULL},
         {"grow", 1,
          "up: auto: the model deepens as nodes join (neurocoord --grow; default off)", NULL},
+        {"heartbeat-ms", 1,
+         "up: the nodes' heartbeat period (neurocoord --heartbeat-ms; default 1000); a training "
+         "job's early re-balance waits for 3 of each stage's",
+         NULL},
         {"wire", 1,
          "up: fp32 (default) or bf16: the precision of the hidden states and gradients between "
          "stages (neurocoord --wire)",

@@ -33,6 +33,7 @@ void nl_coord_opts_init(nl_coord_opts *o)
     o->job_timeout_ms = 120000;
     o->gen_resumes = 2;
     o->train_resumes = 3;
+    o->rebalance_after = 3;
     o->plan_rows = 512;
     o->replan_margin = 0.1;
     o->max_data_bytes = 1ull << 30;

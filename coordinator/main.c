@@ -85,6 +85,12 @@ int main(int argc, char **argv)
          "gets better by this fraction; the stages reload from the checkpoint or manifest served "
          "(default 0.1; 1: never)",
          NULL},
+        {"rebalance-after", 1,
+         "a training job re-balances early: once this many steps are done and every stage has "
+         "sent 3 heartbeats, the stages' measured speeds are judged, and when a plan by them "
+         "beats the current one by --replan-margin the job writes a checkpoint there and goes on "
+         "from it on the new plan (default 3; 0: only at the job's checkpoints)",
+         NULL},
         {"wire", 1,
          "fp32 (default) or bf16: the precision of the hidden states and gradients the stages "
          "send each other (bf16: rounded to nearest even when sent, widened when received; half "
@@ -143,7 +149,7 @@ int main(int argc, char **argv)
     o.data_root = nl_args_get(flags, "data-root");
     o.checkpoint_root = nl_args_get(flags, "checkpoint-root");
     long long seed = 0, min_nodes = 1, hb = 1000, nto = 5000, jto = 120000, rows = 512, resumes = 2,
-              train_resumes = 3;
+              train_resumes = 3, rebalance_after = 3;
     uint64_t min_mem = 0, max_data = 1ull << 30;
     double margin = 0.1;
     if (!o.listen || !o.state_dir || (!!o.model + !!o.config + !!o.resume > 1)) {
@@ -161,6 +167,7 @@ int main(int argc, char **argv)
         (rc = nl_args_int(flags, "job-timeout-ms", 100, 86400000, &jto)) ||
         (rc = nl_args_int(flags, "gen-resumes", 0, 1000, &resumes)) ||
         (rc = nl_args_int(flags, "train-resumes", 0, 1000, &train_resumes)) ||
+        (rc = nl_args_int(flags, "rebalance-after", 0, INT32_MAX, &rebalance_after)) ||
         (rc = nl_args_int(flags, "plan-rows", 1, 1 << 20, &rows)) ||
         (rc = nl_args_size(flags, "min-memory", &min_mem)) ||
         (rc = nl_args_size(flags, "max-data-bytes", &max_data)) ||
@@ -188,6 +195,7 @@ int main(int argc, char **argv)
     o.job_timeout_ms = (int)jto;
     o.gen_resumes = (int)resumes;
     o.train_resumes = (int)train_resumes;
+    o.rebalance_after = (int)rebalance_after;
     o.plan_rows = (int)rows;
     o.replan_margin = margin;
     const char *grow = nl_args_get(flags, "grow");

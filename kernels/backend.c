@@ -222,7 +222,16 @@ static double now_s(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-double nl_backend_gemm_gflops(nl_backend *be, int M, int N, int K, double seconds)
+/* The process's CPU time (every thread's) over `threads`, in seconds. */
+static double cpu_s(int threads)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return ((double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec) / threads;
+}
+
+/* threads 0: timed by the wall clock; else by cpu_s(threads) */
+static double gemm_gflops(nl_backend *be, int M, int N, int K, double seconds, int threads)
 {
     float *A = be->alloc(be, (size_t)M * K * sizeof(float));
     float *B = be->alloc(be, (size_t)N * K * sizeof(float));
@@ -235,13 +244,13 @@ double nl_backend_gemm_gflops(nl_backend *be, int M, int N, int K, double second
     if (be->sync(be, NULL) != NL_OK)
         goto out;
     int reps = 0;
-    double t0 = now_s(), t = t0;
+    double t0 = threads ? cpu_s(threads) : now_s(), t = t0;
     do {
         be->gemm(be, 0, 1, M, N, K, 1.0f, A, K, B, K, 0.0f, C, N);
         if (be->sync(be, NULL) != NL_OK)
             goto out;
         reps++;
-        t = now_s();
+        t = threads ? cpu_s(threads) : now_s();
     } while (t - t0 < seconds);
     gflops = 2.0 * M * N * (double)K * reps / (t - t0) / 1e9;
 out:
@@ -249,4 +258,14 @@ out:
     be->free(be, B);
     be->free(be, C);
     return gflops;
+}
+
+double nl_backend_gemm_gflops(nl_backend *be, int M, int N, int K, double seconds)
+{
+    return gemm_gflops(be, M, N, K, seconds, 0);
+}
+
+double nl_backend_gemm_gflops_cpu(nl_backend *be, int M, int N, int K, double seconds, int threads)
+{
+    return gemm_gflops(be, M, N, K, seconds, threads > 0 ? threads : 1);
 }

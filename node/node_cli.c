@@ -138,7 +138,8 @@ static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypa
     const char *gflops = getenv("NL_TEST_GFLOPS");
     o->inject_gflops = gflops ? atof(gflops) : 0.0;
     /* test hook: NL_TEST_SLOW_MS=X makes each training message take X ms
-     * longer (the coordinator's observed stage times re-balance the plan) */
+     * more work (CPU time spinning, as the busy time is counted; the
+     * coordinator's observed stage times re-balance the plan) */
     const char *slow = getenv("NL_TEST_SLOW_MS");
     o->inject_slow_ms = slow ? atof(slow) : 0.0;
     /* test hook: NL_TEST_DEVICE_NO_TRAIN=1 makes the device one that cannot train */

@@ -330,6 +330,17 @@ void nl_node_end_job(node *n, uint64_t job)
 
 /* ===================== training ===================== */
 
+/* The process's CPU time over the node's compute threads, in ms, on a
+ * CPU device; -1 on a GPU (its work is not the host's CPU time). */
+static double busy_cpu_ms(const node *n)
+{
+    if (strncmp(n->dev.be[0]->name, "cuda:", 5) == 0)
+        return -1.0;
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return ((double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6) / (n->threads > 0 ? n->threads : 1);
+}
+
 /* Where the stage's training messages go (nl_stage_send_fn). */
 static nl_status train_send_to(node *n, nl_stage_dest to, nl_wire_msg *m, nl_error *err);
 
@@ -395,6 +406,7 @@ void nl_node_handle_train(node *n, const nl_wire_msg *m)
     nl_error e;
     struct timespec a, b;
     clock_gettime(CLOCK_MONOTONIC, &a);
+    const double cpu0 = busy_cpu_ms(n);
     if (!n->train_t0)
         n->train_t0 = nl_node_mono_ms();
     if (!nl_stage_job_holds(n->stage, m)) { /* in flight when its job ended */
@@ -413,13 +425,25 @@ void nl_node_handle_train(node *n, const nl_wire_msg *m)
     }
     free(real);
     if (n->o->inject_slow_ms > 0 && m->type != NL_MSG_CKPT_REQ) {
-        const long long ns = (long long)(n->o->inject_slow_ms * 1e6);
-        struct timespec d = {(time_t)(ns / 1000000000LL), (long)(ns % 1000000000LL)};
-        nanosleep(&d, NULL);
+        /* test hook: this much more work (CPU time, as the busy time is
+         * counted on the CPU) */
+        const double until = busy_cpu_ms(n) + n->o->inject_slow_ms;
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        do
+            clock_gettime(CLOCK_MONOTONIC, &t1);
+        while (cpu0 >= 0 ? busy_cpu_ms(n) < until
+                         : (double)(t1.tv_sec - t0.tv_sec) * 1e3 +
+                                   (double)(t1.tv_nsec - t0.tv_nsec) / 1e6 <
+                               n->o->inject_slow_ms);
     }
     clock_gettime(CLOCK_MONOTONIC, &b);
     const double ms = (double)(b.tv_sec - a.tv_sec) * 1e3 + (double)(b.tv_nsec - a.tv_nsec) / 1e6;
-    n->busy_ms += ms;
+    /* the stage's busy time (heartbeats' load, which the coordinator
+     * re-balances by): on the CPU, the CPU time its threads computed, so
+     * that other processes on the cores do not make it look slower */
+    if (m->type != NL_MSG_CKPT_REQ) /* writing a checkpoint is not the stage's pace */
+        n->busy_ms += cpu0 >= 0 ? busy_cpu_ms(n) - cpu0 : ms;
     n->train_busy_ms += ms;
     if (st != NL_OK)
         nl_node_fail_job(n, job, st, m->type, "%s", e.msg);
