@@ -9,6 +9,10 @@
 # BF16=1 adds one more `neuroctl train` run, the main run's seeds with
 # `--precision bf16` (issue 21): its held-out loss is judged against the
 # FP32 run and the seed-to-seed spread (needs a CPU with AVX-512 BF16).
+# WIRE=1 adds two runs of the main run's seeds on a local two-node cluster
+# (`neuroctl cluster up --nodes 2`, THREADS/2 threads each), one with
+# `--wire fp32` and one with `--wire bf16` (issue 30): the bf16 wire's
+# held-out loss is judged against the FP32 wire's and the seed spread.
 # NOISE_SEEDS extra `neuroctl train` runs, each with its own init and data
 # seed, give the run-to-run spread the difference is judged against.
 # Needs the `fortunes` package, a built BUILD_DIR (default: build) and
@@ -27,6 +31,7 @@ EVAL_EVERY=${EVAL_EVERY:-100}
 EVAL_BATCHES=${EVAL_BATCHES:-16}
 NOISE_SEEDS=${NOISE_SEEDS:-2}
 BF16=${BF16:-0}
+WIRE=${WIRE:-0}
 OUT=${OUT:-$BUILD/quality}
 PY=/usr/bin/python3
 NEUROCTL="$BUILD/cli/neuroctl"
@@ -122,7 +127,29 @@ if [ "$BF16" = 1 ]; then
     BF16_LOG="$OUT/bf16.jsonl:$BF16_WALL"
 fi
 
-BF16_LOG="$BF16_LOG" "$PY" - "$OUT" "$C_WALL" "$T_WALL" "$CONFIG" "$STEPS" "$BATCH" "$SEQ" "$LR" "$THREADS" \
+WIRE_LOGS=
+if [ "$WIRE" = 1 ]; then
+    # the main run on two stages, as a client of a local cluster
+    WIRE_COMMON=(--data "$OUT/fortunes.txt" --steps "$STEPS" --batch "$BATCH" --seq "$SEQ"
+                 --lr "$LR" --holdout 0.1 --eval-every "$EVAL_EVERY" --eval-batches "$EVAL_BATCHES")
+    for wire in fp32 bf16; do
+        echo "neuroctl train --cluster: the main run on 2 nodes with --wire $wire" >&2
+        dir="$OUT/cluster-$wire"
+        "$NEUROCTL" cluster down --dir "$dir" >/dev/null 2>&1 || true
+        "$NEUROCTL" cluster up --dir "$dir" --nodes 2 --threads $((THREADS > 1 ? THREADS / 2 : 1)) \
+            --model "$OUT/init-0.safetensors" --wire "$wire" --timeout 300 >&2
+        rm -rf "$OUT/checkpoints-wire-$wire"
+        t0=$(now)
+        "$NEUROCTL" train --cluster "$dir" "${WIRE_COMMON[@]}" --seed "$SEED" \
+            --log "$OUT/wire-$wire.jsonl" --checkpoint-dir "$OUT/checkpoints-wire-$wire" \
+            2>"$OUT/wire-$wire.jsonl.stderr"
+        t1=$(now)
+        "$NEUROCTL" cluster down --dir "$dir" >/dev/null
+        WIRE_LOGS="$WIRE_LOGS${WIRE_LOGS:+,}$wire:$OUT/wire-$wire.jsonl:$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.3f", b - a }')"
+    done
+fi
+
+WIRE_LOGS="$WIRE_LOGS" BF16_LOG="$BF16_LOG" "$PY" - "$OUT" "$C_WALL" "$T_WALL" "$CONFIG" "$STEPS" "$BATCH" "$SEQ" "$LR" "$THREADS" \
     "${NOISE_LOGS[@]}" <<'EOF'
 import json, math, os, statistics, sys
 out, c_wall, t_wall, config, steps, batch, seq, lr, threads = sys.argv[1:10]
@@ -173,6 +200,20 @@ if bf16:
     res["bf16_minus_fp32_eval_loss"] = float("%.3g" % bdiff)
     if noise_logs:
         res["bf16_within_noise"] = abs(bdiff) <= 2 * sd
+wire = os.environ.get("WIRE_LOGS", "")
+if wire:
+    sides = {}
+    for item in wire.split(","):
+        name, path, wall = item.split(":")
+        sides[name] = side(read(path), wall)
+        sides[name]["final_eval_loss"] = round(sides[name]["final_eval_loss"], 6)
+    res["wire"] = sides
+    wdiff = sides["bf16"]["final_eval_loss"] - sides["fp32"]["final_eval_loss"]
+    res["wire_bf16_minus_fp32_eval_loss"] = float("%.3g" % wdiff)
+    res["wire_fp32_minus_one_process_eval_loss"] = float(
+        "%.3g" % (sides["fp32"]["final_eval_loss"] - res["neuroctl"]["final_eval_loss"]))
+    if noise_logs:
+        res["wire_bf16_within_noise"] = abs(wdiff) <= 2 * sd
 for k in ("neuroctl", "torch"):
     res[k]["final_eval_loss"] = round(res[k]["final_eval_loss"], 6)
 print(json.dumps(res))
