@@ -440,8 +440,8 @@ void coord_observe_speeds(nl_coord *c);
 /* Whether every stage of a plan of two or more has sent enough heartbeats
  * since the observations started for coord_observe_speeds to judge it. */
 int coord_observe_ready(const nl_coord *c);
-/* The observations start again (a job begins on a plan: what the nodes did
- * on another plan says nothing of this one). */
+/* The observations start again (a plan is loaded: what the nodes did on
+ * another plan says nothing of this one). */
 void coord_observe_restart(nl_coord *c);
 
 /* ---------------------------------------------------------------- coord_journal.c

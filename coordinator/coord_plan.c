@@ -570,6 +570,7 @@ void coord_on_load_done(nl_coord *c, const nl_rx *rx)
             return;
     }
     c->ready = 1;
+    coord_observe_restart(c);       /* what the nodes did on another plan says nothing */
     c->stages_modified = 0;         /* they hold the source's weights */
     c->resumable = c->src_manifest; /* the stages hold the manifest's weights and moments */
     c->weights_job = c->src_job;

@@ -359,7 +359,6 @@ static void begin(nl_coord *c, cjob *j)
         snprintf(t->manifest, sizeof t->manifest, "%s", c->src_path);
         t->manifest_step = c->src_step;
     }
-    coord_observe_restart(c); /* the stages' speeds on this plan, from now on */
     if (t->start >= t->steps) {
         train_fail(c, j, "--steps %lld: the cluster's model is already at step %lld",
                    (long long)t->steps, (long long)t->start);
@@ -385,36 +384,6 @@ static int due(int64_t step, int64_t every)
     return every > 0 && step % every == 0;
 }
 
-/* The early re-balance (--rebalance-after N): once N steps are done on
- * the job's plan and every stage has sent enough heartbeats on it, the
- * stages' measured speeds are judged (coord_observe_speeds); when a plan by
- * them beats the current one by --replan-margin, the job writes a
- * checkpoint at this step, and WRITTEN re-plans from it as at any
- * checkpoint: the layers move with their moments, and the run stays
- * bit-identical. The new plan is judged again N steps later (the
- * measurement on a lopsided split is the least precise), at most
- * EARLY_MAX times a job. 1: take that checkpoint now. */
-#define EARLY_MAX 3
-
-static int early_rebalance(nl_coord *c, cjob *j)
-{
-    ctrain *t = j->state;
-    if (t->ft || t->early_n >= EARLY_MAX || c->o.rebalance_after <= 0 ||
-        t->step < t->start + c->o.rebalance_after || t->step >= t->steps || t->cancel ||
-        t->early_at == t->start || !coord_observe_ready(c))
-        return 0;
-    t->early_at = t->start; /* judged on this plan */
-    t->early_n++;
-    coord_observe_speeds(c);
-    if (!coord_replan_worth(c))
-        return 0;
-    t->early_ckpt = 1;
-    NL_INFO("train job %llu: the stages' measured speeds call for another split after step "
-            "%lld: a checkpoint there, then the re-plan",
-            (unsigned long long)j->id, (long long)t->step);
-    return 1;
-}
-
 /* The step (and its evaluation) is done: report it, then CKPT, DONE or
  * the next step. */
 static void after_step(nl_coord *c, cjob *j)
@@ -426,7 +395,7 @@ static void after_step(nl_coord *c, cjob *j)
     const int ckpt = t->ft ? t->step == t->steps || t->cancel
                            : ((due(t->step, t->ckpt_every) || t->cancel) && t->step < t->steps) ||
                                  (t->step == t->steps && t->final_ckpt);
-    if (ckpt || early_rebalance(c, j))
+    if (ckpt || coord_train_early_ckpt(c, j))
         to(c, j, TR_CKPT);
     else if (t->step == t->steps)
         to(c, j, TR_DONE);
@@ -517,10 +486,8 @@ static void written(nl_coord *c, cjob *j, const tr_in *in)
     NL_INFO("train job %llu: checkpoint of step %lld: %s", (unsigned long long)j->id,
             (long long)t->step, in->path);
     coord_train_report_ckpt(c, j, t->step, in->path);
-    /* a stage slower or faster than planned asks for a re-plan (an early
-     * re-balance's checkpoint: judged already) */
-    if (t->step < t->steps && !t->cancel && !t->early_ckpt)
-        coord_observe_speeds(c);
+    if (t->step < t->steps && !t->cancel && !t->early_ckpt) /* an early one: judged already */
+        coord_observe_speeds(c); /* a stage slower or faster than planned asks for a re-plan */
     t->early_ckpt = 0;
     if (t->step == t->steps) {
         to(c, j, TR_DONE);
@@ -731,7 +698,6 @@ static void submit(nl_coord *c, const nl_rx *rx, cft *ft)
     }
     t->ft = ft;
     t->bad_stage = -1;
-    t->early_at = -1; /* no plan judged yet */
     if (coord_train_prepare(c, j, &rx->msg.u.job_submit, prepared, why, sizeof why)) {
         train_fail(c, j, "%s", why);
         return;
