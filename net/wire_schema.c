@@ -192,8 +192,8 @@ static const nl_wire_tdesc tdescs[NL_MSG_TYPE_MAX] = {
     /* a training step's counting pass and an evaluation: as ACTIVATION */
     [NL_MSG_COUNT] = {"COUNT", f_train_hop, NF(f_train_hop), 1, 5, 1, NL_MAX_DIMS,
                       DT_HIDDEN | DT(I32), check_activation},
-    [NL_MSG_EVAL] = {"EVAL", f_train_hop, NF(f_train_hop), 1, 5, 1, NL_MAX_DIMS, DT_HIDDEN | DT(I32),
-                     check_activation},
+    [NL_MSG_EVAL] = {"EVAL", f_train_hop, NF(f_train_hop), 1, 5, 1, NL_MAX_DIMS,
+                     DT_HIDDEN | DT(I32), check_activation},
     [NL_MSG_TOKEN] = {"TOKEN", f_token, NF(f_token), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_JOB_SUBMIT] = {"JOB_SUBMIT", f_job_submit, NF(f_job_submit), 0, 4, 1, NL_MAX_DIMS,
                            DT(I32) | DT(I64) | DT(F32), check_job_submit},

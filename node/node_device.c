@@ -274,8 +274,8 @@ nl_status nl_node_device_open(nl_node_device *n, const nl_node_opts *o, nl_error
     /* the replicas compute at the same time (training): the node's
      * throughput is theirs together, replica 0's times their number */
     const int probe_threads = strncmp(be->name, "cuda:", 5) == 0 ? 0
-                              : n->n > 1                        ? cpu_share(o, 0, n->n)
-                                                                : n->threads;
+                              : n->n > 1                         ? cpu_share(o, 0, n->n)
+                                                                 : n->threads;
     n->gflops = probe_median(be, probe, probe_threads, &lo, &hi) * n->n;
     if (o->inject_gflops > 0 && n->gflops > 0)
         n->gflops = o->inject_gflops;
@@ -305,8 +305,8 @@ nl_status nl_node_device_open(nl_node_device *n, const nl_node_opts *o, nl_error
             o->tf32   ? " (TF32 allowed)"
             : o->bf16 ? " (bf16 GEMMs)"
                       : "",
-            n->threads, probe, n->gflops, PROBE_ROUNDS, probe_threads ? " of CPU time" : "", lo, hi, (double)n->memory / (1 << 20),
-            (double)o->kv_budget / (1 << 20));
+            n->threads, probe, n->gflops, PROBE_ROUNDS, probe_threads ? " of CPU time" : "", lo, hi,
+            (double)n->memory / (1 << 20), (double)o->kv_budget / (1 << 20));
     if (n->n > 1)
         NL_INFO("%d data-parallel replicas of the stage (%s to %s, %s all-reduce), each on "
                 "its own thread%s: training shares each step's microbatches among them; "

@@ -454,8 +454,8 @@ nl_status nl_stage_check_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl
     if (!m->has_embed &&
         (!nl_wire_dtype_hidden(t->dtype) || t->ndim != 3 || t->shape[2] != m->cfg.hidden_dim))
         return nl_error_set(err, NL_ERR_SHAPE,
-                            "%s: this stage takes F32 or BF16 hidden states [B, T, %d]",
-                            who, m->cfg.hidden_dim);
+                            "%s: this stage takes F32 or BF16 hidden states [B, T, %d]", who,
+                            m->cfg.hidden_dim);
     if (t->shape[0] < 1 || t->shape[1] < 1 || t->shape[0] > s->max_rows ||
         t->shape[1] > m->cfg.max_seq_len || t->shape[0] * t->shape[1] > s->max_rows)
         return nl_error_set(

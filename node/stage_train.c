@@ -418,15 +418,15 @@ static nl_status enqueue(nl_stage *s, stage_train *t, const nl_wire_msg *m, nl_e
                                : hop->step <= (uint64_t)t->applied)
         return nl_error_set(err, NL_ERR_STATE, "%s: step %llu, but %lld steps are applied", what,
                             (unsigned long long)hop->step, (long long)t->applied);
-    bool ok = first ? x->dtype == NL_DTYPE_I32 && x->ndim == 2
-                    : nl_wire_dtype_hidden(x->dtype) && x->ndim == 3 &&
-                          x->shape[2] == (int64_t)t->d;
+    bool ok = first
+                  ? x->dtype == NL_DTYPE_I32 && x->ndim == 2
+                  : nl_wire_dtype_hidden(x->dtype) && x->ndim == 3 && x->shape[2] == (int64_t)t->d;
     ok = ok && x->shape[0] == t->mbB && x->shape[1] == t->T;
     if (!ok)
-        return nl_error_set(
-            err, NL_ERR_SHAPE, "%s: frame 0 must be %s [%d, %d%s] for this job's microbatches",
-            what, first ? "I32 token ids" : "F32 or BF16 hidden states", t->mbB, t->T,
-            first ? "" : ", d");
+        return nl_error_set(err, NL_ERR_SHAPE,
+                            "%s: frame 0 must be %s [%d, %d%s] for this job's microbatches", what,
+                            first ? "I32 token ids" : "F32 or BF16 hidden states", t->mbB, t->T,
+                            first ? "" : ", d");
     const nl_tensor *f[4];
     size_t extra_bytes = 0;
     nl_status st = hop_frames(t, m, f, &extra_bytes, err);
