@@ -62,7 +62,7 @@ def rate(name):
 l1, p2, l2, p3 = rate("l1.jsonl"), rate("p2.jsonl"), rate("l2.jsonl"), rate("p3.jsonl")
 M, S = 8, 2
 pat = re.compile(r"ended: ([\d.]+) s, of which computing ([\d.]+) s .*?sending (\d+) messages "
-                 r"\(([\d.]+) MiB\) ([\d.]+) s .*?waiting ([\d.]+) s")
+                 r"\(([\d.]+) MiB[^)]*\) ([\d.]+) s .*?waiting ([\d.]+) s")
 nodes = []
 for line in open(w + "/summary.txt"):
     m = pat.search(line)

@@ -421,6 +421,14 @@ static int cluster_up(const nl_flag *flags, const char *dir)
         cargv[ca++] = "--grow";
         cargv[ca++] = (char *)nl_args_get(flags, "grow");
     }
+    if (nl_args_get(flags, "heartbeat-ms")) {
+        cargv[ca++] = "--heartbeat-ms";
+        cargv[ca++] = (char *)nl_args_get(flags, "heartbeat-ms");
+    }
+    if (nl_args_get(flags, "wire")) {
+        cargv[ca++] = "--wire";
+        cargv[ca++] = (char *)nl_args_get(flags, "wire");
+    }
     cargv[ca] = NULL;
     snprintf(log, sizeof log, "%s/coord.log", dir);
     snprintf(pidf, sizeof pidf, "%s/coord.pid", dir);
@@ -585,6 +593,14 @@ int nl_cmd_cluster(int argc, char **argv)
          "up: the fraction of a training step's (stage, microbatch)s another node redoes "
          "(neurocoord --verify-rate; default 0.05)",
          NULL},
+        {"heartbeat-ms", 1,
+         "up: the nodes' heartbeat period (neurocoord --heartbeat-ms; default 1000); a training "
+         "job's early re-balance waits for 3 of each stage's",
+         NULL},
+        {"wire", 1,
+         "up: fp32 (default) or bf16: the precision of the hidden states and gradients between "
+         "stages (neurocoord --wire)",
+         NULL},
         {"timeout", 1, "up: seconds to wait for the cluster to be ready (default 120)", NULL},
         {0}};
     const char *usage =
@@ -592,7 +608,7 @@ int nl_cmd_cluster(int argc, char **argv)
         "--resume MANIFEST] "
         "[--memory SIZE] [--threads N] [--spin N] [--kv-budget SIZE] [--device D[,D...]] "
         "[--tf32] [--precision fp32|bf16] [--http HOST:PORT [--http-tokens FILE] [--http-adapter "
-        "NAME=FILE]] [--grow auto]";
+        "NAME=FILE]] [--grow auto] [--wire fp32|bf16]";
     const char *pos[1] = {NULL};
     int npos = 0;
     int rc = nl_args_parse(argc, argv, flags, usage, pos, 1, &npos);

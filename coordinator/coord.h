@@ -41,6 +41,9 @@ typedef struct nl_coord_opts {
     int grow_auto;         /* --grow auto: the model deepens as nodes join (coord_grow.c) */
     double verify_rate;    /* --verify-rate: the fraction of a training step's (stage,
                             * microbatch)s redone by another node (coord_train_verify.c) */
+    int wire;              /* --wire: nl_wire_precision of the stages' hops (told in ASSIGN) */
+    int rebalance_after;   /* --rebalance-after: a training job judges the stages' observed
+                            * speeds once after this many steps (0: only at checkpoints) */
     /* Where a training job's client-chosen paths may lead (data; resume
      * and checkpoint_dir): NULL for <state_dir>/data and
      * <state_dir>/checkpoints (created 0700). */

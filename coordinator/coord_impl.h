@@ -457,12 +457,21 @@ const char *coord_replan_reason(int why);
  * new plans are logged); the caller then reloads. `when` names the
  * moment in the log ("at rest", "at the checkpoint"). */
 int coord_replan_gain(nl_coord *c, const char *when);
+/* The same judgement without its effects (nothing logged or cleared): 1
+ * if replan_wanted and a plan now beats the current one by the margin. */
+int coord_replan_worth(nl_coord *c);
 /* At a training checkpoint: each stage's throughput as observed (its
  * nodes' busy fractions since the last checkpoint against the plan's
  * predicted stage times); a node whose figure moved by more than
  * --replan-margin asks for a re-plan (replan_wanted), which plans with the
  * observed figures. The observations start again. */
 void coord_observe_speeds(nl_coord *c);
+/* Whether every stage of a plan of two or more has sent enough heartbeats
+ * since the observations started for coord_observe_speeds to judge it. */
+int coord_observe_ready(const nl_coord *c);
+/* The observations start again (a plan is loaded: what the nodes did on
+ * another plan says nothing of this one). */
+void coord_observe_restart(nl_coord *c);
 
 /* ---------------------------------------------------------------- coord_journal.c
  * The running training job, journaled in <state-dir>/journal.json. */

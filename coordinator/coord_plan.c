@@ -47,7 +47,8 @@ static void send_assign(nl_coord *c, int stage, const char *cfg_json)
                                  .prev_key = prev ? prev->key : "",
                                  .next_endpoint = next ? next->endpoint : "",
                                  .next_key = next ? next->key : "",
-                                 .memory_planned = s->bytes};
+                                 .memory_planned = s->bytes,
+                                 .wire = (uint32_t)c->o.wire};
     coord_send_node(c, n, &m);
     nl_wire_msg_free(&m);
 }
@@ -439,10 +440,26 @@ void coord_observe_speeds(nl_coord *c)
             c->replan_wanted |= COORD_REPLAN_SPEEDS;
         }
     }
+    coord_observe_restart(c);
+}
+
+void coord_observe_restart(nl_coord *c)
+{
     for (int i = 0; i < c->n_nodes; i++) {
         c->nodes[i].load_sum = 0;
         c->nodes[i].load_n = 0;
     }
+}
+
+int coord_observe_ready(const nl_coord *c)
+{
+    const int S = c->plan ? c->plan->n_stages : 0;
+    for (int s = 0; s < S; s++) {
+        const cnode *n = coord_stage_node((nl_coord *)c, s);
+        if (!n || n->load_n < OBSERVE_MIN_BEATS)
+            return 0;
+    }
+    return S > 1;
 }
 
 int coord_plan_possible(nl_coord *c, char *why, size_t cap)
@@ -476,28 +493,27 @@ const char *coord_replan_reason(int why)
     return words[why & 7];
 }
 
-int coord_replan_gain(nl_coord *c, const char *when)
+/* The planner's best plan over the live nodes now (*cand, the caller's),
+ * and the current split's bottleneck at the nodes' figures now (*was) by
+ * the same cost model (the plan may have been made for inference; observed
+ * speeds may have changed the figures): nl_plan_stage_seconds, the
+ * planner's formula. 0, or -1 with *why set (no plan). */
+static int best_and_current(nl_coord *c, nl_plan **cand, double *was, int *nodes, char *why,
+                            size_t cap)
 {
-    if (!c->replan_wanted || !c->plan || !c->have_cfg)
-        return 0;
-    c->replan_why = c->replan_wanted;
-    c->replan_wanted = 0;
     uint64_t total = 0;
     nl_error e = {0};
     int n = 0;
     nl_plan_node *pn = plan_nodes_new(c, &n, &total);
     nl_plan_opts po = plan_opts(c);
-    nl_plan *cand = NULL;
-    int gain = 0;
-    if (!pn || plan_layers(c, &cand, pn, n, &po, &e) != NL_OK) {
-        NL_INFO("re-plan %s: no plan over the %d nodes: %s", when, n, pn ? e.msg : "out of memory");
+    *nodes = n;
+    *cand = NULL;
+    if (!pn || plan_layers(c, cand, pn, n, &po, &e) != NL_OK) {
+        snprintf(why, cap, "%s", pn ? e.msg : "out of memory");
         free(pn);
-        return 0;
+        return -1;
     }
-    /* the current split's time by the same cost model (it may have been
-     * made for inference) at the nodes' figures now (observed speeds may
-     * have changed them): nl_plan_stage_seconds, the planner's formula */
-    double was = 0;
+    *was = 0;
     for (int s = 0; s < c->plan->n_stages; s++) {
         const nl_plan_stage *ps = &c->plan->stages[s];
         const nl_plan_node *nd = NULL;
@@ -507,8 +523,40 @@ int coord_replan_gain(nl_coord *c, const char *when)
         const double t =
             nd ? nl_plan_stage_seconds(&c->cfg, &po, nd, ps->l1 - ps->l0, s, c->plan->n_stages)
                : ps->seconds;
-        if (t > was)
-            was = t;
+        if (t > *was)
+            *was = t;
+    }
+    free(pn);
+    return 0;
+}
+
+int coord_replan_worth(nl_coord *c)
+{
+    if (!c->replan_wanted || !c->plan || !c->have_cfg)
+        return 0;
+    nl_plan *cand = NULL;
+    double was = 0;
+    int n = 0;
+    char why[NL_ERROR_MSG_MAX];
+    const int worth = best_and_current(c, &cand, &was, &n, why, sizeof why) == 0 &&
+                      cand->bottleneck < was * (1.0 - c->o.replan_margin);
+    nl_plan_destroy(&cand);
+    return worth;
+}
+
+int coord_replan_gain(nl_coord *c, const char *when)
+{
+    if (!c->replan_wanted || !c->plan || !c->have_cfg)
+        return 0;
+    c->replan_why = c->replan_wanted;
+    c->replan_wanted = 0;
+    nl_plan *cand = NULL;
+    double was = 0;
+    int n = 0, gain = 0;
+    char why[NL_ERROR_MSG_MAX];
+    if (best_and_current(c, &cand, &was, &n, why, sizeof why) != 0) {
+        NL_INFO("re-plan %s: no plan over the %d nodes: %s", when, n, why);
+        return 0;
     }
     const double now = cand->bottleneck;
     if (!(now < was * (1.0 - c->o.replan_margin))) {
@@ -529,7 +577,6 @@ int coord_replan_gain(nl_coord *c, const char *when)
         gain = 1;
     }
     nl_plan_destroy(&cand);
-    free(pn);
     return gain;
 }
 
@@ -566,6 +613,7 @@ void coord_on_load_done(nl_coord *c, const nl_rx *rx)
             return;
     }
     c->ready = 1;
+    coord_observe_restart(c);       /* what the nodes did on another plan says nothing */
     c->stages_modified = 0;         /* they hold the source's weights */
     c->resumable = c->src_manifest; /* the stages hold the manifest's weights and moments */
     c->weights_job = c->src_job;

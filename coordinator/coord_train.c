@@ -395,7 +395,7 @@ static void after_step(nl_coord *c, cjob *j)
     const int ckpt = t->ft ? t->step == t->steps || t->cancel
                            : ((due(t->step, t->ckpt_every) || t->cancel) && t->step < t->steps) ||
                                  (t->step == t->steps && t->final_ckpt);
-    if (ckpt)
+    if (ckpt || coord_train_early_ckpt(c, j))
         to(c, j, TR_CKPT);
     else if (t->step == t->steps)
         to(c, j, TR_DONE);
@@ -486,8 +486,9 @@ static void written(nl_coord *c, cjob *j, const tr_in *in)
     NL_INFO("train job %llu: checkpoint of step %lld: %s", (unsigned long long)j->id,
             (long long)t->step, in->path);
     coord_train_report_ckpt(c, j, t->step, in->path);
-    if (t->step < t->steps && !t->cancel)
+    if (t->step < t->steps && !t->cancel && !t->early_ckpt) /* an early one: judged already */
         coord_observe_speeds(c); /* a stage slower or faster than planned asks for a re-plan */
+    t->early_ckpt = 0;
     if (t->step == t->steps) {
         to(c, j, TR_DONE);
     } else if (t->cancel) {

@@ -5,7 +5,8 @@
  * coord_finetune.c), and the manifest becomes the source the cluster
  * reloads from; at a checkpoint a worker may grow the model (--grow
  * auto). Each worker reports to the state machine (the done it was
- * given): what comes next is the machine's to decide. */
+ * given): what comes next is the machine's to decide. And whether the
+ * early re-balance calls for a checkpoint now. */
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -238,5 +239,35 @@ int coord_train_grow(nl_coord *c, cjob *j, tr_done done)
         NL_WARN("train job %llu: --grow auto: %s", (unsigned long long)j->id, e.msg);
         return 0;
     }
+    return 1;
+}
+
+/* The early re-balance (--rebalance-after N): once N steps are done on
+ * the job's plan and every stage has sent enough heartbeats on it, the
+ * stages' measured speeds are judged (coord_observe_speeds); when a plan by
+ * them beats the current one by --replan-margin, the job writes a
+ * checkpoint at this step, and WRITTEN re-plans from it as at any
+ * checkpoint: the layers move with their moments, and the run stays
+ * bit-identical. The new plan is judged again N steps later (the
+ * measurement on a lopsided split is the least precise), at most
+ * EARLY_MAX times a job. */
+#define EARLY_MAX 3
+
+int coord_train_early_ckpt(nl_coord *c, cjob *j)
+{
+    ctrain *t = j->state;
+    if (t->ft || t->early_n >= EARLY_MAX || c->o.rebalance_after <= 0 ||
+        t->step < t->start + c->o.rebalance_after || t->step >= t->steps || t->cancel ||
+        t->early_at == t->start + 1 || !coord_observe_ready(c))
+        return 0;
+    t->early_at = t->start + 1; /* judged on this plan */
+    t->early_n++;
+    coord_observe_speeds(c);
+    if (!coord_replan_worth(c))
+        return 0;
+    t->early_ckpt = 1;
+    NL_INFO("train job %llu: the stages' measured speeds call for another split after step "
+            "%lld: a checkpoint there, then the re-plan",
+            (unsigned long long)j->id, (long long)t->step);
     return 1;
 }

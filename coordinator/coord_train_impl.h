@@ -73,6 +73,9 @@ typedef struct ctrain {
      * that continues (c->src_continues), or a checkpoint of its own; a
      * job without begins at step 0 from the weights the stages hold */
     int cont;
+    int64_t early_at; /* 1 + the start (step) of the plan judged last; 0: none */
+    int early_n;      /* early re-balances judged (coord_train.c: at most EARLY_MAX a job) */
+    int early_ckpt;   /* the checkpoint being written is an early re-balance's */
     int moments;
     int64_t adam; /* AdamW steps the stages have taken */
     int acks, norms, have_loss;
@@ -194,6 +197,10 @@ void coord_train_state_free(ctrain *t);
 /* Where the stages write this step's shards: DIR/step-NNNNNN, or (a
  * fine-tuning job's adapters) DIR/lora-job<ID>. */
 void coord_train_ckpt_dir(const cjob *j, char *buf, size_t cap);
+/* After a step: 1 if the early re-balance (--rebalance-after) finds the
+ * stages' measured speeds call for another plan, so that the job takes a
+ * checkpoint now and re-plans at it (judged at most a few times a job). */
+int coord_train_early_ckpt(nl_coord *c, cjob *j);
 /* A stage's CKPT_DONE (from node n, checked as the step's) into the job's
  * table of shards; NULL, or why the job fails (in why). */
 const char *coord_train_shard(nl_coord *c, cjob *j, const cnode *n, const nl_msg_ckpt_done *d,

@@ -1,5 +1,6 @@
 /* neurocoord: the coordinator daemon. */
 #include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/resource.h>
@@ -11,6 +12,7 @@
 #include "coord_http.h"
 #include "core/fileio.h"
 #include "net/auth.h"
+#include "net/wire.h"
 
 static volatile sig_atomic_t stop_flag;
 
@@ -89,6 +91,17 @@ static nl_flag flags[] = {
      "gets better by this fraction; the stages reload from the checkpoint or manifest served "
      "(default 0.1; 1: never)",
      NULL},
+    {"rebalance-after", 1,
+     "a training job re-balances early: once this many steps are done and every stage has "
+     "sent 3 heartbeats, the stages' measured speeds are judged, and when a plan by them "
+     "beats the current one by --replan-margin the job writes a checkpoint there and goes on "
+     "from it on the new plan (default 3; 0: only at the job's checkpoints)",
+     NULL},
+    {"wire", 1,
+     "fp32 (default) or bf16: the precision of the hidden states and gradients the stages "
+     "send each other (bf16: rounded to nearest even when sent, widened when received; half "
+     "the bytes; verification by recompute is off with bf16)",
+     NULL},
     {"grow", 1,
      "auto: the model deepens as nodes join (issue 16): at rest, or during training right "
      "after a checkpoint, when the nodes' memory holds more layers by the sizing rule and its "
@@ -139,7 +152,7 @@ static nl_flag flags[] = {
 static int numbers(nl_coord_opts *o)
 {
     long long seed = 0, min_nodes = 1, hb = 1000, nto = 5000, jto = 120000, rows = 512, resumes = 2,
-              train_resumes = 3, jobs_per_key = 32;
+              train_resumes = 3, jobs_per_key = 32, rebalance_after = 3;
     uint64_t min_mem = 0, max_data = 1ull << 30, max_total = 1ull << 30;
     double margin = 0.1;
     int rc;
@@ -150,6 +163,7 @@ static int numbers(nl_coord_opts *o)
         (rc = nl_args_int(flags, "job-timeout-ms", 100, 86400000, &jto)) ||
         (rc = nl_args_int(flags, "gen-resumes", 0, 1000, &resumes)) ||
         (rc = nl_args_int(flags, "train-resumes", 0, 1000, &train_resumes)) ||
+        (rc = nl_args_int(flags, "rebalance-after", 0, INT32_MAX, &rebalance_after)) ||
         (rc = nl_args_int(flags, "plan-rows", 1, 1 << 20, &rows)) ||
         (rc = nl_args_int(flags, "max-jobs-per-key", 1, 64, &jobs_per_key)) ||
         (rc = nl_args_size(flags, "min-memory", &min_mem)) ||
@@ -175,6 +189,22 @@ static int numbers(nl_coord_opts *o)
     o->plan_rows = (int)rows;
     o->max_jobs_per_key = (int)jobs_per_key;
     o->replan_margin = margin;
+    o->rebalance_after = (int)rebalance_after;
+    const char *wire = nl_args_get(flags, "wire");
+    nl_wire_precision wp = NL_WIRE_FP32;
+    if (wire && nl_wire_precision_parse(wire, &wp) != 0) {
+        fprintf(stderr, "--wire: '%s' is not fp32 or bf16\n", wire);
+        return 2;
+    }
+    o->wire = (int)wp;
+    /* the verifier's digests are of FP32 tensors: with bf16 hops a stage's
+     * reported digests are of other bytes, and honest nodes would be
+     * convicted (docs/security.md) */
+    if (o->wire != NL_WIRE_FP32 && o->verify_rate > 0) {
+        fprintf(stderr, "neurocoord: --wire bf16: verification by recompute is off (not yet "
+                        "available with bf16 hops; docs/security.md)\n");
+        o->verify_rate = 0;
+    }
     return 0;
 }
 

@@ -222,7 +222,16 @@ static double now_s(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-double nl_backend_gemm_gflops(nl_backend *be, int M, int N, int K, double seconds)
+/* The process's CPU time (every thread's) over `threads`, in seconds. */
+static double cpu_s(int threads)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return ((double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec) / threads;
+}
+
+/* threads 0: timed by the wall clock; else by cpu_s(threads) */
+static double gemm_gflops(nl_backend *be, int M, int N, int K, double seconds, int threads)
 {
     float *A = be->alloc(be, (size_t)M * K * sizeof(float));
     float *B = be->alloc(be, (size_t)N * K * sizeof(float));
@@ -234,7 +243,11 @@ double nl_backend_gemm_gflops(nl_backend *be, int M, int N, int K, double second
     be->gemm(be, 0, 1, M, N, K, 1.0f, A, K, B, K, 0.0f, C, N);
     if (be->sync(be, NULL) != NL_OK)
         goto out;
+    /* the round lasts `seconds` by the wall clock either way (a node on a
+     * busy machine starts no later); with threads the reps are timed by
+     * the CPU time they took */
     int reps = 0;
+    const double c0 = threads ? cpu_s(threads) : 0.0;
     double t0 = now_s(), t = t0;
     do {
         be->gemm(be, 0, 1, M, N, K, 1.0f, A, K, B, K, 0.0f, C, N);
@@ -243,10 +256,22 @@ double nl_backend_gemm_gflops(nl_backend *be, int M, int N, int K, double second
         reps++;
         t = now_s();
     } while (t - t0 < seconds);
-    gflops = 2.0 * M * N * (double)K * reps / (t - t0) / 1e9;
+    const double spent = threads ? cpu_s(threads) - c0 : t - t0;
+    if (spent > 0)
+        gflops = 2.0 * M * N * (double)K * reps / spent / 1e9;
 out:
     be->free(be, A);
     be->free(be, B);
     be->free(be, C);
     return gflops;
+}
+
+double nl_backend_gemm_gflops(nl_backend *be, int M, int N, int K, double seconds)
+{
+    return gemm_gflops(be, M, N, K, seconds, 0);
+}
+
+double nl_backend_gemm_gflops_cpu(nl_backend *be, int M, int N, int K, double seconds, int threads)
+{
+    return gemm_gflops(be, M, N, K, seconds, threads > 0 ? threads : 1);
 }

@@ -425,6 +425,12 @@ void nl_host_stage_free(nl_host_stage *st);
 /* Measure this backend's sgemm throughput in GFLOP/s on an M x N x K
  * product, repeated for about `seconds`. */
 double nl_backend_gemm_gflops(nl_backend *be, int M, int N, int K, double seconds);
+/* The same, for a backend that computes on this process's CPU threads:
+ * the products of about `seconds` (wall clock) are timed by the process's
+ * CPU time over `threads` (its compute threads), so that other processes
+ * sharing the cores (a busy machine) do not lower the figure: it is the
+ * speed of the node's own computing, as if its threads had their cores. */
+double nl_backend_gemm_gflops_cpu(nl_backend *be, int M, int N, int K, double seconds, int threads);
 
 #ifdef __cplusplus
 }

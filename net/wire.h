@@ -167,6 +167,7 @@ typedef struct nl_msg_assign {
     const char *prev_endpoint, *prev_key; /* both "" for none */
     const char *next_endpoint, *next_key;
     uint64_t memory_planned;
+    uint32_t wire; /* nl_wire_precision of the hops this stage sends (optional: 0) */
 } nl_msg_assign;
 
 typedef struct nl_msg_layer_load { /* + one 1-D frame: a chunk of the tensor */
@@ -446,6 +447,33 @@ void nl_wire_wbuf_free(nl_wire_wbuf *b);
  * free_fn (or use nl_txref_frame) to send without copying. */
 void nl_wire_frame_set(nl_wire_frame *f, const void *data, nl_dtype dtype, const int64_t *shape,
                        int ndim);
+
+/* The precision of the hidden states and their gradients between stages
+ * (DESIGN.md section 8, docs/protocol.md "Wire precision"): FP32, or bf16,
+ * rounded to nearest even when sent and widened (exactly) when received;
+ * the receiving stage computes in its own precision. The dtype travels in
+ * each frame's descriptor, so a receiver takes either. */
+typedef enum nl_wire_precision { NL_WIRE_FP32 = 0, NL_WIRE_BF16 = 1 } nl_wire_precision;
+
+/* "fp32" or "bf16" (NULL for another value). */
+const char *nl_wire_precision_name(nl_wire_precision p);
+/* "fp32" or "bf16" into *p: 0, else -1. */
+int nl_wire_precision_parse(const char *s, nl_wire_precision *p);
+
+/* Describe the FP32 hidden states at x (numel of shape) as frame f in
+ * precision p: FP32 points at x; BF16 rounds them into *buf (grown to
+ * numel uint16, *cap elements; the caller keeps and frees it) and points
+ * there. Neither sets a release callback: the send copies the bytes.
+ * NL_ERR_NOMEM when *buf cannot grow. */
+nl_status nl_wire_frame_hidden(nl_wire_frame *f, nl_wire_precision p, const float *x,
+                               const int64_t *shape, int ndim, uint16_t **buf, size_t *cap,
+                               nl_error *err);
+/* Copy n hidden-state values of frame f (F32 or BF16, numel n: the caller
+ * checked the shape) into dst as FP32, widening bf16 exactly. */
+void nl_wire_frame_widen(const nl_wire_frame *f, float *dst, size_t n);
+/* Whether a frame's dtype may carry hidden states or their gradients
+ * (F32 or BF16). */
+bool nl_wire_dtype_hidden(nl_dtype dt);
 
 /* The frame of a decoded (or filled) ACTIVATION, COUNT or EVAL that
  * holds `what` (one NL_HOP_* bit), or NULL when it has none. */

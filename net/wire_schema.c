@@ -23,6 +23,7 @@
 
 #define DT(x) (1u << NL_DTYPE_##x)
 #define DT_FLOAT (DT(F32) | DT(F16) | DT(BF16))
+#define DT_HIDDEN (DT(F32) | DT(BF16)) /* hidden states and gradients: nl_wire_precision */
 #define NF(a) (uint8_t)(sizeof(a) / sizeof(a[0]))
 
 static const nl_wire_field f_hello[] = {
@@ -79,6 +80,7 @@ static const nl_wire_field f_assign[] = {
     F_STR(nl_msg_assign, next_endpoint, NL_WCS_WORD, 0, 256),
     F_STR(nl_msg_assign, next_key, NL_WCS_Z85, 0, NL_KEY_Z85_LEN),
     F_U64(nl_msg_assign, memory_planned, U64_ANY),
+    F_U32_OPT(nl_msg_assign, wire), /* nl_wire_precision (check_assign); absent: FP32 */
 };
 static const nl_wire_field f_layer_load[] = {
     F_U64(nl_msg_layer_load, epoch, U64_ANY),
@@ -228,17 +230,17 @@ static const nl_wire_tdesc tdescs[NL_MSG_TYPE_MAX] = {
                            DT_FLOAT | DT(F64) | DT(I32) | DT(I64), check_layer_load},
     [NL_MSG_LOAD_DONE] = {"LOAD_DONE", f_load_done, NF(f_load_done), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_ACTIVATION] = {"ACTIVATION", f_train_hop, NF(f_train_hop), 1, 5, 1, NL_MAX_DIMS,
-                           DT_FLOAT | DT(I32), check_activation},
-    [NL_MSG_GRADIENT] = {"GRADIENT", f_grad_hop, NF(f_grad_hop), 1, 1, 1, NL_MAX_DIMS, DT_FLOAT,
+                           DT_HIDDEN | DT(I32), check_activation},
+    [NL_MSG_GRADIENT] = {"GRADIENT", f_grad_hop, NF(f_grad_hop), 1, 1, 1, NL_MAX_DIMS, DT_HIDDEN,
                          check_digest},
     /* the last stage's logits (F32 [B, T, V]) for a forward job, to the
      * coordinator and on to the client */
     [NL_MSG_RESULT] = {"RESULT", f_hop, NF(f_hop), 1, 1, 1, NL_MAX_DIMS, DT_FLOAT, NULL},
     /* a training step's counting pass and an evaluation: as ACTIVATION */
     [NL_MSG_COUNT] = {"COUNT", f_train_hop, NF(f_train_hop), 1, 5, 1, NL_MAX_DIMS,
-                      DT_FLOAT | DT(I32), check_activation},
-    [NL_MSG_EVAL] = {"EVAL", f_train_hop, NF(f_train_hop), 1, 5, 1, NL_MAX_DIMS, DT_FLOAT | DT(I32),
-                     check_activation},
+                      DT_HIDDEN | DT(I32), check_activation},
+    [NL_MSG_EVAL] = {"EVAL", f_train_hop, NF(f_train_hop), 1, 5, 1, NL_MAX_DIMS,
+                     DT_HIDDEN | DT(I32), check_activation},
     /* + an optional F32 frame [1 + ntop]: log-probabilities (check_token) */
     [NL_MSG_TOKEN] = {"TOKEN", f_token, NF(f_token), 0, 1, 1, 1, DT(F32), check_token},
     [NL_MSG_JOB_SUBMIT] = {"JOB_SUBMIT", f_job_submit, NF(f_job_submit), 0, 4, 1, NL_MAX_DIMS,
@@ -507,6 +509,9 @@ static nl_status check_assign(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_
         return nl_error_set(err, NL_ERR_RANGE,
                             "%s: a neighbour's endpoint and key must both be set or both empty",
                             td->name);
+    if (!nl_wire_precision_name((nl_wire_precision)a->wire))
+        return nl_error_set(err, NL_ERR_RANGE, "%s: wire %u is not 0 (fp32) or 1 (bf16)", td->name,
+                            a->wire);
     return NL_OK;
 }
 

@@ -175,7 +175,8 @@ static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypa
      * a test's plan does not depend on a noisy measurement */
     const char *gflops = getenv("NL_TEST_GFLOPS");
     o->inject_gflops = gflops ? atof(gflops) : 0.0;
-    /* NL_TEST_SLOW_MS=X makes each training message take X ms longer (the
+    /* NL_TEST_SLOW_MS=X makes each training message take X ms
+     * more work (CPU time spinning, as the busy time is counted; the
      * coordinator's observed stage times re-balance the plan) */
     const char *slow = getenv("NL_TEST_SLOW_MS");
     o->inject_slow_ms = slow ? atof(slow) : 0.0;

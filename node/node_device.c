@@ -225,15 +225,23 @@ static nl_status open_comm(nl_node_device *n, const nl_node_opts *o, nl_error *e
  * PROBE_SECONDS each (after the backend's warm-up), and their median, so
  * that one round disturbed by a neighbour starting at the same time (two
  * identical nodes once measured 113 and 81 GFLOP/s with a single 0.3 s
- * round) does not decide the plan; *lo and *hi get the range seen. */
+ * round) does not decide the plan; *lo and *hi get the range seen. On the
+ * CPU (threads > 0: the replica's compute threads) each round is timed by
+ * the process's CPU time over those threads, not the wall clock: two
+ * identical 1-thread nodes on a machine busy with other work once probed
+ * 3x apart by the wall clock and were planned 2 + 6 layers; what the node
+ * really gets of its cores shows in training and re-balances the plan
+ * (docs/cluster.md, "Plans from what was measured"). */
 #define PROBE_ROUNDS 5
 #define PROBE_SECONDS 0.08
 
-static double probe_median(nl_backend *be, int probe, double *lo, double *hi)
+static double probe_median(nl_backend *be, int probe, int threads, double *lo, double *hi)
 {
     double g[PROBE_ROUNDS];
     for (int i = 0; i < PROBE_ROUNDS; i++) {
-        g[i] = nl_backend_gemm_gflops(be, probe, probe, probe, PROBE_SECONDS);
+        g[i] = threads > 0
+                   ? nl_backend_gemm_gflops_cpu(be, probe, probe, probe, PROBE_SECONDS, threads)
+                   : nl_backend_gemm_gflops(be, probe, probe, probe, PROBE_SECONDS);
         if (!(g[i] > 0))
             return 0.0;                                  /* it could not run: the caller says why */
         for (int k = i; k > 0 && g[k] < g[k - 1]; k--) { /* insertion sort */
@@ -269,7 +277,10 @@ nl_status nl_node_device_open(nl_node_device *n, const nl_node_opts *o, nl_error
     const int probe = be->gemm_probe > 0 ? be->gemm_probe : 512;
     /* the replicas compute at the same time (training): the node's
      * throughput is theirs together, replica 0's times their number */
-    n->gflops = probe_median(be, probe, &lo, &hi) * n->n;
+    const int probe_threads = strncmp(be->name, "cuda:", 5) == 0 ? 0
+                              : n->n > 1                         ? cpu_share(o, 0, n->n)
+                                                                 : n->threads;
+    n->gflops = probe_median(be, probe, probe_threads, &lo, &hi) * n->n;
     if (o->inject_gflops > 0 && n->gflops > 0)
         n->gflops = o->inject_gflops;
     nl_error e = {0};
@@ -292,14 +303,14 @@ nl_status nl_node_device_open(nl_node_device *n, const nl_node_opts *o, nl_error
         NL_WARN("--kv-budget %llu leaves nothing of the %llu bytes offered for weights and "
                 "activations",
                 (unsigned long long)o->kv_budget, (unsigned long long)n->memory);
-    NL_INFO("device %s%s, %d threads: gemm %d^3 %.1f GFLOP/s (median of %d rounds, %.1f to "
+    NL_INFO("device %s%s, %d threads: gemm %d^3 %.1f GFLOP/s (median of %d rounds%s, %.1f to "
             "%.1f); offering %.1f MiB (KV budget %.1f MiB)",
             o->device,
             o->tf32   ? " (TF32 allowed)"
             : o->bf16 ? " (bf16 GEMMs)"
                       : "",
-            n->threads, probe, n->gflops, PROBE_ROUNDS, lo, hi, (double)n->memory / (1 << 20),
-            (double)o->kv_budget / (1 << 20));
+            n->threads, probe, n->gflops, PROBE_ROUNDS, probe_threads ? " of CPU time" : "", lo, hi,
+            (double)n->memory / (1 << 20), (double)o->kv_budget / (1 << 20));
     if (n->n > 1)
         NL_INFO("%d data-parallel replicas of the stage (%s to %s, %s all-reduce), each on "
                 "its own thread%s: training shares each step's microbatches among them; "

@@ -246,7 +246,14 @@ static void send_output(node *n, const nl_msg_tensor_hop *hop, const nl_stage_ou
     }
     nl_wire_msg_reset(&n->tx, NL_MSG_ACTIVATION);
     n->tx.u.hop = (nl_msg_tensor_hop){hop->job_id, 0, 0, hop->session_id, hop->pos_offset, out.aux};
-    nl_txref_frame(&n->tx.frames[0], ref, out.data, NL_DTYPE_F32, out.shape, out.ndim);
+    if (nl_stage_wire(n->stage) == NL_WIRE_FP32) /* sent from the output buffer, not copied */
+        nl_txref_frame(&n->tx.frames[0], ref, out.data, NL_DTYPE_F32, out.shape, out.ndim);
+    else if ((st = nl_stage_hidden_out(n->stage, &n->tx.frames[0], out.data, out.shape, out.ndim,
+                                       &e)) != NL_OK) {
+        nl_node_fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION, "job %llu: %s",
+                         (unsigned long long)hop->job_id, e.msg);
+        return;
+    }
     n->tx.nframes = 1;
     st = nl_sock_send(n->next, NULL, 0, &n->tx, &e);
     if (st != NL_OK)
@@ -334,6 +341,17 @@ void nl_node_end_job(node *n, uint64_t job)
 
 /* ===================== training ===================== */
 
+/* The process's CPU time over the node's compute threads, in ms, on a
+ * CPU device; -1 on a GPU (its work is not the host's CPU time). */
+static double busy_cpu_ms(const node *n)
+{
+    if (strncmp(n->dev.be[0]->name, "cuda:", 5) == 0)
+        return -1.0;
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return ((double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6) / (n->threads > 0 ? n->threads : 1);
+}
+
 /* Where the stage's training messages go (nl_stage_send_fn). */
 static nl_status train_send_to(node *n, nl_stage_dest to, nl_wire_msg *m, nl_error *err);
 
@@ -399,6 +417,7 @@ void nl_node_handle_train(node *n, const nl_wire_msg *m)
     nl_error e;
     struct timespec a, b;
     clock_gettime(CLOCK_MONOTONIC, &a);
+    const double cpu0 = busy_cpu_ms(n);
     if (!n->train_t0)
         n->train_t0 = nl_node_mono_ms();
     if (!nl_stage_job_holds(n->stage, m)) { /* in flight when its job ended */
@@ -417,13 +436,25 @@ void nl_node_handle_train(node *n, const nl_wire_msg *m)
     }
     free(real);
     if (n->o->inject_slow_ms > 0 && m->type != NL_MSG_CKPT_REQ) {
-        const long long ns = (long long)(n->o->inject_slow_ms * 1e6);
-        struct timespec d = {(time_t)(ns / 1000000000LL), (long)(ns % 1000000000LL)};
-        nanosleep(&d, NULL);
+        /* test hook: this much more work (CPU time, as the busy time is
+         * counted on the CPU) */
+        const double until = busy_cpu_ms(n) + n->o->inject_slow_ms;
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        do
+            clock_gettime(CLOCK_MONOTONIC, &t1);
+        while (cpu0 >= 0 ? busy_cpu_ms(n) < until
+                         : (double)(t1.tv_sec - t0.tv_sec) * 1e3 +
+                                   (double)(t1.tv_nsec - t0.tv_nsec) / 1e6 <
+                               n->o->inject_slow_ms);
     }
     clock_gettime(CLOCK_MONOTONIC, &b);
     const double ms = (double)(b.tv_sec - a.tv_sec) * 1e3 + (double)(b.tv_nsec - a.tv_nsec) / 1e6;
-    n->busy_ms += ms;
+    /* the stage's busy time (heartbeats' load, which the coordinator
+     * re-balances by): on the CPU, the CPU time its threads computed, so
+     * that other processes on the cores do not make it look slower */
+    if (m->type != NL_MSG_CKPT_REQ) /* writing a checkpoint is not the stage's pace */
+        n->busy_ms += cpu0 >= 0 ? busy_cpu_ms(n) - cpu0 : ms;
     n->train_busy_ms += ms;
     if (st != NL_OK)
         nl_node_fail_job(n, job, st, m->type, "%s", e.msg);
@@ -435,10 +466,12 @@ void nl_node_train_summary(node *n, uint64_t job)
     const double wall = n->train_t0 ? (double)(nl_node_mono_ms() - n->train_t0) : 0.0;
     const double compute = n->train_busy_ms - n->train_send_ms;
     NL_INFO("train job %llu ended: %.1f s, of which computing %.1f s (%.0f%%), sending %llu "
-            "messages (%.1f MiB) %.3f s (%.1f%%), waiting %.1f s (%.0f%%)",
+            "messages (%.1f MiB: %llu bytes of %s tensors) %.3f s (%.1f%%), waiting %.1f s "
+            "(%.0f%%)",
             (unsigned long long)job, wall / 1e3, compute / 1e3,
             wall > 0 ? 100 * compute / wall : 0.0, (unsigned long long)n->train_hops,
-            (double)n->train_bytes / (1 << 20), n->train_send_ms / 1e3,
+            (double)n->train_bytes / (1 << 20), (unsigned long long)n->train_bytes,
+            nl_wire_precision_name(nl_stage_wire(n->stage)), n->train_send_ms / 1e3,
             wall > 0 ? 100 * n->train_send_ms / wall : 0.0, (wall - n->train_busy_ms) / 1e3,
             wall > 0 ? 100 * (wall - n->train_busy_ms) / wall : 0.0);
     n->train_t0 = 0;

@@ -99,6 +99,8 @@ void nl_stage_destroy(nl_stage **sp)
     drop_model(s);
     if (s->own_comm)
         nl_comm_destroy(&s->comm);
+    free(s->win_h);
+    free(s->wire_h);
     free(s->sess);
     free(s);
     *sp = NULL;
@@ -233,6 +235,7 @@ nl_status nl_stage_assign(nl_stage *s, const nl_msg_assign *a, nl_error *err)
     s->assigned = true;
     s->assign_failed = false;
     s->seed = a->seed;
+    s->wire = (nl_wire_precision)a->wire; /* the schema checked it */
     s->stage_idx = (int)a->stage;
     s->num_stages = (int)a->num_stages;
     s->t_assign = now_s();
@@ -252,6 +255,34 @@ nl_status nl_stage_assign(nl_stage *s, const nl_msg_assign *a, nl_error *err)
         snprintf(s->assign_err, sizeof s->assign_err, "%s", err ? err->msg : "refused");
     }
     return st;
+}
+
+/* ===================== the wire's precision ===================== */
+
+const float *nl_stage_hidden_in(nl_stage *s, const nl_wire_frame *in, size_t n)
+{
+    if (in->t.dtype == NL_DTYPE_F32)
+        return in->t.data; /* the backend's upload copies it, aligned or not */
+    if (n > s->win_cap) {
+        float *b = realloc(s->win_h, n * sizeof *b);
+        if (!b)
+            return NULL;
+        s->win_h = b;
+        s->win_cap = n;
+    }
+    nl_wire_frame_widen(in, s->win_h, n);
+    return s->win_h;
+}
+
+nl_status nl_stage_hidden_out(nl_stage *s, nl_wire_frame *f, const float *x, const int64_t *shape,
+                              int ndim, nl_error *err)
+{
+    return nl_wire_frame_hidden(f, s->wire, x, shape, ndim, &s->wire_h, &s->wire_cap, err);
+}
+
+nl_wire_precision nl_stage_wire(const nl_stage *s)
+{
+    return s->wire;
 }
 
 /* ===================== loading ===================== */
@@ -421,9 +452,10 @@ nl_status nl_stage_check_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl
         return nl_error_set(err, NL_ERR_SHAPE, "%s: the first stage takes I32 token ids [B, T]",
                             who);
     if (!m->has_embed &&
-        (t->dtype != NL_DTYPE_F32 || t->ndim != 3 || t->shape[2] != m->cfg.hidden_dim))
-        return nl_error_set(err, NL_ERR_SHAPE, "%s: this stage takes F32 hidden states [B, T, %d]",
-                            who, m->cfg.hidden_dim);
+        (!nl_wire_dtype_hidden(t->dtype) || t->ndim != 3 || t->shape[2] != m->cfg.hidden_dim))
+        return nl_error_set(err, NL_ERR_SHAPE,
+                            "%s: this stage takes F32 or BF16 hidden states [B, T, %d]", who,
+                            m->cfg.hidden_dim);
     if (t->shape[0] < 1 || t->shape[1] < 1 || t->shape[0] > s->max_rows ||
         t->shape[1] > m->cfg.max_seq_len || t->shape[0] * t->shape[1] > s->max_rows)
         return nl_error_set(
@@ -563,7 +595,10 @@ static nl_status run_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wir
         memcpy(s->tok_h, in->t.data, rows * sizeof(int32_t)); /* frames need not be aligned */
         a.tokens = s->tok_h;
     } else {
-        s->be->upload(s->be, s->xin_d, in->t.data, rows * d * sizeof(float));
+        const float *x = nl_stage_hidden_in(s, in, rows * d);
+        if (!x)
+            return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory for %zu rows", who, rows);
+        s->be->upload(s->be, s->xin_d, x, rows * d * sizeof(float));
         a.x_in = s->xin_d;
     }
     /* a session's decode step asks for no aux loss: reading it would be one

@@ -268,6 +268,20 @@ void nl_stage_get_figures(const nl_stage *s, nl_stage_figures *f);
 /* The reference that guards the forward's output buffer. */
 nl_txref *nl_stage_txref(nl_stage *s);
 
+/* ---- the wire's precision (ASSIGN's wire; DESIGN.md section 8) ---- */
+
+/* What this stage sends its neighbours: FP32 or bf16. */
+nl_wire_precision nl_stage_wire(const nl_stage *s);
+/* n hidden-state values of a frame (F32 or BF16: checked by the caller)
+ * as FP32: the frame's bytes, or the stage's buffer that a bf16 frame was
+ * widened into (valid until the next call). NULL: out of memory. */
+const float *nl_stage_hidden_in(nl_stage *s, const nl_wire_frame *in, size_t n);
+/* Describe FP32 hidden states x as frame f in the stage's wire precision
+ * (a bf16 copy in the stage's buffer, valid until the next call; the send
+ * copies it). */
+nl_status nl_stage_hidden_out(nl_stage *s, nl_wire_frame *f, const float *x, const int64_t *shape,
+                              int ndim, nl_error *err);
+
 /* ---- embedding jobs (node/stage_embed.c) ---- */
 
 /* JOB_SUBMIT {kind embed, params: job, batch, seq, lengths ("3,17,1": each

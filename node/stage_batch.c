@@ -168,7 +168,10 @@ nl_status nl_stage_enqueue(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_w
                                       : (size_t)T * (size_t)m->cfg.hidden_dim * sizeof(float);
     if (!reserve(&q->in, &q->in_cap, bytes))
         return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory for %d queued positions", who, T);
-    memcpy(q->in, in->t.data, bytes); /* frames need not be aligned */
+    if (m->has_embed)
+        memcpy(q->in, in->t.data, bytes); /* frames need not be aligned */
+    else                                  /* F32, or bf16 widened */
+        nl_wire_frame_widen(in, q->in, (size_t)T * (size_t)m->cfg.hidden_dim);
     q->job_id = hop->job_id;
     q->session_id = hop->session_id;
     q->pos = hop->pos_offset;

@@ -93,6 +93,14 @@ struct nl_stage {
     float *xin_d; /* device copy of a hidden-state frame */
     size_t xin_cap;
     nl_host_stage out_stage; /* host view of the output (a copy off host memory) */
+    /* the wire's precision (ASSIGN): what this stage sends its neighbours;
+     * hops that came as bf16 are widened into win_h; wire_h holds the
+     * bf16 copy of what is sent (the send copies it) */
+    nl_wire_precision wire;
+    float *win_h;
+    size_t win_cap;
+    uint16_t *wire_h;
+    size_t wire_cap;
 
     /* optimizer moments that came with the weights (LAYER_LOAD of
      * optim.m.* and optim.v.*): host, n_params each, until a training job

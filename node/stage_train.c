@@ -428,13 +428,15 @@ static nl_status enqueue(nl_stage *s, stage_train *t, const nl_wire_msg *m, nl_e
                                : hop->step <= (uint64_t)t->applied)
         return nl_error_set(err, NL_ERR_STATE, "%s: step %llu, but %lld steps are applied", what,
                             (unsigned long long)hop->step, (long long)t->applied);
-    bool ok = first ? x->dtype == NL_DTYPE_I32 && x->ndim == 2
-                    : x->dtype == NL_DTYPE_F32 && x->ndim == 3 && x->shape[2] == (int64_t)t->d;
+    bool ok = first
+                  ? x->dtype == NL_DTYPE_I32 && x->ndim == 2
+                  : nl_wire_dtype_hidden(x->dtype) && x->ndim == 3 && x->shape[2] == (int64_t)t->d;
     ok = ok && x->shape[0] == t->mbB && x->shape[1] == t->T;
     if (!ok)
-        return nl_error_set(
-            err, NL_ERR_SHAPE, "%s: frame 0 must be %s [%d, %d%s] for this job's microbatches",
-            what, first ? "I32 token ids" : "F32 hidden states", t->mbB, t->T, first ? "" : ", d");
+        return nl_error_set(err, NL_ERR_SHAPE,
+                            "%s: frame 0 must be %s [%d, %d%s] for this job's microbatches", what,
+                            first ? "I32 token ids" : "F32 or BF16 hidden states", t->mbB, t->T,
+                            first ? "" : ", d");
     const nl_tensor *f[4];
     size_t extra_bytes = 0;
     uint8_t digest[NL_HOP_DIGEST_BYTES];
@@ -477,12 +479,16 @@ static nl_status enqueue(nl_stage *s, stage_train *t, const nl_wire_msg *m, nl_e
         t->qhead = 0;
     }
     hop_in h = {.type = m->type, .step = hop->step, .mb = hop->microbatch, .aux = hop->aux};
-    const size_t xbytes = m->frames[0].len;
+    /* token ids as they came; hidden states as FP32 (widened from bf16) */
+    const size_t xbytes = first ? m->frames[0].len : t->rows * t->d * sizeof(float);
     if (!(h.x = malloc(xbytes)) || copy_extra(&h.e, f, m->u.train_hop.loss_rows) != 0) {
         nl_stage_train_hop_free(&h);
         return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", what);
     }
-    memcpy(h.x, x->data, xbytes);
+    if (first)
+        memcpy(h.x, x->data, xbytes);
+    else
+        nl_wire_frame_widen(&m->frames[0], h.x, t->rows * t->d);
     memcpy(h.digest, digest, sizeof digest);
     if (!first) { /* hidden states from the previous stage: finite, or refused (issue 15) */
         const float *v = h.x;
@@ -518,10 +524,11 @@ static nl_status on_gradient(nl_stage *s, stage_train *t, const nl_wire_msg *m,
                             "GRADIENT of microbatch %u, but the next backward is of microbatch %d "
                             "(%d forwards run)",
                             hop->microbatch, t->bwd, t->fwd);
-    if (g->dtype != NL_DTYPE_F32 || g->ndim != 3 || g->shape[0] != t->mbB || g->shape[1] != t->T ||
-        g->shape[2] != (int64_t)t->d)
-        return nl_error_set(err, NL_ERR_SHAPE, "GRADIENT: the frame must be F32 [%d, %d, %zu]",
-                            t->mbB, t->T, t->d);
+    if (!nl_wire_dtype_hidden(g->dtype) || g->ndim != 3 || g->shape[0] != t->mbB ||
+        g->shape[1] != t->T || g->shape[2] != (int64_t)t->d)
+        return nl_error_set(err, NL_ERR_SHAPE,
+                            "GRADIENT: the frame must be F32 or BF16 [%d, %d, %zu]", t->mbB, t->T,
+                            t->d);
     nl_status st = nl_hop_digest_check(
         m, (uint32_t)s->stage_idx, nl_stage_train_dig(t, hop->microbatch, NL_DIGEST_BWD_IN), err);
     if (st != NL_OK)
@@ -532,11 +539,11 @@ static nl_status on_gradient(nl_stage *s, stage_train *t, const nl_wire_msg *m,
         nl_stage_train_job_get(t, JOB_BACKWARD, nl_stage_train_replica_of(t, hop->microbatch), err);
     if (!j)
         return NL_ERR_NOMEM;
-    if (!(j->x = malloc(m->frames[0].len))) {
+    if (!(j->x = malloc(t->rows * t->d * sizeof(float)))) {
         nl_stage_train_job_put(t, j);
         return nl_error_set(err, NL_ERR_NOMEM, "GRADIENT: out of memory");
     }
-    memcpy(j->x, g->data, m->frames[0].len);
+    nl_wire_frame_widen(&m->frames[0], j->x, t->rows * t->d); /* F32, or bf16 widened */
     j->step = hop->step;
     j->mb = hop->microbatch;
     j->slot = nl_stage_train_slot_of(t, hop->microbatch);

@@ -2,11 +2,11 @@
 # Plans from what was measured (issue 22 item 5): two nodes report the same
 # throughput, but one is slower than it said (NL_TEST_SLOW_MS: each training
 # message takes 15 ms longer there). The coordinator sees it in the stages'
-# busy fractions (heartbeats) and, at the next checkpoint, re-plans with the
+# busy fractions (heartbeats) and, at the next checkpoint (the early
+# re-balance's, after a few steps, or the job's own), re-plans with the
 # observed figures beyond --replan-margin: the slow node loses layers (or
-# all of them: a standby), the
-# job goes on from that checkpoint, and its final weights are bit-identical
-# to the same job on one node.
+# all of them: a standby), the job goes on from that checkpoint, and its
+# final weights are bit-identical to the same job on one node.
 . "$(dirname "$0")/cluster_lib.sh"
 export NL_TEST_GFLOPS=20
 extra=0
@@ -49,7 +49,7 @@ grep "observed:\|re-plan at the checkpoint\|plan old\|plan new" "$C/coord.log"
 check grep -q "observed: node 2 (stage [01]) busy" "$C/coord.log"
 check grep -q "re-plan at the checkpoint: bottleneck" "$C/coord.log"
 # the client says why: measured speeds, not a join (issue 34, item 5)
-check grep -q "^re-planning at the checkpoint of step 30 (the stages' measured speeds differ" \
+check grep -q "^re-planning at the checkpoint of step [0-9]* (the stages' measured speeds differ" \
   "$W/train.err"
 check test "$(grep -c "parameters on" "$W/train.err")" -eq 1 # the header once
 check test "$(grep -c "nodes joined" "$W/train.err")" -eq 0

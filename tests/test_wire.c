@@ -293,6 +293,8 @@ static bool added_later(nl_msg_type t, const nl_wire_msg *d, const char *key)
         return d->nframes == 0;
     if (t == NL_MSG_TOKEN) /* with logprobs: top ids and a frame; neither before */
         return strcmp(key, "top_ids") == 0 && d->u.token.ntop == 0;
+    if (t == NL_MSG_ASSIGN)
+        return strcmp(key, "wire") == 0 && d->u.assign.wire == NL_WIRE_FP32;
     return t == NL_MSG_LOSS && strcmp(key, "correct") == 0 && d->u.train_loss.correct == 0;
 }
 
@@ -305,7 +307,8 @@ static bool is_added_later(nl_msg_type t, const char *key)
             strcmp(key, "digest") == 0) ||
            (t == NL_MSG_LOSS && strcmp(key, "correct") == 0) ||
            (t == NL_MSG_TOKEN && strcmp(key, "top_ids") == 0) ||
-           ((t == NL_MSG_TOKEN || t == NL_MSG_JOB_STATUS) && strcmp(key, "tensors") == 0);
+           ((t == NL_MSG_TOKEN || t == NL_MSG_JOB_STATUS) && strcmp(key, "tensors") == 0) ||
+           (t == NL_MSG_ASSIGN && strcmp(key, "wire") == 0);
 }
 
 static void test_wrong_types(void)
@@ -790,6 +793,60 @@ static void test_hop_digest(void)
     nl_wire_wbuf_free(&e.hdr);
 }
 
+/* ---- the wire's precision (DESIGN.md section 8) ---- */
+
+/* bf16 hops: rounded to nearest even when described, widened exactly when
+ * read; ASSIGN's wire round-trips and a value past bf16 is refused; the
+ * hidden-state hops take F32 or BF16 frames, not F16. */
+static void test_wire_precision(void)
+{
+    nl_error err = {0};
+    nl_wire_precision p = NL_WIRE_BF16;
+    CHECK(nl_wire_precision_parse("fp32", &p) == 0 && p == NL_WIRE_FP32, "fp32 parse");
+    CHECK(nl_wire_precision_parse("bf16", &p) == 0 && p == NL_WIRE_BF16, "bf16 parse");
+    CHECK(nl_wire_precision_parse("fp16", &p) != 0 && nl_wire_precision_name(2) == NULL,
+          "fp16 taken");
+    /* 1 + 2^-8 is halfway between two bf16 values: to even (1); 1 + 3 * 2^-8
+     * to the even one above (1 + 2^-6); -2.5 and 1e-3 are rounded too */
+    const float x[6] = {1.0f, 1.0f + 0x1p-8f, 1.0f + 0x3p-8f, -2.5f, 1e-3f, 65504.0f};
+    const float want[6] = {1.0f, 1.0f, 1.0f + 0x1p-6f, -2.5f, 0x1.06p-10f, 65536.0f};
+    const int64_t shape[3] = {1, 2, 3};
+    uint16_t *buf = NULL;
+    size_t cap = 0;
+    nl_wire_frame f;
+    CHECK_OK(nl_wire_frame_hidden(&f, NL_WIRE_BF16, x, shape, 3, &buf, &cap, &err), &err);
+    CHECK(f.t.dtype == NL_DTYPE_BF16 && f.t.data == buf && cap == 6, "bf16 frame");
+    float back[6];
+    nl_wire_frame_widen(&f, back, 6);
+    for (int i = 0; i < 6; i++)
+        CHECK(back[i] == want[i], "bf16 of %a: %a, not %a", (double)x[i], (double)back[i],
+              (double)want[i]);
+    CHECK_OK(nl_wire_frame_hidden(&f, NL_WIRE_FP32, x, shape, 3, &buf, &cap, &err), &err);
+    CHECK(f.t.dtype == NL_DTYPE_F32 && f.t.data == x, "fp32 frame is not the data");
+    nl_wire_frame_widen(&f, back, 6);
+    CHECK(memcmp(back, x, sizeof x) == 0, "fp32 widened");
+    free(buf);
+
+    nl_wire_msg m, d;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_init(&d);
+    enc e = {0};
+    sample(&m, NL_MSG_ASSIGN);
+    m.u.assign.wire = NL_WIRE_BF16;
+    CHECK_OK(enc_msg(&m, &e, NULL, &err), &err);
+    CHECK_OK(nl_wire_decode(&d, e.parts, e.nparts, NULL, &err), &err);
+    CHECK(d.u.assign.wire == NL_WIRE_BF16, "ASSIGN wire %u", d.u.assign.wire);
+    m.u.assign.wire = 2;
+    CHECK(nl_wire_encode(&m, &e.hdr, NULL, &err) == NL_ERR_RANGE && strstr(err.msg, "wire"),
+          "ASSIGN wire 2: %s", err.msg);
+    sample(&m, NL_MSG_GRADIENT);
+    m.frames[0].t.dtype = NL_DTYPE_F16;
+    CHECK(nl_wire_encode(&m, &e.hdr, NULL, &err) == NL_ERR_DTYPE, "F16 GRADIENT: %s", err.msg);
+    nl_wire_msg_free(&m);
+    nl_wire_msg_free(&d);
+    nl_wire_wbuf_free(&e.hdr);
+}
+
 int main(int argc, char **argv)
 {
     fill_data();
@@ -803,5 +860,6 @@ int main(int argc, char **argv)
     test_train_hops();
     test_token_logprobs();
     test_hop_digest();
+    test_wire_precision();
     return check_done("test_wire");
 }
