@@ -36,6 +36,7 @@
 #include "base/args.h"
 #include "core/config.h"
 #include "core/forward.h"
+#include "core/sampler.h"
 #include "kernels/backend.h"
 
 static double now_s(void)
@@ -259,8 +260,10 @@ static void print_gemm(const job *j, double fp32_s, double tf32_s, const spec *s
 /* ---------------------------------------------------------------- decode */
 
 /* One decode run: a 64-token prompt, then `tokens` tokens one at a time,
- * each forward followed by the logits' download (what a stage does before
- * sampling). The runstate is made with NL_HOST_ROUTING set to `host`
+ * each forward followed by greedy sampling as a stage samples
+ * (nl_sampler_next: on the device where the backend has a sample slot, so
+ * only the id comes back; with NL_HOST_SAMPLING=1 the logits are
+ * downloaded and sampled on the host), the token fed back. The runstate is made with NL_HOST_ROUTING set to `host`
  * (core/layer.h reads it then). Seconds per token, and host
  * synchronisations per token (be->stats.host_syncs: the waits of uploads,
  * downloads and syncs; on CUDA a small upload is staged and does not wait). Returns 0, or -1 with err set. */
@@ -272,6 +275,9 @@ static int decode_run(nl_backend *be, nl_model *m, int tokens, int host, float *
     nl_kvcache *kv = NULL;
     int32_t prompt[64];
     int rc = -1, cols = 0;
+    nl_sampler smp = {0};
+    if (nl_sampler_init(&smp, V, 0.0f, 1.0f, 1, err) != NL_OK)
+        return -1;
     for (int i = 0; i < P; i++)
         prompt[i] = (int32_t)((i * 7919) % V);
     const char *was = getenv("NL_HOST_ROUTING");
@@ -289,21 +295,23 @@ static int decode_run(nl_backend *be, nl_model *m, int tokens, int host, float *
     nl_forward_args a = {.B = 1, .T = P, .tokens = prompt, .kv = kv, .last_only = 1};
     if (nl_forward(m, rs, &a, NULL, err) != NL_OK)
         goto out;
-    be->download(be, logits, nl_runstate_output(rs, &cols), (size_t)V * sizeof(float));
     a.T = 1;
     const uint64_t s0 = be->stats.host_syncs;
     const double t0 = now_s();
+    int32_t tok = 0;
+    if (nl_sampler_next(&smp, be, nl_runstate_output(rs, &cols), logits, &tok, err) != NL_OK)
+        goto out;
     for (int t = 0; t < tokens; t++) {
-        int32_t tok = (int32_t)((t * 31) % V);
         a.tokens = &tok;
-        if (nl_forward(m, rs, &a, NULL, err) != NL_OK)
+        if (nl_forward(m, rs, &a, NULL, err) != NL_OK ||
+            nl_sampler_next(&smp, be, nl_runstate_output(rs, &cols), logits, &tok, err) != NL_OK)
             goto out;
-        be->download(be, logits, nl_runstate_output(rs, &cols), (size_t)V * sizeof(float));
     }
     *tok_s = (now_s() - t0) / tokens;
     *syncs = (double)(be->stats.host_syncs - s0) / tokens;
     rc = be->sync(be, err) == NL_OK ? 0 : -1;
 out:
+    nl_sampler_free(&smp);
     nl_kvcache_destroy(&kv);
     nl_runstate_destroy(&rs);
     return rc;
