@@ -472,9 +472,13 @@ def check_running(dom, t_begin):
         check(re.match(r"^[0-9.,]+", card.get(k, "")) is not None, "the card's %s: %s" % (k, card))
     order = [int(x) for x in re.findall(r'<div data-stage="(\d+)"', dom)]
     rows = re.findall(r'<tr class="stage" data-stage="(\d+)">(.*?)</tr>', dom)
-    check(len(order) == 3 and order == sorted(order) == [int(r[0]) for r in rows],
+    # as many stages as the plan has (3 nodes; a training job re-balances
+    # from the stages' measured times, and on a tiny model fewer stages
+    # may be faster), in stage order; the nodes without a stage (standbys,
+    # "-" in the CLI) are not in the pipeline
+    check(1 <= len(order) <= 3 and order == sorted(order) == [int(r[0]) for r in rows],
           "the plan bar and the stage table in stage order: %s %s" % (order, [r[0] for r in rows]))
-    want = cli_layers()
+    want = {k: v for k, v in cli_layers().items() if v != "-"}
     got = {}
     for stage, row in rows:
         c = re.findall(r"<td[^>]*>([^<]*)</td>", row)
@@ -626,7 +630,7 @@ def test_web(url):
         # a stage lost mid-run: the job resumes by itself, and the loss
         # chart marks the loss and the re-plan at their steps
         st = json.loads(get(url + "api/status"))
-        victim = [p["id"] for p in st["pipeline"] if p["stage"] == 1][0]
+        victim = max(st["pipeline"], key=lambda p: p["stage"])["id"]  # the last stage's node
         with open("%s/c/node-%d.pid" % (W, victim)) as f:
             os.kill(int(f.read().split()[0]), signal.SIGKILL)
         deadline = time.time() + 150
