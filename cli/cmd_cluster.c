@@ -282,74 +282,76 @@ static int wait_coordinator(const char *path, pid_t pid, const char *log, int ms
     return -1;
 }
 
-static int cluster_up(const nl_flag *flags, const char *dir)
+/* What `cluster up` starts, from its flags (up_options). */
+typedef struct up_opts {
+    long long nodes, threads, seed, timeout, node_timeout, spin, train_resumes;
+    uint64_t memory, kv_budget; /* kv_budget 0: the node's default */
+    const char *precision, *model, *config, *resume, *http;
+    char devices[64][32];
+} up_opts;
+
+/* The flags of `cluster up` checked into o: 0, or the exit status. */
+static int up_options(const nl_flag *flags, up_opts *o)
 {
-    long long nodes = 3, threads = 0, seed = 0, timeout = 120, node_timeout = 3000,
-              spin = DEFAULT_SPIN, train_resumes = 3;
-    uint64_t memory = 1ULL << 30, kv_budget = 0; /* 0: the node's default */
+    *o = (up_opts){.nodes = 3,
+                   .timeout = 120,
+                   .node_timeout = 3000,
+                   .spin = DEFAULT_SPIN,
+                   .train_resumes = 3,
+                   .memory = 1ULL << 30};
     int rc;
-    if ((rc = nl_args_int(flags, "nodes", 1, 64, &nodes)) ||
-        (rc = nl_args_int(flags, "threads", 0, 1024, &threads)) ||
-        (rc = nl_args_int(flags, "seed", 0, INT64_MAX, &seed)) ||
-        (rc = nl_args_int(flags, "timeout", 1, 3600, &timeout)) ||
-        (rc = nl_args_int(flags, "node-timeout-ms", 100, 3600000, &node_timeout)) ||
-        (rc = nl_args_int(flags, "spin", 0, 100000000, &spin)) ||
-        (rc = nl_args_int(flags, "train-resumes", 0, 1000, &train_resumes)) ||
-        (rc = nl_args_size(flags, "memory", &memory)) ||
-        (rc = nl_args_size(flags, "kv-budget", &kv_budget)))
+    if ((rc = nl_args_int(flags, "nodes", 1, 64, &o->nodes)) ||
+        (rc = nl_args_int(flags, "threads", 0, 1024, &o->threads)) ||
+        (rc = nl_args_int(flags, "seed", 0, INT64_MAX, &o->seed)) ||
+        (rc = nl_args_int(flags, "timeout", 1, 3600, &o->timeout)) ||
+        (rc = nl_args_int(flags, "node-timeout-ms", 100, 3600000, &o->node_timeout)) ||
+        (rc = nl_args_int(flags, "spin", 0, 100000000, &o->spin)) ||
+        (rc = nl_args_int(flags, "train-resumes", 0, 1000, &o->train_resumes)) ||
+        (rc = nl_args_size(flags, "memory", &o->memory)) ||
+        (rc = nl_args_size(flags, "kv-budget", &o->kv_budget)))
         return rc;
     /* a node whose KV budget takes all it offers keeps nothing for a
      * stage's weights and activations: say so here, in the units typed
      * (each node's log says it too, where nobody looks) */
     const char *mem_s = nl_args_get(flags, "memory"), *kv_s = nl_args_get(flags, "kv-budget");
-    const uint64_t kv = kv_budget ? kv_budget : 256ULL << 20; /* neuronode's default */
-    if (kv >= memory && (mem_s || !nl_args_get(flags, "device") ||
-                         strncmp(nl_args_get(flags, "device"), "cuda:", 5) != 0)) {
+    const uint64_t kv = o->kv_budget ? o->kv_budget : 256ULL << 20; /* neuronode's default */
+    if (kv >= o->memory && (mem_s || !nl_args_get(flags, "device") ||
+                            strncmp(nl_args_get(flags, "device"), "cuda:", 5) != 0)) {
         fprintf(stderr,
                 "cluster up: warning: --memory %s leaves nothing beside the KV budget of %s%s "
                 "for the weights and activations: give more --memory or a smaller --kv-budget\n",
                 mem_s ? mem_s : "1G (the default)", kv_s ? kv_s : "256M",
                 kv_s ? " (--kv-budget)" : " (the default --kv-budget)");
     }
-    const char *precision = nl_args_get(flags, "precision");
-    if (precision && strcmp(precision, "fp32") != 0 && strcmp(precision, "bf16") != 0) {
-        fprintf(stderr, "cluster up: --precision %s: not fp32 or bf16\n", precision);
+    o->precision = nl_args_get(flags, "precision");
+    if (o->precision && strcmp(o->precision, "fp32") != 0 && strcmp(o->precision, "bf16") != 0) {
+        fprintf(stderr, "cluster up: --precision %s: not fp32 or bf16\n", o->precision);
         return 2;
     }
-    char devices[64][32];
-    pid_t pids[64];
-    if ((rc = node_devices(nl_args_get(flags, "device"), (int)nodes, devices)))
+    if ((rc = node_devices(nl_args_get(flags, "device"), (int)o->nodes, o->devices)))
         return rc;
-    const char *model = nl_args_get(flags, "model"), *config = nl_args_get(flags, "config"),
-               *resume = nl_args_get(flags, "resume");
-    if (!!model + !!config + !!resume > 1) {
+    o->model = nl_args_get(flags, "model");
+    o->config = nl_args_get(flags, "config");
+    o->resume = nl_args_get(flags, "resume");
+    if (!!o->model + !!o->config + !!o->resume > 1) {
         fprintf(stderr, "cluster up: --model, --config and --resume exclude each other\n");
         return 2;
     }
-    if (threads == 0) {
+    if (o->threads == 0) {
         long cores = sysconf(_SC_NPROCESSORS_ONLN);
-        threads = cores / nodes > 0 ? cores / nodes : 1; /* a fair share of the cores each */
+        /* a fair share of the cores each */
+        o->threads = cores / o->nodes > 0 ? cores / o->nodes : 1;
     }
-    char coord_bin[4096], node_bin[4096], cdir[2048], path[4096], ep[600];
-    if (find_binary("neurocoord", "coordinator", coord_bin, sizeof coord_bin) ||
-        find_binary("neuronode", "node", node_bin, sizeof node_bin)) {
-        fprintf(stderr, "cluster up: cannot find neurocoord and neuronode beside neuroctl\n");
-        return 1;
-    }
-    snprintf(cdir, sizeof cdir, "%s/coord", dir);
-    snprintf(path, sizeof path, "%s/coord.pid", dir);
-    if (access(path, F_OK) == 0) {
-        fprintf(stderr, "cluster up: %s exists: is a cluster already up? (cluster down first)\n",
-                path);
-        return 1;
-    }
-    if ((mkdir(dir, 0700) != 0 && errno != EEXIST) || (mkdir(cdir, 0700) != 0 && errno != EEXIST)) {
-        fprintf(stderr, "cluster up: cannot create %s: %s\n", cdir, strerror(errno));
-        return 1;
-    }
-    /* keys, and the coordinator's authorized_keys */
+    o->http = nl_args_get(flags, "http");
+    return 0;
+}
+
+/* The keys of the client and of each node in DIR, and the coordinator's
+ * authorized_keys in cdir: 0, or 1 (said). */
+static int write_keys(const char *dir, const char *cdir, long long nodes)
+{
     nl_error err = {0};
-    char pub[NL_KEY_Z85_LEN + 1], name[64];
+    char pub[NL_KEY_Z85_LEN + 1], name[64], path[4096];
     char *auth = malloc((size_t)(nodes + 2) * 96 + 128);
     if (!auth) {
         fprintf(stderr, "cluster up: out of memory\n");
@@ -369,18 +371,30 @@ static int cluster_up(const nl_flag *flags, const char *dir)
     if (nl_file_write_atomic(path, auth, alen, &err) != NL_OK)
         goto fail;
     free(auth);
-    auth = NULL;
-    /* the coordinator, on two free loopback ports (nodes, clients); it
-     * writes client_endpoint, then endpoint */
+    return 0;
+fail:
+    free(auth);
+    fprintf(stderr, "cluster up: %s\n", err.msg);
+    return 1;
+}
+
+/* Starts the coordinator (coord_bin) on two free loopback ports (nodes,
+ * clients) and reads the nodes' endpoint it writes into ep: its pid, or
+ * -1 (said; the cluster is taken down). */
+static pid_t start_coordinator(const nl_flag *flags, const up_opts *o, char *coord_bin,
+                               const char *dir, char *cdir, char *ep, size_t ep_cap)
+{
+    char path[4096], log[4096], pidf[4096];
+    /* it writes client_endpoint, then endpoint */
     snprintf(path, sizeof path, "%s/client_endpoint", cdir);
     unlink(path);
     snprintf(path, sizeof path, "%s/endpoint", cdir);
     unlink(path);
-    char s_nodes[32], s_seed[32], s_nto[32], s_tr[32], log[4096], pidf[4096];
-    snprintf(s_nodes, sizeof s_nodes, "%lld", nodes);
-    snprintf(s_tr, sizeof s_tr, "%lld", train_resumes);
-    snprintf(s_seed, sizeof s_seed, "%lld", seed);
-    snprintf(s_nto, sizeof s_nto, "%lld", node_timeout);
+    char s_nodes[32], s_seed[32], s_nto[32], s_tr[32];
+    snprintf(s_nodes, sizeof s_nodes, "%lld", o->nodes);
+    snprintf(s_tr, sizeof s_tr, "%lld", o->train_resumes);
+    snprintf(s_seed, sizeof s_seed, "%lld", o->seed);
+    snprintf(s_nto, sizeof s_nto, "%lld", o->node_timeout);
     /* a local cluster runs as its user, who names the data and checkpoint
      * paths: they may lead wherever that user may (as the nodes' root) */
     char *cargv[38] = {coord_bin, "--listen", "tcp://127.0.0.1:*", "--client-listen",
@@ -388,47 +402,30 @@ static int cluster_up(const nl_flag *flags, const char *dir)
                        "--seed", s_seed, "--node-timeout-ms", s_nto, "--data-root", "/",
                        "--checkpoint-root", "/", "--train-resumes", s_tr};
     int ca = 19;
-    if (model) {
+    if (o->model) {
         cargv[ca++] = "--model";
-        cargv[ca++] = (char *)model;
-    } else if (config) {
+        cargv[ca++] = (char *)o->model;
+    } else if (o->config) {
         cargv[ca++] = "--config";
-        cargv[ca++] = (char *)config;
-    } else if (resume) {
+        cargv[ca++] = (char *)o->config;
+    } else if (o->resume) {
         cargv[ca++] = "--resume";
-        cargv[ca++] = (char *)resume;
+        cargv[ca++] = (char *)o->resume;
     }
-    const char *http = nl_args_get(flags, "http"), *http_tokens = nl_args_get(flags, "http-tokens");
-    if (http) { /* the coordinator writes its address to coord/http once it listens */
+    if (o->http) { /* the coordinator writes its address to coord/http once it listens */
         cargv[ca++] = "--http";
-        cargv[ca++] = (char *)http;
+        cargv[ca++] = (char *)o->http;
         snprintf(log, sizeof log, "%s/http", cdir);
         unlink(log);
     }
-    if (nl_args_get(flags, "verify-rate")) { /* checked by neurocoord */
-        cargv[ca++] = "--verify-rate";
-        cargv[ca++] = (char *)nl_args_get(flags, "verify-rate");
-    }
-    if (http_tokens) {
-        cargv[ca++] = "--http-tokens";
-        cargv[ca++] = (char *)http_tokens;
-    }
-    if (nl_args_get(flags, "http-adapter")) {
-        cargv[ca++] = "--http-adapter";
-        cargv[ca++] = (char *)nl_args_get(flags, "http-adapter");
-    }
-    if (nl_args_get(flags, "grow")) {
-        cargv[ca++] = "--grow";
-        cargv[ca++] = (char *)nl_args_get(flags, "grow");
-    }
-    if (nl_args_get(flags, "heartbeat-ms")) {
-        cargv[ca++] = "--heartbeat-ms";
-        cargv[ca++] = (char *)nl_args_get(flags, "heartbeat-ms");
-    }
-    if (nl_args_get(flags, "wire")) {
-        cargv[ca++] = "--wire";
-        cargv[ca++] = (char *)nl_args_get(flags, "wire");
-    }
+    /* passed on as given: neurocoord checks them */
+    static const char *const passed[] = {"--verify-rate", "--http-tokens",  "--http-adapter",
+                                         "--grow",        "--heartbeat-ms", "--wire"};
+    for (size_t k = 0; k < sizeof passed / sizeof *passed; k++)
+        if (nl_args_get(flags, passed[k] + 2)) {
+            cargv[ca++] = (char *)passed[k];
+            cargv[ca++] = (char *)nl_args_get(flags, passed[k] + 2);
+        }
     cargv[ca] = NULL;
     snprintf(log, sizeof log, "%s/coord.log", dir);
     snprintf(pidf, sizeof pidf, "%s/coord.pid", dir);
@@ -437,51 +434,60 @@ static int cluster_up(const nl_flag *flags, const char *dir)
         if (coord < 0)
             fprintf(stderr, "cluster up: cannot start %s\n", coord_bin);
         cluster_down(dir, 1);
-        return 1;
+        return -1;
     }
     FILE *f = fopen(path, "r");
-    if (!f || !fgets(ep, sizeof ep, f)) {
+    if (!f || !fgets(ep, (int)ep_cap, f)) {
         if (f)
             fclose(f);
         fprintf(stderr, "cluster up: cannot read %s\n", path);
         cluster_down(dir, 1);
-        return 1;
+        return -1;
     }
     fclose(f);
     ep[strcspn(ep, "\r\n")] = '\0';
-    /* the nodes */
-    char s_mem[32], s_thr[32], s_spin[32], s_kv[32], coord_pub[4096], key[4096];
+    return coord;
+}
+
+/* Starts the nodes (node_bin), joining the coordinator at ep: 0 with
+ * their pids, or 1 (said; the cluster is taken down). */
+static int start_nodes(const nl_flag *flags, const up_opts *o, char *node_bin, const char *dir,
+                       const char *cdir, char *ep, pid_t *pids)
+{
+    char s_mem[32], s_thr[32], s_spin[32], s_kv[32], coord_pub[4096], key[4096], name[64];
+    char log[4096], pidf[4096];
     /* the nodes share the machine: an idle stage's OpenMP threads sleep
      * soon, and leave the cores to the one that works */
     const bool env_spin = getenv("GOMP_SPINCOUNT") || getenv("OMP_WAIT_POLICY");
-    snprintf(s_spin, sizeof s_spin, "%lld", spin);
-    snprintf(s_mem, sizeof s_mem, "%llu", (unsigned long long)memory);
-    snprintf(s_thr, sizeof s_thr, "%lld", threads);
-    snprintf(s_kv, sizeof s_kv, "%llu", (unsigned long long)kv_budget);
+    snprintf(s_spin, sizeof s_spin, "%lld", o->spin);
+    snprintf(s_mem, sizeof s_mem, "%llu", (unsigned long long)o->memory);
+    snprintf(s_thr, sizeof s_thr, "%lld", o->threads);
+    snprintf(s_kv, sizeof s_kv, "%llu", (unsigned long long)o->kv_budget);
     snprintf(coord_pub, sizeof coord_pub, "%s/coordinator.pub", cdir);
-    for (long long i = 1; i <= nodes; i++) {
+    for (long long i = 1; i <= o->nodes; i++) {
         snprintf(name, sizeof name, "node-%lld", i);
         snprintf(key, sizeof key, "%s/%s.key", dir, name);
         snprintf(log, sizeof log, "%s/%s.log", dir, name);
         snprintf(pidf, sizeof pidf, "%s/%s.pid", dir, name);
-        char *nargv[24] = {node_bin,      "join",      ep,    "--key",  key,  "--coordinator-key",
-                           coord_pub,     "--threads", s_thr, "--name", name, "--device",
-                           devices[i - 1]};
+        char *dev = (char *)o->devices[i - 1];
+        char *nargv[24] = {node_bin,  "join",      ep,    "--key",  key,  "--coordinator-key",
+                           coord_pub, "--threads", s_thr, "--name", name, "--device",
+                           dev};
         int na = 13;
         /* a GPU node offers its device's free memory unless --memory caps it */
-        if (nl_args_get(flags, "memory") || strncmp(devices[i - 1], "cuda:", 5) != 0) {
+        if (nl_args_get(flags, "memory") || strncmp(dev, "cuda:", 5) != 0) {
             nargv[na++] = "--memory";
             nargv[na++] = s_mem;
         }
-        if (kv_budget) {
+        if (o->kv_budget) {
             nargv[na++] = "--kv-budget";
             nargv[na++] = s_kv;
         }
         if (nl_args_get(flags, "tf32"))
             nargv[na++] = "--tf32";
-        if (precision) {
+        if (o->precision) {
             nargv[na++] = "--precision";
-            nargv[na++] = (char *)precision;
+            nargv[na++] = (char *)o->precision;
         }
         /* a local cluster runs as its user, who names the checkpoint
          * directory: the nodes may write wherever that user may */
@@ -496,36 +502,39 @@ static int cluster_up(const nl_flag *flags, const char *dir)
             return 1;
         }
     }
-    char state[512] = "";
-    fprintf(stderr,
-            "cluster up: coordinator at %s, %lld node(s) with %lld thread(s) each (devices %s); "
-            "waiting for the plan...\n",
-            ep, nodes, threads,
-            nl_args_get(flags, "device") ? nl_args_get(flags, "device") : "cpu");
+    return 0;
+}
+
+/* Waits until the cluster has its plan: 0 (the state printed), or 1 (said;
+ * a process that exited takes the cluster down, the timeout leaves it). */
+static int wait_ready(const up_opts *o, const char *dir, const char *cdir, pid_t coord,
+                      const pid_t *pids)
+{
+    char state[512] = "", log[4096], path[4096];
     /* a node that cannot start (a device it cannot open) exits at once:
      * say so with its last words rather than wait for the timeout */
-    const double deadline = nl_cli_now() + (double)timeout;
+    const double deadline = nl_cli_now() + (double)o->timeout;
     for (;;) {
         if (nl_remote_wait_ready(dir, 1, state, sizeof state) == 0)
             break;
         snprintf(log, sizeof log, "%s/coord.log", dir);
-        if (node_exited(dir, pids, (int)nodes) || exited(coord, "the coordinator", log)) {
+        if (node_exited(dir, pids, (int)o->nodes) || exited(coord, "the coordinator", log)) {
             cluster_down(dir, 1);
             return 1;
         }
         if (nl_cli_now() >= deadline) {
-            fprintf(stderr, "cluster up: not ready after %lld s: %s (logs in %s)\n", timeout, state,
-                    dir);
+            fprintf(stderr, "cluster up: not ready after %lld s: %s (logs in %s)\n", o->timeout,
+                    state, dir);
             return 1;
         }
     }
     printf("cluster up: %s\n  use: neuroctl status --cluster %s\n", state, dir);
-    if (http) {
+    if (o->http) {
         char url[512] = "";
         snprintf(path, sizeof path, "%s/http", cdir);
         for (int t = 0; t < 10000 && access(path, R_OK) != 0; t += 20)
             sleep_ms(20); /* the coordinator writes it once it listens */
-        f = fopen(path, "r");
+        FILE *f = fopen(path, "r");
         if (f && fgets(url, sizeof url, f))
             printf("  http: %s", url);
         else
@@ -535,10 +544,45 @@ static int cluster_up(const nl_flag *flags, const char *dir)
     }
     fflush(stdout);
     return 0;
-fail:
-    free(auth);
-    fprintf(stderr, "cluster up: %s\n", err.msg);
-    return 1;
+}
+
+static int cluster_up(const nl_flag *flags, const char *dir)
+{
+    up_opts o;
+    int rc = up_options(flags, &o);
+    if (rc)
+        return rc;
+    char coord_bin[4096], node_bin[4096], cdir[2048], path[4096], ep[600];
+    if (find_binary("neurocoord", "coordinator", coord_bin, sizeof coord_bin) ||
+        find_binary("neuronode", "node", node_bin, sizeof node_bin)) {
+        fprintf(stderr, "cluster up: cannot find neurocoord and neuronode beside neuroctl\n");
+        return 1;
+    }
+    snprintf(cdir, sizeof cdir, "%s/coord", dir);
+    snprintf(path, sizeof path, "%s/coord.pid", dir);
+    if (access(path, F_OK) == 0) {
+        fprintf(stderr, "cluster up: %s exists: is a cluster already up? (cluster down first)\n",
+                path);
+        return 1;
+    }
+    if ((mkdir(dir, 0700) != 0 && errno != EEXIST) || (mkdir(cdir, 0700) != 0 && errno != EEXIST)) {
+        fprintf(stderr, "cluster up: cannot create %s: %s\n", cdir, strerror(errno));
+        return 1;
+    }
+    if (write_keys(dir, cdir, o.nodes))
+        return 1;
+    const pid_t coord = start_coordinator(flags, &o, coord_bin, dir, cdir, ep, sizeof ep);
+    if (coord < 0)
+        return 1;
+    pid_t pids[64];
+    if (start_nodes(flags, &o, node_bin, dir, cdir, ep, pids))
+        return 1;
+    fprintf(stderr,
+            "cluster up: coordinator at %s, %lld node(s) with %lld thread(s) each (devices %s); "
+            "waiting for the plan...\n",
+            ep, o.nodes, o.threads,
+            nl_args_get(flags, "device") ? nl_args_get(flags, "device") : "cpu");
+    return wait_ready(&o, dir, cdir, coord, pids);
 }
 
 int nl_cmd_cluster(int argc, char **argv)

@@ -102,29 +102,34 @@ static void emit_token(int32_t id, void *ctx)
     fflush(stdout);
 }
 
+/* The flags of neuroctl generate (a copy of which nl_args_parse fills
+ * in). */
+static const nl_flag generate_flags[] = {
+    {"model", 1, "checkpoint (safetensors)", NULL},
+    {"prompt-tokens", 1, "prompt as comma-separated token ids, e.g. 1,2,3", NULL},
+    {"prompt", 1, "prompt as text, through the model's tokenizer; prints text", NULL},
+    {"max-new", 1,
+     "tokens to generate (default 32); the prompt and they fill at most max_seq_len (as the "
+     "HTTP API's max_tokens): past it generation stops there and says so",
+     NULL},
+    {"temperature", 1, "sampling temperature; 0 is greedy (default 0.8)", NULL},
+    {"top-p", 1, "nucleus sampling mass in (0, 1] (default 0.95)", NULL},
+    {"seed", 1, "sampling seed (default 0)", NULL},
+    {"adapter", 1, "LoRA adapter file to apply (neuroctl finetune --out)", NULL},
+    {"threads", 1, "worker threads (default: all cores)", NULL},
+    {"warmup", 0,
+     "run the prompt once before the timed generation (warm figures in the "
+     "report on stderr, for benchmarks)",
+     NULL},
+    NL_CLI_DEVICE_FLAG,
+    NL_CLI_TF32_FLAG,
+    NL_CLI_PRECISION_FLAG,
+    {0}};
+
 int nl_cmd_generate(int argc, char **argv)
 {
-    nl_flag flags[] = {
-        {"model", 1, "checkpoint (safetensors)", NULL},
-        {"prompt-tokens", 1, "prompt as comma-separated token ids, e.g. 1,2,3", NULL},
-        {"prompt", 1, "prompt as text, through the model's tokenizer; prints text", NULL},
-        {"max-new", 1,
-         "tokens to generate (default 32); the prompt and they fill at most max_seq_len (as the "
-         "HTTP API's max_tokens): past it generation stops there and says so",
-         NULL},
-        {"temperature", 1, "sampling temperature; 0 is greedy (default 0.8)", NULL},
-        {"top-p", 1, "nucleus sampling mass in (0, 1] (default 0.95)", NULL},
-        {"seed", 1, "sampling seed (default 0)", NULL},
-        {"adapter", 1, "LoRA adapter file to apply (neuroctl finetune --out)", NULL},
-        {"threads", 1, "worker threads (default: all cores)", NULL},
-        {"warmup", 0,
-         "run the prompt once before the timed generation (warm figures in the "
-         "report on stderr, for benchmarks)",
-         NULL},
-        NL_CLI_DEVICE_FLAG,
-        NL_CLI_TF32_FLAG,
-        NL_CLI_PRECISION_FLAG,
-        {0}};
+    nl_flag flags[sizeof generate_flags / sizeof *generate_flags];
+    memcpy(flags, generate_flags, sizeof flags);
     const char *usage = "neuroctl generate --model MODEL (--prompt-tokens 1,2,3 | --prompt TEXT) "
                         "[--max-new N] [--temperature X] [--top-p P] [--seed S] [--threads N] "
                         "[--warmup] [--adapter A] [--device D] [--tf32] [--precision "
@@ -244,19 +249,93 @@ static int cmp_double(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
+/* The flags of neuroctl bench (a copy of which nl_args_parse fills
+ * in). */
+static const nl_flag bench_flags[] = {
+    {"config", 1, "model config (YAML), e.g. configs/bench-small.yaml", NULL},
+    {"batch", 1, "sequences per forward (default 8)", NULL},
+    {"seq", 1, "positions per sequence (default 256)", NULL},
+    {"threads", 1, "worker threads (default: all cores)", NULL},
+    {"decode-tokens", 1, "tokens timed in the decode run (default 128)", NULL},
+    {"repeats", 1, "timed forward passes; the median is reported (default 5)", NULL},
+    NL_CLI_DEVICE_FLAG,
+    NL_CLI_TF32_FLAG,
+    NL_CLI_PRECISION_FLAG,
+    {0}};
+
+/* Decode at batch 1: P tokens prefilled, then *ndec single steps (fewer
+ * when they would pass max_seq_len) timed into *dec_s, each next token
+ * the argmax of the last logits. rs1 and kv are the caller's to free. 0,
+ * or 1 when it fails (err says why). */
+static int bench_decode(nl_model *m, const int32_t *tokens, float *logits, int P, long long *ndec,
+                        nl_runstate **rs1, nl_kvcache **kv, double *dec_s, nl_error *err)
+{
+    nl_backend *be = m->be;
+    const nl_config *cfg = &m->cfg;
+    if (P + *ndec > cfg->max_seq_len)
+        *ndec = cfg->max_seq_len - P;
+    if (nl_runstate_new(rs1, m, P, err) != NL_OK ||
+        nl_kvcache_new(kv, m, 1, (int)(P + *ndec), err) != NL_OK)
+        return 1;
+    nl_forward_args pre = {.B = 1, .T = P, .tokens = tokens, .kv = *kv, .last_only = 1};
+    if (nl_forward(m, *rs1, &pre, NULL, err) != NL_OK)
+        return 1;
+    int32_t next = tokens[P];
+    nl_forward_args dec = {.B = 1, .T = 1, .tokens = &next, .kv = *kv, .last_only = 1};
+    double t0 = nl_cli_now();
+    for (long long i = 0; i < *ndec; i++) {
+        if (nl_forward(m, *rs1, &dec, NULL, err) != NL_OK)
+            return 1;
+        be->download(be, logits, nl_runstate_output(*rs1, NULL), (size_t)cfg->vocab_size * 4);
+        if (nl_cli_device_check(be, err) != NL_OK)
+            return 1;
+        int32_t best = 0;
+        for (int v = 1; v < cfg->vocab_size; v++)
+            best = logits[v] > logits[best] ? v : best;
+        next = best;
+    }
+    *dec_s = nl_cli_now() - t0;
+    return 0;
+}
+
+/* Training at B x T: one warm-up step, then the median of `reps` whole
+ * steps (times: reps scratch), as JSON fields into json (on a device that
+ * cannot train it is left as it is, and said). *tr is the caller's to
+ * free. 0, or 1 when it fails (err says why). */
+static int bench_train(nl_model *m, nl_trainer **tr, int32_t *tokens, long long B, long long T,
+                       long long reps, double *times, double fwd_flops, double peak, char *json,
+                       size_t cap, nl_error *err)
+{
+    nl_backend *be = m->be;
+    if (!be->can_train) {
+        fprintf(stderr, "neuroctl bench: %s cannot train yet: no training figures\n", be->name);
+        return 0;
+    }
+    if (nl_trainer_new(tr, m, (int)(B * T), 1, 0, err) != NL_OK)
+        return 1;
+    int32_t *targets = tokens; /* any valid ids serve for timing */
+    nl_step_result sr;
+    for (long long i = 0; i <= reps; i++) {
+        double ts = nl_cli_now();
+        if (nl_trainer_step_local(*tr, tokens, targets, (int)B, (int)T, 1, 1e-4f, 1.0f,
+                                  nl_adamw_defaults(), &sr, err) != NL_OK ||
+            nl_cli_device_check(be, err) != NL_OK)
+            return 1;
+        if (i > 0)
+            times[i - 1] = nl_cli_now() - ts;
+    }
+    qsort(times, (size_t)reps, sizeof *times, cmp_double);
+    const double train_s = times[reps / 2];
+    snprintf(json, cap, "\"train_tok_s\":%.1f,\"train_gflops\":%.1f,\"train_peak_frac\":%.3f",
+             (double)(B * T) / train_s, 3 * fwd_flops / train_s / 1e9,
+             3 * fwd_flops / train_s / 1e9 / peak);
+    return 0;
+}
+
 int nl_cmd_bench(int argc, char **argv)
 {
-    nl_flag flags[] = {
-        {"config", 1, "model config (YAML), e.g. configs/bench-small.yaml", NULL},
-        {"batch", 1, "sequences per forward (default 8)", NULL},
-        {"seq", 1, "positions per sequence (default 256)", NULL},
-        {"threads", 1, "worker threads (default: all cores)", NULL},
-        {"decode-tokens", 1, "tokens timed in the decode run (default 128)", NULL},
-        {"repeats", 1, "timed forward passes; the median is reported (default 5)", NULL},
-        NL_CLI_DEVICE_FLAG,
-        NL_CLI_TF32_FLAG,
-        NL_CLI_PRECISION_FLAG,
-        {0}};
+    nl_flag flags[sizeof bench_flags / sizeof *bench_flags];
+    memcpy(flags, bench_flags, sizeof flags);
     const char *usage = "neuroctl bench --config CFG.yaml [--batch B] [--seq T] [--threads N] "
                         "[--device D] [--tf32] [--precision fp32|bf16]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
@@ -329,56 +408,16 @@ int nl_cmd_bench(int argc, char **argv)
     const double fwd_flops = nl_config_forward_flops(&cfg, (int)B, (int)T, 0);
 
     /* decode at batch 1: prefill P tokens, then time ndec single steps */
-    if (P + ndec > cfg.max_seq_len)
-        ndec = cfg.max_seq_len - P;
-    if (nl_runstate_new(&rs1, m, P, &err) != NL_OK ||
-        nl_kvcache_new(&kv, m, 1, (int)(P + ndec), &err) != NL_OK)
+    double dec_s = 0.0;
+    if (bench_decode(m, tokens, logits, P, &ndec, &rs1, &kv, &dec_s, &err))
         goto out;
-    nl_forward_args pre = {.B = 1, .T = P, .tokens = tokens, .kv = kv, .last_only = 1};
-    if (nl_forward(m, rs1, &pre, NULL, &err) != NL_OK)
-        goto out;
-    int32_t next = tokens[P];
-    nl_forward_args dec = {.B = 1, .T = 1, .tokens = &next, .kv = kv, .last_only = 1};
-    double t0 = nl_cli_now();
-    for (long long i = 0; i < ndec; i++) {
-        if (nl_forward(m, rs1, &dec, NULL, &err) != NL_OK)
-            goto out;
-        be->download(be, logits, nl_runstate_output(rs1, NULL), (size_t)cfg.vocab_size * 4);
-        if (nl_cli_device_check(be, &err) != NL_OK)
-            goto out;
-        int32_t best = 0;
-        for (int v = 1; v < cfg.vocab_size; v++)
-            best = logits[v] > logits[best] ? v : best;
-        next = best;
-    }
-    const double dec_s = nl_cli_now() - t0;
 
     /* training: one warm-up step, then the median of `reps` whole steps
      * (on a device that can train; else the training figures are null) */
     char train_json[160] = "\"train_tok_s\":null,\"train_gflops\":null,\"train_peak_frac\":null";
-    if (be->can_train) {
-        if (nl_trainer_new(&tr, m, (int)(B * T), 1, 0, &err) != NL_OK)
-            goto out;
-        int32_t *targets = tokens; /* any valid ids serve for timing */
-        nl_step_result sr;
-        for (long long i = 0; i <= reps; i++) {
-            double ts = nl_cli_now();
-            if (nl_trainer_step_local(tr, tokens, targets, (int)B, (int)T, 1, 1e-4f, 1.0f,
-                                      nl_adamw_defaults(), &sr, &err) != NL_OK ||
-                nl_cli_device_check(be, &err) != NL_OK)
-                goto out;
-            if (i > 0)
-                times[i - 1] = nl_cli_now() - ts;
-        }
-        qsort(times, (size_t)reps, sizeof *times, cmp_double);
-        const double train_s = times[reps / 2];
-        snprintf(train_json, sizeof train_json,
-                 "\"train_tok_s\":%.1f,\"train_gflops\":%.1f,\"train_peak_frac\":%.3f",
-                 (double)(B * T) / train_s, 3 * fwd_flops / train_s / 1e9,
-                 3 * fwd_flops / train_s / 1e9 / peak);
-    } else {
-        fprintf(stderr, "neuroctl bench: %s cannot train yet: no training figures\n", be->name);
-    }
+    if (bench_train(m, &tr, tokens, B, T, reps, times, fwd_flops, peak, train_json,
+                    sizeof train_json, &err))
+        goto out;
 
     printf("{\"config\":\"%s\",\"device\":\"%s\",\"batch\":%lld,\"seq\":%lld,\"threads\":%d,"
            "\"params\":%" PRId64 ",\"forward_tok_s\":%.1f,\"forward_gflops\":%.1f,"

@@ -176,17 +176,101 @@ static void gen_cancel(nl_remote *r, nl_rx *rx, uint64_t job)
             (unsigned long long)job, e.msg);
 }
 
+/* The flags of neuroctl generate on a cluster (a copy of which
+ * nl_args_parse fills in). */
+static const nl_flag gen_flags[] = {
+    {"prompt-tokens", 1, "prompt as comma-separated token ids", NULL},
+    {"prompt", 1, "prompt as text, through the cluster's tokenizer", NULL},
+    {"max-new", 1, "tokens to generate (default 32)", NULL},
+    {"temperature", 1, "sampling temperature; 0 is greedy (default 0.8)", NULL},
+    {"top-p", 1, "nucleus sampling mass in (0, 1] (default 0.95)", NULL},
+    {"seed", 1, "sampling seed (default 0)", NULL},
+    {"adapter", 1, ADAPTER_HELP, NULL},
+    NL_REMOTE_FLAGS,
+    {0}};
+
+/* The prompt's ids (*prompt, *P; the caller frees them): --prompt's text
+ * through the cluster's tokenizer (echoed), or --prompt-tokens. 0, 1
+ * (err says why) or 2 (a usage error, said). */
+static int gen_prompt(nl_tokenizer *tok, const char *ptext, const char *ptoks, int32_t **prompt,
+                      size_t *P, nl_error *err)
+{
+    if (ptext) {
+        if (!tok) {
+            nl_error_set(err, NL_ERR_NOTFOUND,
+                         "the cluster's model has no tokenizer: use "
+                         "--prompt-tokens");
+            return 1;
+        }
+        if (nl_tokenizer_encode(tok, ptext, strlen(ptext), prompt, P, err) != NL_OK)
+            return 1;
+        fputs(ptext, stdout);
+    } else {
+        int n = nl_cli_parse_ids(ptoks, prompt);
+        if (n < 0)
+            return 2;
+        *P = (size_t)n;
+    }
+    if (*P == 0) {
+        nl_error_set(err, NL_ERR_INVALID, "empty prompt");
+        return 1;
+    }
+    return 0;
+}
+
+/* The submitted job's tokens, printed as they come (as text when tok is
+ * given, else as ids) into ids[*count..max_new), until the last, the
+ * timeout without progress, or Ctrl-C (the job cancelled). 0, 1 (err
+ * says why) or 130 (interrupted). */
+static int gen_receive(nl_remote *r, nl_rx *rx, nl_tokenizer *tok, int32_t *ids, long long max_new,
+                       int *count, nl_gen_clock *clock, nl_error *err)
+{
+    uint64_t job = 0; /* once the coordinator names it */
+    double deadline = nl_remote_now() + r->timeout_ms / 1e3;
+    for (;;) {
+        /* in slices, to see Ctrl-C */
+        const double now = nl_remote_now(), slice = now + 0.2 < deadline ? now + 0.2 : deadline;
+        nl_status st = gen_interrupted ? NL_OK : nl_remote_recv(r, rx, slice, err);
+        if (gen_interrupted) {
+            gen_cancel(r, rx, job);
+            return 130;
+        }
+        if (st == NL_ERR_TIMEOUT && slice < deadline)
+            continue;
+        if (st != NL_OK || nl_remote_job_failed(rx, err))
+            return 1;
+        if (rx->msg.type == NL_MSG_JOB_STATUS && rx->msg.u.job_status.state == NL_JOB_RUNNING) {
+            if (job) /* news of a running job: e.g. it lost a stage and resumes */
+                fprintf(stderr, "neuroctl generate: %s\n", rx->msg.u.job_status.message);
+            job = rx->msg.u.job_status.job_id;
+            deadline = nl_remote_now() + r->timeout_ms / 1e3;
+        }
+        if (rx->msg.type != NL_MSG_TOKEN)
+            continue;
+        job = rx->msg.u.token.job_id;
+        deadline = nl_remote_now() + r->timeout_ms / 1e3; /* progress */
+        for (uint32_t i = 0; i < rx->msg.u.token.ntokens && *count < max_new; i++) {
+            const int32_t id = (int32_t)rx->msg.u.token.tokens[i];
+            nl_gen_clock_tick(clock);
+            ids[(*count)++] = id;
+            const uint8_t *p = NULL;
+            size_t n = 0;
+            if (!tok)
+                printf("%s%d", *count > 1 ? " " : "", id);
+            else if (nl_tokenizer_token_bytes(tok, id, &p, &n) == NL_OK &&
+                     !nl_tokenizer_is_special(tok, id))
+                fwrite(p, 1, n, stdout);
+            fflush(stdout);
+        }
+        if (rx->msg.u.token.done)
+            return 0;
+    }
+}
+
 int nl_cmd_remote_generate(int argc, char **argv)
 {
-    nl_flag flags[] = {{"prompt-tokens", 1, "prompt as comma-separated token ids", NULL},
-                       {"prompt", 1, "prompt as text, through the cluster's tokenizer", NULL},
-                       {"max-new", 1, "tokens to generate (default 32)", NULL},
-                       {"temperature", 1, "sampling temperature; 0 is greedy (default 0.8)", NULL},
-                       {"top-p", 1, "nucleus sampling mass in (0, 1] (default 0.95)", NULL},
-                       {"seed", 1, "sampling seed (default 0)", NULL},
-                       {"adapter", 1, ADAPTER_HELP, NULL},
-                       NL_REMOTE_FLAGS,
-                       {0}};
+    nl_flag flags[sizeof gen_flags / sizeof *gen_flags];
+    memcpy(flags, gen_flags, sizeof flags);
     const char *usage = "neuroctl generate (--cluster DIR | --coordinator EP --key K "
                         "--coordinator-key P) (--prompt-tokens 1,2,3 | --prompt TEXT) "
                         "[--max-new N] [--adapter A] ...";
@@ -220,7 +304,6 @@ int nl_cmd_remote_generate(int argc, char **argv)
     nl_tokenizer *tok = NULL;
     int32_t *prompt = NULL, *ids = NULL;
     size_t P = 0;
-    uint64_t job = 0; /* once the coordinator names it */
     struct sigaction old_sa;
     bool handler = false;
     int64_t vocab = 0, max_seq = 0;
@@ -229,28 +312,9 @@ int nl_cmd_remote_generate(int argc, char **argv)
     if (nl_remote_open(&r, flags, 60, &err) != NL_OK ||
         remote_tokenizer(&r, &tok, &vocab, &max_seq, &err) != NL_OK)
         goto out;
-    if (ptext) {
-        if (!tok) {
-            nl_error_set(&err, NL_ERR_NOTFOUND,
-                         "the cluster's model has no tokenizer: use "
-                         "--prompt-tokens");
-            goto out;
-        }
-        if (nl_tokenizer_encode(tok, ptext, strlen(ptext), &prompt, &P, &err) != NL_OK)
-            goto out;
-        fputs(ptext, stdout);
-    } else {
-        int n = nl_cli_parse_ids(ptoks, &prompt);
-        if (n < 0) {
-            rc = 2;
-            goto out;
-        }
-        P = (size_t)n;
-    }
-    if (P == 0) {
-        nl_error_set(&err, NL_ERR_INVALID, "empty prompt");
+    if ((rc = gen_prompt(tok, ptext, ptoks, &prompt, &P, &err)))
         goto out;
-    }
+    rc = 1;
     ids = malloc((size_t)max_new * sizeof *ids);
     nl_wire_param ps[5] = {
         {.key = "max_new", .kind = NL_WIRE_PARAM_INT, .i = max_new},
@@ -268,46 +332,8 @@ int nl_cmd_remote_generate(int argc, char **argv)
     if (!ids || nl_remote_submit(&r, NL_JOB_GENERATE, ps, adapter ? 5 : 4, prompt, 1, (int)P,
                                  &err) != NL_OK)
         goto out;
-    double deadline = nl_remote_now() + r.timeout_ms / 1e3;
-    for (;;) {
-        /* in slices, to see Ctrl-C */
-        const double now = nl_remote_now(), slice = now + 0.2 < deadline ? now + 0.2 : deadline;
-        nl_status st = gen_interrupted ? NL_OK : nl_remote_recv(&r, &rx, slice, &err);
-        if (gen_interrupted) {
-            gen_cancel(&r, &rx, job);
-            rc = 130;
-            goto out;
-        }
-        if (st == NL_ERR_TIMEOUT && slice < deadline)
-            continue;
-        if (st != NL_OK || nl_remote_job_failed(&rx, &err))
-            goto out;
-        if (rx.msg.type == NL_MSG_JOB_STATUS && rx.msg.u.job_status.state == NL_JOB_RUNNING) {
-            if (job) /* news of a running job: e.g. it lost a stage and resumes */
-                fprintf(stderr, "neuroctl generate: %s\n", rx.msg.u.job_status.message);
-            job = rx.msg.u.job_status.job_id;
-            deadline = nl_remote_now() + r.timeout_ms / 1e3;
-        }
-        if (rx.msg.type != NL_MSG_TOKEN)
-            continue;
-        job = rx.msg.u.token.job_id;
-        deadline = nl_remote_now() + r.timeout_ms / 1e3; /* progress */
-        for (uint32_t i = 0; i < rx.msg.u.token.ntokens && count < max_new; i++) {
-            const int32_t id = (int32_t)rx.msg.u.token.tokens[i];
-            nl_gen_clock_tick(&clock);
-            ids[count++] = id;
-            const uint8_t *p = NULL;
-            size_t n = 0;
-            if (!ptext)
-                printf("%s%d", count > 1 ? " " : "", id);
-            else if (nl_tokenizer_token_bytes(tok, id, &p, &n) == NL_OK &&
-                     !nl_tokenizer_is_special(tok, id))
-                fwrite(p, 1, n, stdout);
-            fflush(stdout);
-        }
-        if (rx.msg.u.token.done)
-            break;
-    }
+    if ((rc = gen_receive(&r, &rx, ptext ? tok : NULL, ids, max_new, &count, &clock, &err)))
+        goto out;
     printf("\n");
     fflush(stdout);
     if (count < max_new)

@@ -613,6 +613,32 @@ static void publish_start(engine *e, const nl_backend *be)
     free(ev);
 }
 
+/* The engine's tokenizer, chat template and model on a new backend (*be),
+ * the adapter merged into the weights, and its batch: 0, or 1 when one
+ * fails (err says why; what was made is the caller's to free). */
+static int engine_load(engine *e, nl_backend **be, const char *model, const char *adapter,
+                       const char *device, int threads, int tf32, int bf16, nl_error *err)
+{
+    nl_lora *lo = NULL;
+    if (nl_checkpoint_tokenizer(model, &e->tok, err) != NL_OK ||
+        nl_checkpoint_meta(model, "chat_template", &e->chat_template, err) != NL_OK ||
+        nl_chat_template_check(e->chat_template, "metadata 'chat_template'", err) != NL_OK ||
+        (!e->tok && nl_tokenizer_new_bytes(&e->tok, err) != NL_OK) ||
+        nl_cli_backend_new(be, device, threads, tf32, bf16, 0, err) != NL_OK ||
+        nl_checkpoint_load(&e->m, *be, model, 0, -1, 1, 1, NULL, err) != NL_OK)
+        return 1;
+    /* the batched engine applies no adapters: the adapter is folded into
+     * the weights once (W += alpha/r B A), as `neuroctl lora merge` does */
+    if (adapter &&
+        (nl_lora_load(&lo, e->m, adapter, 1, err) != NL_OK || nl_lora_merge(lo, err) != NL_OK)) {
+        nl_error_prefix(err, "--adapter");
+        nl_lora_destroy(&lo);
+        return 1;
+    }
+    nl_lora_destroy(&lo);
+    return nl_batch_new(&e->batch, e->m, e->max_batch + e->chunk, err) != NL_OK;
+}
+
 int nl_cmd_serve(int argc, char **argv)
 {
     const char *usage = "neuroctl serve --model MODEL [--adapter A] [--http HOST:PORT] "
@@ -650,7 +676,6 @@ int nl_cmd_serve(int argc, char **argv)
         snprintf(merged_name, sizeof merged_name, "%s+%s", e.name, as ? as + 1 : adapter);
         e.name = merged_name;
     }
-    nl_lora *lo = NULL;
     pthread_mutex_init(&e.mu, NULL);
     pthread_mutex_init(&e.tok_mu, NULL);
     pthread_mutex_init(&e.model_mu, NULL);
@@ -666,22 +691,7 @@ int nl_cmd_serve(int argc, char **argv)
     sigaddset(&sigs, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &sigs, NULL);
     signal(SIGPIPE, SIG_IGN);
-    if (nl_checkpoint_tokenizer(model, &e.tok, &err) != NL_OK ||
-        nl_checkpoint_meta(model, "chat_template", &e.chat_template, &err) != NL_OK ||
-        nl_chat_template_check(e.chat_template, "metadata 'chat_template'", &err) != NL_OK ||
-        (!e.tok && nl_tokenizer_new_bytes(&e.tok, &err) != NL_OK) ||
-        nl_cli_backend_new(&be, device, (int)threads, tf32, bf16, 0, &err) != NL_OK ||
-        nl_checkpoint_load(&e.m, be, model, 0, -1, 1, 1, NULL, &err) != NL_OK)
-        goto out;
-    /* the batched engine applies no adapters: the adapter is folded into
-     * the weights once (W += alpha/r B A), as `neuroctl lora merge` does */
-    if (adapter &&
-        (nl_lora_load(&lo, e.m, adapter, 1, &err) != NL_OK || nl_lora_merge(lo, &err) != NL_OK)) {
-        nl_error_prefix(&err, "--adapter");
-        goto out;
-    }
-    nl_lora_destroy(&lo);
-    if (nl_batch_new(&e.batch, e.m, e.max_batch + e.chunk, &err) != NL_OK)
+    if (engine_load(&e, &be, model, adapter, device, (int)threads, tf32, bf16, &err))
         goto out;
     if (pthread_create(&th, NULL, engine_main, &e) != 0) {
         nl_error_set(&err, NL_ERR_INTERNAL, "cannot start the engine thread");
@@ -727,7 +737,6 @@ out:
         job_free(j);
     }
     nl_batch_destroy(&e.batch);
-    nl_lora_destroy(&lo);
     nl_model_destroy(&e.m);
     nl_backend_destroy(&be);
     nl_tokenizer_destroy(&e.tok);

@@ -1,5 +1,7 @@
-/* neuroctl train and finetune (in this process); neuroctl grad is in
- * cmd_grad.c. */
+/* neuroctl train and finetune (in this process): the command line, the
+ * run's outputs and language-model training; classifier training is in
+ * cmd_train_classify.c, what both share in cmd_train_impl.h; neuroctl grad
+ * is in cmd_grad.c. */
 #include <inttypes.h>
 #include <signal.h>
 #include <stdio.h>
@@ -10,11 +12,11 @@
 
 #include "base/args.h"
 #include "cli_io.h"
+#include "cmd_train_impl.h"
 #include "commands.h"
 #include "core/checkpoint.h"
 #include "core/data.h"
 #include "core/fileio.h"
-#include "core/labelled.h"
 #include "core/lora.h"
 #include "core/manifest.h"
 #include "core/memory.h"
@@ -25,23 +27,9 @@
 
 /* ---------------------------------------------------------------- train */
 
-typedef struct train_opts {
-    const char *model, *data, *log, *out, *resume, *ckpt_dir;
-    nl_train_run r; /* the flags local and cluster training share */
-    long long threads;
-    const char *device;
-    int tf32;              /* --tf32: the device's GEMMs may use TF32 */
-    int bf16;              /* --precision bf16: GEMMs in bf16 */
-    const char *objective; /* --objective: clm, mlm or classify; NULL: the config's */
-    /* neuroctl finetune: LoRA adapters on the frozen model (rank 0: train it all) */
-    long long lora_rank;
-    double lora_alpha;
-    int lora_targets;
-} train_opts;
-
 /* finetune: attach fresh adapters (A drawn from the run's seed) to m. */
-static nl_status attach_lora(nl_lora **lo, nl_model *m, const train_opts *o, int rows,
-                             nl_error *err)
+nl_status nl_local_attach_lora(nl_lora **lo, nl_model *m, const train_opts *o, int rows,
+                               nl_error *err)
 {
     if (o->lora_rank <= 0)
         return NL_OK;
@@ -58,7 +46,7 @@ static nl_status attach_lora(nl_lora **lo, nl_model *m, const train_opts *o, int
 }
 
 /* finetune's output: the adapter file, with the base checkpoint's SHA-256. */
-static nl_status save_adapter(const nl_lora *lo, const train_opts *o, nl_error *err)
+nl_status nl_local_save_adapter(const nl_lora *lo, const train_opts *o, nl_error *err)
 {
     char sha[65];
     uint64_t bytes = 0;
@@ -72,7 +60,7 @@ static nl_status save_adapter(const nl_lora *lo, const train_opts *o, nl_error *
 
 /* Which objective a run trains (core/objective.h): --objective, else the
  * config's, checked against the model. */
-static nl_status pick_objective(const train_opts *o, const nl_config *c, int *obj, nl_error *err)
+nl_status nl_local_objective(const train_opts *o, const nl_config *c, int *obj, nl_error *err)
 {
     *obj = NL_OBJ_MODEL;
     if (o->objective && nl_objective_parse(o->objective, obj, err) != NL_OK)
@@ -119,11 +107,6 @@ static char *train_json(const train_opts *o, const char *device)
     return s;
 }
 
-/* Metadata a run carries from its starting checkpoint into every one it writes. */
-typedef struct carried_meta {
-    char *tokenizer, *init_seed;
-} carried_meta;
-
 static nl_status save_ckpt(nl_model *m, nl_trainer *tr, const train_opts *o, const carried_meta *cm,
                            const char *path, int64_t step, nl_error *err)
 {
@@ -165,8 +148,8 @@ static void on_sigint(int sig)
 
 /* save_ckpt with SIGINT held off, so that no Ctrl-C leaves a partial
  * temporary file behind. */
-static nl_status save_whole(nl_model *m, nl_trainer *tr, const train_opts *o,
-                            const carried_meta *cm, const char *path, int64_t step, nl_error *err)
+nl_status nl_local_save(nl_model *m, nl_trainer *tr, const train_opts *o, const carried_meta *cm,
+                        const char *path, int64_t step, nl_error *err)
 {
     sigset_t block, old;
     sigemptyset(&block);
@@ -177,23 +160,13 @@ static nl_status save_whole(nl_model *m, nl_trainer *tr, const train_opts *o,
     return st;
 }
 
-static void step_path(char *buf, size_t cap, const train_opts *o, int64_t step)
+void nl_local_step_path(char *buf, size_t cap, const train_opts *o, int64_t step)
 {
     snprintf(buf, cap, "%s/step-%06" PRId64 ".safetensors", o->ckpt_dir, step);
 }
 
-/* The run's locks (core/fileio.h) on what it writes: --out, --log and the
- * checkpoint directory (taken when the run first needs it), held until it
- * ends, so that a second run given the same paths at the same time is
- * refused, with the first one's pid, instead of writing over it (the
- * "exists, give --force" check at the start cannot see a file that is not
- * written yet). --force replaces a file, never a live run's. */
-typedef struct run_locks {
-    nl_file_lock *dir, *out, *log;
-} run_locks;
-
 /* The checkpoint directory, made and locked (once). */
-static nl_status ckpt_dir_ready(const train_opts *o, run_locks *lk, nl_error *err)
+nl_status nl_local_ckpt_dir(const train_opts *o, run_locks *lk, nl_error *err)
 {
     if (lk->dir)
         return NL_OK;
@@ -203,17 +176,17 @@ static nl_status ckpt_dir_ready(const train_opts *o, run_locks *lk, nl_error *er
                : st;
 }
 
-static nl_status lock_outputs(const train_opts *o, run_locks *lk, nl_error *err)
+nl_status nl_local_lock(const train_opts *o, run_locks *lk, nl_error *err)
 {
     nl_status st = nl_cli_lock(&lk->out, "out", o->out, ".lock", err);
     if (st == NL_OK)
         st = nl_cli_lock(&lk->log, "log", o->log, ".lock", err);
     if (st == NL_OK && (o->r.ckpt_every > 0 || !o->out))
-        st = ckpt_dir_ready(o, lk, err);
+        st = nl_local_ckpt_dir(o, lk, err);
     return st;
 }
 
-static void unlock_outputs(run_locks *lk)
+void nl_local_unlock(run_locks *lk)
 {
     nl_file_lock_release(&lk->dir);
     nl_file_lock_release(&lk->out);
@@ -221,9 +194,9 @@ static void unlock_outputs(run_locks *lk)
 }
 
 /* A local step's progress record (local and classify training alike). */
-static nl_train_step step_record(const train_opts *o, const nl_step_result *r, int64_t step,
-                                 int64_t start, double lr, double tokens_per_s, double t_begin,
-                                 const char *device)
+nl_train_step nl_local_step_record(const train_opts *o, const nl_step_result *r, int64_t step,
+                                   int64_t start, double lr, double tokens_per_s, double t_begin,
+                                   const char *device)
 {
     nl_train_step rep = {.step = step + 1,
                          .steps = o->r.steps,
@@ -243,86 +216,99 @@ static nl_train_step step_record(const train_opts *o, const nl_step_result *r, i
     return rep;
 }
 
-static int run_train(const train_opts *o)
+/* A local training run's state, from its setup (run_open) to its end
+ * (run_close). */
+typedef struct train_run {
+    nl_error err;
+    nl_backend *be;
+    nl_model *m;
+    nl_trainer *tr;
+    nl_dataset *ds;
+    nl_lora *lo;
+    FILE *logf;
+    int32_t *tokens, *targets; /* (batch, seq) */
+    int64_t start, step;       /* the step it began at, the steps done */
+    int obj;
+    carried_meta cm;
+    run_locks lk;
+    nl_train_progress prog;
+    char path[4096], hint[8400];
+} train_run;
+
+/* The device first (one that cannot train is refused before any work),
+ * then the data (its load-time peak does not stack on the model's), the
+ * model, the trainer and the run's outputs; the run is announced. 0, or 1
+ * when it fails (x->err says why). */
+static int run_open(train_run *x, const train_opts *o)
 {
-    nl_error err = {0};
-    nl_backend *be = NULL;
-    nl_model *m = NULL;
-    nl_trainer *tr = NULL;
-    nl_dataset *ds = NULL;
-    nl_lora *lo = NULL;
-    FILE *logf = NULL;
-    int32_t *tokens = NULL, *targets = NULL;
-    int64_t start = 0, step = 0;
-    int rc = 1, handler = 0, obj = NL_OBJ_CLM;
+    nl_error *err = &x->err;
     const int B = (int)o->r.batch, T = (int)o->r.seq, M = (int)o->r.micro, mb = B / M;
     const char *src = o->resume ? o->resume : o->model;
     nl_config cfg;
-    carried_meta cm = {0};
-    run_locks lk = {0};
-    nl_train_progress prog;
-    struct sigaction sa = {.sa_handler = on_sigint, .sa_flags = SA_RESETHAND}, old_sa;
-    char path[4096], hint[8400] = "";
-    nl_train_progress_init(&prog, o->r.progress_s);
-    sigemptyset(&sa.sa_mask);
-    interrupted = 0;
-    handler = sigaction(SIGINT, &sa, &old_sa) == 0;
-    /* the device first (one that cannot train is refused before any work),
-     * then the data: its load-time peak does not stack on the model's */
-    if (nl_cli_backend_new(&be, o->device, (int)o->threads, o->tf32, o->bf16, 1, &err) != NL_OK ||
-        nl_checkpoint_read_config(src, &cfg, NULL, &err) != NL_OK ||
-        nl_checkpoint_meta(src, "tokenizer", &cm.tokenizer, &err) != NL_OK ||
-        nl_checkpoint_meta(src, "init_seed", &cm.init_seed, &err) != NL_OK ||
-        pick_objective(o, &cfg, &obj, &err) != NL_OK ||
-        load_data(&ds, o, src, cm.tokenizer, cfg.vocab_size, &err) != NL_OK ||
-        nl_checkpoint_load(&m, be, src, 0, -1, 1, 1, &start, &err) != NL_OK ||
-        attach_lora(&lo, m, o, mb * T, &err) != NL_OK ||
-        nl_trainer_new(&tr, m, mb * T, 1, (int)o->r.recompute, &err) != NL_OK)
-        goto out;
+    if (nl_cli_backend_new(&x->be, o->device, (int)o->threads, o->tf32, o->bf16, 1, err) != NL_OK ||
+        nl_checkpoint_read_config(src, &cfg, NULL, err) != NL_OK ||
+        nl_checkpoint_meta(src, "tokenizer", &x->cm.tokenizer, err) != NL_OK ||
+        nl_checkpoint_meta(src, "init_seed", &x->cm.init_seed, err) != NL_OK ||
+        nl_local_objective(o, &cfg, &x->obj, err) != NL_OK ||
+        load_data(&x->ds, o, src, x->cm.tokenizer, cfg.vocab_size, err) != NL_OK ||
+        nl_checkpoint_load(&x->m, x->be, src, 0, -1, 1, 1, &x->start, err) != NL_OK ||
+        nl_local_attach_lora(&x->lo, x->m, o, mb * T, err) != NL_OK ||
+        nl_trainer_new(&x->tr, x->m, mb * T, 1, (int)o->r.recompute, err) != NL_OK)
+        return 1;
     if (o->resume) {
         int64_t adam = 0;
-        if (nl_checkpoint_load_optim(m, o->resume, nl_trainer_moment(tr, 0),
-                                     nl_trainer_moment(tr, 1), &adam, NULL, &err) != NL_OK)
-            goto out;
-        nl_trainer_set_adam_steps(tr, adam);
-        if (start >= o->r.steps) {
-            nl_error_set(&err, NL_ERR_INVALID,
+        if (nl_checkpoint_load_optim(x->m, o->resume, nl_trainer_moment(x->tr, 0),
+                                     nl_trainer_moment(x->tr, 1), &adam, NULL, err) != NL_OK)
+            return 1;
+        nl_trainer_set_adam_steps(x->tr, adam);
+        if (x->start >= o->r.steps) {
+            nl_error_set(err, NL_ERR_INVALID,
                          "--steps %lld: the checkpoint is already at step %" PRId64, o->r.steps,
-                         start);
-            goto out;
+                         x->start);
+            return 1;
         }
         fprintf(stderr, "resuming %s at step %" PRId64 " (%" PRId64 " optimizer steps)\n",
-                o->resume, start, adam);
+                o->resume, x->start, adam);
     } else {
-        start = 0;
+        x->start = 0;
     }
-    tokens = malloc((size_t)B * T * sizeof *tokens);
-    targets = malloc((size_t)B * T * sizeof *targets);
-    if (!tokens || !targets) {
-        nl_error_set(&err, NL_ERR_NOMEM, "out of memory");
-        goto out;
+    x->tokens = malloc((size_t)B * T * sizeof *x->tokens);
+    x->targets = malloc((size_t)B * T * sizeof *x->targets);
+    if (!x->tokens || !x->targets) {
+        nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+        return 1;
     }
-    if (lock_outputs(o, &lk, &err) != NL_OK)
-        goto out;
-    if (o->log && !(logf = fopen(o->log, "a"))) {
-        nl_error_set(&err, NL_ERR_IO, "%s: cannot open the log", o->log);
-        goto out;
+    if (nl_local_lock(o, &x->lk, err) != NL_OK)
+        return 1;
+    if (o->log && !(x->logf = fopen(o->log, "a"))) {
+        nl_error_set(err, NL_ERR_IO, "%s: cannot open the log", o->log);
+        return 1;
     }
     nl_mem_opts mo = {.training = 1,
                       .micro_rows = mb * T,
                       .in_flight = 1,
                       .recompute = (int)o->r.recompute,
-                      .precision = nl_mem_precision(be)};
-    nl_mem_estimate me = nl_memory_estimate(&m->cfg, m->cfg.num_layers, 1, 1, &mo);
-    if (lo) /* finetune: no moments for the frozen base; the adapters' four buffers instead */
-        me.total = me.total - me.moments + (uint64_t)lo->n_params * 4 * sizeof(float);
+                      .precision = nl_mem_precision(x->be)};
+    nl_mem_estimate me = nl_memory_estimate(&x->m->cfg, x->m->cfg.num_layers, 1, 1, &mo);
+    if (x->lo) /* finetune: no moments for the frozen base; the adapters' four buffers instead */
+        me.total = me.total - me.moments + (uint64_t)x->lo->n_params * 4 * sizeof(float);
     fprintf(stderr,
             "training %" PRId64 " parameters on %zu tokens (%zu held out): %lld steps of %d x %d "
             "in %d microbatches on %s (TF32 %s), GEMMs in %s; memory model: %.1f MiB (+ %.1f MiB "
             "of data)\n",
-            nl_config_param_count(&m->cfg), ds->n_train, ds->n - ds->n_train, o->r.steps, B, T, M,
-            be->name, o->tf32 ? "on" : "off", o->bf16 ? "bf16" : "FP32",
-            (double)me.total / (1 << 20), (double)ds->n * 4 / (1 << 20));
+            nl_config_param_count(&x->m->cfg), x->ds->n_train, x->ds->n - x->ds->n_train,
+            o->r.steps, B, T, M, x->be->name, o->tf32 ? "on" : "off", o->bf16 ? "bf16" : "FP32",
+            (double)me.total / (1 << 20), (double)x->ds->n * 4 / (1 << 20));
+    return 0;
+}
+
+/* The steps, until the last or Ctrl-C: each reported, evaluated and
+ * checkpointed when due; x->step counts those done. 0, or 1 when one
+ * fails (x->err says why). */
+static int run_steps(train_run *x, const train_opts *o)
+{
+    nl_error *err = &x->err;
+    const int B = (int)o->r.batch, T = (int)o->r.seq, M = (int)o->r.micro;
     const nl_adamw_opts adam = nl_adamw_defaults();
 #ifdef NL_TEST_HOOKS
     const char *inject = getenv("NL_TEST_INJECT_NAN_STEP"); /* test hook (test builds only) */
@@ -331,75 +317,83 @@ static int run_train(const train_opts *o)
 #endif
     const double t_begin = nl_train_clock();
     int64_t skipped = 0;
-    for (step = start; step < o->r.steps && !interrupted; step++) {
+    for (x->step = x->start; x->step < o->r.steps && !interrupted; x->step++) {
+        const int64_t step = x->step;
         double t0 = nl_train_clock();
         const double lr = nl_lr_at(step, o->r.steps, o->r.warmup, o->r.lr, o->r.min_lr);
         nl_step_result r;
         int64_t valid = 0;
-        if (nl_objective_batch(ds, obj, &m->cfg, 0, (uint64_t)o->r.seed, (uint64_t)step, B, T,
-                               tokens, targets, &valid, &err) != NL_OK)
-            goto out;
+        if (nl_objective_batch(x->ds, x->obj, &x->m->cfg, 0, (uint64_t)o->r.seed, (uint64_t)step, B,
+                               T, x->tokens, x->targets, &valid, err) != NL_OK)
+            return 1;
         if (inject && atoll(inject) == step)
-            nl_trainer_inject_nan(tr);
-        if (nl_trainer_step_local(tr, tokens, targets, B, T, M, (float)lr,
-                                  (float)NL_TRAIN_CLIP_NORM, adam, &r, &err) != NL_OK ||
-            nl_cli_device_check(be, &err) != NL_OK)
-            goto out;
+            nl_trainer_inject_nan(x->tr);
+        if (nl_trainer_step_local(x->tr, x->tokens, x->targets, B, T, M, (float)lr,
+                                  (float)NL_TRAIN_CLIP_NORM, adam, &r, err) != NL_OK ||
+            nl_cli_device_check(x->be, err) != NL_OK)
+            return 1;
         skipped += r.skipped != 0;
-        nl_train_step rep = step_record(o, &r, step, start, lr,
-                                        (double)B * T / (nl_train_clock() - t0), t_begin, be->name);
-        if (rep.has_eval &&
-            eval_loss(tr, ds, o, obj, &m->cfg, tokens, targets, &rep.eval_loss, &err) != NL_OK)
-            goto out;
-        nl_train_report_step(&prog, &rep, logf);
-        if (!lo && o->r.ckpt_every > 0 && (step + 1) % o->r.ckpt_every == 0 &&
+        nl_train_step rep =
+            nl_local_step_record(o, &r, step, x->start, lr, (double)B * T / (nl_train_clock() - t0),
+                                 t_begin, x->be->name);
+        if (rep.has_eval && eval_loss(x->tr, x->ds, o, x->obj, &x->m->cfg, x->tokens, x->targets,
+                                      &rep.eval_loss, err) != NL_OK)
+            return 1;
+        nl_train_report_step(&x->prog, &rep, x->logf);
+        if (!x->lo && o->r.ckpt_every > 0 && (step + 1) % o->r.ckpt_every == 0 &&
             step + 1 < o->r.steps) {
-            step_path(path, sizeof path, o, step + 1);
-            if (save_whole(m, tr, o, &cm, path, step + 1, &err) != NL_OK)
-                goto out;
-            nl_train_report_checkpoint(&prog, path);
+            nl_local_step_path(x->path, sizeof x->path, o, step + 1);
+            if (nl_local_save(x->m, x->tr, o, &x->cm, x->path, step + 1, err) != NL_OK)
+                return 1;
+            nl_train_report_checkpoint(&x->prog, x->path);
         }
     }
-    nl_train_progress_break(&prog);
+    nl_train_progress_break(&x->prog);
     nl_train_report_skipped(skipped);
-    if (interrupted && step < o->r.steps) { /* step: the steps done; keep them for a resume */
-        rc = 130;
-        if (step == start) {
-            fprintf(stderr, "interrupted before step %" PRId64 " ended: nothing new to keep\n",
-                    start + 1);
-            goto out;
-        }
-        if (lo) { /* finetune: the adapters of the steps done, in --out */
-            if (save_adapter(lo, o, &err) != NL_OK)
-                rc = 1;
-            else
-                fprintf(stderr,
-                        "interrupted after step %" PRId64 " of %lld: kept the adapters in %s\n",
-                        step, o->r.steps, o->out);
-            goto out;
-        }
-        step_path(path, sizeof path, o, step);
-        const int saved = o->r.ckpt_every > 0 && step % o->r.ckpt_every == 0; /* just now */
-        if (!saved && (ckpt_dir_ready(o, &lk, &err) != NL_OK ||
-                       save_whole(m, tr, o, &cm, path, step, &err) != NL_OK)) {
-            rc = 1;
-            goto out;
-        }
-        fprintf(stderr,
-                "interrupted after step %" PRId64 " of %lld: kept %s (continue with --resume %s)\n",
-                step, o->r.steps, path, path);
-        goto out;
+    return 0;
+}
+
+/* Ctrl-C ended the run after x->step steps: they are kept for a resume
+ * (the adapters in --out, or a checkpoint). Returns the exit code. */
+static int run_interrupted(train_run *x, const train_opts *o)
+{
+    const int64_t step = x->step;
+    if (step == x->start) {
+        fprintf(stderr, "interrupted before step %" PRId64 " ended: nothing new to keep\n",
+                x->start + 1);
+        return 130;
     }
-    if (lo) { /* finetune: the adapters, in --out (the base stays as it was) */
-        if (save_adapter(lo, o, &err) != NL_OK)
-            goto out;
-        rc = 0;
-        goto out;
+    if (x->lo) { /* finetune: the adapters of the steps done, in --out */
+        if (nl_local_save_adapter(x->lo, o, &x->err) != NL_OK)
+            return 1;
+        fprintf(stderr, "interrupted after step %" PRId64 " of %lld: kept the adapters in %s\n",
+                step, o->r.steps, o->out);
+        return 130;
     }
+    nl_local_step_path(x->path, sizeof x->path, o, step);
+    const int saved = o->r.ckpt_every > 0 && step % o->r.ckpt_every == 0; /* just now */
+    if (!saved && (nl_local_ckpt_dir(o, &x->lk, &x->err) != NL_OK ||
+                   nl_local_save(x->m, x->tr, o, &x->cm, x->path, step, &x->err) != NL_OK))
+        return 1;
+    fprintf(stderr,
+            "interrupted after step %" PRId64 " of %lld: kept %s (continue with --resume %s)\n",
+            step, o->r.steps, x->path, x->path);
+    return 130;
+}
+
+/* The run is done: the adapters, or the trained model, kept. Returns the
+ * exit code. */
+static int run_save(train_run *x, const train_opts *o)
+{
+    if (x->lo) /* finetune: the adapters, in --out (the base stays as it was) */
+        return nl_local_save_adapter(x->lo, o, &x->err) != NL_OK;
     /* the last step is always kept: in --out, or as the last checkpoint */
+    char *path = x->path;
+    const size_t cap = sizeof x->path;
     if (!o->out)
-        step_path(path, sizeof path, o, o->r.steps);
-    if (save_whole(m, tr, o, &cm, o->out ? o->out : path, o->r.steps, &err) != NL_OK) {
+        nl_local_step_path(path, cap, o, o->r.steps);
+    if (nl_local_save(x->m, x->tr, o, &x->cm, o->out ? o->out : path, o->r.steps, &x->err) !=
+        NL_OK) {
         /* the disk filled, or the place went away, after the check at the
          * start: the trained model goes to the checkpoint directory, or
          * the temporary one, and the message says where */
@@ -407,49 +401,69 @@ static int run_train(const train_opts *o)
         const char *dirs[] = {o->ckpt_dir, getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp"};
         for (int i = 0; o->out && i < 2; i++) {
             if (i == 0)
-                step_path(path, sizeof path, o, o->r.steps);
+                nl_local_step_path(path, cap, o, o->r.steps);
             else
-                snprintf(path, sizeof path, "%s/neuroctl-train-%ld-step-%06lld.safetensors",
-                         dirs[1], (long)getpid(), o->r.steps);
-            if ((i == 1 || ckpt_dir_ready(o, &lk, &kept) == NL_OK) &&
-                save_whole(m, tr, o, &cm, path, o->r.steps, &kept) == NL_OK) {
-                snprintf(hint, sizeof hint, "kept the trained model in %s instead", path);
-                goto out;
+                snprintf(path, cap, "%s/neuroctl-train-%ld-step-%06lld.safetensors", dirs[1],
+                         (long)getpid(), o->r.steps);
+            if ((i == 1 || nl_local_ckpt_dir(o, &x->lk, &kept) == NL_OK) &&
+                nl_local_save(x->m, x->tr, o, &x->cm, path, o->r.steps, &kept) == NL_OK) {
+                snprintf(x->hint, sizeof x->hint, "kept the trained model in %s instead", path);
+                return 1;
             }
         }
-        goto out;
+        return 1;
     }
     fprintf(stderr, "wrote %s (step %lld)\n", o->out ? o->out : path, o->r.steps);
-    rc = 0;
-out:
-    if (rc == 1 && !hint[0] && err.status == NL_ERR_IO && step > start && o->r.ckpt_every > 0) {
+    return 0;
+}
+
+/* Frees the run and, when it failed (rc 1), says why and what was kept. */
+static void run_close(train_run *x, const train_opts *o, int rc)
+{
+    const int64_t step = x->step;
+    if (rc == 1 && !x->hint[0] && x->err.status == NL_ERR_IO && step > x->start &&
+        o->r.ckpt_every > 0) {
         /* a write failed mid-run (a full disk): the last checkpoint kept */
         char last[4096];
-        step_path(last, sizeof last, o, step / o->r.ckpt_every * o->r.ckpt_every);
+        nl_local_step_path(last, sizeof last, o, step / o->r.ckpt_every * o->r.ckpt_every);
         if (step >= o->r.ckpt_every && access(last, R_OK) == 0)
-            snprintf(hint, sizeof hint, "the last checkpoint is %s (continue with --resume %s)",
-                     last, last);
+            snprintf(x->hint, sizeof x->hint,
+                     "the last checkpoint is %s (continue with --resume %s)", last, last);
     }
+    free(x->cm.tokenizer);
+    free(x->cm.init_seed);
+    if (x->logf)
+        fclose(x->logf);
+    nl_local_unlock(&x->lk);
+    free(x->tokens);
+    free(x->targets);
+    nl_dataset_destroy(&x->ds);
+    nl_trainer_destroy(&x->tr);
+    nl_lora_destroy(&x->lo);
+    nl_model_destroy(&x->m);
+    nl_backend_destroy(&x->be);
+    if (rc == 1) {
+        nl_train_progress_break(&x->prog);
+        fprintf(stderr, "neuroctl train: %s (%s)\n", x->err.msg, nl_status_str(x->err.status));
+        if (x->hint[0])
+            fprintf(stderr, "%s\n", x->hint);
+    }
+}
+
+static int run_train(const train_opts *o)
+{
+    train_run run = {.obj = NL_OBJ_CLM}, *x = &run;
+    struct sigaction sa = {.sa_handler = on_sigint, .sa_flags = SA_RESETHAND}, old_sa;
+    int rc = 1;
+    nl_train_progress_init(&x->prog, o->r.progress_s);
+    sigemptyset(&sa.sa_mask);
+    interrupted = 0;
+    const int handler = sigaction(SIGINT, &sa, &old_sa) == 0;
+    if (run_open(x, o) == 0 && run_steps(x, o) == 0)
+        rc = interrupted && x->step < o->r.steps ? run_interrupted(x, o) : run_save(x, o);
     if (handler)
         sigaction(SIGINT, &old_sa, NULL);
-    free(cm.tokenizer);
-    free(cm.init_seed);
-    if (logf)
-        fclose(logf);
-    unlock_outputs(&lk);
-    free(tokens);
-    free(targets);
-    nl_dataset_destroy(&ds);
-    nl_trainer_destroy(&tr);
-    nl_lora_destroy(&lo);
-    nl_model_destroy(&m);
-    nl_backend_destroy(&be);
-    if (rc == 1) {
-        nl_train_progress_break(&prog);
-        fprintf(stderr, "neuroctl train: %s (%s)\n", err.msg, nl_status_str(err.status));
-        if (hint[0])
-            fprintf(stderr, "%s\n", hint);
-    }
+    run_close(x, o, rc);
     return rc;
 }
 
@@ -478,189 +492,6 @@ static int check_against_model(const nl_flag *flags, train_opts *o)
         return 2;
     }
     return 0;
-}
-
-/* ---------------------------------------------------------------- classify */
-
-/* Held-out loss and accuracy of the classifier over the whole held-out
- * split, in order, each example once (the last batch is partial: its
- * other rows are scored out), in microbatches as a cluster evaluates. */
-static nl_status eval_classify(nl_trainer *tr, const nl_labelled *ds, const train_opts *o, int K,
-                               int32_t *tokens, int32_t *lengths, int32_t *labels, int32_t *doc,
-                               float *probs, double *loss, double *acc, nl_error *err)
-{
-    const int B = (int)o->r.batch, T = (int)o->r.seq, M = (int)o->r.micro, mb = B / M;
-    const size_t batches = nl_labelled_eval_batches(ds, B);
-    double ce = 0.0, ignored = 0.0;
-    int64_t right = 0, n = 0;
-    int32_t *given = malloc((size_t)mb * sizeof *given);
-    nl_status st = given ? NL_OK : nl_error_set(err, NL_ERR_NOMEM, "out of memory");
-    for (size_t i = 0; i < batches && st == NL_OK; i++) {
-        if ((st = nl_labelled_eval_batch(ds, i, B, T, tokens, lengths, labels, doc, NULL, err)) !=
-            NL_OK)
-            break;
-        nl_trainer_begin_step(tr, (int64_t)B * T);
-        nl_trainer_set_loss_rows(tr, B);
-        for (int j = 0; j < M && st == NL_OK; j++) {
-            const size_t r0 = (size_t)j * mb * T;
-            for (int b = 0; b < mb; b++) /* the rows past the split: any class, scored out */
-                given[b] = labels[j * mb + b] < 0 ? 0 : labels[j * mb + b];
-            if ((st = nl_trainer_set_docs(tr, doc + r0, mb * T, err)) != NL_OK ||
-                (st = nl_trainer_set_labels(tr, given, lengths + j * mb, mb, T, err)) != NL_OK ||
-                (st = nl_trainer_forward(tr, 0, mb, T, tokens + r0, NULL, NULL, &ignored, NULL,
-                                         err)) != NL_OK ||
-                (st = nl_trainer_class_probs(tr, 0, probs, err)) != NL_OK)
-                break;
-            nl_labelled_score(probs, labels + j * mb, mb, K, &ce, &right, &n);
-        }
-    }
-    nl_trainer_set_labels(tr, NULL, NULL, 0, 0, NULL);
-    nl_trainer_set_docs(tr, NULL, 0, NULL);
-    free(given);
-    *loss = n ? ce / (double)n : 0.0;
-    *acc = n ? (double)right / (double)n : 0.0;
-    return st;
-}
-
-/* The most frequent class of the training split and its share of the
- * held-out one: the majority-class baseline. */
-static double majority_share(const nl_labelled *ds, int *cls)
-{
-    int64_t *count = calloc((size_t)ds->n_classes, sizeof *count);
-    int best = 0;
-    int64_t held = 0, total = 0;
-    for (size_t i = 0; count && i < ds->n_train; i++)
-        count[ds->label[i]]++;
-    for (int k = 1; count && k < ds->n_classes; k++)
-        best = count[k] > count[best] ? k : best;
-    for (size_t i = ds->n_train; i < ds->n; i++, total++)
-        held += ds->label[i] == best;
-    free(count);
-    *cls = best;
-    return total ? (double)held / (double)total : 0.0;
-}
-
-/* neuroctl train --objective classify: label<TAB>text lines. */
-static int run_classify(const train_opts *o)
-{
-    nl_error err = {0};
-    nl_backend *be = NULL;
-    nl_model *m = NULL;
-    nl_trainer *tr = NULL;
-    nl_labelled *ds = NULL;
-    nl_lora *lo = NULL;
-    FILE *logf = NULL;
-    int32_t *tokens = NULL, *lengths = NULL, *labels = NULL, *doc = NULL;
-    float *probs = NULL;
-    int rc = 1, obj = NL_OBJ_CLASSIFY, major = 0;
-    const int B = (int)o->r.batch, T = (int)o->r.seq, M = (int)o->r.micro;
-    nl_config cfg;
-    carried_meta cm = {0};
-    run_locks lk = {0};
-    if (nl_cli_backend_new(&be, o->device, (int)o->threads, o->tf32, o->bf16, 1, &err) != NL_OK ||
-        nl_checkpoint_read_config(o->model, &cfg, NULL, &err) != NL_OK ||
-        pick_objective(o, &cfg, &obj, &err) != NL_OK ||
-        nl_checkpoint_meta(o->model, "tokenizer", &cm.tokenizer, &err) != NL_OK ||
-        nl_checkpoint_meta(o->model, "init_seed", &cm.init_seed, &err) != NL_OK ||
-        nl_labelled_load(&ds, o->data, cm.tokenizer, cfg.vocab_size, o->r.holdout,
-                         (uint64_t)o->r.seed, &err) != NL_OK)
-        goto out;
-    if (o->r.eval_every > 0 && ds->n == ds->n_train) {
-        nl_error_set(&err, NL_ERR_INVALID,
-                     "%s: holdout %g of %zu examples holds none out to evaluate", o->data,
-                     o->r.holdout, ds->n);
-        goto out;
-    }
-    if (ds->n_classes > cfg.num_classes) {
-        nl_error_set(&err, NL_ERR_SHAPE, "%s: %d classes, but the model's num_classes is %d",
-                     o->data, ds->n_classes, cfg.num_classes);
-        goto out;
-    }
-    if (nl_checkpoint_load(&m, be, o->model, 0, -1, 1, 1, NULL, &err) != NL_OK ||
-        attach_lora(&lo, m, o, B * T, &err) != NL_OK ||
-        nl_trainer_new(&tr, m, B * T, 1, (int)o->r.recompute, &err) != NL_OK)
-        goto out;
-    tokens = malloc((size_t)B * T * sizeof *tokens);
-    doc = malloc((size_t)B * T * sizeof *doc);
-    lengths = malloc((size_t)B * sizeof *lengths);
-    labels = malloc((size_t)B * sizeof *labels);
-    probs = malloc((size_t)B * cfg.num_classes * sizeof *probs);
-    if (!tokens || !doc || !lengths || !labels || !probs) {
-        nl_error_set(&err, NL_ERR_NOMEM, "out of memory");
-        goto out;
-    }
-    if (lock_outputs(o, &lk, &err) != NL_OK)
-        goto out;
-    if (o->log && !(logf = fopen(o->log, "a"))) {
-        nl_error_set(&err, NL_ERR_IO, "%s: cannot open the log", o->log);
-        goto out;
-    }
-    const double base = majority_share(ds, &major);
-    fprintf(stderr,
-            "classifying %zu examples (%zu held out) into %d classes; majority class '%s' is "
-            "%.1f%% of the held-out split\n",
-            ds->n, ds->n - ds->n_train, ds->n_classes, ds->names[major], 100.0 * base);
-    for (int k = 0; k < ds->n_classes; k++)
-        fprintf(stderr, "  class %d: %s\n", k, ds->names[k]);
-    const nl_adamw_opts adam = nl_adamw_defaults();
-    nl_train_progress prog;
-    nl_train_progress_init(&prog, o->r.progress_s);
-    const double t_begin = nl_train_clock();
-    for (int64_t step = 0; step < o->r.steps; step++) {
-        const double t0 = nl_train_clock();
-        const double lr = nl_lr_at(step, o->r.steps, o->r.warmup, o->r.lr, o->r.min_lr);
-        nl_step_result r;
-        if (nl_labelled_batch(ds, 0, (uint64_t)o->r.seed, (uint64_t)step, B, T, tokens, lengths,
-                              labels, doc, &err) != NL_OK ||
-            nl_trainer_step_classify(tr, tokens, lengths, labels, doc, B, T, M, (float)lr,
-                                     (float)NL_TRAIN_CLIP_NORM, adam, &r, &err) != NL_OK ||
-            nl_cli_device_check(be, &err) != NL_OK)
-            goto out;
-        nl_train_step rep = step_record(o, &r, step, 0, lr, (double)B * T / (nl_train_clock() - t0),
-                                        t_begin, be->name);
-        double acc = 0.0;
-        if (rep.has_eval && eval_classify(tr, ds, o, cfg.num_classes, tokens, lengths, labels, doc,
-                                          probs, &rep.eval_loss, &acc, &err) != NL_OK)
-            goto out;
-        nl_train_report_step(&prog, &rep, logf);
-        if (rep.has_eval) {
-            nl_train_progress_break(&prog);
-            fprintf(stderr, "held-out accuracy %.4f (majority class %.4f)\n", acc, base);
-        }
-    }
-    nl_train_progress_break(&prog);
-    if (lo) { /* finetune: the adapters in --out */
-        if (save_adapter(lo, o, &err) != NL_OK)
-            goto out;
-    } else { /* the last step is always kept: in --out, or as the last checkpoint */
-        char path[4096];
-        if (!o->out)
-            step_path(path, sizeof path, o, o->r.steps);
-        if ((!o->out && ckpt_dir_ready(o, &lk, &err) != NL_OK) ||
-            save_whole(m, tr, o, &cm, o->out ? o->out : path, o->r.steps, &err) != NL_OK)
-            goto out;
-        fprintf(stderr, "wrote %s (step %lld)\n", o->out ? o->out : path, o->r.steps);
-    }
-    rc = 0;
-out:
-    free(cm.tokenizer);
-    free(cm.init_seed);
-    if (logf)
-        fclose(logf);
-    unlock_outputs(&lk);
-    nl_trainer_destroy(&tr);
-    nl_lora_destroy(&lo);
-    free(tokens);
-    free(doc);
-    free(lengths);
-    free(labels);
-    free(probs);
-    nl_labelled_destroy(&ds);
-    nl_model_destroy(&m);
-    nl_backend_destroy(&be);
-    if (rc)
-        fprintf(stderr, "neuroctl train: %s (%s)\n", err.msg, nl_status_str(err.status));
-    return rc;
 }
 
 /* train and finetune: the same run; finetune adds the LoRA flags, writes
@@ -771,7 +602,7 @@ static int train_main(int argc, char **argv, int finetune)
             fprintf(stderr, "--objective classify: give --model (--resume is for clm and mlm)\n");
             return 2;
         }
-        return run_classify(&o);
+        return nl_local_classify(&o);
     }
     return run_train(&o);
 }

@@ -718,24 +718,13 @@ static void finetune_submit(nl_coord *c, const nl_rx *rx)
 }
 
 /* A failed or cancelled job: the stages end it, and those whose weights it
- * changed reload them from the source (the last manifest, or the
- * checkpoint). */
+ * changed reload them from the source (coord_train_unwind). */
 static void train_abort(nl_coord *c, cjob *j)
 {
     const ctrain *t = j->state;
-    coord_close_session(c, j);
-    if (t && t->ft) /* the base is untouched: its stages just drop the adapters */
-        return;
-    memset(&c->train_mem, 0, sizeof c->train_mem); /* plans are for inference again */
-    coord_journal_clear(c);
     /* before its first step a job has changed no weight; only moments the
      * stages took from a manifest (resumable) may be gone with their trainers */
-    const int touched = t && (t->phase > TR_BEGIN || (t->phase == TR_BEGIN && c->resumable));
-    if (touched && j->epoch == c->epoch) {
-        NL_INFO("train job %llu ended early: the stages reload their weights from %s",
-                (unsigned long long)j->id, c->src_path[0] ? c->src_path : "the seed");
-        coord_reload(c);
-    }
+    coord_train_unwind(c, j, t && (t->phase > TR_BEGIN || (t->phase == TR_BEGIN && c->resumable)));
 }
 
 static int train_stage_lost(nl_coord *c, cjob *j, const char *why)

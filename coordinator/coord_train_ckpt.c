@@ -6,7 +6,8 @@
  * reloads from; at a checkpoint a worker may grow the model (--grow
  * auto). Each worker reports to the state machine (the done it was
  * given): what comes next is the machine's to decide. And whether the
- * early re-balance calls for a checkpoint now. */
+ * early re-balance calls for a checkpoint now, and the source's weights
+ * restored when a job ends early. */
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -270,4 +271,22 @@ int coord_train_early_ckpt(nl_coord *c, cjob *j)
             "%lld: a checkpoint there, then the re-plan",
             (unsigned long long)j->id, (long long)t->step);
     return 1;
+}
+
+/* A failed or cancelled job ends: its stages end it and, when it changed
+ * their weights (touched), reload them from the source (the last
+ * manifest, or the checkpoint). */
+void coord_train_unwind(nl_coord *c, cjob *j, int touched)
+{
+    const ctrain *t = j->state;
+    coord_close_session(c, j);
+    if (t && t->ft) /* the base is untouched: its stages just drop the adapters */
+        return;
+    memset(&c->train_mem, 0, sizeof c->train_mem); /* plans are for inference again */
+    coord_journal_clear(c);
+    if (touched && j->epoch == c->epoch) {
+        NL_INFO("train job %llu ended early: the stages reload their weights from %s",
+                (unsigned long long)j->id, c->src_path[0] ? c->src_path : "the seed");
+        coord_reload(c);
+    }
 }

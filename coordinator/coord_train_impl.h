@@ -5,7 +5,8 @@
  * nothing: coord_train_stages.c (the stages' reports, checked and
  * counted), coord_train_prep.c (the preparation: parameters, paths, the
  * worker that reads the data), coord_train_ckpt.c (the checkpoints:
- * shards, the manifest's worker, --grow auto's), coord_train_wire.c (what
+ * shards, the manifest's worker, --grow auto's, the weights restored
+ * when a job ends early), coord_train_wire.c (what
  * goes to the stages: the job, the batches' hops) and coord_train_report.c
  * (what the client is told); and coord_finetune.c (what a fine-tuning job
  * adds). The state machine calls the others, never the other way: a
@@ -218,6 +219,10 @@ void coord_train_keep(nl_coord *c, cjob *j, const tr_in *in);
 /* --grow auto at a checkpoint: 1 when a worker grows the model (then
  * done, w a coord_grow_task), 0 when it does not grow. */
 int coord_train_grow(nl_coord *c, cjob *j, tr_done done);
+/* A failed or cancelled job ends (cjob_ops.abort): the stages end it and,
+ * when it changed their weights (touched: the machine judges from its
+ * state), reload them from the source. */
+void coord_train_unwind(nl_coord *c, cjob *j, int touched);
 
 /* ---------------------------------------------------------------- coord_train_stages.c */
 

@@ -1,96 +1,14 @@
-/* The stage trainer: saved activations per microbatch slot, the backward
- * pass through head, layers and embedding, and AdamW (whose parameters
- * created by growth count their bias correction from their birth). */
-#include "train.h"
+/* The stage trainer: saved activations per microbatch slot, the forward
+ * and the backward pass through head, layers and embedding, and the local
+ * steps. AdamW, the learning-rate schedule and the step's decision are in
+ * train_adamw.c; the state both share is in train_impl.h. */
+#include "train_impl.h"
 
-#include "grow.h"
 #include "lora.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-
-typedef struct train_slot {
-    int B, T;
-    nl_layer_acts *acts; /* n_layers sets (no recompute) */
-    float **x_in;        /* n_layers saved inputs (recompute) */
-    float *x_final;      /* (N, d) stage output (owned only with recompute) */
-    int32_t *tokens_d;   /* (N) */
-    float *xnf, *rstdf;  /* head: (N, d), (N) */
-    float *logits;       /* head: (N, V), the loss gradient after the forward */
-    int32_t *doc_h;      /* (N) host: the documents of its packed rows */
-    int has_doc;         /* doc_h holds this microbatch's documents */
-    /* classification (num_classes > 0, nl_trainer_set_labels) */
-    int classify;        /* this microbatch trains the classifier */
-    int32_t *lengths_h;  /* (B) host: valid positions of each sequence */
-    float *pooled;       /* (B, d) mean of the valid final-normed states */
-    float *clogits;      /* (B, K) class logits, then their gradient */
-    int32_t *labels_d;   /* (B) */
-} train_slot;
-
-/* Part of parameter `param` that a growth created when `born` AdamW steps
- * had been taken (rows x columns of the tensor; a 1-D one is a column). */
-typedef struct born_region {
-    int param;
-    nl_grow_rect r;
-    int64_t born;
-} born_region;
-
-/* Floats of one band of a parameter stepped at a time around its regions. */
-#define BORN_CHUNK ((size_t)1 << 20)
-
-struct nl_trainer {
-    nl_model *m;
-    nl_backend *be;
-    int max_rows, n_slots, recompute, n_layers;
-    float *grads, *mom[2];
-    int64_t adam_t, batch_rows;
-    int64_t loss_rows;    /* predictions the mean cross-entropy is over */
-    int32_t *doc_h;       /* (N) host: documents for the next passes (nl_trainer_set_docs) */
-    int has_doc;
-    int32_t *doc_d;       /* (N) device: the documents of the pass running */
-    int32_t *labels_h, *lengths_h; /* (max_rows) host: classification of the next forward */
-    int has_labels;
-    float *dpooled;       /* (max_rows, d) */
-    train_slot *slots;
-    nl_layer_acts work; /* recompute and counting passes */
-    nl_layer_grads_scratch sc;
-    float *dbuf[2];       /* (N, d) ping-pong input gradients */
-    const float *input_grad;
-    int32_t *pos_h, *pos_d, *neg_pos_h;
-    int32_t *targets_h, *targets_d;
-    float *losses_d, *losses_h;
-    int64_t *counts;      /* (n_layers, E) counting pass, host copy */
-    float *global_frac;   /* (n_layers, E) host */
-    int64_t *counts_d;    /* (n_layers, E) counting pass, accumulated on the device */
-    float *global_frac_d; /* (n_layers, E) */
-    double *aux_d;        /* (1) one forward's aux loss */
-    int use_global;
-    int inject_nan;
-    /* AdamW after growth: the regions growth created, by parameter, each
-     * with the AdamW step it was born at (docs/training.md) */
-    born_region *born;
-    int n_born;
-    float *born_buf; /* 4 x BORN_CHUNK floats: a band's regions gathered */
-};
-
-nl_adamw_opts nl_adamw_defaults(void)
-{
-    nl_adamw_opts o = {.beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f};
-    return o;
-}
-
-double nl_lr_at(int64_t step, int64_t total, int64_t warmup, double lr, double min_lr)
-{
-    if (warmup > 0 && step < warmup)
-        return lr * (double)(step + 1) / (double)warmup;
-    if (total - warmup <= 1)
-        return lr;
-    double progress = (double)(step - warmup) / (double)(total - warmup - 1);
-    if (progress > 1.0)
-        progress = 1.0;
-    return min_lr + 0.5 * (lr - min_lr) * (1.0 + cos(M_PI * progress));
-}
 
 /* ---------------------------------------------------------------- setup */
 
@@ -173,38 +91,6 @@ static void slot_free(nl_trainer *t, train_slot *s)
     be->free(be, s->logits);
 }
 
-/* The regions the model's growth history created in its parameters (only
- * those born after step 0: earlier ones count from step 1 like the rest),
- * and the scratch their update needs. */
-static nl_status born_regions(nl_trainer *t, nl_error *err)
-{
-    const nl_model *m = t->m;
-    for (int pass = 0; pass < 2; pass++) { /* count, then fill */
-        t->n_born = 0;
-        for (int i = 0; i < m->n_table; i++) {
-            const nl_param *p = &m->table[i];
-            const int64_t R = p->shape[0], C = p->ndim == 2 ? p->shape[1] : 1;
-            for (int h = 0; h < m->n_growth; h++) {
-                nl_grow_rect r[2];
-                const int n =
-                    m->growth[h].adam_steps > 0 ? nl_growth_regions(&m->growth[h], p->name, r) : 0;
-                for (int k = 0; k < n; k++) {
-                    if (r[k].r1 > R || r[k].c1 > C || r[k].r0 >= r[k].r1 || r[k].c0 >= r[k].c1)
-                        continue; /* not this tensor's shape: history of another config */
-                    if (pass)
-                        t->born[t->n_born] = (born_region){i, r[k], m->growth[h].adam_steps};
-                    t->n_born++;
-                }
-            }
-        }
-        if (pass || t->n_born == 0)
-            break;
-        if (!(t->born = calloc((size_t)t->n_born, sizeof *t->born)) ||
-            !(t->born_buf = t->be->alloc(t->be, 4 * BORN_CHUNK * sizeof(float))))
-            return nl_error_set(err, NL_ERR_NOMEM, "trainer: out of memory for growth regions");
-    }
-    return NL_OK;
-}
 
 nl_status nl_trainer_new(nl_trainer **out, nl_model *m, int max_rows, int slots, int recompute,
                          nl_error *err)
@@ -258,7 +144,7 @@ nl_status nl_trainer_new(nl_trainer **out, nl_model *m, int max_rows, int slots,
                           m->n_params);
         goto fail;
     }
-    if (!m->lora && (st = born_regions(t, err)) != NL_OK)
+    if (!m->lora && (st = nl_trainer_born_regions(t, err)) != NL_OK)
         goto fail;
     if ((st = nl_layer_acts_alloc(&t->work, be, c, max_rows, 1, err)) != NL_OK ||
         (st = nl_layer_scratch_alloc(&t->sc, be, c, max_rows, err)) != NL_OK)
@@ -661,107 +547,7 @@ double nl_trainer_grad_sumsq(const nl_trainer *t)
 
 /* Bias corrections of a region born at `born`, at step t (float, as the
  * slot takes them). */
-static void born_bc(nl_adamw_opts o, int64_t t, int64_t born, float *bc1, float *bc2)
-{
-    const double k = (double)(t - born > 0 ? t - born : 1);
-    *bc1 = (float)(1.0 - pow(o.beta1, k));
-    *bc2 = (float)(1.0 - pow(o.beta2, k));
-}
 
-/* One AdamW step of parameter p whose regions b[0..n) (some may have the
- * global corrections by now) count from their birth. Band by band: the
- * regions' parts gathered, the whole band stepped with the global
- * corrections, the gathered copies with their own, then scattered back.
- * Each element's update is elementwise, so the old elements get exactly
- * the bits one call over the tensor gives. */
-static void step_born(nl_trainer *t, const nl_param *p, const born_region *b, int n, float lr,
-                      float grad_scale, nl_adamw_opts o, float wd, float bc1, float bc2)
-{
-    nl_backend *be = t->be;
-    const int64_t R = p->shape[0], C = p->ndim == 2 ? p->shape[1] : 1;
-    const int64_t band = (int64_t)BORN_CHUNK / C > 0 ? (int64_t)BORN_CHUNK / C : 1;
-    float *base[4] = {t->m->params + p->offset, t->grads + p->offset, t->mom[0] + p->offset,
-                      t->mom[1] + p->offset};
-    float *buf[4];
-    for (int j = 0; j < 4; j++)
-        buf[j] = t->born_buf + (size_t)j * BORN_CHUNK;
-    for (int64_t r = 0; r < R; r += band) {
-        const int64_t r_end = r + band < R ? r + band : R;
-        size_t off = 0;
-        for (int i = 0; i < n; i++) { /* gather */
-            const int64_t a = b[i].r.r0 > r ? b[i].r.r0 : r,
-                          z = b[i].r.r1 < r_end ? b[i].r.r1 : r_end;
-            const int64_t w = b[i].r.c1 - b[i].r.c0;
-            if (a >= z)
-                continue;
-            for (int j = 0; j < 4; j++)
-                be->copy_rows(be, buf[j] + off, (int)w, base[j] + a * C + b[i].r.c0, (int)C,
-                              (int)(z - a), (int)w);
-            off += (size_t)((z - a) * w);
-        }
-        be->adamw(be, base[0] + r * C, base[1] + r * C, base[2] + r * C, base[3] + r * C,
-                  (size_t)((r_end - r) * C), lr, o.beta1, o.beta2, o.eps, wd, bc1, bc2, grad_scale);
-        off = 0;
-        for (int i = 0; i < n; i++) { /* the regions' own step, scattered back */
-            const int64_t a = b[i].r.r0 > r ? b[i].r.r0 : r,
-                          z = b[i].r.r1 < r_end ? b[i].r.r1 : r_end;
-            const int64_t w = b[i].r.c1 - b[i].r.c0;
-            if (a >= z)
-                continue;
-            float rb1, rb2;
-            born_bc(o, t->adam_t, b[i].born, &rb1, &rb2);
-            const size_t cnt = (size_t)((z - a) * w);
-            be->adamw(be, buf[0] + off, buf[1] + off, buf[2] + off, buf[3] + off, cnt, lr, o.beta1,
-                      o.beta2, o.eps, wd, rb1, rb2, grad_scale);
-            for (int j = 0; j < 4; j++)
-                if (j != 1) /* the gradient is read, not written */
-                    be->copy_rows(be, base[j] + a * C + b[i].r.c0, (int)C, buf[j] + off, (int)w,
-                                  (int)(z - a), (int)w);
-            off += cnt;
-        }
-    }
-}
-
-void nl_trainer_step(nl_trainer *t, float lr, float grad_scale, nl_adamw_opts o)
-{
-    nl_model *m = t->m;
-    t->adam_t++;
-    const float bc1 = (float)(1.0 - pow(o.beta1, (double)t->adam_t));
-    const float bc2 = (float)(1.0 - pow(o.beta2, (double)t->adam_t));
-    if (m->lora) { /* the base is frozen: step the adapters only, no decay */
-        const nl_lora *lo = m->lora;
-        t->be->adamw(t->be, lo->params, lo->grads, lo->mom[0], lo->mom[1], lo->n_params, lr,
-                     o.beta1, o.beta2, o.eps, 0.0f, bc1, bc2, grad_scale);
-        return;
-    }
-    int b = 0; /* t->born is in parameter order */
-    for (int i = 0; i < m->n_table; i++) {
-        const nl_param *p = &m->table[i];
-        const float wd = p->kind == NL_PARAM_NORM ? 0.0f : o.weight_decay;
-        int n = 0, live = 0;
-        while (b + n < t->n_born && t->born[b + n].param == i) {
-            float rb1, rb2; /* a region whose corrections have caught up is like the rest */
-            born_bc(o, t->adam_t, t->born[b + n].born, &rb1, &rb2);
-            live |= rb1 != bc1 || rb2 != bc2;
-            n++;
-        }
-        if (live)
-            step_born(t, p, t->born + b, n, lr, grad_scale, o, wd, bc1, bc2);
-        else
-            t->be->adamw(t->be, m->params + p->offset, t->grads + p->offset, t->mom[0] + p->offset,
-                         t->mom[1] + p->offset, nl_param_numel(p), lr, o.beta1, o.beta2, o.eps, wd,
-                         bc1, bc2, grad_scale);
-        b += n;
-    }
-}
-
-float *nl_trainer_moment(const nl_trainer *t, int which)
-{
-    return t->mom[which ? 1 : 0];
-}
-
-int64_t nl_trainer_adam_steps(const nl_trainer *t) { return t->adam_t; }
-void nl_trainer_set_adam_steps(nl_trainer *t, int64_t steps) { t->adam_t = steps; }
 float *nl_trainer_grads(const nl_trainer *t) { return t->grads; }
 void nl_trainer_inject_nan(nl_trainer *t) { t->inject_nan = 1; }
 
@@ -864,20 +650,4 @@ nl_status nl_trainer_class_probs(const nl_trainer *t, int slot, float *probs, nl
             probs[(size_t)b * K + k] =
                 probs[(size_t)b * K + k] * inv + (k == t->labels_h[b] ? 1.0f : 0.0f);
     return nl_backend_check(t->be, err);
-}
-
-double nl_step_decide(nl_step_result *r, double ce_sum, double rows, double aux,
-                      double aux_loss_coef, double grad_sumsq, double clip_norm)
-{
-    memset(r, 0, sizeof *r);
-    r->ce_loss = ce_sum / rows;
-    r->aux_loss = aux;
-    r->loss = r->ce_loss + aux_loss_coef * aux;
-    r->grad_norm = sqrt(grad_sumsq);
-    r->skipped = !isfinite(r->loss) || !isfinite(grad_sumsq);
-    if (r->skipped)
-        return 0.0;
-    /* as torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), at most 1 */
-    const double clip = clip_norm / (r->grad_norm + 1e-6);
-    return clip < 1.0 ? clip : 1.0;
 }

@@ -40,6 +40,47 @@ static nl_status truncated(const nl_mpr *r, nl_error *err)
                         r->p - r->start);
 }
 
+/* A number after its header byte c, which is 0xca..0xd3 (float 32/64,
+ * uint 8..64, int 8..64); a non-negative int reads as NL_MPR_UINT. */
+static nl_status read_number(nl_mpr *r, uint8_t c, nl_mpr_item *it, nl_error *err)
+{
+    uint64_t v = 0;
+    if (c == 0xca) {
+        if (!rd_be(r, 4, &v))
+            return truncated(r, err);
+        uint32_t bits = (uint32_t)v;
+        float f;
+        memcpy(&f, &bits, sizeof f);
+        it->k = NL_MPR_FLOAT, it->f = f;
+        return NL_OK;
+    }
+    if (c == 0xcb) {
+        if (!rd_be(r, 8, &v))
+            return truncated(r, err);
+        memcpy(&it->f, &v, sizeof it->f);
+        it->k = NL_MPR_FLOAT;
+        return NL_OK;
+    }
+    if (c <= 0xcf) {
+        if (!rd_be(r, 1 << (c - 0xcc), &v))
+            return truncated(r, err);
+        it->k = NL_MPR_UINT, it->u = v;
+        return NL_OK;
+    }
+    int nb = 1 << (c - 0xd0);
+    if (!rd_be(r, nb, &v))
+        return truncated(r, err);
+    /* sign-extend without shifting into the sign bit */
+    int64_t s = nb == 8                        ? (int64_t)v
+                : (v & (1ull << (nb * 8 - 1))) ? (int64_t)(v - (1ull << (nb * 8)))
+                                               : (int64_t)v;
+    if (s >= 0)
+        it->k = NL_MPR_UINT, it->u = (uint64_t)s;
+    else
+        it->k = NL_MPR_NEG, it->i = s;
+    return NL_OK;
+}
+
 /* Read one item's head; strings, binaries and exts are skipped over (their
  * body is checked to lie inside the buffer), containers are not entered. */
 nl_status nl_mpr_next(nl_mpr *r, nl_mpr_item *it, nl_error *err)
@@ -84,46 +125,17 @@ nl_status nl_mpr_next(nl_mpr *r, nl_mpr_item *it, nl_error *err)
     case 0xc9:
         it->k = NL_MPR_EXT, lenbytes = 1 << (c - 0xc7);
         break;
-    case 0xca: {
-        if (!rd_be(r, 4, &v))
-            return truncated(r, err);
-        uint32_t bits = (uint32_t)v;
-        float f;
-        memcpy(&f, &bits, sizeof f);
-        it->k = NL_MPR_FLOAT, it->f = f;
-        return NL_OK;
-    }
+    case 0xca:
     case 0xcb:
-        if (!rd_be(r, 8, &v))
-            return truncated(r, err);
-        memcpy(&it->f, &v, sizeof it->f);
-        it->k = NL_MPR_FLOAT;
-        return NL_OK;
     case 0xcc:
     case 0xcd:
     case 0xce:
     case 0xcf:
-        if (!rd_be(r, 1 << (c - 0xcc), &v))
-            return truncated(r, err);
-        it->k = NL_MPR_UINT, it->u = v;
-        return NL_OK;
     case 0xd0:
     case 0xd1:
     case 0xd2:
-    case 0xd3: {
-        int nb = 1 << (c - 0xd0);
-        if (!rd_be(r, nb, &v))
-            return truncated(r, err);
-        /* sign-extend without shifting into the sign bit */
-        int64_t s = nb == 8                        ? (int64_t)v
-                    : (v & (1ull << (nb * 8 - 1))) ? (int64_t)(v - (1ull << (nb * 8)))
-                                                   : (int64_t)v;
-        if (s >= 0)
-            it->k = NL_MPR_UINT, it->u = (uint64_t)s;
-        else
-            it->k = NL_MPR_NEG, it->i = s;
-        return NL_OK;
-    }
+    case 0xd3:
+        return read_number(r, c, it, err);
     case 0xd4:
     case 0xd5:
     case 0xd6:

@@ -134,32 +134,15 @@ static int read_lie(nl_node_opts *o)
 }
 #endif
 
-static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypair *kp)
-{
-    long long threads = 0, batch_decode = 0, prefill_chunk = 0, batch_wait = -1;
-    double connect_s = 30;
-    const char *level = nl_args_get(flags, "log-level");
-    o->plaintext = nl_args_get(flags, "plaintext") != NULL;
-    o->listen = nl_args_get(flags, "listen") ? nl_args_get(flags, "listen") : "tcp://127.0.0.1:*";
-    o->name = nl_args_get(flags, "name");
-    o->device = nl_args_get(flags, "device") ? nl_args_get(flags, "device") : "cpu";
-    o->kv_budget = 256ULL << 20;
-    /* checkpoint shards: under --checkpoint-root, else <state-dir>/checkpoints,
-     * else nowhere (CKPT_REQ refused) */
-    static char state_root[1100];
-    const char *state_dir = nl_args_get(flags, "state-dir");
-    o->ckpt_root = nl_args_get(flags, "checkpoint-root");
-    if (!o->ckpt_root && state_dir) {
-        snprintf(state_root, sizeof state_root, "%s/checkpoints", state_dir);
-        o->ckpt_root = state_root;
-    }
-    o->inject_nan_stage = -1;
 #ifdef NL_TEST_HOOKS
-    /* test hooks (test builds only: -DNL_TEST_HOOKS=ON; a production
-     * neuronode reads none of these variables):
-     * NL_TEST_INJECT_NAN_STEP=K puts a NaN into the gradient of step index
-     * K (0-based, as neuroctl train's hook), "K+" into every step from K
-     * on, on the stage NL_TEST_INJECT_NAN_STAGE (default: every stage) */
+/* The test hooks (test builds only: -DNL_TEST_HOOKS=ON; a production
+ * neuronode reads none of these variables):
+ * NL_TEST_INJECT_NAN_STEP=K puts a NaN into the gradient of step index
+ * K (0-based, as neuroctl train's hook), "K+" into every step from K
+ * on, on the stage NL_TEST_INJECT_NAN_STAGE (default: every stage); the
+ * others below. Returns 0, or 2 (said). */
+static int read_test_hooks(nl_node_opts *o)
+{
     const char *nan_step = getenv("NL_TEST_INJECT_NAN_STEP"),
                *nan_stage = getenv("NL_TEST_INJECT_NAN_STAGE");
     o->inject_nan_step = nan_step ? atoll(nan_step) + 1 : 0;
@@ -194,6 +177,33 @@ static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypa
         o->inject_mem_free = mfree << 20;
         o->inject_mem_total = mtotal << 20;
     }
+    return 0;
+}
+#endif
+
+static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypair *kp)
+{
+    long long threads = 0, batch_decode = 0, prefill_chunk = 0, batch_wait = -1;
+    double connect_s = 30;
+    const char *level = nl_args_get(flags, "log-level");
+    o->plaintext = nl_args_get(flags, "plaintext") != NULL;
+    o->listen = nl_args_get(flags, "listen") ? nl_args_get(flags, "listen") : "tcp://127.0.0.1:*";
+    o->name = nl_args_get(flags, "name");
+    o->device = nl_args_get(flags, "device") ? nl_args_get(flags, "device") : "cpu";
+    o->kv_budget = 256ULL << 20;
+    /* checkpoint shards: under --checkpoint-root, else <state-dir>/checkpoints,
+     * else nowhere (CKPT_REQ refused) */
+    static char state_root[1100];
+    const char *state_dir = nl_args_get(flags, "state-dir");
+    o->ckpt_root = nl_args_get(flags, "checkpoint-root");
+    if (!o->ckpt_root && state_dir) {
+        snprintf(state_root, sizeof state_root, "%s/checkpoints", state_dir);
+        o->ckpt_root = state_root;
+    }
+    o->inject_nan_stage = -1;
+#ifdef NL_TEST_HOOKS
+    if (read_test_hooks(o) != 0)
+        return 2;
 #endif
     o->tf32 = nl_args_get(flags, "tf32") != NULL;
     const char *prec = nl_args_get(flags, "precision");
