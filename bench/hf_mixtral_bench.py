@@ -101,6 +101,14 @@ def emit(obj):
     print(json.dumps(obj), flush=True)
 
 
+def attention(torch):
+    """sdpa, the anchor's attention; eager where torch is older than
+    transformers' SDPA wants (2.1.1: Debian 12's 1.13, which the test
+    command's tiny case runs on)."""
+    v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:3] if x.isdigit())
+    return "sdpa" if v >= (2, 1, 1) else "eager"
+
+
 def build(c, torch, transformers, device):
     theta = float(c.get("rope_base", 10000))
     kw = dict(
@@ -111,7 +119,7 @@ def build(c, torch, transformers, device):
         max_position_embeddings=c.get("max_seq_len", 2048), rope_theta=theta,
         rms_norm_eps=float(c.get("norm_eps", 1e-6)), router_aux_loss_coef=float(c.get("aux_loss_coef", 0.01)),
         output_router_logits=True, tie_word_embeddings=False, use_cache=False,
-        attn_implementation="sdpa")
+        attn_implementation=attention(torch))
     try:
         cfg = transformers.MixtralConfig(**kw)
     except TypeError:  # a version without these keywords: set them as attributes
@@ -119,10 +127,13 @@ def build(c, torch, transformers, device):
             kw.pop(k)
         cfg = transformers.MixtralConfig(**kw)
         cfg.rope_parameters = {"rope_type": "default", "rope_theta": theta}
-        cfg._attn_implementation = "sdpa"
+        cfg._attn_implementation = attention(torch)
     torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.MixtralForCausalLM(cfg)
+    if hasattr(torch.device(device), "__enter__"):  # torch >= 2.0: made on the device
+        with torch.device(device):
+            model = transformers.MixtralForCausalLM(cfg)
+    else:  # older torch (Debian 12's 1.13): made on the host, then moved
+        model = transformers.MixtralForCausalLM(cfg).to(device)
     return model.to(dtype=torch.bfloat16)
 
 
@@ -159,7 +170,9 @@ def measure(c, name, T, args, mode, what, torch, transformers, devname):
                     run(input_ids=ids, use_cache=False)
         else:
             model.train()
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.startswith("cuda"))
+            # fused AdamW on CUDA (torch >= 2.0 takes the keyword)
+            fused = {"fused": True} if dev.startswith("cuda") else {}
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **fused)
 
             def fn():
                 out = run(input_ids=ids, labels=ids, use_cache=False)
