@@ -424,9 +424,22 @@ out:
     free(tgt2);
 }
 
+/* The learning-rate schedule's warmup: step 0 already moves (lr / warmup,
+ * not 0), the last warmup step reaches lr, then it decays to min_lr. */
+static void test_lr_schedule(void)
+{
+    CHECK(fabs(nl_lr_at(0, 100, 10, 1.0, 0.1) - 0.1) < 1e-12, "lr at step 0: %g (0.1)",
+          nl_lr_at(0, 100, 10, 1.0, 0.1));
+    CHECK(fabs(nl_lr_at(9, 100, 10, 1.0, 0.1) - 1.0) < 1e-12, "lr at the last warmup step: %g (1)",
+          nl_lr_at(9, 100, 10, 1.0, 0.1));
+    CHECK(fabs(nl_lr_at(99, 100, 10, 1.0, 0.1) - 0.1) < 1e-9, "lr at the last step: %g (0.1)",
+          nl_lr_at(99, 100, 10, 1.0, 0.1));
+}
+
 int main(void)
 {
     test_mlm_mask();
+    test_lr_schedule();
     nl_error err = {0};
     nl_backend *be = NULL;
     CHECK_OK(check_backend_new(&be, 2, &err), &err);
