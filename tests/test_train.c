@@ -284,6 +284,24 @@ static void test_step_size(nl_backend *be)
         }
         CHECK(untouched > 0 && decay_bad == 0, "step %d: %zu of %zu untouched weights did not "
               "move by lr wd p alone", step, decay_bad, untouched);
+        /* norm weights (about 1) are not decayed: they move by lr, where a
+         * decay would add or take lr * wd * p = 0.1 lr */
+        size_t nn = 0;
+        for (int k = 0; r && k < m->n_table; k++) {
+            const nl_param *q = &m->table[k];
+            for (size_t i = 0; q->kind == NL_PARAM_NORM && i < nl_param_numel(q); i++) {
+                const double d = (double)p1[q->offset + i] - p0[q->offset + i];
+                if (d != 0)
+                    r[nn++] = fabs(d) / lr;
+            }
+        }
+        if (r && nn) {
+            qsort(r, nn, sizeof *r, cmp_double);
+            CHECK(r[nn / 2] > 0.97 && r[nn / 2] < 1.03,
+                  "step %d: norm weights' median move %.4f lr, expected 1 lr (no decay)", step,
+                  r[nn / 2]);
+        }
+        CHECK(nn > 0, "step %d: no norm weight moved", step);
         free(r);
         free(p0);
         p0 = p1;
