@@ -30,7 +30,7 @@
 # Environment: MUTATE_FULL=1 (whole suite), MUTATE_TIMEOUT (per-test
 # seconds, default 300), MUTATE_JOBS (build jobs, default 1).
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 ROOT=$(pwd)
 
 BUILD=build-mutate
@@ -41,7 +41,7 @@ while [ $# -gt 0 ]; do
     --only) ONLY="${2:-}"; shift 2 || { echo "mutate: --only needs N,M,..." >&2; exit 2; } ;;
     --only=*) ONLY="${1#--only=}"; shift ;;
     --list) LIST=1; shift ;;
-    -h|--help) sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "mutate: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) BUILD="$1"; shift ;;
   esac
@@ -196,7 +196,7 @@ selected() {
 
 # ---------------------------------------------------------------- run
 caught=0 missed=0 nocomp=0 broken=0
-declare -a RES SURV
+declare -a RES=() SURV=()
 touched=""
 for ((i = 0; i < N; i++)); do
   id=$((i + 1))
@@ -207,13 +207,14 @@ for ((i = 0; i < N; i++)); do
   if ! git diff --quiet -- "$f" 2>/dev/null; then
     RES[i]="broken (uncommitted changes in $f)"; broken=$((broken + 1))
   else
+    read -r -a tg <<<"$(targets "${T[i]}")"
     cp "$f" "$BACKUP/orig"
     CUR=$f
     cnt=$(apply "$f" "${O[i]}" "${R[i]}")
     if [ "$cnt" != 1 ]; then
       restore
       RES[i]="broken (original found $cnt times)"; broken=$((broken + 1))
-    elif ! nice -n 19 cmake --build "$BUILD" -j"$JOBS" $(targets "${T[i]}") >"$LOG/$id-build.log" 2>&1; then
+    elif ! nice -n 19 cmake --build "$BUILD" -j"$JOBS" ${tg[@]+"${tg[@]}"} >"$LOG/$id-build.log" 2>&1; then
       restore
       RES[i]="not compiled"; nocomp=$((nocomp + 1))
     else
