@@ -188,6 +188,8 @@ int main(void)
     expect_refused(be, bad, NL_ERR_INVALID, "num_kv_heads", "bad config");
     CHECK(edit_header(good, bad, "\"step\":\"12\"", "\"step\":\"x2\"") == 0, "edit step");
     expect_refused(be, bad, NL_ERR_FORMAT, "step", "bad step");
+    CHECK(edit_header(good, bad, "\"step\":\"12\"", "\"step\":\"1x\"") == 0, "edit step tail");
+    expect_refused(be, bad, NL_ERR_FORMAT, "step", "a step with trailing junk");
     free(buf);
     unlink(good);
     unlink(bad);

@@ -325,6 +325,18 @@ static void test_variants(void)
               i, err.msg);
 }
 
+/* nl_config_validate itself refuses a non-finite rope_base (a YAML or JSON
+ * number cannot spell one; a config built in code can) */
+static void test_validate_nonfinite(void)
+{
+    nl_config c;
+    nl_error err = {0};
+    CHECK_OK(parse(&c, "hidden_dim: 64\nnum_layers: 2\n", &err), &err);
+    c.rope_base = INFINITY;
+    CHECK(nl_config_validate(&c, 1, &err) != NL_OK, "rope_base inf is refused");
+    CHECK(strstr(err.msg, "rope_base") != NULL, "the error names rope_base: %s", err.msg);
+}
+
 int main(void)
 {
     test_defaults();
@@ -332,5 +344,6 @@ int main(void)
     test_files();
     test_json();
     test_variants();
+    test_validate_nonfinite();
     return check_done("test_config");
 }

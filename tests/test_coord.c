@@ -372,6 +372,80 @@ static void test_generate(const assigned *a)
           "temperature as text: state %u: %s", state, msg);
 }
 
+/* The context bounds a generation (max_seq_len 256 here): a prompt that
+ * fills it is refused, naming max_seq_len; a max_new past it is cut to what
+ * fits: sessions of capacity 256 that stop after 253 new tokens of a
+ * 3-token prompt. The second job is cancelled once its sessions are seen. */
+static void submit_generate(const int32_t *prompt, int64_t T, int64_t max_new)
+{
+    nl_wire_param ps[2] = {{.key = "max_new", .kind = NL_WIRE_PARAM_INT, .i = max_new},
+                           {.key = "temperature", .kind = NL_WIRE_PARAM_INT, .i = 0}};
+    const int64_t shape[2] = {1, T};
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
+    m.u.job_submit = (nl_msg_job_submit){NL_JOB_GENERATE, 2, ps};
+    nl_wire_frame_set(&m.frames[0], prompt, NL_DTYPE_I32, shape, 2);
+    m.nframes = 1;
+    fake_send(&client, &m);
+}
+
+static void cancel_job(uint64_t job)
+{
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOB_CANCEL);
+    m.u.job_ref.job_id = job;
+    fake_send(&client, &m);
+    uint64_t j2 = 0;
+    uint32_t state = 0;
+    char msg[512];
+    CHECK(client_status(&j2, &state, msg, sizeof msg) && j2 == job, "cancel of job %llu: %s",
+          (unsigned long long)job, msg);
+    nl_rx rx;
+    nl_rx_init(&rx);
+    for (int i = 0; i < 2; i++)
+        pump_until(&nodes[i], NL_MSG_JOB_CANCEL, &rx);
+    nl_rx_free(&rx);
+}
+
+static void test_generate_bounds(void)
+{
+    static int32_t prompt[256];
+    for (int i = 0; i < 256; i++)
+        prompt[i] = 4 + i % 200;
+    uint64_t job = 0;
+    uint32_t state = 0;
+    char msg[512];
+    submit_generate(prompt, 256, 1);
+    CHECK(client_status(&job, &state, msg, sizeof msg) && state == NL_JOB_FAILED &&
+              strstr(msg, "max_seq_len"),
+          "a prompt of max_seq_len tokens: state %u: %s", state, msg);
+    if (state == NL_JOB_RUNNING)
+        cancel_job(job);
+    submit_generate(prompt, 3, 300);
+    CHECK(client_status(&job, &state, msg, sizeof msg) && state == NL_JOB_RUNNING,
+          "3 tokens + 300: %s", msg);
+    nl_rx rx;
+    nl_rx_init(&rx);
+    for (int i = 0; i < 2; i++)
+        if (CHECK_PUMP(pump_until(&nodes[i], NL_MSG_JOB_SUBMIT, &rx))) {
+            const nl_msg_job_submit *js = &rx.msg.u.job_submit;
+            int64_t cap = -1, lim = -1;
+            for (uint32_t k = 0; k < js->nparams; k++)
+                if (!strcmp(js->params[k].key, "capacity"))
+                    cap = js->params[k].i;
+                else if (!strcmp(js->params[k].key, "limit"))
+                    lim = js->params[k].i;
+            CHECK(cap == 256 && lim == 253,
+                  "node %d: a session of capacity %lld limit %lld (256, 253: the context's end)", i,
+                  (long long)cap, (long long)lim);
+        }
+    nl_rx_free(&rx);
+    if (state == NL_JOB_RUNNING)
+        cancel_job(job);
+}
+
 /* ---------------------------------------------------------------- slow work */
 
 /* A query to the coordinator is answered (the loop is not blocked). */
@@ -987,6 +1061,7 @@ int main(void)
     if (test_join_plan(a)) {
         test_forward(a);
         test_generate(a);
+        test_generate_bounds();
         test_train_paths(a);
         test_death(a);
         test_join_at_rest(a);

@@ -362,6 +362,42 @@ static void test_adamw(void)
     CHECK(isnan(p), "nan gradient: p %g", p);
 }
 
+/* The sampling rule's greedy pick (kernels/elem.h): the largest logit, ties
+ * to the lower id (every backend's sample slot and the CUDA reduction use
+ * this comparison, so the ops tests, which compare a slot with these
+ * functions, cannot see a reversed tie-break), a NaN never chosen, 0 when
+ * every logit is NaN; at temperature 0 the row's pick is the greedy id. */
+static void test_sample_greedy(void)
+{
+    CHECK(nl_elem_sample_better(3.0f, 1, 3.0f, 2), "a tie goes to the lower id");
+    CHECK(!nl_elem_sample_better(3.0f, 2, 3.0f, 1), "a tie never goes to the higher id");
+    CHECK(nl_elem_sample_better(4.0f, 9, 3.0f, 1), "a larger logit wins whatever its id");
+    CHECK(!nl_elem_sample_better(NAN, 0, 3.0f, 1), "a NaN never wins");
+    const float tie[] = {1.0f, 3.0f, 3.0f, 2.0f, 3.0f};
+    CHECK(nl_elem_sample_argmax(tie, 5) == 1, "argmax of a three-way tie: %d (1)",
+          nl_elem_sample_argmax(tie, 5));
+    const float with_nan[] = {NAN, 2.0f, NAN, 2.0f};
+    CHECK(nl_elem_sample_argmax(with_nan, 4) == 1, "argmax past NaNs: %d (1)",
+          nl_elem_sample_argmax(with_nan, 4));
+    const float all_nan[] = {NAN, NAN, NAN};
+    CHECK(nl_elem_sample_argmax(all_nan, 3) == 0, "argmax of NaNs: %d (0)",
+          nl_elem_sample_argmax(all_nan, 3));
+    const float flat[] = {-INFINITY, 0.5f, 0.5f};
+    CHECK(nl_elem_sample_row(flat, 3, 0.0f, 0.99) == 1, "greedy row of a tie: %d (1)",
+          nl_elem_sample_row(flat, 3, 0.0f, 0.99));
+}
+
+/* bf16 rounding keeps the infinities infinite (only a NaN is made quiet) */
+static void test_bf16_inf(void)
+{
+    CHECK(nl_elem_to_bf16(INFINITY) == 0x7f80u, "bf16(inf) = %#x (0x7f80)",
+          (unsigned)nl_elem_to_bf16(INFINITY));
+    CHECK(nl_elem_to_bf16(-INFINITY) == 0xff80u, "bf16(-inf) = %#x (0xff80)",
+          (unsigned)nl_elem_to_bf16(-INFINITY));
+    CHECK((nl_elem_to_bf16(NAN) & 0x7fc0u) == 0x7fc0u, "bf16(nan) = %#x, a quiet NaN",
+          (unsigned)nl_elem_to_bf16(NAN));
+}
+
 int main(void)
 {
     test_exp();
@@ -371,5 +407,7 @@ int main(void)
     test_online_softmax();
     test_rmsnorm_scale();
     test_adamw();
+    test_sample_greedy();
+    test_bf16_inf();
     return check_done("test_elem");
 }

@@ -383,6 +383,33 @@ static void test_device_sampling(nl_backend *be, const nl_config *base)
     nl_model_destroy(&m);
 }
 
+/* The edges: a cache holds at most the context (one more position is
+ * refused, not allocated); the sampler refuses top_p 0, and top-p keeps the
+ * smallest set of ids whose mass reaches top_p (two tied ids at top_p 0.5:
+ * only the first, whatever the draw). */
+static void test_bounds(nl_backend *be, const nl_config *c)
+{
+    nl_error err = {0};
+    nl_model *m = make_model(be, c, 0, c->num_layers, 1, 1);
+    nl_kvcache *kv = NULL;
+    CHECK(nl_kvcache_new(&kv, m, 1, c->max_seq_len + 1, &err) == NL_ERR_RANGE && !kv,
+          "a cache of max_seq_len + 1 = %d positions is refused", c->max_seq_len + 1);
+    CHECK_OK(nl_kvcache_new(&kv, m, 1, c->max_seq_len, &err), &err);
+    nl_kvcache_destroy(&kv);
+    nl_model_destroy(&m);
+
+    nl_sampler s;
+    CHECK(nl_sampler_init(&s, 4, 1.0f, 0.0f, 1, &err) == NL_ERR_INVALID, "top_p 0 is refused");
+    CHECK(nl_sampler_init(&s, 4, 1.0f, 1.5f, 1, &err) == NL_ERR_INVALID, "top_p 1.5 is refused");
+    CHECK_OK(nl_sampler_init(&s, 4, 1.0f, 0.5f, 7, &err), &err);
+    const float logits[4] = {0.0f, 0.0f, -INFINITY, -INFINITY};
+    int other = 0;
+    for (int i = 0; i < 200; i++)
+        other += nl_sampler_sample(&s, logits) != 0;
+    CHECK(other == 0, "top_p 0.5 of two tied ids: %d of 200 draws left the nucleus", other);
+    nl_sampler_free(&s);
+}
+
 int main(void)
 {
     nl_error err = {0};
@@ -397,6 +424,7 @@ int main(void)
     test_split(be, &c);
     test_decode_syncs(&c);
     test_device_sampling(be, &c);
+    test_bounds(be, &c);
     nl_backend_destroy(&be);
     return check_done("test_model");
 }

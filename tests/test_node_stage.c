@@ -32,6 +32,9 @@ static void test_assign(void)
     nl_msg_assign a = mk_assign(3, 0, 2, 0, 9);
     CHECK(nl_stage_assign(s, &a, &err) == NL_ERR_RANGE && strstr(err.msg, "[0, 9)"),
           "layers past L: %s", err.msg);
+    a = mk_assign(3, 0, 2, 0, cfg.num_layers + 1); /* one past the model's last layer */
+    CHECK(nl_stage_assign(s, &a, &err) == NL_ERR_RANGE && strstr(err.msg, "exceed"),
+          "layers one past L: %s", err.msg);
     a = mk_assign(3, 0, 2, 0, 2);
     a.has_embed = false;
     CHECK(nl_stage_assign(s, &a, &err) == NL_ERR_RANGE, "stage 0 without embedding: %s", err.msg);

@@ -235,6 +235,18 @@ static void test_api(int port, nl_http *h)
         expect(r, want, refused[i][0]);
         free(r);
     }
+    /* integer bounds are inclusive at both ends: logprobs 20 is taken (the
+     * fake backend starts it), 21 refused with the field named */
+    r = request(port, "POST", "/v1/completions",
+                "{\"prompt\": \"x\", \"max_tokens\": 1, \"logprobs\": 20}", NULL);
+    CHECK(r && !strstr(r, "\"param\":\"logprobs\""), "logprobs 20 refused: %.300s",
+          r ? r : "(no answer)");
+    free(r);
+    r = request(port, "POST", "/v1/completions",
+                "{\"prompt\": \"x\", \"max_tokens\": 1, \"logprobs\": 21}", NULL);
+    expect(r, "HTTP/1.1 400", "logprobs 21");
+    expect(r, "\"param\":\"logprobs\"", "logprobs 21 names the field");
+    free(r);
     /* a chat through the (fake) backend: the default template's prompt */
     r = request(port, "POST", "/v1/chat/completions",
                 "{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"text\", "
@@ -282,7 +294,7 @@ static void test_api(int port, nl_http *h)
     expect(r, "neurollm_http_requests_total{endpoint=\"/v1/completions\",code=\"429\"} 1",
            "429 counted");
     free(r);
-    CHECK(ended == 5, "every started job ended (%d)", ended); /* 4 completions, a chat */
+    CHECK(ended == 6, "every started job ended (%d)", ended); /* 5 completions, a chat */
 }
 
 /* A backend with two more models: "model" picks one, by name. */

@@ -948,9 +948,28 @@ static void test_explicit(void)
     free(f);
 }
 
+/* An imported id holds 1..NL_TOKENIZER_MAX_TOKEN_BYTES bytes: the longest
+ * is taken, one byte more refused with the limit named. */
+static void test_token_length_bound(void)
+{
+    nl_error err = {0};
+    nl_tokenizer *t = NULL;
+    CHECK_OK(nl_tokenizer_new_empty(&t, NL_TOKENIZER_SPLIT_UNICODE, &err), &err);
+    if (!t)
+        return;
+    char buf[NL_TOKENIZER_MAX_TOKEN_BYTES + 1];
+    memset(buf, 'a', sizeof buf);
+    CHECK_OK(nl_tokenizer_append_token(t, buf, NL_TOKENIZER_MAX_TOKEN_BYTES, 0, &err), &err);
+    CHECK(nl_tokenizer_append_token(t, buf, sizeof buf, 0, &err) == NL_ERR_LIMIT,
+          "a token of %zu bytes is refused", sizeof buf);
+    CHECK(nl_tokenizer_append_token(t, buf, 0, 0, &err) == NL_ERR_LIMIT, "an empty token is refused");
+    nl_tokenizer_destroy(&t);
+}
+
 int main(void)
 {
     test_split();
+    test_token_length_bound();
     test_safe_split();
     test_train_by_hand();
     test_train_vs_naive();

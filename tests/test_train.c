@@ -284,6 +284,24 @@ static void test_step_size(nl_backend *be)
         }
         CHECK(untouched > 0 && decay_bad == 0, "step %d: %zu of %zu untouched weights did not "
               "move by lr wd p alone", step, decay_bad, untouched);
+        /* norm weights (about 1) are not decayed: they move by lr, where a
+         * decay would add or take lr * wd * p = 0.1 lr */
+        size_t nn = 0;
+        for (int k = 0; r && k < m->n_table; k++) {
+            const nl_param *q = &m->table[k];
+            for (size_t i = 0; q->kind == NL_PARAM_NORM && i < nl_param_numel(q); i++) {
+                const double d = (double)p1[q->offset + i] - p0[q->offset + i];
+                if (d != 0)
+                    r[nn++] = fabs(d) / lr;
+            }
+        }
+        if (r && nn) {
+            qsort(r, nn, sizeof *r, cmp_double);
+            CHECK(r[nn / 2] > 0.97 && r[nn / 2] < 1.03,
+                  "step %d: norm weights' median move %.4f lr, expected 1 lr (no decay)", step,
+                  r[nn / 2]);
+        }
+        CHECK(nn > 0, "step %d: no norm weight moved", step);
         free(r);
         free(p0);
         p0 = p1;
@@ -424,9 +442,22 @@ out:
     free(tgt2);
 }
 
+/* The learning-rate schedule's warmup: step 0 already moves (lr / warmup,
+ * not 0), the last warmup step reaches lr, then it decays to min_lr. */
+static void test_lr_schedule(void)
+{
+    CHECK(fabs(nl_lr_at(0, 100, 10, 1.0, 0.1) - 0.1) < 1e-12, "lr at step 0: %g (0.1)",
+          nl_lr_at(0, 100, 10, 1.0, 0.1));
+    CHECK(fabs(nl_lr_at(9, 100, 10, 1.0, 0.1) - 1.0) < 1e-12, "lr at the last warmup step: %g (1)",
+          nl_lr_at(9, 100, 10, 1.0, 0.1));
+    CHECK(fabs(nl_lr_at(99, 100, 10, 1.0, 0.1) - 0.1) < 1e-9, "lr at the last step: %g (0.1)",
+          nl_lr_at(99, 100, 10, 1.0, 0.1));
+}
+
 int main(void)
 {
     test_mlm_mask();
+    test_lr_schedule();
     nl_error err = {0};
     nl_backend *be = NULL;
     CHECK_OK(check_backend_new(&be, 2, &err), &err);

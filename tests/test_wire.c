@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "../net/hopdigest.h"
+#include "../net/mpread.h"
 #include "../net/wire.h"
 #include "check.h"
 #include "wire_samples.h"
@@ -847,6 +848,29 @@ static void test_wire_precision(void)
     nl_wire_wbuf_free(&e.hdr);
 }
 
+/* The reader refuses a str, bin or ext whose length runs past the buffer,
+ * even by one byte (the truncation test above ends at a map's end check,
+ * which would hide a reader that steps one byte past) */
+static void test_reader_lengths(void)
+{
+    static const uint8_t cases[][8] = {
+        {0xa3, 'a', 'b'},             /* fixstr 3, 2 bytes left */
+        {0xd9, 0x03, 'a', 'b'},       /* str8 3 */
+        {0xc4, 0x02, 0x01},           /* bin8 2 */
+        {0xd5, 0x01, 0x02},           /* fixext2: type + 2 bytes, 1 left */
+    };
+    static const size_t lens[] = {3, 4, 3, 3};
+    for (size_t c = 0; c < sizeof lens / sizeof lens[0]; c++) {
+        nl_mpr r;
+        nl_mpr_item it;
+        nl_mpr_init(&r, cases[c], lens[c]);
+        CHECK(nl_mpr_next(&r, &it, NULL) == NL_ERR_PROTO, "case %zu: a length one past the end read",
+              c);
+        nl_mpr_init(&r, cases[c], lens[c] + 1); /* with the byte there it reads */
+        CHECK(nl_mpr_next(&r, &it, NULL) == NL_OK, "case %zu: the whole item refused", c);
+    }
+}
+
 int main(int argc, char **argv)
 {
     fill_data();
@@ -855,6 +879,7 @@ int main(int argc, char **argv)
     test_round_trip();
     test_job_kinds();
     test_truncation();
+    test_reader_lengths();
     test_wrong_types();
     test_mutations();
     test_train_hops();

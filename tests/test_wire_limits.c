@@ -353,12 +353,12 @@ static void test_ranges_versions(void)
     nl_wire_msg_init(&m);
     nl_wire_msg_init(&d);
     /* each broken message is refused by the encoder and, sent raw, by the decoder */
-    for (int c = 0; c < 10; c++) {
-        sample(&m, c < 3   ? NL_MSG_ASSIGN
-                   : c < 5 ? NL_MSG_JOIN
-                   : c < 7 ? NL_MSG_HEARTBEAT
-                   : c < 9 ? NL_MSG_ERROR
-                           : NL_MSG_CKPT_DONE);
+    for (int c = 0; c < 12; c++) {
+        sample(&m, c < 3             ? NL_MSG_ASSIGN
+                   : c < 5           ? NL_MSG_JOIN
+                   : c < 7           ? NL_MSG_HEARTBEAT
+                   : c < 9 || c > 9 ? NL_MSG_ERROR
+                                     : NL_MSG_CKPT_DONE);
         switch (c) {
         case 0:
             m.u.assign.stage = 3;
@@ -390,6 +390,12 @@ static void test_ranges_versions(void)
         case 9:
             m.u.ckpt_done.sha256 =
                 "0123456789ABCDEF0123456789abcdef0123456789abcdef0123456789abcdef";
+            break;
+        case 10:
+            m.u.error.message = "overlong \xc0\xaf slash";
+            break;
+        case 11:
+            m.u.error.message = "surrogate \xed\xa0\x80 half";
             break;
         }
         nl_status st = nl_wire_encode(&m, &e.hdr, NULL, &err);
