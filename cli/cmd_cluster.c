@@ -397,7 +397,7 @@ static pid_t start_coordinator(const nl_flag *flags, const up_opts *o, char *coo
     snprintf(s_nto, sizeof s_nto, "%lld", o->node_timeout);
     /* a local cluster runs as its user, who names the data and checkpoint
      * paths: they may lead wherever that user may (as the nodes' root) */
-    char *cargv[38] = {coord_bin, "--listen", "tcp://127.0.0.1:*", "--client-listen",
+    char *cargv[40] = {coord_bin, "--listen", "tcp://127.0.0.1:*", "--client-listen",
                        "tcp://127.0.0.1:*", "--state-dir", cdir, "--min-nodes", s_nodes,
                        "--seed", s_seed, "--node-timeout-ms", s_nto, "--data-root", "/",
                        "--checkpoint-root", "/", "--train-resumes", s_tr};
@@ -419,8 +419,9 @@ static pid_t start_coordinator(const nl_flag *flags, const up_opts *o, char *coo
         unlink(log);
     }
     /* passed on as given: neurocoord checks them */
-    static const char *const passed[] = {"--verify-rate", "--http-tokens",  "--http-adapter",
-                                         "--grow",        "--heartbeat-ms", "--wire"};
+    static const char *const passed[] = {"--verify-rate",     "--http-tokens",  "--http-adapter",
+                                         "--grow",            "--heartbeat-ms", "--wire",
+                                         "--rebalance-after"};
     for (size_t k = 0; k < sizeof passed / sizeof *passed; k++)
         if (nl_args_get(flags, passed[k] + 2)) {
             cargv[ca++] = (char *)passed[k];
@@ -644,6 +645,10 @@ int nl_cmd_cluster(int argc, char **argv)
         {"wire", 1,
          "up: fp32 (default) or bf16: the precision of the hidden states and gradients between "
          "stages (neurocoord --wire)",
+         NULL},
+        {"rebalance-after", 1,
+         "up: a training job's early re-balance after this many steps (neurocoord "
+         "--rebalance-after; default 3; 0: only at the job's checkpoints)",
          NULL},
         {"timeout", 1, "up: seconds to wait for the cluster to be ready (default 120)", NULL},
         {0}};
