@@ -24,6 +24,7 @@ static nl_status send_host(nl_stage *s, stage_train *t, nl_stage_send_fn send, v
     const int64_t xs[3] = {t->mbB, t->T, (int64_t)t->d};
     nl_wire_msg_reset(&t->tx, type);
     t->tx.u.hop = (nl_msg_tensor_hop){t->job, step, mb, 0, 0, aux};
+    t->tx.u.train_hop.epoch = nl_stage_epoch(s);
     /* FP32, or rounded to bf16 (--wire): the receiver widens it */
     nl_status st = nl_stage_hidden_out(s, &t->tx.frames[0], x, xs, 3, err);
     if (st != NL_OK)
