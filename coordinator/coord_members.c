@@ -45,29 +45,42 @@ void coord_node_lost(nl_coord *c, cnode *n, int life, const char *why)
     }
 }
 
+/* Whether the line [line, end) is one of key's (the key, then a blank,
+ * the line's end or the file's). */
+static int key_line(const char *line, const char *end, const char *key, size_t klen)
+{
+    return (size_t)(end - line) >= klen && memcmp(line, key, klen) == 0 &&
+           (line + klen == end || line[klen] == ' ' || line[klen] == '\t' || line[klen] == '\n');
+}
+
 /* Comment out key's lines in <state-dir>/authorized_keys ("# banned:
- * WHY: " before each) and reload the allow-lists. */
+ * WHY: " before each; a key may be listed on any number of lines) and
+ * reload the allow-lists. */
 static nl_status ban_key(nl_coord *c, const char *key, const char *why, nl_error *err)
 {
-    char path[4096], *text = NULL, *out = NULL;
-    size_t len = 0, n = 0;
+    char path[4096], *text = NULL, *out = NULL, mark[320];
+    size_t len = 0, n = 0, hits = 0;
     snprintf(path, sizeof path, "%s/authorized_keys", c->o.state_dir);
     nl_status st = nl_file_read_all(path, 16u << 20, &text, &len, err);
     if (st != NL_OK)
         return st;
     const size_t klen = strlen(key);
-    int hits = 0;
-    if (!(out = malloc(len + 1 + 64 * (len / 40 + 1) + 512))) {
+    const size_t ml = (size_t)snprintf(mark, sizeof mark, "# banned: %.300s: ", why);
+    for (char *line = text, *end; line < text + len; line = end) {
+        end = memchr(line, '\n', (size_t)(text + len - line));
+        end = end ? end + 1 : text + len;
+        hits += (size_t)key_line(line, end, key, klen);
+    }
+    if (!(out = malloc(len + hits * ml + 1))) {
         free(text);
         return nl_error_set(err, NL_ERR_NOMEM, "out of memory");
     }
     for (char *line = text, *end; line < text + len; line = end) {
         end = memchr(line, '\n', (size_t)(text + len - line));
         end = end ? end + 1 : text + len;
-        if ((size_t)(end - line) >= klen && memcmp(line, key, klen) == 0 &&
-            (line + klen == end || line[klen] == ' ' || line[klen] == '\t' || line[klen] == '\n')) {
-            n += (size_t)sprintf(out + n, "# banned: %.300s: ", why);
-            hits++;
+        if (key_line(line, end, key, klen)) {
+            memcpy(out + n, mark, ml);
+            n += ml;
         }
         memcpy(out + n, line, (size_t)(end - line));
         n += (size_t)(end - line);

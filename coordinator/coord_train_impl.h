@@ -89,6 +89,10 @@ typedef struct ctrain {
     uint8_t *dig;
     int dig_stages;
     int64_t dig_mismatches; /* hops whose sender and receiver disagree, in all */
+    /* the digests of the step's ACTIVATIONs into stage 0 as the coordinator
+     * sent them, [micro][32] (coord_train_wire.c): stage 0's report of what
+     * it received is compared with them, as a neighbour's would be */
+    uint8_t *sent;
     /* verification by recompute (coord_train_verify.c): those under way,
      * and (stage, microbatch)s drawn, redone and found wrong so far */
     struct cverify *ver;

@@ -106,6 +106,19 @@ static void compare_digests(srep *r)
 {
     ctrain *t = r->t;
     static const char *const dir[2] = {"ACTIVATION", "GRADIENT"};
+    for (int64_t mb = 0; t->sent && mb < t->micro; mb++) { /* ours into stage 0 */
+        const uint8_t *ours = t->sent + (size_t)mb * NL_HOP_DIGEST_BYTES,
+                      *got = stage_digests(t, 0) +
+                             (size_t)mb * NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES +
+                             NL_DIGEST_FWD_IN * NL_HOP_DIGEST_BYTES;
+        if (nl_hop_digest_none(ours) || nl_hop_digest_none(got) ||
+            memcmp(ours, got, NL_HOP_DIGEST_BYTES) == 0)
+            continue;
+        t->dig_mismatches++;
+        NL_WARN("train job %llu step %lld microbatch %lld: stage 0 reports receiving another "
+                "ACTIVATION than the coordinator sent it",
+                (unsigned long long)r->j->id, (long long)t->step + 1, (long long)mb);
+    }
     for (int s = 0; s + 1 < t->stages; s++) {
         const uint8_t *a = stage_digests(t, s), *b = stage_digests(t, s + 1);
         for (int64_t mb = 0; mb < t->micro; mb++) {

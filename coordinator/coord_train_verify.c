@@ -164,7 +164,11 @@ void coord_train_verify_sample(nl_coord *c, cjob *j)
                         .t0 = coord_now()};
             memcpy(v->want[0], d + NL_DIGEST_FWD_OUT * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
             memcpy(v->want[1], d + NL_DIGEST_BWD_OUT * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
-            memcpy(v->got[0], d + NL_DIGEST_FWD_IN * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
+            /* stage 0's input is what the coordinator sent it, not what it says */
+            memcpy(v->got[0],
+                   s == 0 && t->sent ? t->sent + (size_t)mb * NL_HOP_DIGEST_BYTES
+                                     : d + NL_DIGEST_FWD_IN * NL_HOP_DIGEST_BYTES,
+                   NL_HOP_DIGEST_BYTES);
             memcpy(v->got[1], d + NL_DIGEST_BWD_IN * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
             nl_wire_msg_reset(&m, NL_MSG_VERIFY_REQ);
             m.u.verify_req = (nl_msg_verify_req){j->id, (uint64_t)step, (uint32_t)mb};

@@ -170,7 +170,7 @@ int64_t coord_train_eval_batches(const ctrain *t)
 static int send_hop(nl_coord *c, cjob *j, nl_msg_type type, uint64_t step, uint32_t mb,
                     int64_t loss_rows)
 {
-    const ctrain *t = j->state;
+    ctrain *t = j->state;
     const int64_t B = t->batch / t->micro, shape[2] = {B, t->seq};
     const size_t rows = (size_t)B * (size_t)t->seq, m0 = mb % (uint32_t)t->micro;
     const bool count = type == NL_MSG_COUNT, classify = t->lds != NULL;
@@ -188,7 +188,8 @@ static int send_hop(nl_coord *c, cjob *j, nl_msg_type type, uint64_t step, uint3
     m.u.train_hop.loss_rows = loss_rows > 0 ? (uint64_t)loss_rows : 0;
     m.u.train_hop.epoch = c->epoch;
     char digest[NL_HOP_DIGEST_HEX + 1]; /* stage 0 checks what it receives */
-    nl_hop_digest_set(&m, 0, digest, NULL);
+    const bool act = type == NL_MSG_ACTIVATION && t->sent; /* kept: stage 0 reports it */
+    nl_hop_digest_set(&m, 0, digest, act ? t->sent + (size_t)m0 * NL_HOP_DIGEST_BYTES : NULL);
     int rc = first && coord_send_node(c, first, &m) == NL_OK ? 0 : -1;
     nl_wire_msg_free(&m);
     return rc;
@@ -196,7 +197,9 @@ static int send_hop(nl_coord *c, cjob *j, nl_msg_type type, uint64_t step, uint3
 
 int coord_train_send_step(nl_coord *c, cjob *j)
 {
-    const ctrain *t = j->state;
+    ctrain *t = j->state;
+    if (!t->sent) /* out of memory: stage 0's inputs go unchecked, as an older peer's */
+        t->sent = calloc((size_t)t->micro, NL_HOP_DIGEST_BYTES);
     const uint64_t k = (uint64_t)t->step + 1;
     /* the loss rows the last stage's gradient is scaled by: every position
      * of clm (0 says so), the masked ones of mlm, the sequences of classify */

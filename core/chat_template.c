@@ -265,6 +265,16 @@ static void puts_(sbuf *b, const char *s)
     put(b, s, strlen(s));
 }
 
+/* A system message that no user turn took, as a user turn of its own. */
+static void put_system_turn(sbuf *b, const nl_chat_template *t, const nl_chat_msg *sys)
+{
+    puts_(b, t->prefix[NL_CHAT_USER]);
+    puts_(b, t->prefix[NL_CHAT_SYSTEM]);
+    put(b, sys->content, sys->len);
+    puts_(b, t->suffix[NL_CHAT_SYSTEM]);
+    puts_(b, t->suffix[NL_CHAT_USER]);
+}
+
 nl_status nl_chat_template_render(const nl_chat_template *t, const nl_chat_msg *msgs, int n,
                                   int add_generation, char **out, size_t *len, nl_error *err)
 {
@@ -279,6 +289,8 @@ nl_status nl_chat_template_render(const nl_chat_template *t, const nl_chat_msg *
             return nl_error_set(err, NL_ERR_INVALID, "messages[%d]: unknown role", i);
         }
         if (m->role == NL_CHAT_SYSTEM && t->system_in_user) {
+            if (sys) /* two before a user turn: the first is not dropped */
+                put_system_turn(&b, t, sys);
             sys = m;
             continue;
         }
@@ -292,13 +304,8 @@ nl_status nl_chat_template_render(const nl_chat_template *t, const nl_chat_msg *
         put(&b, m->content, m->len);
         puts_(&b, t->suffix[m->role]);
     }
-    if (sys) { /* no user turn followed: the system text is a user turn of its own */
-        puts_(&b, t->prefix[NL_CHAT_USER]);
-        puts_(&b, t->prefix[NL_CHAT_SYSTEM]);
-        put(&b, sys->content, sys->len);
-        puts_(&b, t->suffix[NL_CHAT_SYSTEM]);
-        puts_(&b, t->suffix[NL_CHAT_USER]);
-    }
+    if (sys) /* no user turn followed: the system text is a user turn of its own */
+        put_system_turn(&b, t, sys);
     if (add_generation)
         puts_(&b, t->generation);
     put(&b, "", 0);

@@ -23,6 +23,7 @@ typedef struct gen_choice {
     nl_http_logprob *lps; /* one per id, when asked */
     size_t lpcap;
     size_t ids_sent; /* ids (and logprobs) already in a chunk */
+    size_t lp_off;   /* completions' logprobs: the text offset of token ids_sent */
     int done;
     const char *finish; /* "length", "stop", "error" */
 } gen_choice;
@@ -239,14 +240,9 @@ static json_t *choice_json(gen_state *g, int i, json_t *text, size_t a, size_t b
                            const char *finish, int first)
 {
     gen_choice *ch = &g->ch[i];
-    size_t off = 0;
-    for (size_t k = 0; g->logprobs >= 0 && !g->chat && k < a; k++) { /* text before token a */
-        char buf[1024];
-        off += g->h->be.token_bytes
-                   ? g->h->be.token_bytes(g->h->be.ctx, ch->ids[k], buf, sizeof buf)
-                   : 0;
-    }
+    size_t off = a ? ch->lp_off : 0; /* the text before token a: chunks come in order */
     json_t *lp = logprobs_json(g, ch, a, b, &off), *o;
+    ch->lp_off = off;
     if (!g->chat)
         o = json_pack("{s:i, s:o, s:o, s:o}", "index", i, "text", text, "token_ids",
                       ids_json(ch->ids + a, b - a), "logprobs", lp);

@@ -100,6 +100,27 @@ static void check_hf_dir(void)
     rmdir(dir);
 }
 
+/* Two system messages before a user turn, where a system message goes
+ * inside the next user turn (Mistral): neither is dropped, the first is a
+ * user turn of its own, as a system message that no user turn follows. */
+static void check_two_systems(void)
+{
+    static const nl_chat_msg two[] = {
+        {NL_CHAT_SYSTEM, "A", 1}, {NL_CHAT_SYSTEM, "B", 1}, {NL_CHAT_USER, "Hi", 2}};
+    nl_chat_template *t = NULL;
+    nl_error err = {0};
+    char *out = NULL;
+    size_t len = 0;
+    CHECK_OK(nl_chat_template_from_hf(&t, "[INST]", "<s>", "</s>", &err), &err);
+    if (t)
+        CHECK_OK(nl_chat_template_render(t, two, 3, 1, &out, &len, &err), &err);
+    const char *want = "<s>[INST] A\n\n [/INST][INST] B\n\nHi [/INST]";
+    CHECK(out && strcmp(out, want) == 0, "two system messages (mistral): got [%s]",
+          out ? out : "(null)");
+    free(out);
+    nl_chat_template_destroy(&t);
+}
+
 int main(void)
 {
     nl_chat_template *t = NULL;
@@ -130,6 +151,7 @@ int main(void)
         "<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST] Hello!</s>[INST] Bye [/INST]");
     check_family("{{ bos_token }}[INST] {{ m }} [/INST]", "mistral",
                  "<s>[INST] Be brief.\n\nHi [/INST]Hello!</s>[INST] Bye [/INST]");
+    check_two_systems();
     t = NULL;
     CHECK(nl_chat_template_from_hf(&t, "{{ messages }}", NULL, NULL, &err) == NL_ERR_UNSUPPORTED &&
               !t,

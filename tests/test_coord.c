@@ -626,6 +626,66 @@ static void test_train_cancel(assigned *a)
     CHECK(pump_state("ready: 2 stages"), "not ready after the reload");
 }
 
+/* The hop into stage 0 is the coordinator's own: stage 0's report of the
+ * ACTIVATION it received is compared with the digest the coordinator sent
+ * (a stage 0 that says it received other tokens or targets, those it
+ * trained on, is a digest mismatch in the step's report, as a pair of
+ * stages that disagree are). */
+static void test_train_first_digest(assigned *a)
+{
+    fake *first = stage_of(a, 0), *last = stage_of(a, 1);
+    const uint64_t job = submit_train_to_stages();
+    node_status(first, job, NL_JOB_RUNNING, "took it");
+    node_status(last, job, NL_JOB_RUNNING, "took it");
+    nl_rx rx;
+    nl_rx_init(&rx);
+    uint8_t dig[1][NL_DIGEST_KINDS][32]; /* one microbatch */
+    memset(dig, 0, sizeof dig);
+    const char *hex = NULL;
+    if (pump_until(first, NL_MSG_ACTIVATION, &rx) && rx.msg.u.hop.step == 1)
+        hex = rx.msg.u.train_hop.digest;
+    CHECK(hex && strlen(hex) == 64, "step 1's ACTIVATION did not come, or without a digest");
+    for (int i = 0; hex && i < 32; i++) {
+        unsigned v = 0;
+        sscanf(hex + 2 * i, "%2x", &v);
+        dig[0][NL_DIGEST_FWD_IN][i] = (uint8_t)v;
+    }
+    dig[0][NL_DIGEST_FWD_IN][0] ^= 1; /* other inputs than those it was sent */
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_GRAD_NORM);
+    m.u.grad_norm = (nl_msg_grad_norm){job, 1, 0, 1.0};
+    const int64_t shape[3] = {1, NL_DIGEST_KINDS, 32};
+    nl_wire_frame_set(&m.frames[0], dig, NL_DTYPE_U8, shape, 3);
+    m.nframes = 1;
+    fake_send(first, &m);
+    send_grad_norm(last, job, 1, 1, 1.0);
+    nl_wire_msg_reset(&m, NL_MSG_LOSS);
+    m.u.loss = (nl_msg_loss){job, 1, false, 100.0, 0.5, 64};
+    fake_send(last, &m);
+    nl_wire_msg_free(&m);
+    char report[2048] = "";
+    while (!report[0] && pump_until(&client, NL_MSG_JOB_STATUS, &rx))
+        if (strncmp(rx.msg.u.job_status.message, "step 1", 6) == 0 && rx.msg.nframes == 1)
+            snprintf(report, sizeof report, "%.*s", (int)rx.msg.frames[0].len,
+                     (const char *)rx.msg.frames[0].t.data);
+    CHECK(strstr(report, "\"digest_mismatches\":1"),
+          "stage 0 reported other inputs than it was sent: step 1's report %s", report);
+    /* the fakes go no further: the job fails for want of progress */
+    uint64_t j2 = 0;
+    uint32_t state = 0;
+    char msg[512];
+    do {
+        if (!client_status(&j2, &state, msg, sizeof msg))
+            break;
+    } while (state == NL_JOB_RUNNING);
+    CHECK(j2 == job && state == NL_JOB_FAILED, "the stalled job: state %u: %s", state, msg);
+    CHECK(take_plan(&nodes[0], &a[0]) && take_plan(&nodes[1], &a[1]),
+          "no reload after the stalled job failed");
+    CHECK(pump_state("ready: 2 stages"), "not ready after the reload");
+    nl_rx_free(&rx);
+}
+
 /* The objective param submit_train adds (NULL: none, the model's). */
 static const char *train_objective;
 
@@ -784,6 +844,7 @@ static void test_train_paths(assigned *a)
           "after the cancel: %s (the plan was %s)", nl_coord_state(coord), plan);
     test_train_reports(a);
     test_train_cancel(a);
+    test_train_first_digest(a);
 }
 
 /* ---------------------------------------------------------------- death */

@@ -18,6 +18,7 @@
 
 #include "../base/log.h"
 #include "../coordinator/coord.h"
+#include "../coordinator/coord_impl.h"
 #include "../net/handshake.h"
 #include "../net/keys.h"
 #include "../net/transport.h"
@@ -761,6 +762,81 @@ static void test_ownership(void)
         fprintf(stderr, "could not remove %s\n", dir);
 }
 
+/* A convicted node's key is banned on every line that lists it (a key may
+ * be listed twice or more: its lines' roles add up), each line commented
+ * out with the conviction's reason (coord_quarantine): eight lines of one
+ * key and a reason of 300 bytes outgrew the buffer the rewrite was made in. */
+static void test_ban_lines(void)
+{
+    nl_coord *plain = coord;
+    char dir[256], path[400], why[301];
+    snprintf(dir, sizeof dir, "/tmp/nl_test_coord_ban_XXXXXX");
+    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    nl_keypair node, admin;
+    nl_error err = {0};
+    CHECK_OK(nl_keys_generate(&node, &err), &err);
+    CHECK_OK(nl_keys_generate(&admin, &err), &err);
+    snprintf(path, sizeof path, "%s/authorized_keys", dir);
+    FILE *fp = fopen(path, "w");
+    CHECK(fp != NULL, "%s", path);
+    if (!fp)
+        return;
+    fprintf(fp, "%s admin\n", admin.public_z85);
+    for (int i = 0; i < 8; i++)
+        fprintf(fp, "%s node\n", node.public_z85);
+    fclose(fp);
+    nl_coord_opts o;
+    nl_coord_opts_init(&o);
+    o.listen = "tcp://127.0.0.1:*";
+    o.state_dir = dir;
+    o.min_nodes = 5; /* no plan: membership only */
+    o.node_timeout_ms = 60000;
+    coord = NULL;
+    CHECK_OK(nl_coord_new(&coord, &o, &err), &err);
+    char server[NL_KEY_Z85_LEN + 1];
+    snprintf(path, sizeof path, "%s/coordinator.pub", dir);
+    if (coord && nl_keys_load_public(server, path, &err) == NL_OK) {
+        fake n;
+        nl_rx rx;
+        nl_rx_init(&rx);
+        curve_open(&n, &node, server, NULL, 0);
+        nl_wire_msg m;
+        nl_wire_msg_init(&m);
+        nl_wire_msg_reset(&m, NL_MSG_JOIN);
+        m.u.join = (nl_msg_join){node.public_z85, "cpu", 1ull << 30, 1.0, 1, "tcp://10.9.8.7:1"};
+        fake_send(&n, &m);
+        cnode *cn = NULL;
+        if (CHECK_PUMP(pump_until(&n, NL_MSG_ACCEPT, &rx)))
+            cn = coord_node_by_id(coord, rx.msg.u.accept.node_id);
+        CHECK(cn != NULL, "the joined node is in the table");
+        memset(why, 'w', 300);
+        why[300] = 0;
+        if (cn)
+            coord_quarantine(coord, cn, 1, why);
+        snprintf(path, sizeof path, "%s/authorized_keys", dir);
+        int banned = 0, listed = 0;
+        char line[1024];
+        if ((fp = fopen(path, "r"))) {
+            while (fgets(line, sizeof line, fp)) {
+                listed += strstr(line, node.public_z85) != NULL;
+                banned += strncmp(line, "# banned: www", 13) == 0 &&
+                          strstr(line, node.public_z85) != NULL;
+            }
+            fclose(fp);
+        }
+        CHECK(listed == 8 && banned == 8, "the key's 8 lines: %d of %d commented out as banned",
+              banned, listed);
+        nl_rx_free(&rx);
+        nl_sock_destroy(&n.sock);
+    }
+    nl_coord_destroy(&coord);
+    coord = plain;
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", dir);
+}
+
 int main(void)
 {
     nl_log_set_level(getenv("NL_TEST_VERBOSE") ? NL_LOG_DEBUG : NL_LOG_WARN);
@@ -770,6 +846,7 @@ int main(void)
     test_roles();
     test_ownership();
     test_node_index();
+    test_ban_lines();
     nl_net_destroy(&net);
     coord_fake_add_counts(&check_pass_count, &check_fail_count);
     return check_done("test_coord_peers");
