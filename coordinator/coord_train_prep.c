@@ -47,6 +47,7 @@ static nl_status read_params(ctrain *t, const nl_msg_job_submit *s, const char *
     t->seq_default = p.seq_default;
     t->learn_vocab = p.learn_vocab;
     t->objective = p.objective; /* NL_OBJ_MODEL: the model's */
+    t->pack = p.pack;
     snprintf(t->data, sizeof t->data, "%s", p.data);
     snprintf(t->ckpt_dir, sizeof t->ckpt_dir, "%s", p.checkpoint_dir);
     *resume = p.resume;
@@ -172,7 +173,8 @@ const char *coord_train_prepared(nl_coord *c, cjob *j, const tr_in *in, char *wh
      * step 0 from the weights the stages hold */
     t->cont = p->resume != NULL || c->src_continues;
     nl_error e = {0};
-    if (nl_objective_check(&c->cfg, &t->objective, &e) != NL_OK) { /* the client's, checked */
+    if (nl_objective_check(&c->cfg, &t->objective, &e) != NL_OK || /* the client's, checked */
+        (t->pack && nl_objective_check_pack(&c->cfg, t->objective, &e) != NL_OK)) {
         snprintf(why, cap, "%s", e.msg);
         return why;
     }
@@ -196,8 +198,8 @@ const char *coord_train_prepared(nl_coord *c, cjob *j, const tr_in *in, char *wh
     const size_t n = (size_t)t->batch * (size_t)t->seq;
     if (!(t->tokens = malloc(n * sizeof *t->tokens)) ||
         !(t->targets = malloc(n * sizeof *t->targets)) ||
-        (t->lds && (!(t->docs = malloc(n * sizeof *t->docs)) ||
-                    !(t->labels = malloc((size_t)t->batch * sizeof *t->labels)) ||
+        ((t->lds || t->pack) && !(t->docs = malloc(n * sizeof *t->docs))) ||
+        (t->lds && (!(t->labels = malloc((size_t)t->batch * sizeof *t->labels)) ||
                     !(t->lengths = malloc((size_t)t->batch * sizeof *t->lengths))))) {
         snprintf(why, cap, "out of memory");
         return why;
@@ -393,9 +395,10 @@ const char *coord_train_prepare(nl_coord *c, cjob *j, const nl_msg_job_submit *s
     }
     /* the objective against the model it trains now (a resumed one's is
      * checked again once its manifest is installed) */
-    if (!resume && t->objective != NL_OBJ_MODEL) {
+    if (!resume && (t->objective != NL_OBJ_MODEL || t->pack)) {
         int obj = t->objective;
-        if (nl_objective_check(&c->cfg, &obj, &e) != NL_OK) {
+        if (nl_objective_check(&c->cfg, &obj, &e) != NL_OK ||
+            (t->pack && nl_objective_check_pack(&c->cfg, obj, &e) != NL_OK)) {
             free(p);
             snprintf(why, cap, "train: %s", e.msg);
             return why;
