@@ -58,6 +58,7 @@ typedef struct ctrain {
     int64_t learn_vocab; /* ids the tokenizer learns from the data first (coord_grow.c), or 0 */
     int objective;       /* core/objective.h; NL_OBJ_MODEL: the model's */
     int pack;            /* packed rows: <|end|> ends a document (nl_objective_batch) */
+    int64_t pack_ends;   /* packed rows: the <|end|> ids in the data */
     /* where it is */
     int phase; /* tr_state (coord_train.c): the state machine's alone */
     int stages;

@@ -18,6 +18,7 @@
 #include "coord_train_impl.h"
 #include "core/fileio.h"
 #include "core/objective.h"
+#include "core/tokenizer.h"
 #include "net/trainparams.h"
 
 /* Read the run's parameters by their schema (net/trainparams.h, which
@@ -192,6 +193,9 @@ const char *coord_train_prepared(nl_coord *c, cjob *j, const tr_in *in, char *wh
     t->lds = p->lds;
     p->ds = NULL;
     p->lds = NULL;
+    t->pack_ends = 0;
+    for (size_t i = 0; t->pack && t->ds && i < t->ds->n; i++)
+        t->pack_ends += t->ds->ids[i] == NL_TOKEN_END;
     if (p->info.tokenized)
         NL_INFO("train job %llu: tokenized %s: %zu bytes -> %zu tokens in %.1f s",
                 (unsigned long long)j->id, t->data, p->info.text_bytes, t->ds->n, p->info.encode_s);
