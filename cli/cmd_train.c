@@ -557,7 +557,8 @@ static int train_main(int argc, char **argv, int finetune)
         "[--microbatches M] [--lr X] [--warmup W] [--seed S] [--eval-every K] "
         "[--checkpoint-every K] [--log LOG.jsonl] [--out FINAL.safetensors [--force]] "
         "[--resume CKPT] [--threads N] [--device D] [--tf32] [--precision fp32|bf16] "
-        "[--progress-every S] [--objective clm|mlm|classify]" NL_CLI_CLUSTER_USAGE("train");
+        "[--progress-every S] [--objective clm|mlm|classify] "
+        "[--pack]" NL_CLI_CLUSTER_USAGE("train");
     const char *ft_usage =
         "neuroctl finetune --model BASE --data DATA --steps N --out ADAPTER.safetensors "
         "[--lora-rank R] [--lora-alpha A] [--lora-targets wq,wk,wv,wo] [--objective "
