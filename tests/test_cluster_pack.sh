@@ -10,7 +10,8 @@
 #    and every expert's w_gate and w_down: losses and the adapter file bit
 #    for bit;
 #  - mlm on an encoder (causal: false, geglu, alternating windows) over 2
-#    nodes: losses and weights bit for bit;
+#    nodes, with --recompute (a backward recomputes its forward with the
+#    documents it kept): losses and weights bit for bit;
 #  - packing changes the run (the same run without --pack has other
 #    losses), and the refusals: --pack with classify (local and cluster),
 #    --pack on a vocabulary without <|end|> (local).
@@ -133,7 +134,7 @@ check "$N" cluster down --dir "$C"
 C="$W/c2"
 check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 2 --model "$W/enc.safetensors" --memory 64M \
   --threads 1 --node-timeout-ms 2000 --timeout 60
-pair train mlmp "$C" "$W/enc.safetensors" "${RUN[@]}"
+pair train mlmp "$C" "$W/enc.safetensors" "${RUN[@]}" --recompute
 check grep -q "(objective mlm)" "$W/mlmp.err"
 check "$N" cluster down --dir "$C"
 
