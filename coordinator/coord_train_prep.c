@@ -72,6 +72,8 @@ typedef struct prep_task {
     nl_dataset *ds;
     nl_dataset_info info;
     int classify; /* the data is labelled examples (lds), split by seed */
+    int pack;     /* packed rows: count the data's <|end|> ids (ends) */
+    int64_t ends;
     uint64_t seed;
     nl_labelled *lds;
     int grow; /* --learn-vocab: v learns from the data and grows the model first */
@@ -103,6 +105,8 @@ static void prep_run(cwork *w)
     else
         p->st = nl_dataset_load_model(&p->ds, p->data, tok, vocab, p->holdout,
                                       "the cluster's model", &p->info, &p->err);
+    for (size_t i = 0; p->st == NL_OK && p->pack && p->ds && i < p->ds->n; i++)
+        p->ends += p->ds->ids[i] == NL_TOKEN_END;
 }
 
 static void prep_free(cwork *w)
@@ -193,9 +197,7 @@ const char *coord_train_prepared(nl_coord *c, cjob *j, const tr_in *in, char *wh
     t->lds = p->lds;
     p->ds = NULL;
     p->lds = NULL;
-    t->pack_ends = 0;
-    for (size_t i = 0; t->pack && t->ds && i < t->ds->n; i++)
-        t->pack_ends += t->ds->ids[i] == NL_TOKEN_END;
+    t->pack_ends = p->ends;
     if (p->info.tokenized)
         NL_INFO("train job %llu: tokenized %s: %zu bytes -> %zu tokens in %.1f s",
                 (unsigned long long)j->id, t->data, p->info.text_bytes, t->ds->n, p->info.encode_s);
@@ -335,6 +337,7 @@ static const char *start_worker(nl_coord *c, cjob *j, prep_task *p, const nl_msg
     p->vocab = c->cfg.vocab_size;
     p->holdout = t->holdout;
     p->classify = t->objective == NL_OBJ_CLASSIFY;
+    p->pack = t->pack;
     p->seed = (uint64_t)t->seed;
     int oom = 0;
     p->resume = coord_train_dup(resume, &oom);
