@@ -362,14 +362,15 @@ static int remote_main(int argc, char **argv, int finetune)
                         "DIR) --data DATA --steps N [--batch B] [--seq T] [--microbatches M] "
                         "[--lr X] [--warmup W] [--seed S] [--eval-every K] [--checkpoint-every K] "
                         "[--log LOG.jsonl] [--out FINAL.safetensors [--force]] "
-                        "[--resume MANIFEST] [--learn-vocab N] [--objective clm|mlm|classify] | "
+                        "[--resume MANIFEST] [--learn-vocab N] [--objective clm|mlm|classify] "
+                        "[--pack] | "
                         "--attach JOB [--log LOG.jsonl] "
                         "[--out FINAL.safetensors [--force]]";
     if (finetune)
         usage = "neuroctl finetune (--coordinator EP --key K --coordinator-key P | --cluster DIR) "
                 "--data DATA --steps N --out ADAPTER.safetensors [--lora-rank R] [--lora-alpha A] "
                 "[--lora-targets wq,wk,wv,wo[,w_gate,w_up,w_down]] [--objective clm|mlm|classify] "
-                "[--batch B] [--seq T] [--microbatches M] [--lr X] [--warmup W] [--seed S] "
+                "[--pack] [--batch B] [--seq T] [--microbatches M] [--lr X] [--warmup W] [--seed S] "
                 "[--eval-every K] [--log LOG.jsonl] [--checkpoint-dir D] [--force]";
     int rc = refuse_local_flags(argc, argv, flags);
     if (rc || (rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL)))

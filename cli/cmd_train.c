@@ -59,20 +59,22 @@ nl_status nl_local_save_adapter(const nl_lora *lo, const train_opts *o, nl_error
 }
 
 /* Which objective a run trains (core/objective.h): --objective, else the
- * config's, checked against the model. */
+ * config's, checked against the model (and --pack with it). */
 nl_status nl_local_objective(const train_opts *o, const nl_config *c, int *obj, nl_error *err)
 {
     *obj = NL_OBJ_MODEL;
     if (o->objective && nl_objective_parse(o->objective, obj, err) != NL_OK)
         return nl_error_prefix(err, "--objective");
-    return nl_objective_check(c, obj, err);
+    nl_status st = nl_objective_check(c, obj, err);
+    return st == NL_OK && o->r.pack ? nl_objective_check_pack(c, *obj, err) : st;
 }
 
 /* Mean cross-entropy over eval_batches held-out batches (over the targets
- * that count: all of them, or the masked ones of mlm). */
+ * that count: all of them, or the masked ones of mlm; doc: packed rows'
+ * documents, or NULL). */
 static nl_status eval_loss(nl_trainer *tr, const nl_dataset *ds, const train_opts *o, int obj,
-                           const nl_config *c, int32_t *tokens, int32_t *targets, double *loss,
-                           nl_error *err)
+                           const nl_config *c, int32_t *tokens, int32_t *targets, int32_t *doc,
+                           double *loss, nl_error *err)
 {
     const int B = (int)o->r.batch, T = (int)o->r.seq, mb = (int)(o->r.batch / o->r.micro);
     double ce = 0.0;
@@ -80,13 +82,17 @@ static nl_status eval_loss(nl_trainer *tr, const nl_dataset *ds, const train_opt
     nl_status st = NL_OK;
     for (long long i = 0; i < o->r.eval_batches && st == NL_OK; i++) {
         st = nl_objective_batch(ds, obj, c, 1, (uint64_t)o->r.seed, (uint64_t)i, B, T, tokens,
-                                targets, &n, err);
+                                targets, doc, &n, err);
         valid += n;
         nl_trainer_begin_step(tr, (int64_t)B * T);
-        for (int j = 0; j < o->r.micro && st == NL_OK; j++)
-            st = nl_trainer_forward(tr, 0, mb, T, tokens + (size_t)j * mb * T, NULL,
-                                    targets + (size_t)j * mb * T, &ce, NULL, err);
+        for (int j = 0; j < o->r.micro && st == NL_OK; j++) {
+            const size_t r0 = (size_t)j * mb * T;
+            if ((st = nl_trainer_set_docs(tr, doc ? doc + r0 : NULL, mb * T, err)) == NL_OK)
+                st = nl_trainer_forward(tr, 0, mb, T, tokens + r0, NULL, targets + r0, &ce, NULL,
+                                        err);
+        }
     }
+    nl_trainer_set_docs(tr, NULL, 0, NULL);
     *loss = ce / (valid > 0 ? (double)valid : 1.0);
     return st;
 }
@@ -227,6 +233,7 @@ typedef struct train_run {
     nl_lora *lo;
     FILE *logf;
     int32_t *tokens, *targets; /* (batch, seq) */
+    int32_t *doc;              /* (batch, seq): --pack's documents, or NULL */
     int64_t start, step;       /* the step it began at, the steps done */
     int obj;
     carried_meta cm;
@@ -274,7 +281,8 @@ static int run_open(train_run *x, const train_opts *o)
     }
     x->tokens = malloc((size_t)B * T * sizeof *x->tokens);
     x->targets = malloc((size_t)B * T * sizeof *x->targets);
-    if (!x->tokens || !x->targets) {
+    x->doc = o->r.pack ? malloc((size_t)B * T * sizeof *x->doc) : NULL;
+    if (!x->tokens || !x->targets || (o->r.pack && !x->doc)) {
         nl_error_set(err, NL_ERR_NOMEM, "out of memory");
         return 1;
     }
@@ -299,6 +307,12 @@ static int run_open(train_run *x, const train_opts *o)
             nl_config_param_count(&x->m->cfg), x->ds->n_train, x->ds->n - x->ds->n_train,
             o->r.steps, B, T, M, x->be->name, o->tf32 ? "on" : "off", o->bf16 ? "bf16" : "FP32",
             (double)me.total / (1 << 20), (double)x->ds->n * 4 / (1 << 20));
+    if (o->r.pack) {
+        size_t ends = 0;
+        for (size_t i = 0; i < x->ds->n; i++)
+            ends += x->ds->ids[i] == NL_TOKEN_END;
+        fprintf(stderr, "packed rows: %zu <|end|> ids in the data end documents\n", ends);
+    }
     return 0;
 }
 
@@ -324,12 +338,12 @@ static int run_steps(train_run *x, const train_opts *o)
         nl_step_result r;
         int64_t valid = 0;
         if (nl_objective_batch(x->ds, x->obj, &x->m->cfg, 0, (uint64_t)o->r.seed, (uint64_t)step, B,
-                               T, x->tokens, x->targets, &valid, err) != NL_OK)
+                               T, x->tokens, x->targets, x->doc, &valid, err) != NL_OK)
             return 1;
         if (inject && atoll(inject) == step)
             nl_trainer_inject_nan(x->tr);
-        if (nl_trainer_step_local(x->tr, x->tokens, x->targets, B, T, M, (float)lr,
-                                  (float)NL_TRAIN_CLIP_NORM, adam, &r, err) != NL_OK ||
+        if (nl_trainer_step_packed(x->tr, x->tokens, x->targets, x->doc, B, T, M, (float)lr,
+                                   (float)NL_TRAIN_CLIP_NORM, adam, &r, err) != NL_OK ||
             nl_cli_device_check(x->be, err) != NL_OK)
             return 1;
         skipped += r.skipped != 0;
@@ -337,7 +351,7 @@ static int run_steps(train_run *x, const train_opts *o)
             nl_local_step_record(o, &r, step, x->start, lr, (double)B * T / (nl_train_clock() - t0),
                                  t_begin, x->be->name);
         if (rep.has_eval && eval_loss(x->tr, x->ds, o, x->obj, &x->m->cfg, x->tokens, x->targets,
-                                      &rep.eval_loss, err) != NL_OK)
+                                      x->doc, &rep.eval_loss, err) != NL_OK)
             return 1;
         nl_train_report_step(&x->prog, &rep, x->logf);
         if (!x->lo && o->r.ckpt_every > 0 && (step + 1) % o->r.ckpt_every == 0 &&
@@ -437,6 +451,7 @@ static void run_close(train_run *x, const train_opts *o, int rc)
     nl_local_unlock(&x->lk);
     free(x->tokens);
     free(x->targets);
+    free(x->doc);
     nl_dataset_destroy(&x->ds);
     nl_trainer_destroy(&x->tr);
     nl_lora_destroy(&x->lo);
@@ -542,7 +557,8 @@ static int train_main(int argc, char **argv, int finetune)
         "[--microbatches M] [--lr X] [--warmup W] [--seed S] [--eval-every K] "
         "[--checkpoint-every K] [--log LOG.jsonl] [--out FINAL.safetensors [--force]] "
         "[--resume CKPT] [--threads N] [--device D] [--tf32] [--precision fp32|bf16] "
-        "[--progress-every S] [--objective clm|mlm|classify]" NL_CLI_CLUSTER_USAGE("train");
+        "[--progress-every S] [--objective clm|mlm|classify] "
+        "[--pack]" NL_CLI_CLUSTER_USAGE("train");
     const char *ft_usage =
         "neuroctl finetune --model BASE --data DATA --steps N --out ADAPTER.safetensors "
         "[--lora-rank R] [--lora-alpha A] [--lora-targets wq,wk,wv,wo] [--objective "

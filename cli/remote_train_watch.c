@@ -200,6 +200,9 @@ static void on_start(rtrain_watch *w, const json_t *ev)
             integer(ev, "seq", w->o->r.seq), integer(ev, "microbatches", w->o->r.micro),
             integer(ev, "stages", 0), w->devices[0] ? " (devices " : "", w->devices,
             w->devices[0] ? ")" : "", objective);
+    if (json_object_get(ev, "pack_ends")) /* as local training says it */
+        fprintf(stderr, "packed rows: %lld <|end|> ids in the data end documents\n",
+                integer(ev, "pack_ends", 0));
 }
 
 /* A re-plan at a checkpoint: why (a node joined, or the stages' measured

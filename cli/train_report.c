@@ -197,6 +197,7 @@ int nl_train_run_read(const nl_flag *flags, nl_train_run *r)
                         .warmup = -1,
                         .min_lr = -1};
     r->recompute = nl_args_get(flags, "recompute") != NULL;
+    r->pack = nl_args_get(flags, "pack") != NULL;
     if ((rc = int_flag(flags, "steps", "steps", &r->steps)) ||
         (rc = int_flag(flags, "batch", "batch", &r->batch)) ||
         (rc = int_flag(flags, "seq", "seq", &r->seq)) ||
@@ -238,6 +239,7 @@ void nl_train_run_params(const nl_train_run *r, nl_trainparams *p)
     p->min_lr = r->min_lr;
     p->holdout = r->holdout;
     p->recompute = r->recompute;
+    p->pack = r->pack;
 }
 
 int nl_train_lora_read(const nl_flag *flags, long long *rank, double *alpha, const char **targets,

@@ -17,6 +17,7 @@ typedef struct nl_train_run {
     double lr, min_lr, holdout;
     double progress_s; /* --progress-every: seconds between progress lines into a file or pipe */
     int recompute;
+    int pack; /* --pack: packed rows, <|end|> ends a document (core/objective.h) */
 } nl_train_run;
 
 /* The flags nl_train_run_read reads (in an nl_flag table). */
@@ -38,8 +39,13 @@ typedef struct nl_train_run {
          "S: into a file or pipe, a progress line every S seconds (default 10; 0: every step; "    \
          "a terminal redraws one line in place)",                                                  \
          NULL},                                                                                    \
+        {"recompute", 0, "recompute each layer's activations in the backward pass", NULL},         \
     {                                                                                              \
-        "recompute", 0, "recompute each layer's activations in the backward pass", NULL            \
+        "pack", 0,                                                                                 \
+            "packed rows: <|end|> (id 257, placed in a .tok file) ends a document; attention "     \
+            "stays inside one and positions restart after it, and no prediction crosses it "       \
+            "(not with classify)",                                                                 \
+            NULL                                                                                   \
     }
 
 /* Read the run's options (--steps must be there: check it first) with

@@ -57,13 +57,15 @@ typedef struct ctrain {
     int recompute, final_ckpt;
     int64_t learn_vocab; /* ids the tokenizer learns from the data first (coord_grow.c), or 0 */
     int objective;       /* core/objective.h; NL_OBJ_MODEL: the model's */
+    int pack;            /* packed rows: <|end|> ends a document (nl_objective_batch) */
+    int64_t pack_ends;   /* packed rows: the <|end|> ids in the data */
     /* where it is */
     int phase; /* tr_state (coord_train.c): the state machine's alone */
     int stages;
     nl_dataset *ds;            /* the token stream (clm, mlm) */
     nl_labelled *lds;          /* the labelled examples (classify) */
     int32_t *tokens, *targets; /* (batch, seq) */
-    int32_t *docs;             /* classify: (batch, seq) the padding's document */
+    int32_t *docs;             /* (batch, seq): classify's padding, packed rows' documents */
     int32_t *labels, *lengths; /* classify: (batch) */
     int64_t valid;             /* the predictions this step's loss is over */
     double eval_rows;          /* an evaluation's predictions (mlm: the masked ones) */

@@ -18,6 +18,7 @@
 #include "coord_train_impl.h"
 #include "core/fileio.h"
 #include "core/objective.h"
+#include "core/tokenizer.h"
 #include "net/trainparams.h"
 
 /* Read the run's parameters by their schema (net/trainparams.h, which
@@ -47,6 +48,7 @@ static nl_status read_params(ctrain *t, const nl_msg_job_submit *s, const char *
     t->seq_default = p.seq_default;
     t->learn_vocab = p.learn_vocab;
     t->objective = p.objective; /* NL_OBJ_MODEL: the model's */
+    t->pack = p.pack;
     snprintf(t->data, sizeof t->data, "%s", p.data);
     snprintf(t->ckpt_dir, sizeof t->ckpt_dir, "%s", p.checkpoint_dir);
     *resume = p.resume;
@@ -70,6 +72,8 @@ typedef struct prep_task {
     nl_dataset *ds;
     nl_dataset_info info;
     int classify; /* the data is labelled examples (lds), split by seed */
+    int pack;     /* packed rows: count the data's <|end|> ids (ends) */
+    int64_t ends;
     uint64_t seed;
     nl_labelled *lds;
     int grow; /* --learn-vocab: v learns from the data and grows the model first */
@@ -101,6 +105,8 @@ static void prep_run(cwork *w)
     else
         p->st = nl_dataset_load_model(&p->ds, p->data, tok, vocab, p->holdout,
                                       "the cluster's model", &p->info, &p->err);
+    for (size_t i = 0; p->st == NL_OK && p->pack && p->ds && i < p->ds->n; i++)
+        p->ends += p->ds->ids[i] == NL_TOKEN_END;
 }
 
 static void prep_free(cwork *w)
@@ -172,7 +178,8 @@ const char *coord_train_prepared(nl_coord *c, cjob *j, const tr_in *in, char *wh
      * step 0 from the weights the stages hold */
     t->cont = p->resume != NULL || c->src_continues;
     nl_error e = {0};
-    if (nl_objective_check(&c->cfg, &t->objective, &e) != NL_OK) { /* the client's, checked */
+    if (nl_objective_check(&c->cfg, &t->objective, &e) != NL_OK || /* the client's, checked */
+        (t->pack && nl_objective_check_pack(&c->cfg, t->objective, &e) != NL_OK)) {
         snprintf(why, cap, "%s", e.msg);
         return why;
     }
@@ -190,14 +197,15 @@ const char *coord_train_prepared(nl_coord *c, cjob *j, const tr_in *in, char *wh
     t->lds = p->lds;
     p->ds = NULL;
     p->lds = NULL;
+    t->pack_ends = p->ends;
     if (p->info.tokenized)
         NL_INFO("train job %llu: tokenized %s: %zu bytes -> %zu tokens in %.1f s",
                 (unsigned long long)j->id, t->data, p->info.text_bytes, t->ds->n, p->info.encode_s);
     const size_t n = (size_t)t->batch * (size_t)t->seq;
     if (!(t->tokens = malloc(n * sizeof *t->tokens)) ||
         !(t->targets = malloc(n * sizeof *t->targets)) ||
-        (t->lds && (!(t->docs = malloc(n * sizeof *t->docs)) ||
-                    !(t->labels = malloc((size_t)t->batch * sizeof *t->labels)) ||
+        ((t->lds || t->pack) && !(t->docs = malloc(n * sizeof *t->docs))) ||
+        (t->lds && (!(t->labels = malloc((size_t)t->batch * sizeof *t->labels)) ||
                     !(t->lengths = malloc((size_t)t->batch * sizeof *t->lengths))))) {
         snprintf(why, cap, "out of memory");
         return why;
@@ -329,6 +337,7 @@ static const char *start_worker(nl_coord *c, cjob *j, prep_task *p, const nl_msg
     p->vocab = c->cfg.vocab_size;
     p->holdout = t->holdout;
     p->classify = t->objective == NL_OBJ_CLASSIFY;
+    p->pack = t->pack;
     p->seed = (uint64_t)t->seed;
     int oom = 0;
     p->resume = coord_train_dup(resume, &oom);
@@ -393,9 +402,10 @@ const char *coord_train_prepare(nl_coord *c, cjob *j, const nl_msg_job_submit *s
     }
     /* the objective against the model it trains now (a resumed one's is
      * checked again once its manifest is installed) */
-    if (!resume && t->objective != NL_OBJ_MODEL) {
+    if (!resume && (t->objective != NL_OBJ_MODEL || t->pack)) {
         int obj = t->objective;
-        if (nl_objective_check(&c->cfg, &obj, &e) != NL_OK) {
+        if (nl_objective_check(&c->cfg, &obj, &e) != NL_OK ||
+            (t->pack && nl_objective_check_pack(&c->cfg, obj, &e) != NL_OK)) {
             free(p);
             snprintf(why, cap, "train: %s", e.msg);
             return why;

@@ -55,6 +55,8 @@ void coord_train_report_start(nl_coord *c, cjob *j)
                           (json_int_t)t->micro, "objective", nl_objective_name(t->objective));
     if (o && t->lds)
         json_object_set_new(o, "classes", json_integer(t->lds->n_classes));
+    if (o && t->pack)
+        json_object_set_new(o, "pack_ends", json_integer((json_int_t)t->pack_ends));
     json_t *devices = json_array(); /* each stage's device, as its node's JOIN said */
     for (int s = 0; devices && s < t->stages; s++) {
         cnode *n = coord_stage_node(c, s);

@@ -154,7 +154,7 @@ nl_status coord_train_make_batch(const nl_coord *c, ctrain *t, int split, uint64
         return st;
     }
     return nl_objective_batch(t->ds, t->objective, &c->cfg, split, (uint64_t)t->seed, index, B, T,
-                              t->tokens, t->targets, valid, e);
+                              t->tokens, t->targets, t->pack ? t->docs : NULL, valid, e);
 }
 
 /* The held-out batches of an evaluation: eval_batches, or (classify) as
@@ -166,14 +166,15 @@ int64_t coord_train_eval_batches(const ctrain *t)
 
 /* A hop of `type` with microbatch mb of the batch in t->tokens (and the
  * objective's arrays: the targets, or classification's documents, labels
- * and lengths; a COUNT takes the documents only) to stage 0. */
+ * and lengths; packed rows' documents; a COUNT takes the documents only)
+ * to stage 0. */
 static int send_hop(nl_coord *c, cjob *j, nl_msg_type type, uint64_t step, uint32_t mb,
                     int64_t loss_rows)
 {
     ctrain *t = j->state;
     const int64_t B = t->batch / t->micro, shape[2] = {B, t->seq};
     const size_t rows = (size_t)B * (size_t)t->seq, m0 = mb % (uint32_t)t->micro;
-    const bool count = type == NL_MSG_COUNT, classify = t->lds != NULL;
+    const bool count = type == NL_MSG_COUNT, classify = t->lds != NULL, docs = classify || t->pack;
     cnode *first = coord_stage_node(c, 0);
     nl_wire_msg m;
     nl_wire_msg_init(&m);
@@ -182,7 +183,7 @@ static int send_hop(nl_coord *c, cjob *j, nl_msg_type type, uint64_t step, uint3
     nl_wire_frame_set(&m.frames[0], t->tokens + m0 * rows, NL_DTYPE_I32, shape, 2); /* copied */
     m.nframes = 1;
     nl_wire_hop_set_extras(&m, B, t->seq, count || classify ? NULL : t->targets + m0 * rows,
-                           classify ? t->docs + m0 * rows : NULL,
+                           docs ? t->docs + m0 * rows : NULL,
                            classify && !count ? t->labels + m0 * B : NULL,
                            classify && !count ? t->lengths + m0 * B : NULL);
     m.u.train_hop.loss_rows = loss_rows > 0 ? (uint64_t)loss_rows : 0;
@@ -202,8 +203,9 @@ int coord_train_send_step(nl_coord *c, cjob *j)
         t->sent = calloc((size_t)t->micro, NL_HOP_DIGEST_BYTES);
     const uint64_t k = (uint64_t)t->step + 1;
     /* the loss rows the last stage's gradient is scaled by: every position
-     * of clm (0 says so), the masked ones of mlm, the sequences of classify */
-    const int64_t loss_rows = nl_objective_loss_rows(t->objective, t->valid);
+     * of clm (0 says so), the masked ones of mlm, the sequences of classify;
+     * those not ignored at packed rows' document ends */
+    const int64_t loss_rows = nl_objective_loss_rows(t->objective, t->valid, t->batch * t->seq);
     /* the batch's expert shares first (DESIGN: frac_e over the whole batch) */
     for (int64_t mb = 0; t->micro > 1 && mb < t->micro; mb++)
         if (send_hop(c, j, NL_MSG_COUNT, k, (uint32_t)mb, loss_rows) != 0)

@@ -6,6 +6,7 @@
 
 #include "config.h"
 #include "data.h"
+#include "tokenizer.h"
 
 static const char *const names[] = {"clm", "mlm", "classify"};
 
@@ -41,19 +42,58 @@ nl_status nl_objective_check(const nl_config *cfg, int *obj, nl_error *err)
     return NL_OK;
 }
 
+nl_status nl_objective_check_pack(const nl_config *cfg, int obj, nl_error *err)
+{
+    if (obj == NL_OBJ_CLASSIFY)
+        return nl_error_set(err, NL_ERR_INVALID,
+                            "--pack: not with --objective classify (each example is a row of "
+                            "its own)");
+    if (cfg->vocab_size <= NL_TOKEN_END)
+        return nl_error_set(err, NL_ERR_INVALID,
+                            "--pack: the model's vocab_size %lld does not hold <|end|> (id %d), "
+                            "which ends a document",
+                            (long long)cfg->vocab_size, NL_TOKEN_END);
+    return NL_OK;
+}
+
+/* doc ids of packed rows, counted from the <|end|> ids of each row; under
+ * clm an <|end|>'s target is ignored. Returns the targets ignored. */
+static int64_t pack_rows(const int32_t *tokens, int32_t *targets, int32_t *doc, int B, int T,
+                         int obj)
+{
+    int64_t ignored = 0;
+    for (int b = 0; b < B; b++) {
+        int32_t d = 0;
+        for (int t = 0; t < T; t++) {
+            const size_t i = (size_t)b * T + (size_t)t;
+            doc[i] = d;
+            if (tokens[i] != NL_TOKEN_END)
+                continue;
+            d++;
+            if (obj == NL_OBJ_CLM && targets[i] >= 0) {
+                targets[i] = -1;
+                ignored++;
+            }
+        }
+    }
+    return ignored;
+}
+
 nl_status nl_objective_batch(const nl_dataset *ds, int obj, const nl_config *cfg, int split,
                              uint64_t seed, uint64_t index, int B, int T, int32_t *tokens,
-                             int32_t *targets, int64_t *valid, nl_error *err)
+                             int32_t *targets, int32_t *doc, int64_t *valid, nl_error *err)
 {
     nl_status st = nl_dataset_batch(ds, split, seed, index, B, T, tokens, targets, err);
     *valid = (int64_t)B * T;
+    if (st == NL_OK && doc) /* before the mask rewrites ids */
+        *valid -= pack_rows(tokens, targets, doc, B, T, obj);
     if (st == NL_OK && obj == NL_OBJ_MLM)
         *valid = (int64_t)nl_mlm_mask(tokens, targets, (size_t)B * T, cfg->mask_prob,
                                       cfg->vocab_size, seed + (uint64_t)split, index);
     return st;
 }
 
-int64_t nl_objective_loss_rows(int obj, int64_t valid)
+int64_t nl_objective_loss_rows(int obj, int64_t valid, int64_t rows)
 {
-    return obj == NL_OBJ_CLM ? 0 : valid;
+    return obj == NL_OBJ_CLM && valid == rows ? 0 : valid;
 }

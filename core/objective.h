@@ -40,17 +40,31 @@ nl_status nl_objective_parse(const char *name, int *obj, nl_error *err);
  * NL_ERR_INVALID with the message a user of --objective reads. */
 nl_status nl_objective_check(const struct nl_config *cfg, int *obj, nl_error *err);
 
+/* Packed rows (DESIGN 6, --pack): <|end|> (NL_TOKEN_END, core/tokenizer.h)
+ * in the data ends a document; a row's positions after it are the next
+ * document's. Whether a run of objective `obj` on model `cfg` may pack
+ * rows: not classify (each example is a row of its own already), and the
+ * model's vocabulary must hold <|end|>. NL_ERR_INVALID naming --pack. */
+nl_status nl_objective_check_pack(const struct nl_config *cfg, int obj, nl_error *err);
+
 /* Batch `index` of a split (0: training, 1: held out) of a token
  * objective (clm, mlm) drawn from ds with `seed`: next-token windows, and
  * for mlm the same tokens masked by the model's mask_prob with the other
  * targets ignored (the mask's seed is seed + split). *valid: the targets
- * that count. tokens and targets hold B x T. */
+ * that count. tokens and targets hold B x T.
+ * doc (B x T, or NULL: one document per row) packs rows: doc[b T + t] is
+ * the number of <|end|> ids before position t in row b (read before any
+ * masking), so attention stays inside a document and positions restart
+ * after each <|end|>; under clm an <|end|>'s target (the next document's
+ * first id) is ignored, as no prediction crosses a document's end. */
 nl_status nl_objective_batch(const struct nl_dataset *ds, int obj, const struct nl_config *cfg,
                              int split, uint64_t seed, uint64_t index, int B, int T,
-                             int32_t *tokens, int32_t *targets, int64_t *valid, nl_error *err);
+                             int32_t *tokens, int32_t *targets, int32_t *doc, int64_t *valid,
+                             nl_error *err);
 
 /* The loss rows the last stage scales its gradient by for a batch of
- * `valid` predictions: 0 (every position) for clm, else valid. */
-int64_t nl_objective_loss_rows(int obj, int64_t valid);
+ * `valid` predictions out of `rows` positions: 0 (every position) for clm
+ * when every target counts, else valid. */
+int64_t nl_objective_loss_rows(int obj, int64_t valid, int64_t rows);
 
 #endif

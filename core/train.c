@@ -555,6 +555,14 @@ nl_status nl_trainer_step_local(nl_trainer *t, const int32_t *tokens, const int3
                                 int B, int T, int M, float lr, float clip_norm, nl_adamw_opts o,
                                 nl_step_result *res, nl_error *err)
 {
+    return nl_trainer_step_packed(t, tokens, targets, NULL, B, T, M, lr, clip_norm, o, res, err);
+}
+
+nl_status nl_trainer_step_packed(nl_trainer *t, const int32_t *tokens, const int32_t *targets,
+                                 const int32_t *doc, int B, int T, int M, float lr,
+                                 float clip_norm, nl_adamw_opts o, nl_step_result *res,
+                                 nl_error *err)
+{
     memset(res, 0, sizeof *res);
     if (M < 1 || B % M != 0)
         return nl_error_set(err, NL_ERR_INVALID, "microbatches: %d does not divide batch %d", M, B);
@@ -571,17 +579,21 @@ nl_status nl_trainer_step_local(nl_trainer *t, const int32_t *tokens, const int3
     nl_trainer_set_loss_rows(t, valid);
     if (M > 1) { /* the batch's expert shares, so the split does not change the loss */
         for (int j = 0; j < M && st == NL_OK; j++)
-            st = nl_trainer_count_routes(t, mb, T, tokens + j * rows, NULL, err);
+            if ((st = nl_trainer_set_docs(t, doc ? doc + j * rows : NULL, (int)rows, err)) ==
+                NL_OK)
+                st = nl_trainer_count_routes(t, mb, T, tokens + j * rows, NULL, err);
         if (st != NL_OK)
             return st;
         nl_trainer_use_counts(t, NULL);
     }
     for (int j = 0; j < M && st == NL_OK; j++) {
-        st = nl_trainer_forward(t, 0, mb, T, tokens + j * rows, NULL, targets + j * rows, &ce,
-                                &aux, err);
+        if ((st = nl_trainer_set_docs(t, doc ? doc + j * rows : NULL, (int)rows, err)) == NL_OK)
+            st = nl_trainer_forward(t, 0, mb, T, tokens + j * rows, NULL, targets + j * rows, &ce,
+                                    &aux, err);
         if (st == NL_OK)
             st = nl_trainer_backward(t, 0, NULL, err);
     }
+    nl_trainer_set_docs(t, NULL, 0, NULL);
     if (st != NL_OK)
         return st;
     const double scale = nl_step_decide(res, ce, valid > 0 ? (double)valid : 1.0, aux,

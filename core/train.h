@@ -167,6 +167,14 @@ double nl_step_decide(nl_step_result *r, double ce_sum, double rows, double aux,
 nl_status nl_trainer_step_local(nl_trainer *t, const int32_t *tokens, const int32_t *targets,
                                 int B, int T, int M, float lr, float clip_norm, nl_adamw_opts o,
                                 nl_step_result *res, nl_error *err);
+/* nl_trainer_step_local over packed rows: doc (host, (B, T), or NULL: one
+ * document per sequence) as nl_trainer_set_docs takes them, each
+ * microbatch's for its counting pass, forward and backward. Leaves no
+ * documents set. */
+nl_status nl_trainer_step_packed(nl_trainer *t, const int32_t *tokens, const int32_t *targets,
+                                 const int32_t *doc, int B, int T, int M, float lr,
+                                 float clip_norm, nl_adamw_opts o, nl_step_result *res,
+                                 nl_error *err);
 
 /* nl_trainer_step_local for classification (DESIGN 6): B sequences of T
  * ids (host, (B, T)) with their valid lengths and labels (B) and the

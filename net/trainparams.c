@@ -42,6 +42,7 @@ static const nl_param_key keys[] = {
     {"seq_default", NL_PT_BOOL, REQ, 0, 0, 1, 0, F(seq_default)},
     {"learn_vocab", NL_PT_INT, REQ, 0, 0, 1 << 24, 0, F(learn_vocab)},
     {"objective", NL_PT_OBJECTIVE, REQ, 0, 0, 0, 0, F(objective)},
+    {"pack", NL_PT_BOOL, REQ, 0, 0, 1, 0, F(pack)},
     {"lora_rank", NL_PT_INT, FT | SFT, FT | SFT, 1, NL_LORA_MAX_RANK, 0, F(lora_rank)},
     {"lora_alpha", NL_PT_NUM, FT | SFT, FT | SFT, 0, NL_LORA_MAX_ALPHA, 1, F(lora_alpha)},
     {"lora_targets", NL_PT_STR, FT | SFT, FT | SFT, 1, 39, 0, F(lora_targets)},
@@ -115,6 +116,10 @@ static nl_status check_request(nl_trainparams *p, int ft, nl_error *err)
         return nl_error_set(err, NL_ERR_RANGE,
                             "JOB_SUBMIT params.learn_vocab: not with objective classify (the "
                             "vocabulary learns from text)");
+    if (p->objective == NL_OBJ_CLASSIFY && p->pack)
+        return nl_error_set(err, NL_ERR_RANGE,
+                            "JOB_SUBMIT params.pack: not with objective classify (each example "
+                            "is a row of its own)");
     if (ft && p->resume)
         return nl_error_set(err, NL_ERR_RANGE,
                             "JOB_SUBMIT params.resume: a fine-tuning job starts its adapters "

@@ -30,6 +30,8 @@
  *                                                              default: fit to max_seq_len)
  *   learn_vocab       integer    0 .. 2^24       0             a train request
  *   objective         clm|mlm|classify           the model's   a request (core/objective.h)
+ *   pack              boolean                    false         a request (packed rows: <|end|>
+ *                                                              ends a document, core/objective.h)
  *   lora_rank         integer    1 .. 1024       8             fine-tuning
  *   lora_alpha        number     (0, 1e6]        16            fine-tuning
  *   lora_targets      string     1..39 bytes     wq,wk,wv,wo   fine-tuning (core/lora.h)
@@ -71,6 +73,7 @@ typedef struct nl_trainparams {
     int recompute, final_ckpt, seq_default;
     int64_t learn_vocab;
     int objective; /* nl_objective, or NL_OBJ_MODEL: the model's config's */
+    int pack;      /* packed rows (nl_objective_batch's doc) */
     /* fine-tuning: the adapters */
     int64_t lora_rank;
     double lora_alpha;

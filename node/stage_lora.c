@@ -80,11 +80,6 @@ static nl_status ft_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job
         return nl_error_set(err, NL_ERR_STATE,
                             "finetune job %lld: training job %llu changes this stage's weights",
                             job, (unsigned long long)other);
-    if (s->n_rep > 1) /* the adapters would need the replicas' all-reduce: not built */
-        return nl_error_set(err, NL_ERR_UNSUPPORTED,
-                            "finetune job %lld: fine-tuning on %d data-parallel replicas is not "
-                            "available (run the node on one device)",
-                            job, s->n_rep);
     if (nl_stage_job_find(s, p.job))
         return nl_error_set(err, NL_ERR_STATE, "finetune job %lld: already runs on this stage",
                             job);

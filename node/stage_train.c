@@ -258,8 +258,12 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg
     *out = NULL;
     const int64_t mbB = p->micro_batch, T = p->seq, M = p->micro, start = p->start_step;
     const int recompute = p->recompute, moments = p->moments;
+    /* fine-tuning runs on replica 0 alone: its adapters are attached to
+     * the stage's model (replica 0's) for each of its messages, and the
+     * other replicas' copies of the base would need theirs */
+    const int R = s->model && s->model->lora ? 1 : s->n_rep;
     nl_status st;
-    for (int r = 0; r < s->n_rep; r++)
+    for (int r = 0; r < R; r++)
         if (!s->rbe[r]->can_train)
             return nl_error_set(err, NL_ERR_UNSUPPORTED,
                                 "%s: training on this device is not available yet (train job %lld)",
@@ -280,7 +284,7 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg
     if (slots > M)
         slots = (int)M;
     /* each replica keeps its share of the microbatches in flight */
-    const int rslots = (slots + s->n_rep - 1) / s->n_rep;
+    const int rslots = (slots + R - 1) / R;
     nl_mem_opts mo = {.training = 1,
                       .micro_rows = (int)(mbB * T),
                       .in_flight = rslots,
@@ -296,7 +300,7 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg
                             "(--memory)%s",
                             (long long)job, m->l0, m->l1, rslots, (long long)mbB, (long long)T,
                             (unsigned long long)me.total, (unsigned long long)s->o.memory_bytes,
-                            s->n_rep > 1 ? " on each replica" : "");
+                            R > 1 ? " on each replica" : "");
     nl_stage_job_drop_kind(s, NL_JOB_TRAIN); /* the earlier job's memory first */
     stage_train *t = calloc(1, sizeof *t);
     if (!t)
@@ -316,7 +320,7 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg
     t->rows = (size_t)(mbB * T);
     t->d = (size_t)m->cfg.hidden_dim;
     t->applied = start;
-    t->R = s->n_rep;
+    t->R = R;
     t->rslots = rslots;
     t->has_embed = m->has_embed;
     t->has_head = m->has_head;
@@ -355,6 +359,10 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg
                 (unsigned long long)t->job, t->R, nl_comm_name(s->comm), rslots,
                 rslots == 1 ? "" : "es",
                 t->M < t->R ? "; fewer microbatches than replicas leave some idle" : "");
+    else if (s->n_rep > 1)
+        NL_INFO("train job %llu: fine-tuning runs on replica 0 (%s) alone, not on the stage's %d "
+                "data-parallel replicas",
+                (unsigned long long)t->job, s->rbe[0]->name, s->n_rep);
     *out = t;
     return NL_OK;
 }

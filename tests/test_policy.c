@@ -15,15 +15,21 @@
  *    microbatch of at most 2^24 rows on a stage);
  *  - core/objective: names, the default (the model's), and the check
  *    against a model (mlm needs the mask id, classify a classifier);
+ *    packed rows: the documents counted from <|end|> ids, clm's targets
+ *    across a document's end ignored (mlm's documents read before the
+ *    mask), the loss rows, and the refusals (classify, no <|end|> id);
  *  - core/train nl_step_decide: the loss composition, the gradient norm,
  *    the clipping factor (1 below the clip norm) and the non-finite
  *    guard. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "../core/config.h"
+#include "../core/data.h"
 #include "../core/lora.h"
 #include "../core/objective.h"
+#include "../core/tokenizer.h"
 #include "../core/train.h"
 #include "../net/genparams.h"
 #include "../net/params.h"
@@ -216,6 +222,16 @@ static void test_train_request(void)
     CHECK(nl_trainparams_parse(&q, w, n, NL_TRAINPARAMS_TRAIN, &err) == NL_ERR_RANGE &&
               strstr(err.msg, "params.learn_vocab"),
           "classify with learn_vocab: %s", err.msg);
+    p = request();
+    p.pack = 1;
+    n = nl_trainparams_wire(&p, NL_TRAINPARAMS_TRAIN, w);
+    CHECK_OK(nl_trainparams_parse(&q, w, n, NL_TRAINPARAMS_TRAIN, &err), &err);
+    CHECK(q.pack == 1, "pack read back as %d", q.pack);
+    p.objective = NL_OBJ_CLASSIFY;
+    n = nl_trainparams_wire(&p, NL_TRAINPARAMS_TRAIN, w);
+    CHECK(nl_trainparams_parse(&q, w, n, NL_TRAINPARAMS_TRAIN, &err) == NL_ERR_RANGE &&
+              strstr(err.msg, "params.pack"),
+          "classify with pack: %s", err.msg);
 }
 
 static void test_finetune(void)
@@ -326,8 +342,70 @@ static void test_objective(void)
     CHECK_OK(nl_objective_check(&c, &obj, &err), &err);
     obj = NL_OBJ_CLASSIFY;
     CHECK_OK(nl_objective_check(&c, &obj, &err), &err);
-    CHECK(nl_objective_loss_rows(NL_OBJ_CLM, 7) == 0 && nl_objective_loss_rows(NL_OBJ_MLM, 7) == 7,
+    CHECK(nl_objective_loss_rows(NL_OBJ_CLM, 7, 7) == 0 &&
+              nl_objective_loss_rows(NL_OBJ_CLM, 6, 7) == 6 &&
+              nl_objective_loss_rows(NL_OBJ_MLM, 7, 7) == 7,
           "loss rows");
+}
+
+/* Packed rows: a stream of documents ended by <|end|>, batched with and
+ * without documents. */
+static void test_pack(void)
+{
+    enum { N = 400, B = 3, T = 24 };
+    nl_error err = {0};
+    uint32_t *ids = malloc(N * sizeof *ids);
+    CHECK(ids != NULL, "out of memory");
+    for (int i = 0; i < N; i++) /* documents of 1..9 ids, each ended by <|end|> */
+        ids[i] = i % 7 == 6 || i % 11 == 10 ? NL_TOKEN_END : (uint32_t)(i * 31 % 256);
+    nl_dataset *ds = NULL;
+    CHECK_OK(nl_dataset_from_ids(&ds, ids, N, 0.1, &err), &err);
+    nl_config c = {.vocab_size = 300, .mask_prob = 0.3};
+    int32_t tok[B * T], tgt[B * T], doc[B * T], ptok[B * T], ptgt[B * T];
+    int64_t valid = 0, pvalid = 0;
+    CHECK_OK(nl_objective_batch(ds, NL_OBJ_CLM, &c, 0, 5, 2, B, T, tok, tgt, NULL, &valid, &err),
+             &err);
+    CHECK_OK(nl_objective_batch(ds, NL_OBJ_CLM, &c, 0, 5, 2, B, T, ptok, ptgt, doc, &pvalid, &err),
+             &err);
+    CHECK(valid == B * T && memcmp(tok, ptok, sizeof tok) == 0, "packing changed the ids");
+    int64_t ends = 0;
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            const int i = b * T + t;
+            int32_t d = 0;
+            for (int u = 0; u < t; u++)
+                d += tok[b * T + u] == NL_TOKEN_END;
+            CHECK(doc[i] == d, "row %d position %d: document %d, not %d", b, t, doc[i], d);
+            ends += tok[i] == NL_TOKEN_END;
+            CHECK(ptgt[i] == (tok[i] == NL_TOKEN_END ? -1 : tgt[i]),
+                  "row %d position %d: target %d (id %d, unpacked %d)", b, t, ptgt[i], tok[i],
+                  tgt[i]);
+        }
+    CHECK(ends > 0 && pvalid == B * T - ends, "%lld ends: %lld valid", (long long)ends,
+          (long long)pvalid);
+    CHECK(nl_objective_loss_rows(NL_OBJ_CLM, pvalid, B * T) == pvalid, "packed clm's loss rows");
+    /* mlm: the same mask as unpacked, the documents of the ids before it */
+    int32_t mdoc[B * T];
+    CHECK_OK(nl_objective_batch(ds, NL_OBJ_MLM, &c, 1, 5, 3, B, T, tok, tgt, NULL, &valid, &err),
+             &err);
+    CHECK_OK(nl_objective_batch(ds, NL_OBJ_MLM, &c, 1, 5, 3, B, T, ptok, ptgt, mdoc, &pvalid, &err),
+             &err);
+    CHECK(valid == pvalid && memcmp(tok, ptok, sizeof tok) == 0 &&
+              memcmp(tgt, ptgt, sizeof tgt) == 0,
+          "packing changed mlm's batch");
+    CHECK_OK(nl_objective_batch(ds, NL_OBJ_CLM, &c, 1, 5, 3, B, T, ptok, ptgt, doc, &pvalid, &err),
+             &err);
+    CHECK(memcmp(doc, mdoc, sizeof doc) == 0, "mlm's documents are not those of its ids");
+    /* the refusals */
+    CHECK_OK(nl_objective_check_pack(&c, NL_OBJ_MLM, &err), &err);
+    CHECK(nl_objective_check_pack(&c, NL_OBJ_CLASSIFY, &err) == NL_ERR_INVALID &&
+              strstr(err.msg, "--pack: not with --objective classify"),
+          "pack with classify: %s", err.msg);
+    c.vocab_size = 257;
+    CHECK(nl_objective_check_pack(&c, NL_OBJ_CLM, &err) == NL_ERR_INVALID &&
+              strstr(err.msg, "does not hold <|end|>"),
+          "pack on 257 ids: %s", err.msg);
+    nl_dataset_destroy(&ds);
 }
 
 static void test_step_decide(void)
@@ -355,6 +433,7 @@ int main(void)
     test_finetune();
     test_train_stage();
     test_objective();
+    test_pack();
     test_step_decide();
     return check_done("test_policy");
 }

@@ -9,7 +9,9 @@
 #  - a cluster whose first node runs cpu,cpu replicas (its stage's
 #    microbatches shared by two backends, gradients all-reduced) trains
 #    with every step's loss within 1e-6 of the same cluster with one
-#    replica per node, and within 1e-5 of neuroctl train in one process.
+#    replica per node, and within 1e-5 of neuroctl train in one process;
+#    fine-tuning there runs on the node's replica 0 alone and equals
+#    neuroctl finetune in one process bit for bit.
 . "$(dirname "$0")/cluster_lib.sh"
 DEVICE="${NL_TEST_DEVICE:-cpu}"
 export NL_TEST_GFLOPS=20 # one throughput for every node: the plan does not depend on probes
@@ -129,6 +131,34 @@ assert worst <= 1e-5, worst
 shards = sorted(__import__("glob").glob(w + "/ck2/step-*/stage-*.safetensors"))
 meta = [json.loads(tensors(p)[1].get("train", "{}")) for p in shards]
 assert any(m.get("replicas") == 2 for m in meta) and any("replicas" not in m for m in meta), meta
+PY
+
+# fine-tuning on the replicated node runs on its replica 0 alone: bit for
+# bit the run of one process from the weights the stages hold now
+FT=(--data "$W/data.txt" --steps 3 --batch 8 --seq 32 --microbatches 4 --lr 3e-3 --seed 2
+    --lora-rank 4 --lora-alpha 8 --lora-targets wq,wv,w_gate)
+check "$N" finetune --device "$DEVICE" --model "$W/rep.safetensors" "${FT[@]}" --threads 1 \
+  --log "$W/ft_local.jsonl" --out "$W/ft_local.safetensors" 2> /dev/null
+check "$N" finetune --cluster "$C" "${FT[@]}" --log "$W/ft.jsonl" --out "$W/ft.safetensors" \
+  --checkpoint-dir "$W/ck_ft" 2> "$W/ft.err"
+tail -n 2 "$W/ft.err"
+check grep -q "fine-tuning runs on replica 0 ($DEVICE) alone" "$C/node-1.log"
+python3 - "$W" <<'PY' || { fail=$((fail + 1)); echo "FAIL: fine-tuning on the replicated node" >&2; }
+import json, struct, sys
+w = sys.argv[1]
+log = lambda p: [json.loads(l) for l in open(w + "/" + p) if '"step"' in l]
+a, b = log("ft.jsonl"), log("ft_local.jsonl")
+assert [r["step"] for r in a] == [1, 2, 3] and [r["step"] for r in b] == [1, 2, 3], (a, b)
+for x, y in zip(a, b):
+    assert (x["loss"], x["grad_norm"]) == (y["loss"], y["grad_norm"]), (x, y)
+def tensors(p):
+    b = open(w + "/" + p, "rb").read(); n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n])
+    return {k: b[8 + n + v["data_offsets"][0]: 8 + n + v["data_offsets"][1]]
+            for k, v in h.items() if k != "__metadata__"}
+x, y = tensors("ft.safetensors"), tensors("ft_local.safetensors")
+assert set(x) == set(y) and all(x[k] == y[k] for k in y), sorted(k for k in y if x.get(k) != y[k])
+assert any(any(y[k]) for k in y if k.endswith("lora_B.weight")), "the adapters did not train"
+print("fine-tuning on the replicated node: 3 steps and %d adapter tensors bit for bit" % len(y))
 PY
 
 echo "test_replica_cli: $pass passed, $fail failed"
