@@ -53,6 +53,7 @@ typedef struct cnode {
     size_t rid_len;
     char device[33];
     char endpoint[257];
+    bool no_inbound; /* JOIN.flags NO_INBOUND: it dials its previous stage (ASSIGN.links) */
     uint64_t memory;
     double gflops;      /* its probe's (JOIN) */
     double seen_gflops; /* as observed in a training job's stage times (0: not yet) */

@@ -137,6 +137,7 @@ void coord_on_join(nl_coord *c, const nl_rx *rx)
     n->rid_len = rx->rid_len;
     snprintf(n->device, sizeof n->device, "%s", j->device);
     snprintf(n->endpoint, sizeof n->endpoint, "%s", j->data_endpoint);
+    n->no_inbound = (j->flags & NL_JOIN_NO_INBOUND) != 0;
     n->memory = j->memory_bytes;
     n->gflops = j->gemm_gflops;
     n->threads = j->threads;
@@ -150,8 +151,9 @@ void coord_on_join(nl_coord *c, const nl_rx *rx)
     if (nl_sock_reply(c->ctl, rx, &m, &e) != NL_OK)
         NL_WARN("ACCEPT to node %u: %s", n->id, e.msg);
     nl_wire_msg_free(&m);
-    NL_INFO("node %u joined: %s, %.1f GiB, %.1f GFLOP/s, %u threads, data %s, key %.8s...", n->id,
-            n->device, (double)n->memory / (1 << 30), n->gflops, n->threads, n->endpoint, n->key);
+    NL_INFO("node %u joined: %s, %.1f GiB, %.1f GFLOP/s, %u threads, data %s%s, key %.8s...", n->id,
+            n->device, (double)n->memory / (1 << 30), n->gflops, n->threads, n->endpoint,
+            n->no_inbound ? " (no inbound: it dials its neighbours)" : "", n->key);
     c->last_plan_try = 0;
     c->replan_wanted |= COORD_REPLAN_JOINED;
 }

@@ -21,6 +21,27 @@
 
 #define CHUNK_FLOATS (1u << 20) /* 4 MiB per LAYER_LOAD frame */
 
+/* Which side opens the links of node n (ASSIGN.links, net/wire.h): a
+ * node that accepts no inbound connection dials its previous stage, and
+ * that stage lets it. Two such neighbours have no link between them: a
+ * relay is not implemented, so the plan is said to be unworkable here and
+ * the stages' first hop fails with that error. */
+static uint32_t assign_links(const cnode *n, const cnode *prev, const cnode *next, int stage)
+{
+    uint32_t links = 0;
+    if (prev && n->no_inbound) {
+        if (prev->no_inbound)
+            NL_ERROR("stage %d: node %u and the previous stage's node %u both accept no inbound "
+                     "connections, and no relay joins them: their hops cannot pass",
+                     stage, n->id, prev->id);
+        else
+            links |= NL_LINK_DIAL_PREV;
+    }
+    if (next && next->no_inbound && !n->no_inbound)
+        links |= NL_LINK_NEXT_DIALS;
+    return links;
+}
+
 static void send_assign(nl_coord *c, int stage, const char *cfg_json)
 {
     const nl_plan_stage *s = &c->plan->stages[stage];
@@ -48,7 +69,8 @@ static void send_assign(nl_coord *c, int stage, const char *cfg_json)
                                  .next_endpoint = next ? next->endpoint : "",
                                  .next_key = next ? next->key : "",
                                  .memory_planned = s->bytes,
-                                 .wire = (uint32_t)c->o.wire};
+                                 .wire = (uint32_t)c->o.wire,
+                                 .links = assign_links(n, prev, next, stage)};
     coord_send_node(c, n, &m);
     nl_wire_msg_free(&m);
 }
