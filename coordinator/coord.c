@@ -313,6 +313,8 @@ static void tick(nl_coord *c)
     if (c->loads_active)
         coord_stream_loads(c);
     coord_check_jobs(c, now);
+    if (c->probes > 0 && coord_probe_tick(c) > 0)
+        return; /* no plan until the joining nodes' data endpoints are known (coord_probe.c) */
     if (!coord_grow_tick(c)) /* --grow auto may deepen the model first (coord_grow.c) */
         coord_replan_at_rest(c);
     if (!c->plan && now - c->last_plan_try > 0.5 && !c->manifests_writing)

@@ -81,7 +81,7 @@ static const nl_wire_field f_assign[] = {
     F_STR(nl_msg_assign, next_endpoint, NL_WCS_WORD, 0, 256),
     F_STR(nl_msg_assign, next_key, NL_WCS_Z85, 0, NL_KEY_Z85_LEN),
     F_U64(nl_msg_assign, memory_planned, U64_ANY),
-    F_U32_OPT(nl_msg_assign, wire), /* nl_wire_precision (check_assign); absent: FP32 */
+    F_U32_OPT(nl_msg_assign, wire),  /* nl_wire_precision (check_assign); absent: FP32 */
     F_U32_OPT(nl_msg_assign, links), /* nl_link (check_assign); absent: 0 */
 };
 static const nl_wire_field f_layer_load[] = {

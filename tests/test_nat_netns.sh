@@ -6,6 +6,8 @@
 # --no-inbound and still serves its stage: it dials its previous stage,
 # greedy generation gives the local tool's ids, and a training job ends
 # bit-identical to the same job on a loopback cluster of ordinary nodes.
+# Then again with node 2 saying nothing and the coordinator started with
+# --probe-inbound: it finds node 2's data endpoint closed, and plans it so.
 # Needs root, `ip netns` and iptables; skipped (77) with a message otherwise.
 set -uo pipefail
 N="$NL_BUILD_DIR/cli/neuroctl"
@@ -87,59 +89,88 @@ for k in 1 2 3; do
   "$N" keygen --out "$W/node$k" >/dev/null
   echo "$(cat "$W/node$k.pub")  # node$k" >> "$W/coord/authorized_keys"
 done
-ip netns exec "${P}c" "$COORD" --listen tcp://10.77.1.1:7700 --state-dir "$W/coord" \
-  --model "$W/m.safetensors" --min-nodes 3 --data-root / --checkpoint-root / \
-  > "$W/coord.log" 2>&1 &
-pids+=($!)
-for i in $(seq 1 50); do [ -f "$W/coord/coordinator.pub" ] && break; sleep 0.1; done
-for k in 1 2 3; do # node k in namespace nk at 10.77.1.(k+1); each joins before the next starts
-  extra=()
-  [ $k = 2 ] && extra=(--no-inbound)
-  ip netns exec "${P}n$k" "$NODE" join tcp://10.77.1.1:7700 --key "$W/node$k.key" \
-    --coordinator-key "$W/coord/coordinator.pub" --memory 64M --threads 1 --name "n$k" \
-    --listen "tcp://10.77.1.$((k + 1)):7701" --checkpoint-root "$W" "${extra[@]}" \
-    > "$W/n$k.log" 2>&1 &
-  pids+=($!)
-  for i in $(seq 1 200); do grep -q "joined tcp://" "$W/n$k.log" && break; sleep 0.05; done
-done
 CL=(--coordinator tcp://10.77.1.1:7701 --key "$W/client.key" --coordinator-key "$W/coord/coordinator.pub")
-ready=0
-for i in $(seq 1 150); do
-  ip netns exec "${P}c" "$N" status "${CL[@]}" --timeout 5 2>/dev/null | grep -q "ready" && ready=1 && break
-  sleep 0.3
-done
-check test $ready -eq 1
-check grep -q "joined: .*data tcp://10.77.1.3:7701 (no inbound" "$W/coord.log"
+# start ROUND COORD_FLAG NODE2_FLAG: a fresh coordinator (state in $W/coord,
+# logs $W/ROUND-*.log) and nodes 1..3, node k in namespace nk at
+# 10.77.1.(k+1), each joining before the next starts; waits for the plan
+start() {
+  local r=$1 k i
+  rm -f "$W/coord/endpoint" "$W/coord/client_endpoint"
+  ip netns exec "${P}c" "$COORD" --listen tcp://10.77.1.1:7700 --state-dir "$W/coord" \
+    --model "$W/m.safetensors" --min-nodes 3 --data-root / --checkpoint-root / $2 \
+    > "$W/$r-coord.log" 2>&1 &
+  pids+=($!)
+  for i in $(seq 1 50); do [ -f "$W/coord/endpoint" ] && break; sleep 0.1; done
+  for k in 1 2 3; do
+    local extra=()
+    [ $k = 2 ] && [ -n "$3" ] && extra=("$3")
+    ip netns exec "${P}n$k" "$NODE" join tcp://10.77.1.1:7700 --key "$W/node$k.key" \
+      --coordinator-key "$W/coord/coordinator.pub" --memory 64M --threads 1 --name "n$k" \
+      --listen "tcp://10.77.1.$((k + 1)):7701" --checkpoint-root "$W" "${extra[@]}" \
+      > "$W/$r-n$k.log" 2>&1 &
+    pids+=($!)
+    for i in $(seq 1 200); do grep -q "joined tcp://" "$W/$r-n$k.log" && break; sleep 0.05; done
+  done
+  for i in $(seq 1 150); do
+    ip netns exec "${P}c" "$N" status "${CL[@]}" --timeout 5 2>/dev/null | grep -q "ready" &&
+      return 0
+    sleep 0.3
+  done
+  return 1
+}
+stop() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
+  wait "${pids[@]}" 2>/dev/null
+  pids=()
+}
+# serves ROUND: node 2 dialed its previous stage; greedy generation gives
+# the local tool's ids; a training job ends bit-identical to the reference
+l=$("$N" generate --device cpu --model "$W/m.safetensors" --prompt-tokens 72,101,108 --max-new 12 \
+  --temperature 0 --threads 1 | head -1)
+check test -n "$l"
+serves() {
+  local r=$1
+  check grep -q "accepts no inbound connections: it dials the previous stage" "$W/$r-n2.log"
+  check grep -q "the link to the previous stage at .* is up" "$W/$r-n2.log"
+  check grep -q "the next stage dialed in" "$W/$r-n1.log" "$W/$r-n3.log"
+  local g
+  g=$(ip netns exec "${P}c" "$N" generate "${CL[@]}" --prompt-tokens 72,101,108 --max-new 12 \
+    --temperature 0 --timeout 60 | head -1)
+  echo "$r: local:           $l"
+  echo "$r: behind the rule: $g"
+  check test "$l" = "$g"
+  check ip netns exec "${P}c" "$N" train "${CL[@]}" "${RUN[@]}" --checkpoint-dir "$W/ck-$r" \
+    --out "$W/$r.safetensors" --timeout 120 2>"$W/$r.err"
+  check $PY "$NL_SOURCE_DIR/tests/same_tensors.py" "$W/$r.safetensors" "$W/ref.safetensors"
+}
 
+# ---- node 2 says --no-inbound ----
+check start flag "" --no-inbound
+check grep -q "joined: .*data tcp://10.77.1.3:7701 (no inbound" "$W/flag-coord.log"
 # the rule holds: node 2's data port cannot be reached from node 1, node 3's can
 probe() { # NS HOST: connect within 3 s?
   ip netns exec "$P$1" timeout 3 bash -c "exec 3<>/dev/tcp/$2/7701" 2>/dev/null
 }
-check probe n1 10.77.1.4
 unreachable() { ! probe "$@"; }
+check probe n1 10.77.1.4
 check unreachable n1 10.77.1.3
 dropped=$(ip netns exec "${P}n2" iptables -L INPUT -v -n -x | awk '/DROP/ {print $1; exit}')
 echo "inbound connection attempts dropped at node 2 so far: $dropped packets"
 check test "${dropped:-0}" -gt 0
+serves flag
+stop
 
-check grep -q "accepts no inbound connections: it dials the previous stage" "$W/n2.log"
-check grep -q "the link to the previous stage at .* is up" "$W/n2.log"
-check grep -q "the next stage dialed in" "$W/n1.log" "$W/n3.log"
-
-l=$("$N" generate --device cpu --model "$W/m.safetensors" --prompt-tokens 72,101,108 --max-new 12 \
-  --temperature 0 --threads 1 | head -1)
-r=$(ip netns exec "${P}c" "$N" generate "${CL[@]}" --prompt-tokens 72,101,108 --max-new 12 \
-  --temperature 0 --timeout 60 | head -1)
-echo "local:           $l"
-echo "behind the rule: $r"
-check test -n "$l"
-check test "$l" = "$r"
-check ip netns exec "${P}c" "$N" train "${CL[@]}" "${RUN[@]}" --checkpoint-dir "$W/ck1" \
-  --out "$W/nat.safetensors" --timeout 120 2>"$W/nat.err"
-check $PY "$NL_SOURCE_DIR/tests/same_tensors.py" "$W/nat.safetensors" "$W/ref.safetensors"
+# ---- node 2 says nothing; the coordinator finds its endpoint closed ----
+check start probe --probe-inbound ""
+check grep -q "data endpoint tcp://10.77.1.3:7701 did not answer a connection within 2 s: it is planned as a node that accepts no inbound" \
+  "$W/probe-coord.log"
+check test "$(grep -c "its data endpoint tcp://10.77.1.[24]:7701 accepts connections" \
+  "$W/probe-coord.log")" -eq 2
+serves probe
+stop
 
 if [ "$fail" -gt 0 ]; then
-  for f in "$W"/coord.log "$W"/n?.log "$W"/nat.err; do echo "== $f"; tail -20 "$f"; done
+  for f in "$W"/*.log "$W"/*.err; do echo "== $f"; tail -20 "$f"; done
 fi
 echo "test_nat_netns: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]

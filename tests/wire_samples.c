@@ -50,8 +50,8 @@ void sample(nl_wire_msg *m, nl_msg_type t)
         m->u.error = (nl_msg_error){NL_ERR_SHAPE, NL_MSG_ACTIVATION, "shape [2, 3] \xe2\x9c\x93"};
         break;
     case NL_MSG_JOIN:
-        m->u.join = (nl_msg_join){KEY_A, "cuda:1", 8ull << 30, 1234.5, 16, "tcp://10.0.0.2:7001",
-                                  NL_JOIN_NO_INBOUND};
+        m->u.join = (nl_msg_join){
+            KEY_A, "cuda:1", 8ull << 30, 1234.5, 16, "tcp://10.0.0.2:7001", NL_JOIN_NO_INBOUND};
         break;
     case NL_MSG_ACCEPT:
         m->u.accept = (nl_msg_accept){7, 1000, 10000};
@@ -224,8 +224,7 @@ bool same_msg(const nl_wire_msg *a, const nl_wire_msg *b)
         return seq(p->join.pubkey, q->join.pubkey) && seq(p->join.device, q->join.device) &&
                p->join.memory_bytes == q->join.memory_bytes &&
                p->join.gemm_gflops == q->join.gemm_gflops && p->join.threads == q->join.threads &&
-               seq(p->join.data_endpoint, q->join.data_endpoint) &&
-               p->join.flags == q->join.flags;
+               seq(p->join.data_endpoint, q->join.data_endpoint) && p->join.flags == q->join.flags;
     case NL_MSG_ACCEPT:
         return memcmp(&p->accept, &q->accept, sizeof p->accept) == 0;
     case NL_MSG_HEARTBEAT:
