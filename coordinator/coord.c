@@ -270,6 +270,7 @@ void nl_coord_destroy(nl_coord **cp)
         return;
     nl_coord *c = *cp;
     coord_work_shutdown(c);
+    coord_relay_stop(c);
     for (int i = 0; i < COORD_MAX_JOBS; i++)
         coord_job_free(&c->jobs[i]);
     nl_plan_destroy(&c->plan);

@@ -210,6 +210,7 @@ struct nl_coord {
     void *observe_ctx;
     cnode *nodes; /* n_nodes slots (NODE_FREE: never used) */
     int probes;   /* --probe-inbound: data endpoints being probed (coord_probe.c) */
+    struct crelay *relay; /* between neighbours that both accept no inbound (coord_relay.c) */
     int n_nodes;
     int n_live;
     /* the live nodes' indexes (coord_base.c): by routing id, node id and
@@ -417,6 +418,13 @@ void coord_probe_start(nl_coord *c, cnode *n);
 void coord_probe_stop(nl_coord *c, cnode *n);
 /* Finish the probes that answered or ran out; how many are still out. */
 int coord_probe_tick(nl_coord *c);
+/* ---------------------------------------------------------------- coord_relay.c
+ * The relay between neighbouring stages that both accept no inbound
+ * connections: the pairs of the current plan set (the relay started on
+ * first need); returns its port for ASSIGN.relay_port, 0 if none is needed
+ * or it could not start (logged). */
+int coord_relay_plan(nl_coord *c);
+void coord_relay_stop(nl_coord *c);
 /* Node n computed wrong in job `job` (coord_train_verify.c): its key is
  * banned (its authorized_keys line commented out, so it stays banned
  * across a restart, and the allow-lists reloaded), /api/events says so

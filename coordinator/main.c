@@ -150,6 +150,11 @@ static nl_flag flags[] = {
      "is planned as a node behind NAT (neuronode join --no-inbound): it dials its previous "
      "stage",
      NULL},
+    {"relay-listen", 1,
+     "ENDPOINT: where the relay between two neighbouring stages that both accept no inbound "
+     "connections listens, bound on first need (default: --listen's host, a free port; the "
+     "nodes dial it on the host they dial for --listen)",
+     NULL},
     {"plaintext", 0, "INSECURE: no CURVE encryption or authentication", NULL},
     {0}};
 
@@ -257,6 +262,7 @@ int main(int argc, char **argv)
     o.resume = nl_args_get(flags, "resume");
     o.plaintext = nl_args_get(flags, "plaintext") != NULL;
     o.probe_inbound = nl_args_get(flags, "probe-inbound") != NULL;
+    o.relay_listen = nl_args_get(flags, "relay-listen");
     o.data_root = nl_args_get(flags, "data-root");
     o.checkpoint_root = nl_args_get(flags, "checkpoint-root");
     if (!o.listen || !o.state_dir || (!!o.model + !!o.config + !!o.resume > 1)) {

@@ -176,6 +176,8 @@ typedef struct nl_msg_assign {
     uint64_t memory_planned;
     uint32_t wire;  /* nl_wire_precision of the hops this stage sends (optional: 0) */
     uint32_t links; /* nl_link bits: which side opens each neighbour's connection (optional: 0) */
+    uint32_t relay_port; /* with a RELAY link: the coordinator's relay, on the host the node
+                          * dialed for control (optional: 0) */
 } nl_msg_assign;
 
 /* ASSIGN.links: who opens the connection between two neighbours. By
@@ -188,9 +190,22 @@ typedef struct nl_msg_assign {
  *  - DIAL_PREV: this stage dials the previous stage's data endpoint
  *    (prev_endpoint, CURVE server prev_key) and takes its hops from there;
  *  - NEXT_DIALS: the next stage dials this stage's data socket, which
- *    admits next_key as well, and takes this stage's hops from it. */
-typedef enum nl_link { NL_LINK_DIAL_PREV = 1u << 0, NL_LINK_NEXT_DIALS = 1u << 1 } nl_link;
-#define NL_LINKS_ALL 3u
+ *    admits next_key as well, and takes this stage's hops from it.
+ * Where neither neighbour accepts inbound connections, both dial the
+ * coordinator's relay (relay_port, on the host the node dialed for
+ * control; CURVE server with the coordinator's key), which passes the
+ * messages between them:
+ *  - RELAY_PREV: this stage dials the relay for its previous stage's hops
+ *    (routing id: its public key and ":p");
+ *  - RELAY_NEXT: this stage's next socket dials the relay instead of the
+ *    next stage (routing id: its public key and ":n"). */
+typedef enum nl_link {
+    NL_LINK_DIAL_PREV = 1u << 0,
+    NL_LINK_NEXT_DIALS = 1u << 1,
+    NL_LINK_RELAY_PREV = 1u << 2,
+    NL_LINK_RELAY_NEXT = 1u << 3
+} nl_link;
+#define NL_LINKS_ALL 15u
 
 typedef struct nl_msg_layer_load { /* + one 1-D frame: a chunk of the tensor */
     uint64_t epoch;

@@ -557,9 +557,13 @@ static void on_next(node *n)
 {
     const nl_wire_msg *m = &n->rx.msg;
     char text[1100];
+    nl_error e;
     if (m->type == NL_MSG_GRADIENT)
         nl_node_handle_train(n, m);
-    else if (m->type == NL_MSG_ERROR)
+    else if (m->type == NL_MSG_HELLO) { /* a next stage behind NAT, through the relay */
+        if (nl_sock_answer_hello(n->next, &n->rx, NL_ROLE_NODE, &e) != NL_OK)
+            NL_WARN("HELLO_ACK to the next stage through the relay: %s", e.msg);
+    } else if (m->type == NL_MSG_ERROR)
         NL_WARN("the next stage reports an error about %s: %s",
                 nl_wire_type_name(m->u.error.req_type) ? nl_wire_type_name(m->u.error.req_type)
                                                        : "a message",

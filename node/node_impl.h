@@ -57,6 +57,8 @@ typedef struct node {
     bool load_pending;
     nl_msg_load_done load_done;
     int64_t load_wait_until;
+    int64_t hello_at_ms; /* HELLO again then, until the HELLO_ACK */
+    char relay_ep[300];  /* with a RELAY link: the coordinator's host at ASSIGN.relay_port */
     double gflops;
     int threads;
     uint64_t memory;          /* offered: --memory, or a GPU's free memory less the reserve */
@@ -107,7 +109,9 @@ nl_status nl_node_make_socket(node *n, nl_sock **out, int type, bool server, con
                               const char *name, nl_sock_kind kind, int linger_ms,
                               int send_timeout_ms, nl_error *err);
 
-/* node_links.c: the links to the neighbours */
+/* node_links.c: the links to the neighbours. The previous stage's hops
+ * come on prev_link, which this node dialed, with either of these links. */
+#define NL_NODE_DIALS_PREV (NL_LINK_DIAL_PREV | NL_LINK_RELAY_PREV)
 void nl_node_drop_next(node *n);
 void nl_node_on_next_event(node *n);
 /* Send m to the next stage, however its link was made (frames freed

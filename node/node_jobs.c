@@ -37,7 +37,7 @@ void nl_node_handle_assign(node *n, const nl_msg_assign *a)
      * it, and a next stage that dials in (node_links.c) */
     const char *keys[2];
     size_t nk = 0;
-    if (a->prev_key[0] && !(a->links & NL_LINK_DIAL_PREV))
+    if (a->prev_key[0] && !(a->links & NL_NODE_DIALS_PREV))
         keys[nk++] = a->prev_key;
     if (a->next_key[0] && (a->links & NL_LINK_NEXT_DIALS))
         keys[nk++] = a->next_key;
@@ -311,7 +311,7 @@ static nl_status train_send_to(node *n, nl_stage_dest to, nl_wire_msg *m, nl_err
         return nl_sock_send(n->ctl, NULL, 0, m, err);
     nl_status st;
     if (to == NL_STAGE_TO_PREV) {
-        if (n->links & NL_LINK_DIAL_PREV) /* back on the link this node dialed */
+        if (n->links & NL_NODE_DIALS_PREV) /* back on the link this node dialed */
             st = n->prev_link ? nl_sock_send(n->prev_link, NULL, 0, m, err)
                               : nl_error_set(err, NL_ERR_STATE, "the link is down");
         else if (!n->prev_rid_len)

@@ -16,9 +16,17 @@
  *  - NL_LINK_NEXT_DIALS: the next stage dials this node's data ROUTER,
  *    which admits next_key too; hops for the next stage go out of the
  *    ROUTER to the routing id next_key, and its gradients come back in.
+ *  - NL_LINK_RELAY_PREV and NL_LINK_RELAY_NEXT: neither neighbour can be
+ *    reached, so both dial the coordinator's relay (coordinator/
+ *    coord_relay.c) on the host this node dials for control, at
+ *    ASSIGN.relay_port, pinned to the coordinator's key: the previous
+ *    stage's next socket at once (routing id "<key>:n"), this node's link
+ *    as with DIAL_PREV (routing id "<key>:p"). The relay passes HELLO and
+ *    HELLO_ACK between them like the hops.
  * Either way both ends are pinned by the keys ASSIGN names: the side that
- * listens is the CURVE server and admits only its neighbours' keys, the
- * side that dials is a CURVE client that checks the server's key. */
+ * listens is the CURVE server and admits only its neighbours' keys (the
+ * relay: the keys of the pairs it joins), the side that dials is a CURVE
+ * client that checks the server's key. */
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
@@ -30,6 +38,19 @@
 #define DIAL_FIRST_MS 250  /* the first pause before dialing the previous stage again */
 #define DIAL_MAX_MS 2000   /* ... doubling up to this */
 #define LINK_WAIT_MS 30000 /* LOAD_DONE waits this long for the link before saying so */
+#define HELLO_EVERY_MS                                                                             \
+    500 /* HELLO again this often until the answer (a relay's other end                            \
+         * may not be there yet) */
+
+/* Give socket s the routing id "<this node's key><suffix>". */
+static nl_status set_rid(node *n, nl_sock *s, const char *suffix, nl_error *err)
+{
+    char id[NL_KEY_Z85_LEN + 3];
+    snprintf(id, sizeof id, "%s%s", n->o->keys->public_z85, suffix);
+    if (zmq_setsockopt(nl_sock_handle(s), ZMQ_ROUTING_ID, id, strlen(id)) != 0)
+        return nl_error_set(err, NL_ERR_IO, "ROUTING_ID: %s", zmq_strerror(zmq_errno()));
+    return NL_OK;
+}
 
 /* A PAIR that reads socket s's handshake events, or NULL (logged). */
 static void *watch(node *n, nl_sock *s, const char *name)
@@ -95,12 +116,18 @@ static nl_status ensure_next(node *n, nl_error *err)
 {
     if (n->next)
         return NL_OK;
-    nl_status st = nl_node_make_socket(n, &n->next, ZMQ_DEALER, false, n->next_key, "next",
+    const bool relay = n->links & NL_LINK_RELAY_NEXT; /* through the coordinator's relay */
+    nl_status st = nl_node_make_socket(n, &n->next, ZMQ_DEALER, false,
+                                       relay ? n->o->coordinator_key : n->next_key, "next",
                                        NL_SOCK_BULK, 0, 0, err);
-    if (st != NL_OK)
+    if (st == NL_OK && relay)
+        st = set_rid(n, n->next, ":n", err);
+    if (st != NL_OK) {
+        nl_sock_destroy(&n->next);
         return st;
+    }
     n->next_mon = watch(n, n->next, "next");
-    st = nl_sock_connect(n->next, n->next_ep, err);
+    st = nl_sock_connect(n->next, relay ? n->relay_ep : n->next_ep, err);
     if (st != NL_OK)
         nl_node_drop_next(n);
     return st;
@@ -161,21 +188,24 @@ void nl_node_drop_prev(node *n)
     unwatch(n->prev_link, &n->prev_mon);
     nl_sock_destroy(&n->prev_link);
     n->prev_ready = false;
+    n->hello_at_ms = 0; /* HELLO once the next handshake succeeds */
 }
 
-/* Dial the previous stage's data endpoint; on a failure, try again later. */
+/* Dial the previous stage's data endpoint (or the relay); on a failure,
+ * try again later. */
 static void dial_prev(node *n)
 {
     nl_error e;
-    const char *id = n->o->keys->public_z85; /* the routing id the previous stage sends to */
-    nl_status st = nl_node_make_socket(n, &n->prev_link, ZMQ_DEALER, false, n->prev_key, "prev",
+    const bool relay = n->links & NL_LINK_RELAY_PREV;
+    /* the routing id the previous stage (the relay) sends to */
+    nl_status st = nl_node_make_socket(n, &n->prev_link, ZMQ_DEALER, false,
+                                       relay ? n->o->coordinator_key : n->prev_key, "prev",
                                        NL_SOCK_BULK, 0, 0, &e);
-    if (st == NL_OK &&
-        zmq_setsockopt(nl_sock_handle(n->prev_link), ZMQ_ROUTING_ID, id, strlen(id)) != 0)
-        st = nl_error_set(&e, NL_ERR_IO, "socket prev: ROUTING_ID: %s", zmq_strerror(zmq_errno()));
+    if (st == NL_OK)
+        st = set_rid(n, n->prev_link, relay ? ":p" : "", &e);
     if (st == NL_OK) {
         n->prev_mon = watch(n, n->prev_link, "prev");
-        st = nl_sock_connect(n->prev_link, n->prev_ep, &e);
+        st = nl_sock_connect(n->prev_link, relay ? n->relay_ep : n->prev_ep, &e);
     }
     if (st != NL_OK) {
         NL_WARN("cannot dial the previous stage at %s: %s", n->prev_ep, e.msg);
@@ -185,16 +215,43 @@ static void dial_prev(node *n)
     n->dial_wait_ms = n->dial_wait_ms * 2 < DIAL_MAX_MS ? n->dial_wait_ms * 2 : DIAL_MAX_MS;
 }
 
+/* The relay's endpoint: the host of the coordinator's endpoint, at port. */
+static void relay_endpoint(node *n, uint32_t port)
+{
+    const char *ep = n->o->coordinator, *colon = strrchr(ep, ':');
+    n->relay_ep[0] = '\0';
+    if (strncmp(ep, "tcp://", 6) == 0 && colon && colon - ep < 250)
+        snprintf(n->relay_ep, sizeof n->relay_ep, "%.*s:%u", (int)(colon - ep), ep, port);
+    else
+        NL_ERROR("the coordinator's relay is at port %u of its host, but %s is no tcp:// endpoint",
+                 port, ep);
+}
+
 void nl_node_links_assign(node *n, const nl_msg_assign *a)
 {
+    nl_error e;
     nl_node_drop_prev(n);
     n->links = a->links;
     n->load_pending = false;
     snprintf(n->prev_key, sizeof n->prev_key, "%s", a->prev_key);
-    if (!(n->links & NL_LINK_DIAL_PREV))
+    if (n->links & (NL_LINK_RELAY_PREV | NL_LINK_RELAY_NEXT))
+        relay_endpoint(n, a->relay_port);
+    if (n->links & NL_LINK_RELAY_NEXT) { /* at once: the next stage's HELLO comes through it */
+        NL_INFO("the next stage accepts no inbound connections either: its hops go through the "
+                "relay at %s",
+                n->relay_ep);
+        if (ensure_next(n, &e) != NL_OK)
+            NL_WARN("cannot dial the relay at %s: %s", n->relay_ep, e.msg);
+    }
+    if (!(n->links & NL_NODE_DIALS_PREV))
         return;
-    NL_INFO("this node accepts no inbound connections: it dials the previous stage at %s",
-            n->prev_ep);
+    if (n->links & NL_LINK_RELAY_PREV)
+        NL_INFO("this node accepts no inbound connections, nor does the previous stage at %s: "
+                "it dials the relay at %s",
+                n->prev_ep, n->relay_ep);
+    else
+        NL_INFO("this node accepts no inbound connections: it dials the previous stage at %s",
+                n->prev_ep);
     n->dial_wait_ms = DIAL_FIRST_MS;
     dial_prev(n);
 }
@@ -204,6 +261,7 @@ void nl_node_links_assign(node *n, const nl_msg_assign *a)
 static void say_hello(node *n)
 {
     nl_error e;
+    n->hello_at_ms = nl_node_mono_ms() + HELLO_EVERY_MS;
     nl_wire_msg_reset(&n->tx, NL_MSG_HELLO);
     n->tx.u.hello = (nl_msg_hello){NL_ROLE_NODE, "neuronode"};
     if (nl_sock_send(n->prev_link, NULL, 0, &n->tx, &e) != NL_OK)
@@ -245,7 +303,7 @@ void nl_node_on_prev_ready(node *n)
 
 bool nl_node_hold_load_done(node *n, const nl_msg_load_done *d)
 {
-    if (!(n->links & NL_LINK_DIAL_PREV) || n->prev_ready)
+    if (!(n->links & NL_NODE_DIALS_PREV) || n->prev_ready)
         return false;
     n->load_done = *d;
     n->load_pending = true;
@@ -256,11 +314,13 @@ bool nl_node_hold_load_done(node *n, const nl_msg_load_done *d)
 
 void nl_node_links_tick(node *n)
 {
-    if (!(n->links & NL_LINK_DIAL_PREV))
+    if (!(n->links & NL_NODE_DIALS_PREV))
         return;
     const int64_t now = nl_node_mono_ms();
     if (!n->prev_link && now >= n->dial_at_ms)
         dial_prev(n);
+    else if (n->prev_link && !n->prev_ready && n->hello_at_ms && now >= n->hello_at_ms)
+        say_hello(n); /* through a relay the other end may have come since */
     if (n->load_pending && n->load_wait_until && now >= n->load_wait_until) {
         n->load_wait_until = 0; /* said once; the dialing goes on */
         nl_node_send_error(n, NL_ERR_TIMEOUT, NL_MSG_ASSIGN,

@@ -6,8 +6,8 @@
 # connection; a training job ends bit-identical to the same job on a
 # cluster of ordinary nodes, and greedy generation (whose token ring runs
 # from the last stage to the first) gives the same ids as the local tool.
-# Two neighbouring nodes that both accept nothing cannot be joined: the
-# coordinator says so. tests/test_nat_netns.sh runs the same with the
+# Two neighbouring nodes that both accept nothing both dial the
+# coordinator's relay, which passes their hops: the same again. tests/test_nat_netns.sh runs the same with the
 # node's inbound connections really dropped (network namespaces, iptables).
 . "$(dirname "$0")/cluster_lib.sh"
 export NL_TEST_GFLOPS=20
@@ -107,13 +107,31 @@ done
 test_cleanup
 pids=()
 
-# two nodes that accept nothing are neighbours in a ring of three: no link
-C2="$W/nat2"
-start_cluster "$C2" 1 2 >/dev/null
-check grep -q "both accept no inbound connections, and no relay joins them" "$C2/coord.log"
+# two nodes that accept nothing are neighbours in a ring of three: both dial
+# the coordinator's relay, which passes their hops; the third link flips as
+# above
+C="$W/relay"
+check start_cluster "$C" 1 2
+check grep -q "relay listening on tcp://127.0.0.1:" "$C/coord.log"
+check grep -q "relay: 1 pair(s) of neighbouring stages pass through it" "$C/coord.log"
+check grep -q "nor does the previous stage at .*: it dials the relay at" "$C/n1.log" "$C/n2.log"
+check grep -q "the next stage accepts no inbound connections either: its hops go through the relay" \
+  "$C/n1.log" "$C/n2.log"
+check grep -q "accepts no inbound connections: it dials the previous stage at" "$C/n1.log" \
+  "$C/n2.log"
+r=$("$N" generate "${CL[@]}" --prompt-tokens 72,101,108 --max-new 12 --temperature 0 | head -1)
+echo "relayed: $r"
+check test "$l" = "$r"
+check "$N" train "${CL[@]}" "${RUN[@]}" --checkpoint-dir "$W/ck2" --out "$W/relay.safetensors" \
+  2>"$W/relay.err"
+check $PY "$NL_SOURCE_DIR/tests/same_tensors.py" "$W/relay.safetensors" "$W/ref.safetensors"
+test_cleanup
+pids=()
+# (a HELLO that came before its other end did is dropped, and said again)
+check grep -q "relay: passed [1-9][0-9]* messages" "$C/coord.log"
 
 if [ "$fail" -gt 0 ]; then
-  for f in "$C"/coord.log "$C"/n?.log "$W"/nat.err; do echo "== $f"; tail -25 "$f"; done
+  for f in "$W"/*/coord.log "$W"/*/n?.log "$W"/*.err; do echo "== $f"; tail -25 "$f"; done
 fi
 echo "test_cluster_nat: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
