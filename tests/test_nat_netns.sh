@@ -8,6 +8,8 @@
 # bit-identical to the same job on a loopback cluster of ordinary nodes.
 # Then again with node 2 saying nothing and the coordinator started with
 # --probe-inbound: it finds node 2's data endpoint closed, and plans it so.
+# Last, node 3 drops inbound connections too: the two neighbours dial the
+# coordinator's relay, which passes their hops; the same results.
 # Needs root, `ip netns` and iptables; skipped (77) with a message otherwise.
 set -uo pipefail
 N="$NL_BUILD_DIR/cli/neuroctl"
@@ -90,7 +92,7 @@ for k in 1 2 3; do
   echo "$(cat "$W/node$k.pub")  # node$k" >> "$W/coord/authorized_keys"
 done
 CL=(--coordinator tcp://10.77.1.1:7701 --key "$W/client.key" --coordinator-key "$W/coord/coordinator.pub")
-# start ROUND COORD_FLAG NODE2_FLAG: a fresh coordinator (state in $W/coord,
+# start ROUND COORD_FLAG NODE2_FLAG [NODE3_FLAG]: a fresh coordinator (state in $W/coord,
 # logs $W/ROUND-*.log) and nodes 1..3, node k in namespace nk at
 # 10.77.1.(k+1), each joining before the next starts; waits for the plan
 start() {
@@ -104,6 +106,7 @@ start() {
   for k in 1 2 3; do
     local extra=()
     [ $k = 2 ] && [ -n "$3" ] && extra=("$3")
+    [ $k = 3 ] && [ -n "${4:-}" ] && extra=("$4")
     ip netns exec "${P}n$k" "$NODE" join tcp://10.77.1.1:7700 --key "$W/node$k.key" \
       --coordinator-key "$W/coord/coordinator.pub" --memory 64M --threads 1 --name "n$k" \
       --listen "tcp://10.77.1.$((k + 1)):7701" --checkpoint-root "$W" "${extra[@]}" \
@@ -129,11 +132,7 @@ l=$("$N" generate --device cpu --model "$W/m.safetensors" --prompt-tokens 72,101
   --temperature 0 --threads 1 | head -1)
 check test -n "$l"
 serves() {
-  local r=$1
-  check grep -q "accepts no inbound connections: it dials the previous stage" "$W/$r-n2.log"
-  check grep -q "the link to the previous stage at .* is up" "$W/$r-n2.log"
-  check grep -q "the next stage dialed in" "$W/$r-n1.log" "$W/$r-n3.log"
-  local g
+  local r=$1 g
   g=$(ip netns exec "${P}c" "$N" generate "${CL[@]}" --prompt-tokens 72,101,108 --max-new 12 \
     --temperature 0 --timeout 60 | head -1)
   echo "$r: local:           $l"
@@ -157,6 +156,9 @@ check unreachable n1 10.77.1.3
 dropped=$(ip netns exec "${P}n2" iptables -L INPUT -v -n -x | awk '/DROP/ {print $1; exit}')
 echo "inbound connection attempts dropped at node 2 so far: $dropped packets"
 check test "${dropped:-0}" -gt 0
+check grep -q "accepts no inbound connections: it dials the previous stage" "$W/flag-n2.log"
+check grep -q "the link to the previous stage at .* is up" "$W/flag-n2.log"
+check grep -q "the next stage dialed in" "$W/flag-n1.log" "$W/flag-n3.log"
 serves flag
 stop
 
@@ -166,8 +168,24 @@ check grep -q "data endpoint tcp://10.77.1.3:7701 did not answer a connection wi
   "$W/probe-coord.log"
 check test "$(grep -c "its data endpoint tcp://10.77.1.[24]:7701 accepts connections" \
   "$W/probe-coord.log")" -eq 2
+check grep -q "accepts no inbound connections: it dials the previous stage" "$W/probe-n2.log"
+check grep -q "the link to the previous stage at .* is up" "$W/probe-n2.log"
 serves probe
 stop
+
+# ---- nodes 2 and 3 both drop inbound connections: neighbours in a ring of
+# three, joined by the coordinator's relay ----
+ip netns exec "${P}n3" iptables -A INPUT -p tcp --syn -j DROP
+check unreachable n1 10.77.1.4
+check start relay "" --no-inbound --no-inbound
+check grep -q "relay listening on tcp://10.77.1.1:" "$W/relay-coord.log"
+check grep -q "relay: 1 pair(s) of neighbouring stages pass through it" "$W/relay-coord.log"
+check grep -q "it dials the relay at tcp://10.77.1.1:" "$W/relay-n2.log" "$W/relay-n3.log"
+check grep -q "its hops go through the relay at tcp://10.77.1.1:" "$W/relay-n2.log" \
+  "$W/relay-n3.log"
+serves relay
+stop
+check grep -q "relay: passed [1-9][0-9]* messages" "$W/relay-coord.log"
 
 if [ "$fail" -gt 0 ]; then
   for f in "$W"/*.log "$W"/*.err; do echo "== $f"; tail -20 "$f"; done
