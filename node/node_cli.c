@@ -54,7 +54,8 @@ static void help(FILE *f, const nl_flag *flags)
             "endpoint (CURVE, that stage's key pinned) and sends that stage's hops, and its\n"
             "gradients back, over that connection; the control connection is dialed by the\n"
             "node already. Two neighbouring stages that both accept no inbound connections\n"
-            "cannot be joined (no relay yet): the coordinator logs it (docs/cluster.md).\n"
+            "both dial the coordinator's relay (neurocoord --relay-listen), on the host they\n"
+            "dial for control, which passes their messages (docs/cluster.md).\n"
             "Exit status: 0 stopped, 1 failed, 2 usage error.\n");
 #ifdef NL_TEST_HOOKS
     fprintf(f, "This is a test build: NL_TEST_INJECT_NAN_STEP=K (K+: from K on) and\n"
