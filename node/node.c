@@ -331,6 +331,12 @@ static nl_status start(node *n, nl_error *err)
                                   err)) != NL_OK ||
         (st = nl_sock_bind(n->data, o->listen, err)) != NL_OK)
         return st;
+    /* a next stage behind NAT that dials again (its link dropped) takes its
+     * routing id over from the connection that is gone (node_links.c) */
+    int one = 1;
+    if (zmq_setsockopt(nl_sock_handle(n->data), ZMQ_ROUTER_HANDOVER, &one, sizeof one) != 0)
+        return nl_error_set(err, NL_ERR_IO, "data socket: ROUTER_HANDOVER: %s",
+                            zmq_strerror(zmq_errno()));
     if (strncmp(nl_sock_endpoint(n->data), "tcp://0.0.0.0:", 14) == 0)
         NL_WARN("data endpoint %s is a wildcard: other stages cannot reach it by that address; "
                 "listen on a routable address",
