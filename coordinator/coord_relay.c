@@ -101,7 +101,7 @@ static void pass_one(struct crelay *r, void *zs, int plaintext)
         ok = 0;
     for (; ok && i < np; i++)
         if (zmq_msg_send(&parts[i], zs, i + 1 < np ? ZMQ_SNDMORE : 0) < 0)
-            ok = 0; /* a part begun is closed by libzmq with the message */
+            ok = 0; /* the parts sent are empty now: closing them below is harmless */
     for (int k = ok ? np : 0; k < np; k++)
         zmq_msg_close(&parts[k]);
     pthread_mutex_lock(&r->mu);
