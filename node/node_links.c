@@ -141,6 +141,20 @@ void nl_node_on_next_event(node *n)
     int event = read_event(n->next_mon);
     if (event < 0)
         return;
+    if (n->links & NL_LINK_RELAY_NEXT) { /* the coordinator's relay, which admitted us first */
+        if (event == ZMQ_EVENT_HANDSHAKE_SUCCEEDED)
+            NL_INFO("connected to the relay at %s for the next stage", n->relay_ep);
+        else if (event == ZMQ_EVENT_DISCONNECTED)
+            NL_WARN("the relay at %s disconnected", n->relay_ep);
+        else
+            nl_node_send_error(n, NL_ERR_AUTH, NL_MSG_ASSIGN,
+                               "the relay at %s refused this node's handshake: is "
+                               "--coordinator-key the coordinator's key?",
+                               n->relay_ep);
+        if (event != ZMQ_EVENT_HANDSHAKE_SUCCEEDED && event != ZMQ_EVENT_DISCONNECTED)
+            nl_node_drop_next(n);
+        return;
+    }
     if (event == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
         NL_INFO("connected to the next stage at %s", n->next_ep);
     } else if (event == ZMQ_EVENT_DISCONNECTED) {
