@@ -118,7 +118,7 @@ static void send_join(nl_sock *s, nl_wire_msg *m, const nl_keypair *kp, const gr
     nl_error e = {0};
     snprintf(dep, sizeof dep, "tcp://127.0.0.1:%d", 20000 + gi);
     nl_wire_msg_reset(m, NL_MSG_JOIN);
-    m->u.join = (nl_msg_join){kp[gi].public_z85, "cpu", 1ull << 30, g->gflops + gi % 7, 1, dep};
+    m->u.join = (nl_msg_join){kp[gi].public_z85, "cpu", 1ull << 30, g->gflops + gi % 7, 1, dep, 0};
     nl_sock_send(s, NULL, 0, m, &e);
 }
 

@@ -270,6 +270,7 @@ void nl_coord_destroy(nl_coord **cp)
         return;
     nl_coord *c = *cp;
     coord_work_shutdown(c);
+    coord_relay_stop(c);
     for (int i = 0; i < COORD_MAX_JOBS; i++)
         coord_job_free(&c->jobs[i]);
     nl_plan_destroy(&c->plan);
@@ -313,6 +314,8 @@ static void tick(nl_coord *c)
     if (c->loads_active)
         coord_stream_loads(c);
     coord_check_jobs(c, now);
+    if (c->probes > 0 && coord_probe_tick(c) > 0)
+        return; /* no plan until the joining nodes' data endpoints are known (coord_probe.c) */
     if (!coord_grow_tick(c)) /* --grow auto may deepen the model first (coord_grow.c) */
         coord_replan_at_rest(c);
     if (!c->plan && now - c->last_plan_try > 0.5 && !c->manifests_writing)

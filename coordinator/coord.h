@@ -42,6 +42,10 @@ typedef struct nl_coord_opts {
     double verify_rate;    /* --verify-rate: the fraction of a training step's (stage,
                             * microbatch)s redone by another node (coord_train_verify.c) */
     int wire;              /* --wire: nl_wire_precision of the stages' hops (told in ASSIGN) */
+    const char *relay_listen; /* --relay-listen: the relay's endpoint (NULL: --listen's host,
+                               * a free port), bound when two such neighbours need it */
+    int probe_inbound;        /* --probe-inbound: a joining node whose data endpoint does not
+                               * answer a TCP connect is planned as --no-inbound (coord_probe.c) */
     int rebalance_after;   /* --rebalance-after: a training job judges the stages' observed
                             * speeds once after this many steps (0: only at checkpoints) */
     /* Where a training job's client-chosen paths may lead (data; resume

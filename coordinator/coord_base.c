@@ -327,6 +327,8 @@ cnode *coord_node_oldest(nl_coord *c)
 
 void coord_nodes_free(nl_coord *c)
 {
+    for (int i = 0; c->probes > 0 && i < c->n_nodes; i++)
+        coord_probe_stop(c, &c->nodes[i]);
     free(c->nodes);
     free(c->free_slots);
     free(c->by_rid);

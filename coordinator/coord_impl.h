@@ -53,6 +53,10 @@ typedef struct cnode {
     size_t rid_len;
     char device[33];
     char endpoint[257];
+    bool no_inbound;    /* JOIN.flags NO_INBOUND, or --probe-inbound found its data endpoint
+                         * closed: it dials its previous stage (ASSIGN.links) */
+    int probe_fd;       /* --probe-inbound: the connection to its data endpoint (0: none) */
+    double probe_until; /* ... given up then (monotonic seconds) */
     uint64_t memory;
     double gflops;      /* its probe's (JOIN) */
     double seen_gflops; /* as observed in a training job's stage times (0: not yet) */
@@ -205,6 +209,8 @@ struct nl_coord {
     nl_coord_observer observe; /* nl_coord_observe, or NULL */
     void *observe_ctx;
     cnode *nodes; /* n_nodes slots (NODE_FREE: never used) */
+    int probes;   /* --probe-inbound: data endpoints being probed (coord_probe.c) */
+    struct crelay *relay; /* between neighbours that both accept no inbound (coord_relay.c) */
     int n_nodes;
     int n_live;
     /* the live nodes' indexes (coord_base.c): by routing id, node id and
@@ -405,6 +411,20 @@ const char *coord_confine_file(const char *root, const char *path, const char *d
  * generation waits to resume) and plan again. */
 void coord_node_lost(nl_coord *c, cnode *n, int life, const char *why);
 void coord_on_join(nl_coord *c, const nl_rx *rx);
+/* ---------------------------------------------------------------- coord_probe.c
+ * --probe-inbound: a joining node's data endpoint tried with a TCP connect;
+ * a node it cannot reach is planned as one without inbound connections. */
+void coord_probe_start(nl_coord *c, cnode *n);
+void coord_probe_stop(nl_coord *c, cnode *n);
+/* Finish the probes that answered or ran out; how many are still out. */
+int coord_probe_tick(nl_coord *c);
+/* ---------------------------------------------------------------- coord_relay.c
+ * The relay between neighbouring stages that both accept no inbound
+ * connections: the pairs of the current plan set (the relay started on
+ * first need); returns its port for ASSIGN.relay_port, 0 if none is needed
+ * or it could not start (logged). */
+int coord_relay_plan(nl_coord *c);
+void coord_relay_stop(nl_coord *c);
 /* Node n computed wrong in job `job` (coord_train_verify.c): its key is
  * banned (its authorized_keys line commented out, so it stays banned
  * across a restart, and the allow-lists reloaded), /api/events says so

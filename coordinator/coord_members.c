@@ -34,6 +34,7 @@ void coord_node_lost(nl_coord *c, cnode *n, int life, const char *why)
         snprintf(msg, sizeof msg, "node %u (standby, %s) %s", n->id, n->endpoint, why);
     }
     NL_WARN("%s", msg);
+    coord_probe_stop(c, n);
     coord_node_unlive(c, n, life);
     n->stage = -1;
     if (stage >= 0) {
@@ -150,6 +151,7 @@ void coord_on_join(nl_coord *c, const nl_rx *rx)
     n->rid_len = rx->rid_len;
     snprintf(n->device, sizeof n->device, "%s", j->device);
     snprintf(n->endpoint, sizeof n->endpoint, "%s", j->data_endpoint);
+    n->no_inbound = (j->flags & NL_JOIN_NO_INBOUND) != 0;
     n->memory = j->memory_bytes;
     n->gflops = j->gemm_gflops;
     n->threads = j->threads;
@@ -163,8 +165,10 @@ void coord_on_join(nl_coord *c, const nl_rx *rx)
     if (nl_sock_reply(c->ctl, rx, &m, &e) != NL_OK)
         NL_WARN("ACCEPT to node %u: %s", n->id, e.msg);
     nl_wire_msg_free(&m);
-    NL_INFO("node %u joined: %s, %.1f GiB, %.1f GFLOP/s, %u threads, data %s, key %.8s...", n->id,
-            n->device, (double)n->memory / (1 << 30), n->gflops, n->threads, n->endpoint, n->key);
+    NL_INFO("node %u joined: %s, %.1f GiB, %.1f GFLOP/s, %u threads, data %s%s, key %.8s...", n->id,
+            n->device, (double)n->memory / (1 << 30), n->gflops, n->threads, n->endpoint,
+            n->no_inbound ? " (no inbound: it dials its neighbours)" : "", n->key);
+    coord_probe_start(c, n); /* --probe-inbound; the plans wait for it */
     c->last_plan_try = 0;
     c->replan_wanted |= COORD_REPLAN_JOINED;
 }

@@ -21,7 +21,31 @@
 
 #define CHUNK_FLOATS (1u << 20) /* 4 MiB per LAYER_LOAD frame */
 
-static void send_assign(nl_coord *c, int stage, const char *cfg_json)
+/* Which side opens the links of node n (ASSIGN.links, net/wire.h): a
+ * node that accepts no inbound connection dials its previous stage, and
+ * that stage lets it; two such neighbours both dial the relay
+ * (coord_relay.c, at relay_port). Without a relay they have no link: said
+ * here, and their first hop fails. */
+static uint32_t assign_links(const cnode *n, const cnode *prev, const cnode *next, int stage,
+                             int relay_port)
+{
+    uint32_t links = 0;
+    if (prev && n->no_inbound) {
+        if (!prev->no_inbound)
+            links |= NL_LINK_DIAL_PREV;
+        else if (relay_port)
+            links |= NL_LINK_RELAY_PREV;
+        else
+            NL_ERROR("stage %d: node %u and the previous stage's node %u both accept no inbound "
+                     "connections, and no relay joins them: their hops cannot pass",
+                     stage, n->id, prev->id);
+    }
+    if (next && next->no_inbound)
+        links |= !n->no_inbound ? NL_LINK_NEXT_DIALS : relay_port ? NL_LINK_RELAY_NEXT : 0;
+    return links;
+}
+
+static void send_assign(nl_coord *c, int stage, const char *cfg_json, int relay_port)
 {
     const nl_plan_stage *s = &c->plan->stages[stage];
     /* the stages make a ring: the last stage sends the tokens it samples
@@ -48,7 +72,10 @@ static void send_assign(nl_coord *c, int stage, const char *cfg_json)
                                  .next_endpoint = next ? next->endpoint : "",
                                  .next_key = next ? next->key : "",
                                  .memory_planned = s->bytes,
-                                 .wire = (uint32_t)c->o.wire};
+                                 .wire = (uint32_t)c->o.wire,
+                                 .links = assign_links(n, prev, next, stage, relay_port)};
+    if (m.u.assign.links & (NL_LINK_RELAY_PREV | NL_LINK_RELAY_NEXT))
+        m.u.assign.relay_port = (uint32_t)relay_port;
     coord_send_node(c, n, &m);
     nl_wire_msg_free(&m);
 }
@@ -400,8 +427,9 @@ static void plan_over(nl_coord *c, nl_plan_node *pn, int n, uint64_t total)
     }
     snprintf(epoch, sizeof epoch, "%llu", (unsigned long long)c->epoch);
     log_plan(c, plan, epoch);
+    const int relay_port = coord_relay_plan(c); /* before the ASSIGNs: it admits their keys */
     for (int s = 0; s < plan->n_stages && cfg_json; s++)
-        send_assign(c, s, cfg_json);
+        send_assign(c, s, cfg_json, relay_port);
     for (int s = 0; s < plan->n_stages && cfg_json; s++)
         start_load(c, s);
     coord_stream_loads(c);

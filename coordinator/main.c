@@ -145,6 +145,16 @@ static nl_flag flags[] = {
      "stage; /v1/models lists it and a request's \"model\" selects it (docs/serving.md)",
      NULL},
     {"log-level", 1, "debug, info, warn or error (default info)", NULL},
+    {"probe-inbound", 0,
+     "try each joining node's data endpoint with a TCP connect (2 s): one that does not answer "
+     "is planned as a node behind NAT (neuronode join --no-inbound): it dials its previous "
+     "stage",
+     NULL},
+    {"relay-listen", 1,
+     "ENDPOINT: where the relay between two neighbouring stages that both accept no inbound "
+     "connections listens, bound on first need (default: --listen's host, a free port; the "
+     "nodes dial it on the host they dial for --listen)",
+     NULL},
     {"plaintext", 0, "INSECURE: no CURVE encryption or authentication", NULL},
     {0}};
 
@@ -251,6 +261,8 @@ int main(int argc, char **argv)
     o.config = nl_args_get(flags, "config");
     o.resume = nl_args_get(flags, "resume");
     o.plaintext = nl_args_get(flags, "plaintext") != NULL;
+    o.probe_inbound = nl_args_get(flags, "probe-inbound") != NULL;
+    o.relay_listen = nl_args_get(flags, "relay-listen");
     o.data_root = nl_args_get(flags, "data-root");
     o.checkpoint_root = nl_args_get(flags, "checkpoint-root");
     if (!o.listen || !o.state_dir || (!!o.model + !!o.config + !!o.resume > 1)) {

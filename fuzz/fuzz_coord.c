@@ -253,8 +253,13 @@ static void save(const char *dir, const char *name, const out *o)
 static void ready_cluster(out *o, nl_wire_msg *m)
 {
     nl_wire_msg_reset(m, NL_MSG_JOIN);
-    m->u.join = (nl_msg_join){"fuzzNode0000000000000000000000000000000A", "cpu", 1ull << 30, 1.0, 1,
-                              "tcp://127.0.0.1:1"};
+    m->u.join = (nl_msg_join){"fuzzNode0000000000000000000000000000000A",
+                              "cpu",
+                              1ull << 30,
+                              1.0,
+                              1,
+                              "tcp://127.0.0.1:1",
+                              0};
     rec(o, 0, N, 1, m);
     nl_wire_msg_reset(m, NL_MSG_LOAD_DONE);
     m->u.load_done = (nl_msg_load_done){1, 1, 0, 100};
@@ -366,8 +371,13 @@ int main(int argc, char **argv)
      * queries, an admin queries and cancels, a node leaves and errs */
     o.len = 0;
     nl_wire_msg_reset(&m, NL_MSG_JOIN);
-    m.u.join = (nl_msg_join){"fuzzClient00000000000000000000000000000B", "cpu", UINT64_MAX, 1e9, 1,
-                             "tcp://127.0.0.1:2"};
+    m.u.join = (nl_msg_join){"fuzzClient00000000000000000000000000000B",
+                             "cpu",
+                             UINT64_MAX,
+                             1e9,
+                             1,
+                             "tcp://127.0.0.1:2",
+                             0};
     rec(&o, 1, C, 1, &m);
     ready_cluster(&o, &m);
     nl_wire_msg_reset(&m, NL_MSG_GRAD_NORM);

@@ -72,7 +72,7 @@ typedef enum nl_msg_type {
     NL_MSG_VERIFY_REQ = 55,    /* verification by recompute: coord -> the stage checked */
     NL_MSG_VERIFY_CASE = 56,   /* its case: stage -> coord -> verifier */
     NL_MSG_VERIFY_RESULT = 57, /* the verifier's digests: verifier -> coord */
-    NL_MSG_TYPE_MAX = 64 /* codes are below this */
+    NL_MSG_TYPE_MAX = 64       /* codes are below this */
 } nl_msg_type;
 
 typedef enum nl_role { NL_ROLE_COORDINATOR = 1, NL_ROLE_NODE = 2, NL_ROLE_CLIENT = 3 } nl_role;
@@ -128,7 +128,14 @@ typedef struct nl_msg_join {
     double gemm_gflops;
     uint32_t threads;
     const char *data_endpoint; /* tcp://host:port (or ipc://) */
+    uint32_t flags;            /* nl_join_flag bits (optional: 0) */
 } nl_msg_join;
+
+/* JOIN.flags. NO_INBOUND: nothing can connect to this node (behind NAT or
+ * a firewall, `neuronode join --no-inbound`): its neighbours reach it over
+ * connections it opens (ASSIGN.links). */
+typedef enum nl_join_flag { NL_JOIN_NO_INBOUND = 1u << 0 } nl_join_flag;
+#define NL_JOIN_FLAGS_ALL 1u
 
 typedef struct nl_msg_accept {
     uint32_t node_id;
@@ -167,8 +174,38 @@ typedef struct nl_msg_assign {
     const char *prev_endpoint, *prev_key; /* both "" for none */
     const char *next_endpoint, *next_key;
     uint64_t memory_planned;
-    uint32_t wire; /* nl_wire_precision of the hops this stage sends (optional: 0) */
+    uint32_t wire;  /* nl_wire_precision of the hops this stage sends (optional: 0) */
+    uint32_t links; /* nl_link bits: which side opens each neighbour's connection (optional: 0) */
+    uint32_t relay_port; /* with a RELAY link: the coordinator's relay, on the host the node
+                          * dialed for control (optional: 0) */
 } nl_msg_assign;
+
+/* ASSIGN.links: who opens the connection between two neighbours. By
+ * default a stage connects to the next stage's data endpoint. Where the
+ * next stage accepts no inbound connections (JOIN.flags NO_INBOUND), the
+ * roles of the connection flip and nothing else does: the next stage
+ * dials this stage's data endpoint, both keep their CURVE roles (the
+ * receiver of activations is the server, pinned by its key; it admits the
+ * sender's key only), and the messages go the same way as before.
+ *  - DIAL_PREV: this stage dials the previous stage's data endpoint
+ *    (prev_endpoint, CURVE server prev_key) and takes its hops from there;
+ *  - NEXT_DIALS: the next stage dials this stage's data socket, which
+ *    admits next_key as well, and takes this stage's hops from it.
+ * Where neither neighbour accepts inbound connections, both dial the
+ * coordinator's relay (relay_port, on the host the node dialed for
+ * control; CURVE server with the coordinator's key), which passes the
+ * messages between them:
+ *  - RELAY_PREV: this stage dials the relay for its previous stage's hops
+ *    (routing id: its public key and ":p");
+ *  - RELAY_NEXT: this stage's next socket dials the relay instead of the
+ *    next stage (routing id: its public key and ":n"). */
+typedef enum nl_link {
+    NL_LINK_DIAL_PREV = 1u << 0,
+    NL_LINK_NEXT_DIALS = 1u << 1,
+    NL_LINK_RELAY_PREV = 1u << 2,
+    NL_LINK_RELAY_NEXT = 1u << 3
+} nl_link;
+#define NL_LINKS_ALL 15u
 
 typedef struct nl_msg_layer_load { /* + one 1-D frame: a chunk of the tensor */
     uint64_t epoch;

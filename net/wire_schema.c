@@ -42,6 +42,7 @@ static const nl_wire_field f_join[] = {
     F_F64(nl_msg_join, gemm_gflops, 0, 1e9),
     F_U32(nl_msg_join, threads, 1, 65536),
     F_STR(nl_msg_join, data_endpoint, NL_WCS_WORD, 7, 256),
+    F_U32_OPT(nl_msg_join, flags), /* nl_join_flag (check_join); absent: 0 */
 };
 static const nl_wire_field f_accept[] = {
     F_U32(nl_msg_accept, node_id, U32_ANY),
@@ -80,7 +81,9 @@ static const nl_wire_field f_assign[] = {
     F_STR(nl_msg_assign, next_endpoint, NL_WCS_WORD, 0, 256),
     F_STR(nl_msg_assign, next_key, NL_WCS_Z85, 0, NL_KEY_Z85_LEN),
     F_U64(nl_msg_assign, memory_planned, U64_ANY),
-    F_U32_OPT(nl_msg_assign, wire), /* nl_wire_precision (check_assign); absent: FP32 */
+    F_U32_OPT(nl_msg_assign, wire),       /* nl_wire_precision (check_assign); absent: FP32 */
+    F_U32_OPT(nl_msg_assign, links),      /* nl_link (check_assign); absent: 0 */
+    F_U32_OPT(nl_msg_assign, relay_port), /* with a RELAY link (check_assign); absent: 0 */
 };
 static const nl_wire_field f_layer_load[] = {
     F_U64(nl_msg_layer_load, epoch, U64_ANY),
@@ -481,6 +484,9 @@ static nl_status check_join(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_er
     if (strncmp(j->data_endpoint, "tcp://", 6) != 0 && strncmp(j->data_endpoint, "ipc://", 6) != 0)
         return nl_error_set(err, NL_ERR_RANGE, "%s.data_endpoint: '%s' is not tcp:// or ipc://",
                             td->name, j->data_endpoint);
+    if (j->flags & ~NL_JOIN_FLAGS_ALL)
+        return nl_error_set(err, NL_ERR_RANGE, "%s.flags: 0x%x has unknown bits (known: 0x%x)",
+                            td->name, j->flags, NL_JOIN_FLAGS_ALL);
     return NL_OK;
 }
 
@@ -513,6 +519,29 @@ static nl_status check_assign(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_
     if (!nl_wire_precision_name((nl_wire_precision)a->wire))
         return nl_error_set(err, NL_ERR_RANGE, "%s: wire %u is not 0 (fp32) or 1 (bf16)", td->name,
                             a->wire);
+    if (a->links & ~NL_LINKS_ALL)
+        return nl_error_set(err, NL_ERR_RANGE, "%s.links: 0x%x has unknown bits (known: 0x%x)",
+                            td->name, a->links, NL_LINKS_ALL);
+    if (((a->links & NL_LINK_DIAL_PREV) && !a->prev_endpoint[0]) ||
+        ((a->links & NL_LINK_NEXT_DIALS) && !a->next_endpoint[0]))
+        return nl_error_set(err, NL_ERR_RANGE,
+                            "%s.links: 0x%x names a neighbour this stage does not have", td->name,
+                            a->links);
+    const uint32_t prev_links = a->links & (NL_LINK_DIAL_PREV | NL_LINK_RELAY_PREV),
+                   next_links = a->links & (NL_LINK_NEXT_DIALS | NL_LINK_RELAY_NEXT);
+    if ((prev_links & (prev_links - 1)) || (next_links & (next_links - 1)))
+        return nl_error_set(err, NL_ERR_RANGE, "%s.links: 0x%x says two ways to one neighbour",
+                            td->name, a->links);
+    if (((a->links & NL_LINK_RELAY_PREV) && !a->prev_endpoint[0]) ||
+        ((a->links & NL_LINK_RELAY_NEXT) && !a->next_endpoint[0]))
+        return nl_error_set(err, NL_ERR_RANGE,
+                            "%s.links: 0x%x names a neighbour this stage does not have", td->name,
+                            a->links);
+    const bool relayed = (a->links & (NL_LINK_RELAY_PREV | NL_LINK_RELAY_NEXT)) != 0;
+    if (relayed ? a->relay_port < 1 || a->relay_port > 65535 : a->relay_port != 0)
+        return nl_error_set(err, NL_ERR_RANGE,
+                            "%s.relay_port: %u (a port with a RELAY link, else 0)", td->name,
+                            a->relay_port);
     return NL_OK;
 }
 

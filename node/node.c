@@ -230,6 +230,7 @@ static void fill_join(node *n)
     n->tx.u.join.gemm_gflops = n->gflops;
     n->tx.u.join.threads = (uint32_t)n->threads;
     n->tx.u.join.data_endpoint = nl_sock_endpoint(n->data);
+    n->tx.u.join.flags = n->o->no_inbound ? NL_JOIN_NO_INBOUND : 0;
 }
 
 static nl_status join(node *n, nl_error *err)
@@ -330,6 +331,12 @@ static nl_status start(node *n, nl_error *err)
                                   err)) != NL_OK ||
         (st = nl_sock_bind(n->data, o->listen, err)) != NL_OK)
         return st;
+    /* a next stage behind NAT that dials again (its link dropped) takes its
+     * routing id over from the connection that is gone (node_links.c) */
+    int one = 1;
+    if (zmq_setsockopt(nl_sock_handle(n->data), ZMQ_ROUTER_HANDOVER, &one, sizeof one) != 0)
+        return nl_error_set(err, NL_ERR_IO, "data socket: ROUTER_HANDOVER: %s",
+                            zmq_strerror(zmq_errno()));
     if (strncmp(nl_sock_endpoint(n->data), "tcp://0.0.0.0:", 14) == 0)
         NL_WARN("data endpoint %s is a wildcard: other stages cannot reach it by that address; "
                 "listen on a routable address",
@@ -484,9 +491,37 @@ static void on_control(node *n)
     }
 }
 
+/* On data, from a next stage that dialed in (ASSIGN.links NEXT_DIALS):
+ * its HELLO, its gradients, its errors. */
+static void on_data_from_next(node *n)
+{
+    const nl_wire_msg *m = &n->rx.msg;
+    nl_error e;
+    char text[1100];
+    if (m->type == NL_MSG_HELLO) {
+        NL_INFO("the next stage dialed in (it accepts no inbound connections)");
+        if (nl_sock_answer_hello(n->data, &n->rx, NL_ROLE_NODE, &e) != NL_OK)
+            NL_WARN("HELLO_ACK to the next stage: %s", e.msg);
+    } else if (m->type == NL_MSG_GRADIENT) {
+        nl_node_handle_train(n, m);
+    } else if (m->type == NL_MSG_ERROR) {
+        NL_WARN("the next stage reports an error about %s: %s",
+                nl_wire_type_name(m->u.error.req_type) ? nl_wire_type_name(m->u.error.req_type)
+                                                       : "a message",
+                nl_log_escape(text, sizeof text, m->u.error.message));
+    } else {
+        nl_sock_send_error(n->data, &n->rx, NL_ERR_UNSUPPORTED, m->type,
+                           "the next stage sends HELLO and GRADIENT only", NULL);
+    }
+}
+
 static void on_data(node *n)
 {
     const nl_wire_msg *m = &n->rx.msg;
+    if (nl_node_from_next(n)) {
+        on_data_from_next(n);
+        return;
+    }
     if (nl_node_is_train_hop(m)) { /* from the previous stage, which takes the gradients */
         memcpy(n->prev_rid, n->rx.rid, n->rx.rid_len);
         n->prev_rid_len = n->rx.rid_len;
@@ -503,13 +538,38 @@ static void on_data(node *n)
                            "a node's data socket takes ACTIVATION, COUNT and EVAL only", NULL);
 }
 
+/* On the link this node dialed to the previous stage (ASSIGN.links
+ * DIAL_PREV): what a data socket would take, and the HELLO_ACK. */
+static void on_prev(node *n)
+{
+    const nl_wire_msg *m = &n->rx.msg;
+    char text[1100];
+    if (nl_node_is_train_hop(m))
+        nl_node_handle_train(n, m);
+    else if (m->type == NL_MSG_ACTIVATION)
+        nl_node_handle_activation(n, m);
+    else if (m->type == NL_MSG_HELLO_ACK)
+        nl_node_on_prev_ready(n);
+    else if (m->type == NL_MSG_ERROR)
+        NL_WARN("the previous stage reports an error about %s: %s",
+                nl_wire_type_name(m->u.error.req_type) ? nl_wire_type_name(m->u.error.req_type)
+                                                       : "a message",
+                nl_log_escape(text, sizeof text, m->u.error.message));
+    else
+        NL_DEBUG("ignoring %s from the previous stage", nl_wire_type_name(m->type));
+}
+
 static void on_next(node *n)
 {
     const nl_wire_msg *m = &n->rx.msg;
     char text[1100];
+    nl_error e;
     if (m->type == NL_MSG_GRADIENT)
         nl_node_handle_train(n, m);
-    else if (m->type == NL_MSG_ERROR)
+    else if (m->type == NL_MSG_HELLO) { /* a next stage behind NAT, through the relay */
+        if (nl_sock_answer_hello(n->next, &n->rx, NL_ROLE_NODE, &e) != NL_OK)
+            NL_WARN("HELLO_ACK to the next stage through the relay: %s", e.msg);
+    } else if (m->type == NL_MSG_ERROR)
         NL_WARN("the next stage reports an error about %s: %s",
                 nl_wire_type_name(m->u.error.req_type) ? nl_wire_type_name(m->u.error.req_type)
                                                        : "a message",
@@ -544,12 +604,13 @@ static void serve(node *n)
         if (due == 0.0) /* what the sockets brought, when the batch is due */
             nl_node_run_batch(n);
         rejoin_tick(n);
+        nl_node_links_tick(n);
         int64_t now = nl_node_mono_ms();
         if (now >= n->next_hb_ms)
             nl_node_send_heartbeat(n);
         int64_t wait = n->next_hb_ms - now;
         int half = (int)(n->heartbeat_ms / 2 > 0 ? n->heartbeat_ms / 2 : 1);
-        zmq_pollitem_t it[5] = {{nl_sock_handle(n->ctl), 0, ZMQ_POLLIN, 0},
+        zmq_pollitem_t it[7] = {{nl_sock_handle(n->ctl), 0, ZMQ_POLLIN, 0},
                                 {nl_sock_handle(n->data), 0, ZMQ_POLLIN, 0}};
         int count = 2;
         const int train_fd = nl_stage_train_fd(n->stage); /* the replicas' threads */
@@ -559,6 +620,10 @@ static void serve(node *n)
             it[count++] = (zmq_pollitem_t){nl_sock_handle(n->next), 0, ZMQ_POLLIN, 0};
         if (n->next_mon)
             it[count++] = (zmq_pollitem_t){n->next_mon, 0, ZMQ_POLLIN, 0};
+        if (n->prev_link)
+            it[count++] = (zmq_pollitem_t){nl_sock_handle(n->prev_link), 0, ZMQ_POLLIN, 0};
+        if (n->prev_mon)
+            it[count++] = (zmq_pollitem_t){n->prev_mon, 0, ZMQ_POLLIN, 0};
         if ((due = nl_stage_batch_due(n->stage)) >= 0.0) /* hops wait: until they are due */
             wait = wait < (int64_t)(due * 1e3) + 1 ? wait : (int64_t)(due * 1e3) + (due > 0.0);
         if (zmq_poll(it, count, wait < half ? (wait > 0 ? wait : 0) : half) <= 0)
@@ -567,7 +632,7 @@ static void serve(node *n)
             drain(n, n->ctl, on_control);
         if (it[1].revents & ZMQ_POLLIN)
             drain(n, n->data, on_data);
-        /* handlers may have replaced the next socket: use it[] only if unchanged */
+        /* handlers may have replaced the links' sockets: use it[] only if unchanged */
         for (int i = 2; i < count; i++) {
             if (!(it[i].revents & ZMQ_POLLIN))
                 continue;
@@ -577,6 +642,10 @@ static void serve(node *n)
                 drain(n, n->next, on_next);
             else if (n->next_mon && it[i].socket == n->next_mon)
                 nl_node_on_next_event(n);
+            else if (n->prev_link && it[i].socket == nl_sock_handle(n->prev_link))
+                drain(n, n->prev_link, on_prev);
+            else if (n->prev_mon && it[i].socket == n->prev_mon)
+                nl_node_on_prev_event(n);
         }
     }
 }
@@ -614,6 +683,7 @@ nl_status nl_node_run(const nl_node_opts *o, nl_error *err)
      * then the context, which waits for the LEAVE to go out */
     nl_rx_free(&n.rx);
     nl_node_drop_next(&n);
+    nl_node_drop_prev(&n);
     nl_sock_destroy(&n.data);
     nl_sock_destroy(&n.ctl);
     nl_net_destroy(&n.net);

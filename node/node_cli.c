@@ -48,6 +48,14 @@ static void help(FILE *f, const nl_flag *flags)
             "Checkpoint shards are written only under --checkpoint-root (resolved, links\n"
             "followed, so a link inside it cannot lead out), by default <state-dir>/checkpoints;\n"
             "a node with neither refuses checkpoint requests. Files are 0600, directories 0700.\n"
+            "\n"
+            "Behind NAT or a firewall (--no-inbound) the node still binds --listen but expects\n"
+            "no one to connect: the coordinator has it dial its previous stage's data\n"
+            "endpoint (CURVE, that stage's key pinned) and sends that stage's hops, and its\n"
+            "gradients back, over that connection; the control connection is dialed by the\n"
+            "node already. Two neighbouring stages that both accept no inbound connections\n"
+            "both dial the coordinator's relay (neurocoord --relay-listen), on the host they\n"
+            "dial for control, which passes their messages (docs/cluster.md).\n"
             "Exit status: 0 stopped, 1 failed, 2 usage error.\n");
 #ifdef NL_TEST_HOOKS
     fprintf(f, "This is a test build: NL_TEST_INJECT_NAN_STEP=K (K+: from K on) and\n"
@@ -188,6 +196,7 @@ static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypa
     const char *level = nl_args_get(flags, "log-level");
     o->plaintext = nl_args_get(flags, "plaintext") != NULL;
     o->listen = nl_args_get(flags, "listen") ? nl_args_get(flags, "listen") : "tcp://127.0.0.1:*";
+    o->no_inbound = nl_args_get(flags, "no-inbound") != NULL;
     o->name = nl_args_get(flags, "name");
     o->device = nl_args_get(flags, "device") ? nl_args_get(flags, "device") : "cpu";
     o->kv_budget = 256ULL << 20;
@@ -297,6 +306,10 @@ int nl_node_cli(int argc, char **argv, nl_node_opts *o, char *coord_key, nl_keyp
          "whichever is larger)",
          NULL},
         {"listen", 1, "ENDPOINT: data socket (default tcp://127.0.0.1:*)", NULL},
+        {"no-inbound", 0,
+         "nothing can connect to this node (NAT, a firewall): it dials its previous stage, "
+         "which must accept inbound connections, instead of being dialed",
+         NULL},
         {"kv-budget", 1, "SIZE: KV caches of generation sessions (default 256M)", NULL},
         {"batch-decode", 1,
          "N: generation sessions' decode steps run together in one batch, at most (default 32)",

@@ -43,7 +43,22 @@ typedef struct node {
     /* from ASSIGN; the last stage's next is the first stage (the token
      * ring), "" when the stage is alone */
     char next_ep[257], next_key[NL_KEY_Z85_LEN + 1];
-    char prev_ep[257]; /* from ASSIGN, for messages */
+    char prev_ep[257]; /* from ASSIGN, for messages, and dialed with NL_LINK_DIAL_PREV */
+    /* who dials whom (ASSIGN.links, node_links.c): with NL_LINK_DIAL_PREV
+     * this node dials the previous stage (prev_link, CURVE client pinned
+     * to prev_key), up once it answered HELLO; LOAD_DONE waits for that */
+    uint32_t links;
+    char prev_key[NL_KEY_Z85_LEN + 1];
+    nl_sock *prev_link;
+    void *prev_mon;
+    bool prev_ready;
+    int64_t dial_at_ms;
+    int dial_wait_ms;
+    bool load_pending;
+    nl_msg_load_done load_done;
+    int64_t load_wait_until;
+    int64_t hello_at_ms; /* HELLO again then, until the HELLO_ACK */
+    char relay_ep[300];  /* with a RELAY link: the coordinator's host at ASSIGN.relay_port */
     double gflops;
     int threads;
     uint64_t memory;          /* offered: --memory, or a GPU's free memory less the reserve */
@@ -94,9 +109,26 @@ nl_status nl_node_make_socket(node *n, nl_sock **out, int type, bool server, con
                               const char *name, nl_sock_kind kind, int linger_ms,
                               int send_timeout_ms, nl_error *err);
 
-/* node_jobs.c: the next stage's socket */
+/* node_links.c: the links to the neighbours. The previous stage's hops
+ * come on prev_link, which this node dialed, with either of these links. */
+#define NL_NODE_DIALS_PREV (NL_LINK_DIAL_PREV | NL_LINK_RELAY_PREV)
 void nl_node_drop_next(node *n);
 void nl_node_on_next_event(node *n);
+/* Send m to the next stage, however its link was made (frames freed
+ * whatever happens); errors name the next stage's endpoint. */
+nl_status nl_node_send_next(node *n, nl_wire_msg *m, nl_error *err);
+/* A new ASSIGN: its links; dials the previous stage where it says so. */
+void nl_node_links_assign(node *n, const nl_msg_assign *a);
+void nl_node_drop_prev(node *n);
+void nl_node_on_prev_event(node *n);
+/* The previous stage answered HELLO on prev_link: a held LOAD_DONE goes. */
+void nl_node_on_prev_ready(node *n);
+/* LOAD_DONE d held until the link to the previous stage is up: true if held. */
+bool nl_node_hold_load_done(node *n, const nl_msg_load_done *d);
+/* Dial again when it is time; say once when the link is slow to come. */
+void nl_node_links_tick(node *n);
+/* Is what rx holds on the data socket from a next stage that dialed in? */
+bool nl_node_from_next(const node *n);
 /* node_jobs.c: the handlers of the messages */
 void nl_node_handle_assign(node *n, const nl_msg_assign *a);
 void nl_node_handle_layer_load(node *n, const nl_wire_msg *m);

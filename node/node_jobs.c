@@ -1,6 +1,7 @@
 /* The handlers of the node's messages, called by the event loop in node.c:
- * the next stage's socket, assignment and loading, inference and embedding
- * jobs, and training (the stage does the work; these send its results). */
+ * assignment and loading, inference and embedding jobs, and training (the
+ * stage does the work; these send its results through the links to the
+ * neighbours, node_links.c). */
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,82 +13,6 @@
 #include "../net/transport.h"
 #include "node_impl.h"
 #include "stage.h"
-
-/* ===================== the next stage ===================== */
-
-void nl_node_drop_next(node *n)
-{
-    if (n->next_mon) {
-        if (n->next)
-            zmq_socket_monitor(nl_sock_handle(n->next), NULL, 0);
-        zmq_close(n->next_mon);
-        n->next_mon = NULL;
-    }
-    nl_sock_destroy(&n->next); /* linger 0: queued hops are dropped and released */
-}
-
-/* Connect the next socket on first use. The coordinator sends work only
- * after every stage answered LOAD_DONE, so the next stage has its ASSIGN
- * (and this node's key in its allow-list) by then: connecting earlier
- * could race it, and a refused CURVE handshake is not retried by libzmq.
- * A monitor reports the handshake's outcome (see nl_node_on_next_event). */
-static nl_status ensure_next(node *n, nl_error *err)
-{
-    char mon_ep[64];
-    if (n->next)
-        return NL_OK;
-    nl_status st = nl_node_make_socket(n, &n->next, ZMQ_DEALER, false, n->next_key, "next",
-                                       NL_SOCK_BULK, 0, 0, err);
-    if (st != NL_OK)
-        return st;
-    snprintf(mon_ep, sizeof mon_ep, "inproc://neuronode-next-%d", ++n->mon_seq);
-    int zero = 0;
-    if (zmq_socket_monitor(nl_sock_handle(n->next), mon_ep,
-                           ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH |
-                               ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
-                               ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_DISCONNECTED) ==
-            0 &&
-        (n->next_mon = zmq_socket(nl_net_zmq_context(n->net), ZMQ_PAIR)) != NULL) {
-        zmq_setsockopt(n->next_mon, ZMQ_LINGER, &zero, sizeof zero);
-        if (zmq_connect(n->next_mon, mon_ep) != 0) {
-            zmq_close(n->next_mon);
-            n->next_mon = NULL;
-        }
-    }
-    if (!n->next_mon)
-        NL_WARN("cannot watch the next socket's handshakes: %s", zmq_strerror(zmq_errno()));
-    st = nl_sock_connect(n->next, n->next_ep, err);
-    if (st != NL_OK)
-        nl_node_drop_next(n);
-    return st;
-}
-
-/* A handshake event of the next socket. A refused handshake is final in
- * libzmq (no reconnect), and the hops queued for it are lost: tell the
- * coordinator, and start over with a new socket on the next send. */
-void nl_node_on_next_event(node *n)
-{
-    uint8_t ev[6];
-    char addr[256];
-    int len = zmq_recv(n->next_mon, ev, sizeof ev, ZMQ_DONTWAIT);
-    int alen = len < 0 ? -1 : zmq_recv(n->next_mon, addr, sizeof addr - 1, 0);
-    if (len != 6 || alen < 0) /* [event u16, value u32] + the peer's address */
-        return;
-    int event = ev[0] | ev[1] << 8;
-    if (event == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
-        NL_INFO("connected to the next stage at %s", n->next_ep);
-    } else if (event == ZMQ_EVENT_DISCONNECTED) {
-        NL_WARN("the next stage at %s disconnected", n->next_ep);
-    } else {
-        nl_node_send_error(
-            n, NL_ERR_AUTH, NL_MSG_ASSIGN,
-            "the next stage at %s refused this node's handshake (%s): is ASSIGN's next_key "
-            "its key, and does it admit this node's key as prev_key?",
-            n->next_ep,
-            event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH ? "not authorised" : "protocol error");
-        nl_node_drop_next(n);
-    }
-}
 
 /* ===================== assignment and loading ===================== */
 
@@ -101,13 +26,23 @@ void nl_node_handle_assign(node *n, const nl_msg_assign *a)
         return;
     }
     nl_node_drop_next(n); /* drops what was queued for the old next stage */
+    nl_node_drop_prev(n);
+    n->links = 0;
+    n->load_pending = false;
     n->next_ep[0] = n->next_key[0] = '\0';
     n->prev_rid_len = 0;
     nl_node_wait_sent(n);
     nl_status st = nl_stage_assign(n->stage, a, &e);
-    const char *prev = a->prev_key;
+    /* the data socket admits the previous stage, unless this node dials
+     * it, and a next stage that dials in (node_links.c) */
+    const char *keys[2];
+    size_t nk = 0;
+    if (a->prev_key[0] && !(a->links & NL_NODE_DIALS_PREV))
+        keys[nk++] = a->prev_key;
+    if (a->next_key[0] && (a->links & NL_LINK_NEXT_DIALS))
+        keys[nk++] = a->next_key;
     if (st == NL_OK)
-        st = nl_sock_allow(n->data, prev[0] ? &prev : NULL, prev[0] ? 1 : 0, &e);
+        st = nl_sock_allow(n->data, nk ? keys : NULL, nk, &e);
     if (st != NL_OK) {
         nl_sock_allow(n->data, NULL, 0, NULL);
         nl_node_send_error(n, st, NL_MSG_ASSIGN, "%s", e.msg);
@@ -116,6 +51,7 @@ void nl_node_handle_assign(node *n, const nl_msg_assign *a)
     snprintf(n->next_ep, sizeof n->next_ep, "%s", a->next_endpoint);
     snprintf(n->prev_ep, sizeof n->prev_ep, "%s", a->prev_endpoint);
     snprintf(n->next_key, sizeof n->next_key, "%s", a->next_key);
+    nl_node_links_assign(n, a);
     const nl_model *m = nl_stage_model(n->stage);
     NL_INFO("assigned epoch %llu: stage %u of %u, layers [%u, %u)%s%s, %zu parameters (%.1f MiB, "
             "%.1f MiB planned); prev %s, next %s",
@@ -157,8 +93,11 @@ void nl_node_handle_load_done(node *n, const nl_msg_load_done *d)
     NL_INFO("loaded epoch %llu: %u tensors, %llu bytes in %.2f s%s", (unsigned long long)d->epoch,
             info.tensors, (unsigned long long)info.bytes, info.seconds,
             info.from_seed ? " (initialised from the seed)" : "");
+    const nl_msg_load_done done = {d->epoch, n->node_id, info.tensors, info.bytes};
+    if (nl_node_hold_load_done(n, &done)) /* no work before the previous stage can reach us */
+        return;
     nl_wire_msg_reset(&n->tx, NL_MSG_LOAD_DONE);
-    n->tx.u.load_done = (nl_msg_load_done){d->epoch, n->node_id, info.tensors, info.bytes};
+    n->tx.u.load_done = done;
     nl_node_send_ctl(n, "LOAD_DONE");
 }
 
@@ -183,15 +122,14 @@ static void feed_first(node *n, const nl_msg_tensor_hop *hop, const nl_stage_out
             nl_node_fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION, "%s", e.msg);
         return;
     }
-    nl_status st = n->next_ep[0] ? ensure_next(n, &e)
-                                 : nl_error_set(&e, NL_ERR_STATE, "no first stage to feed");
+    nl_status st = n->next_ep[0] ? NL_OK : nl_error_set(&e, NL_ERR_STATE, "no first stage to feed");
     if (st == NL_OK) {
         const int64_t shape[2] = {1, 1};
         nl_wire_msg_reset(&n->tx, NL_MSG_ACTIVATION);
         n->tx.u.hop = next;
         nl_wire_frame_set(&n->tx.frames[0], &out->token, NL_DTYPE_I32, shape, 2); /* copied */
         n->tx.nframes = 1;
-        st = nl_sock_send(n->next, NULL, 0, &n->tx, &e);
+        st = nl_node_send_next(n, &n->tx, &e);
     }
     if (st != NL_OK)
         nl_node_fail_job(
@@ -239,11 +177,6 @@ static void send_output(node *n, const nl_msg_tensor_hop *hop, const nl_stage_ou
                          (unsigned long long)hop->job_id);
         return;
     }
-    if ((st = ensure_next(n, &e)) != NL_OK) {
-        nl_node_fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION, "job %llu: %s",
-                         (unsigned long long)hop->job_id, e.msg);
-        return;
-    }
     nl_wire_msg_reset(&n->tx, NL_MSG_ACTIVATION);
     n->tx.u.hop = (nl_msg_tensor_hop){hop->job_id, 0, 0, hop->session_id, hop->pos_offset, out.aux};
     if (nl_stage_wire(n->stage) == NL_WIRE_FP32) /* sent from the output buffer, not copied */
@@ -255,10 +188,9 @@ static void send_output(node *n, const nl_msg_tensor_hop *hop, const nl_stage_ou
         return;
     }
     n->tx.nframes = 1;
-    st = nl_sock_send(n->next, NULL, 0, &n->tx, &e);
+    st = nl_node_send_next(n, &n->tx, &e);
     if (st != NL_OK)
-        nl_node_fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION,
-                         "job %llu: cannot send to the next stage: %s",
+        nl_node_fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION, "job %llu: %s",
                          (unsigned long long)hop->job_id, e.msg);
 }
 
@@ -379,20 +311,19 @@ static nl_status train_send_to(node *n, nl_stage_dest to, nl_wire_msg *m, nl_err
         return nl_sock_send(n->ctl, NULL, 0, m, err);
     nl_status st;
     if (to == NL_STAGE_TO_PREV) {
-        if (!n->prev_rid_len)
+        if (n->links & NL_NODE_DIALS_PREV) /* back on the link this node dialed */
+            st = n->prev_link ? nl_sock_send(n->prev_link, NULL, 0, m, err)
+                              : nl_error_set(err, NL_ERR_STATE, "the link is down");
+        else if (!n->prev_rid_len)
             return nl_error_set(err, NL_ERR_STATE, "no previous stage has sent to this one");
-        st = nl_sock_send(n->data, n->prev_rid, n->prev_rid_len, m, err);
+        else
+            st = nl_sock_send(n->data, n->prev_rid, n->prev_rid_len, m, err);
         /* the coordinator names the node behind the endpoint */
         return st == NL_OK
                    ? st
                    : nl_error_prefix(err, "cannot reach the previous stage at %s", n->prev_ep);
     }
-    if (!n->next_ep[0])
-        return nl_error_set(err, NL_ERR_STATE, "this stage has no next stage");
-    st = ensure_next(n, err);
-    if (st == NL_OK)
-        st = nl_sock_send(n->next, NULL, 0, m, err);
-    return st == NL_OK ? st : nl_error_prefix(err, "cannot reach the next stage at %s", n->next_ep);
+    return nl_node_send_next(n, m, err);
 }
 
 /* CKPT_REQ.dir confined to the node's checkpoint root (resolved, links

@@ -127,7 +127,7 @@ void join(fake *f, double gflops)
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOIN);
     /* slow nodes: compute outweighs the hop, so the planner uses both */
-    m.u.join = (nl_msg_join){f->key, "cpu", 1ull << 30, gflops, 1, f->endpoint};
+    m.u.join = (nl_msg_join){f->key, "cpu", 1ull << 30, gflops, 1, f->endpoint, 0};
     fake_send(f, &m);
     if (pump_until(f, NL_MSG_ACCEPT, &rx)) {
         f->id = rx.msg.u.accept.node_id;

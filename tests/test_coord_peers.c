@@ -180,7 +180,7 @@ static void test_roles(void)
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOIN);
-    m.u.join = (nl_msg_join){ckey.public_z85, "cpu", UINT64_MAX, 1e6, 1, "tcp://10.0.0.1:1"};
+    m.u.join = (nl_msg_join){ckey.public_z85, "cpu", UINT64_MAX, 1e6, 1, "tcp://10.0.0.1:1", 0};
     refused(&cl, &m, "not for a key of this role", "a client's JOIN");
     nl_wire_msg_reset(&m, NL_MSG_LOAD_DONE);
     m.u.load_done = (nl_msg_load_done){1, 1, 0, 0};
@@ -195,7 +195,7 @@ static void test_roles(void)
     nl_rx rx;
     nl_rx_init(&rx);
     nl_wire_msg_reset(&m, NL_MSG_JOIN);
-    m.u.join = (nl_msg_join){node.public_z85, "cpu", 1ull << 30, 1.0, 1, "tcp://10.9.8.7:4242"};
+    m.u.join = (nl_msg_join){node.public_z85, "cpu", 1ull << 30, 1.0, 1, "tcp://10.9.8.7:4242", 0};
     fake_send(&n, &m);
     uint32_t id = 0;
     if (CHECK_PUMP(pump_until(&n, NL_MSG_ACCEPT, &rx)))
@@ -205,7 +205,7 @@ static void test_roles(void)
     fake imp;
     curve_open(&imp, &other, server, NULL, 0);
     nl_wire_msg_reset(&m, NL_MSG_JOIN);
-    m.u.join = (nl_msg_join){node.public_z85, "cpu", 1ull << 30, 1.0, 1, "tcp://10.6.6.6:666"};
+    m.u.join = (nl_msg_join){node.public_z85, "cpu", 1ull << 30, 1.0, 1, "tcp://10.6.6.6:666", 0};
     refused(&imp, &m, "JOIN names a key other than the one this connection authenticated",
             "a JOIN naming another node's key");
     nl_sock_destroy(&imp.sock);
@@ -364,7 +364,7 @@ static int ix_join(int from, int step)
         nl_wire_msg m;
         nl_wire_msg_init(&m);
         nl_wire_msg_reset(&m, NL_MSG_JOIN);
-        m.u.join = (nl_msg_join){ix[i].key, "cpu", 1ull << 30, 1.0, 1, ix[i].endpoint};
+        m.u.join = (nl_msg_join){ix[i].key, "cpu", 1ull << 30, 1.0, 1, ix[i].endpoint, 0};
         fake_send(&ix[i], &m);
     }
     for (const double t0 = now_s(); got < want && now_s() - t0 < WAIT_S;) {
@@ -619,7 +619,7 @@ static void ownership(const nl_keypair *node, const nl_keypair *alice, const nl_
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOIN);
-    m.u.join = (nl_msg_join){node->public_z85, "cpu", 1ull << 30, 1.0, 1, "tcp://127.0.0.1:1"};
+    m.u.join = (nl_msg_join){node->public_z85, "cpu", 1ull << 30, 1.0, 1, "tcp://127.0.0.1:1", 0};
     fake_send(&n, &m);
     if (CHECK_PUMP(pump_until(&n, NL_MSG_ACCEPT, &rx)))
         n.id = rx.msg.u.accept.node_id;

@@ -298,7 +298,12 @@ static bool added_later(nl_msg_type t, const nl_wire_msg *d, const char *key)
     if (t == NL_MSG_TOKEN) /* with logprobs: top ids and a frame; neither before */
         return strcmp(key, "top_ids") == 0 && d->u.token.ntop == 0;
     if (t == NL_MSG_ASSIGN)
-        return strcmp(key, "wire") == 0 && d->u.assign.wire == NL_WIRE_FP32;
+        return strcmp(key, "wire") == 0         ? d->u.assign.wire == NL_WIRE_FP32
+               : strcmp(key, "links") == 0      ? d->u.assign.links == 0
+               : strcmp(key, "relay_port") == 0 ? d->u.assign.relay_port == 0
+                                                : false;
+    if (t == NL_MSG_JOIN) /* nodes behind NAT: JOIN.flags */
+        return strcmp(key, "flags") == 0 && d->u.join.flags == 0;
     return t == NL_MSG_LOSS && strcmp(key, "correct") == 0 && d->u.train_loss.correct == 0;
 }
 
@@ -312,7 +317,9 @@ static bool is_added_later(nl_msg_type t, const char *key)
            (t == NL_MSG_LOSS && strcmp(key, "correct") == 0) ||
            (t == NL_MSG_TOKEN && strcmp(key, "top_ids") == 0) ||
            ((t == NL_MSG_TOKEN || t == NL_MSG_JOB_STATUS) && strcmp(key, "tensors") == 0) ||
-           (t == NL_MSG_ASSIGN && strcmp(key, "wire") == 0);
+           (t == NL_MSG_ASSIGN && (strcmp(key, "wire") == 0 || strcmp(key, "links") == 0 ||
+                                   strcmp(key, "relay_port") == 0)) ||
+           (t == NL_MSG_JOIN && strcmp(key, "flags") == 0);
 }
 
 static void test_wrong_types(void)
@@ -845,6 +852,41 @@ static void test_wire_precision(void)
     m.u.assign.wire = 2;
     CHECK(nl_wire_encode(&m, &e.hdr, NULL, &err) == NL_ERR_RANGE && strstr(err.msg, "wire"),
           "ASSIGN wire 2: %s", err.msg);
+    /* nodes behind NAT: ASSIGN.links and JOIN.flags know their bits, and
+     * a link names a neighbour the stage has */
+    m.u.assign.wire = NL_WIRE_FP32;
+    m.u.assign.links = NL_LINK_DIAL_PREV | NL_LINK_NEXT_DIALS;
+    CHECK_OK(enc_msg(&m, &e, NULL, &err), &err);
+    CHECK_OK(nl_wire_decode(&d, e.parts, e.nparts, NULL, &err), &err);
+    CHECK(d.u.assign.links == 3, "ASSIGN links %u", d.u.assign.links);
+    m.u.assign.links = NL_LINK_RELAY_PREV | NL_LINK_RELAY_NEXT;
+    m.u.assign.relay_port = 7702;
+    CHECK_OK(enc_msg(&m, &e, NULL, &err), &err);
+    CHECK_OK(nl_wire_decode(&d, e.parts, e.nparts, NULL, &err), &err);
+    CHECK(d.u.assign.links == 12 && d.u.assign.relay_port == 7702, "ASSIGN links %u relay %u",
+          d.u.assign.links, d.u.assign.relay_port);
+    m.u.assign.relay_port = 0; /* a relay link needs its port */
+    CHECK(nl_wire_encode(&m, &e.hdr, NULL, &err) == NL_ERR_RANGE && strstr(err.msg, "relay_port"),
+          "ASSIGN relayed without a port: %s", err.msg);
+    m.u.assign.links = NL_LINK_DIAL_PREV;
+    m.u.assign.relay_port = 7702; /* a port without a relay link */
+    CHECK(nl_wire_encode(&m, &e.hdr, NULL, &err) == NL_ERR_RANGE && strstr(err.msg, "relay_port"),
+          "ASSIGN port without a relay: %s", err.msg);
+    m.u.assign.links = NL_LINK_DIAL_PREV | NL_LINK_RELAY_PREV; /* two ways to one neighbour */
+    CHECK(nl_wire_encode(&m, &e.hdr, NULL, &err) == NL_ERR_RANGE && strstr(err.msg, "two ways"),
+          "ASSIGN two ways: %s", err.msg);
+    m.u.assign.relay_port = 0;
+    m.u.assign.links = 16;
+    CHECK(nl_wire_encode(&m, &e.hdr, NULL, &err) == NL_ERR_RANGE && strstr(err.msg, "links"),
+          "ASSIGN links 16: %s", err.msg);
+    m.u.assign.links = NL_LINK_DIAL_PREV;
+    m.u.assign.prev_endpoint = m.u.assign.prev_key = "";
+    CHECK(nl_wire_encode(&m, &e.hdr, NULL, &err) == NL_ERR_RANGE && strstr(err.msg, "links"),
+          "ASSIGN DIAL_PREV without a previous stage: %s", err.msg);
+    sample(&m, NL_MSG_JOIN);
+    m.u.join.flags = 2;
+    CHECK(nl_wire_encode(&m, &e.hdr, NULL, &err) == NL_ERR_RANGE && strstr(err.msg, "flags"),
+          "JOIN flags 2: %s", err.msg);
     sample(&m, NL_MSG_GRADIENT);
     m.frames[0].t.dtype = NL_DTYPE_F16;
     CHECK(nl_wire_encode(&m, &e.hdr, NULL, &err) == NL_ERR_DTYPE, "F16 GRADIENT: %s", err.msg);

@@ -50,7 +50,8 @@ void sample(nl_wire_msg *m, nl_msg_type t)
         m->u.error = (nl_msg_error){NL_ERR_SHAPE, NL_MSG_ACTIVATION, "shape [2, 3] \xe2\x9c\x93"};
         break;
     case NL_MSG_JOIN:
-        m->u.join = (nl_msg_join){KEY_A, "cuda:1", 8ull << 30, 1234.5, 16, "tcp://10.0.0.2:7001"};
+        m->u.join = (nl_msg_join){
+            KEY_A, "cuda:1", 8ull << 30, 1234.5, 16, "tcp://10.0.0.2:7001", NL_JOIN_NO_INBOUND};
         break;
     case NL_MSG_ACCEPT:
         m->u.accept = (nl_msg_accept){7, 1000, 10000};
@@ -77,7 +78,8 @@ void sample(nl_wire_msg *m, nl_msg_type t)
                                       .prev_key = KEY_A,
                                       .next_endpoint = "tcp://10.0.0.3:7001",
                                       .next_key = KEY_B,
-                                      .memory_planned = 3ull << 30};
+                                      .memory_planned = 3ull << 30,
+                                      .links = NL_LINK_NEXT_DIALS};
         break;
     case NL_MSG_LAYER_LOAD: {
         m->u.layer_load = (nl_msg_layer_load){.epoch = 3,
@@ -222,7 +224,7 @@ bool same_msg(const nl_wire_msg *a, const nl_wire_msg *b)
         return seq(p->join.pubkey, q->join.pubkey) && seq(p->join.device, q->join.device) &&
                p->join.memory_bytes == q->join.memory_bytes &&
                p->join.gemm_gflops == q->join.gemm_gflops && p->join.threads == q->join.threads &&
-               seq(p->join.data_endpoint, q->join.data_endpoint);
+               seq(p->join.data_endpoint, q->join.data_endpoint) && p->join.flags == q->join.flags;
     case NL_MSG_ACCEPT:
         return memcmp(&p->accept, &q->accept, sizeof p->accept) == 0;
     case NL_MSG_HEARTBEAT:
@@ -245,7 +247,7 @@ bool same_msg(const nl_wire_msg *a, const nl_wire_msg *b)
                seq(x->config_json, y->config_json) && x->seed == y->seed &&
                seq(x->prev_endpoint, y->prev_endpoint) && seq(x->prev_key, y->prev_key) &&
                seq(x->next_endpoint, y->next_endpoint) && seq(x->next_key, y->next_key) &&
-               x->memory_planned == y->memory_planned;
+               x->memory_planned == y->memory_planned && x->links == y->links;
     }
     case NL_MSG_LAYER_LOAD: {
         const nl_msg_layer_load *x = &p->layer_load, *y = &q->layer_load;
