@@ -803,7 +803,7 @@ static void test_ban_lines(void)
         nl_wire_msg m;
         nl_wire_msg_init(&m);
         nl_wire_msg_reset(&m, NL_MSG_JOIN);
-        m.u.join = (nl_msg_join){node.public_z85, "cpu", 1ull << 30, 1.0, 1, "tcp://10.9.8.7:1"};
+        m.u.join = (nl_msg_join){node.public_z85, "cpu", 1ull << 30, 1.0, 1, "tcp://10.9.8.7:1", 0};
         fake_send(&n, &m);
         cnode *cn = NULL;
         if (CHECK_PUMP(pump_until(&n, NL_MSG_ACCEPT, &rx)))
