@@ -449,6 +449,7 @@ void coord_train_state_free(ctrain *t)
     free(t->got);
     free(t->dig);
     coord_train_verify_free(t);
+    coord_train_ckpts_free(t);
     coord_train_free_shards(t->shards, t->stages);
     json_decref(t->journal);
     free(t->ft);

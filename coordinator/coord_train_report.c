@@ -199,3 +199,22 @@ void coord_train_report_lost(nl_coord *c, cjob *j, const char *why)
                           "max_resumes", c->o.train_resumes);
     coord_train_report(c, j, NL_JOB_RUNNING, "node lost; resuming", o);
 }
+
+void coord_train_report_rollback(nl_coord *c, cjob *j, int64_t from, const cckpt *k)
+{
+    const ctrain *t = j->state;
+    const char *to = k->path ? k->path : "the seed";
+    json_t *later = json_array(); /* kept on disk, not resumed from: not all verified */
+    for (int i = (int)(k - t->ckpts) + 1; later && i < t->n_ckpts; i++)
+        json_array_append_new(later, json_string(t->ckpts[i].path));
+    NL_WARN("train job %llu: a node was convicted of computing wrong at step %lld: rolling back "
+            "to step %lld (%s), the last checkpoint whose steps were all verified; %zu later "
+            "checkpoint(s) set aside",
+            (unsigned long long)j->id, (long long)from, (long long)k->step, to,
+            later ? json_array_size(later) : 0);
+    json_t *o = json_pack("{s:s,s:I,s:I,s:s,s:o,s:I}", "event", "rollback", "from_step",
+                          (json_int_t)from, "to_step", (json_int_t)k->step, "checkpoint", to,
+                          "unverified", later ? later : json_array(), "verified_through",
+                          (json_int_t)(t->verify_taint == INT64_MAX ? -1 : t->verify_taint - 1));
+    coord_train_report(c, j, NL_JOB_RUNNING, "convicted node: rolling back", o);
+}

@@ -36,6 +36,7 @@ typedef struct cver {
     int stage;
     uint32_t node;     /* the stage's node */
     uint32_t verifier; /* 0: its case has not come yet */
+    int held;          /* test builds: its case waits to go to the verifier (verify_lag) */
     uint64_t epoch;
     double t0;
     uint8_t want[2][NL_HOP_DIGEST_BYTES]; /* the ACTIVATION and GRADIENT the stage reported */
@@ -58,6 +59,23 @@ typedef struct cverify {
 } cverify;
 
 #define VERIFY_STALE_S 600.0 /* a verification still open after this is dropped */
+
+#ifdef NL_TEST_HOOKS
+/* Test builds: NL_TEST_VERIFY_LAG=D holds each case until the reports of
+ * D steps later are in before it goes to its verifier, so that a
+ * conviction comes after the checkpoints of the steps since
+ * (test_cluster_verify's rollback). */
+static int64_t verify_lag(void)
+{
+    const char *s = getenv("NL_TEST_VERIFY_LAG");
+    return s && atoll(s) > 0 ? atoll(s) : 0;
+}
+#else
+static int64_t verify_lag(void)
+{
+    return 0;
+}
+#endif
 
 /* Whether (job, step, mb, stage) is drawn, by the coordinator's secret. */
 static int drawn(const nl_coord *c, uint64_t job, int64_t step, uint32_t mb, int stage)
@@ -107,6 +125,33 @@ static void drop(ctrain *t, int i)
     t->ver->p[i] = t->ver->p[--t->ver->n];
 }
 
+/* A (stage, microbatch) of step `step` drawn and not verified clean: no
+ * checkpoint from that step on is all-verified. */
+static void taint(ctrain *t, int64_t step)
+{
+    if (step < t->verify_taint)
+        t->verify_taint = step;
+}
+
+int64_t coord_train_verified_through(const nl_coord *c, const ctrain *t)
+{
+    if (c->o.verify_rate <= 0)
+        return INT64_MAX;
+    int64_t first = t->verify_taint; /* cases still pending keep their steps unverified */
+    for (int i = 0; t->ver && i < t->ver->n; i++)
+        first = t->ver->p[i].step < first ? t->ver->p[i].step : first;
+    return first == INT64_MAX ? first : first - 1;
+}
+
+void coord_train_verify_resume(ctrain *t, int64_t step)
+{
+    for (int i = 0; t->ver && i < t->ver->n; i++)
+        if (t->ver->p[i].step > step) /* of steps that are redone */
+            drop(t, i--);
+    if (t->verify_taint > step)
+        t->verify_taint = INT64_MAX;
+}
+
 /* The node of a conviction: quarantined and banned (coord_members.c). */
 static void convict(nl_coord *c, cjob *j, const cver *v, const char *how)
 {
@@ -120,15 +165,74 @@ static void convict(nl_coord *c, cjob *j, const cver *v, const char *how)
         coord_quarantine(c, n, j->id, why);
 }
 
+static int send_case(nl_coord *c, const cver *v, cnode *to);
+
+/* Test builds: the cases held (verify_lag) of steps up to `upto` go to
+ * their verifiers. */
+static void release(nl_coord *c, ctrain *t, int64_t upto)
+{
+    for (int i = 0; t->ver && i < t->ver->n; i++) {
+        cver *v = &t->ver->p[i];
+        if (!v->held || v->step > upto)
+            continue;
+        v->held = 0;
+        cnode *to = coord_node_by_id(c, v->verifier);
+        if (!to || to->life != NODE_LIVE || send_case(c, v, to) != 0) {
+            taint(t, v->step);
+            drop(t, i--);
+        }
+    }
+}
+
+int coord_train_verify_pending(const ctrain *t)
+{
+    return t->ver ? t->ver->n : 0;
+}
+
+int coord_train_verify_settle(nl_coord *c, cjob *j, int answered)
+{
+    ctrain *t = j->state;
+    release(c, t, INT64_MAX);
+    for (int i = 0; t->ver && i < t->ver->n; i++) {
+        cver *v = &t->ver->p[i];
+        const cnode *by = coord_node_by_id(c, v->verifier ? v->verifier : v->node);
+        if (!v->verifier && answered) { /* its stage has sent its checkpoint since */
+            t->verify_mismatches++;
+            t->verify_convicted++;
+            t->verify_guilty = v->node;
+            NL_WARN("train job %llu: node %u (stage %d) did not hand over step %lld microbatch "
+                    "%u for verification",
+                    (unsigned long long)j->id, v->node, v->stage, (long long)v->step, v->mb);
+            convict(c, j, v, "it withheld its case");
+        } else if (v->verifier && by && by->life == NODE_LIVE) {
+            continue; /* its answer is awaited */
+        } else {
+            NL_WARN("train job %llu: step %lld microbatch %u of stage %d is not verified: %s",
+                    (unsigned long long)j->id, (long long)v->step, v->mb, v->stage,
+                    v->verifier ? "its verifier is gone"
+                                : "the job ended before its stage handed it over");
+        }
+        taint(t, v->step);
+        drop(t, i--);
+    }
+    return coord_train_verify_pending(t);
+}
+
 void coord_train_verify_sample(nl_coord *c, cjob *j)
 {
     ctrain *t = j->state;
     const int64_t step = t->step + 1;
     if (c->o.verify_rate <= 0 || t->ft || !t->dig || t->dig_stages != t->stages)
         return;
-    for (int i = 0; t->ver && i < t->ver->n; i++) { /* a stale or former plan's: gone */
+    release(c, t, step - verify_lag());
+    for (int i = 0; t->ver && i < t->ver->n; i++) {
         cver *v = &t->ver->p[i];
-        if (v->epoch != c->epoch || coord_now() - v->t0 > VERIFY_STALE_S) {
+        /* one never answered, or not handed over on a former plan (its
+         * stage dropped the job), or whose verifier is gone: unverified */
+        const cnode *by = v->verifier ? coord_node_by_id(c, v->verifier) : NULL;
+        if ((v->epoch != c->epoch && (!by || by->life != NODE_LIVE)) ||
+            coord_now() - v->t0 > VERIFY_STALE_S) {
+            taint(t, v->step);
             drop(t, i--);
         } else if (!v->verifier && v->step < step) {
             /* its stage answers a VERIFY_REQ at once, before the STEP, and
@@ -141,6 +245,7 @@ void coord_train_verify_sample(nl_coord *c, cjob *j)
                     "for verification",
                     (unsigned long long)j->id, v->node, v->stage, (long long)v->step, v->mb);
             convict(c, j, v, "it withheld its case");
+            taint(t, v->step);
             drop(t, i--);
         }
     }
@@ -295,6 +400,7 @@ static void on_case(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
                     "microbatch %u than the digests it reported receiving",
                     (unsigned long long)j->id, v->node, v->stage, (long long)v->step, v->mb);
             convict(c, j, v, "its case's inputs are not those it reported receiving");
+            taint(t, v->step);
             drop(t, i);
             return;
         }
@@ -307,7 +413,8 @@ static void on_case(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
         }
         const int fits = part <= NL_SOCK_CONTROL_PART && bytes + 65536 <= NL_SOCK_CONTROL_MSG;
         cnode *to = fits ? verifier_for(c, t, from, 0) : NULL;
-        if (!to || keep_case(v, &rx->msg, bytes) != 0 || send_case(c, v, to) != 0) {
+        const int held = verify_lag() > 0;
+        if (!to || keep_case(v, &rx->msg, bytes) != 0 || (!held && send_case(c, v, to) != 0)) {
             NL_WARN("train job %llu: step %lld microbatch %u of stage %d is not verified: %s",
                     (unsigned long long)j->id, (long long)v->step, v->mb, v->stage,
                     !fits ? "the stage's weights exceed what a verifier's control socket takes "
@@ -315,9 +422,11 @@ static void on_case(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
                     : !to ? "no other node of its device class"
                           : "the send to the verifier failed");
             t->verify_skipped++;
+            taint(t, v->step);
             drop(t, i);
         } else {
             v->verifier = to->id;
+            v->held = held;
         }
         return;
     }
@@ -356,8 +465,9 @@ static int ask_arbiter(nl_coord *c, cjob *j, cver *v, const nl_msg_verify_result
     return 0;
 }
 
-/* The arbiter's answer: two of the three agree. */
-static void judge(nl_coord *c, ctrain *t, cjob *j, const cver *v, const nl_msg_verify_result *r,
+/* The arbiter's answer: two of the three agree. 1: the stage's outputs
+ * stand (the verifier was outvoted), 0: not. */
+static int judge(nl_coord *c, ctrain *t, cjob *j, const cver *v, const nl_msg_verify_result *r,
                   const cnode *from)
 {
     const int with_stage = same(r->fwd, v->want[0]) && same(r->bwd, v->want[1]);
@@ -370,7 +480,9 @@ static void judge(nl_coord *c, ctrain *t, cjob *j, const cver *v, const nl_msg_v
                 (unsigned long long)j->id, v->node, v->stage, (long long)v->step, v->mb, v->first,
                 from->id);
         convict(c, j, v, "a verifier and an arbiter agree");
-    } else if (with_stage && !with_first) {
+        return 0;
+    }
+    if (with_stage && !with_first) {
         t->verify_outvoted++;
         NL_WARN("train job %llu: verifier node %u was wrong about step %lld microbatch %u of "
                 "stage %d: the arbiter node %u agrees with the stage's node %u",
@@ -386,12 +498,13 @@ static void judge(nl_coord *c, ctrain *t, cjob *j, const cver *v, const nl_msg_v
                 (unsigned long long)j->id, (long long)v->step, v->mb, v->stage);
             coord_quarantine(c, liar, j->id, why);
         }
-    } else {
-        NL_WARN("train job %llu: step %lld microbatch %u of stage %d unresolved: the stage's "
-                "node %u, the verifier node %u and the arbiter node %u all disagree",
-                (unsigned long long)j->id, (long long)v->step, v->mb, v->stage, v->node, v->first,
-                from->id);
+        return 1;
     }
+    NL_WARN("train job %llu: step %lld microbatch %u of stage %d unresolved: the stage's "
+            "node %u, the verifier node %u and the arbiter node %u all disagree",
+            (unsigned long long)j->id, (long long)v->step, v->mb, v->stage, v->node, v->first,
+            from->id);
+    return 0;
 }
 
 /* A verifier's (or an arbiter's) VERIFY_RESULT, against the stage's report. */
@@ -404,8 +517,9 @@ static void on_result(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
         if (v->verifier != from->id || v->step != (int64_t)r->step || v->mb != r->microbatch ||
             v->stage != (int)r->stage)
             continue;
-        if (v->first) { /* the arbiter's */
-            judge(c, t, j, v, r, from);
+        if (v->first) { /* the arbiter's: clean only if it outvotes the verifier */
+            if (!judge(c, t, j, v, r, from))
+                taint(t, v->step);
             drop(t, i);
             return;
         }
@@ -422,8 +536,10 @@ static void on_result(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
                 "recompute gives another %s%s%s",
                 (unsigned long long)j->id, (long long)v->step, v->mb, v->stage, v->node, from->id,
                 fwd ? "" : "ACTIVATION", fwd || bwd ? "" : " and ", bwd ? "" : "GRADIENT");
-        if (ask_arbiter(c, j, v, r, from) != 0)
+        if (ask_arbiter(c, j, v, r, from) != 0) {
+            taint(t, v->step);
             drop(t, i);
+        }
         return;
     }
 }

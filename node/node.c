@@ -320,7 +320,8 @@ static nl_status start(node *n, nl_error *err)
         .inject_nan_step = o->inject_nan_step,
         .inject_nan_stage = o->inject_nan_stage,
         .inject_nan_on = o->inject_nan_on,
-        .lie = {(nl_lie_kind)o->inject_lie_kind, o->inject_lie_rate, o->inject_lie_seed},
+        .lie = {(nl_lie_kind)o->inject_lie_kind, o->inject_lie_rate, o->inject_lie_seed,
+                o->inject_lie_from},
         .tf32 = o->tf32,
         .train_async = 1}; /* replicas report through serve()'s poll */
     if ((st = nl_stage_new_replicas(&n->stage, n->dev.be, n->dev.n, n->dev.comm, &so, err)) !=

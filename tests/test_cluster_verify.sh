@@ -10,7 +10,12 @@
 #    key banned (authorized_keys), and the job resumes without it, ending
 #    equal to the honest run bit for bit;
 #  - a lying verifier: the arbiter sides with the stage, the verifier is
-#    quarantined and banned, and the training equals the honest run.
+#    quarantined and banned, and the training equals the honest run;
+#  - a node that lies from step 3 on, with a checkpoint every step: the
+#    job rolls back past the checkpoints its lies reached to the last one
+#    whose steps were all verified, redoes the steps since without it
+#    (their checkpoints in .redo1 directories beside the set-aside ones)
+#    and ends equal to the honest run bit for bit.
 . "$(dirname "$0")/cluster_lib.sh"
 export NL_TEST_GFLOPS=20
 
@@ -21,11 +26,13 @@ RUN=(--data "$W/data.txt" --steps 4 --batch 8 --seq 16 --microbatches 4 --lr 3e-
 last() { tail -1 "$1" | $PY -c "import json,sys; print(json.load(sys.stdin)[\"$2\"])"; }
 
 run() { # run NAME RATE [ENV...]: a 3-node cluster (HTTP on), one training run
-  local name=$1 rate=$2; shift 2
+  # (TRAIN_EXTRA: more `neuroctl train` arguments)
+  local name=$1 rate=$2 extra=(); shift 2
+  [ -n "${TRAIN_EXTRA:-}" ] && read -ra extra <<< "$TRAIN_EXTRA"
   env "$@" "$N" cluster up "${DEV[@]}" --dir "$W/$name" --nodes 3 --model "$W/m.safetensors" \
     --memory 64M --threads 1 --node-timeout-ms 4000 --timeout 60 --verify-rate "$rate" \
     --http 127.0.0.1:0 > "$W/$name.up" 2>&1
-  check "$N" train --cluster "$W/$name" "${RUN[@]}" --log "$W/$name.jsonl" --checkpoint-dir "$W/$name.ck" \
+  check "$N" train --cluster "$W/$name" "${RUN[@]}" "${extra[@]}" --log "$W/$name.jsonl" --checkpoint-dir "$W/$name.ck" \
     --out "$W/$name.safetensors" 2> "$W/$name.err"
   check grep -q "on 3 pipeline stages" "$W/$name.err"
   # the event feed's recent history (up to a quarantine), read before the
@@ -98,6 +105,34 @@ check grep -q "did not hand over step .* for verification" "$W/lie-mute/coord.lo
 check grep -q "^# banned: convicted of computing wrong.*withheld its case.* node  # node-2" \
   "$W/lie-mute/coord/authorized_keys"
 check cmp "$W/plain.safetensors" "$W/lie-mute.safetensors"
+
+# ---- a node (node-2) that lies from step 3 on, every output, with a
+# checkpoint after every step, and each case held a step before it goes
+# to its verifier (the test hook NL_TEST_VERIFY_LAG=1 of neurocoord), so
+# that the conviction comes after the checkpoint of step 3 holds its lies:
+# the job rolls back to the last checkpoint whose steps were all verified
+# (before step 3), setting the later ones aside, redoes the steps since on
+# the two nodes left, writing their checkpoints to .redo1 directories, and
+# ends with the weights of the honest run. The job's end waits for the
+# verifications under way, so the conviction comes before it ends ----
+TRAIN_EXTRA="--checkpoint-every 1" run lie-late 1 NL_TEST_LIE=bitflip:1:5:3 NL_TEST_LIE_NODE=node-2 \
+  NL_TEST_VERIFY_LAG=1
+check grep -q "computed step [3-9] .* wrong: its verifier node .* and the arbiter node .* agree" \
+  "$W/lie-late/coord.log"
+check grep -q "^# banned: convicted of computing wrong.* node  # node-2" \
+  "$W/lie-late/coord/authorized_keys"
+check grep -q "rolling back to step [0-2] " "$W/lie-late/coord.log"
+check $PY - "$W/lie-late.jsonl" <<'PY'
+import json, sys
+rb = [r for r in map(json.loads, open(sys.argv[1])) if r.get("event") == "rollback"]
+assert len(rb) == 1, rb
+r = rb[0]
+assert r["to_step"] < 3 <= r["from_step"], r
+# the checkpoint of step 3, made before the conviction, is set aside
+assert any(p.endswith("/step-000003/manifest.json") for p in r["unverified"]), r
+PY
+check test -f "$W/lie-late.ck/step-000004.redo1/manifest.json"
+check cmp "$W/plain.safetensors" "$W/lie-late.safetensors"
 
 echo "test_cluster_verify: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]

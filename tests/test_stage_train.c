@@ -786,7 +786,7 @@ static void digests(void)
      * its neighbours agree with it (the wire cannot tell: a recompute can) */
     static const char *const kinds[] = {"bitflip", "noise", "stale", "skip", "backward"};
     for (int k = 0; k < 5; k++) {
-        test_lie = (nl_stage_lie){(nl_lie_kind)nl_stage_lie_kind(kinds[k]), 0.5, 3};
+        test_lie = (nl_stage_lie){(nl_lie_kind)nl_stage_lie_kind(kinds[k]), 0.5, 3, 0};
         lie_stage = 1;
         digest_run(STEPS, M, b, fb);
         int fwd_diff = 0, bwd_diff = 0;
@@ -857,7 +857,7 @@ static void recompute(void)
 #ifdef NL_TEST_HOOKS
     static const char *const kinds[] = {"bitflip", "noise", "stale", "skip", "backward"};
     for (int k = 0; k < 5 && a && fa; k++) {
-        test_lie = (nl_stage_lie){(nl_lie_kind)nl_stage_lie_kind(kinds[k]), 0.5, 3};
+        test_lie = (nl_stage_lie){(nl_lie_kind)nl_stage_lie_kind(kinds[k]), 0.5, 3, 0};
         lie_stage = 1;
         memset(mismatched, 0, sizeof mismatched);
         memset(mismatch_fwd, 0, sizeof mismatch_fwd);
