@@ -201,6 +201,8 @@ struct nl_coord {
     uint8_t verify_key[32]; /* draws what --verify-rate checks: made at the start, never sent */
     uint32_t quarantine;     /* a node convicted of computing wrong: dropped at the next tick */
     char quarantine_why[400];
+    struct cban *bans; /* the keys authorized_keys has banned (coord_bans_read) */
+    int n_bans;
     char endpoint[256], client_endpoint[256];
     nl_coord_observer observe; /* nl_coord_observe, or NULL */
     void *observe_ctx;
@@ -411,6 +413,17 @@ void coord_on_join(nl_coord *c, const nl_rx *rx);
  * (train_quarantine), and the node is dropped at the next tick as a dead
  * one (the jobs it carried resume without it). */
 void coord_quarantine(nl_coord *c, cnode *n, uint64_t job, const char *why);
+/* A banned key, as <state-dir>/authorized_keys records it ("# banned:
+ * WHY: KEY ..."): shown by neuroctl status, /api/status (the dashboard)
+ * and /metrics. */
+typedef struct cban {
+    char key[NL_KEY_Z85_LEN + 1];
+    char why[320];
+} cban;
+/* c->bans read again from authorized_keys (at the start, at SIGHUP and
+ * after each ban); the file's other lines are the allow-lists'. */
+nl_status coord_bans_read(nl_coord *c, nl_error *err);
+void coord_bans_free(nl_coord *c);
 void coord_on_leave(nl_coord *c, const nl_rx *rx);
 void coord_on_heartbeat(nl_coord *c, const nl_rx *rx);
 void coord_on_node_error(nl_coord *c, const nl_rx *rx);

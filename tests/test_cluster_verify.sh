@@ -51,6 +51,20 @@ while want not in buf and time.time() < end:
     buf += chunk
 sys.stdout.write(buf.decode(errors="replace"))
 PY
+  if [ -n "${WANT_BANS:-}" ]; then # the banned keys where an operator looks
+    "$N" status --cluster "$W/$name" > "$W/$name.status" 2>&1
+    $PY - "$(cat "$W/$name/coord/http")" > "$W/$name.http" 2>&1 <<'PY'
+import json, sys, time, urllib.request
+base = sys.argv[1].rstrip("/")
+get = lambda p: urllib.request.urlopen(base + p, timeout=60).read().decode()
+end = time.time() + 60  # the HTTP side polls the coordinator's status
+while "neurollm_banned_keys 1" not in get("/metrics") and time.time() < end:
+    time.sleep(0.2)
+print(get("/metrics"))
+print("STATUS " + json.dumps(json.loads(get("/api/status")).get("banned_keys")))
+print("PAGE " + str('id="banned"' in get("/")))
+PY
+  fi
   "$N" cluster down --dir "$W/$name" > /dev/null 2>&1
   [ -n "${KEEP:-}" ] && for f in "$W/$name"/*.log; do cp "$f" "$KEEP/$name.$(basename "$f")"; done
 }
@@ -115,7 +129,7 @@ check cmp "$W/plain.safetensors" "$W/lie-mute.safetensors"
 # the two nodes left, writing their checkpoints to .redo1 directories, and
 # ends with the weights of the honest run. The job's end waits for the
 # verifications under way, so the conviction comes before it ends ----
-TRAIN_EXTRA="--checkpoint-every 1" run lie-late 1 NL_TEST_LIE=bitflip:1:5:3 NL_TEST_LIE_NODE=node-2 \
+WANT_BANS=1 TRAIN_EXTRA="--checkpoint-every 1" run lie-late 1 NL_TEST_LIE=bitflip:1:5:3 NL_TEST_LIE_NODE=node-2 \
   NL_TEST_VERIFY_LAG=1
 check grep -q "computed step [3-9] .* wrong: its verifier node .* and the arbiter node .* agree" \
   "$W/lie-late/coord.log"
@@ -133,6 +147,16 @@ assert any(p.endswith("/step-000003/manifest.json") for p in r["unverified"]), r
 PY
 check test -f "$W/lie-late.ck/step-000004.redo1/manifest.json"
 check cmp "$W/plain.safetensors" "$W/lie-late.safetensors"
+# the banned key in neuroctl status (the operator's key is an admin's:
+# the key and why), /metrics, /api/status (the dashboard's #banned)
+key=$(sed -n 's/^# banned: .*: \([^ ]\{40\}\) node  # node-2$/\1/p' "$W/lie-late/coord/authorized_keys")
+check test -n "$key"
+check grep -q "^banned keys: 1$" "$W/lie-late.status"
+check grep -qF "  $key  convicted of computing wrong" "$W/lie-late.status"
+check grep -q "^neurollm_banned_keys 1$" "$W/lie-late.http"
+check grep -qF "neurollm_banned_key{key=\"$key\"} 1" "$W/lie-late.http"
+check grep -q "^STATUS 1$" "$W/lie-late.http"
+check grep -q "^PAGE True$" "$W/lie-late.http"
 
 echo "test_cluster_verify: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
