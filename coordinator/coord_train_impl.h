@@ -45,7 +45,7 @@ typedef struct cft {
 #define COORD_FT_PARAMS 4 /* parameters coord_finetune_stage_params adds */
 
 /* The growth entries a training job sends its stages, at most (the wire
- * takes 64 params; the job's own are 9). */
+ * takes 64 params; the job's own are 10). */
 #define COORD_GROWTH_PARAMS 48
 
 /* A checkpoint of the job, or what it began from (its base): the step,
@@ -104,6 +104,7 @@ typedef struct ctrain {
     int64_t verify_sampled, verify_done, verify_mismatches, verify_skipped;
     int64_t verify_convicted, verify_outvoted; /* arbitrated: stage wrong, verifier wrong */
     uint32_t verify_guilty;                    /* the node last convicted (0: none) */
+    int verify_outputs; /* the stages keep what they send (cases across device classes) */
     /* the first step with a (stage, microbatch) drawn but not verified
      * clean: found wrong, skipped, withheld, unresolved or dropped
      * unanswered (INT64_MAX: none); a checkpoint is all-verified when its
@@ -154,6 +155,10 @@ void coord_train_verify_sample(nl_coord *c, cjob *j);
 /* A VERIFY_CASE (on to a verifier) or VERIFY_RESULT (compared). */
 void coord_train_verify_msg(nl_coord *c, cjob *j, const nl_rx *rx);
 void coord_train_verify_free(ctrain *t);
+/* Whether some node's cases would go across device classes (no other
+ * node of its class, one of another): the stages are then asked to keep
+ * what they send (JOB_SUBMIT verify_outputs). */
+int coord_train_verify_cross(nl_coord *c);
 /* The last step through which every (stage, microbatch) drawn was
  * verified clean: a checkpoint at or before it is all-verified
  * (INT64_MAX when verification is off). */

@@ -37,6 +37,8 @@ typedef struct cver {
     uint32_t node;     /* the stage's node */
     uint32_t verifier; /* 0: its case has not come yet */
     int held;          /* test builds: its case waits to go to the verifier (verify_lag) */
+    int cross;         /* no other node of the stage's device class: one of another compares
+                          the tensors within a tolerance (node/stage_verify.h) */
     uint64_t epoch;
     double t0;
     uint8_t want[2][NL_HOP_DIGEST_BYTES]; /* the ACTIVATION and GRADIENT the stage reported */
@@ -76,6 +78,44 @@ static int64_t verify_lag(void)
     return 0;
 }
 #endif
+
+/* Whether two devices are of one class ("cpu", "cpu-devsim", "cuda"):
+ * digests are compared exactly only on the same class. */
+static int same_class(const char *a, const char *b)
+{
+    const size_t n = strncmp(a, "cuda:", 5) == 0 ? 5 : strlen(a) + 1;
+    return strncmp(a, b, n) == 0;
+}
+
+/* Whether a live node other than `of` (and also_not) may redo a case of
+ * of's: of its device class, or (any) of any. */
+static int may_verify(const cnode *n, const cnode *of, uint32_t also_not, int any)
+{
+    return n && n->life == NODE_LIVE && !n->unreachable && n->id != of->id && n->id != also_not &&
+           (any || same_class(n->device, of->device));
+}
+
+/* Whether node of's cases go across device classes: no other node of
+ * its class could redo them, and one of another could. */
+static int cross_for(nl_coord *c, const cnode *of)
+{
+    int other = 0;
+    for (int i = 0; i < c->n_nodes; i++) {
+        const cnode *n = &c->nodes[i];
+        if (may_verify(n, of, 0, 0))
+            return 0;
+        other |= may_verify(n, of, 0, 1);
+    }
+    return other;
+}
+
+int coord_train_verify_cross(nl_coord *c)
+{
+    for (int i = 0; c->o.verify_rate > 0 && i < c->n_nodes; i++)
+        if (c->nodes[i].life == NODE_LIVE && cross_for(c, &c->nodes[i]))
+            return 1;
+    return 0;
+}
 
 /* Whether (job, step, mb, stage) is drawn, by the coordinator's secret. */
 static int drawn(const nl_coord *c, uint64_t job, int64_t step, uint32_t mb, int stage)
@@ -253,6 +293,8 @@ void coord_train_verify_sample(nl_coord *c, cjob *j)
     nl_wire_msg_init(&m);
     for (int s = 0; s < t->stages; s++) {
         cnode *n = coord_stage_node(c, s);
+        /* across classes only when the stages keep what they send */
+        const int cross = n && t->verify_outputs && cross_for(c, n);
         for (int64_t mb = 0; n && mb < t->micro; mb++) {
             if (!drawn(c, j->id, step, (uint32_t)mb, s))
                 continue;
@@ -266,13 +308,14 @@ void coord_train_verify_sample(nl_coord *c, cjob *j)
                         .stage = s,
                         .node = n->id,
                         .epoch = c->epoch,
-                        .t0 = coord_now()};
+                        .t0 = coord_now(),
+                        .cross = cross};
             memcpy(v->want[0], d + NL_DIGEST_FWD_OUT * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
             memcpy(v->want[1], d + NL_DIGEST_BWD_OUT * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
             memcpy(v->got[0], d + NL_DIGEST_FWD_IN * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
             memcpy(v->got[1], d + NL_DIGEST_BWD_IN * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
             nl_wire_msg_reset(&m, NL_MSG_VERIFY_REQ);
-            m.u.verify_req = (nl_msg_verify_req){j->id, (uint64_t)step, (uint32_t)mb};
+            m.u.verify_req = (nl_msg_verify_req){j->id, (uint64_t)step, (uint32_t)mb, cross};
             t->verify_sampled++;
             if (coord_send_node(c, n, &m) != NL_OK)
                 t->ver->n--; /* the node is lost: the machine hears of it */
@@ -281,32 +324,22 @@ void coord_train_verify_sample(nl_coord *c, cjob *j)
     nl_wire_msg_free(&m);
 }
 
-/* Whether two devices are of one class ("cpu", "cpu-devsim", "cuda"):
- * digests are compared exactly, so only on the same class. */
-static int same_class(const char *a, const char *b)
-{
-    const size_t n = strncmp(a, "cuda:", 5) == 0 ? 5 : strlen(a) + 1;
-    return strncmp(a, b, n) == 0;
-}
-
 /* The node that redoes a case of node `of`'s stage: a standby of the same
- * device class first, else another stage's node of that class, taken in
- * turn; NULL: none. */
-static cnode *verifier_for(nl_coord *c, ctrain *t, const cnode *of, uint32_t also_not)
+ * device class (any: of any class) first, else another stage's node of
+ * that class, taken in turn; NULL: none. */
+static cnode *verifier_for(nl_coord *c, ctrain *t, const cnode *of, uint32_t also_not, int any)
 {
     const nl_plan *p = c->plan;
     for (int i = 0; p && i < p->n_standby; i++) {
         cnode *n = coord_node_by_id(c, (uint32_t)p->standby[(i + t->ver->next) % p->n_standby]);
-        if (n && n->life == NODE_LIVE && !n->unreachable && n->id != of->id && n->id != also_not &&
-            same_class(n->device, of->device)) {
+        if (may_verify(n, of, also_not, any)) {
             t->ver->next++;
             return n;
         }
     }
     for (int i = 0; i < t->stages; i++) {
         cnode *n = coord_stage_node(c, (int)((i + t->ver->next) % (uint32_t)t->stages));
-        if (n && !n->unreachable && n->id != of->id && n->id != also_not &&
-            same_class(n->device, of->device)) {
+        if (may_verify(n, of, also_not, any)) {
             t->ver->next++;
             return n;
         }
@@ -364,9 +397,10 @@ static int inputs_match(const cver *v, const nl_wire_msg *m)
     nl_wire_msg_reset(&h, NL_MSG_ACTIVATION);
     h.u.hop = (nl_msg_tensor_hop){k->job_id, k->step, k->microbatch, 0, 0, 0.0};
     const int first_extra = 2 + !k->has_head + k->counts;
+    const int end_extra = first_extra + __builtin_popcount(k->extras); /* then the outputs */
     h.frames[0] = m->frames[1];
     h.nframes = 1;
-    for (int f = first_extra; f < m->nframes; f++)
+    for (int f = first_extra; f < end_extra && f < m->nframes; f++)
         h.frames[h.nframes++] = m->frames[f];
     nl_hop_digest(d, &h, k->stage);
     int ok = memcmp(d, v->got[0], NL_HOP_DIGEST_BYTES) == 0;
@@ -412,14 +446,14 @@ static void on_case(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
             part = rx->msg.frames[f].len > part ? rx->msg.frames[f].len : part;
         }
         const int fits = part <= NL_SOCK_CONTROL_PART && bytes + 65536 <= NL_SOCK_CONTROL_MSG;
-        cnode *to = fits ? verifier_for(c, t, from, 0) : NULL;
+        cnode *to = fits ? verifier_for(c, t, from, 0, v->cross) : NULL;
         const int held = verify_lag() > 0;
         if (!to || keep_case(v, &rx->msg, bytes) != 0 || (!held && send_case(c, v, to) != 0)) {
             NL_WARN("train job %llu: step %lld microbatch %u of stage %d is not verified: %s",
                     (unsigned long long)j->id, (long long)v->step, v->mb, v->stage,
                     !fits ? "the stage's weights exceed what a verifier's control socket takes "
                             "(16 MiB a part)"
-                    : !to ? "no other node of its device class"
+                    : !to ? "no other node to redo it"
                           : "the send to the verifier failed");
             t->verify_skipped++;
             taint(t, v->step);
@@ -451,7 +485,7 @@ static int ask_arbiter(nl_coord *c, cjob *j, cver *v, const nl_msg_verify_result
 {
     ctrain *t = j->state;
     const cnode *stage = coord_node_by_id(c, v->node);
-    cnode *to = stage ? verifier_for(c, t, stage, from->id) : NULL;
+    cnode *to = stage ? verifier_for(c, t, stage, from->id, v->cross) : NULL;
     snprintf(v->said[0], sizeof v->said[0], "%s", r->fwd);
     snprintf(v->said[1], sizeof v->said[1], "%s", r->bwd);
     if (!to || send_case(c, v, to) != 0) {
@@ -471,7 +505,10 @@ static int judge(nl_coord *c, ctrain *t, cjob *j, const cver *v, const nl_msg_ve
                   const cnode *from)
 {
     const int with_stage = same(r->fwd, v->want[0]) && same(r->bwd, v->want[1]);
-    const int with_first = strcmp(r->fwd, v->said[0]) == 0 && strcmp(r->bwd, v->said[1]) == 0;
+    /* across classes an answer is a verdict (the stage's digests: its
+     * outputs stand), and two redos that both find it wrong agree */
+    const int with_first = v->cross ? !with_stage
+                                    : strcmp(r->fwd, v->said[0]) == 0 && strcmp(r->bwd, v->said[1]) == 0;
     if (with_first && !with_stage) {
         t->verify_convicted++;
         t->verify_guilty = v->node;

@@ -15,7 +15,12 @@
 #    job rolls back past the checkpoints its lies reached to the last one
 #    whose steps were all verified, redoes the steps since without it
 #    (their checkpoints in .redo1 directories beside the set-aside ones)
-#    and ends equal to the honest run bit for bit.
+#    and ends equal to the honest run bit for bit;
+#  - across device classes (node-1 on cpu, the others on cpu-devsim): the
+#    cpu node's cases go to a cpu-devsim verifier, which compares the
+#    tensors the stage sent with its own within the relative tolerance
+#    (1e-4): an honest run passes, and a lying cpu node is convicted by a
+#    cross-class verifier and arbiter.
 . "$(dirname "$0")/cluster_lib.sh"
 export NL_TEST_GFLOPS=20
 
@@ -26,10 +31,11 @@ RUN=(--data "$W/data.txt" --steps 4 --batch 8 --seq 16 --microbatches 4 --lr 3e-
 last() { tail -1 "$1" | $PY -c "import json,sys; print(json.load(sys.stdin)[\"$2\"])"; }
 
 run() { # run NAME RATE [ENV...]: a 3-node cluster (HTTP on), one training run
-  # (TRAIN_EXTRA: more `neuroctl train` arguments)
-  local name=$1 rate=$2 extra=(); shift 2
+  # (TRAIN_EXTRA: more `neuroctl train` arguments; UP_DEV: the nodes' devices)
+  local name=$1 rate=$2 extra=() dev=("${DEV[@]}"); shift 2
   [ -n "${TRAIN_EXTRA:-}" ] && read -ra extra <<< "$TRAIN_EXTRA"
-  env "$@" "$N" cluster up "${DEV[@]}" --dir "$W/$name" --nodes 3 --model "$W/m.safetensors" \
+  [ -n "${UP_DEV:-}" ] && dev=(--device "$UP_DEV")
+  env "$@" "$N" cluster up "${dev[@]}" --dir "$W/$name" --nodes 3 --model "$W/m.safetensors" \
     --memory 64M --threads 1 --node-timeout-ms 4000 --timeout 60 --verify-rate "$rate" \
     --http 127.0.0.1:0 > "$W/$name.up" 2>&1
   check "$N" train --cluster "$W/$name" "${RUN[@]}" "${extra[@]}" --log "$W/$name.jsonl" --checkpoint-dir "$W/$name.ck" \
@@ -157,6 +163,26 @@ check grep -q "^neurollm_banned_keys 1$" "$W/lie-late.http"
 check grep -qF "neurollm_banned_key{key=\"$key\"} 1" "$W/lie-late.http"
 check grep -q "^STATUS 1$" "$W/lie-late.http"
 check grep -q "^PAGE True$" "$W/lie-late.http"
+
+# ---- across device classes: node-1 alone on cpu, so its stage's cases
+# go to cpu-devsim nodes, which compare the ACTIVATION and GRADIENT it
+# sent (kept: JOB_SUBMIT verify_outputs) with their own within 1e-4
+# relative; an honest run passes and ends as the cpu-only one ----
+UP_DEV=cpu,cpu-devsim,cpu-devsim run cross 1
+check grep -q "across device classes: .* the stage's outputs stand" "$W/cross/node-2.log" \
+  "$W/cross/node-3.log"
+check test "$(last "$W/cross.jsonl" verify_mismatches)" -eq 0
+check cmp "$W/plain.safetensors" "$W/cross.safetensors"
+# ---- and a lying cpu node: its cross-class verifier and arbiter find
+# its outputs beyond the tolerance and convict it ----
+UP_DEV=cpu,cpu-devsim,cpu-devsim run cross-lie 1 NL_TEST_LIE=bitflip:1:5 NL_TEST_LIE_NODE=node-1
+check grep -q "across device classes: .* the stage is wrong" "$W/cross-lie/node-2.log" \
+  "$W/cross-lie/node-3.log"
+check grep -q "computed step .* wrong: its verifier node .* and the arbiter node .* agree" \
+  "$W/cross-lie/coord.log"
+check grep -q "^# banned: convicted of computing wrong.* node  # node-1" \
+  "$W/cross-lie/coord/authorized_keys"
+check cmp "$W/plain.safetensors" "$W/cross-lie.safetensors"
 
 echo "test_cluster_verify: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]

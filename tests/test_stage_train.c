@@ -167,7 +167,7 @@ static void verify_step(uint64_t job, uint64_t step, int M)
             uint8_t fwd[NL_HOP_DIGEST_BYTES], bwd[NL_HOP_DIGEST_BYTES];
             nl_status st = nl_stage_verify_case(stages[s], job, step, (uint32_t)mb, &c, &err);
             if (st == NL_OK)
-                st = nl_verify_recompute(rbe[1], &c, fwd, bwd, &err);
+                st = nl_verify_recompute(rbe[1], &c, fwd, bwd, NULL, &err);
             nl_verify_case_free(&c);
             CHECK_OK(st, &err);
             if (st != NL_OK)
@@ -191,7 +191,7 @@ static void verify_wire(uint64_t job, uint64_t step, int M)
         nl_error err;
         const uint32_t mb = (uint32_t)((step + (uint64_t)s) % (uint64_t)M);
         nl_wire_msg_reset(&m, NL_MSG_VERIFY_REQ);
-        m.u.verify_req = (nl_msg_verify_req){job, step, mb};
+        m.u.verify_req = (nl_msg_verify_req){job, step, mb, 0};
         CHECK_OK(nl_stage_job_input(stages[s], &m, bus_send, &ctx_idx[s], &err), &err);
         packet p;
         if (!pop(&coord_q, &m, &p) || m.type != NL_MSG_VERIFY_CASE) {
