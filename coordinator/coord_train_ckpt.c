@@ -89,9 +89,10 @@ int coord_train_ckpt_base(const nl_coord *c, ctrain *t)
 {
     if (t->n_ckpts)
         return 0;
-    const int holds = !c->stages_modified && c->src_path[0]; /* else the seed, or no file */
-    return coord_train_ckpt_add(t, t->start, holds ? c->src_path : NULL, c->src_manifest,
-                                t->moments);
+    /* a file, the seed (no path), or weights no file holds (manifest -1) */
+    const int holds = !c->stages_modified && c->src_path[0];
+    return coord_train_ckpt_add(t, t->start, holds ? c->src_path : NULL,
+                                c->stages_modified ? -1 : c->src_manifest, t->moments);
 }
 
 int coord_train_ckpt_is_source(const nl_coord *c, const cckpt *k)
@@ -395,7 +396,7 @@ int coord_train_rollback(nl_coord *c, cjob *j, tr_done done, char *why, size_t c
     ctrain *t = j->state;
     const cckpt *k = coord_train_ckpt_verified(c, t);
     const int seed = !c->src_path[0] && !c->src; /* the source is the seed still */
-    if (!k || (!k->path && !seed)) {
+    if (!k || (!k->path && (k->manifest < 0 || !seed))) {
         snprintf(why, cap,
                  "a node was convicted of computing wrong, and %s: no rollback leaves its work "
                  "out",

@@ -49,8 +49,9 @@ typedef struct cft {
 #define COORD_GROWTH_PARAMS 48
 
 /* A checkpoint of the job, or what it began from (its base): the step,
- * the file (a manifest, else a --model file; NULL: the seed, or weights
- * no file holds) and whether the job continues it with its moments. */
+ * the file (manifest 1: a manifest, 0: a --model file; NULL: the seed,
+ * or with manifest -1 weights no file holds) and whether the job
+ * continues it with its moments. */
 typedef struct cckpt {
     int64_t step;
     char *path;
