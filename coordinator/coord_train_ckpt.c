@@ -7,7 +7,9 @@
  * auto). Each worker reports to the state machine (the done it was
  * given): what comes next is the machine's to decide. And whether the
  * early re-balance calls for a checkpoint now, and the source's weights
- * restored when a job ends early. */
+ * restored when a job ends early. And the job's list of checkpoints (its
+ * base first), the newest all-verified one, and the rollback to it after
+ * a conviction: a worker opens it, then it becomes the source. */
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>

@@ -11,15 +11,24 @@
  * VERIFY_REQ on the same socket just before the STEP, so it answers from
  * the weights the step began with and the inputs it kept; the inputs of
  * its VERIFY_CASE must have the digests it reported receiving, and the
- * case goes, with the model's config, to a verifier (a standby
- * first, else the node of another stage), whose VERIFY_RESULT is compared
- * with the digests the stage reported with its GRAD_NORM. A disagreement
+ * case goes, with the model's config, to a verifier of the stage's device
+ * class (a standby first, else the node of another stage), whose
+ * VERIFY_RESULT is compared with the digests the stage reported with its
+ * GRAD_NORM. A stage alone in its class is checked by a node of another:
+ * its case carries what it sent (VERIFY_REQ outputs; the job asked its
+ * stages to keep it) and the verifier compares tensors within a relative
+ * tolerance, answering the stage's digests when they stand. A disagreement
  * is logged and counted (the step report's `verify_mismatches`, /metrics),
  * and the case (kept) goes to an arbiter, a third node of the class: two
  * of the three agreeing convict the stage's node or outvote the verifier
  * (`verify_convicted`, `verify_outvoted`). The node found wrong, a stage
  * or a verifier, is quarantined and its key banned (coord_quarantine): the
- * job resumes without it from its last checkpoint, as after a death. */
+ * job goes on without it from its last checkpoint whose steps were all
+ * verified clean, which this file tells (coord_train_verified_through:
+ * a case found wrong, skipped, withheld, unresolved or dropped
+ * unanswered marks its step, a case under way keeps its step unverified
+ * until it is answered); at the job's end the cases under way are
+ * awaited (coord_train_verify_settle). */
 #include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
