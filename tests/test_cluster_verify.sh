@@ -15,7 +15,8 @@
 #    job rolls back past the checkpoints its lies reached to the last one
 #    whose steps were all verified, redoes the steps since without it
 #    (their checkpoints in .redo1 directories beside the set-aside ones)
-#    and ends equal to the honest run bit for bit;
+#    and ends equal to the honest run bit for bit; lying from step 1 on, it
+#    rolls back to the --model file the job began from;
 #  - across device classes (node-1 on cpu, the others on cpu-devsim): the
 #    cpu node's cases go to a cpu-devsim verifier, which compares the
 #    tensors the stage sent with its own within the relative tolerance
@@ -163,6 +164,15 @@ check grep -q "^neurollm_banned_keys 1$" "$W/lie-late.http"
 check grep -qF "neurollm_banned_key{key=\"$key\"} 1" "$W/lie-late.http"
 check grep -q "^STATUS 1$" "$W/lie-late.http"
 check grep -q "^PAGE True$" "$W/lie-late.http"
+
+# ---- the same from step 1 on: no checkpoint of the job is all-verified,
+# so it rolls back to what it began from (the --model file, at step 0),
+# setting the checkpoint of step 1 aside, and ends as the honest run ----
+TRAIN_EXTRA="--checkpoint-every 1" run lie-first 1 NL_TEST_LIE=bitflip:1:5:1 NL_TEST_LIE_NODE=node-2 \
+  NL_TEST_VERIFY_LAG=1
+check grep -q "rolling back to step 0 (.*/m.safetensors)" "$W/lie-first/coord.log"
+check test -f "$W/lie-first.ck/step-000001.redo1/manifest.json"
+check cmp "$W/plain.safetensors" "$W/lie-first.safetensors"
 
 # ---- across device classes: node-1 alone on cpu, so its stage's cases
 # go to cpu-devsim nodes, which compare the ACTIVATION and GRADIENT it
