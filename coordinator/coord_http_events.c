@@ -284,8 +284,7 @@ void coord_http_on_report(void *ctx, uint64_t job, int state, const char *msg, c
         card_step(&h->train, job, step, o, now);
     else if (h->train.job == job && (strcmp(ev, "done") == 0 || strcmp(ev, "cancelled") == 0))
         card_end(&h->train, ev, msg, o, now);
-    else if (strcmp(ev, "grow") == 0 || strcmp(ev, "node_lost") == 0 ||
-             strcmp(ev, "rollback") == 0)
+    else if (strcmp(ev, "grow") == 0 || strcmp(ev, "node_lost") == 0 || strcmp(ev, "rollback") == 0)
         mark_report(&h->train, ev, o);
     pthread_mutex_unlock(&h->mu);
     if (strcmp(ev, "step") == 0) {

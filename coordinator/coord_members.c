@@ -171,7 +171,8 @@ void coord_quarantine(nl_coord *c, cnode *n, uint64_t job, const char *why)
         json_decref(o);
     }
     NL_WARN("node %u (key %.40s): %s: quarantined, its key banned", n->id, n->key, why);
-    if (!c->o.plaintext && (ban_key(c, n->key, why, &e) != NL_OK || coord_bans_read(c, &e) != NL_OK))
+    if (!c->o.plaintext &&
+        (ban_key(c, n->key, why, &e) != NL_OK || coord_bans_read(c, &e) != NL_OK))
         NL_ERROR("cannot ban node %u's key in %s/authorized_keys: %s", n->id, c->o.state_dir,
                  e.msg);
     c->quarantine = n->id;

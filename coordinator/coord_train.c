@@ -648,9 +648,9 @@ static int cancel(nl_coord *c, cjob *j, const nl_rx *rx)
 /* The event the stages' reports make in state `phase` (-1: none). */
 static int awaited(int phase)
 {
-    return phase == TR_BEGIN  ? TE_TAKEN
-           : phase == TR_STEP ? TE_REPORTED
-           : phase == TR_EVAL ? TE_EVALUATED
+    return phase == TR_BEGIN    ? TE_TAKEN
+           : phase == TR_STEP   ? TE_REPORTED
+           : phase == TR_EVAL   ? TE_EVALUATED
            : phase == TR_CKPT   ? TE_SHARDS
            : phase == TR_SETTLE ? TE_SETTLED
                                 : -1;

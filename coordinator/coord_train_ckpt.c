@@ -58,8 +58,7 @@ void coord_train_ckpt_dir(const cjob *j, char *buf, size_t cap)
     if (t->ft)
         snprintf(buf, cap, "%s/lora-job%llu", t->ckpt_dir, (unsigned long long)j->id);
     else if (t->rollbacks) /* the steps redone after a rollback: beside the first run's */
-        snprintf(buf, cap, "%s/step-%06lld.redo%d", t->ckpt_dir, (long long)t->step,
-                 t->rollbacks);
+        snprintf(buf, cap, "%s/step-%06lld.redo%d", t->ckpt_dir, (long long)t->step, t->rollbacks);
     else
         snprintf(buf, cap, "%s/step-%06lld", t->ckpt_dir, (long long)t->step);
 }
@@ -211,8 +210,8 @@ void coord_train_restore(nl_coord *c, cjob *j, const tr_in *in)
     ctrain *t = j->state;
     restore_task *k = in->task;
     coord_manifest_install(c, &k->out, c->plan != NULL); /* a plan made meanwhile: again */
-    c->src_manifest = k->manifest; /* a --model file carries no moments */
-    c->stages_modified = 1;        /* they hold later weights until they reload */
+    c->src_manifest = k->manifest;                       /* a --model file carries no moments */
+    c->stages_modified = 1; /* they hold later weights until they reload */
     t->cont = k->cont;
     /* a restart of the coordinator resumes from here (a --model file:
      * the job begins again, at step 0) */

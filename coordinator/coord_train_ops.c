@@ -98,7 +98,7 @@ static int train_node_failed(nl_coord *c, cjob *j, const char *why)
 
 #define TRAIN_TAKES                                                                                \
     (COORD_TAKES(NL_MSG_JOB_STATUS) | COORD_TAKES(NL_MSG_GRAD_NORM) | COORD_TAKES(NL_MSG_LOSS) |   \
-     COORD_TAKES(NL_MSG_CKPT_DONE) | COORD_TAKES(NL_MSG_VERIFY_CASE) |                            \
+     COORD_TAKES(NL_MSG_CKPT_DONE) | COORD_TAKES(NL_MSG_VERIFY_CASE) |                             \
      COORD_TAKES(NL_MSG_VERIFY_RESULT))
 
 const cjob_ops coord_train_ops = {

@@ -511,13 +511,13 @@ static int ask_arbiter(nl_coord *c, cjob *j, cver *v, const nl_msg_verify_result
 /* The arbiter's answer: two of the three agree. 1: the stage's outputs
  * stand (the verifier was outvoted), 0: not. */
 static int judge(nl_coord *c, ctrain *t, cjob *j, const cver *v, const nl_msg_verify_result *r,
-                  const cnode *from)
+                 const cnode *from)
 {
     const int with_stage = same(r->fwd, v->want[0]) && same(r->bwd, v->want[1]);
     /* across classes an answer is a verdict (the stage's digests: its
      * outputs stand), and two redos that both find it wrong agree */
-    const int with_first = v->cross ? !with_stage
-                                    : strcmp(r->fwd, v->said[0]) == 0 && strcmp(r->bwd, v->said[1]) == 0;
+    const int with_first =
+        v->cross ? !with_stage : strcmp(r->fwd, v->said[0]) == 0 && strcmp(r->bwd, v->said[1]) == 0;
     if (with_first && !with_stage) {
         t->verify_convicted++;
         t->verify_guilty = v->node;

@@ -107,8 +107,8 @@ static int load_identity(const char *key, const char *state_dir, bool plaintext,
 
 #ifdef NL_TEST_HOOKS
 /* Test hook NL_TEST_LIE=KIND:Q[:SEED[:FROM]]: the stage lies on a fraction
- * Q of its work from training step FROM on (node/stage_train_lie.c); NL_TEST_LIE_NODE=NAME: only the node
- * of that --name. 0, or 2 (usage) for a malformed value. */
+ * Q of its work from training step FROM on (node/stage_train_lie.c); NL_TEST_LIE_NODE=NAME: only
+ * the node of that --name. 0, or 2 (usage) for a malformed value. */
 static int read_lie(nl_node_opts *o)
 {
     const char *lie = getenv("NL_TEST_LIE");

@@ -279,11 +279,22 @@ nl_status nl_stage_train_verify_req(nl_stage *s, stage_train *t, const nl_msg_ve
     nl_wire_msg_reset(m, NL_MSG_VERIFY_CASE);
     const uint32_t extras = (c.targets ? NL_HOP_TARGETS : 0u) | (c.docs ? NL_HOP_DOCS : 0u) |
                             (c.labels ? NL_HOP_LABELS : 0u) | (c.lengths ? NL_HOP_LENGTHS : 0u);
-    m->u.verify_case = (nl_msg_verify_case){
-        c.job,          c.step,      c.mb,       c.stage,          (uint32_t)c.l0,
-        (uint32_t)c.l1, c.has_embed, c.has_head, (uint32_t)c.mbB,  (uint32_t)c.T,
-        (uint32_t)c.M,  c.loss_rows, extras,     c.counts != NULL, "",
-        r->outputs ? 1u : 0u};
+    m->u.verify_case = (nl_msg_verify_case){c.job,
+                                            c.step,
+                                            c.mb,
+                                            c.stage,
+                                            (uint32_t)c.l0,
+                                            (uint32_t)c.l1,
+                                            c.has_embed,
+                                            c.has_head,
+                                            (uint32_t)c.mbB,
+                                            (uint32_t)c.T,
+                                            (uint32_t)c.M,
+                                            c.loss_rows,
+                                            extras,
+                                            c.counts != NULL,
+                                            "",
+                                            r->outputs ? 1u : 0u};
     int f = 0;
     nl_wire_frame_set(&m->frames[f++], c.weights, NL_DTYPE_F32, ws, 1); /* copied by the send */
     if (c.has_embed)
@@ -338,10 +349,9 @@ static nl_status case_of(const nl_wire_msg *m, nl_config *cfg, nl_verify_case *c
         const int fo = i ? fdx : fy;
         const nl_tensor *o = fo >= 0 ? &m->frames[fo].t : NULL;
         if (o && (o->shape[0] != B || o->shape[1] != T || o->shape[2] != d))
-            return nl_error_set(err, NL_ERR_SHAPE,
-                                "VERIFY_CASE: the stage's %s is not [%lld, %lld, %lld]",
-                                i ? "GRADIENT" : "ACTIVATION", (long long)B, (long long)T,
-                                (long long)d);
+            return nl_error_set(
+                err, NL_ERR_SHAPE, "VERIFY_CASE: the stage's %s is not [%lld, %lld, %lld]",
+                i ? "GRADIENT" : "ACTIVATION", (long long)B, (long long)T, (long long)d);
     }
     const nl_tensor *x = &m->frames[fx].t;
     bool ok = x->shape[0] == B && x->shape[1] == T && (v->has_embed || x->shape[2] == d);
@@ -418,8 +428,8 @@ nl_status nl_verify_answer(nl_stage *s, const nl_wire_msg *m, nl_wire_msg *out,
     if (v->outputs)
         NL_INFO("verify job %llu step %llu microbatch %u stage %u across device classes: the "
                 "largest relative difference is %.3g (tolerance %.0e): %s",
-                (unsigned long long)v->job_id, (unsigned long long)v->step, v->microbatch,
-                v->stage, rel, NL_VERIFY_CROSS_RTOL,
+                (unsigned long long)v->job_id, (unsigned long long)v->step, v->microbatch, v->stage,
+                rel, NL_VERIFY_CROSS_RTOL,
                 rel <= NL_VERIFY_CROSS_RTOL ? "the stage's outputs stand" : "the stage is wrong");
     nl_stage_verify_lie(s, v->job_id, v->step, v->microbatch, v->stage, fwd, bwd); /* test hook */
     nl_hop_digest_hex(hex[0], fwd);

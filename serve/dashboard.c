@@ -19,8 +19,8 @@
  * Element ids and data attributes the tests read (tests/test_serve_web.sh,
  * tests/test_serve_cluster.py): #job (data-state, data-step, data-steps,
  * data-eta), #plan and #stages (children with data-stage), #nodes
- * (tr.node), #banned (data-count; li.ban: a key and why), #tps-chart and #loss-chart (data-points, data-marks),
- * #events (li.event with data-type and data-time), body data-ready. */
+ * (tr.node), #banned (data-count; li.ban: a key and why), #tps-chart and #loss-chart (data-points,
+ * data-marks), #events (li.event with data-type and data-time), body data-ready. */
 #include "http_impl.h"
 
 /* clang-format off */
