@@ -121,6 +121,10 @@ typedef struct cjob_ops {
     /* A stage of the plan is lost: 1 if the job waits for the next plan,
      * 0 (or NULL) if it fails. */
     int (*stage_lost)(nl_coord *c, cjob *j, const char *why);
+    /* A node that held no stage (a standby) is gone: a job that waits for
+     * its work (a training job's verifications) stops waiting. NULL:
+     * nothing. */
+    void (*node_gone)(nl_coord *c, cjob *j);
     /* A stage reports that its work for the job failed (why names the
      * node): 1 if the job goes on regardless (a training job waits for
      * the node's death to be told from a live node's), 0 (or NULL): it

@@ -74,6 +74,7 @@
  *               GROWN [failed]                        STEP
  *  SETTLE       (entered) [no verification under way]  DONE
  *               SETTLED (the last one answered)       DONE
+ *               GONE (a standby) [none left]          DONE (its cases: unverified)
  *  BEGIN..SETTLE LOST [resumes left]                  LOADING (else the job fails); after a
  *                                                     conviction, rolled back (roll_back)
  *               CANCEL                                the same, marked cancelled
@@ -731,6 +732,10 @@ int coord_train_on(nl_coord *c, cjob *j, tr_event ev, const tr_in *in)
         return 1;
     case TE_LOST:
         return lost(c, j, in->why);
+    case TE_GONE: /* SETTLE: its verifications are not awaited any more */
+        if (t->phase == TR_SETTLE)
+            enter_settle(c, j);
+        return 1;
     case TE_CANCEL:
         return cancel(c, j, in->rx);
     }

@@ -195,6 +195,7 @@ typedef enum {
     TE_GROWN,     /* --grow auto's worker is done (in) */
     TE_RESTORED,  /* a rollback's manifest is opened (in) */
     TE_LOST,      /* a stage of the plan is lost (in->why) */
+    TE_GONE,      /* a node that held no stage is gone (a verifier, perhaps) */
     TE_CANCEL     /* a JOB_CANCEL (in->rx) */
 } tr_event;
 

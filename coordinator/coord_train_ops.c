@@ -83,6 +83,12 @@ static int train_cancel(nl_coord *c, cjob *j, const nl_rx *rx)
     return j->state && coord_train_on(c, j, TE_CANCEL, &in);
 }
 
+static void train_node_gone(nl_coord *c, cjob *j)
+{
+    if (j->state)
+        coord_train_on(c, j, TE_GONE, NULL);
+}
+
 static void train_ready(nl_coord *c, cjob *j)
 {
     coord_train_on(c, j, TE_READY, NULL);
@@ -108,6 +114,7 @@ const cjob_ops coord_train_ops = {
     .submit = train_submit,
     .on_message = train_on_message,
     .stage_lost = train_stage_lost,
+    .node_gone = train_node_gone,
     .node_failed = train_node_failed,
     .ready = train_ready,
     .abort = train_abort,
@@ -125,6 +132,7 @@ const cjob_ops coord_finetune_ops = {
     .submit = finetune_submit,
     .on_message = train_on_message,
     .stage_lost = train_stage_lost,
+    .node_gone = train_node_gone,
     .node_failed = train_node_failed,
     .ready = train_ready,
     .abort = train_abort,
