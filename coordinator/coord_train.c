@@ -622,8 +622,8 @@ static int lost(nl_coord *c, cjob *j, const char *why)
     t->t_lost = coord_now();
     t->lost_at = t->step;
     to(c, j, TR_LOADING);
-    coord_train_report_lost(c, j, why);
-    roll_back(c, j); /* failed: it has ended */
+    if (roll_back(c, j) >= 0) /* else it failed and has ended */
+        coord_train_report_lost(c, j, why);
     return 1;
 }
 

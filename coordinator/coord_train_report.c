@@ -188,15 +188,19 @@ void coord_train_report_stopping(nl_coord *c, cjob *j, const nl_rx *rx, int64_t 
 void coord_train_report_lost(nl_coord *c, cjob *j, const char *why)
 {
     const ctrain *t = j->state;
-    const int64_t from = c->src_manifest ? c->src_step : 0;
+    /* after a conviction, the checkpoint the job rolls back to (its source
+     * from when the worker has opened it) */
+    const cckpt *k = t->rolled && t->n_ckpts ? &t->ckpts[t->n_ckpts - 1] : NULL;
+    const int64_t from = k ? k->step : c->src_manifest ? c->src_step : 0;
+    const char *src = k && k->path ? k->path : c->src_path[0] ? c->src_path : "the seed";
     NL_WARN("train job %llu: %s at step %lld; resuming from step %lld (%s) on the nodes left "
             "(resume %d of %d)",
-            (unsigned long long)j->id, why, (long long)t->lost_at, (long long)from,
-            c->src_path[0] ? c->src_path : "the seed", t->resumes, c->o.train_resumes);
+            (unsigned long long)j->id, why, (long long)t->lost_at, (long long)from, src,
+            t->resumes, c->o.train_resumes);
     json_t *o = json_pack("{s:s,s:s,s:I,s:I,s:s,s:i,s:i}", "event", "node_lost", "why", why,
                           "lost_step", (json_int_t)t->lost_at, "resume_step", (json_int_t)from,
-                          "source", c->src_path[0] ? c->src_path : "the seed", "resume", t->resumes,
-                          "max_resumes", c->o.train_resumes);
+                          "source", src, "resume", t->resumes, "max_resumes",
+                          c->o.train_resumes);
     coord_train_report(c, j, NL_JOB_RUNNING, "node lost; resuming", o);
 }
 
