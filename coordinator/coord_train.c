@@ -11,16 +11,20 @@
  * "Training").
  *
  * This file alone decides the job's transitions: the states (tr_state),
- * the events (tr_event, coord_train_impl.h) and train_on, the transition
- * function, through which every event goes: the stages' reports, the
- * leaves' workers, the cluster (ready, a stage lost) and the client
- * (cancel). It calls its leaves, which do a part of the work and hand the
- * result back without deciding anything, and none of them calls it (a
+ * the events (tr_event, coord_train_impl.h) and coord_train_on, the
+ * transition function, through which every event goes: the stages'
+ * reports, the leaves' workers, the cluster (ready, a stage lost, a
+ * standby gone) and the client (cancel), the last three through
+ * coord_train_ops.c, the job's operations table, which turns each
+ * operation into an event. It calls its leaves, which do a part of the
+ * work and hand the result back without deciding anything, and none of
+ * them calls it (a
  * worker reports to the done this file gave it): coord_train_stages.c
  * (the stages' reports, checked and counted), coord_train_prep.c (the
- * preparation), coord_train_ckpt.c (the checkpoints), coord_train_wire.c
- * (what goes to the stages) and coord_train_report.c (what the client is
- * told). */
+ * preparation), coord_train_ckpt.c (the checkpoints, and the rollback
+ * to the last all-verified one after a conviction), coord_train_verify.c
+ * (verification by recompute), coord_train_wire.c (what goes to the
+ * stages) and coord_train_report.c (what the client is told). */
 #include <jansson.h>
 #include <math.h>
 #include <stdarg.h>
