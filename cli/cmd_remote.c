@@ -391,6 +391,26 @@ static void print_growth(const json_t *g)
            (long long)json_integer_value(json_object_get(g, "count")));
 }
 
+/* The keys banned for computing wrong (docs/security.md), each with why. */
+static void print_bans(const json_t *st)
+{
+    const json_t *bans = json_object_get(st, "banned"), *b;
+    const json_int_t n = json_integer_value(json_object_get(st, "banned_keys"));
+    size_t i;
+    if (!n)
+        return;
+    printf("banned keys: %lld\n", (long long)n);
+    json_array_foreach(bans, i, b)
+    {
+        char why[400];
+        snprintf(why, sizeof why, "%s", json_string_value(json_object_get(b, "why")));
+        for (char *p = why; *p; p++) /* the coordinator's text: nothing that drives a terminal */
+            if ((unsigned char)*p < 0x20 || (unsigned char)*p >= 0x7f)
+                *p = '?';
+        printf("  %s  %s\n", json_string_value(json_object_get(b, "key")), why);
+    }
+}
+
 int nl_cmd_status(int argc, char **argv)
 {
     nl_flag flags[] = {
@@ -468,6 +488,7 @@ int nl_cmd_status(int argc, char **argv)
         printf("this plan was made for training: %.2f ms per training microbatch (forward and "
                "backward)\n",
                json_real_value(tb) * 1e3);
+    print_bans(st);
     json_decref(st);
     return 0;
 }

@@ -86,6 +86,33 @@ static void on_node_lost(rtrain_watch *w, const json_t *ev)
     }
 }
 
+/* A node was convicted of computing wrong (issue 31): the job rolls back
+ * to its last checkpoint whose steps were all verified; say so, and log
+ * it as a record with "event" and no "step". */
+static void on_rollback(rtrain_watch *w, const json_t *ev)
+{
+    const char *to = json_string_value(json_object_get(ev, "checkpoint"));
+    char safe[600];
+    snprintf(safe, sizeof safe, "%s", to ? to : "?");
+    for (char *p = safe; *p; p++) /* the coordinator's path: nothing that drives a terminal */
+        if ((unsigned char)*p < 0x20 || (unsigned char)*p >= 0x7f)
+            *p = '?';
+    nl_train_progress_break(&w->prog);
+    fprintf(stderr,
+            "a node was convicted of computing wrong at step %lld: rolling back to step %lld "
+            "(%s), the last checkpoint whose steps were all verified; %zu later checkpoint(s) "
+            "set aside\n",
+            integer(ev, "from_step", -1), integer(ev, "to_step", -1), safe,
+            json_array_size(json_object_get(ev, "unverified")));
+    if (w->log) {
+        char *text = json_dumps(ev, JSON_COMPACT);
+        if (text)
+            fprintf(w->log, "%s\n", text);
+        free(text);
+        fflush(w->log);
+    }
+}
+
 /* The model grew (issue 16): say so, and log it as a record with "event"
  * (its step as "grow_step": step records stay keyed by step). */
 static void on_grow(rtrain_watch *w, const json_t *ev)
@@ -368,6 +395,8 @@ static nl_status on_status(rtrain_watch *w, const nl_rx *rx, nl_error *err)
         on_start(w, ev);
     } else if (event && strcmp(event, "node_lost") == 0) {
         on_node_lost(w, ev);
+    } else if (event && strcmp(event, "rollback") == 0) {
+        on_rollback(w, ev);
     } else if (event && strcmp(event, "replan") == 0) {
         on_replan(w, ev);
     } else if (event && strcmp(event, "grow") == 0) {

@@ -201,7 +201,7 @@ static nl_status setup_sockets(nl_coord *c, nl_error *err)
         return st;
     nl_net_opts no = nl_net_opts_default();
     if ((st = nl_net_new(&c->net, &no, err)) != NL_OK ||
-        (st = setup_domains(c, path, err)) != NL_OK ||
+        (st = setup_domains(c, path, err)) != NL_OK || (st = coord_bans_read(c, err)) != NL_OK ||
         (st = bind_router(c, &c->ctl, "nodes", COORD_NODE_DOMAIN, NL_SOCK_BULK, c->o.listen,
                           c->endpoint, sizeof c->endpoint, err)) != NL_OK ||
         (st = bind_router(c, &c->cli, "clients", COORD_CLIENT_DOMAIN, NL_SOCK_CONTROL, client_ep,
@@ -286,6 +286,7 @@ void nl_coord_destroy(nl_coord **cp)
     free(c->growth);
     nl_keys_wipe(&c->keys);
     sodium_memzero(c->verify_key, sizeof c->verify_key);
+    coord_bans_free(c);
     free(c);
     *cp = NULL;
 }
@@ -513,7 +514,8 @@ nl_status nl_coord_run(nl_coord *c, volatile sig_atomic_t *stop, nl_error *err)
     while (!*stop) {
         if (nl_auth_hup_take()) {
             nl_error e = {0};
-            if (nl_auth_reload(nl_net_auth(c->net), &e) == NL_OK)
+            if (nl_auth_reload(nl_net_auth(c->net), &e) == NL_OK &&
+                coord_bans_read(c, &e) == NL_OK) /* an operator may have lifted a ban */
                 NL_INFO("SIGHUP: reloaded %s/authorized_keys", c->o.state_dir);
             else
                 NL_ERROR("SIGHUP: %s", e.msg);

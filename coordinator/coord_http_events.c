@@ -235,13 +235,19 @@ static const char *str_or(json_t *o, const char *key, const char *dflt)
     return s ? s : dflt;
 }
 
-/* A growth or a lost stage, marked on the curve. Under mu. */
+/* A growth, a lost stage or a rollback, marked on the curve. Under mu. */
 static void mark_report(train_card *t, const char *ev, json_t *o)
 {
     char what[192];
     if (strcmp(ev, "grow") == 0) {
         snprintf(what, sizeof what, "the model grew (%s)", str_or(o, "kind", "?"));
         coord_http_mark(t, json_integer_value(json_object_get(o, "step")), "grow", what);
+        return;
+    }
+    if (strcmp(ev, "rollback") == 0) {
+        snprintf(what, sizeof what, "a node was convicted: rolled back to step %lld",
+                 (long long)json_integer_value(json_object_get(o, "to_step")));
+        coord_http_mark(t, json_integer_value(json_object_get(o, "from_step")), "rollback", what);
         return;
     }
     snprintf(what, sizeof what, "a stage was lost (%s); resumed from step %lld",
@@ -278,7 +284,7 @@ void coord_http_on_report(void *ctx, uint64_t job, int state, const char *msg, c
         card_step(&h->train, job, step, o, now);
     else if (h->train.job == job && (strcmp(ev, "done") == 0 || strcmp(ev, "cancelled") == 0))
         card_end(&h->train, ev, msg, o, now);
-    else if (strcmp(ev, "grow") == 0 || strcmp(ev, "node_lost") == 0)
+    else if (strcmp(ev, "grow") == 0 || strcmp(ev, "node_lost") == 0 || strcmp(ev, "rollback") == 0)
         mark_report(&h->train, ev, o);
     pthread_mutex_unlock(&h->mu);
     if (strcmp(ev, "step") == 0) {

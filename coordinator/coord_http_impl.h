@@ -39,7 +39,7 @@ typedef struct loss_curve {
 /* Something that changed the run, marked on its curve at a step. */
 typedef struct card_mark {
     int64_t step;
-    char kind[16]; /* replan, grow, lost */
+    char kind[16]; /* replan, grow, lost, rollback */
     char what[192];
 } card_mark;
 

@@ -304,6 +304,17 @@ char *coord_http_metrics(void *ctx)
             (long long)json_integer_value(json_object_get(o, "id")),
             json_number_value(json_object_get(o, "predicted_s")));
     node_figures(&s, &n, &cap, nodes);
+    HELP("neurollm_banned_keys", "gauge",
+         "Keys banned for computing wrong (authorized_keys' \"# banned:\" lines).");
+    put(&s, &n, &cap, "neurollm_banned_keys %lld\n",
+        (long long)json_integer_value(h->status ? json_object_get(h->status, "banned_keys")
+                                                : NULL));
+    json_t *bans = h->status ? json_object_get(h->status, "banned") : NULL;
+    if (json_array_size(bans) > 0) { /* each key (Z85 needs no escaping in a label) */
+        HELP("neurollm_banned_key", "gauge", "1 for each banned key.");
+        json_array_foreach(bans, i, o) put(&s, &n, &cap, "neurollm_banned_key{key=\"%s\"} 1\n",
+                                           json_string_value(json_object_get(o, "key")));
+    }
     HELP("neurollm_plan_epoch", "gauge", "The placement generation.");
     put(&s, &n, &cap, "neurollm_plan_epoch %lld\n", (long long)h->epoch);
     HELP("neurollm_tokens_generated_total", "counter",

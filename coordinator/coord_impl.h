@@ -125,6 +125,10 @@ typedef struct cjob_ops {
     /* A stage of the plan is lost: 1 if the job waits for the next plan,
      * 0 (or NULL) if it fails. */
     int (*stage_lost)(nl_coord *c, cjob *j, const char *why);
+    /* A node that held no stage (a standby) is gone: a job that waits for
+     * its work (a training job's verifications) stops waiting. NULL:
+     * nothing. */
+    void (*node_gone)(nl_coord *c, cjob *j);
     /* A stage reports that its work for the job failed (why names the
      * node): 1 if the job goes on regardless (a training job waits for
      * the node's death to be told from a live node's), 0 (or NULL): it
@@ -205,6 +209,8 @@ struct nl_coord {
     uint8_t verify_key[32]; /* draws what --verify-rate checks: made at the start, never sent */
     uint32_t quarantine;     /* a node convicted of computing wrong: dropped at the next tick */
     char quarantine_why[400];
+    struct cban *bans; /* the keys authorized_keys has banned (coord_bans_read) */
+    int n_bans;
     char endpoint[256], client_endpoint[256];
     nl_coord_observer observe; /* nl_coord_observe, or NULL */
     void *observe_ctx;
@@ -431,6 +437,17 @@ void coord_relay_stop(nl_coord *c);
  * (train_quarantine), and the node is dropped at the next tick as a dead
  * one (the jobs it carried resume without it). */
 void coord_quarantine(nl_coord *c, cnode *n, uint64_t job, const char *why);
+/* A banned key, as <state-dir>/authorized_keys records it ("# banned:
+ * WHY: KEY ..."): shown by neuroctl status, /api/status (the dashboard)
+ * and /metrics. */
+typedef struct cban {
+    char key[NL_KEY_Z85_LEN + 1];
+    char why[320];
+} cban;
+/* c->bans read again from authorized_keys (at the start, at SIGHUP and
+ * after each ban); the file's other lines are the allow-lists'. */
+nl_status coord_bans_read(nl_coord *c, nl_error *err);
+void coord_bans_free(nl_coord *c);
 void coord_on_leave(nl_coord *c, const nl_rx *rx);
 void coord_on_heartbeat(nl_coord *c, const nl_rx *rx);
 void coord_on_node_error(nl_coord *c, const nl_rx *rx);

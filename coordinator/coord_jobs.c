@@ -413,6 +413,15 @@ static json_t *status_json(nl_coord *c, const nl_rx *rx, bool full)
             json_object_set_new(g, "count", json_integer(c->growths));
         json_object_set_new(root, "growth", g ? g : json_null());
     }
+    /* the keys banned for computing wrong (authorized_keys), to every
+     * client: a banned key admits nothing, and /api/events published it
+     * (train_quarantine) as it was banned */
+    json_object_set_new(root, "banned_keys", json_integer(c->n_bans));
+    json_t *bans = json_array();
+    for (int i = 0; bans && i < c->n_bans; i++)
+        json_array_append_new(bans,
+                              json_pack("{s:s,s:s}", "key", c->bans[i].key, "why", c->bans[i].why));
+    json_object_set_new(root, "banned", bans ? bans : json_null());
     if (c->tok_text)
         json_object_set_new(root, "tokenizer", json_string(c->tok_text));
     if (c->chat_text)

@@ -43,6 +43,9 @@ void coord_node_lost(nl_coord *c, cnode *n, int life, const char *why)
         coord_set_state(c, "re-planning: %s", msg);
     } else {
         c->replan_wanted |= COORD_REPLAN_LEFT; /* a standby: the plan may still be the best */
+        for (int i = 0; i < COORD_MAX_JOBS; i++) /* it may have been verifying */
+            if (c->jobs[i].phase != JOB_FREE && c->jobs[i].ops->node_gone)
+                c->jobs[i].ops->node_gone(c, &c->jobs[i]);
     }
 }
 
@@ -95,6 +98,83 @@ static nl_status ban_key(nl_coord *c, const char *key, const char *why, nl_error
     return st;
 }
 
+/* A "# banned: WHY: KEY ..." line (ban_key's) into b: 1, or 0 when it is
+ * not one. WHY may hold ": " itself: the key is the last 40-character
+ * Z85 word after one. */
+static int parse_ban(const char *line, size_t len, cban *b)
+{
+    static const char tag[] = "# banned: ";
+    const size_t tl = sizeof tag - 1;
+    if (len < tl || memcmp(line, tag, tl) != 0)
+        return 0;
+    const char *key = NULL, *end = line + len;
+    for (const char *p = line + tl; p + 2 + NL_KEY_Z85_LEN <= end; p++) {
+        const char *k = p + 2;
+        if (p[0] != ':' || p[1] != ' ' ||
+            (k + NL_KEY_Z85_LEN < end && k[NL_KEY_Z85_LEN] != ' ' && k[NL_KEY_Z85_LEN] != '\t'))
+            continue;
+        size_t i = 0;
+        while (i < NL_KEY_Z85_LEN && k[i] > ' ' && k[i] < 0x7f)
+            i++;
+        if (i == NL_KEY_Z85_LEN)
+            key = k;
+    }
+    if (!key)
+        return 0;
+    memcpy(b->key, key, NL_KEY_Z85_LEN);
+    b->key[NL_KEY_Z85_LEN] = '\0';
+    const size_t wl = (size_t)(key - 2 - (line + tl));
+    snprintf(b->why, sizeof b->why, "%.*s", (int)(wl < sizeof b->why ? wl : sizeof b->why - 1),
+             line + tl);
+    return 1;
+}
+
+void coord_bans_free(nl_coord *c)
+{
+    free(c->bans);
+    c->bans = NULL;
+    c->n_bans = 0;
+}
+
+nl_status coord_bans_read(nl_coord *c, nl_error *err)
+{
+    char path[4096], *text = NULL;
+    size_t len = 0;
+    if (c->o.plaintext)
+        return NL_OK;
+    snprintf(path, sizeof path, "%s/authorized_keys", c->o.state_dir);
+    nl_status st = nl_file_read_all(path, 16u << 20, &text, &len, err);
+    if (st != NL_OK)
+        return st;
+    int n = 0, cap = 0;
+    cban *bans = NULL, b;
+    for (char *line = text, *end; line < text + len; line = end) {
+        end = memchr(line, '\n', (size_t)(text + len - line));
+        end = end ? end + 1 : text + len;
+        if (!parse_ban(line, (size_t)(end - line) - (end[-1] == '\n'), &b))
+            continue;
+        if (n == cap) {
+            cap = cap ? 2 * cap : 8;
+            cban *p = realloc(bans, (size_t)cap * sizeof *p);
+            if (!p) {
+                st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+                break;
+            }
+            bans = p;
+        }
+        bans[n++] = b;
+    }
+    free(text);
+    if (st != NL_OK) {
+        free(bans);
+        return st;
+    }
+    coord_bans_free(c);
+    c->bans = bans;
+    c->n_bans = n;
+    return NL_OK;
+}
+
 void coord_quarantine(nl_coord *c, cnode *n, uint64_t job, const char *why)
 {
     nl_error e = {0};
@@ -108,7 +188,8 @@ void coord_quarantine(nl_coord *c, cnode *n, uint64_t job, const char *why)
         json_decref(o);
     }
     NL_WARN("node %u (key %.40s): %s: quarantined, its key banned", n->id, n->key, why);
-    if (!c->o.plaintext && ban_key(c, n->key, why, &e) != NL_OK)
+    if (!c->o.plaintext &&
+        (ban_key(c, n->key, why, &e) != NL_OK || coord_bans_read(c, &e) != NL_OK))
         NL_ERROR("cannot ban node %u's key in %s/authorized_keys: %s", n->id, c->o.state_dir,
                  e.msg);
     c->quarantine = n->id;

@@ -11,16 +11,20 @@
  * "Training").
  *
  * This file alone decides the job's transitions: the states (tr_state),
- * the events (tr_event, coord_train_impl.h) and train_on, the transition
- * function, through which every event goes: the stages' reports, the
- * leaves' workers, the cluster (ready, a stage lost) and the client
- * (cancel). It calls its leaves, which do a part of the work and hand the
- * result back without deciding anything, and none of them calls it (a
+ * the events (tr_event, coord_train_impl.h) and coord_train_on, the
+ * transition function, through which every event goes: the stages'
+ * reports, the leaves' workers, the cluster (ready, a stage lost, a
+ * standby gone) and the client (cancel), the last three through
+ * coord_train_ops.c, the job's operations table, which turns each
+ * operation into an event. It calls its leaves, which do a part of the
+ * work and hand the result back without deciding anything, and none of
+ * them calls it (a
  * worker reports to the done this file gave it): coord_train_stages.c
  * (the stages' reports, checked and counted), coord_train_prep.c (the
- * preparation), coord_train_ckpt.c (the checkpoints), coord_train_wire.c
- * (what goes to the stages) and coord_train_report.c (what the client is
- * told). */
+ * preparation), coord_train_ckpt.c (the checkpoints, and the rollback
+ * to the last all-verified one after a conviction), coord_train_verify.c
+ * (verification by recompute), coord_train_wire.c (what goes to the
+ * stages) and coord_train_report.c (what the client is told). */
 #include <jansson.h>
 #include <math.h>
 #include <stdarg.h>
@@ -41,9 +45,9 @@
  *                           |  |           +--------> the step is done -[go on]+
  *                           |  |                [ckpt due] |      | [the last] |
  *                           |  |                           v      v            |
- *                           |  |    WRITE <-SHARDS------ CKPT    DONE          |
+ *                           |  |    WRITE <-SHARDS------ CKPT   SETTLE -SETTLED-> DONE
  *                           |  |      | WRITTEN -------------------[go on]-----+
- *                           |  |      +--> DONE, CANCELLED
+ *                           |  |      +--> SETTLE, CANCELLED
  *                           |  +-[re-plan]-+
  *                           +--GROWN-- GROW <-[--grow auto]
  *
@@ -53,15 +57,18 @@
  *               READY [the plan lacks its memory]     LOADING (the cluster plans again)
  *               READY                                 BEGIN (at the source's step when the
  *                                                     job continues it, else at step 0)
- *               WRITTEN [past the source's step]      LOADING (resumes from that manifest)
+ *               WRITTEN [past the source's step, no   LOADING (resumes from that manifest)
+ *                        conviction since]
+ *               RESTORED                              LOADING (the rollback's checkpoint is
+ *                                                     the source: the cluster plans again)
  *  BEGIN        TAKEN                                 STEP
  *  STEP         REPORTED [an evaluation due]          EVAL
  *  STEP, EVAL   REPORTED, EVALUATED: the step is done:
  *                 [a checkpoint due, or cancelled]    CKPT
- *                 [the last step]                     DONE
+ *                 [the last step]                     SETTLE
  *                 else                                STEP
  *  CKPT         SHARDS                                WRITE
- *  WRITE        WRITTEN [the last step]               DONE
+ *  WRITE        WRITTEN [the last step]               SETTLE
  *               WRITTEN [cancelled]                   CANCELLED
  *               WRITTEN [--grow auto deepens]         GROW
  *               WRITTEN [a re-plan gains]             LOADING
@@ -69,15 +76,21 @@
  *  GROW         GROWN [cancelled]                     CANCELLED
  *               GROWN [grown]                         LOADING
  *               GROWN [failed]                        STEP
- *  BEGIN..GROW  LOST [resumes left]                   LOADING (else the job fails)
+ *  SETTLE       (entered) [no verification under way]  DONE
+ *               SETTLED (the last one answered)       DONE
+ *               GONE (a standby) [none left]          DONE (its cases: unverified)
+ *  BEGIN..SETTLE LOST [resumes left]                  LOADING (else the job fails); after a
+ *                                                     conviction, rolled back (roll_back)
  *               CANCEL                                the same, marked cancelled
- *  the others   LOST: the same (the next plan); CANCEL: the job ends now
+ *  the others   LOST: the same (the next plan; LOADING: rolled back after a
+ *               conviction); CANCEL: the job ends now
  *  any          an error                              failed (coord_job_fail; train_abort
  *                                                     undoes what the state had changed)
  *
  * A fine-tuning job has no journal, no GROW, no LOADING after BEGIN (a
- * lost stage fails it) and one checkpoint, at the end (or when
- * cancelled), whose WRITE joins the adapters: then DONE or CANCELLED. */
+ * lost stage fails it), no verification (so no SETTLE) and one
+ * checkpoint, at the end (or when cancelled), whose WRITE joins the
+ * adapters: then DONE or CANCELLED. */
 typedef enum {
     TR_PREPARING = 0, /* a worker reads the data (and the manifest it resumes) */
     TR_LOADING,       /* the cluster plans and loads: the job waits for it */
@@ -87,18 +100,13 @@ typedef enum {
     TR_CKPT,          /* the stages write their shards: their CKPT_DONEs */
     TR_WRITE,         /* a worker writes the manifest (or joins the adapters) */
     TR_GROW,          /* --grow auto at the checkpoint: a worker grows the model */
+    TR_SETTLE,        /* the last step is done: the verifications under way are awaited */
     TR_DONE,          /* the ends: the job is freed as it enters them */
     TR_CANCELLED
 } tr_state;
 
 static void to(nl_coord *c, cjob *j, tr_state s);
-static int train_on(nl_coord *c, cjob *j, tr_event ev, const tr_in *in);
-
-static void train_free(cjob *j)
-{
-    coord_train_state_free(j->state);
-    j->state = NULL;
-}
+static void enter_settle(nl_coord *c, cjob *j);
 
 /* The job fails with the formatted reason. */
 static void __attribute__((format(printf, 3, 4)))
@@ -119,7 +127,7 @@ static void on_work(nl_coord *c, const cwork *w, tr_event ev, const tr_in *in)
 {
     cjob *j = coord_job_find(c, w->job_id);
     if (j && j->state && (j->ops == &coord_train_ops || j->ops == &coord_finetune_ops))
-        train_on(c, j, ev, in);
+        coord_train_on(c, j, ev, in);
 }
 
 /* The leaves' workers report here (cwork.done): the preparation, the
@@ -142,6 +150,13 @@ static void adapters_joined(nl_coord *c, cwork *w)
     tr_in in;
     coord_finetune_result(w, &in);
     on_work(c, w, TE_WRITTEN, &in);
+}
+
+static void restored(nl_coord *c, cwork *w)
+{
+    tr_in in;
+    coord_train_restore_result(c, w, &in);
+    on_work(c, w, TE_RESTORED, &in);
 }
 
 static void grown(nl_coord *c, cwork *w)
@@ -266,6 +281,24 @@ static void enter_write(nl_coord *c, cjob *j)
         train_fail(c, j, "the adapters of step %lld: %s", (long long)t->step, e.msg);
 }
 
+/* SETTLE: the last step is done, and its weights are not the job's
+ * result until every verification under way has been answered: a
+ * conviction now rolls the job back as during the run (LOST); none left
+ * (SETTLED): DONE. */
+static void enter_settle(nl_coord *c, cjob *j)
+{
+    ctrain *t = j->state;
+    /* with a checkpoint of the last step, every stage answered after its
+     * last case was asked for */
+    const int n = coord_train_verify_settle(c, j, t->manifest[0] && t->manifest_step == t->step);
+    if (!n) {
+        to(c, j, TR_DONE);
+        return;
+    }
+    NL_INFO("train job %llu: the last step is done; %d verification(s) under way are awaited",
+            (unsigned long long)j->id, n);
+}
+
 /* DONE, CANCELLED: the job ends, done or (cancelled) with the steps done
  * kept: the client is told where they are, and the stages free their
  * trainers. Either way the stages hold the weights of the last checkpoint
@@ -313,6 +346,9 @@ static void to(nl_coord *c, cjob *j, tr_state s)
     case TR_CANCELLED:
         enter_end(c, j, s == TR_CANCELLED);
         break;
+    case TR_SETTLE:
+        enter_settle(c, j);
+        break;
     case TR_PREPARING:
     case TR_GROW:
         break;
@@ -359,6 +395,12 @@ static void begin(nl_coord *c, cjob *j)
         snprintf(t->manifest, sizeof t->manifest, "%s", c->src_path);
         t->manifest_step = c->src_step;
     }
+    coord_train_verify_resume(t, t->start); /* the steps after it are redone */
+    t->rolled = 0;
+    if (!t->ft && coord_train_ckpt_base(c, t) != 0) {
+        train_fail(c, j, "out of memory");
+        return;
+    }
     if (t->start >= t->steps) {
         train_fail(c, j, "--steps %lld: the cluster's model is already at step %lld",
                    (long long)t->steps, (long long)t->start);
@@ -398,7 +440,7 @@ static void after_step(nl_coord *c, cjob *j)
     if (ckpt || coord_train_early_ckpt(c, j))
         to(c, j, TR_CKPT);
     else if (t->step == t->steps)
-        to(c, j, TR_DONE);
+        to(c, j, t->ft ? TR_DONE : TR_SETTLE);
     else
         next_step(c, j);
 }
@@ -468,7 +510,8 @@ static void written(nl_coord *c, cjob *j, const tr_in *in)
         to(c, j, t->cancel && t->step < t->steps ? TR_CANCELLED : TR_DONE);
         return;
     }
-    if (t->phase == TR_LOADING && !in->why && in->step > c->src_step) {
+    if (t->phase == TR_LOADING && !in->why && in->step > c->src_step && !t->rolled &&
+        t->verify_convicted + t->verify_outvoted == t->convictions_seen) {
         coord_train_keep(c, j, in);
         NL_INFO("train job %llu: checkpoint of step %lld: %s (written while a stage was lost: the "
                 "job resumes from it)",
@@ -490,7 +533,7 @@ static void written(nl_coord *c, cjob *j, const tr_in *in)
         coord_observe_speeds(c); /* a stage slower or faster than planned asks for a re-plan */
     t->early_ckpt = 0;
     if (t->step == t->steps) {
-        to(c, j, TR_DONE);
+        to(c, j, TR_SETTLE);
     } else if (t->cancel) {
         to(c, j, TR_CANCELLED); /* the steps done are kept: the job ends */
     } else if (coord_train_grow(c, j, grown)) {
@@ -536,6 +579,24 @@ static void on_grown(nl_coord *c, cjob *j, const tr_in *in)
     to(c, j, TR_LOADING);
 }
 
+/* LOADING after a conviction (the convicted node is dropped as a dead
+ * one: LOST): the job goes back to its newest checkpoint whose steps were
+ * all verified (coord_train_rollback). 1: the job waits for the worker
+ * that opens it (RESTORED); 0: it goes on from the source; -1: it failed. */
+static int roll_back(nl_coord *c, cjob *j)
+{
+    ctrain *t = j->state;
+    char why[900];
+    const int64_t convictions = t->verify_convicted + t->verify_outvoted;
+    if (t->ft || t->restoring || convictions == t->convictions_seen || !t->n_ckpts)
+        return t->restoring;
+    t->convictions_seen = convictions;
+    const int rc = coord_train_rollback(c, j, restored, why, sizeof why);
+    if (rc < 0)
+        train_fail(c, j, "%s", why);
+    return rc;
+}
+
 /* LOST: a stage of the plan is lost. A job that has begun goes on by
  * itself, up to --train-resumes times: its stages drop it, the cluster
  * plans again over the nodes left (coord.c) and reloads from the source,
@@ -549,8 +610,11 @@ static int lost(nl_coord *c, cjob *j, const char *why)
     ctrain *t = j->state;
     if (t->ft && t->phase >= TR_BEGIN) /* adapters live on their stages: lost with one */
         return 0;
-    if (t->phase < TR_BEGIN)
+    if (t->phase < TR_BEGIN) {
+        if (t->phase == TR_LOADING)
+            roll_back(c, j); /* failed: it has ended */
         return 1;
+    }
     if (t->resumes >= c->o.train_resumes) {
         NL_WARN("train job %llu: a stage is lost and the job has resumed %d times already "
                 "(--train-resumes %d)",
@@ -562,7 +626,8 @@ static int lost(nl_coord *c, cjob *j, const char *why)
     t->t_lost = coord_now();
     t->lost_at = t->step;
     to(c, j, TR_LOADING);
-    coord_train_report_lost(c, j, why);
+    if (roll_back(c, j) >= 0) /* else it failed and has ended */
+        coord_train_report_lost(c, j, why);
     return 1;
 }
 
@@ -588,21 +653,23 @@ static int cancel(nl_coord *c, cjob *j, const nl_rx *rx)
 /* The event the stages' reports make in state `phase` (-1: none). */
 static int awaited(int phase)
 {
-    return phase == TR_BEGIN  ? TE_TAKEN
-           : phase == TR_STEP ? TE_REPORTED
-           : phase == TR_EVAL ? TE_EVALUATED
-           : phase == TR_CKPT ? TE_SHARDS
-                              : -1;
+    return phase == TR_BEGIN    ? TE_TAKEN
+           : phase == TR_STEP   ? TE_REPORTED
+           : phase == TR_EVAL   ? TE_EVALUATED
+           : phase == TR_CKPT   ? TE_SHARDS
+           : phase == TR_SETTLE ? TE_SETTLED
+                                : -1;
 }
 
 /* The transition function: what event ev (with in) does to job j in the
  * state it is in (the diagram above); every transition starts here. For
  * LOST and CANCEL, 1 if the job goes on, 0 if it ends now (cjob_ops). */
-static int train_on(nl_coord *c, cjob *j, tr_event ev, const tr_in *in)
+int coord_train_on(nl_coord *c, cjob *j, tr_event ev, const tr_in *in)
 {
     ctrain *t = j->state;
     char why[900];
-    if ((ev == TE_TAKEN || ev == TE_REPORTED || ev == TE_EVALUATED || ev == TE_SHARDS) &&
+    if ((ev == TE_TAKEN || ev == TE_REPORTED || ev == TE_EVALUATED || ev == TE_SHARDS ||
+         ev == TE_SETTLED) &&
         awaited(t->phase) != (int)ev)
         return 1; /* the stages' reports make an event in one state only */
     switch (ev) {
@@ -628,7 +695,8 @@ static int train_on(nl_coord *c, cjob *j, tr_event ev, const tr_in *in)
             to(c, j, TR_CANCELLED);
             return 1;
         }
-        begin(c, j);
+        if (roll_back(c, j) == 0) /* a conviction since the loss: the source may change */
+            begin(c, j);
         return 1;
     case TE_TAKEN: /* BEGIN: step 1 */
         if (!t->ft) {
@@ -648,143 +716,62 @@ static int train_on(nl_coord *c, cjob *j, tr_event ev, const tr_in *in)
     case TE_SHARDS:
         to(c, j, TR_WRITE);
         return 1;
+    case TE_SETTLED:
+        to(c, j, TR_DONE);
+        return 1;
     case TE_WRITTEN:
         written(c, j, in);
         return 1;
     case TE_GROWN:
         on_grown(c, j, in);
         return 1;
+    case TE_RESTORED:
+        if (t->phase != TR_LOADING || !t->restoring)
+            return 1;
+        t->restoring = 0;
+        if (in->why)
+            train_fail(c, j, "the rollback to %s: %s", in->path, in->why);
+        else /* the plan is made again from it: READY */
+            coord_train_restore(c, j, in);
+        return 1;
     case TE_LOST:
         return lost(c, j, in->why);
+    case TE_GONE: /* SETTLE: its verifications are not awaited any more */
+        if (t->phase == TR_SETTLE)
+            enter_settle(c, j);
+        return 1;
     case TE_CANCEL:
         return cancel(c, j, in->rx);
     }
     return 1;
 }
 
-/* A stage's report (cjob_ops.on_message): the last one the state awaits
- * is its event. */
-static void train_on_message(nl_coord *c, cjob *j, const nl_rx *rx)
+int coord_train_awaits(const ctrain *t)
 {
-    const ctrain *t = j->state;
-    char why[900];
-    const int ev = t ? awaited(t->phase) : -1;
-    const int rc = coord_train_stage_report(c, j, rx, ev, why, sizeof why);
-    if (rc < 0)
-        train_fail(c, j, "%s", why);
-    else if (rc > 0)
-        train_on(c, j, (tr_event)ev, NULL);
+    return awaited(t->phase);
 }
 
-/* A training job (ft NULL) or a fine-tuning one (takes ft). */
-static void submit(nl_coord *c, const nl_rx *rx, cft *ft)
+int coord_train_begun(const ctrain *t)
 {
-    char why[900];
-    if (coord_train_refusal(c, ft != NULL, why, sizeof why)) {
-        coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, why, NULL);
-        free(ft);
-        return;
-    }
-    cjob *j = coord_job_new(c, rx, ft ? &coord_finetune_ops : &coord_train_ops);
-    if (!j) {
-        free(ft);
-        return;
-    }
-    ctrain *t = j->state = calloc(1, sizeof *t);
-    if (!t) {
-        free(ft);
-        train_fail(c, j, "out of memory");
-        return;
-    }
-    t->ft = ft;
+    return t->phase >= TR_BEGIN;
+}
+
+/* Before its first step a job has changed no weight; only moments the
+ * stages took from a manifest (resumable) may be gone with their
+ * trainers. */
+int coord_train_touched(const nl_coord *c, const ctrain *t)
+{
+    return t->phase > TR_BEGIN || (t->phase == TR_BEGIN && c->resumable);
+}
+
+const char *coord_train_start(nl_coord *c, cjob *j, const nl_msg_job_submit *s, char *why,
+                              size_t cap)
+{
+    ctrain *t = j->state;
     t->bad_stage = -1;
-    if (coord_train_prepare(c, j, &rx->msg.u.job_submit, prepared, why, sizeof why)) {
-        train_fail(c, j, "%s", why);
-        return;
-    }
+    t->verify_taint = INT64_MAX;
+    if (coord_train_prepare(c, j, s, prepared, why, cap))
+        return why;
     to(c, j, TR_PREPARING);
+    return NULL;
 }
-
-static void train_submit(nl_coord *c, const nl_rx *rx)
-{
-    submit(c, rx, NULL);
-}
-
-static void finetune_submit(nl_coord *c, const nl_rx *rx)
-{
-    cft *ft = coord_finetune_params(c, rx);
-    if (ft)
-        submit(c, rx, ft);
-}
-
-/* A failed or cancelled job: the stages end it, and those whose weights it
- * changed reload them from the source (coord_train_unwind). */
-static void train_abort(nl_coord *c, cjob *j)
-{
-    const ctrain *t = j->state;
-    /* before its first step a job has changed no weight; only moments the
-     * stages took from a manifest (resumable) may be gone with their trainers */
-    coord_train_unwind(c, j, t && (t->phase > TR_BEGIN || (t->phase == TR_BEGIN && c->resumable)));
-}
-
-static int train_stage_lost(nl_coord *c, cjob *j, const char *why)
-{
-    const tr_in in = {.why = why};
-    return !j->state || train_on(c, j, TE_LOST, &in);
-}
-
-static int train_cancel(nl_coord *c, cjob *j, const nl_rx *rx)
-{
-    const tr_in in = {.rx = rx};
-    return j->state && train_on(c, j, TE_CANCEL, &in);
-}
-
-static void train_ready(nl_coord *c, cjob *j)
-{
-    train_on(c, j, TE_READY, NULL);
-}
-
-/* A stage failed the job: 1 if it goes on, waiting for the heartbeat
- * verdict on a lost neighbour (coord_train_stage_failed). */
-static int train_node_failed(nl_coord *c, cjob *j, const char *why)
-{
-    const ctrain *t = j->state;
-    return t && coord_train_stage_failed(c, j, t->phase >= TR_BEGIN, why);
-}
-
-#define TRAIN_TAKES                                                                                \
-    (COORD_TAKES(NL_MSG_JOB_STATUS) | COORD_TAKES(NL_MSG_GRAD_NORM) | COORD_TAKES(NL_MSG_LOSS) |   \
-     COORD_TAKES(NL_MSG_CKPT_DONE) | COORD_TAKES(NL_MSG_VERIFY_CASE) |                            \
-     COORD_TAKES(NL_MSG_VERIFY_RESULT))
-
-const cjob_ops coord_train_ops = {
-    .kind = NL_JOB_TRAIN,
-    .name = "train",
-    .takes = TRAIN_TAKES,
-    .submit = train_submit,
-    .on_message = train_on_message,
-    .stage_lost = train_stage_lost,
-    .node_failed = train_node_failed,
-    .ready = train_ready,
-    .abort = train_abort,
-    .cancel = train_cancel,
-    .fail_note = coord_train_fail_note,
-    .free = train_free,
-};
-
-/* A fine-tuning job is a training job in all but its submission (its
- * adapters' parameters: coord_finetune.c) and its failure note. */
-const cjob_ops coord_finetune_ops = {
-    .kind = NL_JOB_FINETUNE,
-    .name = "finetune",
-    .takes = TRAIN_TAKES,
-    .submit = finetune_submit,
-    .on_message = train_on_message,
-    .stage_lost = train_stage_lost,
-    .node_failed = train_node_failed,
-    .ready = train_ready,
-    .abort = train_abort,
-    .cancel = train_cancel,
-    .fail_note = NULL,
-    .free = train_free,
-};

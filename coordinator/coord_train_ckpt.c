@@ -7,7 +7,9 @@
  * auto). Each worker reports to the state machine (the done it was
  * given): what comes next is the machine's to decide. And whether the
  * early re-balance calls for a checkpoint now, and the source's weights
- * restored when a job ends early. */
+ * restored when a job ends early. And the job's list of checkpoints (its
+ * base first), the newest all-verified one, and the rollback to it after
+ * a conviction: a worker opens it, then it becomes the source. */
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,6 +18,7 @@
 
 #include "base/log.h"
 #include "coord_train_impl.h"
+#include "core/chat_template.h"
 #include "core/checkpoint.h"
 #include "core/grow.h"
 
@@ -54,8 +57,169 @@ void coord_train_ckpt_dir(const cjob *j, char *buf, size_t cap)
     const ctrain *t = j->state;
     if (t->ft)
         snprintf(buf, cap, "%s/lora-job%llu", t->ckpt_dir, (unsigned long long)j->id);
+    else if (t->rollbacks) /* the steps redone after a rollback: beside the first run's */
+        snprintf(buf, cap, "%s/step-%06lld.redo%d", t->ckpt_dir, (long long)t->step, t->rollbacks);
     else
         snprintf(buf, cap, "%s/step-%06lld", t->ckpt_dir, (long long)t->step);
+}
+
+/* ---------------------------------------------------------------- the job's checkpoints */
+
+int coord_train_ckpt_add(ctrain *t, int64_t step, const char *path, int manifest, int cont)
+{
+    const cckpt *last = t->n_ckpts ? &t->ckpts[t->n_ckpts - 1] : NULL;
+    if (last && last->step == step && last->manifest == manifest &&
+        (last->path && path ? strcmp(last->path, path) == 0 : last->path == path))
+        return 0; /* the one it resumes from */
+    if (t->n_ckpts == t->cap_ckpts) {
+        const int cap = t->cap_ckpts ? 2 * t->cap_ckpts : 8;
+        cckpt *p = realloc(t->ckpts, (size_t)cap * sizeof *p);
+        if (!p)
+            return -1;
+        t->ckpts = p;
+        t->cap_ckpts = cap;
+    }
+    char *copy = path ? strdup(path) : NULL;
+    if (path && !copy)
+        return -1;
+    t->ckpts[t->n_ckpts++] = (cckpt){step, copy, manifest, cont};
+    return 0;
+}
+
+int coord_train_ckpt_base(const nl_coord *c, ctrain *t)
+{
+    if (t->n_ckpts)
+        return 0;
+    /* a file, the seed (no path), or weights no file holds (manifest -1) */
+    const int holds = !c->stages_modified && c->src_path[0];
+    return coord_train_ckpt_add(t, t->start, holds ? c->src_path : NULL,
+                                c->stages_modified ? -1 : c->src_manifest, t->moments);
+}
+
+int coord_train_ckpt_is_source(const nl_coord *c, const cckpt *k)
+{
+    return k->path && c->src_manifest == k->manifest && strcmp(c->src_path, k->path) == 0;
+}
+
+const cckpt *coord_train_ckpt_verified(const nl_coord *c, const ctrain *t)
+{
+    const int64_t through = coord_train_verified_through(c, t);
+    for (int i = t->n_ckpts - 1; i >= 0; i--)
+        if (t->ckpts[i].step <= through)
+            return &t->ckpts[i];
+    return NULL;
+}
+
+void coord_train_ckpt_forget_after(ctrain *t, int64_t step)
+{
+    while (t->n_ckpts && t->ckpts[t->n_ckpts - 1].step > step)
+        free(t->ckpts[--t->n_ckpts].path);
+}
+
+void coord_train_ckpts_free(ctrain *t)
+{
+    for (int i = 0; i < t->n_ckpts; i++)
+        free(t->ckpts[i].path);
+    free(t->ckpts);
+    t->ckpts = NULL;
+    t->n_ckpts = t->cap_ckpts = 0;
+}
+
+/* A rollback's checkpoint, opened off the loop as a source: a manifest
+ * (every shard read whole and its hash checked, under the checkpoint
+ * root), or the --model file the job began from (as neurocoord opens it
+ * at its start). */
+typedef struct restore_task {
+    cwork w;
+    char path[4096], root[4096];
+    int manifest, cont;
+    nl_status st;
+    nl_error err;
+    cmanifest out;
+} restore_task;
+
+static nl_status open_model(cmanifest *out, const char *path, nl_error *err)
+{
+    memset(out, 0, sizeof *out);
+    nl_status st = (out->src = coord_source_new(1))
+                       ? nl_checkpoint_read_config(path, &out->cfg, &out->step, err)
+                       : nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+    if (st == NL_OK)
+        st = nl_st_open(&out->src->files[0], path, err);
+    if (st == NL_OK)
+        st = nl_checkpoint_meta(path, "tokenizer", &out->tok, err);
+    if (st == NL_OK)
+        st = nl_checkpoint_meta(path, "init_seed", &out->seed, err);
+    if (st == NL_OK)
+        st = nl_checkpoint_meta(path, "chat_template", &out->chat, err);
+    if (st == NL_OK)
+        st = nl_chat_template_check(out->chat, "metadata 'chat_template'", err);
+    if (st != NL_OK)
+        coord_manifest_release(out);
+    else
+        snprintf(out->path, sizeof out->path, "%s", path);
+    return st;
+}
+
+static void restore_run(cwork *w)
+{
+    restore_task *k = (restore_task *)w;
+    k->st = k->manifest ? coord_manifest_open(&k->out, k->path, k->root, &k->err)
+                        : open_model(&k->out, k->path, &k->err);
+}
+
+static void restore_free(cwork *w)
+{
+    restore_task *k = (restore_task *)w;
+    coord_manifest_release(&k->out);
+    free(k);
+}
+
+const char *coord_train_open_ckpt(nl_coord *c, cjob *j, const cckpt *ck, tr_done done, char *why,
+                                  size_t cap)
+{
+    nl_error e = {0};
+    restore_task *k = calloc(1, sizeof *k);
+    if (!k) {
+        snprintf(why, cap, "out of memory");
+        return why;
+    }
+    k->w = (cwork){.run = restore_run, .done = done, .free = restore_free, .job_id = j->id};
+    snprintf(k->path, sizeof k->path, "%s", ck->path);
+    snprintf(k->root, sizeof k->root, "%s", c->ckpt_root);
+    k->manifest = ck->manifest;
+    k->cont = ck->cont;
+    if (coord_work_start(c, &k->w, &e) != NL_OK) {
+        snprintf(why, cap, "the rollback to %s: %s", ck->path, e.msg);
+        return why;
+    }
+    c->manifests_writing++; /* no plan is made from the source it replaces */
+    return NULL;
+}
+
+void coord_train_restore_result(nl_coord *c, cwork *w, tr_in *in)
+{
+    restore_task *k = (restore_task *)w;
+    c->manifests_writing--;
+    *in = (tr_in){
+        .why = k->st == NL_OK ? NULL : k->err.msg, .step = k->out.step, .path = k->path, .task = k};
+}
+
+void coord_train_restore(nl_coord *c, cjob *j, const tr_in *in)
+{
+    ctrain *t = j->state;
+    restore_task *k = in->task;
+    coord_manifest_install(c, &k->out, c->plan != NULL); /* a plan made meanwhile: again */
+    c->src_manifest = k->manifest;                       /* a --model file carries no moments */
+    c->stages_modified = 1; /* they hold later weights until they reload */
+    t->cont = k->cont;
+    /* a restart of the coordinator resumes from here (a --model file:
+     * the job begins again, at step 0) */
+    coord_journal_train(c, j, t->journal, k->manifest && k->cont ? in->path : NULL);
+    snprintf(t->manifest, sizeof t->manifest, "%s", k->manifest && k->cont ? in->path : "");
+    t->manifest_step = k->cont ? in->step : 0;
+    if (k->manifest && k->cont)
+        c->src_job = j->id;
 }
 
 const char *coord_train_shard(nl_coord *c, cjob *j, const cnode *n, const nl_msg_ckpt_done *d,
@@ -165,6 +329,10 @@ void coord_train_keep(nl_coord *c, cjob *j, const tr_in *in)
     coord_journal_train(c, j, t->journal, k->path);
     snprintf(t->manifest, sizeof t->manifest, "%s", k->path);
     t->manifest_step = k->mf.step;
+    if (coord_train_ckpt_add(t, k->mf.step, k->path, 1, 1) != 0) /* a rollback may go to it */
+        NL_WARN("train job %llu: out of memory: the checkpoint of step %lld is not one a "
+                "rollback can go to",
+                (unsigned long long)j->id, (long long)k->mf.step);
 }
 
 /* Every shard is in: a worker writes the manifest (ckpt_task). The job
@@ -205,8 +373,9 @@ const char *coord_train_write_manifest(nl_coord *c, cjob *j, tr_done done, char 
     if (k->mf.growth) /* the model's growth history goes on (core/grow.h) */
         memcpy(k->mf.growth, c->growth, (size_t)c->n_growth * sizeof *c->growth);
     t->shards = fresh;
-    snprintf(k->path, sizeof k->path, "%s/step-%06lld/manifest.json", t->ckpt_dir,
-             (long long)t->step);
+    char dir[1100];
+    coord_train_ckpt_dir(j, dir, sizeof dir);
+    snprintf(k->path, sizeof k->path, "%.1080s/manifest.json", dir);
     snprintf(k->root, sizeof k->root, "%s", c->ckpt_root);
     if (oom || !k->mf.config_json || !k->mf.train_json) {
         ckpt_free(&k->w);
@@ -221,6 +390,34 @@ const char *coord_train_write_manifest(nl_coord *c, cjob *j, tr_done done, char 
     NL_INFO("train job %llu: checkpoint of step %lld: every shard is in; writing %s",
             (unsigned long long)j->id, (long long)t->step, k->path);
     return NULL;
+}
+
+int coord_train_rollback(nl_coord *c, cjob *j, tr_done done, char *why, size_t cap)
+{
+    ctrain *t = j->state;
+    const cckpt *k = coord_train_ckpt_verified(c, t);
+    const int seed = !c->src_path[0] && !c->src; /* the source is the seed still */
+    if (!k || (!k->path && (k->manifest < 0 || !seed))) {
+        snprintf(why, cap,
+                 "a node was convicted of computing wrong, and %s: no rollback leaves its work "
+                 "out",
+                 k ? "the job began from weights that no file holds"
+                   : "no checkpoint of the job has all its steps verified");
+        return -1;
+    }
+    coord_train_report_rollback(c, j, t->lost_at, k);
+    const int64_t step = k->step;
+    t->rollbacks++;
+    t->rolled = 1;
+    coord_train_verify_resume(t, step);
+    coord_train_ckpt_forget_after(t, step);
+    k = &t->ckpts[t->n_ckpts - 1];
+    if (!k->path || coord_train_ckpt_is_source(c, k))
+        return 0;
+    if (coord_train_open_ckpt(c, j, k, done, why, cap))
+        return -1;
+    t->restoring = 1;
+    return 1;
 }
 
 /* ---------------------------------------------------------------- --grow auto */

@@ -45,8 +45,18 @@ typedef struct cft {
 #define COORD_FT_PARAMS 4 /* parameters coord_finetune_stage_params adds */
 
 /* The growth entries a training job sends its stages, at most (the wire
- * takes 64 params; the job's own are 9). */
+ * takes 64 params; the job's own are 10). */
 #define COORD_GROWTH_PARAMS 48
+
+/* A checkpoint of the job, or what it began from (its base): the step,
+ * the file (manifest 1: a manifest, 0: a --model file; NULL: the seed,
+ * or with manifest -1 weights no file holds) and whether the job
+ * continues it with its moments. */
+typedef struct cckpt {
+    int64_t step;
+    char *path;
+    int manifest, cont;
+} cckpt;
 
 typedef struct ctrain {
     /* the run, as the client asked for it */
@@ -101,6 +111,22 @@ typedef struct ctrain {
     int64_t verify_sampled, verify_done, verify_mismatches, verify_skipped;
     int64_t verify_convicted, verify_outvoted; /* arbitrated: stage wrong, verifier wrong */
     uint32_t verify_guilty;                    /* the node last convicted (0: none) */
+    int verify_outputs; /* the stages keep what they send (cases across device classes) */
+    /* the first step with a (stage, microbatch) drawn but not verified
+     * clean: found wrong, skipped, withheld, unresolved or dropped
+     * unanswered (INT64_MAX: none); a checkpoint is all-verified when its
+     * step is before it and before every case still pending */
+    int64_t verify_taint;
+    /* the job's checkpoints, oldest first (coord_train_ckpt.c): the one it
+     * began from (its base) and each it wrote since, none deleted; a
+     * rollback goes to the newest all-verified one */
+    struct cckpt *ckpts;
+    int n_ckpts, cap_ckpts;
+    int64_t convictions_seen; /* convictions (verify_convicted + outvoted) rolled back for */
+    int rollbacks;            /* done: the checkpoints redone after one go to .redoN dirs */
+    int restoring;            /* a worker opens the manifest a rollback goes to */
+    int rolled;               /* rolled back, not yet begun again: no later manifest resumed */
+    int base_ckpt;            /* the checkpoint being written is the job's base (step 0) */
     double sumsq, ce, aux, t_step, step_s;
     nl_step_result r;
     double lr_now, eval_loss;
@@ -136,6 +162,24 @@ void coord_train_verify_sample(nl_coord *c, cjob *j);
 /* A VERIFY_CASE (on to a verifier) or VERIFY_RESULT (compared). */
 void coord_train_verify_msg(nl_coord *c, cjob *j, const nl_rx *rx);
 void coord_train_verify_free(ctrain *t);
+/* Whether some node's cases would go across device classes (no other
+ * node of its class, one of another): the stages are then asked to keep
+ * what they send (JOB_SUBMIT verify_outputs). */
+int coord_train_verify_cross(nl_coord *c);
+/* The last step through which every (stage, microbatch) drawn was
+ * verified clean: a checkpoint at or before it is all-verified
+ * (INT64_MAX when verification is off). */
+int64_t coord_train_verified_through(const nl_coord *c, const ctrain *t);
+/* The job goes on from step `step` (a resume, a rollback): the cases of
+ * later steps, which are redone, are dropped, and so is what they found. */
+void coord_train_verify_resume(ctrain *t, int64_t step);
+/* The verifications under way. */
+int coord_train_verify_pending(const ctrain *t);
+/* The job's last step is done: a case not handed over is withheld
+ * (convicted) when its stage has answered since (answered: the final
+ * checkpoint's CKPT_DONE came after), else unverified, as one whose
+ * verifier is gone; how many are still awaited. */
+int coord_train_verify_settle(nl_coord *c, cjob *j, int answered);
 
 /* ---------------------------------------------------------------- coord_train.c */
 
@@ -152,9 +196,12 @@ typedef enum {
     TE_REPORTED,  /* the step's GRAD_NORMs and the last stage's LOSS are in */
     TE_EVALUATED, /* the evaluation's LOSS is in */
     TE_SHARDS,    /* every stage's CKPT_DONE is in */
+    TE_SETTLED,   /* the last verification under way is answered */
     TE_WRITTEN,   /* the manifest's (or the adapters') worker is done (in) */
     TE_GROWN,     /* --grow auto's worker is done (in) */
+    TE_RESTORED,  /* a rollback's manifest is opened (in) */
     TE_LOST,      /* a stage of the plan is lost (in->why) */
+    TE_GONE,      /* a node that held no stage is gone (a verifier, perhaps) */
     TE_CANCEL     /* a JOB_CANCEL (in->rx) */
 } tr_event;
 
@@ -171,6 +218,21 @@ typedef struct tr_in {
 /* A worker's end (cwork.done): the state machine's, given to the leaf
  * that starts the worker. */
 typedef void (*tr_done)(nl_coord *c, cwork *w);
+
+/* The transition function: what event ev (with in) does to job j in the
+ * state it is in; every transition starts here. For LOST and CANCEL, 1 if
+ * the job goes on, 0 if it ends now (cjob_ops). */
+int coord_train_on(nl_coord *c, cjob *j, tr_event ev, const tr_in *in);
+/* The event the stages' reports make in the job's state (-1: none). */
+int coord_train_awaits(const ctrain *t);
+/* Whether the job has begun (its stages were sent it). */
+int coord_train_begun(const ctrain *t);
+/* Whether the job changed the stages' weights (or the moments they took). */
+int coord_train_touched(const nl_coord *c, const ctrain *t);
+/* A submitted job (t made, t->ft set) begins: its preparation (NULL), or
+ * why it fails. */
+const char *coord_train_start(nl_coord *c, cjob *j, const nl_msg_job_submit *s, char *why,
+                              size_t cap);
 
 /* ---------------------------------------------------------------- coord_train_prep.c */
 
@@ -222,6 +284,34 @@ void coord_train_manifest_result(nl_coord *c, cwork *w, tr_in *in);
 /* TE_WRITTEN of a manifest: it becomes the source (the stages hold its
  * weights), journaled, the job's last checkpoint. */
 void coord_train_keep(nl_coord *c, cjob *j, const tr_in *in);
+/* The job's checkpoints: one more (path copied; the last one again is
+ * not added), -1 out of memory; the base (what the job begins
+ * from, as it first begins: the source, or nothing restorable when the
+ * stages hold weights no file has); the newest all-verified one
+ * (coord_train_verified_through), or NULL; those after it forgotten (a
+ * rollback: their files stay); and whether the source is k. */
+int coord_train_ckpt_add(ctrain *t, int64_t step, const char *path, int manifest, int cont);
+int coord_train_ckpt_base(const nl_coord *c, ctrain *t);
+int coord_train_ckpt_is_source(const nl_coord *c, const cckpt *k);
+const cckpt *coord_train_ckpt_verified(const nl_coord *c, const ctrain *t);
+void coord_train_ckpt_forget_after(ctrain *t, int64_t step);
+void coord_train_ckpts_free(ctrain *t);
+/* A rollback's checkpoint k (a manifest, or a --model file) opened and
+ * checked by a worker (then done); its result, on the loop, for
+ * TE_RESTORED (in->task: the task, whose source coord_train_restore
+ * installs, and the job continues it or begins from it). NULL, or why the
+ * job fails. */
+const char *coord_train_open_ckpt(nl_coord *c, cjob *j, const cckpt *k, tr_done done, char *why,
+                                  size_t cap);
+void coord_train_restore_result(nl_coord *c, cwork *w, tr_in *in);
+/* A conviction: the job goes back to its newest all-verified checkpoint
+ * (reported; the later ones forgotten, the verification of their steps
+ * dropped, the checkpoints redone written to .redoN directories): 1 when
+ * a worker opens it (coord_train_open_ckpt, then done), 0 when the job
+ * goes on from the source, -1 and why when the job fails (none, or one
+ * that cannot be restored). */
+int coord_train_rollback(nl_coord *c, cjob *j, tr_done done, char *why, size_t cap);
+void coord_train_restore(nl_coord *c, cjob *j, const tr_in *in);
 /* --grow auto at a checkpoint: 1 when a worker grows the model (then
  * done, w a coord_grow_task), 0 when it does not grow. */
 int coord_train_grow(nl_coord *c, cjob *j, tr_done done);
@@ -287,6 +377,9 @@ void coord_train_report_end(nl_coord *c, cjob *j, int cancelled);
 /* A JOB_CANCEL (rx) is taken: the job stops after step k (first: the
  * first cancel, logged). */
 void coord_train_report_stopping(nl_coord *c, cjob *j, const nl_rx *rx, int64_t k, int first);
+/* A conviction: the job rolls back from step `from` to the checkpoint k,
+ * the newest all-verified one. */
+void coord_train_report_rollback(nl_coord *c, cjob *j, int64_t from, const cckpt *k);
 /* A stage was lost (why) at t->lost_at: the job resumes from the source. */
 void coord_train_report_lost(nl_coord *c, cjob *j, const char *why);
 /* The tail of a failure message: the last checkpoint (cjob_ops.fail_note). */

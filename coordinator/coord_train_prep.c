@@ -460,6 +460,7 @@ void coord_train_state_free(ctrain *t)
     free(t->dig);
     free(t->sent);
     coord_train_verify_free(t);
+    coord_train_ckpts_free(t);
     coord_train_free_shards(t->shards, t->stages);
     json_decref(t->journal);
     free(t->ft);

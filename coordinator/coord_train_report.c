@@ -190,14 +190,37 @@ void coord_train_report_stopping(nl_coord *c, cjob *j, const nl_rx *rx, int64_t 
 void coord_train_report_lost(nl_coord *c, cjob *j, const char *why)
 {
     const ctrain *t = j->state;
-    const int64_t from = c->src_manifest ? c->src_step : 0;
+    /* after a conviction, the checkpoint the job rolls back to (its source
+     * from when the worker has opened it) */
+    const cckpt *k = t->rolled && t->n_ckpts ? &t->ckpts[t->n_ckpts - 1] : NULL;
+    const int64_t from = k ? k->step : c->src_manifest ? c->src_step : 0;
+    const char *src = k && k->path ? k->path : c->src_path[0] ? c->src_path : "the seed";
     NL_WARN("train job %llu: %s at step %lld; resuming from step %lld (%s) on the nodes left "
             "(resume %d of %d)",
-            (unsigned long long)j->id, why, (long long)t->lost_at, (long long)from,
-            c->src_path[0] ? c->src_path : "the seed", t->resumes, c->o.train_resumes);
+            (unsigned long long)j->id, why, (long long)t->lost_at, (long long)from, src,
+            t->resumes, c->o.train_resumes);
     json_t *o = json_pack("{s:s,s:s,s:I,s:I,s:s,s:i,s:i}", "event", "node_lost", "why", why,
                           "lost_step", (json_int_t)t->lost_at, "resume_step", (json_int_t)from,
-                          "source", c->src_path[0] ? c->src_path : "the seed", "resume", t->resumes,
-                          "max_resumes", c->o.train_resumes);
+                          "source", src, "resume", t->resumes, "max_resumes",
+                          c->o.train_resumes);
     coord_train_report(c, j, NL_JOB_RUNNING, "node lost; resuming", o);
+}
+
+void coord_train_report_rollback(nl_coord *c, cjob *j, int64_t from, const cckpt *k)
+{
+    const ctrain *t = j->state;
+    const char *to = k->path ? k->path : "the seed";
+    json_t *later = json_array(); /* kept on disk, not resumed from: not all verified */
+    for (int i = (int)(k - t->ckpts) + 1; later && i < t->n_ckpts; i++)
+        json_array_append_new(later, json_string(t->ckpts[i].path));
+    NL_WARN("train job %llu: a node was convicted of computing wrong at step %lld: rolling back "
+            "to step %lld (%s), the last checkpoint whose steps were all verified; %zu later "
+            "checkpoint(s) set aside",
+            (unsigned long long)j->id, (long long)from, (long long)k->step, to,
+            later ? json_array_size(later) : 0);
+    json_t *o = json_pack("{s:s,s:I,s:I,s:s,s:o,s:I}", "event", "rollback", "from_step",
+                          (json_int_t)from, "to_step", (json_int_t)k->step, "checkpoint", to,
+                          "unverified", later ? later : json_array(), "verified_through",
+                          (json_int_t)(t->verify_taint == INT64_MAX ? -1 : t->verify_taint - 1));
+    coord_train_report(c, j, NL_JOB_RUNNING, "convicted node: rolling back", o);
 }

@@ -242,8 +242,8 @@ int coord_train_stage_report(nl_coord *c, cjob *j, const nl_rx *rx, int awaits, 
         return on_ckpt_done(&r);
     case NL_MSG_VERIFY_CASE:
     case NL_MSG_VERIFY_RESULT:
-        coord_train_verify_msg(c, j, rx); /* never an event the job awaits */
-        return 0;
+        coord_train_verify_msg(c, j, rx); /* the last one awaited at the end: SETTLED */
+        return awaits == TE_SETTLED && !coord_train_verify_pending(j->state);
     default:
         return 0;
     }

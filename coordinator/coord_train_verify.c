@@ -11,15 +11,24 @@
  * VERIFY_REQ on the same socket just before the STEP, so it answers from
  * the weights the step began with and the inputs it kept; the inputs of
  * its VERIFY_CASE must have the digests it reported receiving, and the
- * case goes, with the model's config, to a verifier (a standby
- * first, else the node of another stage), whose VERIFY_RESULT is compared
- * with the digests the stage reported with its GRAD_NORM. A disagreement
+ * case goes, with the model's config, to a verifier of the stage's device
+ * class (a standby first, else the node of another stage), whose
+ * VERIFY_RESULT is compared with the digests the stage reported with its
+ * GRAD_NORM. A stage alone in its class is checked by a node of another:
+ * its case carries what it sent (VERIFY_REQ outputs; the job asked its
+ * stages to keep it) and the verifier compares tensors within a relative
+ * tolerance, answering the stage's digests when they stand. A disagreement
  * is logged and counted (the step report's `verify_mismatches`, /metrics),
  * and the case (kept) goes to an arbiter, a third node of the class: two
  * of the three agreeing convict the stage's node or outvote the verifier
  * (`verify_convicted`, `verify_outvoted`). The node found wrong, a stage
  * or a verifier, is quarantined and its key banned (coord_quarantine): the
- * job resumes without it from its last checkpoint, as after a death. */
+ * job goes on without it from its last checkpoint whose steps were all
+ * verified clean, which this file tells (coord_train_verified_through:
+ * a case found wrong, skipped, withheld, unresolved or dropped
+ * unanswered marks its step, a case under way keeps its step unverified
+ * until it is answered); at the job's end the cases under way are
+ * awaited (coord_train_verify_settle). */
 #include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,6 +45,9 @@ typedef struct cver {
     int stage;
     uint32_t node;     /* the stage's node */
     uint32_t verifier; /* 0: its case has not come yet */
+    int held;          /* test builds: its case waits to go to the verifier (verify_lag) */
+    int cross;         /* no other node of the stage's device class: one of another compares
+                          the tensors within a tolerance (node/stage_verify.h) */
     uint64_t epoch;
     double t0;
     uint8_t want[2][NL_HOP_DIGEST_BYTES]; /* the ACTIVATION and GRADIENT the stage reported */
@@ -58,6 +70,61 @@ typedef struct cverify {
 } cverify;
 
 #define VERIFY_STALE_S 600.0 /* a verification still open after this is dropped */
+
+#ifdef NL_TEST_HOOKS
+/* Test builds: NL_TEST_VERIFY_LAG=D holds each case until the reports of
+ * D steps later are in before it goes to its verifier, so that a
+ * conviction comes after the checkpoints of the steps since
+ * (test_cluster_verify's rollback). */
+static int64_t verify_lag(void)
+{
+    const char *s = getenv("NL_TEST_VERIFY_LAG");
+    return s && atoll(s) > 0 ? atoll(s) : 0;
+}
+#else
+static int64_t verify_lag(void)
+{
+    return 0;
+}
+#endif
+
+/* Whether two devices are of one class ("cpu", "cpu-devsim", "cuda"):
+ * digests are compared exactly only on the same class. */
+static int same_class(const char *a, const char *b)
+{
+    const size_t n = strncmp(a, "cuda:", 5) == 0 ? 5 : strlen(a) + 1;
+    return strncmp(a, b, n) == 0;
+}
+
+/* Whether a live node other than `of` (and also_not) may redo a case of
+ * of's: of its device class, or (any) of any. */
+static int may_verify(const cnode *n, const cnode *of, uint32_t also_not, int any)
+{
+    return n && n->life == NODE_LIVE && !n->unreachable && n->id != of->id && n->id != also_not &&
+           (any || same_class(n->device, of->device));
+}
+
+/* Whether node of's cases go across device classes: no other node of
+ * its class could redo them, and one of another could. */
+static int cross_for(nl_coord *c, const cnode *of)
+{
+    int other = 0;
+    for (int i = 0; i < c->n_nodes; i++) {
+        const cnode *n = &c->nodes[i];
+        if (may_verify(n, of, 0, 0))
+            return 0;
+        other |= may_verify(n, of, 0, 1);
+    }
+    return other;
+}
+
+int coord_train_verify_cross(nl_coord *c)
+{
+    for (int i = 0; c->o.verify_rate > 0 && i < c->n_nodes; i++)
+        if (c->nodes[i].life == NODE_LIVE && cross_for(c, &c->nodes[i]))
+            return 1;
+    return 0;
+}
 
 /* Whether (job, step, mb, stage) is drawn, by the coordinator's secret. */
 static int drawn(const nl_coord *c, uint64_t job, int64_t step, uint32_t mb, int stage)
@@ -107,6 +174,33 @@ static void drop(ctrain *t, int i)
     t->ver->p[i] = t->ver->p[--t->ver->n];
 }
 
+/* A (stage, microbatch) of step `step` drawn and not verified clean: no
+ * checkpoint from that step on is all-verified. */
+static void taint(ctrain *t, int64_t step)
+{
+    if (step < t->verify_taint)
+        t->verify_taint = step;
+}
+
+int64_t coord_train_verified_through(const nl_coord *c, const ctrain *t)
+{
+    if (c->o.verify_rate <= 0)
+        return INT64_MAX;
+    int64_t first = t->verify_taint; /* cases still pending keep their steps unverified */
+    for (int i = 0; t->ver && i < t->ver->n; i++)
+        first = t->ver->p[i].step < first ? t->ver->p[i].step : first;
+    return first == INT64_MAX ? first : first - 1;
+}
+
+void coord_train_verify_resume(ctrain *t, int64_t step)
+{
+    for (int i = 0; t->ver && i < t->ver->n; i++)
+        if (t->ver->p[i].step > step) /* of steps that are redone */
+            drop(t, i--);
+    if (t->verify_taint > step)
+        t->verify_taint = INT64_MAX;
+}
+
 /* The node of a conviction: quarantined and banned (coord_members.c). */
 static void convict(nl_coord *c, cjob *j, const cver *v, const char *how)
 {
@@ -120,15 +214,74 @@ static void convict(nl_coord *c, cjob *j, const cver *v, const char *how)
         coord_quarantine(c, n, j->id, why);
 }
 
+static int send_case(nl_coord *c, const cver *v, cnode *to);
+
+/* Test builds: the cases held (verify_lag) of steps up to `upto` go to
+ * their verifiers. */
+static void release(nl_coord *c, ctrain *t, int64_t upto)
+{
+    for (int i = 0; t->ver && i < t->ver->n; i++) {
+        cver *v = &t->ver->p[i];
+        if (!v->held || v->step > upto)
+            continue;
+        v->held = 0;
+        cnode *to = coord_node_by_id(c, v->verifier);
+        if (!to || to->life != NODE_LIVE || send_case(c, v, to) != 0) {
+            taint(t, v->step);
+            drop(t, i--);
+        }
+    }
+}
+
+int coord_train_verify_pending(const ctrain *t)
+{
+    return t->ver ? t->ver->n : 0;
+}
+
+int coord_train_verify_settle(nl_coord *c, cjob *j, int answered)
+{
+    ctrain *t = j->state;
+    release(c, t, INT64_MAX);
+    for (int i = 0; t->ver && i < t->ver->n; i++) {
+        cver *v = &t->ver->p[i];
+        const cnode *by = coord_node_by_id(c, v->verifier ? v->verifier : v->node);
+        if (!v->verifier && answered) { /* its stage has sent its checkpoint since */
+            t->verify_mismatches++;
+            t->verify_convicted++;
+            t->verify_guilty = v->node;
+            NL_WARN("train job %llu: node %u (stage %d) did not hand over step %lld microbatch "
+                    "%u for verification",
+                    (unsigned long long)j->id, v->node, v->stage, (long long)v->step, v->mb);
+            convict(c, j, v, "it withheld its case");
+        } else if (v->verifier && by && by->life == NODE_LIVE) {
+            continue; /* its answer is awaited */
+        } else {
+            NL_WARN("train job %llu: step %lld microbatch %u of stage %d is not verified: %s",
+                    (unsigned long long)j->id, (long long)v->step, v->mb, v->stage,
+                    v->verifier ? "its verifier is gone"
+                                : "the job ended before its stage handed it over");
+        }
+        taint(t, v->step);
+        drop(t, i--);
+    }
+    return coord_train_verify_pending(t);
+}
+
 void coord_train_verify_sample(nl_coord *c, cjob *j)
 {
     ctrain *t = j->state;
     const int64_t step = t->step + 1;
     if (c->o.verify_rate <= 0 || t->ft || !t->dig || t->dig_stages != t->stages)
         return;
-    for (int i = 0; t->ver && i < t->ver->n; i++) { /* a stale or former plan's: gone */
+    release(c, t, step - verify_lag());
+    for (int i = 0; t->ver && i < t->ver->n; i++) {
         cver *v = &t->ver->p[i];
-        if (v->epoch != c->epoch || coord_now() - v->t0 > VERIFY_STALE_S) {
+        /* one never answered, or not handed over on a former plan (its
+         * stage dropped the job), or whose verifier is gone: unverified */
+        const cnode *by = v->verifier ? coord_node_by_id(c, v->verifier) : NULL;
+        if ((v->epoch != c->epoch && (!by || by->life != NODE_LIVE)) ||
+            coord_now() - v->t0 > VERIFY_STALE_S) {
+            taint(t, v->step);
             drop(t, i--);
         } else if (!v->verifier && v->step < step) {
             /* its stage answers a VERIFY_REQ at once, before the STEP, and
@@ -141,6 +294,7 @@ void coord_train_verify_sample(nl_coord *c, cjob *j)
                     "for verification",
                     (unsigned long long)j->id, v->node, v->stage, (long long)v->step, v->mb);
             convict(c, j, v, "it withheld its case");
+            taint(t, v->step);
             drop(t, i--);
         }
     }
@@ -148,6 +302,8 @@ void coord_train_verify_sample(nl_coord *c, cjob *j)
     nl_wire_msg_init(&m);
     for (int s = 0; s < t->stages; s++) {
         cnode *n = coord_stage_node(c, s);
+        /* across classes only when the stages keep what they send */
+        const int cross = n && t->verify_outputs && cross_for(c, n);
         for (int64_t mb = 0; n && mb < t->micro; mb++) {
             if (!drawn(c, j->id, step, (uint32_t)mb, s))
                 continue;
@@ -161,7 +317,8 @@ void coord_train_verify_sample(nl_coord *c, cjob *j)
                         .stage = s,
                         .node = n->id,
                         .epoch = c->epoch,
-                        .t0 = coord_now()};
+                        .t0 = coord_now(),
+                        .cross = cross};
             memcpy(v->want[0], d + NL_DIGEST_FWD_OUT * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
             memcpy(v->want[1], d + NL_DIGEST_BWD_OUT * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
             /* stage 0's input is what the coordinator sent it, not what it says */
@@ -171,7 +328,7 @@ void coord_train_verify_sample(nl_coord *c, cjob *j)
                    NL_HOP_DIGEST_BYTES);
             memcpy(v->got[1], d + NL_DIGEST_BWD_IN * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
             nl_wire_msg_reset(&m, NL_MSG_VERIFY_REQ);
-            m.u.verify_req = (nl_msg_verify_req){j->id, (uint64_t)step, (uint32_t)mb};
+            m.u.verify_req = (nl_msg_verify_req){j->id, (uint64_t)step, (uint32_t)mb, cross};
             t->verify_sampled++;
             if (coord_send_node(c, n, &m) != NL_OK)
                 t->ver->n--; /* the node is lost: the machine hears of it */
@@ -180,32 +337,22 @@ void coord_train_verify_sample(nl_coord *c, cjob *j)
     nl_wire_msg_free(&m);
 }
 
-/* Whether two devices are of one class ("cpu", "cpu-devsim", "cuda"):
- * digests are compared exactly, so only on the same class. */
-static int same_class(const char *a, const char *b)
-{
-    const size_t n = strncmp(a, "cuda:", 5) == 0 ? 5 : strlen(a) + 1;
-    return strncmp(a, b, n) == 0;
-}
-
 /* The node that redoes a case of node `of`'s stage: a standby of the same
- * device class first, else another stage's node of that class, taken in
- * turn; NULL: none. */
-static cnode *verifier_for(nl_coord *c, ctrain *t, const cnode *of, uint32_t also_not)
+ * device class (any: of any class) first, else another stage's node of
+ * that class, taken in turn; NULL: none. */
+static cnode *verifier_for(nl_coord *c, ctrain *t, const cnode *of, uint32_t also_not, int any)
 {
     const nl_plan *p = c->plan;
     for (int i = 0; p && i < p->n_standby; i++) {
         cnode *n = coord_node_by_id(c, (uint32_t)p->standby[(i + t->ver->next) % p->n_standby]);
-        if (n && n->life == NODE_LIVE && !n->unreachable && n->id != of->id && n->id != also_not &&
-            same_class(n->device, of->device)) {
+        if (may_verify(n, of, also_not, any)) {
             t->ver->next++;
             return n;
         }
     }
     for (int i = 0; i < t->stages; i++) {
         cnode *n = coord_stage_node(c, (int)((i + t->ver->next) % (uint32_t)t->stages));
-        if (n && !n->unreachable && n->id != of->id && n->id != also_not &&
-            same_class(n->device, of->device)) {
+        if (may_verify(n, of, also_not, any)) {
             t->ver->next++;
             return n;
         }
@@ -263,9 +410,10 @@ static int inputs_match(const cver *v, const nl_wire_msg *m)
     nl_wire_msg_reset(&h, NL_MSG_ACTIVATION);
     h.u.hop = (nl_msg_tensor_hop){k->job_id, k->step, k->microbatch, 0, 0, 0.0};
     const int first_extra = 2 + !k->has_head + k->counts;
+    const int end_extra = first_extra + __builtin_popcount(k->extras); /* then the outputs */
     h.frames[0] = m->frames[1];
     h.nframes = 1;
-    for (int f = first_extra; f < m->nframes; f++)
+    for (int f = first_extra; f < end_extra && f < m->nframes; f++)
         h.frames[h.nframes++] = m->frames[f];
     nl_hop_digest(d, &h, k->stage);
     int ok = memcmp(d, v->got[0], NL_HOP_DIGEST_BYTES) == 0;
@@ -299,6 +447,7 @@ static void on_case(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
                     "microbatch %u than the digests it reported receiving",
                     (unsigned long long)j->id, v->node, v->stage, (long long)v->step, v->mb);
             convict(c, j, v, "its case's inputs are not those it reported receiving");
+            taint(t, v->step);
             drop(t, i);
             return;
         }
@@ -310,18 +459,21 @@ static void on_case(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
             part = rx->msg.frames[f].len > part ? rx->msg.frames[f].len : part;
         }
         const int fits = part <= NL_SOCK_CONTROL_PART && bytes + 65536 <= NL_SOCK_CONTROL_MSG;
-        cnode *to = fits ? verifier_for(c, t, from, 0) : NULL;
-        if (!to || keep_case(v, &rx->msg, bytes) != 0 || send_case(c, v, to) != 0) {
+        cnode *to = fits ? verifier_for(c, t, from, 0, v->cross) : NULL;
+        const int held = verify_lag() > 0;
+        if (!to || keep_case(v, &rx->msg, bytes) != 0 || (!held && send_case(c, v, to) != 0)) {
             NL_WARN("train job %llu: step %lld microbatch %u of stage %d is not verified: %s",
                     (unsigned long long)j->id, (long long)v->step, v->mb, v->stage,
                     !fits ? "the stage's weights exceed what a verifier's control socket takes "
                             "(16 MiB a part)"
-                    : !to ? "no other node of its device class"
+                    : !to ? "no other node to redo it"
                           : "the send to the verifier failed");
             t->verify_skipped++;
+            taint(t, v->step);
             drop(t, i);
         } else {
             v->verifier = to->id;
+            v->held = held;
         }
         return;
     }
@@ -346,7 +498,7 @@ static int ask_arbiter(nl_coord *c, cjob *j, cver *v, const nl_msg_verify_result
 {
     ctrain *t = j->state;
     const cnode *stage = coord_node_by_id(c, v->node);
-    cnode *to = stage ? verifier_for(c, t, stage, from->id) : NULL;
+    cnode *to = stage ? verifier_for(c, t, stage, from->id, v->cross) : NULL;
     snprintf(v->said[0], sizeof v->said[0], "%s", r->fwd);
     snprintf(v->said[1], sizeof v->said[1], "%s", r->bwd);
     if (!to || send_case(c, v, to) != 0) {
@@ -360,12 +512,16 @@ static int ask_arbiter(nl_coord *c, cjob *j, cver *v, const nl_msg_verify_result
     return 0;
 }
 
-/* The arbiter's answer: two of the three agree. */
-static void judge(nl_coord *c, ctrain *t, cjob *j, const cver *v, const nl_msg_verify_result *r,
-                  const cnode *from)
+/* The arbiter's answer: two of the three agree. 1: the stage's outputs
+ * stand (the verifier was outvoted), 0: not. */
+static int judge(nl_coord *c, ctrain *t, cjob *j, const cver *v, const nl_msg_verify_result *r,
+                 const cnode *from)
 {
     const int with_stage = same(r->fwd, v->want[0]) && same(r->bwd, v->want[1]);
-    const int with_first = strcmp(r->fwd, v->said[0]) == 0 && strcmp(r->bwd, v->said[1]) == 0;
+    /* across classes an answer is a verdict (the stage's digests: its
+     * outputs stand), and two redos that both find it wrong agree */
+    const int with_first =
+        v->cross ? !with_stage : strcmp(r->fwd, v->said[0]) == 0 && strcmp(r->bwd, v->said[1]) == 0;
     if (with_first && !with_stage) {
         t->verify_convicted++;
         t->verify_guilty = v->node;
@@ -374,7 +530,9 @@ static void judge(nl_coord *c, ctrain *t, cjob *j, const cver *v, const nl_msg_v
                 (unsigned long long)j->id, v->node, v->stage, (long long)v->step, v->mb, v->first,
                 from->id);
         convict(c, j, v, "a verifier and an arbiter agree");
-    } else if (with_stage && !with_first) {
+        return 0;
+    }
+    if (with_stage && !with_first) {
         t->verify_outvoted++;
         NL_WARN("train job %llu: verifier node %u was wrong about step %lld microbatch %u of "
                 "stage %d: the arbiter node %u agrees with the stage's node %u",
@@ -390,12 +548,13 @@ static void judge(nl_coord *c, ctrain *t, cjob *j, const cver *v, const nl_msg_v
                 (unsigned long long)j->id, (long long)v->step, v->mb, v->stage);
             coord_quarantine(c, liar, j->id, why);
         }
-    } else {
-        NL_WARN("train job %llu: step %lld microbatch %u of stage %d unresolved: the stage's "
-                "node %u, the verifier node %u and the arbiter node %u all disagree",
-                (unsigned long long)j->id, (long long)v->step, v->mb, v->stage, v->node, v->first,
-                from->id);
+        return 1;
     }
+    NL_WARN("train job %llu: step %lld microbatch %u of stage %d unresolved: the stage's "
+            "node %u, the verifier node %u and the arbiter node %u all disagree",
+            (unsigned long long)j->id, (long long)v->step, v->mb, v->stage, v->node, v->first,
+            from->id);
+    return 0;
 }
 
 /* A verifier's (or an arbiter's) VERIFY_RESULT, against the stage's report. */
@@ -408,8 +567,9 @@ static void on_result(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
         if (v->verifier != from->id || v->step != (int64_t)r->step || v->mb != r->microbatch ||
             v->stage != (int)r->stage)
             continue;
-        if (v->first) { /* the arbiter's */
-            judge(c, t, j, v, r, from);
+        if (v->first) { /* the arbiter's: clean only if it outvotes the verifier */
+            if (!judge(c, t, j, v, r, from))
+                taint(t, v->step);
             drop(t, i);
             return;
         }
@@ -426,8 +586,10 @@ static void on_result(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
                 "recompute gives another %s%s%s",
                 (unsigned long long)j->id, (long long)v->step, v->mb, v->stage, v->node, from->id,
                 fwd ? "" : "ACTIVATION", fwd || bwd ? "" : " and ", bwd ? "" : "GRADIENT");
-        if (ask_arbiter(c, j, v, r, from) != 0)
+        if (ask_arbiter(c, j, v, r, from) != 0) {
+            taint(t, v->step);
             drop(t, i);
+        }
         return;
     }
 }

@@ -104,7 +104,8 @@ static int growth_params(const nl_coord *c, nl_wire_param *ps, char keys[][24], 
 int coord_train_send_job(nl_coord *c, cjob *j, int *lost)
 {
     ctrain *t = j->state;
-    nl_wire_param ps[9 + COORD_GROWTH_PARAMS + COORD_FT_PARAMS] = {
+    t->verify_outputs = !t->ft && coord_train_verify_cross(c);
+    nl_wire_param ps[10 + COORD_GROWTH_PARAMS + COORD_FT_PARAMS] = {
         {.key = "job", .kind = NL_WIRE_PARAM_INT, .i = (int64_t)j->id},
         {.key = "micro_batch", .kind = NL_WIRE_PARAM_INT, .i = t->batch / t->micro},
         {.key = "seq", .kind = NL_WIRE_PARAM_INT, .i = t->seq},
@@ -116,9 +117,10 @@ int coord_train_send_job(nl_coord *c, cjob *j, int *lost)
         {.key = "eval_hops",
          .kind = NL_WIRE_PARAM_INT,
          .i = t->eval_every > 0 ? coord_train_eval_batches(t) * t->micro : 0},
+        {.key = "verify_outputs", .kind = NL_WIRE_PARAM_BOOL, .b = t->verify_outputs != 0},
     };
     char keys[COORD_GROWTH_PARAMS][24], *texts[COORD_GROWTH_PARAMS] = {NULL};
-    int np = 9 + growth_params(c, ps + 9, keys, texts);
+    int np = 10 + growth_params(c, ps + 10, keys, texts);
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);

@@ -83,8 +83,10 @@ static nl_flag flags[] = {
     {"plan-rows", 1, "rows (tokens) of one request the plan must fit (default 512)", NULL},
     {"verify-rate", 1,
      "the fraction P of a training step's (stage, microbatch)s another node redoes and "
-     "compares by digest, drawn from a secret the nodes never see (docs/security.md, "
-     "\"Catching a node that computes wrong\"; default 0.05; 0: none)",
+     "compares by digest (a node of another device class: the tensors, within 1e-4 "
+     "relative), drawn from a secret the nodes never see; a node found wrong is banned and "
+     "the job rolls back to its last checkpoint whose steps were all verified "
+     "(docs/security.md, \"Catching a node that computes wrong\"; default 0.05; 0: none)",
      NULL},
     {"replan-margin", 1,
      "when a node joins (or a standby leaves) and no job runs, plan again if the bottleneck "

@@ -51,6 +51,7 @@ static const nl_param_key keys[] = {
     {"adam_steps", NL_PT_INT, STG, 0, 0, (double)(INT64_MAX / 2), 0, F(adam_steps)},
     {"moments", NL_PT_BOOL, STG, 0, 0, 1, 0, F(moments)},
     {"eval_hops", NL_PT_INT, STG, 0, 0, 1 << 30, 0, F(eval_hops)},
+    {"verify_outputs", NL_PT_BOOL, STG, 0, 0, 1, 0, F(verify_outputs)},
 };
 
 #define NKEYS (sizeof keys / sizeof keys[0])

@@ -40,6 +40,9 @@
  *   adam_steps        integer    0 .. 2^62       0             a stage's
  *   moments           boolean                    false         a stage's training
  *   eval_hops         integer    0 .. 2^30       0             a stage's
+ *   verify_outputs    boolean                    false         a stage's training: keep the
+ *                                                              step's outputs (a verifier of
+ *                                                              another device class compares them)
  *
  * In a request every key with a default but the booleans, learn_vocab,
  * objective and resume is required: the client sends the defaults it
@@ -83,7 +86,7 @@ typedef struct nl_trainparams {
     /* a stage's job */
     uint64_t job;
     int64_t micro_batch, start_step, adam_steps, eval_hops;
-    int moments;
+    int moments, verify_outputs;
 } nl_trainparams;
 
 /* The most keys one use writes. */

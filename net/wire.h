@@ -379,6 +379,7 @@ typedef struct nl_msg_ckpt_done {
 typedef struct nl_msg_verify_req {
     uint64_t job_id, step;
     uint32_t microbatch;
+    uint32_t outputs; /* 1: the case carries the stage's outputs too (a cross-class verifier) */
 } nl_msg_verify_req;
 
 /* VERIFY_CASE: what redoing it takes (node/stage_verify.h). Frames: 0 the
@@ -386,7 +387,11 @@ typedef struct nl_msg_verify_req {
  * [batch, seq] on the first stage, else F32 [batch, seq, d]); then, but on
  * the last stage, the GRADIENT it received, F32 [batch, seq, d]; then with
  * `counts` the step's route counts, I64 [layers, experts]; then the I32
- * frames `extras` names (NL_HOP_*), as the ACTIVATION carried them.
+ * frames `extras` names (NL_HOP_*), as the ACTIVATION carried them; then
+ * with `outputs` what the stage sent, F32 [batch, seq, d]: its ACTIVATION
+ * (but on the last stage) and its GRADIENT (but on the first), for a
+ * verifier of another device class, which compares them with its own
+ * within a relative tolerance (node/stage_verify.h).
  * config_json is empty from the stage; the coordinator fills it for the
  * verifier. */
 typedef struct nl_msg_verify_case {
@@ -399,6 +404,7 @@ typedef struct nl_msg_verify_case {
     uint32_t extras;
     bool counts;
     const char *config_json;
+    uint32_t outputs; /* 0 or 1 (absent: 0) */
 } nl_msg_verify_case;
 
 /* VERIFY_RESULT: the digests of the ACTIVATION and GRADIENT the stage

@@ -181,6 +181,7 @@ static const nl_wire_field f_verify_req[] = {
     F_U64(nl_msg_verify_req, job_id, U64_ANY),
     F_U64(nl_msg_verify_req, step, U64_ANY),
     F_U32(nl_msg_verify_req, microbatch, U32_ANY),
+    F_U32_OPT(nl_msg_verify_req, outputs),
 };
 static const nl_wire_field f_verify_case[] = {
     F_U64(nl_msg_verify_case, job_id, U64_ANY),
@@ -198,6 +199,7 @@ static const nl_wire_field f_verify_case[] = {
     F_U32(nl_msg_verify_case, extras, 0, NL_HOP_ALL),
     F_BOOL(nl_msg_verify_case, counts),
     F_STR(nl_msg_verify_case, config_json, NL_WCS_UTF8, 0, 49152),
+    F_U32_OPT(nl_msg_verify_case, outputs),
 };
 static const nl_wire_field f_verify_result[] = {
     F_U64(nl_msg_verify_result, job_id, U64_ANY),
@@ -261,10 +263,10 @@ static const nl_wire_tdesc tdescs[NL_MSG_TYPE_MAX] = {
     [NL_MSG_CKPT_DONE] = {"CKPT_DONE", f_ckpt_done, NF(f_ckpt_done), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_LOSS] = {"LOSS", f_loss, NF(f_loss), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_VERIFY_REQ] = {"VERIFY_REQ", f_verify_req, NF(f_verify_req), 0, 0, 0, 0, 0, NULL},
-    [NL_MSG_VERIFY_CASE] = {"VERIFY_CASE", f_verify_case, NF(f_verify_case), 2, 8, 1, 3,
+    [NL_MSG_VERIFY_CASE] = {"VERIFY_CASE", f_verify_case, NF(f_verify_case), 2, 10, 1, 3,
                             DT(F32) | DT(I32) | DT(I64), check_verify_case},
-    [NL_MSG_VERIFY_RESULT] = {"VERIFY_RESULT", f_verify_result, NF(f_verify_result), 0, 0, 0, 0,
-                              0, check_verify_result},
+    [NL_MSG_VERIFY_RESULT] = {"VERIFY_RESULT", f_verify_result, NF(f_verify_result), 0, 0, 0, 0, 0,
+                              check_verify_result},
 };
 
 const nl_wire_tdesc *nl_wire_schema_of(uint32_t type)
@@ -659,8 +661,10 @@ static nl_status check_activation(const nl_wire_msg *m, const nl_wire_tdesc *td,
 static nl_status check_verify_case(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err)
 {
     const nl_msg_verify_case *v = &m->u.verify_case;
-    nl_dtype want[8];
-    int rank[8], n = 0;
+    nl_dtype want[10];
+    int rank[10], n = 0;
+    if (v->outputs > 1)
+        return nl_error_set(err, NL_ERR_RANGE, "%s: outputs %u (0 or 1)", td->name, v->outputs);
     if (v->layer0 > v->layer1 || (v->has_embed && v->stage != 0))
         return nl_error_set(err, NL_ERR_RANGE, "%s: layers [%u, %u) of stage %u%s", td->name,
                             v->layer0, v->layer1, v->stage, v->has_embed ? " with the embedding" : "");
@@ -673,6 +677,10 @@ static nl_status check_verify_case(const nl_wire_msg *m, const nl_wire_tdesc *td
     for (int bit = 0; bit < 4; bit++)
         if (v->extras & (1u << bit))
             want[n] = NL_DTYPE_I32, rank[n++] = bit < 2 ? 2 : 1;
+    if (v->outputs && !v->has_head)
+        want[n] = NL_DTYPE_F32, rank[n++] = 3; /* the ACTIVATION it sent */
+    if (v->outputs && !v->has_embed)
+        want[n] = NL_DTYPE_F32, rank[n++] = 3; /* the GRADIENT it sent */
     if (m->nframes != n)
         return nl_error_set(err, NL_ERR_PROTO, "%s: %d tensor frames, its fields name %d",
                             td->name, m->nframes, n);

@@ -310,20 +310,20 @@ static nl_status start(node *n, nl_error *err)
         st = open_device(n, err);
     if (st != NL_OK)
         return st;
-    nl_stage_opts so = {
-        .memory_bytes = n->memory,
-        .kv_budget = o->kv_budget,
-        .batch_decode = o->batch_decode,
-        .prefill_chunk = o->prefill_chunk,
-        .batch_wait_ms = o->batch_wait_ms,
-        .send_wait_ms = 1, /* nl_node_wait_sent waited already */
-        .ckpt_root = n->ckpt_root ? n->ckpt_root : "/nonexistent",
-        .inject_nan_step = o->inject_nan_step,
-        .inject_nan_stage = o->inject_nan_stage,
-        .inject_nan_on = o->inject_nan_on,
-        .lie = {(nl_lie_kind)o->inject_lie_kind, o->inject_lie_rate, o->inject_lie_seed},
-        .tf32 = o->tf32,
-        .train_async = 1}; /* replicas report through serve()'s poll */
+    nl_stage_opts so = {.memory_bytes = n->memory,
+                        .kv_budget = o->kv_budget,
+                        .batch_decode = o->batch_decode,
+                        .prefill_chunk = o->prefill_chunk,
+                        .batch_wait_ms = o->batch_wait_ms,
+                        .send_wait_ms = 1, /* nl_node_wait_sent waited already */
+                        .ckpt_root = n->ckpt_root ? n->ckpt_root : "/nonexistent",
+                        .inject_nan_step = o->inject_nan_step,
+                        .inject_nan_stage = o->inject_nan_stage,
+                        .inject_nan_on = o->inject_nan_on,
+                        .lie = {(nl_lie_kind)o->inject_lie_kind, o->inject_lie_rate,
+                                o->inject_lie_seed, o->inject_lie_from},
+                        .tf32 = o->tf32,
+                        .train_async = 1}; /* replicas report through serve()'s poll */
     if ((st = nl_stage_new_replicas(&n->stage, n->dev.be, n->dev.n, n->dev.comm, &so, err)) !=
             NL_OK ||
         (st = nl_net_new(&n->net, NULL, err)) != NL_OK ||

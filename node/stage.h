@@ -45,6 +45,7 @@ typedef struct nl_stage_lie {
     nl_lie_kind kind;
     double rate; /* the fraction of outputs falsified, 0-1 */
     uint64_t seed;
+    uint64_t from; /* the first training step it lies at (0: from the start) */
 } nl_stage_lie;
 
 /* The kind named s ("bitflip", "noise", "stale", "skip", "backward",

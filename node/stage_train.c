@@ -317,6 +317,7 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg
     }
     t->slots = slots;
     t->eval_hops = (int)p->eval_hops;
+    t->keep_out = p->verify_outputs != 0;
     t->rows = (size_t)(mbB * T);
     t->d = (size_t)m->cfg.hidden_dim;
     t->applied = start;

@@ -247,6 +247,7 @@ static nl_status take_back(nl_stage *s, stage_train *t, rjob *j, nl_stage_send_f
     }
     if (st == NL_OK && j->out_type) {
         nl_stage_train_lie(s, t, j); /* a test hook; nothing in other builds */
+        nl_stage_train_keep_out(t, j); /* what it sends, for verification */
         st = send_host(s, t, send, ctx, j->out_type, j->step, j->mb,
                        j->out_type == NL_MSG_ACTIVATION ? j->aux + j->a : 0.0, j->out,
                        j->out_type == NL_MSG_GRADIENT ? NULL : &j->e, err);

@@ -40,6 +40,9 @@ typedef struct kept_mb {
     void *x;     /* the forward's input (tokens or hidden states), owned */
     hop_extra e; /* the frames that came with it */
     float *dy;   /* the GRADIENT received (host, rows x d), owned */
+    /* what it sent, as sent (keep_out: for a verifier of another device
+     * class): the ACTIVATION and the GRADIENT (host, rows x d), owned */
+    float *y, *dx;
     bool fwd, bwd;
 } kept_mb;
 
@@ -107,6 +110,7 @@ typedef struct stage_train {
     uint8_t *dig;
     char dig_hex[NL_HOP_DIGEST_HEX + 1]; /* the digest of the hop in tx */
     kept_mb *kept;                       /* [M]: this step's inputs, until the next step begins */
+    bool keep_out;                       /* ... and its outputs (JOB_SUBMIT verify_outputs) */
     int64_t *counts;                     /* the step's route counts, once summed (verification) */
     size_t n_counts;
     float *lie_prev; /* test hook (stage_train_lie.c): the last step's outputs, and marks */
@@ -141,6 +145,9 @@ static inline uint8_t *nl_stage_train_dig(stage_train *t, uint32_t mb, int kind)
 /* Keep a finished forward's or backward's inputs of this step (taking
  * j->x and j->e), or free them (verification, stage_verify.h). */
 void nl_stage_train_keep(stage_train *t, rjob *j);
+/* With keep_out, keep a copy of what a finished forward or backward of
+ * this step sends (j->out, after the test hook's lie: as sent). */
+void nl_stage_train_keep_out(stage_train *t, const rjob *j);
 /* Free what is kept of the step (a new one begins). */
 void nl_stage_train_kept_free(stage_train *t);
 /* VERIFY_REQ: the case of the microbatch asked for, as a VERIFY_CASE to

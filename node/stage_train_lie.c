@@ -80,7 +80,8 @@ void nl_stage_train_lie(nl_stage *s, stage_train *t, rjob *j)
     /* a bit flip in whatever the stage sends (forward or backward); the
      * backward lie in gradients only; the others in forward outputs */
     const bool dir = l->kind == NL_LIE_BITFLIP || (l->kind == NL_LIE_BACKWARD) == bwd;
-    const bool lies = dir && draw(l->seed, t->job, j->step, j->mb, bwd) < l->rate;
+    const bool lies =
+        dir && j->step >= l->from && draw(l->seed, t->job, j->step, j->mb, bwd) < l->rate;
     /* a stale output needs a step before it; a skip needs hidden states in */
     /* after the outputs, one mark per microbatch: an output is kept */
     const bool can = l->kind == NL_LIE_STALE ? prev && t->lie_prev[(size_t)t->M * n + j->mb] != 0.0f

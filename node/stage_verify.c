@@ -3,9 +3,11 @@
  * microbatch made from them, and its redo on a verifier's backend. */
 #include "stage_verify.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "../base/log.h"
 #include "../core/model.h"
 #include "../core/train.h"
 #include "stage_train_impl.h"
@@ -33,12 +35,28 @@ void nl_stage_train_keep(stage_train *t, rjob *j)
     j->x = NULL;
 }
 
+void nl_stage_train_keep_out(stage_train *t, const rjob *j)
+{
+    const bool fwd = j->out_type == NL_MSG_ACTIVATION, bwd = j->out_type == NL_MSG_GRADIENT;
+    if (!t->keep_out || !t->kept || !j->out || j->step != t->begun || j->mb >= (uint32_t)t->M ||
+        !(fwd || bwd))
+        return;
+    float **slot = fwd ? &t->kept[j->mb].y : &t->kept[j->mb].dx;
+    const size_t bytes = t->rows * t->d * sizeof(float);
+    if (!*slot)
+        *slot = malloc(bytes); /* freed as the next step begins */
+    if (*slot)
+        memcpy(*slot, j->out, bytes);
+}
+
 void nl_stage_train_kept_free(stage_train *t)
 {
     for (int i = 0; t->kept && i < t->M; i++) {
         kept_mb *k = &t->kept[i];
         free(k->x);
         free(k->dy);
+        free(k->y);
+        free(k->dx);
         nl_stage_train_extra_free(&k->e);
         *k = (kept_mb){0};
     }
@@ -90,6 +108,8 @@ nl_status nl_stage_verify_case(nl_stage *s, uint64_t job, uint64_t step, uint32_
     c->loss_rows = k->e.loss_rows;
     c->dy = m->has_head ? NULL : k->dy;
     c->counts = t->counts_ready ? t->counts : NULL;
+    c->y = m->has_head ? NULL : k->y; /* NULL unless the job asked to keep them */
+    c->dx = m->has_embed ? NULL : k->dx;
     return nl_backend_check(s->be, err);
 }
 
@@ -120,6 +140,30 @@ static void hop_digest(const nl_verify_case *c, nl_msg_type type, const float *x
         nl_wire_hop_set_extras(&m, c->mbB, c->T, c->targets, c->docs, c->labels, c->lengths);
     nl_hop_digest(out, &m, c->stage + (grad ? (uint32_t)-1 : 1u));
     nl_wire_msg_free(&m);
+}
+
+/* max |a - b| over max |b| (b the stage's tensor, n floats). */
+static double rel_diff(const float *a, const float *b, size_t n)
+{
+    double diff = 0.0, scale = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        const double e = fabs((double)a[i] - (double)b[i]), m = fabs((double)b[i]);
+        diff = e > diff || e != e ? e : diff; /* a NaN stays */
+        scale = m > scale ? m : scale;
+    }
+    return diff == 0.0 ? 0.0 : scale > 0.0 ? diff / scale : INFINITY;
+}
+
+/* The digest of the redo's tensor, or (across classes, c's own within the
+ * tolerance) of the stage's; *rel: the larger difference so far. */
+static void judge_out(const nl_verify_case *c, nl_msg_type type, const float *mine,
+                      const float *theirs, size_t d, double *rel, uint8_t out[NL_HOP_DIGEST_BYTES])
+{
+    const size_t n = (size_t)c->mbB * (size_t)c->T * d;
+    const double r = theirs ? rel_diff(mine, theirs, n) : 0.0;
+    if (rel && (r > *rel || r != r))
+        *rel = r;
+    hop_digest(c, type, theirs && r <= NL_VERIFY_CROSS_RTOL ? theirs : mine, d, out);
 }
 
 typedef struct redo {
@@ -158,12 +202,14 @@ static nl_status redo_make(redo *r, const nl_verify_case *c, size_t rows, size_t
 
 nl_status nl_verify_recompute(nl_backend *be, const nl_verify_case *c,
                               uint8_t fwd[NL_HOP_DIGEST_BYTES], uint8_t bwd[NL_HOP_DIGEST_BYTES],
-                              nl_error *err)
+                              double *rel, nl_error *err)
 {
     const size_t rows = (size_t)c->mbB * (size_t)c->T, d = (size_t)c->cfg->hidden_dim;
     redo r = {.be = be};
     memset(fwd, 0, NL_HOP_DIGEST_BYTES);
     memset(bwd, 0, NL_HOP_DIGEST_BYTES);
+    if (rel)
+        *rel = 0.0;
     nl_status st = redo_make(&r, c, rows, d, err);
     if (st != NL_OK)
         goto done;
@@ -187,7 +233,7 @@ nl_status nl_verify_recompute(nl_backend *be, const nl_verify_case *c,
                                 c->has_head ? c->targets : NULL, &ce, &aux, err);
     if (st == NL_OK && !c->has_head) {
         be->download(be, r.host, nl_trainer_output(r.tr, 0), rows * d * sizeof(float));
-        hop_digest(c, NL_MSG_ACTIVATION, r.host, d, fwd);
+        judge_out(c, NL_MSG_ACTIVATION, r.host, c->y, d, rel, fwd);
     }
     if (st == NL_OK && !c->has_head) /* the gradient the stage received */
         be->upload(be, r.x_d, c->dy, rows * d * sizeof(float));
@@ -195,7 +241,7 @@ nl_status nl_verify_recompute(nl_backend *be, const nl_verify_case *c,
         st = nl_trainer_backward(r.tr, 0, c->has_head ? NULL : r.x_d, err);
     if (st == NL_OK && !c->has_embed) {
         be->download(be, r.host, nl_trainer_input_grad(r.tr), rows * d * sizeof(float));
-        hop_digest(c, NL_MSG_GRADIENT, r.host, d, bwd);
+        judge_out(c, NL_MSG_GRADIENT, r.host, c->dx, d, rel, bwd);
     }
     if (st == NL_OK)
         st = nl_backend_check(be, err);
@@ -216,8 +262,15 @@ nl_status nl_stage_train_verify_req(nl_stage *s, stage_train *t, const nl_msg_ve
     if (nl_stage_verify_mute(s)) /* a test hook: a stage that withholds its cases */
         return NL_OK;
     nl_status st = nl_stage_verify_case(s, r->job_id, r->step, r->microbatch, &c, err);
-    if (st != NL_OK)
+    if (st == NL_OK && r->outputs && ((!c.has_head && !c.y) || (!c.has_embed && !c.dx)))
+        st = nl_error_set(err, NL_ERR_STATE,
+                          "verify: microbatch %u's outputs are not kept (the job did not ask "
+                          "for verify_outputs)",
+                          r->microbatch);
+    if (st != NL_OK) {
+        nl_verify_case_free(&c);
         return st;
+    }
     const size_t d = (size_t)c.cfg->hidden_dim;
     const int64_t ws[1] = {(int64_t)c.n_weights}, ts[2] = {c.mbB, c.T},
                   xs[3] = {c.mbB, c.T, (int64_t)d}, cs[2] = {c.l1 - c.l0, c.cfg->num_experts},
@@ -226,10 +279,22 @@ nl_status nl_stage_train_verify_req(nl_stage *s, stage_train *t, const nl_msg_ve
     nl_wire_msg_reset(m, NL_MSG_VERIFY_CASE);
     const uint32_t extras = (c.targets ? NL_HOP_TARGETS : 0u) | (c.docs ? NL_HOP_DOCS : 0u) |
                             (c.labels ? NL_HOP_LABELS : 0u) | (c.lengths ? NL_HOP_LENGTHS : 0u);
-    m->u.verify_case = (nl_msg_verify_case){
-        c.job,          c.step,      c.mb,       c.stage,          (uint32_t)c.l0,
-        (uint32_t)c.l1, c.has_embed, c.has_head, (uint32_t)c.mbB,  (uint32_t)c.T,
-        (uint32_t)c.M,  c.loss_rows, extras,     c.counts != NULL, ""};
+    m->u.verify_case = (nl_msg_verify_case){c.job,
+                                            c.step,
+                                            c.mb,
+                                            c.stage,
+                                            (uint32_t)c.l0,
+                                            (uint32_t)c.l1,
+                                            c.has_embed,
+                                            c.has_head,
+                                            (uint32_t)c.mbB,
+                                            (uint32_t)c.T,
+                                            (uint32_t)c.M,
+                                            c.loss_rows,
+                                            extras,
+                                            c.counts != NULL,
+                                            "",
+                                            r->outputs ? 1u : 0u};
     int f = 0;
     nl_wire_frame_set(&m->frames[f++], c.weights, NL_DTYPE_F32, ws, 1); /* copied by the send */
     if (c.has_embed)
@@ -244,6 +309,10 @@ nl_status nl_stage_train_verify_req(nl_stage *s, stage_train *t, const nl_msg_ve
     for (int i = 0; i < 4; i++)
         if (ex[i])
             nl_wire_frame_set(&m->frames[f++], ex[i], NL_DTYPE_I32, i < 2 ? ts : bs, i < 2 ? 2 : 1);
+    if (r->outputs && !c.has_head) /* across device classes: what it sent */
+        nl_wire_frame_set(&m->frames[f++], c.y, NL_DTYPE_F32, xs, 3);
+    if (r->outputs && !c.has_embed)
+        nl_wire_frame_set(&m->frames[f++], c.dx, NL_DTYPE_F32, xs, 3);
     m->nframes = f;
     st = send(ctx, NL_STAGE_TO_COORD, m, err);
     nl_verify_case_free(&c);
@@ -269,11 +338,21 @@ static nl_status case_of(const nl_wire_msg *m, nl_config *cfg, nl_verify_case *c
         return nl_error_set(err, NL_ERR_RANGE,
                             "VERIFY_CASE: layers [%u, %u) of %d, microbatch %u of %u", v->layer0,
                             v->layer1, cfg->num_layers, v->microbatch, v->microbatches);
-    /* frame indices: 0 weights, 1 input, [dy], [counts], extras */
+    /* frame indices: 0 weights, 1 input, [dy], [counts], extras, [y], [dx] */
     const int fx = 1, fdy = v->has_head ? -1 : 2, fc = v->counts ? 2 + !v->has_head : -1;
     int fe[4], f = 2 + !v->has_head + v->counts;
     for (int i = 0; i < 4; i++)
         fe[i] = v->extras & (1u << i) ? f++ : -1;
+    const int fy = v->outputs && !v->has_head ? f++ : -1,
+              fdx = v->outputs && !v->has_embed ? f++ : -1;
+    for (int i = 0; i < 2; i++) {
+        const int fo = i ? fdx : fy;
+        const nl_tensor *o = fo >= 0 ? &m->frames[fo].t : NULL;
+        if (o && (o->shape[0] != B || o->shape[1] != T || o->shape[2] != d))
+            return nl_error_set(
+                err, NL_ERR_SHAPE, "VERIFY_CASE: the stage's %s is not [%lld, %lld, %lld]",
+                i ? "GRADIENT" : "ACTIVATION", (long long)B, (long long)T, (long long)d);
+    }
     const nl_tensor *x = &m->frames[fx].t;
     bool ok = x->shape[0] == B && x->shape[1] == T && (v->has_embed || x->shape[2] == d);
     if (fdy >= 0) {
@@ -323,7 +402,9 @@ static nl_status case_of(const nl_wire_msg *m, nl_config *cfg, nl_verify_case *c
                           .lengths = AT(fe[3], int32_t),
                           .loss_rows = v->loss_rows,
                           .dy = AT(fdy, float),
-                          .counts = AT(fc, int64_t)};
+                          .counts = AT(fc, int64_t),
+                          .y = AT(fy, float),
+                          .dx = AT(fdx, float)};
 #undef AT
     return NL_OK;
 }
@@ -336,13 +417,20 @@ nl_status nl_verify_answer(nl_stage *s, const nl_wire_msg *m, nl_wire_msg *out,
     nl_config cfg;
     nl_verify_case c;
     uint8_t fwd[NL_HOP_DIGEST_BYTES], bwd[NL_HOP_DIGEST_BYTES];
+    double rel = 0.0;
     nl_status st = case_of(m, &cfg, &c, err);
     if (st == NL_OK)
-        st = nl_verify_recompute(be, &c, fwd, bwd, err);
+        st = nl_verify_recompute(be, &c, fwd, bwd, &rel, err);
     nl_verify_case_free(&c);
     if (st != NL_OK)
         return st;
     const nl_msg_verify_case *v = &m->u.verify_case;
+    if (v->outputs)
+        NL_INFO("verify job %llu step %llu microbatch %u stage %u across device classes: the "
+                "largest relative difference is %.3g (tolerance %.0e): %s",
+                (unsigned long long)v->job_id, (unsigned long long)v->step, v->microbatch, v->stage,
+                rel, NL_VERIFY_CROSS_RTOL,
+                rel <= NL_VERIFY_CROSS_RTOL ? "the stage's outputs stand" : "the stage is wrong");
     nl_stage_verify_lie(s, v->job_id, v->step, v->microbatch, v->stage, fwd, bwd); /* test hook */
     nl_hop_digest_hex(hex[0], fwd);
     nl_hop_digest_hex(hex[1], bwd);

@@ -13,6 +13,17 @@
  * should have sent (net/hopdigest.h). On the same device class and
  * precision the digests are equal bit for bit for an honest stage.
  *
+ * Across device classes (a GPU stage checked by a CPU node, or cpu by
+ * cpu-devsim) they are not: the job then asks its stages to keep what
+ * they send too (JOB_SUBMIT verify_outputs), the case carries the
+ * stage's ACTIVATION and GRADIENT as sent (y, dx), and the verifier
+ * compares its own with them: the largest elementwise difference over
+ * the largest magnitude of the stage's tensor, at most
+ * NL_VERIFY_CROSS_RTOL. Within it the verifier vouches for the stage's
+ * bytes (it answers their digest, which the coordinator finds equal to
+ * the stage's report when they are the bytes it sent); beyond it, it
+ * answers the digest of its own, which differs.
+ *
  * Ownership: a case's pointers are the stage's (valid until its next
  * message) except `weights`, which nl_stage_verify_case allocates and
  * nl_verify_case_free frees. */
@@ -43,7 +54,18 @@ typedef struct nl_verify_case {
     uint64_t loss_rows;
     const float *dy;       /* the GRADIENT received, F32 [mbB, T, d]; NULL on the last stage */
     const int64_t *counts; /* the step's route counts (layers x experts), or NULL (M == 1) */
+    /* across device classes: what the stage sent, F32 [mbB, T, d] (its
+     * ACTIVATION but on the last stage, its GRADIENT but on the first);
+     * NULL: compared by digest, exactly */
+    const float *y, *dx;
 } nl_verify_case;
+
+/* The relative tolerance of a comparison across device classes: max |a -
+ * b| over max |b| of each tensor (b the stage's). A CUDA stage equals a
+ * CPU one within 1e-5 relative on logits (DESIGN section 7); a stage's
+ * hidden states and gradients after a forward and a backward, within a
+ * few 1e-6: 1e-4 leaves a margin and still finds a lie of 1e-3. */
+#define NL_VERIFY_CROSS_RTOL 1e-4
 
 /* Describe microbatch mb of step `step` of training job `job` on stage s,
  * whose forward and backward are done and whose step is not applied yet
@@ -54,10 +76,12 @@ void nl_verify_case_free(nl_verify_case *c);
 
 /* Redo c on be: fwd gets the digest of the ACTIVATION the stage sends on
  * (zero on the last stage), bwd that of the GRADIENT it sends back (zero
- * on the first). */
+ * on the first); with c->y / c->dx, of the stage's own tensor when the
+ * redo's is within NL_VERIFY_CROSS_RTOL of it, and *rel (NULL: unasked)
+ * the larger relative difference (0 without them). */
 nl_status nl_verify_recompute(nl_backend *be, const nl_verify_case *c,
                               uint8_t fwd[NL_HOP_DIGEST_BYTES], uint8_t bwd[NL_HOP_DIGEST_BYTES],
-                              nl_error *err);
+                              double *rel, nl_error *err);
 
 /* A verifier's answer to a VERIFY_CASE (docs/protocol.md): the case
  * checked against its config, redone on the device of stage s (replica

@@ -10,7 +10,8 @@
  * run), the pipeline in stage order ("pipeline": each stage's node,
  * device, layer range as neuroctl status writes it, busy share), the
  * nodes (columns that only generation fills appear once the cluster has
- * generated; an empty cell is a dash whose title says why), tokens/s of
+ * generated; an empty cell is a dash whose title says why), the keys
+ * banned for computing wrong, tokens/s of
  * generation and of training against server time, the loss with re-plans
  * and growths marked, and the events as sentences with the times the
  * server recorded them.
@@ -18,8 +19,8 @@
  * Element ids and data attributes the tests read (tests/test_serve_web.sh,
  * tests/test_serve_cluster.py): #job (data-state, data-step, data-steps,
  * data-eta), #plan and #stages (children with data-stage), #nodes
- * (tr.node), #tps-chart and #loss-chart (data-points, data-marks),
- * #events (li.event with data-type and data-time), body data-ready. */
+ * (tr.node), #banned (data-count; li.ban: a key and why), #tps-chart and #loss-chart (data-points,
+ * data-marks), #events (li.event with data-type and data-time), body data-ready. */
 #include "http_impl.h"
 
 /* clang-format off */
@@ -56,6 +57,7 @@ const char nl_http_dashboard_html[] =
 "<h2>Nodes</h2>\n"
 "<table><thead><tr id=\"node-head\"></tr></thead><tbody id=\"nodes\"></tbody></table>\n"
 "<div class=\"note\" id=\"nodes-note\"></div>\n"
+"<h2>Banned keys</h2><ul id=\"banned\" data-count=\"0\"><li>none</li></ul>\n"
 "<div class=\"charts\">\n"
 "<div><h2>Tokens/s</h2><div class=\"chart\"><canvas id=\"tps-chart\" data-points=\"0\"></canvas></div>\n"
 "<div class=\"note\">generation (every client) and training, by server time</div></div>\n"
@@ -201,8 +203,15 @@ const char nl_http_dashboard_html[] =
 "    hidden.join(', ') + ': shown once the nodes have generated (their heartbeats carry them).' : '';\n"
 "}\n"
 "\n"
+"function renderBans(s) {\n"
+"  const ul = $('banned'), n = s.banned_keys || 0, list = s.banned || [];\n"
+"  ul.dataset.count = n; ul.replaceChildren();\n"
+"  const li = t => { const e = document.createElement('li'); e.textContent = t; ul.appendChild(e); return e; };\n"
+"  if (!n) { li('none'); return; }\n"
+"  for (const b of list) li(b.key + ' \\u2014 ' + b.why).className = 'ban';\n"
+"}\n"
 "function renderStatus(s) {\n"
-"  renderJob(s.training); renderPipeline(s); renderNodes(s);\n"
+"  renderJob(s.training); renderPipeline(s); renderNodes(s); renderBans(s);\n"
 "  const m = s.model || {}, parts = [];\n"
 "  parts.push((m.name || '') + ' \\u2014 ' + (m.layers || '?') + ' layers');\n"
 "  if (s.state && s.mode === 'cluster') parts.push('cluster ' + s.state);\n"
@@ -246,6 +255,9 @@ const char nl_http_dashboard_html[] =
 "  case 'train_done': return 'Training job ' + d.job + ' done at step ' + d.step;\n"
 "  case 'train_cancelled': return 'Training job ' + d.job + ' cancelled at step ' + d.step;\n"
 "  case 'train_failed': return 'Training job ' + d.job + ' failed: ' + d.message;\n"
+"  case 'train_quarantine': return 'node-' + d.node + ' quarantined, its key ' + d.key + ' banned: ' + d.why;\n"
+"  case 'train_rollback': return 'A node was convicted at step ' + d.from_step + ': training rolled back to step ' + d.to_step +\n"
+"    ' (' + d.checkpoint + '), the last checkpoint whose steps were all verified';\n"
 "  case 'train_node_lost': return 'A stage was lost at step ' + d.lost_step + ' (' + d.why + '); resuming from step ' + d.resume_step;\n"
 "  case 'train_grow': return 'The model grew (' + d.kind + ') at step ' + d.step + ': ' +\n"
 "    ['vocab_size', 'num_layers', 'hidden_dim', 'ffn_dim'].filter(k => d.from && d.to && d.from[k] !== d.to[k])\n"

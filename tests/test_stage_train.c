@@ -155,6 +155,61 @@ static int verified, mismatched[NST], mismatch_fwd[NST], mismatch_bwd[NST];
  * holding no model, whose VERIFY_RESULT must match the stage's report */
 static nl_stage *verifier;
 static int wire_verified, wire_mismatched[NST];
+/* ... and (cross_on) that microbatch again as across device classes: the
+ * case carries what the stage sent, and the verifier answers the digest
+ * of those bytes when its own are within NL_VERIFY_CROSS_RTOL of them,
+ * else of its own. On one device its own are the stage's: as sent, the
+ * answer is the stage's report; with one element moved by 1e-6 of the
+ * tensor's scale (within) it is the moved bytes' digest, not the report
+ * (a stage cannot hand over other bytes than it sent); moved by 1e-3
+ * (beyond) it is the verifier's own, the report again. */
+static bool cross_on;
+static int cross_checked, cross_wrong;
+
+/* The stage's VERIFY_CASE of (s, mb) with its outputs, answered by the
+ * verifier with the last output frame's element 0 moved by `by` times
+ * the frame's largest magnitude: 1 if the answer is the stage's digests
+ * (want; NULL: none at that end). */
+static int cross_answer(uint64_t job, uint64_t step, int s, uint32_t mb, double by,
+                        char want[2][NL_HOP_DIGEST_HEX + 1])
+{
+    nl_wire_msg m, out;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_init(&out);
+    nl_error err;
+    nl_wire_msg_reset(&m, NL_MSG_VERIFY_REQ);
+    m.u.verify_req = (nl_msg_verify_req){job, step, mb, 1};
+    CHECK_OK(nl_stage_job_input(stages[s], &m, bus_send, &ctx_idx[s], &err), &err);
+    packet p = {0};
+    int ok = 0;
+    if (!pop(&coord_q, &m, &p) || m.type != NL_MSG_VERIFY_CASE || !m.u.verify_case.outputs) {
+        CHECK(0, "stage %d: no VERIFY_CASE with its outputs", s);
+        goto done;
+    }
+    uint8_t *o = p.frame[p.nframes - 1]; /* the GRADIENT it sent, or on stage 0 its ACTIVATION */
+    const size_t n = p.flen[p.nframes - 1] / sizeof(float);
+    float v, x0, big = 0.0f;
+    for (size_t i = 0; i < n; i++) {
+        memcpy(&v, o + i * sizeof v, sizeof v);
+        big = fabsf(v) > big ? fabsf(v) : big;
+    }
+    memcpy(&x0, o, sizeof x0);
+    x0 += (float)(by * big);
+    memcpy(o, &x0, sizeof x0);
+    m.u.verify_case.config_json = cfg_json;
+    char hex[2][NL_HOP_DIGEST_HEX + 1];
+    nl_status st = nl_verify_answer(verifier, &m, &out, hex, &err);
+    CHECK_OK(st, &err);
+    ok = st == NL_OK &&
+         (s == NST - 1 ? !out.u.verify_result.fwd[0]
+                       : strcmp(out.u.verify_result.fwd, want[0]) == 0) &&
+         (s == 0 ? !out.u.verify_result.bwd[0] : strcmp(out.u.verify_result.bwd, want[1]) == 0);
+done:
+    packet_free(&p);
+    nl_wire_msg_free(&m);
+    nl_wire_msg_free(&out);
+    return ok;
+}
 
 /* Redo every microbatch of every stage of the step that has just been
  * reported (the stages are between GRAD_NORM and STEP). */
@@ -167,7 +222,7 @@ static void verify_step(uint64_t job, uint64_t step, int M)
             uint8_t fwd[NL_HOP_DIGEST_BYTES], bwd[NL_HOP_DIGEST_BYTES];
             nl_status st = nl_stage_verify_case(stages[s], job, step, (uint32_t)mb, &c, &err);
             if (st == NL_OK)
-                st = nl_verify_recompute(rbe[1], &c, fwd, bwd, &err);
+                st = nl_verify_recompute(rbe[1], &c, fwd, bwd, NULL, &err);
             nl_verify_case_free(&c);
             CHECK_OK(st, &err);
             if (st != NL_OK)
@@ -191,7 +246,7 @@ static void verify_wire(uint64_t job, uint64_t step, int M)
         nl_error err;
         const uint32_t mb = (uint32_t)((step + (uint64_t)s) % (uint64_t)M);
         nl_wire_msg_reset(&m, NL_MSG_VERIFY_REQ);
-        m.u.verify_req = (nl_msg_verify_req){job, step, mb};
+        m.u.verify_req = (nl_msg_verify_req){job, step, mb, 0};
         CHECK_OK(nl_stage_job_input(stages[s], &m, bus_send, &ctx_idx[s], &err), &err);
         packet p;
         if (!pop(&coord_q, &m, &p) || m.type != NL_MSG_VERIFY_CASE) {
@@ -217,6 +272,12 @@ static void verify_wire(uint64_t job, uint64_t step, int M)
                         (s == 0 ? !r->bwd[0] : strcmp(r->bwd, want[1]) == 0);
         wire_verified++;
         wire_mismatched[s] += !ok;
+        if (cross_on) {
+            cross_checked += 3;
+            cross_wrong += !cross_answer(job, step, s, mb, 0.0, want) +
+                           cross_answer(job, step, s, mb, 1e-6, want) +
+                           !cross_answer(job, step, s, mb, 1e-3, want);
+        }
     }
     nl_wire_msg_free(&m);
     nl_wire_msg_free(&out);
@@ -294,15 +355,16 @@ static void free_stages(int nst)
 
 static void begin_job(int nst, uint64_t job, int mbB, int T, int M, int eval_hops, bool recompute)
 {
-    nl_wire_param ps[6] = {
+    nl_wire_param ps[7] = {
         {.key = "job", .kind = NL_WIRE_PARAM_INT, .i = (int64_t)job},
         {.key = "micro_batch", .kind = NL_WIRE_PARAM_INT, .i = mbB},
         {.key = "seq", .kind = NL_WIRE_PARAM_INT, .i = T},
         {.key = "microbatches", .kind = NL_WIRE_PARAM_INT, .i = M},
         {.key = "eval_hops", .kind = NL_WIRE_PARAM_INT, .i = eval_hops},
         {.key = "recompute", .kind = NL_WIRE_PARAM_BOOL, .b = recompute},
+        {.key = "verify_outputs", .kind = NL_WIRE_PARAM_BOOL, .b = cross_on},
     };
-    nl_msg_job_submit j = {NL_JOB_TRAIN, 6, ps};
+    nl_msg_job_submit j = {NL_JOB_TRAIN, 7, ps};
     for (int s = 0; s < nst; s++) {
         uint64_t id = 0;
         nl_error err;
@@ -797,7 +859,7 @@ static void digests(void)
      * its neighbours agree with it (the wire cannot tell: a recompute can) */
     static const char *const kinds[] = {"bitflip", "noise", "stale", "skip", "backward"};
     for (int k = 0; k < 5; k++) {
-        test_lie = (nl_stage_lie){(nl_lie_kind)nl_stage_lie_kind(kinds[k]), 0.5, 3};
+        test_lie = (nl_stage_lie){(nl_lie_kind)nl_stage_lie_kind(kinds[k]), 0.5, 3, 0};
         lie_stage = 1;
         digest_run(STEPS, M, b, fb);
         int fwd_diff = 0, bwd_diff = 0;
@@ -851,8 +913,9 @@ static void recompute(void)
     nl_stage_opts vo = {.memory_bytes = 1ULL << 30, .kv_budget = 1 << 20, .send_wait_ms = 100};
     CHECK_OK(nl_stage_new(&verifier, rbe[1], &vo, &err), &err);
     verify_on = verifier != NULL;
+    cross_on = verify_on; /* the honest run checks the tolerance too */
     lie_stage = -1;
-    verified = wire_verified = 0;
+    verified = wire_verified = cross_checked = cross_wrong = 0;
     memset(mismatched, 0, sizeof mismatched);
     memset(wire_mismatched, 0, sizeof wire_mismatched);
     if (a && fa)
@@ -864,11 +927,16 @@ static void recompute(void)
     CHECK(verified == HONEST * M * NST && !mismatched[0] && !mismatched[1] && !mismatched[2],
           "honest: %d redone, accused %d %d %d", verified, mismatched[0], mismatched[1],
           mismatched[2]);
-    printf("recompute: %d honest (stage, microbatch) redone, none accused\n", verified);
+    CHECK(cross_checked == 3 * HONEST * NST && !cross_wrong,
+          "across device classes: %d of %d answers wrong", cross_wrong, cross_checked);
+    cross_on = false;
+    printf("recompute: %d honest (stage, microbatch) redone, none accused; %d answers across "
+           "device classes as the tolerance says\n",
+           verified, cross_checked);
 #ifdef NL_TEST_HOOKS
     static const char *const kinds[] = {"bitflip", "noise", "stale", "skip", "backward"};
     for (int k = 0; k < 5 && a && fa; k++) {
-        test_lie = (nl_stage_lie){(nl_lie_kind)nl_stage_lie_kind(kinds[k]), 0.5, 3};
+        test_lie = (nl_stage_lie){(nl_lie_kind)nl_stage_lie_kind(kinds[k]), 0.5, 3, 0};
         lie_stage = 1;
         memset(mismatched, 0, sizeof mismatched);
         memset(mismatch_fwd, 0, sizeof mismatch_fwd);

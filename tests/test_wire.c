@@ -295,6 +295,10 @@ static bool added_later(nl_msg_type t, const nl_wire_msg *d, const char *key)
     /* frames that are all optional: without any, "tensors" may be absent */
     if ((t == NL_MSG_TOKEN || t == NL_MSG_JOB_STATUS) && strcmp(key, "tensors") == 0)
         return d->nframes == 0;
+    if (strcmp(key, "outputs") == 0) /* verification across device classes */
+        return t == NL_MSG_VERIFY_REQ ? d->u.verify_req.outputs == 0
+               : t == NL_MSG_VERIFY_CASE ? d->u.verify_case.outputs == 0
+                                         : false;
     if (t == NL_MSG_TOKEN) /* with logprobs: top ids and a frame; neither before */
         return strcmp(key, "top_ids") == 0 && d->u.token.ntop == 0;
     if (t == NL_MSG_ASSIGN)
@@ -319,7 +323,8 @@ static bool is_added_later(nl_msg_type t, const char *key)
            ((t == NL_MSG_TOKEN || t == NL_MSG_JOB_STATUS) && strcmp(key, "tensors") == 0) ||
            (t == NL_MSG_ASSIGN && (strcmp(key, "wire") == 0 || strcmp(key, "links") == 0 ||
                                    strcmp(key, "relay_port") == 0)) ||
-           (t == NL_MSG_JOIN && strcmp(key, "flags") == 0);
+           (t == NL_MSG_JOIN && strcmp(key, "flags") == 0) ||
+           ((t == NL_MSG_VERIFY_REQ || t == NL_MSG_VERIFY_CASE) && strcmp(key, "outputs") == 0);
 }
 
 static void test_wrong_types(void)

@@ -159,13 +159,13 @@ void sample(nl_wire_msg *m, nl_msg_type t)
         m->u.loss = (nl_msg_loss){11, 250, true, 1234.5, 0.0625, 4096};
         break;
     case NL_MSG_VERIFY_REQ:
-        m->u.verify_req = (nl_msg_verify_req){11, 250, 3};
+        m->u.verify_req = (nl_msg_verify_req){11, 250, 3, 0};
         break;
     case NL_MSG_VERIFY_CASE: { /* a middle stage: weights, input, gradient, counts, targets */
         static int64_t counts[2 * 4];
         m->u.verify_case = (nl_msg_verify_case){11, 250, 3,  1,    4,     6,          false,
                                                 false, 2,  5, 4, 1234, NL_HOP_TARGETS, true,
-                                                "{\"hidden_dim\": 16}"};
+                                                "{\"hidden_dim\": 16}", 0};
         const int64_t w[1] = {64}, x[3] = {2, 3, 16}, c[2] = {2, 4}, tg[2] = {2, 5};
         set_frame(&m->frames[0], NL_DTYPE_F32, chunk, 1, w);
         set_frame(&m->frames[1], NL_DTYPE_F32, act, 3, x);
