@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18 benchmark: LoRA fine-tuning against full fine-tuning on the same
+# Issues 18 and 32: LoRA fine-tuning against full fine-tuning on the same
 # base (configs/bench-small.yaml by default), in one process and on a
 # 3-node local cluster:
 #   step     median seconds per step over steps 2..STEPS, from the runs' own
@@ -10,6 +10,9 @@
 #   model    the memory model of the training run (neuroctl train's line),
 #            and LoRA's (the same without the base's AdamW moments; the
 #            adapters' own are counted)
+#   ratio    LoRA's steps/s over full fine-tuning's (full s/step over LoRA's):
+#            each local pair's and the cluster's (the target of issue 32:
+#            at least 1.5, the frozen base's weight gradients skipped)
 # Local runs are interleaved with their LoRA twins (full, LoRA, full, ...)
 # REPS times, so a loaded machine disturbs both alike; report ratios.
 #   bench/bench_lora.sh [BUILD_DIR]
@@ -17,7 +20,7 @@
 #        MICRO (4), RANK (8), THREADS (1: the process's; each node gets 1:
 #        on a machine other jobs load, OpenMP with more threads than free
 #        cores spins at its barriers and the step times mean nothing),
-#        REPS (2)
+#        REPS (2), CLUSTER (1; 0: the local runs only)
 set -euo pipefail
 B=${1:-build}
 CONFIG=${CONFIG:-configs/bench-small.yaml}
@@ -28,6 +31,7 @@ MICRO=${MICRO:-4}
 RANK=${RANK:-8}
 THREADS=${THREADS:-1}
 REPS=${REPS:-2}
+CLUSTER=${CLUSTER:-1}
 N=$B/cli/neuroctl
 W=$(mktemp -d)
 trap 'for c in "$W"/c-*; do "$N" cluster down --dir "$c" >/dev/null 2>&1 || true; done; rm -rf "$W"' EXIT
@@ -35,7 +39,7 @@ trap 'for c in "$W"/c-*; do "$N" cluster down --dir "$c" >/dev/null 2>&1 || true
 for f in README.md docs/*.md; do cat "$f"; done >"$W/data.txt"
 RUN=(--data "$W/data.txt" --steps "$STEPS" --batch "$BATCH" --seq "$SEQ" --microbatches "$MICRO"
      --lr 1e-3 --seed 1 --force)
-LORA=(--lora-rank "$RANK" --lora-alpha 16 --lora-targets wq,wk,wv,wo)
+LORA=(--lora-rank "$RANK" --lora-alpha 16 --lora-targets "wq,wk,wv,wo")
 
 # median seconds per step of a log, steps 2.. (step 1 warms up)
 step_s() {
@@ -53,7 +57,8 @@ local_run() { # what (train|finetune) rep
     /usr/bin/time -v "$N" "$what" --model "$W/m.safetensors" "${RUN[@]}" "${extra[@]}" \
         --threads "$THREADS" --log "$W/l-$what-$i.jsonl" --out "$W/l-$what-$i.safetensors" \
         --checkpoint-dir "$W/ck-l" 2>"$W/l-$what-$i.err"
-    echo "local $what rep $i: $(step_s "$W/l-$what-$i.jsonl") s/step, peak RSS $(rss_mb "$W/l-$what-$i.err") MB" \
+    step_s "$W/l-$what-$i.jsonl" >"$W/l-$what-$i.s"
+    echo "local $what rep $i: $(cat "$W/l-$what-$i.s") s/step, peak RSS $(rss_mb "$W/l-$what-$i.err") MB" \
         "($(grep -o 'memory model: [0-9.]* MiB' "$W/l-$what-$i.err"))"
 }
 
@@ -67,16 +72,24 @@ cluster_run() { # what
     for p in "$C"/node-*.pid; do
         peaks+="$(awk '/VmHWM/ {printf "%.1f ", $2 / 1024}' "/proc/$(cat "$p")/status")"
     done
-    echo "3 nodes $what: $(step_s "$W/c-$what.jsonl") s/step, nodes' peak RSS (MB): $peaks"
+    step_s "$W/c-$what.jsonl" >"$W/c-$what.s"
+    echo "3 nodes $what: $(cat "$W/c-$what.s") s/step, nodes' peak RSS (MB): $peaks"
     "$N" cluster down --dir "$C" >/dev/null 2>&1
 }
+
+# LoRA's steps/s over full fine-tuning's, from two s/step files
+ratio() { echo "$(cat "$1") $(cat "$2")" | awk '{ printf "%.2f", $1 / $2 }'; }
 
 for ((i = 1; i <= REPS; i++)); do
     local_run train "$i"
     local_run finetune "$i"
+    echo "local rep $i: LoRA/full steps/s ratio $(ratio "$W/l-train-$i.s" "$W/l-finetune-$i.s")"
 done
-cluster_run train
-cluster_run finetune
+if [ "$CLUSTER" != 0 ]; then
+    cluster_run train
+    cluster_run finetune
+    echo "3 nodes: LoRA/full steps/s ratio $(ratio "$W/c-train.s" "$W/c-finetune.s")"
+fi
 # the memory model, as the stages count it (core/memory.h; LoRA: without
 # the base's moments, as node/stage_train.c checks a fine-tuning job)
 /usr/bin/python3 - "$CONFIG" "$BATCH" "$SEQ" "$MICRO" "$RANK" <<'PY'
