@@ -199,7 +199,15 @@ void nl_trainer_begin_step(nl_trainer *t, int64_t batch_rows)
     t->batch_rows = batch_rows;
     t->loss_rows = batch_rows;
     t->use_global = 0;
-    t->be->zero(t->be, t->grads, t->m->n_params * sizeof(float));
+    if (t->frozen) { /* only the norms' gains get gradients (the rest stays zero) */
+        for (int i = 0; i < t->m->n_table; i++) {
+            const nl_param *p = &t->m->table[i];
+            if (p->kind == NL_PARAM_NORM)
+                t->be->zero(t->be, t->grads + p->offset, nl_param_numel(p) * sizeof(float));
+        }
+    } else {
+        t->be->zero(t->be, t->grads, t->m->n_params * sizeof(float));
+    }
     if (t->m->lora)
         t->be->zero(t->be, t->m->lora->grads, t->m->lora->n_params * sizeof(float));
     t->be->zero(t->be, t->counts_d,

@@ -54,8 +54,9 @@ nl_status nl_trainer_new(nl_trainer **out, nl_model *m, int max_rows, int slots,
                          nl_error *err);
 void nl_trainer_destroy(nl_trainer **t);
 
-/* Start a step over a batch of batch_rows rows: zero the gradients and
- * the route counts. */
+/* Start a step over a batch of batch_rows rows: zero the gradients (with
+ * a frozen base, the adapters' and the RMSNorm gains': no other base
+ * gradient is written) and the route counts. */
 void nl_trainer_begin_step(nl_trainer *t, int64_t batch_rows);
 
 /* The number of predictions the step's mean cross-entropy is over: the

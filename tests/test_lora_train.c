@@ -5,6 +5,8 @@
  * (the code before the skip), and checks
  *   - the adapters, their gradients, AdamW moments and every step's loss
  *     and gradient norm are the same bit for bit, and the base unchanged;
+ *     so are the RMSNorm gains' gradients of the last step (the only part
+ *     of the base's gradient buffer a frozen step clears and writes);
  *   - with the skip, no product writes into the base's gradient buffer
  *     (counted on the backend's own slots: gemm, gemm_grouped_wgrad,
  *     moe_ffn_backward, embedding_backward), and its slices of the
@@ -98,6 +100,7 @@ enum { B = 4, T = 12, M = 2, STEPS = 3 };
 
 typedef struct run_out {
     float *adapters, *grads, *mom0, *mom1, *base; /* host copies */
+    float *norm_grads; /* the base's gradient buffer, its norms' slices only (the rest zeroed) */
     double loss[STEPS], norm[STEPS];
     unsigned long into_grads;
     double flops;
@@ -216,6 +219,11 @@ static void run(nl_backend *be, const lcase *k, int skip, run_out *o)
     o->mom1 = check_download(be, lo->mom[1], lo->n_params);
     o->base = check_download(be, m->params, m->n_params);
     o->matrices_zero = matrices_zero(be, m, nl_trainer_grads(t));
+    o->norm_grads = check_download(be, nl_trainer_grads(t), m->n_params);
+    for (int i = 0; o->norm_grads && i < m->n_table; i++)
+        if (m->table[i].kind != NL_PARAM_NORM)
+            memset(o->norm_grads + m->table[i].offset, 0,
+                   nl_param_numel(&m->table[i]) * sizeof(float));
     CHECK(base0 && o->base && memcmp(base0, o->base, m->n_params * sizeof *base0) == 0,
           "%s: the frozen base changed", k->name);
     free(base0);
@@ -232,6 +240,7 @@ static void run_free(run_out *o)
     free(o->mom0);
     free(o->mom1);
     free(o->base);
+    free(o->norm_grads);
 }
 
 static int same(const float *a, const float *b, size_t n)
@@ -272,6 +281,8 @@ static void check_case(nl_backend *be, const lcase *k)
     CHECK(same(s.grads, f.grads, n) && same(s.mom0, f.mom0, n) && same(s.mom1, f.mom1, n),
           "%s: adapter gradients or moments differ", k->name);
     CHECK(same(s.base, f.base, s.n_params), "%s: the bases differ", k->name);
+    CHECK(same(s.norm_grads, f.norm_grads, s.n_params), "%s: the norm gains' gradients differ",
+          k->name);
     for (int i = 0; i < STEPS; i++)
         CHECK(s.loss[i] == f.loss[i] && s.norm[i] == f.norm[i],
               "%s: step %d: loss %.17g vs %.17g, grad norm %.17g vs %.17g", k->name, i, s.loss[i],
