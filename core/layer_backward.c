@@ -123,8 +123,8 @@ static void moe_backward(nl_model *m, int li, const nl_layer_acts *a, nl_layer_g
         be->moe_router_backward(be, s->dl, s->dw, a->probs, a->choice_d, a->w_d, a->frac_d, N, E, k,
                                 aux_scale);
         if (!frozen)
-            be->gemm(be, 1, 0, E, d, N, 1.0f, s->dl, E, a->xn2, d, 1.0f,
-                     gslot(m, grads, w->router), d);
+            be->gemm(be, 1, 0, E, d, N, 1.0f, s->dl, E, a->xn2, d, 1.0f, gslot(m, grads, w->router),
+                     d);
         be->gemm(be, 0, 0, N, d, E, 1.0f, s->dl, E, w->router, d, 1.0f, s->dxn, d);
     }
 
@@ -162,8 +162,8 @@ static void attention_backward(nl_model *m, int li, const nl_layer_acts *a,
      * the negated angle */
     nl_layer_rope(be, c, s->dqkv, s->neg_pos_d, N);
     if (!frozen)
-        be->gemm(be, 1, 0, qkv, d, N, 1.0f, s->dqkv, qkv, a->xn1, d, 1.0f,
-                 gslot(m, grads, w->wqkv), d);
+        be->gemm(be, 1, 0, qkv, d, N, 1.0f, s->dqkv, qkv, a->xn1, d, 1.0f, gslot(m, grads, w->wqkv),
+                 d);
     be->gemm(be, 0, 0, N, d, qkv, 1.0f, s->dqkv, qkv, w->wqkv, d, 0.0f, s->dxn, d);
     nl_lora_backward_qkv(m, li, a->xn1, s->dqkv, s->dxn, N);
     be->rmsnorm_backward(be, dx, gslot(m, grads, w->attention_norm), s->dxn, a->x_in,

@@ -24,11 +24,11 @@
 /* ---------------------------------------------------------------- counting slots */
 
 static struct {
-    nl_backend orig;             /* the backend's own slots */
-    const char *lo, *hi;         /* the trainer's gradient buffer */
-    unsigned long into_grads;    /* products that wrote into it */
-    int in_ffn;                  /* inside moe_ffn_backward: its products are not counted */
-    double flops;                /* 2 M N K of every gemm outside it */
+    nl_backend orig;          /* the backend's own slots */
+    const char *lo, *hi;      /* the trainer's gradient buffer */
+    unsigned long into_grads; /* products that wrote into it */
+    int in_ffn;               /* inside moe_ffn_backward: its products are not counted */
+    double flops;             /* 2 M N K of every gemm outside it */
 } ct;
 
 static int in_grads(const void *p)
@@ -36,8 +36,8 @@ static int in_grads(const void *p)
     return (const char *)p >= ct.lo && (const char *)p < ct.hi;
 }
 
-static void c_gemm(nl_backend *be, int ta, int tb, int M, int N, int K, float alpha,
-                   const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc)
+static void c_gemm(nl_backend *be, int ta, int tb, int M, int N, int K, float alpha, const float *A,
+                   int lda, const float *B, int ldb, float beta, float *C, int ldc)
 {
     if (!ct.in_ffn) /* a CPU slot's own products reach this wrapper; devsim's do not */
         ct.flops += 2.0 * M * N * K;
@@ -258,8 +258,8 @@ static double skipped_flops(const nl_backend *be, const lcase *k)
     const nl_config c = case_config(k);
     const double n = (double)B / M * T, d = c.hidden_dim, hd = nl_config_head_dim(&c);
     const double hq = c.num_heads * hd, qkv = (c.num_heads + 2 * c.num_kv_heads) * hd;
-    const int fused = be->moe_ffn_backward && c.ffn_act != NL_FFN_GEGLU &&
-                      !(k->targets & NL_LORA_EXPERTS);
+    const int fused =
+        be->moe_ffn_backward && c.ffn_act != NL_FFN_GEGLU && !(k->targets & NL_LORA_EXPERTS);
     double layer = 2 * n * d * (hq + qkv);
     if (!nl_config_dense(&c))
         layer += 2 * n * d * c.num_experts; /* the router */
@@ -294,12 +294,14 @@ static void check_case(nl_backend *be, const lcase *k)
           "%s: base matrix gradients zero with the skip %d, without %d", k->name, s.matrices_zero,
           f.matrices_zero);
     const double want = skipped_flops(be, k);
-    CHECK(f.flops - s.flops == want, "%s: GEMM FLOPs %.0f with the skip, %.0f without: %.0f "
-          "skipped, want %.0f", k->name, s.flops, f.flops, f.flops - s.flops, want);
+    CHECK(f.flops - s.flops == want,
+          "%s: GEMM FLOPs %.0f with the skip, %.0f without: %.0f "
+          "skipped, want %.0f",
+          k->name, s.flops, f.flops, f.flops - s.flops, want);
     printf("%s: adapters bit for bit (%zu floats, %d steps); GEMM FLOPs %.3g -> %.3g (%.2fx); "
            "%lu products into the frozen gradients -> %lu\n",
-           k->name, n, STEPS, f.flops, s.flops, f.flops / (s.flops > 0 ? s.flops : 1),
-           f.into_grads, s.into_grads);
+           k->name, n, STEPS, f.flops, s.flops, f.flops / (s.flops > 0 ? s.flops : 1), f.into_grads,
+           s.into_grads);
     run_free(&s);
     run_free(&f);
 }
