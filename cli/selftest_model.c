@@ -321,7 +321,7 @@ static void check_layer(nl_selftest *c, model_side ms[2], uint64_t seed)
         ex = cmp_dev(c, (float *const[2]){a[0].x_out, a[1].x_out}, nd);
         for (int s = 0; s < 2; s++)
             nl_layer_backward(ms[s].m, 0, &a[s], &sc[s], grads[s], dy[s], dx[s], MB, MT,
-                              (float)(cfg->aux_loss_coef * cfg->num_experts / (double)N));
+                              (float)(cfg->aux_loss_coef * cfg->num_experts / (double)N), 0);
         edx = cmp_dev(c, dx, nd);
         egr = cmp_dev(c, grads, np);
     }

@@ -135,7 +135,14 @@ size_t nl_layer_scratch_floats(const nl_config *cfg, int N);
  * as m->params). neg_pos_d in the scratch must hold -position of each row.
  * aux_scale = aux_loss_coef * E / (rows in the whole batch): the gradient
  * of the loss with respect to each router probability through the aux
- * term is aux_scale * frac_e. */
+ * term is aux_scale * frac_e.
+ * frozen 1 (a LoRA fine-tune: the base weights do not train): the weight
+ * gradients of the base's matrices (wqkv, wo, the router, every expert's
+ * gate|up and down: dW = dY^T X) are not computed and their slices of
+ * grads are left as they were; dx, the adapters' gradients (m->lora) and
+ * the RMSNorm gains' (fused into the norms' backward, O(N d)) are as with
+ * frozen 0, bit for bit. */
 void nl_layer_backward(nl_model *m, int li, const nl_layer_acts *a, nl_layer_grads_scratch *s,
-                       float *grads, const float *dy, float *dx, int B, int T, float aux_scale);
+                       float *grads, const float *dy, float *dx, int B, int T, float aux_scale,
+                       int frozen);
 #endif

@@ -4,7 +4,9 @@
  * flash backward, inverse RoPE, the fused QKV projection), with the two
  * RMSNorms and both residual paths. Everything is queued on the device:
  * the expert GEMMs are grouped by the forward's device offsets and the
- * router's gradient is a backend slot, so no step waits for the host. */
+ * router's gradient is a backend slot, so no step waits for the host.
+ * Under a frozen base (LoRA) the matrices' weight-gradient products are
+ * skipped: only the input gradients and the adapters' remain. */
 #include "layer.h"
 
 #include <stdlib.h>
@@ -76,7 +78,7 @@ static float *gslot(const nl_model *m, float *grads, const float *w)
 }
 
 static void moe_backward(nl_model *m, int li, const nl_layer_acts *a, nl_layer_grads_scratch *s,
-                         float *grads, const float *dy, int N, float aux_scale)
+                         float *grads, const float *dy, int N, float aux_scale, int frozen)
 {
     nl_backend *be = m->be;
     const nl_config *c = &m->cfg;
@@ -89,20 +91,24 @@ static void moe_backward(nl_model *m, int li, const nl_layer_acts *a, nl_layer_g
     const float *wdown0 = w->experts + 2 * (size_t)F * d;
     if (be->moe_ffn_backward && c->ffn_act != NL_FFN_GEGLU &&
         !nl_lora_on_experts(m)) { /* group by group, each SwiGLU backward while in cache */
-        be->moe_ffn_backward(be, s->dxe, s->dgu, s->dhs, gslot(m, grads, w->experts), s->dye, a->xe,
-                             a->gu, a->hs, w->experts, expert_floats, d, F, a->offsets_d, E);
+        /* dexperts NULL: the input gradients only */
+        be->moe_ffn_backward(be, s->dxe, s->dgu, s->dhs,
+                             frozen ? NULL : gslot(m, grads, w->experts), s->dye, a->xe, a->gu,
+                             a->hs, w->experts, expert_floats, d, F, a->offsets_d, E);
     } else {
         be->gemm_grouped(be, 0, F, d, s->dye, d, wdown0, F, expert_floats, s->dhs, F, a->offsets_d,
                          E, N);
-        be->gemm_grouped_wgrad(be, d, F, s->dye, d, a->hs, F, gslot(m, grads, wdown0), F,
-                               expert_floats, a->offsets_d, E);
+        if (!frozen)
+            be->gemm_grouped_wgrad(be, d, F, s->dye, d, a->hs, F, gslot(m, grads, wdown0), F,
+                                   expert_floats, a->offsets_d, E);
         nl_lora_backward_down(m, li, a->hs, s->dye, s->dhs, a->offsets_d, N); /* adapters */
         if (c->ffn_act == NL_FFN_GEGLU) /* row-wise: all groups */
             be->geglu_backward(be, s->dgu, s->dhs, a->gu, N * k, F);
         else
             be->swiglu_backward(be, s->dgu, s->dhs, a->gu, N * k, F);
-        be->gemm_grouped_wgrad(be, 2 * F, d, s->dgu, 2 * F, a->xe, d, gslot(m, grads, w->experts),
-                               d, expert_floats, a->offsets_d, E);
+        if (!frozen)
+            be->gemm_grouped_wgrad(be, 2 * F, d, s->dgu, 2 * F, a->xe, d,
+                                   gslot(m, grads, w->experts), d, expert_floats, a->offsets_d, E);
         be->gemm_grouped(be, 0, d, 2 * F, s->dgu, 2 * F, w->experts, d, expert_floats, s->dxe, d,
                          a->offsets_d, E, N);
         nl_lora_backward_gu(m, li, a->xe, s->dgu, s->dxe, a->offsets_d, N);
@@ -116,7 +122,9 @@ static void moe_backward(nl_model *m, int li, const nl_layer_acts *a, nl_layer_g
     if (w->router) {
         be->moe_router_backward(be, s->dl, s->dw, a->probs, a->choice_d, a->w_d, a->frac_d, N, E, k,
                                 aux_scale);
-        be->gemm(be, 1, 0, E, d, N, 1.0f, s->dl, E, a->xn2, d, 1.0f, gslot(m, grads, w->router), d);
+        if (!frozen)
+            be->gemm(be, 1, 0, E, d, N, 1.0f, s->dl, E, a->xn2, d, 1.0f, gslot(m, grads, w->router),
+                     d);
         be->gemm(be, 0, 0, N, d, E, 1.0f, s->dl, E, w->router, d, 1.0f, s->dxn, d);
     }
 
@@ -127,7 +135,8 @@ static void moe_backward(nl_model *m, int li, const nl_layer_acts *a, nl_layer_g
 }
 
 static void attention_backward(nl_model *m, int li, const nl_layer_acts *a,
-                               nl_layer_grads_scratch *s, float *grads, float *dx, int B, int T)
+                               nl_layer_grads_scratch *s, float *grads, float *dx, int B, int T,
+                               int frozen)
 {
     nl_backend *be = m->be;
     const nl_config *c = &m->cfg;
@@ -136,7 +145,8 @@ static void attention_backward(nl_model *m, int li, const nl_layer_acts *a,
     const int H = c->num_heads, G = c->num_kv_heads, qkv = (H + 2 * G) * hd, hq = H * hd;
 
     be->copy_rows(be, dx, d, s->dh1, d, N, d); /* residual */
-    be->gemm(be, 1, 0, d, hq, N, 1.0f, s->dh1, d, a->att, hq, 1.0f, gslot(m, grads, w->wo), hq);
+    if (!frozen)
+        be->gemm(be, 1, 0, d, hq, N, 1.0f, s->dh1, d, a->att, hq, 1.0f, gslot(m, grads, w->wo), hq);
     be->gemm(be, 0, 0, N, hq, d, 1.0f, s->dh1, d, w->wo, hq, 0.0f, s->datt, hq);
     nl_lora_backward_wo(m, li, a->att, s->dh1, s->datt, N); /* adapters, if any */
     nl_attn_shape sh = {.B = B, .T = T, .past = 0, .kv_cap = T, .H = H, .G = G, .hd = hd};
@@ -151,7 +161,9 @@ static void attention_backward(nl_model *m, int li, const nl_layer_acts *a,
     /* RoPE is a rotation (YaRN: times a scale): its backward rotates by
      * the negated angle */
     nl_layer_rope(be, c, s->dqkv, s->neg_pos_d, N);
-    be->gemm(be, 1, 0, qkv, d, N, 1.0f, s->dqkv, qkv, a->xn1, d, 1.0f, gslot(m, grads, w->wqkv), d);
+    if (!frozen)
+        be->gemm(be, 1, 0, qkv, d, N, 1.0f, s->dqkv, qkv, a->xn1, d, 1.0f, gslot(m, grads, w->wqkv),
+                 d);
     be->gemm(be, 0, 0, N, d, qkv, 1.0f, s->dqkv, qkv, w->wqkv, d, 0.0f, s->dxn, d);
     nl_lora_backward_qkv(m, li, a->xn1, s->dqkv, s->dxn, N);
     be->rmsnorm_backward(be, dx, gslot(m, grads, w->attention_norm), s->dxn, a->x_in,
@@ -159,8 +171,9 @@ static void attention_backward(nl_model *m, int li, const nl_layer_acts *a,
 }
 
 void nl_layer_backward(nl_model *m, int li, const nl_layer_acts *a, nl_layer_grads_scratch *s,
-                       float *grads, const float *dy, float *dx, int B, int T, float aux_scale)
+                       float *grads, const float *dy, float *dx, int B, int T, float aux_scale,
+                       int frozen)
 {
-    moe_backward(m, li, a, s, grads, dy, B * T, aux_scale);
-    attention_backward(m, li, a, s, grads, dx, B, T);
+    moe_backward(m, li, a, s, grads, dy, B * T, aux_scale, frozen);
+    attention_backward(m, li, a, s, grads, dx, B, T, frozen);
 }

@@ -111,6 +111,7 @@ nl_status nl_trainer_new(nl_trainer **out, nl_model *m, int max_rows, int slots,
     t->n_slots = slots;
     t->recompute = recompute;
     t->n_layers = m->l1 - m->l0;
+    t->frozen = m->lora != NULL;
     int ok = 1;
     ok &= (t->grads = be->alloc(be, m->n_params * sizeof(float))) != NULL;
     if (!m->lora) { /* a frozen base with adapters has no moments (its adapters hold theirs) */
@@ -198,7 +199,15 @@ void nl_trainer_begin_step(nl_trainer *t, int64_t batch_rows)
     t->batch_rows = batch_rows;
     t->loss_rows = batch_rows;
     t->use_global = 0;
-    t->be->zero(t->be, t->grads, t->m->n_params * sizeof(float));
+    if (t->frozen) { /* only the norms' gains get gradients (the rest stays zero) */
+        for (int i = 0; i < t->m->n_table; i++) {
+            const nl_param *p = &t->m->table[i];
+            if (p->kind == NL_PARAM_NORM)
+                t->be->zero(t->be, t->grads + p->offset, nl_param_numel(p) * sizeof(float));
+        }
+    } else {
+        t->be->zero(t->be, t->grads, t->m->n_params * sizeof(float));
+    }
     if (t->m->lora)
         t->be->zero(t->be, t->m->lora->grads, t->m->lora->n_params * sizeof(float));
     t->be->zero(t->be, t->counts_d,
@@ -292,8 +301,9 @@ static void classify_backward(nl_trainer *t, train_slot *s, float *dxn, int B, i
     const nl_model *m = t->m;
     const int d = m->cfg.hidden_dim, K = m->cfg.num_classes;
     float *dw = nl_lora_grad_of(m, m->classifier); /* a head trained with adapters */
-    be->gemm(be, 1, 0, K, d, B, 1.0f, s->clogits, K, s->pooled, d, 1.0f,
-             dw ? dw : t->grads + (m->classifier - m->params), d);
+    if (dw || !t->frozen)
+        be->gemm(be, 1, 0, K, d, B, 1.0f, s->clogits, K, s->pooled, d, 1.0f,
+                 dw ? dw : t->grads + (m->classifier - m->params), d);
     be->gemm(be, 0, 0, B, d, K, 1.0f, s->clogits, K, m->classifier, d, 0.0f, t->dpooled, d);
     be->zero(be, dxn, (size_t)B * T * d * sizeof(float));
     for (int b = 0; b < B; b++) {
@@ -494,7 +504,8 @@ nl_status nl_trainer_backward(nl_trainer *t, int slot, const float *dy, nl_error
     } else if (m->has_head) {
         const int V = (int)c->vocab_size;
         float *dlm = t->grads + (m->lm_head - m->params);
-        be->gemm(be, 1, 0, V, d, N, 1.0f, s->logits, V, s->xnf, d, 1.0f, dlm, d);
+        if (!t->frozen) /* a frozen head has no weight gradient to take */
+            be->gemm(be, 1, 0, V, d, N, 1.0f, s->logits, V, s->xnf, d, 1.0f, dlm, d);
         be->gemm(be, 0, 0, N, d, V, 1.0f, s->logits, V, m->lm_head, d, 0.0f, t->sc.dxn, d);
         be->zero(be, t->dbuf[0], (size_t)N * d * sizeof(float));
         be->rmsnorm_backward(be, t->dbuf[0], t->grads + (m->norm - m->params), t->sc.dxn,
@@ -518,10 +529,10 @@ nl_status nl_trainer_backward(nl_trainer *t, int slot, const float *dy, nl_error
             la = &t->work;
         }
         nl_layer_backward(m, m->l0 + l, la, &t->sc, t->grads, t->dbuf[cur], t->dbuf[1 - cur], B, T,
-                          aux_scale);
+                          aux_scale, t->frozen);
         cur = 1 - cur;
     }
-    if (m->has_embed)
+    if (m->has_embed && !t->frozen)
         be->embedding_backward(be, t->grads + (m->tok_embeddings - m->params), t->dbuf[cur],
                                s->tokens_d, N, d);
     t->input_grad = t->dbuf[cur];
@@ -550,6 +561,7 @@ double nl_trainer_grad_sumsq(const nl_trainer *t)
 
 float *nl_trainer_grads(const nl_trainer *t) { return t->grads; }
 void nl_trainer_inject_nan(nl_trainer *t) { t->inject_nan = 1; }
+void nl_trainer_keep_frozen_grads(nl_trainer *t) { t->frozen = 0; }
 
 nl_status nl_trainer_step_local(nl_trainer *t, const int32_t *tokens, const int32_t *targets,
                                 int B, int T, int M, float lr, float clip_norm, nl_adamw_opts o,

@@ -41,13 +41,22 @@ double nl_lr_at(int64_t step, int64_t total, int64_t warmup, double lr, double m
 /* max_rows: rows (B*T) of the largest microbatch; slots: microbatches in
  * flight at once (1 in one process, up to the stages downstream in 1F1B);
  * recompute: keep only each layer's input and recompute the rest in the
- * backward pass. */
+ * backward pass.
+ * A model with adapters attached (m->lora: `neuroctl finetune`, a stage's
+ * finetune job) has a frozen base: the trainer keeps no moments for it,
+ * steps the adapters only, and its backward skips the base's weight
+ * gradients (every matrix's dW = dY^T X: attention, router, experts, the
+ * head's and the embedding's), computing only the input gradients and
+ * the adapters' (and the trained classifier's); the base's slices of
+ * nl_trainer_grads stay zero but for the RMSNorm gains, whose gradients
+ * the norms' backward makes as it goes (O(N d)). */
 nl_status nl_trainer_new(nl_trainer **out, nl_model *m, int max_rows, int slots, int recompute,
                          nl_error *err);
 void nl_trainer_destroy(nl_trainer **t);
 
-/* Start a step over a batch of batch_rows rows: zero the gradients and
- * the route counts. */
+/* Start a step over a batch of batch_rows rows: zero the gradients (with
+ * a frozen base, the adapters' and the RMSNorm gains': no other base
+ * gradient is written) and the route counts. */
 void nl_trainer_begin_step(nl_trainer *t, int64_t batch_rows);
 
 /* The number of predictions the step's mean cross-entropy is over: the
@@ -129,7 +138,8 @@ void nl_trainer_step(nl_trainer *t, float lr, float grad_scale, nl_adamw_opts o)
 float *nl_trainer_moment(const nl_trainer *t, int which /* 0: m, 1: v */);
 int64_t nl_trainer_adam_steps(const nl_trainer *t);
 void nl_trainer_set_adam_steps(nl_trainer *t, int64_t steps);
-/* Accumulated gradients (device, n_params, parameter layout). */
+/* Accumulated gradients (device, n_params, parameter layout; with a
+ * frozen base, the RMSNorm gains' only). */
 float *nl_trainer_grads(const nl_trainer *t);
 
 /* What one optimizer step saw. */
@@ -195,5 +205,9 @@ nl_status nl_trainer_class_probs(const nl_trainer *t, int slot, float *probs, nl
 /* Test hook: when set, the next backward writes NaN into the gradient of
  * its first parameter (to exercise the non-finite guard). */
 void nl_trainer_inject_nan(nl_trainer *t);
+/* Test hook: a trainer with a frozen base computes the base's weight
+ * gradients anyway, as before they were skipped (the adapters' results are
+ * the same bit for bit; tests compare the two). */
+void nl_trainer_keep_frozen_grads(nl_trainer *t);
 
 #endif

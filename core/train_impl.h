@@ -41,6 +41,9 @@ struct nl_trainer {
     nl_model *m;
     nl_backend *be;
     int max_rows, n_slots, recompute, n_layers;
+    /* the base is frozen (adapters attached at nl_trainer_new): its weight
+     * gradients are not computed (nl_trainer_keep_frozen_grads clears it) */
+    int frozen;
     float *grads, *mom[2];
     int64_t adam_t, batch_rows;
     int64_t loss_rows; /* predictions the mean cross-entropy is over */

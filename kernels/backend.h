@@ -286,7 +286,8 @@ struct nl_backend {
      * moe_ffn_backward: given dye, dhs = dye W_down, dW_down += dye^T hs,
      *   dgu = swiglu_backward(dhs, gu), dW_gu += dgu^T xe, dxe = dgu W_gu,
      *   with dW_g = dexperts + g * expert_stride; equal to the separate
-     *   calls of core/layer_backward.c. */
+     *   calls of core/layer_backward.c. dexperts NULL (a frozen base, LoRA):
+     *   no weight gradients, the rest as with them, bit for bit. */
     void (*moe_ffn_forward)(nl_backend *be, float *ye, float *hs, float *gu, const float *xe,
                             const float *experts, size_t expert_stride, int d, int F,
                             const int32_t *offsets, int groups, int max_rows);

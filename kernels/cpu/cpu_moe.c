@@ -165,14 +165,16 @@ void nl_cpu_moe_ffn_backward(nl_backend *be, float *dxe, float *dgu, float *dhs,
             continue;
         const size_t down = 2 * (size_t)F * d;
         const float *wgu = experts + g * expert_stride;
-        float *dwgu = dexperts + g * expert_stride;
+        float *dwgu = dexperts ? dexperts + g * expert_stride : NULL; /* NULL: a frozen base */
         const float *dyg = dye + (size_t)o * d, *xeg = xe + (size_t)o * d;
         const float *gug = gu + (size_t)o * 2 * F, *hsg = hs + (size_t)o * F;
         float *dhsg = dhs + (size_t)o * F, *dgug = dgu + (size_t)o * 2 * F;
         be->gemm(be, 0, 0, n, F, d, 1.0f, dyg, d, wgu + down, F, 0.0f, dhsg, F);
-        be->gemm(be, 1, 0, d, F, n, 1.0f, dyg, d, hsg, F, 1.0f, dwgu + down, F);
+        if (dwgu)
+            be->gemm(be, 1, 0, d, F, n, 1.0f, dyg, d, hsg, F, 1.0f, dwgu + down, F);
         be->swiglu_backward(be, dgug, dhsg, gug, n, F);
-        be->gemm(be, 1, 0, 2 * F, d, n, 1.0f, dgug, 2 * F, xeg, d, 1.0f, dwgu, d);
+        if (dwgu)
+            be->gemm(be, 1, 0, 2 * F, d, n, 1.0f, dgug, 2 * F, xeg, d, 1.0f, dwgu, d);
         be->gemm(be, 0, 0, n, d, 2 * F, 1.0f, dgug, 2 * F, wgu, d, 0.0f, dxe + (size_t)o * d, d);
     }
 }
