@@ -9,6 +9,7 @@
 #define NL_COORD_H
 
 #include <signal.h>
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "base/status.h"
@@ -37,7 +38,7 @@ typedef struct nl_coord_opts {
     int plan_rows;         /* rows of one request the plan must fit */
     double replan_margin;  /* at rest, a join re-plans if the bottleneck gets better by this
                             * fraction (0.1: 10%; 1: never) */
-    int plaintext;         /* INSECURE: no CURVE */
+    bool plaintext;        /* INSECURE: no CURVE */
     int grow_auto;         /* --grow auto: the model deepens as nodes join (coord_grow.c) */
     double verify_rate;    /* --verify-rate: the fraction of a training step's (stage,
                             * microbatch)s redone by another node (coord_train_verify.c) */
