@@ -8,6 +8,7 @@
 #include <ctype.h>
 #include <errno.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
@@ -379,4 +380,20 @@ const char *nl_opts_get(const nl_opt *opts, const char *name)
         if (strcmp(o->flag.name, name) == 0)
             return o->flag.value;
     return NULL;
+}
+
+int nl_opts_require(const char *prog, const char *usage, const nl_opt *opts, ...)
+{
+    va_list ap;
+    const char *name, *missing = NULL;
+    va_start(ap, opts);
+    while (!missing && (name = va_arg(ap, const char *)))
+        if (!nl_opts_get(opts, name))
+            missing = name;
+    va_end(ap);
+    if (!missing)
+        return 0;
+    fprintf(stderr, "%s: missing --%s\n\n", prog, missing);
+    nl_opts_help(stderr, usage, opts);
+    return 2;
 }

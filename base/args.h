@@ -122,5 +122,8 @@ int nl_opts_parse(int argc, char **argv, nl_opt *opts, const char *usage, const 
 void nl_opts_help(FILE *f, const char *usage, const nl_opt *opts);
 /* The text given for the flag, or NULL when it was not given. */
 const char *nl_opts_get(const nl_opt *opts, const char *name);
+/* Every flag of the NULL-terminated list (names without "--") was given:
+ * 0; else "PROG: missing --NAME", a blank line and the help on stderr, 2. */
+int nl_opts_require(const char *prog, const char *usage, const nl_opt *opts, ...);
 
 #endif

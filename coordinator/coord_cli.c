@@ -9,6 +9,7 @@
 #include "base/args.h"
 #include "base/log.h"
 #include "net/wire.h"
+#include "serve/http_flags.h"
 
 #define USAGE                                                                                      \
     "neurocoord --listen ENDPOINT [--client-listen ENDPOINT] --state-dir DIR "                     \
@@ -105,17 +106,7 @@ static void coord_flags(nl_opt t[MAX_FLAGS], nl_coord_cli *cli, int *level, int 
         NL_OPT_STR("http", &h->addr,
                    "also serve HTTP on HOST:PORT (port 0: any free port): the OpenAI-style API, "
                    "/api/status, /api/events, /metrics and the dashboard (docs/serving.md)"),
-        NL_OPT_STR("http-tokens", &h->tokens_path,
-                   "file of bearer tokens for --http, one a line (required off loopback)"),
-        NL_OPT_INT("http-per-ip", &h->per_ip, 1, 65536, "32",
-                   "connections one client address may hold at once"),
-        NL_OPT_INT("http-deadline", &h->deadline_s, 1, 86400 * 7, "600",
-                   "seconds a non-streaming completion may take: then it is cancelled and "
-                   "answered 504"),
-        NL_OPT_STR("http-allow-host", &h->allow_hosts,
-                   "NAME[,NAME...]: without tokens, Host names a request may carry besides "
-                   "localhost and IP addresses (others are refused 403: a web page cannot reach "
-                   "the API by DNS rebinding)"),
+        NL_HTTP_FLAG_ROWS(h),
         NL_OPT_STR("http-adapter", &cli->http_adapters,
                    "NAME=FILE[,NAME=FILE...]: --http also serves model NAME, the cluster's "
                    "weights with the LoRA adapter FILE (under --checkpoint-root, shared with the "
@@ -133,11 +124,11 @@ static void coord_flags(nl_opt t[MAX_FLAGS], nl_coord_cli *cli, int *level, int 
 static int check(nl_coord_cli *cli, const nl_opt *t)
 {
     nl_coord_opts *o = &cli->coord;
-    if (!o->listen || !o->state_dir || !!o->model + !!o->config + !!o->resume > 1) {
-        if (!o->listen || !o->state_dir)
-            fprintf(stderr, "neurocoord: missing --%s\n\n", !o->listen ? "listen" : "state-dir");
-        else
-            fprintf(stderr, "neurocoord: give at most one of --model, --config and --resume\n\n");
+    int rc = nl_opts_require("neurocoord", USAGE, t, "listen", "state-dir", (const char *)NULL);
+    if (rc)
+        return rc;
+    if (!!o->model + !!o->config + !!o->resume > 1) {
+        fprintf(stderr, "neurocoord: give at most one of --model, --config and --resume\n\n");
         nl_opts_help(stderr, USAGE, t);
         return 2;
     }
