@@ -244,9 +244,9 @@ static nl_status embed_batch(nl_remote *r, const int32_t *ids, const int32_t *le
     nl_rx rx;
     nl_rx_init(&rx);
     int got = 0;
-    const double deadline = nl_remote_now() + r->timeout_ms / 1e3;
+    const double deadline = nl_client_now() + r->timeout_ms / 1e3;
     while ((st = nl_remote_recv(r, &rx, deadline, err)) == NL_OK) {
-        if (nl_remote_job_failed(&rx, err)) {
+        if (nl_client_job_failed(&rx, err)) {
             st = err->status;
             break;
         }

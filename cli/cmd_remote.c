@@ -81,9 +81,9 @@ int nl_cmd_remote_forward(int argc, char **argv)
         nl_remote_submit(&r, NL_JOB_FORWARD, adapter ? ap : NULL, adapter ? 1 : 0, ids, B, T,
                          &err) != NL_OK)
         goto out;
-    const double deadline = nl_remote_now() + r.timeout_ms / 1e3;
+    const double deadline = nl_client_now() + r.timeout_ms / 1e3;
     while (nl_remote_recv(&r, &rx, deadline, &err) == NL_OK) {
-        if (nl_remote_job_failed(&rx, &err))
+        if (nl_client_job_failed(&rx, &err))
             goto out;
         if (rx.msg.type == NL_MSG_RESULT && rx.msg.nframes == 1) {
             const nl_tensor *t = &rx.msg.frames[0].t;
@@ -167,7 +167,7 @@ static void gen_cancel(nl_remote *r, nl_rx *rx, uint64_t job)
     fprintf(stderr, "\ninterrupted: cancelling job %llu\n", (unsigned long long)job);
     if (!job || nl_remote_cancel(r, job, &e) != NL_OK)
         return;
-    const double by = nl_remote_now() + 2.0;
+    const double by = nl_client_now() + 2.0;
     while (nl_remote_recv(r, rx, by, &e) == NL_OK)
         if (rx->msg.type == NL_MSG_JOB_STATUS && rx->msg.u.job_status.job_id == job &&
             rx->msg.u.job_status.state != NL_JOB_RUNNING)
@@ -226,10 +226,10 @@ static int gen_receive(nl_remote *r, nl_rx *rx, nl_tokenizer *tok, int32_t *ids,
                        int *count, nl_gen_clock *clock, nl_error *err)
 {
     uint64_t job = 0; /* once the coordinator names it */
-    double deadline = nl_remote_now() + r->timeout_ms / 1e3;
+    double deadline = nl_client_now() + r->timeout_ms / 1e3;
     for (;;) {
         /* in slices, to see Ctrl-C */
-        const double now = nl_remote_now(), slice = now + 0.2 < deadline ? now + 0.2 : deadline;
+        const double now = nl_client_now(), slice = now + 0.2 < deadline ? now + 0.2 : deadline;
         nl_status st = gen_interrupted ? NL_OK : nl_remote_recv(r, rx, slice, err);
         if (gen_interrupted) {
             gen_cancel(r, rx, job);
@@ -237,18 +237,18 @@ static int gen_receive(nl_remote *r, nl_rx *rx, nl_tokenizer *tok, int32_t *ids,
         }
         if (st == NL_ERR_TIMEOUT && slice < deadline)
             continue;
-        if (st != NL_OK || nl_remote_job_failed(rx, err))
+        if (st != NL_OK || nl_client_job_failed(rx, err))
             return 1;
         if (rx->msg.type == NL_MSG_JOB_STATUS && rx->msg.u.job_status.state == NL_JOB_RUNNING) {
             if (job) /* news of a running job: e.g. it lost a stage and resumes */
                 fprintf(stderr, "neuroctl generate: %s\n", rx->msg.u.job_status.message);
             job = rx->msg.u.job_status.job_id;
-            deadline = nl_remote_now() + r->timeout_ms / 1e3;
+            deadline = nl_client_now() + r->timeout_ms / 1e3;
         }
         if (rx->msg.type != NL_MSG_TOKEN)
             continue;
         job = rx->msg.u.token.job_id;
-        deadline = nl_remote_now() + r->timeout_ms / 1e3; /* progress */
+        deadline = nl_client_now() + r->timeout_ms / 1e3; /* progress */
         for (uint32_t i = 0; i < rx->msg.u.token.ntokens && *count < max_new; i++) {
             const int32_t id = (int32_t)rx->msg.u.token.tokens[i];
             nl_gen_clock_tick(clock);
@@ -476,9 +476,9 @@ int nl_cmd_status(int argc, char **argv)
 
 int nl_remote_wait_ready(const char *dir, int timeout_s, char *state, size_t cap)
 {
-    const double deadline = nl_remote_now() + timeout_s;
+    const double deadline = nl_client_now() + timeout_s;
     nl_flag flags[] = {{"cluster", 1, "", dir}, {"timeout", 1, "", "5"}, NL_REMOTE_FLAGS, {0}};
-    while (nl_remote_now() < deadline) {
+    while (nl_client_now() < deadline) {
         nl_remote r = {0};
         json_t *st = NULL;
         nl_error err = {0};
