@@ -291,6 +291,17 @@ static int choice_index(const char *choices, const char *v)
     return -1;
 }
 
+/* choices ("a|b|c") on stderr as "a, b or c". */
+static void say_choices(const char *choices)
+{
+    for (const char *c = choices; *c; c++) {
+        if (*c != '|')
+            fputc(*c, stderr);
+        else
+            fputs(strchr(c + 1, '|') ? ", " : " or ", stderr);
+    }
+}
+
 /* v (given, or the row's default) into the row's destination: 0, or 2
  * (said). */
 static int store(const nl_opt *o, const char *v)
@@ -331,8 +342,10 @@ static int store(const nl_opt *o, const char *v)
         break;
     case NL_OPT_TYPE_CHOICE: {
         int k = choice_index(o->choices, v);
-        if (k < 0) {
-            fprintf(stderr, "--%s: '%s' is not one of %s\n", name, v, o->choices);
+        if (k < 0) { /* "--wire fp16: not fp32 or bf16" */
+            fprintf(stderr, "--%s %s: not ", name, v);
+            say_choices(o->choices);
+            fputc('\n', stderr);
             rc = 2;
         } else if (o->to.i) {
             *o->to.i = k;
