@@ -403,14 +403,11 @@ int nl_cmd_status(int argc, char **argv)
     if (rc)
         return rc == 1 ? 0 : rc;
     nl_error err = {0};
-    nl_remote r = {0};
     json_t *st = NULL;
-    if (nl_remote_open(&r, flags, 60, &err) != NL_OK || nl_remote_status(&r, &st, &err) != NL_OK) {
-        nl_remote_close(&r);
+    if (nl_remote_status_once(flags, &st, &err) != NL_OK) {
         fprintf(stderr, "neuroctl status: %s (%s)\n", err.msg, nl_status_str(err.status));
         return 1;
     }
-    nl_remote_close(&r);
     if (nl_args_get(flags, "json")) {
         json_object_del(st, "tokenizer");
         char *s = json_dumps(st, JSON_INDENT(2));
@@ -479,20 +476,16 @@ int nl_remote_wait_ready(const char *dir, int timeout_s, char *state, size_t cap
     const double deadline = nl_client_now() + timeout_s;
     nl_flag flags[] = {{"cluster", 1, "", dir}, {"timeout", 1, "", "5"}, NL_REMOTE_FLAGS, {0}};
     while (nl_client_now() < deadline) {
-        nl_remote r = {0};
         json_t *st = NULL;
         nl_error err = {0};
-        if (nl_remote_open(&r, flags, 60, &err) == NL_OK &&
-            nl_remote_status(&r, &st, &err) == NL_OK) {
+        if (nl_remote_status_once(flags, &st, &err) == NL_OK) {
             snprintf(state, cap, "%s", json_string_value(json_object_get(st, "state")));
             int ready = json_is_true(json_object_get(st, "ready"));
             json_decref(st);
-            nl_remote_close(&r);
             if (ready)
                 return 0;
         } else {
             snprintf(state, cap, "%s", err.msg);
-            nl_remote_close(&r);
         }
         struct timespec ts = {0, 200000000L};
         nanosleep(&ts, NULL);

@@ -115,6 +115,17 @@ nl_status nl_remote_status(nl_remote *r, json_t **out, nl_error *err)
     return nl_client_status(r->s, nl_client_now() + r->timeout_ms / 1e3, out, err);
 }
 
+nl_status nl_remote_status_once(const nl_flag *flags, json_t **out, nl_error *err)
+{
+    nl_remote r = {0};
+    *out = NULL;
+    nl_status st = nl_remote_open(&r, flags, 60, err);
+    if (st == NL_OK)
+        st = nl_remote_status(&r, out, err);
+    nl_remote_close(&r);
+    return st;
+}
+
 nl_status nl_remote_submit(nl_remote *r, nl_job_kind kind, const nl_wire_param *ps, int np,
                            const int32_t *ids, int B, int T, nl_error *err)
 {

@@ -57,6 +57,9 @@ nl_status nl_remote_recv(nl_remote *r, nl_rx *rx, double deadline, nl_error *err
 
 /* Fetch the cluster status JSON; the caller frees it with json_decref. */
 nl_status nl_remote_status(nl_remote *r, json_t **out, nl_error *err);
+/* Open a connection as the flags say, fetch the status and close: the
+ * status and NL_OK, or the error (nothing printed). */
+nl_status nl_remote_status_once(const nl_flag *flags, json_t **out, nl_error *err);
 
 /* Send JOB_SUBMIT: kind, np params (borrowed), and ids as one I32 [B, T]
  * frame, or no frame when ids is NULL. */
