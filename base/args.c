@@ -90,15 +90,12 @@ static nl_flag *row(const nl_flag *first, size_t stride, size_t i)
     return (nl_flag *)((const char *)first + i * stride);
 }
 
-#define EACH_ROW(fl, first, stride)                                                                \
-    for (size_t i_ = 0; (fl = row(first, stride, i_))->name; i_++)
-
 static const char *suggest_in(const nl_flag *flags, size_t stride, const char *given)
 {
     const char *best = NULL;
     int best_d = -1;
     const nl_flag *fl;
-    EACH_ROW(fl, flags, stride) {
+    for (size_t k = 0; (fl = row(flags, stride, k))->name; k++) {
         int d = nl_args_nearness(given, fl->name);
         if (d >= 0 && (best_d < 0 || d < best_d)) {
             best = fl->name;
@@ -109,13 +106,13 @@ static const char *suggest_in(const nl_flag *flags, size_t stride, const char *g
         return best;
     /* the same first word, and the help names the rest: max-tokens and max-new
      * ("tokens to generate"), not serve's max-batch ("generations decoded") */
-    EACH_ROW(fl, flags, stride) {
+    for (size_t k = 0; (fl = row(flags, stride, k))->name; k++) {
         const char *rest = rest_after_shared_word(given, fl->name);
         if (rest && fl->help && names_word(fl->help, rest))
             return fl->name;
     }
     /* none close by spelling: the one flag whose help names it (port: --http) */
-    EACH_ROW(fl, flags, stride) {
+    for (size_t k = 0; (fl = row(flags, stride, k))->name; k++) {
         if (!fl->help || !names_word(fl->help, given))
             continue;
         if (best)
@@ -156,7 +153,7 @@ static int parse_rows(int argc, char **argv, nl_flag *flags, size_t stride, cons
             continue;
         }
         nl_flag *fl;
-        EACH_ROW(fl, flags, stride) {
+        for (size_t k = 0; (fl = row(flags, stride, k))->name; k++) {
             if (strcmp(fl->name, a + 2) == 0)
                 break;
         }

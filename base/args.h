@@ -89,6 +89,7 @@ typedef struct nl_opt {
 /* The rows, one a flag: name (without "--"), destination, range, default
  * (a string as on the command line; NULL: none, the destination keeps
  * what it holds), help. */
+/* clang-format off */
 #define NL_OPT_STR(n, p, h) {.flag = {(n), 1, (h), NULL}, .type = NL_OPT_TYPE_STR, .to.s = (p)}
 #define NL_OPT_SWITCH(n, p, h)                                                                     \
     {.flag = {(n), 0, (h), NULL}, .type = NL_OPT_TYPE_SWITCH, .to.b = (p)}
@@ -110,6 +111,7 @@ typedef struct nl_opt {
     {.flag = {(n), 1, (h), NULL}, .type = NL_OPT_TYPE_CHOICE, .to.i = (p), .choices = (c),         \
      .def = (def_)}
 #define NL_OPT_END {.flag = {NULL, 0, NULL, NULL}}
+/* clang-format on */
 
 /* nl_args_parse over a typed table: the defaults first, then each flag
  * given is checked against its type and range and stored. Returns 0; 1

@@ -27,7 +27,7 @@ int nl_cli_parse_ids(const char *s, int32_t **out);
 #define NL_CLI_TF32_HELP "GPU GEMMs may use TF32 tensor-core math (default: FP32)"
 #define NL_CLI_PRECISION_HELP                                                                      \
     "P: GEMM precision, fp32 or bf16 (CPU with AVX512-BF16 or AMX, or a CUDA GPU of compute "      \
-    "capability 8.0 or newer; FP32 master weights, accumulation, norms, softmax, loss and "       \
+    "capability 8.0 or newer; FP32 master weights, accumulation, norms, softmax, loss and "        \
     "optimizer)"
 /* clang-format off */
 #define NL_CLI_DEVICE_FLAG {"device", 1, NL_CLI_DEVICE_HELP, NULL}

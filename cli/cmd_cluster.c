@@ -598,10 +598,11 @@ static void cluster_flags(nl_opt t[MAX_FLAGS], up_opts *o, const char **dir)
         NL_OPT_SIZE("kv-budget", &o->kv_budget, NULL,
                     "up: memory of each node for generation sessions' KV caches (default: "
                     "neuronode's, 256M)"),
-        NL_OPT_LLONG("spin", &o->spin, 0, 100000000, NULL,
-                     "up: iterations a node's idle OpenMP thread spins before it sleeps "
-                     "(GOMP_SPINCOUNT; default " STR(DEFAULT_SPIN) ", or the environment's "
-                     "GOMP_SPINCOUNT or OMP_WAIT_POLICY)"),
+        NL_OPT_LLONG(
+            "spin", &o->spin, 0, 100000000, NULL,
+            "up: iterations a node's idle OpenMP thread spins before it sleeps "
+            "(GOMP_SPINCOUNT; default " STR(DEFAULT_SPIN) ", or the environment's "
+                                                          "GOMP_SPINCOUNT or OMP_WAIT_POLICY)"),
         NL_OPT_LLONG("node-timeout-ms", &o->node_timeout, 100, 3600000, "3000",
                      "up: a node silent this long is dead"),
         NL_OPT_STR("http", &o->http,

@@ -675,8 +675,7 @@ int nl_cmd_serve(int argc, char **argv)
     sigaddset(&sigs, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &sigs, NULL);
     signal(SIGPIPE, SIG_IGN);
-    if (engine_load(&e, &be, model, adapter, a.dev.device, a.threads, a.dev.tf32, a.dev.bf16,
-                    &err))
+    if (engine_load(&e, &be, model, adapter, a.dev.device, a.threads, a.dev.tf32, a.dev.bf16, &err))
         goto out;
     if (pthread_create(&th, NULL, engine_main, &e) != 0) {
         nl_error_set(&err, NL_ERR_INTERNAL, "cannot start the engine thread");

@@ -15,7 +15,7 @@
     "neurocoord --listen ENDPOINT [--client-listen ENDPOINT] --state-dir DIR "                     \
     "[--model MODEL.safetensors | --config CFG.yaml | --resume MANIFEST] [--http HOST:PORT "       \
     "[--http-tokens FILE] [--http-adapter NAME=FILE,...]] [options]\n"                             \
-    "Each connected node or client holds a descriptor: neurocoord raises its descriptor limit "   \
+    "Each connected node or client holds a descriptor: neurocoord raises its descriptor limit "    \
     "(RLIMIT_NOFILE) to the hard limit at start and logs how many nodes that admits (ulimit -Hn; " \
     "the node table holds 65536)."
 
@@ -112,9 +112,9 @@ static void coord_flags(nl_opt t[MAX_FLAGS], nl_coord_cli *cli, int *level, int 
                    "weights with the LoRA adapter FILE (under --checkpoint-root, shared with the "
                    "nodes) applied by every stage; /v1/models lists it and a request's \"model\" "
                    "selects it (docs/serving.md)"),
-        NL_OPT_CHOICE("log-level", level, NL_LOG_LEVELS, "info",
-                      "debug, info, warn, error or off"),
-        NL_OPT_SWITCH("plaintext", &o->plaintext, "INSECURE: no CURVE encryption or authentication"),
+        NL_OPT_CHOICE("log-level", level, NL_LOG_LEVELS, "info", "debug, info, warn, error or off"),
+        NL_OPT_SWITCH("plaintext", &o->plaintext,
+                      "INSECURE: no CURVE encryption or authentication"),
         NL_OPT_END};
     _Static_assert(sizeof rows / sizeof rows[0] <= MAX_FLAGS, "MAX_FLAGS: room for the rows");
     memcpy(t, rows, sizeof rows);

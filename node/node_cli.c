@@ -217,8 +217,7 @@ static void node_flags(nl_opt t[MAX_FLAGS], nl_node_opts *o, node_args *a)
                     "SIZE: a GPU's memory kept free, not offered (default: 256M or 5% of the "
                     "device, whichever is larger)"),
         NL_OPT_STR("listen", &o->listen, "ENDPOINT: data socket (default tcp://127.0.0.1:*)"),
-        NL_OPT_SIZE("kv-budget", &o->kv_budget, "256M",
-                    "SIZE: KV caches of generation sessions"),
+        NL_OPT_SIZE("kv-budget", &o->kv_budget, "256M", "SIZE: KV caches of generation sessions"),
         NL_OPT_INT("batch-decode", &o->batch_decode, 1, 1024, NULL,
                    "N: generation sessions' decode steps run together in one batch, at most "
                    "(default 32)"),

@@ -125,8 +125,9 @@ static void test_opts(void)
     gen_table(t, &o);
     const char *pos[1];
     int np = 0;
-    char *ok[] = {"generate", "--model", "m.st", "--warmup", "--max-new", "5", "--seed",
-                  "9000000000", "--top-p", "0.5", "--kv-budget", "1G", "--wire", "bf16", "x", NULL};
+    char *ok[] = {"generate", "--model",    "m.st",    "--warmup", "--max-new",   "5",
+                  "--seed",   "9000000000", "--top-p", "0.5",      "--kv-budget", "1G",
+                  "--wire",   "bf16",       "x",       NULL};
     CHECK(nl_opts_parse(15, ok, t, "u", pos, 1, &np) == 0, "parse");
     CHECK(o.model && strcmp(o.model, "m.st") == 0 && o.warmup && o.max_new == 5, "str/switch/int");
     CHECK(o.seed == 9000000000LL && o.top_p == 0.5 && o.kv == 1ull << 30 && o.wire == 1,

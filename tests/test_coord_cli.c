@@ -47,11 +47,35 @@ static void test_defaults(void)
 static void test_values(void)
 {
     nl_coord_cli cli;
-    char *argv[] = {"neurocoord", "--listen", "tcp://127.0.0.1:*", "--state-dir", "/tmp/x",
-                    "--seed", "9", "--min-memory", "2G", "--heartbeat-ms", "50",
-                    "--node-timeout-ms", "200", "--replan-margin", "1", "--wire", "bf16",
-                    "--grow", "auto", "--max-jobs-per-key", "4", "--http", "127.0.0.1:0",
-                    "--http-adapter", "a=b", "--plaintext", "--log-level", "warn", NULL};
+    char *argv[] = {"neurocoord",
+                    "--listen",
+                    "tcp://127.0.0.1:*",
+                    "--state-dir",
+                    "/tmp/x",
+                    "--seed",
+                    "9",
+                    "--min-memory",
+                    "2G",
+                    "--heartbeat-ms",
+                    "50",
+                    "--node-timeout-ms",
+                    "200",
+                    "--replan-margin",
+                    "1",
+                    "--wire",
+                    "bf16",
+                    "--grow",
+                    "auto",
+                    "--max-jobs-per-key",
+                    "4",
+                    "--http",
+                    "127.0.0.1:0",
+                    "--http-adapter",
+                    "a=b",
+                    "--plaintext",
+                    "--log-level",
+                    "warn",
+                    NULL};
     CHECK(parse(&cli, argv) == -1, "parse");
     nl_coord_opts *o = &cli.coord;
     CHECK(o->seed == 9 && o->min_memory == 2ull << 30 && o->heartbeat_ms == 50 &&
@@ -59,9 +83,8 @@ static void test_values(void)
           "numbers");
     CHECK(o->wire == NL_WIRE_BF16 && o->verify_rate == 0, "bf16 hops turn verification off");
     CHECK(o->grow_auto && o->plaintext && o->max_jobs_per_key == 4, "grow, plaintext, jobs");
-    CHECK(cli.http.addr && strcmp(cli.http.addr, "127.0.0.1:0") == 0 &&
-              cli.http_adapters && strcmp(cli.http_adapters, "a=b") == 0 &&
-              cli.http.max_requests == 4,
+    CHECK(cli.http.addr && strcmp(cli.http.addr, "127.0.0.1:0") == 0 && cli.http_adapters &&
+              strcmp(cli.http_adapters, "a=b") == 0 && cli.http.max_requests == 4,
           "http");
     nl_log_set_level(NL_LOG_INFO);
 }
@@ -71,17 +94,18 @@ static void test_refusals(void)
     nl_coord_cli cli;
     char *nolisten[] = {"neurocoord", "--state-dir", "/tmp/x", NULL};
     CHECK(parse(&cli, nolisten) == 2, "--listen is required");
-    char *two[] = {"neurocoord", "--listen", "x", "--state-dir", "y", "--model", "m",
-                   "--config", "c", NULL};
+    char *two[] = {"neurocoord", "--listen", "x",        "--state-dir", "y",
+                   "--model",    "m",        "--config", "c",           NULL};
     CHECK(parse(&cli, two) == 2, "--model and --config");
-    char *adapter[] = {"neurocoord", "--listen", "x", "--state-dir", "y", "--http-adapter",
-                       "a=b", NULL};
+    char *adapter[] = {"neurocoord", "--listen",       "x",   "--state-dir",
+                       "y",          "--http-adapter", "a=b", NULL};
     CHECK(parse(&cli, adapter) == 2, "--http-adapter without --http");
-    char *timeout[] = {"neurocoord", "--listen", "x", "--state-dir", "y", "--heartbeat-ms",
-                       "1000", "--node-timeout-ms", "1000", NULL};
+    char *timeout[] = {
+        "neurocoord", "--listen",          "x",    "--state-dir", "y", "--heartbeat-ms",
+        "1000",       "--node-timeout-ms", "1000", NULL};
     CHECK(parse(&cli, timeout) == 2, "a node timeout within the heartbeat");
-    char *range[] = {"neurocoord", "--listen", "x", "--state-dir", "y", "--max-jobs-per-key",
-                     "65", NULL};
+    char *range[] = {"neurocoord", "--listen",           "x",  "--state-dir",
+                     "y",          "--max-jobs-per-key", "65", NULL};
     CHECK(parse(&cli, range) == 2, "--max-jobs-per-key past the table");
     char *wire[] = {"neurocoord", "--listen", "x", "--state-dir", "y", "--wire", "fp16", NULL};
     CHECK(parse(&cli, wire) == 2, "--wire fp16");

@@ -37,8 +37,8 @@ static void test_job_failed(void)
     rx.msg.u.job_status.state = NL_JOB_RUNNING;
     CHECK(!nl_client_job_failed(&rx, &err), "a running job has not failed");
     rx.msg.u.job_status.state = NL_JOB_FAILED;
-    CHECK(nl_client_job_failed(&rx, &err) && strcmp(err.msg, "job 7 failed") == 0,
-          "no message: %s", err.msg);
+    CHECK(nl_client_job_failed(&rx, &err) && strcmp(err.msg, "job 7 failed") == 0, "no message: %s",
+          err.msg);
     rx.msg.u.job_status.message = "a stage died";
     CHECK(nl_client_job_failed(&rx, &err) && strcmp(err.msg, "job 7 failed: a stage died") == 0,
           "failed: %s", err.msg);
