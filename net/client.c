@@ -146,3 +146,28 @@ int nl_client_job_failed(const nl_rx *rx, nl_error *err)
         nl_error_set(err, NL_ERR_STATE, "job %" PRIu64 " %s: %s", s->job_id, what, msg);
     return 1;
 }
+
+nl_status nl_client_await_result(nl_sock *s, double deadline, nl_client_result_fn take, void *ctx,
+                                 nl_error *err)
+{
+    nl_rx rx;
+    nl_rx_init(&rx);
+    int got = 0;
+    nl_status st;
+    while ((st = nl_client_recv(s, &rx, deadline, err)) == NL_OK) {
+        if (nl_client_job_failed(&rx, err)) {
+            st = err->status;
+            break;
+        }
+        if (!got && rx.msg.type == NL_MSG_RESULT && rx.msg.nframes == 1) {
+            if ((st = take(ctx, &rx.msg, err)) != NL_OK)
+                break;
+            got = 1;
+        } else if (got && rx.msg.type == NL_MSG_JOB_STATUS &&
+                   rx.msg.u.job_status.state == NL_JOB_DONE) {
+            break;
+        }
+    }
+    nl_rx_free(&rx);
+    return st;
+}

@@ -59,4 +59,16 @@ nl_status nl_client_status(nl_sock *s, double deadline, json_t **out, nl_error *
  * so, err gets "job N failed: MESSAGE" (or "was cancelled"). */
 int nl_client_job_failed(const nl_rx *rx, nl_error *err);
 
+/* What a job that answers with one RESULT (forward, embed) hands over: a
+ * RESULT of one frame, valid during the call. Return NL_OK to take it,
+ * or an error (a frame of the wrong shape) that ends the wait. */
+typedef nl_status (*nl_client_result_fn)(void *ctx, const nl_wire_msg *result, nl_error *err);
+
+/* Follow the job just submitted on s until it ends, or until deadline:
+ * its first RESULT of one frame goes to take, its DONE after that ends
+ * the wait (NL_OK); a failed or cancelled end is NL_ERR_STATE ("job N
+ * failed: ..."), the deadline NL_ERR_TIMEOUT. */
+nl_status nl_client_await_result(nl_sock *s, double deadline, nl_client_result_fn take, void *ctx,
+                                 nl_error *err);
+
 #endif

@@ -1,7 +1,8 @@
 /* net/client: the client side of the clients' endpoint against a real
  * coordinator (in-process, CURVE): connect and HELLO, the status query,
  * a refused submission answered with the coordinator's ERROR, a job's end
- * told as failed or cancelled; and a refused connection or an unknown
+ * told as failed or cancelled, the wait for a job's one result ending
+ * with its refusal; and a refused connection or an unknown
  * key told at once when the handshake is watched. */
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -25,6 +26,14 @@ static void *coord_loop(void *c)
     nl_error err = {0};
     nl_coord_run(c, &coord_stop, &err);
     return NULL;
+}
+
+static nl_status take_never(void *ctx, const nl_wire_msg *m, nl_error *err)
+{
+    (void)m;
+    (void)err;
+    ++*(int *)ctx;
+    return NL_OK;
 }
 
 static void test_job_failed(void)
@@ -82,14 +91,23 @@ static void test_session(nl_net *net, const char *ep, const char *server, const 
     CHECK(ended || (st != NL_OK && st != NL_ERR_TIMEOUT),
           "a job without nodes fails or is refused: %s (%s)", err.msg, nl_status_str(st));
     nl_rx_free(&rx);
+
+    /* a forward without nodes: the wait for its result ends with the
+     * refusal or the failure, before the deadline, and nothing is taken */
+    int taken = 0;
+    CHECK_OK(nl_client_submit(s, NL_JOB_FORWARD, NULL, 0, ids, 1, 3, &err), &err);
+    const double t0 = nl_client_now();
+    st = nl_client_await_result(s, t0 + 60, take_never, &taken, &err);
+    CHECK(st != NL_OK && st != NL_ERR_TIMEOUT && !taken, "forward without nodes: %s (%s)", err.msg,
+          nl_status_str(st));
     nl_sock_destroy(&s);
 
     /* a key the coordinator does not know: told at once, as a key fault */
     o.keys = stranger;
-    const double t0 = nl_client_now();
+    const double t1 = nl_client_now();
     st = nl_client_connect(&s, net, &o, &err);
     CHECK(st == NL_ERR_AUTH && !s, "an unknown key: %s (%s)", err.msg, nl_status_str(st));
-    CHECK(nl_client_now() - t0 < 30, "told before the timeout");
+    CHECK(nl_client_now() - t1 < 30, "told before the timeout");
 }
 
 static void test_refused(nl_net *net)
