@@ -41,6 +41,27 @@ static const char *adapter_flag(const nl_flag *flags, char *buf, int *rc)
 
 /* ---------------------------------------------------------------- forward */
 
+/* Where a forward job's result goes: the logits of the B x T ids sent. */
+typedef struct forward_out {
+    int B, T;
+    int64_t shape[3];
+    float *logits, aux;
+} forward_out;
+
+static nl_status take_logits(void *ctx, const nl_wire_msg *m, nl_error *err)
+{
+    forward_out *o = ctx;
+    const nl_tensor *t = &m->frames[0].t;
+    if (t->dtype != NL_DTYPE_F32 || t->ndim != 3 || t->shape[0] != o->B || t->shape[1] != o->T)
+        return nl_error_set(err, NL_ERR_SHAPE, "result: logits of an unexpected shape");
+    if (!(o->logits = malloc(m->frames[0].len + 1)))
+        return nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+    memcpy(o->shape, t->shape, sizeof o->shape);
+    memcpy(o->logits, t->data, m->frames[0].len);
+    o->aux = (float)m->u.hop.aux;
+    return NL_OK;
+}
+
 int nl_cmd_remote_forward(int argc, char **argv)
 {
     nl_flag flags[] = {{"tokens", 1, "input: safetensors with 'tokens' I32/I64 [B, T]", NULL},
@@ -68,12 +89,9 @@ int nl_cmd_remote_forward(int argc, char **argv)
         {.key = "adapter", .kind = NL_WIRE_PARAM_STR, .s = (char *)adapter}};
     nl_error err = {0};
     nl_remote r = {0};
-    nl_rx rx;
-    nl_rx_init(&rx);
     int32_t *ids = NULL;
-    float *logits = NULL, aux = 0.0f;
-    int B = 0, T = 0, got = 0;
-    int64_t shape[3] = {0, 0, 0};
+    int B = 0, T = 0;
+    forward_out fo = {0};
     nl_st_writer *w = NULL;
     rc = 1;
     if (nl_cli_read_ids_file(in, "tokens", &ids, &B, &T, &err) != NL_OK ||
@@ -81,47 +99,26 @@ int nl_cmd_remote_forward(int argc, char **argv)
         nl_remote_submit(&r, NL_JOB_FORWARD, adapter ? ap : NULL, adapter ? 1 : 0, ids, B, T,
                          &err) != NL_OK)
         goto out;
-    const double deadline = nl_client_now() + r.timeout_ms / 1e3;
-    while (nl_remote_recv(&r, &rx, deadline, &err) == NL_OK) {
-        if (nl_client_job_failed(&rx, &err))
-            goto out;
-        if (rx.msg.type == NL_MSG_RESULT && rx.msg.nframes == 1) {
-            const nl_tensor *t = &rx.msg.frames[0].t;
-            if (t->dtype != NL_DTYPE_F32 || t->ndim != 3 || t->shape[0] != B || t->shape[1] != T) {
-                nl_error_set(&err, NL_ERR_SHAPE, "result: logits of an unexpected shape");
-                goto out;
-            }
-            memcpy(shape, t->shape, sizeof shape);
-            logits = malloc(rx.msg.frames[0].len + 1);
-            if (!logits) {
-                nl_error_set(&err, NL_ERR_NOMEM, "out of memory");
-                goto out;
-            }
-            memcpy(logits, t->data, rx.msg.frames[0].len);
-            aux = (float)rx.msg.u.hop.aux;
-            got = 1;
-        }
-        if (rx.msg.type == NL_MSG_JOB_STATUS && rx.msg.u.job_status.state == NL_JOB_DONE && got)
-            break;
-    }
-    if (!got)
+    fo.B = B;
+    fo.T = T;
+    if (nl_client_await_result(r.s, nl_client_now() + r.timeout_ms / 1e3, take_logits, &fo,
+                               &err) != NL_OK)
         goto out;
     int64_t scalar[1] = {0};
     if (!(w = nl_st_writer_new())) {
         nl_error_set(&err, NL_ERR_NOMEM, "out of memory");
         goto out;
     }
-    if (nl_st_writer_add(w, "logits", NL_DTYPE_F32, 3, shape, logits, &err) != NL_OK ||
-        nl_st_writer_add(w, "aux_loss", NL_DTYPE_F32, 0, scalar, &aux, &err) != NL_OK ||
+    if (nl_st_writer_add(w, "logits", NL_DTYPE_F32, 3, fo.shape, fo.logits, &err) != NL_OK ||
+        nl_st_writer_add(w, "aux_loss", NL_DTYPE_F32, 0, scalar, &fo.aux, &err) != NL_OK ||
         nl_st_writer_write(w, out, &err) != NL_OK)
         goto out;
     rc = 0;
 out:
     nl_st_writer_destroy(&w);
-    nl_rx_free(&rx);
     nl_remote_close(&r);
     free(ids);
-    free(logits);
+    free(fo.logits);
     if (rc)
         fprintf(stderr, "neuroctl forward: %s (%s)\n", err.msg, nl_status_str(err.status));
     return rc;
