@@ -101,8 +101,8 @@ int nl_cmd_remote_forward(int argc, char **argv)
         goto out;
     fo.B = B;
     fo.T = T;
-    if (nl_client_await_result(r.s, nl_client_now() + r.timeout_ms / 1e3, take_logits, &fo,
-                               &err) != NL_OK)
+    if (nl_client_await_result(r.s, nl_client_now() + r.timeout_ms / 1e3, take_logits, &fo, &err) !=
+        NL_OK)
         goto out;
     int64_t scalar[1] = {0};
     if (!(w = nl_st_writer_new())) {
