@@ -1,9 +1,14 @@
-/* Flag parsing for neuroctl. */
+/* Flag parsing for neuroctl and the daemons: the untyped nl_flag table and
+ * its getters, the typed nl_opt table (one row a flag: parse, range,
+ * default and --help), and the suggestion for a mistyped flag. Both
+ * tables go through one parse loop: an nl_opt row starts with its
+ * nl_flag, so the loop walks either with the row's size as its stride. */
 #include "args.h"
 
 #include <ctype.h>
 #include <errno.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
@@ -79,11 +84,18 @@ static const char *rest_after_shared_word(const char *name, const char *known)
     return dash + 1;
 }
 
-const char *nl_args_suggest(const nl_flag *flags, const char *given)
+/* Row i of a table of nl_flag or of nl_opt (stride: the row's size). */
+static nl_flag *row(const nl_flag *first, size_t stride, size_t i)
+{
+    return (nl_flag *)((const char *)first + i * stride);
+}
+
+static const char *suggest_in(const nl_flag *flags, size_t stride, const char *given)
 {
     const char *best = NULL;
     int best_d = -1;
-    for (const nl_flag *fl = flags; fl->name; fl++) {
+    const nl_flag *fl;
+    for (size_t k = 0; (fl = row(flags, stride, k))->name; k++) {
         int d = nl_args_nearness(given, fl->name);
         if (d >= 0 && (best_d < 0 || d < best_d)) {
             best = fl->name;
@@ -94,13 +106,13 @@ const char *nl_args_suggest(const nl_flag *flags, const char *given)
         return best;
     /* the same first word, and the help names the rest: max-tokens and max-new
      * ("tokens to generate"), not serve's max-batch ("generations decoded") */
-    for (const nl_flag *fl = flags; fl->name; fl++) {
+    for (size_t k = 0; (fl = row(flags, stride, k))->name; k++) {
         const char *rest = rest_after_shared_word(given, fl->name);
         if (rest && fl->help && names_word(fl->help, rest))
             return fl->name;
     }
     /* none close by spelling: the one flag whose help names it (port: --http) */
-    for (const nl_flag *fl = flags; fl->name; fl++) {
+    for (size_t k = 0; (fl = row(flags, stride, k))->name; k++) {
         if (!fl->help || !names_word(fl->help, given))
             continue;
         if (best)
@@ -110,6 +122,11 @@ const char *nl_args_suggest(const nl_flag *flags, const char *given)
     return best;
 }
 
+const char *nl_args_suggest(const nl_flag *flags, const char *given)
+{
+    return suggest_in(flags, sizeof *flags, given);
+}
+
 void nl_args_help(FILE *f, const char *usage, const nl_flag *flags)
 {
     fprintf(f, "usage: %s\n", usage);
@@ -117,16 +134,16 @@ void nl_args_help(FILE *f, const char *usage, const nl_flag *flags)
         fprintf(f, "  --%-18s %s\n", fl->name, fl->help);
 }
 
-int nl_args_parse(int argc, char **argv, nl_flag *flags, const char *usage, const char **pos,
-                  int max_pos, int *n_pos)
+/* The parse loop over either table: each flag's text into its row's
+ * value. 0; 1 when --help is given (the caller prints it); 2 (said). */
+static int parse_rows(int argc, char **argv, nl_flag *flags, size_t stride, const char **pos,
+                      int max_pos, int *n_pos)
 {
     int np = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
-        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-            nl_args_help(stdout, usage, flags);
+        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0)
             return 1;
-        }
         if (strncmp(a, "--", 2) != 0) {
             if (np >= max_pos) {
                 fprintf(stderr, "%s: unexpected argument '%s'\n", argv[0], a);
@@ -135,11 +152,13 @@ int nl_args_parse(int argc, char **argv, nl_flag *flags, const char *usage, cons
             pos[np++] = a;
             continue;
         }
-        nl_flag *fl = flags;
-        while (fl->name && strcmp(fl->name, a + 2) != 0)
-            fl++;
+        nl_flag *fl;
+        for (size_t k = 0; (fl = row(flags, stride, k))->name; k++) {
+            if (strcmp(fl->name, a + 2) == 0)
+                break;
+        }
         if (!fl->name) {
-            const char *near = nl_args_suggest(flags, a + 2);
+            const char *near = suggest_in(flags, stride, a + 2);
             if (near)
                 fprintf(stderr, "%s: unknown flag '%s': did you mean --%s? (see --help)\n", argv[0],
                         a, near);
@@ -162,6 +181,15 @@ int nl_args_parse(int argc, char **argv, nl_flag *flags, const char *usage, cons
     return 0;
 }
 
+int nl_args_parse(int argc, char **argv, nl_flag *flags, const char *usage, const char **pos,
+                  int max_pos, int *n_pos)
+{
+    int rc = parse_rows(argc, argv, flags, sizeof *flags, pos, max_pos, n_pos);
+    if (rc == 1)
+        nl_args_help(stdout, usage, flags);
+    return rc;
+}
+
 const char *nl_args_get(const nl_flag *flags, const char *name)
 {
     for (const nl_flag *fl = flags; fl->name; fl++)
@@ -170,11 +198,10 @@ const char *nl_args_get(const nl_flag *flags, const char *name)
     return NULL;
 }
 
-int nl_args_int(const nl_flag *flags, const char *name, long long lo, long long hi, long long *out)
+/* The value parsers, shared by the getters and the typed table: 0 and
+ * *out set, or "--name: ..." printed and 2. */
+static int parse_ll(const char *name, const char *v, long long lo, long long hi, long long *out)
 {
-    const char *v = nl_args_get(flags, name);
-    if (!v)
-        return 0;
     char *end = NULL;
     errno = 0;
     long long x = strtoll(v, &end, 10);
@@ -186,11 +213,8 @@ int nl_args_int(const nl_flag *flags, const char *name, long long lo, long long 
     return 0;
 }
 
-int nl_args_double(const nl_flag *flags, const char *name, double lo, double hi, double *out)
+static int parse_double(const char *name, const char *v, double lo, double hi, double *out)
 {
-    const char *v = nl_args_get(flags, name);
-    if (!v)
-        return 0;
     char *end = NULL;
     errno = 0;
     double x = strtod(v, &end);
@@ -202,11 +226,8 @@ int nl_args_double(const nl_flag *flags, const char *name, double lo, double hi,
     return 0;
 }
 
-int nl_args_size(const nl_flag *flags, const char *name, uint64_t *out)
+static int parse_size(const char *name, const char *v, uint64_t *out)
 {
-    const char *v = nl_args_get(flags, name);
-    if (!v)
-        return 0;
     char *end = NULL;
     errno = 0;
     double x = strtod(v, &end);
@@ -228,4 +249,161 @@ int nl_args_size(const nl_flag *flags, const char *name, uint64_t *out)
     }
     *out = (uint64_t)(x * mult);
     return 0;
+}
+
+int nl_args_int(const nl_flag *flags, const char *name, long long lo, long long hi, long long *out)
+{
+    const char *v = nl_args_get(flags, name);
+    return v ? parse_ll(name, v, lo, hi, out) : 0;
+}
+
+int nl_args_double(const nl_flag *flags, const char *name, double lo, double hi, double *out)
+{
+    const char *v = nl_args_get(flags, name);
+    return v ? parse_double(name, v, lo, hi, out) : 0;
+}
+
+int nl_args_size(const nl_flag *flags, const char *name, uint64_t *out)
+{
+    const char *v = nl_args_get(flags, name);
+    return v ? parse_size(name, v, out) : 0;
+}
+
+/* ---- the typed table ---- */
+
+/* The index of v in choices ("a|b|c"), or -1. */
+static int choice_index(const char *choices, const char *v)
+{
+    size_t n = strlen(v);
+    int k = 0;
+    for (const char *c = choices; *c; k++) {
+        const char *bar = strchr(c, '|');
+        size_t len = bar ? (size_t)(bar - c) : strlen(c);
+        if (len == n && strncmp(c, v, n) == 0)
+            return k;
+        if (!bar)
+            break;
+        c = bar + 1;
+    }
+    return -1;
+}
+
+/* choices ("a|b|c") on stderr as "a, b or c". */
+static void say_choices(const char *choices)
+{
+    for (const char *c = choices; *c; c++) {
+        if (*c != '|')
+            fputc(*c, stderr);
+        else
+            fputs(strchr(c + 1, '|') ? ", " : " or ", stderr);
+    }
+}
+
+/* v (given, or the row's default) into the row's destination: 0, or 2
+ * (said). */
+static int store(const nl_opt *o, const char *v)
+{
+    const char *name = o->flag.name;
+    long long x = 0;
+    double d = 0;
+    uint64_t u = 0;
+    int rc = 0;
+    switch (o->type) {
+    case NL_OPT_TYPE_STR:
+        if (o->to.s)
+            *o->to.s = v;
+        break;
+    case NL_OPT_TYPE_SWITCH:
+        if (o->to.b)
+            *o->to.b = true;
+        break;
+    case NL_OPT_TYPE_INT:
+    case NL_OPT_TYPE_LLONG:
+    case NL_OPT_TYPE_U64:
+        if ((rc = parse_ll(name, v, o->lo, o->hi, &x)) == 0 && o->to.i) {
+            if (o->type == NL_OPT_TYPE_INT)
+                *o->to.i = (int)x;
+            else if (o->type == NL_OPT_TYPE_LLONG)
+                *o->to.ll = x;
+            else
+                *o->to.u = (uint64_t)x;
+        }
+        break;
+    case NL_OPT_TYPE_DOUBLE:
+        if ((rc = parse_double(name, v, o->dlo, o->dhi, &d)) == 0 && o->to.d)
+            *o->to.d = d;
+        break;
+    case NL_OPT_TYPE_SIZE:
+        if ((rc = parse_size(name, v, &u)) == 0 && o->to.u)
+            *o->to.u = u;
+        break;
+    case NL_OPT_TYPE_CHOICE: {
+        int k = choice_index(o->choices, v);
+        if (k < 0) { /* "--wire fp16: not fp32 or bf16" */
+            fprintf(stderr, "--%s %s: not ", name, v);
+            say_choices(o->choices);
+            fputc('\n', stderr);
+            rc = 2;
+        } else if (o->to.i) {
+            *o->to.i = k;
+        }
+        break;
+    }
+    }
+    return rc;
+}
+
+int nl_opts_parse(int argc, char **argv, nl_opt *opts, const char *usage, const char **pos,
+                  int max_pos, int *n_pos)
+{
+    for (nl_opt *o = opts; o->flag.name; o++) {
+        o->flag.value = NULL;
+        if (o->def && store(o, o->def) != 0) {
+            fprintf(stderr, "%s: --%s: the default '%s' is malformed\n", argv[0], o->flag.name,
+                    o->def);
+            return 2;
+        }
+    }
+    int rc = parse_rows(argc, argv, &opts->flag, sizeof *opts, pos, max_pos, n_pos);
+    if (rc == 1)
+        nl_opts_help(stdout, usage, opts);
+    for (nl_opt *o = opts; rc == 0 && o->flag.name; o++)
+        if (o->flag.value)
+            rc = store(o, o->flag.value);
+    return rc;
+}
+
+void nl_opts_help(FILE *f, const char *usage, const nl_opt *opts)
+{
+    fprintf(f, "usage: %s\n", usage);
+    for (const nl_opt *o = opts; o->flag.name; o++) {
+        fprintf(f, "  --%-18s %s", o->flag.name, o->flag.help);
+        if (o->def)
+            fprintf(f, " (default %s)", o->def);
+        fputc('\n', f);
+    }
+}
+
+const char *nl_opts_get(const nl_opt *opts, const char *name)
+{
+    for (const nl_opt *o = opts; o->flag.name; o++)
+        if (strcmp(o->flag.name, name) == 0)
+            return o->flag.value;
+    return NULL;
+}
+
+int nl_opts_require(const char *prog, const char *usage, const nl_opt *opts, ...)
+{
+    va_list ap;
+    const char *name, *missing = NULL;
+    va_start(ap, opts);
+    while (!missing && (name = va_arg(ap, const char *)))
+        if (!nl_opts_get(opts, name))
+            missing = name;
+    va_end(ap);
+    if (!missing)
+        return 0;
+    fprintf(stderr, "%s: missing --%s\n\n", prog, missing);
+    nl_opts_help(stderr, usage, opts);
+    return 2;
 }

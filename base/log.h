@@ -21,6 +21,8 @@ extern nl_log_level nl_log_threshold;
  * is copied. */
 void nl_log_set_name(const char *name);
 void nl_log_set_level(nl_log_level level);
+/* The level names in nl_log_level's order (a flag table's choices). */
+#define NL_LOG_LEVELS "debug|info|warn|error|off"
 /* Parse "debug", "info", "warn", "error", "off". Returns -1 if unknown. */
 int nl_log_parse_level(const char *s);
 

@@ -133,16 +133,25 @@ void nl_gen_clock_report(const nl_gen_clock *c)
 
 int nl_cli_device_flags(const nl_flag *flags, const char **device, int *tf32, int *bf16)
 {
-    nl_error err;
-    const char *d = nl_args_get(flags, "device"), *p = nl_args_get(flags, "precision");
-    *device = d ? d : "cpu";
+    const char *p = nl_args_get(flags, "precision");
+    nl_cli_device d = {.device = nl_args_get(flags, "device")};
     *tf32 = nl_args_get(flags, "tf32") != NULL;
     *bf16 = p && strcmp(p, "bf16") == 0;
     if (p && !*bf16 && strcmp(p, "fp32") != 0) {
         fprintf(stderr, "--precision %s: not fp32 or bf16\n", p);
         return 2;
     }
-    if (nl_backend_parse_device(*device, &err) != NL_OK) {
+    int rc = nl_cli_device_opts(&d);
+    *device = d.device;
+    return rc;
+}
+
+int nl_cli_device_opts(nl_cli_device *d)
+{
+    nl_error err;
+    if (!d->device)
+        d->device = "cpu";
+    if (nl_backend_parse_device(d->device, &err) != NL_OK) {
         fprintf(stderr, "--%s\n", err.msg);
         return 2;
     }

@@ -23,21 +23,36 @@ int nl_cli_parse_ids(const char *s, int32_t **out);
 
 /* The flags that pick where a local command computes: --device D (cpu,
  * cpu-devsim or cuda:N; default cpu) and, where a GPU may run, --tf32. */
+#define NL_CLI_DEVICE_HELP "D: where to compute: cpu (default), cpu-devsim or cuda:N"
+#define NL_CLI_TF32_HELP "GPU GEMMs may use TF32 tensor-core math (default: FP32)"
+#define NL_CLI_PRECISION_HELP                                                                      \
+    "P: GEMM precision, fp32 or bf16 (CPU with AVX512-BF16 or AMX, or a CUDA GPU of compute "      \
+    "capability 8.0 or newer; FP32 master weights, accumulation, norms, softmax, loss and "        \
+    "optimizer)"
 /* clang-format off */
-#define NL_CLI_DEVICE_FLAG                                                                         \
-    {"device", 1, "D: where to compute: cpu (default), cpu-devsim or cuda:N", NULL}
-#define NL_CLI_TF32_FLAG                                                                           \
-    {"tf32", 0, "GPU GEMMs may use TF32 tensor-core math (default: FP32)", NULL}
-#define NL_CLI_PRECISION_FLAG                                                                      \
-    {"precision", 1, "P: GEMM precision, fp32 (default) or bf16 (CPU with AVX512-BF16 or AMX, "    \
-     "or a CUDA GPU of compute capability 8.0 or newer; FP32 master weights, accumulation, "      \
-     "norms, softmax, loss and optimizer)", NULL}
+#define NL_CLI_DEVICE_FLAG {"device", 1, NL_CLI_DEVICE_HELP, NULL}
+#define NL_CLI_TF32_FLAG {"tf32", 0, NL_CLI_TF32_HELP, NULL}
+#define NL_CLI_PRECISION_FLAG {"precision", 1, NL_CLI_PRECISION_HELP " (default fp32)", NULL}
 /* clang-format on */
 
 /* Read --device (and --tf32 and --precision when the table has them) into
  * *device, *tf32 and *bf16 (1 for --precision bf16). Returns 0, or prints
  * what is wrong with --device or --precision and returns 2 (usage error). */
 int nl_cli_device_flags(const nl_flag *flags, const char **device, int *tf32, int *bf16);
+
+/* The same three as rows of a typed table (base/args.h, nl_opt) filling
+ * an nl_cli_device; after the parse, nl_cli_device_opts puts in the
+ * default device and checks it (0, or 2 said). */
+typedef struct nl_cli_device {
+    const char *device; /* NULL: cpu */
+    bool tf32;
+    int bf16; /* --precision: 0 fp32, 1 bf16 */
+} nl_cli_device;
+#define NL_CLI_DEVICE_OPT(d) NL_OPT_STR("device", &(d)->device, NL_CLI_DEVICE_HELP)
+#define NL_CLI_TF32_OPT(d) NL_OPT_SWITCH("tf32", &(d)->tf32, NL_CLI_TF32_HELP)
+#define NL_CLI_PRECISION_OPT(d)                                                                    \
+    NL_OPT_CHOICE("precision", &(d)->bf16, "fp32|bf16", "fp32", NL_CLI_PRECISION_HELP)
+int nl_cli_device_opts(nl_cli_device *d);
 
 /* The backend of a local command: nl_backend_new(device, threads, tf32,
  * bf16), and for a command that trains (train, grad) a refusal, before any

@@ -282,57 +282,35 @@ static int wait_coordinator(const char *path, pid_t pid, const char *log, int ms
     return -1;
 }
 
-/* What `cluster up` starts, from its flags (up_options). */
+/* What `cluster up` starts, from its flags (cluster_flags, then
+ * up_options). */
 typedef struct up_opts {
     long long nodes, threads, seed, timeout, node_timeout, spin, train_resumes;
     uint64_t memory, kv_budget; /* kv_budget 0: the node's default */
-    const char *precision, *model, *config, *resume, *http;
+    const char *model, *config, *resume, *http, *device;
+    bool tf32;
+    int bf16; /* --precision: 0 fp32, 1 bf16 */
     char devices[64][32];
 } up_opts;
 
-/* The flags of `cluster up` checked into o: 0, or the exit status. */
-static int up_options(const nl_flag *flags, up_opts *o)
+/* The checks of `cluster up` past its flag table: 0, or the exit status. */
+static int up_options(const nl_opt *flags, up_opts *o)
 {
-    *o = (up_opts){.nodes = 3,
-                   .timeout = 120,
-                   .node_timeout = 3000,
-                   .spin = DEFAULT_SPIN,
-                   .train_resumes = 3,
-                   .memory = 1ULL << 30};
     int rc;
-    if ((rc = nl_args_int(flags, "nodes", 1, 64, &o->nodes)) ||
-        (rc = nl_args_int(flags, "threads", 0, 1024, &o->threads)) ||
-        (rc = nl_args_int(flags, "seed", 0, INT64_MAX, &o->seed)) ||
-        (rc = nl_args_int(flags, "timeout", 1, 3600, &o->timeout)) ||
-        (rc = nl_args_int(flags, "node-timeout-ms", 100, 3600000, &o->node_timeout)) ||
-        (rc = nl_args_int(flags, "spin", 0, 100000000, &o->spin)) ||
-        (rc = nl_args_int(flags, "train-resumes", 0, 1000, &o->train_resumes)) ||
-        (rc = nl_args_size(flags, "memory", &o->memory)) ||
-        (rc = nl_args_size(flags, "kv-budget", &o->kv_budget)))
-        return rc;
     /* a node whose KV budget takes all it offers keeps nothing for a
      * stage's weights and activations: say so here, in the units typed
      * (each node's log says it too, where nobody looks) */
-    const char *mem_s = nl_args_get(flags, "memory"), *kv_s = nl_args_get(flags, "kv-budget");
+    const char *mem_s = nl_opts_get(flags, "memory"), *kv_s = nl_opts_get(flags, "kv-budget");
     const uint64_t kv = o->kv_budget ? o->kv_budget : 256ULL << 20; /* neuronode's default */
-    if (kv >= o->memory && (mem_s || !nl_args_get(flags, "device") ||
-                            strncmp(nl_args_get(flags, "device"), "cuda:", 5) != 0)) {
+    if (kv >= o->memory && (mem_s || !o->device || strncmp(o->device, "cuda:", 5) != 0)) {
         fprintf(stderr,
                 "cluster up: warning: --memory %s leaves nothing beside the KV budget of %s%s "
                 "for the weights and activations: give more --memory or a smaller --kv-budget\n",
                 mem_s ? mem_s : "1G (the default)", kv_s ? kv_s : "256M",
                 kv_s ? " (--kv-budget)" : " (the default --kv-budget)");
     }
-    o->precision = nl_args_get(flags, "precision");
-    if (o->precision && strcmp(o->precision, "fp32") != 0 && strcmp(o->precision, "bf16") != 0) {
-        fprintf(stderr, "cluster up: --precision %s: not fp32 or bf16\n", o->precision);
-        return 2;
-    }
-    if ((rc = node_devices(nl_args_get(flags, "device"), (int)o->nodes, o->devices)))
+    if ((rc = node_devices(o->device, (int)o->nodes, o->devices)))
         return rc;
-    o->model = nl_args_get(flags, "model");
-    o->config = nl_args_get(flags, "config");
-    o->resume = nl_args_get(flags, "resume");
     if (!!o->model + !!o->config + !!o->resume > 1) {
         fprintf(stderr, "cluster up: --model, --config and --resume exclude each other\n");
         return 2;
@@ -342,7 +320,6 @@ static int up_options(const nl_flag *flags, up_opts *o)
         /* a fair share of the cores each */
         o->threads = cores / o->nodes > 0 ? cores / o->nodes : 1;
     }
-    o->http = nl_args_get(flags, "http");
     return 0;
 }
 
@@ -381,7 +358,7 @@ fail:
 /* Starts the coordinator (coord_bin) on two free loopback ports (nodes,
  * clients) and reads the nodes' endpoint it writes into ep: its pid, or
  * -1 (said; the cluster is taken down). */
-static pid_t start_coordinator(const nl_flag *flags, const up_opts *o, char *coord_bin,
+static pid_t start_coordinator(const nl_opt *flags, const up_opts *o, char *coord_bin,
                                const char *dir, char *cdir, char *ep, size_t ep_cap)
 {
     char path[4096], log[4096], pidf[4096];
@@ -423,9 +400,9 @@ static pid_t start_coordinator(const nl_flag *flags, const up_opts *o, char *coo
                                          "--grow",            "--heartbeat-ms", "--wire",
                                          "--rebalance-after"};
     for (size_t k = 0; k < sizeof passed / sizeof *passed; k++)
-        if (nl_args_get(flags, passed[k] + 2)) {
+        if (nl_opts_get(flags, passed[k] + 2)) {
             cargv[ca++] = (char *)passed[k];
-            cargv[ca++] = (char *)nl_args_get(flags, passed[k] + 2);
+            cargv[ca++] = (char *)nl_opts_get(flags, passed[k] + 2);
         }
     cargv[ca] = NULL;
     snprintf(log, sizeof log, "%s/coord.log", dir);
@@ -452,7 +429,7 @@ static pid_t start_coordinator(const nl_flag *flags, const up_opts *o, char *coo
 
 /* Starts the nodes (node_bin), joining the coordinator at ep: 0 with
  * their pids, or 1 (said; the cluster is taken down). */
-static int start_nodes(const nl_flag *flags, const up_opts *o, char *node_bin, const char *dir,
+static int start_nodes(const nl_opt *flags, const up_opts *o, char *node_bin, const char *dir,
                        const char *cdir, char *ep, pid_t *pids)
 {
     char s_mem[32], s_thr[32], s_spin[32], s_kv[32], coord_pub[4096], key[4096], name[64];
@@ -476,7 +453,7 @@ static int start_nodes(const nl_flag *flags, const up_opts *o, char *node_bin, c
                            dev};
         int na = 13;
         /* a GPU node offers its device's free memory unless --memory caps it */
-        if (nl_args_get(flags, "memory") || strncmp(dev, "cuda:", 5) != 0) {
+        if (nl_opts_get(flags, "memory") || strncmp(dev, "cuda:", 5) != 0) {
             nargv[na++] = "--memory";
             nargv[na++] = s_mem;
         }
@@ -484,11 +461,11 @@ static int start_nodes(const nl_flag *flags, const up_opts *o, char *node_bin, c
             nargv[na++] = "--kv-budget";
             nargv[na++] = s_kv;
         }
-        if (nl_args_get(flags, "tf32"))
+        if (o->tf32)
             nargv[na++] = "--tf32";
-        if (o->precision) {
+        if (o->bf16) {
             nargv[na++] = "--precision";
-            nargv[na++] = (char *)o->precision;
+            nargv[na++] = "bf16";
         }
         /* a local cluster runs as its user, who names the checkpoint
          * directory: the nodes may write wherever that user may */
@@ -496,7 +473,7 @@ static int start_nodes(const nl_flag *flags, const up_opts *o, char *node_bin, c
         nargv[na++] = "/";
         nargv[na] = NULL;
         pids[i - 1] =
-            spawn(nargv, log, pidf, env_spin && !nl_args_get(flags, "spin") ? NULL : s_spin);
+            spawn(nargv, log, pidf, env_spin && !nl_opts_get(flags, "spin") ? NULL : s_spin);
         if (pids[i - 1] < 0) {
             fprintf(stderr, "cluster up: cannot start %s\n", name);
             cluster_down(dir, 1);
@@ -547,12 +524,12 @@ static int wait_ready(const up_opts *o, const char *dir, const char *cdir, pid_t
     return 0;
 }
 
-static int cluster_up(const nl_flag *flags, const char *dir)
+static int cluster_up(const nl_opt *flags, up_opts *op, const char *dir)
 {
-    up_opts o;
-    int rc = up_options(flags, &o);
+    int rc = up_options(flags, op);
     if (rc)
         return rc;
+    const up_opts o = *op;
     char coord_bin[4096], node_bin[4096], cdir[2048], path[4096], ep[600];
     if (find_binary("neurocoord", "coordinator", coord_bin, sizeof coord_bin) ||
         find_binary("neuronode", "node", node_bin, sizeof node_bin)) {
@@ -581,95 +558,102 @@ static int cluster_up(const nl_flag *flags, const char *dir)
     fprintf(stderr,
             "cluster up: coordinator at %s, %lld node(s) with %lld thread(s) each (devices %s); "
             "waiting for the plan...\n",
-            ep, o.nodes, o.threads,
-            nl_args_get(flags, "device") ? nl_args_get(flags, "device") : "cpu");
+            ep, o.nodes, o.threads, o.device ? o.device : "cpu");
     return wait_ready(&o, dir, cdir, coord, pids);
+}
+
+#define CLUSTER_USAGE                                                                              \
+    "neuroctl cluster up|down [--dir DIR] [--nodes N] [--model M | --config C | --resume "         \
+    "MANIFEST] [--memory SIZE] [--threads N] [--spin N] [--kv-budget SIZE] [--device D[,D...]] "   \
+    "[--tf32] [--precision fp32|bf16] [--http HOST:PORT [--http-tokens FILE] [--http-adapter "     \
+    "NAME=FILE]] [--grow auto] [--wire fp32|bf16]"
+#define MAX_FLAGS 40
+
+/* The flags of `cluster up|down` into t, their values into o and *dir;
+ * those neurocoord checks are passed on as given (no destination). */
+static void cluster_flags(nl_opt t[MAX_FLAGS], up_opts *o, const char **dir)
+{
+    *o = (up_opts){.spin = DEFAULT_SPIN};
+    const nl_opt rows[] = {
+        NL_OPT_STR("dir", dir, "the cluster's directory (default .neurollm-cluster)"),
+        NL_OPT_LLONG("nodes", &o->nodes, 1, 64, "3", "up: nodes to start"),
+        NL_OPT_STR("model", &o->model, "up: checkpoint to serve"),
+        NL_OPT_STR("config", &o->config, "up: model config (YAML) instead of a checkpoint"),
+        NL_OPT_STR("resume", &o->resume,
+                   "up: a training manifest (or its directory) to serve and train on from"),
+        NL_OPT_LLONG("seed", &o->seed, 0, INT64_MAX, "0",
+                     "up: initialisation seed without a checkpoint"),
+        NL_OPT_SIZE("memory", &o->memory, "1G",
+                    "up: memory each node offers (a cuda:N node offers its device's free memory "
+                    "unless this is given)"),
+        NL_OPT_STR("device", &o->device,
+                   "up: D[,D...]: each node's device, cpu, cpu-devsim or cuda:N, in node order; "
+                   "the last is repeated (default cpu)"),
+        NL_OPT_SWITCH("tf32", &o->tf32, "up: the nodes' GPU GEMMs may use TF32 (default: FP32)"),
+        NL_OPT_CHOICE("precision", &o->bf16, "fp32|bf16", NULL,
+                      "up: P: the nodes' GEMM precision, fp32 (default) or bf16 (neuronode "
+                      "--precision)"),
+        NL_OPT_LLONG("threads", &o->threads, 0, 1024, NULL,
+                     "up: threads per node (default: the cores shared evenly)"),
+        NL_OPT_SIZE("kv-budget", &o->kv_budget, NULL,
+                    "up: memory of each node for generation sessions' KV caches (default: "
+                    "neuronode's, 256M)"),
+        NL_OPT_LLONG(
+            "spin", &o->spin, 0, 100000000, NULL,
+            "up: iterations a node's idle OpenMP thread spins before it sleeps "
+            "(GOMP_SPINCOUNT; default " STR(DEFAULT_SPIN) ", or the environment's "
+                                                          "GOMP_SPINCOUNT or OMP_WAIT_POLICY)"),
+        NL_OPT_LLONG("node-timeout-ms", &o->node_timeout, 100, 3600000, "3000",
+                     "up: a node silent this long is dead"),
+        NL_OPT_STR("http", &o->http,
+                   "up: the coordinator also serves HTTP on HOST:PORT (neurocoord --http; port 0: "
+                   "a free one); the address is printed and kept in DIR/coord/http"),
+        NL_OPT_STR("http-tokens", NULL,
+                   "up: bearer tokens file for --http (neurocoord --http-tokens)"),
+        NL_OPT_STR("http-adapter", NULL,
+                   "up: NAME=FILE[,NAME=FILE...]: --http also serves each adapter as model NAME "
+                   "(neurocoord --http-adapter)"),
+        NL_OPT_LLONG("train-resumes", &o->train_resumes, 0, 1000, "3",
+                     "up: times a training job goes on by itself after losing a stage "
+                     "(neurocoord --train-resumes)"),
+        NL_OPT_STR("grow", NULL,
+                   "up: auto: the model deepens as nodes join (neurocoord --grow; default off)"),
+        NL_OPT_STR("verify-rate", NULL,
+                   "up: the fraction of a training step's (stage, microbatch)s another node "
+                   "redoes (neurocoord --verify-rate; default 0.05)"),
+        NL_OPT_STR("heartbeat-ms", NULL,
+                   "up: the nodes' heartbeat period (neurocoord --heartbeat-ms; default 1000); a "
+                   "training job's early re-balance waits for 3 of each stage's"),
+        NL_OPT_STR("wire", NULL,
+                   "up: fp32 (default) or bf16: the precision of the hidden states and gradients "
+                   "between stages (neurocoord --wire)"),
+        NL_OPT_STR("rebalance-after", NULL,
+                   "up: a training job's early re-balance after this many steps (neurocoord "
+                   "--rebalance-after; default 3; 0: only at the job's checkpoints)"),
+        NL_OPT_LLONG("timeout", &o->timeout, 1, 3600, "120",
+                     "up: seconds to wait for the cluster to be ready"),
+        NL_OPT_END};
+    _Static_assert(sizeof rows / sizeof rows[0] <= MAX_FLAGS, "MAX_FLAGS: room for the rows");
+    memcpy(t, rows, sizeof rows);
 }
 
 int nl_cmd_cluster(int argc, char **argv)
 {
-    nl_flag flags[] = {
-        {"dir", 1, "the cluster's directory (default .neurollm-cluster)", NULL},
-        {"nodes", 1, "up: nodes to start (default 3)", NULL},
-        {"model", 1, "up: checkpoint to serve", NULL},
-        {"config", 1, "up: model config (YAML) instead of a checkpoint", NULL},
-        {"resume", 1, "up: a training manifest (or its directory) to serve and train on from",
-         NULL},
-        {"seed", 1, "up: initialisation seed without a checkpoint (default 0)", NULL},
-        {"memory", 1,
-         "up: memory each node offers (default 1G; a cuda:N node offers its device's free "
-         "memory unless this is given)",
-         NULL},
-        {"device", 1,
-         "up: D[,D...]: each node's device, cpu, cpu-devsim or cuda:N, in node order; the last "
-         "is repeated (default cpu)",
-         NULL},
-        {"tf32", 0, "up: the nodes' GPU GEMMs may use TF32 (default: FP32)", NULL},
-        {"precision", 1,
-         "up: P: the nodes' GEMM precision, fp32 (default) or bf16 (neuronode --precision)",
-         NULL},
-        {"threads", 1, "up: threads per node (default: the cores shared evenly)", NULL},
-        {"kv-budget", 1,
-         "up: memory of each node for generation sessions' KV caches (default: neuronode's, "
-         "256M)",
-         NULL},
-        {"spin", 1,
-         "up: iterations a node's idle OpenMP thread spins before it sleeps (GOMP_SPINCOUNT; "
-         "default " STR(DEFAULT_SPIN) ", or the environment's GOMP_SPINCOUNT or "
-                                      "OMP_WAIT_POLICY)",
-         NULL},
-        {"node-timeout-ms", 1, "up: a node silent this long is dead (default 3000)", NULL},
-        {"http", 1,
-         "up: the coordinator also serves HTTP on HOST:PORT (neurocoord --http; port 0: a free "
-         "one); the address is printed and kept in DIR/coord/http",
-         NULL},
-        {"http-tokens", 1, "up: bearer tokens file for --http (neurocoord --http-tokens)", NULL},
-        {"http-adapter", 1,
-         "up: NAME=FILE[,NAME=FILE...]: --http also serves each adapter as model NAME "
-         "(neurocoord --http-adapter)",
-         NULL},
-        {"train-resumes", 1,
-         "up: times a training job goes on by itself after losing a stage (neurocoord "
-         "--train-resumes; default 3)",
-         NULL},
-        {"grow", 1,
-         "up: auto: the model deepens as nodes join (neurocoord --grow; default off)", NULL},
-        {"verify-rate", 1,
-         "up: the fraction of a training step's (stage, microbatch)s another node redoes "
-         "(neurocoord --verify-rate; default 0.05)",
-         NULL},
-        {"heartbeat-ms", 1,
-         "up: the nodes' heartbeat period (neurocoord --heartbeat-ms; default 1000); a training "
-         "job's early re-balance waits for 3 of each stage's",
-         NULL},
-        {"wire", 1,
-         "up: fp32 (default) or bf16: the precision of the hidden states and gradients between "
-         "stages (neurocoord --wire)",
-         NULL},
-        {"rebalance-after", 1,
-         "up: a training job's early re-balance after this many steps (neurocoord "
-         "--rebalance-after; default 3; 0: only at the job's checkpoints)",
-         NULL},
-        {"timeout", 1, "up: seconds to wait for the cluster to be ready (default 120)", NULL},
-        {0}};
-    const char *usage =
-        "neuroctl cluster up|down [--dir DIR] [--nodes N] [--model M | --config C | "
-        "--resume MANIFEST] "
-        "[--memory SIZE] [--threads N] [--spin N] [--kv-budget SIZE] [--device D[,D...]] "
-        "[--tf32] [--precision fp32|bf16] [--http HOST:PORT [--http-tokens FILE] [--http-adapter "
-        "NAME=FILE]] [--grow auto] [--wire fp32|bf16]";
+    up_opts o;
+    const char *dir = NULL;
+    nl_opt flags[MAX_FLAGS];
+    cluster_flags(flags, &o, &dir);
     const char *pos[1] = {NULL};
     int npos = 0;
-    int rc = nl_args_parse(argc, argv, flags, usage, pos, 1, &npos);
+    int rc = nl_opts_parse(argc, argv, flags, CLUSTER_USAGE, pos, 1, &npos);
     if (rc)
         return rc == 1 ? 0 : rc;
-    const char *dir = nl_args_get(flags, "dir");
     if (!dir)
         dir = ".neurollm-cluster";
     if (npos == 1 && strcmp(pos[0], "up") == 0)
-        return cluster_up(flags, dir);
+        return cluster_up(flags, &o, dir);
     if (npos == 1 && strcmp(pos[0], "down") == 0)
         return cluster_down(dir, 0);
-    nl_args_help(stderr, usage, flags);
+    nl_opts_help(stderr, CLUSTER_USAGE, flags);
     return 2;
 }

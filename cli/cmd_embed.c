@@ -227,6 +227,22 @@ static nl_status cluster_model(nl_remote *r, nl_tokenizer **tok, int64_t *vocab,
     return s;
 }
 
+/* Where an embed job's result goes: B vectors of d. */
+typedef struct embed_out {
+    int B, d;
+    float *emb;
+} embed_out;
+
+static nl_status take_embeddings(void *ctx, const nl_wire_msg *m, nl_error *err)
+{
+    const embed_out *o = ctx;
+    const nl_tensor *t = &m->frames[0].t;
+    if (t->dtype != NL_DTYPE_F32 || t->ndim != 2 || t->shape[0] != o->B || t->shape[1] != o->d)
+        return nl_error_set(err, NL_ERR_SHAPE, "result: not F32 [%d, %d] embeddings", o->B, o->d);
+    memcpy(o->emb, t->data, (size_t)o->B * o->d * sizeof *o->emb);
+    return NL_OK;
+}
+
 /* One embed job: B texts of T ids in, B vectors of d into emb (adapter:
  * an absolute path the cluster reads, or NULL). */
 static nl_status embed_batch(nl_remote *r, const int32_t *ids, const int32_t *lengths, int B, int T,
@@ -241,29 +257,9 @@ static nl_status embed_batch(nl_remote *r, const int32_t *ids, const int32_t *le
         {.key = "adapter", .kind = NL_WIRE_PARAM_STR, .s = (char *)adapter}};
     if ((st = nl_remote_submit(r, NL_JOB_EMBED, ps, adapter ? 2 : 1, ids, B, T, err)) != NL_OK)
         return st;
-    nl_rx rx;
-    nl_rx_init(&rx);
-    int got = 0;
-    const double deadline = nl_remote_now() + r->timeout_ms / 1e3;
-    while ((st = nl_remote_recv(r, &rx, deadline, err)) == NL_OK) {
-        if (nl_remote_job_failed(&rx, err)) {
-            st = err->status;
-            break;
-        }
-        if (rx.msg.type == NL_MSG_RESULT && rx.msg.nframes == 1) {
-            const nl_tensor *t = &rx.msg.frames[0].t;
-            if (t->dtype != NL_DTYPE_F32 || t->ndim != 2 || t->shape[0] != B || t->shape[1] != d) {
-                st = nl_error_set(err, NL_ERR_SHAPE, "result: not F32 [%d, %d] embeddings", B, d);
-                break;
-            }
-            memcpy(emb, t->data, (size_t)B * d * sizeof *emb);
-            got = 1;
-        }
-        if (rx.msg.type == NL_MSG_JOB_STATUS && rx.msg.u.job_status.state == NL_JOB_DONE && got)
-            break;
-    }
-    nl_rx_free(&rx);
-    return st;
+    embed_out o = {B, d, emb};
+    return nl_client_await_result(r->s, nl_client_now() + r->timeout_ms / 1e3, take_embeddings, &o,
+                                  err);
 }
 
 int nl_cmd_remote_embed(int argc, char **argv)

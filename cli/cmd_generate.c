@@ -102,60 +102,67 @@ static void emit_token(int32_t id, void *ctx)
     fflush(stdout);
 }
 
-/* The flags of neuroctl generate (a copy of which nl_args_parse fills
- * in). */
-static const nl_flag generate_flags[] = {
-    {"model", 1, "checkpoint (safetensors)", NULL},
-    {"prompt-tokens", 1, "prompt as comma-separated token ids, e.g. 1,2,3", NULL},
-    {"prompt", 1, "prompt as text, through the model's tokenizer; prints text", NULL},
-    {"max-new", 1,
-     "tokens to generate (default 32); the prompt and they fill at most max_seq_len (as the "
-     "HTTP API's max_tokens): past it generation stops there and says so",
-     NULL},
-    {"temperature", 1, "sampling temperature; 0 is greedy (default 0.8)", NULL},
-    {"top-p", 1, "nucleus sampling mass in (0, 1] (default 0.95)", NULL},
-    {"seed", 1, "sampling seed (default 0)", NULL},
-    {"adapter", 1, "LoRA adapter file to apply (neuroctl finetune --out)", NULL},
-    {"threads", 1, "worker threads (default: all cores)", NULL},
-    {"warmup", 0,
-     "run the prompt once before the timed generation (warm figures in the "
-     "report on stderr, for benchmarks)",
-     NULL},
-    NL_CLI_DEVICE_FLAG,
-    NL_CLI_TF32_FLAG,
-    NL_CLI_PRECISION_FLAG,
-    {0}};
+/* neuroctl generate's command line. */
+typedef struct gen_args {
+    const char *model, *ptoks, *ptext, *adapter;
+    int max_new, threads;
+    double temp, top_p;
+    long long seed;
+    bool warmup;
+    nl_cli_device dev;
+} gen_args;
+
+#define GEN_USAGE                                                                                  \
+    "neuroctl generate --model MODEL (--prompt-tokens 1,2,3 | --prompt TEXT) [--max-new N] "       \
+    "[--temperature X] [--top-p P] [--seed S] [--threads N] [--warmup] [--adapter A] "             \
+    "[--device D] [--tf32] [--precision fp32|bf16]" NL_CLI_CLUSTER_USAGE("generate")
+
+/* The flags into a: 0 to run, -1 after --help, else the exit code (said). */
+static int gen_flags(gen_args *a, int argc, char **argv)
+{
+    *a = (gen_args){0};
+    nl_opt flags[] = {
+        NL_OPT_STR("model", &a->model, "checkpoint (safetensors)"),
+        NL_OPT_STR("prompt-tokens", &a->ptoks, "prompt as comma-separated token ids, e.g. 1,2,3"),
+        NL_OPT_STR("prompt", &a->ptext,
+                   "prompt as text, through the model's tokenizer; prints text"),
+        NL_OPT_INT("max-new", &a->max_new, 1, 1 << 20, "32",
+                   "tokens to generate; the prompt and they fill at most max_seq_len (as the "
+                   "HTTP API's max_tokens): past it generation stops there and says so"),
+        NL_OPT_DOUBLE("temperature", &a->temp, 0.0, 100.0, "0.8",
+                      "sampling temperature; 0 is greedy"),
+        NL_OPT_DOUBLE("top-p", &a->top_p, 1e-6, 1.0, "0.95", "nucleus sampling mass in (0, 1]"),
+        NL_OPT_LLONG("seed", &a->seed, 0, INT64_MAX, "0", "sampling seed"),
+        NL_OPT_STR("adapter", &a->adapter, "LoRA adapter file to apply (neuroctl finetune --out)"),
+        NL_OPT_INT("threads", &a->threads, 0, 1024, NULL, "worker threads (default: all cores)"),
+        NL_OPT_SWITCH("warmup", &a->warmup,
+                      "run the prompt once before the timed generation (warm figures in the "
+                      "report on stderr, for benchmarks)"),
+        NL_CLI_DEVICE_OPT(&a->dev),
+        NL_CLI_TF32_OPT(&a->dev),
+        NL_CLI_PRECISION_OPT(&a->dev),
+        NL_OPT_END};
+    int rc = nl_opts_parse(argc, argv, flags, GEN_USAGE, NULL, 0, NULL);
+    if (rc)
+        return rc == 1 ? -1 : rc;
+    if ((rc = nl_opts_require("neuroctl generate", GEN_USAGE, flags, "model", (const char *)NULL)))
+        return rc;
+    if (!a->ptoks == !a->ptext) {
+        fprintf(stderr, "neuroctl generate: give one of --prompt-tokens and --prompt\n\n");
+        nl_opts_help(stderr, GEN_USAGE, flags);
+        return 2;
+    }
+    return nl_cli_device_opts(&a->dev);
+}
 
 int nl_cmd_generate(int argc, char **argv)
 {
-    nl_flag flags[sizeof generate_flags / sizeof *generate_flags];
-    memcpy(flags, generate_flags, sizeof flags);
-    const char *usage = "neuroctl generate --model MODEL (--prompt-tokens 1,2,3 | --prompt TEXT) "
-                        "[--max-new N] [--temperature X] [--top-p P] [--seed S] [--threads N] "
-                        "[--warmup] [--adapter A] [--device D] [--tf32] [--precision "
-                        "fp32|bf16]" NL_CLI_CLUSTER_USAGE("generate");
-    int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
+    gen_args a;
+    int rc = gen_flags(&a, argc, argv);
     if (rc)
-        return rc == 1 ? 0 : rc;
-    const char *model = nl_args_get(flags, "model"), *ptoks = nl_args_get(flags, "prompt-tokens");
-    const char *ptext = nl_args_get(flags, "prompt"), *device = NULL;
-    long long max_new = 32, seed = 0, threads = 0;
-    double temp = 0.8, top_p = 0.95;
-    int tf32 = 0, bf16 = 0;
-    if ((rc = nl_cli_require("generate", usage, flags, "model", (const char *)NULL)))
-        return rc;
-    if (!ptoks == !ptext) {
-        fprintf(stderr, "neuroctl generate: give one of --prompt-tokens and --prompt\n\n");
-        nl_args_help(stderr, usage, flags);
-        return 2;
-    }
-    if ((rc = nl_args_int(flags, "max-new", 1, 1 << 20, &max_new)) ||
-        (rc = nl_args_int(flags, "seed", 0, INT64_MAX, &seed)) ||
-        (rc = nl_args_int(flags, "threads", 0, 1024, &threads)) ||
-        (rc = nl_args_double(flags, "temperature", 0.0, 100.0, &temp)) ||
-        (rc = nl_args_double(flags, "top-p", 1e-6, 1.0, &top_p)) ||
-        (rc = nl_cli_device_flags(flags, &device, &tf32, &bf16)))
-        return rc;
+        return rc < 0 ? 0 : rc;
+    const char *model = a.model, *ptoks = a.ptoks, *ptext = a.ptext;
+    const long long max_new = a.max_new;
     int32_t *prompt = NULL;
     int P = 0;
     if (ptoks && (P = nl_cli_parse_ids(ptoks, &prompt)) < 0)
@@ -166,14 +173,15 @@ int nl_cmd_generate(int argc, char **argv)
     nl_sampler smp = {0};
     nl_tokenizer *tok = NULL;
     nl_lora *lo = NULL;
-    const char *adapter = nl_args_get(flags, "adapter");
+    const char *adapter = a.adapter;
     emit_ctx ec = {.as_text = ptext != NULL};
     rc = 1;
     if (nl_checkpoint_tokenizer(model, &tok, &err) != NL_OK)
         goto out;
     if (!tok && nl_tokenizer_new_bytes(&tok, &err) != NL_OK) /* a byte-level model */
         goto out;
-    if (nl_cli_backend_new(&be, device, (int)threads, tf32, bf16, 0, &err) != NL_OK ||
+    if (nl_cli_backend_new(&be, a.dev.device, a.threads, a.dev.tf32, a.dev.bf16, 0, &err) !=
+            NL_OK ||
         nl_checkpoint_load(&m, be, model, 0, -1, 1, 1, NULL, &err) != NL_OK)
         goto out;
     /* a prompt's prefill is the most rows a forward takes here */
@@ -202,11 +210,11 @@ int nl_cmd_generate(int argc, char **argv)
         nl_error_set(&err, NL_ERR_NOMEM, "out of memory");
         goto out;
     }
-    if (nl_sampler_init(&smp, (int)m->cfg.vocab_size, (float)temp, (float)top_p, (uint64_t)seed,
-                        &err) != NL_OK)
+    if (nl_sampler_init(&smp, (int)m->cfg.vocab_size, (float)a.temp, (float)a.top_p,
+                        (uint64_t)a.seed, &err) != NL_OK)
         goto out;
-    if (generate(m, prompt, P, (int)max_new, &smp, nl_args_get(flags, "warmup") != NULL, &ec.clock,
-                 emit_token, &ec, &err) != NL_OK)
+    if (generate(m, prompt, P, (int)max_new, &smp, a.warmup, &ec.clock, emit_token, &ec, &err) !=
+        NL_OK)
         goto out;
     printf("\n");
     fflush(stdout);

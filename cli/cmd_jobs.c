@@ -19,14 +19,11 @@ int nl_cmd_jobs(int argc, char **argv)
     if (rc)
         return rc == 1 ? 0 : rc;
     nl_error err = {0};
-    nl_remote r = {0};
     json_t *st = NULL;
-    if (nl_remote_open(&r, flags, 60, &err) != NL_OK || nl_remote_status(&r, &st, &err) != NL_OK) {
-        nl_remote_close(&r);
+    if (nl_remote_status_once(flags, &st, &err) != NL_OK) {
         fprintf(stderr, "neuroctl jobs: %s (%s)\n", err.msg, nl_status_str(err.status));
         return 1;
     }
-    nl_remote_close(&r);
     const json_t *jobs = json_object_get(st, "jobs");
     printf("%-6s %-9s %-8s %s\n", "job", "kind", "state", "client");
     size_t i;

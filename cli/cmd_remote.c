@@ -41,6 +41,27 @@ static const char *adapter_flag(const nl_flag *flags, char *buf, int *rc)
 
 /* ---------------------------------------------------------------- forward */
 
+/* Where a forward job's result goes: the logits of the B x T ids sent. */
+typedef struct forward_out {
+    int B, T;
+    int64_t shape[3];
+    float *logits, aux;
+} forward_out;
+
+static nl_status take_logits(void *ctx, const nl_wire_msg *m, nl_error *err)
+{
+    forward_out *o = ctx;
+    const nl_tensor *t = &m->frames[0].t;
+    if (t->dtype != NL_DTYPE_F32 || t->ndim != 3 || t->shape[0] != o->B || t->shape[1] != o->T)
+        return nl_error_set(err, NL_ERR_SHAPE, "result: logits of an unexpected shape");
+    if (!(o->logits = malloc(m->frames[0].len + 1)))
+        return nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+    memcpy(o->shape, t->shape, sizeof o->shape);
+    memcpy(o->logits, t->data, m->frames[0].len);
+    o->aux = (float)m->u.hop.aux;
+    return NL_OK;
+}
+
 int nl_cmd_remote_forward(int argc, char **argv)
 {
     nl_flag flags[] = {{"tokens", 1, "input: safetensors with 'tokens' I32/I64 [B, T]", NULL},
@@ -68,12 +89,9 @@ int nl_cmd_remote_forward(int argc, char **argv)
         {.key = "adapter", .kind = NL_WIRE_PARAM_STR, .s = (char *)adapter}};
     nl_error err = {0};
     nl_remote r = {0};
-    nl_rx rx;
-    nl_rx_init(&rx);
     int32_t *ids = NULL;
-    float *logits = NULL, aux = 0.0f;
-    int B = 0, T = 0, got = 0;
-    int64_t shape[3] = {0, 0, 0};
+    int B = 0, T = 0;
+    forward_out fo = {0};
     nl_st_writer *w = NULL;
     rc = 1;
     if (nl_cli_read_ids_file(in, "tokens", &ids, &B, &T, &err) != NL_OK ||
@@ -81,47 +99,26 @@ int nl_cmd_remote_forward(int argc, char **argv)
         nl_remote_submit(&r, NL_JOB_FORWARD, adapter ? ap : NULL, adapter ? 1 : 0, ids, B, T,
                          &err) != NL_OK)
         goto out;
-    const double deadline = nl_remote_now() + r.timeout_ms / 1e3;
-    while (nl_remote_recv(&r, &rx, deadline, &err) == NL_OK) {
-        if (nl_remote_job_failed(&rx, &err))
-            goto out;
-        if (rx.msg.type == NL_MSG_RESULT && rx.msg.nframes == 1) {
-            const nl_tensor *t = &rx.msg.frames[0].t;
-            if (t->dtype != NL_DTYPE_F32 || t->ndim != 3 || t->shape[0] != B || t->shape[1] != T) {
-                nl_error_set(&err, NL_ERR_SHAPE, "result: logits of an unexpected shape");
-                goto out;
-            }
-            memcpy(shape, t->shape, sizeof shape);
-            logits = malloc(rx.msg.frames[0].len + 1);
-            if (!logits) {
-                nl_error_set(&err, NL_ERR_NOMEM, "out of memory");
-                goto out;
-            }
-            memcpy(logits, t->data, rx.msg.frames[0].len);
-            aux = (float)rx.msg.u.hop.aux;
-            got = 1;
-        }
-        if (rx.msg.type == NL_MSG_JOB_STATUS && rx.msg.u.job_status.state == NL_JOB_DONE && got)
-            break;
-    }
-    if (!got)
+    fo.B = B;
+    fo.T = T;
+    if (nl_client_await_result(r.s, nl_client_now() + r.timeout_ms / 1e3, take_logits, &fo, &err) !=
+        NL_OK)
         goto out;
     int64_t scalar[1] = {0};
     if (!(w = nl_st_writer_new())) {
         nl_error_set(&err, NL_ERR_NOMEM, "out of memory");
         goto out;
     }
-    if (nl_st_writer_add(w, "logits", NL_DTYPE_F32, 3, shape, logits, &err) != NL_OK ||
-        nl_st_writer_add(w, "aux_loss", NL_DTYPE_F32, 0, scalar, &aux, &err) != NL_OK ||
+    if (nl_st_writer_add(w, "logits", NL_DTYPE_F32, 3, fo.shape, fo.logits, &err) != NL_OK ||
+        nl_st_writer_add(w, "aux_loss", NL_DTYPE_F32, 0, scalar, &fo.aux, &err) != NL_OK ||
         nl_st_writer_write(w, out, &err) != NL_OK)
         goto out;
     rc = 0;
 out:
     nl_st_writer_destroy(&w);
-    nl_rx_free(&rx);
     nl_remote_close(&r);
     free(ids);
-    free(logits);
+    free(fo.logits);
     if (rc)
         fprintf(stderr, "neuroctl forward: %s (%s)\n", err.msg, nl_status_str(err.status));
     return rc;
@@ -167,7 +164,7 @@ static void gen_cancel(nl_remote *r, nl_rx *rx, uint64_t job)
     fprintf(stderr, "\ninterrupted: cancelling job %llu\n", (unsigned long long)job);
     if (!job || nl_remote_cancel(r, job, &e) != NL_OK)
         return;
-    const double by = nl_remote_now() + 2.0;
+    const double by = nl_client_now() + 2.0;
     while (nl_remote_recv(r, rx, by, &e) == NL_OK)
         if (rx->msg.type == NL_MSG_JOB_STATUS && rx->msg.u.job_status.job_id == job &&
             rx->msg.u.job_status.state != NL_JOB_RUNNING)
@@ -226,10 +223,10 @@ static int gen_receive(nl_remote *r, nl_rx *rx, nl_tokenizer *tok, int32_t *ids,
                        int *count, nl_gen_clock *clock, nl_error *err)
 {
     uint64_t job = 0; /* once the coordinator names it */
-    double deadline = nl_remote_now() + r->timeout_ms / 1e3;
+    double deadline = nl_client_now() + r->timeout_ms / 1e3;
     for (;;) {
         /* in slices, to see Ctrl-C */
-        const double now = nl_remote_now(), slice = now + 0.2 < deadline ? now + 0.2 : deadline;
+        const double now = nl_client_now(), slice = now + 0.2 < deadline ? now + 0.2 : deadline;
         nl_status st = gen_interrupted ? NL_OK : nl_remote_recv(r, rx, slice, err);
         if (gen_interrupted) {
             gen_cancel(r, rx, job);
@@ -237,18 +234,18 @@ static int gen_receive(nl_remote *r, nl_rx *rx, nl_tokenizer *tok, int32_t *ids,
         }
         if (st == NL_ERR_TIMEOUT && slice < deadline)
             continue;
-        if (st != NL_OK || nl_remote_job_failed(rx, err))
+        if (st != NL_OK || nl_client_job_failed(rx, err))
             return 1;
         if (rx->msg.type == NL_MSG_JOB_STATUS && rx->msg.u.job_status.state == NL_JOB_RUNNING) {
             if (job) /* news of a running job: e.g. it lost a stage and resumes */
                 fprintf(stderr, "neuroctl generate: %s\n", rx->msg.u.job_status.message);
             job = rx->msg.u.job_status.job_id;
-            deadline = nl_remote_now() + r->timeout_ms / 1e3;
+            deadline = nl_client_now() + r->timeout_ms / 1e3;
         }
         if (rx->msg.type != NL_MSG_TOKEN)
             continue;
         job = rx->msg.u.token.job_id;
-        deadline = nl_remote_now() + r->timeout_ms / 1e3; /* progress */
+        deadline = nl_client_now() + r->timeout_ms / 1e3; /* progress */
         for (uint32_t i = 0; i < rx->msg.u.token.ntokens && *count < max_new; i++) {
             const int32_t id = (int32_t)rx->msg.u.token.tokens[i];
             nl_gen_clock_tick(clock);
@@ -423,14 +420,11 @@ int nl_cmd_status(int argc, char **argv)
     if (rc)
         return rc == 1 ? 0 : rc;
     nl_error err = {0};
-    nl_remote r = {0};
     json_t *st = NULL;
-    if (nl_remote_open(&r, flags, 60, &err) != NL_OK || nl_remote_status(&r, &st, &err) != NL_OK) {
-        nl_remote_close(&r);
+    if (nl_remote_status_once(flags, &st, &err) != NL_OK) {
         fprintf(stderr, "neuroctl status: %s (%s)\n", err.msg, nl_status_str(err.status));
         return 1;
     }
-    nl_remote_close(&r);
     if (nl_args_get(flags, "json")) {
         json_object_del(st, "tokenizer");
         char *s = json_dumps(st, JSON_INDENT(2));
@@ -497,23 +491,19 @@ int nl_cmd_status(int argc, char **argv)
 
 int nl_remote_wait_ready(const char *dir, int timeout_s, char *state, size_t cap)
 {
-    const double deadline = nl_remote_now() + timeout_s;
+    const double deadline = nl_client_now() + timeout_s;
     nl_flag flags[] = {{"cluster", 1, "", dir}, {"timeout", 1, "", "5"}, NL_REMOTE_FLAGS, {0}};
-    while (nl_remote_now() < deadline) {
-        nl_remote r = {0};
+    while (nl_client_now() < deadline) {
         json_t *st = NULL;
         nl_error err = {0};
-        if (nl_remote_open(&r, flags, 60, &err) == NL_OK &&
-            nl_remote_status(&r, &st, &err) == NL_OK) {
+        if (nl_remote_status_once(flags, &st, &err) == NL_OK) {
             snprintf(state, cap, "%s", json_string_value(json_object_get(st, "state")));
             int ready = json_is_true(json_object_get(st, "ready"));
             json_decref(st);
-            nl_remote_close(&r);
             if (ready)
                 return 0;
         } else {
             snprintf(state, cap, "%s", err.msg);
-            nl_remote_close(&r);
         }
         struct timespec ts = {0, 200000000L};
         nanosleep(&ts, NULL);

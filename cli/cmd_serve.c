@@ -28,6 +28,7 @@
 #include "core/sampler.h"
 #include "core/tokenizer.h"
 #include "serve/http.h"
+#include "serve/http_flags.h"
 
 /* ---------------------------------------------------------------- jobs */
 
@@ -546,58 +547,57 @@ static void respawn_with_spin(int argc, char **argv, long long spin)
     (void)argc;
 }
 
-/* neuroctl serve's flags. */
-static nl_flag flags[] = {
-    {"model", 1, "checkpoint (safetensors) to serve", NULL},
-    {"adapter", 1,
-     "LoRA adapter file (neuroctl finetune --out) merged into the served weights at load; "
-     "/v1/models names the model MODEL+ADAPTER",
-     NULL},
-    {"http", 1, "HOST:PORT to listen on (default 127.0.0.1:8080; port 0: any free port)", NULL},
-    {"http-tokens", 1, "file of bearer tokens, one a line (required off loopback)", NULL},
-    {"http-per-ip", 1, "connections one client address may hold at once (default 32)", NULL},
-    {"http-deadline", 1,
-     "seconds a non-streaming completion may take: then it is cancelled and answered 504 "
-     "(default 600)",
-     NULL},
-    {"http-allow-host", 1,
-     "NAME[,NAME...]: without tokens, Host names a request may carry besides localhost and "
-     "IP addresses (others are refused 403: a web page cannot reach the API by DNS rebinding)",
-     NULL},
-    {"max-batch", 1, "generations decoded together (default 16)", NULL},
-    {"prefill-chunk", 1, "prompt positions per step while others decode (default 64)", NULL},
-    {"max-requests", 1, "concurrent /v1 requests before 429 (default 64)", NULL},
-    {"http-timeout", 1, "seconds a connection may sit idle, e.g. a slow client (default 30)",
-     NULL},
-    {"threads", 1, "worker threads (default: all cores)", NULL},
-    {"spin", 1,
-     "iterations an idle OpenMP thread spins before it sleeps (GOMP_SPINCOUNT; default 1000, "
-     "or the environment's GOMP_SPINCOUNT or OMP_WAIT_POLICY)",
-     NULL},
-    NL_CLI_DEVICE_FLAG,
-    NL_CLI_PRECISION_FLAG,
-    NL_CLI_TF32_FLAG,
-    {0}};
+/* neuroctl serve's command line. */
+typedef struct serve_args {
+    const char *model, *adapter;
+    nl_http_opts http;
+    int max_batch, chunk, threads;
+    long long spin;
+    nl_cli_device dev;
+} serve_args;
 
-/* The server's options from the flags; 0, or the exit code. */
-static int http_opts(nl_http_opts *ho)
+#define SERVE_USAGE                                                                                \
+    "neuroctl serve --model MODEL [--adapter A] [--http HOST:PORT] [--http-tokens FILE] "          \
+    "[--max-batch N] [--prefill-chunk N] [--max-requests N] [--http-timeout S] [--http-per-ip N] " \
+    "[--http-deadline S] [--http-allow-host NAMES] [--threads N] [--spin N] [--device D] [--tf32]"
+
+/* The flags into a: 0 to run, -1 after --help, else the exit code (said). */
+static int serve_flags(serve_args *a, int argc, char **argv)
 {
-    long long max_req = 64, timeout = 30, per_ip = 32, deadline = 600;
-    int rc;
-    if ((rc = nl_args_int(flags, "max-requests", 1, 4096, &max_req)) ||
-        (rc = nl_args_int(flags, "http-timeout", 1, 86400, &timeout)) ||
-        (rc = nl_args_int(flags, "http-per-ip", 1, 65536, &per_ip)) ||
-        (rc = nl_args_int(flags, "http-deadline", 1, 86400 * 7, &deadline)))
-        return rc;
-    const char *addr = nl_args_get(flags, "http");
-    *ho = (nl_http_opts){.addr = addr ? addr : "127.0.0.1:8080",
-                         .tokens_path = nl_args_get(flags, "http-tokens"),
-                         .max_requests = (int)max_req,
-                         .timeout_s = (int)timeout,
-                         .per_ip = (int)per_ip,
-                         .deadline_s = (int)deadline,
-                         .allow_hosts = nl_args_get(flags, "http-allow-host")};
-    return 0;
+    nl_http_opts *h = &a->http;
+    *a = (serve_args){.http.addr = "127.0.0.1:8080"};
+    nl_opt flags[] = {
+        NL_OPT_STR("model", &a->model, "checkpoint (safetensors) to serve"),
+        NL_OPT_STR("adapter", &a->adapter,
+                   "LoRA adapter file (neuroctl finetune --out) merged into the served weights at "
+                   "load; /v1/models names the model MODEL+ADAPTER"),
+        NL_OPT_STR("http", &h->addr,
+                   "HOST:PORT to listen on (default 127.0.0.1:8080; port 0: any free port)"),
+        NL_HTTP_FLAG_ROWS(h),
+        NL_OPT_INT("max-batch", &a->max_batch, 1, 256, "16", "generations decoded together"),
+        NL_OPT_INT("prefill-chunk", &a->chunk, 1, 4096, "64",
+                   "prompt positions per step while others decode"),
+        NL_OPT_INT("max-requests", &h->max_requests, 1, 4096, "64",
+                   "concurrent /v1 requests before 429"),
+        NL_OPT_INT("http-timeout", &h->timeout_s, 1, 86400, "30",
+                   "seconds a connection may sit idle, e.g. a slow client"),
+        NL_OPT_INT("threads", &a->threads, 0, 1024, NULL, "worker threads (default: all cores)"),
+        NL_OPT_LLONG("spin", &a->spin, 0, 100000000, NULL,
+                     "iterations an idle OpenMP thread spins before it sleeps (GOMP_SPINCOUNT; "
+                     "default 1000, or the environment's GOMP_SPINCOUNT or OMP_WAIT_POLICY)"),
+        NL_CLI_DEVICE_OPT(&a->dev),
+        NL_CLI_PRECISION_OPT(&a->dev),
+        NL_CLI_TF32_OPT(&a->dev),
+        NL_OPT_END};
+    a->spin = 1000;
+    int rc = nl_opts_parse(argc, argv, flags, SERVE_USAGE, NULL, 0, NULL);
+    if (rc)
+        return rc == 1 ? -1 : rc;
+    if (!a->model) {
+        nl_opts_help(stderr, SERVE_USAGE, flags);
+        return 2;
+    }
+    return nl_cli_device_opts(&a->dev);
 }
 
 /* The "start" event, built with jansson: the model's file name is the
@@ -641,34 +641,18 @@ static int engine_load(engine *e, nl_backend **be, const char *model, const char
 
 int nl_cmd_serve(int argc, char **argv)
 {
-    const char *usage = "neuroctl serve --model MODEL [--adapter A] [--http HOST:PORT] "
-                        "[--http-tokens FILE] "
-                        "[--max-batch N] [--prefill-chunk N] [--max-requests N] [--http-timeout S] "
-                        "[--http-per-ip N] [--http-deadline S] [--http-allow-host NAMES] "
-                        "[--threads N] "
-                        "[--spin N] [--device D] [--tf32]";
-    int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
+    serve_args a;
+    int rc = serve_flags(&a, argc, argv);
     if (rc)
-        return rc == 1 ? 0 : rc;
-    const char *model = nl_args_get(flags, "model"), *device = NULL;
-    nl_http_opts ho;
-    long long max_batch = 16, chunk = 64, threads = 0, spin = 1000;
-    int tf32 = 0, bf16 = 0;
-    if (!model) {
-        nl_args_help(stderr, usage, flags);
-        return 2;
-    }
-    if ((rc = nl_args_int(flags, "max-batch", 1, 256, &max_batch)) ||
-        (rc = nl_args_int(flags, "prefill-chunk", 1, 4096, &chunk)) ||
-        (rc = nl_args_int(flags, "threads", 0, 1024, &threads)) ||
-        (rc = nl_args_int(flags, "spin", 0, 100000000, &spin)) ||
-        (rc = nl_cli_device_flags(flags, &device, &tf32, &bf16)) || (rc = http_opts(&ho)))
-        return rc;
+        return rc < 0 ? 0 : rc;
+    const char *model = a.model;
+    nl_http_opts ho = a.http;
+    long long spin = a.spin;
     respawn_with_spin(argc, argv, spin);
     nl_error err = {0};
     nl_backend *be = NULL;
-    engine e = {.max_batch = (int)max_batch, .chunk = (int)chunk, .t_start = now_s()};
-    const char *slash = strrchr(model, '/'), *adapter = nl_args_get(flags, "adapter");
+    engine e = {.max_batch = a.max_batch, .chunk = a.chunk, .t_start = now_s()};
+    const char *slash = strrchr(model, '/'), *adapter = a.adapter;
     e.name = slash ? slash + 1 : model;
     char merged_name[512];
     if (adapter) { /* the weights served are the merged ones: the name says so */
@@ -691,7 +675,7 @@ int nl_cmd_serve(int argc, char **argv)
     sigaddset(&sigs, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &sigs, NULL);
     signal(SIGPIPE, SIG_IGN);
-    if (engine_load(&e, &be, model, adapter, device, (int)threads, tf32, bf16, &err))
+    if (engine_load(&e, &be, model, adapter, a.dev.device, a.threads, a.dev.tf32, a.dev.bf16, &err))
         goto out;
     if (pthread_create(&th, NULL, engine_main, &e) != 0) {
         nl_error_set(&err, NL_ERR_INTERNAL, "cannot start the engine thread");

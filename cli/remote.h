@@ -1,8 +1,10 @@
 /* neuroctl's connection to a coordinator: the flags that name one
- * (--coordinator/--key/--coordinator-key or --cluster DIR), opening a
- * CURVE DEALER socket and saying HELLO, receiving with a deadline,
- * submitting and cancelling jobs, and the cluster status. Shared by the
- * cluster commands (forward, generate, status, train). */
+ * (--coordinator/--key/--coordinator-key or --cluster DIR) and the
+ * connection they open; receiving with a deadline, submitting and
+ * cancelling jobs and the cluster status go through net/client.h (the
+ * protocol's client side, shared with neurocoord --http) with the
+ * connection's --timeout. Shared by the cluster commands (forward,
+ * generate, status, train). */
 #ifndef NL_CLI_REMOTE_H
 #define NL_CLI_REMOTE_H
 
@@ -10,6 +12,7 @@
 #include <stdint.h>
 
 #include "base/args.h"
+#include "net/client.h"
 #include "net/transport.h"
 
 /* The flags of a command that talks to a cluster, to put in its nl_flag
@@ -40,9 +43,6 @@ typedef struct nl_remote {
     int timeout_ms; /* --timeout */
 } nl_remote;
 
-/* Monotonic seconds, for deadlines. */
-double nl_remote_now(void);
-
 /* Connect as the flags say (--timeout, default default_timeout_s) and
  * exchange HELLO within the timeout. On failure the error names the flag
  * or the coordinator at fault; call nl_remote_close either way. */
@@ -50,13 +50,16 @@ nl_status nl_remote_open(nl_remote *r, const nl_flag *flags, int default_timeout
 /* Close and wipe the keys; safe on a zeroed or closed nl_remote. */
 void nl_remote_close(nl_remote *r);
 
-/* Wait until deadline (nl_remote_now() seconds) for the next message into
+/* Wait until deadline (nl_client_now() seconds) for the next message into
  * rx; passing the deadline is NL_ERR_TIMEOUT, an ERROR from the
  * coordinator becomes an error with its code and message. */
 nl_status nl_remote_recv(nl_remote *r, nl_rx *rx, double deadline, nl_error *err);
 
 /* Fetch the cluster status JSON; the caller frees it with json_decref. */
 nl_status nl_remote_status(nl_remote *r, json_t **out, nl_error *err);
+/* Open a connection as the flags say, fetch the status and close: the
+ * status and NL_OK, or the error (nothing printed). */
+nl_status nl_remote_status_once(const nl_flag *flags, json_t **out, nl_error *err);
 
 /* Send JOB_SUBMIT: kind, np params (borrowed), and ids as one I32 [B, T]
  * frame, or no frame when ids is NULL. */
@@ -65,9 +68,5 @@ nl_status nl_remote_submit(nl_remote *r, nl_job_kind kind, const nl_wire_param *
 
 /* Send JOB_CANCEL for job_id. */
 nl_status nl_remote_cancel(nl_remote *r, uint64_t job_id, nl_error *err);
-
-/* Whether rx is a JOB_STATUS that ends a job as failed or cancelled; if
- * so, err gets "job N failed: MESSAGE" (or "was cancelled"). */
-int nl_remote_job_failed(const nl_rx *rx, nl_error *err);
 
 #endif

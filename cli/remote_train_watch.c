@@ -368,7 +368,7 @@ static nl_status on_status(rtrain_watch *w, const nl_rx *rx, nl_error *err)
         json_decref(ev);
         return st;
     }
-    if (nl_remote_job_failed(rx, err)) {
+    if (nl_client_job_failed(rx, err)) {
         json_decref(ev);
         w->ended = w->failed = 1;
         return err->status;
@@ -441,10 +441,10 @@ nl_status rtrain_follow(nl_remote *r, rtrain_watch *w, nl_error *err)
     nl_rx rx;
     nl_rx_init(&rx);
     nl_status st = NL_OK;
-    double last = nl_remote_now(), cancel_by = 0;
+    double last = nl_client_now(), cancel_by = 0;
     int cancelled = 0;
     while (!w->ended && st == NL_OK) {
-        const double now = nl_remote_now();
+        const double now = nl_client_now();
         if (rtrain_interrupted && !cancel_by)
             cancel_by = now + CANCEL_WAIT_S;
         if (rtrain_interrupted > 1) {
@@ -475,7 +475,7 @@ nl_status rtrain_follow(nl_remote *r, rtrain_watch *w, nl_error *err)
             nl_error_clear(err); /* not an error: a job that ends well must not report it */
             continue;
         }
-        last = nl_remote_now();
+        last = nl_client_now();
         if (st == NL_OK && rx.msg.type == NL_MSG_JOB_STATUS)
             st = on_status(w, &rx, err);
     }

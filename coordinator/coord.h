@@ -9,6 +9,7 @@
 #define NL_COORD_H
 
 #include <signal.h>
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "base/status.h"
@@ -37,14 +38,14 @@ typedef struct nl_coord_opts {
     int plan_rows;         /* rows of one request the plan must fit */
     double replan_margin;  /* at rest, a join re-plans if the bottleneck gets better by this
                             * fraction (0.1: 10%; 1: never) */
-    int plaintext;         /* INSECURE: no CURVE */
+    bool plaintext;        /* INSECURE: no CURVE */
     int grow_auto;         /* --grow auto: the model deepens as nodes join (coord_grow.c) */
     double verify_rate;    /* --verify-rate: the fraction of a training step's (stage,
                             * microbatch)s redone by another node (coord_train_verify.c) */
     int wire;              /* --wire: nl_wire_precision of the stages' hops (told in ASSIGN) */
     const char *relay_listen; /* --relay-listen: the relay's endpoint (NULL: --listen's host,
                                * a free port), bound when two such neighbours need it */
-    int probe_inbound;        /* --probe-inbound: a joining node whose data endpoint does not
+    bool probe_inbound;       /* --probe-inbound: a joining node whose data endpoint does not
                                * answer a TCP connect is planned as --no-inbound (coord_probe.c) */
     int rebalance_after;   /* --rebalance-after: a training job judges the stages' observed
                             * speeds once after this many steps (0: only at checkpoints) */

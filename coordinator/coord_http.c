@@ -25,73 +25,27 @@
 #define HELLO_MS 5000
 #define POLL_MS 500
 
-double coord_http_now(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
 /* ---------------------------------------------------------------- client */
 
+/* A connection of this server to the coordinator's clients' endpoint
+ * (net/client.h): control-sized, its own key admitted in memory. */
 nl_status coord_http_open_client(nl_coord_http *h, nl_sock **out, nl_error *err)
 {
-    nl_sock_opts so = {.type = ZMQ_DEALER,
-                       .keys = h->plaintext ? NULL : &h->kp,
-                       .server_key = h->plaintext ? NULL : h->server_key,
-                       .plaintext = h->plaintext,
-                       .name = "http-client",
-                       .linger_ms = 0,
-                       .kind = NL_SOCK_CONTROL};
-    nl_rx rx;
-    nl_rx_init(&rx);
-    nl_status st;
-    if ((st = nl_sock_new(out, h->net, &so, err)) != NL_OK ||
-        (st = nl_sock_connect(*out, h->endpoint, err)) != NL_OK ||
-        (st = nl_sock_hello(*out, NL_ROLE_CLIENT, HELLO_MS, &rx, err)) != NL_OK) {
-        nl_error_prefix(err, "coordinator %s", h->endpoint);
-        nl_sock_destroy(out);
-    }
-    nl_rx_free(&rx);
-    return st;
-}
-
-nl_status coord_http_send_ref(nl_sock *s, nl_msg_type type, uint64_t job, nl_error *err)
-{
-    nl_wire_msg m;
-    nl_wire_msg_init(&m);
-    nl_wire_msg_reset(&m, type);
-    m.u.job_ref.job_id = job;
-    nl_status st = nl_sock_send(s, NULL, 0, &m, err);
-    nl_wire_msg_free(&m);
-    return st;
+    const nl_client_opts co = {.endpoint = h->endpoint,
+                               .keys = &h->kp,
+                               .server_key = h->server_key,
+                               .plaintext = h->plaintext,
+                               .name = "http-client",
+                               .kind = NL_SOCK_CONTROL,
+                               .timeout_ms = HELLO_MS};
+    return nl_client_connect(out, h->net, &co, err);
 }
 
 /* The status as JSON (the caller decrefs), or NULL. */
 json_t *coord_http_query_status(nl_sock *s, nl_error *err)
 {
-    nl_rx rx;
-    nl_rx_init(&rx);
     json_t *out = NULL;
-    const double by = coord_http_now() + 5.0;
-    if (coord_http_send_ref(s, NL_MSG_JOB_QUERY, 0, err) != NL_OK)
-        return NULL;
-    while (!out && coord_http_now() < by) {
-        nl_status st = nl_sock_recv(s, &rx, (int)((by - coord_http_now()) * 1e3) + 1, err);
-        if (st == NL_ERR_TIMEOUT)
-            continue;
-        if (st != NL_OK)
-            break;
-        if (rx.msg.type == NL_MSG_JOB_STATUS && rx.msg.u.job_status.job_id == 0 &&
-            rx.msg.nframes == 1) {
-            json_error_t je;
-            out = json_loadb((const char *)rx.msg.frames[0].t.data, rx.msg.frames[0].len, 0, &je);
-            if (!out)
-                nl_error_set(err, NL_ERR_PROTO, "status: bad JSON: %s", je.text);
-            break;
-        }
-    }
-    nl_rx_free(&rx);
+    nl_client_status(s, nl_client_now() + 5.0, &out, err);
     return out;
 }
 
@@ -140,7 +94,7 @@ static void *poller_main(void *arg)
     nl_coord_http *h = arg;
     nl_sock *s = NULL;
     nl_error e = {0};
-    double last_tick = coord_http_now(), last_stats = 0.0;
+    double last_tick = nl_client_now(), last_stats = 0.0;
     uint64_t last_tokens = UINT64_MAX; /* the cluster's count at last_tick */
     pthread_mutex_lock(&h->mu);
     while (!h->stop) {
@@ -155,7 +109,7 @@ static void *poller_main(void *arg)
             nl_sock_destroy(&s);
         }
         pthread_mutex_lock(&h->mu);
-        const double t = coord_http_now();
+        const double t = nl_client_now();
         /* tokens/s of every generation on the cluster, HTTP's and other
          * clients' (neuroctl generate), from the coordinator's count */
         if (last_tokens == UINT64_MAX) {

@@ -13,6 +13,7 @@
 
 #include "coord_http.h"
 #include "core/tokenizer.h"
+#include "net/client.h"
 #include "net/transport.h"
 
 #define MAX_NODES 256
@@ -45,7 +46,7 @@ typedef struct card_mark {
 
 /* The last training job the coordinator reported on (its reports'
  * "start", "step", "done" ... events): what the dashboard's job card
- * shows, during the run and after it. Times are coord_http_now()'s. */
+ * shows, during the run and after it. Times are nl_client_now()'s. */
 typedef struct train_card {
     uint64_t job;       /* 0: no training job seen yet */
     char state[16];     /* running, done, cancelled, failed */
@@ -105,12 +106,9 @@ struct nl_coord_http {
     char state[256];
 };
 
-/* Monotonic seconds. */
-double coord_http_now(void);
-/* A new client connection to the coordinator (the in-memory key). */
+/* A new client connection to the coordinator (the in-memory key;
+ * net/client.h speaks the protocol: nl_client_send_ref, nl_client_now). */
 nl_status coord_http_open_client(nl_coord_http *h, nl_sock **out, nl_error *err);
-/* Send JOB_CANCEL / JOB_QUERY {job}. */
-nl_status coord_http_send_ref(nl_sock *s, nl_msg_type type, uint64_t job, nl_error *err);
 /* The coordinator's status over s (NULL with err set). */
 json_t *coord_http_query_status(nl_sock *s, nl_error *err);
 /* Keep a status (takes st; its tokenizer and chat template once); with

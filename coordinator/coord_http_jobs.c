@@ -171,15 +171,7 @@ nl_status coord_http_gen_start(void *ctx, const nl_http_completion *rq, void **j
     if (rq->logprobs >= 0) /* net/genparams.h: 1 + k */
         ps[np++] =
             (nl_wire_param){.key = "logprobs", .kind = NL_WIRE_PARAM_INT, .i = rq->logprobs + 1};
-    nl_wire_msg m;
-    nl_wire_msg_init(&m);
-    nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
-    m.u.job_submit = (nl_msg_job_submit){NL_JOB_GENERATE, np, ps};
-    const int64_t shape[2] = {1, P};
-    nl_wire_frame_set(&m.frames[0], prompt, NL_DTYPE_I32, shape, 2);
-    m.nframes = 1;
-    st = nl_sock_send(g->s, NULL, 0, &m, err);
-    nl_wire_msg_free(&m);
+    st = nl_client_submit(g->s, NL_JOB_GENERATE, ps, (int)np, prompt, 1, P, err);
     if (st != NL_OK)
         goto out;
     pthread_mutex_lock(&h->mu);
@@ -246,14 +238,14 @@ nl_http_next coord_http_gen_next(void *ctx, void *jp, int32_t *id, const char **
     gen *g = jp;
     nl_rx rx;
     nl_rx_init(&rx);
-    const double by = coord_http_now() + timeout_ms / 1e3;
+    const double by = nl_client_now() + timeout_ms / 1e3;
     *text = "";
     *len = 0;
     while (g->consumed == g->n && !g->done && !g->failed) {
         pthread_mutex_lock(&h->mu);
         const int stop = h->stop;
         pthread_mutex_unlock(&h->mu);
-        const double left = by - coord_http_now();
+        const double left = by - nl_client_now();
         if (stop) {
             g->failed = 1;
             snprintf(g->why, sizeof g->why, "the coordinator is stopping");
@@ -304,14 +296,14 @@ void coord_http_gen_end(void *ctx, void *jp)
     while (!g->done && !g->failed && nl_sock_recv(g->s, &rx, 0, &e) == NL_OK)
         gen_take(g, &rx);
     if (!g->done && !g->failed) {
-        const double by = coord_http_now() + CANCEL_WAIT_S;
+        const double by = nl_client_now() + CANCEL_WAIT_S;
         /* the coordinator names the job in its first answer */
-        while (!g->job && !g->failed && coord_http_now() < by)
+        while (!g->job && !g->failed && nl_client_now() < by)
             if (nl_sock_recv(g->s, &rx, 100, &e) == NL_OK)
                 gen_take(g, &rx);
         if (g->job && !g->failed &&
-            coord_http_send_ref(g->s, NL_MSG_JOB_CANCEL, g->job, &e) == NL_OK)
-            while (!g->failed && coord_http_now() < by)
+            nl_client_send_ref(g->s, NL_MSG_JOB_CANCEL, g->job, &e) == NL_OK)
+            while (!g->failed && nl_client_now() < by)
                 if (nl_sock_recv(g->s, &rx, 100, &e) == NL_OK)
                     gen_take(g, &rx);
         if (g->cancelled)
@@ -385,19 +377,11 @@ nl_status coord_http_embed(void *ctx, int model, const char *text, size_t len, c
     const nl_wire_param ps[2] = {
         {.key = "lengths", .kind = NL_WIRE_PARAM_STR, .s = lengths},
         {.key = "adapter", .kind = NL_WIRE_PARAM_STR, .s = (char *)adapter}};
-    nl_wire_msg m;
-    nl_wire_msg_init(&m);
-    nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
-    m.u.job_submit = (nl_msg_job_submit){NL_JOB_EMBED, adapter ? 2 : 1, (nl_wire_param *)ps};
-    const int64_t shape[2] = {1, P};
-    nl_wire_frame_set(&m.frames[0], p, NL_DTYPE_I32, shape, 2);
-    m.nframes = 1;
     if (st == NL_OK && (st = coord_http_open_client(h, &s, err)) == NL_OK)
-        st = nl_sock_send(s, NULL, 0, &m, err);
-    nl_wire_msg_free(&m);
-    const double by = coord_http_now() + 60.0;
+        st = nl_client_submit(s, NL_JOB_EMBED, ps, adapter ? 2 : 1, p, 1, P, err);
+    const double by = nl_client_now() + 60.0;
     *vec = NULL;
-    while (st == NL_OK && coord_http_now() < by) {
+    while (st == NL_OK && nl_client_now() < by) {
         if (nl_sock_recv(s, &rx, 250, err) != NL_OK)
             continue;
         const nl_msg_job_status *js = &rx.msg.u.job_status;

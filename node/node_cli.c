@@ -19,9 +19,9 @@
     "neuronode join ENDPOINT --key NODE.key --coordinator-key COORD.pub [--device D] "             \
     "[--memory SIZE] [flags]"
 
-static void help(FILE *f, const nl_flag *flags)
+static void help(FILE *f, const nl_opt *flags)
 {
-    nl_args_help(f, USAGE, flags);
+    nl_opts_help(f, USAGE, flags);
     fprintf(f,
             "\nJoins the coordinator at ENDPOINT (its --listen, e.g. tcp://host:7000; clients use\n"
             "its --client-listen) and serves the layers it assigns until SIGINT or SIGTERM,\n"
@@ -60,10 +60,9 @@ static void help(FILE *f, const nl_flag *flags)
 #ifdef NL_TEST_HOOKS
     fprintf(f, "This is a test build: NL_TEST_INJECT_NAN_STEP=K (K+: from K on) and\n"
                "NL_TEST_INJECT_NAN_STAGE=S put a NaN into the gradient of step K on stage S.\n"
-               "NL_TEST_LIE=KIND:Q[:SEED[:FROM]] makes the stage falsify a fraction Q of its\n"
-               "training outputs from step FROM on (KIND: bitflip, noise, stale, skip, backward)\n"
-               "or, KIND verifier, of its answers as a verifier (mute: it withholds its cases);\n"
-               "NL_TEST_LIE_NODE=NAME:\n"
+               "NL_TEST_LIE=KIND:Q[:SEED] makes the stage falsify a fraction Q of its training\n"
+               "outputs (KIND: bitflip, noise, stale, skip, backward) or, KIND verifier, of its\n"
+               "answers as a verifier (mute: it withholds its cases); NL_TEST_LIE_NODE=NAME:\n"
                "only on the node of that --name\n"
                "(docs/security.md).\n");
 #endif
@@ -114,9 +113,9 @@ static int load_identity(const char *key, const char *state_dir, bool plaintext,
 }
 
 #ifdef NL_TEST_HOOKS
-/* Test hook NL_TEST_LIE=KIND:Q[:SEED[:FROM]]: the stage lies on a fraction
- * Q of its work from training step FROM on (node/stage_train_lie.c); NL_TEST_LIE_NODE=NAME: only
- * the node of that --name. 0, or 2 (usage) for a malformed value. */
+/* Test hook NL_TEST_LIE=KIND:Q[:SEED]: the stage lies on a fraction Q of
+ * its work (node/stage_train_lie.c); NL_TEST_LIE_NODE=NAME: only the node
+ * of that --name. 0, or 2 (usage) for a malformed value. */
 static int read_lie(nl_node_opts *o)
 {
     const char *lie = getenv("NL_TEST_LIE");
@@ -124,11 +123,11 @@ static int read_lie(nl_node_opts *o)
         return 0;
     char kind[16] = "";
     double q = 0;
-    unsigned long long seed = 1, from = 0;
-    int k = sscanf(lie, "%15[a-z]:%lf:%llu:%llu", kind, &q, &seed, &from);
+    unsigned long long seed = 1;
+    int k = sscanf(lie, "%15[a-z]:%lf:%llu", kind, &q, &seed);
     if (k < 2 || nl_stage_lie_kind(kind) < 0 || !(q >= 0 && q <= 1)) {
         fprintf(stderr,
-                "neuronode: NL_TEST_LIE=%s: expected KIND:Q[:SEED[:FROM]], KIND one of "
+                "neuronode: NL_TEST_LIE=%s: expected KIND:Q[:SEED], KIND one of "
                 "bitflip, noise, stale, skip, backward, verifier, mute, Q in [0, 1]\n",
                 lie);
         return 2;
@@ -138,7 +137,6 @@ static int read_lie(nl_node_opts *o)
         o->inject_lie_kind = nl_stage_lie_kind(kind);
         o->inject_lie_rate = q;
         o->inject_lie_seed = seed;
-        o->inject_lie_from = from;
     }
     return 0;
 }
@@ -191,24 +189,79 @@ static int read_test_hooks(nl_node_opts *o)
 }
 #endif
 
-static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypair *kp)
+/* What the flags give besides nl_node_opts: the identity, the log level
+ * and the values nl_node_opts holds in another unit. */
+typedef struct node_args {
+    const char *key, *coord_key, *state_dir;
+    bool tf32;
+    int level, batch_wait_ms;
+    double connect_s;
+} node_args;
+
+#define MAX_FLAGS 32
+
+/* neuronode join's flags: one row a flag, into t. */
+static void node_flags(nl_opt t[MAX_FLAGS], nl_node_opts *o, node_args *a)
 {
-    long long threads = 0, batch_decode = 0, prefill_chunk = 0, batch_wait = -1;
-    double connect_s = 30;
-    const char *level = nl_args_get(flags, "log-level");
-    o->plaintext = nl_args_get(flags, "plaintext") != NULL;
-    o->listen = nl_args_get(flags, "listen") ? nl_args_get(flags, "listen") : "tcp://127.0.0.1:*";
-    o->no_inbound = nl_args_get(flags, "no-inbound") != NULL;
-    o->name = nl_args_get(flags, "name");
-    o->device = nl_args_get(flags, "device") ? nl_args_get(flags, "device") : "cpu";
-    o->kv_budget = 256ULL << 20;
+    const nl_opt rows[] = {
+        NL_OPT_STR("key", &a->key, "FILE: this node's secret key (neuroctl keygen)"),
+        NL_OPT_STR("coordinator-key", &a->coord_key,
+                   "FILE: the coordinator's public key (coordinator.pub)"),
+        NL_OPT_SIZE("memory", &o->memory_bytes, NULL,
+                    "SIZE: memory offered for weights, activations and caches (e.g. 8G); "
+                    "required on the CPU; on a GPU it caps the device's free memory offered"),
+        NL_OPT_STR("state-dir", &a->state_dir, "DIR: holds node.key when --key is not given"),
+        NL_OPT_INT("threads", &o->threads, 0, 4096, NULL,
+                   "N: compute threads (default: all cores)"),
+        NL_OPT_STR("device", &o->device,
+                   "D[,D...]: where the stage computes: cpu (default), cpu-devsim or cuda:N; "
+                   "several (cuda:0,1 or cpu,cpu) make data-parallel replicas"),
+        NL_OPT_SWITCH("tf32", &a->tf32, "GPU GEMMs may use TF32 tensor-core math (default: FP32)"),
+        NL_OPT_CHOICE("precision", &o->bf16, "fp32|bf16", "fp32",
+                      "P: GEMM precision, fp32 or bf16 (CPU with AVX512-BF16 or AMX, or a CUDA "
+                      "GPU of compute capability 8.0 or newer; FP32 master weights, accumulation "
+                      "and optimizer)"),
+        NL_OPT_SIZE("reserve", &o->reserve_bytes, NULL,
+                    "SIZE: a GPU's memory kept free, not offered (default: 256M or 5% of the "
+                    "device, whichever is larger)"),
+        NL_OPT_STR("listen", &o->listen, "ENDPOINT: data socket (default tcp://127.0.0.1:*)"),
+        NL_OPT_SWITCH("no-inbound", &o->no_inbound,
+                      "nothing can connect to this node (NAT, a firewall): it dials its previous "
+                      "stage, which must accept inbound connections, instead of being dialed"),
+        NL_OPT_SIZE("kv-budget", &o->kv_budget, "256M", "SIZE: KV caches of generation sessions"),
+        NL_OPT_INT("batch-decode", &o->batch_decode, 1, 1024, NULL,
+                   "N: generation sessions' decode steps run together in one batch, at most "
+                   "(default 32)"),
+        NL_OPT_INT("prefill-chunk", &o->prefill_chunk, 1, 65536, NULL,
+                   "N: prompt positions a batch takes, at most: a longer prompt is run in chunks "
+                   "so it does not stall the others (default 64)"),
+        NL_OPT_INT("batch-wait-ms", &a->batch_wait_ms, 0, 10000, NULL,
+                   "MS: longest wait for the other active sessions' hops before a batch runs "
+                   "(default 20; 0: run at once)"),
+        NL_OPT_STR("name", &o->name, "NAME: shown in log lines (default node-<id>)"),
+        NL_OPT_CHOICE("log-level", &a->level, NL_LOG_LEVELS, "info",
+                      "debug, info, warn, error or off"),
+        NL_OPT_DOUBLE("connect-timeout", &a->connect_s, 0.001, 86400, "30",
+                      "SECONDS: keep trying the coordinator this long"),
+        NL_OPT_STR("checkpoint-root", &o->ckpt_root,
+                   "DIR: training checkpoint shards may only be written under it (default: "
+                   "<state-dir>/checkpoints; without either, none are written)"),
+        NL_OPT_SWITCH("plaintext", &o->plaintext,
+                      "INSECURE: no CURVE encryption or authentication (debugging only)"),
+        NL_OPT_END};
+    _Static_assert(sizeof rows / sizeof rows[0] <= MAX_FLAGS, "MAX_FLAGS: room for the rows");
+    memcpy(t, rows, sizeof rows);
+}
+
+/* The checks and defaults past the table: 0, or the exit code (said). */
+static int parse_opts(const nl_opt *flags, const node_args *a, nl_node_opts *o, char *coord_key,
+                      nl_keypair *kp)
+{
     /* checkpoint shards: under --checkpoint-root, else <state-dir>/checkpoints,
      * else nowhere (CKPT_REQ refused) */
     static char state_root[1100];
-    const char *state_dir = nl_args_get(flags, "state-dir");
-    o->ckpt_root = nl_args_get(flags, "checkpoint-root");
-    if (!o->ckpt_root && state_dir) {
-        snprintf(state_root, sizeof state_root, "%s/checkpoints", state_dir);
+    if (!o->ckpt_root && a->state_dir) {
+        snprintf(state_root, sizeof state_root, "%s/checkpoints", a->state_dir);
         o->ckpt_root = state_root;
     }
     o->inject_nan_stage = -1;
@@ -216,23 +269,8 @@ static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypa
     if (read_test_hooks(o) != 0)
         return 2;
 #endif
-    o->tf32 = nl_args_get(flags, "tf32") != NULL;
-    const char *prec = nl_args_get(flags, "precision");
-    o->bf16 = prec && strcmp(prec, "bf16") == 0;
-    if (prec && !o->bf16 && strcmp(prec, "fp32") != 0) {
-        fprintf(stderr, "neuronode: --precision %s: not fp32 or bf16\n", prec);
-        return 2;
-    }
-    o->has_reserve = nl_args_get(flags, "reserve") != NULL;
-    if (nl_args_size(flags, "memory", &o->memory_bytes) ||
-        nl_args_size(flags, "kv-budget", &o->kv_budget) ||
-        nl_args_size(flags, "reserve", &o->reserve_bytes) ||
-        nl_args_int(flags, "threads", 0, 4096, &threads) ||
-        nl_args_int(flags, "batch-decode", 1, 1024, &batch_decode) ||
-        nl_args_int(flags, "prefill-chunk", 1, 65536, &prefill_chunk) ||
-        nl_args_int(flags, "batch-wait-ms", 0, 10000, &batch_wait) ||
-        nl_args_double(flags, "connect-timeout", 0.001, 86400, &connect_s))
-        return 2;
+    o->tf32 = a->tf32;
+    o->has_reserve = nl_opts_get(flags, "reserve") != NULL;
     nl_error derr;
     int replicas = 0;
     if (nl_node_parse_devices(o->device, NULL, &replicas, &derr) != NL_OK) {
@@ -241,98 +279,41 @@ static int parse_opts(nl_flag *flags, nl_node_opts *o, char *coord_key, nl_keypa
     }
     /* a GPU measures what it offers; the CPU offers what it is told */
     const bool own_memory = strncmp(o->device, "cuda:", 5) == 0 || o->inject_mem_total;
-    if (!own_memory && !nl_args_get(flags, "memory")) {
+    if (!own_memory && !nl_opts_get(flags, "memory")) {
         fprintf(stderr, "neuronode: --memory SIZE is required on --device %s (e.g. --memory 8G)\n",
                 o->device);
         return 2;
     }
-    if (nl_args_get(flags, "memory") && o->memory_bytes == 0) {
-        fprintf(stderr, "neuronode: --memory 0: nothing to offer\n");
-        return 2;
-    }
-    if (level && nl_log_parse_level(level) < 0) {
-        fprintf(stderr, "neuronode: --log-level %s: use debug, info, warn, error or off\n", level);
-        return 2;
-    }
-    if (level)
-        nl_log_set_level((nl_log_level)nl_log_parse_level(level));
-    o->threads = (int)threads;
-    o->batch_decode = (int)batch_decode;
-    o->prefill_chunk = (int)prefill_chunk;
-    o->batch_wait_ms = batch_wait < 0 ? 0 : batch_wait == 0 ? -1 : (int)batch_wait;
-    o->connect_timeout_ms = (int)(connect_s * 1000);
+    nl_log_set_level((nl_log_level)a->level);
+    o->batch_wait_ms = a->batch_wait_ms < 0 ? 0 : a->batch_wait_ms == 0 ? -1 : a->batch_wait_ms;
+    o->connect_timeout_ms = (int)(a->connect_s * 1000);
     if (o->plaintext) {
         NL_WARN("INSECURE: --plaintext: no encryption and no authentication on any socket");
     } else {
-        const char *ck = nl_args_get(flags, "coordinator-key");
         nl_error err;
-        if (!ck) {
+        if (!a->coord_key) {
             fprintf(stderr, "neuronode: --coordinator-key COORD.pub is required (the "
                             "coordinator's <state-dir>/coordinator.pub)\n");
             return 2;
         }
-        if (nl_keys_load_public(coord_key, ck, &err) != NL_OK) {
+        if (nl_keys_load_public(coord_key, a->coord_key, &err) != NL_OK) {
             fprintf(stderr, "neuronode: --coordinator-key: %s\n", err.msg);
             return 1;
         }
         o->coordinator_key = coord_key;
     }
-    int rc =
-        load_identity(nl_args_get(flags, "key"), nl_args_get(flags, "state-dir"), o->plaintext, kp);
+    int rc = load_identity(a->key, a->state_dir, o->plaintext, kp);
     o->keys = kp;
     return rc;
 }
 
 int nl_node_cli(int argc, char **argv, nl_node_opts *o, char *coord_key, nl_keypair *kp)
 {
-    static nl_flag flags[] = {
-        {"key", 1, "FILE: this node's secret key (neuroctl keygen)", NULL},
-        {"coordinator-key", 1, "FILE: the coordinator's public key (coordinator.pub)", NULL},
-        {"memory", 1,
-         "SIZE: memory offered for weights, activations and caches (e.g. 8G); required on the "
-         "CPU; on a GPU it caps the device's free memory offered",
-         NULL},
-        {"state-dir", 1, "DIR: holds node.key when --key is not given", NULL},
-        {"threads", 1, "N: compute threads (default: all cores)", NULL},
-        {"device", 1,
-         "D[,D...]: where the stage computes: cpu (default), cpu-devsim or cuda:N; several "
-         "(cuda:0,1 or cpu,cpu) make data-parallel replicas",
-         NULL},
-        {"tf32", 0, "GPU GEMMs may use TF32 tensor-core math (default: FP32)", NULL},
-        {"precision", 1,
-         "P: GEMM precision, fp32 (default) or bf16 (CPU with AVX512-BF16 or AMX, or a CUDA GPU "
-         "of compute capability 8.0 or newer; FP32 master weights, accumulation and optimizer)",
-         NULL},
-        {"reserve", 1,
-         "SIZE: a GPU's memory kept free, not offered (default: 256M or 5% of the device, "
-         "whichever is larger)",
-         NULL},
-        {"listen", 1, "ENDPOINT: data socket (default tcp://127.0.0.1:*)", NULL},
-        {"no-inbound", 0,
-         "nothing can connect to this node (NAT, a firewall): it dials its previous stage, "
-         "which must accept inbound connections, instead of being dialed",
-         NULL},
-        {"kv-budget", 1, "SIZE: KV caches of generation sessions (default 256M)", NULL},
-        {"batch-decode", 1,
-         "N: generation sessions' decode steps run together in one batch, at most (default 32)",
-         NULL},
-        {"prefill-chunk", 1,
-         "N: prompt positions a batch takes, at most: a longer prompt is run in chunks so it "
-         "does not stall the others (default 64)",
-         NULL},
-        {"batch-wait-ms", 1,
-         "MS: longest wait for the other active sessions' hops before a batch runs (default 20; "
-         "0: run at once)",
-         NULL},
-        {"name", 1, "NAME: shown in log lines (default node-<id>)", NULL},
-        {"log-level", 1, "debug, info, warn, error or off (default info)", NULL},
-        {"connect-timeout", 1, "SECONDS: keep trying the coordinator this long (default 30)", NULL},
-        {"checkpoint-root", 1,
-         "DIR: training checkpoint shards may only be written under it (default: "
-         "<state-dir>/checkpoints; without either, none are written)",
-         NULL},
-        {"plaintext", 0, "INSECURE: no CURVE encryption or authentication (debugging only)", NULL},
-        {NULL, 0, NULL, NULL}};
+    node_args a = {.batch_wait_ms = -1};
+    o->listen = "tcp://127.0.0.1:*";
+    o->device = "cpu";
+    nl_opt flags[MAX_FLAGS];
+    node_flags(flags, o, &a);
     const char *pos[2] = {NULL, NULL};
     int npos = 0;
     for (int i = 1; i < argc; i++)
@@ -344,16 +325,14 @@ int nl_node_cli(int argc, char **argv, nl_node_opts *o, char *coord_key, nl_keyp
         fprintf(stderr, "usage: %s\n(see neuronode --help)\n", USAGE);
         return 2;
     }
-    int rc = nl_args_parse(argc - 1, argv + 1, flags, USAGE, pos, 1, &npos);
+    int rc = nl_opts_parse(argc - 1, argv + 1, flags, USAGE, pos, 1, &npos);
     if (rc)
         return rc == 1 ? 0 : 2;
     if (npos != 1) {
         fprintf(stderr, "neuronode join: the coordinator's ENDPOINT is required\n");
         return 2;
     }
-    nl_log_set_name(nl_args_get(flags, "name") ? nl_args_get(flags, "name") : "node");
+    nl_log_set_name(o->name ? o->name : "node");
     o->coordinator = pos[0];
-    if ((rc = parse_opts(flags, o, coord_key, kp)) != 0)
-        return rc;
-    return -1;
+    return (rc = parse_opts(flags, &a, o, coord_key, kp)) != 0 ? rc : -1;
 }

@@ -1,6 +1,8 @@
 /* base/args: the flag table's parse, its typed getters, and the suggestion
  * for an unknown flag (issue 34: --max-tokens, --step and --port came with
  * none). */
+#include <string.h>
+
 #include "base/args.h"
 #include "check.h"
 
@@ -82,9 +84,84 @@ static void test_parse(void)
     CHECK(nl_args_parse(2, noval, g, "u", NULL, 0, NULL) == 2, "a value is missing");
 }
 
+/* The typed table: defaults from the row, each type and range checked,
+ * --help from the same rows, and an unknown flag suggested as before. */
+struct gen_opts {
+    const char *model;
+    bool warmup;
+    int max_new;
+    long long seed;
+    double top_p;
+    uint64_t kv;
+    int wire;
+};
+
+static void gen_table(nl_opt *t, struct gen_opts *o)
+{
+    *o = (struct gen_opts){.seed = 7, .wire = -1};
+    nl_opt rows[] = {NL_OPT_STR("model", &o->model, "checkpoint (safetensors)"),
+                     NL_OPT_SWITCH("warmup", &o->warmup, "run the prompt once first"),
+                     NL_OPT_INT("max-new", &o->max_new, 1, 100, "32", "tokens to generate"),
+                     NL_OPT_LLONG("seed", &o->seed, 0, INT64_MAX, NULL, "sampling seed"),
+                     NL_OPT_DOUBLE("top-p", &o->top_p, 0.0, 1.0, "0.9", "nucleus sampling mass"),
+                     NL_OPT_SIZE("kv-budget", &o->kv, "256M", "KV caches"),
+                     NL_OPT_CHOICE("wire", &o->wire, "fp32|bf16", "fp32", "hidden states"),
+                     NL_OPT_END};
+    memcpy(t, rows, sizeof rows);
+}
+
+static void test_opts(void)
+{
+    nl_opt t[8];
+    struct gen_opts o;
+    gen_table(t, &o);
+    char *none[] = {"generate", NULL};
+    CHECK(nl_opts_parse(1, none, t, "u", NULL, 0, NULL) == 0, "no flags");
+    CHECK(o.max_new == 32 && o.top_p == 0.9 && o.kv == 256ull << 20 && o.wire == 0,
+          "defaults: %d %g %llu %d", o.max_new, o.top_p, (unsigned long long)o.kv, o.wire);
+    CHECK(o.seed == 7 && !o.model && !o.warmup, "no default: the destination keeps its value");
+    CHECK(!nl_opts_get(t, "max-new"), "a default is not a given value");
+
+    gen_table(t, &o);
+    const char *pos[1];
+    int np = 0;
+    char *ok[] = {"generate", "--model",    "m.st",    "--warmup", "--max-new",   "5",
+                  "--seed",   "9000000000", "--top-p", "0.5",      "--kv-budget", "1G",
+                  "--wire",   "bf16",       "x",       NULL};
+    CHECK(nl_opts_parse(15, ok, t, "u", pos, 1, &np) == 0, "parse");
+    CHECK(o.model && strcmp(o.model, "m.st") == 0 && o.warmup && o.max_new == 5, "str/switch/int");
+    CHECK(o.seed == 9000000000LL && o.top_p == 0.5 && o.kv == 1ull << 30 && o.wire == 1,
+          "llong/double/size/choice");
+    CHECK(np == 1 && strcmp(pos[0], "x") == 0, "positional");
+    CHECK(strcmp(nl_opts_get(t, "max-new"), "5") == 0, "the text given");
+
+    char *range[] = {"generate", "--max-new", "101", NULL};
+    gen_table(t, &o);
+    CHECK(nl_opts_parse(3, range, t, "u", NULL, 0, NULL) == 2, "out of range");
+    char *choice[] = {"generate", "--wire", "fp16", NULL};
+    gen_table(t, &o);
+    CHECK(nl_opts_parse(3, choice, t, "u", NULL, 0, NULL) == 2, "not a choice");
+    char *nan[] = {"generate", "--top-p", "nan", NULL};
+    gen_table(t, &o);
+    CHECK(nl_opts_parse(3, nan, t, "u", NULL, 0, NULL) == 2, "nan");
+    char *unknown[] = {"generate", "--max-tokens", "5", NULL};
+    gen_table(t, &o);
+    CHECK(nl_opts_parse(3, unknown, t, "u", NULL, 0, NULL) == 2, "unknown");
+
+    /* --help: one line a row, the default from the row */
+    char buf[2048] = "";
+    FILE *f = fmemopen(buf, sizeof buf - 1, "w");
+    nl_opts_help(f, "generate [flags]", t);
+    fclose(f);
+    CHECK(strstr(buf, "usage: generate [flags]\n") != NULL, "usage");
+    CHECK(strstr(buf, "--max-new            tokens to generate (default 32)\n") != NULL, "%s", buf);
+    CHECK(strstr(buf, "--seed               sampling seed\n") != NULL, "no default shown");
+}
+
 int main(void)
 {
     test_suggest();
     test_parse();
+    test_opts();
     return check_done("test_args");
 }

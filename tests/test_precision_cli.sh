@@ -36,6 +36,14 @@ for i in $(seq 1 200); do echo "the quick brown fox $i jumps over the lazy dog";
 out=$("$NEUROCTL" forward "${DEV[@]}" --precision fp16 --model "$W/m.safetensors" --tokens x --out y 2>&1); rc=$?
 check test "$rc" = 2
 check grep -q "precision fp16: not fp32 or bf16" <<<"$out"
+# the same refusal from the commands whose flag tables take --precision as a choice
+out=$("$NEUROCTL" cluster up --dir "$W/clp" --precision fp16 --config "$W/cfg.yaml" 2>&1); rc=$?
+check test "$rc" = 2
+check grep -q "precision fp16: not fp32 or bf16" <<<"$out"
+check test ! -e "$W/clp/coord.pid"
+out=$("$NL_BUILD_DIR/node/neuronode" join tcp://127.0.0.1:1 --plaintext --memory 1G --precision fp16 2>&1); rc=$?
+check test "$rc" = 2
+check grep -q "precision fp16: not fp32 or bf16" <<<"$out"
 # bf16 on CUDA: refused here only where there is no GPU, for that reason
 if ! command -v nvidia-smi > /dev/null || ! nvidia-smi -L > /dev/null 2>&1; then
     out=$("$NEUROCTL" bench --device cuda:0 --precision bf16 --config "$W/cfg.yaml" 2>&1); rc=$?
