@@ -42,7 +42,11 @@ COMMAND = re.compile(r"(?<![\w-])(neuroctl\s+(?:" + "|".join(SUBCOMMANDS) +
                      r")|neurocoord|neuronode)(?![\w-])")
 # flags of the project's scripts named in prose away from the script's name:
 # each must still be in that script
-SCRIPT_FLAGS = {"stock-malloc": "bench/torch_train.py", "serve": "scripts/demo.sh"}
+SCRIPT_FLAGS = {
+    "stock-malloc": "bench/torch_train.py",
+    "serve": "scripts/demo.sh",
+    "ids": "scripts/dupblocks.py",
+}
 FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9-]*[a-z0-9])")
 
 
