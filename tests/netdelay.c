@@ -22,7 +22,8 @@
 #include <sys/socket.h>
 #include <time.h>
 
-#include <linux/netfilter.h>
+#include <linux/netfilter.h> /* before libnetfilter_queue's header, which uses it */
+
 #include <libnetfilter_queue/libnetfilter_queue.h>
 
 #define HELD_MAX 65536 /* packets held at once; more are accepted at once */
