@@ -203,8 +203,18 @@ static const nl_wire_field f_verify_result[] = {
     F_STR(nl_msg_verify_result, fwd, NL_WCS_HEX, 0, 64),
     F_STR(nl_msg_verify_result, bwd, NL_WCS_HEX, 0, 64),
 };
+static const nl_wire_field f_reduce[] = {
+    F_U64(nl_msg_reduce, job_id, U64_ANY),
+    F_U64(nl_msg_reduce, step, U64_ANY),
+    F_U32(nl_msg_reduce, phase, NL_REDUCE_SUM, NL_REDUCE_RESULT),
+    F_U32(nl_msg_reduce, sender, 0, NL_REDUCE_MAX_REPLICAS - 1),
+    F_U32(nl_msg_reduce, chunk, U32_ANY),
+    F_U32(nl_msg_reduce, chunks, 1, UINT32_MAX),
+    F_U64(nl_msg_reduce, offset, U64_ANY),
+};
 
 static nl_status check_join(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
+static nl_status check_reduce(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_verify_case(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_verify_result(const nl_wire_msg *m, const nl_wire_tdesc *td,
                                      nl_error *err);
@@ -261,6 +271,8 @@ static const nl_wire_tdesc tdescs[NL_MSG_TYPE_MAX] = {
                             DT(F32) | DT(I32) | DT(I64), check_verify_case},
     [NL_MSG_VERIFY_RESULT] = {"VERIFY_RESULT", f_verify_result, NF(f_verify_result), 0, 0, 0, 0,
                               0, check_verify_result},
+    /* + one F32 frame [n]: the chunk's elements */
+    [NL_MSG_REDUCE] = {"REDUCE", f_reduce, NF(f_reduce), 1, 1, 1, 1, DT(F32), check_reduce},
 };
 
 const nl_wire_tdesc *nl_wire_schema_of(uint32_t type)
@@ -538,6 +550,17 @@ static nl_status check_digest(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_
     if (n != 0 && n != 64)
         return nl_error_set(err, NL_ERR_RANGE, "%s.digest: %zu hex digits, must be 64 (or absent)",
                             td->name, n);
+    return NL_OK;
+}
+
+/* REDUCE: a chunk of its all-reduce (the receiver checks the offset and
+ * length against its buffer). */
+static nl_status check_reduce(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err)
+{
+    const nl_msg_reduce *r = &m->u.reduce;
+    if (r->chunk >= r->chunks)
+        return nl_error_set(err, NL_ERR_RANGE, "%s: chunk %u of %u", td->name, r->chunk,
+                            r->chunks);
     return NL_OK;
 }
 

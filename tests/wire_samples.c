@@ -11,7 +11,7 @@ const nl_msg_type all_types[] = {
     NL_MSG_ACTIVATION, NL_MSG_GRADIENT,   NL_MSG_TOKEN,     NL_MSG_JOB_SUBMIT, NL_MSG_JOB_STATUS,
     NL_MSG_JOB_CANCEL, NL_MSG_JOB_QUERY,  NL_MSG_GRAD_NORM, NL_MSG_STEP,       NL_MSG_CKPT_REQ,
     NL_MSG_CKPT_DONE,  NL_MSG_RESULT,    NL_MSG_COUNT,     NL_MSG_EVAL,       NL_MSG_LOSS,
-    NL_MSG_VERIFY_REQ, NL_MSG_VERIFY_CASE, NL_MSG_VERIFY_RESULT,
+    NL_MSG_VERIFY_REQ, NL_MSG_VERIFY_CASE, NL_MSG_VERIFY_RESULT, NL_MSG_REDUCE,
 };
 const int wire_ntypes = (int)(sizeof all_types / sizeof all_types[0]);
 
@@ -178,6 +178,13 @@ void sample(nl_wire_msg *m, nl_msg_type t)
             11, 250, 3, 1, "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff",
             ""};
         break;
+    case NL_MSG_REDUCE: {
+        m->u.reduce = (nl_msg_reduce){11, 250, NL_REDUCE_RESULT, 3, 1, 4, 64};
+        const int64_t n[1] = {64};
+        set_frame(&m->frames[0], NL_DTYPE_F32, chunk, 1, n);
+        m->nframes = 1;
+        break;
+    }
     case NL_MSG_CKPT_DONE:
         m->u.ckpt_done =
             (nl_msg_ckpt_done){11,
@@ -318,6 +325,8 @@ bool same_msg(const nl_wire_msg *a, const nl_wire_msg *b)
         return x->job_id == y->job_id && x->step == y->step && x->microbatch == y->microbatch &&
                x->stage == y->stage && seq(x->fwd, y->fwd) && seq(x->bwd, y->bwd);
     }
+    case NL_MSG_REDUCE:
+        return memcmp(&p->reduce, &q->reduce, sizeof p->reduce) == 0;
     case NL_MSG_LOSS:
         return p->loss.job_id == q->loss.job_id && p->loss.step == q->loss.step &&
                p->loss.eval == q->loss.eval && p->loss.ce_sum == q->loss.ce_sum &&
