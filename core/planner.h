@@ -135,9 +135,9 @@ void nl_plan_destroy(nl_plan **p);
  * Errors as nl_plan_layers; NL_ERR_INVALID for replicas outside
  * [1, NL_PLAN_MAX_REPLICAS]; NL_ERR_CAPACITY for fewer nodes than
  * replicas, or groups that cannot hold the model. */
-nl_status nl_plan_layers_replicated(nl_plan **out, const nl_config *cfg,
-                                    const nl_plan_node *nodes, int n_nodes,
-                                    const nl_plan_opts *opts, int replicas, nl_error *err);
+nl_status nl_plan_layers_replicated(nl_plan **out, const nl_config *cfg, const nl_plan_node *nodes,
+                                    int n_nodes, const nl_plan_opts *opts, int replicas,
+                                    nl_error *err);
 
 /* Whether some plan fits the nodes' memory (time ignored): *fits = 1/0.
  * Exact up to max_exact_nodes; above, the heuristic orders (no swap

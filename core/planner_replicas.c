@@ -63,9 +63,9 @@ static void expand(nl_plan *p, const ranked *rk, const nl_plan_node *nodes, int 
             p->standby[p->n_standby++] = nodes[i].id;
 }
 
-nl_status nl_plan_layers_replicated(nl_plan **out, const nl_config *cfg,
-                                    const nl_plan_node *nodes, int n_nodes,
-                                    const nl_plan_opts *opts, int replicas, nl_error *err)
+nl_status nl_plan_layers_replicated(nl_plan **out, const nl_config *cfg, const nl_plan_node *nodes,
+                                    int n_nodes, const nl_plan_opts *opts, int replicas,
+                                    nl_error *err)
 {
     if (replicas == 1)
         return nl_plan_layers(out, cfg, nodes, n_nodes, opts, err);
@@ -73,8 +73,8 @@ nl_status nl_plan_layers_replicated(nl_plan **out, const nl_config *cfg,
         return nl_error_set(err, NL_ERR_INVALID, "plan: no output");
     *out = NULL;
     if (replicas < 1 || replicas > NL_PLAN_MAX_REPLICAS)
-        return nl_error_set(err, NL_ERR_INVALID, "plan: %d replicas per stage (1 to %d)",
-                            replicas, NL_PLAN_MAX_REPLICAS);
+        return nl_error_set(err, NL_ERR_INVALID, "plan: %d replicas per stage (1 to %d)", replicas,
+                            NL_PLAN_MAX_REPLICAS);
     if (!nodes || n_nodes < 1 || n_nodes > NL_PLAN_MAX_NODES)
         return nl_error_set(err, NL_ERR_INVALID, "plan: %d nodes (1 to %d)", n_nodes,
                             NL_PLAN_MAX_NODES);

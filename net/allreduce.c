@@ -10,22 +10,23 @@ enum { HAVE_SUM = 1, FINAL = 2 };
 
 struct nl_allreduce {
     uint64_t job;
+    uint32_t what;
     int r, R;
     size_t n, chunk;
     uint32_t chunks;
-    uint64_t step;    /* the step staged or reduced (0: none yet) */
-    bool begun;       /* buf is this replica's final sum of `step` */
-    bool failed;      /* an error: everything is refused until a reset */
-    float *buf;       /* borrowed from begin */
-    float *in;        /* [n]: the SUM chunks received (staged before begin) */
-    uint8_t *st;      /* [chunks] */
-    uint32_t staged;  /* SUM chunks received of `step` */
-    uint32_t left;    /* chunks not yet final (begun) */
+    uint64_t step;   /* the step staged or reduced (0: none yet) */
+    bool begun;      /* buf is this replica's final sum of `step` */
+    bool failed;     /* an error: everything is refused until a reset */
+    float *buf;      /* borrowed from begin */
+    float *in;       /* [n]: the SUM chunks received (staged before begin) */
+    uint8_t *st;     /* [chunks] */
+    uint32_t staged; /* SUM chunks received of `step` */
+    uint32_t left;   /* chunks not yet final (begun) */
     nl_wire_msg tx;
 };
 
-nl_status nl_allreduce_new(nl_allreduce **out, uint64_t job, int replica, int replicas, size_t n,
-                           size_t chunk, nl_error *err)
+nl_status nl_allreduce_new(nl_allreduce **out, uint64_t job, uint32_t what, int replica,
+                           int replicas, size_t n, size_t chunk, nl_error *err)
 {
     *out = NULL;
     if (replicas < 2 || replicas > NL_REDUCE_MAX_REPLICAS || replica < 0 || replica >= replicas)
@@ -39,7 +40,12 @@ nl_status nl_allreduce_new(nl_allreduce **out, uint64_t job, int replica, int re
     nl_allreduce *a = calloc(1, sizeof *a);
     if (!a)
         return nl_error_set(err, NL_ERR_NOMEM, "all-reduce: out of memory");
-    *a = (nl_allreduce){.job = job, .r = replica, .R = replicas, .n = n, .chunk = chunk,
+    *a = (nl_allreduce){.job = job,
+                        .what = what,
+                        .r = replica,
+                        .R = replicas,
+                        .n = n,
+                        .chunk = chunk,
                         .chunks = (uint32_t)((n + chunk - 1) / chunk)};
     nl_wire_msg_init(&a->tx);
     a->in = malloc(n * sizeof *a->in);
@@ -86,14 +92,14 @@ static size_t chunk_len(const nl_allreduce *a, uint32_t c)
 }
 
 /* Send chunk c of buf onward as `phase`. */
-static nl_status send_chunk(nl_allreduce *a, uint32_t c, uint32_t phase,
-                            nl_allreduce_send_fn send, void *ctx, nl_error *err)
+static nl_status send_chunk(nl_allreduce *a, uint32_t c, uint32_t phase, nl_allreduce_send_fn send,
+                            void *ctx, nl_error *err)
 {
     const size_t off = (size_t)c * a->chunk;
     const int64_t shape[1] = {(int64_t)chunk_len(a, c)};
     nl_wire_msg_reset(&a->tx, NL_MSG_REDUCE);
-    a->tx.u.reduce =
-        (nl_msg_reduce){a->job, a->step, phase, (uint32_t)a->r, c, a->chunks, (uint64_t)off};
+    a->tx.u.reduce = (nl_msg_reduce){a->job,         a->step, a->what,   phase,
+                                     (uint32_t)a->r, c,       a->chunks, (uint64_t)off};
     nl_wire_frame_set(&a->tx.frames[0], a->buf + off, NL_DTYPE_F32, shape, 1);
     a->tx.nframes = 1;
     nl_status st = send(ctx, &a->tx, err);
@@ -138,10 +144,9 @@ nl_status nl_allreduce_begin(nl_allreduce *a, uint64_t step, float *buf, nl_allr
         return nl_error_set(err, NL_ERR_STATE, "all-reduce of job %llu: an earlier error",
                             (unsigned long long)a->job);
     if (a->begun && a->left > 0)
-        return nl_error_set(err, NL_ERR_STATE,
-                            "all-reduce of job %llu: step %llu begins while step %llu reduces",
-                            (unsigned long long)a->job, (unsigned long long)step,
-                            (unsigned long long)a->step);
+        return nl_error_set(
+            err, NL_ERR_STATE, "all-reduce of job %llu: step %llu begins while step %llu reduces",
+            (unsigned long long)a->job, (unsigned long long)step, (unsigned long long)a->step);
     if (a->begun) { /* the last step's reduce is done and nothing of this one came */
         memset(a->st, 0, a->chunks);
         a->staged = 0;
@@ -177,13 +182,14 @@ nl_status nl_allreduce_begin(nl_allreduce *a, uint64_t step, float *buf, nl_allr
 static nl_status check_msg(nl_allreduce *a, const nl_msg_reduce *h, size_t len, nl_error *err)
 {
     const int prev = (a->r + a->R - 1) % a->R;
-    if (h->job_id != a->job)
-        return nl_error_set(err, NL_ERR_PROTO, "REDUCE of job %llu to a reducer of job %llu",
-                            (unsigned long long)h->job_id, (unsigned long long)a->job);
+    if (h->job_id != a->job || h->what != a->what)
+        return nl_error_set(
+            err, NL_ERR_PROTO, "REDUCE of job %llu (kind %u) to a reducer of job %llu (kind %u)",
+            (unsigned long long)h->job_id, h->what, (unsigned long long)a->job, a->what);
     if (h->sender != (uint32_t)prev)
         return nl_error_set(err, NL_ERR_PROTO,
-                            "REDUCE from replica %u: replica %d takes them from %d only",
-                            h->sender, a->r, prev);
+                            "REDUCE from replica %u: replica %d takes them from %d only", h->sender,
+                            a->r, prev);
     const bool can = h->phase == NL_REDUCE_SUM ? a->r >= 1 : a->r <= a->R - 2;
     if (!can)
         return nl_error_set(err, NL_ERR_PROTO, "REDUCE phase %u: replica %d of %d never takes it",

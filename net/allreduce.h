@@ -50,9 +50,10 @@ typedef nl_status (*nl_allreduce_send_fn)(void *ctx, nl_wire_msg *m, nl_error *e
 
 /* A reducer for replica `replica` of `replicas` (2 to
  * NL_REDUCE_MAX_REPLICAS) of job `job` over buffers of n floats, in
- * chunks of `chunk` elements (0: NL_ALLREDUCE_CHUNK). */
-nl_status nl_allreduce_new(nl_allreduce **out, uint64_t job, int replica, int replicas, size_t n,
-                           size_t chunk, nl_error *err);
+ * chunks of `chunk` elements (0: NL_ALLREDUCE_CHUNK); `what` (NL_REDUCE_*)
+ * tells its messages from another reducer's of the same replicas. */
+nl_status nl_allreduce_new(nl_allreduce **out, uint64_t job, uint32_t what, int replica,
+                           int replicas, size_t n, size_t chunk, nl_error *err);
 void nl_allreduce_destroy(nl_allreduce **a);
 
 /* This replica's sum of step `step` is final in buf (n floats, host):

@@ -72,7 +72,7 @@ typedef enum nl_msg_type {
     NL_MSG_VERIFY_REQ = 55,    /* verification by recompute: coord -> the stage checked */
     NL_MSG_VERIFY_CASE = 56,   /* its case: stage -> coord -> verifier */
     NL_MSG_VERIFY_RESULT = 57, /* the verifier's digests: verifier -> coord */
-    NL_MSG_REDUCE = 58,        /* a stage's replicas: a chunk of the gradients' all-reduce */
+    NL_MSG_REDUCE = 58,        /* a stage's replicas: a chunk of their all-reduce */
     NL_MSG_TYPE_MAX = 64 /* codes are below this */
 } nl_msg_type;
 
@@ -169,6 +169,13 @@ typedef struct nl_msg_assign {
     const char *next_endpoint, *next_key;
     uint64_t memory_planned;
     uint32_t wire; /* nl_wire_precision of the hops this stage sends (optional: 0) */
+    /* DESIGN section 8: replica `replica` of the stage's `replicas` (both
+     * optional: 0 reads as one replica). Its prev and next are the same
+     * replica of the neighbouring stages; ring_*: the stage's next replica
+     * (its data endpoint and key, where REDUCE goes) and the key of the
+     * one before it (admitted on this node's data socket). NULL or "": none. */
+    uint32_t replica, replicas;
+    const char *ring_endpoint, *ring_key, *ring_prev_key;
 } nl_msg_assign;
 
 typedef struct nl_msg_layer_load { /* + one 1-D frame: a chunk of the tensor */
@@ -374,12 +381,16 @@ typedef struct nl_msg_verify_result {
  * [offset, offset + n); phase 1 (NL_REDUCE_RESULT): the sum of them all. */
 typedef struct nl_msg_reduce {
     uint64_t job_id, step;
-    uint32_t phase;           /* NL_REDUCE_SUM or NL_REDUCE_RESULT */
-    uint32_t sender;          /* its replica index, below NL_REDUCE_MAX_REPLICAS */
-    uint32_t chunk, chunks;   /* chunk < chunks */
-    uint64_t offset;          /* of the chunk's first element */
+    uint32_t what;          /* NL_REDUCE_GRADS or NL_REDUCE_COUNTS */
+    uint32_t phase;         /* NL_REDUCE_SUM or NL_REDUCE_RESULT */
+    uint32_t sender;        /* its replica index, below NL_REDUCE_MAX_REPLICAS */
+    uint32_t chunk, chunks; /* chunk < chunks */
+    uint64_t offset;        /* of the chunk's first element */
 } nl_msg_reduce;
 enum { NL_REDUCE_SUM = 0, NL_REDUCE_RESULT = 1 };
+/* What a REDUCE adds up: the step's gradients (and the last stage's
+ * losses), or its counting pass's route counts. */
+enum { NL_REDUCE_GRADS = 0, NL_REDUCE_COUNTS = 1, NL_REDUCE_KINDS };
 #define NL_REDUCE_MAX_REPLICAS 16
 
 /* One tensor frame. t.data/len are the bytes on the wire (len == numel *

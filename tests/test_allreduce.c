@@ -119,7 +119,7 @@ static void run_case(int R, size_t n, size_t chunk, unsigned seed, int steps)
     float *buf[RMAX], *want = malloc(n * sizeof(float));
     g->R = R;
     for (int r = 0; r < R; r++) {
-        CHECK_OK(nl_allreduce_new(&g->a[r], 77, r, R, n, chunk, &err), &err);
+        CHECK_OK(nl_allreduce_new(&g->a[r], 77, NL_REDUCE_GRADS, r, R, n, chunk, &err), &err);
         sc[r] = (send_ctx){g, r};
         buf[r] = malloc(n * sizeof(float));
     }
@@ -158,8 +158,8 @@ static void run_case(int R, size_t n, size_t chunk, unsigned seed, int steps)
         for (int r = 0; r < R; r++) {
             CHECK(nl_allreduce_done(g->a[r], (uint64_t)step), "replica %d: done", r);
             CHECK(memcmp(buf[r], want, n * sizeof(float)) == 0,
-                  "R=%d n=%zu chunk=%zu seed=%u step %d: replica %d has the host sum's bits", R,
-                  n, chunk, seed, step, r);
+                  "R=%d n=%zu chunk=%zu seed=%u step %d: replica %d has the host sum's bits", R, n,
+                  chunk, seed, step, r);
         }
     }
     for (int r = 0; r < R; r++) {
@@ -194,58 +194,71 @@ static void test_refusals(void)
     nl_error err = {0};
     nl_allreduce *a = NULL;
     bool done = false;
-    CHECK(nl_allreduce_new(&a, 5, 2, 1, 10, 4, &err) == NL_ERR_INVALID, "replica 2 of 1");
-    CHECK(nl_allreduce_new(&a, 5, 0, NL_REDUCE_MAX_REPLICAS + 1, 10, 4, &err) == NL_ERR_INVALID,
+    CHECK(nl_allreduce_new(&a, 5, NL_REDUCE_COUNTS, 2, 1, 10, 4, &err) == NL_ERR_INVALID,
+          "replica 2 of 1");
+    CHECK(nl_allreduce_new(&a, 5, NL_REDUCE_COUNTS, 0, NL_REDUCE_MAX_REPLICAS + 1, 10, 4, &err) ==
+              NL_ERR_INVALID,
           "too many replicas");
-    CHECK(nl_allreduce_new(&a, 5, 0, 2, 0, 4, &err) == NL_ERR_INVALID, "no elements");
+    CHECK(nl_allreduce_new(&a, 5, NL_REDUCE_COUNTS, 0, 2, 0, 4, &err) == NL_ERR_INVALID,
+          "no elements");
     /* replica 1 of 3 over 10 elements in chunks of 4: takes from 0 */
-    CHECK_OK(nl_allreduce_new(&a, 5, 1, 3, 10, 4, &err), &err);
+    CHECK_OK(nl_allreduce_new(&a, 5, NL_REDUCE_COUNTS, 1, 3, 10, 4, &err), &err);
     const struct {
         nl_msg_reduce h;
         size_t len;
         nl_status st;
         const char *says;
     } bad[] = {
-        {{6, 1, NL_REDUCE_SUM, 0, 0, 3, 0}, 4, NL_ERR_PROTO, "job 6"},
-        {{5, 1, NL_REDUCE_SUM, 2, 0, 3, 0}, 4, NL_ERR_PROTO, "from 0 only"},
-        {{5, 1, NL_REDUCE_SUM, 0, 2, 3, 8}, 4, NL_ERR_SHAPE, "chunk 2 of 3"},
-        {{5, 1, NL_REDUCE_SUM, 0, 1, 3, 0}, 4, NL_ERR_SHAPE, "at 0"},
-        {{5, 1, NL_REDUCE_SUM, 0, 0, 4, 0}, 4, NL_ERR_SHAPE, "of 4"},
-        {{5, 1, NL_REDUCE_RESULT, 0, 0, 3, 0}, 4, NL_ERR_PROTO, "before this replica's sum"},
+        {{6, 1, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 0, 3, 0}, 4, NL_ERR_PROTO, "job 6"},
+        {{5, 1, NL_REDUCE_GRADS, NL_REDUCE_SUM, 0, 0, 3, 0}, 4, NL_ERR_PROTO, "kind 0"},
+        {{5, 1, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 2, 0, 3, 0}, 4, NL_ERR_PROTO, "from 0 only"},
+        {{5, 1, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 2, 3, 8}, 4, NL_ERR_SHAPE, "chunk 2 of 3"},
+        {{5, 1, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 1, 3, 0}, 4, NL_ERR_SHAPE, "at 0"},
+        {{5, 1, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 0, 4, 0}, 4, NL_ERR_SHAPE, "of 4"},
+        {{5, 1, NL_REDUCE_COUNTS, NL_REDUCE_RESULT, 0, 0, 3, 0},
+         4,
+         NL_ERR_PROTO,
+         "before this replica's sum"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         nl_allreduce_reset(a);
         nl_status st = feed(a, bad[i].h, bad[i].len, &done, &err);
         CHECK(st == bad[i].st && strstr(err.msg, bad[i].says), "refusal %zu: %s (%s)", i, err.msg,
               nl_status_str(st));
-        CHECK(feed(a, (nl_msg_reduce){5, 1, NL_REDUCE_SUM, 0, 0, 3, 0}, 4, &done, &err) ==
-                  NL_ERR_STATE,
+        CHECK(feed(a, (nl_msg_reduce){5, 1, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 0, 3, 0}, 4, &done,
+                   &err) == NL_ERR_STATE,
               "refusal %zu: then everything is refused", i);
     }
     /* a chunk twice; a chunk of another step while this one is staged */
     nl_allreduce_reset(a);
-    CHECK_OK(feed(a, (nl_msg_reduce){5, 3, NL_REDUCE_SUM, 0, 0, 3, 0}, 4, &done, &err), &err);
-    CHECK(feed(a, (nl_msg_reduce){5, 3, NL_REDUCE_SUM, 0, 0, 3, 0}, 4, &done, &err) ==
-                  NL_ERR_PROTO &&
+    CHECK_OK(
+        feed(a, (nl_msg_reduce){5, 3, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 0, 3, 0}, 4, &done, &err),
+        &err);
+    CHECK(feed(a, (nl_msg_reduce){5, 3, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 0, 3, 0}, 4, &done,
+               &err) == NL_ERR_PROTO &&
               strstr(err.msg, "came twice"),
           "a duplicate: %s", err.msg);
     nl_allreduce_reset(a);
-    CHECK_OK(feed(a, (nl_msg_reduce){5, 3, NL_REDUCE_SUM, 0, 0, 3, 0}, 4, &done, &err), &err);
-    CHECK(feed(a, (nl_msg_reduce){5, 4, NL_REDUCE_SUM, 0, 1, 3, 4}, 4, &done, &err) ==
-                  NL_ERR_PROTO &&
+    CHECK_OK(
+        feed(a, (nl_msg_reduce){5, 3, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 0, 3, 0}, 4, &done, &err),
+        &err);
+    CHECK(feed(a, (nl_msg_reduce){5, 4, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 1, 3, 4}, 4, &done,
+               &err) == NL_ERR_PROTO &&
               strstr(err.msg, "step 4"),
           "another step: %s", err.msg);
     nl_allreduce_reset(a);
     float buf[10] = {0};
-    CHECK_OK(feed(a, (nl_msg_reduce){5, 3, NL_REDUCE_SUM, 0, 2, 3, 8}, 2, &done, &err), &err);
+    CHECK_OK(
+        feed(a, (nl_msg_reduce){5, 3, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 2, 3, 8}, 2, &done, &err),
+        &err);
     CHECK(nl_allreduce_begin(a, 4, buf, NULL, NULL, &done, &err) == NL_ERR_PROTO &&
               strstr(err.msg, "step 3"),
           "begin of another step than the staged: %s", err.msg);
     nl_allreduce_destroy(&a);
     /* the last replica never takes a RESULT, the first never a SUM */
-    CHECK_OK(nl_allreduce_new(&a, 5, 0, 2, 10, 4, &err), &err);
-    CHECK(feed(a, (nl_msg_reduce){5, 1, NL_REDUCE_SUM, 1, 0, 3, 0}, 4, &done, &err) ==
-                  NL_ERR_PROTO &&
+    CHECK_OK(nl_allreduce_new(&a, 5, NL_REDUCE_COUNTS, 0, 2, 10, 4, &err), &err);
+    CHECK(feed(a, (nl_msg_reduce){5, 1, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 1, 0, 3, 0}, 4, &done,
+               &err) == NL_ERR_PROTO &&
               strstr(err.msg, "never takes it"),
           "a SUM to replica 0: %s", err.msg);
     nl_allreduce_destroy(&a);
@@ -253,9 +266,68 @@ static void test_refusals(void)
     printf("refusals: ok\n");
 }
 
+/* An ASSIGN that makes a node one of a stage's replicas round-trips, and
+ * one whose ring does not match its replica count is refused. */
+static void test_assign(void)
+{
+    static const char *ka = "wRbKYzxIQTl+D?ZETf+ukt)!*]MF&1g3]Vtqp:Pb",
+                      *kb = "4MlA35H1MocC(vJi?ueF}kxI:5T?tGOf*cSUM7a5";
+    nl_msg_assign a = {.epoch = 3,
+                       .node_id = 7,
+                       .stage = 1,
+                       .num_stages = 2,
+                       .layer0 = 4,
+                       .layer1 = 8,
+                       .has_head = true,
+                       .config_json = "{}",
+                       .prev_endpoint = "tcp://10.0.0.1:7001",
+                       .prev_key = ka,
+                       .next_endpoint = "",
+                       .next_key = "",
+                       .replica = 1,
+                       .replicas = 2,
+                       .ring_endpoint = "tcp://10.0.0.4:7001",
+                       .ring_key = kb,
+                       .ring_prev_key = ka};
+    nl_error err = {0};
+    nl_wire_msg m, d;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_init(&d);
+    nl_wire_wbuf wb = {0};
+    for (int k = 0; k < 4; k++) {
+        nl_msg_assign b = a;
+        if (k == 1)
+            b.replicas = 1; /* a ring for one replica */
+        if (k == 2)
+            b.ring_prev_key = ""; /* a ring without the key it admits */
+        if (k == 3)
+            b.replica = 2; /* replica 2 of 2 */
+        nl_wire_msg_reset(&m, NL_MSG_ASSIGN);
+        m.u.assign = b;
+        nl_status st = nl_wire_encode(&m, &wb, NULL, &err);
+        if (k > 0) {
+            CHECK(st == NL_ERR_RANGE && strstr(err.msg, "replica"), "bad ASSIGN %d: %s", k,
+                  err.msg);
+            continue;
+        }
+        CHECK_OK(st, &err);
+        const nl_wire_part part = {wb.data, wb.len};
+        CHECK_OK(nl_wire_decode(&d, &part, 1, NULL, &err), &err);
+        CHECK(d.u.assign.replica == 1 && d.u.assign.replicas == 2 &&
+                  strcmp(d.u.assign.ring_endpoint, a.ring_endpoint) == 0 &&
+                  strcmp(d.u.assign.ring_key, kb) == 0 && strcmp(d.u.assign.ring_prev_key, ka) == 0,
+              "a replica's ASSIGN round-trips");
+    }
+    nl_wire_wbuf_free(&wb);
+    nl_wire_msg_free(&m);
+    nl_wire_msg_free(&d);
+    printf("ASSIGN of a replica: ok\n");
+}
+
 int main(void)
 {
     test_refusals();
+    test_assign();
     const size_t ns[] = {1, 7, 1000, 1031};
     const size_t chunks[] = {1, 64, 1000, 0};
     unsigned seed = 1;

@@ -780,12 +780,12 @@ static void check_replicated(const nl_plan *p, const nl_plan_node *nodes, int n,
     for (int s = 0; s < p->n_stages; s++) {
         const nl_plan_stage *g = &p->stages[s];
         CHECK(g->n_replicas == R && g->replicas[0] == g->node_id,
-              "stage %d: %d replicas, replica 0 on %d, node %d", s, g->n_replicas,
-              g->replicas[0], g->node_id);
+              "stage %d: %d replicas, replica 0 on %d, node %d", s, g->n_replicas, g->replicas[0],
+              g->node_id);
         for (int r = 0; r < g->n_replicas; r++) {
             const nl_plan_node *nd = find_node(nodes, n, g->replicas[r]);
-            CHECK(nd && g->bytes <= nd->memory_bytes, "stage %d replica %d on node %d fits", s,
-                  r, g->replicas[r]);
+            CHECK(nd && g->bytes <= nd->memory_bytes, "stage %d replica %d on node %d fits", s, r,
+                  g->replicas[r]);
             CHECK(nd && !seen[nd - nodes]++, "node %d holds one replica", g->replicas[r]);
         }
     }
@@ -827,9 +827,8 @@ static void test_replicated(void)
     nl_plan_destroy(&p);
 
     /* five mixed nodes: the two fastest hold a stage, the slowest waits */
-    nl_plan_node mix[5] = {node(1, 1 * GIB, 10, 0), node(2, 1 * GIB, 40, 0),
-                           node(3, 1 * GIB, 5, 0), node(4, 1 * GIB, 40, 0),
-                           node(5, 2 * GIB, 10, 0)};
+    nl_plan_node mix[5] = {node(1, 1 * GIB, 10, 0), node(2, 1 * GIB, 40, 0), node(3, 1 * GIB, 5, 0),
+                           node(4, 1 * GIB, 40, 0), node(5, 2 * GIB, 10, 0)};
     CHECK_OK(nl_plan_layers_replicated(&p, &c, mix, 5, &o, 2, &err), &err);
     check_replicated(p, mix, 5, 2);
     int slow_waits = 0;
@@ -861,8 +860,7 @@ static void test_replicated(void)
     CHECK(strstr(err.msg, "replicas per stage"), "named: %s", err.msg);
 
     /* the input checked */
-    CHECK(nl_plan_layers_replicated(&p, &c, four, 4, &o, 0, &err) == NL_ERR_INVALID,
-          "0 replicas");
+    CHECK(nl_plan_layers_replicated(&p, &c, four, 4, &o, 0, &err) == NL_ERR_INVALID, "0 replicas");
     CHECK(nl_plan_layers_replicated(&p, &c, four, 4, &o, NL_PLAN_MAX_REPLICAS + 1, &err) ==
               NL_ERR_INVALID,
           "too many replicas");

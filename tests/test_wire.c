@@ -294,8 +294,17 @@ static bool added_later(nl_msg_type t, const nl_wire_msg *d, const char *key)
         return d->nframes == 0;
     if (t == NL_MSG_TOKEN) /* with logprobs: top ids and a frame; neither before */
         return strcmp(key, "top_ids") == 0 && d->u.token.ntop == 0;
+    if (t == NL_MSG_ASSIGN && strncmp(key, "ring_", 5) == 0) { /* a stage's replicas */
+        const nl_msg_assign *a = &d->u.assign;
+        const char *v = strcmp(key, "ring_endpoint") == 0 ? a->ring_endpoint
+                        : strcmp(key, "ring_key") == 0    ? a->ring_key
+                                                          : a->ring_prev_key;
+        return !v || !v[0];
+    }
     if (t == NL_MSG_ASSIGN)
-        return strcmp(key, "wire") == 0 && d->u.assign.wire == NL_WIRE_FP32;
+        return strcmp(key, "wire") == 0    ? d->u.assign.wire == NL_WIRE_FP32
+               : strcmp(key, "replica") == 0 ? d->u.assign.replica == 0
+                                             : strcmp(key, "replicas") == 0 && d->u.assign.replicas == 0;
     return t == NL_MSG_LOSS && strcmp(key, "correct") == 0 && d->u.train_loss.correct == 0;
 }
 
@@ -309,7 +318,9 @@ static bool is_added_later(nl_msg_type t, const char *key)
            (t == NL_MSG_LOSS && strcmp(key, "correct") == 0) ||
            (t == NL_MSG_TOKEN && strcmp(key, "top_ids") == 0) ||
            ((t == NL_MSG_TOKEN || t == NL_MSG_JOB_STATUS) && strcmp(key, "tensors") == 0) ||
-           (t == NL_MSG_ASSIGN && strcmp(key, "wire") == 0);
+           (t == NL_MSG_ASSIGN &&
+            (strcmp(key, "wire") == 0 || strcmp(key, "replica") == 0 ||
+             strcmp(key, "replicas") == 0 || strncmp(key, "ring_", 5) == 0));
 }
 
 static void test_wrong_types(void)

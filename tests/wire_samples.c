@@ -11,7 +11,8 @@ const nl_msg_type all_types[] = {
     NL_MSG_ACTIVATION, NL_MSG_GRADIENT,   NL_MSG_TOKEN,     NL_MSG_JOB_SUBMIT, NL_MSG_JOB_STATUS,
     NL_MSG_JOB_CANCEL, NL_MSG_JOB_QUERY,  NL_MSG_GRAD_NORM, NL_MSG_STEP,       NL_MSG_CKPT_REQ,
     NL_MSG_CKPT_DONE,  NL_MSG_RESULT,    NL_MSG_COUNT,     NL_MSG_EVAL,       NL_MSG_LOSS,
-    NL_MSG_VERIFY_REQ, NL_MSG_VERIFY_CASE, NL_MSG_VERIFY_RESULT, NL_MSG_REDUCE,
+    NL_MSG_VERIFY_REQ, NL_MSG_VERIFY_CASE, NL_MSG_VERIFY_RESULT,
+    NL_MSG_REDUCE,
 };
 const int wire_ntypes = (int)(sizeof all_types / sizeof all_types[0]);
 
@@ -179,7 +180,7 @@ void sample(nl_wire_msg *m, nl_msg_type t)
             ""};
         break;
     case NL_MSG_REDUCE: {
-        m->u.reduce = (nl_msg_reduce){11, 250, NL_REDUCE_RESULT, 3, 1, 4, 64};
+        m->u.reduce = (nl_msg_reduce){11, 250, NL_REDUCE_COUNTS, NL_REDUCE_RESULT, 3, 1, 4, 64};
         const int64_t n[1] = {64};
         set_frame(&m->frames[0], NL_DTYPE_F32, chunk, 1, n);
         m->nframes = 1;
@@ -252,7 +253,9 @@ bool same_msg(const nl_wire_msg *a, const nl_wire_msg *b)
                seq(x->config_json, y->config_json) && x->seed == y->seed &&
                seq(x->prev_endpoint, y->prev_endpoint) && seq(x->prev_key, y->prev_key) &&
                seq(x->next_endpoint, y->next_endpoint) && seq(x->next_key, y->next_key) &&
-               x->memory_planned == y->memory_planned;
+               x->memory_planned == y->memory_planned && x->replica == y->replica &&
+               x->replicas == y->replicas && seq(x->ring_endpoint, y->ring_endpoint) &&
+               seq(x->ring_key, y->ring_key) && seq(x->ring_prev_key, y->ring_prev_key);
     }
     case NL_MSG_LAYER_LOAD: {
         const nl_msg_layer_load *x = &p->layer_load, *y = &q->layer_load;
