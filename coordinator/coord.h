@@ -44,6 +44,8 @@ typedef struct nl_coord_opts {
     int wire;              /* --wire: nl_wire_precision of the stages' hops (told in ASSIGN) */
     int rebalance_after;   /* --rebalance-after: a training job judges the stages' observed
                             * speeds once after this many steps (0: only at checkpoints) */
+    int replicas;          /* --replicas: every stage on this many nodes (DESIGN section 8;
+                            * core/planner.h nl_plan_layers_replicated); 1: none */
     /* Where a training job's client-chosen paths may lead (data; resume
      * and checkpoint_dir): NULL for <state_dir>/data and
      * <state_dir>/checkpoints (created 0700). */

@@ -447,6 +447,7 @@ void coord_train_state_free(ctrain *t)
     free(t->labels);
     free(t->lengths);
     free(t->got);
+    free(t->took);
     free(t->dig);
     coord_train_verify_free(t);
     coord_train_free_shards(t->shards, t->stages);

@@ -9,6 +9,7 @@
 #include "base/args.h"
 #include "base/log.h"
 #include "coord.h"
+#include "core/planner.h"
 #include "coord_http.h"
 #include "core/fileio.h"
 #include "net/auth.h"
@@ -97,6 +98,14 @@ static nl_flag flags[] = {
      "beats the current one by --replan-margin the job writes a checkpoint there and goes on "
      "from it on the new plan (default 3; 0: only at the job's checkpoints)",
      NULL},
+    {"replicas", 1,
+     "R: every pipeline stage runs on R nodes (DESIGN section 8): microbatch i of a step on "
+     "replica i mod R, the replicas' gradients added in replica order over their data "
+     "sockets before the norm and AdamW; the nodes are grouped by speed, R to a group, and "
+     "the groups planned as stages (nodes left over stay standby); replica 0 writes the "
+     "stage's shard. A training job's microbatches must be a multiple of R; verification by "
+     "recompute is off (default 1: one node a stage)",
+     NULL},
     {"wire", 1,
      "fp32 (default) or bf16: the precision of the hidden states and gradients the stages "
      "send each other (bf16: rounded to nearest even when sent, widened when received; half "
@@ -152,7 +161,7 @@ static nl_flag flags[] = {
 static int numbers(nl_coord_opts *o)
 {
     long long seed = 0, min_nodes = 1, hb = 1000, nto = 5000, jto = 120000, rows = 512, resumes = 2,
-              train_resumes = 3, jobs_per_key = 32, rebalance_after = 3;
+              train_resumes = 3, jobs_per_key = 32, rebalance_after = 3, replicas = 1;
     uint64_t min_mem = 0, max_data = 1ull << 30, max_total = 1ull << 30;
     double margin = 0.1;
     int rc;
@@ -164,6 +173,7 @@ static int numbers(nl_coord_opts *o)
         (rc = nl_args_int(flags, "gen-resumes", 0, 1000, &resumes)) ||
         (rc = nl_args_int(flags, "train-resumes", 0, 1000, &train_resumes)) ||
         (rc = nl_args_int(flags, "rebalance-after", 0, INT32_MAX, &rebalance_after)) ||
+        (rc = nl_args_int(flags, "replicas", 1, NL_PLAN_MAX_REPLICAS, &replicas)) ||
         (rc = nl_args_int(flags, "plan-rows", 1, 1 << 20, &rows)) ||
         (rc = nl_args_int(flags, "max-jobs-per-key", 1, 64, &jobs_per_key)) ||
         (rc = nl_args_size(flags, "min-memory", &min_mem)) ||
@@ -190,6 +200,7 @@ static int numbers(nl_coord_opts *o)
     o->max_jobs_per_key = (int)jobs_per_key;
     o->replan_margin = margin;
     o->rebalance_after = (int)rebalance_after;
+    o->replicas = (int)replicas;
     const char *wire = nl_args_get(flags, "wire");
     nl_wire_precision wp = NL_WIRE_FP32;
     if (wire && nl_wire_precision_parse(wire, &wp) != 0) {
@@ -203,6 +214,14 @@ static int numbers(nl_coord_opts *o)
     if (o->wire != NL_WIRE_FP32 && o->verify_rate > 0) {
         fprintf(stderr, "neurocoord: --wire bf16: verification by recompute is off (not yet "
                         "available with bf16 hops; docs/security.md)\n");
+        o->verify_rate = 0;
+    }
+    /* a verification case is kept by the replica that ran the microbatch,
+     * which the coordinator does not ask yet */
+    if (o->replicas > 1 && o->verify_rate > 0) {
+        fprintf(stderr, "neurocoord: --replicas %d: verification by recompute is off (not yet "
+                        "available with replicas)\n",
+                o->replicas);
         o->verify_rate = 0;
     }
     return 0;
