@@ -397,7 +397,7 @@ static pid_t start_coordinator(const nl_flag *flags, const up_opts *o, char *coo
     snprintf(s_nto, sizeof s_nto, "%lld", o->node_timeout);
     /* a local cluster runs as its user, who names the data and checkpoint
      * paths: they may lead wherever that user may (as the nodes' root) */
-    char *cargv[40] = {coord_bin, "--listen", "tcp://127.0.0.1:*", "--client-listen",
+    char *cargv[48] = {coord_bin, "--listen", "tcp://127.0.0.1:*", "--client-listen",
                        "tcp://127.0.0.1:*", "--state-dir", cdir, "--min-nodes", s_nodes,
                        "--seed", s_seed, "--node-timeout-ms", s_nto, "--data-root", "/",
                        "--checkpoint-root", "/", "--train-resumes", s_tr};
@@ -421,7 +421,7 @@ static pid_t start_coordinator(const nl_flag *flags, const up_opts *o, char *coo
     /* passed on as given: neurocoord checks them */
     static const char *const passed[] = {"--verify-rate",     "--http-tokens",  "--http-adapter",
                                          "--grow",            "--heartbeat-ms", "--wire",
-                                         "--rebalance-after"};
+                                         "--rebalance-after", "--replicas"};
     for (size_t k = 0; k < sizeof passed / sizeof *passed; k++)
         if (nl_args_get(flags, passed[k] + 2)) {
             cargv[ca++] = (char *)passed[k];
@@ -650,6 +650,8 @@ int nl_cmd_cluster(int argc, char **argv)
          "up: a training job's early re-balance after this many steps (neurocoord "
          "--rebalance-after; default 3; 0: only at the job's checkpoints)",
          NULL},
+        {"replicas", 1,
+         "up: every pipeline stage on this many nodes (neurocoord --replicas; default 1)", NULL},
         {"timeout", 1, "up: seconds to wait for the cluster to be ready (default 120)", NULL},
         {0}};
     const char *usage =
@@ -657,7 +659,7 @@ int nl_cmd_cluster(int argc, char **argv)
         "--resume MANIFEST] "
         "[--memory SIZE] [--threads N] [--spin N] [--kv-budget SIZE] [--device D[,D...]] "
         "[--tf32] [--precision fp32|bf16] [--http HOST:PORT [--http-tokens FILE] [--http-adapter "
-        "NAME=FILE]] [--grow auto] [--wire fp32|bf16]";
+        "NAME=FILE]] [--grow auto] [--wire fp32|bf16] [--replicas R]";
     const char *pos[1] = {NULL};
     int npos = 0;
     int rc = nl_args_parse(argc, argv, flags, usage, pos, 1, &npos);

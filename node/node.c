@@ -487,6 +487,10 @@ static void on_control(node *n)
 static void on_data(node *n)
 {
     const nl_wire_msg *m = &n->rx.msg;
+    if (m->type == NL_MSG_REDUCE) { /* from the stage's previous replica */
+        nl_node_handle_train(n, m);
+        return;
+    }
     if (nl_node_is_train_hop(m)) { /* from the previous stage, which takes the gradients */
         memcpy(n->prev_rid, n->rx.rid, n->rx.rid_len);
         n->prev_rid_len = n->rx.rid_len;
@@ -614,6 +618,7 @@ nl_status nl_node_run(const nl_node_opts *o, nl_error *err)
      * then the context, which waits for the LEAVE to go out */
     nl_rx_free(&n.rx);
     nl_node_drop_next(&n);
+    nl_node_drop_ring(&n);
     nl_sock_destroy(&n.data);
     nl_sock_destroy(&n.ctl);
     nl_net_destroy(&n.net);

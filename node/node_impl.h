@@ -44,6 +44,10 @@ typedef struct node {
      * ring), "" when the stage is alone */
     char next_ep[257], next_key[NL_KEY_Z85_LEN + 1];
     char prev_ep[257]; /* from ASSIGN, for messages */
+    /* one of a stage's replicas (DESIGN section 8): a DEALER to the next
+     * replica's data socket, where this one's REDUCE chunks go ("" alone) */
+    nl_sock *ring;
+    char ring_ep[257], ring_key[NL_KEY_Z85_LEN + 1];
     double gflops;
     int threads;
     uint64_t memory;          /* offered: --memory, or a GPU's free memory less the reserve */
@@ -96,6 +100,7 @@ nl_status nl_node_make_socket(node *n, nl_sock **out, int type, bool server, con
 
 /* node_jobs.c: the next stage's socket */
 void nl_node_drop_next(node *n);
+void nl_node_drop_ring(node *n);
 void nl_node_on_next_event(node *n);
 /* node_jobs.c: the handlers of the messages */
 void nl_node_handle_assign(node *n, const nl_msg_assign *a);

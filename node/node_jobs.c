@@ -62,6 +62,27 @@ static nl_status ensure_next(node *n, nl_error *err)
     return st;
 }
 
+void nl_node_drop_ring(node *n)
+{
+    nl_sock_destroy(&n->ring);
+    n->ring_ep[0] = n->ring_key[0] = '\0';
+}
+
+/* Connect the socket to the stage's next replica on first use (after
+ * every stage answered LOAD_DONE, as ensure_next). */
+static nl_status ensure_ring(node *n, nl_error *err)
+{
+    if (n->ring)
+        return NL_OK;
+    if (!n->ring_ep[0])
+        return nl_error_set(err, NL_ERR_STATE, "this stage has no other replica");
+    nl_status st = nl_node_make_socket(n, &n->ring, ZMQ_DEALER, false, n->ring_key, "ring",
+                                       NL_SOCK_BULK, 0, 0, err);
+    if (st == NL_OK && (st = nl_sock_connect(n->ring, n->ring_ep, err)) != NL_OK)
+        nl_sock_destroy(&n->ring);
+    return st;
+}
+
 /* A handshake event of the next socket. A refused handshake is final in
  * libzmq (no reconnect), and the hops queued for it are lost: tell the
  * coordinator, and start over with a new socket on the next send. */
@@ -101,13 +122,21 @@ void nl_node_handle_assign(node *n, const nl_msg_assign *a)
         return;
     }
     nl_node_drop_next(n); /* drops what was queued for the old next stage */
+    nl_node_drop_ring(n);
     n->next_ep[0] = n->next_key[0] = '\0';
     n->prev_rid_len = 0;
     nl_node_wait_sent(n);
     nl_status st = nl_stage_assign(n->stage, a, &e);
-    const char *prev = a->prev_key;
+    /* the data socket admits the previous stage and the previous replica */
+    const char *allow[2];
+    int n_allow = 0;
+    if (a->prev_key[0])
+        allow[n_allow++] = a->prev_key;
+    if (a->ring_prev_key && a->ring_prev_key[0] &&
+        (!n_allow || strcmp(a->ring_prev_key, allow[0]) != 0))
+        allow[n_allow++] = a->ring_prev_key;
     if (st == NL_OK)
-        st = nl_sock_allow(n->data, prev[0] ? &prev : NULL, prev[0] ? 1 : 0, &e);
+        st = nl_sock_allow(n->data, n_allow ? allow : NULL, n_allow, &e);
     if (st != NL_OK) {
         nl_sock_allow(n->data, NULL, 0, NULL);
         nl_node_send_error(n, st, NL_MSG_ASSIGN, "%s", e.msg);
@@ -116,6 +145,8 @@ void nl_node_handle_assign(node *n, const nl_msg_assign *a)
     snprintf(n->next_ep, sizeof n->next_ep, "%s", a->next_endpoint);
     snprintf(n->prev_ep, sizeof n->prev_ep, "%s", a->prev_endpoint);
     snprintf(n->next_key, sizeof n->next_key, "%s", a->next_key);
+    snprintf(n->ring_ep, sizeof n->ring_ep, "%s", a->ring_endpoint ? a->ring_endpoint : "");
+    snprintf(n->ring_key, sizeof n->ring_key, "%s", a->ring_key ? a->ring_key : "");
     const nl_model *m = nl_stage_model(n->stage);
     NL_INFO("assigned epoch %llu: stage %u of %u, layers [%u, %u)%s%s, %zu parameters (%.1f MiB, "
             "%.1f MiB planned); prev %s, next %s",
@@ -378,6 +409,13 @@ static nl_status train_send_to(node *n, nl_stage_dest to, nl_wire_msg *m, nl_err
     if (to == NL_STAGE_TO_COORD)
         return nl_sock_send(n->ctl, NULL, 0, m, err);
     nl_status st;
+    if (to == NL_STAGE_TO_RING) {
+        st = ensure_ring(n, err);
+        if (st == NL_OK)
+            st = nl_sock_send(n->ring, NULL, 0, m, err);
+        return st == NL_OK ? st
+                           : nl_error_prefix(err, "cannot reach the next replica at %s", n->ring_ep);
+    }
     if (to == NL_STAGE_TO_PREV) {
         if (!n->prev_rid_len)
             return nl_error_set(err, NL_ERR_STATE, "no previous stage has sent to this one");

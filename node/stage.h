@@ -301,7 +301,12 @@ bool nl_stage_embed_end(nl_stage *s, uint64_t job);
 /* Where a message a training job produced goes: the next stage (hops),
  * the previous stage (GRADIENT), or the coordinator (GRAD_NORM, LOSS,
  * CKPT_DONE). The callee sends it; frames without free_fn are copied. */
-typedef enum nl_stage_dest { NL_STAGE_TO_NEXT, NL_STAGE_TO_PREV, NL_STAGE_TO_COORD } nl_stage_dest;
+typedef enum nl_stage_dest {
+    NL_STAGE_TO_NEXT,
+    NL_STAGE_TO_PREV,
+    NL_STAGE_TO_COORD,
+    NL_STAGE_TO_RING /* the stage's next replica on another node (REDUCE) */
+} nl_stage_dest;
 typedef nl_status (*nl_stage_send_fn)(void *ctx, nl_stage_dest to, nl_wire_msg *m, nl_error *err);
 
 /* ---- jobs (node/stage_jobs.c; training: stage_train.c, stage_lora.c) ---- */
