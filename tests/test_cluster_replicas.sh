@@ -11,6 +11,7 @@
 #    neuroctl export joins;
 #  - a replica's node killed at step ~7: the job resumes by itself from its
 #    last checkpoint on the nodes left, and the run is byte-identical;
+#  - neuroctl status shows every node's replica;
 #  - a job whose microbatches do not divide among the replicas is refused.
 . "$(dirname "$0")/cluster_lib.sh"
 # every node reports the same throughput (neuronode's test hook): the
@@ -79,6 +80,11 @@ C="$W/c4"
 check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 4 --replicas 2 --model "$W/m.safetensors" \
   --memory 64M --threads 1 --node-timeout-ms 2000 --timeout 60
 check grep -q "replicas on" "$C/coord.log"
+# neuroctl status shows each node's replica and why the stages have them
+"$N" status --cluster "$C" > "$W/status.txt"
+cat "$W/status.txt"
+check test "$(grep -c ' r[01]/2 ' "$W/status.txt")" -eq 4
+check grep -q "^replicas: 2 per stage" "$W/status.txt"
 check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-every 10 --checkpoint-dir "$W/ck1" \
   --log "$W/r1.jsonl" --out "$W/r1.safetensors" 2> "$W/r1.err"
 tail -3 "$W/r1.err"
