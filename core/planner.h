@@ -139,6 +139,24 @@ nl_status nl_plan_layers_replicated(nl_plan **out, const nl_config *cfg, const n
                                     int n_nodes, const nl_plan_opts *opts, int replicas,
                                     nl_error *err);
 
+/* The replicas per stage that give the most training tokens/s (issue 30;
+ * core/planner_replicas.c): for R = 1 .. min(n_nodes, NL_PLAN_MAX_REPLICAS)
+ * the plan of nl_plan_layers_replicated, whose step of `microbatches`
+ * microbatches takes
+ *   (microbatches + S - 1) * bottleneck   (1F1B: the pipeline fills once;
+ *                                          a stage's time per microbatch
+ *                                          is over its replicas)
+ *   + 2 (R - 1) / R * W / link_bytes_per_s (the ring all-reduce of the
+ *                                          largest stage's gradients, W
+ *                                          bytes; 0 link: free)
+ * and the R with the fewest seconds per step wins (ties: the fewer
+ * replicas). *out gets its plan, *replicas its R, *step_s (may be NULL)
+ * its seconds per step. Errors as nl_plan_layers when no R places. */
+nl_status nl_plan_choose_replicas(nl_plan **out, int *replicas, double *step_s,
+                                  const nl_config *cfg, const nl_plan_node *nodes, int n_nodes,
+                                  const nl_plan_opts *opts, int microbatches,
+                                  double link_bytes_per_s, nl_error *err);
+
 /* Whether some plan fits the nodes' memory (time ignored): *fits = 1/0.
  * Exact up to max_exact_nodes; above, the heuristic orders (no swap
  * search) may miss a plan that exists, never report one that does not,

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "memory.h"
 #include "planner.h"
 
 /* A node of the input and where it stands in the ranking. */
@@ -124,4 +125,67 @@ done:
     free(rk);
     free(vn);
     return st;
+}
+
+/* Seconds of a step of M microbatches on plan p with R replicas a stage. */
+static double step_seconds(const nl_plan *p, const nl_config *cfg, const nl_plan_opts *o, int R,
+                           int M, double link)
+{
+    double t = (double)(M + p->n_stages - 1) * p->bottleneck;
+    if (R > 1 && link > 0) {
+        uint64_t w = 0;
+        for (int s = 0; s < p->n_stages; s++) {
+            const nl_plan_stage *g = &p->stages[s];
+            const uint64_t b =
+                nl_memory_estimate(cfg, g->l1 - g->l0, g->has_embed, g->has_head, &o->mem).weights;
+            w = b > w ? b : w;
+        }
+        t += 2.0 * (R - 1) / R * (double)w / link;
+    }
+    return t;
+}
+
+nl_status nl_plan_choose_replicas(nl_plan **out, int *replicas, double *step_s,
+                                  const nl_config *cfg, const nl_plan_node *nodes, int n_nodes,
+                                  const nl_plan_opts *opts, int microbatches,
+                                  double link_bytes_per_s, nl_error *err)
+{
+    if (!out || !replicas || microbatches < 1 || !(link_bytes_per_s >= 0))
+        return nl_error_set(err, NL_ERR_INVALID,
+                            "plan: choosing replicas needs an output, microbatches >= 1 (%d) and "
+                            "a link speed >= 0",
+                            microbatches);
+    *out = NULL;
+    nl_status first = NL_OK;
+    double best = 0.0;
+    const int top = n_nodes < NL_PLAN_MAX_REPLICAS ? n_nodes : NL_PLAN_MAX_REPLICAS;
+    for (int R = 1; R <= top; R++) {
+        nl_plan *p = NULL;
+        nl_error e = {0};
+        nl_status st = nl_plan_layers_replicated(&p, cfg, nodes, n_nodes, opts, R, &e);
+        if (st != NL_OK) { /* the first failure explains a cluster where nothing places */
+            if (!first) {
+                first = st;
+                if (err)
+                    *err = e;
+            }
+            if (st != NL_ERR_CAPACITY)
+                break;
+            continue;
+        }
+        const double t = step_seconds(p, cfg, opts, R, microbatches, link_bytes_per_s);
+        if (!*out || t < best * (1 - 1e-9)) {
+            nl_plan_destroy(out);
+            *out = p;
+            *replicas = R;
+            best = t;
+        } else {
+            nl_plan_destroy(&p);
+        }
+    }
+    if (!*out)
+        return first ? first : nl_error_set(err, NL_ERR_CAPACITY, "plan: nothing places");
+    if (step_s)
+        *step_s = best;
+    return NL_OK;
 }

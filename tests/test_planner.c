@@ -870,6 +870,34 @@ static void test_replicated(void)
     nl_plan_node dup[2] = {node(7, 1 * GIB, 20, 0), node(7, 1 * GIB, 20, 0)};
     CHECK(nl_plan_layers_replicated(&p, &c, dup, 2, &o, 2, &err) == NL_ERR_INVALID,
           "a duplicate id");
+    /* the choice of R: four equal nodes, 4 layers, 8 microbatches a step.
+     * With a free link, replicas beat depth (2 x 2 fills the pipeline
+     * less than 4 x 1, 1 x 4 pays nothing for its all-reduce); a slow link
+     * makes the all-reduce cost more than replicas gain: depth alone */
+    nl_config c4 = small_cfg(4);
+    int R = 0;
+    double t_free = 0, t_slow = 0;
+    CHECK_OK(nl_plan_choose_replicas(&p, &R, &t_free, &c4, four, 4, &o, 8, 0.0, &err), &err);
+    CHECK(R > 1 && p->stages[0].n_replicas == R, "a free link: %d replicas", R);
+    nl_plan_destroy(&p);
+    CHECK_OK(nl_plan_choose_replicas(&p, &R, &t_slow, &c4, four, 4, &o, 8, 1e3, &err), &err);
+    CHECK(R == 1 && p->stages[0].n_replicas == 1, "a 1 kB/s link: %d replicas", R);
+    CHECK(t_slow >= t_free, "a slow link is never faster: %g vs %g", t_slow, t_free);
+    nl_plan_destroy(&p);
+    /* the chosen plan is the best of the R tried, by the model */
+    for (int k = 1; k <= 4; k++) {
+        if (nl_plan_layers_replicated(&q, &c4, four, 4, &o, k, &err) != NL_OK)
+            continue;
+        const double t = (8 + q->n_stages - 1) * q->bottleneck;
+        CHECK(t >= t_free * (1 - 1e-9), "R=%d: %g s a step, the choice %g", k, t, t_free);
+        nl_plan_destroy(&q);
+    }
+    CHECK(nl_plan_choose_replicas(&p, &R, NULL, &c4, lop, 1, &o, 8, 0.0, &err) == NL_OK ||
+              err.msg[0],
+          "one node: a plan or why not");
+    nl_plan_destroy(&p);
+    CHECK(nl_plan_choose_replicas(&p, &R, NULL, &c4, four, 4, &o, 0, 0.0, &err) == NL_ERR_INVALID,
+          "0 microbatches");
     printf("replicated plans: ok\n");
 }
 
