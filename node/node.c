@@ -320,6 +320,7 @@ static nl_status start(node *n, nl_error *err)
         .inject_nan_step = o->inject_nan_step,
         .inject_nan_stage = o->inject_nan_stage,
         .inject_nan_on = o->inject_nan_on,
+        .inject_no_compute = o->inject_compute_gflops > 0,
         .lie = {(nl_lie_kind)o->inject_lie_kind, o->inject_lie_rate, o->inject_lie_seed},
         .tf32 = o->tf32,
         .train_async = 1}; /* replicas report through serve()'s poll */

@@ -9,6 +9,7 @@
 
 #include "../base/log.h"
 #include "../core/fileio.h"
+#include "../core/planner.h"
 #include "../net/transport.h"
 #include "node_impl.h"
 #include "stage.h"
@@ -447,6 +448,30 @@ static nl_status ckpt_dir(node *n, const char *dir, char **out, nl_error *err)
     return st == NL_OK ? st : nl_error_prefix(err, "CKPT_REQ under --checkpoint-root");
 }
 
+/* Test hook (NL_TEST_COMPUTE_GFLOPS): the time the training hop m takes
+ * at the hook's rate by the planner's cost model (core/planner.h): a
+ * forward of its rows through this stage's layers (and embedding or
+ * head), twice that for a backward; the last stage runs a microbatch's
+ * backward with its forward. Seconds; 0 for other messages. */
+static double compute_model_s(node *n, const nl_wire_msg *m)
+{
+    const nl_model *md = nl_stage_model(n->stage);
+    const bool hop = m->type == NL_MSG_COUNT || m->type == NL_MSG_EVAL ||
+                     m->type == NL_MSG_GRADIENT || m->type == NL_MSG_ACTIVATION;
+    if (n->o->inject_compute_gflops <= 0 || !md || !hop || m->nframes < 1 ||
+        m->frames[0].t.ndim < 2)
+        return 0.0;
+    const int rows = (int)(m->frames[0].t.shape[0] * m->frames[0].t.shape[1]),
+              seq = (int)m->frames[0].t.shape[1];
+    double fwd = (md->l1 - md->l0) * nl_plan_layer_flops(&md->cfg, rows, seq);
+    fwd += md->has_head ? nl_plan_head_flops(&md->cfg, rows) : 0.0;
+    fwd += md->has_embed ? nl_plan_embed_flops(&md->cfg, rows) : 0.0;
+    const double f = m->type == NL_MSG_GRADIENT                        ? 2 * fwd
+                     : m->type == NL_MSG_ACTIVATION && md->has_head ? 3 * fwd
+                                                                     : fwd;
+    return f / (n->o->inject_compute_gflops * 1e9);
+}
+
 /* A training message from any socket: the stage runs what it can. */
 void nl_node_handle_train(node *n, const nl_wire_msg *m)
 {
@@ -463,6 +488,12 @@ void nl_node_handle_train(node *n, const nl_wire_msg *m)
         return;
     }
     const uint64_t job = nl_stage_job_of(m); /* a training or fine-tuning job */
+    const double model_s = compute_model_s(n, m);
+    if (model_s > 0) { /* the compute model's time before the hop's outputs, as busy time */
+        const double whole = (double)(time_t)model_s;
+        nanosleep(&(struct timespec){(time_t)whole, (long)((model_s - whole) * 1e9)}, NULL);
+        n->busy_ms += model_s * 1e3;
+    }
     char *real = NULL;
     nl_status st = NL_OK;
     if (m->type == NL_MSG_CKPT_REQ && (st = ckpt_dir(n, m->u.ckpt_req.dir, &real, &e)) == NL_OK) {

@@ -59,6 +59,9 @@ typedef struct nl_stage_opts {
     int64_t inject_nan_step; /* test hook: a NaN in the gradient of this 1-based step (0: never) */
     int inject_nan_stage;    /* ... on this stage only (-1: any) */
     int inject_nan_on;       /* ... and on every later step */
+    int inject_no_compute;   /* test hook (NL_TEST_COMPUTE_GFLOPS): training hops skip the
+                              * trainer's ops, their outputs and gradients zero (the node
+                              * sleeps for their time instead: a compute model) */
     nl_stage_lie lie;        /* test hook (test builds only): a stage that lies */
     int tf32;                /* the backend allows TF32 (--tf32): recorded in training shards */
     int batch_decode;        /* decode steps per batch; 0 = 32 */

@@ -174,6 +174,22 @@ void nl_stage_train_run_job(void *ctx, nl_wjob *w)
         j->st = nl_error_set(&j->err, NL_ERR_STATE, "skipped: an earlier job failed");
         return;
     }
+    if (t->no_compute && j->kind != JOB_BEGIN && j->kind != JOB_STEP) {
+        /* test hook: the compute model's node slept for this work; what
+         * goes on is zero (a pass on the last stage, a forward on the
+         * first, has nothing to send) */
+        const bool out = j->kind == JOB_BACKWARD ? !t->has_embed
+                         : j->kind == JOB_FORWARD && t->has_head ? !t->has_embed
+                                                                 : !t->has_head;
+        if (out)
+            memset(j->out, 0, n * sizeof(float));
+        j->out_type = !out                     ? 0
+                      : j->kind == JOB_COUNT   ? NL_MSG_COUNT
+                      : j->kind == JOB_FORWARD && !t->has_head ? NL_MSG_ACTIVATION
+                                                               : NL_MSG_GRADIENT;
+        j->st = NL_OK;
+        return;
+    }
     if (!t->has_embed && (j->kind == JOB_COUNT || j->kind == JOB_FORWARD))
         x = nl_backend_device_view(p->be, p->x_d, j->x, n * sizeof(float));
     switch (j->kind) {

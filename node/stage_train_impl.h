@@ -132,6 +132,7 @@ typedef struct stage_train {
     nl_allreduce *red[NL_REDUCE_KINDS];
     float *red_buf[NL_REDUCE_KINDS];
     bool reducing, step_held;
+    bool no_compute; /* test hook (nl_stage_opts.inject_no_compute): the ops skipped */
     nl_msg_step held;
     atomic_int failed; /* a job failed: the lanes skip the rest */
     nl_status poison;  /* ... and the error every later message gets */
