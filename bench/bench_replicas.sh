@@ -52,7 +52,7 @@ train() {
     local name=$1 nodes=$2 reps=$3
     local c="$W/c-$name"
     "$N" cluster up --dir "$c" --nodes "$nodes" --replicas "$reps" --model "$W/m.safetensors" \
-        --memory 1G --threads 1 --timeout 120 --rebalance-after 0 >/dev/null
+        --memory 1G --threads 1 --timeout 120 --rebalance-after 0 --node-timeout-ms 30000 >/dev/null
     "$N" train --cluster "$c" "${RUN[@]}" --checkpoint-dir "$W/ck-$name" --log "$W/$name.jsonl" \
         2>/dev/null
     "$N" cluster down --dir "$c" >/dev/null
