@@ -235,6 +235,11 @@ typedef struct nl_msg_train_hop {
      * NULL / "" (an older peer). GRADIENT has it too (u.train_hop.digest),
      * but neither extras nor loss_rows. */
     const char *digest;
+    /* the placement (ASSIGN epoch) the sender computes in; 0 (absent, an
+     * older peer): taken as the receiver's own. A stage drops a hop of
+     * another epoch: it was in flight when a re-plan restarted the job
+     * (GRADIENT has it too). */
+    uint64_t epoch;
 } nl_msg_train_hop;
 
 /* A generation's tokens. With logprobs asked for (params.logprobs), a

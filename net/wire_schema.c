@@ -120,8 +120,9 @@ static const nl_wire_field f_train_hop[] = {
     F_U32_OPT(nl_msg_train_hop, extras),
     F_U64_OPT(nl_msg_train_hop, loss_rows),
     F_DIGEST,
+    F_U64_OPT(nl_msg_train_hop, epoch),
 };
-static const nl_wire_field f_grad_hop[] = {HOP_FIELDS, F_DIGEST};
+static const nl_wire_field f_grad_hop[] = {HOP_FIELDS, F_DIGEST, F_U64_OPT(nl_msg_train_hop, epoch)};
 static const nl_wire_field f_token[] = {
     F_U64(nl_msg_token, job_id, U64_ANY),
     F_U64(nl_msg_token, session_id, U64_ANY),

@@ -483,8 +483,9 @@ void nl_node_handle_train(node *n, const nl_wire_msg *m)
     const double cpu0 = busy_cpu_ms(n);
     if (!n->train_t0)
         n->train_t0 = nl_node_mono_ms();
-    if (!nl_stage_job_holds(n->stage, m)) { /* in flight when its job ended */
-        NL_DEBUG("dropped a %s of a job this stage does not train", nl_wire_type_name(m->type));
+    if (!nl_stage_job_holds(n->stage, m)) { /* in flight when its job ended, or from a former plan */
+        NL_DEBUG("dropped a %s of a job this stage does not train (or of a former plan)",
+                 nl_wire_type_name(m->type));
         return;
     }
     const uint64_t job = nl_stage_job_of(m); /* a training or fine-tuning job */

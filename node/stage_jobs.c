@@ -155,10 +155,26 @@ uint64_t nl_stage_job_of(const nl_wire_msg *m)
                                           : m->u.hop.job_id;
 }
 
+/* A training hop of another placement: it was in flight when a re-plan
+ * restarted its job (the same job id, steps counted again from the
+ * resumed one), from a neighbour of the former plan. */
+static bool other_epoch(const nl_stage *s, const nl_wire_msg *m)
+{
+    switch (m->type) {
+    case NL_MSG_ACTIVATION:
+    case NL_MSG_COUNT:
+    case NL_MSG_EVAL:
+    case NL_MSG_GRADIENT:
+        return m->u.train_hop.epoch && m->u.train_hop.epoch != nl_stage_epoch(s);
+    default:
+        return false;
+    }
+}
+
 bool nl_stage_job_holds(const nl_stage *s, const nl_wire_msg *m)
 {
     const stage_job *e = nl_stage_job_find(s, nl_stage_job_of(m));
-    return e && e->ops->holds && e->ops->holds(e->state, m);
+    return e && e->ops->holds && e->ops->holds(e->state, m) && !other_epoch(s, m);
 }
 
 nl_status nl_stage_job_input(nl_stage *s, const nl_wire_msg *m, nl_stage_send_fn send, void *ctx,
@@ -169,5 +185,10 @@ nl_status nl_stage_job_input(nl_stage *s, const nl_wire_msg *m, nl_stage_send_fn
     if (!e || !e->ops->holds || !e->ops->holds(e->state, m))
         return nl_error_set(err, NL_ERR_STATE, "%s: job %llu is not training on this stage",
                             nl_wire_type_name(m->type), (unsigned long long)id);
+    if (other_epoch(s, m))
+        return nl_error_set(err, NL_ERR_STATE, "%s of job %llu: epoch %llu, but this stage is in %llu",
+                            nl_wire_type_name(m->type), (unsigned long long)id,
+                            (unsigned long long)m->u.train_hop.epoch,
+                            (unsigned long long)nl_stage_epoch(s));
     return e->ops->input(s, e->state, m, send, ctx, err);
 }

@@ -26,6 +26,7 @@ static nl_status send_host(nl_stage *s, stage_train *t, nl_stage_send_fn send, v
     /* the step's number of the microbatch (an evaluation's are its own) */
     const uint32_t wire_mb = type == NL_MSG_EVAL ? mb : nl_stage_train_mb_wire(t, mb);
     t->tx.u.hop = (nl_msg_tensor_hop){t->job, step, wire_mb, 0, 0, aux};
+    t->tx.u.train_hop.epoch = nl_stage_epoch(s);
     /* FP32, or rounded to bf16 (--wire): the receiver widens it */
     nl_status st = nl_stage_hidden_out(s, &t->tx.frames[0], x, xs, 3, err);
     if (st != NL_OK)

@@ -60,13 +60,14 @@ nl_status nl_stage_train_ring_new(nl_stage *s, stage_train *t, int64_t micro, nl
                             (long long)micro, t->xR);
     t->M = (int)(micro / t->xR);
     const nl_model *m = s->model;
-    const size_t n[NL_REDUCE_KINDS] = {
-        [NL_REDUCE_GRADS] = m->n_params + LOSS_FLOATS,
-        [NL_REDUCE_COUNTS] = (size_t)(m->l1 - m->l0) * (size_t)m->cfg.num_experts};
+    const size_t n[NL_REDUCE_KINDS] = {[NL_REDUCE_GRADS] = m->n_params + LOSS_FLOATS,
+                                       [NL_REDUCE_COUNTS] =
+                                           (size_t)(m->l1 - m->l0) * (size_t)m->cfg.num_experts};
     for (int k = 0; k < NL_REDUCE_KINDS; k++) {
         if (n[k] == 0)
             continue;
-        nl_status st = nl_allreduce_new(&t->red[k], t->job, (uint32_t)k, t->xr, t->xR, n[k], 0, err);
+        nl_status st =
+            nl_allreduce_new(&t->red[k], t->job, (uint32_t)k, t->xr, t->xR, n[k], 0, err);
         if (st != NL_OK)
             return st;
         if (!(t->red_buf[k] = malloc(n[k] * sizeof(float))))
@@ -128,8 +129,8 @@ static nl_status grads_done(nl_stage *s, stage_train *t, nl_stage_send_fn send, 
     return nl_stage_train_report(s, t, send, ctx, err);
 }
 
-nl_status nl_stage_train_reduce_grads(nl_stage *s, stage_train *t, nl_stage_send_fn send,
-                                      void *ctx, nl_error *err)
+nl_status nl_stage_train_reduce_grads(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
+                                      nl_error *err)
 {
     const size_t n = s->model->n_params;
     float *buf = t->red_buf[NL_REDUCE_GRADS];

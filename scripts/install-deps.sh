@@ -79,7 +79,7 @@ if [ "${1:-}" = "--cudnn-frontend" ]; then
 fi
 
 PKGS=(
-  build-essential cmake pkg-config clang libclang-rt-14-dev
+  build-essential cmake pkg-config clang clang-format libclang-rt-14-dev
   libdnnl-dev libopenblas-dev libzmq3-dev libmsgpack-dev libsodium-dev libyaml-dev libjansson-dev
   libutf8proc-dev
   libmicrohttpd-dev libjs-chart.js prometheus chromium

@@ -557,6 +557,17 @@ static void refusals(void)
               nl_stage_job_input(stages[0], &m, bus_send, &ctx_idx[0], &err) == NL_ERR_STATE &&
               strstr(err.msg, "job 6"),
           "another job (stale): %s", err.msg);
+    /* this job's hop from a former plan (epoch 0 of make_stages' 1 is an
+     * unstamped hop, taken): not held, so the node drops it */
+    m.u.hop.job_id = job;
+    m.u.train_hop.epoch = 2;
+    CHECK(!nl_stage_job_holds(stages[0], &m) &&
+              nl_stage_job_input(stages[0], &m, bus_send, &ctx_idx[0], &err) == NL_ERR_STATE &&
+              strstr(err.msg, "epoch 2"),
+          "a former plan's hop: %s", err.msg);
+    m.u.train_hop.epoch = 1;
+    CHECK(nl_stage_job_holds(stages[0], &m), "this plan's hop is held");
+    m.u.train_hop.epoch = 0;
     /* microbatch out of range */
     m.u.hop.job_id = job;
     m.u.hop.step = 1;

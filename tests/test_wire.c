@@ -285,6 +285,9 @@ static bool added_later(nl_msg_type t, const nl_wire_msg *d, const char *key)
     if (strcmp(key, "digest") == 0 && (t == NL_MSG_ACTIVATION || t == NL_MSG_COUNT ||
                                        t == NL_MSG_EVAL || t == NL_MSG_GRADIENT))
         return !d->u.train_hop.digest || !d->u.train_hop.digest[0];
+    if (strcmp(key, "epoch") == 0 && (t == NL_MSG_ACTIVATION || t == NL_MSG_COUNT ||
+                                      t == NL_MSG_EVAL || t == NL_MSG_GRADIENT))
+        return d->u.train_hop.epoch == 0;
     if (t == NL_MSG_ACTIVATION || t == NL_MSG_COUNT || t == NL_MSG_EVAL)
         return strcmp(key, "extras") == 0      ? d->u.train_hop.extras == 0
                : strcmp(key, "loss_rows") == 0 ? d->u.train_hop.loss_rows == 0
@@ -314,7 +317,7 @@ static bool is_added_later(nl_msg_type t, const char *key)
             (strcmp(key, "extras") == 0 || strcmp(key, "loss_rows") == 0)) ||
            ((t == NL_MSG_ACTIVATION || t == NL_MSG_COUNT || t == NL_MSG_EVAL ||
              t == NL_MSG_GRADIENT) &&
-            strcmp(key, "digest") == 0) ||
+            (strcmp(key, "digest") == 0 || strcmp(key, "epoch") == 0)) ||
            (t == NL_MSG_LOSS && strcmp(key, "correct") == 0) ||
            (t == NL_MSG_TOKEN && strcmp(key, "top_ids") == 0) ||
            ((t == NL_MSG_TOKEN || t == NL_MSG_JOB_STATUS) && strcmp(key, "tensors") == 0) ||
@@ -498,6 +501,7 @@ static void extras_sample(nl_wire_msg *m, nl_msg_type type, unsigned extras)
         m, 2, 5, extras & NL_HOP_TARGETS ? hx_targets : NULL, extras & NL_HOP_DOCS ? hx_docs : NULL,
         extras & NL_HOP_LABELS ? hx_labels : NULL, extras & NL_HOP_LENGTHS ? hx_lengths : NULL);
     m->u.train_hop.loss_rows = extras & NL_HOP_LABELS ? 2 : 3;
+    m->u.train_hop.epoch = 40 + extras;
 }
 
 static bool frame_is(const nl_tensor *t, const int32_t *want, int ndim, int64_t n)
@@ -576,7 +580,8 @@ static void test_train_hops(void)
             if (st == NL_OK)
                 st = nl_wire_decode(&d, e.parts, e.nparts, NULL, &err);
             CHECK(st == NL_OK && d.u.train_hop.extras == x &&
-                      d.u.train_hop.loss_rows == m.u.train_hop.loss_rows && d.u.hop.step == 250 &&
+                      d.u.train_hop.loss_rows == m.u.train_hop.loss_rows &&
+                      d.u.train_hop.epoch == 40 + x && d.u.hop.step == 250 &&
                       d.u.hop.microbatch == 3,
                   "%s extras %u: %s", nl_wire_type_name(types[ti]), x,
                   st == NL_OK ? "decoded wrong" : err.msg);
