@@ -488,8 +488,20 @@ static void on_control(node *n)
 static void on_data(node *n)
 {
     const nl_wire_msg *m = &n->rx.msg;
+    /* one of a stage's replicas admits two peers: each sends what it may */
+    const bool plain = strncmp(n->rx.peer, "plain:", 6) == 0; /* --plaintext: no keys */
     if (m->type == NL_MSG_REDUCE) { /* from the stage's previous replica */
-        nl_node_handle_train(n, m);
+        if (plain || (n->ring_prev_key[0] && strcmp(n->rx.peer, n->ring_prev_key) == 0))
+            nl_node_handle_train(n, m);
+        else
+            NL_WARN("dropped a REDUCE from %.48s, which is not this stage's previous replica",
+                    n->rx.peer);
+        return;
+    }
+    if (nl_node_is_train_hop(m) && n->ring_prev_key[0] && !plain &&
+        strcmp(n->rx.peer, n->prev_key) != 0) {
+        NL_WARN("dropped a %s from %.48s, which is not the previous stage",
+                nl_wire_type_name(m->type), n->rx.peer);
         return;
     }
     if (nl_node_is_train_hop(m)) { /* from the previous stage, which takes the gradients */

@@ -48,6 +48,9 @@ typedef struct node {
      * replica's data socket, where this one's REDUCE chunks go ("" alone) */
     nl_sock *ring;
     char ring_ep[257], ring_key[NL_KEY_Z85_LEN + 1];
+    /* the keys the data socket admits: the previous stage's and the
+     * stage's previous replica's (a REDUCE must come from the latter) */
+    char prev_key[NL_KEY_Z85_LEN + 1], ring_prev_key[NL_KEY_Z85_LEN + 1];
     double gflops;
     int threads;
     uint64_t memory;          /* offered: --memory, or a GPU's free memory less the reserve */

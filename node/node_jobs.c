@@ -148,6 +148,9 @@ void nl_node_handle_assign(node *n, const nl_msg_assign *a)
     snprintf(n->next_key, sizeof n->next_key, "%s", a->next_key);
     snprintf(n->ring_ep, sizeof n->ring_ep, "%s", a->ring_endpoint ? a->ring_endpoint : "");
     snprintf(n->ring_key, sizeof n->ring_key, "%s", a->ring_key ? a->ring_key : "");
+    snprintf(n->prev_key, sizeof n->prev_key, "%s", a->prev_key);
+    snprintf(n->ring_prev_key, sizeof n->ring_prev_key, "%s",
+             a->ring_prev_key ? a->ring_prev_key : "");
     const nl_model *m = nl_stage_model(n->stage);
     NL_INFO("assigned epoch %llu: stage %u of %u, layers [%u, %u)%s%s, %zu parameters (%.1f MiB, "
             "%.1f MiB planned); prev %s, next %s",
