@@ -98,8 +98,8 @@ static nl_status send_chunk(nl_allreduce *a, uint32_t c, uint32_t phase, nl_allr
     const size_t off = (size_t)c * a->chunk;
     const int64_t shape[1] = {(int64_t)chunk_len(a, c)};
     nl_wire_msg_reset(&a->tx, NL_MSG_REDUCE);
-    a->tx.u.reduce = (nl_msg_reduce){a->job,         a->step, a->what,   phase,
-                                     (uint32_t)a->r, c,       a->chunks, (uint64_t)off};
+    a->tx.u.reduce = (nl_msg_reduce){a->job, a->step,   a->what,       phase, (uint32_t)a->r,
+                                     c,      a->chunks, (uint64_t)off, 0};
     nl_wire_frame_set(&a->tx.frames[0], a->buf + off, NL_DTYPE_F32, shape, 1);
     a->tx.nframes = 1;
     nl_status st = send(ctx, &a->tx, err);

@@ -391,6 +391,7 @@ typedef struct nl_msg_reduce {
     uint32_t sender;        /* its replica index, below NL_REDUCE_MAX_REPLICAS */
     uint32_t chunk, chunks; /* chunk < chunks */
     uint64_t offset;        /* of the chunk's first element */
+    uint64_t epoch;         /* the sender's placement (as a training hop's; 0: absent) */
 } nl_msg_reduce;
 enum { NL_REDUCE_SUM = 0, NL_REDUCE_RESULT = 1 };
 /* What a REDUCE adds up: the step's gradients (and the last stage's

@@ -220,6 +220,7 @@ static const nl_wire_field f_reduce[] = {
     F_U32(nl_msg_reduce, chunk, U32_ANY),
     F_U32(nl_msg_reduce, chunks, 1, UINT32_MAX),
     F_U64(nl_msg_reduce, offset, U64_ANY),
+    F_U64_OPT(nl_msg_reduce, epoch),
 };
 
 static nl_status check_join(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);

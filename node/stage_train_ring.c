@@ -34,11 +34,13 @@
 typedef struct ring_ctx {
     nl_stage_send_fn send;
     void *ctx;
+    uint64_t epoch; /* the stage's placement: a replica of another drops it */
 } ring_ctx;
 
 static nl_status ring_send(void *p, nl_wire_msg *m, nl_error *err)
 {
     ring_ctx *r = p;
+    m->u.reduce.epoch = r->epoch;
     return r->send(r->ctx, NL_STAGE_TO_RING, m, err);
 }
 
@@ -142,7 +144,7 @@ nl_status nl_stage_train_reduce_grads(nl_stage *s, stage_train *t, nl_stage_send
     put_double(buf + n, t->ce);
     put_double(buf + n + 2, t->aux);
     t->reducing = true;
-    ring_ctx rc = {send, ctx};
+    ring_ctx rc = {send, ctx, nl_stage_epoch(s)};
     bool done = false;
     st = nl_allreduce_begin(t->red[NL_REDUCE_GRADS], t->begun, buf, ring_send, &rc, &done, err);
     if (st == NL_OK && done)
@@ -179,7 +181,7 @@ nl_status nl_stage_train_reduce_counts(nl_stage *s, stage_train *t, const int64_
                                 (long long)sum[i], COUNT_EXACT / t->xR);
         buf[i] = (float)sum[i];
     }
-    ring_ctx rc = {send, ctx};
+    ring_ctx rc = {send, ctx, nl_stage_epoch(s)};
     bool done = false;
     nl_status st =
         nl_allreduce_begin(t->red[NL_REDUCE_COUNTS], t->begun, buf, ring_send, &rc, &done, err);
@@ -199,7 +201,7 @@ nl_status nl_stage_train_ring_input(nl_stage *s, stage_train *t, const nl_wire_m
         return nl_error_set(err, NL_ERR_STATE,
                             "REDUCE of job %llu: this stage has no other replica to add up with",
                             (unsigned long long)t->job);
-    ring_ctx rc = {send, ctx};
+    ring_ctx rc = {send, ctx, nl_stage_epoch(s)};
     bool done = false;
     nl_status st = nl_allreduce_input(a, m, ring_send, &rc, &done, err);
     if (st != NL_OK || !done)

@@ -209,13 +209,13 @@ static void test_refusals(void)
         nl_status st;
         const char *says;
     } bad[] = {
-        {{6, 1, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 0, 3, 0}, 4, NL_ERR_PROTO, "job 6"},
-        {{5, 1, NL_REDUCE_GRADS, NL_REDUCE_SUM, 0, 0, 3, 0}, 4, NL_ERR_PROTO, "kind 0"},
-        {{5, 1, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 2, 0, 3, 0}, 4, NL_ERR_PROTO, "from 0 only"},
-        {{5, 1, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 2, 3, 8}, 4, NL_ERR_SHAPE, "chunk 2 of 3"},
-        {{5, 1, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 1, 3, 0}, 4, NL_ERR_SHAPE, "at 0"},
-        {{5, 1, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 0, 4, 0}, 4, NL_ERR_SHAPE, "of 4"},
-        {{5, 1, NL_REDUCE_COUNTS, NL_REDUCE_RESULT, 0, 0, 3, 0},
+        {{6, 1, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 0, 3, 0, 0}, 4, NL_ERR_PROTO, "job 6"},
+        {{5, 1, NL_REDUCE_GRADS, NL_REDUCE_SUM, 0, 0, 3, 0, 0}, 4, NL_ERR_PROTO, "kind 0"},
+        {{5, 1, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 2, 0, 3, 0, 0}, 4, NL_ERR_PROTO, "from 0 only"},
+        {{5, 1, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 2, 3, 8, 0}, 4, NL_ERR_SHAPE, "chunk 2 of 3"},
+        {{5, 1, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 1, 3, 0, 0}, 4, NL_ERR_SHAPE, "at 0"},
+        {{5, 1, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 0, 4, 0, 0}, 4, NL_ERR_SHAPE, "of 4"},
+        {{5, 1, NL_REDUCE_COUNTS, NL_REDUCE_RESULT, 0, 0, 3, 0, 0},
          4,
          NL_ERR_PROTO,
          "before this replica's sum"},
@@ -225,39 +225,39 @@ static void test_refusals(void)
         nl_status st = feed(a, bad[i].h, bad[i].len, &done, &err);
         CHECK(st == bad[i].st && strstr(err.msg, bad[i].says), "refusal %zu: %s (%s)", i, err.msg,
               nl_status_str(st));
-        CHECK(feed(a, (nl_msg_reduce){5, 1, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 0, 3, 0}, 4, &done,
-                   &err) == NL_ERR_STATE,
+        CHECK(feed(a, (nl_msg_reduce){5, 1, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 0, 3, 0, 0}, 4,
+                   &done, &err) == NL_ERR_STATE,
               "refusal %zu: then everything is refused", i);
     }
     /* a chunk twice; a chunk of another step while this one is staged */
     nl_allreduce_reset(a);
-    CHECK_OK(
-        feed(a, (nl_msg_reduce){5, 3, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 0, 3, 0}, 4, &done, &err),
-        &err);
-    CHECK(feed(a, (nl_msg_reduce){5, 3, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 0, 3, 0}, 4, &done,
+    CHECK_OK(feed(a, (nl_msg_reduce){5, 3, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 0, 3, 0, 0}, 4,
+                  &done, &err),
+             &err);
+    CHECK(feed(a, (nl_msg_reduce){5, 3, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 0, 3, 0, 0}, 4, &done,
                &err) == NL_ERR_PROTO &&
               strstr(err.msg, "came twice"),
           "a duplicate: %s", err.msg);
     nl_allreduce_reset(a);
-    CHECK_OK(
-        feed(a, (nl_msg_reduce){5, 3, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 0, 3, 0}, 4, &done, &err),
-        &err);
-    CHECK(feed(a, (nl_msg_reduce){5, 4, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 1, 3, 4}, 4, &done,
+    CHECK_OK(feed(a, (nl_msg_reduce){5, 3, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 0, 3, 0, 0}, 4,
+                  &done, &err),
+             &err);
+    CHECK(feed(a, (nl_msg_reduce){5, 4, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 1, 3, 4, 0}, 4, &done,
                &err) == NL_ERR_PROTO &&
               strstr(err.msg, "step 4"),
           "another step: %s", err.msg);
     nl_allreduce_reset(a);
     float buf[10] = {0};
-    CHECK_OK(
-        feed(a, (nl_msg_reduce){5, 3, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 2, 3, 8}, 2, &done, &err),
-        &err);
+    CHECK_OK(feed(a, (nl_msg_reduce){5, 3, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 0, 2, 3, 8, 0}, 2,
+                  &done, &err),
+             &err);
     CHECK(nl_allreduce_begin(a, 4, buf, NULL, NULL, &done, &err) == NL_ERR_PROTO &&
               strstr(err.msg, "step 3"),
           "begin of another step than the staged: %s", err.msg);
     nl_allreduce_destroy(&a);
     /* the last replica never takes a RESULT, the first never a SUM */
     CHECK_OK(nl_allreduce_new(&a, 5, NL_REDUCE_COUNTS, 0, 2, 10, 4, &err), &err);
-    CHECK(feed(a, (nl_msg_reduce){5, 1, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 1, 0, 3, 0}, 4, &done,
+    CHECK(feed(a, (nl_msg_reduce){5, 1, NL_REDUCE_COUNTS, NL_REDUCE_SUM, 1, 0, 3, 0, 0}, 4, &done,
                &err) == NL_ERR_PROTO &&
               strstr(err.msg, "never takes it"),
           "a SUM to replica 0: %s", err.msg);

@@ -297,6 +297,8 @@ static bool added_later(nl_msg_type t, const nl_wire_msg *d, const char *key)
         return d->nframes == 0;
     if (t == NL_MSG_TOKEN) /* with logprobs: top ids and a frame; neither before */
         return strcmp(key, "top_ids") == 0 && d->u.token.ntop == 0;
+    if (t == NL_MSG_REDUCE)
+        return strcmp(key, "epoch") == 0 && d->u.reduce.epoch == 0;
     if (t == NL_MSG_ASSIGN && strncmp(key, "ring_", 5) == 0) { /* a stage's replicas */
         const nl_msg_assign *a = &d->u.assign;
         const char *v = strcmp(key, "ring_endpoint") == 0 ? a->ring_endpoint
@@ -321,6 +323,7 @@ static bool is_added_later(nl_msg_type t, const char *key)
            (t == NL_MSG_LOSS && strcmp(key, "correct") == 0) ||
            (t == NL_MSG_TOKEN && strcmp(key, "top_ids") == 0) ||
            ((t == NL_MSG_TOKEN || t == NL_MSG_JOB_STATUS) && strcmp(key, "tensors") == 0) ||
+           (t == NL_MSG_REDUCE && strcmp(key, "epoch") == 0) ||
            (t == NL_MSG_ASSIGN &&
             (strcmp(key, "wire") == 0 || strcmp(key, "replica") == 0 ||
              strcmp(key, "replicas") == 0 || strncmp(key, "ring_", 5) == 0));

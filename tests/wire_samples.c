@@ -180,7 +180,7 @@ void sample(nl_wire_msg *m, nl_msg_type t)
             ""};
         break;
     case NL_MSG_REDUCE: {
-        m->u.reduce = (nl_msg_reduce){11, 250, NL_REDUCE_COUNTS, NL_REDUCE_RESULT, 3, 1, 4, 64};
+        m->u.reduce = (nl_msg_reduce){11, 250, NL_REDUCE_COUNTS, NL_REDUCE_RESULT, 3, 1, 4, 64, 9};
         const int64_t n[1] = {64};
         set_frame(&m->frames[0], NL_DTYPE_F32, chunk, 1, n);
         m->nframes = 1;
