@@ -140,12 +140,13 @@ nl_status nl_plan_layers_replicated(nl_plan **out, const nl_config *cfg, const n
                                     nl_error *err);
 
 /* The replicas per stage that give the most training tokens/s (issue 30;
- * core/planner_replicas.c): for R = 1 .. min(n_nodes, NL_PLAN_MAX_REPLICAS)
- * the plan of nl_plan_layers_replicated, whose step of `microbatches`
- * microbatches takes
- *   (microbatches + S - 1) * bottleneck   (1F1B: the pipeline fills once;
- *                                          a stage's time per microbatch
- *                                          is over its replicas)
+ * core/planner_replicas.c): for each R = 1 .. min(n_nodes,
+ * NL_PLAN_MAX_REPLICAS) that divides `microbatches` (M), the plan of
+ * nl_plan_layers_replicated, whose step takes
+ *   (M / R + S - 1) * R * bottleneck      (each replica's pipeline runs
+ *                                          M / R microbatches and fills
+ *                                          once; bottleneck is a stage's
+ *                                          time over its replicas)
  *   + 2 (R - 1) / R * W / link_bytes_per_s (the ring all-reduce of the
  *                                          largest stage's gradients, W
  *                                          bytes; 0 link: free)

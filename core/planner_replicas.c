@@ -127,11 +127,13 @@ done:
     return st;
 }
 
-/* Seconds of a step of M microbatches on plan p with R replicas a stage. */
+/* Seconds of a step of M microbatches (a multiple of R) on plan p with R
+ * replicas a stage: each replica's pipeline runs M / R of them, each
+ * taking the bottleneck stage R times its time over the replicas. */
 static double step_seconds(const nl_plan *p, const nl_config *cfg, const nl_plan_opts *o, int R,
                            int M, double link)
 {
-    double t = (double)(M + p->n_stages - 1) * p->bottleneck;
+    double t = (double)(M / R + p->n_stages - 1) * (p->bottleneck * R);
     if (R > 1 && link > 0) {
         uint64_t w = 0;
         for (int s = 0; s < p->n_stages; s++) {
@@ -160,6 +162,8 @@ nl_status nl_plan_choose_replicas(nl_plan **out, int *replicas, double *step_s,
     double best = 0.0;
     const int top = n_nodes < NL_PLAN_MAX_REPLICAS ? n_nodes : NL_PLAN_MAX_REPLICAS;
     for (int R = 1; R <= top; R++) {
+        if (microbatches % R != 0) /* a step's microbatches divide among the replicas */
+            continue;
         nl_plan *p = NULL;
         nl_error e = {0};
         nl_status st = nl_plan_layers_replicated(&p, cfg, nodes, n_nodes, opts, R, &e);

@@ -871,9 +871,9 @@ static void test_replicated(void)
     CHECK(nl_plan_layers_replicated(&p, &c, dup, 2, &o, 2, &err) == NL_ERR_INVALID,
           "a duplicate id");
     /* the choice of R: four equal nodes, 4 layers, 8 microbatches a step.
-     * With a free link, replicas beat depth (2 x 2 fills the pipeline
-     * less than 4 x 1, 1 x 4 pays nothing for its all-reduce); a slow link
-     * makes the all-reduce cost more than replicas gain: depth alone */
+     * With a free link, replicas beat depth (fewer stages fill the
+     * pipeline faster, the all-reduce costs nothing); a slow link makes
+     * the all-reduce cost more than replicas gain: depth alone */
     nl_config c4 = small_cfg(4);
     int R = 0;
     double t_free = 0, t_slow = 0;
@@ -886,9 +886,9 @@ static void test_replicated(void)
     nl_plan_destroy(&p);
     /* the chosen plan is the best of the R tried, by the model */
     for (int k = 1; k <= 4; k++) {
-        if (nl_plan_layers_replicated(&q, &c4, four, 4, &o, k, &err) != NL_OK)
+        if (8 % k != 0 || nl_plan_layers_replicated(&q, &c4, four, 4, &o, k, &err) != NL_OK)
             continue;
-        const double t = (8 + q->n_stages - 1) * q->bottleneck;
+        const double t = (8 / k + q->n_stages - 1) * k * q->bottleneck;
         CHECK(t >= t_free * (1 - 1e-9), "R=%d: %g s a step, the choice %g", k, t, t_free);
         nl_plan_destroy(&q);
     }
@@ -898,6 +898,10 @@ static void test_replicated(void)
     nl_plan_destroy(&p);
     CHECK(nl_plan_choose_replicas(&p, &R, NULL, &c4, four, 4, &o, 0, 0.0, &err) == NL_ERR_INVALID,
           "0 microbatches");
+    /* 3 microbatches do not divide among 2 or 4 replicas: 1 or 3 */
+    CHECK_OK(nl_plan_choose_replicas(&p, &R, NULL, &c4, four, 4, &o, 3, 0.0, &err), &err);
+    CHECK(R == 1 || R == 3, "3 microbatches: %d replicas", R);
+    nl_plan_destroy(&p);
     printf("replicated plans: ok\n");
 }
 
