@@ -11,7 +11,8 @@
 #    neuroctl export joins;
 #  - a replica's node killed at step ~7: the job resumes by itself from its
 #    last checkpoint on the nodes left, and the run is byte-identical;
-#  - neuroctl status shows every node's replica;
+#  - neuroctl status shows every node's replica; a generation on the
+#    cluster (replica 0 of each stage) gives one process's tokens;
 #  - a job whose microbatches do not divide among the replicas is refused.
 . "$(dirname "$0")/cluster_lib.sh"
 # every node reports the same throughput (neuronode's test hook): the
@@ -80,6 +81,11 @@ C="$W/c4"
 check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 4 --replicas 2 --model "$W/m.safetensors" \
   --memory 64M --threads 1 --node-timeout-ms 2000 --timeout 60
 check grep -q "replicas on" "$C/coord.log"
+# inference runs on replica 0 of each stage: the ids of one process
+check "$N" generate --cluster "$C" --prompt-tokens 72,101 --max-new 6 --temperature 0 > "$W/gen.c" 2>/dev/null
+check "$N" generate "${DEV[@]}" --model "$W/m.safetensors" --prompt-tokens 72,101 --max-new 6 \
+  --temperature 0 --threads 1 > "$W/gen.l" 2>/dev/null
+check cmp -s "$W/gen.c" "$W/gen.l"
 # neuroctl status shows each node's replica and why the stages have them
 "$N" status --cluster "$C" > "$W/status.txt"
 cat "$W/status.txt"
