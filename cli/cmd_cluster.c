@@ -421,7 +421,8 @@ static pid_t start_coordinator(const nl_flag *flags, const up_opts *o, char *coo
     /* passed on as given: neurocoord checks them */
     static const char *const passed[] = {"--verify-rate",     "--http-tokens",  "--http-adapter",
                                          "--grow",            "--heartbeat-ms", "--wire",
-                                         "--rebalance-after", "--replicas"};
+                                         "--rebalance-after", "--replicas",
+                                         "--plan-microbatches"};
     for (size_t k = 0; k < sizeof passed / sizeof *passed; k++)
         if (nl_args_get(flags, passed[k] + 2)) {
             cargv[ca++] = (char *)passed[k];
@@ -651,7 +652,11 @@ int nl_cmd_cluster(int argc, char **argv)
          "--rebalance-after; default 3; 0: only at the job's checkpoints)",
          NULL},
         {"replicas", 1,
-         "up: every pipeline stage on this many nodes (neurocoord --replicas; default 1)", NULL},
+         "up: every pipeline stage on this many nodes, or auto (neurocoord --replicas; default 1)",
+         NULL},
+        {"plan-microbatches", 1,
+         "up: the step's microbatches --replicas auto plans for (neurocoord --plan-microbatches)",
+         NULL},
         {"timeout", 1, "up: seconds to wait for the cluster to be ready (default 120)", NULL},
         {0}};
     const char *usage =
@@ -659,7 +664,7 @@ int nl_cmd_cluster(int argc, char **argv)
         "--resume MANIFEST] "
         "[--memory SIZE] [--threads N] [--spin N] [--kv-budget SIZE] [--device D[,D...]] "
         "[--tf32] [--precision fp32|bf16] [--http HOST:PORT [--http-tokens FILE] [--http-adapter "
-        "NAME=FILE]] [--grow auto] [--wire fp32|bf16] [--replicas R]";
+        "NAME=FILE]] [--grow auto] [--wire fp32|bf16] [--replicas R|auto [--plan-microbatches M]]";
     const char *pos[1] = {NULL};
     int npos = 0;
     int rc = nl_args_parse(argc, argv, flags, usage, pos, 1, &npos);

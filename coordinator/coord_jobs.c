@@ -340,11 +340,14 @@ static json_t *status_json(nl_coord *c, const nl_rx *rx, bool full)
         if (c->plan_training)
             json_object_set_new(root, "train_bottleneck_s", json_real(c->plan->bottleneck));
     }
-    if (c->plan && c->o.replicas > 1) /* why the stages have replicas */
-        json_object_set_new(root, "replicas",
-                            json_pack("{s:i,s:s}", "per_stage", c->o.replicas, "why",
-                                      "neurocoord --replicas: the nodes ranked by speed, grouped "
-                                      "that many to a stage (microbatch i on replica i mod R)"));
+    if (c->plan && c->o.replicas != 1) /* why the stages have replicas (or none) */
+        json_object_set_new(
+            root, "replicas",
+            json_pack("{s:i,s:s}", "per_stage", coord_stage_replicas(c, 0), "why",
+                      c->o.replicas ? "neurocoord --replicas: the nodes ranked by speed, grouped "
+                                      "that many to a stage (microbatch i on replica i mod R)"
+                                    : "neurocoord --replicas auto: the most training tokens/s "
+                                      "by the cost model for steps of --plan-microbatches"));
     /* the weights the stages hold: job 0 step 0 are the files they started from */
     json_object_set_new(root, "weights",
                         json_pack("{s:I,s:I}", "job", (json_int_t)c->weights_job, "step",

@@ -264,6 +264,11 @@ static nl_status plan_layers(const nl_coord *c, nl_plan **out, const nl_plan_nod
     const int k = plan_offer(c);
     if (c->o.replicas > 1) /* the nodes are grouped by speed: all of them */
         return nl_plan_layers_replicated(out, &c->cfg, pn, n, po, c->o.replicas, err);
+    if (c->o.replicas == 0) { /* auto: the cost model's choice (at 1 GB/s, as hop_seconds) */
+        int R = 1;
+        return nl_plan_choose_replicas(out, &R, NULL, &c->cfg, pn, n, po,
+                                       c->o.plan_microbatches, 1e9, err);
+    }
     if (n > k && nl_plan_layers(out, &c->cfg, pn, k, po, err) == NL_OK)
         return NL_OK;
     return nl_plan_layers(out, &c->cfg, pn, n, po, err);

@@ -104,8 +104,13 @@ static nl_flag flags[] = {
      "sockets before the norm and AdamW; the nodes are grouped by speed, R to a group, and "
      "the groups planned as stages (nodes left over stay standby); replica 0 writes the "
      "stage's shard. A training job's microbatches must be a multiple of R; verification by "
-     "recompute is off (default 1: one node a stage)",
+     "recompute is off. auto: the R (1 to 16, dividing --plan-microbatches) whose plan gives "
+     "the most training tokens/s by the cost model: the pipeline's fill, each stage's time "
+     "over its replicas, the ring all-reduce of the largest stage's gradients at 1 GB/s "
+     "(default 1: one node a stage)",
      NULL},
+    {"plan-microbatches", 1,
+     "the microbatches of a training step --replicas auto plans for (default 8)", NULL},
     {"wire", 1,
      "fp32 (default) or bf16: the precision of the hidden states and gradients the stages "
      "send each other (bf16: rounded to nearest even when sent, widened when received; half "
@@ -161,7 +166,10 @@ static nl_flag flags[] = {
 static int numbers(nl_coord_opts *o)
 {
     long long seed = 0, min_nodes = 1, hb = 1000, nto = 5000, jto = 120000, rows = 512, resumes = 2,
-              train_resumes = 3, jobs_per_key = 32, rebalance_after = 3, replicas = 1;
+              train_resumes = 3, jobs_per_key = 32, rebalance_after = 3, replicas = 1,
+              plan_micro = 8;
+    const char *rv = nl_args_get(flags, "replicas");
+    const bool auto_r = rv && strcmp(rv, "auto") == 0;
     uint64_t min_mem = 0, max_data = 1ull << 30, max_total = 1ull << 30;
     double margin = 0.1;
     int rc;
@@ -173,7 +181,8 @@ static int numbers(nl_coord_opts *o)
         (rc = nl_args_int(flags, "gen-resumes", 0, 1000, &resumes)) ||
         (rc = nl_args_int(flags, "train-resumes", 0, 1000, &train_resumes)) ||
         (rc = nl_args_int(flags, "rebalance-after", 0, INT32_MAX, &rebalance_after)) ||
-        (rc = nl_args_int(flags, "replicas", 1, NL_PLAN_MAX_REPLICAS, &replicas)) ||
+        (!auto_r && (rc = nl_args_int(flags, "replicas", 1, NL_PLAN_MAX_REPLICAS, &replicas))) ||
+        (rc = nl_args_int(flags, "plan-microbatches", 1, 1 << 20, &plan_micro)) ||
         (rc = nl_args_int(flags, "plan-rows", 1, 1 << 20, &rows)) ||
         (rc = nl_args_int(flags, "max-jobs-per-key", 1, 64, &jobs_per_key)) ||
         (rc = nl_args_size(flags, "min-memory", &min_mem)) ||
@@ -200,7 +209,8 @@ static int numbers(nl_coord_opts *o)
     o->max_jobs_per_key = (int)jobs_per_key;
     o->replan_margin = margin;
     o->rebalance_after = (int)rebalance_after;
-    o->replicas = (int)replicas;
+    o->replicas = auto_r ? 0 : (int)replicas;
+    o->plan_microbatches = (int)plan_micro;
     const char *wire = nl_args_get(flags, "wire");
     nl_wire_precision wp = NL_WIRE_FP32;
     if (wire && nl_wire_precision_parse(wire, &wp) != 0) {
@@ -218,10 +228,10 @@ static int numbers(nl_coord_opts *o)
     }
     /* a verification case is kept by the replica that ran the microbatch,
      * which the coordinator does not ask yet */
-    if (o->replicas > 1 && o->verify_rate > 0) {
-        fprintf(stderr, "neurocoord: --replicas %d: verification by recompute is off (not yet "
+    if (o->replicas != 1 && o->verify_rate > 0) {
+        fprintf(stderr, "neurocoord: --replicas %s: verification by recompute is off (not yet "
                         "available with replicas)\n",
-                o->replicas);
+                rv);
         o->verify_rate = 0;
     }
     return 0;

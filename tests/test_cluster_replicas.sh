@@ -144,12 +144,26 @@ done
 echo "killing $victim (replica 1 of stage 1)"
 kill -9 "$(cat "$victim.pid")"
 wait $job
-check test $? -eq 0
+rc=$?
+check test $rc -eq 0
 tr '\r' '\n' < "$W/killed.err" | grep -v "^step" | tail -4
+[ $rc -eq 0 ] || grep -E "WARN|ERROR" "$C/coord.log" | tail -12
 check grep -q '"event":"node_lost"' "$W/killed.jsonl"
 check grep -q "train job 1: resumed at step" "$C/coord.log"
 check $PY "$W/cmp.py" logs "$W/killed.jsonl" "$W/r1.jsonl" 0
 check $PY "$W/cmp.py" weights "$W/killed.safetensors" "$W/r1.safetensors" 0
+
+# ---- --replicas auto: the cost model picks S x R; status says so ----
+check "$N" cluster down --dir "$C"
+C="$W/c4a"
+check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 4 --replicas auto --plan-microbatches 4 \
+  --model "$W/m.safetensors" --memory 64M --threads 1 --node-timeout-ms 2000 --timeout 60
+"$N" status --cluster "$C" > "$W/status-auto.txt"
+grep "^replicas" "$W/status-auto.txt"
+check grep -q "^replicas: [124] per stage .*--replicas auto" "$W/status-auto.txt"
+check "$N" train --cluster "$C" --data "$W/data.txt" --steps 2 --batch 8 --seq 32 --microbatches 4 \
+  --checkpoint-dir "$W/ck5" --log "$W/auto.jsonl" 2> "$W/auto.err"
+check grep -q '"step":2,' "$W/auto.jsonl"
 
 # ---- microbatches that do not divide among the replicas: refused ----
 out=$("$N" train --cluster "$C" --data "$W/data.txt" --steps 2 --batch 6 --seq 32 --microbatches 3 \
