@@ -187,6 +187,16 @@ cnode *coord_stage_replica(nl_coord *c, int stage, int r)
     return coord_node_by_id(c, (uint32_t)c->plan->stages[stage].replicas[r]);
 }
 
+cnode *coord_stage_unreached(nl_coord *c, int stage)
+{
+    for (int r = 0; r < coord_stage_replicas(c, stage); r++) {
+        cnode *n = coord_stage_replica(c, stage, r);
+        if (n && n->unreachable)
+            return n;
+    }
+    return coord_stage_node(c, stage);
+}
+
 /* The free slots' min-heap. */
 static void free_push(nl_coord *c, int32_t slot)
 {

@@ -297,6 +297,9 @@ cnode *coord_stage_node(nl_coord *c, int stage);
  * NULL if there is none; how many replicas a stage has (1 without). */
 cnode *coord_stage_replica(nl_coord *c, int stage, int r);
 int coord_stage_replicas(const nl_coord *c, int stage);
+/* The replica of a stage that a send could not reach (cnode.unreachable),
+ * or replica 0. */
+cnode *coord_stage_unreached(nl_coord *c, int stage);
 /* The live node a message came from: by its routing id, and (CURVE) from
  * the key it joined with; or NULL. */
 cnode *coord_node_by_rid(nl_coord *c, const nl_rx *rx);

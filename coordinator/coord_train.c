@@ -158,7 +158,7 @@ static void grown(nl_coord *c, cwork *w)
  * otherwise it fails now, naming the node. */
 static void unreachable(nl_coord *c, cjob *j, int s)
 {
-    cnode *n = coord_stage_node(c, s);
+    cnode *n = coord_stage_unreached(c, s);
     const nl_plan_stage *ps = &c->plan->stages[s];
     const ctrain *t = j->state;
     if (n && n->unreachable && t->resumes < c->o.train_resumes) {
