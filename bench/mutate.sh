@@ -127,6 +127,10 @@ m node/stage_train.c 'if (p->seq > s->model->cfg.max_seq_len)' \
   'if (p->seq > s->model->cfg.max_seq_len + 1)' '^test_stage_train$'                   # train seq past max_seq_len
 m node/stage_train.c 'if (hop->microbatch >= limit)' 'if (hop->microbatch > limit)' \
   '^test_stage_train$'                                                                 # microbatch index off by one
+# net: a stage's replicas
+m net/allreduce.c 'x[i] = p[i] + x[i];' 'x[i] = p[i];' '^test_allreduce$'  # a replica's own gradients left out of the ring's sum
+m net/allreduce.c 'if (a->r == a->R - 1 || a->r + 1 < a->R - 1)' \
+  'if (a->r == a->R - 1 || a->r + 1 <= a->R - 1)' '^test_allreduce$'  # the result sent round once too far
 # serve
 m serve/http_api.c 'if (x < lo || x > hi)' 'if (x < lo || x >= hi)' '^test_serve_http$'  # integer bound off by one
 m serve/http_api.c 'get_int(o, "logprobs", 0, NL_HTTP_MAX_LOGPROBS, &logprobs, fe)' \

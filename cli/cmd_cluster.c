@@ -374,7 +374,7 @@ static pid_t start_coordinator(const nl_opt *flags, const up_opts *o, char *coor
     snprintf(s_nto, sizeof s_nto, "%lld", o->node_timeout);
     /* a local cluster runs as its user, who names the data and checkpoint
      * paths: they may lead wherever that user may (as the nodes' root) */
-    char *cargv[40] = {coord_bin, "--listen", "tcp://127.0.0.1:*", "--client-listen",
+    char *cargv[48] = {coord_bin, "--listen", "tcp://127.0.0.1:*", "--client-listen",
                        "tcp://127.0.0.1:*", "--state-dir", cdir, "--min-nodes", s_nodes,
                        "--seed", s_seed, "--node-timeout-ms", s_nto, "--data-root", "/",
                        "--checkpoint-root", "/", "--train-resumes", s_tr};
@@ -398,7 +398,8 @@ static pid_t start_coordinator(const nl_opt *flags, const up_opts *o, char *coor
     /* passed on as given: neurocoord checks them */
     static const char *const passed[] = {"--verify-rate",     "--http-tokens",  "--http-adapter",
                                          "--grow",            "--heartbeat-ms", "--wire",
-                                         "--rebalance-after"};
+                                         "--rebalance-after", "--replicas",
+                                         "--plan-microbatches"};
     for (size_t k = 0; k < sizeof passed / sizeof *passed; k++)
         if (nl_opts_get(flags, passed[k] + 2)) {
             cargv[ca++] = (char *)passed[k];
@@ -566,7 +567,7 @@ static int cluster_up(const nl_opt *flags, up_opts *op, const char *dir)
     "neuroctl cluster up|down [--dir DIR] [--nodes N] [--model M | --config C | --resume "         \
     "MANIFEST] [--memory SIZE] [--threads N] [--spin N] [--kv-budget SIZE] [--device D[,D...]] "   \
     "[--tf32] [--precision fp32|bf16] [--http HOST:PORT [--http-tokens FILE] [--http-adapter "     \
-    "NAME=FILE]] [--grow auto] [--wire fp32|bf16]"
+    "NAME=FILE]] [--grow auto] [--wire fp32|bf16] [--replicas R|auto [--plan-microbatches M]]"
 #define MAX_FLAGS 40
 
 /* The flags of `cluster up|down` into t, their values into o and *dir;
@@ -630,6 +631,12 @@ static void cluster_flags(nl_opt t[MAX_FLAGS], up_opts *o, const char **dir)
         NL_OPT_STR("rebalance-after", NULL,
                    "up: a training job's early re-balance after this many steps (neurocoord "
                    "--rebalance-after; default 3; 0: only at the job's checkpoints)"),
+        NL_OPT_STR("replicas", NULL,
+                   "up: every pipeline stage on this many nodes, or auto (neurocoord --replicas; "
+                   "default 1)"),
+        NL_OPT_STR("plan-microbatches", NULL,
+                   "up: the step's microbatches --replicas auto plans for (neurocoord "
+                   "--plan-microbatches)"),
         NL_OPT_LLONG("timeout", &o->timeout, 1, 3600, "120",
                      "up: seconds to wait for the cluster to be ready"),
         NL_OPT_END};

@@ -451,13 +451,19 @@ int nl_cmd_status(int argc, char **argv)
     json_t *n;
     json_array_foreach(json_object_get(st, "nodes"), i, n)
     {
-        char layers[32] = "-", planned[32] = "-", pred[32] = "-";
+        char layers[48] = "-", planned[32] = "-", pred[32] = "-";
         json_t *l = json_object_get(n, "layers");
         if (json_is_array(l))
             nl_plan_range_str(layers, sizeof layers, (int)json_integer_value(json_array_get(l, 0)),
                               (int)json_integer_value(json_array_get(l, 1)),
                               json_is_true(json_object_get(n, "embed")),
                               json_is_true(json_object_get(n, "head")));
+        if (json_object_get(n, "replicas")) { /* one of the stage's replicas: r/R */
+            const size_t used = strlen(layers);
+            snprintf(layers + used, sizeof layers - used, " r%lld/%lld",
+                     json_integer_value(json_object_get(n, "replica")),
+                     json_integer_value(json_object_get(n, "replicas")));
+        }
         if (json_object_get(n, "memory_planned"))
             snprintf(planned, sizeof planned, "%.0fM",
                      (double)json_integer_value(json_object_get(n, "memory_planned")) / (1 << 20));
@@ -473,6 +479,11 @@ int nl_cmd_status(int argc, char **argv)
                json_real_value(json_object_get(n, "heartbeat_age_s")));
     }
     printf("(layers [a,b): the node holds layers a..b-1; +e the embedding, +h the output head)\n");
+    json_t *reps = json_object_get(st, "replicas");
+    if (reps) /* DESIGN section 8 */
+        printf("replicas: %lld per stage (r/R: replica r of the stage's R); %s\n",
+               json_integer_value(json_object_get(reps, "per_stage")),
+               json_string_value(json_object_get(reps, "why")));
     json_t *b = json_object_get(st, "bottleneck_s"),
            *tb = json_object_get(st, "train_bottleneck_s");
     if (b)

@@ -37,6 +37,8 @@ void nl_coord_opts_init(nl_coord_opts *o)
     o->gen_resumes = 2;
     o->train_resumes = 3;
     o->verify_rate = 0.05; /* docs/security.md: within 5% of tokens/s */
+    o->replicas = 1;
+    o->plan_microbatches = 8;
     o->rebalance_after = 3;
     o->plan_rows = 512;
     o->replan_margin = 0.1;

@@ -170,6 +170,33 @@ cnode *coord_stage_node(nl_coord *c, int stage)
     return coord_node_by_id(c, (uint32_t)c->plan->stages[stage].node_id);
 }
 
+int coord_stage_replicas(const nl_coord *c, int stage)
+{
+    if (!c->plan || stage < 0 || stage >= c->plan->n_stages)
+        return 0;
+    const int r = c->plan->stages[stage].n_replicas;
+    return r > 1 ? r : 1;
+}
+
+cnode *coord_stage_replica(nl_coord *c, int stage, int r)
+{
+    if (r == 0)
+        return coord_stage_node(c, stage);
+    if (r < 0 || r >= coord_stage_replicas(c, stage))
+        return NULL;
+    return coord_node_by_id(c, (uint32_t)c->plan->stages[stage].replicas[r]);
+}
+
+cnode *coord_stage_unreached(nl_coord *c, int stage)
+{
+    for (int r = 0; r < coord_stage_replicas(c, stage); r++) {
+        cnode *n = coord_stage_replica(c, stage, r);
+        if (n && n->unreachable)
+            return n;
+    }
+    return coord_stage_node(c, stage);
+}
+
 /* The free slots' min-heap. */
 static void free_push(nl_coord *c, int32_t slot)
 {

@@ -3,11 +3,14 @@
  * (tests/test_coord_cli.c holds them together). */
 #include "coord_cli.h"
 
+#include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "base/args.h"
 #include "base/log.h"
+#include "core/planner.h"
 #include "net/wire.h"
 #include "serve/http_flags.h"
 
@@ -65,8 +68,11 @@ static void coord_flags(nl_opt t[MAX_FLAGS], nl_coord_cli *cli, int *level, int 
                    "rows (tokens) of one request the plan must fit"),
         NL_OPT_DOUBLE("verify-rate", &o->verify_rate, 0.0, 1.0, "0.05",
                       "the fraction P of a training step's (stage, microbatch)s another node "
-                      "redoes and compares by digest, drawn from a secret the nodes never see "
-                      "(docs/security.md, \"Catching a node that computes wrong\"; 0: none)"),
+                      "redoes and compares by digest (a node of another device class: the "
+                      "tensors, within 1e-4 relative), drawn from a secret the nodes never see; a "
+                      "node found wrong is banned and the job rolls back to its last checkpoint "
+                      "whose steps were all verified (docs/security.md, \"Catching a node that "
+                      "computes wrong\"; 0: none)"),
         NL_OPT_DOUBLE("replan-margin", &o->replan_margin, 0.0, 1.0, "0.1",
                       "when a node joins (or a standby leaves) and no job runs, plan again if the "
                       "bottleneck gets better by this fraction; the stages reload from the "
@@ -77,6 +83,19 @@ static void coord_flags(nl_opt t[MAX_FLAGS], nl_coord_cli *cli, int *level, int 
                    "a plan by them beats the current one by --replan-margin the job writes a "
                    "checkpoint there and goes on from it on the new plan (0: only at the job's "
                    "checkpoints)"),
+        NL_OPT_STR("replicas", &cli->replicas,
+                   "R: every pipeline stage runs on R nodes (DESIGN section 8): microbatch i of "
+                   "a step on replica i mod R, the replicas' gradients added in replica order "
+                   "over their data sockets before the norm and AdamW; the nodes are grouped by "
+                   "speed, R to a group, and the groups planned as stages (nodes left over stay "
+                   "standby); replica 0 writes the stage's shard. A training job's microbatches "
+                   "must be a multiple of R; verification by recompute is off. auto: the R (1 "
+                   "to 16, dividing --plan-microbatches) whose plan gives the most training "
+                   "tokens/s by the cost model: the pipeline's fill, each stage's time over its "
+                   "replicas, the ring all-reduce of the largest stage's gradients at 1 GB/s "
+                   "(default 1: one node a stage)"),
+        NL_OPT_INT("plan-microbatches", &o->plan_microbatches, 1, 1 << 20, "8",
+                   "the microbatches of a training step --replicas auto plans for"),
         NL_OPT_CHOICE("wire", &o->wire, "fp32|bf16", "fp32",
                       "fp32 or bf16: the precision of the hidden states and gradients the stages "
                       "send each other (bf16: rounded to nearest even when sent, widened when "
@@ -154,6 +173,27 @@ static int check(nl_coord_cli *cli, const nl_opt *t)
     if (o->wire != NL_WIRE_FP32 && o->verify_rate > 0) {
         fprintf(stderr, "neurocoord: --wire bf16: verification by recompute is off (not yet "
                         "available with bf16 hops; docs/security.md)\n");
+        o->verify_rate = 0;
+    }
+    if (cli->replicas && strcmp(cli->replicas, "auto") == 0) {
+        o->replicas = 0;
+    } else if (cli->replicas) {
+        char *end = NULL;
+        errno = 0;
+        const long r = strtol(cli->replicas, &end, 10);
+        if (errno || end == cli->replicas || *end || r < 1 || r > NL_PLAN_MAX_REPLICAS) {
+            fprintf(stderr, "--replicas: '%s' is not auto or a whole number from 1 to %d\n",
+                    cli->replicas, NL_PLAN_MAX_REPLICAS);
+            return 2;
+        }
+        o->replicas = (int)r;
+    }
+    /* a verification case is kept by the replica that ran the microbatch,
+     * which the coordinator does not ask yet */
+    if (o->replicas != 1 && o->verify_rate > 0) {
+        fprintf(stderr, "neurocoord: --replicas %s: verification by recompute is off (not yet "
+                        "available with replicas)\n",
+                cli->replicas);
         o->verify_rate = 0;
     }
     /* the HTTP side's /v1 requests are jobs of one key: past

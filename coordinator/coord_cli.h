@@ -12,6 +12,7 @@ typedef struct nl_coord_cli {
     nl_coord_opts coord;
     nl_http_opts http;         /* http.addr NULL: no --http */
     const char *http_adapters; /* --http-adapter NAME=FILE[,...], or NULL */
+    const char *replicas;      /* --replicas R|auto as given (coord.replicas: R, 0 auto) */
 } nl_coord_cli;
 
 /* Parse argv into cli (which borrows argv's strings) and apply

@@ -65,6 +65,7 @@ typedef struct cnode {
     uint32_t threads;
     double joined, last_seen; /* monotonic seconds */
     int stage;                /* index into the plan, -1: standby */
+    int replica;              /* which of the stage's replicas (0: the one that writes its shard) */
     int loaded;               /* LOAD_DONE received for the current epoch */
     int unreachable;          /* a send failed: declared dead at the next tick */
     int32_t older, newer;     /* live: its neighbours in the list by last_seen (slots, -1) */
@@ -304,6 +305,13 @@ void coord_set_state(nl_coord *c, const char *fmt, ...) __attribute__((format(pr
 
 /* The live node of stage `stage` of the current plan, or NULL. */
 cnode *coord_stage_node(nl_coord *c, int stage);
+/* Replica r of a stage (DESIGN section 8; replica 0 is coord_stage_node),
+ * NULL if there is none; how many replicas a stage has (1 without). */
+cnode *coord_stage_replica(nl_coord *c, int stage, int r);
+int coord_stage_replicas(const nl_coord *c, int stage);
+/* The replica of a stage that a send could not reach (cnode.unreachable),
+ * or replica 0. */
+cnode *coord_stage_unreached(nl_coord *c, int stage);
 /* The live node a message came from: by its routing id, and (CURVE) from
  * the key it joined with; or NULL. */
 cnode *coord_node_by_rid(nl_coord *c, const nl_rx *rx);

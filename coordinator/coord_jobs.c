@@ -340,6 +340,14 @@ static json_t *status_json(nl_coord *c, const nl_rx *rx, bool full)
         if (c->plan_training)
             json_object_set_new(root, "train_bottleneck_s", json_real(c->plan->bottleneck));
     }
+    if (c->plan && c->o.replicas != 1) /* why the stages have replicas (or none) */
+        json_object_set_new(
+            root, "replicas",
+            json_pack("{s:i,s:s}", "per_stage", coord_stage_replicas(c, 0), "why",
+                      c->o.replicas ? "neurocoord --replicas: the nodes ranked by speed, grouped "
+                                      "that many to a stage (microbatch i on replica i mod R)"
+                                    : "neurocoord --replicas auto: the most training tokens/s "
+                                      "by the cost model for steps of --plan-microbatches"));
     /* the weights the stages hold: job 0 step 0 are the files they started from */
     json_object_set_new(root, "weights",
                         json_pack("{s:I,s:I}", "job", (json_int_t)c->weights_job, "step",
@@ -377,8 +385,15 @@ static json_t *status_json(nl_coord *c, const nl_rx *rx, bool full)
         if (n->stage >= 0 && c->plan) {
             const nl_plan_stage *s = &c->plan->stages[n->stage];
             json_object_set_new(o, "stage", json_integer(n->stage));
-            char text[64];
+            char text[96];
+            const int R = coord_stage_replicas(c, n->stage);
             nl_plan_range_str(text, sizeof text, s->l0, s->l1, s->has_embed, s->has_head);
+            if (R > 1) { /* DESIGN section 8: the stage runs on R nodes */
+                const size_t used = strlen(text);
+                snprintf(text + used, sizeof text - used, ", replica %d of %d", n->replica, R);
+                json_object_set_new(o, "replica", json_integer(n->replica));
+                json_object_set_new(o, "replicas", json_integer(R));
+            }
             json_object_set_new(o, "layers", json_pack("[ii]", s->l0, s->l1));
             json_object_set_new(o, "layers_text", json_string(text));
             json_object_set_new(o, "embed", json_boolean(s->has_embed));

@@ -45,15 +45,31 @@ static uint32_t assign_links(const cnode *n, const cnode *prev, const cnode *nex
     return links;
 }
 
-static void send_assign(nl_coord *c, int stage, const char *cfg_json, int relay_port)
+/* Replica r of a stage next to one: the same replica (every stage has
+ * as many), or replica 0. */
+static cnode *neighbour(nl_coord *c, int stage, int r)
+{
+    cnode *n = coord_stage_replica(c, stage, r);
+    return n ? n : coord_stage_node(c, stage);
+}
+
+/* ASSIGN replica r of a stage. Replica r of every stage is one pipeline
+ * (DESIGN section 8: microbatch i runs on replica i mod R everywhere), so
+ * its prev and next are replica r of the stages around it; the ring is
+ * the stage's own replicas, r to r + 1. */
+static void send_assign(nl_coord *c, int stage, int r, const char *cfg_json, int relay_port)
 {
     const nl_plan_stage *s = &c->plan->stages[stage];
     /* the stages make a ring: the last stage sends the tokens it samples
      * straight to the first (a single stage feeds itself) */
-    const int ns = c->plan->n_stages;
-    cnode *n = coord_stage_node(c, stage),
-          *prev = ns > 1 ? coord_stage_node(c, (stage + ns - 1) % ns) : NULL,
-          *next = ns > 1 ? coord_stage_node(c, (stage + 1) % ns) : NULL;
+    const int ns = c->plan->n_stages, R = coord_stage_replicas(c, stage);
+    cnode *n = coord_stage_replica(c, stage, r),
+          *prev = ns > 1 ? neighbour(c, (stage + ns - 1) % ns, r) : NULL,
+          *next = ns > 1 ? neighbour(c, (stage + 1) % ns, r) : NULL,
+          *ring = R > 1 ? coord_stage_replica(c, stage, (r + 1) % R) : NULL,
+          *ring_prev = R > 1 ? coord_stage_replica(c, stage, (r + R - 1) % R) : NULL;
+    if (!n)
+        return;
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_ASSIGN);
@@ -73,7 +89,12 @@ static void send_assign(nl_coord *c, int stage, const char *cfg_json, int relay_
                                  .next_key = next ? next->key : "",
                                  .memory_planned = s->bytes,
                                  .wire = (uint32_t)c->o.wire,
-                                 .links = assign_links(n, prev, next, stage, relay_port)};
+                                 .links = assign_links(n, prev, next, stage, relay_port),
+                                 .replica = (uint32_t)r,
+                                 .replicas = (uint32_t)R,
+                                 .ring_endpoint = ring ? ring->endpoint : "",
+                                 .ring_key = ring ? ring->key : "",
+                                 .ring_prev_key = ring_prev ? ring_prev->key : ""};
     if (m.u.assign.links & (NL_LINK_RELAY_PREV | NL_LINK_RELAY_NEXT))
         m.u.assign.relay_port = (uint32_t)relay_port;
     coord_send_node(c, n, &m);
@@ -155,11 +176,12 @@ static int send_next_chunk(nl_coord *c, cnode *n, nl_wire_msg *m)
     return 0;
 }
 
-/* Begin streaming stage s's tensors (none without a source: LOAD_DONE
- * {tensors 0} then tells the node to initialise from the seed). */
-static void start_load(nl_coord *c, int stage)
+/* Begin streaming a stage's tensors to its replica r (none without a
+ * source: LOAD_DONE {tensors 0} then tells the node to initialise from
+ * the seed). */
+static void start_load(nl_coord *c, int stage, int r)
 {
-    cnode *n = coord_stage_node(c, stage);
+    cnode *n = coord_stage_replica(c, stage, r);
     if (n)
         n->ld = (cload){.active = 1, .epoch = c->epoch, .src = c->src, .t0 = coord_now()};
 }
@@ -174,8 +196,9 @@ int coord_stream_loads(nl_coord *c)
         progress = 0;
         active = 0;
         /* only a stage of the plan loads: not a scan of every node */
-        for (int s = 0; c->plan && s < c->plan->n_stages && sent < LOAD_TURN; s++) {
-            cnode *n = coord_stage_node(c, s);
+        const int S = c->plan ? c->plan->n_stages : 0;
+        for (int k = 0; k < S * NL_PLAN_MAX_REPLICAS && sent < LOAD_TURN; k++) {
+            cnode *n = coord_stage_replica(c, k / NL_PLAN_MAX_REPLICAS, k % NL_PLAN_MAX_REPLICAS);
             cload *ld = n ? &n->ld : NULL;
             if (!ld || !ld->active)
                 continue;
@@ -266,6 +289,13 @@ static nl_status plan_layers(const nl_coord *c, nl_plan **out, const nl_plan_nod
                              const nl_plan_opts *po, nl_error *err)
 {
     const int k = plan_offer(c);
+    if (c->o.replicas > 1) /* the nodes are grouped by speed: all of them */
+        return nl_plan_layers_replicated(out, &c->cfg, pn, n, po, c->o.replicas, err);
+    if (c->o.replicas == 0) { /* auto: the cost model's choice (at 1 GB/s, as hop_seconds) */
+        int R = 1;
+        return nl_plan_choose_replicas(out, &R, NULL, &c->cfg, pn, n, po,
+                                       c->o.plan_microbatches, 1e9, err);
+    }
     if (n > k && nl_plan_layers(out, &c->cfg, pn, k, po, err) == NL_OK)
         return NL_OK;
     return nl_plan_layers(out, &c->cfg, pn, n, po, err);
@@ -336,12 +366,16 @@ int coord_plan_holds(const nl_coord *c, const nl_mem_opts *mo, char *why, size_t
 /* Log a plan, each stage and standby, as `what` (its epoch, or "old"). */
 static void log_plan(const nl_coord *c, const nl_plan *plan, const char *what)
 {
-    for (int s = 0; s < plan->n_stages; s++)
-        NL_INFO("plan %s: stage %d on node %d: layers [%d, %d)%s%s, %.1f MiB, %.2f ms", what, s,
-                plan->stages[s].node_id, plan->stages[s].l0, plan->stages[s].l1,
-                plan->stages[s].has_embed ? " +embed" : "",
-                plan->stages[s].has_head ? " +head" : "", (double)plan->stages[s].bytes / (1 << 20),
-                plan->stages[s].seconds * 1e3);
+    for (int s = 0; s < plan->n_stages; s++) {
+        const nl_plan_stage *g = &plan->stages[s];
+        char reps[16 * NL_PLAN_MAX_REPLICAS] = "";
+        for (int r = 1, o = 0; r < g->n_replicas && o < (int)sizeof reps; r++)
+            o += snprintf(reps + o, sizeof reps - (size_t)o, "%s%d", r > 1 ? ", " : " (replicas on ",
+                          g->replicas[r]);
+        NL_INFO("plan %s: stage %d on node %d%s%s: layers [%d, %d)%s%s, %.1f MiB, %.2f ms", what, s,
+                g->node_id, reps, reps[0] ? ")" : "", g->l0, g->l1, g->has_embed ? " +embed" : "",
+                g->has_head ? " +head" : "", (double)g->bytes / (1 << 20), g->seconds * 1e3);
+    }
     for (int i = 0; i < plan->n_standby; i++)
         NL_INFO("plan %s: node %d is a standby", what, plan->standby[i]);
     (void)c;
@@ -420,18 +454,22 @@ static void plan_over(nl_coord *c, nl_plan_node *pn, int n, uint64_t total)
     c->replan_wanted = 0; /* this plan saw every node there is */
     c->epoch++;
     char *cfg_json = nl_config_to_json(&c->cfg), epoch[32];
-    for (int s = 0; s < plan->n_stages; s++) {
-        cnode *node = coord_stage_node(c, s);
-        node->stage = s;
-        node->loaded = 0;
-    }
+    for (int s = 0; s < plan->n_stages; s++)
+        for (int r = 0; r < coord_stage_replicas(c, s); r++) {
+            cnode *node = coord_stage_replica(c, s, r);
+            node->stage = s;
+            node->replica = r;
+            node->loaded = 0;
+        }
     snprintf(epoch, sizeof epoch, "%llu", (unsigned long long)c->epoch);
     log_plan(c, plan, epoch);
     const int relay_port = coord_relay_plan(c); /* before the ASSIGNs: it admits their keys */
     for (int s = 0; s < plan->n_stages && cfg_json; s++)
-        send_assign(c, s, cfg_json, relay_port);
+        for (int r = 0; r < coord_stage_replicas(c, s); r++)
+            send_assign(c, s, r, cfg_json, relay_port);
     for (int s = 0; s < plan->n_stages && cfg_json; s++)
-        start_load(c, s);
+        for (int r = 0; r < coord_stage_replicas(c, s); r++)
+            start_load(c, s, r);
     coord_stream_loads(c);
     free(cfg_json);
     coord_set_state(c, "loading %d stages (plan %llu)", plan->n_stages,
@@ -635,11 +673,12 @@ void coord_on_load_done(nl_coord *c, const nl_rx *rx)
     coord_jobs_touch(c);
     NL_INFO("node %u loaded stage %d: %u tensors, %.1f MiB", n->id, n->stage,
             rx->msg.u.load_done.tensors, (double)rx->msg.u.load_done.bytes / (1 << 20));
-    for (int s = 0; s < c->plan->n_stages; s++) {
-        cnode *m = coord_stage_node(c, s);
-        if (!m || !m->loaded)
-            return;
-    }
+    for (int s = 0; s < c->plan->n_stages; s++)
+        for (int r = 0; r < coord_stage_replicas(c, s); r++) {
+            cnode *m = coord_stage_replica(c, s, r);
+            if (!m || !m->loaded)
+                return;
+        }
     c->ready = 1;
     coord_observe_restart(c);       /* what the nodes did on another plan says nothing */
     c->stages_modified = 0;         /* they hold the source's weights */

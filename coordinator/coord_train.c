@@ -173,7 +173,7 @@ static void grown(nl_coord *c, cwork *w)
  * otherwise it fails now, naming the node. */
 static void unreachable(nl_coord *c, cjob *j, int s)
 {
-    cnode *n = coord_stage_node(c, s);
+    cnode *n = coord_stage_unreached(c, s);
     const nl_plan_stage *ps = &c->plan->stages[s];
     const ctrain *t = j->state;
     if (n && n->unreachable && t->resumes < c->o.train_resumes) {
@@ -367,6 +367,12 @@ static void begin(nl_coord *c, cjob *j)
     /* a fine-tuning job keeps no moments of the base: each stage checks
      * that its adapters' job fits, and the plan stays as it is */
     const int held = t->ft ? 1 : coord_train_memory(c, j, why, sizeof why);
+    const int R = coord_stage_replicas(c, 0);
+    if (R > 1 && (t->ft || t->micro % R != 0)) { /* DESIGN section 8 */
+        train_fail(c, j, "%d replicas of every stage: %s", R,
+                   t->ft ? "no fine-tuning yet" : "a step's microbatches must be a multiple of them");
+        return;
+    }
     if (held < 0) {
         train_fail(c, j, "%s", why);
         return;
@@ -377,11 +383,13 @@ static void begin(nl_coord *c, cjob *j)
         return;
     }
     free(t->got);
+    free(t->took);
     coord_train_free_shards(t->shards, t->stages); /* a resumed job's, of its former plan */
     t->stages = c->plan->n_stages;
     t->got = calloc((size_t)t->stages, 1);
+    t->took = calloc((size_t)t->stages, sizeof *t->took);
     t->shards = calloc((size_t)t->stages, sizeof *t->shards);
-    if (!t->got || !t->shards) {
+    if (!t->got || !t->took || !t->shards) {
         train_fail(c, j, "out of memory");
         return;
     }

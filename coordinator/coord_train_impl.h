@@ -96,6 +96,7 @@ typedef struct ctrain {
     int seq_default; /* seq is the client's default, not typed: fit to max_seq_len */
     int bad_stage;   /* the stage whose report of this step was not finite, or -1 */
     uint8_t *got;    /* per stage: GRAD_NORM (1) or CKPT_DONE (2) in */
+    uint16_t *took;  /* per stage: the replicas that took the job (bit r: replica r) */
     /* the step's hop digests as each stage reported them with its
      * GRAD_NORM: [dig_stages][micro][NL_DIGEST_KINDS][32] (coord_train_stages.c) */
     uint8_t *dig;

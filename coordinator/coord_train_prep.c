@@ -457,6 +457,7 @@ void coord_train_state_free(ctrain *t)
     free(t->labels);
     free(t->lengths);
     free(t->got);
+    free(t->took);
     free(t->dig);
     free(t->sent);
     coord_train_verify_free(t);

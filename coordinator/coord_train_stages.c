@@ -48,20 +48,30 @@ static int report_ok(srep *r, uint32_t stage, tr_event ev)
                 (unsigned long long)r->j->id, stage, n ? "another stage" : "no stage");
         return 0;
     }
+    if (n->replica != 0) { /* a stage's replicas report through replica 0 */
+        NL_WARN("a training report for job %llu comes from replica %d of stage %u",
+                (unsigned long long)r->j->id, n->replica, stage);
+        return 0;
+    }
     return 1;
 }
 
-/* A stage took the job (JOB_STATUS running); once all have, TAKEN. */
+/* A stage's replica took the job (JOB_STATUS running); once every
+ * replica of every stage has, TAKEN. */
 static int on_ack(srep *r)
 {
     cnode *n = coord_node_by_rid(r->c, r->rx);
     ctrain *t = r->t;
-    if (r->awaits != TE_TAKEN || !n || n->stage < 0 || r->j->epoch != r->c->epoch ||
-        t->got[n->stage])
+    if (r->awaits != TE_TAKEN || !n || n->stage < 0 || n->stage >= t->stages ||
+        r->j->epoch != r->c->epoch || n->replica < 0 || n->replica >= NL_PLAN_MAX_REPLICAS ||
+        (t->took[n->stage] & (1u << n->replica)))
         return 0;
-    t->got[n->stage] = 1;
+    t->took[n->stage] |= (uint16_t)(1u << n->replica);
     r->j->last_progress = coord_now();
-    return ++t->acks == t->stages;
+    int all = 0;
+    for (int s = 0; s < t->stages; s++)
+        all += coord_stage_replicas(r->c, s);
+    return ++t->acks == all;
 }
 
 /* The bytes of stage s's digests in the step's table. */

@@ -17,18 +17,24 @@
 #include "core/train.h"
 #include "net/hopdigest.h"
 
-/* Send m to every stage: 0, or -1 and *lost the stage that cannot be
- * reached. */
+/* Send m to every stage (every replica of it, or replica 0 only): 0, or
+ * -1 and *lost the stage that cannot be reached. */
+static int send_stages(nl_coord *c, nl_wire_msg *m, bool replicas, int *lost)
+{
+    for (int s = 0; s < c->plan->n_stages; s++)
+        for (int r = 0; r < (replicas ? coord_stage_replicas(c, s) : 1); r++) {
+            cnode *n = coord_stage_replica(c, s, r);
+            if (!n || coord_send_node(c, n, m) != NL_OK) {
+                *lost = s;
+                return -1;
+            }
+        }
+    return 0;
+}
+
 static int send_all(nl_coord *c, nl_wire_msg *m, int *lost)
 {
-    for (int s = 0; s < c->plan->n_stages; s++) {
-        cnode *n = coord_stage_node(c, s);
-        if (!n || coord_send_node(c, n, m) != NL_OK) {
-            *lost = s;
-            return -1;
-        }
-    }
-    return 0;
+    return send_stages(c, m, true, lost);
 }
 
 int coord_train_send_decision(nl_coord *c, cjob *j, double scale, int *lost)
@@ -51,7 +57,7 @@ int coord_train_send_ckpt_req(nl_coord *c, cjob *j, const char *dir, int *lost)
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_CKPT_REQ);
     m.u.ckpt_req = (nl_msg_ckpt_req){j->id, (uint64_t)t->step, dir};
-    int rc = send_all(c, &m, lost);
+    int rc = send_stages(c, &m, false, lost); /* replica 0 writes the stage's shard */
     nl_wire_msg_free(&m);
     return rc;
 }
@@ -169,7 +175,8 @@ int64_t coord_train_eval_batches(const ctrain *t)
 /* A hop of `type` with microbatch mb of the batch in t->tokens (and the
  * objective's arrays: the targets, or classification's documents, labels
  * and lengths; packed rows' documents; a COUNT takes the documents only)
- * to stage 0. */
+ * to stage 0: to its replica mb mod R (DESIGN section 8), an evaluation's
+ * to replica 0. */
 static int send_hop(nl_coord *c, cjob *j, nl_msg_type type, uint64_t step, uint32_t mb,
                     int64_t loss_rows)
 {
@@ -177,7 +184,8 @@ static int send_hop(nl_coord *c, cjob *j, nl_msg_type type, uint64_t step, uint3
     const int64_t B = t->batch / t->micro, shape[2] = {B, t->seq};
     const size_t rows = (size_t)B * (size_t)t->seq, m0 = mb % (uint32_t)t->micro;
     const bool count = type == NL_MSG_COUNT, classify = t->lds != NULL, docs = classify || t->pack;
-    cnode *first = coord_stage_node(c, 0);
+    const int R = coord_stage_replicas(c, 0);
+    cnode *first = coord_stage_replica(c, 0, type == NL_MSG_EVAL ? 0 : (int)(mb % (uint32_t)R));
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, type);

@@ -659,6 +659,8 @@ static nl_status build(plan_ctx *x, const plan_found *f, nl_plan **out, nl_error
         const int j = seq[s];
         nl_plan_stage *g = &p->stages[s];
         g->node_id = x->nodes[j].id;
+        g->n_replicas = 1;
+        g->replicas[0] = g->node_id;
         g->l0 = l;
         g->l1 = l += cnt[s];
         g->has_embed = s == 0;

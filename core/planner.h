@@ -73,6 +73,8 @@
 #define NL_PLAN_MAX_NODES 1024
 #define NL_PLAN_EXACT_MAX 16
 #define NL_PLAN_EXACT_LIMIT 20
+/* Most replicas of one stage (DESIGN section 8). */
+#define NL_PLAN_MAX_REPLICAS 16
 
 typedef struct nl_plan_node {
     int id;                /* the caller's name for the node; unique */
@@ -89,13 +91,19 @@ typedef struct nl_plan_opts {
 } nl_plan_opts;
 
 typedef struct nl_plan_stage {
-    int node_id;
+    int node_id; /* replica 0's node: the one that writes the shard */
+    /* DESIGN section 8: the stage's replicas, replica r on node
+     * replicas[r] (replicas[0] == node_id); microbatch i of a step runs on
+     * replica i mod n_replicas. nl_plan_layers makes n_replicas = 1. */
+    int n_replicas;
+    int replicas[NL_PLAN_MAX_REPLICAS];
     int l0, l1;     /* layers [l0, l1) */
     int has_embed;  /* first stage */
     int has_head;   /* last stage: final norm and head */
     int in_flight;  /* training: microbatches kept (1F1B) */
     uint64_t bytes; /* predicted: nl_memory_estimate total */
-    double seconds; /* predicted time per microbatch */
+    double seconds; /* predicted time per microbatch (with replicas: the
+                       slowest replica's over n_replicas) */
 } nl_plan_stage;
 
 typedef struct nl_plan {
@@ -114,6 +122,41 @@ typedef struct nl_plan {
 nl_status nl_plan_layers(nl_plan **out, const nl_config *cfg, const nl_plan_node *nodes,
                          int n_nodes, const nl_plan_opts *opts, nl_error *err);
 void nl_plan_destroy(nl_plan **p);
+
+/* A plan whose every stage has `replicas` replicas (core/planner_replicas.c).
+ * The nodes are ranked by throughput (then memory, then input order) and
+ * cut into groups of `replicas` consecutive ones; each group plans as one
+ * node with its smallest memory and `replicas` times its slowest member's
+ * throughput (each replica runs 1/replicas of the microbatches), and
+ * nl_plan_layers places the groups. A stage on a group gets its nodes as
+ * replicas, fastest first; the nodes of unused groups and the n_nodes mod
+ * replicas slowest ones stay standby (in input order). The replicas'
+ * all-reduce is not in the cost model. replicas = 1 is nl_plan_layers.
+ * Errors as nl_plan_layers; NL_ERR_INVALID for replicas outside
+ * [1, NL_PLAN_MAX_REPLICAS]; NL_ERR_CAPACITY for fewer nodes than
+ * replicas, or groups that cannot hold the model. */
+nl_status nl_plan_layers_replicated(nl_plan **out, const nl_config *cfg, const nl_plan_node *nodes,
+                                    int n_nodes, const nl_plan_opts *opts, int replicas,
+                                    nl_error *err);
+
+/* The replicas per stage that give the most training tokens/s (issue 30;
+ * core/planner_replicas.c): for each R = 1 .. min(n_nodes,
+ * NL_PLAN_MAX_REPLICAS) that divides `microbatches` (M), the plan of
+ * nl_plan_layers_replicated, whose step takes
+ *   (M / R + S - 1) * R * bottleneck      (each replica's pipeline runs
+ *                                          M / R microbatches and fills
+ *                                          once; bottleneck is a stage's
+ *                                          time over its replicas)
+ *   + 2 (R - 1) / R * W / link_bytes_per_s (the ring all-reduce of the
+ *                                          largest stage's gradients, W
+ *                                          bytes; 0 link: free)
+ * and the R with the fewest seconds per step wins (ties: the fewer
+ * replicas). *out gets its plan, *replicas its R, *step_s (may be NULL)
+ * its seconds per step. Errors as nl_plan_layers when no R places. */
+nl_status nl_plan_choose_replicas(nl_plan **out, int *replicas, double *step_s,
+                                  const nl_config *cfg, const nl_plan_node *nodes, int n_nodes,
+                                  const nl_plan_opts *opts, int microbatches,
+                                  double link_bytes_per_s, nl_error *err);
 
 /* Whether some plan fits the nodes' memory (time ignored): *fits = 1/0.
  * Exact up to max_exact_nodes; above, the heuristic orders (no swap

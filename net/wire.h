@@ -72,6 +72,7 @@ typedef enum nl_msg_type {
     NL_MSG_VERIFY_REQ = 55,    /* verification by recompute: coord -> the stage checked */
     NL_MSG_VERIFY_CASE = 56,   /* its case: stage -> coord -> verifier */
     NL_MSG_VERIFY_RESULT = 57, /* the verifier's digests: verifier -> coord */
+    NL_MSG_REDUCE = 58,        /* a stage's replicas: a chunk of their all-reduce */
     NL_MSG_TYPE_MAX = 64       /* codes are below this */
 } nl_msg_type;
 
@@ -178,6 +179,13 @@ typedef struct nl_msg_assign {
     uint32_t links; /* nl_link bits: which side opens each neighbour's connection (optional: 0) */
     uint32_t relay_port; /* with a RELAY link: the coordinator's relay, on the host the node
                           * dialed for control (optional: 0) */
+    /* DESIGN section 8: replica `replica` of the stage's `replicas` (both
+     * optional: 0 reads as one replica). Its prev and next are the same
+     * replica of the neighbouring stages; ring_*: the stage's next replica
+     * (its data endpoint and key, where REDUCE goes) and the key of the
+     * one before it (admitted on this node's data socket). NULL or "": none. */
+    uint32_t replica, replicas;
+    const char *ring_endpoint, *ring_key, *ring_prev_key;
 } nl_msg_assign;
 
 /* ASSIGN.links: who opens the connection between two neighbours. By
@@ -415,6 +423,25 @@ typedef struct nl_msg_verify_result {
     const char *fwd, *bwd;
 } nl_msg_verify_result;
 
+/* REDUCE + one F32 frame [n]: a chunk of a stage's replicas' all-reduce
+ * (net/allreduce.h), replica `sender` to the next replica of the ring.
+ * Phase 0 (NL_REDUCE_SUM): the sum of replicas 0..sender of elements
+ * [offset, offset + n); phase 1 (NL_REDUCE_RESULT): the sum of them all. */
+typedef struct nl_msg_reduce {
+    uint64_t job_id, step;
+    uint32_t what;          /* NL_REDUCE_GRADS or NL_REDUCE_COUNTS */
+    uint32_t phase;         /* NL_REDUCE_SUM or NL_REDUCE_RESULT */
+    uint32_t sender;        /* its replica index, below NL_REDUCE_MAX_REPLICAS */
+    uint32_t chunk, chunks; /* chunk < chunks */
+    uint64_t offset;        /* of the chunk's first element */
+    uint64_t epoch;         /* the sender's placement (as a training hop's; 0: absent) */
+} nl_msg_reduce;
+enum { NL_REDUCE_SUM = 0, NL_REDUCE_RESULT = 1 };
+/* What a REDUCE adds up: the step's gradients (and the last stage's
+ * losses), or its counting pass's route counts. */
+enum { NL_REDUCE_GRADS = 0, NL_REDUCE_COUNTS = 1, NL_REDUCE_KINDS };
+#define NL_REDUCE_MAX_REPLICAS 16
+
 /* One tensor frame. t.data/len are the bytes on the wire (len == numel *
  * dtype size). On send, free_fn (if set) is called exactly once when the
  * transport no longer needs the bytes, whatever the outcome: the bytes are
@@ -454,6 +481,7 @@ typedef struct nl_wire_msg {
         nl_msg_verify_req verify_req;
         nl_msg_verify_case verify_case;
         nl_msg_verify_result verify_result;
+        nl_msg_reduce reduce;
     } u;
     int nframes;
     nl_wire_frame frames[NL_WIRE_MAX_FRAMES];

@@ -17,6 +17,7 @@
 #define F_U32_OPT(S, m) {#m, NL_WK_U32, 0, 0, offsetof(S, m), 0, 0, UINT32_MAX, 0, 0, 1}
 #define F_U64_OPT(S, m) {#m, NL_WK_U64, 0, 0, offsetof(S, m), 0, 0, UINT64_MAX, 0, 0, 1}
 #define F_F64_OPT(S, m, a, b) {#m, NL_WK_F64, 0, 0, offsetof(S, m), 0, 0, 0, (a), (b), 1}
+#define F_STR_OPT(S, m, cs, b) {#m, NL_WK_STR, (cs), 0, offsetof(S, m), 0, 0, (b), 0, 0, 1}
 // clang-format on
 #define U64_ANY 0, UINT64_MAX
 #define U32_ANY 0, UINT32_MAX
@@ -84,6 +85,12 @@ static const nl_wire_field f_assign[] = {
     F_U32_OPT(nl_msg_assign, wire),       /* nl_wire_precision (check_assign); absent: FP32 */
     F_U32_OPT(nl_msg_assign, links),      /* nl_link (check_assign); absent: 0 */
     F_U32_OPT(nl_msg_assign, relay_port), /* with a RELAY link (check_assign); absent: 0 */
+    /* a stage's replicas (check_assign); absent: one */
+    F_U32_OPT(nl_msg_assign, replica),
+    F_U32_OPT(nl_msg_assign, replicas),
+    F_STR_OPT(nl_msg_assign, ring_endpoint, NL_WCS_WORD, 256),
+    F_STR_OPT(nl_msg_assign, ring_key, NL_WCS_Z85, NL_KEY_Z85_LEN),
+    F_STR_OPT(nl_msg_assign, ring_prev_key, NL_WCS_Z85, NL_KEY_Z85_LEN),
 };
 static const nl_wire_field f_layer_load[] = {
     F_U64(nl_msg_layer_load, epoch, U64_ANY),
@@ -209,8 +216,20 @@ static const nl_wire_field f_verify_result[] = {
     F_STR(nl_msg_verify_result, fwd, NL_WCS_HEX, 0, 64),
     F_STR(nl_msg_verify_result, bwd, NL_WCS_HEX, 0, 64),
 };
+static const nl_wire_field f_reduce[] = {
+    F_U64(nl_msg_reduce, job_id, U64_ANY),
+    F_U64(nl_msg_reduce, step, U64_ANY),
+    F_U32(nl_msg_reduce, what, NL_REDUCE_GRADS, NL_REDUCE_KINDS - 1),
+    F_U32(nl_msg_reduce, phase, NL_REDUCE_SUM, NL_REDUCE_RESULT),
+    F_U32(nl_msg_reduce, sender, 0, NL_REDUCE_MAX_REPLICAS - 1),
+    F_U32(nl_msg_reduce, chunk, U32_ANY),
+    F_U32(nl_msg_reduce, chunks, 1, UINT32_MAX),
+    F_U64(nl_msg_reduce, offset, U64_ANY),
+    F_U64_OPT(nl_msg_reduce, epoch),
+};
 
 static nl_status check_join(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
+static nl_status check_reduce(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_verify_case(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_verify_result(const nl_wire_msg *m, const nl_wire_tdesc *td,
                                      nl_error *err);
@@ -265,8 +284,10 @@ static const nl_wire_tdesc tdescs[NL_MSG_TYPE_MAX] = {
     [NL_MSG_VERIFY_REQ] = {"VERIFY_REQ", f_verify_req, NF(f_verify_req), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_VERIFY_CASE] = {"VERIFY_CASE", f_verify_case, NF(f_verify_case), 2, 10, 1, 3,
                             DT(F32) | DT(I32) | DT(I64), check_verify_case},
-    [NL_MSG_VERIFY_RESULT] = {"VERIFY_RESULT", f_verify_result, NF(f_verify_result), 0, 0, 0, 0, 0,
-                              check_verify_result},
+    [NL_MSG_VERIFY_RESULT] = {"VERIFY_RESULT", f_verify_result, NF(f_verify_result), 0, 0, 0, 0,
+                              0, check_verify_result},
+    /* + one F32 frame [n]: the chunk's elements */
+    [NL_MSG_REDUCE] = {"REDUCE", f_reduce, NF(f_reduce), 1, 1, 1, 1, DT(F32), check_reduce},
 };
 
 const nl_wire_tdesc *nl_wire_schema_of(uint32_t type)
@@ -518,6 +539,16 @@ static nl_status check_assign(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_
         return nl_error_set(err, NL_ERR_RANGE,
                             "%s: a neighbour's endpoint and key must both be set or both empty",
                             td->name);
+    const bool ring = a->ring_endpoint && a->ring_endpoint[0];
+    if (a->replicas > NL_REDUCE_MAX_REPLICAS || a->replica >= (a->replicas ? a->replicas : 1))
+        return nl_error_set(err, NL_ERR_RANGE, "%s: replica %u of %u (at most %d)", td->name,
+                            a->replica, a->replicas, NL_REDUCE_MAX_REPLICAS);
+    if (ring != (a->replicas > 1) || ring != (a->ring_key && a->ring_key[0]) ||
+        ring != (a->ring_prev_key && a->ring_prev_key[0]))
+        return nl_error_set(err, NL_ERR_RANGE,
+                            "%s: a stage of %u replicas needs the ring's endpoint and keys "
+                            "exactly when it has more than one",
+                            td->name, a->replicas);
     if (!nl_wire_precision_name((nl_wire_precision)a->wire))
         return nl_error_set(err, NL_ERR_RANGE, "%s: wire %u is not 0 (fp32) or 1 (bf16)", td->name,
                             a->wire);
@@ -570,6 +601,17 @@ static nl_status check_digest(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_
     if (n != 0 && n != 64)
         return nl_error_set(err, NL_ERR_RANGE, "%s.digest: %zu hex digits, must be 64 (or absent)",
                             td->name, n);
+    return NL_OK;
+}
+
+/* REDUCE: a chunk of its all-reduce (the receiver checks the offset and
+ * length against its buffer). */
+static nl_status check_reduce(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err)
+{
+    const nl_msg_reduce *r = &m->u.reduce;
+    if (r->chunk >= r->chunks)
+        return nl_error_set(err, NL_ERR_RANGE, "%s: chunk %u of %u", td->name, r->chunk,
+                            r->chunks);
     return NL_OK;
 }
 

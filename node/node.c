@@ -320,6 +320,7 @@ static nl_status start(node *n, nl_error *err)
                         .inject_nan_step = o->inject_nan_step,
                         .inject_nan_stage = o->inject_nan_stage,
                         .inject_nan_on = o->inject_nan_on,
+                        .inject_no_compute = o->inject_compute_gflops > 0,
                         .lie = {(nl_lie_kind)o->inject_lie_kind, o->inject_lie_rate,
                                 o->inject_lie_seed, o->inject_lie_from},
                         .tf32 = o->tf32,
@@ -522,6 +523,22 @@ static void on_data(node *n)
         on_data_from_next(n);
         return;
     }
+    /* one of a stage's replicas admits two peers: each sends what it may */
+    const bool plain = strncmp(n->rx.peer, "plain:", 6) == 0; /* --plaintext: no keys */
+    if (m->type == NL_MSG_REDUCE) { /* from the stage's previous replica */
+        if (plain || (n->ring_prev_key[0] && strcmp(n->rx.peer, n->ring_prev_key) == 0))
+            nl_node_handle_train(n, m);
+        else
+            NL_WARN("dropped a REDUCE from %.48s, which is not this stage's previous replica",
+                    n->rx.peer);
+        return;
+    }
+    if (nl_node_is_train_hop(m) && n->ring_prev_key[0] && !plain &&
+        strcmp(n->rx.peer, n->prev_key) != 0) {
+        NL_WARN("dropped a %s from %.48s, which is not the previous stage",
+                nl_wire_type_name(m->type), n->rx.peer);
+        return;
+    }
     if (nl_node_is_train_hop(m)) { /* from the previous stage, which takes the gradients */
         memcpy(n->prev_rid, n->rx.rid, n->rx.rid_len);
         n->prev_rid_len = n->rx.rid_len;
@@ -684,6 +701,7 @@ nl_status nl_node_run(const nl_node_opts *o, nl_error *err)
     nl_rx_free(&n.rx);
     nl_node_drop_next(&n);
     nl_node_drop_prev(&n);
+    nl_node_drop_ring(&n);
     nl_sock_destroy(&n.data);
     nl_sock_destroy(&n.ctl);
     nl_net_destroy(&n.net);

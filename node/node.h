@@ -90,6 +90,9 @@ typedef struct nl_node_opts {
     double inject_gflops;        /* test hook (NL_TEST_GFLOPS): reported throughput, if > 0 */
     double inject_slow_ms;       /* test hook (NL_TEST_SLOW_MS): each training message takes
                                   * this much longer here (a node slower than it said) */
+    double inject_compute_gflops; /* test hook (NL_TEST_COMPUTE_GFLOPS): each training hop
+                                   * sleeps for its FLOPs' time at this rate instead of
+                                   * computing (bench/bench_replicas.sh; 0: none) */
     double inject_slow_hop_ms;   /* test hook (NL_TEST_SLOW_HOP_MS): each batch of session hops
                                   * waits this long first (a slow stage, so a test's session
                                   * is still open when another opens) */

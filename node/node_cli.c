@@ -60,11 +60,14 @@ static void help(FILE *f, const nl_opt *flags)
 #ifdef NL_TEST_HOOKS
     fprintf(f, "This is a test build: NL_TEST_INJECT_NAN_STEP=K (K+: from K on) and\n"
                "NL_TEST_INJECT_NAN_STAGE=S put a NaN into the gradient of step K on stage S.\n"
-               "NL_TEST_LIE=KIND:Q[:SEED] makes the stage falsify a fraction Q of its training\n"
-               "outputs (KIND: bitflip, noise, stale, skip, backward) or, KIND verifier, of its\n"
-               "answers as a verifier (mute: it withholds its cases); NL_TEST_LIE_NODE=NAME:\n"
+               "NL_TEST_LIE=KIND:Q[:SEED[:FROM]] makes the stage falsify a fraction Q of its\n"
+               "training outputs from step FROM on (KIND: bitflip, noise, stale, skip, backward)\n"
+               "or, KIND verifier, of its answers as a verifier (mute: it withholds its cases);\n"
+               "NL_TEST_LIE_NODE=NAME:\n"
                "only on the node of that --name\n"
-               "(docs/security.md).\n");
+               "(docs/security.md). NL_TEST_COMPUTE_GFLOPS=G makes each training hop sleep\n"
+               "for its FLOPs' time at G GFLOP/s instead of computing (its outputs zero;\n"
+               "bench/bench_replicas.sh).\n");
 #endif
 }
 
@@ -113,9 +116,9 @@ static int load_identity(const char *key, const char *state_dir, bool plaintext,
 }
 
 #ifdef NL_TEST_HOOKS
-/* Test hook NL_TEST_LIE=KIND:Q[:SEED]: the stage lies on a fraction Q of
- * its work (node/stage_train_lie.c); NL_TEST_LIE_NODE=NAME: only the node
- * of that --name. 0, or 2 (usage) for a malformed value. */
+/* Test hook NL_TEST_LIE=KIND:Q[:SEED[:FROM]]: the stage lies on a fraction
+ * Q of its work from training step FROM on (node/stage_train_lie.c);
+ * NL_TEST_LIE_NODE=NAME: only the node of that --name. 0, or 2 (usage) for a malformed value. */
 static int read_lie(nl_node_opts *o)
 {
     const char *lie = getenv("NL_TEST_LIE");
@@ -123,11 +126,11 @@ static int read_lie(nl_node_opts *o)
         return 0;
     char kind[16] = "";
     double q = 0;
-    unsigned long long seed = 1;
-    int k = sscanf(lie, "%15[a-z]:%lf:%llu", kind, &q, &seed);
+    unsigned long long seed = 1, from = 0;
+    int k = sscanf(lie, "%15[a-z]:%lf:%llu:%llu", kind, &q, &seed, &from);
     if (k < 2 || nl_stage_lie_kind(kind) < 0 || !(q >= 0 && q <= 1)) {
         fprintf(stderr,
-                "neuronode: NL_TEST_LIE=%s: expected KIND:Q[:SEED], KIND one of "
+                "neuronode: NL_TEST_LIE=%s: expected KIND:Q[:SEED[:FROM]], KIND one of "
                 "bitflip, noise, stale, skip, backward, verifier, mute, Q in [0, 1]\n",
                 lie);
         return 2;
@@ -137,6 +140,7 @@ static int read_lie(nl_node_opts *o)
         o->inject_lie_kind = nl_stage_lie_kind(kind);
         o->inject_lie_rate = q;
         o->inject_lie_seed = seed;
+        o->inject_lie_from = from;
     }
     return 0;
 }
@@ -171,6 +175,11 @@ static int read_test_hooks(nl_node_opts *o)
      * coordinator's observed stage times re-balance the plan) */
     const char *slow = getenv("NL_TEST_SLOW_MS");
     o->inject_slow_ms = slow ? atof(slow) : 0.0;
+    /* NL_TEST_COMPUTE_GFLOPS=G: each training hop sleeps for the time its
+     * FLOPs take at G GFLOP/s instead of computing (a compute model: nodes
+     * that share a machine's cores each get a device of that speed) */
+    const char *cg = getenv("NL_TEST_COMPUTE_GFLOPS");
+    o->inject_compute_gflops = cg ? atof(cg) : 0.0;
     /* NL_TEST_SLOW_HOP_MS=X makes each batch of session hops
      * (generation) wait X ms first */
     const char *slow_hop = getenv("NL_TEST_SLOW_HOP_MS");

@@ -48,7 +48,6 @@ typedef struct node {
      * this node dials the previous stage (prev_link, CURVE client pinned
      * to prev_key), up once it answered HELLO; LOAD_DONE waits for that */
     uint32_t links;
-    char prev_key[NL_KEY_Z85_LEN + 1];
     nl_sock *prev_link;
     void *prev_mon;
     bool prev_ready;
@@ -59,6 +58,13 @@ typedef struct node {
     int64_t load_wait_until;
     int64_t hello_at_ms; /* HELLO again then, until the HELLO_ACK */
     char relay_ep[300];  /* with a RELAY link: the coordinator's host at ASSIGN.relay_port */
+    /* one of a stage's replicas (DESIGN section 8): a DEALER to the next
+     * replica's data socket, where this one's REDUCE chunks go ("" alone) */
+    nl_sock *ring;
+    char ring_ep[257], ring_key[NL_KEY_Z85_LEN + 1];
+    /* the keys the data socket admits: the previous stage's and the
+     * stage's previous replica's (a REDUCE must come from the latter) */
+    char prev_key[NL_KEY_Z85_LEN + 1], ring_prev_key[NL_KEY_Z85_LEN + 1];
     double gflops;
     int threads;
     uint64_t memory;          /* offered: --memory, or a GPU's free memory less the reserve */
@@ -113,6 +119,7 @@ nl_status nl_node_make_socket(node *n, nl_sock **out, int type, bool server, con
  * come on prev_link, which this node dialed, with either of these links. */
 #define NL_NODE_DIALS_PREV (NL_LINK_DIAL_PREV | NL_LINK_RELAY_PREV)
 void nl_node_drop_next(node *n);
+void nl_node_drop_ring(node *n);
 void nl_node_on_next_event(node *n);
 /* Send m to the next stage, however its link was made (frames freed
  * whatever happens); errors name the next stage's endpoint. */

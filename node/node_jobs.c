@@ -10,9 +10,33 @@
 
 #include "../base/log.h"
 #include "../core/fileio.h"
+#include "../core/planner.h"
 #include "../net/transport.h"
 #include "node_impl.h"
 #include "stage.h"
+
+/* ===================== the stage's next replica ===================== */
+
+void nl_node_drop_ring(node *n)
+{
+    nl_sock_destroy(&n->ring);
+    n->ring_ep[0] = n->ring_key[0] = '\0';
+}
+
+/* Connect the socket to the stage's next replica on first use (after
+ * every stage answered LOAD_DONE, as the next stage's socket). */
+static nl_status ensure_ring(node *n, nl_error *err)
+{
+    if (n->ring)
+        return NL_OK;
+    if (!n->ring_ep[0])
+        return nl_error_set(err, NL_ERR_STATE, "this stage has no other replica");
+    nl_status st = nl_node_make_socket(n, &n->ring, ZMQ_DEALER, false, n->ring_key, "ring",
+                                       NL_SOCK_BULK, 0, 0, err);
+    if (st == NL_OK && (st = nl_sock_connect(n->ring, n->ring_ep, err)) != NL_OK)
+        nl_sock_destroy(&n->ring);
+    return st;
+}
 
 /* ===================== assignment and loading ===================== */
 
@@ -27,6 +51,7 @@ void nl_node_handle_assign(node *n, const nl_msg_assign *a)
     }
     nl_node_drop_next(n); /* drops what was queued for the old next stage */
     nl_node_drop_prev(n);
+    nl_node_drop_ring(n);
     n->links = 0;
     n->load_pending = false;
     n->next_ep[0] = n->next_key[0] = '\0';
@@ -34,13 +59,16 @@ void nl_node_handle_assign(node *n, const nl_msg_assign *a)
     nl_node_wait_sent(n);
     nl_status st = nl_stage_assign(n->stage, a, &e);
     /* the data socket admits the previous stage, unless this node dials
-     * it, and a next stage that dials in (node_links.c) */
-    const char *keys[2];
+     * it, a next stage that dials in (node_links.c) and the stage's
+     * previous replica */
+    const char *keys[3];
     size_t nk = 0;
     if (a->prev_key[0] && !(a->links & NL_NODE_DIALS_PREV))
         keys[nk++] = a->prev_key;
     if (a->next_key[0] && (a->links & NL_LINK_NEXT_DIALS))
         keys[nk++] = a->next_key;
+    if (a->ring_prev_key && a->ring_prev_key[0] && strcmp(a->ring_prev_key, a->prev_key) != 0)
+        keys[nk++] = a->ring_prev_key;
     if (st == NL_OK)
         st = nl_sock_allow(n->data, nk ? keys : NULL, nk, &e);
     if (st != NL_OK) {
@@ -52,6 +80,11 @@ void nl_node_handle_assign(node *n, const nl_msg_assign *a)
     snprintf(n->prev_ep, sizeof n->prev_ep, "%s", a->prev_endpoint);
     snprintf(n->next_key, sizeof n->next_key, "%s", a->next_key);
     nl_node_links_assign(n, a);
+    snprintf(n->ring_ep, sizeof n->ring_ep, "%s", a->ring_endpoint ? a->ring_endpoint : "");
+    snprintf(n->ring_key, sizeof n->ring_key, "%s", a->ring_key ? a->ring_key : "");
+    snprintf(n->prev_key, sizeof n->prev_key, "%s", a->prev_key);
+    snprintf(n->ring_prev_key, sizeof n->ring_prev_key, "%s",
+             a->ring_prev_key ? a->ring_prev_key : "");
     const nl_model *m = nl_stage_model(n->stage);
     NL_INFO("assigned epoch %llu: stage %u of %u, layers [%u, %u)%s%s, %zu parameters (%.1f MiB, "
             "%.1f MiB planned); prev %s, next %s",
@@ -310,6 +343,13 @@ static nl_status train_send_to(node *n, nl_stage_dest to, nl_wire_msg *m, nl_err
     if (to == NL_STAGE_TO_COORD)
         return nl_sock_send(n->ctl, NULL, 0, m, err);
     nl_status st;
+    if (to == NL_STAGE_TO_RING) {
+        st = ensure_ring(n, err);
+        if (st == NL_OK)
+            st = nl_sock_send(n->ring, NULL, 0, m, err);
+        return st == NL_OK ? st
+                           : nl_error_prefix(err, "cannot reach the next replica at %s", n->ring_ep);
+    }
     if (to == NL_STAGE_TO_PREV) {
         if (n->links & NL_NODE_DIALS_PREV) /* back on the link this node dialed */
             st = n->prev_link ? nl_sock_send(n->prev_link, NULL, 0, m, err)
@@ -340,6 +380,30 @@ static nl_status ckpt_dir(node *n, const char *dir, char **out, nl_error *err)
     return st == NL_OK ? st : nl_error_prefix(err, "CKPT_REQ under --checkpoint-root");
 }
 
+/* Test hook (NL_TEST_COMPUTE_GFLOPS): the time the training hop m takes
+ * at the hook's rate by the planner's cost model (core/planner.h): a
+ * forward of its rows through this stage's layers (and embedding or
+ * head), twice that for a backward; the last stage runs a microbatch's
+ * backward with its forward. Seconds; 0 for other messages. */
+static double compute_model_s(node *n, const nl_wire_msg *m)
+{
+    const nl_model *md = nl_stage_model(n->stage);
+    const bool hop = m->type == NL_MSG_COUNT || m->type == NL_MSG_EVAL ||
+                     m->type == NL_MSG_GRADIENT || m->type == NL_MSG_ACTIVATION;
+    if (n->o->inject_compute_gflops <= 0 || !md || !hop || m->nframes < 1 ||
+        m->frames[0].t.ndim < 2)
+        return 0.0;
+    const int rows = (int)(m->frames[0].t.shape[0] * m->frames[0].t.shape[1]),
+              seq = (int)m->frames[0].t.shape[1];
+    double fwd = (md->l1 - md->l0) * nl_plan_layer_flops(&md->cfg, rows, seq);
+    fwd += md->has_head ? nl_plan_head_flops(&md->cfg, rows) : 0.0;
+    fwd += md->has_embed ? nl_plan_embed_flops(&md->cfg, rows) : 0.0;
+    const double f = m->type == NL_MSG_GRADIENT                        ? 2 * fwd
+                     : m->type == NL_MSG_ACTIVATION && md->has_head ? 3 * fwd
+                                                                     : fwd;
+    return f / (n->o->inject_compute_gflops * 1e9);
+}
+
 /* A training message from any socket: the stage runs what it can. */
 void nl_node_handle_train(node *n, const nl_wire_msg *m)
 {
@@ -357,6 +421,12 @@ void nl_node_handle_train(node *n, const nl_wire_msg *m)
         return;
     }
     const uint64_t job = nl_stage_job_of(m); /* a training or fine-tuning job */
+    const double model_s = compute_model_s(n, m);
+    if (model_s > 0) { /* the compute model's time before the hop's outputs, as busy time */
+        const double whole = (double)(time_t)model_s;
+        nanosleep(&(struct timespec){(time_t)whole, (long)((model_s - whole) * 1e9)}, NULL);
+        n->busy_ms += model_s * 1e3;
+    }
     char *real = NULL;
     nl_status st = NL_OK;
     if (m->type == NL_MSG_CKPT_REQ && (st = ckpt_dir(n, m->u.ckpt_req.dir, &real, &e)) == NL_OK) {

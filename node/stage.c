@@ -238,6 +238,8 @@ nl_status nl_stage_assign(nl_stage *s, const nl_msg_assign *a, nl_error *err)
     s->wire = (nl_wire_precision)a->wire; /* the schema checked it */
     s->stage_idx = (int)a->stage;
     s->num_stages = (int)a->num_stages;
+    s->replica = (int)a->replica;
+    s->replicas = a->replicas > 1 ? (int)a->replicas : 1;
     s->t_assign = now_s();
     nl_status st = nl_stage_wait_output(s, "ASSIGN", err);
     if (st == NL_OK) {

@@ -60,6 +60,9 @@ typedef struct nl_stage_opts {
     int64_t inject_nan_step; /* test hook: a NaN in the gradient of this 1-based step (0: never) */
     int inject_nan_stage;    /* ... on this stage only (-1: any) */
     int inject_nan_on;       /* ... and on every later step */
+    int inject_no_compute;   /* test hook (NL_TEST_COMPUTE_GFLOPS): training hops skip the
+                              * trainer's ops, their outputs and gradients zero (the node
+                              * sleeps for their time instead: a compute model) */
     nl_stage_lie lie;        /* test hook (test builds only): a stage that lies */
     int tf32;                /* the backend allows TF32 (--tf32): recorded in training shards */
     int batch_decode;        /* decode steps per batch; 0 = 32 */
@@ -302,7 +305,12 @@ bool nl_stage_embed_end(nl_stage *s, uint64_t job);
 /* Where a message a training job produced goes: the next stage (hops),
  * the previous stage (GRADIENT), or the coordinator (GRAD_NORM, LOSS,
  * CKPT_DONE). The callee sends it; frames without free_fn are copied. */
-typedef enum nl_stage_dest { NL_STAGE_TO_NEXT, NL_STAGE_TO_PREV, NL_STAGE_TO_COORD } nl_stage_dest;
+typedef enum nl_stage_dest {
+    NL_STAGE_TO_NEXT,
+    NL_STAGE_TO_PREV,
+    NL_STAGE_TO_COORD,
+    NL_STAGE_TO_RING /* the stage's next replica on another node (REDUCE) */
+} nl_stage_dest;
 typedef nl_status (*nl_stage_send_fn)(void *ctx, nl_stage_dest to, nl_wire_msg *m, nl_error *err);
 
 /* ---- jobs (node/stage_jobs.c; training: stage_train.c, stage_lora.c) ---- */

@@ -76,6 +76,7 @@ struct nl_stage {
     bool assigned;      /* an ASSIGN was received (epoch is meaningful) */
     bool assign_failed; /* ... and refused: loads of its epoch are dropped */
     int stage_idx, num_stages;
+    int replica, replicas; /* one of the stage's replicas on other nodes (1: alone) */
     char assign_err[NL_ERROR_MSG_MAX];
     uint64_t seed;
     nl_model *model;

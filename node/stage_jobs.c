@@ -152,6 +152,7 @@ uint64_t nl_stage_job_of(const nl_wire_msg *m)
     return m->type == NL_MSG_STEP         ? m->u.step.job_id
            : m->type == NL_MSG_CKPT_REQ   ? m->u.ckpt_req.job_id
            : m->type == NL_MSG_VERIFY_REQ ? m->u.verify_req.job_id
+           : m->type == NL_MSG_REDUCE     ? m->u.reduce.job_id
                                           : m->u.hop.job_id;
 }
 
@@ -166,6 +167,8 @@ static bool other_epoch(const nl_stage *s, const nl_wire_msg *m)
     case NL_MSG_EVAL:
     case NL_MSG_GRADIENT:
         return m->u.train_hop.epoch && m->u.train_hop.epoch != nl_stage_epoch(s);
+    case NL_MSG_REDUCE: /* from a replica of the former plan */
+        return m->u.reduce.epoch && m->u.reduce.epoch != nl_stage_epoch(s);
     default:
         return false;
     }

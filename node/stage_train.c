@@ -108,6 +108,7 @@ void nl_stage_train_free(stage_train *t)
     }
     nl_host_stage_free(&t->stage);
     nl_wire_msg_free(&t->tx);
+    nl_stage_train_ring_free(t);
     free(t->dig);
     nl_stage_train_kept_free(t);
     free(t->kept);
@@ -279,10 +280,12 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg
                             "with this stage's weights",
                             (long long)job);
     /* 1F1B: a stage keeps the activations of at most as many microbatches
-     * as there are stages from it to the last */
+     * as there are stages from it to the last (of those this node runs:
+     * 1 / R of them on one of R replicas, stage_train_ring.c) */
+    const int64_t Mh = s->replicas > 1 && M % s->replicas == 0 ? M / s->replicas : M;
     int slots = s->num_stages - s->stage_idx;
-    if (slots > M)
-        slots = (int)M;
+    if (slots > Mh)
+        slots = (int)Mh;
     /* each replica keeps its share of the microbatches in flight */
     const int rslots = (slots + R - 1) / R;
     nl_mem_opts mo = {.training = 1,
@@ -309,9 +312,12 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg
     t->job = p->job;
     t->mbB = (int)mbB;
     t->T = (int)T;
-    t->M = (int)M;
+    if ((st = nl_stage_train_ring_new(s, t, M, err)) != NL_OK) {
+        nl_stage_train_free(t);
+        return nl_error_prefix(err, "train job %lld", job);
+    }
     if (!(t->dig = calloc((size_t)M, NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES)) ||
-        !(t->kept = calloc((size_t)M, sizeof *t->kept))) {
+        !(t->kept = calloc((size_t)t->M, sizeof *t->kept))) {
         nl_stage_train_free(t);
         return nl_error_set(err, NL_ERR_NOMEM, "train job %lld: out of memory", job);
     }
@@ -325,6 +331,7 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg
     t->rslots = rslots;
     t->has_embed = m->has_embed;
     t->has_head = m->has_head;
+    t->no_compute = s->o.inject_no_compute != 0;
     const bool threads = t->R > 1 && !s->o.replicas_inline;
     t->async = threads && s->o.train_async;
     st = make_replicas(s, t, (int)recompute, err);
@@ -364,6 +371,10 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg
         NL_INFO("train job %llu: fine-tuning runs on replica 0 (%s) alone, not on the stage's %d "
                 "data-parallel replicas",
                 (unsigned long long)t->job, s->rbe[0]->name, s->n_rep);
+    if (t->xR > 1)
+        NL_INFO("train job %llu: replica %d of the stage's %d: microbatches %d, %d + %d, ... of "
+                "each step",
+                (unsigned long long)t->job, t->xr, t->xR, t->xr, t->xr, t->xR);
     *out = t;
     return NL_OK;
 }
@@ -429,7 +440,7 @@ static nl_status enqueue(nl_stage *s, stage_train *t, const nl_wire_msg *m, nl_e
     const char *what = nl_wire_type_name(m->type);
     const bool first = s->model->has_embed;
     const nl_tensor *x = &m->frames[0].t;
-    const uint64_t limit = m->type == NL_MSG_EVAL ? (uint64_t)t->eval_hops : (uint64_t)t->M;
+    const uint64_t limit = m->type == NL_MSG_EVAL ? (uint64_t)t->eval_hops : (uint64_t)t->Mg;
     if (hop->microbatch >= limit)
         return nl_error_set(err, NL_ERR_RANGE, "%s: microbatch %u of %llu", what, hop->microbatch,
                             (unsigned long long)limit);
@@ -488,6 +499,9 @@ static nl_status enqueue(nl_stage *s, stage_train *t, const nl_wire_msg *m, nl_e
         t->qhead = 0;
     }
     hop_in h = {.type = m->type, .step = hop->step, .mb = hop->microbatch, .aux = hop->aux};
+    if (m->type != NL_MSG_EVAL && (st = nl_stage_train_mb_here(t, what, hop->microbatch, &h.mb,
+                                                               err)) != NL_OK)
+        return st;
     /* token ids as they came; hidden states as FP32 (widened from bf16) */
     const size_t xbytes = first ? m->frames[0].len : t->rows * t->d * sizeof(float);
     if (!(h.x = malloc(xbytes)) || copy_extra(&h.e, f, m->u.train_hop.loss_rows) != 0) {
@@ -520,10 +534,14 @@ static nl_status enqueue(nl_stage *s, stage_train *t, const nl_wire_msg *m, nl_e
 static nl_status on_gradient(nl_stage *s, stage_train *t, const nl_wire_msg *m,
                              nl_stage_send_fn send, void *ctx, nl_error *err)
 {
-    const nl_msg_tensor_hop *hop = &m->u.hop;
+    nl_msg_tensor_hop here = m->u.hop; /* with this node's number of the microbatch */
+    const nl_msg_tensor_hop *hop = &here;
     const nl_tensor *g = &m->frames[0].t;
     if (s->model->has_head)
         return nl_error_set(err, NL_ERR_STATE, "GRADIENT: the last stage starts from its loss");
+    nl_status st = nl_stage_train_mb_here(t, "GRADIENT", m->u.hop.microbatch, &here.microbatch, err);
+    if (st != NL_OK)
+        return st;
     if (hop->step != t->begun || hop->step != (uint64_t)t->applied + 1 || t->finished)
         return nl_error_set(err, NL_ERR_STATE,
                             "GRADIENT of step %llu, but this stage is at step %llu",
@@ -538,8 +556,8 @@ static nl_status on_gradient(nl_stage *s, stage_train *t, const nl_wire_msg *m,
         return nl_error_set(err, NL_ERR_SHAPE,
                             "GRADIENT: the frame must be F32 or BF16 [%d, %d, %zu]", t->mbB, t->T,
                             t->d);
-    nl_status st = nl_hop_digest_check(
-        m, (uint32_t)s->stage_idx, nl_stage_train_dig(t, hop->microbatch, NL_DIGEST_BWD_IN), err);
+    st = nl_hop_digest_check(m, (uint32_t)s->stage_idx,
+                             nl_stage_train_dig(t, hop->microbatch, NL_DIGEST_BWD_IN), err);
     if (st != NL_OK)
         return st;
     /* a copy of the frame for the replica's lane (the message goes when
@@ -563,6 +581,11 @@ static nl_status on_gradient(nl_stage *s, stage_train *t, const nl_wire_msg *m,
 static nl_status on_step(nl_stage *s, stage_train *t, const nl_msg_step *p, nl_stage_send_fn send,
                          void *ctx, nl_error *err)
 {
+    if (t->reducing && !t->step_held && p->step == t->begun) { /* after the replicas' sum */
+        t->held = *p;
+        t->step_held = true;
+        return NL_OK;
+    }
     if (p->step != (uint64_t)t->applied + 1 || !t->finished || t->begun != p->step)
         return nl_error_set(err, NL_ERR_STATE, "STEP %llu, but this stage %s step %llu",
                             (unsigned long long)p->step,
@@ -662,6 +685,7 @@ bool nl_stage_train_takes(const nl_wire_msg *m)
     case NL_MSG_STEP:
     case NL_MSG_CKPT_REQ:
     case NL_MSG_VERIFY_REQ:
+    case NL_MSG_REDUCE:
         return true;
     case NL_MSG_ACTIVATION:
         return m->u.hop.step != 0; /* step 0: an inference hop */
@@ -695,6 +719,13 @@ nl_status nl_stage_train_input(nl_stage *s, stage_train *t, const nl_wire_msg *m
         break;
     case NL_MSG_VERIFY_REQ: /* stage_verify.c */
         st = nl_stage_train_verify_req(s, t, &m->u.verify_req, send, ctx, err);
+        break;
+    case NL_MSG_REDUCE: /* stage_train_ring.c; a STEP held for the sum goes on */
+        st = nl_stage_train_ring_input(s, t, m, send, ctx, err);
+        if (st == NL_OK && t->step_held && !t->reducing) {
+            t->step_held = false;
+            st = on_step(s, t, &t->held, send, ctx, err);
+        }
         break;
     default:
         return nl_error_set(err, NL_ERR_UNSUPPORTED, "%s is not a training message",

@@ -23,7 +23,9 @@ static nl_status send_host(nl_stage *s, stage_train *t, nl_stage_send_fn send, v
 {
     const int64_t xs[3] = {t->mbB, t->T, (int64_t)t->d};
     nl_wire_msg_reset(&t->tx, type);
-    t->tx.u.hop = (nl_msg_tensor_hop){t->job, step, mb, 0, 0, aux};
+    /* the step's number of the microbatch (an evaluation's are its own) */
+    const uint32_t wire_mb = type == NL_MSG_EVAL ? mb : nl_stage_train_mb_wire(t, mb);
+    t->tx.u.hop = (nl_msg_tensor_hop){t->job, step, wire_mb, 0, 0, aux};
     t->tx.u.train_hop.epoch = nl_stage_epoch(s);
     /* FP32, or rounded to bf16 (--wire): the receiver widens it */
     nl_status st = nl_stage_hidden_out(s, &t->tx.frames[0], x, xs, 3, err);
@@ -57,9 +59,9 @@ static nl_status send_hop(nl_stage *s, stage_train *t, nl_stage_send_fn send, vo
     return send_host(s, t, send, ctx, type, step, mb, aux, x, e, err);
 }
 
-/* The step's gradients are all in: the replicas' sum on every replica,
- * then this stage's share of the norm, and on the last stage the losses.
- * The lanes are idle (every job of the step has been taken back). */
+/* The step's gradients are all in: the replicas' sum on every replica
+ * (this node's, then the stage's on other nodes), then the report. The
+ * lanes are idle (every job of the step has been taken back). */
 static nl_status finish_step(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
                              nl_error *err)
 {
@@ -71,20 +73,30 @@ static nl_status finish_step(nl_stage *s, stage_train *t, nl_stage_send_fn send,
         if (st != NL_OK)
             return nl_error_prefix(err, "the gradients of %d replicas", t->R);
     }
-    const double sumsq = nl_trainer_grad_sumsq(t->rep[0].tr);
+    if (t->xR > 1) /* reported when the replicas' sum is in (stage_train_ring.c) */
+        return nl_stage_train_reduce_grads(s, t, send, ctx, err);
+    return nl_stage_train_report(s, t, send, ctx, err);
+}
+
+nl_status nl_stage_train_report(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
+                                nl_error *err)
+{
     t->finished = 1;
+    if (t->xr != 0) /* replica 0 reports for the stage's replicas */
+        return NL_OK;
+    const double sumsq = nl_trainer_grad_sumsq(t->rep[0].tr);
     nl_wire_msg_reset(&t->tx, NL_MSG_GRAD_NORM);
     t->tx.u.grad_norm = (nl_msg_grad_norm){t->job, t->begun, (uint32_t)s->stage_idx,
                                            isnan(sumsq) || sumsq >= 0 ? sumsq : NAN};
     /* the step's hop digests ride along (copied by the send) */
-    const int64_t dshape[3] = {t->M, NL_DIGEST_KINDS, NL_HOP_DIGEST_BYTES};
+    const int64_t dshape[3] = {t->Mg, NL_DIGEST_KINDS, NL_HOP_DIGEST_BYTES};
     nl_wire_frame_set(&t->tx.frames[0], t->dig, NL_DTYPE_U8, dshape, 3);
     t->tx.nframes = 1;
     nl_status st = send(ctx, NL_STAGE_TO_COORD, &t->tx, err);
     if (st != NL_OK || !s->model->has_head)
         return st;
     nl_wire_msg_reset(&t->tx, NL_MSG_LOSS);
-    t->tx.u.loss = (nl_msg_loss){t->job, t->begun, false, t->ce, t->aux, (uint64_t)t->M * t->rows};
+    t->tx.u.loss = (nl_msg_loss){t->job, t->begun, false, t->ce, t->aux, (uint64_t)t->Mg * t->rows};
     return send(ctx, NL_STAGE_TO_COORD, &t->tx, err);
 }
 
@@ -163,11 +175,27 @@ void nl_stage_train_run_job(void *ctx, nl_wjob *w)
         j->st = nl_error_set(&j->err, NL_ERR_STATE, "skipped: an earlier job failed");
         return;
     }
+    if (t->no_compute && j->kind != JOB_BEGIN && j->kind != JOB_STEP) {
+        /* test hook: the compute model's node slept for this work; what
+         * goes on is zero (a pass on the last stage, a forward on the
+         * first, has nothing to send) */
+        const bool out = j->kind == JOB_BACKWARD ? !t->has_embed
+                         : j->kind == JOB_FORWARD && t->has_head ? !t->has_embed
+                                                                 : !t->has_head;
+        if (out)
+            memset(j->out, 0, n * sizeof(float));
+        j->out_type = !out                     ? 0
+                      : j->kind == JOB_COUNT   ? NL_MSG_COUNT
+                      : j->kind == JOB_FORWARD && !t->has_head ? NL_MSG_ACTIVATION
+                                                               : NL_MSG_GRADIENT;
+        j->st = NL_OK;
+        return;
+    }
     if (!t->has_embed && (j->kind == JOB_COUNT || j->kind == JOB_FORWARD))
         x = nl_backend_device_view(p->be, p->x_d, j->x, n * sizeof(float));
     switch (j->kind) {
     case JOB_BEGIN:
-        nl_trainer_begin_step(p->tr, (int64_t)t->M * (int64_t)t->rows);
+        nl_trainer_begin_step(p->tr, (int64_t)t->Mg * (int64_t)t->rows); /* the step's rows */
         if (j->e.loss_rows > 0) /* the masked positions, or the sequences */
             nl_trainer_set_loss_rows(p->tr, (int64_t)j->e.loss_rows);
         break;
@@ -207,9 +235,10 @@ void nl_stage_train_run_job(void *ctx, nl_wjob *w)
 }
 
 /* The counting pass is complete: the replicas' route counts added up
- * (exact integers), and every replica uses the batch's shares. The lanes
- * are idle. */
-static void use_counts(nl_stage *s, stage_train *t)
+ * (exact integers: this node's, then the stage's on other nodes), and
+ * every replica uses the batch's shares. The lanes are idle. */
+static nl_status sum_counts(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
+                            nl_error *err)
 {
     const size_t n = (size_t)(s->model->l1 - s->model->l0) * (size_t)s->model->cfg.num_experts;
     int64_t *sum = nl_trainer_route_counts(t->rep[0].tr);
@@ -218,6 +247,15 @@ static void use_counts(nl_stage *s, stage_train *t)
         for (size_t i = 0; i < n; i++)
             sum[i] += c[i];
     }
+    if (t->xR > 1)
+        return nl_stage_train_reduce_counts(s, t, sum, n, send, ctx, err);
+    nl_stage_train_use_counts(s, t, sum, n);
+    return NL_OK;
+}
+
+void nl_stage_train_use_counts(nl_stage *s, stage_train *t, const int64_t *sum, size_t n)
+{
+    (void)s;
     for (int r = 0; r < t->R; r++)
         nl_trainer_use_counts(t->rep[r].tr, sum);
     t->counts_ready = true;
@@ -253,7 +291,7 @@ static nl_status take_back(nl_stage *s, stage_train *t, rjob *j, nl_stage_send_f
                        j->out_type == NL_MSG_GRADIENT ? NULL : &j->e, err);
     }
     if (st == NL_OK && j->last && j->kind == JOB_COUNT)
-        use_counts(s, t);
+        st = sum_counts(s, t, send, ctx, err);
     else if (st == NL_OK && j->last)
         st = finish_step(s, t, send, ctx, err);
     if (st != NL_OK && j->kind != JOB_BEGIN && j->kind != JOB_STEP)
@@ -316,7 +354,7 @@ static nl_status begin(nl_stage *s, stage_train *t, uint64_t step, uint64_t loss
         st = j ? nl_stage_train_dispatch(s, t, j, send, ctx, err) : NL_ERR_NOMEM;
     }
     t->begun = step;
-    memset(t->dig, 0, (size_t)t->M * NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES);
+    memset(t->dig, 0, (size_t)t->Mg * NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES);
     nl_stage_train_kept_free(t);
     t->counted = t->fwd = t->bwd = 0;
     t->finished = 0;
@@ -347,7 +385,7 @@ static bool runnable(const stage_train *t, const hop_in *h)
     if (h->type == NL_MSG_COUNT)
         return t->counted < t->M && t->fwd == 0;
     /* one microbatch needs no counting pass; one that came is summed first */
-    return (t->counts_ready || (t->M == 1 && t->counted == 0)) && t->fwd - t->bwd < t->slots &&
+    return (t->counts_ready || (t->Mg == 1 && t->counted == 0)) && t->fwd - t->bwd < t->slots &&
            t->fwd < t->M;
 }
 
@@ -383,8 +421,8 @@ static nl_status run_eval(nl_stage *s, stage_train *t, const hop_in *h, nl_stage
     if (st != NL_OK)
         return st;
     hop_input(s, t, p, h, &tokens, &x);
-    if (h->mb % (uint32_t)t->M == 0) { /* a new held-out batch, as local evaluation */
-        nl_trainer_begin_step(p->tr, (int64_t)t->M * (int64_t)t->rows);
+    if (h->mb % (uint32_t)t->Mg == 0) { /* a new held-out batch, as local evaluation */
+        nl_trainer_begin_step(p->tr, (int64_t)t->Mg * (int64_t)t->rows);
         if (h->e.loss_rows > 0)
             nl_trainer_set_loss_rows(p->tr, (int64_t)h->e.loss_rows);
         t->begun = 0;

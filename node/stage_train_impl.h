@@ -9,6 +9,7 @@
 #include <stdatomic.h>
 
 #include "../core/train.h"
+#include "../net/allreduce.h"
 #include "../net/hopdigest.h"
 #include "replica_workers.h"
 #include "stage_impl.h"
@@ -125,6 +126,18 @@ typedef struct stage_train {
     bool has_embed, has_head; /* the stage's model's, for the lanes */
     bool counts_ready;        /* this step's counting pass is summed and in use */
     rjob *jobs, *free_jobs;
+    /* one of the stage's replicas on other nodes (DESIGN section 8;
+     * stage_train_ring.c): this node runs microbatches xr, xr + xR, ... of
+     * a step's Mg, numbered 0 .. M-1 here (on the wire mb * xR + xr); the
+     * reducers that add up the replicas' gradients and route counts; the
+     * gradients' reduce under way, and a STEP that came meanwhile. Alone:
+     * xR = 1, Mg = M, no reducers. */
+    int xr, xR, Mg;
+    nl_allreduce *red[NL_REDUCE_KINDS];
+    float *red_buf[NL_REDUCE_KINDS];
+    bool reducing, step_held;
+    bool no_compute; /* test hook (nl_stage_opts.inject_no_compute): the ops skipped */
+    nl_msg_step held;
     atomic_int failed; /* a job failed: the lanes skip the rest */
     nl_status poison;  /* ... and the error every later message gets */
     char poison_msg[NL_ERROR_MSG_MAX];
@@ -136,10 +149,18 @@ typedef struct stage_train {
 void nl_stage_train_hop_free(hop_in *h);
 /* Free the arrays of e (and NULL them). */
 void nl_stage_train_extra_free(hop_extra *e);
-/* The slot of this step's window that keeps digest `kind` of microbatch mb. */
+/* A microbatch's number on the wire (the step's) from its number here. */
+static inline uint32_t nl_stage_train_mb_wire(const stage_train *t, uint32_t mb)
+{
+    return mb * (uint32_t)t->xR + (uint32_t)t->xr;
+}
+
+/* The slot of this step's window that keeps digest `kind` of microbatch mb
+ * (this node's number; the window is the step's, [Mg]). */
 static inline uint8_t *nl_stage_train_dig(stage_train *t, uint32_t mb, int kind)
 {
-    return t->dig + ((size_t)mb * NL_DIGEST_KINDS + (size_t)kind) * NL_HOP_DIGEST_BYTES;
+    return t->dig + ((size_t)nl_stage_train_mb_wire(t, mb) * NL_DIGEST_KINDS + (size_t)kind) *
+                        NL_HOP_DIGEST_BYTES;
 }
 
 /* Keep a finished forward's or backward's inputs of this step (taking
@@ -189,5 +210,37 @@ void nl_stage_train_run_job(void *ctx, nl_wjob *w);
  * finished). The first error ends the job on this stage (poison). */
 nl_status nl_stage_train_take_done(nl_stage *s, stage_train *t, bool wait, nl_stage_send_fn send,
                                    void *ctx, nl_error *err);
+
+/* The step's gradients are final and added up (across the replicas, if
+ * any): this stage's share of the norm and, on the last stage, the losses
+ * to the coordinator (by replica 0); the stage waits for STEP. */
+nl_status nl_stage_train_report(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
+                                nl_error *err);
+/* The step's route counts, summed here (n per layer and expert), are the
+ * batch's: every replica uses them. */
+void nl_stage_train_use_counts(nl_stage *s, stage_train *t, const int64_t *sum, size_t n);
+
+/* ---- stage_train_ring.c: the stage's replicas on other nodes ---- */
+
+/* From the stage's ASSIGN: xr, xR, Mg and M of a step of `micro`
+ * microbatches, and the reducers. */
+nl_status nl_stage_train_ring_new(nl_stage *s, stage_train *t, int64_t micro, nl_error *err);
+void nl_stage_train_ring_free(stage_train *t);
+/* A hop's microbatch on the wire into this node's number (*mb), or an
+ * error if another replica runs it. */
+nl_status nl_stage_train_mb_here(const stage_train *t, const char *what, uint32_t wire,
+                                 uint32_t *mb, nl_error *err);
+/* Begin adding up the step's gradients (and the last stage's losses)
+ * across the replicas; when that is done (now, or on a later REDUCE), the
+ * step is reported. */
+nl_status nl_stage_train_reduce_grads(nl_stage *s, stage_train *t, nl_stage_send_fn send,
+                                      void *ctx, nl_error *err);
+/* Begin adding up the step's route counts (sum, n) across the replicas;
+ * when done they are used (nl_stage_train_use_counts). */
+nl_status nl_stage_train_reduce_counts(nl_stage *s, stage_train *t, const int64_t *sum, size_t n,
+                                       nl_stage_send_fn send, void *ctx, nl_error *err);
+/* A REDUCE from the previous replica. */
+nl_status nl_stage_train_ring_input(nl_stage *s, stage_train *t, const nl_wire_msg *m,
+                                    nl_stage_send_fn send, void *ctx, nl_error *err);
 
 #endif

@@ -771,6 +771,140 @@ static void test_hysteresis(void)
     printf("depth: %s\n", z.report);
 }
 
+/* Replicated plans (DESIGN section 8): every stage's replicas fit the
+ * stage, each node holds at most one replica, the fastest nodes are
+ * grouped, and R = 1 is the plain plan. */
+static void check_replicated(const nl_plan *p, const nl_plan_node *nodes, int n, int R)
+{
+    int seen[64] = {0};
+    for (int s = 0; s < p->n_stages; s++) {
+        const nl_plan_stage *g = &p->stages[s];
+        CHECK(g->n_replicas == R && g->replicas[0] == g->node_id,
+              "stage %d: %d replicas, replica 0 on %d, node %d", s, g->n_replicas, g->replicas[0],
+              g->node_id);
+        for (int r = 0; r < g->n_replicas; r++) {
+            const nl_plan_node *nd = find_node(nodes, n, g->replicas[r]);
+            CHECK(nd && g->bytes <= nd->memory_bytes, "stage %d replica %d on node %d fits", s, r,
+                  g->replicas[r]);
+            CHECK(nd && !seen[nd - nodes]++, "node %d holds one replica", g->replicas[r]);
+        }
+    }
+    for (int i = 0; i < p->n_standby; i++) {
+        const nl_plan_node *nd = find_node(nodes, n, p->standby[i]);
+        CHECK(nd && !seen[nd - nodes]++, "standby %d holds nothing", p->standby[i]);
+    }
+    for (int i = 0; i < n; i++)
+        CHECK(seen[i] == 1, "node %d is placed once (%d)", nodes[i].id, seen[i]);
+}
+
+static void test_replicated(void)
+{
+    nl_config c = small_cfg(8);
+    nl_plan_opts o = train_opts(64, 4);
+    nl_error err = {0};
+    nl_plan *p = NULL, *q = NULL;
+
+    /* four equal nodes as 2 x 2: the layers split evenly */
+    nl_plan_node four[4];
+    for (int i = 0; i < 4; i++)
+        four[i] = node(10 + i, 1 * GIB, 20, 0);
+    CHECK_OK(nl_plan_layers_replicated(&p, &c, four, 4, &o, 2, &err), &err);
+    CHECK(p->n_stages == 2 && p->n_standby == 0, "2 x 2: %d stages, %d standby", p->n_stages,
+          p->n_standby);
+    CHECK(p->stages[0].l1 == 4 && p->stages[1].l0 == 4 && p->stages[1].l1 == 8,
+          "2 x 2: layers [0,%d) [%d,%d)", p->stages[0].l1, p->stages[1].l0, p->stages[1].l1);
+    for (int s = 0; s < 2; s++)
+        CHECK(p->stages[s].replicas[0] % 2 == 0 &&
+                  p->stages[s].replicas[1] == p->stages[s].replicas[0] + 1,
+              "ties group in input order: %d %d", p->stages[s].replicas[0],
+              p->stages[s].replicas[1]);
+    check_replicated(p, four, 4, 2);
+    /* a replica per stage halves the time per microbatch */
+    CHECK_OK(nl_plan_layers(&q, &c, four, 2, &o, &err), &err);
+    CHECK(q->n_stages == 2 && fabs(p->bottleneck * 2 - q->bottleneck) <= 1e-12 * q->bottleneck,
+          "2 x 2 %.3g s against 2 x 1 %.3g s", p->bottleneck, q->bottleneck);
+    nl_plan_destroy(&q);
+    nl_plan_destroy(&p);
+
+    /* five mixed nodes: the two fastest hold a stage, the slowest waits */
+    nl_plan_node mix[5] = {node(1, 1 * GIB, 10, 0), node(2, 1 * GIB, 40, 0), node(3, 1 * GIB, 5, 0),
+                           node(4, 1 * GIB, 40, 0), node(5, 2 * GIB, 10, 0)};
+    CHECK_OK(nl_plan_layers_replicated(&p, &c, mix, 5, &o, 2, &err), &err);
+    check_replicated(p, mix, 5, 2);
+    int slow_waits = 0;
+    for (int i = 0; i < p->n_standby; i++)
+        slow_waits |= p->standby[i] == 3;
+    CHECK(slow_waits, "the slowest node waits");
+    int fast = -1;
+    for (int s = 0; s < p->n_stages; s++)
+        if (p->stages[s].replicas[0] == 2)
+            fast = s;
+    CHECK(fast >= 0 && p->stages[fast].replicas[1] == 4, "the fastest pair is one stage");
+    nl_plan_destroy(&p);
+
+    /* R = 1 is the plain plan, with its one replica named */
+    CHECK_OK(nl_plan_layers_replicated(&p, &c, mix, 5, &o, 1, &err), &err);
+    CHECK_OK(nl_plan_layers(&q, &c, mix, 5, &o, &err), &err);
+    CHECK(p->n_stages == q->n_stages && p->bottleneck == q->bottleneck, "R = 1: the same plan");
+    for (int s = 0; s < p->n_stages; s++)
+        CHECK(p->stages[s].n_replicas == 1 && p->stages[s].replicas[0] == p->stages[s].node_id,
+              "R = 1: stage %d names its node", s);
+    nl_plan_destroy(&q);
+    nl_plan_destroy(&p);
+
+    /* a group's memory is its smallest member's: a pair with a tiny node
+     * cannot hold what the big one alone could */
+    nl_plan_node lop[2] = {node(1, 1 * GIB, 20, 0), node(2, 64 * 1024, 20, 0)};
+    CHECK(nl_plan_layers_replicated(&p, &c, lop, 2, &o, 2, &err) == NL_ERR_CAPACITY && !p,
+          "a tiny replica: %s", err.msg);
+    CHECK(strstr(err.msg, "replicas per stage"), "named: %s", err.msg);
+
+    /* the input checked */
+    CHECK(nl_plan_layers_replicated(&p, &c, four, 4, &o, 0, &err) == NL_ERR_INVALID, "0 replicas");
+    CHECK(nl_plan_layers_replicated(&p, &c, four, 4, &o, NL_PLAN_MAX_REPLICAS + 1, &err) ==
+              NL_ERR_INVALID,
+          "too many replicas");
+    CHECK(nl_plan_layers_replicated(&p, &c, four, 1, &o, 2, &err) == NL_ERR_CAPACITY &&
+              strstr(err.msg, "at least 2 nodes"),
+          "one node for 2 replicas: %s", err.msg);
+    nl_plan_node dup[2] = {node(7, 1 * GIB, 20, 0), node(7, 1 * GIB, 20, 0)};
+    CHECK(nl_plan_layers_replicated(&p, &c, dup, 2, &o, 2, &err) == NL_ERR_INVALID,
+          "a duplicate id");
+    /* the choice of R: four equal nodes, 4 layers, 8 microbatches a step.
+     * With a free link, replicas beat depth (fewer stages fill the
+     * pipeline faster, the all-reduce costs nothing); a slow link makes
+     * the all-reduce cost more than replicas gain: depth alone */
+    nl_config c4 = small_cfg(4);
+    int R = 0;
+    double t_free = 0, t_slow = 0;
+    CHECK_OK(nl_plan_choose_replicas(&p, &R, &t_free, &c4, four, 4, &o, 8, 0.0, &err), &err);
+    CHECK(R > 1 && p->stages[0].n_replicas == R, "a free link: %d replicas", R);
+    nl_plan_destroy(&p);
+    CHECK_OK(nl_plan_choose_replicas(&p, &R, &t_slow, &c4, four, 4, &o, 8, 1e3, &err), &err);
+    CHECK(R == 1 && p->stages[0].n_replicas == 1, "a 1 kB/s link: %d replicas", R);
+    CHECK(t_slow >= t_free, "a slow link is never faster: %g vs %g", t_slow, t_free);
+    nl_plan_destroy(&p);
+    /* the chosen plan is the best of the R tried, by the model */
+    for (int k = 1; k <= 4; k++) {
+        if (8 % k != 0 || nl_plan_layers_replicated(&q, &c4, four, 4, &o, k, &err) != NL_OK)
+            continue;
+        const double t = (8 / k + q->n_stages - 1) * k * q->bottleneck;
+        CHECK(t >= t_free * (1 - 1e-9), "R=%d: %g s a step, the choice %g", k, t, t_free);
+        nl_plan_destroy(&q);
+    }
+    CHECK(nl_plan_choose_replicas(&p, &R, NULL, &c4, lop, 1, &o, 8, 0.0, &err) == NL_OK ||
+              err.msg[0],
+          "one node: a plan or why not");
+    nl_plan_destroy(&p);
+    CHECK(nl_plan_choose_replicas(&p, &R, NULL, &c4, four, 4, &o, 0, 0.0, &err) == NL_ERR_INVALID,
+          "0 microbatches");
+    /* 3 microbatches do not divide among 2 or 4 replicas: 1 or 3 */
+    CHECK_OK(nl_plan_choose_replicas(&p, &R, NULL, &c4, four, 4, &o, 3, 0.0, &err), &err);
+    CHECK(R == 1 || R == 3, "3 microbatches: %d replicas", R);
+    nl_plan_destroy(&p);
+    printf("replicated plans: ok\n");
+}
+
 int main(void)
 {
     test_cost_model();
@@ -784,5 +918,6 @@ int main(void)
     test_seed_rule();
     test_sizing();
     test_hysteresis();
+    test_replicated();
     return check_done("test_planner");
 }

@@ -301,11 +301,22 @@ static bool added_later(nl_msg_type t, const nl_wire_msg *d, const char *key)
                                          : false;
     if (t == NL_MSG_TOKEN) /* with logprobs: top ids and a frame; neither before */
         return strcmp(key, "top_ids") == 0 && d->u.token.ntop == 0;
+    if (t == NL_MSG_REDUCE)
+        return strcmp(key, "epoch") == 0 && d->u.reduce.epoch == 0;
+    if (t == NL_MSG_ASSIGN && strncmp(key, "ring_", 5) == 0) { /* a stage's replicas */
+        const nl_msg_assign *a = &d->u.assign;
+        const char *v = strcmp(key, "ring_endpoint") == 0 ? a->ring_endpoint
+                        : strcmp(key, "ring_key") == 0    ? a->ring_key
+                                                          : a->ring_prev_key;
+        return !v || !v[0];
+    }
     if (t == NL_MSG_ASSIGN)
         return strcmp(key, "wire") == 0         ? d->u.assign.wire == NL_WIRE_FP32
                : strcmp(key, "links") == 0      ? d->u.assign.links == 0
                : strcmp(key, "relay_port") == 0 ? d->u.assign.relay_port == 0
-                                                : false;
+               : strcmp(key, "replica") == 0    ? d->u.assign.replica == 0
+                                                : strcmp(key, "replicas") == 0 &&
+                                                      d->u.assign.replicas == 0;
     if (t == NL_MSG_JOIN) /* nodes behind NAT: JOIN.flags */
         return strcmp(key, "flags") == 0 && d->u.join.flags == 0;
     return t == NL_MSG_LOSS && strcmp(key, "correct") == 0 && d->u.train_loss.correct == 0;
@@ -321,9 +332,12 @@ static bool is_added_later(nl_msg_type t, const char *key)
            (t == NL_MSG_LOSS && strcmp(key, "correct") == 0) ||
            (t == NL_MSG_TOKEN && strcmp(key, "top_ids") == 0) ||
            ((t == NL_MSG_TOKEN || t == NL_MSG_JOB_STATUS) && strcmp(key, "tensors") == 0) ||
-           (t == NL_MSG_ASSIGN && (strcmp(key, "wire") == 0 || strcmp(key, "links") == 0 ||
-                                   strcmp(key, "relay_port") == 0)) ||
+           (t == NL_MSG_ASSIGN &&
+            (strcmp(key, "wire") == 0 || strcmp(key, "links") == 0 ||
+             strcmp(key, "relay_port") == 0 || strcmp(key, "replica") == 0 ||
+             strcmp(key, "replicas") == 0 || strncmp(key, "ring_", 5) == 0)) ||
            (t == NL_MSG_JOIN && strcmp(key, "flags") == 0) ||
+           (t == NL_MSG_REDUCE && strcmp(key, "epoch") == 0) ||
            ((t == NL_MSG_VERIFY_REQ || t == NL_MSG_VERIFY_CASE) && strcmp(key, "outputs") == 0);
 }
 

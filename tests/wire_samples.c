@@ -12,6 +12,7 @@ const nl_msg_type all_types[] = {
     NL_MSG_JOB_CANCEL, NL_MSG_JOB_QUERY,  NL_MSG_GRAD_NORM, NL_MSG_STEP,       NL_MSG_CKPT_REQ,
     NL_MSG_CKPT_DONE,  NL_MSG_RESULT,    NL_MSG_COUNT,     NL_MSG_EVAL,       NL_MSG_LOSS,
     NL_MSG_VERIFY_REQ, NL_MSG_VERIFY_CASE, NL_MSG_VERIFY_RESULT,
+    NL_MSG_REDUCE,
 };
 const int wire_ntypes = (int)(sizeof all_types / sizeof all_types[0]);
 
@@ -180,6 +181,13 @@ void sample(nl_wire_msg *m, nl_msg_type t)
             11, 250, 3, 1, "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff",
             ""};
         break;
+    case NL_MSG_REDUCE: {
+        m->u.reduce = (nl_msg_reduce){11, 250, NL_REDUCE_COUNTS, NL_REDUCE_RESULT, 3, 1, 4, 64, 9};
+        const int64_t n[1] = {64};
+        set_frame(&m->frames[0], NL_DTYPE_F32, chunk, 1, n);
+        m->nframes = 1;
+        break;
+    }
     case NL_MSG_CKPT_DONE:
         m->u.ckpt_done =
             (nl_msg_ckpt_done){11,
@@ -247,7 +255,10 @@ bool same_msg(const nl_wire_msg *a, const nl_wire_msg *b)
                seq(x->config_json, y->config_json) && x->seed == y->seed &&
                seq(x->prev_endpoint, y->prev_endpoint) && seq(x->prev_key, y->prev_key) &&
                seq(x->next_endpoint, y->next_endpoint) && seq(x->next_key, y->next_key) &&
-               x->memory_planned == y->memory_planned && x->links == y->links;
+               x->memory_planned == y->memory_planned && x->links == y->links &&
+               x->replica == y->replica && x->replicas == y->replicas &&
+               seq(x->ring_endpoint, y->ring_endpoint) && seq(x->ring_key, y->ring_key) &&
+               seq(x->ring_prev_key, y->ring_prev_key);
     }
     case NL_MSG_LAYER_LOAD: {
         const nl_msg_layer_load *x = &p->layer_load, *y = &q->layer_load;
@@ -320,6 +331,8 @@ bool same_msg(const nl_wire_msg *a, const nl_wire_msg *b)
         return x->job_id == y->job_id && x->step == y->step && x->microbatch == y->microbatch &&
                x->stage == y->stage && seq(x->fwd, y->fwd) && seq(x->bwd, y->bwd);
     }
+    case NL_MSG_REDUCE:
+        return memcmp(&p->reduce, &q->reduce, sizeof p->reduce) == 0;
     case NL_MSG_LOSS:
         return p->loss.job_id == q->loss.job_id && p->loss.step == q->loss.step &&
                p->loss.eval == q->loss.eval && p->loss.ce_sum == q->loss.ce_sum &&

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Issue 30: a pipeline stage replicated across nodes (neurocoord --replicas)
+# against depth alone, local clusters on one machine, in one run:
+#   model  the compute model: every node sleeps for each training hop's
+#          FLOPs at GFLOPS GFLOP/s instead of computing (NL_TEST_COMPUTE_GFLOPS,
+#          test builds: the nodes share this machine's cores, the model gives
+#          each a device of its own; the hidden states and gradients it sends
+#          are zeros of the real size, the replicas' all-reduce is real);
+#          2 stages x 2 replicas on 4 nodes against 2 x 1 on 2 nodes:
+#          training tokens/s and their ratio (the issue's target: at least
+#          1.8)
+#   real   the same clusters computing for real, one thread a node on the
+#          machine's cores: the ratio (target: at least 0.9) and the worst
+#          relative difference of the two runs' losses (one order of the sum
+#          against another: within 1e-6)
+# tokens/s is the median of the steps' own figures (the client's log)
+# after the first two. REPS runs of each, interleaved; medians.
+#   bench/bench_replicas.sh [BUILD_DIR]
+#   env: CONFIG (configs/bench-small.yaml), GFLOPS (20), STEPS (8), BATCH (8),
+#        SEQ (64), MICRO (8), REPS (1), PARTS ("model real")
+# Prints one JSON line per part and the load average at the start and end.
+set -euo pipefail
+B=${1:-build}
+CONFIG=${CONFIG:-configs/bench-small.yaml}
+GFLOPS=${GFLOPS:-20}
+STEPS=${STEPS:-8}
+BATCH=${BATCH:-8}
+SEQ=${SEQ:-64}
+MICRO=${MICRO:-8}
+REPS=${REPS:-1}
+PARTS=${PARTS:-model real}
+N=$B/cli/neuroctl
+PY=/usr/bin/python3
+W=$(mktemp -d)
+down() {
+    for d in "$W"/c*; do [ -d "$d" ] && "$N" cluster down --dir "$d" >/dev/null 2>&1; done
+    return 0
+}
+trap 'down; rm -rf "$W"' EXIT
+if ! "$B/node/neuronode" --help 2>&1 | grep -q NL_TEST_COMPUTE_GFLOPS; then
+    echo "bench_replicas: $B is not a test build (-DNL_TEST_HOOKS=ON): no compute model" >&2
+    exit 2
+fi
+echo "bench_replicas: start, $(uptime)" >&2
+"$N" init --config "$CONFIG" --out "$W/m.safetensors" --seed 7 >/dev/null
+cat README.md docs/*.md > "$W/data.txt"
+RUN=(--data "$W/data.txt" --steps "$STEPS" --batch "$BATCH" --seq "$SEQ" --microbatches "$MICRO"
+     --lr 1e-3 --seed 1)
+
+# one training run: its log in $W/$1.jsonl; the cluster: $2 nodes, $3 replicas
+train() {
+    local name=$1 nodes=$2 reps=$3
+    local c="$W/c-$name"
+    "$N" cluster up --dir "$c" --nodes "$nodes" --replicas "$reps" --model "$W/m.safetensors" \
+        --memory 1G --threads 1 --timeout 120 --rebalance-after 0 --node-timeout-ms 30000 >/dev/null
+    "$N" train --cluster "$c" "${RUN[@]}" --checkpoint-dir "$W/ck-$name" --log "$W/$name.jsonl" \
+        2>/dev/null
+    "$N" cluster down --dir "$c" >/dev/null
+}
+
+# the median tokens/s of the steps after the first two, of runs $@
+tps() {
+    $PY - "$@" <<'PY'
+import json, statistics, sys
+runs = []
+for p in sys.argv[1:]:
+    recs = [r for r in map(json.loads, open(p)) if "step" in r and "tokens_per_s" in r]
+    runs.append(statistics.median(r["tokens_per_s"] for r in recs if r["step"] > 2))
+print("%.1f" % statistics.median(runs))
+PY
+}
+
+part() {
+    local what=$1
+    local a=() b=()
+    export NL_TEST_GFLOPS=$GFLOPS # the plans do not hang on noisy probes
+    if [ "$what" = model ]; then export NL_TEST_COMPUTE_GFLOPS=$GFLOPS; else unset NL_TEST_COMPUTE_GFLOPS; fi
+    for r in $(seq 1 "$REPS"); do
+        train "$what-2x1-$r" 2 1
+        train "$what-2x2-$r" 4 2
+        a+=("$W/$what-2x1-$r.jsonl")
+        b+=("$W/$what-2x2-$r.jsonl")
+    done
+    local x y
+    x=$(tps "${a[@]}")
+    y=$(tps "${b[@]}")
+    local worst
+    worst=$($PY - "$W/$what-2x1-1.jsonl" "$W/$what-2x2-1.jsonl" <<'PY'
+import json, sys
+a, b = ({r["step"]: r["loss"] for r in map(json.loads, open(p)) if "step" in r} for p in sys.argv[1:])
+e = [abs(a[k] - b[k]) / abs(b[k]) for k in b if b[k]]
+print("%.2e" % max(e) if e else "null")  # the compute model computes no loss
+PY
+)
+    echo "{\"part\":\"$what\",\"config\":\"$(basename "$CONFIG")\",\"gflops\":$([ "$what" = model ] && echo "$GFLOPS" || echo null),\"steps\":$STEPS,\"batch\":$BATCH,\"seq\":$SEQ,\"microbatches\":$MICRO,\"tps_2x1\":$x,\"tps_2x2\":$y,\"ratio\":$($PY -c "print('%.3f' % ($y / $x))"),\"loss_worst_rel\":$worst}"
+}
+
+for p in $PARTS; do part "$p"; done
+echo "bench_replicas: end, $(uptime)" >&2

@@ -1,0 +1,213 @@
+/* A training stage that is one of the stage's R replicas on different
+ * nodes (DESIGN section 8, "Replicas"; docs/cluster.md). Replica r of
+ * every stage forms one pipeline: microbatch i of a step runs on replica
+ * i mod R of each stage, so this node sees microbatches r, r + R, ... and
+ * numbers them 0, 1, ... for its 1F1B schedule (stage_train_hops.c),
+ * which runs unchanged over them. Two things need the other replicas, and
+ * both go round the ring of the stage's replicas over their data sockets
+ * (net/allreduce.h: REDUCE messages, added in replica order, the same bits
+ * on every replica):
+ *   - the counting pass's route counts, summed before any forward uses
+ *     them (the batch's expert shares; exact integers, carried as floats
+ *     below 2^24);
+ *   - the step's gradients, once this replica's last backward is done,
+ *     with the last stage's loss sums riding at the end (each a double cut
+ *     into two floats), before the norm and AdamW. Replica 0 then reports
+ *     the step (GRAD_NORM, LOSS) as a stage alone does; a STEP that comes
+ *     while a replica still adds up waits for the sum (stage_train.c).
+ * A file of its own because it is the one part of the training job that
+ * talks to the other replicas. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../base/log.h"
+#include "stage_train_impl.h"
+
+/* Route counts travel as floats: exact below this. */
+#define COUNT_EXACT (1 << 24)
+
+/* The loss sums after the gradients: ce and aux, each as two floats. */
+#define LOSS_FLOATS 4
+
+typedef struct ring_ctx {
+    nl_stage_send_fn send;
+    void *ctx;
+    uint64_t epoch; /* the stage's placement: a replica of another drops it */
+} ring_ctx;
+
+static nl_status ring_send(void *p, nl_wire_msg *m, nl_error *err)
+{
+    ring_ctx *r = p;
+    m->u.reduce.epoch = r->epoch;
+    return r->send(r->ctx, NL_STAGE_TO_RING, m, err);
+}
+
+nl_status nl_stage_train_ring_new(nl_stage *s, stage_train *t, int64_t micro, nl_error *err)
+{
+    t->xr = s->replicas > 1 ? s->replica : 0;
+    t->xR = s->replicas > 1 ? s->replicas : 1;
+    t->Mg = (int)micro;
+    t->M = (int)micro;
+    if (t->xR == 1)
+        return NL_OK;
+    if (s->n_rep > 1)
+        return nl_error_set(err, NL_ERR_UNSUPPORTED,
+                            "a node with %d devices cannot yet be one of a stage's %d replicas",
+                            s->n_rep, t->xR);
+    if (micro % t->xR != 0)
+        return nl_error_set(err, NL_ERR_INVALID,
+                            "%lld microbatches do not divide among the stage's %d replicas",
+                            (long long)micro, t->xR);
+    t->M = (int)(micro / t->xR);
+    const nl_model *m = s->model;
+    const size_t n[NL_REDUCE_KINDS] = {[NL_REDUCE_GRADS] = m->n_params + LOSS_FLOATS,
+                                       [NL_REDUCE_COUNTS] =
+                                           (size_t)(m->l1 - m->l0) * (size_t)m->cfg.num_experts};
+    for (int k = 0; k < NL_REDUCE_KINDS; k++) {
+        if (n[k] == 0)
+            continue;
+        nl_status st =
+            nl_allreduce_new(&t->red[k], t->job, (uint32_t)k, t->xr, t->xR, n[k], 0, err);
+        if (st != NL_OK)
+            return st;
+        if (!(t->red_buf[k] = malloc(n[k] * sizeof(float))))
+            return nl_error_set(err, NL_ERR_NOMEM, "out of memory for the replicas' all-reduce");
+    }
+    return NL_OK;
+}
+
+void nl_stage_train_ring_free(stage_train *t)
+{
+    for (int k = 0; k < NL_REDUCE_KINDS; k++) {
+        nl_allreduce_destroy(&t->red[k]);
+        free(t->red_buf[k]);
+        t->red_buf[k] = NULL;
+    }
+}
+
+nl_status nl_stage_train_mb_here(const stage_train *t, const char *what, uint32_t wire,
+                                 uint32_t *mb, nl_error *err)
+{
+    if (wire % (uint32_t)t->xR != (uint32_t)t->xr)
+        return nl_error_set(err, NL_ERR_STATE,
+                            "%s of microbatch %u, which replica %u of the stage's %d runs; this "
+                            "is replica %d",
+                            what, wire, wire % (uint32_t)t->xR, t->xR, t->xr);
+    *mb = wire / (uint32_t)t->xR;
+    return NL_OK;
+}
+
+/* ---- the gradients ---- */
+
+/* A double as two floats whose sum is it to about 2^-48, and back. */
+static void put_double(float *f, double v)
+{
+    f[0] = (float)v;
+    f[1] = (float)(v - (double)f[0]);
+}
+
+static double get_double(const float *f)
+{
+    return (double)f[0] + (double)f[1];
+}
+
+/* The sum is in: back into the gradients (replica 0's trainer), the loss
+ * sums taken, the step reported. */
+static nl_status grads_done(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
+                            nl_error *err)
+{
+    const size_t n = s->model->n_params;
+    const float *buf = t->red_buf[NL_REDUCE_GRADS];
+    nl_backend *be = t->rep[0].be;
+    be->upload(be, nl_trainer_grads(t->rep[0].tr), buf, n * sizeof(float));
+    nl_status st = nl_backend_check(be, err);
+    if (st != NL_OK)
+        return st;
+    t->ce = get_double(buf + n);
+    t->aux = get_double(buf + n + 2);
+    t->reducing = false;
+    return nl_stage_train_report(s, t, send, ctx, err);
+}
+
+nl_status nl_stage_train_reduce_grads(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
+                                      nl_error *err)
+{
+    const size_t n = s->model->n_params;
+    float *buf = t->red_buf[NL_REDUCE_GRADS];
+    nl_backend *be = t->rep[0].be;
+    be->download(be, buf, nl_trainer_grads(t->rep[0].tr), n * sizeof(float));
+    nl_status st = nl_backend_check(be, err);
+    if (st != NL_OK)
+        return st;
+    put_double(buf + n, t->ce);
+    put_double(buf + n + 2, t->aux);
+    t->reducing = true;
+    ring_ctx rc = {send, ctx, nl_stage_epoch(s)};
+    bool done = false;
+    st = nl_allreduce_begin(t->red[NL_REDUCE_GRADS], t->begun, buf, ring_send, &rc, &done, err);
+    if (st == NL_OK && done)
+        st = grads_done(s, t, send, ctx, err);
+    return st;
+}
+
+/* ---- the route counts ---- */
+
+static void counts_done(nl_stage *s, stage_train *t)
+{
+    const nl_model *m = s->model;
+    const size_t n = (size_t)(m->l1 - m->l0) * (size_t)m->cfg.num_experts;
+    int64_t *sum = nl_trainer_route_counts(t->rep[0].tr);
+    const float *buf = t->red_buf[NL_REDUCE_COUNTS];
+    for (size_t i = 0; i < n; i++)
+        sum[i] = (int64_t)buf[i];
+    nl_stage_train_use_counts(s, t, sum, n);
+}
+
+nl_status nl_stage_train_reduce_counts(nl_stage *s, stage_train *t, const int64_t *sum, size_t n,
+                                       nl_stage_send_fn send, void *ctx, nl_error *err)
+{
+    float *buf = t->red_buf[NL_REDUCE_COUNTS];
+    if (!t->red[NL_REDUCE_COUNTS]) { /* no experts: nothing to add up */
+        nl_stage_train_use_counts(s, t, sum, n);
+        return NL_OK;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (sum[i] < 0 || sum[i] > COUNT_EXACT / t->xR)
+            return nl_error_set(err, NL_ERR_RANGE,
+                                "a route count of %lld is past what the replicas' all-reduce "
+                                "adds exactly (%d)",
+                                (long long)sum[i], COUNT_EXACT / t->xR);
+        buf[i] = (float)sum[i];
+    }
+    ring_ctx rc = {send, ctx, nl_stage_epoch(s)};
+    bool done = false;
+    nl_status st =
+        nl_allreduce_begin(t->red[NL_REDUCE_COUNTS], t->begun, buf, ring_send, &rc, &done, err);
+    if (st == NL_OK && done)
+        counts_done(s, t);
+    return st;
+}
+
+/* ---- what the previous replica sends ---- */
+
+nl_status nl_stage_train_ring_input(nl_stage *s, stage_train *t, const nl_wire_msg *m,
+                                    nl_stage_send_fn send, void *ctx, nl_error *err)
+{
+    const uint32_t what = m->u.reduce.what;
+    nl_allreduce *a = what < NL_REDUCE_KINDS ? t->red[what] : NULL;
+    if (!a)
+        return nl_error_set(err, NL_ERR_STATE,
+                            "REDUCE of job %llu: this stage has no other replica to add up with",
+                            (unsigned long long)t->job);
+    ring_ctx rc = {send, ctx, nl_stage_epoch(s)};
+    bool done = false;
+    nl_status st = nl_allreduce_input(a, m, ring_send, &rc, &done, err);
+    if (st != NL_OK || !done)
+        return st;
+    if (what == NL_REDUCE_GRADS)
+        return grads_done(s, t, send, ctx, err);
+    counts_done(s, t);
+    return NL_OK;
+}

@@ -1,0 +1,177 @@
+#!/usr/bin/env bash
+# A pipeline stage replicated across nodes (DESIGN section 8, "Replicas";
+# neurocoord --replicas): 4 nodes as 2 stages x 2 replicas train 20 steps
+#  - every step's loss within 1e-6 (relative) of neuroctl train in one
+#    process on the same checkpoint, seed, data and batches, and at the
+#    end the weights within 5e-5, the AdamW moments within 5e-3 (the
+#    data is the project's own documents, which change);
+#  - two runs on the same plan are byte-identical (every loss, every byte
+#    of the exported weights and moments);
+#  - a checkpoint holds one shard per stage (replica 0 writes it), which
+#    neuroctl export joins;
+#  - a replica's node killed at step ~7: the job resumes by itself from its
+#    last checkpoint on the nodes left, and the run is byte-identical;
+#  - neuroctl status shows every node's replica; a generation on the
+#    cluster (replica 0 of each stage) gives one process's tokens;
+#  - a job whose microbatches do not divide among the replicas is refused.
+. "$(dirname "$0")/cluster_lib.sh"
+# every node reports the same throughput (neuronode's test hook): the
+# plan groups the nodes in pairs of equal speed
+export NL_TEST_GFLOPS=20
+
+small_config "$W/cfg.yaml" 32 4 48 64
+cat "$NL_SOURCE_DIR"/README.md "$NL_SOURCE_DIR"/docs/*.md > "$W/data.txt"
+check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
+RUN=(--data "$W/data.txt" --steps 20 --batch 8 --seq 32 --microbatches 4 --lr 3e-3 --seed 1
+     --eval-every 10 --eval-batches 2)
+
+# ---- the reference: one process ----
+check "$N" train "${DEV[@]}" --model "$W/m.safetensors" "${RUN[@]}" --threads 1 --log "$W/local.jsonl" \
+  --out "$W/local.safetensors" 2> "$W/local.err"
+
+cat > "$W/cmp.py" <<'PY'
+import json, struct, sys
+def log(p):
+    return {r["step"]: r for r in map(json.loads, open(p)) if "step" in r}
+def tensors(p):
+    b = open(p, "rb").read(); n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n])
+    out = {}
+    for k, v in h.items():
+        if k == "__metadata__": continue
+        s, e = v["data_offsets"]; out[k] = b[8 + n + s: 8 + n + e]
+    return out
+def floats(raw):
+    return struct.unpack("<%df" % (len(raw) // 4), raw)
+def rel(a, b):
+    num = sum((x - y) ** 2 for x, y in zip(a, b)); den = sum(y * y for y in b)
+    return (num / den) ** 0.5 if den else num ** 0.5
+what = sys.argv[1]
+if what == "logs":      # logs A B TOL: every step's losses within TOL (0: equal)
+    a, b, tol = log(sys.argv[2]), log(sys.argv[3]), float(sys.argv[4])
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    worst = 0.0
+    for k in b:
+        for key in ("loss", "ce_loss", "eval_loss"):
+            if key in b[k]:
+                assert key in a[k], (k, key)
+                e = abs(a[k][key] - b[k][key]) / abs(b[k][key]); worst = max(worst, e)
+                assert e <= tol, (k, key, a[k][key], b[k][key])
+        assert a[k]["skipped"] == b[k]["skipped"], (k, a[k]["skipped"])
+    print("losses of %d steps: worst relative difference %.2e" % (len(b), worst))
+elif what == "weights":  # weights A B TOL [MTOL]: every weight within TOL (0: every byte), moments MTOL
+    a, b, tol = tensors(sys.argv[2]), tensors(sys.argv[3]), float(sys.argv[4])
+    mtol = float(sys.argv[5]) if len(sys.argv) > 5 else tol
+    assert set(a) == set(b), set(a) ^ set(b)
+    if tol == 0:
+        diff = [k for k in b if a[k] != b[k]]
+        print("%d tensors, %d differ in a byte" % (len(b), len(diff)))
+        assert not diff, diff[:5]
+    else:
+        for moments in (False, True):
+            errs = sorted((rel(floats(a[k]), floats(b[k])), k) for k in b
+                          if k.startswith("optim.") == moments)
+            worst, limit = errs[-1][0], mtol if moments else tol
+            print("%d %s: worst relative error %.2e (%s)" % (len(errs),
+                  "moments" if moments else "weights", worst, errs[-1][1]))
+            assert worst <= limit, (errs[-1], limit)
+PY
+
+# ---- 2 stages x 2 replicas on 4 nodes ----
+C="$W/c4"
+check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 4 --replicas 2 --model "$W/m.safetensors" \
+  --memory 64M --threads 1 --node-timeout-ms 2000 --timeout 60
+check grep -q "replicas on" "$C/coord.log"
+# inference runs on replica 0 of each stage: the ids of one process
+check "$N" generate --cluster "$C" --prompt-tokens 72,101 --max-new 6 --temperature 0 > "$W/gen.c" 2>/dev/null
+check "$N" generate "${DEV[@]}" --model "$W/m.safetensors" --prompt-tokens 72,101 --max-new 6 \
+  --temperature 0 --threads 1 > "$W/gen.l" 2>/dev/null
+check cmp -s "$W/gen.c" "$W/gen.l"
+# neuroctl status shows each node's replica and why the stages have them
+"$N" status --cluster "$C" > "$W/status.txt"
+cat "$W/status.txt"
+check test "$(grep -c ' r[01]/2 ' "$W/status.txt")" -eq 4
+check grep -q "^replicas: 2 per stage" "$W/status.txt"
+check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-every 10 --checkpoint-dir "$W/ck1" \
+  --log "$W/r1.jsonl" --out "$W/r1.safetensors" 2> "$W/r1.err"
+tail -3 "$W/r1.err"
+check grep -q "on 2 pipeline stages" "$W/r1.err"
+check $PY "$W/cmp.py" logs "$W/r1.jsonl" "$W/local.jsonl" 1e-6
+# the moments of tiny gradients (the embedding's rare rows) keep more of
+# the sum order's last-bit differences than the weights do
+check $PY "$W/cmp.py" weights "$W/r1.safetensors" "$W/local.safetensors" 5e-5 5e-3
+# one shard per stage: replica 0 writes it
+check test "$(ls "$W"/ck1/step-000010/stage-*.safetensors | wc -l)" -eq 2
+check "$N" export --manifest "$W/ck1/step-000020" --out "$W/export.safetensors"
+check $PY "$W/cmp.py" weights "$W/export.safetensors" "$W/r1.safetensors" 0
+
+# ---- the same plan again: byte-identical ----
+check "$N" cluster down --dir "$C"
+C="$W/c4b"
+check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 4 --replicas 2 --model "$W/m.safetensors" \
+  --memory 64M --threads 1 --node-timeout-ms 2000 --timeout 60
+check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck2" --log "$W/r2.jsonl" \
+  --out "$W/r2.safetensors" 2> "$W/r2.err"
+check $PY "$W/cmp.py" logs "$W/r2.jsonl" "$W/r1.jsonl" 0
+check $PY "$W/cmp.py" weights "$W/r2.safetensors" "$W/r1.safetensors" 0
+
+# ---- a replica's node killed at step ~7: the run goes on, unchanged ----
+# The survivors re-plan (3 nodes: one stage on 2 replicas, the third a
+# standby), reload the step-5 checkpoint and redo the steps since: each
+# replica still adds its microbatches in order and the replicas in replica
+# order, so the run is byte-identical to the undisturbed one.
+check "$N" cluster down --dir "$C"
+C="$W/c4k"
+check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 4 --replicas 2 --model "$W/m.safetensors" \
+  --memory 64M --threads 1 --node-timeout-ms 2000 --timeout 60
+victim=$($PY - "$C" <<'PY'
+import glob, re, sys
+c = sys.argv[1]; log = open(c + "/coord.log").read()
+node = re.findall(r"plan \d+: stage 1 on node \d+ \(replicas on (\d+)\)", log)[-1]
+key = re.search(r"node %s joined: .* key (\S{8})\.\.\." % node, log).group(1)
+for pub in glob.glob(c + "/node-*.pub"):
+    if open(pub).read().startswith(key):
+        print(pub[:-4]); break
+PY
+)
+check test -n "$victim"
+"$N" train --cluster "$C" "${RUN[@]}" --checkpoint-every 5 --checkpoint-dir "$W/ck4" \
+  --log "$W/killed.jsonl" --out "$W/killed.safetensors" 2> "$W/killed.err" &
+job=$!
+for i in $(seq 1 2400); do
+  grep -q '"step":7,' "$W/killed.jsonl" 2>/dev/null && break
+  sleep 0.05
+done
+echo "killing $victim (replica 1 of stage 1)"
+kill -9 "$(cat "$victim.pid")"
+wait $job
+rc=$?
+check test $rc -eq 0
+tr '\r' '\n' < "$W/killed.err" | grep -v "^step" | tail -4
+[ $rc -eq 0 ] || grep -E "WARN|ERROR" "$C/coord.log" | tail -12
+check grep -q '"event":"node_lost"' "$W/killed.jsonl"
+check grep -q "train job 1: resumed at step" "$C/coord.log"
+check $PY "$W/cmp.py" logs "$W/killed.jsonl" "$W/r1.jsonl" 0
+check $PY "$W/cmp.py" weights "$W/killed.safetensors" "$W/r1.safetensors" 0
+
+# ---- --replicas auto: the cost model picks S x R; status says so ----
+check "$N" cluster down --dir "$C"
+C="$W/c4a"
+check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 4 --replicas auto --plan-microbatches 4 \
+  --model "$W/m.safetensors" --memory 64M --threads 1 --node-timeout-ms 2000 --timeout 60
+"$N" status --cluster "$C" > "$W/status-auto.txt"
+grep "^replicas" "$W/status-auto.txt"
+check grep -q "^replicas: [124] per stage .*--replicas auto" "$W/status-auto.txt"
+check "$N" train --cluster "$C" --data "$W/data.txt" --steps 2 --batch 8 --seq 32 --microbatches 4 \
+  --checkpoint-dir "$W/ck5" --log "$W/auto.jsonl" 2> "$W/auto.err"
+check grep -q '"step":2,' "$W/auto.jsonl"
+
+# ---- microbatches that do not divide among the replicas: refused ----
+out=$("$N" train --cluster "$C" --data "$W/data.txt" --steps 2 --batch 6 --seq 32 --microbatches 3 \
+  --checkpoint-dir "$W/ck3" 2>&1); rc=$?
+echo "$out" | tail -1
+check test $rc -ne 0
+check grep -q "multiple" <<< "$out"
+
+check "$N" cluster down --dir "$C"
+echo "test_cluster_replicas: $pass passed, $fail failed"
+[ "$fail" -eq 0 ]
