@@ -30,7 +30,8 @@ typedef struct step_graph {
     int out_cols;
 } step_graph;
 
-#define RS_GRAPHS 8 /* recorded steps kept per runstate */
+#define RS_GRAPHS 8  /* recorded steps kept per runstate */
+#define RS_THRASH 16 /* recordings before their replays are judged */
 
 struct nl_runstate {
     nl_backend *be;
@@ -255,8 +256,14 @@ static void run_recorded(nl_model *m, nl_runstate *rs, const nl_forward_args *a,
         queue_step(m, rs, a, past);
         return;
     }
-    *sg = (step_graph){.g = g, .key = key, .used = rs->tick, .out = rs->out, .out_cols = rs->out_cols};
+    *sg = (step_graph){
+        .g = g, .key = key, .used = rs->tick, .out = rs->out, .out_cols = rs->out_cols};
     rs->gs.captures++;
+    /* keys that keep changing (more sessions' caches than entries, taking
+     * turns) would record at every step: past RS_THRASH recordings, one
+     * replayed less than twice on average turns recording off */
+    if (rs->gs.captures >= RS_THRASH && rs->gs.replays < 2 * rs->gs.captures)
+        rs->graphs_off = 1;
 }
 
 nl_status nl_forward(nl_model *m, nl_runstate *rs, const nl_forward_args *a, float *aux_loss,

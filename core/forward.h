@@ -53,7 +53,9 @@ nl_status nl_forward(nl_model *m, nl_runstate *rs, const nl_forward_args *a, flo
  * lengths are device values, uploaded before each replay. On by default;
  * NL_GRAPHS=0 or nl_runstate_set_graphs(rs, 0) turns it off (every op
  * queued each step, as on the CPU). A step the backend fails to record
- * runs unrecorded, and the runstate records no more. */
+ * runs unrecorded, and the runstate records no more; so does one whose
+ * recordings, after 16, were replayed less than twice each on average
+ * (keys taking turns: more sessions' caches than the 8 entries kept). */
 typedef struct nl_runstate_graph_stats {
     uint64_t captures; /* steps recorded */
     uint64_t replays;  /* steps run from a recording */

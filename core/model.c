@@ -2,8 +2,8 @@
 #include "model.h"
 
 #include <math.h>
-#include <stdatomic.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

@@ -32,10 +32,10 @@ static nl_backend *cpu(nl_backend *be)
 
 /* A slot that cannot be part of a recorded step (devsim_graph.c) drops
  * its call while one is recorded. */
-#define NOT_RECORDED(be, slot)                                                                  \
-    do {                                                                                        \
-        if (nl_devsim_refused(be, slot))                                                        \
-            return;                                                                             \
+#define NOT_RECORDED(be, slot)                                                                     \
+    do {                                                                                           \
+        if (nl_devsim_refused(be, slot))                                                           \
+            return;                                                                                \
     } while (0)
 
 /* ---------------------------------------------------------------- memory */

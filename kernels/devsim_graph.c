@@ -73,10 +73,10 @@ static void queue(nl_backend *be, op_runner run, const void *args, size_t size)
     memcpy(op->args, args, size);
 }
 
-#define QUEUE(be, run, a)                                                                       \
-    do {                                                                                        \
-        _Static_assert(sizeof(a) <= ARGS_MAX, "devsim: op arguments too large to record");     \
-        queue(be, run, &(a), sizeof(a));                                                        \
+#define QUEUE(be, run, a)                                                                          \
+    do {                                                                                           \
+        _Static_assert(sizeof(a) <= ARGS_MAX, "devsim: op arguments too large to record");         \
+        queue(be, run, &(a), sizeof(a));                                                           \
     } while (0)
 
 /* ---------------------------------------------------------------- ops */
@@ -214,8 +214,8 @@ static void run_attention(nl_backend *be, const void *p)
                                             a->v, a->kv_stride, a->s, a->mask);
 }
 static void ds_attention_masked_forward(nl_backend *be, float *out, float *lse, const float *q,
-                                        int q_stride, const float *k, const float *v,
-                                        int kv_stride, nl_attn_shape s, nl_attn_mask mask)
+                                        int q_stride, const float *k, const float *v, int kv_stride,
+                                        nl_attn_shape s, nl_attn_mask mask)
 {
     s.pos = UI(s.pos);
     mask.doc = UI(mask.doc);
@@ -338,8 +338,8 @@ typedef struct {
 static void run_route(nl_backend *be, const void *p)
 {
     const route_args *a = p;
-    nl_ds_cpu(be)->moe_route(nl_ds_cpu(be), a->choice, a->w, a->offsets, a->perm, a->slot,
-                             a->probs, a->N, a->E, a->k);
+    nl_ds_cpu(be)->moe_route(nl_ds_cpu(be), a->choice, a->w, a->offsets, a->perm, a->slot, a->probs,
+                             a->N, a->E, a->k);
 }
 static void ds_moe_route(nl_backend *be, int32_t *choice, float *w, int32_t *offsets, int32_t *perm,
                          int32_t *slot, const float *probs, int N, int E, int k)
@@ -366,8 +366,16 @@ static void ds_moe_aux(nl_backend *be, double *aux, float *frac, int64_t *counts
                        const float *probs, const int32_t *offsets, const float *global_frac, int N,
                        int E, int k, double aux_rows)
 {
-    aux_args a = {nl_ds_untag(aux), aux_rows,  UF(frac), nl_ds_untag(counts), UF(probs),
-                  UF(global_frac),  UI(offsets), N,      E,                   k};
+    aux_args a = {nl_ds_untag(aux),
+                  aux_rows,
+                  UF(frac),
+                  nl_ds_untag(counts),
+                  UF(probs),
+                  UF(global_frac),
+                  UI(offsets),
+                  N,
+                  E,
+                  k};
     QUEUE(be, run_aux, a);
 }
 
@@ -391,8 +399,8 @@ static void ds_gemm_grouped(nl_backend *be, int trans_b, int N, int K, const flo
                             const float *B, int ldb, size_t b_stride, float *C, int ldc,
                             const int32_t *offsets, int groups, int max_rows)
 {
-    grouped_args a = {trans_b, N, K, lda, ldb, ldc, groups, max_rows, b_stride, A, B, C,
-                      UI(offsets)};
+    grouped_args a = {trans_b,  N,        K, lda, ldb, ldc,        groups,
+                      max_rows, b_stride, A, B,   C,   UI(offsets)};
     QUEUE(be, run_grouped, a);
 }
 
@@ -414,8 +422,8 @@ static void ds_moe_ffn_forward(nl_backend *be, float *ye, float *hs, float *gu, 
                                const float *experts, size_t expert_stride, int d, int F,
                                const int32_t *offsets, int groups, int max_rows)
 {
-    ffn_args a = {UF(ye),       UF(hs), UF(gu), UF(xe), UF(experts), UI(offsets), expert_stride,
-                  d,            F,      groups, max_rows};
+    ffn_args a = {UF(ye),        UF(hs), UF(gu), UF(xe), UF(experts), UI(offsets),
+                  expert_stride, d,      F,      groups, max_rows};
     QUEUE(be, run_ffn, a);
 }
 

@@ -5,9 +5,10 @@
  * token; and it is recorded again after the model grows (same nl_model,
  * new buffers) and after a reload (another model behind the same runstate
  * and cache), where a replay of the old recording would compute with the
- * old weights. On a backend without graph slots (the CPU) the same runs
- * must record nothing. The devsim backend's recording refuses a slot that
- * waits for the device. Run on cpu and on cpu-devsim (NL_TEST_DEVICE). */
+ * old weights; keys taking turns stop the recording. On a backend
+ * without graph slots (the CPU) the same runs must record nothing. The
+ * devsim backend's recording refuses a slot that waits for the device. Run on cpu and on cpu-devsim
+ * (NL_TEST_DEVICE). */
 #include "check.h"
 #include "core/forward.h"
 #include "core/grow.h"
@@ -16,7 +17,7 @@
 
 #include <stdlib.h>
 
-enum { STEPS = 256, PROMPT = 3 };
+enum { STEPS = 256, PROMPT = 3, AFTER = 64 /* steps decoded after a growth or a reload */ };
 
 static nl_config test_config(void)
 {
@@ -130,12 +131,14 @@ static void test_same_ids(nl_backend *be, nl_model *m)
     nl_error err = {0};
     const int V = (int)m->cfg.vocab_size;
     const int has = be->graph_begin != NULL;
-    const decode_run modes[] = {{1, 0.0f, 1, 1}, {1, 0.8f, 7, 1}, {3, 0.0f, 3, 1}, {3, 1.2f, 11, 1}};
+    const decode_run modes[] = {
+        {1, 0.0f, 1, 1}, {1, 0.8f, 7, 1}, {3, 0.0f, 3, 1}, {3, 1.2f, 11, 1}};
     for (size_t k = 0; k < sizeof modes / sizeof *modes; k++) {
         const int B = modes[k].B;
         int32_t *ids[2] = {calloc((size_t)STEPS * B, sizeof(int32_t)),
                            calloc((size_t)STEPS * B, sizeof(int32_t))};
-        float *last[2] = {calloc((size_t)B * V, sizeof(float)), calloc((size_t)B * V, sizeof(float))};
+        float *last[2] = {calloc((size_t)B * V, sizeof(float)),
+                          calloc((size_t)B * V, sizeof(float))};
         nl_runstate_graph_stats gs[2] = {{0}};
         for (int g = 0; g < 2; g++) {
             nl_runstate *rs = NULL;
@@ -172,7 +175,7 @@ static void test_same_ids(nl_backend *be, nl_model *m)
 }
 
 /* The reference: a decode of m without graphs on its own runstate. */
-static void reference(nl_model *m, const decode_run *r, int32_t *ids)
+static void reference(nl_model *m, const decode_run *r, int steps, int32_t *ids)
 {
     nl_error err = {0};
     nl_runstate *rs = NULL;
@@ -182,7 +185,7 @@ static void reference(nl_model *m, const decode_run *r, int32_t *ids)
     decode_run off = *r;
     off.graphs = 0;
     if (rs && kv)
-        decode(m, rs, kv, &off, STEPS, ids, NULL);
+        decode(m, rs, kv, &off, steps, ids, NULL);
     nl_kvcache_destroy(&kv);
     nl_runstate_destroy(&rs);
 }
@@ -198,17 +201,17 @@ static void test_reload(nl_backend *be, const nl_config *c, nl_model *a)
     nl_model *b = make_model(be, c, 99);
     nl_runstate *rs = NULL;
     nl_kvcache *kv = NULL;
-    int32_t ids_a[STEPS], ids_b[STEPS], ref_b[STEPS];
+    int32_t ids_a[16], ids_b[AFTER], ref_b[AFTER];
     CHECK_OK(nl_runstate_new(&rs, a, PROMPT, &err), &err);
     CHECK_OK(nl_kvcache_new(&kv, a, 1, STEPS + PROMPT, &err), &err);
     if (!b || !rs || !kv)
         goto out;
     decode(a, rs, kv, &r, 16, ids_a, NULL);
     const nl_runstate_graph_stats before = nl_runstate_graphs(rs);
-    decode(b, rs, kv, &r, STEPS, ids_b, NULL);
+    decode(b, rs, kv, &r, AFTER, ids_b, NULL);
     const nl_runstate_graph_stats after = nl_runstate_graphs(rs);
-    reference(b, &r, ref_b);
-    const int d = first_diff(ids_b, ref_b, STEPS);
+    reference(b, &r, AFTER, ref_b);
+    const int d = first_diff(ids_b, ref_b, AFTER);
     CHECK(d < 0, "reload: ids differ from a decode without graphs from step %d", d);
     CHECK(first_diff(ids_a, ref_b, 16) >= 0, "reload: the two models give the same ids");
     CHECK(after.captures == before.captures + (uint64_t)has,
@@ -231,7 +234,7 @@ static void test_growth(nl_backend *be, const nl_config *c)
     nl_model *m = make_model(be, c, 4321);
     nl_runstate *rs = NULL;
     nl_kvcache *kv = NULL;
-    int32_t ids[2 * STEPS], ref[2 * STEPS];
+    int32_t ids[2 * AFTER], ref[2 * AFTER];
     CHECK_OK(nl_runstate_new(&rs, m, 2 * PROMPT, &err), &err);
     CHECK_OK(nl_kvcache_new(&kv, m, 2, STEPS + PROMPT, &err), &err);
     if (!m || !rs || !kv)
@@ -249,10 +252,10 @@ static void test_growth(nl_backend *be, const nl_config *c)
     CHECK_OK(nl_kvcache_new(&kv, m, 2, STEPS + PROMPT, &err), &err);
     if (!kv)
         goto out;
-    decode(m, rs, kv, &r, STEPS, ids, NULL);
+    decode(m, rs, kv, &r, AFTER, ids, NULL);
     const nl_runstate_graph_stats after = nl_runstate_graphs(rs);
-    reference(m, &r, ref);
-    const int d = first_diff(ids, ref, 2 * (size_t)STEPS);
+    reference(m, &r, AFTER, ref);
+    const int d = first_diff(ids, ref, 2 * (size_t)AFTER);
     CHECK(d < 0, "growth: ids differ from a decode without graphs from step %d", d / 2);
     CHECK(after.captures == before.captures + (uint64_t)has,
           "growth: %llu recordings before, %llu after (graph slots: %d)",
@@ -261,6 +264,34 @@ out:
     nl_kvcache_destroy(&kv);
     nl_runstate_destroy(&rs);
     nl_model_destroy(&m);
+}
+
+/* Keys taking turns (more sessions' caches than the runstate keeps
+ * recordings of) would record at every step: after 16 recordings that
+ * were never replayed, recording stops and steps run unrecorded. */
+static void test_thrash(nl_backend *be, nl_model *m)
+{
+    enum { CACHES = 9, ROUNDS = 4 };
+    nl_error err = {0};
+    const int has = be->graph_begin != NULL;
+    nl_runstate *rs = NULL;
+    nl_kvcache *kv[CACHES] = {0};
+    int32_t tok[PROMPT] = {5, 17, 200};
+    CHECK_OK(nl_runstate_new(&rs, m, PROMPT, &err), &err);
+    for (int i = 0; i < CACHES; i++)
+        CHECK_OK(nl_kvcache_new(&kv[i], m, 1, PROMPT + ROUNDS, &err), &err);
+    for (int r = -1; rs && r < ROUNDS; r++)
+        for (int i = 0; i < CACHES && kv[i]; i++) {
+            nl_forward_args a = {.B = 1, .T = r < 0 ? PROMPT : 1, .tokens = tok, .kv = kv[i]};
+            CHECK_OK(nl_forward(m, rs, &a, NULL, &err), &err);
+        }
+    const nl_runstate_graph_stats gs = rs ? nl_runstate_graphs(rs) : (nl_runstate_graph_stats){0};
+    CHECK(gs.captures == (uint64_t)(has * 16) && gs.replays == 0,
+          "%d caches in turn: %llu recordings, %llu replays (graph slots: %d)", CACHES,
+          (unsigned long long)gs.captures, (unsigned long long)gs.replays, has);
+    for (int i = 0; i < CACHES; i++)
+        nl_kvcache_destroy(&kv[i]);
+    nl_runstate_destroy(&rs);
 }
 
 /* A slot that waits for the device cannot be recorded: graph_end fails
@@ -295,6 +326,7 @@ int main(void)
     if (m) {
         test_same_ids(be, m);
         test_reload(be, &c, m);
+        test_thrash(be, m);
     }
     test_growth(be, &c);
     test_refused(be);

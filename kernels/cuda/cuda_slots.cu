@@ -121,7 +121,8 @@ void cu_kv_store(nl_backend *be, float *kc, float *vc, const float *qkv, int str
 {
     cuda_ctx *c = enter_slot(be, __func__);
     launched(c, "kv_store",
-             nl_cuda_kv_store(c->stream, kc, vc, qkv, stride, k_col, v_col, pos, B, T, cap, kv_dim));
+             nl_cuda_kv_store(c->stream, kc, vc, qkv, stride, k_col, v_col, pos, B, T, cap,
+                              kv_dim));
 }
 
 void cu_moe_combine(nl_backend *be, float *x, const float *y, const int32_t *slot, const float *w,
