@@ -681,7 +681,7 @@ int nl_cmd_serve(int argc, char **argv)
                         "[--max-batch N] [--prefill-chunk N] [--max-requests N] [--http-timeout S] "
                         "[--http-per-ip N] [--http-deadline S] [--http-allow-host NAMES] "
                         "[--threads N] "
-                        "[--spin N] [--device D] [--tf32]";
+                        "[--spin N] [--device D] [--precision P] [--tf32]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
