@@ -375,6 +375,26 @@ out:
     return rc;
 }
 
+/* The decode split as the JSON object "decode" (after a comma). Returns
+ * 0, or -1 with err set (nothing printed). */
+static int decode_report(nl_backend *be, const nl_config *cf, long long tokens, nl_error *err)
+{
+    decode_fig f[3] = {{0}};
+    double copy = 0;
+    if (decode_split(be, cf, (int)tokens, f, &copy, err) != 0)
+        return -1;
+    printf(",\n  \"decode\":{\"tokens\":%lld,\"prompt\":64,", tokens);
+    static const char *names[] = {"device_routing", "host_routing", "no_graphs"};
+    for (int k = 0; k < 3; k++)
+        printf("\"%s\":{\"ms_per_token\":%.3f,\"tokens_s\":%.1f,"
+               "\"host_syncs_per_token\":%.2f,\"graph_replays\":%" PRIu64 "},",
+               names[k], f[k].s_per_tok * 1e3, 1.0 / f[k].s_per_tok, f[k].syncs, f[k].replays);
+    printf("\"graphs_same_ids\":%s,\"copies_ms\":%.3f,\"kernels_and_launches_ms\":%.3f}",
+           f[0].ids_hash == f[2].ids_hash ? "true" : "false", copy * 1e3,
+           (f[0].s_per_tok - copy) * 1e3);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     nl_flag flags[] = {{"config", 1, "model config (default configs/bench-large.yaml)", NULL},
@@ -472,24 +492,13 @@ int main(int argc, char **argv)
     }
     printf("\n  ]");
     if (dtok > 0) {
-        decode_fig f[3] = {{0}};
-        double copy = 0;
         arena_free(be, &ar); /* room for the model */
         memset(&ar, 0, sizeof ar);
-        if (decode_split(be, &cf, (int)dtok, f, &copy, &err) != 0) {
+        if (decode_report(be, &cf, dtok, &err) != 0) {
             printf("\n}\n");
             fprintf(stderr, "bench_cuda: decode: %s (%s)\n", err.msg, nl_status_str(err.status));
             goto out;
         }
-        printf(",\n  \"decode\":{\"tokens\":%lld,\"prompt\":64,", dtok);
-        static const char *names[] = {"device_routing", "host_routing", "no_graphs"};
-        for (int k = 0; k < 3; k++)
-            printf("\"%s\":{\"ms_per_token\":%.3f,\"tokens_s\":%.1f,"
-                   "\"host_syncs_per_token\":%.2f,\"graph_replays\":%" PRIu64 "},",
-                   names[k], f[k].s_per_tok * 1e3, 1.0 / f[k].s_per_tok, f[k].syncs, f[k].replays);
-        printf("\"graphs_same_ids\":%s,\"copies_ms\":%.3f,\"kernels_and_launches_ms\":%.3f}",
-               f[0].ids_hash == f[2].ids_hash ? "true" : "false", copy * 1e3,
-               (f[0].s_per_tok - copy) * 1e3);
     }
     printf("\n}\n");
     rc = 0;
