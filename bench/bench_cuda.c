@@ -11,7 +11,9 @@
  *     bytes each must move, and the fraction of the spec bandwidth;
  *   - where a decode token's time goes: the model (random init) decodes
  *     --decode-tokens tokens after a 64-token prompt, one at a time, with
- *     routing on the device and again with NL_HOST_ROUTING=1 (per layer the
+ *     routing on the device (each step replayed from a recorded CUDA
+ *     graph, core/forward.h), again without graphs (every op launched;
+ *     the ids must be the same), and with NL_HOST_ROUTING=1 (per layer the
  *     router probabilities down and the dispatch tables up, the expert
  *     GEMMs sized on the host): tokens/s and host synchronisations per
  *     token of each; then the copies every token makes (token and position
@@ -259,16 +261,26 @@ static void print_gemm(const job *j, double fp32_s, double tf32_s, const spec *s
 
 /* ---------------------------------------------------------------- decode */
 
+/* The figures of one decode run. */
+typedef struct decode_fig {
+    double s_per_tok;  /* seconds per token */
+    double syncs;      /* host synchronisations per token */
+    uint64_t ids_hash; /* FNV-1a of the ids: runs that must agree compare it */
+    uint64_t replays;  /* steps replayed from a recorded graph */
+} decode_fig;
+
 /* One decode run: a 64-token prompt, then `tokens` tokens one at a time,
  * each forward followed by greedy sampling as a stage samples
  * (nl_sampler_next: on the device where the backend has a sample slot, so
  * only the id comes back; with NL_HOST_SAMPLING=1 the logits are
- * downloaded and sampled on the host), the token fed back. The runstate is made with NL_HOST_ROUTING set to `host`
- * (core/layer.h reads it then). Seconds per token, and host
- * synchronisations per token (be->stats.host_syncs: the waits of uploads,
- * downloads and syncs; on CUDA a small upload is staged and does not wait). Returns 0, or -1 with err set. */
-static int decode_run(nl_backend *be, nl_model *m, int tokens, int host, float *logits,
-                      double *tok_s, double *syncs, nl_error *err)
+ * downloaded and sampled on the host), the token fed back. The runstate
+ * is made with NL_HOST_ROUTING set to `host` (core/layer.h reads it then)
+ * and with recorded steps (CUDA graphs, core/forward.h) on or off.
+ * Host synchronisations: be->stats.host_syncs, the waits of uploads,
+ * downloads and syncs (on CUDA a small upload is staged and does not
+ * wait). Returns 0, or -1 with err set. */
+static int decode_run(nl_backend *be, nl_model *m, int tokens, int host, int graphs, float *logits,
+                      decode_fig *f, nl_error *err)
 {
     const int P = 64, V = (int)m->cfg.vocab_size;
     nl_runstate *rs = NULL;
@@ -292,6 +304,7 @@ static int decode_run(nl_backend *be, nl_model *m, int tokens, int host, float *
         unsetenv("NL_HOST_ROUTING");
     if (st != NL_OK || nl_kvcache_new(&kv, m, 1, P + tokens, err) != NL_OK)
         goto out;
+    nl_runstate_set_graphs(rs, graphs);
     nl_forward_args a = {.B = 1, .T = P, .tokens = prompt, .kv = kv, .last_only = 1};
     if (nl_forward(m, rs, &a, NULL, err) != NL_OK)
         goto out;
@@ -299,16 +312,20 @@ static int decode_run(nl_backend *be, nl_model *m, int tokens, int host, float *
     const uint64_t s0 = be->stats.host_syncs;
     const double t0 = now_s();
     int32_t tok = 0;
+    uint64_t h = 1469598103934665603ull;
     if (nl_sampler_next(&smp, be, nl_runstate_output(rs, &cols), logits, &tok, err) != NL_OK)
         goto out;
     for (int t = 0; t < tokens; t++) {
+        h = (h ^ (uint64_t)(uint32_t)tok) * 1099511628211ull;
         a.tokens = &tok;
         if (nl_forward(m, rs, &a, NULL, err) != NL_OK ||
             nl_sampler_next(&smp, be, nl_runstate_output(rs, &cols), logits, &tok, err) != NL_OK)
             goto out;
     }
-    *tok_s = (now_s() - t0) / tokens;
-    *syncs = (double)(be->stats.host_syncs - s0) / tokens;
+    f->s_per_tok = (now_s() - t0) / tokens;
+    f->syncs = (double)(be->stats.host_syncs - s0) / tokens;
+    f->ids_hash = h;
+    f->replays = nl_runstate_graphs(rs).replays;
     rc = be->sync(be, err) == NL_OK ? 0 : -1;
 out:
     nl_sampler_free(&smp);
@@ -317,11 +334,13 @@ out:
     return rc;
 }
 
-/* Where a decode token's time goes: with routing on the device and with
- * NL_HOST_ROUTING=1, then the copies every token makes (token and
- * position up, logits down) timed alone. Returns 0, or -1 with err set. */
-static int decode_split(nl_backend *be, const nl_config *cf, int tokens, double tok_s[2],
-                        double syncs[2], double *copy_s, nl_error *err)
+/* Where a decode token's time goes: with routing on the device (recorded
+ * steps on, then off) and with NL_HOST_ROUTING=1, then the copies every
+ * token makes (token and position up, logits down) timed alone. fig:
+ * [0] device routing, [1] host routing, [2] device routing without
+ * graphs. Returns 0, or -1 with err set. */
+static int decode_split(nl_backend *be, const nl_config *cf, int tokens, decode_fig fig[3],
+                        double *copy_s, nl_error *err)
 {
     const int L = cf->num_layers, V = (int)cf->vocab_size;
     nl_model *m = NULL;
@@ -336,9 +355,8 @@ static int decode_split(nl_backend *be, const nl_config *cf, int tokens, double 
             nl_error_set(err, NL_ERR_NOMEM, "decode: out of memory");
         goto out;
     }
-    for (int host_routing = 0; host_routing < 2; host_routing++)
-        if (decode_run(be, m, tokens, host_routing, host, &tok_s[host_routing],
-                       &syncs[host_routing], err) != 0)
+    for (int k = 0; k < 3; k++)
+        if (decode_run(be, m, tokens, k == 1, k != 2, host, &fig[k], err) != 0)
             goto out;
     memset(i32, 0, sizeof i32);
     const double t0 = now_s();
@@ -355,6 +373,26 @@ out:
     nl_model_destroy(&m);
     free(host);
     return rc;
+}
+
+/* The decode split as the JSON object "decode" (after a comma). Returns
+ * 0, or -1 with err set (nothing printed). */
+static int decode_report(nl_backend *be, const nl_config *cf, long long tokens, nl_error *err)
+{
+    decode_fig f[3] = {{0}};
+    double copy = 0;
+    if (decode_split(be, cf, (int)tokens, f, &copy, err) != 0)
+        return -1;
+    printf(",\n  \"decode\":{\"tokens\":%lld,\"prompt\":64,", tokens);
+    static const char *names[] = {"device_routing", "host_routing", "no_graphs"};
+    for (int k = 0; k < 3; k++)
+        printf("\"%s\":{\"ms_per_token\":%.3f,\"tokens_s\":%.1f,"
+               "\"host_syncs_per_token\":%.2f,\"graph_replays\":%" PRIu64 "},",
+               names[k], f[k].s_per_tok * 1e3, 1.0 / f[k].s_per_tok, f[k].syncs, f[k].replays);
+    printf("\"graphs_same_ids\":%s,\"copies_ms\":%.3f,\"kernels_and_launches_ms\":%.3f}",
+           f[0].ids_hash == f[2].ids_hash ? "true" : "false", copy * 1e3,
+           (f[0].s_per_tok - copy) * 1e3);
+    return 0;
 }
 
 int main(int argc, char **argv)
@@ -454,22 +492,13 @@ int main(int argc, char **argv)
     }
     printf("\n  ]");
     if (dtok > 0) {
-        double tok[2] = {0, 0}, syncs[2] = {0, 0}, copy = 0;
         arena_free(be, &ar); /* room for the model */
         memset(&ar, 0, sizeof ar);
-        if (decode_split(be, &cf, (int)dtok, tok, syncs, &copy, &err) != 0) {
+        if (decode_report(be, &cf, dtok, &err) != 0) {
             printf("\n}\n");
             fprintf(stderr, "bench_cuda: decode: %s (%s)\n", err.msg, nl_status_str(err.status));
             goto out;
         }
-        printf(",\n  \"decode\":{\"tokens\":%lld,\"prompt\":64,"
-               "\"device_routing\":{\"ms_per_token\":%.3f,\"tokens_s\":%.1f,"
-               "\"host_syncs_per_token\":%.2f},"
-               "\"host_routing\":{\"ms_per_token\":%.3f,\"tokens_s\":%.1f,"
-               "\"host_syncs_per_token\":%.2f},"
-               "\"copies_ms\":%.3f,\"kernels_and_launches_ms\":%.3f}",
-               dtok, tok[0] * 1e3, 1.0 / tok[0], syncs[0], tok[1] * 1e3, 1.0 / tok[1], syncs[1],
-               copy * 1e3, (tok[0] - copy) * 1e3);
     }
     printf("\n}\n");
     rc = 0;

@@ -14,7 +14,9 @@
 #      NL_HOST_ROUTING=1 (the host round trip per layer), with the host
 #      synchronisations per token of each (at most 1 with device routing:
 #      the logits' download; the token and position go up through the pinned
-#      staging ring without a wait; none inside the layers);
+#      staging ring without a wait; none inside the layers); and decode with
+#      each step replayed from a recorded CUDA graph against every op
+#      launched (decode_graphs: the ratio, the same greedy ids);
 #   3. neuroctl bench --device cuda:0 on configs/bench-large.yaml and on
 #      configs/bench-xl.yaml (about 4.2 GB of weights), and bench-large on
 #      --device cpu, for the speed-up; the device's training figures
@@ -232,6 +234,24 @@ if dev["host_syncs_per_token"] > 1:
     sys.exit("a device-routed decode token made more than 1 host sync")
 PY
 result decode_routing $? "$(tail -1 "$OUT/decode_routing.txt")"
+# decode with each step replayed from a recorded CUDA graph (the default)
+# against every op launched (NL_GRAPHS=0's path): tokens/s of each, the
+# same greedy ids, and replays actually made
+$PY - "$OUT/bench_cuda.json" >"$OUT/decode_graphs.txt" 2>&1 <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1])).get("decode")
+if not d or "no_graphs" not in d:
+    sys.exit("no graph figures in bench_cuda's output")
+g, n = d["device_routing"], d["no_graphs"]
+print("decode tok/s: graphs %.1f, no graphs %.1f (x%.2f); %d replays in %d tokens; same ids %s"
+      % (g["tokens_s"], n["tokens_s"], g["tokens_s"] / n["tokens_s"], g["graph_replays"],
+         d["tokens"], d["graphs_same_ids"]))
+if not d["graphs_same_ids"]:
+    sys.exit("greedy ids with graphs differ from those without")
+if g["graph_replays"] < d["tokens"] - 1:
+    sys.exit("the decode steps were not replayed from a graph")
+PY
+result decode_graphs $? "$(tail -1 "$OUT/decode_graphs.txt")"
 
 fi # part 2
 

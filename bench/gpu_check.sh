@@ -5,6 +5,9 @@
 # in OUT/NAME.log, one line per step in OUT/summary.txt:
 #   PASS|FAIL|SKIP  NAME  figures or why
 #   a. test_ops, test_ops_train on DEVICE (every slot against naive loops);
+#      test_graphs on DEVICE (decode steps replayed from CUDA graphs give
+#      the ids and logits of every op launched; captured again after a
+#      growth and a reload);
 #   b. neuroctl selftest --device DEVICE: FP32, --tf32, --precision bf16
 #      (bf16 on CUDA is being added in parallel: recorded, may fail today);
 #      the figures are the failed checks' err against tol;
@@ -116,6 +119,12 @@ if want a; then
         run "$t" 120 20 "$BUILD/tests/$t" "$DEVICE" && true
         [ "$RC" -ne 125 ] && verdict "$t" "$(tail -1 "$OUT/$t.log")"
     done
+    # decode with CUDA graphs against without: the same ids and logits,
+    # captured again after a growth and a reload (where the build has it)
+    if [ -x "$BUILD/tests/test_graphs" ]; then
+        run test_graphs 60 10 env NL_TEST_DEVICE="$DEVICE" "$BUILD/tests/test_graphs" && true
+        [ "$RC" -ne 125 ] && verdict test_graphs "$(tail -1 "$OUT/test_graphs.log")"
+    fi
 fi
 
 # ---------------------------------------------------------------- b. selftest

@@ -76,6 +76,9 @@ m core/train.c 'const float wd = p->kind == NL_PARAM_NORM ? 0.0f : o.weight_deca
   'const float wd = o.weight_decay;' '^test_train$'                                   # norms decayed
 m core/kvcache.c 'if (B < 1 || cap < 1 || cap > m->cfg.max_seq_len)' \
   'if (B < 1 || cap < 1 || cap > m->cfg.max_seq_len + 1)' '^test_model$'              # cache one past the context
+m core/forward.c 'if (memcmp(&sg->key, &key, sizeof key) != 0)' \
+  'if (sg->key.B != key.B)' '^test_graphs_devsim$'                                     # a recording keyed by batch size only
+m core/layer.c 's.pos = pos_d;' 's.pos = NULL;' '^test_graphs_devsim$'                 # a recorded step's past frozen at 0
 m core/sampler.c 'if (!(top_p > 0.0f && top_p <= 1.0f))' \
   'if (!(top_p >= 0.0f && top_p <= 1.0f))' '^test_model$|^test_serve_http$'            # top_p 0 accepted
 m core/sampler.c 'while (n < V && keep < s->top_p * sum)' \

@@ -4,7 +4,9 @@
  * batched decoder (core/batch.h): each step decodes every admitted job
  * whose next token is ready as one batch, plus at most one prefill chunk
  * of a job still reading its prompt, so a new prompt never stalls the
- * others for more than one chunk. A job whose client went away is reaped
+ * others for more than one chunk. Each job samples on the device where
+ * the backend can (--device cuda:N: only the ids come back), else from
+ * the step's logits on the host. A job whose client went away is reaped
  * at the next step and its KV cache freed. */
 #include <errno.h>
 #include <inttypes.h>
@@ -180,15 +182,52 @@ static void publish_stats(engine *e, double *last_pub, uint64_t *last_tokens)
     nl_http_publish(e->http, "stats", ev);
 }
 
+/* Under model_mu, after a step: the next token of each segment that
+ * asked for logits, into tok[i] (-1 for the others; on a failure -1 and
+ * fail[i] set, with err): on the device where the backend samples and no
+ * log-probabilities are asked for (only the id comes back), else from the
+ * host logits, whose log-probabilities go into the job's next entry. */
+static void engine_sample(engine *e, const nl_batch_seg *segs, job **who, int n, int32_t *tok,
+                          int *fail, nl_error *err)
+{
+    nl_backend *be = e->m->be;
+    for (int i = 0; i < n; i++) {
+        job *j = who[i];
+        tok[i] = -1;
+        fail[i] = 0;
+        if (!segs[i].want_logits)
+            continue;
+        if (!j->lps && nl_sampler_device(&j->smp, be)) {
+            fail[i] = nl_sampler_next(&j->smp, be, nl_batch_logits_device(e->batch, i), NULL,
+                                      &tok[i], err) != NL_OK;
+            continue;
+        }
+        const float *lg = nl_batch_logits(e->batch, i, err);
+        if (!lg) {
+            fail[i] = 1;
+            continue;
+        }
+        tok[i] = nl_sampler_sample(&j->smp, lg);
+        if (j->lps) { /* the entry after the last one published */
+            nl_http_logprob *lp = &j->lps[j->produced];
+            lp->k = j->logprobs;
+            nl_sampler_logprobs(lg, j->smp.vocab, tok[i], lp->k, &lp->logprob, lp->top_ids,
+                                lp->top);
+        }
+    }
+}
+
 static void *engine_main(void *arg)
 {
     engine *e = arg;
     nl_batch_seg *segs = calloc((size_t)e->max_batch, sizeof *segs);
     job **who = calloc((size_t)e->max_batch, sizeof *who);
+    int32_t *tok = calloc((size_t)e->max_batch, sizeof *tok);
+    int *fail = calloc((size_t)e->max_batch, sizeof *fail);
     double last_pub = now_s();
     uint64_t last_tokens = 0;
     pthread_mutex_lock(&e->mu);
-    while (!e->stop && segs && who) {
+    while (!e->stop && segs && who && tok && fail) {
         reap_and_admit(e);
         publish_stats(e, &last_pub, &last_tokens);
         int n = plan_step(e, segs, who);
@@ -204,6 +243,8 @@ static void *engine_main(void *arg)
         double t0 = now_s();
         pthread_mutex_lock(&e->model_mu);
         nl_status st = nl_batch_forward(e->batch, segs, n, &err);
+        if (st == NL_OK)
+            engine_sample(e, segs, who, n, tok, fail, &err);
         pthread_mutex_unlock(&e->model_mu);
         double ms = 1e3 * (now_s() - t0);
         int rows = 0;
@@ -211,7 +252,7 @@ static void *engine_main(void *arg)
         for (int i = 0; i < n; i++) {
             job *j = who[i];
             rows += segs[i].T;
-            if (st != NL_OK) {
+            if (st != NL_OK || fail[i]) {
                 j->failed = 1;
                 snprintf(j->errmsg, sizeof j->errmsg, "%s", err.msg);
                 job_finish(e, j);
@@ -224,15 +265,7 @@ static void *engine_main(void *arg)
                     continue;
                 j->state = JOB_DECODE;
             }
-            const float *lg = nl_batch_logits(e->batch, i);
-            const int32_t tok = nl_sampler_sample(&j->smp, lg);
-            if (j->lps) {
-                nl_http_logprob *lp = &j->lps[j->produced];
-                lp->k = j->logprobs;
-                nl_sampler_logprobs(lg, j->smp.vocab, tok, lp->k, &lp->logprob, lp->top_ids,
-                                    lp->top);
-            }
-            j->out[j->produced++] = tok;
+            j->out[j->produced++] = tok[i];
             e->tokens++;
             if (j->produced == j->max_new)
                 job_finish(e, j);
@@ -245,6 +278,8 @@ static void *engine_main(void *arg)
     pthread_mutex_unlock(&e->mu);
     free(segs);
     free(who);
+    free(tok);
+    free(fail);
     return NULL;
 }
 
@@ -559,7 +594,7 @@ typedef struct serve_args {
 #define SERVE_USAGE                                                                                \
     "neuroctl serve --model MODEL [--adapter A] [--http HOST:PORT] [--http-tokens FILE] "          \
     "[--max-batch N] [--prefill-chunk N] [--max-requests N] [--http-timeout S] [--http-per-ip N] " \
-    "[--http-deadline S] [--http-allow-host NAMES] [--threads N] [--spin N] [--device D] [--tf32]"
+    "[--http-deadline S] [--http-allow-host NAMES] [--threads N] [--spin N] [--device D] [--precision P] [--tf32]"
 
 /* The flags into a: 0 to run, -1 after --help, else the exit code (said). */
 static int serve_flags(serve_args *a, int argc, char **argv)

@@ -65,6 +65,9 @@ struct nl_batch {
     float *logits_h;           /* (max_rows, V) host */
     float *hidden_h;           /* (max_rows, d) host: embeddings, a stage's output */
     int *logit_row;            /* (max_rows) segment -> row of logits_h, or -1 */
+    int n_segs;                /* segments of the last call */
+    int logit_rows;            /* rows of logits_d the last call wrote */
+    int logits_down;           /* 1: logits_h holds them (downloaded on first use) */
     int *seg_row;              /* (max_rows) segment -> its first row of hidden_h */
 };
 
@@ -151,11 +154,28 @@ void nl_batch_destroy(nl_batch **bp)
     *bp = NULL;
 }
 
-const float *nl_batch_logits(const nl_batch *b, int i)
+const float *nl_batch_logits(nl_batch *b, int i, nl_error *err)
 {
-    if (i < 0 || i >= b->max_rows || b->logit_row[i] < 0)
+    const size_t V = (size_t)b->m->cfg.vocab_size;
+    if (!b->m->has_head || i < 0 || i >= b->n_segs || b->logit_row[i] < 0) {
+        nl_error_set(err, NL_ERR_INVALID, "batch: segment %d has no logits", i);
         return NULL;
-    return b->logits_h + (size_t)b->logit_row[i] * b->m->cfg.vocab_size;
+    }
+    if (!b->logits_down) { /* every row of the call in one download */
+        nl_backend *be = b->m->be;
+        be->download(be, b->logits_h, b->logits_d, (size_t)b->logit_rows * V * sizeof(float));
+        if (nl_backend_check(be, err) != NL_OK)
+            return NULL;
+        b->logits_down = 1;
+    }
+    return b->logits_h + (size_t)b->logit_row[i] * V;
+}
+
+const float *nl_batch_logits_device(const nl_batch *b, int i)
+{
+    if (!b->m->has_head || i < 0 || i >= b->n_segs || b->logit_row[i] < 0)
+        return NULL;
+    return b->logits_d + (size_t)b->logit_row[i] * b->m->cfg.vocab_size;
 }
 
 const float *nl_batch_hidden(const nl_batch *b, int i)
@@ -277,11 +297,14 @@ nl_status nl_batch_forward_hidden(nl_batch *b, const nl_batch_seg *segs, const f
     if (st != NL_OK)
         return st;
     run_layers(b, segs, x, n, N);
+    b->n_segs = n;
     if (!b->m->has_head) { /* a stage's output: every row's hidden state */
         be->download(be, b->hidden_h, b->acts.x_in, (size_t)N * d * sizeof(float));
         return nl_backend_check(b->m->be, err);
     }
     int want = 0, row = 0;
+    b->logit_rows = 0;
+    b->logits_down = 0;
     for (int i = 0; i < n; i++) {
         b->logit_row[i] = -1;
         row += segs[i].T;
@@ -294,7 +317,7 @@ nl_status nl_batch_forward_hidden(nl_batch *b, const nl_batch_seg *segs, const f
     if (want > 0) {
         be->rmsnorm_forward(be, b->xnf, NULL, b->last, b->m->norm, want, d, (float)c->norm_eps);
         be->gemm(be, 0, 1, want, V, d, 1.0f, b->xnf, d, b->m->lm_head, d, 0.0f, b->logits_d, V);
-        be->download(be, b->logits_h, b->logits_d, (size_t)want * V * sizeof(float));
+        b->logit_rows = want;
     }
     return nl_backend_check(b->m->be, err); /* a device's asynchronous error */
 }

@@ -56,15 +56,23 @@ typedef struct nl_batch_seg {
 } nl_batch_seg;
 
 /* Run the segments as one batch. For each segment with want_logits the
- * logits of its last position are on the host afterwards at
- * nl_batch_logits(b, i) (i: the segment's index in this call). Checks
+ * logits of its last position are in device memory afterwards at
+ * nl_batch_logits_device(b, i) (i: the segment's index in this call), a
+ * row a caller may sample on the device (core/sampler.h's
+ * nl_sampler_next), and on the host at nl_batch_logits(b, i), which
+ * downloads every such row of the call the first time it is asked (so a
+ * step whose tokens are all sampled on the device moves only ids). Checks
  * every token and that every cache has room; on error no cache grew. */
 nl_status nl_batch_forward(nl_batch *b, const nl_batch_seg *segs, int n, nl_error *err);
 /* The same for a model without the embedding (a later stage): x[i] is
  * segment i's input, host (T_i, d) hidden states. */
 nl_status nl_batch_forward_hidden(nl_batch *b, const nl_batch_seg *segs, const float *const *x,
                                   int n, nl_error *err);
-const float *nl_batch_logits(const nl_batch *b, int i);
+/* Host (vocab_size) logits of segment i, valid until the next call; NULL
+ * with err set when it has none or the download failed. */
+const float *nl_batch_logits(nl_batch *b, int i, nl_error *err);
+/* Device (vocab_size) logits of segment i, or NULL. */
+const float *nl_batch_logits_device(const nl_batch *b, int i);
 /* A model without the head: the output hidden states of segment i of the
  * last call, host (T_i, d) rows, valid until the next call. */
 const float *nl_batch_hidden(const nl_batch *b, int i);

@@ -12,6 +12,27 @@
 
 /* ---------------------------------------------------------------- state */
 
+/* Everything a recorded decode step depends on besides device memory:
+ * the model's buffers and shapes (its generation), the batch-size bucket
+ * B, the cache's buffers and capacity, the input and the head's mode. */
+typedef struct step_key {
+    const nl_model *m;
+    uint64_t generation;
+    int B, last_only, states, cap;
+    const float *x_in, *kc, *vc;
+} step_key;
+
+typedef struct step_graph {
+    void *g; /* the backend's recorded step, or NULL (a free entry) */
+    step_key key;
+    uint64_t used; /* for replacing the least recently used */
+    const float *out;
+    int out_cols;
+} step_graph;
+
+#define RS_GRAPHS 8  /* recorded steps kept per runstate */
+#define RS_THRASH 16 /* recordings before their replays are judged */
+
 struct nl_runstate {
     nl_backend *be;
     int max_rows;
@@ -25,7 +46,17 @@ struct nl_runstate {
     float *last;       /* (B, d) last rows for last_only */
     float *xnf;        /* (N, d) final norm */
     float *logits;     /* (N, V) */
+    step_graph graphs[RS_GRAPHS];
+    uint64_t tick;
+    int graphs_off;             /* NL_GRAPHS=0, nl_runstate_set_graphs, or a failed recording */
+    nl_runstate_graph_stats gs;
 };
+
+static int graphs_env_off(void)
+{
+    const char *v = getenv("NL_GRAPHS");
+    return v && strcmp(v, "0") == 0;
+}
 
 nl_status nl_runstate_new(nl_runstate **out, const nl_model *m, int max_rows, nl_error *err)
 {
@@ -40,6 +71,7 @@ nl_status nl_runstate_new(nl_runstate **out, const nl_model *m, int max_rows, nl
     nl_backend *be = m->be;
     rs->be = be;
     rs->max_rows = max_rows;
+    rs->graphs_off = graphs_env_off();
     nl_status st = nl_layer_acts_alloc(&rs->acts, be, c, max_rows, 0, err);
     if (st != NL_OK) {
         free(rs);
@@ -69,6 +101,9 @@ void nl_runstate_destroy(nl_runstate **rsp)
         return;
     nl_runstate *rs = *rsp;
     nl_backend *be = rs->be;
+    for (int i = 0; i < RS_GRAPHS; i++)
+        if (rs->graphs[i].g)
+            be->graph_free(be, rs->graphs[i].g);
     nl_layer_acts_free(&rs->acts, be);
     be->free(be, rs->tokens_d);
     be->free(be, rs->pos_d);
@@ -88,16 +123,156 @@ const float *nl_runstate_output(const nl_runstate *rs, int *cols)
     return rs->out;
 }
 
+void nl_runstate_set_graphs(nl_runstate *rs, int on)
+{
+    rs->graphs_off = !on;
+}
+
+nl_runstate_graph_stats nl_runstate_graphs(const nl_runstate *rs)
+{
+    return rs->gs;
+}
+
 /* ---------------------------------------------------------------- forward */
+
+/* The device work of a forward, after its inputs are uploaded: the
+ * embedding (or the input copy), every layer, the head. Queues only, so it
+ * can be recorded; sets rs->out. */
+static void queue_step(nl_model *m, nl_runstate *rs, const nl_forward_args *a, int past)
+{
+    nl_backend *be = m->be;
+    const nl_config *c = &m->cfg;
+    const int B = a->B, T = a->T, d = c->hidden_dim, N = B * T;
+    float *x = rs->acts.x_in; /* the residual stream, updated in place */
+    if (m->has_embed)
+        be->embedding_forward(be, x, rs->tokens_d, m->tok_embeddings, N, d);
+    else
+        be->copy_rows(be, x, d, a->x_in, d, N, d);
+    /* the layers queue device work only; their aux losses add up in
+     * acts.aux_d, read (one download) only when the caller asks */
+    be->zero(be, rs->acts.aux_d, sizeof(double));
+    for (int l = m->l0; l < m->l1; l++)
+        nl_layer_forward(m, l, &rs->acts, B, T, past, a->kv, rs->pos_d, NULL);
+    rs->out = x;
+    rs->out_cols = d;
+    if (!m->has_head)
+        return;
+    const float *h = x;
+    int rows = N;
+    if (a->last_only) {
+        be->copy_rows(be, rs->last, d, x + (size_t)(T - 1) * d, T * d, B, d);
+        h = rs->last;
+        rows = B;
+    }
+    const int V = (int)c->vocab_size;
+    be->rmsnorm_forward(be, rs->xnf, NULL, h, m->norm, rows, d, (float)c->norm_eps);
+    if (a->states) { /* the final-normed states, for embeddings */
+        rs->out = rs->xnf;
+        return;
+    }
+    be->gemm(be, 0, 1, rows, V, d, 1.0f, rs->xnf, d, m->lm_head, d, 0.0f, rs->logits, V);
+    rs->out = rs->logits;
+    rs->out_cols = V;
+}
+
+/* A decode step (one new position per sequence, with a cache) can be
+ * recorded once and replayed: its positions are on the device. */
+static int step_recordable(const nl_model *m, const nl_runstate *rs, const nl_forward_args *a)
+{
+    const nl_backend *be = m->be;
+    return !rs->graphs_off && be->graph_begin && be->kv_store && a->kv && a->T == 1 && !a->doc &&
+           !m->lora && !rs->acts.host_routing;
+}
+
+/* The entry to record into: a free one, else the least recently used. */
+static step_graph *graph_slot(nl_runstate *rs)
+{
+    step_graph *best = &rs->graphs[0];
+    for (int i = 0; i < RS_GRAPHS; i++) {
+        step_graph *sg = &rs->graphs[i];
+        if (!sg->g)
+            return sg;
+        if (sg->used < best->used)
+            best = sg;
+    }
+    rs->be->graph_free(rs->be, best->g);
+    best->g = NULL;
+    return best;
+}
+
+/* Run a recordable step: replay its graph for this key, or record one
+ * (after dropping the graphs of the model's older generations) and run
+ * it. A step the backend cannot record runs as it is, and this runstate
+ * records no more. */
+static void run_recorded(nl_model *m, nl_runstate *rs, const nl_forward_args *a, int past)
+{
+    nl_backend *be = m->be;
+    step_key key;
+    memset(&key, 0, sizeof key); /* compared whole, padding included */
+    key.m = m;
+    key.generation = m->generation;
+    key.B = a->B;
+    key.last_only = a->last_only;
+    key.states = a->states;
+    key.cap = a->kv->cap;
+    key.x_in = m->has_embed ? NULL : a->x_in;
+    key.kc = a->kv->k;
+    key.vc = a->kv->v;
+    rs->tick++;
+    for (int i = 0; i < RS_GRAPHS; i++) {
+        step_graph *sg = &rs->graphs[i];
+        if (!sg->g)
+            continue;
+        if (sg->key.m == m && sg->key.generation != m->generation) {
+            be->graph_free(be, sg->g); /* the model changed: never valid again */
+            sg->g = NULL;
+            continue;
+        }
+        if (memcmp(&sg->key, &key, sizeof key) != 0)
+            continue;
+        if (be->graph_launch(be, sg->g) == 0) {
+            sg->used = rs->tick;
+            rs->out = sg->out;
+            rs->out_cols = sg->out_cols;
+            rs->gs.replays++;
+            return;
+        }
+        be->graph_free(be, sg->g); /* the backend invalidated it: record again */
+        sg->g = NULL;
+    }
+    step_graph *sg = graph_slot(rs);
+    nl_error e = {0};
+    void *g = NULL;
+    rs->acts.dev_past = 1;
+    be->graph_begin(be);
+    queue_step(m, rs, a, 0);
+    const nl_status st = be->graph_end(be, &g, &e);
+    rs->acts.dev_past = 0;
+    if (st != NL_OK || be->graph_launch(be, g) != 0) {
+        if (g)
+            be->graph_free(be, g);
+        rs->graphs_off = 1;
+        rs->gs.failed++;
+        queue_step(m, rs, a, past);
+        return;
+    }
+    *sg = (step_graph){
+        .g = g, .key = key, .used = rs->tick, .out = rs->out, .out_cols = rs->out_cols};
+    rs->gs.captures++;
+    /* keys that keep changing (more sessions' caches than entries, taking
+     * turns) would record at every step: past RS_THRASH recordings, one
+     * replayed less than twice on average turns recording off */
+    if (rs->gs.captures >= RS_THRASH && rs->gs.replays < 2 * rs->gs.captures)
+        rs->graphs_off = 1;
+}
 
 nl_status nl_forward(nl_model *m, nl_runstate *rs, const nl_forward_args *a, float *aux_loss,
                      nl_error *err)
 {
     nl_backend *be = m->be;
     const nl_config *c = &m->cfg;
-    const int B = a->B, T = a->T, d = c->hidden_dim;
+    const int B = a->B, T = a->T;
     const long N = (long)B * T;
-    float *x = rs->acts.x_in; /* the residual stream, updated in place */
     int past = 0;
     if (B < 1 || T < 1 || N > rs->max_rows)
         return nl_error_set(err, NL_ERR_SHAPE, "forward: batch %d x %d is outside 1..%d rows", B,
@@ -136,11 +311,8 @@ nl_status nl_forward(nl_model *m, nl_runstate *rs, const nl_forward_args *a, flo
                                     "forward: token %d at [%ld, %ld] is outside the vocabulary 0..%lld",
                                     a->tokens[n], n / T, n % T, (long long)c->vocab_size - 1);
         be->upload(be, rs->tokens_d, a->tokens, (size_t)N * sizeof(int32_t));
-        be->embedding_forward(be, x, rs->tokens_d, m->tok_embeddings, (int)N, d);
-    } else {
-        if (!a->x_in)
-            return nl_error_set(err, NL_ERR_INVALID, "forward: stage needs hidden states");
-        be->copy_rows(be, x, d, a->x_in, d, (int)N, d);
+    } else if (!a->x_in) {
+        return nl_error_set(err, NL_ERR_INVALID, "forward: stage needs hidden states");
     }
     for (long n = 0; n < N; n++) /* packed rows: from 0 in each document */
         rs->pos_h[n] = n % T == 0 || (a->doc && a->doc[n] != a->doc[n - 1])
@@ -152,12 +324,10 @@ nl_status nl_forward(nl_model *m, nl_runstate *rs, const nl_forward_args *a, flo
         be->upload(be, rs->doc_d, a->doc, (size_t)N * sizeof(int32_t));
         rs->acts.doc_d = rs->doc_d;
     }
-
-    /* the layers queue device work only; their aux losses add up in
-     * acts.aux_d, read (one download) only when the caller asks */
-    be->zero(be, rs->acts.aux_d, sizeof(double));
-    for (int l = m->l0; l < m->l1; l++)
-        nl_layer_forward(m, l, &rs->acts, B, T, past, a->kv, rs->pos_d, NULL);
+    if (step_recordable(m, rs, a))
+        run_recorded(m, rs, a, past);
+    else
+        queue_step(m, rs, a, past);
     if (a->kv)
         a->kv->len += T;
     if (aux_loss) {
@@ -166,28 +336,5 @@ nl_status nl_forward(nl_model *m, nl_runstate *rs, const nl_forward_args *a, flo
             be->download(be, &aux, rs->acts.aux_d, sizeof aux);
         *aux_loss = (float)aux;
     }
-
-    if (!m->has_head) {
-        rs->out = x;
-        rs->out_cols = d;
-        return nl_backend_check(be, err); /* a device's asynchronous error */
-    }
-    const float *h = x;
-    int rows = (int)N;
-    if (a->last_only) {
-        be->copy_rows(be, rs->last, d, x + (size_t)(T - 1) * d, T * d, B, d);
-        h = rs->last;
-        rows = B;
-    }
-    const int V = (int)c->vocab_size;
-    be->rmsnorm_forward(be, rs->xnf, NULL, h, m->norm, rows, d, (float)c->norm_eps);
-    if (a->states) { /* the final-normed states, for embeddings */
-        rs->out = rs->xnf;
-        rs->out_cols = d;
-        return nl_backend_check(be, err);
-    }
-    be->gemm(be, 0, 1, rows, V, d, 1.0f, rs->xnf, d, m->lm_head, d, 0.0f, rs->logits, V);
-    rs->out = rs->logits;
-    rs->out_cols = V;
     return nl_backend_check(be, err); /* a device's asynchronous error */
 }

@@ -43,6 +43,28 @@ typedef struct nl_forward_args {
 nl_status nl_forward(nl_model *m, nl_runstate *rs, const nl_forward_args *a, float *aux_loss,
                      nl_error *err);
 
+/* Recorded decode steps (DESIGN: CUDA graphs). On a backend with the
+ * graph slots (kernels/backend.h: CUDA, cpu-devsim), a decode step (T 1,
+ * with a cache, no adapters, no host routing) is recorded once per key
+ * and replayed for every later token: the key is the batch-size bucket
+ * B, the cache's buffers and capacity, the input buffer, the head's mode
+ * and the model's generation (nl_model), so a growth or a reload (a new
+ * model behind the same runstate) records it again. Positions and cache
+ * lengths are device values, uploaded before each replay. On by default;
+ * NL_GRAPHS=0 or nl_runstate_set_graphs(rs, 0) turns it off (every op
+ * queued each step, as on the CPU). A step the backend fails to record
+ * runs unrecorded, and the runstate records no more; so does one whose
+ * recordings, after 16, were replayed less than twice each on average
+ * (keys taking turns: more sessions' caches than the 8 entries kept). */
+typedef struct nl_runstate_graph_stats {
+    uint64_t captures; /* steps recorded */
+    uint64_t replays;  /* steps run from a recording */
+    uint64_t failed;   /* recordings the backend refused */
+} nl_runstate_graph_stats;
+
+void nl_runstate_set_graphs(nl_runstate *rs, int on);
+nl_runstate_graph_stats nl_runstate_graphs(const nl_runstate *rs);
+
 /* Device pointer to the last forward's output and its row width. */
 const float *nl_runstate_output(const nl_runstate *rs, int *cols);
 

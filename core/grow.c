@@ -60,6 +60,7 @@ nl_status nl_model_grow_vocab(nl_model *m, int64_t vocab_size, uint64_t seed, fl
         return st;
     if (nl_config_capacity(&cfg) == m->capacity) { /* rows exist: only the active part grows */
         m->cfg.vocab_size = vocab_size;
+        nl_model_changed(m); /* the head's width */
         return NL_OK;
     }
     st = nl_model_new(&g, be, &cfg, m->l0, m->l1, m->has_embed, m->has_head, err);
@@ -231,6 +232,7 @@ nl_status nl_model_grow_depth(nl_model *m, int n_layers, uint64_t seed, float **
         return st;
     if (!m->has_head) { /* no new layer here: only the count changes */
         m->cfg.num_layers = n_layers;
+        nl_model_changed(m);
         return NL_OK;
     }
     return regrow(m, &c, n_layers, NL_GROW_DEPTH, seed, moments, n_moments, err);

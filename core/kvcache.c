@@ -61,3 +61,14 @@ void nl_kvcache_append(nl_kvcache *kv, int layer, const float *qkv, int stride, 
     *k = kc;
     *v = vc;
 }
+
+void nl_kvcache_store(nl_kvcache *kv, int layer, const float *qkv, int stride, int k_col, int v_col,
+                      int B, int T, const int32_t *pos, const float **k, const float **v)
+{
+    nl_backend *be = kv->be;
+    const size_t off = (size_t)layer * kv->B * kv->cap * kv->kv_dim;
+    float *kc = kv->k + off, *vc = kv->v + off;
+    be->kv_store(be, kc, vc, qkv, stride, k_col, v_col, pos, B, T, kv->cap, kv->kv_dim);
+    *k = kc;
+    *v = vc;
+}

@@ -30,5 +30,10 @@ size_t nl_kvcache_bytes(const nl_config *cfg, int n_layers, int B, int cap);
  * kv->kv_dim, kv->cap rows per sequence. */
 void nl_kvcache_append(nl_kvcache *kv, int layer, const float *qkv, int stride, int k_col,
                        int v_col, int B, int T, int past, const float **k, const float **v);
+/* The same with each row's position read on the device from pos (B T,
+ * device) when the work runs, through the backend's kv_store slot (which
+ * must exist): the queued call holds no position. */
+void nl_kvcache_store(nl_kvcache *kv, int layer, const float *qkv, int stride, int k_col, int v_col,
+                      int B, int T, const int32_t *pos, const float **k, const float **v);
 
 #endif

@@ -253,8 +253,14 @@ static void attention_block(nl_model *m, int li, nl_layer_acts *a, int B, int T,
     nl_attn_shape s = {.B = B, .T = T, .past = past, .kv_cap = T, .H = H, .G = G, .hd = hd};
     const float *k = a->qkv + H * hd, *v = a->qkv + (H + G) * hd;
     int kv_stride = qkv;
-    if (kv) {
+    if (kv && a->dev_past) { /* positions on the device: nothing here knows past */
+        nl_kvcache_store(kv, li - m->l0, a->qkv, qkv, H * hd, (H + G) * hd, B, T, pos_d, &k, &v);
+        s.past = 0;
+        s.pos = pos_d;
+    } else if (kv) {
         nl_kvcache_append(kv, li - m->l0, a->qkv, qkv, H * hd, (H + G) * hd, B, T, past, &k, &v);
+    }
+    if (kv) {
         kv_stride = kv->kv_dim;
         s.kv_cap = kv->cap;
     }

@@ -45,6 +45,11 @@ typedef struct nl_layer_acts {
     float *frac_d;      /* (E) assignment shares the aux loss used */
     double *aux_d;      /* (1) an aux-loss accumulator callers may use */
     int host_routing;   /* NL_HOST_ROUTING=1 at allocation */
+    /* 1: with a cache, each sequence's past is read on the device from
+     * the positions (pos_d[b T]) by the cache write (kv_store) and the
+     * attention, so the queued work holds no position (a recorded step,
+     * core/forward.c); the backend must have kv_store */
+    int dev_past;
     /* (N) document ids of packed rows (backend.h, nl_attn_mask), or NULL:
      * set by the caller before the forward; the backward reads it too */
     const int32_t *doc_d;

@@ -3,6 +3,7 @@
 
 #include <math.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -174,6 +175,7 @@ nl_status nl_model_new(nl_model **out, nl_backend *be, const nl_config *cfg, int
     m->has_head = has_head;
     m->capacity = nl_config_capacity(cfg);
     m->be = be;
+    nl_model_changed(m);
     m->layers = calloc((size_t)(l1 - l0) + 1, sizeof *m->layers);
     if (!m->layers) {
         st = nl_error_set(err, NL_ERR_NOMEM, "model: out of memory");
@@ -205,6 +207,12 @@ fail:
     free(lo.table);
     nl_model_destroy(&m);
     return st;
+}
+
+void nl_model_changed(nl_model *m)
+{
+    static atomic_uint_fast64_t next = 1;
+    m->generation = (uint64_t)atomic_fetch_add(&next, 1);
 }
 
 void nl_model_destroy(nl_model **mp)

@@ -68,7 +68,17 @@ typedef struct nl_model {
     nl_lora *lora;         /* attached adapters (core/lora.h, which owns them), or NULL */
     nl_growth *growth;     /* growth history, oldest first (core/grow.h), owned; or NULL */
     int n_growth;
+    /* Unique in the process, new whenever the buffers or shapes the
+     * forward reads change (nl_model_new, growth): a step recorded for the
+     * model (core/forward.c's graphs) is recorded again when it moved.
+     * Writes into the weights (a load, an optimizer step) keep it: a
+     * recorded step reads them when it runs. */
+    uint64_t generation;
 } nl_model;
+
+/* Give m a new generation (after a change of its buffers or shapes made
+ * in place). */
+void nl_model_changed(nl_model *m);
 
 /* Build the stage [l0, l1) with zeroed parameters. The config must pass
  * nl_config_validate with require_size. */

@@ -53,6 +53,11 @@ typedef struct nl_attn_shape {
     int H;      /* query heads */
     int G;      /* key/value heads, H % G == 0 */
     int hd;     /* head dimension */
+    /* Optional (NULL: `past` holds): device (B T) positions of the
+     * queries; sequence b's past is read from pos[b T] when the kernel
+     * runs, and `past` must be 0. A captured step (graph_begin) is then
+     * valid for any position. The forward slots only. */
+    const int32_t *pos;
 } nl_attn_shape;
 
 /* The masks of DESIGN.md section 6, for the attention_masked_* slots (a
@@ -88,7 +93,7 @@ typedef struct nl_rope_scaling {
 /* Bumped whenever struct nl_backend, nl_backend_opts, nl_attn_shape,
  * nl_attn_mask, nl_rope_scaling or nl_error changes: a backend module
  * built against another version is refused when it is loaded. */
-#define NL_BACKEND_ABI 7
+#define NL_BACKEND_ABI 8
 
 /* the largest vocabulary the sample slot takes (a GPU keeps one block's
  * chunk sums, NL_SAMPLE_CHUNK ids each, in shared memory) */
@@ -216,6 +221,14 @@ struct nl_backend {
     /* dst[r, 0:cols] = src[r, 0:cols] for r < rows, with row strides (floats). */
     void (*copy_rows)(nl_backend *be, float *dst, int dst_stride, const float *src, int src_stride,
                       int rows, int cols);
+    /* Optional (NULL: the caller copies rows at host-known positions):
+     * write B T new rows into a KV cache of `cap` rows per sequence at
+     * positions read on the device: for row n = b T + t and j < kv_dim,
+     *   kc[(b cap + pos[n]) kv_dim + j] = qkv[n stride + k_col + j],
+     *   vc[(b cap + pos[n]) kv_dim + j] = qkv[n stride + v_col + j].
+     * Positions are checked by the caller (0 <= pos[n] < cap). */
+    void (*kv_store)(nl_backend *be, float *kc, float *vc, const float *qkv, int stride, int k_col,
+                     int v_col, const int32_t *pos, int B, int T, int cap, int kv_dim);
     /* Mixture-of-experts combine: for each token n and each of its k
      * choices i (in order), x[n, :] += w[n*k + i] * y[slot[n*k + i], :].
      * y holds the expert outputs in dispatch order. (N, C) */
@@ -360,6 +373,27 @@ struct nl_backend {
      * where bc1 = 1 - b1^t and bc2 = 1 - b2^t are given by the caller. */
     void (*adamw)(nl_backend *be, float *p, const float *g, float *m, float *v, size_t n, float lr,
                   float b1, float b2, float eps, float wd, float bc1, float bc2, float grad_scale);
+
+    /* ---- captured steps (optional, all four or none; NULL: the caller
+     * queues every op each time) ----
+     * graph_begin: the ops queued from now until graph_end are recorded,
+     *   not run (a CUDA stream capture). Only op slots may be called in
+     *   between: upload, download, sync, alloc, free, sumsq and sample
+     *   make graph_end fail.
+     * graph_end: ends the recording; *graph gets the recorded step, or
+     *   NULL with err set when it could not be recorded (the step was not
+     *   run either; the caller runs it without a graph).
+     * graph_launch: queue the recorded ops again, with the arguments they
+     *   were recorded with (host values are frozen; device memory is read
+     *   when they run, so positions and lengths must live there: the
+     *   attention's pos, kv_store). Returns 0 when queued, 1 when the
+     *   backend has invalidated the graph (a bf16 weight copy it read was
+     *   remade): the caller frees it and records again.
+     * graph_free: NULL is allowed. */
+    void (*graph_begin)(nl_backend *be);
+    nl_status (*graph_end)(nl_backend *be, void **graph, nl_error *err);
+    int (*graph_launch)(nl_backend *be, void *graph);
+    void (*graph_free)(nl_backend *be, void *graph);
 };
 
 /* Options of nl_backend_new; a zeroed struct (or NULL) gives the defaults. */

@@ -282,10 +282,27 @@ static int pick(nl_stage *s, int *nres)
     return n;
 }
 
-/* The last stage's answer to a finished hop: its session samples. */
-static void sample_token(nl_stage *s, session *se, int seg, nl_stage_out *o)
+/* The last stage's answer to a finished hop: its session samples, on the
+ * device where the backend samples and no log-probabilities are asked
+ * for (only the id comes back, as a lone session's forward does), else
+ * from the batch's logits on the host. */
+static nl_status sample_token(nl_stage *s, session *se, int seg, nl_stage_out *o, nl_error *err)
 {
-    stage_sample(se, nl_batch_logits(s->batch, seg), o);
+    if (se->logprobs == 0 && nl_sampler_device(&se->smp, s->be)) {
+        int32_t token = 0;
+        const nl_status st = nl_sampler_next(&se->smp, s->be, nl_batch_logits_device(s->batch, seg),
+                                             NULL, &token, err);
+        if (st == NL_OK) {
+            o->lp_n = 0;
+            stage_sampled(se, token, o);
+        }
+        return st;
+    }
+    const float *logits = nl_batch_logits(s->batch, seg, err);
+    if (!logits)
+        return err->status;
+    stage_sample(se, logits, o);
+    return NL_OK;
 }
 
 /* After the batch: hidden states into acc (a prompt's chunks) or obuf,
@@ -334,7 +351,11 @@ static nl_status finish(nl_stage *s, int n, double t0, double t1, int *nres, nl_
         r->out.T = q->T;
         r->out.aux = q->aux; /* a decode hop adds no aux loss (as nl_stage_forward) */
         if (m->has_head) {
-            sample_token(s, se, k, &r->out);
+            const nl_status st = sample_token(s, se, k, &r->out, err);
+            if (st != NL_OK) { /* the caller fails this hop and the rest */
+                (*nres)--;
+                return st;
+            }
         } else {
             r->out.kind = NL_STAGE_OUT_HIDDEN;
             r->out.data = s->obuf + at;

@@ -95,7 +95,7 @@ static int step(nl_batch *b, gen **gs, int n, nl_error *err)
     for (int i = 0; i < ns; i++) {
         if (!segs[i].want_logits)
             continue;
-        const float *lg = nl_batch_logits(b, i);
+        const float *lg = nl_batch_logits(b, i, err);
         const unsigned char *p = (const unsigned char *)lg;
         for (size_t j = 0; j < 300 * sizeof(float); j++)
             who[i]->bits = (who[i]->bits ^ p[j]) * 1099511628211ull;
@@ -169,7 +169,7 @@ static void test_matches_forward(nl_model *m)
         CHECK_OK(nl_forward(m, rs, &a, NULL, &err), &err);
         m->be->download(m->be, ref, nl_runstate_output(rs, NULL), V * sizeof(float));
         CHECK_OK(nl_batch_forward(b, &s2, 1, &err), &err);
-        const float *got = nl_batch_logits(b, 0);
+        const float *got = nl_batch_logits(b, 0, &err);
         if (!got)
             break;
         double e = check_rel_err(got, ref, V);
@@ -264,14 +264,14 @@ static void test_stages(nl_model *m, nl_backend *be)
         CHECK_OK(nl_batch_forward(b0, s0g, 3, &err), &err);
         for (int i = 0; i < 3; i++)
             x[i] = nl_batch_hidden(b0, i);
-        CHECK(x[0] && x[1] && x[2] && !nl_batch_hidden(b1, 0) && !nl_batch_logits(b0, 0),
+        CHECK(x[0] && x[1] && x[2] && !nl_batch_hidden(b1, 0) && !nl_batch_logits(b0, 0, &err),
               "hidden states from the first stage only, logits from the last only");
         if (!x[0] || !x[1] || !x[2])
             break;
         CHECK(x[1] == x[0] + (size_t)s0g[0].T * d, "segment 1's rows follow segment 0's");
         CHECK_OK(nl_batch_forward_hidden(b1, s1g, x, 3, &err), &err);
         for (int i = 0; i < 3; i++) {
-            const float *a = nl_batch_logits(bw, i), *c = nl_batch_logits(b1, i);
+            const float *a = nl_batch_logits(bw, i, &err), *c = nl_batch_logits(b1, i, &err);
             bad += !a || !c || memcmp(a, c, V * sizeof(float)) != 0;
         }
     }
@@ -459,6 +459,66 @@ static void test_gemm_rows(nl_backend *be)
     }
 }
 
+/* Sampling each segment's row where it lies (nl_batch_logits_device,
+ * the backend's sample slot where it has one: serve and a stage's batch)
+ * gives the ids of sampling the host logits, greedy and seeded; the step
+ * downloads no logits until nl_batch_logits asks, then all its rows at
+ * once. */
+static void test_device_sampling(nl_model *m)
+{
+    enum { SEQS = 3, STEPS = 24 };
+    nl_error err = {0};
+    nl_backend *be = m->be;
+    const int V = (int)m->cfg.vocab_size;
+    nl_batch *b = NULL;
+    nl_kvcache *kv[SEQS] = {0};
+    nl_sampler sd[SEQS], sh[SEQS];
+    int32_t prompt[SEQS][3], next[SEQS];
+    float *host = malloc((size_t)V * sizeof *host);
+    CHECK_OK(nl_batch_new(&b, m, 16, &err), &err);
+    for (int i = 0; i < SEQS; i++) {
+        CHECK_OK(nl_kvcache_new(&kv[i], m, 1, 3 + STEPS, &err), &err);
+        const float t = i == 0 ? 0.0f : 0.7f * (float)i;
+        CHECK_OK(nl_sampler_init(&sd[i], V, t, 1.0f, (uint64_t)(40 + i), &err), &err);
+        CHECK_OK(nl_sampler_init(&sh[i], V, t, 1.0f, (uint64_t)(40 + i), &err), &err);
+        for (int t2 = 0; t2 < 3; t2++)
+            prompt[i][t2] = (int32_t)((11 * i + 5 * t2 + 1) % V);
+    }
+    int bad = 0, lazy = 1;
+    for (int s = 0; b && host && kv[SEQS - 1] && s < STEPS; s++) {
+        nl_batch_seg segs[SEQS];
+        for (int i = 0; i < SEQS; i++)
+            segs[i] = (nl_batch_seg){kv[i], s ? &next[i] : prompt[i], s ? 1 : 3, 1};
+        if (nl_batch_forward(b, segs, SEQS, &err) != NL_OK) {
+            CHECK(0, "step %d: %s", s, err.msg);
+            break;
+        }
+        for (int i = 0; i < SEQS; i++) {
+            int32_t id = -1;
+            CHECK_OK(nl_sampler_next(&sd[i], be, nl_batch_logits_device(b, i), host, &id, &err),
+                     &err);
+            const uint64_t s0 = be->stats.host_syncs;
+            const float *lg = nl_batch_logits(b, i, &err);
+            const uint64_t got = be->stats.host_syncs - s0;
+            /* one download for the step's rows, on the first ask only */
+            lazy &= got == (uint64_t)(i == 0);
+            bad += !lg || nl_sampler_sample(&sh[i], lg) != id;
+            next[i] = id;
+        }
+    }
+    CHECK(bad == 0, "%d of %d ids sampled on the device differ from the host's", bad,
+          SEQS * STEPS);
+    CHECK(lazy, "a step's logits were not downloaded once, on the first ask");
+    CHECK(nl_batch_logits_device(b, SEQS) == NULL, "a segment past the call has no logits");
+    for (int i = 0; i < SEQS; i++) {
+        nl_sampler_free(&sd[i]);
+        nl_sampler_free(&sh[i]);
+        nl_kvcache_destroy(&kv[i]);
+    }
+    free(host);
+    nl_batch_destroy(&b);
+}
+
 int main(void)
 {
     nl_error err = {0};
@@ -483,6 +543,7 @@ int main(void)
         }
         test_stages(m, be);
         test_embed(m, be);
+        test_device_sampling(m);
     }
     nl_model_destroy(&m);
     nl_backend_destroy(&be);

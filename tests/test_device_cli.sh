@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # --device on the node and the tools, as real processes:
 #  - cuda:0 where no GPU is usable: neuronode join and the local tools
+#    (serve included)
 #    fail at once (exit 1) naming the missing CUDA backend, driver or
 #    device; cluster up reports the node that could not start without
 #    waiting for its timeout (where a GPU works, the assertions that need
@@ -79,6 +80,12 @@ if [ $gpu -eq 0 ]; then
   run "$N" bench --config "$W/cfg.yaml" --batch 1 --seq 8 --device cuda:0
   check test $rc -eq 1
   check grep -q "neuroctl bench: cuda:0: no CUDA" <<< "$out"
+  # the batched server: the same message before it listens
+  run "$N" serve --model "$W/m.safetensors" --http 127.0.0.1:0 --device cuda:0
+  check test $rc -eq 1
+  check quick
+  check grep -q "neuroctl serve: cuda:0: no CUDA" <<< "$out"
+  check test "$(grep -c "on http://" <<< "$out")" -eq 0
   # a 1-node cluster whose node cannot open its device: said at once
   run "$N" cluster up --dir "$W/c-cuda" --nodes 1 --config "$W/cfg.yaml" --device cuda:0 --timeout 50
   check test $rc -eq 1

@@ -130,6 +130,9 @@ void nl_cpu_attention_masked_forward(nl_backend *be, float *out, float *lse, con
         const int b = (int)(w / tiles / s.H);
         const int t0 = tile * QT;
         const int nq = s.T - t0 < QT ? s.T - t0 : QT;
-        attend_tile(out, lse, q, q_stride, k, v, kv_stride, &s, &mask, b, h, t0, nq);
+        nl_attn_shape sb = s; /* device positions: the sequence's past, read now */
+        if (s.pos)
+            sb.past = s.pos[(size_t)b * s.T];
+        attend_tile(out, lse, q, q_stride, k, v, kv_stride, &sb, &mask, b, h, t0, nq);
     }
 }

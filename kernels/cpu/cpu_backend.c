@@ -336,6 +336,19 @@ static void cpu_copy_rows(nl_backend *be, float *dst, int dst_stride, const floa
                (size_t)cols * sizeof(float));
 }
 
+static void cpu_kv_store(nl_backend *be, float *kc, float *vc, const float *qkv, int stride,
+                         int k_col, int v_col, const int32_t *pos, int B, int T, int cap,
+                         int kv_dim)
+{
+    (void)be;
+    for (int n = 0; n < B * T; n++) {
+        const size_t dst = ((size_t)(n / T) * cap + (size_t)pos[n]) * kv_dim;
+        const float *src = qkv + (size_t)n * stride;
+        memcpy(kc + dst, src + k_col, (size_t)kv_dim * sizeof(float));
+        memcpy(vc + dst, src + v_col, (size_t)kv_dim * sizeof(float));
+    }
+}
+
 static void cpu_moe_combine(nl_backend *be, float *x, const float *y, const int32_t *slot,
                             const float *w, int N, int k, int C)
 {
@@ -419,6 +432,7 @@ nl_status nl_cpu_backend_new(nl_backend **out, const nl_backend_opts *o, nl_erro
     be->swiglu_forward = cpu_swiglu_forward;
     be->gather_rows = cpu_gather_rows;
     be->copy_rows = cpu_copy_rows;
+    be->kv_store = cpu_kv_store;
     be->moe_combine = cpu_moe_combine;
     be->moe_route = nl_cpu_moe_route;
     be->moe_aux = nl_cpu_moe_aux;

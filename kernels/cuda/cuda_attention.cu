@@ -92,6 +92,7 @@ __global__ void __launch_bounds__(PREFILL_WARPS *WARP, PREFILL_MIN_BLOCKS)
     const int tile = ntiles - 1 - (int)(blockIdx.x / (unsigned)BH);
     const int b = bh / s.H, h = bh % s.H;
     const int g = h / (s.H / s.G);
+    const int past = s.pos ? s.pos[(size_t)b * s.T] : s.past; /* device positions: read here */
     const int t0 = tile * BQ;
     const int nq = min(BQ, s.T - t0);
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
@@ -112,7 +113,7 @@ __global__ void __launch_bounds__(PREFILL_WARPS *WARP, PREFILL_MIN_BLOCKS)
 
     /* per query of this warp: the keys [lo, hi) it sees (empty for a row
      * past T) and its document, the running max and sum, the output columns */
-    const int nkeys = s.past + s.T;
+    const int nkeys = past + s.T;
     const int32_t *doc = mk.doc ? mk.doc + (size_t)b * s.T : nullptr;
     int lo[QPW], hi[QPW], qdoc[QPW];
     float m[QPW], l[QPW], acc[QPW][R], p[QPW];
@@ -121,7 +122,7 @@ __global__ void __launch_bounds__(PREFILL_WARPS *WARP, PREFILL_MIN_BLOCKS)
         const int qi = warp * QPW + i;
         lo[i] = hi[i] = 0;
         if (qi < nq)
-            attn_range(mk, s.past + t0 + qi, nkeys, lo[i], hi[i]);
+            attn_range(mk, past + t0 + qi, nkeys, lo[i], hi[i]);
         qdoc[i] = doc && qi < nq ? doc[t0 + qi] : 0;
         m[i] = -INFINITY;
         l[i] = 0.0f;
@@ -132,8 +133,8 @@ __global__ void __launch_bounds__(PREFILL_WARPS *WARP, PREFILL_MIN_BLOCKS)
     /* the tile's queries see keys kbeg .. kend - 1 (both ends move up with
      * the query; causal: 0 .. past + t0 + nq - 1) */
     int kbeg, kend, unused;
-    attn_range(mk, s.past + t0, nkeys, kbeg, unused);
-    attn_range(mk, s.past + t0 + nq - 1, nkeys, unused, kend);
+    attn_range(mk, past + t0, nkeys, kbeg, unused);
+    attn_range(mk, past + t0 + nq - 1, nkeys, unused, kend);
     /* q and K columns past hd are zero, so the dot product may run to a
      * multiple of 4 (<= HDB) and read q four columns at a time */
     const int hd4 = (hd + 3) & ~3;
@@ -260,7 +261,8 @@ __global__ void __launch_bounds__(DECODE_WARPS *WARP)
 
     float m = -INFINITY, l = 0.0f;
     int kbeg, kend; /* causal: keys 0 .. past + t */
-    attn_range(mk, s.past + t, s.past + s.T, kbeg, kend);
+    const int past = s.pos ? s.pos[(size_t)b * s.T] : s.past; /* device positions: read here */
+    attn_range(mk, past + t, past + s.T, kbeg, kend);
     for (int j0 = kbeg + warp * BK; j0 < kend; j0 += DECODE_WARPS * BK) {
         const int nk = min(BK, kend - j0); /* >= 1 */
         float sc = -INFINITY;              /* lane j: score of key j0 + j */
@@ -383,6 +385,8 @@ bool shape_ok(const float *out, const float *q, int q_stride, const float *k, co
     if (!out || !q || !k || !v)
         return false;
     if (s.B < 0 || s.T < 0 || s.H < 0 || s.past < 0 || s.G < 1 || s.H % s.G != 0)
+        return false;
+    if (s.pos && s.past != 0) /* device positions: past comes from pos */
         return false;
     if (s.hd < 1 || s.hd > NL_BACKEND_MAX_HEAD_DIM)
         return false;

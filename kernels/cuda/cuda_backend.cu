@@ -256,11 +256,22 @@ nl_status report(cuda_ctx *c, nl_error *err)
     pthread_mutex_unlock(&c->lock);
     return st;
 }
+bool refused_in_capture(cuda_ctx *c, const char *slot)
+{
+    if (!c->capturing)
+        return false;
+    if (!c->refused)
+        c->refused = slot;
+    return true;
+}
+
 /* ---------------------------------------------------------------- memory */
 
 void *cu_alloc(nl_backend *be, size_t bytes)
 {
     cuda_ctx *c = enter_slot(be, __func__);
+    if (refused_in_capture(c, "alloc"))
+        return NULL;
     const size_t rounded = bytes == 0 ? 256 : (bytes + 255) & ~(size_t)255;
     if (rounded < bytes)
         return NULL;
@@ -300,6 +311,8 @@ void cu_free(nl_backend *be, void *p)
     if (!p)
         return;
     cuda_ctx *c = enter_slot(be, __func__);
+    if (refused_in_capture(c, "free"))
+        return;
     size_t bytes = 0;
     pthread_mutex_lock(&c->lock);
     const bool found = table_remove(&c->table, (uintptr_t)p, &bytes);
@@ -360,6 +373,8 @@ void cu_upload(nl_backend *be, void *dst, const void *src, size_t bytes)
     if (!bytes)
         return;
     cuda_ctx *c = enter_slot(be, __func__);
+    if (refused_in_capture(c, "upload"))
+        return;
     c->off_ptr = NULL; /* it may have written routing offsets */
     if (c->bf16)       /* into weights: their bf16 copy is made again on next use */
         nl_cuda_bf16_mark(&c->w, dst, bytes);
@@ -377,6 +392,8 @@ void cu_download(nl_backend *be, void *dst, const void *src, size_t bytes)
     if (!bytes)
         return;
     cuda_ctx *c = enter_slot(be, __func__);
+    if (refused_in_capture(c, "download"))
+        return;
     be->stats.host_syncs++;
     cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->stream);
     if (e == cudaSuccess)
@@ -398,6 +415,8 @@ void cu_zero(nl_backend *be, void *p, size_t bytes)
 nl_status cu_sync(nl_backend *be, nl_error *err)
 {
     cuda_ctx *c = enter_slot(be, __func__);
+    if (refused_in_capture(c, "sync"))
+        return nl_error_set(err, NL_ERR_UNSUPPORTED, "%s: sync while a step is captured", c->name);
     be->stats.host_syncs++;
     ok(c, "sync", cudaStreamSynchronize(c->stream));
     ok(c, "sync", cudaGetLastError());

@@ -92,6 +92,12 @@ struct cuda_ctx {
     int off_groups;
     int32_t off_host[NL_BACKEND_MAX_EXPERTS + 1];
     int experts_kernel; /* NL_CUDA_EXPERTS=kernel: never per expert (below) */
+    /* graph_begin .. graph_end: the stream is being captured; a slot that
+     * would wait for it or allocate (refused_in_capture) is dropped and
+     * named here, and graph_end then fails without touching the sticky
+     * error */
+    bool capturing;
+    const char *refused;
     /* NL_CUDA_PROFILE=1: each slot's time, the device's and the host's
      * until the next slot, measured by waiting for the stream at every
      * slot's entry (so overlap is gone: a diagnostic, not a speed) */
@@ -124,6 +130,10 @@ __attribute__((format(printf, 3, 4))) void launched_shape(cuda_ctx *c, int rc, c
 /* Every slot starts here: the backend's device becomes current on the
  * calling thread; with NL_CUDA_PROFILE the previous slot's time is taken. */
 cuda_ctx *enter_slot(nl_backend *be, const char *slot);
+
+/* While the stream is captured: note `slot` (the capture then fails at
+ * graph_end) and return true, so the caller drops the call. */
+bool refused_in_capture(cuda_ctx *c, const char *slot);
 
 /* The kept error into err (NL_OK when none). */
 nl_status report(cuda_ctx *c, nl_error *err);

@@ -308,10 +308,13 @@ void cu_wrote(nl_backend *be, const void *p, size_t bytes)
 #define NL_CUDA_GROUPED_HOST_ROWS 64
 
 /* The offsets at dev on the host (checked: 0 first, never decreasing,
- * each group at most max_rows), or NULL after a failure (sticky). */
+ * each group at most max_rows), or NULL after a failure (sticky) or
+ * while the stream is captured (graph_end then fails). */
 const int32_t *host_offsets(nl_backend *be, cuda_ctx *c, const int32_t *dev, int groups,
                             int max_rows)
 {
+    if (refused_in_capture(c, "grouped gemm's host offsets")) /* a read waits for the stream */
+        return NULL;
     if (groups < 1 || groups > NL_BACKEND_MAX_EXPERTS) {
         fail(c, NL_ERR_INTERNAL, "%s: grouped gemm: %d groups", c->name, groups);
         return NULL;

@@ -21,6 +21,7 @@
 #include "../elem.h"
 
 #include <cuda_runtime.h>
+#include <limits.h>
 #include <math.h>
 #include <stdint.h>
 
@@ -148,6 +149,21 @@ __global__ void copy_rows_kernel(float *dst, int dst_stride, const float *src, i
         float *d = dst + r * dst_stride;
         for (int c = threadIdx.x; c < cols; c += blockDim.x)
             d[c] = s[c];
+    }
+}
+
+/* Row n = b T + t of qkv into cache row b cap + pos[n], keys and values
+ * (a captured step's cache write: the position is read here). */
+__global__ void kv_store_kernel(float *kc, float *vc, const float *qkv, int stride, int k_col,
+                                int v_col, const int32_t *pos, int rows, int T, int cap, int kv_dim)
+{
+    for (size_t n = blockIdx.x; n < (size_t)rows; n += gridDim.x) {
+        const size_t dst = ((n / (size_t)T) * (size_t)cap + (size_t)pos[n]) * (size_t)kv_dim;
+        const float *s = qkv + n * (size_t)stride;
+        for (int c = threadIdx.x; c < kv_dim; c += blockDim.x) {
+            kc[dst + c] = s[k_col + c];
+            vc[dst + c] = s[v_col + c];
+        }
     }
 }
 
@@ -335,6 +351,19 @@ extern "C" int nl_cuda_copy_rows(void *stream, float *dst, int dst_stride, const
         return (int)cudaErrorInvalidValue;
     copy_rows_kernel<<<row_blocks(rows), row_threads(cols, 256), 0, (cudaStream_t)stream>>>(
         dst, dst_stride, src, src_stride, rows, cols);
+    return launched();
+}
+
+extern "C" int nl_cuda_kv_store(void *stream, float *kc, float *vc, const float *qkv, int stride,
+                                int k_col, int v_col, const int32_t *pos, int B, int T, int cap,
+                                int kv_dim)
+{
+    if (B <= 0 || T <= 0 || kv_dim <= 0)
+        return 0;
+    if (stride < 0 || k_col < 0 || v_col < 0 || cap < 1 || (long long)B * T > INT_MAX)
+        return (int)cudaErrorInvalidValue;
+    kv_store_kernel<<<row_blocks(B * T), row_threads(kv_dim, 256), 0, (cudaStream_t)stream>>>(
+        kc, vc, qkv, stride, k_col, v_col, pos, B * T, T, cap, kv_dim);
     return launched();
 }
 

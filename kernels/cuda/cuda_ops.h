@@ -31,6 +31,8 @@ int nl_cuda_gather_rows(void *stream, float *out, const float *src, const int32_
                         int C);
 int nl_cuda_copy_rows(void *stream, float *dst, int dst_stride, const float *src, int src_stride,
                       int rows, int cols);
+int nl_cuda_kv_store(void *stream, float *kc, float *vc, const float *qkv, int stride, int k_col,
+                     int v_col, const int32_t *pos, int B, int T, int cap, int kv_dim);
 int nl_cuda_moe_combine(void *stream, float *x, const float *y, const int32_t *slot, const float *w,
                         int N, int k, int C);
 /* C[r, 0:cols] = beta == 0 ? 0 : beta * C[r, 0:cols] for r < rows, row

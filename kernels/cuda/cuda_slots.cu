@@ -45,7 +45,9 @@ void cu_attention_forward(nl_backend *be, float *out, float *lse, const float *q
                           const float *k, const float *v, int kv_stride, nl_attn_shape s)
 {
     cuda_ctx *c = enter_slot(be, __func__);
-    if (nl_cudnn_attention_forward(c->cudnn, out, lse, q, q_stride, k, v, kv_stride, s, NULL))
+    /* device positions (a captured decode step): the module's kernels */
+    if (!s.pos && nl_cudnn_attention_forward(c->cudnn, out, lse, q, q_stride, k, v, kv_stride, s,
+                                             NULL))
         return;
     launched(c, "attention_forward",
              nl_cuda_attention_forward(c->stream, out, lse, q, q_stride, k, v, kv_stride, s));
@@ -70,7 +72,8 @@ void cu_attention_masked_forward(nl_backend *be, float *out, float *lse, const f
                                  nl_attn_shape s, nl_attn_mask mask)
 {
     cuda_ctx *c = enter_slot(be, __func__);
-    if (nl_cudnn_attention_forward(c->cudnn, out, lse, q, q_stride, k, v, kv_stride, s, &mask))
+    if (!s.pos &&
+        nl_cudnn_attention_forward(c->cudnn, out, lse, q, q_stride, k, v, kv_stride, s, &mask))
         return;
     launched_shape(c,
                    nl_cuda_attention_masked_forward(c->stream, out, lse, q, q_stride, k, v,
@@ -111,6 +114,15 @@ void cu_copy_rows(nl_backend *be, float *dst, int dst_stride, const float *src, 
     cuda_ctx *c = enter_slot(be, __func__);
     launched(c, "copy_rows",
              nl_cuda_copy_rows(c->stream, dst, dst_stride, src, src_stride, rows, cols));
+}
+
+void cu_kv_store(nl_backend *be, float *kc, float *vc, const float *qkv, int stride, int k_col,
+                 int v_col, const int32_t *pos, int B, int T, int cap, int kv_dim)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    launched(c, "kv_store",
+             nl_cuda_kv_store(c->stream, kc, vc, qkv, stride, k_col, v_col, pos, B, T, cap,
+                              kv_dim));
 }
 
 void cu_moe_combine(nl_backend *be, float *x, const float *y, const int32_t *slot, const float *w,
@@ -251,6 +263,8 @@ void cu_cross_entropy(nl_backend *be, float *logits, float *losses, const int32_
 double cu_sumsq(nl_backend *be, const float *x, size_t n)
 {
     cuda_ctx *c = enter_slot(be, __func__);
+    if (refused_in_capture(c, "sumsq"))
+        return NAN;
     be->stats.host_syncs++;
     if (n == 0)
         return report(c, NULL) == NL_OK ? 0.0 : NAN;
@@ -270,6 +284,8 @@ double cu_sumsq(nl_backend *be, const float *x, size_t n)
 int32_t cu_sample(nl_backend *be, const float *logits, int V, float temperature, double u)
 {
     cuda_ctx *c = enter_slot(be, __func__);
+    if (refused_in_capture(c, "sample"))
+        return -1;
     be->stats.host_syncs++;
     /* the id in the reduction scratch's first bytes (the stream orders its users) */
     int32_t *res = (int32_t *)c->scratch;
@@ -302,6 +318,66 @@ void cu_adamw(nl_backend *be, float *p, const float *g, float *m, float *v, size
         "adamw (n %zu)", n);
 }
 
+/* ---------------------------------------------------------------- graphs */
+
+/* A decode step captured from the stream (cudaStreamBeginCapture) and
+ * instantiated once, then launched per token: one launch in place of a
+ * few hundred. Thread-local capture mode: other threads' CUDA calls are
+ * not affected; this thread's calls that would wait for the stream are
+ * refused by the slots (refused_in_capture) before CUDA sees them. */
+void cu_graph_begin(nl_backend *be)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    c->refused = NULL;
+    const cudaError_t e = cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal);
+    if (e != cudaSuccess) {
+        cudaGetLastError(); /* not a device fault: graph_end reports it */
+        c->refused = "cudaStreamBeginCapture failed";
+        return;
+    }
+    c->capturing = true;
+}
+
+nl_status cu_graph_end(nl_backend *be, void **graph, nl_error *err)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    *graph = nullptr;
+    cudaGraph_t g = nullptr;
+    cudaError_t e = cudaSuccess;
+    if (c->capturing)
+        e = cudaStreamEndCapture(c->stream, &g);
+    const char *refused = c->refused;
+    c->capturing = false;
+    c->refused = nullptr;
+    cudaGraphExec_t x = nullptr;
+    if (!refused && e == cudaSuccess && g)
+        e = cudaGraphInstantiate(&x, g, 0);
+    if (g)
+        cudaGraphDestroy(g);
+    if (refused || e != cudaSuccess || !x) {
+        cudaGetLastError(); /* a failed capture leaves the stream usable */
+        return nl_error_set(err, NL_ERR_UNSUPPORTED, "%s: step not captured (%s)", c->name,
+                            refused ? refused : cudaGetErrorString(e));
+    }
+    *graph = (void *)x;
+    return NL_OK;
+}
+
+int cu_graph_launch(nl_backend *be, void *graph)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    ok(c, "graph_launch", cudaGraphLaunch((cudaGraphExec_t)graph, c->stream));
+    return 0;
+}
+
+void cu_graph_free(nl_backend *be, void *graph)
+{
+    if (!graph)
+        return;
+    cuda_ctx *c = enter_slot(be, __func__);
+    ok(c, "graph_free", cudaGraphExecDestroy((cudaGraphExec_t)graph));
+}
+
 void fill_op_slots(nl_backend *be)
 {
     be->embedding_forward = cu_embedding_forward;
@@ -315,6 +391,7 @@ void fill_op_slots(nl_backend *be)
     be->geglu_forward = cu_geglu_forward;
     be->gather_rows = cu_gather_rows;
     be->copy_rows = cu_copy_rows;
+    be->kv_store = cu_kv_store;
     be->moe_combine = cu_moe_combine;
     be->moe_route = cu_moe_route;
     be->moe_aux = cu_moe_aux;
@@ -330,6 +407,16 @@ void fill_op_slots(nl_backend *be)
     be->sumsq = cu_sumsq;
     be->sample = cu_sample;
     be->adamw = cu_adamw;
+    /* no graphs in bf16 mode (a captured GEMM would keep reading a bf16
+     * weight copy that a later write makes stale; the many-row expert
+     * GEMMs read offsets on the host) nor under NL_CUDA_PROFILE (which
+     * waits for the stream at every slot) */
+    if (!ctx_of(be)->bf16 && !ctx_of(be)->profile) {
+        be->graph_begin = cu_graph_begin;
+        be->graph_end = cu_graph_end;
+        be->graph_launch = cu_graph_launch;
+        be->graph_free = cu_graph_free;
+    }
 }
 
 } // namespace nl_cu

@@ -435,6 +435,31 @@ void test_copy_rows(nl_backend *cpu)
     }
 }
 
+/* The cache write at device positions against the CPU's, with rows of
+ * qkv wider than the keys and values, and positions out of order. */
+void test_kv_store(nl_backend *cpu)
+{
+    /* B, T, cap, kv_dim, stride (k at column 3, v after the keys) */
+    const int shapes[][5] = {{1, 1, 4, 8, 20}, {3, 1, 9, 33, 80}, {2, 3, 7, 16, 40}};
+    for (auto &sh : shapes) {
+        const int B = sh[0], T = sh[1], cap = sh[2], kvd = sh[3], stride = sh[4];
+        const int k_col = 3, v_col = 3 + kvd;
+        std::vector<int32_t> pos((size_t)B * T);
+        for (size_t i = 0; i < pos.size(); i++)
+            pos[i] = (int32_t)((5 * i + 2) % (size_t)cap);
+        buf qkv((size_t)B * T * stride), ka((size_t)B * cap * kvd, 9.0f), va(ka), kb(ka), vb(ka);
+        qkv.fill(1);
+        char what[96];
+        snprintf(what, sizeof what, "kv_store B %d T %d cap %d kv_dim %d", B, T, cap, kvd);
+        check_rc(what, nl_cuda_kv_store(nullptr, ka.p(), va.p(), qkv.p(), stride, k_col, v_col,
+                                        pos.data(), B, T, cap, kvd));
+        cpu->kv_store(cpu, kb.p(), vb.p(), qkv.p(), stride, k_col, v_col, pos.data(), B, T, cap,
+                      kvd);
+        check_elem(what, ka, kb, 0, 0);
+        check_elem(what, va, vb, 0, 0);
+    }
+}
+
 void test_moe_combine(nl_backend *cpu)
 {
     const int shapes[][3] = {{1, 1, 1}, {6, 2, 37}, {3, 4, 300}, {5, 3, 1}, {2, 4, 513}};
@@ -494,7 +519,7 @@ void test_launchers(void)
     CHECK(nl_cuda_copy_rows(nullptr, f, 1, f, 1, 0, 1) == 0, "copy_rows rows 0");
     CHECK(nl_cuda_moe_combine(nullptr, f, f, i, f, 1, 0, 4) == 0, "moe_combine k 0");
     CHECK(nl_cuda_scale_rows(nullptr, f, 1, 1, 0, 0.0f) == 0, "scale_rows cols 0");
-    nl_attn_shape s = {0, 1, 0, 1, 1, 1, 4};
+    nl_attn_shape s = {0, 1, 0, 1, 1, 1, 4, nullptr};
     CHECK(nl_cuda_attention_forward(nullptr, f, f, f, 4, f, f, 4, s) == 0, "attention B 0");
     CHECK(emu_launch_count() == before, "an empty shape launched %ld kernels",
           emu_launch_count() - before);
@@ -507,18 +532,18 @@ void test_launchers(void)
     CHECK(nl_cuda_scale_rows(nullptr, f, -1, 1, 1, 1.0f) == cudaErrorInvalidValue,
           "scale_rows negative ldc");
     const nl_attn_shape bad[] = {
-        {1, 1, 0, 1, 1, 1, 0},   /* hd 0 */
-        {1, 1, 0, 1, 1, 1, 257}, /* hd past the maximum */
-        {1, 1, 0, 1, 2, 0, 4},   /* G 0 */
-        {1, 1, 0, 1, 3, 2, 4},   /* H % G != 0 */
-        {1, 2, 3, 4, 1, 1, 4},   /* kv_cap < past + T */
-        {1, 1, -1, 1, 1, 1, 4},  /* past < 0 */
+        {1, 1, 0, 1, 1, 1, 0, nullptr},   /* hd 0 */
+        {1, 1, 0, 1, 1, 1, 257, nullptr}, /* hd past the maximum */
+        {1, 1, 0, 1, 2, 0, 4, nullptr},   /* G 0 */
+        {1, 1, 0, 1, 3, 2, 4, nullptr},   /* H % G != 0 */
+        {1, 2, 3, 4, 1, 1, 4, nullptr},   /* kv_cap < past + T */
+        {1, 1, -1, 1, 1, 1, 4, nullptr},  /* past < 0 */
     };
     for (const nl_attn_shape &b : bad)
         CHECK(nl_cuda_attention_forward(nullptr, f, f, f, 4, f, f, 4, b) == cudaErrorInvalidValue,
               "attention shape B %d T %d past %d cap %d H %d G %d hd %d accepted", b.B, b.T, b.past,
               b.kv_cap, b.H, b.G, b.hd);
-    s = {1, 1, 0, 1, 1, 1, 4};
+    s = {1, 1, 0, 1, 1, 1, 4, nullptr};
     CHECK(nl_cuda_attention_forward(nullptr, f, f, f, 3, f, f, 4, s) == cudaErrorInvalidValue,
           "attention q_stride < H hd accepted");
     CHECK(nl_cuda_attention_forward(nullptr, f, f, f, 4, f, f, 3, s) == cudaErrorInvalidValue,
@@ -574,7 +599,7 @@ struct attn_case {
 
 void run_attention(nl_backend *cpu, const attn_case &c)
 {
-    nl_attn_shape s = {c.B, c.T, c.past, c.past + c.T + c.extra_cap, c.H, c.G, c.hd};
+    nl_attn_shape s = {c.B, c.T, c.past, c.past + c.T + c.extra_cap, c.H, c.G, c.hd, nullptr};
     const int qs = c.H * c.hd + c.qpad, ks = c.G * c.hd + c.kvpad;
     const size_t nq = (size_t)c.B * c.T * qs, nk = (size_t)c.B * s.kv_cap * ks;
     const size_t no = (size_t)c.B * c.T * c.H * c.hd, nl = (size_t)c.B * c.H * c.T;
@@ -611,6 +636,18 @@ void run_attention(nl_backend *cpu, const attn_case &c)
     CHECK(bad == 0 && omax > 0, "%s: %zu of %zu outputs off, max error %.3g of max |out| %.3g",
           what, bad, no, emax, omax);
     CHECK(o2.intact(), "%s: a write past out", what);
+    /* the past read on the device (a recorded decode step): pos[b T] */
+    std::vector<int32_t> pos((size_t)c.B * c.T);
+    for (size_t i = 0; i < pos.size(); i++)
+        pos[i] = c.past + (int)(i % c.T);
+    nl_attn_shape sd = s;
+    sd.past = 0;
+    sd.pos = pos.data();
+    buf o3(no);
+    check_rc(what, nl_cuda_attention_forward(nullptr, o3.p(), nullptr, q.p(), qs, k.p(), v.p(), ks,
+                                             sd));
+    CHECK(memcmp(o3.p(), o2.p(), no * sizeof(float)) == 0 && o3.intact(),
+          "%s: with the past read from pos, other outputs", what);
     if (c.lse) {
         size_t lbad = 0;
         double lfrac = 0;
@@ -969,6 +1006,7 @@ int main(void)
     test_sample(cpu);
     test_swiglu(cpu);
     test_copy_rows(cpu);
+    test_kv_store(cpu);
     test_moe_combine(cpu);
     test_scale_rows(cpu);
     test_attention(cpu);
