@@ -84,16 +84,11 @@ static void coord_flags(nl_opt t[MAX_FLAGS], nl_coord_cli *cli, int *level, int 
                    "checkpoint there and goes on from it on the new plan (0: only at the job's "
                    "checkpoints)"),
         NL_OPT_STR("replicas", &cli->replicas,
-                   "R: every pipeline stage runs on R nodes (DESIGN section 8): microbatch i of "
-                   "a step on replica i mod R, the replicas' gradients added in replica order "
-                   "over their data sockets before the norm and AdamW; the nodes are grouped by "
-                   "speed, R to a group, and the groups planned as stages (nodes left over stay "
-                   "standby); replica 0 writes the stage's shard. A training job's microbatches "
-                   "must be a multiple of R; verification by recompute is off. auto: the R (1 "
-                   "to 16, dividing --plan-microbatches) whose plan gives the most training "
-                   "tokens/s by the cost model: the pipeline's fill, each stage's time over its "
-                   "replicas, the ring all-reduce of the largest stage's gradients at 1 GB/s "
-                   "(default 1: one node a stage)"),
+                   "R|auto: every pipeline stage on R nodes, microbatch i on replica i mod R, "
+                   "their gradients added in replica order (docs/cluster.md, \"Replicas on "
+                   "different nodes\"; a job's microbatches a multiple of R; verification by "
+                   "recompute off); auto: the R with the most training tokens/s by the cost "
+                   "model (default 1)"),
         NL_OPT_INT("plan-microbatches", &o->plan_microbatches, 1, 1 << 20, "8",
                    "the microbatches of a training step --replicas auto plans for"),
         NL_OPT_CHOICE("wire", &o->wire, "fp32|bf16", "fp32",
@@ -191,8 +186,9 @@ static int check(nl_coord_cli *cli, const nl_opt *t)
     /* a verification case is kept by the replica that ran the microbatch,
      * which the coordinator does not ask yet */
     if (o->replicas != 1 && o->verify_rate > 0) {
-        fprintf(stderr, "neurocoord: --replicas %s: verification by recompute is off (not yet "
-                        "available with replicas)\n",
+        fprintf(stderr,
+                "neurocoord: --replicas %s: verification by recompute is off (not yet "
+                "available with replicas)\n",
                 cli->replicas);
         o->verify_rate = 0;
     }

@@ -12,8 +12,8 @@
 #include "base/log.h"
 #include "coord_impl.h"
 
-static const cjob_ops *const kinds[] = {&coord_forward_ops, &coord_generate_ops, &coord_train_ops,
-                                        &coord_finetune_ops, &coord_embed_ops, &coord_grow_ops};
+static const cjob_ops *const kinds[] = {&coord_forward_ops,  &coord_generate_ops, &coord_train_ops,
+                                        &coord_finetune_ops, &coord_embed_ops,    &coord_grow_ops};
 
 /* ---------------------------------------------------------------- the table */
 
@@ -314,6 +314,58 @@ void coord_check_jobs(nl_coord *c, double now)
 
 /* ---------------------------------------------------------------- status */
 
+/* One node of status_json: what it offers, its last heartbeat, and its
+ * stage (and replica) in the plan; key and endpoint when full. */
+static json_t *node_json(nl_coord *c, const cnode *n, bool full, double now)
+{
+    json_t *o = json_object();
+    json_object_set_new(o, "id", json_integer(n->id));
+    if (full)
+        json_object_set_new(o, "key", json_string(n->key));
+    json_object_set_new(o, "device", json_string(n->device));
+    json_object_set_new(o, "memory", json_integer((json_int_t)n->memory));
+    json_object_set_new(o, "gflops", json_real(n->gflops));
+    json_object_set_new(o, "threads", json_integer(n->threads));
+    if (full)
+        json_object_set_new(o, "endpoint", json_string(n->endpoint));
+    json_object_set_new(o, "heartbeat_age_s", json_real(now - n->last_seen));
+    /* what its last heartbeat said (docs/protocol.md): KV caches, and
+     * its batched session hops as counters */
+    json_object_set_new(o, "load", json_real(n->hb.load));
+    json_object_set_new(o, "sessions", json_integer(n->hb.sessions));
+    json_object_set_new(o, "kv_bytes", json_integer((json_int_t)n->hb.kv_bytes));
+    json_object_set_new(o, "hops", json_integer((json_int_t)n->hb.hops));
+    json_object_set_new(o, "batches", json_integer((json_int_t)n->hb.batches));
+    json_object_set_new(o, "compute_s", json_real(n->hb.compute_s));
+    json_object_set_new(o, "hop_s", json_real(n->hb.hop_s));
+    const char *state = n->life == NODE_DEAD   ? "dead"
+                        : n->life == NODE_LEFT ? "left"
+                        : n->stage >= 0        ? (n->loaded ? "serving" : "loading")
+                        : c->plan              ? "standby"
+                                               : "joined";
+    json_object_set_new(o, "state", json_string(state));
+    if (n->stage >= 0 && c->plan) {
+        const nl_plan_stage *s = &c->plan->stages[n->stage];
+        json_object_set_new(o, "stage", json_integer(n->stage));
+        char text[96];
+        const int R = coord_stage_replicas(c, n->stage);
+        nl_plan_range_str(text, sizeof text, s->l0, s->l1, s->has_embed, s->has_head);
+        if (R > 1) { /* DESIGN section 8: the stage runs on R nodes */
+            const size_t used = strlen(text);
+            snprintf(text + used, sizeof text - used, ", replica %d of %d", n->replica, R);
+            json_object_set_new(o, "replica", json_integer(n->replica));
+            json_object_set_new(o, "replicas", json_integer(R));
+        }
+        json_object_set_new(o, "layers", json_pack("[ii]", s->l0, s->l1));
+        json_object_set_new(o, "layers_text", json_string(text));
+        json_object_set_new(o, "embed", json_boolean(s->has_embed));
+        json_object_set_new(o, "head", json_boolean(s->has_head));
+        json_object_set_new(o, "memory_planned", json_integer((json_int_t)s->bytes));
+        json_object_set_new(o, "predicted_s", json_real(coord_stage_request_s(c, n->stage)));
+    }
+    return o;
+}
+
 /* The cluster's status; full (every node's key and endpoint, every job)
  * when full is set (an admin), else what a client needs: the state, the
  * config, each node's device, memory and stage, its own jobs and how many
@@ -352,57 +404,9 @@ static json_t *status_json(nl_coord *c, const nl_rx *rx, bool full)
     json_object_set_new(root, "weights",
                         json_pack("{s:I,s:I}", "job", (json_int_t)c->weights_job, "step",
                                   (json_int_t)c->weights_step));
-    for (int i = 0; i < c->n_nodes; i++) {
-        const cnode *n = &c->nodes[i];
-        if (n->life == NODE_FREE)
-            continue;
-        json_t *o = json_object();
-        json_object_set_new(o, "id", json_integer(n->id));
-        if (full)
-            json_object_set_new(o, "key", json_string(n->key));
-        json_object_set_new(o, "device", json_string(n->device));
-        json_object_set_new(o, "memory", json_integer((json_int_t)n->memory));
-        json_object_set_new(o, "gflops", json_real(n->gflops));
-        json_object_set_new(o, "threads", json_integer(n->threads));
-        if (full)
-            json_object_set_new(o, "endpoint", json_string(n->endpoint));
-        json_object_set_new(o, "heartbeat_age_s", json_real(now - n->last_seen));
-        /* what its last heartbeat said (docs/protocol.md): KV caches, and
-         * its batched session hops as counters */
-        json_object_set_new(o, "load", json_real(n->hb.load));
-        json_object_set_new(o, "sessions", json_integer(n->hb.sessions));
-        json_object_set_new(o, "kv_bytes", json_integer((json_int_t)n->hb.kv_bytes));
-        json_object_set_new(o, "hops", json_integer((json_int_t)n->hb.hops));
-        json_object_set_new(o, "batches", json_integer((json_int_t)n->hb.batches));
-        json_object_set_new(o, "compute_s", json_real(n->hb.compute_s));
-        json_object_set_new(o, "hop_s", json_real(n->hb.hop_s));
-        const char *state = n->life == NODE_DEAD   ? "dead"
-                            : n->life == NODE_LEFT ? "left"
-                            : n->stage >= 0        ? (n->loaded ? "serving" : "loading")
-                            : c->plan              ? "standby"
-                                                   : "joined";
-        json_object_set_new(o, "state", json_string(state));
-        if (n->stage >= 0 && c->plan) {
-            const nl_plan_stage *s = &c->plan->stages[n->stage];
-            json_object_set_new(o, "stage", json_integer(n->stage));
-            char text[96];
-            const int R = coord_stage_replicas(c, n->stage);
-            nl_plan_range_str(text, sizeof text, s->l0, s->l1, s->has_embed, s->has_head);
-            if (R > 1) { /* DESIGN section 8: the stage runs on R nodes */
-                const size_t used = strlen(text);
-                snprintf(text + used, sizeof text - used, ", replica %d of %d", n->replica, R);
-                json_object_set_new(o, "replica", json_integer(n->replica));
-                json_object_set_new(o, "replicas", json_integer(R));
-            }
-            json_object_set_new(o, "layers", json_pack("[ii]", s->l0, s->l1));
-            json_object_set_new(o, "layers_text", json_string(text));
-            json_object_set_new(o, "embed", json_boolean(s->has_embed));
-            json_object_set_new(o, "head", json_boolean(s->has_head));
-            json_object_set_new(o, "memory_planned", json_integer((json_int_t)s->bytes));
-            json_object_set_new(o, "predicted_s", json_real(coord_stage_request_s(c, n->stage)));
-        }
-        json_array_append_new(nodes, o);
-    }
+    for (int i = 0; i < c->n_nodes; i++)
+        if (c->nodes[i].life != NODE_FREE)
+            json_array_append_new(nodes, node_json(c, &c->nodes[i], full, now));
     json_object_set_new(root, "nodes", nodes);
     json_t *jobs = json_array();
     int others = 0;
@@ -414,8 +418,8 @@ static json_t *status_json(nl_coord *c, const nl_rx *rx, bool full)
             others++; /* another key's: neither its id nor its kind */
             continue;
         }
-        json_array_append_new(jobs, json_pack("{s:I,s:s,s:s,s:b}", "id", (json_int_t)j->id,
-                                              "kind", j->ops->name, "state",
+        json_array_append_new(jobs, json_pack("{s:I,s:s,s:s,s:b}", "id", (json_int_t)j->id, "kind",
+                                              j->ops->name, "state",
                                               j->phase == JOB_WAITING ? "waiting" : "running",
                                               "followed", j->rid_len > 0));
     }
