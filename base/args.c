@@ -234,13 +234,27 @@ static int parse_size(const char *name, const char *v, uint64_t *out)
     double mult = 1;
     if (end && *end) {
         switch (*end) {
-        case 'k': case 'K': mult = 1024.0; break;
-        case 'm': case 'M': mult = 1024.0 * 1024; break;
-        case 'g': case 'G': mult = 1024.0 * 1024 * 1024; break;
-        case 't': case 'T': mult = 1024.0 * 1024 * 1024 * 1024; break;
-        default: mult = -1;
+        case 'k':
+        case 'K':
+            mult = 1024.0;
+            break;
+        case 'm':
+        case 'M':
+            mult = 1024.0 * 1024;
+            break;
+        case 'g':
+        case 'G':
+            mult = 1024.0 * 1024 * 1024;
+            break;
+        case 't':
+        case 'T':
+            mult = 1024.0 * 1024 * 1024 * 1024;
+            break;
+        default:
+            mult = -1;
         }
-        if (mult > 0 && end[1] && !(end[1] == 'B' && !end[2]) && !(end[1] == 'i' && end[2] == 'B' && !end[3]))
+        if (mult > 0 && end[1] && !(end[1] == 'B' && !end[2]) &&
+            !(end[1] == 'i' && end[2] == 'B' && !end[3]))
             mult = -1;
     }
     if (errno || end == v || mult < 0 || !(x > 0) || x * mult > 1e18) {

@@ -26,8 +26,7 @@ void nl_log_set_level(nl_log_level level);
 /* Parse "debug", "info", "warn", "error", "off". Returns -1 if unknown. */
 int nl_log_parse_level(const char *s);
 
-void nl_log_write(nl_log_level level, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
+void nl_log_write(nl_log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* Text from a peer made safe to log or to quote in a message: at most
  * n bytes of src (a NUL among them is escaped too) into dst (cap bytes, always
@@ -40,10 +39,10 @@ char *nl_log_escape_n(char *dst, size_t cap, const char *src, size_t n);
 /* The same over a NUL-terminated string (NULL gives "(null)"). */
 char *nl_log_escape(char *dst, size_t cap, const char *src);
 
-#define NL_LOG(level, ...)                                                     \
-    do {                                                                       \
-        if ((level) >= nl_log_threshold)                                       \
-            nl_log_write((level), __VA_ARGS__);                                \
+#define NL_LOG(level, ...)                                                                         \
+    do {                                                                                           \
+        if ((level) >= nl_log_threshold)                                                           \
+            nl_log_write((level), __VA_ARGS__);                                                    \
     } while (0)
 
 #define NL_DEBUG(...) NL_LOG(NL_LOG_DEBUG, __VA_ARGS__)

@@ -397,13 +397,13 @@ static int decode_report(nl_backend *be, const nl_config *cf, long long tokens, 
 
 int main(int argc, char **argv)
 {
-    nl_flag flags[] = {{"config", 1, "model config (default configs/bench-large.yaml)", NULL},
-                       {"rows", 1, "prefill tokens N (default 2048: 8 sequences of 256)", NULL},
-                       {"device", 1, "CUDA device (default cuda:0; cpu: a dry run)", NULL},
-                       {"square", 1, "size of the square SGEMM (default 4096)", NULL},
-                       {"decode-tokens", 1, "tokens of the decode split (default 64; 0: skip)",
-                        NULL},
-                       {0}};
+    nl_flag flags[] = {
+        {"config", 1, "model config (default configs/bench-large.yaml)", NULL},
+        {"rows", 1, "prefill tokens N (default 2048: 8 sequences of 256)", NULL},
+        {"device", 1, "CUDA device (default cuda:0; cpu: a dry run)", NULL},
+        {"square", 1, "size of the square SGEMM (default 4096)", NULL},
+        {"decode-tokens", 1, "tokens of the decode split (default 64; 0: skip)", NULL},
+        {0}};
     const char *usage = "bench_cuda [--config CFG.yaml] [--rows N] [--device cuda:N] [--square M] "
                         "[--decode-tokens N]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);

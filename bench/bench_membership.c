@@ -422,7 +422,8 @@ static void vanish(const args *a, group *fast, const char *log)
              now_s() - t0 < 3.0 * a->timeout_ms / 1e3 + 60);
     if (ls.plan_after_death < 0) {
         printf("vanish: %d nodes killed at once; %d declared dead; no plan was made after the "
-               "kill (see the log)\n", a->vanish, ls.deaths_after);
+               "kill (see the log)\n",
+               a->vanish, ls.deaths_after);
         return;
     }
     printf("vanish: %d nodes killed at once; %d declared dead, the first %.2f s and the last "

@@ -59,7 +59,8 @@ int main(int argc, char **argv)
     nl_tokenizer *t = NULL;
     nl_bpe_corpus *c = NULL;
     double t0 = now();
-    if (nl_bpe_corpus_new(&c, NL_TOKENIZER_SPLIT_UNICODE, &err) != NL_OK || nl_bpe_corpus_add(c, text, len, &err) != NL_OK)
+    if (nl_bpe_corpus_new(&c, NL_TOKENIZER_SPLIT_UNICODE, &err) != NL_OK ||
+        nl_bpe_corpus_add(c, text, len, &err) != NL_OK)
         return fail("count", &err);
     double t1 = now();
     if (nl_tokenizer_new_bytes(&t, &err) != NL_OK ||

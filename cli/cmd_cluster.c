@@ -374,10 +374,25 @@ static pid_t start_coordinator(const nl_opt *flags, const up_opts *o, char *coor
     snprintf(s_nto, sizeof s_nto, "%lld", o->node_timeout);
     /* a local cluster runs as its user, who names the data and checkpoint
      * paths: they may lead wherever that user may (as the nodes' root) */
-    char *cargv[48] = {coord_bin, "--listen", "tcp://127.0.0.1:*", "--client-listen",
-                       "tcp://127.0.0.1:*", "--state-dir", cdir, "--min-nodes", s_nodes,
-                       "--seed", s_seed, "--node-timeout-ms", s_nto, "--data-root", "/",
-                       "--checkpoint-root", "/", "--train-resumes", s_tr};
+    char *cargv[48] = {coord_bin,
+                       "--listen",
+                       "tcp://127.0.0.1:*",
+                       "--client-listen",
+                       "tcp://127.0.0.1:*",
+                       "--state-dir",
+                       cdir,
+                       "--min-nodes",
+                       s_nodes,
+                       "--seed",
+                       s_seed,
+                       "--node-timeout-ms",
+                       s_nto,
+                       "--data-root",
+                       "/",
+                       "--checkpoint-root",
+                       "/",
+                       "--train-resumes",
+                       s_tr};
     int ca = 19;
     if (o->model) {
         cargv[ca++] = "--model";
@@ -396,10 +411,10 @@ static pid_t start_coordinator(const nl_opt *flags, const up_opts *o, char *coor
         unlink(log);
     }
     /* passed on as given: neurocoord checks them */
-    static const char *const passed[] = {"--verify-rate",     "--http-tokens",  "--http-adapter",
-                                         "--grow",            "--heartbeat-ms", "--wire",
-                                         "--rebalance-after", "--replicas",
-                                         "--plan-microbatches"};
+    static const char *const passed[] = {
+        "--verify-rate",      "--http-tokens", "--http-adapter",    "--grow",
+        "--heartbeat-ms",     "--wire",        "--rebalance-after", "--replicas",
+        "--plan-microbatches"};
     for (size_t k = 0; k < sizeof passed / sizeof *passed; k++)
         if (nl_opts_get(flags, passed[k] + 2)) {
             cargv[ca++] = (char *)passed[k];

@@ -94,7 +94,8 @@ static void emit_token(int32_t id, void *ctx)
     if (e->as_text) {
         const uint8_t *p = NULL;
         size_t n = 0;
-        if (nl_tokenizer_token_bytes(e->tok, id, &p, &n) == NL_OK && !nl_tokenizer_is_special(e->tok, id))
+        if (nl_tokenizer_token_bytes(e->tok, id, &p, &n) == NL_OK &&
+            !nl_tokenizer_is_special(e->tok, id))
             fwrite(p, 1, n, stdout);
     } else {
         printf("%s%d", e->count > 1 ? " " : "", id);

@@ -219,8 +219,8 @@ static int run(const nl_flag *flags, const rtrain_opts *o)
         nl_remote_open(&r, flags, 600, &err) != NL_OK)
         goto out;
     /* made once the cluster answers */
-    if (o->make_dir &&
-        (nl_file_mkdirs(o->ckpt_dir, &err) != NL_OK || nl_file_can_create(o->ckpt_dir, &err) != NL_OK)) {
+    if (o->make_dir && (nl_file_mkdirs(o->ckpt_dir, &err) != NL_OK ||
+                        nl_file_can_create(o->ckpt_dir, &err) != NL_OK)) {
         char why[sizeof err.msg];
         snprintf(why, sizeof why, "%s", err.msg);
         nl_error_set(&err, NL_ERR_IO, "--checkpoint-dir %s: %s", o->ckpt_dir, why);
@@ -367,11 +367,12 @@ static int remote_main(int argc, char **argv, int finetune)
                         "--attach JOB [--log LOG.jsonl] "
                         "[--out FINAL.safetensors [--force]]";
     if (finetune)
-        usage = "neuroctl finetune (--coordinator EP --key K --coordinator-key P | --cluster DIR) "
-                "--data DATA --steps N --out ADAPTER.safetensors [--lora-rank R] [--lora-alpha A] "
-                "[--lora-targets wq,wk,wv,wo[,w_gate,w_up,w_down]] [--objective clm|mlm|classify] "
-                "[--pack] [--batch B] [--seq T] [--microbatches M] [--lr X] [--warmup W] [--seed S] "
-                "[--eval-every K] [--log LOG.jsonl] [--checkpoint-dir D] [--force]";
+        usage =
+            "neuroctl finetune (--coordinator EP --key K --coordinator-key P | --cluster DIR) "
+            "--data DATA --steps N --out ADAPTER.safetensors [--lora-rank R] [--lora-alpha A] "
+            "[--lora-targets wq,wk,wv,wo[,w_gate,w_up,w_down]] [--objective clm|mlm|classify] "
+            "[--pack] [--batch B] [--seq T] [--microbatches M] [--lr X] [--warmup W] [--seed S] "
+            "[--eval-every K] [--log LOG.jsonl] [--checkpoint-dir D] [--force]";
     int rc = refuse_local_flags(argc, argv, flags);
     if (rc || (rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL)))
         return rc == 1 ? 0 : rc;
@@ -392,7 +393,9 @@ static int remote_main(int argc, char **argv, int finetune)
         o.attach = (uint64_t)job;
         o.log = nl_args_get(flags, "log");
         o.out = nl_args_get(flags, "out");
-        return nl_cli_can_write("out", o.out, 0) || nl_cli_can_write("log", o.log, 0) ? 1 : run(flags, &o);
+        return nl_cli_can_write("out", o.out, 0) || nl_cli_can_write("log", o.log, 0)
+                   ? 1
+                   : run(flags, &o);
     }
     if (!nl_args_get(flags, "data") || !nl_args_get(flags, "steps")) {
         nl_args_help(stderr, usage, flags);

@@ -505,14 +505,13 @@ static char *be_status(void *ctx)
         c->hidden_dim, "vocab_size", (json_int_t)c->vocab_size, "max_seq_len", c->max_seq_len,
         "params", (json_int_t)nl_config_param_count(c), "nodes", "name", "local", "state",
         "serving", "device", be->name, "memory_offered",
-        have_total ? json_integer((json_int_t)total) : json_null(), "memory_used",
-        (json_int_t)used, "stage", 0, "layers", 0, c->num_layers, "layers_text", range,
-        "tokens_per_s", e->tps, "stage_ms", e->step_ms, "kv_bytes", (json_int_t)e->kv_bytes,
-        "pipeline", "stage", 0, "node", "local", "device", be->name, "state", "serving",
-        "layers", 0, c->num_layers, "layers_text", range, "busy", "sessions", "active",
-        e->active, "queued", e->queued, "kv_cache_bytes", (json_int_t)e->kv_bytes, "max_batch",
-        e->max_batch, "prefill_chunk", e->chunk, "tokens_generated", (json_int_t)e->tokens,
-        "uptime_s", now_s() - e->t_start, "training");
+        have_total ? json_integer((json_int_t)total) : json_null(), "memory_used", (json_int_t)used,
+        "stage", 0, "layers", 0, c->num_layers, "layers_text", range, "tokens_per_s", e->tps,
+        "stage_ms", e->step_ms, "kv_bytes", (json_int_t)e->kv_bytes, "pipeline", "stage", 0, "node",
+        "local", "device", be->name, "state", "serving", "layers", 0, c->num_layers, "layers_text",
+        range, "busy", "sessions", "active", e->active, "queued", e->queued, "kv_cache_bytes",
+        (json_int_t)e->kv_bytes, "max_batch", e->max_batch, "prefill_chunk", e->chunk,
+        "tokens_generated", (json_int_t)e->tokens, "uptime_s", now_s() - e->t_start, "training");
     pthread_mutex_unlock(&e->mu);
     char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
@@ -594,7 +593,8 @@ typedef struct serve_args {
 #define SERVE_USAGE                                                                                \
     "neuroctl serve --model MODEL [--adapter A] [--http HOST:PORT] [--http-tokens FILE] "          \
     "[--max-batch N] [--prefill-chunk N] [--max-requests N] [--http-timeout S] [--http-per-ip N] " \
-    "[--http-deadline S] [--http-allow-host NAMES] [--threads N] [--spin N] [--device D] [--precision P] [--tf32]"
+    "[--http-deadline S] [--http-allow-host NAMES] [--threads N] [--spin N] [--device D] "         \
+    "[--precision P] [--tf32]"
 
 /* The flags into a: 0 to run, -1 after --help, else the exit code (said). */
 static int serve_flags(serve_args *a, int argc, char **argv)

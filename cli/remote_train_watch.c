@@ -471,7 +471,7 @@ nl_status rtrain_follow(nl_remote *r, rtrain_watch *w, nl_error *err)
         }
         st = nl_remote_recv(r, &rx, now + POLL_S < limit ? now + POLL_S : limit, err);
         if (st == NL_ERR_TIMEOUT) {
-            st = NL_OK; /* a slice passed: look at the clock and Ctrl-C again */
+            st = NL_OK;          /* a slice passed: look at the clock and Ctrl-C again */
             nl_error_clear(err); /* not an error: a job that ends well must not report it */
             continue;
         }

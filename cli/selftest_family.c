@@ -72,8 +72,11 @@ static void check_rope_yarn(nl_selftest *c, int N, int heads, int hd, double fac
         pos[0] = maxpos - 1;
     pair *x = DEV(c, RND(c, (size_t)N * row, -1, 1), (size_t)N * row * 4);
     pair *pp = DEV(c, pos, (size_t)N * 4);
-    const nl_rope_scaling sc = {.type = NL_ROPE_YARN, .original_max_seq_len = L0,
-                                .factor = factor, .beta_fast = 32, .beta_slow = 1};
+    const nl_rope_scaling sc = {.type = NL_ROPE_YARN,
+                                .original_max_seq_len = L0,
+                                .factor = factor,
+                                .beta_fast = 32,
+                                .beta_slow = 1};
     if (!c->oom)
         BOTH(c, be->rope_scaled_forward(be, D(x), D(pp), N, row, 0, heads, hd, 10000.0f, sc));
     nl_selftest_done(c, "rope_scaled_forward", shape, cmp_all(c, x, (size_t)N * row), TOL_ELEM);
@@ -114,28 +117,30 @@ static void check_masked(nl_selftest *c, int B, int T, int past, int H, int G, i
         v = DEV(c, RND(c, nkv, -1, 1), nkv * 4);
     }
     const size_t koff = packed ? (size_t)H * hd : 0, voff = packed ? (size_t)(H + G) * hd : 0;
-    pair *out = DEV(c, NULL, (size_t)B * T * H * hd * 4), *lse = DEV(c, NULL, (size_t)B * H * T * 4);
+    pair *out = DEV(c, NULL, (size_t)B * T * H * hd * 4),
+         *lse = DEV(c, NULL, (size_t)B * H * T * 4);
     pair *dp = docs > 0 ? DEV(c, doc_ids(c, B, T, docs), (size_t)B * T * 4) : NULL;
     if (!c->oom)
-        BOTH(c, be->attention_masked_forward(
-                    be, D(out), D(lse), D(q), qs, (const float *)D(k) + koff,
-                    (const float *)D(v) + voff, ks, s,
-                    (nl_attn_mask){.bidir = bidir, .window = window,
-                                   .doc = dp ? (const int32_t *)D(dp) : NULL}));
-    nl_selftest_done(c, "attention_masked_forward", shape,
-                     max2(cmp_all(c, out, (size_t)B * T * H * hd),
-                          cmp_all(c, lse, (size_t)B * H * T)),
-                     TOL_ATTN);
+        BOTH(c,
+             be->attention_masked_forward(
+                 be, D(out), D(lse), D(q), qs, (const float *)D(k) + koff,
+                 (const float *)D(v) + voff, ks, s,
+                 (nl_attn_mask){
+                     .bidir = bidir, .window = window, .doc = dp ? (const int32_t *)D(dp) : NULL}));
+    nl_selftest_done(
+        c, "attention_masked_forward", shape,
+        max2(cmp_all(c, out, (size_t)B * T * H * hd), cmp_all(c, lse, (size_t)B * H * T)),
+        TOL_ATTN);
 }
 
 static void check_masked_backward(nl_selftest *c, int B, int T, int H, int G, int hd, int bidir,
                                   int window, int docs)
 {
     char shape[112];
-    snprintf(shape, sizeof shape, "B=%d T=%d H=%d G=%d hd=%d bidir=%d W=%d docs=%d packed", B, T,
-             H, G, hd, bidir, window, docs);
-    if (!present(c, (const void *)c->be[1]->attention_masked_backward,
-                 "attention_masked_backward", shape))
+    snprintf(shape, sizeof shape, "B=%d T=%d H=%d G=%d hd=%d bidir=%d W=%d docs=%d packed", B, T, H,
+             G, hd, bidir, window, docs);
+    if (!present(c, (const void *)c->be[1]->attention_masked_backward, "attention_masked_backward",
+                 shape))
         return;
     nl_attn_shape s = {.B = B, .T = T, .past = 0, .kv_cap = T, .H = H, .G = G, .hd = hd};
     const int qs = (H + 2 * G) * hd, ko = H * hd, vo = (H + G) * hd;
@@ -147,16 +152,17 @@ static void check_masked_backward(nl_selftest *c, int B, int T, int H, int G, in
     if (!c->oom) {
         nl_backend *r = c->be[0];
         const float *q = qkv->d[0];
-        const nl_attn_mask mk = {.bidir = bidir, .window = window,
-                                 .doc = dp ? (const int32_t *)dp->d[0] : NULL};
+        const nl_attn_mask mk = {
+            .bidir = bidir, .window = window, .doc = dp ? (const int32_t *)dp->d[0] : NULL};
         r->attention_masked_forward(r, out->d[0], lse->d[0], q, qs, q + ko, q + vo, qs, s, mk);
         nl_selftest_mirror(c, out);
         nl_selftest_mirror(c, lse);
-        BOTH(c, be->attention_masked_backward(
-                    be, D(dqkv), (float *)D(dqkv) + ko, (float *)D(dqkv) + vo, D(dout), D(qkv), qs,
-                    (const float *)D(qkv) + ko, (const float *)D(qkv) + vo, qs, D(out), D(lse), s,
-                    (nl_attn_mask){.bidir = bidir, .window = window,
-                                   .doc = dp ? (const int32_t *)D(dp) : NULL}));
+        BOTH(c,
+             be->attention_masked_backward(
+                 be, D(dqkv), (float *)D(dqkv) + ko, (float *)D(dqkv) + vo, D(dout), D(qkv), qs,
+                 (const float *)D(qkv) + ko, (const float *)D(qkv) + vo, qs, D(out), D(lse), s,
+                 (nl_attn_mask){
+                     .bidir = bidir, .window = window, .doc = dp ? (const int32_t *)D(dp) : NULL}));
     }
     double e = nl_selftest_cmp_cols(c, dqkv, N, qs, 0, ko);
     e = max2(e, nl_selftest_cmp_cols(c, dqkv, N, qs, ko, vo - ko));
@@ -171,12 +177,12 @@ void nl_selftest_family(nl_selftest *c)
     check_rope_yarn(c, 17, 6, 64, 4.0, 512, 8192);
     check_rope_yarn(c, 5, 2, 128, 8.0, 4096, 32768);
     /* B T past H G hd bidir window docs */
-    check_masked(c, 2, 100, 0, 4, 2, 16, 1, 16, 0); /* the encoder windows */
-    check_masked(c, 1, 300, 0, 4, 1, 64, 0, 64, 0); /* causal window */
-    check_masked(c, 2, 130, 0, 4, 4, 128, 1, 0, 0); /* global encoder */
-    check_masked(c, 2, 100, 0, 2, 1, 64, 1, 0, 3);  /* packed rows of 3 documents */
-    check_masked(c, 2, 90, 0, 4, 2, 32, 0, 20, 3);  /* packed local decoder */
-    check_masked(c, 2, 1, 999, 4, 1, 64, 0, 64, 0); /* windowed decode over a cache */
+    check_masked(c, 2, 100, 0, 4, 2, 16, 1, 16, 0);   /* the encoder windows */
+    check_masked(c, 1, 300, 0, 4, 1, 64, 0, 64, 0);   /* causal window */
+    check_masked(c, 2, 130, 0, 4, 4, 128, 1, 0, 0);   /* global encoder */
+    check_masked(c, 2, 100, 0, 2, 1, 64, 1, 0, 3);    /* packed rows of 3 documents */
+    check_masked(c, 2, 90, 0, 4, 2, 32, 0, 20, 3);    /* packed local decoder */
+    check_masked(c, 2, 1, 999, 4, 1, 64, 0, 64, 0);   /* windowed decode over a cache */
     check_masked(c, 1, 37, 200, 2, 1, 128, 0, 50, 0); /* windowed prefill over a cache */
     if (!c->be[1]->can_train)
         return;

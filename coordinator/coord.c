@@ -6,9 +6,9 @@
 #include "coord_impl.h"
 
 #include <errno.h>
-#include <sodium.h>
 #include <limits.h>
 #include <math.h>
+#include <sodium.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>

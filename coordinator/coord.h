@@ -23,38 +23,38 @@ typedef struct nl_coord_opts {
      * port + 1 (tcp://0.0.0.0:7001; port * stays *), ipc:// and inproc://
      * names + "-client". */
     const char *client_listen;
-    const char *state_dir; /* keys, authorized_keys, endpoint file */
-    const char *model;     /* checkpoint to serve, or NULL */
-    const char *resume;    /* a training manifest to serve and continue, or NULL */
-    const char *config;    /* YAML config (sized, or to be sized), or NULL */
-    uint64_t seed;         /* initialisation seed without a checkpoint */
-    int min_nodes;         /* plan once this many nodes have joined */
-    uint64_t min_memory;   /* ... and they offer this many bytes */
-    int heartbeat_ms;      /* told to nodes */
-    int node_timeout_ms;   /* a node silent this long is dead */
-    int job_timeout_ms;    /* a job with no progress this long fails */
-    int gen_resumes;       /* times a generation resumes after losing a stage (0: it fails) */
-    int train_resumes;     /* times a training job resumes after losing a stage (0: it fails) */
-    int plan_rows;         /* rows of one request the plan must fit */
-    double replan_margin;  /* at rest, a join re-plans if the bottleneck gets better by this
-                            * fraction (0.1: 10%; 1: never) */
-    bool plaintext;        /* INSECURE: no CURVE */
-    int grow_auto;         /* --grow auto: the model deepens as nodes join (coord_grow.c) */
-    double verify_rate;    /* --verify-rate: the fraction of a training step's (stage,
-                            * microbatch)s redone by another node (coord_train_verify.c) */
-    int wire;              /* --wire: nl_wire_precision of the stages' hops (told in ASSIGN) */
+    const char *state_dir;    /* keys, authorized_keys, endpoint file */
+    const char *model;        /* checkpoint to serve, or NULL */
+    const char *resume;       /* a training manifest to serve and continue, or NULL */
+    const char *config;       /* YAML config (sized, or to be sized), or NULL */
+    uint64_t seed;            /* initialisation seed without a checkpoint */
+    int min_nodes;            /* plan once this many nodes have joined */
+    uint64_t min_memory;      /* ... and they offer this many bytes */
+    int heartbeat_ms;         /* told to nodes */
+    int node_timeout_ms;      /* a node silent this long is dead */
+    int job_timeout_ms;       /* a job with no progress this long fails */
+    int gen_resumes;          /* times a generation resumes after losing a stage (0: it fails) */
+    int train_resumes;        /* times a training job resumes after losing a stage (0: it fails) */
+    int plan_rows;            /* rows of one request the plan must fit */
+    double replan_margin;     /* at rest, a join re-plans if the bottleneck gets better by this
+                               * fraction (0.1: 10%; 1: never) */
+    bool plaintext;           /* INSECURE: no CURVE */
+    int grow_auto;            /* --grow auto: the model deepens as nodes join (coord_grow.c) */
+    double verify_rate;       /* --verify-rate: the fraction of a training step's (stage,
+                               * microbatch)s redone by another node (coord_train_verify.c) */
+    int wire;                 /* --wire: nl_wire_precision of the stages' hops (told in ASSIGN) */
     const char *relay_listen; /* --relay-listen: the relay's endpoint (NULL: --listen's host,
                                * a free port), bound when two such neighbours need it */
     bool probe_inbound;       /* --probe-inbound: a joining node whose data endpoint does not
                                * answer a TCP connect is planned as --no-inbound (coord_probe.c) */
-    int rebalance_after;   /* --rebalance-after: a training job judges the stages' observed
-                            * speeds once after this many steps (0: only at checkpoints) */
-    int replicas;          /* --replicas: every stage on this many nodes (DESIGN section 8;
-                            * core/planner.h nl_plan_layers_replicated); 1: none; 0 (auto):
-                            * as many as give the most training tokens/s by the cost model
-                            * (nl_plan_choose_replicas) for steps of plan_microbatches */
-    int plan_microbatches; /* --plan-microbatches: a step's microbatches --replicas auto plans
-                            * for (default 8) */
+    int rebalance_after;      /* --rebalance-after: a training job judges the stages' observed
+                               * speeds once after this many steps (0: only at checkpoints) */
+    int replicas;             /* --replicas: every stage on this many nodes (DESIGN section 8;
+                               * core/planner.h nl_plan_layers_replicated); 1: none; 0 (auto):
+                               * as many as give the most training tokens/s by the cost model
+                               * (nl_plan_choose_replicas) for steps of plan_microbatches */
+    int plan_microbatches;    /* --plan-microbatches: a step's microbatches --replicas auto plans
+                               * for (default 8) */
     /* Where a training job's client-chosen paths may lead (data; resume
      * and checkpoint_dir): NULL for <state_dir>/data and
      * <state_dir>/checkpoints (created 0700). */

@@ -19,7 +19,7 @@ typedef struct cgen {
     /* ids holds the prompt, then the tokens produced */
     int32_t *ids;
     int prompt_len, produced;
-    int opening, acks; /* the session is opening: stages that took it */
+    int opening, acks;              /* the session is opening: stages that took it */
     uint8_t acked[COORD_MAX_NODES]; /* per stage: took it (each stage counts once) */
     /* a resumed generation: the coordinator feeds each token (the first
      * `produced` from ids, replaying), `seen` of this session's so far */

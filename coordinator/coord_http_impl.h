@@ -54,8 +54,8 @@ typedef struct train_card {
     char message[1024]; /* the end's message ("done", "cancelled at step 12; ...") */
     int64_t start_step, step, steps, batch, seq;
     int stages, resumes;
-    double loss, eval_loss, tps; /* NAN: none yet */
-    int64_t dig_mismatches;      /* the job's hops with disagreeing digests */
+    double loss, eval_loss, tps;         /* NAN: none yet */
+    int64_t dig_mismatches;              /* the job's hops with disagreeing digests */
     int64_t verified, verify_mismatches; /* redone by a verifier; found wrong */
     int64_t eval_step;
     double t_start, t_end;  /* the start report, the end (0: running) */

@@ -208,15 +208,15 @@ struct nl_coord {
     nl_sock *from; /* the socket of the message being handled (NULL: by its type) */
     nl_keypair keys;
     uint8_t verify_key[32]; /* draws what --verify-rate checks: made at the start, never sent */
-    uint32_t quarantine;     /* a node convicted of computing wrong: dropped at the next tick */
+    uint32_t quarantine;    /* a node convicted of computing wrong: dropped at the next tick */
     char quarantine_why[400];
     struct cban *bans; /* the keys authorized_keys has banned (coord_bans_read) */
     int n_bans;
     char endpoint[256], client_endpoint[256];
     nl_coord_observer observe; /* nl_coord_observe, or NULL */
     void *observe_ctx;
-    cnode *nodes; /* n_nodes slots (NODE_FREE: never used) */
-    int probes;   /* --probe-inbound: data endpoints being probed (coord_probe.c) */
+    cnode *nodes;         /* n_nodes slots (NODE_FREE: never used) */
+    int probes;           /* --probe-inbound: data endpoints being probed (coord_probe.c) */
     struct crelay *relay; /* between neighbours that both accept no inbound (coord_relay.c) */
     int n_nodes;
     int n_live;
@@ -238,10 +238,10 @@ struct nl_coord {
     struct csource *src, *retired;
     int src_manifest; /* the source is a manifest: its shards carry the moments */
     int64_t src_step, src_adam;
-    int resumable;   /* the stages hold a manifest's weights and moments, untouched */
-    char *tok_text;  /* the model's tokenizer, or NULL */
-    char *init_seed; /* the seed the weights were first drawn from (text), or NULL */
-    char *chat_text; /* the model's chat template (JSON, core/chat_template.h), or NULL */
+    int resumable;            /* the stages hold a manifest's weights and moments, untouched */
+    char *tok_text;           /* the model's tokenizer, or NULL */
+    char *init_seed;          /* the seed the weights were first drawn from (text), or NULL */
+    char *chat_text;          /* the model's chat template (JSON, core/chat_template.h), or NULL */
     struct nl_growth *growth; /* the model's growth history (core/grow.h): the source's, */
     int n_growth;             /* then the growths since; manifests written carry it */
     nl_plan *plan;
@@ -283,8 +283,8 @@ struct nl_coord {
     int growing;              /* a growth of --grow auto runs in a worker */
     uint64_t grow_sig;        /* the live nodes (and memory options) --grow auto last judged */
     nl_mem_opts grow_mem;     /* the training memory of the last job (--grow auto judges with it) */
-    uint64_t client_drops; /* messages to clients dropped (queue full, or gone) */
-    double drop_logged;    /* when a drop was last logged */
+    uint64_t client_drops;    /* messages to clients dropped (queue full, or gone) */
+    double drop_logged;       /* when a drop was last logged */
 };
 
 /* Handle one message from a key with these roles (NL_KEY_ROLE_* bits):
@@ -366,8 +366,8 @@ void coord_reload(nl_coord *c);
 struct nl_growth;
 typedef struct cmanifest {
     csource *src;
-    char *tok, *seed; /* its tokenizer and initialisation seed, or NULL */
-    char *chat;       /* its chat template, or NULL */
+    char *tok, *seed;         /* its tokenizer and initialisation seed, or NULL */
+    char *chat;               /* its chat template, or NULL */
     struct nl_growth *growth; /* its growth history (core/grow.h), or NULL */
     int n_growth;
     nl_config cfg;

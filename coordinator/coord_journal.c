@@ -64,10 +64,9 @@ json_t *coord_journal_params(const nl_msg_job_submit *s)
 
 void coord_journal_train(nl_coord *c, const cjob *j, const json_t *params, const char *manifest)
 {
-    json_t *t = json_pack("{s:I,s:O,s:o,s:o}", "id", (json_int_t)j->id, "params",
-                          (json_t *)params, "manifest",
-                          manifest && manifest[0] ? json_string(manifest) : json_null(), "owner",
-                          j->owner[0] ? json_string(j->owner) : json_null());
+    json_t *t = json_pack("{s:I,s:O,s:o,s:o}", "id", (json_int_t)j->id, "params", (json_t *)params,
+                          "manifest", manifest && manifest[0] ? json_string(manifest) : json_null(),
+                          "owner", j->owner[0] ? json_string(j->owner) : json_null());
     journal_write(c, t);
     json_decref(t);
 }

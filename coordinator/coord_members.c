@@ -42,7 +42,7 @@ void coord_node_lost(nl_coord *c, cnode *n, int life, const char *why)
         coord_drop_plan(c);
         coord_set_state(c, "re-planning: %s", msg);
     } else {
-        c->replan_wanted |= COORD_REPLAN_LEFT; /* a standby: the plan may still be the best */
+        c->replan_wanted |= COORD_REPLAN_LEFT;   /* a standby: the plan may still be the best */
         for (int i = 0; i < COORD_MAX_JOBS; i++) /* it may have been verifying */
             if (c->jobs[i].phase != JOB_FREE && c->jobs[i].ops->node_gone)
                 c->jobs[i].ops->node_gone(c, &c->jobs[i]);

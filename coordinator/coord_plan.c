@@ -293,8 +293,8 @@ static nl_status plan_layers(const nl_coord *c, nl_plan **out, const nl_plan_nod
         return nl_plan_layers_replicated(out, &c->cfg, pn, n, po, c->o.replicas, err);
     if (c->o.replicas == 0) { /* auto: the cost model's choice (at 1 GB/s, as hop_seconds) */
         int R = 1;
-        return nl_plan_choose_replicas(out, &R, NULL, &c->cfg, pn, n, po,
-                                       c->o.plan_microbatches, 1e9, err);
+        return nl_plan_choose_replicas(out, &R, NULL, &c->cfg, pn, n, po, c->o.plan_microbatches,
+                                       1e9, err);
     }
     if (n > k && nl_plan_layers(out, &c->cfg, pn, k, po, err) == NL_OK)
         return NL_OK;
@@ -370,8 +370,8 @@ static void log_plan(const nl_coord *c, const nl_plan *plan, const char *what)
         const nl_plan_stage *g = &plan->stages[s];
         char reps[16 * NL_PLAN_MAX_REPLICAS] = "";
         for (int r = 1, o = 0; r < g->n_replicas && o < (int)sizeof reps; r++)
-            o += snprintf(reps + o, sizeof reps - (size_t)o, "%s%d", r > 1 ? ", " : " (replicas on ",
-                          g->replicas[r]);
+            o += snprintf(reps + o, sizeof reps - (size_t)o, "%s%d",
+                          r > 1 ? ", " : " (replicas on ", g->replicas[r]);
         NL_INFO("plan %s: stage %d on node %d%s%s: layers [%d, %d)%s%s, %.1f MiB, %.2f ms", what, s,
                 g->node_id, reps, reps[0] ? ")" : "", g->l0, g->l1, g->has_embed ? " +embed" : "",
                 g->has_head ? " +head" : "", (double)g->bytes / (1 << 20), g->seconds * 1e3);

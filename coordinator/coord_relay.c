@@ -101,7 +101,7 @@ static void pass_one(struct crelay *r, void *zs, int plaintext)
         ok = 0;
     for (; ok && i < np; i++)
         if (zmq_msg_send(&parts[i], zs, i + 1 < np ? ZMQ_SNDMORE : 0) < 0)
-            ok = 0; /* the parts sent are empty now: closing them below is harmless */
+            ok = 0;              /* the parts sent are empty now: closing them below is harmless */
     for (int k = 0; k < np; k++) /* the sender's routing id; the rest when not passed on */
         if (k == 0 || !ok)
             zmq_msg_close(&parts[k]);

@@ -370,7 +370,8 @@ static void begin(nl_coord *c, cjob *j)
     const int R = coord_stage_replicas(c, 0);
     if (R > 1 && (t->ft || t->micro % R != 0)) { /* DESIGN section 8 */
         train_fail(c, j, "%d replicas of every stage: %s", R,
-                   t->ft ? "no fine-tuning yet" : "a step's microbatches must be a multiple of them");
+                   t->ft ? "no fine-tuning yet"
+                         : "a step's microbatches must be a multiple of them");
         return;
     }
     if (held < 0) {

@@ -61,7 +61,7 @@ typedef struct cckpt {
 typedef struct ctrain {
     /* the run, as the client asked for it */
     char data[4097], ckpt_dir[1001]; /* CKPT_REQ.dir holds at most 1024 bytes */
-    uint64_t data_bytes; /* the data file's size: it counts against --max-data-total */
+    uint64_t data_bytes;             /* the data file's size: it counts against --max-data-total */
     int64_t steps, batch, seq, micro, seed, warmup, eval_every, eval_batches, ckpt_every;
     double lr, min_lr, holdout;
     int recompute, final_ckpt;

@@ -107,11 +107,9 @@ void coord_train_report_step(nl_coord *c, cjob *j)
         json_object_set_new(o, "digest_mismatches", json_integer((json_int_t)t->dig_mismatches));
         json_object_set_new(o, "verify_sampled", json_integer((json_int_t)t->verify_sampled));
         json_object_set_new(o, "verified", json_integer((json_int_t)t->verify_done));
-        json_object_set_new(o, "verify_mismatches",
-                            json_integer((json_int_t)t->verify_mismatches));
+        json_object_set_new(o, "verify_mismatches", json_integer((json_int_t)t->verify_mismatches));
         json_object_set_new(o, "verify_skipped", json_integer((json_int_t)t->verify_skipped));
-        json_object_set_new(o, "verify_convicted",
-                            json_integer((json_int_t)t->verify_convicted));
+        json_object_set_new(o, "verify_convicted", json_integer((json_int_t)t->verify_convicted));
         json_object_set_new(o, "verify_outvoted", json_integer((json_int_t)t->verify_outvoted));
     }
     if (o && t->has_eval && t->lds)
@@ -197,12 +195,11 @@ void coord_train_report_lost(nl_coord *c, cjob *j, const char *why)
     const char *src = k && k->path ? k->path : c->src_path[0] ? c->src_path : "the seed";
     NL_WARN("train job %llu: %s at step %lld; resuming from step %lld (%s) on the nodes left "
             "(resume %d of %d)",
-            (unsigned long long)j->id, why, (long long)t->lost_at, (long long)from, src,
-            t->resumes, c->o.train_resumes);
+            (unsigned long long)j->id, why, (long long)t->lost_at, (long long)from, src, t->resumes,
+            c->o.train_resumes);
     json_t *o = json_pack("{s:s,s:s,s:I,s:I,s:s,s:i,s:i}", "event", "node_lost", "why", why,
                           "lost_step", (json_int_t)t->lost_at, "resume_step", (json_int_t)from,
-                          "source", src, "resume", t->resumes, "max_resumes",
-                          c->o.train_resumes);
+                          "source", src, "resume", t->resumes, "max_resumes", c->o.train_resumes);
     coord_train_report(c, j, NL_JOB_RUNNING, "node lost; resuming", o);
 }
 

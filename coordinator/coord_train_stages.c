@@ -99,8 +99,9 @@ static int take_digests(srep *r, uint32_t stage)
         return 0;
     }
     if (m->frames[0].t.shape[0] != t->micro)
-        return lie(r, "stage %u reported the digests of %lld microbatches for step %lld, but the "
-                      "step has %lld: refused",
+        return lie(r,
+                   "stage %u reported the digests of %lld microbatches for step %lld, but the "
+                   "step has %lld: refused",
                    stage, (long long)m->frames[0].t.shape[0], (long long)t->step + 1,
                    (long long)t->micro);
     memcpy(d, m->frames[0].t.data, per);
@@ -134,11 +135,10 @@ static void compare_digests(srep *r)
         for (int64_t mb = 0; mb < t->micro; mb++) {
             const size_t o = (size_t)mb * NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES;
             /* forward: s's FWD_OUT is s+1's FWD_IN; backward: s+1's BWD_OUT is s's BWD_IN */
-            const uint8_t *pair[2][2] = {
-                {a + o + NL_DIGEST_FWD_OUT * NL_HOP_DIGEST_BYTES,
-                 b + o + NL_DIGEST_FWD_IN * NL_HOP_DIGEST_BYTES},
-                {b + o + NL_DIGEST_BWD_OUT * NL_HOP_DIGEST_BYTES,
-                 a + o + NL_DIGEST_BWD_IN * NL_HOP_DIGEST_BYTES}};
+            const uint8_t *pair[2][2] = {{a + o + NL_DIGEST_FWD_OUT * NL_HOP_DIGEST_BYTES,
+                                          b + o + NL_DIGEST_FWD_IN * NL_HOP_DIGEST_BYTES},
+                                         {b + o + NL_DIGEST_BWD_OUT * NL_HOP_DIGEST_BYTES,
+                                          a + o + NL_DIGEST_BWD_IN * NL_HOP_DIGEST_BYTES}};
             for (int k = 0; k < 2; k++) {
                 if (nl_hop_digest_none(pair[k][0]) || nl_hop_digest_none(pair[k][1]) ||
                     memcmp(pair[k][0], pair[k][1], NL_HOP_DIGEST_BYTES) == 0)
@@ -146,8 +146,8 @@ static void compare_digests(srep *r)
                 t->dig_mismatches++;
                 NL_WARN("train job %llu step %lld microbatch %lld: the %s from stage %d to stage "
                         "%d has one digest at its sender and another at its receiver",
-                        (unsigned long long)r->j->id, (long long)t->step + 1, (long long)mb,
-                        dir[k], k ? s + 1 : s, k ? s : s + 1);
+                        (unsigned long long)r->j->id, (long long)t->step + 1, (long long)mb, dir[k],
+                        k ? s + 1 : s, k ? s : s + 1);
             }
         }
     }

@@ -198,7 +198,7 @@ static int send_hop(nl_coord *c, cjob *j, nl_msg_type type, uint64_t step, uint3
                            classify && !count ? t->lengths + m0 * B : NULL);
     m.u.train_hop.loss_rows = loss_rows > 0 ? (uint64_t)loss_rows : 0;
     m.u.train_hop.epoch = c->epoch;
-    char digest[NL_HOP_DIGEST_HEX + 1]; /* stage 0 checks what it receives */
+    char digest[NL_HOP_DIGEST_HEX + 1];                    /* stage 0 checks what it receives */
     const bool act = type == NL_MSG_ACTIVATION && t->sent; /* kept: stage 0 reports it */
     nl_hop_digest_set(&m, 0, digest, act ? t->sent + (size_t)m0 * NL_HOP_DIGEST_BYTES : NULL);
     int rc = first && coord_send_node(c, first, &m) == NL_OK ? 0 : -1;

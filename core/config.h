@@ -12,29 +12,29 @@
 #include "objective.h"
 
 typedef struct nl_config {
-    int64_t vocab_size;  /* active vocabulary; default NL_DEFAULT_VOCAB */
-    int64_t vocab_chunk; /* table rows grow in multiples of this; 32768 */
-    int hidden_dim;      /* d; 0 = to be sized by the coordinator */
-    int num_layers;      /* L; 0 = to be sized by the coordinator */
-    int num_heads;       /* H; default d / 64 */
-    int num_kv_heads;    /* G; default max(1, H / 4) */
-    int ffn_dim;         /* F; default 4 d */
-    int num_experts;     /* E; default 8 */
-    int top_k;           /* default 2 */
-    int max_seq_len;     /* default 2048 */
-    double rope_base;    /* default 10000 */
-    double norm_eps;     /* default 1e-6 */
+    int64_t vocab_size;   /* active vocabulary; default NL_DEFAULT_VOCAB */
+    int64_t vocab_chunk;  /* table rows grow in multiples of this; 32768 */
+    int hidden_dim;       /* d; 0 = to be sized by the coordinator */
+    int num_layers;       /* L; 0 = to be sized by the coordinator */
+    int num_heads;        /* H; default d / 64 */
+    int num_kv_heads;     /* G; default max(1, H / 4) */
+    int ffn_dim;          /* F; default 4 d */
+    int num_experts;      /* E; default 8 */
+    int top_k;            /* default 2 */
+    int max_seq_len;      /* default 2048 */
+    double rope_base;     /* default 10000 */
+    double norm_eps;      /* default 1e-6 */
     double aux_loss_coef; /* default 0.01 */
     /* The variants of DESIGN.md section 6; the defaults give section 2. */
-    int causal;           /* 1: decoder (default); 0: bidirectional encoder */
-    int ffn_act;          /* NL_FFN_SWIGLU (default) or NL_FFN_GEGLU */
-    int attention_window; /* W > 0: local layers; 0: global (default) */
-    int global_every;     /* with a window, layer l is global when l % n == 0; 1;
-                           * 0: no layer is global (Mistral's sliding window) */
+    int causal;                   /* 1: decoder (default); 0: bidirectional encoder */
+    int ffn_act;                  /* NL_FFN_SWIGLU (default) or NL_FFN_GEGLU */
+    int attention_window;         /* W > 0: local layers; 0: global (default) */
+    int global_every;             /* with a window, layer l is global when l % n == 0; 1;
+                                   * 0: no layer is global (Mistral's sliding window) */
     nl_rope_scaling rope_scaling; /* type NL_ROPE_NONE (default) or NL_ROPE_YARN */
-    int objective;        /* NL_OBJ_CLM (default) or NL_OBJ_MLM */
-    double mask_prob;     /* mlm: share of positions masked; 0.3 */
-    int num_classes;      /* K > 0: classifier.weight [K, d] on mean-pooled states; 0 */
+    int objective;                /* NL_OBJ_CLM (default) or NL_OBJ_MLM */
+    double mask_prob;             /* mlm: share of positions masked; 0.3 */
+    int num_classes;              /* K > 0: classifier.weight [K, d] on mean-pooled states; 0 */
 } nl_config;
 
 /* The masked-LM mask id: the tokenizer's reserved <|pad|> (258), which
@@ -45,7 +45,10 @@ typedef struct nl_config {
 enum { NL_FFN_SWIGLU = 0, NL_FFN_GEGLU = 1 };
 
 /* Dense FFN (DESIGN 6): one expert, no router tensor, no aux loss. */
-static inline int nl_config_dense(const nl_config *c) { return c->num_experts == 1; }
+static inline int nl_config_dense(const nl_config *c)
+{
+    return c->num_experts == 1;
+}
 
 /* Whether layer l attends within the window (DESIGN 6). */
 static inline int nl_config_layer_local(const nl_config *c, int l)
@@ -92,7 +95,10 @@ char *nl_config_to_json(const nl_config *cfg);
 nl_status nl_config_from_json(nl_config *cfg, const char *json, nl_error *err);
 
 /* Derived sizes. */
-static inline int nl_config_head_dim(const nl_config *c) { return c->hidden_dim / c->num_heads; }
+static inline int nl_config_head_dim(const nl_config *c)
+{
+    return c->hidden_dim / c->num_heads;
+}
 /* Capacity rows C = ceil(vocab_size / vocab_chunk) * vocab_chunk. */
 static inline int64_t nl_config_capacity(const nl_config *c)
 {

@@ -188,7 +188,7 @@ static const char *key_want(int k)
     case K_BOOL:
         return "true or false";
     case K_ENUM:
-        return keys[k].names == ffn_acts ? "swiglu or geglu"
+        return keys[k].names == ffn_acts     ? "swiglu or geglu"
                : keys[k].names == objectives ? "clm or mlm"
                                              : "yarn";
     case K_MAP:
@@ -356,8 +356,8 @@ static nl_status yaml_pair(yaml_ctx *c, nl_config *cfg, const char *map, nl_erro
     nl_status st = next_event(c, err);
     if (st != NL_OK)
         return st;
-    const yaml_event_type_t want = keys[k].kind == K_MAP ? YAML_MAPPING_START_EVENT
-                                                         : YAML_SCALAR_EVENT;
+    const yaml_event_type_t want =
+        keys[k].kind == K_MAP ? YAML_MAPPING_START_EVENT : YAML_SCALAR_EVENT;
     if (c->ev.type != want) {
         nl_error_set(err, NL_ERR_INVALID, "%s: expected %s, got %s", keys[k].name, key_want(k),
                      event_what(c->ev.type));
@@ -591,9 +591,9 @@ static nl_status json_set(nl_config *cfg, int k, json_t *v, nl_error *err)
         memcpy(field, &x, sizeof x);
         return NL_OK;
     case K_ENUM:
-        x = json_is_string(v) ? enum_index(keys[k].names, json_string_value(v),
-                                           json_string_length(v))
-                              : -1;
+        x = json_is_string(v)
+                ? enum_index(keys[k].names, json_string_value(v), json_string_length(v))
+                : -1;
         if (x < 0)
             return nl_error_set(err, NL_ERR_INVALID, "%s: expected %s", name, key_want(k));
         memcpy(field, &x, sizeof x);

@@ -31,9 +31,9 @@ void nl_dataset_destroy(nl_dataset **ds);
 
 /* What nl_dataset_load_model did, for the caller to report. */
 typedef struct nl_dataset_info {
-    int tokenized;      /* the text went through the tokenizer */
-    size_t text_bytes;  /* bytes read (tokenized) */
-    double encode_s;    /* seconds spent encoding */
+    int tokenized;     /* the text went through the tokenizer */
+    size_t text_bytes; /* bytes read (tokenized) */
+    double encode_s;   /* seconds spent encoding */
 } nl_dataset_info;
 
 /* Training data for a model whose checkpoint carries tokenizer text

@@ -276,8 +276,8 @@ nl_status nl_file_can_create(const char *dir, nl_error *err)
         }
         if (errno != EEXIST) {
             /* /proc and /sys answer "no such file" to a new name */
-            const char *why = errno == ENOENT ? "the file system takes no new files there"
-                                              : strerror(errno);
+            const char *why =
+                errno == ENOENT ? "the file system takes no new files there" : strerror(errno);
             return nl_error_set(err, NL_ERR_IO, "cannot write in %s: %s", p, why);
         }
     }

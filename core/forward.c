@@ -38,17 +38,17 @@ struct nl_runstate {
     int max_rows;
     int out_cols;
     const float *out;
-    int32_t *tokens_d; /* (N) */
-    int32_t *pos_d;    /* (N) */
-    int32_t *pos_h;    /* (N) host */
-    int32_t *doc_d;    /* (N) packed rows' documents */
+    int32_t *tokens_d;  /* (N) */
+    int32_t *pos_d;     /* (N) */
+    int32_t *pos_h;     /* (N) host */
+    int32_t *doc_d;     /* (N) packed rows' documents */
     nl_layer_acts acts; /* one set, reused by every layer; residual in acts.x_in */
-    float *last;       /* (B, d) last rows for last_only */
-    float *xnf;        /* (N, d) final norm */
-    float *logits;     /* (N, V) */
+    float *last;        /* (B, d) last rows for last_only */
+    float *xnf;         /* (N, d) final norm */
+    float *logits;      /* (N, V) */
     step_graph graphs[RS_GRAPHS];
     uint64_t tick;
-    int graphs_off;             /* NL_GRAPHS=0, nl_runstate_set_graphs, or a failed recording */
+    int graphs_off; /* NL_GRAPHS=0, nl_runstate_set_graphs, or a failed recording */
     nl_runstate_graph_stats gs;
 };
 
@@ -64,7 +64,8 @@ nl_status nl_runstate_new(nl_runstate **out, const nl_model *m, int max_rows, nl
     const nl_config *c = &m->cfg;
     const size_t N = (size_t)max_rows, d = (size_t)c->hidden_dim;
     if (max_rows < 1)
-        return nl_error_set(err, NL_ERR_INVALID, "runstate: max_rows %d must be positive", max_rows);
+        return nl_error_set(err, NL_ERR_INVALID, "runstate: max_rows %d must be positive",
+                            max_rows);
     nl_runstate *rs = calloc(1, sizeof *rs);
     if (!rs)
         return nl_error_set(err, NL_ERR_NOMEM, "runstate: out of memory");
@@ -275,8 +276,8 @@ nl_status nl_forward(nl_model *m, nl_runstate *rs, const nl_forward_args *a, flo
     const long N = (long)B * T;
     int past = 0;
     if (B < 1 || T < 1 || N > rs->max_rows)
-        return nl_error_set(err, NL_ERR_SHAPE, "forward: batch %d x %d is outside 1..%d rows", B,
-                            T, rs->max_rows);
+        return nl_error_set(err, NL_ERR_SHAPE, "forward: batch %d x %d is outside 1..%d rows", B, T,
+                            rs->max_rows);
     if (m->lora && N > m->lora->max_rows)
         return nl_error_set(err, NL_ERR_SHAPE, "forward: %ld rows exceed the adapters' %d", N,
                             m->lora->max_rows);
@@ -291,8 +292,8 @@ nl_status nl_forward(nl_model *m, nl_runstate *rs, const nl_forward_args *a, flo
     if (a->kv) {
         if (a->kv->B != B || a->kv->n_layers != m->l1 - m->l0)
             return nl_error_set(err, NL_ERR_SHAPE,
-                                "forward: kv cache holds %d sequences of %d layers, got %d", a->kv->B,
-                                a->kv->n_layers, B);
+                                "forward: kv cache holds %d sequences of %d layers, got %d",
+                                a->kv->B, a->kv->n_layers, B);
         past = a->kv->len;
         if (past + T > a->kv->cap)
             return nl_error_set(err, NL_ERR_RANGE,
@@ -307,17 +308,17 @@ nl_status nl_forward(nl_model *m, nl_runstate *rs, const nl_forward_args *a, flo
             return nl_error_set(err, NL_ERR_INVALID, "forward: first stage needs tokens");
         for (long n = 0; n < N; n++)
             if (a->tokens[n] < 0 || a->tokens[n] >= c->vocab_size)
-                return nl_error_set(err, NL_ERR_RANGE,
-                                    "forward: token %d at [%ld, %ld] is outside the vocabulary 0..%lld",
-                                    a->tokens[n], n / T, n % T, (long long)c->vocab_size - 1);
+                return nl_error_set(
+                    err, NL_ERR_RANGE,
+                    "forward: token %d at [%ld, %ld] is outside the vocabulary 0..%lld",
+                    a->tokens[n], n / T, n % T, (long long)c->vocab_size - 1);
         be->upload(be, rs->tokens_d, a->tokens, (size_t)N * sizeof(int32_t));
     } else if (!a->x_in) {
         return nl_error_set(err, NL_ERR_INVALID, "forward: stage needs hidden states");
     }
     for (long n = 0; n < N; n++) /* packed rows: from 0 in each document */
-        rs->pos_h[n] = n % T == 0 || (a->doc && a->doc[n] != a->doc[n - 1])
-                           ? (int32_t)past
-                           : rs->pos_h[n - 1] + 1;
+        rs->pos_h[n] = n % T == 0 || (a->doc && a->doc[n] != a->doc[n - 1]) ? (int32_t)past
+                                                                            : rs->pos_h[n - 1] + 1;
     be->upload(be, rs->pos_d, rs->pos_h, (size_t)N * sizeof(int32_t));
     rs->acts.doc_d = NULL;
     if (a->doc) {

@@ -39,10 +39,10 @@ typedef struct nl_hf_stats {
     /* import: the tokenizer found, or why there is none; export: what a
      * reader should know ("" when nothing) */
     char tokenizer_note[512];
-    int64_t vocab_size;   /* export: the model's ids (bytes only up to 259: no tokenizer) */
-    int replaced;         /* export --force: files of the directory written over */
-    int kept;             /* export --force: entries of the directory it did not write */
-    char kept_names[200]; /* ... their names, ", "-separated, "..." when cut */
+    int64_t vocab_size;     /* export: the model's ids (bytes only up to 259: no tokenizer) */
+    int replaced;           /* export --force: files of the directory written over */
+    int kept;               /* export --force: entries of the directory it did not write */
+    char kept_names[200];   /* ... their names, ", "-separated, "..." when cut */
     char chat_family[16];   /* import: the chat template's family ("" none); export: "" */
     char chat_warning[256]; /* import: an unrecognised chat template (the default is used) */
     int chat_written;       /* export: tokenizer_config.json written for the chat template */

@@ -233,7 +233,8 @@ nl_status nl_hf_export(const char *src, const char *dir, uint64_t shard_bytes, i
     char *tok = NULL, *cj = NULL, **written = NULL, *chat = NULL;
     int n_written = 0, created = 0, n_before = 0;
     nl_status st;
-    if ((st = open_ours(&c, src, &cfg, &tok, &chat, err)) || (st = hf_representable(&cfg, src, err)))
+    if ((st = open_ours(&c, src, &cfg, &tok, &chat, err)) ||
+        (st = hf_representable(&cfg, src, err)))
         goto out;
     snprintf(c.arch, sizeof c.arch, "%s", nl_hf_arch_of(&cfg));
     if ((st = hf_build_jobs(&c, err)))

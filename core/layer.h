@@ -21,21 +21,21 @@
  * and sizes each expert's GEMMs from host counts. Both ways give the same
  * bits on the CPU; the aux loss and the backward run on the device in both. */
 typedef struct nl_layer_acts {
-    float *x_in;   /* (N, d) layer input */
-    float *xn1;    /* (N, d) attention_norm(x_in) */
-    float *rstd1;  /* (N) or NULL */
-    float *qkv;    /* (N, (H + 2G) hd), q and k rotated */
-    float *att;    /* (N, H hd) attention output */
-    float *lse;    /* (B, H, T) or NULL */
-    float *h1;     /* (N, d) x_in + att Wo^T */
-    float *xn2;    /* (N, d) ffn_norm(h1) */
-    float *rstd2;  /* (N) or NULL */
-    float *probs;  /* (N, E) router softmax */
-    float *xe;     /* (N k, d) expert inputs in dispatch order */
-    float *gu;     /* (N k, 2F) gate | up */
-    float *hs;     /* (N k, F) silu(gate) * up */
-    float *ye;     /* (N k, d) expert outputs */
-    float *x_out;  /* (N, d) h1 + sum_i w_i expert_i */
+    float *x_in;  /* (N, d) layer input */
+    float *xn1;   /* (N, d) attention_norm(x_in) */
+    float *rstd1; /* (N) or NULL */
+    float *qkv;   /* (N, (H + 2G) hd), q and k rotated */
+    float *att;   /* (N, H hd) attention output */
+    float *lse;   /* (B, H, T) or NULL */
+    float *h1;    /* (N, d) x_in + att Wo^T */
+    float *xn2;   /* (N, d) ffn_norm(h1) */
+    float *rstd2; /* (N) or NULL */
+    float *probs; /* (N, E) router softmax */
+    float *xe;    /* (N k, d) expert inputs in dispatch order */
+    float *gu;    /* (N k, 2F) gate | up */
+    float *hs;    /* (N k, F) silu(gate) * up */
+    float *ye;    /* (N k, d) expert outputs */
+    float *x_out; /* (N, d) h1 + sum_i w_i expert_i */
     /* routing tables (backend.h, moe_route) */
     int32_t *choice_d;  /* (N k) expert of each (token, choice) */
     float *w_d;         /* (N k) renormalised weights */
@@ -115,17 +115,17 @@ nl_attn_mask nl_layer_mask(const nl_config *c, int li, const int32_t *doc_d);
 /* Scratch for the backward pass of one layer over N rows (device unless
  * marked host), shared by every layer of a stage. */
 typedef struct nl_layer_grads_scratch {
-    float *dh1;    /* (N, d) */
-    float *dxn;    /* (N, d) */
-    float *dqkv;   /* (N, (H + 2G) hd) */
-    float *datt;   /* (N, H hd) */
-    float *dye;    /* (N k, d) */
-    float *dhs;    /* (N k, F) */
-    float *dgu;    /* (N k, 2F) */
-    float *dxe;    /* (N k, d) */
-    float *dw;     /* (N k) */
-    float *ones;   /* (N k) all 1 */
-    float *dl;     /* (N, E) router logits gradient */
+    float *dh1;         /* (N, d) */
+    float *dxn;         /* (N, d) */
+    float *dqkv;        /* (N, (H + 2G) hd) */
+    float *datt;        /* (N, H hd) */
+    float *dye;         /* (N k, d) */
+    float *dhs;         /* (N k, F) */
+    float *dgu;         /* (N k, 2F) */
+    float *dxe;         /* (N k, d) */
+    float *dw;          /* (N k) */
+    float *ones;        /* (N k) all 1 */
+    float *dl;          /* (N, E) router logits gradient */
     int32_t *neg_pos_d; /* (N) negated positions: RoPE's inverse rotation */
 } nl_layer_grads_scratch;
 

@@ -93,7 +93,7 @@ static nl_status alloc_scratch(nl_lora *lo)
     const size_t er = (size_t)lo->max_rows * (size_t)c->top_k; /* dispatch rows */
     const size_t rows = experts && er > (size_t)lo->max_rows ? er : (size_t)lo->max_rows;
     const size_t w = 2 * (size_t)c->ffn_dim > (size_t)c->hidden_dim ? 2 * (size_t)c->ffn_dim
-                                                                      : (size_t)c->hidden_dim;
+                                                                    : (size_t)c->hidden_dim;
     int ok = 1;
     ok &= (lo->u = be->alloc(be, rows * lo->rank * sizeof(float))) != NULL;
     ok &= (lo->du = be->alloc(be, rows * lo->rank * sizeof(float))) != NULL;
@@ -456,8 +456,8 @@ static void egemm_bwd(const nl_model *m, const nl_lora_map *mp, const float *x, 
     be->gemm_grouped_wgrad(be, mp->out, r, sdy, lds, lo->u, r, dB, r, mp->stride, offsets, E);
     be->gemm_grouped(be, 0, r, mp->out, sdy, lds, mp->B, r, mp->stride, lo->du, r, offsets, E, N);
     be->gemm_grouped_wgrad(be, r, mp->in, lo->du, r, x, ldx, dA, mp->in, mp->stride, offsets, E);
-    be->gemm_grouped(be, 0, mp->in, r, lo->du, r, mp->A, mp->in, mp->stride, lo->t, mp->in,
-                     offsets, E, N);
+    be->gemm_grouped(be, 0, mp->in, r, lo->du, r, mp->A, mp->in, mp->stride, lo->t, mp->in, offsets,
+                     E, N);
     add_rows(m, dx, lo->t, rows, mp->in, 0);
 }
 
@@ -620,8 +620,8 @@ nl_status nl_lora_merge(nl_lora *lo, nl_error *err)
         for (int t = 0; t < 3; t++) {
             const nl_lora_map *mp = &lo->emaps[l * 3 + t];
             for (int e = 0; mp->A && e < E; e++)
-                be->gemm(be, 0, 0, mp->out, mp->in, r, lo->alpha / (float)r,
-                         mp->B + e * mp->stride, r, mp->A + e * mp->stride, mp->in, 1.0f,
+                be->gemm(be, 0, 0, mp->out, mp->in, r, lo->alpha / (float)r, mp->B + e * mp->stride,
+                         r, mp->A + e * mp->stride, mp->in, 1.0f,
                          m->layers[l].experts + e * ef + (size_t)t * F * d, mp->in);
         }
     (void)w;

@@ -41,9 +41,9 @@ enum {
 #define NL_LORA_MAX_ALPHA 1e6 /* alpha in (0, this]: finite, as a request's params.lora_alpha */
 
 typedef struct nl_lora_map {
-    float *A, *B; /* (r, in), (out, r) device, in the parameter block */
-    int in, out;  /* of the base map */
-    int col0;     /* wq/wk/wv: first column of its part of the fused qkv row */
+    float *A, *B;  /* (r, in), (out, r) device, in the parameter block */
+    int in, out;   /* of the base map */
+    int col0;      /* wq/wk/wv: first column of its part of the fused qkv row */
     size_t stride; /* experts: floats from expert e's A (and B) to expert e + 1's */
 } nl_lora_map;
 
@@ -55,7 +55,7 @@ struct nl_lora {
     size_t n_params;
     nl_param *table; /* n_table named slices of params */
     int n_table;
-    nl_lora_map *maps; /* (l1 - l0) x 4: wq, wk, wv, wo; A NULL when not a target */
+    nl_lora_map *maps;  /* (l1 - l0) x 4: wq, wk, wv, wo; A NULL when not a target */
     nl_lora_map *emaps; /* (l1 - l0) x 3: expert 0's w_gate, w_up, w_down */
     int max_rows;
     float *u, *du; /* (max_rows, r), (max_rows top_k, r) with expert targets: scratch */

@@ -12,8 +12,7 @@ int64_t nl_stage_param_count(const nl_config *c, int n_layers, int has_embed, in
                               3LL * c->num_experts * c->ffn_dim * d;
     const int64_t table = nl_config_capacity(c) * d;
     const int64_t classifier = (int64_t)c->num_classes * d;
-    return per_layer * n_layers + (has_embed ? table : 0) +
-           (has_head ? table + d + classifier : 0);
+    return per_layer * n_layers + (has_embed ? table : 0) + (has_head ? table + d + classifier : 0);
 }
 
 /* Host-side routing arrays of one activation set (layer.c: probs_h,
@@ -80,8 +79,8 @@ nl_mem_estimate nl_memory_estimate(const nl_config *c, int n_layers, int has_emb
         e.moments = 8 * P;
         /* per slot: every layer's set with inputs aliased to the previous
          * output, or (recompute) only each layer's input plus the output */
-        uint64_t per_slot = o->recompute ? 4 * N * d * (L + 1)
-                                         : (L ? L * acts - (L - 1) * 4 * N * d : 4 * N * d);
+        uint64_t per_slot =
+            o->recompute ? 4 * N * d * (L + 1) : (L ? L * acts - (L - 1) * 4 * N * d : 4 * N * d);
         per_slot += 4 * N; /* tokens */
         if (has_head)
             per_slot += 4 * N * (d + 1 + V); /* xnf, rstdf, logits */

@@ -119,8 +119,7 @@ static nl_status bind_pointers(nl_model *m, nl_error *err)
         w->experts = m->params + t[i + 6 + r].offset;
         for (int e = 0; e < c->num_experts; e++) {
             const nl_param *g = &t[i + 6 + r + 3 * e];
-            if (!adjacent(g, g + 1) || !adjacent(g + 1, g + 2) ||
-                (e > 0 && !adjacent(g - 1, g)))
+            if (!adjacent(g, g + 1) || !adjacent(g + 1, g + 2) || (e > 0 && !adjacent(g - 1, g)))
                 return nl_error_set(err, NL_ERR_INTERNAL, "layer %d expert %d: not contiguous", l,
                                     e);
         }
@@ -250,8 +249,7 @@ double nl_config_forward_flops(const nl_config *c, int B, int T, int past)
     const double G = c->num_kv_heads, F = c->ffn_dim, E = c->num_experts, k = c->top_k;
     const double tokens = (double)B * T;
     const double per_token = 2 * d * (H + 2 * G) * hd + 2 * H * hd * d +
-                             (nl_config_dense(c) ? 0 : 2 * d * E) +
-                             k * (2 * d * 2 * F + 2 * F * d);
+                             (nl_config_dense(c) ? 0 : 2 * d * E) + k * (2 * d * 2 * F + 2 * F * d);
     /* keys seen, summed over the new positions: sum_{t} (past + t + 1) */
     const double keys = (double)B * ((double)past * T + (double)T * (T + 1) / 2);
     const double attn = 4 * H * hd * keys;

@@ -31,10 +31,10 @@ typedef enum nl_param_kind {
 typedef struct nl_param {
     char name[NL_PARAM_NAME_MAX];
     nl_param_kind kind;
-    int ndim;          /* 1 or 2 */
-    int64_t shape[2];  /* [out, in] or [d] */
-    size_t offset;     /* in floats from the start of the block */
-    float init_std;    /* matrices and tables: normal(0, init_std) */
+    int ndim;         /* 1 or 2 */
+    int64_t shape[2]; /* [out, in] or [d] */
+    size_t offset;    /* in floats from the start of the block */
+    float init_std;   /* matrices and tables: normal(0, init_std) */
 } nl_param;
 
 typedef struct nl_layer_weights {
@@ -51,22 +51,22 @@ typedef struct nl_growth nl_growth; /* core/grow.h */
 
 typedef struct nl_model {
     nl_config cfg;
-    int l0, l1;            /* layers held: [l0, l1) */
-    int has_embed;         /* holds tok_embeddings (first stage) */
-    int has_head;          /* holds norm and lm_head (last stage) */
-    int64_t capacity;      /* table rows C */
-    nl_backend *be;        /* borrowed */
-    float *params;         /* one device allocation of n_params floats */
+    int l0, l1;       /* layers held: [l0, l1) */
+    int has_embed;    /* holds tok_embeddings (first stage) */
+    int has_head;     /* holds norm and lm_head (last stage) */
+    int64_t capacity; /* table rows C */
+    nl_backend *be;   /* borrowed */
+    float *params;    /* one device allocation of n_params floats */
     size_t n_params;
-    nl_param *table;       /* n_table named slices, in checkpoint order */
+    nl_param *table; /* n_table named slices, in checkpoint order */
     int n_table;
-    float *tok_embeddings; /* (C, d) or NULL */
+    float *tok_embeddings;    /* (C, d) or NULL */
     nl_layer_weights *layers; /* l1 - l0 entries */
-    float *norm;           /* (d) or NULL */
-    float *lm_head;        /* (C, d) or NULL */
-    float *classifier;     /* (num_classes, d) with the head when num_classes > 0, or NULL */
-    nl_lora *lora;         /* attached adapters (core/lora.h, which owns them), or NULL */
-    nl_growth *growth;     /* growth history, oldest first (core/grow.h), owned; or NULL */
+    float *norm;              /* (d) or NULL */
+    float *lm_head;           /* (C, d) or NULL */
+    float *classifier;        /* (num_classes, d) with the head when num_classes > 0, or NULL */
+    nl_lora *lora;            /* attached adapters (core/lora.h, which owns them), or NULL */
+    nl_growth *growth;        /* growth history, oldest first (core/grow.h), owned; or NULL */
     int n_growth;
     /* Unique in the process, new whenever the buffers or shapes the
      * forward reads change (nl_model_new, growth): a step recorded for the

@@ -31,7 +31,10 @@ uint64_t nl_rng_hash(const char *s)
     return h;
 }
 
-static inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+static inline uint64_t rotl(uint64_t x, int k)
+{
+    return (x << k) | (x >> (64 - k));
+}
 
 uint64_t nl_rng_u64(nl_rng *r)
 {

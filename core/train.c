@@ -91,7 +91,6 @@ static void slot_free(nl_trainer *t, train_slot *s)
     be->free(be, s->logits);
 }
 
-
 nl_status nl_trainer_new(nl_trainer **out, nl_model *m, int max_rows, int slots, int recompute,
                          nl_error *err)
 {
@@ -173,9 +172,9 @@ void nl_trainer_destroy(nl_trainer **tp)
         nl_layer_acts_free(&t->work, be);
     if (t->sc.dh1)
         nl_layer_scratch_free(&t->sc, be);
-    void *dev[] = {t->grads,     t->mom[0],   t->mom[1],   t->dbuf[0],       t->dbuf[1], t->pos_d,
-                   t->targets_d, t->losses_d, t->counts_d, t->global_frac_d, t->aux_d, t->doc_d,
-                   t->dpooled, t->born_buf};
+    void *dev[] = {t->grads, t->mom[0],    t->mom[1],   t->dbuf[0],  t->dbuf[1],
+                   t->pos_d, t->targets_d, t->losses_d, t->counts_d, t->global_frac_d,
+                   t->aux_d, t->doc_d,     t->dpooled,  t->born_buf};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         be->free(be, dev[i]);
     free(t->pos_h);
@@ -248,8 +247,8 @@ nl_status nl_trainer_set_docs(nl_trainer *t, const int32_t *doc, int rows, nl_er
     return NL_OK;
 }
 
-nl_status nl_trainer_set_labels(nl_trainer *t, const int32_t *labels, const int32_t *lengths,
-                                int B, int T, nl_error *err)
+nl_status nl_trainer_set_labels(nl_trainer *t, const int32_t *labels, const int32_t *lengths, int B,
+                                int T, nl_error *err)
 {
     const int K = t->m->cfg.num_classes;
     t->has_labels = 0;
@@ -330,7 +329,6 @@ static const int32_t *set_positions_docs(nl_trainer *t, int B, int T, const int3
     t->be->upload(t->be, t->doc_d, doc, (size_t)B * T * sizeof(int32_t));
     return t->doc_d;
 }
-
 
 /* Embed tokens (checked) or copy hidden states into dst. */
 static nl_status stage_input(nl_trainer *t, float *dst, int32_t *tokens_d, int N,
@@ -413,8 +411,8 @@ static nl_status add_losses(nl_trainer *t, int n, double *ce_sum, nl_error *err)
 }
 
 nl_status nl_trainer_forward(nl_trainer *t, int slot, int B, int T, const int32_t *tokens,
-                             const float *x_in, const int32_t *targets, double *ce_sum,
-                             double *aux, nl_error *err)
+                             const float *x_in, const int32_t *targets, double *ce_sum, double *aux,
+                             nl_error *err)
 {
     nl_model *m = t->m;
     nl_backend *be = t->be;
@@ -448,8 +446,8 @@ nl_status nl_trainer_forward(nl_trainer *t, int slot, int B, int T, const int32_
         la->doc_d = doc_d;
         nl_layer_forward(m, m->l0 + l, la, B, T, 0, NULL, t->pos_d, &la_aux);
         if (t->recompute)
-            be->copy_rows(be, l + 1 < t->n_layers ? s->x_in[l + 1] : s->x_final, d, la->x_out, d,
-                          N, d);
+            be->copy_rows(be, l + 1 < t->n_layers ? s->x_in[l + 1] : s->x_final, d, la->x_out, d, N,
+                          d);
     }
     if (aux && t->n_layers) { /* the layers' aux losses, summed on the device: one download */
         double a = 0.0;
@@ -476,8 +474,7 @@ nl_status nl_trainer_forward(nl_trainer *t, int slot, int B, int T, const int32_
     be->upload(be, t->targets_d, targets, (size_t)N * sizeof(int32_t));
     be->rmsnorm_forward(be, s->xnf, s->rstdf, s->x_final, m->norm, N, d, (float)c->norm_eps);
     be->gemm(be, 0, 1, N, V, d, 1.0f, s->xnf, d, m->lm_head, d, 0.0f, s->logits, V);
-    be->cross_entropy(be, s->logits, t->losses_d, t->targets_d, N, V,
-                      1.0f / (float)t->loss_rows);
+    be->cross_entropy(be, s->logits, t->losses_d, t->targets_d, N, V, 1.0f / (float)t->loss_rows);
     return add_losses(t, N, ce_sum, err);
 }
 
@@ -559,21 +556,29 @@ double nl_trainer_grad_sumsq(const nl_trainer *t)
 /* Bias corrections of a region born at `born`, at step t (float, as the
  * slot takes them). */
 
-float *nl_trainer_grads(const nl_trainer *t) { return t->grads; }
-void nl_trainer_inject_nan(nl_trainer *t) { t->inject_nan = 1; }
-void nl_trainer_keep_frozen_grads(nl_trainer *t) { t->frozen = 0; }
+float *nl_trainer_grads(const nl_trainer *t)
+{
+    return t->grads;
+}
+void nl_trainer_inject_nan(nl_trainer *t)
+{
+    t->inject_nan = 1;
+}
+void nl_trainer_keep_frozen_grads(nl_trainer *t)
+{
+    t->frozen = 0;
+}
 
-nl_status nl_trainer_step_local(nl_trainer *t, const int32_t *tokens, const int32_t *targets,
-                                int B, int T, int M, float lr, float clip_norm, nl_adamw_opts o,
+nl_status nl_trainer_step_local(nl_trainer *t, const int32_t *tokens, const int32_t *targets, int B,
+                                int T, int M, float lr, float clip_norm, nl_adamw_opts o,
                                 nl_step_result *res, nl_error *err)
 {
     return nl_trainer_step_packed(t, tokens, targets, NULL, B, T, M, lr, clip_norm, o, res, err);
 }
 
 nl_status nl_trainer_step_packed(nl_trainer *t, const int32_t *tokens, const int32_t *targets,
-                                 const int32_t *doc, int B, int T, int M, float lr,
-                                 float clip_norm, nl_adamw_opts o, nl_step_result *res,
-                                 nl_error *err)
+                                 const int32_t *doc, int B, int T, int M, float lr, float clip_norm,
+                                 nl_adamw_opts o, nl_step_result *res, nl_error *err)
 {
     memset(res, 0, sizeof *res);
     if (M < 1 || B % M != 0)
@@ -591,8 +596,7 @@ nl_status nl_trainer_step_packed(nl_trainer *t, const int32_t *tokens, const int
     nl_trainer_set_loss_rows(t, valid);
     if (M > 1) { /* the batch's expert shares, so the split does not change the loss */
         for (int j = 0; j < M && st == NL_OK; j++)
-            if ((st = nl_trainer_set_docs(t, doc ? doc + j * rows : NULL, (int)rows, err)) ==
-                NL_OK)
+            if ((st = nl_trainer_set_docs(t, doc ? doc + j * rows : NULL, (int)rows, err)) == NL_OK)
                 st = nl_trainer_count_routes(t, mb, T, tokens + j * rows, NULL, err);
         if (st != NL_OK)
             return st;
@@ -608,9 +612,9 @@ nl_status nl_trainer_step_packed(nl_trainer *t, const int32_t *tokens, const int
     nl_trainer_set_docs(t, NULL, 0, NULL);
     if (st != NL_OK)
         return st;
-    const double scale = nl_step_decide(res, ce, valid > 0 ? (double)valid : 1.0, aux,
-                                        t->m->cfg.aux_loss_coef,
-                                        nl_trainer_grad_sumsq(t), clip_norm);
+    const double scale =
+        nl_step_decide(res, ce, valid > 0 ? (double)valid : 1.0, aux, t->m->cfg.aux_loss_coef,
+                       nl_trainer_grad_sumsq(t), clip_norm);
     if (!res->skipped)
         nl_trainer_step(t, lr, (float)scale, o);
     return NL_OK;
@@ -618,8 +622,8 @@ nl_status nl_trainer_step_packed(nl_trainer *t, const int32_t *tokens, const int
 
 nl_status nl_trainer_step_classify(nl_trainer *t, const int32_t *tokens, const int32_t *lengths,
                                    const int32_t *labels, const int32_t *doc, int B, int T, int M,
-                                   float lr, float clip_norm, nl_adamw_opts o,
-                                   nl_step_result *res, nl_error *err)
+                                   float lr, float clip_norm, nl_adamw_opts o, nl_step_result *res,
+                                   nl_error *err)
 {
     memset(res, 0, sizeof *res);
     if (M < 1 || B % M != 0)

@@ -81,8 +81,8 @@ nl_status nl_trainer_set_docs(nl_trainer *t, const int32_t *doc, int rows, nl_er
  * the batch's sequences); targets may be NULL. Pad positions should be a
  * document of their own (nl_trainer_set_docs) where attention is
  * bidirectional. */
-nl_status nl_trainer_set_labels(nl_trainer *t, const int32_t *labels, const int32_t *lengths,
-                                int B, int T, nl_error *err);
+nl_status nl_trainer_set_labels(nl_trainer *t, const int32_t *labels, const int32_t *lengths, int B,
+                                int T, nl_error *err);
 
 /* Counting pass for one microbatch (forward only, nothing kept): add this
  * microbatch's expert assignments to the step's counts, which add up on
@@ -111,8 +111,8 @@ const float *nl_trainer_count_output(const nl_trainer *t);
  * row losses; NULL if not the last stage) and *aux (its part of the
  * batch's aux loss). */
 nl_status nl_trainer_forward(nl_trainer *t, int slot, int B, int T, const int32_t *tokens,
-                             const float *x_in, const int32_t *targets, double *ce_sum,
-                             double *aux, nl_error *err);
+                             const float *x_in, const int32_t *targets, double *ce_sum, double *aux,
+                             nl_error *err);
 /* Hidden states the forward of `slot` produced (device, (B*T, d)). */
 const float *nl_trainer_output(const nl_trainer *t, int slot);
 
@@ -174,17 +174,16 @@ double nl_step_decide(nl_step_result *r, double ce_sum, double rows, double aux,
  * then nl_step_decide (clipping at clip_norm, NL_TRAIN_CLIP_NORM as the
  * cluster does) and AdamW at lr, unless the loss or a gradient is not
  * finite, in which case the weights stay as they were. */
-nl_status nl_trainer_step_local(nl_trainer *t, const int32_t *tokens, const int32_t *targets,
-                                int B, int T, int M, float lr, float clip_norm, nl_adamw_opts o,
+nl_status nl_trainer_step_local(nl_trainer *t, const int32_t *tokens, const int32_t *targets, int B,
+                                int T, int M, float lr, float clip_norm, nl_adamw_opts o,
                                 nl_step_result *res, nl_error *err);
 /* nl_trainer_step_local over packed rows: doc (host, (B, T), or NULL: one
  * document per sequence) as nl_trainer_set_docs takes them, each
  * microbatch's for its counting pass, forward and backward. Leaves no
  * documents set. */
 nl_status nl_trainer_step_packed(nl_trainer *t, const int32_t *tokens, const int32_t *targets,
-                                 const int32_t *doc, int B, int T, int M, float lr,
-                                 float clip_norm, nl_adamw_opts o, nl_step_result *res,
-                                 nl_error *err);
+                                 const int32_t *doc, int B, int T, int M, float lr, float clip_norm,
+                                 nl_adamw_opts o, nl_step_result *res, nl_error *err);
 
 /* nl_trainer_step_local for classification (DESIGN 6): B sequences of T
  * ids (host, (B, T)) with their valid lengths and labels (B) and the
@@ -193,8 +192,8 @@ nl_status nl_trainer_step_packed(nl_trainer *t, const int32_t *tokens, const int
  * labels. Leaves no labels or documents set. */
 nl_status nl_trainer_step_classify(nl_trainer *t, const int32_t *tokens, const int32_t *lengths,
                                    const int32_t *labels, const int32_t *doc, int B, int T, int M,
-                                   float lr, float clip_norm, nl_adamw_opts o,
-                                   nl_step_result *res, nl_error *err);
+                                   float lr, float clip_norm, nl_adamw_opts o, nl_step_result *res,
+                                   nl_error *err);
 
 /* The class probabilities (host, (B, num_classes)) of the last
  * classification forward in `slot`, recovered from the loss gradient

@@ -358,9 +358,13 @@ int main(int argc, char **argv)
     m.u.loss = (nl_msg_loss){1, 1, false, 10.0, 0.0, 4};
     rec(&o, 0, N, 1, &m);
     nl_wire_msg_reset(&m, NL_MSG_CKPT_DONE);
-    m.u.ckpt_done = (nl_msg_ckpt_done){1, 1, 0, "/tmp/x/stage-0.safetensors",
-                                       "0000000000000000000000000000000000000000000000000000000000000000",
-                                       10};
+    m.u.ckpt_done =
+        (nl_msg_ckpt_done){1,
+                           1,
+                           0,
+                           "/tmp/x/stage-0.safetensors",
+                           "0000000000000000000000000000000000000000000000000000000000000000",
+                           10};
     rec(&o, 0, N, 1, &m);
     nl_wire_msg_reset(&m, NL_MSG_GRAD_NORM);
     m.u.grad_norm = (nl_msg_grad_norm){1, 2, 0, NAN};

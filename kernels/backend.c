@@ -106,8 +106,8 @@ static void *open_cuda_module(char *tried, size_t cap)
     return NULL;
 }
 
-static nl_status cuda_new(nl_backend **out, const char *device, int index,
-                          const nl_backend_opts *o, nl_error *err)
+static nl_status cuda_new(nl_backend **out, const char *device, int index, const nl_backend_opts *o,
+                          nl_error *err)
 {
     char why[512];
     void *h = open_cuda_module(why, sizeof why);
@@ -120,7 +120,8 @@ static nl_status cuda_new(nl_backend **out, const char *device, int index,
     nl_cuda_backend_new_fn make = (nl_cuda_backend_new_fn)dlsym(h, "nl_cuda_backend_new");
     if (!abi || !make) {
         dlclose(h);
-        return nl_error_set(err, NL_ERR_VERSION, "%s: libnl_cuda.so lacks its entry points", device);
+        return nl_error_set(err, NL_ERR_VERSION, "%s: libnl_cuda.so lacks its entry points",
+                            device);
     }
     if (abi() != NL_BACKEND_ABI) {
         int a = abi();

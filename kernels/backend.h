@@ -118,13 +118,13 @@ typedef struct nl_backend_stats {
 } nl_backend_stats;
 
 struct nl_backend {
-    const char *name; /* "cpu", "cpu-devsim", "cuda:0" */
-    void *ctx;        /* backend-private state */
+    const char *name;                /* "cpu", "cpu-devsim", "cuda:0" */
+    void *ctx;                       /* backend-private state */
     void (*destroy)(nl_backend *be); /* frees ctx and the table itself */
-    int host_memory;  /* 1 when device pointers are ordinary host memory */
-    int can_train;    /* 1 when every backward and optimizer slot is implemented */
-    int gemm_probe;   /* M = N = K of the throughput probe that reflects this device */
-    int bf16;         /* 1 when gemm computes in bf16 (nl_backend_opts.bf16) */
+    int host_memory;                 /* 1 when device pointers are ordinary host memory */
+    int can_train;                   /* 1 when every backward and optimizer slot is implemented */
+    int gemm_probe; /* M = N = K of the throughput probe that reflects this device */
+    int bf16;       /* 1 when gemm computes in bf16 (nl_backend_opts.bf16) */
     /* Device memory the backend itself holds (context, library workspaces,
      * its reduction scratch), measured when it was created; 0 on the CPU,
      * whose process overhead the memory model counts (NL_MEM_RUNTIME_BYTES). */
@@ -132,8 +132,9 @@ struct nl_backend {
     nl_backend_stats stats; /* kept by the backend's own slots */
 
     /* ---- memory (device) ---- */
-    void *(*alloc)(nl_backend *be, size_t bytes); /* zero-filled, 64-byte aligned; NULL on failure */
-    void (*free)(nl_backend *be, void *p);        /* p may be NULL */
+    void *(*alloc)(nl_backend *be,
+                   size_t bytes);          /* zero-filled, 64-byte aligned; NULL on failure */
+    void (*free)(nl_backend *be, void *p); /* p may be NULL */
     void (*upload)(nl_backend *be, void *dst, const void *src, size_t bytes);
     void (*download)(nl_backend *be, void *dst, const void *src, size_t bytes);
     /* Wait for queued work; returns the first asynchronous error, if any. */
@@ -181,8 +182,8 @@ struct nl_backend {
 
     /* ---- forward ops ---- */
     /* out[n, :] = table[tokens[n], :]; (N, C). Tokens are checked by the caller. */
-    void (*embedding_forward)(nl_backend *be, float *out, const int32_t *tokens,
-                              const float *table, int N, int C);
+    void (*embedding_forward)(nl_backend *be, float *out, const int32_t *tokens, const float *table,
+                              int N, int C);
     /* out = inp * rsqrt(mean(inp^2) + eps) * w; rstd (N) may be NULL. (N, C) */
     void (*rmsnorm_forward)(nl_backend *be, float *out, float *rstd, const float *inp,
                             const float *w, int N, int C, float eps);
@@ -200,9 +201,8 @@ struct nl_backend {
      * k,v: (B, kv_cap, kv_stride) with kv head g at column g*hd
      * out: (B, T, H*hd); lse: (B, H, T) log-sum-exp of the scaled scores,
      * kept for the backward pass (may be NULL). */
-    void (*attention_forward)(nl_backend *be, float *out, float *lse, const float *q,
-                              int q_stride, const float *k, const float *v, int kv_stride,
-                              nl_attn_shape s);
+    void (*attention_forward)(nl_backend *be, float *out, float *lse, const float *q, int q_stride,
+                              const float *k, const float *v, int kv_stride, nl_attn_shape s);
     /* Optional: attention_forward under a DESIGN section 6 mask. */
     void (*attention_masked_forward)(nl_backend *be, float *out, float *lse, const float *q,
                                      int q_stride, const float *k, const float *v, int kv_stride,

@@ -17,7 +17,7 @@ nl_status nl_devsim_backend_new(nl_backend **out, const nl_backend_opts *o, nl_e
  *   nl_status nl_cuda_backend_new(nl_backend **out, int device,
  *                                 const nl_backend_opts *o, nl_error *err); */
 typedef int (*nl_cuda_module_abi_fn)(void);
-typedef nl_status (*nl_cuda_backend_new_fn)(nl_backend **out, int device,
-                                            const nl_backend_opts *o, nl_error *err);
+typedef nl_status (*nl_cuda_backend_new_fn)(nl_backend **out, int device, const nl_backend_opts *o,
+                                            nl_error *err);
 
 #endif

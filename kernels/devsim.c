@@ -206,11 +206,10 @@ static void ds_gemm_grouped_wgrad(nl_backend *be, int M, int N, const float *A, 
     nl_cpu_gemm_grouped_wgrad(be, M, N, A, lda, B, ldb, C, ldc, c_stride, UI(offsets), groups);
 }
 
-static void ds_moe_ffn_backward(nl_backend *be, float *dxe, float *dgu, float *dhs,
-                                float *dexperts, const float *dye, const float *xe,
-                                const float *gu, const float *hs, const float *experts,
-                                size_t expert_stride, int d, int F, const int32_t *offsets,
-                                int groups)
+static void ds_moe_ffn_backward(nl_backend *be, float *dxe, float *dgu, float *dhs, float *dexperts,
+                                const float *dye, const float *xe, const float *gu, const float *hs,
+                                const float *experts, size_t expert_stride, int d, int F,
+                                const int32_t *offsets, int groups)
 {
     NOT_RECORDED(be, "moe_ffn_backward");
     cpu(be)->moe_ffn_backward(cpu(be), UF(dxe), UF(dgu), UF(dhs), UF(dexperts), UF(dye), UF(xe),

@@ -33,7 +33,7 @@ struct nl_connguard {
     int thread_started;
     atomic_int stop;
     pthread_mutex_t mu;
-    conn *conns; /* by descriptor, cap of them */
+    conn *conns;  /* by descriptor, cap of them */
     int cap, top; /* top: one past the highest descriptor active */
     uint64_t cuts;
 };
@@ -179,9 +179,8 @@ nl_status nl_connguard_new(nl_connguard **out, void *zctx, void *zsock, const ch
         !(g->mon = zmq_socket(zctx, ZMQ_PAIR)) ||
         zmq_setsockopt(g->mon, ZMQ_LINGER, &zero, sizeof zero) != 0 ||
         zmq_connect(g->mon, ep) != 0) {
-        nl_status st =
-            nl_error_set(err, NL_ERR_IO, "socket %s: connection guard: %s", name,
-                         zmq_strerror(zmq_errno()));
+        nl_status st = nl_error_set(err, NL_ERR_IO, "socket %s: connection guard: %s", name,
+                                    zmq_strerror(zmq_errno()));
         nl_connguard_destroy(&g, zsock);
         return st;
     }

@@ -30,7 +30,7 @@ struct nl_sock {
     char domain[NL_ZAP_DOMAIN_MAX];
     char server_key[NL_KEY_Z85_LEN + 1];
     char endpoint[256];
-    uint64_t max_msg; /* bytes of all parts of one message */
+    uint64_t max_msg;    /* bytes of all parts of one message */
     nl_connguard *guard; /* a control-sized server's: cuts a message that never ends */
     nl_wire_wbuf wbuf;
 };

@@ -106,26 +106,26 @@ static const nl_wire_field f_load_done[] = {
     F_U32(nl_msg_load_done, tensors, U32_ANY),
     F_U64(nl_msg_load_done, bytes, U64_ANY),
 };
-#define HOP_FIELDS                                                                               \
-    F_U64(nl_msg_tensor_hop, job_id, U64_ANY), F_U64(nl_msg_tensor_hop, step, U64_ANY),          \
-        F_U32(nl_msg_tensor_hop, microbatch, U32_ANY),                                           \
-        F_U64(nl_msg_tensor_hop, session_id, U64_ANY),                                           \
-        F_U64(nl_msg_tensor_hop, pos_offset, 0, INT32_MAX),                                      \
+#define HOP_FIELDS                                                                                 \
+    F_U64(nl_msg_tensor_hop, job_id, U64_ANY), F_U64(nl_msg_tensor_hop, step, U64_ANY),            \
+        F_U32(nl_msg_tensor_hop, microbatch, U32_ANY),                                             \
+        F_U64(nl_msg_tensor_hop, session_id, U64_ANY),                                             \
+        F_U64(nl_msg_tensor_hop, pos_offset, 0, INT32_MAX),                                        \
         F_F64(nl_msg_tensor_hop, aux, -1e30, 1e30)
 static const nl_wire_field f_hop[] = {HOP_FIELDS};
 /* a hop's digest (net/hopdigest.h): 64 lowercase hex digits, or absent
  * (an older peer); check_digest refuses other lengths */
-#define F_DIGEST                                                                                 \
-    {"digest", NL_WK_STR, NL_WCS_HEX, 0, offsetof(nl_msg_train_hop, digest), 0, 0, 64, 0, 0, 1}
+#define F_DIGEST                                                                                   \
+    {                                                                                              \
+        "digest", NL_WK_STR, NL_WCS_HEX, 0, offsetof(nl_msg_train_hop, digest), 0, 0, 64, 0, 0, 1  \
+    }
 /* the training hops: the objectives' frames and loss rows, added later */
 static const nl_wire_field f_train_hop[] = {
-    HOP_FIELDS,
-    F_U32_OPT(nl_msg_train_hop, extras),
-    F_U64_OPT(nl_msg_train_hop, loss_rows),
-    F_DIGEST,
-    F_U64_OPT(nl_msg_train_hop, epoch),
+    HOP_FIELDS, F_U32_OPT(nl_msg_train_hop, extras), F_U64_OPT(nl_msg_train_hop, loss_rows),
+    F_DIGEST,   F_U64_OPT(nl_msg_train_hop, epoch),
 };
-static const nl_wire_field f_grad_hop[] = {HOP_FIELDS, F_DIGEST, F_U64_OPT(nl_msg_train_hop, epoch)};
+static const nl_wire_field f_grad_hop[] = {HOP_FIELDS, F_DIGEST,
+                                           F_U64_OPT(nl_msg_train_hop, epoch)};
 static const nl_wire_field f_token[] = {
     F_U64(nl_msg_token, job_id, U64_ANY),
     F_U64(nl_msg_token, session_id, U64_ANY),
@@ -231,8 +231,7 @@ static const nl_wire_field f_reduce[] = {
 static nl_status check_join(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_reduce(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_verify_case(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
-static nl_status check_verify_result(const nl_wire_msg *m, const nl_wire_tdesc *td,
-                                     nl_error *err);
+static nl_status check_verify_result(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_accept(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_assign(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_layer_load(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
@@ -284,8 +283,8 @@ static const nl_wire_tdesc tdescs[NL_MSG_TYPE_MAX] = {
     [NL_MSG_VERIFY_REQ] = {"VERIFY_REQ", f_verify_req, NF(f_verify_req), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_VERIFY_CASE] = {"VERIFY_CASE", f_verify_case, NF(f_verify_case), 2, 10, 1, 3,
                             DT(F32) | DT(I32) | DT(I64), check_verify_case},
-    [NL_MSG_VERIFY_RESULT] = {"VERIFY_RESULT", f_verify_result, NF(f_verify_result), 0, 0, 0, 0,
-                              0, check_verify_result},
+    [NL_MSG_VERIFY_RESULT] = {"VERIFY_RESULT", f_verify_result, NF(f_verify_result), 0, 0, 0, 0, 0,
+                              check_verify_result},
     /* + one F32 frame [n]: the chunk's elements */
     [NL_MSG_REDUCE] = {"REDUCE", f_reduce, NF(f_reduce), 1, 1, 1, 1, DT(F32), check_reduce},
 };
@@ -610,8 +609,7 @@ static nl_status check_reduce(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_
 {
     const nl_msg_reduce *r = &m->u.reduce;
     if (r->chunk >= r->chunks)
-        return nl_error_set(err, NL_ERR_RANGE, "%s: chunk %u of %u", td->name, r->chunk,
-                            r->chunks);
+        return nl_error_set(err, NL_ERR_RANGE, "%s: chunk %u of %u", td->name, r->chunk, r->chunks);
     return NL_OK;
 }
 
@@ -709,7 +707,8 @@ static nl_status check_verify_case(const nl_wire_msg *m, const nl_wire_tdesc *td
         return nl_error_set(err, NL_ERR_RANGE, "%s: outputs %u (0 or 1)", td->name, v->outputs);
     if (v->layer0 > v->layer1 || (v->has_embed && v->stage != 0))
         return nl_error_set(err, NL_ERR_RANGE, "%s: layers [%u, %u) of stage %u%s", td->name,
-                            v->layer0, v->layer1, v->stage, v->has_embed ? " with the embedding" : "");
+                            v->layer0, v->layer1, v->stage,
+                            v->has_embed ? " with the embedding" : "");
     want[n] = NL_DTYPE_F32, rank[n++] = 1; /* the weights */
     want[n] = v->has_embed ? NL_DTYPE_I32 : NL_DTYPE_F32, rank[n++] = v->has_embed ? 2 : 3;
     if (!v->has_head)
@@ -724,8 +723,8 @@ static nl_status check_verify_case(const nl_wire_msg *m, const nl_wire_tdesc *td
     if (v->outputs && !v->has_embed)
         want[n] = NL_DTYPE_F32, rank[n++] = 3; /* the GRADIENT it sent */
     if (m->nframes != n)
-        return nl_error_set(err, NL_ERR_PROTO, "%s: %d tensor frames, its fields name %d",
-                            td->name, m->nframes, n);
+        return nl_error_set(err, NL_ERR_PROTO, "%s: %d tensor frames, its fields name %d", td->name,
+                            m->nframes, n);
     for (int i = 0; i < n; i++)
         if (m->frames[i].t.dtype != want[i] || m->frames[i].t.ndim != rank[i])
             return nl_error_set(err, NL_ERR_DTYPE, "%s: frame %d must be %s of %d dimension%s",
@@ -734,8 +733,7 @@ static nl_status check_verify_case(const nl_wire_msg *m, const nl_wire_tdesc *td
     return NL_OK;
 }
 
-static nl_status check_verify_result(const nl_wire_msg *m, const nl_wire_tdesc *td,
-                                     nl_error *err)
+static nl_status check_verify_result(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err)
 {
     const nl_msg_verify_result *v = &m->u.verify_result;
     const size_t f = v->fwd ? strlen(v->fwd) : 0, b = v->bwd ? strlen(v->bwd) : 0;
@@ -763,7 +761,8 @@ static nl_status check_job_submit(const nl_wire_msg *m, const nl_wire_tdesc *td,
                 return nl_error_set(err, NL_ERR_PROTO, "%s.params: duplicate key '%s'", td->name,
                                     p->key);
         size_t n = p->kind == NL_WIRE_PARAM_STR && p->s ? strlen(p->s) : 0;
-        if ((unsigned)p->kind > NL_WIRE_PARAM_BOOL || (p->kind == NL_WIRE_PARAM_FLOAT && !isfinite(p->f)) ||
+        if ((unsigned)p->kind > NL_WIRE_PARAM_BOOL ||
+            (p->kind == NL_WIRE_PARAM_FLOAT && !isfinite(p->f)) ||
             (p->kind == NL_WIRE_PARAM_STR && (n > 4096 || !utf8_ok((const uint8_t *)p->s, n))))
             return nl_error_set(err, NL_ERR_RANGE, "%s.params.%s: bad value", td->name, p->key);
     }

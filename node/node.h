@@ -55,51 +55,51 @@ nl_status nl_node_parse_devices(const char *list, char (*names)[NL_NODE_DEVICE_N
                                 nl_error *err);
 
 typedef struct nl_node_opts {
-    const char *coordinator;     /* control endpoint, e.g. tcp://host:7000 */
-    const char *coordinator_key; /* the coordinator's Z85 public key (unused with plaintext) */
-    const nl_keypair *keys;      /* this node's identity */
-    bool plaintext;              /* INSECURE: no CURVE on any socket */
-    const char *device;          /* "cpu", "cpu-devsim" or "cuda:N"; a list makes replicas */
-    int tf32;                    /* GPU GEMMs may use TF32 */
-    int bf16;                    /* --precision bf16: GEMMs in bf16 (CPU or CUDA) */
-    const char *listen;          /* data endpoint to bind; NULL = tcp://127.0.0.1:* */
-    bool no_inbound;             /* nothing can connect to this node: it dials its neighbours
-                                  * (JOIN.flags, ASSIGN.links) */
-    const char *name;            /* log name; NULL = "node-<id>" once accepted */
-    uint64_t memory_bytes;       /* offered to the coordinator; 0 on a GPU: its free memory */
-    uint64_t reserve_bytes;      /* a GPU's memory kept free ... */
-    bool has_reserve;            /* ... when set; else max(256 MiB, 5% of the device) */
-    uint64_t kv_budget;          /* KV caches of all sessions */
-    int batch_decode;            /* session decode steps per batch; 0: the stage's default */
-    int prefill_chunk;           /* prompt positions per batch; 0: the stage's default */
-    int batch_wait_ms;           /* longest wait for the other sessions; 0: the stage's
-                                  * default, < 0: none */
-    int threads;                 /* backend threads; 0 = all cores */
-    int connect_timeout_ms;      /* keep trying the coordinator this long */
-    const char *ckpt_root;       /* checkpoint shards only under this directory (made and
-                                  * resolved at the start; "/" admits any); NULL: none written */
-    int64_t inject_nan_step;     /* test hook (NL_TEST_INJECT_NAN_STEP): 1-based step, 0 never */
-    int inject_nan_stage;        /* ... on this stage only (-1 any) */
-    int inject_nan_on;           /* ... and on every later step */
-    int inject_lie_kind;         /* test hook (NL_TEST_LIE): the stage lies (stage.h, */
-    double inject_lie_rate;      /* nl_lie_kind) on this fraction of its outputs, */
-    uint64_t inject_lie_seed;    /* drawn from this seed */
-    uint64_t inject_lie_from;    /* from this training step on */
-    int inject_device_fail;      /* test hook (NL_TEST_DEVICE_FAIL): the device's K-th check
-                                  * after the start fails, and every later one (0 never) */
-    double inject_gflops;        /* test hook (NL_TEST_GFLOPS): reported throughput, if > 0 */
-    double inject_slow_ms;       /* test hook (NL_TEST_SLOW_MS): each training message takes
-                                  * this much longer here (a node slower than it said) */
+    const char *coordinator;      /* control endpoint, e.g. tcp://host:7000 */
+    const char *coordinator_key;  /* the coordinator's Z85 public key (unused with plaintext) */
+    const nl_keypair *keys;       /* this node's identity */
+    bool plaintext;               /* INSECURE: no CURVE on any socket */
+    const char *device;           /* "cpu", "cpu-devsim" or "cuda:N"; a list makes replicas */
+    int tf32;                     /* GPU GEMMs may use TF32 */
+    int bf16;                     /* --precision bf16: GEMMs in bf16 (CPU or CUDA) */
+    const char *listen;           /* data endpoint to bind; NULL = tcp://127.0.0.1:* */
+    bool no_inbound;              /* nothing can connect to this node: it dials its neighbours
+                                   * (JOIN.flags, ASSIGN.links) */
+    const char *name;             /* log name; NULL = "node-<id>" once accepted */
+    uint64_t memory_bytes;        /* offered to the coordinator; 0 on a GPU: its free memory */
+    uint64_t reserve_bytes;       /* a GPU's memory kept free ... */
+    bool has_reserve;             /* ... when set; else max(256 MiB, 5% of the device) */
+    uint64_t kv_budget;           /* KV caches of all sessions */
+    int batch_decode;             /* session decode steps per batch; 0: the stage's default */
+    int prefill_chunk;            /* prompt positions per batch; 0: the stage's default */
+    int batch_wait_ms;            /* longest wait for the other sessions; 0: the stage's
+                                   * default, < 0: none */
+    int threads;                  /* backend threads; 0 = all cores */
+    int connect_timeout_ms;       /* keep trying the coordinator this long */
+    const char *ckpt_root;        /* checkpoint shards only under this directory (made and
+                                   * resolved at the start; "/" admits any); NULL: none written */
+    int64_t inject_nan_step;      /* test hook (NL_TEST_INJECT_NAN_STEP): 1-based step, 0 never */
+    int inject_nan_stage;         /* ... on this stage only (-1 any) */
+    int inject_nan_on;            /* ... and on every later step */
+    int inject_lie_kind;          /* test hook (NL_TEST_LIE): the stage lies (stage.h, */
+    double inject_lie_rate;       /* nl_lie_kind) on this fraction of its outputs, */
+    uint64_t inject_lie_seed;     /* drawn from this seed */
+    uint64_t inject_lie_from;     /* from this training step on */
+    int inject_device_fail;       /* test hook (NL_TEST_DEVICE_FAIL): the device's K-th check
+                                   * after the start fails, and every later one (0 never) */
+    double inject_gflops;         /* test hook (NL_TEST_GFLOPS): reported throughput, if > 0 */
+    double inject_slow_ms;        /* test hook (NL_TEST_SLOW_MS): each training message takes
+                                   * this much longer here (a node slower than it said) */
     double inject_compute_gflops; /* test hook (NL_TEST_COMPUTE_GFLOPS): each training hop
                                    * sleeps for its FLOPs' time at this rate instead of
                                    * computing (bench/bench_replicas.sh; 0: none) */
-    double inject_slow_hop_ms;   /* test hook (NL_TEST_SLOW_HOP_MS): each batch of session hops
-                                  * waits this long first (a slow stage, so a test's session
-                                  * is still open when another opens) */
-    bool inject_no_train;        /* test hook (NL_TEST_DEVICE_NO_TRAIN): the device cannot train */
-    uint64_t inject_mem_free;    /* test hook (NL_TEST_DEVICE_MEM=FREE,TOTAL in MiB): the device */
-    uint64_t inject_mem_total;   /* reports this memory, as a GPU would (0: no such hook) */
-    volatile sig_atomic_t *stop; /* set by the signal handler: LEAVE and return */
+    double inject_slow_hop_ms;    /* test hook (NL_TEST_SLOW_HOP_MS): each batch of session hops
+                                   * waits this long first (a slow stage, so a test's session
+                                   * is still open when another opens) */
+    bool inject_no_train;         /* test hook (NL_TEST_DEVICE_NO_TRAIN): the device cannot train */
+    uint64_t inject_mem_free;     /* test hook (NL_TEST_DEVICE_MEM=FREE,TOTAL in MiB): the device */
+    uint64_t inject_mem_total;    /* reports this memory, as a GPU would (0: no such hook) */
+    volatile sig_atomic_t *stop;  /* set by the signal handler: LEAVE and return */
 } nl_node_opts;
 
 /* Join the coordinator and serve until *stop is set: returns NL_OK after

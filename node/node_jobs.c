@@ -347,8 +347,9 @@ static nl_status train_send_to(node *n, nl_stage_dest to, nl_wire_msg *m, nl_err
         st = ensure_ring(n, err);
         if (st == NL_OK)
             st = nl_sock_send(n->ring, NULL, 0, m, err);
-        return st == NL_OK ? st
-                           : nl_error_prefix(err, "cannot reach the next replica at %s", n->ring_ep);
+        return st == NL_OK
+                   ? st
+                   : nl_error_prefix(err, "cannot reach the next replica at %s", n->ring_ep);
     }
     if (to == NL_STAGE_TO_PREV) {
         if (n->links & NL_NODE_DIALS_PREV) /* back on the link this node dialed */
@@ -398,9 +399,9 @@ static double compute_model_s(node *n, const nl_wire_msg *m)
     double fwd = (md->l1 - md->l0) * nl_plan_layer_flops(&md->cfg, rows, seq);
     fwd += md->has_head ? nl_plan_head_flops(&md->cfg, rows) : 0.0;
     fwd += md->has_embed ? nl_plan_embed_flops(&md->cfg, rows) : 0.0;
-    const double f = m->type == NL_MSG_GRADIENT                        ? 2 * fwd
+    const double f = m->type == NL_MSG_GRADIENT                     ? 2 * fwd
                      : m->type == NL_MSG_ACTIVATION && md->has_head ? 3 * fwd
-                                                                     : fwd;
+                                                                    : fwd;
     return f / (n->o->inject_compute_gflops * 1e9);
 }
 
@@ -415,7 +416,8 @@ void nl_node_handle_train(node *n, const nl_wire_msg *m)
     const double cpu0 = busy_cpu_ms(n);
     if (!n->train_t0)
         n->train_t0 = nl_node_mono_ms();
-    if (!nl_stage_job_holds(n->stage, m)) { /* in flight when its job ended, or from a former plan */
+    if (!nl_stage_job_holds(n->stage,
+                            m)) { /* in flight when its job ended, or from a former plan */
         NL_DEBUG("dropped a %s of a job this stage does not train (or of a former plan)",
                  nl_wire_type_name(m->type));
         return;

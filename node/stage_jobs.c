@@ -189,9 +189,9 @@ nl_status nl_stage_job_input(nl_stage *s, const nl_wire_msg *m, nl_stage_send_fn
         return nl_error_set(err, NL_ERR_STATE, "%s: job %llu is not training on this stage",
                             nl_wire_type_name(m->type), (unsigned long long)id);
     if (other_epoch(s, m))
-        return nl_error_set(err, NL_ERR_STATE, "%s of job %llu: epoch %llu, but this stage is in %llu",
-                            nl_wire_type_name(m->type), (unsigned long long)id,
-                            (unsigned long long)m->u.train_hop.epoch,
-                            (unsigned long long)nl_stage_epoch(s));
+        return nl_error_set(
+            err, NL_ERR_STATE, "%s of job %llu: epoch %llu, but this stage is in %llu",
+            nl_wire_type_name(m->type), (unsigned long long)id,
+            (unsigned long long)m->u.train_hop.epoch, (unsigned long long)nl_stage_epoch(s));
     return e->ops->input(s, e->state, m, send, ctx, err);
 }

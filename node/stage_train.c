@@ -499,8 +499,8 @@ static nl_status enqueue(nl_stage *s, stage_train *t, const nl_wire_msg *m, nl_e
         t->qhead = 0;
     }
     hop_in h = {.type = m->type, .step = hop->step, .mb = hop->microbatch, .aux = hop->aux};
-    if (m->type != NL_MSG_EVAL && (st = nl_stage_train_mb_here(t, what, hop->microbatch, &h.mb,
-                                                               err)) != NL_OK)
+    if (m->type != NL_MSG_EVAL &&
+        (st = nl_stage_train_mb_here(t, what, hop->microbatch, &h.mb, err)) != NL_OK)
         return st;
     /* token ids as they came; hidden states as FP32 (widened from bf16) */
     const size_t xbytes = first ? m->frames[0].len : t->rows * t->d * sizeof(float);
@@ -539,7 +539,8 @@ static nl_status on_gradient(nl_stage *s, stage_train *t, const nl_wire_msg *m,
     const nl_tensor *g = &m->frames[0].t;
     if (s->model->has_head)
         return nl_error_set(err, NL_ERR_STATE, "GRADIENT: the last stage starts from its loss");
-    nl_status st = nl_stage_train_mb_here(t, "GRADIENT", m->u.hop.microbatch, &here.microbatch, err);
+    nl_status st =
+        nl_stage_train_mb_here(t, "GRADIENT", m->u.hop.microbatch, &here.microbatch, err);
     if (st != NL_OK)
         return st;
     if (hop->step != t->begun || hop->step != (uint64_t)t->applied + 1 || t->finished)

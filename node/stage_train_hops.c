@@ -179,13 +179,13 @@ void nl_stage_train_run_job(void *ctx, nl_wjob *w)
         /* test hook: the compute model's node slept for this work; what
          * goes on is zero (a pass on the last stage, a forward on the
          * first, has nothing to send) */
-        const bool out = j->kind == JOB_BACKWARD ? !t->has_embed
+        const bool out = j->kind == JOB_BACKWARD                 ? !t->has_embed
                          : j->kind == JOB_FORWARD && t->has_head ? !t->has_embed
                                                                  : !t->has_head;
         if (out)
             memset(j->out, 0, n * sizeof(float));
-        j->out_type = !out                     ? 0
-                      : j->kind == JOB_COUNT   ? NL_MSG_COUNT
+        j->out_type = !out                                     ? 0
+                      : j->kind == JOB_COUNT                   ? NL_MSG_COUNT
                       : j->kind == JOB_FORWARD && !t->has_head ? NL_MSG_ACTIVATION
                                                                : NL_MSG_GRADIENT;
         j->st = NL_OK;
@@ -284,7 +284,7 @@ static nl_status take_back(nl_stage *s, stage_train *t, rjob *j, nl_stage_send_f
         t->aux += j->aux + j->a;
     }
     if (st == NL_OK && j->out_type) {
-        nl_stage_train_lie(s, t, j); /* a test hook; nothing in other builds */
+        nl_stage_train_lie(s, t, j);   /* a test hook; nothing in other builds */
         nl_stage_train_keep_out(t, j); /* what it sends, for verification */
         st = send_host(s, t, send, ctx, j->out_type, j->step, j->mb,
                        j->out_type == NL_MSG_ACTIVATION ? j->aux + j->a : 0.0, j->out,

@@ -233,8 +233,8 @@ nl_status nl_stage_train_mb_here(const stage_train *t, const char *what, uint32_
 /* Begin adding up the step's gradients (and the last stage's losses)
  * across the replicas; when that is done (now, or on a later REDUCE), the
  * step is reported. */
-nl_status nl_stage_train_reduce_grads(nl_stage *s, stage_train *t, nl_stage_send_fn send,
-                                      void *ctx, nl_error *err);
+nl_status nl_stage_train_reduce_grads(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
+                                      nl_error *err);
 /* Begin adding up the step's route counts (sum, n) across the replicas;
  * when done they are used (nl_stage_train_use_counts). */
 nl_status nl_stage_train_reduce_counts(nl_stage *s, stage_train *t, const int64_t *sum, size_t n,

@@ -140,8 +140,7 @@ static nl_status open_tokens(const char *path, FILE **out, nl_error *err)
                           "--http-tokens %s: group or others may read or write it (mode %03o): "
                           "chmod 600 it",
                           path, (unsigned)(sb.st_mode & 0777));
-    else if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) != 0 ||
-             !(*out = fdopen(fd, "r")))
+    else if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) != 0 || !(*out = fdopen(fd, "r")))
         st = nl_error_set(err, NL_ERR_IO, "--http-tokens %s: %s", path, strerror(errno));
     if (!*out && fd >= 0)
         close(fd);
@@ -407,8 +406,9 @@ static int host_ok(const nl_http *h, struct MHD_Connection *c)
     if (!v) /* HTTP/1.0 without Host: no browser sends that */
         return 1;
     const char *end = v[0] == '[' ? strchr(v, ']') : strchr(v, ':');
-    const size_t n = v[0] == '[' ? (end ? (size_t)(end - v - 1) : 0) : end ? (size_t)(end - v)
-                                                                           : strlen(v);
+    const size_t n = v[0] == '[' ? (end ? (size_t)(end - v - 1) : 0)
+                     : end       ? (size_t)(end - v)
+                                 : strlen(v);
     if (n == 0 || n >= sizeof name)
         return 0;
     memcpy(name, v[0] == '[' ? v + 1 : v, n);

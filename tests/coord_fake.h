@@ -10,7 +10,9 @@
 
 #define WAIT_S 10.0 /* for a message that must arrive */
 #define HB_MS 50
-#define TIMEOUT_MS 1500 /* a loaded 2-core machine stalls the test process (fakes and coordinator alike) for more than half a second */
+#define TIMEOUT_MS                                                                                 \
+    1500 /* a loaded 2-core machine stalls the test process (fakes and coordinator alike) for more \
+            than half a second */
 
 typedef struct fake {
     nl_sock *sock;

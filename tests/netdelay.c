@@ -113,7 +113,8 @@ int main(int argc, char **argv)
     char *end;
     const long q = strtol(argv[1], &end, 10);
     const double delay_ms = strtod(argv[2], &end), loss = strtod(argv[3], &end);
-    if (q < 0 || q > 65535 || !(delay_ms >= 0 && delay_ms <= 10000) || !(loss >= 0 && loss <= 100)) {
+    if (q < 0 || q > 65535 || !(delay_ms >= 0 && delay_ms <= 10000) ||
+        !(loss >= 0 && loss <= 100)) {
         fprintf(stderr, "netdelay: QUEUE in [0, 65535], DELAY_MS in [0, 10000], LOSS_PERCENT in "
                         "[0, 100]\n");
         return 2;

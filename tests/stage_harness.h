@@ -74,8 +74,8 @@ static inline nl_wire_frame f32_frame(const float *data, int64_t n)
     return f;
 }
 
-static inline nl_msg_layer_load mk_load(uint64_t epoch, const nl_param *p, uint64_t offset, uint32_t chunk,
-                                 uint32_t chunks)
+static inline nl_msg_layer_load mk_load(uint64_t epoch, const nl_param *p, uint64_t offset,
+                                        uint32_t chunk, uint32_t chunks)
 {
     nl_msg_layer_load l = {.epoch = epoch,
                            .name = p->name,
@@ -90,7 +90,8 @@ static inline nl_msg_layer_load mk_load(uint64_t epoch, const nl_param *p, uint6
 
 /* Stream every tensor of the stage from ref's values in CHUNK-element
  * chunks; the last chunk of tensor `hold` (-1: none) is left unsent. */
-static inline nl_status stream(nl_stage *s, const nl_model *ref, uint64_t epoch, int hold, nl_error *err)
+static inline nl_status stream(nl_stage *s, const nl_model *ref, uint64_t epoch, int hold,
+                               nl_error *err)
 {
     const nl_model *m = nl_stage_model(s);
     for (int i = 0; m && i < m->n_table; i++) {
@@ -140,8 +141,8 @@ static inline bool params_equal(const nl_model *m, const nl_model *ref)
     return true;
 }
 
-static inline nl_stage *loaded_stage(const nl_model *ref, uint32_t stage, uint32_t nst, int l0, int l1,
-                              uint64_t kv_budget)
+static inline nl_stage *loaded_stage(const nl_model *ref, uint32_t stage, uint32_t nst, int l0,
+                                     int l1, uint64_t kv_budget)
 {
     nl_error err;
     nl_stage *s = mk_stage(1ULL << 30, kv_budget);

@@ -506,8 +506,7 @@ static void test_device_sampling(nl_model *m)
             next[i] = id;
         }
     }
-    CHECK(bad == 0, "%d of %d ids sampled on the device differ from the host's", bad,
-          SEQS * STEPS);
+    CHECK(bad == 0, "%d of %d ids sampled on the device differ from the host's", bad, SEQS * STEPS);
     CHECK(lazy, "a step's logits were not downloaded once, on the first ask");
     CHECK(nl_batch_logits_device(b, SEQS) == NULL, "a segment past the call has no logits");
     for (int i = 0; i < SEQS; i++) {

@@ -261,9 +261,9 @@ static void test_variants(void)
                     "rope_scaling:\n  type: yarn\n  factor: 4\n  original_max_seq_len: 512\n"
                     "vocab_size: 300\nobjective: mlm\nmask_prob: 0.15\nnum_classes: 4\n";
     /* global_every 0: every layer local (Mistral's sliding window) */
-    CHECK_OK(parse(&a, "hidden_dim: 64\nnum_layers: 3\nattention_window: 8\nglobal_every: 0\n",
-                   &err),
-             &err);
+    CHECK_OK(
+        parse(&a, "hidden_dim: 64\nnum_layers: 3\nattention_window: 8\nglobal_every: 0\n", &err),
+        &err);
     CHECK(a.global_every == 0 && nl_config_layer_local(&a, 0) && nl_config_layer_local(&a, 2),
           "global_every 0 makes layer 0 local too");
     json = nl_config_to_json(&a);
@@ -302,8 +302,7 @@ static void test_variants(void)
         {"rope_scaling:\n  type: ntk\n", "rope_scaling.type: expected yarn"},
         {"rope_scaling:\n  kind: yarn\n", "unknown key 'rope_scaling.kind'"},
         {"rope_scaling:\n  type: yarn\n  factor: 4\n", "original_max_seq_len 0"},
-        {"rope_scaling:\n  type: yarn\n  factor: 0.5\n  original_max_seq_len: 8\n",
-         "factor 0.5"},
+        {"rope_scaling:\n  type: yarn\n  factor: 0.5\n  original_max_seq_len: 8\n", "factor 0.5"},
         {"num_experts: 1\ntop_k: 2\n", "top_k: 2 must be in 1..num_experts"},
         {"global_every: -1\n", "global_every: -1 must be at least 1"},
         {"factor: 4\n", "unknown key 'factor'"},
@@ -317,9 +316,9 @@ static void test_variants(void)
         CHECK(strstr(err.msg, bad[i].want) != NULL, "variant case %zu: '%s' not in: %s", i,
               bad[i].want, err.msg);
     }
-    static const char *const bad_json[] = {
-        "{\"causal\": 1}", "{\"ffn_act\": 2}", "{\"rope_scaling\": [1]}",
-        "{\"rope_scaling\": {\"type\": \"yarn\", \"x\": 1}}"};
+    static const char *const bad_json[] = {"{\"causal\": 1}", "{\"ffn_act\": 2}",
+                                           "{\"rope_scaling\": [1]}",
+                                           "{\"rope_scaling\": {\"type\": \"yarn\", \"x\": 1}}"};
     for (size_t i = 0; i < sizeof bad_json / sizeof bad_json[0]; i++)
         CHECK(nl_config_from_json(&b, bad_json[i], &err) == NL_ERR_INVALID, "json variant %zu: %s",
               i, err.msg);

@@ -521,7 +521,6 @@ static void test_node_index(void)
         fprintf(stderr, "could not remove %s\n", dir);
 }
 
-
 /* ---------------------------------------------------------------- jobs' owners (CURVE) */
 
 /* The next JOB_STATUS to f: its job, state and message (0: none). */
@@ -564,8 +563,8 @@ static void submit_generate(fake *f)
 
 /* f submits kind with params ps (no frame) and must be refused at once
  * with a message that holds want. */
-static void submit_refused(fake *f, uint32_t kind, nl_wire_param *ps, uint32_t n,
-                           const char *want, const char *what)
+static void submit_refused(fake *f, uint32_t kind, nl_wire_param *ps, uint32_t n, const char *want,
+                           const char *what)
 {
     nl_wire_msg m;
     nl_wire_msg_init(&m);
@@ -683,7 +682,8 @@ static void ownership(const nl_keypair *node, const nl_keypair *alice, const nl_
     /* limits by role: a client grows nothing, reloads nothing under alice's job */
     nl_wire_param grow[1] = {{.key = "layers", .kind = NL_WIRE_PARAM_INT, .i = 12}};
     submit_refused(&b, NL_JOB_GROW, grow, 1, "admin role", "bob's grow job");
-    nl_wire_param resume[1] = {{.key = "resume", .kind = NL_WIRE_PARAM_STR, .s = "m/manifest.json"}};
+    nl_wire_param resume[1] = {
+        {.key = "resume", .kind = NL_WIRE_PARAM_STR, .s = "m/manifest.json"}};
     submit_refused(&b, NL_JOB_TRAIN, resume, 1, "would fail the 1 job(s) of other clients",
                    "bob's training job with resume");
     /* --max-jobs-per-key 2: alice's third is refused, naming the flag */
@@ -696,8 +696,7 @@ static void ownership(const nl_keypair *node, const nl_keypair *alice, const nl_
           "alice's third job: state %u: %s", state, msg);
     /* the admin cancels alice's first job: her follower is told */
     send_ref(&ad, NL_MSG_JOB_CANCEL, job);
-    CHECK(status_of(&ad, &got, &state, msg, sizeof msg) && got == job &&
-              state == NL_JOB_CANCELLED,
+    CHECK(status_of(&ad, &got, &state, msg, sizeof msg) && got == job && state == NL_JOB_CANCELLED,
           "the admin's cancel: state %u: %s", state, msg);
     CHECK(status_of(&a2, &got, &state, msg, sizeof msg) && got == job &&
               state == NL_JOB_CANCELLED && strstr(msg, "admin"),

@@ -142,8 +142,7 @@ static void test_confine(void)
     nl_status st = nl_path_confine(root, at("root/escape/step-000001"), &out, &err);
     CHECK(st == NL_ERR_AUTH && out == NULL && strstr(err.msg, "outside the root"),
           "escape by link: %s '%s'", nl_status_str(st), err.msg);
-    CHECK(!strstr(err.msg, outside),
-          "the refusal says where the link leads: '%s'", err.msg);
+    CHECK(!strstr(err.msg, outside), "the refusal says where the link leads: '%s'", err.msg);
     CHECK(access(at("outside/step-000001"), F_OK) != 0, "nothing made outside the root");
     st = nl_path_confine(root, at("root/escape"), &out, &err);
     CHECK(st == NL_ERR_AUTH, "the link itself: %s '%s'", nl_status_str(st), err.msg);

@@ -11,9 +11,9 @@
 
 /* DESIGN section 2, then the section 6 variants alone and combined (see
  * tests/golden/gen_golden.py, FAMILIES) */
-static const char *const configs[] = {"odd",   "t1",     "long",   "topk3",  "enc",
-                                      "geglu", "dense",  "window", "encwin", "yarn",
-                                      "packed", "ignore", "combo", "classify"};
+static const char *const configs[] = {"odd",    "t1",     "long",   "topk3",   "enc",
+                                      "geglu",  "dense",  "window", "encwin",  "yarn",
+                                      "packed", "ignore", "combo",  "classify"};
 
 static int read_ints(nl_st_file *f, const char *name, int32_t **out, int *B, int *T)
 {

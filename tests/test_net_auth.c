@@ -828,7 +828,8 @@ static void test_pinned(void)
     CHECK(nl_auth_allowed(au, "pin", p.public_z85) && nl_auth_allowed(au, "pin", a.public_z85),
           "pinned or file key refused");
     CHECK(nl_auth_roles(au, "pin", p.public_z85) == NL_KEY_ROLE_CLIENT,
-          "the pinned key has roles 0x%x, not client alone", nl_auth_roles(au, "pin", p.public_z85));
+          "the pinned key has roles 0x%x, not client alone",
+          nl_auth_roles(au, "pin", p.public_z85));
     n = snprintf(text, sizeof text, "%s\n", b.public_z85);
     CHECK_OK(nl_file_write_atomic(path, text, (size_t)n, &err), &err);
     CHECK_OK(nl_auth_reload(au, &err), &err);

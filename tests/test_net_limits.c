@@ -359,8 +359,8 @@ static void test_coordinator_client_socket(void *zctx, size_t part, int parts, l
         if (!dropped && (dropped = disconnected(mon)))
             end = mono_ms() + 1000;
     }
-    CHECK(dropped, "the coordinator kept the connection of a client sending %d x %zu KiB",
-          parts, part >> 10);
+    CHECK(dropped, "the coordinator kept the connection of a client sending %d x %zu KiB", parts,
+          part >> 10);
     CHECK(peak - base <= bound_kib,
           "the coordinator's resident memory grew %ld MiB for a client's %d x %zu KiB message",
           (peak - base) >> 10, parts, part >> 10);

@@ -18,7 +18,6 @@
 
 /* ---- batched session hops ---- */
 
-
 /* A monotonic clock in seconds. */
 static double now_s(void)
 {
@@ -152,16 +151,15 @@ static void test_batched(nl_model *ref)
      * stalled this test for seconds since its last forward makes it
      * inactive, rightly not waited for. From this test's own clock: */
     const double period_max = tb2_after - tb1_before, margin = 0.05;
-    const int surely_active = t1q - tb2_before < 2.0 - margin,
-              surely_inactive = t0 - tb2_after > 2.0 + margin,
+    const int surely_active =
+                  t1q - tb2_before<2.0 - margin, surely_inactive = t0 - tb2_after> 2.0 + margin,
               surely_late = tb2_after + period_max < t0 - margin;
     if (waited >= 0.020)
         CHECK(due == 0.0, "one of two queued, the wait over after %g s: due in %g s", waited, due);
     else if (surely_active && surely_late)
         CHECK(due > 0.0 && due <= 0.020, "one of two active sessions queued: due in %g s", due);
     else if (surely_inactive)
-        CHECK(due == 0.0, "session 2 idle for %.2f s (inactive): due in %g s", t0 - tb2_after,
-              due);
+        CHECK(due == 0.0, "session 2 idle for %.2f s (inactive): due in %g s", t0 - tb2_after, due);
     else /* at a threshold: either answer is right */
         CHECK(due >= 0.0 && due <= 0.020, "session 2 at a threshold: due in %g s", due);
 

@@ -98,8 +98,9 @@ static int dial(int port, const char *from)
     struct timeval tv = {30, 0};
     if (s >= 0)
         setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    if (s < 0 || (from && (inet_pton(AF_INET, from, &src.sin_addr) != 1 ||
-                           bind(s, (struct sockaddr *)&src, sizeof src) != 0)) ||
+    if (s < 0 ||
+        (from && (inet_pton(AF_INET, from, &src.sin_addr) != 1 ||
+                  bind(s, (struct sockaddr *)&src, sizeof src) != 0)) ||
         connect(s, (struct sockaddr *)&a, sizeof a) != 0) {
         if (s >= 0)
             close(s);
@@ -121,8 +122,8 @@ static char *request_with(int port, const char *method, const char *path, const 
     snprintf(std, sizeof std, "Host: 127.0.0.1:%d\r\n%s", port,
              body ? "Content-Type: application/json\r\n" : "");
     int n = snprintf(head, sizeof head,
-                     "%s %s HTTP/1.1\r\n%sConnection: close\r\nContent-Length: %zu\r\n\r\n",
-                     method, path, headers ? headers : std, body ? strlen(body) : 0);
+                     "%s %s HTTP/1.1\r\n%sConnection: close\r\nContent-Length: %zu\r\n\r\n", method,
+                     path, headers ? headers : std, body ? strlen(body) : 0);
     if (write(s, head, (size_t)n) != n || (body && write(s, body, strlen(body)) < 0)) {
         close(s);
         return NULL;
@@ -352,7 +353,6 @@ static void test_models(const nl_http_backend *base)
     free(r);
     nl_http_stop(&h);
 }
-
 
 /* Issue 31, item 6: a page of another site cannot drive a server without
  * tokens (its Host is refused unless allowed; a POST must say JSON, which

@@ -962,7 +962,8 @@ static void test_token_length_bound(void)
     CHECK_OK(nl_tokenizer_append_token(t, buf, NL_TOKENIZER_MAX_TOKEN_BYTES, 0, &err), &err);
     CHECK(nl_tokenizer_append_token(t, buf, sizeof buf, 0, &err) == NL_ERR_LIMIT,
           "a token of %zu bytes is refused", sizeof buf);
-    CHECK(nl_tokenizer_append_token(t, buf, 0, 0, &err) == NL_ERR_LIMIT, "an empty token is refused");
+    CHECK(nl_tokenizer_append_token(t, buf, 0, 0, &err) == NL_ERR_LIMIT,
+          "an empty token is refused");
     nl_tokenizer_destroy(&t);
 }
 

@@ -282,8 +282,10 @@ static void test_step_size(nl_backend *be)
                    "decayed by lr wd p\n",
                    step, med, n, untouched);
         }
-        CHECK(untouched > 0 && decay_bad == 0, "step %d: %zu of %zu untouched weights did not "
-              "move by lr wd p alone", step, decay_bad, untouched);
+        CHECK(untouched > 0 && decay_bad == 0,
+              "step %d: %zu of %zu untouched weights did not "
+              "move by lr wd p alone",
+              step, decay_bad, untouched);
         /* norm weights (about 1) are not decayed: they move by lr, where a
          * decay would add or take lr * wd * p = 0.1 lr */
         size_t nn = 0;
@@ -375,10 +377,10 @@ static void test_syncs(nl_backend *be)
             s = be->stats.host_syncs;
             COUNTED(0, CHECK_OK(nl_trainer_count_routes(t, B, T, tok, NULL, &err), &err));
             COUNTED(1, nl_trainer_use_counts(t, NULL));
-            COUNTED(2, CHECK_OK(nl_trainer_forward(t, 0, B, T, tok, NULL, tgt, &ce, &aux, &err),
-                                &err));
-            COUNTED(3, CHECK_OK(nl_trainer_forward(t, 0, B, T, tok, NULL, tgt, &ce, NULL, &err),
-                                &err));
+            COUNTED(
+                2, CHECK_OK(nl_trainer_forward(t, 0, B, T, tok, NULL, tgt, &ce, &aux, &err), &err));
+            COUNTED(
+                3, CHECK_OK(nl_trainer_forward(t, 0, B, T, tok, NULL, tgt, &ce, NULL, &err), &err));
             COUNTED(4, CHECK_OK(nl_trainer_backward(t, 0, NULL, &err), &err));
             CHECK(aux > 0 && ce > 0, "losses: ce %g aux %g", ce, aux);
         }

@@ -282,11 +282,11 @@ static bool heartbeat_field_zero(const nl_msg_heartbeat *h, const char *key)
  * one) is read as sending 0. */
 static bool added_later(nl_msg_type t, const nl_wire_msg *d, const char *key)
 {
-    if (strcmp(key, "digest") == 0 && (t == NL_MSG_ACTIVATION || t == NL_MSG_COUNT ||
-                                       t == NL_MSG_EVAL || t == NL_MSG_GRADIENT))
+    if (strcmp(key, "digest") == 0 &&
+        (t == NL_MSG_ACTIVATION || t == NL_MSG_COUNT || t == NL_MSG_EVAL || t == NL_MSG_GRADIENT))
         return !d->u.train_hop.digest || !d->u.train_hop.digest[0];
-    if (strcmp(key, "epoch") == 0 && (t == NL_MSG_ACTIVATION || t == NL_MSG_COUNT ||
-                                      t == NL_MSG_EVAL || t == NL_MSG_GRADIENT))
+    if (strcmp(key, "epoch") == 0 &&
+        (t == NL_MSG_ACTIVATION || t == NL_MSG_COUNT || t == NL_MSG_EVAL || t == NL_MSG_GRADIENT))
         return d->u.train_hop.epoch == 0;
     if (t == NL_MSG_ACTIVATION || t == NL_MSG_COUNT || t == NL_MSG_EVAL)
         return strcmp(key, "extras") == 0      ? d->u.train_hop.extras == 0
@@ -296,7 +296,7 @@ static bool added_later(nl_msg_type t, const nl_wire_msg *d, const char *key)
     if ((t == NL_MSG_TOKEN || t == NL_MSG_JOB_STATUS) && strcmp(key, "tensors") == 0)
         return d->nframes == 0;
     if (strcmp(key, "outputs") == 0) /* verification across device classes */
-        return t == NL_MSG_VERIFY_REQ ? d->u.verify_req.outputs == 0
+        return t == NL_MSG_VERIFY_REQ    ? d->u.verify_req.outputs == 0
                : t == NL_MSG_VERIFY_CASE ? d->u.verify_case.outputs == 0
                                          : false;
     if (t == NL_MSG_TOKEN) /* with logprobs: top ids and a frame; neither before */
@@ -314,9 +314,9 @@ static bool added_later(nl_msg_type t, const nl_wire_msg *d, const char *key)
         return strcmp(key, "wire") == 0         ? d->u.assign.wire == NL_WIRE_FP32
                : strcmp(key, "links") == 0      ? d->u.assign.links == 0
                : strcmp(key, "relay_port") == 0 ? d->u.assign.relay_port == 0
-               : strcmp(key, "replica") == 0    ? d->u.assign.replica == 0
-                                                : strcmp(key, "replicas") == 0 &&
-                                                      d->u.assign.replicas == 0;
+               : strcmp(key, "replica") == 0
+                   ? d->u.assign.replica == 0
+                   : strcmp(key, "replicas") == 0 && d->u.assign.replicas == 0;
     if (t == NL_MSG_JOIN) /* nodes behind NAT: JOIN.flags */
         return strcmp(key, "flags") == 0 && d->u.join.flags == 0;
     return t == NL_MSG_LOSS && strcmp(key, "correct") == 0 && d->u.train_loss.correct == 0;
@@ -765,12 +765,14 @@ static void test_hop_digest(void)
             st = nl_wire_decode(&d, e.parts, e.nparts, NULL, &err);
         if (st == NL_OK)
             st = nl_hop_digest_check(&d, 2, got, &err);
-        CHECK(st == NL_OK && memcmp(sent, got, sizeof got) == 0 && strlen(d.u.train_hop.digest) == 64,
+        CHECK(st == NL_OK && memcmp(sent, got, sizeof got) == 0 &&
+                  strlen(d.u.train_hop.digest) == 64,
               "%s: the digest does not survive the round trip: %s", nl_wire_type_name(types[ti]),
               err.msg);
         /* another receiving stage: another digest */
         st = nl_hop_digest_check(&d, 1, got, &err);
-        CHECK(st == NL_ERR_INTEGRITY, "%s: the stage is not in the digest", nl_wire_type_name(types[ti]));
+        CHECK(st == NL_ERR_INTEGRITY, "%s: the stage is not in the digest",
+              nl_wire_type_name(types[ti]));
         /* bytes past the tensor do not count */
         buf[24] += 1.0f;
         CHECK(nl_hop_digest_check(&d, 2, got, &err) == NL_OK && memcmp(sent, got, sizeof got) == 0,
@@ -803,7 +805,8 @@ static void test_hop_digest(void)
     m.nframes = 1;
     nl_hop_digest_set(&m, 2, hex, sent);
     m.type = NL_MSG_GRADIENT;
-    CHECK(nl_hop_digest_check(&m, 2, got, &err) == NL_ERR_INTEGRITY, "the direction is not in the digest");
+    CHECK(nl_hop_digest_check(&m, 2, got, &err) == NL_ERR_INTEGRITY,
+          "the direction is not in the digest");
     /* a digest that is not 64 hex digits */
     hex[10] = '\0';
     CHECK(enc_msg(&m, &e, NULL, &err) == NL_ERR_RANGE && strstr(err.msg, "digest"),
@@ -920,18 +923,18 @@ static void test_wire_precision(void)
 static void test_reader_lengths(void)
 {
     static const uint8_t cases[][8] = {
-        {0xa3, 'a', 'b'},             /* fixstr 3, 2 bytes left */
-        {0xd9, 0x03, 'a', 'b'},       /* str8 3 */
-        {0xc4, 0x02, 0x01},           /* bin8 2 */
-        {0xd5, 0x01, 0x02},           /* fixext2: type + 2 bytes, 1 left */
+        {0xa3, 'a', 'b'},       /* fixstr 3, 2 bytes left */
+        {0xd9, 0x03, 'a', 'b'}, /* str8 3 */
+        {0xc4, 0x02, 0x01},     /* bin8 2 */
+        {0xd5, 0x01, 0x02},     /* fixext2: type + 2 bytes, 1 left */
     };
     static const size_t lens[] = {3, 4, 3, 3};
     for (size_t c = 0; c < sizeof lens / sizeof lens[0]; c++) {
         nl_mpr r;
         nl_mpr_item it;
         nl_mpr_init(&r, cases[c], lens[c]);
-        CHECK(nl_mpr_next(&r, &it, NULL) == NL_ERR_PROTO, "case %zu: a length one past the end read",
-              c);
+        CHECK(nl_mpr_next(&r, &it, NULL) == NL_ERR_PROTO,
+              "case %zu: a length one past the end read", c);
         nl_mpr_init(&r, cases[c], lens[c] + 1); /* with the byte there it reads */
         CHECK(nl_mpr_next(&r, &it, NULL) == NL_OK, "case %zu: the whole item refused", c);
     }

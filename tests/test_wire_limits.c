@@ -354,11 +354,11 @@ static void test_ranges_versions(void)
     nl_wire_msg_init(&d);
     /* each broken message is refused by the encoder and, sent raw, by the decoder */
     for (int c = 0; c < 12; c++) {
-        sample(&m, c < 3             ? NL_MSG_ASSIGN
-                   : c < 5           ? NL_MSG_JOIN
-                   : c < 7           ? NL_MSG_HEARTBEAT
+        sample(&m, c < 3            ? NL_MSG_ASSIGN
+                   : c < 5          ? NL_MSG_JOIN
+                   : c < 7          ? NL_MSG_HEARTBEAT
                    : c < 9 || c > 9 ? NL_MSG_ERROR
-                                     : NL_MSG_CKPT_DONE);
+                                    : NL_MSG_CKPT_DONE);
         switch (c) {
         case 0:
             m.u.assign.stage = 3;

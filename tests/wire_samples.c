@@ -6,16 +6,16 @@
 #include <string.h>
 
 const nl_msg_type all_types[] = {
-    NL_MSG_HELLO,      NL_MSG_HELLO_ACK,  NL_MSG_ERROR,     NL_MSG_JOIN,       NL_MSG_ACCEPT,
-    NL_MSG_HEARTBEAT,  NL_MSG_LEAVE,      NL_MSG_ASSIGN,    NL_MSG_LAYER_LOAD, NL_MSG_LOAD_DONE,
-    NL_MSG_ACTIVATION, NL_MSG_GRADIENT,   NL_MSG_TOKEN,     NL_MSG_JOB_SUBMIT, NL_MSG_JOB_STATUS,
-    NL_MSG_JOB_CANCEL, NL_MSG_JOB_QUERY,  NL_MSG_GRAD_NORM, NL_MSG_STEP,       NL_MSG_CKPT_REQ,
-    NL_MSG_CKPT_DONE,  NL_MSG_RESULT,    NL_MSG_COUNT,     NL_MSG_EVAL,       NL_MSG_LOSS,
-    NL_MSG_VERIFY_REQ, NL_MSG_VERIFY_CASE, NL_MSG_VERIFY_RESULT,
+    NL_MSG_HELLO,      NL_MSG_HELLO_ACK,  NL_MSG_ERROR,       NL_MSG_JOIN,
+    NL_MSG_ACCEPT,     NL_MSG_HEARTBEAT,  NL_MSG_LEAVE,       NL_MSG_ASSIGN,
+    NL_MSG_LAYER_LOAD, NL_MSG_LOAD_DONE,  NL_MSG_ACTIVATION,  NL_MSG_GRADIENT,
+    NL_MSG_TOKEN,      NL_MSG_JOB_SUBMIT, NL_MSG_JOB_STATUS,  NL_MSG_JOB_CANCEL,
+    NL_MSG_JOB_QUERY,  NL_MSG_GRAD_NORM,  NL_MSG_STEP,        NL_MSG_CKPT_REQ,
+    NL_MSG_CKPT_DONE,  NL_MSG_RESULT,     NL_MSG_COUNT,       NL_MSG_EVAL,
+    NL_MSG_LOSS,       NL_MSG_VERIFY_REQ, NL_MSG_VERIFY_CASE, NL_MSG_VERIFY_RESULT,
     NL_MSG_REDUCE,
 };
 const int wire_ntypes = (int)(sizeof all_types / sizeof all_types[0]);
-
 
 float act[2 * 3 * 16];
 int32_t toks_frame[2 * 5];
@@ -164,9 +164,22 @@ void sample(nl_wire_msg *m, nl_msg_type t)
         break;
     case NL_MSG_VERIFY_CASE: { /* a middle stage: weights, input, gradient, counts, targets */
         static int64_t counts[2 * 4];
-        m->u.verify_case = (nl_msg_verify_case){11, 250, 3,  1,    4,     6,          false,
-                                                false, 2,  5, 4, 1234, NL_HOP_TARGETS, true,
-                                                "{\"hidden_dim\": 16}", 0};
+        m->u.verify_case = (nl_msg_verify_case){11,
+                                                250,
+                                                3,
+                                                1,
+                                                4,
+                                                6,
+                                                false,
+                                                false,
+                                                2,
+                                                5,
+                                                4,
+                                                1234,
+                                                NL_HOP_TARGETS,
+                                                true,
+                                                "{\"hidden_dim\": 16}",
+                                                0};
         const int64_t w[1] = {64}, x[3] = {2, 3, 16}, c[2] = {2, 4}, tg[2] = {2, 5};
         set_frame(&m->frames[0], NL_DTYPE_F32, chunk, 1, w);
         set_frame(&m->frames[1], NL_DTYPE_F32, act, 3, x);
@@ -178,8 +191,7 @@ void sample(nl_wire_msg *m, nl_msg_type t)
     }
     case NL_MSG_VERIFY_RESULT:
         m->u.verify_result = (nl_msg_verify_result){
-            11, 250, 3, 1, "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff",
-            ""};
+            11, 250, 3, 1, "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff", ""};
         break;
     case NL_MSG_REDUCE: {
         m->u.reduce = (nl_msg_reduce){11, 250, NL_REDUCE_COUNTS, NL_REDUCE_RESULT, 3, 1, 4, 64, 9};
@@ -321,8 +333,8 @@ bool same_msg(const nl_wire_msg *a, const nl_wire_msg *b)
         const nl_msg_verify_case *x = &p->verify_case, *y = &q->verify_case;
         return x->job_id == y->job_id && x->step == y->step && x->microbatch == y->microbatch &&
                x->stage == y->stage && x->layer0 == y->layer0 && x->layer1 == y->layer1 &&
-               x->has_embed == y->has_embed && x->has_head == y->has_head &&
-               x->batch == y->batch && x->seq == y->seq && x->microbatches == y->microbatches &&
+               x->has_embed == y->has_embed && x->has_head == y->has_head && x->batch == y->batch &&
+               x->seq == y->seq && x->microbatches == y->microbatches &&
                x->loss_rows == y->loss_rows && x->extras == y->extras && x->counts == y->counts &&
                seq(x->config_json, y->config_json);
     }
@@ -350,7 +362,6 @@ bool same_msg(const nl_wire_msg *a, const nl_wire_msg *b)
 
 /* ---- helpers: encode to parts, decode from exact-size heap copies ---- */
 
-
 nl_status enc_msg(nl_wire_msg *m, enc *e, const nl_wire_limits *lim, nl_error *err)
 {
     nl_status st = nl_wire_encode(m, &e->hdr, lim, err);
@@ -365,8 +376,8 @@ nl_status enc_msg(nl_wire_msg *m, enc *e, const nl_wire_limits *lim, nl_error *e
 
 /* Decode from heap copies of exactly the given sizes, so any read past a
  * part's end is an ASan error. */
-nl_status dec_copy(nl_wire_msg *out, const void *h, size_t hlen, const nl_wire_part *frames,
-                          int nf, const nl_wire_limits *lim, nl_error *err)
+nl_status dec_copy(nl_wire_msg *out, const void *h, size_t hlen, const nl_wire_part *frames, int nf,
+                   const nl_wire_limits *lim, nl_error *err)
 {
     nl_wire_part parts[NL_WIRE_MAX_FRAMES + 4] = {{0}};
     void *bufs[NL_WIRE_MAX_FRAMES + 4] = {0};
@@ -402,4 +413,3 @@ void fill_data(void)
     for (size_t i = 0; i < sizeof chunk / sizeof chunk[0]; i++)
         chunk[i] = (float)i;
 }
-

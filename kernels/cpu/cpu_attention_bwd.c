@@ -98,8 +98,7 @@ static void block_rows(bwd_block *blk, const bwd_args *a, int b, int h, int t0, 
         const int jl = lo - j0, jh = hi - j0;
         const int32_t *doc = a->mask.doc ? a->mask.doc + (size_t)b * a->s.T : NULL;
         for (int j = 0; j < KT; j++) {
-            const int vis = j >= jl && j < jh && j0 + j < a->s.T &&
-                            (!doc || doc[j0 + j] == doc[t]);
+            const int vis = j >= jl && j < jh && j0 + j < a->s.T && (!doc || doc[j0 + j] == doc[t]);
             const float p = vis ? nl_elem_expf(a->scale * sc[j] - lse) : 0.0f;
             blk->P[i][j] = p;
             blk->dS[i][j] = a->scale * p * (dp[j] - D);

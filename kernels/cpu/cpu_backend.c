@@ -140,8 +140,8 @@ static void cpu_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int
     const int want = nl_cpu_threads(be), had = omp_get_max_threads();
     if (want != had)
         omp_set_num_threads(want);
-    if (!be->bf16 || !nl_cpu_gemm_bf16(be, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta,
-                                       C, ldc))
+    if (!be->bf16 ||
+        !nl_cpu_gemm_bf16(be, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc))
         dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb, beta,
                    C, ldc);
     if (want != had)

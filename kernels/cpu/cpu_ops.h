@@ -14,8 +14,8 @@
 typedef struct nl_cpu_bf16_range {
     const float *base; /* the FP32 weights (n floats); NULL: slot unused */
     size_t n;
-    uint16_t *copy;    /* (n) bf16, valid unless stale */
-    int stale;         /* a write since the copy was made */
+    uint16_t *copy; /* (n) bf16, valid unless stale */
+    int stale;      /* a write since the copy was made */
 } nl_cpu_bf16_range;
 
 typedef struct nl_cpu_ctx {

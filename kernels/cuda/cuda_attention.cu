@@ -260,7 +260,7 @@ __global__ void __launch_bounds__(DECODE_WARPS *WARP)
     const float *vb = v + kv_off;
 
     float m = -INFINITY, l = 0.0f;
-    int kbeg, kend; /* causal: keys 0 .. past + t */
+    int kbeg, kend;                                           /* causal: keys 0 .. past + t */
     const int past = s.pos ? s.pos[(size_t)b * s.T] : s.past; /* device positions: read here */
     attn_range(mk, past + t, past + s.T, kbeg, kend);
     for (int j0 = kbeg + warp * BK; j0 < kend; j0 += DECODE_WARPS * BK) {

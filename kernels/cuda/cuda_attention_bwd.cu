@@ -432,9 +432,8 @@ extern "C" int nl_cuda_attention_backward(void *stream, float *dq, float *dk, fl
 extern "C" int nl_cuda_attention_masked_backward(void *stream, float *dq, float *dk, float *dv,
                                                  const float *dout, const float *q, int q_stride,
                                                  const float *k, const float *v, int kv_stride,
-                                                 const float *out, const float *lse,
-                                                 float *scratch, nl_attn_shape s,
-                                                 nl_attn_mask mk)
+                                                 const float *out, const float *lse, float *scratch,
+                                                 nl_attn_shape s, nl_attn_mask mk)
 {
     static_assert(NL_BACKEND_MAX_HEAD_DIM <= 256, "add a head-dim bucket");
     if (s.B == 0 || s.T == 0 || s.H == 0)

@@ -109,8 +109,8 @@ extern "C" int nl_cuda_geglu_backward(void *stream, float *dgu, const float *dh,
     return launched();
 }
 
-extern "C" int nl_cuda_rope_yarn_forward(void *stream, float *x, const int32_t *pos, int N,
-                                         int row, int col0, int heads, int hd, float base,
+extern "C" int nl_cuda_rope_yarn_forward(void *stream, float *x, const int32_t *pos, int N, int row,
+                                         int col0, int heads, int hd, float base,
                                          nl_rope_scaling sc)
 {
     if (hd > NL_BACKEND_MAX_HEAD_DIM || row < 0 || col0 < 0 || heads < 0 || N < 0)

@@ -34,8 +34,8 @@ int nl_cuda_geglu_backward(void *stream, float *dgu, const float *dh, const floa
  * scale (nl_rope_scaling, sc.type NL_ROPE_YARN; the backend calls the
  * plain launcher for NL_ROPE_NONE). Refuses hd > NL_BACKEND_MAX_HEAD_DIM,
  * negative sizes, factor <= 0, beta_fast == beta_slow and L0 <= 0. */
-int nl_cuda_rope_yarn_forward(void *stream, float *x, const int32_t *pos, int N, int row,
-                              int col0, int heads, int hd, float base, nl_rope_scaling sc);
+int nl_cuda_rope_yarn_forward(void *stream, float *x, const int32_t *pos, int N, int row, int col0,
+                              int heads, int hd, float base, nl_rope_scaling sc);
 
 #ifdef __cplusplus
 }

@@ -46,8 +46,8 @@ void cu_attention_forward(nl_backend *be, float *out, float *lse, const float *q
 {
     cuda_ctx *c = enter_slot(be, __func__);
     /* device positions (a captured decode step): the module's kernels */
-    if (!s.pos && nl_cudnn_attention_forward(c->cudnn, out, lse, q, q_stride, k, v, kv_stride, s,
-                                             NULL))
+    if (!s.pos &&
+        nl_cudnn_attention_forward(c->cudnn, out, lse, q, q_stride, k, v, kv_stride, s, NULL))
         return;
     launched(c, "attention_forward",
              nl_cuda_attention_forward(c->stream, out, lse, q, q_stride, k, v, kv_stride, s));
@@ -120,9 +120,9 @@ void cu_kv_store(nl_backend *be, float *kc, float *vc, const float *qkv, int str
                  int v_col, const int32_t *pos, int B, int T, int cap, int kv_dim)
 {
     cuda_ctx *c = enter_slot(be, __func__);
-    launched(c, "kv_store",
-             nl_cuda_kv_store(c->stream, kc, vc, qkv, stride, k_col, v_col, pos, B, T, cap,
-                              kv_dim));
+    launched(
+        c, "kv_store",
+        nl_cuda_kv_store(c->stream, kc, vc, qkv, stride, k_col, v_col, pos, B, T, cap, kv_dim));
 }
 
 void cu_moe_combine(nl_backend *be, float *x, const float *y, const int32_t *slot, const float *w,
