@@ -5,7 +5,8 @@
 # and run the unit and integration tests again; last, the other configurations
 # the README names build too (Release, and the libFuzzer build with clang,
 # whose targets replay their corpora). Warnings are errors here (NL_WERROR);
-# a user's build only warns. Exits non-zero on any failure.
+# a user's build only warns; the sources must be as .clang-format says
+# (scripts/format.sh, clang-format 14). Exits non-zero on any failure.
 #   scripts/test.sh            everything
 #   scripts/test.sh --quick    the plain build and its tests only
 set -euo pipefail
@@ -15,6 +16,9 @@ QUICK=0
 [ "${1:-}" = "--quick" ] && QUICK=1
 
 bash scripts/install-deps.sh
+
+echo "== format (.clang-format) =="
+bash scripts/format.sh
 
 echo "== build (release) =="
 cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DNL_WERROR=ON -DNL_TEST_HOOKS=ON >/dev/null
