@@ -229,6 +229,7 @@ nl_status nl_coord_http_start(nl_coord_http **out, nl_coord *c, const char *name
                          .model_name_now = coord_http_model_name,
                          .models = h->models,
                          .n_models = h->n_models,
+                         .max_jobs = nl_coord_max_jobs_per_key(c),
                          .completion_start = coord_http_gen_start,
                          .completion_next = coord_http_gen_next,
                          .completion_end = coord_http_gen_end,

@@ -16,6 +16,7 @@
 #include "net/transport.h"
 
 #define CANCEL_WAIT_S 2.0
+#define TAKEN_WAIT_S 30.0 /* the coordinator answers a submit at once, unless it stalls */
 
 typedef struct gen {
     nl_sock *s;
@@ -25,7 +26,8 @@ typedef struct gen {
     int logprobs;         /* the request's k, or -1 */
     int n, max_new, consumed;
     int done, failed, counted;
-    int cancelled; /* the coordinator confirmed our JOB_CANCEL */
+    int cancelled;    /* the coordinator confirmed our JOB_CANCEL */
+    nl_status status; /* failed: NL_ERR_LIMIT when refused for want of room, else 0 */
     char why[NL_ERROR_MSG_MAX];
 } gen;
 
@@ -106,6 +108,37 @@ static const char *adapter_of(const nl_coord_http *h, int k)
     return k > 0 && k <= h->n_models ? h->adapters[k - 1] : NULL;
 }
 
+static void gen_take(gen *g, const nl_rx *rx);
+
+/* The coordinator's first answer to g's submit: the job is made (its id),
+ * or refused: for want of room (the key's --max-jobs-per-key) a 429, else
+ * as the job's failure. */
+static nl_status await_taken(gen *g, nl_error *err)
+{
+    nl_rx rx;
+    nl_rx_init(&rx);
+    const double by = nl_client_now() + TAKEN_WAIT_S;
+    while (!g->job && !g->failed && nl_client_now() < by) {
+        nl_status st = nl_sock_recv(g->s, &rx, 250, err);
+        if (st == NL_OK)
+            gen_take(g, &rx);
+        else if (st != NL_ERR_TIMEOUT) {
+            char why[NL_ERROR_MSG_MAX];
+            snprintf(why, sizeof why, "%s", err->msg);
+            nl_rx_free(&rx);
+            return nl_error_set(err, NL_ERR_STATE, "the coordinator cannot be reached: %s", why);
+        }
+    }
+    nl_rx_free(&rx);
+    if (g->failed)
+        return nl_error_set(err, g->status ? g->status : NL_ERR_INTERNAL, "%s", g->why);
+    if (!g->job)
+        return nl_error_set(err, NL_ERR_STATE, "the coordinator did not take the job in %.0f s",
+                            TAKEN_WAIT_S);
+    nl_error_clear(err);
+    return NL_OK;
+}
+
 nl_status coord_http_gen_start(void *ctx, const nl_http_completion *rq, void **jobp, int *ptoks,
                                nl_error *err)
 {
@@ -174,6 +207,8 @@ nl_status coord_http_gen_start(void *ctx, const nl_http_completion *rq, void **j
     st = nl_client_submit(g->s, NL_JOB_GENERATE, ps, (int)np, prompt, 1, P, err);
     if (st != NL_OK)
         goto out;
+    if ((st = await_taken(g, err)) != NL_OK)
+        goto out;
     pthread_mutex_lock(&h->mu);
     h->active++;
     h->prompt_tokens += (uint64_t)P;
@@ -199,10 +234,12 @@ static void gen_take(gen *g, const nl_rx *rx)
         if (s->state == NL_JOB_RUNNING && s->job_id)
             g->job = s->job_id;
         else if (s->state == NL_JOB_FAILED || s->state == NL_JOB_CANCELLED) {
+            nl_error e = {0};
+            nl_client_job_failed(rx, &e);
             g->failed = 1;
             g->cancelled = s->state == NL_JOB_CANCELLED;
-            snprintf(g->why, sizeof g->why, "job %" PRIu64 " %s: %s", s->job_id,
-                     s->state == NL_JOB_FAILED ? "failed" : "was cancelled", s->message);
+            g->status = e.status == NL_ERR_LIMIT ? NL_ERR_LIMIT : 0;
+            snprintf(g->why, sizeof g->why, "%s", e.msg);
         }
     } else if (rx->msg.type == NL_MSG_TOKEN) {
         const nl_msg_token *t = &rx->msg.u.token;
@@ -276,7 +313,7 @@ nl_http_next coord_http_gen_next(void *ctx, void *jp, int32_t *id, const char **
         return NL_HTTP_TOKEN;
     }
     if (g->failed) {
-        nl_error_set(err, NL_ERR_INTERNAL, "generation failed: %s", g->why);
+        nl_error_set(err, g->status ? g->status : NL_ERR_INTERNAL, "generation failed: %s", g->why);
         return NL_HTTP_FAILED;
     }
     return g->done ? NL_HTTP_DONE : NL_HTTP_WAIT;
@@ -385,8 +422,10 @@ nl_status coord_http_embed(void *ctx, int model, const char *text, size_t len, c
         if (nl_sock_recv(s, &rx, 250, err) != NL_OK)
             continue;
         const nl_msg_job_status *js = &rx.msg.u.job_status;
-        if (rx.msg.type == NL_MSG_JOB_STATUS && js->state >= NL_JOB_FAILED) {
-            st = nl_error_set(err, NL_ERR_INTERNAL, "embedding failed: %s", js->message);
+        nl_error fe = {0};
+        if (nl_client_job_failed(&rx, &fe)) { /* refused for want of room: a 429 */
+            st = nl_error_set(err, fe.status == NL_ERR_LIMIT ? NL_ERR_LIMIT : NL_ERR_INTERNAL,
+                              "embedding failed: %s", js->message);
         } else if (rx.msg.type == NL_MSG_RESULT && rx.msg.nframes == 1 && !*vec) {
             const nl_tensor *t = &rx.msg.frames[0].t;
             if (t->dtype != NL_DTYPE_F32 || t->ndim != 2 || t->shape[0] != 1 || t->shape[1] < 1)
