@@ -1,0 +1,93 @@
+/* neurocoord --http's own state, in-process (coordinator/coord_http.c):
+ * the cluster's tokenizer follows its status. The first status's
+ * tokenizer is loaded; the same one again is kept as it is; one that
+ * learned ids since (a learn_vocab training job, a reload of another
+ * model) replaces it, so the text of the new ids is no longer empty; a
+ * status without one (a byte-level model) serves bytes. Every tokenizer
+ * it held is freed at the end (ASan's leak check). */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../base/log.h"
+#include "../coordinator/coord_http_impl.h"
+#include "../core/tokenizer.h"
+#include "check.h"
+
+/* A status as the coordinator's JOB_QUERY 0 has it: the config and
+ * (text not NULL) the tokenizer's file text. */
+static json_t *status_with(const char *text, int64_t vocab)
+{
+    json_t *st = json_pack("{s:{s:I,s:I}}", "config", "vocab_size", (json_int_t)vocab,
+                           "max_seq_len", (json_int_t)256);
+    if (st && text)
+        json_object_set_new(st, "tokenizer", json_string(text));
+    return st;
+}
+
+/* The text the HTTP side gives id (as a completion's token). */
+static size_t text_of(nl_coord_http *h, int32_t id, char *buf, size_t cap)
+{
+    return coord_http_token_bytes(h, id, buf, cap);
+}
+
+int main(void)
+{
+    nl_log_set_level(NL_LOG_WARN);
+    nl_error err = {0};
+    nl_tokenizer *a = NULL, *b = NULL;
+    char *ta = NULL, *tb = NULL;
+    size_t la = 0, lb = 0;
+    static const char corpus[] = "the cat sat on the mat; the cat ate the rat; the mat sat flat";
+    const nl_tokenizer_train_opts to = nl_tokenizer_train_opts_default();
+    CHECK_OK(nl_tokenizer_new_bytes(&a, &err), &err);
+    CHECK_OK(nl_tokenizer_new_bytes(&b, &err), &err);
+    if (!a || !b)
+        return check_done("test_coord_http");
+    CHECK_OK(nl_tokenizer_learn(b, corpus, sizeof corpus - 1, 8, &to, &err), &err);
+    CHECK_OK(nl_tokenizer_save_buffer(a, &ta, &la, &err), &err);
+    CHECK_OK(nl_tokenizer_save_buffer(b, &tb, &lb, &err), &err);
+    const int32_t va = nl_tokenizer_vocab_size(a), vb = nl_tokenizer_vocab_size(b);
+    CHECK(vb > va, "the tokenizer learned no ids (%d, %d)", va, vb);
+    const uint8_t *want = NULL;
+    size_t wn = 0;
+    CHECK(nl_tokenizer_token_bytes(b, va, &want, &wn) == NL_OK, "id %d of the learned one", va);
+
+    nl_coord_http *h = calloc(1, sizeof *h);
+    pthread_mutex_init(&h->mu, NULL);
+    pthread_mutex_init(&h->tok_mu, NULL);
+    char buf[64];
+    coord_http_take_status(h, status_with(ta, va), 0);
+    const nl_tokenizer *first = h->tok;
+    CHECK(first && nl_tokenizer_vocab_size(first) == va, "the first status's tokenizer");
+    CHECK(text_of(h, va, buf, sizeof buf) == 0, "an id the tokenizer does not have yet has text");
+    coord_http_take_status(h, status_with(ta, va), 0);
+    CHECK(h->tok == first && h->n_old_toks == 0, "the same tokenizer was loaded again");
+    /* the cluster learned ids (learn_vocab): the new ids have text */
+    coord_http_take_status(h, status_with(tb, vb), 0);
+    CHECK(h->tok && nl_tokenizer_vocab_size(h->tok) == vb,
+          "the learned tokenizer was not taken: %d", h->tok ? nl_tokenizer_vocab_size(h->tok) : -1);
+    const size_t n = text_of(h, va, buf, sizeof buf);
+    CHECK(n == wn && want && memcmp(buf, want, n) == 0,
+          "id %d after learn_vocab: %zu bytes '%.*s' (want '%.*s')", va, n, (int)n, buf, (int)wn,
+          want ? (const char *)want : "");
+    CHECK(h->n_old_toks == 1, "the replaced tokenizer is kept for the completions that hold it");
+    /* a byte-level model: no tokenizer text, bytes */
+    coord_http_take_status(h, status_with(NULL, 256), 0);
+    CHECK(h->tok && nl_tokenizer_vocab_size(h->tok) == va && text_of(h, va, buf, sizeof buf) == 0,
+          "a byte-level model after the learned one");
+    CHECK(text_of(h, 'x', buf, sizeof buf) == 1 && buf[0] == 'x', "a byte's text");
+
+    coord_http_free_tokenizers(h);
+    json_decref(h->status);
+    free(h->chat);
+    pthread_mutex_destroy(&h->tok_mu);
+    pthread_mutex_destroy(&h->mu);
+    free(h);
+    nl_tokenizer_destroy(&a);
+    nl_tokenizer_destroy(&b);
+    free(ta);
+    free(tb);
+    return check_done("test_coord_http");
+}
