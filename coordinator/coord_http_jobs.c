@@ -27,7 +27,8 @@ typedef struct gen {
     int n, max_new, consumed;
     int done, failed, counted;
     int cancelled;    /* the coordinator confirmed our JOB_CANCEL */
-    nl_status status; /* failed: NL_ERR_LIMIT when refused for want of room, else 0 */
+    nl_status status; /* failed: NL_ERR_LIMIT when refused for want of room, NL_ERR_STATE
+                         when the coordinator cannot be reached, else 0 */
     char why[NL_ERROR_MSG_MAX];
 } gen;
 
@@ -122,7 +123,7 @@ static nl_status await_taken(gen *g, nl_error *err)
         nl_status st = nl_sock_recv(g->s, &rx, 250, err);
         if (st == NL_OK)
             gen_take(g, &rx);
-        else if (st != NL_ERR_TIMEOUT) {
+        else if (st == NL_ERR_IO) { /* the socket failed */
             char why[NL_ERROR_MSG_MAX];
             snprintf(why, sizeof why, "%s", err->msg);
             nl_rx_free(&rx);
@@ -291,8 +292,13 @@ nl_http_next coord_http_gen_next(void *ctx, void *jp, int32_t *id, const char **
         if (left <= 0)
             break;
         nl_status st = nl_sock_recv(g->s, &rx, left > 0.25 ? 250 : (int)(left * 1e3) + 1, err);
-        if (st == NL_OK)
+        if (st == NL_OK) {
             gen_take(g, &rx);
+        } else if (st == NL_ERR_IO) { /* the socket failed: no token will come */
+            g->failed = 1;
+            g->status = NL_ERR_STATE;
+            snprintf(g->why, sizeof g->why, "the coordinator cannot be reached: %.400s", err->msg);
+        }
     }
     nl_rx_free(&rx);
     if (g->consumed < g->n) {
@@ -414,12 +420,22 @@ nl_status coord_http_embed(void *ctx, int model, const char *text, size_t len, c
     const nl_wire_param ps[2] = {
         {.key = "lengths", .kind = NL_WIRE_PARAM_STR, .s = lengths},
         {.key = "adapter", .kind = NL_WIRE_PARAM_STR, .s = (char *)adapter}};
-    if (st == NL_OK && (st = coord_http_open_client(h, &s, err)) == NL_OK)
+    if (st == NL_OK && (st = coord_http_open_client(h, &s, err)) != NL_OK)
+        err->status = st = NL_ERR_STATE; /* 503: the cluster cannot be reached */
+    if (st == NL_OK)
         st = nl_client_submit(s, NL_JOB_EMBED, ps, adapter ? 2 : 1, p, 1, P, err);
     const double by = nl_client_now() + 60.0;
     *vec = NULL;
     while (st == NL_OK && nl_client_now() < by) {
-        if (nl_sock_recv(s, &rx, 250, err) != NL_OK)
+        const nl_status rs = nl_sock_recv(s, &rx, 250, err);
+        if (rs == NL_ERR_IO) { /* the socket failed: no answer will come */
+            char why[NL_ERROR_MSG_MAX];
+            snprintf(why, sizeof why, "%s", err->msg);
+            st = nl_error_set(err, NL_ERR_STATE, "embedding: the coordinator cannot be reached: %s",
+                              why);
+            break;
+        }
+        if (rs != NL_OK) /* nothing yet, or a message that does not decode */
             continue;
         const nl_msg_job_status *js = &rx.msg.u.job_status;
         nl_error fe = {0};

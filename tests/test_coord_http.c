@@ -4,11 +4,17 @@
  * learned ids since (a learn_vocab training job, a reload of another
  * model) replaces it, so the text of the new ids is no longer empty; a
  * status without one (a byte-level model) serves bytes. Every tokenizer
- * it held is freed at the end (ASan's leak check). */
+ * it held is freed at the end (ASan's leak check).
+ *
+ * An embedding whose connection to the coordinator fails after its job
+ * went out (a fake coordinator takes the HELLO and the JOB_SUBMIT, then
+ * the HTTP side's sockets are shut) ends at once with NL_ERR_STATE (503,
+ * "cannot be reached"), not after 60 s of polling a dead socket. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <zmq.h>
 
 #include "../base/log.h"
 #include "../coordinator/coord_http_impl.h"
@@ -30,6 +36,81 @@ static json_t *status_with(const char *text, int64_t vocab)
 static size_t text_of(nl_coord_http *h, int32_t id, char *buf, size_t cap)
 {
     return coord_http_token_bytes(h, id, buf, cap);
+}
+
+/* ---------------------------------------------------------------- embedding, socket lost */
+
+typedef struct fake_coord {
+    nl_sock *s;
+    nl_net *client_net; /* the HTTP side's: shut once its job is in */
+    int submitted;
+} fake_coord;
+
+static void *fake_coord_main(void *arg)
+{
+    fake_coord *f = arg;
+    nl_rx rx;
+    nl_rx_init(&rx);
+    nl_error err = {0};
+    const double by = nl_client_now() + 60.0;
+    while (!f->submitted && nl_client_now() < by) {
+        if (nl_sock_recv(f->s, &rx, 100, &err) != NL_OK)
+            continue;
+        if (rx.msg.type == NL_MSG_HELLO)
+            nl_sock_answer_hello(f->s, &rx, NL_ROLE_COORDINATOR, &err);
+        else if (rx.msg.type == NL_MSG_JOB_SUBMIT)
+            f->submitted = 1;
+    }
+    nl_rx_free(&rx);
+    if (f->submitted) /* every socket of the HTTP side fails from now on */
+        zmq_ctx_shutdown(nl_net_zmq_context(f->client_net));
+    return NULL;
+}
+
+static void test_embed_socket_lost(void)
+{
+    nl_error err = {0};
+    nl_net *server_net = NULL;
+    fake_coord f = {0};
+    nl_coord_http *h = calloc(1, sizeof *h);
+    pthread_mutex_init(&h->mu, NULL);
+    pthread_mutex_init(&h->tok_mu, NULL);
+    h->plaintext = 1;
+    CHECK_OK(nl_net_new(&server_net, NULL, &err), &err);
+    CHECK_OK(nl_net_new(&h->net, NULL, &err), &err);
+    nl_sock_opts so = {.type = ZMQ_ROUTER, .plaintext = true, .name = "fake-coord", .linger_ms = 0};
+    CHECK_OK(nl_sock_new(&f.s, server_net, &so, &err), &err);
+    if (!f.s || !h->net) {
+        free(h);
+        return;
+    }
+    CHECK_OK(nl_sock_bind(f.s, "tcp://127.0.0.1:*", &err), &err);
+    snprintf(h->endpoint, sizeof h->endpoint, "%s", nl_sock_endpoint(f.s));
+    json_t *st = status_with(NULL, 256);
+    json_object_set_new(st, "ready", json_true());
+    coord_http_take_status(h, st, 0);
+    f.client_net = h->net;
+    pthread_t th;
+    CHECK(pthread_create(&th, NULL, fake_coord_main, &f) == 0, "the fake coordinator's thread");
+    float *vec = NULL;
+    int dim = 0, toks = 0;
+    const double t0 = nl_client_now();
+    nl_status s = coord_http_embed(h, 0, "hello", 5, NULL, 0, &vec, &dim, &toks, &err);
+    const double took = nl_client_now() - t0;
+    pthread_join(th, NULL);
+    CHECK(f.submitted, "the embed job did not reach the fake coordinator");
+    CHECK(s == NL_ERR_STATE && strstr(err.msg, "cannot be reached") && !vec,
+          "an embedding whose socket failed: %s: %s (after %.1f s)", nl_status_str(s), err.msg,
+          took);
+    nl_sock_destroy(&f.s);
+    nl_net_destroy(&server_net);
+    nl_net_destroy(&h->net);
+    coord_http_free_tokenizers(h);
+    json_decref(h->status);
+    free(h->chat);
+    pthread_mutex_destroy(&h->tok_mu);
+    pthread_mutex_destroy(&h->mu);
+    free(h);
 }
 
 int main(void)
@@ -89,5 +170,6 @@ int main(void)
     nl_tokenizer_destroy(&b);
     free(ta);
     free(tb);
+    test_embed_socket_lost();
     return check_done("test_coord_http");
 }
