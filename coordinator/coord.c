@@ -463,6 +463,11 @@ const char *nl_coord_state(const nl_coord *c)
 {
     return c->state;
 }
+int nl_coord_max_jobs_per_key(const nl_coord *c)
+{
+    const int k = c->o.max_jobs_per_key;
+    return k > 0 && k < COORD_MAX_JOBS ? k : COORD_MAX_JOBS;
+}
 
 nl_status nl_coord_admit_key(nl_coord *c, const char *z85, nl_error *err)
 {

@@ -90,6 +90,9 @@ void nl_coord_step(nl_coord *c, int timeout_ms);
 const char *nl_coord_endpoint(const nl_coord *c);
 const char *nl_coord_client_endpoint(const nl_coord *c);
 const char *nl_coord_state(const nl_coord *c);
+/* The jobs one client key may hold at once (--max-jobs-per-key, bounded
+ * by the job table's size). */
+int nl_coord_max_jobs_per_key(const nl_coord *c);
 
 /* For an in-process client (coordinator/coord_http.c): admit its public
  * key (Z85) on the client socket besides authorized_keys, with the client

@@ -193,7 +193,9 @@ static int check(nl_coord_cli *cli, const nl_opt *t)
         o->verify_rate = 0;
     }
     /* the HTTP side's /v1 requests are jobs of one key: past
-     * --max-jobs-per-key they are answered 429 */
+     * --max-jobs-per-key they are answered 429 (and so is a request
+     * whose n choices, each a job, would pass it: nl_http_backend's
+     * max_jobs) */
     cli->http.max_requests = o->max_jobs_per_key;
     return 0;
 }

@@ -13,6 +13,7 @@
 #include <jansson.h>
 #include <math.h>
 #include <pthread.h>
+#include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -49,15 +50,33 @@ json_t *coord_http_query_status(nl_sock *s, nl_error *err)
     return out;
 }
 
-/* Keep the status (and the tokenizer, once); with diff (the poller's
- * thread only), say what changed. */
+/* What identifies the cluster's tokenizer in a status: a BLAKE2b of its
+ * text, or (none: a byte-level model) of the vocabulary's size. */
+static void tokenizer_key(uint8_t key[TOK_KEY_BYTES], const json_t *t, int64_t vocab)
+{
+    if (json_is_string(t)) {
+        crypto_generichash(key, TOK_KEY_BYTES, (const unsigned char *)json_string_value(t),
+                           json_string_length(t), (const unsigned char *)"text", 4);
+    } else {
+        const unsigned char v[8] = {(unsigned char)vocab, (unsigned char)(vocab >> 8),
+                                    (unsigned char)(vocab >> 16), (unsigned char)(vocab >> 24)};
+        crypto_generichash(key, TOK_KEY_BYTES, v, sizeof v, (const unsigned char *)"none", 4);
+    }
+}
+
+/* Keep the status, and the tokenizer when it is another than the one
+ * kept (the first status, a learn_vocab job, a reload of another model):
+ * the one it replaces is retired, not freed, as completion threads may
+ * still hold it; with diff (the poller's thread only), say what changed. */
 void coord_http_take_status(nl_coord_http *h, json_t *st, int diff)
 {
     nl_tokenizer *tok = NULL;
     json_t *t = json_object_get(st, "tokenizer"), *cfg = json_object_get(st, "config");
     int64_t vocab = json_integer_value(json_object_get(cfg, "vocab_size"));
+    uint8_t key[TOK_KEY_BYTES];
+    tokenizer_key(key, t, vocab);
     pthread_mutex_lock(&h->mu);
-    int need_tok = !h->tok;
+    const int need_tok = !h->tok_known || memcmp(key, h->tok_key, sizeof key) != 0;
     pthread_mutex_unlock(&h->mu);
     nl_error e = {0};
     if (need_tok && json_is_string(t) &&
@@ -79,14 +98,39 @@ void coord_http_take_status(nl_coord_http *h, json_t *st, int diff)
     const json_int_t made = json_integer_value(json_object_get(st, "tokens_generated"));
     if (made > 0 && (uint64_t)made > h->coord_tokens)
         h->coord_tokens = (uint64_t)made;
-    if (tok && !h->tok) {
-        h->tok = tok;
-        tok = NULL;
+    if (need_tok && (!h->tok_known || memcmp(key, h->tok_key, sizeof key) != 0)) {
+        nl_tokenizer **old = h->old_toks;
+        if (h->tok && !(old = realloc(old, (size_t)(h->n_old_toks + 1) * sizeof *old))) {
+            NL_WARN("http: out of memory for the cluster's new tokenizer (the next status "
+                    "tries again)");
+        } else {
+            h->old_toks = old;
+            if (h->tok)
+                h->old_toks[h->n_old_toks++] = h->tok;
+            if (h->tok_known)
+                NL_INFO("http: the cluster's tokenizer changed: %d ids",
+                        tok ? (int)nl_tokenizer_vocab_size(tok) : 0);
+            h->tok = tok; /* NULL: a tokenizer that does not load serves no text */
+            tok = NULL;
+            memcpy(h->tok_key, key, sizeof key);
+            h->tok_known = 1;
+        }
     }
     free(h->chat);
     h->chat = chat;
     pthread_mutex_unlock(&h->mu);
     nl_tokenizer_destroy(&tok);
+}
+
+void coord_http_free_tokenizers(nl_coord_http *h)
+{
+    nl_tokenizer_destroy(&h->tok);
+    for (int i = 0; i < h->n_old_toks; i++)
+        nl_tokenizer_destroy(&h->old_toks[i]);
+    free(h->old_toks);
+    h->old_toks = NULL;
+    h->n_old_toks = 0;
+    h->tok_known = 0;
 }
 
 static void *poller_main(void *arg)
@@ -229,6 +273,7 @@ nl_status nl_coord_http_start(nl_coord_http **out, nl_coord *c, const char *name
                          .model_name_now = coord_http_model_name,
                          .models = h->models,
                          .n_models = h->n_models,
+                         .max_jobs = nl_coord_max_jobs_per_key(c),
                          .completion_start = coord_http_gen_start,
                          .completion_next = coord_http_gen_next,
                          .completion_end = coord_http_gen_end,
@@ -270,7 +315,7 @@ void nl_coord_http_stop(nl_coord_http **hp)
     nl_net_destroy(&h->net);
     nl_keys_wipe(&h->kp);
     json_decref(h->status);
-    nl_tokenizer_destroy(&h->tok);
+    coord_http_free_tokenizers(h);
     free(h->chat);
     pthread_cond_destroy(&h->cv);
     pthread_mutex_destroy(&h->tok_mu);

@@ -18,6 +18,7 @@
 
 #define MAX_NODES 256
 #define MAX_ADAPTERS 16
+#define TOK_KEY_BYTES 32
 
 typedef struct seen_node {
     int64_t id;
@@ -87,8 +88,12 @@ struct nl_coord_http {
     pthread_cond_t cv;
     int stop;
     /* under mu */
-    json_t *status; /* the last status, without its tokenizer */
-    nl_tokenizer *tok;
+    json_t *status;                 /* the last status, without its tokenizer */
+    nl_tokenizer *tok;              /* the cluster's tokenizer now (NULL: none) */
+    uint8_t tok_key[TOK_KEY_BYTES]; /* what it was made from (coord_http_take_status) */
+    int tok_known;                  /* tok_key holds a status's */
+    nl_tokenizer **old_toks;        /* those it replaced: completions may hold them */
+    int n_old_toks;
     char *chat;             /* the cluster's chat template (JSON), or NULL: the default */
     pthread_mutex_t tok_mu; /* the encoder keeps a cache */
     int64_t vocab;
@@ -111,9 +116,12 @@ struct nl_coord_http {
 nl_status coord_http_open_client(nl_coord_http *h, nl_sock **out, nl_error *err);
 /* The coordinator's status over s (NULL with err set). */
 json_t *coord_http_query_status(nl_sock *s, nl_error *err);
-/* Keep a status (takes st; its tokenizer and chat template once); with
- * diff (the poller only), publish what changed. */
+/* Keep a status (takes st; its tokenizer when it is another than the
+ * one kept, and its chat template); with diff (the poller only), publish
+ * what changed. */
 void coord_http_take_status(nl_coord_http *h, json_t *st, int diff);
+/* Free the tokenizers, the one now and those it replaced (at stop). */
+void coord_http_free_tokenizers(nl_coord_http *h);
 
 /* The nl_http_backend callbacks of the /v1 work (coord_http_jobs.c; see
  * serve/http.h for each one's contract). */

@@ -16,6 +16,7 @@
 #include "net/transport.h"
 
 #define CANCEL_WAIT_S 2.0
+#define TAKEN_WAIT_S 30.0 /* the coordinator answers a submit at once, unless it stalls */
 
 typedef struct gen {
     nl_sock *s;
@@ -25,7 +26,9 @@ typedef struct gen {
     int logprobs;         /* the request's k, or -1 */
     int n, max_new, consumed;
     int done, failed, counted;
-    int cancelled; /* the coordinator confirmed our JOB_CANCEL */
+    int cancelled;    /* the coordinator confirmed our JOB_CANCEL */
+    nl_status status; /* failed: NL_ERR_LIMIT when refused for want of room, NL_ERR_STATE
+                         when the coordinator cannot be reached, else 0 */
     char why[NL_ERROR_MSG_MAX];
 } gen;
 
@@ -106,6 +109,37 @@ static const char *adapter_of(const nl_coord_http *h, int k)
     return k > 0 && k <= h->n_models ? h->adapters[k - 1] : NULL;
 }
 
+static void gen_take(gen *g, const nl_rx *rx);
+
+/* The coordinator's first answer to g's submit: the job is made (its id),
+ * or refused: for want of room (the key's --max-jobs-per-key) a 429, else
+ * as the job's failure. */
+static nl_status await_taken(gen *g, nl_error *err)
+{
+    nl_rx rx;
+    nl_rx_init(&rx);
+    const double by = nl_client_now() + TAKEN_WAIT_S;
+    while (!g->job && !g->failed && nl_client_now() < by) {
+        nl_status st = nl_sock_recv(g->s, &rx, 250, err);
+        if (st == NL_OK)
+            gen_take(g, &rx);
+        else if (st == NL_ERR_IO) { /* the socket failed */
+            char why[NL_ERROR_MSG_MAX];
+            snprintf(why, sizeof why, "%s", err->msg);
+            nl_rx_free(&rx);
+            return nl_error_set(err, NL_ERR_STATE, "the coordinator cannot be reached: %s", why);
+        }
+    }
+    nl_rx_free(&rx);
+    if (g->failed)
+        return nl_error_set(err, g->status ? g->status : NL_ERR_INTERNAL, "%s", g->why);
+    if (!g->job)
+        return nl_error_set(err, NL_ERR_STATE, "the coordinator did not take the job in %.0f s",
+                            TAKEN_WAIT_S);
+    nl_error_clear(err);
+    return NL_OK;
+}
+
 nl_status coord_http_gen_start(void *ctx, const nl_http_completion *rq, void **jobp, int *ptoks,
                                nl_error *err)
 {
@@ -174,6 +208,8 @@ nl_status coord_http_gen_start(void *ctx, const nl_http_completion *rq, void **j
     st = nl_client_submit(g->s, NL_JOB_GENERATE, ps, (int)np, prompt, 1, P, err);
     if (st != NL_OK)
         goto out;
+    if ((st = await_taken(g, err)) != NL_OK)
+        goto out;
     pthread_mutex_lock(&h->mu);
     h->active++;
     h->prompt_tokens += (uint64_t)P;
@@ -199,10 +235,12 @@ static void gen_take(gen *g, const nl_rx *rx)
         if (s->state == NL_JOB_RUNNING && s->job_id)
             g->job = s->job_id;
         else if (s->state == NL_JOB_FAILED || s->state == NL_JOB_CANCELLED) {
+            nl_error e = {0};
+            nl_client_job_failed(rx, &e);
             g->failed = 1;
             g->cancelled = s->state == NL_JOB_CANCELLED;
-            snprintf(g->why, sizeof g->why, "job %" PRIu64 " %s: %s", s->job_id,
-                     s->state == NL_JOB_FAILED ? "failed" : "was cancelled", s->message);
+            g->status = e.status == NL_ERR_LIMIT ? NL_ERR_LIMIT : 0;
+            snprintf(g->why, sizeof g->why, "%s", e.msg);
         }
     } else if (rx->msg.type == NL_MSG_TOKEN) {
         const nl_msg_token *t = &rx->msg.u.token;
@@ -254,8 +292,13 @@ nl_http_next coord_http_gen_next(void *ctx, void *jp, int32_t *id, const char **
         if (left <= 0)
             break;
         nl_status st = nl_sock_recv(g->s, &rx, left > 0.25 ? 250 : (int)(left * 1e3) + 1, err);
-        if (st == NL_OK)
+        if (st == NL_OK) {
             gen_take(g, &rx);
+        } else if (st == NL_ERR_IO) { /* the socket failed: no token will come */
+            g->failed = 1;
+            g->status = NL_ERR_STATE;
+            snprintf(g->why, sizeof g->why, "the coordinator cannot be reached: %.400s", err->msg);
+        }
     }
     nl_rx_free(&rx);
     if (g->consumed < g->n) {
@@ -276,7 +319,7 @@ nl_http_next coord_http_gen_next(void *ctx, void *jp, int32_t *id, const char **
         return NL_HTTP_TOKEN;
     }
     if (g->failed) {
-        nl_error_set(err, NL_ERR_INTERNAL, "generation failed: %s", g->why);
+        nl_error_set(err, g->status ? g->status : NL_ERR_INTERNAL, "generation failed: %s", g->why);
         return NL_HTTP_FAILED;
     }
     return g->done ? NL_HTTP_DONE : NL_HTTP_WAIT;
@@ -377,16 +420,28 @@ nl_status coord_http_embed(void *ctx, int model, const char *text, size_t len, c
     const nl_wire_param ps[2] = {
         {.key = "lengths", .kind = NL_WIRE_PARAM_STR, .s = lengths},
         {.key = "adapter", .kind = NL_WIRE_PARAM_STR, .s = (char *)adapter}};
-    if (st == NL_OK && (st = coord_http_open_client(h, &s, err)) == NL_OK)
+    if (st == NL_OK && (st = coord_http_open_client(h, &s, err)) != NL_OK)
+        err->status = st = NL_ERR_STATE; /* 503: the cluster cannot be reached */
+    if (st == NL_OK)
         st = nl_client_submit(s, NL_JOB_EMBED, ps, adapter ? 2 : 1, p, 1, P, err);
     const double by = nl_client_now() + 60.0;
     *vec = NULL;
     while (st == NL_OK && nl_client_now() < by) {
-        if (nl_sock_recv(s, &rx, 250, err) != NL_OK)
+        const nl_status rs = nl_sock_recv(s, &rx, 250, err);
+        if (rs == NL_ERR_IO) { /* the socket failed: no answer will come */
+            char why[NL_ERROR_MSG_MAX];
+            snprintf(why, sizeof why, "%s", err->msg);
+            st = nl_error_set(err, NL_ERR_STATE, "embedding: the coordinator cannot be reached: %s",
+                              why);
+            break;
+        }
+        if (rs != NL_OK) /* nothing yet, or a message that does not decode */
             continue;
         const nl_msg_job_status *js = &rx.msg.u.job_status;
-        if (rx.msg.type == NL_MSG_JOB_STATUS && js->state >= NL_JOB_FAILED) {
-            st = nl_error_set(err, NL_ERR_INTERNAL, "embedding failed: %s", js->message);
+        nl_error fe = {0};
+        if (nl_client_job_failed(&rx, &fe)) { /* refused for want of room: a 429 */
+            st = nl_error_set(err, fe.status == NL_ERR_LIMIT ? NL_ERR_LIMIT : NL_ERR_INTERNAL,
+                              "embedding failed: %s", js->message);
         } else if (rx.msg.type == NL_MSG_RESULT && rx.msg.nframes == 1 && !*vec) {
             const nl_tensor *t = &rx.msg.frames[0].t;
             if (t->dtype != NL_DTYPE_F32 || t->ndim != 2 || t->shape[0] != 1 || t->shape[1] < 1)

@@ -11,6 +11,7 @@
 
 #include "base/log.h"
 #include "coord_impl.h"
+#include "net/client.h"
 
 static const cjob_ops *const kinds[] = {&coord_forward_ops,  &coord_generate_ops, &coord_train_ops,
                                         &coord_finetune_ops, &coord_embed_ops,    &coord_grow_ops};
@@ -48,11 +49,12 @@ cjob *coord_job_new(nl_coord *c, const nl_rx *rx, const cjob_ops *ops)
         char why[200];
         if (j)
             snprintf(why, sizeof why,
-                     "too many jobs of this key at once: %d (neurocoord --max-jobs-per-key); "
+                     NL_CLIENT_TOO_MANY_JOBS
+                     " of this key at once: %d (neurocoord --max-jobs-per-key); "
                      "try again when one ends",
                      held);
         else
-            snprintf(why, sizeof why, "too many jobs at once; try again");
+            snprintf(why, sizeof why, NL_CLIENT_TOO_MANY_JOBS " at once; try again");
         coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, why, NULL);
         return NULL;
     }

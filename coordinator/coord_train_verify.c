@@ -36,6 +36,7 @@
 
 #include "base/log.h"
 #include "coord_train_impl.h"
+#include "core/objective.h"
 #include "net/hopdigest.h"
 
 /* A verification under way. */
@@ -52,6 +53,12 @@ typedef struct cver {
     double t0;
     uint8_t want[2][NL_HOP_DIGEST_BYTES]; /* the ACTIVATION and GRADIENT the stage reported */
     uint8_t got[2][NL_HOP_DIGEST_BYTES];  /* ... and those it reported receiving */
+    /* what its case must say of itself: the stage's row of the plan (its
+     * layers [l0, l1), embedding, head) and the step's shape and loss rows,
+     * as the coordinator sent them */
+    uint32_t l0, l1, batch, seq, micro;
+    bool embed, head;
+    uint64_t loss_rows;
     /* arbitration: the first verifier found a mismatch, `verifier` is now
      * the arbiter; said: the first verifier's answer */
     uint32_t first;
@@ -298,9 +305,12 @@ void coord_train_verify_sample(nl_coord *c, cjob *j)
             drop(t, i--);
         }
     }
+    /* the loss rows the step's hops carried (coord_train_send_step) */
+    const int64_t rows = nl_objective_loss_rows(t->objective, t->valid, t->batch * t->seq);
+    const uint64_t loss_rows = rows > 0 ? (uint64_t)rows : 0;
     nl_wire_msg m;
     nl_wire_msg_init(&m);
-    for (int s = 0; s < t->stages; s++) {
+    for (int s = 0; c->plan && s < t->stages && s < c->plan->n_stages; s++) {
         cnode *n = coord_stage_node(c, s);
         /* across classes only when the stages keep what they send */
         const int cross = n && t->verify_outputs && cross_for(c, n);
@@ -312,13 +322,22 @@ void coord_train_verify_sample(nl_coord *c, cjob *j)
                 break;
             const uint8_t *d = t->dig + (((size_t)s * (size_t)t->micro + (size_t)mb) *
                                          NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES);
+            const nl_plan_stage *row = &c->plan->stages[s];
             *v = (cver){.step = step,
                         .mb = (uint32_t)mb,
                         .stage = s,
                         .node = n->id,
                         .epoch = c->epoch,
                         .t0 = coord_now(),
-                        .cross = cross};
+                        .cross = cross,
+                        .l0 = (uint32_t)row->l0,
+                        .l1 = (uint32_t)row->l1,
+                        .embed = row->has_embed != 0,
+                        .head = row->has_head != 0,
+                        .batch = (uint32_t)(t->batch / t->micro),
+                        .seq = (uint32_t)t->seq,
+                        .micro = (uint32_t)t->micro,
+                        .loss_rows = loss_rows};
             memcpy(v->want[0], d + NL_DIGEST_FWD_OUT * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
             memcpy(v->want[1], d + NL_DIGEST_BWD_OUT * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
             /* stage 0's input is what the coordinator sent it, not what it says */
@@ -429,6 +448,24 @@ static int inputs_match(const cver *v, const nl_wire_msg *m)
     return ok;
 }
 
+/* Whether a case says of itself what the coordinator asked of its stage:
+ * the plan's layers, embedding and head, the step's microbatch shape,
+ * microbatches and loss rows. NULL: it does; else what differs. A stage
+ * that skipped a layer could otherwise hand over a case without it, which
+ * a verifier would redo to the same wrong outputs. */
+static const char *case_differs(const cver *v, const nl_msg_verify_case *k)
+{
+    if (k->layer0 != v->l0 || k->layer1 != v->l1)
+        return "its case's layers are not those the plan gave its stage";
+    if (k->has_embed != v->embed || k->has_head != v->head)
+        return "its case's embedding or head is not the plan's";
+    if (k->batch != v->batch || k->seq != v->seq || k->microbatches != v->micro)
+        return "its case's batch, sequence or microbatches are not the step's";
+    if (k->loss_rows != v->loss_rows)
+        return "its case's loss rows are not the step's";
+    return NULL;
+}
+
 /* A stage's VERIFY_CASE: on to a verifier, with the model's config. */
 static void on_case(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
 {
@@ -439,14 +476,18 @@ static void on_case(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
         if (v->verifier || v->node != from->id || v->step != (int64_t)k->step ||
             v->mb != k->microbatch || v->stage != (int)k->stage)
             continue;
-        if (!inputs_match(v, &rx->msg)) { /* its own reports convict it */
+        const char *differs = case_differs(v, k);
+        if (differs || !inputs_match(v, &rx->msg)) { /* the plan or its own reports convict it */
             t->verify_mismatches++;
             t->verify_convicted++;
             t->verify_guilty = v->node;
-            NL_WARN("train job %llu: node %u (stage %d) hands over other inputs for step %lld "
-                    "microbatch %u than the digests it reported receiving",
-                    (unsigned long long)j->id, v->node, v->stage, (long long)v->step, v->mb);
-            convict(c, j, v, "its case's inputs are not those it reported receiving");
+            if (!differs)
+                differs = "its case's inputs are not those it reported receiving";
+            NL_WARN("train job %llu: node %u (stage %d) hands over a case of step %lld "
+                    "microbatch %u that is not the one asked for: %s",
+                    (unsigned long long)j->id, v->node, v->stage, (long long)v->step, v->mb,
+                    differs);
+            convict(c, j, v, differs);
             taint(t, v->step);
             drop(t, i);
             return;

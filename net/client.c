@@ -139,11 +139,16 @@ int nl_client_job_failed(const nl_rx *rx, nl_error *err)
         return 0;
     const char *what = s->state == NL_JOB_FAILED ? "failed" : "was cancelled";
     const char *msg = s->message ? s->message : "";
+    const nl_status st =
+        s->state == NL_JOB_FAILED && s->job_id == 0 &&
+                strncmp(msg, NL_CLIENT_TOO_MANY_JOBS, strlen(NL_CLIENT_TOO_MANY_JOBS)) == 0
+            ? NL_ERR_LIMIT
+            : NL_ERR_STATE;
     /* a message that only repeats the state adds nothing */
     if (!msg[0] || strcmp(msg, "cancelled") == 0 || strcmp(msg, "failed") == 0)
-        nl_error_set(err, NL_ERR_STATE, "job %" PRIu64 " %s", s->job_id, what);
+        nl_error_set(err, st, "job %" PRIu64 " %s", s->job_id, what);
     else
-        nl_error_set(err, NL_ERR_STATE, "job %" PRIu64 " %s: %s", s->job_id, what, msg);
+        nl_error_set(err, st, "job %" PRIu64 " %s: %s", s->job_id, what, msg);
     return 1;
 }
 

@@ -55,8 +55,14 @@ nl_status nl_client_recv(nl_sock *s, nl_rx *rx, double deadline, nl_error *err);
  * its JSON (the caller decrefs); a malformed answer is NL_ERR_PROTO. */
 nl_status nl_client_status(nl_sock *s, double deadline, json_t **out, nl_error *err);
 
+/* How a coordinator's refusal of a job for want of room begins (a
+ * JOB_STATUS failed of job 0: the job was never made): the key holds
+ * --max-jobs-per-key jobs, or the job table is full. */
+#define NL_CLIENT_TOO_MANY_JOBS "too many jobs"
 /* Whether rx is a JOB_STATUS that ends a job as failed or cancelled; if
- * so, err gets "job N failed: MESSAGE" (or "was cancelled"). */
+ * so, err gets "job N failed: MESSAGE" (or "was cancelled"), with the
+ * status NL_ERR_LIMIT for a refusal for want of room
+ * (NL_CLIENT_TOO_MANY_JOBS), else NL_ERR_STATE. */
 int nl_client_job_failed(const nl_rx *rx, nl_error *err);
 
 /* What a job that answers with one RESULT (forward, embed) hands over: a

@@ -106,6 +106,24 @@ int http_code_of(nl_status st)
     }
 }
 
+int http_hold_jobs(nl_http *h, struct MHD_Connection *c, http_req *rq, int n, enum MHD_Result *res)
+{
+    pthread_mutex_lock(&h->mu);
+    const int running = h->jobs, fits = h->be.max_jobs <= 0 || running + n <= h->be.max_jobs;
+    if (fits) {
+        h->jobs += n;
+        rq->jobs += n;
+    }
+    pthread_mutex_unlock(&h->mu);
+    if (fits)
+        return 0;
+    *res = http_error(h, c, rq, 429, n > 1 ? "n" : NULL,
+                      "%d jobs are being run already: the request's %d would pass the %d the "
+                      "backend runs at once",
+                      running, n, h->be.max_jobs);
+    return -1;
+}
+
 /* ---------------------------------------------------------------- tokens */
 
 static int token_ok(nl_http *h, struct MHD_Connection *c)
@@ -597,9 +615,10 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
     http_req *rq = *con_cls;
     if (!rq)
         return;
-    if (rq->counted) {
+    if (rq->counted || rq->jobs) {
         pthread_mutex_lock(&h->mu);
-        h->in_flight--;
+        h->in_flight -= rq->counted;
+        h->jobs -= rq->jobs;
         pthread_mutex_unlock(&h->mu);
     }
     free(rq->body);

@@ -84,6 +84,11 @@ typedef struct nl_http_backend {
      * server. */
     const char *const *models;
     int n_models;
+    /* The jobs the backend runs at once for this server (each choice of a
+     * completion one, an embeddings request one while it runs), or 0: no
+     * bound. A request whose jobs would not fit is answered 429 before
+     * the backend is asked (neurocoord --http: --max-jobs-per-key). */
+    int max_jobs;
     /* Start a generation: *job for the calls below, *prompt_tokens the
      * prompt's length in tokens. Errors: NL_ERR_INVALID or NL_ERR_RANGE
      * (400; the message names the field), NL_ERR_CAPACITY (429),

@@ -584,6 +584,8 @@ enum MHD_Result http_embeddings(nl_http *h, struct MHD_Connection *c, http_req *
         bad(&fe, "input", "input: %zu inputs, at most %d", n_in, MAX_EMBED_INPUTS);
         goto bad_req;
     }
+    if (http_hold_jobs(h, c, rq, 1, &res) != 0) /* one input at a time */
+        goto out;
     data = json_array();
     int total = 0;
     for (size_t i = 0; i < n_in; i++) {

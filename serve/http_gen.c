@@ -467,6 +467,9 @@ static enum MHD_Result gen_whole(gen_state *g, struct MHD_Connection *c, http_re
 enum MHD_Result http_generate(nl_http *h, struct MHD_Connection *c, http_req *rq,
                               const gen_req *req)
 {
+    enum MHD_Result res;
+    if (http_hold_jobs(h, c, rq, req->n, &res) != 0) /* each choice is a job */
+        return res;
     gen_state *g = calloc(1, sizeof *g);
     if (!g)
         return http_error(h, c, rq, 500, NULL, "out of memory");
@@ -490,7 +493,7 @@ enum MHD_Result http_generate(nl_http *h, struct MHD_Connection *c, http_req *rq
         g->max_stop = l > g->max_stop ? l : g->max_stop;
     }
     int ok = 0;
-    enum MHD_Result res = gen_start(g, c, rq, req, &ok);
+    res = gen_start(g, c, rq, req, &ok);
     if (!ok) {
         gen_free(g);
         return res;

@@ -46,6 +46,7 @@ struct nl_http {
     pthread_cond_t cv; /* events published, or stopping */
     int stopping;
     int in_flight;   /* /v1 requests being answered */
+    int jobs;        /* the backend's jobs they hold (be.max_jobs) */
     int subscribers; /* /api/events streams open */
     uint64_t next_seq;
     http_event ring[EVENT_RING];
@@ -58,6 +59,7 @@ struct nl_http {
 typedef struct http_req {
     int ep;
     int counted; /* holds a slot of in_flight */
+    int jobs;    /* ... and this many of the backend's jobs (http_hold_jobs) */
     char *body;
     size_t len, cap;
     int too_large;
@@ -73,6 +75,9 @@ enum MHD_Result http_error(nl_http *h, struct MHD_Connection *c, http_req *rq, i
 void http_count(nl_http *h, int ep, int code);
 /* The HTTP code of a backend's status. */
 int http_code_of(nl_status st);
+/* Hold n of the backend's jobs for rq until it ends (be.max_jobs): 0, or
+ * -1 when they would not fit, the 429 answer queued in *res. */
+int http_hold_jobs(nl_http *h, struct MHD_Connection *c, http_req *rq, int n, enum MHD_Result *res);
 
 /* Whether nl_http_stop has begun (streams end). */
 int http_stopping(nl_http *h);

@@ -26,7 +26,10 @@
  *    fail that job alone, revealing nothing, as does data past
  *    --max-data-total (issue 31); a file in the root makes a
  *    job that begins, and a cancel reloads its stages; a job cancelled
- *    during a step asks its stages for a checkpoint of it first.
+ *    during a step asks its stages for a checkpoint of it first;
+ *  - a verification case's fields (issue 31): one that says other layers
+ *    than the plan gave its stage convicts the stage, and goes to no
+ *    verifier, while an honest one goes on to its verifier.
  *
  * The fakes are coord_fake.c's; the coordinator's peers (roles under
  * CURVE, its endpoints, the node index) are test_coord_peers.c's. */
@@ -41,7 +44,9 @@
 
 #include "../base/log.h"
 #include "../coordinator/coord.h"
+#include "../coordinator/coord_impl.h"
 #include "../net/handshake.h"
+#include "../net/hopdigest.h"
 #include "../net/keys.h"
 #include "../net/transport.h"
 #include "check.h"
@@ -686,8 +691,10 @@ static void test_train_first_digest(assigned *a)
     nl_rx_free(&rx);
 }
 
-/* The objective param submit_train adds (NULL: none, the model's). */
+/* The objective param submit_train adds (NULL: none, the model's), and
+ * its microbatches. */
 static const char *train_objective;
+static int64_t train_micro = 1;
 
 /* Submit a training job of 2 steps with these paths (resume may be NULL). */
 static void submit_train(const char *data, const char *ckpt, const char *resume)
@@ -696,7 +703,7 @@ static void submit_train(const char *data, const char *ckpt, const char *resume)
         {.key = "steps", .kind = NL_WIRE_PARAM_INT, .i = 2},
         {.key = "batch", .kind = NL_WIRE_PARAM_INT, .i = 2},
         {.key = "seq", .kind = NL_WIRE_PARAM_INT, .i = 8},
-        {.key = "microbatches", .kind = NL_WIRE_PARAM_INT, .i = 1},
+        {.key = "microbatches", .kind = NL_WIRE_PARAM_INT, .i = train_micro},
         {.key = "seed", .kind = NL_WIRE_PARAM_INT, .i = 1},
         {.key = "warmup", .kind = NL_WIRE_PARAM_INT, .i = 0},
         {.key = "eval_every", .kind = NL_WIRE_PARAM_INT, .i = 0},
@@ -1029,6 +1036,138 @@ static void test_hostile_nodes(const assigned *a)
     nl_rx_free(&rx);
 }
 
+/* ---------------------------------------------------------------- verification cases */
+
+/* Stage 1's VERIFY_CASE of step 1 microbatch mb into m: the plan's row
+ * (a[]'s) with its layer0 moved by skip, microbatches of 1 x 8, loss_rows;
+ * its inputs (x, targets) in the caller's arrays. */
+static void make_case(nl_wire_msg *m, uint64_t job, uint32_t mb, const assigned *row, uint32_t skip,
+                      uint64_t loss_rows, float *w, float *x, int32_t *tg)
+{
+    const int64_t ws[1] = {4}, xs[3] = {1, 8, 64}, ts[2] = {1, 8};
+    nl_wire_msg_reset(m, NL_MSG_VERIFY_CASE);
+    m->u.verify_case =
+        (nl_msg_verify_case){job, 1, mb, 1,         row->l0 + skip, row->l1, row->embed, row->head,
+                             1,   8, 2,  loss_rows, NL_HOP_TARGETS, false,   "",         0};
+    nl_wire_frame_set(&m->frames[0], w, NL_DTYPE_F32, ws, 1);
+    nl_wire_frame_set(&m->frames[1], x, NL_DTYPE_F32, xs, 3);
+    nl_wire_frame_set(&m->frames[2], tg, NL_DTYPE_I32, ts, 2);
+    m->nframes = 3;
+}
+
+/* The digest of the ACTIVATION a case says its stage received (as the
+ * coordinator's check makes it: the hidden states and the targets). */
+static void case_digest(const nl_wire_msg *c, uint8_t out[32])
+{
+    nl_wire_msg h;
+    nl_wire_msg_init(&h);
+    nl_wire_msg_reset(&h, NL_MSG_ACTIVATION);
+    const nl_msg_verify_case *k = &c->u.verify_case;
+    h.u.hop = (nl_msg_tensor_hop){k->job_id, k->step, k->microbatch, 0, 0, 0.0};
+    h.frames[0] = c->frames[1];
+    h.frames[1] = c->frames[2];
+    h.nframes = 2;
+    nl_hop_digest(out, &h, k->stage);
+    h.nframes = 0;
+    nl_wire_msg_free(&h);
+}
+
+/* Issue 31 hardening: a case's own fields are the plan's and the step's,
+ * not the stage's word. With every (stage, microbatch) drawn
+ * (--verify-rate 1), the last stage hands over microbatch 0's case as
+ * asked (it goes on to the other stage, its verifier) and microbatch 1's
+ * with its inputs as it reported them but one layer fewer than the plan
+ * gave it (what a stage that skips a layer would hand over): that is a
+ * lie of the stage's, which is convicted and quarantined (the job loses
+ * its node), the case never reaching a verifier. */
+static void test_train_verify_case(assigned *a)
+{
+    fake *first = stage_of(a, 0), *last = stage_of(a, 1);
+    const assigned *row = &a[last == &nodes[0] ? 0 : 1];
+    const double rate = coord->o.verify_rate;
+    coord->o.verify_rate = 1.0;
+    train_micro = 2;
+    const uint64_t job = submit_train_to_stages();
+    train_micro = 1;
+    node_status(first, job, NL_JOB_RUNNING, "took it");
+    node_status(last, job, NL_JOB_RUNNING, "took it");
+    nl_rx rx;
+    nl_rx_init(&rx);
+    uint64_t loss_rows = 0;
+    CHECK(pump_until(first, NL_MSG_ACTIVATION, &rx) && rx.msg.u.hop.step == 1,
+          "verify: step 1 did not begin");
+    if (rx.msg.type == NL_MSG_ACTIVATION)
+        loss_rows = rx.msg.u.train_hop.loss_rows;
+    static float w[4], x[2][8 * 64];
+    static int32_t tg[2][8];
+    for (int i = 0; i < 8 * 64; i++)
+        x[0][i] = (float)i * 1e-3f, x[1][i] = (float)i * -1e-3f;
+    nl_wire_msg cs[2], m;
+    uint8_t dig[2][NL_DIGEST_KINDS][32];
+    memset(dig, 0, sizeof dig);
+    for (uint32_t mb = 0; mb < 2; mb++) {
+        nl_wire_msg_init(&cs[mb]);
+        make_case(&cs[mb], job, mb, row, mb, loss_rows, w, x[mb], tg[mb]);
+        case_digest(&cs[mb], dig[mb][NL_DIGEST_FWD_IN]);
+    }
+    send_grad_norm(first, job, 1, 0, 1.0); /* no digests: zero */
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_GRAD_NORM);
+    m.u.grad_norm = (nl_msg_grad_norm){job, 1, 1, 1.0};
+    const int64_t shape[3] = {2, NL_DIGEST_KINDS, 32};
+    nl_wire_frame_set(&m.frames[0], dig, NL_DTYPE_U8, shape, 3);
+    m.nframes = 1;
+    fake_send(last, &m);
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_LOSS);
+    m.u.loss = (nl_msg_loss){job, 1, false, 100.0, 0.5, 64};
+    fake_send(last, &m);
+    CHECK(pump_until(last, NL_MSG_VERIFY_REQ, &rx) && rx.msg.u.verify_req.job_id == job &&
+              rx.msg.u.verify_req.step == 1,
+          "verify: the last stage was not asked for a case of step 1");
+    CHECK(pump_until(last, NL_MSG_STEP, &rx) && rx.msg.u.step.step == 1, "verify: no STEP 1");
+    fake_send(last, &cs[0]); /* as asked: on to the verifier */
+    CHECK(pump_until(first, NL_MSG_VERIFY_CASE, &rx) && rx.msg.u.verify_case.microbatch == 0 &&
+              rx.msg.u.verify_case.stage == 1,
+          "verify: the honest case of microbatch 0 did not reach its verifier");
+    fake_send(last, &cs[1]); /* a layer short of the plan's */
+    char report[2048] = "";
+    uint32_t state = NL_JOB_RUNNING;
+    while (!report[0] && state == NL_JOB_RUNNING && pump_until(&client, NL_MSG_JOB_STATUS, &rx)) {
+        state = rx.msg.u.job_status.state;
+        if (strstr(rx.msg.u.job_status.message, "node lost") && rx.msg.nframes == 1)
+            snprintf(report, sizeof report, "%.*s", (int)rx.msg.frames[0].len,
+                     (const char *)rx.msg.frames[0].t.data);
+    }
+    CHECK(strstr(report, "quarantined") && strstr(report, "not those the plan gave its stage"),
+          "verify: a case a layer short of the plan was not taken for a lie (state %u): %s", state,
+          report);
+    nl_error err = {0};
+    int passed_on = 0;
+    nl_rx_free(&rx);
+    nl_rx_init(&rx);
+    while (nl_sock_recv(first->sock, &rx, 0, &err) == NL_OK) {
+        passed_on |= rx.msg.type == NL_MSG_VERIFY_CASE && rx.msg.u.verify_case.microbatch == 1;
+        nl_rx_free(&rx);
+        nl_rx_init(&rx);
+    }
+    CHECK(!passed_on, "verify: the lying case went on to a verifier");
+    last->beating = 0; /* dead to the coordinator */
+    coord->o.verify_rate = rate;
+    if (state == NL_JOB_RUNNING) { /* the fakes go no further */
+        nl_wire_msg_init(&m);
+        nl_wire_msg_reset(&m, NL_MSG_JOB_CANCEL);
+        m.u.job_ref.job_id = job;
+        fake_send(&client, &m);
+    }
+    uint64_t j2 = job;
+    char msg[512];
+    while (state == NL_JOB_RUNNING && client_status(&j2, &state, msg, sizeof msg))
+        state = j2 == job ? state : NL_JOB_RUNNING;
+    CHECK(state != NL_JOB_RUNNING, "verify: the job did not end");
+    nl_rx_free(&rx);
+}
+
 /* Issue 15, finding 5: a client that floods queries and never reads (its
  * receive queue one message, its socket buffer small) stalls no one: its
  * replies are dropped once its queue is full, and another client's round
@@ -1128,6 +1267,7 @@ int main(void)
         test_join_at_rest(a);
         test_flood();
         test_hostile_nodes(a);
+        test_train_verify_case(a);
         test_many_joins();
     }
     nl_sock_destroy(&client.sock);

@@ -49,8 +49,21 @@ static void test_job_failed(void)
     CHECK(nl_client_job_failed(&rx, &err) && strcmp(err.msg, "job 7 failed") == 0, "no message: %s",
           err.msg);
     rx.msg.u.job_status.message = "a stage died";
-    CHECK(nl_client_job_failed(&rx, &err) && strcmp(err.msg, "job 7 failed: a stage died") == 0,
+    CHECK(nl_client_job_failed(&rx, &err) && strcmp(err.msg, "job 7 failed: a stage died") == 0 &&
+              err.status == NL_ERR_STATE,
           "failed: %s", err.msg);
+    /* refused for want of room (the key's --max-jobs-per-key): a limit,
+     * which neurocoord --http answers 429 */
+    rx.msg.u.job_status.job_id = 0;
+    rx.msg.u.job_status.message = "too many jobs of this key at once: 32 (neurocoord "
+                                  "--max-jobs-per-key); try again when one ends";
+    CHECK(nl_client_job_failed(&rx, &err) && err.status == NL_ERR_LIMIT &&
+              strstr(err.msg, "--max-jobs-per-key"),
+          "refused for the key's jobs: %s %s", nl_status_str(err.status), err.msg);
+    rx.msg.u.job_status.message = "generate: bad params";
+    CHECK(nl_client_job_failed(&rx, &err) && err.status == NL_ERR_STATE,
+          "refused for its params: %s", nl_status_str(err.status));
+    rx.msg.u.job_status.job_id = 7;
     rx.msg.u.job_status.state = NL_JOB_CANCELLED;
     rx.msg.u.job_status.message = "cancelled";
     CHECK(nl_client_job_failed(&rx, &err) && strcmp(err.msg, "job 7 was cancelled") == 0,

@@ -515,6 +515,43 @@ static void test_stream_offsets(const nl_http_backend *base)
     nl_http_stop(&h);
 }
 
+/* A backend that runs at most 3 jobs at once (neurocoord --http:
+ * --max-jobs-per-key): each choice of a completion is one, so a request
+ * of n = 4 is answered 429 before the backend is asked, while n = 3 is
+ * served, again and again (its jobs are given back when it ends), and an
+ * embedding (one job) too. */
+static void test_job_bound(const nl_http_backend *base)
+{
+    nl_http_backend b = *base;
+    b.max_jobs = 3;
+    nl_error err = {0};
+    nl_http *h = NULL;
+    nl_http_opts o = {.addr = "127.0.0.1:0"};
+    CHECK_OK(nl_http_start(&h, &o, &b, &err), &err);
+    if (!h)
+        return;
+    const int port = nl_http_port(h);
+    const int before = ended;
+    char *r = request(port, "POST", "/v1/completions",
+                      "{\"prompt\": \"x\", \"max_tokens\": 1, \"n\": 4}", NULL);
+    expect(r, "HTTP/1.1 429", "4 choices of a backend that runs 3 jobs");
+    expect(r, "\"type\":\"rate_limit_error\"", "a rate limit");
+    expect(r, "would pass the 3", "the message says the bound");
+    expect(r, "\"param\":\"n\"", "naming n");
+    CHECK(ended == before, "the backend was asked for %d jobs", ended - before);
+    free(r);
+    for (int i = 0; i < 2; i++) {
+        r = request(port, "POST", "/v1/completions",
+                    "{\"prompt\": \"x\", \"max_tokens\": 1, \"n\": 3}", NULL);
+        expect(r, "HTTP/1.1 200", "3 choices fit, each time");
+        free(r);
+    }
+    r = request(port, "POST", "/v1/embeddings", "{\"input\": \"a\"}", NULL);
+    expect(r, "HTTP/1.1 200", "an embedding within the bound");
+    free(r);
+    nl_http_stop(&h);
+}
+
 int main(void)
 {
     nl_http_backend b = {.model_name = "fake",
@@ -537,6 +574,7 @@ int main(void)
         nl_http_stop(&h);
     }
     test_models(&b);
+    test_job_bound(&b);
     test_origin_and_limits(&b);
     test_start_refusals(&b);
     test_stream_offsets(&b);
