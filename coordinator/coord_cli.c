@@ -96,6 +96,15 @@ static void coord_flags(nl_opt t[MAX_FLAGS], nl_coord_cli *cli, int *level, int 
                    "(default 1: one node a stage)"),
         NL_OPT_INT("plan-microbatches", &o->plan_microbatches, 1, 1 << 20, "8",
                    "the microbatches of a training step --replicas auto plans for"),
+        NL_OPT_INT("outer-every", &o->outer_every, 0, INT32_MAX, "0",
+                   "H: low-communication training across the replicas (DiLoCo, DESIGN section "
+                   "8): replica r of every stage is one replica group, which takes H AdamW steps "
+                   "on its own microbatches (its own gradients, norm and moments); then the "
+                   "groups' deltas (weights at the last sync minus weights now) are averaged in "
+                   "group order and applied by an outer Nesterov SGD step (lr 0.7, momentum "
+                   "0.9). Replica traffic is divided by H. Needs --replicas 2 or more; a "
+                   "training job's steps and checkpoint interval must be multiples of H, and "
+                   "--resume is refused (0: the replicas add up every step's gradients)"),
         NL_OPT_CHOICE("wire", &o->wire, "fp32|bf16", "fp32",
                       "fp32 or bf16: the precision of the hidden states and gradients the stages "
                       "send each other (bf16: rounded to nearest even when sent, widened when "
@@ -195,6 +204,12 @@ static int check(nl_coord_cli *cli, const nl_opt *t)
                         "available with replicas)\n",
                 cli->replicas);
         o->verify_rate = 0;
+    }
+    if (o->outer_every > 0 && o->replicas == 1) {
+        fprintf(stderr, "--outer-every %d: DiLoCo needs replica groups (--replicas 2 or more, or "
+                        "auto)\n",
+                o->outer_every);
+        return 2;
     }
     /* the HTTP side's /v1 requests are jobs of one key: past
      * --max-jobs-per-key they are answered 429 */

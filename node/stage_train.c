@@ -312,7 +312,7 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg
     t->job = p->job;
     t->mbB = (int)mbB;
     t->T = (int)T;
-    if ((st = nl_stage_train_ring_new(s, t, M, err)) != NL_OK) {
+    if ((st = nl_stage_train_ring_new(s, t, M, p->outer_every, err)) != NL_OK) {
         nl_stage_train_free(t);
         return nl_error_prefix(err, "train job %lld", job);
     }
@@ -592,8 +592,8 @@ static nl_status on_step(nl_stage *s, stage_train *t, const nl_msg_step *p, nl_s
                             t->finished ? "has finished" : "has not finished",
                             (unsigned long long)t->applied + 1);
     /* every replica: the same update of the same weights with the same
-     * gradients, each on its lane */
-    nl_status st = NL_OK;
+     * gradients, each on its lane (DiLoCo: this group's own) */
+    nl_status st = p->apply ? nl_stage_train_outer_anchor(s, t, send, ctx, err) : NL_OK;
     for (int r = 0; p->apply && r < t->R && st == NL_OK; r++) {
         rjob *j = nl_stage_train_job_get(t, JOB_STEP, r, err);
         if (!j)
@@ -607,6 +607,8 @@ static nl_status on_step(nl_stage *s, stage_train *t, const nl_msg_step *p, nl_s
     t->finished = 0;
     t->counted = t->fwd = t->bwd = 0;
     t->counts_ready = false;
+    if (st == NL_OK)
+        st = nl_stage_train_outer(s, t, p->step, send, ctx, err);
     return st;
 }
 
@@ -637,6 +639,15 @@ static nl_status on_ckpt(nl_stage *s, stage_train *t, const nl_msg_ckpt_req *r,
 {
     char path[1200], hex[65];
     uint64_t bytes = 0;
+    if (t->syncing && !t->ckpt_held) { /* DiLoCo: after the outer step */
+        free(t->held_dir);
+        if (!(t->held_dir = strdup(r->dir)))
+            return nl_error_set(err, NL_ERR_NOMEM, "CKPT_REQ: out of memory");
+        t->held_ckpt = *r;
+        t->held_ckpt.dir = t->held_dir;
+        t->ckpt_held = true;
+        return NL_OK;
+    }
     nl_status st =
         nl_stage_train_take_done(s, t, true, send, ctx, err); /* the lanes idle: AdamW applied */
     if (st != NL_OK)
@@ -725,6 +736,10 @@ nl_status nl_stage_train_input(nl_stage *s, stage_train *t, const nl_wire_msg *m
         if (st == NL_OK && t->step_held && !t->reducing) {
             t->step_held = false;
             st = on_step(s, t, &t->held, send, ctx, err);
+        }
+        if (st == NL_OK && t->ckpt_held && !t->syncing) {
+            t->ckpt_held = false;
+            st = on_ckpt(s, t, &t->held_ckpt, send, ctx, err);
         }
         break;
     default:
