@@ -607,9 +607,7 @@ static nl_status on_step(nl_stage *s, stage_train *t, const nl_msg_step *p, nl_s
     t->finished = 0;
     t->counted = t->fwd = t->bwd = 0;
     t->counts_ready = false;
-    if (st == NL_OK)
-        st = nl_stage_train_outer(s, t, p->step, send, ctx, err);
-    return st;
+    return st != NL_OK ? st : nl_stage_train_outer(s, t, p->step, send, ctx, err);
 }
 
 /* CKPT_REQ.dir: an absolute path with no ".." component, under the
@@ -639,18 +637,11 @@ static nl_status on_ckpt(nl_stage *s, stage_train *t, const nl_msg_ckpt_req *r,
 {
     char path[1200], hex[65];
     uint64_t bytes = 0;
-    if (t->syncing && !t->ckpt_held) { /* DiLoCo: after the outer step */
-        free(t->held_dir);
-        if (!(t->held_dir = strdup(r->dir)))
-            return nl_error_set(err, NL_ERR_NOMEM, "CKPT_REQ: out of memory");
-        t->held_ckpt = *r;
-        t->held_ckpt.dir = t->held_dir;
-        t->ckpt_held = true;
-        return NL_OK;
-    }
-    nl_status st =
-        nl_stage_train_take_done(s, t, true, send, ctx, err); /* the lanes idle: AdamW applied */
-    if (st != NL_OK)
+    bool held = false; /* DiLoCo: after the outer step */
+    nl_status st = nl_stage_train_outer_hold(t, r, &held, err);
+    if (st == NL_OK && !held) /* the lanes idle: AdamW applied */
+        st = nl_stage_train_take_done(s, t, true, send, ctx, err);
+    if (st != NL_OK || held)
         return st;
     if (r->step != (uint64_t)t->applied || t->fwd != t->bwd)
         return nl_error_set(err, NL_ERR_STATE, "CKPT_REQ of step %llu, but %lld steps are applied",
@@ -737,10 +728,8 @@ nl_status nl_stage_train_input(nl_stage *s, stage_train *t, const nl_wire_msg *m
             t->step_held = false;
             st = on_step(s, t, &t->held, send, ctx, err);
         }
-        if (st == NL_OK && t->ckpt_held && !t->syncing) {
-            t->ckpt_held = false;
+        if (st == NL_OK && t->ckpt_held && !t->syncing) /* a CKPT_REQ held for it too */
             st = on_ckpt(s, t, &t->held_ckpt, send, ctx, err);
-        }
         break;
     default:
         return nl_error_set(err, NL_ERR_UNSUPPORTED, "%s is not a training message",

@@ -255,13 +255,18 @@ nl_status nl_stage_train_reduce_counts(nl_stage *s, stage_train *t, const int64_
                                        nl_stage_send_fn send, void *ctx, nl_error *err);
 /* DiLoCo: before the job's first AdamW step, keep the weights as those
  * of the last sync (a no-op once kept). */
-nl_status nl_stage_train_outer_anchor(nl_stage *s, stage_train *t, nl_stage_send_fn send,
-                                      void *ctx, nl_error *err);
+nl_status nl_stage_train_outer_anchor(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
+                                      nl_error *err);
 /* DiLoCo: step `step`'s AdamW is dispatched; on a multiple of H begin
  * adding up the groups' deltas (t->syncing until the outer step is
  * applied, now or on a later REDUCE). */
 nl_status nl_stage_train_outer(nl_stage *s, stage_train *t, uint64_t step, nl_stage_send_fn send,
                                void *ctx, nl_error *err);
+/* DiLoCo: a CKPT_REQ r that comes while the outer step is added up waits
+ * for it (*held; its dir copied into t->held_ckpt, given again once the
+ * outer step is applied); another while one waits is an error. */
+nl_status nl_stage_train_outer_hold(stage_train *t, const nl_msg_ckpt_req *r, bool *held,
+                                    nl_error *err);
 /* A REDUCE from the previous replica. */
 nl_status nl_stage_train_ring_input(nl_stage *s, stage_train *t, const nl_wire_msg *m,
                                     nl_stage_send_fn send, void *ctx, nl_error *err);

@@ -74,11 +74,9 @@ nl_status nl_stage_train_ring_new(nl_stage *s, stage_train *t, int64_t micro, in
     const nl_model *m = s->model;
     /* DiLoCo: each group routes by its own counts; the GRADS reducer adds
      * the deltas at a sync */
-    const size_t n[NL_REDUCE_KINDS] = {[NL_REDUCE_GRADS] = m->n_params + LOSS_FLOATS,
-                                       [NL_REDUCE_COUNTS] =
-                                           t->H > 0 ? 0
-                                                    : (size_t)(m->l1 - m->l0) *
-                                                          (size_t)m->cfg.num_experts};
+    const size_t n[NL_REDUCE_KINDS] = {
+        [NL_REDUCE_GRADS] = m->n_params + LOSS_FLOATS,
+        [NL_REDUCE_COUNTS] = t->H > 0 ? 0 : (size_t)(m->l1 - m->l0) * (size_t)m->cfg.num_experts};
     for (int k = 0; k < NL_REDUCE_KINDS; k++) {
         if (n[k] == 0)
             continue;
@@ -181,8 +179,8 @@ nl_status nl_stage_train_reduce_grads(nl_stage *s, stage_train *t, nl_stage_send
 
 /* ---- DiLoCo's outer step ---- */
 
-nl_status nl_stage_train_outer_anchor(nl_stage *s, stage_train *t, nl_stage_send_fn send,
-                                      void *ctx, nl_error *err)
+nl_status nl_stage_train_outer_anchor(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
+                                      nl_error *err)
 {
     if (t->H == 0 || t->applied_anchor)
         return NL_OK;
@@ -236,6 +234,30 @@ nl_status nl_stage_train_outer(nl_stage *s, stage_train *t, uint64_t step, nl_st
     if (st == NL_OK && done)
         st = outer_done(s, t, err);
     return st;
+}
+
+nl_status nl_stage_train_outer_hold(stage_train *t, const nl_msg_ckpt_req *r, bool *held,
+                                    nl_error *err)
+{
+    *held = false;
+    if (r == &t->held_ckpt) { /* the held one, now taken */
+        t->ckpt_held = false;
+        return NL_OK;
+    }
+    if (!t->syncing)
+        return NL_OK;
+    if (t->ckpt_held)
+        return nl_error_set(err, NL_ERR_STATE, "CKPT_REQ of step %llu while one waits already",
+                            (unsigned long long)r->step);
+    char *dir = strdup(r->dir);
+    if (!dir)
+        return nl_error_set(err, NL_ERR_NOMEM, "CKPT_REQ: out of memory");
+    free(t->held_dir);
+    t->held_dir = dir;
+    t->held_ckpt = *r;
+    t->held_ckpt.dir = dir;
+    t->ckpt_held = *held = true;
+    return NL_OK;
 }
 
 /* ---- the route counts ---- */
