@@ -39,16 +39,13 @@ static int send_all(nl_coord *c, nl_wire_msg *m, int *lost)
 }
 
 /* DiLoCo: replica group r's STEP, to replica r of every stage, clips by
- * the group's own gradient norm. A group's gradients are its share of the
- * batch's mean (its microbatches' sum over the batch's predictions), 1/R
- * of its own mean's size: its norm is taken as R times the share's, as the
- * mean over its own predictions would give (AdamW itself does not mind the
- * factor but for its epsilon). */
+ * the group's own gradient norm (its microbatches are its batch: the
+ * stages scale its loss by its own rows). */
 static int send_lanes(nl_coord *c, const ctrain *t, nl_wire_msg *m, int *lost)
 {
     const int R = coord_stage_replicas(c, 0);
     for (int r = 0; r < R; r++) {
-        const double norm = (double)R * sqrt(t->lane_sumsq[r]);
+        const double norm = sqrt(t->lane_sumsq[r]);
         const double clip = NL_TRAIN_CLIP_NORM / (norm + 1e-6);
         m->u.step.clip_scale = t->r.skipped ? 0.0 : clip < 1.0 ? clip : 1.0;
         for (int s = 0; s < c->plan->n_stages; s++) {

@@ -196,7 +196,8 @@ void nl_stage_train_run_job(void *ctx, nl_wjob *w)
         x = nl_backend_device_view(p->be, p->x_d, j->x, n * sizeof(float));
     switch (j->kind) {
     case JOB_BEGIN:
-        nl_trainer_begin_step(p->tr, (int64_t)t->Mg * (int64_t)t->rows); /* the step's rows */
+        /* the step's rows (DiLoCo: the group's own, its batch) */
+        nl_trainer_begin_step(p->tr, (int64_t)(t->H > 0 ? t->M : t->Mg) * (int64_t)t->rows);
         if (j->e.loss_rows > 0) /* the masked positions, or the sequences */
             nl_trainer_set_loss_rows(p->tr, (int64_t)j->e.loss_rows);
         break;
@@ -425,7 +426,7 @@ static nl_status run_eval(nl_stage *s, stage_train *t, const hop_in *h, nl_stage
         return st;
     hop_input(s, t, p, h, &tokens, &x);
     if (h->mb % (uint32_t)t->Mg == 0) { /* a new held-out batch, as local evaluation */
-        nl_trainer_begin_step(p->tr, (int64_t)t->Mg * (int64_t)t->rows);
+        nl_trainer_begin_step(p->tr, (int64_t)(t->H > 0 ? t->M : t->Mg) * (int64_t)t->rows);
         if (h->e.loss_rows > 0)
             nl_trainer_set_loss_rows(p->tr, (int64_t)h->e.loss_rows);
         t->begun = 0;
