@@ -412,9 +412,9 @@ static pid_t start_coordinator(const nl_opt *flags, const up_opts *o, char *coor
     }
     /* passed on as given: neurocoord checks them */
     static const char *const passed[] = {
-        "--verify-rate",      "--http-tokens", "--http-adapter",    "--grow",
-        "--heartbeat-ms",     "--wire",        "--rebalance-after", "--replicas",
-        "--plan-microbatches"};
+        "--verify-rate",       "--http-tokens", "--http-adapter",    "--grow",
+        "--heartbeat-ms",      "--wire",        "--rebalance-after", "--replicas",
+        "--plan-microbatches", "--outer-every"};
     for (size_t k = 0; k < sizeof passed / sizeof *passed; k++)
         if (nl_opts_get(flags, passed[k] + 2)) {
             cargv[ca++] = (char *)passed[k];
@@ -582,7 +582,8 @@ static int cluster_up(const nl_opt *flags, up_opts *op, const char *dir)
     "neuroctl cluster up|down [--dir DIR] [--nodes N] [--model M | --config C | --resume "         \
     "MANIFEST] [--memory SIZE] [--threads N] [--spin N] [--kv-budget SIZE] [--device D[,D...]] "   \
     "[--tf32] [--precision fp32|bf16] [--http HOST:PORT [--http-tokens FILE] [--http-adapter "     \
-    "NAME=FILE]] [--grow auto] [--wire fp32|bf16] [--replicas R|auto [--plan-microbatches M]]"
+    "NAME=FILE]] [--grow auto] [--wire fp32|bf16] [--replicas R|auto [--plan-microbatches M] "     \
+    "[--outer-every H]]"
 #define MAX_FLAGS 40
 
 /* The flags of `cluster up|down` into t, their values into o and *dir;
@@ -652,6 +653,9 @@ static void cluster_flags(nl_opt t[MAX_FLAGS], up_opts *o, const char **dir)
         NL_OPT_STR("plan-microbatches", NULL,
                    "up: the step's microbatches --replicas auto plans for (neurocoord "
                    "--plan-microbatches)"),
+        NL_OPT_STR("outer-every", NULL,
+                   "up: DiLoCo across the replica groups, an outer step every H steps "
+                   "(neurocoord --outer-every; default 0: every step's gradients added up)"),
         NL_OPT_LLONG("timeout", &o->timeout, 1, 3600, "120",
                      "up: seconds to wait for the cluster to be ready"),
         NL_OPT_END};

@@ -55,6 +55,9 @@ typedef struct nl_coord_opts {
                                * (nl_plan_choose_replicas) for steps of plan_microbatches */
     int plan_microbatches;    /* --plan-microbatches: a step's microbatches --replicas auto plans
                                * for (default 8) */
+    int outer_every;          /* --outer-every: DiLoCo's H, each replica group's AdamW steps
+                               * between the groups' outer steps (DESIGN section 8); 0: the
+                               * replicas add up every step's gradients */
     /* Where a training job's client-chosen paths may lead (data; resume
      * and checkpoint_dir): NULL for <state_dir>/data and
      * <state_dir>/checkpoints (created 0700). */

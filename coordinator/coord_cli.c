@@ -23,13 +23,93 @@
     "the node table holds 65536)."
 
 #define MAX_FLAGS 48
+#define TRAIN_ROWS 16 /* train_rows' at most */
+
+/* Append rows (n of them) to t at *at. */
+static void put_rows(nl_opt t[MAX_FLAGS], int *at, const nl_opt *rows, size_t n)
+{
+    memcpy(t + *at, rows, n * sizeof *rows);
+    *at += (int)n;
+}
+
+/* The training jobs' rows of the table: verification, the plan's
+ * replicas, the wire, growth and the jobs' files and limits. */
+static void train_rows(nl_opt t[MAX_FLAGS], int *at, nl_coord_cli *cli, int *grow)
+{
+    nl_coord_opts *o = &cli->coord;
+    const nl_opt rows[] = {
+        NL_OPT_DOUBLE("verify-rate", &o->verify_rate, 0.0, 1.0, "0.05",
+                      "the fraction P of a training step's (stage, microbatch)s another node "
+                      "redoes and compares by digest (a node of another device class: the "
+                      "tensors, within 1e-4 relative), drawn from a secret the nodes never see; a "
+                      "node found wrong is banned and the job rolls back to its last checkpoint "
+                      "whose steps were all verified (docs/security.md, \"Catching a node that "
+                      "computes wrong\"; 0: none)"),
+        NL_OPT_DOUBLE("replan-margin", &o->replan_margin, 0.0, 1.0, "0.1",
+                      "when a node joins (or a standby leaves) and no job runs, plan again if the "
+                      "bottleneck gets better by this fraction; the stages reload from the "
+                      "checkpoint or manifest served (1: never)"),
+        NL_OPT_INT("rebalance-after", &o->rebalance_after, 0, INT32_MAX, "3",
+                   "a training job re-balances early: once this many steps are done and every "
+                   "stage has sent 3 heartbeats, the stages' measured speeds are judged, and when "
+                   "a plan by them beats the current one by --replan-margin the job writes a "
+                   "checkpoint there and goes on from it on the new plan (0: only at the job's "
+                   "checkpoints)"),
+        NL_OPT_STR("replicas", &cli->replicas,
+                   "R|auto: every pipeline stage on R nodes, microbatch i on replica i mod R, "
+                   "their gradients added in replica order (docs/cluster.md, \"Replicas on "
+                   "different nodes\"; a job's microbatches a multiple of R; verification by "
+                   "recompute off); auto: the R with the most training tokens/s by the cost "
+                   "model (default 1)"),
+        NL_OPT_INT("plan-microbatches", &o->plan_microbatches, 1, 1 << 20, "8",
+                   "the microbatches of a training step --replicas auto plans for"),
+        NL_OPT_INT("outer-every", &o->outer_every, 0, INT32_MAX, "0",
+                   "H: low-communication training across the replicas (DiLoCo, DESIGN section "
+                   "8): replica r of every stage is one replica group, which takes H AdamW steps "
+                   "on its own microbatches (its own gradients, norm and moments); then the "
+                   "groups' deltas (weights at the last sync minus weights now) are averaged in "
+                   "group order and applied by an outer Nesterov SGD step (lr 0.7, momentum "
+                   "0.9). Replica traffic is divided by H. Needs --replicas 2 or more; a "
+                   "training job's steps and checkpoint interval must be multiples of H, and "
+                   "--resume is refused (0: the replicas add up every step's gradients)"),
+        NL_OPT_CHOICE("wire", &o->wire, "fp32|bf16", "fp32",
+                      "fp32 or bf16: the precision of the hidden states and gradients the stages "
+                      "send each other (bf16: rounded to nearest even when sent, widened when "
+                      "received; half the bytes; verification by recompute is off with bf16)"),
+        NL_OPT_CHOICE("grow", grow, "off|auto", "off",
+                      "auto: the model deepens as nodes join (issue 16): at rest, or during "
+                      "training right after a checkpoint, when the nodes' memory holds more "
+                      "layers by the sizing rule and its hysteresis, the coordinator appends "
+                      "identity layers and the stages reload on a new plan; off: the model keeps "
+                      "its size unless a client grows it"),
+        NL_OPT_STR("data-root", &o->data_root,
+                   "a training job's data must lie under this directory (default "
+                   "<state-dir>/data)"),
+        NL_OPT_STR("checkpoint-root", &o->checkpoint_root,
+                   "a training job's checkpoint_dir and resume must lie under this directory "
+                   "(default <state-dir>/checkpoints); share it with the nodes' "
+                   "--checkpoint-root"),
+        NL_OPT_SIZE("max-data-bytes", &o->max_data_bytes, "1G",
+                    "a training job's data file at most"),
+        NL_OPT_SIZE("max-data-total", &o->max_data_total, "1G",
+                    "the data files of the training and fine-tuning jobs running, together, at "
+                    "most (each job holds its data's token ids in the coordinator's memory, about "
+                    "4 bytes a token): a job past it is refused"),
+        NL_OPT_INT("max-jobs-per-key", &o->max_jobs_per_key, 1, 64, "32",
+                   "jobs one client key may hold at once (the table holds 64; the HTTP side's "
+                   "completions count as one key's)"),
+    };
+    _Static_assert(sizeof rows / sizeof rows[0] <= TRAIN_ROWS, "TRAIN_ROWS: room for the rows");
+    put_rows(t, at, rows, sizeof rows / sizeof rows[0]);
+}
 
 /* The table for cli (its rows point into it) into t. */
 static void coord_flags(nl_opt t[MAX_FLAGS], nl_coord_cli *cli, int *level, int *grow)
 {
     nl_coord_opts *o = &cli->coord;
     nl_http_opts *h = &cli->http;
-    const nl_opt rows[] = {
+    int at = 0;
+    const nl_opt first[] = {
         NL_OPT_STR("listen", &o->listen,
                    "the nodes' endpoint, e.g. tcp://0.0.0.0:7000 (port * picks a free one); "
                    "written to <state-dir>/endpoint"),
@@ -66,57 +146,10 @@ static void coord_flags(nl_opt t[MAX_FLAGS], nl_coord_cli *cli, int *level, int 
                    "fails)"),
         NL_OPT_INT("plan-rows", &o->plan_rows, 1, 1 << 20, "512",
                    "rows (tokens) of one request the plan must fit"),
-        NL_OPT_DOUBLE("verify-rate", &o->verify_rate, 0.0, 1.0, "0.05",
-                      "the fraction P of a training step's (stage, microbatch)s another node "
-                      "redoes and compares by digest (a node of another device class: the "
-                      "tensors, within 1e-4 relative), drawn from a secret the nodes never see; a "
-                      "node found wrong is banned and the job rolls back to its last checkpoint "
-                      "whose steps were all verified (docs/security.md, \"Catching a node that "
-                      "computes wrong\"; 0: none)"),
-        NL_OPT_DOUBLE("replan-margin", &o->replan_margin, 0.0, 1.0, "0.1",
-                      "when a node joins (or a standby leaves) and no job runs, plan again if the "
-                      "bottleneck gets better by this fraction; the stages reload from the "
-                      "checkpoint or manifest served (1: never)"),
-        NL_OPT_INT("rebalance-after", &o->rebalance_after, 0, INT32_MAX, "3",
-                   "a training job re-balances early: once this many steps are done and every "
-                   "stage has sent 3 heartbeats, the stages' measured speeds are judged, and when "
-                   "a plan by them beats the current one by --replan-margin the job writes a "
-                   "checkpoint there and goes on from it on the new plan (0: only at the job's "
-                   "checkpoints)"),
-        NL_OPT_STR("replicas", &cli->replicas,
-                   "R|auto: every pipeline stage on R nodes, microbatch i on replica i mod R, "
-                   "their gradients added in replica order (docs/cluster.md, \"Replicas on "
-                   "different nodes\"; a job's microbatches a multiple of R; verification by "
-                   "recompute off); auto: the R with the most training tokens/s by the cost "
-                   "model (default 1)"),
-        NL_OPT_INT("plan-microbatches", &o->plan_microbatches, 1, 1 << 20, "8",
-                   "the microbatches of a training step --replicas auto plans for"),
-        NL_OPT_CHOICE("wire", &o->wire, "fp32|bf16", "fp32",
-                      "fp32 or bf16: the precision of the hidden states and gradients the stages "
-                      "send each other (bf16: rounded to nearest even when sent, widened when "
-                      "received; half the bytes; verification by recompute is off with bf16)"),
-        NL_OPT_CHOICE("grow", grow, "off|auto", "off",
-                      "auto: the model deepens as nodes join (issue 16): at rest, or during "
-                      "training right after a checkpoint, when the nodes' memory holds more "
-                      "layers by the sizing rule and its hysteresis, the coordinator appends "
-                      "identity layers and the stages reload on a new plan; off: the model keeps "
-                      "its size unless a client grows it"),
-        NL_OPT_STR("data-root", &o->data_root,
-                   "a training job's data must lie under this directory (default "
-                   "<state-dir>/data)"),
-        NL_OPT_STR("checkpoint-root", &o->checkpoint_root,
-                   "a training job's checkpoint_dir and resume must lie under this directory "
-                   "(default <state-dir>/checkpoints); share it with the nodes' "
-                   "--checkpoint-root"),
-        NL_OPT_SIZE("max-data-bytes", &o->max_data_bytes, "1G",
-                    "a training job's data file at most"),
-        NL_OPT_SIZE("max-data-total", &o->max_data_total, "1G",
-                    "the data files of the training and fine-tuning jobs running, together, at "
-                    "most (each job holds its data's token ids in the coordinator's memory, about "
-                    "4 bytes a token): a job past it is refused"),
-        NL_OPT_INT("max-jobs-per-key", &o->max_jobs_per_key, 1, 64, "32",
-                   "jobs one client key may hold at once (the table holds 64; the HTTP side's "
-                   "completions count as one key's)"),
+    };
+    put_rows(t, &at, first, sizeof first / sizeof first[0]);
+    train_rows(t, &at, cli, grow);
+    const nl_opt last[] = {
         NL_OPT_STR("http", &h->addr,
                    "also serve HTTP on HOST:PORT (port 0: any free port): the OpenAI-style API, "
                    "/api/status, /api/events, /metrics and the dashboard (docs/serving.md)"),
@@ -138,8 +171,10 @@ static void coord_flags(nl_opt t[MAX_FLAGS], nl_coord_cli *cli, int *level, int 
         NL_OPT_SWITCH("plaintext", &o->plaintext,
                       "INSECURE: no CURVE encryption or authentication"),
         NL_OPT_END};
-    _Static_assert(sizeof rows / sizeof rows[0] <= MAX_FLAGS, "MAX_FLAGS: room for the rows");
-    memcpy(t, rows, sizeof rows);
+    _Static_assert(sizeof first / sizeof first[0] + TRAIN_ROWS + sizeof last / sizeof last[0] <=
+                       MAX_FLAGS,
+                   "MAX_FLAGS: room for the rows");
+    put_rows(t, &at, last, sizeof last / sizeof last[0]);
 }
 
 /* The rules that join two flags: 0, or 2 (said; with help for a missing one). */
@@ -191,6 +226,13 @@ static int check(nl_coord_cli *cli, const nl_opt *t)
                 "available with replicas)\n",
                 cli->replicas);
         o->verify_rate = 0;
+    }
+    if (o->outer_every > 0 && o->replicas == 1) {
+        fprintf(stderr,
+                "--outer-every %d: DiLoCo needs replica groups (--replicas 2 or more, or "
+                "auto)\n",
+                o->outer_every);
+        return 2;
     }
     /* the HTTP side's /v1 requests are jobs of one key: past
      * --max-jobs-per-key they are answered 429 (and so is a request

@@ -229,7 +229,9 @@ static void enter_step(nl_coord *c, cjob *j)
         c->stages_modified = 1;
     t->norms = t->have_loss = 0;
     t->sumsq = t->ce = t->aux = 0.0;
-    memset(t->got, 0, (size_t)t->stages);
+    memset(t->lane_sumsq, 0, sizeof t->lane_sumsq);
+    t->loss_lanes = 0;
+    memset(t->got, 0, (size_t)t->stages * sizeof *t->got);
     if (coord_train_send_step(c, j) != 0)
         unreachable(c, j, 0);
 }
@@ -259,7 +261,7 @@ static void enter_ckpt(nl_coord *c, cjob *j)
             train_fail(c, j, "checkpoint directory %s is longer than 1024 bytes", dir);
         return;
     }
-    memset(t->got, 0, (size_t)t->stages);
+    memset(t->got, 0, (size_t)t->stages * sizeof *t->got);
     t->acks = 0;
 }
 
@@ -374,6 +376,10 @@ static void begin(nl_coord *c, cjob *j)
                          : "a step's microbatches must be a multiple of them");
         return;
     }
+    if (R == 1 && c->o.outer_every > 0 && !t->ft) {
+        train_fail(c, j, "--outer-every needs replica groups, but the plan has none");
+        return;
+    }
     if (held < 0) {
         train_fail(c, j, "%s", why);
         return;
@@ -387,7 +393,7 @@ static void begin(nl_coord *c, cjob *j)
     free(t->took);
     coord_train_free_shards(t->shards, t->stages); /* a resumed job's, of its former plan */
     t->stages = c->plan->n_stages;
-    t->got = calloc((size_t)t->stages, 1);
+    t->got = calloc((size_t)t->stages, sizeof *t->got);
     t->took = calloc((size_t)t->stages, sizeof *t->took);
     t->shards = calloc((size_t)t->stages, sizeof *t->shards);
     if (!t->got || !t->took || !t->shards) {

@@ -456,7 +456,8 @@ int coord_train_early_ckpt(nl_coord *c, cjob *j)
     ctrain *t = j->state;
     if (t->ft || t->early_n >= EARLY_MAX || c->o.rebalance_after <= 0 ||
         t->step < t->start + c->o.rebalance_after || t->step >= t->steps || t->cancel ||
-        t->early_at == t->start + 1 || !coord_observe_ready(c))
+        t->early_at == t->start + 1 || !coord_observe_ready(c) ||
+        (c->o.outer_every > 0 && t->step % c->o.outer_every != 0)) /* DiLoCo: at an outer step */
         return 0;
     t->early_at = t->start + 1; /* judged on this plan */
     t->early_n++;

@@ -95,7 +95,7 @@ typedef struct ctrain {
     int skips;       /* steps skipped in a row (non-finite) */
     int seq_default; /* seq is the client's default, not typed: fit to max_seq_len */
     int bad_stage;   /* the stage whose report of this step was not finite, or -1 */
-    uint8_t *got;    /* per stage: GRAD_NORM (1) or CKPT_DONE (2) in */
+    uint16_t *got;   /* per stage: GRAD_NORM (1; DiLoCo: bit r, replica r's) or CKPT_DONE (2) in */
     uint16_t *took;  /* per stage: the replicas that took the job (bit r: replica r) */
     /* the step's hop digests as each stage reported them with its
      * GRAD_NORM: [dig_stages][micro][NL_DIGEST_KINDS][32] (coord_train_stages.c) */
@@ -129,6 +129,13 @@ typedef struct ctrain {
     int rolled;               /* rolled back, not yet begun again: no later manifest resumed */
     int base_ckpt;            /* the checkpoint being written is the job's base (step 0) */
     double sumsq, ce, aux, t_step, step_s;
+    /* DiLoCo (--outer-every): each replica group's GRAD_NORM sums (over
+     * the stages) and last stage's losses of the step, added in group
+     * order once all are in (sumsq, ce, aux); the STEP of group r clips by
+     * its own norm (coord_train_wire.c) */
+    double lane_sumsq[NL_PLAN_MAX_REPLICAS], lane_ce[NL_PLAN_MAX_REPLICAS],
+        lane_aux[NL_PLAN_MAX_REPLICAS];
+    uint16_t loss_lanes; /* the groups whose LOSS is in */
     nl_step_result r;
     double lr_now, eval_loss;
     int has_eval;
@@ -259,6 +266,11 @@ const char *coord_train_prepared(nl_coord *c, cjob *j, const tr_in *in, char *wh
  * again (the client is told; once: a second time, or with weights trained
  * since the last checkpoint, is -1); -1 and why when no plan can. */
 int coord_train_memory(nl_coord *c, cjob *j, char *why, size_t cap);
+/* Why a training job cannot run with neurocoord --outer-every (DiLoCo):
+ * a resume, steps or a checkpoint interval that are not multiples of H;
+ * NULL when it can. */
+const char *coord_train_diloco_refusal(const nl_coord *c, const ctrain *t, int resume, char *why,
+                                       size_t cap);
 /* Frees the job's state (NULL-safe). */
 void coord_train_state_free(ctrain *t);
 

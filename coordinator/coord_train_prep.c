@@ -150,6 +150,9 @@ const char *coord_train_prepared(nl_coord *c, cjob *j, const tr_in *in, char *wh
         snprintf(why, cap, "--resume: %s", p->err.msg);
         return why;
     }
+    /* before a resume reloads the cluster */
+    if (!t->ft && coord_train_diloco_refusal(c, t, p->resume != NULL, why, cap))
+        return why;
     if (p->resume) {
         /* other jobs lose their stages to the reload */
         for (int i = 0; i < COORD_MAX_JOBS; i++)
@@ -307,6 +310,27 @@ static int prepare_growth(nl_coord *c, ctrain *t, prep_task *p, const char *resu
     }
     p->grow = 1;
     return 1;
+}
+
+const char *coord_train_diloco_refusal(const nl_coord *c, const ctrain *t, int resume, char *why,
+                                       size_t cap)
+{
+    const int H = c->o.outer_every;
+    if (H == 0)
+        return NULL;
+    if (resume) /* the outer momentum and the last sync's weights are not in the shards */
+        snprintf(why, cap,
+                 "--resume: not with --outer-every (DiLoCo's outer state is not "
+                 "checkpointed)");
+    else if (t->steps % H != 0)
+        snprintf(why, cap, "--steps %lld: not a multiple of --outer-every %d", (long long)t->steps,
+                 H);
+    else if (t->ckpt_every % H != 0) /* a shard is written at an outer step only */
+        snprintf(why, cap, "--checkpoint-every %lld: not a multiple of --outer-every %d",
+                 (long long)t->ckpt_every, H);
+    else
+        return NULL;
+    return why;
 }
 
 const char *coord_train_refusal(const nl_coord *c, int finetune, char *why, size_t cap)

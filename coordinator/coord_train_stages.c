@@ -36,9 +36,15 @@ static int __attribute__((format(printf, 2, 3))) lie(srep *r, const char *fmt, .
     return -1;
 }
 
+/* Whether a step's reports come from every replica group (DiLoCo). */
+static int lanes(const srep *r)
+{
+    return r->c->o.outer_every > 0 && !r->t->ft;
+}
+
 /* Whether a training report claiming stage `stage` comes from that stage
- * while the job awaits ev, on the current plan. */
-static int report_ok(srep *r, uint32_t stage, tr_event ev)
+ * while the job awaits ev, on the current plan; *rep: its replica. */
+static int report_ok(srep *r, uint32_t stage, tr_event ev, int *rep)
 {
     cnode *n = coord_node_by_rid(r->c, r->rx);
     if (r->awaits != (int)ev || r->j->epoch != r->c->epoch)
@@ -48,7 +54,10 @@ static int report_ok(srep *r, uint32_t stage, tr_event ev)
                 (unsigned long long)r->j->id, stage, n ? "another stage" : "no stage");
         return 0;
     }
-    if (n->replica != 0) { /* a stage's replicas report through replica 0 */
+    *rep = n->replica;
+    if (n->replica < 0 || n->replica >= NL_PLAN_MAX_REPLICAS ||
+        (n->replica != 0 && (ev != TE_REPORTED || !lanes(r)))) {
+        /* a stage's replicas report through replica 0 (DiLoCo: a step's, each) */
         NL_WARN("a training report for job %llu comes from replica %d of stage %u",
                 (unsigned long long)r->j->id, n->replica, stage);
         return 0;
@@ -82,7 +91,7 @@ static uint8_t *stage_digests(ctrain *t, int s)
 
 /* A GRAD_NORM's digests into the step's table (none: zero, nothing to
  * compare); a frame of the wrong size is a lie. */
-static int take_digests(srep *r, uint32_t stage)
+static int take_digests(srep *r, uint32_t stage, int rep)
 {
     ctrain *t = r->t;
     const nl_wire_msg *m = &r->rx->msg;
@@ -104,8 +113,41 @@ static int take_digests(srep *r, uint32_t stage)
                    "step has %lld: refused",
                    stage, (long long)m->frames[0].t.shape[0], (long long)t->step + 1,
                    (long long)t->micro);
-    memcpy(d, m->frames[0].t.data, per);
+    if (!lanes(r)) {
+        memcpy(d, m->frames[0].t.data, per);
+        return 0;
+    }
+    /* DiLoCo: each replica reports its own microbatches (i mod R) */
+    const int R = coord_stage_replicas(r->c, (int)stage);
+    const size_t one = NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES;
+    for (int64_t mb = rep; mb < t->micro; mb += R)
+        memcpy(d + (size_t)mb * one, (const uint8_t *)m->frames[0].t.data + (size_t)mb * one, one);
     return 0;
+}
+
+/* DiLoCo: every group's reports are in; the step's sums in group order. */
+static void add_lanes(srep *r)
+{
+    ctrain *t = r->t;
+    t->sumsq = t->ce = t->aux = 0.0;
+    for (int k = 0; k < coord_stage_replicas(r->c, 0); k++) {
+        t->sumsq += t->lane_sumsq[k];
+        t->ce += t->lane_ce[k];
+        t->aux += t->lane_aux[k];
+    }
+}
+
+/* Whether the step's reports are all in: every stage's GRAD_NORM and the
+ * last stage's LOSS (DiLoCo: of every replica group). */
+static int step_in(srep *r)
+{
+    ctrain *t = r->t;
+    const int R = lanes(r) ? coord_stage_replicas(r->c, 0) : 1;
+    if (t->norms != t->stages * R || t->have_loss != R)
+        return 0;
+    if (R > 1)
+        add_lanes(r);
+    return 1;
 }
 
 /* Every stage's digests of the step are in: each hop as its sender and its
@@ -157,22 +199,25 @@ static int on_grad_norm(srep *r)
 {
     const nl_msg_grad_norm *g = &r->rx->msg.u.grad_norm;
     ctrain *t = r->t;
-    if (!report_ok(r, g->stage, TE_REPORTED) || g->step != (uint64_t)t->step + 1 ||
-        t->got[g->stage])
+    int rep = 0;
+    if (!report_ok(r, g->stage, TE_REPORTED, &rep) || g->step != (uint64_t)t->step + 1 ||
+        (t->got[g->stage] & (1u << rep)))
         return 0;
     if (g->sumsq < 0) /* no sum of squares is negative: a lie */
         return lie(r, "stage %u reported a gradient sum of squares of %g for step %lld: refused",
                    g->stage, g->sumsq, (long long)t->step + 1);
     if (!isfinite(g->sumsq) && t->bad_stage < 0) /* the step is skipped (decide) */
         t->bad_stage = (int)g->stage;
-    if (take_digests(r, g->stage) != 0)
+    if (take_digests(r, g->stage, rep) != 0)
         return -1;
     r->j->last_progress = coord_now();
-    t->got[g->stage] = 1;
+    t->got[g->stage] |= (uint16_t)(1u << rep);
     t->sumsq += g->sumsq;
-    if (++t->norms == t->stages)
+    t->lane_sumsq[rep] += g->sumsq;
+    const int R = lanes(r) ? coord_stage_replicas(r->c, 0) : 1;
+    if (++t->norms == t->stages * R)
         compare_digests(r);
-    return t->norms == t->stages && t->have_loss;
+    return step_in(r);
 }
 
 /* The evaluation's loss: the mean over the predictions (every position
@@ -183,7 +228,8 @@ static int on_eval_loss(srep *r)
     const uint64_t correct = r->rx->msg.u.train_loss.correct;
     ctrain *t = r->t;
     const uint32_t last = (uint32_t)(t->stages - 1);
-    if (!report_ok(r, last, TE_EVALUATED) || l->step != (uint64_t)t->step)
+    int rep = 0;
+    if (!report_ok(r, last, TE_EVALUATED, &rep) || l->step != (uint64_t)t->step)
         return 0;
     if (!isfinite(l->ce_sum) || l->ce_sum < 0)
         return lie(r, "stage %u (the last) reported an evaluation loss of %g at step %lld: refused",
@@ -208,7 +254,11 @@ static int on_loss(srep *r)
     const uint32_t last = (uint32_t)(t->stages - 1);
     if (l->eval)
         return on_eval_loss(r);
-    if (!report_ok(r, last, TE_REPORTED) || l->step != (uint64_t)t->step + 1 || t->have_loss)
+    int rep = 0;
+    if (!report_ok(r, last, TE_REPORTED, &rep) || l->step != (uint64_t)t->step + 1)
+        return 0;
+    const int R = lanes(r) ? coord_stage_replicas(r->c, (int)last) : 1;
+    if (R > 1 ? (t->loss_lanes & (1u << rep)) != 0 : t->have_loss != 0)
         return 0;
     if (l->ce_sum < 0) /* a cross-entropy is never negative: a lie */
         return lie(r, "stage %u (the last) reported a loss of %g (aux %g) for step %lld: refused",
@@ -218,15 +268,20 @@ static int on_loss(srep *r)
     r->j->last_progress = coord_now();
     t->ce = l->ce_sum;
     t->aux = l->aux;
-    t->have_loss = 1;
-    return t->norms == t->stages;
+    t->lane_ce[rep] = l->ce_sum;
+    t->lane_aux[rep] = l->aux;
+    t->loss_lanes |= (uint16_t)(1u << rep);
+    t->have_loss++;
+    return step_in(r);
 }
 
 static int on_ckpt_done(srep *r)
 {
     const nl_msg_ckpt_done *d = &r->rx->msg.u.ckpt_done;
     ctrain *t = r->t;
-    if (!report_ok(r, d->stage, TE_SHARDS) || d->step != (uint64_t)t->step || t->got[d->stage])
+    int rep = 0;
+    if (!report_ok(r, d->stage, TE_SHARDS, &rep) || d->step != (uint64_t)t->step ||
+        t->got[d->stage])
         return 0;
     if (coord_train_shard(r->c, r->j, coord_node_by_rid(r->c, r->rx), d, r->why, r->cap))
         return -1;

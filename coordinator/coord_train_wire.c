@@ -5,6 +5,7 @@
  * (core/objective.h), cut into microbatches and sent as hops (the targets
  * ride along to the last stage). It changes no state of the job but the
  * batch arrays; a stage that cannot be reached is the caller's to judge. */
+#include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -37,6 +38,27 @@ static int send_all(nl_coord *c, nl_wire_msg *m, int *lost)
     return send_stages(c, m, true, lost);
 }
 
+/* DiLoCo: replica group r's STEP, to replica r of every stage, clips by
+ * the group's own gradient norm (its microbatches are its batch: the
+ * stages scale its loss by its own rows). */
+static int send_lanes(nl_coord *c, const ctrain *t, nl_wire_msg *m, int *lost)
+{
+    const int R = coord_stage_replicas(c, 0);
+    for (int r = 0; r < R; r++) {
+        const double norm = sqrt(t->lane_sumsq[r]);
+        const double clip = NL_TRAIN_CLIP_NORM / (norm + 1e-6);
+        m->u.step.clip_scale = t->r.skipped ? 0.0 : clip < 1.0 ? clip : 1.0;
+        for (int s = 0; s < c->plan->n_stages; s++) {
+            cnode *n = coord_stage_replica(c, s, r);
+            if (!n || coord_send_node(c, n, m) != NL_OK) {
+                *lost = s;
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
 int coord_train_send_decision(nl_coord *c, cjob *j, double scale, int *lost)
 {
     coord_train_verify_sample(c, j); /* before the STEP changes the weights */
@@ -45,7 +67,7 @@ int coord_train_send_decision(nl_coord *c, cjob *j, double scale, int *lost)
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_STEP);
     m.u.step = (nl_msg_step){j->id, (uint64_t)t->step + 1, !t->r.skipped, scale, t->lr_now};
-    int rc = send_all(c, &m, lost);
+    int rc = c->o.outer_every > 0 && !t->ft ? send_lanes(c, t, &m, lost) : send_all(c, &m, lost);
     nl_wire_msg_free(&m);
     return rc;
 }
@@ -111,7 +133,7 @@ int coord_train_send_job(nl_coord *c, cjob *j, int *lost)
 {
     ctrain *t = j->state;
     t->verify_outputs = !t->ft && coord_train_verify_cross(c);
-    nl_wire_param ps[10 + COORD_GROWTH_PARAMS + COORD_FT_PARAMS] = {
+    nl_wire_param ps[11 + COORD_GROWTH_PARAMS + COORD_FT_PARAMS] = {
         {.key = "job", .kind = NL_WIRE_PARAM_INT, .i = (int64_t)j->id},
         {.key = "micro_batch", .kind = NL_WIRE_PARAM_INT, .i = t->batch / t->micro},
         {.key = "seq", .kind = NL_WIRE_PARAM_INT, .i = t->seq},
@@ -124,9 +146,10 @@ int coord_train_send_job(nl_coord *c, cjob *j, int *lost)
          .kind = NL_WIRE_PARAM_INT,
          .i = t->eval_every > 0 ? coord_train_eval_batches(t) * t->micro : 0},
         {.key = "verify_outputs", .kind = NL_WIRE_PARAM_BOOL, .b = t->verify_outputs != 0},
+        {.key = "outer_every", .kind = NL_WIRE_PARAM_INT, .i = t->ft ? 0 : c->o.outer_every},
     };
     char keys[COORD_GROWTH_PARAMS][24], *texts[COORD_GROWTH_PARAMS] = {NULL};
-    int np = 10 + growth_params(c, ps + 10, keys, texts);
+    int np = 11 + growth_params(c, ps + 11, keys, texts);
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);

@@ -184,3 +184,15 @@ double nl_step_decide(nl_step_result *r, double ce_sum, double rows, double aux,
     const double clip = clip_norm / (r->grad_norm + 1e-6);
     return clip < 1.0 ? clip : 1.0;
 }
+
+void nl_diloco_outer(float *w, float *anchor, float *m, const float *delta_sum, size_t n,
+                     int groups)
+{
+    const float g = (float)groups;
+    for (size_t i = 0; i < n; i++) {
+        const float delta = delta_sum[i] / g;
+        m[i] = NL_DILOCO_OUTER_MOMENTUM * m[i] + delta;
+        w[i] = anchor[i] - NL_DILOCO_OUTER_LR * (delta + NL_DILOCO_OUTER_MOMENTUM * m[i]);
+        anchor[i] = w[i];
+    }
+}

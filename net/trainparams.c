@@ -52,6 +52,7 @@ static const nl_param_key keys[] = {
     {"moments", NL_PT_BOOL, STG, 0, 0, 1, 0, F(moments)},
     {"eval_hops", NL_PT_INT, STG, 0, 0, 1 << 30, 0, F(eval_hops)},
     {"verify_outputs", NL_PT_BOOL, STG, 0, 0, 1, 0, F(verify_outputs)},
+    {"outer_every", NL_PT_INT, STG, 0, 0, I32, 0, F(outer_every)},
 };
 
 #define NKEYS (sizeof keys / sizeof keys[0])

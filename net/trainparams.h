@@ -43,6 +43,9 @@
  *   verify_outputs    boolean                    false         a stage's training: keep the
  *                                                              step's outputs (a verifier of
  *                                                              another device class compares them)
+ *   outer_every       integer    0 .. 2^31-1     0             a stage's training: DiLoCo's H
+ *                                                              (0: the replicas add up every
+ *                                                              step's gradients; DESIGN section 8)
  *
  * In a request every key with a default but the booleans, learn_vocab,
  * objective and resume is required: the client sends the defaults it
@@ -85,12 +88,12 @@ typedef struct nl_trainparams {
     int64_t lora_seed;
     /* a stage's job */
     uint64_t job;
-    int64_t micro_batch, start_step, adam_steps, eval_hops;
+    int64_t micro_batch, start_step, adam_steps, eval_hops, outer_every;
     int moments, verify_outputs;
 } nl_trainparams;
 
 /* The most keys one use writes. */
-#define NL_TRAINPARAMS_MAX_KEYS 32
+#define NL_TRAINPARAMS_MAX_KEYS 40
 
 /* The defaults of the table above (warmup and min_lr -1: derived from
  * steps and lr; required keys 0 or NULL). */

@@ -312,7 +312,7 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg
     t->job = p->job;
     t->mbB = (int)mbB;
     t->T = (int)T;
-    if ((st = nl_stage_train_ring_new(s, t, M, err)) != NL_OK) {
+    if ((st = nl_stage_train_ring_new(s, t, M, p->outer_every, err)) != NL_OK) {
         nl_stage_train_free(t);
         return nl_error_prefix(err, "train job %lld", job);
     }
@@ -593,8 +593,8 @@ static nl_status on_step(nl_stage *s, stage_train *t, const nl_msg_step *p, nl_s
                             t->finished ? "has finished" : "has not finished",
                             (unsigned long long)t->applied + 1);
     /* every replica: the same update of the same weights with the same
-     * gradients, each on its lane */
-    nl_status st = NL_OK;
+     * gradients, each on its lane (DiLoCo: this group's own) */
+    nl_status st = p->apply ? nl_stage_train_outer_anchor(s, t, send, ctx, err) : NL_OK;
     for (int r = 0; p->apply && r < t->R && st == NL_OK; r++) {
         rjob *j = nl_stage_train_job_get(t, JOB_STEP, r, err);
         if (!j)
@@ -608,7 +608,7 @@ static nl_status on_step(nl_stage *s, stage_train *t, const nl_msg_step *p, nl_s
     t->finished = 0;
     t->counted = t->fwd = t->bwd = 0;
     t->counts_ready = false;
-    return st;
+    return st != NL_OK ? st : nl_stage_train_outer(s, t, p->step, send, ctx, err);
 }
 
 /* CKPT_REQ.dir: an absolute path with no ".." component, under the
@@ -638,9 +638,11 @@ static nl_status on_ckpt(nl_stage *s, stage_train *t, const nl_msg_ckpt_req *r,
 {
     char path[1200], hex[65];
     uint64_t bytes = 0;
-    nl_status st =
-        nl_stage_train_take_done(s, t, true, send, ctx, err); /* the lanes idle: AdamW applied */
-    if (st != NL_OK)
+    bool held = false; /* DiLoCo: after the outer step */
+    nl_status st = nl_stage_train_outer_hold(t, r, &held, err);
+    if (st == NL_OK && !held) /* the lanes idle: AdamW applied */
+        st = nl_stage_train_take_done(s, t, true, send, ctx, err);
+    if (st != NL_OK || held)
         return st;
     if (r->step != (uint64_t)t->applied || t->fwd != t->bwd)
         return nl_error_set(err, NL_ERR_STATE, "CKPT_REQ of step %llu, but %lld steps are applied",
@@ -727,6 +729,8 @@ nl_status nl_stage_train_input(nl_stage *s, stage_train *t, const nl_wire_msg *m
             t->step_held = false;
             st = on_step(s, t, &t->held, send, ctx, err);
         }
+        if (st == NL_OK && t->ckpt_held && !t->syncing) /* a CKPT_REQ held for it too */
+            st = on_ckpt(s, t, &t->held_ckpt, send, ctx, err);
         break;
     default:
         return nl_error_set(err, NL_ERR_UNSUPPORTED, "%s is not a training message",

@@ -82,7 +82,7 @@ nl_status nl_stage_train_report(nl_stage *s, stage_train *t, nl_stage_send_fn se
                                 nl_error *err)
 {
     t->finished = 1;
-    if (t->xr != 0) /* replica 0 reports for the stage's replicas */
+    if (t->xr != 0 && t->H == 0) /* replica 0 reports for the stage's replicas (DiLoCo: each) */
         return NL_OK;
     const double sumsq = nl_trainer_grad_sumsq(t->rep[0].tr);
     nl_wire_msg_reset(&t->tx, NL_MSG_GRAD_NORM);
@@ -96,7 +96,8 @@ nl_status nl_stage_train_report(nl_stage *s, stage_train *t, nl_stage_send_fn se
     if (st != NL_OK || !s->model->has_head)
         return st;
     nl_wire_msg_reset(&t->tx, NL_MSG_LOSS);
-    t->tx.u.loss = (nl_msg_loss){t->job, t->begun, false, t->ce, t->aux, (uint64_t)t->Mg * t->rows};
+    const uint64_t rows = (uint64_t)(t->H > 0 ? t->M : t->Mg) * t->rows;
+    t->tx.u.loss = (nl_msg_loss){t->job, t->begun, false, t->ce, t->aux, rows};
     return send(ctx, NL_STAGE_TO_COORD, &t->tx, err);
 }
 
@@ -195,7 +196,8 @@ void nl_stage_train_run_job(void *ctx, nl_wjob *w)
         x = nl_backend_device_view(p->be, p->x_d, j->x, n * sizeof(float));
     switch (j->kind) {
     case JOB_BEGIN:
-        nl_trainer_begin_step(p->tr, (int64_t)t->Mg * (int64_t)t->rows); /* the step's rows */
+        /* the step's rows (DiLoCo: the group's own, its batch) */
+        nl_trainer_begin_step(p->tr, (int64_t)(t->H > 0 ? t->M : t->Mg) * (int64_t)t->rows);
         if (j->e.loss_rows > 0) /* the masked positions, or the sequences */
             nl_trainer_set_loss_rows(p->tr, (int64_t)j->e.loss_rows);
         break;
@@ -378,6 +380,8 @@ static void hop_input(nl_stage *s, stage_train *t, replica *p, const hop_in *h,
 
 static bool runnable(const stage_train *t, const hop_in *h)
 {
+    if (t->syncing) /* DiLoCo: the outer step first */
+        return false;
     if (h->type == NL_MSG_EVAL)
         return h->step == (uint64_t)t->applied && t->fwd == t->bwd;
     if (h->step != (uint64_t)t->applied + 1 || t->finished)
@@ -422,7 +426,7 @@ static nl_status run_eval(nl_stage *s, stage_train *t, const hop_in *h, nl_stage
         return st;
     hop_input(s, t, p, h, &tokens, &x);
     if (h->mb % (uint32_t)t->Mg == 0) { /* a new held-out batch, as local evaluation */
-        nl_trainer_begin_step(p->tr, (int64_t)t->Mg * (int64_t)t->rows);
+        nl_trainer_begin_step(p->tr, (int64_t)(t->H > 0 ? t->M : t->Mg) * (int64_t)t->rows);
         if (h->e.loss_rows > 0)
             nl_trainer_set_loss_rows(p->tr, (int64_t)h->e.loss_rows);
         t->begun = 0;

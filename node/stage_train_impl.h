@@ -136,6 +136,19 @@ typedef struct stage_train {
     nl_allreduce *red[NL_REDUCE_KINDS];
     float *red_buf[NL_REDUCE_KINDS];
     bool reducing, step_held;
+    uint64_t ring_bytes; /* REDUCE frame bytes this replica sent (replica traffic) */
+    /* DiLoCo (outer_every H > 0; DESIGN section 8): this replica is one
+     * replica group's; its inner steps use its own gradients, and every H
+     * steps the groups' deltas are added round the ring (the GRADS
+     * reducer) and the outer step applied. anchor: the weights at the last
+     * sync, outer_m: the outer momentum (host, n_params each, the same on
+     * every replica); syncing: the deltas are being added (the next
+     * step's hops and a CKPT_REQ wait, ckpt_held with its dir copied). */
+    int H;
+    float *anchor, *outer_m;
+    bool applied_anchor, syncing, ckpt_held;
+    nl_msg_ckpt_req held_ckpt;
+    char *held_dir;
     bool no_compute; /* test hook (nl_stage_opts.inject_no_compute): the ops skipped */
     nl_msg_step held;
     atomic_int failed; /* a job failed: the lanes skip the rest */
@@ -224,7 +237,8 @@ void nl_stage_train_use_counts(nl_stage *s, stage_train *t, const int64_t *sum, 
 
 /* From the stage's ASSIGN: xr, xR, Mg and M of a step of `micro`
  * microbatches, and the reducers. */
-nl_status nl_stage_train_ring_new(nl_stage *s, stage_train *t, int64_t micro, nl_error *err);
+nl_status nl_stage_train_ring_new(nl_stage *s, stage_train *t, int64_t micro, int64_t outer_every,
+                                  nl_error *err);
 void nl_stage_train_ring_free(stage_train *t);
 /* A hop's microbatch on the wire into this node's number (*mb), or an
  * error if another replica runs it. */
@@ -239,6 +253,20 @@ nl_status nl_stage_train_reduce_grads(nl_stage *s, stage_train *t, nl_stage_send
  * when done they are used (nl_stage_train_use_counts). */
 nl_status nl_stage_train_reduce_counts(nl_stage *s, stage_train *t, const int64_t *sum, size_t n,
                                        nl_stage_send_fn send, void *ctx, nl_error *err);
+/* DiLoCo: before the job's first AdamW step, keep the weights as those
+ * of the last sync (a no-op once kept). */
+nl_status nl_stage_train_outer_anchor(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
+                                      nl_error *err);
+/* DiLoCo: step `step`'s AdamW is dispatched; on a multiple of H begin
+ * adding up the groups' deltas (t->syncing until the outer step is
+ * applied, now or on a later REDUCE). */
+nl_status nl_stage_train_outer(nl_stage *s, stage_train *t, uint64_t step, nl_stage_send_fn send,
+                               void *ctx, nl_error *err);
+/* DiLoCo: a CKPT_REQ r that comes while the outer step is added up waits
+ * for it (*held; its dir copied into t->held_ckpt, given again once the
+ * outer step is applied); another while one waits is an error. */
+nl_status nl_stage_train_outer_hold(stage_train *t, const nl_msg_ckpt_req *r, bool *held,
+                                    nl_error *err);
 /* A REDUCE from the previous replica. */
 nl_status nl_stage_train_ring_input(nl_stage *s, stage_train *t, const nl_wire_msg *m,
                                     nl_stage_send_fn send, void *ctx, nl_error *err);

@@ -34,22 +34,32 @@
 typedef struct ring_ctx {
     nl_stage_send_fn send;
     void *ctx;
-    uint64_t epoch; /* the stage's placement: a replica of another drops it */
+    uint64_t epoch;  /* the stage's placement: a replica of another drops it */
+    uint64_t *bytes; /* the frame bytes sent, counted */
 } ring_ctx;
 
 static nl_status ring_send(void *p, nl_wire_msg *m, nl_error *err)
 {
     ring_ctx *r = p;
     m->u.reduce.epoch = r->epoch;
+    if (m->nframes > 0)
+        *r->bytes += (uint64_t)m->frames[0].t.shape[0] * sizeof(float); /* F32 */
     return r->send(r->ctx, NL_STAGE_TO_RING, m, err);
 }
 
-nl_status nl_stage_train_ring_new(nl_stage *s, stage_train *t, int64_t micro, nl_error *err)
+nl_status nl_stage_train_ring_new(nl_stage *s, stage_train *t, int64_t micro, int64_t outer_every,
+                                  nl_error *err)
 {
     t->xr = s->replicas > 1 ? s->replica : 0;
     t->xR = s->replicas > 1 ? s->replicas : 1;
     t->Mg = (int)micro;
     t->M = (int)micro;
+    t->H = (int)outer_every;
+    if (t->H > 0 && t->xR == 1)
+        return nl_error_set(err, NL_ERR_INVALID,
+                            "outer_every %d (DiLoCo) needs the stage's replicas on other nodes; "
+                            "this stage has none",
+                            t->H);
     if (t->xR == 1)
         return NL_OK;
     if (s->n_rep > 1)
@@ -62,9 +72,11 @@ nl_status nl_stage_train_ring_new(nl_stage *s, stage_train *t, int64_t micro, nl
                             (long long)micro, t->xR);
     t->M = (int)(micro / t->xR);
     const nl_model *m = s->model;
-    const size_t n[NL_REDUCE_KINDS] = {[NL_REDUCE_GRADS] = m->n_params + LOSS_FLOATS,
-                                       [NL_REDUCE_COUNTS] =
-                                           (size_t)(m->l1 - m->l0) * (size_t)m->cfg.num_experts};
+    /* DiLoCo: each group routes by its own counts; the GRADS reducer adds
+     * the deltas at a sync */
+    const size_t n[NL_REDUCE_KINDS] = {
+        [NL_REDUCE_GRADS] = m->n_params + LOSS_FLOATS,
+        [NL_REDUCE_COUNTS] = t->H > 0 ? 0 : (size_t)(m->l1 - m->l0) * (size_t)m->cfg.num_experts};
     for (int k = 0; k < NL_REDUCE_KINDS; k++) {
         if (n[k] == 0)
             continue;
@@ -75,11 +87,22 @@ nl_status nl_stage_train_ring_new(nl_stage *s, stage_train *t, int64_t micro, nl
         if (!(t->red_buf[k] = malloc(n[k] * sizeof(float))))
             return nl_error_set(err, NL_ERR_NOMEM, "out of memory for the replicas' all-reduce");
     }
+    if (t->H > 0 && (!(t->anchor = malloc(m->n_params * sizeof(float))) ||
+                     !(t->outer_m = calloc(m->n_params, sizeof(float)))))
+        return nl_error_set(err, NL_ERR_NOMEM, "out of memory for DiLoCo's outer step");
     return NL_OK;
 }
 
 void nl_stage_train_ring_free(stage_train *t)
 {
+    if (t->xR > 1)
+        NL_INFO("train job %llu: replica %d sent %llu bytes of REDUCE frames to the next replica",
+                (unsigned long long)t->job, t->xr, (unsigned long long)t->ring_bytes);
+    free(t->anchor);
+    free(t->outer_m);
+    free(t->held_dir);
+    t->anchor = t->outer_m = NULL;
+    t->held_dir = NULL;
     for (int k = 0; k < NL_REDUCE_KINDS; k++) {
         nl_allreduce_destroy(&t->red[k]);
         free(t->red_buf[k]);
@@ -134,6 +157,8 @@ static nl_status grads_done(nl_stage *s, stage_train *t, nl_stage_send_fn send, 
 nl_status nl_stage_train_reduce_grads(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
                                       nl_error *err)
 {
+    if (t->H > 0) /* DiLoCo: each group steps with its own gradients */
+        return nl_stage_train_report(s, t, send, ctx, err);
     const size_t n = s->model->n_params;
     float *buf = t->red_buf[NL_REDUCE_GRADS];
     nl_backend *be = t->rep[0].be;
@@ -144,12 +169,95 @@ nl_status nl_stage_train_reduce_grads(nl_stage *s, stage_train *t, nl_stage_send
     put_double(buf + n, t->ce);
     put_double(buf + n + 2, t->aux);
     t->reducing = true;
-    ring_ctx rc = {send, ctx, nl_stage_epoch(s)};
+    ring_ctx rc = {send, ctx, nl_stage_epoch(s), &t->ring_bytes};
     bool done = false;
     st = nl_allreduce_begin(t->red[NL_REDUCE_GRADS], t->begun, buf, ring_send, &rc, &done, err);
     if (st == NL_OK && done)
         st = grads_done(s, t, send, ctx, err);
     return st;
+}
+
+/* ---- DiLoCo's outer step ---- */
+
+nl_status nl_stage_train_outer_anchor(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
+                                      nl_error *err)
+{
+    if (t->H == 0 || t->applied_anchor)
+        return NL_OK;
+    nl_status st = nl_stage_train_take_done(s, t, true, send, ctx, err);
+    if (st != NL_OK)
+        return st;
+    nl_backend *be = t->rep[0].be;
+    be->download(be, t->anchor, t->rep[0].m->params, s->model->n_params * sizeof(float));
+    t->applied_anchor = true;
+    return nl_backend_check(be, err);
+}
+
+/* The groups' deltas are added up: the outer step, the same on every
+ * replica, into the weights. */
+static nl_status outer_done(nl_stage *s, stage_train *t, nl_error *err)
+{
+    const size_t n = s->model->n_params;
+    float *buf = t->red_buf[NL_REDUCE_GRADS];
+    nl_diloco_outer(buf, t->anchor, t->outer_m, buf, n, t->xR);
+    nl_backend *be = t->rep[0].be;
+    be->upload(be, t->rep[0].m->params, buf, n * sizeof(float));
+    t->syncing = false;
+    NL_INFO("train job %llu step %lld: outer step of %d replica groups; replica %d has sent %llu "
+            "bytes of REDUCE frames",
+            (unsigned long long)t->job, (long long)t->applied, t->xR, t->xr,
+            (unsigned long long)t->ring_bytes);
+    return nl_backend_check(be, err);
+}
+
+nl_status nl_stage_train_outer(nl_stage *s, stage_train *t, uint64_t step, nl_stage_send_fn send,
+                               void *ctx, nl_error *err)
+{
+    if (t->H == 0 || step % (uint64_t)t->H != 0)
+        return NL_OK;
+    nl_status st = nl_stage_train_take_done(s, t, true, send, ctx, err); /* AdamW applied */
+    if (st != NL_OK)
+        return st;
+    const size_t n = s->model->n_params;
+    float *buf = t->red_buf[NL_REDUCE_GRADS];
+    nl_backend *be = t->rep[0].be;
+    be->download(be, buf, t->rep[0].m->params, n * sizeof(float));
+    if ((st = nl_backend_check(be, err)) != NL_OK)
+        return st;
+    for (size_t i = 0; i < n; i++)
+        buf[i] = t->anchor[i] - buf[i];
+    memset(buf + n, 0, LOSS_FLOATS * sizeof(float));
+    t->syncing = true;
+    ring_ctx rc = {send, ctx, nl_stage_epoch(s), &t->ring_bytes};
+    bool done = false;
+    st = nl_allreduce_begin(t->red[NL_REDUCE_GRADS], step, buf, ring_send, &rc, &done, err);
+    if (st == NL_OK && done)
+        st = outer_done(s, t, err);
+    return st;
+}
+
+nl_status nl_stage_train_outer_hold(stage_train *t, const nl_msg_ckpt_req *r, bool *held,
+                                    nl_error *err)
+{
+    *held = false;
+    if (r == &t->held_ckpt) { /* the held one, now taken */
+        t->ckpt_held = false;
+        return NL_OK;
+    }
+    if (!t->syncing)
+        return NL_OK;
+    if (t->ckpt_held)
+        return nl_error_set(err, NL_ERR_STATE, "CKPT_REQ of step %llu while one waits already",
+                            (unsigned long long)r->step);
+    char *dir = strdup(r->dir);
+    if (!dir)
+        return nl_error_set(err, NL_ERR_NOMEM, "CKPT_REQ: out of memory");
+    free(t->held_dir);
+    t->held_dir = dir;
+    t->held_ckpt = *r;
+    t->held_ckpt.dir = dir;
+    t->ckpt_held = *held = true;
+    return NL_OK;
 }
 
 /* ---- the route counts ---- */
@@ -181,7 +289,7 @@ nl_status nl_stage_train_reduce_counts(nl_stage *s, stage_train *t, const int64_
                                 (long long)sum[i], COUNT_EXACT / t->xR);
         buf[i] = (float)sum[i];
     }
-    ring_ctx rc = {send, ctx, nl_stage_epoch(s)};
+    ring_ctx rc = {send, ctx, nl_stage_epoch(s), &t->ring_bytes};
     bool done = false;
     nl_status st =
         nl_allreduce_begin(t->red[NL_REDUCE_COUNTS], t->begun, buf, ring_send, &rc, &done, err);
@@ -201,13 +309,13 @@ nl_status nl_stage_train_ring_input(nl_stage *s, stage_train *t, const nl_wire_m
         return nl_error_set(err, NL_ERR_STATE,
                             "REDUCE of job %llu: this stage has no other replica to add up with",
                             (unsigned long long)t->job);
-    ring_ctx rc = {send, ctx, nl_stage_epoch(s)};
+    ring_ctx rc = {send, ctx, nl_stage_epoch(s), &t->ring_bytes};
     bool done = false;
     nl_status st = nl_allreduce_input(a, m, ring_send, &rc, &done, err);
     if (st != NL_OK || !done)
         return st;
     if (what == NL_REDUCE_GRADS)
-        return grads_done(s, t, send, ctx, err);
+        return t->H > 0 ? outer_done(s, t, err) : grads_done(s, t, send, ctx, err);
     counts_done(s, t);
     return NL_OK;
 }

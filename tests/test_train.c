@@ -456,8 +456,33 @@ static void test_lr_schedule(void)
           nl_lr_at(99, 100, 10, 1.0, 0.1));
 }
 
+/* DiLoCo's outer step (DESIGN section 8) against the formula worked by
+ * hand: three groups, two syncs, the momentum carried from the first. */
+static void test_diloco_outer(void)
+{
+    float anchor[2] = {1.0f, -2.0f}, m[2] = {0.0f, 0.5f}, w[2];
+    const float sum1[2] = {0.3f, -0.6f}; /* delta = (0.1, -0.2) */
+    nl_diloco_outer(w, anchor, m, sum1, 2, 3);
+    /* m = (0.1, 0.9 * 0.5 - 0.2 = 0.25); w = anchor - 0.7 (delta + 0.9 m) */
+    const double want1[2] = {1.0 - 0.7 * (0.1 + 0.09), -2.0 - 0.7 * (-0.2 + 0.225)};
+    for (int i = 0; i < 2; i++) {
+        CHECK(fabs(w[i] - want1[i]) < 1e-6, "outer step 1 [%d]: %.9g (%.9g)", i, w[i], want1[i]);
+        CHECK(anchor[i] == w[i], "outer step 1 [%d]: the last sync's weights are the new ones", i);
+    }
+    CHECK(fabs(m[0] - 0.1) < 1e-7 && fabs(m[1] - 0.25) < 1e-7, "outer momentum: %g %g (0.1 0.25)",
+          m[0], m[1]);
+    float sum2[2] = {0.3f, 0.0f}; /* delta = (0.1, 0); w may alias the sum */
+    nl_diloco_outer(sum2, anchor, m, sum2, 2, 3);
+    const double m2[2] = {0.9 * 0.1 + 0.1, 0.9 * 0.25};
+    const double want2[2] = {want1[0] - 0.7 * (0.1 + 0.9 * m2[0]), want1[1] - 0.7 * (0.9 * m2[1])};
+    for (int i = 0; i < 2; i++)
+        CHECK(fabs(sum2[i] - want2[i]) < 1e-6, "outer step 2 [%d]: %.9g (%.9g)", i, sum2[i],
+              want2[i]);
+}
+
 int main(void)
 {
+    test_diloco_outer();
     test_mlm_mask();
     test_lr_schedule();
     nl_error err = {0};

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Issue 30 item 6: DiLoCo (neurocoord --outer-every H) against every-step
+# sync of the same replicas, local clusters on one machine, in one run:
+# R replica groups of one stage each (R nodes, --replicas R), the same
+# batches from the same seed, the same number of tokens; then
+#   - replica traffic: the REDUCE frame bytes every node sent in the job
+#     (each node logs them when the job ends), in all, and their ratio
+#     (the issue's target: at least 10x less with H = 50);
+#   - the held-out loss at the last step (--eval-every STEPS) of each, and
+#     DiLoCo's relative to every-step sync's (target: within 2%).
+#   bench/bench_diloco.sh [BUILD_DIR]
+#   env: CONFIG (configs/bench-small.yaml), R (4), H (50), STEPS (200),
+#        BATCH (8), SEQ (64), MICRO (4), LR (1e-3), EVAL_BATCHES (8)
+# Prints one JSON line and the load average at the start and end.
+set -euo pipefail
+B=${1:-build}
+CONFIG=${CONFIG:-configs/bench-small.yaml}
+R=${R:-4}
+H=${H:-50}
+STEPS=${STEPS:-200}
+BATCH=${BATCH:-8}
+SEQ=${SEQ:-64}
+MICRO=${MICRO:-4}
+LR=${LR:-1e-3}
+EVAL_BATCHES=${EVAL_BATCHES:-8}
+N=$B/cli/neuroctl
+PY=/usr/bin/python3
+W=$(mktemp -d)
+down() {
+    for d in "$W"/c*; do [ -d "$d" ] && "$N" cluster down --dir "$d" >/dev/null 2>&1; done
+    return 0
+}
+trap 'down; rm -rf "$W"' EXIT
+echo "bench_diloco: start, $(uptime)" >&2
+"$N" init --config "$CONFIG" --out "$W/m.safetensors" --seed 7 >/dev/null
+cat README.md docs/*.md > "$W/data.txt"
+RUN=(--data "$W/data.txt" --steps "$STEPS" --batch "$BATCH" --seq "$SEQ" --microbatches "$MICRO"
+     --lr "$LR" --seed 1 --eval-every "$STEPS" --eval-batches "$EVAL_BATCHES")
+
+# one training run: its log in $W/$1.jsonl, the nodes' logs in $W/c-$1
+train() {
+    local name=$1 h=$2
+    local c="$W/c-$name"
+    "$N" cluster up --dir "$c" --nodes "$R" --replicas "$R" --outer-every "$h" \
+        --model "$W/m.safetensors" --memory 2G --threads 1 --timeout 120 --rebalance-after 0 \
+        --node-timeout-ms 30000 >/dev/null
+    "$N" train --cluster "$c" "${RUN[@]}" --checkpoint-dir "$W/ck-$name" --log "$W/$name.jsonl" \
+        2>/dev/null
+    "$N" cluster down --dir "$c" >/dev/null
+}
+train sync 0
+train diloco "$H"
+$PY - "$W" "$R" "$H" "$STEPS" "$BATCH" "$SEQ" <<'PY'
+import glob, json, re, sys
+w, R, H, steps, batch, seq = sys.argv[1], *map(int, sys.argv[2:])
+def run(name):
+    rows = [json.loads(l) for l in open("%s/%s.jsonl" % (w, name))]
+    ev = [r["eval_loss"] for r in rows if "eval_loss" in r]
+    sent = [int(x) for f in glob.glob("%s/c-%s/node-*.log" % (w, name))
+            for x in re.findall(r"sent (\d+) bytes of REDUCE frames to the next", open(f).read())]
+    assert ev and len(sent) == R, (name, ev, sent)
+    return ev[-1], sum(sent)
+(es, bs), (ed, bd) = run("sync"), run("diloco")
+print(json.dumps({"bench": "diloco", "replicas": R, "outer_every": H, "steps": steps,
+                  "tokens": steps * batch * seq,
+                  "sync": {"reduce_bytes": bs, "eval_loss": round(es, 5)},
+                  "diloco": {"reduce_bytes": bd, "eval_loss": round(ed, 5)},
+                  "traffic_ratio": round(bs / bd, 2) if bd else None,
+                  "eval_loss_rel": round(ed / es - 1, 5)}))
+PY
+echo "bench_diloco: end, $(uptime)" >&2

@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# DiLoCo across replica groups (DESIGN section 8; neurocoord --outer-every):
+# 4 nodes as 2 stages x 2 replicas, H = 5, 10 steps
+#  - two runs on the same plan give byte-identical weights and losses;
+#  - the weights are not those of every-step sync (one process on the same
+#    batches stands for it: the replicas' every-step sum agrees with it to
+#    5e-5, test_cluster_replicas), so the option does something;
+#  - each replica's REDUCE traffic is the 2 outer steps' deltas only;
+#  - steps or a checkpoint interval that are not multiples of H, a resume,
+#    and --outer-every without replicas are refused.
+. "$(dirname "$0")/cluster_lib.sh"
+export NL_TEST_GFLOPS=20 # the plan groups the nodes in pairs of equal speed
+
+small_config "$W/cfg.yaml" 32 4 48 64
+cat "$NL_SOURCE_DIR"/README.md "$NL_SOURCE_DIR"/docs/*.md > "$W/data.txt"
+check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
+RUN=(--data "$W/data.txt" --steps 10 --batch 8 --seq 32 --microbatches 4 --lr 3e-3 --seed 1)
+
+# every-step sync's weights: one process on the same batches
+check "$N" train "${DEV[@]}" --model "$W/m.safetensors" "${RUN[@]}" --threads 1 \
+  --log "$W/local.jsonl" --out "$W/local.safetensors" 2> "$W/local.err"
+
+cat > "$W/cmp.py" <<'PY'
+import json, struct, sys
+def tensors(p):
+    b = open(p, "rb").read(); n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n])
+    out = {}
+    for k, v in h.items():
+        if k == "__metadata__" or k.startswith("optim."): continue
+        s, e = v["data_offsets"]; out[k] = b[8 + n + s: 8 + n + e]
+    return out
+def floats(raw):
+    return struct.unpack("<%df" % (len(raw) // 4), raw)
+what, a, b = sys.argv[1], tensors(sys.argv[2]), tensors(sys.argv[3])
+assert set(a) == set(b), set(a) ^ set(b)
+if what == "same":      # every byte of every weight
+    diff = [k for k in b if a[k] != b[k]]
+    print("%d tensors, %d differ in a byte" % (len(b), len(diff)))
+    assert not diff, diff[:5]
+else:                   # differ: the weights as a whole differ by more than 1e-3 (relative)
+    num = den = 0.0
+    for k in b:
+        for x, y in zip(floats(a[k]), floats(b[k])):
+            num += (x - y) ** 2; den += y * y
+    print("relative difference of the weights: %.3e" % (num / den) ** 0.5)
+    assert (num / den) ** 0.5 > 1e-3
+PY
+
+up() {
+  check "$N" cluster up "${DEV[@]}" --dir "$1" --nodes 4 --replicas 2 --outer-every 5 \
+    --model "$W/m.safetensors" --memory 64M --threads 1 --node-timeout-ms 2000 --timeout 60
+}
+
+# ---- two runs on the same plan ----
+C="$W/c1"
+up "$C"
+check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-every 5 --checkpoint-dir "$W/ck1" \
+  --log "$W/r1.jsonl" --out "$W/r1.safetensors" 2> "$W/r1.err"
+tail -2 "$W/r1.err"
+check grep -q '"step":10,' "$W/r1.jsonl"
+# a shard per stage at the outer steps (replica 0's)
+check test "$(ls "$W"/ck1/step-000005/stage-*.safetensors | wc -l)" -eq 2
+# every replica of every stage took 2 outer steps, and sent only their deltas
+check test "$(cat "$C"/node-*.log | grep -c 'outer step of 2 replica groups')" -eq 8
+grep -h "outer step of 2 replica groups" "$C"/node-*.log | tail -2
+$PY - "$C" "$W/m.safetensors" <<'PY'
+import glob, json, re, struct, sys
+b = open(sys.argv[2], "rb").read(); n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n])
+sent = [int(x) for f in glob.glob(sys.argv[1] + "/node-*.log")
+        for x in re.findall(r"step 10: outer step .* has sent (\d+) bytes", open(f).read())]
+# the deltas go round the ring about twice per outer step: 2 syncs x 2 x a stage's weights
+params = sum(int(v["data_offsets"][1]) - int(v["data_offsets"][0]) for k, v in h.items()
+             if k != "__metadata__")
+print("REDUCE bytes each replica sent in 10 steps:", sorted(sent), "weights:", params)
+assert len(sent) == 4 and max(sent) <= 2 * 2 * params + 4096, sent
+PY
+check test $? -eq 0
+
+# ---- refused: steps or checkpoints between outer steps, a resume ----
+out=$("$N" train --cluster "$C" "${RUN[@]/10/7}" --checkpoint-dir "$W/ck3" 2>&1); rc=$?
+echo "$out" | tail -1
+check test $rc -ne 0
+check grep -q "not a multiple of --outer-every 5" <<< "$out"
+out=$("$N" train --cluster "$C" "${RUN[@]}" --checkpoint-every 3 --checkpoint-dir "$W/ck3" 2>&1); rc=$?
+echo "$out" | tail -1
+check test $rc -ne 0
+check grep -q "checkpoint-every 3: not a multiple" <<< "$out"
+out=$("$N" train --cluster "$C" "${RUN[@]}" --resume "$W/ck1/step-000005" --checkpoint-dir "$W/ck3" 2>&1); rc=$?
+echo "$out" | tail -1
+check test $rc -ne 0
+check grep -q "not with --outer-every" <<< "$out"
+check "$N" cluster down --dir "$C"
+
+C="$W/c2"
+up "$C"
+check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck2" --log "$W/r2.jsonl" \
+  --out "$W/r2.safetensors" 2> "$W/r2.err"
+check $PY "$W/cmp.py" same "$W/r2.safetensors" "$W/r1.safetensors"
+check $PY "$W/cmp.py" differ "$W/r1.safetensors" "$W/local.safetensors"
+check "$N" cluster down --dir "$C"
+
+# ---- without replicas: refused at the start ----
+out=$("$COORD" --listen tcp://127.0.0.1:0 --state-dir "$W/st" --outer-every 5 --replicas 1 2>&1); rc=$?
+echo "$out" | tail -1
+check test $rc -eq 2
+check grep -q "needs replica groups" <<< "$out"
+
+echo "test_cluster_diloco: $pass passed, $fail failed"
+[ "$fail" -eq 0 ]
