@@ -40,20 +40,8 @@ check() { if "$@"; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL:
 PY=/usr/bin/python3
 
 # ---- the network: hub with a bridge; c, n1..n3 each with one veth ----
-ip netns add "${P}hub"
-ip -n "${P}hub" link add br0 type bridge
-ip -n "${P}hub" link set br0 up
-i=1
-for ns in c n1 n2 n3; do
-  ip netns add "$P$ns"
-  ip link add "nlv$i$$" type veth peer name eth0 netns "$P$ns"
-  ip link set "nlv$i$$" netns "${P}hub"
-  ip -n "${P}hub" link set "nlv$i$$" master br0 up
-  ip -n "$P$ns" addr add "10.77.0.$i/24" dev eth0
-  ip -n "$P$ns" link set eth0 up
-  ip -n "$P$ns" link set lo up
-  i=$((i + 1))
-done
+. "$NL_SOURCE_DIR/tests/netns_lib.sh"
+netns_hub "$P" 10.77.0 nlv
 netem() { # on every namespace's link; 1 if the kernel has no netem
   for ns in c n1 n2 n3; do
     ip netns exec "$P$ns" tc qdisc replace dev eth0 root netem delay 20ms loss 1% 2>/dev/null ||

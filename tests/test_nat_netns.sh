@@ -44,20 +44,8 @@ check() { if "$@"; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL:
 PY=/usr/bin/python3
 
 # ---- the network: hub with a bridge; c, n1..n3 each with one veth ----
-ip netns add "${P}hub"
-ip -n "${P}hub" link add br0 type bridge
-ip -n "${P}hub" link set br0 up
-i=1
-for ns in c n1 n2 n3; do
-  ip netns add "$P$ns"
-  ip link add "nln$i$$" type veth peer name eth0 netns "$P$ns"
-  ip link set "nln$i$$" netns "${P}hub"
-  ip -n "${P}hub" link set "nln$i$$" master br0 up
-  ip -n "$P$ns" addr add "10.77.1.$i/24" dev eth0
-  ip -n "$P$ns" link set eth0 up
-  ip -n "$P$ns" link set lo up
-  i=$((i + 1))
-done
+. "$NL_SOURCE_DIR/tests/netns_lib.sh"
+netns_hub "$P" 10.77.1 nln
 # node 2 (10.77.1.3) accepts no inbound connection: its first packets are dropped
 ip netns exec "${P}n2" iptables -A INPUT -p tcp --syn -j DROP
 
