@@ -39,6 +39,15 @@ static long long integer(const json_t *o, const char *key, long long dflt)
     return json_is_integer(v) ? (long long)json_integer_value(v) : dflt;
 }
 
+/* Text from the cluster made safe for a terminal: every control or
+ * non-ASCII byte becomes '?'. */
+static void printable(char *s)
+{
+    for (char *p = s; *p; p++)
+        if ((unsigned char)*p < 0x20 || (unsigned char)*p >= 0x7f)
+            *p = '?';
+}
+
 /* The stages' devices of a start event, joined by ',' in stage order
  * ("cuda:0,cpu"; "?" for a stage whose node the coordinator did not
  * name), or empty when the coordinator sent none. */
@@ -57,9 +66,7 @@ static void stage_devices(char *buf, size_t cap, const json_t *ev)
         }
         used += (size_t)n;
     }
-    for (char *p = buf; *p; p++) /* a node's text: nothing that drives a terminal */
-        if ((unsigned char)*p < 0x20 || (unsigned char)*p >= 0x7f)
-            *p = '?';
+    printable(buf); /* a node's text */
 }
 
 /* The job lost a stage and goes on by itself: say so, and log it (a
@@ -70,9 +77,7 @@ static void on_node_lost(rtrain_watch *w, const json_t *ev)
     const char *why = json_string_value(json_object_get(ev, "why"));
     char safe[600];
     snprintf(safe, sizeof safe, "%s", why ? why : "a stage is lost");
-    for (char *p = safe; *p; p++) /* a node's text: nothing that drives a terminal */
-        if ((unsigned char)*p < 0x20 || (unsigned char)*p >= 0x7f)
-            *p = '?';
+    printable(safe); /* a node's text */
     nl_train_progress_break(&w->prog);
     fprintf(stderr, "%s at step %lld; resuming from step %lld (resume %lld of %lld)\n", safe,
             integer(ev, "lost_step", -1), integer(ev, "resume_step", -1), integer(ev, "resume", 0),
@@ -94,9 +99,7 @@ static void on_rollback(rtrain_watch *w, const json_t *ev)
     const char *to = json_string_value(json_object_get(ev, "checkpoint"));
     char safe[600];
     snprintf(safe, sizeof safe, "%s", to ? to : "?");
-    for (char *p = safe; *p; p++) /* the coordinator's path: nothing that drives a terminal */
-        if ((unsigned char)*p < 0x20 || (unsigned char)*p >= 0x7f)
-            *p = '?';
+    printable(safe); /* the coordinator's path */
     nl_train_progress_break(&w->prog);
     fprintf(stderr,
             "a node was convicted of computing wrong at step %lld: rolling back to step %lld "

@@ -221,6 +221,20 @@ static void convict(nl_coord *c, cjob *j, const cver *v, const char *how)
         coord_quarantine(c, n, j->id, why);
 }
 
+/* A stage that did not hand over a case it was asked for: counted and
+ * convicted. */
+static void withheld(nl_coord *c, cjob *j, const cver *v)
+{
+    ctrain *t = j->state;
+    t->verify_mismatches++;
+    t->verify_convicted++;
+    t->verify_guilty = v->node;
+    NL_WARN("train job %llu: node %u (stage %d) did not hand over step %lld microbatch %u for "
+            "verification",
+            (unsigned long long)j->id, v->node, v->stage, (long long)v->step, v->mb);
+    convict(c, j, v, "it withheld its case");
+}
+
 static int send_case(nl_coord *c, const cver *v, cnode *to);
 
 /* Test builds: the cases held (verify_lag) of steps up to `upto` go to
@@ -253,13 +267,7 @@ int coord_train_verify_settle(nl_coord *c, cjob *j, int answered)
         cver *v = &t->ver->p[i];
         const cnode *by = coord_node_by_id(c, v->verifier ? v->verifier : v->node);
         if (!v->verifier && answered) { /* its stage has sent its checkpoint since */
-            t->verify_mismatches++;
-            t->verify_convicted++;
-            t->verify_guilty = v->node;
-            NL_WARN("train job %llu: node %u (stage %d) did not hand over step %lld microbatch "
-                    "%u for verification",
-                    (unsigned long long)j->id, v->node, v->stage, (long long)v->step, v->mb);
-            convict(c, j, v, "it withheld its case");
+            withheld(c, j, v);
         } else if (v->verifier && by && by->life == NODE_LIVE) {
             continue; /* its answer is awaited */
         } else {
@@ -294,13 +302,7 @@ void coord_train_verify_sample(nl_coord *c, cjob *j)
             /* its stage answers a VERIFY_REQ at once, before the STEP, and
              * its GRAD_NORM of this step came after on the same connection:
              * a case still missing was withheld */
-            t->verify_mismatches++;
-            t->verify_convicted++;
-            t->verify_guilty = v->node;
-            NL_WARN("train job %llu: node %u (stage %d) did not hand over step %lld microbatch %u "
-                    "for verification",
-                    (unsigned long long)j->id, v->node, v->stage, (long long)v->step, v->mb);
-            convict(c, j, v, "it withheld its case");
+            withheld(c, j, v);
             taint(t, v->step);
             drop(t, i--);
         }
