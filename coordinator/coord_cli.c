@@ -53,7 +53,8 @@ static void train_rows(nl_opt t[MAX_FLAGS], int *at, nl_coord_cli *cli, int *gro
                    "a training job re-balances early: once this many steps are done and every "
                    "stage has sent 3 heartbeats, the stages' measured speeds are judged, and when "
                    "a plan by them beats the current one by --replan-margin the job writes a "
-                   "checkpoint there and goes on from it on the new plan (0: only at the job's "
+                   "checkpoint there and goes on from it on the new plan; a plan kept is judged "
+                   "again this many steps later, 3 times at most (0: only at the job's "
                    "checkpoints)"),
         NL_OPT_STR("replicas", &cli->replicas,
                    "R|auto: every pipeline stage on R nodes, microbatch i on replica i mod R, "

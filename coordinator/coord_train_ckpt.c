@@ -446,24 +446,35 @@ int coord_train_grow(nl_coord *c, cjob *j, tr_done done)
  * them beats the current one by --replan-margin, the job writes a
  * checkpoint at this step, and WRITTEN re-plans from it as at any
  * checkpoint: the layers move with their moments, and the run stays
- * bit-identical. The new plan is judged again N steps later (the
- * measurement on a lopsided split is the least precise), at most
- * EARLY_MAX times a job. */
+ * bit-identical. A plan that a judgement keeps is judged again N steps
+ * later on fresh heartbeats (one judgement can fall on a burst of other
+ * work on the machine), at most EARLY_MAX times a plan; the new plan of a
+ * re-balance is judged the same way (the measurement on a lopsided split
+ * is the least precise), at most EARLY_MAX re-balances a job. */
 #define EARLY_MAX 3
 
 int coord_train_early_ckpt(nl_coord *c, cjob *j)
 {
     ctrain *t = j->state;
-    if (t->ft || t->early_n >= EARLY_MAX || c->o.rebalance_after <= 0 ||
-        t->step < t->start + c->o.rebalance_after || t->step >= t->steps || t->cancel ||
-        t->early_at == t->start + 1 || !coord_observe_ready(c) ||
+    const int64_t every = c->o.rebalance_after;
+    if (t->early_plan != t->start + 1) { /* a plan of its own: judged afresh */
+        t->early_plan = t->start + 1;
+        t->early_judged = 0;
+    }
+    if (t->ft || t->early_n >= EARLY_MAX || t->early_judged >= EARLY_MAX || every <= 0 ||
+        t->step < t->start + every * (t->early_judged + 1) || t->step >= t->steps || t->cancel ||
+        !coord_observe_ready(c) ||
         (c->o.outer_every > 0 && t->step % c->o.outer_every != 0)) /* DiLoCo: at an outer step */
         return 0;
-    t->early_at = t->start + 1; /* judged on this plan */
-    t->early_n++;
+    t->early_judged++;
     coord_observe_speeds(c);
-    if (!coord_replan_worth(c))
+    if (!coord_replan_worth(c)) {
+        NL_INFO("train job %llu: after step %lld the stages' measured speeds keep the split "
+                "(judgement %d of at most %d on this plan)",
+                (unsigned long long)j->id, (long long)t->step, t->early_judged, EARLY_MAX);
         return 0;
+    }
+    t->early_n++;
     t->early_ckpt = 1;
     NL_INFO("train job %llu: the stages' measured speeds call for another split after step "
             "%lld: a checkpoint there, then the re-plan",

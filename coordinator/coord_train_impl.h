@@ -86,9 +86,10 @@ typedef struct ctrain {
      * that continues (c->src_continues), or a checkpoint of its own; a
      * job without begins at step 0 from the weights the stages hold */
     int cont;
-    int64_t early_at; /* 1 + the start (step) of the plan judged last; 0: none */
-    int early_n;      /* early re-balances judged (coord_train.c: at most EARLY_MAX a job) */
-    int early_ckpt;   /* the checkpoint being written is an early re-balance's */
+    int64_t early_plan; /* 1 + the start (step) of the plan judged last; 0: none */
+    int early_judged;   /* judgements on that plan (at most EARLY_MAX) */
+    int early_n;        /* early re-balances made (at most EARLY_MAX a job) */
+    int early_ckpt;     /* the checkpoint being written is an early re-balance's */
     int moments;
     int64_t adam; /* AdamW steps the stages have taken */
     int acks, norms, have_loss;
