@@ -140,7 +140,7 @@ check $PY "$W/cmp.py" adapter "$W/bothB.safetensors" "$W/localB.safetensors"
 "$N" finetune --cluster "$C" --data "$W/data.txt" --steps 100000 --batch 8 --seq 32 \
   --checkpoint-dir "$W/ck3" --log "$W/long.jsonl" --out "$W/long.safetensors" 2> "$W/long.err" &
 pl=$!
-for _ in $(seq 100); do [ -s "$W/long.jsonl" ] && break; sleep 0.1; done
+for _ in $(seq 600); do [ -s "$W/long.jsonl" ] && break; sleep 0.1; done
 check test -s "$W/long.jsonl"
 "$N" train --cluster "$C" "${RUN[@]}" --seed 1 --out "$W/never.safetensors" 2> "$W/refused.err"
 check test $? -ne 0

@@ -43,7 +43,7 @@ start_cluster() {
     --model "$W/m.safetensors" --min-nodes 3 --data-root / --checkpoint-root / \
     > "$d/coord.log" 2>&1 &
   pids+=($!)
-  for i in $(seq 1 100); do [ -s "$d/coord/endpoint" ] && break; sleep 0.1; done
+  for i in $(seq 1 600); do [ -s "$d/coord/endpoint" ] && break; sleep 0.1; done
   for k in 1 2 3; do
     local extra=()
     for x in "$@"; do [ "$x" = "$k" ] && extra=(--no-inbound); done

@@ -37,7 +37,7 @@ NL_TEST_SLOW_MS=15 "$NODE" join "${DEV[@]}" "$(cat "$C/coord/endpoint")" --key "
   --coordinator-key "$C/coord/coordinator.pub" --memory 64M --threads 1 --name slow \
   --checkpoint-root "$W" > "$W/slow.log" 2>&1 &
 extra=$!
-for i in $(seq 1 100); do
+for i in $(seq 1 600); do
   [ "$("$N" status --cluster "$C" 2>/dev/null | grep -c serving)" -eq 2 ] && break
   sleep 0.1
 done

@@ -176,8 +176,13 @@ for i in $(seq 1 1200); do
   grep -q '"step":23,' "$W/restart.jsonl" 2>/dev/null && break
   sleep 0.05
 done
-kill -9 "$(cat "$C/coord.pid")"
+cpid=$(cat "$C/coord.pid")
+kill -9 "$cpid"
 kill "$job" 2>/dev/null # its coordinator is gone (it would wait --timeout)
+# gone for good before another binds its ports: on a loaded machine the
+# killed process can hold them a while (a CI run's second coordinator
+# exited at once, its ports still taken)
+for i in $(seq 1 600); do kill -0 "$cpid" 2>/dev/null || break; sleep 0.05; done
 wait "$job" 2>/dev/null
 check grep -q '"id":1,' "$C/coord/journal.json"
 # the journal names the last checkpoint: step 20, or 30 where a loaded
@@ -193,9 +198,10 @@ ep=$(cat "$C/coord/endpoint") cep=$(cat "$C/coord/client_endpoint")
   >> "$C/coord.log" 2>&1 &
 echo $! > "$C/coord.pid"
 # clients say "connection refused" at once: wait until it listens
-for i in $(seq 1 100); do "$N" status --cluster "$C" > /dev/null 2>&1 && break; sleep 0.1; done
+for i in $(seq 1 600); do "$N" status --cluster "$C" > /dev/null 2>&1 && break; sleep 0.1; done
 jobs_out=$("$N" jobs --cluster "$C" 2>&1)
 echo "$jobs_out"
+grep -q "^1 *train" <<< "$jobs_out" || tail -5 "$C/coord.log"
 check grep -q "^1 *train" <<< "$jobs_out"
 "$N" train --cluster "$C" --attach 1 --log "$W/attached.jsonl" --out "$W/restarted.safetensors" \
   --timeout 60 2> "$W/attached.err" &

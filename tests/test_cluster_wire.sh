@@ -50,7 +50,7 @@ for run in fp32-1 bf16-1 bf16-2; do
     --log "$W/$run.jsonl" --out "$W/$run.safetensors" 2> "$W/$run.err"
   check grep -q "on 2 pipeline stages" "$W/$run.err"
   # the nodes log the job's summary after it ends: wait for both
-  for i in $(seq 1 100); do
+  for i in $(seq 1 600); do
     [ "$(cat "$C"/node-*.log | grep -c "bytes of $wire tensors")" -ge 2 ] && break
     sleep 0.1
   done
