@@ -122,10 +122,10 @@ case $faults in
           "part runs without them" ;;
 esac
 start_coord
-for i in $(seq 1 50); do [ -f "$W/coord/coordinator.pub" ] && break; sleep 0.1; done
+for i in $(seq 1 600); do [ -f "$W/coord/coordinator.pub" ] && break; sleep 0.1; done
 for k in 1 2 3; do start_node $k; done
 ready=0
-for i in $(seq 1 100); do
+for i in $(seq 1 200); do
   ip netns exec "${P}c" "$N" status "${CL[@]}" --timeout 5 2>/dev/null | grep -q "ready" && ready=1 && break
   sleep 0.3
 done
@@ -157,14 +157,14 @@ fi
 kill "${pids[0]}"
 wait "${pids[0]}" 2>/dev/null
 start_coord
-for i in $(seq 1 100); do
+for i in $(seq 1 200); do
   ip netns exec "${P}c" "$N" status "${CL[@]}" --timeout 5 2>/dev/null | grep -q "ready" && break
   sleep 0.3
 done
 ip netns exec "${P}c" "$N" train "${CL[@]}" "${RUN[@]}" --checkpoint-dir "$W/ck2" \
   --log "$W/cut.jsonl" --out "$W/cut.safetensors" --timeout 120 2> "$W/cut.err" &
 job=$!
-for i in $(seq 1 600); do
+for i in $(seq 1 1200); do
   grep -q '"step":13,' "$W/cut.jsonl" 2>/dev/null && break
   sleep 0.05
 done
@@ -187,7 +187,7 @@ check grep -q "sent no heartbeat" "$W/cut.err"
 check grep -q "resumed at step 10" "$W/cut.err"
 check $PY "$NL_SOURCE_DIR/tests/same_tensors.py" "$W/cut.safetensors" "$W/ref.safetensors"
 joined_again=0
-for i in $(seq 1 60); do grep -q "joined again as node" "$W/n$cut.log" && joined_again=1 && break; sleep 0.5; done
+for i in $(seq 1 120); do grep -q "joined again as node" "$W/n$cut.log" && joined_again=1 && break; sleep 0.5; done
 check test $joined_again -eq 1
 
 echo "test_chaos: $pass passed, $fail failed"

@@ -109,7 +109,7 @@ check test "$(tail -1 <<< "$out")" = "step-000002.safetensors" # and nothing hal
 "$N" train "${DEV[@]}" --model "$W/m.safetensors" "${T[@]}" --steps 1000000 --checkpoint-dir "$W/ck2" \
   --checkpoint-every 999999 --out "$W/int.safetensors" --log "$W/int.jsonl" 2> "$W/int.err" &
 pid=$!
-for _ in $(seq 1 300); do [ -s "$W/int.jsonl" ] && break; sleep 0.1; done
+for _ in $(seq 1 600); do [ -s "$W/int.jsonl" ] && break; sleep 0.1; done
 # ---- 2a. while it runs, a second run given its --checkpoint-dir, --out or --log is refused
 # before it writes anything, and the message names the first run's pid ----
 for f in "--checkpoint-dir $W/ck2" "--out $W/int.safetensors" "--log $W/int.jsonl"; do
@@ -123,8 +123,8 @@ check test ! -e "$W/int.safetensors"
 check test ! -e "$W/ck2/step-000002.safetensors"
 check test "$(grep -c '^{"step":1,' "$W/int.jsonl")" -eq 1 # the first run's records only
 kill -INT "$pid"
-for _ in $(seq 1 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-if kill -0 "$pid" 2>/dev/null; then # Ctrl-C did not stop it within 30 s
+for _ in $(seq 1 600); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+if kill -0 "$pid" 2>/dev/null; then # Ctrl-C did not stop it within 60 s
   kill -KILL "$pid"
   check false "train stopped on SIGINT"
 fi
@@ -262,7 +262,7 @@ printf 'status running running\nstatus cancelled cancelled\n' > "$W/cx.script"
 rm -f "$W/coord.sock"
 "$NL_BUILD_DIR/tests/fake_coord" "ipc://$W/coord.sock" "$W/cx.script" "$W/cx.sent" 2>/dev/null &
 fake=$!
-for _ in $(seq 1 50); do [ -S "$W/coord.sock" ] && break; sleep 0.1; done
+for _ in $(seq 1 600); do [ -S "$W/coord.sock" ] && break; sleep 0.1; done
 out=$("$N" train --coordinator "ipc://$W/coord.sock" --plaintext --data "$W/data.txt" --steps 2 2>&1); rc=$?
 wait "$fake"
 check test $rc -eq 1

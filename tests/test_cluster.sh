@@ -81,7 +81,7 @@ for try in 1 2 3 4 5; do
   "$N" generate --cluster "$C" --prompt-tokens 1,2,3 --max-new 250 --temperature 0 \
     > "$W/cut.out" 2> "$W/cut.err" &
   g=$!
-  for i in $(seq 1 500); do [ -s "$W/cut.out" ] && break; sleep 0.01; done
+  for i in $(seq 1 6000); do [ -s "$W/cut.out" ] && break; sleep 0.01; done
   kill -INT $g
   wait $g; rc=$?
   if [ $rc -eq 130 ]; then cut=1; break; fi
@@ -154,7 +154,7 @@ for try in 1 2 3 4 5; do
   "$N" generate --cluster "$C" --prompt-tokens 1,2,3 --max-new 250 --temperature 0.8 --seed 5 \
     --timeout 30 > "$W/gen.out" 2> "$W/gen.err" &
   g=$!
-  for i in $(seq 1 500); do [ -s "$W/gen.out" ] && break; sleep 0.01; done
+  for i in $(seq 1 6000); do [ -s "$W/gen.out" ] && break; sleep 0.01; done
   kill -STOP "$victim"
   t0=$(date +%s.%N)
   sleep 0.2
@@ -181,7 +181,7 @@ check grep -q "replayed [0-9]* tokens; resumed" "$C/coord.log"
 check kill -0 "$(cat "$C/coord.pid")"
 # the coordinator re-plans on the two nodes left; the next request succeeds
 ok=0
-for i in $(seq 1 60); do
+for i in $(seq 1 240); do
   st=$("$N" status --cluster "$C" 2>/dev/null)
   if grep -q "^cluster: ready" <<< "$st" && grep -q " dead " <<< "$st"; then ok=1; break; fi
   sleep 0.25
@@ -234,7 +234,7 @@ for try in 1 2 3 4 5; do
   "$N" generate --cluster "$C3" --prompt-tokens 1,2,3 --max-new 250 --temperature 0 \
     --timeout 20 > "$W/a.out" 2> "$W/a.err" &
   a=$!
-  for i in $(seq 1 500); do [ -s "$W/a.out" ] && break; sleep 0.01; done
+  for i in $(seq 1 6000); do [ -s "$W/a.out" ] && break; sleep 0.01; done
   got=$("$N" generate --cluster "$C3" --prompt-tokens 5,6,7 --max-new 250 --temperature 0 \
     --timeout 20 2> "$W/b.err" | head -1)
   wait $a; rc=$?

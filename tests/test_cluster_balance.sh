@@ -80,7 +80,7 @@ NL_TEST_GFLOPS=$($PY -c "print(round($g / 3, 1))") "$NODE" join "${DEV[@]}" \
   --memory 96M --threads 1 --name liar --checkpoint-root "$W" > "$W/liar.log" 2>&1 &
 liar=$!
 test_cleanup() { kill "$liar" 2>/dev/null; }
-for i in $(seq 1 200); do
+for i in $(seq 1 600); do
   [ "$(last_plan "$C/coord.log")" != "0-8" ] && [ "$(last_plan "$C/coord.log")" != "none" ] &&
     "$N" status --cluster "$C" 2>/dev/null | grep -q "^ready\|ready:" && break
   sleep 0.1

@@ -24,7 +24,7 @@ check "$N" "${UP[@]}" --nodes 2 --dir "$C"
 "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck1" --log "$W/cut.jsonl" \
   --out "$W/never.safetensors" 2> "$W/cut.err" &
 job=$!
-for i in $(seq 1 1200); do
+for i in $(seq 1 3000); do
   grep -q '"step":7,' "$W/cut.jsonl" 2>/dev/null && break
   sleep 0.02
 done
@@ -79,18 +79,18 @@ check env NL_TEST_MANIFEST_DELAY_MS=1500 "$N" "${UP[@]}" --nodes 2 --dir "$C"
 "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck3" --log "$W/twice.jsonl" \
   2> "$W/twice.err" &
 job=$!
-for i in $(seq 1 1200); do
+for i in $(seq 1 3000); do
   grep -q '"step":3,' "$W/twice.jsonl" 2>/dev/null && break
   sleep 0.02
 done
 kill -INT $job
-for i in $(seq 1 200); do grep -q "cancelling job" "$W/twice.err" && break; sleep 0.01; done
+for i in $(seq 1 6000); do grep -q "cancelling job" "$W/twice.err" && break; sleep 0.01; done
 kill -INT $job
 wait $job
 check test $? -eq 130
 check grep -q "^neuroctl train: interrupted again: left job" "$W/twice.err"
 check test -z "$(ls "$W"/ck3/step-*/manifest.json 2>/dev/null)"
-for i in $(seq 1 200); do grep -q "cancelled at step [0-9]*; kept" "$C/coord.log" && break; sleep 0.05; done
+for i in $(seq 1 1200); do grep -q "cancelled at step [0-9]*; kept" "$C/coord.log" && break; sleep 0.05; done
 k2=$(sed -n 's/^.*cancelled at step \([0-9]*\); kept .*$/\1/p' "$C/coord.log" | tail -1)
 echo "left at once; the coordinator kept step ${k2:-?}"
 check test -n "$k2"
@@ -100,7 +100,7 @@ check "$N" export --manifest "$(printf '%s/ck3/step-%06d' "$W" "${k2:-0}")" \
 # case): that checkpoint is finished and kept, and no other is written ----
 "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck4" 2> "$W/mid.err" &
 job=$!
-for i in $(seq 1 1200); do
+for i in $(seq 1 3000); do
   grep -q "checkpoint of step 20: every shard is in; writing $W/ck4" "$C/coord.log" && break
   sleep 0.02
 done

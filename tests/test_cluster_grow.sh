@@ -256,7 +256,7 @@ sleep 0.5
   --checkpoint-root / --name extra > "$W/extra.log" 2>&1 &
 extra=$!
 grown=0
-for i in $(seq 1 150); do
+for i in $(seq 1 300); do
   if "$N" status --cluster "$D" 2> /dev/null > "$W/dstatus.txt" && grep -q "^cluster: ready" "$W/dstatus.txt" &&
      grep -q "L=3" "$W/dstatus.txt"; then grown=1; break; fi
   sleep 0.2

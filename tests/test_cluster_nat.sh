@@ -51,7 +51,7 @@ start_cluster() {
       --coordinator-key "$d/coord/coordinator.pub" --memory 64M --threads 1 --name "n$k" \
       --checkpoint-root / "${extra[@]}" > "$d/n$k.log" 2>&1 &
     pids+=($!)
-    for i in $(seq 1 200); do [ -n "$(node_id "$d" $k)" ] && break; sleep 0.05; done
+    for i in $(seq 1 1200); do [ -n "$(node_id "$d" $k)" ] && break; sleep 0.05; done
   done
   CL=(--coordinator "$(cat "$d/coord/client_endpoint")" --key "$d/client.key"
       --coordinator-key "$d/coord/coordinator.pub")

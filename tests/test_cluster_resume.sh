@@ -182,7 +182,7 @@ kill "$job" 2>/dev/null # its coordinator is gone (it would wait --timeout)
 # gone for good before another binds its ports: on a loaded machine the
 # killed process can hold them a while (a CI run's second coordinator
 # exited at once, its ports still taken)
-for i in $(seq 1 600); do kill -0 "$cpid" 2>/dev/null || break; sleep 0.05; done
+for i in $(seq 1 1200); do kill -0 "$cpid" 2>/dev/null || break; sleep 0.05; done
 wait "$job" 2>/dev/null
 check grep -q '"id":1,' "$C/coord/journal.json"
 # the journal names the last checkpoint: step 20, or 30 where a loaded
@@ -206,7 +206,7 @@ check grep -q "^1 *train" <<< "$jobs_out"
 "$N" train --cluster "$C" --attach 1 --log "$W/attached.jsonl" --out "$W/restarted.safetensors" \
   --timeout 60 2> "$W/attached.err" &
 att=$!
-for i in $(seq 1 200); do grep -q "following job 1" "$W/attached.err" && break; sleep 0.05; done
+for i in $(seq 1 1200); do grep -q "following job 1" "$W/attached.err" && break; sleep 0.05; done
 for p in "$C"/node-*.pid; do kill -CONT "$(cat "$p")"; done
 wait "$att"
 check test $? -eq 0

@@ -253,7 +253,7 @@ run "$N" forward --cluster "$C" --tokens "$W/in.safetensors" --out "$W/x.safeten
 check test $rc -eq 1
 check grep -q "device ${NL_TEST_DEVICE:-cpu}: injected device error (NL_TEST_DEVICE_FAIL)" <<< "$out"
 echo "$out" | tail -1
-for i in $(seq 1 400); do kill -0 "$pid" 2>/dev/null || break; sleep 0.05; done
+for i in $(seq 1 1200); do kill -0 "$pid" 2>/dev/null || break; sleep 0.05; done
 check test ! -d "/proc/$pid"
 check grep -q "leaving: device ${NL_TEST_DEVICE:-cpu}: injected device error" "$C/node-1.log"
 check grep -q "neuronode: device ${NL_TEST_DEVICE:-cpu}: injected device error" "$C/node-1.log"
@@ -292,7 +292,7 @@ run "$N" train --cluster "$C" --data "$W/data.txt" --steps 2 --batch 2 --seq 8 -
 check test $rc -eq 1
 check grep -q "job [0-9]* failed: node 1 (stage 0): device ${NL_TEST_DEVICE:-cpu}: injected device error" <<< "$out"
 echo "$out" | tail -1
-for i in $(seq 1 400); do grep -q "^neuronode: device" "$C/node-1.log" && break; sleep 0.05; done
+for i in $(seq 1 1200); do grep -q "^neuronode: device" "$C/node-1.log" && break; sleep 0.05; done
 check grep -q "leaving: device ${NL_TEST_DEVICE:-cpu}: injected device error" "$C/node-1.log"
 check "$N" cluster down --dir "$C"
 

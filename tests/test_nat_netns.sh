@@ -90,7 +90,7 @@ start() {
     --model "$W/m.safetensors" --min-nodes 3 --data-root / --checkpoint-root / $2 \
     > "$W/$r-coord.log" 2>&1 &
   pids+=($!)
-  for i in $(seq 1 50); do [ -f "$W/coord/endpoint" ] && break; sleep 0.1; done
+  for i in $(seq 1 600); do [ -f "$W/coord/endpoint" ] && break; sleep 0.1; done
   for k in 1 2 3; do
     local extra=()
     [ $k = 2 ] && [ -n "$3" ] && extra=("$3")
@@ -100,9 +100,9 @@ start() {
       --listen "tcp://10.77.1.$((k + 1)):7701" --checkpoint-root "$W" "${extra[@]}" \
       > "$W/$r-n$k.log" 2>&1 &
     pids+=($!)
-    for i in $(seq 1 200); do grep -q "joined tcp://" "$W/$r-n$k.log" && break; sleep 0.05; done
+    for i in $(seq 1 1200); do grep -q "joined tcp://" "$W/$r-n$k.log" && break; sleep 0.05; done
   done
-  for i in $(seq 1 150); do
+  for i in $(seq 1 200); do
     ip netns exec "${P}c" "$N" status "${CL[@]}" --timeout 5 2>/dev/null | grep -q "ready" &&
       return 0
     sleep 0.3

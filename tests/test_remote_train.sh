@@ -33,7 +33,7 @@ start_fake() {
   rm -f "$W/coord.sock"
   "$FAKE" "$EP" "$W/$1.script" "$W/$1.sent" 2> "$W/$1.fake.err" &
   fake_pid=$!
-  for _ in $(seq 1 50); do [ -S "$W/coord.sock" ] && return; sleep 0.1; done
+  for _ in $(seq 1 600); do [ -S "$W/coord.sock" ] && return; sleep 0.1; done
 }
 stop_fake() {
   wait "$fake_pid"
@@ -167,7 +167,7 @@ check grep -qx "final_checkpoint=true" "$W/noout.sent"
 start_fake cancel
 "$N" train "${remote[@]}" --data "$W/data.txt" --steps 6 --log "$W/cancel.jsonl" 2> "$W/cancel.err" &
 client=$!
-for _ in $(seq 1 100); do [ -s "$W/cancel.jsonl" ] && break; sleep 0.05; done
+for _ in $(seq 1 1200); do [ -s "$W/cancel.jsonl" ] && break; sleep 0.05; done
 kill -INT $client
 wait $client
 check test $? -eq 130

@@ -71,7 +71,7 @@ cat "$C"/client.pub "$C"/node-1.pub "$C"/node-2.pub > "$C/coord/authorized_keys"
   --model "$W/m.safetensors" --data-root "$W" --checkpoint-root "$W" > "$C/coord.log" 2>&1 &
 pids+=($!)
 echo $! > "$C/coord.pid" # as cluster up writes it: --cluster checks that it runs
-for i in $(seq 1 100); do test -s "$C/coord/endpoint" && break; sleep 0.1; done
+for i in $(seq 1 600); do test -s "$C/coord/endpoint" && break; sleep 0.1; done
 EP=$(cat "$C/coord/endpoint")
 node() { # NAME DEVICE
   "$NODE" join "$EP" --key "$C/$1.key" --coordinator-key "$C/coord/coordinator.pub" --threads 1 \
@@ -81,7 +81,7 @@ node() { # NAME DEVICE
 node node-1 "$DEVICE,$DEVICE"
 node node-2 "$DEVICE"
 ready=0
-for i in $(seq 1 150); do
+for i in $(seq 1 300); do
   "$N" status --cluster "$C" --json --timeout 2 2> /dev/null | grep -q '"ready": *true' && { ready=1; break; }
   sleep 0.2
 done

@@ -31,7 +31,7 @@ trap cleanup EXIT
 "$B/cli/neuroctl" serve --model "$T/m.safetensors" --http 127.0.0.1:0 --threads 2 --device "$DEV" \
   >"$T/serve.out" 2>"$T/serve.err" &
 PID=$!
-for _ in $(seq 100); do grep -q http:// "$T/serve.out" && break; sleep 0.1; done
+for _ in $(seq 600); do grep -q http:// "$T/serve.out" && break; sleep 0.1; done
 URL=$(grep -o 'http://[0-9.:]*/' "$T/serve.out") || { cat "$T/serve.err"; exit 1; }
 post() { curl -sf -H 'Content-Type: application/json' -d "$2" "${URL}${1#/}"; }
 for i in 1 2 3; do post /v1/completions "{\"prompt\":[1,2,$i],\"max_tokens\":24,\"seed\":$i}" >/dev/null; done
