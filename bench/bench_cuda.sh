@@ -373,7 +373,7 @@ cleanup_train() {
 }
 step train_init 300 "$NEUROCTL" init --config "$SRC/configs/$TRAIN_CONFIG.yaml" --out "$TW/m.safetensors" --seed 9
 result train_init $?
-cat "$SRC"/README.md "$SRC"/docs/*.md >"$TW/data.txt" # bytes: ids below 256, valid in every config
+cp "$SRC"/tests/data/corpus.txt "$TW/data.txt" # bytes: ids below 256, valid in every config
 JOB=(--data "$TW/data.txt" --steps 20 --batch 8 --seq 64 --microbatches 2 --lr 1e-3 --seed 3)
 # (a) the same job twice on the device: the same bytes
 for r in 1 2; do
@@ -455,7 +455,7 @@ mkdir -p "$RW"
 rpids=()
 cleanup_replicas() { for p in "${rpids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; rpids=(); }
 "$NEUROCTL" init --config "$SRC/configs/$TRAIN_CONFIG.yaml" --out "$RW/m.safetensors" --seed 9 >/dev/null
-cat "$SRC"/README.md "$SRC"/docs/*.md >"$RW/data.txt"
+cp "$SRC"/tests/data/corpus.txt "$RW/data.txt"
 for k in client node; do "$NEUROCTL" keygen --out "$RW/$k" >/dev/null; done
 read -r -a rsize <<<"${REPLICA_JOB:---steps 12 --batch 16 --seq 128 --microbatches 4}"
 RJOB=(--data "$RW/data.txt" "${rsize[@]}" --lr 1e-3 --seed 3)

@@ -40,7 +40,7 @@ N=$B/cli/neuroctl
 W=$(mktemp -d)
 trap 'for c in "$W"/c-*; do "$N" cluster down --dir "$c" >/dev/null 2>&1 || true; done; rm -rf "$W"' EXIT
 "$N" init --config "$CONFIG" --out "$W/m.safetensors" --seed 1 >/dev/null
-for f in README.md docs/*.md; do cat "$f"; done >"$W/data.txt"
+cp tests/data/corpus.txt "$W/data.txt"
 RUN=(--data "$W/data.txt" --batch "$BATCH" --seq "$SEQ" --microbatches "$MICRO"
      --lr 1e-3 --seed 1 --force)
 LORA=(--lora-rank "$RANK" --lora-alpha 16 --lora-targets "wq,wk,wv,wo")

@@ -37,7 +37,7 @@ YAML
 DATA=$W/data.txt
 find /usr/share/games/fortunes -type f ! -name '*.dat' ! -name '*.u8' ! -name '*.pdat' \
   -exec cat {} + 2>/dev/null | tr -d '\r' > "$DATA" || true
-[ -s "$DATA" ] || cat README.md docs/*.md > "$DATA"
+[ -s "$DATA" ] || cp tests/data/corpus.txt "$DATA"
 "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 1 >/dev/null
 RUN=(--data "$DATA" --steps "$STEPS" --batch 16 --seq 128 --microbatches 8 --lr 1e-3 --seed 1)
 

@@ -39,7 +39,7 @@ vocab_size: 256
 vocab_chunk: 256
 max_seq_len: 256
 YAML
-cat README.md docs/*.md > "$W/data.txt"
+cp tests/data/corpus.txt "$W/data.txt"
 "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7 >/dev/null
 export NL_TEST_GFLOPS=20 # equal probes: the same 4-stage plan every run
 

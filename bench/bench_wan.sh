@@ -90,7 +90,7 @@ echo "bench_wan: $RATE, ${DELAY_MS} ms each way ($delay); $STEPS steps of $BATCH
 rtt=$(ip netns exec "${P}n1" ping -c 3 -i 0.3 10.78.0.3 2>/dev/null | sed -n 's|.*= [0-9.]*/\([0-9.]*\)/.*|\1|p')
 
 "$N" init --config "$CONFIG" --out "$W/m.safetensors" --seed 7 >/dev/null
-cat "$ROOT"/README.md "$ROOT"/docs/*.md > "$W/data.txt"
+cp "$ROOT"/tests/data/corpus.txt "$W/data.txt"
 RUN=(--data "$W/data.txt" --steps "$STEPS" --batch "$BATCH" --seq "$SEQ" --microbatches "$MICRO"
      --lr 1e-3 --seed 1)
 mkdir -p "$W/coord"

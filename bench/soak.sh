@@ -40,7 +40,7 @@ max_seq_len: 128
 YAML
 fi
 SRC=$(cd "$(dirname "$0")/.." && pwd)
-cat "$SRC"/README.md "$SRC"/docs/*.md > "$W/data.txt"
+cp "$SRC"/tests/data/corpus.txt "$W/data.txt"
 "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7 >/dev/null || exit 1
 "$N" cluster up --dir "$C" --nodes 4 --model "$W/m.safetensors" --memory 256M --threads 1 \
   --node-timeout-ms 2000 --train-resumes 1000 --timeout 120 || exit 1

@@ -14,6 +14,11 @@ COORD="$NL_BUILD_DIR/coordinator/neurocoord"
 PY=/usr/bin/python3
 DEV=(--device "${NL_TEST_DEVICE:-cpu}")
 W=$(mktemp -d)
+# the training text: the project's README and docs of 2026-11-27, frozen,
+# so that editing the docs changes no test's numbers; corpus_small: its
+# first 32340 bytes (that README)
+CORPUS="$NL_SOURCE_DIR/tests/data/corpus.txt"
+corpus_small() { head -c 32340 "$CORPUS"; }
 pass=0
 fail=0
 check() { if "$@"; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL: $*" >&2; fi; }

@@ -77,7 +77,7 @@ vocab_size: 256
 vocab_chunk: 256
 max_seq_len: 64
 YAML
-cat "$NL_SOURCE_DIR"/README.md "$NL_SOURCE_DIR"/docs/*.md > "$W/data.txt"
+cp "$NL_SOURCE_DIR/tests/data/corpus.txt" "$W/data.txt"
 check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
 RUN=(--data "$W/data.txt" --steps 30 --batch 16 --seq 64 --microbatches 2 --lr 3e-3 --seed 1
      --checkpoint-every 10)

@@ -15,7 +15,7 @@
 unset NL_TEST_GFLOPS
 
 small_config "$W/cfg.yaml" 64 8 128 64
-cat "$NL_SOURCE_DIR"/README.md "$NL_SOURCE_DIR"/docs/*.md > "$W/data.txt"
+cp "$CORPUS" "$W/data.txt"
 check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
 RUN=(--data "$W/data.txt" --steps 16 --batch 16 --seq 64 --microbatches 4 --lr 3e-3 --seed 1)
 UP=(cluster up "${DEV[@]}" --model "$W/m.safetensors" --memory 96M --threads 1 --heartbeat-ms 100

@@ -11,7 +11,7 @@
 export NL_TEST_GFLOPS=20
 
 small_config "$W/cfg.yaml" 32 2 48 64
-cat "$NL_SOURCE_DIR"/README.md "$NL_SOURCE_DIR"/docs/*.md > "$W/data.txt"
+cp "$CORPUS" "$W/data.txt"
 check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
 RUN=(--data "$W/data.txt" --steps 40 --batch 16 --seq 64 --microbatches 2 --lr 3e-3 --seed 1
      --checkpoint-every 20)

@@ -153,7 +153,7 @@ vocab_chunk: 64
 max_seq_len: 64
 YAML
 # byte text to start with; new text (other documents) to learn from
-cat "$NL_SOURCE_DIR"/README.md > "$W/data.txt"
+corpus_small > "$W/data.txt"
 cat "$NL_SOURCE_DIR"/docs/cluster.md "$NL_SOURCE_DIR"/docs/training.md > "$W/new.txt"
 cat "$NL_SOURCE_DIR"/docs/model.md "$NL_SOURCE_DIR"/docs/protocol.md > "$W/more.txt"
 RUN=(--batch 4 --seq 32 --microbatches 2 --lr 3e-3 --seed 1)

@@ -24,7 +24,7 @@
 export NL_TEST_GFLOPS=20 # equal probes: the plan is 3 stages whatever else runs
 
 small_config "$W/cfg.yaml" 32 6 48 64
-cat "$NL_SOURCE_DIR"/README.md "$NL_SOURCE_DIR"/docs/*.md > "$W/data.txt"
+cp "$CORPUS" "$W/data.txt"
 check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
 RUN=(--data "$W/data.txt" --steps 6 --batch 8 --seq 32 --microbatches 4 --lr 3e-3
      --eval-every 3 --eval-batches 2)
@@ -167,7 +167,7 @@ PY
 
 # ---- embeddings through the cluster (item 4) ----
 # lines of several lengths, one empty, more than a batch: equal to one process
-head -c 3000 "$NL_SOURCE_DIR/README.md" | tr -s ' ' | head -n 23 > "$W/texts.txt"
+head -c 3000 "$CORPUS" | tr -s ' ' | head -n 23 > "$W/texts.txt"
 printf '\nshort\n' >> "$W/texts.txt"
 check "$N" embed "${DEV[@]}" --model "$W/m.safetensors" --input "$W/texts.txt" --seq 40 --batch 4 \
   --threads 1 --out "$W/emb_local.safetensors"

@@ -16,7 +16,7 @@ test_cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/
 
 small_config "$W/cfg.yaml" 32 3 48 64
 check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
-cat "$NL_SOURCE_DIR"/README.md > "$W/data.txt"
+corpus_small > "$W/data.txt"
 RUN=(--data "$W/data.txt" --steps 6 --batch 8 --seq 32 --microbatches 2 --lr 3e-3 --seed 1)
 
 # ---- the reference: ordinary nodes ----

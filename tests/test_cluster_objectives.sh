@@ -47,7 +47,7 @@ YAML
 small_config "$W/clm.yaml" 32 2 48 32 # a decoder: no classifier, no mask id
 check "$N" init --config "$W/enc.yaml" --out "$W/enc.safetensors" --seed 5
 check "$N" init --config "$W/clm.yaml" --out "$W/clm.safetensors" --seed 5
-cat "$NL_SOURCE_DIR"/README.md "$NL_SOURCE_DIR"/docs/cluster.md > "$W/data.txt"
+head -c 150000 "$CORPUS" > "$W/data.txt"
 for i in $(seq 1 60); do
   printf 'red\tthe apple and the cherry %d\nblue\tthe sea and the sky %d\ngreen\tgrass and leaves %d\n' \
     "$i" "$i" "$i"

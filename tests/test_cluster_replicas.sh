@@ -20,7 +20,7 @@
 export NL_TEST_GFLOPS=20
 
 small_config "$W/cfg.yaml" 32 4 48 64
-cat "$NL_SOURCE_DIR"/README.md "$NL_SOURCE_DIR"/docs/*.md > "$W/data.txt"
+cp "$CORPUS" "$W/data.txt"
 check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
 RUN=(--data "$W/data.txt" --steps 20 --batch 8 --seq 32 --microbatches 4 --lr 3e-3 --seed 1
      --eval-every 10 --eval-batches 2)

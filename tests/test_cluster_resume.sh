@@ -17,7 +17,7 @@ extra=0
 test_cleanup() { [ "$extra" -gt 0 ] && kill "$extra" 2>/dev/null; }
 
 small_config "$W/cfg.yaml" 32 3 48 64
-cat "$NL_SOURCE_DIR"/README.md "$NL_SOURCE_DIR"/docs/*.md > "$W/data.txt"
+cp "$CORPUS" "$W/data.txt"
 check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
 RUN=(--data "$W/data.txt" --steps 40 --batch 16 --seq 64 --microbatches 2 --lr 3e-3 --seed 1
      --checkpoint-every 10)

@@ -12,7 +12,7 @@
 export NL_TEST_GFLOPS=20 # equal nodes: two stages of three layers each
 
 small_config "$W/cfg.yaml" 32 6 48 64
-cat "$NL_SOURCE_DIR"/README.md "$NL_SOURCE_DIR"/docs/*.md > "$W/data.txt"
+cp "$CORPUS" "$W/data.txt"
 check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
 RUN=(--data "$W/data.txt" --steps 12 --batch 8 --seq 32 --microbatches 4 --lr 3e-3 --seed 1
      --eval-every 6 --eval-batches 2)

@@ -60,7 +60,7 @@ vocab_size: 256
 vocab_chunk: 256
 max_seq_len: 64
 YAML
-cat "$NL_SOURCE_DIR"/README.md > "$W/data.txt"
+head -c 32340 "$NL_SOURCE_DIR/tests/data/corpus.txt" > "$W/data.txt"
 check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
 RUN=(--data "$W/data.txt" --steps 6 --batch 8 --seq 32 --microbatches 2 --lr 3e-3 --seed 1)
 

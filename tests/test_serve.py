@@ -278,7 +278,7 @@ def test_adapter(model, tmp):
     float rounding, which greedy decoding does not see here)."""
     data, ad = os.path.join(tmp, "data.txt"), os.path.join(tmp, "ad.safetensors")
     with open(data, "w") as f:
-        f.write(open(os.path.join(SRC, "README.md")).read())
+        f.write(open(os.path.join(SRC, "tests", "data", "corpus.txt"), "rb").read()[:32340].decode())
     subprocess.run([NEUROCTL, "finetune", "--model", model, "--data", data, "--steps", "8",
                     "--batch", "4", "--seq", "32", "--lr", "3e-2", "--lora-rank", "4",
                     "--lora-targets", "wq,wv,wo,w_up", "--threads", "2", "--device", DEVICE,

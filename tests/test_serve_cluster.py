@@ -97,7 +97,7 @@ def cluster_up(w, extra):
                    check=True, stdout=subprocess.DEVNULL)
     if what == "api":  # an adapter the HTTP side serves as a model of its own
         with open(w + "/data.txt", "w") as f:
-            f.write(open(os.path.join(S, "README.md")).read())
+            f.write(open(os.path.join(S, "tests", "data", "corpus.txt"), "rb").read()[:32340].decode())
         subprocess.run([N, "finetune", "--model", w + "/m.safetensors", "--data", w + "/data.txt",
                         "--steps", "8", "--batch", "4", "--seq", "32", "--lr", "3e-2",
                         "--lora-rank", "4", "--lora-targets", "wq,wv,wo,w_gate", "--threads", "1",
