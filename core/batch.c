@@ -99,6 +99,15 @@ nl_status nl_batch_new(nl_batch **out, nl_model *m, int max_rows, nl_error *err)
     /* the fused expert pass would run its GEMMs inside the backend, past
      * pad_gemm: the separate grouped calls come back through it */
     b->pad.be.moe_ffn_forward = NULL;
+    /* the fused decode slots compute a row as gemm_rows does where there
+     * is one (the CPU); elsewhere their bits differ from the padded
+     * GEMMs', and a row's would depend on whether the batch has fewer
+     * than NL_BACKEND_FUSED_ROWS rows */
+    if (!be->gemm_rows) {
+        b->pad.be.moe_norm_route = NULL;
+        b->pad.be.moe_gate_up = NULL;
+        b->pad.be.moe_down_combine = NULL;
+    }
     b->pad.inner = be;
     b->pad.k_max = imax(imax(d, c->num_heads * hd), F);
     b->pad.n_max = imax(imax(qkv, d), imax(imax(c->num_experts, 2 * F), m->has_head ? V : 1));
@@ -109,6 +118,7 @@ nl_status nl_batch_new(nl_batch **out, nl_model *m, int max_rows, nl_error *err)
         free(b);
         return st;
     }
+    b->acts.fused = 1; /* nothing reads a batch's aux loss */
     int ok = 1;
     ok &= (b->pad.a_pad = be->alloc(be, R * (size_t)b->pad.k_max * sizeof(float))) != NULL;
     ok &= (b->pad.c_pad = be->alloc(be, R * (size_t)b->pad.n_max * sizeof(float))) != NULL;
