@@ -284,7 +284,7 @@ static void attention_block(nl_model *m, int li, nl_layer_acts *a, int B, int T,
 }
 
 /* A decode's few rows through the fused slots: three launches in place
- * of eight, no dispatch (each token's experts read directly), the
+ * of eight (ten on CUDA), no dispatch (each token's experts read directly), the
  * residual added in place. Only where nothing reads what they skip: the
  * dispatch tables, the aux loss, the counts, the adapters. */
 static int fused_decode(const nl_model *m, const nl_layer_acts *a, const nl_layer_weights *w, int N,
