@@ -18,7 +18,10 @@
  *     GEMMs sized on the host): tokens/s and host synchronisations per
  *     token of each; then the copies every token makes (token and position
  *     up, logits down) timed alone; the rest of a device-routed token's
- *     time is the kernels and their launches.
+ *     time is the kernels and their launches. Again with and without graphs
+ *     with NL_FUSED=0 (the separate slots in place of the fused decode
+ *     ones, issue 29), and the op slot calls (launches) of one token each
+ *     way, counted by a wrapper of the backend's table.
  * Spec FP32 peak = SMs x clock (cudaDevAttrClockRate) x FP32 lanes per SM
  * (by compute capability: sm_75/sm_80 64, sm_86/89/90 and later 128) x 2;
  * spec bandwidth = memory clock x bus width x 2 (double data rate).
@@ -279,7 +282,44 @@ typedef struct decode_fig {
  * Host synchronisations: be->stats.host_syncs, the waits of uploads,
  * downloads and syncs (on CUDA a small upload is staged and does not
  * wait). Returns 0, or -1 with err set. */
-static int decode_run(nl_backend *be, nl_model *m, int tokens, int host, int graphs, float *logits,
+/* How a decode run is made: routing on the host (NL_HOST_ROUTING=1),
+ * recorded steps, the fused decode slots (off: NL_FUSED=0). */
+typedef struct decode_mode {
+    int host, graphs, fused;
+} decode_mode;
+
+/* setenv(name, v) for a runstate's allocation, then the old value back */
+static void env_swap(const char *name, const char *v, char *keep, size_t cap, int *had)
+{
+    if (v) {
+        const char *was = getenv(name);
+        *had = was != NULL;
+        if (was)
+            snprintf(keep, cap, "%s", was);
+        setenv(name, v, 1);
+    } else if (*had) {
+        setenv(name, keep, 1);
+    } else {
+        unsetenv(name);
+    }
+}
+
+static nl_status runstate_for(nl_runstate **rs, nl_model *m, int rows, const decode_mode *dm,
+                              nl_error *err)
+{
+    char k1[16] = "", k2[16] = "";
+    int h1 = 0, h2 = 0;
+    env_swap("NL_HOST_ROUTING", dm->host ? "1" : "0", k1, sizeof k1, &h1);
+    env_swap("NL_FUSED", dm->fused ? "1" : "0", k2, sizeof k2, &h2);
+    const nl_status st = nl_runstate_new(rs, m, rows, err);
+    env_swap("NL_HOST_ROUTING", NULL, k1, sizeof k1, &h1);
+    env_swap("NL_FUSED", NULL, k2, sizeof k2, &h2);
+    if (st == NL_OK)
+        nl_runstate_set_graphs(*rs, dm->graphs);
+    return st;
+}
+
+static int decode_run(nl_backend *be, nl_model *m, int tokens, const decode_mode *dm, float *logits,
                       decode_fig *f, nl_error *err)
 {
     const int P = 64, V = (int)m->cfg.vocab_size;
@@ -292,19 +332,9 @@ static int decode_run(nl_backend *be, nl_model *m, int tokens, int host, int gra
         return -1;
     for (int i = 0; i < P; i++)
         prompt[i] = (int32_t)((i * 7919) % V);
-    const char *was = getenv("NL_HOST_ROUTING");
-    char keep[16] = "";
-    if (was)
-        snprintf(keep, sizeof keep, "%s", was);
-    setenv("NL_HOST_ROUTING", host ? "1" : "0", 1);
-    nl_status st = nl_runstate_new(&rs, m, P, err);
-    if (was)
-        setenv("NL_HOST_ROUTING", keep, 1);
-    else
-        unsetenv("NL_HOST_ROUTING");
-    if (st != NL_OK || nl_kvcache_new(&kv, m, 1, P + tokens, err) != NL_OK)
+    if (runstate_for(&rs, m, P, dm, err) != NL_OK ||
+        nl_kvcache_new(&kv, m, 1, P + tokens, err) != NL_OK)
         goto out;
-    nl_runstate_set_graphs(rs, graphs);
     nl_forward_args a = {.B = 1, .T = P, .tokens = prompt, .kv = kv, .last_only = 1};
     if (nl_forward(m, rs, &a, NULL, err) != NL_OK)
         goto out;
@@ -334,13 +364,174 @@ out:
     return rc;
 }
 
+/* ---------------------------------------------------------------- launches */
+
+/* The backend's table with every op slot a decode step reaches counted:
+ * the slot calls core makes in one step (each one kernel, or cuBLAS's
+ * few); calls a slot makes inside the backend are not counted. `be` must
+ * stay the first member. */
+typedef struct counting {
+    nl_backend be;
+    nl_backend *in;
+    long calls;
+} counting;
+
+#define COUNTED(name, params, ...)                                                                 \
+    static void cnt_##name params                                                                  \
+    {                                                                                              \
+        counting *self_ = (counting *)be;                                                          \
+        self_->calls++;                                                                            \
+        self_->in->name(self_->in, __VA_ARGS__);                                                   \
+    }
+COUNTED(zero, (nl_backend * be, void *p, size_t n), p, n)
+COUNTED(gemm,
+        (nl_backend * be, int ta, int tb, int M, int N, int K, float al, const float *A, int lda,
+         const float *B, int ldb, float bt, float *C, int ldc),
+        ta, tb, M, N, K, al, A, lda, B, ldb, bt, C, ldc)
+COUNTED(embedding_forward,
+        (nl_backend * be, float *o, const int32_t *t, const float *tab, int N, int C), o, t, tab, N,
+        C)
+COUNTED(rmsnorm_forward,
+        (nl_backend * be, float *o, float *r, const float *i, const float *w, int N, int C,
+         float e),
+        o, r, i, w, N, C, e)
+COUNTED(rope_forward,
+        (nl_backend * be, float *x, const int32_t *p, int N, int row, int c0, int h, int hd,
+         float b),
+        x, p, N, row, c0, h, hd, b)
+COUNTED(rope_scaled_forward,
+        (nl_backend * be, float *x, const int32_t *p, int N, int row, int c0, int h, int hd,
+         float b, nl_rope_scaling sc),
+        x, p, N, row, c0, h, hd, b, sc)
+COUNTED(attention_forward,
+        (nl_backend * be, float *o, float *l, const float *q, int qs, const float *k,
+         const float *v, int ks, nl_attn_shape sh),
+        o, l, q, qs, k, v, ks, sh)
+COUNTED(attention_masked_forward,
+        (nl_backend * be, float *o, float *l, const float *q, int qs, const float *k,
+         const float *v, int ks, nl_attn_shape sh, nl_attn_mask mk),
+        o, l, q, qs, k, v, ks, sh, mk)
+COUNTED(softmax_forward, (nl_backend * be, float *x, int N, int C), x, N, C)
+COUNTED(swiglu_forward, (nl_backend * be, float *o, const float *gu, int N, int F), o, gu, N, F)
+COUNTED(geglu_forward, (nl_backend * be, float *o, const float *gu, int N, int F), o, gu, N, F)
+COUNTED(gather_rows, (nl_backend * be, float *o, const float *src, const int32_t *i, int n, int C),
+        o, src, i, n, C)
+COUNTED(copy_rows, (nl_backend * be, float *d, int ds, const float *s, int ss, int r, int c), d, ds,
+        s, ss, r, c)
+COUNTED(kv_store,
+        (nl_backend * be, float *kc, float *vc, const float *qkv, int st, int kc0, int vc0,
+         const int32_t *p, int B, int T, int cap, int kvd),
+        kc, vc, qkv, st, kc0, vc0, p, B, T, cap, kvd)
+COUNTED(moe_combine,
+        (nl_backend * be, float *x, const float *y, const int32_t *sl, const float *w, int N, int k,
+         int C),
+        x, y, sl, w, N, k, C)
+COUNTED(moe_route,
+        (nl_backend * be, int32_t *ch, float *w, int32_t *off, int32_t *perm, int32_t *sl,
+         const float *p, int N, int E, int k),
+        ch, w, off, perm, sl, p, N, E, k)
+COUNTED(moe_aux,
+        (nl_backend * be, double *aux, float *fr, int64_t *cn, const float *p, const int32_t *off,
+         const float *gf, int N, int E, int k, double rows),
+        aux, fr, cn, p, off, gf, N, E, k, rows)
+COUNTED(gemm_grouped,
+        (nl_backend * be, int tb, int N, int K, const float *A, int lda, const float *B, int ldb,
+         size_t bs, float *C, int ldc, const int32_t *off, int g, int mr),
+        tb, N, K, A, lda, B, ldb, bs, C, ldc, off, g, mr)
+COUNTED(moe_ffn_forward,
+        (nl_backend * be, float *ye, float *hs, float *gu, const float *xe, const float *ex,
+         size_t es, int d, int F, const int32_t *off, int g, int mr),
+        ye, hs, gu, xe, ex, es, d, F, off, g, mr)
+COUNTED(moe_norm_route,
+        (nl_backend * be, float *xn, float *p, int32_t *ch, float *w, const float *x,
+         const float *nw, const float *rt, int N, int d, int E, int k, float e),
+        xn, p, ch, w, x, nw, rt, N, d, E, k, e)
+COUNTED(moe_gate_up,
+        (nl_backend * be, float *hs, float *gu, const float *xn, const int32_t *ch, const float *ex,
+         size_t es, int N, int k, int d, int F),
+        hs, gu, xn, ch, ex, es, N, k, d, F)
+COUNTED(moe_down_combine,
+        (nl_backend * be, float *x, float *ye, const float *hs, const int32_t *ch, const float *w,
+         const float *ex, size_t es, int N, int k, int d, int F),
+        x, ye, hs, ch, w, ex, es, N, k, d, F)
+#undef COUNTED
+
+/* Wrap every non-NULL op slot of `in` */
+static void counting_init(counting *c, nl_backend *in)
+{
+    c->be = *in;
+    c->in = in;
+    c->calls = 0;
+#define WRAP(name)                                                                                 \
+    do {                                                                                           \
+        if (in->name)                                                                              \
+            c->be.name = cnt_##name;                                                               \
+    } while (0)
+    WRAP(zero);
+    WRAP(gemm);
+    WRAP(embedding_forward);
+    WRAP(rmsnorm_forward);
+    WRAP(rope_forward);
+    WRAP(rope_scaled_forward);
+    WRAP(attention_forward);
+    WRAP(attention_masked_forward);
+    WRAP(softmax_forward);
+    WRAP(swiglu_forward);
+    WRAP(geglu_forward);
+    WRAP(gather_rows);
+    WRAP(copy_rows);
+    WRAP(kv_store);
+    WRAP(moe_combine);
+    WRAP(moe_route);
+    WRAP(moe_aux);
+    WRAP(gemm_grouped);
+    WRAP(moe_ffn_forward);
+    WRAP(moe_norm_route);
+    WRAP(moe_gate_up);
+    WRAP(moe_down_combine);
+#undef WRAP
+    c->be.graph_begin = NULL; /* one step, every op launched */
+}
+
+/* Op slot calls of one decode token (after a 4-token prompt), fused decode
+ * slots on or off: *calls. Returns 0, or -1 with err set. */
+static int decode_launches(nl_model *m, int fused, long *calls, nl_error *err)
+{
+    counting c;
+    counting_init(&c, m->be);
+    nl_model view = *m;
+    view.be = &c.be;
+    const decode_mode dm = {0, 0, fused};
+    nl_runstate *rs = NULL;
+    nl_kvcache *kv = NULL;
+    int32_t prompt[4] = {1, 2, 3, 4};
+    int rc = -1;
+    if (runstate_for(&rs, m, 4, &dm, err) != NL_OK || nl_kvcache_new(&kv, m, 1, 8, err) != NL_OK)
+        goto out;
+    nl_forward_args a = {.B = 1, .T = 4, .tokens = prompt, .kv = kv, .last_only = 1};
+    if (nl_forward(&view, rs, &a, NULL, err) != NL_OK)
+        goto out;
+    a.T = 1;
+    c.calls = 0;
+    if (nl_forward(&view, rs, &a, NULL, err) != NL_OK)
+        goto out;
+    *calls = c.calls;
+    rc = m->be->sync(m->be, err) == NL_OK ? 0 : -1;
+out:
+    nl_kvcache_destroy(&kv);
+    nl_runstate_destroy(&rs);
+    return rc;
+}
+
 /* Where a decode token's time goes: with routing on the device (recorded
  * steps on, then off) and with NL_HOST_ROUTING=1, then the copies every
  * token makes (token and position up, logits down) timed alone. fig:
  * [0] device routing, [1] host routing, [2] device routing without
- * graphs. Returns 0, or -1 with err set. */
-static int decode_split(nl_backend *be, const nl_config *cf, int tokens, decode_fig fig[3],
-                        double *copy_s, nl_error *err)
+ * graphs, [3] and [4] as [0] and [2] without the fused decode slots
+ * (NL_FUSED=0); launches[2]: op slot calls of one token, fused and not.
+ * Returns 0, or -1 with err set. */
+static int decode_split(nl_backend *be, const nl_config *cf, int tokens, decode_fig fig[5],
+                        long launches[2], double *copy_s, nl_error *err)
 {
     const int L = cf->num_layers, V = (int)cf->vocab_size;
     nl_model *m = NULL;
@@ -355,9 +546,13 @@ static int decode_split(nl_backend *be, const nl_config *cf, int tokens, decode_
             nl_error_set(err, NL_ERR_NOMEM, "decode: out of memory");
         goto out;
     }
-    for (int k = 0; k < 3; k++)
-        if (decode_run(be, m, tokens, k == 1, k != 2, host, &fig[k], err) != 0)
+    static const decode_mode modes[5] = {{0, 1, 1}, {1, 1, 1}, {0, 0, 1}, {0, 1, 0}, {0, 0, 0}};
+    for (int k = 0; k < 5; k++)
+        if (decode_run(be, m, tokens, &modes[k], host, &fig[k], err) != 0)
             goto out;
+    if (decode_launches(m, 1, &launches[0], err) != 0 ||
+        decode_launches(m, 0, &launches[1], err) != 0)
+        goto out;
     memset(i32, 0, sizeof i32);
     const double t0 = now_s();
     for (int t = 0; t < tokens; t++) {
@@ -379,13 +574,17 @@ out:
  * 0, or -1 with err set (nothing printed). */
 static int decode_report(nl_backend *be, const nl_config *cf, long long tokens, nl_error *err)
 {
-    decode_fig f[3] = {{0}};
+    decode_fig f[5] = {{0}};
+    long launches[2] = {0};
     double copy = 0;
-    if (decode_split(be, cf, (int)tokens, f, &copy, err) != 0)
+    if (decode_split(be, cf, (int)tokens, f, launches, &copy, err) != 0)
         return -1;
     printf(",\n  \"decode\":{\"tokens\":%lld,\"prompt\":64,", tokens);
-    static const char *names[] = {"device_routing", "host_routing", "no_graphs"};
-    for (int k = 0; k < 3; k++)
+    static const char *names[] = {"device_routing", "host_routing", "no_graphs", "no_fused",
+                                  "no_fused_no_graphs"};
+    printf("\"launches_per_token\":{\"fused\":%ld,\"unfused\":%ld},\"fused_same_ids\":%s,",
+           launches[0], launches[1], f[0].ids_hash == f[3].ids_hash ? "true" : "false");
+    for (int k = 0; k < 5; k++)
         printf("\"%s\":{\"ms_per_token\":%.3f,\"tokens_s\":%.1f,"
                "\"host_syncs_per_token\":%.2f,\"graph_replays\":%" PRIu64 "},",
                names[k], f[k].s_per_tok * 1e3, 1.0 / f[k].s_per_tok, f[k].syncs, f[k].replays);

@@ -16,7 +16,9 @@
 #      the logits' download; the token and position go up through the pinned
 #      staging ring without a wait; none inside the layers); and decode with
 #      each step replayed from a recorded CUDA graph against every op
-#      launched (decode_graphs: the ratio, the same greedy ids);
+#      launched (decode_graphs: the ratio, the same greedy ids); and the
+#      fused decode slots against the separate ones, NL_FUSED=0
+#      (decode_fused: tokens/s with and without graphs, launches per token);
 #   3. neuroctl bench --device cuda:0 on configs/bench-large.yaml and on
 #      configs/bench-xl.yaml (about 4.2 GB of weights), and bench-large on
 #      --device cpu, for the speed-up; the device's training figures
@@ -252,6 +254,26 @@ if g["graph_replays"] < d["tokens"] - 1:
     sys.exit("the decode steps were not replayed from a graph")
 PY
 result decode_graphs $? "$(tail -1 "$OUT/decode_graphs.txt")"
+# the fused decode slots (RMSNorm + router + top-k; gate/up + SwiGLU; down +
+# combine + residual) against the separate ones (NL_FUSED=0): tokens/s with
+# and without graphs, op launches per token, and whether the greedy ids agree
+# (FP32 either way, sums in another order: reported, not judged)
+$PY - "$OUT/bench_cuda.json" >"$OUT/decode_fused.txt" 2>&1 <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1])).get("decode")
+if not d or "no_fused" not in d:
+    sys.exit("no fused figures in bench_cuda's output")
+f, u = d["device_routing"], d["no_fused"]
+fn, un = d["no_graphs"], d["no_fused_no_graphs"]
+lf, lu = d["launches_per_token"]["fused"], d["launches_per_token"]["unfused"]
+print("decode tok/s fused %.1f vs unfused %.1f (x%.2f) with graphs, %.1f vs %.1f (x%.2f) without;"
+      " launches per token %d vs %d; same ids %s"
+      % (f["tokens_s"], u["tokens_s"], f["tokens_s"] / u["tokens_s"], fn["tokens_s"],
+         un["tokens_s"], fn["tokens_s"] / un["tokens_s"], lf, lu, d["fused_same_ids"]))
+if lf >= lu:
+    sys.exit("the fused decode made no fewer launches than the separate slots")
+PY
+result decode_fused $? "$(tail -1 "$OUT/decode_fused.txt")"
 
 fi # part 2
 

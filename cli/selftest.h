@@ -139,6 +139,10 @@ void nl_selftest_sample(nl_selftest *c);
  * backwards), skipped by name where the target leaves them NULL
  * (cli/selftest_family.c). */
 void nl_selftest_family(nl_selftest *c);
+/* The fused decode slots, chained as a decode layer runs them; skipped
+ * where the target leaves them NULL and in a bf16 run
+ * (cli/selftest_fused.c). */
+void nl_selftest_fused(nl_selftest *c);
 
 /* The CUDA module's cuDNN flash attention (kernels/cuda/cuda_cudnn.h) on
  * the device of `device` against the reference, through a second backend

@@ -52,6 +52,26 @@ static void pad_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int
 
 /* ---------------------------------------------------------------- state */
 
+/* A recorded decode step (every segment T 1) and what it holds besides
+ * device memory: the model and its generation, the segments' caches (each
+ * one's buffers and capacity) in order, which of them want logits. */
+typedef struct seg_key {
+    const float *kc, *vc;
+    int cap, want;
+} seg_key;
+
+typedef struct batch_graph {
+    void *g; /* the backend's recorded step, or NULL (a free entry) */
+    const nl_model *m;
+    uint64_t generation;
+    int n;        /* segments */
+    seg_key *key; /* (max_rows) */
+    uint64_t used;
+} batch_graph;
+
+#define BATCH_GRAPHS 8  /* recorded steps kept per batch */
+#define BATCH_THRASH 16 /* recordings before their replays are judged */
+
 struct nl_batch {
     nl_model *m;
     nl_model view; /* the model computing through `pad` */
@@ -69,6 +89,10 @@ struct nl_batch {
     int logit_rows;            /* rows of logits_d the last call wrote */
     int logits_down;           /* 1: logits_h holds them (downloaded on first use) */
     int *seg_row;              /* (max_rows) segment -> its first row of hidden_h */
+    batch_graph graphs[BATCH_GRAPHS];
+    uint64_t tick;
+    int graphs_off; /* NL_GRAPHS=0, nl_batch_set_graphs, or a refused recording */
+    nl_runstate_graph_stats gs;
 };
 
 static int imax(int a, int b)
@@ -99,6 +123,15 @@ nl_status nl_batch_new(nl_batch **out, nl_model *m, int max_rows, nl_error *err)
     /* the fused expert pass would run its GEMMs inside the backend, past
      * pad_gemm: the separate grouped calls come back through it */
     b->pad.be.moe_ffn_forward = NULL;
+    /* the fused decode slots compute a row as gemm_rows does where there
+     * is one (the CPU); elsewhere their bits differ from the padded
+     * GEMMs', and a row's would depend on whether the batch has fewer
+     * than NL_BACKEND_FUSED_ROWS rows */
+    if (!be->gemm_rows) {
+        b->pad.be.moe_norm_route = NULL;
+        b->pad.be.moe_gate_up = NULL;
+        b->pad.be.moe_down_combine = NULL;
+    }
     b->pad.inner = be;
     b->pad.k_max = imax(imax(d, c->num_heads * hd), F);
     b->pad.n_max = imax(imax(qkv, d), imax(imax(c->num_experts, 2 * F), m->has_head ? V : 1));
@@ -109,6 +142,7 @@ nl_status nl_batch_new(nl_batch **out, nl_model *m, int max_rows, nl_error *err)
         free(b);
         return st;
     }
+    b->acts.fused = 1; /* nothing reads a batch's aux loss */
     int ok = 1;
     ok &= (b->pad.a_pad = be->alloc(be, R * (size_t)b->pad.k_max * sizeof(float))) != NULL;
     ok &= (b->pad.c_pad = be->alloc(be, R * (size_t)b->pad.n_max * sizeof(float))) != NULL;
@@ -125,6 +159,10 @@ nl_status nl_batch_new(nl_batch **out, nl_model *m, int max_rows, nl_error *err)
     ok &= (b->hidden_h = calloc(N * d, sizeof(float))) != NULL;
     ok &= (b->logit_row = calloc(N, sizeof(int))) != NULL;
     ok &= (b->seg_row = calloc(N, sizeof(int))) != NULL;
+    for (int i = 0; i < BATCH_GRAPHS; i++)
+        ok &= (b->graphs[i].key = calloc(N, sizeof(seg_key))) != NULL;
+    const char *g = getenv("NL_GRAPHS");
+    b->graphs_off = g && strcmp(g, "0") == 0;
     if (!ok) {
         nl_batch_destroy(&b);
         return nl_error_set(err, NL_ERR_NOMEM, "batch: cannot allocate activations for %d rows",
@@ -140,6 +178,11 @@ void nl_batch_destroy(nl_batch **bp)
         return;
     nl_batch *b = *bp;
     nl_backend *be = b->m->be;
+    for (int i = 0; i < BATCH_GRAPHS; i++) {
+        if (b->graphs[i].g)
+            be->graph_free(be, b->graphs[i].g);
+        free(b->graphs[i].key);
+    }
     nl_layer_acts_free(&b->acts, be);
     void *dev[] = {b->pad.a_pad, b->pad.c_pad, b->tokens_d, b->pos_d, b->last, b->xnf, b->logits_d};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
@@ -234,18 +277,49 @@ static void attend_segments(nl_batch *b, int li, const nl_batch_seg *segs, int n
         nl_kvcache *kv = segs[i].kv;
         const int T = segs[i].T, past = kv->len;
         const float *q = b->acts.qkv + (size_t)row * qkv, *k = NULL, *v = NULL;
-        nl_kvcache_append(kv, li, q, qkv, H * hd, (H + G) * hd, 1, T, past, &k, &v);
         nl_attn_shape s = {
             .B = 1, .T = T, .past = past, .kv_cap = kv->cap, .H = H, .G = G, .hd = hd};
+        if (b->acts.dev_past) { /* a recorded step: the positions are read on the device */
+            nl_kvcache_store(kv, li, q, qkv, H * hd, (H + G) * hd, 1, T, b->pos_d + row, &k, &v);
+            s.past = 0;
+            s.pos = b->pos_d + row;
+        } else {
+            nl_kvcache_append(kv, li, q, qkv, H * hd, (H + G) * hd, 1, T, past, &k, &v);
+        }
         be->attention_forward(be, b->acts.att + (size_t)row * H * hd, NULL, q, qkv, k, v,
                               kv->kv_dim, s);
         row += T;
     }
 }
 
-/* Embedding and every layer over the segments' N rows; the residual
- * stream ends in acts.x_in. Caches grow by each segment's T. */
-static void run_layers(nl_batch *b, const nl_batch_seg *segs, const float *const *x, int n, int N)
+/* The host part of a call: the rows' tokens and positions (and a later
+ * stage's hidden states) uploaded into the batch's buffers. */
+static void upload_inputs(nl_batch *b, const nl_batch_seg *segs, const float *const *x, int n,
+                          int N)
+{
+    nl_model *vm = &b->view;
+    nl_backend *be = vm->be;
+    const int d = vm->cfg.hidden_dim;
+    int row = 0;
+    for (int i = 0; i < n; i++) {
+        b->seg_row[i] = row;
+        if (!vm->has_embed) /* a later stage: the previous stage's hidden states */
+            be->upload(be, b->acts.x_in + (size_t)row * d, x[i],
+                       (size_t)segs[i].T * d * sizeof(float));
+        for (int t = 0; t < segs[i].T; t++, row++) {
+            b->tokens_h[row] = vm->has_embed ? segs[i].tokens[t] : 0;
+            b->pos_h[row] = segs[i].kv->len + t;
+        }
+    }
+    be->upload(be, b->pos_d, b->pos_h, (size_t)N * sizeof(int32_t));
+    if (vm->has_embed)
+        be->upload(be, b->tokens_d, b->tokens_h, (size_t)N * sizeof(int32_t));
+}
+
+/* Embedding and every layer over the segments' N rows, after
+ * upload_inputs; the residual stream ends in acts.x_in. Queues device
+ * work only, so it can be recorded. */
+static void queue_layers(nl_batch *b, const nl_batch_seg *segs, int n, int N)
 {
     nl_model *vm = &b->view;
     nl_backend *be = vm->be;
@@ -253,21 +327,8 @@ static void run_layers(nl_batch *b, const nl_batch_seg *segs, const float *const
     const int d = c->hidden_dim, hd = nl_config_head_dim(c);
     const int H = c->num_heads, G = c->num_kv_heads, qkv = (H + 2 * G) * hd;
     nl_layer_acts *a = &b->acts;
-    int row = 0;
-    for (int i = 0; i < n; i++) {
-        b->seg_row[i] = row;
-        if (!vm->has_embed) /* a later stage: the previous stage's hidden states */
-            be->upload(be, a->x_in + (size_t)row * d, x[i], (size_t)segs[i].T * d * sizeof(float));
-        for (int t = 0; t < segs[i].T; t++, row++) {
-            b->tokens_h[row] = vm->has_embed ? segs[i].tokens[t] : 0;
-            b->pos_h[row] = segs[i].kv->len + t;
-        }
-    }
-    be->upload(be, b->pos_d, b->pos_h, (size_t)N * sizeof(int32_t));
-    if (vm->has_embed) {
-        be->upload(be, b->tokens_d, b->tokens_h, (size_t)N * sizeof(int32_t));
+    if (vm->has_embed)
         be->embedding_forward(be, a->x_in, b->tokens_d, vm->tok_embeddings, N, d);
-    }
     for (int l = vm->l0; l < vm->l1; l++) {
         const nl_layer_weights *w = &vm->layers[l - vm->l0];
         be->rmsnorm_forward(be, a->xn1, NULL, a->x_in, w->attention_norm, N, d, (float)c->norm_eps);
@@ -277,8 +338,150 @@ static void run_layers(nl_batch *b, const nl_batch_seg *segs, const float *const
         be->gemm(be, 0, 1, N, d, H * hd, 1.0f, a->att, H * hd, w->wo, H * hd, 1.0f, a->h1, d);
         nl_layer_ffn_forward(vm, l, a, N);
     }
+}
+
+/* The head over the last row of each segment that wants logits (the rows
+ * numbered by logit_row, `want` of them). */
+static void queue_head(nl_batch *b, const nl_batch_seg *segs, int n, int want)
+{
+    nl_backend *be = b->view.be;
+    const nl_config *c = &b->m->cfg;
+    const int d = c->hidden_dim, V = (int)c->vocab_size;
+    int row = 0;
+    for (int i = 0; i < n; i++) {
+        row += segs[i].T;
+        if (b->logit_row[i] >= 0)
+            be->copy_rows(be, b->last + (size_t)b->logit_row[i] * d, d,
+                          b->acts.x_in + (size_t)(row - 1) * d, d, 1, d);
+    }
+    if (want > 0) {
+        be->rmsnorm_forward(be, b->xnf, NULL, b->last, b->m->norm, want, d, (float)c->norm_eps);
+        be->gemm(be, 0, 1, want, V, d, 1.0f, b->xnf, d, b->m->lm_head, d, 0.0f, b->logits_d, V);
+    }
+}
+
+/* upload_inputs, queue_layers and queue_head, unrecorded (a prompt, the
+ * embedding's chunks). */
+static void run_layers(nl_batch *b, const nl_batch_seg *segs, const float *const *x, int n, int N)
+{
+    upload_inputs(b, segs, x, n, N);
+    queue_layers(b, segs, n, N);
+}
+
+/* ---------------------------------------------------------------- recorded steps */
+
+void nl_batch_set_graphs(nl_batch *b, int on)
+{
+    b->graphs_off = !on;
+}
+
+nl_runstate_graph_stats nl_batch_graphs(const nl_batch *b)
+{
+    return b->gs;
+}
+
+/* A decode call (every segment one position) on a backend with graph
+ * slots and kv_store can be recorded: its positions are on the device. */
+static int step_recordable(const nl_batch *b, const nl_batch_seg *segs, int n)
+{
+    const nl_backend *be = b->m->be;
+    if (b->graphs_off || !be->graph_begin || !be->kv_store || b->m->lora || b->acts.host_routing)
+        return 0;
     for (int i = 0; i < n; i++)
-        segs[i].kv->len += segs[i].T;
+        if (segs[i].T != 1)
+            return 0;
+    return 1;
+}
+
+static int key_matches(const batch_graph *bg, const nl_batch *b, const nl_batch_seg *segs, int n)
+{
+    if (bg->m != b->m || bg->generation != b->m->generation || bg->n != n)
+        return 0;
+    for (int i = 0; i < n; i++) {
+        const seg_key *k = &bg->key[i];
+        if (k->kc != segs[i].kv->k || k->vc != segs[i].kv->v || k->cap != segs[i].kv->cap ||
+            k->want != (b->logit_row[i] >= 0))
+            return 0;
+    }
+    return 1;
+}
+
+/* The entry to record into: a free one, else the least recently used. */
+static batch_graph *graph_slot(nl_batch *b)
+{
+    nl_backend *be = b->m->be;
+    batch_graph *best = &b->graphs[0];
+    for (int i = 0; i < BATCH_GRAPHS; i++) {
+        batch_graph *bg = &b->graphs[i];
+        if (!bg->g)
+            return bg;
+        if (bg->used < best->used)
+            best = bg;
+    }
+    be->graph_free(be, best->g);
+    best->g = NULL;
+    return best;
+}
+
+/* Replay the recording of this step's key, or record one (dropping the
+ * recordings of the model's older generations: a growth or a reload) and
+ * run it. A step the backend cannot record runs as it is, and this batch
+ * records no more; so does one whose recordings, past BATCH_THRASH, are
+ * replayed less than twice each (members changing at every step). */
+static void run_recorded(nl_batch *b, const nl_batch_seg *segs, int n, int N, int want)
+{
+    nl_backend *be = b->m->be;
+    b->tick++;
+    for (int i = 0; i < BATCH_GRAPHS; i++) {
+        batch_graph *bg = &b->graphs[i];
+        if (!bg->g)
+            continue;
+        if (bg->m == b->m && bg->generation != b->m->generation) {
+            be->graph_free(be, bg->g); /* the model changed: never valid again */
+            bg->g = NULL;
+            continue;
+        }
+        if (!key_matches(bg, b, segs, n))
+            continue;
+        if (be->graph_launch(be, bg->g) == 0) {
+            bg->used = b->tick;
+            b->gs.replays++;
+            return;
+        }
+        be->graph_free(be, bg->g); /* the backend invalidated it: record again */
+        bg->g = NULL;
+    }
+    batch_graph *bg = graph_slot(b);
+    nl_error e = {0};
+    void *g = NULL;
+    b->acts.dev_past = 1;
+    be->graph_begin(be);
+    queue_layers(b, segs, n, N);
+    queue_head(b, segs, n, want);
+    const nl_status st = be->graph_end(be, &g, &e);
+    b->acts.dev_past = 0;
+    if (st != NL_OK || be->graph_launch(be, g) != 0) {
+        if (g)
+            be->graph_free(be, g);
+        b->graphs_off = 1;
+        b->gs.failed++;
+        queue_layers(b, segs, n, N);
+        queue_head(b, segs, n, want);
+        return;
+    }
+    bg->g = g;
+    bg->m = b->m;
+    bg->generation = b->m->generation;
+    bg->n = n;
+    bg->used = b->tick;
+    for (int i = 0; i < n; i++)
+        bg->key[i] = (seg_key){.kc = segs[i].kv->k,
+                               .vc = segs[i].kv->v,
+                               .cap = segs[i].kv->cap,
+                               .want = b->logit_row[i] >= 0};
+    b->gs.captures++;
+    if (b->gs.captures >= BATCH_THRASH && b->gs.replays < 2 * b->gs.captures)
+        b->graphs_off = 1;
 }
 
 nl_status nl_batch_forward(nl_batch *b, const nl_batch_seg *segs, int n, nl_error *err)
@@ -290,35 +493,28 @@ nl_status nl_batch_forward_hidden(nl_batch *b, const nl_batch_seg *segs, const f
                                   int n, nl_error *err)
 {
     nl_backend *be = b->view.be;
-    const nl_config *c = &b->m->cfg;
-    const int d = c->hidden_dim, V = (int)c->vocab_size;
+    const int d = b->m->cfg.hidden_dim;
     int N = 0;
     nl_status st = check_segs(b, segs, x, n, &N, err);
     if (st != NL_OK)
         return st;
-    run_layers(b, segs, x, n, N);
+    int want = 0;
+    for (int i = 0; i < n; i++)
+        b->logit_row[i] = b->m->has_head && segs[i].want_logits ? want++ : -1;
+    upload_inputs(b, segs, x, n, N);
+    if (step_recordable(b, segs, n)) {
+        run_recorded(b, segs, n, N, want);
+    } else {
+        queue_layers(b, segs, n, N);
+        queue_head(b, segs, n, want);
+    }
+    for (int i = 0; i < n; i++)
+        segs[i].kv->len += segs[i].T;
     b->n_segs = n;
-    if (!b->m->has_head) { /* a stage's output: every row's hidden state */
-        be->download(be, b->hidden_h, b->acts.x_in, (size_t)N * d * sizeof(float));
-        return nl_backend_check(b->m->be, err);
-    }
-    int want = 0, row = 0;
-    b->logit_rows = 0;
+    b->logit_rows = want;
     b->logits_down = 0;
-    for (int i = 0; i < n; i++) {
-        b->logit_row[i] = -1;
-        row += segs[i].T;
-        if (!segs[i].want_logits)
-            continue;
-        be->copy_rows(be, b->last + (size_t)want * d, d, b->acts.x_in + (size_t)(row - 1) * d, d, 1,
-                      d);
-        b->logit_row[i] = want++;
-    }
-    if (want > 0) {
-        be->rmsnorm_forward(be, b->xnf, NULL, b->last, b->m->norm, want, d, (float)c->norm_eps);
-        be->gemm(be, 0, 1, want, V, d, 1.0f, b->xnf, d, b->m->lm_head, d, 0.0f, b->logits_d, V);
-        b->logit_rows = want;
-    }
+    if (!b->m->has_head) /* a stage's output: every row's hidden state */
+        be->download(be, b->hidden_h, b->acts.x_in, (size_t)N * d * sizeof(float));
     return nl_backend_check(b->m->be, err); /* a device's asynchronous error */
 }
 
@@ -351,6 +547,7 @@ nl_status nl_batch_embed(nl_batch *b, const int32_t *tokens, int T, float *out, 
         if ((st = check_segs(b, &s, NULL, 1, &N, err)) != NL_OK)
             goto out;
         run_layers(b, &s, NULL, 1, N);
+        kv->len += n;
         be->rmsnorm_forward(be, b->xnf, NULL, b->acts.x_in, b->m->norm, n, d, (float)c->norm_eps);
         be->download(be, b->hidden_h, b->xnf, (size_t)n * d * sizeof(float));
         if ((st = nl_backend_check(b->m->be, err)) != NL_OK)

@@ -31,6 +31,7 @@
 #ifndef NL_BATCH_H
 #define NL_BATCH_H
 
+#include "forward.h"
 #include "kvcache.h"
 #include "model.h"
 
@@ -68,6 +69,19 @@ nl_status nl_batch_forward(nl_batch *b, const nl_batch_seg *segs, int n, nl_erro
  * segment i's input, host (T_i, d) hidden states. */
 nl_status nl_batch_forward_hidden(nl_batch *b, const nl_batch_seg *segs, const float *const *x,
                                   int n, nl_error *err);
+/* Recorded decode steps (CUDA graphs; core/forward.h has the single
+ * sequence's): a call whose segments all decode one position, on a
+ * backend with graph slots, is recorded once and replayed for every later
+ * call with the same key: the model and its generation (a growth or a
+ * reload records again), the number of segments, each one's cache
+ * (buffers and capacity) in order and whether it wants logits. A batch's
+ * members changing (a session joining or leaving) is a new key. Up to 8
+ * recordings are kept; a refused recording, or more than 16 replayed less
+ * than twice each, turns recording off. NL_GRAPHS=0 at nl_batch_new, or
+ * nl_batch_set_graphs(b, 0), turns it off; nl_batch_graphs counts. */
+void nl_batch_set_graphs(nl_batch *b, int on);
+nl_runstate_graph_stats nl_batch_graphs(const nl_batch *b);
+
 /* Host (vocab_size) logits of segment i, valid until the next call; NULL
  * with err set when it has none or the download failed. */
 const float *nl_batch_logits(nl_batch *b, int i, nl_error *err);

@@ -18,7 +18,7 @@
 typedef struct step_key {
     const nl_model *m;
     uint64_t generation;
-    int B, last_only, states, cap;
+    int B, last_only, states, cap, fused;
     const float *x_in, *kc, *vc;
 } step_key;
 
@@ -216,6 +216,7 @@ static void run_recorded(nl_model *m, nl_runstate *rs, const nl_forward_args *a,
     key.last_only = a->last_only;
     key.states = a->states;
     key.cap = a->kv->cap;
+    key.fused = rs->acts.fused;
     key.x_in = m->has_embed ? NULL : a->x_in;
     key.kc = a->kv->k;
     key.vc = a->kv->v;
@@ -325,6 +326,7 @@ nl_status nl_forward(nl_model *m, nl_runstate *rs, const nl_forward_args *a, flo
         be->upload(be, rs->doc_d, a->doc, (size_t)N * sizeof(int32_t));
         rs->acts.doc_d = rs->doc_d;
     }
+    rs->acts.fused = aux_loss == NULL; /* the fused decode slots make no aux loss */
     if (step_recordable(m, rs, a))
         run_recorded(m, rs, a, past);
     else

@@ -50,6 +50,12 @@ typedef struct nl_layer_acts {
      * attention, so the queued work holds no position (a recorded step,
      * core/forward.c); the backend must have kv_store */
     int dev_past;
+    /* 1: a forward of fewer than NL_BACKEND_FUSED_ROWS rows may take the
+     * backend's fused decode slots (moe_norm_route, moe_gate_up,
+     * moe_down_combine), which make no dispatch tables, no aux loss and no
+     * counts: set by inference callers that read none of them */
+    int fused;
+    int fused_off; /* NL_FUSED=0 at allocation: never the fused slots */
     /* (N) document ids of packed rows (backend.h, nl_attn_mask), or NULL:
      * set by the caller before the forward; the backward reads it too */
     const int32_t *doc_d;

@@ -93,7 +93,7 @@ typedef struct nl_rope_scaling {
 /* Bumped whenever struct nl_backend, nl_backend_opts, nl_attn_shape,
  * nl_attn_mask, nl_rope_scaling or nl_error changes: a backend module
  * built against another version is refused when it is loaded. */
-#define NL_BACKEND_ABI 8
+#define NL_BACKEND_ABI 9
 
 /* the largest vocabulary the sample slot takes (a GPU keeps one block's
  * chunk sums, NL_SAMPLE_CHUNK ids each, in shared memory) */
@@ -101,6 +101,10 @@ typedef struct nl_rope_scaling {
 
 /* Largest head dimension any backend's attention and RoPE support. */
 #define NL_BACKEND_MAX_HEAD_DIM 256
+
+/* The fused decode slots (moe_norm_route, moe_gate_up, moe_down_combine)
+ * serve forward calls of fewer rows than this (a decode step's). */
+#define NL_BACKEND_FUSED_ROWS 16
 
 /* Most experts the routing slots support (the config's limit too). */
 #define NL_BACKEND_MAX_EXPERTS 256
@@ -308,6 +312,38 @@ struct nl_backend {
                              const float *dye, const float *xe, const float *gu, const float *hs,
                              const float *experts, size_t expert_stride, int d, int F,
                              const int32_t *offsets, int groups);
+
+    /* Optional, all three or none (NULL: the caller makes the separate
+     * calls): a decode step's expert layer in three launches in place of
+     * rmsnorm, router GEMM, softmax, moe_route, gather_rows, the expert
+     * GEMMs, SwiGLU and moe_combine. Meant for a few rows (core/layer.c
+     * takes them below NL_BACKEND_FUSED_ROWS): no dispatch, each (token,
+     * choice) reads its expert's weights directly. Each row's result
+     * depends on that row alone, for any N. With FP32 GEMMs and a
+     * gemm_rows slot (the CPU) they give the separate calls' bits, with the
+     * products through gemm_rows; elsewhere they agree within the op
+     * tests' tolerance (each product is one fixed-order dot).
+     * moe_norm_route: xn = rmsnorm(x, norm_w, eps) (N, d), probs =
+     *   softmax(xn router^T) (N, E), and choice, w (N k) as moe_route
+     *   writes them (no dispatch tables, no aux loss). E <=
+     *   NL_BACKEND_MAX_EXPERTS.
+     * moe_gate_up: hs[r, :] = swiglu(g, u) for r = n k + i, where [g | u]
+     *   = xn[n, :] W^T with W = experts + choice[r] * expert_stride (2F,
+     *   d), the gate|up of the model's layout. gu (N k, 2F) is scratch
+     *   the backend may use.
+     * moe_down_combine: x[n, :] += sum_i w[r] * (hs[r, :] Wd^T) for r = n
+     *   k + i in order of i (moe_combine's), Wd = experts + choice[r] *
+     *   expert_stride + 2 F d (d, F): the down projection, the weighted
+     *   combine and the residual add. ye (N k, d) is scratch likewise. */
+    void (*moe_norm_route)(nl_backend *be, float *xn, float *probs, int32_t *choice, float *w,
+                           const float *x, const float *norm_w, const float *router, int N, int d,
+                           int E, int k, float eps);
+    void (*moe_gate_up)(nl_backend *be, float *hs, float *gu, const float *xn,
+                        const int32_t *choice, const float *experts, size_t expert_stride, int N,
+                        int k, int d, int F);
+    void (*moe_down_combine)(nl_backend *be, float *x, float *ye, const float *hs,
+                             const int32_t *choice, const float *w, const float *experts,
+                             size_t expert_stride, int N, int k, int d, int F);
 
     /* ---- backward ops ----
      * Gradients named d<x>. "+=" means the op accumulates into the output

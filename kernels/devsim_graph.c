@@ -427,6 +427,73 @@ static void ds_moe_ffn_forward(nl_backend *be, float *ye, float *hs, float *gu, 
     QUEUE(be, run_ffn, a);
 }
 
+/* ---------------------------------------------------------------- fused decode */
+
+typedef struct {
+    float *xn, *probs, *w;
+    int32_t *choice;
+    const float *x, *norm_w, *router;
+    int N, d, E, k;
+    float eps;
+} norm_route_args;
+static void run_norm_route(nl_backend *be, const void *p)
+{
+    const norm_route_args *a = p;
+    nl_ds_cpu(be)->moe_norm_route(nl_ds_cpu(be), a->xn, a->probs, a->choice, a->w, a->x, a->norm_w,
+                                  a->router, a->N, a->d, a->E, a->k, a->eps);
+}
+static void ds_moe_norm_route(nl_backend *be, float *xn, float *probs, int32_t *choice, float *w,
+                              const float *x, const float *norm_w, const float *router, int N,
+                              int d, int E, int k, float eps)
+{
+    norm_route_args a = {UF(xn),     UF(probs), UF(w), UI(choice), UF(x), UF(norm_w),
+                         UF(router), N,         d,     E,          k,     eps};
+    QUEUE(be, run_norm_route, a);
+}
+
+typedef struct {
+    float *hs, *gu;
+    const float *xn, *experts;
+    const int32_t *choice;
+    size_t expert_stride;
+    int N, k, d, F;
+} gate_up_args;
+static void run_gate_up(nl_backend *be, const void *p)
+{
+    const gate_up_args *a = p;
+    nl_ds_cpu(be)->moe_gate_up(nl_ds_cpu(be), a->hs, a->gu, a->xn, a->choice, a->experts,
+                               a->expert_stride, a->N, a->k, a->d, a->F);
+}
+static void ds_moe_gate_up(nl_backend *be, float *hs, float *gu, const float *xn,
+                           const int32_t *choice, const float *experts, size_t expert_stride, int N,
+                           int k, int d, int F)
+{
+    gate_up_args a = {UF(hs), UF(gu), UF(xn), UF(experts), UI(choice), expert_stride, N, k, d, F};
+    QUEUE(be, run_gate_up, a);
+}
+
+typedef struct {
+    float *x, *ye;
+    const float *hs, *w, *experts;
+    const int32_t *choice;
+    size_t expert_stride;
+    int N, k, d, F;
+} down_args;
+static void run_down(nl_backend *be, const void *p)
+{
+    const down_args *a = p;
+    nl_ds_cpu(be)->moe_down_combine(nl_ds_cpu(be), a->x, a->ye, a->hs, a->choice, a->w, a->experts,
+                                    a->expert_stride, a->N, a->k, a->d, a->F);
+}
+static void ds_moe_down_combine(nl_backend *be, float *x, float *ye, const float *hs,
+                                const int32_t *choice, const float *w, const float *experts,
+                                size_t expert_stride, int N, int k, int d, int F)
+{
+    down_args a = {UF(x), UF(ye), UF(hs), UF(w), UF(experts), UI(choice), expert_stride,
+                   N,     k,      d,      F};
+    QUEUE(be, run_down, a);
+}
+
 /* ---------------------------------------------------------------- graphs */
 
 static void ds_graph_free(nl_backend *be, void *graph)
@@ -499,6 +566,11 @@ void nl_devsim_fill_graph_slots(nl_backend *be)
     be->moe_aux = ds_moe_aux;
     be->gemm_grouped = ds_gemm_grouped;
     be->moe_ffn_forward = ds_moe_ffn_forward;
+    if (in->moe_norm_route) {
+        be->moe_norm_route = ds_moe_norm_route;
+        be->moe_gate_up = ds_moe_gate_up;
+        be->moe_down_combine = ds_moe_down_combine;
+    }
     be->graph_begin = ds_graph_begin;
     be->graph_end = ds_graph_end;
     be->graph_launch = ds_graph_launch;

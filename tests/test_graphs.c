@@ -7,15 +7,20 @@
  * and cache), where a replay of the old recording would compute with the
  * old weights; keys taking turns stop the recording. On a backend
  * without graph slots (the CPU) the same runs must record nothing. The
- * devsim backend's recording refuses a slot that waits for the device. Run on cpu and on cpu-devsim
- * (NL_TEST_DEVICE). */
+ * devsim backend's recording refuses a slot that waits for the device.
+ * The batched decoder (core/batch.h) likewise: three sessions decoded in
+ * one batch give the same ids and logits with and without recordings,
+ * one recording per membership (a session leaving records again). Run on
+ * cpu and on cpu-devsim (NL_TEST_DEVICE). */
 #include "check.h"
+#include "core/batch.h"
 #include "core/forward.h"
 #include "core/grow.h"
 #include "core/model.h"
 #include "core/sampler.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 enum { STEPS = 256, PROMPT = 3, AFTER = 64 /* steps decoded after a growth or a reload */ };
 
@@ -314,6 +319,86 @@ static void test_refused(nl_backend *be)
     be->free(be, d);
 }
 
+/* Sessions decoded in one batch, greedily, for `steps` tokens after a
+ * prompt; the third leaves after half of them. ids is (steps, 3) (-1 where
+ * a session has left); last gets the last step's logits of session 0. */
+static void batch_decode(nl_model *m, int graphs, int steps, int32_t *ids, float *last,
+                         nl_runstate_graph_stats *gs)
+{
+    enum { S = 3 };
+    nl_error err = {0};
+    const int V = (int)m->cfg.vocab_size;
+    nl_batch *b = NULL;
+    nl_kvcache *kv[S] = {0};
+    int32_t prompt[S][PROMPT], next[S];
+    nl_batch_seg segs[S];
+    CHECK_OK(nl_batch_new(&b, m, S * PROMPT, &err), &err);
+    for (int i = 0; i < S; i++)
+        CHECK_OK(nl_kvcache_new(&kv[i], m, 1, steps + PROMPT, &err), &err);
+    if (!b || !kv[S - 1])
+        goto out;
+    nl_batch_set_graphs(b, graphs);
+    for (int i = 0; i < S; i++) {
+        for (int t = 0; t < PROMPT; t++)
+            prompt[i][t] = (int32_t)((7 + 53 * i + 91 * t) % V);
+        segs[i] = (nl_batch_seg){.kv = kv[i], .tokens = prompt[i], .T = PROMPT, .want_logits = 1};
+    }
+    for (int s = 0; s < steps; s++) {
+        const int n = s < steps / 2 ? S : S - 1;
+        if (nl_batch_forward(b, segs, n, &err) != NL_OK) {
+            CHECK(0, "batch step %d: %s", s, err.msg);
+            break;
+        }
+        for (int i = 0; i < S; i++) {
+            ids[(size_t)s * S + i] = -1;
+            const float *lg = i < n ? nl_batch_logits(b, i, &err) : NULL;
+            if (!lg)
+                continue;
+            int best = 0;
+            for (int v = 1; v < V; v++)
+                best = lg[v] > lg[best] ? v : best;
+            ids[(size_t)s * S + i] = next[i] = best;
+            if (i == 0 && s == steps - 1)
+                memcpy(last, lg, (size_t)V * sizeof *last);
+            segs[i].tokens = &next[i];
+            segs[i].T = 1;
+        }
+    }
+    *gs = nl_batch_graphs(b);
+out:
+    for (int i = 0; i < S; i++)
+        nl_kvcache_destroy(&kv[i]);
+    nl_batch_destroy(&b);
+}
+
+static void test_batch_graphs(nl_backend *be, nl_model *m)
+{
+    enum { BSTEPS = 48 };
+    const int has = be->graph_begin != NULL, V = (int)m->cfg.vocab_size;
+    int32_t ids[2][BSTEPS * 3];
+    float *last[2] = {calloc((size_t)V, sizeof(float)), calloc((size_t)V, sizeof(float))};
+    nl_runstate_graph_stats gs[2] = {{0}};
+    if (!last[0] || !last[1])
+        goto out;
+    batch_decode(m, 1, BSTEPS, ids[0], last[0], &gs[0]);
+    batch_decode(m, 0, BSTEPS, ids[1], last[1], &gs[1]);
+    const int d = first_diff(ids[0], ids[1], 3 * (size_t)BSTEPS);
+    CHECK(d < 0, "batch: ids with graphs differ from step %d", d / 3);
+    CHECK(memcmp(last[0], last[1], (size_t)V * sizeof(float)) == 0,
+          "batch: the last logits with graphs differ");
+    /* the prompt step is not recorded; 3 sessions, then 2: two recordings */
+    const uint64_t want_rep = (uint64_t)has * (BSTEPS - 1 - 2);
+    CHECK(gs[0].captures == (uint64_t)has * 2 && gs[0].replays == want_rep && gs[0].failed == 0,
+          "batch: %llu recordings, %llu replays, %llu refused (graph slots: %d)",
+          (unsigned long long)gs[0].captures, (unsigned long long)gs[0].replays,
+          (unsigned long long)gs[0].failed, has);
+    CHECK(gs[1].captures == 0 && gs[1].replays == 0, "batch: graphs off, yet %llu recordings",
+          (unsigned long long)gs[1].captures);
+out:
+    free(last[0]);
+    free(last[1]);
+}
+
 int main(void)
 {
     nl_error err = {0};
@@ -327,6 +412,7 @@ int main(void)
         test_same_ids(be, m);
         test_reload(be, &c, m);
         test_thrash(be, m);
+        test_batch_graphs(be, m);
     }
     test_growth(be, &c);
     test_refused(be);

@@ -609,6 +609,115 @@ static void test_gemm_grouped(nl_backend *be)
     }
 }
 
+/* ================================================================ fused decode */
+
+/* rel_err against a float reference */
+static double rel_err_f(const float *got, const float *ref, size_t n)
+{
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        const double d = fabs((double)got[i] - ref[i]);
+        if (!isfinite(d))
+            return INFINITY;
+        num = d > num ? d : num;
+        den = fabs(ref[i]) > den ? fabs(ref[i]) : den;
+    }
+    return den > 0 ? num / den : num;
+}
+
+/* The fused decode slots against the separate calls they replace
+ * (rmsnorm, router GEMM, softmax, moe_route, gather, grouped GEMMs,
+ * SwiGLU, moe_combine) on the same inputs: equal choices, the rest within
+ * the GEMM tolerance, and the same bits where the backend computes its
+ * few-row products as gemm_rows does (FP32 with gemm_rows: the CPU). The
+ * rows computed alone give the bits of the rows computed together. */
+static void test_fused_decode(nl_backend *be, int N, int d, int E, int k, int F)
+{
+    const size_t nd = (size_t)N * d, nk = (size_t)N * k, ne = (size_t)N * E;
+    const size_t stride = 3 * (size_t)F * d, nx = (size_t)E * stride;
+    float *x = HF(nd), *nw = HF(d), *rt = HF((size_t)E * d), *ex = HF(nx);
+    float *ux = HF(nd), *uxn = HF(nd), *up = HF(ne), *uw = HF(nk), *fx = HF(nd), *fxn = HF(nd);
+    float *fp = HF(ne), *fw = HF(nk), *ax = HF(nd);
+    int32_t *uch = HI(nk), *fch = HI(nk);
+    float *d_x = dbuf(be, nd * 4), *d_nw = dbuf(be, (size_t)d * 4),
+          *d_rt = dbuf(be, (size_t)E * d * 4);
+    float *d_ex = dbuf(be, nx * 4), *d_xn = dbuf(be, nd * 4), *d_p = dbuf(be, ne * 4);
+    float *d_w = dbuf(be, nk * 4), *d_xe = dbuf(be, nk * d * 4), *d_gu = dbuf(be, nk * 2 * F * 4);
+    float *d_hs = dbuf(be, nk * F * 4), *d_ye = dbuf(be, nk * d * 4);
+    int32_t *d_ch = dbuf(be, nk * 4), *d_off = dbuf(be, (size_t)(E + 1) * 4);
+    int32_t *d_perm = dbuf(be, nk * 4), *d_slot = dbuf(be, nk * 4);
+    if (!bufs_ok())
+        goto done;
+    fill(x, nd, 1.0f);
+    fill(nw, (size_t)d, 1.0f);
+    fill(rt, (size_t)E * d, 1.0f);
+    fill(ex, nx, 0.1f);
+    be->upload(be, d_nw, nw, (size_t)d * 4);
+    be->upload(be, d_rt, rt, (size_t)E * d * 4);
+    be->upload(be, d_ex, ex, nx * 4);
+    /* the separate calls */
+    be->upload(be, d_x, x, nd * 4);
+    be->rmsnorm_forward(be, d_xn, NULL, d_x, d_nw, N, d, 1e-5f);
+    be->gemm(be, 0, 1, N, E, d, 1.0f, d_xn, d, d_rt, d, 0.0f, d_p, E);
+    be->softmax_forward(be, d_p, N, E);
+    be->moe_route(be, d_ch, d_w, d_off, d_perm, d_slot, d_p, N, E, k);
+    be->gather_rows(be, d_xe, d_xn, d_perm, N * k, d);
+    be->gemm_grouped(be, 1, 2 * F, d, d_xe, d, d_ex, d, stride, d_gu, 2 * F, d_off, E, N);
+    be->swiglu_forward(be, d_hs, d_gu, N * k, F);
+    be->gemm_grouped(be, 1, d, F, d_hs, F, d_ex + 2 * (size_t)F * d, F, stride, d_ye, d, d_off, E,
+                     N);
+    be->moe_combine(be, d_x, d_ye, d_slot, d_w, N, k, d);
+    be->download(be, ux, d_x, nd * 4);
+    be->download(be, uxn, d_xn, nd * 4);
+    be->download(be, up, d_p, ne * 4);
+    be->download(be, uw, d_w, nk * 4);
+    be->download(be, uch, d_ch, nk * 4);
+    /* the fused ones, all rows, then each row alone */
+    for (int alone = -1; alone < N; alone++) {
+        const int n0 = alone < 0 ? 0 : alone, rows = alone < 0 ? N : 1;
+        be->upload(be, d_x, x + (size_t)n0 * d, (size_t)rows * d * 4);
+        be->moe_norm_route(be, d_xn, d_p, d_ch, d_w, d_x, d_nw, d_rt, rows, d, E, k, 1e-5f);
+        be->moe_gate_up(be, d_hs, d_gu, d_xn, d_ch, d_ex, stride, rows, k, d, F);
+        be->moe_down_combine(be, d_x, d_ye, d_hs, d_ch, d_w, d_ex, stride, rows, k, d, F);
+        be->download(be, (alone < 0 ? fx : ax) + (size_t)n0 * d, d_x, (size_t)rows * d * 4);
+        if (alone >= 0)
+            continue;
+        be->download(be, fxn, d_xn, nd * 4);
+        be->download(be, fp, d_p, ne * 4);
+        be->download(be, fw, d_w, nk * 4);
+        be->download(be, fch, d_ch, nk * 4);
+    }
+    synced(be, "fused decode");
+    expect_same(fch, uch, nk * 4, "fused decode N=%d d=%d E=%d k=%d F=%d choice", N, d, E, k, F);
+    expect_same(ax, fx, nd * 4, "fused decode N=%d d=%d E=%d k=%d F=%d: rows alone", N, d, E, k, F);
+    if (!be->bf16 && be->gemm_rows && N < NL_BACKEND_FUSED_ROWS) {
+        expect_same(fx, ux, nd * 4, "fused decode N=%d d=%d E=%d k=%d F=%d: bits", N, d, E, k, F);
+        expect_same(fp, up, ne * 4, "fused decode N=%d d=%d E=%d k=%d F=%d: probs bits", N, d, E, k,
+                    F);
+    }
+    expect(rel_err_f(fxn, uxn, nd), TOL_RED, "fused decode N=%d d=%d: xn", N, d);
+    expect(rel_err_f(fp, up, ne), TOL_GEMM * sqrt((double)d), "fused decode N=%d E=%d: probs", N,
+           E);
+    expect(rel_err_f(fw, uw, nk), TOL_GEMM * sqrt((double)d), "fused decode N=%d k=%d: w", N, k);
+    expect(rel_err_f(fx, ux, nd), TOL_GEMM * sqrt((double)(d + F)), "fused decode N=%d F=%d: x", N,
+           F);
+done:
+    release(be);
+}
+
+static void test_fused(nl_backend *be)
+{
+    if (!be->moe_norm_route) {
+        printf("test_ops: %s has no fused decode slots\n", be->name);
+        return;
+    }
+    test_fused_decode(be, 1, 64, 8, 2, 96);
+    test_fused_decode(be, 3, 37, 5, 3, 19); /* odd widths */
+    test_fused_decode(be, 15, 128, 16, 4, 200);
+    test_fused_decode(be, 2, 300, 256, 2, 33); /* the most experts */
+    test_fused_decode(be, 20, 64, 8, 2, 64);   /* past the decode's rows */
+}
+
 static void forward_slots(nl_backend *be)
 {
     test_memory(be);
@@ -662,6 +771,7 @@ static void forward_slots(nl_backend *be)
     test_moe_route(be, 5, 3, 3);
     test_moe_route(be, 33, 256, 2);
     test_gemm_grouped(be);
+    test_fused(be);
 }
 
 int main(int argc, char **argv)

@@ -441,6 +441,9 @@ nl_status nl_cpu_backend_new(nl_backend **out, const nl_backend_opts *o, nl_erro
     be->gemm_grouped_wgrad = nl_cpu_gemm_grouped_wgrad;
     be->moe_ffn_forward = nl_cpu_moe_ffn_forward;
     be->moe_ffn_backward = nl_cpu_moe_ffn_backward;
+    be->moe_norm_route = nl_cpu_moe_norm_route;
+    be->moe_gate_up = nl_cpu_moe_gate_up;
+    be->moe_down_combine = nl_cpu_moe_down_combine;
     be->embedding_backward = nl_cpu_embedding_backward;
     be->rmsnorm_backward = nl_cpu_rmsnorm_backward;
     be->attention_backward = nl_cpu_attention_backward;

@@ -13,6 +13,27 @@
 
 /* ---------------------------------------------------------------- routing */
 
+/* Top-k of one row, ties to the lower expert index, and the weights
+ * renormalised over the k chosen. */
+static void topk_row(int32_t *ch, float *w, const float *row, int E, int k)
+{
+    float sum = 0.0f;
+    for (int i = 0; i < k; i++) {
+        int best = -1;
+        for (int e = 0; e < E; e++) {
+            int taken = 0;
+            for (int j = 0; j < i; j++)
+                taken |= ch[j] == e;
+            if (!taken && (best < 0 || row[e] > row[best]))
+                best = e;
+        }
+        ch[i] = best;
+        sum += row[best];
+    }
+    for (int i = 0; i < k; i++)
+        w[i] = row[ch[i]] / sum;
+}
+
 void nl_cpu_moe_route(nl_backend *be, int32_t *choice, float *w, int32_t *offsets, int32_t *perm,
                       int32_t *slot, const float *probs, int N, int E, int k)
 {
@@ -20,25 +41,8 @@ void nl_cpu_moe_route(nl_backend *be, int32_t *choice, float *w, int32_t *offset
         return; /* outside the slot's contract (the config refuses such models) */
 
 #pragma omp parallel for NL_CPU_TEAM(be) PAR_ROWS(N)
-    for (int n = 0; n < N; n++) { /* top-k of each row, ties to the lower expert index */
-        const float *row = probs + (size_t)n * E;
-        int32_t *ch = choice + (size_t)n * k;
-        float sum = 0.0f;
-        for (int i = 0; i < k; i++) {
-            int best = -1;
-            for (int e = 0; e < E; e++) {
-                int taken = 0;
-                for (int j = 0; j < i; j++)
-                    taken |= ch[j] == e;
-                if (!taken && (best < 0 || row[e] > row[best]))
-                    best = e;
-            }
-            ch[i] = best;
-            sum += row[best];
-        }
-        for (int i = 0; i < k; i++)
-            w[(size_t)n * k + i] = row[ch[i]] / sum;
-    }
+    for (int n = 0; n < N; n++)
+        topk_row(choice + (size_t)n * k, w + (size_t)n * k, probs + (size_t)n * E, E, k);
     /* counts, offsets, and the dispatch in token order */
     int32_t fill[NL_BACKEND_MAX_EXPERTS];
     memset(fill, 0, (size_t)E * sizeof *fill);
@@ -176,5 +180,66 @@ void nl_cpu_moe_ffn_backward(nl_backend *be, float *dxe, float *dgu, float *dhs,
         if (dwgu)
             be->gemm(be, 1, 0, 2 * F, d, n, 1.0f, dgug, 2 * F, xeg, d, 1.0f, dwgu, d);
         be->gemm(be, 0, 0, n, d, 2 * F, 1.0f, dgug, 2 * F, wgu, d, 0.0f, dxe + (size_t)o * d, d);
+    }
+}
+
+/* ---------------------------------------------------------------- fused decode */
+
+/* The fused decode slots' reference: the separate slots' arithmetic in
+ * their order, one (token, choice) at a time, with every product through
+ * gemm_rows (the dot kernel, whose rows do not depend on M, as the
+ * separate gemm's are below NL_CPU_DOT_ROWS rows) or, with bf16 GEMMs,
+ * through gemm. So a decode step's bits do not change when core takes
+ * the fused path. */
+static void rows_product(nl_backend *be, int M, int N, int K, const float *A, int lda,
+                         const float *B, int ldb, float *C, int ldc)
+{
+    if (be->gemm_rows)
+        be->gemm_rows(be, 1, M, N, K, A, lda, B, ldb, 0, C, ldc);
+    else
+        be->gemm(be, 0, 1, M, N, K, 1.0f, A, lda, B, ldb, 0.0f, C, ldc);
+}
+
+void nl_cpu_moe_norm_route(nl_backend *be, float *xn, float *probs, int32_t *choice, float *w,
+                           const float *x, const float *norm_w, const float *router, int N, int d,
+                           int E, int k, float eps)
+{
+    if (E < 1 || E > NL_BACKEND_MAX_EXPERTS || k < 1 || k > E || N <= 0)
+        return; /* outside the slot's contract */
+    be->rmsnorm_forward(be, xn, NULL, x, norm_w, N, d, eps);
+    rows_product(be, N, E, d, xn, d, router, d, probs, E);
+    be->softmax_forward(be, probs, N, E);
+    for (int n = 0; n < N; n++)
+        topk_row(choice + (size_t)n * k, w + (size_t)n * k, probs + (size_t)n * E, E, k);
+}
+
+void nl_cpu_moe_gate_up(nl_backend *be, float *hs, float *gu, const float *xn,
+                        const int32_t *choice, const float *experts, size_t expert_stride, int N,
+                        int k, int d, int F)
+{
+    for (size_t r = 0; r < (size_t)N * k; r++) {
+        const float *wgu = experts + (size_t)choice[r] * expert_stride; /* (2F, d) */
+        float *gur = gu + r * 2 * F;
+        rows_product(be, 1, 2 * F, d, xn + r / k * d, d, wgu, d, gur, 2 * F);
+        be->swiglu_forward(be, hs + r * F, gur, 1, F);
+    }
+}
+
+void nl_cpu_moe_down_combine(nl_backend *be, float *x, float *ye, const float *hs,
+                             const int32_t *choice, const float *w, const float *experts,
+                             size_t expert_stride, int N, int k, int d, int F)
+{
+    for (size_t r = 0; r < (size_t)N * k; r++) {
+        const float *wd = experts + (size_t)choice[r] * expert_stride + 2 * (size_t)F * d;
+        rows_product(be, 1, d, F, hs + r * F, F, wd, F, ye + r * d, d);
+    }
+    for (int n = 0; n < N; n++) { /* moe_combine's loop, slot n k + i */
+        float *xr = x + (size_t)n * d;
+        for (int i = 0; i < k; i++) {
+            const float a = w[(size_t)n * k + i];
+            const float *yr = ye + ((size_t)n * k + i) * d;
+            for (int j = 0; j < d; j++)
+                xr[j] += a * yr[j];
+        }
     }
 }

@@ -140,6 +140,17 @@ void nl_cpu_gemm_grouped_wgrad(nl_backend *be, int M, int N, const float *A, int
                                const float *B, int ldb, float *C, int ldc, size_t c_stride,
                                const int32_t *offsets, int groups);
 
+/* the fused decode slots (backend.h), the separate slots' arithmetic */
+void nl_cpu_moe_norm_route(nl_backend *be, float *xn, float *probs, int32_t *choice, float *w,
+                           const float *x, const float *norm_w, const float *router, int N, int d,
+                           int E, int k, float eps);
+void nl_cpu_moe_gate_up(nl_backend *be, float *hs, float *gu, const float *xn,
+                        const int32_t *choice, const float *experts, size_t expert_stride, int N,
+                        int k, int d, int F);
+void nl_cpu_moe_down_combine(nl_backend *be, float *x, float *ye, const float *hs,
+                             const int32_t *choice, const float *w, const float *experts,
+                             size_t expert_stride, int N, int k, int d, int F);
+
 void nl_cpu_moe_ffn_forward(nl_backend *be, float *ye, float *hs, float *gu, const float *xe,
                             const float *experts, size_t expert_stride, int d, int F,
                             const int32_t *offsets, int groups, int max_rows);

@@ -2,13 +2,14 @@
  * nothing the launcher does not, queues the launcher's kernel on the
  * backend's stream and keeps its error (the private context:
  * cuda_backend_impl.h; the kernels: cuda_ops.cu, cuda_attention*.cu,
- * cuda_backward.cu, cuda_moe.cu, cuda_family.cu; in bf16 mode attention
+ * cuda_backward.cu, cuda_moe.cu, cuda_family.cu, cuda_fused.cu; in bf16 mode attention
  * first offers the call to cuDNN, cuda_cudnn.h). */
 #include "cuda_attention.h"
 #include "cuda_attention_bwd.h"
 #include "cuda_backend_impl.h"
 #include "cuda_backward.h"
 #include "cuda_family.h"
+#include "cuda_fused.h"
 #include "cuda_moe.h"
 #include "cuda_ops.h"
 
@@ -130,6 +131,37 @@ void cu_moe_combine(nl_backend *be, float *x, const float *y, const int32_t *slo
 {
     cuda_ctx *c = enter_slot(be, __func__);
     launched(c, "moe_combine", nl_cuda_moe_combine(c->stream, x, y, slot, w, N, k, C));
+}
+
+/* ---------------------------------------------------------------- fused decode */
+
+void cu_moe_norm_route(nl_backend *be, float *xn, float *probs, int32_t *choice, float *w,
+                       const float *x, const float *norm_w, const float *router, int N, int d,
+                       int E, int k, float eps)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    launched(c, "moe_norm_route",
+             nl_cuda_moe_norm_route(c->stream, xn, probs, choice, w, x, norm_w, router, N, d, E, k,
+                                    eps));
+}
+
+void cu_moe_gate_up(nl_backend *be, float *hs, float *gu, const float *xn, const int32_t *choice,
+                    const float *experts, size_t expert_stride, int N, int k, int d, int F)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    launched(
+        c, "moe_gate_up",
+        nl_cuda_moe_gate_up(c->stream, hs, gu, xn, choice, experts, expert_stride, N, k, d, F));
+}
+
+void cu_moe_down_combine(nl_backend *be, float *x, float *ye, const float *hs,
+                         const int32_t *choice, const float *w, const float *experts,
+                         size_t expert_stride, int N, int k, int d, int F)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    launched(c, "moe_down_combine",
+             nl_cuda_moe_down_combine(c->stream, x, ye, hs, choice, w, experts, expert_stride, N, k,
+                                      d, F));
 }
 
 /* ---------------------------------------------------------------- routing */
@@ -407,6 +439,13 @@ void fill_op_slots(nl_backend *be)
     be->sumsq = cu_sumsq;
     be->sample = cu_sample;
     be->adamw = cu_adamw;
+    /* the fused decode kernels read the FP32 weights: in bf16 mode the
+     * separate slots run, whose expert GEMMs read the bf16 copies */
+    if (!ctx_of(be)->bf16) {
+        be->moe_norm_route = cu_moe_norm_route;
+        be->moe_gate_up = cu_moe_gate_up;
+        be->moe_down_combine = cu_moe_down_combine;
+    }
     /* no graphs in bf16 mode (a captured GEMM would keep reading a bf16
      * weight copy that a later write makes stale; the many-row expert
      * GEMMs read offsets on the host) nor under NL_CUDA_PROFILE (which

@@ -47,6 +47,9 @@ int nl_emu_selfcheck(void);
 /* tests/cuda_emu/emu_family.cc: GeGLU, YaRN and the masked attention
  * (DESIGN section 6), likewise */
 int nl_emu_family_checks(void);
+/* tests/cuda_emu/emu_fused.cc: the fused decode kernels (cuda_fused.cu),
+ * likewise */
+int nl_emu_fused_checks(void);
 
 namespace
 {
@@ -1021,6 +1024,7 @@ int main(void)
     CHECK(nl_emu_attention_backward_checks() == 0, "attention backward: see its failures above");
     CHECK(nl_emu_moe_checks() == 0, "routing: see its failures above");
     CHECK(nl_emu_family_checks() == 0, "model variants: see their failures above");
+    CHECK(nl_emu_fused_checks() == 0, "fused decode: see its failures above");
     nl_backend_destroy(&cpu);
     return check_done("test_cuda_emu");
 }

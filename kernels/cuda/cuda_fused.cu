@@ -1,0 +1,202 @@
+/* The CUDA backend's fused decode kernels (kernels/backend.h, "fused
+ * decode"): a decode step's expert layer in three launches. Twins of the
+ * CPU's nl_cpu_moe_norm_route, nl_cpu_moe_gate_up and
+ * nl_cpu_moe_down_combine (kernels/cpu/cpu_moe.c), which are the separate
+ * slots' arithmetic: the element formulas are elem.h's, the norm and
+ * softmax reductions those of cuda_ops.cu, the top-k moe_route's loop;
+ * every product is one dot per output, lane l adding elements l, l + 32,
+ * ... with fused multiply-adds, then a fixed xor tree, as the few-row
+ * grouped GEMM (cuda_moe.cu) does. Nothing depends on the other rows of
+ * the call: a row gives the same bits alone or among others. No atomics,
+ * no dynamic shared memory, no allocation. */
+#include "cuda_fused.h"
+
+#include "../backend.h"
+#include "../elem.h"
+
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+namespace
+{
+
+#include "cuda_reduce.cuh"
+
+constexpr int ROUTE_THREADS = 256; /* one block per row */
+constexpr int DOT_WARPS = 8;       /* gate/up and down: a warp per output column */
+constexpr int DOT_THREADS = DOT_WARPS * WARP;
+constexpr unsigned MAX_GRID_Y = 65535;
+
+unsigned capped(long n, unsigned cap)
+{
+    return n < (long)cap ? (unsigned)n : cap;
+}
+
+/* a . b over n elements, lanes striding: every lane gets the same sum */
+__device__ __forceinline__ float warp_dot(const float *a, const float *b, int n, int lane)
+{
+    float s = 0.0f;
+    for (int i = lane; i < n; i += WARP)
+        s = fmaf(a[i], b[i], s);
+    return warp_sum(s);
+}
+
+/* ---------------------------------------------------------------- norm + router + top-k */
+
+__global__ void __launch_bounds__(ROUTE_THREADS)
+    norm_route_kernel(float *xn, float *probs, int32_t *choice, float *w, const float *x,
+                      const float *norm_w, const float *router, int N, int d, int E, int k,
+                      float eps)
+{
+    __shared__ float red[WARP];
+    __shared__ float p[NL_BACKEND_MAX_EXPERTS];
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, nw = blockDim.x / WARP;
+    for (size_t n = blockIdx.x; n < (size_t)N; n += gridDim.x) {
+        const float *xr = x + n * d;
+        float *y = xn + n * d;
+        float ss = 0.0f;
+        for (int c = threadIdx.x; c < d; c += blockDim.x)
+            ss += xr[c] * xr[c];
+        ss = block_sum(ss, red);
+        const float r = nl_elem_rmsnorm_scale(ss, d, eps);
+        for (int c = threadIdx.x; c < d; c += blockDim.x)
+            y[c] = xr[c] * r * norm_w[c];
+        __syncthreads(); /* the normed row, written by the whole block, read by every warp */
+        for (int e = warp; e < E; e += nw) {
+            const float s = warp_dot(y, router + (size_t)e * d, d, lane);
+            if (lane == 0)
+                p[e] = s;
+        }
+        __syncthreads();
+        float m = -INFINITY; /* softmax_kernel's passes over the E logits */
+        for (int e = threadIdx.x; e < E; e += blockDim.x)
+            m = fmaxf(m, p[e]);
+        m = block_max(m, red);
+        float s = 0.0f;
+        for (int e = threadIdx.x; e < E; e += blockDim.x) {
+            const float v = nl_elem_expf(p[e] - m);
+            p[e] = v;
+            s += v;
+        }
+        s = block_sum(s, red);
+        const float inv = 1.0f / s;
+        for (int e = threadIdx.x; e < E; e += blockDim.x) {
+            p[e] *= inv;
+            probs[n * E + e] = p[e];
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) { /* moe_route's top-k, ties to the lower index */
+            int32_t *ch = choice + n * k;
+            float sum = 0.0f;
+            for (int i = 0; i < k; i++) {
+                int best = -1;
+                for (int e = 0; e < E; e++) {
+                    bool taken = false;
+                    for (int j = 0; j < i; j++)
+                        taken |= ch[j] == e;
+                    if (!taken && (best < 0 || p[e] > p[best]))
+                        best = e;
+                }
+                ch[i] = best;
+                sum += p[best];
+            }
+            for (int i = 0; i < k; i++)
+                w[n * k + i] = p[ch[i]] / sum;
+        }
+        __syncthreads(); /* p is the next row's */
+    }
+}
+
+/* ---------------------------------------------------------------- gate/up + SwiGLU */
+
+__global__ void __launch_bounds__(DOT_THREADS)
+    gate_up_kernel(float *hs, const float *xn, const int32_t *choice, const float *experts,
+                   size_t expert_stride, int N, int k, int d, int F)
+{
+    const int j = blockIdx.x * DOT_WARPS + threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    if (j >= F)
+        return; /* uniform in the warp */
+    for (size_t r = blockIdx.y; r < (size_t)N * k; r += gridDim.y) {
+        const float *a = xn + r / k * d;
+        const float *wg = experts + (size_t)choice[r] * expert_stride + (size_t)j * d;
+        const float g = warp_dot(a, wg, d, lane);
+        const float u = warp_dot(a, wg + (size_t)F * d, d, lane);
+        if (lane == 0)
+            hs[r * F + j] = nl_elem_swiglu(g, u);
+    }
+}
+
+/* ---------------------------------------------------------------- down + combine + residual */
+
+__global__ void __launch_bounds__(DOT_THREADS)
+    down_combine_kernel(float *x, const float *hs, const int32_t *choice, const float *w,
+                        const float *experts, size_t expert_stride, int N, int k, int d, int F)
+{
+    const int c = blockIdx.x * DOT_WARPS + threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    if (c >= d)
+        return;
+    for (size_t n = blockIdx.y; n < (size_t)N; n += gridDim.y) {
+        float acc = x[n * d + c];
+        for (int i = 0; i < k; i++) { /* moe_combine's order */
+            const size_t r = n * k + i;
+            const float *wd =
+                experts + (size_t)choice[r] * expert_stride + 2 * (size_t)F * d + (size_t)c * F;
+            acc += w[r] * warp_dot(hs + r * F, wd, F, lane);
+        }
+        if (lane == 0)
+            x[n * d + c] = acc;
+    }
+}
+
+int launched(void)
+{
+    return (int)cudaGetLastError();
+}
+
+} // namespace
+
+/* ---------------------------------------------------------------- launchers */
+
+extern "C" int nl_cuda_moe_norm_route(void *stream, float *xn, float *probs, int32_t *choice,
+                                      float *w, const float *x, const float *norm_w,
+                                      const float *router, int N, int d, int E, int k, float eps)
+{
+    if (E < 1 || E > NL_BACKEND_MAX_EXPERTS || k < 1 || k > E || N < 0 || d < 0)
+        return (int)cudaErrorInvalidValue;
+    if (N == 0 || d == 0)
+        return 0;
+    norm_route_kernel<<<capped(N, MAX_BLOCKS), ROUTE_THREADS, 0, (cudaStream_t)stream>>>(
+        xn, probs, choice, w, x, norm_w, router, N, d, E, k, eps);
+    return launched();
+}
+
+extern "C" int nl_cuda_moe_gate_up(void *stream, float *hs, float *gu, const float *xn,
+                                   const int32_t *choice, const float *experts,
+                                   size_t expert_stride, int N, int k, int d, int F)
+{
+    (void)gu;
+    if (N < 0 || k < 1 || d < 0 || F < 0)
+        return (int)cudaErrorInvalidValue;
+    if (N == 0 || F == 0)
+        return 0;
+    const dim3 grid((unsigned)((F + DOT_WARPS - 1) / DOT_WARPS), capped((long)N * k, MAX_GRID_Y));
+    gate_up_kernel<<<grid, DOT_THREADS, 0, (cudaStream_t)stream>>>(hs, xn, choice, experts,
+                                                                   expert_stride, N, k, d, F);
+    return launched();
+}
+
+extern "C" int nl_cuda_moe_down_combine(void *stream, float *x, float *ye, const float *hs,
+                                        const int32_t *choice, const float *w, const float *experts,
+                                        size_t expert_stride, int N, int k, int d, int F)
+{
+    (void)ye;
+    if (N < 0 || k < 1 || d < 0 || F < 0)
+        return (int)cudaErrorInvalidValue;
+    if (N == 0 || d == 0)
+        return 0;
+    const dim3 grid((unsigned)((d + DOT_WARPS - 1) / DOT_WARPS), capped(N, MAX_GRID_Y));
+    down_combine_kernel<<<grid, DOT_THREADS, 0, (cudaStream_t)stream>>>(x, hs, choice, w, experts,
+                                                                        expert_stride, N, k, d, F);
+    return launched();
+}
