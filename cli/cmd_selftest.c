@@ -789,7 +789,7 @@ int nl_cmd_selftest(int argc, char **argv)
     nl_selftest_family(&c);
     nl_selftest_cudnn(&c, device, (int)threads);
     nl_selftest_model(&c, (uint64_t)seed);
-    nl_selftest_fused(&c); /* last: its draws leave the model's inputs as they were */
+    nl_selftest_fused(&c);
     printf("selftest: %d passed, %d failed\n", c.passed, c.failed);
     nl_backend_destroy(&c.be[1]);
     nl_backend_destroy(&c.be[0]);
