@@ -143,7 +143,9 @@ static void coord_flags(nl_opt t[MAX_FLAGS], nl_coord_cli *cli, int *level, int 
                    "a job with no progress this long fails"),
         NL_OPT_INT("gen-resumes", &o->gen_resumes, 0, 1000, "2",
                    "times a generation resumes on a new plan after losing a stage, replaying its "
-                   "tokens (0: it fails)"),
+                   "tokens, or after a node that served it is convicted of computing wrong (its "
+                   "tokens from the first the new stages do not give again withdrawn; "
+                   "docs/security.md) (0: it fails)"),
         NL_OPT_INT("train-resumes", &o->train_resumes, 0, 1000, "3",
                    "times a training job goes on by itself after losing a stage: the nodes left "
                    "re-plan, reload the last verified manifest and continue from its step (0: it "

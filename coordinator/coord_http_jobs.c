@@ -224,6 +224,35 @@ out:
     return st;
 }
 
+/* The generation was run again without a node convicted of computing
+ * wrong (a `rerun` report, docs/security.md): its tokens from `from` on
+ * are withdrawn. Those not handed out yet are dropped, and the corrected
+ * ones follow; once one has been handed out (a stream's, or a response
+ * being built) the completion fails, naming why, rather than answer with
+ * a token a liar made. */
+static void gen_rerun(gen *g, const nl_rx *rx)
+{
+    if (rx->msg.nframes != 1 || rx->msg.frames[0].t.dtype != NL_DTYPE_U8)
+        return;
+    json_t *o = json_loadb(rx->msg.frames[0].t.data, rx->msg.frames[0].len, 0, NULL);
+    const char *ev = json_string_value(json_object_get(o, "event"));
+    const json_int_t from = json_integer_value(json_object_get(o, "from")),
+                     withdrawn = json_integer_value(json_object_get(o, "withdrawn"));
+    if (ev && strcmp(ev, "rerun") == 0 && withdrawn > 0 && from >= 0 && from < g->n) {
+        if (from >= g->consumed) {
+            g->n = (int)from;
+        } else {
+            g->failed = 1;
+            g->status = NL_ERR_INTEGRITY;
+            snprintf(g->why, sizeof g->why,
+                     "a node that served this completion was convicted of computing wrong: its "
+                     "tokens from %lld on, some already returned, are withdrawn (submit it again)",
+                     (long long)from + 1);
+        }
+    }
+    json_decref(o);
+}
+
 /* Take one message for g: a token, news of the job, or its end. */
 static void gen_take(gen *g, const nl_rx *rx)
 {
@@ -232,9 +261,10 @@ static void gen_take(gen *g, const nl_rx *rx)
         snprintf(g->why, sizeof g->why, "coordinator: %s", rx->msg.u.error.message);
     } else if (rx->msg.type == NL_MSG_JOB_STATUS) {
         const nl_msg_job_status *s = &rx->msg.u.job_status;
-        if (s->state == NL_JOB_RUNNING && s->job_id)
+        if (s->state == NL_JOB_RUNNING && s->job_id) {
             g->job = s->job_id;
-        else if (s->state == NL_JOB_FAILED || s->state == NL_JOB_CANCELLED) {
+            gen_rerun(g, rx);
+        } else if (s->state == NL_JOB_FAILED || s->state == NL_JOB_CANCELLED) {
             nl_error e = {0};
             nl_client_job_failed(rx, &e);
             g->failed = 1;

@@ -18,6 +18,10 @@
  *             of the cases it redoes with one bit of a digest flipped
  *   mute      it trains honestly but never hands over a case asked for
  *
+ * NL_TEST_LIE_GEN=1 (with one of them) makes the stage lie in every
+ * generation hop it sends too (nl_stage_gen_lie: each hidden value plus 1,
+ * or the next token id), the generation a conviction re-runs.
+ *
  * In a build without the hooks nl_stage_train_lie does nothing. */
 #include <stdlib.h>
 #include <string.h>
@@ -145,7 +149,23 @@ void nl_stage_verify_lie(const nl_stage *s, uint64_t job, uint64_t step, uint32_
             (unsigned long long)job, (unsigned long long)step, mb, stage);
 }
 
+void nl_stage_gen_lie(const nl_stage *s, nl_stage_out *o, size_t n)
+{
+    if (!s->o.lie.generate)
+        return;
+    if (o->kind == NL_STAGE_OUT_HIDDEN) /* far off: the next stages' tokens change */
+        for (size_t i = 0; i < n; i++)
+            o->data[i] += 1.0f;
+    else if (o->kind == NL_STAGE_OUT_TOKEN)
+        o->token = (o->token + 1) % (int32_t)s->model->cfg.vocab_size;
+}
+
 #else
+
+void nl_stage_gen_lie(const nl_stage *s, nl_stage_out *o, size_t n)
+{
+    (void)s, (void)o, (void)n;
+}
 
 bool nl_stage_verify_mute(const nl_stage *s)
 {

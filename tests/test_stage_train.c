@@ -866,7 +866,7 @@ static void digests(void)
      * its neighbours agree with it (the wire cannot tell: a recompute can) */
     static const char *const kinds[] = {"bitflip", "noise", "stale", "skip", "backward"};
     for (int k = 0; k < 5; k++) {
-        test_lie = (nl_stage_lie){(nl_lie_kind)nl_stage_lie_kind(kinds[k]), 0.5, 3, 0};
+        test_lie = (nl_stage_lie){(nl_lie_kind)nl_stage_lie_kind(kinds[k]), 0.5, 3, 0, false};
         lie_stage = 1;
         digest_run(STEPS, M, b, fb);
         int fwd_diff = 0, bwd_diff = 0;
@@ -943,7 +943,7 @@ static void recompute(void)
 #ifdef NL_TEST_HOOKS
     static const char *const kinds[] = {"bitflip", "noise", "stale", "skip", "backward"};
     for (int k = 0; k < 5 && a && fa; k++) {
-        test_lie = (nl_stage_lie){(nl_lie_kind)nl_stage_lie_kind(kinds[k]), 0.5, 3, 0};
+        test_lie = (nl_stage_lie){(nl_lie_kind)nl_stage_lie_kind(kinds[k]), 0.5, 3, 0, false};
         lie_stage = 1;
         memset(mismatched, 0, sizeof mismatched);
         memset(mismatch_fwd, 0, sizeof mismatch_fwd);
@@ -978,7 +978,7 @@ static void recompute(void)
           "bf16 wire, honest: %d of %d cases in bf16, accused %d %d %d (wire %d %d %d)",
           wire_bf16_cases, wire_verified, mismatched[0], mismatched[1], mismatched[2],
           wire_mismatched[0], wire_mismatched[1], wire_mismatched[2]);
-    test_lie = (nl_stage_lie){NL_LIE_BITFLIP, 0.5, 3, 0};
+    test_lie = (nl_stage_lie){NL_LIE_BITFLIP, 0.5, 3, 0, false};
     lie_stage = 1;
     memset(mismatched, 0, sizeof mismatched);
     memset(wire_mismatched, 0, sizeof wire_mismatched);
