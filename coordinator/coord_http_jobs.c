@@ -25,6 +25,7 @@ typedef struct gen {
     nl_http_logprob *lps; /* (max_new) their log-probabilities, when asked */
     int logprobs;         /* the request's k, or -1 */
     int n, max_new, consumed;
+    int withdraw; /* -1, or the tokens that stand of those handed out (a rerun) */
     int done, failed, counted;
     int cancelled;    /* the coordinator confirmed our JOB_CANCEL */
     nl_status status; /* failed: NL_ERR_LIMIT when refused for want of room, NL_ERR_STATE
@@ -187,6 +188,7 @@ nl_status coord_http_gen_start(void *ctx, const nl_http_completion *rq, void **j
     }
     g->max_new = rq->max_tokens;
     g->logprobs = rq->logprobs;
+    g->withdraw = -1;
     if ((st = coord_http_open_client(h, &g->s, err)) != NL_OK) {
         err->status = st = NL_ERR_STATE; /* 503: the cluster cannot be reached */
         goto out;
@@ -226,10 +228,9 @@ out:
 
 /* The generation was run again without a node convicted of computing
  * wrong (a `rerun` report, docs/security.md): its tokens from `from` on
- * are withdrawn. Those not handed out yet are dropped, and the corrected
- * ones follow; once one has been handed out (a stream's, or a response
- * being built) the completion fails, naming why, rather than answer with
- * a token a liar made. */
+ * are withdrawn. Those not handed out yet are dropped; if some were, the
+ * server is told (NL_HTTP_WITHDRAW), which cuts a response being built
+ * (or fails a stream that sent them). The corrected ones follow. */
 static void gen_rerun(gen *g, const nl_rx *rx)
 {
     if (rx->msg.nframes != 1 || rx->msg.frames[0].t.dtype != NL_DTYPE_U8)
@@ -239,16 +240,11 @@ static void gen_rerun(gen *g, const nl_rx *rx)
     const json_int_t from = json_integer_value(json_object_get(o, "from")),
                      withdrawn = json_integer_value(json_object_get(o, "withdrawn"));
     if (ev && strcmp(ev, "rerun") == 0 && withdrawn > 0 && from >= 0 && from < g->n) {
-        if (from >= g->consumed) {
-            g->n = (int)from;
-        } else {
-            g->failed = 1;
-            g->status = NL_ERR_INTEGRITY;
-            snprintf(g->why, sizeof g->why,
-                     "a node that served this completion was convicted of computing wrong: its "
-                     "tokens from %lld on, some already returned, are withdrawn (submit it again)",
-                     (long long)from + 1);
+        if (from < g->consumed) { /* handed out: the server is told (NL_HTTP_WITHDRAW) */
+            g->withdraw = (int)from;
+            g->consumed = (int)from;
         }
+        g->n = (int)from;
     }
     json_decref(o);
 }
@@ -309,7 +305,7 @@ nl_http_next coord_http_gen_next(void *ctx, void *jp, int32_t *id, const char **
     const double by = nl_client_now() + timeout_ms / 1e3;
     *text = "";
     *len = 0;
-    while (g->consumed == g->n && !g->done && !g->failed) {
+    while (g->consumed == g->n && !g->done && !g->failed && g->withdraw < 0) {
         pthread_mutex_lock(&h->mu);
         const int stop = h->stop;
         pthread_mutex_unlock(&h->mu);
@@ -331,6 +327,11 @@ nl_http_next coord_http_gen_next(void *ctx, void *jp, int32_t *id, const char **
         }
     }
     nl_rx_free(&rx);
+    if (g->withdraw >= 0) { /* a rerun withdrew tokens handed out: first that */
+        *id = g->withdraw;
+        g->withdraw = -1;
+        return NL_HTTP_WITHDRAW;
+    }
     if (g->consumed < g->n) {
         if (g->lps)
             *lp = g->lps[g->consumed];

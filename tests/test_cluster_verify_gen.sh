@@ -9,10 +9,11 @@
 #  - a generation that finished before the conviction (job 1) gave the
 #    liar's tokens; the conviction names it (a warning, and a
 #    generation_suspect event on /api/events);
-#  - the generation running at the conviction is replayed on the nodes
-#    left: the first token they do not give again and those after it are
-#    withdrawn (a `rerun` notice), and neuroctl's output ends with a line
-#    that holds one process's honest tokens.
+#  - the generations running at the conviction (neuroctl's and one over
+#    HTTP) are replayed on the nodes left: the first token they do not give
+#    again and those after it are withdrawn (a `rerun` notice); neuroctl's
+#    output ends with a line that holds one process's honest tokens, and
+#    the HTTP response holds what the honest nodes answer it afterwards.
 . "$(dirname "$0")/cluster_lib.sh"
 export NL_TEST_GFLOPS=20
 
@@ -38,9 +39,22 @@ check "$N" generate --cluster "$C" --prompt-tokens $P --max-new 4 --temperature 
   > "$W/short.c" 2> "$W/short.err"
 check bash -c "! cmp -s '$W/short.c' '$W/short.l'" # the liar's tokens
 
-# ---- job 2: a long generation, and job 3: training, which convicts node-2
-# while the generation runs: job 2 goes on as a job of a new id on the
-# nodes left ----
+cat > "$W/complete.py" <<'PY'
+import json, sys, urllib.request
+base = sys.argv[1].rstrip("/")
+body = json.dumps({"prompt": [72, 101], "max_tokens": 28, "temperature": 0}).encode()
+rq = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
+try:
+    r = json.loads(urllib.request.urlopen(rq, timeout=120).read())
+    print(json.dumps(r["choices"][0]["text"]))
+except urllib.error.HTTPError as e:
+    print("HTTP %d %s" % (e.code, e.read().decode(errors="replace")))
+PY
+# ---- job 2: a long generation (and one over HTTP), and then training,
+# which convicts node-2 while they run: each goes on as a job of a new id
+# on the nodes left ----
+$PY "$W/complete.py" "$(cat "$C/coord/http")" > "$W/http.c" 2>&1 &
+http=$!
 "$N" generate --cluster "$C" --prompt-tokens $P --max-new 28 --temperature 0 \
   > "$W/long.c" 2> "$W/long.err" &
 gen=$!
@@ -55,14 +69,23 @@ check "$N" train --cluster "$C" --data "$W/data.txt" --steps 3 --batch 8 --seq 1
   2> "$W/train.err"
 wait $gen
 check test $? -eq 0
+wait $http
 cat "$W/long.err"
 check grep -q "^# banned: convicted of computing wrong.* node  # node-2" "$C/coord/authorized_keys"
 check grep -q "job 2: node [0-9]* served this generation and was convicted .* as job [0-9]*" "$C/coord.log"
-check grep -q "job [0-9]*: node [0-9]*, which served this generation, was convicted of computing wrong: run again without it, its tokens from 1 on (.*) are withdrawn" \
+check grep -q "job [0-9]*: node [0-9]*, which served this generation, was convicted of computing wrong: run again without it, its tokens from [0-9]* on (.*) are withdrawn" \
   "$C/coord.log"
 check grep -q "are withdrawn and the ones that follow replace them" "$W/long.err"
 # the output's last line: one process's tokens
 check bash -c "diff <(tail -n 1 '$W/long.c') <(tail -n 1 '$W/long.l')"
+# the completion over HTTP, cut where its tokens were withdrawn (if it had
+# made one by the conviction), answers what the honest nodes answer the
+# same request now
+grep "which served this generation" "$C/coord.log"
+$PY "$W/complete.py" "$(cat "$C/coord/http")" > "$W/http.l" 2>&1
+cat "$W/http.c" "$W/http.l"
+check grep -q '^"' "$W/http.c"
+check cmp "$W/http.c" "$W/http.l"
 # the finished one is named
 check grep -q "job 1: a generation that finished .* s ago was served by node [0-9]*, since convicted" \
   "$C/coord.log"
@@ -82,7 +105,7 @@ PY
 check grep -q "event: generation_suspect" "$W/events"
 check grep -q '"job": *1' <(grep -A1 "event: generation_suspect" "$W/events")
 
-[ -n "${KEEP:-}" ] && cp "$C"/*.log "$W"/long.* "$W"/short.* "$KEEP"/
+[ -n "${KEEP:-}" ] && cp "$C"/*.log "$W"/long.* "$W"/short.* "$W"/http.* "$KEEP"/
 check "$N" cluster down --dir "$C"
 echo "test_cluster_verify_gen: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
