@@ -16,7 +16,9 @@
 # (16 MiB a part; bench-small's stages do not: docs/security.md, "Limit").
 # Prints JSON.
 #   bench/bench_verify.sh [BUILD_DIR] [STEPS]       defaults: build 12
-#   env: REPS (2), Q (0.01), SEEDS (3), CATCH_STEPS (120), M (8)
+#   env: REPS (2), Q (0.01), SEEDS (3), CATCH_STEPS (120), M (8), UP_EXTRA (more
+#   `cluster up` arguments: "--replicas 2" for 2 stages x 2 replicas, whose
+#   cases go to the stage's other replica; "--wire bf16" for the bf16 wire)
 set -euo pipefail
 B=${1:-build}
 STEPS=${2:-12}
@@ -43,10 +45,11 @@ cp tests/data/corpus.txt "$W/data.txt"
 "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7 >/dev/null
 export NL_TEST_GFLOPS=20 # equal probes: the same 4-stage plan every run
 
+read -ra UP <<< "${UP_EXTRA:-}"
 run() { # run NAME RATE STEPS [ENV...]: prints nothing; the log is $W/NAME.jsonl
   local name=$1 rate=$2 steps=$3; shift 3
   env "$@" "$N" cluster up --dir "$W/c-$name" --nodes 4 --model "$W/m.safetensors" --memory 512M \
-    --threads 1 --verify-rate "$rate" --timeout 120 >/dev/null 2>&1
+    --threads 1 --verify-rate "$rate" --timeout 120 ${UP[@]+"${UP[@]}"} >/dev/null 2>&1
   "$N" train --cluster "$W/c-$name" --data "$W/data.txt" --steps "$steps" --batch 16 --seq 64 \
     --microbatches "$M" --lr 1e-3 --seed 1 --log "$W/$name.jsonl" \
     --checkpoint-dir "$W/ck-$name" >/dev/null 2>&1 || true
@@ -64,7 +67,7 @@ done
 python3 - "$W" "$REPS" "$SEEDS" "$Q" "$M" <<'PY'
 import json, math, statistics, sys
 w, reps, seeds, q, M = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
-P, S = 0.05, 4
+P, S = 0.05, 4  # S: the lying nodes (with replicas, each its stage's microbatches' share)
 def log(name):
     try:
         return [json.loads(l) for l in open("%s/%s.jsonl" % (w, name))]

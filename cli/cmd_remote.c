@@ -219,6 +219,40 @@ static int gen_prompt(nl_tokenizer *tok, const char *ptext, const char *ptoks, i
  * given, else as ids) into ids[*count..max_new), until the last, the
  * timeout without progress, or Ctrl-C (the job cancelled). 0, 1 (err
  * says why) or 130 (interrupted). */
+/* Print token id (text with a tokenizer, else ids), the count-th. */
+static void gen_print(nl_tokenizer *tok, int32_t id, int count)
+{
+    const uint8_t *p = NULL;
+    size_t n = 0;
+    if (!tok)
+        printf("%s%d", count > 1 ? " " : "", id);
+    else if (nl_tokenizer_token_bytes(tok, id, &p, &n) == NL_OK &&
+             !nl_tokenizer_is_special(tok, id))
+        fwrite(p, 1, n, stdout);
+}
+
+/* The generation was run again without a node convicted of computing
+ * wrong (a JOB_STATUS `rerun` report: docs/security.md): the tokens from
+ * `from` on are withdrawn, and the output starts a new line with the ones
+ * kept, which the corrected ones follow. */
+static void gen_rerun(const nl_rx *rx, nl_tokenizer *tok, const int32_t *ids, int *count)
+{
+    if (rx->msg.nframes != 1 || rx->msg.frames[0].t.dtype != NL_DTYPE_U8)
+        return;
+    json_t *o = json_loadb(rx->msg.frames[0].t.data, rx->msg.frames[0].len, 0, NULL);
+    const char *ev = json_string_value(json_object_get(o, "event"));
+    const json_int_t from = json_integer_value(json_object_get(o, "from")),
+                     withdrawn = json_integer_value(json_object_get(o, "withdrawn"));
+    if (ev && strcmp(ev, "rerun") == 0 && withdrawn > 0 && from >= 0 && from < *count) {
+        *count = (int)from;
+        printf("\n");
+        for (int i = 0; i < *count; i++)
+            gen_print(tok, ids[i], i + 1);
+        fflush(stdout);
+    }
+    json_decref(o);
+}
+
 static int gen_receive(nl_remote *r, nl_rx *rx, nl_tokenizer *tok, int32_t *ids, long long max_new,
                        int *count, nl_gen_clock *clock, nl_error *err)
 {
@@ -239,6 +273,7 @@ static int gen_receive(nl_remote *r, nl_rx *rx, nl_tokenizer *tok, int32_t *ids,
         if (rx->msg.type == NL_MSG_JOB_STATUS && rx->msg.u.job_status.state == NL_JOB_RUNNING) {
             if (job) /* news of a running job: e.g. it lost a stage and resumes */
                 fprintf(stderr, "neuroctl generate: %s\n", rx->msg.u.job_status.message);
+            gen_rerun(rx, tok, ids, count);
             job = rx->msg.u.job_status.job_id;
             deadline = nl_client_now() + r->timeout_ms / 1e3;
         }
@@ -250,13 +285,7 @@ static int gen_receive(nl_remote *r, nl_rx *rx, nl_tokenizer *tok, int32_t *ids,
             const int32_t id = (int32_t)rx->msg.u.token.tokens[i];
             nl_gen_clock_tick(clock);
             ids[(*count)++] = id;
-            const uint8_t *p = NULL;
-            size_t n = 0;
-            if (!tok)
-                printf("%s%d", *count > 1 ? " " : "", id);
-            else if (nl_tokenizer_token_bytes(tok, id, &p, &n) == NL_OK &&
-                     !nl_tokenizer_is_special(tok, id))
-                fwrite(p, 1, n, stdout);
+            gen_print(tok, id, *count);
             fflush(stdout);
         }
         if (rx->msg.u.token.done)

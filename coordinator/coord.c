@@ -289,6 +289,7 @@ void nl_coord_destroy(nl_coord **cp)
     nl_keys_wipe(&c->keys);
     sodium_memzero(c->verify_key, sizeof c->verify_key);
     coord_bans_free(c);
+    coord_generate_done_free(c);
     free(c);
     *cp = NULL;
 }

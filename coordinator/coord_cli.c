@@ -43,8 +43,11 @@ static void train_rows(nl_opt t[MAX_FLAGS], int *at, nl_coord_cli *cli, int *gro
                       "redoes and compares by digest (a node of another device class: the "
                       "tensors, within 1e-4 relative), drawn from a secret the nodes never see; a "
                       "node found wrong is banned and the job rolls back to its last checkpoint "
-                      "whose steps were all verified (docs/security.md, \"Catching a node that "
-                      "computes wrong\"; 0: none)"),
+                      "whose steps were all verified. With --replicas a case names the replica "
+                      "that ran the microbatch and a standby or the stage's other replica redoes "
+                      "it; with --wire bf16 its digests are of the bf16 bytes sent; off with "
+                      "--outer-every (docs/security.md, \"Catching a node that computes "
+                      "wrong\"; 0: none)"),
         NL_OPT_DOUBLE("replan-margin", &o->replan_margin, 0.0, 1.0, "0.1",
                       "when a node joins (or a standby leaves) and no job runs, plan again if the "
                       "bottleneck gets better by this fraction; the stages reload from the "
@@ -59,8 +62,8 @@ static void train_rows(nl_opt t[MAX_FLAGS], int *at, nl_coord_cli *cli, int *gro
         NL_OPT_STR("replicas", &cli->replicas,
                    "R|auto: every pipeline stage on R nodes, microbatch i on replica i mod R, "
                    "their gradients added in replica order (docs/cluster.md, \"Replicas on "
-                   "different nodes\"; a job's microbatches a multiple of R; verification by "
-                   "recompute off); auto: the R with the most training tokens/s by the cost "
+                   "different nodes\"; a job's microbatches a multiple of R); auto: the R with the "
+                   "most training tokens/s by the cost "
                    "model (default 1)"),
         NL_OPT_INT("plan-microbatches", &o->plan_microbatches, 1, 1 << 20, "8",
                    "the microbatches of a training step --replicas auto plans for"),
@@ -76,7 +79,7 @@ static void train_rows(nl_opt t[MAX_FLAGS], int *at, nl_coord_cli *cli, int *gro
         NL_OPT_CHOICE("wire", &o->wire, "fp32|bf16", "fp32",
                       "fp32 or bf16: the precision of the hidden states and gradients the stages "
                       "send each other (bf16: rounded to nearest even when sent, widened when "
-                      "received; half the bytes; verification by recompute is off with bf16)"),
+                      "received; half the bytes)"),
         NL_OPT_CHOICE("grow", grow, "off|auto", "off",
                       "auto: the model deepens as nodes join (issue 16): at rest, or during "
                       "training right after a checkpoint, when the nodes' memory holds more "
@@ -140,7 +143,9 @@ static void coord_flags(nl_opt t[MAX_FLAGS], nl_coord_cli *cli, int *level, int 
                    "a job with no progress this long fails"),
         NL_OPT_INT("gen-resumes", &o->gen_resumes, 0, 1000, "2",
                    "times a generation resumes on a new plan after losing a stage, replaying its "
-                   "tokens (0: it fails)"),
+                   "tokens, or after a node that served it is convicted of computing wrong (its "
+                   "tokens from the first the new stages do not give again withdrawn; "
+                   "docs/security.md) (0: it fails)"),
         NL_OPT_INT("train-resumes", &o->train_resumes, 0, 1000, "3",
                    "times a training job goes on by itself after losing a stage: the nodes left "
                    "re-plan, reload the last verified manifest and continue from its step (0: it "
@@ -198,14 +203,6 @@ static int check(nl_coord_cli *cli, const nl_opt *t)
         fprintf(stderr, "--node-timeout-ms must exceed --heartbeat-ms\n");
         return 2;
     }
-    /* the verifier's digests are of FP32 tensors: with bf16 hops a stage's
-     * reported digests are of other bytes, and honest nodes would be
-     * convicted (docs/security.md) */
-    if (o->wire != NL_WIRE_FP32 && o->verify_rate > 0) {
-        fprintf(stderr, "neurocoord: --wire bf16: verification by recompute is off (not yet "
-                        "available with bf16 hops; docs/security.md)\n");
-        o->verify_rate = 0;
-    }
     if (cli->replicas && strcmp(cli->replicas, "auto") == 0) {
         o->replicas = 0;
     } else if (cli->replicas) {
@@ -219,13 +216,14 @@ static int check(nl_coord_cli *cli, const nl_opt *t)
         }
         o->replicas = (int)r;
     }
-    /* a verification case is kept by the replica that ran the microbatch,
-     * which the coordinator does not ask yet */
-    if (o->replicas != 1 && o->verify_rate > 0) {
+    /* DiLoCo's replica groups train apart between outer steps: a case's
+     * weights and loss scale are its group's, which the coordinator does
+     * not check yet (docs/security.md) */
+    if (o->outer_every > 0 && o->verify_rate > 0) {
         fprintf(stderr,
-                "neurocoord: --replicas %s: verification by recompute is off (not yet "
-                "available with replicas)\n",
-                cli->replicas);
+                "neurocoord: --outer-every %d: verification by recompute is off (not yet "
+                "available with DiLoCo)\n",
+                o->outer_every);
         o->verify_rate = 0;
     }
     if (o->outer_every > 0 && o->replicas == 1) {

@@ -11,9 +11,28 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <jansson.h>
+
 #include "base/log.h"
 #include "coord_impl.h"
 #include "net/genparams.h"
+
+#define GEN_SERVED_MAX 64       /* nodes a generation's record names (its plans' stages) */
+#define GEN_DONE_KEPT 64        /* finished generations a conviction may name ... */
+#define GEN_DONE_WINDOW_S 600.0 /* ... if they finished this recently */
+
+/* A finished generation: its job and the nodes that served it. */
+typedef struct gen_done_one {
+    uint64_t job;
+    double t_end;
+    int n;
+    uint32_t served[GEN_SERVED_MAX];
+} gen_done_one;
+
+struct cgen_done {
+    gen_done_one e[GEN_DONE_KEPT];
+    int next; /* the slot the next one takes (the oldest) */
+};
 
 typedef struct cgen {
     /* ids holds the prompt, then the tokens produced */
@@ -27,7 +46,131 @@ typedef struct cgen {
     nl_genparams params; /* the client's, then the session's */
     /* params.adapter resolved under --checkpoint-root, or "" */
     char adapter[PATH_MAX];
+    /* the nodes of the stages its sessions were opened on; convicted: one
+     * of them was convicted of computing wrong, so its replay withdraws
+     * the tokens from the first one the stages left do not give again */
+    uint32_t served[GEN_SERVED_MAX];
+    int n_served;
+    uint32_t convicted;
 } cgen;
+
+/* Whether node `id` served a generation (n ids in served). */
+static int served_by(const uint32_t *served, int n, uint32_t id)
+{
+    for (int i = 0; i < n; i++)
+        if (served[i] == id)
+            return 1;
+    return 0;
+}
+
+/* The nodes of the plan's stages join g's (inference runs on replica 0). */
+static void note_served(nl_coord *c, cgen *g)
+{
+    for (int st = 0; st < c->plan->n_stages; st++) {
+        const cnode *n = coord_stage_node(c, st);
+        if (n && !served_by(g->served, g->n_served, n->id) && g->n_served < GEN_SERVED_MAX)
+            g->served[g->n_served++] = n->id;
+    }
+}
+
+/* A finished generation into the record a conviction reads. */
+static void note_done(nl_coord *c, const cjob *j)
+{
+    const cgen *g = j->state;
+    if (!c->gen_done && !(c->gen_done = calloc(1, sizeof *c->gen_done)))
+        return; /* out of memory: a later conviction cannot name it */
+    gen_done_one *e = &c->gen_done->e[c->gen_done->next];
+    c->gen_done->next = (c->gen_done->next + 1) % GEN_DONE_KEPT;
+    e->job = j->id;
+    e->t_end = coord_now();
+    e->n = g->n_served;
+    memcpy(e->served, g->served, (size_t)g->n_served * sizeof *e->served);
+}
+
+void coord_generate_done_free(nl_coord *c)
+{
+    free(c->gen_done);
+    c->gen_done = NULL;
+}
+
+/* Tell the client of g's re-run (JOB_STATUS running, a `rerun` report):
+ * its tokens from `from` on are withdrawn (none: they stand). */
+static void tell_rerun(nl_coord *c, cjob *j, int from, int withdrawn)
+{
+    const cgen *g = j->state;
+    char msg[300];
+    if (withdrawn)
+        snprintf(msg, sizeof msg,
+                 "node %u, which served this generation, was convicted of computing wrong: run "
+                 "again without it, its tokens from %d on (%d) are withdrawn and the ones that "
+                 "follow replace them",
+                 g->convicted, from + 1, withdrawn);
+    else
+        snprintf(msg, sizeof msg,
+                 "node %u, which served this generation, was convicted of computing wrong: run "
+                 "again without it, its %d tokens stand",
+                 g->convicted, from);
+    NL_WARN("job %llu: %s", (unsigned long long)j->id, msg);
+    json_t *o = json_pack("{s:s,s:I,s:i,s:i}", "event", "rerun", "node", (json_int_t)g->convicted,
+                          "from", from, "withdrawn", withdrawn);
+    char *text = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, msg, text);
+    free(text);
+    json_decref(o);
+}
+
+static int generate_stage_lost(nl_coord *c, cjob *j, const char *why);
+
+void coord_generate_convicted(nl_coord *c, const cnode *n, const char *why)
+{
+    for (int i = 0; i < COORD_MAX_JOBS; i++) {
+        cjob *j = &c->jobs[i];
+        cgen *g = j->phase != JOB_FREE && j->ops == &coord_generate_ops ? j->state : NULL;
+        if (!g || !served_by(g->served, g->n_served, n->id))
+            continue;
+        /* the node is dropped at the next tick: the session takes no more
+         * tokens and resumes on the next plan, whose replay judges the
+         * tokens made so far. Its stages drop it now, and it goes on as a
+         * job of a new id (its session's): the token ring, alive unlike a
+         * dead node's, stops, and what it still has in flight (hops,
+         * tokens, a stage's error) names a session and a job that are no
+         * more, never the one opened again */
+        const uint64_t was = j->id;
+        g->convicted = n->id;
+        if (j->phase == JOB_RUNNING) {
+            coord_close_session(c, j);
+            j->id = ++c->next_job;
+        }
+        NL_WARN("job %llu: node %u served this generation and was convicted (%s): it is run "
+                "again without it as job %llu, its %d tokens checked as they are replayed",
+                (unsigned long long)was, n->id, why, (unsigned long long)j->id, g->produced);
+        if (j->phase == JOB_RUNNING &&
+            !generate_stage_lost(c, j, "a node that served it was convicted of computing wrong"))
+            coord_job_fail(c, j,
+                           "a node that served it was convicted of computing wrong, and it "
+                           "has no resume left (--gen-resumes)");
+    }
+    const double now = coord_now();
+    for (int i = 0; c->gen_done && i < GEN_DONE_KEPT; i++) {
+        const gen_done_one *e = &c->gen_done->e[i];
+        if (!e->job || now - e->t_end > GEN_DONE_WINDOW_S || !served_by(e->served, e->n, n->id))
+            continue;
+        NL_WARN("job %llu: a generation that finished %.0f s ago was served by node %u, since "
+                "convicted of computing wrong (%s): its tokens may be wrong (submit it again for "
+                "a result without that node)",
+                (unsigned long long)e->job, now - e->t_end, n->id, why);
+        if (c->observe) { /* /api/events: generation_suspect */
+            json_t *o = json_pack("{s:s,s:I,s:I,s:s,s:f}", "event", "generation_suspect", "job",
+                                  (json_int_t)e->job, "node", (json_int_t)n->id, "key", n->key,
+                                  "finished_s_ago", now - e->t_end);
+            char *text = o ? json_dumps(o, JSON_COMPACT) : NULL;
+            if (text)
+                c->observe(c->observe_ctx, e->job, NL_JOB_DONE, "suspect", text);
+            free(text);
+            json_decref(o);
+        }
+    }
+}
 
 /* Open the session on every stage of the plan. With limit, the last stage
  * feeds its tokens to the first itself (the token ring) and this
@@ -43,6 +186,9 @@ static void open_session(nl_coord *c, cjob *j)
     g->acks = 0;
     memset(g->acked, 0, sizeof g->acked);
     g->seen = 0;
+    if (!g->produced) /* nothing to judge again */
+        g->convicted = 0;
+    note_served(c, g);
     nl_genparams session = g->params;
     session.session = j->id;
     session.limit = g->coord_feeds ? 0 : g->params.limit;
@@ -150,7 +296,13 @@ static void on_token(nl_coord *c, cjob *j, const nl_rx *rx)
     j->last_progress = coord_now();
     const int32_t tok = (int32_t)t->tokens[0];
     const int k = g->seen++; /* the session's token k (0-based) */
-    if (k < g->produced) {   /* a resumed session replays what the client has */
+    if (k < g->produced && g->convicted && tok != g->ids[g->prompt_len + k]) {
+        /* re-run without a convicted node: the stages left give another
+         * token here, so this one and those after it are withdrawn */
+        tell_rerun(c, j, k, g->produced - k);
+        g->produced = k;
+        g->convicted = 0;
+    } else if (k < g->produced) { /* a resumed session replays what the client has */
         const int32_t had = g->ids[g->prompt_len + k];
         if (tok != had)
             NL_WARN("job %llu: the replay gave token %d at position %d, where %d was sent; going "
@@ -158,6 +310,10 @@ static void on_token(nl_coord *c, cjob *j, const nl_rx *rx)
                     (unsigned long long)j->id, tok, g->prompt_len + k, had, had);
         if (k + 1 == g->produced)
             NL_INFO("job %llu: replayed %d tokens; resumed", (unsigned long long)j->id, k + 1);
+        if (k + 1 == g->produced && g->convicted) {
+            tell_rerun(c, j, k + 1, 0);
+            g->convicted = 0;
+        }
         if (coord_send_tokens(c, j, j->id, (uint64_t)(g->prompt_len + k), &had, 1, 1) != NL_OK)
             coord_fail_unreachable_first(c, j);
         return;
@@ -180,6 +336,7 @@ static void on_token(nl_coord *c, cjob *j, const nl_rx *rx)
     coord_send_client(c, j->rid, j->rid_len, &m);
     nl_wire_msg_free(&m);
     if (done) { /* the last stage fed nothing more */
+        note_done(c, j);
         coord_close_session(c, j);
         coord_job_free(j);
     } else if (g->coord_feeds &&

@@ -306,8 +306,8 @@ void coord_http_on_report(void *ctx, uint64_t job, int state, const char *msg, c
                                json_pack("{s:I,s:I,s:O}", "job", (json_int_t)job, "step",
                                          (json_int_t)step, "loss", eval));
     } else {
-        char type[64];
-        snprintf(type, sizeof type, "train_%s", ev);
+        char type[64]; /* a training job's, but a generation's own (generation_suspect) */
+        snprintf(type, sizeof type, "%s%s", strncmp(ev, "generation_", 11) ? "train_" : "", ev);
         json_object_set_new(o, "job", json_integer((json_int_t)job));
         coord_http_publish(h, type, json_incref(o));
     }

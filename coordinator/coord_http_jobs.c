@@ -25,6 +25,7 @@ typedef struct gen {
     nl_http_logprob *lps; /* (max_new) their log-probabilities, when asked */
     int logprobs;         /* the request's k, or -1 */
     int n, max_new, consumed;
+    int withdraw; /* -1, or the tokens that stand of those handed out (a rerun) */
     int done, failed, counted;
     int cancelled;    /* the coordinator confirmed our JOB_CANCEL */
     nl_status status; /* failed: NL_ERR_LIMIT when refused for want of room, NL_ERR_STATE
@@ -187,6 +188,7 @@ nl_status coord_http_gen_start(void *ctx, const nl_http_completion *rq, void **j
     }
     g->max_new = rq->max_tokens;
     g->logprobs = rq->logprobs;
+    g->withdraw = -1;
     if ((st = coord_http_open_client(h, &g->s, err)) != NL_OK) {
         err->status = st = NL_ERR_STATE; /* 503: the cluster cannot be reached */
         goto out;
@@ -224,6 +226,29 @@ out:
     return st;
 }
 
+/* The generation was run again without a node convicted of computing
+ * wrong (a `rerun` report, docs/security.md): its tokens from `from` on
+ * are withdrawn. Those not handed out yet are dropped; if some were, the
+ * server is told (NL_HTTP_WITHDRAW), which cuts a response being built
+ * (or fails a stream that sent them). The corrected ones follow. */
+static void gen_rerun(gen *g, const nl_rx *rx)
+{
+    if (rx->msg.nframes != 1 || rx->msg.frames[0].t.dtype != NL_DTYPE_U8)
+        return;
+    json_t *o = json_loadb(rx->msg.frames[0].t.data, rx->msg.frames[0].len, 0, NULL);
+    const char *ev = json_string_value(json_object_get(o, "event"));
+    const json_int_t from = json_integer_value(json_object_get(o, "from")),
+                     withdrawn = json_integer_value(json_object_get(o, "withdrawn"));
+    if (ev && strcmp(ev, "rerun") == 0 && withdrawn > 0 && from >= 0 && from < g->n) {
+        if (from < g->consumed) { /* handed out: the server is told (NL_HTTP_WITHDRAW) */
+            g->withdraw = (int)from;
+            g->consumed = (int)from;
+        }
+        g->n = (int)from;
+    }
+    json_decref(o);
+}
+
 /* Take one message for g: a token, news of the job, or its end. */
 static void gen_take(gen *g, const nl_rx *rx)
 {
@@ -232,9 +257,10 @@ static void gen_take(gen *g, const nl_rx *rx)
         snprintf(g->why, sizeof g->why, "coordinator: %s", rx->msg.u.error.message);
     } else if (rx->msg.type == NL_MSG_JOB_STATUS) {
         const nl_msg_job_status *s = &rx->msg.u.job_status;
-        if (s->state == NL_JOB_RUNNING && s->job_id)
+        if (s->state == NL_JOB_RUNNING && s->job_id) {
             g->job = s->job_id;
-        else if (s->state == NL_JOB_FAILED || s->state == NL_JOB_CANCELLED) {
+            gen_rerun(g, rx);
+        } else if (s->state == NL_JOB_FAILED || s->state == NL_JOB_CANCELLED) {
             nl_error e = {0};
             nl_client_job_failed(rx, &e);
             g->failed = 1;
@@ -279,7 +305,7 @@ nl_http_next coord_http_gen_next(void *ctx, void *jp, int32_t *id, const char **
     const double by = nl_client_now() + timeout_ms / 1e3;
     *text = "";
     *len = 0;
-    while (g->consumed == g->n && !g->done && !g->failed) {
+    while (g->consumed == g->n && !g->done && !g->failed && g->withdraw < 0) {
         pthread_mutex_lock(&h->mu);
         const int stop = h->stop;
         pthread_mutex_unlock(&h->mu);
@@ -301,6 +327,11 @@ nl_http_next coord_http_gen_next(void *ctx, void *jp, int32_t *id, const char **
         }
     }
     nl_rx_free(&rx);
+    if (g->withdraw >= 0) { /* a rerun withdrew tokens handed out: first that */
+        *id = g->withdraw;
+        g->withdraw = -1;
+        return NL_HTTP_WITHDRAW;
+    }
     if (g->consumed < g->n) {
         if (g->lps)
             *lp = g->lps[g->consumed];

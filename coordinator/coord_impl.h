@@ -166,6 +166,15 @@ struct cjob {
     void *state; /* the kind's, owned by the job */
 };
 
+/* Node n was convicted of computing wrong (coord_quarantine): every
+ * generation it served is re-run without it (coord_generate.c): a running
+ * one replays its tokens on the next plan and withdraws those from the
+ * first one the honest stages do not give again; a finished one of the
+ * last GEN_DONE_KEPT, within GEN_DONE_WINDOW_S, is named in a warning and
+ * a `generation_suspect` event. */
+void coord_generate_convicted(nl_coord *c, const cnode *n, const char *why);
+/* Free the record of finished generations. */
+void coord_generate_done_free(nl_coord *c);
 extern const cjob_ops coord_forward_ops, coord_generate_ops, coord_train_ops, coord_finetune_ops,
     coord_embed_ops, coord_grow_ops;
 /* A forward job with params.adapter (coord_embed.c): the stages take the
@@ -210,7 +219,9 @@ struct nl_coord {
     uint8_t verify_key[32]; /* draws what --verify-rate checks: made at the start, never sent */
     uint32_t quarantine;    /* a node convicted of computing wrong: dropped at the next tick */
     char quarantine_why[400];
-    struct cban *bans; /* the keys authorized_keys has banned (coord_bans_read) */
+    struct cgen_done *gen_done; /* generations finished lately, by the nodes that served them
+                                   (coord_generate.c; a conviction names them) */
+    struct cban *bans;          /* the keys authorized_keys has banned (coord_bans_read) */
     int n_bans;
     char endpoint[256], client_endpoint[256];
     nl_coord_observer observe; /* nl_coord_observe, or NULL */

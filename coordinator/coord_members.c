@@ -194,6 +194,7 @@ void coord_quarantine(nl_coord *c, cnode *n, uint64_t job, const char *why)
                  e.msg);
     c->quarantine = n->id;
     snprintf(c->quarantine_why, sizeof c->quarantine_why, "quarantined: %.300s", why);
+    coord_generate_convicted(c, n, why); /* the generations it served are re-run */
 }
 
 void coord_on_join(nl_coord *c, const nl_rx *rx)

@@ -147,6 +147,12 @@ void coord_train_report_end(nl_coord *c, cjob *j, int cancelled)
         json_object_set_new(o, "manifest", json_string(t->manifest));
     if (adapter)
         json_object_set_new(o, "adapter", json_string(adapter));
+    if (t->verify_sampled > 0) /* the job's verification by recompute (SETTLE: all answered) */
+        NL_INFO("%s job %llu: %lld (stage, microbatch)s drawn for verification, %lld answered, "
+                "%lld found wrong, %lld skipped",
+                j->ops->name, (unsigned long long)j->id, (long long)t->verify_sampled,
+                (long long)t->verify_done, (long long)t->verify_mismatches,
+                (long long)t->verify_skipped);
     char msg[8400] = "done";
     if (cancelled && adapter)
         snprintf(msg, sizeof msg, "cancelled at step %lld; kept the adapters in %s",

@@ -56,13 +56,24 @@ static int report_ok(srep *r, uint32_t stage, tr_event ev, int *rep)
     }
     *rep = n->replica;
     if (n->replica < 0 || n->replica >= NL_PLAN_MAX_REPLICAS ||
-        (n->replica != 0 && (ev != TE_REPORTED || !lanes(r)))) {
-        /* a stage's replicas report through replica 0 (DiLoCo: a step's, each) */
+        (n->replica != 0 && ev != TE_REPORTED)) {
+        /* a stage's replicas report through replica 0, but a step's
+         * GRAD_NORM (its digests) and, with DiLoCo, its LOSS: each */
         NL_WARN("a training report for job %llu comes from replica %d of stage %u",
                 (unsigned long long)r->j->id, n->replica, stage);
         return 0;
     }
     return 1;
+}
+
+/* The GRAD_NORMs of a step: one from each replica of each stage (each
+ * with the digests of the microbatches it ran). */
+static int norms_per_step(const srep *r)
+{
+    int n = 0;
+    for (int s = 0; s < r->t->stages; s++)
+        n += coord_stage_replicas(r->c, s);
+    return n;
 }
 
 /* A stage's replica took the job (JOB_STATUS running); once every
@@ -113,12 +124,12 @@ static int take_digests(srep *r, uint32_t stage, int rep)
                    "step has %lld: refused",
                    stage, (long long)m->frames[0].t.shape[0], (long long)t->step + 1,
                    (long long)t->micro);
-    if (!lanes(r)) {
+    const int R = coord_stage_replicas(r->c, (int)stage);
+    if (R <= 1) {
         memcpy(d, m->frames[0].t.data, per);
         return 0;
     }
-    /* DiLoCo: each replica reports its own microbatches (i mod R) */
-    const int R = coord_stage_replicas(r->c, (int)stage);
+    /* each replica reports the microbatches it ran (i mod R) */
     const size_t one = NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES;
     for (int64_t mb = rep; mb < t->micro; mb += R)
         memcpy(d + (size_t)mb * one, (const uint8_t *)m->frames[0].t.data + (size_t)mb * one, one);
@@ -143,7 +154,7 @@ static int step_in(srep *r)
 {
     ctrain *t = r->t;
     const int R = lanes(r) ? coord_stage_replicas(r->c, 0) : 1;
-    if (t->norms != t->stages * R || t->have_loss != R)
+    if (t->norms != norms_per_step(r) || t->have_loss != R)
         return 0;
     if (R > 1)
         add_lanes(r);
@@ -206,16 +217,18 @@ static int on_grad_norm(srep *r)
     if (g->sumsq < 0) /* no sum of squares is negative: a lie */
         return lie(r, "stage %u reported a gradient sum of squares of %g for step %lld: refused",
                    g->stage, g->sumsq, (long long)t->step + 1);
-    if (!isfinite(g->sumsq) && t->bad_stage < 0) /* the step is skipped (decide) */
+    const int counted = rep == 0 || lanes(r); /* replica 0's norm is of the replicas' sum */
+    if (counted && !isfinite(g->sumsq) && t->bad_stage < 0) /* the step is skipped (decide) */
         t->bad_stage = (int)g->stage;
     if (take_digests(r, g->stage, rep) != 0)
         return -1;
     r->j->last_progress = coord_now();
     t->got[g->stage] |= (uint16_t)(1u << rep);
-    t->sumsq += g->sumsq;
-    t->lane_sumsq[rep] += g->sumsq;
-    const int R = lanes(r) ? coord_stage_replicas(r->c, 0) : 1;
-    if (++t->norms == t->stages * R)
+    if (counted) { /* DiLoCo: each group's own */
+        t->sumsq += g->sumsq;
+        t->lane_sumsq[rep] += g->sumsq;
+    }
+    if (++t->norms == norms_per_step(r))
         compare_digests(r);
     return step_in(r);
 }
@@ -257,6 +270,11 @@ static int on_loss(srep *r)
     int rep = 0;
     if (!report_ok(r, last, TE_REPORTED, &rep) || l->step != (uint64_t)t->step + 1)
         return 0;
+    if (rep != 0 && !lanes(r)) { /* replica 0 reports the replicas' losses */
+        NL_WARN("a training loss for job %llu comes from replica %d of stage %u",
+                (unsigned long long)r->j->id, rep, last);
+        return 0;
+    }
     const int R = lanes(r) ? coord_stage_replicas(r->c, (int)last) : 1;
     if (R > 1 ? (t->loss_lanes & (1u << rep)) != 0 : t->have_loss != 0)
         return 0;

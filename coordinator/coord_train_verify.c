@@ -7,8 +7,11 @@
  * microbatch) of the step is drawn with probability --verify-rate from a
  * keyed BLAKE2b of (job, step, microbatch, stage) under a key the
  * coordinator made at its start (randombytes) and never sends: no node can
- * tell in advance which of its outputs will be checked. A drawn stage gets
- * VERIFY_REQ on the same socket just before the STEP, so it answers from
+ * tell in advance which of its outputs will be checked. A drawn stage (with
+ * replicas on other nodes: the replica that ran the microbatch, which
+ * reported its digests; another replica of the stage is a natural
+ * verifier) gets VERIFY_REQ on the same socket just before the STEP, so it
+ * answers from
  * the weights the step began with and the inputs it kept; the inputs of
  * its VERIFY_CASE must have the digests it reported receiving, and the
  * case goes, with the model's config, to a verifier of the stage's device
@@ -266,10 +269,13 @@ int coord_train_verify_settle(nl_coord *c, cjob *j, int answered)
     for (int i = 0; t->ver && i < t->ver->n; i++) {
         cver *v = &t->ver->p[i];
         const cnode *by = coord_node_by_id(c, v->verifier ? v->verifier : v->node);
-        if (!v->verifier && answered) { /* its stage has sent its checkpoint since */
+        /* replica 0 writes the stage's checkpoint: another replica's case
+         * has no answer after it on its connection, and is awaited */
+        const int wrote = by && by->replica == 0;
+        if (!v->verifier && answered && wrote) { /* its stage has sent its checkpoint since */
             withheld(c, j, v);
-        } else if (v->verifier && by && by->life == NODE_LIVE) {
-            continue; /* its answer is awaited */
+        } else if (by && by->life == NODE_LIVE && (v->verifier || (answered && !wrote))) {
+            continue; /* its answer (or its case) is awaited */
         } else {
             NL_WARN("train job %llu: step %lld microbatch %u of stage %d is not verified: %s",
                     (unsigned long long)j->id, (long long)v->step, v->mb, v->stage,
@@ -313,12 +319,14 @@ void coord_train_verify_sample(nl_coord *c, cjob *j)
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     for (int s = 0; c->plan && s < t->stages && s < c->plan->n_stages; s++) {
-        cnode *n = coord_stage_node(c, s);
-        /* across classes only when the stages keep what they send */
-        const int cross = n && t->verify_outputs && cross_for(c, n);
-        for (int64_t mb = 0; n && mb < t->micro; mb++) {
-            if (!drawn(c, j->id, step, (uint32_t)mb, s))
+        const int R = coord_stage_replicas(c, s);
+        for (int64_t mb = 0; mb < t->micro; mb++) {
+            /* the replica that ran it (microbatch i on replica i mod R) */
+            cnode *n = coord_stage_replica(c, s, (int)(mb % R));
+            if (!n || !drawn(c, j->id, step, (uint32_t)mb, s))
                 continue;
+            /* across classes only when the stages keep what they send */
+            const int cross = t->verify_outputs && cross_for(c, n);
             cver *v = add(t);
             if (!v)
                 break;
@@ -358,24 +366,39 @@ void coord_train_verify_sample(nl_coord *c, cjob *j)
     nl_wire_msg_free(&m);
 }
 
-/* The node that redoes a case of node `of`'s stage: a standby of the same
- * device class (any: of any class) first, else another stage's node of
- * that class, taken in turn; NULL: none. */
-static cnode *verifier_for(nl_coord *c, ctrain *t, const cnode *of, uint32_t also_not, int any)
+/* The node that redoes a case of node `of`'s stage `stage`: a standby of
+ * the same device class (any: of any class) first, else another replica
+ * of that stage (it runs the same layers), else another stage's node (any
+ * replica) of that class, taken in turn; NULL: none. */
+static cnode *verifier_for(nl_coord *c, ctrain *t, int stage, const cnode *of, uint32_t also_not,
+                           int any)
 {
     const nl_plan *p = c->plan;
+    const uint32_t next = t->ver->next;
     for (int i = 0; p && i < p->n_standby; i++) {
-        cnode *n = coord_node_by_id(c, (uint32_t)p->standby[(i + t->ver->next) % p->n_standby]);
+        cnode *n = coord_node_by_id(c, (uint32_t)p->standby[(i + next) % p->n_standby]);
+        if (may_verify(n, of, also_not, any)) {
+            t->ver->next++;
+            return n;
+        }
+    }
+    const int R = coord_stage_replicas(c, stage);
+    for (int i = 0; i < R; i++) {
+        cnode *n = coord_stage_replica(c, stage, (int)((i + next) % (uint32_t)R));
         if (may_verify(n, of, also_not, any)) {
             t->ver->next++;
             return n;
         }
     }
     for (int i = 0; i < t->stages; i++) {
-        cnode *n = coord_stage_node(c, (int)((i + t->ver->next) % (uint32_t)t->stages));
-        if (may_verify(n, of, also_not, any)) {
-            t->ver->next++;
-            return n;
+        const int s = (int)((i + next) % (uint32_t)t->stages);
+        for (int r = 0; s != stage && r < coord_stage_replicas(c, s); r++) {
+            cnode *n =
+                coord_stage_replica(c, s, (int)((r + next) % (uint32_t)coord_stage_replicas(c, s)));
+            if (may_verify(n, of, also_not, any)) {
+                t->ver->next++;
+                return n;
+            }
         }
     }
     return NULL;
@@ -502,7 +525,7 @@ static void on_case(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
             part = rx->msg.frames[f].len > part ? rx->msg.frames[f].len : part;
         }
         const int fits = part <= NL_SOCK_CONTROL_PART && bytes + 65536 <= NL_SOCK_CONTROL_MSG;
-        cnode *to = fits ? verifier_for(c, t, from, 0, v->cross) : NULL;
+        cnode *to = fits ? verifier_for(c, t, v->stage, from, 0, v->cross) : NULL;
         const int held = verify_lag() > 0;
         if (!to || keep_case(v, &rx->msg, bytes) != 0 || (!held && send_case(c, v, to) != 0)) {
             NL_WARN("train job %llu: step %lld microbatch %u of stage %d is not verified: %s",
@@ -541,7 +564,7 @@ static int ask_arbiter(nl_coord *c, cjob *j, cver *v, const nl_msg_verify_result
 {
     ctrain *t = j->state;
     const cnode *stage = coord_node_by_id(c, v->node);
-    cnode *to = stage ? verifier_for(c, t, stage, from->id, v->cross) : NULL;
+    cnode *to = stage ? verifier_for(c, t, v->stage, stage, from->id, v->cross) : NULL;
     snprintf(v->said[0], sizeof v->said[0], "%s", r->fwd);
     snprintf(v->said[1], sizeof v->said[1], "%s", r->bwd);
     if (!to || send_case(c, v, to) != 0) {

@@ -399,7 +399,10 @@ typedef struct nl_msg_verify_req {
  * with `outputs` what the stage sent, F32 [batch, seq, d]: its ACTIVATION
  * (but on the last stage) and its GRADIENT (but on the first), for a
  * verifier of another device class, which compares them with its own
- * within a relative tolerance (node/stage_verify.h).
+ * within a relative tolerance (node/stage_verify.h). Its hidden states
+ * (input, GRADIENT received, outputs) are in the wire's precision, the
+ * bytes that crossed it: all F32, or all BF16 with --wire bf16 (the
+ * verifier then rounds its own outputs to bf16 too).
  * config_json is empty from the stage; the coordinator fills it for the
  * verifier. */
 typedef struct nl_msg_verify_case {

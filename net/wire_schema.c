@@ -282,7 +282,7 @@ static const nl_wire_tdesc tdescs[NL_MSG_TYPE_MAX] = {
     [NL_MSG_LOSS] = {"LOSS", f_loss, NF(f_loss), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_VERIFY_REQ] = {"VERIFY_REQ", f_verify_req, NF(f_verify_req), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_VERIFY_CASE] = {"VERIFY_CASE", f_verify_case, NF(f_verify_case), 2, 10, 1, 3,
-                            DT(F32) | DT(I32) | DT(I64), check_verify_case},
+                            DT(F32) | DT(BF16) | DT(I32) | DT(I64), check_verify_case},
     [NL_MSG_VERIFY_RESULT] = {"VERIFY_RESULT", f_verify_result, NF(f_verify_result), 0, 0, 0, 0, 0,
                               check_verify_result},
     /* + one F32 frame [n]: the chunk's elements */
@@ -709,19 +709,25 @@ static nl_status check_verify_case(const nl_wire_msg *m, const nl_wire_tdesc *td
         return nl_error_set(err, NL_ERR_RANGE, "%s: layers [%u, %u) of stage %u%s", td->name,
                             v->layer0, v->layer1, v->stage,
                             v->has_embed ? " with the embedding" : "");
+    /* hidden states as they crossed the wire: all F32, or all BF16 (--wire
+     * bf16), as the frame of the first of them says */
+    const int fh = v->has_embed ? (v->has_head ? -1 : 2) : 1;
+    const nl_dtype h = fh >= 0 && fh < m->nframes && m->frames[fh].t.dtype == NL_DTYPE_BF16
+                           ? NL_DTYPE_BF16
+                           : NL_DTYPE_F32;
     want[n] = NL_DTYPE_F32, rank[n++] = 1; /* the weights */
-    want[n] = v->has_embed ? NL_DTYPE_I32 : NL_DTYPE_F32, rank[n++] = v->has_embed ? 2 : 3;
+    want[n] = v->has_embed ? NL_DTYPE_I32 : h, rank[n++] = v->has_embed ? 2 : 3;
     if (!v->has_head)
-        want[n] = NL_DTYPE_F32, rank[n++] = 3; /* the GRADIENT received */
+        want[n] = h, rank[n++] = 3; /* the GRADIENT received */
     if (v->counts)
         want[n] = NL_DTYPE_I64, rank[n++] = 2;
     for (int bit = 0; bit < 4; bit++)
         if (v->extras & (1u << bit))
             want[n] = NL_DTYPE_I32, rank[n++] = bit < 2 ? 2 : 1;
     if (v->outputs && !v->has_head)
-        want[n] = NL_DTYPE_F32, rank[n++] = 3; /* the ACTIVATION it sent */
+        want[n] = h, rank[n++] = 3; /* the ACTIVATION it sent */
     if (v->outputs && !v->has_embed)
-        want[n] = NL_DTYPE_F32, rank[n++] = 3; /* the GRADIENT it sent */
+        want[n] = h, rank[n++] = 3; /* the GRADIENT it sent */
     if (m->nframes != n)
         return nl_error_set(err, NL_ERR_PROTO, "%s: %d tensor frames, its fields name %d", td->name,
                             m->nframes, n);

@@ -322,7 +322,7 @@ static nl_status start(node *n, nl_error *err)
                         .inject_nan_on = o->inject_nan_on,
                         .inject_no_compute = o->inject_compute_gflops > 0,
                         .lie = {(nl_lie_kind)o->inject_lie_kind, o->inject_lie_rate,
-                                o->inject_lie_seed, o->inject_lie_from},
+                                o->inject_lie_seed, o->inject_lie_from, o->inject_lie_gen},
                         .tf32 = o->tf32,
                         .train_async = 1}; /* replicas report through serve()'s poll */
     if ((st = nl_stage_new_replicas(&n->stage, n->dev.be, n->dev.n, n->dev.comm, &so, err)) !=

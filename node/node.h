@@ -85,6 +85,7 @@ typedef struct nl_node_opts {
     double inject_lie_rate;       /* nl_lie_kind) on this fraction of its outputs, */
     uint64_t inject_lie_seed;     /* drawn from this seed */
     uint64_t inject_lie_from;     /* from this training step on */
+    bool inject_lie_gen;          /* ... and in every generation hop (NL_TEST_LIE_GEN) */
     int inject_device_fail;       /* test hook (NL_TEST_DEVICE_FAIL): the device's K-th check
                                    * after the start fails, and every later one (0 never) */
     double inject_gflops;         /* test hook (NL_TEST_GFLOPS): reported throughput, if > 0 */

@@ -64,7 +64,7 @@ static void help(FILE *f, const nl_opt *flags)
                "training outputs from step FROM on (KIND: bitflip, noise, stale, skip, backward)\n"
                "or, KIND verifier, of its answers as a verifier (mute: it withholds its cases);\n"
                "NL_TEST_LIE_NODE=NAME:\n"
-               "only on the node of that --name\n"
+               "only on the node of that --name; NL_TEST_LIE_GEN=1: in its generation hops too\n"
                "(docs/security.md). NL_TEST_COMPUTE_GFLOPS=G makes each training hop sleep\n"
                "for its FLOPs' time at G GFLOP/s instead of computing (its outputs zero;\n"
                "bench/bench_replicas.sh).\n");
@@ -141,6 +141,8 @@ static int read_lie(nl_node_opts *o)
         o->inject_lie_rate = q;
         o->inject_lie_seed = seed;
         o->inject_lie_from = from;
+        const char *gen = getenv("NL_TEST_LIE_GEN");
+        o->inject_lie_gen = gen && strcmp(gen, "1") == 0;
     }
     return 0;
 }

@@ -46,6 +46,7 @@ typedef struct nl_stage_lie {
     double rate; /* the fraction of outputs falsified, 0-1 */
     uint64_t seed;
     uint64_t from; /* the first training step it lies at (0: from the start) */
+    bool generate; /* NL_TEST_LIE_GEN: it also lies in every generation hop it sends */
 } nl_stage_lie;
 
 /* The kind named s ("bitflip", "noise", "stale", "skip", "backward",
@@ -201,6 +202,11 @@ typedef struct nl_stage_out {
     float lp[1 + NL_WIRE_MAX_TOP];
     uint32_t lp_ids[NL_WIRE_MAX_TOP];
 } nl_stage_out;
+
+/* A generation hop's output o (n hidden values, or a token) falsified
+ * when s->o.lie.generate says so (a test hook, node/stage_train_lie.c; a
+ * no-op in a build without the hooks). */
+void nl_stage_gen_lie(const nl_stage *s, nl_stage_out *o, size_t n);
 
 /* Run ACTIVATION {job_id, session_id, pos_offset, aux} + frame 0 (I32
  * tokens [B, T] on the first stage, else F32 hidden states [B, T, d])

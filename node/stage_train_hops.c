@@ -82,8 +82,9 @@ nl_status nl_stage_train_report(nl_stage *s, stage_train *t, nl_stage_send_fn se
                                 nl_error *err)
 {
     t->finished = 1;
-    if (t->xr != 0 && t->H == 0) /* replica 0 reports for the stage's replicas (DiLoCo: each) */
-        return NL_OK;
+    /* every replica reports the digests of the microbatches it ran (a
+     * verification case names the replica that ran it); replica 0's norm
+     * and losses are the stage's (DiLoCo: each replica group's own) */
     const double sumsq = nl_trainer_grad_sumsq(t->rep[0].tr);
     nl_wire_msg_reset(&t->tx, NL_MSG_GRAD_NORM);
     t->tx.u.grad_norm = (nl_msg_grad_norm){t->job, t->begun, (uint32_t)s->stage_idx,
@@ -93,7 +94,7 @@ nl_status nl_stage_train_report(nl_stage *s, stage_train *t, nl_stage_send_fn se
     nl_wire_frame_set(&t->tx.frames[0], t->dig, NL_DTYPE_U8, dshape, 3);
     t->tx.nframes = 1;
     nl_status st = send(ctx, NL_STAGE_TO_COORD, &t->tx, err);
-    if (st != NL_OK || !s->model->has_head)
+    if (st != NL_OK || !s->model->has_head || (t->xr != 0 && t->H == 0))
         return st;
     nl_wire_msg_reset(&t->tx, NL_MSG_LOSS);
     const uint64_t rows = (uint64_t)(t->H > 0 ? t->M : t->Mg) * t->rows;

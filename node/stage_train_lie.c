@@ -7,7 +7,8 @@
  * job, the step, the microbatch and the direction, so a run repeats.
  *
  *   bitflip   one low mantissa bit of one element of an output (forward or
- *             backward: every stage has one of them)
+ *             backward: every stage has one of them); with bf16 hops one
+ *             of bf16's, which the wire's rounding keeps
  *   noise     every element of a forward output plus uniform noise of 1e-3
  *   stale     the previous step's forward output of the same microbatch
  *   skip      its input instead of its output (a stage of one layer skips
@@ -16,6 +17,10 @@
  *   verifier  it trains honestly, but as a verifier it answers a fraction
  *             of the cases it redoes with one bit of a digest flipped
  *   mute      it trains honestly but never hands over a case asked for
+ *
+ * NL_TEST_LIE_GEN=1 (with one of them) makes the stage lie in every
+ * generation hop it sends too (nl_stage_gen_lie: each hidden value plus 1,
+ * or the next token id), the generation a conviction re-runs.
  *
  * In a build without the hooks nl_stage_train_lie does nothing. */
 #include <stdlib.h>
@@ -51,12 +56,14 @@ static double draw(uint64_t seed, uint64_t job, uint64_t step, uint32_t mb, int 
     return (double)(h >> 11) * 0x1.0p-53;
 }
 
-static void flip_bit(float *x, size_t n, uint64_t h)
+/* A mantissa bit (the value stays finite) of one element, one the wire
+ * keeps: with bf16 hops one of bf16's 7 (bits 16 to 22), else of 23. */
+static void flip_bit(float *x, size_t n, uint64_t h, bool bf16)
 {
     uint32_t u;
     size_t i = (size_t)(h % n);
     memcpy(&u, &x[i], sizeof u);
-    u ^= 1u << (unsigned)((h >> 32) % 23); /* a mantissa bit: the value stays finite */
+    u ^= 1u << (bf16 ? 16u + (unsigned)((h >> 32) % 7) : (unsigned)((h >> 32) % 23));
     memcpy(&x[i], &u, sizeof u);
 }
 
@@ -95,7 +102,7 @@ void nl_stage_train_lie(nl_stage *s, stage_train *t, rjob *j)
         switch (l->kind) {
         case NL_LIE_BITFLIP:
         case NL_LIE_BACKWARD:
-            flip_bit(j->out, n, h);
+            flip_bit(j->out, n, h, nl_stage_wire(s) == NL_WIRE_BF16);
             break;
         case NL_LIE_NOISE:
             for (size_t i = 0; i < n; i++)
@@ -112,7 +119,7 @@ void nl_stage_train_lie(nl_stage *s, stage_train *t, rjob *j)
         }
         NL_WARN("test hook: this stage lies (%s) in its %s of job %llu step %llu microbatch %u",
                 kind_name[l->kind], bwd ? "GRADIENT" : "ACTIVATION", (unsigned long long)t->job,
-                (unsigned long long)j->step, j->mb);
+                (unsigned long long)j->step, nl_stage_train_mb_wire(t, j->mb));
     }
     if (keep) {
         memcpy(prev, keep, n * sizeof(float));
@@ -142,7 +149,23 @@ void nl_stage_verify_lie(const nl_stage *s, uint64_t job, uint64_t step, uint32_
             (unsigned long long)job, (unsigned long long)step, mb, stage);
 }
 
+void nl_stage_gen_lie(const nl_stage *s, nl_stage_out *o, size_t n)
+{
+    if (!s->o.lie.generate)
+        return;
+    if (o->kind == NL_STAGE_OUT_HIDDEN) /* far off: the next stages' tokens change */
+        for (size_t i = 0; i < n; i++)
+            o->data[i] += 1.0f;
+    else if (o->kind == NL_STAGE_OUT_TOKEN)
+        o->token = (o->token + 1) % (int32_t)s->model->cfg.vocab_size;
+}
+
 #else
+
+void nl_stage_gen_lie(const nl_stage *s, nl_stage_out *o, size_t n)
+{
+    (void)s, (void)o, (void)n;
+}
 
 bool nl_stage_verify_mute(const nl_stage *s)
 {

@@ -73,14 +73,19 @@ nl_status nl_stage_verify_case(nl_stage *s, uint64_t job, uint64_t step, uint32_
     if (!t || t->job != job)
         return nl_error_set(err, NL_ERR_STATE, "verify: no training job %llu on this stage",
                             (unsigned long long)job);
-    if (t->begun != step || !t->finished || mb >= (uint32_t)t->M)
+    uint32_t here = 0; /* this replica's number of the step's microbatch mb */
+    if (t->begun != step || !t->finished || mb >= (uint32_t)t->Mg || t->H > 0)
         return nl_error_set(err, NL_ERR_STATE,
                             "verify: step %llu microbatch %u, but this stage %s step %llu of %d "
-                            "microbatches",
+                            "microbatches%s",
                             (unsigned long long)step, mb,
                             t->finished ? "has finished" : "is still in",
-                            (unsigned long long)t->begun, t->M);
-    const kept_mb *k = &t->kept[mb];
+                            (unsigned long long)t->begun, t->Mg,
+                            t->H > 0 ? " (its replica group trains alone: DiLoCo)" : "");
+    nl_status st = nl_stage_train_mb_here(t, "verify", mb, &here, err);
+    if (st != NL_OK)
+        return st;
+    const kept_mb *k = &t->kept[here];
     const nl_model *m = s->model;
     if (!k->fwd || (!m->has_head && !k->bwd))
         return nl_error_set(err, NL_ERR_STATE, "verify: microbatch %u's inputs are not kept", mb);
@@ -99,7 +104,8 @@ nl_status nl_stage_verify_case(nl_stage *s, uint64_t job, uint64_t step, uint32_
     c->mb = mb;
     c->mbB = t->mbB;
     c->T = t->T;
-    c->M = t->M;
+    c->M = t->Mg; /* the step's: its rows scale the loss (as the replica's trainer) */
+    c->bf16 = s->wire == NL_WIRE_BF16;
     c->x = k->x;
     c->targets = k->e.targets;
     c->docs = k->e.docs;
@@ -134,12 +140,27 @@ static void hop_digest(const nl_verify_case *c, nl_msg_type type, const float *x
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, type);
     m.u.hop = (nl_msg_tensor_hop){c->job, c->step, c->mb, 0, 0, 0.0};
-    nl_wire_frame_set(&m.frames[0], x, NL_DTYPE_F32, xs, 3);
+    uint16_t *h = NULL;
+    size_t cap = 0;
+    nl_error e;
+    /* as it crosses the wire: FP32, or rounded to bf16 (as send_host) */
+    if (nl_wire_frame_hidden(&m.frames[0], c->bf16 ? NL_WIRE_BF16 : NL_WIRE_FP32, x, xs, 3, &h,
+                             &cap, &e) != NL_OK) {
+        memset(out, 0xff, NL_HOP_DIGEST_BYTES); /* out of memory: no stage's digest */
+        nl_wire_msg_free(&m);
+        return;
+    }
     m.nframes = 1;
     if (!grad)
         nl_wire_hop_set_extras(&m, c->mbB, c->T, c->targets, c->docs, c->labels, c->lengths);
     nl_hop_digest(out, &m, c->stage + (grad ? (uint32_t)-1 : 1u));
     nl_wire_msg_free(&m);
+    free(h);
+}
+
+double nl_verify_cross_rtol(const nl_verify_case *c)
+{
+    return c->bf16 ? NL_VERIFY_CROSS_RTOL_BF16 : NL_VERIFY_CROSS_RTOL;
 }
 
 /* max |a - b| over max |b| (b the stage's tensor, n floats). */
@@ -163,7 +184,7 @@ static void judge_out(const nl_verify_case *c, nl_msg_type type, const float *mi
     const double r = theirs ? rel_diff(mine, theirs, n) : 0.0;
     if (rel && (r > *rel || r != r))
         *rel = r;
-    hop_digest(c, type, theirs && r <= NL_VERIFY_CROSS_RTOL ? theirs : mine, d, out);
+    hop_digest(c, type, theirs && r <= nl_verify_cross_rtol(c) ? theirs : mine, d, out);
 }
 
 typedef struct redo {
@@ -255,6 +276,15 @@ done:
 
 /* ===================== on the wire ===================== */
 
+/* Frame f of hidden states x [mbB, T, d] in the wire's precision wp (bf16:
+ * rounded into *h, the caller's to free), unless st is an error already. */
+static nl_status hidden_frame(nl_wire_frame *f, nl_wire_precision wp, const float *x,
+                              const int64_t xs[3], uint16_t **h, nl_status st, nl_error *err)
+{
+    size_t cap = 0;
+    return st != NL_OK ? st : nl_wire_frame_hidden(f, wp, x, xs, 3, h, &cap, err);
+}
+
 nl_status nl_stage_train_verify_req(nl_stage *s, stage_train *t, const nl_msg_verify_req *r,
                                     nl_stage_send_fn send, void *ctx, nl_error *err)
 {
@@ -271,6 +301,10 @@ nl_status nl_stage_train_verify_req(nl_stage *s, stage_train *t, const nl_msg_ve
         nl_verify_case_free(&c);
         return st;
     }
+    /* the hidden states as they crossed the wire (bf16: rounded, which
+     * is exact for the inputs, widened from bf16 when they came) */
+    uint16_t *h[4] = {NULL, NULL, NULL, NULL};
+    int nh = 0;
     const size_t d = (size_t)c.cfg->hidden_dim;
     const int64_t ws[1] = {(int64_t)c.n_weights}, ts[2] = {c.mbB, c.T},
                   xs[3] = {c.mbB, c.T, (int64_t)d}, cs[2] = {c.l1 - c.l0, c.cfg->num_experts},
@@ -295,14 +329,15 @@ nl_status nl_stage_train_verify_req(nl_stage *s, stage_train *t, const nl_msg_ve
                                             c.counts != NULL,
                                             "",
                                             r->outputs ? 1u : 0u};
+    const nl_wire_precision wp = c.bf16 ? NL_WIRE_BF16 : NL_WIRE_FP32;
     int f = 0;
     nl_wire_frame_set(&m->frames[f++], c.weights, NL_DTYPE_F32, ws, 1); /* copied by the send */
     if (c.has_embed)
         nl_wire_frame_set(&m->frames[f++], c.x, NL_DTYPE_I32, ts, 2);
     else
-        nl_wire_frame_set(&m->frames[f++], c.x, NL_DTYPE_F32, xs, 3);
+        st = hidden_frame(&m->frames[f++], wp, c.x, xs, &h[nh++], st, err);
     if (!c.has_head)
-        nl_wire_frame_set(&m->frames[f++], c.dy, NL_DTYPE_F32, xs, 3);
+        st = hidden_frame(&m->frames[f++], wp, c.dy, xs, &h[nh++], st, err);
     if (c.counts)
         nl_wire_frame_set(&m->frames[f++], c.counts, NL_DTYPE_I64, cs, 2);
     const int32_t *ex[4] = {c.targets, c.docs, c.labels, c.lengths};
@@ -310,11 +345,14 @@ nl_status nl_stage_train_verify_req(nl_stage *s, stage_train *t, const nl_msg_ve
         if (ex[i])
             nl_wire_frame_set(&m->frames[f++], ex[i], NL_DTYPE_I32, i < 2 ? ts : bs, i < 2 ? 2 : 1);
     if (r->outputs && !c.has_head) /* across device classes: what it sent */
-        nl_wire_frame_set(&m->frames[f++], c.y, NL_DTYPE_F32, xs, 3);
+        st = hidden_frame(&m->frames[f++], wp, c.y, xs, &h[nh++], st, err);
     if (r->outputs && !c.has_embed)
-        nl_wire_frame_set(&m->frames[f++], c.dx, NL_DTYPE_F32, xs, 3);
+        st = hidden_frame(&m->frames[f++], wp, c.dx, xs, &h[nh++], st, err);
     m->nframes = f;
-    st = send(ctx, NL_STAGE_TO_COORD, m, err);
+    if (st == NL_OK)
+        st = send(ctx, NL_STAGE_TO_COORD, m, err);
+    for (int i = 0; i < nh; i++)
+        free(h[i]);
     nl_verify_case_free(&c);
     return st;
 }
@@ -370,16 +408,25 @@ static nl_status case_of(const nl_wire_msg *m, nl_config *cfg, nl_verify_case *c
                             "VERIFY_CASE: a frame does not fit microbatches of %lld x %lld with "
                             "hidden size %lld",
                             (long long)B, (long long)T, (long long)d);
+    /* hidden states in bf16 (the wire's) are widened to FP32, exactly */
     size_t off[NL_WIRE_MAX_FRAMES], total = 0;
+    const size_t hidden = (size_t)(B * T * d);
+    bool bf16 = false;
     for (int i = 0; i < m->nframes; i++) {
+        const bool w = m->frames[i].t.dtype == NL_DTYPE_BF16;
+        bf16 |= w;
         off[i] = total;
-        total += (m->frames[i].len + 63) & ~(size_t)63;
+        total += ((w ? hidden * sizeof(float) : m->frames[i].len) + 63) & ~(size_t)63;
     }
     uint8_t *buf = malloc(total ? total : 1);
     if (!buf)
         return nl_error_set(err, NL_ERR_NOMEM, "VERIFY_CASE: out of memory");
-    for (int i = 0; i < m->nframes; i++)
-        memcpy(buf + off[i], m->frames[i].t.data, m->frames[i].len);
+    for (int i = 0; i < m->nframes; i++) {
+        if (m->frames[i].t.dtype == NL_DTYPE_BF16)
+            nl_wire_frame_widen(&m->frames[i], (float *)(void *)(buf + off[i]), hidden);
+        else
+            memcpy(buf + off[i], m->frames[i].t.data, m->frames[i].len);
+    }
 #define AT(i, T) ((i) >= 0 ? (const T *)(const void *)(buf + off[(i)]) : NULL)
     *c = (nl_verify_case){.cfg = cfg,
                           .l0 = (int)v->layer0,
@@ -404,7 +451,8 @@ static nl_status case_of(const nl_wire_msg *m, nl_config *cfg, nl_verify_case *c
                           .dy = AT(fdy, float),
                           .counts = AT(fc, int64_t),
                           .y = AT(fy, float),
-                          .dx = AT(fdx, float)};
+                          .dx = AT(fdx, float),
+                          .bf16 = bf16};
 #undef AT
     return NL_OK;
 }
@@ -429,8 +477,9 @@ nl_status nl_verify_answer(nl_stage *s, const nl_wire_msg *m, nl_wire_msg *out,
         NL_INFO("verify job %llu step %llu microbatch %u stage %u across device classes: the "
                 "largest relative difference is %.3g (tolerance %.0e): %s",
                 (unsigned long long)v->job_id, (unsigned long long)v->step, v->microbatch, v->stage,
-                rel, NL_VERIFY_CROSS_RTOL,
-                rel <= NL_VERIFY_CROSS_RTOL ? "the stage's outputs stand" : "the stage is wrong");
+                rel, nl_verify_cross_rtol(&c),
+                rel <= nl_verify_cross_rtol(&c) ? "the stage's outputs stand"
+                                                : "the stage is wrong");
     nl_stage_verify_lie(s, v->job_id, v->step, v->microbatch, v->stage, fwd, bwd); /* test hook */
     nl_hop_digest_hex(hex[0], fwd);
     nl_hop_digest_hex(hex[1], bwd);

@@ -58,6 +58,10 @@ typedef struct nl_verify_case {
      * ACTIVATION but on the last stage, its GRADIENT but on the first);
      * NULL: compared by digest, exactly */
     const float *y, *dx;
+    /* --wire bf16: the hidden states crossed the wire rounded to bf16 (x,
+     * dy, y and dx hold those values, widened), and the outputs' digests
+     * are of their bf16 rounding, as the stage sent them */
+    bool bf16;
 } nl_verify_case;
 
 /* The relative tolerance of a comparison across device classes: max |a -
@@ -66,13 +70,23 @@ typedef struct nl_verify_case {
  * hidden states and gradients after a forward and a backward, within a
  * few 1e-6: 1e-4 leaves a margin and still finds a lie of 1e-3. */
 #define NL_VERIFY_CROSS_RTOL 1e-4
+/* ... with --wire bf16, where the stage's tensor came rounded to bf16:
+ * one half-ulp of bf16 at the tensor's scale more (2^-8), as the
+ * rounding alone moves an honest stage's value that far. */
+#define NL_VERIFY_CROSS_RTOL_BF16 (NL_VERIFY_CROSS_RTOL + 0x1p-8)
 
-/* Describe microbatch mb of step `step` of training job `job` on stage s,
- * whose forward and backward are done and whose step is not applied yet
- * (between its GRAD_NORM and the STEP): NL_ERR_STATE otherwise. */
+/* Describe microbatch mb (the step's number, as on the wire: with the
+ * stage's replicas on other nodes, one this replica ran) of step `step`
+ * of training job `job` on stage s, whose forward and backward are done
+ * and whose step is not applied yet (between its GRAD_NORM and the STEP):
+ * NL_ERR_STATE otherwise. */
 nl_status nl_stage_verify_case(nl_stage *s, uint64_t job, uint64_t step, uint32_t mb,
                                nl_verify_case *c, nl_error *err);
 void nl_verify_case_free(nl_verify_case *c);
+
+/* The relative tolerance of a comparison across device classes for c
+ * (NL_VERIFY_CROSS_RTOL, or _BF16 with the bf16 wire). */
+double nl_verify_cross_rtol(const nl_verify_case *c);
 
 /* Redo c on be: fwd gets the digest of the ACTIVATION the stage sends on
  * (zero on the last stage), bwd that of the GRADIENT it sends back (zero

@@ -66,6 +66,10 @@ typedef enum nl_http_next {
     NL_HTTP_WAIT,      /* nothing within the timeout; ask again */
     NL_HTTP_DONE,      /* max_tokens or the context reached */
     NL_HTTP_FAILED,    /* err says why */
+    /* *id: the tokens that stand; those after them are withdrawn (the
+     * generation was run again without a node convicted of computing
+     * wrong: docs/security.md), and the next ones replace them */
+    NL_HTTP_WITHDRAW,
 } nl_http_next;
 
 typedef struct nl_http_backend {

@@ -20,6 +20,7 @@ typedef struct gen_choice {
     size_t tlen, tcap, sent;
     int32_t *ids;
     size_t nids, idcap;
+    size_t *ends, endcap; /* per id: the text's length after it (a withdrawal cuts there) */
     nl_http_logprob *lps; /* one per id, when asked */
     size_t lpcap;
     size_t ids_sent; /* ids (and logprobs) already in a chunk */
@@ -111,6 +112,28 @@ static void choice_fail(gen_state *g, gen_choice *ch, const char *finish)
     choice_end_job(g, ch);
 }
 
+/* The tokens of a choice after its first `keep` are withdrawn (run again
+ * without a node convicted of computing wrong): cut, when none of them
+ * has gone out in a chunk yet (0: the corrected ones follow), else the
+ * choice fails (-1) rather than end on tokens a liar made. */
+static int choice_withdraw(gen_state *g, gen_choice *ch, size_t keep)
+{
+    if (keep >= ch->nids)
+        return 0;
+    const size_t tl = keep ? ch->ends[keep - 1] : 0;
+    if (ch->ids_sent > keep || ch->sent > tl) {
+        nl_error_set(&g->err, NL_ERR_INTEGRITY,
+                     "a node that served this completion was convicted of computing wrong: its "
+                     "tokens from %zu on, some already sent, are withdrawn (submit it again)",
+                     keep + 1);
+        choice_fail(g, ch, "error");
+        return -1;
+    }
+    ch->nids = keep;
+    ch->tlen = tl;
+    return 0;
+}
+
 /* One step of a choice: 1 a token, 0 nothing yet, -1 it is over. */
 static int choice_step(gen_state *g, gen_choice *ch, int timeout_ms)
 {
@@ -124,12 +147,15 @@ static int choice_step(gen_state *g, gen_choice *ch, int timeout_ms)
         g->h->be.completion_next(g->h->be.ctx, ch->job, &id, &t, &n, &lp, timeout_ms, &g->err);
     if (r == NL_HTTP_WAIT)
         return 0;
+    if (r == NL_HTTP_WITHDRAW)
+        return choice_withdraw(g, ch, id < 0 ? 0 : (size_t)id);
     if (r != NL_HTTP_TOKEN) {
         choice_fail(g, ch, r == NL_HTTP_DONE ? "length" : "error");
         return -1;
     }
     size_t lpcap = ch->lpcap;
     if (grow((void **)&ch->ids, &ch->idcap, ch->nids + 1, sizeof *ch->ids) ||
+        grow((void **)&ch->ends, &ch->endcap, ch->nids + 1, sizeof *ch->ends) ||
         grow((void **)&ch->text, &ch->tcap, ch->tlen + n + 1, 1) ||
         (g->logprobs >= 0 && grow((void **)&ch->lps, &lpcap, ch->nids + 1, sizeof *ch->lps))) {
         nl_error_set(&g->err, NL_ERR_NOMEM, "out of memory");
@@ -143,6 +169,7 @@ static int choice_step(gen_state *g, gen_choice *ch, int timeout_ms)
     size_t old = ch->tlen;
     memcpy(ch->text + ch->tlen, t, n);
     ch->tlen += n;
+    ch->ends[ch->nids - 1] = ch->tlen;
     if (g->n_stop) {
         size_t from = old + 1 > g->max_stop ? old + 1 - g->max_stop : 0;
         long at = find_stop(g, ch, from);
@@ -395,6 +422,7 @@ static void gen_free(void *cls)
         choice_end_job(g, &g->ch[i]);
         free(g->ch[i].text);
         free(g->ch[i].ids);
+        free(g->ch[i].ends);
         free(g->ch[i].lps);
     }
     for (int i = 0; i < g->n_stop; i++)

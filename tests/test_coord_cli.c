@@ -81,7 +81,7 @@ static void test_values(void)
     CHECK(o->seed == 9 && o->min_memory == 2ull << 30 && o->heartbeat_ms == 50 &&
               o->node_timeout_ms == 200 && o->replan_margin == 1.0,
           "numbers");
-    CHECK(o->wire == NL_WIRE_BF16 && o->verify_rate == 0, "bf16 hops turn verification off");
+    CHECK(o->wire == NL_WIRE_BF16 && o->verify_rate == 0.05, "bf16 hops keep verification on");
     CHECK(o->grow_auto && o->plaintext && o->max_jobs_per_key == 4, "grow, plaintext, jobs");
     CHECK(cli.http.addr && strcmp(cli.http.addr, "127.0.0.1:0") == 0 && cli.http_adapters &&
               strcmp(cli.http_adapters, "a=b") == 0 && cli.http.max_requests == 4,
@@ -113,10 +113,27 @@ static void test_refusals(void)
     CHECK(parse(&cli, help) == 0, "--help exits 0");
 }
 
+/* Verification by recompute stays on with replicas and the bf16 wire
+ * (both verified); DiLoCo's replica groups turn it off. */
+static void test_verify_rules(void)
+{
+    nl_coord_cli cli;
+    nl_log_set_level(NL_LOG_ERROR);
+    char *reps[] = {"neurocoord", "--listen", "x",      "--state-dir", "y",
+                    "--replicas", "2",        "--wire", "bf16",        NULL};
+    CHECK(parse(&cli, reps) == -1 && cli.coord.verify_rate == 0.05,
+          "replicas and bf16 keep verification on");
+    char *diloco[] = {"neurocoord", "--listen",      "x", "--state-dir", "y", "--replicas",
+                      "2",          "--outer-every", "5", NULL};
+    CHECK(parse(&cli, diloco) == -1 && cli.coord.verify_rate == 0, "DiLoCo turns verification off");
+    nl_log_set_level(NL_LOG_INFO);
+}
+
 int main(void)
 {
     test_defaults();
     test_values();
+    test_verify_rules();
     test_refusals();
     return check_done("test_coord_cli");
 }

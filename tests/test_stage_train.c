@@ -165,6 +165,10 @@ static int wire_verified, wire_mismatched[NST];
  * (beyond) it is the verifier's own, the report again. */
 static bool cross_on;
 static int cross_checked, cross_wrong;
+/* The stages' wire is bf16 (ASSIGN wire): the cases carry their hidden
+ * states as BF16 frames, the bytes that crossed it (wire_bf16_cases). */
+static bool wire_bf16;
+static int wire_bf16_cases;
 
 /* The stage's VERIFY_CASE of (s, mb) with its outputs, answered by the
  * verifier with the last output frame's element 0 moved by `by` times
@@ -257,6 +261,8 @@ static void verify_wire(uint64_t job, uint64_t step, int M)
                   m.u.verify_case.config_json[0] == '\0',
               "stage %d: VERIFY_CASE of stage %u microbatch %u", s, m.u.verify_case.stage,
               m.u.verify_case.microbatch);
+        /* its hidden states (the input, or on stage 0 the GRADIENT received) */
+        wire_bf16_cases += m.frames[s == 0 ? 2 : 1].t.dtype == NL_DTYPE_BF16;
         m.u.verify_case.config_json = cfg_json; /* the coordinator's part */
         char hex[2][NL_HOP_DIGEST_HEX + 1], want[2][NL_HOP_DIGEST_HEX + 1];
         nl_status st = nl_verify_answer(verifier, &m, &out, hex, &err);
@@ -338,7 +344,8 @@ static void make_stages(int nst, const int *bounds, int64_t inject_step, int inj
                            .prev_endpoint = "",
                            .prev_key = "",
                            .next_endpoint = "",
-                           .next_key = ""};
+                           .next_key = "",
+                           .wire = wire_bf16 ? NL_WIRE_BF16 : NL_WIRE_FP32};
         nl_stage_loaded info;
         bool stale;
         CHECK_OK(nl_stage_assign(stages[s], &a, &err), &err);
@@ -859,7 +866,7 @@ static void digests(void)
      * its neighbours agree with it (the wire cannot tell: a recompute can) */
     static const char *const kinds[] = {"bitflip", "noise", "stale", "skip", "backward"};
     for (int k = 0; k < 5; k++) {
-        test_lie = (nl_stage_lie){(nl_lie_kind)nl_stage_lie_kind(kinds[k]), 0.5, 3, 0};
+        test_lie = (nl_stage_lie){(nl_lie_kind)nl_stage_lie_kind(kinds[k]), 0.5, 3, 0, false};
         lie_stage = 1;
         digest_run(STEPS, M, b, fb);
         int fwd_diff = 0, bwd_diff = 0;
@@ -936,7 +943,7 @@ static void recompute(void)
 #ifdef NL_TEST_HOOKS
     static const char *const kinds[] = {"bitflip", "noise", "stale", "skip", "backward"};
     for (int k = 0; k < 5 && a && fa; k++) {
-        test_lie = (nl_stage_lie){(nl_lie_kind)nl_stage_lie_kind(kinds[k]), 0.5, 3, 0};
+        test_lie = (nl_stage_lie){(nl_lie_kind)nl_stage_lie_kind(kinds[k]), 0.5, 3, 0, false};
         lie_stage = 1;
         memset(mismatched, 0, sizeof mismatched);
         memset(mismatch_fwd, 0, sizeof mismatch_fwd);
@@ -956,6 +963,36 @@ static void recompute(void)
                mismatched[1], STEPS * M);
     }
     lie_stage = -1;
+    /* the bf16 wire: the cases are the bf16 bytes sent, the verifier
+     * rounds its outputs as the stage did: bit for bit when honest, and a
+     * flip of a bit that the wire keeps is found */
+    wire_bf16 = true;
+    wire_bf16_cases = verified = wire_verified = 0;
+    memset(mismatched, 0, sizeof mismatched);
+    memset(wire_mismatched, 0, sizeof wire_mismatched);
+    if (a && fa)
+        digest_run(STEPS, M, a, fa);
+    CHECK(wire_bf16_cases == STEPS * NST && wire_verified == STEPS * NST &&
+              verified == STEPS * M * NST && !mismatched[0] && !mismatched[1] && !mismatched[2] &&
+              !wire_mismatched[0] && !wire_mismatched[1] && !wire_mismatched[2],
+          "bf16 wire, honest: %d of %d cases in bf16, accused %d %d %d (wire %d %d %d)",
+          wire_bf16_cases, wire_verified, mismatched[0], mismatched[1], mismatched[2],
+          wire_mismatched[0], wire_mismatched[1], wire_mismatched[2]);
+    test_lie = (nl_stage_lie){NL_LIE_BITFLIP, 0.5, 3, 0, false};
+    lie_stage = 1;
+    memset(mismatched, 0, sizeof mismatched);
+    memset(wire_mismatched, 0, sizeof wire_mismatched);
+    if (a && fa)
+        digest_run(STEPS, M, a, fa);
+    CHECK(mismatched[1] > 0 && !mismatched[0] && !mismatched[2] && !wire_mismatched[0] &&
+              !wire_mismatched[2],
+          "bf16 wire, lie bitflip on stage 1: accused %d %d %d", mismatched[0], mismatched[1],
+          mismatched[2]);
+    printf("recompute on the bf16 wire: %d honest (stage, microbatch) redone, none accused; a "
+           "bit flip on stage 1 caught on %d of %d microbatches\n",
+           STEPS * M * NST, mismatched[1], STEPS * M);
+    lie_stage = -1;
+    wire_bf16 = false;
 #endif
     verify_on = false;
     nl_stage_destroy(&verifier);
