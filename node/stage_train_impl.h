@@ -137,6 +137,9 @@ typedef struct stage_train {
     float *red_buf[NL_REDUCE_KINDS];
     bool reducing, step_held;
     uint64_t ring_bytes; /* REDUCE frame bytes this replica sent (replica traffic) */
+    double reduce_t0;    /* when this step's gradients went into the ring (monotonic s) */
+    double reduce_s;     /* seconds from there to their sum, over the job's steps */
+    int reduce_n;        /* steps summed so */
     /* DiLoCo (outer_every H > 0; DESIGN section 8): this replica is one
      * replica group's; its inner steps use its own gradients, and every H
      * steps the groups' deltas are added round the ring (the GRADS
