@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# A node that joins a training job becomes a replica (DESIGN section 8,
+# "Replicas"; neurocoord --replicas auto; docs/cluster.md): 2 nodes train
+# as 1 stage x 2 replicas (the cost model's choice for steps of 6
+# microbatches); a third node joins while the job runs; at the next
+# checkpoint the coordinator plans again, by the seconds of a training
+# step, and the new node becomes the stage's third replica (it loads the
+# stage's shard from the checkpoint); the job goes on to its last step and
+#  - every step's loss stays within 1e-6 (relative) of neuroctl train in
+#    one process with the same global batch;
+#  - neuroctl status shows the three replicas and why the plan has them
+#    (every R tried and its predicted seconds a step).
+. "$(dirname "$0")/cluster_lib.sh"
+# equal, fixed throughputs: the plans do not hang on probes disturbed by
+# tests running beside this one
+export NL_TEST_GFLOPS=20
+extra=0
+test_cleanup() { [ "$extra" -gt 0 ] && kill "$extra" 2>/dev/null && wait "$extra" 2>/dev/null; }
+
+small_config "$W/cfg.yaml" 32 4 48 64
+cat "$NL_SOURCE_DIR"/README.md "$NL_SOURCE_DIR"/docs/*.md > "$W/data.txt"
+check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
+# enough steps that the third node joins well before the last checkpoint
+RUN=(--data "$W/data.txt" --steps 80 --batch 12 --seq 32 --microbatches 6 --lr 1e-3 --seed 1)
+
+check "$N" train "${DEV[@]}" --model "$W/m.safetensors" "${RUN[@]}" --threads 1 --log "$W/local.jsonl" \
+  2> "$W/local.err"
+
+C="$W/c"
+check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 2 --replicas auto --plan-microbatches 6 \
+  --model "$W/m.safetensors" --memory 64M --threads 1 --node-timeout-ms 5000 --timeout 60
+"$N" status --cluster "$C" > "$W/status-2.txt"
+grep "^replicas" "$W/status-2.txt"
+check grep -q "^replicas: 2 per stage .*1 x 2 [0-9.]* (chosen)" "$W/status-2.txt"
+
+"$N" train --cluster "$C" "${RUN[@]}" --checkpoint-every 4 --checkpoint-dir "$W/ck" \
+  --log "$W/r.jsonl" 2> "$W/r.err" &
+job=$!
+for i in $(seq 1 2400); do
+  grep -q '"step":1,' "$W/r.jsonl" 2>/dev/null && break
+  sleep 0.05
+done
+# a third node, with a key the coordinator is told about (SIGHUP)
+"$N" keygen --out "$W/extra" >/dev/null
+echo "$(cat "$W/extra.pub")  # extra" >> "$C/coord/authorized_keys"
+kill -HUP "$(cat "$C/coord.pid")"
+"$NODE" join "${DEV[@]}" "$(cat "$C/coord/endpoint")" --key "$W/extra.key" \
+  --coordinator-key "$C/coord/coordinator.pub" --memory 64M --threads 1 --name extra \
+  --checkpoint-root / > "$W/extra.log" 2>&1 &
+extra=$!
+wait $job
+rc=$?
+check test $rc -eq 0
+tr '\r' '\n' < "$W/r.err" | grep -v "^step" | tail -3
+grep -E "re-plan|plan [0-9]+: stage" "$C/coord.log"
+[ $rc -eq 0 ] || grep -E "WARN|ERROR" "$C/coord.log" | tail -12
+check grep -q "re-plan at the checkpoint: training step" "$C/coord.log"
+check grep -q '"event":"replan"' "$W/r.jsonl"
+check grep -q "loaded epoch" "$W/extra.log"
+check grep -q '"step":80,' "$W/r.jsonl"
+check $PY - "$W/r.jsonl" "$W/local.jsonl" <<'PY'
+import json, sys
+a, b = ({r["step"]: r for r in map(json.loads, open(p)) if "step" in r and "loss" in r}
+        for p in sys.argv[1:])
+assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+worst = max(abs(a[k]["loss"] - b[k]["loss"]) / abs(b[k]["loss"]) for k in b)
+print("losses of %d steps: worst relative difference %.2e" % (len(b), worst))
+assert worst <= 1e-6, worst
+PY
+# the new node is the stage's third replica; status says why
+"$N" status --cluster "$C" > "$W/status-3.txt"
+cat "$W/status-3.txt"
+check test "$(grep -c ' r[012]/3 ' "$W/status-3.txt")" -eq 3
+check grep -q "^replicas: 3 per stage .*1 x 3 [0-9.]* (chosen)" "$W/status-3.txt"
+
+check "$N" cluster down --dir "$C"
+echo "test_cluster_replica_join: $pass passed, $fail failed"
+[ "$fail" -eq 0 ]
