@@ -10,12 +10,31 @@
 #    one process with the same global batch;
 #  - neuroctl status shows the three replicas and why the plan has them
 #    (every R tried and its predicted seconds a step).
+# And a fifth node beside 2 stages x 2 replicas (--replicas 2) at rest can
+# only be a standby: the coordinator judges the plan it would make (the
+# same 2 x 2) no better, and the stages are not reloaded (each stage's
+# time is over its replicas in both plans).
 . "$(dirname "$0")/cluster_lib.sh"
 # equal, fixed throughputs: the plans do not hang on probes disturbed by
 # tests running beside this one
 export NL_TEST_GFLOPS=20
-extra=0
-test_cleanup() { [ "$extra" -gt 0 ] && kill "$extra" 2>/dev/null && wait "$extra" 2>/dev/null; }
+extras=()
+test_cleanup() {
+  local p
+  for p in "${extras[@]}"; do kill "$p" 2>/dev/null && wait "$p" 2>/dev/null; done
+}
+
+# join_extra CLUSTER NAME: one more node, with a key the coordinator is
+# told about (SIGHUP)
+join_extra() {
+  "$N" keygen --out "$W/$2" >/dev/null
+  echo "$(cat "$W/$2.pub")  # $2" >> "$1/coord/authorized_keys"
+  kill -HUP "$(cat "$1/coord.pid")"
+  "$NODE" join "${DEV[@]}" "$(cat "$1/coord/endpoint")" --key "$W/$2.key" \
+    --coordinator-key "$1/coord/coordinator.pub" --memory 64M --threads 1 --name "$2" \
+    --checkpoint-root / > "$W/$2.log" 2>&1 &
+  extras+=($!)
+}
 
 small_config "$W/cfg.yaml" 32 4 48 64
 cat "$NL_SOURCE_DIR"/README.md "$NL_SOURCE_DIR"/docs/*.md > "$W/data.txt"
@@ -40,14 +59,7 @@ for i in $(seq 1 2400); do
   grep -q '"step":1,' "$W/r.jsonl" 2>/dev/null && break
   sleep 0.05
 done
-# a third node, with a key the coordinator is told about (SIGHUP)
-"$N" keygen --out "$W/extra" >/dev/null
-echo "$(cat "$W/extra.pub")  # extra" >> "$C/coord/authorized_keys"
-kill -HUP "$(cat "$C/coord.pid")"
-"$NODE" join "${DEV[@]}" "$(cat "$C/coord/endpoint")" --key "$W/extra.key" \
-  --coordinator-key "$C/coord/coordinator.pub" --memory 64M --threads 1 --name extra \
-  --checkpoint-root / > "$W/extra.log" 2>&1 &
-extra=$!
+join_extra "$C" extra
 wait $job
 rc=$?
 check test $rc -eq 0
@@ -72,6 +84,24 @@ PY
 cat "$W/status-3.txt"
 check test "$(grep -c ' r[012]/3 ' "$W/status-3.txt")" -eq 3
 check grep -q "^replicas: 3 per stage .*1 x 3 [0-9.]* (chosen)" "$W/status-3.txt"
+
+check "$N" cluster down --dir "$C"
+
+# ---- a fifth node beside 2 x 2 at rest: a standby, no reload ----
+C="$W/c5"
+check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 4 --replicas 2 --model "$W/m.safetensors" \
+  --memory 64M --threads 1 --node-timeout-ms 5000 --timeout 60
+join_extra "$C" fifth
+for i in $(seq 1 1200); do
+  grep -q "re-plan at rest" "$C/coord.log" && break
+  sleep 0.05
+done
+grep "re-plan at rest" "$C/coord.log"
+check grep -q "re-plan at rest: the plan stays (training step" "$C/coord.log"
+check test "$(grep -c "loaded stage" "$C/coord.log")" -eq 4
+"$N" status --cluster "$C" > "$W/status-5.txt"
+check test "$(grep -c ' r[01]/2 ' "$W/status-5.txt")" -eq 4
+check test "$(grep -c ' standby ' "$W/status-5.txt")" -eq 1
 
 check "$N" cluster down --dir "$C"
 echo "test_cluster_replica_join: $pass passed, $fail failed"
