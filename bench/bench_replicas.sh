@@ -2,7 +2,8 @@
 # Issue 30: a pipeline stage replicated across nodes (neurocoord --replicas)
 # against depth alone, local clusters on one machine, in one run:
 #   model  the compute model: every node sleeps for each training hop's
-#          FLOPs at GFLOPS GFLOP/s instead of computing (NL_TEST_COMPUTE_GFLOPS,
+#          FLOPs at GFLOPS GFLOP/s when its work runs, instead of computing
+#          (NL_TEST_COMPUTE_GFLOPS,
 #          test builds: the nodes share this machine's cores, the model gives
 #          each a device of its own; the hidden states and gradients it sends
 #          are zeros of the real size, the replicas' all-reduce is real);

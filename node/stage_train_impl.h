@@ -155,7 +155,11 @@ typedef struct stage_train {
     bool no_compute; /* test hook (nl_stage_opts.inject_no_compute): the ops skipped */
     nl_msg_step held;
     atomic_int failed; /* a job failed: the lanes skip the rest */
-    nl_status poison;  /* ... and the error every later message gets */
+    /* test hook (NL_TEST_COMPUTE_GFLOPS): a microbatch's forward through
+     * this stage at the model's rate (seconds), and where the sleeps add up */
+    double model_fwd_s;
+    atomic_uint_least64_t *modelled_us;
+    nl_status poison; /* ... and the error every later message gets */
     char poison_msg[NL_ERROR_MSG_MAX];
 } stage_train;
 
