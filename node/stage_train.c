@@ -59,7 +59,6 @@
 #include "../core/lora.h"
 #include "../core/manifest.h"
 #include "../core/memory.h"
-#include "../core/planner.h"
 #include "../core/train.h"
 #include "../net/trainparams.h"
 #include "replica_workers.h"
@@ -332,15 +331,7 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg
     t->rslots = rslots;
     t->has_embed = m->has_embed;
     t->has_head = m->has_head;
-    t->no_compute = s->o.inject_no_compute != 0;
-    if (t->no_compute && s->o.inject_compute_gflops > 0) { /* the planner's cost model */
-        const int rows = (int)t->rows;
-        double f = (m->l1 - m->l0) * nl_plan_layer_flops(&m->cfg, rows, (int)T);
-        f += m->has_head ? nl_plan_head_flops(&m->cfg, rows) : 0.0;
-        f += m->has_embed ? nl_plan_embed_flops(&m->cfg, rows) : 0.0;
-        t->model_fwd_s = f / (s->o.inject_compute_gflops * 1e9);
-    }
-    t->modelled_us = &s->modelled_us;
+    nl_stage_train_model_init(s, t); /* test hook: the compute model */
     const bool threads = t->R > 1 && !s->o.replicas_inline;
     t->async = threads && s->o.train_async;
     st = make_replicas(s, t, (int)recompute, err);

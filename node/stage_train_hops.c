@@ -9,6 +9,7 @@
 
 #include "../base/log.h"
 #include "../core/labelled.h"
+#include "../core/planner.h"
 #include "../core/train.h"
 #include "replica_workers.h"
 #include "stage_train_impl.h"
@@ -161,6 +162,20 @@ static nl_status job_backward(stage_train *t, replica *p, rjob *j, const float *
     if (st == NL_OK && !t->has_embed)
         st = take_output(p->be, j, NL_MSG_GRADIENT, nl_trainer_input_grad(p->tr), t->rows * t->d);
     return st;
+}
+
+void nl_stage_train_model_init(nl_stage *s, stage_train *t)
+{
+    const nl_model *m = s->model;
+    t->no_compute = s->o.inject_no_compute != 0;
+    t->modelled_us = &s->modelled_us;
+    if (!t->no_compute || !(s->o.inject_compute_gflops > 0))
+        return;
+    const int rows = (int)t->rows; /* the planner's cost model (core/planner.h) */
+    double f = (m->l1 - m->l0) * nl_plan_layer_flops(&m->cfg, rows, t->T);
+    f += m->has_head ? nl_plan_head_flops(&m->cfg, rows) : 0.0;
+    f += m->has_embed ? nl_plan_embed_flops(&m->cfg, rows) : 0.0;
+    t->model_fwd_s = f / (s->o.inject_compute_gflops * 1e9);
 }
 
 /* Test hook (NL_TEST_COMPUTE_GFLOPS): the device's time for a piece of

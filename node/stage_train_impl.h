@@ -226,6 +226,9 @@ int nl_stage_train_replica_of(const stage_train *t, uint32_t mb);
 int nl_stage_train_slot_of(const stage_train *t, uint32_t mb);
 /* Runs on the replica's lane (replica_workers.h). */
 void nl_stage_train_run_job(void *ctx, nl_wjob *w);
+/* Test hook (NL_TEST_COMPUTE_GFLOPS): set t's no_compute and the compute
+ * model's time of a microbatch's forward (stage_train_hops.c). */
+void nl_stage_train_model_init(nl_stage *s, stage_train *t);
 /* Take back the finished jobs in order (wait: every job dispatched, once
  * finished). The first error ends the job on this stage (poison). */
 nl_status nl_stage_train_take_done(nl_stage *s, stage_train *t, bool wait, nl_stage_send_fn send,
