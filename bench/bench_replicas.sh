@@ -2,7 +2,8 @@
 # Issue 30: a pipeline stage replicated across nodes (neurocoord --replicas)
 # against depth alone, local clusters on one machine, in one run:
 #   model  the compute model: every node sleeps for each training hop's
-#          FLOPs at GFLOPS GFLOP/s instead of computing (NL_TEST_COMPUTE_GFLOPS,
+#          FLOPs at GFLOPS GFLOP/s when its work runs, instead of computing
+#          (NL_TEST_COMPUTE_GFLOPS,
 #          test builds: the nodes share this machine's cores, the model gives
 #          each a device of its own; the hidden states and gradients it sends
 #          are zeros of the real size, the replicas' all-reduce is real);
@@ -13,11 +14,18 @@
 #          machine's cores: the ratio (target: at least 0.9) and the worst
 #          relative difference of the two runs' losses (one order of the sum
 #          against another: within 1e-6)
+#   eight  the compute model on 8 nodes: 2 x 4 (--replicas 4), the deepest
+#          plan of 8 nodes without replicas (--replicas 1), and the plan of
+#          --replicas auto (--plan-microbatches MICRO), each against 2 x 1 on
+#          2 nodes (the issue's target for 2 x 4: at least 3.4); prints the
+#          plans (stages x replicas) and auto's reason (neuroctl status);
+#          RUNS8 picks the runs (default "2x1:2:1 2x4:8:4 deep:8:1
+#          auto:8:auto", each NAME:NODES:REPLICAS; 2x1 is the anchor)
 # tokens/s is the median of the steps' own figures (the client's log)
 # after the first two. REPS runs of each, interleaved; medians.
 #   bench/bench_replicas.sh [BUILD_DIR]
 #   env: CONFIG (configs/bench-small.yaml), GFLOPS (20), STEPS (8), BATCH (8),
-#        SEQ (64), MICRO (8), REPS (1), PARTS ("model real")
+#        SEQ (64), MICRO (8), REPS (1), PARTS ("model real"; also: eight)
 # Prints one JSON line per part and the load average at the start and end.
 set -euo pipefail
 B=${1:-build}
@@ -47,12 +55,16 @@ cat README.md docs/*.md > "$W/data.txt"
 RUN=(--data "$W/data.txt" --steps "$STEPS" --batch "$BATCH" --seq "$SEQ" --microbatches "$MICRO"
      --lr 1e-3 --seed 1)
 
-# one training run: its log in $W/$1.jsonl; the cluster: $2 nodes, $3 replicas
+# one training run: its log in $W/$1.jsonl, its plan in $W/$1.plan; the
+# cluster: $2 nodes, $3 replicas (a count or auto)
 train() {
     local name=$1 nodes=$2 reps=$3
     local c="$W/c-$name"
-    "$N" cluster up --dir "$c" --nodes "$nodes" --replicas "$reps" --model "$W/m.safetensors" \
-        --memory 1G --threads 1 --timeout 120 --rebalance-after 0 --node-timeout-ms 30000 >/dev/null
+    "$N" cluster up --dir "$c" --nodes "$nodes" --replicas "$reps" --plan-microbatches "$MICRO" \
+        --model "$W/m.safetensors" --memory 1G --threads 1 --timeout 120 --rebalance-after 0 \
+        --node-timeout-ms 30000 >/dev/null
+    { grep -o "plan [0-9]*: stage .*" "$c/coord.log" | sed 's/, [0-9.]* MiB.*//'
+      "$N" status --cluster "$c" | grep "^replicas" || true; } > "$W/$name.plan"
     "$N" train --cluster "$c" "${RUN[@]}" --checkpoint-dir "$W/ck-$name" --log "$W/$name.jsonl" \
         2>/dev/null
     "$N" cluster down --dir "$c" >/dev/null
@@ -95,5 +107,39 @@ PY
     echo "{\"part\":\"$what\",\"config\":\"$(basename "$CONFIG")\",\"gflops\":$([ "$what" = model ] && echo "$GFLOPS" || echo null),\"steps\":$STEPS,\"batch\":$BATCH,\"seq\":$SEQ,\"microbatches\":$MICRO,\"tps_2x1\":$x,\"tps_2x2\":$y,\"ratio\":$($PY -c "print('%.3f' % ($y / $x))"),\"loss_worst_rel\":$worst}"
 }
 
-for p in $PARTS; do part "$p"; done
+# the stages and replicas of run $1's plan: SxR (R of stage 0)
+shape() {
+    $PY - "$W/$1.plan" <<'PY'
+import re, sys
+st = [m for m in (re.match(r"plan (\d+): stage \d+ on node \d+( \(replicas on ([\d, ]+)\))?", l)
+                 for l in open(sys.argv[1])) if m]
+st = [m for m in st if m.group(1) == st[-1].group(1)]  # the last plan
+r = len(st[0].group(3).split(",")) + 1 if st and st[0].group(3) else 1
+print("%dx%d" % (len(st), r))
+PY
+}
+
+eight() {
+    export NL_TEST_GFLOPS=$GFLOPS NL_TEST_COMPUTE_GFLOPS=$GFLOPS
+    local runs=${RUNS8:-2x1:2:1 2x4:8:4 deep:8:1 auto:8:auto} x tp out="" n
+    for r in $runs; do
+        IFS=: read -r n nodes reps <<< "$r"
+        train "eight-$n" "$nodes" "$reps"
+        # what adding up the replicas' gradients cost each replica a step
+        grep -ho "replica [0-9]* sent .*" "$W/c-eight-$n"/node-*.log | sed "s/^/bench_replicas: $n: /" >&2 || true
+    done
+    x=$(tps "$W/eight-2x1.jsonl")
+    for r in $runs; do
+        n=${r%%:*}
+        tp=$(tps "$W/eight-$n.jsonl")
+        out+=",\"$n\":{\"plan\":\"$(shape "eight-$n")\",\"tps\":$tp,\"ratio\":$($PY -c "print('%.3f' % ($tp / $x))")}"
+    done
+    echo "{\"part\":\"eight\",\"config\":\"$(basename "$CONFIG")\",\"gflops\":$GFLOPS,\"steps\":$STEPS,\"batch\":$BATCH,\"seq\":$SEQ,\"microbatches\":$MICRO$out}"
+    if [ -f "$W/eight-auto.plan" ]; then
+        echo "bench_replicas: the plan of --replicas auto on 8 nodes:" >&2
+        cat "$W/eight-auto.plan" >&2
+    fi
+}
+
+for p in $PARTS; do if [ "$p" = eight ]; then eight; else part "$p"; fi; done
 echo "bench_replicas: end, $(uptime)" >&2

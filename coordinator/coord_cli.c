@@ -63,8 +63,9 @@ static void train_rows(nl_opt t[MAX_FLAGS], int *at, nl_coord_cli *cli, int *gro
                    "R|auto: every pipeline stage on R nodes, microbatch i on replica i mod R, "
                    "their gradients added in replica order (docs/cluster.md, \"Replicas on "
                    "different nodes\"; a job's microbatches a multiple of R); auto: the R with the "
-                   "most training tokens/s by the cost "
-                   "model (default 1)"),
+                   "most training tokens/s by the cost model, for steps of --plan-microbatches (a "
+                   "running job's own microbatches when it plans again); neuroctl status lists "
+                   "every R tried (default 1)"),
         NL_OPT_INT("plan-microbatches", &o->plan_microbatches, 1, 1 << 20, "8",
                    "the microbatches of a training step --replicas auto plans for"),
         NL_OPT_INT("outer-every", &o->outer_every, 0, INT32_MAX, "0",

@@ -256,7 +256,8 @@ struct nl_coord {
     struct nl_growth *growth; /* the model's growth history (core/grow.h): the source's, */
     int n_growth;             /* then the growths since; manifests written carry it */
     nl_plan *plan;
-    int plan_training; /* the plan was made during a training job, for its microbatches */
+    int plan_training;  /* the plan was made during a training job, for its microbatches */
+    char plan_why[600]; /* why the plan's stages have the replicas they have (status) */
     int planned_once;
     /* a new training job continues the source's steps, schedule and moments
      * (the operator's neurocoord --resume, or a growth, made it the source

@@ -397,11 +397,7 @@ static json_t *status_json(nl_coord *c, const nl_rx *rx, bool full)
     if (c->plan && c->o.replicas != 1) /* why the stages have replicas (or none) */
         json_object_set_new(
             root, "replicas",
-            json_pack("{s:i,s:s}", "per_stage", coord_stage_replicas(c, 0), "why",
-                      c->o.replicas ? "neurocoord --replicas: the nodes ranked by speed, grouped "
-                                      "that many to a stage (microbatch i on replica i mod R)"
-                                    : "neurocoord --replicas auto: the most training tokens/s "
-                                      "by the cost model for steps of --plan-microbatches"));
+            json_pack("{s:i,s:s}", "per_stage", coord_stage_replicas(c, 0), "why", c->plan_why));
     /* the weights the stages hold: job 0 step 0 are the files they started from */
     json_object_set_new(root, "weights",
                         json_pack("{s:I,s:I}", "job", (json_int_t)c->weights_job, "step",

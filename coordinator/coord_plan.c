@@ -283,18 +283,63 @@ static int plan_nodes(const nl_coord *c, nl_plan_node *pn, uint64_t *total)
     return n < NL_PLAN_MAX_NODES ? n : NL_PLAN_MAX_NODES;
 }
 
+/* The link speed --replicas auto assumes (bytes/s; the hop cost's). */
+#define PLAN_LINK_BYTES_S 1e9
+
+/* The microbatches of a step that plans with replicas are for: the
+ * training job's while one runs, else --plan-microbatches. */
+static int plan_micro(const nl_coord *c)
+{
+    return c->train_mem.training && c->train_mem.in_flight > 0 ? c->train_mem.in_flight
+                                                               : c->o.plan_microbatches;
+}
+
+/* Why --replicas auto chose R of the options tried, into why. */
+static void auto_why(const nl_coord *c, int R, const nl_plan_replica_option *tried, int n,
+                     char *why, size_t cap)
+{
+    int o = snprintf(why, cap,
+                     "neurocoord --replicas auto: the most training tokens/s by the cost model "
+                     "for steps of %d microbatches, each replica's pipeline filling once, the "
+                     "replicas' all-reduce at %.0f GB/s; seconds a step (stages x replicas):",
+                     plan_micro(c), PLAN_LINK_BYTES_S / 1e9);
+    for (int k = 0; k < n && o > 0 && (size_t)o < cap; k++) {
+        const nl_plan_replica_option *t = &tried[k];
+        if (t->stages > 0)
+            o += snprintf(why + o, cap - (size_t)o, " %d x %d %.3f%s", t->stages, t->replicas,
+                          t->step_s, t->replicas == R ? " (chosen)" : "");
+        else
+            o += snprintf(why + o, cap - (size_t)o, " R=%d does not place", t->replicas);
+        if (k + 1 < n && o > 0 && (size_t)o < cap)
+            o += snprintf(why + o, cap - (size_t)o, ",");
+    }
+}
+
 /* nl_plan_layers over the fastest plan_offer() of pn[0, n) (sorted by
- * plan_nodes), then, if they cannot hold the model, over all n. */
+ * plan_nodes), then, if they cannot hold the model, over all n. With
+ * replicas, why (may be NULL) says why the plan has them. */
 static nl_status plan_layers(const nl_coord *c, nl_plan **out, const nl_plan_node *pn, int n,
-                             const nl_plan_opts *po, nl_error *err)
+                             const nl_plan_opts *po, char *why, size_t cap, nl_error *err)
 {
     const int k = plan_offer(c);
-    if (c->o.replicas > 1) /* the nodes are grouped by speed: all of them */
+    if (why && cap)
+        why[0] = '\0';
+    if (c->o.replicas > 1) { /* the nodes are grouped by speed: all of them */
+        if (why)
+            snprintf(why, cap,
+                     "neurocoord --replicas %d: the nodes ranked by speed, grouped that many to "
+                     "a stage (microbatch i on replica i mod R)",
+                     c->o.replicas);
         return nl_plan_layers_replicated(out, &c->cfg, pn, n, po, c->o.replicas, err);
+    }
     if (c->o.replicas == 0) { /* auto: the cost model's choice (at 1 GB/s, as hop_seconds) */
-        int R = 1;
-        return nl_plan_choose_replicas(out, &R, NULL, &c->cfg, pn, n, po, c->o.plan_microbatches,
-                                       1e9, err);
+        int R = 1, nt = 0;
+        nl_plan_replica_option tried[NL_PLAN_MAX_REPLICAS];
+        const nl_status st = nl_plan_choose_replicas(out, &R, NULL, tried, &nt, &c->cfg, pn, n, po,
+                                                     plan_micro(c), PLAN_LINK_BYTES_S, err);
+        if (st == NL_OK && why)
+            auto_why(c, R, tried, nt, why, cap);
+        return st;
     }
     if (n > k && nl_plan_layers(out, &c->cfg, pn, k, po, err) == NL_OK)
         return NL_OK;
@@ -439,7 +484,7 @@ static void plan_over(nl_coord *c, nl_plan_node *pn, int n, uint64_t total)
     struct timespec cpu0, cpu1;
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &cpu0);
     const double t0 = coord_now();
-    if (plan_layers(c, &plan, pn, n, &po, &e) != NL_OK) {
+    if (plan_layers(c, &plan, pn, n, &po, c->plan_why, sizeof c->plan_why, &e) != NL_OK) {
         coord_set_state(c, "not enough capacity: %s", e.msg);
         coord_fail_waiting(c, c->state);
         return;
@@ -536,8 +581,8 @@ int coord_plan_possible(nl_coord *c, char *why, size_t cap)
     nl_plan_node *pn = plan_nodes_new(c, &n, &total);
     nl_plan_opts po = plan_opts(c);
     nl_plan *p = NULL;
-    const nl_status st =
-        pn ? plan_layers(c, &p, pn, n, &po, &e) : nl_error_set(&e, NL_ERR_NOMEM, "out of memory");
+    const nl_status st = pn ? plan_layers(c, &p, pn, n, &po, NULL, 0, &e)
+                            : nl_error_set(&e, NL_ERR_NOMEM, "out of memory");
     nl_plan_destroy(&p);
     free(pn);
     if (st != NL_OK)
@@ -559,13 +604,25 @@ const char *coord_replan_reason(int why)
     return words[why & 7];
 }
 
-/* The planner's best plan over the live nodes now (*cand, the caller's),
- * and the current split's bottleneck at the nodes' figures now (*was) by
- * the same cost model (the plan may have been made for inference; observed
- * speeds may have changed the figures): nl_plan_stage_seconds, the
- * planner's formula. 0, or -1 with *why set (no plan). */
-static int best_and_current(nl_coord *c, nl_plan **cand, double *was, int *nodes, char *why,
-                            size_t cap)
+/* What a re-plan compares: without replicas the bottleneck (seconds per
+ * microbatch); with them (--replicas R or auto) the seconds of a training
+ * step (nl_plan_step_seconds: the pipelines' fill and the all-reduce), so
+ * that plans of different depths and replica counts compare by tokens/s. */
+static double plan_cost(const nl_coord *c, const nl_plan *p, const nl_plan_opts *po)
+{
+    if (c->o.replicas == 1)
+        return p->bottleneck;
+    return nl_plan_step_seconds(p, &c->cfg, po, plan_micro(c), PLAN_LINK_BYTES_S);
+}
+
+/* The planner's best plan over the live nodes now (*cand, the caller's)
+ * and its cost (*now), and the current split's cost at the nodes' figures
+ * now (*was) by the same cost model (the plan may have been made for
+ * inference; observed speeds may have changed the figures):
+ * nl_plan_stage_seconds, the planner's formula, a stage's slowest replica
+ * over its replicas. 0, or -1 with *why set (no plan). */
+static int best_and_current(nl_coord *c, nl_plan **cand, double *now, double *was, int *nodes,
+                            char *why, size_t cap)
 {
     uint64_t total = 0;
     nl_error e = {0};
@@ -574,24 +631,34 @@ static int best_and_current(nl_coord *c, nl_plan **cand, double *was, int *nodes
     nl_plan_opts po = plan_opts(c);
     *nodes = n;
     *cand = NULL;
-    if (!pn || plan_layers(c, cand, pn, n, &po, &e) != NL_OK) {
+    if (!pn || plan_layers(c, cand, pn, n, &po, NULL, 0, &e) != NL_OK) {
         snprintf(why, cap, "%s", pn ? e.msg : "out of memory");
         free(pn);
         return -1;
     }
-    *was = 0;
+    double worst = 0;
     for (int s = 0; s < c->plan->n_stages; s++) {
         const nl_plan_stage *ps = &c->plan->stages[s];
-        const nl_plan_node *nd = NULL;
-        for (int i = 0; i < n && !nd; i++)
-            if (pn[i].id == ps->node_id)
-                nd = &pn[i];
-        const double t =
-            nd ? nl_plan_stage_seconds(&c->cfg, &po, nd, ps->l1 - ps->l0, s, c->plan->n_stages)
-               : ps->seconds;
-        if (t > *was)
-            *was = t;
+        const int R = ps->n_replicas > 1 ? ps->n_replicas : 1;
+        double t = 0;
+        for (int r = 0; r < R; r++) {
+            const int id = R > 1 ? ps->replicas[r] : ps->node_id;
+            const nl_plan_node *nd = NULL;
+            for (int i = 0; i < n && !nd; i++)
+                if (pn[i].id == id)
+                    nd = &pn[i];
+            const double tr = nd ? nl_plan_stage_seconds(&c->cfg, &po, nd, ps->l1 - ps->l0, s,
+                                                         c->plan->n_stages) /
+                                       R
+                                 : ps->seconds;
+            t = tr > t ? tr : t;
+        }
+        worst = t > worst ? t : worst;
     }
+    nl_plan cur = *c->plan;
+    cur.bottleneck = worst;
+    *was = plan_cost(c, &cur, &po);
+    *now = plan_cost(c, *cand, &po);
     free(pn);
     return 0;
 }
@@ -601,11 +668,11 @@ int coord_replan_worth(nl_coord *c)
     if (!c->replan_wanted || !c->plan || !c->have_cfg)
         return 0;
     nl_plan *cand = NULL;
-    double was = 0;
+    double was = 0, now = 0;
     int n = 0;
     char why[NL_ERROR_MSG_MAX];
-    const int worth = best_and_current(c, &cand, &was, &n, why, sizeof why) == 0 &&
-                      cand->bottleneck < was * (1.0 - c->o.replan_margin);
+    const int worth = best_and_current(c, &cand, &now, &was, &n, why, sizeof why) == 0 &&
+                      now < was * (1.0 - c->o.replan_margin);
     nl_plan_destroy(&cand);
     return worth;
 }
@@ -617,26 +684,27 @@ int coord_replan_gain(nl_coord *c, const char *when)
     c->replan_why = c->replan_wanted;
     c->replan_wanted = 0;
     nl_plan *cand = NULL;
-    double was = 0;
+    double was = 0, now = 0;
     int n = 0, gain = 0;
     char why[NL_ERROR_MSG_MAX];
-    if (best_and_current(c, &cand, &was, &n, why, sizeof why) != 0) {
+    if (best_and_current(c, &cand, &now, &was, &n, why, sizeof why) != 0) {
         NL_INFO("re-plan %s: no plan over the %d nodes: %s", when, n, why);
         return 0;
     }
-    const double now = cand->bottleneck;
+    /* with replicas the cost is a training step's time (plan_cost) */
+    const char *what = c->o.replicas == 1 ? "bottleneck" : "training step";
     if (!(now < was * (1.0 - c->o.replan_margin))) {
-        NL_INFO("re-plan %s: the plan stays (bottleneck %.2f ms; %d nodes would give %.2f ms, "
+        NL_INFO("re-plan %s: the plan stays (%s %.2f ms; %d nodes would give %.2f ms, "
                 "not better by --replan-margin %.2f)",
-                when, was * 1e3, n, now * 1e3, c->o.replan_margin);
+                when, what, was * 1e3, n, now * 1e3, c->o.replan_margin);
     } else if (c->stages_modified) {
-        NL_WARN("re-plan %s: %d nodes would give a bottleneck of %.2f ms instead of %.2f ms, "
+        NL_WARN("re-plan %s: %d nodes would give a %s of %.2f ms instead of %.2f ms, "
                 "but the stages hold weights trained since the last checkpoint; the plan stays",
-                when, n, now * 1e3, was * 1e3);
+                when, n, what, now * 1e3, was * 1e3);
     } else {
-        NL_INFO("re-plan %s: bottleneck %.2f ms -> %.2f ms over %d nodes (--replan-margin "
+        NL_INFO("re-plan %s: %s %.2f ms -> %.2f ms over %d nodes (--replan-margin "
                 "%.2f); the stages reload from %s",
-                when, was * 1e3, now * 1e3, n, c->o.replan_margin,
+                when, what, was * 1e3, now * 1e3, n, c->o.replan_margin,
                 c->src_path[0] ? c->src_path : "the seed");
         log_plan(c, c->plan, "old");
         log_plan(c, cand, "new");

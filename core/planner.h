@@ -139,24 +139,38 @@ nl_status nl_plan_layers_replicated(nl_plan **out, const nl_config *cfg, const n
                                     int n_nodes, const nl_plan_opts *opts, int replicas,
                                     nl_error *err);
 
+/* One R that nl_plan_choose_replicas tried: its plan's stages (0: no plan
+ * places with R replicas a stage) and predicted seconds a step. */
+typedef struct nl_plan_replica_option {
+    int replicas, stages;
+    double step_s;
+} nl_plan_replica_option;
+
 /* The replicas per stage that give the most training tokens/s (issue 30;
  * core/planner_replicas.c): for each R = 1 .. min(n_nodes,
  * NL_PLAN_MAX_REPLICAS) that divides `microbatches` (M), the plan of
- * nl_plan_layers_replicated, whose step takes
- *   (M / R + S - 1) * R * bottleneck      (each replica's pipeline runs
- *                                          M / R microbatches and fills
- *                                          once; bottleneck is a stage's
- *                                          time over its replicas)
- *   + 2 (R - 1) / R * W / link_bytes_per_s (the ring all-reduce of the
- *                                          largest stage's gradients, W
- *                                          bytes; 0 link: free)
- * and the R with the fewest seconds per step wins (ties: the fewer
- * replicas). *out gets its plan, *replicas its R, *step_s (may be NULL)
- * its seconds per step. Errors as nl_plan_layers when no R places. */
+ * nl_plan_layers_replicated, whose step takes nl_plan_step_seconds, and
+ * the R with the fewest seconds per step wins (ties: the fewer replicas).
+ * *out gets its plan, *replicas its R, *step_s (may be NULL) its seconds
+ * per step; tried (may be NULL; room for NL_PLAN_MAX_REPLICAS) every R
+ * tried in order, *n_tried how many (why the choice: neurocoord's status).
+ * Errors as nl_plan_layers when no R places. */
 nl_status nl_plan_choose_replicas(nl_plan **out, int *replicas, double *step_s,
-                                  const nl_config *cfg, const nl_plan_node *nodes, int n_nodes,
-                                  const nl_plan_opts *opts, int microbatches,
-                                  double link_bytes_per_s, nl_error *err);
+                                  nl_plan_replica_option *tried, int *n_tried, const nl_config *cfg,
+                                  const nl_plan_node *nodes, int n_nodes, const nl_plan_opts *opts,
+                                  int microbatches, double link_bytes_per_s, nl_error *err);
+
+/* The seconds of a training step of M microbatches on plan p (R =
+ * p->stages[0].n_replicas replicas a stage, its bottleneck as p has it):
+ *   (ceil(M / R) + S - 1) * R * bottleneck (each replica's pipeline runs
+ *                                           M / R microbatches and fills
+ *                                           once; bottleneck is a stage's
+ *                                           time over its replicas)
+ *   + 2 (R - 1) / R * W / link_bytes_per_s (the ring all-reduce of the
+ *                                           largest stage's gradients, W
+ *                                           bytes; 0 link: free) */
+double nl_plan_step_seconds(const nl_plan *p, const nl_config *cfg, const nl_plan_opts *opts,
+                            int microbatches, double link_bytes_per_s);
 
 /* Whether some plan fits the nodes' memory (time ignored): *fits = 1/0.
  * Exact up to max_exact_nodes; above, the heuristic orders (no swap

@@ -127,13 +127,11 @@ done:
     return st;
 }
 
-/* Seconds of a step of M microbatches (a multiple of R) on plan p with R
- * replicas a stage: each replica's pipeline runs M / R of them, each
- * taking the bottleneck stage R times its time over the replicas. */
-static double step_seconds(const nl_plan *p, const nl_config *cfg, const nl_plan_opts *o, int R,
-                           int M, double link)
+double nl_plan_step_seconds(const nl_plan *p, const nl_config *cfg, const nl_plan_opts *o, int M,
+                            double link)
 {
-    double t = (double)(M / R + p->n_stages - 1) * (p->bottleneck * R);
+    const int R = p->n_stages > 0 && p->stages[0].n_replicas > 1 ? p->stages[0].n_replicas : 1;
+    double t = (double)((M + R - 1) / R + p->n_stages - 1) * (p->bottleneck * R);
     if (R > 1 && link > 0) {
         uint64_t w = 0;
         for (int s = 0; s < p->n_stages; s++) {
@@ -148,9 +146,9 @@ static double step_seconds(const nl_plan *p, const nl_config *cfg, const nl_plan
 }
 
 nl_status nl_plan_choose_replicas(nl_plan **out, int *replicas, double *step_s,
-                                  const nl_config *cfg, const nl_plan_node *nodes, int n_nodes,
-                                  const nl_plan_opts *opts, int microbatches,
-                                  double link_bytes_per_s, nl_error *err)
+                                  nl_plan_replica_option *tried, int *n_tried, const nl_config *cfg,
+                                  const nl_plan_node *nodes, int n_nodes, const nl_plan_opts *opts,
+                                  int microbatches, double link_bytes_per_s, nl_error *err)
 {
     if (!out || !replicas || microbatches < 1 || !(link_bytes_per_s >= 0))
         return nl_error_set(err, NL_ERR_INVALID,
@@ -158,6 +156,8 @@ nl_status nl_plan_choose_replicas(nl_plan **out, int *replicas, double *step_s,
                             "a link speed >= 0",
                             microbatches);
     *out = NULL;
+    if (n_tried)
+        *n_tried = 0;
     nl_status first = NL_OK;
     double best = 0.0;
     const int top = n_nodes < NL_PLAN_MAX_REPLICAS ? n_nodes : NL_PLAN_MAX_REPLICAS;
@@ -175,9 +175,13 @@ nl_status nl_plan_choose_replicas(nl_plan **out, int *replicas, double *step_s,
             }
             if (st != NL_ERR_CAPACITY)
                 break;
+            if (tried && n_tried)
+                tried[(*n_tried)++] = (nl_plan_replica_option){R, 0, 0.0};
             continue;
         }
-        const double t = step_seconds(p, cfg, opts, R, microbatches, link_bytes_per_s);
+        const double t = nl_plan_step_seconds(p, cfg, opts, microbatches, link_bytes_per_s);
+        if (tried && n_tried)
+            tried[(*n_tried)++] = (nl_plan_replica_option){R, p->n_stages, t};
         if (!*out || t < best * (1 - 1e-9)) {
             nl_plan_destroy(out);
             *out = p;

@@ -321,6 +321,7 @@ static nl_status start(node *n, nl_error *err)
                         .inject_nan_stage = o->inject_nan_stage,
                         .inject_nan_on = o->inject_nan_on,
                         .inject_no_compute = o->inject_compute_gflops > 0,
+                        .inject_compute_gflops = o->inject_compute_gflops,
                         .lie = {(nl_lie_kind)o->inject_lie_kind, o->inject_lie_rate,
                                 o->inject_lie_seed, o->inject_lie_from, o->inject_lie_gen},
                         .tf32 = o->tf32,

@@ -65,9 +65,9 @@ static void help(FILE *f, const nl_opt *flags)
                "or, KIND verifier, of its answers as a verifier (mute: it withholds its cases);\n"
                "NL_TEST_LIE_NODE=NAME:\n"
                "only on the node of that --name; NL_TEST_LIE_GEN=1: in its generation hops too\n"
-               "(docs/security.md). NL_TEST_COMPUTE_GFLOPS=G makes each training hop sleep\n"
-               "for its FLOPs' time at G GFLOP/s instead of computing (its outputs zero;\n"
-               "bench/bench_replicas.sh).\n");
+               "(docs/security.md). NL_TEST_COMPUTE_GFLOPS=G makes each training hop's work\n"
+               "sleep for its FLOPs' time at G GFLOP/s when it runs instead of computing (its\n"
+               "outputs zero; bench/bench_replicas.sh).\n");
 #endif
 }
 
@@ -177,9 +177,10 @@ static int read_test_hooks(nl_node_opts *o)
      * coordinator's observed stage times re-balance the plan) */
     const char *slow = getenv("NL_TEST_SLOW_MS");
     o->inject_slow_ms = slow ? atof(slow) : 0.0;
-    /* NL_TEST_COMPUTE_GFLOPS=G: each training hop sleeps for the time its
-     * FLOPs take at G GFLOP/s instead of computing (a compute model: nodes
-     * that share a machine's cores each get a device of that speed) */
+    /* NL_TEST_COMPUTE_GFLOPS=G: each training hop's work sleeps for the
+     * time its FLOPs take at G GFLOP/s when it runs, instead of computing
+     * (a compute model: nodes that share a machine's cores each get a
+     * device of that speed) */
     const char *cg = getenv("NL_TEST_COMPUTE_GFLOPS");
     o->inject_compute_gflops = cg ? atof(cg) : 0.0;
     /* NL_TEST_SLOW_HOP_MS=X makes each batch of session hops

@@ -86,6 +86,7 @@ typedef struct node {
     int64_t next_hb_ms;
     int64_t window_ms; /* start of the load window (since the last heartbeat) */
     double busy_ms;    /* time spent in forwards in that window */
+    double modelled_s; /* test hook: the stage's compute-model sleeps counted so far */
     /* a training job's time on this node, logged when it ends */
     int64_t train_t0;     /* its first message (0: none yet) */
     double train_busy_ms; /* handling its messages: compute and sends */

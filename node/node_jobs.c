@@ -381,17 +381,16 @@ static nl_status ckpt_dir(node *n, const char *dir, char **out, nl_error *err)
     return st == NL_OK ? st : nl_error_prefix(err, "CKPT_REQ under --checkpoint-root");
 }
 
-/* Test hook (NL_TEST_COMPUTE_GFLOPS): the time the training hop m takes
- * at the hook's rate by the planner's cost model (core/planner.h): a
- * forward of its rows through this stage's layers (and embedding or
- * head), twice that for a backward; the last stage runs a microbatch's
- * backward with its forward. Seconds; 0 for other messages. */
+/* Test hook (NL_TEST_COMPUTE_GFLOPS): the time the evaluation hop m
+ * takes at the hook's rate by the planner's cost model (core/planner.h):
+ * a forward of its rows through this stage's layers (and embedding or
+ * head). Seconds; 0 for other messages. The training hops' time the stage
+ * sleeps when their work runs (stage_train_hops.c), which a hop that
+ * waits for its step does not yet. */
 static double compute_model_s(node *n, const nl_wire_msg *m)
 {
     const nl_model *md = nl_stage_model(n->stage);
-    const bool hop = m->type == NL_MSG_COUNT || m->type == NL_MSG_EVAL ||
-                     m->type == NL_MSG_GRADIENT || m->type == NL_MSG_ACTIVATION;
-    if (n->o->inject_compute_gflops <= 0 || !md || !hop || m->nframes < 1 ||
+    if (n->o->inject_compute_gflops <= 0 || !md || m->type != NL_MSG_EVAL || m->nframes < 1 ||
         m->frames[0].t.ndim < 2)
         return 0.0;
     const int rows = (int)(m->frames[0].t.shape[0] * m->frames[0].t.shape[1]),
@@ -399,10 +398,7 @@ static double compute_model_s(node *n, const nl_wire_msg *m)
     double fwd = (md->l1 - md->l0) * nl_plan_layer_flops(&md->cfg, rows, seq);
     fwd += md->has_head ? nl_plan_head_flops(&md->cfg, rows) : 0.0;
     fwd += md->has_embed ? nl_plan_embed_flops(&md->cfg, rows) : 0.0;
-    const double f = m->type == NL_MSG_GRADIENT                     ? 2 * fwd
-                     : m->type == NL_MSG_ACTIVATION && md->has_head ? 3 * fwd
-                                                                    : fwd;
-    return f / (n->o->inject_compute_gflops * 1e9);
+    return fwd / (n->o->inject_compute_gflops * 1e9);
 }
 
 /* A training message from any socket: the stage runs what it can. */
@@ -457,8 +453,13 @@ void nl_node_handle_train(node *n, const nl_wire_msg *m)
     /* the stage's busy time (heartbeats' load, which the coordinator
      * re-balances by): on the CPU, the CPU time its threads computed, so
      * that other processes on the cores do not make it look slower */
+    /* the compute model's sleeps on the stage since the last message (on
+     * its lanes they may end after the call: the next one counts them) */
+    const double slept = nl_stage_modelled_s(n->stage); /* a new stage's count starts at 0 */
+    const double model_ms = (slept >= n->modelled_s ? slept - n->modelled_s : slept) * 1e3;
+    n->modelled_s = slept;
     if (m->type != NL_MSG_CKPT_REQ) /* writing a checkpoint is not the stage's pace */
-        n->busy_ms += cpu0 >= 0 ? busy_cpu_ms(n) - cpu0 : ms;
+        n->busy_ms += cpu0 >= 0 ? busy_cpu_ms(n) - cpu0 + model_ms : ms;
     n->train_busy_ms += ms;
     if (st != NL_OK)
         nl_node_fail_job(n, job, st, m->type, "%s", e.msg);

@@ -282,6 +282,11 @@ nl_status nl_stage_hidden_out(nl_stage *s, nl_wire_frame *f, const float *x, con
     return nl_wire_frame_hidden(f, s->wire, x, shape, ndim, &s->wire_h, &s->wire_cap, err);
 }
 
+double nl_stage_modelled_s(nl_stage *s)
+{
+    return (double)atomic_load(&s->modelled_us) / 1e6;
+}
+
 nl_wire_precision nl_stage_wire(const nl_stage *s)
 {
     return s->wire;

@@ -62,13 +62,14 @@ typedef struct nl_stage_opts {
     int inject_nan_stage;    /* ... on this stage only (-1: any) */
     int inject_nan_on;       /* ... and on every later step */
     int inject_no_compute;   /* test hook (NL_TEST_COMPUTE_GFLOPS): training hops skip the
-                              * trainer's ops, their outputs and gradients zero (the node
+                              * trainer's ops, their outputs and gradients zero (the stage
                               * sleeps for their time instead: a compute model) */
-    nl_stage_lie lie;        /* test hook (test builds only): a stage that lies */
-    int tf32;                /* the backend allows TF32 (--tf32): recorded in training shards */
-    int batch_decode;        /* decode steps per batch; 0 = 32 */
-    int prefill_chunk;       /* prompt positions per batch; 0 = 64 */
-    int batch_wait_ms;       /* longest wait for the other active sessions; 0 = 20, < 0: none */
+    double inject_compute_gflops; /* ... at this rate, when the work runs (stage_train_hops.c) */
+    nl_stage_lie lie;             /* test hook (test builds only): a stage that lies */
+    int tf32;          /* the backend allows TF32 (--tf32): recorded in training shards */
+    int batch_decode;  /* decode steps per batch; 0 = 32 */
+    int prefill_chunk; /* prompt positions per batch; 0 = 64 */
+    int batch_wait_ms; /* longest wait for the other active sessions; 0 = 20, < 0: none */
     /* data-parallel replicas (each computes on its own thread): */
     int train_async;     /* nl_stage_job_input returns once the work is dispatched; the
                           * results go out from nl_stage_train_poll (the daemon) */
@@ -282,6 +283,11 @@ nl_txref *nl_stage_txref(nl_stage *s);
 
 /* What this stage sends its neighbours: FP32 or bf16. */
 nl_wire_precision nl_stage_wire(const nl_stage *s);
+
+/* Test hook (NL_TEST_COMPUTE_GFLOPS): the seconds the compute model has
+ * slept for training work on this stage, in all (the node counts them as
+ * busy time). */
+double nl_stage_modelled_s(nl_stage *s);
 /* n hidden-state values of a frame (F32 or BF16: checked by the caller)
  * as FP32: the frame's bytes, or the stage's buffer that a bf16 frame was
  * widened into (valid until the next call). NULL: out of memory. */

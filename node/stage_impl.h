@@ -8,6 +8,8 @@
 #ifndef NL_NODE_STAGE_IMPL_H
 #define NL_NODE_STAGE_IMPL_H
 
+#include <stdatomic.h>
+
 #include "../core/batch.h"
 #include "../core/forward.h"
 #include "../core/sampler.h"
@@ -66,6 +68,7 @@ struct nl_stage {
     nl_comm *comm; /* over rbe, when n_rep > 1 */
     bool own_comm; /* ... made by the stage (else borrowed) */
     nl_stage_opts o;
+    atomic_uint_least64_t modelled_us; /* test hook: the compute model's sleeps, in all */
     /* the device's asynchronous error, once seen: every later piece of
      * work is refused with it */
     nl_status device_st; /* NL_OK while healthy */

@@ -331,7 +331,7 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg
     t->rslots = rslots;
     t->has_embed = m->has_embed;
     t->has_head = m->has_head;
-    t->no_compute = s->o.inject_no_compute != 0;
+    nl_stage_train_model_init(s, t); /* test hook: the compute model */
     const bool threads = t->R > 1 && !s->o.replicas_inline;
     t->async = threads && s->o.train_async;
     st = make_replicas(s, t, (int)recompute, err);

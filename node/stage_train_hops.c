@@ -5,9 +5,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "../base/log.h"
 #include "../core/labelled.h"
+#include "../core/planner.h"
 #include "../core/train.h"
 #include "replica_workers.h"
 #include "stage_train_impl.h"
@@ -163,6 +165,33 @@ static nl_status job_backward(stage_train *t, replica *p, rjob *j, const float *
     return st;
 }
 
+void nl_stage_train_model_init(nl_stage *s, stage_train *t)
+{
+    const nl_model *m = s->model;
+    t->no_compute = s->o.inject_no_compute != 0;
+    t->modelled_us = &s->modelled_us;
+    if (!t->no_compute || !(s->o.inject_compute_gflops > 0))
+        return;
+    const int rows = (int)t->rows; /* the planner's cost model (core/planner.h) */
+    double f = (m->l1 - m->l0) * nl_plan_layer_flops(&m->cfg, rows, t->T);
+    f += m->has_head ? nl_plan_head_flops(&m->cfg, rows) : 0.0;
+    f += m->has_embed ? nl_plan_embed_flops(&m->cfg, rows) : 0.0;
+    t->model_fwd_s = f / (s->o.inject_compute_gflops * 1e9);
+}
+
+/* Test hook (NL_TEST_COMPUTE_GFLOPS): the device's time for a piece of
+ * work, slept where the work runs, so that the node's loop goes on with
+ * what needs no device meanwhile as it does while a device computes (a
+ * hop that waits for its step's STEP, the replicas' all-reduce). */
+static void model_sleep(stage_train *t, double s)
+{
+    if (!(s > 0))
+        return;
+    const double whole = (double)(time_t)s;
+    nanosleep(&(struct timespec){(time_t)whole, (long)((s - whole) * 1e9)}, NULL);
+    atomic_fetch_add(t->modelled_us, (uint_least64_t)(s * 1e6));
+}
+
 /* Runs on the replica's lane (replica_workers.h). */
 void nl_stage_train_run_job(void *ctx, nl_wjob *w)
 {
@@ -178,9 +207,15 @@ void nl_stage_train_run_job(void *ctx, nl_wjob *w)
         return;
     }
     if (t->no_compute && j->kind != JOB_BEGIN && j->kind != JOB_STEP) {
-        /* test hook: the compute model's node slept for this work; what
-         * goes on is zero (a pass on the last stage, a forward on the
-         * first, has nothing to send) */
+        /* test hook: the compute model sleeps for this work now that it
+         * runs (a forward, twice that for a backward, a training forward
+         * and backward together on the last stage); what goes on is zero
+         * (a pass on the last stage, a forward on the first, has nothing
+         * to send) */
+        model_sleep(t, (j->kind == JOB_BACKWARD                 ? 2.0
+                        : j->kind == JOB_FORWARD && t->has_head ? 3.0
+                                                                : 1.0) *
+                           t->model_fwd_s);
         const bool out = j->kind == JOB_BACKWARD                 ? !t->has_embed
                          : j->kind == JOB_FORWARD && t->has_head ? !t->has_embed
                                                                  : !t->has_head;

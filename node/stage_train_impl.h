@@ -137,6 +137,9 @@ typedef struct stage_train {
     float *red_buf[NL_REDUCE_KINDS];
     bool reducing, step_held;
     uint64_t ring_bytes; /* REDUCE frame bytes this replica sent (replica traffic) */
+    double reduce_t0;    /* when this step's gradients went into the ring (monotonic s) */
+    double reduce_s;     /* seconds from there to their sum, over the job's steps */
+    int reduce_n;        /* steps summed so */
     /* DiLoCo (outer_every H > 0; DESIGN section 8): this replica is one
      * replica group's; its inner steps use its own gradients, and every H
      * steps the groups' deltas are added round the ring (the GRADS
@@ -152,7 +155,11 @@ typedef struct stage_train {
     bool no_compute; /* test hook (nl_stage_opts.inject_no_compute): the ops skipped */
     nl_msg_step held;
     atomic_int failed; /* a job failed: the lanes skip the rest */
-    nl_status poison;  /* ... and the error every later message gets */
+    /* test hook (NL_TEST_COMPUTE_GFLOPS): a microbatch's forward through
+     * this stage at the model's rate (seconds), and where the sleeps add up */
+    double model_fwd_s;
+    atomic_uint_least64_t *modelled_us;
+    nl_status poison; /* ... and the error every later message gets */
     char poison_msg[NL_ERROR_MSG_MAX];
 } stage_train;
 
@@ -219,6 +226,9 @@ int nl_stage_train_replica_of(const stage_train *t, uint32_t mb);
 int nl_stage_train_slot_of(const stage_train *t, uint32_t mb);
 /* Runs on the replica's lane (replica_workers.h). */
 void nl_stage_train_run_job(void *ctx, nl_wjob *w);
+/* Test hook (NL_TEST_COMPUTE_GFLOPS): set t's no_compute and the compute
+ * model's time of a microbatch's forward (stage_train_hops.c). */
+void nl_stage_train_model_init(nl_stage *s, stage_train *t);
 /* Take back the finished jobs in order (wait: every job dispatched, once
  * finished). The first error ends the job on this stage (poison). */
 nl_status nl_stage_train_take_done(nl_stage *s, stage_train *t, bool wait, nl_stage_send_fn send,

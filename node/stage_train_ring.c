@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "../base/log.h"
 #include "stage_train_impl.h"
@@ -45,6 +46,13 @@ static nl_status ring_send(void *p, nl_wire_msg *m, nl_error *err)
     if (m->nframes > 0)
         *r->bytes += (uint64_t)m->frames[0].t.shape[0] * sizeof(float); /* F32 */
     return r->send(r->ctx, NL_STAGE_TO_RING, m, err);
+}
+
+static double mono_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
 nl_status nl_stage_train_ring_new(nl_stage *s, stage_train *t, int64_t micro, int64_t outer_every,
@@ -96,8 +104,11 @@ nl_status nl_stage_train_ring_new(nl_stage *s, stage_train *t, int64_t micro, in
 void nl_stage_train_ring_free(stage_train *t)
 {
     if (t->xR > 1)
-        NL_INFO("train job %llu: replica %d sent %llu bytes of REDUCE frames to the next replica",
-                (unsigned long long)t->job, t->xr, (unsigned long long)t->ring_bytes);
+        NL_INFO("train job %llu: replica %d sent %llu bytes of REDUCE frames to the next replica; "
+                "adding up the gradients took %.3f s a step (%d steps, from this replica's last "
+                "backward to the sum)",
+                (unsigned long long)t->job, t->xr, (unsigned long long)t->ring_bytes,
+                t->reduce_n ? t->reduce_s / t->reduce_n : 0.0, t->reduce_n);
     free(t->anchor);
     free(t->outer_m);
     free(t->held_dir);
@@ -151,6 +162,8 @@ static nl_status grads_done(nl_stage *s, stage_train *t, nl_stage_send_fn send, 
     t->ce = get_double(buf + n);
     t->aux = get_double(buf + n + 2);
     t->reducing = false;
+    t->reduce_s += mono_s() - t->reduce_t0;
+    t->reduce_n++;
     return nl_stage_train_report(s, t, send, ctx, err);
 }
 
@@ -169,6 +182,7 @@ nl_status nl_stage_train_reduce_grads(nl_stage *s, stage_train *t, nl_stage_send
     put_double(buf + n, t->ce);
     put_double(buf + n + 2, t->aux);
     t->reducing = true;
+    t->reduce_t0 = mono_s();
     ring_ctx rc = {send, ctx, nl_stage_epoch(s), &t->ring_bytes};
     bool done = false;
     st = nl_allreduce_begin(t->red[NL_REDUCE_GRADS], t->begun, buf, ring_send, &rc, &done, err);

@@ -875,12 +875,26 @@ static void test_replicated(void)
      * pipeline faster, the all-reduce costs nothing); a slow link makes
      * the all-reduce cost more than replicas gain: depth alone */
     nl_config c4 = small_cfg(4);
-    int R = 0;
+    int R = 0, n_tried = 0;
     double t_free = 0, t_slow = 0;
-    CHECK_OK(nl_plan_choose_replicas(&p, &R, &t_free, &c4, four, 4, &o, 8, 0.0, &err), &err);
+    nl_plan_replica_option tried[NL_PLAN_MAX_REPLICAS];
+    CHECK_OK(
+        nl_plan_choose_replicas(&p, &R, &t_free, tried, &n_tried, &c4, four, 4, &o, 8, 0.0, &err),
+        &err);
     CHECK(R > 1 && p->stages[0].n_replicas == R, "a free link: %d replicas", R);
+    /* every R tried is listed (1, 2, 4 divide 8), the choice the fastest */
+    CHECK(n_tried == 3 && tried[0].replicas == 1 && tried[1].replicas == 2 &&
+              tried[2].replicas == 4,
+          "%d tried", n_tried);
+    for (int k = 0; k < n_tried; k++)
+        CHECK(tried[k].stages > 0 && tried[k].step_s >= t_free * (1 - 1e-9) &&
+                  (tried[k].replicas != R || tried[k].step_s == t_free),
+              "R=%d: %d stages, %g s a step (the choice %g)", tried[k].replicas, tried[k].stages,
+              tried[k].step_s, t_free);
+    CHECK(nl_plan_step_seconds(p, &c4, &o, 8, 0.0) == t_free, "the step's seconds again");
     nl_plan_destroy(&p);
-    CHECK_OK(nl_plan_choose_replicas(&p, &R, &t_slow, &c4, four, 4, &o, 8, 1e3, &err), &err);
+    CHECK_OK(nl_plan_choose_replicas(&p, &R, &t_slow, NULL, NULL, &c4, four, 4, &o, 8, 1e3, &err),
+             &err);
     CHECK(R == 1 && p->stages[0].n_replicas == 1, "a 1 kB/s link: %d replicas", R);
     CHECK(t_slow >= t_free, "a slow link is never faster: %g vs %g", t_slow, t_free);
     nl_plan_destroy(&p);
@@ -892,14 +906,17 @@ static void test_replicated(void)
         CHECK(t >= t_free * (1 - 1e-9), "R=%d: %g s a step, the choice %g", k, t, t_free);
         nl_plan_destroy(&q);
     }
-    CHECK(nl_plan_choose_replicas(&p, &R, NULL, &c4, lop, 1, &o, 8, 0.0, &err) == NL_OK ||
+    CHECK(nl_plan_choose_replicas(&p, &R, NULL, NULL, NULL, &c4, lop, 1, &o, 8, 0.0, &err) ==
+                  NL_OK ||
               err.msg[0],
           "one node: a plan or why not");
     nl_plan_destroy(&p);
-    CHECK(nl_plan_choose_replicas(&p, &R, NULL, &c4, four, 4, &o, 0, 0.0, &err) == NL_ERR_INVALID,
+    CHECK(nl_plan_choose_replicas(&p, &R, NULL, NULL, NULL, &c4, four, 4, &o, 0, 0.0, &err) ==
+              NL_ERR_INVALID,
           "0 microbatches");
     /* 3 microbatches do not divide among 2 or 4 replicas: 1 or 3 */
-    CHECK_OK(nl_plan_choose_replicas(&p, &R, NULL, &c4, four, 4, &o, 3, 0.0, &err), &err);
+    CHECK_OK(nl_plan_choose_replicas(&p, &R, NULL, NULL, NULL, &c4, four, 4, &o, 3, 0.0, &err),
+             &err);
     CHECK(R == 1 || R == 3, "3 microbatches: %d replicas", R);
     nl_plan_destroy(&p);
     printf("replicated plans: ok\n");

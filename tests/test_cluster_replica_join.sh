@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# A node that joins a training job becomes a replica (DESIGN section 8,
+# "Replicas"; neurocoord --replicas auto; docs/cluster.md): 2 nodes train
+# as 1 stage x 2 replicas (the cost model's choice for steps of 6
+# microbatches); a third node joins while the job runs; at the next
+# checkpoint the coordinator plans again, by the seconds of a training
+# step, and the new node becomes the stage's third replica (it loads the
+# stage's shard from the checkpoint); the job goes on to its last step (36) and
+#  - every step's loss stays within 1e-6 (relative) of neuroctl train in
+#    one process with the same global batch;
+#  - neuroctl status shows the three replicas and why the plan has them
+#    (every R tried and its predicted seconds a step).
+# And a fifth node beside 2 stages x 2 replicas (--replicas 2) at rest can
+# only be a standby: the coordinator judges the plan it would make (the
+# same 2 x 2) no better, and the stages are not reloaded (each stage's
+# time is over its replicas in both plans).
+. "$(dirname "$0")/cluster_lib.sh"
+# equal, fixed throughputs: the plans do not hang on probes disturbed by
+# tests running beside this one
+export NL_TEST_GFLOPS=20
+extras=()
+test_cleanup() {
+  local p
+  for p in "${extras[@]}"; do kill "$p" 2>/dev/null && wait "$p" 2>/dev/null; done
+}
+
+# join_extra CLUSTER NAME: one more node, with a key the coordinator is
+# told about (SIGHUP)
+join_extra() {
+  "$N" keygen --out "$W/$2" >/dev/null
+  echo "$(cat "$W/$2.pub")  # $2" >> "$1/coord/authorized_keys"
+  kill -HUP "$(cat "$1/coord.pid")"
+  "$NODE" join "${DEV[@]}" "$(cat "$1/coord/endpoint")" --key "$W/$2.key" \
+    --coordinator-key "$1/coord/coordinator.pub" --memory 64M --threads 1 --name "$2" \
+    --checkpoint-root / > "$W/$2.log" 2>&1 &
+  extras+=($!)
+}
+
+small_config "$W/cfg.yaml" 32 4 48 64
+cat "$NL_SOURCE_DIR"/README.md "$NL_SOURCE_DIR"/docs/*.md > "$W/data.txt"
+check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
+# steps long enough that the third node joins well before the last
+# checkpoint, few enough that one order of the sum against another stays
+# within 1e-6 (over many steps AdamW makes last-bit differences grow: see
+# docs/BENCHMARKS.md, "Replicas on different nodes")
+RUN=(--data "$W/data.txt" --steps 36 --batch 24 --seq 64 --microbatches 6 --lr 1e-3 --seed 1)
+
+check "$N" train "${DEV[@]}" --model "$W/m.safetensors" "${RUN[@]}" --threads 1 --log "$W/local.jsonl" \
+  2> "$W/local.err"
+
+C="$W/c"
+check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 2 --replicas auto --plan-microbatches 6 \
+  --model "$W/m.safetensors" --memory 64M --threads 1 --node-timeout-ms 5000 --timeout 60
+"$N" status --cluster "$C" > "$W/status-2.txt"
+grep "^replicas" "$W/status-2.txt"
+check grep -q "^replicas: 2 per stage .*1 x 2 [0-9.]* (chosen)" "$W/status-2.txt"
+
+"$N" train --cluster "$C" "${RUN[@]}" --checkpoint-every 2 --checkpoint-dir "$W/ck" \
+  --log "$W/r.jsonl" 2> "$W/r.err" &
+job=$!
+for i in $(seq 1 2400); do
+  grep -q '"step":1,' "$W/r.jsonl" 2>/dev/null && break
+  sleep 0.05
+done
+join_extra "$C" extra
+wait $job
+rc=$?
+check test $rc -eq 0
+tr '\r' '\n' < "$W/r.err" | grep -v "^step" | tail -3
+grep -E "re-plan|plan [0-9]+: stage" "$C/coord.log"
+[ $rc -eq 0 ] || grep -E "WARN|ERROR" "$C/coord.log" | tail -12
+check grep -q "re-plan at the checkpoint: training step" "$C/coord.log"
+check grep -q '"event":"replan"' "$W/r.jsonl"
+check grep -q "loaded epoch" "$W/extra.log"
+check grep -q '"step":36,' "$W/r.jsonl"
+check $PY - "$W/r.jsonl" "$W/local.jsonl" <<'PY'
+import json, sys
+a, b = ({r["step"]: r for r in map(json.loads, open(p)) if "step" in r and "loss" in r}
+        for p in sys.argv[1:])
+assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+worst = max(abs(a[k]["loss"] - b[k]["loss"]) / abs(b[k]["loss"]) for k in b)
+print("losses of %d steps: worst relative difference %.2e" % (len(b), worst))
+assert worst <= 1e-6, worst
+PY
+# the new node is the stage's third replica; status says why
+"$N" status --cluster "$C" > "$W/status-3.txt"
+cat "$W/status-3.txt"
+check test "$(grep -c ' r[012]/3 ' "$W/status-3.txt")" -eq 3
+check grep -q "^replicas: 3 per stage .*1 x 3 [0-9.]* (chosen)" "$W/status-3.txt"
+
+check "$N" cluster down --dir "$C"
+
+# ---- a fifth node beside 2 x 2 at rest: a standby, no reload ----
+C="$W/c5"
+check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 4 --replicas 2 --model "$W/m.safetensors" \
+  --memory 64M --threads 1 --node-timeout-ms 5000 --timeout 60
+join_extra "$C" fifth
+for i in $(seq 1 1200); do
+  grep -q "re-plan at rest" "$C/coord.log" && break
+  sleep 0.05
+done
+grep "re-plan at rest" "$C/coord.log"
+check grep -q "re-plan at rest: the plan stays (training step" "$C/coord.log"
+check test "$(grep -c "loaded stage" "$C/coord.log")" -eq 4
+"$N" status --cluster "$C" > "$W/status-5.txt"
+check test "$(grep -c ' r[01]/2 ' "$W/status-5.txt")" -eq 4
+check test "$(grep -c ' standby ' "$W/status-5.txt")" -eq 1
+
+check "$N" cluster down --dir "$C"
+echo "test_cluster_replica_join: $pass passed, $fail failed"
+[ "$fail" -eq 0 ]
