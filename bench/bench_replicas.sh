@@ -51,7 +51,7 @@ if ! "$B/node/neuronode" --help 2>&1 | grep -q NL_TEST_COMPUTE_GFLOPS; then
 fi
 echo "bench_replicas: start, $(uptime)" >&2
 "$N" init --config "$CONFIG" --out "$W/m.safetensors" --seed 7 >/dev/null
-cat README.md docs/*.md > "$W/data.txt"
+cp tests/data/corpus.txt "$W/data.txt"
 RUN=(--data "$W/data.txt" --steps "$STEPS" --batch "$BATCH" --seq "$SEQ" --microbatches "$MICRO"
      --lr 1e-3 --seed 1)
 

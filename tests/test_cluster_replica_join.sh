@@ -37,7 +37,7 @@ join_extra() {
 }
 
 small_config "$W/cfg.yaml" 32 4 48 64
-cat "$NL_SOURCE_DIR"/README.md "$NL_SOURCE_DIR"/docs/*.md > "$W/data.txt"
+cp "$CORPUS" "$W/data.txt"
 check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
 # steps long enough that the third node joins well before the last
 # checkpoint, few enough that one order of the sum against another stays

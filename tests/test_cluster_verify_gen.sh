@@ -18,7 +18,7 @@
 export NL_TEST_GFLOPS=20
 
 small_config "$W/cfg.yaml" 32 3 48 32
-cat "$NL_SOURCE_DIR"/README.md > "$W/data.txt"
+corpus_small > "$W/data.txt"
 check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
 P=72,101
 # one process's tokens: the honest ones

@@ -20,7 +20,7 @@
 export NL_TEST_GFLOPS=20
 
 small_config "$W/cfg.yaml" 32 3 48 32
-cat "$NL_SOURCE_DIR"/README.md > "$W/data.txt"
+corpus_small > "$W/data.txt"
 check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
 RUN=(--data "$W/data.txt" --steps 4 --batch 8 --seq 16 --microbatches 4 --lr 3e-3 --seed 1)
 last() { tail -1 "$1" | $PY -c "import json,sys; print(json.load(sys.stdin)[\"$2\"])"; }
