@@ -121,6 +121,32 @@ nl_status nl_stage_train_params(nl_stage *s, const nl_msg_job_submit *j, nl_trai
     return NL_OK;
 }
 
+/* Whether the job fits the memory this node offers (--memory), by the
+ * memory model: rslots microbatches of mbB x T in flight on each of R
+ * replicas; NL_ERR_CAPACITY with the figures if not. */
+static nl_status check_memory(const nl_stage *s, long long job, int64_t mbB, int64_t T, int rslots,
+                              int recompute, int R, nl_error *err)
+{
+    const nl_model *m = s->model;
+    nl_mem_opts mo = {.training = 1,
+                      .micro_rows = (int)(mbB * T),
+                      .in_flight = rslots,
+                      .recompute = recompute,
+                      .precision = nl_mem_precision(s->be)};
+    nl_mem_estimate me = nl_memory_estimate(&m->cfg, m->l1 - m->l0, m->has_embed, m->has_head, &mo);
+    if (m->lora) /* fine-tuning: no moments for the frozen base (the adapters' are small) */
+        me.total -= me.moments;
+    if (me.total > s->o.memory_bytes)
+        return nl_error_set(err, NL_ERR_CAPACITY,
+                            "train job %lld: layers [%d, %d) with %d microbatches of %lld x %lld "
+                            "in flight need %llu bytes (memory model), but this node offers %llu "
+                            "(--memory)%s",
+                            job, m->l0, m->l1, rslots, (long long)mbB, (long long)T,
+                            (unsigned long long)me.total, (unsigned long long)s->o.memory_bytes,
+                            R > 1 ? " on each replica" : "");
+    return NL_OK;
+}
+
 nl_status nl_stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg_job_submit *j,
                               stage_train **out, nl_error *err)
 {
@@ -157,22 +183,8 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg
         slots = (int)Mh;
     /* each replica keeps its share of the microbatches in flight */
     const int rslots = (slots + R - 1) / R;
-    nl_mem_opts mo = {.training = 1,
-                      .micro_rows = (int)(mbB * T),
-                      .in_flight = rslots,
-                      .recompute = (int)recompute,
-                      .precision = nl_mem_precision(s->be)};
-    nl_mem_estimate me = nl_memory_estimate(&m->cfg, m->l1 - m->l0, m->has_embed, m->has_head, &mo);
-    if (m->lora) /* fine-tuning: no moments for the frozen base (the adapters' are small) */
-        me.total -= me.moments;
-    if (me.total > s->o.memory_bytes)
-        return nl_error_set(err, NL_ERR_CAPACITY,
-                            "train job %lld: layers [%d, %d) with %d microbatches of %lld x %lld "
-                            "in flight need %llu bytes (memory model), but this node offers %llu "
-                            "(--memory)%s",
-                            (long long)job, m->l0, m->l1, rslots, (long long)mbB, (long long)T,
-                            (unsigned long long)me.total, (unsigned long long)s->o.memory_bytes,
-                            R > 1 ? " on each replica" : "");
+    if ((st = check_memory(s, job, mbB, T, rslots, recompute, R, err)) != NL_OK)
+        return st;
     nl_stage_job_drop_kind(s, NL_JOB_TRAIN); /* the earlier job's memory first */
     stage_train *t = calloc(1, sizeof *t);
     if (!t)
