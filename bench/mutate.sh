@@ -57,22 +57,22 @@ m() { F[N]=$1; O[N]=$2; R[N]=$3; T[N]=$4; N=$((N + 1)); }
 # kernels
 m kernels/elem.h 'return v > bv || (v == bv && i < bi);' \
   'return v > bv || (v == bv && i > bi);' '^test_elem$|^test_ops_cpu$'               # greedy tie-break reversed
-m kernels/cpu/cpu_moe.c 'if (!taken && (best < 0 || row[e] > row[best]))' \
-  'if (!taken && (best < 0 || row[e] >= row[best]))' '^test_ops_cpu$|^test_model$'    # top-k tie-break reversed
+m kernels/elem.h 'if (!taken && (best < 0 || row[e] > row[best]))' \
+  'if (!taken && (best < 0 || row[e] >= row[best]))' '^test_elem$|^test_ops_cpu$|^test_model$' # top-k tie-break reversed
 m kernels/elem.h '*p -= lr * (mi / bc1 / (sqrtf(vi / bc2) + eps) + wd * *p);' \
   '*p -= lr * (mi / bc1 / (sqrtf(vi / bc2) + eps));' '^test_elem$|^test_ops_train_cpu$|^test_train$' # decay dropped
 m kernels/elem.h 'const float vi = b2 * *v + (1.0f - b2) * gi * gi;' \
   'const float vi = b2 * *v + (1.0f - b2) * gi;' '^test_elem$|^test_ops_train_cpu$|^test_train$'  # v not squared
 m kernels/elem.h 'if ((u & 0x7fffffffu) > 0x7f800000u)' \
   'if ((u & 0x7fffffffu) >= 0x7f800000u)' '^test_elem$|^test_bf16$'                   # inf taken for NaN
-m kernels/cpu/cpu_moe.c 'w[(size_t)n * k + i] = row[ch[i]] / sum;' \
-  'w[(size_t)n * k + i] = row[ch[i]];' '^test_ops_cpu$|^test_model$'                   # gate weights not renormalised
+m kernels/elem.h 'w[i] = row[choice[i]] / sum;' \
+  'w[i] = row[choice[i]];' '^test_elem$|^test_ops_cpu$|^test_model$'                   # gate weights not renormalised
 # core
-m core/train.c 'const float bc1 = (float)(1.0 - pow(o.beta1, (double)t->adam_t));' \
+m core/train_adamw.c 'const float bc1 = (float)(1.0 - pow(o.beta1, (double)t->adam_t));' \
   'const float bc1 = (float)(1.0 - pow(o.beta1, (double)(t->adam_t + 1)));' '^test_train$'  # bias correction one step ahead
-m core/train.c 'return lr * (double)(step + 1) / (double)warmup;' \
+m core/train_adamw.c 'return lr * (double)(step + 1) / (double)warmup;' \
   'return lr * (double)step / (double)warmup;' '^test_train$'                          # warmup starts at lr 0
-m core/train.c 'const float wd = p->kind == NL_PARAM_NORM ? 0.0f : o.weight_decay;' \
+m core/train_adamw.c 'const float wd = p->kind == NL_PARAM_NORM ? 0.0f : o.weight_decay;' \
   'const float wd = o.weight_decay;' '^test_train$'                                   # norms decayed
 m core/kvcache.c 'if (B < 1 || cap < 1 || cap > m->cfg.max_seq_len)' \
   'if (B < 1 || cap < 1 || cap > m->cfg.max_seq_len + 1)' '^test_model$'              # cache one past the context
@@ -126,7 +126,7 @@ m node/stage_session.c 'if (p->limit < 0 || p->limit > p->capacity)' \
 m node/stage.c 'if (*T > kv->cap - at)' 'if (*T > kv->cap - at + 1)' '^test_node_stage$'  # cache overflow by one
 m node/stage.c 'if (a->layer1 > (uint32_t)cfg.num_layers)' \
   'if (a->layer1 > (uint32_t)cfg.num_layers + 1)' '^test_node_stage$|^test_node$'                  # layer range past the model
-m node/stage_train.c 'if (p->seq > s->model->cfg.max_seq_len)' \
+m node/stage_train_make.c 'if (p->seq > s->model->cfg.max_seq_len)' \
   'if (p->seq > s->model->cfg.max_seq_len + 1)' '^test_stage_train$'                   # train seq past max_seq_len
 m node/stage_train.c 'if (hop->microbatch >= limit)' 'if (hop->microbatch > limit)' \
   '^test_stage_train$'                                                                 # microbatch index off by one

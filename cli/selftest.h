@@ -1,8 +1,9 @@
-/* Private to neuroctl selftest (cli/cmd_selftest.c, the op checks and the
+/* Private to neuroctl selftest: the harness that holds one buffer on two
+ * backends, and the report of each check (cli/selftest.c), which the
+ * checks are written over: cli/cmd_selftest.c, the op checks and the
  * command; cli/selftest_family.c, the model variants' slots;
  * cli/selftest_model.c, the small model's checks; cli/selftest_cudnn.c,
- * cuDNN's attention): the harness
- * that holds one buffer on two backends, and the report of each check. */
+ * cuDNN's attention. */
 #ifndef NL_CLI_SELFTEST_H
 #define NL_CLI_SELFTEST_H
 

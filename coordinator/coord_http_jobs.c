@@ -17,6 +17,7 @@
 
 #define CANCEL_WAIT_S 2.0
 #define TAKEN_WAIT_S 30.0 /* the coordinator answers a submit at once, unless it stalls */
+#define EMBED_WAIT_S 60   /* an embedding's whole job */
 
 typedef struct gen {
     nl_sock *s;
@@ -424,8 +425,51 @@ char *coord_http_chat_template(void *ctx, int model)
     return s;
 }
 
+/* An embed job's RESULT, F32 [1, d], taken into a copy. */
+typedef struct embed_take {
+    float *vec;
+    int dim;
+} embed_take;
+
+static nl_status take_embedding(void *ctx, const nl_wire_msg *m, nl_error *err)
+{
+    embed_take *t = ctx;
+    const nl_tensor *r = &m->frames[0].t;
+    if (r->dtype != NL_DTYPE_F32 || r->ndim != 2 || r->shape[0] != 1 || r->shape[1] < 1)
+        return nl_error_set(err, NL_ERR_INTERNAL, "a result of the wrong shape");
+    if (!(t->vec = malloc(m->frames[0].len)))
+        return nl_error_set(err, NL_ERR_NOMEM, "out of memory");
+    memcpy(t->vec, r->data, m->frames[0].len);
+    t->dim = (int)r->shape[1];
+    return NL_OK;
+}
+
+/* The wait's end as the HTTP side answers it: a lost connection is 503
+ * (the cluster cannot be reached), a refusal for want of room 429, any
+ * other failure of the job 500. */
+static nl_status embed_failed(nl_status st, nl_error *err)
+{
+    char why[NL_ERROR_MSG_MAX];
+    snprintf(why, sizeof why, "%s", err->msg);
+    switch (st) {
+    case NL_ERR_IO:
+        return nl_error_set(err, NL_ERR_STATE, "embedding: the coordinator cannot be reached: %s",
+                            why);
+    case NL_ERR_TIMEOUT:
+        return nl_error_set(err, NL_ERR_TIMEOUT, "embedding: no answer from the cluster in %d s",
+                            EMBED_WAIT_S);
+    case NL_ERR_LIMIT:
+    case NL_ERR_INTERNAL:
+    case NL_ERR_NOMEM:
+        return nl_error_set(err, st, "embedding failed: %s", why);
+    default:
+        return nl_error_set(err, NL_ERR_INTERNAL, "embedding failed: %s", why);
+    }
+}
+
 /* One input through the cluster's embed job (coord_embed.c): the last
- * stage pools; a RESULT F32 [1, d] comes back. */
+ * stage pools; a RESULT F32 [1, d] comes back, awaited as every client's
+ * (nl_client_await_result). */
 nl_status coord_http_embed(void *ctx, int model, const char *text, size_t len, const int32_t *ids,
                            int n, float **vec, int *dim, int *tokens, nl_error *err)
 {
@@ -435,8 +479,8 @@ nl_status coord_http_embed(void *ctx, int model, const char *text, size_t len, c
     int32_t *p = NULL;
     int P = 0;
     nl_sock *s = NULL;
-    nl_rx rx;
-    nl_rx_init(&rx);
+    embed_take t = {0};
+    *vec = NULL;
     refresh_if_not_ready(h);
     nl_status st = prompt_ids(h, &rq, &p, &P, err);
     pthread_mutex_lock(&h->mu);
@@ -455,46 +499,18 @@ nl_status coord_http_embed(void *ctx, int model, const char *text, size_t len, c
         err->status = st = NL_ERR_STATE; /* 503: the cluster cannot be reached */
     if (st == NL_OK)
         st = nl_client_submit(s, NL_JOB_EMBED, ps, adapter ? 2 : 1, p, 1, P, err);
-    const double by = nl_client_now() + 60.0;
-    *vec = NULL;
-    while (st == NL_OK && nl_client_now() < by) {
-        const nl_status rs = nl_sock_recv(s, &rx, 250, err);
-        if (rs == NL_ERR_IO) { /* the socket failed: no answer will come */
-            char why[NL_ERROR_MSG_MAX];
-            snprintf(why, sizeof why, "%s", err->msg);
-            st = nl_error_set(err, NL_ERR_STATE, "embedding: the coordinator cannot be reached: %s",
-                              why);
-            break;
-        }
-        if (rs != NL_OK) /* nothing yet, or a message that does not decode */
-            continue;
-        const nl_msg_job_status *js = &rx.msg.u.job_status;
-        nl_error fe = {0};
-        if (nl_client_job_failed(&rx, &fe)) { /* refused for want of room: a 429 */
-            st = nl_error_set(err, fe.status == NL_ERR_LIMIT ? NL_ERR_LIMIT : NL_ERR_INTERNAL,
-                              "embedding failed: %s", js->message);
-        } else if (rx.msg.type == NL_MSG_RESULT && rx.msg.nframes == 1 && !*vec) {
-            const nl_tensor *t = &rx.msg.frames[0].t;
-            if (t->dtype != NL_DTYPE_F32 || t->ndim != 2 || t->shape[0] != 1 || t->shape[1] < 1)
-                st = nl_error_set(err, NL_ERR_INTERNAL, "embedding: a result of the wrong shape");
-            else if (!(*vec = malloc(rx.msg.frames[0].len)))
-                st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
-            if (*vec) {
-                memcpy(*vec, t->data, rx.msg.frames[0].len);
-                *dim = (int)t->shape[1];
-                *tokens = P;
-            }
-        } else if (rx.msg.type == NL_MSG_JOB_STATUS && js->state == NL_JOB_DONE && *vec) {
-            break;
-        }
+    if (st == NL_OK) {
+        st = nl_client_await_result(s, nl_client_now() + EMBED_WAIT_S, take_embedding, &t, err);
+        if (st != NL_OK)
+            st = embed_failed(st, err);
     }
-    if (st == NL_OK && !*vec)
-        st = nl_error_set(err, NL_ERR_TIMEOUT, "embedding: no answer from the cluster in 60 s");
-    if (st != NL_OK) {
-        free(*vec);
-        *vec = NULL;
+    if (st == NL_OK) {
+        *vec = t.vec;
+        *dim = t.dim;
+        *tokens = P;
+    } else {
+        free(t.vec);
     }
-    nl_rx_free(&rx);
     nl_sock_destroy(&s);
     free(p);
     return st;

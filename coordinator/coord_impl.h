@@ -4,8 +4,8 @@
  * status report), one file per job kind behind its operations table
  * (coord_forward.c, coord_generate.c, coord_embed.c, coord_grow.c,
  * coord_train.c and coord_finetune.c, whose own state is in
- * coord_train_impl.h), coord_base.c (the helpers they all use: the node
- * table, sends, the weights' source), coord_work.c (the
+ * coord_train_impl.h), coord_base.c and coord_nodes.c (the helpers they
+ * all use: the node table, sends, the weights' source), coord_work.c (the
  * workers) and coord_journal.c (the training job's journal). */
 #ifndef NL_COORD_IMPL_H
 #define NL_COORD_IMPL_H
@@ -22,7 +22,7 @@
 /* The node table grows (doubling) to at most this many slots; the lowest
  * slot of a dead or departed node is reused. A live node is found by its
  * routing id, node id or key through hash tables, and expiry looks at the
- * oldest heartbeat only (coord_base.c, "the node table"): a message costs
+ * oldest heartbeat only (coord_nodes.c): a message costs
  * O(1) in the number of nodes. */
 #define COORD_MAX_NODES 65536
 #define COORD_MAX_JOBS 64
@@ -231,7 +231,7 @@ struct nl_coord {
     struct crelay *relay; /* between neighbours that both accept no inbound (coord_relay.c) */
     int n_nodes;
     int n_live;
-    /* the live nodes' indexes (coord_base.c): by routing id, node id and
+    /* the live nodes' indexes (coord_nodes.c): by routing id, node id and
      * key, open addressing over 2 n_nodes cells holding slots (-1: empty) */
     int32_t *by_rid, *by_id, *by_key;
     uint64_t hash_seed;
@@ -311,7 +311,7 @@ void coord_dispatch(nl_coord *c, const nl_rx *rx, int roles);
 double coord_now(void);
 void coord_set_state(nl_coord *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
-/* The node table. Every lookup of a live node is O(1) in the number of
+/* The node table (coord_nodes.c). Every lookup of a live node is O(1) in the number of
  * nodes (hash tables); a slot is taken, made live and lost through these
  * alone, so that the indexes stay true. */
 

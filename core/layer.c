@@ -4,7 +4,9 @@
 
 #include <stdlib.h>
 
+#include "../kernels/elem.h"
 #include "lora.h"
+
 #include <string.h>
 
 /* every expert count the config accepts, the routing slots take */
@@ -149,32 +151,18 @@ static void ffn_act_forward(nl_backend *be, const nl_config *c, float *h, const 
         be->swiglu_forward(be, h, gu, n, c->ffn_dim);
 }
 
-/* host_routing mode: top-k of each row of probs_h, ties to the lower
- * expert index, and the dispatch tables grouped by expert (token order
- * within an expert): the CPU backend's moe_route, which this was. */
+/* host_routing mode: top-k of each row of probs_h (nl_elem_topk_row,
+ * the backends' rule), and the dispatch tables grouped by expert (token
+ * order within an expert): the CPU backend's moe_route, which this was. */
 static void route(nl_layer_acts *a, int N, int E, int k)
 {
     const float *p = a->probs_h;
     int counts[NL_CONFIG_MAX_EXPERTS] = {0};
     for (int n = 0; n < N; n++) {
-        const float *row = p + (size_t)n * E;
         int32_t *ch = a->choice + (size_t)n * k;
-        float sum = 0.0f;
-        for (int i = 0; i < k; i++) {
-            int best = -1;
-            for (int e = 0; e < E; e++) {
-                int taken = 0;
-                for (int j = 0; j < i; j++)
-                    taken |= ch[j] == e;
-                if (!taken && (best < 0 || row[e] > row[best]))
-                    best = e;
-            }
-            ch[i] = best;
-            sum += row[best];
-            counts[best]++;
-        }
+        nl_elem_topk_row(ch, a->w + (size_t)n * k, p + (size_t)n * E, E, k);
         for (int i = 0; i < k; i++)
-            a->w[(size_t)n * k + i] = row[ch[i]] / sum;
+            counts[ch[i]]++;
     }
     a->offsets[0] = 0;
     for (int e = 0; e < E; e++)

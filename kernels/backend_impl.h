@@ -1,6 +1,6 @@
-/* Private to kernels/: the constructors the factory in backend.c calls,
- * and the entry points a CUDA module (libnl_cuda.so) exports. Nothing
- * above kernels/ includes this file; it uses nl_backend_new. */
+/* Private to kernels/: the constructors the factory (backend_factory.c)
+ * calls, and the entry points a CUDA module (libnl_cuda.so) exports.
+ * Nothing above kernels/ includes this file; it uses nl_backend_new. */
 #ifndef NL_BACKEND_IMPL_H
 #define NL_BACKEND_IMPL_H
 

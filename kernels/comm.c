@@ -142,8 +142,8 @@ static int is_cuda(const nl_backend *be)
 
 /* The NCCL communicator of the CUDA module the backends' code lives in
  * (dladdr on a slot of their table): the module stays loaded for the life
- * of the process (backend.c), so its handle is found without loading it
- * again. */
+ * of the process (backend_factory.c), so its handle is found without
+ * loading it again. */
 static nl_status nccl_new(nl_comm **out, nl_backend *const *be, int n, nl_error *err)
 {
     Dl_info info[NL_COMM_MAX];

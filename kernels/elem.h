@@ -3,7 +3,8 @@
  * and GeGLU forward values and backward pairs, the RoPE angle (and YaRN's
  * scaled frequencies), the RoPE angle and rotation, the
  * online-softmax merge, the RMSNorm scale, the AdamW update of one
- * element, bf16 rounding and the sampling rule of a token. Each
+ * element, bf16 rounding, the sampling rule of a token and the top-k
+ * choice of a mixture-of-experts router. Each
  * backend's loops and kernels call these, so the two compute the same
  * expressions in the same order (equal to about 1 ulp: nvcc fuses
  * multiply-adds where gcc, in C11 mode, does not, and the exponentials
@@ -356,6 +357,33 @@ NL_HD int nl_elem_sample_row(const float *l, int V, float t, double u)
         acc += c;
     }
     return best;
+}
+
+/* ---------------------------------------------------------------- top-k routing */
+
+/* One token's routing: the k largest of the E router probabilities in
+ * row, ties to the lower expert index, into choice[0..k), and their
+ * weights renormalised to sum 1 into w[0..k). The rule of every routing
+ * path (the CPU and CUDA backends' route slots and the layer's
+ * host_routing mode), so each picks the same experts with the same
+ * weights; 1 <= k <= E is the caller's to check. */
+NL_HD void nl_elem_topk_row(int32_t *choice, float *w, const float *row, int E, int k)
+{
+    float sum = 0.0f;
+    for (int i = 0; i < k; i++) {
+        int best = -1;
+        for (int e = 0; e < E; e++) {
+            int taken = 0;
+            for (int j = 0; j < i; j++)
+                taken |= choice[j] == e;
+            if (!taken && (best < 0 || row[e] > row[best]))
+                best = e;
+        }
+        choice[i] = best;
+        sum += row[best];
+    }
+    for (int i = 0; i < k; i++)
+        w[i] = row[choice[i]] / sum;
 }
 
 #endif

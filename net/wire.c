@@ -20,7 +20,7 @@
 #include <string.h>
 
 #include "mpread.h"
-#include "wire_schema.h"
+#include "wire_impl.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "tensor frames are sent in host order, which must be little-endian"

@@ -227,7 +227,7 @@ void nl_stage_job_drop_kind(nl_stage *s, int kind);
 /* Free every job (the model goes). */
 void nl_stage_jobs_free_all(nl_stage *s);
 
-/* ---- training and fine-tuning jobs (stage_train.c, stage_lora.c) ---- */
+/* ---- training and fine-tuning jobs (stage_train*.c, stage_lora.c) ---- */
 struct stage_train;
 struct nl_trainparams;
 /* A training job's JOB_SUBMIT read by its schema (net/trainparams.h, the

@@ -1,8 +1,9 @@
 /* The inside of a training job on one stage, shared by node/stage_train.c
  * (the job's state and life, the messages it receives, the optimizer step
- * and the checkpoints) and node/stage_train_hops.c (the replicas' jobs and
- * the 1F1B schedule that runs the hops). Private to those two files; the
- * design is told at the top of stage_train.c. */
+ * and the checkpoints), node/stage_train_make.c (the job's making) and
+ * node/stage_train_hops.c (the replicas' jobs and the 1F1B schedule that
+ * runs the hops). Private to those files; the design is told at the top
+ * of stage_train.c. */
 #ifndef NL_NODE_STAGE_TRAIN_IMPL_H
 #define NL_NODE_STAGE_TRAIN_IMPL_H
 

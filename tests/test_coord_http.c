@@ -11,7 +11,8 @@
  * (429) at once. An embedding whose connection to the coordinator fails
  * after its job went out (a fake coordinator takes the HELLO and the JOB_SUBMIT, then
  * the HTTP side's sockets are shut) ends at once with NL_ERR_STATE (503,
- * "cannot be reached"), not after 60 s of polling a dead socket. */
+ * "cannot be reached"), not after 60 s of polling a dead socket; one
+ * that the coordinator answers with an ERROR ends with its message. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -46,6 +47,7 @@ typedef struct fake_coord {
     nl_sock *s;
     nl_net *client_net; /* the HTTP side's: shut once its job is in */
     int refuse;         /* refuse that many jobs as a full key does, then stop */
+    int answer_error;   /* answer the job with an ERROR, as a coordinator refusing it */
     int submitted;
 } fake_coord;
 
@@ -72,6 +74,14 @@ static void *fake_coord_main(void *arg)
             nl_sock_send(f->s, rx.rid, rx.rid_len, &m, &err);
             nl_wire_msg_free(&m);
             f->submitted += --f->refuse == 0;
+        } else if (rx.msg.type == NL_MSG_JOB_SUBMIT && f->answer_error) {
+            nl_wire_msg m;
+            nl_wire_msg_init(&m);
+            nl_wire_msg_reset(&m, NL_MSG_ERROR);
+            m.u.error = (nl_msg_error){NL_ERR_AUTH, NL_MSG_JOB_SUBMIT, "this key may not embed"};
+            nl_sock_send(f->s, rx.rid, rx.rid_len, &m, &err);
+            nl_wire_msg_free(&m);
+            f->submitted = 1;
         } else if (rx.msg.type == NL_MSG_JOB_SUBMIT) {
             f->submitted = 1;
         }
@@ -146,6 +156,28 @@ static void test_refused_for_room(void)
     CHECK(s == NL_ERR_LIMIT && !vec, "an embedding refused for the key's jobs: %s: %s",
           nl_status_str(s), e2.msg);
     pthread_join(th, NULL);
+    fake_backend_free(h, &f, &server_net);
+}
+
+/* A coordinator that answers an embedding's job with an ERROR: the wait
+ * ends with its message (a 500), not with the 60 s deadline. */
+static void test_embed_error_answer(void)
+{
+    nl_error err = {0};
+    nl_net *server_net = NULL;
+    fake_coord f = {0};
+    nl_coord_http *h = fake_backend(&f, &server_net, 0);
+    f.client_net = NULL; /* the HTTP side's sockets stay up */
+    f.answer_error = 1;
+    pthread_t th;
+    CHECK(pthread_create(&th, NULL, fake_coord_main, &f) == 0, "the fake coordinator's thread");
+    float *vec = NULL;
+    int dim = 0, toks = 0;
+    nl_status s = coord_http_embed(h, 0, "hello", 5, NULL, 0, &vec, &dim, &toks, &err);
+    pthread_join(th, NULL);
+    CHECK(f.submitted, "the embed job did not reach the fake coordinator");
+    CHECK(s == NL_ERR_INTERNAL && strstr(err.msg, "this key may not embed") && !vec,
+          "an embedding answered with an ERROR: %s: %s", nl_status_str(s), err.msg);
     fake_backend_free(h, &f, &server_net);
 }
 
@@ -229,5 +261,6 @@ int main(void)
     free(tb);
     test_refused_for_room();
     test_embed_socket_lost();
+    test_embed_error_answer();
     return check_done("test_coord_http");
 }

@@ -398,6 +398,26 @@ static void test_bf16_inf(void)
           (unsigned)nl_elem_to_bf16(NAN));
 }
 
+/* top-k routing: the k largest in descending order, ties to the lower
+ * expert index, weights renormalised over the chosen */
+static void test_topk(void)
+{
+    const float row[] = {0.1f, 0.3f, 0.05f, 0.3f, 0.25f};
+    int32_t ch[3];
+    float w[3];
+    nl_elem_topk_row(ch, w, row, 5, 3);
+    CHECK(ch[0] == 1 && ch[1] == 3 && ch[2] == 4, "top-3: %d %d %d (1 3 4)", ch[0], ch[1], ch[2]);
+    const float sum = 0.3f + 0.3f + 0.25f;
+    CHECK(w[0] == 0.3f / sum && w[1] == 0.3f / sum && w[2] == 0.25f / sum, "top-3 weights %g %g %g",
+          w[0], w[1], w[2]);
+    const float flat[] = {0.25f, 0.25f, 0.25f, 0.25f};
+    nl_elem_topk_row(ch, w, flat, 4, 2);
+    CHECK(ch[0] == 0 && ch[1] == 1 && w[0] == 0.5f && w[1] == 0.5f,
+          "top-2 of a flat row: %d %d (0 1), %g %g", ch[0], ch[1], w[0], w[1]);
+    nl_elem_topk_row(ch, w, row, 5, 1);
+    CHECK(ch[0] == 1 && w[0] == 1.0f, "top-1: %d (1), weight %g", ch[0], w[0]);
+}
+
 int main(void)
 {
     test_exp();
@@ -409,5 +429,6 @@ int main(void)
     test_adamw();
     test_sample_greedy();
     test_bf16_inf();
+    test_topk();
     return check_done("test_elem");
 }

@@ -7,32 +7,13 @@
  * per-expert gemm calls in the same order. */
 #include "cpu_ops.h"
 
+#include "../elem.h"
+
 #include <string.h>
 
 #define PAR_ROWS(n) if ((n) >= 64)
 
 /* ---------------------------------------------------------------- routing */
-
-/* Top-k of one row, ties to the lower expert index, and the weights
- * renormalised over the k chosen. */
-static void topk_row(int32_t *ch, float *w, const float *row, int E, int k)
-{
-    float sum = 0.0f;
-    for (int i = 0; i < k; i++) {
-        int best = -1;
-        for (int e = 0; e < E; e++) {
-            int taken = 0;
-            for (int j = 0; j < i; j++)
-                taken |= ch[j] == e;
-            if (!taken && (best < 0 || row[e] > row[best]))
-                best = e;
-        }
-        ch[i] = best;
-        sum += row[best];
-    }
-    for (int i = 0; i < k; i++)
-        w[i] = row[ch[i]] / sum;
-}
 
 void nl_cpu_moe_route(nl_backend *be, int32_t *choice, float *w, int32_t *offsets, int32_t *perm,
                       int32_t *slot, const float *probs, int N, int E, int k)
@@ -41,8 +22,8 @@ void nl_cpu_moe_route(nl_backend *be, int32_t *choice, float *w, int32_t *offset
         return; /* outside the slot's contract (the config refuses such models) */
 
 #pragma omp parallel for NL_CPU_TEAM(be) PAR_ROWS(N)
-    for (int n = 0; n < N; n++)
-        topk_row(choice + (size_t)n * k, w + (size_t)n * k, probs + (size_t)n * E, E, k);
+    for (int n = 0; n < N; n++) /* top-k of each row, ties to the lower expert index */
+        nl_elem_topk_row(choice + (size_t)n * k, w + (size_t)n * k, probs + (size_t)n * E, E, k);
     /* counts, offsets, and the dispatch in token order */
     int32_t fill[NL_BACKEND_MAX_EXPERTS];
     memset(fill, 0, (size_t)E * sizeof *fill);
@@ -210,7 +191,7 @@ void nl_cpu_moe_norm_route(nl_backend *be, float *xn, float *probs, int32_t *cho
     rows_product(be, N, E, d, xn, d, router, d, probs, E);
     be->softmax_forward(be, probs, N, E);
     for (int n = 0; n < N; n++)
-        topk_row(choice + (size_t)n * k, w + (size_t)n * k, probs + (size_t)n * E, E, k);
+        nl_elem_topk_row(choice + (size_t)n * k, w + (size_t)n * k, probs + (size_t)n * E, E, k);
 }
 
 void nl_cpu_moe_gate_up(nl_backend *be, float *hs, float *gu, const float *xn,

@@ -3,12 +3,12 @@
  * CPU's nl_cpu_moe_norm_route, nl_cpu_moe_gate_up and
  * nl_cpu_moe_down_combine (kernels/cpu/cpu_moe.c), which are the separate
  * slots' arithmetic: the element formulas are elem.h's, the norm and
- * softmax reductions those of cuda_ops.cu, the top-k moe_route's loop;
- * every product is one dot per output, lane l adding elements l, l + 32,
- * ... with fused multiply-adds, then a fixed xor tree, as the few-row
- * grouped GEMM (cuda_moe.cu) does. Nothing depends on the other rows of
- * the call: a row gives the same bits alone or among others. No atomics,
- * no dynamic shared memory, no allocation. */
+ * softmax reductions those of cuda_ops.cu, the top-k nl_elem_topk_row
+ * (moe_route's rule); every product is one dot per output, lane l adding
+ * elements l, l + 32, ... with fused multiply-adds, then a fixed xor
+ * tree, as the few-row grouped GEMM (cuda_moe.cu) does. Nothing depends
+ * on the other rows of the call: a row gives the same bits alone or among
+ * others. No atomics, no dynamic shared memory, no allocation. */
 #include "cuda_fused.h"
 
 #include "../backend.h"
@@ -86,24 +86,8 @@ __global__ void __launch_bounds__(ROUTE_THREADS)
             probs[n * E + e] = p[e];
         }
         __syncthreads();
-        if (threadIdx.x == 0) { /* moe_route's top-k, ties to the lower index */
-            int32_t *ch = choice + n * k;
-            float sum = 0.0f;
-            for (int i = 0; i < k; i++) {
-                int best = -1;
-                for (int e = 0; e < E; e++) {
-                    bool taken = false;
-                    for (int j = 0; j < i; j++)
-                        taken |= ch[j] == e;
-                    if (!taken && (best < 0 || p[e] > p[best]))
-                        best = e;
-                }
-                ch[i] = best;
-                sum += p[best];
-            }
-            for (int i = 0; i < k; i++)
-                w[n * k + i] = p[ch[i]] / sum;
-        }
+        if (threadIdx.x == 0) /* moe_route's top-k, ties to the lower index */
+            nl_elem_topk_row(choice + n * k, w + n * k, p, E, k);
         __syncthreads(); /* p is the next row's */
     }
 }

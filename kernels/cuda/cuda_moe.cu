@@ -38,30 +38,13 @@ unsigned row_grid(int rows)
 /* ---------------------------------------------------------------- routing */
 
 /* Top-k of each row, ties to the lower index, and the renormalised
- * weights: the CPU's loop, one thread per row. */
+ * weights (nl_elem_topk_row, the CPU's rule), one thread per row. */
 __global__ void route_rows_kernel(int32_t *choice, float *w, const float *probs, int N, int E,
                                   int k)
 {
     const size_t step = (size_t)gridDim.x * blockDim.x;
-    for (size_t n = (size_t)blockIdx.x * blockDim.x + threadIdx.x; n < (size_t)N; n += step) {
-        const float *row = probs + n * E;
-        int32_t *ch = choice + n * k;
-        float sum = 0.0f;
-        for (int i = 0; i < k; i++) {
-            int best = -1;
-            for (int e = 0; e < E; e++) {
-                bool taken = false;
-                for (int j = 0; j < i; j++)
-                    taken |= ch[j] == e;
-                if (!taken && (best < 0 || row[e] > row[best]))
-                    best = e;
-            }
-            ch[i] = best;
-            sum += row[best];
-        }
-        for (int i = 0; i < k; i++)
-            w[n * k + i] = row[ch[i]] / sum;
-    }
+    for (size_t n = (size_t)blockIdx.x * blockDim.x + threadIdx.x; n < (size_t)N; n += step)
+        nl_elem_topk_row(choice + n * k, w + n * k, probs + n * E, E, k);
 }
 
 /* Exclusive prefix sum of v over the block, in thread order; *total gets

@@ -1,9 +1,10 @@
-/* The wire schema, private to net/: the fields of every message type
- * (name, kind, range, character set) and the checks both directions apply.
- * net/wire.c reads and writes bytes by these tables; adding a message type
- * means a struct in wire.h and a table in wire_schema.c. */
-#ifndef NL_WIRE_SCHEMA_H
-#define NL_WIRE_SCHEMA_H
+/* The wire schema, private to the wire module (wire.c reads and writes
+ * bytes by its tables, wire_schema.c holds them): the fields of every
+ * message type (name, kind, range, character set) and the checks both
+ * directions apply. Adding a message type means a struct in wire.h and a
+ * table in wire_schema.c. */
+#ifndef NL_WIRE_IMPL_H
+#define NL_WIRE_IMPL_H
 
 #include <stdbool.h>
 #include <stddef.h>
