@@ -414,7 +414,7 @@ static pid_t start_coordinator(const nl_opt *flags, const up_opts *o, char *coor
     static const char *const passed[] = {
         "--verify-rate",       "--http-tokens", "--http-adapter",    "--grow",
         "--heartbeat-ms",      "--wire",        "--rebalance-after", "--replicas",
-        "--plan-microbatches", "--outer-every"};
+        "--plan-microbatches", "--outer-every", "--outer-lr",        "--outer-momentum"};
     for (size_t k = 0; k < sizeof passed / sizeof *passed; k++)
         if (nl_opts_get(flags, passed[k] + 2)) {
             cargv[ca++] = (char *)passed[k];
@@ -583,7 +583,7 @@ static int cluster_up(const nl_opt *flags, up_opts *op, const char *dir)
     "MANIFEST] [--memory SIZE] [--threads N] [--spin N] [--kv-budget SIZE] [--device D[,D...]] "   \
     "[--tf32] [--precision fp32|bf16] [--http HOST:PORT [--http-tokens FILE] [--http-adapter "     \
     "NAME=FILE]] [--grow auto] [--wire fp32|bf16] [--replicas R|auto [--plan-microbatches M] "     \
-    "[--outer-every H]]"
+    "[--outer-every H [--outer-lr X] [--outer-momentum M]]]"
 #define MAX_FLAGS 40
 
 /* The flags of `cluster up|down` into t, their values into o and *dir;
@@ -656,6 +656,11 @@ static void cluster_flags(nl_opt t[MAX_FLAGS], up_opts *o, const char **dir)
         NL_OPT_STR("outer-every", NULL,
                    "up: DiLoCo across the replica groups, an outer step every H steps "
                    "(neurocoord --outer-every; default 0: every step's gradients added up)"),
+        NL_OPT_STR("outer-lr", NULL,
+                   "up: DiLoCo's outer learning rate (neurocoord --outer-lr; default 0.7)"),
+        NL_OPT_STR("outer-momentum", NULL,
+                   "up: DiLoCo's outer Nesterov momentum (neurocoord --outer-momentum; default "
+                   "0.9)"),
         NL_OPT_LLONG("timeout", &o->timeout, 1, 3600, "120",
                      "up: seconds to wait for the cluster to be ready"),
         NL_OPT_END};

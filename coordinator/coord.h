@@ -58,6 +58,8 @@ typedef struct nl_coord_opts {
     int outer_every;          /* --outer-every: DiLoCo's H, each replica group's AdamW steps
                                * between the groups' outer steps (DESIGN section 8); 0: the
                                * replicas add up every step's gradients */
+    double outer_lr;          /* --outer-lr, --outer-momentum: DiLoCo's outer Nesterov step */
+    double outer_momentum;
     /* Where a training job's client-chosen paths may lead (data; resume
      * and checkpoint_dir): NULL for <state_dir>/data and
      * <state_dir>/checkpoints (created 0700). */

@@ -73,10 +73,15 @@ static void train_rows(nl_opt t[MAX_FLAGS], int *at, nl_coord_cli *cli, int *gro
                    "8): replica r of every stage is one replica group, which takes H AdamW steps "
                    "on its own microbatches (its own gradients, norm and moments); then the "
                    "groups' deltas (weights at the last sync minus weights now) are averaged in "
-                   "group order and applied by an outer Nesterov SGD step (lr 0.7, momentum "
-                   "0.9). Replica traffic is divided by H. Needs --replicas 2 or more; a "
-                   "training job's steps and checkpoint interval must be multiples of H, and "
-                   "--resume is refused (0: the replicas add up every step's gradients)"),
+                   "group order and applied by an outer Nesterov SGD step (--outer-lr, "
+                   "--outer-momentum). Replica traffic is divided by H. Needs --replicas 2 or "
+                   "more; a training job's steps and checkpoint interval must be multiples of H, "
+                   "and --resume is refused (0: the replicas add up every step's gradients)"),
+        NL_OPT_DOUBLE("outer-lr", &o->outer_lr, 0.0, 10.0, "0.7",
+                      "DiLoCo's outer learning rate (--outer-every; 1 with --outer-momentum 0: "
+                      "the groups' weights averaged)"),
+        NL_OPT_DOUBLE("outer-momentum", &o->outer_momentum, 0.0, 0.999, "0.9",
+                      "DiLoCo's outer Nesterov momentum (--outer-every)"),
         NL_OPT_CHOICE("wire", &o->wire, "fp32|bf16", "fp32",
                       "fp32 or bf16: the precision of the hidden states and gradients the stages "
                       "send each other (bf16: rounded to nearest even when sent, widened when "

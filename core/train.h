@@ -169,18 +169,19 @@ double nl_step_decide(nl_step_result *r, double ce_sum, double rows, double aux,
                       double aux_loss_coef, double grad_sumsq, double clip_norm);
 
 /* DiLoCo's outer step (DESIGN section 8): the outer learning rate and
- * Nesterov momentum. */
-#define NL_DILOCO_OUTER_LR 0.7f
-#define NL_DILOCO_OUTER_MOMENTUM 0.9f
+ * Nesterov momentum by default (neurocoord --outer-lr, --outer-momentum). */
+#define NL_DILOCO_OUTER_LR 0.7
+#define NL_DILOCO_OUTER_MOMENTUM 0.9
 
 /* The outer step over n parameters (host): delta_sum holds the replica
  * groups' deltas (weights at the last sync minus weights now) added in
  * group order; with delta = delta_sum / groups,
- *   m = 0.9 m + delta;  w = anchor - 0.7 (delta + 0.9 m);  anchor = w.
- * Every element in float, in this order, so every group computes the
- * same bits. w may alias delta_sum. */
+ *   m = mu m + delta;  w = anchor - lr (delta + mu m);  anchor = w
+ * (lr 1, mu 0: the groups' weights averaged). Every element in float, in
+ * this order, so every group computes the same bits. w may alias
+ * delta_sum. */
 void nl_diloco_outer(float *w, float *anchor, float *m, const float *delta_sum, size_t n,
-                     int groups);
+                     int groups, float lr, float mu);
 
 /* One whole training step of a whole model in this process over a batch of
  * B sequences of T tokens (host, (B, T)) split into M microbatches: the

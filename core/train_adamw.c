@@ -186,13 +186,13 @@ double nl_step_decide(nl_step_result *r, double ce_sum, double rows, double aux,
 }
 
 void nl_diloco_outer(float *w, float *anchor, float *m, const float *delta_sum, size_t n,
-                     int groups)
+                     int groups, float lr, float mu)
 {
     const float g = (float)groups;
     for (size_t i = 0; i < n; i++) {
         const float delta = delta_sum[i] / g;
-        m[i] = NL_DILOCO_OUTER_MOMENTUM * m[i] + delta;
-        w[i] = anchor[i] - NL_DILOCO_OUTER_LR * (delta + NL_DILOCO_OUTER_MOMENTUM * m[i]);
+        m[i] = mu * m[i] + delta;
+        w[i] = anchor[i] - lr * (delta + mu * m[i]);
         anchor[i] = w[i];
     }
 }

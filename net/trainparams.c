@@ -7,6 +7,7 @@
 
 #include "../core/lora.h"
 #include "../core/objective.h"
+#include "../core/train.h"
 #include "params.h"
 
 #define TR (1u << NL_TRAINPARAMS_TRAIN)
@@ -53,6 +54,8 @@ static const nl_param_key keys[] = {
     {"eval_hops", NL_PT_INT, STG, 0, 0, 1 << 30, 0, F(eval_hops)},
     {"verify_outputs", NL_PT_BOOL, STG, 0, 0, 1, 0, F(verify_outputs)},
     {"outer_every", NL_PT_INT, STG, 0, 0, I32, 0, F(outer_every)},
+    {"outer_lr", NL_PT_NUM, STG, 0, 0, 10, 0, F(outer_lr)},
+    {"outer_momentum", NL_PT_NUM, STG, 0, 0, 0.999, 0, F(outer_momentum)},
 };
 
 #define NKEYS (sizeof keys / sizeof keys[0])
@@ -72,7 +75,9 @@ void nl_trainparams_defaults(nl_trainparams *p)
                           .objective = NL_OBJ_MODEL,
                           .lora_rank = 8,
                           .lora_alpha = 16.0,
-                          .lora_targets = "wq,wk,wv,wo"};
+                          .lora_targets = "wq,wk,wv,wo",
+                          .outer_lr = NL_DILOCO_OUTER_LR,
+                          .outer_momentum = NL_DILOCO_OUTER_MOMENTUM};
 }
 
 /* A key as `pre` names it: "--eval-every" or "params.eval_every". */

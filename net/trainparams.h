@@ -46,6 +46,10 @@
  *   outer_every       integer    0 .. 2^31-1     0             a stage's training: DiLoCo's H
  *                                                              (0: the replicas add up every
  *                                                              step's gradients; DESIGN section 8)
+ *   outer_lr          number     0 .. 10         0.7           a stage's training: DiLoCo's
+ *                                                              outer learning rate
+ *   outer_momentum    number     0 .. 0.999      0.9           a stage's training: DiLoCo's
+ *                                                              outer Nesterov momentum
  *
  * In a request every key with a default but the booleans, learn_vocab,
  * objective and resume is required: the client sends the defaults it
@@ -89,6 +93,7 @@ typedef struct nl_trainparams {
     /* a stage's job */
     uint64_t job;
     int64_t micro_batch, start_step, adam_steps, eval_hops, outer_every;
+    double outer_lr, outer_momentum;
     int moments, verify_outputs;
 } nl_trainparams;
 

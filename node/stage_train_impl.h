@@ -149,6 +149,7 @@ typedef struct stage_train {
      * every replica); syncing: the deltas are being added (the next
      * step's hops and a CKPT_REQ wait, ckpt_held with its dir copied). */
     int H;
+    float outer_lr, outer_mu; /* the outer step's (neurocoord --outer-lr, --outer-momentum) */
     float *anchor, *outer_m;
     bool applied_anchor, syncing, ckpt_held;
     nl_msg_ckpt_req held_ckpt;
@@ -247,9 +248,9 @@ void nl_stage_train_use_counts(nl_stage *s, stage_train *t, const int64_t *sum, 
 /* ---- stage_train_ring.c: the stage's replicas on other nodes ---- */
 
 /* From the stage's ASSIGN: xr, xR, Mg and M of a step of `micro`
- * microbatches, and the reducers. */
-nl_status nl_stage_train_ring_new(nl_stage *s, stage_train *t, int64_t micro, int64_t outer_every,
-                                  nl_error *err);
+ * microbatches, and the reducers; DiLoCo's H and outer step from p. */
+nl_status nl_stage_train_ring_new(nl_stage *s, stage_train *t, int64_t micro,
+                                  const struct nl_trainparams *p, nl_error *err);
 void nl_stage_train_ring_free(stage_train *t);
 /* A hop's microbatch on the wire into this node's number (*mb), or an
  * error if another replica runs it. */

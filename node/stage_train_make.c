@@ -193,7 +193,7 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg
     t->job = p->job;
     t->mbB = (int)mbB;
     t->T = (int)T;
-    if ((st = nl_stage_train_ring_new(s, t, M, p->outer_every, err)) != NL_OK) {
+    if ((st = nl_stage_train_ring_new(s, t, M, p, err)) != NL_OK) {
         nl_stage_train_free(t);
         return nl_error_prefix(err, "train job %lld", job);
     }

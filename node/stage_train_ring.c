@@ -24,6 +24,7 @@
 #include <time.h>
 
 #include "../base/log.h"
+#include "../net/trainparams.h"
 #include "stage_train_impl.h"
 
 /* Route counts travel as floats: exact below this. */
@@ -55,14 +56,16 @@ static double mono_s(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-nl_status nl_stage_train_ring_new(nl_stage *s, stage_train *t, int64_t micro, int64_t outer_every,
-                                  nl_error *err)
+nl_status nl_stage_train_ring_new(nl_stage *s, stage_train *t, int64_t micro,
+                                  const nl_trainparams *p, nl_error *err)
 {
     t->xr = s->replicas > 1 ? s->replica : 0;
     t->xR = s->replicas > 1 ? s->replicas : 1;
     t->Mg = (int)micro;
     t->M = (int)micro;
-    t->H = (int)outer_every;
+    t->H = (int)p->outer_every;
+    t->outer_lr = (float)p->outer_lr;
+    t->outer_mu = (float)p->outer_momentum;
     if (t->H > 0 && t->xR == 1)
         return nl_error_set(err, NL_ERR_INVALID,
                             "outer_every %d (DiLoCo) needs the stage's replicas on other nodes; "
@@ -213,7 +216,7 @@ static nl_status outer_done(nl_stage *s, stage_train *t, nl_error *err)
 {
     const size_t n = s->model->n_params;
     float *buf = t->red_buf[NL_REDUCE_GRADS];
-    nl_diloco_outer(buf, t->anchor, t->outer_m, buf, n, t->xR);
+    nl_diloco_outer(buf, t->anchor, t->outer_m, buf, n, t->xR, t->outer_lr, t->outer_mu);
     nl_backend *be = t->rep[0].be;
     be->upload(be, t->rep[0].m->params, buf, n * sizeof(float));
     t->syncing = false;

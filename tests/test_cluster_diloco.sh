@@ -6,8 +6,9 @@
 #    batches stands for it: the replicas' every-step sum agrees with it to
 #    5e-5, test_cluster_replicas), so the option does something;
 #  - each replica's REDUCE traffic is the 2 outer steps' deltas only;
+#  - --outer-lr reaches the stages (0: the weights end where they began);
 #  - steps or a checkpoint interval that are not multiples of H, a resume,
-#    and --outer-every without replicas are refused.
+#    --outer-every without replicas and an outer momentum of 1 are refused.
 . "$(dirname "$0")/cluster_lib.sh"
 export NL_TEST_GFLOPS=20 # the plan groups the nodes in pairs of equal speed
 
@@ -99,7 +100,23 @@ check $PY "$W/cmp.py" same "$W/r2.safetensors" "$W/r1.safetensors"
 check $PY "$W/cmp.py" differ "$W/r1.safetensors" "$W/local.safetensors"
 check "$N" cluster down --dir "$C"
 
-# ---- without replicas: refused at the start ----
+# ---- the outer step's lr reaches the stages: with --outer-lr 0 every outer
+# step puts the weights back at the last sync's, here the initial ones ----
+C="$W/c3"
+check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 4 --replicas 2 --outer-every 5 --outer-lr 0 \
+  --model "$W/m.safetensors" --memory 64M --threads 1 --node-timeout-ms 2000 --timeout 60
+check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck4" --log "$W/r3.jsonl" \
+  --out "$W/r3.safetensors" 2> "$W/r3.err"
+check grep -q '"step":10,' "$W/r3.jsonl"
+check $PY "$W/cmp.py" same "$W/r3.safetensors" "$W/m.safetensors"
+check "$N" cluster down --dir "$C"
+
+# ---- without replicas, or a momentum of 1: refused at the start ----
+out=$("$COORD" --listen tcp://127.0.0.1:0 --state-dir "$W/st" --outer-every 5 --replicas 2 \
+  --outer-momentum 1 2>&1); rc=$?
+echo "$out" | tail -1
+check test $rc -eq 2
+check grep -q "outer-momentum" <<< "$out"
 out=$("$COORD" --listen tcp://127.0.0.1:0 --state-dir "$W/st" --outer-every 5 --replicas 1 2>&1); rc=$?
 echo "$out" | tail -1
 check test $rc -eq 2

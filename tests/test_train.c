@@ -462,7 +462,8 @@ static void test_diloco_outer(void)
 {
     float anchor[2] = {1.0f, -2.0f}, m[2] = {0.0f, 0.5f}, w[2];
     const float sum1[2] = {0.3f, -0.6f}; /* delta = (0.1, -0.2) */
-    nl_diloco_outer(w, anchor, m, sum1, 2, 3);
+    const float lr = NL_DILOCO_OUTER_LR, mu = NL_DILOCO_OUTER_MOMENTUM;
+    nl_diloco_outer(w, anchor, m, sum1, 2, 3, lr, mu);
     /* m = (0.1, 0.9 * 0.5 - 0.2 = 0.25); w = anchor - 0.7 (delta + 0.9 m) */
     const double want1[2] = {1.0 - 0.7 * (0.1 + 0.09), -2.0 - 0.7 * (-0.2 + 0.225)};
     for (int i = 0; i < 2; i++) {
@@ -472,7 +473,7 @@ static void test_diloco_outer(void)
     CHECK(fabs(m[0] - 0.1) < 1e-7 && fabs(m[1] - 0.25) < 1e-7, "outer momentum: %g %g (0.1 0.25)",
           m[0], m[1]);
     float sum2[2] = {0.3f, 0.0f}; /* delta = (0.1, 0); w may alias the sum */
-    nl_diloco_outer(sum2, anchor, m, sum2, 2, 3);
+    nl_diloco_outer(sum2, anchor, m, sum2, 2, 3, lr, mu);
     const double m2[2] = {0.9 * 0.1 + 0.1, 0.9 * 0.25};
     const double want2[2] = {want1[0] - 0.7 * (0.1 + 0.9 * m2[0]), want1[1] - 0.7 * (0.9 * m2[1])};
     for (int i = 0; i < 2; i++)
