@@ -45,7 +45,7 @@ down() {
 trap 'down; rm -rf "$W"' EXIT
 echo "bench_diloco: start, $(uptime)" >&2
 "$N" init --config "$CONFIG" --out "$W/m.safetensors" --seed 7 >/dev/null
-cat README.md docs/*.md > "$W/data.txt"
+cp tests/data/corpus.txt "$W/data.txt"
 if [ "$WARM" -gt 0 ]; then
     "$N" train --model "$W/m.safetensors" --data "$W/data.txt" --steps "$WARM" --batch "$BATCH" \
         --seq "$SEQ" --microbatches "$MICRO" --lr "$LR" --seed 2 --threads 2 \
