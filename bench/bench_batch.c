@@ -1,4 +1,4 @@
-/* The batched decoder alone (core/batch.c, issue 17): the time of one
+/* The batched decoder alone (core/model/batch.c, issue 17): the time of one
  * nl_batch_forward decode step of N rows (N sequences, one token each,
  * PAST cached positions each) on a model of CONFIG, best of REPS, the row
  * counts interleaved; and where the time goes, by GEMM shape (the
@@ -6,8 +6,8 @@
  *   bench_batch CONFIG [THREADS [REPS [PAST]]]     (default 1 40 16)
  * env: ROWS (row counts, default "1 2 4 8 16 32"), NO_GEMM_ROWS (set: the
  * padded sgemm path of a backend without gemm_rows). */
-#include "core/batch.h"
-#include "core/config.h"
+#include "core/model/batch.h"
+#include "core/model/config.h"
 
 #include <stdio.h>
 #include <stdlib.h>

@@ -12,7 +12,7 @@
  *   - where a decode token's time goes: the model (random init) decodes
  *     --decode-tokens tokens after a 64-token prompt, one at a time, with
  *     routing on the device (each step replayed from a recorded CUDA
- *     graph, core/forward.h), again without graphs (every op launched;
+ *     graph, core/model/forward.h), again without graphs (every op launched;
  *     the ids must be the same), and with NL_HOST_ROUTING=1 (per layer the
  *     router probabilities down and the dispatch tables up, the expert
  *     GEMMs sized on the host): tokens/s and host synchronisations per
@@ -39,9 +39,9 @@
 #include <time.h>
 
 #include "base/args.h"
-#include "core/config.h"
-#include "core/forward.h"
-#include "core/sampler.h"
+#include "core/model/config.h"
+#include "core/model/forward.h"
+#include "core/model/sampler.h"
 #include "kernels/backend.h"
 
 static double now_s(void)
@@ -277,8 +277,8 @@ typedef struct decode_fig {
  * (nl_sampler_next: on the device where the backend has a sample slot, so
  * only the id comes back; with NL_HOST_SAMPLING=1 the logits are
  * downloaded and sampled on the host), the token fed back. The runstate
- * is made with NL_HOST_ROUTING set to `host` (core/layer.h reads it then)
- * and with recorded steps (CUDA graphs, core/forward.h) on or off.
+ * is made with NL_HOST_ROUTING set to `host` (core/model/layer.h reads it then)
+ * and with recorded steps (CUDA graphs, core/model/forward.h) on or off.
  * Host synchronisations: be->stats.host_syncs, the waits of uploads,
  * downloads and syncs (on CUDA a small upload is staged and does not
  * wait). Returns 0, or -1 with err set. */

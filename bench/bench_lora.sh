@@ -101,7 +101,7 @@ if [ "$CLUSTER" != 0 ]; then
     cluster_run finetune
     echo "3 nodes: LoRA/full steps/s ratio $(ratio "$W/c-train.s" "$W/c-finetune.s")"
 fi
-# the memory model, as the stages count it (core/memory.h; LoRA: without
+# the memory model, as the stages count it (core/model/memory.h; LoRA: without
 # the base's moments, as node/stage_train.c checks a fine-tuning job)
 /usr/bin/python3 - "$CONFIG" "$BATCH" "$SEQ" "$MICRO" "$RANK" <<'PY'
 import sys

@@ -8,8 +8,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "core/fileio.h"
-#include "core/tokenizer.h"
+#include "core/formats/fileio.h"
+#include "core/tokenizer/tokenizer.h"
 
 static double now(void)
 {

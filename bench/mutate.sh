@@ -68,33 +68,33 @@ m kernels/elem.h 'if ((u & 0x7fffffffu) > 0x7f800000u)' \
 m kernels/elem.h 'w[i] = row[choice[i]] / sum;' \
   'w[i] = row[choice[i]];' '^test_elem$|^test_ops_cpu$|^test_model$'                   # gate weights not renormalised
 # core
-m core/train_adamw.c 'const float bc1 = (float)(1.0 - pow(o.beta1, (double)t->adam_t));' \
+m core/train/train_adamw.c 'const float bc1 = (float)(1.0 - pow(o.beta1, (double)t->adam_t));' \
   'const float bc1 = (float)(1.0 - pow(o.beta1, (double)(t->adam_t + 1)));' '^test_train$'  # bias correction one step ahead
-m core/train_adamw.c 'return lr * (double)(step + 1) / (double)warmup;' \
+m core/train/train_adamw.c 'return lr * (double)(step + 1) / (double)warmup;' \
   'return lr * (double)step / (double)warmup;' '^test_train$'                          # warmup starts at lr 0
-m core/train_adamw.c 'const float wd = p->kind == NL_PARAM_NORM ? 0.0f : o.weight_decay;' \
+m core/train/train_adamw.c 'const float wd = p->kind == NL_PARAM_NORM ? 0.0f : o.weight_decay;' \
   'const float wd = o.weight_decay;' '^test_train$'                                   # norms decayed
-m core/kvcache.c 'if (B < 1 || cap < 1 || cap > m->cfg.max_seq_len)' \
+m core/model/kvcache.c 'if (B < 1 || cap < 1 || cap > m->cfg.max_seq_len)' \
   'if (B < 1 || cap < 1 || cap > m->cfg.max_seq_len + 1)' '^test_model$'              # cache one past the context
-m core/forward.c 'if (memcmp(&sg->key, &key, sizeof key) != 0)' \
+m core/model/forward.c 'if (memcmp(&sg->key, &key, sizeof key) != 0)' \
   'if (sg->key.B != key.B)' '^test_graphs_devsim$'                                     # a recording keyed by batch size only
-m core/layer.c 's.pos = pos_d;' 's.pos = NULL;' '^test_graphs_devsim$'                 # a recorded step's past frozen at 0
-m core/sampler.c 'if (!(top_p > 0.0f && top_p <= 1.0f))' \
+m core/model/layer.c 's.pos = pos_d;' 's.pos = NULL;' '^test_graphs_devsim$'                 # a recorded step's past frozen at 0
+m core/model/sampler.c 'if (!(top_p > 0.0f && top_p <= 1.0f))' \
   'if (!(top_p >= 0.0f && top_p <= 1.0f))' '^test_model$|^test_serve_http$'            # top_p 0 accepted
-m core/sampler.c 'while (n < V && keep < s->top_p * sum)' \
+m core/model/sampler.c 'while (n < V && keep < s->top_p * sum)' \
   'while (n < V && keep <= s->top_p * sum)' '^test_model$'                             # nucleus one token too wide
-m core/safetensors.c 'if (end > data_size)' 'if (end > data_size + 1)' '^test_safetensors$'  # tensor one byte past the data
-m core/safetensors.c 'if (json_array_size(v) > NL_MAX_DIMS)' \
+m core/formats/safetensors.c 'if (end > data_size)' 'if (end > data_size + 1)' '^test_safetensors$'  # tensor one byte past the data
+m core/formats/safetensors.c 'if (json_array_size(v) > NL_MAX_DIMS)' \
   'if (json_array_size(v) > NL_MAX_DIMS + 1)' '^test_safetensors$'                    # rank bound off by one
-m core/config.c 'if (c->top_k < 1 || c->top_k > c->num_experts)' \
+m core/model/config.c 'if (c->top_k < 1 || c->top_k > c->num_experts)' \
   'if (c->top_k < 1)' '^test_config$'                                                  # top_k above the experts accepted
-m core/config.c 'if (!(c->rope_base > 1.0) || !isfinite(c->rope_base))' \
+m core/model/config.c 'if (!(c->rope_base > 1.0) || !isfinite(c->rope_base))' \
   'if (!(c->rope_base > 1.0))' '^test_config$'                                         # dropped inf check
-m core/checkpoint.c 'if (errno || end == s || *end || v < 0)' \
+m core/formats/checkpoint.c 'if (errno || end == s || *end || v < 0)' \
   'if (errno || end == s || v < 0)' '^test_checkpoint$'                                # trailing junk in a step number
-m core/tokenizer.c 'if (n < 1 || n > NL_TOKENIZER_MAX_TOKEN_BYTES)' \
+m core/tokenizer/tokenizer.c 'if (n < 1 || n > NL_TOKENIZER_MAX_TOKEN_BYTES)' \
   'if (n < 1 || n > NL_TOKENIZER_MAX_TOKEN_BYTES + 1)' '^test_tokenizer$'              # token length bound off by one
-m core/planner.c 'if (!(a->gflops > 0) || !isfinite(a->gflops))' \
+m core/plan/planner.c 'if (!(a->gflops > 0) || !isfinite(a->gflops))' \
   'if (!(a->gflops >= 0) || !isfinite(a->gflops))' '^test_planner$'                    # a 0 GFLOP/s node accepted
 # net
 m net/hopdigest.c 'if (strlen(said) != NL_HOP_DIGEST_HEX || sodium_memcmp(hex, said, NL_HOP_DIGEST_HEX) != 0)' \

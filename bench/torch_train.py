@@ -11,8 +11,8 @@ the same run as `neuroctl train` with the same arguments, step for step.
   * weights: the checkpoint written by `neuroctl init`, loaded with nlref;
   * data: the same file (text: bytes are ids; `.tok`: little-endian uint32
     ids), the same held-out tail (n_train = n - int(n * holdout)), and the
-    same batches: core/rng.c (splitmix64 seeding, xoshiro256**,
-    nl_rng_below) and nl_dataset_batch of core/data.c ported bit for bit.
+    same batches: core/model/rng.c (splitmix64 seeding, xoshiro256**,
+    nl_rng_below) and nl_dataset_batch of core/data/data.c ported bit for bit.
     Step s trains on batch (split 0, index s); an evaluation is the mean
     cross-entropy over held-out batches (split 1, indices
     0..eval_batches-1), after every eval_every-th step and the last;
@@ -22,7 +22,7 @@ the same run as `neuroctl train` with the same arguments, step for step.
     and both vocabulary tables; none on norm gains). The constants and the
     learning rate are rounded to float32 first, as the C trainer holds
     them. A step whose loss or gradient norm is not finite is skipped;
-  * learning rate: nl_lr_at of core/train.c (linear warm-up over --warmup
+  * learning rate: nl_lr_at of core/train/train.c (linear warm-up over --warmup
     steps, default steps // 10, then cosine to --min-lr, default lr / 10).
 
 --log gets one JSON object per step: step, loss, ce_loss, aux_loss, lr,
@@ -61,10 +61,10 @@ MASK64 = (1 << 64) - 1
 DATA_MAX_BYTES = 4 << 30  # NL_DATA_MAX_BYTES
 
 
-# ------------------------------------------------------- core/rng.c port --
+# ------------------------------------------------------- core/model/rng.c port --
 
 class Rng:
-    """xoshiro256** seeded through splitmix64, as nl_rng (core/rng.c)."""
+    """xoshiro256** seeded through splitmix64, as nl_rng (core/model/rng.c)."""
 
     def __init__(self, seed, stream):
         x = (seed ^ (stream * 0xD1B54A32D192ED03)) & MASK64
@@ -101,7 +101,7 @@ class Rng:
                 return x % n
 
 
-# ------------------------------------------------------ core/data.c port --
+# ------------------------------------------------------ core/data/data.c port --
 
 class Dataset:
     """nl_dataset: ids and the held-out split (nl_dataset_load)."""
@@ -145,7 +145,7 @@ class Dataset:
                 torch.from_numpy(win[:, 1:].copy()))
 
 
-# ----------------------------------------------------- core/train.c port --
+# ----------------------------------------------------- core/train/train.c port --
 
 def lr_at(step, total, warmup, lr, min_lr):
     """nl_lr_at: linear warm-up, then cosine from lr to min_lr."""

@@ -2,7 +2,7 @@
  * neuroctl's commands. */
 #include "cli_io.h"
 
-#include "core/fileio.h"
+#include "core/formats/fileio.h"
 
 #include <errno.h>
 #include <inttypes.h>

@@ -4,8 +4,8 @@
 #define NL_CLI_IO_H
 
 #include "base/args.h"
-#include "core/fileio.h"
-#include "core/safetensors.h"
+#include "core/formats/fileio.h"
+#include "core/formats/safetensors.h"
 #include "kernels/backend.h"
 
 /* Read an integer tensor `name` ([B, T], I32 or I64, 1..2^24 entries, each
@@ -85,7 +85,7 @@ int nl_cli_may_write(const nl_flag *flags, const char *flag, const char *path);
  * exit 1. NULL passes. */
 int nl_cli_can_write(const char *flag, const char *path, int is_dir);
 
-/* Hold --flag PATH for the run (core/fileio.h, nl_file_lock_take) by the
+/* Hold --flag PATH for the run (core/formats/fileio.h, nl_file_lock_take) by the
  * lock file PATH + suffix (".lock" beside a file, "/.neuroctl.lock" in a
  * directory): a second run given the same path is refused, naming this
  * one's pid. NULL path: nothing locked, NL_OK. */

@@ -23,7 +23,7 @@
 #include "base/args.h"
 #include "cli_io.h"
 #include "commands.h"
-#include "core/fileio.h"
+#include "core/formats/fileio.h"
 #include "kernels/backend.h"
 #include "net/keys.h"
 

@@ -1,6 +1,6 @@
 /* neuroctl embed: one embedding per line of text (DESIGN.md section 7):
  * the mean over the valid positions of the final-normed states,
- * L2-normalised (core/embed.h). Lines are cut to --seq ids and run in
+ * L2-normalised (core/model/embed.h). Lines are cut to --seq ids and run in
  * batches padded with id 0, the pads a document of their own, so an
  * encoder's embedding of a text does not depend on what it was batched
  * with. In this process (--model), or through a cluster (--cluster or
@@ -15,13 +15,13 @@
 #include "base/args.h"
 #include "cli_io.h"
 #include "commands.h"
-#include "core/checkpoint.h"
-#include "core/embed.h"
-#include "core/fileio.h"
-#include "core/forward.h"
-#include "core/lora.h"
-#include "core/safetensors.h"
-#include "core/tokenizer.h"
+#include "core/formats/checkpoint.h"
+#include "core/formats/fileio.h"
+#include "core/formats/safetensors.h"
+#include "core/model/embed.h"
+#include "core/model/forward.h"
+#include "core/model/lora.h"
+#include "core/tokenizer/tokenizer.h"
 #include "remote.h"
 
 /* Largest input file: 1 GiB of text. */

@@ -10,7 +10,7 @@
 #include "base/args.h"
 #include "cli_io.h"
 #include "commands.h"
-#include "core/manifest.h"
+#include "core/formats/manifest.h"
 
 int nl_cmd_export(int argc, char **argv)
 {

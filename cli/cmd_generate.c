@@ -10,12 +10,12 @@
 #include "base/args.h"
 #include "cli_io.h"
 #include "commands.h"
-#include "core/checkpoint.h"
-#include "core/forward.h"
-#include "core/lora.h"
-#include "core/sampler.h"
-#include "core/tokenizer.h"
-#include "core/train.h"
+#include "core/formats/checkpoint.h"
+#include "core/model/forward.h"
+#include "core/model/lora.h"
+#include "core/model/sampler.h"
+#include "core/tokenizer/tokenizer.h"
+#include "core/train/train.h"
 
 /* Generate up to max_new tokens after the prompt with the KV cache,
  * calling emit for each; the prompt and the tokens made fill at most the

@@ -7,9 +7,9 @@
 #include "base/args.h"
 #include "cli_io.h"
 #include "commands.h"
-#include "core/checkpoint.h"
-#include "core/safetensors.h"
-#include "core/train.h"
+#include "core/formats/checkpoint.h"
+#include "core/formats/safetensors.h"
+#include "core/train/train.h"
 
 int nl_cmd_grad(int argc, char **argv)
 {

@@ -1,6 +1,6 @@
 /* neuroctl grow: grow a checkpoint (one file) or a sharded checkpoint (a
  * manifest) in vocabulary, depth and width (DESIGN.md section 5,
- * core/grow.h), recording each growth in its history. */
+ * core/grow/grow.h), recording each growth in its history. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -9,10 +9,10 @@
 #include "base/args.h"
 #include "cli_io.h"
 #include "commands.h"
-#include "core/checkpoint.h"
-#include "core/grow.h"
-#include "core/manifest.h"
-#include "core/tokenizer.h"
+#include "core/formats/checkpoint.h"
+#include "core/formats/manifest.h"
+#include "core/grow/grow.h"
+#include "core/tokenizer/tokenizer.h"
 
 static int fail(const nl_error *err)
 {

@@ -15,7 +15,7 @@
 #include "base/args.h"
 #include "cli_io.h"
 #include "commands.h"
-#include "core/fileio.h"
+#include "core/formats/fileio.h"
 #include "remote.h"
 
 /* Print a growth event (the coordinator's JSON frame) in one line. */

@@ -1,14 +1,14 @@
 /* neuroctl import --hf (a Hugging Face Mixtral, Llama or Mistral directory into
  * one of our checkpoints) and the --format hf half of neuroctl export
- * (core/hf.h does the work; this file parses flags and reports). */
+ * (core/formats/hf.h does the work; this file parses flags and reports). */
 #include <inttypes.h>
 #include <stdio.h>
 
 #include "base/args.h"
 #include "cli_io.h"
 #include "commands.h"
-#include "core/hf.h"
-#include "core/tokenizer.h"
+#include "core/formats/hf.h"
+#include "core/tokenizer/tokenizer.h"
 
 int nl_cmd_import(int argc, char **argv)
 {

@@ -7,12 +7,12 @@
 #include "base/args.h"
 #include "cli_io.h"
 #include "commands.h"
-#include "core/checkpoint.h"
-#include "core/forward.h"
-#include "core/lora.h"
-#include "core/safetensors.h"
-#include "core/sampler.h"
-#include "core/tokenizer.h"
+#include "core/formats/checkpoint.h"
+#include "core/formats/safetensors.h"
+#include "core/model/forward.h"
+#include "core/model/lora.h"
+#include "core/model/sampler.h"
+#include "core/tokenizer/tokenizer.h"
 
 static int fail(const char *cmd, const nl_error *err)
 {

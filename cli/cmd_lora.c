@@ -7,8 +7,8 @@
 #include "base/args.h"
 #include "cli_io.h"
 #include "commands.h"
-#include "core/checkpoint.h"
-#include "core/lora.h"
+#include "core/formats/checkpoint.h"
+#include "core/model/lora.h"
 
 int nl_cmd_lora(int argc, char **argv)
 {

@@ -14,9 +14,9 @@
 #include "base/args.h"
 #include "cli_io.h"
 #include "commands.h"
-#include "core/planner.h"
-#include "core/safetensors.h"
-#include "core/tokenizer.h"
+#include "core/formats/safetensors.h"
+#include "core/plan/planner.h"
+#include "core/tokenizer/tokenizer.h"
 #include "remote.h"
 
 #define ADAPTER_HELP                                                                               \

@@ -2,8 +2,8 @@
  * backend (the CPU one by default), op by op on random inputs from a fixed
  * seed, then a whole small model (prefill routing, logits, 32 greedy decode
  * steps) through core's public API on both; where the target can train,
- * also one layer forward and backward (core/layer.h) and three local
- * training steps (core/train.h) from the same weights and batches. It is the twin test of the
+ * also one layer forward and backward (core/model/layer.h) and three local
+ * training steps (core/train/train.h) from the same weights and batches. It is the twin test of the
  * CUDA backend: `neuroctl selftest --device cuda:0` on a machine with a GPU.
  *
  * Shapes are the ones that break kernels: one row, odd widths, T not a
@@ -65,7 +65,7 @@
 
 #include "base/args.h"
 #include "commands.h"
-#include "core/rng.h"
+#include "core/model/rng.h"
 #include "selftest.h"
 
 /* Differing bytes of p on the two backends. */

@@ -1,7 +1,7 @@
 /* neuroctl serve: one process serves a model over HTTP (serve/http.h).
  *
  * HTTP threads submit jobs; one engine thread owns the model and runs the
- * batched decoder (core/batch.h): each step decodes every admitted job
+ * batched decoder (core/model/batch.h): each step decodes every admitted job
  * whose next token is ready as one batch, plus at most one prefill chunk
  * of a job still reading its prompt, so a new prompt never stalls the
  * others for more than one chunk. Each job samples on the device where
@@ -22,13 +22,13 @@
 #include "base/args.h"
 #include "cli_io.h"
 #include "commands.h"
-#include "core/batch.h"
-#include "core/chat_template.h"
-#include "core/checkpoint.h"
-#include "core/lora.h"
-#include "core/planner.h"
-#include "core/sampler.h"
-#include "core/tokenizer.h"
+#include "core/formats/checkpoint.h"
+#include "core/model/batch.h"
+#include "core/model/lora.h"
+#include "core/model/sampler.h"
+#include "core/plan/planner.h"
+#include "core/tokenizer/chat_template.h"
+#include "core/tokenizer/tokenizer.h"
 #include "serve/http.h"
 #include "serve/http_flags.h"
 
@@ -57,7 +57,7 @@ typedef struct engine {
     nl_model *m;
     nl_batch *batch;
     nl_tokenizer *tok;
-    char *chat_template;      /* the checkpoint's, JSON (core/chat_template.h) */
+    char *chat_template;      /* the checkpoint's, JSON (core/tokenizer/chat_template.h) */
     pthread_mutex_t tok_mu;   /* the encoder keeps a cache */
     pthread_mutex_t model_mu; /* the batch's activations: engine steps, embeddings */
     int max_batch, chunk;

@@ -1,5 +1,5 @@
 /* neuroctl tokenizer: train, learn, encode, decode and inspect BPE
- * tokenizer files (core/tokenizer.h, docs/tokenizer.md). */
+ * tokenizer files (core/tokenizer/tokenizer.h, docs/tokenizer.md). */
 #include <errno.h>
 #include <limits.h>
 #include <stdarg.h>
@@ -11,9 +11,9 @@
 
 #include "base/args.h"
 #include "commands.h"
-#include "core/checkpoint.h"
-#include "core/fileio.h"
-#include "core/tokenizer.h"
+#include "core/formats/checkpoint.h"
+#include "core/formats/fileio.h"
+#include "core/tokenizer/tokenizer.h"
 
 /* Each input file (or stdin) is read whole, up to this size. */
 #define MAX_INPUT_BYTES ((size_t)1 << 30)

@@ -14,15 +14,15 @@
 #include "cli_io.h"
 #include "cmd_train_impl.h"
 #include "commands.h"
-#include "core/checkpoint.h"
-#include "core/data.h"
-#include "core/fileio.h"
-#include "core/lora.h"
-#include "core/manifest.h"
-#include "core/memory.h"
-#include "core/safetensors.h"
-#include "core/tokenizer.h"
-#include "core/train.h"
+#include "core/data/data.h"
+#include "core/formats/checkpoint.h"
+#include "core/formats/fileio.h"
+#include "core/formats/manifest.h"
+#include "core/formats/safetensors.h"
+#include "core/model/lora.h"
+#include "core/model/memory.h"
+#include "core/tokenizer/tokenizer.h"
+#include "core/train/train.h"
 #include "train_report.h"
 
 /* ---------------------------------------------------------------- train */
@@ -58,7 +58,7 @@ nl_status nl_local_save_adapter(const nl_lora *lo, const train_opts *o, nl_error
     return st;
 }
 
-/* Which objective a run trains (core/objective.h): --objective, else the
+/* Which objective a run trains (core/train/objective.h): --objective, else the
  * config's, checked against the model (and --pack with it). */
 nl_status nl_local_objective(const train_opts *o, const nl_config *c, int *obj, nl_error *err)
 {

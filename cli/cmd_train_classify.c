@@ -7,9 +7,9 @@
 
 #include "cli_io.h"
 #include "cmd_train_impl.h"
-#include "core/checkpoint.h"
-#include "core/labelled.h"
-#include "core/objective.h"
+#include "core/data/labelled.h"
+#include "core/formats/checkpoint.h"
+#include "core/train/objective.h"
 
 /* Held-out loss and accuracy of the classifier over the whole held-out
  * split, in order, each example once (the last batch is partial: its

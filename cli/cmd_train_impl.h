@@ -6,9 +6,9 @@
 
 #include <stdint.h>
 
-#include "core/fileio.h"
-#include "core/lora.h"
-#include "core/train.h"
+#include "core/formats/fileio.h"
+#include "core/model/lora.h"
+#include "core/train/train.h"
 #include "train_report.h"
 
 typedef struct train_opts {
@@ -30,7 +30,7 @@ typedef struct carried_meta {
     char *tokenizer, *init_seed;
 } carried_meta;
 
-/* The run's locks (core/fileio.h) on what it writes: --out, --log and the
+/* The run's locks (core/formats/fileio.h) on what it writes: --out, --log and the
  * checkpoint directory (taken when the run first needs it), held until it
  * ends, so that a second run given the same paths at the same time is
  * refused, with the first one's pid, instead of writing over it (the
@@ -45,7 +45,7 @@ nl_status nl_local_attach_lora(nl_lora **lo, nl_model *m, const train_opts *o, i
                                nl_error *err);
 /* finetune's output: the adapter file, with the base checkpoint's SHA-256. */
 nl_status nl_local_save_adapter(const nl_lora *lo, const train_opts *o, nl_error *err);
-/* Which objective a run trains (core/objective.h): --objective, else the
+/* Which objective a run trains (core/train/objective.h): --objective, else the
  * config's, checked against the model. */
 nl_status nl_local_objective(const train_opts *o, const nl_config *c, int *obj, nl_error *err);
 /* A checkpoint of step `step` in path (with the moments and the carried

@@ -11,7 +11,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "core/fileio.h"
+#include "core/formats/fileio.h"
 
 void nl_remote_close(nl_remote *r)
 {

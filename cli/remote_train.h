@@ -26,7 +26,7 @@ typedef struct rtrain_opts {
     double lora_alpha;
     const char *lora_targets;
     long long learn_vocab; /* --learn-vocab: ids the cluster's tokenizer learns from the data */
-    int objective;         /* --objective (core/objective.h), or NL_OBJ_MODEL: the config's */
+    int objective;         /* --objective (core/train/objective.h), or NL_OBJ_MODEL: the config's */
 } rtrain_opts;
 
 /* What the client knows of its job while it runs. */

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/rng.h"
+#include "core/model/rng.h"
 #include "selftest.h"
 
 /* ---------------------------------------------------------------- tolerances */

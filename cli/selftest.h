@@ -11,7 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "core/rng.h"
+#include "core/model/rng.h"
 #include "kernels/backend.h"
 
 /* The tolerance of every check, one row per precision of the target

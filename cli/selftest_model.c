@@ -6,9 +6,9 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "core/forward.h"
-#include "core/layer.h"
-#include "core/train.h"
+#include "core/model/forward.h"
+#include "core/model/layer.h"
+#include "core/train/train.h"
 #include "selftest.h"
 
 /* ---------------------------------------------------------------- model */
@@ -263,7 +263,7 @@ static double cmp_dev(nl_selftest *c, float *const d[2], size_t n)
     return c->oom ? INFINITY : nl_selftest_err_all(h[0], h[1], n);
 }
 
-/* One layer forward and backward (core/layer.h) on the same weights,
+/* One layer forward and backward (core/model/layer.h) on the same weights,
  * input, positions and output gradient: x_out, then dx and the parameter
  * gradients. Where the two backends route a token to different experts the
  * outputs cannot agree; the count is reported. */
@@ -404,7 +404,7 @@ static void fetch(nl_selftest *c, int s, float *h, const float *d, size_t n)
         c->be[s]->download(c->be[s], h, d, n * sizeof(float));
 }
 
-/* Three local training steps (core/train.h, two microbatches each, so the
+/* Three local training steps (core/train/train.h, two microbatches each, so the
  * counting pass runs too) from the same weights on the same batches: the
  * loss of each step within tol->train_loss relative, the weights after the
  * last by weights_err within tol->train_weights. c->lr_scale (a test

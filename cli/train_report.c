@@ -11,7 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "core/lora.h"
+#include "core/model/lora.h"
 #include "net/trainparams.h"
 
 double nl_train_clock(void)

@@ -17,7 +17,7 @@ typedef struct nl_train_run {
     double lr, min_lr, holdout;
     double progress_s; /* --progress-every: seconds between progress lines into a file or pipe */
     int recompute;
-    int pack; /* --pack: packed rows, <|end|> ends a document (core/objective.h) */
+    int pack; /* --pack: packed rows, <|end|> ends a document (core/train/objective.h) */
 } nl_train_run;
 
 /* The flags nl_train_run_read reads (in an nl_flag table). */
@@ -56,7 +56,7 @@ int nl_train_run_read(const nl_flag *flags, nl_train_run *r);
 /* neuroctl finetune's adapter flags (--lora-rank, --lora-alpha,
  * --lora-targets), local or on a cluster, with the defaults and ranges of
  * net/trainparams.h: *targets is the flag's or the default's text, *bits
- * it parsed (core/lora.h). 0, or the exit code after the fault is printed
+ * it parsed (core/model/lora.h). 0, or the exit code after the fault is printed
  * (2: usage). */
 int nl_train_lora_read(const nl_flag *flags, long long *rank, double *alpha, const char **targets,
                        int *bits);

@@ -1,7 +1,7 @@
 /* The coordinator: its setup (sockets, domains, the model's source) and
  * the event loop, whose dispatch hands the nodes' messages to membership
  * (coord_members.c: join, heartbeats, death) and planning (coord_plan.c:
- * sizing and placement through core/sizing and core/planner, streaming
+ * sizing and placement through core/plan/sizing and core/plan/planner, streaming
  * each stage's tensors), and the jobs' messages to coord_jobs.c. */
 #include "coord_impl.h"
 
@@ -17,10 +17,10 @@
 #include <time.h>
 
 #include "base/log.h"
-#include "core/chat_template.h"
-#include "core/checkpoint.h"
-#include "core/fileio.h"
-#include "core/sizing.h"
+#include "core/formats/checkpoint.h"
+#include "core/formats/fileio.h"
+#include "core/plan/sizing.h"
+#include "core/tokenizer/chat_template.h"
 
 /* The ZAP domains of the nodes' and the clients' sockets */
 #define COORD_NODE_DOMAIN "coord"

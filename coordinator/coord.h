@@ -50,7 +50,7 @@ typedef struct nl_coord_opts {
     int rebalance_after;      /* --rebalance-after: a training job judges the stages' observed
                                * speeds once after this many steps (0: only at checkpoints) */
     int replicas;             /* --replicas: every stage on this many nodes (DESIGN section 8;
-                               * core/planner.h nl_plan_layers_replicated); 1: none; 0 (auto):
+                               * core/plan/planner.h nl_plan_layers_replicated); 1: none; 0 (auto):
                                * as many as give the most training tokens/s by the cost model
                                * (nl_plan_choose_replicas) for steps of plan_microbatches */
     int plan_microbatches;    /* --plan-microbatches: a step's microbatches --replicas auto plans

@@ -10,7 +10,7 @@
 
 #include "base/args.h"
 #include "base/log.h"
-#include "core/planner.h"
+#include "core/plan/planner.h"
 #include "net/wire.h"
 #include "serve/http_flags.h"
 

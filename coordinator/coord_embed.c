@@ -1,6 +1,6 @@
 /* The embedding job (JOB_SUBMIT kind embed, docs/cluster.md
  * "Embeddings"): a client's token ids [B, T] and each text's length
- * (params.lengths, core/embed.h). Every stage of the plan first takes the
+ * (params.lengths, core/model/embed.h). Every stage of the plan first takes the
  * request (JOB_SUBMIT kind embed {job, batch, seq, lengths}); once all
  * have, the ids go down the pipeline as a forward, and the last stage
  * returns the pooled, L2-normalised final-normed states F32 [B, d] in its
@@ -20,7 +20,7 @@
 
 #include "base/log.h"
 #include "coord_impl.h"
-#include "core/embed.h"
+#include "core/model/embed.h"
 
 typedef struct cembed {
     int32_t *ids; /* (B, T) */

@@ -17,7 +17,7 @@
 #include <string.h>
 
 #include "coord_train_impl.h"
-#include "core/lora.h"
+#include "core/model/lora.h"
 #include "net/trainparams.h"
 
 /* ---------------------------------------------------------------- submit */

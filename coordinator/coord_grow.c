@@ -7,7 +7,7 @@
  * Every growth follows one path: on the loop, coord_grow_prepare copies
  * what it needs; a worker (coord_work.c) lets the tokenizer learn (for the
  * vocabulary) and writes the grown model as a new manifest beside the one
- * the stages hold (nl_manifest_grow, core/grow.h: shards it leaves alone
+ * the stages hold (nl_manifest_grow, core/grow/grow.h: shards it leaves alone
  * reused, new moments zero, a history entry per grown dimension) and
  * verifies it; back on the loop coord_grow_install makes it the source and
  * reloads the stages on a new plan. A cluster that serves the seed has no
@@ -26,12 +26,12 @@
 
 #include "base/log.h"
 #include "coord_impl.h"
-#include "core/checkpoint.h"
-#include "core/fileio.h"
-#include "core/grow.h"
-#include "core/memory.h"
-#include "core/sizing.h"
-#include "core/tokenizer.h"
+#include "core/formats/checkpoint.h"
+#include "core/formats/fileio.h"
+#include "core/grow/grow.h"
+#include "core/model/memory.h"
+#include "core/plan/sizing.h"
+#include "core/tokenizer/tokenizer.h"
 
 /* ---------------------------------------------------------------- the record */
 

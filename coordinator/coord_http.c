@@ -20,7 +20,7 @@
 #include <time.h>
 
 #include "base/log.h"
-#include "core/tokenizer.h"
+#include "core/tokenizer/tokenizer.h"
 #include "net/transport.h"
 
 #define HELLO_MS 5000

@@ -12,7 +12,7 @@
 #include <pthread.h>
 
 #include "coord_http.h"
-#include "core/tokenizer.h"
+#include "core/tokenizer/tokenizer.h"
 #include "net/client.h"
 #include "net/transport.h"
 

@@ -12,7 +12,7 @@
 #include <string.h>
 
 #include "base/log.h"
-#include "core/tokenizer.h"
+#include "core/tokenizer/tokenizer.h"
 #include "net/transport.h"
 
 #define CANCEL_WAIT_S 2.0

@@ -14,9 +14,9 @@
 #include <stdatomic.h>
 
 #include "coord.h"
-#include "core/manifest.h"
-#include "core/planner.h"
-#include "core/safetensors.h"
+#include "core/formats/manifest.h"
+#include "core/formats/safetensors.h"
+#include "core/plan/planner.h"
 #include "net/transport.h"
 
 /* The node table grows (doubling) to at most this many slots; the lowest
@@ -249,11 +249,11 @@ struct nl_coord {
     struct csource *src, *retired;
     int src_manifest; /* the source is a manifest: its shards carry the moments */
     int64_t src_step, src_adam;
-    int resumable;            /* the stages hold a manifest's weights and moments, untouched */
-    char *tok_text;           /* the model's tokenizer, or NULL */
-    char *init_seed;          /* the seed the weights were first drawn from (text), or NULL */
-    char *chat_text;          /* the model's chat template (JSON, core/chat_template.h), or NULL */
-    struct nl_growth *growth; /* the model's growth history (core/grow.h): the source's, */
+    int resumable;   /* the stages hold a manifest's weights and moments, untouched */
+    char *tok_text;  /* the model's tokenizer, or NULL */
+    char *init_seed; /* the seed the weights were first drawn from (text), or NULL */
+    char *chat_text; /* the model's chat template (JSON, core/tokenizer/chat_template.h), or NULL */
+    struct nl_growth *growth; /* the model's growth history (core/grow/grow.h): the source's, */
     int n_growth;             /* then the growths since; manifests written carry it */
     nl_plan *plan;
     int plan_training;  /* the plan was made during a training job, for its microbatches */
@@ -380,7 +380,7 @@ typedef struct cmanifest {
     csource *src;
     char *tok, *seed;         /* its tokenizer and initialisation seed, or NULL */
     char *chat;               /* its chat template, or NULL */
-    struct nl_growth *growth; /* its growth history (core/grow.h), or NULL */
+    struct nl_growth *growth; /* its growth history (core/grow/grow.h), or NULL */
     int n_growth;
     nl_config cfg;
     int64_t step, adam;
@@ -573,7 +573,7 @@ const char *coord_grow_refusal(const nl_coord *c, char *why, size_t cap);
  * learns `add` ids from a text file (input; NULL: none) and the model's
  * vocab_size becomes max(vocab_size, the tokenizer's); the depth and width
  * grow to layers, hidden_dim, ffn_dim (0: unchanged). When the stages hold
- * a manifest, the grown one (nl_manifest_grow, core/grow.h) is written
+ * a manifest, the grown one (nl_manifest_grow, core/grow/grow.h) is written
  * beside it, in <its directory>-<what>-<size>, and opened; from the seed
  * (vocabulary only) the nodes draw the grown tables. The work owns
  * everything in it. */

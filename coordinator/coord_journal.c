@@ -1,7 +1,7 @@
 /* The coordinator's journal (issue 22 item 4): <state-dir>/journal.json
  * holds the training job that runs (its id, its client's parameters and
  * the last verified manifest) and the last job id given out, rewritten
- * atomically (write, fsync, rename: core/fileio.h) when the job starts,
+ * atomically (write, fsync, rename: core/formats/fileio.h) when the job starts,
  * at each checkpoint and when it ends. A coordinator that starts with a
  * journal naming a running job makes that job again under the same id,
  * resuming from its manifest (the client's JOB_SUBMIT with "resume" set),
@@ -23,7 +23,7 @@
 
 #include "base/log.h"
 #include "coord_impl.h"
-#include "core/fileio.h"
+#include "core/formats/fileio.h"
 
 static void journal_path(const nl_coord *c, char *buf, size_t cap)
 {

@@ -16,9 +16,9 @@
 #include <time.h>
 
 #include "base/log.h"
-#include "core/checkpoint.h"
-#include "core/fileio.h"
-#include "core/sizing.h"
+#include "core/formats/checkpoint.h"
+#include "core/formats/fileio.h"
+#include "core/plan/sizing.h"
 
 /* A node is gone (dead or left): fail what it carried (a generation waits
  * to resume) and plan again. */

@@ -15,7 +15,7 @@
 
 #include "base/log.h"
 #include "coord_impl.h"
-#include "core/grow.h"
+#include "core/grow/grow.h"
 
 /* ---------------------------------------------------------------- the node table
  *

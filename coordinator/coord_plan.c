@@ -1,5 +1,5 @@
 /* The coordinator's planning and loading: the plan over the live nodes
- * (core/sizing, core/planner), its assignments, each stage's tensors
+ * (core/plan/sizing, core/plan/planner), its assignments, each stage's tensors
  * streamed in LAYER_LOAD chunks, re-planning at rest or at a training
  * checkpoint when a plan over the nodes now beats the current one. */
 #include "coord_impl.h"
@@ -15,9 +15,9 @@
 #include <time.h>
 
 #include "base/log.h"
-#include "core/checkpoint.h"
-#include "core/fileio.h"
-#include "core/sizing.h"
+#include "core/formats/checkpoint.h"
+#include "core/formats/fileio.h"
+#include "core/plan/sizing.h"
 
 #define CHUNK_FLOATS (1u << 20) /* 4 MiB per LAYER_LOAD frame */
 
@@ -252,7 +252,7 @@ static int faster_first(const void *a, const void *b)
     return (x->id > y->id) - (x->id < y->id);
 }
 
-/* The planner's time grows as N min(N, L) (core/planner.h), and a plan
+/* The planner's time grows as N min(N, L) (core/plan/planner.h), and a plan
  * has at most L stages: over many nodes it is offered the fastest
  * plan_offer() of them first, and all (at most NL_PLAN_MAX_NODES) only
  * when those cannot hold the model (plan_layers). */
@@ -348,7 +348,7 @@ static nl_status plan_layers(const nl_coord *c, nl_plan **out, const nl_plan_nod
 
 /* Plans are for inference memory, but while a training job runs for its
  * training memory (c->train_mem: weights, gradients, moments and the
- * microbatches in flight, core/memory.h). */
+ * microbatches in flight, core/model/memory.h). */
 static nl_plan_opts request_opts(const nl_coord *c)
 {
     return (nl_plan_opts){.mem = {.training = 0, .micro_rows = c->o.plan_rows, .in_flight = 1}};

@@ -34,7 +34,7 @@
 
 #include "base/log.h"
 #include "coord_train_impl.h"
-#include "core/train.h"
+#include "core/train/train.h"
 
 /* ---------------------------------------------------------------- the states
  *
@@ -466,7 +466,7 @@ static void decide(nl_coord *c, cjob *j)
 {
     ctrain *t = j->state;
     nl_step_result *r = &t->r;
-    /* the decision local training makes too (core/train.h) */
+    /* the decision local training makes too (core/train/train.h) */
     const double scale = nl_step_decide(r, t->ce, t->valid > 0 ? (double)t->valid : 1.0, t->aux,
                                         c->cfg.aux_loss_coef, t->sumsq, NL_TRAIN_CLIP_NORM);
     if (!r->skipped) {

@@ -18,9 +18,9 @@
 
 #include "base/log.h"
 #include "coord_train_impl.h"
-#include "core/chat_template.h"
-#include "core/checkpoint.h"
-#include "core/grow.h"
+#include "core/formats/checkpoint.h"
+#include "core/grow/grow.h"
+#include "core/tokenizer/chat_template.h"
 
 /* Whether the shard at path was trained with TF32 allowed, as its node
  * recorded it in the shard's "train" metadata (no wire message carries a
@@ -370,7 +370,7 @@ const char *coord_train_write_manifest(nl_coord *c, cjob *j, tr_done done, char 
                           .shards = t->shards};
     json_decref(tj);
     oom |= c->n_growth && !k->mf.growth;
-    if (k->mf.growth) /* the model's growth history goes on (core/grow.h) */
+    if (k->mf.growth) /* the model's growth history goes on (core/grow/grow.h) */
         memcpy(k->mf.growth, c->growth, (size_t)c->n_growth * sizeof *c->growth);
     t->shards = fresh;
     char dir[1100];

@@ -22,9 +22,9 @@
 #include <string.h>
 
 #include "coord_impl.h"
-#include "core/data.h"
-#include "core/labelled.h"
-#include "core/train.h"
+#include "core/data/data.h"
+#include "core/data/labelled.h"
+#include "core/train/train.h"
 
 struct json_t;
 
@@ -66,7 +66,7 @@ typedef struct ctrain {
     double lr, min_lr, holdout;
     int recompute, final_ckpt;
     int64_t learn_vocab; /* ids the tokenizer learns from the data first (coord_grow.c), or 0 */
-    int objective;       /* core/objective.h; NL_OBJ_MODEL: the model's */
+    int objective;       /* core/train/objective.h; NL_OBJ_MODEL: the model's */
     int pack;            /* packed rows: <|end|> ends a document (nl_objective_batch) */
     int64_t pack_ends;   /* packed rows: the <|end|> ids in the data */
     /* where it is */

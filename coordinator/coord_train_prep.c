@@ -16,9 +16,9 @@
 
 #include "base/log.h"
 #include "coord_train_impl.h"
-#include "core/fileio.h"
-#include "core/objective.h"
-#include "core/tokenizer.h"
+#include "core/formats/fileio.h"
+#include "core/tokenizer/tokenizer.h"
+#include "core/train/objective.h"
 #include "net/trainparams.h"
 
 /* Read the run's parameters by their schema (net/trainparams.h, which
@@ -100,7 +100,7 @@ static void prep_run(cwork *w)
     const int64_t vocab = p->resume ? p->mf.cfg.vocab_size
                           : p->grow ? p->v.grown.vocab_size
                                     : p->vocab;
-    if (p->classify) /* label<TAB>text lines (core/labelled.h), as local training reads them */
+    if (p->classify) /* label<TAB>text lines (core/data/labelled.h), as local training reads them */
         p->st = nl_labelled_load(&p->lds, p->data, tok, vocab, p->holdout, p->seed, &p->err);
     else
         p->st = nl_dataset_load_model(&p->ds, p->data, tok, vocab, p->holdout,

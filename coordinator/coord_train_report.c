@@ -11,7 +11,7 @@
 
 #include "base/log.h"
 #include "coord_train_impl.h"
-#include "core/objective.h"
+#include "core/train/objective.h"
 
 static json_t *jnum(double x)
 {

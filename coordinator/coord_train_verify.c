@@ -39,7 +39,7 @@
 
 #include "base/log.h"
 #include "coord_train_impl.h"
-#include "core/objective.h"
+#include "core/train/objective.h"
 #include "net/hopdigest.h"
 
 /* A verification under way. */

@@ -2,7 +2,7 @@
  * machine (coord_train.c), which decides when: the job itself (JOB_SUBMIT,
  * with the model's growth history), each step's batch and each
  * evaluation's held-out batches, made as local training makes them
- * (core/objective.h), cut into microbatches and sent as hops (the targets
+ * (core/train/objective.h), cut into microbatches and sent as hops (the targets
  * ride along to the last stage). It changes no state of the job but the
  * batch arrays; a stage that cannot be reached is the caller's to judge. */
 #include <math.h>
@@ -13,9 +13,9 @@
 
 #include "base/log.h"
 #include "coord_train_impl.h"
-#include "core/grow.h"
-#include "core/objective.h"
-#include "core/train.h"
+#include "core/grow/grow.h"
+#include "core/train/objective.h"
+#include "core/train/train.h"
 #include "net/hopdigest.h"
 
 /* Send m to every stage (every replica of it, or replica 0 only): 0, or
@@ -166,7 +166,7 @@ int coord_train_send_job(nl_coord *c, cjob *j, int *lost)
 
 /* Batch `index` of a split (0: training, 1: held out) of the job's
  * objective into t->tokens and the rest, as local training makes it:
- * the token objectives' batches (core/objective.h); classification's
+ * the token objectives' batches (core/train/objective.h); classification's
  * examples (the held-out split in order, each once).
  * *valid: the predictions its loss is over (for classification, the
  * sequences; of a held-out batch, the examples in it). */

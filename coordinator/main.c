@@ -11,7 +11,7 @@
 #include "coord.h"
 #include "coord_cli.h"
 #include "coord_http.h"
-#include "core/fileio.h"
+#include "core/formats/fileio.h"
 #include "net/auth.h"
 
 static volatile sig_atomic_t stop_flag;

@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/hf.h"
+#include "core/formats/hf.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

@@ -158,7 +158,7 @@ struct nl_backend {
     void (*gemm)(nl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
                  const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc);
     /* Optional (NULL: no such GEMM; a caller that needs the invariance
-     * pads small M instead, as core/batch.c does): C[M,N] = A op(B), or
+     * pads small M instead, as core/model/batch.c does): C[M,N] = A op(B), or
      * C += A op(B) with accumulate, where row i of C depends only on row
      * i of A (and of C), bit for bit, for any M: a batch's row gives the
      * same bits alone or among others. row-major, strides as in gemm. On
@@ -303,7 +303,7 @@ struct nl_backend {
      * moe_ffn_backward: given dye, dhs = dye W_down, dW_down += dye^T hs,
      *   dgu = swiglu_backward(dhs, gu), dW_gu += dgu^T xe, dxe = dgu W_gu,
      *   with dW_g = dexperts + g * expert_stride; equal to the separate
-     *   calls of core/layer_backward.c. dexperts NULL (a frozen base, LoRA):
+     *   calls of core/model/layer_backward.c. dexperts NULL (a frozen base, LoRA):
      *   no weight gradients, the rest as with them, bit for bit. */
     void (*moe_ffn_forward)(nl_backend *be, float *ye, float *hs, float *gu, const float *xe,
                             const float *experts, size_t expert_stride, int d, int F,
@@ -316,7 +316,7 @@ struct nl_backend {
     /* Optional, all three or none (NULL: the caller makes the separate
      * calls): a decode step's expert layer in three launches in place of
      * rmsnorm, router GEMM, softmax, moe_route, gather_rows, the expert
-     * GEMMs, SwiGLU and moe_combine. Meant for a few rows (core/layer.c
+     * GEMMs, SwiGLU and moe_combine. Meant for a few rows (core/model/layer.c
      * takes them below NL_BACKEND_FUSED_ROWS): no dispatch, each (token,
      * choice) reads its expert's weights directly. Each row's result
      * depends on that row alone, for any N. With FP32 GEMMs and a

@@ -390,7 +390,7 @@ static void run_grouped(nl_backend *be, const void *p)
 {
     const grouped_args *a = p;
     /* the CPU backend's per-group calls, through the queuing table's gemm
-     * (so a caller that wraps gemm, as core/batch.c does, sees every
+     * (so a caller that wraps gemm, as core/model/batch.c does, sees every
      * call); the offsets are read now, as the device itself would */
     nl_cpu_gemm_grouped(be, a->tb, a->N, a->K, a->A, a->lda, a->B, a->ldb, a->b_stride, a->C,
                         a->ldc, a->offsets, a->groups, a->max_rows);

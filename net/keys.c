@@ -12,7 +12,7 @@
 #include <zmq.h>
 
 #include "../base/log.h"
-#include "../core/fileio.h"
+#include "core/formats/fileio.h"
 
 #define KEYFILE_MAX 4096
 /* the first line of every secret key file keygen writes */

@@ -3,7 +3,7 @@
 
 #include <string.h>
 
-#include "../core/objective.h"
+#include "core/train/objective.h"
 
 const nl_wire_param *nl_params_find(const nl_wire_param *ps, uint32_t n, const char *name)
 {

@@ -5,7 +5,7 @@
  *
  * Types: an integer must come as one (a boolean key also takes 0 or 1); a
  * number may come as an integer or a float; a string's range is its
- * length in bytes; an objective is a string of core/objective.h, stored as
+ * length in bytes; an objective is a string of core/train/objective.h, stored as
  * its nl_objective. A value of the wrong type or out of range is
  * NL_ERR_RANGE, and a missing required key NL_ERR_PROTO, each with a
  * message that names the key ("JOB_SUBMIT params.seq: ..."): never a

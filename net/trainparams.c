@@ -5,9 +5,9 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "../core/lora.h"
-#include "../core/objective.h"
-#include "../core/train.h"
+#include "core/model/lora.h"
+#include "core/train/objective.h"
+#include "core/train/train.h"
 #include "params.h"
 
 #define TR (1u << NL_TRAINPARAMS_TRAIN)

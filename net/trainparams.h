@@ -29,12 +29,12 @@
  *   seq_default       boolean                    false         a request (seq is the client's
  *                                                              default: fit to max_seq_len)
  *   learn_vocab       integer    0 .. 2^24       0             a train request
- *   objective         clm|mlm|classify           the model's   a request (core/objective.h)
+ *   objective         clm|mlm|classify           the model's   a request (core/train/objective.h)
  *   pack              boolean                    false         a request (packed rows: <|end|>
- *                                                              ends a document, core/objective.h)
- *   lora_rank         integer    1 .. 1024       8             fine-tuning
+ *                                                              ends a document,
+ * core/train/objective.h) lora_rank         integer    1 .. 1024       8             fine-tuning
  *   lora_alpha        number     (0, 1e6]        16            fine-tuning
- *   lora_targets      string     1..39 bytes     wq,wk,wv,wo   fine-tuning (core/lora.h)
+ *   lora_targets      string     1..39 bytes     wq,wk,wv,wo   fine-tuning (core/model/lora.h)
  *   lora_seed         integer    >= 0            required      a stage's fine-tuning
  *   start_step        integer    0 .. 2^62       0             a stage's
  *   adam_steps        integer    0 .. 2^62       0             a stage's
@@ -88,7 +88,7 @@ typedef struct nl_trainparams {
     int64_t lora_rank;
     double lora_alpha;
     const char *lora_targets;
-    int lora_bits; /* lora_targets parsed (core/lora.h NL_LORA_*) */
+    int lora_bits; /* lora_targets parsed (core/model/lora.h NL_LORA_*) */
     int64_t lora_seed;
     /* a stage's job */
     uint64_t job;

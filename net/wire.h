@@ -32,7 +32,7 @@
 #include <stdint.h>
 
 #include "../base/status.h"
-#include "../core/tensor.h"
+#include "core/model/tensor.h"
 
 #define NL_WIRE_VERSION 1u
 #define NL_WIRE_MAX_FRAMES 16 /* hard cap; limits.max_frames may be lower */

@@ -15,10 +15,10 @@
 #include <unistd.h>
 
 #include "../base/log.h"
-#include "../core/fileio.h"
 #include "../kernels/backend.h"
 #include "../net/handshake.h"
 #include "../net/transport.h"
+#include "core/formats/fileio.h"
 #include "node_impl.h"
 #include "stage.h"
 #include "stage_verify.h"

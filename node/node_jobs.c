@@ -9,9 +9,9 @@
 #include <time.h>
 
 #include "../base/log.h"
-#include "../core/fileio.h"
-#include "../core/planner.h"
 #include "../net/transport.h"
+#include "core/formats/fileio.h"
+#include "core/plan/planner.h"
 #include "node_impl.h"
 #include "stage.h"
 
@@ -382,7 +382,7 @@ static nl_status ckpt_dir(node *n, const char *dir, char **out, nl_error *err)
 }
 
 /* Test hook (NL_TEST_COMPUTE_GFLOPS): the time the evaluation hop m
- * takes at the hook's rate by the planner's cost model (core/planner.h):
+ * takes at the hook's rate by the planner's cost model (core/plan/planner.h):
  * a forward of its rows through this stage's layers (and embedding or
  * head). Seconds; 0 for other messages. The training hops' time the stage
  * sleeps when their work runs (stage_train_hops.c), which a hop that

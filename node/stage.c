@@ -10,7 +10,7 @@
 #include <time.h>
 
 #include "../base/log.h"
-#include "../core/memory.h"
+#include "core/model/memory.h"
 
 double nl_stage_now(void)
 {

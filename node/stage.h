@@ -21,10 +21,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../core/model.h"
 #include "../kernels/comm.h"
 #include "../net/txref.h"
 #include "../net/wire.h"
+#include "core/model/model.h"
 
 typedef struct nl_stage nl_stage;
 
@@ -198,7 +198,7 @@ typedef struct nl_stage_out {
     int B, T; /* the batch that ran */
     /* TOKEN of a session that asks for logprobs (lp_n = 1 + k, else 0):
      * lp[0] the token's log-probability, lp[1 + i] that of lp_ids[i], the
-     * i-th most likely id (core/sampler.h, nl_sampler_logprobs) */
+     * i-th most likely id (core/model/sampler.h, nl_sampler_logprobs) */
     int lp_n;
     float lp[1 + NL_WIRE_MAX_TOP];
     uint32_t lp_ids[NL_WIRE_MAX_TOP];
@@ -224,7 +224,7 @@ nl_status nl_stage_forward(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_w
  * read what is waiting on its sockets, runs one batch: the decode steps
  * (one position) of up to batch_decode sessions, each with its own cache
  * and position, plus at most prefill_chunk positions of prompts, so that
- * a new prompt delays the others by at most one chunk (core/batch.h: a
+ * a new prompt delays the others by at most one chunk (core/model/batch.h: a
  * sequence's results do not depend on its batch). A prompt longer than
  * the chunk runs over several batches; its output (hidden states of every
  * position, or the sampled token) comes when its last chunk has run. */
@@ -301,7 +301,7 @@ nl_status nl_stage_hidden_out(nl_stage *s, nl_wire_frame *f, const float *x, con
 /* ---- embedding jobs (node/stage_embed.c) ---- */
 
 /* JOB_SUBMIT {kind embed, params: job, batch, seq, lengths ("3,17,1": each
- * text's valid positions, core/embed.h)}: the next forward hop of the job
+ * text's valid positions, core/model/embed.h)}: the next forward hop of the job
  * (B x T as given) keeps each text's pads out of an encoder's attention,
  * and on the last stage returns the pooled, L2-normalised final-normed
  * states, F32 [B, d], in place of logits. The request is used by that one

@@ -1,9 +1,9 @@
 /* A stage's batched session hops (see stage.h): the queue of hops that
  * arrived, and the batch that runs the decode steps of many sessions and
- * one chunk of prompts together through core/batch.c. Its own file
+ * one chunk of prompts together through core/model/batch.c. Its own file
  * because stage.c holds loading and the single forward; this is the
  * scheduling that serves many generations at once. A session with an
- * adapter (params.adapter) is not batched: core/batch.c's padded GEMMs
+ * adapter (params.adapter) is not batched: core/model/batch.c's padded GEMMs
  * apply no adapters, so each of its hops runs alone after the batch,
  * through the ordinary forward with the adapter attached for that call. */
 #include <stdio.h>

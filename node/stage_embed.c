@@ -3,7 +3,7 @@
  * the batch's shape and each text's length, then sends the ids down the
  * pipeline as a forward. Every stage keeps the pads out of an encoder's
  * attention (a document of their own, as local `neuroctl embed` does);
- * the last stage outputs the final-normed states, pools them (core/embed.h)
+ * the last stage outputs the final-normed states, pools them (core/model/embed.h)
  * and returns [B, d] vectors in the RESULT in place of logits. A request
  * is used by one hop and then forgotten; at most EMBED_MAX wait at once
  * (the oldest goes first). With params.adapter (an adapter file under the
@@ -17,9 +17,9 @@
 #include <string.h>
 
 #include "../base/log.h"
-#include "../core/embed.h"
-#include "../core/lora.h"
 #include "../net/params.h"
+#include "core/model/embed.h"
+#include "core/model/lora.h"
 #include "stage_impl.h"
 
 #define EMBED_MAX 64

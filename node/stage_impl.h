@@ -10,10 +10,10 @@
 
 #include <stdatomic.h>
 
-#include "../core/batch.h"
-#include "../core/forward.h"
-#include "../core/sampler.h"
 #include "../kernels/comm.h"
+#include "core/model/batch.h"
+#include "core/model/forward.h"
+#include "core/model/sampler.h"
 #include "stage.h"
 
 #define ENDED_MEMORY 256 /* ended session ids remembered per kind */
@@ -268,7 +268,7 @@ nl_status nl_stage_adapter_use(nl_stage *s, struct nl_lora *lo, int rows, nl_err
 /* Free every cached adapter (the model goes; no references left). */
 void nl_stage_adapter_free_all(nl_stage *s);
 /* A session's hop with an adapter, alone through the ordinary forward
- * (stage.c; core/batch.c applies no adapters): T positions of in (I32
+ * (stage.c; core/model/batch.c applies no adapters): T positions of in (I32
  * tokens on the first stage, else (T, d) F32, host) at the end of the
  * session's cache. Not the last stage: the (T, d) hidden states into hid
  * (host); the last: o->token sampled, and o's kind, last, feed set. */

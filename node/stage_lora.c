@@ -1,7 +1,7 @@
 /* LoRA fine-tuning jobs on one pipeline stage (JOB_SUBMIT kind finetune,
  * docs/cluster.md "LoRA fine-tuning"), a kind of the stage's jobs
  * (stage_jobs.c): each job owns adapters for this stage's layers
- * (core/lora.h, drawn from the run's seed as local `neuroctl finetune`
+ * (core/model/lora.h, drawn from the run's seed as local `neuroctl finetune`
  * draws them) and a training job's state of stage_train.c, which it runs
  * unchanged: the job's trainer is made with the adapters attached, so it
  * keeps moments for the adapters alone, takes their gradients' norm and
@@ -27,8 +27,8 @@
 #include <string.h>
 
 #include "../base/log.h"
-#include "../core/lora.h"
 #include "../net/trainparams.h"
+#include "core/model/lora.h"
 #include "stage_impl.h"
 
 #include <sys/stat.h>

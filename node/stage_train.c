@@ -53,14 +53,14 @@
 #include <sys/stat.h>
 
 #include "../base/log.h"
-#include "../core/checkpoint.h"
-#include "../core/fileio.h"
-#include "../core/grow.h"
-#include "../core/lora.h"
-#include "../core/manifest.h"
-#include "../core/memory.h"
-#include "../core/train.h"
 #include "../net/trainparams.h"
+#include "core/formats/checkpoint.h"
+#include "core/formats/fileio.h"
+#include "core/formats/manifest.h"
+#include "core/grow/grow.h"
+#include "core/model/lora.h"
+#include "core/model/memory.h"
+#include "core/train/train.h"
 #include "replica_workers.h"
 #include "stage_train_impl.h"
 

@@ -8,9 +8,9 @@
 #include <time.h>
 
 #include "../base/log.h"
-#include "../core/labelled.h"
-#include "../core/planner.h"
-#include "../core/train.h"
+#include "core/data/labelled.h"
+#include "core/plan/planner.h"
+#include "core/train/train.h"
 #include "replica_workers.h"
 #include "stage_train_impl.h"
 
@@ -172,7 +172,7 @@ void nl_stage_train_model_init(nl_stage *s, stage_train *t)
     t->modelled_us = &s->modelled_us;
     if (!t->no_compute || !(s->o.inject_compute_gflops > 0))
         return;
-    const int rows = (int)t->rows; /* the planner's cost model (core/planner.h) */
+    const int rows = (int)t->rows; /* the planner's cost model (core/plan/planner.h) */
     double f = (m->l1 - m->l0) * nl_plan_layer_flops(&m->cfg, rows, t->T);
     f += m->has_head ? nl_plan_head_flops(&m->cfg, rows) : 0.0;
     f += m->has_embed ? nl_plan_embed_flops(&m->cfg, rows) : 0.0;

@@ -9,9 +9,9 @@
 
 #include <stdatomic.h>
 
-#include "../core/train.h"
 #include "../net/allreduce.h"
 #include "../net/hopdigest.h"
+#include "core/train/train.h"
 #include "replica_workers.h"
 #include "stage_impl.h"
 

@@ -13,19 +13,19 @@
 #include <sys/stat.h>
 
 #include "../base/log.h"
-#include "../core/checkpoint.h"
-#include "../core/fileio.h"
-#include "../core/grow.h"
-#include "../core/lora.h"
-#include "../core/manifest.h"
-#include "../core/memory.h"
-#include "../core/train.h"
 #include "../net/trainparams.h"
+#include "core/formats/checkpoint.h"
+#include "core/formats/fileio.h"
+#include "core/formats/manifest.h"
+#include "core/grow/grow.h"
+#include "core/model/lora.h"
+#include "core/model/memory.h"
+#include "core/train/train.h"
 #include "replica_workers.h"
 #include "stage_train_impl.h"
 
 /* The model's growth history, as the coordinator sends it (params
- * growth.0, growth.1, ..., each a JSON array of entries, core/grow.h):
+ * growth.0, growth.1, ..., each a JSON array of entries, core/grow/grow.h):
  * the trainer counts the AdamW bias correction of what a growth created
  * from its birth, as local training does. None: an empty history. */
 static nl_status growth_params(nl_model *m, const nl_msg_job_submit *j, nl_error *err)

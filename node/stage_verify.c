@@ -8,8 +8,8 @@
 #include <string.h>
 
 #include "../base/log.h"
-#include "../core/model.h"
-#include "../core/train.h"
+#include "core/model/model.h"
+#include "core/train/train.h"
 #include "stage_train_impl.h"
 
 /* ===================== what a stage keeps ===================== */

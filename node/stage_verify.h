@@ -34,9 +34,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../core/config.h"
 #include "../kernels/backend.h"
 #include "../net/hopdigest.h"
+#include "core/model/config.h"
 #include "stage.h"
 
 typedef struct nl_verify_case {

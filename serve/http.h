@@ -10,7 +10,7 @@
  * process's batched decoder and a coordinator can fill from its cluster.
  *
  * Endpoints: POST /v1/completions, POST /v1/chat/completions (messages
- * rendered to a prompt by the model's chat template, core/chat_template.h),
+ * rendered to a prompt by the model's chat template, core/tokenizer/chat_template.h),
  * POST /v1/embeddings, GET /v1/models,
  * GET /api/status, GET /api/events (server-sent events), GET /metrics,
  * GET / (the dashboard) and GET /static/chart.js (Debian's Chart.js, when
@@ -116,7 +116,7 @@ typedef struct nl_http_backend {
     nl_status (*embed)(void *ctx, int model, const char *text, size_t len, const int32_t *ids,
                        int n, float **vec, int *dim, int *tokens, nl_error *err);
     /* The chat template of model (as nl_http_completion.model) as malloc'd
-     * JSON text (core/chat_template.h), or NULL for the default. May be
+     * JSON text (core/tokenizer/chat_template.h), or NULL for the default. May be
      * NULL itself: the default. */
     char *(*chat_template)(void *ctx, int model);
     /* The bytes of token id copied into buf (at most cap), for the text of

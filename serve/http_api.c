@@ -1,6 +1,6 @@
 /* The /v1 requests in the OpenAI shapes: every field of a request is
  * checked (400 naming the field), a chat's messages are rendered to one
- * prompt by the model's chat template (core/chat_template.h); the
+ * prompt by the model's chat template (core/tokenizer/chat_template.h); the
  * completion then runs in http_gen.c. Embeddings (float or base64) and
  * the model list are answered here. */
 #include "http_impl.h"
@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/chat_template.h"
+#include "core/tokenizer/chat_template.h"
 
 #define MAX_STOP_LEN 256
 #define MAX_EMBED_INPUTS 64

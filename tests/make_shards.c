@@ -10,8 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/checkpoint.h"
-#include "core/manifest.h"
+#include "core/formats/checkpoint.h"
+#include "core/formats/manifest.h"
 
 #define MAX_STAGES 64
 

@@ -20,9 +20,9 @@
 #include <unistd.h>
 
 #include "../base/log.h"
-#include "../core/checkpoint.h"
 #include "../net/transport.h"
 #include "check.h"
+#include "core/formats/checkpoint.h"
 
 #define WAIT_MS 8000 /* for a message that must arrive (the node may run under ASan) */
 #define WAIT_NO 500  /* for one that must not */

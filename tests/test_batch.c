@@ -1,4 +1,4 @@
-/* The batched decoder (core/batch.c): its logits follow nl_forward's with
+/* The batched decoder (core/model/batch.c): its logits follow nl_forward's with
  * the KV cache; 16 seeded sampled generations run together, with chunked
  * prefill interleaved, give the ids each gives alone; a model split in
  * two stages (hidden states from one batch into the next) gives the
@@ -8,9 +8,9 @@
  * batch's invariance rests, gives every row the same bits for any M; and
  * the invariance holds through padding too, where a backend has none. */
 #include "check.h"
-#include "core/batch.h"
-#include "core/forward.h"
-#include "core/sampler.h"
+#include "core/model/batch.h"
+#include "core/model/forward.h"
+#include "core/model/sampler.h"
 #include "kernels/cpu/cpu_ops.h"
 
 #include <stdint.h>

@@ -1,4 +1,4 @@
-/* Chat templates (core/chat_template.h): the default renders ChatML; the
+/* Chat templates (core/tokenizer/chat_template.h): the default renders ChatML; the
  * Hugging Face families map to the strings their Jinja programs produce
  * for a system + user + assistant + user conversation; the JSON form
  * round-trips and refuses what is malformed, naming the field; a Hugging
@@ -10,7 +10,7 @@
 #include <unistd.h>
 
 #include "check.h"
-#include "core/chat_template.h"
+#include "core/tokenizer/chat_template.h"
 
 static const nl_chat_msg conv[] = {{NL_CHAT_SYSTEM, "Be brief.", 9},
                                    {NL_CHAT_USER, "Hi", 2},

@@ -2,8 +2,8 @@
  * metadata) and a corrupt-checkpoint matrix, each case refused by
  * nl_checkpoint_load with a message that names the fault. */
 #include "check.h"
-#include "core/checkpoint.h"
-#include "core/fileio.h"
+#include "core/formats/checkpoint.h"
+#include "core/formats/fileio.h"
 
 #include <unistd.h>
 

@@ -234,7 +234,7 @@ check grep -q "growth needs a training manifest" "$W/s2.err"
 # ---- depth: --grow auto as a third node joins ----
 sed -e 's/^num_layers: 6/num_layers: 2/' -e 's/^vocab_size: 300/vocab_size: 256/' \
   -e 's/^vocab_chunk: 64/vocab_chunk: 256/' "$W/cfg.yaml" > "$W/cfg2.yaml"
-# The nodes' memory is chosen by the memory model (core/memory.c) so that,
+# The nodes' memory is chosen by the memory model (core/model/memory.c) so that,
 # for a job of 2 x 32 rows in 2 microbatches, two nodes hold 2 layers but
 # not the 3 that the hysteresis (1.3x parameters) asks for, and three
 # nodes do; with 1 x 32 rows three nodes hold 6 layers.

@@ -6,7 +6,7 @@
 #include <unistd.h>
 
 #include "check.h"
-#include "core/config.h"
+#include "core/model/config.h"
 
 static nl_status parse(nl_config *c, const char *yaml, nl_error *err)
 {

@@ -21,8 +21,8 @@
 
 #include "../base/log.h"
 #include "../coordinator/coord_http_impl.h"
-#include "../core/tokenizer.h"
 #include "check.h"
+#include "core/tokenizer/tokenizer.h"
 
 /* A status as the coordinator's JOB_QUERY 0 has it: the config and
  * (text not NULL) the tokenizer's file text. */

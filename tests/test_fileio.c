@@ -1,4 +1,4 @@
-/* core/fileio: atomic writes that never follow a planted link, the modes
+/* core/formats/fileio: atomic writes that never follow a planted link, the modes
  * of what they create, writes that never replace, and directories
  * confined to a root (issue 15, finding 4). */
 #include <errno.h>
@@ -12,7 +12,7 @@
 #include <unistd.h>
 
 #include "check.h"
-#include "core/fileio.h"
+#include "core/formats/fileio.h"
 
 static char dir[256];
 

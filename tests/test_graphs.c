@@ -1,4 +1,4 @@
-/* Recorded decode steps (core/forward.h; the backend's graph slots): a
+/* Recorded decode steps (core/model/forward.h; the backend's graph slots): a
  * decode with graphs gives the ids and the logits of one without, over
  * 256 tokens, greedy and seeded sampling, one sequence and a batch of
  * three; a step is recorded once per bucket and replayed for every later
@@ -8,16 +8,16 @@
  * old weights; keys taking turns stop the recording. On a backend
  * without graph slots (the CPU) the same runs must record nothing. The
  * devsim backend's recording refuses a slot that waits for the device.
- * The batched decoder (core/batch.h) likewise: three sessions decoded in
+ * The batched decoder (core/model/batch.h) likewise: three sessions decoded in
  * one batch give the same ids and logits with and without recordings,
  * one recording per membership (a session leaving records again). Run on
  * cpu and on cpu-devsim (NL_TEST_DEVICE). */
 #include "check.h"
-#include "core/batch.h"
-#include "core/forward.h"
-#include "core/grow.h"
-#include "core/model.h"
-#include "core/sampler.h"
+#include "core/grow/grow.h"
+#include "core/model/batch.h"
+#include "core/model/forward.h"
+#include "core/model/model.h"
+#include "core/model/sampler.h"
 
 #include <stdlib.h>
 #include <string.h>

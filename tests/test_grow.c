@@ -1,4 +1,4 @@
-/* Growth (core/grow.h). Vocabulary: old rows, old logits and old moments
+/* Growth (core/grow/grow.h). Vocabulary: old rows, old logits and old moments
  * stay bit-identical, new rows equal a fresh init of the larger table, new
  * moments are zero, and a grown model keeps training. Depth: logits
  * bit-identical, new blocks are the identity and train. Width: logits
@@ -9,12 +9,12 @@
 #include <unistd.h>
 
 #include "check.h"
-#include "core/checkpoint.h"
-#include "core/forward.h"
-#include "core/grow.h"
-#include "core/manifest.h"
-#include "core/memory.h"
-#include "core/train.h"
+#include "core/formats/checkpoint.h"
+#include "core/formats/manifest.h"
+#include "core/grow/grow.h"
+#include "core/model/forward.h"
+#include "core/model/memory.h"
+#include "core/train/train.h"
 
 static nl_config cfg_with(int64_t vocab)
 {

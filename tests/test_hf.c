@@ -1,4 +1,4 @@
-/* Hugging Face import/export (core/hf.c) in-process, on model directories
+/* Hugging Face import/export (core/formats/hf.c) in-process, on model directories
  * this test writes: the name mapping and the RoPE row permutation tensor by
  * tensor, sharded and single-file sources, BF16 conversion, tied
  * embeddings, import -> export -> import bit for bit, and a matrix of
@@ -7,11 +7,11 @@
  * output file left behind. The comparison with transformers itself is
  * tests/hf/check_hf.py. */
 #include "check.h"
-#include "core/checkpoint.h"
-#include "core/fileio.h"
-#include "core/hf.h"
-#include "core/safetensors.h"
-#include "core/tokenizer.h"
+#include "core/formats/checkpoint.h"
+#include "core/formats/fileio.h"
+#include "core/formats/hf.h"
+#include "core/formats/safetensors.h"
+#include "core/tokenizer/tokenizer.h"
 
 #include <dirent.h>
 #include <stdint.h>

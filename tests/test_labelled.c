@@ -1,4 +1,4 @@
-/* Unit tests for labelled examples (core/labelled.c): the held-out split
+/* Unit tests for labelled examples (core/data/labelled.c): the held-out split
  * is evaluated in order, each example exactly once (the last batch
  * partial, its other rows scored out), scoring skips those rows, and a
  * bad line is refused by number. */
@@ -9,7 +9,7 @@
 #include <unistd.h>
 
 #include "check.h"
-#include "core/labelled.h"
+#include "core/data/labelled.h"
 
 /* A file of n examples "cK<TAB>example I", classes c0..c2. */
 static void write_examples(const char *path, int n)

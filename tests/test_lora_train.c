@@ -1,4 +1,4 @@
-/* LoRA fine-tuning on a frozen base (core/train.h): the backward skips
+/* LoRA fine-tuning on a frozen base (core/train/train.h): the backward skips
  * the base's weight gradients. Each case fine-tunes the same adapters
  * twice from the same seeds, once as `neuroctl finetune` does (the skip)
  * and once with the test hook that computes the frozen gradients anyway
@@ -17,9 +17,9 @@
  * experts too (the grouped GEMMs' path), and a classification head
  * trained with the adapters. */
 #include "check.h"
-#include "core/lora.h"
-#include "core/rng.h"
-#include "core/train.h"
+#include "core/model/lora.h"
+#include "core/model/rng.h"
+#include "core/train/train.h"
 
 /* ---------------------------------------------------------------- counting slots */
 

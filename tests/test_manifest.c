@@ -1,14 +1,14 @@
-/* Sharded checkpoints (core/manifest): a whole model cut into three stage
+/* Sharded checkpoints (core/formats/manifest): a whole model cut into three stage
  * shards plus a manifest; load and verify; export equals a one-process
  * save byte for byte; stages re-cut across the shard boundaries equal the
  * original's slices (moments too); a flipped byte, a wrong size and a
  * missing shard are refused naming the shard; broken manifests are
  * refused with typed errors naming the field. */
 #include "check.h"
-#include "core/checkpoint.h"
-#include "core/fileio.h"
-#include "core/manifest.h"
-#include "core/safetensors.h"
+#include "core/formats/checkpoint.h"
+#include "core/formats/fileio.h"
+#include "core/formats/manifest.h"
+#include "core/formats/safetensors.h"
 
 #include <jansson.h>
 #include <sys/stat.h>

@@ -1,4 +1,4 @@
-/* The memory model's precision terms (core/memory.h):
+/* The memory model's precision terms (core/model/memory.h):
  *
  *  - FP32 is what it was: precision 0 adds nothing;
  *  - bf16 on a device (CUDA) adds exactly the weights' bf16 copies, 2
@@ -15,8 +15,8 @@
  *    stays within the prediction plus 5%. Skipped where no bf16 backend
  *    can be made. */
 #include "check.h"
-#include "core/memory.h"
-#include "core/train.h"
+#include "core/model/memory.h"
+#include "core/train/train.h"
 
 #include <math.h>
 

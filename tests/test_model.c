@@ -4,10 +4,10 @@
  * decode step (device routing against NL_HOST_ROUTING=1). Numerics
  * against PyTorch are in test_golden. */
 #include "check.h"
-#include "core/forward.h"
-#include "core/layer.h"
-#include "core/model.h"
-#include "core/sampler.h"
+#include "core/model/forward.h"
+#include "core/model/layer.h"
+#include "core/model/model.h"
+#include "core/model/sampler.h"
 
 #include <stdlib.h>
 

@@ -25,9 +25,9 @@
 
 #include "../base/log.h"
 #include "../cli/commands.h"
-#include "../core/fileio.h"
 #include "../net/transport.h"
 #include "check.h"
+#include "core/formats/fileio.h"
 
 /* ASan quarantines freed memory, so RSS says nothing about leaks there
  * (LeakSanitizer checks for them at exit instead). The runtime is found by

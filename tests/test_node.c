@@ -27,8 +27,8 @@
 #include <unistd.h>
 
 #include "../base/log.h"
-#include "../core/forward.h"
-#include "../core/sampler.h"
+#include "core/model/forward.h"
+#include "core/model/sampler.h"
 #include "node_harness.h"
 
 static void local_logits(nl_model *ref, const int32_t *tok, int B, int T, float *logits, float *aux)

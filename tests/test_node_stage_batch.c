@@ -13,7 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../core/lora.h"
+#include "core/model/lora.h"
 #include "stage_harness.h"
 
 /* ---- batched session hops ---- */

@@ -13,7 +13,7 @@
  *    naming it; the rules across keys (the batch rule, named as flags or
  *    as params; fine-tuning without resume, learn_vocab or moments; a
  *    microbatch of at most 2^24 rows on a stage);
- *  - core/objective: names, the default (the model's), and the check
+ *  - core/train/objective: names, the default (the model's), and the check
  *    against a model (mlm needs the mask id, classify a classifier);
  *    packed rows: the documents counted from <|end|> ids, clm's targets
  *    across a document's end ignored (mlm's documents read before the
@@ -25,16 +25,16 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../core/config.h"
-#include "../core/data.h"
-#include "../core/lora.h"
-#include "../core/objective.h"
-#include "../core/tokenizer.h"
-#include "../core/train.h"
 #include "../net/genparams.h"
 #include "../net/params.h"
 #include "../net/trainparams.h"
 #include "check.h"
+#include "core/data/data.h"
+#include "core/model/config.h"
+#include "core/model/lora.h"
+#include "core/tokenizer/tokenizer.h"
+#include "core/train/objective.h"
+#include "core/train/train.h"
 
 #define P_INT(k, v) ((nl_wire_param){.key = (k), .kind = NL_WIRE_PARAM_INT, .i = (v)})
 #define P_FLT(k, v) ((nl_wire_param){.key = (k), .kind = NL_WIRE_PARAM_FLOAT, .f = (v)})

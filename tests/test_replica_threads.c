@@ -18,11 +18,11 @@
 #include <string.h>
 
 #include "../base/log.h"
-#include "../core/rng.h"
 #include "../net/wire.h"
 #include "../node/stage.h"
 #include "../node/stage_impl.h" /* nl_stage_train_quiesce */
 #include "check.h"
+#include "core/model/rng.h"
 
 #define NST 2
 #define REPS 2

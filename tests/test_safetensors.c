@@ -14,7 +14,7 @@
 #include <unistd.h>
 
 #include "check.h"
-#include "core/safetensors.h"
+#include "core/formats/safetensors.h"
 
 static char dir[4096];
 

@@ -39,13 +39,13 @@
 #include <string.h>
 
 #include "../base/log.h"
-#include "../core/rng.h"
-#include "../core/train.h"
 #include "../net/hopdigest.h"
 #include "../net/wire.h"
 #include "../node/stage.h"
 #include "../node/stage_verify.h"
 #include "check.h"
+#include "core/model/rng.h"
+#include "core/train/train.h"
 
 #define SEED 99
 #define NST 3

@@ -3,7 +3,7 @@
  * random and awkward bytes, incremental learning, the file format and a
  * matrix of corrupt files. */
 #include "check.h"
-#include "core/tokenizer.h"
+#include "core/tokenizer/tokenizer.h"
 
 #include <stdint.h>
 #include <unistd.h>

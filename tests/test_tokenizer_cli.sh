@@ -39,7 +39,7 @@ expect_fail() {
 [ -x "$NEUROCTL" ] || { echo "no neuroctl at $NEUROCTL" >&2; exit 1; }
 
 # a corpus from the project's own sources, plus every byte value
-cat "$SRC"/core/*.c "$SRC"/core/*.h >"$TMP/corpus.txt"
+cat "$SRC"/core/*/*.c "$SRC"/core/*/*.h >"$TMP/corpus.txt"
 for i in $(seq 0 255); do printf "\\$(printf %03o "$i")"; done >"$TMP/bytes.bin"
 printf 'caf\xc3\xa9 \xd0\xbc\xd0\xb8\xd1\x80 \xe4\xbd\xa0\xe5\xa5\xbd \xf0\x9f\x98\x80 \xff\xfe\x00x\n' \
     >"$TMP/mixed.bin"

@@ -6,11 +6,11 @@
 #include <float.h>
 
 #include "check.h"
-#include "core/data.h"
-#include "core/forward.h"
-#include "core/memory.h"
-#include "core/rng.h"
-#include "core/train.h"
+#include "core/data/data.h"
+#include "core/model/forward.h"
+#include "core/model/memory.h"
+#include "core/model/rng.h"
+#include "core/train/train.h"
 
 static nl_config small_config(void)
 {
@@ -340,7 +340,7 @@ static void test_memory_model(nl_backend *be)
 }
 
 /* The trainer's host synchronisations do not grow with the layers: the
- * routing, the aux loss and the counts stay on the device (core/layer.h).
+ * routing, the aux loss and the counts stay on the device (core/model/layer.h).
  * Counted on this backend's stats for 2 and 4 layers. */
 static void test_syncs(nl_backend *be)
 {

@@ -7,7 +7,7 @@
  *   (l3+l7)), then the last K - K8 products added one by one with fmaf,
  *   then C's old value added (when accumulating).
  * So a row's result does not depend on how many rows share the call:
- * the row invariance batch invariance rests on (core/batch.h), at the
+ * the row invariance batch invariance rests on (core/model/batch.h), at the
  * speed of a plain GEMM at one to a few rows (decode), where oneDNN's
  * matmul primitive costs several times dnnl_sgemm. Both the plain gemm
  * slot (for few rows) and gemm_rows (every M) run it, so a session

@@ -6,7 +6,7 @@
  * AVX2) computes every row of C the same way for any number of rows M,
  * where dnnl_sgemm takes other paths (another summation order) for M
  * from 1 to 15 than at M >= 16. tests/test_batch.c checks this row by
- * row for every M from 1 to 20 and more, and core/batch.c relies on it
+ * row for every M from 1 to 20 and more, and core/model/batch.c relies on it
  * for batch invariance.
  *
  * A primitive is made for one shape (M, N, K, strides, accumulate, the

@@ -1,6 +1,6 @@
 /* The CPU backend's mixture-of-experts routing slots: top-k routing and
  * the dispatch tables, the load-balancing loss, the router backward, and
- * the grouped expert GEMMs. Their arithmetic is what core/layer.c did on
+ * the grouped expert GEMMs. Their arithmetic is what core/model/layer.c did on
  * the host before routing moved behind the backend, operation for
  * operation, so the CPU's results did not change by a bit. The grouped
  * GEMMs read the device offsets directly (host memory) and make the same

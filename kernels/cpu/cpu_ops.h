@@ -63,7 +63,7 @@ static inline void nl_cpu_attn_range(const nl_attn_mask *mk, int i, int nkeys, i
  * NL_CPU_DOT_ROWS rows (a decode's), where dnnl_sgemm's paths depend on M.
  * At NL_CPU_DOT_ROWS and above the plain gemm stays dnnl_sgemm, whose rows
  * there do not depend on M: the batch's padding to NL_BATCH_MIN_ROWS
- * (core/batch.h, the same 16) relies on that. */
+ * (core/model/batch.h, the same 16) relies on that. */
 #define NL_CPU_DOT_ROWS 16
 void nl_cpu_gemm_dot(nl_backend *be, int M, int N, int K, const float *A, int lda, const float *B,
                      int ldb, int accumulate, float *C, int ldc);

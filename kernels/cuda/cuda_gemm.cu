@@ -261,7 +261,7 @@ void gemm_bf16(cuda_ctx *c, int ta, int tb, int M, int N, int K, float alpha, co
     nl_bf16_for_pieces(M, N, K, mc, nc, kc, bf16_piece_gemm, &g);
 }
 
-/* bf16_weights: one range per call (core/model.c registers a model's
+/* bf16_weights: one range per call (core/model/model.c registers a model's
  * parameters as one); the copy is counted in mem_stats like any alloc. */
 nl_status cu_bf16_weights(nl_backend *be, const float *p, size_t n, nl_error *err)
 {

@@ -1,0 +1,139 @@
+/* Greedy, temperature and top-p sampling. */
+#define _GNU_SOURCE /* qsort_r */
+#include "core/model/sampler.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/elem.h"
+
+nl_status nl_sampler_init(nl_sampler *s, int vocab, float temperature, float top_p, uint64_t seed,
+                          nl_error *err)
+{
+    s->probs = NULL;
+    s->order = NULL;
+    if (!(temperature >= 0.0f) || !isfinite(temperature))
+        return nl_error_set(err, NL_ERR_INVALID, "temperature: %g must be a finite number >= 0",
+                            temperature);
+    if (!(top_p > 0.0f && top_p <= 1.0f))
+        return nl_error_set(err, NL_ERR_INVALID, "top-p: %g must be in (0, 1]", top_p);
+    if (vocab < 1)
+        return nl_error_set(err, NL_ERR_INVALID, "sampler: vocabulary %d", vocab);
+    s->temperature = temperature;
+    s->top_p = top_p;
+    s->vocab = vocab;
+    nl_rng_seed(&s->rng, seed, 0x5A3B1E);
+    s->probs = malloc((size_t)vocab * sizeof *s->probs);
+    s->order = malloc((size_t)vocab * sizeof *s->order);
+    if (!s->probs || !s->order) {
+        nl_sampler_free(s);
+        return nl_error_set(err, NL_ERR_NOMEM, "sampler: out of memory");
+    }
+    return NL_OK;
+}
+
+void nl_sampler_free(nl_sampler *s)
+{
+    free(s->probs);
+    free(s->order);
+    s->probs = NULL;
+    s->order = NULL;
+}
+
+static int by_prob_desc(const void *a, const void *b, void *ctx)
+{
+    const float *probs = ctx;
+    float pa = probs[*(const int32_t *)a], pb = probs[*(const int32_t *)b];
+    if (pa != pb)
+        return pa < pb ? 1 : -1;
+    return *(const int32_t *)a - *(const int32_t *)b;
+}
+
+int32_t nl_sampler_sample(nl_sampler *s, const float *logits)
+{
+    const int V = s->vocab;
+    if (s->temperature == 0.0f)
+        return nl_elem_sample_argmax(logits, V);
+    const double u = nl_rng_uniform(&s->rng);
+    if (s->top_p >= 1.0f)
+        return nl_elem_sample_row(logits, V, s->temperature, u);
+    const int32_t best = nl_elem_sample_argmax(logits, V);
+    double sum = 0.0;
+    for (int i = 0; i < V; i++) {
+        s->probs[i] = nl_elem_sample_weight(logits[i], logits[best], s->temperature);
+        sum += s->probs[i];
+    }
+    /* nucleus: the smallest set of most likely tokens whose mass reaches top_p */
+    for (int i = 0; i < V; i++)
+        s->order[i] = i;
+    qsort_r(s->order, (size_t)V, sizeof *s->order, by_prob_desc, s->probs);
+    double keep = 0.0;
+    int n = 0;
+    while (n < V && keep < s->top_p * sum)
+        keep += s->probs[s->order[n++]];
+    double acc = 0.0, target = u * keep;
+    for (int i = 0; i < n; i++) {
+        acc += s->probs[s->order[i]];
+        if (acc > target)
+            return s->order[i];
+    }
+    return s->order[0];
+}
+
+/* NL_HOST_SAMPLING=1: never the backend's sample slot (for comparisons) */
+static int host_sampling(void)
+{
+    const char *e = getenv("NL_HOST_SAMPLING");
+    return e && strcmp(e, "1") == 0;
+}
+
+int nl_sampler_device(const nl_sampler *s, const nl_backend *be)
+{
+    return be->sample && (s->temperature == 0.0f || s->top_p >= 1.0f) &&
+           s->vocab <= NL_SAMPLE_MAX_VOCAB && !host_sampling();
+}
+
+nl_status nl_sampler_next(nl_sampler *s, nl_backend *be, const float *logits, float *host,
+                          int32_t *id, nl_error *err)
+{
+    if (nl_sampler_device(s, be)) {
+        const double u = s->temperature == 0.0f ? 0.0 : nl_rng_uniform(&s->rng);
+        *id = be->sample(be, logits, s->vocab, s->temperature, u);
+        return nl_backend_check(be, err);
+    }
+    if (!host)
+        return nl_error_set(err, NL_ERR_INTERNAL, "sampler: no host buffer for the logits");
+    be->download(be, host, logits, (size_t)s->vocab * sizeof(float));
+    nl_status st = nl_backend_check(be, err);
+    if (st == NL_OK)
+        *id = nl_sampler_sample(s, host);
+    return st;
+}
+
+void nl_sampler_logprobs(const float *logits, int V, int32_t chosen, int k, float *chosen_lp,
+                         int32_t *top_ids, float *top_lps)
+{
+    float mx = logits[0];
+    for (int i = 1; i < V; i++)
+        mx = logits[i] > mx ? logits[i] : mx;
+    double sum = 0.0;
+    for (int i = 0; i < V; i++)
+        sum += exp((double)logits[i] - mx);
+    const double lse = mx + log(sum);
+    *chosen_lp = (float)(logits[chosen] - lse);
+    /* top k by insertion: k is small (at most 20) */
+    int n = 0;
+    for (int i = 0; i < V; i++) {
+        if (n == k && (k == 0 || logits[i] <= logits[top_ids[n - 1]]))
+            continue;
+        int at = n < k ? n++ : k - 1;
+        while (at > 0 && logits[i] > logits[top_ids[at - 1]]) {
+            top_ids[at] = top_ids[at - 1];
+            at--;
+        }
+        top_ids[at] = i;
+    }
+    for (int j = 0; j < n; j++)
+        top_lps[j] = (float)(logits[top_ids[j]] - lse);
+}
