@@ -3,7 +3,7 @@
  * default and --help), and the suggestion for a mistyped flag. Both
  * tables go through one parse loop: an nl_opt row starts with its
  * nl_flag, so the loop walks either with the row's size as its stride. */
-#include "args.h"
+#include "base/args.h"
 
 #include <ctype.h>
 #include <errno.h>

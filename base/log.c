@@ -1,5 +1,5 @@
 /* The logging sink: timestamped, levelled lines on stderr. */
-#include "log.h"
+#include "base/log.h"
 
 #include <stdarg.h>
 #include <stdbool.h>

@@ -1,5 +1,5 @@
 /* Status names and the caller-owned error record. */
-#include "status.h"
+#include "base/status.h"
 
 #include <stdarg.h>
 #include <stdio.h>

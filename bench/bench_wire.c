@@ -26,8 +26,8 @@
 #include <unistd.h>
 #include <zmq.h>
 
-#include "../base/log.h"
-#include "../net/transport.h"
+#include "base/log.h"
+#include "net/transport.h"
 
 #define HWM 16
 /* The clock starts when the first message arrives (as libzmq's local_thr

@@ -1,6 +1,6 @@
 /* File helpers, the device flags and the generation clock shared by
  * neuroctl's commands. */
-#include "cli_io.h"
+#include "cli/cli_io.h"
 
 #include "core/formats/fileio.h"
 

@@ -21,8 +21,8 @@
 #include <unistd.h>
 
 #include "base/args.h"
-#include "cli_io.h"
-#include "commands.h"
+#include "cli/cli_io.h"
+#include "cli/commands.h"
 #include "core/formats/fileio.h"
 #include "kernels/backend.h"
 #include "net/keys.h"

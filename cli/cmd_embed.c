@@ -13,8 +13,9 @@
 #include <string.h>
 
 #include "base/args.h"
-#include "cli_io.h"
-#include "commands.h"
+#include "cli/cli_io.h"
+#include "cli/commands.h"
+#include "cli/remote.h"
 #include "core/formats/checkpoint.h"
 #include "core/formats/fileio.h"
 #include "core/formats/safetensors.h"
@@ -22,7 +23,6 @@
 #include "core/model/forward.h"
 #include "core/model/lora.h"
 #include "core/tokenizer/tokenizer.h"
-#include "remote.h"
 
 /* Largest input file: 1 GiB of text. */
 #define EMBED_MAX_BYTES (1u << 30)

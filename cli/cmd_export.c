@@ -8,8 +8,8 @@
 #include <string.h>
 
 #include "base/args.h"
-#include "cli_io.h"
-#include "commands.h"
+#include "cli/cli_io.h"
+#include "cli/commands.h"
 #include "core/formats/manifest.h"
 
 int nl_cmd_export(int argc, char **argv)

@@ -8,8 +8,8 @@
 #include <time.h>
 
 #include "base/args.h"
-#include "cli_io.h"
-#include "commands.h"
+#include "cli/cli_io.h"
+#include "cli/commands.h"
 #include "core/formats/checkpoint.h"
 #include "core/model/forward.h"
 #include "core/model/lora.h"

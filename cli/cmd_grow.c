@@ -7,8 +7,8 @@
 #include <string.h>
 
 #include "base/args.h"
-#include "cli_io.h"
-#include "commands.h"
+#include "cli/cli_io.h"
+#include "cli/commands.h"
 #include "core/formats/checkpoint.h"
 #include "core/formats/manifest.h"
 #include "core/grow/grow.h"

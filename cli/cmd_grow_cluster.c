@@ -13,10 +13,10 @@
 #include <string.h>
 
 #include "base/args.h"
-#include "cli_io.h"
-#include "commands.h"
+#include "cli/cli_io.h"
+#include "cli/commands.h"
+#include "cli/remote.h"
 #include "core/formats/fileio.h"
-#include "remote.h"
 
 /* Print a growth event (the coordinator's JSON frame) in one line. */
 static void print_growth(const nl_rx *rx)

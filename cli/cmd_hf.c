@@ -5,8 +5,8 @@
 #include <stdio.h>
 
 #include "base/args.h"
-#include "cli_io.h"
-#include "commands.h"
+#include "cli/cli_io.h"
+#include "cli/commands.h"
 #include "core/formats/hf.h"
 #include "core/tokenizer/tokenizer.h"
 

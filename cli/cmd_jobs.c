@@ -7,8 +7,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "commands.h"
-#include "remote.h"
+#include "cli/commands.h"
+#include "cli/remote.h"
 
 int nl_cmd_jobs(int argc, char **argv)
 {

@@ -8,8 +8,8 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "../net/keys.h"
-#include "commands.h"
+#include "cli/commands.h"
+#include "net/keys.h"
 
 static void keygen_usage(FILE *f)
 {

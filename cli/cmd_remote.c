@@ -12,12 +12,12 @@
 #include <time.h>
 
 #include "base/args.h"
-#include "cli_io.h"
-#include "commands.h"
+#include "cli/cli_io.h"
+#include "cli/commands.h"
+#include "cli/remote.h"
 #include "core/formats/safetensors.h"
 #include "core/plan/planner.h"
 #include "core/tokenizer/tokenizer.h"
-#include "remote.h"
 
 #define ADAPTER_HELP                                                                               \
     "LoRA adapter file under the cluster's --checkpoint-root, shared with the nodes (e.g. the "    \

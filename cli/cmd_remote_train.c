@@ -19,16 +19,16 @@
 #include <unistd.h>
 
 #include "base/args.h"
-#include "cli_io.h"
-#include "commands.h"
+#include "cli/cli_io.h"
+#include "cli/commands.h"
+#include "cli/remote.h"
+#include "cli/remote_train.h"
+#include "cli/train_report.h"
 #include "core/formats/fileio.h"
 #include "core/formats/manifest.h"
 #include "core/model/lora.h"
 #include "core/train/objective.h"
 #include "net/trainparams.h"
-#include "remote.h"
-#include "remote_train.h"
-#include "train_report.h"
 
 #define PARAM_STR_MAX 4096 /* the wire's limit on a parameter string (trainparams: data) */
 

@@ -64,9 +64,9 @@
 #include <string.h>
 
 #include "base/args.h"
-#include "commands.h"
+#include "cli/commands.h"
+#include "cli/selftest.h"
 #include "core/model/rng.h"
-#include "selftest.h"
 
 /* Differing bytes of p on the two backends. */
 static double cmp_exact(nl_selftest *c, const pair *p)

@@ -20,8 +20,8 @@
 #include <unistd.h>
 
 #include "base/args.h"
-#include "cli_io.h"
-#include "commands.h"
+#include "cli/cli_io.h"
+#include "cli/commands.h"
 #include "core/formats/checkpoint.h"
 #include "core/model/batch.h"
 #include "core/model/lora.h"

@@ -10,7 +10,7 @@
 #include <time.h>
 
 #include "base/args.h"
-#include "commands.h"
+#include "cli/commands.h"
 #include "core/formats/checkpoint.h"
 #include "core/formats/fileio.h"
 #include "core/tokenizer/tokenizer.h"

@@ -11,9 +11,10 @@
 #include <unistd.h>
 
 #include "base/args.h"
-#include "cli_io.h"
-#include "cmd_train_impl.h"
-#include "commands.h"
+#include "cli/cli_io.h"
+#include "cli/cmd_train_impl.h"
+#include "cli/commands.h"
+#include "cli/train_report.h"
 #include "core/data/data.h"
 #include "core/formats/checkpoint.h"
 #include "core/formats/fileio.h"
@@ -23,7 +24,6 @@
 #include "core/model/memory.h"
 #include "core/tokenizer/tokenizer.h"
 #include "core/train/train.h"
-#include "train_report.h"
 
 /* ---------------------------------------------------------------- train */
 

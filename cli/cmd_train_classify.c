@@ -5,8 +5,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "cli_io.h"
-#include "cmd_train_impl.h"
+#include "cli/cli_io.h"
+#include "cli/cmd_train_impl.h"
 #include "core/data/labelled.h"
 #include "core/formats/checkpoint.h"
 #include "core/train/objective.h"

@@ -6,10 +6,10 @@
 
 #include <stdint.h>
 
+#include "cli/train_report.h"
 #include "core/formats/fileio.h"
 #include "core/model/lora.h"
 #include "core/train/train.h"
-#include "train_report.h"
 
 typedef struct train_opts {
     const char *model, *data, *log, *out, *resume, *ckpt_dir;

@@ -4,7 +4,7 @@
 #include <string.h>
 
 #include "base/args.h"
-#include "commands.h"
+#include "cli/commands.h"
 #include "nl_version.h" /* written at build time: cli/version.cmake */
 
 static const struct {

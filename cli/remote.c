@@ -1,7 +1,7 @@
 /* neuroctl's connection to a coordinator: the flags that name it (or a
  * local cluster's directory) and the keys; the protocol itself is
  * net/client.h's. See remote.h. */
-#include "remote.h"
+#include "cli/remote.h"
 
 #include <errno.h>
 #include <inttypes.h>

@@ -9,8 +9,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "remote.h"
-#include "train_report.h"
+#include "cli/remote.h"
+#include "cli/train_report.h"
 
 typedef struct rtrain_opts {
     const char *log, *out;

@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "remote_train.h"
+#include "cli/remote_train.h"
 
 #define CANCEL_WAIT_S 5.0 /* after Ctrl-C, how long to wait for the submit's answer */
 #define POLL_S 0.2        /* receive in slices this long to notice Ctrl-C */

@@ -9,8 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cli/selftest.h"
 #include "core/model/rng.h"
-#include "selftest.h"
 
 /* ---------------------------------------------------------------- tolerances */
 

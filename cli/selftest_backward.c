@@ -6,7 +6,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "selftest.h"
+#include "cli/selftest.h"
 
 static void check_embedding_backward(nl_selftest *c, int N, int C, int rows)
 {

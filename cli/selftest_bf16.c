@@ -38,7 +38,7 @@
  * This table is the bf16 column; a check not in it keeps its tolerance. */
 #include <string.h>
 
-#include "selftest.h"
+#include "cli/selftest.h"
 
 static const struct {
     const char *check;

@@ -27,7 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "selftest.h"
+#include "cli/selftest.h"
 
 #define TOL_CUDNN_FWD 2e-2
 #define TOL_CUDNN_BWD 5e-2

@@ -12,7 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "selftest.h"
+#include "cli/selftest.h"
 
 #define DEV nl_selftest_dev
 #define RND nl_selftest_rnd

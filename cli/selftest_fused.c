@@ -10,7 +10,7 @@
  * the model checks judge them). */
 #include <stdio.h>
 
-#include "selftest.h"
+#include "cli/selftest.h"
 
 static double err_i32(nl_selftest *c, const pair *p, size_t n)
 {

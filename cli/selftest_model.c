@@ -6,10 +6,10 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "cli/selftest.h"
 #include "core/model/forward.h"
 #include "core/model/layer.h"
 #include "core/train/train.h"
-#include "selftest.h"
 
 /* ---------------------------------------------------------------- model */
 

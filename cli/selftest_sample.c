@@ -8,7 +8,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "selftest.h"
+#include "cli/selftest.h"
 
 void nl_selftest_sample(nl_selftest *c)
 {

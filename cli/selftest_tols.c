@@ -3,7 +3,7 @@
  * cmd_selftest.c's opening comment says how each err is measured; the
  * table is also in docs/BENCHMARKS.md). A precision is a new row here and
  * its choice in nl_cmd_selftest. */
-#include "selftest.h"
+#include "cli/selftest.h"
 
 /* One row per precision of the target (selftest.h names the columns).
  * FP32: a reordered fp32 sum, 1e-6 element-wise, 1e-5 for reductions.

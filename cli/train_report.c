@@ -1,7 +1,7 @@
 /* The per-step report of a training run (progress line, skipped-step
  * message, checkpoint line, JSONL log record), one copy for local and
  * cluster training: see train_report.h. */
-#include "train_report.h"
+#include "cli/train_report.h"
 
 #include <inttypes.h>
 #include <math.h>

@@ -3,7 +3,7 @@
  * (coord_members.c: join, heartbeats, death) and planning (coord_plan.c:
  * sizing and placement through core/plan/sizing and core/plan/planner, streaming
  * each stage's tensors), and the jobs' messages to coord_jobs.c. */
-#include "coord_impl.h"
+#include "coordinator/coord_impl.h"
 
 #include <errno.h>
 #include <limits.h>

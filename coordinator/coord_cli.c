@@ -1,7 +1,7 @@
 /* neurocoord's flags (coord_cli.h): one row a flag, then the checks that
  * join two flags. The defaults in the rows are nl_coord_opts_init's
  * (tests/test_coord_cli.c holds them together). */
-#include "coord_cli.h"
+#include "coordinator/coord_cli.h"
 
 #include <errno.h>
 #include <stdio.h>

@@ -5,7 +5,7 @@
 #ifndef NL_COORD_CLI_H
 #define NL_COORD_CLI_H
 
-#include "coord.h"
+#include "coordinator/coord.h"
 #include "serve/http.h"
 
 typedef struct nl_coord_cli {

@@ -19,7 +19,7 @@
 #include <string.h>
 
 #include "base/log.h"
-#include "coord_impl.h"
+#include "coordinator/coord_impl.h"
 #include "core/model/embed.h"
 
 typedef struct cembed {

@@ -16,7 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "coord_train_impl.h"
+#include "coordinator/coord_train_impl.h"
 #include "core/model/lora.h"
 #include "net/trainparams.h"
 

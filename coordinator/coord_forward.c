@@ -7,7 +7,7 @@
 #include <string.h>
 
 #include "base/log.h"
-#include "coord_impl.h"
+#include "coordinator/coord_impl.h"
 
 static void forward_submit(nl_coord *c, const nl_rx *rx)
 {

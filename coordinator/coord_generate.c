@@ -14,7 +14,7 @@
 #include <jansson.h>
 
 #include "base/log.h"
-#include "coord_impl.h"
+#include "coordinator/coord_impl.h"
 #include "net/genparams.h"
 
 #define GEN_SERVED_MAX 64       /* nodes a generation's record names (its plans' stages) */

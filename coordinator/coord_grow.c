@@ -25,7 +25,7 @@
 #include <unistd.h>
 
 #include "base/log.h"
-#include "coord_impl.h"
+#include "coordinator/coord_impl.h"
 #include "core/formats/checkpoint.h"
 #include "core/formats/fileio.h"
 #include "core/grow/grow.h"

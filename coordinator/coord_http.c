@@ -5,8 +5,8 @@
  * on its own DEALER socket; the poller thread owns one more socket for
  * the status; the coordinator's loop thread calls coord_http_on_report. Everything
  * they share lives under h->mu. */
-#include "coord_http.h"
-#include "coord_http_impl.h"
+#include "coordinator/coord_http.h"
+#include "coordinator/coord_http_impl.h"
 
 #include <errno.h>
 #include <inttypes.h>

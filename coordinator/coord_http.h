@@ -14,7 +14,7 @@
 #define NL_COORD_HTTP_H
 
 #include "base/status.h"
-#include "coord.h"
+#include "coordinator/coord.h"
 #include "serve/http.h"
 
 typedef struct nl_coord_http nl_coord_http;

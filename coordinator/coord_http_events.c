@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "coord_http_impl.h"
+#include "coordinator/coord_http_impl.h"
 
 /* Real numbers in events: enough digits for a loss, not sixteen. */
 #define EVENT_DIGITS 7

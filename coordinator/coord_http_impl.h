@@ -11,7 +11,7 @@
 #include <jansson.h>
 #include <pthread.h>
 
-#include "coord_http.h"
+#include "coordinator/coord_http.h"
 #include "core/tokenizer/tokenizer.h"
 #include "net/client.h"
 #include "net/transport.h"

@@ -4,7 +4,7 @@
  * tokens (and log-probabilities) relayed as they come; each embedding an
  * embed job. These are the nl_http_backend callbacks; libmicrohttpd's
  * connection threads run them. */
-#include "coord_http_impl.h"
+#include "coordinator/coord_http_impl.h"
 
 #include <inttypes.h>
 #include <stdio.h>

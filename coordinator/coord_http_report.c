@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "coord_http_impl.h"
+#include "coordinator/coord_http_impl.h"
 
 /* ---------------------------------------------------------------- the model's name */
 

@@ -13,7 +13,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 
-#include "coord.h"
+#include "coordinator/coord.h"
 #include "core/formats/manifest.h"
 #include "core/formats/safetensors.h"
 #include "core/plan/planner.h"

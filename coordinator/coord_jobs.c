@@ -10,7 +10,7 @@
 #include <string.h>
 
 #include "base/log.h"
-#include "coord_impl.h"
+#include "coordinator/coord_impl.h"
 #include "net/client.h"
 
 static const cjob_ops *const kinds[] = {&coord_forward_ops,  &coord_generate_ops, &coord_train_ops,

@@ -22,7 +22,7 @@
 #include <string.h>
 
 #include "base/log.h"
-#include "coord_impl.h"
+#include "coordinator/coord_impl.h"
 #include "core/formats/fileio.h"
 
 static void journal_path(const nl_coord *c, char *buf, size_t cap)

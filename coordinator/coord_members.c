@@ -2,7 +2,7 @@
  * checked), sends heartbeats, leaves or reports an error; a node that is
  * gone fails what it carried and the cluster plans again (coord.c's tick
  * declares the silent ones dead). */
-#include "coord_impl.h"
+#include "coordinator/coord_impl.h"
 
 #include <errno.h>
 #include <jansson.h>

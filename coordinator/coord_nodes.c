@@ -14,7 +14,7 @@
 #include <time.h>
 
 #include "base/log.h"
-#include "coord_impl.h"
+#include "coordinator/coord_impl.h"
 #include "core/grow/grow.h"
 
 /* ---------------------------------------------------------------- the node table

@@ -2,7 +2,7 @@
  * (core/plan/sizing, core/plan/planner), its assignments, each stage's tensors
  * streamed in LAYER_LOAD chunks, re-planning at rest or at a training
  * checkpoint when a plan over the nodes now beats the current one. */
-#include "coord_impl.h"
+#include "coordinator/coord_impl.h"
 
 #include <errno.h>
 #include <limits.h>

@@ -9,7 +9,7 @@
  * node's CURVE socket sees a peer that went away before its handshake.
  * It tells what the coordinator can reach; the other nodes are assumed to
  * see the same (docs/cluster.md, "Nodes behind NAT"). */
-#include "coord_impl.h"
+#include "coordinator/coord_impl.h"
 
 #include <errno.h>
 #include <netdb.h>

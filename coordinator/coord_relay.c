@@ -18,7 +18,7 @@
  * at every plan (under a mutex) and the allow-list through net/auth. The
  * messages pass through the coordinator's memory in the clear: it holds
  * the weights and the data anyway (docs/security.md). */
-#include "coord_impl.h"
+#include "coordinator/coord_impl.h"
 
 #include <pthread.h>
 #include <stdatomic.h>

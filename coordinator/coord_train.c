@@ -33,7 +33,7 @@
 #include <string.h>
 
 #include "base/log.h"
-#include "coord_train_impl.h"
+#include "coordinator/coord_train_impl.h"
 #include "core/train/train.h"
 
 /* ---------------------------------------------------------------- the states

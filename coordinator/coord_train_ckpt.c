@@ -17,7 +17,7 @@
 #include <unistd.h>
 
 #include "base/log.h"
-#include "coord_train_impl.h"
+#include "coordinator/coord_train_impl.h"
 #include "core/formats/checkpoint.h"
 #include "core/grow/grow.h"
 #include "core/tokenizer/chat_template.h"

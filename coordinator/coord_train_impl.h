@@ -21,7 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "coord_impl.h"
+#include "coordinator/coord_impl.h"
 #include "core/data/data.h"
 #include "core/data/labelled.h"
 #include "core/train/train.h"

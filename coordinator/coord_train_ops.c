@@ -4,7 +4,7 @@
  * file calls and which never calls it. */
 #include <stdlib.h>
 
-#include "coord_train_impl.h"
+#include "coordinator/coord_train_impl.h"
 
 static void train_free(cjob *j)
 {

@@ -15,7 +15,7 @@
 #include <sys/stat.h>
 
 #include "base/log.h"
-#include "coord_train_impl.h"
+#include "coordinator/coord_train_impl.h"
 #include "core/formats/fileio.h"
 #include "core/tokenizer/tokenizer.h"
 #include "core/train/objective.h"

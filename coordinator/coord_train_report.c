@@ -10,7 +10,7 @@
 #include <string.h>
 
 #include "base/log.h"
-#include "coord_train_impl.h"
+#include "coordinator/coord_train_impl.h"
 #include "core/train/objective.h"
 
 static json_t *jnum(double x)

@@ -12,7 +12,7 @@
 #include <string.h>
 
 #include "base/log.h"
-#include "coord_train_impl.h"
+#include "coordinator/coord_train_impl.h"
 #include "core/grow/grow.h"
 #include "core/train/objective.h"
 #include "core/train/train.h"

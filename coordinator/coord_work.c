@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "base/log.h"
-#include "coord_impl.h"
+#include "coordinator/coord_impl.h"
 
 nl_status coord_work_init(nl_coord *c, nl_error *err)
 {

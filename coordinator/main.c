@@ -8,9 +8,9 @@
 #include <sys/stat.h>
 
 #include "base/log.h"
-#include "coord.h"
-#include "coord_cli.h"
-#include "coord_http.h"
+#include "coordinator/coord.h"
+#include "coordinator/coord_cli.h"
+#include "coordinator/coord_http.h"
 #include "core/formats/fileio.h"
 #include "net/auth.h"
 

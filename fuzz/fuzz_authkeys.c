@@ -5,8 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../base/log.h"
-#include "../net/keys.h"
+#include "base/log.h"
+#include "net/keys.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

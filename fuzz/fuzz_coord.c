@@ -27,10 +27,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "../base/log.h"
-#include "../coordinator/coord_impl.h"
-#include "../net/transport.h"
-#include "../net/wire.h"
+#include "base/log.h"
+#include "coordinator/coord_impl.h"
+#include "net/transport.h"
+#include "net/wire.h"
 
 #define PEERS 3
 #define MAX_RECORDS 64

@@ -17,9 +17,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../net/genparams.h"
-#include "../net/trainparams.h"
-#include "../net/wire.h"
+#include "net/genparams.h"
+#include "net/trainparams.h"
+#include "net/wire.h"
 
 /* The job schemas over a JOB_SUBMIT's params. */
 static void schemas(const nl_msg_job_submit *j)

@@ -2,7 +2,7 @@
  * and the GEMM throughput probe that nodes report when they join and that
  * benchmarks use as the peak. The factory, which picks and builds a
  * backend, is kernels/backend_factory.c. */
-#include "backend.h"
+#include "kernels/backend.h"
 
 #include <stdio.h>
 #include <stdlib.h>

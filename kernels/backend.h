@@ -32,7 +32,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../base/status.h"
+#include "base/status.h"
 
 #ifdef __cplusplus
 extern "C" { /* the CUDA module and C++ tests include this */

@@ -3,8 +3,8 @@
  * or a CUDA backend from the module it loads on demand (libnl_cuda.so).
  * It sits above the backends: it calls their constructors
  * (backend_impl.h), and none of them calls back into it. */
-#include "backend.h"
-#include "backend_impl.h"
+#include "kernels/backend.h"
+#include "kernels/backend_impl.h"
 
 #include <dlfcn.h>
 #include <errno.h>

@@ -4,7 +4,7 @@
 #ifndef NL_BACKEND_IMPL_H
 #define NL_BACKEND_IMPL_H
 
-#include "backend.h"
+#include "kernels/backend.h"
 
 /* kernels/cpu/cpu_backend.c */
 nl_status nl_cpu_backend_new(nl_backend **out, const nl_backend_opts *o, nl_error *err);

@@ -2,8 +2,8 @@
  * implementation, the host all-reduce and broadcast, and the lookup of the
  * NCCL one in the CUDA module that made the backends. */
 #define _GNU_SOURCE /* dladdr: which module a backend's code lives in */
-#include "comm.h"
-#include "comm_impl.h"
+#include "kernels/comm.h"
+#include "kernels/comm_impl.h"
 
 #include <dlfcn.h>
 #include <stdlib.h>

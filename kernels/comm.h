@@ -34,7 +34,7 @@
 
 #include <stddef.h>
 
-#include "backend.h"
+#include "kernels/backend.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -5,7 +5,7 @@
 #ifndef NL_COMM_IMPL_H
 #define NL_COMM_IMPL_H
 
-#include "comm.h"
+#include "kernels/comm.h"
 
 #ifdef __cplusplus
 extern "C" {

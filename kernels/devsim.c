@@ -11,10 +11,10 @@
  * Callers offset device pointers (slices of one allocation, row offsets):
  * untag(p + off) == untag(p) + off as long as no carry reaches bit 62,
  * which holds for any real allocation. NULL stays NULL both ways. */
-#include "backend.h"
-#include "backend_impl.h"
-#include "cpu/cpu_ops.h"
-#include "devsim_impl.h"
+#include "kernels/backend.h"
+#include "kernels/backend_impl.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/devsim_impl.h"
 
 #include <stdint.h>
 #include <stdlib.h>

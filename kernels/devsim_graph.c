@@ -9,9 +9,9 @@
  * that takes positions by value repeats the old positions. Slots that
  * wait for the device or allocate refuse to be recorded (graph_end
  * fails), as a CUDA stream capture does. */
-#include "backend_impl.h"
-#include "cpu/cpu_ops.h"
-#include "devsim_impl.h"
+#include "kernels/backend_impl.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/devsim_impl.h"
 
 #include <stdlib.h>
 #include <string.h>

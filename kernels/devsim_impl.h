@@ -4,7 +4,7 @@
 #ifndef NL_DEVSIM_IMPL_H
 #define NL_DEVSIM_IMPL_H
 
-#include "backend.h"
+#include "kernels/backend.h"
 
 #include <stdint.h>
 

@@ -1,6 +1,6 @@
 /* The replicas' all-reduce as a state machine over REDUCE messages: see
  * allreduce.h for the ring, the order of the sums and the checks. */
-#include "allreduce.h"
+#include "net/allreduce.h"
 
 #include <stdlib.h>
 #include <string.h>

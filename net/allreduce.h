@@ -36,8 +36,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../base/status.h"
-#include "wire.h"
+#include "base/status.h"
+#include "net/wire.h"
 
 /* Default elements per REDUCE: 1 MiB of floats. */
 #define NL_ALLREDUCE_CHUNK (256u * 1024u)

@@ -1,5 +1,5 @@
 /* The ZAP handler thread, allow-lists per domain, and the strike table. */
-#include "auth.h"
+#include "net/auth.h"
 
 #include <pthread.h>
 #include <signal.h>
@@ -9,7 +9,7 @@
 #include <time.h>
 #include <zmq.h>
 
-#include "../base/log.h"
+#include "base/log.h"
 
 #define ZAP_ENDPOINT "inproc://zeromq.zap.01"
 #define MAX_DOMAINS 256

@@ -23,8 +23,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "../base/status.h"
-#include "keys.h"
+#include "base/status.h"
+#include "net/keys.h"
 
 #define NL_PEER_ID_MAX 72    /* "plain:" + an address, or a Z85 key, + NUL */
 #define NL_ZAP_DOMAIN_MAX 64 /* domain names are shorter than this */

@@ -1,12 +1,12 @@
 /* The client side of the clients' endpoint: see client.h. */
-#include "client.h"
+#include "net/client.h"
 
 #include <inttypes.h>
 #include <string.h>
 #include <time.h>
 #include <zmq.h>
 
-#include "handshake.h"
+#include "net/handshake.h"
 
 double nl_client_now(void)
 {

@@ -14,8 +14,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "../base/status.h"
-#include "transport.h"
+#include "base/status.h"
+#include "net/transport.h"
 
 typedef struct nl_client_opts {
     const char *endpoint;   /* the coordinator's clients' endpoint */

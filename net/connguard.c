@@ -1,6 +1,6 @@
 /* The connection guard (connguard.h): a thread beside one server socket
  * that cuts a TCP connection whose unfinished message outgrows the limit. */
-#include "connguard.h"
+#include "net/connguard.h"
 
 #include <errno.h>
 #include <linux/tcp.h>
@@ -14,7 +14,7 @@
 #include <sys/socket.h>
 #include <zmq.h>
 
-#include "../base/log.h"
+#include "base/log.h"
 
 #define MAX_FD (1 << 20) /* descriptors past this are not guarded (RLIMIT_NOFILE is lower) */
 

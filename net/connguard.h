@@ -23,7 +23,7 @@
 
 #include <stdint.h>
 
-#include "../base/status.h"
+#include "base/status.h"
 
 #define NL_CONNGUARD_TICK_MS 5
 

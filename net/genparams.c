@@ -1,10 +1,10 @@
 /* The generation job's parameter schema (genparams.h): one table of keys,
  * read by the coordinator and by the node through net/params.h. */
-#include "genparams.h"
+#include "net/genparams.h"
 
 #include <limits.h>
 
-#include "params.h"
+#include "net/params.h"
 
 #define REQ (1u << NL_GENPARAMS_REQUEST)
 #define SES (1u << NL_GENPARAMS_SESSION)

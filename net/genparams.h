@@ -26,8 +26,8 @@
 
 #include <stdint.h>
 
-#include "../base/status.h"
-#include "wire.h"
+#include "base/status.h"
+#include "net/wire.h"
 
 typedef enum { NL_GENPARAMS_REQUEST = 0, NL_GENPARAMS_SESSION } nl_genparams_use;
 

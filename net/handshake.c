@@ -1,6 +1,6 @@
 /* A client socket's connection and handshake, watched through a libzmq
  * socket monitor (see handshake.h). */
-#include "handshake.h"
+#include "net/handshake.h"
 
 #include <stdint.h>
 #include <stdio.h>

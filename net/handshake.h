@@ -10,8 +10,8 @@
 #ifndef NL_HANDSHAKE_H
 #define NL_HANDSHAKE_H
 
-#include "../base/status.h"
-#include "transport.h"
+#include "base/status.h"
+#include "net/transport.h"
 
 typedef struct nl_handshake nl_handshake;
 

@@ -1,6 +1,6 @@
 /* Hop digests: BLAKE2b-256 over a training hop's fields and frames (see
  * hopdigest.h for exactly what is hashed). */
-#include "hopdigest.h"
+#include "net/hopdigest.h"
 
 #include <sodium.h>
 #include <string.h>

@@ -20,7 +20,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "wire.h"
+#include "net/wire.h"
 
 #define NL_HOP_DIGEST_BYTES 32
 #define NL_HOP_DIGEST_HEX 64 /* the wire's form: lowercase hex */

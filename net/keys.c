@@ -1,5 +1,5 @@
 /* CURVE key files, Z85 and authorized_keys parsing. */
-#include "keys.h"
+#include "net/keys.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -11,7 +11,7 @@
 #include <unistd.h>
 #include <zmq.h>
 
-#include "../base/log.h"
+#include "base/log.h"
 #include "core/formats/fileio.h"
 
 #define KEYFILE_MAX 4096

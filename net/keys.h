@@ -20,8 +20,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../base/status.h"
-#include "wire.h"
+#include "base/status.h"
+#include "net/wire.h"
 
 #define NL_KEY_BYTES 32
 #define NL_AUTHKEYS_MAX_BYTES (4u << 20) /* authorized_keys file size limit */

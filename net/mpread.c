@@ -2,7 +2,7 @@
  * length checked against the bytes left before it is used, and a
  * structural walk that enforces size and nesting limits without recursion
  * or allocation. It knows nothing of the wire schema (net/wire.c). */
-#include "mpread.h"
+#include "net/mpread.h"
 
 #include <stdbool.h>
 #include <string.h>

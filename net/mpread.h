@@ -12,7 +12,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../base/status.h"
+#include "base/status.h"
 
 #define NL_MPR_MAX_DEPTH 16 /* hard cap on nl_mpr_limits.max_depth */
 

@@ -1,5 +1,5 @@
 /* The job schemas' reader (params.h): one walk over a table of keys. */
-#include "params.h"
+#include "net/params.h"
 
 #include <string.h>
 

@@ -16,8 +16,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../base/status.h"
-#include "wire.h"
+#include "base/status.h"
+#include "net/wire.h"
 
 typedef enum { NL_PT_INT, NL_PT_NUM, NL_PT_BOOL, NL_PT_STR, NL_PT_OBJECTIVE } nl_param_type;
 

@@ -1,6 +1,6 @@
 /* The training job's parameter schema (trainparams.h): one table of keys,
  * read through net/params.h, and the rules across keys. */
-#include "trainparams.h"
+#include "net/trainparams.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -8,7 +8,7 @@
 #include "core/model/lora.h"
 #include "core/train/objective.h"
 #include "core/train/train.h"
-#include "params.h"
+#include "net/params.h"
 
 #define TR (1u << NL_TRAINPARAMS_TRAIN)
 #define FT (1u << NL_TRAINPARAMS_FINETUNE)

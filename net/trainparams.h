@@ -62,8 +62,8 @@
 
 #include <stdint.h>
 
-#include "../base/status.h"
-#include "wire.h"
+#include "base/status.h"
+#include "net/wire.h"
 
 typedef enum {
     NL_TRAINPARAMS_TRAIN = 0, /* a client's request, kind train */

@@ -1,8 +1,8 @@
 /* ZeroMQ sockets with CURVE by default, whole-message send and receive,
  * the versioned hello, and the bad-input policy (strike, answer, drop). */
-#include "transport.h"
+#include "net/transport.h"
 
-#include "connguard.h"
+#include "net/connguard.h"
 
 #include <stdint.h>
 #include <stdio.h>
@@ -10,7 +10,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "../base/log.h"
+#include "base/log.h"
 
 #define SOFTWARE "neurollm"
 

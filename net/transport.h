@@ -28,11 +28,11 @@
 #include <stdbool.h>
 #include <zmq.h>
 
-#include "../base/status.h"
-#include "auth.h"
-#include "keys.h"
-#include "txref.h"
-#include "wire.h"
+#include "base/status.h"
+#include "net/auth.h"
+#include "net/keys.h"
+#include "net/txref.h"
+#include "net/wire.h"
 
 #define NL_RX_MAX_PARTS (NL_WIRE_MAX_FRAMES + 2) /* routing id + header + frames */
 #define NL_ROUTING_ID_MAX 256

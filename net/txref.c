@@ -1,5 +1,5 @@
 /* Zero-copy send buffers (see txref.h). */
-#include "txref.h"
+#include "net/txref.h"
 
 #include <stdint.h>
 #include <time.h>

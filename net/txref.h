@@ -9,8 +9,8 @@
 #include <stdatomic.h>
 #include <stdbool.h>
 
-#include "../base/status.h"
-#include "wire.h"
+#include "base/status.h"
+#include "net/wire.h"
 
 typedef struct nl_txref {
     atomic_int pending;

@@ -10,17 +10,17 @@
  * anyway; once that walk exists, decoding straight into the typed message
  * costs one more pass over at most 64 KiB and no zone allocations, and
  * nothing in the decoder then depends on a length it has not checked. */
-#include "wire.h"
+#include "net/wire.h"
 
-#include "../base/log.h"
+#include "base/log.h"
 
 #include <math.h>
 #include <msgpack.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "mpread.h"
-#include "wire_impl.h"
+#include "net/mpread.h"
+#include "net/wire_impl.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "tensor frames are sent in host order, which must be little-endian"

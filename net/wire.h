@@ -31,7 +31,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../base/status.h"
+#include "base/status.h"
 #include "core/model/tensor.h"
 
 #define NL_WIRE_VERSION 1u

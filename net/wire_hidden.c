@@ -4,8 +4,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../kernels/elem.h"
-#include "wire.h"
+#include "kernels/elem.h"
+#include "net/wire.h"
 
 const char *nl_wire_precision_name(nl_wire_precision p)
 {

@@ -10,7 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "wire.h"
+#include "net/wire.h"
 
 /* What a field holds: scalars, a string, or a list (pointer + count). */
 typedef enum nl_wire_kind {

@@ -1,6 +1,6 @@
 /* The wire schema: the field table of every message type, and the value,
  * frame and cross-field checks that encoding and decoding both apply. */
-#include "wire_impl.h"
+#include "net/wire_impl.h"
 
 #include <math.h>
 #include <string.h>

@@ -6,8 +6,8 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "../net/keys.h"
-#include "node.h"
+#include "net/keys.h"
+#include "node/node.h"
 
 static volatile sig_atomic_t stop_flag;
 

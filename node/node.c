@@ -3,7 +3,7 @@
  * dispatch of control and data messages (see node.h and docs/cluster.md).
  * The handlers of the messages themselves (assignment, jobs, training, the
  * next stage's socket) are in node_jobs.c, behind node_impl.h. */
-#include "node.h"
+#include "node/node.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -14,14 +14,14 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../base/log.h"
-#include "../kernels/backend.h"
-#include "../net/handshake.h"
-#include "../net/transport.h"
+#include "base/log.h"
 #include "core/formats/fileio.h"
-#include "node_impl.h"
-#include "stage.h"
-#include "stage_verify.h"
+#include "kernels/backend.h"
+#include "net/handshake.h"
+#include "net/transport.h"
+#include "node/node_impl.h"
+#include "node/stage.h"
+#include "node/stage_verify.h"
 
 #define ACCEPT_WAIT_MS 10000 /* for the answer to JOIN */
 #define MAX_DRAIN 64         /* messages per socket per turn, so heartbeats keep time */

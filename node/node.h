@@ -39,8 +39,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "../base/status.h"
-#include "../net/keys.h"
+#include "base/status.h"
+#include "net/keys.h"
 
 /* Most devices (replicas) one node takes. */
 #define NL_NODE_MAX_REPLICAS 16

@@ -8,12 +8,12 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "../base/args.h"
-#include "../base/log.h"
-#include "../kernels/backend.h"
-#include "../net/keys.h"
-#include "node.h"
-#include "stage.h"
+#include "base/args.h"
+#include "base/log.h"
+#include "kernels/backend.h"
+#include "net/keys.h"
+#include "node/node.h"
+#include "node/stage.h"
 
 #define USAGE                                                                                      \
     "neuronode join ENDPOINT --key NODE.key --coordinator-key COORD.pub [--device D] "             \

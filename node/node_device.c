@@ -2,7 +2,7 @@
  * stand in for a failing device or a GPU's memory report), or one backend
  * per replica for a list of devices, the GEMM throughput it reports when it
  * joins, and the memory it offers. */
-#include "node_impl.h"
+#include "node/node_impl.h"
 
 #include <stdatomic.h>
 #include <stdint.h>
@@ -11,7 +11,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "../base/log.h"
+#include "base/log.h"
 
 #ifdef NL_TEST_HOOKS /* test builds only (-DNL_TEST_HOOKS=ON) */
 /* Test hook (NL_TEST_DEVICE_FAIL=K): the backend's check slot fails from

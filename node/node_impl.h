@@ -7,11 +7,11 @@
 
 #include <stdint.h>
 
-#include "../kernels/backend.h"
-#include "../kernels/comm.h"
-#include "../net/transport.h"
-#include "node.h"
-#include "stage.h"
+#include "kernels/backend.h"
+#include "kernels/comm.h"
+#include "net/transport.h"
+#include "node/node.h"
+#include "node/stage.h"
 
 typedef struct nl_node_device {
     /* one backend per replica (--device D[,D...]), owned by the caller once

@@ -8,12 +8,12 @@
 #include <string.h>
 #include <time.h>
 
-#include "../base/log.h"
-#include "../net/transport.h"
+#include "base/log.h"
 #include "core/formats/fileio.h"
 #include "core/plan/planner.h"
-#include "node_impl.h"
-#include "stage.h"
+#include "net/transport.h"
+#include "node/node_impl.h"
+#include "node/stage.h"
 
 /* ===================== the stage's next replica ===================== */
 

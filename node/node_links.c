@@ -31,9 +31,9 @@
 #include <string.h>
 #include <time.h>
 
-#include "../base/log.h"
-#include "../net/transport.h"
-#include "node_impl.h"
+#include "base/log.h"
+#include "net/transport.h"
+#include "node/node_impl.h"
 
 #define DIAL_FIRST_MS 250  /* the first pause before dialing the previous stage again */
 #define DIAL_MAX_MS 2000   /* ... doubling up to this */

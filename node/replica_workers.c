@@ -4,7 +4,7 @@
  * lock guards the lists and the done flags; a job's own fields are the
  * runner's between the pop from its lane and done, the owner's otherwise
  * (the lock orders the two). */
-#include "replica_workers.h"
+#include "node/replica_workers.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -13,7 +13,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "../kernels/comm.h" /* NL_COMM_MAX */
+#include "kernels/comm.h" /* NL_COMM_MAX */
 
 typedef struct lane {
     nl_wjob *head, *tail;

@@ -20,7 +20,7 @@
 
 #include <stdbool.h>
 
-#include "../base/status.h"
+#include "base/status.h"
 
 typedef struct nl_wjob {
     int lane;                  /* set by the caller before the push */

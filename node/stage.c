@@ -1,7 +1,7 @@
 /* One pipeline stage: the assigned model, its loading and the forward hop
  * (see stage.h); the generation sessions are stage_session.c's. */
-#include "stage.h"
-#include "stage_impl.h"
+#include "node/stage.h"
+#include "node/stage_impl.h"
 
 #include <limits.h>
 #include <stdio.h>
@@ -9,7 +9,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "../base/log.h"
+#include "base/log.h"
 #include "core/model/memory.h"
 
 double nl_stage_now(void)

@@ -21,10 +21,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../kernels/comm.h"
-#include "../net/txref.h"
-#include "../net/wire.h"
 #include "core/model/model.h"
+#include "kernels/comm.h"
+#include "net/txref.h"
+#include "net/wire.h"
 
 typedef struct nl_stage nl_stage;
 

@@ -10,9 +10,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../base/log.h"
-#include "stage.h"
-#include "stage_impl.h"
+#include "base/log.h"
+#include "node/stage.h"
+#include "node/stage_impl.h"
 
 #define DEFAULT_DECODE 32
 #define DEFAULT_CHUNK 64

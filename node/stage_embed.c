@@ -16,11 +16,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../base/log.h"
-#include "../net/params.h"
+#include "base/log.h"
 #include "core/model/embed.h"
 #include "core/model/lora.h"
-#include "stage_impl.h"
+#include "net/params.h"
+#include "node/stage_impl.h"
 
 #define EMBED_MAX 64
 

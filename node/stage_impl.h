@@ -10,11 +10,11 @@
 
 #include <stdatomic.h>
 
-#include "../kernels/comm.h"
 #include "core/model/batch.h"
 #include "core/model/forward.h"
 #include "core/model/sampler.h"
-#include "stage.h"
+#include "kernels/comm.h"
+#include "node/stage.h"
 
 #define ENDED_MEMORY 256 /* ended session ids remembered per kind */
 

@@ -18,7 +18,7 @@
  * stage_lora.c. */
 #include <stdlib.h>
 
-#include "stage_impl.h"
+#include "node/stage_impl.h"
 
 static const stage_job_ops *const kinds[] = {&nl_stage_generate_ops, &nl_stage_embed_ops,
                                              &nl_stage_forward_ops, &nl_stage_train_ops,

@@ -26,10 +26,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../base/log.h"
-#include "../net/trainparams.h"
+#include "base/log.h"
 #include "core/model/lora.h"
-#include "stage_impl.h"
+#include "net/trainparams.h"
+#include "node/stage_impl.h"
 
 #include <sys/stat.h>
 

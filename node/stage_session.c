@@ -9,9 +9,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../base/log.h"
-#include "../net/genparams.h"
-#include "stage_impl.h"
+#include "base/log.h"
+#include "net/genparams.h"
+#include "node/stage_impl.h"
 
 static void session_free(nl_stage *s, session *se)
 {

@@ -52,8 +52,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "../base/log.h"
-#include "../net/trainparams.h"
+#include "base/log.h"
 #include "core/formats/checkpoint.h"
 #include "core/formats/fileio.h"
 #include "core/formats/manifest.h"
@@ -61,8 +60,9 @@
 #include "core/model/lora.h"
 #include "core/model/memory.h"
 #include "core/train/train.h"
-#include "replica_workers.h"
-#include "stage_train_impl.h"
+#include "net/trainparams.h"
+#include "node/replica_workers.h"
+#include "node/stage_train_impl.h"
 
 /* ===================== life ===================== */
 

@@ -7,12 +7,12 @@
 #include <string.h>
 #include <time.h>
 
-#include "../base/log.h"
+#include "base/log.h"
 #include "core/data/labelled.h"
 #include "core/plan/planner.h"
 #include "core/train/train.h"
-#include "replica_workers.h"
-#include "stage_train_impl.h"
+#include "node/replica_workers.h"
+#include "node/stage_train_impl.h"
 
 /* ===================== sending ===================== */
 

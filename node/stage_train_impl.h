@@ -9,11 +9,11 @@
 
 #include <stdatomic.h>
 
-#include "../net/allreduce.h"
-#include "../net/hopdigest.h"
 #include "core/train/train.h"
-#include "replica_workers.h"
-#include "stage_impl.h"
+#include "net/allreduce.h"
+#include "net/hopdigest.h"
+#include "node/replica_workers.h"
+#include "node/stage_impl.h"
 
 /* What a training hop carries besides its input (net/wire.h, NL_HOP_*),
  * each owned and NULL when it did not come: the targets (rows; not on a

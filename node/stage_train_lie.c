@@ -26,8 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../base/log.h"
-#include "stage_train_impl.h"
+#include "base/log.h"
+#include "node/stage_train_impl.h"
 
 int nl_stage_lie_kind(const char *s)
 {

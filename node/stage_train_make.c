@@ -12,8 +12,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "../base/log.h"
-#include "../net/trainparams.h"
+#include "base/log.h"
 #include "core/formats/checkpoint.h"
 #include "core/formats/fileio.h"
 #include "core/formats/manifest.h"
@@ -21,8 +20,9 @@
 #include "core/model/lora.h"
 #include "core/model/memory.h"
 #include "core/train/train.h"
-#include "replica_workers.h"
-#include "stage_train_impl.h"
+#include "net/trainparams.h"
+#include "node/replica_workers.h"
+#include "node/stage_train_impl.h"
 
 /* The model's growth history, as the coordinator sends it (params
  * growth.0, growth.1, ..., each a JSON array of entries, core/grow/grow.h):

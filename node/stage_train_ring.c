@@ -23,9 +23,9 @@
 #include <string.h>
 #include <time.h>
 
-#include "../base/log.h"
-#include "../net/trainparams.h"
-#include "stage_train_impl.h"
+#include "base/log.h"
+#include "net/trainparams.h"
+#include "node/stage_train_impl.h"
 
 /* Route counts travel as floats: exact below this. */
 #define COUNT_EXACT (1 << 24)

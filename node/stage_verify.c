@@ -1,16 +1,16 @@
 /* Verification by recompute, the node's part (see stage_verify.h): the
  * inputs a training stage keeps of the step under way, the case of one
  * microbatch made from them, and its redo on a verifier's backend. */
-#include "stage_verify.h"
+#include "node/stage_verify.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "../base/log.h"
+#include "base/log.h"
 #include "core/model/model.h"
 #include "core/train/train.h"
-#include "stage_train_impl.h"
+#include "node/stage_train_impl.h"
 
 /* ===================== what a stage keeps ===================== */
 

@@ -34,10 +34,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../kernels/backend.h"
-#include "../net/hopdigest.h"
 #include "core/model/config.h"
-#include "stage.h"
+#include "kernels/backend.h"
+#include "net/hopdigest.h"
+#include "node/stage.h"
 
 typedef struct nl_verify_case {
     const nl_config *cfg;

@@ -21,7 +21,7 @@
  * data-eta), #plan and #stages (children with data-stage), #nodes
  * (tr.node), #banned (data-count; li.ban: a key and why), #tps-chart and #loss-chart (data-points,
  * data-marks), #events (li.event with data-type and data-time), body data-ready. */
-#include "http_impl.h"
+#include "serve/http_impl.h"
 
 /* clang-format off */
 const char nl_http_dashboard_html[] =

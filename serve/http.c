@@ -2,7 +2,7 @@
  * limits (body size, concurrent requests, slow clients), bearer tokens,
  * the event feed, metrics, status and the static pages. The /v1 endpoints
  * are in http_api.c. */
-#include "http_impl.h"
+#include "serve/http_impl.h"
 
 #include <arpa/inet.h>
 #include <errno.h>

@@ -3,7 +3,7 @@
  * prompt by the model's chat template (core/tokenizer/chat_template.h); the
  * completion then runs in http_gen.c. Embeddings (float or base64) and
  * the model list are answered here. */
-#include "http_impl.h"
+#include "serve/http_impl.h"
 
 #include <sodium.h>
 #include <stdarg.h>

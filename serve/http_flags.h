@@ -7,7 +7,7 @@
 #define NL_SERVE_HTTP_FLAGS_H
 
 #include "base/args.h"
-#include "http.h"
+#include "serve/http.h"
 
 /* clang-format off */
 #define NL_HTTP_FLAG_ROWS(ho)                                                                      \

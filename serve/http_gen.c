@@ -4,7 +4,7 @@
  * shapes: text_completion or chat.completion whole, or server-sent events
  * (one chunk per token per choice, then the finish, an optional usage
  * chunk, `data: [DONE]`). */
-#include "http_impl.h"
+#include "serve/http_impl.h"
 
 #include <inttypes.h>
 #include <stdio.h>

@@ -10,7 +10,7 @@
 #include <microhttpd.h>
 #include <pthread.h>
 
-#include "http.h"
+#include "serve/http.h"
 
 enum {
     EP_COMPLETIONS,

@@ -12,13 +12,13 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../base/log.h"
-#include "../coordinator/coord.h"
-#include "../net/handshake.h"
-#include "../net/keys.h"
-#include "../net/transport.h"
-#include "check.h"
-#include "coord_fake.h"
+#include "base/log.h"
+#include "coordinator/coord.h"
+#include "net/handshake.h"
+#include "net/keys.h"
+#include "net/transport.h"
+#include "tests/check.h"
+#include "tests/coord_fake.h"
 
 nl_coord *coord;
 nl_net *net;

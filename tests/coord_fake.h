@@ -5,8 +5,8 @@
 
 #include <stdint.h>
 
-#include "../coordinator/coord.h"
-#include "../net/transport.h"
+#include "coordinator/coord.h"
+#include "net/transport.h"
 
 #define WAIT_S 10.0 /* for a message that must arrive */
 #define HB_MS 50

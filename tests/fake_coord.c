@@ -20,7 +20,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "../net/transport.h"
+#include "net/transport.h"
 
 typedef struct fake {
     nl_sock *s;

@@ -19,10 +19,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../base/log.h"
-#include "../net/transport.h"
-#include "check.h"
+#include "base/log.h"
 #include "core/formats/checkpoint.h"
+#include "net/transport.h"
+#include "tests/check.h"
 
 #define WAIT_MS 8000 /* for a message that must arrive (the node may run under ASan) */
 #define WAIT_NO 500  /* for one that must not */

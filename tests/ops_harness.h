@@ -13,8 +13,8 @@
 #ifndef NL_TEST_OPS_HARNESS_H
 #define NL_TEST_OPS_HARNESS_H
 
-#include "check.h"
 #include "kernels/backend.h"
+#include "tests/check.h"
 
 #include <stdarg.h>
 #include <stdbool.h>

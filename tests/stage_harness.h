@@ -12,13 +12,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../base/log.h"
-#include "../node/stage.h"
-#include "check.h"
+#include "base/log.h"
 #include "core/model/forward.h"
 #include "core/model/memory.h"
 #include "core/model/rng.h"
 #include "core/model/sampler.h"
+#include "node/stage.h"
+#include "tests/check.h"
 
 #define SEED 1234
 #define CHUNK 100 /* elements per LAYER_LOAD chunk: tensors span many */

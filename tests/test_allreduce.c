@@ -8,11 +8,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../kernels/backend.h"
-#include "../kernels/comm.h"
-#include "../net/allreduce.h"
-#include "../net/wire.h"
-#include "check.h"
+#include "kernels/backend.h"
+#include "kernels/comm.h"
+#include "net/allreduce.h"
+#include "net/wire.h"
+#include "tests/check.h"
 
 #define RMAX 6
 #define QMAX 4096

@@ -4,7 +4,7 @@
 #include <string.h>
 
 #include "base/args.h"
-#include "check.h"
+#include "tests/check.h"
 
 static nl_flag *generate_flags(void)
 {

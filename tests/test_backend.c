@@ -1,6 +1,6 @@
 /* The CPU backend's ops against naive reference loops written here. */
-#include "check.h"
 #include "kernels/backend.h"
+#include "tests/check.h"
 
 #include <omp.h>
 #include <stdint.h>

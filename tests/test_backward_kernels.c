@@ -2,8 +2,8 @@
  * here in double precision: analytic naive backwards (tolerance 1e-5) and
  * central differences of naive double forwards (tolerance 1e-4). Sizes are
  * chosen so that both the serial and the OpenMP paths run. */
-#include "check.h"
 #include "kernels/backend.h"
+#include "tests/check.h"
 
 #include <stdint.h>
 #include <time.h>

@@ -7,11 +7,11 @@
  * the caches. The backend's row-invariant GEMM (gemm_rows), on which the
  * batch's invariance rests, gives every row the same bits for any M; and
  * the invariance holds through padding too, where a backend has none. */
-#include "check.h"
 #include "core/model/batch.h"
 #include "core/model/forward.h"
 #include "core/model/sampler.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "tests/check.h"
 
 #include <stdint.h>
 

@@ -15,9 +15,9 @@
  *
  * Run as `test_bf16 refuse` with DNNL_MAX_CPU_ISA=AVX512_CORE (CTest does)
  * it checks that a CPU without AVX512-BF16 is refused with a clear message. */
-#include "check.h"
 #include "core/model/rng.h"
 #include "core/train/train.h"
+#include "tests/check.h"
 
 #include <stdint.h>
 

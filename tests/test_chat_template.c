@@ -9,8 +9,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "check.h"
 #include "core/tokenizer/chat_template.h"
+#include "tests/check.h"
 
 static const nl_chat_msg conv[] = {{NL_CHAT_SYSTEM, "Be brief.", 9},
                                    {NL_CHAT_USER, "Hi", 2},

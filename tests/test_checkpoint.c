@@ -1,9 +1,9 @@
 /* Model checkpoints: round trip (weights, optimizer state, tokenizer
  * metadata) and a corrupt-checkpoint matrix, each case refused by
  * nl_checkpoint_load with a message that names the fault. */
-#include "check.h"
 #include "core/formats/checkpoint.h"
 #include "core/formats/fileio.h"
+#include "tests/check.h"
 
 #include <unistd.h>
 

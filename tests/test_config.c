@@ -5,8 +5,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "check.h"
 #include "core/model/config.h"
+#include "tests/check.h"
 
 static nl_status parse(nl_config *c, const char *yaml, nl_error *err)
 {

@@ -4,9 +4,9 @@
 #include <string.h>
 
 #include "base/log.h"
-#include "check.h"
 #include "coordinator/coord_cli.h"
 #include "net/wire.h"
+#include "tests/check.h"
 
 static int parse(nl_coord_cli *cli, char **argv)
 {

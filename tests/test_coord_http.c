@@ -19,10 +19,10 @@
 #include <string.h>
 #include <zmq.h>
 
-#include "../base/log.h"
-#include "../coordinator/coord_http_impl.h"
-#include "check.h"
+#include "base/log.h"
+#include "coordinator/coord_http_impl.h"
 #include "core/tokenizer/tokenizer.h"
+#include "tests/check.h"
 
 /* A status as the coordinator's JOB_QUERY 0 has it: the config and
  * (text not NULL) the tokenizer's file text. */

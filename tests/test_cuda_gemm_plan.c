@@ -14,7 +14,7 @@
  *    a GEMM run piece by piece (beta on the first piece of K only) equals
  *    the uncut one. Operands are small integers, so every sum is exact and
  *    the comparisons are for equality. */
-#include "check.h"
+#include "tests/check.h"
 
 #include "kernels/cuda/cuda_gemm_plan.h"
 

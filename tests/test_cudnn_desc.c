@@ -10,9 +10,9 @@
  *     and read back through the BHSD dims and strides cuDNN is given; the
  *     statistics' strides against backend.h's lse (B, H, T);
  *   - the fallback decision (head dims, documents, a backward with a cache). */
-#include "check.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cuda/cudnn_sdpa_desc.h"
+#include "tests/check.h"
 
 #include <stdlib.h>
 

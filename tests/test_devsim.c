@@ -2,8 +2,8 @@
  * when the host dereferences them, copies at offsets into an allocation,
  * the accounting, and ops that give the CPU backend's results bit for
  * bit (the simulator adds no arithmetic of its own). */
-#include "check.h"
 #include "kernels/backend.h"
+#include "tests/check.h"
 
 #include <signal.h>
 #include <stdint.h>

@@ -4,8 +4,8 @@
  * 1.19e-7, so "3e-7 relative" means about 2.5 ulp. On the CPU these run
  * with the host exp (nl_expf); the CUDA build uses the device's expf in
  * the same expressions. */
-#include "check.h"
 #include "kernels/elem.h"
+#include "tests/check.h"
 
 #include <float.h>
 #include <stdint.h>

@@ -11,8 +11,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "check.h"
 #include "core/formats/fileio.h"
+#include "tests/check.h"
 
 static char dir[256];
 

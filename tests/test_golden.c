@@ -2,12 +2,12 @@
  * tests/golden/gen_golden.py (from DESIGN.md section 2, not from this
  * code) hold a model, a batch, the expected logits and aux loss, and the
  * expected loss and gradient of every weight. */
-#include "check.h"
 #include "core/formats/checkpoint.h"
 #include "core/formats/safetensors.h"
 #include "core/model/forward.h"
 #include "core/model/lora.h"
 #include "core/train/train.h"
+#include "tests/check.h"
 
 /* DESIGN section 2, then the section 6 variants alone and combined (see
  * tests/golden/gen_golden.py, FAMILIES) */

@@ -12,12 +12,12 @@
  * one batch give the same ids and logits with and without recordings,
  * one recording per membership (a session leaving records again). Run on
  * cpu and on cpu-devsim (NL_TEST_DEVICE). */
-#include "check.h"
 #include "core/grow/grow.h"
 #include "core/model/batch.h"
 #include "core/model/forward.h"
 #include "core/model/model.h"
 #include "core/model/sampler.h"
+#include "tests/check.h"
 
 #include <stdlib.h>
 #include <string.h>

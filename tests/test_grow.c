@@ -8,13 +8,13 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-#include "check.h"
 #include "core/formats/checkpoint.h"
 #include "core/formats/manifest.h"
 #include "core/grow/grow.h"
 #include "core/model/forward.h"
 #include "core/model/memory.h"
 #include "core/train/train.h"
+#include "tests/check.h"
 
 static nl_config cfg_with(int64_t vocab)
 {

@@ -6,12 +6,12 @@
  * unsupported config), each refused with a message naming the fault and no
  * output file left behind. The comparison with transformers itself is
  * tests/hf/check_hf.py. */
-#include "check.h"
 #include "core/formats/checkpoint.h"
 #include "core/formats/fileio.h"
 #include "core/formats/hf.h"
 #include "core/formats/safetensors.h"
 #include "core/tokenizer/tokenizer.h"
+#include "tests/check.h"
 
 #include <dirent.h>
 #include <stdint.h>

@@ -8,8 +8,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "check.h"
 #include "core/data/labelled.h"
+#include "tests/check.h"
 
 /* A file of n examples "cK<TAB>example I", classes c0..c2. */
 static void write_examples(const char *path, int n)

@@ -7,8 +7,8 @@
 #include <string.h>
 
 #include "base/log.h"
-#include "check.h"
 #include "net/wire.h"
+#include "tests/check.h"
 
 /* Valid UTF-8, no control character (C0, DEL, C1). */
 static int clean_text(const char *s)

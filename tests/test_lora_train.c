@@ -16,10 +16,10 @@
  * Cases: adapters on attention (the fused CPU expert backward), on the
  * experts too (the grouped GEMMs' path), and a classification head
  * trained with the adapters. */
-#include "check.h"
 #include "core/model/lora.h"
 #include "core/model/rng.h"
 #include "core/train/train.h"
+#include "tests/check.h"
 
 /* ---------------------------------------------------------------- counting slots */
 

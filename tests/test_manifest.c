@@ -4,11 +4,11 @@
  * original's slices (moments too); a flipped byte, a wrong size and a
  * missing shard are refused naming the shard; broken manifests are
  * refused with typed errors naming the field. */
-#include "check.h"
 #include "core/formats/checkpoint.h"
 #include "core/formats/fileio.h"
 #include "core/formats/manifest.h"
 #include "core/formats/safetensors.h"
+#include "tests/check.h"
 
 #include <jansson.h>
 #include <sys/stat.h>

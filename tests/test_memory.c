@@ -14,9 +14,9 @@
  *    training steps the peak (the CPU's grown operand buffers included)
  *    stays within the prediction plus 5%. Skipped where no bf16 backend
  *    can be made. */
-#include "check.h"
 #include "core/model/memory.h"
 #include "core/train/train.h"
+#include "tests/check.h"
 
 #include <math.h>
 

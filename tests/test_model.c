@@ -3,11 +3,11 @@
  * the whole model, input validation, and the host synchronisations of a
  * decode step (device routing against NL_HOST_ROUTING=1). Numerics
  * against PyTorch are in test_golden. */
-#include "check.h"
 #include "core/model/forward.h"
 #include "core/model/layer.h"
 #include "core/model/model.h"
 #include "core/model/sampler.h"
+#include "tests/check.h"
 
 #include <stdlib.h>
 

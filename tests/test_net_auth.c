@@ -23,11 +23,11 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../base/log.h"
-#include "../cli/commands.h"
-#include "../net/transport.h"
-#include "check.h"
+#include "base/log.h"
+#include "cli/commands.h"
 #include "core/formats/fileio.h"
+#include "net/transport.h"
+#include "tests/check.h"
 
 /* ASan quarantines freed memory, so RSS says nothing about leaks there
  * (LeakSanitizer checks for them at exit instead). The runtime is found by

@@ -15,9 +15,9 @@
 #include <unistd.h>
 
 #include "base/log.h"
-#include "check.h"
 #include "coordinator/coord.h"
 #include "net/client.h"
+#include "tests/check.h"
 
 static volatile sig_atomic_t coord_stop;
 

@@ -22,9 +22,9 @@
 #include <zmq.h>
 
 #include "base/log.h"
-#include "check.h"
 #include "coordinator/coord.h"
 #include "net/transport.h"
+#include "tests/check.h"
 
 #define PART (64u << 20)
 #define PARTS 64

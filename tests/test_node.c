@@ -26,10 +26,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../base/log.h"
+#include "base/log.h"
 #include "core/model/forward.h"
 #include "core/model/sampler.h"
-#include "node_harness.h"
+#include "tests/node_harness.h"
 
 static void local_logits(nl_model *ref, const int32_t *tok, int B, int T, float *logits, float *aux)
 {

@@ -10,7 +10,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "node_harness.h"
+#include "tests/node_harness.h"
 
 /* ASSIGN the whole model to p and stream ref's weights to it. */
 static void load_whole(coord *c, peer *p, uint32_t node_id, nl_model *ref)

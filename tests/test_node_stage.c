@@ -18,7 +18,7 @@
  * Batched session hops and adapters: test_node_stage_batch.c. */
 #include <unistd.h>
 
-#include "stage_harness.h"
+#include "tests/stage_harness.h"
 
 /* ---- assignment and loading ---- */
 

@@ -14,7 +14,7 @@
 #include <unistd.h>
 
 #include "core/model/lora.h"
-#include "stage_harness.h"
+#include "tests/stage_harness.h"
 
 /* ---- batched session hops ---- */
 

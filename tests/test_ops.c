@@ -5,7 +5,7 @@
  * dereference of device memory, so the one program checks any device. The
  * backward and optimizer slots are test_ops_train.c's; the harness, the
  * tolerances and the shared references are ops_harness.h. */
-#include "ops_harness.h"
+#include "tests/ops_harness.h"
 
 /* ================================================================ memory */
 

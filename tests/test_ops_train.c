@@ -2,7 +2,7 @@
  * reference loops (as test_ops.c does the forward ones), on the backend
  * named by argv[1]; skipped (77) where the backend cannot train
  * (be->can_train unset). The harness is ops_harness.h. */
-#include "ops_harness.h"
+#include "tests/ops_harness.h"
 
 /* ================================================================ grouped gemm, wgrad */
 

@@ -6,11 +6,11 @@
 #include <inttypes.h>
 #include <stdint.h>
 
-#include "check.h"
 #include "core/model/memory.h"
 #include "core/model/model.h"
 #include "core/plan/planner.h"
 #include "core/plan/sizing.h"
+#include "tests/check.h"
 
 #define MB (1024ULL * 1024ULL)
 #define GIB (1024ULL * MB)

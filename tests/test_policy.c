@@ -25,16 +25,16 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../net/genparams.h"
-#include "../net/params.h"
-#include "../net/trainparams.h"
-#include "check.h"
 #include "core/data/data.h"
 #include "core/model/config.h"
 #include "core/model/lora.h"
 #include "core/tokenizer/tokenizer.h"
 #include "core/train/objective.h"
 #include "core/train/train.h"
+#include "net/genparams.h"
+#include "net/params.h"
+#include "net/trainparams.h"
+#include "tests/check.h"
 
 #define P_INT(k, v) ((nl_wire_param){.key = (k), .kind = NL_WIRE_PARAM_INT, .i = (v)})
 #define P_FLT(k, v) ((nl_wire_param){.key = (k), .kind = NL_WIRE_PARAM_FLOAT, .f = (v)})

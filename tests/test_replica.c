@@ -21,11 +21,11 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "../kernels/comm.h"
-#include "../kernels/comm_impl.h" /* the module's entry points, tested directly */
-#include "../node/node.h"
-#include "../node/stage.h"
-#include "check.h"
+#include "kernels/comm.h"
+#include "kernels/comm_impl.h" /* the module's entry points, tested directly */
+#include "node/node.h"
+#include "node/stage.h"
+#include "tests/check.h"
 
 #define R 3
 

@@ -17,12 +17,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../base/log.h"
-#include "../net/wire.h"
-#include "../node/stage.h"
-#include "../node/stage_impl.h" /* nl_stage_train_quiesce */
-#include "check.h"
+#include "base/log.h"
 #include "core/model/rng.h"
+#include "net/wire.h"
+#include "node/stage.h"
+#include "node/stage_impl.h" /* nl_stage_train_quiesce */
+#include "tests/check.h"
 
 #define NST 2
 #define REPS 2

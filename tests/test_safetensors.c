@@ -13,8 +13,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "check.h"
 #include "core/formats/safetensors.h"
+#include "tests/check.h"
 
 static char dir[4096];
 

@@ -6,8 +6,8 @@
  * selects one; an unknown one is 404), the Host and Content-Type a server
  * without tokens takes, connections per address and the deadline of a
  * non-streaming completion. Requests go over real loopback sockets. */
-#include "check.h"
 #include "serve/http.h"
+#include "tests/check.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>

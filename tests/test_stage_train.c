@@ -38,14 +38,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../base/log.h"
-#include "../net/hopdigest.h"
-#include "../net/wire.h"
-#include "../node/stage.h"
-#include "../node/stage_verify.h"
-#include "check.h"
+#include "base/log.h"
 #include "core/model/rng.h"
 #include "core/train/train.h"
+#include "net/hopdigest.h"
+#include "net/wire.h"
+#include "node/stage.h"
+#include "node/stage_verify.h"
+#include "tests/check.h"
 
 #define SEED 99
 #define NST 3

@@ -2,8 +2,8 @@
  * derived by hand, encoding against a naive reference, round trips on
  * random and awkward bytes, incremental learning, the file format and a
  * matrix of corrupt files. */
-#include "check.h"
 #include "core/tokenizer/tokenizer.h"
+#include "tests/check.h"
 
 #include <stdint.h>
 #include <unistd.h>

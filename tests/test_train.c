@@ -5,12 +5,12 @@
  * test_golden. */
 #include <float.h>
 
-#include "check.h"
 #include "core/data/data.h"
 #include "core/model/forward.h"
 #include "core/model/memory.h"
 #include "core/model/rng.h"
 #include "core/train/train.h"
+#include "tests/check.h"
 
 static nl_config small_config(void)
 {

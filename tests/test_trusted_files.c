@@ -10,9 +10,9 @@
 #include <zmq.h>
 
 #include "base/log.h"
-#include "check.h"
 #include "net/auth.h"
 #include "net/keys.h"
+#include "tests/check.h"
 
 static char dir[256];
 

@@ -14,11 +14,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../net/hopdigest.h"
-#include "../net/mpread.h"
-#include "../net/wire.h"
-#include "check.h"
-#include "wire_samples.h"
+#include "net/hopdigest.h"
+#include "net/mpread.h"
+#include "net/wire.h"
+#include "tests/check.h"
+#include "tests/wire_samples.h"
 
 /* ---- round trips ---- */
 

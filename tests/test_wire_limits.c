@@ -9,9 +9,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../net/wire.h"
-#include "check.h"
-#include "wire_samples.h"
+#include "net/wire.h"
+#include "tests/check.h"
+#include "tests/wire_samples.h"
 
 /* ---- limits ---- */
 

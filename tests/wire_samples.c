@@ -1,6 +1,6 @@
 /* Sample messages of every type and encode/decode helpers shared by the
  * wire codec's test programs. */
-#include "wire_samples.h"
+#include "tests/wire_samples.h"
 
 #include <stdlib.h>
 #include <string.h>

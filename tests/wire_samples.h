@@ -6,7 +6,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "../net/wire.h"
+#include "net/wire.h"
 
 extern const nl_msg_type all_types[];
 extern const int wire_ntypes;

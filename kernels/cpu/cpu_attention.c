@@ -4,8 +4,8 @@
  * T, never with T^2. Causal by default; under a DESIGN section 6 mask
  * (bidirectional, local window, packed documents) a tile walks only the
  * keys its window reaches, so a local layer costs O(T W). */
-#include "cpu_math.h"
-#include "cpu_ops.h"
+#include "kernels/cpu/cpu_math.h"
+#include "kernels/cpu/cpu_ops.h"
 
 #include <math.h>
 #include <string.h>

@@ -17,8 +17,8 @@
  * idle. Splitting further (by key block, with per-thread dq partials and a
  * reduction) would need scratch from the caller, which this slot's
  * signature does not carry. */
-#include "cpu_math.h"
-#include "cpu_ops.h"
+#include "kernels/cpu/cpu_math.h"
+#include "kernels/cpu/cpu_ops.h"
 
 #include <math.h>
 #include <string.h>

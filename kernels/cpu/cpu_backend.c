@@ -1,11 +1,11 @@
 /* The CPU backend: GEMM through oneDNN's dnnl_sgemm (or its bf16 GEMM,
  * cpu_bf16.c), the other ops as
  * plain C loops that the compiler vectorises, threaded with OpenMP. */
-#include "../backend.h"
-#include "../backend_impl.h"
-#include "../elem.h"
-#include "cpu_math.h"
-#include "cpu_ops.h"
+#include "kernels/backend.h"
+#include "kernels/backend_impl.h"
+#include "kernels/cpu/cpu_math.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/elem.h"
 
 #include <math.h>
 #include <omp.h>

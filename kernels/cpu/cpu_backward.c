@@ -5,8 +5,8 @@
  * weight gradient summed over rows) split the work by column blocks
  * instead of rows, so no two threads write the same float. This file is
  * built with -fno-math-errno so that sqrtf vectorises. */
-#include "cpu_math.h"
-#include "cpu_ops.h"
+#include "kernels/cpu/cpu_math.h"
+#include "kernels/cpu/cpu_ops.h"
 
 #include <math.h>
 #include <string.h>

@@ -9,9 +9,9 @@
  *
  * Rounding: every operand element goes to bf16 by round-to-nearest-even
  * (relative error at most 2^-8 per element); products and sums are FP32. */
-#include "cpu_ops.h"
+#include "kernels/cpu/cpu_ops.h"
 
-#include "../elem.h"
+#include "kernels/elem.h"
 
 #include <immintrin.h>
 #include <omp.h>

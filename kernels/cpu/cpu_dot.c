@@ -18,7 +18,7 @@
  * and a row of B in the 16 AVX2 registers; columns go in panels that
  * keep their part of B in L2, and threads take whole panels. Without
  * AVX2 and FMA (a portable build) the same order is computed in C. */
-#include "cpu_ops.h"
+#include "kernels/cpu/cpu_ops.h"
 
 #include <math.h>
 

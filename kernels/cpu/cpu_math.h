@@ -5,6 +5,6 @@
 #ifndef NL_CPU_MATH_H
 #define NL_CPU_MATH_H
 
-#include "../elem.h"
+#include "kernels/elem.h"
 
 #endif

@@ -16,7 +16,7 @@
  * batch meets a few hundred shapes (6 or so GEMMs times every row count
  * up to its rows). Building a primitive costs about 150 us the first time
  * and about 5 us again (oneDNN keeps its own cache of 1024). */
-#include "cpu_ops.h"
+#include "kernels/cpu/cpu_ops.h"
 
 #include <omp.h>
 #include <stdint.h>

@@ -5,9 +5,9 @@
  * operation, so the CPU's results did not change by a bit. The grouped
  * GEMMs read the device offsets directly (host memory) and make the same
  * per-expert gemm calls in the same order. */
-#include "cpu_ops.h"
+#include "kernels/cpu/cpu_ops.h"
 
-#include "../elem.h"
+#include "kernels/elem.h"
 
 #include <string.h>
 

@@ -2,7 +2,7 @@
 #ifndef NL_CPU_OPS_H
 #define NL_CPU_OPS_H
 
-#include "../backend.h"
+#include "kernels/backend.h"
 
 #include <stddef.h>
 #include <stdint.h>

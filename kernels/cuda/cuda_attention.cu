@@ -28,9 +28,9 @@
  *
  * The online-softmax step and merge are kernels/elem.h's, shared with the
  * CPU backend. */
-#include "cuda_attention.h"
+#include "kernels/cuda/cuda_attention.h"
 
-#include "../elem.h"
+#include "kernels/elem.h"
 
 #include <cuda_runtime.h>
 #include <limits.h>
@@ -39,9 +39,9 @@
 namespace
 {
 
-#include "cuda_reduce.cuh"
+#include "kernels/cuda/cuda_reduce.cuh"
 
-#include "cuda_mask.cuh"
+#include "kernels/cuda/cuda_mask.cuh"
 
 constexpr int BK = 32;           /* keys per tile or chunk: one per lane */
 constexpr int PREFILL_WARPS = 4; /* warps per prefill block */

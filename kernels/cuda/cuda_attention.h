@@ -8,7 +8,7 @@
 extern "C" {
 #endif
 
-#include "../backend.h"
+#include "kernels/backend.h"
 
 /* Causal grouped-query attention with an online softmax, the twin of
  * nl_cpu_attention_forward (see the attention_forward slot in backend.h):

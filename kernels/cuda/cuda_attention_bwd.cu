@@ -30,9 +30,9 @@
  * the mask hides (another document) gets p = dS = 0.
  *
  * elem.h's exponential is the one the forward and the CPU backend use. */
-#include "cuda_attention_bwd.h"
+#include "kernels/cuda/cuda_attention_bwd.h"
 
-#include "../elem.h"
+#include "kernels/elem.h"
 
 #include <cuda_runtime.h>
 #include <limits.h>
@@ -43,7 +43,7 @@ namespace
 
 constexpr int WARP = 32;
 
-#include "cuda_mask.cuh"
+#include "kernels/cuda/cuda_mask.cuh"
 
 constexpr int TILE_WARPS = 4; /* warps per dkdv or dq block */
 constexpr int NT = TILE_WARPS * WARP;

@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#include "../backend.h"
+#include "kernels/backend.h"
 
 #include <stddef.h>
 

@@ -48,11 +48,11 @@
  * mem_info reports. Kernels that cuBLAS loads lazily on first use are not
  * included either. */
 extern "C" {
-#include "../../base/log.h"
+#include "base/log.h"
 }
-#include "cuda_backend_impl.h"
-#include "cuda_backward.h"
-#include "cuda_comm.h"
+#include "kernels/cuda/cuda_backend_impl.h"
+#include "kernels/cuda/cuda_backward.h"
+#include "kernels/cuda/cuda_comm.h"
 
 #include <stdarg.h>
 #include <stdio.h>

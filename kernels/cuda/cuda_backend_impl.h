@@ -7,11 +7,11 @@
 #pragma once
 
 extern "C" {
-#include "../backend.h"
-#include "../backend_impl.h"
+#include "kernels/backend.h"
+#include "kernels/backend_impl.h"
 }
-#include "cuda_cudnn.h"
-#include "cuda_mixed.h"
+#include "kernels/cuda/cuda_cudnn.h"
+#include "kernels/cuda/cuda_mixed.h"
 
 #include <cublasLt.h>
 #include <cublas_v2.h>

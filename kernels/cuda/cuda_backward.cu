@@ -22,9 +22,9 @@
  *
  * Offsets are size_t (N x V logits pass 2^31). Grids are capped at
  * MAX_BLOCKS; rows past it are strided. No dynamic shared memory. */
-#include "cuda_backward.h"
+#include "kernels/cuda/cuda_backward.h"
 
-#include "../elem.h"
+#include "kernels/elem.h"
 
 #include <cuda_runtime.h>
 #include <math.h>
@@ -33,7 +33,7 @@
 namespace
 {
 
-#include "cuda_reduce.cuh"
+#include "kernels/cuda/cuda_reduce.cuh"
 
 constexpr int ELEM_THREADS = 256;
 constexpr int SORT_TILE = 2048; /* keys sorted in shared memory (16 KiB) */

@@ -19,10 +19,10 @@
  * Built without NCCL (NL_NCCL=OFF, or no NCCL found), nl_cuda_comm_new
  * fails with NL_ERR_UNSUPPORTED; nl_comm_new then uses the host's. */
 extern "C" {
-#include "../backend.h"
-#include "../comm_impl.h"
+#include "kernels/backend.h"
+#include "kernels/comm_impl.h"
 }
-#include "cuda_comm.h"
+#include "kernels/cuda/cuda_comm.h"
 
 #include <cuda_runtime.h>
 #if NL_HAVE_NCCL

@@ -5,7 +5,7 @@
 
 #include <cuda_runtime.h>
 
-#include "../backend.h"
+#include "kernels/backend.h"
 
 /* The device and the stream of a backend of this module; false (nothing
  * set) when be was not made by this module. */

@@ -18,11 +18,11 @@
  * wanted; `past` is not in it (the padding mask's sequence lengths are
  * device values), so a decode reuses one graph. At most NL_CUDNN_MAX_GRAPHS
  * keys are kept: a full cache drops one entry (an arbitrary one) first. */
-#include "cuda_cudnn.h"
-#include "cudnn_sdpa_desc.h"
+#include "kernels/cuda/cuda_cudnn.h"
+#include "kernels/cuda/cudnn_sdpa_desc.h"
 
 extern "C" {
-#include "../../base/log.h"
+#include "base/log.h"
 }
 
 #include <stdlib.h>

@@ -21,7 +21,7 @@
 #ifndef NL_CUDA_CUDNN_H
 #define NL_CUDA_CUDNN_H
 
-#include "../backend.h"
+#include "kernels/backend.h"
 
 #include <stddef.h>
 #include <stdint.h>

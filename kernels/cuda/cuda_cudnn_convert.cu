@@ -2,8 +2,8 @@
  * rows to packed bf16 rows and back, rounded to nearest even, and a fill of
  * the padding mask's sequence lengths. Row mapping: cudnn_sdpa_desc.h's
  * nl_sdpa_strided_row, which tests/test_cudnn_desc.c checks on the CPU. */
-#include "cuda_cudnn.h"
-#include "cudnn_sdpa_desc.h"
+#include "kernels/cuda/cuda_cudnn.h"
+#include "kernels/cuda/cudnn_sdpa_desc.h"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

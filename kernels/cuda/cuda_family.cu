@@ -9,9 +9,9 @@
  *   double (nl_elem_yarn_freq) and cos and sin scaled by m in double before
  *   the rounding to float, as the CPU does.
  * No atomics, no dynamic shared memory, no allocation. */
-#include "cuda_family.h"
+#include "kernels/cuda/cuda_family.h"
 
-#include "../elem.h"
+#include "kernels/elem.h"
 
 #include <cuda_runtime.h>
 #include <math.h>
@@ -20,7 +20,7 @@
 namespace
 {
 
-#include "cuda_reduce.cuh"
+#include "kernels/cuda/cuda_reduce.cuh"
 
 constexpr int ROPE_THREADS = 128;
 

@@ -17,7 +17,7 @@
 extern "C" {
 #endif
 
-#include "../backend.h"
+#include "kernels/backend.h"
 
 #include <stdint.h>
 

@@ -9,10 +9,10 @@
  * tree, as the few-row grouped GEMM (cuda_moe.cu) does. Nothing depends
  * on the other rows of the call: a row gives the same bits alone or among
  * others. No atomics, no dynamic shared memory, no allocation. */
-#include "cuda_fused.h"
+#include "kernels/cuda/cuda_fused.h"
 
-#include "../backend.h"
-#include "../elem.h"
+#include "kernels/backend.h"
+#include "kernels/elem.h"
 
 #include <cuda_runtime.h>
 #include <math.h>
@@ -21,7 +21,7 @@
 namespace
 {
 
-#include "cuda_reduce.cuh"
+#include "kernels/cuda/cuda_reduce.cuh"
 
 constexpr int ROUTE_THREADS = 256; /* one block per row */
 constexpr int DOT_WARPS = 8;       /* gate/up and down: a warp per output column */

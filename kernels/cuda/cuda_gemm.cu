@@ -3,10 +3,10 @@
  * its descriptor cache and the bf16 weight copies, and the grouped expert
  * GEMMs (one-launch kernels, or per expert through cuBLASLt for the
  * forward's many rows). */
-#include "cuda_backend_impl.h"
-#include "cuda_gemm_plan.h"
-#include "cuda_moe.h"
-#include "cuda_ops.h"
+#include "kernels/cuda/cuda_backend_impl.h"
+#include "kernels/cuda/cuda_gemm_plan.h"
+#include "kernels/cuda/cuda_moe.h"
+#include "kernels/cuda/cuda_ops.h"
 
 #include <string.h>
 

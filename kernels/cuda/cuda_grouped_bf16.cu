@@ -22,10 +22,10 @@
  * group's rows or the matrix read 0, stores go through a per-warp staging
  * tile with bounds checks. Not yet tuned or run on a GPU: no cp.async, no
  * wgmma; cuBLASLt's dense kernels are faster per FLOP. */
-#include "cuda_mixed.cuh"
-#include "cuda_mixed.h"
+#include "kernels/cuda/cuda_mixed.cuh"
+#include "kernels/cuda/cuda_mixed.h"
 
-#include "../elem.h"
+#include "kernels/elem.h"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

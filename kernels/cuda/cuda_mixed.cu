@@ -8,10 +8,10 @@
  * Rounding: nl_elem_to_bf16 (kernels/elem.h), the CPU's rule, so a copy
  * made here holds the bits cpu_bf16.c makes. No atomics, no dynamic shared
  * memory, no allocation. */
-#include "cuda_mixed.cuh"
-#include "cuda_mixed.h"
+#include "kernels/cuda/cuda_mixed.cuh"
+#include "kernels/cuda/cuda_mixed.h"
 
-#include "../elem.h"
+#include "kernels/elem.h"
 
 #include <cuda_runtime.h>
 #include <stdint.h>

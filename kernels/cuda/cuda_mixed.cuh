@@ -4,7 +4,7 @@
 #ifndef NL_CUDA_MIXED_CUH
 #define NL_CUDA_MIXED_CUH
 
-#include "../elem.h"
+#include "kernels/elem.h"
 
 #include <stdint.h>
 

@@ -7,10 +7,10 @@
  * (the choices, offsets and tables are the same integers); the grouped
  * GEMM sums in ascending p with fused multiply-adds, like any SGEMM.
  * No atomics, no dynamic shared memory, no allocation. */
-#include "cuda_moe.h"
+#include "kernels/cuda/cuda_moe.h"
 
-#include "../backend.h"
-#include "../elem.h"
+#include "kernels/backend.h"
+#include "kernels/elem.h"
 
 #include <cuda_runtime.h>
 #include <math.h>
@@ -19,7 +19,7 @@
 namespace
 {
 
-#include "cuda_reduce.cuh"
+#include "kernels/cuda/cuda_reduce.cuh"
 
 constexpr int ROW_THREADS = 128;   /* route and router backward: one thread per row */
 constexpr int TABLE_THREADS = 256; /* the one block of the tables and the aux loss */

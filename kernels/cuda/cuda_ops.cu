@@ -15,10 +15,10 @@
  *   every thread gets the same result. Block sizes are multiples of 32.
  * - offsets are size_t: row * width never overflows.
  * No atomics, no dynamic shared memory, no allocation. */
-#include "cuda_ops.h"
+#include "kernels/cuda/cuda_ops.h"
 
-#include "../backend.h"
-#include "../elem.h"
+#include "kernels/backend.h"
+#include "kernels/elem.h"
 
 #include <cuda_runtime.h>
 #include <limits.h>
@@ -28,7 +28,7 @@
 namespace
 {
 
-#include "cuda_reduce.cuh"
+#include "kernels/cuda/cuda_reduce.cuh"
 
 constexpr int ROPE_THREADS = 128;
 

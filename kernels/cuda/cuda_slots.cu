@@ -4,14 +4,14 @@
  * cuda_backend_impl.h; the kernels: cuda_ops.cu, cuda_attention*.cu,
  * cuda_backward.cu, cuda_moe.cu, cuda_family.cu, cuda_fused.cu; in bf16 mode attention
  * first offers the call to cuDNN, cuda_cudnn.h). */
-#include "cuda_attention.h"
-#include "cuda_attention_bwd.h"
-#include "cuda_backend_impl.h"
-#include "cuda_backward.h"
-#include "cuda_family.h"
-#include "cuda_fused.h"
-#include "cuda_moe.h"
-#include "cuda_ops.h"
+#include "kernels/cuda/cuda_attention.h"
+#include "kernels/cuda/cuda_attention_bwd.h"
+#include "kernels/cuda/cuda_backend_impl.h"
+#include "kernels/cuda/cuda_backward.h"
+#include "kernels/cuda/cuda_family.h"
+#include "kernels/cuda/cuda_fused.h"
+#include "kernels/cuda/cuda_moe.h"
+#include "kernels/cuda/cuda_ops.h"
 
 namespace nl_cu
 {

@@ -36,7 +36,7 @@
 #ifndef NL_CUDNN_SDPA_DESC_H
 #define NL_CUDNN_SDPA_DESC_H
 
-#include "../backend.h"
+#include "kernels/backend.h"
 
 #include <math.h>
 #include <stdint.h>

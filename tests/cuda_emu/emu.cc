@@ -15,7 +15,7 @@
  * Failures (a barrier that not every thread reaches, a shuffle whose lanes
  * are at different call sites, a bad configuration) abandon the launch:
  * the message goes to stderr and cudaGetLastError returns an error. */
-#include "cuda_runtime.h"
+#include "tests/cuda_emu/cuda_runtime.h"
 
 #include <pthread.h>
 #include <stdarg.h>

@@ -18,11 +18,11 @@
  * (floored at 1/4 of the largest of dq, dk, dv: see run_case); padding
  * columns must stay NaN; the run without scratch must equal the run with
  * it to the bit. */
-#include "cuda_runtime.h"
+#include "tests/cuda_emu/cuda_runtime.h"
 
 #include "cuda_attention_bwd.cu.cc"
 
-#include "../check.h"
+#include "tests/check.h"
 
 extern "C" {
 #include "kernels/backend.h"

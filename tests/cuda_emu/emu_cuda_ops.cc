@@ -2,6 +2,6 @@
  * __CUDA_ARCH__, so kernels/elem.h takes its device branch), then the
  * kernel source with its launches rewritten at build time
  * (chevrons.cmake). */
-#include "cuda_runtime.h"
+#include "tests/cuda_emu/cuda_runtime.h"
 
 #include "cuda_ops.cu.cc"

@@ -19,11 +19,11 @@
  * as NaN between NaN guards that must survive; in the windowed cases the
  * cache rows that no query's window reaches are NaN too, so a kernel that
  * read them would poison its output. */
-#include "cuda_runtime.h"
+#include "tests/cuda_emu/cuda_runtime.h"
 
 #include "cuda_family.cu.cc"
 
-#include "../check.h"
+#include "tests/check.h"
 
 extern "C" {
 #include "kernels/backend.h"

@@ -15,11 +15,11 @@
  * choices equal; xn and probs 1e-5 norm-wise per row (a reduction's other
  * order); hs and x 1e-5 norm-wise per row (dots in another order, FMA).
  * Rows computed alone give the bits of the rows computed together. */
-#include "cuda_runtime.h"
+#include "tests/cuda_emu/cuda_runtime.h"
 
 #include "cuda_fused.cu.cc"
 
-#include "../check.h"
+#include "tests/check.h"
 
 extern "C" {
 #include "kernels/backend.h"

@@ -16,11 +16,11 @@
  * odd widths, padded strides with NaN in the padding, a max_rows below
  * the true count (the row-tile loop), rows past offsets[G] left alone:
  * 1e-5 norm-wise per row against the CPU's per-group gemm. */
-#include "cuda_runtime.h"
+#include "tests/cuda_emu/cuda_runtime.h"
 
 #include "cuda_moe.cu.cc"
 
-#include "../check.h"
+#include "tests/check.h"
 
 extern "C" {
 #include "kernels/backend.h"

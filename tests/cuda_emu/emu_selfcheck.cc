@@ -14,12 +14,12 @@
  *     must differ between blocks (the warp order varies);
  *   - a partial warp (48 threads): a shuffle from a lane that does not
  *     exist must give NaN, not the caller's own value. */
-#include "cuda_runtime.h"
+#include "tests/cuda_emu/cuda_runtime.h"
 
 /* kernels written here, so launched in the form chevrons.cmake gives the
  * real sources' k<<<grid, block>>>(args): k | emu_cfg(grid, block)(args) */
 
-#include "../check.h"
+#include "tests/check.h"
 
 #include <math.h>
 #include <vector>

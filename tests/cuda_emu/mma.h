@@ -17,7 +17,7 @@
 #ifndef NL_EMU_MMA_H
 #define NL_EMU_MMA_H
 
-#include "cuda_bf16.h"
+#include "tests/cuda_emu/cuda_bf16.h"
 
 #include <math.h>
 #include <stdint.h>

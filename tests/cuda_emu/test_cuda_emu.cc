@@ -16,8 +16,8 @@
  * reductions, norms and softmax 1e-5 relative; RoPE and the MoE combine,
  * whose terms cancel, 1e-6 norm-wise per row; attention 1e-5 of the
  * output's max-norm, lse 1e-5 relative (absolute below 1). */
-#include "../check.h"
-#include "cuda_runtime.h"
+#include "tests/check.h"
+#include "tests/cuda_emu/cuda_runtime.h"
 
 extern "C" {
 #include "kernels/backend.h"

@@ -18,8 +18,8 @@
  *    the bf16-rounded operands (1e-5 norm-wise per row), empty groups left
  *    alone, rows past the last group left alone, NaN in the strides'
  *    padding never read, an understated max_rows. */
-#include "../check.h"
-#include "cuda_runtime.h"
+#include "tests/check.h"
+#include "tests/cuda_emu/cuda_runtime.h"
 
 #include "kernels/cuda/cuda_mixed.cuh"
 #include "kernels/cuda/cuda_mixed.h"
