@@ -29,7 +29,7 @@
 #define REJOIN_FIRST_MS 250  /* the first pause between JOINs when joining again */
 #define REJOIN_MAX_MS 8000   /* ... doubling up to this */
 
-int64_t nl_node_mono_ms(void)
+int64_t node_mono_ms(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -50,7 +50,7 @@ static bool halted(const node *n)
 /* ===================== sending ===================== */
 
 /* Send tx on the control socket; a failure is logged (the caller goes on). */
-nl_status nl_node_send_ctl(node *n, const char *what)
+nl_status node_send_ctl(node *n, const char *what)
 {
     nl_error e;
     nl_status st = nl_sock_send(n->ctl, NULL, 0, &n->tx, &e);
@@ -60,7 +60,7 @@ nl_status nl_node_send_ctl(node *n, const char *what)
 }
 
 /* ERROR {code, req_type, message} to the coordinator, logged as well. */
-void nl_node_send_error(node *n, nl_status code, nl_msg_type req_type, const char *fmt, ...)
+void node_send_error(node *n, nl_status code, nl_msg_type req_type, const char *fmt, ...)
 {
     char text[1025];
     va_list ap;
@@ -72,13 +72,13 @@ void nl_node_send_error(node *n, nl_status code, nl_msg_type req_type, const cha
     n->tx.u.error.code = code > 0 && code < 1000 ? (uint32_t)code : NL_ERR_INTERNAL;
     n->tx.u.error.req_type = req_type;
     n->tx.u.error.message = text;
-    nl_node_send_ctl(n, "ERROR");
+    node_send_ctl(n, "ERROR");
 }
 
 /* The failure of one job's work here: JOB_STATUS {job, failed, message}
  * to the coordinator, which fails that job and no other. Logged as well. */
-void nl_node_fail_job(node *n, uint64_t job, nl_status code, nl_msg_type req_type, const char *fmt,
-                      ...)
+void node_fail_job(node *n, uint64_t job, nl_status code, nl_msg_type req_type, const char *fmt,
+                   ...)
 {
     char text[1025];
     va_list ap;
@@ -86,7 +86,7 @@ void nl_node_fail_job(node *n, uint64_t job, nl_status code, nl_msg_type req_typ
     vsnprintf(text, sizeof text, fmt, ap);
     va_end(ap);
     if (!job) { /* nothing to pin it on */
-        nl_node_send_error(n, code, req_type, "%s", text);
+        node_send_error(n, code, req_type, "%s", text);
         return;
     }
     const char *why = nl_status_str(code);
@@ -104,12 +104,12 @@ void nl_node_fail_job(node *n, uint64_t job, nl_status code, nl_msg_type req_typ
     snprintf(msg, sizeof msg, "%.*s (%s)", (int)keep, text, why);
     nl_wire_msg_reset(&n->tx, NL_MSG_JOB_STATUS);
     n->tx.u.job_status = (nl_msg_job_status){job, NL_JOB_FAILED, 0.0, msg};
-    nl_node_send_ctl(n, "JOB_STATUS");
+    node_send_ctl(n, "JOB_STATUS");
 }
 
-void nl_node_send_heartbeat(node *n)
+void node_send_heartbeat(node *n)
 {
-    int64_t now = nl_node_mono_ms();
+    int64_t now = node_mono_ms();
     if (n->rejoining) { /* the coordinator does not know this node: JOIN, not HEARTBEAT */
         n->next_hb_ms = now + n->heartbeat_ms;
         return;
@@ -128,7 +128,7 @@ void nl_node_send_heartbeat(node *n)
     n->tx.u.heartbeat.batches = f.batches;
     n->tx.u.heartbeat.compute_s = f.compute_s;
     n->tx.u.heartbeat.hop_s = f.hop_s;
-    nl_node_send_ctl(n, "HEARTBEAT");
+    node_send_ctl(n, "HEARTBEAT");
     n->window_ms = now;
     n->busy_ms = 0;
     n->next_hb_ms = now + n->heartbeat_ms;
@@ -138,22 +138,22 @@ void nl_node_send_heartbeat(node *n)
  * that the next forward or assignment may reuse its buffer. A send stuck
  * on a dead peer is given up after SEND_WAIT_MS: the stage then refuses
  * the work with NL_ERR_TIMEOUT, until an ASSIGN closes that socket. */
-void nl_node_wait_sent(node *n)
+void node_wait_sent(node *n)
 {
     nl_txref *ref = nl_stage_txref(n->stage);
-    int64_t end = nl_node_mono_ms() + SEND_WAIT_MS;
-    while (!nl_txref_idle(ref) && nl_node_mono_ms() < end && !stopping(n)) {
-        if (nl_node_mono_ms() >= n->next_hb_ms)
-            nl_node_send_heartbeat(n);
+    int64_t end = node_mono_ms() + SEND_WAIT_MS;
+    while (!nl_txref_idle(ref) && node_mono_ms() < end && !stopping(n)) {
+        if (node_mono_ms() >= n->next_hb_ms)
+            node_send_heartbeat(n);
         nanosleep(&(struct timespec){0, 100000}, NULL);
     }
 }
 
 /* ===================== joining ===================== */
 
-nl_status nl_node_make_socket(node *n, nl_sock **out, int type, bool server, const char *server_key,
-                              const char *name, nl_sock_kind kind, int linger_ms,
-                              int send_timeout_ms, nl_error *err)
+nl_status node_make_socket(node *n, nl_sock **out, int type, bool server, const char *server_key,
+                           const char *name, nl_sock_kind kind, int linger_ms, int send_timeout_ms,
+                           nl_error *err)
 {
     nl_sock_opts so = {.type = type,
                        .keys = n->o->keys,
@@ -172,14 +172,14 @@ nl_status nl_node_make_socket(node *n, nl_sock **out, int type, bool server, con
 static nl_status connect_control(node *n, nl_error *err)
 {
     const nl_node_opts *o = n->o;
-    int64_t deadline = nl_node_mono_ms() + o->connect_timeout_ms;
+    int64_t deadline = node_mono_ms() + o->connect_timeout_ms;
     int wait_ms = 500;
     for (int attempt = 1;; attempt++) {
         nl_handshake *hs = NULL; /* a refused key is said at once, not retried */
         /* what the coordinator sends (weights in 4 MiB chunks, tokens) is
          * control-sized (net/transport.h) */
-        nl_status st = nl_node_make_socket(n, &n->ctl, ZMQ_DEALER, false, o->coordinator_key,
-                                           "control", NL_SOCK_CONTROL, 1000, 3000, err);
+        nl_status st = node_make_socket(n, &n->ctl, ZMQ_DEALER, false, o->coordinator_key,
+                                        "control", NL_SOCK_CONTROL, 1000, 3000, err);
         if (st == NL_OK && !o->plaintext)
             st = nl_handshake_watch(&hs, n->net, n->ctl, err);
         if (st == NL_OK)
@@ -188,13 +188,13 @@ static nl_status connect_control(node *n, nl_error *err)
             nl_handshake_destroy(&hs);
             return st;
         }
-        int64_t left = deadline - nl_node_mono_ms(), t0 = nl_node_mono_ms();
+        int64_t left = deadline - node_mono_ms(), t0 = node_mono_ms();
         int ms = left < wait_ms ? (int)(left > 0 ? left : 1) : wait_ms;
         if (hs)
             st = nl_handshake_wait(hs, o->coordinator, ms, err);
         nl_handshake_destroy(&hs);
         if (st == NL_ERR_IO) { /* connection refused: the coordinator may not be up yet */
-            int64_t rest = ms - (nl_node_mono_ms() - t0);
+            int64_t rest = ms - (node_mono_ms() - t0);
             if (rest > 0)
                 nanosleep(&(struct timespec){rest / 1000, (rest % 1000) * 1000000L}, NULL);
             st = NL_ERR_TIMEOUT;
@@ -207,7 +207,7 @@ static nl_status connect_control(node *n, nl_error *err)
         if (stopping(n))
             return nl_error_set(err, NL_ERR_TIMEOUT, "stopped while connecting to %s",
                                 o->coordinator);
-        left = deadline - nl_node_mono_ms();
+        left = deadline - node_mono_ms();
         if (left <= 0)
             return nl_error_set(err, NL_ERR_TIMEOUT,
                                 "no answer from the coordinator at %s within %d ms (is it "
@@ -239,9 +239,9 @@ static nl_status join(node *n, nl_error *err)
     nl_status st = nl_sock_send(n->ctl, NULL, 0, &n->tx, err);
     if (st != NL_OK)
         return st;
-    int64_t deadline = nl_node_mono_ms() + ACCEPT_WAIT_MS;
+    int64_t deadline = node_mono_ms() + ACCEPT_WAIT_MS;
     while (!stopping(n)) {
-        int64_t left = deadline - nl_node_mono_ms();
+        int64_t left = deadline - node_mono_ms();
         if (left <= 0)
             break;
         st = nl_sock_recv(n->ctl, &n->rx, (int)left, err);
@@ -275,7 +275,7 @@ static nl_status join(node *n, nl_error *err)
 static nl_status open_device(node *n, nl_error *err)
 {
     nl_node_device *d = &n->dev; /* freed with the node, whether or not the rest worked */
-    nl_status st = nl_node_device_open(d, n->o, err);
+    nl_status st = node_device_open(d, n->o, err);
     n->gflops = d->gflops;
     n->threads = d->threads;
     n->memory = d->memory;
@@ -315,7 +315,7 @@ static nl_status start(node *n, nl_error *err)
                         .batch_decode = o->batch_decode,
                         .prefill_chunk = o->prefill_chunk,
                         .batch_wait_ms = o->batch_wait_ms,
-                        .send_wait_ms = 1, /* nl_node_wait_sent waited already */
+                        .send_wait_ms = 1, /* node_wait_sent waited already */
                         .ckpt_root = n->ckpt_root ? n->ckpt_root : "/nonexistent",
                         .inject_nan_step = o->inject_nan_step,
                         .inject_nan_stage = o->inject_nan_stage,
@@ -329,8 +329,8 @@ static nl_status start(node *n, nl_error *err)
     if ((st = nl_stage_new_replicas(&n->stage, n->dev.be, n->dev.n, n->dev.comm, &so, err)) !=
             NL_OK ||
         (st = nl_net_new(&n->net, NULL, err)) != NL_OK ||
-        (st = nl_node_make_socket(n, &n->data, ZMQ_ROUTER, true, NULL, "data", NL_SOCK_BULK, 0, 0,
-                                  err)) != NL_OK ||
+        (st = node_make_socket(n, &n->data, ZMQ_ROUTER, true, NULL, "data", NL_SOCK_BULK, 0, 0,
+                               err)) != NL_OK ||
         (st = nl_sock_bind(n->data, o->listen, err)) != NL_OK)
         return st;
     /* a next stage behind NAT that dials again (its link dropped) takes its
@@ -352,8 +352,8 @@ static nl_status start(node *n, nl_error *err)
     }
     NL_INFO("joined %s as node %u (data %s, heartbeat %u ms, timeout %u ms)", o->coordinator,
             n->node_id, nl_sock_endpoint(n->data), n->heartbeat_ms, n->timeout_ms);
-    n->window_ms = nl_node_mono_ms();
-    nl_node_send_heartbeat(n);
+    n->window_ms = node_mono_ms();
+    node_send_heartbeat(n);
     return NL_OK;
 }
 
@@ -371,20 +371,20 @@ static void start_rejoin(node *n, const char *why)
     NL_WARN("the coordinator does not know this node (%s): joining again",
             nl_log_escape(text, sizeof text, why));
     if (nl_stage_train_running(n->stage, &job))
-        nl_node_end_job(n, job);
+        node_end_job(n, job);
     n->rejoining = true;
-    n->rejoin_at_ms = nl_node_mono_ms();
+    n->rejoin_at_ms = node_mono_ms();
     n->rejoin_wait_ms = REJOIN_FIRST_MS;
 }
 
 /* While joining again: JOIN when its time has come, then wait longer. */
 static void rejoin_tick(node *n)
 {
-    const int64_t now = nl_node_mono_ms();
+    const int64_t now = node_mono_ms();
     if (!n->rejoining || now < n->rejoin_at_ms)
         return;
     fill_join(n);
-    nl_node_send_ctl(n, "JOIN");
+    node_send_ctl(n, "JOIN");
     n->rejoins++;
     n->rejoin_at_ms = now + n->rejoin_wait_ms;
     n->rejoin_wait_ms =
@@ -405,7 +405,7 @@ static void accepted_again(node *n, const nl_msg_accept *a)
     NL_INFO("joined again as node %u after %d JOIN(s) (heartbeat %u ms)", n->node_id, n->rejoins,
             n->heartbeat_ms);
     n->rejoins = 0;
-    nl_node_send_heartbeat(n);
+    node_send_heartbeat(n);
 }
 
 /* ===================== dispatch ===================== */
@@ -418,10 +418,10 @@ static void verify(node *n, const nl_wire_msg *m)
     nl_error e;
     nl_status st = nl_verify_answer(n->stage, m, &n->tx, hex, &e);
     if (st != NL_OK) {
-        nl_node_send_error(n, st, NL_MSG_VERIFY_CASE, "%s", e.msg);
+        node_send_error(n, st, NL_MSG_VERIFY_CASE, "%s", e.msg);
         return;
     }
-    nl_node_send_ctl(n, "VERIFY_RESULT");
+    node_send_ctl(n, "VERIFY_RESULT");
 }
 
 static void on_control(node *n)
@@ -430,35 +430,35 @@ static void on_control(node *n)
     char text[1100]; /* a peer's free text, escaped for the log */
     switch (m->type) {
     case NL_MSG_ASSIGN:
-        nl_node_handle_assign(n, &m->u.assign);
+        node_handle_assign(n, &m->u.assign);
         break;
     case NL_MSG_LAYER_LOAD:
-        nl_node_handle_layer_load(n, m);
+        node_handle_layer_load(n, m);
         break;
     case NL_MSG_LOAD_DONE:
-        nl_node_handle_load_done(n, &m->u.load_done);
+        node_handle_load_done(n, &m->u.load_done);
         break;
     case NL_MSG_ACTIVATION:
     case NL_MSG_COUNT:
     case NL_MSG_EVAL:
-        if (nl_node_is_train_hop(m))
-            nl_node_handle_train(n, m);
+        if (node_is_train_hop(m))
+            node_handle_train(n, m);
         else
-            nl_node_handle_activation(n, m);
+            node_handle_activation(n, m);
         break;
     case NL_MSG_STEP:
     case NL_MSG_CKPT_REQ:
     case NL_MSG_VERIFY_REQ:
-        nl_node_handle_train(n, m);
+        node_handle_train(n, m);
         break;
     case NL_MSG_VERIFY_CASE:
         verify(n, m);
         break;
     case NL_MSG_JOB_SUBMIT:
-        nl_node_handle_job_submit(n, &m->u.job_submit);
+        node_handle_job_submit(n, &m->u.job_submit);
         break;
     case NL_MSG_JOB_CANCEL:
-        nl_node_end_job(n, m->u.job_ref.job_id);
+        node_end_job(n, m->u.job_ref.job_id);
         break;
     case NL_MSG_ERROR:
         if (m->u.error.req_type == NL_MSG_HEARTBEAT && m->u.error.code == NL_ERR_STATE) {
@@ -488,8 +488,8 @@ static void on_control(node *n)
         NL_DEBUG("ignoring a late %s", nl_wire_type_name(m->type));
         break;
     default:
-        nl_node_send_error(n, NL_ERR_UNSUPPORTED, m->type, "a node does not handle %s on control",
-                           nl_wire_type_name(m->type));
+        node_send_error(n, NL_ERR_UNSUPPORTED, m->type, "a node does not handle %s on control",
+                        nl_wire_type_name(m->type));
     }
 }
 
@@ -505,7 +505,7 @@ static void on_data_from_next(node *n)
         if (nl_sock_answer_hello(n->data, &n->rx, NL_ROLE_NODE, &e) != NL_OK)
             NL_WARN("HELLO_ACK to the next stage: %s", e.msg);
     } else if (m->type == NL_MSG_GRADIENT) {
-        nl_node_handle_train(n, m);
+        node_handle_train(n, m);
     } else if (m->type == NL_MSG_ERROR) {
         NL_WARN("the next stage reports an error about %s: %s",
                 nl_wire_type_name(m->u.error.req_type) ? nl_wire_type_name(m->u.error.req_type)
@@ -520,7 +520,7 @@ static void on_data_from_next(node *n)
 static void on_data(node *n)
 {
     const nl_wire_msg *m = &n->rx.msg;
-    if (nl_node_from_next(n)) {
+    if (node_from_next(n)) {
         on_data_from_next(n);
         return;
     }
@@ -528,26 +528,26 @@ static void on_data(node *n)
     const bool plain = strncmp(n->rx.peer, "plain:", 6) == 0; /* --plaintext: no keys */
     if (m->type == NL_MSG_REDUCE) { /* from the stage's previous replica */
         if (plain || (n->ring_prev_key[0] && strcmp(n->rx.peer, n->ring_prev_key) == 0))
-            nl_node_handle_train(n, m);
+            node_handle_train(n, m);
         else
             NL_WARN("dropped a REDUCE from %.48s, which is not this stage's previous replica",
                     n->rx.peer);
         return;
     }
-    if (nl_node_is_train_hop(m) && n->ring_prev_key[0] && !plain &&
+    if (node_is_train_hop(m) && n->ring_prev_key[0] && !plain &&
         strcmp(n->rx.peer, n->prev_key) != 0) {
         NL_WARN("dropped a %s from %.48s, which is not the previous stage",
                 nl_wire_type_name(m->type), n->rx.peer);
         return;
     }
-    if (nl_node_is_train_hop(m)) { /* from the previous stage, which takes the gradients */
+    if (node_is_train_hop(m)) { /* from the previous stage, which takes the gradients */
         memcpy(n->prev_rid, n->rx.rid, n->rx.rid_len);
         n->prev_rid_len = n->rx.rid_len;
-        nl_node_handle_train(n, m);
+        node_handle_train(n, m);
         return;
     }
     if (m->type == NL_MSG_ACTIVATION) {
-        nl_node_handle_activation(n, m);
+        node_handle_activation(n, m);
         return;
     }
     NL_WARN("unexpected %s on data from %.48s", nl_wire_type_name(m->type), n->rx.peer);
@@ -562,12 +562,12 @@ static void on_prev(node *n)
 {
     const nl_wire_msg *m = &n->rx.msg;
     char text[1100];
-    if (nl_node_is_train_hop(m))
-        nl_node_handle_train(n, m);
+    if (node_is_train_hop(m))
+        node_handle_train(n, m);
     else if (m->type == NL_MSG_ACTIVATION)
-        nl_node_handle_activation(n, m);
+        node_handle_activation(n, m);
     else if (m->type == NL_MSG_HELLO_ACK)
-        nl_node_on_prev_ready(n);
+        node_on_prev_ready(n);
     else if (m->type == NL_MSG_ERROR)
         NL_WARN("the previous stage reports an error about %s: %s",
                 nl_wire_type_name(m->u.error.req_type) ? nl_wire_type_name(m->u.error.req_type)
@@ -583,7 +583,7 @@ static void on_next(node *n)
     char text[1100];
     nl_error e;
     if (m->type == NL_MSG_GRADIENT)
-        nl_node_handle_train(n, m);
+        node_handle_train(n, m);
     else if (m->type == NL_MSG_HELLO) { /* a next stage behind NAT, through the relay */
         if (nl_sock_answer_hello(n->next, &n->rx, NL_ROLE_NODE, &e) != NL_OK)
             NL_WARN("HELLO_ACK to the next stage through the relay: %s", e.msg);
@@ -610,8 +610,8 @@ static void drain(node *n, nl_sock *s, void (*handle)(node *))
             NL_DEBUG("%s", e.msg);
         else /* a bad message, already answered and counted by the transport */
             NL_WARN("%s", e.msg);
-        if (nl_node_mono_ms() >= n->next_hb_ms)
-            nl_node_send_heartbeat(n);
+        if (node_mono_ms() >= n->next_hb_ms)
+            node_send_heartbeat(n);
     }
 }
 
@@ -620,12 +620,12 @@ static void serve(node *n)
     while (!halted(n)) {
         double due = nl_stage_batch_due(n->stage);
         if (due == 0.0) /* what the sockets brought, when the batch is due */
-            nl_node_run_batch(n);
+            node_run_batch(n);
         rejoin_tick(n);
-        nl_node_links_tick(n);
-        int64_t now = nl_node_mono_ms();
+        node_links_tick(n);
+        int64_t now = node_mono_ms();
         if (now >= n->next_hb_ms)
-            nl_node_send_heartbeat(n);
+            node_send_heartbeat(n);
         int64_t wait = n->next_hb_ms - now;
         int half = (int)(n->heartbeat_ms / 2 > 0 ? n->heartbeat_ms / 2 : 1);
         zmq_pollitem_t it[7] = {{nl_sock_handle(n->ctl), 0, ZMQ_POLLIN, 0},
@@ -655,15 +655,15 @@ static void serve(node *n)
             if (!(it[i].revents & ZMQ_POLLIN))
                 continue;
             if (!it[i].socket) /* the replicas' descriptor: its job may have ended meanwhile */
-                nl_node_train_poll(n);
+                node_train_poll(n);
             else if (n->next && it[i].socket == nl_sock_handle(n->next))
                 drain(n, n->next, on_next);
             else if (n->next_mon && it[i].socket == n->next_mon)
-                nl_node_on_next_event(n);
+                node_on_next_event(n);
             else if (n->prev_link && it[i].socket == nl_sock_handle(n->prev_link))
                 drain(n, n->prev_link, on_prev);
             else if (n->prev_mon && it[i].socket == n->prev_mon)
-                nl_node_on_prev_event(n);
+                node_on_prev_event(n);
         }
     }
 }
@@ -673,7 +673,7 @@ static void leave(node *n, const char *reason)
     NL_INFO("leaving: %s", reason);
     nl_wire_msg_reset(&n->tx, NL_MSG_LEAVE);
     n->tx.u.leave = (nl_msg_leave){n->node_id, reason};
-    nl_node_send_ctl(n, "LEAVE");
+    node_send_ctl(n, "LEAVE");
 }
 
 nl_status nl_node_run(const nl_node_opts *o, nl_error *err)
@@ -692,7 +692,7 @@ nl_status nl_node_run(const nl_node_opts *o, nl_error *err)
         } else { /* the job that met the error has failed with it; a training job dies too */
             uint64_t job = 0;
             if (nl_stage_train_running(n.stage, &job) && job != n.last_failed_job)
-                nl_node_fail_job(&n, job, st, NL_MSG_STEP, "%s", err->msg);
+                node_fail_job(&n, job, st, NL_MSG_STEP, "%s", err->msg);
             NL_ERROR("%s: leaving the cluster", err->msg);
             leave(&n, err->msg);
         }
@@ -700,14 +700,14 @@ nl_status nl_node_run(const nl_node_opts *o, nl_error *err)
     /* sockets first (their queued frames reference the stage's buffers),
      * then the context, which waits for the LEAVE to go out */
     nl_rx_free(&n.rx);
-    nl_node_drop_next(&n);
-    nl_node_drop_prev(&n);
-    nl_node_drop_ring(&n);
+    node_drop_next(&n);
+    node_drop_prev(&n);
+    node_drop_ring(&n);
     nl_sock_destroy(&n.data);
     nl_sock_destroy(&n.ctl);
     nl_net_destroy(&n.net);
     nl_stage_destroy(&n.stage);
-    nl_node_device_close(&n.dev);
+    node_device_close(&n.dev);
     nl_wire_msg_free(&n.tx);
     free(n.ckpt_root);
     return st;

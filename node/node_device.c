@@ -255,7 +255,7 @@ static double probe_median(nl_backend *be, int probe, int threads, double *lo, d
     return g[PROBE_ROUNDS / 2];
 }
 
-nl_status nl_node_device_open(nl_node_device *n, const nl_node_opts *o, nl_error *err)
+nl_status node_device_open(nl_node_device *n, const nl_node_opts *o, nl_error *err)
 {
     char names[NL_NODE_MAX_REPLICAS][NL_NODE_DEVICE_NAME_MAX];
     int count = 0;
@@ -323,7 +323,7 @@ nl_status nl_node_device_open(nl_node_device *n, const nl_node_opts *o, nl_error
     return NL_OK;
 }
 
-void nl_node_device_close(nl_node_device *n)
+void node_device_close(nl_node_device *n)
 {
     nl_comm_destroy(&n->comm); /* before the backends it borrows */
     for (int r = 0; r < n->n; r++)

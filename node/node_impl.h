@@ -15,7 +15,7 @@
 
 typedef struct nl_node_device {
     /* one backend per replica (--device D[,D...]), owned by the caller once
-     * set, even when the open failed after: nl_node_device_close */
+     * set, even when the open failed after: node_device_close */
     nl_backend *be[NL_NODE_MAX_REPLICAS];
     int n;           /* replicas opened */
     nl_comm *comm;   /* over be when n > 1, made and checked before the memory is measured */
@@ -26,9 +26,9 @@ typedef struct nl_node_device {
 
 /* Open every device of o->device, measure replica 0 and size the offer;
  * logs what it found. */
-nl_status nl_node_device_open(nl_node_device *d, const nl_node_opts *o, nl_error *err);
+nl_status node_device_open(nl_node_device *d, const nl_node_opts *o, nl_error *err);
 /* Free the backends; safe on a zeroed or closed device. */
-void nl_node_device_close(nl_node_device *d);
+void node_device_close(nl_node_device *d);
 
 /* ---- the event loop's state (node.c, node_jobs.c) ---- */
 
@@ -99,57 +99,57 @@ typedef struct node {
 } node;
 
 /* node.c: the clock, the sends and the coordinator's socket */
-int64_t nl_node_mono_ms(void);
+int64_t node_mono_ms(void);
 /* Send tx on the control socket; a failure is logged (the caller goes on). */
-nl_status nl_node_send_ctl(node *n, const char *what);
+nl_status node_send_ctl(node *n, const char *what);
 /* ERROR {code, req_type, message} to the coordinator, logged as well. */
-void nl_node_send_error(node *n, nl_status code, nl_msg_type req_type, const char *fmt, ...)
+void node_send_error(node *n, nl_status code, nl_msg_type req_type, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 /* The failure of one job's work here: JOB_STATUS {job, failed, message}
  * to the coordinator, which fails that job and no other. Logged as well. */
-void nl_node_fail_job(node *n, uint64_t job, nl_status code, nl_msg_type req_type, const char *fmt,
-                      ...) __attribute__((format(printf, 5, 6)));
-void nl_node_send_heartbeat(node *n);
+void node_fail_job(node *n, uint64_t job, nl_status code, nl_msg_type req_type, const char *fmt,
+                   ...) __attribute__((format(printf, 5, 6)));
+void node_send_heartbeat(node *n);
 /* Wait, heartbeating, until the stage's last output has been sent. */
-void nl_node_wait_sent(node *n);
-nl_status nl_node_make_socket(node *n, nl_sock **out, int type, bool server, const char *server_key,
-                              const char *name, nl_sock_kind kind, int linger_ms,
-                              int send_timeout_ms, nl_error *err);
+void node_wait_sent(node *n);
+nl_status node_make_socket(node *n, nl_sock **out, int type, bool server, const char *server_key,
+                           const char *name, nl_sock_kind kind, int linger_ms, int send_timeout_ms,
+                           nl_error *err);
 
 /* node_links.c: the links to the neighbours. The previous stage's hops
  * come on prev_link, which this node dialed, with either of these links. */
 #define NL_NODE_DIALS_PREV (NL_LINK_DIAL_PREV | NL_LINK_RELAY_PREV)
-void nl_node_drop_next(node *n);
-void nl_node_drop_ring(node *n);
-void nl_node_on_next_event(node *n);
+void node_drop_next(node *n);
+void node_drop_ring(node *n);
+void node_on_next_event(node *n);
 /* Send m to the next stage, however its link was made (frames freed
  * whatever happens); errors name the next stage's endpoint. */
-nl_status nl_node_send_next(node *n, nl_wire_msg *m, nl_error *err);
+nl_status node_send_next(node *n, nl_wire_msg *m, nl_error *err);
 /* A new ASSIGN: its links; dials the previous stage where it says so. */
-void nl_node_links_assign(node *n, const nl_msg_assign *a);
-void nl_node_drop_prev(node *n);
-void nl_node_on_prev_event(node *n);
+void node_links_assign(node *n, const nl_msg_assign *a);
+void node_drop_prev(node *n);
+void node_on_prev_event(node *n);
 /* The previous stage answered HELLO on prev_link: a held LOAD_DONE goes. */
-void nl_node_on_prev_ready(node *n);
+void node_on_prev_ready(node *n);
 /* LOAD_DONE d held until the link to the previous stage is up: true if held. */
-bool nl_node_hold_load_done(node *n, const nl_msg_load_done *d);
+bool node_hold_load_done(node *n, const nl_msg_load_done *d);
 /* Dial again when it is time; say once when the link is slow to come. */
-void nl_node_links_tick(node *n);
+void node_links_tick(node *n);
 /* Is what rx holds on the data socket from a next stage that dialed in? */
-bool nl_node_from_next(const node *n);
+bool node_from_next(const node *n);
 /* node_jobs.c: the handlers of the messages */
-void nl_node_handle_assign(node *n, const nl_msg_assign *a);
-void nl_node_handle_layer_load(node *n, const nl_wire_msg *m);
-void nl_node_handle_load_done(node *n, const nl_msg_load_done *d);
-void nl_node_handle_activation(node *n, const nl_wire_msg *m);
-void nl_node_run_batch(node *n);
+void node_handle_assign(node *n, const nl_msg_assign *a);
+void node_handle_layer_load(node *n, const nl_wire_msg *m);
+void node_handle_load_done(node *n, const nl_msg_load_done *d);
+void node_handle_activation(node *n, const nl_wire_msg *m);
+void node_run_batch(node *n);
 /* JOB_SUBMIT and JOB_CANCEL of every kind: the stage's job table. */
-void nl_node_handle_job_submit(node *n, const nl_msg_job_submit *j);
-void nl_node_end_job(node *n, uint64_t job);
-void nl_node_handle_train(node *n, const nl_wire_msg *m);
+void node_handle_job_submit(node *n, const nl_msg_job_submit *j);
+void node_end_job(node *n, uint64_t job);
+void node_handle_train(node *n, const nl_wire_msg *m);
 /* Log a training job's time on this node when it ends. */
-void nl_node_train_summary(node *n, uint64_t job);
-bool nl_node_is_train_hop(const nl_wire_msg *m);
-void nl_node_train_poll(node *n);
+void node_train_summary(node *n, uint64_t job);
+bool node_is_train_hop(const nl_wire_msg *m);
+void node_train_poll(node *n);
 
 #endif

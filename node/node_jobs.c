@@ -17,7 +17,7 @@
 
 /* ===================== the stage's next replica ===================== */
 
-void nl_node_drop_ring(node *n)
+void node_drop_ring(node *n)
 {
     nl_sock_destroy(&n->ring);
     n->ring_ep[0] = n->ring_key[0] = '\0';
@@ -31,8 +31,8 @@ static nl_status ensure_ring(node *n, nl_error *err)
         return NL_OK;
     if (!n->ring_ep[0])
         return nl_error_set(err, NL_ERR_STATE, "this stage has no other replica");
-    nl_status st = nl_node_make_socket(n, &n->ring, ZMQ_DEALER, false, n->ring_key, "ring",
-                                       NL_SOCK_BULK, 0, 0, err);
+    nl_status st = node_make_socket(n, &n->ring, ZMQ_DEALER, false, n->ring_key, "ring",
+                                    NL_SOCK_BULK, 0, 0, err);
     if (st == NL_OK && (st = nl_sock_connect(n->ring, n->ring_ep, err)) != NL_OK)
         nl_sock_destroy(&n->ring);
     return st;
@@ -40,23 +40,23 @@ static nl_status ensure_ring(node *n, nl_error *err)
 
 /* ===================== assignment and loading ===================== */
 
-void nl_node_handle_assign(node *n, const nl_msg_assign *a)
+void node_handle_assign(node *n, const nl_msg_assign *a)
 {
     nl_error e;
     if (a->node_id != n->node_id) {
-        nl_node_send_error(n, NL_ERR_INVALID, NL_MSG_ASSIGN,
-                           "ASSIGN epoch %llu is for node %u; this is %u",
-                           (unsigned long long)a->epoch, a->node_id, n->node_id);
+        node_send_error(n, NL_ERR_INVALID, NL_MSG_ASSIGN,
+                        "ASSIGN epoch %llu is for node %u; this is %u",
+                        (unsigned long long)a->epoch, a->node_id, n->node_id);
         return;
     }
-    nl_node_drop_next(n); /* drops what was queued for the old next stage */
-    nl_node_drop_prev(n);
-    nl_node_drop_ring(n);
+    node_drop_next(n); /* drops what was queued for the old next stage */
+    node_drop_prev(n);
+    node_drop_ring(n);
     n->links = 0;
     n->load_pending = false;
     n->next_ep[0] = n->next_key[0] = '\0';
     n->prev_rid_len = 0;
-    nl_node_wait_sent(n);
+    node_wait_sent(n);
     nl_status st = nl_stage_assign(n->stage, a, &e);
     /* the data socket admits the previous stage, unless this node dials
      * it, a next stage that dials in (node_links.c) and the stage's
@@ -73,13 +73,13 @@ void nl_node_handle_assign(node *n, const nl_msg_assign *a)
         st = nl_sock_allow(n->data, nk ? keys : NULL, nk, &e);
     if (st != NL_OK) {
         nl_sock_allow(n->data, NULL, 0, NULL);
-        nl_node_send_error(n, st, NL_MSG_ASSIGN, "%s", e.msg);
+        node_send_error(n, st, NL_MSG_ASSIGN, "%s", e.msg);
         return;
     }
     snprintf(n->next_ep, sizeof n->next_ep, "%s", a->next_endpoint);
     snprintf(n->prev_ep, sizeof n->prev_ep, "%s", a->prev_endpoint);
     snprintf(n->next_key, sizeof n->next_key, "%s", a->next_key);
-    nl_node_links_assign(n, a);
+    node_links_assign(n, a);
     snprintf(n->ring_ep, sizeof n->ring_ep, "%s", a->ring_endpoint ? a->ring_endpoint : "");
     snprintf(n->ring_key, sizeof n->ring_key, "%s", a->ring_key ? a->ring_key : "");
     snprintf(n->prev_key, sizeof n->prev_key, "%s", a->prev_key);
@@ -95,27 +95,27 @@ void nl_node_handle_assign(node *n, const nl_msg_assign *a)
             a->next_endpoint[0] ? a->next_endpoint : "(coordinator)");
 }
 
-void nl_node_handle_layer_load(node *n, const nl_wire_msg *m)
+void node_handle_layer_load(node *n, const nl_wire_msg *m)
 {
     nl_error e;
     bool stale = false;
     const nl_msg_layer_load *l = &m->u.layer_load;
     nl_status st = nl_stage_load_chunk(n->stage, l, &m->frames[0], &stale, &e);
     if (st != NL_OK)
-        nl_node_send_error(n, st, NL_MSG_LAYER_LOAD, "%s", e.msg);
+        node_send_error(n, st, NL_MSG_LAYER_LOAD, "%s", e.msg);
     else if (stale)
         NL_DEBUG("ignored LAYER_LOAD %s of epoch %llu (current %llu)", l->name,
                  (unsigned long long)l->epoch, (unsigned long long)nl_stage_epoch(n->stage));
 }
 
-void nl_node_handle_load_done(node *n, const nl_msg_load_done *d)
+void node_handle_load_done(node *n, const nl_msg_load_done *d)
 {
     nl_error e;
     nl_stage_loaded info;
     bool stale = false;
     nl_status st = nl_stage_load_done(n->stage, d->epoch, d->tensors, &info, &stale, &e);
     if (st != NL_OK) {
-        nl_node_send_error(n, st, NL_MSG_LOAD_DONE, "%s", e.msg);
+        node_send_error(n, st, NL_MSG_LOAD_DONE, "%s", e.msg);
         return;
     }
     if (stale) {
@@ -127,11 +127,11 @@ void nl_node_handle_load_done(node *n, const nl_msg_load_done *d)
             info.tensors, (unsigned long long)info.bytes, info.seconds,
             info.from_seed ? " (initialised from the seed)" : "");
     const nl_msg_load_done done = {d->epoch, n->node_id, info.tensors, info.bytes};
-    if (nl_node_hold_load_done(n, &done)) /* no work before the previous stage can reach us */
+    if (node_hold_load_done(n, &done)) /* no work before the previous stage can reach us */
         return;
     nl_wire_msg_reset(&n->tx, NL_MSG_LOAD_DONE);
     n->tx.u.load_done = done;
-    nl_node_send_ctl(n, "LOAD_DONE");
+    node_send_ctl(n, "LOAD_DONE");
 }
 
 /* ===================== jobs ===================== */
@@ -152,7 +152,7 @@ static void feed_first(node *n, const nl_msg_tensor_hop *hop, const nl_stage_out
         nl_wire_frame_set(&f, &out->token, NL_DTYPE_I32, shape, 2);
         nl_status st = nl_stage_enqueue(n->stage, &next, &f, &e);
         if (st != NL_OK)
-            nl_node_fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION, "%s", e.msg);
+            node_fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION, "%s", e.msg);
         return;
     }
     nl_status st = n->next_ep[0] ? NL_OK : nl_error_set(&e, NL_ERR_STATE, "no first stage to feed");
@@ -162,14 +162,13 @@ static void feed_first(node *n, const nl_msg_tensor_hop *hop, const nl_stage_out
         n->tx.u.hop = next;
         nl_wire_frame_set(&n->tx.frames[0], &out->token, NL_DTYPE_I32, shape, 2); /* copied */
         n->tx.nframes = 1;
-        st = nl_node_send_next(n, &n->tx, &e);
+        st = node_send_next(n, &n->tx, &e);
     }
     if (st != NL_OK)
-        nl_node_fail_job(
-            n, hop->job_id, st, NL_MSG_ACTIVATION,
-            "job %llu session %llu: cannot feed the token to the first stage at %s: %s",
-            (unsigned long long)hop->job_id, (unsigned long long)hop->session_id, n->next_ep,
-            e.msg);
+        node_fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION,
+                      "job %llu session %llu: cannot feed the token to the first stage at %s: %s",
+                      (unsigned long long)hop->job_id, (unsigned long long)hop->session_id,
+                      n->next_ep, e.msg);
 }
 
 /* Send what a hop gave: a token to the coordinator (and the first
@@ -193,7 +192,7 @@ static void send_output(node *n, const nl_msg_tensor_hop *hop, const nl_stage_ou
             nl_wire_frame_set(&n->tx.frames[0], (void *)out.lp, NL_DTYPE_F32, shape, 1);
             n->tx.nframes = 1;
         }
-        nl_node_send_ctl(n, "TOKEN");
+        node_send_ctl(n, "TOKEN");
         return;
     }
     if (out.kind == NL_STAGE_OUT_LOGITS) {
@@ -201,13 +200,13 @@ static void send_output(node *n, const nl_msg_tensor_hop *hop, const nl_stage_ou
         n->tx.u.hop = (nl_msg_tensor_hop){hop->job_id, 0, 0, 0, hop->pos_offset, out.aux};
         nl_txref_frame(&n->tx.frames[0], ref, out.data, NL_DTYPE_F32, out.shape, out.ndim);
         n->tx.nframes = 1;
-        nl_node_send_ctl(n, "RESULT");
+        node_send_ctl(n, "RESULT");
         return;
     }
     if (!n->next_ep[0]) {
-        nl_node_fail_job(n, hop->job_id, NL_ERR_STATE, NL_MSG_ACTIVATION,
-                         "job %llu: this stage has no next stage to send its hidden states to",
-                         (unsigned long long)hop->job_id);
+        node_fail_job(n, hop->job_id, NL_ERR_STATE, NL_MSG_ACTIVATION,
+                      "job %llu: this stage has no next stage to send its hidden states to",
+                      (unsigned long long)hop->job_id);
         return;
     }
     nl_wire_msg_reset(&n->tx, NL_MSG_ACTIVATION);
@@ -216,18 +215,18 @@ static void send_output(node *n, const nl_msg_tensor_hop *hop, const nl_stage_ou
         nl_txref_frame(&n->tx.frames[0], ref, out.data, NL_DTYPE_F32, out.shape, out.ndim);
     else if ((st = nl_stage_hidden_out(n->stage, &n->tx.frames[0], out.data, out.shape, out.ndim,
                                        &e)) != NL_OK) {
-        nl_node_fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION, "job %llu: %s",
-                         (unsigned long long)hop->job_id, e.msg);
+        node_fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION, "job %llu: %s",
+                      (unsigned long long)hop->job_id, e.msg);
         return;
     }
     n->tx.nframes = 1;
-    st = nl_node_send_next(n, &n->tx, &e);
+    st = node_send_next(n, &n->tx, &e);
     if (st != NL_OK)
-        nl_node_fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION, "job %llu: %s",
-                         (unsigned long long)hop->job_id, e.msg);
+        node_fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION, "job %llu: %s",
+                      (unsigned long long)hop->job_id, e.msg);
 }
 
-void nl_node_handle_activation(node *n, const nl_wire_msg *m)
+void node_handle_activation(node *n, const nl_wire_msg *m)
 {
     nl_error e;
     nl_stage_out out;
@@ -237,41 +236,41 @@ void nl_node_handle_activation(node *n, const nl_wire_msg *m)
         return; /* in flight when its job ended or was cancelled */
     }
     nl_status st;
-    if (hop->session_id) { /* queued: run in the next batch (nl_node_run_batch) */
+    if (hop->session_id) { /* queued: run in the next batch (node_run_batch) */
         if ((st = nl_stage_enqueue(n->stage, hop, &m->frames[0], &e)) != NL_OK)
-            nl_node_fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION, "%s", e.msg);
+            node_fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION, "%s", e.msg);
         return;
     }
-    nl_node_wait_sent(n);
-    int64_t t0 = nl_node_mono_ms();
+    node_wait_sent(n);
+    int64_t t0 = node_mono_ms();
     st = nl_stage_forward(n->stage, hop, &m->frames[0], &out, &e);
-    n->busy_ms += (double)(nl_node_mono_ms() - t0);
+    n->busy_ms += (double)(node_mono_ms() - t0);
     if (st != NL_OK) {
-        nl_node_fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION, "%s", e.msg);
+        node_fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION, "%s", e.msg);
         return;
     }
     send_output(n, hop, &out);
 }
 
 /* Run one batch of the queued session hops and send what finished. */
-void nl_node_run_batch(node *n)
+void node_run_batch(node *n)
 {
     nl_error e;
     const nl_stage_result *r = NULL;
     int k = 0;
-    nl_node_wait_sent(n);
+    node_wait_sent(n);
     if (n->o->inject_slow_hop_ms > 0) {
         const long long ns = (long long)(n->o->inject_slow_hop_ms * 1e6);
         nanosleep(&(struct timespec){(time_t)(ns / 1000000000LL), (long)(ns % 1000000000LL)}, NULL);
     }
-    int64_t t0 = nl_node_mono_ms();
+    int64_t t0 = node_mono_ms();
     nl_status st = nl_stage_run_batch(n->stage, &r, &k, &e);
-    n->busy_ms += (double)(nl_node_mono_ms() - t0);
+    n->busy_ms += (double)(node_mono_ms() - t0);
     for (int i = 0; i < k; i++) {
         const nl_msg_tensor_hop hop = {r[i].job_id,     0,           0, r[i].session_id,
                                        r[i].pos_offset, r[i].out.aux};
         if (r[i].st != NL_OK)
-            nl_node_fail_job(n, r[i].job_id, r[i].st, NL_MSG_ACTIVATION, "%s", r[i].msg);
+            node_fail_job(n, r[i].job_id, r[i].st, NL_MSG_ACTIVATION, "%s", r[i].msg);
         else
             send_output(n, &hop, &r[i].out);
     }
@@ -280,28 +279,28 @@ void nl_node_run_batch(node *n)
 }
 
 /* JOB_SUBMIT of any kind: the stage begins the job (node/stage_jobs.c). */
-void nl_node_handle_job_submit(node *n, const nl_msg_job_submit *j)
+void node_handle_job_submit(node *n, const nl_msg_job_submit *j)
 {
     nl_error e;
     uint64_t job = 0;
     const char *status = NULL;
     nl_status st = nl_stage_job_begin(n->stage, j, &job, &status, &e);
     if (st != NL_OK) { /* job is 0 if the request named none */
-        nl_node_fail_job(n, job, st, NL_MSG_JOB_SUBMIT, "%s", e.msg);
+        node_fail_job(n, job, st, NL_MSG_JOB_SUBMIT, "%s", e.msg);
         return;
     }
     nl_wire_msg_reset(&n->tx, NL_MSG_JOB_STATUS);
     n->tx.u.job_status = (nl_msg_job_status){job, NL_JOB_RUNNING, 0.0, status};
-    nl_node_send_ctl(n, "JOB_STATUS");
+    node_send_ctl(n, "JOB_STATUS");
 }
 
 /* JOB_CANCEL of any kind (or a training job that ends with the node's
  * connection): the stage ends the job; a training job's time is logged. */
-void nl_node_end_job(node *n, uint64_t job)
+void node_end_job(node *n, uint64_t job)
 {
     const int kind = nl_stage_job_end(n->stage, job);
     if (kind == NL_JOB_TRAIN || kind == NL_JOB_FINETUNE)
-        nl_node_train_summary(n, job);
+        node_train_summary(n, job);
 }
 
 /* ===================== training ===================== */
@@ -329,8 +328,8 @@ static nl_status train_send(void *ctx, nl_stage_dest to, nl_wire_msg *m, nl_erro
     clock_gettime(CLOCK_MONOTONIC, &a);
     nl_status st = train_send_to(n, to, m, err);
     clock_gettime(CLOCK_MONOTONIC, &b);
-    if (nl_node_mono_ms() >= n->next_hb_ms) /* a long run of queued hops keeps the heartbeat */
-        nl_node_send_heartbeat(n);
+    if (node_mono_ms() >= n->next_hb_ms) /* a long run of queued hops keeps the heartbeat */
+        node_send_heartbeat(n);
     n->train_send_ms += (double)(b.tv_sec - a.tv_sec) * 1e3 + (double)(b.tv_nsec - a.tv_nsec) / 1e6;
     n->train_hops++;
     for (int i = 0; i < m->nframes; i++)
@@ -364,7 +363,7 @@ static nl_status train_send_to(node *n, nl_stage_dest to, nl_wire_msg *m, nl_err
                    ? st
                    : nl_error_prefix(err, "cannot reach the previous stage at %s", n->prev_ep);
     }
-    return nl_node_send_next(n, m, err);
+    return node_send_next(n, m, err);
 }
 
 /* CKPT_REQ.dir confined to the node's checkpoint root (resolved, links
@@ -402,16 +401,16 @@ static double compute_model_s(node *n, const nl_wire_msg *m)
 }
 
 /* A training message from any socket: the stage runs what it can. */
-void nl_node_handle_train(node *n, const nl_wire_msg *m)
+void node_handle_train(node *n, const nl_wire_msg *m)
 {
     if (m->type == NL_MSG_CKPT_REQ) /* writing a shard takes a while: be heard first */
-        nl_node_send_heartbeat(n);
+        node_send_heartbeat(n);
     nl_error e;
     struct timespec a, b;
     clock_gettime(CLOCK_MONOTONIC, &a);
     const double cpu0 = busy_cpu_ms(n);
     if (!n->train_t0)
-        n->train_t0 = nl_node_mono_ms();
+        n->train_t0 = node_mono_ms();
     if (!nl_stage_job_holds(n->stage,
                             m)) { /* in flight when its job ended, or from a former plan */
         NL_DEBUG("dropped a %s of a job this stage does not train (or of a former plan)",
@@ -462,13 +461,13 @@ void nl_node_handle_train(node *n, const nl_wire_msg *m)
         n->busy_ms += cpu0 >= 0 ? busy_cpu_ms(n) - cpu0 + model_ms : ms;
     n->train_busy_ms += ms;
     if (st != NL_OK)
-        nl_node_fail_job(n, job, st, m->type, "%s", e.msg);
+        node_fail_job(n, job, st, m->type, "%s", e.msg);
 }
 
 /* How the ended job's time went on this node. */
-void nl_node_train_summary(node *n, uint64_t job)
+void node_train_summary(node *n, uint64_t job)
 {
-    const double wall = n->train_t0 ? (double)(nl_node_mono_ms() - n->train_t0) : 0.0;
+    const double wall = n->train_t0 ? (double)(node_mono_ms() - n->train_t0) : 0.0;
     const double compute = n->train_busy_ms - n->train_send_ms;
     NL_INFO("train job %llu ended: %.1f s, of which computing %.1f s (%.0f%%), sending %llu "
             "messages (%.1f MiB: %llu bytes of %s tensors) %.3f s (%.1f%%), waiting %.1f s "
@@ -484,19 +483,19 @@ void nl_node_train_summary(node *n, uint64_t job)
     n->train_hops = n->train_bytes = 0;
 }
 
-bool nl_node_is_train_hop(const nl_wire_msg *m)
+bool node_is_train_hop(const nl_wire_msg *m)
 {
     return m->type == NL_MSG_COUNT || m->type == NL_MSG_EVAL ||
            (m->type == NL_MSG_ACTIVATION && m->u.hop.step != 0);
 }
 
 /* The training job's replicas finished some work: send what it made. */
-void nl_node_train_poll(node *n)
+void node_train_poll(node *n)
 {
     nl_error e;
     uint64_t job = 0;
     nl_stage_train_running(n->stage, &job);
     nl_status st = nl_stage_train_poll(n->stage, train_send, n, &e);
     if (st != NL_OK)
-        nl_node_fail_job(n, job, st, NL_MSG_STEP, "%s", e.msg);
+        node_fail_job(n, job, st, NL_MSG_STEP, "%s", e.msg);
 }

@@ -101,7 +101,7 @@ static int read_event(void *mon)
 
 /* ===================== the next stage ===================== */
 
-void nl_node_drop_next(node *n)
+void node_drop_next(node *n)
 {
     unwatch(n->next, &n->next_mon);
     nl_sock_destroy(&n->next); /* linger 0: queued hops are dropped and released */
@@ -111,15 +111,15 @@ void nl_node_drop_next(node *n)
  * after every stage answered LOAD_DONE, so the next stage has its ASSIGN
  * (and this node's key in its allow-list) by then: connecting earlier
  * could race it, and a refused CURVE handshake is not retried by libzmq.
- * A monitor reports the handshake's outcome (see nl_node_on_next_event). */
+ * A monitor reports the handshake's outcome (see node_on_next_event). */
 static nl_status ensure_next(node *n, nl_error *err)
 {
     if (n->next)
         return NL_OK;
     const bool relay = n->links & NL_LINK_RELAY_NEXT; /* through the coordinator's relay */
-    nl_status st = nl_node_make_socket(n, &n->next, ZMQ_DEALER, false,
-                                       relay ? n->o->coordinator_key : n->next_key, "next",
-                                       NL_SOCK_BULK, 0, 0, err);
+    nl_status st = node_make_socket(n, &n->next, ZMQ_DEALER, false,
+                                    relay ? n->o->coordinator_key : n->next_key, "next",
+                                    NL_SOCK_BULK, 0, 0, err);
     if (st == NL_OK && relay)
         st = set_rid(n, n->next, ":n", err);
     if (st != NL_OK) {
@@ -129,14 +129,14 @@ static nl_status ensure_next(node *n, nl_error *err)
     n->next_mon = watch(n, n->next, "next");
     st = nl_sock_connect(n->next, relay ? n->relay_ep : n->next_ep, err);
     if (st != NL_OK)
-        nl_node_drop_next(n);
+        node_drop_next(n);
     return st;
 }
 
 /* A handshake event of the next socket. A refused handshake is final in
  * libzmq (no reconnect), and the hops queued for it are lost: tell the
  * coordinator, and start over with a new socket on the next send. */
-void nl_node_on_next_event(node *n)
+void node_on_next_event(node *n)
 {
     int event = read_event(n->next_mon);
     if (event < 0)
@@ -147,12 +147,12 @@ void nl_node_on_next_event(node *n)
         else if (event == ZMQ_EVENT_DISCONNECTED)
             NL_WARN("the relay at %s disconnected", n->relay_ep);
         else
-            nl_node_send_error(n, NL_ERR_AUTH, NL_MSG_ASSIGN,
-                               "the relay at %s refused this node's handshake: is "
-                               "--coordinator-key the coordinator's key?",
-                               n->relay_ep);
+            node_send_error(n, NL_ERR_AUTH, NL_MSG_ASSIGN,
+                            "the relay at %s refused this node's handshake: is "
+                            "--coordinator-key the coordinator's key?",
+                            n->relay_ep);
         if (event != ZMQ_EVENT_HANDSHAKE_SUCCEEDED && event != ZMQ_EVENT_DISCONNECTED)
-            nl_node_drop_next(n);
+            node_drop_next(n);
         return;
     }
     if (event == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
@@ -160,13 +160,13 @@ void nl_node_on_next_event(node *n)
     } else if (event == ZMQ_EVENT_DISCONNECTED) {
         NL_WARN("the next stage at %s disconnected", n->next_ep);
     } else {
-        nl_node_send_error(
+        node_send_error(
             n, NL_ERR_AUTH, NL_MSG_ASSIGN,
             "the next stage at %s refused this node's handshake (%s): is ASSIGN's next_key "
             "its key, and does it admit this node's key as prev_key?",
             n->next_ep,
             event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH ? "not authorised" : "protocol error");
-        nl_node_drop_next(n);
+        node_drop_next(n);
     }
 }
 
@@ -179,7 +179,7 @@ static void release(nl_wire_msg *m)
     m->nframes = 0;
 }
 
-nl_status nl_node_send_next(node *n, nl_wire_msg *m, nl_error *err)
+nl_status node_send_next(node *n, nl_wire_msg *m, nl_error *err)
 {
     nl_status st;
     if (!n->next_ep[0]) {
@@ -197,7 +197,7 @@ nl_status nl_node_send_next(node *n, nl_wire_msg *m, nl_error *err)
 
 /* ===================== the link to the previous stage ===================== */
 
-void nl_node_drop_prev(node *n)
+void node_drop_prev(node *n)
 {
     unwatch(n->prev_link, &n->prev_mon);
     nl_sock_destroy(&n->prev_link);
@@ -212,9 +212,9 @@ static void dial_prev(node *n)
     nl_error e;
     const bool relay = n->links & NL_LINK_RELAY_PREV;
     /* the routing id the previous stage (the relay) sends to */
-    nl_status st = nl_node_make_socket(n, &n->prev_link, ZMQ_DEALER, false,
-                                       relay ? n->o->coordinator_key : n->prev_key, "prev",
-                                       NL_SOCK_BULK, 0, 0, &e);
+    nl_status st = node_make_socket(n, &n->prev_link, ZMQ_DEALER, false,
+                                    relay ? n->o->coordinator_key : n->prev_key, "prev",
+                                    NL_SOCK_BULK, 0, 0, &e);
     if (st == NL_OK)
         st = set_rid(n, n->prev_link, relay ? ":p" : "", &e);
     if (st == NL_OK) {
@@ -223,9 +223,9 @@ static void dial_prev(node *n)
     }
     if (st != NL_OK) {
         NL_WARN("cannot dial the previous stage at %s: %s", n->prev_ep, e.msg);
-        nl_node_drop_prev(n);
+        node_drop_prev(n);
     }
-    n->dial_at_ms = nl_node_mono_ms() + n->dial_wait_ms;
+    n->dial_at_ms = node_mono_ms() + n->dial_wait_ms;
     n->dial_wait_ms = n->dial_wait_ms * 2 < DIAL_MAX_MS ? n->dial_wait_ms * 2 : DIAL_MAX_MS;
 }
 
@@ -241,10 +241,10 @@ static void relay_endpoint(node *n, uint32_t port)
                  port, ep);
 }
 
-void nl_node_links_assign(node *n, const nl_msg_assign *a)
+void node_links_assign(node *n, const nl_msg_assign *a)
 {
     nl_error e;
-    nl_node_drop_prev(n);
+    node_drop_prev(n);
     n->links = a->links;
     n->load_pending = false;
     snprintf(n->prev_key, sizeof n->prev_key, "%s", a->prev_key);
@@ -275,14 +275,14 @@ void nl_node_links_assign(node *n, const nl_msg_assign *a)
 static void say_hello(node *n)
 {
     nl_error e;
-    n->hello_at_ms = nl_node_mono_ms() + HELLO_EVERY_MS;
+    n->hello_at_ms = node_mono_ms() + HELLO_EVERY_MS;
     nl_wire_msg_reset(&n->tx, NL_MSG_HELLO);
     n->tx.u.hello = (nl_msg_hello){NL_ROLE_NODE, "neuronode"};
     if (nl_sock_send(n->prev_link, NULL, 0, &n->tx, &e) != NL_OK)
         NL_WARN("HELLO to the previous stage at %s: %s", n->prev_ep, e.msg);
 }
 
-void nl_node_on_prev_event(node *n)
+void node_on_prev_event(node *n)
 {
     int event = read_event(n->prev_mon);
     if (event < 0)
@@ -298,11 +298,11 @@ void nl_node_on_prev_event(node *n)
                 n->prev_ep,
                 event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH ? "not authorised" : "protocol",
                 n->dial_wait_ms);
-        nl_node_drop_prev(n);
+        node_drop_prev(n);
     }
 }
 
-void nl_node_on_prev_ready(node *n)
+void node_on_prev_ready(node *n)
 {
     if (!n->prev_ready)
         NL_INFO("the link to the previous stage at %s is up", n->prev_ep);
@@ -311,41 +311,41 @@ void nl_node_on_prev_ready(node *n)
         n->load_pending = false;
         nl_wire_msg_reset(&n->tx, NL_MSG_LOAD_DONE);
         n->tx.u.load_done = n->load_done;
-        nl_node_send_ctl(n, "LOAD_DONE");
+        node_send_ctl(n, "LOAD_DONE");
     }
 }
 
-bool nl_node_hold_load_done(node *n, const nl_msg_load_done *d)
+bool node_hold_load_done(node *n, const nl_msg_load_done *d)
 {
     if (!(n->links & NL_NODE_DIALS_PREV) || n->prev_ready)
         return false;
     n->load_done = *d;
     n->load_pending = true;
-    n->load_wait_until = nl_node_mono_ms() + LINK_WAIT_MS;
+    n->load_wait_until = node_mono_ms() + LINK_WAIT_MS;
     NL_INFO("loaded; LOAD_DONE waits for the link to the previous stage at %s", n->prev_ep);
     return true;
 }
 
-void nl_node_links_tick(node *n)
+void node_links_tick(node *n)
 {
     if (!(n->links & NL_NODE_DIALS_PREV))
         return;
-    const int64_t now = nl_node_mono_ms();
+    const int64_t now = node_mono_ms();
     if (!n->prev_link && now >= n->dial_at_ms)
         dial_prev(n);
     else if (n->prev_link && !n->prev_ready && n->hello_at_ms && now >= n->hello_at_ms)
         say_hello(n); /* through a relay the other end may have come since */
     if (n->load_pending && n->load_wait_until && now >= n->load_wait_until) {
         n->load_wait_until = 0; /* said once; the dialing goes on */
-        nl_node_send_error(n, NL_ERR_TIMEOUT, NL_MSG_ASSIGN,
-                           "this node accepts no inbound connections and cannot reach the "
-                           "previous stage at %s within %d ms: is that endpoint reachable from "
-                           "here, and does it accept inbound connections?",
-                           n->prev_ep, LINK_WAIT_MS);
+        node_send_error(n, NL_ERR_TIMEOUT, NL_MSG_ASSIGN,
+                        "this node accepts no inbound connections and cannot reach the "
+                        "previous stage at %s within %d ms: is that endpoint reachable from "
+                        "here, and does it accept inbound connections?",
+                        n->prev_ep, LINK_WAIT_MS);
     }
 }
 
-bool nl_node_from_next(const node *n)
+bool node_from_next(const node *n)
 {
     if (!(n->links & NL_LINK_NEXT_DIALS))
         return false;

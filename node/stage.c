@@ -12,14 +12,14 @@
 #include "base/log.h"
 #include "core/model/memory.h"
 
-double nl_stage_now(void)
+double stage_now(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-#define now_s nl_stage_now
+#define now_s stage_now
 
 /* ===================== life ===================== */
 
@@ -64,11 +64,11 @@ nl_status nl_stage_new(nl_stage **out, nl_backend *be, const nl_stage_opts *o, n
 /* Free the model and everything sized for it. The output must be idle. */
 static void drop_model(nl_stage *s)
 {
-    nl_stage_jobs_free_all(s); /* training jobs borrow the model */
-    nl_stage_embed_free_all(s);
-    nl_stage_batch_free(s);
-    nl_stage_sessions_clear(s);
-    nl_stage_adapter_free_all(s); /* after everyone who held one */
+    stage_jobs_free_all(s); /* training jobs borrow the model */
+    stage_embed_free_all(s);
+    stage_batch_free(s);
+    stage_sessions_clear(s);
+    stage_adapter_free_all(s); /* after everyone who held one */
     for (int i = 0; i < 2; i++) {
         free(s->mom_h[i]);
         s->mom_h[i] = NULL;
@@ -106,7 +106,7 @@ void nl_stage_destroy(nl_stage **sp)
     *sp = NULL;
 }
 
-nl_status nl_stage_check_device(nl_stage *s, nl_error *err)
+nl_status stage_check_device(nl_stage *s, nl_error *err)
 {
     if (s->device_st == NL_OK) {
         nl_error e = {0};
@@ -182,7 +182,7 @@ static int rows_limit(const nl_stage *s)
     return rows > (1u << 24) ? 1 << 24 : (int)rows;
 }
 
-nl_status nl_stage_wait_output(nl_stage *s, const char *what, nl_error *err)
+nl_status stage_wait_output(nl_stage *s, const char *what, nl_error *err)
 {
     nl_error e;
     if (nl_txref_wait(&s->tx, s->o.send_wait_ms, &e) != NL_OK)
@@ -241,7 +241,7 @@ nl_status nl_stage_assign(nl_stage *s, const nl_msg_assign *a, nl_error *err)
     s->replica = (int)a->replica;
     s->replicas = a->replicas > 1 ? (int)a->replicas : 1;
     s->t_assign = now_s();
-    nl_status st = nl_stage_wait_output(s, "ASSIGN", err);
+    nl_status st = stage_wait_output(s, "ASSIGN", err);
     if (st == NL_OK) {
         drop_model(s);
         st = build_model(s, a, err);
@@ -251,7 +251,7 @@ nl_status nl_stage_assign(nl_stage *s, const nl_msg_assign *a, nl_error *err)
          * next assignment or nl_stage_destroy; nothing runs on them */
         if (nl_txref_idle(&s->tx))
             drop_model(s);
-        nl_stage_sessions_clear(s);
+        stage_sessions_clear(s);
         s->ready = false;
         s->assign_failed = true;
         snprintf(s->assign_err, sizeof s->assign_err, "%s", err ? err->msg : "refused");
@@ -430,7 +430,7 @@ nl_status nl_stage_load_done(nl_stage *s, uint64_t epoch, uint32_t tensors, nl_s
                                 want);
         s->have_moments = moments > 0;
     }
-    if ((st = nl_stage_check_device(s, err)) != NL_OK)
+    if ((st = stage_check_device(s, err)) != NL_OK)
         return nl_error_prefix(err, "LOAD_DONE");
     s->ready = true;
     info->tensors = (uint32_t)m->n_table * (s->have_moments ? 3u : 1u);
@@ -444,9 +444,8 @@ nl_status nl_stage_load_done(nl_stage *s, uint64_t epoch, uint32_t tensors, nl_s
 /* Check frame 0 against the stage and the hop; sets *B, *T, *se. A
  * session's hop follows its cache and the `queued` positions of its hops
  * waiting for a batch. */
-nl_status nl_stage_check_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wire_frame *in,
-                             const char *who, int queued, int *B, int *T, session **se,
-                             nl_error *err)
+nl_status stage_check_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wire_frame *in,
+                          const char *who, int queued, int *B, int *T, session **se, nl_error *err)
 {
     const nl_model *m = s->model;
     const nl_tensor *t = &in->t;
@@ -477,7 +476,7 @@ nl_status nl_stage_check_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl
                                 (unsigned long long)hop->pos_offset);
         return NL_OK;
     }
-    *se = nl_stage_find_session(s, hop->session_id);
+    *se = stage_find_session(s, hop->session_id);
     if (!*se)
         return nl_error_set(err, NL_ERR_NOTFOUND,
                             nl_stage_session_evicted(s, hop->session_id)
@@ -577,10 +576,10 @@ static nl_status run_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wir
         snprintf(who, sizeof who, "job %llu", (unsigned long long)hop->job_id);
     if (!s->ready)
         return nl_error_set(err, NL_ERR_STATE, "%s: this stage has no model loaded", who);
-    nl_status st = nl_stage_check_hop(s, hop, in, who, 0, &B, &T, &se, err);
+    nl_status st = stage_check_hop(s, hop, in, who, 0, &B, &T, &se, err);
     *sep = se;
     if (st == NL_OK)
-        st = nl_stage_wait_output(s, who, err);
+        st = stage_wait_output(s, who, err);
     if (st == NL_OK)
         st = ensure_buffers(s, B * T, err);
     if (st != NL_OK)
@@ -590,12 +589,12 @@ static nl_status run_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wir
     nl_forward_args a = {.B = B, .T = T, .kv = se ? se->kv : NULL, .last_only = se && m->has_head};
     /* an embedding job's hop (stage_embed.c): pads kept out of an
      * encoder's attention; the last stage pools the final-normed states */
-    const stage_embed *em = se ? NULL : nl_stage_embed_find(s, hop->job_id);
-    if (em && (st = nl_stage_embed_check(em, B, T, err)) != NL_OK)
+    const stage_embed *em = se ? NULL : stage_embed_find(s, hop->job_id);
+    if (em && (st = stage_embed_check(em, B, T, err)) != NL_OK)
         return st;
-    const bool pool = em && nl_stage_embed_pools(em);
+    const bool pool = em && stage_embed_pools(em);
     if (pool) {
-        a.doc = m->cfg.causal ? NULL : nl_stage_embed_doc(em);
+        a.doc = m->cfg.causal ? NULL : stage_embed_doc(em);
         a.states = m->has_head;
     }
     if (m->has_embed) {
@@ -612,10 +611,10 @@ static nl_status run_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wir
      * more wait for the device per token */
     float aux = 0.0f;
     /* an embed or forward job's adapters, if any, for this forward only */
-    st = nl_stage_adapter_use(s, em ? nl_stage_embed_adapter(em) : NULL, B * T, err);
+    st = stage_adapter_use(s, em ? stage_embed_adapter(em) : NULL, B * T, err);
     if (st == NL_OK)
         st = nl_forward(m, s->rs, &a, se ? NULL : &aux, err);
-    nl_stage_adapter_attach(s, NULL);
+    stage_adapter_attach(s, NULL);
     if (st != NL_OK)
         return nl_error_prefix(err, "%s", who);
     if (se)
@@ -636,7 +635,7 @@ static nl_status run_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wir
     if (pool) { /* the states, pooled, in place of logits; the request is used */
         st = host_output(s, res, rows * d, out, err);
         if (st == NL_OK)
-            st = nl_stage_embed_pool(s, em, out->data, out, err);
+            st = stage_embed_pool(s, em, out->data, out, err);
         nl_stage_embed_end(s, hop->job_id);
         return st;
     }
@@ -655,8 +654,8 @@ static nl_status run_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wir
     return NL_OK;
 }
 
-nl_status nl_stage_forward_adapted(nl_stage *s, session *se, const void *in, int T, float *hid,
-                                   nl_stage_out *o, nl_error *err)
+nl_status stage_forward_adapted(nl_stage *s, session *se, const void *in, int T, float *hid,
+                                nl_stage_out *o, nl_error *err)
 {
     nl_model *m = s->model;
     const size_t d = (size_t)m->cfg.hidden_dim;
@@ -671,10 +670,10 @@ nl_status nl_stage_forward_adapted(nl_stage *s, session *se, const void *in, int
         s->be->upload(s->be, s->xin_d, in, (size_t)T * d * sizeof(float));
         a.x_in = s->xin_d;
     }
-    st = nl_stage_adapter_use(s, se->lo, T, err);
+    st = stage_adapter_use(s, se->lo, T, err);
     if (st == NL_OK)
         st = nl_forward(m, s->rs, &a, NULL, err);
-    nl_stage_adapter_attach(s, NULL);
+    stage_adapter_attach(s, NULL);
     if (st != NL_OK)
         return st;
     se->used = ++s->tick;
@@ -720,14 +719,14 @@ nl_status nl_stage_forward(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_w
     session *se = NULL;
     memset(out, 0, sizeof *out);
     const double t0 = now_s();
-    nl_stage_train_quiesce(s); /* a training job's threads leave replica 0's backend */
+    stage_train_quiesce(s); /* a training job's threads leave replica 0's backend */
     nl_status st = nl_stage_device_status(s, err);
     if (st == NL_OK && hop->session_id && hop->step == 0 && hop->microbatch == 0)
         return forward_session(s, hop, in, out, err);
     if (st == NL_OK)
         st = run_hop(s, hop, in, out, &se, err);
     /* the device's error comes first: it also explains a failed forward */
-    nl_status dst = nl_stage_check_device(s, err);
+    nl_status dst = stage_check_device(s, err);
     if (dst != NL_OK) {
         memset(out, 0, sizeof *out);
         return dst;

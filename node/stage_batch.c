@@ -21,7 +21,7 @@
 
 /* ===================== the engine ===================== */
 
-void nl_stage_batch_free(nl_stage *s)
+void stage_batch_free(nl_stage *s)
 {
     nl_batch_destroy(&s->batch);
     for (int i = 0; i < s->cap_q; i++) {
@@ -132,7 +132,7 @@ static void compact(nl_stage *s)
     s->n_q = w;
 }
 
-void nl_stage_batch_drop_session(nl_stage *s, uint64_t id)
+void stage_batch_drop_session(nl_stage *s, uint64_t id)
 {
     for (int i = 0; i < s->n_q; i++)
         if (s->q[i].session_id == id)
@@ -155,7 +155,7 @@ nl_status nl_stage_enqueue(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_w
         return nl_error_set(err, NL_ERR_STATE, "%s: this stage has no model loaded", who);
     if (!hop->session_id)
         return nl_error_set(err, NL_ERR_INVALID, "%s: only a session's hops are batched", who);
-    st = nl_stage_check_hop(s, hop, in, who, queued_rows(s, hop->session_id), &B, &T, &se, err);
+    st = stage_check_hop(s, hop, in, who, queued_rows(s, hop->session_id), &B, &T, &se, err);
     if (st == NL_OK)
         st = ensure_engine(s, err);
     if (st == NL_OK)
@@ -178,7 +178,7 @@ nl_status nl_stage_enqueue(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_w
     q->T = T;
     q->done = 0;
     q->aux = hop->aux;
-    q->t_in = nl_stage_now();
+    q->t_in = stage_now();
     q->gone = false;
     if (se->last_in > 0.0 && q->T == 1) { /* decode steps: the ring's period for this session */
         const double gap = q->t_in - se->last_in;
@@ -193,7 +193,7 @@ double nl_stage_batch_due(const nl_stage *s)
 {
     if (!s->n_q)
         return -1.0;
-    const double now = nl_stage_now();
+    const double now = stage_now();
     const int wait_ms = s->o.batch_wait_ms ? s->o.batch_wait_ms : DEFAULT_WAIT_MS;
     if (wait_ms < 0)
         return 0.0;
@@ -242,7 +242,7 @@ static int pick(nl_stage *s, int *nres)
     s->batch_seq++;
     for (int i = 0; i < s->n_q; i++) {
         queued_hop *q = &s->q[i];
-        session *se = nl_stage_find_session(s, q->session_id);
+        session *se = stage_find_session(s, q->session_id);
         if (!se) {
             q->gone = true;
             if (nl_stage_session_closed(s, q->session_id))
@@ -321,7 +321,7 @@ static nl_status finish(nl_stage *s, int n, double t0, double t1, int *nres, nl_
         return nl_error_set(err, NL_ERR_NOMEM, "stage: out of memory for a batch's output");
     for (int k = 0; k < n; k++) {
         queued_hop *q = &s->q[s->seg_q[k]];
-        session *se = nl_stage_find_session(s, q->session_id);
+        session *se = stage_find_session(s, q->session_id);
         const int take = s->segs[k].T;
         const bool last = q->done + take == q->T;
         se->used = ++s->tick;
@@ -372,7 +372,7 @@ static nl_status finish(nl_stage *s, int n, double t0, double t1, int *nres, nl_
 }
 
 /* The oldest hop of each session with an adapter, each alone (after the
- * batch; stage.c's nl_stage_forward_adapted): its hidden states in the
+ * batch; stage.c's stage_forward_adapted): its hidden states in the
  * slot's acc (which, like obuf, stays until the next batch). */
 static void run_adapted(nl_stage *s, int *nres)
 {
@@ -380,7 +380,7 @@ static void run_adapted(nl_stage *s, int *nres)
     const size_t d = (size_t)m->cfg.hidden_dim;
     for (int i = 0; i < s->n_q; i++) {
         queued_hop *q = &s->q[i];
-        session *se = q->gone ? NULL : nl_stage_find_session(s, q->session_id);
+        session *se = q->gone ? NULL : stage_find_session(s, q->session_id);
         if (!se || !se->lo || se->picked == s->batch_seq)
             continue;
         se->picked = s->batch_seq;
@@ -390,14 +390,14 @@ static void run_adapted(nl_stage *s, int *nres)
         r->out.B = 1;
         r->out.T = q->T;
         r->out.aux = q->aux;
-        const double t0 = nl_stage_now();
+        const double t0 = stage_now();
         nl_status st = NL_OK;
         if (!m->has_head &&
             !reserve((void **)&q->acc, &q->acc_cap, (size_t)q->T * d * sizeof(float)))
             st = nl_error_set(&e, NL_ERR_NOMEM, "out of memory for %d positions", q->T);
         if (st == NL_OK)
-            st = nl_stage_forward_adapted(s, se, q->in, q->T, q->acc, &r->out, &e);
-        const double t1 = nl_stage_now();
+            st = stage_forward_adapted(s, se, q->in, q->T, q->acc, &r->out, &e);
+        const double t1 = stage_now();
         if (st != NL_OK) {
             r->st = st;
             snprintf(r->msg, sizeof r->msg, "job %llu session %llu: %.400s",
@@ -429,7 +429,7 @@ nl_status nl_stage_run_batch(nl_stage *s, const nl_stage_result **res, int *nres
         return NL_OK;
     nl_status st = nl_stage_device_status(s, err);
     if (st == NL_OK)
-        st = nl_stage_wait_output(s, "a batch of sessions", err);
+        st = stage_wait_output(s, "a batch of sessions", err);
     if (st != NL_OK)
         return st;
     if (s->cap_res < s->n_q) { /* a result per hop at most; not grown while the
@@ -442,14 +442,14 @@ nl_status nl_stage_run_batch(nl_stage *s, const nl_stage_result **res, int *nres
     }
     *res = s->res;
     nl_error e = {0};
-    const double t0 = nl_stage_now();
+    const double t0 = stage_now();
     const int n = pick(s, nres);
     int rows = 0;
     for (int k = 0; k < n; k++)
         rows += s->segs[k].T;
     if (n > 0)
         st = nl_batch_forward_hidden(s->batch, s->segs, s->seg_x, n, &e);
-    const double t1 = nl_stage_now();
+    const double t1 = stage_now();
     if (n > 0 && st == NL_OK)
         st = finish(s, n, t0, t1, nres, &e);
     if (st != NL_OK) { /* every hop of the batch fails with it */
@@ -472,7 +472,7 @@ nl_status nl_stage_run_batch(nl_stage *s, const nl_stage_result **res, int *nres
     if (st == NL_OK)
         run_adapted(s, nres);
     compact(s);
-    nl_status dst = nl_stage_check_device(s, err);
+    nl_status dst = stage_check_device(s, err);
     return dst != NL_OK ? dst : NL_OK;
 }
 

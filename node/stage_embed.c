@@ -37,19 +37,19 @@ static void req_free(nl_stage *s, stage_embed *r)
 {
     free(r->lengths);
     free(r->doc);
-    nl_stage_adapter_put(s, r->lo); /* the stage's cache keeps it a while */
+    stage_adapter_put(s, r->lo); /* the stage's cache keeps it a while */
     r->lo = NULL;
 }
 
 static void drop(nl_stage *s, int i)
 {
-    nl_stage_job_forget(s, s->emb[i].job); /* the stage's jobs by id (stage_jobs.c) */
+    stage_job_forget(s, s->emb[i].job); /* the stage's jobs by id (stage_jobs.c) */
     req_free(s, &s->emb[i]);
     memmove(&s->emb[i], &s->emb[i + 1], (size_t)(s->n_emb - i - 1) * sizeof *s->emb);
     s->n_emb--;
 }
 
-void nl_stage_embed_free_all(nl_stage *s)
+void stage_embed_free_all(nl_stage *s)
 {
     while (s->n_emb > 0)
         drop(s, s->n_emb - 1);
@@ -60,7 +60,7 @@ void nl_stage_embed_free_all(nl_stage *s)
     s->emb_out_cap = 0;
 }
 
-const stage_embed *nl_stage_embed_find(const nl_stage *s, uint64_t job)
+const stage_embed *stage_embed_find(const nl_stage *s, uint64_t job)
 {
     for (int i = 0; job && i < s->n_emb; i++)
         if (s->emb[i].job == job)
@@ -107,7 +107,7 @@ nl_status nl_stage_embed_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t
     if (pool && (!len || len->kind != NL_WIRE_PARAM_STR))
         return nl_error_set(err, NL_ERR_PROTO, "embed job %llu: no params.lengths",
                             (unsigned long long)*job_id);
-    if (nl_stage_embed_find(s, *job_id))
+    if (stage_embed_find(s, *job_id))
         return nl_error_set(err, NL_ERR_STATE, "%s job %llu: already open on this stage", what,
                             (unsigned long long)*job_id);
     stage_embed r = {.job = *job_id, .B = (int)B->i, .T = (int)T->i, .pool = pool};
@@ -122,7 +122,7 @@ nl_status nl_stage_embed_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t
     if (st == NL_OK && ad && ad->kind != NL_WIRE_PARAM_STR)
         st = nl_error_set(err, NL_ERR_PROTO, "params.adapter: not a path");
     if (st == NL_OK && ad)
-        st = nl_stage_adapter_get(s, ad->s, &r.lo, err);
+        st = stage_adapter_get(s, ad->s, &r.lo, err);
     if (st == NL_OK && !s->emb && !(s->emb = calloc(EMBED_MAX, sizeof *s->emb)))
         st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");
     if (st != NL_OK) {
@@ -140,7 +140,7 @@ nl_status nl_stage_embed_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t
     return NL_OK;
 }
 
-nl_status nl_stage_embed_check(const stage_embed *r, int B, int T, nl_error *err)
+nl_status stage_embed_check(const stage_embed *r, int B, int T, nl_error *err)
 {
     if (B != r->B || T != r->T)
         return nl_error_set(err, NL_ERR_SHAPE, "%s job %llu: a batch of %d x %d, not %d x %d",
@@ -149,23 +149,23 @@ nl_status nl_stage_embed_check(const stage_embed *r, int B, int T, nl_error *err
     return NL_OK;
 }
 
-const int32_t *nl_stage_embed_doc(const stage_embed *r)
+const int32_t *stage_embed_doc(const stage_embed *r)
 {
     return r->doc;
 }
 
-nl_lora *nl_stage_embed_adapter(const stage_embed *r)
+nl_lora *stage_embed_adapter(const stage_embed *r)
 {
     return r->lo;
 }
 
-bool nl_stage_embed_pools(const stage_embed *r)
+bool stage_embed_pools(const stage_embed *r)
 {
     return r->pool;
 }
 
-nl_status nl_stage_embed_pool(nl_stage *s, const stage_embed *r, const float *states,
-                              nl_stage_out *out, nl_error *err)
+nl_status stage_embed_pool(nl_stage *s, const stage_embed *r, const float *states,
+                           nl_stage_out *out, nl_error *err)
 {
     const int d = s->model->cfg.hidden_dim;
     const size_t n = (size_t)r->B * d;

@@ -153,18 +153,17 @@ struct nl_stage {
 
 /* Close every session (the model goes, or its assignment failed)
  * (stage_session.c). */
-void nl_stage_sessions_clear(nl_stage *s);
+void stage_sessions_clear(nl_stage *s);
 /* The queue and the batch engine (stage_batch.c): dropped with the model;
  * a session's queued hops go with it. */
-void nl_stage_batch_free(nl_stage *s);
-void nl_stage_batch_drop_session(nl_stage *s, uint64_t id);
+void stage_batch_free(nl_stage *s);
+void stage_batch_drop_session(nl_stage *s, uint64_t id);
 
 /* stage.c's helpers that stage_batch.c uses */
-nl_status nl_stage_check_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wire_frame *in,
-                             const char *who, int queued, int *B, int *T, session **se,
-                             nl_error *err);
-nl_status nl_stage_wait_output(nl_stage *s, const char *what, nl_error *err);
-session *nl_stage_find_session(const nl_stage *s, uint64_t id);
+nl_status stage_check_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wire_frame *in,
+                          const char *who, int queued, int *B, int *T, session **se, nl_error *err);
+nl_status stage_wait_output(nl_stage *s, const char *what, nl_error *err);
+session *stage_find_session(const nl_stage *s, uint64_t id);
 /* The last stage's answer for a session: sample its token from host
  * logits into o (TOKEN, with the log-probabilities it asks for), count it,
  * and say whether it is the last and whether to feed it back. */
@@ -172,7 +171,7 @@ void stage_sample(session *se, const float *logits, nl_stage_out *o);
 /* The same after the token was sampled elsewhere (on the device; no
  * log-probabilities then): o gets it, counted, last and feed set. */
 void stage_sampled(session *se, int32_t token, nl_stage_out *o);
-double nl_stage_now(void);
+double stage_now(void);
 
 /* ---- the stage's jobs (stage_jobs.c) ---- */
 
@@ -214,18 +213,18 @@ typedef struct stage_job {
 extern const stage_job_ops nl_stage_generate_ops, nl_stage_embed_ops, nl_stage_forward_ops,
     nl_stage_train_ops, nl_stage_lora_ops;
 
-stage_job *nl_stage_job_find(const nl_stage *s, uint64_t id);
+stage_job *stage_job_find(const nl_stage *s, uint64_t id);
 /* The first job of a kind, or NULL; how many there are. */
-stage_job *nl_stage_job_first(const nl_stage *s, int kind);
-int nl_stage_job_count(const nl_stage *s, int kind);
+stage_job *stage_job_first(const nl_stage *s, int kind);
+int stage_job_count(const nl_stage *s, int kind);
 /* A store dropped job id by itself (a session evicted, an embedding
  * request used): its entry goes (a job with state of its own stays). */
-void nl_stage_job_forget(nl_stage *s, uint64_t id);
+void stage_job_forget(nl_stage *s, uint64_t id);
 /* End and free every job of a kind without a word (a new training job
  * replaces the last). */
-void nl_stage_job_drop_kind(nl_stage *s, int kind);
+void stage_job_drop_kind(nl_stage *s, int kind);
 /* Free every job (the model goes). */
-void nl_stage_jobs_free_all(nl_stage *s);
+void stage_jobs_free_all(nl_stage *s);
 
 /* ---- training and fine-tuning jobs (stage_train*.c, stage_lora.c) ---- */
 struct stage_train;
@@ -233,75 +232,75 @@ struct nl_trainparams;
 /* A training job's JOB_SUBMIT read by its schema (net/trainparams.h, the
  * stage uses) and checked against the stage: a model loaded, seq within
  * its max_seq_len. *job_id as soon as it is read. */
-nl_status nl_stage_train_params(nl_stage *s, const nl_msg_job_submit *j, struct nl_trainparams *p,
-                                uint64_t *job_id, nl_error *err);
+nl_status stage_train_params(nl_stage *s, const nl_msg_job_submit *j, struct nl_trainparams *p,
+                             uint64_t *job_id, nl_error *err);
 /* The state of a training job of parameters p (read from j, whose growth
  * history it reads), made on the stage's model; with adapters attached
  * to s->model its trainer steps them alone (stage_lora.c makes
  * fine-tuning jobs so). */
-nl_status nl_stage_train_make(nl_stage *s, const struct nl_trainparams *p,
-                              const nl_msg_job_submit *j, struct stage_train **out, nl_error *err);
+nl_status stage_train_make(nl_stage *s, const struct nl_trainparams *p, const nl_msg_job_submit *j,
+                           struct stage_train **out, nl_error *err);
 /* Free a training job's state (NULL-safe). */
-void nl_stage_train_free(struct stage_train *t);
-/* A training message of job t (nl_stage_train_takes says which). */
-bool nl_stage_train_takes(const nl_wire_msg *m);
-nl_status nl_stage_train_input(nl_stage *s, struct stage_train *t, const nl_wire_msg *m,
-                               nl_stage_send_fn send, void *ctx, nl_error *err);
+void stage_train_free(struct stage_train *t);
+/* A training message of job t (stage_train_takes says which). */
+bool stage_train_takes(const nl_wire_msg *m);
+nl_status stage_train_input(nl_stage *s, struct stage_train *t, const nl_wire_msg *m,
+                            nl_stage_send_fn send, void *ctx, nl_error *err);
 
 /* ---- adapters for inference (stage_lora.c) ---- */
 /* The adapter file at path (a file under the node's --checkpoint-root)
  * loaded for this stage's layers; kept in a small cache by path and file
  * identity (device, inode, size, modification time), so that the jobs and
  * sessions naming one file share one copy. A reference: give it back with
- * nl_stage_adapter_put. Never left attached to the model:
- * nl_stage_adapter_use around a forward, then nl_stage_adapter_attach
+ * stage_adapter_put. Never left attached to the model:
+ * stage_adapter_use around a forward, then stage_adapter_attach
  * (s, NULL). */
-nl_status nl_stage_adapter_get(nl_stage *s, const char *path, struct nl_lora **lo, nl_error *err);
-void nl_stage_adapter_put(nl_stage *s, struct nl_lora *lo);
+nl_status stage_adapter_get(nl_stage *s, const char *path, struct nl_lora **lo, nl_error *err);
+void stage_adapter_put(nl_stage *s, struct nl_lora *lo);
 /* Attach lo (its adapters and its trained head, if any) to the stage's
  * model for the forwards that follow; NULL detaches (the base's head
  * back). */
-void nl_stage_adapter_attach(nl_stage *s, struct nl_lora *lo);
+void stage_adapter_attach(nl_stage *s, struct nl_lora *lo);
 /* Attach lo (NULL: none) for a forward of rows rows, its scratch grown to
  * them first (the cache loads a file with scratch for one row). */
-nl_status nl_stage_adapter_use(nl_stage *s, struct nl_lora *lo, int rows, nl_error *err);
+nl_status stage_adapter_use(nl_stage *s, struct nl_lora *lo, int rows, nl_error *err);
 /* Free every cached adapter (the model goes; no references left). */
-void nl_stage_adapter_free_all(nl_stage *s);
+void stage_adapter_free_all(nl_stage *s);
 /* A session's hop with an adapter, alone through the ordinary forward
  * (stage.c; core/model/batch.c applies no adapters): T positions of in (I32
  * tokens on the first stage, else (T, d) F32, host) at the end of the
  * session's cache. Not the last stage: the (T, d) hidden states into hid
  * (host); the last: o->token sampled, and o's kind, last, feed set. */
-nl_status nl_stage_forward_adapted(nl_stage *s, session *se, const void *in, int T, float *hid,
-                                   nl_stage_out *o, nl_error *err);
+nl_status stage_forward_adapted(nl_stage *s, session *se, const void *in, int T, float *hid,
+                                nl_stage_out *o, nl_error *err);
 /* Wait until the replicas' threads have finished what they were given,
  * before other work uses replica 0's backend (stage_train.c). */
-void nl_stage_train_quiesce(nl_stage *s);
+void stage_train_quiesce(nl_stage *s);
 
 /* The backend's sticky asynchronous error (nl_backend_check), remembered
  * once seen: "device D: MESSAGE" in err, else NL_OK with err untouched.
  * Called after the work a message caused; before it, work is refused with
  * nl_stage_device_status (which does not ask the backend). */
-nl_status nl_stage_check_device(nl_stage *s, nl_error *err);
+nl_status stage_check_device(nl_stage *s, nl_error *err);
 
 /* ---- embedding jobs (stage_embed.c) ---- */
 typedef struct stage_embed stage_embed;
 /* The request of job, or NULL (a plain forward). */
-const stage_embed *nl_stage_embed_find(const nl_stage *s, uint64_t job);
+const stage_embed *stage_embed_find(const nl_stage *s, uint64_t job);
 /* Whether a hop of B x T fits the request. */
-nl_status nl_stage_embed_check(const stage_embed *r, int B, int T, nl_error *err);
+nl_status stage_embed_check(const stage_embed *r, int B, int T, nl_error *err);
 /* Its pads' document ids (B, T), for an encoder's attention. */
-const int32_t *nl_stage_embed_doc(const stage_embed *r);
+const int32_t *stage_embed_doc(const stage_embed *r);
 /* Its adapters (to attach for its forward only), or NULL. */
-struct nl_lora *nl_stage_embed_adapter(const stage_embed *r);
+struct nl_lora *stage_embed_adapter(const stage_embed *r);
 /* Whether the request pools (an embed job) or asks for the logits (a
  * forward job with an adapter, JOB_SUBMIT kind forward). */
-bool nl_stage_embed_pools(const stage_embed *r);
+bool stage_embed_pools(const stage_embed *r);
 /* The last stage: pool the final-normed states (host, B x T x d) into
  * out as [B, d] vectors. */
-nl_status nl_stage_embed_pool(nl_stage *s, const stage_embed *r, const float *states,
-                              nl_stage_out *out, nl_error *err);
+nl_status stage_embed_pool(nl_stage *s, const stage_embed *r, const float *states,
+                           nl_stage_out *out, nl_error *err);
 /* Forget every request (the model goes). */
-void nl_stage_embed_free_all(nl_stage *s);
+void stage_embed_free_all(nl_stage *s);
 
 #endif

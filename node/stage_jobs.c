@@ -11,7 +11,7 @@
  * evicts by LRU: stage.c, stage_batch.c; the embedding requests, which
  * wait for their one hop: stage_embed.c): their entries here hold no
  * state, and those stores forget the entry when they drop a job by
- * themselves (nl_stage_job_forget). Their hops take the inference path
+ * themselves (stage_job_forget). Their hops take the inference path
  * (nl_stage_forward, nl_stage_enqueue), not nl_stage_job_input. Each
  * kind's ops are in its own file: generate in stage_session.c, embed and
  * forward in stage_embed.c, train in stage_train.c, finetune in
@@ -25,7 +25,7 @@ static const stage_job_ops *const kinds[] = {&nl_stage_generate_ops, &nl_stage_e
                                              &nl_stage_lora_ops};
 /* ---------------------------------------------------------------- the table */
 
-stage_job *nl_stage_job_find(const nl_stage *s, uint64_t id)
+stage_job *stage_job_find(const nl_stage *s, uint64_t id)
 {
     for (int i = 0; id && i < s->n_jobs; i++)
         if (s->jobs[i].id == id)
@@ -33,7 +33,7 @@ stage_job *nl_stage_job_find(const nl_stage *s, uint64_t id)
     return NULL;
 }
 
-stage_job *nl_stage_job_first(const nl_stage *s, int kind)
+stage_job *stage_job_first(const nl_stage *s, int kind)
 {
     for (int i = 0; i < s->n_jobs; i++)
         if (s->jobs[i].ops->kind == kind)
@@ -41,7 +41,7 @@ stage_job *nl_stage_job_first(const nl_stage *s, int kind)
     return NULL;
 }
 
-int nl_stage_job_count(const nl_stage *s, int kind)
+int stage_job_count(const nl_stage *s, int kind)
 {
     int n = 0;
     for (int i = 0; i < s->n_jobs; i++)
@@ -66,23 +66,23 @@ static void job_free(nl_stage *s, stage_job *j)
         j->ops->free(s, j->state);
 }
 
-void nl_stage_job_forget(nl_stage *s, uint64_t id)
+void stage_job_forget(nl_stage *s, uint64_t id)
 {
-    stage_job *e = nl_stage_job_find(s, id);
+    stage_job *e = stage_job_find(s, id);
     if (e && !e->state) /* a store's job: its state went with the store's entry */
         take(s, e);
 }
 
-void nl_stage_job_drop_kind(nl_stage *s, int kind)
+void stage_job_drop_kind(nl_stage *s, int kind)
 {
     stage_job *e;
-    while ((e = nl_stage_job_first(s, kind)) != NULL) {
+    while ((e = stage_job_first(s, kind)) != NULL) {
         stage_job j = take(s, e);
         job_free(s, &j);
     }
 }
 
-void nl_stage_jobs_free_all(nl_stage *s)
+void stage_jobs_free_all(nl_stage *s)
 {
     while (s->n_jobs > 0) {
         stage_job j = take(s, &s->jobs[s->n_jobs - 1]);
@@ -124,7 +124,7 @@ nl_status nl_stage_job_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *
         st = ops->begin(s, j, job_id, &state, err);
     if (st != NL_OK)
         return st;
-    stage_job *old = nl_stage_job_find(s, *job_id);
+    stage_job *old = stage_job_find(s, *job_id);
     if (old) { /* begun again (a session opened again): the new one replaces it */
         stage_job o = take(s, old);
         job_free(s, &o);
@@ -137,7 +137,7 @@ nl_status nl_stage_job_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *
 
 int nl_stage_job_end(nl_stage *s, uint64_t id)
 {
-    stage_job *e = nl_stage_job_find(s, id);
+    stage_job *e = stage_job_find(s, id);
     if (!e)
         return -1;
     stage_job j = take(s, e); /* first: the kind's store forgets it as it ends */
@@ -176,7 +176,7 @@ static bool other_epoch(const nl_stage *s, const nl_wire_msg *m)
 
 bool nl_stage_job_holds(const nl_stage *s, const nl_wire_msg *m)
 {
-    const stage_job *e = nl_stage_job_find(s, nl_stage_job_of(m));
+    const stage_job *e = stage_job_find(s, nl_stage_job_of(m));
     return e && e->ops->holds && e->ops->holds(e->state, m) && !other_epoch(s, m);
 }
 
@@ -184,7 +184,7 @@ nl_status nl_stage_job_input(nl_stage *s, const nl_wire_msg *m, nl_stage_send_fn
                              nl_error *err)
 {
     const uint64_t id = nl_stage_job_of(m);
-    stage_job *e = nl_stage_job_find(s, id);
+    stage_job *e = stage_job_find(s, id);
     if (!e || !e->ops->holds || !e->ops->holds(e->state, m))
         return nl_error_set(err, NL_ERR_STATE, "%s: job %llu is not training on this stage",
                             nl_wire_type_name(m->type), (unsigned long long)id);

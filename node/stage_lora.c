@@ -45,10 +45,10 @@ static void ft_free(nl_stage *s, void *state)
     if (!f)
         return;
     if (s->model) /* the trainer goes with its adapters attached, as it was made */
-        nl_stage_adapter_attach(s, f->lo);
-    nl_stage_train_free(f->train);
+        stage_adapter_attach(s, f->lo);
+    stage_train_free(f->train);
     if (s->model)
-        nl_stage_adapter_attach(s, NULL);
+        stage_adapter_attach(s, NULL);
     nl_lora_destroy(&f->lo); /* detached already: it frees its block */
     free(f);
 }
@@ -72,7 +72,7 @@ static nl_status ft_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job
     nl_trainparams p;
     uint64_t other = 0;
     *state = NULL;
-    nl_status st = nl_stage_train_params(s, j, &p, job_id, err);
+    nl_status st = stage_train_params(s, j, &p, job_id, err);
     const long long job = (long long)p.job;
     if (st != NL_OK)
         return st;
@@ -80,7 +80,7 @@ static nl_status ft_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job
         return nl_error_set(err, NL_ERR_STATE,
                             "finetune job %lld: training job %llu changes this stage's weights",
                             job, (unsigned long long)other);
-    if (nl_stage_job_find(s, p.job))
+    if (stage_job_find(s, p.job))
         return nl_error_set(err, NL_ERR_STATE, "finetune job %lld: already runs on this stage",
                             job);
     stage_ft *f = calloc(1, sizeof *f);
@@ -91,15 +91,15 @@ static nl_status ft_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job
         return nl_error_prefix(err, "finetune job %lld", job);
     }
     /* the training job's state, made with the adapters attached */
-    nl_stage_adapter_attach(s, f->lo);
-    st = nl_stage_train_make(s, &p, j, &f->train, err);
-    nl_stage_adapter_attach(s, NULL);
+    stage_adapter_attach(s, f->lo);
+    st = stage_train_make(s, &p, j, &f->train, err);
+    stage_adapter_attach(s, NULL);
     if (st != NL_OK) {
         ft_free(s, f);
         return st;
     }
     *state = f;
-    const int n = nl_stage_job_count(s, NL_JOB_FINETUNE) + 1; /* with this one */
+    const int n = stage_job_count(s, NL_JOB_FINETUNE) + 1; /* with this one */
     NL_INFO("finetune job %lld: rank %d adapters on layers [%d, %d), %zu parameters train; the "
             "base is frozen (%d fine-tuning job%s on this stage)",
             job, f->lo->rank, s->model->l0, s->model->l1, f->lo->n_params, n, n == 1 ? "" : "s");
@@ -109,7 +109,7 @@ static nl_status ft_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *job
 static bool ft_holds(const void *state, const nl_wire_msg *m)
 {
     (void)state;
-    return nl_stage_train_takes(m);
+    return stage_train_takes(m);
 }
 
 /* A message of the job, run with its adapters attached. */
@@ -117,9 +117,9 @@ static nl_status ft_input(nl_stage *s, void *state, const nl_wire_msg *m, nl_sta
                           void *ctx, nl_error *err)
 {
     stage_ft *f = state;
-    nl_stage_adapter_attach(s, f->lo);
-    nl_status st = nl_stage_train_input(s, f->train, m, send, ctx, err);
-    nl_stage_adapter_attach(s, NULL);
+    stage_adapter_attach(s, f->lo);
+    nl_status st = stage_train_input(s, f->train, m, send, ctx, err);
+    stage_adapter_attach(s, NULL);
     return st;
 }
 
@@ -149,7 +149,7 @@ struct stage_adapter {
     uint64_t used;
 };
 
-void nl_stage_adapter_attach(nl_stage *s, nl_lora *lo)
+void stage_adapter_attach(nl_stage *s, nl_lora *lo)
 {
     nl_model *m = s->model;
     if (m->lora && m->lora->classifier) /* its trained head goes with it */
@@ -159,11 +159,11 @@ void nl_stage_adapter_attach(nl_stage *s, nl_lora *lo)
         m->classifier = lo->classifier;
 }
 
-nl_status nl_stage_adapter_use(nl_stage *s, nl_lora *lo, int rows, nl_error *err)
+nl_status stage_adapter_use(nl_stage *s, nl_lora *lo, int rows, nl_error *err)
 {
     nl_status st = lo ? nl_lora_reserve(lo, rows, err) : NL_OK;
     if (st == NL_OK)
-        nl_stage_adapter_attach(s, lo);
+        stage_adapter_attach(s, lo);
     return st;
 }
 
@@ -194,7 +194,7 @@ static void adapter_trim(nl_stage *s)
     }
 }
 
-nl_status nl_stage_adapter_get(nl_stage *s, const char *path, nl_lora **lo, nl_error *err)
+nl_status stage_adapter_get(nl_stage *s, const char *path, nl_lora **lo, nl_error *err)
 {
     char root[PATH_MAX], real[PATH_MAX];
     struct stat sb;
@@ -233,9 +233,9 @@ nl_status nl_stage_adapter_get(nl_stage *s, const char *path, nl_lora **lo, nl_e
         s->cap_ad = cap;
     }
     nl_lora *l = NULL;
-    nl_stage_adapter_attach(s, NULL); /* nl_lora_load attaches to a bare model */
+    stage_adapter_attach(s, NULL); /* nl_lora_load attaches to a bare model */
     nl_status st = nl_lora_load(&l, s->model, real, 1, err); /* scratch: as its users need */
-    nl_stage_adapter_attach(s, NULL);
+    stage_adapter_attach(s, NULL);
     if (st != NL_OK)
         return nl_error_prefix(err, "params.adapter");
     stage_adapter *a = &s->ad[s->n_ad++];
@@ -253,7 +253,7 @@ nl_status nl_stage_adapter_get(nl_stage *s, const char *path, nl_lora **lo, nl_e
     return NL_OK;
 }
 
-void nl_stage_adapter_put(nl_stage *s, nl_lora *lo)
+void stage_adapter_put(nl_stage *s, nl_lora *lo)
 {
     for (int i = 0; lo && i < s->n_ad; i++)
         if (s->ad[i].lo == lo) {
@@ -264,10 +264,10 @@ void nl_stage_adapter_put(nl_stage *s, nl_lora *lo)
         }
 }
 
-void nl_stage_adapter_free_all(nl_stage *s)
+void stage_adapter_free_all(nl_stage *s)
 {
     if (s->model)
-        nl_stage_adapter_attach(s, NULL);
+        stage_adapter_attach(s, NULL);
     while (s->n_ad > 0)
         adapter_drop(s, s->n_ad - 1);
     free(s->ad);

@@ -18,23 +18,23 @@ static void session_free(nl_stage *s, session *se)
     nl_kvcache_destroy(&se->kv);
     if (se->has_sampler)
         nl_sampler_free(&se->smp);
-    nl_stage_adapter_put(s, se->lo);
+    stage_adapter_put(s, se->lo);
     se->lo = NULL;
     s->kv_used -= se->bytes;
     se->bytes = 0;
 }
 
-void nl_stage_sessions_clear(nl_stage *s)
+void stage_sessions_clear(nl_stage *s)
 {
     for (int i = 0; i < s->n_sess; i++) {
-        nl_stage_job_forget(s, s->sess[i].id);
+        stage_job_forget(s, s->sess[i].id);
         session_free(s, &s->sess[i]);
     }
     s->n_sess = 0;
     s->evicted = s->closed = (ended_ids){0};
 }
 
-session *nl_stage_find_session(const nl_stage *s, uint64_t id)
+session *stage_find_session(const nl_stage *s, uint64_t id)
 {
     for (int i = 0; i < s->n_sess; i++)
         if (s->sess[i].id == id)
@@ -44,7 +44,7 @@ session *nl_stage_find_session(const nl_stage *s, uint64_t id)
 
 static void remove_session(nl_stage *s, session *se)
 {
-    nl_stage_job_forget(s, se->id); /* the stage's jobs by id (stage_jobs.c) */
+    stage_job_forget(s, se->id); /* the stage's jobs by id (stage_jobs.c) */
     session_free(s, se);
     *se = s->sess[--s->n_sess];
 }
@@ -161,12 +161,12 @@ nl_status nl_stage_open_session(nl_stage *s, const nl_stage_session_params *p, n
                             "session %llu: a KV cache of %d positions takes %zu bytes, more than "
                             "the whole budget of %llu (--kv-budget)",
                             id, p->capacity, bytes, (unsigned long long)s->o.kv_budget);
-    session *old = nl_stage_find_session(s, p->id);
+    session *old = stage_find_session(s, p->id);
     if (old) {
         NL_INFO("stage: session %llu opened again: its old cache is dropped", id);
         remove_session(s, old);
     }
-    nl_stage_batch_drop_session(s, p->id); /* hops queued for an old one */
+    stage_batch_drop_session(s, p->id); /* hops queued for an old one */
     nl_status st = grow_sessions(s, err);
     if (st != NL_OK)
         return st;
@@ -178,7 +178,7 @@ nl_status nl_stage_open_session(nl_stage *s, const nl_stage_session_params *p, n
                   .limit = p->limit,
                   .logprobs =
                       p->logprobs > 0 && p->logprobs <= 1 + NL_WIRE_MAX_TOP ? p->logprobs : 0};
-    if (p->adapter && (st = nl_stage_adapter_get(s, p->adapter, &se.lo, err)) != NL_OK)
+    if (p->adapter && (st = stage_adapter_get(s, p->adapter, &se.lo, err)) != NL_OK)
         return nl_error_prefix(err, "session %llu", id);
     st = nl_kvcache_new(&se.kv, m, 1, p->capacity, err);
     if (st == NL_OK && m->has_head) {
@@ -188,7 +188,7 @@ nl_status nl_stage_open_session(nl_stage *s, const nl_stage_session_params *p, n
     }
     if (st != NL_OK) {
         nl_kvcache_destroy(&se.kv);
-        nl_stage_adapter_put(s, se.lo);
+        stage_adapter_put(s, se.lo);
         return nl_error_prefix(err, "session %llu", id);
     }
     s->sess[s->n_sess++] = se;
@@ -200,18 +200,18 @@ nl_status nl_stage_open_session(nl_stage *s, const nl_stage_session_params *p, n
 
 bool nl_stage_close_session(nl_stage *s, uint64_t id)
 {
-    session *se = nl_stage_find_session(s, id);
+    session *se = stage_find_session(s, id);
     if (!se)
         return false;
     remove_session(s, se);
-    nl_stage_batch_drop_session(s, id);
+    stage_batch_drop_session(s, id);
     ended_add(&s->closed, id);
     return true;
 }
 
 bool nl_stage_session(const nl_stage *s, uint64_t id, nl_stage_session_info *info)
 {
-    const session *se = nl_stage_find_session(s, id);
+    const session *se = stage_find_session(s, id);
     if (se && info)
         *info = (nl_stage_session_info){se->kv->cap,   se->kv->len, se->bytes, se->has_sampler,
                                         se->prefill_s, se->steps,   se->step_s};

@@ -66,7 +66,7 @@
 
 /* ===================== life ===================== */
 
-void nl_stage_train_extra_free(hop_extra *e)
+void stage_train_extra_free(hop_extra *e)
 {
     free(e->targets);
     free(e->docs);
@@ -75,14 +75,14 @@ void nl_stage_train_extra_free(hop_extra *e)
     *e = (hop_extra){0};
 }
 
-void nl_stage_train_hop_free(hop_in *h)
+void stage_train_hop_free(hop_in *h)
 {
     free(h->x);
     h->x = NULL;
-    nl_stage_train_extra_free(&h->e);
+    stage_train_extra_free(&h->e);
 }
 
-void nl_stage_train_free(stage_train *t)
+void stage_train_free(stage_train *t)
 {
     if (!t)
         return;
@@ -91,12 +91,12 @@ void nl_stage_train_free(stage_train *t)
         rjob *j = t->jobs;
         t->jobs = j->all_next;
         free(j->x);
-        nl_stage_train_extra_free(&j->e);
+        stage_train_extra_free(&j->e);
         free(j->out);
         free(j);
     }
     for (int i = 0; i < t->qlen; i++)
-        nl_stage_train_hop_free(&t->q[(t->qhead + i) % t->qcap]);
+        stage_train_hop_free(&t->q[(t->qhead + i) % t->qcap]);
     free(t->q);
     for (int r = 0; r < t->R; r++) {
         replica *p = &t->rep[r];
@@ -108,9 +108,9 @@ void nl_stage_train_free(stage_train *t)
     }
     nl_host_stage_free(&t->stage);
     nl_wire_msg_free(&t->tx);
-    nl_stage_train_ring_free(t);
+    stage_train_ring_free(t);
     free(t->dig);
-    nl_stage_train_kept_free(t);
+    stage_train_kept_free(t);
     free(t->kept);
     free(t->counts);
     free(t->lie_prev);
@@ -122,7 +122,7 @@ void nl_stage_train_free(stage_train *t)
 /* The stage's training job (not a fine-tuning one), or NULL. */
 static stage_train *training(const nl_stage *s)
 {
-    const stage_job *e = nl_stage_job_first(s, NL_JOB_TRAIN);
+    const stage_job *e = stage_job_first(s, NL_JOB_TRAIN);
     return e ? e->state : NULL;
 }
 
@@ -141,16 +141,16 @@ static nl_status train_begin(nl_stage *s, const nl_msg_job_submit *j, uint64_t *
 {
     nl_trainparams p;
     stage_train *t = NULL;
-    const int n_ft = nl_stage_job_count(s, NL_JOB_FINETUNE);
+    const int n_ft = stage_job_count(s, NL_JOB_FINETUNE);
     *state = NULL;
-    nl_status st = nl_stage_train_params(s, j, &p, job_id, err);
+    nl_status st = stage_train_params(s, j, &p, job_id, err);
     if (st != NL_OK)
         return st;
     if (n_ft > 0) /* before the trainer takes anything (the moments) */
         return nl_error_set(err, NL_ERR_STATE,
                             "train job %llu: %d fine-tuning job%s use this stage's weights frozen",
                             (unsigned long long)p.job, n_ft, n_ft == 1 ? "" : "s");
-    if ((st = nl_stage_train_make(s, &p, j, &t, err)) == NL_OK)
+    if ((st = stage_train_make(s, &p, j, &t, err)) == NL_OK)
         *state = t;
     return st;
 }
@@ -276,12 +276,12 @@ static nl_status enqueue(nl_stage *s, stage_train *t, const nl_wire_msg *m, nl_e
     }
     hop_in h = {.type = m->type, .step = hop->step, .mb = hop->microbatch, .aux = hop->aux};
     if (m->type != NL_MSG_EVAL &&
-        (st = nl_stage_train_mb_here(t, what, hop->microbatch, &h.mb, err)) != NL_OK)
+        (st = stage_train_mb_here(t, what, hop->microbatch, &h.mb, err)) != NL_OK)
         return st;
     /* token ids as they came; hidden states as FP32 (widened from bf16) */
     const size_t xbytes = first ? m->frames[0].len : t->rows * t->d * sizeof(float);
     if (!(h.x = malloc(xbytes)) || copy_extra(&h.e, f, m->u.train_hop.loss_rows) != 0) {
-        nl_stage_train_hop_free(&h);
+        stage_train_hop_free(&h);
         return nl_error_set(err, NL_ERR_NOMEM, "%s: out of memory", what);
     }
     if (first)
@@ -295,7 +295,7 @@ static nl_status enqueue(nl_stage *s, stage_train *t, const nl_wire_msg *m, nl_e
         for (size_t i = 0; i < xbytes / sizeof(float); i++)
             acc += v[i] * 0.0f;
         if (acc != 0.0f) {
-            nl_stage_train_hop_free(&h);
+            stage_train_hop_free(&h);
             return nl_error_set(err, NL_ERR_RANGE,
                                 "%s: the previous stage's hidden states hold non-finite values",
                                 what);
@@ -315,8 +315,7 @@ static nl_status on_gradient(nl_stage *s, stage_train *t, const nl_wire_msg *m,
     const nl_tensor *g = &m->frames[0].t;
     if (s->model->has_head)
         return nl_error_set(err, NL_ERR_STATE, "GRADIENT: the last stage starts from its loss");
-    nl_status st =
-        nl_stage_train_mb_here(t, "GRADIENT", m->u.hop.microbatch, &here.microbatch, err);
+    nl_status st = stage_train_mb_here(t, "GRADIENT", m->u.hop.microbatch, &here.microbatch, err);
     if (st != NL_OK)
         return st;
     if (hop->step != t->begun || hop->step != (uint64_t)t->applied + 1 || t->finished)
@@ -334,25 +333,24 @@ static nl_status on_gradient(nl_stage *s, stage_train *t, const nl_wire_msg *m,
                             "GRADIENT: the frame must be F32 or BF16 [%d, %d, %zu]", t->mbB, t->T,
                             t->d);
     st = nl_hop_digest_check(m, (uint32_t)s->stage_idx,
-                             nl_stage_train_dig(t, hop->microbatch, NL_DIGEST_BWD_IN), err);
+                             stage_train_dig(t, hop->microbatch, NL_DIGEST_BWD_IN), err);
     if (st != NL_OK)
         return st;
     /* a copy of the frame for the replica's lane (the message goes when
      * this returns) */
-    rjob *j =
-        nl_stage_train_job_get(t, JOB_BACKWARD, nl_stage_train_replica_of(t, hop->microbatch), err);
+    rjob *j = stage_train_job_get(t, JOB_BACKWARD, stage_train_replica_of(t, hop->microbatch), err);
     if (!j)
         return NL_ERR_NOMEM;
     if (!(j->x = malloc(t->rows * t->d * sizeof(float)))) {
-        nl_stage_train_job_put(t, j);
+        stage_train_job_put(t, j);
         return nl_error_set(err, NL_ERR_NOMEM, "GRADIENT: out of memory");
     }
     nl_wire_frame_widen(&m->frames[0], j->x, t->rows * t->d); /* F32, or bf16 widened */
     j->step = hop->step;
     j->mb = hop->microbatch;
-    j->slot = nl_stage_train_slot_of(t, hop->microbatch);
+    j->slot = stage_train_slot_of(t, hop->microbatch);
     j->last = ++t->bwd == t->M;
-    return nl_stage_train_dispatch(s, t, j, send, ctx, err);
+    return stage_train_dispatch(s, t, j, send, ctx, err);
 }
 
 static nl_status on_step(nl_stage *s, stage_train *t, const nl_msg_step *p, nl_stage_send_fn send,
@@ -370,21 +368,21 @@ static nl_status on_step(nl_stage *s, stage_train *t, const nl_msg_step *p, nl_s
                             (unsigned long long)t->applied + 1);
     /* every replica: the same update of the same weights with the same
      * gradients, each on its lane (DiLoCo: this group's own) */
-    nl_status st = p->apply ? nl_stage_train_outer_anchor(s, t, send, ctx, err) : NL_OK;
+    nl_status st = p->apply ? stage_train_outer_anchor(s, t, send, ctx, err) : NL_OK;
     for (int r = 0; p->apply && r < t->R && st == NL_OK; r++) {
-        rjob *j = nl_stage_train_job_get(t, JOB_STEP, r, err);
+        rjob *j = stage_train_job_get(t, JOB_STEP, r, err);
         if (!j)
             return NL_ERR_NOMEM;
         j->step = p->step;
         j->lr = (float)p->lr;
         j->clip = (float)p->clip_scale;
-        st = nl_stage_train_dispatch(s, t, j, send, ctx, err);
+        st = stage_train_dispatch(s, t, j, send, ctx, err);
     }
     t->applied = (int64_t)p->step;
     t->finished = 0;
     t->counted = t->fwd = t->bwd = 0;
     t->counts_ready = false;
-    return st != NL_OK ? st : nl_stage_train_outer(s, t, p->step, send, ctx, err);
+    return st != NL_OK ? st : stage_train_outer(s, t, p->step, send, ctx, err);
 }
 
 /* CKPT_REQ.dir: an absolute path with no ".." component, under the
@@ -415,9 +413,9 @@ static nl_status on_ckpt(nl_stage *s, stage_train *t, const nl_msg_ckpt_req *r,
     char path[1200], hex[65];
     uint64_t bytes = 0;
     bool held = false; /* DiLoCo: after the outer step */
-    nl_status st = nl_stage_train_outer_hold(t, r, &held, err);
+    nl_status st = stage_train_outer_hold(t, r, &held, err);
     if (st == NL_OK && !held) /* the lanes idle: AdamW applied */
-        st = nl_stage_train_take_done(s, t, true, send, ctx, err);
+        st = stage_train_take_done(s, t, true, send, ctx, err);
     if (st != NL_OK || held)
         return st;
     if (r->step != (uint64_t)t->applied || t->fwd != t->bwd)
@@ -455,7 +453,7 @@ static nl_status on_ckpt(nl_stage *s, stage_train *t, const nl_msg_ckpt_req *r,
     return send(ctx, NL_STAGE_TO_COORD, &t->tx, err);
 }
 
-bool nl_stage_train_takes(const nl_wire_msg *m)
+bool stage_train_takes(const nl_wire_msg *m)
 {
     switch (m->type) {
     case NL_MSG_COUNT:
@@ -473,8 +471,8 @@ bool nl_stage_train_takes(const nl_wire_msg *m)
     }
 }
 
-nl_status nl_stage_train_input(nl_stage *s, stage_train *t, const nl_wire_msg *m,
-                               nl_stage_send_fn send, void *ctx, nl_error *err)
+nl_status stage_train_input(nl_stage *s, stage_train *t, const nl_wire_msg *m,
+                            nl_stage_send_fn send, void *ctx, nl_error *err)
 {
     nl_status st = nl_stage_device_status(s, err);
     if (st != NL_OK)
@@ -497,10 +495,10 @@ nl_status nl_stage_train_input(nl_stage *s, stage_train *t, const nl_wire_msg *m
         st = on_ckpt(s, t, &m->u.ckpt_req, send, ctx, err);
         break;
     case NL_MSG_VERIFY_REQ: /* stage_verify.c */
-        st = nl_stage_train_verify_req(s, t, &m->u.verify_req, send, ctx, err);
+        st = stage_train_verify_req(s, t, &m->u.verify_req, send, ctx, err);
         break;
     case NL_MSG_REDUCE: /* stage_train_ring.c; a STEP held for the sum goes on */
-        st = nl_stage_train_ring_input(s, t, m, send, ctx, err);
+        st = stage_train_ring_input(s, t, m, send, ctx, err);
         if (st == NL_OK && t->step_held && !t->reducing) {
             t->step_held = false;
             st = on_step(s, t, &t->held, send, ctx, err);
@@ -513,9 +511,9 @@ nl_status nl_stage_train_input(nl_stage *s, stage_train *t, const nl_wire_msg *m
                             nl_wire_type_name(m->type));
     }
     if (st == NL_OK)
-        st = nl_stage_train_advance(s, t, send, ctx, err);
+        st = stage_train_advance(s, t, send, ctx, err);
     /* the device's error comes first: it also explains a failed step */
-    nl_status dst = nl_stage_check_device(s, err);
+    nl_status dst = stage_check_device(s, err);
     return dst != NL_OK ? dst : st;
 }
 
@@ -524,19 +522,19 @@ nl_status nl_stage_train_input(nl_stage *s, stage_train *t, const nl_wire_msg *m
 static bool train_holds(const void *state, const nl_wire_msg *m)
 {
     (void)state;
-    return nl_stage_train_takes(m);
+    return stage_train_takes(m);
 }
 
 static nl_status train_input(nl_stage *s, void *state, const nl_wire_msg *m, nl_stage_send_fn send,
                              void *ctx, nl_error *err)
 {
-    return nl_stage_train_input(s, state, m, send, ctx, err);
+    return stage_train_input(s, state, m, send, ctx, err);
 }
 
 static void train_free(nl_stage *s, void *state)
 {
     (void)s;
-    nl_stage_train_free(state);
+    stage_train_free(state);
 }
 
 const stage_job_ops nl_stage_train_ops = {.kind = NL_JOB_TRAIN,
@@ -563,12 +561,12 @@ nl_status nl_stage_train_poll(nl_stage *s, nl_stage_send_fn send, void *ctx, nl_
     nl_workers_clear_fd(t->w);
     if (t->poison) /* said once already, when it happened */
         return NL_OK;
-    nl_status st = nl_stage_train_advance(s, t, send, ctx, err);
-    nl_status dst = nl_stage_check_device(s, err);
+    nl_status st = stage_train_advance(s, t, send, ctx, err);
+    nl_status dst = stage_check_device(s, err);
     return dst != NL_OK ? dst : st;
 }
 
-void nl_stage_train_quiesce(nl_stage *s)
+void stage_train_quiesce(nl_stage *s)
 {
     const stage_train *t = training(s);
     if (t)

@@ -26,7 +26,7 @@ static nl_status send_host(nl_stage *s, stage_train *t, nl_stage_send_fn send, v
     const int64_t xs[3] = {t->mbB, t->T, (int64_t)t->d};
     nl_wire_msg_reset(&t->tx, type);
     /* the step's number of the microbatch (an evaluation's are its own) */
-    const uint32_t wire_mb = type == NL_MSG_EVAL ? mb : nl_stage_train_mb_wire(t, mb);
+    const uint32_t wire_mb = type == NL_MSG_EVAL ? mb : stage_train_mb_wire(t, mb);
     t->tx.u.hop = (nl_msg_tensor_hop){t->job, step, wire_mb, 0, 0, aux};
     t->tx.u.train_hop.epoch = nl_stage_epoch(s);
     /* FP32, or rounded to bf16 (--wire): the receiver widens it */
@@ -43,7 +43,7 @@ static nl_status send_host(nl_stage *s, stage_train *t, nl_stage_send_fn send, v
     /* the digest for the stage it goes to; the step's own hops are kept */
     const bool grad = type == NL_MSG_GRADIENT;
     uint8_t *keep = (type == NL_MSG_ACTIVATION || grad) && step == t->begun && mb < (uint32_t)t->M
-                        ? nl_stage_train_dig(t, mb, grad ? NL_DIGEST_BWD_OUT : NL_DIGEST_FWD_OUT)
+                        ? stage_train_dig(t, mb, grad ? NL_DIGEST_BWD_OUT : NL_DIGEST_FWD_OUT)
                         : NULL;
     nl_hop_digest_set(&t->tx, (uint32_t)(s->stage_idx + (grad ? -1 : 1)), t->dig_hex, keep);
     return send(ctx, type == NL_MSG_GRADIENT ? NL_STAGE_TO_PREV : NL_STAGE_TO_NEXT, &t->tx, err);
@@ -76,12 +76,12 @@ static nl_status finish_step(nl_stage *s, stage_train *t, nl_stage_send_fn send,
             return nl_error_prefix(err, "the gradients of %d replicas", t->R);
     }
     if (t->xR > 1) /* reported when the replicas' sum is in (stage_train_ring.c) */
-        return nl_stage_train_reduce_grads(s, t, send, ctx, err);
-    return nl_stage_train_report(s, t, send, ctx, err);
+        return stage_train_reduce_grads(s, t, send, ctx, err);
+    return stage_train_report(s, t, send, ctx, err);
 }
 
-nl_status nl_stage_train_report(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
-                                nl_error *err)
+nl_status stage_train_report(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
+                             nl_error *err)
 {
     t->finished = 1;
     /* every replica reports the digests of the microbatches it ran (a
@@ -107,7 +107,7 @@ nl_status nl_stage_train_report(nl_stage *s, stage_train *t, nl_stage_send_fn se
 /* ===================== the replicas' jobs ===================== */
 
 /* A job to fill (from the free list, or a new one). */
-rjob *nl_stage_train_job_get(stage_train *t, job_kind kind, int lane, nl_error *err)
+rjob *stage_train_job_get(stage_train *t, job_kind kind, int lane, nl_error *err)
 {
     rjob *j = t->free_jobs;
     if (j) {
@@ -136,12 +136,12 @@ rjob *nl_stage_train_job_get(stage_train *t, job_kind kind, int lane, nl_error *
     return j;
 }
 
-void nl_stage_train_job_put(stage_train *t, rjob *j)
+void stage_train_job_put(stage_train *t, rjob *j)
 {
-    nl_stage_train_keep(t, j); /* this step's inputs, for verification */
+    stage_train_keep(t, j); /* this step's inputs, for verification */
     free(j->x);
     j->x = NULL;
-    nl_stage_train_extra_free(&j->e);
+    stage_train_extra_free(&j->e);
     j->free_next = t->free_jobs;
     t->free_jobs = j;
 }
@@ -165,7 +165,7 @@ static nl_status job_backward(stage_train *t, replica *p, rjob *j, const float *
     return st;
 }
 
-void nl_stage_train_model_init(nl_stage *s, stage_train *t)
+void stage_train_model_init(nl_stage *s, stage_train *t)
 {
     const nl_model *m = s->model;
     t->no_compute = s->o.inject_no_compute != 0;
@@ -193,7 +193,7 @@ static void model_sleep(stage_train *t, double s)
 }
 
 /* Runs on the replica's lane (replica_workers.h). */
-void nl_stage_train_run_job(void *ctx, nl_wjob *w)
+void stage_train_run_job(void *ctx, nl_wjob *w)
 {
     stage_train *t = ctx;
     rjob *j = (rjob *)w;
@@ -286,12 +286,12 @@ static nl_status sum_counts(nl_stage *s, stage_train *t, nl_stage_send_fn send, 
             sum[i] += c[i];
     }
     if (t->xR > 1)
-        return nl_stage_train_reduce_counts(s, t, sum, n, send, ctx, err);
-    nl_stage_train_use_counts(s, t, sum, n);
+        return stage_train_reduce_counts(s, t, sum, n, send, ctx, err);
+    stage_train_use_counts(s, t, sum, n);
     return NL_OK;
 }
 
-void nl_stage_train_use_counts(nl_stage *s, stage_train *t, const int64_t *sum, size_t n)
+void stage_train_use_counts(nl_stage *s, stage_train *t, const int64_t *sum, size_t n)
 {
     (void)s;
     for (int r = 0; r < t->R; r++)
@@ -322,8 +322,8 @@ static nl_status take_back(nl_stage *s, stage_train *t, rjob *j, nl_stage_send_f
         t->aux += j->aux + j->a;
     }
     if (st == NL_OK && j->out_type) {
-        nl_stage_train_lie(s, t, j);   /* a test hook; nothing in other builds */
-        nl_stage_train_keep_out(t, j); /* what it sends, for verification */
+        stage_train_lie(s, t, j);   /* a test hook; nothing in other builds */
+        stage_train_keep_out(t, j); /* what it sends, for verification */
         st = send_host(s, t, send, ctx, j->out_type, j->step, j->mb,
                        j->out_type == NL_MSG_ACTIVATION ? j->aux + j->a : 0.0, j->out,
                        j->out_type == NL_MSG_GRADIENT ? NULL : &j->e, err);
@@ -340,14 +340,14 @@ static nl_status take_back(nl_stage *s, stage_train *t, rjob *j, nl_stage_send_f
 
 /* Take back the finished jobs in order (wait: every job dispatched, once
  * finished). The first error ends the job on this stage (poison). */
-nl_status nl_stage_train_take_done(nl_stage *s, stage_train *t, bool wait, nl_stage_send_fn send,
-                                   void *ctx, nl_error *err)
+nl_status stage_train_take_done(nl_stage *s, stage_train *t, bool wait, nl_stage_send_fn send,
+                                void *ctx, nl_error *err)
 {
     nl_wjob *w;
     while ((w = nl_workers_pop_done(t->w, wait))) {
         rjob *j = (rjob *)w;
         nl_status st = t->poison ? NL_OK : take_back(s, t, j, send, ctx, err);
-        nl_stage_train_job_put(t, j);
+        stage_train_job_put(t, j);
         if (st != NL_OK) {
             t->poison = st;
             snprintf(t->poison_msg, sizeof t->poison_msg, "%s", err->msg);
@@ -359,22 +359,22 @@ nl_status nl_stage_train_take_done(nl_stage *s, stage_train *t, bool wait, nl_st
 
 /* Queue a job on its replica's lane (inline: run it now), then take back
  * what has finished. */
-nl_status nl_stage_train_dispatch(nl_stage *s, stage_train *t, rjob *j, nl_stage_send_fn send,
-                                  void *ctx, nl_error *err)
+nl_status stage_train_dispatch(nl_stage *s, stage_train *t, rjob *j, nl_stage_send_fn send,
+                               void *ctx, nl_error *err)
 {
     nl_workers_push(t->w, &j->w);
-    return nl_stage_train_take_done(s, t, false, send, ctx, err);
+    return stage_train_take_done(s, t, false, send, ctx, err);
 }
 
 /* ===================== running a hop ===================== */
 
 /* The replica that runs microbatch mb, and its activation slot there. */
-int nl_stage_train_replica_of(const stage_train *t, uint32_t mb)
+int stage_train_replica_of(const stage_train *t, uint32_t mb)
 {
     return (int)(mb % (uint32_t)t->R);
 }
 
-int nl_stage_train_slot_of(const stage_train *t, uint32_t mb)
+int stage_train_slot_of(const stage_train *t, uint32_t mb)
 {
     return (int)(mb / (uint32_t)t->R % (uint32_t)t->rslots);
 }
@@ -386,14 +386,14 @@ static nl_status begin(nl_stage *s, stage_train *t, uint64_t step, uint64_t loss
 {
     nl_status st = NL_OK;
     for (int r = 0; r < t->R && st == NL_OK; r++) {
-        rjob *j = nl_stage_train_job_get(t, JOB_BEGIN, r, err);
+        rjob *j = stage_train_job_get(t, JOB_BEGIN, r, err);
         if (j)
             j->e.loss_rows = loss_rows;
-        st = j ? nl_stage_train_dispatch(s, t, j, send, ctx, err) : NL_ERR_NOMEM;
+        st = j ? stage_train_dispatch(s, t, j, send, ctx, err) : NL_ERR_NOMEM;
     }
     t->begun = step;
     memset(t->dig, 0, (size_t)t->Mg * NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES);
-    nl_stage_train_kept_free(t);
+    stage_train_kept_free(t);
     t->counted = t->fwd = t->bwd = 0;
     t->finished = 0;
     t->counts_ready = false;
@@ -457,7 +457,7 @@ static nl_status run_eval(nl_stage *s, stage_train *t, const hop_in *h, nl_stage
     const int32_t *tokens;
     const float *x;
     double ce = 0.0;
-    nl_status st = nl_stage_train_take_done(s, t, true, send, ctx, err);
+    nl_status st = stage_train_take_done(s, t, true, send, ctx, err);
     if (st != NL_OK)
         return st;
     hop_input(s, t, p, h, &tokens, &x);
@@ -513,8 +513,8 @@ static nl_status run_hop(nl_stage *s, stage_train *t, hop_in *h, nl_stage_send_f
     nl_status st = NL_OK;
     if (t->begun != h->step && (st = begin(s, t, h->step, h->e.loss_rows, send, ctx, err)) != NL_OK)
         return st;
-    rjob *j = nl_stage_train_job_get(t, h->type == NL_MSG_COUNT ? JOB_COUNT : JOB_FORWARD,
-                                     nl_stage_train_replica_of(t, h->mb), err);
+    rjob *j = stage_train_job_get(t, h->type == NL_MSG_COUNT ? JOB_COUNT : JOB_FORWARD,
+                                  stage_train_replica_of(t, h->mb), err);
     if (!j)
         return NL_ERR_NOMEM;
     j->step = h->step;
@@ -522,15 +522,15 @@ static nl_status run_hop(nl_stage *s, stage_train *t, hop_in *h, nl_stage_send_f
     j->aux = h->aux;
     j->x = h->x;
     if (h->type == NL_MSG_ACTIVATION)
-        memcpy(nl_stage_train_dig(t, h->mb, NL_DIGEST_FWD_IN), h->digest, NL_HOP_DIGEST_BYTES);
+        memcpy(stage_train_dig(t, h->mb, NL_DIGEST_FWD_IN), h->digest, NL_HOP_DIGEST_BYTES);
     j->e = h->e;
     h->x = NULL;
     h->e = (hop_extra){0};
     if (h->type == NL_MSG_COUNT) {
         j->last = ++t->counted == t->M;
-        return nl_stage_train_dispatch(s, t, j, send, ctx, err);
+        return stage_train_dispatch(s, t, j, send, ctx, err);
     }
-    j->slot = nl_stage_train_slot_of(t, h->mb);
+    j->slot = stage_train_slot_of(t, h->mb);
     if (s->o.inject_nan_step > 0 &&
         (h->step == (uint64_t)s->o.inject_nan_step ||
          (s->o.inject_nan_on && h->step > (uint64_t)s->o.inject_nan_step)) &&
@@ -542,7 +542,7 @@ static nl_status run_hop(nl_stage *s, stage_train *t, hop_in *h, nl_stage_send_f
     t->fwd++;
     if (t->has_head) /* the last stage's backward follows its forward in the same job */
         j->last = ++t->bwd == t->M;
-    return nl_stage_train_dispatch(s, t, j, send, ctx, err);
+    return stage_train_dispatch(s, t, j, send, ctx, err);
 }
 
 /* Run the queued hops that can run now, in order. */
@@ -564,7 +564,7 @@ static nl_status drain(nl_stage *s, stage_train *t, nl_stage_send_fn send, void 
                                                     "%s of microbatch %u, but the next is %u",
                                                     nl_wire_type_name(h->type), h->mb, want);
         t->qbytes -= h->bytes;
-        nl_stage_train_hop_free(h);
+        stage_train_hop_free(h);
         t->qhead = (t->qhead + 1) % t->qcap;
         t->qlen--;
         if (st != NL_OK && t->poison) /* a job's error says where it was */
@@ -578,11 +578,11 @@ static nl_status drain(nl_stage *s, stage_train *t, nl_stage_send_fn send, void 
 
 /* Take back what finished and dispatch what became runnable; without
  * train_async, until every job dispatched has been taken back. */
-nl_status nl_stage_train_advance(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
-                                 nl_error *err)
+nl_status stage_train_advance(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
+                              nl_error *err)
 {
     for (;;) {
-        nl_status st = nl_stage_train_take_done(s, t, !t->async, send, ctx, err);
+        nl_status st = stage_train_take_done(s, t, !t->async, send, ctx, err);
         if (st == NL_OK)
             st = drain(s, t, send, ctx, err);
         if (st != NL_OK || t->async || nl_workers_pending(t->w) == 0)

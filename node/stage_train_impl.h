@@ -168,119 +168,118 @@ typedef struct stage_train {
 /* ---- stage_train.c ---- */
 
 /* Free a queued hop's copies. */
-void nl_stage_train_hop_free(hop_in *h);
+void stage_train_hop_free(hop_in *h);
 /* Free the arrays of e (and NULL them). */
-void nl_stage_train_extra_free(hop_extra *e);
+void stage_train_extra_free(hop_extra *e);
 /* A microbatch's number on the wire (the step's) from its number here. */
-static inline uint32_t nl_stage_train_mb_wire(const stage_train *t, uint32_t mb)
+static inline uint32_t stage_train_mb_wire(const stage_train *t, uint32_t mb)
 {
     return mb * (uint32_t)t->xR + (uint32_t)t->xr;
 }
 
 /* The slot of this step's window that keeps digest `kind` of microbatch mb
  * (this node's number; the window is the step's, [Mg]). */
-static inline uint8_t *nl_stage_train_dig(stage_train *t, uint32_t mb, int kind)
+static inline uint8_t *stage_train_dig(stage_train *t, uint32_t mb, int kind)
 {
-    return t->dig + ((size_t)nl_stage_train_mb_wire(t, mb) * NL_DIGEST_KINDS + (size_t)kind) *
+    return t->dig + ((size_t)stage_train_mb_wire(t, mb) * NL_DIGEST_KINDS + (size_t)kind) *
                         NL_HOP_DIGEST_BYTES;
 }
 
 /* Keep a finished forward's or backward's inputs of this step (taking
  * j->x and j->e), or free them (verification, stage_verify.h). */
-void nl_stage_train_keep(stage_train *t, rjob *j);
+void stage_train_keep(stage_train *t, rjob *j);
 /* With keep_out, keep a copy of what a finished forward or backward of
  * this step sends (j->out, after the test hook's lie: as sent). */
-void nl_stage_train_keep_out(stage_train *t, const rjob *j);
+void stage_train_keep_out(stage_train *t, const rjob *j);
 /* Free what is kept of the step (a new one begins). */
-void nl_stage_train_kept_free(stage_train *t);
+void stage_train_kept_free(stage_train *t);
 /* VERIFY_REQ: the case of the microbatch asked for, as a VERIFY_CASE to
  * the coordinator. */
-nl_status nl_stage_train_verify_req(nl_stage *s, stage_train *t, const nl_msg_verify_req *r,
-                                    nl_stage_send_fn send, void *ctx, nl_error *err);
+nl_status stage_train_verify_req(nl_stage *s, stage_train *t, const nl_msg_verify_req *r,
+                                 nl_stage_send_fn send, void *ctx, nl_error *err);
 
 /* ---- stage_train_lie.c: a test hook (test builds only) ---- */
 
 /* Falsify j's output to send as s->o.lie says (a no-op without it). */
-void nl_stage_train_lie(nl_stage *s, stage_train *t, rjob *j);
+void stage_train_lie(nl_stage *s, stage_train *t, rjob *j);
 /* A stage that withholds its cases (NL_LIE_MUTE): VERIFY_REQ unanswered. */
-bool nl_stage_verify_mute(const nl_stage *s);
+bool stage_verify_mute(const nl_stage *s);
 /* A verifier that lies (NL_LIE_VERIFIER): one bit of a digest of its
  * answer, on its fraction of the cases. */
-void nl_stage_verify_lie(const nl_stage *s, uint64_t job, uint64_t step, uint32_t mb,
-                         uint32_t stage, uint8_t fwd[NL_HOP_DIGEST_BYTES],
-                         uint8_t bwd[NL_HOP_DIGEST_BYTES]);
+void stage_verify_lie(const nl_stage *s, uint64_t job, uint64_t step, uint32_t mb, uint32_t stage,
+                      uint8_t fwd[NL_HOP_DIGEST_BYTES], uint8_t bwd[NL_HOP_DIGEST_BYTES]);
 
 /* ---- stage_train_hops.c: the replicas' jobs and the schedule ---- */
 
 /* Take back what finished and dispatch what became runnable; without
  * train_async, until every job dispatched has been taken back. */
-nl_status nl_stage_train_advance(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
-                                 nl_error *err);
+nl_status stage_train_advance(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
+                              nl_error *err);
 /* Queue a job on its replica's lane (inline: run it now), then take back
  * what has finished. */
-nl_status nl_stage_train_dispatch(nl_stage *s, stage_train *t, rjob *j, nl_stage_send_fn send,
-                                  void *ctx, nl_error *err);
+nl_status stage_train_dispatch(nl_stage *s, stage_train *t, rjob *j, nl_stage_send_fn send,
+                               void *ctx, nl_error *err);
 /* A job to fill (from the free list, or a new one). */
-rjob *nl_stage_train_job_get(stage_train *t, job_kind kind, int lane, nl_error *err);
-void nl_stage_train_job_put(stage_train *t, rjob *j);
+rjob *stage_train_job_get(stage_train *t, job_kind kind, int lane, nl_error *err);
+void stage_train_job_put(stage_train *t, rjob *j);
 /* The replica that runs microbatch mb, and its activation slot there. */
-int nl_stage_train_replica_of(const stage_train *t, uint32_t mb);
-int nl_stage_train_slot_of(const stage_train *t, uint32_t mb);
+int stage_train_replica_of(const stage_train *t, uint32_t mb);
+int stage_train_slot_of(const stage_train *t, uint32_t mb);
 /* Runs on the replica's lane (replica_workers.h). */
-void nl_stage_train_run_job(void *ctx, nl_wjob *w);
+void stage_train_run_job(void *ctx, nl_wjob *w);
 /* Test hook (NL_TEST_COMPUTE_GFLOPS): set t's no_compute and the compute
  * model's time of a microbatch's forward (stage_train_hops.c). */
-void nl_stage_train_model_init(nl_stage *s, stage_train *t);
+void stage_train_model_init(nl_stage *s, stage_train *t);
 /* Take back the finished jobs in order (wait: every job dispatched, once
  * finished). The first error ends the job on this stage (poison). */
-nl_status nl_stage_train_take_done(nl_stage *s, stage_train *t, bool wait, nl_stage_send_fn send,
-                                   void *ctx, nl_error *err);
+nl_status stage_train_take_done(nl_stage *s, stage_train *t, bool wait, nl_stage_send_fn send,
+                                void *ctx, nl_error *err);
 
 /* The step's gradients are final and added up (across the replicas, if
  * any): this stage's share of the norm and, on the last stage, the losses
  * to the coordinator (by replica 0); the stage waits for STEP. */
-nl_status nl_stage_train_report(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
-                                nl_error *err);
+nl_status stage_train_report(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
+                             nl_error *err);
 /* The step's route counts, summed here (n per layer and expert), are the
  * batch's: every replica uses them. */
-void nl_stage_train_use_counts(nl_stage *s, stage_train *t, const int64_t *sum, size_t n);
+void stage_train_use_counts(nl_stage *s, stage_train *t, const int64_t *sum, size_t n);
 
 /* ---- stage_train_ring.c: the stage's replicas on other nodes ---- */
 
 /* From the stage's ASSIGN: xr, xR, Mg and M of a step of `micro`
  * microbatches, and the reducers; DiLoCo's H and outer step from p. */
-nl_status nl_stage_train_ring_new(nl_stage *s, stage_train *t, int64_t micro,
-                                  const struct nl_trainparams *p, nl_error *err);
-void nl_stage_train_ring_free(stage_train *t);
+nl_status stage_train_ring_new(nl_stage *s, stage_train *t, int64_t micro,
+                               const struct nl_trainparams *p, nl_error *err);
+void stage_train_ring_free(stage_train *t);
 /* A hop's microbatch on the wire into this node's number (*mb), or an
  * error if another replica runs it. */
-nl_status nl_stage_train_mb_here(const stage_train *t, const char *what, uint32_t wire,
-                                 uint32_t *mb, nl_error *err);
+nl_status stage_train_mb_here(const stage_train *t, const char *what, uint32_t wire, uint32_t *mb,
+                              nl_error *err);
 /* Begin adding up the step's gradients (and the last stage's losses)
  * across the replicas; when that is done (now, or on a later REDUCE), the
  * step is reported. */
-nl_status nl_stage_train_reduce_grads(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
-                                      nl_error *err);
+nl_status stage_train_reduce_grads(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
+                                   nl_error *err);
 /* Begin adding up the step's route counts (sum, n) across the replicas;
- * when done they are used (nl_stage_train_use_counts). */
-nl_status nl_stage_train_reduce_counts(nl_stage *s, stage_train *t, const int64_t *sum, size_t n,
-                                       nl_stage_send_fn send, void *ctx, nl_error *err);
+ * when done they are used (stage_train_use_counts). */
+nl_status stage_train_reduce_counts(nl_stage *s, stage_train *t, const int64_t *sum, size_t n,
+                                    nl_stage_send_fn send, void *ctx, nl_error *err);
 /* DiLoCo: before the job's first AdamW step, keep the weights as those
  * of the last sync (a no-op once kept). */
-nl_status nl_stage_train_outer_anchor(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
-                                      nl_error *err);
+nl_status stage_train_outer_anchor(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
+                                   nl_error *err);
 /* DiLoCo: step `step`'s AdamW is dispatched; on a multiple of H begin
  * adding up the groups' deltas (t->syncing until the outer step is
  * applied, now or on a later REDUCE). */
-nl_status nl_stage_train_outer(nl_stage *s, stage_train *t, uint64_t step, nl_stage_send_fn send,
-                               void *ctx, nl_error *err);
+nl_status stage_train_outer(nl_stage *s, stage_train *t, uint64_t step, nl_stage_send_fn send,
+                            void *ctx, nl_error *err);
 /* DiLoCo: a CKPT_REQ r that comes while the outer step is added up waits
  * for it (*held; its dir copied into t->held_ckpt, given again once the
  * outer step is applied); another while one waits is an error. */
-nl_status nl_stage_train_outer_hold(stage_train *t, const nl_msg_ckpt_req *r, bool *held,
-                                    nl_error *err);
+nl_status stage_train_outer_hold(stage_train *t, const nl_msg_ckpt_req *r, bool *held,
+                                 nl_error *err);
 /* A REDUCE from the previous replica. */
-nl_status nl_stage_train_ring_input(nl_stage *s, stage_train *t, const nl_wire_msg *m,
-                                    nl_stage_send_fn send, void *ctx, nl_error *err);
+nl_status stage_train_ring_input(nl_stage *s, stage_train *t, const nl_wire_msg *m,
+                                 nl_stage_send_fn send, void *ctx, nl_error *err);
 
 #endif

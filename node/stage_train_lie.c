@@ -22,7 +22,7 @@
  * generation hop it sends too (nl_stage_gen_lie: each hidden value plus 1,
  * or the next token id), the generation a conviction re-runs.
  *
- * In a build without the hooks nl_stage_train_lie does nothing. */
+ * In a build without the hooks stage_train_lie does nothing. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -70,7 +70,7 @@ static void flip_bit(float *x, size_t n, uint64_t h, bool bf16)
 static const char *const kind_name[] = {"",     "bitflip",  "noise",    "stale",
                                         "skip", "backward", "verifier", "mute"};
 
-void nl_stage_train_lie(nl_stage *s, stage_train *t, rjob *j)
+void stage_train_lie(nl_stage *s, stage_train *t, rjob *j)
 {
     const nl_stage_lie *l = &s->o.lie;
     const bool fwd = j->out_type == NL_MSG_ACTIVATION, bwd = j->out_type == NL_MSG_GRADIENT;
@@ -119,7 +119,7 @@ void nl_stage_train_lie(nl_stage *s, stage_train *t, rjob *j)
         }
         NL_WARN("test hook: this stage lies (%s) in its %s of job %llu step %llu microbatch %u",
                 kind_name[l->kind], bwd ? "GRADIENT" : "ACTIVATION", (unsigned long long)t->job,
-                (unsigned long long)j->step, nl_stage_train_mb_wire(t, j->mb));
+                (unsigned long long)j->step, stage_train_mb_wire(t, j->mb));
     }
     if (keep) {
         memcpy(prev, keep, n * sizeof(float));
@@ -128,16 +128,15 @@ void nl_stage_train_lie(nl_stage *s, stage_train *t, rjob *j)
     }
 }
 
-bool nl_stage_verify_mute(const nl_stage *s)
+bool stage_verify_mute(const nl_stage *s)
 {
     if (s->o.lie.kind == NL_LIE_MUTE)
         NL_WARN("test hook: this stage withholds a case asked for verification");
     return s->o.lie.kind == NL_LIE_MUTE;
 }
 
-void nl_stage_verify_lie(const nl_stage *s, uint64_t job, uint64_t step, uint32_t mb,
-                         uint32_t stage, uint8_t fwd[NL_HOP_DIGEST_BYTES],
-                         uint8_t bwd[NL_HOP_DIGEST_BYTES])
+void stage_verify_lie(const nl_stage *s, uint64_t job, uint64_t step, uint32_t mb, uint32_t stage,
+                      uint8_t fwd[NL_HOP_DIGEST_BYTES], uint8_t bwd[NL_HOP_DIGEST_BYTES])
 {
     const nl_stage_lie *l = &s->o.lie;
     if (l->kind != NL_LIE_VERIFIER || draw(l->seed, job, step, mb, 2 + (int)stage) >= l->rate)
@@ -167,22 +166,21 @@ void nl_stage_gen_lie(const nl_stage *s, nl_stage_out *o, size_t n)
     (void)s, (void)o, (void)n;
 }
 
-bool nl_stage_verify_mute(const nl_stage *s)
+bool stage_verify_mute(const nl_stage *s)
 {
     (void)s;
     return false;
 }
 
-void nl_stage_train_lie(nl_stage *s, stage_train *t, rjob *j)
+void stage_train_lie(nl_stage *s, stage_train *t, rjob *j)
 {
     (void)s;
     (void)t;
     (void)j;
 }
 
-void nl_stage_verify_lie(const nl_stage *s, uint64_t job, uint64_t step, uint32_t mb,
-                         uint32_t stage, uint8_t fwd[NL_HOP_DIGEST_BYTES],
-                         uint8_t bwd[NL_HOP_DIGEST_BYTES])
+void stage_verify_lie(const nl_stage *s, uint64_t job, uint64_t step, uint32_t mb, uint32_t stage,
+                      uint8_t fwd[NL_HOP_DIGEST_BYTES], uint8_t bwd[NL_HOP_DIGEST_BYTES])
 {
     (void)s, (void)job, (void)step, (void)mb, (void)stage, (void)fwd, (void)bwd;
 }

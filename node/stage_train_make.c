@@ -1,6 +1,6 @@
 /* A training job's making on one pipeline stage: its parameters read from
- * the JOB_SUBMIT (nl_stage_train_params), and its state built from them
- * (nl_stage_train_make): the model's growth history, the trainer, and
+ * the JOB_SUBMIT (stage_train_params), and its state built from them
+ * (stage_train_make): the model's growth history, the trainer, and
  * the replicas with their own weights, trainers and worker lanes. The
  * job's life and messages are in stage_train.c (its opening comment says
  * how replicas share a step), the schedule in stage_train_hops.c; the
@@ -100,8 +100,8 @@ static nl_status make_replicas(nl_stage *s, stage_train *t, int recompute, nl_er
     return st;
 }
 
-nl_status nl_stage_train_params(nl_stage *s, const nl_msg_job_submit *j, nl_trainparams *p,
-                                uint64_t *job_id, nl_error *err)
+nl_status stage_train_params(nl_stage *s, const nl_msg_job_submit *j, nl_trainparams *p,
+                             uint64_t *job_id, nl_error *err)
 {
     const bool ft = j->kind == NL_JOB_FINETUNE;
     const char *what = ft ? "finetune" : "train";
@@ -147,8 +147,8 @@ static nl_status check_memory(const nl_stage *s, long long job, int64_t mbB, int
     return NL_OK;
 }
 
-nl_status nl_stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg_job_submit *j,
-                              stage_train **out, nl_error *err)
+nl_status stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg_job_submit *j,
+                           stage_train **out, nl_error *err)
 {
     const long long job = (long long)p->job;
     *out = NULL;
@@ -185,7 +185,7 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg
     const int rslots = (slots + R - 1) / R;
     if ((st = check_memory(s, job, mbB, T, rslots, recompute, R, err)) != NL_OK)
         return st;
-    nl_stage_job_drop_kind(s, NL_JOB_TRAIN); /* the earlier job's memory first */
+    stage_job_drop_kind(s, NL_JOB_TRAIN); /* the earlier job's memory first */
     stage_train *t = calloc(1, sizeof *t);
     if (!t)
         return nl_error_set(err, NL_ERR_NOMEM, "train job %lld: out of memory", job);
@@ -193,13 +193,13 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg
     t->job = p->job;
     t->mbB = (int)mbB;
     t->T = (int)T;
-    if ((st = nl_stage_train_ring_new(s, t, M, p, err)) != NL_OK) {
-        nl_stage_train_free(t);
+    if ((st = stage_train_ring_new(s, t, M, p, err)) != NL_OK) {
+        stage_train_free(t);
         return nl_error_prefix(err, "train job %lld", job);
     }
     if (!(t->dig = calloc((size_t)M, NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES)) ||
         !(t->kept = calloc((size_t)t->M, sizeof *t->kept))) {
-        nl_stage_train_free(t);
+        stage_train_free(t);
         return nl_error_set(err, NL_ERR_NOMEM, "train job %lld: out of memory", job);
     }
     t->slots = slots;
@@ -212,14 +212,14 @@ nl_status nl_stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg
     t->rslots = rslots;
     t->has_embed = m->has_embed;
     t->has_head = m->has_head;
-    nl_stage_train_model_init(s, t); /* test hook: the compute model */
+    stage_train_model_init(s, t); /* test hook: the compute model */
     const bool threads = t->R > 1 && !s->o.replicas_inline;
     t->async = threads && s->o.train_async;
     st = make_replicas(s, t, (int)recompute, err);
     if (st == NL_OK)
-        st = nl_workers_new(&t->w, t->R, threads, nl_stage_train_run_job, t, err);
+        st = nl_workers_new(&t->w, t->R, threads, stage_train_run_job, t, err);
     if (st != NL_OK) {
-        nl_stage_train_free(t);
+        stage_train_free(t);
         return nl_error_prefix(err, "train job %lld", job);
     }
     if (moments) { /* the resumed run's moments: into every trainer */

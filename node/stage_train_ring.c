@@ -56,8 +56,8 @@ static double mono_s(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-nl_status nl_stage_train_ring_new(nl_stage *s, stage_train *t, int64_t micro,
-                                  const nl_trainparams *p, nl_error *err)
+nl_status stage_train_ring_new(nl_stage *s, stage_train *t, int64_t micro, const nl_trainparams *p,
+                               nl_error *err)
 {
     t->xr = s->replicas > 1 ? s->replica : 0;
     t->xR = s->replicas > 1 ? s->replicas : 1;
@@ -104,7 +104,7 @@ nl_status nl_stage_train_ring_new(nl_stage *s, stage_train *t, int64_t micro,
     return NL_OK;
 }
 
-void nl_stage_train_ring_free(stage_train *t)
+void stage_train_ring_free(stage_train *t)
 {
     if (t->xR > 1)
         NL_INFO("train job %llu: replica %d sent %llu bytes of REDUCE frames to the next replica; "
@@ -124,8 +124,8 @@ void nl_stage_train_ring_free(stage_train *t)
     }
 }
 
-nl_status nl_stage_train_mb_here(const stage_train *t, const char *what, uint32_t wire,
-                                 uint32_t *mb, nl_error *err)
+nl_status stage_train_mb_here(const stage_train *t, const char *what, uint32_t wire, uint32_t *mb,
+                              nl_error *err)
 {
     if (wire % (uint32_t)t->xR != (uint32_t)t->xr)
         return nl_error_set(err, NL_ERR_STATE,
@@ -167,14 +167,14 @@ static nl_status grads_done(nl_stage *s, stage_train *t, nl_stage_send_fn send, 
     t->reducing = false;
     t->reduce_s += mono_s() - t->reduce_t0;
     t->reduce_n++;
-    return nl_stage_train_report(s, t, send, ctx, err);
+    return stage_train_report(s, t, send, ctx, err);
 }
 
-nl_status nl_stage_train_reduce_grads(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
-                                      nl_error *err)
+nl_status stage_train_reduce_grads(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
+                                   nl_error *err)
 {
     if (t->H > 0) /* DiLoCo: each group steps with its own gradients */
-        return nl_stage_train_report(s, t, send, ctx, err);
+        return stage_train_report(s, t, send, ctx, err);
     const size_t n = s->model->n_params;
     float *buf = t->red_buf[NL_REDUCE_GRADS];
     nl_backend *be = t->rep[0].be;
@@ -196,12 +196,12 @@ nl_status nl_stage_train_reduce_grads(nl_stage *s, stage_train *t, nl_stage_send
 
 /* ---- DiLoCo's outer step ---- */
 
-nl_status nl_stage_train_outer_anchor(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
-                                      nl_error *err)
+nl_status stage_train_outer_anchor(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
+                                   nl_error *err)
 {
     if (t->H == 0 || t->applied_anchor)
         return NL_OK;
-    nl_status st = nl_stage_train_take_done(s, t, true, send, ctx, err);
+    nl_status st = stage_train_take_done(s, t, true, send, ctx, err);
     if (st != NL_OK)
         return st;
     nl_backend *be = t->rep[0].be;
@@ -227,12 +227,12 @@ static nl_status outer_done(nl_stage *s, stage_train *t, nl_error *err)
     return nl_backend_check(be, err);
 }
 
-nl_status nl_stage_train_outer(nl_stage *s, stage_train *t, uint64_t step, nl_stage_send_fn send,
-                               void *ctx, nl_error *err)
+nl_status stage_train_outer(nl_stage *s, stage_train *t, uint64_t step, nl_stage_send_fn send,
+                            void *ctx, nl_error *err)
 {
     if (t->H == 0 || step % (uint64_t)t->H != 0)
         return NL_OK;
-    nl_status st = nl_stage_train_take_done(s, t, true, send, ctx, err); /* AdamW applied */
+    nl_status st = stage_train_take_done(s, t, true, send, ctx, err); /* AdamW applied */
     if (st != NL_OK)
         return st;
     const size_t n = s->model->n_params;
@@ -253,8 +253,8 @@ nl_status nl_stage_train_outer(nl_stage *s, stage_train *t, uint64_t step, nl_st
     return st;
 }
 
-nl_status nl_stage_train_outer_hold(stage_train *t, const nl_msg_ckpt_req *r, bool *held,
-                                    nl_error *err)
+nl_status stage_train_outer_hold(stage_train *t, const nl_msg_ckpt_req *r, bool *held,
+                                 nl_error *err)
 {
     *held = false;
     if (r == &t->held_ckpt) { /* the held one, now taken */
@@ -287,15 +287,15 @@ static void counts_done(nl_stage *s, stage_train *t)
     const float *buf = t->red_buf[NL_REDUCE_COUNTS];
     for (size_t i = 0; i < n; i++)
         sum[i] = (int64_t)buf[i];
-    nl_stage_train_use_counts(s, t, sum, n);
+    stage_train_use_counts(s, t, sum, n);
 }
 
-nl_status nl_stage_train_reduce_counts(nl_stage *s, stage_train *t, const int64_t *sum, size_t n,
-                                       nl_stage_send_fn send, void *ctx, nl_error *err)
+nl_status stage_train_reduce_counts(nl_stage *s, stage_train *t, const int64_t *sum, size_t n,
+                                    nl_stage_send_fn send, void *ctx, nl_error *err)
 {
     float *buf = t->red_buf[NL_REDUCE_COUNTS];
     if (!t->red[NL_REDUCE_COUNTS]) { /* no experts: nothing to add up */
-        nl_stage_train_use_counts(s, t, sum, n);
+        stage_train_use_counts(s, t, sum, n);
         return NL_OK;
     }
     for (size_t i = 0; i < n; i++) {
@@ -317,8 +317,8 @@ nl_status nl_stage_train_reduce_counts(nl_stage *s, stage_train *t, const int64_
 
 /* ---- what the previous replica sends ---- */
 
-nl_status nl_stage_train_ring_input(nl_stage *s, stage_train *t, const nl_wire_msg *m,
-                                    nl_stage_send_fn send, void *ctx, nl_error *err)
+nl_status stage_train_ring_input(nl_stage *s, stage_train *t, const nl_wire_msg *m,
+                                 nl_stage_send_fn send, void *ctx, nl_error *err)
 {
     const uint32_t what = m->u.reduce.what;
     nl_allreduce *a = what < NL_REDUCE_KINDS ? t->red[what] : NULL;

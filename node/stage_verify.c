@@ -14,7 +14,7 @@
 
 /* ===================== what a stage keeps ===================== */
 
-void nl_stage_train_keep(stage_train *t, rjob *j)
+void stage_train_keep(stage_train *t, rjob *j)
 {
     if (!t->kept || j->st != NL_OK || !j->x || j->step != t->begun || j->mb >= (uint32_t)t->M ||
         (j->kind != JOB_FORWARD && j->kind != JOB_BACKWARD))
@@ -22,7 +22,7 @@ void nl_stage_train_keep(stage_train *t, rjob *j)
     kept_mb *k = &t->kept[j->mb];
     if (j->kind == JOB_FORWARD) {
         free(k->x);
-        nl_stage_train_extra_free(&k->e);
+        stage_train_extra_free(&k->e);
         k->x = j->x; /* taken: the job no longer owns them */
         k->e = j->e;
         j->e = (hop_extra){0};
@@ -35,7 +35,7 @@ void nl_stage_train_keep(stage_train *t, rjob *j)
     j->x = NULL;
 }
 
-void nl_stage_train_keep_out(stage_train *t, const rjob *j)
+void stage_train_keep_out(stage_train *t, const rjob *j)
 {
     const bool fwd = j->out_type == NL_MSG_ACTIVATION, bwd = j->out_type == NL_MSG_GRADIENT;
     if (!t->keep_out || !t->kept || !j->out || j->step != t->begun || j->mb >= (uint32_t)t->M ||
@@ -49,7 +49,7 @@ void nl_stage_train_keep_out(stage_train *t, const rjob *j)
         memcpy(*slot, j->out, bytes);
 }
 
-void nl_stage_train_kept_free(stage_train *t)
+void stage_train_kept_free(stage_train *t)
 {
     for (int i = 0; t->kept && i < t->M; i++) {
         kept_mb *k = &t->kept[i];
@@ -57,7 +57,7 @@ void nl_stage_train_kept_free(stage_train *t)
         free(k->dy);
         free(k->y);
         free(k->dx);
-        nl_stage_train_extra_free(&k->e);
+        stage_train_extra_free(&k->e);
         *k = (kept_mb){0};
     }
 }
@@ -67,7 +67,7 @@ void nl_stage_train_kept_free(stage_train *t)
 nl_status nl_stage_verify_case(nl_stage *s, uint64_t job, uint64_t step, uint32_t mb,
                                nl_verify_case *c, nl_error *err)
 {
-    const stage_job *e = nl_stage_job_first(s, NL_JOB_TRAIN);
+    const stage_job *e = stage_job_first(s, NL_JOB_TRAIN);
     stage_train *t = e ? e->state : NULL;
     *c = (nl_verify_case){0};
     if (!t || t->job != job)
@@ -82,7 +82,7 @@ nl_status nl_stage_verify_case(nl_stage *s, uint64_t job, uint64_t step, uint32_
                             t->finished ? "has finished" : "is still in",
                             (unsigned long long)t->begun, t->Mg,
                             t->H > 0 ? " (its replica group trains alone: DiLoCo)" : "");
-    nl_status st = nl_stage_train_mb_here(t, "verify", mb, &here, err);
+    nl_status st = stage_train_mb_here(t, "verify", mb, &here, err);
     if (st != NL_OK)
         return st;
     const kept_mb *k = &t->kept[here];
@@ -285,11 +285,11 @@ static nl_status hidden_frame(nl_wire_frame *f, nl_wire_precision wp, const floa
     return st != NL_OK ? st : nl_wire_frame_hidden(f, wp, x, xs, 3, h, &cap, err);
 }
 
-nl_status nl_stage_train_verify_req(nl_stage *s, stage_train *t, const nl_msg_verify_req *r,
-                                    nl_stage_send_fn send, void *ctx, nl_error *err)
+nl_status stage_train_verify_req(nl_stage *s, stage_train *t, const nl_msg_verify_req *r,
+                                 nl_stage_send_fn send, void *ctx, nl_error *err)
 {
     nl_verify_case c;
-    if (nl_stage_verify_mute(s)) /* a test hook: a stage that withholds its cases */
+    if (stage_verify_mute(s)) /* a test hook: a stage that withholds its cases */
         return NL_OK;
     nl_status st = nl_stage_verify_case(s, r->job_id, r->step, r->microbatch, &c, err);
     if (st == NL_OK && r->outputs && ((!c.has_head && !c.y) || (!c.has_embed && !c.dx)))
@@ -461,7 +461,7 @@ nl_status nl_verify_answer(nl_stage *s, const nl_wire_msg *m, nl_wire_msg *out,
                            char hex[2][NL_HOP_DIGEST_HEX + 1], nl_error *err)
 {
     nl_backend *be = s->be;
-    nl_stage_train_quiesce(s);
+    stage_train_quiesce(s);
     nl_config cfg;
     nl_verify_case c;
     uint8_t fwd[NL_HOP_DIGEST_BYTES], bwd[NL_HOP_DIGEST_BYTES];
@@ -480,7 +480,7 @@ nl_status nl_verify_answer(nl_stage *s, const nl_wire_msg *m, nl_wire_msg *out,
                 rel, nl_verify_cross_rtol(&c),
                 rel <= nl_verify_cross_rtol(&c) ? "the stage's outputs stand"
                                                 : "the stage is wrong");
-    nl_stage_verify_lie(s, v->job_id, v->step, v->microbatch, v->stage, fwd, bwd); /* test hook */
+    stage_verify_lie(s, v->job_id, v->step, v->microbatch, v->stage, fwd, bwd); /* test hook */
     nl_hop_digest_hex(hex[0], fwd);
     nl_hop_digest_hex(hex[1], bwd);
     nl_wire_msg_reset(out, NL_MSG_VERIFY_RESULT);

@@ -21,7 +21,7 @@
 #include "core/model/rng.h"
 #include "net/wire.h"
 #include "node/stage.h"
-#include "node/stage_impl.h" /* nl_stage_train_quiesce */
+#include "node/stage_impl.h" /* stage_train_quiesce */
 #include "tests/check.h"
 
 #define NST 2
@@ -309,7 +309,7 @@ static void train(int reps, bool async, bool inline_reps, int steps, run_result 
             break;
         }
     for (int s = 0; s < NST; s++) {
-        nl_stage_train_quiesce(stages[s]); /* AdamW done (ending drops queued work) */
+        stage_train_quiesce(stages[s]); /* AdamW done (ending drops queued work) */
         CHECK(nl_stage_job_end(stages[s], job) >= 0, "stage %d: the job ended", s);
         const nl_model *m = nl_stage_model(stages[s]);
         r->w[s] = check_download(bes[s][0], m->params, m->n_params);
