@@ -69,6 +69,107 @@ __device__ __forceinline__ void load_tile(float (*dst)[HDB + 1], const float *sr
     }
 }
 
+/* The prefill tile's queries into qs, pre-scaled; columns past hd and
+ * rows past nq are 0. */
+template <int HDB, int BQ>
+__device__ __forceinline__ void load_queries(float (*qs)[HDB], const float *q, int q_stride,
+                                             const nl_attn_shape &s, int b, int h, int t0, int nq,
+                                             float scale)
+{
+    for (int e = threadIdx.x; e < BQ * HDB; e += PREFILL_WARPS * WARP) {
+        const int i = e / HDB, c = e % HDB;
+        float x = 0.0f;
+        if (i < nq && c < s.hd)
+            x = q[((size_t)b * s.T + (size_t)(t0 + i)) * (size_t)q_stride + (size_t)h * s.hd +
+                  (size_t)c] *
+                scale;
+        qs[i][c] = x;
+    }
+}
+
+/* Lane j: the scores of key j of the tile in kv against the warp's QPW
+ * queries in qs (q and K columns past hd are zero, so the dot product runs
+ * to hd4, a multiple of 4, and reads q four columns at a time). */
+template <int HDB, int QPW>
+__device__ __forceinline__ void tile_scores(float *sc, const float (*kv)[HDB + 1],
+                                            const float (*qs)[HDB], int warp, int lane, int hd4)
+{
+#pragma unroll
+    for (int i = 0; i < QPW; i++)
+        sc[i] = 0.0f;
+#pragma unroll 2
+    for (int c = 0; c < hd4; c += 4) {
+        const float k0 = kv[lane][c], k1 = kv[lane][c + 1];
+        const float k2 = kv[lane][c + 2], k3 = kv[lane][c + 3];
+#pragma unroll
+        for (int i = 0; i < QPW; i++) {
+            const float4 qc = *reinterpret_cast<const float4 *>(&qs[warp * QPW + i][c]);
+            sc[i] = fmaf(qc.x, k0, sc[i]);
+            sc[i] = fmaf(qc.y, k1, sc[i]);
+            sc[i] = fmaf(qc.z, k2, sc[i]);
+            sc[i] = fmaf(qc.w, k3, sc[i]);
+        }
+    }
+}
+
+/* A prefill warp's running state: per query, the keys [lo, hi) it sees
+ * (empty for a row past T) and its document, the running max and sum, the
+ * output columns, and the tile's probabilities (lane j: key j). */
+template <int QPW, int R> struct prefill_rows {
+    int lo[QPW], hi[QPW], qdoc[QPW];
+    float m[QPW], l[QPW], acc[QPW][R], p[QPW];
+};
+
+/* The online softmax over the tile's keys j0 .. j0 + nk - 1 (lane j: its
+ * key, kdoc its document): p, and m, l and acc rescaled. */
+template <int QPW, int R>
+__device__ __forceinline__ void tile_softmax(prefill_rows<QPW, R> &w, const float *sc, bool doc,
+                                             int kdoc, int j0, int nk, int lane)
+{
+#pragma unroll
+    for (int i = 0; i < QPW; i++) {
+        w.p[i] = 0.0f;
+        if (j0 < w.hi[i] && j0 + nk > w.lo[i]) { /* warp-uniform: the tile meets the range */
+            const int j = j0 + lane;
+            const bool vis = j >= w.lo[i] && j < w.hi[i] && (!doc || kdoc == w.qdoc[i]);
+            const float sv = vis ? sc[i] : -INFINITY;
+            const float bmax = warp_max(sv);
+            if (bmax != -INFINITY) { /* warp-uniform: some key of the tile is visible */
+                const float corr = nl_elem_online_max(&w.m[i], bmax);
+                w.p[i] = vis ? nl_elem_expf(sv - w.m[i]) : 0.0f;
+                w.l[i] = w.l[i] * corr + warp_sum(w.p[i]);
+#pragma unroll
+                for (int r = 0; r < R; r++)
+                    w.acc[i][r] *= corr;
+            }
+        }
+    }
+}
+
+/* acc += p V over the tile of values in kv, for the keys in each query's
+ * range (as the CPU: a key outside it is skipped, not multiplied by 0; a
+ * key of another document inside it has p = 0). */
+template <int HDB, int QPW, int R>
+__device__ __forceinline__ void tile_pv(prefill_rows<QPW, R> &w, const float (*kv)[HDB + 1], int j0,
+                                        int nk, int lane)
+{
+    for (int j = 0; j < nk; j++) {
+        float vj[R];
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            vj[r] = kv[j][lane + r * WARP];
+#pragma unroll
+        for (int i = 0; i < QPW; i++) {
+            const float pj = __shfl_sync(FULL_MASK, w.p[i], j);
+            if (j0 + j >= w.lo[i] && j0 + j < w.hi[i]) {
+#pragma unroll
+                for (int r = 0; r < R; r++)
+                    w.acc[i][r] = fmaf(pj, vj[r], w.acc[i][r]);
+            }
+        }
+    }
+}
+
 /* One block: queries t0 .. t0 + nq - 1 of head h of sequence b. Blocks are
  * numbered tile-major, last tile first, so the longest rows start first. */
 template <int HDB, int BQ>
@@ -96,47 +197,33 @@ __global__ void __launch_bounds__(PREFILL_WARPS *WARP, PREFILL_MIN_BLOCKS)
     const int t0 = tile * BQ;
     const int nq = min(BQ, s.T - t0);
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    const float scale = 1.0f / sqrtf((float)hd);
 
-    for (int e = threadIdx.x; e < BQ * HDB; e += PREFILL_WARPS * WARP) {
-        const int i = e / HDB, c = e % HDB;
-        float x = 0.0f;
-        if (i < nq && c < hd)
-            x = q[((size_t)b * s.T + (size_t)(t0 + i)) * (size_t)q_stride + (size_t)h * hd +
-                  (size_t)c] *
-                scale;
-        qs[i][c] = x;
-    }
+    load_queries<HDB, BQ>(qs, q, q_stride, s, b, h, t0, nq, 1.0f / sqrtf((float)hd));
     const size_t kv_off = (size_t)b * s.kv_cap * (size_t)kv_stride + (size_t)g * hd;
     const float *kb = k + kv_off;
     const float *vb = v + kv_off;
 
-    /* per query of this warp: the keys [lo, hi) it sees (empty for a row
-     * past T) and its document, the running max and sum, the output columns */
     const int nkeys = past + s.T;
     const int32_t *doc = mk.doc ? mk.doc + (size_t)b * s.T : nullptr;
-    int lo[QPW], hi[QPW], qdoc[QPW];
-    float m[QPW], l[QPW], acc[QPW][R], p[QPW];
+    prefill_rows<QPW, R> w;
 #pragma unroll
     for (int i = 0; i < QPW; i++) {
         const int qi = warp * QPW + i;
-        lo[i] = hi[i] = 0;
+        w.lo[i] = w.hi[i] = 0;
         if (qi < nq)
-            attn_range(mk, past + t0 + qi, nkeys, lo[i], hi[i]);
-        qdoc[i] = doc && qi < nq ? doc[t0 + qi] : 0;
-        m[i] = -INFINITY;
-        l[i] = 0.0f;
+            attn_range(mk, past + t0 + qi, nkeys, w.lo[i], w.hi[i]);
+        w.qdoc[i] = doc && qi < nq ? doc[t0 + qi] : 0;
+        w.m[i] = -INFINITY;
+        w.l[i] = 0.0f;
 #pragma unroll
         for (int r = 0; r < R; r++)
-            acc[i][r] = 0.0f;
+            w.acc[i][r] = 0.0f;
     }
     /* the tile's queries see keys kbeg .. kend - 1 (both ends move up with
      * the query; causal: 0 .. past + t0 + nq - 1) */
     int kbeg, kend, unused;
     attn_range(mk, past + t0, nkeys, kbeg, unused);
     attn_range(mk, past + t0 + nq - 1, nkeys, unused, kend);
-    /* q and K columns past hd are zero, so the dot product may run to a
-     * multiple of 4 (<= HDB) and read q four columns at a time */
     const int hd4 = (hd + 3) & ~3;
     for (int j0 = kbeg; j0 < kend; j0 += BK) {
         const int nk = min(BK, kend - j0);
@@ -144,66 +231,13 @@ __global__ void __launch_bounds__(PREFILL_WARPS *WARP, PREFILL_MIN_BLOCKS)
         __syncthreads(); /* qs is written; the last value tile is read */
         load_tile<HDB>(kv, kb, kv_stride, j0, nk, hd);
         __syncthreads();
-
-        /* lane j: scores of key j0 + j against this warp's queries */
         float sc[QPW];
-#pragma unroll
-        for (int i = 0; i < QPW; i++)
-            sc[i] = 0.0f;
-#pragma unroll 2
-        for (int c = 0; c < hd4; c += 4) {
-            const float k0 = kv[lane][c], k1 = kv[lane][c + 1];
-            const float k2 = kv[lane][c + 2], k3 = kv[lane][c + 3];
-#pragma unroll
-            for (int i = 0; i < QPW; i++) {
-                const float4 qc = *reinterpret_cast<const float4 *>(&qs[warp * QPW + i][c]);
-                sc[i] = fmaf(qc.x, k0, sc[i]);
-                sc[i] = fmaf(qc.y, k1, sc[i]);
-                sc[i] = fmaf(qc.z, k2, sc[i]);
-                sc[i] = fmaf(qc.w, k3, sc[i]);
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < QPW; i++) {
-            p[i] = 0.0f;
-            if (j0 < hi[i] && j0 + nk > lo[i]) { /* warp-uniform: the tile meets the range */
-                const int j = j0 + lane;
-                const bool vis = j >= lo[i] && j < hi[i] && (!doc || kdoc == qdoc[i]);
-                const float sv = vis ? sc[i] : -INFINITY;
-                const float bmax = warp_max(sv);
-                if (bmax != -INFINITY) { /* warp-uniform: some key of the tile is visible */
-                    const float corr = nl_elem_online_max(&m[i], bmax);
-                    p[i] = vis ? nl_elem_expf(sv - m[i]) : 0.0f;
-                    l[i] = l[i] * corr + warp_sum(p[i]);
-#pragma unroll
-                    for (int r = 0; r < R; r++)
-                        acc[i][r] *= corr;
-                }
-            }
-        }
-
+        tile_scores<HDB, QPW>(sc, kv, qs, warp, lane, hd4);
+        tile_softmax<QPW, R>(w, sc, doc != nullptr, kdoc, j0, nk, lane);
         __syncthreads(); /* every warp is done with the keys */
         load_tile<HDB>(kv, vb, kv_stride, j0, nk, hd);
         __syncthreads();
-
-        /* acc += p V over the keys in each query's range (as the CPU: a
-         * key outside it is skipped, not multiplied by 0; a key of another
-         * document inside it has p = 0) */
-        for (int j = 0; j < nk; j++) {
-            float vj[R];
-#pragma unroll
-            for (int r = 0; r < R; r++)
-                vj[r] = kv[j][lane + r * WARP];
-#pragma unroll
-            for (int i = 0; i < QPW; i++) {
-                const float pj = __shfl_sync(FULL_MASK, p[i], j);
-                if (j0 + j >= lo[i] && j0 + j < hi[i]) {
-#pragma unroll
-                    for (int r = 0; r < R; r++)
-                        acc[i][r] = fmaf(pj, vj[r], acc[i][r]);
-                }
-            }
-        }
+        tile_pv<HDB, QPW, R>(w, kv, j0, nk, lane);
     }
 
 #pragma unroll
@@ -212,15 +246,15 @@ __global__ void __launch_bounds__(PREFILL_WARPS *WARP, PREFILL_MIN_BLOCKS)
             continue;
         const int t = t0 + warp * QPW + i;
         float *o = out + ((size_t)b * s.T + (size_t)t) * ((size_t)s.H * hd) + (size_t)h * hd;
-        const float inv = 1.0f / l[i];
+        const float inv = 1.0f / w.l[i];
 #pragma unroll
         for (int r = 0; r < R; r++) {
             const int c = lane + r * WARP;
             if (c < hd)
-                o[c] = acc[i][r] * inv;
+                o[c] = w.acc[i][r] * inv;
         }
         if (lse && lane == 0)
-            lse[((size_t)b * s.H + (size_t)h) * s.T + (size_t)t] = m[i] + logf(l[i]);
+            lse[((size_t)b * s.H + (size_t)h) * s.T + (size_t)t] = w.m[i] + logf(w.l[i]);
     }
 }
 
