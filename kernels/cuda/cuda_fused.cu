@@ -69,22 +69,9 @@ __global__ void __launch_bounds__(ROUTE_THREADS)
                 p[e] = s;
         }
         __syncthreads();
-        float m = -INFINITY; /* softmax_kernel's passes over the E logits */
+        block_softmax_row(p, E, red); /* softmax_kernel's passes over the E logits */
         for (int e = threadIdx.x; e < E; e += blockDim.x)
-            m = fmaxf(m, p[e]);
-        m = block_max(m, red);
-        float s = 0.0f;
-        for (int e = threadIdx.x; e < E; e += blockDim.x) {
-            const float v = nl_elem_expf(p[e] - m);
-            p[e] = v;
-            s += v;
-        }
-        s = block_sum(s, red);
-        const float inv = 1.0f / s;
-        for (int e = threadIdx.x; e < E; e += blockDim.x) {
-            p[e] *= inv;
             probs[n * E + e] = p[e];
-        }
         __syncthreads();
         if (threadIdx.x == 0) /* moe_route's top-k, ties to the lower index */
             nl_elem_topk_row(choice + n * k, w + n * k, p, E, k);

@@ -95,29 +95,12 @@ __global__ void rope_kernel(float *x, const int32_t *pos, int N, int row, int co
     }
 }
 
-/* Row softmax in three passes like the CPU's: the max, then exp(x - max)
- * written back and summed, then a scale by 1 / sum. A thread rereads only
- * the elements it wrote itself, so passes 2 and 3 need no barrier. */
+/* Row softmax (block_softmax_row, cuda_reduce.cuh). */
 __global__ void softmax_kernel(float *x, int N, int C)
 {
     __shared__ float red[WARP];
-    for (size_t n = blockIdx.x; n < (size_t)N; n += gridDim.x) {
-        float *r = x + n * C;
-        float m = -INFINITY;
-        for (int c = threadIdx.x; c < C; c += blockDim.x)
-            m = fmaxf(m, r[c]);
-        m = block_max(m, red);
-        float s = 0.0f;
-        for (int c = threadIdx.x; c < C; c += blockDim.x) {
-            const float e = nl_elem_expf(r[c] - m);
-            r[c] = e;
-            s += e;
-        }
-        s = block_sum(s, red);
-        const float inv = 1.0f / s;
-        for (int c = threadIdx.x; c < C; c += blockDim.x)
-            r[c] *= inv;
-    }
+    for (size_t n = blockIdx.x; n < (size_t)N; n += gridDim.x)
+        block_softmax_row(x + n * C, C, red);
 }
 
 __global__ void swiglu_kernel(float *out, const float *gu, int N, int F)

@@ -64,4 +64,28 @@ __device__ __forceinline__ float block_max(float v, float *red)
     return warp_max(lane < nw ? red[lane] : -INFINITY);
 }
 
+/* Softmax of the row r[0, C) in place, by the whole block, in three passes
+ * like the CPU's: the max, then exp(x - max) written back and summed, then
+ * a scale by 1 / sum. A thread rereads only the elements it wrote itself,
+ * so passes 2 and 3 need no barrier; as block_sum, every thread calls it.
+ * softmax_kernel's rows and the fused router's probabilities: one
+ * function, the same bits. */
+__device__ __forceinline__ void block_softmax_row(float *r, int C, float *red)
+{
+    float m = -INFINITY;
+    for (int c = threadIdx.x; c < C; c += blockDim.x)
+        m = fmaxf(m, r[c]);
+    m = block_max(m, red);
+    float s = 0.0f;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        const float e = nl_elem_expf(r[c] - m);
+        r[c] = e;
+        s += e;
+    }
+    s = block_sum(s, red);
+    const float inv = 1.0f / s;
+    for (int c = threadIdx.x; c < C; c += blockDim.x)
+        r[c] *= inv;
+}
+
 #endif
