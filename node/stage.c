@@ -451,8 +451,9 @@ nl_status stage_check_hop(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_wi
     const nl_tensor *t = &in->t;
     *se = NULL;
     if (hop->step != 0 || hop->microbatch != 0)
-        return nl_error_set(err, NL_ERR_UNSUPPORTED,
-                            "%s: training hops (step %llu, microbatch %u) are not supported yet",
+        return nl_error_set(err, NL_ERR_INVALID,
+                            "%s: a generation hop names no training step (step %llu, microbatch "
+                            "%u): a training job's hops go to that job",
                             who, (unsigned long long)hop->step, hop->microbatch);
     if (m->has_embed && (t->dtype != NL_DTYPE_I32 || t->ndim != 2))
         return nl_error_set(err, NL_ERR_SHAPE, "%s: the first stage takes I32 token ids [B, T]",
