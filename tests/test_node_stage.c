@@ -234,8 +234,7 @@ static void test_forward(nl_model *ref)
           err.msg);
     hop.pos_offset = 0;
     hop.step = 1;
-    CHECK(nl_stage_forward(s0, &hop, &f, &o1, &err) == NL_ERR_INVALID, "training hop: %s",
-          err.msg);
+    CHECK(nl_stage_forward(s0, &hop, &f, &o1, &err) == NL_ERR_INVALID, "training hop: %s", err.msg);
     hop.step = 0;
     hop.session_id = 77;
     CHECK(nl_stage_forward(s0, &hop, &f, &o1, &err) == NL_ERR_NOTFOUND &&
