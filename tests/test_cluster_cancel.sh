@@ -45,7 +45,9 @@ k=$(sed -n 's/^interrupted after step \([0-9]*\) of 40: kept .*$/\1/p' "$W/cut.e
 echo "stopped at step ${k:-?}"
 check test -n "$k"
 k=${k:-0}
-check test "$k" -ge 7 -a "$k" -lt 20
+# (a loaded machine can take the run past its step-20 checkpoint while the
+# two refused clients start: any step before the end will do)
+check test "$k" -ge 7 -a "$k" -lt 40
 M=$(printf '%s/ck1/step-%06d/manifest.json' "$W" "$k")
 check grep -q "stopping after step [0-9]*: writing a checkpoint (Ctrl-C again to leave" "$W/cut.err"
 check grep -q "interrupted after step $k of 40: kept $M (continue with --resume $M)" "$W/cut.err"
@@ -56,7 +58,8 @@ check test -z "$(grep "neuroctl train:\|rtrain_" "$W/cut.err")"
 check grep -q "cancelled at step $k; kept $M" "$C/coord.log"
 # the client joins no --out on Ctrl-C (local training does not either)
 check test ! -e "$W/never.safetensors"
-check test ! -e "$W/ck1/step-000020"
+# and no checkpoint after the one the Ctrl-C wrote
+check test "$(ls "$W/ck1" | grep '^step-' | sort | tail -1)" = "$(printf 'step-%06d' "$k")"
 check "$N" export --manifest "$M" --out "$W/cut.safetensors"
 # ---- and resumed to step 40 on the same cluster ----
 check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck1" --resume "$M" \
