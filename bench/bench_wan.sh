@@ -11,7 +11,10 @@
 # loopback with bf16).
 #   bench/bench_wan.sh [BUILD_DIR]
 # Settings (environment, with defaults): RATE=100mbit DELAY_MS=20
-# CONFIG=configs/tiny.yaml STEPS=12 BATCH=16 SEQ=128 MICRO=4.
+# CONFIG=configs/tiny.yaml STEPS=12 BATCH=16 SEQ=128 MICRO=4
+# NODE_TIMEOUT_MS=10000 (neurocoord --node-timeout-ms on the shaped link);
+# KEEP=DIR copies the runs' logs there (the nodes', the coordinator's,
+# netdelay's: how many packets it held and whether the kernel dropped any).
 # Needs root, ip netns and tc; the delay without netem needs iptables'
 # NFQUEUE and the test build's tests/netdelay.
 set -uo pipefail
@@ -24,6 +27,8 @@ STEPS=${STEPS:-12}
 BATCH=${BATCH:-16}
 SEQ=${SEQ:-128}
 MICRO=${MICRO:-4}
+NODE_TIMEOUT_MS=${NODE_TIMEOUT_MS:-10000}
+KEEP=${KEEP:-}
 N="$BUILD/cli/neuroctl"
 COORD="$BUILD/coordinator/neurocoord"
 NODE="$BUILD/node/neuronode"
@@ -40,8 +45,10 @@ W=$(mktemp -d)
 pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null; done # netdelay prints its counts
   for d in "$W"/lo-*; do [ -d "$d" ] && "$N" cluster down --dir "$d" >/dev/null 2>&1; done
   for ns in hub c n1 n2; do ip netns del "$P$ns" 2>/dev/null; done
+  [ -n "$KEEP" ] && mkdir -p "$KEEP" && cp "$W"/*.log "$W"/*.err "$W"/*.jsonl "$KEEP"/ 2>/dev/null
   rm -rf "$W"
 }
 trap cleanup EXIT
@@ -74,12 +81,24 @@ for ns in c n1 n2; do
 done
 if [ $delay = nfqueue ]; then
   [ -x "$ND" ] || { echo "bench_wan: no netem and no $ND (a test build)" >&2; exit 1; }
+  FIFO=
+  chrt -f 10 true 2>/dev/null && FIFO="chrt -f 10" && delay="nfqueue, netdelay SCHED_FIFO"
+  [ -n "$FIFO" ] || echo "bench_wan: chrt -f refused: netdelay at normal priority (a busy machine slows the link)" >&2
   for ns in c n1 n2; do
     ip netns exec "$P$ns" tc qdisc del dev eth0 root 2>/dev/null
     ip netns exec "$P$ns" tc qdisc add dev eth0 root tbf rate "$RATE" burst 64kb latency 400ms
-    ip netns exec "$P$ns" iptables -A OUTPUT -o eth0 -j NFQUEUE --queue-num 0 --queue-bypass ||
+    # each namespace delays what it receives, not what it sends: a packet
+    # held on the sender's way out still counts against its socket's TCP
+    # Small Queues budget (about 1 ms of data), which then sent a window a
+    # 20 ms hold at a time: 2.3 Mbit/s on this 100 Mbit/s link. netem
+    # orphans the packets it holds; a netfilter queue does not
+    ip netns exec "$P$ns" iptables -A INPUT -i eth0 -j NFQUEUE --queue-num 0 --queue-bypass ||
       { echo "bench_wan: no NFQUEUE" >&2; exit 1; }
-    ip netns exec "$P$ns" "$ND" 0 "$DELAY_MS" 0 1 > "$W/netdelay-$ns.log" 2>&1 &
+    # the wire itself must not wait for a core: on a busy machine a
+    # netdelay at normal priority held packets for seconds past their
+    # delay (links at 4 Mbit/s, heartbeats late, nodes taken for dead), so
+    # it runs SCHED_FIFO where chrt may (its work is a little per packet)
+    ip netns exec "$P$ns" $FIFO "$ND" 0 "$DELAY_MS" 0 1 > "$W/netdelay-$ns.log" 2>&1 &
     pids+=($!)
   done
   sleep 0.3
@@ -106,7 +125,7 @@ CL=(--coordinator tcp://10.78.0.1:7801 --key "$W/client.key" --coordinator-key "
 shaped() {
   local p0=${#pids[@]}
   ip netns exec "${P}c" "$COORD" --listen tcp://10.78.0.1:7800 --state-dir "$W/coord" \
-    --model "$W/m.safetensors" --min-nodes 2 --node-timeout-ms 10000 --data-root / \
+    --model "$W/m.safetensors" --min-nodes 2 --node-timeout-ms "$NODE_TIMEOUT_MS" --data-root / \
     --checkpoint-root / --wire "$1" > "$W/coord-$1.log" 2>&1 &
   pids+=($!)
   for i in $(seq 1 50); do [ -f "$W/coord/coordinator.pub" ] && break; sleep 0.1; done
@@ -146,7 +165,8 @@ w, rate, delay_ms, how, rtt, steps, batch, seq, micro, config = sys.argv[1:11]
 def rate_of(name):
     p = os.path.join(w, name + ".jsonl")
     rows = [json.loads(l) for l in open(p)] if os.path.exists(p) else []
-    if len(rows) < int(steps):
+    rows = [r for r in rows if "step" in r and "tokens_per_s" in r] # not the events
+    if len({r["step"] for r in rows}) < int(steps): # the job failed: no figure
         return None
     return round(statistics.median(r["tokens_per_s"] for r in rows if r["step"] > 2), 1)
 r = {k: rate_of(k) for k in ("lo-fp32", "lo-bf16", "wan-fp32", "wan-bf16")}

@@ -41,7 +41,7 @@ typedef struct {
     double delay;
     uint32_t loss_ppm;
     uint64_t rng;
-    unsigned long seen, dropped, overflow;
+    unsigned long seen, dropped, overflow, lost; /* lost: the kernel's (ENOBUFS) */
 } line;
 
 static volatile sig_atomic_t stop;
@@ -132,6 +132,10 @@ int main(int argc, char **argv)
         return 1;
     }
     nfq_set_queue_maxlen(l.qh, HELD_MAX);
+    /* a receive buffer for a burst of packets' messages: a full one makes
+     * the kernel drop packets (ENOBUFS), which TCP times out and resends,
+     * and the link then stalls for far longer than its delay */
+    nfnl_rcvbufsiz(nfq_nfnlh(h), 8u << 20);
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_signal;
@@ -144,19 +148,24 @@ int main(int argc, char **argv)
     while (!stop) {
         struct pollfd p = {.fd = fd, .events = POLLIN};
         const int wait = release_due(&l);
-        if (poll(&p, 1, wait < 0 ? 200 : wait) > 0) {
+        if (poll(&p, 1, wait < 0 ? 200 : wait) <= 0)
+            continue;
+        for (;;) { /* every message queued, before the next release */
             const ssize_t n = recv(fd, buf, sizeof buf, MSG_DONTWAIT);
             if (n > 0)
                 nfq_handle_packet(h, buf, (int)n);
             else if (n < 0 && errno == ENOBUFS) /* the kernel dropped some: TCP sends them again */
-                continue;
+                l.lost++;
+            else
+                break;
         }
     }
     for (size_t i = 0; i < l.count; i++) /* let the held ones out now */
         l.ring[(l.head + i) % HELD_MAX].due = 0;
     release_due(&l);
-    printf("netdelay: %lu packets, %lu dropped, %lu passed at once (full)\n", l.seen, l.dropped,
-           l.overflow);
+    printf("netdelay: %lu packets, %lu dropped, %lu passed at once (full), %lu times the kernel "
+           "dropped some (ENOBUFS)\n",
+           l.seen, l.dropped, l.overflow, l.lost);
     nfq_destroy_queue(l.qh);
     nfq_close(h);
     free(l.ring);
