@@ -115,8 +115,12 @@ check $PY "$NL_SOURCE_DIR/tests/same_tensors.py" "$W/held.safetensors" "$W/ref.s
 # (each training message of the two nodes takes 40 ms more, NL_TEST_SLOW_MS:
 # the 35 steps after the join last long enough for a node started on a
 # busy machine to join before the last checkpoint)
+# (no node dies here: a 10 s node timeout, since a node that sleeps 40 ms
+# a message in its loop can go 2 s without a heartbeat on a busy machine,
+# and was taken for dead at step 0)
 C="$W/c4"
-check env NL_TEST_SLOW_MS=40 "$N" "${UP[@]}" --nodes 2 --dir "$C"
+check env NL_TEST_SLOW_MS=40 "$N" cluster up "${DEV[@]}" --model "$W/m.safetensors" --memory 64M \
+  --threads 1 --node-timeout-ms 10000 --timeout 60 --nodes 2 --dir "$C"
 "$N" keygen --out "$W/extra" >/dev/null
 echo "$(cat "$W/extra.pub")  # extra" >> "$C/coord/authorized_keys"
 kill -HUP "$(cat "$C/coord.pid")"
