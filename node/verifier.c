@@ -24,6 +24,8 @@
  * thread it runs in its stage's waits. Without one, on replica 0's
  * backend on the caller's thread, once the stage's lanes are idle (the
  * tests' way, and the CUDA node's for now). */
+#include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -141,7 +143,6 @@ static nl_status case_of(const nl_wire_msg *m, nl_config *cfg, nl_verify_case *c
     return NL_OK;
 }
 
-
 /* ===================== what a verifier keeps ===================== */
 
 typedef struct kept_build {
@@ -189,9 +190,9 @@ static void kept_free(kept_build *k)
 static bool kept_fits(const kept_build *k, const vjob *j)
 {
     const nl_verify_case *c = &j->c;
-    return k->r.m && k->job == c->job && k->stage == c->stage && k->l0 == c->l0 &&
-           k->l1 == c->l1 && k->embed == c->has_embed && k->head == c->has_head &&
-           k->mbB == c->mbB && k->T == c->T && strcmp(k->cfg_json, j->cfg_json) == 0;
+    return k->r.m && k->job == c->job && k->stage == c->stage && k->l0 == c->l0 && k->l1 == c->l1 &&
+           k->embed == c->has_embed && k->head == c->has_head && k->mbB == c->mbB && k->T == c->T &&
+           strcmp(k->cfg_json, j->cfg_json) == 0;
 }
 
 /* The build for j's case: one kept (its weights loaded again unless
@@ -255,17 +256,32 @@ static void vjob_free(vjob *j)
     free(j);
 }
 
+/* The calling thread below the node's: the normal policy (a node started
+ * under a real-time one, chrt, leaves it: nice does not apply there) at
+ * nice 19 (Linux: a thread's own nice value). Failing, it keeps its
+ * priority: a verifier then competes with its stage as a second thread. */
+static void lowest_priority(void)
+{
+    int policy = SCHED_OTHER;
+    struct sched_param sp = {0};
+    if (pthread_getschedparam(pthread_self(), &policy, &sp) == 0 &&
+        (policy == SCHED_FIFO || policy == SCHED_RR)) {
+        sp.sched_priority = 0;
+        if (pthread_setschedparam(pthread_self(), SCHED_OTHER, &sp) != 0)
+            NL_WARN("verify: the worker thread keeps its real-time policy");
+    }
+    if (setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), 19) != 0)
+        NL_WARN("verify: the worker thread keeps its priority (setpriority failed)");
+}
+
 /* Runs on the worker (or, inline, the caller's thread). */
 static void run_case(void *ctx, nl_wjob *w)
 {
     verifier *v = ctx;
     vjob *j = (vjob *)w;
-    if (nl_workers_threaded(v->w) && !v->niced) {
-        /* Linux: a thread's own nice value; below the node's thread */
-        if (setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), 19) != 0)
-            NL_DEBUG("verify: the worker keeps its priority (setpriority failed)");
-        v->niced = true;
-    }
+    if (nl_workers_threaded(v->w) && !v->niced)
+        lowest_priority();
+    v->niced = true;
     kept_build *k = NULL;
     j->st = kept_for(v, j, &k, &j->err);
     if (j->st == NL_OK)
@@ -342,7 +358,7 @@ nl_status nl_stage_verify_push(nl_stage *s, const nl_wire_msg *m, nl_error *err)
     }
     j->hdr = m->u.verify_case;
     j->hdr.config_json = NULL; /* the message's: gone after this */
-    if (!own) /* on replica 0's backend: the stage's own lanes leave it first */
+    if (!own)                  /* on replica 0's backend: the stage's own lanes leave it first */
         stage_train_quiesce(s);
     nl_workers_push(s->verifier->w, &j->w);
     return NL_OK;

@@ -25,9 +25,8 @@ nl_status verify_redo_make(verify_redo *r, const nl_verify_case *c, nl_error *er
 void verify_redo_load(verify_redo *r, const nl_verify_case *c);
 /* Redo c on r (built for its layers and shape, its weights loaded): as
  * nl_verify_recompute. */
-nl_status verify_redo_run(verify_redo *r, const nl_verify_case *c,
-                          uint8_t fwd[NL_HOP_DIGEST_BYTES], uint8_t bwd[NL_HOP_DIGEST_BYTES],
-                          double *rel, nl_error *err);
+nl_status verify_redo_run(verify_redo *r, const nl_verify_case *c, uint8_t fwd[NL_HOP_DIGEST_BYTES],
+                          uint8_t bwd[NL_HOP_DIGEST_BYTES], double *rel, nl_error *err);
 /* Free what r holds (not its backend); safe twice. */
 void verify_redo_free(verify_redo *r);
 
