@@ -168,6 +168,7 @@ typedef struct vjob {
     double rel;
     nl_status st;
     nl_error err;
+    struct vjob *prev, *next; /* the cases pushed and not popped (the node's thread's) */
 } vjob;
 
 typedef struct verifier {
@@ -177,6 +178,7 @@ typedef struct verifier {
     kept_build kept[VERIFY_KEEP];
     uint64_t clock;
     atomic_uint_least64_t cases, builds, loads;
+    vjob *out; /* pushed, not popped */
 } verifier;
 
 static void kept_free(kept_build *k)
@@ -320,12 +322,14 @@ void stage_verifier_free(nl_stage *s)
     verifier *v = s->verifier;
     if (!v)
         return;
-    /* the cases queued are short: they finish, and are dropped unanswered */
-    drop_kept(v);
-    nl_wjob *w;
-    while ((w = nl_workers_pop_done(v->w, false)) != NULL)
-        vjob_free((vjob *)w);
-    nl_workers_destroy(&v->w);
+    nl_workers_destroy(&v->w); /* the case running finishes, the queued are dropped */
+    while (v->out) {
+        vjob *j = v->out;
+        v->out = j->next;
+        vjob_free(j);
+    }
+    for (int i = 0; i < VERIFY_KEEP; i++)
+        kept_free(&v->kept[i]);
     free(v);
     s->verifier = NULL;
 }
@@ -360,6 +364,10 @@ nl_status nl_stage_verify_push(nl_stage *s, const nl_wire_msg *m, nl_error *err)
     j->hdr.config_json = NULL; /* the message's: gone after this */
     if (!own)                  /* on replica 0's backend: the stage's own lanes leave it first */
         stage_train_quiesce(s);
+    j->next = s->verifier->out;
+    if (j->next)
+        j->next->prev = j;
+    s->verifier->out = j;
     nl_workers_push(s->verifier->w, &j->w);
     return NL_OK;
 }
@@ -402,6 +410,12 @@ int nl_stage_verify_pop(nl_stage *s, bool wait, nl_wire_msg *out,
     vjob *j = (vjob *)nl_workers_pop_done(v->w, wait);
     if (!j)
         return 0;
+    if (j->prev)
+        j->prev->next = j->next;
+    else
+        v->out = j->next;
+    if (j->next)
+        j->next->prev = j->prev;
     *st = j->st;
     if (j->st == NL_OK)
         answer(s, j, out, hex);
