@@ -123,7 +123,8 @@ int nl_stage_verify_fd(const nl_stage *s);
  * and err why it could not be redone; 0: none ready (or none pushed). */
 int nl_stage_verify_pop(nl_stage *s, bool wait, nl_wire_msg *out,
                         char hex[2][NL_HOP_DIGEST_HEX + 1], nl_status *st, nl_error *err);
-/* Wait for the cases under way and drop what the verifier keeps. */
+/* Drop what the verifier keeps: at once when no case is under way, else
+ * before its next case (it does not wait). */
 void nl_stage_verify_forget(nl_stage *s);
 
 /* What the verifier did (status and tests): cases redone, stages built,

@@ -12,7 +12,9 @@
  * step's differ): a case is never redone on weights other than its own.
  * A case of another job drops the builds of every other; so do a new
  * plan (ASSIGN) and the end of the node's own training job, through
- * nl_stage_verify_forget.
+ * nl_stage_verify_forget: at once when no case is under way, else on the
+ * worker before its next case (never waiting for a case that runs at
+ * the lowest priority).
  *
  * Where it runs: with a backend of its own (nl_stage_opts.verify_be, the
  * node's), on a worker thread (one lane of replica_workers.h) at the
@@ -178,7 +180,8 @@ typedef struct verifier {
     kept_build kept[VERIFY_KEEP];
     uint64_t clock;
     atomic_uint_least64_t cases, builds, loads;
-    vjob *out; /* pushed, not popped */
+    atomic_bool forget; /* drop what is kept before the next case */
+    vjob *out;          /* pushed, not popped */
 } verifier;
 
 static void kept_free(kept_build *k)
@@ -284,6 +287,9 @@ static void run_case(void *ctx, nl_wjob *w)
     if (nl_workers_threaded(v->w) && !v->niced)
         lowest_priority();
     v->niced = true;
+    if (atomic_exchange(&v->forget, false))
+        for (int i = 0; i < VERIFY_KEEP; i++)
+            kept_free(&v->kept[i]);
     kept_build *k = NULL;
     j->st = kept_for(v, j, &k, &j->err);
     if (j->st == NL_OK)
@@ -310,13 +316,6 @@ static nl_status verifier_new(verifier **out, nl_backend *be, bool threaded, nl_
     return NL_OK;
 }
 
-static void drop_kept(verifier *v)
-{
-    nl_workers_wait_all(v->w); /* no case runs on them meanwhile */
-    for (int i = 0; i < VERIFY_KEEP; i++)
-        kept_free(&v->kept[i]);
-}
-
 void stage_verifier_free(nl_stage *s)
 {
     verifier *v = s->verifier;
@@ -336,8 +335,14 @@ void stage_verifier_free(nl_stage *s)
 
 void nl_stage_verify_forget(nl_stage *s)
 {
-    if (s->verifier)
-        drop_kept(s->verifier);
+    verifier *v = s->verifier;
+    if (!v)
+        return;
+    if (nl_workers_pending(v->w) == 0) /* idle, and only this thread gives it cases */
+        for (int i = 0; i < VERIFY_KEEP; i++)
+            kept_free(&v->kept[i]);
+    else /* a case under way: the worker drops them before its next one */
+        atomic_store(&v->forget, true);
 }
 
 /* ===================== the stage's face ===================== */

@@ -935,7 +935,8 @@ out:
  * weights once a step (its cases share them, the next step's are new),
  * once more for the case with its weights changed, whose answer is not the
  * report (the weights kept are never used for a case that brings other
- * ones), and the next step's first case loads its own again. */
+ * ones), and the next step's first case loads its own again; after
+ * nl_stage_verify_forget it builds again. */
 static void verifier_keeps(void)
 {
     enum { STEPS = 3, M = 4 };
@@ -972,6 +973,17 @@ static void verifier_keeps(void)
     printf("verifier: %llu cases on its own thread, %llu builds, %llu weight loads\n",
            (unsigned long long)vs.cases, (unsigned long long)vs.builds,
            (unsigned long long)vs.loads);
+    /* what it keeps dropped (a new plan, the job's end): built again */
+    if (verifier && a && fa) {
+        nl_stage_verify_forget(verifier);
+        digest_run(1, M, a, fa);
+        nl_stage_verify_stats(verifier, &vs);
+        CHECK(vs.builds == 2 * NST && !wire_mismatched[0] && !wire_mismatched[1] &&
+                  !wire_mismatched[2],
+              "after forgetting: %llu builds (want %d), accused %d %d %d",
+              (unsigned long long)vs.builds, 2 * NST, wire_mismatched[0], wire_mismatched[1],
+              wire_mismatched[2]);
+    }
     verify_on = wire_all = false;
     nl_stage_destroy(&verifier);
     nl_backend_destroy(&vbe);
