@@ -127,7 +127,7 @@ int nl_stage_verify_pop(nl_stage *s, bool wait, nl_wire_msg *out,
  * before its next case (it does not wait). */
 void nl_stage_verify_forget(nl_stage *s);
 
-/* What the verifier did (status and tests): cases redone, stages built,
+/* What the verifier did (the tests read it): cases redone, stages built,
  * weights loaded into a build. */
 typedef struct nl_verify_stats {
     uint64_t cases, builds, loads;
