@@ -325,7 +325,8 @@ static nl_status start(node *n, nl_error *err)
                         .lie = {(nl_lie_kind)o->inject_lie_kind, o->inject_lie_rate,
                                 o->inject_lie_seed, o->inject_lie_from, o->inject_lie_gen},
                         .tf32 = o->tf32,
-                        .train_async = 1}; /* replicas report through serve()'s poll */
+                        .verify_be = n->dev.verify_be, /* cases redone off this thread */
+                        .train_async = 1};             /* replicas report through serve()'s poll */
     if ((st = nl_stage_new_replicas(&n->stage, n->dev.be, n->dev.n, n->dev.comm, &so, err)) !=
             NL_OK ||
         (st = nl_net_new(&n->net, NULL, err)) != NL_OK ||
@@ -410,18 +411,32 @@ static void accepted_again(node *n, const nl_msg_accept *a)
 
 /* ===================== dispatch ===================== */
 
-/* A VERIFY_CASE: this node redoes another stage's microbatch on its first
- * device (node/stage_verify.h) and answers VERIFY_RESULT. */
-static void verify(node *n, const nl_wire_msg *m)
+/* The answers of the VERIFY_CASEs redone since (node/stage_verify.h):
+ * VERIFY_RESULT, or an ERROR that says why a case could not be redone. */
+static void verify_answers(node *n)
 {
     char hex[2][NL_HOP_DIGEST_HEX + 1];
     nl_error e;
-    nl_status st = nl_verify_answer(n->stage, m, &n->tx, hex, &e);
-    if (st != NL_OK) {
-        node_send_error(n, st, NL_MSG_VERIFY_CASE, "%s", e.msg);
-        return;
+    nl_status st;
+    while (nl_stage_verify_pop(n->stage, false, &n->tx, hex, &st, &e)) {
+        if (st != NL_OK)
+            node_send_error(n, st, NL_MSG_VERIFY_CASE, "%s", e.msg);
+        else
+            node_send_ctl(n, "VERIFY_RESULT");
     }
-    node_send_ctl(n, "VERIFY_RESULT");
+}
+
+/* A VERIFY_CASE: this node redoes another stage's microbatch, off this
+ * thread where it has a verifier's backend (the answer goes out from
+ * verify_answers when it is done), else at once. */
+static void verify(node *n, const nl_wire_msg *m)
+{
+    nl_error e;
+    nl_status st = nl_stage_verify_push(n->stage, m, &e);
+    if (st != NL_OK)
+        node_send_error(n, st, NL_MSG_VERIFY_CASE, "%s", e.msg);
+    else if (nl_stage_verify_fd(n->stage) < 0) /* done on this thread */
+        verify_answers(n);
 }
 
 static void on_control(node *n)
@@ -628,12 +643,15 @@ static void serve(node *n)
             node_send_heartbeat(n);
         int64_t wait = n->next_hb_ms - now;
         int half = (int)(n->heartbeat_ms / 2 > 0 ? n->heartbeat_ms / 2 : 1);
-        zmq_pollitem_t it[7] = {{nl_sock_handle(n->ctl), 0, ZMQ_POLLIN, 0},
+        zmq_pollitem_t it[8] = {{nl_sock_handle(n->ctl), 0, ZMQ_POLLIN, 0},
                                 {nl_sock_handle(n->data), 0, ZMQ_POLLIN, 0}};
         int count = 2;
         const int train_fd = nl_stage_train_fd(n->stage); /* the replicas' threads */
         if (train_fd >= 0)
             it[count++] = (zmq_pollitem_t){NULL, train_fd, ZMQ_POLLIN, 0};
+        const int verify_fd = nl_stage_verify_fd(n->stage); /* the verifier's thread */
+        if (verify_fd >= 0)
+            it[count++] = (zmq_pollitem_t){NULL, verify_fd, ZMQ_POLLIN, 0};
         if (n->next)
             it[count++] = (zmq_pollitem_t){nl_sock_handle(n->next), 0, ZMQ_POLLIN, 0};
         if (n->next_mon)
@@ -654,7 +672,9 @@ static void serve(node *n)
         for (int i = 2; i < count; i++) {
             if (!(it[i].revents & ZMQ_POLLIN))
                 continue;
-            if (!it[i].socket) /* the replicas' descriptor: its job may have ended meanwhile */
+            if (!it[i].socket && it[i].fd == verify_fd)
+                verify_answers(n);
+            else if (!it[i].socket) /* the replicas' descriptor: its job may have ended meanwhile */
                 node_train_poll(n);
             else if (n->next && it[i].socket == nl_sock_handle(n->next))
                 drain(n, n->next, on_next);

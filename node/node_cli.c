@@ -224,7 +224,8 @@ static void node_flags(nl_opt t[MAX_FLAGS], nl_node_opts *o, node_args *a)
                     "required on the CPU; on a GPU it caps the device's free memory offered"),
         NL_OPT_STR("state-dir", &a->state_dir, "DIR: holds node.key when --key is not given"),
         NL_OPT_INT("threads", &o->threads, 0, 4096, NULL,
-                   "N: compute threads (default: all cores)"),
+                   "N: compute threads (default: all cores); a CPU node redoes verification "
+                   "cases on one more, at the lowest priority"),
         NL_OPT_STR("device", &o->device,
                    "D[,D...]: where the stage computes: cpu (default), cpu-devsim or cuda:N; "
                    "several (cuda:0,1 or cpu,cpu) make data-parallel replicas"),

@@ -311,6 +311,12 @@ nl_status node_device_open(nl_node_device *n, const nl_node_opts *o, nl_error *e
                       : "",
             n->threads, probe, n->gflops, PROBE_ROUNDS, probe_threads ? " of CPU time" : "", lo, hi,
             (double)n->memory / (1 << 20), (double)o->kv_budget / (1 << 20));
+    /* verification's recomputes: one thread at the lowest priority (verifier.c) */
+    if (strncmp(be->name, "cuda:", 5) != 0 &&
+        (st = nl_backend_new(&n->verify_be, names[0],
+                             &(nl_backend_opts){.threads = 1, .tf32 = o->tf32, .bf16 = o->bf16},
+                             err)) != NL_OK)
+        return nl_error_prefix(err, "device %s: the verifier's backend", be->name);
     if (n->n > 1)
         NL_INFO("%d data-parallel replicas of the stage (%s to %s, %s all-reduce), each on "
                 "its own thread%s: training shares each step's microbatches among them; "
@@ -326,6 +332,7 @@ nl_status node_device_open(nl_node_device *n, const nl_node_opts *o, nl_error *e
 void node_device_close(nl_node_device *n)
 {
     nl_comm_destroy(&n->comm); /* before the backends it borrows */
+    nl_backend_destroy(&n->verify_be);
     for (int r = 0; r < n->n; r++)
         nl_backend_destroy(&n->be[r]);
     n->n = 0;

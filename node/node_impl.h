@@ -22,6 +22,10 @@ typedef struct nl_node_device {
     double gflops;   /* GEMM throughput of replica 0 at its probe size (or NL_TEST_GFLOPS) */
     int threads;     /* CPU threads: --threads, or the cores */
     uint64_t memory; /* offered: the smallest replica's (--memory, or free less the reserve) */
+    /* the cases this node redoes for other stages run on their own CPU
+     * backend of one thread (node/stage_verify.h); NULL on a GPU node,
+     * whose cases run on replica 0's */
+    nl_backend *verify_be;
 } nl_node_device;
 
 /* Open every device of o->device, measure replica 0 and size the offer;

@@ -11,6 +11,7 @@
 
 #include "base/log.h"
 #include "core/model/memory.h"
+#include "node/stage_verify.h"
 
 double stage_now(void)
 {
@@ -96,6 +97,7 @@ void nl_stage_destroy(nl_stage **sp)
     nl_stage *s = *sp;
     if (!nl_txref_idle(&s->tx))
         NL_WARN("stage: freed while an output was still being sent");
+    stage_verifier_free(s);
     drop_model(s);
     if (s->own_comm)
         nl_comm_destroy(&s->comm);
@@ -242,6 +244,7 @@ nl_status nl_stage_assign(nl_stage *s, const nl_msg_assign *a, nl_error *err)
     s->replicas = a->replicas > 1 ? (int)a->replicas : 1;
     s->t_assign = now_s();
     nl_status st = stage_wait_output(s, "ASSIGN", err);
+    nl_stage_verify_forget(s); /* a new plan: what the verifier kept is of the old one */
     if (st == NL_OK) {
         drop_model(s);
         st = build_model(s, a, err);

@@ -74,6 +74,10 @@ typedef struct nl_stage_opts {
     int train_async;     /* nl_stage_job_input returns once the work is dispatched; the
                           * results go out from nl_stage_train_poll (the daemon) */
     int replicas_inline; /* tests: the replicas run one after another on the caller's thread */
+    /* the backend the cases this node redoes for others run on
+     * (stage_verify.h), borrowed: on a worker thread at the lowest
+     * priority; NULL: on replica 0's, on the caller's thread */
+    nl_backend *verify_be;
 } nl_stage_opts;
 
 nl_status nl_stage_new(nl_stage **out, nl_backend *be, const nl_stage_opts *o, nl_error *err);

@@ -11,6 +11,7 @@
 #include "core/model/model.h"
 #include "core/train/train.h"
 #include "node/stage_train_impl.h"
+#include "node/verify_impl.h"
 
 /* ===================== what a stage keeps ===================== */
 
@@ -187,37 +188,87 @@ static void judge_out(const nl_verify_case *c, nl_msg_type type, const float *mi
     hop_digest(c, type, theirs && r <= nl_verify_cross_rtol(c) ? theirs : mine, d, out);
 }
 
-typedef struct redo {
-    nl_backend *be;
-    nl_model *m;
-    nl_trainer *tr;
-    float *x_d, *host;
-} redo;
-
-static void redo_free(redo *r)
+void verify_redo_free(verify_redo *r)
 {
     nl_trainer_destroy(&r->tr);
     nl_model_destroy(&r->m);
-    if (r->be)
+    if (r->be && r->x_d)
         r->be->free(r->be, r->x_d);
+    r->x_d = NULL;
     free(r->host);
+    r->host = NULL;
 }
 
-/* The stage's layers from the case's weights, and a trainer of one slot. */
-static nl_status redo_make(redo *r, const nl_verify_case *c, size_t rows, size_t d, nl_error *err)
+nl_status verify_redo_make(verify_redo *r, const nl_verify_case *c, nl_error *err)
 {
+    const size_t rows = (size_t)c->mbB * (size_t)c->T, d = (size_t)c->cfg->hidden_dim;
     nl_status st = nl_model_new(&r->m, r->be, c->cfg, c->l0, c->l1, c->has_embed, c->has_head, err);
     if (st == NL_OK && r->m->n_params != c->n_weights)
         st = nl_error_set(err, NL_ERR_SHAPE,
                           "verify: the stage's layers [%d, %d) have %zu parameters, %zu came",
                           c->l0, c->l1, r->m->n_params, c->n_weights);
-    if (st != NL_OK)
-        return st;
-    r->be->upload(r->be, r->m->params, c->weights, c->n_weights * sizeof(float));
-    st = nl_trainer_new(&r->tr, r->m, (int)rows, 1, 0, err);
+    if (st == NL_OK)
+        st = nl_trainer_new(&r->tr, r->m, (int)rows, 1, 0, err);
     if (st == NL_OK && (!(r->x_d = r->be->alloc(r->be, rows * d * sizeof(float))) ||
                         !(r->host = malloc(rows * d * sizeof(float)))))
         st = nl_error_set(err, NL_ERR_NOMEM, "verify: out of memory");
+    if (st != NL_OK)
+        verify_redo_free(r);
+    return st;
+}
+
+void verify_redo_load(verify_redo *r, const nl_verify_case *c)
+{
+    r->be->upload(r->be, r->m->params, c->weights, c->n_weights * sizeof(float));
+}
+
+nl_status verify_redo_run(verify_redo *r, const nl_verify_case *c, uint8_t fwd[NL_HOP_DIGEST_BYTES],
+                          uint8_t bwd[NL_HOP_DIGEST_BYTES], double *rel, nl_error *err)
+{
+    nl_backend *be = r->be;
+    const size_t rows = (size_t)c->mbB * (size_t)c->T, d = (size_t)c->cfg->hidden_dim;
+    memset(fwd, 0, NL_HOP_DIGEST_BYTES);
+    memset(bwd, 0, NL_HOP_DIGEST_BYTES);
+    if (rel)
+        *rel = 0.0;
+    /* as the stage's step: the batch's rows, its loss rows and its shares
+     * (a trainer kept from an earlier case starts afresh here: begin_step
+     * clears its gradients, counts and shares, set_docs and set_labels
+     * replace the last case's) */
+    nl_trainer_begin_step(r->tr, (int64_t)c->M * (int64_t)rows);
+    if (c->loss_rows > 0)
+        nl_trainer_set_loss_rows(r->tr, (int64_t)c->loss_rows);
+    if (c->counts)
+        nl_trainer_use_counts(r->tr, c->counts);
+    const float *x = NULL;
+    if (!c->has_embed) {
+        be->upload(be, r->x_d, c->x, rows * d * sizeof(float));
+        x = r->x_d;
+    }
+    double ce = 0.0, aux = 0.0;
+    nl_status st = nl_trainer_set_docs(r->tr, c->docs, (int)rows, err);
+    if (st == NL_OK && c->has_head)
+        st = nl_trainer_set_labels(r->tr, c->labels, c->lengths, c->mbB, c->T, err);
+    if (st == NL_OK)
+        st = nl_trainer_forward(r->tr, 0, c->mbB, c->T, c->has_embed ? c->x : NULL, x,
+                                c->has_head ? c->targets : NULL, &ce, &aux, err);
+    if (st == NL_OK && !c->has_head) {
+        be->download(be, r->host, nl_trainer_output(r->tr, 0), rows * d * sizeof(float));
+        judge_out(c, NL_MSG_ACTIVATION, r->host, c->y, d, rel, fwd);
+    }
+    if (st == NL_OK && !c->has_head) /* the gradient the stage received */
+        be->upload(be, r->x_d, c->dy, rows * d * sizeof(float));
+    if (st == NL_OK)
+        st = nl_trainer_backward(r->tr, 0, c->has_head ? NULL : r->x_d, err);
+    if (st == NL_OK && !c->has_embed) {
+        be->download(be, r->host, nl_trainer_input_grad(r->tr), rows * d * sizeof(float));
+        judge_out(c, NL_MSG_GRADIENT, r->host, c->dx, d, rel, bwd);
+    }
+    if (st == NL_OK)
+        st = nl_backend_check(be, err);
+    if (st != NL_OK)
+        nl_error_prefix(err, "verify job %llu step %llu microbatch %u stage %u",
+                        (unsigned long long)c->job, (unsigned long long)c->step, c->mb, c->stage);
     return st;
 }
 
@@ -225,52 +276,18 @@ nl_status nl_verify_recompute(nl_backend *be, const nl_verify_case *c,
                               uint8_t fwd[NL_HOP_DIGEST_BYTES], uint8_t bwd[NL_HOP_DIGEST_BYTES],
                               double *rel, nl_error *err)
 {
-    const size_t rows = (size_t)c->mbB * (size_t)c->T, d = (size_t)c->cfg->hidden_dim;
-    redo r = {.be = be};
-    memset(fwd, 0, NL_HOP_DIGEST_BYTES);
-    memset(bwd, 0, NL_HOP_DIGEST_BYTES);
-    if (rel)
-        *rel = 0.0;
-    nl_status st = redo_make(&r, c, rows, d, err);
-    if (st != NL_OK)
-        goto done;
-    /* as the stage's step: the batch's rows, its loss rows and its shares */
-    nl_trainer_begin_step(r.tr, (int64_t)c->M * (int64_t)rows);
-    if (c->loss_rows > 0)
-        nl_trainer_set_loss_rows(r.tr, (int64_t)c->loss_rows);
-    if (c->counts)
-        nl_trainer_use_counts(r.tr, c->counts);
-    const float *x = NULL;
-    if (!c->has_embed) {
-        be->upload(be, r.x_d, c->x, rows * d * sizeof(float));
-        x = r.x_d;
-    }
-    double ce = 0.0, aux = 0.0;
-    st = nl_trainer_set_docs(r.tr, c->docs, (int)rows, err);
-    if (st == NL_OK && c->has_head)
-        st = nl_trainer_set_labels(r.tr, c->labels, c->lengths, c->mbB, c->T, err);
-    if (st == NL_OK)
-        st = nl_trainer_forward(r.tr, 0, c->mbB, c->T, c->has_embed ? c->x : NULL, x,
-                                c->has_head ? c->targets : NULL, &ce, &aux, err);
-    if (st == NL_OK && !c->has_head) {
-        be->download(be, r.host, nl_trainer_output(r.tr, 0), rows * d * sizeof(float));
-        judge_out(c, NL_MSG_ACTIVATION, r.host, c->y, d, rel, fwd);
-    }
-    if (st == NL_OK && !c->has_head) /* the gradient the stage received */
-        be->upload(be, r.x_d, c->dy, rows * d * sizeof(float));
-    if (st == NL_OK)
-        st = nl_trainer_backward(r.tr, 0, c->has_head ? NULL : r.x_d, err);
-    if (st == NL_OK && !c->has_embed) {
-        be->download(be, r.host, nl_trainer_input_grad(r.tr), rows * d * sizeof(float));
-        judge_out(c, NL_MSG_GRADIENT, r.host, c->dx, d, rel, bwd);
-    }
-    if (st == NL_OK)
-        st = nl_backend_check(be, err);
-done:
-    redo_free(&r);
-    if (st != NL_OK)
+    verify_redo r = {.be = be};
+    nl_status st = verify_redo_make(&r, c, err);
+    if (st == NL_OK) {
+        verify_redo_load(&r, c);
+        st = verify_redo_run(&r, c, fwd, bwd, rel, err);
+    } else {
+        memset(fwd, 0, NL_HOP_DIGEST_BYTES);
+        memset(bwd, 0, NL_HOP_DIGEST_BYTES);
         nl_error_prefix(err, "verify job %llu step %llu microbatch %u stage %u",
                         (unsigned long long)c->job, (unsigned long long)c->step, c->mb, c->stage);
+    }
+    verify_redo_free(&r);
     return st;
 }
 
@@ -355,140 +372,4 @@ nl_status stage_train_verify_req(nl_stage *s, stage_train *t, const nl_msg_verif
         free(h[i]);
     nl_verify_case_free(&c);
     return st;
-}
-
-/* The case a VERIFY_CASE describes, checked against its config: cfg is
- * filled from config_json. Frames received need not be aligned for their
- * element type: all of them are copied into one buffer (c->weights, at
- * its start, owns it), each at an aligned offset, and the case points
- * there. */
-static nl_status case_of(const nl_wire_msg *m, nl_config *cfg, nl_verify_case *c, nl_error *err)
-{
-    const nl_msg_verify_case *v = &m->u.verify_case;
-    *c = (nl_verify_case){0};
-    nl_status st = nl_config_from_json(cfg, v->config_json, err);
-    if (st == NL_OK)
-        st = nl_config_validate(cfg, 1, err);
-    if (st != NL_OK)
-        return nl_error_prefix(err, "VERIFY_CASE config_json");
-    const int64_t B = v->batch, T = v->seq, d = cfg->hidden_dim;
-    if (v->layer1 > (uint32_t)cfg->num_layers || v->microbatch >= v->microbatches)
-        return nl_error_set(err, NL_ERR_RANGE,
-                            "VERIFY_CASE: layers [%u, %u) of %d, microbatch %u of %u", v->layer0,
-                            v->layer1, cfg->num_layers, v->microbatch, v->microbatches);
-    /* frame indices: 0 weights, 1 input, [dy], [counts], extras, [y], [dx] */
-    const int fx = 1, fdy = v->has_head ? -1 : 2, fc = v->counts ? 2 + !v->has_head : -1;
-    int fe[4], f = 2 + !v->has_head + v->counts;
-    for (int i = 0; i < 4; i++)
-        fe[i] = v->extras & (1u << i) ? f++ : -1;
-    const int fy = v->outputs && !v->has_head ? f++ : -1,
-              fdx = v->outputs && !v->has_embed ? f++ : -1;
-    for (int i = 0; i < 2; i++) {
-        const int fo = i ? fdx : fy;
-        const nl_tensor *o = fo >= 0 ? &m->frames[fo].t : NULL;
-        if (o && (o->shape[0] != B || o->shape[1] != T || o->shape[2] != d))
-            return nl_error_set(
-                err, NL_ERR_SHAPE, "VERIFY_CASE: the stage's %s is not [%lld, %lld, %lld]",
-                i ? "GRADIENT" : "ACTIVATION", (long long)B, (long long)T, (long long)d);
-    }
-    const nl_tensor *x = &m->frames[fx].t;
-    bool ok = x->shape[0] == B && x->shape[1] == T && (v->has_embed || x->shape[2] == d);
-    if (fdy >= 0) {
-        const nl_tensor *dy = &m->frames[fdy].t;
-        ok = ok && dy->shape[0] == B && dy->shape[1] == T && dy->shape[2] == d;
-    }
-    if (fc >= 0)
-        ok = ok && m->frames[fc].t.shape[0] == (int64_t)(v->layer1 - v->layer0) &&
-             m->frames[fc].t.shape[1] == cfg->num_experts;
-    for (int i = 0; i < 4; i++)
-        ok = ok && (fe[i] < 0 || (m->frames[fe[i]].t.shape[0] == B &&
-                                  (i >= 2 || m->frames[fe[i]].t.shape[1] == T)));
-    if (!ok)
-        return nl_error_set(err, NL_ERR_SHAPE,
-                            "VERIFY_CASE: a frame does not fit microbatches of %lld x %lld with "
-                            "hidden size %lld",
-                            (long long)B, (long long)T, (long long)d);
-    /* hidden states in bf16 (the wire's) are widened to FP32, exactly */
-    size_t off[NL_WIRE_MAX_FRAMES], total = 0;
-    const size_t hidden = (size_t)(B * T * d);
-    bool bf16 = false;
-    for (int i = 0; i < m->nframes; i++) {
-        const bool w = m->frames[i].t.dtype == NL_DTYPE_BF16;
-        bf16 |= w;
-        off[i] = total;
-        total += ((w ? hidden * sizeof(float) : m->frames[i].len) + 63) & ~(size_t)63;
-    }
-    uint8_t *buf = malloc(total ? total : 1);
-    if (!buf)
-        return nl_error_set(err, NL_ERR_NOMEM, "VERIFY_CASE: out of memory");
-    for (int i = 0; i < m->nframes; i++) {
-        if (m->frames[i].t.dtype == NL_DTYPE_BF16)
-            nl_wire_frame_widen(&m->frames[i], (float *)(void *)(buf + off[i]), hidden);
-        else
-            memcpy(buf + off[i], m->frames[i].t.data, m->frames[i].len);
-    }
-#define AT(i, T) ((i) >= 0 ? (const T *)(const void *)(buf + off[(i)]) : NULL)
-    *c = (nl_verify_case){.cfg = cfg,
-                          .l0 = (int)v->layer0,
-                          .l1 = (int)v->layer1,
-                          .has_embed = v->has_embed,
-                          .has_head = v->has_head,
-                          .stage = v->stage,
-                          .job = v->job_id,
-                          .step = v->step,
-                          .mb = v->microbatch,
-                          .mbB = (int)B,
-                          .T = (int)T,
-                          .M = (int)v->microbatches,
-                          .weights = (float *)(void *)buf,
-                          .n_weights = (size_t)m->frames[0].t.shape[0],
-                          .x = buf + off[fx],
-                          .targets = AT(fe[0], int32_t),
-                          .docs = AT(fe[1], int32_t),
-                          .labels = AT(fe[2], int32_t),
-                          .lengths = AT(fe[3], int32_t),
-                          .loss_rows = v->loss_rows,
-                          .dy = AT(fdy, float),
-                          .counts = AT(fc, int64_t),
-                          .y = AT(fy, float),
-                          .dx = AT(fdx, float),
-                          .bf16 = bf16};
-#undef AT
-    return NL_OK;
-}
-
-nl_status nl_verify_answer(nl_stage *s, const nl_wire_msg *m, nl_wire_msg *out,
-                           char hex[2][NL_HOP_DIGEST_HEX + 1], nl_error *err)
-{
-    nl_backend *be = s->be;
-    stage_train_quiesce(s);
-    nl_config cfg;
-    nl_verify_case c;
-    uint8_t fwd[NL_HOP_DIGEST_BYTES], bwd[NL_HOP_DIGEST_BYTES];
-    double rel = 0.0;
-    nl_status st = case_of(m, &cfg, &c, err);
-    if (st == NL_OK)
-        st = nl_verify_recompute(be, &c, fwd, bwd, &rel, err);
-    nl_verify_case_free(&c);
-    if (st != NL_OK)
-        return st;
-    const nl_msg_verify_case *v = &m->u.verify_case;
-    if (v->outputs)
-        NL_INFO("verify job %llu step %llu microbatch %u stage %u across device classes: the "
-                "largest relative difference is %.3g (tolerance %.0e): %s",
-                (unsigned long long)v->job_id, (unsigned long long)v->step, v->microbatch, v->stage,
-                rel, nl_verify_cross_rtol(&c),
-                rel <= nl_verify_cross_rtol(&c) ? "the stage's outputs stand"
-                                                : "the stage is wrong");
-    stage_verify_lie(s, v->job_id, v->step, v->microbatch, v->stage, fwd, bwd); /* test hook */
-    nl_hop_digest_hex(hex[0], fwd);
-    nl_hop_digest_hex(hex[1], bwd);
-    nl_wire_msg_reset(out, NL_MSG_VERIFY_RESULT);
-    out->u.verify_result = (nl_msg_verify_result){v->job_id,
-                                                  v->step,
-                                                  v->microbatch,
-                                                  v->stage,
-                                                  v->has_head ? "" : hex[0],
-                                                  v->has_embed ? "" : hex[1]};
-    return NL_OK;
 }

@@ -97,10 +97,45 @@ nl_status nl_verify_recompute(nl_backend *be, const nl_verify_case *c,
                               uint8_t fwd[NL_HOP_DIGEST_BYTES], uint8_t bwd[NL_HOP_DIGEST_BYTES],
                               double *rel, nl_error *err);
 
-/* A verifier's answer to a VERIFY_CASE (docs/protocol.md): the case
- * checked against its config, redone on the device of stage s (replica
- * 0's; the stage's own training lanes wait, idle, meanwhile), and out
- * made the VERIFY_RESULT (its digests in hex, owned by the caller). */
+/* ---- the verifier (node/verifier.c) ----
+ *
+ * A node redoes the cases the coordinator sends it (VERIFY_CASE,
+ * docs/protocol.md) on its stage's verifier. With nl_stage_opts.verify_be
+ * (the node's), on that backend on a worker thread at the lowest priority
+ * (nice 19), so its own stage keeps serving hops: push takes a case,
+ * nl_stage_verify_fd wakes the node's loop when an answer is ready, pop
+ * hands it back. Without one, on replica 0's backend on the caller's
+ * thread (its training lanes wait, idle, meanwhile), inside push.
+ *
+ * It keeps what it built for a stage (the layers, a trainer, the weights
+ * loaded) for the next cases of that stage: up to 4 stages of one job,
+ * weights loaded again whenever a case's differ from those it holds (byte
+ * for byte), all dropped by a case of another job, a new plan (ASSIGN)
+ * and the end of the node's training job (nl_stage_verify_forget). */
+
+/* Take a VERIFY_CASE (checked against its config and copied: m is the
+ * caller's again on return); an error here is the case's refusal. */
+nl_status nl_stage_verify_push(nl_stage *s, const nl_wire_msg *m, nl_error *err);
+/* Readable when an answer may be ready (-1: no verifier thread). */
+int nl_stage_verify_fd(const nl_stage *s);
+/* The oldest case pushed, if redone (wait: once it is): 1 and *st NL_OK
+ * with out its VERIFY_RESULT (digests in hex, owned by the caller), or *st
+ * and err why it could not be redone; 0: none ready (or none pushed). */
+int nl_stage_verify_pop(nl_stage *s, bool wait, nl_wire_msg *out,
+                        char hex[2][NL_HOP_DIGEST_HEX + 1], nl_status *st, nl_error *err);
+/* Drop what the verifier keeps: at once when no case is under way, else
+ * before its next case (it does not wait). */
+void nl_stage_verify_forget(nl_stage *s);
+
+/* What the verifier did (the tests read it): cases redone, stages built,
+ * weights loaded into a build. */
+typedef struct nl_verify_stats {
+    uint64_t cases, builds, loads;
+} nl_verify_stats;
+void nl_stage_verify_stats(const nl_stage *s, nl_verify_stats *out);
+
+/* A case answered at once (push, then pop waiting): with no other case
+ * under way. */
 nl_status nl_verify_answer(nl_stage *s, const nl_wire_msg *m, nl_wire_msg *out,
                            char hex[2][NL_HOP_DIGEST_HEX + 1], nl_error *err);
 

@@ -169,6 +169,12 @@ static int cross_checked, cross_wrong;
  * states as BF16 frames, the bytes that crossed it (wire_bf16_cases). */
 static bool wire_bf16;
 static int wire_bf16_cases;
+/* (wire_all) every microbatch of every stage over the wire, and the last
+ * of each step once more with one weight changed (stale_checked): the
+ * answer must not be the stage's report (the verifier keeps the weights
+ * of the step's earlier cases, and must load the case's own) */
+static bool wire_all;
+static int stale_checked, stale_missed;
 
 /* The stage's VERIFY_CASE of (s, mb) with its outputs, answered by the
  * verifier with the last output frame's element 0 moved by `by` times
@@ -246,9 +252,11 @@ static void verify_wire(uint64_t job, uint64_t step, int M)
     nl_wire_msg m, out;
     nl_wire_msg_init(&m);
     nl_wire_msg_init(&out);
-    for (int s = 0; s < NST; s++) {
+    for (int i = 0; i < NST * (wire_all ? M : 1); i++) {
         nl_error err;
-        const uint32_t mb = (uint32_t)((step + (uint64_t)s) % (uint64_t)M);
+        const int s = wire_all ? i / M : i;
+        const uint32_t mb =
+            wire_all ? (uint32_t)(i % M) : (uint32_t)((step + (uint64_t)s) % (uint64_t)M);
         nl_wire_msg_reset(&m, NL_MSG_VERIFY_REQ);
         m.u.verify_req = (nl_msg_verify_req){job, step, mb, 0};
         CHECK_OK(nl_stage_job_input(stages[s], &m, bus_send, &ctx_idx[s], &err), &err);
@@ -267,9 +275,10 @@ static void verify_wire(uint64_t job, uint64_t step, int M)
         char hex[2][NL_HOP_DIGEST_HEX + 1], want[2][NL_HOP_DIGEST_HEX + 1];
         nl_status st = nl_verify_answer(verifier, &m, &out, hex, &err);
         CHECK_OK(st, &err);
-        packet_free(&p);
-        if (st != NL_OK)
+        if (st != NL_OK) {
+            packet_free(&p);
             continue;
+        }
         const uint8_t *g = dig_got[s] + (size_t)mb * NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES;
         nl_hop_digest_hex(want[0], g + NL_DIGEST_FWD_OUT * NL_HOP_DIGEST_BYTES);
         nl_hop_digest_hex(want[1], g + NL_DIGEST_BWD_OUT * NL_HOP_DIGEST_BYTES);
@@ -278,6 +287,20 @@ static void verify_wire(uint64_t job, uint64_t step, int M)
                         (s == 0 ? !r->bwd[0] : strcmp(r->bwd, want[1]) == 0);
         wire_verified++;
         wire_mismatched[s] += !ok;
+        if (wire_all && mb == (uint32_t)M - 1) { /* the same case on other weights */
+            for (size_t k = 0; k + sizeof(float) <= p.flen[0]; k += sizeof(float)) {
+                float w; /* every weight a little larger: m's frame 0 is these bytes */
+                memcpy(&w, p.frame[0] + k, sizeof w);
+                w *= 1.0f + 0x1p-6f;
+                memcpy(p.frame[0] + k, &w, sizeof w);
+            }
+            st = nl_verify_answer(verifier, &m, &out, hex, &err);
+            CHECK_OK(st, &err);
+            stale_checked++;
+            stale_missed += st != NL_OK || ((s == NST - 1 || strcmp(r->fwd, want[0]) == 0) &&
+                                            (s == 0 || strcmp(r->bwd, want[1]) == 0));
+        }
+        packet_free(&p);
         if (cross_on) {
             cross_checked += 3;
             cross_wrong += !cross_answer(job, step, s, mb, 0.0, want) +
@@ -905,6 +928,69 @@ out:
     free(fb);
 }
 
+/* What a verifier keeps (node/verifier.c): every microbatch of every
+ * stage of STEPS steps over the wire to a verifier with a backend of its
+ * own (its cases run on its worker thread), answered with the stage's
+ * digests; it builds each stage once for the job and loads each stage's
+ * weights once a step (its cases share them, the next step's are new),
+ * once more for the case with its weights changed, whose answer is not the
+ * report (the weights kept are never used for a case that brings other
+ * ones), and the next step's first case loads its own again; after
+ * nl_stage_verify_forget it builds again. */
+static void verifier_keeps(void)
+{
+    enum { STEPS = 3, M = 4 };
+    uint8_t *a = calloc(STEPS, sizeof dig_got), *fa = calloc(STEPS, (size_t)M * 32);
+    nl_error err;
+    nl_backend *vbe = NULL;
+    CHECK_OK(check_backend_new(&vbe, 1, &err), &err);
+    nl_stage_opts vo = {
+        .memory_bytes = 1ULL << 30, .kv_budget = 1 << 20, .send_wait_ms = 100, .verify_be = vbe};
+    if (vbe)
+        CHECK_OK(nl_stage_new(&verifier, rbe[1], &vo, &err), &err);
+    verify_on = wire_all = verifier != NULL;
+    lie_stage = -1;
+    verified = wire_verified = stale_checked = stale_missed = 0;
+    memset(wire_mismatched, 0, sizeof wire_mismatched);
+    if (verify_on && a && fa)
+        digest_run(STEPS, M, a, fa);
+    nl_verify_stats vs = {0};
+    if (verifier)
+        nl_stage_verify_stats(verifier, &vs);
+    CHECK(wire_verified == STEPS * M * NST && !wire_mismatched[0] && !wire_mismatched[1] &&
+              !wire_mismatched[2],
+          "kept builds: %d verified, accused %d %d %d", wire_verified, wire_mismatched[0],
+          wire_mismatched[1], wire_mismatched[2]);
+    CHECK(stale_checked == STEPS * NST && !stale_missed,
+          "a case with its weights changed answered as the stage's report %d times of %d",
+          stale_missed, stale_checked);
+    CHECK(vs.cases == (uint64_t)(STEPS * (M + 1) * NST) && vs.builds == NST &&
+              vs.loads == (uint64_t)(2 * STEPS * NST),
+          "the verifier redid %llu cases, built %llu stages, loaded weights %llu times (want "
+          "%d, %d, %d)",
+          (unsigned long long)vs.cases, (unsigned long long)vs.builds, (unsigned long long)vs.loads,
+          STEPS * (M + 1) * NST, NST, 2 * STEPS * NST);
+    printf("verifier: %llu cases on its own thread, %llu builds, %llu weight loads\n",
+           (unsigned long long)vs.cases, (unsigned long long)vs.builds,
+           (unsigned long long)vs.loads);
+    /* what it keeps dropped (a new plan, the job's end): built again */
+    if (verifier && a && fa) {
+        nl_stage_verify_forget(verifier);
+        digest_run(1, M, a, fa);
+        nl_stage_verify_stats(verifier, &vs);
+        CHECK(vs.builds == 2 * NST && !wire_mismatched[0] && !wire_mismatched[1] &&
+                  !wire_mismatched[2],
+              "after forgetting: %llu builds (want %d), accused %d %d %d",
+              (unsigned long long)vs.builds, 2 * NST, wire_mismatched[0], wire_mismatched[1],
+              wire_mismatched[2]);
+    }
+    verify_on = wire_all = false;
+    nl_stage_destroy(&verifier);
+    nl_backend_destroy(&vbe);
+    free(a);
+    free(fa);
+}
+
 /* Verification by recompute (stage_verify.h): every microbatch of every
  * stage redone on another backend from the stage's kept inputs and its
  * weights at the step's start gives the digests the stage reported, for
@@ -1030,6 +1116,7 @@ int main(void)
         refusals();
         digests();
         recompute();
+        verifier_keeps();
         replicas_agree(8, 8, 4, 5, 0, false, 2);
         replicas_agree(12, 8, 6, 4, 0, false, 3); /* uneven shares: 2, 2, 2 of 6; slots 3 of 3 */
         replicas_agree(8, 8, 4, 3, 0, true, 3);   /* 2, 1, 1 of 4 with recompute */
