@@ -311,7 +311,7 @@ nl_status node_device_open(nl_node_device *n, const nl_node_opts *o, nl_error *e
                       : "",
             n->threads, probe, n->gflops, PROBE_ROUNDS, probe_threads ? " of CPU time" : "", lo, hi,
             (double)n->memory / (1 << 20), (double)o->kv_budget / (1 << 20));
-    /* verification's recomputes: one thread at the lowest priority (verifier.c) */
+    /* verification's recomputes: one thread at the lowest priority (stage_verify_worker.c) */
     if (strncmp(be->name, "cuda:", 5) != 0 &&
         (st = nl_backend_new(&n->verify_be, names[0],
                              &(nl_backend_opts){.threads = 1, .tf32 = o->tf32, .bf16 = o->bf16},

@@ -11,7 +11,6 @@
 
 #include "base/log.h"
 #include "core/model/memory.h"
-#include "node/stage_verify.h"
 
 double stage_now(void)
 {
@@ -244,7 +243,7 @@ nl_status nl_stage_assign(nl_stage *s, const nl_msg_assign *a, nl_error *err)
     s->replicas = a->replicas > 1 ? (int)a->replicas : 1;
     s->t_assign = now_s();
     nl_status st = stage_wait_output(s, "ASSIGN", err);
-    nl_stage_verify_forget(s); /* a new plan: what the verifier kept is of the old one */
+    stage_verify_forget(s); /* a new plan: what the verifier kept is of the old one */
     if (st == NL_OK) {
         drop_model(s);
         st = build_model(s, a, err);

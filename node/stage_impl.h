@@ -127,7 +127,7 @@ struct nl_stage {
     struct stage_adapter *ad;
     int n_ad, cap_ad;
 
-    /* the cases this node redoes for others' stages (verifier.c), made
+    /* the cases this node redoes for others' stages (stage_verify_worker.c), made
      * with the first VERIFY_CASE */
     struct verifier *verifier;
 
@@ -280,9 +280,12 @@ nl_status stage_forward_adapted(nl_stage *s, session *se, const void *in, int T,
 /* Wait until the replicas' threads have finished what they were given,
  * before other work uses replica 0's backend (stage_train.c). */
 void stage_train_quiesce(nl_stage *s);
-/* verifier.c: free the verifier (what it keeps; the cases it was given
+/* stage_verify_worker.c: free the verifier (what it keeps; the cases it was given
  * and did not answer are dropped). */
 void stage_verifier_free(nl_stage *s);
+/* stage_verify_worker.c: drop what the verifier keeps (nl_stage_verify_forget): a
+ * new plan, the end of the node's training job. */
+void stage_verify_forget(nl_stage *s);
 
 /* The backend's sticky asynchronous error (nl_backend_check), remembered
  * once seen: "device D: MESSAGE" in err, else NL_OK with err untouched.

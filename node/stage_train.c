@@ -63,7 +63,6 @@
 #include "net/trainparams.h"
 #include "node/replica_workers.h"
 #include "node/stage_train_impl.h"
-#include "node/stage_verify.h"
 
 /* ===================== life ===================== */
 
@@ -535,7 +534,7 @@ static nl_status train_input(nl_stage *s, void *state, const nl_wire_msg *m, nl_
 static void train_free(nl_stage *s, void *state)
 {
     stage_train_free(state);
-    nl_stage_verify_forget(s); /* the job's end: the builds kept to check its stages go */
+    stage_verify_forget(s); /* the job's end: the builds kept to check its stages go */
 }
 
 const stage_job_ops nl_stage_train_ops = {.kind = NL_JOB_TRAIN,

@@ -11,7 +11,7 @@
 #include "core/model/model.h"
 #include "core/train/train.h"
 #include "node/stage_train_impl.h"
-#include "node/verify_impl.h"
+#include "node/stage_verify_impl.h"
 
 /* ===================== what a stage keeps ===================== */
 

@@ -97,7 +97,7 @@ nl_status nl_verify_recompute(nl_backend *be, const nl_verify_case *c,
                               uint8_t fwd[NL_HOP_DIGEST_BYTES], uint8_t bwd[NL_HOP_DIGEST_BYTES],
                               double *rel, nl_error *err);
 
-/* ---- the verifier (node/verifier.c) ----
+/* ---- the verifier (node/stage_verify_worker.c) ----
  *
  * A node redoes the cases the coordinator sends it (VERIFY_CASE,
  * docs/protocol.md) on its stage's verifier. With nl_stage_opts.verify_be

@@ -928,7 +928,7 @@ out:
     free(fb);
 }
 
-/* What a verifier keeps (node/verifier.c): every microbatch of every
+/* What a verifier keeps (node/stage_verify_worker.c): every microbatch of every
  * stage of STEPS steps over the wire to a verifier with a backend of its
  * own (its cases run on its worker thread), answered with the stage's
  * digests; it builds each stage once for the job and loads each stage's

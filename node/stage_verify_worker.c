@@ -39,7 +39,7 @@
 #include "node/replica_workers.h"
 #include "node/stage_impl.h"
 #include "node/stage_train_impl.h"
-#include "node/verify_impl.h"
+#include "node/stage_verify_impl.h"
 
 #define VERIFY_KEEP 4 /* stages' builds kept (a node checks the other stages of a pipeline) */
 
@@ -334,6 +334,11 @@ void stage_verifier_free(nl_stage *s)
 }
 
 void nl_stage_verify_forget(nl_stage *s)
+{
+    stage_verify_forget(s);
+}
+
+void stage_verify_forget(nl_stage *s)
 {
     verifier *v = s->verifier;
     if (!v)

@@ -1,10 +1,10 @@
 /* Private to node/: the pieces of verification by recompute that the
- * stage's side (stage_verify.c) and the verifier (verifier.c) share: a
+ * stage's side (stage_verify.c) and the verifier (stage_verify_worker.c) share: a
  * redo, the stage's layers and a trainer of one slot built on a backend,
- * which a verifier keeps between the cases of one stage (verifier.c) and
+ * which a verifier keeps between the cases of one stage (stage_verify_worker.c) and
  * nl_verify_recompute makes for one case only. */
-#ifndef NL_NODE_VERIFY_IMPL_H
-#define NL_NODE_VERIFY_IMPL_H
+#ifndef NL_NODE_STAGE_VERIFY_IMPL_H
+#define NL_NODE_STAGE_VERIFY_IMPL_H
 
 #include "core/model/model.h"
 #include "core/train/train.h"
