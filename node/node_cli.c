@@ -183,6 +183,12 @@ static int read_test_hooks(nl_node_opts *o)
      * device of that speed) */
     const char *cg = getenv("NL_TEST_COMPUTE_GFLOPS");
     o->inject_compute_gflops = cg ? atof(cg) : 0.0;
+    /* NL_TEST_LINK_BYTES_S=X: the node reports its replicas' gradient
+     * all-reduce as having run at X bytes/s instead of the time it took
+     * (the coordinator's --replicas auto plans with it; a test's choice
+     * does not depend on how busy the machine is) */
+    const char *link = getenv("NL_TEST_LINK_BYTES_S");
+    o->inject_link_bytes_s = link ? atof(link) : 0.0;
     /* NL_TEST_SLOW_HOP_MS=X makes each batch of session hops
      * (generation) wait X ms first */
     const char *slow_hop = getenv("NL_TEST_SLOW_HOP_MS");
