@@ -67,7 +67,9 @@ static void help(FILE *f, const nl_opt *flags)
                "only on the node of that --name; NL_TEST_LIE_GEN=1: in its generation hops too\n"
                "(docs/security.md). NL_TEST_COMPUTE_GFLOPS=G makes each training hop's work\n"
                "sleep for its FLOPs' time at G GFLOP/s when it runs instead of computing (its\n"
-               "outputs zero; bench/bench_replicas.sh).\n");
+               "outputs zero; bench/bench_replicas.sh). NL_TEST_LINK_BYTES_S=X reports the\n"
+               "replicas' gradient all-reduce as run at X bytes/s (the link speed the\n"
+               "coordinator's --replicas auto plans with; docs/cluster.md).\n");
 #endif
 }
 

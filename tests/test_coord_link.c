@@ -129,7 +129,8 @@ int main(void)
     CHECK(strstr(coord->plan_why, "1 x 2 ") && strstr(coord->plan_why, "GB/s assumed) (chosen)") &&
               !coord->plan_link_measured && coord->plan_link_bytes_s == COORD_LINK_ASSUMED,
           "why: %s", coord->plan_why);
-    const cnode *a = coord_node_by_id(coord, nodes[0].id), *b = coord_node_by_id(coord, nodes[1].id);
+    const cnode *a = coord_node_by_id(coord, nodes[0].id),
+                *b = coord_node_by_id(coord, nodes[1].id);
     CHECK(a && b, "the nodes are known");
     if (!a || !b)
         goto done;
@@ -148,7 +149,8 @@ int main(void)
         for (int i = 0; i < 2; i++)
             CHECK_PUMP(k == 3 ? beat(&nodes[i], 1000000000ull, 1.0) : beat(&nodes[i], 20000, 1.0));
     CHECK(a->link_n == 6 && b->link_n == 6, "measurements %d %d", a->link_n, b->link_n);
-    CHECK(fabs(coord_link_bytes_s(a) / 20e3 - 1) < 1e-6 && fabs(coord_link_bytes_s(b) / 20e3 - 1) < 1e-6,
+    CHECK(fabs(coord_link_bytes_s(a) / 20e3 - 1) < 1e-6 &&
+              fabs(coord_link_bytes_s(b) / 20e3 - 1) < 1e-6,
           "the medians %g %g B/s", coord_link_bytes_s(a), coord_link_bytes_s(b));
 
     /* the plan's link moved past the margin: at rest it plans again, now
