@@ -628,7 +628,8 @@ static double plan_cost(const nl_coord *c, const nl_plan *p, const nl_plan_opts 
  * now (*was) by the same cost model (the plan may have been made for
  * inference; observed speeds may have changed the figures):
  * nl_plan_stage_seconds, the planner's formula, a stage's slowest replica
- * over its replicas. 0, or -1 with *why set (no plan). */
+ * over its replicas. 0 with why set to the best plan's reason (with
+ * replicas; else empty), or -1 with why saying why there is no plan. */
 static int best_and_current(nl_coord *c, nl_plan **cand, double *now, double *was, int *nodes,
                             char *why, size_t cap)
 {
@@ -639,7 +640,7 @@ static int best_and_current(nl_coord *c, nl_plan **cand, double *now, double *wa
     nl_plan_opts po = plan_opts(c);
     *nodes = n;
     *cand = NULL;
-    if (!pn || plan_layers(c, cand, pn, n, &po, NULL, 0, &e) != NL_OK) {
+    if (!pn || plan_layers(c, cand, pn, n, &po, why, cap, &e) != NL_OK) {
         snprintf(why, cap, "%s", pn ? e.msg : "out of memory");
         free(pn);
         return -1;
@@ -678,11 +679,26 @@ int coord_replan_worth(nl_coord *c)
     nl_plan *cand = NULL;
     double was = 0, now = 0;
     int n = 0;
-    char why[NL_ERROR_MSG_MAX];
+    char why[sizeof c->plan_why];
     const int worth = best_and_current(c, &cand, &now, &was, &n, why, sizeof why) == 0 &&
                       now < was * (1.0 - c->o.replan_margin);
     nl_plan_destroy(&cand);
     return worth;
+}
+
+/* --replicas auto judged the plan again (with the links measured since,
+ * coord_link.c) and it stays: the status says so, with the costs as they
+ * are now, the best of them marked "best", not "chosen". */
+static void stays_why(nl_coord *c, const char *best, double was, double now)
+{
+    char *at = strstr(best, " (chosen)");
+    if (c->o.replicas != 0 || !c->plan || !at)
+        return;
+    snprintf(c->plan_why, sizeof c->plan_why,
+             "%.*s (best)%s; re-judged at the links measured since: the plan stays %d x %d, "
+             "%.3f s a step against the best's %.3f, not better by --replan-margin %.2f",
+             (int)(at - best), best, at + strlen(" (chosen)"), c->plan->n_stages,
+             coord_stage_replicas(c, 0), was, now, c->o.replan_margin);
 }
 
 int coord_replan_gain(nl_coord *c, const char *when)
@@ -694,7 +710,7 @@ int coord_replan_gain(nl_coord *c, const char *when)
     nl_plan *cand = NULL;
     double was = 0, now = 0;
     int n = 0, gain = 0;
-    char why[NL_ERROR_MSG_MAX];
+    char why[sizeof c->plan_why];
     if (best_and_current(c, &cand, &now, &was, &n, why, sizeof why) != 0) {
         NL_INFO("re-plan %s: no plan over the %d nodes: %s", when, n, why);
         return 0;
@@ -705,6 +721,9 @@ int coord_replan_gain(nl_coord *c, const char *when)
         NL_INFO("re-plan %s: the plan stays (%s %.2f ms; %d nodes would give %.2f ms, "
                 "not better by --replan-margin %.2f)",
                 when, what, was * 1e3, n, now * 1e3, c->o.replan_margin);
+        stays_why(c, why, was, now);
+        /* the links as judged: a later measurement is weighed against them */
+        c->plan_link_bytes_s = coord_link_plan_now(c, &c->plan_link_measured);
     } else if (c->stages_modified) {
         NL_WARN("re-plan %s: %d nodes would give a %s of %.2f ms instead of %.2f ms, "
                 "but the stages hold weights trained since the last checkpoint; the plan stays",

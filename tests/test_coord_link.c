@@ -8,9 +8,10 @@
  *  - keeps the median of a node's recent measurements (one outlier does
  *    not move it);
  *  - asks for a re-plan when the measurements leave the plan's link by
- *    more than --replan-margin, and at rest plans again at the measured
- *    20 kB/s: 2 stages without replicas, its why naming the link speed
- *    measured.
+ *    more than --replan-margin: at 0.5 GB/s the plan stays (the status's
+ *    why re-judged at the measured link, the best marked "best"); at
+ *    20 kB/s it plans again at rest: no replicas, its why naming the link
+ *    speed measured.
  * The numbers are the heartbeats' counters as the test writes them: no
  * timing is measured. */
 #include <math.h>
@@ -144,11 +145,27 @@ int main(void)
     CHECK_PUMP(beat(&nodes[0], 1000, 1.0));
     CHECK(a->link_n == 0, "a counter that went back: %d kept", a->link_n);
 
+    /* 0.5 GB/s: past the margin, so judged again at rest; 1 x 2 is still
+     * the best: the plan stays, and the why says so at the measured link */
+    for (int i = 0; i < 2; i++)
+        CHECK_PUMP(beat(&nodes[i], 500000000ull, 1.0));
+    const double t0 = now_s();
+    while (!strstr(coord->plan_why, "re-judged") && now_s() - t0 < WAIT_S) {
+        nl_coord_step(coord, 5);
+        heartbeats();
+    }
+    printf("stays: %s\n", coord->plan_why);
+    CHECK(stage_replicas() == 2 && strstr(coord->plan_why, "(link 0.5 GB/s measured) (best)") &&
+              strstr(coord->plan_why, "the plan stays 1 x 2") && !strstr(coord->plan_why, "chosen"),
+          "why: %s", coord->plan_why);
+    CHECK(coord->plan_link_bytes_s == 0.5e9 && coord->plan_link_measured, "judged at %g",
+          coord->plan_link_bytes_s);
+
     /* five steps at 20 kB/s and one at 1 GB/s on each node: the median */
     for (int k = 0; k < 6; k++)
         for (int i = 0; i < 2; i++)
             CHECK_PUMP(k == 3 ? beat(&nodes[i], 1000000000ull, 1.0) : beat(&nodes[i], 20000, 1.0));
-    CHECK(a->link_n == 6 && b->link_n == 6, "measurements %d %d", a->link_n, b->link_n);
+    CHECK(a->link_n == 7 && b->link_n == 7, "measurements %d %d", a->link_n, b->link_n);
     CHECK(fabs(coord_link_bytes_s(a) / 20e3 - 1) < 1e-6 &&
               fabs(coord_link_bytes_s(b) / 20e3 - 1) < 1e-6,
           "the medians %g %g B/s", coord_link_bytes_s(a), coord_link_bytes_s(b));

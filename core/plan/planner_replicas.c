@@ -27,7 +27,8 @@ static int rank_cmp(const void *a, const void *b)
     return (x->index > y->index) - (x->index < y->index);
 }
 
-/* Group g of R as one node of the planner: its id is g. */
+/* Group g of R as one node of the planner: its id is g (the link speed
+ * is the all-reduce's, which nl_plan_layers does not cost: none). */
 static nl_plan_node group_node(const ranked *rk, int g, int R)
 {
     nl_plan_node v = {g, UINT64_MAX, 0.0, 0.0, 0.0};
@@ -39,8 +40,6 @@ static nl_plan_node group_node(const ranked *rk, int g, int R)
             v.gflops = n->gflops;
         if (n->hop_seconds > v.hop_seconds)
             v.hop_seconds = n->hop_seconds;
-        if (r == 0 || n->link_bytes_s < v.link_bytes_s)
-            v.link_bytes_s = n->link_bytes_s;
     }
     v.gflops *= R;
     return v;
