@@ -8,7 +8,8 @@
 # carry the measurement, and the coordinator plans again (at a checkpoint
 # of the job, or at rest after it) with the measured link: no replicas
 # (one node, or 2 stages: at 2 kB/s the hop costs too), status naming the
-# link speed measured. The job ends at its last step either way.
+# link speed measured, and each node's link speed (2000 bytes/s) in
+# status --json. The job ends at its last step either way.
 . "$(dirname "$0")/cluster_lib.sh"
 export NL_TEST_GFLOPS=20 # equal, fixed throughputs
 export NL_TEST_LINK_BYTES_S=2000
@@ -41,6 +42,21 @@ grep -E "re-plan|plan [0-9]+: stage" "$C/coord.log"
 grep "^replicas" "$W/status-2.txt"
 check grep -q "^replicas: 1 per stage .* [12] x 1 [0-9.]* (chosen), 1 x 2 [0-9.]* (link 2e-06 GB/s measured)" \
   "$W/status-2.txt"
+
+# each node's link speed, the median of its measurements, in the status
+# (a node's heartbeat, every second, may bring its measurement after the
+# job: generous)
+for i in $(seq 1 300); do
+  "$N" status --cluster "$C" --json > "$W/status.json" 2>/dev/null
+  [ "$(grep -o '"link_bytes_s": *[0-9]' "$W/status.json" | wc -l)" -ge 2 ] && break
+  sleep 0.1
+done
+check $PY - "$W/status.json" <<'PY'
+import json, sys
+links = [n.get("link_bytes_s") for n in json.load(open(sys.argv[1]))["nodes"]]
+print("links (bytes/s):", links)
+assert len(links) == 2 and all(v is not None and abs(v / 2000 - 1) < 1e-3 for v in links), links
+PY
 
 check "$N" cluster down --dir "$C"
 echo "test_cluster_replica_link: $pass passed, $fail failed"
