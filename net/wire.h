@@ -161,7 +161,8 @@ typedef struct nl_msg_heartbeat {
      * replicas' gradient all-reduces, as the planner's cost model counts
      * them (2 (R - 1) / R times the gradients' bytes each), and the
      * seconds from its last backward to their sum; their ratio is the link
-     * speed the coordinator plans with (docs/cluster.md, "Replicas") */
+     * speed the coordinator plans with (docs/cluster.md, "The link speed is
+     * measured") */
     uint64_t reduce_bytes;
     double reduce_s;
 } nl_msg_heartbeat;

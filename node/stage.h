@@ -267,8 +267,8 @@ nl_status nl_stage_run_batch(nl_stage *s, const nl_stage_result **res, int *n, n
  * back in time is not. */
 double nl_stage_batch_due(const nl_stage *s);
 
-/* What the stage has done for sessions since it was made (heartbeats
- * carry it: docs/protocol.md). */
+/* What the stage has done for sessions, and its replicas' all-reduces,
+ * since it was made (heartbeats carry it: docs/protocol.md). */
 typedef struct nl_stage_figures {
     uint64_t hops;         /* session hops that finished here */
     uint64_t batches;      /* batches run */

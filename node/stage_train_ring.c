@@ -15,6 +15,9 @@
  *     into two floats), before the norm and AdamW. Replica 0 then reports
  *     the step (GRAD_NORM, LOSS) as a stage alone does; a STEP that comes
  *     while a replica still adds up waits for the sum (stage_train.c).
+ *     The time from the last backward to the sum, against the bytes the
+ *     cost model charges, goes into the stage's figures: the link speed
+ *     the coordinator plans with (docs/cluster.md).
  * A file of its own because it is the one part of the training job that
  * talks to the other replicas. */
 #include <math.h>
