@@ -20,7 +20,11 @@
 #          2 nodes (the issue's target for 2 x 4: at least 3.4); prints the
 #          plans (stages x replicas) and auto's reason (neuroctl status);
 #          RUNS8 picks the runs (default "2x1:2:1 2x4:8:4 deep:8:1
-#          auto:8:auto", each NAME:NODES:REPLICAS; 2x1 is the anchor)
+#          auto:8:auto", each NAME:NODES:REPLICAS; 2x1 is the anchor). A
+#          cluster with --replicas auto first trains WARM steps (default 2;
+#          0: none) so that its replicas measure their link, and the run is
+#          timed on the plan the coordinator makes at rest with the measured
+#          link (both reasons printed: before and after the measurement)
 # tokens/s is the median of the steps' own figures (the client's log)
 # after the first two. REPS runs of each, interleaved; medians.
 #   bench/bench_replicas.sh [BUILD_DIR]
@@ -36,6 +40,7 @@ BATCH=${BATCH:-8}
 SEQ=${SEQ:-64}
 MICRO=${MICRO:-8}
 REPS=${REPS:-1}
+WARM=${WARM:-2}
 PARTS=${PARTS:-model real}
 N=$B/cli/neuroctl
 PY=/usr/bin/python3
@@ -63,7 +68,23 @@ train() {
     "$N" cluster up --dir "$c" --nodes "$nodes" --replicas "$reps" --plan-microbatches "$MICRO" \
         --model "$W/m.safetensors" --memory 1G --threads 1 --timeout 120 --rebalance-after 0 \
         --node-timeout-ms 30000 >/dev/null
+    "$N" status --cluster "$c" | grep "^replicas" | sed 's/^/before the link is measured: /' \
+        > "$W/$name.why" || true
+    if [ "$reps" = auto ] && [ "$WARM" -gt 0 ]; then # the replicas measure their link first
+        local warm=("${RUN[@]}")
+        warm[3]=$WARM # --steps
+        "$N" train --cluster "$c" "${warm[@]}" --checkpoint-dir "$W/ck-$name-warm" \
+            --log "$W/$name-warm.jsonl" 2>/dev/null
+        for i in $(seq 1 600); do # the re-plan at rest (when the measurement moved the plan)
+            grep -q "re-plan at rest" "$c/coord.log" && "$N" status --cluster "$c" 2>/dev/null |
+                grep -q "^cluster: ready" && break
+            [ "$i" -gt 50 ] && ! grep -q "link measures" "$c/coord.log" && break # it did not
+            sleep 0.2
+        done
+        grep -h "link measures\|re-plan at rest" "$c/coord.log" | sed 's/^/  /' >> "$W/$name.why"
+    fi
     { grep -o "plan [0-9]*: stage .*" "$c/coord.log" | sed 's/, [0-9.]* MiB.*//'
+      cat "$W/$name.why"
       "$N" status --cluster "$c" | grep "^replicas" || true; } > "$W/$name.plan"
     "$N" train --cluster "$c" "${RUN[@]}" --checkpoint-dir "$W/ck-$name" --log "$W/$name.jsonl" \
         2>/dev/null

@@ -64,8 +64,12 @@ static void train_rows(nl_opt t[MAX_FLAGS], int *at, nl_coord_cli *cli, int *gro
                    "their gradients added in replica order (docs/cluster.md, \"Replicas on "
                    "different nodes\"; a job's microbatches a multiple of R); auto: the R with the "
                    "most training tokens/s by the cost model, for steps of --plan-microbatches (a "
-                   "running job's own microbatches when it plans again); neuroctl status lists "
-                   "every R tried (default 1)"),
+                   "running job's own microbatches when it plans again), each plan's all-reduce "
+                   "at the slowest link speed its replicas measured in their last all-reduces "
+                   "(1 GB/s assumed for a node that has none; a measurement that moves the "
+                   "plan's link by --replan-margin re-plans at the next checkpoint or at rest); "
+                   "neuroctl status lists every R tried and the link speed used, measured or "
+                   "assumed (default 1)"),
         NL_OPT_INT("plan-microbatches", &o->plan_microbatches, 1, 1 << 20, "8",
                    "the microbatches of a training step --replicas auto plans for"),
         NL_OPT_INT("outer-every", &o->outer_every, 0, INT32_MAX, "0",

@@ -343,7 +343,8 @@ int coord_grow_auto_depth(nl_coord *c)
         if (c->nodes[i].life == NODE_LIVE) {
             const cnode *x = &c->nodes[i];
             const double g = x->seen_gflops > 0 ? x->seen_gflops : x->gflops;
-            pn[n++] = (nl_plan_node){(int)x->id, x->memory, g > 0 ? g : 1.0, 0.0};
+            pn[n++] =
+                (nl_plan_node){(int)x->id, x->memory, g > 0 ? g : 1.0, 0.0, coord_link_bytes_s(x)};
         }
     nl_sizing sz;
     nl_error e = {0};

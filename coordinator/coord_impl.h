@@ -45,6 +45,11 @@ typedef struct cload {
     double t0;
 } cload;
 
+/* Recent link measurements kept per node (coord_link.c). */
+#define COORD_LINK_WINDOW 8
+/* The link speed a node never measured is assumed to have, bytes/s. */
+#define COORD_LINK_ASSUMED 1e9
+
 typedef struct cnode {
     int life;
     uint32_t id;
@@ -71,6 +76,10 @@ typedef struct cnode {
     int32_t older, newer;     /* live: its neighbours in the list by last_seen (slots, -1) */
     cload ld;                 /* streaming its stage's tensors */
     nl_msg_heartbeat hb;      /* its last heartbeat: sessions, KV bytes, batch figures */
+    uint64_t link_bytes0;     /* its heartbeat's all-reduce counters last seen (coord_link.c) */
+    double link_s0;
+    double link_win[COORD_LINK_WINDOW]; /* its last link speeds measured, bytes/s */
+    int link_n, link_i;                 /* how many (at most the window), the next slot */
     char why[600];
 } cnode;
 
@@ -256,8 +265,10 @@ struct nl_coord {
     struct nl_growth *growth; /* the model's growth history (core/grow/grow.h): the source's, */
     int n_growth;             /* then the growths since; manifests written carry it */
     nl_plan *plan;
-    int plan_training;  /* the plan was made during a training job, for its microbatches */
-    char plan_why[600]; /* why the plan's stages have the replicas they have (status) */
+    int plan_training;        /* the plan was made during a training job, for its microbatches */
+    char plan_why[1024];      /* why the plan's stages have the replicas they have (status) */
+    double plan_link_bytes_s; /* the link speed the plan's all-reduce was costed at, */
+    int plan_link_measured;   /* ... and whether measured (coord_link.c) */
     int planned_once;
     /* a new training job continues the source's steps, schedule and moments
      * (the operator's neurocoord --resume, or a growth, made it the source
@@ -502,6 +513,20 @@ double coord_plan_request_s(nl_coord *c);
 /* Send LEAVE to every live node (the cluster is going down: a node that
  * gets it stops instead of waiting to rejoin); returns how many were sent. */
 int coord_dismiss_nodes(nl_coord *c, const char *why);
+/* ---- the nodes' measured link speeds (coord_link.c) ---- */
+/* A heartbeat's all-reduce counters: one more measurement of n's link
+ * (checked: a figure that is not a speed is ignored and logged); a plan
+ * costed at a link the measurements have left asks for a re-plan. */
+void coord_link_heartbeat(nl_coord *c, cnode *n, const nl_msg_heartbeat *hb);
+/* n's link speed, bytes/s: the median of its recent measurements; 0:
+ * none. */
+double coord_link_bytes_s(const cnode *n);
+/* ... or COORD_LINK_ASSUMED where none (n may be NULL); *measured (may be
+ * NULL) says which. */
+double coord_link_or_assumed(const cnode *n, int *measured);
+/* The current plan's link: the slowest of its replicas' (assumed where
+ * not measured; no replicas: the assumed speed). */
+double coord_link_plan_now(nl_coord *c, int *measured);
 /* Why a re-plan is wanted (replan_wanted's bits). */
 enum { COORD_REPLAN_JOINED = 1, COORD_REPLAN_LEFT = 2, COORD_REPLAN_SPEEDS = 4 };
 /* Those bits as words for a user ("a node joined", "the stages' measured

@@ -340,6 +340,9 @@ static json_t *node_json(nl_coord *c, const cnode *n, bool full, double now)
     json_object_set_new(o, "batches", json_integer((json_int_t)n->hb.batches));
     json_object_set_new(o, "compute_s", json_real(n->hb.compute_s));
     json_object_set_new(o, "hop_s", json_real(n->hb.hop_s));
+    /* its link speed as its replicas' all-reduces measured it (null: none) */
+    const double link = coord_link_bytes_s(n);
+    json_object_set_new(o, "link_bytes_s", link > 0 ? json_real(link) : json_null());
     const char *state = n->life == NODE_DEAD   ? "dead"
                         : n->life == NODE_LEFT ? "left"
                         : n->stage >= 0        ? (n->loaded ? "serving" : "loading")

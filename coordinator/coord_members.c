@@ -294,6 +294,7 @@ void coord_on_heartbeat(nl_coord *c, const nl_rx *rx)
     }
     coord_node_seen(c, n);
     n->hb = rx->msg.u.heartbeat;                               /* its figures, for the status */
+    coord_link_heartbeat(c, n, &rx->msg.u.heartbeat);          /* its link speed */
     if (c->train_mem.training && n->stage >= 0 && n->loaded) { /* a stage's busy fraction */
         n->load_sum += rx->msg.u.heartbeat.load;
         n->load_n++;

@@ -234,11 +234,12 @@ int coord_stream_loads(nl_coord *c)
     return active;
 }
 
-static double hop_seconds(const nl_coord *c)
+static double hop_seconds(const nl_coord *c, const cnode *n)
 {
-    /* one request's activations over loopback-class links, plus a fixed
+    /* one request's activations at the node's link speed (measured by its
+     * replicas' all-reduce, else assumed: coord_link.c), plus a fixed
      * per-message cost */
-    return 1e-4 + (double)c->o.plan_rows * c->cfg.hidden_dim * 4 / 1e9;
+    return 1e-4 + (double)c->o.plan_rows * c->cfg.hidden_dim * 4 / coord_link_or_assumed(n, NULL);
 }
 
 /* Faster first, then more memory, then the lower id. */
@@ -274,7 +275,8 @@ static int plan_nodes(const nl_coord *c, nl_plan_node *pn, uint64_t *total)
         if (c->nodes[i].life == NODE_LIVE) {
             const double g =
                 c->nodes[i].seen_gflops > 0 ? c->nodes[i].seen_gflops : c->nodes[i].gflops;
-            pn[n] = (nl_plan_node){(int)c->nodes[i].id, c->nodes[i].memory, g > 0 ? g : 1.0, 0.0};
+            pn[n] = (nl_plan_node){(int)c->nodes[i].id, c->nodes[i].memory, g > 0 ? g : 1.0,
+                                   hop_seconds(c, &c->nodes[i]), coord_link_bytes_s(&c->nodes[i])};
             *total += c->nodes[i].memory;
             n++;
         }
@@ -282,9 +284,6 @@ static int plan_nodes(const nl_coord *c, nl_plan_node *pn, uint64_t *total)
         qsort(pn, (size_t)n, sizeof *pn, faster_first);
     return n < NL_PLAN_MAX_NODES ? n : NL_PLAN_MAX_NODES;
 }
-
-/* The link speed --replicas auto assumes (bytes/s; the hop cost's). */
-#define PLAN_LINK_BYTES_S 1e9
 
 /* The microbatches of a step that plans with replicas are for: the
  * training job's while one runs, else --plan-microbatches. */
@@ -301,11 +300,17 @@ static void auto_why(const nl_coord *c, int R, const nl_plan_replica_option *tri
     int o = snprintf(why, cap,
                      "neurocoord --replicas auto: the most training tokens/s by the cost model "
                      "for steps of %d microbatches, each replica's pipeline filling once, the "
-                     "replicas' all-reduce at %.0f GB/s; seconds a step (stages x replicas):",
-                     plan_micro(c), PLAN_LINK_BYTES_S / 1e9);
+                     "replicas' all-reduce at the slowest link of a plan's replicas (measured, or "
+                     "assumed %.0f GB/s where not); seconds a step (stages x replicas):",
+                     plan_micro(c), COORD_LINK_ASSUMED / 1e9);
     for (int k = 0; k < n && o > 0 && (size_t)o < cap; k++) {
         const nl_plan_replica_option *t = &tried[k];
-        if (t->stages > 0)
+        if (t->stages > 0 && t->replicas > 1)
+            o += snprintf(why + o, cap - (size_t)o, " %d x %d %.3f (link %.3g GB/s %s)%s",
+                          t->stages, t->replicas, t->step_s, t->link_bytes_s / 1e9,
+                          t->link_measured ? "measured" : "assumed",
+                          t->replicas == R ? " (chosen)" : "");
+        else if (t->stages > 0)
             o += snprintf(why + o, cap - (size_t)o, " %d x %d %.3f%s", t->stages, t->replicas,
                           t->step_s, t->replicas == R ? " (chosen)" : "");
         else
@@ -332,11 +337,11 @@ static nl_status plan_layers(const nl_coord *c, nl_plan **out, const nl_plan_nod
                      c->o.replicas);
         return nl_plan_layers_replicated(out, &c->cfg, pn, n, po, c->o.replicas, err);
     }
-    if (c->o.replicas == 0) { /* auto: the cost model's choice (at 1 GB/s, as hop_seconds) */
+    if (c->o.replicas == 0) { /* auto: the cost model's choice (at the measured links) */
         int R = 1, nt = 0;
         nl_plan_replica_option tried[NL_PLAN_MAX_REPLICAS];
         const nl_status st = nl_plan_choose_replicas(out, &R, NULL, tried, &nt, &c->cfg, pn, n, po,
-                                                     plan_micro(c), PLAN_LINK_BYTES_S, err);
+                                                     plan_micro(c), COORD_LINK_ASSUMED, err);
         if (st == NL_OK && why)
             auto_why(c, R, tried, nt, why, cap);
         return st;
@@ -369,7 +374,7 @@ double coord_stage_request_s(nl_coord *c, int s)
     if (g <= 0)
         return ps->seconds;
     const nl_plan_opts po = request_opts(c);
-    const nl_plan_node nd = {(int)n->id, n->memory, g, hop_seconds(c)};
+    const nl_plan_node nd = {(int)n->id, n->memory, g, hop_seconds(c, n), coord_link_bytes_s(n)};
     return nl_plan_stage_seconds(&c->cfg, &po, &nd, ps->l1 - ps->l0, s, c->plan->n_stages);
 }
 
@@ -432,8 +437,6 @@ static nl_plan_node *plan_nodes_new(const nl_coord *c, int *n, uint64_t *total)
 {
     nl_plan_node *pn = malloc((size_t)(c->n_nodes ? c->n_nodes : 1) * sizeof *pn);
     *n = pn ? plan_nodes(c, pn, total) : 0;
-    for (int i = 0; i < *n; i++)
-        pn[i].hop_seconds = hop_seconds(c);
     return pn;
 }
 
@@ -494,6 +497,8 @@ static void plan_over(nl_coord *c, nl_plan_node *pn, int n, uint64_t total)
             c->n_live, n > plan_offer(c) ? plan_offer(c) : n, coord_now() - t0,
             (double)(cpu1.tv_sec - cpu0.tv_sec) + 1e-9 * (double)(cpu1.tv_nsec - cpu0.tv_nsec));
     c->plan = plan;
+    c->plan_link_bytes_s =
+        nl_plan_link_bytes_s(plan, pn, n, COORD_LINK_ASSUMED, &c->plan_link_measured);
     c->plan_training = po.mem.training;
     c->planned_once = 1;
     c->replan_wanted = 0; /* this plan saw every node there is */
@@ -606,13 +611,16 @@ const char *coord_replan_reason(int why)
 
 /* What a re-plan compares: without replicas the bottleneck (seconds per
  * microbatch); with them (--replicas R or auto) the seconds of a training
- * step (nl_plan_step_seconds: the pipelines' fill and the all-reduce), so
+ * step (nl_plan_step_seconds: the pipelines' fill and the all-reduce at
+ * the plan's measured link, nl_plan_link_bytes_s), so
  * that plans of different depths and replica counts compare by tokens/s. */
-static double plan_cost(const nl_coord *c, const nl_plan *p, const nl_plan_opts *po)
+static double plan_cost(const nl_coord *c, const nl_plan *p, const nl_plan_opts *po,
+                        const nl_plan_node *pn, int n)
 {
     if (c->o.replicas == 1)
         return p->bottleneck;
-    return nl_plan_step_seconds(p, &c->cfg, po, plan_micro(c), PLAN_LINK_BYTES_S);
+    const double link = nl_plan_link_bytes_s(p, pn, n, COORD_LINK_ASSUMED, NULL);
+    return nl_plan_step_seconds(p, &c->cfg, po, plan_micro(c), link);
 }
 
 /* The planner's best plan over the live nodes now (*cand, the caller's)
@@ -620,7 +628,8 @@ static double plan_cost(const nl_coord *c, const nl_plan *p, const nl_plan_opts 
  * now (*was) by the same cost model (the plan may have been made for
  * inference; observed speeds may have changed the figures):
  * nl_plan_stage_seconds, the planner's formula, a stage's slowest replica
- * over its replicas. 0, or -1 with *why set (no plan). */
+ * over its replicas. 0 with why set to the best plan's reason (with
+ * replicas; else empty), or -1 with why saying why there is no plan. */
 static int best_and_current(nl_coord *c, nl_plan **cand, double *now, double *was, int *nodes,
                             char *why, size_t cap)
 {
@@ -631,7 +640,7 @@ static int best_and_current(nl_coord *c, nl_plan **cand, double *now, double *wa
     nl_plan_opts po = plan_opts(c);
     *nodes = n;
     *cand = NULL;
-    if (!pn || plan_layers(c, cand, pn, n, &po, NULL, 0, &e) != NL_OK) {
+    if (!pn || plan_layers(c, cand, pn, n, &po, why, cap, &e) != NL_OK) {
         snprintf(why, cap, "%s", pn ? e.msg : "out of memory");
         free(pn);
         return -1;
@@ -657,8 +666,8 @@ static int best_and_current(nl_coord *c, nl_plan **cand, double *now, double *wa
     }
     nl_plan cur = *c->plan;
     cur.bottleneck = worst;
-    *was = plan_cost(c, &cur, &po);
-    *now = plan_cost(c, *cand, &po);
+    *was = plan_cost(c, &cur, &po, pn, n);
+    *now = plan_cost(c, *cand, &po, pn, n);
     free(pn);
     return 0;
 }
@@ -670,11 +679,26 @@ int coord_replan_worth(nl_coord *c)
     nl_plan *cand = NULL;
     double was = 0, now = 0;
     int n = 0;
-    char why[NL_ERROR_MSG_MAX];
+    char why[sizeof c->plan_why];
     const int worth = best_and_current(c, &cand, &now, &was, &n, why, sizeof why) == 0 &&
                       now < was * (1.0 - c->o.replan_margin);
     nl_plan_destroy(&cand);
     return worth;
+}
+
+/* --replicas auto judged the plan again (with the links measured since,
+ * coord_link.c) and it stays: the status says so, with the costs as they
+ * are now, the best of them marked "best", not "chosen". */
+static void stays_why(nl_coord *c, const char *best, double was, double now)
+{
+    char *at = strstr(best, " (chosen)");
+    if (c->o.replicas != 0 || !c->plan || !at)
+        return;
+    snprintf(c->plan_why, sizeof c->plan_why,
+             "%.*s (best)%s; re-judged at the links measured since: the plan stays %d x %d, "
+             "%.3f s a step against the best's %.3f, not better by --replan-margin %.2f",
+             (int)(at - best), best, at + strlen(" (chosen)"), c->plan->n_stages,
+             coord_stage_replicas(c, 0), was, now, c->o.replan_margin);
 }
 
 int coord_replan_gain(nl_coord *c, const char *when)
@@ -686,7 +710,7 @@ int coord_replan_gain(nl_coord *c, const char *when)
     nl_plan *cand = NULL;
     double was = 0, now = 0;
     int n = 0, gain = 0;
-    char why[NL_ERROR_MSG_MAX];
+    char why[sizeof c->plan_why];
     if (best_and_current(c, &cand, &now, &was, &n, why, sizeof why) != 0) {
         NL_INFO("re-plan %s: no plan over the %d nodes: %s", when, n, why);
         return 0;
@@ -697,6 +721,9 @@ int coord_replan_gain(nl_coord *c, const char *when)
         NL_INFO("re-plan %s: the plan stays (%s %.2f ms; %d nodes would give %.2f ms, "
                 "not better by --replan-margin %.2f)",
                 when, what, was * 1e3, n, now * 1e3, c->o.replan_margin);
+        stays_why(c, why, was, now);
+        /* the links as judged: a later measurement is weighed against them */
+        c->plan_link_bytes_s = coord_link_plan_now(c, &c->plan_link_measured);
     } else if (c->stages_modified) {
         NL_WARN("re-plan %s: %d nodes would give a %s of %.2f ms instead of %.2f ms, "
                 "but the stages hold weights trained since the last checkpoint; the plan stays",

@@ -157,6 +157,14 @@ typedef struct nl_msg_heartbeat {
     uint64_t batches;  /* batches run */
     double compute_s;  /* seconds computing them */
     double hop_s;      /* seconds from a hop's arrival to its output, summed */
+    /* optional (0 when absent; counters since the node started): its
+     * replicas' gradient all-reduces, as the planner's cost model counts
+     * them (2 (R - 1) / R times the gradients' bytes each), and the
+     * seconds from its last backward to their sum; their ratio is the link
+     * speed the coordinator plans with (docs/cluster.md, "The link speed is
+     * measured") */
+    uint64_t reduce_bytes;
+    double reduce_s;
 } nl_msg_heartbeat;
 
 typedef struct nl_msg_leave {

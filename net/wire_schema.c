@@ -61,6 +61,8 @@ static const nl_wire_field f_heartbeat[] = {
     F_U64_OPT(nl_msg_heartbeat, batches),
     F_F64_OPT(nl_msg_heartbeat, compute_s, 0, 1e12),
     F_F64_OPT(nl_msg_heartbeat, hop_s, 0, 1e15),
+    F_U64_OPT(nl_msg_heartbeat, reduce_bytes),
+    F_F64_OPT(nl_msg_heartbeat, reduce_s, 0, 1e15),
 };
 static const nl_wire_field f_leave[] = {
     F_U32(nl_msg_leave, node_id, U32_ANY),

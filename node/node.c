@@ -128,6 +128,8 @@ void node_send_heartbeat(node *n)
     n->tx.u.heartbeat.batches = f.batches;
     n->tx.u.heartbeat.compute_s = f.compute_s;
     n->tx.u.heartbeat.hop_s = f.hop_s;
+    n->tx.u.heartbeat.reduce_bytes = f.reduce_bytes;
+    n->tx.u.heartbeat.reduce_s = f.reduce_s;
     node_send_ctl(n, "HEARTBEAT");
     n->window_ms = now;
     n->busy_ms = 0;
@@ -322,6 +324,7 @@ static nl_status start(node *n, nl_error *err)
                         .inject_nan_on = o->inject_nan_on,
                         .inject_no_compute = o->inject_compute_gflops > 0,
                         .inject_compute_gflops = o->inject_compute_gflops,
+                        .inject_link_bytes_s = o->inject_link_bytes_s,
                         .lie = {(nl_lie_kind)o->inject_lie_kind, o->inject_lie_rate,
                                 o->inject_lie_seed, o->inject_lie_from, o->inject_lie_gen},
                         .tf32 = o->tf32,

@@ -94,6 +94,8 @@ typedef struct nl_node_opts {
     double inject_compute_gflops; /* test hook (NL_TEST_COMPUTE_GFLOPS): each training hop
                                    * sleeps for its FLOPs' time at this rate instead of
                                    * computing (bench/bench_replicas.sh; 0: none) */
+    double inject_link_bytes_s;   /* test hook (NL_TEST_LINK_BYTES_S): the replicas' all-reduce
+                                   * reports this link speed, bytes/s (0: as measured) */
     double inject_slow_hop_ms;    /* test hook (NL_TEST_SLOW_HOP_MS): each batch of session hops
                                    * waits this long first (a slow stage, so a test's session
                                    * is still open when another opens) */

@@ -67,7 +67,9 @@ static void help(FILE *f, const nl_opt *flags)
                "only on the node of that --name; NL_TEST_LIE_GEN=1: in its generation hops too\n"
                "(docs/security.md). NL_TEST_COMPUTE_GFLOPS=G makes each training hop's work\n"
                "sleep for its FLOPs' time at G GFLOP/s when it runs instead of computing (its\n"
-               "outputs zero; bench/bench_replicas.sh).\n");
+               "outputs zero; bench/bench_replicas.sh). NL_TEST_LINK_BYTES_S=X reports the\n"
+               "replicas' gradient all-reduce as run at X bytes/s (the link speed the\n"
+               "coordinator's --replicas auto plans with; docs/cluster.md).\n");
 #endif
 }
 
@@ -183,6 +185,12 @@ static int read_test_hooks(nl_node_opts *o)
      * device of that speed) */
     const char *cg = getenv("NL_TEST_COMPUTE_GFLOPS");
     o->inject_compute_gflops = cg ? atof(cg) : 0.0;
+    /* NL_TEST_LINK_BYTES_S=X: the node reports its replicas' gradient
+     * all-reduce as having run at X bytes/s instead of the time it took
+     * (the coordinator's --replicas auto plans with it; a test's choice
+     * does not depend on how busy the machine is) */
+    const char *link = getenv("NL_TEST_LINK_BYTES_S");
+    o->inject_link_bytes_s = link ? atof(link) : 0.0;
     /* NL_TEST_SLOW_HOP_MS=X makes each batch of session hops
      * (generation) wait X ms first */
     const char *slow_hop = getenv("NL_TEST_SLOW_HOP_MS");

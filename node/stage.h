@@ -65,6 +65,8 @@ typedef struct nl_stage_opts {
                               * trainer's ops, their outputs and gradients zero (the stage
                               * sleeps for their time instead: a compute model) */
     double inject_compute_gflops; /* ... at this rate, when the work runs (stage_train_hops.c) */
+    double inject_link_bytes_s;   /* test hook: the replicas' all-reduce is reported as having
+                                   * run at this speed, bytes/s (stage_train_ring.c; 0: none) */
     nl_stage_lie lie;             /* test hook (test builds only): a stage that lies */
     int tf32;          /* the backend allows TF32 (--tf32): recorded in training shards */
     int batch_decode;  /* decode steps per batch; 0 = 32 */
@@ -269,14 +271,16 @@ nl_status nl_stage_run_batch(nl_stage *s, const nl_stage_result **res, int *n, n
  * back in time is not. */
 double nl_stage_batch_due(const nl_stage *s);
 
-/* What the stage has done for sessions since it was made (heartbeats
- * carry it: docs/protocol.md). */
+/* What the stage has done for sessions, and its replicas' all-reduces,
+ * since it was made (heartbeats carry it: docs/protocol.md). */
 typedef struct nl_stage_figures {
-    uint64_t hops;    /* session hops that finished here */
-    uint64_t batches; /* batches run */
-    uint64_t rows;    /* positions computed in them */
-    double compute_s; /* seconds in batched forwards */
-    double hop_s;     /* seconds from a hop's arrival to its output, summed over hops */
+    uint64_t hops;         /* session hops that finished here */
+    uint64_t batches;      /* batches run */
+    uint64_t rows;         /* positions computed in them */
+    double compute_s;      /* seconds in batched forwards */
+    double hop_s;          /* seconds from a hop's arrival to its output, summed over hops */
+    uint64_t reduce_bytes; /* the replicas' gradient all-reduces: 2 (R - 1) / R of their bytes */
+    double reduce_s;       /* ... and the seconds from the last backward to the sum */
 } nl_stage_figures;
 void nl_stage_get_figures(const nl_stage *s, nl_stage_figures *f);
 

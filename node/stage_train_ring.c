@@ -15,6 +15,9 @@
  *     into two floats), before the norm and AdamW. Replica 0 then reports
  *     the step (GRAD_NORM, LOSS) as a stage alone does; a STEP that comes
  *     while a replica still adds up waits for the sum (stage_train.c).
+ *     The time from the last backward to the sum, against the bytes the
+ *     cost model charges, goes into the stage's figures: the link speed
+ *     the coordinator plans with (docs/cluster.md).
  * A file of its own because it is the one part of the training job that
  * talks to the other replicas. */
 #include <math.h>
@@ -165,8 +168,17 @@ static nl_status grads_done(nl_stage *s, stage_train *t, nl_stage_send_fn send, 
     t->ce = get_double(buf + n);
     t->aux = get_double(buf + n + 2);
     t->reducing = false;
-    t->reduce_s += mono_s() - t->reduce_t0;
+    const double dt = mono_s() - t->reduce_t0;
+    t->reduce_s += dt;
     t->reduce_n++;
+    /* the link speed the coordinator plans with: the bytes the cost model
+     * charges a ring all-reduce (nl_plan_step_seconds: 2 (R - 1) / R of
+     * them) over the time from the last backward to the sum, a wait for
+     * a slower replica's backward included, as the step pays it too */
+    const double moved = 2.0 * (t->xR - 1) / t->xR * (double)((n + LOSS_FLOATS) * sizeof(float));
+    const double link = s->o.inject_link_bytes_s;
+    s->fig.reduce_bytes += (uint64_t)moved;
+    s->fig.reduce_s += link > 0 ? moved / link : dt;
     return stage_train_report(s, t, send, ctx, err);
 }
 

@@ -65,7 +65,10 @@ void heartbeats(void)
         nl_wire_msg m;
         nl_wire_msg_init(&m);
         nl_wire_msg_reset(&m, NL_MSG_HEARTBEAT);
-        m.u.heartbeat = (nl_msg_heartbeat){.node_id = f->id, .seq = ++f->seq};
+        m.u.heartbeat = (nl_msg_heartbeat){.node_id = f->id,
+                                           .seq = ++f->seq,
+                                           .reduce_bytes = f->reduce_bytes,
+                                           .reduce_s = f->reduce_s};
         fake_send(f, &m);
         f->last_beat = t;
     }

@@ -22,6 +22,8 @@ typedef struct fake {
     int beating;       /* sends heartbeats while the test pumps */
     double last_beat;
     uint64_t seq;
+    uint64_t reduce_bytes; /* the all-reduce counters its heartbeats carry */
+    double reduce_s;
 } fake;
 
 /* The coordinator under test (the test makes it), the context of every

@@ -18,6 +18,10 @@
 # equal, fixed throughputs: the plans do not hang on probes disturbed by
 # tests running beside this one
 export NL_TEST_GFLOPS=20
+# and the replicas' all-reduce reports the 1 GB/s the planner assumes
+# before any measurement: the choice of R does not hang on how fast a busy
+# machine adds up (test_cluster_replica_link covers a measured slow link)
+export NL_TEST_LINK_BYTES_S=1e9
 extras=()
 test_cleanup() {
   local p
@@ -53,7 +57,7 @@ check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 2 --replicas auto --plan-mi
   --model "$W/m.safetensors" --memory 64M --threads 1 --node-timeout-ms 5000 --timeout 60
 "$N" status --cluster "$C" > "$W/status-2.txt"
 grep "^replicas" "$W/status-2.txt"
-check grep -q "^replicas: 2 per stage .*1 x 2 [0-9.]* (chosen)" "$W/status-2.txt"
+check grep -q "^replicas: 2 per stage .*1 x 2 [0-9.]* (link 1 GB/s [a-z]*) (chosen)" "$W/status-2.txt"
 
 "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-every 2 --checkpoint-dir "$W/ck" \
   --log "$W/r.jsonl" 2> "$W/r.err" &
@@ -86,7 +90,7 @@ PY
 "$N" status --cluster "$C" > "$W/status-3.txt"
 cat "$W/status-3.txt"
 check test "$(grep -c ' r[012]/3 ' "$W/status-3.txt")" -eq 3
-check grep -q "^replicas: 3 per stage .*1 x 3 [0-9.]* (chosen)" "$W/status-3.txt"
+check grep -q "^replicas: 3 per stage .*1 x 3 [0-9.]* (link 1 GB/s [a-z]*) (chosen)" "$W/status-3.txt"
 
 check "$N" cluster down --dir "$C"
 

@@ -156,6 +156,10 @@ check $PY "$W/cmp.py" weights "$W/killed.safetensors" "$W/r1.safetensors" 0
 # ---- --replicas auto: the cost model picks S x R; status says so ----
 check "$N" cluster down --dir "$C"
 C="$W/c4a"
+# the replicas' all-reduce reports the 1 GB/s assumed before any measurement:
+# the plan (and the refusal below) does not hang on how fast a busy machine
+# adds up (test_cluster_replica_link covers a measured slow link)
+export NL_TEST_LINK_BYTES_S=1e9
 check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 4 --replicas auto --plan-microbatches 4 \
   --model "$W/m.safetensors" --memory 64M --threads 1 --node-timeout-ms 2000 --timeout 60
 "$N" status --cluster "$C" > "$W/status-auto.txt"

@@ -42,7 +42,7 @@ static nl_plan_opts train_opts(int micro_rows, int in_flight)
 
 static nl_plan_node node(int id, uint64_t mem, double gflops, double hop)
 {
-    nl_plan_node n = {id, mem, gflops, hop};
+    nl_plan_node n = {id, mem, gflops, hop, 0.0};
     return n;
 }
 
@@ -922,6 +922,80 @@ static void test_replicated(void)
     printf("replicated plans: ok\n");
 }
 
+/* The link speed the choice of R costs each plan's all-reduce at: the
+ * slowest measured link among the plan's replicas, the assumed speed for
+ * a node never measured (issue 30: the choice follows measurement). */
+static void test_measured_link(void)
+{
+    nl_config c = small_cfg(4);
+    nl_plan_opts o = train_opts(64, 32);
+    nl_error err = {0};
+    nl_plan *p = NULL;
+    nl_plan_replica_option tried[NL_PLAN_MAX_REPLICAS];
+    int R = 0, n_tried = 0, meas = -1;
+    nl_plan_node eight[8];
+    for (int i = 0; i < 8; i++)
+        eight[i] = node(1 + i, 1 * GIB, 20, 1e-4);
+
+    /* fast links measured on every node: the widest plan */
+    for (int i = 0; i < 8; i++)
+        eight[i].link_bytes_s = 10e9;
+    CHECK_OK(
+        nl_plan_choose_replicas(&p, &R, NULL, tried, &n_tried, &c, eight, 8, &o, 32, 1e9, &err),
+        &err);
+    const int R_fast = R;
+    CHECK(R_fast == 8, "10 GB/s measured: %d replicas", R_fast);
+    for (int k = 0; k < n_tried; k++)
+        CHECK(tried[k].replicas == 1 ? tried[k].link_measured == 0 && tried[k].link_bytes_s == 1e9
+                                     : tried[k].link_measured == 1 && tried[k].link_bytes_s == 10e9,
+              "R=%d costed at %g B/s (measured %d)", tried[k].replicas, tried[k].link_bytes_s,
+              tried[k].link_measured);
+    CHECK(nl_plan_link_bytes_s(p, eight, 8, 1e9, &meas) == 10e9 && meas == 1, "the plan's link");
+    nl_plan_destroy(&p);
+
+    /* the same nodes measured slow: fewer replicas */
+    for (int i = 0; i < 8; i++)
+        eight[i].link_bytes_s = 20e3;
+    CHECK_OK(nl_plan_choose_replicas(&p, &R, NULL, NULL, NULL, &c, eight, 8, &o, 32, 1e9, &err),
+             &err);
+    CHECK(R < R_fast, "20 kB/s measured: %d replicas (fast: %d)", R, R_fast);
+    nl_plan_destroy(&p);
+
+    /* one slow node: every plan that makes it a replica pays for it; the
+     * others are at the speed measured; unmeasured nodes at the assumed */
+    for (int i = 0; i < 8; i++)
+        eight[i].link_bytes_s = i == 5 ? 20e3 : 0.0;
+    CHECK_OK(
+        nl_plan_choose_replicas(&p, &R, NULL, tried, &n_tried, &c, eight, 8, &o, 32, 10e9, &err),
+        &err);
+    for (int k = 0; k < n_tried; k++)
+        if (tried[k].replicas == 8)
+            CHECK(tried[k].link_bytes_s == 20e3 && tried[k].link_measured == 1,
+                  "8 replicas include node 6: %g B/s", tried[k].link_bytes_s);
+    CHECK(R < 8, "one slow node: %d replicas", R);
+    const double link = nl_plan_link_bytes_s(p, eight, 8, 10e9, &meas);
+    CHECK(R == 1 ? link == 10e9 && meas == 0 : (link == 20e3) == (meas == 1),
+          "the chosen plan's link %g (measured %d)", link, meas);
+    nl_plan_destroy(&p);
+    /* no measurement anywhere: the assumed speed, said as such */
+    for (int i = 0; i < 8; i++)
+        eight[i].link_bytes_s = 0.0;
+    CHECK_OK(nl_plan_layers_replicated(&p, &c, eight, 8, &o, 4, &err), &err);
+    CHECK(nl_plan_link_bytes_s(p, eight, 8, 1e9, &meas) == 1e9 && meas == 0, "assumed");
+    nl_plan_destroy(&p);
+
+    /* a bad figure is refused, named */
+    eight[2].link_bytes_s = -1.0;
+    CHECK(nl_plan_choose_replicas(&p, &R, NULL, NULL, NULL, &c, eight, 8, &o, 32, 1e9, &err) ==
+                  NL_ERR_INVALID &&
+              !p && strstr(err.msg, "link"),
+          "a negative link: %s", err.msg);
+    eight[2].link_bytes_s = NAN;
+    CHECK(nl_plan_layers(&p, &c, eight, 8, &o, &err) == NL_ERR_INVALID && !p, "a NaN link: %s",
+          err.msg);
+    printf("measured links: ok\n");
+}
+
 int main(void)
 {
     test_cost_model();
@@ -936,5 +1010,6 @@ int main(void)
     test_sizing();
     test_hysteresis();
     test_replicated();
+    test_measured_link();
     return check_done("test_planner");
 }

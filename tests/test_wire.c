@@ -269,13 +269,15 @@ static void repack(msgpack_sbuffer *sb, const msgpack_object *map, edit ed)
  * be absent: is the named one 0? */
 static bool heartbeat_field_zero(const nl_msg_heartbeat *h, const char *key)
 {
-    return strcmp(key, "kv_bytes") == 0    ? h->kv_bytes == 0
-           : strcmp(key, "sessions") == 0  ? h->sessions == 0
-           : strcmp(key, "hops") == 0      ? h->hops == 0
-           : strcmp(key, "batches") == 0   ? h->batches == 0
-           : strcmp(key, "compute_s") == 0 ? h->compute_s == 0.0
-           : strcmp(key, "hop_s") == 0     ? h->hop_s == 0.0
-                                           : false;
+    return strcmp(key, "kv_bytes") == 0       ? h->kv_bytes == 0
+           : strcmp(key, "sessions") == 0     ? h->sessions == 0
+           : strcmp(key, "hops") == 0         ? h->hops == 0
+           : strcmp(key, "batches") == 0      ? h->batches == 0
+           : strcmp(key, "compute_s") == 0    ? h->compute_s == 0.0
+           : strcmp(key, "hop_s") == 0        ? h->hop_s == 0.0
+           : strcmp(key, "reduce_bytes") == 0 ? h->reduce_bytes == 0
+           : strcmp(key, "reduce_s") == 0     ? h->reduce_s == 0.0
+                                              : false;
 }
 
 /* Fields added to a type later: a peer that does not send them (an older

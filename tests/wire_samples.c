@@ -58,8 +58,9 @@ void sample(nl_wire_msg *m, nl_msg_type t)
         m->u.accept = (nl_msg_accept){7, 1000, 10000};
         break;
     case NL_MSG_HEARTBEAT:
-        m->u.heartbeat = (nl_msg_heartbeat){
-            7, 123456789012ull, NL_NODE_BUSY, 0.5, 3u << 20, 4, 900, 120, 1.25, 7.5};
+        m->u.heartbeat =
+            (nl_msg_heartbeat){7,   123456789012ull, NL_NODE_BUSY, 0.5, 3u << 20, 4, 900, 120, 1.25,
+                               7.5, 3ull << 26,      0.5};
         break;
     case NL_MSG_LEAVE:
         m->u.leave = (nl_msg_leave){7, "shutting down"};

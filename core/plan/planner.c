@@ -541,6 +541,9 @@ static nl_status validate(const nl_config *cfg, const nl_plan_node *nodes, int n
         if (!(a->hop_seconds >= 0) || !isfinite(a->hop_seconds))
             return nl_error_set(err, NL_ERR_INVALID, "plan: node %d: hop_seconds %g must be >= 0",
                                 a->id, a->hop_seconds);
+        if (!(a->link_bytes_s >= 0) || !isfinite(a->link_bytes_s))
+            return nl_error_set(err, NL_ERR_INVALID, "plan: node %d: link_bytes_s %g must be >= 0",
+                                a->id, a->link_bytes_s);
         for (int j = 0; j < i; j++)
             if (nodes[j].id == a->id)
                 return nl_error_set(err, NL_ERR_INVALID, "plan: node id %d appears twice", a->id);

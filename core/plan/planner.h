@@ -81,6 +81,8 @@ typedef struct nl_plan_node {
     uint64_t memory_bytes; /* memory the node offers */
     double gflops;         /* measured GEMM throughput, > 0 */
     double hop_seconds;    /* to ship one microbatch's activations onward, >= 0 */
+    double link_bytes_s;   /* its replicas' all-reduce as measured, bytes/s, >= 0;
+                              0: not measured (the caller's assumed speed) */
 } nl_plan_node;
 
 typedef struct nl_plan_opts {
@@ -140,10 +142,13 @@ nl_status nl_plan_layers_replicated(nl_plan **out, const nl_config *cfg, const n
                                     nl_error *err);
 
 /* One R that nl_plan_choose_replicas tried: its plan's stages (0: no plan
- * places with R replicas a stage) and predicted seconds a step. */
+ * places with R replicas a stage), predicted seconds a step, and the link
+ * speed its all-reduce was costed at (nl_plan_link_bytes_s; R = 1: none). */
 typedef struct nl_plan_replica_option {
     int replicas, stages;
     double step_s;
+    double link_bytes_s; /* bytes/s */
+    int link_measured;   /* 1: a node's measurement; 0: the assumed speed */
 } nl_plan_replica_option;
 
 /* The replicas per stage that give the most training tokens/s (issue 30;
@@ -151,6 +156,9 @@ typedef struct nl_plan_replica_option {
  * NL_PLAN_MAX_REPLICAS) that divides `microbatches` (M), the plan of
  * nl_plan_layers_replicated, whose step takes nl_plan_step_seconds, and
  * the R with the fewest seconds per step wins (ties: the fewer replicas).
+ * Each plan's all-reduce is costed at its slowest replica's link
+ * (nl_plan_link_bytes_s: a node's link_bytes_s where measured, else
+ * link_bytes_per_s, the speed assumed for a node never measured).
  * *out gets its plan, *replicas its R, *step_s (may be NULL) its seconds
  * per step; tried (may be NULL; room for NL_PLAN_MAX_REPLICAS) every R
  * tried in order, *n_tried how many (why the choice: neurocoord's status).
@@ -171,6 +179,14 @@ nl_status nl_plan_choose_replicas(nl_plan **out, int *replicas, double *step_s,
  *                                           bytes; 0 link: free) */
 double nl_plan_step_seconds(const nl_plan *p, const nl_config *cfg, const nl_plan_opts *opts,
                             int microbatches, double link_bytes_per_s);
+
+/* The link speed plan p's all-reduce runs at: the slowest link among the
+ * nodes that are replicas of its stages (nodes[i].link_bytes_s, or
+ * `assumed` for a node with none; a node the list lacks counts as
+ * assumed). *measured (may be NULL) = 1 when that slowest figure is a
+ * measurement. A plan without replicas: `assumed`, *measured = 0. */
+double nl_plan_link_bytes_s(const nl_plan *p, const nl_plan_node *nodes, int n_nodes,
+                            double assumed, int *measured);
 
 /* Whether some plan fits the nodes' memory (time ignored): *fits = 1/0.
  * Exact up to max_exact_nodes; above, the heuristic orders (no swap

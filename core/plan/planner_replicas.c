@@ -3,6 +3,7 @@
  * file of its own because it only wraps nl_plan_layers: the nodes are cut
  * into groups of R, each group plans as one node, and the plan's stages
  * are handed out to the groups' members (see planner.h). */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -26,10 +27,11 @@ static int rank_cmp(const void *a, const void *b)
     return (x->index > y->index) - (x->index < y->index);
 }
 
-/* Group g of R as one node of the planner: its id is g. */
+/* Group g of R as one node of the planner: its id is g (the link speed
+ * is the all-reduce's, which nl_plan_layers does not cost: none). */
 static nl_plan_node group_node(const ranked *rk, int g, int R)
 {
-    nl_plan_node v = {g, UINT64_MAX, 0.0, 0.0};
+    nl_plan_node v = {g, UINT64_MAX, 0.0, 0.0, 0.0};
     for (int r = 0; r < R; r++) {
         const nl_plan_node *n = rk[g * R + r].n;
         if (n->memory_bytes < v.memory_bytes)
@@ -80,10 +82,12 @@ nl_status nl_plan_layers_replicated(nl_plan **out, const nl_config *cfg, const n
         return nl_error_set(err, NL_ERR_INVALID, "plan: %d nodes (1 to %d)", n_nodes,
                             NL_PLAN_MAX_NODES);
     for (int i = 0; i < n_nodes; i++) {
-        if (!(nodes[i].gflops > 0.0) || !(nodes[i].hop_seconds >= 0.0))
+        if (!(nodes[i].gflops > 0.0) || !(nodes[i].hop_seconds >= 0.0) ||
+            !(nodes[i].link_bytes_s >= 0.0) || !isfinite(nodes[i].link_bytes_s))
             return nl_error_set(err, NL_ERR_INVALID,
-                                "plan: node %d has throughput %g and hop time %g", nodes[i].id,
-                                nodes[i].gflops, nodes[i].hop_seconds);
+                                "plan: node %d has throughput %g, hop time %g and link speed %g",
+                                nodes[i].id, nodes[i].gflops, nodes[i].hop_seconds,
+                                nodes[i].link_bytes_s);
         for (int k = 0; k < i; k++)
             if (nodes[k].id == nodes[i].id)
                 return nl_error_set(err, NL_ERR_INVALID, "plan: node id %d appears twice",
@@ -145,6 +149,34 @@ double nl_plan_step_seconds(const nl_plan *p, const nl_config *cfg, const nl_pla
     return t;
 }
 
+double nl_plan_link_bytes_s(const nl_plan *p, const nl_plan_node *nodes, int n_nodes,
+                            double assumed, int *measured)
+{
+    double link = 0.0;
+    int seen = 0, meas = 0;
+    for (int s = 0; p && s < p->n_stages; s++) {
+        const nl_plan_stage *g = &p->stages[s];
+        for (int r = 0; g->n_replicas > 1 && r < g->n_replicas; r++) {
+            double v = assumed;
+            int m = 0;
+            for (int i = 0; i < n_nodes; i++)
+                if (nodes[i].id == g->replicas[r] && nodes[i].link_bytes_s > 0) {
+                    v = nodes[i].link_bytes_s;
+                    m = 1;
+                    break;
+                }
+            if (!seen || v < link || (v == link && m && !meas)) {
+                link = v;
+                meas = m;
+            }
+            seen = 1;
+        }
+    }
+    if (measured)
+        *measured = seen ? meas : 0;
+    return seen ? link : assumed;
+}
+
 nl_status nl_plan_choose_replicas(nl_plan **out, int *replicas, double *step_s,
                                   nl_plan_replica_option *tried, int *n_tried, const nl_config *cfg,
                                   const nl_plan_node *nodes, int n_nodes, const nl_plan_opts *opts,
@@ -176,12 +208,14 @@ nl_status nl_plan_choose_replicas(nl_plan **out, int *replicas, double *step_s,
             if (st != NL_ERR_CAPACITY)
                 break;
             if (tried && n_tried)
-                tried[(*n_tried)++] = (nl_plan_replica_option){R, 0, 0.0};
+                tried[(*n_tried)++] = (nl_plan_replica_option){R, 0, 0.0, 0.0, 0};
             continue;
         }
-        const double t = nl_plan_step_seconds(p, cfg, opts, microbatches, link_bytes_per_s);
+        int meas = 0;
+        const double link = nl_plan_link_bytes_s(p, nodes, n_nodes, link_bytes_per_s, &meas);
+        const double t = nl_plan_step_seconds(p, cfg, opts, microbatches, link);
         if (tried && n_tried)
-            tried[(*n_tried)++] = (nl_plan_replica_option){R, p->n_stages, t};
+            tried[(*n_tried)++] = (nl_plan_replica_option){R, p->n_stages, t, link, meas};
         if (!*out || t < best * (1 - 1e-9)) {
             nl_plan_destroy(out);
             *out = p;
