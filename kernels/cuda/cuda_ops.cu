@@ -57,15 +57,7 @@ __global__ void rmsnorm_kernel(float *out, float *rstd, const float *inp, const 
 {
     __shared__ float red[WARP];
     for (size_t n = blockIdx.x; n < (size_t)N; n += gridDim.x) {
-        const float *x = inp + n * C;
-        float *y = out + n * C;
-        float ss = 0.0f;
-        for (int c = threadIdx.x; c < C; c += blockDim.x)
-            ss += x[c] * x[c];
-        ss = block_sum(ss, red);
-        const float r = nl_elem_rmsnorm_scale(ss, C, eps);
-        for (int c = threadIdx.x; c < C; c += blockDim.x)
-            y[c] = x[c] * r * w[c];
+        const float r = block_rmsnorm_row(out + n * C, inp + n * C, w, C, eps, red);
         if (rstd && threadIdx.x == 0)
             rstd[n] = r;
     }
