@@ -21,10 +21,11 @@
  * calling emit for each; the prompt and the tokens made fill at most the
  * context (P + made <= max_seq_len), as the HTTP API's max_tokens.
  * warmup: run the prompt and one decode step once first (kernels
- * compiled, buffers touched), then start the clock. */
-static nl_status generate(nl_model *m, const int32_t *prompt, int P, int max_new, nl_sampler *smp,
-                          bool warmup, nl_gen_clock *clock, void (*emit)(int32_t, void *),
-                          void *ctx, nl_error *err)
+ * compiled, buffers touched), then start the clock. kv_dtype: the
+ * cache's element type (--kv-cache). */
+static nl_status generate(nl_model *m, const int32_t *prompt, int P, int max_new,
+                          nl_kv_dtype kv_dtype, nl_sampler *smp, bool warmup, nl_gen_clock *clock,
+                          void (*emit)(int32_t, void *), void *ctx, nl_error *err)
 {
     nl_backend *be = m->be;
     const int V = (int)m->cfg.vocab_size;
@@ -47,7 +48,7 @@ static nl_status generate(nl_model *m, const int32_t *prompt, int P, int max_new
         goto out;
     }
     if ((st = nl_runstate_new(&rs, m, P, err)) != NL_OK ||
-        (st = nl_kvcache_new(&kv, m, 1, cap, err)) != NL_OK)
+        (st = nl_kvcache_new(&kv, m, 1, cap, kv_dtype, err)) != NL_OK)
         goto out;
     nl_forward_args a = {.B = 1, .T = P, .tokens = prompt, .kv = kv, .last_only = 1};
     int32_t next = 0; /* read by the next forward */
@@ -116,7 +117,8 @@ typedef struct gen_args {
 #define GEN_USAGE                                                                                  \
     "neuroctl generate --model MODEL (--prompt-tokens 1,2,3 | --prompt TEXT) [--max-new N] "       \
     "[--temperature X] [--top-p P] [--seed S] [--threads N] [--warmup] [--adapter A] "             \
-    "[--device D] [--tf32] [--precision fp32|bf16]" NL_CLI_CLUSTER_USAGE("generate")
+    "[--device D] [--tf32] [--precision fp32|bf16] [--kv-cache fp32|bf16]" NL_CLI_CLUSTER_USAGE(   \
+        "generate")
 
 /* The flags into a: 0 to run, -1 after --help, else the exit code (said). */
 static int gen_flags(gen_args *a, int argc, char **argv)
@@ -142,6 +144,7 @@ static int gen_flags(gen_args *a, int argc, char **argv)
         NL_CLI_DEVICE_OPT(&a->dev),
         NL_CLI_TF32_OPT(&a->dev),
         NL_CLI_PRECISION_OPT(&a->dev),
+        NL_CLI_KV_CACHE_OPT(&a->dev),
         NL_OPT_END};
     int rc = nl_opts_parse(argc, argv, flags, GEN_USAGE, NULL, 0, NULL);
     if (rc)
@@ -214,8 +217,8 @@ int nl_cmd_generate(int argc, char **argv)
     if (nl_sampler_init(&smp, (int)m->cfg.vocab_size, (float)a.temp, (float)a.top_p,
                         (uint64_t)a.seed, &err) != NL_OK)
         goto out;
-    if (generate(m, prompt, P, (int)max_new, &smp, a.warmup, &ec.clock, emit_token, &ec, &err) !=
-        NL_OK)
+    if (generate(m, prompt, P, (int)max_new, (nl_kv_dtype)a.dev.kv_cache, &smp, a.warmup, &ec.clock,
+                 emit_token, &ec, &err) != NL_OK)
         goto out;
     printf("\n");
     fflush(stdout);
@@ -284,7 +287,7 @@ static int bench_decode(nl_model *m, const int32_t *tokens, float *logits, int P
     if (P + *ndec > cfg->max_seq_len)
         *ndec = cfg->max_seq_len - P;
     if (nl_runstate_new(rs1, m, P, err) != NL_OK ||
-        nl_kvcache_new(kv, m, 1, (int)(P + *ndec), err) != NL_OK)
+        nl_kvcache_new(kv, m, 1, (int)(P + *ndec), NL_KV_FP32, err) != NL_OK)
         return 1;
     nl_forward_args pre = {.B = 1, .T = P, .tokens = tokens, .kv = *kv, .last_only = 1};
     if (nl_forward(m, *rs1, &pre, NULL, err) != NL_OK)

@@ -53,7 +53,8 @@ static nl_status side_new(model_side *ms, nl_backend *be, const nl_config *cfg, 
         (st = nl_model_new(&ms->m, be, cfg, 0, cfg->num_layers, 1, 1, err)) != NL_OK ||
         (st = nl_model_init_random(ms->m, seed, err)) != NL_OK ||
         (st = nl_runstate_new(&ms->rs, ms->m, N, err)) != NL_OK ||
-        (st = nl_kvcache_new(&ms->kv, ms->m, 1, MT + NL_SELFTEST_DECODE, err)) != NL_OK ||
+        (st = nl_kvcache_new(&ms->kv, ms->m, 1, MT + NL_SELFTEST_DECODE, NL_KV_FP32, err)) !=
+            NL_OK ||
         (st = nl_layer_acts_alloc(&ms->acts, be, cfg, N, 0, err)) != NL_OK)
         return st;
     ms->tok_d = be->alloc(be, (size_t)N * sizeof(int32_t));

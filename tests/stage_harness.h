@@ -190,7 +190,7 @@ static inline void local_generate(nl_model *ref, const int32_t *prompt, int P, i
     nl_sampler smp;
     float *logits = malloc((size_t)cfg.vocab_size * sizeof *logits);
     CHECK_OK(nl_runstate_new(&rs, ref, P, &err), &err);
-    CHECK_OK(nl_kvcache_new(&kv, ref, 1, P + n, &err), &err);
+    CHECK_OK(nl_kvcache_new(&kv, ref, 1, P + n, NL_KV_FP32, &err), &err);
     CHECK_OK(nl_sampler_init(&smp, (int)cfg.vocab_size, 0.0f, 1.0f, 0, &err), &err);
     nl_forward_args a = {.B = 1, .T = P, .tokens = prompt, .kv = kv, .last_only = 1};
     int32_t next = 0;

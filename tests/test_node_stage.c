@@ -469,7 +469,7 @@ static void test_budget(nl_model *ref)
 {
     nl_error err;
     const int cap = 8;
-    size_t one = nl_kvcache_bytes(&cfg, 2, 1, cap);
+    size_t one = nl_kvcache_bytes(&cfg, 2, 1, cap, NL_KV_FP32);
     nl_stage *s = loaded_stage(ref, 0, 2, 0, 2, one * 5 / 2); /* room for 2.5 sessions */
     nl_stage_session_params sp = {.capacity = cap, .top_p = 1};
     for (uint64_t id = 1; id <= 2; id++) {

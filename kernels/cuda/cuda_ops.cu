@@ -142,6 +142,23 @@ __global__ void kv_store_kernel(float *kc, float *vc, const float *qkv, int stri
     }
 }
 
+/* The same into a bf16 cache, each value rounded to nearest even; with
+ * pos NULL row n goes to position past + n % T (host-known positions). */
+__global__ void kv_store_bf16_kernel(uint16_t *kc, uint16_t *vc, const float *qkv, int stride,
+                                     int k_col, int v_col, const int32_t *pos, int past, int rows,
+                                     int T, int cap, int kv_dim)
+{
+    for (size_t n = blockIdx.x; n < (size_t)rows; n += gridDim.x) {
+        const size_t at = pos ? (size_t)pos[n] : (size_t)past + n % (size_t)T;
+        const size_t dst = ((n / (size_t)T) * (size_t)cap + at) * (size_t)kv_dim;
+        const float *s = qkv + n * (size_t)stride;
+        for (int c = threadIdx.x; c < kv_dim; c += blockDim.x) {
+            kc[dst + c] = nl_elem_to_bf16(s[k_col + c]);
+            vc[dst + c] = nl_elem_to_bf16(s[v_col + c]);
+        }
+    }
+}
+
 /* x[n, :] += w[n k + i] y[slot[n k + i], :] for i = 0 .. k-1, in that
  * order (the CPU's), each element kept in a register meanwhile. */
 __global__ void moe_combine_kernel(float *x, const float *y, const int32_t *slot, const float *w,
@@ -339,6 +356,20 @@ extern "C" int nl_cuda_kv_store(void *stream, float *kc, float *vc, const float 
         return (int)cudaErrorInvalidValue;
     kv_store_kernel<<<row_blocks(B * T), row_threads(kv_dim, 256), 0, (cudaStream_t)stream>>>(
         kc, vc, qkv, stride, k_col, v_col, pos, B * T, T, cap, kv_dim);
+    return launched();
+}
+
+extern "C" int nl_cuda_kv_store_bf16(void *stream, uint16_t *kc, uint16_t *vc, const float *qkv,
+                                     int stride, int k_col, int v_col, const int32_t *pos, int past,
+                                     int B, int T, int cap, int kv_dim)
+{
+    if (B <= 0 || T <= 0 || kv_dim <= 0)
+        return 0;
+    if (stride < 0 || k_col < 0 || v_col < 0 || cap < 1 || past < 0 || (pos && past != 0) ||
+        (!pos && (long long)past + T > cap) || (long long)B * T > INT_MAX)
+        return (int)cudaErrorInvalidValue;
+    kv_store_bf16_kernel<<<row_blocks(B * T), row_threads(kv_dim, 256), 0, (cudaStream_t)stream>>>(
+        kc, vc, qkv, stride, k_col, v_col, pos, past, B * T, T, cap, kv_dim);
     return launched();
 }
 

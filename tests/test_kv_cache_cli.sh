@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# --kv-cache on every path that decodes, as real processes: a value other
+# than fp32 or bf16 is a usage error naming the allowed values (neuroctl
+# generate, neuroctl serve, neuronode join), and neuroctl generate's
+# greedy ids over 40 tokens with --kv-cache bf16 equal --kv-cache fp32's and
+# the default's on a small random model (NL_TEST_DEVICE: cpu by default).
+set -uo pipefail
+NEUROCTL="$NL_BUILD_DIR/cli/neuroctl"
+DEV=(--device "${NL_TEST_DEVICE:-cpu}")
+W=$(mktemp -d)
+trap 'rm -rf "$W"' EXIT
+pass=0
+fail=0
+ok() { pass=$((pass + 1)); }
+bad() { fail=$((fail + 1)); echo "FAIL: $*" >&2; }
+check() { if "$@"; then ok; else bad "$*"; fi; }
+
+cat > "$W/cfg.yaml" <<'YAML'
+hidden_dim: 64
+num_layers: 2
+num_heads: 4
+num_kv_heads: 2
+ffn_dim: 64
+num_experts: 4
+vocab_size: 256
+vocab_chunk: 256
+max_seq_len: 128
+YAML
+check "$NEUROCTL" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 3
+
+out=$("$NEUROCTL" generate "${DEV[@]}" --kv-cache fp16 --model "$W/m.safetensors" --prompt-tokens 1,2 2>&1); rc=$?
+check test "$rc" = 2
+check grep -q "kv-cache fp16: not fp32 or bf16" <<<"$out"
+out=$("$NEUROCTL" serve "${DEV[@]}" --kv-cache int8 --model "$W/m.safetensors" 2>&1); rc=$?
+check test "$rc" = 2
+check grep -q "kv-cache int8: not fp32 or bf16" <<<"$out"
+out=$("$NL_BUILD_DIR/node/neuronode" join tcp://127.0.0.1:1 --plaintext --memory 1G --kv-cache BF16 2>&1); rc=$?
+check test "$rc" = 2
+check grep -q "kv-cache BF16: not fp32 or bf16" <<<"$out"
+for cmd in generate serve; do
+    check grep -q -- "--kv-cache" <<<"$("$NEUROCTL" "$cmd" --help 2>&1)"
+done
+check grep -q -- "--kv-cache" <<<"$("$NL_BUILD_DIR/node/neuronode" join --help 2>&1)"
+
+gen() {
+    "$NEUROCTL" generate "${DEV[@]}" --model "$W/m.safetensors" --prompt-tokens 5,17,200,3,99,42 \
+        --max-new 40 --temperature 0 "$@" 2> "$W/gen.err" | head -1
+}
+ids_default=$(gen)
+ids32=$(gen --kv-cache fp32)
+ids16=$(gen --kv-cache bf16)
+check test -n "$ids32"
+check test "$(wc -w <<<"$ids16")" = 40
+check test "$ids_default" = "$ids32"
+if [ "$ids16" = "$ids32" ]; then ok; else bad "bf16 cache ids '$ids16' differ from FP32's '$ids32'"; fi
+
+echo "test_kv_cache_cli: $pass passed, $fail failed"
+[ "$fail" = 0 ]
