@@ -3,7 +3,8 @@
 # than fp32 or bf16 is a usage error naming the allowed values (neuroctl
 # generate, neuroctl serve, neuronode join), and neuroctl generate's
 # greedy ids over 40 tokens with --kv-cache bf16 equal --kv-cache fp32's and
-# the default's on a small random model (NL_TEST_DEVICE: cpu by default).
+# the default's on a small random model, and neuroctl serve --kv-cache bf16
+# says so in /api/status and completes (NL_TEST_DEVICE: cpu by default).
 set -uo pipefail
 NEUROCTL="$NL_BUILD_DIR/cli/neuroctl"
 DEV=(--device "${NL_TEST_DEVICE:-cpu}")
@@ -53,6 +54,26 @@ check test -n "$ids32"
 check test "$(wc -w <<<"$ids16")" = 40
 check test "$ids_default" = "$ids32"
 if [ "$ids16" = "$ids32" ]; then ok; else bad "bf16 cache ids '$ids16' differ from FP32's '$ids32'"; fi
+
+# serve with a bf16 cache: /api/status says so and a completion runs
+"$NEUROCTL" serve "${DEV[@]}" --kv-cache bf16 --model "$W/m.safetensors" --http 127.0.0.1:0 \
+    > "$W/serve.out" 2> "$W/serve.err" &
+spid=$!
+url=""
+for _ in $(seq 1 600); do # up to a minute on a busy machine
+    url=$(sed -n 's/.* on \(http:[^ ]*\) .*/\1/p' "$W/serve.out")
+    [ -n "$url" ] || ! kill -0 "$spid" 2> /dev/null && break
+    sleep 0.1
+done
+check test -n "$url"
+if [ -n "$url" ]; then
+    check grep -q '"kv_cache":"bf16"' <<<"$(curl -s "${url}api/status")"
+    out=$(curl -s -w ' HTTP %{http_code}' "${url}v1/completions" -H 'Content-Type: application/json' \
+        -d '{"prompt":"the quick","max_tokens":8,"temperature":0}')
+    check grep -q '"choices".* HTTP 200$' <<<"$out"
+fi
+kill "$spid" 2> /dev/null
+wait "$spid"
 
 echo "test_kv_cache_cli: $pass passed, $fail failed"
 [ "$fail" = 0 ]

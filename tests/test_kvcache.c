@@ -188,8 +188,7 @@ static void test_decode(nl_backend *be, nl_model *m)
     CHECK(same == DECODE, "greedy ids: %d of %d equal to the FP32 cache's", same, DECODE);
     CHECK(worst <= LOGIT_TOL && worst > 0, "logits within %.3g of FP32's, tolerance %g", worst,
           LOGIT_TOL);
-    CHECK(r[1].kv->len == PROMPT + DECODE - 1, "the bf16 cache holds %d positions",
-          r[1].kv->len);
+    CHECK(r[1].kv->len == PROMPT + DECODE - 1, "the bf16 cache holds %d positions", r[1].kv->len);
 out:
     for (int i = 0; i < 2; i++) {
         free(r[i].logits);
