@@ -273,6 +273,7 @@ static const nl_flag bench_flags[] = {
     NL_CLI_DEVICE_FLAG,
     NL_CLI_TF32_FLAG,
     NL_CLI_PRECISION_FLAG,
+    {"kv-cache", 1, NL_CLI_KV_CACHE_HELP " (the decode run)", NULL},
     {0}};
 
 /* Decode at batch 1: P tokens prefilled, then *ndec single steps (fewer
@@ -280,14 +281,15 @@ static const nl_flag bench_flags[] = {
  * the argmax of the last logits. rs1 and kv are the caller's to free. 0,
  * or 1 when it fails (err says why). */
 static int bench_decode(nl_model *m, const int32_t *tokens, float *logits, int P, long long *ndec,
-                        nl_runstate **rs1, nl_kvcache **kv, double *dec_s, nl_error *err)
+                        nl_kv_dtype kv_dtype, nl_runstate **rs1, nl_kvcache **kv, double *dec_s,
+                        nl_error *err)
 {
     nl_backend *be = m->be;
     const nl_config *cfg = &m->cfg;
     if (P + *ndec > cfg->max_seq_len)
         *ndec = cfg->max_seq_len - P;
     if (nl_runstate_new(rs1, m, P, err) != NL_OK ||
-        nl_kvcache_new(kv, m, 1, (int)(P + *ndec), NL_KV_FP32, err) != NL_OK)
+        nl_kvcache_new(kv, m, 1, (int)(P + *ndec), kv_dtype, err) != NL_OK)
         return 1;
     nl_forward_args pre = {.B = 1, .T = P, .tokens = tokens, .kv = *kv, .last_only = 1};
     if (nl_forward(m, *rs1, &pre, NULL, err) != NL_OK)
@@ -349,7 +351,7 @@ int nl_cmd_bench(int argc, char **argv)
     nl_flag flags[sizeof bench_flags / sizeof *bench_flags];
     memcpy(flags, bench_flags, sizeof flags);
     const char *usage = "neuroctl bench --config CFG.yaml [--batch B] [--seq T] [--threads N] "
-                        "[--device D] [--tf32] [--precision fp32|bf16]";
+                        "[--device D] [--tf32] [--precision fp32|bf16] [--kv-cache fp32|bf16]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -367,6 +369,12 @@ int nl_cmd_bench(int argc, char **argv)
         (rc = nl_args_int(flags, "repeats", 1, 1000, &reps)) ||
         (rc = nl_cli_device_flags(flags, &device, &tf32, &bf16)))
         return rc;
+    const char *kvs = nl_args_get(flags, "kv-cache");
+    const nl_kv_dtype kv_dtype = kvs && strcmp(kvs, "bf16") == 0 ? NL_KV_BF16 : NL_KV_FP32;
+    if (kvs && kv_dtype == NL_KV_FP32 && strcmp(kvs, "fp32") != 0) {
+        fprintf(stderr, "--kv-cache %s: not fp32 or bf16\n", kvs);
+        return 2;
+    }
     nl_error err = {0};
     nl_config cfg;
     nl_backend *be = NULL;
@@ -421,7 +429,7 @@ int nl_cmd_bench(int argc, char **argv)
 
     /* decode at batch 1: prefill P tokens, then time ndec single steps */
     double dec_s = 0.0;
-    if (bench_decode(m, tokens, logits, P, &ndec, &rs1, &kv, &dec_s, &err))
+    if (bench_decode(m, tokens, logits, P, &ndec, kv_dtype, &rs1, &kv, &dec_s, &err))
         goto out;
 
     /* training: one warm-up step, then the median of `reps` whole steps
@@ -434,10 +442,11 @@ int nl_cmd_bench(int argc, char **argv)
     printf("{\"config\":\"%s\",\"device\":\"%s\",\"batch\":%lld,\"seq\":%lld,\"threads\":%d,"
            "\"params\":%" PRId64 ",\"forward_tok_s\":%.1f,\"forward_gflops\":%.1f,"
            "\"forward_ms\":%.2f,\"decode_tok_s\":%.1f,\"gemm_peak_gflops\":%.1f,"
-           "\"forward_peak_frac\":%.3f,%s,\"precision\":\"%s\"}\n",
+           "\"forward_peak_frac\":%.3f,%s,\"precision\":\"%s\",\"kv_cache\":\"%s\"}\n",
            cfg_path, be->name, B, T, threads ? (int)threads : 0, nl_config_param_count(&cfg),
            (double)(B * T) / fwd_s, fwd_flops / fwd_s / 1e9, fwd_s * 1e3, (double)ndec / dec_s,
-           peak, fwd_flops / fwd_s / 1e9 / peak, train_json, be->bf16 ? "bf16" : "fp32");
+           peak, fwd_flops / fwd_s / 1e9 / peak, train_json, be->bf16 ? "bf16" : "fp32",
+           nl_kv_dtype_name(kv_dtype));
     rc = 0;
 out:
     free(times);

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # --kv-cache on every path that decodes, as real processes: a value other
 # than fp32 or bf16 is a usage error naming the allowed values (neuroctl
-# generate, neuroctl serve, neuronode join), and neuroctl generate's
+# generate, neuroctl serve, neuroctl bench, neuronode join; bench --kv-cache
+# bf16 runs and its JSON says kv_cache bf16), and neuroctl generate's
 # greedy ids over 40 tokens with --kv-cache bf16 equal --kv-cache fp32's and
 # the default's on a small random model, and neuroctl serve --kv-cache bf16
 # says so in /api/status and completes (NL_TEST_DEVICE: cpu by default).
@@ -38,7 +39,13 @@ check grep -q "kv-cache int8: not fp32 or bf16" <<<"$out"
 out=$("$NL_BUILD_DIR/node/neuronode" join tcp://127.0.0.1:1 --plaintext --memory 1G --kv-cache BF16 2>&1); rc=$?
 check test "$rc" = 2
 check grep -q "kv-cache BF16: not fp32 or bf16" <<<"$out"
-for cmd in generate serve; do
+out=$("$NEUROCTL" bench "${DEV[@]}" --kv-cache fp8 --config "$W/cfg.yaml" 2>&1); rc=$?
+check test "$rc" = 2
+check grep -q "kv-cache fp8: not fp32 or bf16" <<<"$out"
+out=$("$NEUROCTL" bench "${DEV[@]}" --kv-cache bf16 --config "$W/cfg.yaml" --batch 1 --seq 8 --decode-tokens 4 --repeats 1 2>&1); rc=$?
+check test "$rc" = 0
+check grep -q '"kv_cache":"bf16"' <<<"$out"
+for cmd in generate serve bench; do
     check grep -q -- "--kv-cache" <<<"$("$NEUROCTL" "$cmd" --help 2>&1)"
 done
 check grep -q -- "--kv-cache" <<<"$("$NL_BUILD_DIR/node/neuronode" join --help 2>&1)"
