@@ -2,21 +2,21 @@
 # The decode KV cache in bf16 against FP32 (--kv-cache, issue 29): `neuroctl
 # generate` on a random model of CONFIG with a PROMPT-token prompt and NEW
 # greedy tokens after it, --warmup (the prompt and one step run once before
-# the clock starts), the two caches alternating ROUNDS times in one run so a
-# shared machine's load falls on both alike. Prints each run's decode
+# the clock starts), the two caches alternating ROUNDS times in one run (in
+# ABBA order) so a shared machine's load falls on both alike. Prints each run's decode
 # tokens/s (generate's own report: the tokens after the first over their
 # time), the median of each, the ratio bf16 / fp32, and whether the greedy
 # ids agree.
 #   bench/bench_kv_cache.sh [BUILD_DIR]
 #   env: CONFIG (configs/bench-large.yaml), PROMPT (512), NEW (256),
-#        ROUNDS (3), THREADS (0: all cores), DEVICE (cpu)
+#        ROUNDS (4), THREADS (0: all cores), DEVICE (cpu)
 set -euo pipefail
 SRC=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=${1:-$SRC/build}
 CONFIG=${CONFIG:-$SRC/configs/bench-large.yaml}
 PROMPT=${PROMPT:-512}
 NEW=${NEW:-256}
-ROUNDS=${ROUNDS:-3}
+ROUNDS=${ROUNDS:-4}
 THREADS=${THREADS:-0}
 DEVICE=${DEVICE:-cpu}
 NEUROCTL="$BUILD/cli/neuroctl"
@@ -35,8 +35,13 @@ run() { # kv-cache type -> tokens/s on stdout, ids in $W/ids.$1
 f32=()
 b16=()
 for r in $(seq 1 "$ROUNDS"); do
-    f32+=("$(run fp32)")
-    b16+=("$(run bf16)")
+    if [ $((r % 2)) = 1 ]; then # ABBA: neither cache always runs first
+        f32+=("$(run fp32)")
+        b16+=("$(run bf16)")
+    else
+        b16+=("$(run bf16)")
+        f32+=("$(run fp32)")
+    fi
     echo "round $r: fp32 ${f32[-1]} tok/s, bf16 ${b16[-1]} tok/s"
 done
 same=false
