@@ -5,7 +5,9 @@
 # bf16 runs and its JSON says kv_cache bf16), and neuroctl generate's
 # greedy ids over 40 tokens with --kv-cache bf16 equal --kv-cache fp32's and
 # the default's on a small random model, and neuroctl serve --kv-cache bf16
-# says so in /api/status and completes (NL_TEST_DEVICE: cpu by default).
+# says so in /api/status and completes, and a local cluster's nodes take it
+# from cluster up and generate the local ids (NL_TEST_DEVICE: cpu by
+# default).
 set -uo pipefail
 NEUROCTL="$NL_BUILD_DIR/cli/neuroctl"
 DEV=(--device "${NL_TEST_DEVICE:-cpu}")
@@ -81,6 +83,28 @@ if [ -n "$url" ]; then
 fi
 kill "$spid" 2> /dev/null
 wait "$spid"
+
+# a local cluster's nodes with bf16 caches (cluster up --kv-cache bf16, passed
+# to neuronode join): each node says so, and its greedy ids are the local
+# ones with the same cache (CPU nodes: not where the device under test is
+# a GPU)
+out=$("$NEUROCTL" cluster up --dir "$W/cl0" --kv-cache fp16 --model "$W/m.safetensors" 2>&1); rc=$?
+check test "$rc" = 2
+check grep -q "kv-cache fp16: not fp32 or bf16" <<<"$out"
+if [[ "${DEV[1]}" != cuda:* ]]; then
+    if "$NEUROCTL" cluster up --dir "$W/cl" --nodes 2 --threads 1 --kv-cache bf16 \
+        --model "$W/m.safetensors" --timeout 60 > "$W/up.out" 2>&1; then
+        ok
+        check grep -q "bf16 caches" "$W/cl/node-1.log"
+        check grep -q "bf16 caches" "$W/cl/node-2.log"
+        idsc=$("$NEUROCTL" generate --cluster "$W/cl" --prompt-tokens 5,17,200,3,99,42 \
+            --max-new 40 --temperature 0 2> "$W/genc.err" | head -1)
+        if [ "$idsc" = "$ids16" ]; then ok; else bad "cluster ids '$idsc' (bf16 caches) differ from local '$ids16': $(cat "$W/genc.err")"; fi
+        "$NEUROCTL" cluster down --dir "$W/cl" > /dev/null 2>&1
+    else
+        bad "cluster up --kv-cache bf16: $(cat "$W/up.out")"
+    fi
+fi
 
 echo "test_kv_cache_cli: $pass passed, $fail failed"
 [ "$fail" = 0 ]
