@@ -106,7 +106,7 @@ int main(int argc, char **argv)
         goto out;
     int32_t tok[MAXN];
     for (int i = 0; i < MAXN; i++)
-        if (nl_kvcache_new(&kv[i], m, 1, past + reps + 8, &err) != NL_OK)
+        if (nl_kvcache_new(&kv[i], m, 1, past + reps + 8, NL_KV_FP32, &err) != NL_OK)
             goto out;
     double best[6];
     for (int j = 0; j < nn; j++)

@@ -264,6 +264,8 @@ static void print_gemm(const job *j, double fp32_s, double tf32_s, const spec *s
 
 /* ---------------------------------------------------------------- decode */
 
+#define DECODE_MODES 6 /* the runs of decode_split */
+
 /* The figures of one decode run. */
 typedef struct decode_fig {
     double s_per_tok;  /* seconds per token */
@@ -283,9 +285,11 @@ typedef struct decode_fig {
  * downloads and syncs (on CUDA a small upload is staged and does not
  * wait). Returns 0, or -1 with err set. */
 /* How a decode run is made: routing on the host (NL_HOST_ROUTING=1),
- * recorded steps, the fused decode slots (off: NL_FUSED=0). */
+ * recorded steps, the fused decode slots (off: NL_FUSED=0), the KV
+ * cache's element type (--kv-cache). */
 typedef struct decode_mode {
     int host, graphs, fused;
+    nl_kv_dtype kv;
 } decode_mode;
 
 /* setenv(name, v) for a runstate's allocation, then the old value back */
@@ -333,7 +337,7 @@ static int decode_run(nl_backend *be, nl_model *m, int tokens, const decode_mode
     for (int i = 0; i < P; i++)
         prompt[i] = (int32_t)((i * 7919) % V);
     if (runstate_for(&rs, m, P, dm, err) != NL_OK ||
-        nl_kvcache_new(&kv, m, 1, P + tokens, err) != NL_OK)
+        nl_kvcache_new(&kv, m, 1, P + tokens, dm->kv, err) != NL_OK)
         goto out;
     nl_forward_args a = {.B = 1, .T = P, .tokens = prompt, .kv = kv, .last_only = 1};
     if (nl_forward(m, rs, &a, NULL, err) != NL_OK)
@@ -422,6 +426,10 @@ COUNTED(kv_store,
         (nl_backend * be, float *kc, float *vc, const float *qkv, int st, int kc0, int vc0,
          const int32_t *p, int B, int T, int cap, int kvd),
         kc, vc, qkv, st, kc0, vc0, p, B, T, cap, kvd)
+COUNTED(kv_store_bf16,
+        (nl_backend * be, uint16_t *kc, uint16_t *vc, const float *qkv, int st, int kc0, int vc0,
+         const int32_t *p, int past, int B, int T, int cap, int kvd),
+        kc, vc, qkv, st, kc0, vc0, p, past, B, T, cap, kvd)
 COUNTED(moe_combine,
         (nl_backend * be, float *x, const float *y, const int32_t *sl, const float *w, int N, int k,
          int C),
@@ -481,6 +489,7 @@ static void counting_init(counting *c, nl_backend *in)
     WRAP(gather_rows);
     WRAP(copy_rows);
     WRAP(kv_store);
+    WRAP(kv_store_bf16);
     WRAP(moe_combine);
     WRAP(moe_route);
     WRAP(moe_aux);
@@ -501,12 +510,13 @@ static int decode_launches(nl_model *m, int fused, long *calls, nl_error *err)
     counting_init(&c, m->be);
     nl_model view = *m;
     view.be = &c.be;
-    const decode_mode dm = {0, 0, fused};
+    const decode_mode dm = {0, 0, fused, NL_KV_FP32};
     nl_runstate *rs = NULL;
     nl_kvcache *kv = NULL;
     int32_t prompt[4] = {1, 2, 3, 4};
     int rc = -1;
-    if (runstate_for(&rs, m, 4, &dm, err) != NL_OK || nl_kvcache_new(&kv, m, 1, 8, err) != NL_OK)
+    if (runstate_for(&rs, m, 4, &dm, err) != NL_OK ||
+        nl_kvcache_new(&kv, m, 1, 8, NL_KV_FP32, err) != NL_OK)
         goto out;
     nl_forward_args a = {.B = 1, .T = 4, .tokens = prompt, .kv = kv, .last_only = 1};
     if (nl_forward(&view, rs, &a, NULL, err) != NL_OK)
@@ -528,10 +538,11 @@ out:
  * token makes (token and position up, logits down) timed alone. fig:
  * [0] device routing, [1] host routing, [2] device routing without
  * graphs, [3] and [4] as [0] and [2] without the fused decode slots
- * (NL_FUSED=0); launches[2]: op slot calls of one token, fused and not.
- * Returns 0, or -1 with err set. */
-static int decode_split(nl_backend *be, const nl_config *cf, int tokens, decode_fig fig[5],
-                        long launches[2], double *copy_s, nl_error *err)
+ * (NL_FUSED=0), [5] as [0] with a bf16 KV cache; launches[2]: op slot
+ * calls of one token, fused and not. Returns 0, or -1 with err set. */
+static int decode_split(nl_backend *be, const nl_config *cf, int tokens,
+                        decode_fig fig[DECODE_MODES], long launches[2], double *copy_s,
+                        nl_error *err)
 {
     const int L = cf->num_layers, V = (int)cf->vocab_size;
     nl_model *m = NULL;
@@ -546,8 +557,10 @@ static int decode_split(nl_backend *be, const nl_config *cf, int tokens, decode_
             nl_error_set(err, NL_ERR_NOMEM, "decode: out of memory");
         goto out;
     }
-    static const decode_mode modes[5] = {{0, 1, 1}, {1, 1, 1}, {0, 0, 1}, {0, 1, 0}, {0, 0, 0}};
-    for (int k = 0; k < 5; k++)
+    static const decode_mode modes[DECODE_MODES] = {{0, 1, 1, NL_KV_FP32}, {1, 1, 1, NL_KV_FP32},
+                                                    {0, 0, 1, NL_KV_FP32}, {0, 1, 0, NL_KV_FP32},
+                                                    {0, 0, 0, NL_KV_FP32}, {0, 1, 1, NL_KV_BF16}};
+    for (int k = 0; k < DECODE_MODES; k++)
         if (decode_run(be, m, tokens, &modes[k], host, &fig[k], err) != 0)
             goto out;
     if (decode_launches(m, 1, &launches[0], err) != 0 ||
@@ -574,22 +587,25 @@ out:
  * 0, or -1 with err set (nothing printed). */
 static int decode_report(nl_backend *be, const nl_config *cf, long long tokens, nl_error *err)
 {
-    decode_fig f[5] = {{0}};
+    decode_fig f[DECODE_MODES] = {{0}};
     long launches[2] = {0};
     double copy = 0;
     if (decode_split(be, cf, (int)tokens, f, launches, &copy, err) != 0)
         return -1;
     printf(",\n  \"decode\":{\"tokens\":%lld,\"prompt\":64,", tokens);
-    static const char *names[] = {"device_routing", "host_routing", "no_graphs", "no_fused",
-                                  "no_fused_no_graphs"};
+    static const char *names[DECODE_MODES] = {"device_routing",     "host_routing",
+                                              "no_graphs",          "no_fused",
+                                              "no_fused_no_graphs", "bf16_kv_cache"};
     printf("\"launches_per_token\":{\"fused\":%ld,\"unfused\":%ld},\"fused_same_ids\":%s,",
            launches[0], launches[1], f[0].ids_hash == f[3].ids_hash ? "true" : "false");
-    for (int k = 0; k < 5; k++)
+    for (int k = 0; k < DECODE_MODES; k++)
         printf("\"%s\":{\"ms_per_token\":%.3f,\"tokens_s\":%.1f,"
                "\"host_syncs_per_token\":%.2f,\"graph_replays\":%" PRIu64 "},",
                names[k], f[k].s_per_tok * 1e3, 1.0 / f[k].s_per_tok, f[k].syncs, f[k].replays);
-    printf("\"graphs_same_ids\":%s,\"copies_ms\":%.3f,\"kernels_and_launches_ms\":%.3f}",
-           f[0].ids_hash == f[2].ids_hash ? "true" : "false", copy * 1e3,
+    printf("\"graphs_same_ids\":%s,\"bf16_kv_same_ids\":%s,\"copies_ms\":%.3f,"
+           "\"kernels_and_launches_ms\":%.3f}",
+           f[0].ids_hash == f[2].ids_hash ? "true" : "false",
+           f[0].ids_hash == f[5].ids_hash ? "true" : "false", copy * 1e3,
            (f[0].s_per_tok - copy) * 1e3);
     return 0;
 }

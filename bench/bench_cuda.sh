@@ -19,6 +19,8 @@
 #      launched (decode_graphs: the ratio, the same greedy ids); and the
 #      fused decode slots against the separate ones, NL_FUSED=0
 #      (decode_fused: tokens/s with and without graphs, launches per token);
+#      and decode with the KV cache in bf16 beside FP32 (decode_kv_bf16:
+#      tokens/s, the ratio, whether the greedy ids agree);
 #   3. neuroctl bench --device cuda:0 on configs/bench-large.yaml and on
 #      configs/bench-xl.yaml (about 4.2 GB of weights), and bench-large on
 #      --device cpu, for the speed-up; the device's training figures
@@ -274,6 +276,20 @@ if lf >= lu:
     sys.exit("the fused decode made no fewer launches than the separate slots")
 PY
 result decode_fused $? "$(tail -1 "$OUT/decode_fused.txt")"
+# the decode KV cache in bf16 (--kv-cache bf16: half the bytes the attention
+# reads per token) beside FP32, both with graphs and the fused slots:
+# tokens/s and their ratio, and whether the greedy ids agree (reported, not
+# judged: the cache is rounded)
+$PY - "$OUT/bench_cuda.json" >"$OUT/decode_kv_bf16.txt" 2>&1 <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1])).get("decode")
+if not d or "bf16_kv_cache" not in d:
+    sys.exit("no bf16 KV cache figures in bench_cuda's output")
+f, h = d["device_routing"], d["bf16_kv_cache"]
+print("decode tok/s bf16 KV cache %.1f vs FP32 %.1f (x%.2f); same ids %s"
+      % (h["tokens_s"], f["tokens_s"], h["tokens_s"] / f["tokens_s"], d["bf16_kv_same_ids"]))
+PY
+result decode_kv_bf16 $? "$(tail -1 "$OUT/decode_kv_bf16.txt")"
 
 fi # part 2
 

@@ -6,6 +6,7 @@
 #include "base/args.h"
 #include "core/formats/fileio.h"
 #include "core/formats/safetensors.h"
+#include "core/model/kvcache.h"
 #include "kernels/backend.h"
 
 /* Read an integer tensor `name` ([B, T], I32 or I64, 1..2^24 entries, each
@@ -46,12 +47,18 @@ int nl_cli_device_flags(const nl_flag *flags, const char **device, int *tf32, in
 typedef struct nl_cli_device {
     const char *device; /* NULL: cpu */
     bool tf32;
-    int bf16; /* --precision: 0 fp32, 1 bf16 */
+    int bf16;     /* --precision: 0 fp32, 1 bf16 */
+    int kv_cache; /* --kv-cache: an nl_kv_dtype */
 } nl_cli_device;
 #define NL_CLI_DEVICE_OPT(d) NL_OPT_STR("device", &(d)->device, NL_CLI_DEVICE_HELP)
 #define NL_CLI_TF32_OPT(d) NL_OPT_SWITCH("tf32", &(d)->tf32, NL_CLI_TF32_HELP)
 #define NL_CLI_PRECISION_OPT(d)                                                                    \
     NL_OPT_CHOICE("precision", &(d)->bf16, "fp32|bf16", "fp32", NL_CLI_PRECISION_HELP)
+#define NL_CLI_KV_CACHE_HELP                                                                       \
+    "T: element type of the decode KV cache, fp32 (default) or bf16 (half the bytes per "          \
+    "decoded token; rounded to nearest even when stored, attention sums in FP32)"
+#define NL_CLI_KV_CACHE_OPT(d)                                                                     \
+    NL_OPT_CHOICE("kv-cache", &(d)->kv_cache, NL_KV_DTYPE_CHOICES, "fp32", NL_CLI_KV_CACHE_HELP)
 int nl_cli_device_opts(nl_cli_device *d);
 
 /* The backend of a local command: nl_backend_new(device, threads, tf32,

@@ -289,7 +289,8 @@ typedef struct up_opts {
     uint64_t memory, kv_budget; /* kv_budget 0: the node's default */
     const char *model, *config, *resume, *http, *device;
     bool tf32;
-    int bf16; /* --precision: 0 fp32, 1 bf16 */
+    int bf16;     /* --precision: 0 fp32, 1 bf16 */
+    int kv_cache; /* --kv-cache: an nl_kv_dtype */
     char devices[64][32];
 } up_opts;
 
@@ -464,7 +465,7 @@ static int start_nodes(const nl_opt *flags, const up_opts *o, char *node_bin, co
         snprintf(log, sizeof log, "%s/%s.log", dir, name);
         snprintf(pidf, sizeof pidf, "%s/%s.pid", dir, name);
         char *dev = (char *)o->devices[i - 1];
-        char *nargv[24] = {node_bin,  "join",      ep,    "--key",  key,  "--coordinator-key",
+        char *nargv[28] = {node_bin,  "join",      ep,    "--key",  key,  "--coordinator-key",
                            coord_pub, "--threads", s_thr, "--name", name, "--device",
                            dev};
         int na = 13;
@@ -481,6 +482,10 @@ static int start_nodes(const nl_opt *flags, const up_opts *o, char *node_bin, co
             nargv[na++] = "--tf32";
         if (o->bf16) {
             nargv[na++] = "--precision";
+            nargv[na++] = "bf16";
+        }
+        if (o->kv_cache == NL_KV_BF16) {
+            nargv[na++] = "--kv-cache";
             nargv[na++] = "bf16";
         }
         /* a local cluster runs as its user, who names the checkpoint
@@ -581,7 +586,8 @@ static int cluster_up(const nl_opt *flags, up_opts *op, const char *dir)
 #define CLUSTER_USAGE                                                                              \
     "neuroctl cluster up|down [--dir DIR] [--nodes N] [--model M | --config C | --resume "         \
     "MANIFEST] [--memory SIZE] [--threads N] [--spin N] [--kv-budget SIZE] [--device D[,D...]] "   \
-    "[--tf32] [--precision fp32|bf16] [--http HOST:PORT [--http-tokens FILE] [--http-adapter "     \
+    "[--tf32] [--precision fp32|bf16] [--kv-cache fp32|bf16] [--http HOST:PORT [--http-tokens "    \
+    "FILE] [--http-adapter "                                                                       \
     "NAME=FILE]] [--grow auto] [--wire fp32|bf16] [--replicas R|auto [--plan-microbatches M] "     \
     "[--outer-every H [--outer-lr X] [--outer-momentum M]]]"
 #define MAX_FLAGS 40
@@ -610,6 +616,9 @@ static void cluster_flags(nl_opt t[MAX_FLAGS], up_opts *o, const char **dir)
         NL_OPT_CHOICE("precision", &o->bf16, "fp32|bf16", NULL,
                       "up: P: the nodes' GEMM precision, fp32 (default) or bf16 (neuronode "
                       "--precision)"),
+        NL_OPT_CHOICE("kv-cache", &o->kv_cache, NL_KV_DTYPE_CHOICES, NULL,
+                      "up: T: the element type of the nodes' generation KV caches, fp32 "
+                      "(default) or bf16 (neuronode --kv-cache)"),
         NL_OPT_LLONG("threads", &o->threads, 0, 1024, NULL,
                      "up: threads per node (default: the cores shared evenly)"),
         NL_OPT_SIZE("kv-budget", &o->kv_budget, NULL,

@@ -21,10 +21,11 @@
  * calling emit for each; the prompt and the tokens made fill at most the
  * context (P + made <= max_seq_len), as the HTTP API's max_tokens.
  * warmup: run the prompt and one decode step once first (kernels
- * compiled, buffers touched), then start the clock. */
-static nl_status generate(nl_model *m, const int32_t *prompt, int P, int max_new, nl_sampler *smp,
-                          bool warmup, nl_gen_clock *clock, void (*emit)(int32_t, void *),
-                          void *ctx, nl_error *err)
+ * compiled, buffers touched), then start the clock. kv_dtype: the
+ * cache's element type (--kv-cache). */
+static nl_status generate(nl_model *m, const int32_t *prompt, int P, int max_new,
+                          nl_kv_dtype kv_dtype, nl_sampler *smp, bool warmup, nl_gen_clock *clock,
+                          void (*emit)(int32_t, void *), void *ctx, nl_error *err)
 {
     nl_backend *be = m->be;
     const int V = (int)m->cfg.vocab_size;
@@ -47,7 +48,7 @@ static nl_status generate(nl_model *m, const int32_t *prompt, int P, int max_new
         goto out;
     }
     if ((st = nl_runstate_new(&rs, m, P, err)) != NL_OK ||
-        (st = nl_kvcache_new(&kv, m, 1, cap, err)) != NL_OK)
+        (st = nl_kvcache_new(&kv, m, 1, cap, kv_dtype, err)) != NL_OK)
         goto out;
     nl_forward_args a = {.B = 1, .T = P, .tokens = prompt, .kv = kv, .last_only = 1};
     int32_t next = 0; /* read by the next forward */
@@ -116,7 +117,8 @@ typedef struct gen_args {
 #define GEN_USAGE                                                                                  \
     "neuroctl generate --model MODEL (--prompt-tokens 1,2,3 | --prompt TEXT) [--max-new N] "       \
     "[--temperature X] [--top-p P] [--seed S] [--threads N] [--warmup] [--adapter A] "             \
-    "[--device D] [--tf32] [--precision fp32|bf16]" NL_CLI_CLUSTER_USAGE("generate")
+    "[--device D] [--tf32] [--precision fp32|bf16] [--kv-cache fp32|bf16]" NL_CLI_CLUSTER_USAGE(   \
+        "generate")
 
 /* The flags into a: 0 to run, -1 after --help, else the exit code (said). */
 static int gen_flags(gen_args *a, int argc, char **argv)
@@ -142,6 +144,7 @@ static int gen_flags(gen_args *a, int argc, char **argv)
         NL_CLI_DEVICE_OPT(&a->dev),
         NL_CLI_TF32_OPT(&a->dev),
         NL_CLI_PRECISION_OPT(&a->dev),
+        NL_CLI_KV_CACHE_OPT(&a->dev),
         NL_OPT_END};
     int rc = nl_opts_parse(argc, argv, flags, GEN_USAGE, NULL, 0, NULL);
     if (rc)
@@ -214,8 +217,8 @@ int nl_cmd_generate(int argc, char **argv)
     if (nl_sampler_init(&smp, (int)m->cfg.vocab_size, (float)a.temp, (float)a.top_p,
                         (uint64_t)a.seed, &err) != NL_OK)
         goto out;
-    if (generate(m, prompt, P, (int)max_new, &smp, a.warmup, &ec.clock, emit_token, &ec, &err) !=
-        NL_OK)
+    if (generate(m, prompt, P, (int)max_new, (nl_kv_dtype)a.dev.kv_cache, &smp, a.warmup, &ec.clock,
+                 emit_token, &ec, &err) != NL_OK)
         goto out;
     printf("\n");
     fflush(stdout);
@@ -270,6 +273,7 @@ static const nl_flag bench_flags[] = {
     NL_CLI_DEVICE_FLAG,
     NL_CLI_TF32_FLAG,
     NL_CLI_PRECISION_FLAG,
+    {"kv-cache", 1, NL_CLI_KV_CACHE_HELP " (the decode run)", NULL},
     {0}};
 
 /* Decode at batch 1: P tokens prefilled, then *ndec single steps (fewer
@@ -277,14 +281,15 @@ static const nl_flag bench_flags[] = {
  * the argmax of the last logits. rs1 and kv are the caller's to free. 0,
  * or 1 when it fails (err says why). */
 static int bench_decode(nl_model *m, const int32_t *tokens, float *logits, int P, long long *ndec,
-                        nl_runstate **rs1, nl_kvcache **kv, double *dec_s, nl_error *err)
+                        nl_kv_dtype kv_dtype, nl_runstate **rs1, nl_kvcache **kv, double *dec_s,
+                        nl_error *err)
 {
     nl_backend *be = m->be;
     const nl_config *cfg = &m->cfg;
     if (P + *ndec > cfg->max_seq_len)
         *ndec = cfg->max_seq_len - P;
     if (nl_runstate_new(rs1, m, P, err) != NL_OK ||
-        nl_kvcache_new(kv, m, 1, (int)(P + *ndec), err) != NL_OK)
+        nl_kvcache_new(kv, m, 1, (int)(P + *ndec), kv_dtype, err) != NL_OK)
         return 1;
     nl_forward_args pre = {.B = 1, .T = P, .tokens = tokens, .kv = *kv, .last_only = 1};
     if (nl_forward(m, *rs1, &pre, NULL, err) != NL_OK)
@@ -346,7 +351,7 @@ int nl_cmd_bench(int argc, char **argv)
     nl_flag flags[sizeof bench_flags / sizeof *bench_flags];
     memcpy(flags, bench_flags, sizeof flags);
     const char *usage = "neuroctl bench --config CFG.yaml [--batch B] [--seq T] [--threads N] "
-                        "[--device D] [--tf32] [--precision fp32|bf16]";
+                        "[--device D] [--tf32] [--precision fp32|bf16] [--kv-cache fp32|bf16]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -364,6 +369,12 @@ int nl_cmd_bench(int argc, char **argv)
         (rc = nl_args_int(flags, "repeats", 1, 1000, &reps)) ||
         (rc = nl_cli_device_flags(flags, &device, &tf32, &bf16)))
         return rc;
+    const char *kvs = nl_args_get(flags, "kv-cache");
+    const nl_kv_dtype kv_dtype = kvs && strcmp(kvs, "bf16") == 0 ? NL_KV_BF16 : NL_KV_FP32;
+    if (kvs && kv_dtype == NL_KV_FP32 && strcmp(kvs, "fp32") != 0) {
+        fprintf(stderr, "--kv-cache %s: not fp32 or bf16\n", kvs);
+        return 2;
+    }
     nl_error err = {0};
     nl_config cfg;
     nl_backend *be = NULL;
@@ -418,7 +429,7 @@ int nl_cmd_bench(int argc, char **argv)
 
     /* decode at batch 1: prefill P tokens, then time ndec single steps */
     double dec_s = 0.0;
-    if (bench_decode(m, tokens, logits, P, &ndec, &rs1, &kv, &dec_s, &err))
+    if (bench_decode(m, tokens, logits, P, &ndec, kv_dtype, &rs1, &kv, &dec_s, &err))
         goto out;
 
     /* training: one warm-up step, then the median of `reps` whole steps
@@ -431,10 +442,11 @@ int nl_cmd_bench(int argc, char **argv)
     printf("{\"config\":\"%s\",\"device\":\"%s\",\"batch\":%lld,\"seq\":%lld,\"threads\":%d,"
            "\"params\":%" PRId64 ",\"forward_tok_s\":%.1f,\"forward_gflops\":%.1f,"
            "\"forward_ms\":%.2f,\"decode_tok_s\":%.1f,\"gemm_peak_gflops\":%.1f,"
-           "\"forward_peak_frac\":%.3f,%s,\"precision\":\"%s\"}\n",
+           "\"forward_peak_frac\":%.3f,%s,\"precision\":\"%s\",\"kv_cache\":\"%s\"}\n",
            cfg_path, be->name, B, T, threads ? (int)threads : 0, nl_config_param_count(&cfg),
            (double)(B * T) / fwd_s, fwd_flops / fwd_s / 1e9, fwd_s * 1e3, (double)ndec / dec_s,
-           peak, fwd_flops / fwd_s / 1e9 / peak, train_json, be->bf16 ? "bf16" : "fp32");
+           peak, fwd_flops / fwd_s / 1e9 / peak, train_json, be->bf16 ? "bf16" : "fp32",
+           nl_kv_dtype_name(kv_dtype));
     rc = 0;
 out:
     free(times);

@@ -1,7 +1,7 @@
 /* neuroctl selftest: every slot of a target backend against the reference
  * backend (the CPU one by default), op by op on random inputs from a fixed
  * seed, then a whole small model (prefill routing, logits, 32 greedy decode
- * steps) through core's public API on both; where the target can train,
+ * steps, again with bf16 KV caches) through core's public API on both; where the target can train,
  * also one layer forward and backward (core/model/layer.h) and three local
  * training steps (core/train/train.h) from the same weights and batches. It is the twin test of the
  * CUDA backend: `neuroctl selftest --device cuda:0` on a machine with a GPU.

@@ -61,6 +61,7 @@ typedef struct engine {
     pthread_mutex_t tok_mu;   /* the encoder keeps a cache */
     pthread_mutex_t model_mu; /* the batch's activations: engine steps, embeddings */
     int max_batch, chunk;
+    nl_kv_dtype kv_dtype; /* the sessions' caches (--kv-cache) */
     const char *name;
     pthread_mutex_t mu;
     pthread_cond_t work, out;
@@ -84,7 +85,8 @@ static double now_s(void)
 static void job_release_kv(engine *e, job *j)
 {
     if (j->kv) {
-        e->kv_bytes -= nl_kvcache_bytes(&e->m->cfg, e->m->cfg.num_layers, 1, j->kv->cap);
+        e->kv_bytes -=
+            nl_kvcache_bytes(&e->m->cfg, e->m->cfg.num_layers, 1, j->kv->cap, j->kv->dtype);
         nl_kvcache_destroy(&j->kv);
     }
 }
@@ -135,13 +137,14 @@ static void reap_and_admit(engine *e)
         e->queued--;
         e->active++;
         j->state = JOB_PREFILL;
-        if (nl_kvcache_new(&j->kv, e->m, 1, j->P + j->max_new, &err) != NL_OK) {
+        if (nl_kvcache_new(&j->kv, e->m, 1, j->P + j->max_new, e->kv_dtype, &err) != NL_OK) {
             j->failed = 1;
             snprintf(j->errmsg, sizeof j->errmsg, "%s", err.msg);
             job_finish(e, j);
             continue;
         }
-        e->kv_bytes += nl_kvcache_bytes(&e->m->cfg, e->m->cfg.num_layers, 1, j->kv->cap);
+        e->kv_bytes +=
+            nl_kvcache_bytes(&e->m->cfg, e->m->cfg.num_layers, 1, j->kv->cap, j->kv->dtype);
     }
 }
 
@@ -500,7 +503,7 @@ static char *be_status(void *ctx)
     pthread_mutex_lock(&e->mu);
     json_t *o = json_pack(
         "{s:s,s:{s:s,s:i,s:i,s:I,s:i,s:I},s:[{s:s,s:s,s:s,s:o,s:I,s:i,s:[i,i],s:s,s:f,s:f,s:I}],"
-        "s:[{s:i,s:s,s:s,s:s,s:[i,i],s:s,s:n}],s:{s:i,s:i,s:I,s:i,s:i},s:I,s:f,s:n}",
+        "s:[{s:i,s:s,s:s,s:s,s:[i,i],s:s,s:n}],s:{s:i,s:i,s:I,s:s,s:i,s:i},s:I,s:f,s:n}",
         "mode", "single", "model", "name", e->name, "layers", c->num_layers, "hidden_dim",
         c->hidden_dim, "vocab_size", (json_int_t)c->vocab_size, "max_seq_len", c->max_seq_len,
         "params", (json_int_t)nl_config_param_count(c), "nodes", "name", "local", "state",
@@ -510,8 +513,9 @@ static char *be_status(void *ctx)
         "stage_ms", e->step_ms, "kv_bytes", (json_int_t)e->kv_bytes, "pipeline", "stage", 0, "node",
         "local", "device", be->name, "state", "serving", "layers", 0, c->num_layers, "layers_text",
         range, "busy", "sessions", "active", e->active, "queued", e->queued, "kv_cache_bytes",
-        (json_int_t)e->kv_bytes, "max_batch", e->max_batch, "prefill_chunk", e->chunk,
-        "tokens_generated", (json_int_t)e->tokens, "uptime_s", now_s() - e->t_start, "training");
+        (json_int_t)e->kv_bytes, "kv_cache", nl_kv_dtype_name(e->kv_dtype), "max_batch",
+        e->max_batch, "prefill_chunk", e->chunk, "tokens_generated", (json_int_t)e->tokens,
+        "uptime_s", now_s() - e->t_start, "training");
     pthread_mutex_unlock(&e->mu);
     char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
@@ -594,7 +598,7 @@ typedef struct serve_args {
     "neuroctl serve --model MODEL [--adapter A] [--http HOST:PORT] [--http-tokens FILE] "          \
     "[--max-batch N] [--prefill-chunk N] [--max-requests N] [--http-timeout S] [--http-per-ip N] " \
     "[--http-deadline S] [--http-allow-host NAMES] [--threads N] [--spin N] [--device D] "         \
-    "[--precision P] [--tf32]"
+    "[--precision P] [--tf32] [--kv-cache fp32|bf16]"
 
 /* The flags into a: 0 to run, -1 after --help, else the exit code (said). */
 static int serve_flags(serve_args *a, int argc, char **argv)
@@ -623,6 +627,7 @@ static int serve_flags(serve_args *a, int argc, char **argv)
         NL_CLI_DEVICE_OPT(&a->dev),
         NL_CLI_PRECISION_OPT(&a->dev),
         NL_CLI_TF32_OPT(&a->dev),
+        NL_CLI_KV_CACHE_OPT(&a->dev),
         NL_OPT_END};
     a->spin = 1000;
     int rc = nl_opts_parse(argc, argv, flags, SERVE_USAGE, NULL, 0, NULL);
@@ -662,6 +667,12 @@ static int engine_load(engine *e, nl_backend **be, const char *model, const char
         nl_cli_backend_new(be, device, threads, tf32, bf16, 0, err) != NL_OK ||
         nl_checkpoint_load(&e->m, *be, model, 0, -1, 1, 1, NULL, err) != NL_OK)
         return 1;
+    /* the sessions' cache type, refused now rather than at each admission
+     * where the backend cannot hold it */
+    nl_kvcache *probe = NULL;
+    if (nl_kvcache_new(&probe, e->m, 1, 1, e->kv_dtype, err) != NL_OK)
+        return 1;
+    nl_kvcache_destroy(&probe);
     /* the batched engine applies no adapters: the adapter is folded into
      * the weights once (W += alpha/r B A), as `neuroctl lora merge` does */
     if (adapter &&
@@ -686,7 +697,10 @@ int nl_cmd_serve(int argc, char **argv)
     respawn_with_spin(argc, argv, spin);
     nl_error err = {0};
     nl_backend *be = NULL;
-    engine e = {.max_batch = a.max_batch, .chunk = a.chunk, .t_start = now_s()};
+    engine e = {.max_batch = a.max_batch,
+                .chunk = a.chunk,
+                .kv_dtype = (nl_kv_dtype)a.dev.kv_cache,
+                .t_start = now_s()};
     const char *slash = strrchr(model, '/'), *adapter = a.adapter;
     e.name = slash ? slash + 1 : model;
     char merged_name[512];

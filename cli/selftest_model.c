@@ -53,7 +53,8 @@ static nl_status side_new(model_side *ms, nl_backend *be, const nl_config *cfg, 
         (st = nl_model_new(&ms->m, be, cfg, 0, cfg->num_layers, 1, 1, err)) != NL_OK ||
         (st = nl_model_init_random(ms->m, seed, err)) != NL_OK ||
         (st = nl_runstate_new(&ms->rs, ms->m, N, err)) != NL_OK ||
-        (st = nl_kvcache_new(&ms->kv, ms->m, 1, MT + NL_SELFTEST_DECODE, err)) != NL_OK ||
+        (st = nl_kvcache_new(&ms->kv, ms->m, 1, MT + NL_SELFTEST_DECODE, NL_KV_FP32, err)) !=
+            NL_OK ||
         (st = nl_layer_acts_alloc(&ms->acts, be, cfg, N, 0, err)) != NL_OK)
         return st;
     ms->tok_d = be->alloc(be, (size_t)N * sizeof(int32_t));
@@ -202,9 +203,10 @@ static int argmax(const float *x, int n, double *gap)
 }
 
 /* Prefill a prompt with the cache, then NL_SELFTEST_DECODE greedy steps; both sides
- * are fed the reference's choice so the logits stay comparable. */
+ * are fed the reference's choice so the logits stay comparable. Lines
+ * `logits_check` and `ids_check`. */
 static void check_decode(nl_selftest *c, model_side ms[2], const int32_t *prompt, double tol,
-                         double tie)
+                         double tie, const char *logits_check, const char *ids_check)
 {
     const int V = (int)ms[0].m->cfg.vocab_size;
     float *lg[2] = {nl_selftest_hbuf(c, (size_t)V * sizeof(float)),
@@ -226,7 +228,7 @@ static void check_decode(nl_selftest *c, model_side ms[2], const int32_t *prompt
                                  .last_only = 1};
             nl_backend *be = c->be[s];
             if (nl_forward(ms[s].m, ms[s].rs, &a, NULL, &e) != NL_OK) {
-                nl_selftest_line(c, 0, "model_decode_logits", shape, INFINITY, tol, e.msg);
+                nl_selftest_line(c, 0, logits_check, shape, INFINITY, tol, e.msg);
                 nl_selftest_release(c);
                 return;
             }
@@ -239,14 +241,38 @@ static void check_decode(nl_selftest *c, model_side ms[2], const int32_t *prompt
         worst = max2(worst, nl_selftest_err_all(lg[0], lg[1], (size_t)V));
         const double scale = fabs(lg[0][id[0]]) > 1e-30 ? fabs(lg[0][id[0]]) : 1.0;
         if (gap < tie * scale)
-            printf("note  model_greedy_ids  step %d: top-2 logits %.3g apart (near-tie)%s\n", step,
+            printf("note  %s  step %d: top-2 logits %.3g apart (near-tie)%s\n", ids_check, step,
                    gap, id[0] == id[1] ? "" : ", the backends chose differently");
         else if (id[0] != id[1] && ++differ <= 8)
-            printf("note  model_greedy_ids  step %d: %d against %d\n", step, id[1], id[0]);
+            printf("note  %s  step %d: %d against %d\n", ids_check, step, id[1], id[0]);
         next = id[0];
     }
-    nl_selftest_line(c, worst <= tol, "model_decode_logits", shape, worst, tol, NULL);
-    nl_selftest_done(c, "model_greedy_ids", shape, differ, c->tol->greedy_differ);
+    nl_selftest_line(c, worst <= tol, logits_check, shape, worst, tol, NULL);
+    nl_selftest_done(c, ids_check, shape, differ, c->tol->greedy_differ);
+}
+
+/* The decode again with both sides' caches in bf16 (--kv-cache bf16): the
+ * target's kv_store_bf16 and attention over bf16 bits against the
+ * reference's. Tolerance: the precision's decode bound, at least 1e-2: a
+ * key or value whose FP32 value differs between the sides in its last
+ * bits (sums in another order) may round to the neighbouring bf16, one
+ * unit of 2^-8 relative, and a few such flips move the logits by far more
+ * than FP32's 1e-5. */
+static void check_decode_kv_bf16(nl_selftest *c, model_side ms[2], const int32_t *prompt,
+                                 double tie)
+{
+    nl_error e = {0};
+    for (int s = 0; s < 2; s++) {
+        nl_kvcache_destroy(&ms[s].kv);
+        if (nl_kvcache_new(&ms[s].kv, ms[s].m, 1, MT + NL_SELFTEST_DECODE, NL_KV_BF16, &e) !=
+            NL_OK) {
+            nl_selftest_line(c, 0, "model_kv_bf16_logits", "bf16 KV cache", INFINITY, 0, e.msg);
+            return;
+        }
+    }
+    const double tol = nl_selftest_bf16_tol(c, "model_decode_logits", c->tol->decode_logits);
+    check_decode(c, ms, prompt, tol > 1e-2 ? tol : 1e-2, tie, "model_kv_bf16_logits",
+                 "model_kv_bf16_ids");
 }
 
 /* ---------------------------------------------------------------- training */
@@ -506,10 +532,14 @@ void nl_selftest_model(nl_selftest *c, uint64_t seed)
         if (tok)
             check_logits(c, ms, tok, tol);
         tok = nl_selftest_ids(c, MT, (int)cfg.vocab_size);
-        if (tok)
-            check_decode(c, ms, tok,
-                         nl_selftest_bf16_tol(c, "model_decode_logits", c->tol->decode_logits),
-                         tie);
+        int32_t prompt[MT]; /* kept: the checks' host buffers are given back */
+        if (tok) {
+            memcpy(prompt, tok, sizeof prompt);
+            check_decode(c, ms, prompt,
+                         nl_selftest_bf16_tol(c, "model_decode_logits", c->tol->decode_logits), tie,
+                         "model_decode_logits", "model_greedy_ids");
+            check_decode_kv_bf16(c, ms, prompt, tie);
+        }
         nl_selftest_release(c);
         if (c->be[1]->can_train) {
             check_layer(c, ms, seed);

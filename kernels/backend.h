@@ -58,6 +58,10 @@ typedef struct nl_attn_shape {
      * runs, and `past` must be 0. A captured step (graph_begin) is then
      * valid for any position. The forward slots only. */
     const int32_t *pos;
+    /* 1: k and v hold bf16 bits (uint16_t, strides in elements), as a
+     * bf16 KV cache keeps them (kv_store_bf16); each is widened to FP32
+     * when read and every sum stays FP32. The forward slots only. */
+    int kv_bf16;
 } nl_attn_shape;
 
 /* The masks of DESIGN.md section 6, for the attention_masked_* slots (a
@@ -93,7 +97,7 @@ typedef struct nl_rope_scaling {
 /* Bumped whenever struct nl_backend, nl_backend_opts, nl_attn_shape,
  * nl_attn_mask, nl_rope_scaling or nl_error changes: a backend module
  * built against another version is refused when it is loaded. */
-#define NL_BACKEND_ABI 9
+#define NL_BACKEND_ABI 10
 
 /* the largest vocabulary the sample slot takes (a GPU keeps one block's
  * chunk sums, NL_SAMPLE_CHUNK ids each, in shared memory) */
@@ -233,6 +237,14 @@ struct nl_backend {
      * Positions are checked by the caller (0 <= pos[n] < cap). */
     void (*kv_store)(nl_backend *be, float *kc, float *vc, const float *qkv, int stride, int k_col,
                      int v_col, const int32_t *pos, int B, int T, int cap, int kv_dim);
+    /* Optional (NULL: no bf16 KV cache on this backend): kv_store into a
+     * cache of bf16 bits, each value rounded to nearest even
+     * (nl_elem_to_bf16); with pos NULL, row n = b T + t goes to position
+     * past + t (host-known positions), else to pos[n] read on the device
+     * (past must be 0). */
+    void (*kv_store_bf16)(nl_backend *be, uint16_t *kc, uint16_t *vc, const float *qkv, int stride,
+                          int k_col, int v_col, const int32_t *pos, int past, int B, int T, int cap,
+                          int kv_dim);
     /* Mixture-of-experts combine: for each token n and each of its k
      * choices i (in order), x[n, :] += w[n*k + i] * y[slot[n*k + i], :].
      * y holds the expert outputs in dispatch order. (N, C) */

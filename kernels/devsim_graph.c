@@ -309,6 +309,37 @@ static void ds_kv_store(nl_backend *be, float *kc, float *vc, const float *qkv, 
     QUEUE(be, run_kv_store, a);
 }
 
+typedef struct {
+    uint16_t *kc, *vc;
+    const float *qkv;
+    const int32_t *pos;
+    int stride, k_col, v_col, past, B, T, cap, kv_dim;
+} kv_store_bf16_args;
+static void run_kv_store_bf16(nl_backend *be, const void *p)
+{
+    const kv_store_bf16_args *a = p;
+    nl_ds_cpu(be)->kv_store_bf16(nl_ds_cpu(be), a->kc, a->vc, a->qkv, a->stride, a->k_col, a->v_col,
+                                 a->pos, a->past, a->B, a->T, a->cap, a->kv_dim);
+}
+static void ds_kv_store_bf16(nl_backend *be, uint16_t *kc, uint16_t *vc, const float *qkv,
+                             int stride, int k_col, int v_col, const int32_t *pos, int past, int B,
+                             int T, int cap, int kv_dim)
+{
+    kv_store_bf16_args a = {nl_ds_untag(kc),
+                            nl_ds_untag(vc),
+                            UF(qkv),
+                            pos ? UI(pos) : NULL,
+                            stride,
+                            k_col,
+                            v_col,
+                            past,
+                            B,
+                            T,
+                            cap,
+                            kv_dim};
+    QUEUE(be, run_kv_store_bf16, a);
+}
+
 /* ---------------------------------------------------------------- experts */
 
 typedef struct {
@@ -561,6 +592,7 @@ void nl_devsim_fill_graph_slots(nl_backend *be)
     be->gather_rows = ds_gather_rows;
     be->copy_rows = ds_copy_rows;
     be->kv_store = ds_kv_store;
+    be->kv_store_bf16 = ds_kv_store_bf16;
     be->moe_combine = ds_moe_combine;
     be->moe_route = ds_moe_route;
     be->moe_aux = ds_moe_aux;

@@ -314,6 +314,7 @@ static nl_status start(node *n, nl_error *err)
         return st;
     nl_stage_opts so = {.memory_bytes = n->memory,
                         .kv_budget = o->kv_budget,
+                        .kv_cache = o->kv_cache,
                         .batch_decode = o->batch_decode,
                         .prefill_chunk = o->prefill_chunk,
                         .batch_wait_ms = o->batch_wait_ms,

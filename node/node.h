@@ -70,6 +70,7 @@ typedef struct nl_node_opts {
     uint64_t reserve_bytes;       /* a GPU's memory kept free ... */
     bool has_reserve;             /* ... when set; else max(256 MiB, 5% of the device) */
     uint64_t kv_budget;           /* KV caches of all sessions */
+    int kv_cache;                 /* their element type, an nl_kv_dtype (--kv-cache) */
     int batch_decode;             /* session decode steps per batch; 0: the stage's default */
     int prefill_chunk;            /* prompt positions per batch; 0: the stage's default */
     int batch_wait_ms;            /* longest wait for the other sessions; 0: the stage's

@@ -10,6 +10,7 @@
 
 #include "base/args.h"
 #include "base/log.h"
+#include "core/model/kvcache.h"
 #include "kernels/backend.h"
 #include "net/keys.h"
 #include "node/node.h"
@@ -250,6 +251,10 @@ static void node_flags(nl_opt t[MAX_FLAGS], nl_node_opts *o, node_args *a)
                       "nothing can connect to this node (NAT, a firewall): it dials its previous "
                       "stage, which must accept inbound connections, instead of being dialed"),
         NL_OPT_SIZE("kv-budget", &o->kv_budget, "256M", "SIZE: KV caches of generation sessions"),
+        NL_OPT_CHOICE("kv-cache", &o->kv_cache, NL_KV_DTYPE_CHOICES, "fp32",
+                      "T: element type of those caches, fp32 or bf16 (half the bytes: twice the "
+                      "positions in --kv-budget, half read per decoded token; rounded to nearest "
+                      "even when stored, attention sums in FP32)"),
         NL_OPT_INT("batch-decode", &o->batch_decode, 1, 1024, NULL,
                    "N: generation sessions' decode steps run together in one batch, at most "
                    "(default 32)"),

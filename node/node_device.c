@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "base/log.h"
+#include "core/model/kvcache.h"
 
 #ifdef NL_TEST_HOOKS /* test builds only (-DNL_TEST_HOOKS=ON) */
 /* Test hook (NL_TEST_DEVICE_FAIL=K): the backend's check slot fails from
@@ -304,13 +305,14 @@ nl_status node_device_open(nl_node_device *n, const nl_node_opts *o, nl_error *e
                 "activations",
                 (unsigned long long)o->kv_budget, (unsigned long long)n->memory);
     NL_INFO("device %s%s, %d threads: gemm %d^3 %.1f GFLOP/s (median of %d rounds%s, %.1f to "
-            "%.1f); offering %.1f MiB (KV budget %.1f MiB)",
+            "%.1f); offering %.1f MiB (KV budget %.1f MiB, %s caches)",
             o->device,
             o->tf32   ? " (TF32 allowed)"
             : o->bf16 ? " (bf16 GEMMs)"
                       : "",
             n->threads, probe, n->gflops, PROBE_ROUNDS, probe_threads ? " of CPU time" : "", lo, hi,
-            (double)n->memory / (1 << 20), (double)o->kv_budget / (1 << 20));
+            (double)n->memory / (1 << 20), (double)o->kv_budget / (1 << 20),
+            nl_kv_dtype_name((nl_kv_dtype)o->kv_cache));
     /* verification's recomputes: one thread at the lowest priority (stage_verify_worker.c) */
     if (strncmp(be->name, "cuda:", 5) != 0 &&
         (st = nl_backend_new(&n->verify_be, names[0],

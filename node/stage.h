@@ -56,6 +56,7 @@ int nl_stage_lie_kind(const char *s);
 typedef struct nl_stage_opts {
     uint64_t memory_bytes;   /* offered (--memory): weights + activations + KV budget */
     uint64_t kv_budget;      /* bytes for the KV caches of all sessions (--kv-budget) */
+    int kv_cache;            /* their element type, an nl_kv_dtype (--kv-cache; 0: FP32) */
     int send_wait_ms;        /* longest wait for the last output to be sent; 0 = 10000 */
     const char *ckpt_root;   /* CKPT_REQ directories must lie under it; NULL: any absolute path */
     int64_t inject_nan_step; /* test hook: a NaN in the gradient of this 1-based step (0: never) */

@@ -155,7 +155,8 @@ nl_status nl_stage_open_session(nl_stage *s, const nl_stage_session_params *p, n
     if (p->limit < 0 || p->limit > p->capacity)
         return nl_error_set(err, NL_ERR_RANGE, "session %llu: limit %d is outside 0..%d", id,
                             p->limit, p->capacity);
-    size_t bytes = nl_kvcache_bytes(&m->cfg, m->l1 - m->l0, 1, p->capacity);
+    const nl_kv_dtype kt = (nl_kv_dtype)s->o.kv_cache;
+    size_t bytes = nl_kvcache_bytes(&m->cfg, m->l1 - m->l0, 1, p->capacity, kt);
     if (bytes > s->o.kv_budget)
         return nl_error_set(err, NL_ERR_CAPACITY,
                             "session %llu: a KV cache of %d positions takes %zu bytes, more than "
@@ -180,7 +181,7 @@ nl_status nl_stage_open_session(nl_stage *s, const nl_stage_session_params *p, n
                       p->logprobs > 0 && p->logprobs <= 1 + NL_WIRE_MAX_TOP ? p->logprobs : 0};
     if (p->adapter && (st = stage_adapter_get(s, p->adapter, &se.lo, err)) != NL_OK)
         return nl_error_prefix(err, "session %llu", id);
-    st = nl_kvcache_new(&se.kv, m, 1, p->capacity, err);
+    st = nl_kvcache_new(&se.kv, m, 1, p->capacity, kt, err);
     if (st == NL_OK && m->has_head) {
         st = nl_sampler_init(&se.smp, (int)m->cfg.vocab_size, p->temperature, p->top_p, p->seed,
                              err);

@@ -47,6 +47,7 @@ static inline nl_msg_assign mk_assign(uint64_t epoch, uint32_t stage, uint32_t n
 }
 
 static int prefill_chunk;     /* the stages' (0: the default) */
+static int kv_cache;          /* the stages' KV cache type, an nl_kv_dtype (0: FP32) */
 static const char *ckpt_root; /* the stages' --checkpoint-root (NULL: none) */
 
 static inline nl_stage *mk_stage(uint64_t memory, uint64_t kv_budget)
@@ -57,6 +58,7 @@ static inline nl_stage *mk_stage(uint64_t memory, uint64_t kv_budget)
                        .kv_budget = kv_budget,
                        .send_wait_ms = 200,
                        .prefill_chunk = prefill_chunk,
+                       .kv_cache = kv_cache,
                        .ckpt_root = ckpt_root};
     CHECK_OK(nl_stage_new(&s, be, &o, &err), &err);
     return s;
@@ -190,7 +192,7 @@ static inline void local_generate(nl_model *ref, const int32_t *prompt, int P, i
     nl_sampler smp;
     float *logits = malloc((size_t)cfg.vocab_size * sizeof *logits);
     CHECK_OK(nl_runstate_new(&rs, ref, P, &err), &err);
-    CHECK_OK(nl_kvcache_new(&kv, ref, 1, P + n, &err), &err);
+    CHECK_OK(nl_kvcache_new(&kv, ref, 1, P + n, NL_KV_FP32, &err), &err);
     CHECK_OK(nl_sampler_init(&smp, (int)cfg.vocab_size, 0.0f, 1.0f, 0, &err), &err);
     nl_forward_args a = {.B = 1, .T = P, .tokens = prompt, .kv = kv, .last_only = 1};
     int32_t next = 0;

@@ -52,7 +52,7 @@ static void gen_start(gen *g, nl_model *m, int i, nl_error *err)
     g->P = 3 + (i * 5) % 19; /* 3 .. 21: several prefill chunks */
     for (int t = 0; t < g->P; t++)
         g->prompt[t] = (int32_t)((i * 31 + t * 7) % 300);
-    CHECK_OK(nl_kvcache_new(&g->kv, m, 1, g->P + NEW, err), err);
+    CHECK_OK(nl_kvcache_new(&g->kv, m, 1, g->P + NEW, NL_KV_FP32, err), err);
     CHECK_OK(nl_sampler_init(&g->smp, 300, 0.9f, 0.95f, (uint64_t)(100 + i), err), err);
 }
 
@@ -156,8 +156,8 @@ static void test_matches_forward(nl_model *m)
     float *ref = malloc(V * sizeof *ref);
     CHECK_OK(nl_batch_new(&b, m, 8, &err), &err);
     CHECK_OK(nl_runstate_new(&rs, m, P, &err), &err);
-    CHECK_OK(nl_kvcache_new(&kv1, m, 1, 32, &err), &err);
-    CHECK_OK(nl_kvcache_new(&kv2, m, 1, 32, &err), &err);
+    CHECK_OK(nl_kvcache_new(&kv1, m, 1, 32, NL_KV_FP32, &err), &err);
+    CHECK_OK(nl_kvcache_new(&kv2, m, 1, 32, NL_KV_FP32, &err), &err);
     if (!b || !rs || !kv1 || !kv2 || !ref)
         goto out;
     nl_forward_args a = {.B = 1, .T = P, .tokens = prompt, .kv = kv1, .last_only = 1};
@@ -242,9 +242,9 @@ static void test_stages(nl_model *m, nl_backend *be)
     CHECK_OK(nl_batch_new(&b0, s0, 16, &err), &err);
     CHECK_OK(nl_batch_new(&b1, s1, 16, &err), &err);
     for (int i = 0; i < 3; i++) {
-        CHECK_OK(nl_kvcache_new(&kw[i], m, 1, 16, &err), &err);
-        CHECK_OK(nl_kvcache_new(&k0[i], s0, 1, 16, &err), &err);
-        CHECK_OK(nl_kvcache_new(&k1[i], s1, 1, 16, &err), &err);
+        CHECK_OK(nl_kvcache_new(&kw[i], m, 1, 16, NL_KV_FP32, &err), &err);
+        CHECK_OK(nl_kvcache_new(&k0[i], s0, 1, 16, NL_KV_FP32, &err), &err);
+        CHECK_OK(nl_kvcache_new(&k1[i], s1, 1, 16, NL_KV_FP32, &err), &err);
     }
     if (!bw || !b0 || !b1 || !kw[2] || !k0[2] || !k1[2])
         goto out;
@@ -477,7 +477,7 @@ static void test_device_sampling(nl_model *m)
     float *host = malloc((size_t)V * sizeof *host);
     CHECK_OK(nl_batch_new(&b, m, 16, &err), &err);
     for (int i = 0; i < SEQS; i++) {
-        CHECK_OK(nl_kvcache_new(&kv[i], m, 1, 3 + STEPS, &err), &err);
+        CHECK_OK(nl_kvcache_new(&kv[i], m, 1, 3 + STEPS, NL_KV_FP32, &err), &err);
         const float t = i == 0 ? 0.0f : 0.7f * (float)i;
         CHECK_OK(nl_sampler_init(&sd[i], V, t, 1.0f, (uint64_t)(40 + i), &err), &err);
         CHECK_OK(nl_sampler_init(&sh[i], V, t, 1.0f, (uint64_t)(40 + i), &err), &err);

@@ -149,7 +149,7 @@ static void test_same_ids(nl_backend *be, nl_model *m)
             nl_runstate *rs = NULL;
             nl_kvcache *kv = NULL;
             CHECK_OK(nl_runstate_new(&rs, m, B * PROMPT, &err), &err);
-            CHECK_OK(nl_kvcache_new(&kv, m, B, STEPS + PROMPT, &err), &err);
+            CHECK_OK(nl_kvcache_new(&kv, m, B, STEPS + PROMPT, NL_KV_FP32, &err), &err);
             decode_run r = modes[k];
             r.graphs = g == 0;
             if (rs && kv && ids[g] && last[g])
@@ -186,7 +186,7 @@ static void reference(nl_model *m, const decode_run *r, int steps, int32_t *ids)
     nl_runstate *rs = NULL;
     nl_kvcache *kv = NULL;
     CHECK_OK(nl_runstate_new(&rs, m, r->B * PROMPT, &err), &err);
-    CHECK_OK(nl_kvcache_new(&kv, m, r->B, STEPS + PROMPT, &err), &err);
+    CHECK_OK(nl_kvcache_new(&kv, m, r->B, STEPS + PROMPT, NL_KV_FP32, &err), &err);
     decode_run off = *r;
     off.graphs = 0;
     if (rs && kv)
@@ -208,7 +208,7 @@ static void test_reload(nl_backend *be, const nl_config *c, nl_model *a)
     nl_kvcache *kv = NULL;
     int32_t ids_a[16], ids_b[AFTER], ref_b[AFTER];
     CHECK_OK(nl_runstate_new(&rs, a, PROMPT, &err), &err);
-    CHECK_OK(nl_kvcache_new(&kv, a, 1, STEPS + PROMPT, &err), &err);
+    CHECK_OK(nl_kvcache_new(&kv, a, 1, STEPS + PROMPT, NL_KV_FP32, &err), &err);
     if (!b || !rs || !kv)
         goto out;
     decode(a, rs, kv, &r, 16, ids_a, NULL);
@@ -241,7 +241,7 @@ static void test_growth(nl_backend *be, const nl_config *c)
     nl_kvcache *kv = NULL;
     int32_t ids[2 * AFTER], ref[2 * AFTER];
     CHECK_OK(nl_runstate_new(&rs, m, 2 * PROMPT, &err), &err);
-    CHECK_OK(nl_kvcache_new(&kv, m, 2, STEPS + PROMPT, &err), &err);
+    CHECK_OK(nl_kvcache_new(&kv, m, 2, STEPS + PROMPT, NL_KV_FP32, &err), &err);
     if (!m || !rs || !kv)
         goto out;
     decode(m, rs, kv, &r, 16, ids, NULL);
@@ -254,7 +254,7 @@ static void test_growth(nl_backend *be, const nl_config *c)
      * old buffers and give other ids */
     fill_weights(m, 8765);
     nl_kvcache_destroy(&kv);
-    CHECK_OK(nl_kvcache_new(&kv, m, 2, STEPS + PROMPT, &err), &err);
+    CHECK_OK(nl_kvcache_new(&kv, m, 2, STEPS + PROMPT, NL_KV_FP32, &err), &err);
     if (!kv)
         goto out;
     decode(m, rs, kv, &r, AFTER, ids, NULL);
@@ -284,7 +284,7 @@ static void test_thrash(nl_backend *be, nl_model *m)
     int32_t tok[PROMPT] = {5, 17, 200};
     CHECK_OK(nl_runstate_new(&rs, m, PROMPT, &err), &err);
     for (int i = 0; i < CACHES; i++)
-        CHECK_OK(nl_kvcache_new(&kv[i], m, 1, PROMPT + ROUNDS, &err), &err);
+        CHECK_OK(nl_kvcache_new(&kv[i], m, 1, PROMPT + ROUNDS, NL_KV_FP32, &err), &err);
     for (int r = -1; rs && r < ROUNDS; r++)
         for (int i = 0; i < CACHES && kv[i]; i++) {
             nl_forward_args a = {.B = 1, .T = r < 0 ? PROMPT : 1, .tokens = tok, .kv = kv[i]};
@@ -334,7 +334,7 @@ static void batch_decode(nl_model *m, int graphs, int steps, int32_t *ids, float
     nl_batch_seg segs[S];
     CHECK_OK(nl_batch_new(&b, m, S * PROMPT, &err), &err);
     for (int i = 0; i < S; i++)
-        CHECK_OK(nl_kvcache_new(&kv[i], m, 1, steps + PROMPT, &err), &err);
+        CHECK_OK(nl_kvcache_new(&kv[i], m, 1, steps + PROMPT, NL_KV_FP32, &err), &err);
     if (!b || !kv[S - 1])
         goto out;
     nl_batch_set_graphs(b, graphs);

@@ -108,7 +108,7 @@ static void test_kv_decode(nl_backend *be, const nl_config *c)
     CHECK(aux > 0.5f * c->num_layers, "aux loss %g is near num_layers (E * sum frac p)", aux);
 
     /* prefill P positions, then one at a time */
-    CHECK_OK(nl_kvcache_new(&kv, m, B, T, &err), &err);
+    CHECK_OK(nl_kvcache_new(&kv, m, B, T, NL_KV_FP32, &err), &err);
     int32_t step[B * P];
     for (int b = 0; b < B; b++)
         memcpy(step + b * P, tokens + b * T, P * sizeof(int32_t));
@@ -233,7 +233,7 @@ static void test_decode_syncs(const nl_config *c)
         else
             unsetenv("NL_HOST_ROUTING");
         CHECK_OK(nl_runstate_new(&rs[h], m, B * P, &err), &err);
-        CHECK_OK(nl_kvcache_new(&kv[h], m, B, P + 1, &err), &err);
+        CHECK_OK(nl_kvcache_new(&kv[h], m, B, P + 1, NL_KV_FP32, &err), &err);
         CHECK_OK(nl_layer_acts_alloc(&la[h], be, c, B, 0, &err), &err);
         unsetenv("NL_HOST_ROUTING");
     }
@@ -325,7 +325,7 @@ static void gen_ids(nl_model *m, float temperature, float top_p, uint64_t seed, 
     float *host = malloc((size_t)V * sizeof *host);
     int32_t prompt[3] = {5, 17, 200}, next = 0;
     CHECK_OK(nl_runstate_new(&rs, m, 3, &err), &err);
-    CHECK_OK(nl_kvcache_new(&kv, m, 1, n + 3, &err), &err);
+    CHECK_OK(nl_kvcache_new(&kv, m, 1, n + 3, NL_KV_FP32, &err), &err);
     CHECK_OK(nl_sampler_init(&smp, V, temperature, top_p, seed, &err), &err);
     *on_device = nl_sampler_device(&smp, be);
     nl_forward_args a = {.B = 1, .T = 3, .tokens = prompt, .kv = kv, .last_only = 1};
@@ -392,9 +392,9 @@ static void test_bounds(nl_backend *be, const nl_config *c)
     nl_error err = {0};
     nl_model *m = make_model(be, c, 0, c->num_layers, 1, 1);
     nl_kvcache *kv = NULL;
-    CHECK(nl_kvcache_new(&kv, m, 1, c->max_seq_len + 1, &err) == NL_ERR_RANGE && !kv,
+    CHECK(nl_kvcache_new(&kv, m, 1, c->max_seq_len + 1, NL_KV_FP32, &err) == NL_ERR_RANGE && !kv,
           "a cache of max_seq_len + 1 = %d positions is refused", c->max_seq_len + 1);
-    CHECK_OK(nl_kvcache_new(&kv, m, 1, c->max_seq_len, &err), &err);
+    CHECK_OK(nl_kvcache_new(&kv, m, 1, c->max_seq_len, NL_KV_FP32, &err), &err);
     nl_kvcache_destroy(&kv);
     nl_model_destroy(&m);
 

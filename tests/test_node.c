@@ -50,7 +50,7 @@ static void local_generate(nl_model *ref, const int32_t *prompt, int P, int n, i
     nl_kvcache *kv = NULL;
     nl_sampler smp;
     CHECK_OK(nl_runstate_new(&rs, ref, P, &err), &err);
-    CHECK_OK(nl_kvcache_new(&kv, ref, 1, P + n, &err), &err);
+    CHECK_OK(nl_kvcache_new(&kv, ref, 1, P + n, NL_KV_FP32, &err), &err);
     CHECK_OK(nl_sampler_init(&smp, (int)cfg.vocab_size, 0.0f, 1.0f, 3, &err), &err);
     nl_forward_args a = {.B = 1, .T = P, .tokens = prompt, .kv = kv, .last_only = 1};
     int32_t next = 0;

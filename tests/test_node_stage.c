@@ -469,7 +469,7 @@ static void test_budget(nl_model *ref)
 {
     nl_error err;
     const int cap = 8;
-    size_t one = nl_kvcache_bytes(&cfg, 2, 1, cap);
+    size_t one = nl_kvcache_bytes(&cfg, 2, 1, cap, NL_KV_FP32);
     nl_stage *s = loaded_stage(ref, 0, 2, 0, 2, one * 5 / 2); /* room for 2.5 sessions */
     nl_stage_session_params sp = {.capacity = cap, .top_p = 1};
     for (uint64_t id = 1; id <= 2; id++) {
@@ -524,6 +524,36 @@ static void test_budget(nl_model *ref)
     nl_stage_destroy(&s);
 }
 
+/* A node's --kv-cache bf16: its sessions' caches take half the bytes of
+ * the budget (two bf16 sessions where one FP32 one fits), and a hop runs
+ * through them. */
+static void test_budget_bf16(nl_model *ref)
+{
+    nl_error err;
+    const int cap = 8;
+    const size_t one = nl_kvcache_bytes(&cfg, 2, 1, cap, NL_KV_FP32);
+    CHECK(nl_kvcache_bytes(&cfg, 2, 1, cap, NL_KV_BF16) * 2 == one, "bf16 bytes");
+    kv_cache = NL_KV_BF16;
+    nl_stage *s = loaded_stage(ref, 0, 2, 0, 2, one); /* one FP32 session, two bf16 ones */
+    kv_cache = NL_KV_FP32;
+    nl_stage_session_params sp = {.capacity = cap, .top_p = 1};
+    for (uint64_t id = 1; id <= 2; id++) {
+        sp.id = id;
+        CHECK_OK(nl_stage_open_session(s, &sp, &err), &err);
+    }
+    CHECK(nl_stage_session_count(s) == 2 && nl_stage_kv_used(s) == one &&
+              !nl_stage_session_evicted(s, 1),
+          "two bf16 sessions in one FP32 session's budget: %d sessions, %zu bytes",
+          nl_stage_session_count(s), nl_stage_kv_used(s));
+    int32_t tok[3] = {1, 2, 3};
+    nl_wire_frame f = tok_frame(tok, 1, 3);
+    nl_msg_tensor_hop hop = {.job_id = 1, .session_id = 1};
+    nl_stage_out o;
+    CHECK_OK(nl_stage_forward(s, &hop, &f, &o, &err), &err);
+    CHECK(o.kind == NL_STAGE_OUT_HIDDEN && o.shape[1] == 3, "a hop through a bf16 cache");
+    nl_stage_destroy(&s);
+}
+
 int main(void)
 {
     nl_model *ref = NULL;
@@ -535,6 +565,7 @@ int main(void)
         test_ring(ref);
         test_session_params();
         test_budget(ref);
+        test_budget_bf16(ref);
     }
     return stage_harness_end("test_node_stage", &ref);
 }

@@ -192,7 +192,7 @@ static void test_batched(nl_model *ref)
     nl_stage_close_session(s1, 2);
     CHECK(nl_stage_queued(s1) == 0, "a closed session's queued hop went with it");
     nl_stage_destroy(&s1);
-    size_t one = nl_kvcache_bytes(&cfg, 2, 1, 16);
+    size_t one = nl_kvcache_bytes(&cfg, 2, 1, 16, NL_KV_FP32);
     nl_stage *se = loaded_stage(ref, 0, 2, 0, 2, one * 2);
     for (uint64_t id = 1; id <= 2; id++) {
         sp.id = id;

@@ -56,7 +56,7 @@ static void pad_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int
  * device memory: the model and its generation, the segments' caches (each
  * one's buffers and capacity) in order, which of them want logits. */
 typedef struct seg_key {
-    const float *kc, *vc;
+    const void *kc, *vc;
     int cap, want;
 } seg_key;
 
@@ -276,9 +276,16 @@ static void attend_segments(nl_batch *b, int li, const nl_batch_seg *segs, int n
     for (int i = 0; i < n; i++) {
         nl_kvcache *kv = segs[i].kv;
         const int T = segs[i].T, past = kv->len;
-        const float *q = b->acts.qkv + (size_t)row * qkv, *k = NULL, *v = NULL;
-        nl_attn_shape s = {
-            .B = 1, .T = T, .past = past, .kv_cap = kv->cap, .H = H, .G = G, .hd = hd};
+        const float *q = b->acts.qkv + (size_t)row * qkv;
+        const void *k = NULL, *v = NULL;
+        nl_attn_shape s = {.B = 1,
+                           .T = T,
+                           .past = past,
+                           .kv_cap = kv->cap,
+                           .H = H,
+                           .G = G,
+                           .hd = hd,
+                           .kv_bf16 = kv->dtype == NL_KV_BF16};
         if (b->acts.dev_past) { /* a recorded step: the positions are read on the device */
             nl_kvcache_store(kv, li, q, qkv, H * hd, (H + G) * hd, 1, T, b->pos_d + row, &k, &v);
             s.past = 0;
@@ -538,7 +545,7 @@ nl_status nl_batch_embed(nl_batch *b, const int32_t *tokens, int T, float *out, 
         st = nl_error_set(err, NL_ERR_RANGE, "embed: %d tokens, outside 1..%d", T, c->max_seq_len);
         goto out;
     }
-    if ((st = nl_kvcache_new(&kv, b->m, 1, T, err)) != NL_OK)
+    if ((st = nl_kvcache_new(&kv, b->m, 1, T, NL_KV_FP32, err)) != NL_OK)
         goto out;
     for (int t0 = 0; t0 < T; t0 += b->max_rows) {
         const int n = T - t0 < b->max_rows ? T - t0 : b->max_rows;

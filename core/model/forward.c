@@ -19,7 +19,8 @@ typedef struct step_key {
     const nl_model *m;
     uint64_t generation;
     int B, last_only, states, cap, fused;
-    const float *x_in, *kc, *vc;
+    const float *x_in;
+    const void *kc, *vc;
 } step_key;
 
 typedef struct step_graph {

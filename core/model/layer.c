@@ -247,7 +247,7 @@ static void attention_block(nl_model *m, int li, nl_layer_acts *a, int B, int T,
     nl_layer_rope(be, c, a->qkv, pos_d, N);
 
     nl_attn_shape s = {.B = B, .T = T, .past = past, .kv_cap = T, .H = H, .G = G, .hd = hd};
-    const float *k = a->qkv + H * hd, *v = a->qkv + (H + G) * hd;
+    const void *k = a->qkv + H * hd, *v = a->qkv + (H + G) * hd;
     int kv_stride = qkv;
     if (kv && a->dev_past) { /* positions on the device: nothing here knows past */
         nl_kvcache_store(kv, li - m->l0, a->qkv, qkv, H * hd, (H + G) * hd, B, T, pos_d, &k, &v);
@@ -259,6 +259,7 @@ static void attention_block(nl_model *m, int li, nl_layer_acts *a, int B, int T,
     if (kv) {
         kv_stride = kv->kv_dim;
         s.kv_cap = kv->cap;
+        s.kv_bf16 = kv->dtype == NL_KV_BF16;
     }
     const nl_attn_mask mk = nl_layer_mask(c, li, a->doc_d);
     if (mk.bidir || mk.window || mk.doc)

@@ -1,6 +1,7 @@
 /* The memory model. Each term names the allocation it stands for. */
 #include "core/model/memory.h"
 
+#include "core/model/kvcache.h"
 #include "core/model/layer.h"
 
 int64_t nl_stage_param_count(const nl_config *c, int n_layers, int has_embed, int has_head)
@@ -71,8 +72,8 @@ nl_mem_estimate nl_memory_estimate(const nl_config *c, int n_layers, int has_emb
         e.activations = inf_set + 4 * N * (2 + 2 * d) + (has_head ? 4 * N * V : 0);
         e.workspace = routing_host_bytes(c, N) + 4 * N;
         if (o->kv_sessions > 0)
-            e.kv_cache = (uint64_t)o->kv_sessions * 2 * L * (uint64_t)o->kv_len *
-                         (uint64_t)c->num_kv_heads * (uint64_t)nl_config_head_dim(c) * 4;
+            e.kv_cache = nl_kvcache_bytes(c, (int)L, o->kv_sessions, o->kv_len,
+                                          o->kv_bf16 ? NL_KV_BF16 : NL_KV_FP32);
     } else {
         const uint64_t slots = (uint64_t)(o->in_flight > 0 ? o->in_flight : 1);
         e.grads = 4 * P;

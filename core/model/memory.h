@@ -30,6 +30,7 @@ typedef struct nl_mem_opts {
     int recompute;   /* keep only layer inputs; recompute in the backward pass */
     int kv_sessions; /* inference: generation sessions with a KV cache */
     int kv_len;      /* positions per session's cache */
+    int kv_bf16;     /* 1: the caches keep bf16 (2 bytes an element; --kv-cache), 0: FP32 */
     int precision;   /* NL_MEM_FP32 (0), NL_MEM_BF16 or NL_MEM_BF16_DEVICE */
 } nl_mem_opts;
 

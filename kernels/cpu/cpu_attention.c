@@ -3,7 +3,8 @@
  * KT, and only a QT x KT score block exists at a time, so memory grows with
  * T, never with T^2. Causal by default; under a DESIGN section 6 mask
  * (bidirectional, local window, packed documents) a tile walks only the
- * keys its window reaches, so a local layer costs O(T W). */
+ * keys its window reaches, so a local layer costs O(T W). A bf16 KV cache
+ * (s.kv_bf16) is widened a block at a time; the sums are FP32 either way. */
 #include "kernels/cpu/cpu_math.h"
 #include "kernels/cpu/cpu_ops.h"
 
@@ -13,6 +14,21 @@
 #define QT 16 /* queries per tile */
 #define KT 64 /* keys per block */
 #define HD_MAX NL_BACKEND_MAX_HEAD_DIM
+
+/* Keys j0 .. j0 + nk - 1 of a bf16 cache widened to FP32 (exact): the
+ * keys transposed into kt, the values row by row into vt. */
+static void widen_block(float (*kt)[KT], float (*vt)[HD_MAX], const uint16_t *kb,
+                        const uint16_t *vb, int kv_stride, int j0, int nk, int hd)
+{
+    for (int j = 0; j < nk; j++) {
+        const uint16_t *kr = kb + (size_t)(j0 + j) * kv_stride;
+        const uint16_t *vr = vb + (size_t)(j0 + j) * kv_stride;
+        for (int c = 0; c < hd; c++) {
+            kt[c][j] = nl_elem_from_bf16(kr[c]);
+            vt[j][c] = nl_elem_from_bf16(vr[c]);
+        }
+    }
+}
 
 /* One (sequence, head, query tile): rows t0 .. t0+nq-1 of the new positions.
  * Each key block is transposed into kt so the score loop runs along keys
@@ -29,6 +45,7 @@ static void attend_tile(float *out, float *lse, const float *q, int q_stride, co
     float sc[QT][KT];
     float kt[HD_MAX][KT];
     float qs[QT][HD_MAX];
+    float vt[KT][HD_MAX]; /* a bf16 cache's value block, widened */
 
     for (int i = 0; i < nq; i++) {
         m[i] = -INFINITY;
@@ -38,8 +55,11 @@ static void attend_tile(float *out, float *lse, const float *q, int q_stride, co
         for (int c = 0; c < hd; c++)
             qs[i][c] = qr[c] * scale;
     }
-    const float *kb = k + (size_t)b * s->kv_cap * kv_stride + (size_t)g * hd;
-    const float *vb = v + (size_t)b * s->kv_cap * kv_stride + (size_t)g * hd;
+    const size_t kv_off = (size_t)b * s->kv_cap * kv_stride + (size_t)g * hd;
+    const float *kb = s->kv_bf16 ? NULL : k + kv_off;
+    const float *vb = s->kv_bf16 ? NULL : v + kv_off;
+    const uint16_t *kb16 = s->kv_bf16 ? (const uint16_t *)(const void *)k + kv_off : NULL;
+    const uint16_t *vb16 = s->kv_bf16 ? (const uint16_t *)(const void *)v + kv_off : NULL;
     /* keys [kbeg, kend) reach some query of the tile (the causal case:
      * 0 .. past + t0 + nq - 1) */
     const int nkeys = s->past + s->T;
@@ -49,11 +69,14 @@ static void attend_tile(float *out, float *lse, const float *q, int q_stride, co
     nl_cpu_attn_range(mk, s->past + t0 + nq - 1, nkeys, &unused, &kend);
     for (int j0 = kbeg; j0 < kend; j0 += KT) {
         const int nk = kend - j0 < KT ? kend - j0 : KT;
-        for (int j = 0; j < nk; j++) {
-            const float *kr = kb + (size_t)(j0 + j) * kv_stride;
-            for (int c = 0; c < hd; c++)
-                kt[c][j] = kr[c];
-        }
+        if (kb16) /* a bf16 cache: the block's keys and values widened */
+            widen_block(kt, vt, kb16, vb16, kv_stride, j0, nk, hd);
+        else
+            for (int j = 0; j < nk; j++) {
+                const float *kr = kb + (size_t)(j0 + j) * kv_stride;
+                for (int c = 0; c < hd; c++)
+                    kt[c][j] = kr[c];
+            }
         for (int i = 0; i < nq; i++) {
             /* keys [j0 + jl, j0 + nv) of the block are in this row's range */
             int lo, hi;
@@ -93,7 +116,7 @@ static void attend_tile(float *out, float *lse, const float *q, int q_stride, co
                 ai[c] *= corr;
             for (int j = jl; j < nv; j++) {
                 const float p = srow[j];
-                const float *vr = vb + (size_t)(j0 + j) * kv_stride;
+                const float *vr = kb16 ? vt[j] : vb + (size_t)(j0 + j) * kv_stride;
                 for (int c = 0; c < hd; c++)
                     ai[c] += p * vr[c];
             }

@@ -349,6 +349,23 @@ static void cpu_kv_store(nl_backend *be, float *kc, float *vc, const float *qkv,
     }
 }
 
+static void cpu_kv_store_bf16(nl_backend *be, uint16_t *kc, uint16_t *vc, const float *qkv,
+                              int stride, int k_col, int v_col, const int32_t *pos, int past, int B,
+                              int T, int cap, int kv_dim)
+{
+    const int rows = B * T;
+#pragma omp parallel for NL_CPU_TEAM(be) PAR_ROWS(rows)
+    for (int n = 0; n < rows; n++) {
+        const int at = pos ? pos[n] : past + n % T;
+        const size_t dst = ((size_t)(n / T) * cap + (size_t)at) * kv_dim;
+        const float *src = qkv + (size_t)n * stride;
+        for (int j = 0; j < kv_dim; j++) {
+            kc[dst + j] = nl_elem_to_bf16(src[k_col + j]);
+            vc[dst + j] = nl_elem_to_bf16(src[v_col + j]);
+        }
+    }
+}
+
 static void cpu_moe_combine(nl_backend *be, float *x, const float *y, const int32_t *slot,
                             const float *w, int N, int k, int C)
 {
@@ -433,6 +450,7 @@ nl_status nl_cpu_backend_new(nl_backend **out, const nl_backend_opts *o, nl_erro
     be->gather_rows = cpu_gather_rows;
     be->copy_rows = cpu_copy_rows;
     be->kv_store = cpu_kv_store;
+    be->kv_store_bf16 = cpu_kv_store_bf16;
     be->moe_combine = cpu_moe_combine;
     be->moe_route = nl_cpu_moe_route;
     be->moe_aux = nl_cpu_moe_aux;

@@ -27,7 +27,12 @@
  * one.
  *
  * The online-softmax step and merge are kernels/elem.h's, shared with the
- * CPU backend. */
+ * CPU backend.
+ *
+ * Both are templated on the cache's element type KV as well: float, or the
+ * bits of a bf16 cache (uint16_t, s.kv_bf16), widened to FP32 where a key
+ * or value is read (kv_ld) - half the bytes a decode step reads; every sum
+ * stays FP32, and the FP32 instantiations are the kernels they were. */
 #include "kernels/cuda/cuda_attention.h"
 
 #include "kernels/elem.h"
@@ -35,6 +40,7 @@
 #include <cuda_runtime.h>
 #include <limits.h>
 #include <math.h>
+#include <stdint.h>
 
 namespace
 {
@@ -51,20 +57,30 @@ constexpr int DECODE_MAX_T = 4;  /* new positions up to which the decode kernel 
  * registers a thread, which every bucket fits without spilling. */
 constexpr int PREFILL_MIN_BLOCKS = 4;
 
+/* A key or value of the cache as FP32: a float, or bf16 bits widened. */
+__device__ __forceinline__ float kv_ld(const float *p)
+{
+    return *p;
+}
+__device__ __forceinline__ float kv_ld(const uint16_t *p)
+{
+    return nl_elem_from_bf16(*p);
+}
+
 /* ---------------------------------------------------------------- prefill */
 
 /* dst[j][c] = src[(j0 + j) * stride + c] for j < nk and c < hd, else 0, so
  * the kernel never reads a row past the block's last key (nor past kv_cap)
  * and the padding columns are zero. Called by every thread of the block. */
-template <int HDB>
-__device__ __forceinline__ void load_tile(float (*dst)[HDB + 1], const float *src, int stride,
-                                          int j0, int nk, int hd)
+template <int HDB, typename KV>
+__device__ __forceinline__ void load_tile(float (*dst)[HDB + 1], const KV *src, int stride, int j0,
+                                          int nk, int hd)
 {
     for (int e = threadIdx.x; e < BK * HDB; e += PREFILL_WARPS * WARP) {
         const int j = e / HDB, c = e % HDB;
         float x = 0.0f;
         if (j < nk && c < hd)
-            x = src[(size_t)(j0 + j) * (size_t)stride + (size_t)c];
+            x = kv_ld(src + (size_t)(j0 + j) * (size_t)stride + (size_t)c);
         dst[j][c] = x;
     }
 }
@@ -172,10 +188,10 @@ __device__ __forceinline__ void tile_pv(prefill_rows<QPW, R> &w, const float (*k
 
 /* One block: queries t0 .. t0 + nq - 1 of head h of sequence b. Blocks are
  * numbered tile-major, last tile first, so the longest rows start first. */
-template <int HDB, int BQ>
+template <int HDB, int BQ, typename KV>
 __global__ void __launch_bounds__(PREFILL_WARPS *WARP, PREFILL_MIN_BLOCKS)
-    attn_prefill(float *out, float *lse, const float *q, int q_stride, const float *k,
-                 const float *v, int kv_stride, nl_attn_shape s, nl_attn_mask mk)
+    attn_prefill(float *out, float *lse, const float *q, int q_stride, const KV *k, const KV *v,
+                 int kv_stride, nl_attn_shape s, nl_attn_mask mk)
 {
     constexpr int R = HDB / WARP;           /* output columns per lane */
     constexpr int QPW = BQ / PREFILL_WARPS; /* queries per warp */
@@ -200,8 +216,8 @@ __global__ void __launch_bounds__(PREFILL_WARPS *WARP, PREFILL_MIN_BLOCKS)
 
     load_queries<HDB, BQ>(qs, q, q_stride, s, b, h, t0, nq, 1.0f / sqrtf((float)hd));
     const size_t kv_off = (size_t)b * s.kv_cap * (size_t)kv_stride + (size_t)g * hd;
-    const float *kb = k + kv_off;
-    const float *vb = v + kv_off;
+    const KV *kb = k + kv_off;
+    const KV *vb = v + kv_off;
 
     const int nkeys = past + s.T;
     const int32_t *doc = mk.doc ? mk.doc + (size_t)b * s.T : nullptr;
@@ -229,13 +245,13 @@ __global__ void __launch_bounds__(PREFILL_WARPS *WARP, PREFILL_MIN_BLOCKS)
         const int nk = min(BK, kend - j0);
         const int kdoc = doc && lane < nk ? doc[j0 + lane] : 0; /* lane j's key */
         __syncthreads(); /* qs is written; the last value tile is read */
-        load_tile<HDB>(kv, kb, kv_stride, j0, nk, hd);
+        load_tile<HDB, KV>(kv, kb, kv_stride, j0, nk, hd);
         __syncthreads();
         float sc[QPW];
         tile_scores<HDB, QPW>(sc, kv, qs, warp, lane, hd4);
         tile_softmax<QPW, R>(w, sc, doc != nullptr, kdoc, j0, nk, lane);
         __syncthreads(); /* every warp is done with the keys */
-        load_tile<HDB>(kv, vb, kv_stride, j0, nk, hd);
+        load_tile<HDB, KV>(kv, vb, kv_stride, j0, nk, hd);
         __syncthreads();
         tile_pv<HDB, QPW, R>(w, kv, j0, nk, lane);
     }
@@ -261,10 +277,10 @@ __global__ void __launch_bounds__(PREFILL_WARPS *WARP, PREFILL_MIN_BLOCKS)
 /* ---------------------------------------------------------------- decode */
 
 /* One block: query t of head h of sequence b (blocks numbered query-major). */
-template <int HDB>
+template <int HDB, typename KV>
 __global__ void __launch_bounds__(DECODE_WARPS *WARP)
-    attn_decode(float *out, float *lse, const float *q, int q_stride, const float *k,
-                const float *v, int kv_stride, nl_attn_shape s, nl_attn_mask mk)
+    attn_decode(float *out, float *lse, const float *q, int q_stride, const KV *k, const KV *v,
+                int kv_stride, nl_attn_shape s, nl_attn_mask mk)
 {
     constexpr int R = HDB / WARP; /* columns per lane: c = lane + 32 r */
     constexpr int KU = 8;         /* keys scored at once (independent reductions) */
@@ -290,8 +306,8 @@ __global__ void __launch_bounds__(DECODE_WARPS *WARP)
         acc[r] = 0.0f;
     }
     const size_t kv_off = (size_t)b * s.kv_cap * (size_t)kv_stride + (size_t)g * hd;
-    const float *kb = k + kv_off;
-    const float *vb = v + kv_off;
+    const KV *kb = k + kv_off;
+    const KV *vb = v + kv_off;
 
     float m = -INFINITY, l = 0.0f;
     int kbeg, kend;                                           /* causal: keys 0 .. past + t */
@@ -306,12 +322,12 @@ __global__ void __launch_bounds__(DECODE_WARPS *WARP)
             for (int u = 0; u < KU; u++) {
                 d[u] = 0.0f;
                 if (j + u < nk) {
-                    const float *kr = kb + (size_t)(j0 + j + u) * (size_t)kv_stride;
+                    const KV *kr = kb + (size_t)(j0 + j + u) * (size_t)kv_stride;
 #pragma unroll
                     for (int r = 0; r < R; r++) {
                         const int c = lane + r * WARP;
                         if (c < hd)
-                            d[u] = fmaf(qv[r], kr[c], d[u]);
+                            d[u] = fmaf(qv[r], kv_ld(kr + c), d[u]);
                     }
                 }
             }
@@ -333,12 +349,12 @@ __global__ void __launch_bounds__(DECODE_WARPS *WARP)
 #pragma unroll 4
         for (int j = 0; j < nk; j++) {
             const float pj = __shfl_sync(FULL_MASK, p, j);
-            const float *vr = vb + (size_t)(j0 + j) * (size_t)kv_stride;
+            const KV *vr = vb + (size_t)(j0 + j) * (size_t)kv_stride;
 #pragma unroll
             for (int r = 0; r < R; r++) {
                 const int c = lane + r * WARP;
                 if (c < hd)
-                    acc[r] = fmaf(pj, vr[c], acc[r]);
+                    acc[r] = fmaf(pj, kv_ld(vr + c), acc[r]);
             }
         }
     }
@@ -370,21 +386,21 @@ __global__ void __launch_bounds__(DECODE_WARPS *WARP)
 
 /* ---------------------------------------------------------------- launch */
 
-template <int HDB, int BQ>
+template <int HDB, int BQ, typename KV>
 void launch_prefill(cudaStream_t st, unsigned blocks, float *out, float *lse, const float *q,
-                    int q_stride, const float *k, const float *v, int kv_stride, nl_attn_shape s,
+                    int q_stride, const KV *k, const KV *v, int kv_stride, nl_attn_shape s,
                     nl_attn_mask mk)
 {
-    attn_prefill<HDB, BQ>
+    attn_prefill<HDB, BQ, KV>
         <<<blocks, PREFILL_WARPS * WARP, 0, st>>>(out, lse, q, q_stride, k, v, kv_stride, s, mk);
 }
 
-template <int HDB>
+template <int HDB, typename KV>
 void launch_decode(cudaStream_t st, unsigned blocks, float *out, float *lse, const float *q,
-                   int q_stride, const float *k, const float *v, int kv_stride, nl_attn_shape s,
+                   int q_stride, const KV *k, const KV *v, int kv_stride, nl_attn_shape s,
                    nl_attn_mask mk)
 {
-    attn_decode<HDB>
+    attn_decode<HDB, KV>
         <<<blocks, DECODE_WARPS * WARP, 0, st>>>(out, lse, q, q_stride, k, v, kv_stride, s, mk);
 }
 
@@ -411,6 +427,30 @@ unsigned count_blocks(const nl_attn_shape &s, const nl_attn_mask &mk, int hdb)
     }
     const long long n = bh * per;
     return n > INT_MAX ? 0u : (unsigned)n;
+}
+
+/* The kernel for the shape (decode or prefill) and head-dim bucket hdb,
+ * over a cache of KV. */
+template <typename KV>
+void launch(cudaStream_t st, unsigned blocks, int hdb, float *out, float *lse, const float *q,
+            int q_stride, const KV *k, const KV *v, int kv_stride, const nl_attn_shape &s,
+            const nl_attn_mask &mk)
+{
+    if (use_decode(s, mk)) {
+        if (hdb == 64)
+            launch_decode<64>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s, mk);
+        else if (hdb == 128)
+            launch_decode<128>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s, mk);
+        else
+            launch_decode<256>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s, mk);
+    } else {
+        if (hdb == 64)
+            launch_prefill<64, BQ64>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s, mk);
+        else if (hdb == 128)
+            launch_prefill<128, BQ128>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s, mk);
+        else
+            launch_prefill<256, BQ256>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s, mk);
+    }
 }
 
 bool shape_ok(const float *out, const float *q, int q_stride, const float *k, const float *v,
@@ -457,20 +497,10 @@ extern "C" int nl_cuda_attention_masked_forward(void *stream, float *out, float 
     if (blocks == 0)
         return (int)cudaErrorInvalidValue;
     cudaStream_t st = (cudaStream_t)stream;
-    if (use_decode(s, mk)) {
-        if (hdb == 64)
-            launch_decode<64>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s, mk);
-        else if (hdb == 128)
-            launch_decode<128>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s, mk);
-        else
-            launch_decode<256>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s, mk);
-    } else {
-        if (hdb == 64)
-            launch_prefill<64, BQ64>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s, mk);
-        else if (hdb == 128)
-            launch_prefill<128, BQ128>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s, mk);
-        else
-            launch_prefill<256, BQ256>(st, blocks, out, lse, q, q_stride, k, v, kv_stride, s, mk);
-    }
+    if (s.kv_bf16) /* a bf16 cache: its bits */
+        launch(st, blocks, hdb, out, lse, q, q_stride, reinterpret_cast<const uint16_t *>(k),
+               reinterpret_cast<const uint16_t *>(v), kv_stride, s, mk);
+    else
+        launch(st, blocks, hdb, out, lse, q, q_stride, k, v, kv_stride, s, mk);
     return (int)cudaGetLastError();
 }

@@ -55,13 +55,7 @@ __global__ void __launch_bounds__(ROUTE_THREADS)
     for (size_t n = blockIdx.x; n < (size_t)N; n += gridDim.x) {
         const float *xr = x + n * d;
         float *y = xn + n * d;
-        float ss = 0.0f;
-        for (int c = threadIdx.x; c < d; c += blockDim.x)
-            ss += xr[c] * xr[c];
-        ss = block_sum(ss, red);
-        const float r = nl_elem_rmsnorm_scale(ss, d, eps);
-        for (int c = threadIdx.x; c < d; c += blockDim.x)
-            y[c] = xr[c] * r * norm_w[c];
+        block_rmsnorm_row(y, xr, norm_w, d, eps, red); /* rmsnorm_kernel's passes */
         __syncthreads(); /* the normed row, written by the whole block, read by every warp */
         for (int e = warp; e < E; e += nw) {
             const float s = warp_dot(y, router + (size_t)e * d, d, lane);

@@ -57,15 +57,7 @@ __global__ void rmsnorm_kernel(float *out, float *rstd, const float *inp, const 
 {
     __shared__ float red[WARP];
     for (size_t n = blockIdx.x; n < (size_t)N; n += gridDim.x) {
-        const float *x = inp + n * C;
-        float *y = out + n * C;
-        float ss = 0.0f;
-        for (int c = threadIdx.x; c < C; c += blockDim.x)
-            ss += x[c] * x[c];
-        ss = block_sum(ss, red);
-        const float r = nl_elem_rmsnorm_scale(ss, C, eps);
-        for (int c = threadIdx.x; c < C; c += blockDim.x)
-            y[c] = x[c] * r * w[c];
+        const float r = block_rmsnorm_row(out + n * C, inp + n * C, w, C, eps, red);
         if (rstd && threadIdx.x == 0)
             rstd[n] = r;
     }
@@ -146,6 +138,23 @@ __global__ void kv_store_kernel(float *kc, float *vc, const float *qkv, int stri
         for (int c = threadIdx.x; c < kv_dim; c += blockDim.x) {
             kc[dst + c] = s[k_col + c];
             vc[dst + c] = s[v_col + c];
+        }
+    }
+}
+
+/* The same into a bf16 cache, each value rounded to nearest even; with
+ * pos NULL row n goes to position past + n % T (host-known positions). */
+__global__ void kv_store_bf16_kernel(uint16_t *kc, uint16_t *vc, const float *qkv, int stride,
+                                     int k_col, int v_col, const int32_t *pos, int past, int rows,
+                                     int T, int cap, int kv_dim)
+{
+    for (size_t n = blockIdx.x; n < (size_t)rows; n += gridDim.x) {
+        const size_t at = pos ? (size_t)pos[n] : (size_t)past + n % (size_t)T;
+        const size_t dst = ((n / (size_t)T) * (size_t)cap + at) * (size_t)kv_dim;
+        const float *s = qkv + n * (size_t)stride;
+        for (int c = threadIdx.x; c < kv_dim; c += blockDim.x) {
+            kc[dst + c] = nl_elem_to_bf16(s[k_col + c]);
+            vc[dst + c] = nl_elem_to_bf16(s[v_col + c]);
         }
     }
 }
@@ -347,6 +356,20 @@ extern "C" int nl_cuda_kv_store(void *stream, float *kc, float *vc, const float 
         return (int)cudaErrorInvalidValue;
     kv_store_kernel<<<row_blocks(B * T), row_threads(kv_dim, 256), 0, (cudaStream_t)stream>>>(
         kc, vc, qkv, stride, k_col, v_col, pos, B * T, T, cap, kv_dim);
+    return launched();
+}
+
+extern "C" int nl_cuda_kv_store_bf16(void *stream, uint16_t *kc, uint16_t *vc, const float *qkv,
+                                     int stride, int k_col, int v_col, const int32_t *pos, int past,
+                                     int B, int T, int cap, int kv_dim)
+{
+    if (B <= 0 || T <= 0 || kv_dim <= 0)
+        return 0;
+    if (stride < 0 || k_col < 0 || v_col < 0 || cap < 1 || past < 0 || (pos && past != 0) ||
+        (!pos && (long long)past + T > cap) || (long long)B * T > INT_MAX)
+        return (int)cudaErrorInvalidValue;
+    kv_store_bf16_kernel<<<row_blocks(B * T), row_threads(kv_dim, 256), 0, (cudaStream_t)stream>>>(
+        kc, vc, qkv, stride, k_col, v_col, pos, past, B * T, T, cap, kv_dim);
     return launched();
 }
 

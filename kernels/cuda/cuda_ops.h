@@ -33,6 +33,11 @@ int nl_cuda_copy_rows(void *stream, float *dst, int dst_stride, const float *src
                       int rows, int cols);
 int nl_cuda_kv_store(void *stream, float *kc, float *vc, const float *qkv, int stride, int k_col,
                      int v_col, const int32_t *pos, int B, int T, int cap, int kv_dim);
+/* The kv_store_bf16 slot: as nl_cuda_kv_store into a cache of bf16 bits
+ * (nl_elem_to_bf16), with pos NULL the rows at past + t. */
+int nl_cuda_kv_store_bf16(void *stream, uint16_t *kc, uint16_t *vc, const float *qkv, int stride,
+                          int k_col, int v_col, const int32_t *pos, int past, int B, int T, int cap,
+                          int kv_dim);
 int nl_cuda_moe_combine(void *stream, float *x, const float *y, const int32_t *slot, const float *w,
                         int N, int k, int C);
 /* C[r, 0:cols] = beta == 0 ? 0 : beta * C[r, 0:cols] for r < rows, row

@@ -64,6 +64,25 @@ __device__ __forceinline__ float block_max(float v, float *red)
     return warp_max(lane < nw ? red[lane] : -INFINITY);
 }
 
+/* RMSNorm of the row x[0, C) into y (y == x is fine: every element is
+ * read before the row is written), by the whole block, in two passes like
+ * the CPU's: the sum of squares, then y = x * rstd * w. Returns rstd =
+ * 1 / sqrt(mean(x^2) + eps) to every thread; as block_sum, every thread
+ * calls it. rmsnorm_kernel's rows and the fused router's normed row: one
+ * function, the same bits. */
+__device__ __forceinline__ float block_rmsnorm_row(float *y, const float *x, const float *w, int C,
+                                                   float eps, float *red)
+{
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < C; c += blockDim.x)
+        ss += x[c] * x[c];
+    ss = block_sum(ss, red);
+    const float r = nl_elem_rmsnorm_scale(ss, C, eps);
+    for (int c = threadIdx.x; c < C; c += blockDim.x)
+        y[c] = x[c] * r * w[c];
+    return r;
+}
+
 /* Softmax of the row r[0, C) in place, by the whole block, in three passes
  * like the CPU's: the max, then exp(x - max) written back and summed, then
  * a scale by 1 / sum. A thread rereads only the elements it wrote itself,

@@ -46,8 +46,9 @@ void cu_attention_forward(nl_backend *be, float *out, float *lse, const float *q
                           const float *k, const float *v, int kv_stride, nl_attn_shape s)
 {
     cuda_ctx *c = enter_slot(be, __func__);
-    /* device positions (a captured decode step): the module's kernels */
-    if (!s.pos &&
+    /* device positions (a captured decode step) or a bf16 cache: the
+     * module's kernels */
+    if (!s.pos && !s.kv_bf16 &&
         nl_cudnn_attention_forward(c->cudnn, out, lse, q, q_stride, k, v, kv_stride, s, NULL))
         return;
     launched(c, "attention_forward",
@@ -73,7 +74,7 @@ void cu_attention_masked_forward(nl_backend *be, float *out, float *lse, const f
                                  nl_attn_shape s, nl_attn_mask mask)
 {
     cuda_ctx *c = enter_slot(be, __func__);
-    if (!s.pos &&
+    if (!s.pos && !s.kv_bf16 &&
         nl_cudnn_attention_forward(c->cudnn, out, lse, q, q_stride, k, v, kv_stride, s, &mask))
         return;
     launched_shape(c,
@@ -124,6 +125,16 @@ void cu_kv_store(nl_backend *be, float *kc, float *vc, const float *qkv, int str
     launched(
         c, "kv_store",
         nl_cuda_kv_store(c->stream, kc, vc, qkv, stride, k_col, v_col, pos, B, T, cap, kv_dim));
+}
+
+void cu_kv_store_bf16(nl_backend *be, uint16_t *kc, uint16_t *vc, const float *qkv, int stride,
+                      int k_col, int v_col, const int32_t *pos, int past, int B, int T, int cap,
+                      int kv_dim)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    launched(c, "kv_store_bf16",
+             nl_cuda_kv_store_bf16(c->stream, kc, vc, qkv, stride, k_col, v_col, pos, past, B, T,
+                                   cap, kv_dim));
 }
 
 void cu_moe_combine(nl_backend *be, float *x, const float *y, const int32_t *slot, const float *w,
@@ -424,6 +435,7 @@ void fill_op_slots(nl_backend *be)
     be->gather_rows = cu_gather_rows;
     be->copy_rows = cu_copy_rows;
     be->kv_store = cu_kv_store;
+    be->kv_store_bf16 = cu_kv_store_bf16;
     be->moe_combine = cu_moe_combine;
     be->moe_route = cu_moe_route;
     be->moe_aux = cu_moe_aux;

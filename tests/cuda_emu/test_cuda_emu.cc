@@ -50,6 +50,9 @@ int nl_emu_family_checks(void);
 /* tests/cuda_emu/emu_fused.cc: the fused decode kernels (cuda_fused.cu),
  * likewise */
 int nl_emu_fused_checks(void);
+/* tests/cuda_emu/emu_kv_bf16.cc: the bf16 KV cache's write and attention,
+ * likewise */
+int nl_emu_kv_bf16_checks(void);
 
 namespace
 {
@@ -522,7 +525,7 @@ void test_launchers(void)
     CHECK(nl_cuda_copy_rows(nullptr, f, 1, f, 1, 0, 1) == 0, "copy_rows rows 0");
     CHECK(nl_cuda_moe_combine(nullptr, f, f, i, f, 1, 0, 4) == 0, "moe_combine k 0");
     CHECK(nl_cuda_scale_rows(nullptr, f, 1, 1, 0, 0.0f) == 0, "scale_rows cols 0");
-    nl_attn_shape s = {0, 1, 0, 1, 1, 1, 4, nullptr};
+    nl_attn_shape s = {0, 1, 0, 1, 1, 1, 4, nullptr, 0};
     CHECK(nl_cuda_attention_forward(nullptr, f, f, f, 4, f, f, 4, s) == 0, "attention B 0");
     CHECK(emu_launch_count() == before, "an empty shape launched %ld kernels",
           emu_launch_count() - before);
@@ -535,18 +538,18 @@ void test_launchers(void)
     CHECK(nl_cuda_scale_rows(nullptr, f, -1, 1, 1, 1.0f) == cudaErrorInvalidValue,
           "scale_rows negative ldc");
     const nl_attn_shape bad[] = {
-        {1, 1, 0, 1, 1, 1, 0, nullptr},   /* hd 0 */
-        {1, 1, 0, 1, 1, 1, 257, nullptr}, /* hd past the maximum */
-        {1, 1, 0, 1, 2, 0, 4, nullptr},   /* G 0 */
-        {1, 1, 0, 1, 3, 2, 4, nullptr},   /* H % G != 0 */
-        {1, 2, 3, 4, 1, 1, 4, nullptr},   /* kv_cap < past + T */
-        {1, 1, -1, 1, 1, 1, 4, nullptr},  /* past < 0 */
+        {1, 1, 0, 1, 1, 1, 0, nullptr, 0},   /* hd 0 */
+        {1, 1, 0, 1, 1, 1, 257, nullptr, 0}, /* hd past the maximum */
+        {1, 1, 0, 1, 2, 0, 4, nullptr, 0},   /* G 0 */
+        {1, 1, 0, 1, 3, 2, 4, nullptr, 0},   /* H % G != 0 */
+        {1, 2, 3, 4, 1, 1, 4, nullptr, 0},   /* kv_cap < past + T */
+        {1, 1, -1, 1, 1, 1, 4, nullptr, 0},  /* past < 0 */
     };
     for (const nl_attn_shape &b : bad)
         CHECK(nl_cuda_attention_forward(nullptr, f, f, f, 4, f, f, 4, b) == cudaErrorInvalidValue,
               "attention shape B %d T %d past %d cap %d H %d G %d hd %d accepted", b.B, b.T, b.past,
               b.kv_cap, b.H, b.G, b.hd);
-    s = {1, 1, 0, 1, 1, 1, 4, nullptr};
+    s = {1, 1, 0, 1, 1, 1, 4, nullptr, 0};
     CHECK(nl_cuda_attention_forward(nullptr, f, f, f, 3, f, f, 4, s) == cudaErrorInvalidValue,
           "attention q_stride < H hd accepted");
     CHECK(nl_cuda_attention_forward(nullptr, f, f, f, 4, f, f, 3, s) == cudaErrorInvalidValue,
@@ -602,7 +605,7 @@ struct attn_case {
 
 void run_attention(nl_backend *cpu, const attn_case &c)
 {
-    nl_attn_shape s = {c.B, c.T, c.past, c.past + c.T + c.extra_cap, c.H, c.G, c.hd, nullptr};
+    nl_attn_shape s = {c.B, c.T, c.past, c.past + c.T + c.extra_cap, c.H, c.G, c.hd, nullptr, 0};
     const int qs = c.H * c.hd + c.qpad, ks = c.G * c.hd + c.kvpad;
     const size_t nq = (size_t)c.B * c.T * qs, nk = (size_t)c.B * s.kv_cap * ks;
     const size_t no = (size_t)c.B * c.T * c.H * c.hd, nl = (size_t)c.B * c.H * c.T;
@@ -1025,6 +1028,7 @@ int main(void)
     CHECK(nl_emu_moe_checks() == 0, "routing: see its failures above");
     CHECK(nl_emu_family_checks() == 0, "model variants: see their failures above");
     CHECK(nl_emu_fused_checks() == 0, "fused decode: see its failures above");
+    CHECK(nl_emu_kv_bf16_checks() == 0, "bf16 KV cache: see its failures above");
     nl_backend_destroy(&cpu);
     return check_done("test_cuda_emu");
 }
