@@ -13,6 +13,9 @@
 # Settings (environment, with defaults): RATE=100mbit DELAY_MS=20
 # CONFIG=configs/tiny.yaml STEPS=12 BATCH=16 SEQ=128 MICRO=4
 # NODE_TIMEOUT_MS=10000 (neurocoord --node-timeout-ms on the shaped link);
+# VERIFY_RATE=0 (neurocoord --verify-rate: off, since each case carries its
+# stage's weights to the verifier, which on a slow link outweighs the hops
+# this measures; bench/bench_verify.sh measures verification);
 # KEEP=DIR copies the runs' logs there (the nodes', the coordinator's,
 # netdelay's: how many packets it held and whether the kernel dropped any).
 # Needs root, ip netns and tc; the delay without netem needs iptables'
@@ -28,6 +31,7 @@ BATCH=${BATCH:-16}
 SEQ=${SEQ:-128}
 MICRO=${MICRO:-4}
 NODE_TIMEOUT_MS=${NODE_TIMEOUT_MS:-10000}
+VERIFY_RATE=${VERIFY_RATE:-0}
 KEEP=${KEEP:-}
 N="$BUILD/cli/neuroctl"
 COORD="$BUILD/coordinator/neurocoord"
@@ -126,7 +130,7 @@ shaped() {
   local p0=${#pids[@]}
   ip netns exec "${P}c" "$COORD" --listen tcp://10.78.0.1:7800 --state-dir "$W/coord" \
     --model "$W/m.safetensors" --min-nodes 2 --node-timeout-ms "$NODE_TIMEOUT_MS" --data-root / \
-    --checkpoint-root / --wire "$1" > "$W/coord-$1.log" 2>&1 &
+    --checkpoint-root / --wire "$1" --verify-rate "$VERIFY_RATE" > "$W/coord-$1.log" 2>&1 &
   pids+=($!)
   for i in $(seq 1 50); do [ -f "$W/coord/coordinator.pub" ] && break; sleep 0.1; done
   for k in 1 2; do
@@ -146,6 +150,7 @@ shaped() {
 }
 loopback() {
   "$N" cluster up --dir "$W/lo-$1" --nodes 2 --threads 1 --model "$W/m.safetensors" --wire "$1" \
+    --verify-rate "$VERIFY_RATE" \
     --timeout 120 >/dev/null 2>&1
   "$N" train --cluster "$W/lo-$1" "${RUN[@]}" --checkpoint-dir "$W/ck-lo-$1" \
     --log "$W/lo-$1.jsonl" 2> "$W/lo-$1.err" || tail -3 "$W/lo-$1.err" >&2
