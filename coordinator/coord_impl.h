@@ -525,7 +525,8 @@ double coord_link_bytes_s(const cnode *n);
  * NULL) says which. */
 double coord_link_or_assumed(const cnode *n, int *measured);
 /* The current plan's link: the slowest of its replicas' (assumed where
- * not measured; no replicas: the assumed speed). */
+ * not measured; no replicas: the assumed speed): coord_plan.c, the
+ * planner's nl_plan_link_bytes_s over the live nodes. */
 double coord_link_plan_now(nl_coord *c, int *measured);
 /* Why a re-plan is wanted (replan_wanted's bits). */
 enum { COORD_REPLAN_JOINED = 1, COORD_REPLAN_LEFT = 2, COORD_REPLAN_SPEEDS = 4 };

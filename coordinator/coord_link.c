@@ -46,25 +46,6 @@ double coord_link_or_assumed(const cnode *n, int *measured)
     return v > 0 ? v : COORD_LINK_ASSUMED;
 }
 
-double coord_link_plan_now(nl_coord *c, int *measured)
-{
-    double link = 0.0;
-    int seen = 0, meas = 0;
-    for (int s = 0; c->plan && s < c->plan->n_stages; s++)
-        for (int r = 0; coord_stage_replicas(c, s) > 1 && r < coord_stage_replicas(c, s); r++) {
-            int m = 0;
-            const double v = coord_link_or_assumed(coord_stage_replica(c, s, r), &m);
-            if (!seen || v < link || (v == link && m && !meas)) {
-                link = v;
-                meas = m;
-            }
-            seen = 1;
-        }
-    if (measured)
-        *measured = seen && meas;
-    return seen ? link : COORD_LINK_ASSUMED;
-}
-
 /* A measurement moved the current plan's link by more than the margin:
  * --replicas auto asks for a re-plan (at the next checkpoint, or at
  * rest). */

@@ -440,6 +440,16 @@ static nl_plan_node *plan_nodes_new(const nl_coord *c, int *n, uint64_t *total)
     return pn;
 }
 
+double coord_link_plan_now(nl_coord *c, int *measured)
+{
+    int n = 0;
+    uint64_t total = 0;
+    nl_plan_node *pn = plan_nodes_new(c, &n, &total); /* NULL: every link assumed */
+    const double link = nl_plan_link_bytes_s(c->plan, pn, n, COORD_LINK_ASSUMED, measured);
+    free(pn);
+    return link;
+}
+
 static void plan_over(nl_coord *c, nl_plan_node *pn, int n, uint64_t total);
 
 void coord_try_plan(nl_coord *c)
