@@ -13,6 +13,7 @@
 #include "coordinator/coord_http.h"
 #include "core/formats/fileio.h"
 #include "net/auth.h"
+#include "net/transport.h"
 
 static volatile sig_atomic_t stop_flag;
 
@@ -94,5 +95,6 @@ int main(int argc, char **argv)
         NL_ERROR("%s (%s)", err.msg, nl_status_str(err.status));
     nl_coord_http_stop(&web);
     nl_coord_destroy(&c);
+    nl_net_parts_check("neurocoord");
     return rc;
 }

@@ -4,6 +4,7 @@
 
 #include "net/connguard.h"
 
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,6 +14,10 @@
 #include "base/log.h"
 
 #define SOFTWARE "neurollm"
+
+/* Message parts received into an nl_rx and not yet closed, in this process
+ * (nl_net_parts_open) */
+static atomic_long parts_open;
 
 struct nl_net {
     void *zctx;
@@ -85,6 +90,20 @@ void nl_net_destroy(nl_net **np)
         zmq_ctx_term(n->zctx);
     free(n);
     *np = NULL;
+}
+
+long nl_net_parts_open(void)
+{
+    return atomic_load(&parts_open);
+}
+
+bool nl_net_parts_check(const char *who)
+{
+    const long n = nl_net_parts_open();
+    if (n != 0)
+        NL_ERROR("%s: %ld received message part(s) never closed (an nl_rx not freed): a leak", who,
+                 n);
+    return n == 0;
 }
 
 nl_auth *nl_net_auth(nl_net *n)
@@ -412,6 +431,7 @@ static void rx_release(nl_rx *rx)
 {
     for (int i = 0; i < rx->nparts; i++)
         zmq_msg_close(&rx->parts[i]);
+    atomic_fetch_sub(&parts_open, rx->nparts);
     rx->nparts = 0;
     rx->rid_len = 0;
     rx->peer[0] = '\0';
@@ -482,6 +502,7 @@ static int read_parts(nl_sock *s, nl_rx *rx, bool *over, uint64_t *total)
             zmq_msg_close(m);
         } else {
             rx->nparts = ++n;
+            atomic_fetch_add(&parts_open, 1);
         }
     }
     return n;

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "net/keys.h"
+#include "net/transport.h"
 #include "node/node.h"
 
 static volatile sig_atomic_t stop_flag;
@@ -45,6 +46,7 @@ int main(int argc, char **argv)
     nl_error err;
     nl_status st = nl_node_run(&o, &err);
     nl_keys_wipe(&kp);
+    nl_net_parts_check("neuronode");
     if (st != NL_OK && !stop_flag) {
         fprintf(stderr, "neuronode: %s\n", err.msg);
         return 1;
