@@ -104,10 +104,15 @@ def cluster_up(w, extra):
                         "--device", DEV, "--out", w + "/ad.safetensors"],
                        check=True, capture_output=True)
         extra = extra + ["--http-adapter", "tuned=" + w + "/ad.safetensors"]
+    # api: each batch of session hops takes 5 ms more (NL_TEST_SLOW_HOP_MS),
+    # so that the 16 concurrent generations of test_concurrent overlap at
+    # every stage however slowly a busy machine starts their threads (at
+    # load 8 they were batched 1.3 hops a batch, not the 2 it asserts)
+    env = dict(os.environ, NL_TEST_SLOW_HOP_MS="5") if what == "api" else None
     out = subprocess.run([N, "cluster", "up", "--device", DEV, "--dir", w + "/c", "--nodes", "3",
                           "--model", w + "/m.safetensors", "--memory", "64M", "--threads", "1",
                           "--http", "127.0.0.1:0", "--timeout", "60"] + extra,
-                         check=True, capture_output=True, text=True).stdout
+                         check=True, capture_output=True, text=True, env=env).stdout
     m = re.search(r"http: (http://[0-9.:]+/)", out)
     check(m is not None, "cluster up prints the HTTP address: " + out)
     return m.group(1)
