@@ -48,17 +48,22 @@ netem() { # on every namespace's link; 1 if the kernel has no netem
       return 1
   done
 }
-# Without netem: every namespace's outgoing packets go through a netfilter
+# Without netem: every namespace's incoming packets go through a netfilter
 # queue that tests/netdelay.c holds 20 ms and drops 1% of (seeded); 1 when
-# iptables' NFQUEUE or the tool is missing.
+# iptables' NFQUEUE or the tool is missing. Held on the way in, not out: a
+# packet held on the sender's way out counts against its socket's TCP Small
+# Queues budget and throttles the stream far below the link (see
+# bench/bench_wan.sh). netdelay runs SCHED_FIFO where chrt may, so a busy
+# machine does not add seconds to the 20 ms.
 ND="$NL_BUILD_DIR/tests/netdelay"
 nfqueue() {
   [ -x "$ND" ] && command -v iptables >/dev/null || return 1
-  local seed=1
+  local seed=1 fifo=
+  chrt -f 10 true 2>/dev/null && fifo="chrt -f 10"
   for ns in c n1 n2 n3; do
-    ip netns exec "$P$ns" iptables -A OUTPUT -o eth0 -j NFQUEUE --queue-num 0 --queue-bypass \
+    ip netns exec "$P$ns" iptables -A INPUT -i eth0 -j NFQUEUE --queue-num 0 --queue-bypass \
       2>/dev/null || return 1
-    ip netns exec "$P$ns" "$ND" 0 20 1 $seed > "$W/netdelay-$ns.log" 2>&1 &
+    ip netns exec "$P$ns" $fifo "$ND" 0 20 1 $seed > "$W/netdelay-$ns.log" 2>&1 &
     nd_pids+=($!) # not in pids: pids[0] must stay the coordinator
     seed=$((seed + 1))
   done
