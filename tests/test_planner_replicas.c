@@ -404,8 +404,7 @@ static void test_staged(void)
           "4 replicas on 3 nodes: %s", err.msg);
     CHECK(nl_plan_layers_staged(&p, &c, three, 3, &o, r0, 2, &err) == NL_ERR_INVALID && !p,
           "0 replicas: %s", err.msg);
-    nl_plan_node tiny[3] = {node(1, 1 * MB, 10, 0), node(2, 1 * MB, 10, 0),
-                            node(3, 1 * MB, 10, 0)};
+    nl_plan_node tiny[3] = {node(1, 1 * MB, 10, 0), node(2, 1 * MB, 10, 0), node(3, 1 * MB, 10, 0)};
     CHECK(nl_plan_layers_staged(&p, &c, tiny, 3, &o, r21, 2, &err) == NL_ERR_CAPACITY && !p &&
               strstr(err.msg, "cannot hold"),
           "tiny nodes: %s", err.msg);
@@ -472,8 +471,8 @@ static void test_choose_stages(void)
         eight[i] = node(1 + i, 1 * GIB, 20, 1e-4);
     const double links[3] = {0.0, 1e9, 1e3};
     for (int k = 0; k < 3; k++) {
-        CHECK_OK(nl_plan_choose_stage_replicas(&p, &t, NULL, NULL, &c4, eight, 8, &o4, 32,
-                                               links[k], &err),
+        CHECK_OK(nl_plan_choose_stage_replicas(&p, &t, NULL, NULL, &c4, eight, 8, &o4, 32, links[k],
+                                               &err),
                  &err);
         CHECK_OK(nl_plan_choose_replicas(&u, &R, &tu, NULL, NULL, &c4, eight, 8, &o4, 32, links[k],
                                          &err),
