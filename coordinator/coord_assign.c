@@ -71,7 +71,7 @@ void coord_send_assign(nl_coord *c, int stage, int r, const char *cfg_json, int 
           *ring = R > 1 ? coord_stage_replica(c, stage, (r + 1) % R) : NULL,
           *ring_prev = R > 1 ? coord_stage_replica(c, stage, (r + R - 1) % R) : NULL;
     char prev_keys[NL_WIRE_PEER_KEYS_MAX + 1] = "", next_keys[NL_WIRE_PEER_KEYS_MAX + 1] = "",
-         next_eps[NL_WIRE_PEER_EPS_MAX + 1] = "";
+                                           next_eps[NL_WIRE_PEER_EPS_MAX + 1] = "";
     if (fan_prev)
         replica_list(c, ps, false, prev_keys, sizeof prev_keys);
     if (fan_next) {
@@ -120,4 +120,3 @@ void coord_send_assign(nl_coord *c, int stage, int r, const char *cfg_json, int 
     coord_send_node(c, n, &m);
     nl_wire_msg_free(&m);
 }
-

@@ -42,8 +42,8 @@ static nl_status check_peers(const nl_msg_assign *a, const nl_wire_tdesc *td, nl
                                 names[k], NL_REDUCE_MAX_REPLICAS);
         for (int i = 0; k < 2 && i < count[k]; i++)
             if (!nl_wire_z85_key_ok(items[i], strlen(items[i])))
-                return nl_error_set(err, NL_ERR_RANGE, "%s.%s: item %d is not a Z85 key",
-                                    td->name, names[k], i);
+                return nl_error_set(err, NL_ERR_RANGE, "%s.%s: item %d is not a Z85 key", td->name,
+                                    names[k], i);
     }
     if (count[1] != count[2])
         return nl_error_set(err, NL_ERR_RANGE,

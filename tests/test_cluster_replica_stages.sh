@@ -10,6 +10,9 @@
 #  - two runs on the same plan are byte-identical (every loss, every byte
 #    of the exported weights and moments);
 #  - a checkpoint holds one shard per stage (replica 0 writes it);
+#  - on 4 nodes (one a standby) a replica of stage 0 killed at step ~7:
+#    the job resumes by itself from its last checkpoint, the standby in
+#    its place, and the run is byte-identical;
 #  - neuroctl status shows the counts per stage; a generation on the
 #    cluster (replica 0 of each stage) gives one process's tokens;
 #  - a job whose microbatches do not divide among a stage's replicas is
@@ -75,10 +78,10 @@ elif what == "weights":  # weights A B TOL [MTOL]: every weight within TOL (0: e
             assert worst <= limit, (errs[-1], limit)
 PY
 
-# up CLUSTER COUNTS: 3 nodes on the plan COUNTS (--replicas R0,R1)
+# up CLUSTER COUNTS [NODES]: NODES (3) nodes on the plan COUNTS (--replicas R0,R1)
 up() {
-  check "$N" cluster up "${DEV[@]}" --dir "$1" --nodes 3 --replicas "$2" --model "$W/m.safetensors" \
-    --memory 64M --threads 1 --node-timeout-ms 2000 --timeout 60
+  check "$N" cluster up "${DEV[@]}" --dir "$1" --nodes "${3:-3}" --replicas "$2" \
+    --model "$W/m.safetensors" --memory 64M --threads 1 --node-timeout-ms 2000 --timeout 60
 }
 
 # ---- stage 0 on 2 replicas, stage 1 on 1 ----
@@ -116,6 +119,39 @@ check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck2" --log "$W/
   --out "$W/r2.safetensors" 2> "$W/r2.err"
 check $PY "$W/cmp.py" logs "$W/r2.jsonl" "$W/r1.jsonl" 0
 check $PY "$W/cmp.py" weights "$W/r2.safetensors" "$W/r1.safetensors" 0
+check "$N" cluster down --dir "$C"
+
+# ---- a replica of stage 0 killed at step ~7: the run goes on, unchanged ----
+C="$W/c21k"
+up "$C" 2,1 4
+victim=$($PY - "$C" <<'PY'
+import glob, re, sys
+c = sys.argv[1]; log = open(c + "/coord.log").read()
+node = re.findall(r"plan \d+: stage 0 on node \d+ \(replicas on (\d+)\)", log)[-1]
+key = re.search(r"node %s joined: .* key (\S{8})\.\.\." % node, log).group(1)
+for pub in glob.glob(c + "/node-*.pub"):
+    if open(pub).read().startswith(key):
+        print(pub[:-4]); break
+PY
+)
+check test -n "$victim"
+"$N" train --cluster "$C" "${RUN[@]}" --checkpoint-every 5 --checkpoint-dir "$W/ck5" \
+  --log "$W/killed.jsonl" --out "$W/killed.safetensors" 2> "$W/killed.err" &
+job=$!
+for i in $(seq 1 2400); do
+  grep -q '"step":7,' "$W/killed.jsonl" 2>/dev/null && break
+  sleep 0.05
+done
+echo "killing $victim (replica 1 of stage 0)"
+kill -9 "$(cat "$victim.pid")"
+wait $job
+rc=$?
+check test $rc -eq 0
+[ $rc -eq 0 ] || grep -E "WARN|ERROR" "$C/coord.log" | tail -12
+check grep -q '"event":"node_lost"' "$W/killed.jsonl"
+check grep -q "train job 1: resumed at step" "$C/coord.log"
+check $PY "$W/cmp.py" logs "$W/killed.jsonl" "$W/r1.jsonl" 0
+check $PY "$W/cmp.py" weights "$W/killed.safetensors" "$W/r1.safetensors" 0
 check "$N" cluster down --dir "$C"
 
 # ---- stage 0 on 1, stage 1 on 2 ----
