@@ -157,6 +157,8 @@ check "$N" cluster down --dir "$C"
 # ---- stage 0 on 1, stage 1 on 2 ----
 C="$W/c12"
 up "$C" 1,2
+check "$N" generate --cluster "$C" --prompt-tokens 72,101 --max-new 6 --temperature 0 > "$W/gen.c12" 2>/dev/null
+check cmp -s "$W/gen.c12" "$W/gen.l"
 check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck4" --log "$W/r3.jsonl" \
   --out "$W/r3.safetensors" 2> "$W/r3.err"
 tail -1 "$W/r3.err"

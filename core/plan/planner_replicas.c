@@ -431,25 +431,25 @@ static nl_status grow_bottleneck(nl_plan **out, double *t_out, const nl_plan *p,
 {
     *out = NULL;
     const int S = p->n_stages;
-    ranked *spare = malloc((size_t)(p->n_standby + 1) * sizeof *spare);
+    ranked *spare = malloc((size_t)n_nodes * sizeof *spare);
     sgroup *g = calloc((size_t)S, sizeof *g), *trial = calloc((size_t)S, sizeof *trial);
+    char *in_plan = calloc((size_t)n_nodes, 1);
     nl_status st = NL_OK;
-    if (!spare || !g || !trial) {
+    if (!spare || !g || !trial || !in_plan) {
         st = nl_error_set(err, NL_ERR_NOMEM, "plan: out of memory");
         goto done;
     }
-    int n_spare = 0;
-    for (int i = 0; i < p->n_standby; i++) {
-        const int k = index_of(nodes, n_nodes, p->standby[i]);
-        if (k >= 0)
-            spare[n_spare++] = (ranked){&nodes[k], k};
-    }
-    qsort(spare, (size_t)n_spare, sizeof *spare, rank_cmp);
     for (int s = 0; s < S; s++) {
         g[s].R = 1;
         g[s].idx[0] = index_of(nodes, n_nodes, p->stages[s].node_id);
+        in_plan[g[s].idx[0]] = 1;
         sgroup_fold(&g[s], nodes);
     }
+    int n_spare = 0; /* every node p leaves out (its standby, or the nodes it was not given) */
+    for (int i = 0; i < n_nodes; i++)
+        if (!in_plan[i])
+            spare[n_spare++] = (ranked){&nodes[i], i};
+    qsort(spare, (size_t)n_spare, sizeof *spare, rank_cmp);
     const nl_plan *cur = p;
     double t = plan_step(p, cfg, o, nodes, n_nodes, M, link);
     for (int used = 0;;) {
@@ -497,6 +497,7 @@ done:
     free(spare);
     free(g);
     free(trial);
+    free(in_plan);
     return st;
 }
 
@@ -521,20 +522,42 @@ nl_status nl_plan_choose_stage_replicas(nl_plan **out, double *step_s,
                                            microbatches, link_bytes_per_s, err);
     if (st != NL_OK)
         return st;
-    nl_plan *depth = NULL, *grown = NULL;
-    double tg = 0.0;
-    nl_error e = {0};
-    if (nl_plan_layers(&depth, cfg, nodes, n_nodes, opts, &e) == NL_OK && depth->n_standby > 0 &&
-        (st = grow_bottleneck(&grown, &tg, depth, cfg, opts, nodes, n_nodes, microbatches,
-                              link_bytes_per_s, err)) == NL_OK &&
-        grown && uneven(grown) && tg < t * (1 - 1e-9)) {
+    /* the depth-only plans over all the nodes and over the k fastest
+     * (k < n, at most NL_PLAN_EXACT_MAX), each grown with the rest */
+    ranked *rk = malloc((size_t)n_nodes * sizeof *rk);
+    nl_plan_node *sub = malloc((size_t)n_nodes * sizeof *sub);
+    if (!rk || !sub) {
+        free(rk);
+        free(sub);
         nl_plan_destroy(out);
-        *out = grown;
-        grown = NULL;
-        t = tg;
+        return nl_error_set(err, NL_ERR_NOMEM, "plan: out of memory");
     }
-    nl_plan_destroy(&depth);
-    nl_plan_destroy(&grown);
+    for (int i = 0; i < n_nodes; i++)
+        rk[i] = (ranked){&nodes[i], i};
+    qsort(rk, (size_t)n_nodes, sizeof *rk, rank_cmp);
+    for (int i = 0; i < n_nodes; i++)
+        sub[i] = *rk[i].n;
+    const int kmax = n_nodes - 1 < NL_PLAN_EXACT_MAX ? n_nodes - 1 : NL_PLAN_EXACT_MAX;
+    for (int k = 0; k <= kmax && st == NL_OK; k++) {
+        nl_plan *depth = NULL, *grown = NULL;
+        double tg = 0.0;
+        nl_error e = {0};
+        const nl_status sd = k == 0 ? nl_plan_layers(&depth, cfg, nodes, n_nodes, opts, &e)
+                                    : nl_plan_layers(&depth, cfg, sub, k, opts, &e);
+        if (sd == NL_OK && depth->n_stages < n_nodes &&
+            (st = grow_bottleneck(&grown, &tg, depth, cfg, opts, nodes, n_nodes, microbatches,
+                                  link_bytes_per_s, err)) == NL_OK &&
+            grown && uneven(grown) && tg < t * (1 - 1e-9)) {
+            nl_plan_destroy(out);
+            *out = grown;
+            grown = NULL;
+            t = tg;
+        }
+        nl_plan_destroy(&depth);
+        nl_plan_destroy(&grown);
+    }
+    free(rk);
+    free(sub);
     if (st != NL_OK) {
         nl_plan_destroy(out);
         return st;
