@@ -25,11 +25,16 @@
 #          0: none) so that its replicas measure their link, and the run is
 #          timed on the plan the coordinator makes at rest with the measured
 #          link (both reasons printed: before and after the measurement)
+#   stages the compute model on 3 nodes: a replica count per stage. The
+#          plan of --replicas auto, the deepest plan of 3 nodes without
+#          replicas (--replicas 1) and the forced RUNS3 plans, each against
+#          2 x 1 on 2 nodes; RUNS3 (default "2x1:2:1 deep:3:1 auto:3:auto
+#          1,2:3:1,2 2,1:3:2,1") as RUNS8; the plans print as S x (R_0,...)
 # tokens/s is the median of the steps' own figures (the client's log)
 # after the first two. REPS runs of each, interleaved; medians.
 #   bench/bench_replicas.sh [BUILD_DIR]
 #   env: CONFIG (configs/bench-small.yaml), GFLOPS (20), STEPS (8), BATCH (8),
-#        SEQ (64), MICRO (8), REPS (1), PARTS ("model real"; also: eight)
+#        SEQ (64), MICRO (8), REPS (1), PARTS ("model real"; also: eight, stages)
 # Prints one JSON line per part and the load average at the start and end.
 set -euo pipefail
 B=${1:-build}
@@ -128,39 +133,48 @@ PY
     echo "{\"part\":\"$what\",\"config\":\"$(basename "$CONFIG")\",\"gflops\":$([ "$what" = model ] && echo "$GFLOPS" || echo null),\"steps\":$STEPS,\"batch\":$BATCH,\"seq\":$SEQ,\"microbatches\":$MICRO,\"tps_2x1\":$x,\"tps_2x2\":$y,\"ratio\":$($PY -c "print('%.3f' % ($y / $x))"),\"loss_worst_rel\":$worst}"
 }
 
-# the stages and replicas of run $1's plan: SxR (R of stage 0)
+# the stages and replicas of run $1's plan: SxR, or Sx(R_0,R_1,...) when
+# the stages' counts differ
 shape() {
     $PY - "$W/$1.plan" <<'PY'
 import re, sys
 st = [m for m in (re.match(r"plan (\d+): stage \d+ on node \d+( \(replicas on ([\d, ]+)\))?", l)
                  for l in open(sys.argv[1])) if m]
 st = [m for m in st if m.group(1) == st[-1].group(1)]  # the last plan
-r = len(st[0].group(3).split(",")) + 1 if st and st[0].group(3) else 1
-print("%dx%d" % (len(st), r))
+rs = [len(m.group(3).split(",")) + 1 if m.group(3) else 1 for m in st]
+print("%dx%d" % (len(st), rs[0]) if len(set(rs)) <= 1 else "%dx(%s)" % (len(st), ",".join(map(str, rs))))
 PY
 }
 
-eight() {
+# the compute model's runs $2 (NAME:NODES:REPLICAS ...; the first is the
+# anchor), as part $1: one JSON line, and auto's plan and reason
+layouts() {
+    local part=$1 runs=$2 x tp out="" n anchor
     export NL_TEST_GFLOPS=$GFLOPS NL_TEST_COMPUTE_GFLOPS=$GFLOPS
-    local runs=${RUNS8:-2x1:2:1 2x4:8:4 deep:8:1 auto:8:auto} x tp out="" n
     for r in $runs; do
         IFS=: read -r n nodes reps <<< "$r"
-        train "eight-$n" "$nodes" "$reps"
+        train "$part-$n" "$nodes" "$reps"
         # what adding up the replicas' gradients cost each replica a step
-        grep -ho "replica [0-9]* sent .*" "$W/c-eight-$n"/node-*.log | sed "s/^/bench_replicas: $n: /" >&2 || true
+        grep -ho "replica [0-9]* sent .*" "$W/c-$part-$n"/node-*.log | sed "s/^/bench_replicas: $n: /" >&2 || true
     done
-    x=$(tps "$W/eight-2x1.jsonl")
+    anchor=${runs%%:*}
+    x=$(tps "$W/$part-$anchor.jsonl")
     for r in $runs; do
         n=${r%%:*}
-        tp=$(tps "$W/eight-$n.jsonl")
-        out+=",\"$n\":{\"plan\":\"$(shape "eight-$n")\",\"tps\":$tp,\"ratio\":$($PY -c "print('%.3f' % ($tp / $x))")}"
+        tp=$(tps "$W/$part-$n.jsonl")
+        out+=",\"$n\":{\"plan\":\"$(shape "$part-$n")\",\"tps\":$tp,\"ratio\":$($PY -c "print('%.3f' % ($tp / $x))")}"
     done
-    echo "{\"part\":\"eight\",\"config\":\"$(basename "$CONFIG")\",\"gflops\":$GFLOPS,\"steps\":$STEPS,\"batch\":$BATCH,\"seq\":$SEQ,\"microbatches\":$MICRO$out}"
-    if [ -f "$W/eight-auto.plan" ]; then
-        echo "bench_replicas: the plan of --replicas auto on 8 nodes:" >&2
-        cat "$W/eight-auto.plan" >&2
+    echo "{\"part\":\"$part\",\"config\":\"$(basename "$CONFIG")\",\"gflops\":$GFLOPS,\"steps\":$STEPS,\"batch\":$BATCH,\"seq\":$SEQ,\"microbatches\":$MICRO$out}"
+    if [ -f "$W/$part-auto.plan" ]; then
+        echo "bench_replicas: the plan of --replicas auto ($part):" >&2
+        cat "$W/$part-auto.plan" >&2
     fi
 }
 
-for p in $PARTS; do if [ "$p" = eight ]; then eight; else part "$p"; fi; done
+eight() { layouts eight "${RUNS8:-2x1:2:1 2x4:8:4 deep:8:1 auto:8:auto}"; }
+stages() { layouts stages "${RUNS3:-2x1:2:1 deep:3:1 auto:3:auto 1,2:3:1,2 2,1:3:2,1}"; }
+
+for p in $PARTS; do
+    case $p in eight | stages) "$p" ;; *) part "$p" ;; esac
+done
 echo "bench_replicas: end, $(uptime)" >&2

@@ -657,8 +657,8 @@ static void cluster_flags(nl_opt t[MAX_FLAGS], up_opts *o, const char **dir)
                    "up: a training job's early re-balance after this many steps (neurocoord "
                    "--rebalance-after; default 3; 0: only at the job's checkpoints)"),
         NL_OPT_STR("replicas", NULL,
-                   "up: every pipeline stage on this many nodes, or auto (neurocoord --replicas; "
-                   "default 1)"),
+                   "up: every pipeline stage on this many nodes (R), a count per stage "
+                   "(R0,R1,...), or auto (neurocoord --replicas; default 1)"),
         NL_OPT_STR("plan-microbatches", NULL,
                    "up: the step's microbatches --replicas auto plans for (neurocoord "
                    "--plan-microbatches)"),

@@ -509,10 +509,22 @@ int nl_cmd_status(int argc, char **argv)
     }
     printf("(layers [a,b): the node holds layers a..b-1; +e the embedding, +h the output head)\n");
     json_t *reps = json_object_get(st, "replicas");
-    if (reps) /* DESIGN section 8 */
-        printf("replicas: %lld per stage (r/R: replica r of the stage's R); %s\n",
-               json_integer_value(json_object_get(reps, "per_stage")),
+    if (reps) { /* DESIGN section 8: R_s, stage by stage */
+        json_t *counts = json_object_get(reps, "stages");
+        const long long r0 = json_integer_value(json_object_get(reps, "per_stage"));
+        char list[256];
+        snprintf(list, sizeof list, "%lld", r0); /* one number when every stage has as many */
+        int uneven = 0;
+        for (size_t k = 0; json_is_array(counts) && k < json_array_size(counts); k++)
+            uneven |= json_integer_value(json_array_get(counts, k)) != r0;
+        for (size_t k = 0, o = 0; uneven && k < json_array_size(counts) && o < sizeof list; k++) {
+            const int w = snprintf(list + o, sizeof list - o, "%s%lld", k ? "," : "",
+                                   json_integer_value(json_array_get(counts, k)));
+            o += w > 0 ? (size_t)w : 0;
+        }
+        printf("replicas: %s per stage (r/R: replica r of the stage's R); %s\n", list,
                json_string_value(json_object_get(reps, "why")));
+    }
     json_t *b = json_object_get(st, "bottleneck_s"),
            *tb = json_object_get(st, "train_bottleneck_s");
     if (b)

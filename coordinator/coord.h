@@ -16,6 +16,9 @@
 
 typedef struct nl_coord nl_coord;
 
+/* Most stages --replicas R0,R1,... names. */
+#define NL_COORD_MAX_STAGE_LIST 64
+
 typedef struct nl_coord_opts {
     const char *listen; /* the nodes' endpoint, e.g. tcp://0.0.0.0:7000 */
     /* The clients' endpoint (a socket for clients alone, control-sized:
@@ -52,13 +55,18 @@ typedef struct nl_coord_opts {
     int replicas;             /* --replicas: every stage on this many nodes (DESIGN section 8;
                                * core/plan/planner.h nl_plan_layers_replicated); 1: none; 0 (auto):
                                * as many as give the most training tokens/s by the cost model
-                               * (nl_plan_choose_replicas) for steps of plan_microbatches */
-    int plan_microbatches;    /* --plan-microbatches: a step's microbatches --replicas auto plans
-                               * for (default 8) */
-    int outer_every;          /* --outer-every: DiLoCo's H, each replica group's AdamW steps
-                               * between the groups' outer steps (DESIGN section 8); 0: the
-                               * replicas add up every step's gradients */
-    double outer_lr;          /* --outer-lr, --outer-momentum: DiLoCo's outer Nesterov step */
+                               * (nl_plan_choose_stage_replicas, a count per stage) for steps
+                               * of plan_microbatches; -1: stage_replicas */
+    int stage_replicas[NL_COORD_MAX_STAGE_LIST]; /* --replicas R0,R1,...: stage s on
+                                                  * stage_replicas[s] nodes
+                                                  * (nl_plan_layers_staged) */
+    int n_stage_replicas;                        /* how many; 0: none */
+    int plan_microbatches; /* --plan-microbatches: a step's microbatches --replicas auto plans
+                            * for (default 8) */
+    int outer_every;       /* --outer-every: DiLoCo's H, each replica group's AdamW steps
+                            * between the groups' outer steps (DESIGN section 8); 0: the
+                            * replicas add up every step's gradients */
+    double outer_lr;       /* --outer-lr, --outer-momentum: DiLoCo's outer Nesterov step */
     double outer_momentum;
     /* Where a training job's client-chosen paths may lead (data; resume
      * and checkpoint_dir): NULL for <state_dir>/data and

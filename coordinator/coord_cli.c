@@ -3,6 +3,7 @@
  * (tests/test_coord_cli.c holds them together). */
 #include "coordinator/coord_cli.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -60,7 +61,8 @@ static void train_rows(nl_opt t[MAX_FLAGS], int *at, nl_coord_cli *cli, int *gro
                    "again this many steps later, 3 times at most (0: only at the job's "
                    "checkpoints)"),
         NL_OPT_STR("replicas", &cli->replicas,
-                   "R|auto: every pipeline stage on R nodes, microbatch i on replica i mod R, "
+                   "R|R0,R1,...|auto: every pipeline stage on R nodes, microbatch i on replica i "
+                   "mod R, "
                    "their gradients added in replica order (docs/cluster.md, \"Replicas on "
                    "different nodes\"; a job's microbatches a multiple of R); auto: the R with the "
                    "most training tokens/s by the cost model, for steps of --plan-microbatches (a "
@@ -69,7 +71,12 @@ static void train_rows(nl_opt t[MAX_FLAGS], int *at, nl_coord_cli *cli, int *gro
                    "(1 GB/s assumed for a node that has none; a measurement that moves the "
                    "plan's link by --replan-margin re-plans at the next checkpoint or at rest); "
                    "neuroctl status lists every R tried and the link speed used, measured or "
-                   "assumed (default 1)"),
+                   "assumed, and auto also weighs plans that give a slow stage more replicas "
+                   "than the others (the depth-only plan's spare nodes to its bottleneck stage). "
+                   "R0,R1,...: a plan of that many stages, stage s on Rs nodes (the fastest "
+                   "first), microbatch i on replica i mod Rs of each; a job's microbatches a "
+                   "multiple of every Rs; no node of such a plan may be --no-inbound unless all "
+                   "counts are equal (default 1)"),
         NL_OPT_INT("plan-microbatches", &o->plan_microbatches, 1, 1 << 20, "8",
                    "the microbatches of a training step --replicas auto plans for"),
         NL_OPT_INT("outer-every", &o->outer_every, 0, INT32_MAX, "0",
@@ -193,6 +200,37 @@ static void coord_flags(nl_opt t[MAX_FLAGS], nl_coord_cli *cli, int *level, int 
     put_rows(t, &at, last, sizeof last / sizeof last[0]);
 }
 
+/* --replicas: "auto" (o->replicas 0), R (o->replicas R), or a count per
+ * stage "R0,R1,..." (o->replicas -1, o->stage_replicas). -1 if it is
+ * none of them. */
+static int parse_replicas(const char *text, nl_coord_opts *o)
+{
+    if (strcmp(text, "auto") == 0) {
+        o->replicas = 0;
+        return 0;
+    }
+    int n = 0;
+    for (const char *p = text;;) {
+        char *end = NULL;
+        errno = 0;
+        const long r = strtol(p, &end, 10);
+        if (!isdigit((unsigned char)*p) || errno || !(*end == '\0' || *end == ',') || r < 1 ||
+            r > NL_PLAN_MAX_REPLICAS || n == NL_COORD_MAX_STAGE_LIST)
+            return -1;
+        o->stage_replicas[n++] = (int)r;
+        if (*end == '\0')
+            break;
+        p = end + 1;
+    }
+    if (n == 1 && !strchr(text, ',')) { /* R: every stage */
+        o->replicas = o->stage_replicas[0];
+        return 0;
+    }
+    o->replicas = -1;
+    o->n_stage_replicas = n;
+    return 0;
+}
+
 /* The rules that join two flags: 0, or 2 (said; with help for a missing one). */
 static int check(nl_coord_cli *cli, const nl_opt *t)
 {
@@ -213,18 +251,19 @@ static int check(nl_coord_cli *cli, const nl_opt *t)
         fprintf(stderr, "--node-timeout-ms must exceed --heartbeat-ms\n");
         return 2;
     }
-    if (cli->replicas && strcmp(cli->replicas, "auto") == 0) {
-        o->replicas = 0;
-    } else if (cli->replicas) {
-        char *end = NULL;
-        errno = 0;
-        const long r = strtol(cli->replicas, &end, 10);
-        if (errno || end == cli->replicas || *end || r < 1 || r > NL_PLAN_MAX_REPLICAS) {
-            fprintf(stderr, "--replicas: '%s' is not auto or a whole number from 1 to %d\n",
-                    cli->replicas, NL_PLAN_MAX_REPLICAS);
-            return 2;
-        }
-        o->replicas = (int)r;
+    if (cli->replicas && parse_replicas(cli->replicas, o) != 0) {
+        fprintf(stderr,
+                "--replicas: '%s' is not auto, a whole number from 1 to %d, nor a list of 1 to "
+                "%d of them, one a stage (2,1)\n",
+                cli->replicas, NL_PLAN_MAX_REPLICAS, NL_COORD_MAX_STAGE_LIST);
+        return 2;
+    }
+    if (o->outer_every > 0 && o->n_stage_replicas > 0) {
+        fprintf(stderr,
+                "--outer-every %d: DiLoCo's replica groups need as many replicas on "
+                "every stage (--replicas R or auto), not a count per stage\n",
+                o->outer_every);
+        return 2;
     }
     /* DiLoCo's replica groups train apart between outer steps: a case's
      * weights and loss scale are its group's, which the coordinator does

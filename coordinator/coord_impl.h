@@ -332,6 +332,13 @@ cnode *coord_stage_node(nl_coord *c, int stage);
  * NULL if there is none; how many replicas a stage has (1 without). */
 cnode *coord_stage_replica(nl_coord *c, int stage, int r);
 int coord_stage_replicas(const nl_coord *c, int stage);
+/* ASSIGN replica r of a stage (coord_assign.c). Replica r of stages with
+ * as many replicas are one pipeline (DESIGN section 8: microbatch i runs
+ * on replica i mod R_s), so its prev and next are replica r of the stages
+ * around it; a neighbour with another count is named whole (prev_keys,
+ * next_endpoints, next_keys); the ring is the stage's own replicas, r to
+ * r + 1. */
+void coord_send_assign(nl_coord *c, int stage, int r, const char *cfg_json, int relay_port);
 /* The replica of a stage that a send could not reach (cnode.unreachable),
  * or replica 0. */
 cnode *coord_stage_unreached(nl_coord *c, int stage);

@@ -397,10 +397,14 @@ static json_t *status_json(nl_coord *c, const nl_rx *rx, bool full)
         if (c->plan_training)
             json_object_set_new(root, "train_bottleneck_s", json_real(c->plan->bottleneck));
     }
-    if (c->plan && c->o.replicas != 1) /* why the stages have replicas (or none) */
-        json_object_set_new(
-            root, "replicas",
-            json_pack("{s:i,s:s}", "per_stage", coord_stage_replicas(c, 0), "why", c->plan_why));
+    if (c->plan && c->o.replicas != 1) { /* why the stages have replicas (or none) */
+        json_t *counts = json_array();   /* R_s, stage by stage (per_stage: stage 0's) */
+        for (int s = 0; s < c->plan->n_stages; s++)
+            json_array_append_new(counts, json_integer(coord_stage_replicas(c, s)));
+        json_object_set_new(root, "replicas",
+                            json_pack("{s:i,s:o,s:s}", "per_stage", coord_stage_replicas(c, 0),
+                                      "stages", counts, "why", c->plan_why));
+    }
     /* the weights the stages hold: job 0 step 0 are the files they started from */
     json_object_set_new(root, "weights",
                         json_pack("{s:I,s:I}", "job", (json_int_t)c->weights_job, "step",

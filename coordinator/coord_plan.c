@@ -21,86 +21,6 @@
 
 #define CHUNK_FLOATS (1u << 20) /* 4 MiB per LAYER_LOAD frame */
 
-/* Which side opens the links of node n (ASSIGN.links, net/wire.h): a
- * node that accepts no inbound connection dials its previous stage, and
- * that stage lets it; two such neighbours both dial the relay
- * (coord_relay.c, at relay_port). Without a relay they have no link: said
- * here, and their first hop fails. */
-static uint32_t assign_links(const cnode *n, const cnode *prev, const cnode *next, int stage,
-                             int relay_port)
-{
-    uint32_t links = 0;
-    if (prev && n->no_inbound) {
-        if (!prev->no_inbound)
-            links |= NL_LINK_DIAL_PREV;
-        else if (relay_port)
-            links |= NL_LINK_RELAY_PREV;
-        else
-            NL_ERROR("stage %d: node %u and the previous stage's node %u both accept no inbound "
-                     "connections, and no relay joins them: their hops cannot pass",
-                     stage, n->id, prev->id);
-    }
-    if (next && next->no_inbound)
-        links |= !n->no_inbound ? NL_LINK_NEXT_DIALS : relay_port ? NL_LINK_RELAY_NEXT : 0;
-    return links;
-}
-
-/* Replica r of a stage next to one: the same replica (every stage has
- * as many), or replica 0. */
-static cnode *neighbour(nl_coord *c, int stage, int r)
-{
-    cnode *n = coord_stage_replica(c, stage, r);
-    return n ? n : coord_stage_node(c, stage);
-}
-
-/* ASSIGN replica r of a stage. Replica r of every stage is one pipeline
- * (DESIGN section 8: microbatch i runs on replica i mod R everywhere), so
- * its prev and next are replica r of the stages around it; the ring is
- * the stage's own replicas, r to r + 1. */
-static void send_assign(nl_coord *c, int stage, int r, const char *cfg_json, int relay_port)
-{
-    const nl_plan_stage *s = &c->plan->stages[stage];
-    /* the stages make a ring: the last stage sends the tokens it samples
-     * straight to the first (a single stage feeds itself) */
-    const int ns = c->plan->n_stages, R = coord_stage_replicas(c, stage);
-    cnode *n = coord_stage_replica(c, stage, r),
-          *prev = ns > 1 ? neighbour(c, (stage + ns - 1) % ns, r) : NULL,
-          *next = ns > 1 ? neighbour(c, (stage + 1) % ns, r) : NULL,
-          *ring = R > 1 ? coord_stage_replica(c, stage, (r + 1) % R) : NULL,
-          *ring_prev = R > 1 ? coord_stage_replica(c, stage, (r + R - 1) % R) : NULL;
-    if (!n)
-        return;
-    nl_wire_msg m;
-    nl_wire_msg_init(&m);
-    nl_wire_msg_reset(&m, NL_MSG_ASSIGN);
-    m.u.assign = (nl_msg_assign){.epoch = c->epoch,
-                                 .node_id = n->id,
-                                 .stage = (uint32_t)stage,
-                                 .num_stages = (uint32_t)c->plan->n_stages,
-                                 .layer0 = (uint32_t)s->l0,
-                                 .layer1 = (uint32_t)s->l1,
-                                 .has_embed = s->has_embed,
-                                 .has_head = s->has_head,
-                                 .config_json = cfg_json,
-                                 .seed = c->o.seed,
-                                 .prev_endpoint = prev ? prev->endpoint : "",
-                                 .prev_key = prev ? prev->key : "",
-                                 .next_endpoint = next ? next->endpoint : "",
-                                 .next_key = next ? next->key : "",
-                                 .memory_planned = s->bytes,
-                                 .wire = (uint32_t)c->o.wire,
-                                 .links = assign_links(n, prev, next, stage, relay_port),
-                                 .replica = (uint32_t)r,
-                                 .replicas = (uint32_t)R,
-                                 .ring_endpoint = ring ? ring->endpoint : "",
-                                 .ring_key = ring ? ring->key : "",
-                                 .ring_prev_key = ring_prev ? ring_prev->key : ""};
-    if (m.u.assign.links & (NL_LINK_RELAY_PREV | NL_LINK_RELAY_NEXT))
-        m.u.assign.relay_port = (uint32_t)relay_port;
-    coord_send_node(c, n, &m);
-    nl_wire_msg_free(&m);
-}
-
 /* Does source tensor `name` belong to stage s? The optimizer moments
  * (optim.m.<name>, optim.v.<name>) go with their tensor when the source is
  * a manifest, so that training resumes; a checkpoint's stay here. */
@@ -293,10 +213,15 @@ static int plan_micro(const nl_coord *c)
                                                                : c->o.plan_microbatches;
 }
 
-/* Why --replicas auto chose R of the options tried, into why. */
-static void auto_why(const nl_coord *c, int R, const nl_plan_replica_option *tried, int n,
-                     char *why, size_t cap)
+/* Why --replicas auto chose plan p (t seconds a step) of the options
+ * tried (every stage R replicas) and the depth-only plan grown at its
+ * bottleneck, into why. */
+static void auto_why(const nl_coord *c, const nl_plan *p, double t,
+                     const nl_plan_replica_option *tried, int n, char *why, size_t cap)
 {
+    int R = p->stages[0].n_replicas, uneven = 0;
+    for (int s = 1; s < p->n_stages; s++)
+        uneven |= p->stages[s].n_replicas != R;
     int o = snprintf(why, cap,
                      "neurocoord --replicas auto: the most training tokens/s by the cost model "
                      "for steps of %d microbatches, each replica's pipeline filling once, the "
@@ -304,20 +229,54 @@ static void auto_why(const nl_coord *c, int R, const nl_plan_replica_option *tri
                      "assumed %.0f GB/s where not); seconds a step (stages x replicas):",
                      plan_micro(c), COORD_LINK_ASSUMED / 1e9);
     for (int k = 0; k < n && o > 0 && (size_t)o < cap; k++) {
-        const nl_plan_replica_option *t = &tried[k];
-        if (t->stages > 0 && t->replicas > 1)
+        const nl_plan_replica_option *x = &tried[k];
+        const char *chosen = !uneven && x->replicas == R ? " (chosen)" : "";
+        if (x->stages > 0 && x->replicas > 1)
             o += snprintf(why + o, cap - (size_t)o, " %d x %d %.3f (link %.3g GB/s %s)%s",
-                          t->stages, t->replicas, t->step_s, t->link_bytes_s / 1e9,
-                          t->link_measured ? "measured" : "assumed",
-                          t->replicas == R ? " (chosen)" : "");
-        else if (t->stages > 0)
-            o += snprintf(why + o, cap - (size_t)o, " %d x %d %.3f%s", t->stages, t->replicas,
-                          t->step_s, t->replicas == R ? " (chosen)" : "");
+                          x->stages, x->replicas, x->step_s, x->link_bytes_s / 1e9,
+                          x->link_measured ? "measured" : "assumed", chosen);
+        else if (x->stages > 0)
+            o += snprintf(why + o, cap - (size_t)o, " %d x %d %.3f%s", x->stages, x->replicas,
+                          x->step_s, chosen);
         else
-            o += snprintf(why + o, cap - (size_t)o, " R=%d does not place", t->replicas);
+            o += snprintf(why + o, cap - (size_t)o, " R=%d does not place", x->replicas);
         if (k + 1 < n && o > 0 && (size_t)o < cap)
             o += snprintf(why + o, cap - (size_t)o, ",");
     }
+    if (uneven && o > 0 && (size_t)o < cap) { /* the slow stages' extra replicas won */
+        o += snprintf(why + o, cap - (size_t)o,
+                      "; the depth-only plan with its spare nodes given to its bottleneck stage, "
+                      "replicas per stage");
+        for (int s = 0; s < p->n_stages && o > 0 && (size_t)o < cap; s++)
+            o += snprintf(why + o, cap - (size_t)o, "%s%d", s ? "," : " ", p->stages[s].n_replicas);
+        if (o > 0 && (size_t)o < cap)
+            snprintf(why + o, cap - (size_t)o, ": %.3f (chosen)", t);
+    }
+}
+
+/* A plan whose neighbouring stages have different replica counts links
+ * them the default way only (ASSIGN.prev_keys, next_endpoints): none of
+ * their nodes may accept no inbound connections (the NAT modes pair one
+ * replica with one). NL_ERR_UNSUPPORTED naming the node if one does. */
+static nl_status fans_reachable(const nl_coord *c, const nl_plan *p, nl_error *err)
+{
+    const int S = p->n_stages;
+    for (int s = 0; S > 1 && s < S; s++) {
+        const nl_plan_stage *a = &p->stages[s], *b = &p->stages[(s + 1) % S];
+        if (a->n_replicas == b->n_replicas)
+            continue;
+        for (int k = 0; k < a->n_replicas + b->n_replicas; k++) {
+            const int id = k < a->n_replicas ? a->replicas[k] : b->replicas[k - a->n_replicas];
+            const cnode *m = coord_node_by_id((nl_coord *)c, (uint32_t)id);
+            if (m && m->no_inbound)
+                return nl_error_set(err, NL_ERR_UNSUPPORTED,
+                                    "plan: stages %d and %d have %d and %d replicas, and node %d "
+                                    "accepts no inbound connections: neighbours with different "
+                                    "replica counts link the default way only",
+                                    s, (s + 1) % S, a->n_replicas, b->n_replicas, id);
+        }
+    }
+    return NL_OK;
 }
 
 /* nl_plan_layers over the fastest plan_offer() of pn[0, n) (sorted by
@@ -337,13 +296,36 @@ static nl_status plan_layers(const nl_coord *c, nl_plan **out, const nl_plan_nod
                      c->o.replicas);
         return nl_plan_layers_replicated(out, &c->cfg, pn, n, po, c->o.replicas, err);
     }
+    if (c->o.n_stage_replicas > 0) { /* a count per stage, as given */
+        if (why)
+            snprintf(why, cap,
+                     "neurocoord --replicas with a count per stage: the nodes ranked by speed, "
+                     "the fastest to stage 0 (microbatch i on replica i mod R_s of stage s)");
+        nl_status st = nl_plan_layers_staged(out, &c->cfg, pn, n, po, c->o.stage_replicas,
+                                             c->o.n_stage_replicas, err);
+        if (st == NL_OK && (st = fans_reachable(c, *out, err)) != NL_OK)
+            nl_plan_destroy(out);
+        return st;
+    }
     if (c->o.replicas == 0) { /* auto: the cost model's choice (at the measured links) */
         int R = 1, nt = 0;
         nl_plan_replica_option tried[NL_PLAN_MAX_REPLICAS];
-        const nl_status st = nl_plan_choose_replicas(out, &R, NULL, tried, &nt, &c->cfg, pn, n, po,
-                                                     plan_micro(c), COORD_LINK_ASSUMED, err);
+        double t = 0.0;
+        /* DiLoCo's replica groups need as many replicas on every stage */
+        nl_status st = c->o.outer_every > 0
+                           ? nl_plan_choose_replicas(out, &R, &t, tried, &nt, &c->cfg, pn, n, po,
+                                                     plan_micro(c), COORD_LINK_ASSUMED, err)
+                           : nl_plan_choose_stage_replicas(out, &t, tried, &nt, &c->cfg, pn, n, po,
+                                                           plan_micro(c), COORD_LINK_ASSUMED, err);
+        nl_error e = {0};
+        if (st == NL_OK && fans_reachable(c, *out, &e) != NL_OK) { /* as many on every stage */
+            NL_WARN("--replicas auto: %s; planning as many replicas on every stage", e.msg);
+            nl_plan_destroy(out);
+            st = nl_plan_choose_replicas(out, &R, &t, tried, &nt, &c->cfg, pn, n, po, plan_micro(c),
+                                         COORD_LINK_ASSUMED, err);
+        }
         if (st == NL_OK && why)
-            auto_why(c, R, tried, nt, why, cap);
+            auto_why(c, *out, t, tried, nt, why, cap);
         return st;
     }
     if (n > k && nl_plan_layers(out, &c->cfg, pn, k, po, err) == NL_OK)
@@ -526,7 +508,7 @@ static void plan_over(nl_coord *c, nl_plan_node *pn, int n, uint64_t total)
     const int relay_port = coord_relay_plan(c); /* before the ASSIGNs: it admits their keys */
     for (int s = 0; s < plan->n_stages && cfg_json; s++)
         for (int r = 0; r < coord_stage_replicas(c, s); r++)
-            send_assign(c, s, r, cfg_json, relay_port);
+            coord_send_assign(c, s, r, cfg_json, relay_port);
     for (int s = 0; s < plan->n_stages && cfg_json; s++)
         for (int r = 0; r < coord_stage_replicas(c, s); r++)
             start_load(c, s, r);
@@ -655,6 +637,15 @@ static int best_and_current(nl_coord *c, nl_plan **cand, double *now, double *wa
         free(pn);
         return -1;
     }
+    /* the current plan at the figures now: each stage's time and the worst */
+    nl_plan cur = *c->plan;
+    if (!(cur.stages = malloc((size_t)cur.n_stages * sizeof *cur.stages))) {
+        snprintf(why, cap, "out of memory");
+        nl_plan_destroy(cand);
+        free(pn);
+        return -1;
+    }
+    memcpy(cur.stages, c->plan->stages, (size_t)cur.n_stages * sizeof *cur.stages);
     double worst = 0;
     for (int s = 0; s < c->plan->n_stages; s++) {
         const nl_plan_stage *ps = &c->plan->stages[s];
@@ -672,12 +663,13 @@ static int best_and_current(nl_coord *c, nl_plan **cand, double *now, double *wa
                                  : ps->seconds;
             t = tr > t ? tr : t;
         }
+        cur.stages[s].seconds = t;
         worst = t > worst ? t : worst;
     }
-    nl_plan cur = *c->plan;
     cur.bottleneck = worst;
     *was = plan_cost(c, &cur, &po, pn, n);
     *now = plan_cost(c, *cand, &po, pn, n);
+    free(cur.stages);
     free(pn);
     return 0;
 }

@@ -370,11 +370,14 @@ static void begin(nl_coord *c, cjob *j)
      * that its adapters' job fits, and the plan stays as it is */
     const int held = t->ft ? 1 : coord_train_memory(c, j, why, sizeof why);
     const int R = coord_stage_replicas(c, 0);
-    if (R > 1 && (t->ft || t->micro % R != 0)) { /* DESIGN section 8 */
-        train_fail(c, j, "%d replicas of every stage: %s", R,
-                   t->ft ? "no fine-tuning yet"
-                         : "a step's microbatches must be a multiple of them");
-        return;
+    for (int s = 0; c->plan && s < c->plan->n_stages; s++) { /* DESIGN section 8 */
+        const int Rs = coord_stage_replicas(c, s);
+        if (Rs > 1 && (t->ft || t->micro % Rs != 0)) {
+            train_fail(c, j, "%d replicas of stage %d: %s", Rs, s,
+                       t->ft ? "no fine-tuning yet"
+                             : "a step's microbatches must be a multiple of them");
+            return;
+        }
     }
     if (R == 1 && c->o.outer_every > 0 && !t->ft) {
         train_fail(c, j, "--outer-every needs replica groups, but the plan has none");

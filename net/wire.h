@@ -194,7 +194,28 @@ typedef struct nl_msg_assign {
      * one before it (admitted on this node's data socket). NULL or "": none. */
     uint32_t replica, replicas;
     const char *ring_endpoint, *ring_key, *ring_prev_key;
+    /* A neighbour stage with another replica count than this one (DESIGN
+     * section 8: microbatch i runs on replica i mod R_s of stage s): its
+     * replicas in replica order, comma-separated (optional; NULL or "":
+     * the one neighbour above, replica `replica` of it, or of a stage
+     * with as many replicas). prev_keys: the previous stage's keys (its
+     * hops of microbatch i come from replica i mod their number, whose
+     * gradient goes back there; the data socket admits them all).
+     * next_endpoints and next_keys: the next stage's (microbatch i goes to
+     * replica i mod their number; an evaluation, inference and tokens to
+     * replica 0). prev_key / next_key stay set (to one of them). Only with
+     * links 0: a stage behind NAT takes a neighbour with as many replicas. */
+    const char *prev_keys, *next_endpoints, *next_keys;
 } nl_msg_assign;
+
+/* The lists of nl_msg_assign: at most NL_REDUCE_MAX_REPLICAS items of
+ * fewer than NL_WIRE_PEER_ITEM bytes. nl_wire_peer_list splits one into
+ * items (NULL: count only): the count (0 for NULL or ""), or -1 for an
+ * empty item, one too long, or more than max. */
+#define NL_WIRE_PEER_ITEM 257
+#define NL_WIRE_PEER_KEYS_MAX (16 * (NL_KEY_Z85_LEN + 1))
+#define NL_WIRE_PEER_EPS_MAX (16 * NL_WIRE_PEER_ITEM)
+int nl_wire_peer_list(const char *list, char items[][NL_WIRE_PEER_ITEM], int max);
 
 /* ASSIGN.links: who opens the connection between two neighbours. By
  * default a stage connects to the next stage's data endpoint. Where the

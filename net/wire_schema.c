@@ -93,6 +93,10 @@ static const nl_wire_field f_assign[] = {
     F_STR_OPT(nl_msg_assign, ring_endpoint, NL_WCS_WORD, 256),
     F_STR_OPT(nl_msg_assign, ring_key, NL_WCS_Z85, NL_KEY_Z85_LEN),
     F_STR_OPT(nl_msg_assign, ring_prev_key, NL_WCS_Z85, NL_KEY_Z85_LEN),
+    /* neighbours with another replica count (nl_wire_check_assign); absent: none */
+    F_STR_OPT(nl_msg_assign, prev_keys, NL_WCS_WORD, NL_WIRE_PEER_KEYS_MAX),
+    F_STR_OPT(nl_msg_assign, next_endpoints, NL_WCS_WORD, NL_WIRE_PEER_EPS_MAX),
+    F_STR_OPT(nl_msg_assign, next_keys, NL_WCS_WORD, NL_WIRE_PEER_KEYS_MAX),
 };
 static const nl_wire_field f_layer_load[] = {
     F_U64(nl_msg_layer_load, epoch, U64_ANY),
@@ -235,7 +239,6 @@ static nl_status check_reduce(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_
 static nl_status check_verify_case(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_verify_result(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_accept(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
-static nl_status check_assign(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_layer_load(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_job_submit(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_activation(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
@@ -251,7 +254,7 @@ static const nl_wire_tdesc tdescs[NL_MSG_TYPE_MAX] = {
     [NL_MSG_ACCEPT] = {"ACCEPT", f_accept, NF(f_accept), 0, 0, 0, 0, 0, check_accept},
     [NL_MSG_HEARTBEAT] = {"HEARTBEAT", f_heartbeat, NF(f_heartbeat), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_LEAVE] = {"LEAVE", f_leave, NF(f_leave), 0, 0, 0, 0, 0, NULL},
-    [NL_MSG_ASSIGN] = {"ASSIGN", f_assign, NF(f_assign), 0, 0, 0, 0, 0, check_assign},
+    [NL_MSG_ASSIGN] = {"ASSIGN", f_assign, NF(f_assign), 0, 0, 0, 0, 0, nl_wire_check_assign},
     [NL_MSG_LAYER_LOAD] = {"LAYER_LOAD", f_layer_load, NF(f_layer_load), 1, 1, 1, 1,
                            DT_FLOAT | DT(F64) | DT(I32) | DT(I64), check_layer_load},
     [NL_MSG_LOAD_DONE] = {"LOAD_DONE", f_load_done, NF(f_load_done), 0, 0, 0, 0, 0, NULL},
@@ -519,63 +522,6 @@ static nl_status check_accept(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_
     if (m->u.accept.timeout_ms < m->u.accept.heartbeat_ms)
         return nl_error_set(err, NL_ERR_RANGE, "%s: timeout_ms %u is below heartbeat_ms %u",
                             td->name, m->u.accept.timeout_ms, m->u.accept.heartbeat_ms);
-    return NL_OK;
-}
-
-static nl_status check_assign(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err)
-{
-    const nl_msg_assign *a = &m->u.assign;
-    if (a->stage >= a->num_stages)
-        return nl_error_set(err, NL_ERR_RANGE, "%s: stage %u is not below num_stages %u", td->name,
-                            a->stage, a->num_stages);
-    if (a->layer0 > a->layer1)
-        return nl_error_set(err, NL_ERR_RANGE, "%s: layer range [%u, %u) is reversed", td->name,
-                            a->layer0, a->layer1);
-    if (a->has_embed && a->stage != 0)
-        return nl_error_set(err, NL_ERR_RANGE, "%s: has_embed on stage %u", td->name, a->stage);
-    if (a->has_head && a->stage + 1 != a->num_stages)
-        return nl_error_set(err, NL_ERR_RANGE, "%s: has_head on stage %u of %u", td->name, a->stage,
-                            a->num_stages);
-    if (!a->prev_endpoint[0] != !a->prev_key[0] || !a->next_endpoint[0] != !a->next_key[0])
-        return nl_error_set(err, NL_ERR_RANGE,
-                            "%s: a neighbour's endpoint and key must both be set or both empty",
-                            td->name);
-    const bool ring = a->ring_endpoint && a->ring_endpoint[0];
-    if (a->replicas > NL_REDUCE_MAX_REPLICAS || a->replica >= (a->replicas ? a->replicas : 1))
-        return nl_error_set(err, NL_ERR_RANGE, "%s: replica %u of %u (at most %d)", td->name,
-                            a->replica, a->replicas, NL_REDUCE_MAX_REPLICAS);
-    if (ring != (a->replicas > 1) || ring != (a->ring_key && a->ring_key[0]) ||
-        ring != (a->ring_prev_key && a->ring_prev_key[0]))
-        return nl_error_set(err, NL_ERR_RANGE,
-                            "%s: a stage of %u replicas needs the ring's endpoint and keys "
-                            "exactly when it has more than one",
-                            td->name, a->replicas);
-    if (!nl_wire_precision_name((nl_wire_precision)a->wire))
-        return nl_error_set(err, NL_ERR_RANGE, "%s: wire %u is not 0 (fp32) or 1 (bf16)", td->name,
-                            a->wire);
-    if (a->links & ~NL_LINKS_ALL)
-        return nl_error_set(err, NL_ERR_RANGE, "%s.links: 0x%x has unknown bits (known: 0x%x)",
-                            td->name, a->links, NL_LINKS_ALL);
-    if (((a->links & NL_LINK_DIAL_PREV) && !a->prev_endpoint[0]) ||
-        ((a->links & NL_LINK_NEXT_DIALS) && !a->next_endpoint[0]))
-        return nl_error_set(err, NL_ERR_RANGE,
-                            "%s.links: 0x%x names a neighbour this stage does not have", td->name,
-                            a->links);
-    const uint32_t prev_links = a->links & (NL_LINK_DIAL_PREV | NL_LINK_RELAY_PREV),
-                   next_links = a->links & (NL_LINK_NEXT_DIALS | NL_LINK_RELAY_NEXT);
-    if ((prev_links & (prev_links - 1)) || (next_links & (next_links - 1)))
-        return nl_error_set(err, NL_ERR_RANGE, "%s.links: 0x%x says two ways to one neighbour",
-                            td->name, a->links);
-    if (((a->links & NL_LINK_RELAY_PREV) && !a->prev_endpoint[0]) ||
-        ((a->links & NL_LINK_RELAY_NEXT) && !a->next_endpoint[0]))
-        return nl_error_set(err, NL_ERR_RANGE,
-                            "%s.links: 0x%x names a neighbour this stage does not have", td->name,
-                            a->links);
-    const bool relayed = (a->links & (NL_LINK_RELAY_PREV | NL_LINK_RELAY_NEXT)) != 0;
-    if (relayed ? a->relay_port < 1 || a->relay_port > 65535 : a->relay_port != 0)
-        return nl_error_set(err, NL_ERR_RANGE,
-                            "%s.relay_port: %u (a port with a RELAY link, else 0)", td->name,
-                            a->relay_port);
     return NL_OK;
 }
 

@@ -553,6 +553,11 @@ static void on_data(node *n)
                     n->rx.peer);
         return;
     }
+    if (n->n_fan_prev > 0 && (node_is_train_hop(m) || m->type == NL_MSG_ACTIVATION)) {
+        if (node_fan_from_prev(n, m)) /* from the replica of its microbatch */
+            node_is_train_hop(m) ? node_handle_train(n, m) : node_handle_activation(n, m);
+        return;
+    }
     if (node_is_train_hop(m) && n->ring_prev_key[0] && !plain &&
         strcmp(n->rx.peer, n->prev_key) != 0) {
         NL_WARN("dropped a %s from %.48s, which is not the previous stage",
@@ -634,6 +639,17 @@ static void drain(node *n, nl_sock *s, void (*handle)(node *))
     }
 }
 
+/* One of the next stage's replicas' sockets (node_links.c), if it is
+ * still one of them. */
+static void drain_fan(node *n, void *sock)
+{
+    for (int k = 0; k < n->n_fan_next; k++)
+        if (n->fan_next[k] && nl_sock_handle(n->fan_next[k]) == sock) {
+            drain(n, n->fan_next[k], on_next);
+            return;
+        }
+}
+
 static void serve(node *n)
 {
     while (!halted(n)) {
@@ -647,8 +663,9 @@ static void serve(node *n)
             node_send_heartbeat(n);
         int64_t wait = n->next_hb_ms - now;
         int half = (int)(n->heartbeat_ms / 2 > 0 ? n->heartbeat_ms / 2 : 1);
-        zmq_pollitem_t it[8] = {{nl_sock_handle(n->ctl), 0, ZMQ_POLLIN, 0},
-                                {nl_sock_handle(n->data), 0, ZMQ_POLLIN, 0}};
+        zmq_pollitem_t it[8 + NL_REDUCE_MAX_REPLICAS] = {
+            {nl_sock_handle(n->ctl), 0, ZMQ_POLLIN, 0},
+            {nl_sock_handle(n->data), 0, ZMQ_POLLIN, 0}};
         int count = 2;
         const int train_fd = nl_stage_train_fd(n->stage); /* the replicas' threads */
         if (train_fd >= 0)
@@ -664,6 +681,9 @@ static void serve(node *n)
             it[count++] = (zmq_pollitem_t){nl_sock_handle(n->prev_link), 0, ZMQ_POLLIN, 0};
         if (n->prev_mon)
             it[count++] = (zmq_pollitem_t){n->prev_mon, 0, ZMQ_POLLIN, 0};
+        for (int k = 0; k < n->n_fan_next; k++) /* the next stage's replicas' gradients */
+            if (n->fan_next[k])
+                it[count++] = (zmq_pollitem_t){nl_sock_handle(n->fan_next[k]), 0, ZMQ_POLLIN, 0};
         if ((due = nl_stage_batch_due(n->stage)) >= 0.0) /* hops wait: until they are due */
             wait = wait < (int64_t)(due * 1e3) + 1 ? wait : (int64_t)(due * 1e3) + (due > 0.0);
         if (zmq_poll(it, count, wait < half ? (wait > 0 ? wait : 0) : half) <= 0)
@@ -688,6 +708,8 @@ static void serve(node *n)
                 drain(n, n->prev_link, on_prev);
             else if (n->prev_mon && it[i].socket == n->prev_mon)
                 node_on_prev_event(n);
+            else
+                drain_fan(n, it[i].socket);
         }
     }
 }
@@ -725,6 +747,7 @@ nl_status nl_node_run(const nl_node_opts *o, nl_error *err)
      * then the context, which waits for the LEAVE to go out */
     nl_rx_free(&n.rx);
     node_drop_next(&n);
+    node_fan_drop(&n);
     node_drop_prev(&n);
     node_drop_ring(&n);
     nl_sock_destroy(&n.data);

@@ -98,6 +98,19 @@ typedef struct node {
     uint64_t train_hops, train_bytes;
     uint8_t prev_rid[NL_ROUTING_ID_MAX]; /* the previous stage on data: GRADIENTs go there */
     size_t prev_rid_len;
+    /* neighbours with another replica count (ASSIGN.prev_keys,
+     * next_endpoints, next_keys; node_links.c): a DEALER to each of the
+     * next stage's replicas (made on first use), microbatch i to the
+     * i mod n_fan_next'th; the previous stage's replicas' keys and routing
+     * ids (learnt from their hops), microbatch i's gradient back to the
+     * i mod n_fan_prev'th. 0: the one neighbour above. */
+    int n_fan_next, n_fan_prev;
+    nl_sock *fan_next[NL_REDUCE_MAX_REPLICAS];
+    char fan_next_ep[NL_REDUCE_MAX_REPLICAS][NL_WIRE_PEER_ITEM];
+    char fan_next_key[NL_REDUCE_MAX_REPLICAS][NL_WIRE_PEER_ITEM];
+    char fan_prev_key[NL_REDUCE_MAX_REPLICAS][NL_WIRE_PEER_ITEM];
+    uint8_t fan_prev_rid[NL_REDUCE_MAX_REPLICAS][NL_ROUTING_ID_MAX];
+    size_t fan_prev_rid_len[NL_REDUCE_MAX_REPLICAS];
     nl_rx rx;
     nl_wire_msg tx;
 } node;
@@ -124,6 +137,16 @@ nl_status node_make_socket(node *n, nl_sock **out, int type, bool server, const 
  * come on prev_link, which this node dialed, with either of these links. */
 #define NL_NODE_DIALS_PREV (NL_LINK_DIAL_PREV | NL_LINK_RELAY_PREV)
 void node_drop_next(node *n);
+/* Neighbours with another replica count (node_links.c): take ASSIGN's
+ * lists (dropping the last ones' sockets), drop them, send a hop to the
+ * next stage's replica of its microbatch or a GRADIENT back to the
+ * previous stage's, and admit a hop from the previous stage: false (said
+ * in the log) when its sender is not the replica of its microbatch. */
+void node_fan_assign(node *n, const nl_msg_assign *a);
+void node_fan_drop(node *n);
+nl_status node_fan_send_next(node *n, nl_wire_msg *m, nl_error *err);
+nl_status node_fan_send_prev(node *n, nl_wire_msg *m, nl_error *err);
+bool node_fan_from_prev(node *n, const nl_wire_msg *m);
 void node_drop_ring(node *n);
 void node_on_next_event(node *n);
 /* Send m to the next stage, however its link was made (frames freed

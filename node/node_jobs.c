@@ -61,8 +61,11 @@ void node_handle_assign(node *n, const nl_msg_assign *a)
     /* the data socket admits the previous stage, unless this node dials
      * it, a next stage that dials in (node_links.c) and the stage's
      * previous replica */
-    const char *keys[3];
+    const char *keys[3 + NL_REDUCE_MAX_REPLICAS];
     size_t nk = 0;
+    node_fan_assign(n, a); /* and the previous stage's replicas, with another count */
+    for (int k = 0; k < n->n_fan_prev; k++)
+        keys[nk++] = n->fan_prev_key[k];
     if (a->prev_key[0] && !(a->links & NL_NODE_DIALS_PREV))
         keys[nk++] = a->prev_key;
     if (a->next_key[0] && (a->links & NL_LINK_NEXT_DIALS))
@@ -350,6 +353,8 @@ static nl_status train_send_to(node *n, nl_stage_dest to, nl_wire_msg *m, nl_err
                    ? st
                    : nl_error_prefix(err, "cannot reach the next replica at %s", n->ring_ep);
     }
+    if (to == NL_STAGE_TO_PREV && n->n_fan_prev > 0)
+        return node_fan_send_prev(n, m, err);
     if (to == NL_STAGE_TO_PREV) {
         if (n->links & NL_NODE_DIALS_PREV) /* back on the link this node dialed */
             st = n->prev_link ? nl_sock_send(n->prev_link, NULL, 0, m, err)

@@ -26,7 +26,16 @@
  * Either way both ends are pinned by the keys ASSIGN names: the side that
  * listens is the CURVE server and admits only its neighbours' keys (the
  * relay: the keys of the pairs it joins), the side that dials is a CURVE
- * client that checks the server's key. */
+ * client that checks the server's key.
+ *
+ * A neighbour stage with another replica count (ASSIGN.prev_keys,
+ * next_endpoints, next_keys; DESIGN section 8: microbatch i on replica
+ * i mod R_s of stage s) is a fan: a DEALER to each of the next stage's
+ * replicas, microbatch i's hops to the one that runs it (an evaluation,
+ * inference and tokens to replica 0), its gradient back from there on
+ * that DEALER; the data ROUTER admits every replica of the previous
+ * stage, takes microbatch i only from the one that runs it, and sends
+ * its gradient back to that one's routing id. Fans use links 0 only. */
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
@@ -182,6 +191,8 @@ static void release(nl_wire_msg *m)
 nl_status node_send_next(node *n, nl_wire_msg *m, nl_error *err)
 {
     nl_status st;
+    if (n->n_fan_next > 0)
+        return node_fan_send_next(n, m, err);
     if (!n->next_ep[0]) {
         release(m);
         return nl_error_set(err, NL_ERR_STATE, "this stage has no next stage");
@@ -353,4 +364,88 @@ bool node_from_next(const node *n)
         return strcmp(n->rx.peer, n->next_key) == 0;
     size_t len = strlen(n->next_key); /* plaintext: only the routing id says who it is */
     return n->rx.rid_len == len && memcmp(n->rx.rid, n->next_key, len) == 0;
+}
+
+/* ===================== neighbours with another replica count ===================== */
+
+void node_fan_drop(node *n)
+{
+    for (int k = 0; k < NL_REDUCE_MAX_REPLICAS; k++) {
+        nl_sock_destroy(&n->fan_next[k]); /* linger 0: queued hops are dropped */
+        n->fan_prev_rid_len[k] = 0;
+    }
+    n->n_fan_next = n->n_fan_prev = 0;
+}
+
+void node_fan_assign(node *n, const nl_msg_assign *a)
+{
+    node_fan_drop(n);
+    /* the wire checked the lists (nl_wire_check_assign) */
+    const int np = nl_wire_peer_list(a->prev_keys, n->fan_prev_key, NL_REDUCE_MAX_REPLICAS),
+              nn = nl_wire_peer_list(a->next_endpoints, n->fan_next_ep, NL_REDUCE_MAX_REPLICAS),
+              nk = nl_wire_peer_list(a->next_keys, n->fan_next_key, NL_REDUCE_MAX_REPLICAS);
+    n->n_fan_prev = np > 0 ? np : 0;
+    n->n_fan_next = nn > 0 && nk == nn ? nn : 0;
+    if (n->n_fan_prev || n->n_fan_next)
+        NL_INFO("replica %u of %u: the previous stage has %d replicas, the next %d (microbatch i "
+                "on replica i mod their number)",
+                a->replica, a->replicas ? a->replicas : 1,
+                n->n_fan_prev ? n->n_fan_prev : (a->replicas ? (int)a->replicas : 1),
+                n->n_fan_next ? n->n_fan_next : (a->replicas ? (int)a->replicas : 1));
+}
+
+/* Which replica of a fan of `count` a message goes to or comes from: a
+ * training hop's microbatch's, anything else replica 0's. */
+static int fan_index(const nl_wire_msg *m, int count)
+{
+    const bool by_mb = m->type == NL_MSG_COUNT || m->type == NL_MSG_GRADIENT ||
+                       (m->type == NL_MSG_ACTIVATION && m->u.hop.step != 0);
+    return by_mb ? (int)(m->u.hop.microbatch % (uint32_t)count) : 0;
+}
+
+nl_status node_fan_send_next(node *n, nl_wire_msg *m, nl_error *err)
+{
+    const int k = fan_index(m, n->n_fan_next);
+    nl_status st = NL_OK;
+    if (!n->fan_next[k]) { /* on first use, as ensure_next */
+        st = node_make_socket(n, &n->fan_next[k], ZMQ_DEALER, false, n->fan_next_key[k], "next",
+                              NL_SOCK_BULK, 0, 0, err);
+        if (st == NL_OK && (st = nl_sock_connect(n->fan_next[k], n->fan_next_ep[k], err)) != NL_OK)
+            nl_sock_destroy(&n->fan_next[k]);
+    }
+    if (st == NL_OK)
+        st = nl_sock_send(n->fan_next[k], NULL, 0, m, err);
+    else
+        release(m);
+    return st == NL_OK ? st
+                       : nl_error_prefix(err, "cannot reach replica %d of the next stage at %s", k,
+                                         n->fan_next_ep[k]);
+}
+
+nl_status node_fan_send_prev(node *n, nl_wire_msg *m, nl_error *err)
+{
+    const int k = fan_index(m, n->n_fan_prev);
+    if (!n->fan_prev_rid_len[k]) {
+        release(m);
+        return nl_error_set(err, NL_ERR_STATE,
+                            "replica %d of the previous stage has sent nothing to this one", k);
+    }
+    const nl_status st = nl_sock_send(n->data, n->fan_prev_rid[k], n->fan_prev_rid_len[k], m, err);
+    return st == NL_OK ? st
+                       : nl_error_prefix(err, "cannot reach replica %d of the previous stage", k);
+}
+
+bool node_fan_from_prev(node *n, const nl_wire_msg *m)
+{
+    const int k = fan_index(m, n->n_fan_prev);
+    const bool plain = strncmp(n->rx.peer, "plain:", 6) == 0; /* --plaintext: no keys */
+    if (!plain && strcmp(n->rx.peer, n->fan_prev_key[k]) != 0) {
+        NL_WARN("dropped a %s of microbatch %u from %.48s, which is not replica %d of the "
+                "previous stage",
+                nl_wire_type_name(m->type), m->u.hop.microbatch, n->rx.peer, k);
+        return false;
+    }
+    memcpy(n->fan_prev_rid[k], n->rx.rid, n->rx.rid_len);
+    n->fan_prev_rid_len[k] = n->rx.rid_len;
+    return true;
 }

@@ -241,6 +241,8 @@ nl_status nl_stage_assign(nl_stage *s, const nl_msg_assign *a, nl_error *err)
     s->num_stages = (int)a->num_stages;
     s->replica = (int)a->replica;
     s->replicas = a->replicas > 1 ? (int)a->replicas : 1;
+    s->fan_prev = a->prev_keys && a->prev_keys[0];
+    s->fan_next = a->next_keys && a->next_keys[0];
     s->t_assign = now_s();
     nl_status st = stage_wait_output(s, "ASSIGN", err);
     stage_verify_forget(s); /* a new plan: what the verifier kept is of the old one */

@@ -80,6 +80,10 @@ struct nl_stage {
     bool assign_failed; /* ... and refused: loads of its epoch are dropped */
     int stage_idx, num_stages;
     int replica, replicas; /* one of the stage's replicas on other nodes (1: alone) */
+    /* a neighbour stage with another replica count (ASSIGN.prev_keys,
+     * next_keys): its replicas' hops (fan_prev) or gradients (fan_next)
+     * may come out of microbatch order; they wait for their turn */
+    bool fan_prev, fan_next;
     char assign_err[NL_ERROR_MSG_MAX];
     uint64_t seed;
     nl_model *model;

@@ -110,6 +110,9 @@ void stage_train_free(stage_train *t)
     nl_wire_msg_free(&t->tx);
     stage_train_ring_free(t);
     free(t->dig);
+    for (int i = 0; t->gpend && i < t->M; i++)
+        free(t->gpend[i]);
+    free(t->gpend);
     stage_train_kept_free(t);
     free(t->kept);
     free(t->counts);
@@ -307,6 +310,24 @@ static nl_status enqueue(nl_stage *s, stage_train *t, const nl_wire_msg *m, nl_e
     return NL_OK;
 }
 
+/* The backward of microbatch mb (this node's number) with its gradient
+ * dy (F32, taken), on its replica's lane. */
+static nl_status run_backward(nl_stage *s, stage_train *t, uint64_t step, uint32_t mb, float *dy,
+                              nl_stage_send_fn send, void *ctx, nl_error *err)
+{
+    rjob *j = stage_train_job_get(t, JOB_BACKWARD, stage_train_replica_of(t, mb), err);
+    if (!j) {
+        free(dy);
+        return NL_ERR_NOMEM;
+    }
+    j->x = dy;
+    j->step = step;
+    j->mb = mb;
+    j->slot = stage_train_slot_of(t, mb);
+    j->last = ++t->bwd == t->M;
+    return stage_train_dispatch(s, t, j, send, ctx, err);
+}
+
 static nl_status on_gradient(nl_stage *s, stage_train *t, const nl_wire_msg *m,
                              nl_stage_send_fn send, void *ctx, nl_error *err)
 {
@@ -322,7 +343,11 @@ static nl_status on_gradient(nl_stage *s, stage_train *t, const nl_wire_msg *m,
         return nl_error_set(err, NL_ERR_STATE,
                             "GRADIENT of step %llu, but this stage is at step %llu",
                             (unsigned long long)hop->step, (unsigned long long)t->applied + 1);
-    if (hop->microbatch != (uint32_t)t->bwd || t->bwd >= t->fwd)
+    /* the next stage's replicas send theirs as they finish: one may come
+     * before its turn, and waits; otherwise they come in order */
+    const bool early = s->fan_next && hop->microbatch > (uint32_t)t->bwd &&
+                       hop->microbatch < (uint32_t)t->fwd && t->gpend && !t->gpend[hop->microbatch];
+    if (!early && (hop->microbatch != (uint32_t)t->bwd || t->bwd >= t->fwd))
         return nl_error_set(err, NL_ERR_STATE,
                             "GRADIENT of microbatch %u, but the next backward is of microbatch %d "
                             "(%d forwards run)",
@@ -338,19 +363,21 @@ static nl_status on_gradient(nl_stage *s, stage_train *t, const nl_wire_msg *m,
         return st;
     /* a copy of the frame for the replica's lane (the message goes when
      * this returns) */
-    rjob *j = stage_train_job_get(t, JOB_BACKWARD, stage_train_replica_of(t, hop->microbatch), err);
-    if (!j)
-        return NL_ERR_NOMEM;
-    if (!(j->x = malloc(t->rows * t->d * sizeof(float)))) {
-        stage_train_job_put(t, j);
+    float *dy = malloc(t->rows * t->d * sizeof(float));
+    if (!dy)
         return nl_error_set(err, NL_ERR_NOMEM, "GRADIENT: out of memory");
+    nl_wire_frame_widen(&m->frames[0], dy, t->rows * t->d); /* F32, or bf16 widened */
+    if (early) {
+        t->gpend[hop->microbatch] = dy;
+        return NL_OK;
     }
-    nl_wire_frame_widen(&m->frames[0], j->x, t->rows * t->d); /* F32, or bf16 widened */
-    j->step = hop->step;
-    j->mb = hop->microbatch;
-    j->slot = stage_train_slot_of(t, hop->microbatch);
-    j->last = ++t->bwd == t->M;
-    return stage_train_dispatch(s, t, j, send, ctx, err);
+    st = run_backward(s, t, hop->step, hop->microbatch, dy, send, ctx, err);
+    while (st == NL_OK && t->gpend && t->bwd < t->fwd && t->gpend[t->bwd]) { /* their turn */
+        dy = t->gpend[t->bwd];
+        t->gpend[t->bwd] = NULL;
+        st = run_backward(s, t, hop->step, (uint32_t)t->bwd, dy, send, ctx, err);
+    }
+    return st;
 }
 
 static nl_status on_step(nl_stage *s, stage_train *t, const nl_msg_step *p, nl_stage_send_fn send,

@@ -392,6 +392,10 @@ static nl_status begin(nl_stage *s, stage_train *t, uint64_t step, uint64_t loss
         st = j ? stage_train_dispatch(s, t, j, send, ctx, err) : NL_ERR_NOMEM;
     }
     t->begun = step;
+    for (int i = 0; t->gpend && i < t->M; i++) { /* none wait past a step; in case */
+        free(t->gpend[i]);
+        t->gpend[i] = NULL;
+    }
     memset(t->dig, 0, (size_t)t->Mg * NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES);
     stage_train_kept_free(t);
     t->counted = t->fwd = t->bwd = 0;
@@ -545,28 +549,60 @@ static nl_status run_hop(nl_stage *s, stage_train *t, hop_in *h, nl_stage_send_f
     return stage_train_dispatch(s, t, j, send, ctx, err);
 }
 
+/* The microbatch a queued hop's kind runs next. */
+static uint32_t want_of(const stage_train *t, const hop_in *h)
+{
+    return h->type == NL_MSG_COUNT        ? (uint32_t)t->counted
+           : h->type == NL_MSG_ACTIVATION ? (uint32_t)t->fwd
+                                          : (uint32_t)t->evals;
+}
+
+/* The queued hop to run next: the first (in queue order) that can run;
+ * with a previous stage of another replica count (s->fan_prev), whose
+ * replicas send as they finish, the first that can run and is its kind's
+ * next microbatch (or one run already: refused). -1: none. */
+static int next_hop(const nl_stage *s, const stage_train *t)
+{
+    for (int i = 0; i < t->qlen; i++) {
+        const hop_in *h = &t->q[(t->qhead + i) % t->qcap];
+        if (!runnable(t, h)) {
+            if (!s->fan_prev)
+                return -1;
+            continue;
+        }
+        if (!s->fan_prev || h->mb <= want_of(t, h))
+            return i;
+    }
+    return -1;
+}
+
+/* Take queued hop i out of the queue (the ones behind it move up). */
+static void unqueue(stage_train *t, int i)
+{
+    hop_in *h = &t->q[(t->qhead + i) % t->qcap];
+    t->qbytes -= h->bytes;
+    stage_train_hop_free(h);
+    for (int k = i; k > 0; k--)
+        t->q[(t->qhead + k) % t->qcap] = t->q[(t->qhead + k - 1) % t->qcap];
+    t->qhead = (t->qhead + 1) % t->qcap;
+    t->qlen--;
+}
+
 /* Run the queued hops that can run now, in order. */
 static nl_status drain(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx, nl_error *err)
 {
-    while (t->qlen > 0) {
-        hop_in *h = &t->q[t->qhead];
-        if (!runnable(t, h))
-            return NL_OK;
+    for (int i; (i = next_hop(s, t)) >= 0;) {
+        hop_in *h = &t->q[(t->qhead + i) % t->qcap];
         /* microbatches run in order: a duplicated or reordered hop would
          * overwrite an activation slot in flight */
-        const uint32_t want = h->type == NL_MSG_COUNT        ? (uint32_t)t->counted
-                              : h->type == NL_MSG_ACTIVATION ? (uint32_t)t->fwd
-                                                             : (uint32_t)t->evals;
+        const uint32_t want = want_of(t, h);
         const uint64_t step = h->step;
         const uint32_t mb = h->mb;
         nl_status st = h->mb == want ? run_hop(s, t, h, send, ctx, err)
                                      : nl_error_set(err, NL_ERR_STATE,
                                                     "%s of microbatch %u, but the next is %u",
                                                     nl_wire_type_name(h->type), h->mb, want);
-        t->qbytes -= h->bytes;
-        stage_train_hop_free(h);
-        t->qhead = (t->qhead + 1) % t->qcap;
-        t->qlen--;
+        unqueue(t, i);
         if (st != NL_OK && t->poison) /* a job's error says where it was */
             return st;
         if (st != NL_OK)

@@ -127,6 +127,10 @@ typedef struct stage_train {
     bool has_embed, has_head; /* the stage's model's, for the lanes */
     bool counts_ready;        /* this step's counting pass is summed and in use */
     rjob *jobs, *free_jobs;
+    /* with a next stage of another replica count (nl_stage.fan_next): the
+     * gradients that came before their turn, by this node's microbatch
+     * (M of them, F32), each taken when the backwards before it are */
+    float **gpend;
     /* one of the stage's replicas on other nodes (DESIGN section 8;
      * stage_train_ring.c): this node runs microbatches xr, xr + xR, ... of
      * a step's Mg, numbered 0 .. M-1 here (on the wire mb * xR + xr); the

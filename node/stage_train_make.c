@@ -198,7 +198,8 @@ nl_status stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg_jo
         return nl_error_prefix(err, "train job %lld", job);
     }
     if (!(t->dig = calloc((size_t)M, NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES)) ||
-        !(t->kept = calloc((size_t)t->M, sizeof *t->kept))) {
+        !(t->kept = calloc((size_t)t->M, sizeof *t->kept)) ||
+        (s->fan_next && !(t->gpend = calloc((size_t)t->M, sizeof *t->gpend)))) {
         stage_train_free(t);
         return nl_error_set(err, NL_ERR_NOMEM, "train job %lld: out of memory", job);
     }

@@ -13,6 +13,9 @@
  *  - the guard: a NaN in one stage's gradient skips the step everywhere;
  *  - refusals: hops of a wrong shape, step or job, a GRADIENT out of
  *    order, a CKPT_REQ outside --checkpoint-root;
+ *  - neighbours with other replica counts (ASSIGN prev_keys, next_keys):
+ *    hops and gradients delivered in any order give the in-order run's
+ *    losses and norms to the bit;
  *  - data-parallel replicas (nl_stage_new_replicas, 2 and 3 backends of
  *    NL_TEST_DEVICE per stage, host all-reduce): the same pipeline and
  *    batches give every step's loss and gradient norm within 1e-6 of the
@@ -109,12 +112,21 @@ static void push(fifo *f, nl_wire_msg *m)
     }
 }
 
-/* Pop and decode into m (frames valid until packet_free). */
-static int pop(fifo *f, nl_wire_msg *m, packet *out)
+/* Neighbours with other replica counts (fans_in_any_order): every stage
+ * is told its neighbours are fans (ASSIGN prev_keys, next_keys), and the
+ * data and next sockets deliver their hops in any order, as several
+ * replicas of a neighbour would send them. */
+static bool fans;
+
+/* Pop the message at position i of the queue (0: its head) and decode it
+ * into m (frames valid until packet_free). */
+static int pop_at(fifo *f, int at, nl_wire_msg *m, packet *out)
 {
     if (!f->len)
         return 0;
-    *out = f->p[f->head];
+    *out = f->p[(f->head + at) % MAXQ];
+    for (int k = at; k > 0; k--) /* the ones before it move up */
+        f->p[(f->head + k) % MAXQ] = f->p[(f->head + k - 1) % MAXQ];
     f->head = (f->head + 1) % MAXQ;
     f->len--;
     nl_wire_part parts[NL_WIRE_MAX_FRAMES + 1] = {{out->hdr, out->hlen}};
@@ -123,6 +135,11 @@ static int pop(fifo *f, nl_wire_msg *m, packet *out)
     nl_error err;
     CHECK_OK(nl_wire_decode(m, parts, 1 + out->nframes, NULL, &err), &err);
     return 1;
+}
+
+static int pop(fifo *f, nl_wire_msg *m, packet *out)
+{
+    return pop_at(f, 0, m, out);
 }
 
 static void packet_free(packet *p)
@@ -329,7 +346,9 @@ static void pump(int nst)
         int c = cand[nl_rng_below(&rng, (uint64_t)n)];
         packet p;
         nl_error err;
-        if (pop(&stage_q[c / Q_KINDS][c % Q_KINDS], &m, &p)) {
+        fifo *f = &stage_q[c / Q_KINDS][c % Q_KINDS];
+        const int at = fans && c % Q_KINDS != Q_CTL ? (int)nl_rng_below(&rng, (uint64_t)f->len) : 0;
+        if (pop_at(f, at, &m, &p)) {
             CHECK_OK(
                 nl_stage_job_input(stages[c / Q_KINDS], &m, bus_send, &ctx_idx[c / Q_KINDS], &err),
                 &err);
@@ -368,7 +387,9 @@ static void make_stages(int nst, const int *bounds, int64_t inject_step, int inj
                            .prev_key = "",
                            .next_endpoint = "",
                            .next_key = "",
-                           .wire = wire_bf16 ? NL_WIRE_BF16 : NL_WIRE_FP32};
+                           .wire = wire_bf16 ? NL_WIRE_BF16 : NL_WIRE_FP32,
+                           .prev_keys = fans && s > 0 ? "fan" : NULL,
+                           .next_keys = fans && s + 1 < nst ? "fan" : NULL};
         nl_stage_loaded info;
         bool stale;
         CHECK_OK(nl_stage_assign(stages[s], &a, &err), &err);
@@ -722,6 +743,24 @@ static void refusals(void)
     nl_wire_msg_free(&m);
     free_stages(NST);
     flood();
+}
+
+/* Hops and gradients from neighbours with other replica counts come in
+ * any order: each stage runs them in microbatch order (a gradient before
+ * its turn waits), so every step's loss and gradient norm are those of
+ * the run in order, to the bit. */
+static void fans_in_any_order(int B, int T, int M, int steps)
+{
+    double l0[8], n0[8], l1[8], n1[8];
+    parity(B, T, M, steps, 0, false, 1, l0, n0);
+    fans = true;
+    parity(B, T, M, steps, 0, false, 1, l1, n1);
+    fans = false;
+    int same = 1;
+    for (int k = 0; k < steps; k++)
+        same &= l0[k] == l1[k] && n0[k] == n1[k];
+    CHECK(same, "hops in any order changed a loss or norm");
+    printf("hops and gradients in any order, M=%d: every step's loss the same bits\n", M);
 }
 
 /* The same pipeline and batches on 1 and on `replicas` replicas per stage:
@@ -1117,6 +1156,7 @@ int main(void)
         digests();
         recompute();
         verifier_keeps();
+        fans_in_any_order(8, 8, 4, 5);
         replicas_agree(8, 8, 4, 5, 0, false, 2);
         replicas_agree(12, 8, 6, 4, 0, false, 3); /* uneven shares: 2, 2, 2 of 6; slots 3 of 3 */
         replicas_agree(8, 8, 4, 3, 0, true, 3);   /* 2, 1, 1 of 4 with recompute */

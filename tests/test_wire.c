@@ -3,7 +3,8 @@
  * type, missing / duplicate / unknown keys, is refused; random mutations
  * never crash. Headers are re-packed with msgpack-c, an independent
  * implementation, to build the bad cases. Limits, shapes, dtypes, ranges
- * and versions are in test_wire_limits.c.
+ * and versions are in test_wire_limits.c; the training hops' frames,
+ * digests and wire precision in test_wire_train.c.
  *
  *   test_wire                     run the tests
  *   test_wire --write-corpus DIR  write the fuzz seed corpus (fuzz/corpus/wire) */
@@ -312,6 +313,14 @@ static bool added_later(nl_msg_type t, const nl_wire_msg *d, const char *key)
                                                           : a->ring_prev_key;
         return !v || !v[0];
     }
+    if (t == NL_MSG_ASSIGN && (strcmp(key, "prev_keys") == 0 || strcmp(key, "next_keys") == 0 ||
+                               strcmp(key, "next_endpoints") == 0)) {
+        const nl_msg_assign *a = &d->u.assign; /* neighbours of another replica count */
+        const char *v = key[0] == 'p'                        ? a->prev_keys
+                        : strcmp(key, "next_endpoints") == 0 ? a->next_endpoints
+                                                             : a->next_keys;
+        return !v || !v[0];
+    }
     if (t == NL_MSG_ASSIGN)
         return strcmp(key, "wire") == 0         ? d->u.assign.wire == NL_WIRE_FP32
                : strcmp(key, "links") == 0      ? d->u.assign.links == 0
@@ -337,7 +346,9 @@ static bool is_added_later(nl_msg_type t, const char *key)
            (t == NL_MSG_ASSIGN &&
             (strcmp(key, "wire") == 0 || strcmp(key, "links") == 0 ||
              strcmp(key, "relay_port") == 0 || strcmp(key, "replica") == 0 ||
-             strcmp(key, "replicas") == 0 || strncmp(key, "ring_", 5) == 0)) ||
+             strcmp(key, "replicas") == 0 || strncmp(key, "ring_", 5) == 0 ||
+             strcmp(key, "prev_keys") == 0 || strcmp(key, "next_endpoints") == 0 ||
+             strcmp(key, "next_keys") == 0)) ||
            (t == NL_MSG_JOIN && strcmp(key, "flags") == 0) ||
            (t == NL_MSG_REDUCE && strcmp(key, "epoch") == 0) ||
            ((t == NL_MSG_VERIFY_REQ || t == NL_MSG_VERIFY_CASE) && strcmp(key, "outputs") == 0);
@@ -493,40 +504,7 @@ static void test_mutations(void)
     nl_wire_wbuf_free(&e3.hdr);
 }
 
-/* ---- the training objectives' hop frames (docs/protocol.md) ---- */
-
-static const int32_t hx_tokens[10] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
-static const int32_t hx_targets[10] = {-1, 2, -1, -1, 5, -1, 7, -1, -1, -1};
-static const int32_t hx_docs[10] = {0, 0, 0, 1, 1, 0, 0, 0, 0, 1};
-static const int32_t hx_labels[2] = {1, 0}, hx_lengths[2] = {3, 4};
-
-/* A training hop with extras (NL_HOP_* bits) and loss rows: tokens [2, 5]
- * and the named arrays; LOSS with a correct count when type is LOSS. */
-static void extras_sample(nl_wire_msg *m, nl_msg_type type, unsigned extras)
-{
-    const int64_t sh[2] = {2, 5};
-    nl_wire_msg_reset(m, type);
-    if (type == NL_MSG_LOSS) {
-        m->u.loss = (nl_msg_loss){11, 250, true, 3.5, 0.0, 37};
-        m->u.train_loss.correct = 29;
-        return;
-    }
-    m->u.hop = (nl_msg_tensor_hop){11, 250, 3, 0, 0, 0.0};
-    nl_wire_frame_set(&m->frames[0], hx_tokens, NL_DTYPE_I32, sh, 2);
-    m->nframes = 1;
-    nl_wire_hop_set_extras(
-        m, 2, 5, extras & NL_HOP_TARGETS ? hx_targets : NULL, extras & NL_HOP_DOCS ? hx_docs : NULL,
-        extras & NL_HOP_LABELS ? hx_labels : NULL, extras & NL_HOP_LENGTHS ? hx_lengths : NULL);
-    m->u.train_hop.loss_rows = extras & NL_HOP_LABELS ? 2 : 3;
-    m->u.train_hop.epoch = 40 + extras;
-}
-
-static bool frame_is(const nl_tensor *t, const int32_t *want, int ndim, int64_t n)
-{
-    return t && t->dtype == NL_DTYPE_I32 && t->ndim == ndim &&
-           nl_shape_numel(t->shape, t->ndim) == n &&
-           memcmp(t->data, want, (size_t)n * sizeof *want) == 0;
-}
+/* ---- TOKEN with log-probabilities ---- */
 
 /* A TOKEN with log-probabilities (issue 32): round-trips; a frame of the
  * wrong length, a value above 0 or NaN, ids without a frame and a frame
@@ -579,95 +557,6 @@ static void test_token_logprobs(void)
     nl_wire_msg_free(&m);
     nl_wire_msg_free(&d);
     nl_wire_wbuf_free(&e.hdr);
-}
-
-static void test_train_hops(void)
-{
-    nl_wire_msg m, d;
-    enc e = {0};
-    nl_error err;
-    nl_wire_msg_init(&m);
-    nl_wire_msg_init(&d);
-    /* every combination round-trips, each array found by its bit */
-    const nl_msg_type types[] = {NL_MSG_ACTIVATION, NL_MSG_EVAL, NL_MSG_COUNT};
-    for (int ti = 0; ti < 3; ti++)
-        for (unsigned x = 1; x <= NL_HOP_ALL; x++) {
-            extras_sample(&m, types[ti], x);
-            nl_status st = enc_msg(&m, &e, NULL, &err);
-            if (st == NL_OK)
-                st = nl_wire_decode(&d, e.parts, e.nparts, NULL, &err);
-            CHECK(st == NL_OK && d.u.train_hop.extras == x &&
-                      d.u.train_hop.loss_rows == m.u.train_hop.loss_rows &&
-                      d.u.train_hop.epoch == 40 + x && d.u.hop.step == 250 &&
-                      d.u.hop.microbatch == 3,
-                  "%s extras %u: %s", nl_wire_type_name(types[ti]), x,
-                  st == NL_OK ? "decoded wrong" : err.msg);
-            if (st != NL_OK)
-                continue;
-            CHECK(!(x & NL_HOP_TARGETS) == !nl_wire_hop_frame(&d, NL_HOP_TARGETS) &&
-                      (!(x & NL_HOP_TARGETS) ||
-                       frame_is(nl_wire_hop_frame(&d, NL_HOP_TARGETS), hx_targets, 2, 10)),
-                  "extras %u: the targets", x);
-            CHECK(!(x & NL_HOP_DOCS) == !nl_wire_hop_frame(&d, NL_HOP_DOCS) &&
-                      (!(x & NL_HOP_DOCS) ||
-                       frame_is(nl_wire_hop_frame(&d, NL_HOP_DOCS), hx_docs, 2, 10)),
-                  "extras %u: the documents", x);
-            CHECK(!(x & NL_HOP_LABELS) == !nl_wire_hop_frame(&d, NL_HOP_LABELS) &&
-                      (!(x & NL_HOP_LABELS) ||
-                       frame_is(nl_wire_hop_frame(&d, NL_HOP_LABELS), hx_labels, 1, 2)),
-                  "extras %u: the labels", x);
-            CHECK(!(x & NL_HOP_LENGTHS) == !nl_wire_hop_frame(&d, NL_HOP_LENGTHS) &&
-                      (!(x & NL_HOP_LENGTHS) ||
-                       frame_is(nl_wire_hop_frame(&d, NL_HOP_LENGTHS), hx_lengths, 1, 2)),
-                  "extras %u: the lengths", x);
-        }
-    /* the older form: no extras, frame 1 is the targets */
-    extras_sample(&m, NL_MSG_ACTIVATION, 0);
-    const int64_t sh[2] = {2, 5};
-    nl_wire_frame_set(&m.frames[1], hx_targets, NL_DTYPE_I32, sh, 2);
-    m.nframes = 2;
-    nl_status st = enc_msg(&m, &e, NULL, &err);
-    if (st == NL_OK)
-        st = nl_wire_decode(&d, e.parts, e.nparts, NULL, &err);
-    CHECK(st == NL_OK && frame_is(nl_wire_hop_frame(&d, NL_HOP_TARGETS), hx_targets, 2, 10) &&
-              !nl_wire_hop_frame(&d, NL_HOP_DOCS),
-          "ACTIVATION without extras: %s", st == NL_OK ? "frame 1 is not the targets" : err.msg);
-    CHECK(!nl_wire_hop_frame(&m, NL_HOP_DOCS), "a hop without documents has them");
-    /* refused: frames that do not match extras (the encoder checks as the decoder does) */
-    struct {
-        nl_msg_type type;
-        unsigned extras;
-        int nframes, ndim1;
-        const char *want;
-    } bad[] = {
-        {NL_MSG_ACTIVATION, 16, 1, 0, "extras"},              /* a bit past the last */
-        {NL_MSG_ACTIVATION, NL_HOP_DOCS, 1, 0, "missing"},    /* names a frame not sent */
-        {NL_MSG_ACTIVATION, NL_HOP_TARGETS, 3, 2, "names 2"}, /* a frame more */
-        {NL_MSG_ACTIVATION, NL_HOP_LABELS, 2, 2, "labels"},   /* labels of 2 dimensions */
-        {NL_MSG_EVAL, 0, 3, 2, "names none"},                 /* older form, 3 frames */
-        {NL_MSG_COUNT, 0, 2, 2, "names none"},                /* older COUNT with a frame 1 */
-    };
-    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-        extras_sample(&m, bad[i].type, 0);
-        for (int f = 1; f < bad[i].nframes; f++)
-            nl_wire_frame_set(&m.frames[f], hx_targets, NL_DTYPE_I32,
-                              bad[i].ndim1 == 2 ? sh : sh + 1, bad[i].ndim1 == 2 ? 2 : 1);
-        m.nframes = bad[i].nframes;
-        m.u.train_hop.extras = bad[i].extras;
-        st = enc_msg(&m, &e, NULL, &err);
-        CHECK(st != NL_OK && strstr(err.msg, bad[i].want), "bad hop %zu accepted or wrong: %s", i,
-              st == NL_OK ? "accepted" : err.msg);
-    }
-    /* LOSS of a classification's evaluation: the correct count */
-    extras_sample(&m, NL_MSG_LOSS, 0);
-    st = enc_msg(&m, &e, NULL, &err);
-    if (st == NL_OK)
-        st = nl_wire_decode(&d, e.parts, e.nparts, NULL, &err);
-    CHECK(st == NL_OK && d.u.train_loss.correct == 29 && d.u.loss.rows == 37,
-          "LOSS with correct: %s", st == NL_OK ? "decoded wrong" : err.msg);
-    nl_wire_wbuf_free(&e.hdr);
-    nl_wire_msg_free(&m);
-    nl_wire_msg_free(&d);
 }
 
 /* ---- fuzz corpus (the format of fuzz/fuzz_wire.c) ---- */
@@ -736,188 +625,7 @@ static int write_corpus(const char *dir)
     return rc;
 }
 
-/* Hop digests (net/hopdigest.h): a hop's digest set by its sender passes
- * the receiver's check after the round trip; a changed byte of a frame,
- * a changed field or the wrong receiving stage fails it with
- * NL_ERR_INTEGRITY; only the tensor's bytes count (not what lies past it
- * in the sender's buffer); a digest of the wrong length is refused by the
- * decoder, and GRAD_NORM's digests frame must be [M, 4, 32]. */
-static void test_hop_digest(void)
-{
-    nl_wire_msg m, d;
-    enc e = {0};
-    nl_error err;
-    char hex[NL_HOP_DIGEST_HEX + 1];
-    uint8_t sent[NL_HOP_DIGEST_BYTES], got[NL_HOP_DIGEST_BYTES];
-    float buf[2 * 3 * 4 + 5]; /* the tensor, then bytes that are not part of it */
-    for (int i = 0; i < 29; i++)
-        buf[i] = 0.25f * (float)i;
-    nl_wire_msg_init(&m);
-    nl_wire_msg_init(&d);
-    const nl_msg_type types[] = {NL_MSG_ACTIVATION, NL_MSG_GRADIENT, NL_MSG_COUNT, NL_MSG_EVAL};
-    for (int ti = 0; ti < 4; ti++) {
-        nl_wire_msg_reset(&m, types[ti]);
-        m.u.hop = (nl_msg_tensor_hop){7, 3, 1, 0, 0, 0.5};
-        const int64_t sh[3] = {2, 3, 4};
-        nl_wire_frame_set(&m.frames[0], buf, NL_DTYPE_F32, sh, 3);
-        m.nframes = 1;
-        nl_hop_digest_set(&m, 2, hex, sent);
-        nl_status st = enc_msg(&m, &e, NULL, &err);
-        if (st == NL_OK)
-            st = nl_wire_decode(&d, e.parts, e.nparts, NULL, &err);
-        if (st == NL_OK)
-            st = nl_hop_digest_check(&d, 2, got, &err);
-        CHECK(st == NL_OK && memcmp(sent, got, sizeof got) == 0 &&
-                  strlen(d.u.train_hop.digest) == 64,
-              "%s: the digest does not survive the round trip: %s", nl_wire_type_name(types[ti]),
-              err.msg);
-        /* another receiving stage: another digest */
-        st = nl_hop_digest_check(&d, 1, got, &err);
-        CHECK(st == NL_ERR_INTEGRITY, "%s: the stage is not in the digest",
-              nl_wire_type_name(types[ti]));
-        /* bytes past the tensor do not count */
-        buf[24] += 1.0f;
-        CHECK(nl_hop_digest_check(&d, 2, got, &err) == NL_OK && memcmp(sent, got, sizeof got) == 0,
-              "%s: the digest covers bytes past the tensor", nl_wire_type_name(types[ti]));
-        /* one bit of the tensor as received */
-        uint32_t u;
-        memcpy(&u, &buf[5], 4);
-        u ^= 1;
-        memcpy(&buf[5], &u, 4);
-        st = nl_hop_digest_check(&d, 2, got, &err);
-        CHECK(st == NL_ERR_INTEGRITY && strstr(err.msg, "does not match"),
-              "%s: a flipped bit passes the check (%s)", nl_wire_type_name(types[ti]),
-              nl_status_str(st));
-        u ^= 1;
-        memcpy(&buf[5], &u, 4);
-        /* a field */
-        d.u.hop.step = 4;
-        CHECK(nl_hop_digest_check(&d, 2, got, &err) == NL_ERR_INTEGRITY,
-              "%s: the step is not in the digest", nl_wire_type_name(types[ti]));
-        d.u.hop.step = 3;
-        d.u.hop.microbatch = 0;
-        CHECK(nl_hop_digest_check(&d, 2, got, &err) == NL_ERR_INTEGRITY,
-              "%s: the microbatch is not in the digest", nl_wire_type_name(types[ti]));
-    }
-    /* the direction (the type) is in it: an ACTIVATION's digest on a GRADIENT fails */
-    nl_wire_msg_reset(&m, NL_MSG_ACTIVATION);
-    m.u.hop = (nl_msg_tensor_hop){7, 3, 1, 0, 0, 0.0};
-    const int64_t sh[3] = {2, 3, 4};
-    nl_wire_frame_set(&m.frames[0], buf, NL_DTYPE_F32, sh, 3);
-    m.nframes = 1;
-    nl_hop_digest_set(&m, 2, hex, sent);
-    m.type = NL_MSG_GRADIENT;
-    CHECK(nl_hop_digest_check(&m, 2, got, &err) == NL_ERR_INTEGRITY,
-          "the direction is not in the digest");
-    /* a digest that is not 64 hex digits */
-    hex[10] = '\0';
-    CHECK(enc_msg(&m, &e, NULL, &err) == NL_ERR_RANGE && strstr(err.msg, "digest"),
-          "a 10-digit digest is encoded");
-    /* a hop without one (an older peer) is taken and its digest recorded */
-    m.u.train_hop.digest = NULL;
-    CHECK(nl_hop_digest_check(&m, 2, got, &err) == NL_OK && !nl_hop_digest_none(got),
-          "a hop without a digest is refused or not digested");
-    /* GRAD_NORM's digests: [M, 4, 32] only */
-    uint8_t digs[2 * 3 * 32] = {0};
-    nl_wire_msg_reset(&m, NL_MSG_GRAD_NORM);
-    m.u.grad_norm = (nl_msg_grad_norm){7, 3, 0, 1.0};
-    const int64_t dsh[3] = {2, 3, 32};
-    nl_wire_frame_set(&m.frames[0], digs, NL_DTYPE_U8, dsh, 3);
-    m.nframes = 1;
-    CHECK(enc_msg(&m, &e, NULL, &err) == NL_ERR_SHAPE, "GRAD_NORM with digests [2, 3, 32] encoded");
-    nl_wire_msg_free(&m);
-    nl_wire_msg_free(&d);
-    nl_wire_wbuf_free(&e.hdr);
-}
-
 /* ---- the wire's precision (DESIGN.md section 8) ---- */
-
-/* bf16 hops: rounded to nearest even when described, widened exactly when
- * read; ASSIGN's wire round-trips and a value past bf16 is refused; the
- * hidden-state hops take F32 or BF16 frames, not F16. */
-static void test_wire_precision(void)
-{
-    nl_error err = {0};
-    nl_wire_precision p = NL_WIRE_BF16;
-    CHECK(nl_wire_precision_parse("fp32", &p) == 0 && p == NL_WIRE_FP32, "fp32 parse");
-    CHECK(nl_wire_precision_parse("bf16", &p) == 0 && p == NL_WIRE_BF16, "bf16 parse");
-    CHECK(nl_wire_precision_parse("fp16", &p) != 0 && nl_wire_precision_name(2) == NULL,
-          "fp16 taken");
-    /* 1 + 2^-8 is halfway between two bf16 values: to even (1); 1 + 3 * 2^-8
-     * to the even one above (1 + 2^-6); -2.5 and 1e-3 are rounded too */
-    const float x[6] = {1.0f, 1.0f + 0x1p-8f, 1.0f + 0x3p-8f, -2.5f, 1e-3f, 65504.0f};
-    const float want[6] = {1.0f, 1.0f, 1.0f + 0x1p-6f, -2.5f, 0x1.06p-10f, 65536.0f};
-    const int64_t shape[3] = {1, 2, 3};
-    uint16_t *buf = NULL;
-    size_t cap = 0;
-    nl_wire_frame f;
-    CHECK_OK(nl_wire_frame_hidden(&f, NL_WIRE_BF16, x, shape, 3, &buf, &cap, &err), &err);
-    CHECK(f.t.dtype == NL_DTYPE_BF16 && f.t.data == buf && cap == 6, "bf16 frame");
-    float back[6];
-    nl_wire_frame_widen(&f, back, 6);
-    for (int i = 0; i < 6; i++)
-        CHECK(back[i] == want[i], "bf16 of %a: %a, not %a", (double)x[i], (double)back[i],
-              (double)want[i]);
-    CHECK_OK(nl_wire_frame_hidden(&f, NL_WIRE_FP32, x, shape, 3, &buf, &cap, &err), &err);
-    CHECK(f.t.dtype == NL_DTYPE_F32 && f.t.data == x, "fp32 frame is not the data");
-    nl_wire_frame_widen(&f, back, 6);
-    CHECK(memcmp(back, x, sizeof x) == 0, "fp32 widened");
-    free(buf);
-
-    nl_wire_msg m, d;
-    nl_wire_msg_init(&m);
-    nl_wire_msg_init(&d);
-    enc e = {0};
-    sample(&m, NL_MSG_ASSIGN);
-    m.u.assign.wire = NL_WIRE_BF16;
-    CHECK_OK(enc_msg(&m, &e, NULL, &err), &err);
-    CHECK_OK(nl_wire_decode(&d, e.parts, e.nparts, NULL, &err), &err);
-    CHECK(d.u.assign.wire == NL_WIRE_BF16, "ASSIGN wire %u", d.u.assign.wire);
-    m.u.assign.wire = 2;
-    CHECK(nl_wire_encode(&m, &e.hdr, NULL, &err) == NL_ERR_RANGE && strstr(err.msg, "wire"),
-          "ASSIGN wire 2: %s", err.msg);
-    /* nodes behind NAT: ASSIGN.links and JOIN.flags know their bits, and
-     * a link names a neighbour the stage has */
-    m.u.assign.wire = NL_WIRE_FP32;
-    m.u.assign.links = NL_LINK_DIAL_PREV | NL_LINK_NEXT_DIALS;
-    CHECK_OK(enc_msg(&m, &e, NULL, &err), &err);
-    CHECK_OK(nl_wire_decode(&d, e.parts, e.nparts, NULL, &err), &err);
-    CHECK(d.u.assign.links == 3, "ASSIGN links %u", d.u.assign.links);
-    m.u.assign.links = NL_LINK_RELAY_PREV | NL_LINK_RELAY_NEXT;
-    m.u.assign.relay_port = 7702;
-    CHECK_OK(enc_msg(&m, &e, NULL, &err), &err);
-    CHECK_OK(nl_wire_decode(&d, e.parts, e.nparts, NULL, &err), &err);
-    CHECK(d.u.assign.links == 12 && d.u.assign.relay_port == 7702, "ASSIGN links %u relay %u",
-          d.u.assign.links, d.u.assign.relay_port);
-    m.u.assign.relay_port = 0; /* a relay link needs its port */
-    CHECK(nl_wire_encode(&m, &e.hdr, NULL, &err) == NL_ERR_RANGE && strstr(err.msg, "relay_port"),
-          "ASSIGN relayed without a port: %s", err.msg);
-    m.u.assign.links = NL_LINK_DIAL_PREV;
-    m.u.assign.relay_port = 7702; /* a port without a relay link */
-    CHECK(nl_wire_encode(&m, &e.hdr, NULL, &err) == NL_ERR_RANGE && strstr(err.msg, "relay_port"),
-          "ASSIGN port without a relay: %s", err.msg);
-    m.u.assign.links = NL_LINK_DIAL_PREV | NL_LINK_RELAY_PREV; /* two ways to one neighbour */
-    CHECK(nl_wire_encode(&m, &e.hdr, NULL, &err) == NL_ERR_RANGE && strstr(err.msg, "two ways"),
-          "ASSIGN two ways: %s", err.msg);
-    m.u.assign.relay_port = 0;
-    m.u.assign.links = 16;
-    CHECK(nl_wire_encode(&m, &e.hdr, NULL, &err) == NL_ERR_RANGE && strstr(err.msg, "links"),
-          "ASSIGN links 16: %s", err.msg);
-    m.u.assign.links = NL_LINK_DIAL_PREV;
-    m.u.assign.prev_endpoint = m.u.assign.prev_key = "";
-    CHECK(nl_wire_encode(&m, &e.hdr, NULL, &err) == NL_ERR_RANGE && strstr(err.msg, "links"),
-          "ASSIGN DIAL_PREV without a previous stage: %s", err.msg);
-    sample(&m, NL_MSG_JOIN);
-    m.u.join.flags = 2;
-    CHECK(nl_wire_encode(&m, &e.hdr, NULL, &err) == NL_ERR_RANGE && strstr(err.msg, "flags"),
-          "JOIN flags 2: %s", err.msg);
-    sample(&m, NL_MSG_GRADIENT);
-    m.frames[0].t.dtype = NL_DTYPE_F16;
-    CHECK(nl_wire_encode(&m, &e.hdr, NULL, &err) == NL_ERR_DTYPE, "F16 GRADIENT: %s", err.msg);
-    nl_wire_msg_free(&m);
-    nl_wire_msg_free(&d);
-    nl_wire_wbuf_free(&e.hdr);
-}
 
 /* The reader refuses a str, bin or ext whose length runs past the buffer,
  * even by one byte (the truncation test above ends at a map's end check,
@@ -942,6 +650,75 @@ static void test_reader_lengths(void)
     }
 }
 
+/* ASSIGN's neighbours of another replica count (prev_keys,
+ * next_endpoints, next_keys): lists round-trip and split; an item that is
+ * no key, an empty item, too many, as many keys as endpoints, the list
+ * without its neighbour and a list with a NAT link are refused. */
+static void test_assign_peers(void)
+{
+    nl_wire_msg m, d;
+    enc e = {0};
+    nl_error err;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_init(&d);
+    char items[NL_REDUCE_MAX_REPLICAS][NL_WIRE_PEER_ITEM];
+    CHECK(nl_wire_peer_list(KEY_A "," KEY_B, items, 16) == 2 && strcmp(items[0], KEY_A) == 0 &&
+              strcmp(items[1], KEY_B) == 0,
+          "two keys split");
+    CHECK(nl_wire_peer_list("", items, 16) == 0 && nl_wire_peer_list(NULL, NULL, 16) == 0, "none");
+    CHECK(nl_wire_peer_list("a,,b", NULL, 16) == -1 && nl_wire_peer_list("a,", NULL, 16) == -1 &&
+              nl_wire_peer_list("a,b,c", NULL, 2) == -1,
+          "an empty item, or too many");
+    struct {
+        const char *prev_keys, *next_eps, *next_keys;
+        uint32_t links;
+        const char *why; /* NULL: accepted */
+    } cases[] = {
+        {KEY_A "," KEY_B, "tcp://h:1,tcp://h:2", KEY_B "," KEY_A, 0, NULL},
+        {KEY_A, "", "", 0, NULL},
+        {"", "tcp://h:1", KEY_B, 0, NULL},
+        {KEY_A ",nokey", "", "", 0, "prev_keys: item 1 is not a Z85 key"},
+        {KEY_A ",", "", "", 0, "prev_keys: not a list"},
+        {"", "tcp://h:1,tcp://h:2", KEY_B, 0, "1 next_keys for 2 next_endpoints"},
+        {"", "tcp://h:1", KEY_B, NL_LINK_NEXT_DIALS, "another replica count"},
+        {KEY_A, "", "", NL_LINK_DIAL_PREV, "another replica count"},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        sample(&m, NL_MSG_ASSIGN);
+        m.u.assign.links = cases[c].links;
+        m.u.assign.prev_keys = cases[c].prev_keys;
+        m.u.assign.next_endpoints = cases[c].next_eps;
+        m.u.assign.next_keys = cases[c].next_keys;
+        nl_status st = enc_msg(&m, &e, NULL, &err);
+        if (!cases[c].why) {
+            CHECK(st == NL_OK && (st = dec_parts(&d, &e, NULL, &err)) == NL_OK && same_msg(&m, &d),
+                  "case %zu round-trips: %s", c, err.msg);
+        } else {
+            CHECK(st != NL_OK && strstr(err.msg, cases[c].why), "case %zu refused: %s", c,
+                  st != NL_OK ? err.msg : "accepted");
+        }
+    }
+    /* 17 replicas are more than a stage has */
+    char many[17 * (NL_KEY_Z85_LEN + 1)] = "";
+    for (int k = 0; k < 17; k++)
+        snprintf(many + strlen(many), sizeof many - strlen(many), "%s%s", k ? "," : "", KEY_A);
+    sample(&m, NL_MSG_ASSIGN);
+    m.u.assign.links = 0;
+    m.u.assign.prev_keys = many;
+    CHECK(enc_msg(&m, &e, NULL, &err) != NL_OK, "17 keys accepted");
+    /* a list without its neighbour */
+    sample(&m, NL_MSG_ASSIGN);
+    m.u.assign.links = 0;
+    m.u.assign.prev_endpoint = m.u.assign.prev_key = "";
+    m.u.assign.prev_keys = KEY_A;
+    CHECK(enc_msg(&m, &e, NULL, &err) != NL_OK && strstr(err.msg, "need the neighbour"),
+          "prev_keys without prev_key: %s", err.msg);
+    nl_wire_msg_free(&m);
+    nl_wire_msg_free(&d);
+    nl_wire_wbuf_free(&e.hdr);
+    printf("ASSIGN's neighbours of another replica count: ok\n");
+}
+
 int main(int argc, char **argv)
 {
     fill_data();
@@ -953,9 +730,7 @@ int main(int argc, char **argv)
     test_reader_lengths();
     test_wrong_types();
     test_mutations();
-    test_train_hops();
     test_token_logprobs();
-    test_hop_digest();
-    test_wire_precision();
+    test_assign_peers();
     return check_done("test_wire");
 }

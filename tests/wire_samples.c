@@ -271,7 +271,8 @@ bool same_msg(const nl_wire_msg *a, const nl_wire_msg *b)
                x->memory_planned == y->memory_planned && x->links == y->links &&
                x->replica == y->replica && x->replicas == y->replicas &&
                seq(x->ring_endpoint, y->ring_endpoint) && seq(x->ring_key, y->ring_key) &&
-               seq(x->ring_prev_key, y->ring_prev_key);
+               seq(x->ring_prev_key, y->ring_prev_key) && seq(x->prev_keys, y->prev_keys) &&
+               seq(x->next_endpoints, y->next_endpoints) && seq(x->next_keys, y->next_keys);
     }
     case NL_MSG_LAYER_LOAD: {
         const nl_msg_layer_load *x = &p->layer_load, *y = &q->layer_load;
@@ -413,4 +414,30 @@ void fill_data(void)
         toks_frame[i] = (int32_t)(i * 1000 + 1);
     for (size_t i = 0; i < sizeof chunk / sizeof chunk[0]; i++)
         chunk[i] = (float)i;
+}
+
+const int32_t hx_tokens[10] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
+const int32_t hx_targets[10] = {-1, 2, -1, -1, 5, -1, 7, -1, -1, -1};
+const int32_t hx_docs[10] = {0, 0, 0, 1, 1, 0, 0, 0, 0, 1};
+const int32_t hx_labels[2] = {1, 0}, hx_lengths[2] = {3, 4};
+
+/* A training hop with extras (NL_HOP_* bits) and loss rows: tokens [2, 5]
+ * and the named arrays; LOSS with a correct count when type is LOSS. */
+void extras_sample(nl_wire_msg *m, nl_msg_type type, unsigned extras)
+{
+    const int64_t sh[2] = {2, 5};
+    nl_wire_msg_reset(m, type);
+    if (type == NL_MSG_LOSS) {
+        m->u.loss = (nl_msg_loss){11, 250, true, 3.5, 0.0, 37};
+        m->u.train_loss.correct = 29;
+        return;
+    }
+    m->u.hop = (nl_msg_tensor_hop){11, 250, 3, 0, 0, 0.0};
+    nl_wire_frame_set(&m->frames[0], hx_tokens, NL_DTYPE_I32, sh, 2);
+    m->nframes = 1;
+    nl_wire_hop_set_extras(
+        m, 2, 5, extras & NL_HOP_TARGETS ? hx_targets : NULL, extras & NL_HOP_DOCS ? hx_docs : NULL,
+        extras & NL_HOP_LABELS ? hx_labels : NULL, extras & NL_HOP_LENGTHS ? hx_lengths : NULL);
+    m->u.train_hop.loss_rows = extras & NL_HOP_LABELS ? 2 : 3;
+    m->u.train_hop.epoch = 40 + extras;
 }

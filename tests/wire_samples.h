@@ -27,6 +27,10 @@ void set_frame(nl_wire_frame *f, nl_dtype dt, void *data, int ndim, const int64_
 void sample(nl_wire_msg *m, nl_msg_type t);
 bool seq(const char *a, const char *b);
 bool same_msg(const nl_wire_msg *a, const nl_wire_msg *b);
+/* A training hop with extras (NL_HOP_* bits) and loss rows: tokens [2, 5]
+ * and the named arrays hx_*; LOSS with a correct count when type is LOSS. */
+extern const int32_t hx_tokens[10], hx_targets[10], hx_docs[10], hx_labels[2], hx_lengths[2];
+void extras_sample(nl_wire_msg *m, nl_msg_type type, unsigned extras);
 
 typedef struct enc {
     nl_wire_wbuf hdr;

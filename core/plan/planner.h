@@ -96,7 +96,9 @@ typedef struct nl_plan_stage {
     int node_id; /* replica 0's node: the one that writes the shard */
     /* DESIGN section 8: the stage's replicas, replica r on node
      * replicas[r] (replicas[0] == node_id); microbatch i of a step runs on
-     * replica i mod n_replicas. nl_plan_layers makes n_replicas = 1. */
+     * replica i mod n_replicas. nl_plan_layers makes n_replicas = 1;
+     * nl_plan_layers_staged and nl_plan_choose_stage_replicas may give
+     * stages different counts. */
     int n_replicas;
     int replicas[NL_PLAN_MAX_REPLICAS];
     int l0, l1;     /* layers [l0, l1) */
@@ -168,17 +170,51 @@ nl_status nl_plan_choose_replicas(nl_plan **out, int *replicas, double *step_s,
                                   const nl_plan_node *nodes, int n_nodes, const nl_plan_opts *opts,
                                   int microbatches, double link_bytes_per_s, nl_error *err);
 
-/* The seconds of a training step of M microbatches on plan p (R =
- * p->stages[0].n_replicas replicas a stage, its bottleneck as p has it):
- *   (ceil(M / R) + S - 1) * R * bottleneck (each replica's pipeline runs
- *                                           M / R microbatches and fills
- *                                           once; bottleneck is a stage's
- *                                           time over its replicas)
- *   + 2 (R - 1) / R * W / link_bytes_per_s (the ring all-reduce of the
- *                                           largest stage's gradients, W
- *                                           bytes; 0 link: free) */
+/* The seconds of a training step of M microbatches on plan p, R_s =
+ * p->stages[s].n_replicas, t_s = p->stages[s].seconds (a stage's time a
+ * microbatch over its replicas), so t_s R_s is one microbatch on one
+ * replica:
+ *   max_s ceil(M / R_s) R_s t_s    (the busiest replica's microbatches)
+ *   + (S - 1) max_s R_s t_s        (the pipeline fills once)
+ *   + max_s 2 (R_s - 1) / R_s W_s / link_bytes_per_s
+ *                                   (each stage's ring all-reduce of its
+ *                                    gradients, W_s bytes; 0 link: free)
+ * With R replicas on every stage: (ceil(M / R) + S - 1) R bottleneck plus
+ * the largest stage's all-reduce. */
 double nl_plan_step_seconds(const nl_plan *p, const nl_config *cfg, const nl_plan_opts *opts,
                             int microbatches, double link_bytes_per_s);
+
+/* A plan of n_stages stages, stage s on reps[s] nodes (DESIGN section 8:
+ * microbatch i of a step on replica i mod reps[s] of stage s). The nodes
+ * are ranked by throughput (then memory, then input order) and handed out
+ * in pipeline order, the fastest to stage 0; each stage plans as one node
+ * with its smallest memory and reps[s] times its slowest member's
+ * throughput, and the layers are split over the stages in that order to
+ * the smallest bottleneck (every stage at least one layer; a DP, exact
+ * for the fixed order). Nodes left over stay standby (input order).
+ * Errors as nl_plan_layers; NL_ERR_INVALID for a count outside [1,
+ * NL_PLAN_MAX_REPLICAS]; NL_ERR_CAPACITY for fewer nodes than replicas
+ * in all, or stages that cannot hold the model. */
+nl_status nl_plan_layers_staged(nl_plan **out, const nl_config *cfg, const nl_plan_node *nodes,
+                                int n_nodes, const nl_plan_opts *opts, const int *reps,
+                                int n_stages, nl_error *err);
+
+/* The plan with a replica count per stage that gives the most training
+ * tokens/s by nl_plan_step_seconds (issue 30): the best plan of
+ * nl_plan_choose_replicas (every stage R replicas; tried and n_tried as
+ * there), against depth-only plans grown: nl_plan_layers over all the
+ * nodes and over the k fastest (k < n_nodes, k <= NL_PLAN_EXACT_MAX), the
+ * nodes each leaves out, fastest first, going to its bottleneck stage (as
+ * many at a time as make that stage's count divide M), the layers split
+ * again over the stages in their order (nl_plan_layers_staged's DP), while
+ * a step gets faster. The grown plan wins only when some stages' counts differ
+ * and it is faster by more than a relative 1e-9; ties keep the uniform
+ * plan. *step_s (may be NULL): the chosen plan's seconds a step. */
+nl_status nl_plan_choose_stage_replicas(nl_plan **out, double *step_s,
+                                        nl_plan_replica_option *tried, int *n_tried,
+                                        const nl_config *cfg, const nl_plan_node *nodes,
+                                        int n_nodes, const nl_plan_opts *opts, int microbatches,
+                                        double link_bytes_per_s, nl_error *err);
 
 /* The link speed plan p's all-reduce runs at: the slowest link among the
  * nodes that are replicas of its stages (nodes[i].link_bytes_s, or

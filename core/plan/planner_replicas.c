@@ -66,18 +66,10 @@ static void expand(nl_plan *p, const ranked *rk, const nl_plan_node *nodes, int 
             p->standby[p->n_standby++] = nodes[i].id;
 }
 
-nl_status nl_plan_layers_replicated(nl_plan **out, const nl_config *cfg, const nl_plan_node *nodes,
-                                    int n_nodes, const nl_plan_opts *opts, int replicas,
-                                    nl_error *err)
+/* The nodes as every plan needs them: throughput > 0, times and link
+ * speeds >= 0 and finite, ids unique. */
+static nl_status check_nodes(const nl_plan_node *nodes, int n_nodes, nl_error *err)
 {
-    if (replicas == 1)
-        return nl_plan_layers(out, cfg, nodes, n_nodes, opts, err);
-    if (!out)
-        return nl_error_set(err, NL_ERR_INVALID, "plan: no output");
-    *out = NULL;
-    if (replicas < 1 || replicas > NL_PLAN_MAX_REPLICAS)
-        return nl_error_set(err, NL_ERR_INVALID, "plan: %d replicas per stage (1 to %d)", replicas,
-                            NL_PLAN_MAX_REPLICAS);
     if (!nodes || n_nodes < 1 || n_nodes > NL_PLAN_MAX_NODES)
         return nl_error_set(err, NL_ERR_INVALID, "plan: %d nodes (1 to %d)", n_nodes,
                             NL_PLAN_MAX_NODES);
@@ -93,12 +85,29 @@ nl_status nl_plan_layers_replicated(nl_plan **out, const nl_config *cfg, const n
                 return nl_error_set(err, NL_ERR_INVALID, "plan: node id %d appears twice",
                                     nodes[i].id);
     }
+    return NL_OK;
+}
+
+nl_status nl_plan_layers_replicated(nl_plan **out, const nl_config *cfg, const nl_plan_node *nodes,
+                                    int n_nodes, const nl_plan_opts *opts, int replicas,
+                                    nl_error *err)
+{
+    if (replicas == 1)
+        return nl_plan_layers(out, cfg, nodes, n_nodes, opts, err);
+    if (!out)
+        return nl_error_set(err, NL_ERR_INVALID, "plan: no output");
+    *out = NULL;
+    if (replicas < 1 || replicas > NL_PLAN_MAX_REPLICAS)
+        return nl_error_set(err, NL_ERR_INVALID, "plan: %d replicas per stage (1 to %d)", replicas,
+                            NL_PLAN_MAX_REPLICAS);
+    nl_status st = check_nodes(nodes, n_nodes, err);
+    if (st != NL_OK)
+        return st;
     if (n_nodes < replicas)
         return nl_error_set(err, NL_ERR_CAPACITY,
                             "plan: %d replicas per stage need at least %d nodes, %d joined",
                             replicas, replicas, n_nodes);
     const int G = n_nodes / replicas;
-    nl_status st = NL_OK;
     ranked *rk = malloc((size_t)n_nodes * sizeof *rk);
     nl_plan_node *vn = malloc((size_t)G * sizeof *vn);
     char *used = calloc((size_t)n_nodes, 1);
@@ -134,19 +143,22 @@ done:
 double nl_plan_step_seconds(const nl_plan *p, const nl_config *cfg, const nl_plan_opts *o, int M,
                             double link)
 {
-    const int R = p->n_stages > 0 && p->stages[0].n_replicas > 1 ? p->stages[0].n_replicas : 1;
-    double t = (double)((M + R - 1) / R + p->n_stages - 1) * (p->bottleneck * R);
-    if (R > 1 && link > 0) {
-        uint64_t w = 0;
-        for (int s = 0; s < p->n_stages; s++) {
-            const nl_plan_stage *g = &p->stages[s];
-            const uint64_t b =
+    double busy = 0.0, fill = 0.0, reduce = 0.0;
+    for (int s = 0; s < p->n_stages; s++) {
+        const nl_plan_stage *g = &p->stages[s];
+        const int R = g->n_replicas > 1 ? g->n_replicas : 1;
+        const double one = g->seconds * R; /* one microbatch on one replica */
+        const double b = (double)((M + R - 1) / R) * one;
+        busy = b > busy ? b : busy;
+        fill = one > fill ? one : fill;
+        if (R > 1 && link > 0) {
+            const uint64_t w =
                 nl_memory_estimate(cfg, g->l1 - g->l0, g->has_embed, g->has_head, &o->mem).weights;
-            w = b > w ? b : w;
+            const double t = 2.0 * (R - 1) / R * (double)w / link;
+            reduce = t > reduce ? t : reduce;
         }
-        t += 2.0 * (R - 1) / R * (double)w / link;
     }
-    return t;
+    return busy + (double)(p->n_stages > 0 ? p->n_stages - 1 : 0) * fill + reduce;
 }
 
 double nl_plan_link_bytes_s(const nl_plan *p, const nl_plan_node *nodes, int n_nodes,
@@ -229,5 +241,328 @@ nl_status nl_plan_choose_replicas(nl_plan **out, int *replicas, double *step_s,
         return first ? first : nl_error_set(err, NL_ERR_CAPACITY, "plan: nothing places");
     if (step_s)
         *step_s = best;
+    return NL_OK;
+}
+
+/* ===================== a replica count per stage ===================== */
+
+/* Stage s of a plan with its own replica count: its nodes (indices into
+ * the input, fastest first) and the one planner node they make (their
+ * smallest memory, R times their slowest throughput, their slowest hop). */
+typedef struct sgroup {
+    int R;
+    int idx[NL_PLAN_MAX_REPLICAS];
+    nl_plan_node v;
+} sgroup;
+
+static void sgroup_fold(sgroup *g, const nl_plan_node *nodes)
+{
+    g->v = (nl_plan_node){0, UINT64_MAX, 0.0, 0.0, 0.0};
+    for (int r = 0; r < g->R; r++) {
+        const nl_plan_node *n = &nodes[g->idx[r]];
+        if (n->memory_bytes < g->v.memory_bytes)
+            g->v.memory_bytes = n->memory_bytes;
+        if (r == 0 || n->gflops < g->v.gflops)
+            g->v.gflops = n->gflops;
+        if (n->hop_seconds > g->v.hop_seconds)
+            g->v.hop_seconds = n->hop_seconds;
+    }
+    g->v.gflops *= g->R;
+}
+
+/* The split of the layers over the groups, in pipeline order, with the
+ * smallest bottleneck: a DP over (stages placed, layers covered); each
+ * stage holds at least one layer and fits every one of its nodes. A new
+ * plan in *out, or NL_ERR_CAPACITY. */
+static nl_status split_groups(nl_plan **out, const nl_config *cfg, const nl_plan_opts *o,
+                              const sgroup *g, int S, const nl_plan_node *nodes, int n_nodes,
+                              nl_error *err)
+{
+    const int L = cfg->num_layers;
+    *out = NULL;
+    if (S < 1 || S > L)
+        return nl_error_set(err, NL_ERR_CAPACITY, "plan: %d stages for %d layers", S, L);
+    const size_t cells = (size_t)(S + 1) * (size_t)(L + 1);
+    double *best = malloc(cells * sizeof *best);
+    int *from = malloc(cells * sizeof *from);
+    char *used = calloc((size_t)n_nodes, 1);
+    nl_plan *p = calloc(1, sizeof *p);
+    nl_status st = NL_OK;
+    if (!best || !from || !used || !p || !(p->stages = calloc((size_t)S, sizeof *p->stages)) ||
+        !(p->standby = calloc((size_t)n_nodes, sizeof *p->standby))) {
+        st = nl_error_set(err, NL_ERR_NOMEM, "plan: out of memory");
+        goto done;
+    }
+    for (size_t i = 0; i < cells; i++)
+        best[i] = INFINITY;
+    best[0] = 0.0;
+    for (int s = 0; s < S; s++)
+        for (int l = s; l < L; l++) {
+            const double before = best[(size_t)s * (L + 1) + l];
+            if (!isfinite(before))
+                continue;
+            for (int n = 1; l + n + (S - 1 - s) <= L; n++) {
+                if (nl_plan_stage_bytes(cfg, o, n, s, S) > g[s].v.memory_bytes)
+                    break; /* more layers only take more memory */
+                const double t = nl_plan_stage_seconds(cfg, o, &g[s].v, n, s, S);
+                const double b = t > before ? t : before;
+                const size_t k = (size_t)(s + 1) * (L + 1) + (size_t)(l + n);
+                if (b < best[k]) {
+                    best[k] = b;
+                    from[k] = l;
+                }
+            }
+        }
+    if (!isfinite(best[(size_t)S * (L + 1) + L])) {
+        st = nl_error_set(err, NL_ERR_CAPACITY,
+                          "plan: %d stages with their replicas cannot hold the %d layers (a "
+                          "stage fits its smallest node's memory)",
+                          S, L);
+        goto done;
+    }
+    int l1 = L;
+    for (int s = S - 1; s >= 0; s--) {
+        const int l0 = from[(size_t)(s + 1) * (L + 1) + l1];
+        nl_plan_stage *x = &p->stages[s];
+        x->n_replicas = g[s].R;
+        for (int r = 0; r < g[s].R; r++)
+            x->replicas[r] = nodes[g[s].idx[r]].id;
+        x->node_id = x->replicas[0];
+        x->l0 = l0;
+        x->l1 = l1;
+        x->has_embed = s == 0;
+        x->has_head = s == S - 1;
+        x->in_flight = nl_plan_stage_in_flight(o, s, S);
+        x->bytes = nl_plan_stage_bytes(cfg, o, l1 - l0, s, S);
+        x->seconds = nl_plan_stage_seconds(cfg, o, &g[s].v, l1 - l0, s, S);
+        if (x->seconds > p->bottleneck)
+            p->bottleneck = x->seconds;
+        l1 = l0;
+    }
+    p->n_stages = S;
+    for (int s = 0; s < S; s++)
+        for (int r = 0; r < g[s].R; r++)
+            used[g[s].idx[r]] = 1;
+    for (int i = 0; i < n_nodes; i++)
+        if (!used[i])
+            p->standby[p->n_standby++] = nodes[i].id;
+    *out = p;
+    p = NULL;
+done:
+    nl_plan_destroy(&p);
+    free(best);
+    free(from);
+    free(used);
+    return st;
+}
+
+nl_status nl_plan_layers_staged(nl_plan **out, const nl_config *cfg, const nl_plan_node *nodes,
+                                int n_nodes, const nl_plan_opts *opts, const int *reps,
+                                int n_stages, nl_error *err)
+{
+    if (!out)
+        return nl_error_set(err, NL_ERR_INVALID, "plan: no output");
+    *out = NULL;
+    nl_status st = check_nodes(nodes, n_nodes, err);
+    if (st != NL_OK)
+        return st;
+    if (!reps || n_stages < 1 || n_stages > NL_PLAN_MAX_NODES)
+        return nl_error_set(err, NL_ERR_INVALID, "plan: %d stages", n_stages);
+    int total = 0;
+    for (int s = 0; s < n_stages; s++) {
+        if (reps[s] < 1 || reps[s] > NL_PLAN_MAX_REPLICAS)
+            return nl_error_set(err, NL_ERR_INVALID, "plan: stage %d with %d replicas (1 to %d)", s,
+                                reps[s], NL_PLAN_MAX_REPLICAS);
+        total += reps[s];
+    }
+    if (total > n_nodes)
+        return nl_error_set(err, NL_ERR_CAPACITY,
+                            "plan: %d stages with %d replicas in all need at least %d nodes, %d "
+                            "joined",
+                            n_stages, total, total, n_nodes);
+    ranked *rk = malloc((size_t)n_nodes * sizeof *rk);
+    sgroup *g = calloc((size_t)n_stages, sizeof *g);
+    if (!rk || !g) {
+        free(rk);
+        free(g);
+        return nl_error_set(err, NL_ERR_NOMEM, "plan: out of memory");
+    }
+    for (int i = 0; i < n_nodes; i++)
+        rk[i] = (ranked){&nodes[i], i};
+    qsort(rk, (size_t)n_nodes, sizeof *rk, rank_cmp);
+    for (int s = 0, k = 0; s < n_stages; s++) { /* the fastest nodes to the first stages */
+        g[s].R = reps[s];
+        for (int r = 0; r < reps[s]; r++)
+            g[s].idx[r] = rk[k++].index;
+        sgroup_fold(&g[s], nodes);
+    }
+    st = split_groups(out, cfg, opts, g, n_stages, nodes, n_nodes, err);
+    free(rk);
+    free(g);
+    return st;
+}
+
+/* The seconds a step of plan p takes with its replicas' all-reduce at
+ * the slowest link among them. */
+static double plan_step(const nl_plan *p, const nl_config *cfg, const nl_plan_opts *o,
+                        const nl_plan_node *nodes, int n_nodes, int M, double assumed)
+{
+    return nl_plan_step_seconds(p, cfg, o, M,
+                                nl_plan_link_bytes_s(p, nodes, n_nodes, assumed, NULL));
+}
+
+/* The input index of node id. */
+static int index_of(const nl_plan_node *nodes, int n_nodes, int id)
+{
+    for (int i = 0; i < n_nodes; i++)
+        if (nodes[i].id == id)
+            return i;
+    return -1;
+}
+
+/* From depth-only plan p (one node a stage), give spare nodes to the
+ * bottleneck stage, fastest first, as many at a time as make its replica
+ * count divide M, while the step gets faster. *out: the plan reached
+ * (NULL when no node was given), *t_out its seconds a step. */
+static nl_status grow_bottleneck(nl_plan **out, double *t_out, const nl_plan *p,
+                                 const nl_config *cfg, const nl_plan_opts *o,
+                                 const nl_plan_node *nodes, int n_nodes, int M, double link,
+                                 nl_error *err)
+{
+    *out = NULL;
+    const int S = p->n_stages;
+    ranked *spare = malloc((size_t)n_nodes * sizeof *spare);
+    sgroup *g = calloc((size_t)S, sizeof *g), *trial = calloc((size_t)S, sizeof *trial);
+    char *in_plan = calloc((size_t)n_nodes, 1);
+    nl_status st = NL_OK;
+    if (!spare || !g || !trial || !in_plan) {
+        st = nl_error_set(err, NL_ERR_NOMEM, "plan: out of memory");
+        goto done;
+    }
+    for (int s = 0; s < S; s++) {
+        g[s].R = 1;
+        g[s].idx[0] = index_of(nodes, n_nodes, p->stages[s].node_id);
+        in_plan[g[s].idx[0]] = 1;
+        sgroup_fold(&g[s], nodes);
+    }
+    int n_spare = 0; /* every node p leaves out (its standby, or the nodes it was not given) */
+    for (int i = 0; i < n_nodes; i++)
+        if (!in_plan[i])
+            spare[n_spare++] = (ranked){&nodes[i], i};
+    qsort(spare, (size_t)n_spare, sizeof *spare, rank_cmp);
+    const nl_plan *cur = p;
+    double t = plan_step(p, cfg, o, nodes, n_nodes, M, link);
+    for (int used = 0;;) {
+        int b = 0;
+        for (int s = 1; s < S; s++)
+            if (cur->stages[s].seconds > cur->stages[b].seconds)
+                b = s;
+        int k = 1;
+        while (g[b].R + k <= NL_PLAN_MAX_REPLICAS && M % (g[b].R + k) != 0)
+            k++;
+        if (g[b].R + k > NL_PLAN_MAX_REPLICAS || used + k > n_spare)
+            break;
+        memcpy(trial, g, (size_t)S * sizeof *g);
+        for (int r = 0; r < k; r++)
+            trial[b].idx[trial[b].R++] = spare[used + r].index;
+        sgroup_fold(&trial[b], nodes);
+        nl_plan *q = NULL;
+        nl_error e = {0};
+        st = split_groups(&q, cfg, o, trial, S, nodes, n_nodes, &e);
+        if (st == NL_ERR_CAPACITY) { /* a smaller node cannot hold the stage */
+            st = NL_OK;
+            break;
+        }
+        if (st != NL_OK) {
+            if (err)
+                *err = e;
+            break;
+        }
+        const double tq = plan_step(q, cfg, o, nodes, n_nodes, M, link);
+        if (!(tq < t * (1 - 1e-9))) {
+            nl_plan_destroy(&q);
+            break;
+        }
+        nl_plan_destroy(out);
+        *out = q;
+        cur = q;
+        t = tq;
+        used += k;
+        memcpy(g, trial, (size_t)S * sizeof *g);
+    }
+    *t_out = t;
+done:
+    if (st != NL_OK)
+        nl_plan_destroy(out);
+    free(spare);
+    free(g);
+    free(trial);
+    free(in_plan);
+    return st;
+}
+
+/* Whether some stage of p has another replica count than stage 0. */
+static int uneven(const nl_plan *p)
+{
+    for (int s = 1; s < p->n_stages; s++)
+        if (p->stages[s].n_replicas != p->stages[0].n_replicas)
+            return 1;
+    return 0;
+}
+
+nl_status nl_plan_choose_stage_replicas(nl_plan **out, double *step_s,
+                                        nl_plan_replica_option *tried, int *n_tried,
+                                        const nl_config *cfg, const nl_plan_node *nodes,
+                                        int n_nodes, const nl_plan_opts *opts, int microbatches,
+                                        double link_bytes_per_s, nl_error *err)
+{
+    int R = 0;
+    double t = 0.0;
+    nl_status st = nl_plan_choose_replicas(out, &R, &t, tried, n_tried, cfg, nodes, n_nodes, opts,
+                                           microbatches, link_bytes_per_s, err);
+    if (st != NL_OK)
+        return st;
+    /* the depth-only plans over all the nodes and over the k fastest
+     * (k < n, at most NL_PLAN_EXACT_MAX), each grown with the rest */
+    ranked *rk = malloc((size_t)n_nodes * sizeof *rk);
+    nl_plan_node *sub = malloc((size_t)n_nodes * sizeof *sub);
+    if (!rk || !sub) {
+        free(rk);
+        free(sub);
+        nl_plan_destroy(out);
+        return nl_error_set(err, NL_ERR_NOMEM, "plan: out of memory");
+    }
+    for (int i = 0; i < n_nodes; i++)
+        rk[i] = (ranked){&nodes[i], i};
+    qsort(rk, (size_t)n_nodes, sizeof *rk, rank_cmp);
+    for (int i = 0; i < n_nodes; i++)
+        sub[i] = *rk[i].n;
+    const int kmax = n_nodes - 1 < NL_PLAN_EXACT_MAX ? n_nodes - 1 : NL_PLAN_EXACT_MAX;
+    for (int k = 0; k <= kmax && st == NL_OK; k++) {
+        nl_plan *depth = NULL, *grown = NULL;
+        double tg = 0.0;
+        nl_error e = {0};
+        const nl_status sd = k == 0 ? nl_plan_layers(&depth, cfg, nodes, n_nodes, opts, &e)
+                                    : nl_plan_layers(&depth, cfg, sub, k, opts, &e);
+        if (sd == NL_OK && depth->n_stages < n_nodes &&
+            (st = grow_bottleneck(&grown, &tg, depth, cfg, opts, nodes, n_nodes, microbatches,
+                                  link_bytes_per_s, err)) == NL_OK &&
+            grown && uneven(grown) && tg < t * (1 - 1e-9)) {
+            nl_plan_destroy(out);
+            *out = grown;
+            grown = NULL;
+            t = tg;
+        }
+        nl_plan_destroy(&depth);
+        nl_plan_destroy(&grown);
+    }
+    free(rk);
+    free(sub);
+    if (st != NL_OK) {
+        nl_plan_destroy(out);
+        return st;
+    }
+    if (step_s)
+        *step_s = t;
     return NL_OK;
 }

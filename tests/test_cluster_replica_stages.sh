@@ -1,0 +1,190 @@
+#!/usr/bin/env bash
+# Stages with different replica counts (DESIGN section 8; neurocoord
+# --replicas R0,R1): 3 nodes as stage 0 on 2 replicas and stage 1 on one
+# (then 1 + 2) train 20 steps, microbatch i on replica i mod R_s of each
+# stage, so a replica of stage 0 sends to the one replica of stage 1 and
+# takes its gradients back from it (and the other way round):
+#  - every step's loss within 1e-6 (relative) of neuroctl train in one
+#    process on the same checkpoint, seed, data and batches, and at the
+#    end the weights within 5e-5, the AdamW moments within 5e-3;
+#  - two runs on the same plan are byte-identical (every loss, every byte
+#    of the exported weights and moments);
+#  - a checkpoint holds one shard per stage (replica 0 writes it);
+#  - on 4 nodes (one a standby) a replica of stage 0 killed at step ~7:
+#    the job resumes by itself from its last checkpoint, the standby in
+#    its place, and the run is byte-identical;
+#  - neuroctl status shows the counts per stage; a generation on the
+#    cluster (replica 0 of each stage) gives one process's tokens;
+#  - a job whose microbatches do not divide among a stage's replicas is
+#    refused, and so is a list that is no list of counts.
+. "$(dirname "$0")/cluster_lib.sh"
+# every node reports the same throughput (neuronode's test hook)
+export NL_TEST_GFLOPS=20
+
+small_config "$W/cfg.yaml" 32 4 48 64
+cp "$CORPUS" "$W/data.txt"
+check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
+RUN=(--data "$W/data.txt" --steps 20 --batch 8 --seq 32 --microbatches 4 --lr 3e-3 --seed 1
+     --eval-every 10 --eval-batches 2)
+
+# ---- the reference: one process ----
+check "$N" train "${DEV[@]}" --model "$W/m.safetensors" "${RUN[@]}" --threads 1 --log "$W/local.jsonl" \
+  --out "$W/local.safetensors" 2> "$W/local.err"
+
+cat > "$W/cmp.py" <<'PY'
+import json, struct, sys
+def log(p):
+    return {r["step"]: r for r in map(json.loads, open(p)) if "step" in r}
+def tensors(p):
+    b = open(p, "rb").read(); n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n])
+    out = {}
+    for k, v in h.items():
+        if k == "__metadata__": continue
+        s, e = v["data_offsets"]; out[k] = b[8 + n + s: 8 + n + e]
+    return out
+def floats(raw):
+    return struct.unpack("<%df" % (len(raw) // 4), raw)
+def rel(a, b):
+    num = sum((x - y) ** 2 for x, y in zip(a, b)); den = sum(y * y for y in b)
+    return (num / den) ** 0.5 if den else num ** 0.5
+what = sys.argv[1]
+if what == "logs":      # logs A B TOL: every step's losses within TOL (0: equal)
+    a, b, tol = log(sys.argv[2]), log(sys.argv[3]), float(sys.argv[4])
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    worst = 0.0
+    for k in b:
+        for key in ("loss", "ce_loss", "eval_loss"):
+            if key in b[k]:
+                assert key in a[k], (k, key)
+                e = abs(a[k][key] - b[k][key]) / abs(b[k][key]); worst = max(worst, e)
+                assert e <= tol, (k, key, a[k][key], b[k][key])
+        assert a[k]["skipped"] == b[k]["skipped"], (k, a[k]["skipped"])
+    print("losses of %d steps: worst relative difference %.2e" % (len(b), worst))
+elif what == "weights":  # weights A B TOL [MTOL]: every weight within TOL (0: every byte), moments MTOL
+    a, b, tol = tensors(sys.argv[2]), tensors(sys.argv[3]), float(sys.argv[4])
+    mtol = float(sys.argv[5]) if len(sys.argv) > 5 else tol
+    assert set(a) == set(b), set(a) ^ set(b)
+    if tol == 0:
+        diff = [k for k in b if a[k] != b[k]]
+        print("%d tensors, %d differ in a byte" % (len(b), len(diff)))
+        assert not diff, diff[:5]
+    else:
+        for moments in (False, True):
+            errs = sorted((rel(floats(a[k]), floats(b[k])), k) for k in b
+                          if k.startswith("optim.") == moments)
+            worst, limit = errs[-1][0], mtol if moments else tol
+            print("%d %s: worst relative error %.2e (%s)" % (len(errs),
+                  "moments" if moments else "weights", worst, errs[-1][1]))
+            assert worst <= limit, (errs[-1], limit)
+PY
+
+# up CLUSTER COUNTS [NODES [MODEL]]: NODES (3) nodes on the plan COUNTS
+# (--replicas R0,R1) serving MODEL (m)
+up() {
+  check "$N" cluster up "${DEV[@]}" --dir "$1" --nodes "${3:-3}" --replicas "$2" \
+    --model "$W/${4:-m}.safetensors" --memory 64M --threads 1 --node-timeout-ms 2000 --timeout 60
+}
+
+# ---- stage 0 on 2 replicas, stage 1 on 1 ----
+C="$W/c21"
+up "$C" 2,1
+check grep -q "plan 1: stage 0 on node [0-9]* (replicas on [0-9]*)" "$C/coord.log"
+check grep -q "the previous stage has 2 replicas, the next 2" "$C"/node-*.log
+# inference runs on replica 0 of each stage: the ids of one process
+check "$N" generate --cluster "$C" --prompt-tokens 72,101 --max-new 6 --temperature 0 > "$W/gen.c" 2>/dev/null
+check "$N" generate "${DEV[@]}" --model "$W/m.safetensors" --prompt-tokens 72,101 --max-new 6 \
+  --temperature 0 --threads 1 > "$W/gen.l" 2>/dev/null
+check cmp -s "$W/gen.c" "$W/gen.l"
+"$N" status --cluster "$C" > "$W/status.txt"
+grep "^replicas" "$W/status.txt"
+check grep -q "^replicas: 2,1 per stage .*a count per stage" "$W/status.txt"
+check test "$(grep -c ' r[01]/2 ' "$W/status.txt")" -eq 2
+check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-every 10 --checkpoint-dir "$W/ck1" \
+  --log "$W/r1.jsonl" --out "$W/r1.safetensors" 2> "$W/r1.err"
+tail -2 "$W/r1.err"
+check $PY "$W/cmp.py" logs "$W/r1.jsonl" "$W/local.jsonl" 1e-6
+check $PY "$W/cmp.py" weights "$W/r1.safetensors" "$W/local.safetensors" 5e-5 5e-3
+check test "$(ls "$W"/ck1/step-000010/stage-*.safetensors | wc -l)" -eq 2
+# microbatches that do not divide between stage 0's replicas: refused
+out=$("$N" train --cluster "$C" --data "$W/data.txt" --steps 2 --batch 6 --seq 32 --microbatches 3 \
+  --checkpoint-dir "$W/ck3" 2>&1); rc=$?
+echo "$out" | tail -1
+check test $rc -ne 0
+check grep -q "2 replicas of stage 0: .*multiple" <<< "$out"
+check "$N" cluster down --dir "$C"
+
+# ---- the same plan again: byte-identical ----
+C="$W/c21b"
+up "$C" 2,1
+check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck2" --log "$W/r2.jsonl" \
+  --out "$W/r2.safetensors" 2> "$W/r2.err"
+check $PY "$W/cmp.py" logs "$W/r2.jsonl" "$W/r1.jsonl" 0
+check $PY "$W/cmp.py" weights "$W/r2.safetensors" "$W/r1.safetensors" 0
+check "$N" cluster down --dir "$C"
+
+# ---- a replica of stage 0 killed at step ~7: the run goes on, unchanged ----
+# The survivors re-plan 2,1 (the standby in the dead node's place) and
+# reload the step-5 checkpoint. A model of 2 layers has one split into 2
+# stages, so the new plan is the old one whatever speeds the coordinator
+# observed meanwhile (a layer moved between stages of 2 replicas and 1
+# would add its gradients in another order)
+small_config "$W/cfg2.yaml" 32 2 48 64
+check "$N" init --config "$W/cfg2.yaml" --out "$W/m2.safetensors" --seed 7
+C="$W/c21r"
+up "$C" 2,1 4 m2
+check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck6" --log "$W/ref2.jsonl" \
+  --out "$W/ref2.safetensors" 2> "$W/ref2.err"
+check "$N" cluster down --dir "$C"
+C="$W/c21k"
+up "$C" 2,1 4 m2
+victim=$($PY - "$C" <<'PY'
+import glob, re, sys
+c = sys.argv[1]; log = open(c + "/coord.log").read()
+node = re.findall(r"plan \d+: stage 0 on node \d+ \(replicas on (\d+)\)", log)[-1]
+key = re.search(r"node %s joined: .* key (\S{8})\.\.\." % node, log).group(1)
+for pub in glob.glob(c + "/node-*.pub"):
+    if open(pub).read().startswith(key):
+        print(pub[:-4]); break
+PY
+)
+check test -n "$victim"
+"$N" train --cluster "$C" "${RUN[@]}" --checkpoint-every 5 --checkpoint-dir "$W/ck5" \
+  --log "$W/killed.jsonl" --out "$W/killed.safetensors" 2> "$W/killed.err" &
+job=$!
+for i in $(seq 1 2400); do
+  grep -q '"step":7,' "$W/killed.jsonl" 2>/dev/null && break
+  sleep 0.05
+done
+echo "killing $victim (replica 1 of stage 0)"
+kill -9 "$(cat "$victim.pid")"
+wait $job
+rc=$?
+check test $rc -eq 0
+[ $rc -eq 0 ] || grep -E "WARN|ERROR" "$C/coord.log" | tail -12
+check grep -q '"event":"node_lost"' "$W/killed.jsonl"
+check grep -q "train job 1: resumed at step" "$C/coord.log"
+check $PY "$W/cmp.py" logs "$W/killed.jsonl" "$W/ref2.jsonl" 0
+check $PY "$W/cmp.py" weights "$W/killed.safetensors" "$W/ref2.safetensors" 0
+check "$N" cluster down --dir "$C"
+
+# ---- stage 0 on 1, stage 1 on 2 ----
+C="$W/c12"
+up "$C" 1,2
+check "$N" generate --cluster "$C" --prompt-tokens 72,101 --max-new 6 --temperature 0 > "$W/gen.c12" 2>/dev/null
+check cmp -s "$W/gen.c12" "$W/gen.l"
+check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck4" --log "$W/r3.jsonl" \
+  --out "$W/r3.safetensors" 2> "$W/r3.err"
+tail -1 "$W/r3.err"
+check $PY "$W/cmp.py" logs "$W/r3.jsonl" "$W/local.jsonl" 1e-6
+check $PY "$W/cmp.py" weights "$W/r3.safetensors" "$W/local.safetensors" 5e-5 5e-3
+check "$N" cluster down --dir "$C"
+
+# ---- counts that are no counts: refused by neurocoord ----
+for bad in 2,0 2,,1 "2, 1" 2,17 1,x 2, ,2 -1,2; do
+  out=$("$COORD" --replicas "$bad" --listen tcp://127.0.0.1:0 --state-dir "$W/sd" 2>&1); rc=$?
+  check test $rc -eq 2
+  check grep -q "is not auto, a whole number" <<< "$out"
+done
+
+echo "test_cluster_replica_stages: $pass passed, $fail failed"
+[ "$fail" -eq 0 ]
