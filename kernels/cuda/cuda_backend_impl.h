@@ -44,6 +44,12 @@ struct alloc_table {
 #define NL_CUDA_LT_CACHE 64
 #define NL_CUDA_MAX_GROUPS 65535
 
+/* gemm below this many rows (trans_b, alpha 1, beta 0 or 1) runs the
+ * gemm_rows kernel (cuda_rows.cu) instead of cuBLAS: NL_BACKEND_FUSED_ROWS,
+ * so a decode step's every product is row invariant, as the CPU's are
+ * below its NL_CPU_DOT_ROWS (also 16) */
+#define NL_CUDA_ROWS_GEMM NL_BACKEND_FUSED_ROWS
+
 /* One cached cuBLASLt GEMM: its shape, strides and operand alignments,
  * the descriptors and the heuristic's algorithm for them. */
 struct lt_entry {
@@ -92,6 +98,10 @@ struct cuda_ctx {
     int off_groups;
     int32_t off_host[NL_BACKEND_MAX_EXPERTS + 1];
     int experts_kernel; /* NL_CUDA_EXPERTS=kernel: never per expert (below) */
+    /* NL_CUDA_ROWS=cublas: gemm takes cuBLAS(Lt) at every M, not the
+     * gemm_rows kernel below NL_CUDA_ROWS_GEMM rows (a decode's bits then
+     * differ from a stage batch's; for comparing the two in bench_cuda) */
+    int rows_off;
     /* graph_begin .. graph_end: the stream is being captured; a slot that
      * would wait for it or allocate (refused_in_capture) is dropped and
      * named here, and graph_end then fails without touching the sticky
