@@ -26,10 +26,9 @@ void gemm_bf16(cuda_ctx *c, int ta, int tb, int M, int N, int K, float alpha, co
  * range is read from its bf16 copy (half the bytes; made again first when
  * stale), any other operand rounded as it is read; the bits are the same
  * either way. */
-void cu_gemm_rows(nl_backend *be, int trans_b, int M, int N, int K, const float *A, int lda,
+void rows_product(cuda_ctx *c, int trans_b, int M, int N, int K, const float *A, int lda,
                   const float *B, int ldb, int accumulate, float *C, int ldc)
 {
-    cuda_ctx *c = enter_slot(be, __func__);
     if (c->bf16 && trans_b && M > 0 && N > 0 && K > 0) {
         int rc = 0;
         const uint16_t *w = nl_cuda_bf16_weight_operand(&c->w, c->stream, B, N, K, ldb, &rc);
@@ -48,6 +47,12 @@ void cu_gemm_rows(nl_backend *be, int trans_b, int M, int N, int K, const float 
         ldc);
 }
 
+void cu_gemm_rows(nl_backend *be, int trans_b, int M, int N, int K, const float *A, int lda,
+                  const float *B, int ldb, int accumulate, float *C, int ldc)
+{
+    rows_product(enter_slot(be, __func__), trans_b, M, N, K, A, lda, B, ldb, accumulate, C, ldc);
+}
+
 /* Row-major C = alpha op(A) op(B) + beta C. cuBLAS is column-major, and a
  * row-major matrix with row stride ld is its transpose in column-major
  * with leading dimension ld, so compute C^T = op(B)^T op(A)^T: cuBLAS's
@@ -64,7 +69,7 @@ void cu_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int K, floa
      * through gemm_rows) */
     if (M < NL_CUDA_ROWS_GEMM && !trans_a && trans_b && K > 0 && alpha == 1.0f &&
         (beta == 0.0f || beta == 1.0f) && !c->rows_off) {
-        cu_gemm_rows(be, 1, M, N, K, A, lda, B, ldb, beta != 0.0f, C, ldc);
+        rows_product(c, 1, M, N, K, A, lda, B, ldb, beta != 0.0f, C, ldc);
         return;
     }
     if (K <= 0) {

@@ -20,9 +20,10 @@ namespace
 
 #include "kernels/cuda/cuda_reduce.cuh"
 
-constexpr int WARPS = 8;        /* trans_b: a warp per output column, 8 columns a block */
-constexpr int ROWS = 8;         /* rows of A a warp's pass over its weight row serves */
-constexpr int SPAN = 8 * ROWS;  /* rows of A a block walks (grid y: M / SPAN blocks) */
+constexpr int WARPS = 8;       /* trans_b: a warp per output column, 8 columns a block */
+constexpr int ROWS = 8;        /* rows of A a warp's pass over its weight row serves */
+constexpr int SPAN = 8 * ROWS; /* rows of A a block walks (grid y: M / SPAN blocks) */
+constexpr int TB_THREADS = WARPS * WARP;
 constexpr int COL_THREADS = 128; /* without trans_b: a thread per output column */
 constexpr unsigned MAX_GRID_Y = 65535;
 
@@ -34,7 +35,7 @@ unsigned blocks(long n, long per)
 /* C[i, n] for the rows i of this block's span, warp per column n; R rows
  * per pass (1 for a single row, the decode's usual case, else ROWS) */
 template <typename W, bool BF16, int R>
-__global__ void __launch_bounds__(WARPS * WARP)
+__global__ void __launch_bounds__(TB_THREADS)
     rows_tb_kernel(int M, int N, int K, const float *A, int lda, const W *B, int ldb,
                    int accumulate, float *C, int ldc)
 {
@@ -97,11 +98,11 @@ void launch_tb(cudaStream_t s, int M, int N, int K, const float *A, int lda, con
     const unsigned gy = blocks(M, SPAN);
     const dim3 grid(blocks(N, WARPS), gy < MAX_GRID_Y ? gy : MAX_GRID_Y);
     if (M == 1)
-        rows_tb_kernel<W, BF16, 1><<<grid, WARPS * WARP, 0, s>>>(M, N, K, A, lda, B, ldb, acc, C,
-                                                                  ldc);
+        rows_tb_kernel<W, BF16, 1>
+            <<<grid, TB_THREADS, 0, s>>>(M, N, K, A, lda, B, ldb, acc, C, ldc);
     else
-        rows_tb_kernel<W, BF16, ROWS><<<grid, WARPS * WARP, 0, s>>>(M, N, K, A, lda, B, ldb, acc,
-                                                                     C, ldc);
+        rows_tb_kernel<W, BF16, ROWS>
+            <<<grid, TB_THREADS, 0, s>>>(M, N, K, A, lda, B, ldb, acc, C, ldc);
 }
 
 bool bad_shape(int M, int N, int K, int lda, int ldb, int ldc, int trans_b)
@@ -135,17 +136,16 @@ extern "C" int nl_cuda_gemm_rows(void *stream, int trans_b, int M, int N, int K,
     const unsigned gy = blocks(M, ROWS);
     const dim3 grid(blocks(N, COL_THREADS), gy < MAX_GRID_Y ? gy : MAX_GRID_Y);
     if (bf16)
-        rows_n_kernel<true><<<grid, COL_THREADS, 0, s>>>(M, N, K, A, lda, B, ldb, accumulate, C,
-                                                          ldc);
+        rows_n_kernel<true>
+            <<<grid, COL_THREADS, 0, s>>>(M, N, K, A, lda, B, ldb, accumulate, C, ldc);
     else
-        rows_n_kernel<false><<<grid, COL_THREADS, 0, s>>>(M, N, K, A, lda, B, ldb, accumulate, C,
-                                                           ldc);
+        rows_n_kernel<false>
+            <<<grid, COL_THREADS, 0, s>>>(M, N, K, A, lda, B, ldb, accumulate, C, ldc);
     return launched();
 }
 
 extern "C" int nl_cuda_gemm_rows_bf16(void *stream, int M, int N, int K, const float *A, int lda,
-                                      const uint16_t *B, int ldb, int accumulate, float *C,
-                                      int ldc)
+                                      const uint16_t *B, int ldb, int accumulate, float *C, int ldc)
 {
     if (bad_shape(M, N, K, lda, ldb, ldc, 1))
         return (int)cudaErrorInvalidValue;
