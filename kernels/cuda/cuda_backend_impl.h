@@ -44,12 +44,6 @@ struct alloc_table {
 #define NL_CUDA_LT_CACHE 64
 #define NL_CUDA_MAX_GROUPS 65535
 
-/* gemm below this many rows (trans_b, alpha 1, beta 0 or 1) runs the
- * gemm_rows kernel (cuda_rows.cu) instead of cuBLAS: NL_BACKEND_FUSED_ROWS,
- * so a decode step's every product is row invariant, as the CPU's are
- * below its NL_CPU_DOT_ROWS (also 16) */
-#define NL_CUDA_ROWS_GEMM NL_BACKEND_FUSED_ROWS
-
 /* One cached cuBLASLt GEMM: its shape, strides and operand alignments,
  * the descriptors and the heuristic's algorithm for them. */
 struct lt_entry {

@@ -11,6 +11,9 @@
 
 #include <string.h>
 
+static_assert(NL_CUDA_ROWS_GEMM == NL_BACKEND_FUSED_ROWS,
+              "a decode's rows: gemm's rows kernel where the fused slots serve");
+
 namespace nl_cu
 {
 
@@ -67,8 +70,7 @@ void cu_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int K, floa
      * cuBLAS at one to a few rows and row invariant, so `neuroctl
      * generate` gets the bits of a stage's batch (whose products all run
      * through gemm_rows) */
-    if (M < NL_CUDA_ROWS_GEMM && !trans_a && trans_b && K > 0 && alpha == 1.0f &&
-        (beta == 0.0f || beta == 1.0f) && !c->rows_off) {
+    if (nl_cuda_gemm_takes_rows(trans_a, trans_b, M, K, alpha, beta) && !c->rows_off) {
         rows_product(c, 1, M, N, K, A, lda, B, ldb, beta != 0.0f, C, ldc);
         return;
     }
