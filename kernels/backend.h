@@ -169,7 +169,7 @@ struct nl_backend {
      * the CPU: with trans_b its own dot-product kernel (kernels/cpu/
      * cpu_dot.c), which gemm also runs below 16 rows, so the two agree bit
      * for bit there (a decode's rows); without, oneDNN's matmul primitive
-     * (sgemm is not M-invariant below M = 16); NULL with bf16. On CUDA
+     * (sgemm is not M-invariant below M = 16); NULL there with bf16. On CUDA
      * (kernels/cuda/cuda_rows.cu) a GEMV-style kernel with a fixed order,
      * which gemm also runs below 16 rows with trans_b, alpha 1 and beta 0
      * or 1; in bf16 mode with bf16 products (the weights read from their
