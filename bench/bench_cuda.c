@@ -21,7 +21,12 @@
  *     time is the kernels and their launches. Again with and without graphs
  *     with NL_FUSED=0 (the separate slots in place of the fused decode
  *     ones, issue 29), and the op slot calls (launches) of one token each
- *     way, counted by a wrapper of the backend's table.
+ *     way, counted by a wrapper of the backend's table;
+ *   - batched decode (core/model/batch.c, a stage's path): 1, 4 and 16
+ *     sessions decoded together, aggregate tokens/s, and whether session
+ *     0's greedy ids are the same in every batch (row invariance); and
+ *     batch-1 decode with gemm's decode rows on cuBLAS (NL_CUDA_ROWS=cublas)
+ *     beside the gemm_rows kernel the default runs there.
  * Spec FP32 peak = SMs x clock (cudaDevAttrClockRate) x FP32 lanes per SM
  * (by compute capability: sm_75/sm_80 64, sm_86/89/90 and later 128) x 2;
  * spec bandwidth = memory clock x bus width x 2 (double data rate).
@@ -39,6 +44,7 @@
 #include <time.h>
 
 #include "base/args.h"
+#include "core/model/batch.h"
 #include "core/model/config.h"
 #include "core/model/forward.h"
 #include "core/model/sampler.h"
@@ -585,7 +591,11 @@ out:
 
 /* The decode split as the JSON object "decode" (after a comma). Returns
  * 0, or -1 with err set (nothing printed). */
-static int decode_report(nl_backend *be, const nl_config *cf, long long tokens, nl_error *err)
+static int batch_report(nl_backend *be, const char *device, const nl_config *cf, int tokens,
+                        const decode_fig *fwd, nl_error *err);
+
+static int decode_report(nl_backend *be, const char *device, const nl_config *cf, long long tokens,
+                         nl_error *err)
 {
     decode_fig f[DECODE_MODES] = {{0}};
     long launches[2] = {0};
@@ -607,7 +617,135 @@ static int decode_report(nl_backend *be, const nl_config *cf, long long tokens, 
            f[0].ids_hash == f[2].ids_hash ? "true" : "false",
            f[0].ids_hash == f[5].ids_hash ? "true" : "false", copy * 1e3,
            (f[0].s_per_tok - copy) * 1e3);
-    return 0;
+    return batch_report(be, device, cf, (int)tokens, &f[0], err);
+}
+
+/* ---------------------------------------------------------------- batched decode */
+
+/* Batched decode (core/model/batch.c: a stage's step and `neuroctl serve`'s,
+ * with every product row invariant: gemm_rows, gemm_grouped_rows and the
+ * fused decode slots): S sessions, session i with decode_run's prompt
+ * shifted by i, each prefilled alone, then `tokens` steps of all S at
+ * once, greedy, each row sampled where it lies. Gives the time per step,
+ * host synchronisations per step and a hash of session 0's ids, which
+ * batch invariance makes the same for every S. Returns 0, or -1 with err
+ * set. */
+#define BATCH_MAX_SESSIONS 16
+typedef struct batch_fig {
+    double s_per_step, syncs;
+    uint64_t ids0;
+} batch_fig;
+
+static int batch_run(nl_backend *be, nl_model *m, int S, int tokens, float *host, batch_fig *f,
+                     nl_error *err)
+{
+    const int P = 64, V = (int)m->cfg.vocab_size;
+    nl_batch *b = NULL;
+    nl_kvcache *kv[BATCH_MAX_SESSIONS] = {0};
+    nl_sampler smp[BATCH_MAX_SESSIONS];
+    nl_batch_seg segs[BATCH_MAX_SESSIONS];
+    int32_t prompt[64], next[BATCH_MAX_SESSIONS];
+    int rc = -1, made = 0;
+    if (nl_batch_new(&b, m, P > S ? P : S, err) != NL_OK)
+        goto out;
+    for (int i = 0; i < S; i++, made++) {
+        if (nl_sampler_init(&smp[i], V, 0.0f, 1.0f, 1, err) != NL_OK)
+            goto out;
+        if (nl_kvcache_new(&kv[i], m, 1, P + tokens + 1, NL_KV_FP32, err) != NL_OK)
+            goto out;
+        for (int t = 0; t < P; t++)
+            prompt[t] = (int32_t)(((t + i) * 7919) % V);
+        segs[i] = (nl_batch_seg){kv[i], prompt, P, 1};
+        if (nl_batch_forward(b, &segs[i], 1, err) != NL_OK ||
+            nl_sampler_next(&smp[i], be, nl_batch_logits_device(b, 0), host, &next[i], err) !=
+                NL_OK)
+            goto out;
+    }
+    uint64_t h = 1469598103934665603ull;
+    const uint64_t s0 = be->stats.host_syncs;
+    const double t0 = now_s();
+    for (int t = 0; t < tokens; t++) {
+        h = (h ^ (uint64_t)(uint32_t)next[0]) * 1099511628211ull;
+        for (int i = 0; i < S; i++)
+            segs[i] = (nl_batch_seg){kv[i], &next[i], 1, 1};
+        if (nl_batch_forward(b, segs, S, err) != NL_OK)
+            goto out;
+        for (int i = 0; i < S; i++)
+            if (nl_sampler_next(&smp[i], be, nl_batch_logits_device(b, i), host, &next[i], err) !=
+                NL_OK)
+                goto out;
+    }
+    f->s_per_step = (now_s() - t0) / tokens;
+    f->syncs = (double)(be->stats.host_syncs - s0) / tokens;
+    f->ids0 = h;
+    rc = be->sync(be, err) == NL_OK ? 0 : -1;
+out:
+    for (int i = 0; i < S; i++) {
+        if (i < made)
+            nl_sampler_free(&smp[i]);
+        nl_kvcache_destroy(&kv[i]);
+    }
+    nl_batch_destroy(&b);
+    return rc;
+}
+
+/* "batch_decode" (after a comma): 1, 4 and 16 sessions through the batch,
+ * and batch-1 decode (decode_run, routing on the device) on a backend made
+ * with NL_CUDA_ROWS=cublas, whose gemm keeps cuBLAS at a decode's rows,
+ * beside the default's (fwd: the default's figure, ids as decode_run
+ * hashes them). Returns 0, or -1 with err set (nothing printed). */
+static int batch_report(nl_backend *be, const char *device, const nl_config *cf, int tokens,
+                        const decode_fig *fwd, nl_error *err)
+{
+    static const int sessions[] = {1, 4, BATCH_MAX_SESSIONS};
+    enum { NS = sizeof sessions / sizeof sessions[0] };
+    batch_fig bf[NS];
+    decode_fig cb = {0};
+    nl_model *m = NULL, *mc = NULL;
+    nl_backend *bc = NULL;
+    int rc = -1;
+    float *host = malloc((size_t)cf->vocab_size * sizeof(float));
+    if (!host || nl_model_new(&m, be, cf, 0, cf->num_layers, 1, 1, err) != NL_OK ||
+        nl_model_init_random(m, 1, err) != NL_OK) {
+        if (err->status == NL_OK)
+            nl_error_set(err, NL_ERR_NOMEM, "batch decode: out of memory");
+        goto out;
+    }
+    for (int k = 0; k < NS; k++)
+        if (batch_run(be, m, sessions[k], tokens, host, &bf[k], err) != 0)
+            goto out;
+    nl_model_destroy(&m); /* room for the cuBLAS backend's model */
+    char keep[16] = "";
+    int had = 0;
+    env_swap("NL_CUDA_ROWS", "cublas", keep, sizeof keep, &had);
+    const nl_status st = nl_backend_new(&bc, device, &(nl_backend_opts){.tf32 = 0}, err);
+    env_swap("NL_CUDA_ROWS", NULL, keep, sizeof keep, &had);
+    static const decode_mode dev_routing = {0, 1, 1, NL_KV_FP32};
+    if (st != NL_OK || nl_model_new(&mc, bc, cf, 0, cf->num_layers, 1, 1, err) != NL_OK ||
+        nl_model_init_random(mc, 1, err) != NL_OK ||
+        decode_run(bc, mc, tokens, &dev_routing, host, &cb, err) != 0)
+        goto out;
+    printf(",\n  \"batch_decode\":{\"tokens\":%d,\"prompt\":64,\"runs\":[", tokens);
+    for (int k = 0; k < NS; k++)
+        printf("%s{\"sessions\":%d,\"ms_per_step\":%.3f,\"tokens_s\":%.1f,\"x_one\":%.2f,"
+               "\"host_syncs_per_step\":%.2f}",
+               k ? "," : "", sessions[k], bf[k].s_per_step * 1e3, sessions[k] / bf[k].s_per_step,
+               bf[0].s_per_step * sessions[k] / bf[k].s_per_step, bf[k].syncs);
+    int same = 1;
+    for (int k = 1; k < NS; k++)
+        same &= bf[k].ids0 == bf[0].ids0;
+    printf("],\"same_ids_every_batch\":%s,\"same_ids_as_forward\":%s,"
+           "\"rows_kernel_tokens_s\":%.1f,\"cublas_tokens_s\":%.1f,\"cublas_same_ids\":%s}",
+           same ? "true" : "false", bf[0].ids0 == fwd->ids_hash ? "true" : "false",
+           1.0 / fwd->s_per_tok, 1.0 / cb.s_per_tok,
+           cb.ids_hash == fwd->ids_hash ? "true" : "false");
+    rc = 0;
+out:
+    nl_model_destroy(&mc);
+    nl_backend_destroy(&bc);
+    nl_model_destroy(&m);
+    free(host);
+    return rc;
 }
 
 int main(int argc, char **argv)
@@ -709,7 +847,7 @@ int main(int argc, char **argv)
     if (dtok > 0) {
         arena_free(be, &ar); /* room for the model */
         memset(&ar, 0, sizeof ar);
-        if (decode_report(be, &cf, dtok, &err) != 0) {
+        if (decode_report(be, device, &cf, dtok, &err) != 0) {
             printf("\n}\n");
             fprintf(stderr, "bench_cuda: decode: %s (%s)\n", err.msg, nl_status_str(err.status));
             goto out;

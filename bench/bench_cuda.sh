@@ -20,7 +20,10 @@
 #      fused decode slots against the separate ones, NL_FUSED=0
 #      (decode_fused: tokens/s with and without graphs, launches per token);
 #      and decode with the KV cache in bf16 beside FP32 (decode_kv_bf16:
-#      tokens/s, the ratio, whether the greedy ids agree);
+#      tokens/s, the ratio, whether the greedy ids agree); and batched
+#      decode of 1, 4 and 16 sessions (decode_batch: aggregate tokens/s,
+#      the same ids for session 0 in every batch), with batch-1 decode on
+#      the gemm_rows kernel against cuBLAS (NL_CUDA_ROWS=cublas);
 #   3. neuroctl bench --device cuda:0 on configs/bench-large.yaml and on
 #      configs/bench-xl.yaml (about 4.2 GB of weights), and bench-large on
 #      --device cpu, for the speed-up; the device's training figures
@@ -290,6 +293,28 @@ print("decode tok/s bf16 KV cache %.1f vs FP32 %.1f (x%.2f); same ids %s"
       % (h["tokens_s"], f["tokens_s"], h["tokens_s"] / f["tokens_s"], d["bf16_kv_same_ids"]))
 PY
 result decode_kv_bf16 $? "$(tail -1 "$OUT/decode_kv_bf16.txt")"
+# batched decode (a stage's path, core/model/batch.c: every product row
+# invariant, the fused decode slots below 16 rows): 1, 4 and 16 sessions
+# together, aggregate tokens/s and the speed-up over one; session 0's greedy
+# ids must be the same in every batch (judged); batch-1 decode with gemm's
+# decode rows on the gemm_rows kernel (the default) against cuBLAS
+# (NL_CUDA_ROWS=cublas), and whether the batch's ids equal nl_forward's
+# (reported: the 64-token prompt goes through cuBLAS there)
+$PY - "$OUT/bench_cuda.json" >"$OUT/decode_batch.txt" 2>&1 <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1])).get("batch_decode")
+if not d:
+    sys.exit("no batched decode figures in bench_cuda's output")
+runs = " ".join("%d: %.1f tok/s (x%.2f, %.2f syncs/step)" % (r["sessions"], r["tokens_s"], r["x_one"],
+                r["host_syncs_per_step"]) for r in d["runs"])
+print("batched decode, sessions %s; same ids in every batch %s; as nl_forward's %s; batch-1 decode"
+      " gemm_rows kernel %.1f vs cuBLAS %.1f tok/s (x%.2f, same ids %s)"
+      % (runs, d["same_ids_every_batch"], d["same_ids_as_forward"], d["rows_kernel_tokens_s"],
+         d["cublas_tokens_s"], d["rows_kernel_tokens_s"] / d["cublas_tokens_s"], d["cublas_same_ids"]))
+if not d["same_ids_every_batch"]:
+    sys.exit("a session's greedy ids depend on the batch around it")
+PY
+result decode_batch $? "$(tail -1 "$OUT/decode_batch.txt")"
 
 fi # part 2
 

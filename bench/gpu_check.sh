@@ -7,7 +7,9 @@
 #   a. test_ops, test_ops_train on DEVICE (every slot against naive loops);
 #      test_graphs on DEVICE (decode steps replayed from CUDA graphs give
 #      the ids and logits of every op launched; captured again after a
-#      growth and a reload);
+#      growth and a reload); test_batch on DEVICE (a session's ids and
+#      logits bits the same alone and among 15 others: gemm_rows, the fused
+#      decode slots);
 #   b. neuroctl selftest --device DEVICE: FP32, --tf32, --precision bf16
 #      (bf16 on CUDA is being added in parallel: recorded, may fail today);
 #      the figures are the failed checks' err against tol;
@@ -124,6 +126,14 @@ if want a; then
     if [ -x "$BUILD/tests/test_graphs" ]; then
         run test_graphs 60 10 env NL_TEST_DEVICE="$DEVICE" "$BUILD/tests/test_graphs" && true
         [ "$RC" -ne 125 ] && verdict test_graphs "$(tail -1 "$OUT/test_graphs.log")"
+    fi
+    # the batched decoder on the device: gemm_rows row invariant for every
+    # M, the plain gemm's decode rows its bits, 16 sessions together giving
+    # each the ids and logits bits of decoding it alone (fused slots below
+    # 16 rows, gemm_grouped_rows above), and nl_forward's bits
+    if [ -x "$BUILD/tests/test_batch" ]; then
+        run test_batch 60 10 env NL_TEST_DEVICE="$DEVICE" "$BUILD/tests/test_batch" && true
+        [ "$RC" -ne 125 ] && verdict test_batch "$(tail -1 "$OUT/test_batch.log")"
     fi
 fi
 

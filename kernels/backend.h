@@ -97,7 +97,7 @@ typedef struct nl_rope_scaling {
 /* Bumped whenever struct nl_backend, nl_backend_opts, nl_attn_shape,
  * nl_attn_mask, nl_rope_scaling or nl_error changes: a backend module
  * built against another version is refused when it is loaded. */
-#define NL_BACKEND_ABI 10
+#define NL_BACKEND_ABI 11
 
 /* the largest vocabulary the sample slot takes (a GPU keeps one block's
  * chunk sums, NL_SAMPLE_CHUNK ids each, in shared memory) */
@@ -169,7 +169,12 @@ struct nl_backend {
      * the CPU: with trans_b its own dot-product kernel (kernels/cpu/
      * cpu_dot.c), which gemm also runs below 16 rows, so the two agree bit
      * for bit there (a decode's rows); without, oneDNN's matmul primitive
-     * (sgemm is not M-invariant below M = 16); NULL with bf16 and on CUDA. */
+     * (sgemm is not M-invariant below M = 16); NULL there with bf16. On CUDA
+     * (kernels/cuda/cuda_rows.cu) a GEMV-style kernel with a fixed order,
+     * which gemm also runs below 16 rows with trans_b, alpha 1 and beta 0
+     * or 1; in bf16 mode with bf16 products (the weights read from their
+     * bf16 copy where one holds them), as gemm's. A backend with gemm_rows
+     * has gemm_grouped_rows too unless its gemm_grouped calls be->gemm. */
     void (*gemm_rows)(nl_backend *be, int trans_b, int M, int N, int K, const float *A, int lda,
                       const float *B, int ldb, int accumulate, float *C, int ldc);
     /* bf16 compute (be->bf16): gemm rounds A and B to bf16 and accumulates
@@ -303,6 +308,15 @@ struct nl_backend {
     void (*gemm_grouped_wgrad)(nl_backend *be, int M, int N, const float *A, int lda,
                                const float *B, int ldb, float *C, int ldc, size_t c_stride,
                                const int32_t *offsets, int groups);
+    /* Optional (NULL where gemm_grouped computes through be->gemm, as the
+     * CPU's does, or where there is no gemm_rows): gemm_grouped with
+     * trans_b whose every row is computed as gemm_rows computes it (trans_b,
+     * overwriting), bit for bit, for any max_rows and group sizes: what
+     * core/model/batch.c runs a batch's expert products through, so that
+     * they give the fused decode slots' bits. Arguments as gemm_grouped's. */
+    void (*gemm_grouped_rows)(nl_backend *be, int N, int K, const float *A, int lda, const float *B,
+                              int ldb, size_t b_stride, float *C, int ldc, const int32_t *offsets,
+                              int groups, int max_rows);
 
     /* Optional (NULL: the caller makes the separate calls): the experts'
      * feed-forward of a dispatch, group by group, with each group's
@@ -331,10 +345,11 @@ struct nl_backend {
      * GEMMs, SwiGLU and moe_combine. Meant for a few rows (core/model/layer.c
      * takes them below NL_BACKEND_FUSED_ROWS): no dispatch, each (token,
      * choice) reads its expert's weights directly. Each row's result
-     * depends on that row alone, for any N. With FP32 GEMMs and a
-     * gemm_rows slot (the CPU) they give the separate calls' bits, with the
-     * products through gemm_rows; elsewhere they agree within the op
-     * tests' tolerance (each product is one fixed-order dot).
+     * depends on that row alone, for any N. Where the backend has
+     * gemm_rows (the CPU and CUDA with FP32 GEMMs) they give the separate
+     * calls' bits with the products through gemm_rows and
+     * gemm_grouped_rows, the way core/model/batch.c makes them (CUDA
+     * leaves them NULL in bf16 mode).
      * moe_norm_route: xn = rmsnorm(x, norm_w, eps) (N, d), probs =
      *   softmax(xn router^T) (N, E), and choice, w (N k) as moe_route
      *   writes them (no dispatch tables, no aux loss). E <=

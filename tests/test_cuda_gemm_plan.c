@@ -13,7 +13,10 @@
  *    operands fit the scratch, the pieces tile M x N x K exactly once, and
  *    a GEMM run piece by piece (beta on the first piece of K only) equals
  *    the uncut one. Operands are small integers, so every sum is exact and
- *    the comparisons are for equality. */
+ *    the comparisons are for equality.
+ *  - nl_cuda_gemm_takes_rows: the plain gemm's decode rows (y = x W^T,
+ *    alpha 1, beta 0 or 1, below 16 rows) go to the rows kernel, nothing
+ *    else does. */
 #include "tests/check.h"
 
 #include "kernels/cuda/cuda_gemm_plan.h"
@@ -198,9 +201,26 @@ static void test_chunks(void)
           kc);
 }
 
+/* which GEMMs the plain gemm hands to the rows kernel: a decode's y = x W^T */
+static void test_takes_rows(void)
+{
+    for (int M = 1; M < NL_CUDA_ROWS_GEMM; M++) {
+        CHECK(nl_cuda_gemm_takes_rows(0, 1, M, 64, 1.0f, 0.0f), "M %d overwriting", M);
+        CHECK(nl_cuda_gemm_takes_rows(0, 1, M, 64, 1.0f, 1.0f), "M %d accumulating", M);
+    }
+    CHECK(!nl_cuda_gemm_takes_rows(0, 1, NL_CUDA_ROWS_GEMM, 64, 1.0f, 0.0f), "16 rows: cuBLAS");
+    CHECK(!nl_cuda_gemm_takes_rows(0, 1, 0, 64, 1.0f, 0.0f), "no rows");
+    CHECK(!nl_cuda_gemm_takes_rows(1, 1, 1, 64, 1.0f, 0.0f), "A transposed: cuBLAS");
+    CHECK(!nl_cuda_gemm_takes_rows(0, 0, 1, 64, 1.0f, 0.0f), "B as stored (K, N): cuBLAS");
+    CHECK(!nl_cuda_gemm_takes_rows(0, 1, 1, 0, 1.0f, 0.0f), "K 0: only C scaled");
+    CHECK(!nl_cuda_gemm_takes_rows(0, 1, 1, 64, 0.5f, 0.0f), "alpha 0.5 (an adapter): cuBLAS");
+    CHECK(!nl_cuda_gemm_takes_rows(0, 1, 1, 64, 1.0f, 0.5f), "beta 0.5: cuBLAS");
+}
+
 int main(void)
 {
     test_plan();
     test_chunks();
+    test_takes_rows();
     return check_done("test_cuda_gemm_plan");
 }

@@ -1,8 +1,11 @@
 /* Batched decoding of independent sequences (see batch.h): shared GEMMs
  * over every row of the batch, attention per sequence with its own cache,
- * and every GEMM row-invariant (the backend's gemm_rows, or small GEMMs
- * padded to NL_BATCH_MIN_ROWS rows) so that a row's result never depends
- * on the batch around it. */
+ * and every GEMM row-invariant (the backend's gemm_rows and
+ * gemm_grouped_rows, with the fused decode slots, which compute a row the
+ * same way, below NL_BACKEND_FUSED_ROWS rows; or, where the backend has
+ * no gemm_rows, small GEMMs padded to NL_BATCH_MIN_ROWS rows and the
+ * separate slots) so that a row's result never depends on the batch
+ * around it. */
 #include "core/model/batch.h"
 
 #include "core/model/layer.h"
@@ -48,6 +51,23 @@ static void pad_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int
         in->copy_rows(in, p->c_pad, N, C, ldc, M, N);
     in->gemm(in, 0, trans_b, R, N, K, alpha, p->a_pad, K, B, ldb, beta, p->c_pad, N);
     in->copy_rows(in, C, ldc, p->c_pad, N, M, N);
+}
+
+/* The expert products of a dispatch: where the backend has a row-invariant
+ * grouped GEMM (CUDA), every row through it, as gemm_rows computes it and
+ * as the fused decode slots do; the CPU's gemm_grouped comes back through
+ * pad_gemm by itself. */
+static void pad_grouped(nl_backend *be, int trans_b, int N, int K, const float *A, int lda,
+                        const float *B, int ldb, size_t b_stride, float *C, int ldc,
+                        const int32_t *offsets, int groups, int max_rows)
+{
+    nl_backend *in = ((pad_backend *)be)->inner;
+    if (trans_b)
+        in->gemm_grouped_rows(in, N, K, A, lda, B, ldb, b_stride, C, ldc, offsets, groups,
+                              max_rows);
+    else
+        in->gemm_grouped(be, trans_b, N, K, A, lda, B, ldb, b_stride, C, ldc, offsets, groups,
+                         max_rows);
 }
 
 /* ---------------------------------------------------------------- state */
@@ -123,10 +143,13 @@ nl_status nl_batch_new(nl_batch **out, nl_model *m, int max_rows, nl_error *err)
     /* the fused expert pass would run its GEMMs inside the backend, past
      * pad_gemm: the separate grouped calls come back through it */
     b->pad.be.moe_ffn_forward = NULL;
-    /* the fused decode slots compute a row as gemm_rows does where there
-     * is one (the CPU); elsewhere their bits differ from the padded
-     * GEMMs', and a row's would depend on whether the batch has fewer
-     * than NL_BACKEND_FUSED_ROWS rows */
+    if (be->gemm_grouped_rows)
+        b->pad.be.gemm_grouped = pad_grouped;
+    /* the fused decode slots compute a row as gemm_rows (and
+     * gemm_grouped_rows) do where the backend has it (the CPU, CUDA in
+     * FP32); elsewhere their bits differ from the padded GEMMs', and a
+     * row's would depend on whether the batch has fewer than
+     * NL_BACKEND_FUSED_ROWS rows */
     if (!be->gemm_rows) {
         b->pad.be.moe_norm_route = NULL;
         b->pad.be.moe_gate_up = NULL;

@@ -14,16 +14,23 @@
  * share its GEMMs, or a seeded generation would give other tokens when
  * others run beside it. The batch runs its GEMMs through the backend's
  * gemm_rows (kernels/backend.h), whose rows come out the same for any M
- * (the CPU: its dot-product kernel, kernels/cpu/cpu_dot.c); an expert
- * group of 1 to 15 rows costs only its own rows. A backend without gemm_rows (CUDA) runs
- * gemm, whose small-M paths are not invariant (oneDNN's sgemm computes
- * a row the same way for any M >= 16 but takes other paths below), with
- * every GEMM of fewer than NL_BATCH_MIN_ROWS rows padded to that many.
- * Sequences decoded here therefore give the same ids alone or among
- * others. On the CPU nl_forward's gemm runs the same kernel below 16 rows,
- * so a decode step (and a prompt of fewer than 16 positions) gives
+ * (the CPU: its dot-product kernel, kernels/cpu/cpu_dot.c; CUDA: a
+ * GEMV-style kernel, kernels/cuda/cuda_rows.cu), its expert products
+ * through gemm_grouped_rows where the backend has one (CUDA; the CPU's
+ * grouped GEMM calls gemm), and below NL_BACKEND_FUSED_ROWS rows through
+ * the fused decode slots, which compute each row exactly so; an expert
+ * group of 1 to 15 rows costs only its own rows (CUDA in bf16 mode has no
+ * fused slots: the separate ones, through the same row-invariant
+ * products in bf16). A backend without gemm_rows (the CPU in bf16 mode)
+ * runs gemm, whose small-M paths are not invariant (oneDNN's sgemm
+ * computes a row the same way for any M >= 16 but takes other paths
+ * below; cuBLAS picks algorithms by M), with every GEMM of fewer than
+ * NL_BATCH_MIN_ROWS rows padded to that many and the separate slots. Sequences decoded here
+ * therefore give the same ids alone or among others. On the CPU and on
+ * CUDA nl_forward's gemm runs the gemm_rows kernel below 16 rows, so a
+ * decode step (and a prompt of fewer than 16 positions) gives
  * nl_forward's bits here; a longer prompt, which nl_forward reads through
- * sgemm, may differ in the last bits.
+ * sgemm or cuBLAS, may differ in the last bits.
  *
  * Ownership: nl_batch_new borrows the model (which must outlive the
  * batch) and its backend; caches passed in segments stay the caller's.

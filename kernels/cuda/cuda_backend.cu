@@ -713,6 +713,8 @@ NL_EXPORT nl_status nl_cuda_backend_new(nl_backend **out, int device, const nl_b
     be->runtime_bytes = runtime;
     const char *ex = getenv("NL_CUDA_EXPERTS");
     c->experts_kernel = ex && strcmp(ex, "kernel") == 0;
+    const char *ro = getenv("NL_CUDA_ROWS");
+    c->rows_off = ro && strcmp(ro, "cublas") == 0;
     const char *pr = getenv("NL_CUDA_PROFILE");
     c->profile = pr && strcmp(pr, "1") == 0;
     c->cudnn = nl_cudnn_new(device, c->stream, c->bf16); /* NULL: off or unavailable */

@@ -92,6 +92,10 @@ struct cuda_ctx {
     int off_groups;
     int32_t off_host[NL_BACKEND_MAX_EXPERTS + 1];
     int experts_kernel; /* NL_CUDA_EXPERTS=kernel: never per expert (below) */
+    /* NL_CUDA_ROWS=cublas: gemm takes cuBLAS(Lt) at every M, not the
+     * gemm_rows kernel below NL_CUDA_ROWS_GEMM rows (a decode's bits then
+     * differ from a stage batch's; for comparing the two in bench_cuda) */
+    int rows_off;
     /* graph_begin .. graph_end: the stream is being captured; a slot that
      * would wait for it or allocate (refused_in_capture) is dropped and
      * named here, and graph_end then fails without touching the sticky

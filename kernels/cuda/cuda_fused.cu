@@ -1,14 +1,17 @@
 /* The CUDA backend's fused decode kernels (kernels/backend.h, "fused
- * decode"): a decode step's expert layer in three launches. Twins of the
- * CPU's nl_cpu_moe_norm_route, nl_cpu_moe_gate_up and
- * nl_cpu_moe_down_combine (kernels/cpu/cpu_moe.c), which are the separate
- * slots' arithmetic: the element formulas are elem.h's, the norm and
- * softmax reductions those of cuda_ops.cu, the top-k nl_elem_topk_row
- * (moe_route's rule); every product is one dot per output, lane l adding
- * elements l, l + 32, ... with fused multiply-adds, then a fixed xor
- * tree, as the few-row grouped GEMM (cuda_moe.cu) does. Nothing depends
- * on the other rows of the call: a row gives the same bits alone or among
- * others. No atomics, no dynamic shared memory, no allocation. */
+ * decode"): a decode step's expert layer in three launches. Each row gets
+ * the bits of the separate slots with their products through gemm_rows
+ * (rmsnorm_forward, gemm_rows of the router, softmax_forward, moe_route,
+ * gather_rows, gemm_grouped_rows, swiglu_forward, gemm_grouped_rows,
+ * moe_combine: core/model/batch.c runs those for a batch of many rows and
+ * these below NL_BACKEND_FUSED_ROWS, so a row's bits do not depend on the
+ * batch): the RMSNorm and the softmax are cuda_reduce.cuh's row functions
+ * with the separate kernels' thread counts, every product is warp_dot
+ * (cuda_reduce.cuh's row dot, that of gemm_rows), the top-k
+ * nl_elem_topk_row (moe_route's rule) and the combine one fused
+ * multiply-add a term in order of i (moe_combine's). Nothing depends on
+ * the other rows of the call. No atomics, no dynamic shared memory, no
+ * allocation. */
 #include "kernels/cuda/cuda_fused.h"
 
 #include "kernels/backend.h"
@@ -23,7 +26,8 @@ namespace
 
 #include "kernels/cuda/cuda_reduce.cuh"
 
-constexpr int ROUTE_THREADS = 256; /* one block per row */
+constexpr int ROUTE_THREADS = 512; /* one block per row: rmsnorm_threads(d), at least
+                                    * softmax_threads(E) */
 constexpr int DOT_WARPS = 8;       /* gate/up and down: a warp per output column */
 constexpr int DOT_THREADS = DOT_WARPS * WARP;
 constexpr unsigned MAX_GRID_Y = 65535;
@@ -33,21 +37,15 @@ unsigned capped(long n, unsigned cap)
     return n < (long)cap ? (unsigned)n : cap;
 }
 
-/* a . b over n elements, lanes striding: every lane gets the same sum */
-__device__ __forceinline__ float warp_dot(const float *a, const float *b, int n, int lane)
-{
-    float s = 0.0f;
-    for (int i = lane; i < n; i += WARP)
-        s = fmaf(a[i], b[i], s);
-    return warp_sum(s);
-}
-
 /* ---------------------------------------------------------------- norm + router + top-k */
 
+/* Threads [0, Tn) compute the RMSNorm as rmsnorm_kernel's block of Tn
+ * does, threads [0, Ts) the softmax as softmax_kernel's block of Ts does;
+ * the block has the larger of the two. */
 __global__ void __launch_bounds__(ROUTE_THREADS)
     norm_route_kernel(float *xn, float *probs, int32_t *choice, float *w, const float *x,
                       const float *norm_w, const float *router, int N, int d, int E, int k,
-                      float eps)
+                      float eps, int Tn, int Ts)
 {
     __shared__ float red[WARP];
     __shared__ float p[NL_BACKEND_MAX_EXPERTS];
@@ -55,7 +53,7 @@ __global__ void __launch_bounds__(ROUTE_THREADS)
     for (size_t n = blockIdx.x; n < (size_t)N; n += gridDim.x) {
         const float *xr = x + n * d;
         float *y = xn + n * d;
-        block_rmsnorm_row(y, xr, norm_w, d, eps, red); /* rmsnorm_kernel's passes */
+        block_rmsnorm_row(y, xr, norm_w, d, eps, red, Tn);
         __syncthreads(); /* the normed row, written by the whole block, read by every warp */
         for (int e = warp; e < E; e += nw) {
             const float s = warp_dot(y, router + (size_t)e * d, d, lane);
@@ -63,8 +61,8 @@ __global__ void __launch_bounds__(ROUTE_THREADS)
                 p[e] = s;
         }
         __syncthreads();
-        block_softmax_row(p, E, red); /* softmax_kernel's passes over the E logits */
-        for (int e = threadIdx.x; e < E; e += blockDim.x)
+        block_softmax_row(p, E, red, Ts);
+        for (int e = threadIdx.x; (int)threadIdx.x < Ts && e < E; e += Ts) /* its own writes */
             probs[n * E + e] = p[e];
         __syncthreads();
         if (threadIdx.x == 0) /* moe_route's top-k, ties to the lower index */
@@ -107,7 +105,7 @@ __global__ void __launch_bounds__(DOT_THREADS)
             const size_t r = n * k + i;
             const float *wd =
                 experts + (size_t)choice[r] * expert_stride + 2 * (size_t)F * d + (size_t)c * F;
-            acc += w[r] * warp_dot(hs + r * F, wd, F, lane);
+            acc = fmaf(w[r], warp_dot(hs + r * F, wd, F, lane), acc);
         }
         if (lane == 0)
             x[n * d + c] = acc;
@@ -131,8 +129,9 @@ extern "C" int nl_cuda_moe_norm_route(void *stream, float *xn, float *probs, int
         return (int)cudaErrorInvalidValue;
     if (N == 0 || d == 0)
         return 0;
-    norm_route_kernel<<<capped(N, MAX_BLOCKS), ROUTE_THREADS, 0, (cudaStream_t)stream>>>(
-        xn, probs, choice, w, x, norm_w, router, N, d, E, k, eps);
+    const int Tn = rmsnorm_threads(d), Ts = softmax_threads(E), threads = Tn > Ts ? Tn : Ts;
+    norm_route_kernel<<<capped(N, MAX_BLOCKS), threads, 0, (cudaStream_t)stream>>>(
+        xn, probs, choice, w, x, norm_w, router, N, d, E, k, eps, Tn, Ts);
     return launched();
 }
 

@@ -7,8 +7,12 @@
 #include "kernels/cuda/cuda_gemm_plan.h"
 #include "kernels/cuda/cuda_moe.h"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/cuda_rows.h"
 
 #include <string.h>
+
+static_assert(NL_CUDA_ROWS_GEMM == NL_BACKEND_FUSED_ROWS,
+              "a decode's rows: gemm's rows kernel where the fused slots serve");
 
 namespace nl_cu
 {
@@ -17,6 +21,40 @@ namespace nl_cu
 
 void gemm_bf16(cuda_ctx *c, int ta, int tb, int M, int N, int K, float alpha, const float *A,
                int lda, const float *B, int ldb, float beta, float *C, int ldc);
+
+/* ---------------------------------------------------------------- gemm_rows
+ *
+ * The row-invariant GEMM (cuda_rows.h). In bf16 mode its products are
+ * bf16 x bf16 in FP32 as gemm's are: with trans_b, a B inside a weight
+ * range is read from its bf16 copy (half the bytes; made again first when
+ * stale), any other operand rounded as it is read; the bits are the same
+ * either way. */
+void rows_product(cuda_ctx *c, int trans_b, int M, int N, int K, const float *A, int lda,
+                  const float *B, int ldb, int accumulate, float *C, int ldc)
+{
+    if (c->bf16 && trans_b && M > 0 && N > 0 && K > 0) {
+        int rc = 0;
+        const uint16_t *w = nl_cuda_bf16_weight_operand(&c->w, c->stream, B, N, K, ldb, &rc);
+        launched(c, "gemm_rows (bf16): weight copy", rc);
+        if (w) {
+            launched_shape(
+                c, nl_cuda_gemm_rows_bf16(c->stream, M, N, K, A, lda, w, ldb, accumulate, C, ldc),
+                "gemm_rows (bf16) (M %d N %d K %d)", M, N, K);
+            return;
+        }
+    }
+    launched_shape(
+        c,
+        nl_cuda_gemm_rows(c->stream, trans_b, M, N, K, A, lda, B, ldb, accumulate, C, ldc, c->bf16),
+        "gemm_rows (M %d N %d K %d trans_b %d lda %d ldb %d ldc %d)", M, N, K, trans_b, lda, ldb,
+        ldc);
+}
+
+void cu_gemm_rows(nl_backend *be, int trans_b, int M, int N, int K, const float *A, int lda,
+                  const float *B, int ldb, int accumulate, float *C, int ldc)
+{
+    rows_product(enter_slot(be, __func__), trans_b, M, N, K, A, lda, B, ldb, accumulate, C, ldc);
+}
 
 /* Row-major C = alpha op(A) op(B) + beta C. cuBLAS is column-major, and a
  * row-major matrix with row stride ld is its transpose in column-major
@@ -28,6 +66,14 @@ void cu_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int K, floa
     cuda_ctx *c = enter_slot(be, __func__);
     if (M <= 0 || N <= 0)
         return;
+    /* a decode's few rows of y = x W^T: gemm_rows' kernel, faster than
+     * cuBLAS at one to a few rows and row invariant, so `neuroctl
+     * generate` gets the bits of a stage's batch (whose products all run
+     * through gemm_rows) */
+    if (nl_cuda_gemm_takes_rows(trans_a, trans_b, M, K, alpha, beta) && !c->rows_off) {
+        rows_product(c, 1, M, N, K, A, lda, B, ldb, beta != 0.0f, C, ldc);
+        return;
+    }
     if (K <= 0) {
         /* an empty product: only scale C, 0 for beta == 0 even over NaN */
         launched(c, "gemm", nl_cuda_scale_rows(c->stream, C, ldc, M, N, beta));
@@ -392,6 +438,24 @@ void cu_gemm_grouped(nl_backend *be, int trans_b, int N, int K, const float *A, 
                    "gemm_grouped (N %d K %d groups %d max_rows %d)", N, K, groups, max_rows);
 }
 
+/* gemm_grouped_rows: every row as gemm_rows computes it, whatever
+ * max_rows says (the few-row kernel, rows past its pass taking more); in
+ * bf16 mode from the experts' copy where one holds them, else rounding
+ * the FP32 weights as read: the same bits. */
+void cu_gemm_grouped_rows(nl_backend *be, int N, int K, const float *A, int lda, const float *B,
+                          int ldb, size_t b_stride, float *C, int ldc, const int32_t *offsets,
+                          int groups, int max_rows)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    (void)max_rows;
+    if (c->bf16 && few_rows_bf16(c, N, K, A, lda, B, ldb, b_stride, C, ldc, offsets, groups))
+        return;
+    launched_shape(c,
+                   nl_cuda_gemm_grouped_rows(c->stream, N, K, A, lda, B, ldb, b_stride, C, ldc,
+                                             offsets, groups, c->bf16),
+                   "gemm_grouped_rows (N %d K %d groups %d)", N, K, groups);
+}
+
 void cu_gemm_grouped_wgrad(nl_backend *be, int M, int N, const float *A, int lda, const float *B,
                            int ldb, float *C, int ldc, size_t c_stride, const int32_t *offsets,
                            int groups)
@@ -417,6 +481,8 @@ void fill_gemm_slots(nl_backend *be)
     be->wrote = be->bf16 ? cu_wrote : NULL;
     be->gemm_grouped = cu_gemm_grouped;
     be->gemm_grouped_wgrad = cu_gemm_grouped_wgrad;
+    be->gemm_rows = cu_gemm_rows;
+    be->gemm_grouped_rows = cu_gemm_grouped_rows;
 }
 
 } // namespace nl_cu

@@ -15,6 +15,9 @@
  *    along N when only B does, along K (beta on the first piece, then 1)
  *    when both do (a weight gradient), then along the others if still too
  *    large.
+ *  - nl_cuda_gemm_takes_rows: whether gemm hands a call to the gemm_rows
+ *    kernel (cuda_rows.cu) instead of cuBLAS: a decode's few rows of
+ *    y = x W^T, the products gemm_rows computes.
  *
  * Header-only C (static inline), no CUDA header. */
 #ifndef NL_CUDA_GEMM_PLAN_H
@@ -139,6 +142,21 @@ static inline void nl_bf16_for_pieces(int M, int N, int K, int mc, int nc, int k
                 pc.new_a = n0 == 0;
                 fn(arg, &pc);
             }
+}
+
+/* gemm below this many rows runs the gemm_rows kernel: NL_BACKEND_FUSED_ROWS
+ * (cuda_gemm.cu checks they agree), so a decode step's every product is
+ * row invariant, as the CPU's are below its NL_CPU_DOT_ROWS (also 16) */
+#define NL_CUDA_ROWS_GEMM 16
+
+/* 1 when gemm's C = alpha A op(B) + beta C is gemm_rows' product: B
+ * transposed, A not, alpha 1, beta 0 or 1 (accumulate), 1 to
+ * NL_CUDA_ROWS_GEMM - 1 rows, a K to sum over */
+static inline int nl_cuda_gemm_takes_rows(int trans_a, int trans_b, int M, int K, float alpha,
+                                          float beta)
+{
+    return M > 0 && M < NL_CUDA_ROWS_GEMM && !trans_a && trans_b && K > 0 && alpha == 1.0f &&
+           (beta == 0.0f || beta == 1.0f);
 }
 
 #endif

@@ -247,29 +247,14 @@ __global__ void __launch_bounds__(GEMM_THREADS)
  * n = x GEMV_WARPS + w of group g and reads the weight row B_g[n, :] once
  * per GEMV_ROWS rows, its lanes striding along K (consecutive lanes,
  * consecutive addresses), so the launch reads each live expert's weights
- * at the memory's pace. Every row's sum runs in the same order whatever
- * the group's row count (lane l adds k = l, l + 32, ... in order, then a
- * fixed xor tree): a row gives the same bits alone or among others. Any
- * row count is correct (rows beyond GEMV_ROWS take more passes), so a
- * max_rows below a group's count costs time only. */
-template <typename W> __device__ __forceinline__ float gemv_weight(const W *w, int k);
-template <> __device__ __forceinline__ float gemv_weight<float>(const float *w, int k)
-{
-    return w[k];
-}
-/* bf16 weights (the backend's copy): widened exactly; the activation is
- * rounded to bf16 too, so a product is bf16 x bf16 summed in FP32, as in
- * every bf16 GEMM of the backend */
-template <> __device__ __forceinline__ float gemv_weight<uint16_t>(const uint16_t *w, int k)
-{
-    return nl_elem_from_bf16(w[k]);
-}
-template <typename W> __device__ __forceinline__ float gemv_act(float a)
-{
-    return sizeof(W) == 2 ? nl_elem_from_bf16(nl_elem_to_bf16(a)) : a;
-}
-
-template <typename W>
+ * at the memory's pace. Every row's sum is warp_dot_rows (cuda_reduce.cuh:
+ * gemm_rows' dot), whatever the group's row count: a row gives the same
+ * bits alone or among others, and those of gemm_rows. Any row count is
+ * correct (rows beyond GEMV_ROWS take more passes), so a max_rows below a
+ * group's count costs time only. W float: the FP32 weights (BF16: each
+ * operand rounded to bf16, the bf16 GEMM's products); uint16_t: the
+ * backend's bf16 copy of them, the same products. */
+template <typename W, bool BF16>
 __global__ void __launch_bounds__(GEMV_WARPS * 32)
     grouped_gemv_kernel(int N, int K, const float *A, int lda, const W *B, int ldb, size_t b_stride,
                         float *C, int ldc, const int32_t *offsets)
@@ -282,24 +267,13 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
     const W *w = B + g * b_stride + (size_t)n * ldb;
     for (int i0 = 0; i0 < rows; i0 += GEMV_ROWS) {
         const int live = rows - i0 < GEMV_ROWS ? rows - i0 : GEMV_ROWS;
-        const float *a = A + (size_t)(r0 + i0) * lda;
-        float acc[GEMV_ROWS] = {};
-#pragma unroll 4
-        for (int k = lane; k < K; k += 32) {
-            const float wk = gemv_weight(w, k);
+        float s[GEMV_ROWS];
+        warp_dot_rows<W, BF16, GEMV_ROWS>(s, A + (size_t)(r0 + i0) * lda, (size_t)lda, live, w, K,
+                                          lane);
 #pragma unroll
-            for (int i = 0; i < GEMV_ROWS; i++)
-                if (i < live)
-                    acc[i] = fmaf(gemv_act<W>(a[(size_t)i * lda + k]), wk, acc[i]);
-        }
-#pragma unroll
-        for (int i = 0; i < GEMV_ROWS; i++) {
-            float v = acc[i];
-            for (int off = 16; off > 0; off >>= 1)
-                v += __shfl_xor_sync(0xffffffffu, v, off);
+        for (int i = 0; i < GEMV_ROWS; i++)
             if (lane == 0 && i < live)
-                C[(size_t)(r0 + i0 + i) * ldc + n] = v;
-        }
+                C[(size_t)(r0 + i0 + i) * ldc + n] = s[i];
     }
 }
 
@@ -369,7 +343,7 @@ extern "C" int nl_cuda_gemm_grouped(void *stream, int trans_b, int N, int K, con
     cudaStream_t s = (cudaStream_t)stream;
     if (trans_b && max_rows <= GEMV_MAX_ROWS) {
         const dim3 grid(tiles(N, GEMV_WARPS), (unsigned)groups);
-        grouped_gemv_kernel<float>
+        grouped_gemv_kernel<float, false>
             <<<grid, GEMV_WARPS * 32, 0, s>>>(N, K, A, lda, B, ldb, b_stride, C, ldc, offsets);
         return launched();
     }
@@ -394,8 +368,28 @@ extern "C" int nl_cuda_gemm_grouped_few_bf16(void *stream, int N, int K, const f
     if (N == 0 || groups == 0)
         return 0;
     const dim3 grid(tiles(N, GEMV_WARPS), (unsigned)groups);
-    grouped_gemv_kernel<uint16_t><<<grid, GEMV_WARPS * 32, 0, (cudaStream_t)stream>>>(
+    grouped_gemv_kernel<uint16_t, true><<<grid, GEMV_WARPS * 32, 0, (cudaStream_t)stream>>>(
         N, K, A, lda, B, ldb, b_stride, C, ldc, offsets);
+    return launched();
+}
+
+extern "C" int nl_cuda_gemm_grouped_rows(void *stream, int N, int K, const float *A, int lda,
+                                         const float *B, int ldb, size_t b_stride, float *C,
+                                         int ldc, const int32_t *offsets, int groups, int bf16)
+{
+    if (N < 0 || K < 0 || groups < 0 || lda < 0 || ldb < 0 || ldc < 0 ||
+        (unsigned)groups > MAX_GRID_YZ)
+        return (int)cudaErrorInvalidValue;
+    if (N == 0 || groups == 0)
+        return 0;
+    const dim3 grid(tiles(N, GEMV_WARPS), (unsigned)groups);
+    cudaStream_t s = (cudaStream_t)stream;
+    if (bf16)
+        grouped_gemv_kernel<float, true>
+            <<<grid, GEMV_WARPS * 32, 0, s>>>(N, K, A, lda, B, ldb, b_stride, C, ldc, offsets);
+    else
+        grouped_gemv_kernel<float, false>
+            <<<grid, GEMV_WARPS * 32, 0, s>>>(N, K, A, lda, B, ldb, b_stride, C, ldc, offsets);
     return launched();
 }
 

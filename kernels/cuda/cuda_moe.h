@@ -55,6 +55,13 @@ int nl_cuda_gemm_grouped(void *stream, int trans_b, int N, int K, const float *A
 int nl_cuda_gemm_grouped_few_bf16(void *stream, int N, int K, const float *A, int lda,
                                   const uint16_t *B, int ldb, size_t b_stride, float *C, int ldc,
                                   const int32_t *offsets, int groups);
+/* gemm_grouped_rows (trans_b): the few-row kernel above for any row count,
+ * each row of C computed as gemm_rows computes it (warp_dot_rows,
+ * cuda_reduce.cuh) from FP32 weights; bf16 != 0: with each operand rounded
+ * to bf16 (the bits nl_cuda_gemm_grouped_few_bf16 gives from the copy). */
+int nl_cuda_gemm_grouped_rows(void *stream, int N, int K, const float *A, int lda, const float *B,
+                              int ldb, size_t b_stride, float *C, int ldc, const int32_t *offsets,
+                              int groups, int bf16);
 /* The same tiles over (M, N) of each group, the group's rows being the
  * summed dimension; C_g += A_g^T B_g. */
 int nl_cuda_gemm_grouped_wgrad(void *stream, int M, int N, const float *A, int lda, const float *B,

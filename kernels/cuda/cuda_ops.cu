@@ -57,7 +57,7 @@ __global__ void rmsnorm_kernel(float *out, float *rstd, const float *inp, const 
 {
     __shared__ float red[WARP];
     for (size_t n = blockIdx.x; n < (size_t)N; n += gridDim.x) {
-        const float r = block_rmsnorm_row(out + n * C, inp + n * C, w, C, eps, red);
+        const float r = block_rmsnorm_row(out + n * C, inp + n * C, w, C, eps, red, blockDim.x);
         if (rstd && threadIdx.x == 0)
             rstd[n] = r;
     }
@@ -92,7 +92,7 @@ __global__ void softmax_kernel(float *x, int N, int C)
 {
     __shared__ float red[WARP];
     for (size_t n = blockIdx.x; n < (size_t)N; n += gridDim.x)
-        block_softmax_row(x + n * C, C, red);
+        block_softmax_row(x + n * C, C, red, blockDim.x);
 }
 
 __global__ void swiglu_kernel(float *out, const float *gu, int N, int F)
@@ -168,9 +168,10 @@ __global__ void moe_combine_kernel(float *x, const float *y, const int32_t *slot
         float *xr = x + n * C;
         for (int c = threadIdx.x; c < C; c += blockDim.x) {
             float acc = xr[c];
-            for (int i = 0; i < k; i++) {
+            for (int i = 0; i < k; i++) { /* one fused multiply-add a term, as the fused
+                                           * decode's down projection adds them */
                 const size_t e = n * k + i;
-                acc += w[e] * y[(size_t)slot[e] * C + c];
+                acc = fmaf(w[e], y[(size_t)slot[e] * C + c], acc);
             }
             xr[c] = acc;
         }
@@ -276,8 +277,8 @@ extern "C" int nl_cuda_rmsnorm_forward(void *stream, float *out, float *rstd, co
 {
     if (N <= 0 || C <= 0)
         return 0;
-    rmsnorm_kernel<<<row_blocks(N), row_threads(C, 512), 0, (cudaStream_t)stream>>>(out, rstd, inp,
-                                                                                    w, N, C, eps);
+    rmsnorm_kernel<<<row_blocks(N), rmsnorm_threads(C), 0, (cudaStream_t)stream>>>(out, rstd, inp,
+                                                                                   w, N, C, eps);
     return launched();
 }
 
@@ -301,9 +302,7 @@ extern "C" int nl_cuda_softmax_forward(void *stream, float *x, int N, int C)
 {
     if (N <= 0 || C <= 0)
         return 0;
-    /* wide rows (a vocabulary) get a whole 1024-thread block each */
-    softmax_kernel<<<row_blocks(N), row_threads(C, C > 8192 ? 1024 : 256), 0,
-                     (cudaStream_t)stream>>>(x, N, C);
+    softmax_kernel<<<row_blocks(N), softmax_threads(C), 0, (cudaStream_t)stream>>>(x, N, C);
     return launched();
 }
 

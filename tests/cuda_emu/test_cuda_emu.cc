@@ -53,6 +53,10 @@ int nl_emu_fused_checks(void);
 /* tests/cuda_emu/emu_kv_bf16.cc: the bf16 KV cache's write and attention,
  * likewise */
 int nl_emu_kv_bf16_checks(void);
+/* tests/cuda_emu/emu_rows.cc: the row-invariant GEMM (cuda_rows.cu), the
+ * fused decode kernels against the separate ones through it, and a batch
+ * of sessions on those kernels against each alone, likewise */
+int nl_emu_rows_checks(void);
 
 namespace
 {
@@ -1029,6 +1033,7 @@ int main(void)
     CHECK(nl_emu_family_checks() == 0, "model variants: see their failures above");
     CHECK(nl_emu_fused_checks() == 0, "fused decode: see its failures above");
     CHECK(nl_emu_kv_bf16_checks() == 0, "bf16 KV cache: see its failures above");
+    CHECK(nl_emu_rows_checks() == 0, "row-invariant GEMM: see its failures above");
     nl_backend_destroy(&cpu);
     return check_done("test_cuda_emu");
 }
