@@ -177,6 +177,13 @@ struct nl_backend {
      * has gemm_grouped_rows too unless its gemm_grouped calls be->gemm. */
     void (*gemm_rows)(nl_backend *be, int trans_b, int M, int N, int K, const float *A, int lda,
                       const float *B, int ldb, int accumulate, float *C, int ldc);
+    /* 1 where gemm_rows (and gemm_grouped_rows) is fast only at a decode's
+     * few rows (fewer than NL_BACKEND_FUSED_ROWS) and far slower than gemm
+     * above (CUDA: a GEMV-style kernel against cuBLAS's tensor-core tiles):
+     * core/model/batch.c then runs a step of that many rows or more (a
+     * prompt's chunk) through gemm, whose rows may depend on M; 0 where it
+     * is as fast at any M (the CPU: oneDNN's matmul primitive). */
+    int gemm_rows_few;
     /* bf16 compute (be->bf16): gemm rounds A and B to bf16 and accumulates
      * in FP32 into C, which stays FP32 like every other buffer. Operands
      * inside a range given to bf16_weights are read from its bf16 copy;

@@ -5,7 +5,10 @@
  * same way, below NL_BACKEND_FUSED_ROWS rows; or, where the backend has
  * no gemm_rows, small GEMMs padded to NL_BATCH_MIN_ROWS rows and the
  * separate slots) so that a row's result never depends on the batch
- * around it. */
+ * around it. Where gemm_rows is fast only at a few rows (gemm_rows_few:
+ * CUDA), a step of NL_BACKEND_FUSED_ROWS rows or more (a prompt's chunk)
+ * runs gemm, as one prompt alone does: invariance holds for the decode
+ * steps, and the prompts keep cuBLAS's speed. */
 #include "core/model/batch.h"
 
 #include "core/model/layer.h"
@@ -38,7 +41,8 @@ static void pad_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int
     pad_backend *p = (pad_backend *)be;
     nl_backend *in = p->inner;
     const int R = NL_BATCH_MIN_ROWS;
-    if (in->gemm_rows && !trans_a && alpha == 1.0f && (beta == 0.0f || beta == 1.0f)) {
+    const int rows_ok = in->gemm_rows && !(in->gemm_rows_few && M >= NL_BACKEND_FUSED_ROWS);
+    if (rows_ok && !trans_a && alpha == 1.0f && (beta == 0.0f || beta == 1.0f)) {
         in->gemm_rows(in, trans_b, M, N, K, A, lda, B, ldb, beta != 0.0f, C, ldc);
         return;
     }
@@ -62,7 +66,8 @@ static void pad_grouped(nl_backend *be, int trans_b, int N, int K, const float *
                         const int32_t *offsets, int groups, int max_rows)
 {
     nl_backend *in = ((pad_backend *)be)->inner;
-    if (trans_b)
+    /* max_rows is the dispatch's token count (layer.c): a step's rows */
+    if (trans_b && !(in->gemm_rows_few && max_rows >= NL_BACKEND_FUSED_ROWS))
         in->gemm_grouped_rows(in, N, K, A, lda, B, ldb, b_stride, C, ldc, offsets, groups,
                               max_rows);
     else

@@ -25,8 +25,13 @@
  * runs gemm, whose small-M paths are not invariant (oneDNN's sgemm
  * computes a row the same way for any M >= 16 but takes other paths
  * below; cuBLAS picks algorithms by M), with every GEMM of fewer than
- * NL_BATCH_MIN_ROWS rows padded to that many and the separate slots. Sequences decoded here
- * therefore give the same ids alone or among others. On the CPU and on
+ * NL_BATCH_MIN_ROWS rows padded to that many and the separate slots. Where
+ * gemm_rows is fast only at few rows (gemm_rows_few: CUDA), a call of
+ * NL_BACKEND_FUSED_ROWS rows or more (a prompt's chunk, or many sessions'
+ * decode steps at once) runs gemm and the grouped GEMM instead, at
+ * cuBLAS's speed and with rows that may depend on M. Sequences decoded
+ * here therefore give the same ids alone or among others (on CUDA: while
+ * their steps share calls of fewer than 16 rows). On the CPU and on
  * CUDA nl_forward's gemm runs the gemm_rows kernel below 16 rows, so a
  * decode step (and a prompt of fewer than 16 positions) gives
  * nl_forward's bits here; a longer prompt, which nl_forward reads through

@@ -482,6 +482,7 @@ void fill_gemm_slots(nl_backend *be)
     be->gemm_grouped = cu_gemm_grouped;
     be->gemm_grouped_wgrad = cu_gemm_grouped_wgrad;
     be->gemm_rows = cu_gemm_rows;
+    be->gemm_rows_few = 1; /* a warp per column: a prompt's rows belong to cuBLAS */
     be->gemm_grouped_rows = cu_gemm_grouped_rows;
 }
 

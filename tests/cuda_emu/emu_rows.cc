@@ -280,13 +280,14 @@ struct emu_backend {
 };
 
 /* calls counted (the slots see the batch's copy of the table, not ours) */
-int fused_calls, grouped_rows_calls;
+int fused_calls, grouped_rows_calls, many_rows_calls;
 
 #define EMU_OK(call) CHECK((call) == 0, "%s", #call)
 
 void e_gemm_rows(nl_backend *, int tb, int M, int N, int K, const float *A, int lda,
                  const float *B, int ldb, int acc, float *C, int ldc)
 {
+    many_rows_calls += M >= NL_BACKEND_FUSED_ROWS;
     EMU_OK(nl_cuda_gemm_rows(nullptr, tb, M, N, K, A, lda, B, ldb, acc, C, ldc, 0));
 }
 void e_gemm_grouped(nl_backend *, int tb, int N, int K, const float *A, int lda, const float *B,
@@ -298,9 +299,10 @@ void e_gemm_grouped(nl_backend *, int tb, int N, int K, const float *A, int lda,
 }
 void e_gemm_grouped_rows(nl_backend *, int N, int K, const float *A, int lda, const float *B,
                          int ldb, size_t bs, float *C, int ldc, const int32_t *off, int groups,
-                         int)
+                         int max_rows)
 {
     grouped_rows_calls++;
+    many_rows_calls += max_rows >= NL_BACKEND_FUSED_ROWS;
     EMU_OK(nl_cuda_gemm_grouped_rows(nullptr, N, K, A, lda, B, ldb, bs, C, ldc, off, groups, 0));
 }
 void e_rmsnorm(nl_backend *, float *out, float *rstd, const float *inp, const float *w, int N,
@@ -415,11 +417,16 @@ void batch_step(nl_batch *b, session **ss, int n)
     }
 }
 
-void batch_alone_vs_together(nl_backend *cpu)
+/* few: the backend says its rows kernel is fast only at a decode's few
+ * rows (gemm_rows_few, as CUDA's): the prompts then have 1 to 5 rows, so
+ * the first step together (15 rows) stays below NL_BACKEND_FUSED_ROWS, and
+ * a step of 25 rows afterwards must not reach the rows kernels. */
+void batch_alone_vs_together(nl_backend *cpu, int few)
 {
     emu_backend e;
     emu_backend_init(&e, cpu);
     nl_backend *be = &e.be;
+    be->gemm_rows_few = few;
     nl_config c;
     nl_config_init(&c);
     c.hidden_dim = 64;
@@ -447,29 +454,32 @@ void batch_alone_vs_together(nl_backend *cpu)
             session *s = &set[i];
             *s = session{};
             s->bits = 14695981039346656037ull;
-            s->P = 3 + i; /* 25 rows in all: the first step together has 16 or more */
+            /* 25 rows in all (15 with few): the first step together has 16
+             * or more (fewer) */
+            s->P = (few ? 1 : 3) + i;
             for (int t = 0; t < s->P; t++)
                 s->prompt[t] = (int32_t)((i * 37 + t * 11 + 1) % VOCAB);
             CHECK(nl_kvcache_new(&s->kv, m, 1, s->P + NEW, NL_KV_FP32, &err) == NL_OK,
                   "cache: %s", err.msg);
         }
-    const int fused0 = fused_calls;
+    const int fused0 = fused_calls, grouped_start = grouped_rows_calls;
     for (int i = 0; i < SESS; i++) {
         session *s = &alone[i];
         while (s->kv && s->n < NEW)
             batch_step(b, &s, 1);
     }
     const int grouped0 = grouped_rows_calls;
-    CHECK(fused_calls > fused0 && grouped0 == 0,
+    CHECK(fused_calls > fused0 && grouped0 == grouped_start,
           "alone: every step through the fused slots (%d fused, %d grouped)",
-          fused_calls - fused0, grouped0);
+          fused_calls - fused0, grouped0 - grouped_start);
     session *all[SESS];
     for (int i = 0; i < SESS; i++)
         all[i] = &together[i];
     while (together[0].kv && together[0].n < NEW)
         batch_step(b, all, SESS);
-    CHECK(grouped_rows_calls > grouped0,
-          "together: the first step's 25 rows through gemm_grouped_rows");
+    if (!few)
+        CHECK(grouped_rows_calls > grouped0,
+              "together: the first step's 25 rows through gemm_grouped_rows");
     for (int i = 0; i < SESS; i++) {
         CHECK(memcmp(alone[i].ids, together[i].ids, sizeof alone[i].ids) == 0,
               "session %d: the same ids alone and among %d others", i, SESS - 1);
@@ -477,6 +487,18 @@ void batch_alone_vs_together(nl_backend *cpu)
               "session %d: bit-identical logits alone and among %d others", i, SESS - 1);
         nl_kvcache_destroy(&alone[i].kv);
         nl_kvcache_destroy(&together[i].kv);
+    }
+    if (few) { /* a prompt's chunk of 25 rows: gemm and gemm_grouped, as alone */
+        static const int32_t prompt[25] = {0};
+        nl_kvcache *kv = nullptr;
+        CHECK(nl_kvcache_new(&kv, m, 1, 25, NL_KV_FP32, &err) == NL_OK, "cache: %s", err.msg);
+        const nl_batch_seg seg = {kv, prompt, 25, 1};
+        const int many0 = many_rows_calls, fused1 = fused_calls;
+        CHECK(kv && nl_batch_forward(b, &seg, 1, &err) == NL_OK, "a 25-row step: %s", err.msg);
+        CHECK(many_rows_calls == many0 && fused_calls == fused1,
+              "few: a 25-row step reached the rows kernels %d times (fused %d)",
+              many_rows_calls - many0, fused_calls - fused1);
+        nl_kvcache_destroy(&kv);
     }
     nl_batch_destroy(&b);
     nl_model_destroy(&m);
@@ -509,7 +531,8 @@ int nl_emu_rows_checks(void)
         fprintf(stderr, "emu_rows: no CPU backend: %s\n", err.msg);
         return check_fail_count + 1;
     }
-    batch_alone_vs_together(cpu);
+    batch_alone_vs_together(cpu, 0); /* a rows kernel fast at any M */
+    batch_alone_vs_together(cpu, 1); /* fast at few rows only: CUDA's */
     nl_backend_destroy(&cpu);
     return check_fail_count;
 }
