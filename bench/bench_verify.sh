@@ -9,8 +9,9 @@
 #              outputs (NL_TEST_LIE=bitflip:Q:SEED; needs a test build,
 #              -DNL_TEST_HOOKS=ON), at the default rate: the first step
 #              whose report counts a mismatch, for SEEDS seeds, against
-#              the formula of docs/security.md for S lying stages:
-#              P(caught within n microbatches) = 1 - (1 - Q P)^(S n)
+#              the formula of docs/security.md for S lying stages (a
+#              drawn (stage, step) checks all M of its microbatches):
+#              P(caught within k steps) = 1 - (1 - P (1 - (1 - Q)^M))^(S k)
 # Model: d 256, 8 layers, 8 heads (2 kv), 4 experts of 256, byte
 # vocabulary: every stage's weights fit a verifier's control socket
 # (16 MiB a part; bench-small's stages do not: docs/security.md, "Limit").
@@ -83,12 +84,13 @@ catch = []
 for s in range(1, seeds + 1):
     first = next((r["step"] for r in log("lie-%d" % s) if r.get("verify_mismatches", 0) > 0), None)
     catch.append(first)
-n99 = math.log(0.01) / math.log(1 - q * P) / S  # per liar stage, S liars
+p1 = P * (1 - (1 - q) ** M)  # a liar stage caught in one step: drawn, and a lie among its M
+steps99 = math.log(0.01) / (S * math.log(1 - p1))  # S liar stages
 ok = [x for x in off if x] and [x for x in on if x]
 print(json.dumps({
     "tokens_per_s_off": off, "tokens_per_s_default": on, "verified_default": ver,
     "ratio": (statistics.median([x for x in on if x]) / statistics.median([x for x in off if x])) if ok else None,
     "catch_q": q, "catch_first_step": catch, "microbatches_per_step": M,
-    "formula_microbatches_99pct": math.ceil(n99), "formula_steps_99pct": math.ceil(n99 / M),
-    "formula_expected_steps": round(1 / (q * P) / S / M, 1)}, indent=1))
+    "formula_microbatches_99pct": math.ceil(steps99 * M), "formula_steps_99pct": math.ceil(steps99),
+    "formula_expected_steps": round(1 / (1 - (1 - p1) ** S), 1)}, indent=1))
 PY
