@@ -33,7 +33,7 @@ typedef struct cver {
     int cross;         /* no other node of the stage's device class: one of another compares
                           the tensors within a tolerance (node/stage_verify.h) */
     uint64_t epoch;
-    double t0, sent; /* drawn; sent to its verifier */
+    double t0, sent;                      /* drawn; sent to its verifier */
     uint8_t want[2][NL_HOP_DIGEST_BYTES]; /* the ACTIVATION and GRADIENT the stage reported */
     uint8_t got[2][NL_HOP_DIGEST_BYTES];  /* ... and those it reported receiving */
     /* what its case must say of itself: the stage's row of the plan (its

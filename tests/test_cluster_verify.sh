@@ -64,17 +64,20 @@ PY
     # keys, the verifiers' counters
     "$N" status --cluster "$W/$name" > "$W/$name.status" 2>&1
     $PY - "$(cat "$W/$name/coord/http")" "${WANT_METRIC:-neurollm_banned_keys 1}" \
-      > "$W/$name.http" 2>&1 <<'PY'
+      "${WANT_VCASES:-0}" > "$W/$name.http" 2>&1 <<'PY'
 import json, sys, time, urllib.request
 base = sys.argv[1].rstrip("/")
 get = lambda p: urllib.request.urlopen(base + p, timeout=60).read().decode()
+vcases = lambda st: sum(n.get("verify_cases", 0) for n in st["nodes"])
 end = time.time() + 60  # the HTTP side polls the coordinator's status
 while sys.argv[2] not in get("/metrics") and time.time() < end:
+    time.sleep(0.2)
+while vcases(json.loads(get("/api/status"))) < int(sys.argv[3]) and time.time() < end:
     time.sleep(0.2)
 print(get("/metrics"))
 st = json.loads(get("/api/status"))
 print("STATUS " + json.dumps(st.get("banned_keys")))
-print("VCASES %d" % sum(n.get("verify_cases", 0) for n in st["nodes"]))
+print("VCASES %d" % vcases(st))
 print("VBYTES %d" % sum(n.get("verify_bytes", 0) for n in st["nodes"]))
 print("PAGE " + str('id="banned"' in get("/")))
 PY
@@ -85,7 +88,7 @@ PY
 
 # ---- honest, every microbatch verified, against no verification ----
 run plain 0
-WANT_METRIC="neurollm_node_verify_cases_total{" run honest 1
+WANT_METRIC="neurollm_node_verify_cases_total{" WANT_VCASES=48 run honest 1
 check test "$(last "$W/honest.jsonl" verify_mismatches)" -eq 0
 check test "$(last "$W/honest.jsonl" digest_mismatches)" -eq 0
 check test "$(last "$W/plain.jsonl" verified)" -eq 0
