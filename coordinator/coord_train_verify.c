@@ -15,9 +15,9 @@
  * a natural verifier) gets a VERIFY_REQ per microbatch on the same socket
  * just before the STEP, so it answers from the weights the step began with
  * and the inputs it kept; only the first asks for its weights (the others
- * say no_weights), which the cases of that node and step then share
+ * are asked NL_VERIFY_NO_WEIGHTS), which the cases of that node and step share
  * (cwts), and which go to each verifier once: a later case names them by
- * their digest, and a verifier that no longer holds them answers
+ * a name, and a verifier that no longer holds them answers
  * want_weights and is sent them again. The inputs of
  * its VERIFY_CASE must have the digests it reported receiving, and the
  * case goes, with the model's config, to a verifier of the stage's device

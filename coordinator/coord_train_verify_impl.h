@@ -14,7 +14,7 @@ typedef struct cwts {
     int refs;
     uint8_t *buf; /* NULL until the first case brings them */
     nl_wire_frame fr;
-    char hex[NL_HOP_DIGEST_HEX + 1]; /* their BLAKE2b-256 */
+    char hex[NL_HOP_DIGEST_HEX + 1]; /* their name (32 random bytes) */
     uint32_t to[4];
     int nto;
 } cwts;
@@ -75,7 +75,7 @@ cnode *verify_verifier_for(nl_coord *c, ctrain *t, int stage, const cnode *of, u
 /* The verifier of v's case (of node from's stage): one its group's
  * weights went to, if it still may, else verify_verifier_for's. */
 cnode *verify_verifier_of(nl_coord *c, ctrain *t, const cver *v, const cnode *from);
-/* A group's weights from frame 0 of its first case: copied and hashed.
+/* A group's weights from frame 0 of its first case: copied, and named.
  * 0, or -1 out of memory. */
 int verify_wts_take(cwts *w, const nl_wire_frame *f);
 /* Note that verifier `to` holds w (sent 1) or not (0). */
@@ -86,7 +86,7 @@ void verify_wts_release(cwts **w);
  * 0, or -1 out of memory. */
 int verify_keep_case(cver *v, const nl_wire_msg *m, uint64_t bytes);
 /* The kept case to node `to`, with the model's config and its weights'
- * digest, and the weights unless `to` holds them: 0, or -1. */
+ * name, and the weights unless `to` holds them: 0, or -1. */
 int verify_send_case(nl_coord *c, cver *v, cnode *to);
 
 #endif

@@ -1,9 +1,11 @@
 /* Where a case of verification by recompute goes (coord_train_verify.c
  * draws and judges): the verifier chosen for it, and what is sent to it.
  * A stage's weights travel once for the cases of one node and step: the
- * group's cwts holds them, hashed, and a verifier that was sent them gets
- * later cases without them, naming their digest (docs/protocol.md,
- * VERIFY_CASE). */
+ * group's cwts holds them under a name of 32 random bytes, and a verifier
+ * that was sent them gets later cases without them, naming them
+ * (docs/protocol.md, VERIFY_CASE). A name, not a digest of their bytes:
+ * hashing a stage's weights would hold the coordinator's loop, which the
+ * pipeline waits on, for as long as copying them several times. */
 #include <sodium.h>
 #include <string.h>
 
@@ -89,7 +91,7 @@ cnode *verify_verifier_for(nl_coord *c, ctrain *t, int stage, const cnode *of, u
 }
 
 /* v's group's weights from frame 0 of its case (the first of the group):
- * copied and hashed. 0, or -1 out of memory. */
+ * copied, and named (32 random bytes). 0, or -1 out of memory. */
 int verify_wts_take(cwts *w, const nl_wire_frame *f)
 {
     if (!(w->buf = malloc(f->len ? f->len : 1)))
@@ -99,7 +101,7 @@ int verify_wts_take(cwts *w, const nl_wire_frame *f)
     w->fr.t.data = w->buf;
     w->fr.free_fn = NULL; /* copied by the send */
     uint8_t d[NL_HOP_DIGEST_BYTES];
-    crypto_generichash(d, sizeof d, w->buf, f->len, NULL, 0);
+    randombytes_buf(d, sizeof d);
     nl_hop_digest_hex(w->hex, d);
     return 0;
 }
@@ -162,7 +164,7 @@ int verify_keep_case(cver *v, const nl_wire_msg *m, uint64_t bytes)
 }
 
 /* The kept case to node `to`, with the model's config and its weights'
- * digest, and the weights unless `to` was sent them already: 0, or -1. */
+ * name, and the weights unless `to` was sent them already: 0, or -1. */
 int verify_send_case(nl_coord *c, cver *v, cnode *to)
 {
     static const float none = 0.0f;

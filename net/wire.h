@@ -422,8 +422,9 @@ typedef enum nl_verify_req_flag {
  * verifier. Frame 0 is F32 [0] when the weights were handed over with an
  * earlier case of the step (VERIFY_REQ no_weights) or, to a verifier,
  * when that verifier was sent them already: `weights` (coordinator ->
- * verifier, 64 hex digits; empty from a stage) is the BLAKE2b-256 of the
- * weights' bytes, which a verifier holding them finds them by. */
+ * verifier, 64 hex digits; empty from a stage) is the name the
+ * coordinator gave those weights (32 random bytes), which a verifier
+ * holding them finds them by. */
 typedef struct nl_msg_verify_case {
     uint64_t job_id, step;
     uint32_t microbatch, stage;
@@ -435,7 +436,7 @@ typedef struct nl_msg_verify_case {
     bool counts;
     const char *config_json;
     uint32_t outputs;    /* 0 or 1 (absent: 0) */
-    const char *weights; /* the weights' digest in hex, or "" (absent: "") */
+    const char *weights; /* the weights' name in hex, or "" (absent: "") */
 } nl_msg_verify_case;
 
 /* VERIFY_RESULT: the digests of the ACTIVATION and GRADIENT the stage

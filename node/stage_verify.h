@@ -110,9 +110,10 @@ nl_status nl_verify_recompute(nl_backend *be, const nl_verify_case *c,
  * It keeps what it built for a stage (the layers, a trainer, the weights
  * loaded) for the next cases of that stage: up to 4 stages of one job,
  * weights loaded again whenever a case's differ from those it holds (by
- * their BLAKE2b digest); a case that comes without weights names the
- * digest of those it is to be redone on, and is answered want_weights
- * when none held are those (docs/protocol.md, VERIFY_RESULT); all dropped by a case of another job,
+ * the name the coordinator gave them, else by their BLAKE2b digest); a
+ * case that comes without weights names those it is to be redone on, and
+ * is answered want_weights when none held are those (docs/protocol.md,
+ * VERIFY_RESULT); all dropped by a case of another job,
  * a new plan (ASSIGN) and the end of the node's training job (nl_stage_verify_forget). */
 
 /* Take a VERIFY_CASE (checked against its config and copied: m is the

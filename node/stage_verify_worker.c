@@ -7,13 +7,15 @@
  * VERIFY_KEEP stages it checks (the least recently used goes first). A
  * case uses a build kept for the same job, stage, layers, embedding and
  * head, microbatch shape and model config; its weights are loaded again
- * unless their BLAKE2b digest is that of the weights the build holds
- * (the cases of one step of one stage share them, a later step's
+ * unless they are those the build holds: by the name the coordinator
+ * gave them (VERIFY_CASE weights: 32 random bytes for each stage's
+ * weights of a step), or, for a case that names none, by their BLAKE2b
+ * digest (the cases of one step of one stage share them, a later step's
  * differ): a case is never redone on weights other than its own. A case
  * that comes without weights (the coordinator sent them with an earlier
- * case of the same stage and step) names their digest and is redone on
- * the build that holds those; with none, it is answered with
- * want_weights, and the coordinator sends it again with them.
+ * case of the same stage and step) names them and is redone on the build
+ * that holds those; with none, it is answered with want_weights, and the
+ * coordinator sends it again with them.
  * A case of another job drops the builds of every other; so do a new
  * plan (ASSIGN) and the end of the node's own training job, through
  * nl_stage_verify_forget: at once when no case is under way, else on the
@@ -107,7 +109,7 @@ static nl_status case_of(const nl_wire_msg *m, nl_config *cfg, nl_verify_case *c
     bool bf16 = false;
     if (m->frames[0].t.shape[0] == 0 && !(v->weights && v->weights[0]))
         return nl_error_set(err, NL_ERR_PROTO,
-                            "VERIFY_CASE: no weights, and no digest of weights held");
+                            "VERIFY_CASE: no weights, and no name of weights held");
     for (int i = 0; i < m->nframes; i++) {
         const bool w = m->frames[i].t.dtype == NL_DTYPE_BF16;
         bf16 |= w;
@@ -162,7 +164,7 @@ typedef struct kept_build {
     int l0, l1, mbB, T;
     bool embed, head;
     char *cfg_json;
-    uint8_t wdig[NL_HOP_DIGEST_BYTES]; /* the digest of the weights loaded */
+    uint8_t wdig[NL_HOP_DIGEST_BYTES]; /* the weights loaded: their name (or digest) */
     bool loaded;
     uint64_t used; /* the verifier's clock when last used */
 } kept_build;
@@ -174,7 +176,7 @@ typedef struct vjob {
     char *cfg_json;
     nl_verify_case c; /* c.cfg is &cfg; c.weights owns the frames' copy */
     nl_msg_verify_case hdr;
-    uint8_t named[NL_HOP_DIGEST_BYTES]; /* the weights' digest the case names (hdr.weights) */
+    uint8_t named[NL_HOP_DIGEST_BYTES]; /* the weights' name the case gives (hdr.weights) */
     bool has_named;
     bool want; /* it came without weights, and none held are those it names */
     uint8_t fwd[NL_HOP_DIGEST_BYTES], bwd[NL_HOP_DIGEST_BYTES];
@@ -218,16 +220,13 @@ static nl_status kept_for(verifier *v, vjob *j, kept_build **out, nl_error *err)
 {
     const nl_verify_case *c = &j->c;
     const bool bare = c->n_weights == 0;
-    uint8_t dig[NL_HOP_DIGEST_BYTES];
+    uint8_t dig[NL_HOP_DIGEST_BYTES]; /* what the weights are known by */
     *out = NULL;
-    if (bare)
+    if (j->has_named)
         memcpy(dig, j->named, sizeof dig);
-    else
+    else /* a case that names none (not the coordinator's): their digest */
         crypto_generichash(dig, sizeof dig, (const uint8_t *)c->weights,
                            c->n_weights * sizeof(float), NULL, 0);
-    if (!bare && j->has_named && memcmp(dig, j->named, sizeof dig) != 0)
-        return nl_error_set(err, NL_ERR_INTEGRITY,
-                            "VERIFY_CASE: its weights are not those its digest names");
     kept_build *k = NULL, *lru = &v->kept[0];
     for (int i = 0; i < VERIFY_KEEP && !k; i++) {
         kept_build *e = &v->kept[i];
@@ -410,7 +409,7 @@ nl_status nl_stage_verify_push(nl_stage *s, const nl_wire_msg *m, nl_error *err)
         (sodium_hex2bin(j->named, sizeof j->named, named, strlen(named), NULL, &got, NULL) != 0 ||
          got != sizeof j->named)) {
         vjob_free(j);
-        return nl_error_set(err, NL_ERR_PROTO, "VERIFY_CASE: weights is not a digest in hex");
+        return nl_error_set(err, NL_ERR_PROTO, "VERIFY_CASE: weights is not a name in hex");
     }
     if (!own) /* on replica 0's backend: the stage's own lanes leave it first */
         stage_train_quiesce(s);
