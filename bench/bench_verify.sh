@@ -11,7 +11,8 @@
 #   catch      every node lying on a fraction Q (default 0.01) of its
 #              outputs (NL_TEST_LIE=bitflip:Q:SEED; needs a test build,
 #              -DNL_TEST_HOOKS=ON), at the default rate: the first step
-#              whose report counts a mismatch, for SEEDS seeds, against
+#              whose report counts a mismatch (or the step a conviction's
+#              rollback left, whichever comes first), for SEEDS seeds, against
 #              the formula of docs/security.md for S lying stages (a
 #              drawn (stage, step) checks all M of its microbatches):
 #              P(caught within k steps) = 1 - (1 - P (1 - (1 - Q)^M))^(S k)
@@ -87,10 +88,15 @@ off_t = [tps("off-%d" % r, hm) for r in range(1, reps + 1)]
 on_t = [tps("on-%d" % r, hm) for r in range(1, reps + 1)]
 ok_t = [x for x in off_t if x] and [x for x in on_t if x]
 ver = [log("on-%d" % r)[-1].get("verified") if log("on-%d" % r) else None for r in range(1, reps + 1)]
-catch = []
-for s in range(1, seeds + 1):
-    first = next((r["step"] for r in log("lie-%d" % s) if r.get("verify_mismatches", 0) > 0), None)
-    catch.append(first)
+def caught(name):  # the step by which the job knew: a report that counts a mismatch, or the
+    # step a conviction's rollback left (the report of the step it came in may not count it)
+    for r in log(name):
+        if r.get("event") == "rollback":
+            return r.get("from_step")
+        if r.get("verify_mismatches", 0) > 0 and "step" in r:
+            return r["step"]
+    return None
+catch = [caught("lie-%d" % s) for s in range(1, seeds + 1)]
 p1 = P * (1 - (1 - q) ** M)  # a liar stage caught in one step: drawn, and a lie among its M
 steps99 = math.log(0.01) / (S * math.log(1 - p1))  # S liar stages
 ok = [x for x in off if x] and [x for x in on if x]
