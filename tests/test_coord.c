@@ -1138,6 +1138,14 @@ static void test_train_verify_case(assigned *a)
               rx.msg.u.verify_case.weights && strlen(rx.msg.u.verify_case.weights) == 64,
           "verify: the honest case of microbatch 0 did not reach its verifier with its weights "
           "and their name");
+    /* a verifier that no longer holds them asks: the case again, with them */
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_VERIFY_RESULT);
+    m.u.verify_result = (nl_msg_verify_result){job, 1, 0, 1, "", "", 1};
+    fake_send(first, &m);
+    CHECK(pump_until(first, NL_MSG_VERIFY_CASE, &rx) && rx.msg.u.verify_case.microbatch == 0 &&
+              rx.msg.frames[0].t.shape[0] == 4,
+          "verify: a verifier that asked for the weights was not sent the case again with them");
     fake_send(last, &cs[1]); /* a layer short of the plan's */
     char report[2048] = "";
     uint32_t state = NL_JOB_RUNNING;
