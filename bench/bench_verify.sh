@@ -4,13 +4,18 @@
 #              with --verify-rate 0 and at the default (0.05), REPS times
 #              each, interleaved; the figure per run is the median of the
 #              per-step tokens/s in the JSONL log, steps 3 and later;
-#              ratio = default / off (target >= 0.95)
+#              ratio = default / off (target >= 0.95); and the same of
+#              each run's throughput, the harmonic mean of those steps'
+#              tokens/s (their tokens over their time: a drawn (stage,
+#              step) costs in a few steps, which the median may not see)
 #   catch      every node lying on a fraction Q (default 0.01) of its
 #              outputs (NL_TEST_LIE=bitflip:Q:SEED; needs a test build,
 #              -DNL_TEST_HOOKS=ON), at the default rate: the first step
-#              whose report counts a mismatch, for SEEDS seeds, against
-#              the formula of docs/security.md for S lying stages:
-#              P(caught within n microbatches) = 1 - (1 - Q P)^(S n)
+#              whose report counts a mismatch (or the step a conviction's
+#              rollback left, whichever comes first), for SEEDS seeds, against
+#              the formula of docs/security.md for S lying stages (a
+#              drawn (stage, step) checks all M of its microbatches):
+#              P(caught within k steps) = 1 - (1 - P (1 - (1 - Q)^M))^(S k)
 # Model: d 256, 8 layers, 8 heads (2 kv), 4 experts of 256, byte
 # vocabulary: every stage's weights fit a verifier's control socket
 # (16 MiB a part; bench-small's stages do not: docs/security.md, "Limit").
@@ -73,22 +78,36 @@ def log(name):
         return [json.loads(l) for l in open("%s/%s.jsonl" % (w, name))]
     except OSError:
         return []
-def tps(name):
-    v = [r["tokens_per_s"] for r in log(name) if r.get("step", 0) >= 3]
-    return statistics.median(v) if v else None
+def tps(name, mean=statistics.median):
+    v = [r["tokens_per_s"] for r in log(name) if r.get("step", 0) >= 3 and "tokens_per_s" in r]
+    return mean(v) if v else None
 off = [tps("off-%d" % r) for r in range(1, reps + 1)]
 on = [tps("on-%d" % r) for r in range(1, reps + 1)]
+hm = statistics.harmonic_mean
+off_t = [tps("off-%d" % r, hm) for r in range(1, reps + 1)]
+on_t = [tps("on-%d" % r, hm) for r in range(1, reps + 1)]
+ok_t = [x for x in off_t if x] and [x for x in on_t if x]
 ver = [log("on-%d" % r)[-1].get("verified") if log("on-%d" % r) else None for r in range(1, reps + 1)]
-catch = []
-for s in range(1, seeds + 1):
-    first = next((r["step"] for r in log("lie-%d" % s) if r.get("verify_mismatches", 0) > 0), None)
-    catch.append(first)
-n99 = math.log(0.01) / math.log(1 - q * P) / S  # per liar stage, S liars
+def caught(name):  # the step by which the job knew: a report that counts a mismatch, or the
+    # step a conviction's rollback left (the report of the step it came in may not count it)
+    for r in log(name):
+        if r.get("event") == "rollback":
+            return r.get("from_step")
+        if r.get("verify_mismatches", 0) > 0 and "step" in r:
+            return r["step"]
+    return None
+catch = [caught("lie-%d" % s) for s in range(1, seeds + 1)]
+p1 = P * (1 - (1 - q) ** M)  # a liar stage caught in one step: drawn, and a lie among its M
+steps99 = math.log(0.01) / (S * math.log(1 - p1))  # S liar stages
 ok = [x for x in off if x] and [x for x in on if x]
 print(json.dumps({
     "tokens_per_s_off": off, "tokens_per_s_default": on, "verified_default": ver,
     "ratio": (statistics.median([x for x in on if x]) / statistics.median([x for x in off if x])) if ok else None,
+    "throughput_off": [round(x) if x else None for x in off_t],
+    "throughput_default": [round(x) if x else None for x in on_t],
+    "ratio_throughput": (statistics.median([x for x in on_t if x]) /
+                         statistics.median([x for x in off_t if x])) if ok_t else None,
     "catch_q": q, "catch_first_step": catch, "microbatches_per_step": M,
-    "formula_microbatches_99pct": math.ceil(n99), "formula_steps_99pct": math.ceil(n99 / M),
-    "formula_expected_steps": round(1 / (q * P) / S / M, 1)}, indent=1))
+    "formula_microbatches_99pct": math.ceil(steps99 * M), "formula_steps_99pct": math.ceil(steps99),
+    "formula_expected_steps": round(1 / (1 - (1 - p1) ** S), 1)}, indent=1))
 PY

@@ -417,6 +417,29 @@ static void print_growth(const json_t *g)
            (long long)json_integer_value(json_object_get(g, "count")));
 }
 
+/* What each node did as a verifier of other stages' work (docs/security.md,
+ * "Catching a node that computes wrong"): only when some node did any. */
+static void print_verifiers(const json_t *nodes)
+{
+    size_t i;
+    const json_t *n;
+    int any = 0;
+    json_array_foreach(nodes, i, n)
+    {
+        const json_int_t cases = json_integer_value(json_object_get(n, "verify_cases")),
+                         bytes = json_integer_value(json_object_get(n, "verify_bytes"));
+        if (!cases && !bytes)
+            continue;
+        if (!any++)
+            printf("verifiers: %-4s %8s %10s %10s %10s\n", "node", "cases", "mismatches", "seconds",
+                   "MB sent");
+        printf("           %-4lld %8lld %10lld %10.2f %10.1f\n",
+               json_integer_value(json_object_get(n, "id")), (long long)cases,
+               json_integer_value(json_object_get(n, "verify_mismatches")),
+               json_number_value(json_object_get(n, "verify_s")), (double)bytes / 1e6);
+    }
+}
+
 /* The keys banned for computing wrong (docs/security.md), each with why. */
 static void print_bans(const json_t *st)
 {
@@ -534,6 +557,7 @@ int nl_cmd_status(int argc, char **argv)
         printf("this plan was made for training: %.2f ms per training microbatch (forward and "
                "backward)\n",
                json_real_value(tb) * 1e3);
+    print_verifiers(json_object_get(st, "nodes"));
     print_bans(st);
     json_decref(st);
     return 0;

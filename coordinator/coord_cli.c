@@ -42,7 +42,9 @@ static void train_rows(nl_opt t[MAX_FLAGS], int *at, nl_coord_cli *cli, int *gro
         NL_OPT_DOUBLE("verify-rate", &o->verify_rate, 0.0, 1.0, "0.05",
                       "the fraction P of a training step's (stage, microbatch)s another node "
                       "redoes and compares by digest (a node of another device class: the "
-                      "tensors, within 1e-4 relative), drawn from a secret the nodes never see; a "
+                      "tensors, within 1e-4 relative): each (stage, step) is drawn with "
+                      "probability P, from a secret the nodes never see, and all its "
+                      "microbatches redone, its weights sent once; a "
                       "node found wrong is banned and the job rolls back to its last checkpoint "
                       "whose steps were all verified. With --replicas a case names the replica "
                       "that ran the microbatch and a standby or the stage's other replica redoes "

@@ -238,6 +238,14 @@ static void node_figures(char **sp, size_t *np, size_t *capp, json_t *nodes)
          "Seconds a node's stage spent computing batches of session hops."},
         {"hop_s", "neurollm_node_hop_seconds_total", "counter",
          "Seconds session hops spent on a node's stage, from arrival to output, summed."},
+        {"verify_cases", "neurollm_node_verify_cases_total", "counter",
+         "Cases of verification by recompute a node answered as verifier or arbiter."},
+        {"verify_mismatches", "neurollm_node_verify_mismatches_total", "counter",
+         "A node's verification answers that disagreed with the stage it checked."},
+        {"verify_s", "neurollm_node_verify_seconds_total", "counter",
+         "Seconds from sending a node a verification case to its answer, summed."},
+        {"verify_bytes", "neurollm_node_verify_bytes_total", "counter",
+         "Bytes of verification cases sent to a node."},
     };
     char *s = *sp;
     size_t n = *np, cap = *capp;

@@ -80,6 +80,11 @@ typedef struct cnode {
     double link_s0;
     double link_win[COORD_LINK_WINDOW]; /* its last link speeds measured, bytes/s */
     int link_n, link_i;                 /* how many (at most the window), the next slot */
+    /* as a verifier (coord_train_verify.c): cases answered, answers that
+     * disagreed with the stage's report, seconds from a case's send to its
+     * answer (summed), bytes of cases sent to it */
+    uint64_t ver_cases, ver_mismatches, ver_bytes;
+    double ver_s;
     char why[600];
 } cnode;
 

@@ -340,6 +340,13 @@ static json_t *node_json(nl_coord *c, const cnode *n, bool full, double now)
     json_object_set_new(o, "batches", json_integer((json_int_t)n->hb.batches));
     json_object_set_new(o, "compute_s", json_real(n->hb.compute_s));
     json_object_set_new(o, "hop_s", json_real(n->hb.hop_s));
+    /* as a verifier of other stages' work (coord_train_verify.c): cases it
+     * answered, answers that disagreed with the stage, seconds from each
+     * case's send to its answer (summed), bytes of cases sent to it */
+    json_object_set_new(o, "verify_cases", json_integer((json_int_t)n->ver_cases));
+    json_object_set_new(o, "verify_mismatches", json_integer((json_int_t)n->ver_mismatches));
+    json_object_set_new(o, "verify_s", json_real(n->ver_s));
+    json_object_set_new(o, "verify_bytes", json_integer((json_int_t)n->ver_bytes));
     /* its link speed as its replicas' all-reduces measured it (null: none) */
     const double link = coord_link_bytes_s(n);
     json_object_set_new(o, "link_bytes_s", link > 0 ? json_real(link) : json_null());

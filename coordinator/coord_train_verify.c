@@ -4,15 +4,21 @@
  * wrong").
  *
  * When a step's reports are in and before its STEP goes out, each (stage,
- * microbatch) of the step is drawn with probability --verify-rate from a
- * keyed BLAKE2b of (job, step, microbatch, stage) under a key the
- * coordinator made at its start (randombytes) and never sends: no node can
- * tell in advance which of its outputs will be checked. A drawn stage (with
- * replicas on other nodes: the replica that ran the microbatch, which
- * reported its digests; another replica of the stage is a natural
- * verifier) gets VERIFY_REQ on the same socket just before the STEP, so it
- * answers from
- * the weights the step began with and the inputs it kept; the inputs of
+ * step) is drawn with probability --verify-rate from a keyed BLAKE2b of
+ * (job, step, stage) under a key the coordinator made at its start
+ * (randombytes) and never sends: no node can tell in advance which of its
+ * outputs will be checked. Every microbatch of a drawn (stage, step) is
+ * checked, so the rate is still the fraction of (step, microbatch, stage)
+ * verified, and the stage's weights travel once for all of them. A drawn
+ * stage (with replicas on other nodes: the replica that ran each
+ * microbatch, which reported its digests; another replica of the stage is
+ * a natural verifier) gets a VERIFY_REQ per microbatch on the same socket
+ * just before the STEP, so it answers from the weights the step began with
+ * and the inputs it kept; only the first asks for its weights (the others
+ * are asked NL_VERIFY_NO_WEIGHTS), which the cases of that node and step share
+ * (cwts), and which go to each verifier once: a later case names them by
+ * a name, and a verifier that no longer holds them answers
+ * want_weights and is sent them again. The inputs of
  * its VERIFY_CASE must have the digests it reported receiving, and the
  * case goes, with the model's config, to a verifier of the stage's device
  * class (a standby first, else the node of another stage), whose
@@ -39,45 +45,9 @@
 
 #include "base/log.h"
 #include "coordinator/coord_train_impl.h"
+#include "coordinator/coord_train_verify_impl.h"
 #include "core/train/objective.h"
 #include "net/hopdigest.h"
-
-/* A verification under way. */
-typedef struct cver {
-    int64_t step;
-    uint32_t mb;
-    int stage;
-    uint32_t node;     /* the stage's node */
-    uint32_t verifier; /* 0: its case has not come yet */
-    int held;          /* test builds: its case waits to go to the verifier (verify_lag) */
-    int cross;         /* no other node of the stage's device class: one of another compares
-                          the tensors within a tolerance (node/stage_verify.h) */
-    uint64_t epoch;
-    double t0;
-    uint8_t want[2][NL_HOP_DIGEST_BYTES]; /* the ACTIVATION and GRADIENT the stage reported */
-    uint8_t got[2][NL_HOP_DIGEST_BYTES];  /* ... and those it reported receiving */
-    /* what its case must say of itself: the stage's row of the plan (its
-     * layers [l0, l1), embedding, head) and the step's shape and loss rows,
-     * as the coordinator sent them */
-    uint32_t l0, l1, batch, seq, micro;
-    bool embed, head;
-    uint64_t loss_rows;
-    /* arbitration: the first verifier found a mismatch, `verifier` is now
-     * the arbiter; said: the first verifier's answer */
-    uint32_t first;
-    char said[2][NL_HOP_DIGEST_HEX + 1];
-    /* the case, kept for an arbiter: its fields and its frames in buf */
-    nl_msg_verify_case hdr;
-    nl_wire_frame fr[NL_WIRE_MAX_FRAMES];
-    int nfr;
-    uint8_t *buf;
-} cver;
-
-typedef struct cverify {
-    cver *p;
-    int n, cap;
-    uint32_t next; /* the verifier to try first (round robin) */
-} cverify;
 
 #define VERIFY_STALE_S 600.0 /* a verification still open after this is dropped */
 
@@ -98,49 +68,19 @@ static int64_t verify_lag(void)
 }
 #endif
 
-/* Whether two devices are of one class ("cpu", "cpu-devsim", "cuda"):
- * digests are compared exactly only on the same class. */
-static int same_class(const char *a, const char *b)
-{
-    const size_t n = strncmp(a, "cuda:", 5) == 0 ? 5 : strlen(a) + 1;
-    return strncmp(a, b, n) == 0;
-}
-
-/* Whether a live node other than `of` (and also_not) may redo a case of
- * of's: of its device class, or (any) of any. */
-static int may_verify(const cnode *n, const cnode *of, uint32_t also_not, int any)
-{
-    return n && n->life == NODE_LIVE && !n->unreachable && n->id != of->id && n->id != also_not &&
-           (any || same_class(n->device, of->device));
-}
-
-/* Whether node of's cases go across device classes: no other node of
- * its class could redo them, and one of another could. */
-static int cross_for(nl_coord *c, const cnode *of)
-{
-    int other = 0;
-    for (int i = 0; i < c->n_nodes; i++) {
-        const cnode *n = &c->nodes[i];
-        if (may_verify(n, of, 0, 0))
-            return 0;
-        other |= may_verify(n, of, 0, 1);
-    }
-    return other;
-}
-
 int coord_train_verify_cross(nl_coord *c)
 {
     for (int i = 0; c->o.verify_rate > 0 && i < c->n_nodes; i++)
-        if (c->nodes[i].life == NODE_LIVE && cross_for(c, &c->nodes[i]))
+        if (c->nodes[i].life == NODE_LIVE && verify_cross_for(c, &c->nodes[i]))
             return 1;
     return 0;
 }
 
-/* Whether (job, step, mb, stage) is drawn, by the coordinator's secret. */
-static int drawn(const nl_coord *c, uint64_t job, int64_t step, uint32_t mb, int stage)
+/* Whether (job, step, stage) is drawn, by the coordinator's secret. */
+static int drawn(const nl_coord *c, uint64_t job, int64_t step, int stage)
 {
     uint8_t in[24], out[8];
-    uint64_t v[3] = {job, (uint64_t)step, ((uint64_t)mb << 32) | (uint32_t)stage};
+    uint64_t v[3] = {job, (uint64_t)step, (uint32_t)stage};
     for (int i = 0; i < 3; i++)
         for (int b = 0; b < 8; b++)
             in[i * 8 + b] = (uint8_t)(v[i] >> (8 * b));
@@ -154,8 +94,10 @@ static int drawn(const nl_coord *c, uint64_t job, int64_t step, uint32_t mb, int
 void coord_train_verify_free(ctrain *t)
 {
     if (t && t->ver) {
-        for (int i = 0; i < t->ver->n; i++)
+        for (int i = 0; i < t->ver->n; i++) {
             free(t->ver->p[i].buf);
+            verify_wts_release(&t->ver->p[i].w);
+        }
         free(t->ver->p);
         free(t->ver);
         t->ver = NULL;
@@ -181,6 +123,7 @@ static cver *add(ctrain *t)
 static void drop(ctrain *t, int i)
 {
     free(t->ver->p[i].buf);
+    verify_wts_release(&t->ver->p[i].w);
     t->ver->p[i] = t->ver->p[--t->ver->n];
 }
 
@@ -238,8 +181,6 @@ static void withheld(nl_coord *c, cjob *j, const cver *v)
     convict(c, j, v, "it withheld its case");
 }
 
-static int send_case(nl_coord *c, const cver *v, cnode *to);
-
 /* Test builds: the cases held (verify_lag) of steps up to `upto` go to
  * their verifiers. */
 static void release(nl_coord *c, ctrain *t, int64_t upto)
@@ -250,7 +191,7 @@ static void release(nl_coord *c, ctrain *t, int64_t upto)
             continue;
         v->held = 0;
         cnode *to = coord_node_by_id(c, v->verifier);
-        if (!to || to->life != NODE_LIVE || send_case(c, v, to) != 0) {
+        if (!to || to->life != NODE_LIVE || verify_send_case(c, v, to) != 0) {
             taint(t, v->step);
             drop(t, i--);
         }
@@ -288,6 +229,81 @@ int coord_train_verify_settle(nl_coord *c, cjob *j, int answered)
     return coord_train_verify_pending(t);
 }
 
+/* Ask node n, which ran microbatch mb of stage s in `step`, for its case
+ * (VERIFY_REQ), its weights shared through g (bare: handed over with an
+ * earlier case of the group). -1: out of memory. */
+static int ask_case(nl_coord *c, cjob *j, int s, int64_t step, int64_t mb, cnode *n, cwts *g,
+                    int bare, uint64_t loss_rows, nl_wire_msg *m)
+{
+    ctrain *t = j->state;
+    /* across classes only when the stages keep what they send */
+    const int cross = t->verify_outputs && verify_cross_for(c, n);
+    cver *v = add(t);
+    if (!v)
+        return -1;
+    const uint8_t *d = t->dig + (((size_t)s * (size_t)t->micro + (size_t)mb) * NL_DIGEST_KINDS *
+                                 NL_HOP_DIGEST_BYTES);
+    const nl_plan_stage *row = &c->plan->stages[s];
+    g->refs++;
+    *v = (cver){.step = step,
+                .mb = (uint32_t)mb,
+                .stage = s,
+                .node = n->id,
+                .bare = bare,
+                .w = g,
+                .epoch = c->epoch,
+                .t0 = coord_now(),
+                .cross = cross,
+                .l0 = (uint32_t)row->l0,
+                .l1 = (uint32_t)row->l1,
+                .embed = row->has_embed != 0,
+                .head = row->has_head != 0,
+                .batch = (uint32_t)(t->batch / t->micro),
+                .seq = (uint32_t)t->seq,
+                .micro = (uint32_t)t->micro,
+                .loss_rows = loss_rows};
+    memcpy(v->want[0], d + NL_DIGEST_FWD_OUT * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
+    memcpy(v->want[1], d + NL_DIGEST_BWD_OUT * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
+    /* stage 0's input is what the coordinator sent it, not what it says */
+    memcpy(v->got[0],
+           s == 0 && t->sent ? t->sent + (size_t)mb * NL_HOP_DIGEST_BYTES
+                             : d + NL_DIGEST_FWD_IN * NL_HOP_DIGEST_BYTES,
+           NL_HOP_DIGEST_BYTES);
+    memcpy(v->got[1], d + NL_DIGEST_BWD_IN * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
+    nl_wire_msg_reset(m, NL_MSG_VERIFY_REQ);
+    m->u.verify_req =
+        (nl_msg_verify_req){j->id, (uint64_t)step, (uint32_t)mb,
+                            (cross ? NL_VERIFY_OUTPUTS : 0u) | (bare ? NL_VERIFY_NO_WEIGHTS : 0u)};
+    t->verify_sampled++;
+    if (coord_send_node(c, n, m) != NL_OK)
+        drop(t, t->ver->n - 1); /* the node is lost: the machine hears of it */
+    return 0;
+}
+
+/* A drawn (stage, step): every microbatch of it asked for, from the
+ * replica that ran it (microbatch i on replica i mod R), each replica's
+ * weights once. */
+static void ask_stage(nl_coord *c, cjob *j, int s, int64_t step, uint64_t loss_rows, nl_wire_msg *m)
+{
+    ctrain *t = j->state;
+    const int R = coord_stage_replicas(c, s);
+    cwts **g = calloc((size_t)(R > 0 ? R : 1), sizeof *g);
+    for (int64_t mb = 0; g && R > 0 && mb < t->micro; mb++) {
+        const int r = (int)(mb % R);
+        cnode *n = coord_stage_replica(c, s, r);
+        if (!n)
+            continue;
+        const int bare = g[r] != NULL;
+        if (!g[r] && (g[r] = calloc(1, sizeof *g[r])))
+            g[r]->refs = 1; /* this loop's */
+        if (!g[r] || ask_case(c, j, s, step, mb, n, g[r], bare, loss_rows, m) != 0)
+            break;
+    }
+    for (int r = 0; g && r < R; r++)
+        verify_wts_release(&g[r]);
+    free(g);
+}
+
 void coord_train_verify_sample(nl_coord *c, cjob *j)
 {
     ctrain *t = j->state;
@@ -318,127 +334,10 @@ void coord_train_verify_sample(nl_coord *c, cjob *j)
     const uint64_t loss_rows = rows > 0 ? (uint64_t)rows : 0;
     nl_wire_msg m;
     nl_wire_msg_init(&m);
-    for (int s = 0; c->plan && s < t->stages && s < c->plan->n_stages; s++) {
-        const int R = coord_stage_replicas(c, s);
-        for (int64_t mb = 0; mb < t->micro; mb++) {
-            /* the replica that ran it (microbatch i on replica i mod R) */
-            cnode *n = coord_stage_replica(c, s, (int)(mb % R));
-            if (!n || !drawn(c, j->id, step, (uint32_t)mb, s))
-                continue;
-            /* across classes only when the stages keep what they send */
-            const int cross = t->verify_outputs && cross_for(c, n);
-            cver *v = add(t);
-            if (!v)
-                break;
-            const uint8_t *d = t->dig + (((size_t)s * (size_t)t->micro + (size_t)mb) *
-                                         NL_DIGEST_KINDS * NL_HOP_DIGEST_BYTES);
-            const nl_plan_stage *row = &c->plan->stages[s];
-            *v = (cver){.step = step,
-                        .mb = (uint32_t)mb,
-                        .stage = s,
-                        .node = n->id,
-                        .epoch = c->epoch,
-                        .t0 = coord_now(),
-                        .cross = cross,
-                        .l0 = (uint32_t)row->l0,
-                        .l1 = (uint32_t)row->l1,
-                        .embed = row->has_embed != 0,
-                        .head = row->has_head != 0,
-                        .batch = (uint32_t)(t->batch / t->micro),
-                        .seq = (uint32_t)t->seq,
-                        .micro = (uint32_t)t->micro,
-                        .loss_rows = loss_rows};
-            memcpy(v->want[0], d + NL_DIGEST_FWD_OUT * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
-            memcpy(v->want[1], d + NL_DIGEST_BWD_OUT * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
-            /* stage 0's input is what the coordinator sent it, not what it says */
-            memcpy(v->got[0],
-                   s == 0 && t->sent ? t->sent + (size_t)mb * NL_HOP_DIGEST_BYTES
-                                     : d + NL_DIGEST_FWD_IN * NL_HOP_DIGEST_BYTES,
-                   NL_HOP_DIGEST_BYTES);
-            memcpy(v->got[1], d + NL_DIGEST_BWD_IN * NL_HOP_DIGEST_BYTES, NL_HOP_DIGEST_BYTES);
-            nl_wire_msg_reset(&m, NL_MSG_VERIFY_REQ);
-            m.u.verify_req = (nl_msg_verify_req){j->id, (uint64_t)step, (uint32_t)mb, cross};
-            t->verify_sampled++;
-            if (coord_send_node(c, n, &m) != NL_OK)
-                t->ver->n--; /* the node is lost: the machine hears of it */
-        }
-    }
+    for (int s = 0; c->plan && s < t->stages && s < c->plan->n_stages; s++)
+        if (drawn(c, j->id, step, s))
+            ask_stage(c, j, s, step, loss_rows, &m);
     nl_wire_msg_free(&m);
-}
-
-/* The node that redoes a case of node `of`'s stage `stage`: a standby of
- * the same device class (any: of any class) first, else another replica
- * of that stage (it runs the same layers), else another stage's node (any
- * replica) of that class, taken in turn; NULL: none. */
-static cnode *verifier_for(nl_coord *c, ctrain *t, int stage, const cnode *of, uint32_t also_not,
-                           int any)
-{
-    const nl_plan *p = c->plan;
-    const uint32_t next = t->ver->next;
-    for (int i = 0; p && i < p->n_standby; i++) {
-        cnode *n = coord_node_by_id(c, (uint32_t)p->standby[(i + next) % p->n_standby]);
-        if (may_verify(n, of, also_not, any)) {
-            t->ver->next++;
-            return n;
-        }
-    }
-    const int R = coord_stage_replicas(c, stage);
-    for (int i = 0; i < R; i++) {
-        cnode *n = coord_stage_replica(c, stage, (int)((i + next) % (uint32_t)R));
-        if (may_verify(n, of, also_not, any)) {
-            t->ver->next++;
-            return n;
-        }
-    }
-    for (int i = 0; i < t->stages; i++) {
-        const int s = (int)((i + next) % (uint32_t)t->stages);
-        for (int r = 0; s != stage && r < coord_stage_replicas(c, s); r++) {
-            cnode *n =
-                coord_stage_replica(c, s, (int)((r + next) % (uint32_t)coord_stage_replicas(c, s)));
-            if (may_verify(n, of, also_not, any)) {
-                t->ver->next++;
-                return n;
-            }
-        }
-    }
-    return NULL;
-}
-
-/* Keep a copy of a stage's case (for an arbiter): 0, or -1 out of memory. */
-static int keep_case(cver *v, const nl_wire_msg *m, uint64_t bytes)
-{
-    if (!(v->buf = malloc(bytes ? bytes : 1)))
-        return -1;
-    v->hdr = m->u.verify_case;
-    v->hdr.config_json = NULL;
-    v->nfr = m->nframes;
-    size_t off = 0;
-    for (int f = 0; f < m->nframes; f++) {
-        v->fr[f] = m->frames[f];
-        memcpy(v->buf + off, m->frames[f].t.data, m->frames[f].len);
-        v->fr[f].t.data = v->buf + off;
-        v->fr[f].free_fn = NULL; /* copied by the send */
-        off += m->frames[f].len;
-    }
-    return 0;
-}
-
-/* The kept case to node `to`, with the model's config: 0, or -1. */
-static int send_case(nl_coord *c, const cver *v, cnode *to)
-{
-    char *json = nl_config_to_json(&c->cfg);
-    nl_wire_msg m;
-    nl_wire_msg_init(&m);
-    nl_wire_msg_reset(&m, NL_MSG_VERIFY_CASE);
-    m.u.verify_case = v->hdr;
-    m.u.verify_case.config_json = json;
-    for (int f = 0; f < v->nfr; f++)
-        m.frames[f] = v->fr[f];
-    m.nframes = v->nfr;
-    const int rc = json && coord_send_node(c, to, &m) == NL_OK ? 0 : -1;
-    nl_wire_msg_free(&m);
-    free(json);
-    return rc;
 }
 
 /* Whether a case's inputs are those the stage reported receiving: the
@@ -478,8 +377,9 @@ static int inputs_match(const cver *v, const nl_wire_msg *m)
  * microbatches and loss rows. NULL: it does; else what differs. A stage
  * that skipped a layer could otherwise hand over a case without it, which
  * a verifier would redo to the same wrong outputs. */
-static const char *case_differs(const cver *v, const nl_msg_verify_case *k)
+static const char *case_differs(const cver *v, const nl_wire_msg *m)
 {
+    const nl_msg_verify_case *k = &m->u.verify_case;
     if (k->layer0 != v->l0 || k->layer1 != v->l1)
         return "its case's layers are not those the plan gave its stage";
     if (k->has_embed != v->embed || k->has_head != v->head)
@@ -488,6 +388,9 @@ static const char *case_differs(const cver *v, const nl_msg_verify_case *k)
         return "its case's batch, sequence or microbatches are not the step's";
     if (k->loss_rows != v->loss_rows)
         return "its case's loss rows are not the step's";
+    if ((m->frames[0].t.shape[0] == 0) != (v->bare != 0))
+        return v->bare ? "its case carries weights it was not asked for"
+                       : "its case lacks the weights it was asked for";
     return NULL;
 }
 
@@ -501,7 +404,7 @@ static void on_case(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
         if (v->verifier || v->node != from->id || v->step != (int64_t)k->step ||
             v->mb != k->microbatch || v->stage != (int)k->stage)
             continue;
-        const char *differs = case_differs(v, k);
+        const char *differs = case_differs(v, &rx->msg);
         if (differs || !inputs_match(v, &rx->msg)) { /* the plan or its own reports convict it */
             t->verify_mismatches++;
             t->verify_convicted++;
@@ -517,23 +420,28 @@ static void on_case(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
             drop(t, i);
             return;
         }
+        /* the group's weights: with its first case (bare: an earlier one) */
+        const int weights =
+            v->bare ? v->w->buf != NULL : verify_wts_take(v->w, &rx->msg.frames[0]) == 0;
         /* a verifier hears on its control socket: a bigger case would
          * make its libzmq drop the connection */
-        uint64_t bytes = 0, part = 0;
-        for (int f = 0; f < rx->msg.nframes; f++) {
+        uint64_t bytes = weights ? v->w->fr.len : 0, part = bytes;
+        for (int f = 1; f < rx->msg.nframes; f++) {
             bytes += rx->msg.frames[f].len;
             part = rx->msg.frames[f].len > part ? rx->msg.frames[f].len : part;
         }
         const int fits = part <= NL_SOCK_CONTROL_PART && bytes + 65536 <= NL_SOCK_CONTROL_MSG;
-        cnode *to = fits ? verifier_for(c, t, v->stage, from, 0, v->cross) : NULL;
+        cnode *to = weights && fits ? verify_verifier_of(c, t, v, from) : NULL;
         const int held = verify_lag() > 0;
-        if (!to || keep_case(v, &rx->msg, bytes) != 0 || (!held && send_case(c, v, to) != 0)) {
+        if (!to || verify_keep_case(v, &rx->msg, bytes) != 0 ||
+            (!held && verify_send_case(c, v, to) != 0)) {
             NL_WARN("train job %llu: step %lld microbatch %u of stage %d is not verified: %s",
                     (unsigned long long)j->id, (long long)v->step, v->mb, v->stage,
-                    !fits ? "the stage's weights exceed what a verifier's control socket takes "
-                            "(16 MiB a part)"
-                    : !to ? "no other node to redo it"
-                          : "the send to the verifier failed");
+                    !weights ? "its stage's weights did not come (or no memory for them)"
+                    : !fits  ? "the stage's weights exceed what a verifier's control socket "
+                               "takes (16 MiB a part)"
+                    : !to    ? "no other node to redo it"
+                             : "the send to the verifier failed");
             t->verify_skipped++;
             taint(t, v->step);
             drop(t, i);
@@ -564,10 +472,10 @@ static int ask_arbiter(nl_coord *c, cjob *j, cver *v, const nl_msg_verify_result
 {
     ctrain *t = j->state;
     const cnode *stage = coord_node_by_id(c, v->node);
-    cnode *to = stage ? verifier_for(c, t, v->stage, stage, from->id, v->cross) : NULL;
+    cnode *to = stage ? verify_verifier_for(c, t, v->stage, stage, from->id, v->cross) : NULL;
     snprintf(v->said[0], sizeof v->said[0], "%s", r->fwd);
     snprintf(v->said[1], sizeof v->said[1], "%s", r->bwd);
-    if (!to || send_case(c, v, to) != 0) {
+    if (!to || verify_send_case(c, v, to) != 0) {
         NL_WARN("train job %llu: step %lld microbatch %u of stage %d stays unresolved: no third "
                 "node to arbitrate between node %u and its verifier node %u",
                 (unsigned long long)j->id, (long long)v->step, v->mb, v->stage, v->node, from->id);
@@ -624,22 +532,38 @@ static int judge(nl_coord *c, ctrain *t, cjob *j, const cver *v, const nl_msg_ve
 }
 
 /* A verifier's (or an arbiter's) VERIFY_RESULT, against the stage's report. */
-static void on_result(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
+static void on_result(nl_coord *c, cjob *j, const nl_rx *rx, cnode *from)
 {
     ctrain *t = j->state;
     const nl_msg_verify_result *r = &rx->msg.u.verify_result;
     for (int i = 0; t->ver && i < t->ver->n; i++) {
         cver *v = &t->ver->p[i];
         if (v->verifier != from->id || v->step != (int64_t)r->step || v->mb != r->microbatch ||
-            v->stage != (int)r->stage)
+            v->stage != (int)r->stage || v->held)
             continue;
+        if (r->want_weights) { /* it dropped them since: again, with them */
+            verify_wts_mark(v->w, from->id, 0);
+            if (v->asks++ == 0 && verify_send_case(c, v, from) == 0)
+                return;
+            NL_WARN("train job %llu: step %lld microbatch %u of stage %d is not verified: node "
+                    "%u %s",
+                    (unsigned long long)j->id, (long long)v->step, v->mb, v->stage, from->id,
+                    v->asks > 1 ? "asks again for the weights it was sent"
+                                : "could not be sent the weights it asks for");
+            taint(t, v->step);
+            drop(t, i);
+            return;
+        }
+        const int fwd = same(r->fwd, v->want[0]), bwd = same(r->bwd, v->want[1]);
+        from->ver_cases++;
+        from->ver_s += coord_now() - v->sent;
+        from->ver_mismatches += !(fwd && bwd);
         if (v->first) { /* the arbiter's: clean only if it outvotes the verifier */
             if (!judge(c, t, j, v, r, from))
                 taint(t, v->step);
             drop(t, i);
             return;
         }
-        const int fwd = same(r->fwd, v->want[0]), bwd = same(r->bwd, v->want[1]);
         t->verify_done++;
         if (fwd && bwd) {
             NL_DEBUG("train job %llu: step %lld microbatch %u of stage %d verified by node %u",
@@ -662,7 +586,7 @@ static void on_result(nl_coord *c, cjob *j, const nl_rx *rx, const cnode *from)
 
 void coord_train_verify_msg(nl_coord *c, cjob *j, const nl_rx *rx)
 {
-    const cnode *from = coord_node_by_rid(c, rx);
+    cnode *from = coord_node_by_rid(c, rx);
     ctrain *t = j->state;
     if (!from || !t)
         return;

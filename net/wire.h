@@ -416,8 +416,15 @@ typedef struct nl_msg_ckpt_done {
 typedef struct nl_msg_verify_req {
     uint64_t job_id, step;
     uint32_t microbatch;
-    uint32_t outputs; /* 1: the case carries the stage's outputs too (a cross-class verifier) */
+    uint32_t flags; /* nl_verify_req_flag bits (absent: 0) */
 } nl_msg_verify_req;
+typedef enum nl_verify_req_flag {
+    /* the case carries the stage's outputs too (a cross-class verifier) */
+    NL_VERIFY_OUTPUTS = 1u,
+    /* the stage handed its weights over with an earlier case of this
+     * step: this one carries none (its frame 0 is F32 [0]) */
+    NL_VERIFY_NO_WEIGHTS = 2u,
+} nl_verify_req_flag;
 
 /* VERIFY_CASE: what redoing it takes (node/stage_verify.h). Frames: 0 the
  * stage's weights at the step's start, F32 [n]; 1 its input (I32 tokens
@@ -433,7 +440,12 @@ typedef struct nl_msg_verify_req {
  * bytes that crossed it: all F32, or all BF16 with --wire bf16 (the
  * verifier then rounds its own outputs to bf16 too).
  * config_json is empty from the stage; the coordinator fills it for the
- * verifier. */
+ * verifier. Frame 0 is F32 [0] when the weights were handed over with an
+ * earlier case of the step (VERIFY_REQ no_weights) or, to a verifier,
+ * when that verifier was sent them already: `weights` (coordinator ->
+ * verifier, 64 hex digits; empty from a stage) is the name the
+ * coordinator gave those weights (32 random bytes), which a verifier
+ * holding them finds them by. */
 typedef struct nl_msg_verify_case {
     uint64_t job_id, step;
     uint32_t microbatch, stage;
@@ -444,15 +456,19 @@ typedef struct nl_msg_verify_case {
     uint32_t extras;
     bool counts;
     const char *config_json;
-    uint32_t outputs; /* 0 or 1 (absent: 0) */
+    uint32_t outputs;    /* 0 or 1 (absent: 0) */
+    const char *weights; /* the weights' name in hex, or "" (absent: "") */
 } nl_msg_verify_case;
 
 /* VERIFY_RESULT: the digests of the ACTIVATION and GRADIENT the stage
- * should have sent (64 hex digits, or "" where it sends none). */
+ * should have sent (64 hex digits, or "" where it sends none); or, with
+ * want_weights 1 (absent: 0), none: the case came without weights and the
+ * verifier does not hold those it names (send it again with them). */
 typedef struct nl_msg_verify_result {
     uint64_t job_id, step;
     uint32_t microbatch, stage;
     const char *fwd, *bwd;
+    uint32_t want_weights;
 } nl_msg_verify_result;
 
 /* REDUCE + one F32 frame [n]: a chunk of a stage's replicas' all-reduce

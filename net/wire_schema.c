@@ -194,7 +194,7 @@ static const nl_wire_field f_verify_req[] = {
     F_U64(nl_msg_verify_req, job_id, U64_ANY),
     F_U64(nl_msg_verify_req, step, U64_ANY),
     F_U32(nl_msg_verify_req, microbatch, U32_ANY),
-    F_U32_OPT(nl_msg_verify_req, outputs),
+    F_U32_OPT(nl_msg_verify_req, flags),
 };
 static const nl_wire_field f_verify_case[] = {
     F_U64(nl_msg_verify_case, job_id, U64_ANY),
@@ -213,6 +213,7 @@ static const nl_wire_field f_verify_case[] = {
     F_BOOL(nl_msg_verify_case, counts),
     F_STR(nl_msg_verify_case, config_json, NL_WCS_UTF8, 0, 49152),
     F_U32_OPT(nl_msg_verify_case, outputs),
+    F_STR_OPT(nl_msg_verify_case, weights, NL_WCS_HEX, 64),
 };
 static const nl_wire_field f_verify_result[] = {
     F_U64(nl_msg_verify_result, job_id, U64_ANY),
@@ -221,6 +222,7 @@ static const nl_wire_field f_verify_result[] = {
     F_U32(nl_msg_verify_result, stage, 0, 4095),
     F_STR(nl_msg_verify_result, fwd, NL_WCS_HEX, 0, 64),
     F_STR(nl_msg_verify_result, bwd, NL_WCS_HEX, 0, 64),
+    F_U32_OPT(nl_msg_verify_result, want_weights),
 };
 static const nl_wire_field f_reduce[] = {
     F_U64(nl_msg_reduce, job_id, U64_ANY),
@@ -236,6 +238,7 @@ static const nl_wire_field f_reduce[] = {
 
 static nl_status check_join(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_reduce(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
+static nl_status check_verify_req(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_verify_case(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_verify_result(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_accept(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
@@ -285,7 +288,8 @@ static const nl_wire_tdesc tdescs[NL_MSG_TYPE_MAX] = {
     [NL_MSG_CKPT_REQ] = {"CKPT_REQ", f_ckpt_req, NF(f_ckpt_req), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_CKPT_DONE] = {"CKPT_DONE", f_ckpt_done, NF(f_ckpt_done), 0, 0, 0, 0, 0, NULL},
     [NL_MSG_LOSS] = {"LOSS", f_loss, NF(f_loss), 0, 0, 0, 0, 0, NULL},
-    [NL_MSG_VERIFY_REQ] = {"VERIFY_REQ", f_verify_req, NF(f_verify_req), 0, 0, 0, 0, 0, NULL},
+    [NL_MSG_VERIFY_REQ] = {"VERIFY_REQ", f_verify_req, NF(f_verify_req), 0, 0, 0, 0, 0,
+                           check_verify_req},
     [NL_MSG_VERIFY_CASE] = {"VERIFY_CASE", f_verify_case, NF(f_verify_case), 2, 10, 1, 3,
                             DT(F32) | DT(BF16) | DT(I32) | DT(I64), check_verify_case},
     [NL_MSG_VERIFY_RESULT] = {"VERIFY_RESULT", f_verify_result, NF(f_verify_result), 0, 0, 0, 0, 0,
@@ -471,8 +475,11 @@ static nl_status check_frames(nl_wire_msg *m, const nl_wire_tdesc *td, const nl_
             return nl_error_set(err, NL_ERR_SHAPE,
                                 "%s: frame %d has %d dimensions, allowed %d to %d", td->name, i,
                                 t->ndim, td->min_dims, maxd);
+        /* one exception: a VERIFY_CASE's weights, F32 [0] when they came
+         * with an earlier case (docs/protocol.md) */
+        const bool may_be_empty = m->type == NL_MSG_VERIFY_CASE && i == 0 && t->ndim == 1;
         for (int d = 0; d < t->ndim; d++)
-            if (t->shape[d] < 1)
+            if (t->shape[d] < 1 && !(may_be_empty && t->shape[d] == 0))
                 return nl_error_set(err, NL_ERR_SHAPE, "%s: frame %d: dimension %d is %lld",
                                     td->name, i, d, (long long)t->shape[d]);
         int64_t numel = nl_shape_numel(t->shape, t->ndim);
@@ -643,6 +650,14 @@ static nl_status check_activation(const nl_wire_msg *m, const nl_wire_tdesc *td,
     return NL_OK;
 }
 
+static nl_status check_verify_req(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err)
+{
+    const uint32_t f = m->u.verify_req.flags;
+    if (f & ~(uint32_t)(NL_VERIFY_OUTPUTS | NL_VERIFY_NO_WEIGHTS))
+        return nl_error_set(err, NL_ERR_RANGE, "%s: flags %u (bits 1 and 2 only)", td->name, f);
+    return NL_OK;
+}
+
 /* VERIFY_CASE: the frames its fields name, in their order, each of its
  * dtype and rank (their sizes are the receiver's to check against the
  * config). */
@@ -653,6 +668,8 @@ static nl_status check_verify_case(const nl_wire_msg *m, const nl_wire_tdesc *td
     int rank[10], n = 0;
     if (v->outputs > 1)
         return nl_error_set(err, NL_ERR_RANGE, "%s: outputs %u (0 or 1)", td->name, v->outputs);
+    if (v->weights && v->weights[0] && strlen(v->weights) != 64)
+        return nl_error_set(err, NL_ERR_RANGE, "%s: weights is 64 hex digits or empty", td->name);
     if (v->layer0 > v->layer1 || (v->has_embed && v->stage != 0))
         return nl_error_set(err, NL_ERR_RANGE, "%s: layers [%u, %u) of stage %u%s", td->name,
                             v->layer0, v->layer1, v->stage,
@@ -693,6 +710,9 @@ static nl_status check_verify_result(const nl_wire_msg *m, const nl_wire_tdesc *
     const size_t f = v->fwd ? strlen(v->fwd) : 0, b = v->bwd ? strlen(v->bwd) : 0;
     if ((f != 0 && f != 64) || (b != 0 && b != 64))
         return nl_error_set(err, NL_ERR_RANGE, "%s: a digest is 64 hex digits or empty", td->name);
+    if (v->want_weights > 1 || (v->want_weights && (f || b)))
+        return nl_error_set(err, NL_ERR_RANGE, "%s: want_weights %u (0, or 1 with no digests)",
+                            td->name, v->want_weights);
     return NL_OK;
 }
 

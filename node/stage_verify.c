@@ -65,8 +65,10 @@ void stage_train_kept_free(stage_train *t)
 
 /* ===================== a case ===================== */
 
-nl_status nl_stage_verify_case(nl_stage *s, uint64_t job, uint64_t step, uint32_t mb,
-                               nl_verify_case *c, nl_error *err)
+/* As nl_stage_verify_case; without `weights`, c carries none (n_weights
+ * 0): the stage handed them over with an earlier case of the step. */
+static nl_status verify_case(nl_stage *s, uint64_t job, uint64_t step, uint32_t mb, bool weights,
+                             nl_verify_case *c, nl_error *err)
 {
     const stage_job *e = stage_job_first(s, NL_JOB_TRAIN);
     stage_train *t = e ? e->state : NULL;
@@ -90,10 +92,11 @@ nl_status nl_stage_verify_case(nl_stage *s, uint64_t job, uint64_t step, uint32_
     const nl_model *m = s->model;
     if (!k->fwd || (!m->has_head && !k->bwd))
         return nl_error_set(err, NL_ERR_STATE, "verify: microbatch %u's inputs are not kept", mb);
-    if (!(c->weights = malloc(m->n_params * sizeof(float))))
+    if (weights && !(c->weights = malloc(m->n_params * sizeof(float))))
         return nl_error_set(err, NL_ERR_NOMEM, "verify: out of memory for the weights");
-    s->be->download(s->be, c->weights, m->params, m->n_params * sizeof(float));
-    c->n_weights = m->n_params;
+    if (weights)
+        s->be->download(s->be, c->weights, m->params, m->n_params * sizeof(float));
+    c->n_weights = weights ? m->n_params : 0;
     c->cfg = &m->cfg;
     c->l0 = m->l0;
     c->l1 = m->l1;
@@ -118,6 +121,12 @@ nl_status nl_stage_verify_case(nl_stage *s, uint64_t job, uint64_t step, uint32_
     c->y = m->has_head ? NULL : k->y; /* NULL unless the job asked to keep them */
     c->dx = m->has_embed ? NULL : k->dx;
     return nl_backend_check(s->be, err);
+}
+
+nl_status nl_stage_verify_case(nl_stage *s, uint64_t job, uint64_t step, uint32_t mb,
+                               nl_verify_case *c, nl_error *err)
+{
+    return verify_case(s, job, step, mb, true, c, err);
 }
 
 void nl_verify_case_free(nl_verify_case *c)
@@ -308,8 +317,10 @@ nl_status stage_train_verify_req(nl_stage *s, stage_train *t, const nl_msg_verif
     nl_verify_case c;
     if (stage_verify_mute(s)) /* a test hook: a stage that withholds its cases */
         return NL_OK;
-    nl_status st = nl_stage_verify_case(s, r->job_id, r->step, r->microbatch, &c, err);
-    if (st == NL_OK && r->outputs && ((!c.has_head && !c.y) || (!c.has_embed && !c.dx)))
+    const bool outputs = r->flags & NL_VERIFY_OUTPUTS;
+    nl_status st = verify_case(s, r->job_id, r->step, r->microbatch,
+                               !(r->flags & NL_VERIFY_NO_WEIGHTS), &c, err);
+    if (st == NL_OK && outputs && ((!c.has_head && !c.y) || (!c.has_embed && !c.dx)))
         st = nl_error_set(err, NL_ERR_STATE,
                           "verify: microbatch %u's outputs are not kept (the job did not ask "
                           "for verify_outputs)",
@@ -345,10 +356,13 @@ nl_status stage_train_verify_req(nl_stage *s, stage_train *t, const nl_msg_verif
                                             extras,
                                             c.counts != NULL,
                                             "",
-                                            r->outputs ? 1u : 0u};
+                                            outputs ? 1u : 0u,
+                                            ""};
     const nl_wire_precision wp = c.bf16 ? NL_WIRE_BF16 : NL_WIRE_FP32;
     int f = 0;
-    nl_wire_frame_set(&m->frames[f++], c.weights, NL_DTYPE_F32, ws, 1); /* copied by the send */
+    static const float none = 0.0f; /* no_weights: F32 [0] */
+    nl_wire_frame_set(&m->frames[f++], c.weights ? c.weights : &none, NL_DTYPE_F32, ws,
+                      1); /* copied by the send */
     if (c.has_embed)
         nl_wire_frame_set(&m->frames[f++], c.x, NL_DTYPE_I32, ts, 2);
     else
@@ -361,9 +375,9 @@ nl_status stage_train_verify_req(nl_stage *s, stage_train *t, const nl_msg_verif
     for (int i = 0; i < 4; i++)
         if (ex[i])
             nl_wire_frame_set(&m->frames[f++], ex[i], NL_DTYPE_I32, i < 2 ? ts : bs, i < 2 ? 2 : 1);
-    if (r->outputs && !c.has_head) /* across device classes: what it sent */
+    if (outputs && !c.has_head) /* across device classes: what it sent */
         st = hidden_frame(&m->frames[f++], wp, c.y, xs, &h[nh++], st, err);
-    if (r->outputs && !c.has_embed)
+    if (outputs && !c.has_embed)
         st = hidden_frame(&m->frames[f++], wp, c.dx, xs, &h[nh++], st, err);
     m->nframes = f;
     if (st == NL_OK)

@@ -109,9 +109,12 @@ nl_status nl_verify_recompute(nl_backend *be, const nl_verify_case *c,
  *
  * It keeps what it built for a stage (the layers, a trainer, the weights
  * loaded) for the next cases of that stage: up to 4 stages of one job,
- * weights loaded again whenever a case's differ from those it holds (byte
- * for byte), all dropped by a case of another job, a new plan (ASSIGN)
- * and the end of the node's training job (nl_stage_verify_forget). */
+ * weights loaded again whenever a case's differ from those it holds (by
+ * the name the coordinator gave them, else by their BLAKE2b digest); a
+ * case that comes without weights names those it is to be redone on, and
+ * is answered want_weights when none held are those (docs/protocol.md,
+ * VERIFY_RESULT); all dropped by a case of another job,
+ * a new plan (ASSIGN) and the end of the node's training job (nl_stage_verify_forget). */
 
 /* Take a VERIFY_CASE (checked against its config and copied: m is the
  * caller's again on return); an error here is the case's refusal. */
@@ -127,10 +130,11 @@ int nl_stage_verify_pop(nl_stage *s, bool wait, nl_wire_msg *out,
  * before its next case (it does not wait). */
 void nl_stage_verify_forget(nl_stage *s);
 
-/* What the verifier did (the tests read it): cases redone, stages built,
- * weights loaded into a build. */
+/* What the verifier did (the tests read it): cases taken, stages built,
+ * weights loaded into a build, cases that came without weights redone on
+ * those held, and such cases answered want_weights (none held). */
 typedef struct nl_verify_stats {
-    uint64_t cases, builds, loads;
+    uint64_t cases, builds, loads, held, wanted;
 } nl_verify_stats;
 void nl_stage_verify_stats(const nl_stage *s, nl_verify_stats *out);
 

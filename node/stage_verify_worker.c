@@ -7,9 +7,15 @@
  * VERIFY_KEEP stages it checks (the least recently used goes first). A
  * case uses a build kept for the same job, stage, layers, embedding and
  * head, microbatch shape and model config; its weights are loaded again
- * unless they are, byte for byte, those the build holds (every case
- * carries them; the cases of one step of one stage share them, a later
- * step's differ): a case is never redone on weights other than its own.
+ * unless they are those the build holds: by the name the coordinator
+ * gave them (VERIFY_CASE weights: 32 random bytes for each stage's
+ * weights of a step), or, for a case that names none, by their BLAKE2b
+ * digest (the cases of one step of one stage share them, a later step's
+ * differ): a case is never redone on weights other than its own. A case
+ * that comes without weights (the coordinator sent them with an earlier
+ * case of the same stage and step) names them and is redone on the build
+ * that holds those; with none, it is answered with want_weights, and the
+ * coordinator sends it again with them.
  * A case of another job drops the builds of every other; so do a new
  * plan (ASSIGN) and the end of the node's own training job, through
  * nl_stage_verify_forget: at once when no case is under way, else on the
@@ -28,6 +34,7 @@
  * tests' way, and the CUDA node's for now). */
 #include <pthread.h>
 #include <sched.h>
+#include <sodium.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -100,6 +107,9 @@ static nl_status case_of(const nl_wire_msg *m, nl_config *cfg, nl_verify_case *c
     size_t off[NL_WIRE_MAX_FRAMES], total = 0;
     const size_t hidden = (size_t)(B * T * d);
     bool bf16 = false;
+    if (m->frames[0].t.shape[0] == 0 && !(v->weights && v->weights[0]))
+        return nl_error_set(err, NL_ERR_PROTO,
+                            "VERIFY_CASE: no weights, and no name of weights held");
     for (int i = 0; i < m->nframes; i++) {
         const bool w = m->frames[i].t.dtype == NL_DTYPE_BF16;
         bf16 |= w;
@@ -112,7 +122,7 @@ static nl_status case_of(const nl_wire_msg *m, nl_config *cfg, nl_verify_case *c
     for (int i = 0; i < m->nframes; i++) {
         if (m->frames[i].t.dtype == NL_DTYPE_BF16)
             nl_wire_frame_widen(&m->frames[i], (float *)(void *)(buf + off[i]), hidden);
-        else
+        else if (m->frames[i].len > 0)
             memcpy(buf + off[i], m->frames[i].t.data, m->frames[i].len);
     }
 #define AT(i, T) ((i) >= 0 ? (const T *)(const void *)(buf + off[(i)]) : NULL)
@@ -154,8 +164,8 @@ typedef struct kept_build {
     int l0, l1, mbB, T;
     bool embed, head;
     char *cfg_json;
-    float *w; /* the weights loaded, a host copy [n] */
-    size_t n;
+    uint8_t wdig[NL_HOP_DIGEST_BYTES]; /* the weights loaded: their name (or digest) */
+    bool loaded;
     uint64_t used; /* the verifier's clock when last used */
 } kept_build;
 
@@ -166,6 +176,9 @@ typedef struct vjob {
     char *cfg_json;
     nl_verify_case c; /* c.cfg is &cfg; c.weights owns the frames' copy */
     nl_msg_verify_case hdr;
+    uint8_t named[NL_HOP_DIGEST_BYTES]; /* the weights' name the case gives (hdr.weights) */
+    bool has_named;
+    bool want; /* it came without weights, and none held are those it names */
     uint8_t fwd[NL_HOP_DIGEST_BYTES], bwd[NL_HOP_DIGEST_BYTES];
     double rel;
     nl_status st;
@@ -179,7 +192,7 @@ typedef struct verifier {
     bool niced; /* the worker thread has lowered its priority */
     kept_build kept[VERIFY_KEEP];
     uint64_t clock;
-    atomic_uint_least64_t cases, builds, loads;
+    atomic_uint_least64_t cases, builds, loads, held, wanted;
     atomic_bool forget; /* drop what is kept before the next case */
     vjob *out;          /* pushed, not popped */
 } verifier;
@@ -188,7 +201,6 @@ static void kept_free(kept_build *k)
 {
     verify_redo_free(&k->r);
     free(k->cfg_json);
-    free(k->w);
     *k = (kept_build){0};
 }
 
@@ -201,27 +213,41 @@ static bool kept_fits(const kept_build *k, const vjob *j)
 }
 
 /* The build for j's case: one kept (its weights loaded again unless
- * they are the case's), or a new one in the least recently used place. */
+ * they are the case's), or a new one in the least recently used place.
+ * A case without weights takes only a build that holds those it names:
+ * none, and *out is NULL (j->want). */
 static nl_status kept_for(verifier *v, vjob *j, kept_build **out, nl_error *err)
 {
     const nl_verify_case *c = &j->c;
+    const bool bare = c->n_weights == 0;
+    uint8_t dig[NL_HOP_DIGEST_BYTES]; /* what the weights are known by */
+    *out = NULL;
+    if (j->has_named)
+        memcpy(dig, j->named, sizeof dig);
+    else /* a case that names none (not the coordinator's): their digest */
+        crypto_generichash(dig, sizeof dig, (const uint8_t *)c->weights,
+                           c->n_weights * sizeof(float), NULL, 0);
     kept_build *k = NULL, *lru = &v->kept[0];
     for (int i = 0; i < VERIFY_KEEP && !k; i++) {
         kept_build *e = &v->kept[i];
         if (e->r.m && e->job != c->job) /* another job's: never again */
             kept_free(e);
-        if (kept_fits(e, j))
+        if (kept_fits(e, j) && (!bare || (e->loaded && memcmp(e->wdig, dig, sizeof dig) == 0)))
             k = e;
         else if (!e->r.m || (lru->r.m && e->used < lru->used))
             lru = e;
+    }
+    if (!k && bare) { /* sent with an earlier case, and dropped since */
+        j->want = true;
+        atomic_fetch_add(&v->wanted, 1);
+        return NL_OK;
     }
     if (!k) {
         k = lru;
         kept_free(k);
         k->r.be = v->be;
         nl_status st = verify_redo_make(&k->r, c, err);
-        if (st == NL_OK && (!(k->cfg_json = strdup(j->cfg_json)) ||
-                            !(k->w = malloc(c->n_weights * sizeof(float)))))
+        if (st == NL_OK && !(k->cfg_json = strdup(j->cfg_json)))
             st = nl_error_set(err, NL_ERR_NOMEM, "verify: out of memory");
         if (st != NL_OK) {
             kept_free(k);
@@ -239,10 +265,12 @@ static nl_status kept_for(verifier *v, vjob *j, kept_build **out, nl_error *err)
         NL_DEBUG("verify: built stage %u (layers [%d, %d)) of job %llu for its cases", c->stage,
                  c->l0, c->l1, (unsigned long long)c->job);
     }
-    if (k->n != c->n_weights || memcmp(k->w, c->weights, c->n_weights * sizeof(float)) != 0) {
+    if (bare) {
+        atomic_fetch_add(&v->held, 1);
+    } else if (!k->loaded || memcmp(k->wdig, dig, sizeof dig) != 0) {
         verify_redo_load(&k->r, c);
-        memcpy(k->w, c->weights, c->n_weights * sizeof(float));
-        k->n = c->n_weights;
+        memcpy(k->wdig, dig, sizeof dig);
+        k->loaded = true;
         atomic_fetch_add(&v->loads, 1);
     }
     k->used = ++v->clock;
@@ -292,13 +320,14 @@ static void run_case(void *ctx, nl_wjob *w)
             kept_free(&v->kept[i]);
     kept_build *k = NULL;
     j->st = kept_for(v, j, &k, &j->err);
-    if (j->st == NL_OK)
+    if (j->st == NL_OK && k)
         j->st = verify_redo_run(&k->r, &j->c, j->fwd, j->bwd, &j->rel, &j->err);
-    else
+    else if (j->st != NL_OK)
         nl_error_prefix(&j->err, "verify job %llu step %llu microbatch %u stage %u",
                         (unsigned long long)j->c.job, (unsigned long long)j->c.step, j->c.mb,
                         j->c.stage);
-    atomic_fetch_add(&v->cases, 1);
+    if (k)
+        atomic_fetch_add(&v->cases, 1);
 }
 
 static nl_status verifier_new(verifier **out, nl_backend *be, bool threaded, nl_error *err)
@@ -372,7 +401,17 @@ nl_status nl_stage_verify_push(nl_stage *s, const nl_wire_msg *m, nl_error *err)
     }
     j->hdr = m->u.verify_case;
     j->hdr.config_json = NULL; /* the message's: gone after this */
-    if (!own)                  /* on replica 0's backend: the stage's own lanes leave it first */
+    j->hdr.weights = NULL;
+    const char *named = m->u.verify_case.weights;
+    j->has_named = named && named[0];
+    size_t got = 0;
+    if (j->has_named &&
+        (sodium_hex2bin(j->named, sizeof j->named, named, strlen(named), NULL, &got, NULL) != 0 ||
+         got != sizeof j->named)) {
+        vjob_free(j);
+        return nl_error_set(err, NL_ERR_PROTO, "VERIFY_CASE: weights is not a name in hex");
+    }
+    if (!own) /* on replica 0's backend: the stage's own lanes leave it first */
         stage_train_quiesce(s);
     j->next = s->verifier->out;
     if (j->next)
@@ -392,6 +431,12 @@ static void answer(nl_stage *s, vjob *j, nl_wire_msg *out, char hex[2][NL_HOP_DI
 {
     const nl_msg_verify_case *v = &j->hdr;
     const double tol = nl_verify_cross_rtol(&j->c);
+    if (j->want) { /* no digests: the case again, with its weights */
+        nl_wire_msg_reset(out, NL_MSG_VERIFY_RESULT);
+        out->u.verify_result =
+            (nl_msg_verify_result){v->job_id, v->step, v->microbatch, v->stage, "", "", 1};
+        return;
+    }
     if (v->outputs)
         NL_INFO("verify job %llu step %llu microbatch %u stage %u across device classes: the "
                 "largest relative difference is %.3g (tolerance %.0e): %s",
@@ -406,7 +451,8 @@ static void answer(nl_stage *s, vjob *j, nl_wire_msg *out, char hex[2][NL_HOP_DI
                                                   v->microbatch,
                                                   v->stage,
                                                   v->has_head ? "" : hex[0],
-                                                  v->has_embed ? "" : hex[1]};
+                                                  v->has_embed ? "" : hex[1],
+                                                  0};
 }
 
 int nl_stage_verify_pop(nl_stage *s, bool wait, nl_wire_msg *out,
@@ -444,6 +490,8 @@ void nl_stage_verify_stats(const nl_stage *s, nl_verify_stats *out)
     out->cases = atomic_load(&v->cases);
     out->builds = atomic_load(&v->builds);
     out->loads = atomic_load(&v->loads);
+    out->held = atomic_load(&v->held);
+    out->wanted = atomic_load(&v->wanted);
 }
 
 nl_status nl_verify_answer(nl_stage *s, const nl_wire_msg *m, nl_wire_msg *out,

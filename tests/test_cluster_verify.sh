@@ -4,7 +4,9 @@
 #    step is drawn and redone by another node from the stage's kept inputs
 #    and its weights at the step's start; none is found wrong, the run's losses
 #    and weights equal a run without verification bit for bit, and the
-#    hop digests agree at both ends of every hop;
+#    hop digests agree at both ends of every hop; the verifiers' counters
+#    (neuroctl status, /api/status, /metrics) count every case, and a
+#    stage's weights travel to its verifier once a step;
 #  - one lying node (the test hook NL_TEST_LIE on node-2): a verifier and
 #    an arbiter (the third node) agree against it; it is quarantined, its
 #    key banned (authorized_keys), and the job resumes without it, ending
@@ -58,17 +60,25 @@ while want not in buf and time.time() < end:
     buf += chunk
 sys.stdout.write(buf.decode(errors="replace"))
 PY
-  if [ -n "${WANT_BANS:-}" ]; then # the banned keys where an operator looks
+  if [ -n "${WANT_BANS:-}${WANT_METRIC:-}" ]; then # where an operator looks: the banned
+    # keys, the verifiers' counters
     "$N" status --cluster "$W/$name" > "$W/$name.status" 2>&1
-    $PY - "$(cat "$W/$name/coord/http")" > "$W/$name.http" 2>&1 <<'PY'
+    $PY - "$(cat "$W/$name/coord/http")" "${WANT_METRIC:-neurollm_banned_keys 1}" \
+      "${WANT_VCASES:-0}" > "$W/$name.http" 2>&1 <<'PY'
 import json, sys, time, urllib.request
 base = sys.argv[1].rstrip("/")
 get = lambda p: urllib.request.urlopen(base + p, timeout=60).read().decode()
+vcases = lambda st: sum(n.get("verify_cases", 0) for n in st["nodes"])
 end = time.time() + 60  # the HTTP side polls the coordinator's status
-while "neurollm_banned_keys 1" not in get("/metrics") and time.time() < end:
+while sys.argv[2] not in get("/metrics") and time.time() < end:
+    time.sleep(0.2)
+while vcases(json.loads(get("/api/status"))) < int(sys.argv[3]) and time.time() < end:
     time.sleep(0.2)
 print(get("/metrics"))
-print("STATUS " + json.dumps(json.loads(get("/api/status")).get("banned_keys")))
+st = json.loads(get("/api/status"))
+print("STATUS " + json.dumps(st.get("banned_keys")))
+print("VCASES %d" % vcases(st))
+print("VBYTES %d" % sum(n.get("verify_bytes", 0) for n in st["nodes"]))
 print("PAGE " + str('id="banned"' in get("/")))
 PY
   fi
@@ -78,7 +88,7 @@ PY
 
 # ---- honest, every microbatch verified, against no verification ----
 run plain 0
-run honest 1
+WANT_METRIC="neurollm_node_verify_cases_total{" WANT_VCASES=48 run honest 1
 check test "$(last "$W/honest.jsonl" verify_mismatches)" -eq 0
 check test "$(last "$W/honest.jsonl" digest_mismatches)" -eq 0
 check test "$(last "$W/plain.jsonl" verified)" -eq 0
@@ -89,6 +99,23 @@ v=$(last "$W/honest.jsonl" verified)
 echo "honest: $v (stage, microbatch)s verified, none found wrong"
 check test "$v" -ge 1
 check cmp "$W/plain.safetensors" "$W/honest.safetensors"
+# the verifiers' counters (the coordinator's, once the job has settled:
+# every case answered): 3 stages x 4 microbatches x 4 steps, none found
+# wrong, in neuroctl status, /api/status and /metrics; a stage's weights
+# went to its verifier once a step, not with each of its 4 cases (the
+# model's weights, all stages', are about the file's size: 4 steps of
+# them and the cases' small inputs, well under twice that)
+check grep -q "^verifiers: node" "$W/honest.status"
+check grep -q "^VCASES 48$" "$W/honest.http"
+check grep -q "^neurollm_node_verify_mismatches_total{node=\"node-1\"} 0$" "$W/honest.http"
+check $PY - "$W/honest.http" "$(stat -c %s "$W/m.safetensors")" <<'PY'
+import re, sys
+text, size = open(sys.argv[1]).read(), int(sys.argv[2])
+vbytes = int(re.search(r"^VBYTES (\d+)$", text, re.M).group(1))
+cases = sum(float(v) for v in re.findall(r"^neurollm_node_verify_cases_total\{[^}]*\} (\S+)$", text, re.M))
+assert cases == 48, cases
+assert 4 * size * 0.5 < vbytes < 2 * 4 * size, (vbytes, size)
+PY
 check $PY - "$W/plain.jsonl" "$W/honest.jsonl" <<'PY'
 import json, sys
 a, b = ([json.loads(l)["loss"] for l in open(p)] for p in sys.argv[1:3])

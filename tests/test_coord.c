@@ -1047,8 +1047,9 @@ static void make_case(nl_wire_msg *m, uint64_t job, uint32_t mb, const assigned 
     const int64_t ws[1] = {4}, xs[3] = {1, 8, 64}, ts[2] = {1, 8};
     nl_wire_msg_reset(m, NL_MSG_VERIFY_CASE);
     m->u.verify_case =
-        (nl_msg_verify_case){job, 1, mb, 1,         row->l0 + skip, row->l1, row->embed, row->head,
-                             1,   8, 2,  loss_rows, NL_HOP_TARGETS, false,   "",         0};
+        (nl_msg_verify_case){job,       1, mb, 1, row->l0 + skip, row->l1,        row->embed,
+                             row->head, 1, 8,  2, loss_rows,      NL_HOP_TARGETS, false,
+                             "",        0, ""};
     nl_wire_frame_set(&m->frames[0], w, NL_DTYPE_F32, ws, 1);
     nl_wire_frame_set(&m->frames[1], x, NL_DTYPE_F32, xs, 3);
     nl_wire_frame_set(&m->frames[2], tg, NL_DTYPE_I32, ts, 2);
@@ -1122,14 +1123,29 @@ static void test_train_verify_case(assigned *a)
     nl_wire_msg_reset(&m, NL_MSG_LOSS);
     m.u.loss = (nl_msg_loss){job, 1, false, 100.0, 0.5, 64};
     fake_send(last, &m);
+    /* every microbatch of the drawn (stage, step), the weights with the first only */
     CHECK(pump_until(last, NL_MSG_VERIFY_REQ, &rx) && rx.msg.u.verify_req.job_id == job &&
-              rx.msg.u.verify_req.step == 1,
-          "verify: the last stage was not asked for a case of step 1");
+              rx.msg.u.verify_req.step == 1 && rx.msg.u.verify_req.microbatch == 0 &&
+              rx.msg.u.verify_req.flags == 0,
+          "verify: the last stage was not asked for microbatch 0 of step 1 with its weights");
+    CHECK(pump_until(last, NL_MSG_VERIFY_REQ, &rx) && rx.msg.u.verify_req.microbatch == 1 &&
+              rx.msg.u.verify_req.flags == NL_VERIFY_NO_WEIGHTS,
+          "verify: microbatch 1 of the drawn stage was not asked for without weights");
     CHECK(pump_until(last, NL_MSG_STEP, &rx) && rx.msg.u.step.step == 1, "verify: no STEP 1");
     fake_send(last, &cs[0]); /* as asked: on to the verifier */
     CHECK(pump_until(first, NL_MSG_VERIFY_CASE, &rx) && rx.msg.u.verify_case.microbatch == 0 &&
-              rx.msg.u.verify_case.stage == 1,
-          "verify: the honest case of microbatch 0 did not reach its verifier");
+              rx.msg.u.verify_case.stage == 1 && rx.msg.frames[0].t.shape[0] == 4 &&
+              rx.msg.u.verify_case.weights && strlen(rx.msg.u.verify_case.weights) == 64,
+          "verify: the honest case of microbatch 0 did not reach its verifier with its weights "
+          "and their name");
+    /* a verifier that no longer holds them asks: the case again, with them */
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_VERIFY_RESULT);
+    m.u.verify_result = (nl_msg_verify_result){job, 1, 0, 1, "", "", 1};
+    fake_send(first, &m);
+    CHECK(pump_until(first, NL_MSG_VERIFY_CASE, &rx) && rx.msg.u.verify_case.microbatch == 0 &&
+              rx.msg.frames[0].t.shape[0] == 4,
+          "verify: a verifier that asked for the weights was not sent the case again with them");
     fake_send(last, &cs[1]); /* a layer short of the plan's */
     char report[2048] = "";
     uint32_t state = NL_JOB_RUNNING;

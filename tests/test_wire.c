@@ -299,9 +299,13 @@ static bool added_later(nl_msg_type t, const nl_wire_msg *d, const char *key)
     if ((t == NL_MSG_TOKEN || t == NL_MSG_JOB_STATUS) && strcmp(key, "tensors") == 0)
         return d->nframes == 0;
     if (strcmp(key, "outputs") == 0) /* verification across device classes */
-        return t == NL_MSG_VERIFY_REQ    ? d->u.verify_req.outputs == 0
-               : t == NL_MSG_VERIFY_CASE ? d->u.verify_case.outputs == 0
-                                         : false;
+        return t == NL_MSG_VERIFY_CASE && d->u.verify_case.outputs == 0;
+    if (strcmp(key, "flags") == 0 && t == NL_MSG_VERIFY_REQ)
+        return d->u.verify_req.flags == 0;
+    if (strcmp(key, "weights") == 0 && t == NL_MSG_VERIFY_CASE) /* a stage's: none named */
+        return !d->u.verify_case.weights || !d->u.verify_case.weights[0];
+    if (strcmp(key, "want_weights") == 0 && t == NL_MSG_VERIFY_RESULT)
+        return d->u.verify_result.want_weights == 0;
     if (t == NL_MSG_TOKEN) /* with logprobs: top ids and a frame; neither before */
         return strcmp(key, "top_ids") == 0 && d->u.token.ntop == 0;
     if (t == NL_MSG_REDUCE)
@@ -351,7 +355,10 @@ static bool is_added_later(nl_msg_type t, const char *key)
              strcmp(key, "next_keys") == 0)) ||
            (t == NL_MSG_JOIN && strcmp(key, "flags") == 0) ||
            (t == NL_MSG_REDUCE && strcmp(key, "epoch") == 0) ||
-           ((t == NL_MSG_VERIFY_REQ || t == NL_MSG_VERIFY_CASE) && strcmp(key, "outputs") == 0);
+           (t == NL_MSG_VERIFY_REQ && strcmp(key, "flags") == 0) ||
+           (t == NL_MSG_VERIFY_CASE &&
+            (strcmp(key, "outputs") == 0 || strcmp(key, "weights") == 0)) ||
+           (t == NL_MSG_VERIFY_RESULT && strcmp(key, "want_weights") == 0);
 }
 
 static void test_wrong_types(void)

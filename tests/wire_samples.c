@@ -161,26 +161,28 @@ void sample(nl_wire_msg *m, nl_msg_type t)
         m->u.loss = (nl_msg_loss){11, 250, true, 1234.5, 0.0625, 4096};
         break;
     case NL_MSG_VERIFY_REQ:
-        m->u.verify_req = (nl_msg_verify_req){11, 250, 3, 0};
+        m->u.verify_req = (nl_msg_verify_req){11, 250, 3, NL_VERIFY_NO_WEIGHTS};
         break;
     case NL_MSG_VERIFY_CASE: { /* a middle stage: weights, input, gradient, counts, targets */
         static int64_t counts[2 * 4];
-        m->u.verify_case = (nl_msg_verify_case){11,
-                                                250,
-                                                3,
-                                                1,
-                                                4,
-                                                6,
-                                                false,
-                                                false,
-                                                2,
-                                                5,
-                                                4,
-                                                1234,
-                                                NL_HOP_TARGETS,
-                                                true,
-                                                "{\"hidden_dim\": 16}",
-                                                0};
+        m->u.verify_case = (nl_msg_verify_case){
+            11,
+            250,
+            3,
+            1,
+            4,
+            6,
+            false,
+            false,
+            2,
+            5,
+            4,
+            1234,
+            NL_HOP_TARGETS,
+            true,
+            "{\"hidden_dim\": 16}",
+            0,
+            "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff"};
         const int64_t w[1] = {64}, x[3] = {2, 3, 16}, c[2] = {2, 4}, tg[2] = {2, 5};
         set_frame(&m->frames[0], NL_DTYPE_F32, chunk, 1, w);
         set_frame(&m->frames[1], NL_DTYPE_F32, act, 3, x);
@@ -192,7 +194,8 @@ void sample(nl_wire_msg *m, nl_msg_type t)
     }
     case NL_MSG_VERIFY_RESULT:
         m->u.verify_result = (nl_msg_verify_result){
-            11, 250, 3, 1, "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff", ""};
+            11, 250, 3, 1, "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff",
+            "", 0};
         break;
     case NL_MSG_REDUCE: {
         m->u.reduce = (nl_msg_reduce){11, 250, NL_REDUCE_COUNTS, NL_REDUCE_RESULT, 3, 1, 4, 64, 9};
@@ -338,12 +341,14 @@ bool same_msg(const nl_wire_msg *a, const nl_wire_msg *b)
                x->has_embed == y->has_embed && x->has_head == y->has_head && x->batch == y->batch &&
                x->seq == y->seq && x->microbatches == y->microbatches &&
                x->loss_rows == y->loss_rows && x->extras == y->extras && x->counts == y->counts &&
-               seq(x->config_json, y->config_json);
+               seq(x->config_json, y->config_json) && x->outputs == y->outputs &&
+               seq(x->weights, y->weights);
     }
     case NL_MSG_VERIFY_RESULT: {
         const nl_msg_verify_result *x = &p->verify_result, *y = &q->verify_result;
         return x->job_id == y->job_id && x->step == y->step && x->microbatch == y->microbatch &&
-               x->stage == y->stage && seq(x->fwd, y->fwd) && seq(x->bwd, y->bwd);
+               x->stage == y->stage && seq(x->fwd, y->fwd) && seq(x->bwd, y->bwd) &&
+               x->want_weights == y->want_weights;
     }
     case NL_MSG_REDUCE:
         return memcmp(&p->reduce, &q->reduce, sizeof p->reduce) == 0;

@@ -1,0 +1,238 @@
+/* The verifier's side of verification by recompute (node/stage_verify.h):
+ * the weights of a stage travel to a verifier once per drawn (stage, step),
+ * and the cases after the first name them by their BLAKE2b digest.
+ *
+ * A middle stage's case (layers [1, 2), its input and the GRADIENT it
+ * received, made up here) is redone by a verifier stage on a backend of
+ * its own, as a node does; the coordinator names each stage's weights of a
+ * step (here: their digest, any 32 bytes do):
+ *  - with its weights: the digests nl_verify_recompute gives;
+ *  - again without them, naming them: the same digests, redone on the
+ *    weights held (no second load);
+ *  - without them, naming weights it does not hold (another name, or
+ *    after nl_stage_verify_forget): answered want_weights, no digests;
+ *  - with other weights: those are loaded, and a case without weights
+ *    that names the first is answered want_weights (a case is never
+ *    redone on weights other than its own);
+ *  - with weights and no name (not the coordinator's): known by their
+ *    digest, loaded only when they differ;
+ *  - without weights and naming none: refused.
+ * The verifier tests that drive whole pipelines are in test_stage_train.c. */
+#include <sodium.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/log.h"
+#include "core/model/model.h"
+#include "core/model/rng.h"
+#include "net/hopdigest.h"
+#include "net/wire.h"
+#include "node/stage.h"
+#include "node/stage_verify.h"
+#include "tests/check.h"
+
+enum { B = 2, T = 8, L0 = 1, L1 = 2 };
+
+static nl_config cfg;
+static char *cfg_json;
+
+/* A VERIFY_CASE of stage 1 (layers [L0, L1)) into m: the weights w (n
+ * floats; n 0: none), named by hex (NULL: none), input x and gradient dy
+ * [B, T, d]. */
+static void make_case(nl_wire_msg *m, const float *w, size_t n, const char *hex, const float *x,
+                      const float *dy)
+{
+    static const float none = 0.0f;
+    const int64_t ws[1] = {(int64_t)n}, xs[3] = {B, T, cfg.hidden_dim};
+    nl_wire_msg_reset(m, NL_MSG_VERIFY_CASE);
+    m->u.verify_case = (nl_msg_verify_case){.job_id = 5,
+                                            .step = 3,
+                                            .microbatch = 0,
+                                            .stage = 1,
+                                            .layer0 = L0,
+                                            .layer1 = L1,
+                                            .batch = B,
+                                            .seq = T,
+                                            .microbatches = 1,
+                                            .config_json = cfg_json,
+                                            .weights = hex ? hex : ""};
+    nl_wire_frame_set(&m->frames[0], n ? w : &none, NL_DTYPE_F32, ws, 1);
+    nl_wire_frame_set(&m->frames[1], x, NL_DTYPE_F32, xs, 3);
+    nl_wire_frame_set(&m->frames[2], dy, NL_DTYPE_F32, xs, 3);
+    m->nframes = 3;
+    for (int f = 0; f < 3; f++) /* as received: the lengths known */
+        m->frames[f].len = (size_t)(f ? B * T * cfg.hidden_dim : (int64_t)n) * sizeof(float);
+}
+
+static void digest_hex(char hex[NL_HOP_DIGEST_HEX + 1], const float *w, size_t n)
+{
+    uint8_t d[NL_HOP_DIGEST_BYTES];
+    crypto_generichash(d, sizeof d, (const uint8_t *)w, n * sizeof *w, NULL, 0);
+    nl_hop_digest_hex(hex, d);
+}
+
+/* Redo m on verifier v: its status, and in *r the VERIFY_RESULT (strings
+ * copied into res). */
+static nl_status answer(nl_stage *v, const nl_wire_msg *m, nl_msg_verify_result *r,
+                        char res[2][NL_HOP_DIGEST_HEX + 1], nl_error *err)
+{
+    char hex[2][NL_HOP_DIGEST_HEX + 1];
+    nl_wire_msg out;
+    nl_wire_msg_init(&out);
+    nl_status st = nl_verify_answer(v, m, &out, hex, err);
+    *r = (nl_msg_verify_result){0};
+    res[0][0] = res[1][0] = '\0';
+    if (st == NL_OK) {
+        *r = out.u.verify_result;
+        snprintf(res[0], NL_HOP_DIGEST_HEX + 1, "%s", r->fwd ? r->fwd : "");
+        snprintf(res[1], NL_HOP_DIGEST_HEX + 1, "%s", r->bwd ? r->bwd : "");
+    }
+    nl_wire_msg_free(&out);
+    return st;
+}
+
+static void weights_by_digest(nl_backend *be, nl_backend *vbe)
+{
+    nl_error err;
+    nl_model *model = NULL;
+    nl_stage *v = NULL;
+    const size_t d = (size_t)cfg.hidden_dim, rows = (size_t)B * T;
+    CHECK_OK(nl_model_new(&model, be, &cfg, L0, L1, false, false, &err), &err);
+    if (!model)
+        return;
+    const size_t n = model->n_params;
+    float *w = malloc(n * sizeof *w), *w2 = malloc(n * sizeof *w2);
+    float *x = malloc(rows * d * sizeof *x), *dy = malloc(rows * d * sizeof *dy);
+    nl_rng rng;
+    nl_rng_seed(&rng, 11, 0);
+    for (size_t i = 0; w && w2 && i < n; i++) {
+        w[i] = ((float)nl_rng_uniform(&rng) - 0.5f) * 0.1f;
+        w2[i] = w[i] + (i % 97 == 0 ? 1e-3f : 0.0f);
+    }
+    for (size_t i = 0; x && dy && i < rows * d; i++) {
+        x[i] = (float)nl_rng_uniform(&rng) - 0.5f;
+        dy[i] = ((float)nl_rng_uniform(&rng) - 0.5f) * 1e-2f;
+    }
+    nl_stage_opts vo = {
+        .memory_bytes = 1ULL << 30, .kv_budget = 1 << 20, .send_wait_ms = 100, .verify_be = vbe};
+    CHECK_OK(nl_stage_new(&v, be, &vo, &err), &err);
+    if (!w || !w2 || !x || !dy || !v)
+        goto out;
+    /* what the case should give: a redo of its own */
+    uint8_t fwd[NL_HOP_DIGEST_BYTES], bwd[NL_HOP_DIGEST_BYTES];
+    char want[2][NL_HOP_DIGEST_HEX + 1], hex[NL_HOP_DIGEST_HEX + 1], hex2[NL_HOP_DIGEST_HEX + 1];
+    const nl_verify_case c = {.cfg = &cfg,
+                              .l0 = L0,
+                              .l1 = L1,
+                              .stage = 1,
+                              .job = 5,
+                              .step = 3,
+                              .mbB = B,
+                              .T = T,
+                              .M = 1,
+                              .weights = w,
+                              .n_weights = n,
+                              .x = x,
+                              .dy = dy};
+    CHECK_OK(nl_verify_recompute(vbe, &c, fwd, bwd, NULL, &err), &err);
+    nl_hop_digest_hex(want[0], fwd);
+    nl_hop_digest_hex(want[1], bwd);
+    digest_hex(hex, w, n);
+    digest_hex(hex2, w2, n);
+
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_msg_verify_result r;
+    char got[2][NL_HOP_DIGEST_HEX + 1];
+    nl_verify_stats vs;
+    /* with its weights (and their digest) */
+    make_case(&m, w, n, hex, x, dy);
+    CHECK_OK(answer(v, &m, &r, got, &err), &err);
+    CHECK(!r.want_weights && strcmp(got[0], want[0]) == 0 && strcmp(got[1], want[1]) == 0,
+          "a case with its weights: not the redo's digests");
+    /* without them, naming them: redone on those held */
+    make_case(&m, NULL, 0, hex, x, dy);
+    CHECK_OK(answer(v, &m, &r, got, &err), &err);
+    nl_stage_verify_stats(v, &vs);
+    CHECK(!r.want_weights && strcmp(got[0], want[0]) == 0 && strcmp(got[1], want[1]) == 0 &&
+              vs.cases == 2 && vs.loads == 1 && vs.held == 1,
+          "a case naming the weights held: want %d, %llu cases, %llu loads, %llu held",
+          (int)r.want_weights, (unsigned long long)vs.cases, (unsigned long long)vs.loads,
+          (unsigned long long)vs.held);
+    /* naming weights it does not hold */
+    make_case(&m, NULL, 0, hex2, x, dy);
+    CHECK_OK(answer(v, &m, &r, got, &err), &err);
+    CHECK(r.want_weights == 1 && !got[0][0] && !got[1][0],
+          "a case naming weights not held was not answered want_weights");
+    /* other weights: loaded; the first are no longer held */
+    make_case(&m, w2, n, hex2, x, dy);
+    CHECK_OK(answer(v, &m, &r, got, &err), &err);
+    nl_stage_verify_stats(v, &vs);
+    CHECK(!r.want_weights && strcmp(got[0], want[0]) != 0 && vs.loads == 2,
+          "a case with other weights: redone on the first (%llu loads)",
+          (unsigned long long)vs.loads);
+    make_case(&m, NULL, 0, hex, x, dy);
+    CHECK_OK(answer(v, &m, &r, got, &err), &err);
+    CHECK(r.want_weights == 1, "a case naming weights replaced since was not answered "
+                               "want_weights");
+    /* forgotten (a new plan, the job's end): asked for again */
+    make_case(&m, NULL, 0, hex2, x, dy);
+    CHECK_OK(answer(v, &m, &r, got, &err), &err);
+    CHECK(!r.want_weights, "a case naming the weights just loaded was answered want_weights");
+    nl_stage_verify_forget(v);
+    CHECK_OK(answer(v, &m, &r, got, &err), &err);
+    nl_stage_verify_stats(v, &vs);
+    CHECK(r.want_weights == 1 && vs.wanted == 3,
+          "after forgetting: not answered want_weights (%llu asked)",
+          (unsigned long long)vs.wanted);
+    /* weights named by none: known by their digest */
+    make_case(&m, w, n, NULL, x, dy);
+    CHECK_OK(answer(v, &m, &r, got, &err), &err);
+    CHECK_OK(answer(v, &m, &r, got, &err), &err);
+    nl_stage_verify_stats(v, &vs);
+    CHECK(!r.want_weights && strcmp(got[0], want[0]) == 0 && strcmp(got[1], want[1]) == 0 &&
+              vs.loads == 3,
+          "unnamed weights: not the redo's digests, or loaded %llu times (want 3)",
+          (unsigned long long)vs.loads);
+    make_case(&m, NULL, 0, NULL, x, dy);
+    CHECK(answer(v, &m, &r, got, &err) == NL_ERR_PROTO, "a case with no weights, naming none, "
+                                                        "was not refused");
+    m.nframes = 0; /* the frames are this test's */
+    nl_wire_msg_free(&m);
+out:
+    nl_stage_destroy(&v);
+    nl_model_destroy(&model);
+    free(w);
+    free(w2);
+    free(x);
+    free(dy);
+}
+
+int main(void)
+{
+    nl_error err;
+    nl_backend *be = NULL, *vbe = NULL;
+    nl_log_set_name("test_stage_verify");
+    nl_log_set_level(NL_LOG_ERROR);
+    nl_config_init(&cfg);
+    cfg.hidden_dim = 32;
+    cfg.num_layers = 3;
+    cfg.num_heads = 4;
+    cfg.num_kv_heads = 2;
+    cfg.ffn_dim = 48;
+    cfg.num_experts = 4;
+    cfg.vocab_size = 300;
+    cfg.vocab_chunk = 128;
+    cfg.max_seq_len = 32;
+    CHECK_OK(nl_config_validate(&cfg, 1, &err), &err);
+    cfg_json = nl_config_to_json(&cfg);
+    CHECK_OK(check_backend_new(&be, 1, &err), &err);
+    CHECK_OK(check_backend_new(&vbe, 1, &err), &err);
+    if (be && vbe && cfg_json)
+        weights_by_digest(be, vbe);
+    nl_backend_destroy(&vbe);
+    nl_backend_destroy(&be);
+    free(cfg_json);
+    return check_done("test_stage_verify");
+}
