@@ -287,6 +287,13 @@ int launched(void)
     return (int)cudaGetLastError();
 }
 
+/* the grouped GEMMs' shared argument check: sizes, strides, the grid's z */
+bool grouped_bad(int M, int N, int groups, int lda, int ldb, int ldc)
+{
+    return M < 0 || N < 0 || groups < 0 || lda < 0 || ldb < 0 || ldc < 0 ||
+           (unsigned)groups > MAX_GRID_YZ;
+}
+
 } // namespace
 
 /* ---------------------------------------------------------------- launchers */
@@ -335,8 +342,7 @@ extern "C" int nl_cuda_gemm_grouped(void *stream, int trans_b, int N, int K, con
                                     int lda, const float *B, int ldb, size_t b_stride, float *C,
                                     int ldc, const int32_t *offsets, int groups, int max_rows)
 {
-    if (N < 0 || K < 0 || groups < 0 || max_rows < 0 || lda < 0 || ldb < 0 || ldc < 0 ||
-        (unsigned)groups > MAX_GRID_YZ)
+    if (grouped_bad(N, K, groups, lda, ldb, ldc) || max_rows < 0)
         return (int)cudaErrorInvalidValue;
     if (N == 0 || groups == 0 || max_rows == 0)
         return 0;
@@ -362,8 +368,7 @@ extern "C" int nl_cuda_gemm_grouped_few_bf16(void *stream, int N, int K, const f
                                              const uint16_t *B, int ldb, size_t b_stride, float *C,
                                              int ldc, const int32_t *offsets, int groups)
 {
-    if (N < 0 || K < 0 || groups < 0 || lda < 0 || ldb < 0 || ldc < 0 ||
-        (unsigned)groups > MAX_GRID_YZ)
+    if (grouped_bad(N, K, groups, lda, ldb, ldc))
         return (int)cudaErrorInvalidValue;
     if (N == 0 || groups == 0)
         return 0;
@@ -377,8 +382,7 @@ extern "C" int nl_cuda_gemm_grouped_rows(void *stream, int N, int K, const float
                                          const float *B, int ldb, size_t b_stride, float *C,
                                          int ldc, const int32_t *offsets, int groups, int bf16)
 {
-    if (N < 0 || K < 0 || groups < 0 || lda < 0 || ldb < 0 || ldc < 0 ||
-        (unsigned)groups > MAX_GRID_YZ)
+    if (grouped_bad(N, K, groups, lda, ldb, ldc))
         return (int)cudaErrorInvalidValue;
     if (N == 0 || groups == 0)
         return 0;
@@ -397,8 +401,7 @@ extern "C" int nl_cuda_gemm_grouped_wgrad(void *stream, int M, int N, const floa
                                           const float *B, int ldb, float *C, int ldc,
                                           size_t c_stride, const int32_t *offsets, int groups)
 {
-    if (M < 0 || N < 0 || groups < 0 || lda < 0 || ldb < 0 || ldc < 0 ||
-        (unsigned)groups > MAX_GRID_YZ)
+    if (grouped_bad(M, N, groups, lda, ldb, ldc))
         return (int)cudaErrorInvalidValue;
     if (M == 0 || N == 0 || groups == 0)
         return 0;
