@@ -315,9 +315,15 @@ static void tick(nl_coord *c)
             snprintf(why, sizeof why, "sent no heartbeat for %.1f s: dead", now - n->last_seen);
         coord_node_lost(c, n, NODE_DEAD, why);
     }
-    if (c->loads_active)
+    if (c->loads_active && !c->dismissing)
         coord_stream_loads(c);
     coord_check_jobs(c, now);
+    /* going down: a node that leaves loses its stage, but a plan over the
+     * others would stream weights to nodes that are leaving too (and one
+     * that closes its socket with a message of them half received loses it
+     * inside libzmq 4.3.4: tests/lsan.supp) */
+    if (c->dismissing)
+        return;
     if (c->probes > 0 && coord_probe_tick(c) > 0)
         return; /* no plan until the joining nodes' data endpoints are known (coord_probe.c) */
     if (!coord_grow_tick(c)) /* --grow auto may deepen the model first (coord_grow.c) */
@@ -535,6 +541,7 @@ nl_status nl_coord_run(nl_coord *c, volatile sig_atomic_t *stop, nl_error *err)
         /* the cluster goes down (neuroctl cluster down): every node that
          * joined, started by cluster up or by hand, is asked to leave, and
          * their LEAVEs are awaited (nodes that do not answer are left) */
+        c->dismissing = 1;
         const int asked = coord_dismiss_nodes(c, "the cluster is going down");
         const double until = coord_now() + DISMISS_WAIT_S;
         while (c->n_live > 0 && coord_now() < until)

@@ -295,6 +295,8 @@ struct nl_coord {
                               waits for them (a stage lost meanwhile resumes from that one) */
     nl_mem_opts train_mem; /* a training job's memory (training 0: none): plans hold it */
     int loads_active;      /* stages whose tensors are still being streamed */
+    int dismissing;        /* the cluster is going down (nl_coord_run): the nodes were asked to
+                              leave, so no plan and no load for them */
     cjob jobs[COORD_MAX_JOBS];
     uint64_t next_job;
     /* the workers: a PULL socket on work_endpoint, and their tasks */

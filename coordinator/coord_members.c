@@ -40,7 +40,10 @@ void coord_node_lost(nl_coord *c, cnode *n, int life, const char *why)
     if (stage >= 0) {
         coord_jobs_stage_lost(c, msg);
         coord_drop_plan(c);
-        coord_set_state(c, "re-planning: %s", msg);
+        if (c->dismissing) /* no plan follows (nl_coord_run) */
+            coord_set_state(c, "going down: %s", msg);
+        else
+            coord_set_state(c, "re-planning: %s", msg);
     } else {
         c->replan_wanted |= COORD_REPLAN_LEFT;   /* a standby: the plan may still be the best */
         for (int i = 0; i < COORD_MAX_JOBS; i++) /* it may have been verifying */

@@ -47,7 +47,12 @@ check "$N" train --cluster "$W/c1" "${RUN[@]}" --checkpoint-dir "$W/ck1" --log "
 stages=$(grep -o "on [0-9]* pipeline stages" "$W/ref.err" | head -1)
 echo "undisturbed: $stages"
 check test "$stages" = "on 3 pipeline stages"
+plans=$(grep -c "planned over" "$W/c1/coord.log")
 "$N" cluster down --dir "$W/c1" >/dev/null
+# going down, the coordinator plans no more: a node that leaves is not
+# replaced by a plan over the others, which are leaving too (it streamed
+# them weights as they left: 2 or 3 plans more here)
+check test "$(grep -c "planned over" "$W/c1/coord.log")" -eq "$plans"
 
 # ---- the same run; a stage's node is killed at step ~25 ----
 C="$W/c2"
