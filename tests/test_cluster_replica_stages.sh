@@ -31,52 +31,6 @@ RUN=(--data "$W/data.txt" --steps 20 --batch 8 --seq 32 --microbatches 4 --lr 3e
 check "$N" train "${DEV[@]}" --model "$W/m.safetensors" "${RUN[@]}" --threads 1 --log "$W/local.jsonl" \
   --out "$W/local.safetensors" 2> "$W/local.err"
 
-cat > "$W/cmp.py" <<'PY'
-import json, struct, sys
-def log(p):
-    return {r["step"]: r for r in map(json.loads, open(p)) if "step" in r}
-def tensors(p):
-    b = open(p, "rb").read(); n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n])
-    out = {}
-    for k, v in h.items():
-        if k == "__metadata__": continue
-        s, e = v["data_offsets"]; out[k] = b[8 + n + s: 8 + n + e]
-    return out
-def floats(raw):
-    return struct.unpack("<%df" % (len(raw) // 4), raw)
-def rel(a, b):
-    num = sum((x - y) ** 2 for x, y in zip(a, b)); den = sum(y * y for y in b)
-    return (num / den) ** 0.5 if den else num ** 0.5
-what = sys.argv[1]
-if what == "logs":      # logs A B TOL: every step's losses within TOL (0: equal)
-    a, b, tol = log(sys.argv[2]), log(sys.argv[3]), float(sys.argv[4])
-    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
-    worst = 0.0
-    for k in b:
-        for key in ("loss", "ce_loss", "eval_loss"):
-            if key in b[k]:
-                assert key in a[k], (k, key)
-                e = abs(a[k][key] - b[k][key]) / abs(b[k][key]); worst = max(worst, e)
-                assert e <= tol, (k, key, a[k][key], b[k][key])
-        assert a[k]["skipped"] == b[k]["skipped"], (k, a[k]["skipped"])
-    print("losses of %d steps: worst relative difference %.2e" % (len(b), worst))
-elif what == "weights":  # weights A B TOL [MTOL]: every weight within TOL (0: every byte), moments MTOL
-    a, b, tol = tensors(sys.argv[2]), tensors(sys.argv[3]), float(sys.argv[4])
-    mtol = float(sys.argv[5]) if len(sys.argv) > 5 else tol
-    assert set(a) == set(b), set(a) ^ set(b)
-    if tol == 0:
-        diff = [k for k in b if a[k] != b[k]]
-        print("%d tensors, %d differ in a byte" % (len(b), len(diff)))
-        assert not diff, diff[:5]
-    else:
-        for moments in (False, True):
-            errs = sorted((rel(floats(a[k]), floats(b[k])), k) for k in b
-                          if k.startswith("optim.") == moments)
-            worst, limit = errs[-1][0], mtol if moments else tol
-            print("%d %s: worst relative error %.2e (%s)" % (len(errs),
-                  "moments" if moments else "weights", worst, errs[-1][1]))
-            assert worst <= limit, (errs[-1], limit)
-PY
 
 # up CLUSTER COUNTS [NODES [MODEL]]: NODES (3) nodes on the plan COUNTS
 # (--replicas R0,R1) serving MODEL (m)
@@ -102,8 +56,8 @@ check test "$(grep -c ' r[01]/2 ' "$W/status.txt")" -eq 2
 check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-every 10 --checkpoint-dir "$W/ck1" \
   --log "$W/r1.jsonl" --out "$W/r1.safetensors" 2> "$W/r1.err"
 tail -2 "$W/r1.err"
-check $PY "$W/cmp.py" logs "$W/r1.jsonl" "$W/local.jsonl" 1e-6
-check $PY "$W/cmp.py" weights "$W/r1.safetensors" "$W/local.safetensors" 5e-5 5e-3
+check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" logs "$W/r1.jsonl" "$W/local.jsonl" 1e-6
+check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" weights "$W/r1.safetensors" "$W/local.safetensors" 5e-5 5e-3
 check test "$(ls "$W"/ck1/step-000010/stage-*.safetensors | wc -l)" -eq 2
 # microbatches that do not divide between stage 0's replicas: refused
 out=$("$N" train --cluster "$C" --data "$W/data.txt" --steps 2 --batch 6 --seq 32 --microbatches 3 \
@@ -118,8 +72,8 @@ C="$W/c21b"
 up "$C" 2,1
 check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck2" --log "$W/r2.jsonl" \
   --out "$W/r2.safetensors" 2> "$W/r2.err"
-check $PY "$W/cmp.py" logs "$W/r2.jsonl" "$W/r1.jsonl" 0
-check $PY "$W/cmp.py" weights "$W/r2.safetensors" "$W/r1.safetensors" 0
+check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" logs "$W/r2.jsonl" "$W/r1.jsonl" 0
+check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" weights "$W/r2.safetensors" "$W/r1.safetensors" 0
 check "$N" cluster down --dir "$C"
 
 # ---- a replica of stage 0 killed at step ~7: the run goes on, unchanged ----
@@ -163,8 +117,8 @@ check test $rc -eq 0
 [ $rc -eq 0 ] || grep -E "WARN|ERROR" "$C/coord.log" | tail -12
 check grep -q '"event":"node_lost"' "$W/killed.jsonl"
 check grep -q "train job 1: resumed at step" "$C/coord.log"
-check $PY "$W/cmp.py" logs "$W/killed.jsonl" "$W/ref2.jsonl" 0
-check $PY "$W/cmp.py" weights "$W/killed.safetensors" "$W/ref2.safetensors" 0
+check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" logs "$W/killed.jsonl" "$W/ref2.jsonl" 0
+check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" weights "$W/killed.safetensors" "$W/ref2.safetensors" 0
 check "$N" cluster down --dir "$C"
 
 # ---- stage 0 on 1, stage 1 on 2 ----
@@ -175,8 +129,8 @@ check cmp -s "$W/gen.c12" "$W/gen.l"
 check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck4" --log "$W/r3.jsonl" \
   --out "$W/r3.safetensors" 2> "$W/r3.err"
 tail -1 "$W/r3.err"
-check $PY "$W/cmp.py" logs "$W/r3.jsonl" "$W/local.jsonl" 1e-6
-check $PY "$W/cmp.py" weights "$W/r3.safetensors" "$W/local.safetensors" 5e-5 5e-3
+check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" logs "$W/r3.jsonl" "$W/local.jsonl" 1e-6
+check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" weights "$W/r3.safetensors" "$W/local.safetensors" 5e-5 5e-3
 check "$N" cluster down --dir "$C"
 
 # ---- counts that are no counts: refused by neurocoord ----

@@ -29,52 +29,6 @@ RUN=(--data "$W/data.txt" --steps 20 --batch 8 --seq 32 --microbatches 4 --lr 3e
 check "$N" train "${DEV[@]}" --model "$W/m.safetensors" "${RUN[@]}" --threads 1 --log "$W/local.jsonl" \
   --out "$W/local.safetensors" 2> "$W/local.err"
 
-cat > "$W/cmp.py" <<'PY'
-import json, struct, sys
-def log(p):
-    return {r["step"]: r for r in map(json.loads, open(p)) if "step" in r}
-def tensors(p):
-    b = open(p, "rb").read(); n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n])
-    out = {}
-    for k, v in h.items():
-        if k == "__metadata__": continue
-        s, e = v["data_offsets"]; out[k] = b[8 + n + s: 8 + n + e]
-    return out
-def floats(raw):
-    return struct.unpack("<%df" % (len(raw) // 4), raw)
-def rel(a, b):
-    num = sum((x - y) ** 2 for x, y in zip(a, b)); den = sum(y * y for y in b)
-    return (num / den) ** 0.5 if den else num ** 0.5
-what = sys.argv[1]
-if what == "logs":      # logs A B TOL: every step's losses within TOL (0: equal)
-    a, b, tol = log(sys.argv[2]), log(sys.argv[3]), float(sys.argv[4])
-    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
-    worst = 0.0
-    for k in b:
-        for key in ("loss", "ce_loss", "eval_loss"):
-            if key in b[k]:
-                assert key in a[k], (k, key)
-                e = abs(a[k][key] - b[k][key]) / abs(b[k][key]); worst = max(worst, e)
-                assert e <= tol, (k, key, a[k][key], b[k][key])
-        assert a[k]["skipped"] == b[k]["skipped"], (k, a[k]["skipped"])
-    print("losses of %d steps: worst relative difference %.2e" % (len(b), worst))
-elif what == "weights":  # weights A B TOL [MTOL]: every weight within TOL (0: every byte), moments MTOL
-    a, b, tol = tensors(sys.argv[2]), tensors(sys.argv[3]), float(sys.argv[4])
-    mtol = float(sys.argv[5]) if len(sys.argv) > 5 else tol
-    assert set(a) == set(b), set(a) ^ set(b)
-    if tol == 0:
-        diff = [k for k in b if a[k] != b[k]]
-        print("%d tensors, %d differ in a byte" % (len(b), len(diff)))
-        assert not diff, diff[:5]
-    else:
-        for moments in (False, True):
-            errs = sorted((rel(floats(a[k]), floats(b[k])), k) for k in b
-                          if k.startswith("optim.") == moments)
-            worst, limit = errs[-1][0], mtol if moments else tol
-            print("%d %s: worst relative error %.2e (%s)" % (len(errs),
-                  "moments" if moments else "weights", worst, errs[-1][1]))
-            assert worst <= limit, (errs[-1], limit)
-PY
 
 # ---- 2 stages x 2 replicas on 4 nodes ----
 C="$W/c4"
@@ -95,14 +49,14 @@ check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-every 10 --checkpoint-d
   --log "$W/r1.jsonl" --out "$W/r1.safetensors" 2> "$W/r1.err"
 tail -3 "$W/r1.err"
 check grep -q "on 2 pipeline stages" "$W/r1.err"
-check $PY "$W/cmp.py" logs "$W/r1.jsonl" "$W/local.jsonl" 1e-6
+check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" logs "$W/r1.jsonl" "$W/local.jsonl" 1e-6
 # the moments of tiny gradients (the embedding's rare rows) keep more of
 # the sum order's last-bit differences than the weights do
-check $PY "$W/cmp.py" weights "$W/r1.safetensors" "$W/local.safetensors" 5e-5 5e-3
+check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" weights "$W/r1.safetensors" "$W/local.safetensors" 5e-5 5e-3
 # one shard per stage: replica 0 writes it
 check test "$(ls "$W"/ck1/step-000010/stage-*.safetensors | wc -l)" -eq 2
 check "$N" export --manifest "$W/ck1/step-000020" --out "$W/export.safetensors"
-check $PY "$W/cmp.py" weights "$W/export.safetensors" "$W/r1.safetensors" 0
+check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" weights "$W/export.safetensors" "$W/r1.safetensors" 0
 
 # ---- the same plan again: byte-identical ----
 check "$N" cluster down --dir "$C"
@@ -111,8 +65,8 @@ check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 4 --replicas 2 --model "$W/
   --memory 64M --threads 1 --node-timeout-ms 2000 --timeout 60
 check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck2" --log "$W/r2.jsonl" \
   --out "$W/r2.safetensors" 2> "$W/r2.err"
-check $PY "$W/cmp.py" logs "$W/r2.jsonl" "$W/r1.jsonl" 0
-check $PY "$W/cmp.py" weights "$W/r2.safetensors" "$W/r1.safetensors" 0
+check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" logs "$W/r2.jsonl" "$W/r1.jsonl" 0
+check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" weights "$W/r2.safetensors" "$W/r1.safetensors" 0
 
 # ---- a replica's node killed at step ~7: the run goes on, unchanged ----
 # The survivors re-plan (3 nodes: one stage on 2 replicas, the third a
@@ -150,8 +104,8 @@ tr '\r' '\n' < "$W/killed.err" | grep -v "^step" | tail -4
 [ $rc -eq 0 ] || grep -E "WARN|ERROR" "$C/coord.log" | tail -12
 check grep -q '"event":"node_lost"' "$W/killed.jsonl"
 check grep -q "train job 1: resumed at step" "$C/coord.log"
-check $PY "$W/cmp.py" logs "$W/killed.jsonl" "$W/r1.jsonl" 0
-check $PY "$W/cmp.py" weights "$W/killed.safetensors" "$W/r1.safetensors" 0
+check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" logs "$W/killed.jsonl" "$W/r1.jsonl" 0
+check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" weights "$W/killed.safetensors" "$W/r1.safetensors" 0
 
 # ---- --replicas auto: the cost model picks S x R; status says so ----
 check "$N" cluster down --dir "$C"
