@@ -403,6 +403,10 @@ static int fan_index(const nl_wire_msg *m, int count)
     return by_mb ? (int)(m->u.hop.microbatch % (uint32_t)count) : 0;
 }
 
+/* A send that fails says "cannot reach the ...": the coordinator reads a
+ * stage's failure so worded as a neighbour most likely dead, and waits for
+ * the heartbeat timeout's verdict to resume the job rather than fail it
+ * (coord_train_stage_failed). */
 nl_status node_fan_send_next(node *n, nl_wire_msg *m, nl_error *err)
 {
     const int k = fan_index(m, n->n_fan_next);
@@ -418,7 +422,7 @@ nl_status node_fan_send_next(node *n, nl_wire_msg *m, nl_error *err)
     else
         release(m);
     return st == NL_OK ? st
-                       : nl_error_prefix(err, "cannot reach replica %d of the next stage at %s", k,
+                       : nl_error_prefix(err, "cannot reach the next stage's replica %d at %s", k,
                                          n->fan_next_ep[k]);
 }
 
@@ -432,7 +436,7 @@ nl_status node_fan_send_prev(node *n, nl_wire_msg *m, nl_error *err)
     }
     const nl_status st = nl_sock_send(n->data, n->fan_prev_rid[k], n->fan_prev_rid_len[k], m, err);
     return st == NL_OK ? st
-                       : nl_error_prefix(err, "cannot reach replica %d of the previous stage", k);
+                       : nl_error_prefix(err, "cannot reach the previous stage's replica %d", k);
 }
 
 bool node_fan_from_prev(node *n, const nl_wire_msg *m)
