@@ -16,6 +16,12 @@
 # VERIFY_RATE=0 (neurocoord --verify-rate: off, since each case carries its
 # stage's weights to the verifier, which on a slow link outweighs the hops
 # this measures; bench/bench_verify.sh measures verification);
+# IN_FLIGHT_EXTRA=0 (neurocoord --in-flight-extra, both runs: microbatches
+# in flight beyond 1F1B's, which hide the link's round trip);
+# GFLOPS= (a test build's compute model, NL_TEST_COMPUTE_GFLOPS: each
+# training hop sleeps for its FLOPs' time at GFLOPS instead of computing,
+# standing for a node faster than these cores, e.g. a GPU; empty: real
+# compute);
 # KEEP=DIR copies the runs' logs there (the nodes', the coordinator's,
 # netdelay's: how many packets it held and whether the kernel dropped any).
 # Needs root, ip netns and tc; the delay without netem needs iptables'
@@ -32,6 +38,9 @@ SEQ=${SEQ:-128}
 MICRO=${MICRO:-4}
 NODE_TIMEOUT_MS=${NODE_TIMEOUT_MS:-10000}
 VERIFY_RATE=${VERIFY_RATE:-0}
+IN_FLIGHT_EXTRA=${IN_FLIGHT_EXTRA:-0}
+GFLOPS=${GFLOPS:-}
+[ -n "$GFLOPS" ] && export NL_TEST_COMPUTE_GFLOPS=$GFLOPS
 KEEP=${KEEP:-}
 N="$BUILD/cli/neuroctl"
 COORD="$BUILD/coordinator/neurocoord"
@@ -130,7 +139,8 @@ shaped() {
   local p0=${#pids[@]}
   ip netns exec "${P}c" "$COORD" --listen tcp://10.78.0.1:7800 --state-dir "$W/coord" \
     --model "$W/m.safetensors" --min-nodes 2 --node-timeout-ms "$NODE_TIMEOUT_MS" --data-root / \
-    --checkpoint-root / --wire "$1" --verify-rate "$VERIFY_RATE" > "$W/coord-$1.log" 2>&1 &
+    --checkpoint-root / --wire "$1" --verify-rate "$VERIFY_RATE" \
+    --in-flight-extra "$IN_FLIGHT_EXTRA" > "$W/coord-$1.log" 2>&1 &
   pids+=($!)
   for i in $(seq 1 50); do [ -f "$W/coord/coordinator.pub" ] && break; sleep 0.1; done
   for k in 1 2; do
@@ -150,7 +160,7 @@ shaped() {
 }
 loopback() {
   "$N" cluster up --dir "$W/lo-$1" --nodes 2 --threads 1 --model "$W/m.safetensors" --wire "$1" \
-    --verify-rate "$VERIFY_RATE" \
+    --verify-rate "$VERIFY_RATE" --in-flight-extra "$IN_FLIGHT_EXTRA" \
     --timeout 120 >/dev/null 2>&1
   "$N" train --cluster "$W/lo-$1" "${RUN[@]}" --checkpoint-dir "$W/ck-lo-$1" \
     --log "$W/lo-$1.jsonl" 2> "$W/lo-$1.err" || tail -3 "$W/lo-$1.err" >&2
@@ -164,9 +174,9 @@ for wire in fp32 bf16; do
 done
 
 "$PY" - "$W" "$RATE" "$DELAY_MS" "$delay" "${rtt:-}" "$STEPS" "$BATCH" "$SEQ" "$MICRO" \
-  "$(basename "$CONFIG")" <<'PY'
+  "$(basename "$CONFIG")" "$IN_FLIGHT_EXTRA" "${GFLOPS:-}" <<'PY'
 import json, os, statistics, sys
-w, rate, delay_ms, how, rtt, steps, batch, seq, micro, config = sys.argv[1:11]
+w, rate, delay_ms, how, rtt, steps, batch, seq, micro, config, extra, gflops = sys.argv[1:13]
 def rate_of(name):
     p = os.path.join(w, name + ".jsonl")
     rows = [json.loads(l) for l in open(p)] if os.path.exists(p) else []
@@ -178,6 +188,7 @@ r = {k: rate_of(k) for k in ("lo-fp32", "lo-bf16", "wan-fp32", "wan-bf16")}
 out = {"bench": "wan", "rate": rate, "delay_ms_each_way": int(delay_ms), "delay_by": how,
        "ping_rtt_ms": float(rtt) if rtt else None, "config": config, "steps": int(steps),
        "batch": int(batch), "seq": int(seq), "microbatches": int(micro),
+       "in_flight_extra": int(extra), "compute_model_gflops": float(gflops) if gflops else None,
        "tokens_per_s": r}
 if r["wan-fp32"] and r["wan-bf16"]:
     out["wan_bf16_over_fp32"] = round(r["wan-bf16"] / r["wan-fp32"], 3)

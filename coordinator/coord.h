@@ -68,6 +68,8 @@ typedef struct nl_coord_opts {
                             * replicas add up every step's gradients */
     double outer_lr;       /* --outer-lr, --outer-momentum: DiLoCo's outer Nesterov step */
     double outer_momentum;
+    int in_flight_extra; /* --in-flight-extra: microbatches every stage but the last keeps in
+                          * flight beyond 1F1B's (core/model/memory.h nl_mem_train_slots) */
     /* Where a training job's client-chosen paths may lead (data; resume
      * and checkpoint_dir): NULL for <state_dir>/data and
      * <state_dir>/checkpoints (created 0700). */

@@ -95,6 +95,14 @@ static void train_rows(nl_opt t[MAX_FLAGS], int *at, nl_coord_cli *cli, int *gro
                       "the groups' weights averaged)"),
         NL_OPT_DOUBLE("outer-momentum", &o->outer_momentum, 0.0, 0.999, "0.9",
                       "DiLoCo's outer Nesterov momentum (--outer-every)"),
+        NL_OPT_INT("in-flight-extra", &o->in_flight_extra, 0, 65536, "0",
+                   "E: in a training step every stage but the last keeps up to E more "
+                   "microbatches in flight than 1F1B does (one per stage from it to the last; "
+                   "never more than the step's microbatches), so the next microbatches' hops "
+                   "leave while the earlier ones' gradients are on their way back: a slow "
+                   "link's round trip is not waited out (bench/bench_wan.sh). Each costs a "
+                   "microbatch's activations on those stages, which the plan's memory check "
+                   "counts; the results are the same bits (0: 1F1B)"),
         NL_OPT_CHOICE("wire", &o->wire, "fp32|bf16", "fp32",
                       "fp32 or bf16: the precision of the hidden states and gradients the stages "
                       "send each other (bf16: rounded to nearest even when sent, widened when "

@@ -308,8 +308,9 @@ json_t *coord_grow_event(const nl_coord *c, const coord_grow_work *g)
 static uint64_t node_signature(const nl_coord *c, const nl_mem_opts *mo, int *n)
 {
     uint64_t h = 1469598103934665603ull;
-    const uint64_t v[4] = {(uint64_t)mo->micro_rows, (uint64_t)mo->in_flight,
-                           (uint64_t)mo->recompute, (uint64_t)mo->training};
+    const uint64_t v[5] = {(uint64_t)mo->micro_rows, (uint64_t)mo->in_flight,
+                           (uint64_t)mo->recompute, (uint64_t)mo->training,
+                           (uint64_t)mo->in_flight_extra};
     *n = 0;
     for (int i = 0; i < c->n_nodes; i++)
         if (c->nodes[i].life == NODE_LIVE) {
@@ -317,7 +318,7 @@ static uint64_t node_signature(const nl_coord *c, const nl_mem_opts *mo, int *n)
             h = (h ^ c->nodes[i].id) * 1099511628211ull;
             (*n)++;
         }
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < 5; i++)
         h = (h ^ v[i]) * 1099511628211ull;
     return h;
 }

@@ -377,10 +377,9 @@ int coord_plan_holds(const nl_coord *c, const nl_mem_opts *mo, char *why, size_t
         const nl_plan_stage *ps = &c->plan->stages[s];
         const cnode *n = coord_stage_node((nl_coord *)c, s);
         nl_mem_opts o = *mo;
-        /* 1F1B: a stage keeps at most as many microbatches as there are
-         * stages from it to the last (as the node counts them) */
-        if (o.training && (o.in_flight <= 0 || o.in_flight > S - s))
-            o.in_flight = S - s;
+        /* the microbatches the node keeps in flight (o.in_flight: a step's) */
+        if (o.training)
+            o.in_flight = nl_mem_train_slots(S - 1 - s, o.in_flight, o.in_flight_extra);
         const nl_mem_estimate me =
             nl_memory_estimate(&c->cfg, ps->l1 - ps->l0, ps->has_embed, ps->has_head, &o);
         if (n && me.total > n->memory) {

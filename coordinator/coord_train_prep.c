@@ -445,6 +445,7 @@ int coord_train_memory(nl_coord *c, cjob *j, char *why, size_t cap)
     c->train_mem = (nl_mem_opts){.training = 1,
                                  .micro_rows = (int)(t->batch / t->micro * t->seq),
                                  .in_flight = (int)t->micro,
+                                 .in_flight_extra = c->o.in_flight_extra,
                                  .recompute = t->recompute};
     if (coord_plan_holds(c, &c->train_mem, held, sizeof held))
         return 1;

@@ -133,7 +133,7 @@ int coord_train_send_job(nl_coord *c, cjob *j, int *lost)
 {
     ctrain *t = j->state;
     t->verify_outputs = !t->ft && coord_train_verify_cross(c);
-    nl_wire_param ps[13 + COORD_GROWTH_PARAMS + COORD_FT_PARAMS] = {
+    nl_wire_param ps[14 + COORD_GROWTH_PARAMS + COORD_FT_PARAMS] = {
         {.key = "job", .kind = NL_WIRE_PARAM_INT, .i = (int64_t)j->id},
         {.key = "micro_batch", .kind = NL_WIRE_PARAM_INT, .i = t->batch / t->micro},
         {.key = "seq", .kind = NL_WIRE_PARAM_INT, .i = t->seq},
@@ -149,9 +149,10 @@ int coord_train_send_job(nl_coord *c, cjob *j, int *lost)
         {.key = "outer_every", .kind = NL_WIRE_PARAM_INT, .i = t->ft ? 0 : c->o.outer_every},
         {.key = "outer_lr", .kind = NL_WIRE_PARAM_FLOAT, .f = c->o.outer_lr},
         {.key = "outer_momentum", .kind = NL_WIRE_PARAM_FLOAT, .f = c->o.outer_momentum},
+        {.key = "in_flight_extra", .kind = NL_WIRE_PARAM_INT, .i = c->o.in_flight_extra},
     };
     char keys[COORD_GROWTH_PARAMS][24], *texts[COORD_GROWTH_PARAMS] = {NULL};
-    int np = 13 + growth_params(c, ps + 13, keys, texts);
+    int np = 14 + growth_params(c, ps + 14, keys, texts);
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);

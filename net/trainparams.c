@@ -56,6 +56,7 @@ static const nl_param_key keys[] = {
     {"outer_every", NL_PT_INT, STG, 0, 0, I32, 0, F(outer_every)},
     {"outer_lr", NL_PT_NUM, STG, 0, 0, 10, 0, F(outer_lr)},
     {"outer_momentum", NL_PT_NUM, STG, 0, 0, 0.999, 0, F(outer_momentum)},
+    {"in_flight_extra", NL_PT_INT, STG, 0, 0, 65536, 0, F(in_flight_extra)},
 };
 
 #define NKEYS (sizeof keys / sizeof keys[0])

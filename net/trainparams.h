@@ -50,6 +50,9 @@
  *                                                              outer learning rate
  *   outer_momentum    number     0 .. 0.999      0.9           a stage's training: DiLoCo's
  *                                                              outer Nesterov momentum
+ *   in_flight_extra   integer    0 .. 65536      0             a stage's: microbatches kept
+ *                                                              in flight beyond 1F1B's
+ *                                                              (core/model/memory.h)
  *
  * In a request every key with a default but the booleans, learn_vocab,
  * objective and resume is required: the client sends the defaults it
@@ -92,7 +95,7 @@ typedef struct nl_trainparams {
     int64_t lora_seed;
     /* a stage's job */
     uint64_t job;
-    int64_t micro_batch, start_step, adam_steps, eval_hops, outer_every;
+    int64_t micro_batch, start_step, adam_steps, eval_hops, outer_every, in_flight_extra;
     double outer_lr, outer_momentum;
     int moments, verify_outputs;
 } nl_trainparams;

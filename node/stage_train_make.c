@@ -175,12 +175,13 @@ nl_status stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg_jo
                             "with this stage's weights",
                             (long long)job);
     /* 1F1B: a stage keeps the activations of at most as many microbatches
-     * as there are stages from it to the last (of those this node runs:
-     * 1 / R of them on one of R replicas, stage_train_ring.c) */
+     * as there are stages from it to the last, and --in-flight-extra more
+     * but on the last (core/model/memory.h; of those this node runs: 1 / R
+     * of them on one of R replicas, stage_train_ring.c) */
     const int64_t Mh = s->replicas > 1 && M % s->replicas == 0 ? M / s->replicas : M;
-    int slots = s->num_stages - s->stage_idx;
-    if (slots > Mh)
-        slots = (int)Mh;
+    const int slots =
+        nl_mem_train_slots(s->num_stages - 1 - s->stage_idx, Mh > INT32_MAX ? INT32_MAX : (int)Mh,
+                           (int)p->in_flight_extra);
     /* each replica keeps its share of the microbatches in flight */
     const int rslots = (slots + R - 1) / R;
     if ((st = check_memory(s, job, mbB, T, rslots, recompute, R, err)) != NL_OK)

@@ -5,7 +5,10 @@
 #    relative difference over the steps is printed and bounded);
 #  - the tensors the stages send each other take about half the bytes
 #    (counted by the nodes: "bytes of ... tensors" at the job's end);
-#  - two bf16 runs are byte-identical (weights and moments);
+#  - two bf16 runs are byte-identical (weights and moments), the second
+#    with a microbatch more in flight on the first stage than 1F1B's
+#    (--in-flight-extra 1: 3 of the step's 4 there, 1 on the last stage,
+#    as the nodes' logs say): the schedule moves, the bits do not;
 #  - inference over the bf16 wire: a forward's logits are close to FP32's
 #    but not equal (the hops were rounded), and a generation runs.
 . "$(dirname "$0")/cluster_lib.sh"
@@ -39,9 +42,12 @@ sent_bytes() {
 # stages hold: the last job's)
 for run in fp32-1 bf16-1 bf16-2; do
   wire=${run%-*}
+  extra=0
+  [ "$run" = bf16-2 ] && extra=1
   C="$W/$run"
   check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 2 --model "$W/m.safetensors" --memory 64M \
-    --threads 1 --node-timeout-ms 3000 --timeout 60 --wire "$wire" --verify-rate 0
+    --threads 1 --node-timeout-ms 3000 --timeout 60 --wire "$wire" --verify-rate 0 \
+    --in-flight-extra "$extra"
   check test "$("$N" status --cluster "$C" 2>/dev/null | grep -c serving)" -eq 2
   check "$N" forward --cluster "$C" --tokens "$W/in.safetensors" --out "$W/fwd-$run.safetensors"
   check "$N" generate --cluster "$C" --prompt-tokens 72,101,108 --max-new 12 --temperature 0 \
@@ -55,6 +61,10 @@ for run in fp32-1 bf16-1 bf16-2; do
     sleep 0.1
   done
   eval "bytes_$wire=$(sent_bytes "$C" "$wire")"
+  # the microbatches each stage kept in flight, first stage first
+  flight=$(cat "$C"/node-*.log | sed -n 's/.*train job [0-9]*: stage \([01]\) of 2, 4 microbatches of 2 x 32, \([0-9]*\) in flight.*/\1:\2/p' | sort | tr '\n' ' ')
+  echo "$run: in flight (stage:microbatches) $flight"
+  check test "$flight" = "0:$((2 + extra)) 1:1 "
   "$N" cluster down --dir "$C" > /dev/null
 done
 

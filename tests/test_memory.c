@@ -86,6 +86,23 @@ static void test_terms(void)
     CHECK(nl_mem_precision(&fake) == NL_MEM_BF16_DEVICE, "bf16 on a device");
 }
 
+/* A training stage's microbatches in flight: 1F1B's, the extra on every
+ * stage but the last, the step's cap. */
+static void test_train_slots(void)
+{
+    static const int cases[][4] = {
+        /* after, M, extra, slots */
+        {0, 8, 0, 1}, {0, 8, 5, 1}, {1, 8, 0, 2}, {3, 8, 0, 4}, {1, 8, 2, 4},
+        {3, 8, 2, 6}, {3, 5, 2, 5}, {1, 0, 6, 8}, {2, 1, 4, 1}, {1, 8, -3, 2},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const int *k = cases[i];
+        const int got = nl_mem_train_slots(k[0], k[1], k[2]);
+        CHECK(got == k[3], "after %d, M %d, extra %d: %d in flight, want %d", k[0], k[1], k[2], got,
+              k[3]);
+    }
+}
+
 static void test_measured(void)
 {
     nl_error err = {0};
@@ -143,6 +160,7 @@ static void test_measured(void)
 int main(void)
 {
     test_terms();
+    test_train_slots();
     test_measured();
     return check_done("test_memory");
 }

@@ -86,7 +86,8 @@ static double check_plan(const nl_plan *p, const nl_config *c, const nl_plan_nod
         ok &= g->l0 == covered && nl >= 1;
         ok &= g->has_embed == (s == 0) && g->has_head == (s == S - 1);
         nl_mem_opts m = o->mem;
-        int kept = S - s;
+        /* 1F1B's S - s, and the extra on every stage but the last */
+        int kept = s == S - 1 ? 1 : S - s + o->mem.in_flight_extra;
         if (o->mem.in_flight > 0 && o->mem.in_flight < kept)
             kept = o->mem.in_flight;
         m.in_flight = o->mem.training ? kept : m.in_flight;
@@ -160,6 +161,21 @@ static void test_cost_model(void)
     m.in_flight = 2;
     CHECK(nl_plan_stage_bytes(&c, &t, 3, 0, 4) == nl_memory_estimate(&c, 3, 1, 0, &m).total,
           "stage bytes = memory model");
+    /* --in-flight-extra 2: two more on every stage but the last, still capped */
+    t.mem.in_flight = 0;
+    t.mem.in_flight_extra = 2;
+    CHECK(nl_plan_stage_in_flight(&t, 0, 4) == 6 && nl_plan_stage_in_flight(&t, 2, 4) == 4 &&
+              nl_plan_stage_in_flight(&t, 3, 4) == 1 && nl_plan_stage_in_flight(&t, 0, 1) == 1,
+          "extra in flight");
+    t.mem.in_flight = 5;
+    CHECK(nl_plan_stage_in_flight(&t, 0, 4) == 5 && nl_plan_stage_in_flight(&t, 1, 4) == 5,
+          "extra in flight, capped");
+    m.in_flight = 5;
+    const uint64_t more = nl_plan_stage_bytes(&c, &t, 3, 0, 4);
+    t.mem.in_flight_extra = 0;
+    CHECK(more == nl_memory_estimate(&c, 3, 1, 0, &m).total &&
+              more > nl_plan_stage_bytes(&c, &t, 3, 0, 4),
+          "extra in flight: the stage keeps 5 microbatches' activations, not 4");
 }
 
 /* ------------------------------------------------------- simple placements */
@@ -475,6 +491,7 @@ static void test_brute_force(void)
         nl_plan_opts o = train_opts(32 + 32 * (int)(urand() * 3), (int)(urand() * 3));
         o.mem.training = urand() < 0.75;
         o.mem.recompute = urand() < 0.3;
+        o.mem.in_flight_extra = urand() < 0.3 ? 1 + (int)(urand() * 3) : 0;
         o.mem.kv_sessions = o.mem.training ? 0 : 2;
         o.mem.kv_len = 64;
         const uint64_t lay =

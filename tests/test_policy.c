@@ -234,6 +234,37 @@ static void test_train_request(void)
           "classify with pack: %s", err.msg);
 }
 
+/* A stage's job: the microbatches in flight beyond 1F1B's come across,
+ * within their range, and are 0 where a coordinator sends none. */
+static void test_stage_in_flight(void)
+{
+    nl_trainparams p, q;
+    nl_trainparams_defaults(&p);
+    p.job = 3;
+    p.micro_batch = 2;
+    p.seq = 32;
+    p.micro = 4;
+    p.in_flight_extra = 5;
+    nl_error err = {0};
+    nl_wire_param w[NL_TRAINPARAMS_MAX_KEYS];
+    uint32_t n = nl_trainparams_wire(&p, NL_TRAINPARAMS_STAGE, w);
+    CHECK_OK(nl_trainparams_parse(&q, w, n, NL_TRAINPARAMS_STAGE, &err), &err);
+    CHECK(q.in_flight_extra == 5, "in_flight_extra read back as %lld",
+          (long long)q.in_flight_extra);
+    p.in_flight_extra = 65537;
+    n = nl_trainparams_wire(&p, NL_TRAINPARAMS_STAGE, w);
+    CHECK(nl_trainparams_parse(&q, w, n, NL_TRAINPARAMS_STAGE, &err) == NL_ERR_RANGE &&
+              strstr(err.msg, "params.in_flight_extra"),
+          "65537 extra in flight: %s", err.msg);
+    p.in_flight_extra = 0; /* the default is not written */
+    n = nl_trainparams_wire(&p, NL_TRAINPARAMS_STAGE, w);
+    for (uint32_t i = 0; i < n; i++)
+        CHECK(strcmp(w[i].key, "in_flight_extra") != 0, "in_flight_extra 0 written");
+    q.in_flight_extra = 9;
+    CHECK_OK(nl_trainparams_parse(&q, w, n, NL_TRAINPARAMS_STAGE, &err), &err);
+    CHECK(q.in_flight_extra == 0, "absent: %lld", (long long)q.in_flight_extra);
+}
+
 static void test_finetune(void)
 {
     nl_trainparams p = request(), q;
@@ -430,6 +461,7 @@ int main(void)
     test_request();
     test_session();
     test_train_request();
+    test_stage_in_flight();
     test_finetune();
     test_train_stage();
     test_objective();

@@ -55,6 +55,14 @@ static uint64_t bf16_host_scratch(const nl_config *c, uint64_t N, int training, 
     return 2 * N * (wa + wb);
 }
 
+int nl_mem_train_slots(int after, int M, int extra)
+{
+    long k = after <= 0 ? 1 : (long)after + 1 + (extra > 0 ? extra : 0);
+    if (M > 0 && M < k)
+        k = M;
+    return k < 1 ? 1 : (int)k;
+}
+
 nl_mem_estimate nl_memory_estimate(const nl_config *c, int n_layers, int has_embed, int has_head,
                                    const nl_mem_opts *o)
 {

@@ -24,14 +24,17 @@ enum {
 };
 
 typedef struct nl_mem_opts {
-    int training;    /* 0: inference (weights, activations, KV caches) */
-    int micro_rows;  /* rows (sequences x positions) of one microbatch or forward */
-    int in_flight;   /* microbatches whose activations are kept (1F1B: stages from here down) */
-    int recompute;   /* keep only layer inputs; recompute in the backward pass */
-    int kv_sessions; /* inference: generation sessions with a KV cache */
-    int kv_len;      /* positions per session's cache */
-    int kv_bf16;     /* 1: the caches keep bf16 (2 bytes an element; --kv-cache), 0: FP32 */
-    int precision;   /* NL_MEM_FP32 (0), NL_MEM_BF16 or NL_MEM_BF16_DEVICE */
+    int training;        /* 0: inference (weights, activations, KV caches) */
+    int micro_rows;      /* rows (sequences x positions) of one microbatch or forward */
+    int in_flight;       /* microbatches whose activations are kept (nl_mem_train_slots); the
+                          * planner reads it as the microbatches of a step, the cap */
+    int in_flight_extra; /* training: microbatches every stage but the last keeps in flight
+                          * beyond 1F1B's (neurocoord --in-flight-extra; the planner's) */
+    int recompute;       /* keep only layer inputs; recompute in the backward pass */
+    int kv_sessions;     /* inference: generation sessions with a KV cache */
+    int kv_len;          /* positions per session's cache */
+    int kv_bf16;         /* 1: the caches keep bf16 (2 bytes an element; --kv-cache), 0: FP32 */
+    int precision;       /* NL_MEM_FP32 (0), NL_MEM_BF16 or NL_MEM_BF16_DEVICE */
 } nl_mem_opts;
 
 typedef struct nl_mem_estimate {
@@ -58,6 +61,17 @@ int64_t nl_stage_param_count(const nl_config *cfg, int n_layers, int has_embed, 
 /* The precision term a backend needs: NL_MEM_FP32 unless be->bf16, then
  * NL_MEM_BF16 on host memory, NL_MEM_BF16_DEVICE on a device. */
 int nl_mem_precision(const nl_backend *be);
+
+/* The microbatches a training stage keeps in flight, its activation
+ * slots: 1F1B keeps one for each stage from it to the last (after + 1,
+ * `after` the stages after it), and `extra` more on every stage but the
+ * last, whose forward is followed by its backward at once (neurocoord
+ * --in-flight-extra: the next microbatches' hops leave while the earlier
+ * ones' gradients are on their way back, so a link's round trip is not
+ * waited out); at most M, a step's microbatches (M <= 0: no cap), and at
+ * least 1. The node, the coordinator's memory check and the planner all
+ * count with this. */
+int nl_mem_train_slots(int after, int M, int extra);
 
 nl_mem_estimate nl_memory_estimate(const nl_config *cfg, int n_layers, int has_embed, int has_head,
                                    const nl_mem_opts *o);

@@ -77,7 +77,7 @@ static stage_pos pos_of(const nl_plan_opts *o, int first, int r)
     p.embed = first;
     p.head = r == 0;
     p.hops = (r > 0) + (o->mem.training && !first);
-    p.in_flight = !o->mem.training ? 1 : (M > 0 && M < r + 1) ? M : r + 1;
+    p.in_flight = !o->mem.training ? 1 : nl_mem_train_slots(r, M, o->mem.in_flight_extra);
     return p;
 }
 
