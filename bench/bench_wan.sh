@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A pipeline over a slow, distant link (issue 30 item 7): the coordinator
-# and two 1-thread nodes, each in a network namespace, joined by veth pairs
+# and NODES 1-thread nodes (default 2), each in a network namespace, joined by veth pairs
 # to a bridge; every namespace's outgoing link is shaped to RATE (tc tbf)
 # and delayed DELAY_MS one way, so RTT = 2 DELAY_MS between any two
 # (tc netem where the kernel has sch_netem, else a netfilter queue held by
@@ -10,7 +10,7 @@
 # the ratios the issue asks for (bf16 / fp32 on the shaped link, shaped /
 # loopback with bf16).
 #   bench/bench_wan.sh [BUILD_DIR]
-# Settings (environment, with defaults): RATE=100mbit DELAY_MS=20
+# Settings (environment, with defaults): NODES=2 RATE=100mbit DELAY_MS=20
 # CONFIG=configs/tiny.yaml STEPS=12 BATCH=16 SEQ=128 MICRO=4
 # NODE_TIMEOUT_MS=10000 (neurocoord --node-timeout-ms on the shaped link);
 # VERIFY_RATE=0 (neurocoord --verify-rate: off, since each case carries its
@@ -39,6 +39,9 @@ MICRO=${MICRO:-4}
 NODE_TIMEOUT_MS=${NODE_TIMEOUT_MS:-10000}
 VERIFY_RATE=${VERIFY_RATE:-0}
 IN_FLIGHT_EXTRA=${IN_FLIGHT_EXTRA:-0}
+NODES=${NODES:-2}
+NS=(c)
+for k in $(seq 1 "$NODES"); do NS+=("n$k"); done
 GFLOPS=${GFLOPS:-}
 [ -n "$GFLOPS" ] && export NL_TEST_COMPUTE_GFLOPS=$GFLOPS
 KEEP=${KEEP:-}
@@ -60,18 +63,18 @@ cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
   for p in "${pids[@]}"; do wait "$p" 2>/dev/null; done # netdelay prints its counts
   for d in "$W"/lo-*; do [ -d "$d" ] && "$N" cluster down --dir "$d" >/dev/null 2>&1; done
-  for ns in hub c n1 n2; do ip netns del "$P$ns" 2>/dev/null; done
+  for ns in hub "${NS[@]}"; do ip netns del "$P$ns" 2>/dev/null; done
   [ -n "$KEEP" ] && mkdir -p "$KEEP" && cp "$W"/*.log "$W"/*.err "$W"/*.jsonl "$KEEP"/ 2>/dev/null
   rm -rf "$W"
 }
 trap cleanup EXIT
 
-# ---- the network: hub with a bridge; c, n1, n2 each with one veth ----
+# ---- the network: hub with a bridge; c, n1, n2, ... each with one veth ----
 ip netns add "${P}hub"
 ip -n "${P}hub" link add br0 type bridge
 ip -n "${P}hub" link set br0 up
 i=1
-for ns in c n1 n2; do
+for ns in "${NS[@]}"; do
   ip netns add "$P$ns"
   ip link add "nlw$i$$" type veth peer name eth0 netns "$P$ns"
   ip link set "nlw$i$$" netns "${P}hub"
@@ -83,7 +86,7 @@ for ns in c n1 n2; do
 done
 # the delay: netem with the rate as its child, else tbf and a netfilter queue
 delay=netem
-for ns in c n1 n2; do
+for ns in "${NS[@]}"; do
   if ! ip netns exec "$P$ns" tc qdisc add dev eth0 root handle 1: netem delay "${DELAY_MS}ms" \
     2>/dev/null; then
     delay=nfqueue
@@ -97,7 +100,7 @@ if [ $delay = nfqueue ]; then
   FIFO=
   chrt -f 10 true 2>/dev/null && FIFO="chrt -f 10" && delay="nfqueue, netdelay SCHED_FIFO"
   [ -n "$FIFO" ] || echo "bench_wan: chrt -f refused: netdelay at normal priority (a busy machine slows the link)" >&2
-  for ns in c n1 n2; do
+  for ns in "${NS[@]}"; do
     ip netns exec "$P$ns" tc qdisc del dev eth0 root 2>/dev/null
     ip netns exec "$P$ns" tc qdisc add dev eth0 root tbf rate "$RATE" burst 64kb latency 400ms
     # each namespace delays what it receives, not what it sends: a packet
@@ -128,7 +131,7 @@ RUN=(--data "$W/data.txt" --steps "$STEPS" --batch "$BATCH" --seq "$SEQ" --micro
 mkdir -p "$W/coord"
 "$N" keygen --out "$W/client" >/dev/null
 echo "$(cat "$W/client.pub")  # client" > "$W/coord/authorized_keys"
-for k in 1 2; do
+for k in $(seq 1 "$NODES"); do
   "$N" keygen --out "$W/node$k" >/dev/null
   echo "$(cat "$W/node$k.pub")  # node$k" >> "$W/coord/authorized_keys"
 done
@@ -138,12 +141,12 @@ CL=(--coordinator tcp://10.78.0.1:7801 --key "$W/client.key" --coordinator-key "
 shaped() {
   local p0=${#pids[@]}
   ip netns exec "${P}c" "$COORD" --listen tcp://10.78.0.1:7800 --state-dir "$W/coord" \
-    --model "$W/m.safetensors" --min-nodes 2 --node-timeout-ms "$NODE_TIMEOUT_MS" --data-root / \
+    --model "$W/m.safetensors" --min-nodes "$NODES" --node-timeout-ms "$NODE_TIMEOUT_MS" --data-root / \
     --checkpoint-root / --wire "$1" --verify-rate "$VERIFY_RATE" \
     --in-flight-extra "$IN_FLIGHT_EXTRA" > "$W/coord-$1.log" 2>&1 &
   pids+=($!)
   for i in $(seq 1 50); do [ -f "$W/coord/coordinator.pub" ] && break; sleep 0.1; done
-  for k in 1 2; do
+  for k in $(seq 1 "$NODES"); do
     ip netns exec "${P}n$k" "$NODE" join tcp://10.78.0.1:7800 --key "$W/node$k.key" \
       --coordinator-key "$W/coord/coordinator.pub" --memory 1G --threads 1 --name "n$k" \
       --listen "tcp://10.78.0.$((k + 1)):7801" --checkpoint-root "$W" > "$W/n$k-$1.log" 2>&1 &
@@ -159,7 +162,7 @@ shaped() {
   for p in "${pids[@]:$p0}"; do wait "$p" 2>/dev/null; done
 }
 loopback() {
-  "$N" cluster up --dir "$W/lo-$1" --nodes 2 --threads 1 --model "$W/m.safetensors" --wire "$1" \
+  "$N" cluster up --dir "$W/lo-$1" --nodes "$NODES" --threads 1 --model "$W/m.safetensors" --wire "$1" \
     --verify-rate "$VERIFY_RATE" --in-flight-extra "$IN_FLIGHT_EXTRA" \
     --timeout 120 >/dev/null 2>&1
   "$N" train --cluster "$W/lo-$1" "${RUN[@]}" --checkpoint-dir "$W/ck-lo-$1" \
@@ -174,9 +177,9 @@ for wire in fp32 bf16; do
 done
 
 "$PY" - "$W" "$RATE" "$DELAY_MS" "$delay" "${rtt:-}" "$STEPS" "$BATCH" "$SEQ" "$MICRO" \
-  "$(basename "$CONFIG")" "$IN_FLIGHT_EXTRA" "${GFLOPS:-}" <<'PY'
+  "$(basename "$CONFIG")" "$IN_FLIGHT_EXTRA" "${GFLOPS:-}" "$NODES" <<'PY'
 import json, os, statistics, sys
-w, rate, delay_ms, how, rtt, steps, batch, seq, micro, config, extra, gflops = sys.argv[1:13]
+w, rate, delay_ms, how, rtt, steps, batch, seq, micro, config, extra, gflops, nodes = sys.argv[1:14]
 def rate_of(name):
     p = os.path.join(w, name + ".jsonl")
     rows = [json.loads(l) for l in open(p)] if os.path.exists(p) else []
@@ -185,7 +188,7 @@ def rate_of(name):
         return None
     return round(statistics.median(r["tokens_per_s"] for r in rows if r["step"] > 2), 1)
 r = {k: rate_of(k) for k in ("lo-fp32", "lo-bf16", "wan-fp32", "wan-bf16")}
-out = {"bench": "wan", "rate": rate, "delay_ms_each_way": int(delay_ms), "delay_by": how,
+out = {"bench": "wan", "nodes": int(nodes), "rate": rate, "delay_ms_each_way": int(delay_ms), "delay_by": how,
        "ping_rtt_ms": float(rtt) if rtt else None, "config": config, "steps": int(steps),
        "batch": int(batch), "seq": int(seq), "microbatches": int(micro),
        "in_flight_extra": int(extra), "compute_model_gflops": float(gflops) if gflops else None,
