@@ -1,5 +1,5 @@
-/* The fakes that the coordinator's in-process tests (test_coord.c,
- * test_coord_peers.c) script: nodes and clients as plain DEALER sockets on
+/* The fakes that the coordinator's in-process tests (the test_coord*.c
+ * programs) script: nodes and clients as plain DEALER sockets on
  * loopback, heartbeats, and pumps that turn the coordinator's loop until a
  * message arrives. Its checks count apart from the test's own (check.h's
  * counters are per file): the test adds them with coord_fake_add_counts. */

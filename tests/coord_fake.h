@@ -1,5 +1,5 @@
 /* The fakes of the coordinator's in-process tests (coord_fake.c), shared
- * by test_coord.c and test_coord_peers.c. */
+ * by the test_coord*.c programs. */
 #ifndef NL_TEST_COORD_FAKE_H
 #define NL_TEST_COORD_FAKE_H
 

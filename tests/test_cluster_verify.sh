@@ -94,7 +94,7 @@ check test "$(last "$W/honest.jsonl" digest_mismatches)" -eq 0
 check test "$(last "$W/plain.jsonl" verified)" -eq 0
 # the verifiers answer while the training goes on: a step's report counts
 # the answers in by then (those of the last steps may come after the last
-# report; tests/test_stage_train.c counts 204 of 204 deterministically)
+# report; tests/test_stage_verify.c counts 204 of 204 deterministically)
 v=$(last "$W/honest.jsonl" verified)
 echo "honest: $v (stage, microbatch)s verified, none found wrong"
 check test "$v" -ge 1

@@ -17,7 +17,19 @@
  *  - with weights and no name (not the coordinator's): known by their
  *    digest, loaded only when they differ;
  *  - without weights and naming none: refused.
- * The verifier tests that drive whole pipelines are in test_stage_train.c. */
+ *
+ * And on whole pipelines (stage_train_harness.h: 3 stages in one process,
+ * every message through the wire codec):
+ *  - verification by recompute: every (stage, microbatch) of 17 honest
+ *    steps redone on another backend from the stage's kept inputs and
+ *    weights gives the digests it reported (204, none accused), and one
+ *    per stage and step over the wire (VERIFY_REQ, VERIFY_CASE through the
+ *    codec, a verifier stage without a model, VERIFY_RESULT); each kind of
+ *    lie on stage 1 (NL_TEST_HOOKS builds) is accused there and an honest
+ *    stage never, on the FP32 wire and on the bf16 one;
+ *  - what a verifier keeps: each stage built once for the job, its weights
+ *    loaded once a step, never used for a case that brings other ones, and
+ *    built again after nl_stage_verify_forget. */
 #include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -31,11 +43,9 @@
 #include "node/stage.h"
 #include "node/stage_verify.h"
 #include "tests/check.h"
+#include "tests/stage_train_harness.h"
 
 enum { B = 2, T = 8, L0 = 1, L1 = 2 };
-
-static nl_config cfg;
-static char *cfg_json;
 
 /* A VERIFY_CASE of stage 1 (layers [L0, L1)) into m: the weights w (n
  * floats; n 0: none), named by hex (NULL: none), input x and gradient dy
@@ -92,13 +102,13 @@ static nl_status answer(nl_stage *v, const nl_wire_msg *m, nl_msg_verify_result 
     return st;
 }
 
-static void weights_by_digest(nl_backend *be, nl_backend *vbe)
+static void weights_by_digest(nl_backend *sbe, nl_backend *vbe)
 {
     nl_error err;
     nl_model *model = NULL;
     nl_stage *v = NULL;
     const size_t d = (size_t)cfg.hidden_dim, rows = (size_t)B * T;
-    CHECK_OK(nl_model_new(&model, be, &cfg, L0, L1, false, false, &err), &err);
+    CHECK_OK(nl_model_new(&model, sbe, &cfg, L0, L1, false, false, &err), &err);
     if (!model)
         return;
     const size_t n = model->n_params;
@@ -116,7 +126,7 @@ static void weights_by_digest(nl_backend *be, nl_backend *vbe)
     }
     nl_stage_opts vo = {
         .memory_bytes = 1ULL << 30, .kv_budget = 1 << 20, .send_wait_ms = 100, .verify_be = vbe};
-    CHECK_OK(nl_stage_new(&v, be, &vo, &err), &err);
+    CHECK_OK(nl_stage_new(&v, sbe, &vo, &err), &err);
     if (!w || !w2 || !x || !dy || !v)
         goto out;
     /* what the case should give: a redo of its own */
@@ -209,30 +219,181 @@ out:
     free(dy);
 }
 
+/* What a verifier keeps (node/stage_verify_worker.c): every microbatch of every
+ * stage of STEPS steps over the wire to a verifier with a backend of its
+ * own (its cases run on its worker thread), answered with the stage's
+ * digests; it builds each stage once for the job and loads each stage's
+ * weights once a step (its cases share them, the next step's are new),
+ * once more for the case with its weights changed, whose answer is not the
+ * report (the weights kept are never used for a case that brings other
+ * ones), and the next step's first case loads its own again; after
+ * nl_stage_verify_forget it builds again. */
+static void verifier_keeps(void)
+{
+    enum { STEPS = 3, M = 4 };
+    uint8_t *a = calloc(STEPS, sizeof dig_got), *fa = calloc(STEPS, (size_t)M * 32);
+    nl_error err;
+    nl_backend *vbe = NULL;
+    CHECK_OK(check_backend_new(&vbe, 1, &err), &err);
+    nl_stage_opts vo = {
+        .memory_bytes = 1ULL << 30, .kv_budget = 1 << 20, .send_wait_ms = 100, .verify_be = vbe};
+    if (vbe)
+        CHECK_OK(nl_stage_new(&verifier, rbe[1], &vo, &err), &err);
+    verify_on = wire_all = verifier != NULL;
+    lie_stage = -1;
+    verified = wire_verified = stale_checked = stale_missed = 0;
+    memset(wire_mismatched, 0, sizeof wire_mismatched);
+    if (verify_on && a && fa)
+        digest_run(STEPS, M, a, fa);
+    nl_verify_stats vs = {0};
+    if (verifier)
+        nl_stage_verify_stats(verifier, &vs);
+    CHECK(wire_verified == STEPS * M * NST && !wire_mismatched[0] && !wire_mismatched[1] &&
+              !wire_mismatched[2],
+          "kept builds: %d verified, accused %d %d %d", wire_verified, wire_mismatched[0],
+          wire_mismatched[1], wire_mismatched[2]);
+    CHECK(stale_checked == STEPS * NST && !stale_missed,
+          "a case with its weights changed answered as the stage's report %d times of %d",
+          stale_missed, stale_checked);
+    CHECK(vs.cases == (uint64_t)(STEPS * (M + 1) * NST) && vs.builds == NST &&
+              vs.loads == (uint64_t)(2 * STEPS * NST),
+          "the verifier redid %llu cases, built %llu stages, loaded weights %llu times (want "
+          "%d, %d, %d)",
+          (unsigned long long)vs.cases, (unsigned long long)vs.builds, (unsigned long long)vs.loads,
+          STEPS * (M + 1) * NST, NST, 2 * STEPS * NST);
+    printf("verifier: %llu cases on its own thread, %llu builds, %llu weight loads\n",
+           (unsigned long long)vs.cases, (unsigned long long)vs.builds,
+           (unsigned long long)vs.loads);
+    /* what it keeps dropped (a new plan, the job's end): built again */
+    if (verifier && a && fa) {
+        nl_stage_verify_forget(verifier);
+        digest_run(1, M, a, fa);
+        nl_stage_verify_stats(verifier, &vs);
+        CHECK(vs.builds == 2 * NST && !wire_mismatched[0] && !wire_mismatched[1] &&
+                  !wire_mismatched[2],
+              "after forgetting: %llu builds (want %d), accused %d %d %d",
+              (unsigned long long)vs.builds, 2 * NST, wire_mismatched[0], wire_mismatched[1],
+              wire_mismatched[2]);
+    }
+    verify_on = wire_all = false;
+    nl_stage_destroy(&verifier);
+    nl_backend_destroy(&vbe);
+    free(a);
+    free(fa);
+}
+
+/* Verification by recompute (stage_verify.h): every microbatch of every
+ * stage redone on another backend from the stage's kept inputs and its
+ * weights at the step's start gives the digests the stage reported, for
+ * an honest pipeline (no stage ever accused: a digest over padding or
+ * uninitialised bytes would differ); with a lying stage 1, exactly it is
+ * accused (its neighbours compute honestly on what they got), in the
+ * direction it lies. */
+static void recompute(void)
+{
+    enum { STEPS = 3, HONEST = 17, M = 4 }; /* 17 x 4 x 3 = 204 redone when honest */
+    uint8_t *a = calloc(HONEST, sizeof dig_got), *fa = calloc(HONEST, (size_t)M * 32);
+    nl_error err;
+    nl_stage_opts vo = {.memory_bytes = 1ULL << 30, .kv_budget = 1 << 20, .send_wait_ms = 100};
+    CHECK_OK(nl_stage_new(&verifier, rbe[1], &vo, &err), &err);
+    verify_on = verifier != NULL;
+    cross_on = verify_on; /* the honest run checks the tolerance too */
+    lie_stage = -1;
+    verified = wire_verified = cross_checked = cross_wrong = 0;
+    memset(mismatched, 0, sizeof mismatched);
+    memset(wire_mismatched, 0, sizeof wire_mismatched);
+    if (a && fa)
+        digest_run(HONEST, M, a, fa);
+    CHECK(wire_verified == HONEST * NST && !wire_mismatched[0] && !wire_mismatched[1] &&
+              !wire_mismatched[2],
+          "honest over the wire: %d verified, accused %d %d %d", wire_verified, wire_mismatched[0],
+          wire_mismatched[1], wire_mismatched[2]);
+    CHECK(verified == HONEST * M * NST && !mismatched[0] && !mismatched[1] && !mismatched[2],
+          "honest: %d redone, accused %d %d %d", verified, mismatched[0], mismatched[1],
+          mismatched[2]);
+    CHECK(cross_checked == 3 * HONEST * NST && !cross_wrong,
+          "across device classes: %d of %d answers wrong", cross_wrong, cross_checked);
+    cross_on = false;
+    printf("recompute: %d honest (stage, microbatch) redone, none accused; %d answers across "
+           "device classes as the tolerance says\n",
+           verified, cross_checked);
+#ifdef NL_TEST_HOOKS
+    static const char *const kinds[] = {"bitflip", "noise", "stale", "skip", "backward"};
+    for (int k = 0; k < 5 && a && fa; k++) {
+        test_lie = (nl_stage_lie){(nl_lie_kind)nl_stage_lie_kind(kinds[k]), 0.5, 3, 0, false};
+        lie_stage = 1;
+        memset(mismatched, 0, sizeof mismatched);
+        memset(mismatch_fwd, 0, sizeof mismatch_fwd);
+        memset(mismatch_bwd, 0, sizeof mismatch_bwd);
+        memset(wire_mismatched, 0, sizeof wire_mismatched);
+        digest_run(STEPS, M, a, fa);
+        CHECK(!wire_mismatched[0] && !wire_mismatched[2],
+              "lie %s on stage 1: an honest stage accused over the wire (%d, %d)", kinds[k],
+              wire_mismatched[0], wire_mismatched[2]);
+        const bool backward = test_lie.kind == NL_LIE_BACKWARD;
+        const bool both = test_lie.kind == NL_LIE_BITFLIP; /* lies in either direction */
+        CHECK(mismatched[1] > 0 && !mismatched[0] && !mismatched[2] &&
+                  (both || (backward ? mismatch_fwd[1] == 0 : mismatch_bwd[1] == 0)),
+              "lie %s on stage 1: accused %d %d %d (stage 1: %d forwards, %d backwards)", kinds[k],
+              mismatched[0], mismatched[1], mismatched[2], mismatch_fwd[1], mismatch_bwd[1]);
+        printf("recompute: lie %s on stage 1 caught on %d of %d microbatches\n", kinds[k],
+               mismatched[1], STEPS * M);
+    }
+    lie_stage = -1;
+    /* the bf16 wire: the cases are the bf16 bytes sent, the verifier
+     * rounds its outputs as the stage did: bit for bit when honest, and a
+     * flip of a bit that the wire keeps is found */
+    wire_bf16 = true;
+    wire_bf16_cases = verified = wire_verified = 0;
+    memset(mismatched, 0, sizeof mismatched);
+    memset(wire_mismatched, 0, sizeof wire_mismatched);
+    if (a && fa)
+        digest_run(STEPS, M, a, fa);
+    CHECK(wire_bf16_cases == STEPS * NST && wire_verified == STEPS * NST &&
+              verified == STEPS * M * NST && !mismatched[0] && !mismatched[1] && !mismatched[2] &&
+              !wire_mismatched[0] && !wire_mismatched[1] && !wire_mismatched[2],
+          "bf16 wire, honest: %d of %d cases in bf16, accused %d %d %d (wire %d %d %d)",
+          wire_bf16_cases, wire_verified, mismatched[0], mismatched[1], mismatched[2],
+          wire_mismatched[0], wire_mismatched[1], wire_mismatched[2]);
+    test_lie = (nl_stage_lie){NL_LIE_BITFLIP, 0.5, 3, 0, false};
+    lie_stage = 1;
+    memset(mismatched, 0, sizeof mismatched);
+    memset(wire_mismatched, 0, sizeof wire_mismatched);
+    if (a && fa)
+        digest_run(STEPS, M, a, fa);
+    CHECK(mismatched[1] > 0 && !mismatched[0] && !mismatched[2] && !wire_mismatched[0] &&
+              !wire_mismatched[2],
+          "bf16 wire, lie bitflip on stage 1: accused %d %d %d", mismatched[0], mismatched[1],
+          mismatched[2]);
+    printf("recompute on the bf16 wire: %d honest (stage, microbatch) redone, none accused; a "
+           "bit flip on stage 1 caught on %d of %d microbatches\n",
+           STEPS * M * NST, mismatched[1], STEPS * M);
+    lie_stage = -1;
+    wire_bf16 = false;
+#endif
+    verify_on = false;
+    nl_stage_destroy(&verifier);
+    free(a);
+    free(fa);
+}
+
 int main(void)
 {
     nl_error err;
-    nl_backend *be = NULL, *vbe = NULL;
+    nl_backend *sbe = NULL, *vbe = NULL;
     nl_log_set_name("test_stage_verify");
     nl_log_set_level(NL_LOG_ERROR);
-    nl_config_init(&cfg);
-    cfg.hidden_dim = 32;
-    cfg.num_layers = 3;
-    cfg.num_heads = 4;
-    cfg.num_kv_heads = 2;
-    cfg.ffn_dim = 48;
-    cfg.num_experts = 4;
-    cfg.vocab_size = 300;
-    cfg.vocab_chunk = 128;
-    cfg.max_seq_len = 32;
-    CHECK_OK(nl_config_validate(&cfg, 1, &err), &err);
-    cfg_json = nl_config_to_json(&cfg);
-    CHECK_OK(check_backend_new(&be, 1, &err), &err);
+    const int pipeline = pipeline_begin(); /* cfg, cfg_json, be and rbe[] */
+    CHECK_OK(check_backend_new(&sbe, 1, &err), &err);
     CHECK_OK(check_backend_new(&vbe, 1, &err), &err);
-    if (be && vbe && cfg_json)
-        weights_by_digest(be, vbe);
+    if (sbe && vbe && cfg_json)
+        weights_by_digest(sbe, vbe);
+    if (pipeline) {
+        recompute();
+        verifier_keeps();
+    }
     nl_backend_destroy(&vbe);
-    nl_backend_destroy(&be);
-    free(cfg_json);
+    nl_backend_destroy(&sbe);
+    pipeline_end();
     return check_done("test_stage_verify");
 }
