@@ -521,11 +521,6 @@ static void test_many_joins(void)
         nl_sock_destroy(&many[i].sock);
 }
 
-/* The clients' endpoint: derived from --listen when not given (tcp's
- * port + 1, * stays *, an ipc name + "-client"), written to
- * client_endpoint; a --listen it cannot be derived from is refused naming
- * --client-listen. */
-
 int main(void)
 {
     nl_log_set_level(getenv("NL_TEST_VERBOSE") ? NL_LOG_DEBUG : NL_LOG_WARN);
