@@ -1,7 +1,8 @@
 /* Tests of the planner's replicated plans (DESIGN section 8) and their
  * costs: R replicas on every stage, a replica count per stage (forced, and
- * chosen from the nodes' speeds: the slow stage gets more), the step
- * time's model and the link speeds the replicas' all-reduce is costed at.
+ * chosen from the nodes' speeds: the slow stage gets more; a node beside a
+ * uniform plan joins its bottleneck stage), the step time's model and the
+ * link speeds the replicas' all-reduce is costed at.
  * test_planner.c holds the depth-only planner and the sizer. */
 #include <inttypes.h>
 #include <stdint.h>
