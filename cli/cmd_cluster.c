@@ -375,7 +375,7 @@ static pid_t start_coordinator(const nl_opt *flags, const up_opts *o, char *coor
     snprintf(s_nto, sizeof s_nto, "%lld", o->node_timeout);
     /* a local cluster runs as its user, who names the data and checkpoint
      * paths: they may lead wherever that user may (as the nodes' root) */
-    char *cargv[64] = {coord_bin,
+    char *cargv[64] = {coord_bin, /* 19 here, 2 + 2 below, 2 a flag passed on, NULL */
                        "--listen",
                        "tcp://127.0.0.1:*",
                        "--client-listen",
@@ -413,10 +413,10 @@ static pid_t start_coordinator(const nl_opt *flags, const up_opts *o, char *coor
     }
     /* passed on as given: neurocoord checks them */
     static const char *const passed[] = {
-        "--verify-rate",       "--http-tokens", "--http-adapter",    "--grow",
-        "--heartbeat-ms",      "--wire",        "--rebalance-after", "--replicas",
-        "--plan-microbatches", "--outer-every", "--outer-lr",        "--outer-momentum",
-        "--in-flight-extra"};
+        "--verify-rate",       "--http-tokens",  "--http-adapter",    "--grow",
+        "--heartbeat-ms",      "--wire",         "--rebalance-after", "--replicas",
+        "--plan-microbatches", "--outer-every",  "--outer-lr",        "--outer-momentum",
+        "--in-flight-extra",   "--replan-margin"};
     for (size_t k = 0; k < sizeof passed / sizeof *passed; k++)
         if (nl_opts_get(flags, passed[k] + 2)) {
             cargv[ca++] = (char *)passed[k];
@@ -589,7 +589,8 @@ static int cluster_up(const nl_opt *flags, up_opts *op, const char *dir)
     "MANIFEST] [--memory SIZE] [--threads N] [--spin N] [--kv-budget SIZE] [--device D[,D...]] "   \
     "[--tf32] [--precision fp32|bf16] [--kv-cache fp32|bf16] [--http HOST:PORT [--http-tokens "    \
     "FILE] [--http-adapter "                                                                       \
-    "NAME=FILE]] [--grow auto] [--wire fp32|bf16] [--in-flight-extra E] [--replicas R|auto "       \
+    "NAME=FILE]] [--grow auto] [--wire fp32|bf16] [--in-flight-extra E] [--replan-margin F] "      \
+    "[--replicas R|auto "                                                                          \
     "[--plan-microbatches M] "                                                                     \
     "[--outer-every H [--outer-lr X] [--outer-momentum M]]]"
 #define MAX_FLAGS 40
@@ -662,6 +663,9 @@ static void cluster_flags(nl_opt t[MAX_FLAGS], up_opts *o, const char **dir)
         NL_OPT_STR("rebalance-after", NULL,
                    "up: a training job's early re-balance after this many steps (neurocoord "
                    "--rebalance-after; default 3; 0: only at the job's checkpoints)"),
+        NL_OPT_STR("replan-margin", NULL,
+                   "up: the fraction by which a plan over the nodes there are now must beat the "
+                   "current one for a re-plan (neurocoord --replan-margin; default 0.1)"),
         NL_OPT_STR("replicas", NULL,
                    "up: every pipeline stage on this many nodes (R), a count per stage "
                    "(R0,R1,...), or auto (neurocoord --replicas; default 1)"),

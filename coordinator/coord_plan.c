@@ -214,8 +214,8 @@ static int plan_micro(const nl_coord *c)
 }
 
 /* Why --replicas auto chose plan p (t seconds a step) of the options
- * tried (every stage R replicas) and the depth-only plan grown at its
- * bottleneck, into why. */
+ * tried (every stage R replicas) and the plans grown at their bottleneck
+ * (nl_plan_choose_stage_replicas), into why. */
 static void auto_why(const nl_coord *c, const nl_plan *p, double t,
                      const nl_plan_replica_option *tried, int n, char *why, size_t cap)
 {
@@ -245,7 +245,7 @@ static void auto_why(const nl_coord *c, const nl_plan *p, double t,
     }
     if (uneven && o > 0 && (size_t)o < cap) { /* the slow stages' extra replicas won */
         o += snprintf(why + o, cap - (size_t)o,
-                      "; the depth-only plan with its spare nodes given to its bottleneck stage, "
+                      "; a plan with the nodes it left out given to its bottleneck stage, "
                       "replicas per stage");
         for (int s = 0; s < p->n_stages && o > 0 && (size_t)o < cap; s++)
             o += snprintf(why + o, cap - (size_t)o, "%s%d", s ? "," : " ", p->stages[s].n_replicas);

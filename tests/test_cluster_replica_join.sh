@@ -10,6 +10,12 @@
 #    one process with the same global batch;
 #  - neuroctl status shows the three replicas and why the plan has them
 #    (every R tried and its predicted seconds a step).
+# A fifth node that joins 4 training as 2 stages x 2 replicas (auto, 6
+# microbatches, 10 layers) becomes the third replica of the stage with the
+# head, which takes a layer more (2 + 3: the planner grows the uniform plan
+# at its bottleneck, core/plan/planner.h): at the next checkpoint it loads
+# that stage's shard, the job ends with the same losses (1e-6) as one
+# process, and neuroctl status shows the counts 2,3.
 # And a fifth node beside 2 stages x 2 replicas (--replicas 2) at rest can
 # only be a standby: the coordinator judges the plan it would make (the
 # same 2 x 2) no better, and the stages are not reloaded (each stage's
@@ -92,6 +98,51 @@ cat "$W/status-3.txt"
 check test "$(grep -c ' r[012]/3 ' "$W/status-3.txt")" -eq 3
 check grep -q "^replicas: 3 per stage .*1 x 3 [0-9.]* (link 1 GB/s [a-z]*) (chosen)" "$W/status-3.txt"
 
+check "$N" cluster down --dir "$C"
+
+# ---- a fifth node beside 2 x 2 during a job (auto): the bottleneck stage's third replica ----
+# The plans by the cost model, at the hooks' fixed figures: 4 nodes 2 x 2
+# (46 ms a step against 1 x 3's 48 at rest), 5 nodes in training 2 + 3
+# with the layers split 4 + 6, 64 ms a step against 2 x 2's 69.5: better
+# by 8 %, so --replan-margin 0.03. The stages' busy shares (observed
+# speeds) are judged over 3 heartbeats of each stage between checkpoints
+# (docs/cluster.md): heartbeats every 20 s keep them out of this plan,
+# which then does not hang on how busy the machine is
+small_config "$W/cfg10.yaml" 32 10 192 64
+check "$N" init --config "$W/cfg10.yaml" --out "$W/m10.safetensors" --seed 7
+RUN10=(--data "$W/data.txt" --steps 10 --batch 24 --seq 64 --microbatches 6 --lr 1e-3 --seed 1)
+check "$N" train "${DEV[@]}" --model "$W/m10.safetensors" "${RUN10[@]}" --threads 1 \
+  --log "$W/local10.jsonl" 2> "$W/local10.err"
+C="$W/c22"
+check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 4 --replicas auto --plan-microbatches 6 \
+  --replan-margin 0.03 --rebalance-after 0 --heartbeat-ms 20000 --model "$W/m10.safetensors" \
+  --memory 64M --threads 1 --node-timeout-ms 120000 --timeout 60
+"$N" status --cluster "$C" > "$W/status-22.txt"
+grep "^replicas" "$W/status-22.txt"
+check grep -q "^replicas: 2 per stage .*2 x 2 [0-9.]* (link 1 GB/s [a-z]*) (chosen)" "$W/status-22.txt"
+check test "$(grep -c ' r[01]/2 ' "$W/status-22.txt")" -eq 4
+"$N" train --cluster "$C" "${RUN10[@]}" --checkpoint-every 2 --checkpoint-dir "$W/ck10" \
+  --log "$W/r10.jsonl" 2> "$W/r10.err" &
+job=$!
+for i in $(seq 1 2400); do
+  grep -q '"step":1,' "$W/r10.jsonl" 2>/dev/null && break
+  sleep 0.05
+done
+join_extra "$C" fifth10
+wait $job
+rc=$?
+check test $rc -eq 0
+grep -E "re-plan|plan [0-9]+: stage|observed" "$C/coord.log"
+[ $rc -eq 0 ] || grep -E "WARN|ERROR" "$C/coord.log" | tail -12
+check grep -q "re-plan at the checkpoint: training step" "$C/coord.log"
+check grep -q "loaded epoch" "$W/fifth10.log"
+check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" logs "$W/r10.jsonl" "$W/local10.jsonl" 1e-6
+"$N" status --cluster "$C" > "$W/status-23.txt"
+cat "$W/status-23.txt"
+check test "$(grep -c ' r[012]/3 ' "$W/status-23.txt")" -eq 3
+check test "$(grep -c ' r[01]/2 ' "$W/status-23.txt")" -eq 2
+check grep -qE "^replicas: (2,3|3,2) per stage .*replicas per stage (2,3|3,2): [0-9.]* \(chosen\)" \
+  "$W/status-23.txt"
 check "$N" cluster down --dir "$C"
 
 # ---- a fifth node beside 2 x 2 at rest: a standby, no reload ----

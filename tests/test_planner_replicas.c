@@ -1,7 +1,8 @@
 /* Tests of the planner's replicated plans (DESIGN section 8) and their
  * costs: R replicas on every stage, a replica count per stage (forced, and
- * chosen from the nodes' speeds: the slow stage gets more), the step
- * time's model and the link speeds the replicas' all-reduce is costed at.
+ * chosen from the nodes' speeds: the slow stage gets more; a node beside a
+ * uniform plan joins its bottleneck stage), the step time's model and the
+ * link speeds the replicas' all-reduce is costed at.
  * test_planner.c holds the depth-only planner and the sizer. */
 #include <inttypes.h>
 #include <stdint.h>
@@ -489,6 +490,110 @@ static void test_choose_stages(void)
     printf("chosen counts per stage: ok\n");
 }
 
+/* The stage of p with n replicas, or -1. */
+static int stage_with(const nl_plan *p, int n)
+{
+    for (int s = 0; s < p->n_stages; s++)
+        if (p->stages[s].n_replicas == n)
+            return s;
+    return -1;
+}
+
+/* Issue 30: a node beside a uniform plan becomes a replica of its
+ * bottleneck stage, the layers split again, when that makes a step
+ * faster. Five equal nodes, 10 layers, 6 microbatches a step, a 10 GB/s
+ * link: the best uniform plan is 2 stages x 2 replicas with the fifth
+ * node standby (3 replicas of 1 stage or 5 stages are slower); the grown
+ * plan 2 + 3 with more layers on the 3 replicas beats it. */
+static void test_grow_uniform(void)
+{
+    nl_config c = small_cfg(10);
+    nl_plan_opts o = train_opts(64, 6);
+    nl_error err = {0};
+    nl_plan *p = NULL, *u = NULL;
+    nl_plan_replica_option tried[NL_PLAN_MAX_REPLICAS];
+    int n_tried = 0, R = 0;
+    double t = 0.0, tu = 0.0;
+    nl_plan_node five[5];
+    for (int i = 0; i < 5; i++)
+        five[i] = node(1 + i, 1 * GIB, 20, 0);
+    CHECK_OK(nl_plan_choose_replicas(&u, &R, &tu, NULL, NULL, &c, five, 5, &o, 6, 1e10, &err),
+             &err);
+    CHECK(u && R == 2 && u->n_stages == 2 && u->n_standby == 1, "uniform: %d x %d, %d standby",
+          u ? u->n_stages : 0, R, u ? u->n_standby : 0);
+    const int half = u ? u->stages[0].l1 : 0;
+    CHECK_OK(nl_plan_choose_stage_replicas(&p, &t, tried, &n_tried, &c, five, 5, &o, 6, 1e10, &err),
+             &err);
+    if (p) {
+        check_staged(p, &c, &o, five, 5);
+        const int s3 = stage_with(p, 3), s2 = stage_with(p, 2);
+        CHECK(p->n_stages == 2 && p->n_standby == 0 && s3 >= 0 && s2 >= 0,
+              "5 nodes: 2 + 3 or 3 + 2, every node (%d stages, %d standby)", p->n_stages,
+              p->n_standby);
+        CHECK(s3 >= 0 && s2 >= 0 &&
+                  p->stages[s3].l1 - p->stages[s3].l0 > p->stages[s2].l1 - p->stages[s2].l0 &&
+                  p->stages[0].l1 != half,
+              "the layers split again: [0,%d) [%d,%d) (uniform at %d)", p->stages[0].l1,
+              p->stages[1].l0, p->stages[1].l1, half);
+        CHECK(t == nl_plan_step_seconds(p, &c, &o, 6, 1e10) && t < tu * (1 - 1e-9),
+              "grown %g s a step against 2 x 2's %g", t, tu);
+        CHECK(n_tried == 3 && tried[1].replicas == 2 && tried[1].step_s == tu, "%d R tried",
+              n_tried);
+    }
+    nl_plan_destroy(&p);
+    nl_plan_destroy(&u);
+
+    /* 4 microbatches: 3 replicas do not divide them (and 4 on one stage
+     * would need a sixth node), so the plan stays the uniform one */
+    CHECK_OK(nl_plan_choose_replicas(&u, &R, &tu, NULL, NULL, &c, five, 5, &o, 4, 1e10, &err),
+             &err);
+    CHECK_OK(nl_plan_choose_stage_replicas(&p, &t, NULL, NULL, &c, five, 5, &o, 4, 1e10, &err),
+             &err);
+    CHECK(p && u && t == tu && p->n_stages == u->n_stages && p->n_standby == 1 &&
+              stage_with(p, 3) < 0,
+          "4 microbatches: %d stages, %d standby, %g s as uniform %g s", p ? p->n_stages : 0,
+          p ? p->n_standby : 0, t, tu);
+    for (int s = 0; p && u && s < p->n_stages; s++)
+        CHECK(p->stages[s].n_replicas == R && p->stages[s].l0 == u->stages[s].l0,
+              "4 microbatches: stage %d as uniform", s);
+    nl_plan_destroy(&p);
+    nl_plan_destroy(&u);
+
+    /* the same five with a fifth node at 15 GFLOP/s: 3 replicas run at 3 x
+     * 15, hardly faster than 2 x 20, and the step would not be: it waits */
+    nl_plan_node slow[5];
+    memcpy(slow, five, sizeof slow);
+    slow[4].gflops = 15;
+    CHECK_OK(nl_plan_choose_replicas(&u, &R, &tu, NULL, NULL, &c, slow, 5, &o, 6, 1e10, &err),
+             &err);
+    CHECK_OK(nl_plan_choose_stage_replicas(&p, &t, NULL, NULL, &c, slow, 5, &o, 6, 1e10, &err),
+             &err);
+    CHECK(p && u && t == tu && p->n_standby == 1 && p->standby[0] == 5 && stage_with(p, 3) < 0,
+          "a slow fifth node waits: %d standby, %g s as uniform %g s", p ? p->n_standby : 0, t, tu);
+    nl_plan_destroy(&p);
+    nl_plan_destroy(&u);
+
+    /* a fifth node with room for 5 layers of the last stage: the 3
+     * replicas hold 5 (not 6), still faster; with room for 4 it cannot
+     * join the 5-layer stage without slowing the other: it waits */
+    nl_plan_node small[5];
+    memcpy(small, five, sizeof small);
+    for (int k = 5; k >= 4; k--) {
+        small[4].memory_bytes = nl_plan_stage_bytes(&c, &o, k, 1, 2);
+        CHECK_OK(nl_plan_choose_stage_replicas(&p, &t, NULL, NULL, &c, small, 5, &o, 6, 1e10, &err),
+                 &err);
+        if (!p)
+            continue;
+        check_staged(p, &c, &o, small, 5);
+        const int s3 = stage_with(p, 3);
+        CHECK(k == 5 ? s3 >= 0 && p->stages[s3].l1 - p->stages[s3].l0 == 5 && p->n_standby == 0
+                     : s3 < 0 && p->n_standby == 1 && p->standby[0] == 5,
+              "room for %d layers: %d standby", k, p->n_standby);
+        nl_plan_destroy(&p);
+    }
+    printf("uniform plans grown: ok\n");
+}
+
 int main(void)
 {
     test_replicated();
@@ -496,5 +601,6 @@ int main(void)
     test_step_seconds();
     test_staged();
     test_choose_stages();
+    test_grow_uniform();
     return check_done("test_planner_replicas");
 }

@@ -189,10 +189,25 @@ double nl_plan_link_bytes_s(const nl_plan *p, const nl_plan_node *nodes, int n_n
     return seen ? link : assumed;
 }
 
-nl_status nl_plan_choose_replicas(nl_plan **out, int *replicas, double *step_s,
-                                  nl_plan_replica_option *tried, int *n_tried, const nl_config *cfg,
-                                  const nl_plan_node *nodes, int n_nodes, const nl_plan_opts *opts,
-                                  int microbatches, double link_bytes_per_s, nl_error *err)
+/* A plan nl_plan_choose_replicas does not choose: into rest (room for
+ * NL_PLAN_MAX_REPLICAS) when it leaves nodes out and rest is given, for
+ * nl_plan_choose_stage_replicas to grow; else freed. */
+static void set_aside(nl_plan **p, nl_plan **rest, int *n_rest)
+{
+    if (rest && (*p)->n_standby > 0) {
+        rest[(*n_rest)++] = *p;
+        *p = NULL;
+    }
+    nl_plan_destroy(p);
+}
+
+/* nl_plan_choose_replicas, with every placed plan not chosen that leaves
+ * nodes out handed to rest (may be NULL), *n_rest of them. */
+static nl_status choose_uniform(nl_plan **out, int *replicas, double *step_s,
+                                nl_plan_replica_option *tried, int *n_tried, const nl_config *cfg,
+                                const nl_plan_node *nodes, int n_nodes, const nl_plan_opts *opts,
+                                int microbatches, double link_bytes_per_s, nl_plan **rest,
+                                int *n_rest, nl_error *err)
 {
     if (!out || !replicas || microbatches < 1 || !(link_bytes_per_s >= 0))
         return nl_error_set(err, NL_ERR_INVALID,
@@ -229,12 +244,13 @@ nl_status nl_plan_choose_replicas(nl_plan **out, int *replicas, double *step_s,
         if (tried && n_tried)
             tried[(*n_tried)++] = (nl_plan_replica_option){R, p->n_stages, t, link, meas};
         if (!*out || t < best * (1 - 1e-9)) {
-            nl_plan_destroy(out);
+            if (*out)
+                set_aside(out, rest, n_rest);
             *out = p;
             *replicas = R;
             best = t;
         } else {
-            nl_plan_destroy(&p);
+            set_aside(&p, rest, n_rest);
         }
     }
     if (!*out)
@@ -242,6 +258,15 @@ nl_status nl_plan_choose_replicas(nl_plan **out, int *replicas, double *step_s,
     if (step_s)
         *step_s = best;
     return NL_OK;
+}
+
+nl_status nl_plan_choose_replicas(nl_plan **out, int *replicas, double *step_s,
+                                  nl_plan_replica_option *tried, int *n_tried, const nl_config *cfg,
+                                  const nl_plan_node *nodes, int n_nodes, const nl_plan_opts *opts,
+                                  int microbatches, double link_bytes_per_s, nl_error *err)
+{
+    return choose_uniform(out, replicas, step_s, tried, n_tried, cfg, nodes, n_nodes, opts,
+                          microbatches, link_bytes_per_s, NULL, NULL, err);
 }
 
 /* ===================== a replica count per stage ===================== */
@@ -420,10 +445,41 @@ static int index_of(const nl_plan_node *nodes, int n_nodes, int id)
     return -1;
 }
 
-/* From depth-only plan p (one node a stage), give spare nodes to the
- * bottleneck stage, fastest first, as many at a time as make its replica
- * count divide M, while the step gets faster. *out: the plan reached
- * (NULL when no node was given), *t_out its seconds a step. */
+/* Plan p's stages as groups of the input's nodes (g: room for
+ * p->n_stages), each stage's replicas in their order (a plan of
+ * nl_plan_layers names its one node as replica 0), in_plan[i] = 1 for
+ * every node that holds a stage. NL_ERR_INVALID for a node the input
+ * lacks, or one that holds two replicas. */
+static nl_status plan_groups(sgroup *g, char *in_plan, const nl_plan *p, const nl_plan_node *nodes,
+                             int n_nodes, nl_error *err)
+{
+    for (int s = 0; s < p->n_stages; s++) {
+        const nl_plan_stage *x = &p->stages[s];
+        if (x->n_replicas > NL_PLAN_MAX_REPLICAS)
+            return nl_error_set(err, NL_ERR_INVALID, "plan: stage %d with %d replicas", s,
+                                x->n_replicas);
+        g[s].R = x->n_replicas > 1 ? x->n_replicas : 1;
+        for (int r = 0; r < g[s].R; r++) {
+            const int id = x->n_replicas >= 1 ? x->replicas[r] : x->node_id;
+            const int i = index_of(nodes, n_nodes, id);
+            if (i < 0 || in_plan[i])
+                return nl_error_set(err, NL_ERR_INVALID,
+                                    "plan: stage %d's replica %d is on node %d, %s", s, r, id,
+                                    i < 0 ? "which is not among the nodes" : "which holds another");
+            g[s].idx[r] = i;
+            in_plan[i] = 1;
+        }
+        sgroup_fold(&g[s], nodes);
+    }
+    return NL_OK;
+}
+
+/* From plan p (any replica counts: a depth-only plan, one of R replicas a
+ * stage, ...), give the nodes it leaves out to the bottleneck stage,
+ * fastest first, as many at a time as make its replica count divide M,
+ * the layers split again over the stages (split_groups), while the step
+ * gets faster. *out: the plan reached (NULL when no node was given),
+ * *t_out its seconds a step. */
 static nl_status grow_bottleneck(nl_plan **out, double *t_out, const nl_plan *p,
                                  const nl_config *cfg, const nl_plan_opts *o,
                                  const nl_plan_node *nodes, int n_nodes, int M, double link,
@@ -439,12 +495,8 @@ static nl_status grow_bottleneck(nl_plan **out, double *t_out, const nl_plan *p,
         st = nl_error_set(err, NL_ERR_NOMEM, "plan: out of memory");
         goto done;
     }
-    for (int s = 0; s < S; s++) {
-        g[s].R = 1;
-        g[s].idx[0] = index_of(nodes, n_nodes, p->stages[s].node_id);
-        in_plan[g[s].idx[0]] = 1;
-        sgroup_fold(&g[s], nodes);
-    }
+    if ((st = plan_groups(g, in_plan, p, nodes, n_nodes, err)) != NL_OK)
+        goto done;
     int n_spare = 0; /* every node p leaves out (its standby, or the nodes it was not given) */
     for (int i = 0; i < n_nodes; i++)
         if (!in_plan[i])
@@ -510,51 +562,75 @@ static int uneven(const nl_plan *p)
     return 0;
 }
 
+/* Grow plan p (grow_bottleneck) when it leaves nodes out; the plan it
+ * reaches replaces *best (p may be *best), *t its seconds a step, when
+ * some stages' counts differ and it is faster than *t by more than a
+ * relative 1e-9. */
+static nl_status try_grown(nl_plan **best, double *t, const nl_plan *p, const nl_config *cfg,
+                           const nl_plan_opts *o, const nl_plan_node *nodes, int n_nodes, int M,
+                           double link, nl_error *err)
+{
+    int held = 0;
+    for (int s = 0; s < p->n_stages; s++)
+        held += p->stages[s].n_replicas > 1 ? p->stages[s].n_replicas : 1;
+    if (held >= n_nodes)
+        return NL_OK;
+    nl_plan *grown = NULL;
+    double tg = 0.0;
+    const nl_status st = grow_bottleneck(&grown, &tg, p, cfg, o, nodes, n_nodes, M, link, err);
+    if (st == NL_OK && grown && uneven(grown) && tg < *t * (1 - 1e-9)) {
+        nl_plan_destroy(best);
+        *best = grown;
+        grown = NULL;
+        *t = tg;
+    }
+    nl_plan_destroy(&grown);
+    return st;
+}
+
 nl_status nl_plan_choose_stage_replicas(nl_plan **out, double *step_s,
                                         nl_plan_replica_option *tried, int *n_tried,
                                         const nl_config *cfg, const nl_plan_node *nodes,
                                         int n_nodes, const nl_plan_opts *opts, int microbatches,
                                         double link_bytes_per_s, nl_error *err)
 {
-    int R = 0;
+    int R = 0, n_rest = 0;
     double t = 0.0;
-    nl_status st = nl_plan_choose_replicas(out, &R, &t, tried, n_tried, cfg, nodes, n_nodes, opts,
-                                           microbatches, link_bytes_per_s, err);
+    nl_plan *rest[NL_PLAN_MAX_REPLICAS];
+    nl_status st = choose_uniform(out, &R, &t, tried, n_tried, cfg, nodes, n_nodes, opts,
+                                  microbatches, link_bytes_per_s, rest, &n_rest, err);
     if (st != NL_OK)
         return st;
-    /* the depth-only plans over all the nodes and over the k fastest
-     * (k < n, at most NL_PLAN_EXACT_MAX), each grown with the rest */
+    /* the uniform plans grown with the nodes each leaves out: the chosen
+     * one, then every other R tried (R = 1: the depth-only plan over all
+     * the nodes) */
+    st = try_grown(out, &t, *out, cfg, opts, nodes, n_nodes, microbatches, link_bytes_per_s, err);
+    for (int i = 0; i < n_rest; i++) {
+        if (st == NL_OK)
+            st = try_grown(out, &t, rest[i], cfg, opts, nodes, n_nodes, microbatches,
+                           link_bytes_per_s, err);
+        nl_plan_destroy(&rest[i]);
+    }
+    /* the depth-only plans over the k fastest (k < n, at most
+     * NL_PLAN_EXACT_MAX), each grown with the rest */
     ranked *rk = malloc((size_t)n_nodes * sizeof *rk);
     nl_plan_node *sub = malloc((size_t)n_nodes * sizeof *sub);
-    if (!rk || !sub) {
-        free(rk);
-        free(sub);
-        nl_plan_destroy(out);
-        return nl_error_set(err, NL_ERR_NOMEM, "plan: out of memory");
-    }
-    for (int i = 0; i < n_nodes; i++)
+    if (st == NL_OK && (!rk || !sub))
+        st = nl_error_set(err, NL_ERR_NOMEM, "plan: out of memory");
+    for (int i = 0; st == NL_OK && i < n_nodes; i++)
         rk[i] = (ranked){&nodes[i], i};
-    qsort(rk, (size_t)n_nodes, sizeof *rk, rank_cmp);
-    for (int i = 0; i < n_nodes; i++)
+    if (st == NL_OK)
+        qsort(rk, (size_t)n_nodes, sizeof *rk, rank_cmp);
+    for (int i = 0; st == NL_OK && i < n_nodes; i++)
         sub[i] = *rk[i].n;
     const int kmax = n_nodes - 1 < NL_PLAN_EXACT_MAX ? n_nodes - 1 : NL_PLAN_EXACT_MAX;
-    for (int k = 0; k <= kmax && st == NL_OK; k++) {
-        nl_plan *depth = NULL, *grown = NULL;
-        double tg = 0.0;
+    for (int k = 1; k <= kmax && st == NL_OK; k++) {
+        nl_plan *depth = NULL;
         nl_error e = {0};
-        const nl_status sd = k == 0 ? nl_plan_layers(&depth, cfg, nodes, n_nodes, opts, &e)
-                                    : nl_plan_layers(&depth, cfg, sub, k, opts, &e);
-        if (sd == NL_OK && depth->n_stages < n_nodes &&
-            (st = grow_bottleneck(&grown, &tg, depth, cfg, opts, nodes, n_nodes, microbatches,
-                                  link_bytes_per_s, err)) == NL_OK &&
-            grown && uneven(grown) && tg < t * (1 - 1e-9)) {
-            nl_plan_destroy(out);
-            *out = grown;
-            grown = NULL;
-            t = tg;
-        }
+        if (nl_plan_layers(&depth, cfg, sub, k, opts, &e) == NL_OK)
+            st = try_grown(out, &t, depth, cfg, opts, nodes, n_nodes, microbatches,
+                           link_bytes_per_s, err);
         nl_plan_destroy(&depth);
-        nl_plan_destroy(&grown);
     }
     free(rk);
     free(sub);
