@@ -626,7 +626,8 @@ static int decode_report(nl_backend *be, const char *device, const nl_config *cf
  * with every product row invariant: gemm_rows, gemm_grouped_rows and the
  * fused decode slots): S sessions, session i with decode_run's prompt
  * shifted by i, each prefilled alone, then `tokens` steps of all S at
- * once, greedy, each row sampled where it lies. Gives the time per step,
+ * once, greedy, each row sampled where it lies, all S in one call
+ * (nl_sampler_next_batch: one host sync for their ids). Gives the time per step,
  * host synchronisations per step and a hash of session 0's ids, which
  * batch invariance makes the same for every S. Returns 0, or -1 with err
  * set. */
@@ -645,6 +646,9 @@ static int batch_run(nl_backend *be, nl_model *m, int S, int tokens, float *host
     nl_sampler smp[BATCH_MAX_SESSIONS];
     nl_batch_seg segs[BATCH_MAX_SESSIONS];
     int32_t prompt[64], next[BATCH_MAX_SESSIONS];
+    nl_sampler *sp[BATCH_MAX_SESSIONS];
+    const float *lg[BATCH_MAX_SESSIONS];
+    nl_sample_row rows[BATCH_MAX_SESSIONS];
     int rc = -1, made = 0;
     if (nl_batch_new(&b, m, P > S ? P : S, err) != NL_OK)
         goto out;
@@ -670,10 +674,10 @@ static int batch_run(nl_backend *be, nl_model *m, int S, int tokens, float *host
             segs[i] = (nl_batch_seg){kv[i], &next[i], 1, 1};
         if (nl_batch_forward(b, segs, S, err) != NL_OK)
             goto out;
-        for (int i = 0; i < S; i++)
-            if (nl_sampler_next(&smp[i], be, nl_batch_logits_device(b, i), host, &next[i], err) !=
-                NL_OK)
-                goto out;
+        for (int i = 0; i < S; i++) /* all S ids in one sample_rows call: one host sync */
+            sp[i] = &smp[i], lg[i] = nl_batch_logits_device(b, i);
+        if (nl_sampler_next_batch(sp, lg, S, be, rows, next, err) != NL_OK)
+            goto out;
     }
     f->s_per_step = (now_s() - t0) / tokens;
     f->syncs = (double)(be->stats.host_syncs - s0) / tokens;
