@@ -113,13 +113,11 @@ nl_status nl_sampler_next_batch(nl_sampler *const *smp, const float *const *logi
     if (r > 0)
         be->sample_rows(be, ids, rows, r, V);
     const nl_status st = nl_backend_check(be, err);
-    if (st != NL_OK)
-        return st;
     /* spread the r ids (rows order) to their samplers, from the back: the
      * k-th row's id sits at ids[k] with k <= its sampler's index */
     for (int i = n - 1; i >= 0; i--)
-        ids[i] = smp[i] && nl_sampler_device(smp[i], be) ? ids[--r] : -1;
-    return NL_OK;
+        ids[i] = st == NL_OK && smp[i] && nl_sampler_device(smp[i], be) ? ids[--r] : -1;
+    return st;
 }
 
 nl_status nl_sampler_next(nl_sampler *s, nl_backend *be, const float *logits, float *host,

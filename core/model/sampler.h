@@ -47,7 +47,7 @@ nl_status nl_sampler_next(nl_sampler *s, nl_backend *be, const float *logits, fl
  * nl_sampler_next does, and its id is nl_sampler_next's. ids[i] gets the
  * id, or -1 for a sampler that did not sample here (the caller samples it
  * on the host); rows is the caller's scratch of n. A backend error is
- * returned (ids then unset). */
+ * returned (every id then -1). */
 nl_status nl_sampler_next_batch(nl_sampler *const *smp, const float *const *logits, int n,
                                 nl_backend *be, nl_sample_row *rows, int32_t *ids, nl_error *err);
 
