@@ -98,21 +98,25 @@ nl_status nl_sampler_next_batch(nl_sampler *const *smp, const float *const *logi
                                 nl_backend *be, nl_sample_row *rows, int32_t *ids, nl_error *err)
 {
     int r = 0, V = 0;
+    nl_status st = NL_OK;
     for (int i = 0; i < n; i++) {
         nl_sampler *s = smp[i];
         if (!s || !nl_sampler_device(s, be))
             continue;
-        if (r > 0 && s->vocab != V)
-            return nl_error_set(err, NL_ERR_SHAPE, "sampler: vocabularies %d and %d in one batch",
-                                V, s->vocab);
+        if (r > 0 && s->vocab != V) {
+            st = nl_error_set(err, NL_ERR_SHAPE, "sampler: vocabularies %d and %d in one batch", V,
+                              s->vocab);
+            break;
+        }
         V = s->vocab;
         /* the draw nl_sampler_sample makes: none when greedy */
         const double u = s->temperature == 0.0f ? 0.0 : nl_rng_uniform(&s->rng);
         rows[r++] = (nl_sample_row){.logits = logits[i], .temperature = s->temperature, .u = u};
     }
-    if (r > 0)
+    if (st == NL_OK && r > 0)
         be->sample_rows(be, ids, rows, r, V);
-    const nl_status st = nl_backend_check(be, err);
+    if (st == NL_OK)
+        st = nl_backend_check(be, err);
     /* spread the r ids (rows order) to their samplers, from the back: the
      * k-th row's id sits at ids[k] with k <= its sampler's index */
     for (int i = n - 1; i >= 0; i--)
