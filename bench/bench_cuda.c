@@ -282,7 +282,7 @@ typedef struct decode_fig {
 
 /* One decode run: a 64-token prompt, then `tokens` tokens one at a time,
  * each forward followed by greedy sampling as a stage samples
- * (nl_sampler_next: on the device where the backend has a sample slot, so
+ * (nl_sampler_next: on the device where the backend has a sample_rows slot, so
  * only the id comes back; with NL_HOST_SAMPLING=1 the logits are
  * downloaded and sampled on the host), the token fed back. The runstate
  * is made with NL_HOST_ROUTING set to `host` (core/model/layer.h reads it then)
