@@ -678,6 +678,9 @@ static int batch_run(nl_backend *be, nl_model *m, int S, int tokens, float *host
             sp[i] = &smp[i], lg[i] = nl_batch_logits_device(b, i);
         if (nl_sampler_next_batch(sp, lg, S, be, rows, next, err) != NL_OK)
             goto out;
+        for (int i = 0; i < S; i++) /* -1: on the host (NL_HOST_SAMPLING=1) */
+            if (next[i] < 0 && nl_sampler_next(&smp[i], be, lg[i], host, &next[i], err) != NL_OK)
+                goto out;
     }
     f->s_per_step = (now_s() - t0) / tokens;
     f->syncs = (double)(be->stats.host_syncs - s0) / tokens;
