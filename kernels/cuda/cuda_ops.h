@@ -4,8 +4,9 @@
  * allocates nothing, launches nothing for an empty shape, and returns the
  * cudaError_t of the launch (cudaGetLastError) as an int, 0 on success.
  * Shapes and pointers are those of the slot of the same name in
- * kernels/backend.h; all pointers are device memory. This header includes
- * no CUDA header. */
+ * kernels/backend.h; all pointers are device memory (but the sample
+ * launcher's row table, host memory). This header includes no CUDA
+ * header. */
 #ifndef NL_CUDA_OPS_H
 #define NL_CUDA_OPS_H
 
