@@ -33,7 +33,7 @@ typedef struct decode_fig {
 
 /* One decode run: a 64-token prompt, then `tokens` tokens one at a time,
  * each forward followed by greedy sampling as a stage samples
- * (nl_sampler_next: on the device where the backend has a sample slot, so
+ * (nl_sampler_next: on the device where the backend has a sample_rows slot, so
  * only the id comes back; with NL_HOST_SAMPLING=1 the logits are
  * downloaded and sampled on the host), the token fed back. The runstate
  * is made with NL_HOST_ROUTING set to `host` (core/model/layer.h reads it then)
@@ -377,7 +377,8 @@ int decode_report(nl_backend *be, const char *device, const nl_config *cf, long 
  * with every product row invariant: gemm_rows, gemm_grouped_rows and the
  * fused decode slots): S sessions, session i with decode_run's prompt
  * shifted by i, each prefilled alone, then `tokens` steps of all S at
- * once, greedy, each row sampled where it lies. Gives the time per step,
+ * once, greedy, each row sampled where it lies, all S in one call
+ * (nl_sampler_next_batch: one host sync for their ids). Gives the time per step,
  * host synchronisations per step and a hash of session 0's ids, which
  * batch invariance makes the same for every S. Returns 0, or -1 with err
  * set. */
@@ -396,6 +397,9 @@ static int batch_run(nl_backend *be, nl_model *m, int S, int tokens, float *host
     nl_sampler smp[BATCH_MAX_SESSIONS];
     nl_batch_seg segs[BATCH_MAX_SESSIONS];
     int32_t prompt[64], next[BATCH_MAX_SESSIONS];
+    nl_sampler *sp[BATCH_MAX_SESSIONS];
+    const float *lg[BATCH_MAX_SESSIONS];
+    nl_sample_row rows[BATCH_MAX_SESSIONS];
     int rc = -1, made = 0;
     if (nl_batch_new(&b, m, P > S ? P : S, err) != NL_OK)
         goto out;
@@ -421,9 +425,12 @@ static int batch_run(nl_backend *be, nl_model *m, int S, int tokens, float *host
             segs[i] = (nl_batch_seg){kv[i], &next[i], 1, 1};
         if (nl_batch_forward(b, segs, S, err) != NL_OK)
             goto out;
-        for (int i = 0; i < S; i++)
-            if (nl_sampler_next(&smp[i], be, nl_batch_logits_device(b, i), host, &next[i], err) !=
-                NL_OK)
+        for (int i = 0; i < S; i++) /* all S ids in one sample_rows call: one host sync */
+            sp[i] = &smp[i], lg[i] = nl_batch_logits_device(b, i);
+        if (nl_sampler_next_batch(sp, lg, S, be, rows, next, err) != NL_OK)
+            goto out;
+        for (int i = 0; i < S; i++) /* -1: on the host (NL_HOST_SAMPLING=1) */
+            if (next[i] < 0 && nl_sampler_next(&smp[i], be, lg[i], host, &next[i], err) != NL_OK)
                 goto out;
     }
     f->s_per_step = (now_s() - t0) / tokens;

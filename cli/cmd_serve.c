@@ -68,6 +68,10 @@ typedef struct engine {
     job *jobs; /* arrival order */
     int stop;
     nl_http *http;
+    /* (max_batch each, the engine thread's) a step's device sampling */
+    nl_sampler **smp;
+    const float **lg;
+    nl_sample_row *srows;
     /* figures (under mu) */
     uint64_t tokens, prompt_tokens, steps, rows, cancelled, finished, embeddings;
     int active, queued;
@@ -188,23 +192,23 @@ static void publish_stats(engine *e, double *last_pub, uint64_t *last_tokens)
 /* Under model_mu, after a step: the next token of each segment that
  * asked for logits, into tok[i] (-1 for the others; on a failure -1 and
  * fail[i] set, with err): on the device where the backend samples and no
- * log-probabilities are asked for (only the id comes back), else from the
- * host logits, whose log-probabilities go into the job's next entry. */
+ * log-probabilities are asked for, all such segments in one call (only
+ * their ids come back, with one wait), else from the host logits, whose
+ * log-probabilities go into the job's next entry. */
 static void engine_sample(engine *e, const nl_batch_seg *segs, job **who, int n, int32_t *tok,
                           int *fail, nl_error *err)
 {
     nl_backend *be = e->m->be;
     for (int i = 0; i < n; i++) {
+        e->smp[i] = segs[i].want_logits && !who[i]->lps ? &who[i]->smp : NULL;
+        e->lg[i] = e->smp[i] ? nl_batch_logits_device(e->batch, i) : NULL;
+    }
+    const int dev_fail = nl_sampler_next_batch(e->smp, e->lg, n, be, e->srows, tok, err) != NL_OK;
+    for (int i = 0; i < n; i++) { /* tok[i]: -1 where not sampled above */
         job *j = who[i];
-        tok[i] = -1;
-        fail[i] = 0;
-        if (!segs[i].want_logits)
+        fail[i] = e->smp[i] && nl_sampler_device(e->smp[i], be) && dev_fail;
+        if (!segs[i].want_logits || (e->smp[i] && nl_sampler_device(e->smp[i], be)))
             continue;
-        if (!j->lps && nl_sampler_device(&j->smp, be)) {
-            fail[i] = nl_sampler_next(&j->smp, be, nl_batch_logits_device(e->batch, i), NULL,
-                                      &tok[i], err) != NL_OK;
-            continue;
-        }
         const float *lg = nl_batch_logits(e->batch, i, err);
         if (!lg) {
             fail[i] = 1;
@@ -227,10 +231,13 @@ static void *engine_main(void *arg)
     job **who = calloc((size_t)e->max_batch, sizeof *who);
     int32_t *tok = calloc((size_t)e->max_batch, sizeof *tok);
     int *fail = calloc((size_t)e->max_batch, sizeof *fail);
+    e->smp = calloc((size_t)e->max_batch, sizeof *e->smp);
+    e->lg = calloc((size_t)e->max_batch, sizeof *e->lg);
+    e->srows = calloc((size_t)e->max_batch, sizeof *e->srows);
     double last_pub = now_s();
     uint64_t last_tokens = 0;
     pthread_mutex_lock(&e->mu);
-    while (!e->stop && segs && who && tok && fail) {
+    while (!e->stop && segs && who && tok && fail && e->smp && e->lg && e->srows) {
         reap_and_admit(e);
         publish_stats(e, &last_pub, &last_tokens);
         int n = plan_step(e, segs, who);
@@ -283,6 +290,9 @@ static void *engine_main(void *arg)
     free(who);
     free(tok);
     free(fail);
+    free(e->smp);
+    free(e->lg);
+    free(e->srows);
     return NULL;
 }
 

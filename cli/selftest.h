@@ -131,8 +131,9 @@ int nl_selftest_has(nl_selftest *c, int present, const char *check, const char *
 
 /* The backward and optimizer slots' checks (cli/selftest_backward.c). */
 void nl_selftest_backward_ops(nl_selftest *c);
-/* The sample slot's: the target's ids equal the reference's (skipped
- * where either has none; cli/selftest_sample.c). */
+/* The sample_rows slot's: the target's ids equal the reference's, and a
+ * row's id alone its id among others (skipped where either has none;
+ * cli/selftest_sample.c). */
 void nl_selftest_sample(nl_selftest *c);
 
 /* The optional slots of DESIGN section 6's variants (GeGLU, YaRN RoPE,

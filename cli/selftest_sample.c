@@ -1,9 +1,11 @@
-/* `neuroctl selftest`'s check of the sample slot (optional: a target
- * without one gets a skip line): on the same logits, the target's id
- * equals the reference's, for greedy sampling (with a tied maximum) and
+/* `neuroctl selftest`'s check of the sample_rows slot (optional: a target
+ * without one gets a skip line): on the same logits, the target's ids
+ * equal the reference's, for greedy sampling (with a tied maximum) and
  * for temperature sampling at several uniforms, over a short row, one
  * past a chunk's edge and a 50,000-id vocabulary (the rule is
- * kernels/elem.h's nl_elem_sample_row: equal ids, not a tolerance). */
+ * kernels/elem.h's nl_elem_sample_row: equal ids, not a tolerance); the
+ * nine rows of a vocabulary in one call, and the target's each alone
+ * again: a row's id does not depend on the others beside it. */
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -19,9 +21,9 @@ void nl_selftest_sample(nl_selftest *c)
         const int V = vocabs[v];
         char shape[64];
         snprintf(shape, sizeof shape, "V=%d greedy, t=0.7, t=1.3", V);
-        if (!c->be[0]->sample || !c->be[1]->sample) {
+        if (!c->be[0]->sample_rows || !c->be[1]->sample_rows) {
             printf("skip  %-22s  %-46s  (not on %s)\n", "sample", shape,
-                   c->be[1]->sample ? c->be[0]->name : c->be[1]->name);
+                   c->be[1]->sample_rows ? c->be[0]->name : c->be[1]->name);
             continue;
         }
         /* its own stream: the other checks' inputs stay as they were */
@@ -34,13 +36,21 @@ void nl_selftest_sample(nl_selftest *c)
         if (in && V > 3)
             in[1] = in[V - 2] = 9.0f; /* a tied maximum: the lower id */
         pair *x = nl_selftest_dev(c, in, (size_t)V * sizeof(float));
+        enum { NT = sizeof temps / sizeof *temps, NU = sizeof us / sizeof *us };
+        nl_sample_row rows[2][NT * NU];
+        int32_t want[NT * NU], got[NT * NU], alone = -1;
         double differ = 0;
-        for (size_t t = 0; !c->oom && t < sizeof temps / sizeof *temps; t++)
-            for (size_t u = 0; u < sizeof us / sizeof *us; u++) {
-                const int32_t want = c->be[0]->sample(c->be[0], x->d[0], V, temps[t], us[u]);
-                const int32_t g = c->be[1]->sample(c->be[1], x->d[1], V, temps[t], us[u]);
-                differ += want != g;
-            }
+        for (int side = 0; !c->oom && side < 2; side++) {
+            for (size_t t = 0; t < NT; t++)
+                for (size_t u = 0; u < NU; u++)
+                    rows[side][t * NU + u] =
+                        (nl_sample_row){.logits = x->d[side], .temperature = temps[t], .u = us[u]};
+            c->be[side]->sample_rows(c->be[side], side ? got : want, rows[side], NT * NU, V);
+        }
+        for (int i = 0; !c->oom && i < NT * NU; i++) {
+            c->be[1]->sample_rows(c->be[1], &alone, &rows[1][i], 1, V);
+            differ += (want[i] != got[i]) + (alone != got[i]);
+        }
         nl_selftest_done(c, "sample", shape, c->oom ? 1.0 : differ, 0.0);
     }
 }

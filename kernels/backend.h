@@ -94,12 +94,21 @@ typedef struct nl_rope_scaling {
     double beta_slow;         /* default 1 */
 } nl_rope_scaling;
 
-/* Bumped whenever struct nl_backend, nl_backend_opts, nl_attn_shape,
- * nl_attn_mask, nl_rope_scaling or nl_error changes: a backend module
- * built against another version is refused when it is loaded. */
-#define NL_BACKEND_ABI 11
+/* One row of a sample_rows call: the caller's host array of them names
+ * each row's logits in device memory, its temperature and its draw. */
+typedef struct nl_sample_row {
+    const float *logits; /* device (V) */
+    float temperature;   /* 0: greedy */
+    double u;            /* uniform in [0, 1) the caller drew (0 when greedy) */
+} nl_sample_row;
 
-/* the largest vocabulary the sample slot takes (a GPU keeps one block's
+/* Bumped whenever struct nl_backend, nl_backend_opts, nl_attn_shape,
+ * nl_attn_mask, nl_rope_scaling, nl_sample_row or nl_error changes: a
+ * backend module built against another version is refused when it is
+ * loaded. */
+#define NL_BACKEND_ABI 12
+
+/* the largest vocabulary the sample_rows slot takes (a GPU keeps one block's
  * chunk sums, NL_SAMPLE_CHUNK ids each, in shared memory) */
 #define NL_SAMPLE_MAX_VOCAB (1024 * 256)
 
@@ -430,13 +439,17 @@ struct nl_backend {
      * is not finite). */
     double (*sumsq)(nl_backend *be, const float *x, size_t n);
     /* Optional (NULL: the caller downloads the logits and samples on the
-     * host): the next token from one row of V logits, returned to the host
-     * (the call waits for it, as sumsq does), by the rule of elem.h's
-     * nl_elem_sample_row: greedy when temperature is 0, else at that
-     * temperature with the uniform u in [0, 1) the caller drew. V is at
-     * most NL_SAMPLE_MAX_VOCAB. On a device failure: -1, and the error is
-     * kept for check. */
-    int32_t (*sample)(nl_backend *be, const float *logits, int V, float temperature, double u);
+     * host): the next token of each of n rows of V logits into ids[i]
+     * (host), rows[i] (a host array) naming the row, by the rule of
+     * elem.h's nl_elem_sample_row: greedy when its temperature is 0, else
+     * at that temperature with the uniform u in [0, 1) the caller drew.
+     * Each row is sampled by itself, so its id is the one it gives alone
+     * (n = 1), bit for bit, beside any others. The n ids come to the host
+     * in one copy: the call waits once (one host sync, as sumsq), whatever
+     * n; n == 0 does nothing. Rows are checked by the caller (temperature
+     * >= 0, u in [0, 1)); V is at most NL_SAMPLE_MAX_VOCAB. On a device
+     * failure every id is -1, and the error is kept for check. */
+    void (*sample_rows)(nl_backend *be, int32_t *ids, const nl_sample_row *rows, int n, int V);
     /* One AdamW update of n parameters with gradient g * grad_scale:
      *   m = b1 m + (1 - b1) g';  v = b2 v + (1 - b2) g'^2
      *   p -= lr * (m / bc1 / (sqrt(v / bc2) + eps) + wd * p)
@@ -448,7 +461,7 @@ struct nl_backend {
      * queues every op each time) ----
      * graph_begin: the ops queued from now until graph_end are recorded,
      *   not run (a CUDA stream capture). Only op slots may be called in
-     *   between: upload, download, sync, alloc, free, sumsq and sample
+     *   between: upload, download, sync, alloc, free, sumsq and sample_rows
      *   make graph_end fail.
      * graph_end: ends the recording; *graph gets the recorded step, or
      *   NULL with err set when it could not be recorded (the step was not

@@ -162,12 +162,22 @@ static void ds_cross_entropy(nl_backend *be, float *logits, float *losses, const
     cpu(be)->cross_entropy(cpu(be), UF(logits), UF(losses), UI(targets), N, V, scale);
 }
 
-static int32_t ds_sample(nl_backend *be, const float *logits, int V, float temperature, double u)
+/* one wait for all n ids, as a device's single copy of them */
+static void ds_sample_rows(nl_backend *be, int32_t *ids, const nl_sample_row *rows, int n, int V)
 {
-    if (nl_devsim_refused(be, "sample"))
-        return -1;
+    if (nl_devsim_refused(be, "sample_rows")) {
+        for (int i = 0; i < n; i++)
+            ids[i] = -1;
+        return;
+    }
+    if (n <= 0)
+        return;
     be->stats.host_syncs++;
-    return cpu(be)->sample(cpu(be), UF(logits), V, temperature, u);
+    for (int i = 0; i < n; i++) { /* each row untagged, sampled by the CPU's slot */
+        nl_sample_row r = rows[i];
+        r.logits = UF(r.logits);
+        cpu(be)->sample_rows(cpu(be), &ids[i], &r, 1, V);
+    }
 }
 
 static double ds_sumsq(nl_backend *be, const float *x, size_t n)
@@ -275,7 +285,7 @@ nl_status nl_devsim_backend_new(nl_backend **out, const nl_backend_opts *o, nl_e
     be->moe_combine_backward = ds_moe_combine_backward;
     be->cross_entropy = ds_cross_entropy;
     be->sumsq = ds_sumsq;
-    be->sample = ds_sample;
+    be->sample_rows = ds_sample_rows;
     be->adamw = ds_adamw;
     nl_devsim_fill_graph_slots(be); /* the op slots a step may record, and the graph slots */
     *out = be;

@@ -33,12 +33,20 @@ void stage_batch_free(nl_stage *s)
     free(s->segs);
     free(s->seg_q);
     free(s->seg_x);
+    free(s->seg_smp);
+    free(s->seg_logits);
+    free(s->seg_rows);
+    free(s->seg_tok);
     free(s->obuf);
     s->q = NULL;
     s->res = NULL;
     s->segs = NULL;
     s->seg_q = NULL;
     s->seg_x = NULL;
+    s->seg_smp = NULL;
+    s->seg_logits = NULL;
+    s->seg_rows = NULL;
+    s->seg_tok = NULL;
     s->obuf = NULL;
     s->n_q = s->cap_q = s->cap_res = 0;
     s->obuf_cap = 0;
@@ -65,7 +73,12 @@ static nl_status ensure_engine(nl_stage *s, nl_error *err)
     s->segs = calloc((size_t)s->batch_rows, sizeof *s->segs);
     s->seg_q = calloc((size_t)s->batch_rows, sizeof *s->seg_q);
     s->seg_x = calloc((size_t)s->batch_rows, sizeof *s->seg_x);
-    if (!s->segs || !s->seg_q || !s->seg_x)
+    s->seg_smp = calloc((size_t)s->batch_rows, sizeof *s->seg_smp);
+    s->seg_logits = calloc((size_t)s->batch_rows, sizeof *s->seg_logits);
+    s->seg_rows = calloc((size_t)s->batch_rows, sizeof *s->seg_rows);
+    s->seg_tok = calloc((size_t)s->batch_rows, sizeof *s->seg_tok);
+    if (!s->segs || !s->seg_q || !s->seg_x || !s->seg_smp || !s->seg_logits || !s->seg_rows ||
+        !s->seg_tok)
         return nl_error_set(err, NL_ERR_NOMEM, "stage: out of memory for the batch");
     return NL_OK;
 }
@@ -282,21 +295,34 @@ static int pick(nl_stage *s, int *nres)
     return n;
 }
 
-/* The last stage's answer to a finished hop: its session samples, on the
- * device where the backend samples and no log-probabilities are asked
- * for (only the id comes back, as a lone session's forward does), else
- * from the batch's logits on the host. */
+/* The last stage's tokens of a finished batch that sample on the device
+ * (no log-probabilities asked for): every such hop's session in one call
+ * of the backend's sample_rows (core/model/sampler.h's
+ * nl_sampler_next_batch), so the step waits once for all their ids, not
+ * once a session. seg_tok[k]: segment k's token, or -1 where it samples
+ * on the host (or finishes no hop). Each session draws from its own
+ * stream, so its ids are those it gets alone. */
+static nl_status sample_on_device(nl_stage *s, int n, nl_error *err)
+{
+    for (int k = 0; k < n; k++) {
+        const queued_hop *q = &s->q[s->seg_q[k]];
+        session *se = stage_find_session(s, q->session_id);
+        const bool last = q->done + s->segs[k].T == q->T;
+        s->seg_smp[k] = s->model->has_head && last && se && se->logprobs == 0 ? &se->smp : NULL;
+        s->seg_logits[k] = s->seg_smp[k] ? nl_batch_logits_device(s->batch, k) : NULL;
+    }
+    return nl_sampler_next_batch(s->seg_smp, s->seg_logits, n, s->be, s->seg_rows, s->seg_tok, err);
+}
+
+/* The last stage's answer to a finished hop: its session's token sampled
+ * on the device (sample_on_device), else from the batch's logits on the
+ * host. */
 static nl_status sample_token(nl_stage *s, session *se, int seg, nl_stage_out *o, nl_error *err)
 {
-    if (se->logprobs == 0 && nl_sampler_device(&se->smp, s->be)) {
-        int32_t token = 0;
-        const nl_status st = nl_sampler_next(&se->smp, s->be, nl_batch_logits_device(s->batch, seg),
-                                             NULL, &token, err);
-        if (st == NL_OK) {
-            o->lp_n = 0;
-            stage_sampled(se, token, o);
-        }
-        return st;
+    if (s->seg_tok[seg] >= 0) {
+        o->lp_n = 0;
+        stage_sampled(se, s->seg_tok[seg], o);
+        return NL_OK;
     }
     const float *logits = nl_batch_logits(s->batch, seg, err);
     if (!logits)
@@ -319,6 +345,9 @@ static nl_status finish(nl_stage *s, int n, double t0, double t1, int *nres, nl_
     }
     if (!reserve((void **)&s->obuf, &s->obuf_cap, (need ? need : 1) * sizeof(float)))
         return nl_error_set(err, NL_ERR_NOMEM, "stage: out of memory for a batch's output");
+    const nl_status sst = sample_on_device(s, n, err);
+    if (sst != NL_OK) /* the caller fails every hop of the batch */
+        return sst;
     for (int k = 0; k < n; k++) {
         queued_hop *q = &s->q[s->seg_q[k]];
         session *se = stage_find_session(s, q->session_id);

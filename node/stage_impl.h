@@ -154,7 +154,14 @@ struct nl_stage {
     nl_batch_seg *segs;  /* (batch_rows) */
     const float **seg_x; /* (batch_rows) their hidden-state inputs (a later stage) */
     int *seg_q;          /* (batch_rows) segment -> queue slot */
-    float *obuf;         /* the last batch's hidden outputs (host), sent zero-copy */
+    /* (batch_rows each) the device sampling of a step's finished hops:
+     * each segment's sampler (NULL: none on the device), its logits, the
+     * sample_rows scratch, and its token (-1: sampled on the host) */
+    nl_sampler **seg_smp;
+    const float **seg_logits;
+    nl_sample_row *seg_rows;
+    int32_t *seg_tok;
+    float *obuf; /* the last batch's hidden outputs (host), sent zero-copy */
     size_t obuf_cap;
     nl_stage_figures fig;
 };

@@ -460,13 +460,16 @@ static void test_gemm_rows(nl_backend *be)
 }
 
 /* Sampling each segment's row where it lies (nl_batch_logits_device,
- * the backend's sample slot where it has one: serve and a stage's batch)
- * gives the ids of sampling the host logits, greedy and seeded; the step
- * downloads no logits until nl_batch_logits asks, then all its rows at
- * once. */
+ * the backend's sample_rows slot where it has one: serve and a stage's
+ * batch) gives the ids of sampling the host logits, greedy, seeded and
+ * top-p (on the host), one session at a time (nl_sampler_next) on even
+ * steps and all at once (nl_sampler_next_batch) on odd ones, where the
+ * step's device ids cost one host sync and a session left out (NULL) or
+ * sampling on the host (top-p) gets -1; the step downloads no logits
+ * until nl_batch_logits asks, then all its rows at once. */
 static void test_device_sampling(nl_model *m)
 {
-    enum { SEQS = 3, STEPS = 24 };
+    enum { SEQS = 4, STEPS = 24 };
     nl_error err = {0};
     nl_backend *be = m->be;
     const int V = (int)m->cfg.vocab_size;
@@ -478,13 +481,14 @@ static void test_device_sampling(nl_model *m)
     CHECK_OK(nl_batch_new(&b, m, 16, &err), &err);
     for (int i = 0; i < SEQS; i++) {
         CHECK_OK(nl_kvcache_new(&kv[i], m, 1, 3 + STEPS, NL_KV_FP32, &err), &err);
-        const float t = i == 0 ? 0.0f : 0.7f * (float)i;
-        CHECK_OK(nl_sampler_init(&sd[i], V, t, 1.0f, (uint64_t)(40 + i), &err), &err);
-        CHECK_OK(nl_sampler_init(&sh[i], V, t, 1.0f, (uint64_t)(40 + i), &err), &err);
+        const float t = i == 0 ? 0.0f : 0.7f * (float)i, top_p = i == 3 ? 0.9f : 1.0f;
+        CHECK_OK(nl_sampler_init(&sd[i], V, t, top_p, (uint64_t)(40 + i), &err), &err);
+        CHECK_OK(nl_sampler_init(&sh[i], V, t, top_p, (uint64_t)(40 + i), &err), &err);
         for (int t2 = 0; t2 < 3; t2++)
             prompt[i][t2] = (int32_t)((11 * i + 5 * t2 + 1) % V);
     }
-    int bad = 0, lazy = 1;
+    const int dev = nl_sampler_device(&sd[0], be);
+    int bad = 0, lazy = 1, together = 0;
     for (int s = 0; b && host && kv[SEQS - 1] && s < STEPS; s++) {
         nl_batch_seg segs[SEQS];
         for (int i = 0; i < SEQS; i++)
@@ -493,19 +497,44 @@ static void test_device_sampling(nl_model *m)
             CHECK(0, "step %d: %s", s, err.msg);
             break;
         }
+        int32_t ids[SEQS];
+        int on_host = (1 << SEQS) - 1; /* sessions left to nl_sampler_next */
+        if (s % 2) {
+            nl_sampler *sp[SEQS];
+            const float *lg[SEQS];
+            nl_sample_row rows[SEQS];
+            for (int i = 0; i < SEQS; i++) {
+                sp[i] = i == 1 ? NULL : &sd[i]; /* 1: the caller's own */
+                lg[i] = nl_batch_logits_device(b, i);
+            }
+            const uint64_t s0 = be->stats.host_syncs;
+            CHECK_OK(nl_sampler_next_batch(sp, lg, SEQS, be, rows, ids, &err), &err);
+            together += be->stats.host_syncs - s0 == (uint64_t)dev;
+            on_host = 0;
+            for (int i = 0; i < SEQS; i++) {
+                const int here = dev && i != 1 && i != 3; /* 3: top-p, on the host */
+                bad += here ? ids[i] < 0 : ids[i] != -1;
+                on_host |= (!here) << i;
+            }
+        }
         for (int i = 0; i < SEQS; i++) {
-            int32_t id = -1;
-            CHECK_OK(nl_sampler_next(&sd[i], be, nl_batch_logits_device(b, i), host, &id, &err),
-                     &err);
+            if (on_host >> i & 1)
+                CHECK_OK(
+                    nl_sampler_next(&sd[i], be, nl_batch_logits_device(b, i), host, &ids[i], &err),
+                    &err);
             const uint64_t s0 = be->stats.host_syncs;
             const float *lg = nl_batch_logits(b, i, &err);
             const uint64_t got = be->stats.host_syncs - s0;
-            /* one download for the step's rows, on the first ask only */
+            /* one download for the step's rows, on the first ask only (the
+             * top-p session's nl_sampler_next downloaded its own row) */
             lazy &= got == (uint64_t)(i == 0);
-            bad += !lg || nl_sampler_sample(&sh[i], lg) != id;
-            next[i] = id;
+            bad += !lg || nl_sampler_sample(&sh[i], lg) != ids[i];
+            next[i] = ids[i];
         }
     }
+    CHECK(together == STEPS / 2,
+          "%d of %d steps sampled their sessions' device ids with %d host sync%s", together,
+          STEPS / 2, dev, dev ? "" : "s");
     CHECK(bad == 0, "%d of %d ids sampled on the device differ from the host's", bad, SEQS * STEPS);
     CHECK(lazy, "a step's logits were not downloaded once, on the first ask");
     CHECK(nl_batch_logits_device(b, SEQS) == NULL, "a segment past the call has no logits");

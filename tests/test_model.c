@@ -365,7 +365,7 @@ static void test_device_sampling(nl_backend *be, const nl_config *base)
         setenv("NL_HOST_SAMPLING", "1", 1);
         gen_ids(m, modes[k].t, modes[k].top_p, modes[k].seed, host, N, &on_host);
         unsetenv("NL_HOST_SAMPLING");
-        CHECK(on_dev == (be->sample != NULL && modes[k].top_p >= 1.0f) && !on_host,
+        CHECK(on_dev == (be->sample_rows != NULL && modes[k].top_p >= 1.0f) && !on_host,
               "temperature %g top-p %g: sampled on the device %d, with NL_HOST_SAMPLING %d",
               modes[k].t, modes[k].top_p, on_dev, on_host);
         int first = -1, distinct = 0;

@@ -5,6 +5,11 @@
  *    at once; when the queue is due (every active session queued, or none
  *    of the others expected back within the wait); closed and evicted
  *    sessions' queued hops;
+ *  - the tokens of a step: five sessions (greedy, seeded temperature, and
+ *    one asking for log-probabilities) decoded together get each the ids
+ *    it gets alone, and a step's device-sampled ids cost one host sync
+ *    together (a step of five takes one more than a step of one: the
+ *    log-probabilities session's logits), not one a session;
  *  - adapters: a session with a LoRA adapter file (under the stage's
  *    --checkpoint-root) generates what a local generation with the adapter
  *    attached does, its hops running alone in the same nl_stage_run_batch
@@ -214,6 +219,95 @@ static void test_batched(nl_model *ref)
     nl_stage_destroy(&r1);
 }
 
+/* ---- the tokens of a step ---- */
+
+enum { TS = 5, TSTEPS = 4 };
+
+/* Session i + 1: greedy (0, 2), a seeded temperature (1, 3), and 4 at a
+ * temperature with log-probabilities (sampled on the host). */
+static nl_stage_session_params together_params(int i)
+{
+    nl_stage_session_params sp = {.id = (uint64_t)i + 1, .capacity = 16, .top_p = 1};
+    sp.seed = 70 + (uint64_t)i;
+    sp.temperature = i % 2 ? 0.9f : i == 4 ? 0.8f : 0.0f;
+    sp.logprobs = i == 4 ? 3 : 0;
+    return sp;
+}
+
+/* TSTEPS steps of the sessions in `which` (bit i: session i + 1) on a
+ * fresh whole-model stage, all at once: a 3-token prompt, then each
+ * sampled token fed back; ids[i][k] the tokens, syncs[k] the host syncs
+ * of step k's nl_stage_run_batch. */
+static void run_steps(const nl_model *ref, unsigned which, int32_t ids[TS][TSTEPS],
+                      uint64_t syncs[TSTEPS])
+{
+    nl_error err;
+    nl_stage *s = loaded_stage(ref, 0, 1, 0, cfg.num_layers, 1 << 20);
+    int32_t prompt[TS][3];
+    int want = 0;
+    for (int i = 0; i < TS; i++) {
+        if (!(which >> i & 1))
+            continue;
+        const nl_stage_session_params sp = together_params(i);
+        CHECK_OK(nl_stage_open_session(s, &sp, &err), &err);
+        prompt[i][0] = 1 + i, prompt[i][1] = 3 + 2 * i, prompt[i][2] = 7;
+        want++;
+    }
+    for (int k = 0; s && k < TSTEPS; k++) {
+        for (int i = 0; i < TS; i++) {
+            if (!(which >> i & 1))
+                continue;
+            nl_msg_tensor_hop h = {.job_id = (uint64_t)i + 1, .session_id = (uint64_t)i + 1};
+            h.pos_offset = k ? 2 + (uint64_t)k : 0;
+            nl_wire_frame f = k ? tok_frame(&ids[i][k - 1], 1, 1) : tok_frame(prompt[i], 1, 3);
+            CHECK_OK(nl_stage_enqueue(s, &h, &f, &err), &err);
+        }
+        const nl_stage_result *r = NULL;
+        int n = -1;
+        const uint64_t s0 = be->stats.host_syncs;
+        CHECK_OK(nl_stage_run_batch(s, &r, &n, &err), &err);
+        syncs[k] = be->stats.host_syncs - s0;
+        CHECK(n == want, "step %d: %d results of %d sessions", k, n, want);
+        for (int j = 0; j < n; j++) {
+            const int i = (int)r[j].session_id - 1;
+            CHECK(r[j].st == NL_OK && r[j].out.kind == NL_STAGE_OUT_TOKEN && i >= 0 && i < TS,
+                  "step %d: session %llu: %s", k, (unsigned long long)r[j].session_id, r[j].msg);
+            if (i < 0 || i >= TS)
+                continue;
+            ids[i][k] = r[j].out.token;
+            CHECK(r[j].out.lp_n == (i == 4 ? 3 : 0), "session %d: %d log-probabilities", i + 1,
+                  r[j].out.lp_n);
+        }
+    }
+    nl_stage_destroy(&s);
+}
+
+/* Five sessions together and each alone: the same ids; a decode step's
+ * host syncs together are one session's plus the log-probabilities
+ * session's download of the step's logits (on the code before
+ * sample_rows, four more: a wait for each device-sampled session's id). */
+static void test_sampled_together(nl_model *ref)
+{
+    int32_t together[TS][TSTEPS], alone[TS][TSTEPS];
+    uint64_t sync_all[TSTEPS], sync_one[TS][TSTEPS];
+    memset(together, 0xff, sizeof together);
+    memset(alone, 0xfe, sizeof alone);
+    run_steps(ref, (1u << TS) - 1, together, sync_all);
+    for (int i = 0; i < TS; i++)
+        run_steps(ref, 1u << i, alone, sync_one[i]);
+    for (int i = 0; i < TS; i++)
+        CHECK(memcmp(together[i], alone[i], sizeof alone[i]) == 0,
+              "session %d: ids %d %d %d %d together, %d %d %d %d alone", i + 1, together[i][0],
+              together[i][1], together[i][2], together[i][3], alone[i][0], alone[i][1], alone[i][2],
+              alone[i][3]);
+    for (int k = 1; k < TSTEPS; k++) /* decode steps */
+        CHECK(sync_all[k] == sync_one[0][k] + 1 && sync_one[4][k] == sync_one[0][k],
+              "decode step %d: %llu host syncs for 5 sessions, %llu for one (%llu for the "
+              "log-probabilities one): want one more",
+              k, (unsigned long long)sync_all[k], (unsigned long long)sync_one[0][k],
+              (unsigned long long)sync_one[4][k]);
+}
+
 /* ---- adapters ---- */
 
 /* The results of one batch on s: n_want of them, by session (ids 1, 2). */
@@ -337,6 +431,7 @@ int main(void)
     nl_model *ref = NULL;
     if (stage_harness_start("test_node_stage_batch", &ref)) {
         test_batched(ref);
+        test_sampled_together(ref);
         test_adapters(ref);
     }
     return stage_harness_end("test_node_stage_batch", &ref);

@@ -90,17 +90,46 @@ static int host_sampling(void)
 
 int nl_sampler_device(const nl_sampler *s, const nl_backend *be)
 {
-    return be->sample && (s->temperature == 0.0f || s->top_p >= 1.0f) &&
+    return be->sample_rows && (s->temperature == 0.0f || s->top_p >= 1.0f) &&
            s->vocab <= NL_SAMPLE_MAX_VOCAB && !host_sampling();
+}
+
+nl_status nl_sampler_next_batch(nl_sampler *const *smp, const float *const *logits, int n,
+                                nl_backend *be, nl_sample_row *rows, int32_t *ids, nl_error *err)
+{
+    int r = 0, V = 0;
+    nl_status st = NL_OK;
+    for (int i = 0; i < n; i++) {
+        nl_sampler *s = smp[i];
+        if (!s || !nl_sampler_device(s, be))
+            continue;
+        if (r > 0 && s->vocab != V) {
+            st = nl_error_set(err, NL_ERR_SHAPE, "sampler: vocabularies %d and %d in one batch", V,
+                              s->vocab);
+            break;
+        }
+        V = s->vocab;
+        /* the draw nl_sampler_sample makes: none when greedy */
+        const double u = s->temperature == 0.0f ? 0.0 : nl_rng_uniform(&s->rng);
+        rows[r++] = (nl_sample_row){.logits = logits[i], .temperature = s->temperature, .u = u};
+    }
+    if (st == NL_OK && r > 0)
+        be->sample_rows(be, ids, rows, r, V);
+    if (st == NL_OK)
+        st = nl_backend_check(be, err);
+    /* spread the r ids (rows order) to their samplers, from the back: the
+     * k-th row's id sits at ids[k] with k <= its sampler's index */
+    for (int i = n - 1; i >= 0; i--)
+        ids[i] = st == NL_OK && smp[i] && nl_sampler_device(smp[i], be) ? ids[--r] : -1;
+    return st;
 }
 
 nl_status nl_sampler_next(nl_sampler *s, nl_backend *be, const float *logits, float *host,
                           int32_t *id, nl_error *err)
 {
     if (nl_sampler_device(s, be)) {
-        const double u = s->temperature == 0.0f ? 0.0 : nl_rng_uniform(&s->rng);
-        *id = be->sample(be, logits, s->vocab, s->temperature, u);
-        return nl_backend_check(be, err);
+        nl_sample_row row;
+        return nl_sampler_next_batch(&s, &logits, 1, be, &row, id, err);
     }
     if (!host)
         return nl_error_set(err, NL_ERR_INTERNAL, "sampler: no host buffer for the logits");

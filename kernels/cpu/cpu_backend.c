@@ -93,10 +93,13 @@ static double cpu_sumsq(nl_backend *be, const float *x, size_t n)
     return nl_cpu_sumsq(be, x, n);
 }
 
-static int32_t cpu_sample(nl_backend *be, const float *logits, int V, float temperature, double u)
+static void cpu_sample_rows(nl_backend *be, int32_t *ids, const nl_sample_row *rows, int n, int V)
 {
-    be->stats.host_syncs++; /* a result for the host */
-    return nl_elem_sample_row(logits, V, temperature, u);
+    if (n <= 0)
+        return;
+    be->stats.host_syncs++; /* results for the host, one wait for all */
+    for (int i = 0; i < n; i++)
+        ids[i] = nl_elem_sample_row(rows[i].logits, V, rows[i].temperature, rows[i].u);
 }
 
 static void cpu_zero(nl_backend *be, void *p, size_t bytes)
@@ -471,7 +474,7 @@ nl_status nl_cpu_backend_new(nl_backend **out, const nl_backend_opts *o, nl_erro
     be->moe_combine_backward = nl_cpu_moe_combine_backward;
     be->cross_entropy = nl_cpu_cross_entropy;
     be->sumsq = cpu_sumsq;
-    be->sample = cpu_sample;
+    be->sample_rows = cpu_sample_rows;
     be->adamw = cpu_adamw;
     *out = be;
     return NL_OK;

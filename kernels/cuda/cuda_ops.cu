@@ -197,17 +197,29 @@ int launched(void)
 constexpr int SAMPLE_THREADS = 256;
 constexpr int SAMPLE_MAX_CHUNKS = NL_SAMPLE_MAX_VOCAB / NL_SAMPLE_CHUNK;
 
-/* One block: elem.h's nl_elem_sample_row with its parallel parts side by
- * side. The greedy id by a tree over (value, id) pairs: "better" is a total
- * order, so any tree finds the sequential loop's id; each chunk's sum by
- * one thread in id order, the chunks' running sum and the scan inside the
- * chosen chunk by thread 0, in the host's order: the same id, bit for bit. */
+/* The rows of one launch, passed by value as the kernel's argument (1.5
+ * KiB, within the 4 KiB every GPU takes): nothing is uploaded for them. */
+struct sample_launch {
+    nl_sample_row r[NL_CUDA_SAMPLE_LAUNCH_ROWS];
+};
+
+/* One block a row: elem.h's nl_elem_sample_row with its parallel parts
+ * side by side. The greedy id by a tree over (value, id) pairs: "better"
+ * is a total order, so any tree finds the sequential loop's id; each
+ * chunk's sum by one thread in id order, the chunks' running sum and the
+ * scan inside the chosen chunk by thread 0, in the host's order: the same
+ * id, bit for bit. A block reads its own row only, so a row's id does not
+ * depend on the others of its launch. */
 __global__ void __launch_bounds__(SAMPLE_THREADS)
-    sample_kernel(int32_t *out, const float *l, int V, float t, double u)
+    sample_kernel(int32_t *ids, const sample_launch rows, int V)
 {
     __shared__ float bv[SAMPLE_THREADS];
     __shared__ int bi[SAMPLE_THREADS];
     __shared__ double sums[SAMPLE_MAX_CHUNKS];
+    const float *l = rows.r[blockIdx.x].logits;
+    const float t = rows.r[blockIdx.x].temperature;
+    const double u = rows.r[blockIdx.x].u;
+    int32_t *out = ids + blockIdx.x;
     const int tid = threadIdx.x;
     float v = -INFINITY;
     int vi = V;
@@ -306,13 +318,25 @@ extern "C" int nl_cuda_softmax_forward(void *stream, float *x, int N, int C)
     return launched();
 }
 
-extern "C" int nl_cuda_sample(void *stream, int32_t *out, const float *logits, int V, float t,
-                              double u)
+extern "C" int nl_cuda_sample_rows(void *stream, int32_t *ids, const nl_sample_row *rows, int n,
+                                   int V)
 {
-    if (V < 1 || V > NL_SAMPLE_MAX_VOCAB || !(t >= 0.0f) || !(u >= 0.0 && u < 1.0))
+    if (n < 0 || V < 1 || V > NL_SAMPLE_MAX_VOCAB)
         return (int)cudaErrorInvalidValue;
-    sample_kernel<<<1, SAMPLE_THREADS, 0, (cudaStream_t)stream>>>(out, logits, V, t, u);
-    return launched();
+    for (int i = 0; i < n; i++)
+        if (!(rows[i].temperature >= 0.0f) || !(rows[i].u >= 0.0 && rows[i].u < 1.0))
+            return (int)cudaErrorInvalidValue;
+    for (int i0 = 0; i0 < n; i0 += NL_CUDA_SAMPLE_LAUNCH_ROWS) {
+        const int m = n - i0 < NL_CUDA_SAMPLE_LAUNCH_ROWS ? n - i0 : NL_CUDA_SAMPLE_LAUNCH_ROWS;
+        sample_launch b = {};
+        for (int i = 0; i < m; i++)
+            b.r[i] = rows[i0 + i];
+        sample_kernel<<<m, SAMPLE_THREADS, 0, (cudaStream_t)stream>>>(ids + i0, b, V);
+        const int e = launched();
+        if (e != 0)
+            return e;
+    }
+    return 0;
 }
 
 extern "C" int nl_cuda_swiglu_forward(void *stream, float *out, const float *gu, int N, int F)

@@ -4,12 +4,15 @@
  * allocates nothing, launches nothing for an empty shape, and returns the
  * cudaError_t of the launch (cudaGetLastError) as an int, 0 on success.
  * Shapes and pointers are those of the slot of the same name in
- * kernels/backend.h; all pointers are device memory. This header includes
- * no CUDA header. */
+ * kernels/backend.h; all pointers are device memory (but the sample
+ * launcher's row table, host memory). This header includes no CUDA
+ * header. */
 #ifndef NL_CUDA_OPS_H
 #define NL_CUDA_OPS_H
 
 #include <stdint.h>
+
+#include "kernels/backend.h" /* nl_sample_row */
 
 #ifdef __cplusplus
 extern "C" {
@@ -22,10 +25,16 @@ int nl_cuda_rmsnorm_forward(void *stream, float *out, float *rstd, const float *
 int nl_cuda_rope_forward(void *stream, float *x, const int32_t *pos, int N, int row, int col0,
                          int heads, int hd, float base);
 int nl_cuda_softmax_forward(void *stream, float *x, int N, int C);
-/* The next token from one row of V logits into *out (device), by elem.h's
- * nl_elem_sample_row (greedy when t is 0): one block. Refuses V outside
- * [1, NL_SAMPLE_MAX_VOCAB], t < 0 and u outside [0, 1). */
-int nl_cuda_sample(void *stream, int32_t *out, const float *logits, int V, float t, double u);
+/* The rows one sample launch takes (its row table is the kernel's
+ * argument); a call of more makes several launches. */
+#define NL_CUDA_SAMPLE_LAUNCH_ROWS 64
+/* The sample_rows slot's kernel: the next token of each of n rows of V
+ * logits into ids[0, n) (device), row i by elem.h's nl_elem_sample_row
+ * from rows[i] (host: its device logits, temperature and u); one block a
+ * row, each reading its own row only. Refuses V outside [1,
+ * NL_SAMPLE_MAX_VOCAB], n < 0, and any row with a temperature below 0 or
+ * u outside [0, 1) (nothing launched). */
+int nl_cuda_sample_rows(void *stream, int32_t *ids, const nl_sample_row *rows, int n, int V);
 int nl_cuda_swiglu_forward(void *stream, float *out, const float *gu, int N, int F);
 int nl_cuda_gather_rows(void *stream, float *out, const float *src, const int32_t *idx, int n,
                         int C);

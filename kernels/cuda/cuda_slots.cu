@@ -324,22 +324,35 @@ double cu_sumsq(nl_backend *be, const float *x, size_t n)
     return report(c, NULL) == NL_OK ? h : NAN;
 }
 
-int32_t cu_sample(nl_backend *be, const float *logits, int V, float temperature, double u)
+/* All n rows' kernels queued, then their ids in one copy and one wait:
+ * a batch's step costs one host sync for its tokens, whatever n. */
+void cu_sample_rows(nl_backend *be, int32_t *ids, const nl_sample_row *rows, int n, int V)
 {
     cuda_ctx *c = enter_slot(be, __func__);
-    if (refused_in_capture(c, "sample"))
-        return -1;
+    for (int i = 0; i < n; i++)
+        ids[i] = -1;
+    if (refused_in_capture(c, "sample_rows") || n <= 0)
+        return;
+    /* the ids in the reduction scratch's first bytes (the stream orders its users) */
+    if ((size_t)n * sizeof(int32_t) > c->scratch_bytes) {
+        launched_shape(c, (int)cudaErrorInvalidValue, "sample_rows (n %d: more than the scratch)",
+                       n);
+        return;
+    }
     be->stats.host_syncs++;
-    /* the id in the reduction scratch's first bytes (the stream orders its users) */
     int32_t *res = (int32_t *)c->scratch;
-    launched_shape(c, nl_cuda_sample(c->stream, res, logits, V, temperature, u),
-                   "sample (V %d temperature %g u %g)", V, temperature, u);
-    int32_t h = -1;
-    cudaError_t e = cudaMemcpyAsync(&h, res, sizeof h, cudaMemcpyDeviceToHost, c->stream);
+    launched_shape(c, nl_cuda_sample_rows(c->stream, res, rows, n, V), "sample_rows (n %d V %d)", n,
+                   V);
+    if (report(c, NULL) != NL_OK)
+        return;
+    cudaError_t e =
+        cudaMemcpyAsync(ids, res, (size_t)n * sizeof(int32_t), cudaMemcpyDeviceToHost, c->stream);
     if (e == cudaSuccess)
         e = cudaStreamSynchronize(c->stream);
-    ok(c, "sample", e);
-    return report(c, NULL) == NL_OK ? h : -1;
+    ok(c, "sample_rows", e);
+    if (report(c, NULL) != NL_OK)
+        for (int i = 0; i < n; i++)
+            ids[i] = -1;
 }
 
 void cu_adamw(nl_backend *be, float *p, const float *g, float *m, float *v, size_t n, float lr,
@@ -449,7 +462,7 @@ void fill_op_slots(nl_backend *be)
     be->moe_combine_backward = cu_moe_combine_backward;
     be->cross_entropy = cu_cross_entropy;
     be->sumsq = cu_sumsq;
-    be->sample = cu_sample;
+    be->sample_rows = cu_sample_rows;
     be->adamw = cu_adamw;
     /* the fused decode kernels read the FP32 weights: in bf16 mode the
      * separate slots run, whose expert GEMMs read the bf16 copies */

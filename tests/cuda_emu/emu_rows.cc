@@ -24,7 +24,10 @@
  *   together (a first step of 25 rows through the separate slots, then
  *   5-row steps through the fused ones) give each session the ids and
  *   logits, bit for bit, of decoding it alone (a prompt of 3 to 7 rows and
- *   1-row steps, all fused). */
+ *   1-row steps, all fused). Their tokens are sampled through the table's
+ *   sample_rows (CUDA's sample kernel), greedy and seeded temperature
+ *   mixed: the ids of sampling the host logits, and one host sync per
+ *   step for all its sessions' ids. */
 #include "tests/cuda_emu/cuda_runtime.h"
 
 #include "cuda_rows.cu.cc"
@@ -33,6 +36,7 @@
 
 extern "C" {
 #include "core/model/batch.h"
+#include "core/model/sampler.h"
 #include "kernels/backend.h"
 #include "kernels/elem.h"
 }
@@ -350,6 +354,15 @@ void e_down_combine(nl_backend *, float *x, float *ye, const float *hs, const in
     EMU_OK(nl_cuda_moe_down_combine(nullptr, x, ye, hs, choice, w, ex, es, N, k, d, F));
 }
 
+/* CUDA's slot: the kernel for every row, then one copy of the ids */
+void e_sample_rows(nl_backend *be, int32_t *ids, const nl_sample_row *rows, int n, int V)
+{
+    if (n <= 0)
+        return;
+    be->stats.host_syncs++;
+    EMU_OK(nl_cuda_sample_rows(nullptr, ids, rows, n, V));
+}
+
 void emu_backend_init(emu_backend *e, nl_backend *cpu)
 {
     e->be = *cpu; /* the CPU's ctx: its other slots run as they are */
@@ -369,6 +382,7 @@ void emu_backend_init(emu_backend *e, nl_backend *cpu)
     be->moe_norm_route = e_norm_route;
     be->moe_gate_up = e_gate_up;
     be->moe_down_combine = e_down_combine;
+    be->sample_rows = e_sample_rows;
 }
 
 enum { SESS = 5, NEW = 5, VOCAB = 128 };
@@ -379,20 +393,20 @@ struct session {
     int32_t ids[NEW];
     uint64_t bits;
     nl_kvcache *kv;
+    nl_sampler smp, twin; /* on the device; the same draws on the host */
 };
 
-int argmax(const float *v, int n)
-{
-    int b = 0;
-    for (int i = 1; i < n; i++)
-        b = v[i] > v[b] ? i : b;
-    return b;
-}
+int bad_syncs, host_mismatch; /* steps whose ids took other than 1 sync; ids unlike the host's */
 
-/* One step of the listed unfinished sessions: its prompt, or its last id */
-void batch_step(nl_batch *b, session **ss, int n)
+/* One step of the listed unfinished sessions: its prompt, or its last id;
+ * their next ids sampled together on the device */
+void batch_step(nl_backend *be, nl_batch *b, session **ss, int n)
 {
     nl_batch_seg segs[SESS];
+    nl_sampler *smp[SESS];
+    const float *lgd[SESS];
+    nl_sample_row rows[SESS];
+    int32_t ids[SESS];
     nl_error err = {};
     for (int i = 0; i < n; i++) {
         session *s = ss[i];
@@ -406,6 +420,13 @@ void batch_step(nl_batch *b, session **ss, int n)
         return;
     }
     for (int i = 0; i < n; i++) {
+        smp[i] = &ss[i]->smp;
+        lgd[i] = nl_batch_logits_device(b, i);
+    }
+    const uint64_t s0 = be->stats.host_syncs;
+    CHECK(nl_sampler_next_batch(smp, lgd, n, be, rows, ids, &err) == NL_OK, "sample: %s", err.msg);
+    bad_syncs += be->stats.host_syncs - s0 != 1;
+    for (int i = 0; i < n; i++) {
         const float *lg = nl_batch_logits(b, i, &err);
         CHECK(lg, "batch logits: %s", err.msg);
         if (!lg)
@@ -413,7 +434,8 @@ void batch_step(nl_batch *b, session **ss, int n)
         const unsigned char *p = (const unsigned char *)lg;
         for (size_t j = 0; j < VOCAB * sizeof(float); j++)
             ss[i]->bits = (ss[i]->bits ^ p[j]) * 1099511628211ull;
-        ss[i]->ids[ss[i]->n++] = argmax(lg, VOCAB);
+        host_mismatch += nl_sampler_sample(&ss[i]->twin, lg) != ids[i];
+        ss[i]->ids[ss[i]->n++] = ids[i];
     }
 }
 
@@ -461,12 +483,17 @@ void batch_alone_vs_together(nl_backend *cpu, int few)
                 s->prompt[t] = (int32_t)((i * 37 + t * 11 + 1) % VOCAB);
             CHECK(nl_kvcache_new(&s->kv, m, 1, s->P + NEW, NL_KV_FP32, &err) == NL_OK,
                   "cache: %s", err.msg);
+            const float t = i % 2 ? 0.6f * (float)i : 0.0f; /* greedy and seeded */
+            CHECK(nl_sampler_init(&s->smp, VOCAB, t, 1.0f, 300 + i, &err) == NL_OK &&
+                      nl_sampler_init(&s->twin, VOCAB, t, 1.0f, 300 + i, &err) == NL_OK,
+                  "sampler: %s", err.msg);
         }
+    const int bad_syncs0 = bad_syncs, mismatch0 = host_mismatch;
     const int fused0 = fused_calls, grouped_start = grouped_rows_calls;
     for (int i = 0; i < SESS; i++) {
         session *s = &alone[i];
         while (s->kv && s->n < NEW)
-            batch_step(b, &s, 1);
+            batch_step(be, b, &s, 1);
     }
     const int grouped0 = grouped_rows_calls;
     CHECK(fused_calls > fused0 && grouped0 == grouped_start,
@@ -476,7 +503,7 @@ void batch_alone_vs_together(nl_backend *cpu, int few)
     for (int i = 0; i < SESS; i++)
         all[i] = &together[i];
     while (together[0].kv && together[0].n < NEW)
-        batch_step(b, all, SESS);
+        batch_step(be, b, all, SESS);
     if (!few)
         CHECK(grouped_rows_calls > grouped0,
               "together: the first step's 25 rows through gemm_grouped_rows");
@@ -487,7 +514,16 @@ void batch_alone_vs_together(nl_backend *cpu, int few)
               "session %d: bit-identical logits alone and among %d others", i, SESS - 1);
         nl_kvcache_destroy(&alone[i].kv);
         nl_kvcache_destroy(&together[i].kv);
+        for (session *s : {&alone[i], &together[i]}) {
+            nl_sampler_free(&s->smp);
+            nl_sampler_free(&s->twin);
+        }
     }
+    CHECK(bad_syncs == bad_syncs0,
+          "%d steps took other than one host sync for their sessions' ids (sample_rows)",
+          bad_syncs - bad_syncs0);
+    CHECK(host_mismatch == mismatch0, "%d ids sampled on the device differ from the host's",
+          host_mismatch - mismatch0);
     if (few) { /* a prompt's chunk of 25 rows: gemm and gemm_grouped, as alone */
         static const int32_t prompt[25] = {0};
         nl_kvcache *kv = nullptr;
