@@ -200,6 +200,17 @@ nl_status nl_trainer_step_packed(nl_trainer *t, const int32_t *tokens, const int
                                  const int32_t *doc, int B, int T, int M, float lr, float clip_norm,
                                  nl_adamw_opts o, nl_step_result *res, nl_error *err);
 
+/* The gradients of nl_trainer_step_packed without its decision and
+ * update: the step begun over B x T rows, the counting pass when M > 1,
+ * forward and backward of each microbatch. *ce: the sum of the row
+ * losses, *aux: the aux loss, *valid: the predictions the mean is over
+ * (targets not ignored), for nl_step_decide. Lets one process decide
+ * from several trainers' sums before it steps each (DiLoCo's replica
+ * groups, neuroctl train --groups). */
+nl_status nl_trainer_grads_packed(nl_trainer *t, const int32_t *tokens, const int32_t *targets,
+                                  const int32_t *doc, int B, int T, int M, double *ce, double *aux,
+                                  int64_t *valid, nl_error *err);
+
 /* nl_trainer_step_local for classification (DESIGN 6): B sequences of T
  * ids (host, (B, T)) with their valid lengths and labels (B) and the
  * documents (B, T) that keep padding apart (0 on the text, 1 on the pads,
