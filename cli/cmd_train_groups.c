@@ -35,11 +35,11 @@ typedef struct groups_run {
     nl_backend *be;
     nl_dataset *ds;
     int R;
-    nl_model **m;      /* R groups' models */
-    nl_trainer **tr;   /* and trainers */
-    float *anchor;     /* host, n_params: the weights at the last sync */
-    float *outer_m;    /* host, n_params: the outer momentum */
-    float *sum, *w;    /* host, n_params: the deltas' sum, a group's weights */
+    nl_model **m;                    /* R groups' models */
+    nl_trainer **tr;                 /* and trainers */
+    float *anchor;                   /* host, n_params: the weights at the last sync */
+    float *outer_m;                  /* host, n_params: the outer momentum */
+    float *sum, *w;                  /* host, n_params: the deltas' sum, a group's weights */
     int32_t *tokens, *targets, *doc; /* the step's batch (B, T); doc: --pack's */
     int32_t *gtok, *gtgt, *gdoc;     /* one group's rows (B / R, T) */
     double *ce, *aux, *sumsq;        /* per group, of the step */
