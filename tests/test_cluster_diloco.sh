@@ -40,12 +40,15 @@ check "$N" train "${DEV[@]}" --model "$W/m.safetensors" "${RUN[@]}" --threads 1 
   --outer-every 5 --log "$W/ref.jsonl" --out "$W/ref.safetensors" 2> "$W/ref.err"
 tail -1 "$W/ref.err"
 # the reference's flags: refused where a cluster's DiLoCo is, by name
-for bad in "--groups 2" "--outer-every 5" "--groups 3 --outer-every 5" "--groups 2 --outer-every 3"; do
+for bad in "--groups 2|go together" "--outer-every 5|go together" \
+  "--groups 3 --outer-every 5|--microbatches 4: not a multiple of --groups 3" \
+  "--groups 2 --outer-every 3|--steps 10: not a multiple of --outer-every 3"; do
   # shellcheck disable=SC2086
-  out=$("$N" train --model "$W/m.safetensors" "${RUN[@]}" --out "$W/bad.safetensors" $bad 2>&1)
+  out=$("$N" train --model "$W/m.safetensors" "${RUN[@]}" --out "$W/bad.safetensors" ${bad%|*} 2>&1)
   rc=$?
-  echo "$bad: $(echo "$out" | tail -1)"
+  echo "${bad%|*}: $(echo "$out" | tail -1)"
   check test $rc -eq 2
+  check grep -q -- "${bad#*|}" <<< "$out"
 done
 
 cat > "$W/cmp.py" <<'PY'
