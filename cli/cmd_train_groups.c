@@ -156,8 +156,8 @@ static int groups_step(groups_run *x, const train_opts *o, int64_t step, double 
     nl_step_decide(r, ce, rows > 0 ? (double)rows : 1.0, aux, x->m[0]->cfg.aux_loss_coef, sumsq,
                    NL_TRAIN_CLIP_NORM);
     for (int g = 0; g < R && !r->skipped; g++) { /* each clips by its own norm */
-        const double clip = NL_TRAIN_CLIP_NORM / (sqrt(x->sumsq[g]) + 1e-6);
-        nl_trainer_step(x->tr[g], (float)lr, (float)(clip < 1.0 ? clip : 1.0), nl_adamw_defaults());
+        const double clip = nl_step_clip(sqrt(x->sumsq[g]), NL_TRAIN_CLIP_NORM);
+        nl_trainer_step(x->tr[g], (float)lr, (float)clip, nl_adamw_defaults());
     }
     return nl_cli_device_check(x->be, &x->err) != NL_OK;
 }

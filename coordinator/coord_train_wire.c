@@ -45,9 +45,8 @@ static int send_lanes(nl_coord *c, const ctrain *t, nl_wire_msg *m, int *lost)
 {
     const int R = coord_stage_replicas(c, 0);
     for (int r = 0; r < R; r++) {
-        const double norm = sqrt(t->lane_sumsq[r]);
-        const double clip = NL_TRAIN_CLIP_NORM / (norm + 1e-6);
-        m->u.step.clip_scale = t->r.skipped ? 0.0 : clip < 1.0 ? clip : 1.0;
+        m->u.step.clip_scale =
+            t->r.skipped ? 0.0 : nl_step_clip(sqrt(t->lane_sumsq[r]), NL_TRAIN_CLIP_NORM);
         for (int s = 0; s < c->plan->n_stages; s++) {
             cnode *n = coord_stage_replica(c, s, r);
             if (!n || coord_send_node(c, n, m) != NL_OK) {

@@ -168,6 +168,12 @@ typedef struct nl_step_result {
 double nl_step_decide(nl_step_result *r, double ce_sum, double rows, double aux,
                       double aux_loss_coef, double grad_sumsq, double clip_norm);
 
+/* The clipping factor of a gradient of norm grad_norm, as nl_step_decide
+ * takes it: min(1, clip_norm / (grad_norm + 1e-6)). DiLoCo's replica
+ * groups each take it of their own norm (the coordinator's STEP to each,
+ * neuroctl train --groups). */
+double nl_step_clip(double grad_norm, double clip_norm);
+
 /* DiLoCo's outer step (DESIGN section 8): the outer learning rate and
  * Nesterov momentum by default (neurocoord --outer-lr, --outer-momentum). */
 #define NL_DILOCO_OUTER_LR 0.7
