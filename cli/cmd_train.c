@@ -69,12 +69,9 @@ nl_status nl_local_objective(const train_opts *o, const nl_config *c, int *obj, 
     return st == NL_OK && o->r.pack ? nl_objective_check_pack(c, *obj, err) : st;
 }
 
-/* Mean cross-entropy over eval_batches held-out batches (over the targets
- * that count: all of them, or the masked ones of mlm; doc: packed rows'
- * documents, or NULL). */
-static nl_status eval_loss(nl_trainer *tr, const nl_dataset *ds, const train_opts *o, int obj,
-                           const nl_config *c, int32_t *tokens, int32_t *targets, int32_t *doc,
-                           double *loss, nl_error *err)
+nl_status nl_local_eval_loss(nl_trainer *tr, const nl_dataset *ds, const train_opts *o, int obj,
+                             const nl_config *c, int32_t *tokens, int32_t *targets, int32_t *doc,
+                             double *loss, nl_error *err)
 {
     const int B = (int)o->r.batch, T = (int)o->r.seq, mb = (int)(o->r.batch / o->r.micro);
     double ce = 0.0;
@@ -350,8 +347,8 @@ static int run_steps(train_run *x, const train_opts *o)
         nl_train_step rep =
             nl_local_step_record(o, &r, step, x->start, lr, (double)B * T / (nl_train_clock() - t0),
                                  t_begin, x->be->name);
-        if (rep.has_eval && eval_loss(x->tr, x->ds, o, x->obj, &x->m->cfg, x->tokens, x->targets,
-                                      x->doc, &rep.eval_loss, err) != NL_OK)
+        if (rep.has_eval && nl_local_eval_loss(x->tr, x->ds, o, x->obj, &x->m->cfg, x->tokens,
+                                               x->targets, x->doc, &rep.eval_loss, err) != NL_OK)
             return 1;
         nl_train_report_step(&x->prog, &rep, x->logf);
         if (!x->lo && o->r.ckpt_every > 0 && (step + 1) % o->r.ckpt_every == 0 &&
@@ -509,6 +506,44 @@ static int check_against_model(const nl_flag *flags, train_opts *o)
     return 0;
 }
 
+/* --groups R --outer-every H [--outer-lr X] [--outer-momentum M], with
+ * what a cluster's DiLoCo refuses refused alike. 0, or the exit code after
+ * saying why. */
+static int groups_flags(const nl_flag *flags, int finetune, train_opts *o)
+{
+    o->outer_lr = NL_DILOCO_OUTER_LR;
+    o->outer_mu = NL_DILOCO_OUTER_MOMENTUM;
+    int rc;
+    if ((rc = nl_args_int(flags, "groups", 2, 16, &o->groups)) ||
+        (rc = nl_args_int(flags, "outer-every", 1, INT32_MAX, &o->outer_every)) ||
+        (rc = nl_args_double(flags, "outer-lr", 0.0, 10.0, &o->outer_lr)) ||
+        (rc = nl_args_double(flags, "outer-momentum", 0.0, 0.999, &o->outer_mu)))
+        return rc;
+    const int outer = nl_args_get(flags, "outer-every") || nl_args_get(flags, "outer-lr") ||
+                      nl_args_get(flags, "outer-momentum");
+    const long long H = o->outer_every;
+    if (!o->groups && !outer)
+        return 0;
+    if (!o->groups || !H)
+        fprintf(stderr, "--groups and --outer-every go together\n");
+    else if (finetune || o->resume || !o->model)
+        fprintf(stderr, "--groups: give --model (not --resume, nor finetune: DiLoCo's outer "
+                        "state is not checkpointed)\n");
+    else if (o->objective && strcmp(o->objective, "classify") == 0)
+        fprintf(stderr, "--groups: not with --objective classify\n");
+    else if (o->r.micro % o->groups != 0)
+        fprintf(stderr, "--microbatches %lld: not a multiple of --groups %lld\n", o->r.micro,
+                o->groups);
+    else if (o->r.steps % H != 0)
+        fprintf(stderr, "--steps %lld: not a multiple of --outer-every %lld\n", o->r.steps, H);
+    else if (o->r.ckpt_every % H != 0)
+        fprintf(stderr, "--checkpoint-every %lld: not a multiple of --outer-every %lld\n",
+                o->r.ckpt_every, H);
+    else
+        return 0;
+    return 2;
+}
+
 /* train and finetune: the same run; finetune adds the LoRA flags, writes
  * the adapters and leaves the base as it was. */
 static int train_main(int argc, char **argv, int finetune)
@@ -551,14 +586,29 @@ static int train_main(int argc, char **argv, int finetune)
          "expert's; default wq,wk,wv,wo)",
          NULL},
         NL_CLI_PRECISION_FLAG,
+        {"groups", 1,
+         "R: DiLoCo across R replica groups in this process (with --outer-every), the "
+         "one-machine reference of a cluster's neurocoord --replicas R --outer-every H: "
+         "microbatch i of every batch goes to group i mod R (--microbatches a multiple of R), "
+         "each group an AdamW trainer of its own (loss over its own rows, clipped by its own "
+         "norm), an outer step every H steps; group 0's weights and moments are written",
+         NULL},
+        {"outer-every", 1,
+         "H: with --groups, the outer step every H steps (--steps and "
+         "--checkpoint-every multiples of H)",
+         NULL},
+        {"outer-lr", 1, "with --groups: the outer step's learning rate (default 0.7)", NULL},
+        {"outer-momentum", 1, "with --groups: the outer step's Nesterov momentum (default 0.9)",
+         NULL},
         {0}};
     const char *usage =
         "neuroctl train --model MODEL --data DATA --steps N [--batch B] [--seq T] "
         "[--microbatches M] [--lr X] [--warmup W] [--seed S] [--eval-every K] "
         "[--checkpoint-every K] [--log LOG.jsonl] [--out FINAL.safetensors [--force]] "
         "[--resume CKPT] [--threads N] [--device D] [--tf32] [--precision fp32|bf16] "
-        "[--progress-every S] [--objective clm|mlm|classify] "
-        "[--pack]" NL_CLI_CLUSTER_USAGE("train");
+        "[--progress-every S] [--objective clm|mlm|classify] [--pack] "
+        "[--groups R --outer-every H [--outer-lr X] [--outer-momentum M]]" NL_CLI_CLUSTER_USAGE(
+            "train");
     const char *ft_usage =
         "neuroctl finetune --model BASE --data DATA --steps N --out ADAPTER.safetensors "
         "[--lora-rank R] [--lora-alpha A] [--lora-targets wq,wk,wv,wo] [--objective "
@@ -605,6 +655,8 @@ static int train_main(int argc, char **argv, int finetune)
             return 2;
         }
     }
+    if ((rc = groups_flags(flags, finetune, &o)))
+        return rc;
     if (!o.ckpt_dir)
         o.ckpt_dir = "checkpoints";
     /* every output is tried before the first step: a run must not learn
@@ -620,7 +672,7 @@ static int train_main(int argc, char **argv, int finetune)
         }
         return nl_local_classify(&o);
     }
-    return run_train(&o);
+    return o.groups > 0 ? nl_local_groups(&o) : run_train(&o);
 }
 
 int nl_cmd_train(int argc, char **argv)

@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "cli/train_report.h"
+#include "core/data/data.h"
 #include "core/formats/fileio.h"
 #include "core/model/lora.h"
 #include "core/train/train.h"
@@ -23,6 +24,10 @@ typedef struct train_opts {
     long long lora_rank;
     double lora_alpha;
     int lora_targets;
+    /* --groups R --outer-every H: DiLoCo across R replica groups in this
+     * process (cmd_train_groups.c); 0: one trainer */
+    long long groups, outer_every;
+    double outer_lr, outer_mu;
 } train_opts;
 
 /* Metadata a run carries from its starting checkpoint into every one it writes. */
@@ -64,6 +69,17 @@ void nl_local_unlock(run_locks *lk);
 nl_train_step nl_local_step_record(const train_opts *o, const nl_step_result *r, int64_t step,
                                    int64_t start, double lr, double tokens_per_s, double t_begin,
                                    const char *device);
+
+/* Mean cross-entropy over --eval-batches held-out batches of the model
+ * tr trains (over the targets that count; doc: packed rows' documents, or
+ * NULL), into *loss; the buffers hold a batch (B, T). */
+nl_status nl_local_eval_loss(nl_trainer *tr, const nl_dataset *ds, const train_opts *o, int obj,
+                             const nl_config *c, int32_t *tokens, int32_t *targets, int32_t *doc,
+                             double *loss, nl_error *err);
+
+/* neuroctl train --groups R --outer-every H (cmd_train_groups.c): DiLoCo
+ * across R replica groups in this process; returns the exit code. */
+int nl_local_groups(const train_opts *o);
 
 /* neuroctl train --objective classify (cmd_train_classify.c): the run;
  * returns the exit code. */

@@ -45,9 +45,8 @@ static int send_lanes(nl_coord *c, const ctrain *t, nl_wire_msg *m, int *lost)
 {
     const int R = coord_stage_replicas(c, 0);
     for (int r = 0; r < R; r++) {
-        const double norm = sqrt(t->lane_sumsq[r]);
-        const double clip = NL_TRAIN_CLIP_NORM / (norm + 1e-6);
-        m->u.step.clip_scale = t->r.skipped ? 0.0 : clip < 1.0 ? clip : 1.0;
+        m->u.step.clip_scale =
+            t->r.skipped ? 0.0 : nl_step_clip(sqrt(t->lane_sumsq[r]), NL_TRAIN_CLIP_NORM);
         for (int s = 0; s < c->plan->n_stages; s++) {
             cnode *n = coord_stage_replica(c, s, r);
             if (!n || coord_send_node(c, n, m) != NL_OK) {
@@ -232,22 +231,40 @@ static int send_hop(nl_coord *c, cjob *j, nl_msg_type type, uint64_t step, uint3
     return rc;
 }
 
+/* The loss rows the last stage's gradient of microbatch mb is scaled by:
+ * every position of clm (0 says so), the masked ones of mlm, the
+ * sequences of classify; those not ignored at packed rows' document ends.
+ * Every-step sync: the batch's. DiLoCo: those of mb's replica group (its
+ * microbatches mb mod R are its batch, DESIGN section 8), as the group's
+ * own rows scale its gradient where every target counts. */
+static int64_t hop_loss_rows(const nl_coord *c, const ctrain *t, int64_t mb)
+{
+    const int R = coord_stage_replicas(c, 0);
+    if (c->o.outer_every == 0 || t->ft || R <= 1)
+        return nl_objective_loss_rows(t->objective, t->valid, t->batch * t->seq);
+    const int64_t rows = t->batch / t->micro * t->seq, group = t->micro / R;
+    int64_t valid = 0;
+    if (t->lds) /* classify: one prediction per sequence */
+        valid = t->batch / R;
+    for (int64_t i = mb % R; !t->lds && i < t->micro; i += R)
+        for (int64_t n = i * rows; n < (i + 1) * rows; n++)
+            valid += t->targets[n] >= 0;
+    return nl_objective_loss_rows(t->objective, valid, group * rows);
+}
+
 int coord_train_send_step(nl_coord *c, cjob *j)
 {
     ctrain *t = j->state;
     if (!t->sent) /* out of memory: stage 0's inputs go unchecked, as an older peer's */
         t->sent = calloc((size_t)t->micro, NL_HOP_DIGEST_BYTES);
     const uint64_t k = (uint64_t)t->step + 1;
-    /* the loss rows the last stage's gradient is scaled by: every position
-     * of clm (0 says so), the masked ones of mlm, the sequences of classify;
-     * those not ignored at packed rows' document ends */
-    const int64_t loss_rows = nl_objective_loss_rows(t->objective, t->valid, t->batch * t->seq);
-    /* the batch's expert shares first (DESIGN: frac_e over the whole batch) */
+    /* the batch's expert shares first (DESIGN: frac_e over the whole batch;
+     * DiLoCo: over the replica group's microbatches) */
     for (int64_t mb = 0; t->micro > 1 && mb < t->micro; mb++)
-        if (send_hop(c, j, NL_MSG_COUNT, k, (uint32_t)mb, loss_rows) != 0)
+        if (send_hop(c, j, NL_MSG_COUNT, k, (uint32_t)mb, hop_loss_rows(c, t, mb)) != 0)
             return -1;
     for (int64_t mb = 0; mb < t->micro; mb++)
-        if (send_hop(c, j, NL_MSG_ACTIVATION, k, (uint32_t)mb, loss_rows) != 0)
+        if (send_hop(c, j, NL_MSG_ACTIVATION, k, (uint32_t)mb, hop_loss_rows(c, t, mb)) != 0)
             return -1;
     return 0;
 }

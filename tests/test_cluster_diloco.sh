@@ -1,6 +1,21 @@
 #!/usr/bin/env bash
 # DiLoCo across replica groups (DESIGN section 8; neurocoord --outer-every):
 # 4 nodes as 2 stages x 2 replicas, H = 5, 10 steps
+#  - the cluster's every step's loss and its weights and moments at the
+#    end are those of the reference in one process on the same batches
+#    (neuroctl train --groups 2 --outer-every 5: each group a trainer of
+#    its own over microbatches i mod 2, nl_diloco_outer every 5 steps);
+#    and again with 4 groups of one stage, an outer step after every step
+#    (H = 1), a non-default outer lr and momentum and masked tokens (mlm:
+#    each group's loss over its own masked positions). Both are
+#    byte-identical today (the same sums in the same order: each group's
+#    microbatches in order, the deltas in group order); the test allows
+#    1e-6 relative (losses, weights) and 1e-4 (moments, whose rare rows
+#    keep a last-bit difference longest) so that a change of sum order
+#    alone does not fail it, while a wrong delta sign, a missing / R, an
+#    anchor that is not the last sync's weights, a microbatch routed to
+#    another group or a group's loss over other rows is off by 1e-2 or
+#    more (nl_diloco_outer's own arithmetic: test_train);
 #  - two runs on the same plan give byte-identical weights and losses;
 #  - the weights are not those of every-step sync (one process on the same
 #    batches stands for it: the replicas' every-step sum agrees with it to
@@ -20,6 +35,21 @@ RUN=(--data "$W/data.txt" --steps 10 --batch 8 --seq 32 --microbatches 4 --lr 3e
 # every-step sync's weights: one process on the same batches
 check "$N" train "${DEV[@]}" --model "$W/m.safetensors" "${RUN[@]}" --threads 1 \
   --log "$W/local.jsonl" --out "$W/local.safetensors" 2> "$W/local.err"
+# DiLoCo's: the 2 replica groups in one process
+check "$N" train "${DEV[@]}" --model "$W/m.safetensors" "${RUN[@]}" --threads 1 --groups 2 \
+  --outer-every 5 --log "$W/ref.jsonl" --out "$W/ref.safetensors" 2> "$W/ref.err"
+tail -1 "$W/ref.err"
+# the reference's flags: refused where a cluster's DiLoCo is, by name
+for bad in "--groups 2|go together" "--outer-every 5|go together" \
+  "--groups 3 --outer-every 5|--microbatches 4: not a multiple of --groups 3" \
+  "--groups 2 --outer-every 3|--steps 10: not a multiple of --outer-every 3"; do
+  # shellcheck disable=SC2086
+  out=$("$N" train --model "$W/m.safetensors" "${RUN[@]}" --out "$W/bad.safetensors" ${bad%|*} 2>&1)
+  rc=$?
+  echo "${bad%|*}: $(echo "$out" | tail -1)"
+  check test $rc -eq 2
+  check grep -q -- "${bad#*|}" <<< "$out"
+done
 
 cat > "$W/cmp.py" <<'PY'
 import json, struct, sys
@@ -59,6 +89,9 @@ check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-every 5 --checkpoint-di
   --log "$W/r1.jsonl" --out "$W/r1.safetensors" 2> "$W/r1.err"
 tail -2 "$W/r1.err"
 check grep -q '"step":10,' "$W/r1.jsonl"
+# the reference's losses, weights and moments
+check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" logs "$W/r1.jsonl" "$W/ref.jsonl" 1e-6
+check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" weights "$W/r1.safetensors" "$W/ref.safetensors" 1e-6 1e-4
 # a shard per stage at the outer steps (replica 0's)
 check test "$(ls "$W"/ck1/step-000005/stage-*.safetensors | wc -l)" -eq 2
 # every replica of every stage took 2 outer steps, and sent only their deltas
@@ -109,6 +142,26 @@ check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck4" --log "$W/
   --out "$W/r3.safetensors" 2> "$W/r3.err"
 check grep -q '"step":10,' "$W/r3.jsonl"
 check $PY "$W/cmp.py" same "$W/r3.safetensors" "$W/m.safetensors"
+check "$N" cluster down --dir "$C"
+
+# ---- 4 groups of one stage, H = 1, outer lr 0.5 and momentum 0.5, mlm:
+# the reference again ----
+small_config "$W/mlm.yaml" 32 4 48 64
+sed -i 's/^vocab_size: 256/vocab_size: 264/; s/^vocab_chunk: 256/vocab_chunk: 264/' "$W/mlm.yaml"
+check "$N" init --config "$W/mlm.yaml" --out "$W/mlm.safetensors" --seed 7
+MLM=(--data "$W/data.txt" --steps 6 --batch 8 --seq 32 --microbatches 4 --lr 3e-3 --seed 1
+     --objective mlm --eval-every 3 --eval-batches 2)
+OUTER=(--outer-every 1 --outer-lr 0.5 --outer-momentum 0.5)
+check "$N" train "${DEV[@]}" --model "$W/mlm.safetensors" "${MLM[@]}" --threads 1 --groups 4 \
+  "${OUTER[@]}" --log "$W/ref4.jsonl" --out "$W/ref4.safetensors" 2> "$W/ref4.err"
+C="$W/c5"
+check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 4 --replicas 4 "${OUTER[@]}" \
+  --model "$W/mlm.safetensors" --memory 64M --threads 1 --node-timeout-ms 2000 --timeout 60
+check "$N" train --cluster "$C" "${MLM[@]}" --checkpoint-dir "$W/ck5" --log "$W/r4.jsonl" \
+  --out "$W/r4.safetensors" 2> "$W/r4.err"
+check test "$(cat "$C"/node-*.log | grep -c 'outer step of 4 replica groups')" -eq 24
+check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" logs "$W/r4.jsonl" "$W/ref4.jsonl" 1e-6
+check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" weights "$W/r4.safetensors" "$W/ref4.safetensors" 1e-6 1e-4
 check "$N" cluster down --dir "$C"
 
 # ---- without replicas, or a momentum of 1: refused at the start ----

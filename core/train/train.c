@@ -576,11 +576,12 @@ nl_status nl_trainer_step_local(nl_trainer *t, const int32_t *tokens, const int3
     return nl_trainer_step_packed(t, tokens, targets, NULL, B, T, M, lr, clip_norm, o, res, err);
 }
 
-nl_status nl_trainer_step_packed(nl_trainer *t, const int32_t *tokens, const int32_t *targets,
-                                 const int32_t *doc, int B, int T, int M, float lr, float clip_norm,
-                                 nl_adamw_opts o, nl_step_result *res, nl_error *err)
+nl_status nl_trainer_grads_packed(nl_trainer *t, const int32_t *tokens, const int32_t *targets,
+                                  const int32_t *doc, int B, int T, int M, double *ce, double *aux,
+                                  int64_t *valid, nl_error *err)
 {
-    memset(res, 0, sizeof *res);
+    *ce = *aux = 0.0;
+    *valid = 0;
     if (M < 1 || B % M != 0)
         return nl_error_set(err, NL_ERR_INVALID, "microbatches: %d does not divide batch %d", M, B);
     if (!t->m->has_embed || !t->m->has_head)
@@ -588,12 +589,10 @@ nl_status nl_trainer_step_packed(nl_trainer *t, const int32_t *tokens, const int
     const int mb = B / M;
     const size_t rows = (size_t)mb * T;
     nl_status st = NL_OK;
-    double ce = 0.0, aux = 0.0;
     nl_trainer_begin_step(t, (int64_t)B * T);
-    int64_t valid = 0; /* targets below 0 are ignored: the mean is over the others */
-    for (size_t n = 0; n < (size_t)B * T; n++)
-        valid += targets[n] >= 0;
-    nl_trainer_set_loss_rows(t, valid);
+    for (size_t n = 0; n < (size_t)B * T; n++) /* targets below 0 are ignored */
+        *valid += targets[n] >= 0;
+    nl_trainer_set_loss_rows(t, *valid);
     if (M > 1) { /* the batch's expert shares, so the split does not change the loss */
         for (int j = 0; j < M && st == NL_OK; j++)
             if ((st = nl_trainer_set_docs(t, doc ? doc + j * rows : NULL, (int)rows, err)) == NL_OK)
@@ -604,12 +603,24 @@ nl_status nl_trainer_step_packed(nl_trainer *t, const int32_t *tokens, const int
     }
     for (int j = 0; j < M && st == NL_OK; j++) {
         if ((st = nl_trainer_set_docs(t, doc ? doc + j * rows : NULL, (int)rows, err)) == NL_OK)
-            st = nl_trainer_forward(t, 0, mb, T, tokens + j * rows, NULL, targets + j * rows, &ce,
-                                    &aux, err);
+            st = nl_trainer_forward(t, 0, mb, T, tokens + j * rows, NULL, targets + j * rows, ce,
+                                    aux, err);
         if (st == NL_OK)
             st = nl_trainer_backward(t, 0, NULL, err);
     }
     nl_trainer_set_docs(t, NULL, 0, NULL);
+    return st;
+}
+
+nl_status nl_trainer_step_packed(nl_trainer *t, const int32_t *tokens, const int32_t *targets,
+                                 const int32_t *doc, int B, int T, int M, float lr, float clip_norm,
+                                 nl_adamw_opts o, nl_step_result *res, nl_error *err)
+{
+    memset(res, 0, sizeof *res);
+    double ce = 0.0, aux = 0.0;
+    int64_t valid = 0;
+    nl_status st =
+        nl_trainer_grads_packed(t, tokens, targets, doc, B, T, M, &ce, &aux, &valid, err);
     if (st != NL_OK)
         return st;
     const double scale =

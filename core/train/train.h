@@ -168,6 +168,12 @@ typedef struct nl_step_result {
 double nl_step_decide(nl_step_result *r, double ce_sum, double rows, double aux,
                       double aux_loss_coef, double grad_sumsq, double clip_norm);
 
+/* The clipping factor of a gradient of norm grad_norm, as nl_step_decide
+ * takes it: min(1, clip_norm / (grad_norm + 1e-6)). DiLoCo's replica
+ * groups each take it of their own norm (the coordinator's STEP to each,
+ * neuroctl train --groups). */
+double nl_step_clip(double grad_norm, double clip_norm);
+
 /* DiLoCo's outer step (DESIGN section 8): the outer learning rate and
  * Nesterov momentum by default (neurocoord --outer-lr, --outer-momentum). */
 #define NL_DILOCO_OUTER_LR 0.7
@@ -199,6 +205,17 @@ nl_status nl_trainer_step_local(nl_trainer *t, const int32_t *tokens, const int3
 nl_status nl_trainer_step_packed(nl_trainer *t, const int32_t *tokens, const int32_t *targets,
                                  const int32_t *doc, int B, int T, int M, float lr, float clip_norm,
                                  nl_adamw_opts o, nl_step_result *res, nl_error *err);
+
+/* The gradients of nl_trainer_step_packed without its decision and
+ * update: the step begun over B x T rows, the counting pass when M > 1,
+ * forward and backward of each microbatch. *ce: the sum of the row
+ * losses, *aux: the aux loss, *valid: the predictions the mean is over
+ * (targets not ignored), for nl_step_decide. Lets one process decide
+ * from several trainers' sums before it steps each (DiLoCo's replica
+ * groups, neuroctl train --groups). */
+nl_status nl_trainer_grads_packed(nl_trainer *t, const int32_t *tokens, const int32_t *targets,
+                                  const int32_t *doc, int B, int T, int M, double *ce, double *aux,
+                                  int64_t *valid, nl_error *err);
 
 /* nl_trainer_step_local for classification (DESIGN 6): B sequences of T
  * ids (host, (B, T)) with their valid lengths and labels (B) and the

@@ -178,10 +178,13 @@ double nl_step_decide(nl_step_result *r, double ce_sum, double rows, double aux,
     r->loss = r->ce_loss + aux_loss_coef * aux;
     r->grad_norm = sqrt(grad_sumsq);
     r->skipped = !isfinite(r->loss) || !isfinite(grad_sumsq);
-    if (r->skipped)
-        return 0.0;
+    return r->skipped ? 0.0 : nl_step_clip(r->grad_norm, clip_norm);
+}
+
+double nl_step_clip(double grad_norm, double clip_norm)
+{
     /* as torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), at most 1 */
-    const double clip = clip_norm / (r->grad_norm + 1e-6);
+    const double clip = clip_norm / (grad_norm + 1e-6);
     return clip < 1.0 ? clip : 1.0;
 }
 
