@@ -544,6 +544,25 @@ static int groups_flags(const nl_flag *flags, int finetune, train_opts *o)
     return 2;
 }
 
+/* The flags of the one-process DiLoCo reference (groups_flags reads them). */
+#define NL_TRAIN_GROUPS_FLAGS                                                                      \
+    {"groups", 1,                                                                                  \
+     "R: DiLoCo across R replica groups in this process (with --outer-every), the "                \
+     "one-machine reference of a cluster's neurocoord --replicas R --outer-every H: "              \
+     "microbatch i of every batch goes to group i mod R (--microbatches a multiple of R), "        \
+     "each group an AdamW trainer of its own (loss over its own rows, clipped by its own "         \
+     "norm), an outer step every H steps; group 0's weights and moments are written",              \
+     NULL},                                                                                        \
+        {"outer-every", 1,                                                                         \
+         "H: with --groups, the outer step every H steps (--steps and "                            \
+         "--checkpoint-every multiples of H)",                                                     \
+         NULL},                                                                                    \
+        {"outer-lr", 1, "with --groups: the outer step's learning rate (default 0.7)", NULL},      \
+    {                                                                                              \
+        "outer-momentum", 1, "with --groups: the outer step's Nesterov momentum (default 0.9)",    \
+            NULL                                                                                   \
+    }
+
 /* train and finetune: the same run; finetune adds the LoRA flags, writes
  * the adapters and leaves the base as it was. */
 static int train_main(int argc, char **argv, int finetune)
@@ -586,20 +605,7 @@ static int train_main(int argc, char **argv, int finetune)
          "expert's; default wq,wk,wv,wo)",
          NULL},
         NL_CLI_PRECISION_FLAG,
-        {"groups", 1,
-         "R: DiLoCo across R replica groups in this process (with --outer-every), the "
-         "one-machine reference of a cluster's neurocoord --replicas R --outer-every H: "
-         "microbatch i of every batch goes to group i mod R (--microbatches a multiple of R), "
-         "each group an AdamW trainer of its own (loss over its own rows, clipped by its own "
-         "norm), an outer step every H steps; group 0's weights and moments are written",
-         NULL},
-        {"outer-every", 1,
-         "H: with --groups, the outer step every H steps (--steps and "
-         "--checkpoint-every multiples of H)",
-         NULL},
-        {"outer-lr", 1, "with --groups: the outer step's learning rate (default 0.7)", NULL},
-        {"outer-momentum", 1, "with --groups: the outer step's Nesterov momentum (default 0.9)",
-         NULL},
+        NL_TRAIN_GROUPS_FLAGS,
         {0}};
     const char *usage =
         "neuroctl train --model MODEL --data DATA --steps N [--batch B] [--seq T] "
