@@ -33,6 +33,38 @@ double now_s(void)
 
 /* A fake node (with a data endpoint), or a fake client (endpoint ""): on
  * the coordinator's nodes' or clients' socket. */
+void coord_fake_start(const char *tag, char *dir, size_t cap, void (*tweak)(nl_coord_opts *o))
+{
+    char cfg[512];
+    snprintf(dir, cap, "/tmp/nl_test_%s_XXXXXX", tag);
+    CHECK(mkdtemp(dir) != NULL, "mkdtemp %s", dir);
+    snprintf(cfg, sizeof cfg, "%s/cfg.yaml", dir);
+    FILE *fp = fopen(cfg, "w");
+    CHECK(fp != NULL, "%s", cfg);
+    if (!fp)
+        exit(1);
+    fputs("hidden_dim: 64\nnum_layers: 6\nnum_heads: 4\nnum_kv_heads: 2\nffn_dim: 64\n"
+          "num_experts: 4\nvocab_size: 256\nvocab_chunk: 256\nmax_seq_len: 256\n",
+          fp);
+    fclose(fp);
+    nl_coord_opts o;
+    nl_coord_opts_init(&o);
+    o.listen = "tcp://127.0.0.1:*";
+    o.state_dir = dir;
+    o.config = cfg;
+    o.seed = 7;
+    o.min_nodes = 2;
+    o.heartbeat_ms = HB_MS;
+    o.node_timeout_ms = TIMEOUT_MS;
+    o.plaintext = 1;
+    if (tweak)
+        tweak(&o);
+    nl_error err = {0};
+    CHECK_OK(nl_coord_new(&coord, &o, &err), &err);
+    if (!coord)
+        exit(1);
+}
+
 void fake_open(fake *f, const char *key, const char *endpoint)
 {
     nl_error err = {0};

@@ -54,6 +54,12 @@ int check_pump(int ok, const char *what);
 /* f JOINs with gflops and checks its ACCEPT (id, join_hb, join_to); it
  * then beats while the test pumps. */
 void join(fake *f, double gflops);
+/* The coordinator under test, made in a new temporary state dir
+ * /tmp/nl_test_<tag>_XXXXXX (its path into dir) with the fakes' model (6
+ * layers, d 64, 4 experts), seed 7, plaintext, the fakes' heartbeat and
+ * timeout and 2 nodes to wait for; tweak (may be NULL) sets the test's
+ * own options before it is made. Exits when it cannot be made. */
+void coord_fake_start(const char *tag, char *dir, size_t cap, void (*tweak)(nl_coord_opts *o));
 /* Adds the fakes' checks to the test's counts (before check_done). */
 void coord_fake_add_counts(int *pass, int *fail);
 

@@ -25,36 +25,15 @@ static char tmpdir[256];
 
 /* ---------------------------------------------------------------- setup */
 
+static inline void harness_opts(nl_coord_opts *o)
+{
+    o->job_timeout_ms = 4 * TIMEOUT_MS; /* a loaded machine stalls the fakes for a second */
+    o->max_data_total = 64 << 10;       /* issue 31: mid.txt passes it */
+}
+
 static inline void start_coord(void)
 {
-    char cfg[512];
-    snprintf(tmpdir, sizeof tmpdir, "/tmp/nl_test_coord_XXXXXX");
-    CHECK(mkdtemp(tmpdir) != NULL, "mkdtemp");
-    snprintf(cfg, sizeof cfg, "%s/cfg.yaml", tmpdir);
-    FILE *fp = fopen(cfg, "w");
-    CHECK(fp != NULL, "%s", cfg);
-    if (!fp)
-        exit(1);
-    fputs("hidden_dim: 64\nnum_layers: 6\nnum_heads: 4\nnum_kv_heads: 2\nffn_dim: 64\n"
-          "num_experts: 4\nvocab_size: 256\nvocab_chunk: 256\nmax_seq_len: 256\n",
-          fp);
-    fclose(fp);
-    nl_coord_opts o;
-    nl_coord_opts_init(&o);
-    o.listen = "tcp://127.0.0.1:*";
-    o.state_dir = tmpdir;
-    o.config = cfg;
-    o.seed = 7;
-    o.min_nodes = 2;
-    o.heartbeat_ms = HB_MS;
-    o.node_timeout_ms = TIMEOUT_MS;
-    o.job_timeout_ms = 4 * TIMEOUT_MS; /* a loaded machine stalls the fakes for a second */
-    o.plaintext = 1;
-    o.max_data_total = 64 << 10; /* issue 31: mid.txt passes it */
-    nl_error err = {0};
-    CHECK_OK(nl_coord_new(&coord, &o, &err), &err);
-    if (!coord)
-        exit(1);
+    coord_fake_start("coord", tmpdir, sizeof tmpdir, harness_opts);
     CHECK(strncmp(nl_coord_endpoint(coord), "tcp://127.0.0.1:", 16) == 0, "endpoint %s",
           nl_coord_endpoint(coord));
     CHECK(strncmp(nl_coord_client_endpoint(coord), "tcp://127.0.0.1:", 16) == 0 &&

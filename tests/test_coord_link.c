@@ -28,36 +28,15 @@
 
 static char tmpdir[256];
 
+static void link_opts(nl_coord_opts *o)
+{
+    o->replicas = 0; /* --replicas auto */
+    o->plan_microbatches = 8;
+}
+
 static void start_coord(void)
 {
-    char cfg[512];
-    snprintf(tmpdir, sizeof tmpdir, "/tmp/nl_test_coord_link_XXXXXX");
-    CHECK(mkdtemp(tmpdir) != NULL, "mkdtemp");
-    snprintf(cfg, sizeof cfg, "%s/cfg.yaml", tmpdir);
-    FILE *fp = fopen(cfg, "w");
-    CHECK(fp != NULL, "%s", cfg);
-    if (!fp)
-        exit(1);
-    fputs("hidden_dim: 64\nnum_layers: 6\nnum_heads: 4\nnum_kv_heads: 2\nffn_dim: 64\n"
-          "num_experts: 4\nvocab_size: 256\nvocab_chunk: 256\nmax_seq_len: 256\n",
-          fp);
-    fclose(fp);
-    nl_coord_opts o;
-    nl_coord_opts_init(&o);
-    o.listen = "tcp://127.0.0.1:*";
-    o.state_dir = tmpdir;
-    o.config = cfg;
-    o.seed = 7;
-    o.min_nodes = 2;
-    o.heartbeat_ms = HB_MS;
-    o.node_timeout_ms = TIMEOUT_MS;
-    o.plaintext = 1;
-    o.replicas = 0; /* --replicas auto */
-    o.plan_microbatches = 8;
-    nl_error err = {0};
-    CHECK_OK(nl_coord_new(&coord, &o, &err), &err);
-    if (!coord)
-        exit(1);
+    coord_fake_start("coord_link", tmpdir, sizeof tmpdir, link_opts);
 }
 
 /* Both nodes take their ASSIGN and answer the coordinator's LOAD_DONE;
