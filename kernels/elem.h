@@ -285,7 +285,7 @@ NL_HD float nl_elem_from_bf16(uint16_t h)
  * u * total, found by the chunks' running sum and then inside the chunk
  * (the chunk's last id when rounding leaves the scan short; the greedy id
  * when u * total is never exceeded). core/model/sampler.c and every backend's
- * sample slot use these pieces, so a seeded generation gives the same ids
+ * sample_rows slot use these pieces, so a seeded generation gives the same ids
  * wherever it samples. nl_expf, not the device's expf: the same float on
  * both sides. */
 #define NL_SAMPLE_CHUNK 256

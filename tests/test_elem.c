@@ -363,7 +363,7 @@ static void test_adamw(void)
 }
 
 /* The sampling rule's greedy pick (kernels/elem.h): the largest logit, ties
- * to the lower id (every backend's sample slot and the CUDA reduction use
+ * to the lower id (every backend's sample_rows slot and the CUDA reduction use
  * this comparison, so the ops tests, which compare a slot with these
  * functions, cannot see a reversed tie-break), a NaN never chosen, 0 when
  * every logit is NaN; at temperature 0 the row's pick is the greedy id. */

@@ -309,7 +309,7 @@ out:
     nl_backend_destroy(&be);
 }
 
-/* Sampling through the backend's sample slot (only the id comes back)
+/* Sampling through the backend's sample_rows slot (only the id comes back)
  * gives the ids of sampling the downloaded logits on the host
  * (NL_HOST_SAMPLING=1), over 256 decode steps: greedy, seeded temperature
  * sampling, and top-p (which samples on the host either way). */

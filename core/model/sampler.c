@@ -81,7 +81,7 @@ int32_t nl_sampler_sample(nl_sampler *s, const float *logits)
     return s->order[0];
 }
 
-/* NL_HOST_SAMPLING=1: never the backend's sample slot (for comparisons) */
+/* NL_HOST_SAMPLING=1: never the backend's sample_rows slot (for comparisons) */
 static int host_sampling(void)
 {
     const char *e = getenv("NL_HOST_SAMPLING");
