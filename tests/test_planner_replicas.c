@@ -3,7 +3,7 @@
  * chosen from the nodes' speeds: the slow stage gets more; a node beside a
  * uniform plan joins its bottleneck stage), the step time's model and the
  * link speeds the replicas' all-reduce is costed at.
- * test_planner.c holds the depth-only planner and the sizer. */
+ * test_planner.c holds the depth-only planner, test_sizing.c the sizer. */
 #include <inttypes.h>
 #include <stdint.h>
 
@@ -12,48 +12,7 @@
 #include "core/plan/planner.h"
 #include "core/plan/sizing.h"
 #include "tests/check.h"
-
-#define MB (1024ULL * 1024ULL)
-#define GIB (1024ULL * MB)
-
-/* d=64, one head, 8 experts of F=256, a 256-row table. */
-static nl_config small_cfg(int L)
-{
-    nl_config c;
-    nl_config_init(&c);
-    c.vocab_size = 256;
-    c.vocab_chunk = 256;
-    c.hidden_dim = 64;
-    c.num_layers = L;
-    c.max_seq_len = 64;
-    nl_config_fill_derived(&c);
-    return c;
-}
-
-static nl_plan_opts train_opts(int micro_rows, int in_flight)
-{
-    nl_plan_opts o;
-    memset(&o, 0, sizeof o);
-    o.mem.training = 1;
-    o.mem.micro_rows = micro_rows;
-    o.mem.in_flight = in_flight;
-    o.seq_len = 32;
-    return o;
-}
-
-static nl_plan_node node(int id, uint64_t mem, double gflops, double hop)
-{
-    nl_plan_node n = {id, mem, gflops, hop, 0.0};
-    return n;
-}
-
-static const nl_plan_node *find_node(const nl_plan_node *nodes, int n, int id)
-{
-    for (int i = 0; i < n; i++)
-        if (nodes[i].id == id)
-            return &nodes[i];
-    return NULL;
-}
+#include "tests/planner_harness.h"
 
 /* Replicated plans (DESIGN section 8): every stage's replicas fit the
  * stage, each node holds at most one replica, the fastest nodes are
