@@ -138,17 +138,18 @@ typedef struct cjob_ops {
      * TOKEN, RESULT, GRAD_NORM, LOSS or CKPT_DONE. */
     void (*on_message)(nl_coord *c, cjob *j, const nl_rx *rx);
     /* A stage of the plan is lost: 1 if the job waits for the next plan,
-     * 0 (or NULL) if it fails. */
+     * 2 if it also needs the plan's other nodes a while first (it calls
+     * coord_release_plan when done), 0 (or NULL) if it fails. */
     int (*stage_lost)(nl_coord *c, cjob *j, const char *why);
     /* A node that held no stage (a standby) is gone: a job that waits for
      * its work (a training job's verifications) stops waiting. NULL:
      * nothing. */
     void (*node_gone)(nl_coord *c, cjob *j);
-    /* A stage reports that its work for the job failed (why names the
-     * node): 1 if the job goes on regardless (a training job waits for
-     * the node's death to be told from a live node's), 0 (or NULL): it
-     * fails. */
-    int (*node_failed)(nl_coord *c, cjob *j, const char *why);
+    /* Stage node n reports that its work for the job failed (why names
+     * the node): 1 if the job goes on regardless (a training job waits
+     * for the node's death to be told from a live node's), 0 (or NULL):
+     * it fails. */
+    int (*node_failed)(nl_coord *c, cjob *j, const cnode *n, const char *why);
     /* The plan is ready: a waiting job goes on. */
     void (*ready)(nl_coord *c, cjob *j);
     /* The job ends before it is done (failed, cancelled): tell the stages
@@ -294,9 +295,14 @@ struct nl_coord {
     int manifests_writing; /* training checkpoints' manifests a worker is writing: a re-plan
                               waits for them (a stage lost meanwhile resumes from that one) */
     nl_mem_opts train_mem; /* a training job's memory (training 0: none): plans hold it */
-    int loads_active;      /* stages whose tensors are still being streamed */
-    int dismissing;        /* the cluster is going down (nl_coord_run): the nodes were asked to
-                              leave, so no plan and no load for them */
+    /* a replica's node was lost and a training job saves the step under
+     * way from the survivors before the cluster plans again: the plan
+     * stays (not ready) until coord_release_plan */
+    int plan_held;
+    char held_why[512];
+    int loads_active; /* stages whose tensors are still being streamed */
+    int dismissing;   /* the cluster is going down (nl_coord_run): the nodes were asked to
+                         leave, so no plan and no load for them */
     cjob jobs[COORD_MAX_JOBS];
     uint64_t next_job;
     /* the workers: a PULL socket on work_endpoint, and their tasks */
@@ -346,6 +352,9 @@ int coord_stage_replicas(const nl_coord *c, int stage);
  * next_endpoints, next_keys); the ring is the stage's own replicas, r to
  * r + 1. */
 void coord_send_assign(nl_coord *c, int stage, int r, const char *cfg_json, int relay_port);
+/* The first replica of a stage whose node lives and can be reached (the
+ * one that writes the stage's checkpoint shard), or -1. */
+int coord_stage_first_live(nl_coord *c, int stage);
 /* The replica of a stage that a send could not reach (cnode.unreachable),
  * or replica 0. */
 cnode *coord_stage_unreached(nl_coord *c, int stage);
@@ -699,8 +708,12 @@ void coord_fail_jobs(nl_coord *c, const char *why);
 /* A stage reports a failure it cannot name a job for (an ERROR): the jobs
  * it serves (running on the current plan) fail; waiting ones stay. */
 void coord_fail_stage_jobs(nl_coord *c, const char *why);
-/* A stage is lost: each job waits for the next plan or fails. */
-void coord_jobs_stage_lost(nl_coord *c, const char *why);
+/* A stage is lost: each job waits for the next plan or fails. 1 if a
+ * job asks to keep the plan a while first (cjob_ops.stage_lost's 2). */
+int coord_jobs_stage_lost(nl_coord *c, const char *why);
+/* The plan a job kept after a loss (plan_held) is dropped now, and the
+ * cluster plans again; nothing if none is kept. */
+void coord_release_plan(nl_coord *c);
 /* A stage loaded: the jobs waiting for the plan made progress. */
 void coord_jobs_touch(nl_coord *c);
 /* The plan is ready: the waiting jobs go on. */

@@ -184,7 +184,7 @@ static void on_node_failure(nl_coord *c, const cnode *n, cjob *j, const nl_msg_j
         return;
     }
     snprintf(why, sizeof why, "node %u (stage %d): %s", n->id, n->stage, text);
-    if (j && j->ops->node_failed && j->ops->node_failed(c, j, why))
+    if (j && j->ops->node_failed && j->ops->node_failed(c, j, n, why))
         return;
     if (j)
         coord_job_fail(c, j, why);
@@ -263,16 +263,22 @@ void coord_fail_stage_jobs(nl_coord *c, const char *why)
             coord_job_fail(c, &c->jobs[i], why);
 }
 
-void coord_jobs_stage_lost(nl_coord *c, const char *why)
+int coord_jobs_stage_lost(nl_coord *c, const char *why)
 {
+    int held = 0;
     for (int i = 0; i < COORD_MAX_JOBS; i++) {
         cjob *j = &c->jobs[i];
-        if (j->phase == JOB_FREE || (j->ops->stage_lost && j->ops->stage_lost(c, j, why)))
+        const int rc = j->phase == JOB_FREE ? 1
+                       : j->ops->stage_lost ? j->ops->stage_lost(c, j, why)
+                                            : 0;
+        held |= rc == 2;
+        if (rc)
             continue;
         char msg[900];
         snprintf(msg, sizeof msg, "%s; the job failed", why);
         coord_job_fail(c, j, msg);
     }
+    return held;
 }
 
 void coord_jobs_touch(nl_coord *c)

@@ -38,7 +38,16 @@ void coord_node_lost(nl_coord *c, cnode *n, int life, const char *why)
     coord_node_unlive(c, n, life);
     n->stage = -1;
     if (stage >= 0) {
-        coord_jobs_stage_lost(c, msg);
+        c->plan_held = 0; /* a job that kept it for a first loss gives it up */
+        if (coord_jobs_stage_lost(c, msg) && !c->dismissing) {
+            /* a training job saves the step under way from the
+             * survivors first (coord_train.c, SALVAGE) */
+            c->plan_held = 1;
+            c->ready = 0;
+            snprintf(c->held_why, sizeof c->held_why, "%s", msg);
+            coord_set_state(c, "saving the step under way, then re-planning: %s", msg);
+            return;
+        }
         coord_drop_plan(c);
         if (c->dismissing) /* no plan follows (nl_coord_run) */
             coord_set_state(c, "going down: %s", msg);
@@ -50,6 +59,15 @@ void coord_node_lost(nl_coord *c, cnode *n, int life, const char *why)
             if (c->jobs[i].phase != JOB_FREE && c->jobs[i].ops->node_gone)
                 c->jobs[i].ops->node_gone(c, &c->jobs[i]);
     }
+}
+
+void coord_release_plan(nl_coord *c)
+{
+    if (!c->plan_held)
+        return;
+    c->plan_held = 0;
+    coord_drop_plan(c);
+    coord_set_state(c, "re-planning: %s", c->held_why);
 }
 
 /* Whether the line [line, end) is one of key's (the key, then a blank,

@@ -168,6 +168,16 @@ cnode *coord_stage_replica(nl_coord *c, int stage, int r)
     return coord_node_by_id(c, (uint32_t)c->plan->stages[stage].replicas[r]);
 }
 
+int coord_stage_first_live(nl_coord *c, int stage)
+{
+    for (int r = 0; r < coord_stage_replicas(c, stage); r++) {
+        const cnode *n = coord_stage_replica(c, stage, r); /* a dead one is gone from the index */
+        if (n && !n->unreachable)
+            return r;
+    }
+    return -1;
+}
+
 cnode *coord_stage_unreached(nl_coord *c, int stage)
 {
     for (int r = 0; r < coord_stage_replicas(c, stage); r++) {

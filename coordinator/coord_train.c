@@ -79,8 +79,13 @@
  *  SETTLE       (entered) [no verification under way]  DONE
  *               SETTLED (the last one answered)       DONE
  *               GONE (a standby) [none left]          DONE (its cases: unverified)
+ *  STEP         LOST [resumes left, a replica's node: SALVAGE (the survivors write the
+ *                every stage has a live one]          steps done; the plan is kept)
  *  BEGIN..SETTLE LOST [resumes left]                  LOADING (else the job fails); after a
  *                                                     conviction, rolled back (roll_back)
+ *  SALVAGE      SHARDS                                (a worker writes the manifest)
+ *               WRITTEN (the source now, or not),     LOADING (the cluster plans again)
+ *               UNSAVED (a stage asked failed), LOST
  *               CANCEL                                the same, marked cancelled
  *  the others   LOST: the same (the next plan; LOADING: rolled back after a
  *               conviction); CANCEL: the job ends now
@@ -101,12 +106,14 @@ typedef enum {
     TR_WRITE,         /* a worker writes the manifest (or joins the adapters) */
     TR_GROW,          /* --grow auto at the checkpoint: a worker grows the model */
     TR_SETTLE,        /* the last step is done: the verifications under way are awaited */
+    TR_SALVAGE,       /* a replica lost mid-step: the survivors write the steps done */
     TR_DONE,          /* the ends: the job is freed as it enters them */
     TR_CANCELLED
 } tr_state;
 
 static void to(nl_coord *c, cjob *j, tr_state s);
 static void enter_settle(nl_coord *c, cjob *j);
+static void resume(nl_coord *c, cjob *j, const char *why);
 
 /* The job fails with the formatted reason. */
 static void __attribute__((format(printf, 3, 4)))
@@ -118,75 +125,6 @@ train_fail(nl_coord *c, cjob *j, const char *fmt, ...)
     vsnprintf(why, sizeof why, fmt, ap);
     va_end(ap);
     coord_job_fail(c, j, why);
-}
-
-/* ---------------------------------------------------------------- the workers' ends */
-
-/* A worker's result for the job it worked for (nothing if it has ended). */
-static void on_work(nl_coord *c, const cwork *w, tr_event ev, const tr_in *in)
-{
-    cjob *j = coord_job_find(c, w->job_id);
-    if (j && j->state && (j->ops == &coord_train_ops || j->ops == &coord_finetune_ops))
-        coord_train_on(c, j, ev, in);
-}
-
-/* The leaves' workers report here (cwork.done): the preparation, the
- * manifest, the adapter file, the growth. */
-static void prepared(nl_coord *c, cwork *w)
-{
-    const tr_in in = {.task = w};
-    on_work(c, w, TE_PREPARED, &in);
-}
-
-static void manifest_written(nl_coord *c, cwork *w)
-{
-    tr_in in;
-    coord_train_manifest_result(c, w, &in);
-    on_work(c, w, TE_WRITTEN, &in);
-}
-
-static void adapters_joined(nl_coord *c, cwork *w)
-{
-    tr_in in;
-    coord_finetune_result(w, &in);
-    on_work(c, w, TE_WRITTEN, &in);
-}
-
-static void restored(nl_coord *c, cwork *w)
-{
-    tr_in in;
-    coord_train_restore_result(c, w, &in);
-    on_work(c, w, TE_RESTORED, &in);
-}
-
-static void grown(nl_coord *c, cwork *w)
-{
-    const coord_grow_task *k = (const coord_grow_task *)w;
-    const tr_in in = {.why = k->st == NL_OK ? NULL : k->err.msg, .task = w};
-    on_work(c, w, TE_GROWN, &in);
-}
-
-/* ---------------------------------------------------------------- failures */
-
-/* Stage s cannot be reached. Its node is declared dead at this turn's
- * tick, and the job then resumes on the nodes left (LOST) if it may;
- * otherwise it fails now, naming the node. */
-static void unreachable(nl_coord *c, cjob *j, int s)
-{
-    cnode *n = coord_stage_unreached(c, s);
-    const nl_plan_stage *ps = &c->plan->stages[s];
-    const ctrain *t = j->state;
-    if (n && n->unreachable && t->resumes < c->o.train_resumes) {
-        NL_INFO("train job %llu: node %u (stage %d) cannot be reached; the job waits for it to "
-                "be declared dead, then resumes",
-                (unsigned long long)j->id, n->id, s);
-        return;
-    }
-    if (n)
-        train_fail(c, j, "node %u (stage %d, layers [%d, %d), %s) %s", n->id, s, ps->l0, ps->l1,
-                   n->endpoint, n->why[0] ? n->why : "cannot be reached");
-    else
-        train_fail(c, j, "stage %d has no live node", s);
 }
 
 /* ---------------------------------------------------------------- entering a state */
@@ -212,7 +150,7 @@ static void enter_begin(nl_coord *c, cjob *j)
     int lost = 0;
     t->acks = 0;
     if (coord_train_send_job(c, j, &lost) != 0) {
-        unreachable(c, j, lost);
+        coord_train_unreachable(c, j, lost);
         return;
     }
     coord_train_report_start(c, j);
@@ -233,7 +171,7 @@ static void enter_step(nl_coord *c, cjob *j)
     t->loss_lanes = 0;
     memset(t->got, 0, (size_t)t->stages * sizeof *t->got);
     if (coord_train_send_step(c, j) != 0)
-        unreachable(c, j, 0);
+        coord_train_unreachable(c, j, 0);
 }
 
 /* EVAL: the held-out batches, as local evaluation makes them. */
@@ -244,7 +182,7 @@ static void enter_eval(nl_coord *c, cjob *j)
     if (rc < 0)
         train_fail(c, j, "evaluation: %s", e.msg);
     else if (rc > 0)
-        unreachable(c, j, 0);
+        coord_train_unreachable(c, j, 0);
 }
 
 /* CKPT: every stage is asked for its shard (CKPT_REQ). */
@@ -256,13 +194,56 @@ static void enter_ckpt(nl_coord *c, cjob *j)
     int lost = -1;
     if ((strlen(dir) > 1024 ? -1 : coord_train_send_ckpt_req(c, j, dir, &lost)) != 0) {
         if (lost >= 0)
-            unreachable(c, j, lost);
+            coord_train_unreachable(c, j, lost);
         else
             train_fail(c, j, "checkpoint directory %s is longer than 1024 bytes", dir);
         return;
     }
     memset(t->got, 0, (size_t)t->stages * sizeof *t->got);
     t->acks = 0;
+}
+
+/* SALVAGE: a node was lost in the step under way, but each stage has a
+ * live replica, holding the weights and moments of the steps done (no
+ * stage applies a step before the coordinator's STEP, which this step
+ * has not had): its first live replica writes the stage's shard at once
+ * (CKPT_REQ), so the job resumes from the step under way rather than
+ * from its last checkpoint. The cluster keeps its plan until then
+ * (coord_release_plan). Requests that cannot be sent: it resumes now. */
+static void enter_salvage(nl_coord *c, cjob *j)
+{
+    ctrain *t = j->state;
+    char dir[1100];
+    coord_train_ckpt_dir(j, dir, sizeof dir);
+    int lost = -1;
+    if (strlen(dir) > 1024 || coord_train_send_ckpt_req(c, j, dir, &lost) != 0) {
+        NL_WARN("train job %llu: the step under way cannot be saved (no request reached stage "
+                "%d)",
+                (unsigned long long)j->id, lost);
+        resume(c, j, t->salvage_why);
+        return;
+    }
+    memset(t->got, 0, (size_t)t->stages * sizeof *t->got);
+    t->acks = 0;
+    NL_INFO("train job %llu: %s; each stage's first live replica writes step %lld to %s, then "
+            "the cluster plans again",
+            (unsigned long long)j->id, t->salvage_why, (long long)t->step, dir);
+}
+
+/* SALVAGE ends: the step's manifest written (the source now), or why not
+ * (failed). The job resumes from the source as after any loss, and the
+ * cluster plans again. */
+static void salvage_end(nl_coord *c, cjob *j, const char *failed)
+{
+    ctrain *t = j->state;
+    char why[sizeof t->salvage_why];
+    memcpy(why, t->salvage_why, sizeof why);
+    if (failed)
+        NL_WARN("train job %llu: step %lld is not saved (%s): the job resumes from its last "
+                "checkpoint",
+                (unsigned long long)j->id, (long long)t->step, failed);
+    resume(c, j, why); /* j may be gone (a rollback that failed) */
+    coord_release_plan(c);
 }
 
 /* WRITE: a worker writes the manifest, or joins a fine-tuning job's
@@ -273,13 +254,13 @@ static void enter_write(nl_coord *c, cjob *j)
     char why[900], dir[1100];
     nl_error e = {0};
     if (!t->ft) {
-        if (coord_train_write_manifest(c, j, manifest_written, why, sizeof why))
+        if (coord_train_write_manifest(c, j, coord_train_done_manifest, why, sizeof why))
             train_fail(c, j, "%s", why);
         return;
     }
     coord_train_ckpt_dir(j, dir, sizeof dir);
-    if (coord_finetune_gather(c, j->id, t->ft, t->shards, t->stages, dir, adapters_joined, &e) !=
-        NL_OK)
+    if (coord_finetune_gather(c, j->id, t->ft, t->shards, t->stages, dir, coord_train_done_adapters,
+                              &e) != NL_OK)
         train_fail(c, j, "the adapters of step %lld: %s", (long long)t->step, e.msg);
 }
 
@@ -351,6 +332,9 @@ static void to(nl_coord *c, cjob *j, tr_state s)
     case TR_SETTLE:
         enter_settle(c, j);
         break;
+    case TR_SALVAGE:
+        enter_salvage(c, j);
+        break;
     case TR_PREPARING:
     case TR_GROW:
         break;
@@ -369,18 +353,8 @@ static void begin(nl_coord *c, cjob *j)
     /* a fine-tuning job keeps no moments of the base: each stage checks
      * that its adapters' job fits, and the plan stays as it is */
     const int held = t->ft ? 1 : coord_train_memory(c, j, why, sizeof why);
-    const int R = coord_stage_replicas(c, 0);
-    for (int s = 0; c->plan && s < c->plan->n_stages; s++) { /* DESIGN section 8 */
-        const int Rs = coord_stage_replicas(c, s);
-        if (Rs > 1 && (t->ft || t->micro % Rs != 0)) {
-            train_fail(c, j, "%d replicas of stage %d: %s", Rs, s,
-                       t->ft ? "no fine-tuning yet"
-                             : "a step's microbatches must be a multiple of them");
-            return;
-        }
-    }
-    if (R == 1 && c->o.outer_every > 0 && !t->ft) {
-        train_fail(c, j, "--outer-every needs replica groups, but the plan has none");
+    if (coord_train_replicas_refusal(c, t, why, sizeof why)) {
+        train_fail(c, j, "%s", why);
         return;
     }
     if (held < 0) {
@@ -392,36 +366,8 @@ static void begin(nl_coord *c, cjob *j)
         coord_reload(c); /* a plan that cannot hold it fails the job with the shortfall */
         return;
     }
-    free(t->got);
-    free(t->took);
-    coord_train_free_shards(t->shards, t->stages); /* a resumed job's, of its former plan */
-    t->stages = c->plan->n_stages;
-    t->got = calloc((size_t)t->stages, sizeof *t->got);
-    t->took = calloc((size_t)t->stages, sizeof *t->took);
-    t->shards = calloc((size_t)t->stages, sizeof *t->shards);
-    if (!t->got || !t->took || !t->shards) {
-        train_fail(c, j, "out of memory");
-        return;
-    }
-    j->phase = JOB_RUNNING;
-    j->epoch = c->epoch;
-    /* the stages hold a manifest's weights and moments, which this job continues */
-    if (c->resumable && !t->ft && t->cont) {
-        t->start = t->step = c->src_step;
-        t->moments = 1;
-        t->adam = c->src_adam;
-        snprintf(t->manifest, sizeof t->manifest, "%s", c->src_path);
-        t->manifest_step = c->src_step;
-    }
-    coord_train_verify_resume(t, t->start); /* the steps after it are redone */
-    t->rolled = 0;
-    if (!t->ft && coord_train_ckpt_base(c, t) != 0) {
-        train_fail(c, j, "out of memory");
-        return;
-    }
-    if (t->start >= t->steps) {
-        train_fail(c, j, "--steps %lld: the cluster's model is already at step %lld",
-                   (long long)t->steps, (long long)t->start);
+    if (coord_train_take_plan(c, j, why, sizeof why)) {
+        train_fail(c, j, "%s", why);
         return;
     }
     to(c, j, TR_BEGIN);
@@ -487,7 +433,7 @@ static void decide(nl_coord *c, cjob *j)
     t->step_s = coord_now() - t->t_step;
     int lost = 0;
     if (coord_train_send_decision(c, j, scale, &lost) != 0) {
-        unreachable(c, j, lost);
+        coord_train_unreachable(c, j, lost);
         return;
     }
     t->step++;
@@ -528,6 +474,17 @@ static void written(nl_coord *c, cjob *j, const tr_in *in)
         to(c, j, t->cancel && t->step < t->steps ? TR_CANCELLED : TR_DONE);
         return;
     }
+    if (t->phase == TR_SALVAGE) {
+        if (!in->why) {
+            coord_train_keep(c, j, in);
+            NL_INFO("train job %llu: checkpoint of step %lld: %s (the step under way when a node "
+                    "was lost: the job resumes from it)",
+                    (unsigned long long)j->id, (long long)in->step, in->path);
+            coord_train_report_ckpt(c, j, in->step, in->path);
+        }
+        salvage_end(c, j, in->why);
+        return;
+    }
     if (t->phase == TR_LOADING && !in->why && in->step > c->src_step && !t->rolled &&
         t->verify_convicted + t->verify_outvoted == t->convictions_seen) {
         coord_train_keep(c, j, in);
@@ -554,7 +511,7 @@ static void written(nl_coord *c, cjob *j, const tr_in *in)
         to(c, j, TR_SETTLE);
     } else if (t->cancel) {
         to(c, j, TR_CANCELLED); /* the steps done are kept: the job ends */
-    } else if (coord_train_grow(c, j, grown)) {
+    } else if (coord_train_grow(c, j, coord_train_done_grown)) {
         /* --grow auto: the nodes hold a deeper model; a worker grows the
          * manifest, then the job goes on from it on a new plan */
         to(c, j, TR_GROW);
@@ -609,7 +566,7 @@ static int roll_back(nl_coord *c, cjob *j)
     if (t->ft || t->restoring || convictions == t->convictions_seen || !t->n_ckpts)
         return t->restoring;
     t->convictions_seen = convictions;
-    const int rc = coord_train_rollback(c, j, restored, why, sizeof why);
+    const int rc = coord_train_rollback(c, j, coord_train_done_restored, why, sizeof why);
     if (rc < 0)
         train_fail(c, j, "%s", why);
     return rc;
@@ -639,6 +596,24 @@ static int lost(nl_coord *c, cjob *j, const char *why)
                 (unsigned long long)j->id, t->resumes, c->o.train_resumes);
         return 0;
     }
+    if (t->phase == TR_SALVAGE) { /* another loss before the step was saved */
+        salvage_end(c, j, why);
+        return 1;
+    }
+    if (t->phase == TR_STEP && coord_train_salvage_can(c, t)) {
+        snprintf(t->salvage_why, sizeof t->salvage_why, "%s", why);
+        to(c, j, TR_SALVAGE); /* LOADING at once if it cannot ask the stages */
+        return j->state == t && t->phase == TR_SALVAGE ? 2 : 1;
+    }
+    resume(c, j, why);
+    return 1;
+}
+
+/* The job resumes after a loss (LOADING): its stages drop it, and the
+ * cluster plans again over the nodes left and reloads from the source. */
+static void resume(nl_coord *c, cjob *j, const char *why)
+{
+    ctrain *t = j->state;
     coord_close_session(c, j); /* the stages left drop the job */
     t->resumes++;
     t->t_lost = coord_now();
@@ -646,7 +621,6 @@ static int lost(nl_coord *c, cjob *j, const char *why)
     to(c, j, TR_LOADING);
     if (roll_back(c, j) >= 0) /* else it failed and has ended */
         coord_train_report_lost(c, j, why);
-    return 1;
 }
 
 /* CANCEL (JOB_CANCEL) of a job that has begun: the step under way ends
@@ -671,12 +645,12 @@ static int cancel(nl_coord *c, cjob *j, const nl_rx *rx)
 /* The event the stages' reports make in state `phase` (-1: none). */
 static int awaited(int phase)
 {
-    return phase == TR_BEGIN    ? TE_TAKEN
-           : phase == TR_STEP   ? TE_REPORTED
-           : phase == TR_EVAL   ? TE_EVALUATED
-           : phase == TR_CKPT   ? TE_SHARDS
-           : phase == TR_SETTLE ? TE_SETTLED
-                                : -1;
+    return phase == TR_BEGIN                         ? TE_TAKEN
+           : phase == TR_STEP                        ? TE_REPORTED
+           : phase == TR_EVAL                        ? TE_EVALUATED
+           : phase == TR_CKPT || phase == TR_SALVAGE ? TE_SHARDS
+           : phase == TR_SETTLE                      ? TE_SETTLED
+                                                     : -1;
 }
 
 /* The transition function: what event ev (with in) does to job j in the
@@ -732,7 +706,14 @@ int coord_train_on(nl_coord *c, cjob *j, tr_event ev, const tr_in *in)
         after_step(c, j);
         return 1;
     case TE_SHARDS:
-        to(c, j, TR_WRITE);
+        if (t->phase != TR_SALVAGE)
+            to(c, j, TR_WRITE);
+        else if (coord_train_write_manifest(c, j, coord_train_done_manifest, why, sizeof why))
+            salvage_end(c, j, why);
+        return 1;
+    case TE_UNSAVED:
+        if (t->phase == TR_SALVAGE)
+            salvage_end(c, j, in->why);
         return 1;
     case TE_SETTLED:
         to(c, j, TR_DONE);
@@ -774,6 +755,11 @@ int coord_train_begun(const ctrain *t)
     return t->phase >= TR_BEGIN;
 }
 
+int coord_train_salvaging(const ctrain *t)
+{
+    return t->phase == TR_SALVAGE;
+}
+
 /* Before its first step a job has changed no weight; only moments the
  * stages took from a manifest (resumable) may be gone with their
  * trainers. */
@@ -788,7 +774,7 @@ const char *coord_train_start(nl_coord *c, cjob *j, const nl_msg_job_submit *s, 
     ctrain *t = j->state;
     t->bad_stage = -1;
     t->verify_taint = INT64_MAX;
-    if (coord_train_prepare(c, j, s, prepared, why, cap))
+    if (coord_train_prepare(c, j, s, coord_train_done_prepared, why, cap))
         return why;
     to(c, j, TR_PREPARING);
     return NULL;

@@ -57,10 +57,25 @@ void coord_train_ckpt_dir(const cjob *j, char *buf, size_t cap)
     const ctrain *t = j->state;
     if (t->ft)
         snprintf(buf, cap, "%s/lora-job%llu", t->ckpt_dir, (unsigned long long)j->id);
+    else if (coord_train_salvaging(t)) /* beside a checkpoint of the same step, if any */
+        snprintf(buf, cap, "%s/step-%06lld.resume%d", t->ckpt_dir, (long long)t->step,
+                 t->resumes + 1);
     else if (t->rollbacks) /* the steps redone after a rollback: beside the first run's */
         snprintf(buf, cap, "%s/step-%06lld.redo%d", t->ckpt_dir, (long long)t->step, t->rollbacks);
     else
         snprintf(buf, cap, "%s/step-%06lld", t->ckpt_dir, (long long)t->step);
+}
+
+int coord_train_salvage_can(nl_coord *c, const ctrain *t)
+{
+    if (t->ft || c->dismissing || c->o.outer_every > 0 || t->step <= t->start ||
+        (t->manifest[0] && t->manifest_step == t->step) ||
+        t->verify_convicted + t->verify_outvoted != t->convictions_seen)
+        return 0;
+    for (int s = 0; s < t->stages; s++)
+        if (coord_stage_first_live(c, s) < 0)
+            return 0;
+    return 1;
 }
 
 /* ---------------------------------------------------------------- the job's checkpoints */

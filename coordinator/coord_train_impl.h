@@ -144,9 +144,12 @@ typedef struct ctrain {
     char manifest[4096];       /* the last one written (or the one resumed) */
     int64_t manifest_step;
     /* recoveries: a stage lost, the job goes on from the last manifest */
-    int resumes;       /* done so far (at most --train-resumes) */
-    double t_lost;     /* when the last stage was lost (0: none since the last step) */
-    int64_t lost_at;   /* the step it was lost at */
+    int resumes;     /* done so far (at most --train-resumes) */
+    double t_lost;   /* when the last stage was lost (0: none since the last step) */
+    int64_t lost_at; /* the step it was lost at */
+    /* a replica's node lost mid-step (SALVAGE): the loss, reported once
+     * the step under way is saved from the survivors (or is not) */
+    char salvage_why[512];
     int mem_replanned; /* the cluster planned again for its training memory */
     /* the plan on which a stage could not reach its neighbour (0: none) */
     uint64_t verdict_epoch;
@@ -210,6 +213,7 @@ typedef enum {
     TE_GROWN,     /* --grow auto's worker is done (in) */
     TE_RESTORED,  /* a rollback's manifest is opened (in) */
     TE_LOST,      /* a stage of the plan is lost (in->why) */
+    TE_UNSAVED,   /* SALVAGE: a stage asked for its shard failed (in->why) */
     TE_GONE,      /* a node that held no stage is gone (a verifier, perhaps) */
     TE_CANCEL     /* a JOB_CANCEL (in->rx) */
 } tr_event;
@@ -232,12 +236,23 @@ typedef void (*tr_done)(nl_coord *c, cwork *w);
  * state it is in; every transition starts here. For LOST and CANCEL, 1 if
  * the job goes on, 0 if it ends now (cjob_ops). */
 int coord_train_on(nl_coord *c, cjob *j, tr_event ev, const tr_in *in);
+/* The leaves' workers report to the state machine through these
+ * (cwork.done, coord_train_ops.c): the preparation, a manifest, the
+ * adapter file, a rollback's checkpoint opened, the growth. */
+void coord_train_done_prepared(nl_coord *c, cwork *w);
+void coord_train_done_manifest(nl_coord *c, cwork *w);
+void coord_train_done_adapters(nl_coord *c, cwork *w);
+void coord_train_done_restored(nl_coord *c, cwork *w);
+void coord_train_done_grown(nl_coord *c, cwork *w);
 /* The event the stages' reports make in the job's state (-1: none). */
 int coord_train_awaits(const ctrain *t);
 /* Whether the job has begun (its stages were sent it). */
 int coord_train_begun(const ctrain *t);
 /* Whether the job changed the stages' weights (or the moments they took). */
 int coord_train_touched(const nl_coord *c, const ctrain *t);
+/* Whether the job saves the step under way after a replica's loss
+ * (SALVAGE): the cluster keeps its plan until it is done. */
+int coord_train_salvaging(const ctrain *t);
 /* A submitted job (t made, t->ft set) begins: its preparation (NULL), or
  * why it fails. */
 const char *coord_train_start(nl_coord *c, cjob *j, const nl_msg_job_submit *s, char *why,
@@ -272,14 +287,30 @@ int coord_train_memory(nl_coord *c, cjob *j, char *why, size_t cap);
  * NULL when it can. */
 const char *coord_train_diloco_refusal(const nl_coord *c, const ctrain *t, int resume, char *why,
                                        size_t cap);
+/* Why the plan's replicas cannot run the job (microbatches that do not
+ * divide among a stage's, fine-tuning, DiLoCo without replica groups),
+ * in why; or NULL. */
+const char *coord_train_replicas_refusal(const nl_coord *c, const ctrain *t, char *why, size_t cap);
+/* The job takes the ready plan (its tables sized to the stages, its
+ * epoch), at the source's step with its moments when it continues it
+ * (t->cont), else at step 0; NULL, or why it cannot begin (in why). */
+const char *coord_train_take_plan(nl_coord *c, cjob *j, char *why, size_t cap);
 /* Frees the job's state (NULL-safe). */
 void coord_train_state_free(ctrain *t);
 
 /* ---------------------------------------------------------------- coord_train_ckpt.c */
 
 /* Where the stages write this step's shards: DIR/step-NNNNNN, or (a
- * fine-tuning job's adapters) DIR/lora-job<ID>. */
+ * fine-tuning job's adapters) DIR/lora-job<ID>; the steps redone after a
+ * rollback: DIR/step-NNNNNN.redoN; the step saved when a replica was lost
+ * (SALVAGE) before resume N: DIR/step-NNNNNN.resumeN. */
 void coord_train_ckpt_dir(const cjob *j, char *buf, size_t cap);
+/* Whether the step under way can be saved from the survivors now that a
+ * node was lost in it (the state machine checks that a step is under
+ * way): a training job (not DiLoCo, whose replica groups differ between
+ * outer steps) with steps done since its source, no conviction to roll
+ * back for, and a live replica on every stage. */
+int coord_train_salvage_can(nl_coord *c, const ctrain *t);
 /* After a step: 1 if the early re-balance (--rebalance-after) finds the
  * stages' measured speeds call for another plan, so that the job takes a
  * checkpoint now and re-plans at it (judged at most a few times a job). */
@@ -345,7 +376,10 @@ int coord_train_stage_report(nl_coord *c, cjob *j, const nl_rx *rx, int awaits, 
 /* A stage reports that it failed the job (why names it) that has begun
  * (or not): 1 if the job waits for the heartbeat verdict on a lost
  * neighbour (cjob_ops.node_failed), 0 if it fails. */
-int coord_train_stage_failed(nl_coord *c, cjob *j, int begun, const char *why);
+int coord_train_stage_failed(nl_coord *c, cjob *j, const cnode *n, int begun, const char *why);
+/* Stage s cannot be reached: the job waits for its node to be declared
+ * dead (then LOST resumes it) if it may resume, else it fails now. */
+void coord_train_unreachable(nl_coord *c, cjob *j, int s);
 
 /* ---------------------------------------------------------------- coord_train_wire.c */
 

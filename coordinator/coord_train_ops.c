@@ -63,18 +63,66 @@ static void finetune_submit(nl_coord *c, const nl_rx *rx)
         submit(c, rx, ft);
 }
 
+/* ---------------------------------------------------------------- the workers' ends */
+
+/* A worker's result for the job it worked for (nothing if it has ended). */
+static void on_work(nl_coord *c, const cwork *w, tr_event ev, const tr_in *in)
+{
+    cjob *j = coord_job_find(c, w->job_id);
+    if (j && j->state && (j->ops == &coord_train_ops || j->ops == &coord_finetune_ops))
+        coord_train_on(c, j, ev, in);
+}
+
+void coord_train_done_prepared(nl_coord *c, cwork *w)
+{
+    const tr_in in = {.task = w};
+    on_work(c, w, TE_PREPARED, &in);
+}
+
+void coord_train_done_manifest(nl_coord *c, cwork *w)
+{
+    tr_in in;
+    coord_train_manifest_result(c, w, &in);
+    on_work(c, w, TE_WRITTEN, &in);
+}
+
+void coord_train_done_adapters(nl_coord *c, cwork *w)
+{
+    tr_in in;
+    coord_finetune_result(w, &in);
+    on_work(c, w, TE_WRITTEN, &in);
+}
+
+void coord_train_done_restored(nl_coord *c, cwork *w)
+{
+    tr_in in;
+    coord_train_restore_result(c, w, &in);
+    on_work(c, w, TE_RESTORED, &in);
+}
+
+void coord_train_done_grown(nl_coord *c, cwork *w)
+{
+    const coord_grow_task *k = (const coord_grow_task *)w;
+    const tr_in in = {.why = k->st == NL_OK ? NULL : k->err.msg, .task = w};
+    on_work(c, w, TE_GROWN, &in);
+}
+
+/* ---------------------------------------------------------------- the job kind's ops */
+
 /* A failed or cancelled job: the stages end it, and those whose weights it
  * changed reload them from the source (coord_train_unwind). */
 static void train_abort(nl_coord *c, cjob *j)
 {
     const ctrain *t = j->state;
+    if (t && coord_train_salvaging(t)) /* the plan it kept after a loss goes */
+        coord_release_plan(c);
     coord_train_unwind(c, j, t && coord_train_touched(c, t));
 }
 
 static int train_stage_lost(nl_coord *c, cjob *j, const char *why)
 {
     const tr_in in = {.why = why};
-    return !j->state || coord_train_on(c, j, TE_LOST, &in);
+    return j->state ? coord_train_on(c, j, TE_LOST, &in) : 1; /* 2: SALVAGE keeps the plan */
 }
 
 static int train_cancel(nl_coord *c, cjob *j, const nl_rx *rx)
@@ -96,10 +144,10 @@ static void train_ready(nl_coord *c, cjob *j)
 
 /* A stage failed the job: 1 if it goes on, waiting for the heartbeat
  * verdict on a lost neighbour (coord_train_stage_failed). */
-static int train_node_failed(nl_coord *c, cjob *j, const char *why)
+static int train_node_failed(nl_coord *c, cjob *j, const cnode *n, const char *why)
 {
     const ctrain *t = j->state;
-    return t && coord_train_stage_failed(c, j, coord_train_begun(t), why);
+    return t && coord_train_stage_failed(c, j, n, coord_train_begun(t), why);
 }
 
 #define TRAIN_TAKES                                                                                \

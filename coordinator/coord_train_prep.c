@@ -438,6 +438,62 @@ const char *coord_train_prepare(nl_coord *c, cjob *j, const nl_msg_job_submit *s
     return start_worker(c, j, p, s, resume, done, why, cap);
 }
 
+const char *coord_train_replicas_refusal(const nl_coord *c, const ctrain *t, char *why, size_t cap)
+{
+    for (int s = 0; c->plan && s < c->plan->n_stages; s++) { /* DESIGN section 8 */
+        const int Rs = coord_stage_replicas(c, s);
+        if (Rs > 1 && (t->ft || t->micro % Rs != 0)) {
+            snprintf(why, cap, "%d replicas of stage %d: %s", Rs, s,
+                     t->ft ? "no fine-tuning yet"
+                           : "a step's microbatches must be a multiple of them");
+            return why;
+        }
+    }
+    if (coord_stage_replicas(c, 0) == 1 && c->o.outer_every > 0 && !t->ft) {
+        snprintf(why, cap, "--outer-every needs replica groups, but the plan has none");
+        return why;
+    }
+    return NULL;
+}
+
+const char *coord_train_take_plan(nl_coord *c, cjob *j, char *why, size_t cap)
+{
+    ctrain *t = j->state;
+    free(t->got);
+    free(t->took);
+    coord_train_free_shards(t->shards, t->stages); /* a resumed job's, of its former plan */
+    t->stages = c->plan->n_stages;
+    t->got = calloc((size_t)t->stages, sizeof *t->got);
+    t->took = calloc((size_t)t->stages, sizeof *t->took);
+    t->shards = calloc((size_t)t->stages, sizeof *t->shards);
+    if (!t->got || !t->took || !t->shards) {
+        snprintf(why, cap, "out of memory");
+        return why;
+    }
+    j->phase = JOB_RUNNING;
+    j->epoch = c->epoch;
+    /* the stages hold a manifest's weights and moments, which this job continues */
+    if (c->resumable && !t->ft && t->cont) {
+        t->start = t->step = c->src_step;
+        t->moments = 1;
+        t->adam = c->src_adam;
+        snprintf(t->manifest, sizeof t->manifest, "%s", c->src_path);
+        t->manifest_step = c->src_step;
+    }
+    coord_train_verify_resume(t, t->start); /* the steps after it are redone */
+    t->rolled = 0;
+    if (!t->ft && coord_train_ckpt_base(c, t) != 0) {
+        snprintf(why, cap, "out of memory");
+        return why;
+    }
+    if (t->start >= t->steps) {
+        snprintf(why, cap, "--steps %lld: the cluster's model is already at step %lld",
+                 (long long)t->steps, (long long)t->start);
+        return why;
+    }
+    return NULL;
+}
+
 int coord_train_memory(nl_coord *c, cjob *j, char *why, size_t cap)
 {
     ctrain *t = j->state;

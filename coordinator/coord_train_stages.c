@@ -56,9 +56,11 @@ static int report_ok(srep *r, uint32_t stage, tr_event ev, int *rep)
     }
     *rep = n->replica;
     if (n->replica < 0 || n->replica >= NL_PLAN_MAX_REPLICAS ||
-        (n->replica != 0 && ev != TE_REPORTED)) {
+        (ev == TE_SHARDS ? n->replica != coord_stage_first_live(r->c, (int)stage)
+                         : n->replica != 0 && ev != TE_REPORTED)) {
         /* a stage's replicas report through replica 0, but a step's
-         * GRAD_NORM (its digests) and, with DiLoCo, its LOSS: each */
+         * GRAD_NORM (its digests) and, with DiLoCo, its LOSS: each; the
+         * shard comes from the replica asked (coord_train_send_ckpt_req) */
         NL_WARN("a training report for job %llu comes from replica %d of stage %u",
                 (unsigned long long)r->j->id, n->replica, stage);
         return 0;
@@ -342,9 +344,17 @@ int coord_train_stage_report(nl_coord *c, cjob *j, const nl_rx *rx, int awaits, 
  * soak saw "GRADIENT of microbatch 1, but the next backward is of
  * microbatch 0" from the stage whose gradient could not be sent). Any
  * other failure (the device, the data) fails it. */
-int coord_train_stage_failed(nl_coord *c, cjob *j, int begun, const char *why)
+int coord_train_stage_failed(nl_coord *c, cjob *j, const cnode *n, int begun, const char *why)
 {
     ctrain *t = j->state;
+    if (coord_train_salvaging(t)) { /* the loss is being handled: the step is saved, or not */
+        if (n->stage >= 0 && n->stage < t->stages && !t->got[n->stage] &&
+            n->replica == coord_stage_first_live(c, n->stage)) { /* asked for its shard */
+            const tr_in in = {.why = why};
+            coord_train_on(c, j, TE_UNSAVED, &in);
+        }
+        return 1;
+    }
     if (t->ft || !begun || t->resumes >= c->o.train_resumes)
         return 0;
     const int cut = strstr(why, "cannot reach the ") != NULL;
@@ -357,4 +367,27 @@ int coord_train_stage_failed(nl_coord *c, cjob *j, int begun, const char *why)
             (unsigned long long)j->id, why,
             cut ? "" : " (after a stage could not reach its neighbour on this plan)");
     return 1;
+}
+
+/* Stage s cannot be reached. Its node is declared dead at this turn's
+ * tick, and the job then resumes on the nodes left (LOST) if it may;
+ * otherwise it fails now, naming the node. */
+void coord_train_unreachable(nl_coord *c, cjob *j, int s)
+{
+    cnode *n = coord_stage_unreached(c, s);
+    const nl_plan_stage *ps = &c->plan->stages[s];
+    const ctrain *t = j->state;
+    char why[900];
+    if (n && n->unreachable && t->resumes < c->o.train_resumes) {
+        NL_INFO("train job %llu: node %u (stage %d) cannot be reached; the job waits for it to "
+                "be declared dead, then resumes",
+                (unsigned long long)j->id, n->id, s);
+        return;
+    }
+    if (n)
+        snprintf(why, sizeof why, "node %u (stage %d, layers [%d, %d), %s) %s", n->id, s, ps->l0,
+                 ps->l1, n->endpoint, n->why[0] ? n->why : "cannot be reached");
+    else
+        snprintf(why, sizeof why, "stage %d has no live node", s);
+    coord_job_fail(c, j, why);
 }

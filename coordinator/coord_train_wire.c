@@ -78,7 +78,17 @@ int coord_train_send_ckpt_req(nl_coord *c, cjob *j, const char *dir, int *lost)
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_CKPT_REQ);
     m.u.ckpt_req = (nl_msg_ckpt_req){j->id, (uint64_t)t->step, dir};
-    int rc = send_stages(c, &m, false, lost); /* replica 0 writes the stage's shard */
+    int rc = 0;
+    /* the stage's first live replica writes its shard: replica 0, unless
+     * its node was lost in the step under way (SALVAGE, coord_train.c) */
+    for (int s = 0; s < c->plan->n_stages && !rc; s++) {
+        const int r = coord_stage_first_live(c, s);
+        cnode *n = r >= 0 ? coord_stage_replica(c, s, r) : NULL;
+        if (!n || coord_send_node(c, n, &m) != NL_OK) {
+            *lost = s;
+            rc = -1;
+        }
+    }
     nl_wire_msg_free(&m);
     return rc;
 }

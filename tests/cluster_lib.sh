@@ -49,3 +49,62 @@ vocab_chunk: 256
 max_seq_len: $5
 YAML
 }
+
+# replica_node C STAGE: the key file stem (C/node-K) of the node that is
+# replica 1 of stage STAGE in C's last plan (coord.log names it by id, its
+# join by key)
+replica_node() {
+  $PY - "$1" "$2" <<'PY'
+import glob, re, sys
+c, stage = sys.argv[1], sys.argv[2]
+log = open(c + "/coord.log").read()
+node = re.findall(r"plan \d+: stage %s on node \d+ \(replicas on (\d+)\)" % stage, log)[-1]
+key = re.search(r"node %s joined: .* key (\S{8})\.\.\." % node, log).group(1)
+for pub in glob.glob(c + "/node-*.pub"):
+    if open(pub).read().startswith(key):
+        print(pub[:-4]); break
+PY
+}
+
+# train_kill_replica C VICTIM REF ARGS...: neuroctl train --cluster C ARGS
+# (W/killed.jsonl, W/killed.safetensors, checkpoints under W/ck-killed, the
+# first at step 20), and VICTIM's node (replica_node) killed with -9 once
+# step 7 is logged. The job goes on by itself: each stage's first live
+# replica writes the step under way (step-N.resume1), the job resumes
+# from it on the nodes left, and its losses and weights are REF's
+# (REF.jsonl, REF.safetensors) to the byte.
+train_kill_replica() {
+  local c=$1 victim=$2 ref=$3 job rc i
+  shift 3
+  check test -n "$victim"
+  "$N" train --cluster "$c" "$@" --checkpoint-every 20 --checkpoint-dir "$W/ck-killed" \
+    --log "$W/killed.jsonl" --out "$W/killed.safetensors" 2> "$W/killed.err" &
+  job=$!
+  for i in $(seq 1 2400); do
+    grep -q '"step":7,' "$W/killed.jsonl" 2>/dev/null && break
+    sleep 0.05
+  done
+  echo "killing $victim"
+  kill -9 "$(cat "$victim.pid")"
+  wait $job
+  rc=$?
+  check test $rc -eq 0
+  tr '\r' '\n' < "$W/killed.err" | grep -v "^step" | tail -4
+  [ $rc -eq 0 ] || grep -E "WARN|ERROR" "$c/coord.log" | tail -12
+  check grep -q '"event":"node_lost"' "$W/killed.jsonl"
+  check grep -q "train job 1: resumed at step" "$c/coord.log"
+  # it resumed at the step it was lost at, from the survivors' shards
+  $PY - "$W/killed.jsonl" "$W/ck-killed" > "$W/salvage.txt" <<'PY'
+import glob, json, os, sys
+ev = [json.loads(l) for l in open(sys.argv[1]) if '"node_lost"' in l][0]
+d = os.path.join(sys.argv[2], "step-%06d.resume1" % ev["lost_step"])
+print("lost at step", ev["lost_step"], "resumed at step", ev["resume_step"], "from", ev["source"])
+print("ok" if ev["lost_step"] > 0 and ev["resume_step"] == ev["lost_step"]
+      and ev["source"] == os.path.join(d, "manifest.json")
+      and len(glob.glob(os.path.join(d, "stage-*.safetensors"))) == 2 else "not saved")
+PY
+  cat "$W/salvage.txt"
+  check grep -qx ok "$W/salvage.txt"
+  check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" logs "$W/killed.jsonl" "$ref.jsonl" 0
+  check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" weights "$W/killed.safetensors" "$ref.safetensors" 0
+}

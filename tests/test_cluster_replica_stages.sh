@@ -11,8 +11,9 @@
 #    of the exported weights and moments);
 #  - a checkpoint holds one shard per stage (replica 0 writes it);
 #  - on 4 nodes (one a standby) a replica of stage 0 killed at step ~7:
-#    the job resumes by itself from its last checkpoint, the standby in
-#    its place, and the run is byte-identical;
+#    its survivor and stage 1 write the step under way, the job resumes by
+#    itself from it, the standby in its place, and the run is
+#    byte-identical;
 #  - neuroctl status shows the counts per stage; a generation on the
 #    cluster (replica 0 of each stage) gives one process's tokens;
 #  - a job whose microbatches do not divide among a stage's replicas is
@@ -77,8 +78,9 @@ check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" weights "$W/r2.safetensors" "$W/
 check "$N" cluster down --dir "$C"
 
 # ---- a replica of stage 0 killed at step ~7: the run goes on, unchanged ----
-# The survivors re-plan 2,1 (the standby in the dead node's place) and
-# reload the step-5 checkpoint. A model of 2 layers has one split into 2
+# The survivors write the step under way (cluster_lib.sh's
+# train_kill_replica), re-plan 2,1 (the standby in the dead node's place)
+# and reload it. A model of 2 layers has one split into 2
 # stages, so the new plan is the old one whatever speeds the coordinator
 # observed meanwhile (a layer moved between stages of 2 replicas and 1
 # would add its gradients in another order)
@@ -91,34 +93,7 @@ check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck6" --log "$W/
 check "$N" cluster down --dir "$C"
 C="$W/c21k"
 up "$C" 2,1 4 m2
-victim=$($PY - "$C" <<'PY'
-import glob, re, sys
-c = sys.argv[1]; log = open(c + "/coord.log").read()
-node = re.findall(r"plan \d+: stage 0 on node \d+ \(replicas on (\d+)\)", log)[-1]
-key = re.search(r"node %s joined: .* key (\S{8})\.\.\." % node, log).group(1)
-for pub in glob.glob(c + "/node-*.pub"):
-    if open(pub).read().startswith(key):
-        print(pub[:-4]); break
-PY
-)
-check test -n "$victim"
-"$N" train --cluster "$C" "${RUN[@]}" --checkpoint-every 5 --checkpoint-dir "$W/ck5" \
-  --log "$W/killed.jsonl" --out "$W/killed.safetensors" 2> "$W/killed.err" &
-job=$!
-for i in $(seq 1 2400); do
-  grep -q '"step":7,' "$W/killed.jsonl" 2>/dev/null && break
-  sleep 0.05
-done
-echo "killing $victim (replica 1 of stage 0)"
-kill -9 "$(cat "$victim.pid")"
-wait $job
-rc=$?
-check test $rc -eq 0
-[ $rc -eq 0 ] || grep -E "WARN|ERROR" "$C/coord.log" | tail -12
-check grep -q '"event":"node_lost"' "$W/killed.jsonl"
-check grep -q "train job 1: resumed at step" "$C/coord.log"
-check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" logs "$W/killed.jsonl" "$W/ref2.jsonl" 0
-check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" weights "$W/killed.safetensors" "$W/ref2.safetensors" 0
+train_kill_replica "$C" "$(replica_node "$C" 0)" "$W/ref2" "${RUN[@]}"
 check "$N" cluster down --dir "$C"
 
 # ---- stage 0 on 1, stage 1 on 2 ----

@@ -9,8 +9,10 @@
 #    of the exported weights and moments);
 #  - a checkpoint holds one shard per stage (replica 0 writes it), which
 #    neuroctl export joins;
-#  - a replica's node killed at step ~7: the job resumes by itself from its
-#    last checkpoint on the nodes left, and the run is byte-identical;
+#  - a replica's node killed at step ~7: the survivors write the step
+#    under way (the job has no checkpoint since step 0), the job resumes
+#    by itself from that step on the nodes left, and the run is
+#    byte-identical;
 #  - neuroctl status shows every node's replica; a generation on the
 #    cluster (replica 0 of each stage) gives one process's tokens;
 #  - a job whose microbatches do not divide among the replicas is refused.
@@ -69,43 +71,17 @@ check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" logs "$W/r2.jsonl" "$W/r1.jsonl"
 check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" weights "$W/r2.safetensors" "$W/r1.safetensors" 0
 
 # ---- a replica's node killed at step ~7: the run goes on, unchanged ----
-# The survivors re-plan (3 nodes: one stage on 2 replicas, the third a
-# standby), reload the step-5 checkpoint and redo the steps since: each
-# replica still adds its microbatches in order and the replicas in replica
-# order, so the run is byte-identical to the undisturbed one.
+# Each stage still has a live replica, which writes the steps done at once
+# (step-N.resume1: the job writes no checkpoint of its own before step
+# 20); the survivors re-plan (3 nodes: one stage on 2 replicas, the third
+# a standby), reload it and go on from the step under way: each replica
+# still adds its microbatches in order and the replicas in replica order,
+# so the run is byte-identical to the undisturbed one.
 check "$N" cluster down --dir "$C"
 C="$W/c4k"
 check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 4 --replicas 2 --model "$W/m.safetensors" \
   --memory 64M --threads 1 --node-timeout-ms 2000 --timeout 60
-victim=$($PY - "$C" <<'PY'
-import glob, re, sys
-c = sys.argv[1]; log = open(c + "/coord.log").read()
-node = re.findall(r"plan \d+: stage 1 on node \d+ \(replicas on (\d+)\)", log)[-1]
-key = re.search(r"node %s joined: .* key (\S{8})\.\.\." % node, log).group(1)
-for pub in glob.glob(c + "/node-*.pub"):
-    if open(pub).read().startswith(key):
-        print(pub[:-4]); break
-PY
-)
-check test -n "$victim"
-"$N" train --cluster "$C" "${RUN[@]}" --checkpoint-every 5 --checkpoint-dir "$W/ck4" \
-  --log "$W/killed.jsonl" --out "$W/killed.safetensors" 2> "$W/killed.err" &
-job=$!
-for i in $(seq 1 2400); do
-  grep -q '"step":7,' "$W/killed.jsonl" 2>/dev/null && break
-  sleep 0.05
-done
-echo "killing $victim (replica 1 of stage 1)"
-kill -9 "$(cat "$victim.pid")"
-wait $job
-rc=$?
-check test $rc -eq 0
-tr '\r' '\n' < "$W/killed.err" | grep -v "^step" | tail -4
-[ $rc -eq 0 ] || grep -E "WARN|ERROR" "$C/coord.log" | tail -12
-check grep -q '"event":"node_lost"' "$W/killed.jsonl"
-check grep -q "train job 1: resumed at step" "$C/coord.log"
-check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" logs "$W/killed.jsonl" "$W/r1.jsonl" 0
-check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" weights "$W/killed.safetensors" "$W/r1.safetensors" 0
+train_kill_replica "$C" "$(replica_node "$C" 1)" "$W/r1" "${RUN[@]}"
 
 # ---- --replicas auto: the cost model picks S x R; status says so ----
 check "$N" cluster down --dir "$C"
