@@ -51,15 +51,12 @@ join_extra() {
 # log LOG, stderr into LOG with .err for .jsonl); NODE joins (join_extra)
 # once step 1 is in LOG; returns the job's exit status
 train_join() {
-  local c=$1 node=$2 log=$3 ck=$4 job i
+  local c=$1 node=$2 log=$3 ck=$4 job
   shift 4
   "$N" train --cluster "$c" "$@" --checkpoint-every 2 --checkpoint-dir "$ck" \
     --log "$log" 2> "${log%.jsonl}.err" &
   job=$!
-  for i in $(seq 1 2400); do
-    grep -q '"step":1,' "$log" 2>/dev/null && break
-    sleep 0.05
-  done
+  wait_step "$log" 1 2400
   join_extra "$c" "$node"
   wait $job
 }
