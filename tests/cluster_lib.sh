@@ -1,6 +1,7 @@
 # Sourced by the shell tests that start local clusters: the tools, the
 # device, a scratch directory that is cleaned up with every cluster in it,
-# the pass/fail counters, and the small model configs they train.
+# the pass/fail counters, the wait for a training log's step (wait_step),
+# and the small model configs they train.
 #   N (neuroctl), NODE (neuronode), COORD (neurocoord), PY, DEV (the
 #   --device of the local tools and the nodes: scripts/test.sh runs the
 #   suite once more with NL_TEST_DEVICE=cpu-devsim), W (scratch), check CMD...
@@ -22,6 +23,18 @@ corpus_small() { head -c 32340 "$CORPUS"; }
 pass=0
 fail=0
 check() { if "$@"; then pass=$((pass + 1)); else fail=$((fail + 1)); echo "FAIL: $*" >&2; fi; }
+
+# wait_step LOG STEP [TRIES [PAUSE]]: until the training log LOG has step
+# STEP, looking TRIES times (1200) PAUSE seconds apart (0.05); 1 if it
+# never came
+wait_step() {
+  local i
+  for i in $(seq 1 "${3:-1200}"); do
+    grep -q "\"step\":$2," "$1" 2>/dev/null && return 0
+    sleep "${4:-0.05}"
+  done
+  return 1
+}
 
 cluster_lib_exit() {
   declare -F test_cleanup >/dev/null && test_cleanup

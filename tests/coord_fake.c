@@ -31,22 +31,34 @@ double now_s(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* A fake node (with a data endpoint), or a fake client (endpoint ""): on
- * the coordinator's nodes' or clients' socket. */
-void coord_fake_start(const char *tag, char *dir, size_t cap, void (*tweak)(nl_coord_opts *o))
+char coord_key[NL_KEY_Z85_LEN + 1];
+
+/* Write text to dir/name (a check). */
+static void write_file(const char *dir, const char *name, const char *text)
 {
-    char cfg[512];
-    snprintf(dir, cap, "/tmp/nl_test_%s_XXXXXX", tag);
-    CHECK(mkdtemp(dir) != NULL, "mkdtemp %s", dir);
-    snprintf(cfg, sizeof cfg, "%s/cfg.yaml", dir);
-    FILE *fp = fopen(cfg, "w");
-    CHECK(fp != NULL, "%s", cfg);
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *fp = fopen(path, "w");
+    CHECK(fp != NULL, "%s", path);
     if (!fp)
         exit(1);
-    fputs("hidden_dim: 64\nnum_layers: 6\nnum_heads: 4\nnum_kv_heads: 2\nffn_dim: 64\n"
-          "num_experts: 4\nvocab_size: 256\nvocab_chunk: 256\nmax_seq_len: 256\n",
-          fp);
+    fputs(text, fp);
     fclose(fp);
+}
+
+void coord_fake_start_with(const coord_fake_setup *s, char *dir, size_t cap)
+{
+    char cfg[512], text[512];
+    snprintf(dir, cap, "/tmp/nl_test_%s_XXXXXX", s->tag);
+    CHECK(mkdtemp(dir) != NULL, "mkdtemp %s", dir);
+    snprintf(text, sizeof text,
+             "hidden_dim: 64\nnum_layers: %d\nnum_heads: 4\nnum_kv_heads: 2\nffn_dim: 64\n"
+             "num_experts: 4\nvocab_size: 256\nvocab_chunk: 256\nmax_seq_len: 256\n",
+             s->layers ? s->layers : 6);
+    write_file(dir, "cfg.yaml", text);
+    if (s->authorized_keys)
+        write_file(dir, "authorized_keys", s->authorized_keys);
+    snprintf(cfg, sizeof cfg, "%s/cfg.yaml", dir);
     nl_coord_opts o;
     nl_coord_opts_init(&o);
     o.listen = "tcp://127.0.0.1:*";
@@ -56,15 +68,39 @@ void coord_fake_start(const char *tag, char *dir, size_t cap, void (*tweak)(nl_c
     o.min_nodes = 2;
     o.heartbeat_ms = HB_MS;
     o.node_timeout_ms = TIMEOUT_MS;
-    o.plaintext = 1;
-    if (tweak)
-        tweak(&o);
+    o.plaintext = !s->authorized_keys;
+    if (s->tweak)
+        s->tweak(&o);
     nl_error err = {0};
     CHECK_OK(nl_coord_new(&coord, &o, &err), &err);
     if (!coord)
         exit(1);
+    if (s->authorized_keys) {
+        char pub[512];
+        snprintf(pub, sizeof pub, "%s/coordinator.pub", dir);
+        const nl_status st = nl_keys_load_public(coord_key, pub, &err);
+        CHECK(st == NL_OK, "%s: %s", nl_status_str(st), err.msg);
+        if (st != NL_OK)
+            exit(1);
+    }
 }
 
+void coord_fake_start(const char *tag, char *dir, size_t cap, void (*tweak)(nl_coord_opts *o))
+{
+    coord_fake_start_with(&(coord_fake_setup){.tag = tag, .tweak = tweak}, dir, cap);
+}
+
+void coord_fake_stop(const char *dir)
+{
+    nl_coord_destroy(&coord);
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", dir);
+}
+
+/* A fake node (with a data endpoint), or a fake client (endpoint ""): on
+ * the coordinator's nodes' or clients' socket. */
 void fake_open(fake *f, const char *key, const char *endpoint)
 {
     nl_error err = {0};

@@ -6,6 +6,7 @@
 #include <stdint.h>
 
 #include "coordinator/coord.h"
+#include "net/keys.h"
 #include "net/transport.h"
 
 #define WAIT_S 10.0 /* for a message that must arrive */
@@ -54,12 +55,27 @@ int check_pump(int ok, const char *what);
 /* f JOINs with gflops and checks its ACCEPT (id, join_hb, join_to); it
  * then beats while the test pumps. */
 void join(fake *f, double gflops);
-/* The coordinator under test, made in a new temporary state dir
- * /tmp/nl_test_<tag>_XXXXXX (its path into dir) with the fakes' model (6
- * layers, d 64, 4 experts), seed 7, plaintext, the fakes' heartbeat and
- * timeout and 2 nodes to wait for; tweak (may be NULL) sets the test's
+/* What a test's coordinator has besides the fakes' defaults. */
+typedef struct coord_fake_setup {
+    const char *tag;                 /* its state dir: /tmp/nl_test_<tag>_XXXXXX */
+    int layers;                      /* the fakes' model's layers (0: 6) */
+    const char *authorized_keys;     /* the text of its authorized_keys, written before it is
+                                        made: a CURVE coordinator (NULL: plaintext) */
+    void (*tweak)(nl_coord_opts *o); /* the test's own options (NULL: none) */
+} coord_fake_setup;
+
+/* A CURVE coordinator's public key (coord_fake_start_with). */
+extern char coord_key[NL_KEY_Z85_LEN + 1];
+
+/* The coordinator under test, made in a new temporary state dir (its path
+ * into dir) with the fakes' model (d 64, 4 experts), seed 7, the fakes'
+ * heartbeat and timeout and 2 nodes to wait for; s->tweak sets the test's
  * own options before it is made. Exits when it cannot be made. */
+void coord_fake_start_with(const coord_fake_setup *s, char *dir, size_t cap);
+/* coord_fake_start_with: 6 layers, plaintext, tweak (may be NULL). */
 void coord_fake_start(const char *tag, char *dir, size_t cap, void (*tweak)(nl_coord_opts *o));
+/* Destroy the coordinator (if any) and remove its state dir. */
+void coord_fake_stop(const char *dir);
 /* Adds the fakes' checks to the test's counts (before check_done). */
 void coord_fake_add_counts(int *pass, int *fail);
 

@@ -24,10 +24,7 @@ check "$N" "${UP[@]}" --nodes 2 --dir "$C"
 "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck1" --log "$W/cut.jsonl" \
   --out "$W/never.safetensors" 2> "$W/cut.err" &
 job=$!
-for i in $(seq 1 3000); do
-  grep -q '"step":7,' "$W/cut.jsonl" 2>/dev/null && break
-  sleep 0.02
-done
+wait_step "$W/cut.jsonl" 7 3000 0.02
 # a second client given the running one's --out or --log is refused, naming its pid
 for f in "--out $W/never.safetensors" "--log $W/cut.jsonl"; do
   # shellcheck disable=SC2086 # $f is a flag and its value
@@ -82,10 +79,7 @@ check env NL_TEST_MANIFEST_DELAY_MS=1500 "$N" "${UP[@]}" --nodes 2 --dir "$C"
 "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck3" --log "$W/twice.jsonl" \
   2> "$W/twice.err" &
 job=$!
-for i in $(seq 1 3000); do
-  grep -q '"step":3,' "$W/twice.jsonl" 2>/dev/null && break
-  sleep 0.02
-done
+wait_step "$W/twice.jsonl" 3 3000 0.02
 kill -INT $job
 for i in $(seq 1 6000); do grep -q "cancelling job" "$W/twice.err" && break; sleep 0.01; done
 kill -INT $job

@@ -46,6 +46,21 @@ join_extra() {
   extras+=($!)
 }
 
+# train_join CLUSTER NODE LOG CKPT_DIR RUN...: neuroctl train RUN on
+# CLUSTER in the background (a checkpoint every 2 steps into CKPT_DIR, the
+# log LOG, stderr into LOG with .err for .jsonl); NODE joins (join_extra)
+# once step 1 is in LOG; returns the job's exit status
+train_join() {
+  local c=$1 node=$2 log=$3 ck=$4 job
+  shift 4
+  "$N" train --cluster "$c" "$@" --checkpoint-every 2 --checkpoint-dir "$ck" \
+    --log "$log" 2> "${log%.jsonl}.err" &
+  job=$!
+  wait_step "$log" 1 2400
+  join_extra "$c" "$node"
+  wait $job
+}
+
 small_config "$W/cfg.yaml" 32 4 48 64
 cp "$CORPUS" "$W/data.txt"
 check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
@@ -65,15 +80,7 @@ check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 2 --replicas auto --plan-mi
 grep "^replicas" "$W/status-2.txt"
 check grep -q "^replicas: 2 per stage .*1 x 2 [0-9.]* (link 1 GB/s [a-z]*) (chosen)" "$W/status-2.txt"
 
-"$N" train --cluster "$C" "${RUN[@]}" --checkpoint-every 2 --checkpoint-dir "$W/ck" \
-  --log "$W/r.jsonl" 2> "$W/r.err" &
-job=$!
-for i in $(seq 1 2400); do
-  grep -q '"step":1,' "$W/r.jsonl" 2>/dev/null && break
-  sleep 0.05
-done
-join_extra "$C" extra
-wait $job
+train_join "$C" extra "$W/r.jsonl" "$W/ck" "${RUN[@]}"
 rc=$?
 check test $rc -eq 0
 tr '\r' '\n' < "$W/r.err" | grep -v "^step" | tail -3
@@ -121,15 +128,7 @@ check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 4 --replicas auto --plan-mi
 grep "^replicas" "$W/status-22.txt"
 check grep -q "^replicas: 2 per stage .*2 x 2 [0-9.]* (link 1 GB/s [a-z]*) (chosen)" "$W/status-22.txt"
 check test "$(grep -c ' r[01]/2 ' "$W/status-22.txt")" -eq 4
-"$N" train --cluster "$C" "${RUN10[@]}" --checkpoint-every 2 --checkpoint-dir "$W/ck10" \
-  --log "$W/r10.jsonl" 2> "$W/r10.err" &
-job=$!
-for i in $(seq 1 2400); do
-  grep -q '"step":1,' "$W/r10.jsonl" 2>/dev/null && break
-  sleep 0.05
-done
-join_extra "$C" fifth10
-wait $job
+train_join "$C" fifth10 "$W/r10.jsonl" "$W/ck10" "${RUN10[@]}"
 rc=$?
 check test $rc -eq 0
 grep -E "re-plan|plan [0-9]+: stage|observed" "$C/coord.log"

@@ -63,10 +63,7 @@ victim=$(stage1_node "$C")
 "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck2" --log "$W/killed.jsonl" \
   --out "$W/killed.safetensors" 2> "$W/killed.err" &
 job=$!
-for i in $(seq 1 1200); do
-  grep -q '"step":23,' "$W/killed.jsonl" 2>/dev/null && break
-  sleep 0.05
-done
+wait_step "$W/killed.jsonl" 23
 echo "killing $victim (stage 1)"
 check test -n "$victim"
 kill -9 "$(cat "$victim.pid")"
@@ -132,10 +129,7 @@ kill -HUP "$(cat "$C/coord.pid")"
 "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck4" --log "$W/joined.jsonl" \
   --out "$W/joined.safetensors" 2> "$W/joined.err" &
 job=$!
-for i in $(seq 1 1200); do
-  grep -q '"step":5,' "$W/joined.jsonl" 2>/dev/null && break
-  sleep 0.05
-done
+wait_step "$W/joined.jsonl" 5
 "$NODE" join "${DEV[@]}" "$(cat "$C/coord/endpoint")" --key "$W/extra.key" \
   --coordinator-key "$C/coord/coordinator.pub" --memory 64M --threads 1 --name extra \
   --checkpoint-root "$W" > "$W/extra.log" 2>&1 &
@@ -181,10 +175,7 @@ check "$N" "${UP[@]}" --nodes 3 --dir "$C"
 "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck7" --log "$W/restart.jsonl" \
   2> "$W/restart.err" &
 job=$!
-for i in $(seq 1 1200); do
-  grep -q '"step":23,' "$W/restart.jsonl" 2>/dev/null && break
-  sleep 0.05
-done
+wait_step "$W/restart.jsonl" 23
 cpid=$(cat "$C/coord.pid")
 kill -9 "$cpid"
 kill "$job" 2>/dev/null # its coordinator is gone (it would wait --timeout)
@@ -233,10 +224,7 @@ check "$N" "${UP[@]}" --nodes 2 --train-resumes 0 --dir "$C"
 "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck3" --log "$W/nores.jsonl" \
   2> "$W/nores.err" &
 job=$!
-for i in $(seq 1 1200); do
-  grep -q '"step":12,' "$W/nores.jsonl" 2>/dev/null && break
-  sleep 0.05
-done
+wait_step "$W/nores.jsonl" 12
 kill -9 "$(cat "$C/node-2.pid")"
 wait $job
 rc=$?

@@ -135,12 +135,15 @@ static void roles_by_socket(const nl_keypair *node, const nl_keypair *ckey,
  * key or endpoint, an admin's does; and a connection that takes over a
  * node's routing id with another key is not that node (its HEARTBEAT is
  * refused). */
+static void members_opts(nl_coord_opts *o)
+{
+    o->min_nodes = 5; /* no plan: membership, roles and keys only */
+    o->node_timeout_ms = 60000;
+}
+
 static void test_roles(void)
 {
-    nl_coord *plain = coord;
-    char dir[256], path[400];
-    snprintf(dir, sizeof dir, "/tmp/nl_test_coord_roles_XXXXXX");
-    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    char dir[256], keys[1024];
     nl_keypair node, ckey, admin, other, legacy;
     nl_error err = {0};
     CHECK_OK(nl_keys_generate(&legacy, &err), &err);
@@ -148,30 +151,13 @@ static void test_roles(void)
     CHECK_OK(nl_keys_generate(&ckey, &err), &err);
     CHECK_OK(nl_keys_generate(&admin, &err), &err);
     CHECK_OK(nl_keys_generate(&other, &err), &err);
-    snprintf(path, sizeof path, "%s/authorized_keys", dir);
-    FILE *fp = fopen(path, "w");
-    CHECK(fp != NULL, "%s", path);
-    if (!fp)
-        return;
-    fprintf(fp, "%s node  # a node\n%s client\n%s admin # the operator\n%s node\n%s\n",
-            node.public_z85, ckey.public_z85, admin.public_z85, other.public_z85,
-            legacy.public_z85);
-    fclose(fp);
-    nl_coord_opts o;
-    nl_coord_opts_init(&o);
-    o.listen = "tcp://127.0.0.1:*";
-    o.state_dir = dir;
-    o.min_nodes = 5; /* no plan: membership and roles only */
-    o.node_timeout_ms = 60000;
-    coord = NULL;
-    CHECK_OK(nl_coord_new(&coord, &o, &err), &err);
-    char server[NL_KEY_Z85_LEN + 1];
-    snprintf(path, sizeof path, "%s/coordinator.pub", dir);
-    if (!coord || nl_keys_load_public(server, path, &err) != NL_OK) {
-        nl_coord_destroy(&coord);
-        coord = plain;
-        return;
-    }
+    snprintf(
+        keys, sizeof keys, "%s node  # a node\n%s client\n%s admin # the operator\n%s node\n%s\n",
+        node.public_z85, ckey.public_z85, admin.public_z85, other.public_z85, legacy.public_z85);
+    coord_fake_start_with(
+        &(coord_fake_setup){.tag = "coord_roles", .authorized_keys = keys, .tweak = members_opts},
+        dir, sizeof dir);
+    const char *server = coord_key;
     roles_by_socket(&node, &ckey, &legacy, server);
     fake n, cl, ad, spoof;
     curve_open(&n, &node, server, "nodeRID", 0);
@@ -230,49 +216,47 @@ static void test_roles(void)
     nl_sock_destroy(&spoof.sock);
     nl_sock_destroy(&cl.sock);
     nl_sock_destroy(&ad.sock);
-    nl_coord_destroy(&coord);
-    coord = plain;
-    char cmd[300];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-    if (system(cmd) != 0)
-        fprintf(stderr, "could not remove %s\n", dir);
+    coord_fake_stop(dir);
+}
+
+/* --listen ipc://<state dir>/c.sock: the clients' endpoint is derived from it. */
+static char ep_listen[300];
+
+static void endpoints_opts(nl_coord_opts *o)
+{
+    snprintf(ep_listen, sizeof ep_listen, "ipc://%s/c.sock", o->state_dir);
+    o->listen = ep_listen;
+    o->min_nodes = 5;
 }
 
 static void test_endpoints(void)
 {
-    char dir[] = "/tmp/nl_test_coord_ep_XXXXXX", listen[300], want[320], path[400], line[400];
-    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
-    snprintf(listen, sizeof listen, "ipc://%s/c.sock", dir);
-    snprintf(want, sizeof want, "%s-client", listen);
+    char dir[256], want[320], path[400], line[400];
+    coord_fake_start("coord_ep", dir, sizeof dir, endpoints_opts);
+    snprintf(want, sizeof want, "%s-client", ep_listen);
+    CHECK(strcmp(nl_coord_client_endpoint(coord), want) == 0, "clients' endpoint %s for %s",
+          nl_coord_client_endpoint(coord), ep_listen);
+    snprintf(path, sizeof path, "%s/client_endpoint", dir);
+    FILE *f = fopen(path, "r");
+    CHECK(f && fgets(line, sizeof line, f) && strncmp(line, want, strlen(want)) == 0,
+          "%s does not name %s", path, want);
+    if (f)
+        fclose(f);
+    nl_coord_destroy(&coord);
+    /* the port after 65535 is no port: no clients' endpoint to derive */
     nl_coord_opts o;
     nl_coord_opts_init(&o);
-    o.listen = listen;
+    o.listen = "tcp://127.0.0.1:65535";
     o.state_dir = dir;
     o.plaintext = 1;
     o.min_nodes = 5;
     nl_coord *c = NULL;
     nl_error err = {0};
-    CHECK_OK(nl_coord_new(&c, &o, &err), &err);
-    if (c) {
-        CHECK(strcmp(nl_coord_client_endpoint(c), want) == 0, "clients' endpoint %s for %s",
-              nl_coord_client_endpoint(c), listen);
-        snprintf(path, sizeof path, "%s/client_endpoint", dir);
-        FILE *f = fopen(path, "r");
-        CHECK(f && fgets(line, sizeof line, f) && strncmp(line, want, strlen(want)) == 0,
-              "%s does not name %s", path, want);
-        if (f)
-            fclose(f);
-    }
-    nl_coord_destroy(&c);
-    o.listen = "tcp://127.0.0.1:65535";
     nl_status st = nl_coord_new(&c, &o, &err);
     CHECK(st == NL_ERR_INVALID && strstr(err.msg, "give --client-listen"),
           "--listen at port 65535: %s '%s'", nl_status_str(st), err.msg);
     nl_coord_destroy(&c);
-    char cmd[300];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-    if (system(cmd) != 0)
-        fprintf(stderr, "could not remove %s\n", dir);
+    coord_fake_stop(dir);
 }
 
 /* ---------------------------------------------------------------- the node index */
@@ -384,27 +368,18 @@ static int ix_refusals(int from, int step)
     return n;
 }
 
+static void index_opts(nl_coord_opts *o)
+{
+    o->min_nodes = 1 << 30; /* membership only */
+    o->heartbeat_ms = IX_BEAT_MS;
+    o->node_timeout_ms = IX_TIMEOUT_MS;
+}
+
 static void test_node_index(void)
 {
-    nl_coord *saved = coord;
     char dir[256];
-    snprintf(dir, sizeof dir, "/tmp/nl_test_coord_index_XXXXXX");
-    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
-    nl_coord_opts o;
-    nl_coord_opts_init(&o);
-    o.listen = "tcp://127.0.0.1:*";
-    o.state_dir = dir;
-    o.min_nodes = 1 << 30; /* membership only */
-    o.heartbeat_ms = IX_BEAT_MS;
-    o.node_timeout_ms = IX_TIMEOUT_MS;
-    o.plaintext = 1;
     nl_error err = {0};
-    coord = NULL;
-    CHECK_OK(nl_coord_new(&coord, &o, &err), &err);
-    if (!coord) {
-        coord = saved;
-        return;
-    }
+    coord_fake_start("coord_index", dir, sizeof dir, index_opts);
     join_hb = IX_BEAT_MS;
     join_to = IX_TIMEOUT_MS;
     fake cl;
@@ -511,14 +486,9 @@ static void test_node_index(void)
     for (int i = 0; i < IX; i++)
         nl_sock_destroy(&ix[i].sock);
     nl_sock_destroy(&cl.sock);
-    nl_coord_destroy(&coord);
-    coord = saved;
+    coord_fake_stop(dir);
     join_hb = HB_MS;
     join_to = TIMEOUT_MS;
-    char cmd[300];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-    if (system(cmd) != 0)
-        fprintf(stderr, "could not remove %s\n", dir);
 }
 
 /* ---------------------------------------------------------------- jobs' owners (CURVE) */
@@ -710,55 +680,32 @@ static void ownership(const nl_keypair *node, const nl_keypair *alice, const nl_
     nl_sock_destroy(&ad.sock);
 }
 
+static void ownership_opts(nl_coord_opts *o)
+{
+    o->min_nodes = 1;
+    o->node_timeout_ms = 60000; /* the fake node sends no heartbeats */
+    o->job_timeout_ms = 60000;
+    o->max_jobs_per_key = 2;
+}
+
 static void test_ownership(void)
 {
-    nl_coord *plain = coord;
-    char dir[256], path[400];
-    snprintf(dir, sizeof dir, "/tmp/nl_test_coord_own_XXXXXX");
-    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    char dir[256], keys[1024];
     nl_keypair node, alice, bob, admin;
     nl_error err = {0};
     CHECK_OK(nl_keys_generate(&node, &err), &err);
     CHECK_OK(nl_keys_generate(&alice, &err), &err);
     CHECK_OK(nl_keys_generate(&bob, &err), &err);
     CHECK_OK(nl_keys_generate(&admin, &err), &err);
-    snprintf(path, sizeof path, "%s/authorized_keys", dir);
-    FILE *fp = fopen(path, "w");
-    CHECK(fp != NULL, "%s", path);
-    if (!fp)
-        return;
-    fprintf(fp, "%s node\n%s client\n%s client\n%s admin\n", node.public_z85, alice.public_z85,
-            bob.public_z85, admin.public_z85);
-    fclose(fp);
-    char cfg[400];
-    snprintf(cfg, sizeof cfg, "%s/cfg.yaml", dir);
-    if ((fp = fopen(cfg, "w"))) {
-        fputs("hidden_dim: 64\nnum_layers: 2\nnum_heads: 4\nnum_kv_heads: 2\nffn_dim: 64\n"
-              "num_experts: 4\nvocab_size: 256\nvocab_chunk: 256\nmax_seq_len: 256\n",
-              fp);
-        fclose(fp);
-    }
-    nl_coord_opts o;
-    nl_coord_opts_init(&o);
-    o.listen = "tcp://127.0.0.1:*";
-    o.state_dir = dir;
-    o.config = cfg;
-    o.min_nodes = 1;
-    o.node_timeout_ms = 60000; /* the fake node sends no heartbeats */
-    o.job_timeout_ms = 60000;
-    o.max_jobs_per_key = 2;
-    coord = NULL;
-    CHECK_OK(nl_coord_new(&coord, &o, &err), &err);
-    char server[NL_KEY_Z85_LEN + 1];
-    snprintf(path, sizeof path, "%s/coordinator.pub", dir);
-    if (coord && nl_keys_load_public(server, path, &err) == NL_OK)
-        ownership(&node, &alice, &bob, &admin, server);
-    nl_coord_destroy(&coord);
-    coord = plain;
-    char cmd[300];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-    if (system(cmd) != 0)
-        fprintf(stderr, "could not remove %s\n", dir);
+    snprintf(keys, sizeof keys, "%s node\n%s client\n%s client\n%s admin\n", node.public_z85,
+             alice.public_z85, bob.public_z85, admin.public_z85);
+    /* one stage of 2 layers: a single fake node takes the plan */
+    coord_fake_start_with(
+        &(coord_fake_setup){
+            .tag = "coord_own", .layers = 2, .authorized_keys = keys, .tweak = ownership_opts},
+        dir, sizeof dir);
+    ownership(&node, &alice, &bob, &admin, coord_key);
+    coord_fake_stop(dir);
 }
 
 /* A convicted node's key is banned on every line that lists it (a key may
@@ -767,73 +714,51 @@ static void test_ownership(void)
  * key and a reason of 300 bytes outgrew the buffer the rewrite was made in. */
 static void test_ban_lines(void)
 {
-    nl_coord *plain = coord;
-    char dir[256], path[400], why[301];
-    snprintf(dir, sizeof dir, "/tmp/nl_test_coord_ban_XXXXXX");
-    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    char dir[256], path[400], why[301], keys[1024];
     nl_keypair node, admin;
     nl_error err = {0};
     CHECK_OK(nl_keys_generate(&node, &err), &err);
     CHECK_OK(nl_keys_generate(&admin, &err), &err);
-    snprintf(path, sizeof path, "%s/authorized_keys", dir);
-    FILE *fp = fopen(path, "w");
-    CHECK(fp != NULL, "%s", path);
-    if (!fp)
-        return;
-    fprintf(fp, "%s admin\n", admin.public_z85);
+    size_t len = (size_t)snprintf(keys, sizeof keys, "%s admin\n", admin.public_z85);
     for (int i = 0; i < 8; i++)
-        fprintf(fp, "%s node\n", node.public_z85);
-    fclose(fp);
-    nl_coord_opts o;
-    nl_coord_opts_init(&o);
-    o.listen = "tcp://127.0.0.1:*";
-    o.state_dir = dir;
-    o.min_nodes = 5; /* no plan: membership only */
-    o.node_timeout_ms = 60000;
-    coord = NULL;
-    CHECK_OK(nl_coord_new(&coord, &o, &err), &err);
-    char server[NL_KEY_Z85_LEN + 1];
-    snprintf(path, sizeof path, "%s/coordinator.pub", dir);
-    if (coord && nl_keys_load_public(server, path, &err) == NL_OK) {
-        fake n;
-        nl_rx rx;
-        nl_rx_init(&rx);
-        curve_open(&n, &node, server, NULL, 0);
-        nl_wire_msg m;
-        nl_wire_msg_init(&m);
-        nl_wire_msg_reset(&m, NL_MSG_JOIN);
-        m.u.join = (nl_msg_join){node.public_z85, "cpu", 1ull << 30, 1.0, 1, "tcp://10.9.8.7:1", 0};
-        fake_send(&n, &m);
-        cnode *cn = NULL;
-        if (CHECK_PUMP(pump_until(&n, NL_MSG_ACCEPT, &rx)))
-            cn = coord_node_by_id(coord, rx.msg.u.accept.node_id);
-        CHECK(cn != NULL, "the joined node is in the table");
-        memset(why, 'w', 300);
-        why[300] = 0;
-        if (cn)
-            coord_quarantine(coord, cn, 1, why);
-        snprintf(path, sizeof path, "%s/authorized_keys", dir);
-        int banned = 0, listed = 0;
-        char line[1024];
-        if ((fp = fopen(path, "r"))) {
-            while (fgets(line, sizeof line, fp)) {
-                listed += strstr(line, node.public_z85) != NULL;
-                banned += strncmp(line, "# banned: www", 13) == 0 &&
-                          strstr(line, node.public_z85) != NULL;
-            }
-            fclose(fp);
+        len += (size_t)snprintf(keys + len, sizeof keys - len, "%s node\n", node.public_z85);
+    coord_fake_start_with(
+        &(coord_fake_setup){.tag = "coord_ban", .authorized_keys = keys, .tweak = members_opts},
+        dir, sizeof dir);
+    fake n;
+    nl_rx rx;
+    nl_rx_init(&rx);
+    curve_open(&n, &node, coord_key, NULL, 0);
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_JOIN);
+    m.u.join = (nl_msg_join){node.public_z85, "cpu", 1ull << 30, 1.0, 1, "tcp://10.9.8.7:1", 0};
+    fake_send(&n, &m);
+    cnode *cn = NULL;
+    if (CHECK_PUMP(pump_until(&n, NL_MSG_ACCEPT, &rx)))
+        cn = coord_node_by_id(coord, rx.msg.u.accept.node_id);
+    CHECK(cn != NULL, "the joined node is in the table");
+    memset(why, 'w', 300);
+    why[300] = 0;
+    if (cn)
+        coord_quarantine(coord, cn, 1, why);
+    snprintf(path, sizeof path, "%s/authorized_keys", dir);
+    int banned = 0, listed = 0;
+    char line[1024];
+    FILE *fp = fopen(path, "r");
+    if (fp) {
+        while (fgets(line, sizeof line, fp)) {
+            listed += strstr(line, node.public_z85) != NULL;
+            banned +=
+                strncmp(line, "# banned: www", 13) == 0 && strstr(line, node.public_z85) != NULL;
         }
-        CHECK(listed == 8 && banned == 8, "the key's 8 lines: %d of %d commented out as banned",
-              banned, listed);
-        nl_rx_free(&rx);
-        nl_sock_destroy(&n.sock);
+        fclose(fp);
     }
-    nl_coord_destroy(&coord);
-    coord = plain;
-    char cmd[300];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-    if (system(cmd) != 0)
-        fprintf(stderr, "could not remove %s\n", dir);
+    CHECK(listed == 8 && banned == 8, "the key's 8 lines: %d of %d commented out as banned", banned,
+          listed);
+    nl_rx_free(&rx);
+    nl_sock_destroy(&n.sock);
+    coord_fake_stop(dir);
 }
 
 int main(void)
