@@ -87,16 +87,13 @@ PY
 # from it on the nodes left, and its losses and weights are REF's
 # (REF.jsonl, REF.safetensors) to the byte.
 train_kill_replica() {
-  local c=$1 victim=$2 ref=$3 job rc i
+  local c=$1 victim=$2 ref=$3 job rc
   shift 3
   check test -n "$victim"
   "$N" train --cluster "$c" "$@" --checkpoint-every 20 --checkpoint-dir "$W/ck-killed" \
     --log "$W/killed.jsonl" --out "$W/killed.safetensors" 2> "$W/killed.err" &
   job=$!
-  for i in $(seq 1 2400); do
-    grep -q '"step":7,' "$W/killed.jsonl" 2>/dev/null && break
-    sleep 0.05
-  done
+  wait_step "$W/killed.jsonl" 7 2400
   echo "killing $victim"
   kill -9 "$(cat "$victim.pid")"
   wait $job
