@@ -376,7 +376,10 @@ int coord_train_stage_report(nl_coord *c, cjob *j, const nl_rx *rx, int awaits, 
 /* A stage reports that it failed the job (why names it) that has begun
  * (or not): 1 if the job waits for the heartbeat verdict on a lost
  * neighbour (cjob_ops.node_failed), 0 if it fails. */
-int coord_train_stage_failed(nl_coord *c, cjob *j, const cnode *n, int begun, const char *why);
+int coord_train_stage_failed(nl_coord *c, cjob *j, int begun, const char *why);
+/* Whether node n was asked for its stage's shard of the checkpoint under
+ * way and has not sent it. */
+int coord_train_shard_awaited(nl_coord *c, const ctrain *t, const cnode *n);
 /* Stage s cannot be reached: the job waits for its node to be declared
  * dead (then LOST resumes it) if it may resume, else it fails now. */
 void coord_train_unreachable(nl_coord *c, cjob *j, int s);

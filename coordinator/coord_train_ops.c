@@ -1,7 +1,8 @@
 /* The training and fine-tuning jobs' face to the rest of the coordinator:
- * their operations tables (cjob_ops), each operation turned into an event
- * of the job's state machine (coord_train_on, coord_train.c), which this
- * file calls and which never calls it. */
+ * their operations tables (cjob_ops) and the ends of the workers their
+ * leaves start (cwork.done), each turned into an event of the job's state
+ * machine (coord_train_on, coord_train.c), which this file calls and
+ * which calls it only by handing those ends to the leaves. */
 #include <stdlib.h>
 
 #include "coordinator/coord_train_impl.h"
@@ -143,11 +144,19 @@ static void train_ready(nl_coord *c, cjob *j)
 }
 
 /* A stage failed the job: 1 if it goes on, waiting for the heartbeat
- * verdict on a lost neighbour (coord_train_stage_failed). */
+ * verdict on a lost neighbour (coord_train_stage_failed), or (SALVAGE)
+ * the loss being handled already; a stage asked for its shard then ends
+ * the save (UNSAVED). */
 static int train_node_failed(nl_coord *c, cjob *j, const cnode *n, const char *why)
 {
     const ctrain *t = j->state;
-    return t && coord_train_stage_failed(c, j, n, coord_train_begun(t), why);
+    if (t && coord_train_salvaging(t)) { /* a loss is being handled: the step is saved, or not */
+        const tr_in in = {.why = why};
+        if (coord_train_shard_awaited(c, t, n))
+            coord_train_on(c, j, TE_UNSAVED, &in);
+        return 1;
+    }
+    return t && coord_train_stage_failed(c, j, coord_train_begun(t), why);
 }
 
 #define TRAIN_TAKES                                                                                \

@@ -344,17 +344,15 @@ int coord_train_stage_report(nl_coord *c, cjob *j, const nl_rx *rx, int awaits, 
  * soak saw "GRADIENT of microbatch 1, but the next backward is of
  * microbatch 0" from the stage whose gradient could not be sent). Any
  * other failure (the device, the data) fails it. */
-int coord_train_stage_failed(nl_coord *c, cjob *j, const cnode *n, int begun, const char *why)
+int coord_train_shard_awaited(nl_coord *c, const ctrain *t, const cnode *n)
+{
+    return n->stage >= 0 && n->stage < t->stages && !t->got[n->stage] &&
+           n->replica == coord_stage_first_live(c, n->stage);
+}
+
+int coord_train_stage_failed(nl_coord *c, cjob *j, int begun, const char *why)
 {
     ctrain *t = j->state;
-    if (coord_train_salvaging(t)) { /* the loss is being handled: the step is saved, or not */
-        if (n->stage >= 0 && n->stage < t->stages && !t->got[n->stage] &&
-            n->replica == coord_stage_first_live(c, n->stage)) { /* asked for its shard */
-            const tr_in in = {.why = why};
-            coord_train_on(c, j, TE_UNSAVED, &in);
-        }
-        return 1;
-    }
     if (t->ft || !begun || t->resumes >= c->o.train_resumes)
         return 0;
     const int cut = strstr(why, "cannot reach the ") != NULL;
