@@ -63,15 +63,15 @@ max_seq_len: $5
 YAML
 }
 
-# replica_node C STAGE: the key file stem (C/node-K) of the node that is
-# replica 1 of stage STAGE in C's last plan (coord.log names it by id, its
-# join by key)
+# replica_node C STAGE R: the key file stem (C/node-K) of the node that is
+# replica R (0 or 1) of stage STAGE in C's last plan (coord.log names it
+# by id, its join by key)
 replica_node() {
-  $PY - "$1" "$2" <<'PY'
+  $PY - "$1" "$2" "$3" <<'PY'
 import glob, re, sys
-c, stage = sys.argv[1], sys.argv[2]
+c, stage, r = sys.argv[1], sys.argv[2], int(sys.argv[3])
 log = open(c + "/coord.log").read()
-node = re.findall(r"plan \d+: stage %s on node \d+ \(replicas on (\d+)\)" % stage, log)[-1]
+node = re.findall(r"plan \d+: stage %s on node (\d+) \(replicas on (\d+)\)" % stage, log)[-1][r]
 key = re.search(r"node %s joined: .* key (\S{8})\.\.\." % node, log).group(1)
 for pub in glob.glob(c + "/node-*.pub"):
     if open(pub).read().startswith(key):

@@ -93,7 +93,7 @@ check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck6" --log "$W/
 check "$N" cluster down --dir "$C"
 C="$W/c21k"
 up "$C" 2,1 4 m2
-train_kill_replica "$C" "$(replica_node "$C" 0)" "$W/ref2" "${RUN[@]}"
+train_kill_replica "$C" "$(replica_node "$C" 0 1)" "$W/ref2" "${RUN[@]}"
 check "$N" cluster down --dir "$C"
 
 # ---- stage 0 on 1, stage 1 on 2 ----

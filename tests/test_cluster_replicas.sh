@@ -70,8 +70,9 @@ check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck2" --log "$W/
 check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" logs "$W/r2.jsonl" "$W/r1.jsonl" 0
 check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" weights "$W/r2.safetensors" "$W/r1.safetensors" 0
 
-# ---- a replica's node killed at step ~7: the run goes on, unchanged ----
-# Each stage still has a live replica, which writes the steps done at once
+# ---- replica 0 of stage 1 killed at step ~7: the run goes on, unchanged ----
+# Each stage still has a live replica (stage 1's replica 1 in the place
+# of its replica 0, which wrote its shards so far), which writes the steps done at once
 # (step-N.resume1: the job writes no checkpoint of its own before step
 # 20); the survivors re-plan (3 nodes: one stage on 2 replicas, the third
 # a standby), reload it and go on from the step under way: each replica
@@ -81,7 +82,7 @@ check "$N" cluster down --dir "$C"
 C="$W/c4k"
 check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 4 --replicas 2 --model "$W/m.safetensors" \
   --memory 64M --threads 1 --node-timeout-ms 2000 --timeout 60
-train_kill_replica "$C" "$(replica_node "$C" 1)" "$W/r1" "${RUN[@]}"
+train_kill_replica "$C" "$(replica_node "$C" 1 0)" "$W/r1" "${RUN[@]}"
 
 # ---- --replicas auto: the cost model picks S x R; status says so ----
 check "$N" cluster down --dir "$C"
