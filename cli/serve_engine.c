@@ -289,18 +289,8 @@ static nl_status prompt_ids(serve_engine *e, const char *text, size_t len, const
             return nl_error_set(err, NL_ERR_NOMEM, "prompt: out of memory");
         memcpy(*out, ids, (size_t)n * sizeof **out);
     }
-    for (int i = 0; i < n; i++)
-        if ((*out)[i] < 0 || (*out)[i] >= V) {
-            nl_status st = nl_error_set(err, NL_ERR_RANGE,
-                                        "prompt: token %d at position %d is outside the model's "
-                                        "vocabulary 0..%lld",
-                                        (*out)[i], i, (long long)V - 1);
-            free(*out);
-            *out = NULL;
-            return st;
-        }
     *P = n;
-    return NL_OK;
+    return nl_http_prompt_in_vocab(out, n, V, err);
 }
 
 static nl_status be_start(void *ctx, const nl_http_completion *rq, void **jobp, int *ptoks,

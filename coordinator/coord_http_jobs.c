@@ -66,17 +66,7 @@ static nl_status prompt_ids(nl_coord_http *h, const nl_http_completion *rq, int3
         memcpy(*out, rq->prompt_ids, (size_t)rq->n_prompt_ids * sizeof **out);
         *P = rq->n_prompt_ids;
     }
-    for (int i = 0; i < *P; i++)
-        if ((*out)[i] < 0 || (*out)[i] >= V) {
-            nl_status st = nl_error_set(err, NL_ERR_RANGE,
-                                        "prompt: token %d at position %d is outside the model's "
-                                        "vocabulary 0..%lld",
-                                        (*out)[i], i, (long long)V - 1);
-            free(*out);
-            *out = NULL;
-            return st;
-        }
-    return NL_OK;
+    return nl_http_prompt_in_vocab(out, *P, V, err);
 }
 
 static void gen_free(gen *g)

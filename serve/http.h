@@ -164,4 +164,9 @@ void nl_http_publish(nl_http *h, const char *type, const char *json);
  * milliseconds ("2026-01-31T12:00:00.123Z", 24 bytes and the NUL). */
 void nl_http_time_now(char *out, size_t cap);
 
+/* A backend's check of a prompt's n ids (*ids, malloc'd): NL_OK, or
+ * NL_ERR_RANGE naming the first id outside the vocabulary 0..vocab-1
+ * (400), with *ids freed and NULL. */
+nl_status nl_http_prompt_in_vocab(int32_t **ids, int n, int64_t vocab, nl_error *err);
+
 #endif

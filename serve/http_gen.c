@@ -544,3 +544,18 @@ enum MHD_Result http_generate(nl_http *h, struct MHD_Connection *c, http_req *rq
     http_count(h, rq->ep, 200);
     return res;
 }
+
+nl_status nl_http_prompt_in_vocab(int32_t **ids, int n, int64_t vocab, nl_error *err)
+{
+    for (int i = 0; i < n; i++)
+        if ((*ids)[i] < 0 || (*ids)[i] >= vocab) {
+            nl_status st = nl_error_set(err, NL_ERR_RANGE,
+                                        "prompt: token %d at position %d is outside the model's "
+                                        "vocabulary 0..%lld",
+                                        (*ids)[i], i, (long long)vocab - 1);
+            free(*ids);
+            *ids = NULL;
+            return st;
+        }
+    return NL_OK;
+}
