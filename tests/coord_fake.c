@@ -215,3 +215,26 @@ void coord_fake_add_counts(int *pass, int *fail)
     *pass += check_pass_count;
     *fail += check_fail_count;
 }
+
+uint32_t coord_fake_train_params(nl_wire_param *ps, const char *data, const char *ckpt,
+                                 int64_t steps, int64_t micro)
+{
+    const nl_wire_param p[] = {
+        {.key = "steps", .kind = NL_WIRE_PARAM_INT, .i = steps},
+        {.key = "batch", .kind = NL_WIRE_PARAM_INT, .i = 2},
+        {.key = "seq", .kind = NL_WIRE_PARAM_INT, .i = 8},
+        {.key = "microbatches", .kind = NL_WIRE_PARAM_INT, .i = micro},
+        {.key = "seed", .kind = NL_WIRE_PARAM_INT, .i = 1},
+        {.key = "warmup", .kind = NL_WIRE_PARAM_INT, .i = 0},
+        {.key = "eval_every", .kind = NL_WIRE_PARAM_INT, .i = 0},
+        {.key = "eval_batches", .kind = NL_WIRE_PARAM_INT, .i = 1},
+        {.key = "checkpoint_every", .kind = NL_WIRE_PARAM_INT, .i = 0},
+        {.key = "lr", .kind = NL_WIRE_PARAM_FLOAT, .f = 1e-3},
+        {.key = "min_lr", .kind = NL_WIRE_PARAM_FLOAT, .f = 1e-4},
+        {.key = "holdout", .kind = NL_WIRE_PARAM_FLOAT, .f = 0.0},
+        {.key = "data", .kind = NL_WIRE_PARAM_STR, .s = data},
+        {.key = "checkpoint_dir", .kind = NL_WIRE_PARAM_STR, .s = ckpt},
+    };
+    memcpy(ps, p, sizeof p);
+    return (uint32_t)(sizeof p / sizeof p[0]);
+}

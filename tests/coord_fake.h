@@ -76,6 +76,12 @@ void coord_fake_start_with(const coord_fake_setup *s, char *dir, size_t cap);
 void coord_fake_start(const char *tag, char *dir, size_t cap, void (*tweak)(nl_coord_opts *o));
 /* Destroy the coordinator (if any) and remove its state dir. */
 void coord_fake_stop(const char *dir);
+/* The parameters of a small training job (batch 2 x 8, seed 1, no
+ * warm-up, evaluation or checkpoint before the end) of `steps` steps in
+ * `micro` microbatches on data and ckpt (borrowed) into ps (room for 14
+ * at least); returns how many. */
+uint32_t coord_fake_train_params(nl_wire_param *ps, const char *data, const char *ckpt,
+                                 int64_t steps, int64_t micro);
 /* Adds the fakes' checks to the test's counts (before check_done). */
 void coord_fake_add_counts(int *pass, int *fail);
 

@@ -252,26 +252,12 @@ static void test_salvage_fails(void)
         stop_coord();
         return;
     }
-    nl_wire_param ps[] = {
-        {.key = "steps", .kind = NL_WIRE_PARAM_INT, .i = 3},
-        {.key = "batch", .kind = NL_WIRE_PARAM_INT, .i = 2},
-        {.key = "seq", .kind = NL_WIRE_PARAM_INT, .i = 8},
-        {.key = "microbatches", .kind = NL_WIRE_PARAM_INT, .i = 2},
-        {.key = "seed", .kind = NL_WIRE_PARAM_INT, .i = 1},
-        {.key = "warmup", .kind = NL_WIRE_PARAM_INT, .i = 0},
-        {.key = "eval_every", .kind = NL_WIRE_PARAM_INT, .i = 0},
-        {.key = "eval_batches", .kind = NL_WIRE_PARAM_INT, .i = 1},
-        {.key = "checkpoint_every", .kind = NL_WIRE_PARAM_INT, .i = 0},
-        {.key = "lr", .kind = NL_WIRE_PARAM_FLOAT, .f = 1e-3},
-        {.key = "min_lr", .kind = NL_WIRE_PARAM_FLOAT, .f = 1e-4},
-        {.key = "holdout", .kind = NL_WIRE_PARAM_FLOAT, .f = 0.0},
-        {.key = "data", .kind = NL_WIRE_PARAM_STR, .s = "ok.txt"},
-        {.key = "checkpoint_dir", .kind = NL_WIRE_PARAM_STR, .s = "ck"},
-    };
+    nl_wire_param ps[14];
+    const uint32_t np = coord_fake_train_params(ps, "ok.txt", "ck", 3, 2);
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
-    m.u.job_submit = (nl_msg_job_submit){NL_JOB_TRAIN, sizeof ps / sizeof ps[0], ps};
+    m.u.job_submit = (nl_msg_job_submit){NL_JOB_TRAIN, np, ps};
     fake_send(&client, &m);
     uint64_t job = 0, j2 = 0;
     CHECK(client_hears("starting", &job, NULL, 0), "salvage: the job did not start");

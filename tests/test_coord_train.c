@@ -265,23 +265,8 @@ static int64_t train_micro = 1;
 /* Submit a training job of 2 steps with these paths (resume may be NULL). */
 static void submit_train(const char *data, const char *ckpt, const char *resume)
 {
-    nl_wire_param ps[16] = {
-        {.key = "steps", .kind = NL_WIRE_PARAM_INT, .i = 2},
-        {.key = "batch", .kind = NL_WIRE_PARAM_INT, .i = 2},
-        {.key = "seq", .kind = NL_WIRE_PARAM_INT, .i = 8},
-        {.key = "microbatches", .kind = NL_WIRE_PARAM_INT, .i = train_micro},
-        {.key = "seed", .kind = NL_WIRE_PARAM_INT, .i = 1},
-        {.key = "warmup", .kind = NL_WIRE_PARAM_INT, .i = 0},
-        {.key = "eval_every", .kind = NL_WIRE_PARAM_INT, .i = 0},
-        {.key = "eval_batches", .kind = NL_WIRE_PARAM_INT, .i = 1},
-        {.key = "checkpoint_every", .kind = NL_WIRE_PARAM_INT, .i = 0},
-        {.key = "lr", .kind = NL_WIRE_PARAM_FLOAT, .f = 1e-3},
-        {.key = "min_lr", .kind = NL_WIRE_PARAM_FLOAT, .f = 1e-4},
-        {.key = "holdout", .kind = NL_WIRE_PARAM_FLOAT, .f = 0.0},
-        {.key = "data", .kind = NL_WIRE_PARAM_STR, .s = data},
-        {.key = "checkpoint_dir", .kind = NL_WIRE_PARAM_STR, .s = ckpt},
-    };
-    uint32_t n = 14;
+    nl_wire_param ps[16];
+    uint32_t n = coord_fake_train_params(ps, data, ckpt, 2, train_micro);
     if (resume)
         ps[n++] = (nl_wire_param){.key = "resume", .kind = NL_WIRE_PARAM_STR, .s = resume};
     if (train_objective)
