@@ -405,6 +405,7 @@ static nl_status on_step(nl_stage *s, stage_train *t, const nl_msg_step *p, nl_s
         j->clip = (float)p->clip_scale;
         st = stage_train_dispatch(s, t, j, send, ctx, err);
     }
+    t->adam_want += p->apply;
     t->applied = (int64_t)p->step;
     t->finished = 0;
     t->counted = t->fwd = t->bwd = 0;
@@ -443,6 +444,12 @@ static nl_status on_ckpt(nl_stage *s, stage_train *t, const nl_msg_ckpt_req *r,
     nl_status st = stage_train_outer_hold(t, r, &held, err);
     if (st == NL_OK && !held) /* the lanes idle: AdamW applied */
         st = stage_train_take_done(s, t, true, send, ctx, err);
+    /* a stage whose send to a neighbour failed (the neighbour's node lost
+     * in the step under way) still holds whole weights and moments: its
+     * shard of the steps done is written, once every STEP's AdamW ran */
+    if (st != NL_OK && t->poison && t->poison_whole &&
+        nl_trainer_adam_steps(t->rep[0].tr) == t->adam_want)
+        st = NL_OK;
     if (st != NL_OK || held)
         return st;
     /* microbatches of the next step may be in flight: a replica's node
@@ -508,7 +515,9 @@ nl_status stage_train_input(nl_stage *s, stage_train *t, const nl_wire_msg *m,
     nl_status st = nl_stage_device_status(s, err);
     if (st != NL_OK)
         return st;
-    if (t->poison) /* a job failed here: this stage's part of it has ended */
+    /* a job failed here: this stage's part of it has ended (but for the
+     * shard of the steps done, while its weights are whole: on_ckpt) */
+    if (t->poison && !(m->type == NL_MSG_CKPT_REQ && t->poison_whole))
         return nl_error_set(err, t->poison, "%s", t->poison_msg);
     switch (m->type) {
     case NL_MSG_COUNT:
@@ -541,7 +550,7 @@ nl_status stage_train_input(nl_stage *s, stage_train *t, const nl_wire_msg *m,
         return nl_error_set(err, NL_ERR_UNSUPPORTED, "%s is not a training message",
                             nl_wire_type_name(m->type));
     }
-    if (st == NL_OK)
+    if (st == NL_OK && !t->poison) /* poisoned: only a shard was written */
         st = stage_train_advance(s, t, send, ctx, err);
     /* the device's error comes first: it also explains a failed step */
     nl_status dst = stage_check_device(s, err);

@@ -346,10 +346,12 @@ nl_status stage_train_take_done(nl_stage *s, stage_train *t, bool wait, nl_stage
     nl_wjob *w;
     while ((w = nl_workers_pop_done(t->w, wait))) {
         rjob *j = (rjob *)w;
+        const bool computed = j->st == NL_OK;
         nl_status st = t->poison ? NL_OK : take_back(s, t, j, send, ctx, err);
         stage_train_job_put(t, j);
         if (st != NL_OK) {
             t->poison = st;
+            t->poison_whole = computed;
             snprintf(t->poison_msg, sizeof t->poison_msg, "%s", err->msg);
             atomic_store(&t->failed, 1);
         }

@@ -167,6 +167,14 @@ typedef struct stage_train {
     atomic_uint_least64_t *modelled_us;
     nl_status poison; /* ... and the error every later message gets */
     char poison_msg[NL_ERROR_MSG_MAX];
+    /* the poison came after its job computed (a send or a report failed,
+     * e.g. to a neighbour's node that died): the weights and moments are
+     * whole, and a CKPT_REQ is still answered (stage_train.c on_ckpt) */
+    bool poison_whole;
+    /* the AdamW steps the trainers took if every STEP that applied ran:
+     * their count at the start plus one a STEP (checked before a shard is
+     * written from a poisoned stage) */
+    int64_t adam_want;
 } stage_train;
 
 /* ---- stage_train.c ---- */

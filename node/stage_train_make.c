@@ -232,6 +232,7 @@ nl_status stage_train_make(nl_stage *s, const nl_trainparams *p, const nl_msg_jo
         for (int r = 0; r < t->R; r++)
             nl_trainer_set_adam_steps(t->rep[r].tr, p->adam_steps);
     }
+    t->adam_want = nl_trainer_adam_steps(t->rep[0].tr);
     /* the checkpoint's moments are freed here: taken by a resumed job, or
      * dropped by a new one, which starts with zero moments at AdamW step 0 */
     for (int i = 0; i < 2; i++) {

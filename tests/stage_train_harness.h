@@ -126,9 +126,16 @@ static inline void packet_free(packet *p)
         free(p->frame[i]);
 }
 
+/* The stage whose sends to the next stage fail, as to a node that died
+ * (-1: none), and the checkpoint root make_stages gives the stages. */
+static int next_gone = -1;
+static const char *ckpt_root = "/nonexistent-root";
+
 static inline nl_status bus_send(void *ctx, nl_stage_dest to, nl_wire_msg *m, nl_error *err)
 {
     int s = *(int *)ctx;
+    if (to == NL_STAGE_TO_NEXT && s == next_gone)
+        return nl_error_set(err, NL_ERR_NOTFOUND, "cannot reach the next stage: peer is gone");
     if (to == NL_STAGE_TO_COORD)
         push(&coord_q, m);
     else if (to == NL_STAGE_TO_NEXT && s + 1 < NST)
@@ -346,7 +353,7 @@ static inline void make_stages(int nst, const int *bounds, int64_t inject_step, 
         nl_stage_opts o = {.memory_bytes = 1ULL << 30,
                            .kv_budget = 1 << 20,
                            .send_wait_ms = 100,
-                           .ckpt_root = "/nonexistent-root",
+                           .ckpt_root = ckpt_root,
                            .inject_nan_step = inject_step,
                            .inject_nan_stage = inject_stage,
                            .lie = s == lie_stage ? test_lie : (nl_stage_lie){0}};

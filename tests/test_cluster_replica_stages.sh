@@ -92,7 +92,8 @@ check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck6" --log "$W/
   --out "$W/ref2.safetensors" 2> "$W/ref2.err"
 check "$N" cluster down --dir "$C"
 C="$W/c21k"
-up "$C" 2,1 4 m2
+# (each training message 10 ms more: the job is under way when the kill lands)
+NL_TEST_SLOW_MS=10 up "$C" 2,1 4 m2
 train_kill_replica "$C" "$(replica_node "$C" 0 1)" "$W/ref2" "${RUN[@]}"
 check "$N" cluster down --dir "$C"
 

@@ -80,7 +80,9 @@ check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" weights "$W/r2.safetensors" "$W/
 # so the run is byte-identical to the undisturbed one.
 check "$N" cluster down --dir "$C"
 C="$W/c4k"
-check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 4 --replicas 2 --model "$W/m.safetensors" \
+# (each training message takes 10 ms more, NL_TEST_SLOW_MS, so that the
+# job is still under way when the kill lands, however busy the machine)
+check env NL_TEST_SLOW_MS=10 "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 4 --replicas 2 --model "$W/m.safetensors" \
   --memory 64M --threads 1 --node-timeout-ms 2000 --timeout 60
 train_kill_replica "$C" "$(replica_node "$C" 1 0)" "$W/r1" "${RUN[@]}"
 

@@ -13,6 +13,10 @@
  *  - the guard: a NaN in one stage's gradient skips the step everywhere;
  *  - refusals: hops of a wrong shape, step or job, a GRADIENT out of
  *    order, a CKPT_REQ outside --checkpoint-root;
+ *  - a stage whose send to the next stage failed mid-step (its node
+ *    died) refuses every later hop, but still writes its shard of the
+ *    steps done (the coordinator saves the step under way: docs/cluster.md
+ *    "A replica's node dies"), and no other step's;
  *  - neighbours with other replica counts (ASSIGN prev_keys, next_keys):
  *    hops and gradients delivered in any order give the in-order run's
  *    losses and norms to the bit;
@@ -37,6 +41,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "base/log.h"
 #include "core/model/rng.h"
@@ -309,6 +314,89 @@ static void refusals(void)
  * any order: each stage runs them in microbatch order (a gradient before
  * its turn waits), so every step's loss and gradient norm are those of
  * the run in order, to the bit. */
+static void shard_after_lost_neighbour(void)
+{
+    const int bounds[NST + 1] = {0, 1, 2, 3}, mbB = 2, T = 4, M = 2, rows = mbB * T;
+    const uint64_t job = 7;
+    char root[] = "/tmp/nl_test_stage_ckpt_XXXXXX", dir[128], path[200];
+    nl_error err;
+    if (!mkdtemp(root)) {
+        CHECK(0, "mkdtemp");
+        return;
+    }
+    ckpt_root = root;
+    nl_rng_seed(&data_rng, 77, 0);
+    make_stages(NST, bounds, 0, -1, 1);
+    begin_job(NST, job, mbB, T, M, 0, false);
+    int32_t tok[2 * 2 * 4], tgt[2 * 2 * 4];
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    for (uint64_t step = 1; step <= 2; step++) {
+        random_batch(tok, tgt, M * rows);
+        for (int mb = 0; mb < M; mb++)
+            feed(job, NL_MSG_COUNT, step, (uint32_t)mb, tok + mb * rows, NULL, mbB, T);
+        for (int mb = 0; mb < M; mb++)
+            feed(job, NL_MSG_ACTIVATION, step, (uint32_t)mb, tok + mb * rows, tgt + mb * rows, mbB,
+                 T);
+        if (step == 2)
+            break;
+        pump(NST);
+        coord_step cs = {0};
+        read_reports(&cs, step);
+        nl_wire_msg_reset(&m, NL_MSG_STEP);
+        m.u.step = (nl_msg_step){job, step, true, 1.0, 1e-3};
+        for (int s = 0; s < NST; s++)
+            push(&stage_q[s][Q_CTL], &m);
+        pump(NST);
+    }
+    /* step 2: stage 0's first send to the next stage fails */
+    next_gone = 0;
+    nl_status first = NL_OK, st;
+    packet p;
+    while (pop(&stage_q[0][Q_CTL], &m, &p)) {
+        st = nl_stage_job_input(stages[0], &m, bus_send, &ctx_idx[0], &err);
+        if (first == NL_OK && st != NL_OK) {
+            first = st;
+            CHECK(strstr(err.msg, "peer is gone"), "the failed send: %s", err.msg);
+        } else if (first != NL_OK) {
+            CHECK(st != NL_OK && strstr(err.msg, "peer is gone"),
+                  "a hop after the failed send was taken: %s", err.msg);
+        }
+        packet_free(&p);
+    }
+    CHECK(first != NL_OK, "no send failed");
+    next_gone = -1;
+    /* the shard of step 1 is written all the same; one of step 2 is not */
+    snprintf(dir, sizeof dir, "%s/step-000001.resume1", root);
+    nl_wire_msg_reset(&m, NL_MSG_CKPT_REQ);
+    m.u.ckpt_req = (nl_msg_ckpt_req){job, 1, dir};
+    CHECK_OK(nl_stage_job_input(stages[0], &m, bus_send, &ctx_idx[0], &err), &err);
+    snprintf(path, sizeof path, "%s/stage-0.safetensors", dir);
+    CHECK(access(path, R_OK) == 0, "no shard at %s", path);
+    int done = 0;
+    while (pop(&coord_q, &m, &p)) {
+        done += m.type == NL_MSG_CKPT_DONE && m.u.ckpt_done.step == 1 && m.u.ckpt_done.stage == 0 &&
+                strcmp(m.u.ckpt_done.path, path) == 0;
+        packet_free(&p);
+    }
+    CHECK(done == 1, "CKPT_DONE of step 1: %d", done);
+    nl_wire_msg_reset(&m, NL_MSG_CKPT_REQ);
+    m.u.ckpt_req = (nl_msg_ckpt_req){job, 2, dir};
+    CHECK(nl_stage_job_input(stages[0], &m, bus_send, &ctx_idx[0], &err) == NL_ERR_STATE &&
+              strstr(err.msg, "1 steps are applied"),
+          "a shard of step 2: %s", err.msg);
+    nl_wire_msg_free(&m);
+    for (int s = 0; s < NST; s++) /* what the others sent meanwhile */
+        for (int k = 0; k < Q_KINDS; k++)
+            while (pop(&stage_q[s][k], &m, &p))
+                packet_free(&p);
+    free_stages(NST);
+    ckpt_root = "/nonexistent-root";
+    char cmd[160];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);
+    CHECK(system(cmd) == 0, "%s", cmd);
+}
+
 static void fans_in_any_order(int B, int T, int M, int steps)
 {
     double l0[8], n0[8], l1[8], n1[8];
@@ -475,6 +563,7 @@ int main(void)
         parity(8, 8, 4, 3, 0, true, 1, NULL, NULL);  /* per-layer recompute on every stage */
         parity(8, 8, 4, 4, 2, false, 1, NULL, NULL); /* the guard */
         refusals();
+        shard_after_lost_neighbour();
         digests();
         fans_in_any_order(8, 8, 4, 5);
         replicas_agree(8, 8, 4, 5, 0, false, 2);
