@@ -23,6 +23,7 @@
 #include "core/formats/checkpoint.h"
 #include "net/transport.h"
 #include "tests/check.h"
+#include "tests/small_config.h"
 
 #define WAIT_MS 8000 /* for a message that must arrive (the node may run under ASan) */
 #define WAIT_NO 500  /* for one that must not */
@@ -494,16 +495,7 @@ static inline bool harness_begin(const char *name)
     }
     signal(SIGALRM, on_alarm);
     alarm(240); /* a hang is a failure, not a stuck CI job */
-    nl_config_init(&cfg);
-    cfg.hidden_dim = 32;
-    cfg.num_layers = 3;
-    cfg.num_heads = 4;
-    cfg.num_kv_heads = 2;
-    cfg.ffn_dim = 48;
-    cfg.num_experts = 4;
-    cfg.vocab_size = 300;
-    cfg.vocab_chunk = 128;
-    cfg.max_seq_len = 32;
+    check_small_config(&cfg, 3);
     cfg_json = nl_config_to_json(&cfg);
     CHECK_OK(check_backend_new(&be, 1, &err), &err); /* as the nodes: same sums */
     return true;

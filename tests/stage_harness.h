@@ -19,6 +19,7 @@
 #include "core/model/sampler.h"
 #include "node/stage.h"
 #include "tests/check.h"
+#include "tests/small_config.h"
 
 #define SEED 1234
 #define CHUNK 100 /* elements per LAYER_LOAD chunk: tensors span many */
@@ -216,16 +217,7 @@ static inline int stage_harness_start(const char *name, nl_model **ref)
     nl_error err;
     nl_log_set_name(name);
     nl_log_set_level(NL_LOG_WARN);
-    nl_config_init(&cfg);
-    cfg.hidden_dim = 32;
-    cfg.num_layers = 3;
-    cfg.num_heads = 4;
-    cfg.num_kv_heads = 2;
-    cfg.ffn_dim = 48;
-    cfg.num_experts = 4;
-    cfg.vocab_size = 300;
-    cfg.vocab_chunk = 128; /* capacity 384 rows: logits over the active 300 only */
-    cfg.max_seq_len = 32;
+    check_small_config(&cfg, 3);
     CHECK_OK(nl_config_validate(&cfg, 1, &err), &err);
     cfg_json = nl_config_to_json(&cfg);
     CHECK_OK(check_backend_new(&be, 2, &err), &err);

@@ -26,10 +26,11 @@
 #include "node/stage.h"
 #include "node/stage_verify.h"
 #include "tests/check.h"
+#include "tests/small_config.h"
+#include "tests/wire_fifo.h"
 
 #define SEED 99
 #define NST 3
-#define MAXQ 4096
 
 #define MAXREP 3
 
@@ -39,20 +40,7 @@ static char *cfg_json;
 
 /* ---- a message bus: one FIFO per socket, messages stored encoded ---- */
 
-typedef struct packet {
-    uint8_t *hdr;
-    size_t hlen;
-    uint8_t *frame[NL_WIRE_MAX_FRAMES];
-    size_t flen[NL_WIRE_MAX_FRAMES];
-    int nframes;
-} packet;
-
 enum { Q_CTL, Q_DATA, Q_NEXT, Q_KINDS }; /* a stage's inputs: control, data, next */
-
-typedef struct fifo {
-    packet p[MAXQ];
-    int head, len;
-} fifo;
 
 static fifo stage_q[NST][Q_KINDS], coord_q;
 /* the test hook's lie (make_stages gives it to stage lie_stage) */
@@ -68,63 +56,11 @@ static int ctx_idx[NST];
 static nl_rng order_rng; /* the order of deliveries */
 static nl_rng data_rng;  /* the batches: the same for every run of parity() */
 
-static inline void push(fifo *f, nl_wire_msg *m)
-{
-    nl_wire_wbuf wb = {0};
-    nl_error err;
-    CHECK_OK(nl_wire_encode(m, &wb, NULL, &err), &err);
-    if (f->len == MAXQ) {
-        CHECK(0, "queue full");
-        nl_wire_wbuf_free(&wb);
-        return;
-    }
-    packet *p = &f->p[(f->head + f->len++) % MAXQ];
-    p->hdr = wb.data;
-    p->hlen = wb.len;
-    p->nframes = m->nframes;
-    for (int i = 0; i < m->nframes; i++) {
-        p->flen[i] = m->frames[i].len;
-        p->frame[i] = malloc(p->flen[i] + 1);
-        memcpy(p->frame[i], m->frames[i].t.data, p->flen[i]);
-    }
-}
-
 /* Neighbours with other replica counts (fans_in_any_order): every stage
  * is told its neighbours are fans (ASSIGN prev_keys, next_keys), and the
  * data and next sockets deliver their hops in any order, as several
  * replicas of a neighbour would send them. */
 static bool fans;
-
-/* Pop the message at position i of the queue (0: its head) and decode it
- * into m (frames valid until packet_free). */
-static inline int pop_at(fifo *f, int at, nl_wire_msg *m, packet *out)
-{
-    if (!f->len)
-        return 0;
-    *out = f->p[(f->head + at) % MAXQ];
-    for (int k = at; k > 0; k--) /* the ones before it move up */
-        f->p[(f->head + k) % MAXQ] = f->p[(f->head + k - 1) % MAXQ];
-    f->head = (f->head + 1) % MAXQ;
-    f->len--;
-    nl_wire_part parts[NL_WIRE_MAX_FRAMES + 1] = {{out->hdr, out->hlen}};
-    for (int i = 0; i < out->nframes; i++)
-        parts[i + 1] = (nl_wire_part){out->frame[i], out->flen[i]};
-    nl_error err;
-    CHECK_OK(nl_wire_decode(m, parts, 1 + out->nframes, NULL, &err), &err);
-    return 1;
-}
-
-static inline int pop(fifo *f, nl_wire_msg *m, packet *out)
-{
-    return pop_at(f, 0, m, out);
-}
-
-static inline void packet_free(packet *p)
-{
-    free(p->hdr);
-    for (int i = 0; i < p->nframes; i++)
-        free(p->frame[i]);
-}
 
 /* The stage whose sends to the next stage fail, as to a node that died
  * (-1: none), and the checkpoint root make_stages gives the stages. */
@@ -544,16 +480,7 @@ static inline int pipeline_begin(void)
 {
     nl_error err;
     nl_rng_seed(&order_rng, 7, 0);
-    nl_config_init(&cfg);
-    cfg.hidden_dim = 32;
-    cfg.num_layers = 3;
-    cfg.num_heads = 4;
-    cfg.num_kv_heads = 2;
-    cfg.ffn_dim = 48;
-    cfg.num_experts = 4;
-    cfg.vocab_size = 300;
-    cfg.vocab_chunk = 128;
-    cfg.max_seq_len = 32;
+    check_small_config(&cfg, 3);
     CHECK_OK(nl_config_validate(&cfg, 1, &err), &err);
     cfg_json = nl_config_to_json(&cfg);
     CHECK_OK(check_backend_new(&be, 2, &err), &err);

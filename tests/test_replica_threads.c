@@ -23,10 +23,12 @@
 #include "node/stage.h"
 #include "node/stage_impl.h" /* stage_train_quiesce */
 #include "tests/check.h"
+#include "tests/small_config.h"
+#define WIRE_FIFO_MAX 1024
+#include "tests/wire_fifo.h"
 
 #define NST 2
 #define REPS 2
-#define MAXQ 1024
 #define HANG_MS 30000
 
 static nl_backend *bes[NST][REPS]; /* each stage its own: the stages' threads run at once */
@@ -37,72 +39,7 @@ static int idx[NST] = {0, 1};
 
 /* ---- messages, stored encoded: one FIFO per stage and the coordinator's ---- */
 
-typedef struct packet {
-    uint8_t *hdr;
-    size_t hlen;
-    uint8_t *frame[NL_WIRE_MAX_FRAMES];
-    size_t flen[NL_WIRE_MAX_FRAMES];
-    int nframes;
-} packet;
-
-typedef struct fifo {
-    packet p[MAXQ];
-    int head, len;
-} fifo;
-
 static fifo q[NST], coord_q;
-
-static void push(fifo *f, nl_wire_msg *m)
-{
-    nl_wire_wbuf wb = {0};
-    nl_error err;
-    CHECK_OK(nl_wire_encode(m, &wb, NULL, &err), &err);
-    if (f->len == MAXQ) {
-        CHECK(0, "queue full");
-        nl_wire_wbuf_free(&wb);
-        return;
-    }
-    packet *p = &f->p[(f->head + f->len++) % MAXQ];
-    p->hdr = wb.data;
-    p->hlen = wb.len;
-    p->nframes = m->nframes;
-    for (int i = 0; i < m->nframes; i++) {
-        p->flen[i] = m->frames[i].len;
-        p->frame[i] = malloc(p->flen[i] + 1);
-        memcpy(p->frame[i], m->frames[i].t.data, p->flen[i]);
-    }
-}
-
-static int pop(fifo *f, nl_wire_msg *m, packet *out)
-{
-    if (!f->len)
-        return 0;
-    *out = f->p[f->head];
-    f->head = (f->head + 1) % MAXQ;
-    f->len--;
-    nl_wire_part parts[NL_WIRE_MAX_FRAMES + 1] = {{out->hdr, out->hlen}};
-    for (int i = 0; i < out->nframes; i++)
-        parts[i + 1] = (nl_wire_part){out->frame[i], out->flen[i]};
-    nl_error err;
-    CHECK_OK(nl_wire_decode(m, parts, 1 + out->nframes, NULL, &err), &err);
-    return 1;
-}
-
-static void packet_free(packet *p)
-{
-    free(p->hdr);
-    for (int i = 0; i < p->nframes; i++)
-        free(p->frame[i]);
-}
-
-static void fifo_clear(fifo *f)
-{
-    while (f->len) {
-        packet_free(&f->p[f->head]);
-        f->head = (f->head + 1) % MAXQ;
-        f->len--;
-    }
-}
 
 static nl_status bus_send(void *ctx, nl_stage_dest to, nl_wire_msg *m, nl_error *err)
 {
@@ -426,16 +363,7 @@ int main(void)
     nl_error err;
     nl_log_set_name("test_replica_threads");
     nl_log_set_level(NL_LOG_OFF);
-    nl_config_init(&cfg);
-    cfg.hidden_dim = 32;
-    cfg.num_layers = 2;
-    cfg.num_heads = 4;
-    cfg.num_kv_heads = 2;
-    cfg.ffn_dim = 48;
-    cfg.num_experts = 4;
-    cfg.vocab_size = 300;
-    cfg.vocab_chunk = 128;
-    cfg.max_seq_len = 32;
+    check_small_config(&cfg, 2);
     CHECK_OK(nl_config_validate(&cfg, 1, &err), &err);
     cfg_json = nl_config_to_json(&cfg);
     bool ok = cfg_json != NULL;

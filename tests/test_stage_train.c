@@ -388,8 +388,7 @@ static void shard_after_lost_neighbour(void)
     nl_wire_msg_free(&m);
     for (int s = 0; s < NST; s++) /* what the others sent meanwhile */
         for (int k = 0; k < Q_KINDS; k++)
-            while (pop(&stage_q[s][k], &m, &p))
-                packet_free(&p);
+            fifo_clear(&stage_q[s][k]);
     free_stages(NST);
     ckpt_root = "/nonexistent-root";
     char cmd[160];
