@@ -22,6 +22,12 @@
  *     with NL_FUSED=0 (the separate slots in place of the fused decode
  *     ones, issue 29), and the op slot calls (launches) of one token each
  *     way, counted by a wrapper of the backend's table;
+ *   - the decode against the memory bound ("decode_bound"): the bytes a
+ *     token reads at least (its weights once, from their bf16 copies with
+ *     --precision bf16; the KV cache at the run's mean context) over the
+ *     device's copy bandwidth, measured in the same run (copy_rows over 256
+ *     MiB): the limit in tokens/s and the fraction of it the device-routed
+ *     decode reaches, with the FP32 and the bf16 KV cache;
  *   - batched decode (core/model/batch.c, a stage's path): 1, 4 and 16
  *     sessions decoded together, aggregate tokens/s, and whether session
  *     0's greedy ids are the same in every batch (row invariance); and
@@ -34,7 +40,9 @@
  * only to read the device attributes. Without a usable device it prints
  * the backend's message and exits 77.
  * Run: build/bench/bench_cuda [--config CFG] [--rows N] [--device cuda:N]
- * (--device cpu is a dry run of the harness with the spec figures at 0).
+ * [--precision fp32|bf16] [--decode-only] (--device cpu is a dry run of the
+ * harness with the spec figures at 0; --precision is the decode's, the
+ * GEMM and memory parts stay FP32 and TF32; --decode-only skips them).
  * This file has the device, the GEMM and memory-bound parts and main; the
  * decode split and batched decode are bench_cuda_decode.c's. */
 #include <cuda_runtime_api.h>
@@ -275,9 +283,14 @@ int main(int argc, char **argv)
         {"device", 1, "CUDA device (default cuda:0; cpu: a dry run)", NULL},
         {"square", 1, "size of the square SGEMM (default 4096)", NULL},
         {"decode-tokens", 1, "tokens of the decode split (default 64; 0: skip)", NULL},
+        {"precision", 1,
+         "the decode's GEMM precision, fp32 (default) or bf16 (the weights' bf16 copies; the "
+         "GEMM and memory parts stay FP32/TF32)",
+         NULL},
+        {"decode-only", 0, "skip the GEMM and memory-bound parts", NULL},
         {0}};
     const char *usage = "bench_cuda [--config CFG.yaml] [--rows N] [--device cuda:N] [--square M] "
-                        "[--decode-tokens N]";
+                        "[--decode-tokens N] [--precision fp32|bf16] [--decode-only]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -289,6 +302,14 @@ int main(int argc, char **argv)
         return rc;
     cfg_path = cfg_path ? cfg_path : "configs/bench-large.yaml";
     device = device ? device : "cuda:0";
+    const char *prec = nl_args_get(flags, "precision");
+    const int decode_only = nl_args_get(flags, "decode-only") != NULL;
+    if (prec && strcmp(prec, "fp32") != 0 && strcmp(prec, "bf16") != 0) {
+        fprintf(stderr, "bench_cuda: --precision %s: not fp32 or bf16\n", prec);
+        return 2;
+    }
+    const nl_backend_opts dec_opts = {.bf16 = prec && strcmp(prec, "bf16") == 0};
+    nl_backend *bd = NULL; /* the decode's backend where it is bf16 */
     nl_error err = {0};
     nl_config cf;
     nl_backend *be = NULL, *be32 = NULL;
@@ -320,7 +341,8 @@ int main(int argc, char **argv)
         nk * d,           (size_t)rows * (cf.num_heads + 2 * cf.num_kv_heads) * (d / cf.num_heads)};
     for (size_t i = 0; i < sizeof need / sizeof need[0]; i++)
         floats = need[i] > floats ? need[i] : floats;
-    if (arena_new(be, &ar, floats, nk) != 0 || arena_new(be32, &ar32, floats, nk) != 0) {
+    if (!decode_only &&
+        (arena_new(be, &ar, floats, nk) != 0 || arena_new(be32, &ar32, floats, nk) != 0)) {
         fprintf(stderr, "bench_cuda: cannot allocate 2 x 5 x %zu floats on %s\n", floats, device);
         goto out;
     }
@@ -346,14 +368,14 @@ int main(int argc, char **argv)
            device, s.name, s.major, s.minor, s.sms, s.clock_mhz, s.lanes,
            s.lanes_known ? "" : ",\"lanes_guessed\":true", s.fp32_gflops, s.mem_clock_mhz,
            s.bus_bits, s.gbs, cfg_path, rows);
-    for (int i = 0; i < ng; i++) {
+    for (int i = 0; i < ng && !decode_only; i++) {
         double t = time_job(be, &g[i], &err), t19 = t >= 0 ? time_job(be32, &g32[i], &err) : -1;
         if (t < 0 || t19 < 0)
             goto device_error;
         print_gemm(&g[i], t, t19, &s, i == 0);
     }
     printf("\n  ],\n  \"memory\":[");
-    for (int i = 0; i < nm; i++) {
+    for (int i = 0; i < nm && !decode_only; i++) {
         double t = time_job(be, &mj[i], &err);
         if (t < 0)
             goto device_error;
@@ -365,8 +387,16 @@ int main(int argc, char **argv)
     printf("\n  ]");
     if (dtok > 0) {
         arena_free(be, &ar); /* room for the model */
+        arena_free(be32, &ar32);
         memset(&ar, 0, sizeof ar);
-        if (decode_report(be, device, &cf, dtok, &err) != 0) {
+        memset(&ar32, 0, sizeof ar32);
+        if (dec_opts.bf16 && nl_backend_new(&bd, device, &dec_opts, &err) != NL_OK) {
+            printf("\n}\n");
+            fprintf(stderr, "bench_cuda: --precision bf16: %s (%s)\n", err.msg,
+                    nl_status_str(err.status));
+            goto out;
+        }
+        if (decode_report(bd ? bd : be, device, &dec_opts, &cf, dtok, &err) != 0) {
             printf("\n}\n");
             fprintf(stderr, "bench_cuda: decode: %s (%s)\n", err.msg, nl_status_str(err.status));
             goto out;
@@ -382,6 +412,7 @@ out:
     if (be32)
         arena_free(be32, &ar32);
     arena_free(be, &ar);
+    nl_backend_destroy(&bd);
     nl_backend_destroy(&be32);
     nl_backend_destroy(&be);
     return rc;

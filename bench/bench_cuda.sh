@@ -23,7 +23,12 @@
 #      tokens/s, the ratio, whether the greedy ids agree); and batched
 #      decode of 1, 4 and 16 sessions (decode_batch: aggregate tokens/s,
 #      the same ids for session 0 in every batch), with batch-1 decode on
-#      the gemm_rows kernel against cuBLAS (NL_CUDA_ROWS=cublas);
+#      the gemm_rows kernel against cuBLAS (NL_CUDA_ROWS=cublas); and
+#      batch-1 decode of each CONFIG:PRECISION of DECODE_SPECS against the
+#      memory bound (decode_bound: tokens/s, host syncs per token, the
+#      fraction of the limit that the bytes a token reads and the device's
+#      copy bandwidth, measured in the same run, set; whether device
+#      routing is slower than host routing);
 #   3. neuroctl bench --device cuda:0 on configs/bench-large.yaml and on
 #      configs/bench-xl.yaml (about 4.2 GB of weights), and bench-large on
 #      --device cpu, for the speed-up; the device's training figures
@@ -61,7 +66,8 @@
 # Usage: bench/bench_cuda.sh
 # Environment: OUT, NL_BUILD_DIR, DEVICE (cuda:0), CONFIGS ("bench-large
 # bench-xl"), CPU_CONFIGS (those of CONFIGS also run on the CPU for the
-# speed-up: "bench-large"), MIXED_CONFIG (bench-medium), TRAIN_CONFIG (bench-small),
+# speed-up: "bench-large"), DECODE_SPECS (part 2's decode runs beside
+# bench-large FP32: "bench-large:bf16 bench-xl:fp32 bench-xl:bf16"), MIXED_CONFIG (bench-medium), TRAIN_CONFIG (bench-small),
 # BENCH_CUDA_ARGS (extra flags of bench_cuda), REPLICAS (the two-replica
 # device list of part 6; default cuda:0,1 where two GPUs answer),
 # REPLICA_JOB (its job's size: "--steps 12 --batch 16 --seq 128
@@ -72,7 +78,8 @@
 # A dry run of the script
 # without a GPU:
 #   DEVICE=cpu-devsim CONFIGS=tiny CPU_CONFIGS=tiny MIXED_CONFIG=tiny TRAIN_CONFIG=tiny \
-#   BENCH_CUDA_ARGS="--square 256 --rows 64" NL_BUILD_DIR=build bench/bench_cuda.sh
+#   DECODE_SPECS="tiny:fp32 tiny:bf16" BENCH_CUDA_ARGS="--square 256 --rows 64" NL_BUILD_DIR=build \
+#   bench/bench_cuda.sh
 # and of part 6 alone on two CPU replicas:
 #   ONLY=6 REPLICAS=cpu,cpu TRAIN_CONFIG=tiny REPLICA_JOB="--steps 6 --batch 8 --seq 64 \
 #   --microbatches 4" NL_BUILD_DIR=build bench/bench_cuda.sh
@@ -83,6 +90,7 @@ OUT=${OUT:-./bench-cuda-out}
 DEVICE=${DEVICE:-cuda:0}
 CONFIGS=${CONFIGS:-bench-large bench-xl}
 CPU_CONFIGS=${CPU_CONFIGS:-bench-large}
+DECODE_SPECS=${DECODE_SPECS-bench-large:bf16 bench-xl:fp32 bench-xl:bf16}
 MIXED_CONFIG=${MIXED_CONFIG:-bench-medium}
 TRAIN_CONFIG=${TRAIN_CONFIG:-bench-small}
 read -r -a BENCH_CUDA_ARGS <<<"${BENCH_CUDA_ARGS:-}"
@@ -315,6 +323,48 @@ if not d["same_ids_every_batch"]:
     sys.exit("a session's greedy ids depend on the batch around it")
 PY
 result decode_batch $? "$(tail -1 "$OUT/decode_batch.txt")"
+# batch-1 decode against the memory bound (issue 29), on each CONFIG:PRECISION
+# of DECODE_SPECS beside the run above (bench-large, FP32): bench_cuda
+# --decode-only, the same split each time. Per run: tokens/s (device
+# routing, recorded steps), host syncs per token, device routing against
+# host routing (issue 29's target: never slower; reported), and the fraction of
+# the memory-bound limit: the bytes a token reads (its weights once, in
+# bf16 from their copies; the KV cache at the run's mean context) over the
+# device's copy bandwidth measured in the same run
+jsons=("$OUT/bench_cuda.json")
+for spec in $DECODE_SPECS; do
+    cfg=${spec%%:*} prec=${spec##*:}
+    step "bench_cuda_${cfg}_$prec" 600 "$BUILD/bench/bench_cuda" --device "$DEVICE" \
+        --config "$SRC/configs/$cfg.yaml" --precision "$prec" --decode-only "${BENCH_CUDA_ARGS[@]}"
+    rc=$?
+    cp "$OUT/bench_cuda_${cfg}_$prec.out" "$OUT/bench_cuda_${cfg}_$prec.json"
+    result "bench_cuda_${cfg}_$prec" $rc
+    jsons+=("$OUT/bench_cuda_${cfg}_$prec.json")
+done
+$PY - "${jsons[@]}" >"$OUT/decode_bound.txt" 2>&1 <<'PY'
+import json, os, sys
+bad = []
+for path in sys.argv[1:]:
+    try:
+        j = json.load(open(path))
+        d, b = j["decode"], j["decode_bound"]
+    except (OSError, ValueError, KeyError) as e:
+        bad.append("%s: no decode figures (%s)" % (os.path.basename(path), e))
+        continue
+    dev, host = d["device_routing"], d["host_routing"]
+    cfg = os.path.basename(j.get("config", "?")).replace(".yaml", "")
+    print("%s %s: %.1f tok/s, %.2f syncs/token, %.1f%% of the memory bound (%.1f MB/token at %.0f GB/s:"
+          " %.0f tok/s; bf16 KV cache %.1f%%); device/host routing x%.2f"
+          % (cfg, b["precision"], dev["tokens_s"], dev["host_syncs_per_token"], 100 * b["frac"],
+             b["bytes_per_token"] / 1e6, b["copy_gbs"], b["limit_tokens_s"], 100 * b["bf16_kv_frac"],
+             dev["tokens_s"] / host["tokens_s"]))
+    if dev["tokens_s"] < host["tokens_s"]:
+        print("  target missed: device routing slower than host routing")
+for m in bad:
+    print(m)
+sys.exit(1 if bad else 0)
+PY
+result decode_bound $? "$(tr '\n' ';' <"$OUT/decode_bound.txt" | head -c 900)"
 
 fi # part 2
 

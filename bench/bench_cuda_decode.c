@@ -4,8 +4,9 @@
  * separate slots in place of the fused ones, a bf16 KV cache, the copies
  * every token makes, the op slot calls of one token) and batched decode
  * (1, 4 and 16 sessions together, row invariance, gemm's decode rows on
- * cuBLAS beside the gemm_rows kernel), printed as the JSON object
- * "decode". */
+ * cuBLAS beside the gemm_rows kernel), printed as the JSON objects
+ * "decode", "decode_bound" (the memory-bound limit and the fraction of it
+ * reached) and "batch_decode". */
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -342,16 +343,65 @@ out:
 
 /* The decode split as the JSON object "decode" (after a comma). Returns
  * 0, or -1 with err set (nothing printed). */
-static int batch_report(nl_backend *be, const char *device, const nl_config *cf, int tokens,
-                        const decode_fig *fwd, nl_error *err);
+static int batch_report(nl_backend *be, const char *device, const nl_backend_opts *o,
+                        const nl_config *cf, int tokens, const decode_fig *fwd, nl_error *err);
 
-int decode_report(nl_backend *be, const char *device, const nl_config *cf, long long tokens,
-                  nl_error *err)
+/* The bytes a batch-1 decode token must read at least (issue 29's memory
+ * bound): each weight it uses once (the attention projections, the router,
+ * its top_k experts' three matrices, the head; wbytes an element: 4, or 2
+ * where bf16 GEMMs read the weights' bf16 copy), the norm weights and its
+ * embedding row in FP32, and the KV cache of ctx positions (kvbytes an
+ * element). */
+static double decode_bytes_per_token(const nl_config *c, int wbytes, int kvbytes, double ctx)
+{
+    const double d = c->hidden_dim, hd = nl_config_head_dim(c), H = c->num_heads;
+    const double G = c->num_kv_heads, F = c->ffn_dim, E = c->num_experts, k = c->top_k;
+    const double L = c->num_layers;
+    const double layer =
+        d * (H + 2 * G) * hd + H * hd * d + (nl_config_dense(c) ? 0 : E * d) + k * 3 * F * d;
+    const double weights = wbytes * (L * layer + (double)c->vocab_size * d);
+    const double vectors = 4 * (L * 2 * d + d + d); /* norms, the final norm, the embedding row */
+    return weights + vectors + L * 2 * G * hd * ctx * kvbytes;
+}
+
+/* The device's copy bandwidth, measured: copy_rows over two 256 MiB buffers
+ * (a read and a write of each byte), the best of 5 after a warm-up, in
+ * bytes per second. 0 when the buffers cannot be had (no figure then). */
+static double copy_bandwidth(nl_backend *be, nl_error *err)
+{
+    enum { COLS = 4096, ROWS = 16384 }; /* 64 Mi floats */
+    const size_t bytes = (size_t)COLS * ROWS * sizeof(float);
+    float *a = be->alloc(be, bytes), *b = a ? be->alloc(be, bytes) : NULL;
+    double best = 0;
+    if (a && b) {
+        be->zero(be, a, bytes);
+        for (int r = 0; r < 6; r++) {
+            const double t0 = now_s();
+            be->copy_rows(be, b, COLS, a, COLS, ROWS, COLS);
+            if (be->sync(be, err) != NL_OK)
+                break;
+            const double t = now_s() - t0;
+            if (r > 0 && (best == 0 || t < best))
+                best = t;
+        }
+    }
+    if (b)
+        be->free(be, b);
+    if (a)
+        be->free(be, a);
+    return best > 0 ? 2.0 * (double)bytes / best : 0.0;
+}
+
+int decode_report(nl_backend *be, const char *device, const nl_backend_opts *o, const nl_config *cf,
+                  long long tokens, nl_error *err)
 {
     decode_fig f[DECODE_MODES] = {{0}};
     long launches[2] = {0};
     double copy = 0;
     if (decode_split(be, cf, (int)tokens, f, launches, &copy, err) != 0)
+        return -1;
+    const double bw = copy_bandwidth(be, err);
+    if (err->status != NL_OK)
         return -1;
     printf(",\n  \"decode\":{\"tokens\":%lld,\"prompt\":64,", tokens);
     static const char *names[DECODE_MODES] = {"device_routing",     "host_routing",
@@ -368,7 +418,20 @@ int decode_report(nl_backend *be, const char *device, const nl_config *cf, long 
            f[0].ids_hash == f[2].ids_hash ? "true" : "false",
            f[0].ids_hash == f[5].ids_hash ? "true" : "false", copy * 1e3,
            (f[0].s_per_tok - copy) * 1e3);
-    return batch_report(be, device, cf, (int)tokens, &f[0], err);
+    /* the memory bound: the mean context of the run's tokens (the prompt, then
+     * half of them), the device-routed run (FP32 cache) and the bf16 cache's */
+    const double ctx = 64 + tokens / 2.0;
+    const int wb = be->bf16 ? 2 : 4;
+    const double b32 = decode_bytes_per_token(cf, wb, 4, ctx),
+                 b16 = decode_bytes_per_token(cf, wb, 2, ctx);
+    printf(",\n  \"decode_bound\":{\"precision\":\"%s\",\"copy_gbs\":%.1f,\"mean_context\":%.0f,"
+           "\"bytes_per_token\":%.0f,\"limit_tokens_s\":%.1f,\"tokens_s\":%.1f,\"frac\":%.4f,"
+           "\"bf16_kv_bytes_per_token\":%.0f,\"bf16_kv_limit_tokens_s\":%.1f,"
+           "\"bf16_kv_tokens_s\":%.1f,\"bf16_kv_frac\":%.4f}",
+           be->bf16 ? "bf16" : "fp32", bw / 1e9, ctx, b32, bw / b32, 1.0 / f[0].s_per_tok,
+           bw > 0 ? b32 / f[0].s_per_tok / bw : 0.0, b16, bw / b16, 1.0 / f[5].s_per_tok,
+           bw > 0 ? b16 / f[5].s_per_tok / bw : 0.0);
+    return batch_report(be, device, o, cf, (int)tokens, &f[0], err);
 }
 
 /* ---------------------------------------------------------------- batched decode */
@@ -452,8 +515,8 @@ out:
  * with NL_CUDA_ROWS=cublas, whose gemm keeps cuBLAS at a decode's rows,
  * beside the default's (fwd: the default's figure, ids as decode_run
  * hashes them). Returns 0, or -1 with err set (nothing printed). */
-static int batch_report(nl_backend *be, const char *device, const nl_config *cf, int tokens,
-                        const decode_fig *fwd, nl_error *err)
+static int batch_report(nl_backend *be, const char *device, const nl_backend_opts *o,
+                        const nl_config *cf, int tokens, const decode_fig *fwd, nl_error *err)
 {
     static const int sessions[] = {1, 4, BATCH_MAX_SESSIONS};
     enum { NS = sizeof sessions / sizeof sessions[0] };
@@ -476,7 +539,7 @@ static int batch_report(nl_backend *be, const char *device, const nl_config *cf,
     char keep[16] = "";
     int had = 0;
     env_swap("NL_CUDA_ROWS", "cublas", keep, sizeof keep, &had);
-    const nl_status st = nl_backend_new(&bc, device, &(nl_backend_opts){.tf32 = 0}, err);
+    const nl_status st = nl_backend_new(&bc, device, o, err);
     env_swap("NL_CUDA_ROWS", NULL, keep, sizeof keep, &had);
     static const decode_mode dev_routing = {0, 1, 1, NL_KV_FP32};
     if (st != NL_OK || nl_model_new(&mc, bc, cf, 0, cf->num_layers, 1, 1, err) != NL_OK ||
