@@ -20,7 +20,8 @@
 #   env: TARGET (serve: one process; cluster: a NODES-node local cluster,
 #        neuroctl cluster up --http, THREADS each), CONFIG (default
 #        configs/bench-small.yaml), THREADS (2), CLIENTS ("1 4 16"), PROMPT
-#        (prompt tokens per client, 16), DEVICE (cpu), NODES (3), MAX_BATCH
+#        (prompt tokens per client, 16), DEVICE (cpu), PRECISION (serve's
+#        --precision, fp32), NODES (3), MAX_BATCH
 #        (16), CHUNK (--prefill-chunk, 64; serve only), ROUNDS (measured rounds
 #        per client count, 1: with more, the best round's line, with every
 #        round's agg_tok_s in agg_tok_s_all: on a machine others share, the
@@ -37,6 +38,7 @@ CLIENTS=${CLIENTS:-1 4 16}
 ROUNDS=${ROUNDS:-1}
 PROMPT=${PROMPT:-16}
 DEVICE=${DEVICE:-cpu}
+PRECISION=${PRECISION:-fp32}
 TARGET=${TARGET:-serve}
 NODES=${NODES:-3}
 N=$B/cli/neuroctl
@@ -52,8 +54,11 @@ trap cleanup EXIT
 "$N" init --config "$CONFIG" --out "$W/m.safetensors" --seed 1 >/dev/null
 case $TARGET in
   serve)
+    # every client from 127.0.0.1 at once: the per-address and request caps above the largest count
+    MAXC=$(printf '%s\n' $CLIENTS | sort -n | tail -1)
     "$N" serve --model "$W/m.safetensors" --http 127.0.0.1:0 --threads "$THREADS" --device "$DEVICE" \
-        --max-batch "${MAX_BATCH:-16}" --prefill-chunk "${CHUNK:-64}" >"$W/serve.out" 2>"$W/serve.err" &
+        --precision "$PRECISION" --max-batch "${MAX_BATCH:-16}" --prefill-chunk "${CHUNK:-64}" \
+        --http-per-ip $((MAXC + 8)) --max-requests $((MAXC + 8)) >"$W/serve.out" 2>"$W/serve.err" &
     PID=$!
     for _ in $(seq 600); do grep -q http:// "$W/serve.out" && break; sleep 0.1; done
     ;;
@@ -65,7 +70,7 @@ case $TARGET in
   *) echo "TARGET: serve or cluster, not $TARGET" >&2; exit 2 ;;
 esac
 URL=$(grep -o 'http://[0-9.:]*/' "$W/serve.out") || { cat "$W/serve.err" >&2; exit 1; }
-/usr/bin/python3 - "$URL" "$NEW" "$PROMPT" "$CONFIG" "$THREADS" "$DEVICE" "$TARGET" "$CLIENTS" "$ROUNDS" <<'PY'
+/usr/bin/python3 - "$URL" "$NEW" "$PROMPT" "$CONFIG" "$THREADS" "$DEVICE" "$TARGET" "$CLIENTS" "$ROUNDS" "$PRECISION" <<'PY'
 import json, sys, threading, time, urllib.request
 url, new, plen, config, threads, device, target = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6], sys.argv[7]
 counts = [int(x) for x in sys.argv[8].split()]
@@ -109,7 +114,8 @@ def round_of(n):
     toks = sum(len(o[1]) for o in out)
     ttft = [o[1][0] - o[0] for o in out]
     itl = [b - a for o in out for a, b in zip(o[1], o[1][1:])]
-    r = {"target": target, "config": config, "device": device, "threads": int(threads), "clients": n,
+    r = {"target": target, "config": config, "device": device, "precision": sys.argv[10],
+         "threads": int(threads), "clients": n,
          "new_tokens": new, "prompt_tokens": plen, "agg_tok_s": round(toks / (end - start), 1),
          "ttft_p50_ms": round(1e3 * pct(ttft, 50), 1), "ttft_p99_ms": round(1e3 * pct(ttft, 99), 1),
          "itl_p50_ms": round(1e3 * pct(itl, 50), 2), "itl_p99_ms": round(1e3 * pct(itl, 99), 2)}
