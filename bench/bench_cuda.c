@@ -42,7 +42,8 @@
  * Run: build/bench/bench_cuda [--config CFG] [--rows N] [--device cuda:N]
  * [--precision fp32|bf16] [--decode-only] (--device cpu is a dry run of the
  * harness with the spec figures at 0; --precision is the decode's, the
- * GEMM and memory parts stay FP32 and TF32; --decode-only skips them).
+ * GEMM and memory parts stay FP32 and TF32; --decode-only skips them and
+ * the batched decode).
  * This file has the device, the GEMM and memory-bound parts and main; the
  * decode split and batched decode are bench_cuda_decode.c's. */
 #include <cuda_runtime_api.h>
@@ -287,7 +288,10 @@ int main(int argc, char **argv)
          "the decode's GEMM precision, fp32 (default) or bf16 (the weights' bf16 copies; the "
          "GEMM and memory parts stay FP32/TF32)",
          NULL},
-        {"decode-only", 0, "skip the GEMM and memory-bound parts", NULL},
+        {"decode-only", 0,
+         "the decode split and its memory bound only (no GEMM, memory-bound or batched decode "
+         "parts)",
+         NULL},
         {0}};
     const char *usage = "bench_cuda [--config CFG.yaml] [--rows N] [--device cuda:N] [--square M] "
                         "[--decode-tokens N] [--precision fp32|bf16] [--decode-only]";
@@ -396,7 +400,7 @@ int main(int argc, char **argv)
                     nl_status_str(err.status));
             goto out;
         }
-        if (decode_report(bd ? bd : be, device, &dec_opts, &cf, dtok, &err) != 0) {
+        if (decode_report(bd ? bd : be, device, &dec_opts, &cf, dtok, !decode_only, &err) != 0) {
             printf("\n}\n");
             fprintf(stderr, "bench_cuda: decode: %s (%s)\n", err.msg, nl_status_str(err.status));
             goto out;

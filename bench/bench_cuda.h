@@ -14,9 +14,9 @@ double now_s(void);
 /* The decode split as the JSON object "decode" (after a comma): `tokens`
  * tokens after a 64-token prompt on a random model of config cf on be
  * (named device, made with the options o), the memory bound of its
- * tokens ("decode_bound"), then batched decode. Returns 0, or -1 with err
- * set. */
+ * tokens ("decode_bound"), then, where batch is nonzero, batched decode
+ * ("batch_decode"). Returns 0, or -1 with err set. */
 int decode_report(nl_backend *be, const char *device, const nl_backend_opts *o, const nl_config *cf,
-                  long long tokens, nl_error *err);
+                  long long tokens, int batch, nl_error *err);
 
 #endif

@@ -393,7 +393,7 @@ static double copy_bandwidth(nl_backend *be, nl_error *err)
 }
 
 int decode_report(nl_backend *be, const char *device, const nl_backend_opts *o, const nl_config *cf,
-                  long long tokens, nl_error *err)
+                  long long tokens, int batch, nl_error *err)
 {
     decode_fig f[DECODE_MODES] = {{0}};
     long launches[2] = {0};
@@ -431,7 +431,7 @@ int decode_report(nl_backend *be, const char *device, const nl_backend_opts *o, 
            be->bf16 ? "bf16" : "fp32", bw / 1e9, ctx, b32, bw / b32, 1.0 / f[0].s_per_tok,
            bw > 0 ? b32 / f[0].s_per_tok / bw : 0.0, b16, bw / b16, 1.0 / f[5].s_per_tok,
            bw > 0 ? b16 / f[5].s_per_tok / bw : 0.0);
-    return batch_report(be, device, o, cf, (int)tokens, &f[0], err);
+    return batch ? batch_report(be, device, o, cf, (int)tokens, &f[0], err) : 0;
 }
 
 /* ---------------------------------------------------------------- batched decode */
