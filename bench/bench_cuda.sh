@@ -236,7 +236,7 @@ result bench_cuda $rc
 # each, and the host synchronisations of a device-routed token (its layers
 # make none; the token and position uploads are staged: only the logits'
 # download waits)
-$PY - "$OUT/bench_cuda.json" >"$OUT/decode_routing.txt" 2>&1 <<'PY'
+$PY - "$OUT/bench_cuda.json" "$DEVICE" >"$OUT/decode_routing.txt" 2>&1 <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1])).get("decode")
 if not d:
@@ -245,7 +245,8 @@ dev, host = d["device_routing"], d["host_routing"]
 print("decode tok/s: device routing %.1f, host routing %.1f (x%.2f); host syncs per token %.2f vs %.2f"
       % (dev["tokens_s"], host["tokens_s"], dev["tokens_s"] / host["tokens_s"],
          dev["host_syncs_per_token"], host["host_syncs_per_token"]))
-if dev["host_syncs_per_token"] > 1:
+# judged on CUDA only: elsewhere the token's and position's uploads wait too
+if dev["host_syncs_per_token"] > 1 and sys.argv[2].startswith("cuda:"):
     sys.exit("a device-routed decode token made more than 1 host sync")
 PY
 result decode_routing $? "$(tail -1 "$OUT/decode_routing.txt")"
