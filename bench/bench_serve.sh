@@ -21,11 +21,12 @@
 #        neuroctl cluster up --http, THREADS each), CONFIG (default
 #        configs/bench-small.yaml), THREADS (2), CLIENTS ("1 4 16"), PROMPT
 #        (prompt tokens per client, 16), DEVICE (cpu), PRECISION (serve's
-#        --precision, fp32), NODES (3), MAX_BATCH
-#        (16), CHUNK (--prefill-chunk, 64; serve only), ROUNDS (measured rounds
-#        per client count, 1: with more, the best round's line, with every
-#        round's agg_tok_s in agg_tok_s_all: on a machine others share, the
-#        least disturbed round)
+#        --precision, fp32), NODES (3), MAX_BATCH (16), PYTHON (the
+#        clients' interpreter, /usr/bin/python3), CHUNK (--prefill-chunk,
+#        64; serve only), ROUNDS (measured rounds per client count, 1: with
+#        more, the best round's line, with every round's agg_tok_s in
+#        agg_tok_s_all: on a machine others share, the least disturbed
+#        round)
 # A quick check at a tiny size:
 #   CONFIG=configs/tiny.yaml CLIENTS="1 4" bench/bench_serve.sh build 16
 #   TARGET=cluster THREADS=1 CONFIG=configs/tiny.yaml CLIENTS="1 4" bench/bench_serve.sh build 16
@@ -70,7 +71,7 @@ case $TARGET in
   *) echo "TARGET: serve or cluster, not $TARGET" >&2; exit 2 ;;
 esac
 URL=$(grep -o 'http://[0-9.:]*/' "$W/serve.out") || { cat "$W/serve.err" >&2; exit 1; }
-/usr/bin/python3 - "$URL" "$NEW" "$PROMPT" "$CONFIG" "$THREADS" "$DEVICE" "$TARGET" "$CLIENTS" "$ROUNDS" "$PRECISION" <<'PY'
+"${PYTHON:-/usr/bin/python3}" - "$URL" "$NEW" "$PROMPT" "$CONFIG" "$THREADS" "$DEVICE" "$TARGET" "$CLIENTS" "$ROUNDS" "$PRECISION" <<'PY'
 import json, sys, threading, time, urllib.request
 url, new, plen, config, threads, device, target = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6], sys.argv[7]
 counts = [int(x) for x in sys.argv[8].split()]

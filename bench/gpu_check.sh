@@ -248,7 +248,7 @@ fi
 # ---------------------------------------------------------------- f. serve
 if want f; then
     max=$(printf '%s\n' $SERVE_CLIENTS | sort -n | tail -1)
-    run serve 120 40 env CONFIG="$SRC/configs/$SERVE_CONFIG.yaml" DEVICE="$DEVICE" PRECISION=bf16 \
+    run serve 120 40 env CONFIG="$SRC/configs/$SERVE_CONFIG.yaml" DEVICE="$DEVICE" PRECISION=bf16 PYTHON="$PY" \
         CLIENTS="$SERVE_CLIENTS" MAX_BATCH="$max" THREADS=4 bash "$SRC/bench/bench_serve.sh" "$BUILD" \
         "$SERVE_TOKENS" && true
     if [ "$RC" -ne 125 ]; then
