@@ -19,8 +19,9 @@
  *    else does.
  *  - nl_lt_bucket_rows: at least M, less than M + max(64, M / 8), never
  *    decreasing, a bucket its own bucket, few buckets over a step's
- *    expert counts; and a plan at the bucket's rows differs from the
- *    plan at M only in the columns cuda_gemm.cu sets per call. */
+ *    expert counts; and a plan at the bucket's rows (or a weight
+ *    gradient's depth) differs from the plan at M (K) only in the columns
+ *    cuda_gemm.cu sets per call. */
 #include "tests/check.h"
 
 #include "kernels/cuda/cuda_gemm_plan.h"
@@ -255,6 +256,19 @@ static void test_bucket_rows(void)
               "tb %d: the bucket's plan differs beyond the columns", tb);
         CHECK(r.n == M && r.b.cols == (uint64_t)M && r.c.cols == (uint64_t)M,
               "tb %d: M is n, b's and c's columns", tb);
+    }
+    /* a per-expert weight gradient (A transposed, B not): its depth K */
+    {
+        const int M = 4096, N = 768, K = 1900;
+        const nl_lt_plan r = nl_lt_plan_make(1, 0, M, N, K, M, N, N);
+        const nl_lt_plan q = nl_lt_plan_make(1, 0, M, N, nl_lt_bucket_rows(K), M, N, N);
+        CHECK(r.m == q.m && r.n == q.n && r.a.trans == q.a.trans && r.a.rows == q.a.rows &&
+                  r.a.ld == q.a.ld && r.b.trans == q.b.trans && r.b.rows == q.b.rows &&
+                  r.b.ld == q.b.ld && r.c.rows == q.c.rows && r.c.cols == q.c.cols &&
+                  r.c.ld == q.c.ld,
+              "wgrad: the bucket's plan differs beyond the columns");
+        CHECK(r.k == K && r.a.cols == (uint64_t)K && r.b.cols == (uint64_t)K,
+              "wgrad: K is k, a's and b's columns");
     }
 }
 

@@ -720,6 +720,7 @@ NL_EXPORT nl_status nl_cuda_backend_new(nl_backend **out, int device, const nl_b
     be->runtime_bytes = runtime;
     const char *ex = getenv("NL_CUDA_EXPERTS");
     c->experts_kernel = ex && strcmp(ex, "kernel") == 0;
+    c->experts_lt = ex && strcmp(ex, "cublaslt") == 0;
     const char *lb = getenv("NL_CUDA_LT_BUCKET");
     c->lt_bucket = lb && strcmp(lb, "1") == 0;
     const char *ro = getenv("NL_CUDA_ROWS");

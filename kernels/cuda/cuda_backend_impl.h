@@ -104,6 +104,7 @@ struct cuda_ctx {
     int off_groups;
     int32_t off_host[NL_BACKEND_MAX_EXPERTS + 1];
     int experts_kernel; /* NL_CUDA_EXPERTS=kernel: never per expert (below) */
+    int experts_lt;     /* NL_CUDA_EXPERTS=cublaslt: the backward's per expert too */
     /* NL_CUDA_ROWS=cublas: gemm takes cuBLAS(Lt) at every M, not the
      * gemm_rows kernel below NL_CUDA_ROWS_GEMM rows (a decode's bits then
      * differ from a stage batch's; for comparing the two in bench_cuda) */

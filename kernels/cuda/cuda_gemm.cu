@@ -258,51 +258,67 @@ lt_entry *lt_make(cuda_ctx *c, int ta, int tb, int M, int N, int K, int lda, int
     return e;
 }
 
-/* A bucketed entry's layouts sized to this call's M (made at the
- * bucket's: only b's and c's columns differ, cuda_gemm_plan.h). */
-cublasStatus_t lt_size(const lt_entry *e, int M)
+/* A bucketed entry's layouts sized to this call (made at the bucket's
+ * rows or depth: only columns differ, cuda_gemm_plan.h). */
+cublasStatus_t lt_size(const lt_entry *e, const nl_lt_plan *p)
 {
-    const uint64_t cols = (uint64_t)M;
-    cublasStatus_t s =
-        cublasLtMatrixLayoutSetAttribute(e->lb, CUBLASLT_MATRIX_LAYOUT_COLS, &cols, sizeof cols);
-    if (s == CUBLAS_STATUS_SUCCESS)
-        s = cublasLtMatrixLayoutSetAttribute(e->lc, CUBLASLT_MATRIX_LAYOUT_COLS, &cols,
-                                             sizeof cols);
+    const cublasLtMatrixLayout_t l[3] = {e->la, e->lb, e->lc};
+    const nl_lt_matrix *m[3] = {&p->a, &p->b, &p->c};
+    cublasStatus_t s = CUBLAS_STATUS_SUCCESS;
+    for (int i = 0; i < 3 && s == CUBLAS_STATUS_SUCCESS; i++) {
+        s = cublasLtMatrixLayoutSetAttribute(l[i], CUBLASLT_MATRIX_LAYOUT_ROWS, &m[i]->rows,
+                                             sizeof m[i]->rows);
+        if (s == CUBLAS_STATUS_SUCCESS)
+            s = cublasLtMatrixLayoutSetAttribute(l[i], CUBLASLT_MATRIX_LAYOUT_COLS, &m[i]->cols,
+                                                 sizeof m[i]->cols);
+    }
     return s;
 }
 
+/* The product with entry e: its cuBLASLt algorithm, or cublasGemmEx
+ * where cuBLASLt offered none. */
+cublasStatus_t lt_run(cuda_ctx *c, const lt_entry *e, int ta, int tb, int M, int N, int K,
+                      float alpha, const uint16_t *A, int lda, const uint16_t *B, int ldb,
+                      float beta, float *C, int ldc)
+{
+    if (e->has_algo)
+        return cublasLtMatmul(c->lt, e->op, &alpha, B, e->la, A, e->lb, &beta, C, e->lc, C, e->lc,
+                              &e->algo, c->workspace, c->workspace_bytes, c->stream);
+    return cublasGemmEx(c->cublas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+                        N, M, K, &alpha, B, CUDA_R_16BF, ldb, A, CUDA_R_16BF, lda, &beta, C,
+                        CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+}
+
 /* One bf16 product on the stream: row-major C (M x N, FP32) = alpha op(A)
- * op(B) + beta C with A, B bf16 (row strides lda, ldb). bucket (A not
- * transposed): with the algorithm cuBLASLt chose for M's bucket
- * (nl_lt_bucket_rows), or, where cuBLASLt refuses it at this M, with the
- * one it chooses for M. */
+ * op(B) + beta C with A, B bf16 (row strides lda, ldb). bucket: with the
+ * algorithm cuBLASLt chose for the bucket (nl_lt_bucket_rows) of the
+ * expert's dimension, M where A is not transposed, K for a weight
+ * gradient (A transposed, B not); where the bucket has no algorithm or
+ * cuBLASLt refuses it for this call (before launching anything), with the
+ * one it chooses for this call. */
 void lt_gemm(cuda_ctx *c, int ta, int tb, int M, int N, int K, float alpha, const uint16_t *A,
              int lda, const uint16_t *B, int ldb, float beta, float *C, int ldc, bool bucket)
 {
-    bucket = bucket && !ta;
+    const bool bm = bucket && !ta, bk = bucket && ta && !tb;
     const unsigned aa = align_of(A), ab = align_of(B), ac = align_of(C);
-    lt_entry *e = lt_lookup(c, ta, tb, bucket ? nl_lt_bucket_rows(M) : M, N, K, lda, ldb, ldc, aa,
-                            ab, ac, bucket);
+    lt_entry *e = lt_lookup(c, ta, tb, bm ? nl_lt_bucket_rows(M) : M, N,
+                            bk ? nl_lt_bucket_rows(K) : K, lda, ldb, ldc, aa, ab, ac, bm || bk);
     if (!e)
         return;
     cublasStatus_t s = CUBLAS_STATUS_NOT_SUPPORTED;
-    if (e->bucket && e->has_algo && lt_size(e, M) == CUBLAS_STATUS_SUCCESS)
-        s = cublasLtMatmul(c->lt, e->op, &alpha, B, e->la, A, e->lb, &beta, C, e->lc, C, e->lc,
-                           &e->algo, c->workspace, c->workspace_bytes, c->stream);
-    if (e->bucket && s == CUBLAS_STATUS_SUCCESS)
-        return;
-    if (e->bucket) { /* no algorithm for the bucket, or none cuBLASLt takes at M */
-        c->lt_refits++;
-        if (!(e = lt_lookup(c, ta, tb, M, N, K, lda, ldb, ldc, aa, ab, ac, false)))
-            return;
+    if (e->bucket) {
+        const nl_lt_plan p = nl_lt_plan_make(ta, tb, M, N, K, lda, ldb, ldc);
+        if (e->has_algo && (s = lt_size(e, &p)) == CUBLAS_STATUS_SUCCESS)
+            s = lt_run(c, e, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+        if (s == CUBLAS_STATUS_NOT_SUPPORTED || s == CUBLAS_STATUS_INVALID_VALUE) {
+            c->lt_refits++;
+            if (!(e = lt_lookup(c, ta, tb, M, N, K, lda, ldb, ldc, aa, ab, ac, false)))
+                return;
+            s = lt_run(c, e, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+        }
+    } else {
+        s = lt_run(c, e, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     }
-    if (e->has_algo)
-        s = cublasLtMatmul(c->lt, e->op, &alpha, B, e->la, A, e->lb, &beta, C, e->lc, C, e->lc,
-                           &e->algo, c->workspace, c->workspace_bytes, c->stream);
-    else
-        s = cublasGemmEx(c->cublas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
-                         N, M, K, &alpha, B, CUDA_R_16BF, ldb, A, CUDA_R_16BF, lda, &beta, C,
-                         CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     if (s != CUBLAS_STATUS_SUCCESS)
         fail(c, NL_ERR_INTERNAL,
              "%s: gemm (bf16): %s (M %d N %d K %d lda %d ldb %d ldc %d trans %d %d): %s", c->name,
@@ -430,7 +446,9 @@ void cu_wrote(nl_backend *be, const void *p, size_t bytes)
  * heuristic runs on the host just after this slot's wait for the offsets,
  * with the device idle. NL_CUDA_LT_BUCKET=1 lets the rows of a bucket
  * (nl_lt_bucket_rows) share one choice; NL_CUDA_PROFILE reports the
- * cache's misses and their host time. Not yet run on a GPU. */
+ * cache's misses and their host time. NL_CUDA_EXPERTS=cublaslt runs the
+ * backward's grouped GEMMs (dgrad and wgrad) per expert too, as run 3 of
+ * issue 28 did (then without buckets). Not yet run on a GPU. */
 #define NL_CUDA_GROUPED_HOST_ROWS 64
 
 /* The offsets at dev on the host (checked: 0 first, never decreasing,
@@ -493,7 +511,8 @@ void cu_gemm_grouped(nl_backend *be, int trans_b, int N, int K, const float *A, 
                      const int32_t *offsets, int groups, int max_rows)
 {
     cuda_ctx *c = enter_slot(be, __func__);
-    if (c->bf16 && trans_b && max_rows >= NL_CUDA_GROUPED_HOST_ROWS && !c->experts_kernel) {
+    if (c->bf16 && (trans_b || c->experts_lt) && max_rows >= NL_CUDA_GROUPED_HOST_ROWS &&
+        !c->experts_kernel) {
         /* inside this slot (NL_CUDA_PROFILE counts them here, apart from
          * the dense GEMMs) */
         const int32_t *o = host_offsets(be, c, offsets, groups, max_rows);
@@ -544,6 +563,15 @@ void cu_gemm_grouped_wgrad(nl_backend *be, int M, int N, const float *A, int lda
                            int groups)
 {
     cuda_ctx *c = enter_slot(be, __func__);
+    if (c->bf16 && c->experts_lt) { /* NL_CUDA_EXPERTS=cublaslt: per expert, C_g += A_g^T B_g */
+        const int32_t *o = host_offsets(be, c, offsets, groups, INT32_MAX);
+        for (int g = 0; o && g < groups; g++)
+            if (o[g + 1] > o[g])
+                gemm_in_slot(c, 1, 0, M, N, o[g + 1] - o[g], 1.0f, A + (size_t)o[g] * lda, lda,
+                             B + (size_t)o[g] * ldb, ldb, 1.0f, C + g * c_stride, ldc,
+                             c->lt_bucket);
+        return;
+    }
     if (c->bf16) {
         launched_shape(c,
                        nl_cuda_gemm_grouped_wgrad_bf16(c->stream, M, N, A, lda, B, ldb, C, ldc,

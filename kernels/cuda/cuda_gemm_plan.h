@@ -168,9 +168,10 @@ static inline int nl_cuda_gemm_takes_rows(int trans_a, int trans_b, int M, int K
  * training, and each new (M, N, K) is a new cuBLASLt problem (its
  * heuristic, a host call, again); with the counts of a bucket sharing one
  * choice, a few keys per projection serve every step. The bucket is at
- * least M and less than M + max(64, M / 8); in it M only sets the
- * columns of the plan's b and c (nl_lt_plan_make with trans_a 0), which
- * cuBLASLt's leading dimensions do not bound. */
+ * least M and less than M + max(64, M / 8). A weight gradient per expert
+ * (trans_a 1, trans_b 0) buckets its depth K the same way. Either only
+ * sets columns of the plan's layouts (b's and c's for M, a's and b's for
+ * K), which cuBLASLt's leading dimensions do not bound. */
 static inline int nl_lt_bucket_rows(int M)
 {
     if (M <= 64)
