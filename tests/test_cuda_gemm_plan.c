@@ -16,7 +16,12 @@
  *    the comparisons are for equality.
  *  - nl_cuda_gemm_takes_rows: the plain gemm's decode rows (y = x W^T,
  *    alpha 1, beta 0 or 1, below 16 rows) go to the rows kernel, nothing
- *    else does. */
+ *    else does.
+ *  - nl_lt_bucket_rows: at least M, less than M + max(64, M / 8), never
+ *    decreasing, a bucket its own bucket, few buckets over a step's
+ *    expert counts; and a plan at the bucket's rows (or a weight
+ *    gradient's depth) differs from the plan at M (K) only in the columns
+ *    cuda_gemm.cu sets per call. */
 #include "tests/check.h"
 
 #include "kernels/cuda/cuda_gemm_plan.h"
@@ -217,10 +222,61 @@ static void test_takes_rows(void)
     CHECK(!nl_cuda_gemm_takes_rows(0, 1, 1, 64, 1.0f, 0.5f), "beta 0.5: cuBLAS");
 }
 
+/* the per-expert GEMMs' algorithm buckets (NL_CUDA_LT_BUCKET) */
+static void test_bucket_rows(void)
+{
+    int prev = 0, buckets = 0;
+    for (int M = 1; M <= 65536; M++) {
+        const int b = nl_lt_bucket_rows(M);
+        const int slack = M / 8 > 64 ? M / 8 : 64;
+        CHECK(b >= M && b < M + slack, "M %d: bucket %d (slack %d)", M, b, slack);
+        CHECK(b >= prev, "M %d: bucket %d after %d", M, b, prev);
+        CHECK(nl_lt_bucket_rows(b) == b, "M %d: bucket %d is not its own", M, b);
+        buckets += M <= 8192 && b != prev;
+        prev = b;
+    }
+    /* bench-large's 8192 tokens top-2 over 8 experts: any count 1..8192 */
+    CHECK(buckets <= 48, "%d buckets for 1..8192 rows", buckets);
+    CHECK(nl_lt_bucket_rows(2048) == 2048 && nl_lt_bucket_rows(2049) == 2304 &&
+              nl_lt_bucket_rows(1900) == 1920 && nl_lt_bucket_rows(7) == 64,
+          "buckets of 2048, 2049, 1900, 7: %d %d %d %d", nl_lt_bucket_rows(2048),
+          nl_lt_bucket_rows(2049), nl_lt_bucket_rows(1900), nl_lt_bucket_rows(7));
+    CHECK(nl_lt_bucket_rows(INT32_MAX) == INT32_MAX, "the largest M: %d",
+          nl_lt_bucket_rows(INT32_MAX));
+    /* a bucketed entry's layouts are made at the bucket's rows and sized
+     * to M per call: only b's and c's columns (and n) may differ */
+    for (int tb = 0; tb < 2; tb++) {
+        const int M = 1900, N = 4096, K = 768, ldb = tb ? K : N;
+        const nl_lt_plan r = nl_lt_plan_make(0, tb, M, N, K, K, ldb, N);
+        const nl_lt_plan q = nl_lt_plan_make(0, tb, nl_lt_bucket_rows(M), N, K, K, ldb, N);
+        CHECK(r.m == q.m && r.k == q.k && r.a.trans == q.a.trans && r.a.rows == q.a.rows &&
+                  r.a.cols == q.a.cols && r.a.ld == q.a.ld && r.b.trans == q.b.trans &&
+                  r.b.rows == q.b.rows && r.b.ld == q.b.ld && r.c.rows == q.c.rows &&
+                  r.c.ld == q.c.ld,
+              "tb %d: the bucket's plan differs beyond the columns", tb);
+        CHECK(r.n == M && r.b.cols == (uint64_t)M && r.c.cols == (uint64_t)M,
+              "tb %d: M is n, b's and c's columns", tb);
+    }
+    /* a per-expert weight gradient (A transposed, B not): its depth K */
+    {
+        const int M = 4096, N = 768, K = 1900;
+        const nl_lt_plan r = nl_lt_plan_make(1, 0, M, N, K, M, N, N);
+        const nl_lt_plan q = nl_lt_plan_make(1, 0, M, N, nl_lt_bucket_rows(K), M, N, N);
+        CHECK(r.m == q.m && r.n == q.n && r.a.trans == q.a.trans && r.a.rows == q.a.rows &&
+                  r.a.ld == q.a.ld && r.b.trans == q.b.trans && r.b.rows == q.b.rows &&
+                  r.b.ld == q.b.ld && r.c.rows == q.c.rows && r.c.cols == q.c.cols &&
+                  r.c.ld == q.c.ld,
+              "wgrad: the bucket's plan differs beyond the columns");
+        CHECK(r.k == K && r.a.cols == (uint64_t)K && r.b.cols == (uint64_t)K,
+              "wgrad: K is k, a's and b's columns");
+    }
+}
+
 int main(void)
 {
     test_plan();
     test_chunks();
     test_takes_rows();
+    test_bucket_rows();
     return check_done("test_cuda_gemm_plan");
 }

@@ -233,6 +233,13 @@ void prof_report(cuda_ctx *c)
         nl_log_write(NL_LOG_WARN, "%s: profile %-24s %8llu calls %9.3f ms %5.1f%%", c->name, e.name,
                      (unsigned long long)e.calls, e.s * 1e3, total > 0 ? 100.0 * e.s / total : 0.0);
     }
+    /* the bf16 GEMMs' descriptor cache: a miss is host time (cuBLASLt's
+     * heuristic) inside its slot's share above */
+    nl_log_write(NL_LOG_WARN,
+                 "%s: profile cuBLASLt cache: %llu hits, %llu misses (%.3f ms on the host), "
+                 "%llu bucketed calls refused at their rows",
+                 c->name, (unsigned long long)c->lt_hits, (unsigned long long)c->lt_misses,
+                 c->lt_miss_s * 1e3, (unsigned long long)c->lt_refits);
 }
 
 cuda_ctx *enter_slot(nl_backend *be, const char *slot)
@@ -713,6 +720,9 @@ NL_EXPORT nl_status nl_cuda_backend_new(nl_backend **out, int device, const nl_b
     be->runtime_bytes = runtime;
     const char *ex = getenv("NL_CUDA_EXPERTS");
     c->experts_kernel = ex && strcmp(ex, "kernel") == 0;
+    c->experts_lt = ex && strcmp(ex, "cublaslt") == 0;
+    const char *lb = getenv("NL_CUDA_LT_BUCKET");
+    c->lt_bucket = lb && strcmp(lb, "1") == 0;
     const char *ro = getenv("NL_CUDA_ROWS");
     c->rows_off = ro && strcmp(ro, "cublas") == 0;
     const char *pr = getenv("NL_CUDA_PROFILE");

@@ -41,7 +41,7 @@ struct alloc_table {
  * elements; 64 MiB), the cached cuBLASLt descriptors, and the most groups
  * the grouped GEMMs' tile map holds (gemm_grouped's own grid limit) */
 #define NL_CUDA_BF16_CONV_ELEMS ((size_t)32 << 20)
-#define NL_CUDA_LT_CACHE 64
+#define NL_CUDA_LT_CACHE 256
 #define NL_CUDA_MAX_GROUPS 65535
 
 /* One cached cuBLASLt GEMM: its shape, strides and operand alignments,
@@ -54,6 +54,10 @@ struct lt_entry {
     cublasLtMatrixLayout_t la, lb, lc;
     cublasLtMatmulAlgo_t algo;
     bool has_algo; /* false: no cuBLASLt algorithm; cublasGemmEx runs it */
+    /* the algorithm of a bucket of row counts (NL_CUDA_LT_BUCKET): M is
+     * the bucket's, the layouts are sized to each call's M */
+    bool bucket;
+    uint64_t last_use; /* the least recently used entry is replaced */
 };
 
 struct cuda_ctx {
@@ -83,7 +87,15 @@ struct cuda_ctx {
     uint16_t *conv;       /* NL_CUDA_BF16_CONV_ELEMS: converted activations */
     int32_t *tile_start;  /* NL_CUDA_MAX_GROUPS + 1: the grouped GEMMs' tile map */
     lt_entry lt_cache[NL_CUDA_LT_CACHE];
-    int lt_next;     /* the entry to replace when the cache is full */
+    uint64_t lt_clock; /* lookups so far: the entries' last_use */
+    /* the cache's record for NL_CUDA_PROFILE's report: hits, misses (new
+     * descriptors and cuBLASLt's heuristic), the host time of the misses,
+     * and bucketed calls whose algorithm cuBLASLt refused at their M */
+    uint64_t lt_hits, lt_misses, lt_refits;
+    double lt_miss_s;
+    /* NL_CUDA_LT_BUCKET=1: the forward's per-expert GEMMs take the
+     * algorithm of their row count's bucket (nl_lt_bucket_rows) */
+    int lt_bucket;
     nl_cudnn *cudnn; /* attention through cuDNN (cuda_cudnn.h), or NULL */
     /* the expert groups' row offsets last read to the host (bf16 grouped
      * GEMMs of many rows): valid for off_ptr until a slot that may write
@@ -92,6 +104,7 @@ struct cuda_ctx {
     int off_groups;
     int32_t off_host[NL_BACKEND_MAX_EXPERTS + 1];
     int experts_kernel; /* NL_CUDA_EXPERTS=kernel: never per expert (below) */
+    int experts_lt;     /* NL_CUDA_EXPERTS=cublaslt: the backward's per expert too */
     /* NL_CUDA_ROWS=cublas: gemm takes cuBLAS(Lt) at every M, not the
      * gemm_rows kernel below NL_CUDA_ROWS_GEMM rows (a decode's bits then
      * differ from a stage batch's; for comparing the two in bench_cuda) */
@@ -134,6 +147,9 @@ __attribute__((format(printf, 3, 4))) void launched_shape(cuda_ctx *c, int rc, c
 /* Every slot starts here: the backend's device becomes current on the
  * calling thread; with NL_CUDA_PROFILE the previous slot's time is taken. */
 cuda_ctx *enter_slot(nl_backend *be, const char *slot);
+
+/* Monotonic seconds (NL_CUDA_PROFILE's clock). */
+double prof_now(void);
 
 /* While the stream is captured: note `slot` (the capture then fails at
  * graph_end) and return true, so the caller drops the call. */

@@ -20,7 +20,7 @@ namespace nl_cu
 /* ---------------------------------------------------------------- gemm */
 
 void gemm_bf16(cuda_ctx *c, int ta, int tb, int M, int N, int K, float alpha, const float *A,
-               int lda, const float *B, int ldb, float beta, float *C, int ldc);
+               int lda, const float *B, int ldb, float beta, float *C, int ldc, bool bucket);
 
 /* ---------------------------------------------------------------- gemm_rows
  *
@@ -60,10 +60,10 @@ void cu_gemm_rows(nl_backend *be, int trans_b, int M, int N, int K, const float 
  * row-major matrix with row stride ld is its transpose in column-major
  * with leading dimension ld, so compute C^T = op(B)^T op(A)^T: cuBLAS's
  * (m, n, k) = (N, M, K) with B first. */
-void cu_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
-             const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc)
+void gemm_in_slot(cuda_ctx *c, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                  const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc,
+                  bool bucket)
 {
-    cuda_ctx *c = enter_slot(be, __func__);
     if (M <= 0 || N <= 0)
         return;
     /* a decode's few rows of y = x W^T: gemm_rows' kernel, faster than
@@ -80,7 +80,7 @@ void cu_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int K, floa
         return;
     }
     if (c->bf16) {
-        gemm_bf16(c, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+        gemm_bf16(c, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, bucket);
         return;
     }
     const cublasStatus_t s = cublasSgemm(c->cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
@@ -89,6 +89,13 @@ void cu_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int K, floa
     if (s != CUBLAS_STATUS_SUCCESS)
         fail(c, NL_ERR_INTERNAL, "%s: gemm: cublasSgemm (M %d N %d K %d lda %d ldb %d ldc %d): %s",
              c->name, M, N, K, lda, ldb, ldc, cublasGetStatusString(s));
+}
+
+void cu_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+             const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc)
+{
+    gemm_in_slot(enter_slot(be, __func__), trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta,
+                 C, ldc, false);
 }
 
 /* ---------------------------------------------------------------- bf16 gemm
@@ -131,22 +138,58 @@ void lt_entry_free(lt_entry *e)
     memset(e, 0, sizeof *e);
 }
 
-/* The cached entry for this call, made (descriptors and heuristic) on a
- * miss; NULL with the error kept when cuBLASLt fails. */
-lt_entry *lt_lookup(cuda_ctx *c, int ta, int tb, int M, int N, int K, int lda, int ldb, int ldc,
-                    unsigned aa, unsigned ab, unsigned ac)
+/* The entry to make a new one in: a free one, else the least recently
+ * used (a step's dense shapes stay while per-expert shapes come and go). */
+lt_entry *lt_victim(cuda_ctx *c)
 {
+    lt_entry *v = &c->lt_cache[0];
+    for (int i = 0; i < NL_CUDA_LT_CACHE; i++) {
+        lt_entry *e = &c->lt_cache[i];
+        if (!e->used)
+            return e;
+        if (e->last_use < v->last_use)
+            v = e;
+    }
+    return v;
+}
+
+lt_entry *lt_make(cuda_ctx *c, int ta, int tb, int M, int N, int K, int lda, int ldb, int ldc,
+                  unsigned aa, unsigned ab, unsigned ac, bool bucket);
+
+/* The cached entry for this call, made (descriptors and heuristic) on a
+ * miss; NULL with the error kept when cuBLASLt fails. bucket: the entry
+ * of a bucket of row counts, M the bucket's (lt_gemm). */
+lt_entry *lt_lookup(cuda_ctx *c, int ta, int tb, int M, int N, int K, int lda, int ldb, int ldc,
+                    unsigned aa, unsigned ab, unsigned ac, bool bucket)
+{
+    c->lt_clock++;
     for (int i = 0; i < NL_CUDA_LT_CACHE; i++) {
         lt_entry *e = &c->lt_cache[i];
         if (e->used && e->ta == ta && e->tb == tb && e->M == M && e->N == N && e->K == K &&
             e->lda == lda && e->ldb == ldb && e->ldc == ldc && e->align_a == aa &&
-            e->align_b == ab && e->align_c == ac)
+            e->align_b == ab && e->align_c == ac && e->bucket == bucket) {
+            e->last_use = c->lt_clock;
+            c->lt_hits++;
             return e;
+        }
     }
-    lt_entry *e = &c->lt_cache[c->lt_next];
-    c->lt_next = (c->lt_next + 1) % NL_CUDA_LT_CACHE;
+    const double t0 = prof_now();
+    lt_entry *e = lt_make(c, ta, tb, M, N, K, lda, ldb, ldc, aa, ab, ac, bucket);
+    c->lt_misses++;
+    c->lt_miss_s += prof_now() - t0;
+    return e;
+}
+
+/* A new entry for the key (lt_lookup's), its descriptors and cuBLASLt's
+ * choice of algorithm. */
+lt_entry *lt_make(cuda_ctx *c, int ta, int tb, int M, int N, int K, int lda, int ldb, int ldc,
+                  unsigned aa, unsigned ab, unsigned ac, bool bucket)
+{
+    lt_entry *e = lt_victim(c);
     lt_entry_free(e);
     e->used = true;
+    e->bucket = bucket;
+    e->last_use = c->lt_clock;
     e->ta = ta;
     e->tb = tb;
     e->M = M;
@@ -215,23 +258,67 @@ lt_entry *lt_lookup(cuda_ctx *c, int ta, int tb, int M, int N, int K, int lda, i
     return e;
 }
 
-/* One bf16 product on the stream: row-major C (M x N, FP32) = alpha op(A)
- * op(B) + beta C with A, B bf16 (row strides lda, ldb). */
-void lt_gemm(cuda_ctx *c, int ta, int tb, int M, int N, int K, float alpha, const uint16_t *A,
-             int lda, const uint16_t *B, int ldb, float beta, float *C, int ldc)
+/* A bucketed entry's layouts sized to this call (made at the bucket's
+ * rows or depth: only columns differ, cuda_gemm_plan.h). */
+cublasStatus_t lt_size(const lt_entry *e, const nl_lt_plan *p)
 {
-    lt_entry *e =
-        lt_lookup(c, ta, tb, M, N, K, lda, ldb, ldc, align_of(A), align_of(B), align_of(C));
+    const cublasLtMatrixLayout_t l[3] = {e->la, e->lb, e->lc};
+    const nl_lt_matrix *m[3] = {&p->a, &p->b, &p->c};
+    cublasStatus_t s = CUBLAS_STATUS_SUCCESS;
+    for (int i = 0; i < 3 && s == CUBLAS_STATUS_SUCCESS; i++) {
+        s = cublasLtMatrixLayoutSetAttribute(l[i], CUBLASLT_MATRIX_LAYOUT_ROWS, &m[i]->rows,
+                                             sizeof m[i]->rows);
+        if (s == CUBLAS_STATUS_SUCCESS)
+            s = cublasLtMatrixLayoutSetAttribute(l[i], CUBLASLT_MATRIX_LAYOUT_COLS, &m[i]->cols,
+                                                 sizeof m[i]->cols);
+    }
+    return s;
+}
+
+/* The product with entry e: its cuBLASLt algorithm, or cublasGemmEx
+ * where cuBLASLt offered none. */
+cublasStatus_t lt_run(cuda_ctx *c, const lt_entry *e, int ta, int tb, int M, int N, int K,
+                      float alpha, const uint16_t *A, int lda, const uint16_t *B, int ldb,
+                      float beta, float *C, int ldc)
+{
+    if (e->has_algo)
+        return cublasLtMatmul(c->lt, e->op, &alpha, B, e->la, A, e->lb, &beta, C, e->lc, C, e->lc,
+                              &e->algo, c->workspace, c->workspace_bytes, c->stream);
+    return cublasGemmEx(c->cublas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+                        N, M, K, &alpha, B, CUDA_R_16BF, ldb, A, CUDA_R_16BF, lda, &beta, C,
+                        CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+}
+
+/* One bf16 product on the stream: row-major C (M x N, FP32) = alpha op(A)
+ * op(B) + beta C with A, B bf16 (row strides lda, ldb). bucket: with the
+ * algorithm cuBLASLt chose for the bucket (nl_lt_bucket_rows) of the
+ * expert's dimension, M where A is not transposed, K for a weight
+ * gradient (A transposed, B not); where the bucket has no algorithm or
+ * cuBLASLt refuses it for this call (before launching anything), with the
+ * one it chooses for this call. */
+void lt_gemm(cuda_ctx *c, int ta, int tb, int M, int N, int K, float alpha, const uint16_t *A,
+             int lda, const uint16_t *B, int ldb, float beta, float *C, int ldc, bool bucket)
+{
+    const bool bm = bucket && !ta, bk = bucket && ta && !tb;
+    const unsigned aa = align_of(A), ab = align_of(B), ac = align_of(C);
+    lt_entry *e = lt_lookup(c, ta, tb, bm ? nl_lt_bucket_rows(M) : M, N,
+                            bk ? nl_lt_bucket_rows(K) : K, lda, ldb, ldc, aa, ab, ac, bm || bk);
     if (!e)
         return;
-    cublasStatus_t s;
-    if (e->has_algo)
-        s = cublasLtMatmul(c->lt, e->op, &alpha, B, e->la, A, e->lb, &beta, C, e->lc, C, e->lc,
-                           &e->algo, c->workspace, c->workspace_bytes, c->stream);
-    else
-        s = cublasGemmEx(c->cublas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
-                         N, M, K, &alpha, B, CUDA_R_16BF, ldb, A, CUDA_R_16BF, lda, &beta, C,
-                         CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    cublasStatus_t s = CUBLAS_STATUS_NOT_SUPPORTED;
+    if (e->bucket) {
+        const nl_lt_plan p = nl_lt_plan_make(ta, tb, M, N, K, lda, ldb, ldc);
+        if (e->has_algo && (s = lt_size(e, &p)) == CUBLAS_STATUS_SUCCESS)
+            s = lt_run(c, e, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+        if (s == CUBLAS_STATUS_NOT_SUPPORTED || s == CUBLAS_STATUS_INVALID_VALUE) {
+            c->lt_refits++;
+            if (!(e = lt_lookup(c, ta, tb, M, N, K, lda, ldb, ldc, aa, ab, ac, false)))
+                return;
+            s = lt_run(c, e, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+        }
+    } else {
+        s = lt_run(c, e, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    }
     if (s != CUBLAS_STATUS_SUCCESS)
         fail(c, NL_ERR_INTERNAL,
              "%s: gemm (bf16): %s (M %d N %d K %d lda %d ldb %d ldc %d trans %d %d): %s", c->name,
@@ -265,6 +352,7 @@ struct bf16_call {
     const uint16_t *aw, *bw; /* weight copies at A, B; NULL: converted */
     const uint16_t *ap;      /* the current piece of A */
     int la;
+    bool bucket; /* lt_gemm's */
 };
 
 /* B's converted piece starts this many elements (256 bytes) aligned after A's */
@@ -289,14 +377,15 @@ void bf16_piece_gemm(void *arg, const nl_bf16_piece *pc)
     const uint16_t *bp = bf16_piece(c, g->bw, g->B, bx, g->tb ? pc->n : pc->k,
                                     g->tb ? pc->k : pc->n, g->ldb, c->conv + a_used, &lb);
     lt_gemm(c, g->ta, g->tb, pc->m, pc->n, pc->k, g->alpha, g->ap, g->la, bp, lb,
-            pc->first_k ? g->beta : 1.0f, g->C + (size_t)pc->m0 * g->ldc + pc->n0, g->ldc);
+            pc->first_k ? g->beta : 1.0f, g->C + (size_t)pc->m0 * g->ldc + pc->n0, g->ldc,
+            g->bucket);
 }
 
 void gemm_bf16(cuda_ctx *c, int ta, int tb, int M, int N, int K, float alpha, const float *A,
-               int lda, const float *B, int ldb, float beta, float *C, int ldc)
+               int lda, const float *B, int ldb, float beta, float *C, int ldc, bool bucket)
 {
     int rc = 0;
-    bf16_call g = {c, ta, tb, lda, ldb, ldc, alpha, beta, A, B, C, NULL, NULL, NULL, 0};
+    bf16_call g = {c, ta, tb, lda, ldb, ldc, alpha, beta, A, B, C, NULL, NULL, NULL, 0, bucket};
     g.aw = nl_cuda_bf16_weight_operand(&c->w, c->stream, A, ta ? K : M, ta ? M : K, lda, &rc);
     launched(c, "gemm (bf16): weight copy", rc);
     g.bw = nl_cuda_bf16_weight_operand(&c->w, c->stream, B, tb ? N : K, tb ? K : N, ldb, &rc);
@@ -350,7 +439,16 @@ void cu_wrote(nl_backend *be, const void *p, size_t bytes)
  * 49K tokens/s; not yet profiled). Training as a whole measured slower
  * with the forward per expert too (42K against 68K tokens/s at T 1024,
  * other runs): NL_CUDA_EXPERTS=kernel keeps the one-launch kernel for every
- * call, the faster choice for training until a profile says why. */
+ * call, the faster choice for training until a profile says why. The
+ * likely why: a forward benchmark repeats its routing, so each expert's
+ * (M, N, K) is one cuBLASLt already chose for, while training's routing
+ * changes each step, so every per-expert GEMM is a new problem whose
+ * heuristic runs on the host just after this slot's wait for the offsets,
+ * with the device idle. NL_CUDA_LT_BUCKET=1 lets the rows of a bucket
+ * (nl_lt_bucket_rows) share one choice; NL_CUDA_PROFILE reports the
+ * cache's misses and their host time. NL_CUDA_EXPERTS=cublaslt runs the
+ * backward's grouped GEMMs (dgrad and wgrad) per expert too, as run 3 of
+ * issue 28 did (then without buckets). Not yet run on a GPU. */
 #define NL_CUDA_GROUPED_HOST_ROWS 64
 
 /* The offsets at dev on the host (checked: 0 first, never decreasing,
@@ -413,12 +511,16 @@ void cu_gemm_grouped(nl_backend *be, int trans_b, int N, int K, const float *A, 
                      const int32_t *offsets, int groups, int max_rows)
 {
     cuda_ctx *c = enter_slot(be, __func__);
-    if (c->bf16 && trans_b && max_rows >= NL_CUDA_GROUPED_HOST_ROWS && !c->experts_kernel) {
+    if (c->bf16 && (trans_b || c->experts_lt) && max_rows >= NL_CUDA_GROUPED_HOST_ROWS &&
+        !c->experts_kernel) {
+        /* inside this slot (NL_CUDA_PROFILE counts them here, apart from
+         * the dense GEMMs) */
         const int32_t *o = host_offsets(be, c, offsets, groups, max_rows);
         for (int g = 0; o && g < groups; g++)
             if (o[g + 1] > o[g])
-                cu_gemm(be, 0, trans_b, o[g + 1] - o[g], N, K, 1.0f, A + (size_t)o[g] * lda, lda,
-                        B + g * b_stride, ldb, 0.0f, C + (size_t)o[g] * ldc, ldc);
+                gemm_in_slot(c, 0, trans_b, o[g + 1] - o[g], N, K, 1.0f, A + (size_t)o[g] * lda,
+                             lda, B + g * b_stride, ldb, 0.0f, C + (size_t)o[g] * ldc, ldc,
+                             c->lt_bucket);
         return;
     }
     if (c->bf16 && trans_b && max_rows <= NL_CUDA_GROUPED_FEW_ROWS &&
@@ -461,6 +563,15 @@ void cu_gemm_grouped_wgrad(nl_backend *be, int M, int N, const float *A, int lda
                            int groups)
 {
     cuda_ctx *c = enter_slot(be, __func__);
+    if (c->bf16 && c->experts_lt) { /* NL_CUDA_EXPERTS=cublaslt: per expert, C_g += A_g^T B_g */
+        const int32_t *o = host_offsets(be, c, offsets, groups, INT32_MAX);
+        for (int g = 0; o && g < groups; g++)
+            if (o[g + 1] > o[g])
+                gemm_in_slot(c, 1, 0, M, N, o[g + 1] - o[g], 1.0f, A + (size_t)o[g] * lda, lda,
+                             B + (size_t)o[g] * ldb, ldb, 1.0f, C + g * c_stride, ldc,
+                             c->lt_bucket);
+        return;
+    }
     if (c->bf16) {
         launched_shape(c,
                        nl_cuda_gemm_grouped_wgrad_bf16(c->stream, M, N, A, lda, B, ldb, C, ldc,

@@ -18,6 +18,8 @@
  *  - nl_cuda_gemm_takes_rows: whether gemm hands a call to the gemm_rows
  *    kernel (cuda_rows.cu) instead of cuBLAS: a decode's few rows of
  *    y = x W^T, the products gemm_rows computes.
+ *  - nl_lt_bucket_rows: the row count a per-expert GEMM's cuBLASLt
+ *    algorithm is chosen for (NL_CUDA_LT_BUCKET, cuda_gemm.cu).
  *
  * Header-only C (static inline), no CUDA header. */
 #ifndef NL_CUDA_GEMM_PLAN_H
@@ -157,6 +159,29 @@ static inline int nl_cuda_gemm_takes_rows(int trans_a, int trans_b, int M, int K
 {
     return M > 0 && M < NL_CUDA_ROWS_GEMM && !trans_a && trans_b && K > 0 && alpha == 1.0f &&
            (beta == 0.0f || beta == 1.0f);
+}
+
+/* The rows M (> 0) of a per-expert GEMM (A not transposed) rounded up to
+ * a multiple of an eighth of M's power of two, at least 64: the M for
+ * which cuBLASLt's heuristic chooses the algorithm that the GEMM of M rows
+ * then runs. A routing gives every expert a new row count each step of
+ * training, and each new (M, N, K) is a new cuBLASLt problem (its
+ * heuristic, a host call, again); with the counts of a bucket sharing one
+ * choice, a few keys per projection serve every step. The bucket is at
+ * least M and less than M + max(64, M / 8). A weight gradient per expert
+ * (trans_a 1, trans_b 0) buckets its depth K the same way. Either only
+ * sets columns of the plan's layouts (b's and c's for M, a's and b's for
+ * K), which cuBLASLt's leading dimensions do not bound. */
+static inline int nl_lt_bucket_rows(int M)
+{
+    if (M <= 64)
+        return 64;
+    int64_t p = 1;
+    while (p * 2 <= (int64_t)M)
+        p *= 2;
+    const int64_t step = p / 8 > 64 ? p / 8 : 64;
+    const int64_t b = ((int64_t)M + step - 1) / step * step;
+    return b <= INT32_MAX ? (int)b : M;
 }
 
 #endif
