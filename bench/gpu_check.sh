@@ -13,12 +13,17 @@
 #   b. neuroctl selftest --device DEVICE: FP32, --tf32, --precision bf16;
 #      the figures are the failed checks' err against tol;
 #   c. neuroctl bench --device DEVICE, B = BATCH, on each of BENCH_SPECS
-#      (CONFIG:T), every spec in bf16, then every spec in FP32: forward,
+#      (CONFIG:T), every spec in each of PRECISIONS (bf16; the first H100
+#      run has the FP32 figures): forward,
 #      decode (HF_NEW_TOKENS after a 16-token prompt) and training tokens/s;
 #   d. NL_CUDA_PROFILE=1 neuroctl bench in bf16 on PROFILE_SPEC: each
 #      backend slot's share of the time (the backend syncs after every slot,
 #      so a slot's time is its kernels'; training dominates the run), the
-#      largest in the summary;
+#      largest in the summary, and the cuBLASLt cache's misses and their
+#      host time; then the same bench without the profile with each choice
+#      of expert GEMMs (default, NL_CUDA_EXPERTS=kernel, NL_CUDA_LT_BUCKET=1,
+#      both per-expert and bucketed: train_ab), and test_bf16 on the device
+#      with the last (20 bf16 training steps within 1e-2 of FP32);
 #   e. bench/bench_cuda.sh part 2: the decode split (device against host
 #      routing, recorded steps, fused slots, bf16 KV cache, batched decode)
 #      on bench-large FP32, and batch-1 decode of each DECODE_SPECS against
@@ -41,7 +46,9 @@
 # Issue 28's five-minute check (the self-test and the comparison with
 # transformers) is ONLY="b c g". All steps take about 11 minutes on an
 # H100 (estimated): with the default BUDGET_S (540) the last ones are cut
-# or skipped, so a call of ten minutes returns its logs.
+# or skipped, so a call of ten minutes returns its logs. Two calls of about
+# 5.5 and 6.5 minutes run them all: ONLY="a b c d e", then ONLY="f g h"
+# with another OUT.
 # It never builds: the binaries must be at NL_BUILD_DIR (as `bash .gpu/run.sh
 # bench/gpu_check.sh` sets it in the unpacked tree of ../shared/tools/
 # gpu-pack.sh), else it exits 2. Models and checkpoints go to a scratch
@@ -51,7 +58,7 @@
 # Environment: OUT (./gpu-check-out), NL_BUILD_DIR (build), DEVICE (cuda:0),
 #   BUDGET_S (540: no step starts past it, each is cut at it), BATCH (8),
 #   BENCH_SPECS ("bench-large:256 bench-large:1024 bench-xl:1024"),
-#   PRECISIONS ("bf16 fp32"), PROFILE_SPEC (bench-large:1024), DECODE_SPECS
+#   PRECISIONS (bf16; "bf16 fp32" for both), PROFILE_SPEC (bench-large:1024), DECODE_SPECS
 #   ("bench-large:bf16 bench-xl:fp32 bench-xl:bf16"; bench_cuda.sh's),
 #   DECODE_LIMIT_S (150: step e's limit), SERVE_CONFIG (bench-large),
 #   SERVE_CLIENTS ("1 16 64"), SERVE_TOKENS (64), HF_DEVICE (cuda),
@@ -76,7 +83,7 @@ DEVICE=${DEVICE:-cuda:0}
 BUDGET_S=${BUDGET_S:-540}
 BATCH=${BATCH:-8}
 BENCH_SPECS=${BENCH_SPECS:-bench-large:256 bench-large:1024 bench-xl:1024}
-PRECISIONS=${PRECISIONS:-bf16 fp32}
+PRECISIONS=${PRECISIONS:-bf16}
 PROFILE_SPEC=${PROFILE_SPEC:-bench-large:1024}
 DECODE_SPECS=${DECODE_SPECS-bench-large:bf16 bench-xl:fp32 bench-xl:bf16}
 SERVE_CONFIG=${SERVE_CONFIG:-bench-large}
@@ -228,12 +235,37 @@ tot = re.search(r"NL_CUDA_PROFILE: ([0-9.]+) s in (\d+) slots", text)
 rows = re.findall(r"profile (\S+) +(\d+) calls +([0-9.]+) ms +([0-9.]+)%", text)
 if not tot:
     sys.exit("no profile in the log (not a CUDA backend?)")
-print("%s s in %s slots: %s" % (tot.group(1), tot.group(2),
-      ", ".join("%s %s%% (%s calls)" % (n, p, c) for n, c, ms, p in rows[:8])))
+lt = re.search(r"cuBLASLt cache: [^\n]*", text)
+print("%s s in %s slots: %s%s" % (tot.group(1), tot.group(2),
+      ", ".join("%s %s%% (%s calls)" % (n, p, c) for n, c, ms, p in rows[:8]),
+      "; " + lt.group(0) if lt else ""))
 PY
 ) || case $DEVICE in cuda:*) RC=1 ;; esac # only the CUDA backend profiles
         verdict profile "$cfg T $T bf16: $figs"
     fi
+    # the expert GEMMs' choices side by side, without the profile's syncs:
+    # training and forward tokens/s with each (kernels/cuda/cuda_gemm.cu:
+    # the default runs the forward's experts one cuBLASLt GEMM each and the
+    # backward's on the one-launch kernel; kernel: that kernel everywhere;
+    # bucket: per-expert GEMMs share the algorithm of their row count's
+    # bucket; cublaslt: the backward per expert too), then the 20-step bf16
+    # training against FP32 (test_bf16) with the last, on the device
+    ab=()
+    for v in default "NL_CUDA_EXPERTS=kernel" "NL_CUDA_LT_BUCKET=1" \
+        "NL_CUDA_EXPERTS=cublaslt NL_CUDA_LT_BUCKET=1"; do
+        n=train_ab_$((${#ab[@]} + 1))
+        # shellcheck disable=SC2086 # v is a list of assignments
+        run "$n" 60 20 env ${v/default/} "$NEUROCTL" bench --device "$DEVICE" --precision bf16 \
+            --config "$SRC/configs/$cfg.yaml" --batch "$BATCH" --seq "$T" --repeats 3 --decode-tokens 4 && true
+        [ "$RC" -eq 125 ] && break
+        ab+=("$v: $(grep -h '^{' "$OUT/$n.log" | tail -1 | $PY -c 'import json, sys
+j = json.load(sys.stdin)
+print("train %.0f, forward %.0f tok/s" % (j["train_tok_s"] or 0, j["forward_tok_s"]))' 2>&1) ($SECS s, rc $RC)")
+    done
+    [ ${#ab[@]} -gt 0 ] && line PASS train_ab "$cfg T $T bf16: $(printf '%s; ' "${ab[@]}")"
+    run test_bf16_lt 60 15 env NL_CUDA_EXPERTS=cublaslt NL_CUDA_LT_BUCKET=1 NL_TEST_DEVICE="$DEVICE" \
+        "$BUILD/tests/test_bf16" && true
+    [ "$RC" -ne 125 ] && verdict test_bf16_lt "$(grep -h '20 steps' "$OUT/test_bf16_lt.log"); $(tail -1 "$OUT/test_bf16_lt.log")"
 fi
 
 # ---------------------------------------------------------------- e. decode
