@@ -435,7 +435,8 @@ def parse_args():
     ap.add_argument("--iters", type=int, default=5,
                     help="timed runs: forward and training their mean, generate the median of each")
     ap.add_argument("--ours", action="append", default=[], help="a file of neuroctl bench JSON lines")
-    ap.add_argument("--tiny", action="store_true", help="a tiny model (d 64, L 2, E 8, V 256) at T 32")
+    ap.add_argument("--tiny", action="store_true",
+                    help="a tiny model (d 64, L 2, E 8, V 256) at T 32, named builtin-tiny")
     args = ap.parse_args()
     if not args.spec and not args.tiny:
         ap.error("give --spec CONFIG.yaml:T or --tiny")
@@ -450,9 +451,9 @@ def parse_args():
         if v < lo:
             ap.error("%s %d: want at least %d" % (flag, v, lo))
     cfgs, specs = {}, []
-    if args.tiny:
-        cfgs["tiny"] = TINY
-        specs.append(("tiny", 32))
+    if args.tiny:  # not "tiny": configs/tiny.yaml, a --spec beside it, is another model
+        cfgs["builtin-tiny"] = TINY
+        specs.append(("builtin-tiny", 32))
     for s in args.spec:
         path, _, t = s.rpartition(":")
         if not path or not t.isdigit():
