@@ -1,8 +1,8 @@
 /* The CUDA backend's GEMM slots (the private context: cuda_backend_impl.h):
  * the FP32/TF32 GEMM through cuBLAS, the bf16 GEMM through cuBLASLt with
  * its descriptor cache and the bf16 weight copies, and the grouped expert
- * GEMMs (one-launch kernels, or per expert through cuBLASLt for the
- * forward's many rows). */
+ * GEMMs (one-launch kernels, per expert through cuBLASLt for the
+ * forward's many rows, or through cuDNN's MoE grouped matmul). */
 #include "kernels/cuda/cuda_backend_impl.h"
 #include "kernels/cuda/cuda_gemm_plan.h"
 #include "kernels/cuda/cuda_moe.h"
@@ -511,6 +511,10 @@ void cu_gemm_grouped(nl_backend *be, int trans_b, int N, int K, const float *A, 
                      const int32_t *offsets, int groups, int max_rows)
 {
     cuda_ctx *c = enter_slot(be, __func__);
+    /* NL_CUDA_EXPERTS=cudnn: one cuDNN call (cuda_gemm_dnn.cu), else as below */
+    if (c->bf16 && c->experts_dnn && max_rows >= NL_CUDA_GROUPED_HOST_ROWS &&
+        dnn_grouped(c, trans_b, N, K, A, lda, B, ldb, b_stride, C, ldc, offsets, groups))
+        return;
     if (c->bf16 && (trans_b || c->experts_lt) && max_rows >= NL_CUDA_GROUPED_HOST_ROWS &&
         !c->experts_kernel) {
         /* inside this slot (NL_CUDA_PROFILE counts them here, apart from
