@@ -8,7 +8,10 @@
  * weight layouts; every stride the product depends on, bent by one, must
  * break it (so a wrong stride cannot pass); and the calls cuDNN cannot be
  * given must say so. Operands are small integers, so every order of the
- * sums gives the same FP32 bits and the comparison is exact. */
+ * sums gives the same FP32 bits and the comparison is exact. Also the
+ * host's record of each dispatch's total rows (nl_moe_routes), which
+ * sizes Token and Output: known only while the offsets hold what
+ * moe_route wrote. */
 #include "kernels/cuda/cudnn_moe_desc.h"
 #include "tests/check.h"
 
@@ -236,6 +239,44 @@ static void test_refusals(void)
     CHECK(d.fallback == NULL, "FP32 Output at ldc 20: %s", d.fallback ? d.fallback : "");
 }
 
+/* The host's record of the dispatches' total rows: known while the offsets
+ * hold what moe_route wrote, forgotten by any write or free that touches
+ * them (and only those), updated by a new route over the same array. */
+static void test_routes(void)
+{
+    static nl_moe_routes t; /* zeroed: empty */
+    static int32_t buf[64], many[NL_MOE_ROUTES + 8][2];
+    int32_t *a = buf + 8, *b = buf + 40; /* apart: a write beside one misses the other */
+    CHECK(nl_moe_routes_total(&t, a, 8) == -1, "never noted");
+    nl_moe_routes_note(&t, a, 8, 100);
+    nl_moe_routes_note(&t, b, 8, 7);
+    CHECK(nl_moe_routes_total(&t, a, 8) == 100 && nl_moe_routes_total(&t, b, 8) == 7, "noted");
+    CHECK(nl_moe_routes_total(&t, a, 4) == -1, "other groups are another array");
+    nl_moe_routes_note(&t, a, 8, 64); /* a new route over the same array */
+    CHECK(nl_moe_routes_total(&t, a, 8) == 64, "updated: %lld",
+          (long long)nl_moe_routes_total(&t, a, 8));
+    nl_moe_routes_forget(&t, a + 9, 4);               /* just past a's 9 entries */
+    nl_moe_routes_forget(&t, (const char *)a - 4, 4); /* just before */
+    CHECK(nl_moe_routes_total(&t, a, 8) == 64, "a write beside the array keeps it");
+    nl_moe_routes_forget(&t, (const char *)a + 35, 1); /* a's last byte */
+    CHECK(nl_moe_routes_total(&t, a, 8) == -1, "a write over the last entry forgets it");
+    CHECK(nl_moe_routes_total(&t, b, 8) == 7, "and nothing else");
+    nl_moe_routes_forget(&t, (const char *)b - 100, 101); /* ends at b's first byte */
+    CHECK(nl_moe_routes_total(&t, b, 8) == -1, "a write over the first byte forgets it");
+    /* more arrays than entries: the oldest replaced in turn, the newest known */
+    for (int i = 0; i < NL_MOE_ROUTES + 8; i++)
+        nl_moe_routes_note(&t, many[i], 1, i);
+    int known = 0;
+    for (int i = 0; i < NL_MOE_ROUTES + 8; i++) {
+        const int64_t r = nl_moe_routes_total(&t, many[i], 1);
+        CHECK(r == -1 || r == i, "array %d: total %lld", i, (long long)r);
+        known += r == i;
+    }
+    CHECK(known == NL_MOE_ROUTES, "%d of %d arrays known", known, NL_MOE_ROUTES);
+    CHECK(nl_moe_routes_total(&t, many[NL_MOE_ROUTES + 7], 1) == NL_MOE_ROUTES + 7,
+          "the newest is known");
+}
+
 int main(void)
 {
     nl_backend *be = NULL;
@@ -244,6 +285,7 @@ int main(void)
     if (be)
         test_products(be);
     test_refusals();
+    test_routes();
     if (be)
         be->destroy(be);
     return check_done("test_cudnn_moe_desc");

@@ -13,6 +13,7 @@ extern "C" {
 }
 #include "kernels/cuda/cuda_cudnn.h"
 #include "kernels/cuda/cuda_mixed.h"
+#include "kernels/cuda/cudnn_moe_desc.h"
 
 #include <cublasLt.h>
 #include <cublas_v2.h>
@@ -45,17 +46,8 @@ struct alloc_table {
 #define NL_CUDA_LT_CACHE 256
 #define NL_CUDA_MAX_GROUPS 65535
 
-/* the offsets arrays whose total rows the host remembers (route_rows), and
- * the fallback reasons of cuDNN's grouped GEMMs logged once each */
-#define NL_CUDA_ROUTES 256
+/* the fallback reasons of cuDNN's grouped GEMMs, logged once each */
 #define NL_CUDA_DNN_REASONS 16
-
-/* One offsets array moe_route wrote and its last entry, N k */
-struct route_rows {
-    const int32_t *offsets; /* NULL: a free entry */
-    int groups;
-    int64_t rows;
-};
 
 /* One cached cuBLASLt GEMM: its shape, strides and operand alignments,
  * the descriptors and the heuristic's algorithm for them. */
@@ -127,8 +119,7 @@ struct cuda_ctx {
      * calls cuDNN ran (dnn_bf16_out of them with a bf16 Output widened
      * after) and declined, for NL_CUDA_PROFILE; each reason logged once. */
     int experts_dnn;
-    route_rows routes[NL_CUDA_ROUTES];
-    int route_next; /* the entry replaced next when none is free */
+    nl_moe_routes routes;
     uint64_t dnn_runs, dnn_bf16_out, dnn_declined;
     const char *dnn_said[NL_CUDA_DNN_REASONS];
     /* NL_CUDA_ROWS=cublas: gemm takes cuBLAS(Lt) at every M, not the

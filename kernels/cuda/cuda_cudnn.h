@@ -17,7 +17,10 @@
  * described and which fall back (packed documents, other head dims). One
  * graph per shape key, built on first use and cached (at most
  * NL_CUDNN_MAX_GRAPHS; a key that fails to build is remembered and falls
- * back, with one log line naming cuDNN's error). */
+ * back, with one log line naming cuDNN's error).
+ *
+ * The same handle serves the experts' grouped GEMMs (cuda_cudnn_moe.cpp,
+ * NL_CUDA_EXPERTS=cudnn; the entry points at the end of this header). */
 #ifndef NL_CUDA_CUDNN_H
 #define NL_CUDA_CUDNN_H
 

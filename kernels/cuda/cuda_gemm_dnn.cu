@@ -34,42 +34,14 @@ namespace nl_cu
 
 void route_note(cuda_ctx *c, const int32_t *offsets, int groups, int64_t rows)
 {
-    if (!c->experts_dnn)
-        return;
-    route_rows *slot = NULL;
-    for (int i = 0; i < NL_CUDA_ROUTES && !slot; i++)
-        if (c->routes[i].offsets == offsets)
-            slot = &c->routes[i];
-    for (int i = 0; i < NL_CUDA_ROUTES && !slot; i++)
-        if (!c->routes[i].offsets)
-            slot = &c->routes[i];
-    if (!slot) { /* full: replace in turn */
-        slot = &c->routes[c->route_next];
-        c->route_next = (c->route_next + 1) % NL_CUDA_ROUTES;
-    }
-    *slot = route_rows{offsets, groups, rows};
+    if (c->experts_dnn)
+        nl_moe_routes_note(&c->routes, offsets, groups, rows);
 }
 
 void route_forget(cuda_ctx *c, const void *p, size_t bytes)
 {
-    if (!c->experts_dnn)
-        return;
-    const uintptr_t lo = (uintptr_t)p, hi = lo + bytes;
-    for (int i = 0; i < NL_CUDA_ROUTES; i++) {
-        const uintptr_t o = (uintptr_t)c->routes[i].offsets;
-        const uintptr_t end = o + ((size_t)c->routes[i].groups + 1) * sizeof(int32_t);
-        if (o && o < hi && lo < end)
-            c->routes[i] = route_rows{NULL, 0, 0};
-    }
-}
-
-/* offsets[groups] as moe_route wrote it, or -1 when the host does not know */
-int64_t route_total(const cuda_ctx *c, const int32_t *offsets, int groups)
-{
-    for (int i = 0; i < NL_CUDA_ROUTES; i++)
-        if (c->routes[i].offsets == offsets && c->routes[i].groups == groups)
-            return c->routes[i].rows;
-    return -1;
+    if (c->experts_dnn)
+        nl_moe_routes_forget(&c->routes, p, bytes);
 }
 
 /* A call cuDNN does not take: counted, its reason logged the first time;
@@ -125,7 +97,7 @@ bool dnn_grouped(cuda_ctx *c, int trans_b, int N, int K, const float *A, int lda
         return dnn_declined(c, "inside a CUDA graph capture");
     if (!c->cudnn)
         return dnn_declined(c, "cuDNN is not available (the log's cuDNN line says why)");
-    const int64_t T = route_total(c, offsets, groups);
+    const int64_t T = nl_moe_routes_total(&c->routes, offsets, groups);
     if (T == 0)
         return true;      /* an empty dispatch: no group has rows, C keeps its values */
     nl_moe_desc f32, b16; /* the Token packed: K columns */

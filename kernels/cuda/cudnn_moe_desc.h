@@ -160,4 +160,67 @@ static inline int64_t nl_moe_expert_of(const nl_moe_desc *d, const int32_t *fto,
     return owner;
 }
 
+/* ---------------------------------------------------------------- total rows
+ *
+ * The host's record of each dispatch's total rows (offsets[groups], which
+ * the description needs and which lives on the device): moe_route notes
+ * N k for the offsets array it writes, and any other write over the array
+ * (an upload, a zero, a free) forgets it, so a total is known only while
+ * the array holds what moe_route wrote. A full table replaces its entries
+ * in turn (a forgotten total only sends a call to the fallback). */
+#define NL_MOE_ROUTES 256
+
+typedef struct nl_moe_route {
+    const int32_t *offsets; /* NULL: a free entry */
+    int groups;             /* the array holds groups + 1 entries */
+    int64_t rows;           /* its last entry */
+} nl_moe_route;
+
+typedef struct nl_moe_routes {
+    nl_moe_route e[NL_MOE_ROUTES];
+    int next; /* the entry replaced next when none is free */
+} nl_moe_routes;
+
+static inline void nl_moe_routes_note(nl_moe_routes *t, const int32_t *offsets, int groups,
+                                      int64_t rows)
+{
+    nl_moe_route *slot = NULL;
+    for (int i = 0; i < NL_MOE_ROUTES && !slot; i++)
+        if (t->e[i].offsets == offsets)
+            slot = &t->e[i];
+    for (int i = 0; i < NL_MOE_ROUTES && !slot; i++)
+        if (!t->e[i].offsets)
+            slot = &t->e[i];
+    if (!slot) {
+        slot = &t->e[t->next];
+        t->next = (t->next + 1) % NL_MOE_ROUTES;
+    }
+    slot->offsets = offsets;
+    slot->groups = groups;
+    slot->rows = rows;
+}
+
+/* The `bytes` bytes at p were written or freed: forget every array they touch. */
+static inline void nl_moe_routes_forget(nl_moe_routes *t, const void *p, size_t bytes)
+{
+    const uintptr_t lo = (uintptr_t)p, hi = lo + bytes;
+    for (int i = 0; i < NL_MOE_ROUTES; i++) {
+        const uintptr_t o = (uintptr_t)t->e[i].offsets;
+        const uintptr_t end = o + ((size_t)t->e[i].groups + 1) * sizeof(int32_t);
+        if (o && o < hi && lo < end)
+            memset(&t->e[i], 0, sizeof t->e[i]);
+    }
+}
+
+/* offsets[groups] as noted, or -1 when not known (never noted, noted with
+ * other groups, or forgotten) */
+static inline int64_t nl_moe_routes_total(const nl_moe_routes *t, const int32_t *offsets,
+                                          int groups)
+{
+    for (int i = 0; i < NL_MOE_ROUTES; i++)
+        if (t->e[i].offsets == offsets && t->e[i].groups == groups)
+            return t->e[i].rows;
+    return -1;
+}
+
 #endif
