@@ -448,7 +448,10 @@ void cu_wrote(nl_backend *be, const void *p, size_t bytes)
  * (nl_lt_bucket_rows) share one choice; NL_CUDA_PROFILE reports the
  * cache's misses and their host time. NL_CUDA_EXPERTS=cublaslt runs the
  * backward's grouped GEMMs (dgrad and wgrad) per expert too, as run 3 of
- * issue 28 did (then without buckets). Not yet run on a GPU. */
+ * issue 28 did (then without buckets). NL_CUDA_EXPERTS=cudnn first offers
+ * the many-row calls (forward and dgrad) to cuDNN's MoE grouped matmul,
+ * which reads the offsets on the device (cuda_gemm_dnn.cu), and takes the
+ * paths here for what it declines. Not yet run on a GPU. */
 #define NL_CUDA_GROUPED_HOST_ROWS 64
 
 /* The offsets at dev on the host (checked: 0 first, never decreasing,
