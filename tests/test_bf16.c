@@ -1,9 +1,11 @@
 /* bf16 compute (nl_backend_opts.bf16): the GEMM against FP32 on random
  * shapes, the weight copies made again after every kind of write, a
- * 20-step training run against FP32, and the refusals. Also the CPU's
- * fewer-pass paths in FP32: the fused expert feed-forward (moe_ffn_*
- * slots) and RoPE's per-position table give the bits of the separate
- * calls and of the per-row angles.
+ * 20-step training run against FP32, the expert GEMMs of a routed dispatch
+ * (forward and input gradient; NL_TEST_EXPECT_NO_SYNC=1 also checks that
+ * they never waited for the host: on CUDA with NL_CUDA_EXPERTS=cudnn), and
+ * the refusals. Also the CPU's fewer-pass paths in FP32: the fused expert
+ * feed-forward (moe_ffn_* slots) and RoPE's per-position table give the
+ * bits of the separate calls and of the per-row angles.
  *
  * The bound: bf16 keeps 8 significant bits, so rounding an input to
  * nearest-even changes it by a relative u = 2^-8 at most, and a product
@@ -118,6 +120,99 @@ static void test_gemm_shapes(nl_backend *be)
             CHECK(acc <= 1.0, "gemm %dx%dx%d ta=%d tb=%d: inputs not rounded to bf16 (%.3g)", M, N,
                   K, t & 1, t >> 1, acc);
         }
+}
+
+/* ---------------------------------------------------------------- routed grouped GEMMs */
+
+/* Worst error of C (rows x n, row stride n) over the bound of the product
+ * of the rounded operands: FP32 accumulation (K 2^-23) plus one bf16
+ * rounding of the result (2^-8), where a device writes it through bf16.
+ * b(g, p, j) gives expert g's operand; off the offsets (groups + 1). */
+static double grouped_err(const float *got, const float *a, int K, int n, const int32_t *off,
+                          int groups, const float *w, size_t b_stride, int trans_b)
+{
+    double worst = 0.0;
+    for (int g = 0; g < groups; g++)
+        for (int r = off[g]; r < off[g + 1]; r++)
+            for (int j = 0; j < n; j++) {
+                double s = 0.0, mag = 0.0;
+                for (int p = 0; p < K; p++) {
+                    /* trans_b: B_g (n, K) rows of K; else (K, n) rows of n */
+                    const float b =
+                        w[g * b_stride + (trans_b ? (size_t)j * K + p : (size_t)p * n + j)];
+                    const double t = (double)round_bf16(a[(size_t)r * K + p]) * round_bf16(b);
+                    s += t;
+                    mag += fabs(t);
+                }
+                const double bound = K * 0x1p-23 * mag + 0x1p-8 * fabs(s) + 1e-30;
+                const double e = fabs(got[(size_t)r * n + j] - s) / bound;
+                worst = e > worst || e != e ? e : worst;
+            }
+    return worst;
+}
+
+/* The expert GEMMs of a routed dispatch (moe_route's device offsets, two
+ * experts never chosen), forward (x W^T) and input gradient (dY W), with
+ * enough rows to take a device's many-row path (on CUDA with
+ * NL_CUDA_EXPERTS=cudnn, cuDNN's grouped matmul, which must not wait for
+ * the host: NL_TEST_EXPECT_NO_SYNC=1 makes that a check). */
+static void test_grouped_routed(nl_backend *be)
+{
+    nl_error err = {0};
+    const int N = 96, E = 8, k = 2, K = 64, F = 48, R = N * k;
+    const size_t bs = (size_t)F * K + 8; /* expert stride, padded */
+    float *probs = malloc((size_t)N * E * 4), *w = malloc(E * bs * 4);
+    float *x = malloc((size_t)R * K * 4), *dy = malloc((size_t)R * F * 4);
+    for (int i = 0; i < N * E; i++)
+        probs[i] = (i % E == 2 || i % E == 7) ? 0.0f : frand() + 1.5f;
+    for (size_t i = 0; i < E * bs; i++)
+        w[i] = frand();
+    for (int i = 0; i < R * K; i++)
+        x[i] = frand() * 4.0f;
+    for (int i = 0; i < R * F; i++)
+        dy[i] = frand();
+    float *dp = be->alloc(be, (size_t)N * E * 4), *dw = be->alloc(be, E * bs * 4);
+    float *dwt = be->alloc(be, (size_t)R * 4), *dx = be->alloc(be, (size_t)R * K * 4);
+    float *ddy = be->alloc(be, (size_t)R * F * 4), *dc = be->alloc(be, (size_t)R * F * 4);
+    float *ddx = be->alloc(be, (size_t)R * K * 4);
+    int32_t *ch = be->alloc(be, (size_t)R * 4), *perm = be->alloc(be, (size_t)R * 4);
+    int32_t *slot = be->alloc(be, (size_t)R * 4), *doff = be->alloc(be, (E + 1) * 4);
+    be->upload(be, dp, probs, (size_t)N * E * 4);
+    be->upload(be, dw, w, E * bs * 4);
+    be->upload(be, dx, x, (size_t)R * K * 4);
+    be->upload(be, ddy, dy, (size_t)R * F * 4);
+    CHECK_OK(be->bf16_weights(be, dw, E * bs, &err), &err);
+    be->moe_route(be, ch, dwt, doff, perm, slot, dp, N, E, k);
+    const uint64_t syncs = be->stats.host_syncs;
+    be->gemm_grouped(be, 1, F, K, dx, K, dw, K, bs, dc, F, doff, E, N);
+    /* dY W: B_g (F, K) as stored is the (K', N') = (F, K) operand */
+    be->gemm_grouped(be, 0, K, F, ddy, F, dw, K, bs, ddx, K, doff, E, N);
+    const uint64_t waited = be->stats.host_syncs - syncs;
+    int32_t off[9];
+    be->download(be, off, doff, sizeof off);
+    float *c = check_download(be, dc, (size_t)R * F), *gx = check_download(be, ddx, (size_t)R * K);
+    CHECK(off[0] == 0 && off[E] == R && off[3] == off[2] && off[8] == off[7],
+          "routing: offsets %d..%d, experts 2 and 7 not empty", off[0], off[E]);
+    const double ef = grouped_err(c, x, K, F, off, E, w, bs, 1);
+    const double eb = grouped_err(gx, dy, F, K, off, E, w, bs, 0);
+    CHECK(ef <= 1.0, "routed gemm_grouped x W^T: error %.3g of the bf16 bound", ef);
+    CHECK(eb <= 1.0, "routed gemm_grouped dY W: error %.3g of the bf16 bound", eb);
+    const char *ns = getenv("NL_TEST_EXPECT_NO_SYNC");
+    printf("test_bf16: routed grouped GEMMs (%d rows): %llu host waits\n", R,
+           (unsigned long long)waited);
+    if (ns && strcmp(ns, "1") == 0)
+        CHECK(waited == 0, "routed grouped GEMMs waited for the host %llu times",
+              (unsigned long long)waited);
+    CHECK_OK(be->bf16_weights(be, dw, 0, &err), &err);
+    free(c);
+    free(gx);
+    free(probs);
+    free(w);
+    free(x);
+    free(dy);
+    void *bufs[] = {dp, dw, dwt, dx, ddy, dc, ddx, ch, perm, slot, doff};
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
+        be->free(be, bufs[i]);
 }
 
 /* The weight copy follows every write: upload, zero, adamw, write_back. */
@@ -393,6 +488,7 @@ int main(int argc, char **argv)
         return check_done("test_bf16");
     CHECK(be->bf16 == 1 && be->bf16_weights != NULL, "bf16 backend without its slots");
     test_gemm_shapes(be);
+    test_grouped_routed(be);
     test_weight_copy(be);
     test_training(be);
     nl_backend_destroy(&be);

@@ -9,7 +9,9 @@
  * attention kernels); every slot runs on the device (can_train = 1). In
  * bf16 mode the attention slots first offer the call to cuDNN's flash
  * attention (cuda_cudnn.h; NL_CUDNN_ATTN=0 turns it off, =force turns it
- * on for FP32 too) and run their own kernels when it declines.
+ * on for FP32 too) and run their own kernels when it declines; with
+ * NL_CUDA_EXPERTS=cudnn the expert GEMMs of many rows do the same with
+ * cuDNN's MoE grouped matmul (cuda_gemm_dnn.cu).
  *
  * One backend = one device, one non-blocking stream, one cuBLAS handle
  * bound to that stream with a workspace allocated at creation, so nothing
@@ -240,6 +242,12 @@ void prof_report(cuda_ctx *c)
                  "%llu bucketed calls refused at their rows",
                  c->name, (unsigned long long)c->lt_hits, (unsigned long long)c->lt_misses,
                  c->lt_miss_s * 1e3, (unsigned long long)c->lt_refits);
+    if (c->experts_dnn) /* NL_CUDA_EXPERTS=cudnn: did cuDNN run the experts? */
+        nl_log_write(NL_LOG_WARN,
+                     "%s: profile cuDNN experts: %llu grouped GEMMs through cuDNN (%llu with a "
+                     "bf16 output), %llu declined to the module's path",
+                     c->name, (unsigned long long)c->dnn_runs, (unsigned long long)c->dnn_bf16_out,
+                     (unsigned long long)c->dnn_declined);
 }
 
 cuda_ctx *enter_slot(nl_backend *be, const char *slot)
@@ -330,6 +338,7 @@ void cu_free(nl_backend *be, void *p)
         fail(c, NL_ERR_INTERNAL, "%s: free: %p was not allocated by this backend", c->name, p);
         return;
     }
+    route_forget(c, p, bytes);
     /* queued ops that still read p finish first */
     ok(c, "free", cudaStreamSynchronize(c->stream));
     ok(c, "free", cudaFree(p));
@@ -383,7 +392,8 @@ void cu_upload(nl_backend *be, void *dst, const void *src, size_t bytes)
     if (refused_in_capture(c, "upload"))
         return;
     c->off_ptr = NULL; /* it may have written routing offsets */
-    if (c->bf16)       /* into weights: their bf16 copy is made again on next use */
+    route_forget(c, dst, bytes);
+    if (c->bf16) /* into weights: their bf16 copy is made again on next use */
         nl_cuda_bf16_mark(&c->w, dst, bytes);
     if (staged_upload(be, c, dst, src, bytes))
         return;
@@ -414,6 +424,7 @@ void cu_zero(nl_backend *be, void *p, size_t bytes)
         return;
     cuda_ctx *c = enter_slot(be, __func__);
     c->off_ptr = NULL;
+    route_forget(c, p, bytes);
     if (c->bf16)
         nl_cuda_bf16_mark(&c->w, p, bytes);
     ok(c, "zero", cudaMemsetAsync(p, 0, bytes, c->stream));
@@ -721,13 +732,14 @@ NL_EXPORT nl_status nl_cuda_backend_new(nl_backend **out, int device, const nl_b
     const char *ex = getenv("NL_CUDA_EXPERTS");
     c->experts_kernel = ex && strcmp(ex, "kernel") == 0;
     c->experts_lt = ex && strcmp(ex, "cublaslt") == 0;
+    c->experts_dnn = c->bf16 && ex && strcmp(ex, "cudnn") == 0;
     const char *lb = getenv("NL_CUDA_LT_BUCKET");
     c->lt_bucket = lb && strcmp(lb, "1") == 0;
     const char *ro = getenv("NL_CUDA_ROWS");
     c->rows_off = ro && strcmp(ro, "cublas") == 0;
     const char *pr = getenv("NL_CUDA_PROFILE");
     c->profile = pr && strcmp(pr, "1") == 0;
-    c->cudnn = nl_cudnn_new(device, c->stream, c->bf16); /* NULL: off or unavailable */
+    c->cudnn = nl_cudnn_new(device, c->stream, c->bf16, c->experts_dnn); /* NULL: off */
     fill_table(be);
     *out = be;
     return NL_OK;

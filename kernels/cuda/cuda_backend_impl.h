@@ -2,8 +2,9 @@
  * cuda_backend.cu owns the context, its errors and profile, device memory,
  * creation and destruction; cuda_gemm.cu the GEMM slots (cuBLAS, the bf16
  * path through cuBLASLt and its descriptor cache, the grouped expert
- * GEMMs); cuda_slots.cu the other slots, thin wrappers over the kernels'
- * launchers. cuda_backend.cu's opening comment is the backend's contract. */
+ * GEMMs), cuda_gemm_dnn.cu their cuDNN form; cuda_slots.cu the other
+ * slots, thin wrappers over the kernels' launchers. cuda_backend.cu's
+ * opening comment is the backend's contract. */
 #pragma once
 
 extern "C" {
@@ -12,6 +13,7 @@ extern "C" {
 }
 #include "kernels/cuda/cuda_cudnn.h"
 #include "kernels/cuda/cuda_mixed.h"
+#include "kernels/cuda/cudnn_moe_desc.h"
 
 #include <cublasLt.h>
 #include <cublas_v2.h>
@@ -43,6 +45,9 @@ struct alloc_table {
 #define NL_CUDA_BF16_CONV_ELEMS ((size_t)32 << 20)
 #define NL_CUDA_LT_CACHE 256
 #define NL_CUDA_MAX_GROUPS 65535
+
+/* the fallback reasons of cuDNN's grouped GEMMs, logged once each */
+#define NL_CUDA_DNN_REASONS 16
 
 /* One cached cuBLASLt GEMM: its shape, strides and operand alignments,
  * the descriptors and the heuristic's algorithm for them. */
@@ -96,7 +101,7 @@ struct cuda_ctx {
     /* NL_CUDA_LT_BUCKET=1: the forward's per-expert GEMMs take the
      * algorithm of their row count's bucket (nl_lt_bucket_rows) */
     int lt_bucket;
-    nl_cudnn *cudnn; /* attention through cuDNN (cuda_cudnn.h), or NULL */
+    nl_cudnn *cudnn; /* attention and experts through cuDNN (cuda_cudnn.h), or NULL */
     /* the expert groups' row offsets last read to the host (bf16 grouped
      * GEMMs of many rows): valid for off_ptr until a slot that may write
      * offsets runs (upload, zero, moe_route) */
@@ -105,6 +110,18 @@ struct cuda_ctx {
     int32_t off_host[NL_BACKEND_MAX_EXPERTS + 1];
     int experts_kernel; /* NL_CUDA_EXPERTS=kernel: never per expert (below) */
     int experts_lt;     /* NL_CUDA_EXPERTS=cublaslt: the backward's per expert too */
+    /* NL_CUDA_EXPERTS=cudnn: the grouped GEMMs of many rows (the forward's
+     * and the backward's dgrad) through cuDNN's MoE grouped matmul
+     * (cuda_gemm_dnn.cu dnn_grouped), which needs each dispatch's total
+     * rows on the host: moe_route notes them per offsets array, and an
+     * upload, zero or free over the array forgets them (route_note,
+     * route_forget). The
+     * calls cuDNN ran (dnn_bf16_out of them with a bf16 Output widened
+     * after) and declined, for NL_CUDA_PROFILE; each reason logged once. */
+    int experts_dnn;
+    nl_moe_routes routes;
+    uint64_t dnn_runs, dnn_bf16_out, dnn_declined;
+    const char *dnn_said[NL_CUDA_DNN_REASONS];
     /* NL_CUDA_ROWS=cublas: gemm takes cuBLAS(Lt) at every M, not the
      * gemm_rows kernel below NL_CUDA_ROWS_GEMM rows (a decode's bits then
      * differ from a stage batch's; for comparing the two in bench_cuda) */
@@ -167,6 +184,15 @@ void cu_download(nl_backend *be, void *dst, const void *src, size_t bytes);
  * mode bf16_weights and wrote). */
 void lt_entry_free(lt_entry *e);
 void fill_gemm_slots(nl_backend *be);
+/* cuda_gemm_dnn.cu, NL_CUDA_EXPERTS=cudnn only (else route_* do nothing):
+ * moe_route wrote `rows` rows' offsets (groups + 1 entries) at offsets;
+ * the bytes at p were written (upload, zero) or freed; dnn_grouped runs a
+ * bf16 gemm_grouped call through cuDNN, false (nothing queued, the reason
+ * counted and logged once) when the caller's path must run it. */
+void route_note(cuda_ctx *c, const int32_t *offsets, int groups, int64_t rows);
+void route_forget(cuda_ctx *c, const void *p, size_t bytes);
+bool dnn_grouped(cuda_ctx *c, int trans_b, int N, int K, const float *A, int lda, const float *B,
+                 int ldb, size_t b_stride, float *C, int ldc, const int32_t *offsets, int groups);
 
 /* cuda_slots.cu: fills the other compute slots. */
 void fill_op_slots(nl_backend *be);

@@ -17,7 +17,12 @@
  * the band (causal / bidirectional, window), padding, and whether stats are
  * wanted; `past` is not in it (the padding mask's sequence lengths are
  * device values), so a decode reuses one graph. At most NL_CUDNN_MAX_GRAPHS
- * keys are kept: a full cache drops one entry (an arbitrary one) first. */
+ * keys are kept: a full cache drops one entry (an arbitrary one) first.
+ *
+ * The handle, its stream and the workspace also serve the experts' grouped
+ * GEMMs (NL_CUDA_EXPERTS=cudnn, cuda_cudnn_moe.cpp; cuda_cudnn_impl.h is
+ * what the two share): with NL_CUDNN_ATTN=0 a handle is still made for
+ * them, and attention declines every call. */
 #include "kernels/cuda/cuda_cudnn.h"
 #include "kernels/cuda/cudnn_sdpa_desc.h"
 
@@ -29,6 +34,8 @@ extern "C" {
 #include <string.h>
 
 #if NL_HAVE_CUDNN
+
+#include "kernels/cuda/cuda_cudnn_impl.h"
 
 #include <cuda_runtime.h>
 #include <cudnn.h>
@@ -91,17 +98,42 @@ struct entry {
 
 } // namespace
 
-struct nl_cudnn {
-    int device;
-    cudaStream_t stream;
-    cudnnHandle_t handle;
+/* the handle, stream and workspace (cuda_cudnn_impl.h), and attention's own */
+struct nl_cudnn : nl_cudnn_shared {
     std::unordered_map<key, entry, key_hash> graphs;
     void *scratch = nullptr; /* packed bf16 tensors, seq lens, spare stats */
     size_t scratch_bytes = 0;
-    void *workspace = nullptr;
-    size_t workspace_bytes = 0;
     bool force = false; /* NL_CUDNN_ATTN=force: every shape it can describe */
 };
+
+nl_cudnn_shared *nl_cudnn_shared_of(nl_cudnn *cd)
+{
+    return cd;
+}
+
+/* Grow a device buffer to at least `need` bytes (zeroed, so padded K/V rows
+ * a graph may load are finite). The stream is drained first: queued work may
+ * still read the old buffer. */
+bool nl_cudnn_grow(nl_cudnn_shared *cd, void **p, size_t *have, size_t need)
+{
+    if (need <= *have)
+        return true;
+    cudaStreamSynchronize(cd->stream);
+    if (*p)
+        cudaFree(*p);
+    *p = nullptr;
+    *have = 0;
+    if (cudaMalloc(p, need) != cudaSuccess ||
+        cudaMemsetAsync(*p, 0, need, cd->stream) != cudaSuccess) {
+        cudaGetLastError();
+        if (*p)
+            cudaFree(*p);
+        *p = nullptr;
+        return false;
+    }
+    *have = need;
+    return true;
+}
 
 namespace
 {
@@ -136,30 +168,6 @@ layout layout_of(const nl_sdpa_desc &d, bool bwd)
     l.stats = at, at += align_up((size_t)(d.b * d.h_q * d.s_q) * sizeof(float));
     l.total = at;
     return l;
-}
-
-/* Grow a device buffer to at least `need` bytes (zeroed, so padded K/V rows
- * a graph may load are finite). The stream is drained first: queued work may
- * still read the old buffer. */
-bool grow(nl_cudnn *cd, void **p, size_t *have, size_t need)
-{
-    if (need <= *have)
-        return true;
-    cudaStreamSynchronize(cd->stream);
-    if (*p)
-        cudaFree(*p);
-    *p = nullptr;
-    *have = 0;
-    if (cudaMalloc(p, need) != cudaSuccess ||
-        cudaMemsetAsync(*p, 0, need, cd->stream) != cudaSuccess) {
-        cudaGetLastError();
-        if (*p)
-            cudaFree(*p);
-        *p = nullptr;
-        return false;
-    }
-    *have = need;
-    return true;
 }
 
 std::shared_ptr<fe::graph::Tensor_attributes> tensor_of(std::shared_ptr<fe::graph::Graph> &g,
@@ -286,8 +294,8 @@ entry *lookup(nl_cudnn *cd, const nl_sdpa_desc &d, const key &k, bool bwd, size_
         en.graph = nullptr;
         why = "get_workspace_size failed";
     }
-    if (en.graph && (!grow(cd, &cd->scratch, &cd->scratch_bytes, scratch) ||
-                     !grow(cd, &cd->workspace, &cd->workspace_bytes, (size_t)ws))) {
+    if (en.graph && (!nl_cudnn_grow(cd, &cd->scratch, &cd->scratch_bytes, scratch) ||
+                     !nl_cudnn_grow(cd, &cd->workspace, &cd->workspace_bytes, (size_t)ws))) {
         en.graph = nullptr;
         why = "out of device memory for the scratch or workspace";
     }
@@ -366,7 +374,7 @@ int unpack(nl_cudnn *cd, float *dst, const nl_sdpa_desc *d, int which, nl_attn_s
 /* libcudnn.so.9 where the loader finds it (LD_LIBRARY_PATH, the module's
  * run path), else in the folder CMake found it in. The handle is kept for
  * the process's life (the graphs of several backends share it). */
-bool load_cudnn(int device)
+bool load_cudnn(int device, const char *users)
 {
     if (fe::cudnn_dlhandle)
         return true;
@@ -380,28 +388,28 @@ bool load_cudnn(int device)
     }
 #endif
     if (!h) {
-        nl_log_write(NL_LOG_WARN,
-                     "cuda:%d: cuDNN not found (%s): attention uses the module's kernels", device,
-                     err.c_str());
+        nl_log_write(NL_LOG_WARN, "cuda:%d: cuDNN not found (%s): %s the module's kernels",
+                     device, err.c_str(), users);
         return false;
     }
     fe::cudnn_dlhandle = h;
     return true;
 }
 
-nl_cudnn *make(int device, void *stream, bool force, bool bf16)
+/* users: who falls back to the module's kernels, for the log lines */
+nl_cudnn *make(int device, void *stream, bool attn, bool experts, bool force, bool bf16,
+               const char *users)
 {
-    if (!load_cudnn(device))
+    if (!load_cudnn(device, users))
         return nullptr;
     cudnnHandle_t h = nullptr;
     cudnnStatus_t st = fe::detail::create_handle(&h);
     if (st == CUDNN_STATUS_SUCCESS)
         st = fe::detail::set_stream(h, (cudaStream_t)stream);
     if (st != CUDNN_STATUS_SUCCESS) {
-        nl_log_write(NL_LOG_WARN,
-                     "cuda:%d: cuDNN unavailable (%s, library %zu): attention uses the module's "
-                     "kernels",
-                     device, fe::detail::get_error_string(st), fe::detail::get_backend_version());
+        nl_log_write(NL_LOG_WARN, "cuda:%d: cuDNN unavailable (%s, library %zu): %s the module's kernels",
+                     device, fe::detail::get_error_string(st), fe::detail::get_backend_version(),
+                     users);
         if (h)
             fe::detail::destroy_handle(h);
         cudaGetLastError();
@@ -415,29 +423,37 @@ nl_cudnn *make(int device, void *stream, bool force, bool bf16)
     cd->device = device;
     cd->stream = (cudaStream_t)stream;
     cd->handle = h;
+    cd->attn = attn;
+    cd->experts = experts;
     cd->force = force;
-    nl_log_write(NL_LOG_INFO, "cuda:%d: attention through cuDNN %zu (frontend %d.%d.%d)%s", device,
+    nl_log_write(NL_LOG_INFO, "cuda:%d: %s through cuDNN %zu (frontend %d.%d.%d)%s", device,
+                 attn && experts ? "attention and the experts' GEMMs"
+                 : attn          ? "attention"
+                                 : "the experts' GEMMs",
                  fe::detail::get_backend_version(), CUDNN_FRONTEND_MAJOR_VERSION,
                  CUDNN_FRONTEND_MINOR_VERSION, CUDNN_FRONTEND_PATCH_VERSION,
-                 force && !bf16 ? ", forced for an FP32 backend" : "");
+                 attn && force && !bf16 ? ", attention forced for an FP32 backend" : "");
     return cd;
 }
 
 } // namespace
 
-extern "C" nl_cudnn *nl_cudnn_new(int device, void *stream, int bf16)
+extern "C" nl_cudnn *nl_cudnn_new(int device, void *stream, int bf16, int experts)
 {
     const char *env = getenv("NL_CUDNN_ATTN");
     const bool off = env && strcmp(env, "0") == 0;
     const bool force = env && strcmp(env, "force") == 0;
-    if (off || (!bf16 && !force))
+    const bool attn = !off && (bf16 || force), ex = bf16 && experts;
+    if (!attn && !ex)
         return nullptr;
+    const char *users = attn && ex ? "attention and the experts' GEMMs use"
+                        : attn     ? "attention uses"
+                                   : "the experts' GEMMs use";
     try {
-        return make(device, stream, force, bf16 != 0);
+        return make(device, stream, attn, ex, force, bf16 != 0, users);
     } catch (const std::exception &x) { /* the shim throws when a symbol is missing */
-        nl_log_write(NL_LOG_WARN,
-                     "cuda:%d: cuDNN unavailable (%s): attention uses the module's kernels", device,
-                     x.what());
+        nl_log_write(NL_LOG_WARN, "cuda:%d: cuDNN unavailable (%s): %s the module's kernels",
+                     device, x.what(), users);
     }
     return nullptr;
 }
@@ -447,6 +463,8 @@ extern "C" void nl_cudnn_destroy(nl_cudnn **p)
     if (!p || !*p)
         return;
     nl_cudnn *cd = *p;
+    nl_cudnn_moe_free(cd->moe);
+    cd->moe = nullptr;
     cd->graphs.clear();
     if (cd->scratch)
         cudaFree(cd->scratch);
@@ -464,7 +482,7 @@ namespace
 int forward(nl_cudnn *cd, float *out, float *lse, const float *q, int q_stride, const float *k,
             const float *v, int kv_stride, nl_attn_shape s, const nl_attn_mask *mask)
 {
-    if (!cd || !out || !q || !k || !v || (!cd->force && !nl_sdpa_worth_it(s)))
+    if (!cd || !cd->attn || !out || !q || !k || !v || (!cd->force && !nl_sdpa_worth_it(s)))
         return 0;
     nl_sdpa_desc d;
     nl_sdpa_describe(&d, s, mask ? mask->bidir : 0, mask ? mask->window : 0,
@@ -511,7 +529,7 @@ int backward(nl_cudnn *cd, float *dq, float *dk, float *dv, const float *dout, c
              int q_stride, const float *k, const float *v, int kv_stride, const float *out,
              const float *lse, nl_attn_shape s, const nl_attn_mask *mask)
 {
-    if (!cd || !dq || !dk || !dv || !dout || !q || !k || !v || !out || !lse)
+    if (!cd || !cd->attn || !dq || !dk || !dv || !dout || !q || !k || !v || !out || !lse)
         return 0;
     nl_sdpa_desc d;
     nl_sdpa_describe(&d, s, mask ? mask->bidir : 0, mask ? mask->window : 0,
@@ -600,13 +618,19 @@ extern "C" int nl_cudnn_attention_backward(nl_cudnn *cd, float *dq, float *dk, f
 
 #else /* built without the cuDNN frontend: every entry point declines */
 
-extern "C" nl_cudnn *nl_cudnn_new(int device, void *stream, int bf16)
+extern "C" nl_cudnn *nl_cudnn_new(int device, void *stream, int bf16, int experts)
 {
     const char *env = getenv("NL_CUDNN_ATTN");
     if (env && strcmp(env, "force") == 0)
         nl_log_write(NL_LOG_WARN,
                      "cuda:%d: NL_CUDNN_ATTN=force, but this module was built without cuDNN "
                      "(NL_CUDNN; scripts/install-deps.sh --cudnn-frontend)",
+                     device);
+    if (bf16 && experts)
+        nl_log_write(NL_LOG_WARN,
+                     "cuda:%d: NL_CUDA_EXPERTS=cudnn, but this module was built without cuDNN "
+                     "(NL_CUDNN; scripts/install-deps.sh --cudnn-frontend): the experts' GEMMs "
+                     "use the module's kernels",
                      device);
     return nullptr;
 }

@@ -1,8 +1,8 @@
 /* The CUDA backend's GEMM slots (the private context: cuda_backend_impl.h):
  * the FP32/TF32 GEMM through cuBLAS, the bf16 GEMM through cuBLASLt with
  * its descriptor cache and the bf16 weight copies, and the grouped expert
- * GEMMs (one-launch kernels, or per expert through cuBLASLt for the
- * forward's many rows). */
+ * GEMMs (one-launch kernels, per expert through cuBLASLt for the
+ * forward's many rows, or through cuDNN's MoE grouped matmul). */
 #include "kernels/cuda/cuda_backend_impl.h"
 #include "kernels/cuda/cuda_gemm_plan.h"
 #include "kernels/cuda/cuda_moe.h"
@@ -448,7 +448,10 @@ void cu_wrote(nl_backend *be, const void *p, size_t bytes)
  * (nl_lt_bucket_rows) share one choice; NL_CUDA_PROFILE reports the
  * cache's misses and their host time. NL_CUDA_EXPERTS=cublaslt runs the
  * backward's grouped GEMMs (dgrad and wgrad) per expert too, as run 3 of
- * issue 28 did (then without buckets). Not yet run on a GPU. */
+ * issue 28 did (then without buckets). NL_CUDA_EXPERTS=cudnn first offers
+ * the many-row calls (forward and dgrad) to cuDNN's MoE grouped matmul,
+ * which reads the offsets on the device (cuda_gemm_dnn.cu), and takes the
+ * paths here for what it declines. Not yet run on a GPU. */
 #define NL_CUDA_GROUPED_HOST_ROWS 64
 
 /* The offsets at dev on the host (checked: 0 first, never decreasing,
@@ -511,6 +514,10 @@ void cu_gemm_grouped(nl_backend *be, int trans_b, int N, int K, const float *A, 
                      const int32_t *offsets, int groups, int max_rows)
 {
     cuda_ctx *c = enter_slot(be, __func__);
+    /* NL_CUDA_EXPERTS=cudnn: one cuDNN call (cuda_gemm_dnn.cu), else as below */
+    if (c->bf16 && c->experts_dnn && max_rows >= NL_CUDA_GROUPED_HOST_ROWS &&
+        dnn_grouped(c, trans_b, N, K, A, lda, B, ldb, b_stride, C, ldc, offsets, groups))
+        return;
     if (c->bf16 && (trans_b || c->experts_lt) && max_rows >= NL_CUDA_GROUPED_HOST_ROWS &&
         !c->experts_kernel) {
         /* inside this slot (NL_CUDA_PROFILE counts them here, apart from

@@ -184,6 +184,7 @@ void cu_moe_route(nl_backend *be, int32_t *choice, float *w, int32_t *offsets, i
     c->off_ptr = NULL;
     launched_shape(c, nl_cuda_moe_route(c->stream, choice, w, offsets, perm, slot, probs, N, E, k),
                    "moe_route (N %d E %d k %d)", N, E, k);
+    route_note(c, offsets, E, (int64_t)N * k); /* offsets[E]: every (token, choice) */
 }
 
 void cu_moe_aux(nl_backend *be, double *aux, float *frac, int64_t *counts, const float *probs,
