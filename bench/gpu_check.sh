@@ -22,8 +22,10 @@
 #      largest in the summary, and the cuBLASLt cache's misses and their
 #      host time; then the same bench without the profile with each choice
 #      of expert GEMMs (default, NL_CUDA_EXPERTS=kernel, NL_CUDA_LT_BUCKET=1,
-#      both per-expert and bucketed: train_ab), and test_bf16 on the device
-#      with the last (20 bf16 training steps within 1e-2 of FP32);
+#      both per-expert and bucketed, NL_CUDA_EXPERTS=cudnn: train_ab), and
+#      test_bf16 on the device with the fourth (20 bf16 training steps
+#      within 1e-2 of FP32) and with cuDNN's experts (its graphs built or
+#      declined, the routed products right, no host wait);
 #   e. bench/bench_cuda.sh part 2: the decode split (device against host
 #      routing, recorded steps, fused slots, bf16 KV cache, batched decode)
 #      on bench-large FP32, and batch-1 decode of each DECODE_SPECS against
@@ -252,7 +254,7 @@ PY
     # training against FP32 (test_bf16) with the last, on the device
     ab=()
     for v in default "NL_CUDA_EXPERTS=kernel" "NL_CUDA_LT_BUCKET=1" \
-        "NL_CUDA_EXPERTS=cublaslt NL_CUDA_LT_BUCKET=1"; do
+        "NL_CUDA_EXPERTS=cublaslt NL_CUDA_LT_BUCKET=1" "NL_CUDA_EXPERTS=cudnn"; do
         n=train_ab_$((${#ab[@]} + 1))
         # shellcheck disable=SC2086 # v is a list of assignments
         run "$n" 60 20 env ${v/default/} "$NEUROCTL" bench --device "$DEVICE" --precision bf16 \
@@ -266,6 +268,12 @@ print("train %.0f, forward %.0f tok/s" % (j["train_tok_s"] or 0, j["forward_tok_
     run test_bf16_lt 60 15 env NL_CUDA_EXPERTS=cublaslt NL_CUDA_LT_BUCKET=1 NL_TEST_DEVICE="$DEVICE" \
         "$BUILD/tests/test_bf16" && true
     [ "$RC" -ne 125 ] && verdict test_bf16_lt "$(grep -h '20 steps' "$OUT/test_bf16_lt.log"); $(tail -1 "$OUT/test_bf16_lt.log")"
+    # cuDNN's MoE grouped matmul: built on this GPU or declined (why), the
+    # routed products against the rounded operands' with no host wait
+    run test_bf16_cudnn 60 15 env NL_CUDA_EXPERTS=cudnn NL_TEST_EXPECT_NO_SYNC=1 NL_TEST_DEVICE="$DEVICE" \
+        "$BUILD/tests/test_bf16" && true
+    [ "$RC" -ne 125 ] && verdict test_bf16_cudnn "$(grep -v '^+' "$OUT/test_bf16_cudnn.log" |
+        grep -iE 'cudnn|host waits|20 steps' | head -6 | tr '\n' ';' | head -c 700) $(tail -1 "$OUT/test_bf16_cudnn.log")"
 fi
 
 # ---------------------------------------------------------------- e. decode
