@@ -48,9 +48,9 @@
 # Issue 28's five-minute check (the self-test and the comparison with
 # transformers) is ONLY="b c g". All steps take about 11 minutes on an
 # H100 (estimated): with the default BUDGET_S (540) the last ones are cut
-# or skipped, so a call of ten minutes returns its logs. Two calls of about
-# 5.5 and 6.5 minutes run them all: ONLY="a b c d e", then ONLY="f g h"
-# with another OUT.
+# or skipped, so a call of ten minutes returns its logs. Two calls of
+# about 5 and 6 minutes (BUDGET_S=330 each) run them all: ONLY="a b c d",
+# then ONLY="e f g h" with another OUT.
 # It never builds: the binaries must be at NL_BUILD_DIR (as `bash .gpu/run.sh
 # bench/gpu_check.sh` sets it in the unpacked tree of ../shared/tools/
 # gpu-pack.sh), else it exits 2. Models and checkpoints go to a scratch
