@@ -73,6 +73,7 @@ typedef enum nl_msg_type {
     NL_MSG_VERIFY_CASE = 56,   /* its case: stage -> coord -> verifier */
     NL_MSG_VERIFY_RESULT = 57, /* the verifier's digests: verifier -> coord */
     NL_MSG_REDUCE = 58,        /* a stage's replicas: a chunk of their all-reduce */
+    NL_MSG_LOCAL_LINK = 59,    /* neighbour stages on one host: the local link's handshake */
     NL_MSG_TYPE_MAX = 64       /* codes are below this */
 } nl_msg_type;
 
@@ -490,6 +491,32 @@ enum { NL_REDUCE_SUM = 0, NL_REDUCE_RESULT = 1 };
 enum { NL_REDUCE_GRADS = 0, NL_REDUCE_COUNTS = 1, NL_REDUCE_KINDS };
 #define NL_REDUCE_MAX_REPLICAS 16
 
+/* LOCAL_LINK (docs/protocol.md, "Local links"): two neighbour stages on
+ * one host move their hops from ZeroMQ to a local link (net/locallink.h).
+ * The upstream stage OFFERs (its host, the abstract name it listens on,
+ * a token); the downstream stage connects, sends the token and answers
+ * READY (or DECLINE with a reason); the upstream stage takes the
+ * connection and says SWITCH, the downstream stage SWITCH back. SWITCH is
+ * the last message a side sends on ZeroMQ to that neighbour: what it sends
+ * after comes on the local link, and each side reads the local link only
+ * after the other's SWITCH, so nothing is reordered. */
+typedef enum nl_local_op {
+    NL_LOCAL_OFFER = 1,   /* upstream -> downstream: host, name, token */
+    NL_LOCAL_READY = 2,   /* downstream -> upstream: connected, token sent */
+    NL_LOCAL_SWITCH = 3,  /* each way */
+    NL_LOCAL_DECLINE = 4, /* either way: stay on ZeroMQ; reason */
+} nl_local_op;
+/* host, name and token are set in an OFFER and "" in the other ops;
+ * reason in a DECLINE only ("" otherwise). host and name are printable
+ * ASCII without spaces. */
+typedef struct nl_msg_local_link {
+    uint32_t op;        /* nl_local_op */
+    const char *host;   /* "<boot id>/<uid>/<network namespace>", 1-127 bytes */
+    const char *name;   /* the abstract socket's name, 1-63 bytes */
+    const char *token;  /* 64 lowercase hex chars */
+    const char *reason; /* why, UTF-8, 0-256 bytes */
+} nl_msg_local_link;
+
 /* One tensor frame. t.data/len are the bytes on the wire (len == numel *
  * dtype size). On send, free_fn (if set) is called exactly once when the
  * transport no longer needs the bytes, whatever the outcome: the bytes are
@@ -530,6 +557,7 @@ typedef struct nl_wire_msg {
         nl_msg_verify_case verify_case;
         nl_msg_verify_result verify_result;
         nl_msg_reduce reduce;
+        nl_msg_local_link local_link;
     } u;
     int nframes;
     nl_wire_frame frames[NL_WIRE_MAX_FRAMES];

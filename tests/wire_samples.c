@@ -13,7 +13,7 @@ const nl_msg_type all_types[] = {
     NL_MSG_JOB_QUERY,  NL_MSG_GRAD_NORM,  NL_MSG_STEP,        NL_MSG_CKPT_REQ,
     NL_MSG_CKPT_DONE,  NL_MSG_RESULT,     NL_MSG_COUNT,       NL_MSG_EVAL,
     NL_MSG_LOSS,       NL_MSG_VERIFY_REQ, NL_MSG_VERIFY_CASE, NL_MSG_VERIFY_RESULT,
-    NL_MSG_REDUCE,
+    NL_MSG_REDUCE,     NL_MSG_LOCAL_LINK,
 };
 const int wire_ntypes = (int)(sizeof all_types / sizeof all_types[0]);
 
@@ -204,6 +204,11 @@ void sample(nl_wire_msg *m, nl_msg_type t)
         m->nframes = 1;
         break;
     }
+    case NL_MSG_LOCAL_LINK:
+        m->u.local_link = (nl_msg_local_link){
+            NL_LOCAL_OFFER, "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0/1000/4026531840",
+            "neurollm-7f3a9c21e0b4d658", LOCAL_TOKEN, ""};
+        break;
     case NL_MSG_CKPT_DONE:
         m->u.ckpt_done =
             (nl_msg_ckpt_done){11,
@@ -352,6 +357,11 @@ bool same_msg(const nl_wire_msg *a, const nl_wire_msg *b)
     }
     case NL_MSG_REDUCE:
         return memcmp(&p->reduce, &q->reduce, sizeof p->reduce) == 0;
+    case NL_MSG_LOCAL_LINK: {
+        const nl_msg_local_link *x = &p->local_link, *y = &q->local_link;
+        return x->op == y->op && seq(x->host, y->host) && seq(x->name, y->name) &&
+               seq(x->token, y->token) && seq(x->reason, y->reason);
+    }
     case NL_MSG_LOSS:
         return p->loss.job_id == q->loss.job_id && p->loss.step == q->loss.step &&
                p->loss.eval == q->loss.eval && p->loss.ce_sum == q->loss.ce_sum &&

@@ -14,6 +14,8 @@ extern const int wire_ntypes;
 
 #define KEY_A "wRbKYzxIQTl+D?ZETf+ukt)!*]MF&1g3]Vtqp:Pb"
 #define KEY_B "4MlA35H1MocC(vJi?ueF}kxI:5T?tGOf*cSUM7a5"
+/* a local link's token (LOCAL_LINK OFFER): 64 lowercase hex digits */
+#define LOCAL_TOKEN "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 
 /* frame payloads the samples point into (fill_data sets them) */
 extern float act[2 * 3 * 16];
