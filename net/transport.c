@@ -445,6 +445,33 @@ void nl_rx_free(nl_rx *rx)
     nl_wire_msg_free(&rx->msg);
 }
 
+static void free_part(void *data, void *hint)
+{
+    (void)hint;
+    free(data);
+}
+
+nl_status nl_rx_adopt(nl_rx *rx, void *const *bufs, const size_t *lens, int n, const char *peer,
+                      const nl_wire_limits *lim, nl_error *err)
+{
+    rx_release(rx);
+    snprintf(rx->peer, sizeof rx->peer, "%s", peer ? peer : "");
+    nl_wire_part wp[NL_RX_MAX_PARTS];
+    for (int i = 0; i < n; i++) {
+        if (i >= NL_RX_MAX_PARTS ||
+            zmq_msg_init_data(&rx->parts[i], bufs[i], lens[i], free_part, NULL) != 0) {
+            for (int j = i; j < n; j++)
+                free(bufs[j]);
+            return nl_error_set(err, i >= NL_RX_MAX_PARTS ? NL_ERR_LIMIT : NL_ERR_NOMEM,
+                                "a message of %d parts from %.48s", n, rx->peer);
+        }
+        rx->nparts = i + 1;
+        atomic_fetch_add(&parts_open, 1);
+        wp[i] = (nl_wire_part){bufs[i], lens[i]};
+    }
+    return nl_wire_decode(&rx->msg, wp, n, lim, err);
+}
+
 static bool can_reply(const nl_sock *s)
 {
     return s->type == ZMQ_ROUTER || s->type == ZMQ_DEALER || s->type == ZMQ_PAIR;

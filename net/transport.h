@@ -126,6 +126,13 @@ typedef struct nl_rx {
 void nl_rx_init(nl_rx *rx);
 void nl_rx_free(nl_rx *rx);
 
+/* For a link of our own beside ZeroMQ (net/locallink.h): make rx hold the
+ * n malloc'd parts (header, then frames) of one message from peer, and
+ * decode them with lim as nl_sock_recv would. rx owns the buffers from
+ * the call on, whatever it returns (they are freed with rx's parts). */
+nl_status nl_rx_adopt(nl_rx *rx, void *const *bufs, const size_t *lens, int n, const char *peer,
+                      const nl_wire_limits *lim, nl_error *err);
+
 /* Wait up to timeout_ms (-1 forever, 0 poll) for one message. Returns
  * NL_OK with rx filled, NL_ERR_TIMEOUT (also when a signal interrupts the
  * wait: check your flags and call again), NL_ERR_AUTH (dropped), or the
