@@ -289,8 +289,9 @@ typedef struct up_opts {
     uint64_t memory, kv_budget; /* kv_budget 0: the node's default */
     const char *model, *config, *resume, *http, *device;
     bool tf32;
-    int bf16;     /* --precision: 0 fp32, 1 bf16 */
-    int kv_cache; /* --kv-cache: an nl_kv_dtype */
+    bool no_local_link; /* the nodes' --no-local-link */
+    int bf16;           /* --precision: 0 fp32, 1 bf16 */
+    int kv_cache;       /* --kv-cache: an nl_kv_dtype */
     char devices[64][32];
 } up_opts;
 
@@ -481,6 +482,8 @@ static int start_nodes(const nl_opt *flags, const up_opts *o, char *node_bin, co
         }
         if (o->tf32)
             nargv[na++] = "--tf32";
+        if (o->no_local_link)
+            nargv[na++] = "--no-local-link";
         if (o->bf16) {
             nargv[na++] = "--precision";
             nargv[na++] = "bf16";
@@ -587,7 +590,8 @@ static int cluster_up(const nl_opt *flags, up_opts *op, const char *dir)
 #define CLUSTER_USAGE                                                                              \
     "neuroctl cluster up|down [--dir DIR] [--nodes N] [--model M | --config C | --resume "         \
     "MANIFEST] [--memory SIZE] [--threads N] [--spin N] [--kv-budget SIZE] [--device D[,D...]] "   \
-    "[--tf32] [--precision fp32|bf16] [--kv-cache fp32|bf16] [--http HOST:PORT [--http-tokens "    \
+    "[--tf32] [--no-local-link] [--precision fp32|bf16] [--kv-cache fp32|bf16] [--http HOST:PORT " \
+    "[--http-tokens "                                                                              \
     "FILE] [--http-adapter "                                                                       \
     "NAME=FILE]] [--grow auto] [--wire fp32|bf16] [--in-flight-extra E] [--replan-margin F] "      \
     "[--replicas R|auto "                                                                          \
@@ -616,6 +620,9 @@ static void cluster_flags(nl_opt t[MAX_FLAGS], up_opts *o, const char **dir)
                    "up: D[,D...]: each node's device, cpu, cpu-devsim or cuda:N, in node order; "
                    "the last is repeated (default cpu)"),
         NL_OPT_SWITCH("tf32", &o->tf32, "up: the nodes' GPU GEMMs may use TF32 (default: FP32)"),
+        NL_OPT_SWITCH("no-local-link", &o->no_local_link,
+                      "up: the nodes' hops stay on ZeroMQ (neuronode --no-local-link; default: a "
+                      "local socket between neighbour stages)"),
         NL_OPT_CHOICE("precision", &o->bf16, "fp32|bf16", NULL,
                       "up: P: the nodes' GEMM precision, fp32 (default) or bf16 (neuronode "
                       "--precision)"),

@@ -307,6 +307,7 @@ static nl_status open_ckpt_root(node *n, nl_error *err)
 static nl_status start(node *n, nl_error *err)
 {
     const nl_node_opts *o = n->o;
+    node_local_init(n);
     nl_status st = open_ckpt_root(n, err);
     if (st == NL_OK)
         st = open_device(n, err);
@@ -543,6 +544,10 @@ static void on_data(node *n)
         on_data_from_next(n);
         return;
     }
+    if (m->type == NL_MSG_LOCAL_LINK) {
+        node_local_on_prev_msg(n);
+        return;
+    }
     /* one of a stage's replicas admits two peers: each sends what it may */
     const bool plain = strncmp(n->rx.peer, "plain:", 6) == 0; /* --plaintext: no keys */
     if (m->type == NL_MSG_REDUCE) { /* from the stage's previous replica */
@@ -608,6 +613,8 @@ static void on_next(node *n)
     nl_error e;
     if (m->type == NL_MSG_GRADIENT)
         node_handle_train(n, m);
+    else if (m->type == NL_MSG_LOCAL_LINK)
+        node_local_on_next_msg(n);
     else if (m->type == NL_MSG_HELLO) { /* a next stage behind NAT, through the relay */
         if (nl_sock_answer_hello(n->next, &n->rx, NL_ROLE_NODE, &e) != NL_OK)
             NL_WARN("HELLO_ACK to the next stage through the relay: %s", e.msg);
@@ -663,7 +670,7 @@ static void serve(node *n)
             node_send_heartbeat(n);
         int64_t wait = n->next_hb_ms - now;
         int half = (int)(n->heartbeat_ms / 2 > 0 ? n->heartbeat_ms / 2 : 1);
-        zmq_pollitem_t it[8 + NL_REDUCE_MAX_REPLICAS] = {
+        zmq_pollitem_t it[10 + NL_REDUCE_MAX_REPLICAS] = {
             {nl_sock_handle(n->ctl), 0, ZMQ_POLLIN, 0},
             {nl_sock_handle(n->data), 0, ZMQ_POLLIN, 0}};
         int count = 2;
@@ -684,6 +691,8 @@ static void serve(node *n)
         for (int k = 0; k < n->n_fan_next; k++) /* the next stage's replicas' gradients */
             if (n->fan_next[k])
                 it[count++] = (zmq_pollitem_t){nl_sock_handle(n->fan_next[k]), 0, ZMQ_POLLIN, 0};
+        const int local = count; /* the local links' descriptors */
+        count += node_local_items(n, it + count);
         if ((due = nl_stage_batch_due(n->stage)) >= 0.0) /* hops wait: until they are due */
             wait = wait < (int64_t)(due * 1e3) + 1 ? wait : (int64_t)(due * 1e3) + (due > 0.0);
         if (zmq_poll(it, count, wait < half ? (wait > 0 ? wait : 0) : half) <= 0)
@@ -692,8 +701,9 @@ static void serve(node *n)
             drain(n, n->ctl, on_control);
         if (it[1].revents & ZMQ_POLLIN)
             drain(n, n->data, on_data);
+        node_local_events(n, it + local, count - local, on_prev, on_next);
         /* handlers may have replaced the links' sockets: use it[] only if unchanged */
-        for (int i = 2; i < count; i++) {
+        for (int i = 2; i < local; i++) {
             if (!(it[i].revents & ZMQ_POLLIN))
                 continue;
             if (!it[i].socket && it[i].fd == verify_fd)

@@ -65,6 +65,8 @@ typedef struct nl_node_opts {
     const char *listen;           /* data endpoint to bind; NULL = tcp://127.0.0.1:* */
     bool no_inbound;              /* nothing can connect to this node: it dials its neighbours
                                    * (JOIN.flags, ASSIGN.links) */
+    bool no_local_link;           /* hops to co-located neighbours stay on ZeroMQ
+                                   * (node_local.c) */
     const char *name;             /* log name; NULL = "node-<id>" once accepted */
     uint64_t memory_bytes;        /* offered to the coordinator; 0 on a GPU: its free memory */
     uint64_t reserve_bytes;       /* a GPU's memory kept free ... */

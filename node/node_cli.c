@@ -250,6 +250,9 @@ static void node_flags(nl_opt t[MAX_FLAGS], nl_node_opts *o, node_args *a)
         NL_OPT_SWITCH("no-inbound", &o->no_inbound,
                       "nothing can connect to this node (NAT, a firewall): it dials its previous "
                       "stage, which must accept inbound connections, instead of being dialed"),
+        NL_OPT_SWITCH("no-local-link", &o->no_local_link,
+                      "hops to and from a neighbour stage on this host stay on ZeroMQ (default: "
+                      "a local socket read by the stages' own threads, docs/cluster.md)"),
         NL_OPT_SIZE("kv-budget", &o->kv_budget, "256M", "SIZE: KV caches of generation sessions"),
         NL_OPT_CHOICE("kv-cache", &o->kv_cache, NL_KV_DTYPE_CHOICES, "fp32",
                       "T: element type of those caches, fp32 or bf16 (half the bytes: twice the "

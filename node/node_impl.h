@@ -9,6 +9,7 @@
 
 #include "kernels/backend.h"
 #include "kernels/comm.h"
+#include "net/locallink.h"
 #include "net/transport.h"
 #include "node/node.h"
 #include "node/stage.h"
@@ -111,6 +112,14 @@ typedef struct node {
     char fan_prev_key[NL_REDUCE_MAX_REPLICAS][NL_WIRE_PEER_ITEM];
     uint8_t fan_prev_rid[NL_REDUCE_MAX_REPLICAS][NL_ROUTING_ID_MAX];
     size_t fan_prev_rid_len[NL_REDUCE_MAX_REPLICAS];
+    /* local links with co-located neighbours (node_local.c): this
+     * host's text ("" when they are off), the listener offered to the
+     * next stage, the links; _tx: hops go on it (after this side's
+     * SWITCH), _rx: it is read (after the neighbour's SWITCH) */
+    char lk_host[NL_LOCAL_HOST_MAX];
+    nl_local_listener *lk_listen;
+    nl_local *lk_next, *lk_prev;
+    bool lk_next_tx, lk_next_rx, lk_prev_tx, lk_prev_rx;
     nl_rx rx;
     nl_wire_msg tx;
 } node;
@@ -132,6 +141,24 @@ void node_wait_sent(node *n);
 nl_status node_make_socket(node *n, nl_sock **out, int type, bool server, const char *server_key,
                            const char *name, nl_sock_kind kind, int linger_ms, int send_timeout_ms,
                            nl_error *err);
+
+/* node_local.c: local links with co-located neighbours (net/locallink.h) */
+void node_local_init(node *n);
+/* OFFER one to the next stage, on the next socket just made */
+void node_local_offer(node *n);
+/* a LOCAL_LINK in n->rx: on the data socket, on the next socket */
+void node_local_on_prev_msg(node *n);
+void node_local_on_next_msg(node *n);
+void node_local_drop_next(node *n);
+void node_local_drop_prev(node *n);
+/* Send m on the link to the next (or previous) stage if hops go on one:
+ * true, with *st its outcome (frames freed); false: use ZeroMQ. */
+bool node_local_send(node *n, bool next, nl_wire_msg *m, nl_status *st, nl_error *err);
+/* The links' poll items (at most 2), and their events after the poll:
+ * messages go to from_prev / from_next as if from the ZeroMQ links. */
+int node_local_items(node *n, zmq_pollitem_t *it);
+void node_local_events(node *n, const zmq_pollitem_t *it, int count, void (*from_prev)(node *),
+                       void (*from_next)(node *));
 
 /* node_links.c: the links to the neighbours. The previous stage's hops
  * come on prev_link, which this node dialed, with either of these links. */

@@ -355,6 +355,10 @@ static nl_status train_send_to(node *n, nl_stage_dest to, nl_wire_msg *m, nl_err
     }
     if (to == NL_STAGE_TO_PREV && n->n_fan_prev > 0)
         return node_fan_send_prev(n, m, err);
+    if (to == NL_STAGE_TO_PREV && node_local_send(n, false, m, &st, err)) /* the local link */
+        return st == NL_OK
+                   ? st
+                   : nl_error_prefix(err, "cannot reach the previous stage at %s", n->prev_ep);
     if (to == NL_STAGE_TO_PREV) {
         if (n->links & NL_NODE_DIALS_PREV) /* back on the link this node dialed */
             st = n->prev_link ? nl_sock_send(n->prev_link, NULL, 0, m, err)

@@ -112,6 +112,7 @@ static int read_event(void *mon)
 
 void node_drop_next(node *n)
 {
+    node_local_drop_next(n);
     unwatch(n->next, &n->next_mon);
     nl_sock_destroy(&n->next); /* linger 0: queued hops are dropped and released */
 }
@@ -139,6 +140,8 @@ static nl_status ensure_next(node *n, nl_error *err)
     st = nl_sock_connect(n->next, relay ? n->relay_ep : n->next_ep, err);
     if (st != NL_OK)
         node_drop_next(n);
+    else
+        node_local_offer(n); /* a co-located next stage takes its hops on a local link */
     return st;
 }
 
@@ -197,7 +200,8 @@ nl_status node_send_next(node *n, nl_wire_msg *m, nl_error *err)
         release(m);
         return nl_error_set(err, NL_ERR_STATE, "this stage has no next stage");
     }
-    if (n->links & NL_LINK_NEXT_DIALS) /* the next stage dialed in: out of the data ROUTER */
+    if (node_local_send(n, true, m, &st, err)) { /* on the local link */
+    } else if (n->links & NL_LINK_NEXT_DIALS) /* the next stage dialed in: out of the data ROUTER */
         st = nl_sock_send(n->data, (const uint8_t *)n->next_key, strlen(n->next_key), m, err);
     else if ((st = ensure_next(n, err)) == NL_OK)
         st = nl_sock_send(n->next, NULL, 0, m, err);
@@ -210,6 +214,7 @@ nl_status node_send_next(node *n, nl_wire_msg *m, nl_error *err)
 
 void node_drop_prev(node *n)
 {
+    node_local_drop_prev(n);
     unwatch(n->prev_link, &n->prev_mon);
     nl_sock_destroy(&n->prev_link);
     n->prev_ready = false;

@@ -148,6 +148,11 @@ check grep -q "accepts no inbound connections: it dials the previous stage" "$W/
 check grep -q "the link to the previous stage at .* is up" "$W/flag-n2.log"
 check grep -q "the next stage dialed in" "$W/flag-n1.log" "$W/flag-n3.log"
 serves flag
+# each node in a network namespace of its own: a stage that offers its next
+# stage a local link (docs/cluster.md, "Co-located stages") is declined,
+# and the hops stay on ZeroMQ
+check grep -q "the next stage declined the local link: another host" "$W"/flag-n*.log
+check test "$(cat "$W"/flag-n*.log | grep -c "on a local link")" -eq 0
 stop
 
 # ---- node 2 says nothing; the coordinator finds its endpoint closed ----

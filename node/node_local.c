@@ -1,0 +1,257 @@
+/* Local links with co-located neighbours (net/locallink.h; the handshake
+ * is LOCAL_LINK in net/wire.h and docs/protocol.md, "Local links").
+ *
+ * A stage that dials its next stage the default way (no NEXT_DIALS or
+ * RELAY_NEXT in ASSIGN.links, a next stage of its replica count) OFFERs it
+ * a local link at once, on the ZeroMQ link it just made. A next stage on the same host (the same boot
+ * id, user and network namespace) connects and says READY; this stage
+ * takes the connection and says SWITCH, and from then sends the next
+ * stage's hops on the local link; the next stage reads the local link
+ * from that SWITCH on, says SWITCH back, and sends its gradients there.
+ * Each side reads the other's local bytes only after the other's SWITCH,
+ * the last thing it sent on ZeroMQ: no hop overtakes another.
+ *
+ * A link that breaks (the neighbour died, or a new ASSIGN closed its end)
+ * is closed, said in the log, and the hops go on ZeroMQ again; a new
+ * ASSIGN drops both ends (node_drop_next, node_drop_prev) and the next
+ * first send offers again. */
+#include <stdio.h>
+#include <string.h>
+
+#include "base/log.h"
+#include "node/node_impl.h"
+
+void node_local_init(node *n)
+{
+    nl_error e;
+    n->lk_host[0] = '\0';
+    if (n->o->no_local_link)
+        return;
+    if (nl_local_host(n->lk_host, sizeof n->lk_host, &e) != NL_OK) {
+        n->lk_host[0] = '\0';
+        NL_INFO("no local links to co-located stages: %s", e.msg);
+    }
+}
+
+static const char *peer_name(const node *n, bool next)
+{
+    const char *k = next ? n->next_key : n->prev_key;
+    return k[0] ? k : next ? "plain:next" : "plain:prev";
+}
+
+static void log_end(const nl_local *c, const char *who, const char *why)
+{
+    nl_local_stats s = nl_local_get_stats(c);
+    NL_INFO("the local link with the %s stage %s: %llu messages sent (%.1f MiB, %llu waited), "
+            "%llu received (%.1f MiB)",
+            who, why, (unsigned long long)s.sent, (double)s.bytes_out / (1 << 20),
+            (unsigned long long)s.outbox_waits, (unsigned long long)s.received,
+            (double)s.bytes_in / (1 << 20));
+}
+
+void node_local_drop_next(node *n)
+{
+    if (n->lk_next)
+        log_end(n->lk_next, "next", "closed");
+    nl_local_close(&n->lk_next);
+    nl_local_listener_close(&n->lk_listen);
+    n->lk_next_tx = n->lk_next_rx = false;
+}
+
+void node_local_drop_prev(node *n)
+{
+    if (n->lk_prev)
+        log_end(n->lk_prev, "previous", "closed");
+    nl_local_close(&n->lk_prev);
+    n->lk_prev_tx = n->lk_prev_rx = false;
+}
+
+/* Whether the link with the next (previous) stage is the default one: this
+ * stage dials the next stage's data socket, and neither is a fan. */
+static bool eligible(const node *n, bool next)
+{
+    if (next)
+        return !(n->links & (NL_LINK_NEXT_DIALS | NL_LINK_RELAY_NEXT)) && n->n_fan_next == 0;
+    return !(n->links & NL_NODE_DIALS_PREV) && n->n_fan_prev == 0;
+}
+
+/* Send a LOCAL_LINK on s (to the sender of rx where it is a reply), in a
+ * message of its own: n->tx may hold the hop this send is made for
+ * (node_send_next offers on its first send). */
+static nl_status say(nl_sock *s, const nl_rx *to, nl_msg_local_link l, nl_error *err)
+{
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_LOCAL_LINK);
+    m.u.local_link = l;
+    nl_status st = to ? nl_sock_reply(s, to, &m, err) : nl_sock_send(s, NULL, 0, &m, err);
+    nl_wire_msg_free(&m);
+    return st;
+}
+
+static void answer(nl_sock *s, const nl_rx *to, uint32_t op, const char *reason)
+{
+    nl_error e;
+    if (say(s, to, (nl_msg_local_link){op, "", "", "", reason ? reason : ""}, &e) != NL_OK)
+        NL_WARN("LOCAL_LINK to the %s stage: %s", to ? "previous" : "next", e.msg);
+}
+
+void node_local_offer(node *n)
+{
+    nl_error e;
+    char name[NL_LOCAL_NAME_MAX], token[NL_LOCAL_TOKEN_HEX + 1];
+    if (!n->lk_host[0] || !eligible(n, true) || !n->next || n->lk_listen || n->lk_next)
+        return;
+    if (nl_local_listen(&n->lk_listen, name, token, &e) != NL_OK) {
+        NL_WARN("no local link offered to the next stage: %s", e.msg);
+        return;
+    }
+    if (say(n->next, NULL, (nl_msg_local_link){NL_LOCAL_OFFER, n->lk_host, name, token, ""}, &e) !=
+        NL_OK) {
+        NL_WARN("LOCAL_LINK OFFER to the next stage: %s", e.msg);
+        nl_local_listener_close(&n->lk_listen);
+    }
+}
+
+/* A LOCAL_LINK on the data socket: from the previous stage, this the
+ * downstream side. */
+void node_local_on_prev_msg(node *n)
+{
+    const nl_msg_local_link *l = &n->rx.msg.u.local_link;
+    nl_error e;
+    const bool from_prev =
+        n->o->plaintext ? n->prev_ep[0] != '\0' : strcmp(n->rx.peer, n->prev_key) == 0;
+    if (!from_prev) {
+        NL_WARN("dropped a LOCAL_LINK from %.48s, which is not the previous stage", n->rx.peer);
+        return;
+    }
+    if (l->op == NL_LOCAL_OFFER) {
+        node_local_drop_prev(n); /* an offer replaces an earlier link */
+        const char *why = !n->lk_host[0]                  ? "local links are off here"
+                          : !eligible(n, false) ? "the link with the previous stage is not the default"
+                          : strcmp(l->host, n->lk_host) != 0 ? "another host"
+                                                             : NULL;
+        if (!why && nl_local_connect(l->name, l->token, nl_net_limits(n->net), 0, 0,
+                                     peer_name(n, false), &n->lk_prev, &e) != NL_OK)
+            why = e.msg;
+        answer(n->data, &n->rx, why ? NL_LOCAL_DECLINE : NL_LOCAL_READY, why);
+        if (why)
+            NL_INFO("the previous stage's hops stay on ZeroMQ: %s", why);
+    } else if (l->op == NL_LOCAL_SWITCH && n->lk_prev) {
+        n->lk_prev_rx = true; /* what follows its SWITCH comes on the link */
+        answer(n->data, &n->rx, NL_LOCAL_SWITCH, NULL);
+        n->lk_prev_tx = true;
+        NL_INFO("the previous stage's hops come on a local link");
+    } else if (l->op == NL_LOCAL_DECLINE) {
+        NL_INFO("the previous stage declined the local link: %s", l->reason);
+        node_local_drop_prev(n);
+    }
+}
+
+/* A LOCAL_LINK on the next socket: from the next stage, this the upstream
+ * side. */
+void node_local_on_next_msg(node *n)
+{
+    const nl_msg_local_link *l = &n->rx.msg.u.local_link;
+    nl_error e;
+    if (l->op == NL_LOCAL_READY && n->lk_listen && !n->lk_next) {
+        const nl_wire_limits *lim = nl_net_limits(n->net);
+        nl_status st =
+            nl_local_accept(n->lk_listen, lim, 0, 0, peer_name(n, true), &n->lk_next, &e);
+        nl_local_listener_close(&n->lk_listen);
+        if (st != NL_OK) {
+            NL_WARN("the next stage's hops stay on ZeroMQ: %s", e.msg);
+            answer(n->next, NULL, NL_LOCAL_DECLINE, e.msg);
+            return;
+        }
+        answer(n->next, NULL, NL_LOCAL_SWITCH, NULL);
+        n->lk_next_tx = true;
+        NL_INFO("the next stage's hops go on a local link");
+    } else if (l->op == NL_LOCAL_SWITCH && n->lk_next) {
+        n->lk_next_rx = true;
+    } else if (l->op == NL_LOCAL_DECLINE) {
+        NL_INFO("the next stage declined the local link: %s", l->reason);
+        node_local_drop_next(n);
+    }
+}
+
+/* A link that failed: closed, and the hops go on ZeroMQ again. */
+static void broke(node *n, bool next, const char *why)
+{
+    nl_local *c = next ? n->lk_next : n->lk_prev;
+    if (c)
+        log_end(c, next ? "next" : "previous", "broke");
+    NL_WARN("the local link with the %s stage: %s; its hops go on ZeroMQ again",
+            next ? "next" : "previous", why);
+    if (next) {
+        nl_local_close(&n->lk_next);
+        n->lk_next_tx = n->lk_next_rx = false;
+    } else {
+        nl_local_close(&n->lk_prev);
+        n->lk_prev_tx = n->lk_prev_rx = false;
+    }
+}
+
+bool node_local_send(node *n, bool next, nl_wire_msg *m, nl_status *st, nl_error *err)
+{
+    nl_local *c = next ? n->lk_next : n->lk_prev;
+    if (!c || !(next ? n->lk_next_tx : n->lk_prev_tx))
+        return false;
+    *st = nl_local_send(c, m, err);
+    if (*st == NL_ERR_IO)
+        broke(n, next, err->msg);
+    return true;
+}
+
+int node_local_items(node *n, zmq_pollitem_t *it)
+{
+    int k = 0;
+    nl_local *c[2] = {n->lk_prev, n->lk_next};
+    const bool rx[2] = {n->lk_prev_rx, n->lk_next_rx};
+    for (int i = 0; i < 2; i++) {
+        short ev = (short)((rx[i] ? ZMQ_POLLIN : 0) | (nl_local_pending(c[i]) ? ZMQ_POLLOUT : 0));
+        if (c[i] && ev)
+            it[k++] = (zmq_pollitem_t){NULL, nl_local_fd(c[i]), ev, 0};
+    }
+    return k;
+}
+
+/* Receive and handle what waits on one link (bounded, as drain()). */
+static void drain_link(node *n, bool next, void (*handle)(node *))
+{
+    nl_error e;
+    for (int i = 0; i < 64; i++) {
+        nl_local *c = next ? n->lk_next : n->lk_prev;
+        if (!c || !(next ? n->lk_next_rx : n->lk_prev_rx))
+            return;
+        nl_status st = nl_local_recv(c, &n->rx, &e);
+        if (st == NL_ERR_TIMEOUT)
+            return;
+        if (st == NL_OK)
+            handle(n);
+        else if (st == NL_ERR_IO || st == NL_ERR_LIMIT || st == NL_ERR_NOMEM)
+            broke(n, next, e.msg);
+        else
+            NL_WARN("%s", e.msg); /* one bad message: its record is consumed */
+        if (node_mono_ms() >= n->next_hb_ms)
+            node_send_heartbeat(n);
+    }
+}
+
+void node_local_events(node *n, const zmq_pollitem_t *it, int count, void (*from_prev)(node *),
+                       void (*from_next)(node *))
+{
+    nl_error e;
+    for (int i = 0; i < count; i++) {
+        const bool next = n->lk_next && it[i].fd == nl_local_fd(n->lk_next);
+        nl_local *c = next ? n->lk_next : n->lk_prev;
+        if (!c || it[i].fd != nl_local_fd(c))
+            continue; /* closed meanwhile */
+        if ((it[i].revents & ZMQ_POLLOUT) && nl_local_flush(c, &e) != NL_OK) {
+            broke(n, next, e.msg);
+            continue;
+        }
+        if (it[i].revents & (ZMQ_POLLIN | ZMQ_POLLERR))
+            drain_link(n, next, next ? from_next : from_prev);
+    }
+}
