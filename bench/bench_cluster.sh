@@ -23,15 +23,17 @@
 #   bench/bench_cluster.sh [BUILD_DIR] [NEW_TOKENS]
 #   env: CONFIGS (default "configs/bench-small.yaml configs/bench-large.yaml";
 #        CONFIG, one file, is still read), NODES (cluster sizes, default
-#        "1 3"), THREADS (1), SPIN (cluster up --spin, default its own),
-#        REPS (5), PREFILL (0)
+#        "1 3 3z": a size with a "z" runs its nodes with --no-local-link, so
+#        its hops stay on ZeroMQ, side by side with the local links between
+#        co-located stages), THREADS (1), SPIN (cluster up --spin, default
+#        its own), REPS (5), PREFILL (0)
 # Prints one JSON line per model and cluster size, and the load average
 # (uptime) at the start and the end: compare the ratios of one run.
 set -euo pipefail
 B=${1:-build}
 NEW=${2:-128}
 CONFIGS=${CONFIGS:-${CONFIG:-configs/bench-small.yaml configs/bench-large.yaml}}
-NODES=${NODES:-1 3}
+NODES=${NODES:-1 3 3z}
 THREADS=${THREADS:-1}
 REPS=${REPS:-5}
 PREFILL=${PREFILL:-0}
@@ -63,8 +65,10 @@ for cfg in $CONFIGS; do
     "$N" init --config "$cfg" --out "$W/m.safetensors" --seed 1 >/dev/null
     local_args=(--model "$W/m.safetensors" --threads "$THREADS" --warmup)
     for n in $NODES; do
-        "$N" cluster up --dir "$W/c$n" --nodes "$n" --model "$W/m.safetensors" --memory 4G \
-            --threads "$THREADS" "${spin[@]}" >/dev/null
+        zmq=()
+        [ "${n%z}" != "$n" ] && zmq=(--no-local-link)
+        "$N" cluster up --dir "$W/c$n" --nodes "${n%z}" --model "$W/m.safetensors" --memory 4G \
+            --threads "$THREADS" "${spin[@]}" "${zmq[@]}" >/dev/null
         decode "$W/warm.ids" --cluster "$W/c$n" >/dev/null # warm-up: connections, buffers
         [ "$PREFILL" = 1 ] && prefill --cluster "$W/c$n" >/dev/null
     done
@@ -86,7 +90,8 @@ for cfg in $CONFIGS; do
         /usr/bin/python3 - "$NEW" "$THREADS" "$cfg" "$n" "$same" "$W/nodes.log" "${L[*]}" "${R[$n]}" \
             "${PL[*]:-}" "${PR[$n]:-}" <<'PY'
 import json, re, statistics, sys
-new, threads, config, nodes, same, log = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1", sys.argv[6]
+new, threads, config, same, log = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[5] == "1", sys.argv[6]
+nodes, link = int(sys.argv[4].rstrip("z")), "zeromq" if sys.argv[4].endswith("z") else "local"
 loc = [float(x) for x in sys.argv[7].split()]  # tokens/s
 clu = [float(x) for x in sys.argv[8].split()]
 pl = [float(x) for x in sys.argv[9].split()]  # ms to the first token of 512
@@ -101,7 +106,7 @@ for line in open(log):
 runs = [sum(v[1 + i] for v in step.values()) for i in range(len(clu))] \
     if len(step) == nodes and all(len(v) == len(clu) + 1 for v in step.values()) else None
 ld, cd = statistics.median(loc), statistics.median(clu)
-out = {"bench": "cluster", "config": config, "nodes": nodes, "threads_per_node": threads,
+out = {"bench": "cluster", "config": config, "nodes": nodes, "links": link, "threads_per_node": threads,
        "new_tokens": new, "reps": len(loc), "same_ids": same,
        "local_decode_tok_s": round(ld, 1), "cluster_decode_tok_s": round(cd, 1),
        "decode_ratio": round(cd / ld, 3),
