@@ -142,7 +142,7 @@ void nl_local_listener_close(nl_local_listener **lp)
         return;
     if ((*lp)->fd >= 0)
         close((*lp)->fd);
-    sodium_memzero((*lp)->token, sizeof (*lp)->token);
+    sodium_memzero((*lp)->token, sizeof(*lp)->token);
     free(*lp);
     *lp = NULL;
 }
@@ -241,8 +241,8 @@ nl_status nl_local_connect(const char *name, const char *token, const nl_wire_li
     }
     if (!same_uid(fd)) {
         close(fd);
-        return nl_error_set(err, NL_ERR_AUTH, "local link to %s at @%s: its listener is another user",
-                            who, name);
+        return nl_error_set(err, NL_ERR_AUTH,
+                            "local link to %s at @%s: its listener is another user", who, name);
     }
     size_t have = 0;
     while (have < NL_LOCAL_TOKEN_HEX) { /* blocking: 64 bytes into an empty socket */
@@ -345,8 +345,8 @@ nl_status nl_local_flush(nl_local *c, nl_error *err)
     if (c->broken)
         return nl_error_set(err, NL_ERR_IO, "local link with %s: broken", c->who);
     while (c->out_off < c->out_len) {
-        ssize_t w = send(c->fd, c->out + c->out_off, c->out_len - c->out_off,
-                         MSG_NOSIGNAL | MSG_DONTWAIT);
+        ssize_t w =
+            send(c->fd, c->out + c->out_off, c->out_len - c->out_off, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (w > 0) {
             c->out_off += (size_t)w;
             continue;
@@ -483,9 +483,59 @@ static nl_status check_lengths(nl_local *c, nl_error *err)
     return NL_OK;
 }
 
+bool nl_local_broken(const nl_local *c)
+{
+    return c->broken;
+}
+
+static uint64_t le64(const uint8_t *p)
+{
+    uint64_t v = 0;
+    for (int b = 0; b < 8; b++)
+        v |= (uint64_t)p[b] << (8 * b);
+    return v;
+}
+
+/* Whether the read-ahead holds the rest of the record being read (or a
+ * count or length that nl_local_recv will refuse: it should say so now). */
 bool nl_local_ready(const nl_local *c)
 {
-    return c && !c->broken && c->in_off < c->in_len;
+    if (!c || c->broken)
+        return false;
+    const reader *r = &c->rd;
+    const uint8_t *p = c->in + c->in_off;
+    size_t avail = c->in_len - c->in_off;
+    if (r->nparts > 0) {
+        uint64_t rest = r->lens[r->cur] - r->cur_have;
+        for (int i = r->cur + 1; i < r->nparts; i++)
+            rest += r->lens[i];
+        return avail >= rest;
+    }
+    uint8_t pre[PREAMBLE_MAX];
+    size_t have = r->pre_have;
+    memcpy(pre, r->pre, have);
+    if (have < 4) {
+        if (avail < 4 - have)
+            return false;
+        memcpy(pre + have, p, 4 - have);
+        p += 4 - have, avail -= 4 - have, have = 4;
+    }
+    const uint32_t parts = pre[0] | pre[1] << 8 | (uint32_t)pre[2] << 16 | (uint32_t)pre[3] << 24;
+    if (parts < 1 || parts > (uint32_t)c->lim.max_frames + 1 || parts > NL_RX_MAX_PARTS)
+        return true;
+    const size_t want = 4 + 8 * (size_t)parts;
+    if (avail < want - have)
+        return false;
+    memcpy(pre + have, p, want - have);
+    p += want - have, avail -= want - have;
+    uint64_t total = 0;
+    for (uint32_t i = 0; i < parts; i++) {
+        const uint64_t len = le64(pre + 4 + 8 * i);
+        if (len > (i == 0 ? c->lim.max_header : c->max_part))
+            return true;
+        total += len;
+    }
+    return total > c->max_msg || avail >= total;
 }
 
 nl_status nl_local_recv(nl_local *c, nl_rx *rx, nl_error *err)

@@ -39,9 +39,9 @@
 #include "net/transport.h"
 #include "net/wire.h"
 
-#define NL_LOCAL_NAME_MAX 64   /* an abstract socket's name, with its NUL */
-#define NL_LOCAL_TOKEN_HEX 64  /* the token: 32 random bytes, as lowercase hex */
-#define NL_LOCAL_HOST_MAX 128  /* nl_local_host's text, with its NUL */
+#define NL_LOCAL_NAME_MAX 64    /* an abstract socket's name, with its NUL */
+#define NL_LOCAL_TOKEN_HEX 64   /* the token: 32 random bytes, as lowercase hex */
+#define NL_LOCAL_HOST_MAX 128   /* nl_local_host's text, with its NUL */
 #define NL_LOCAL_ACCEPT_MS 1000 /* nl_local_accept waits this long for the token */
 
 typedef struct nl_local_listener nl_local_listener;
@@ -95,7 +95,13 @@ nl_status nl_local_flush(nl_local *c, nl_error *err);
  * closed (a stream cannot skip a bad record). A message the codec
  * refuses is reported (its record is consumed) and the link stays. */
 nl_status nl_local_recv(nl_local *c, nl_rx *rx, nl_error *err);
-/* Whether a whole message is already buffered (no read needed). */
+/* Whether the link is broken for good (closed by the peer, a failed read
+ * or write, a record over the limits): every later call says NL_ERR_IO.
+ * A message the codec refused leaves it whole. */
+bool nl_local_broken(const nl_local *c);
+/* Whether the rest of a record is already read ahead, so nl_local_recv
+ * has a message (or an error) without the descriptor becoming readable
+ * again: poll without waiting while it says so. */
 bool nl_local_ready(const nl_local *c);
 /* The counts since the link was made (for the node's log). */
 typedef struct nl_local_stats {

@@ -692,11 +692,18 @@ static void serve(node *n)
             if (n->fan_next[k])
                 it[count++] = (zmq_pollitem_t){nl_sock_handle(n->fan_next[k]), 0, ZMQ_POLLIN, 0};
         const int local = count; /* the local links' descriptors */
-        count += node_local_items(n, it + count);
+        bool local_ready = false;
+        count += node_local_items(n, it + count, &local_ready);
+        if (local_ready) /* a message already read ahead: no wait */
+            wait = 0;
         if ((due = nl_stage_batch_due(n->stage)) >= 0.0) /* hops wait: until they are due */
             wait = wait < (int64_t)(due * 1e3) + 1 ? wait : (int64_t)(due * 1e3) + (due > 0.0);
-        if (zmq_poll(it, count, wait < half ? (wait > 0 ? wait : 0) : half) <= 0)
-            continue; /* timeout, or a signal: check the flag */
+        if (zmq_poll(it, count, wait < half ? (wait > 0 ? wait : 0) : half) <= 0) {
+            if (!local_ready)
+                continue;                   /* timeout, or a signal: check the flag */
+            for (int i = 0; i < count; i++) /* only what the links read ahead */
+                it[i].revents = 0;
+        }
         if (it[0].revents & ZMQ_POLLIN)
             drain(n, n->ctl, on_control);
         if (it[1].revents & ZMQ_POLLIN)

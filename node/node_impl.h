@@ -154,9 +154,10 @@ void node_local_drop_prev(node *n);
 /* Send m on the link to the next (or previous) stage if hops go on one:
  * true, with *st its outcome (frames freed); false: use ZeroMQ. */
 bool node_local_send(node *n, bool next, nl_wire_msg *m, nl_status *st, nl_error *err);
-/* The links' poll items (at most 2), and their events after the poll:
- * messages go to from_prev / from_next as if from the ZeroMQ links. */
-int node_local_items(node *n, zmq_pollitem_t *it);
+/* The links' poll items (at most 2; *ready: a link holds a whole message
+ * already read, so the poll must not wait), and their events after the
+ * poll: messages go to from_prev / from_next as if from the ZeroMQ links. */
+int node_local_items(node *n, zmq_pollitem_t *it, bool *ready);
 void node_local_events(node *n, const zmq_pollitem_t *it, int count, void (*from_prev)(node *),
                        void (*from_next)(node *));
 

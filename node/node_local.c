@@ -3,13 +3,12 @@
  *
  * A stage that dials its next stage the default way (no NEXT_DIALS or
  * RELAY_NEXT in ASSIGN.links, a next stage of its replica count) OFFERs it
- * a local link at once, on the ZeroMQ link it just made. A next stage on the same host (the same boot
- * id, user and network namespace) connects and says READY; this stage
- * takes the connection and says SWITCH, and from then sends the next
- * stage's hops on the local link; the next stage reads the local link
- * from that SWITCH on, says SWITCH back, and sends its gradients there.
- * Each side reads the other's local bytes only after the other's SWITCH,
- * the last thing it sent on ZeroMQ: no hop overtakes another.
+ * a local link at once, on the ZeroMQ link it just made. A next stage on the same host (the same
+ * boot id, user and network namespace) connects and says READY; this stage takes the connection and
+ * says SWITCH, and from then sends the next stage's hops on the local link; the next stage reads
+ * the local link from that SWITCH on, says SWITCH back, and sends its gradients there. Each side
+ * reads the other's local bytes only after the other's SWITCH, the last thing it sent on ZeroMQ: no
+ * hop overtakes another.
  *
  * A link that breaks (the neighbour died, or a new ASSIGN closed its end)
  * is closed, said in the log, and the hops go on ZeroMQ again; a new
@@ -127,8 +126,9 @@ void node_local_on_prev_msg(node *n)
     }
     if (l->op == NL_LOCAL_OFFER) {
         node_local_drop_prev(n); /* an offer replaces an earlier link */
-        const char *why = !n->lk_host[0]                  ? "local links are off here"
-                          : !eligible(n, false) ? "the link with the previous stage is not the default"
+        const char *why = !n->lk_host[0] ? "local links are off here"
+                          : !eligible(n, false)
+                              ? "the link with the previous stage is not the default"
                           : strcmp(l->host, n->lk_host) != 0 ? "another host"
                                                              : NULL;
         if (!why && nl_local_connect(l->name, l->token, nl_net_limits(n->net), 0, 0,
@@ -198,14 +198,16 @@ bool node_local_send(node *n, bool next, nl_wire_msg *m, nl_status *st, nl_error
     if (!c || !(next ? n->lk_next_tx : n->lk_prev_tx))
         return false;
     *st = nl_local_send(c, m, err);
-    if (*st == NL_ERR_IO)
+    if (*st != NL_OK && nl_local_broken(c))
         broke(n, next, err->msg);
     return true;
 }
 
-int node_local_items(node *n, zmq_pollitem_t *it)
+int node_local_items(node *n, zmq_pollitem_t *it, bool *ready)
 {
     int k = 0;
+    *ready = (n->lk_prev_rx && nl_local_ready(n->lk_prev)) ||
+             (n->lk_next_rx && nl_local_ready(n->lk_next));
     nl_local *c[2] = {n->lk_prev, n->lk_next};
     const bool rx[2] = {n->lk_prev_rx, n->lk_next_rx};
     for (int i = 0; i < 2; i++) {
@@ -229,7 +231,7 @@ static void drain_link(node *n, bool next, void (*handle)(node *))
             return;
         if (st == NL_OK)
             handle(n);
-        else if (st == NL_ERR_IO || st == NL_ERR_LIMIT || st == NL_ERR_NOMEM)
+        else if (nl_local_broken(c)) /* closed, or a record over the limits */
             broke(n, next, e.msg);
         else
             NL_WARN("%s", e.msg); /* one bad message: its record is consumed */
@@ -251,7 +253,7 @@ void node_local_events(node *n, const zmq_pollitem_t *it, int count, void (*from
             broke(n, next, e.msg);
             continue;
         }
-        if (it[i].revents & (ZMQ_POLLIN | ZMQ_POLLERR))
+        if ((it[i].revents & (ZMQ_POLLIN | ZMQ_POLLERR)) || nl_local_ready(c))
             drain_link(n, next, next ? from_next : from_prev);
     }
 }
