@@ -45,7 +45,9 @@ struct nl_local {
     nl_wire_wbuf wbuf;
     uint8_t *out; /* the outbox: out[out_off, out_len) waits */
     size_t out_len, out_off, out_cap;
-    uint8_t *in; /* read-ahead: in[in_off, in_len) */
+    size_t out_max;      /* a send waits while more than this would wait */
+    int send_timeout_ms; /* ... this long at most */
+    uint8_t *in;         /* read-ahead: in[in_off, in_len) */
     size_t in_len, in_off;
     reader rd;
     nl_local_stats stats;
@@ -163,6 +165,8 @@ static nl_status make(nl_local **out, int fd, const nl_wire_limits *lim, uint64_
     c->lim = lim ? *lim : nl_wire_limits_default();
     c->max_part = max_part ? max_part : c->lim.max_frame_bytes; /* a bulk socket's */
     c->max_msg = max_msg ? max_msg : 2 * c->max_part;
+    c->out_max = NL_LOCAL_OUTBOX_MAX;
+    c->send_timeout_ms = NL_LOCAL_SEND_TIMEOUT_MS;
     snprintf(c->who, sizeof c->who, "%s", who ? who : "a peer");
     set_nonblock(fd);
     *out = c;
@@ -366,6 +370,35 @@ size_t nl_local_pending(const nl_local *c)
     return c && !c->broken ? c->out_len - c->out_off : 0;
 }
 
+/* Flush, waiting for the socket, until the outbox has room for total more
+ * bytes (or is empty), up to c->send_timeout_ms. */
+static nl_status wait_room(nl_local *c, size_t total, nl_error *err)
+{
+    const int64_t deadline = mono_ms() + c->send_timeout_ms;
+    for (;;) {
+        nl_status st = nl_local_flush(c, err);
+        if (st != NL_OK)
+            return st;
+        const size_t pending = c->out_len - c->out_off;
+        if (pending == 0 || pending + total <= c->out_max)
+            return NL_OK;
+        const int64_t left = deadline - mono_ms();
+        struct pollfd pf = {c->fd, POLLOUT, 0};
+        if (left <= 0 || poll(&pf, 1, (int)left) < 0)
+            return nl_error_set(
+                err, NL_ERR_TIMEOUT,
+                "local link with %s: sending: timed out (peer not reading? %zu bytes "
+                "wait to go)",
+                c->who, pending);
+    }
+}
+
+void nl_local_set_outbox(nl_local *c, size_t max_bytes, int timeout_ms)
+{
+    c->out_max = max_bytes;
+    c->send_timeout_ms = timeout_ms;
+}
+
 nl_status nl_local_send(nl_local *c, nl_wire_msg *m, nl_error *err)
 {
     nl_status st = NL_OK;
@@ -392,6 +425,11 @@ nl_status nl_local_send(nl_local *c, nl_wire_msg *m, nl_error *err)
         iov[n++] = (struct iovec){m->frames[i].t.data, m->frames[i].len};
         total += m->frames[i].len;
     }
+    /* a peer that does not read: wait for room, as a ZeroMQ send at its
+     * high-water mark does, then give up on this message */
+    if (c->out_len - c->out_off > 0 && c->out_len - c->out_off + total > c->out_max &&
+        (st = wait_room(c, total, err)) != NL_OK)
+        goto out;
     size_t done = 0;
     if (c->out_off == c->out_len) { /* nothing waits: straight to the socket */
         struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)n};

@@ -43,6 +43,12 @@
 #define NL_LOCAL_TOKEN_HEX 64   /* the token: 32 random bytes, as lowercase hex */
 #define NL_LOCAL_HOST_MAX 128   /* nl_local_host's text, with its NUL */
 #define NL_LOCAL_ACCEPT_MS 1000 /* nl_local_accept waits this long for the token */
+/* A send finds more than NL_LOCAL_OUTBOX_MAX bytes waiting (its own
+ * included): it waits for the peer to read, as a ZeroMQ send at its
+ * high-water mark does, up to NL_LOCAL_SEND_TIMEOUT_MS, then fails with
+ * NL_ERR_TIMEOUT (the message is not sent; the link stays). */
+#define NL_LOCAL_OUTBOX_MAX (1ull << 30)
+#define NL_LOCAL_SEND_TIMEOUT_MS 10000
 
 typedef struct nl_local_listener nl_local_listener;
 typedef struct nl_local nl_local;
@@ -80,8 +86,12 @@ int nl_local_fd(const nl_local *c);
 /* Send m: encoded, written as far as the socket takes it, the rest copied
  * into the outbox; every frame's free_fn is called before it returns,
  * whatever happens. NL_ERR_IO when the link is broken (then closed for
- * good: every later call says so). */
+ * good: every later call says so); NL_ERR_TIMEOUT when the outbox stayed
+ * full (above). */
 nl_status nl_local_send(nl_local *c, nl_wire_msg *m, nl_error *err);
+/* The outbox's bound and the wait at it (default NL_LOCAL_OUTBOX_MAX and
+ * NL_LOCAL_SEND_TIMEOUT_MS). */
+void nl_local_set_outbox(nl_local *c, size_t max_bytes, int timeout_ms);
 /* Bytes waiting in the outbox (poll for POLLOUT while > 0), and write them
  * as far as the socket takes them. */
 size_t nl_local_pending(const nl_local *c);

@@ -211,6 +211,25 @@ static void test_large_and_ordered(void)
     }
     CHECK(nl_local_pending(a) == 0, "outbox empty: %zu", nl_local_pending(a));
     CHECK(nl_local_get_stats(a).outbox_waits >= 1, "waited");
+    /* a peer that does not read: with the outbox bounded at 1 MiB the
+     * second big message waits 0.2 s for room, then is refused (released,
+     * the link whole); once the peer reads, sends go again */
+    nl_local_set_outbox(a, 1u << 20, 200);
+    freed = 0;
+    big_activation(&m, x, n);
+    CHECK_OK(nl_local_send(a, &m, &e), &e);
+    big_activation(&m, x, n);
+    double t0 = now_s();
+    nl_status full = nl_local_send(a, &m, &e);
+    CHECK(full == NL_ERR_TIMEOUT && strstr(e.msg, "not reading") && !nl_local_broken(a),
+          "a full outbox: %s %s", nl_status_str(full), e.msg);
+    CHECK(now_s() - t0 >= 0.19 && now_s() - t0 < 3, "waited %.2f s", now_s() - t0);
+    CHECK(freed == 2, "both released: %d", freed);
+    CHECK(recv_one(a, b, &rx, &e) == NL_OK && rx.msg.frames[0].len == (size_t)n * 4,
+          "the first arrives whole: %s", e.msg);
+    big_activation(&m, x, n);
+    CHECK_OK(nl_local_send(a, &m, &e), &e);
+    CHECK(recv_one(a, b, &rx, &e) == NL_OK, "and the next: %s", e.msg);
     nl_rx_free(&rx);
     free(x);
     nl_wire_msg_free(&m);
