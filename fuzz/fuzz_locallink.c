@@ -58,7 +58,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             abort();
         if (st == NL_ERR_TIMEOUT) { /* every byte is read: the rest of a record is missing */
             if (ready || !b)
-                abort(); /* "ready" promised a message; the end was already there */
+                abort();        /* "ready" promised a message; the end was already there */
             nl_local_close(&b); /* now the reader sees the end */
         }
     }

@@ -128,7 +128,7 @@ nl_status nl_local_listen(nl_local_listener **out, char *name, char *token, nl_e
     l->fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     struct sockaddr_un a;
     socklen_t alen = abstract_addr(&a, name);
-    if (l->fd < 0 || bind(l->fd, (struct sockaddr *)&a, alen) != 0 || listen(l->fd, 4) != 0) {
+    if (l->fd < 0 || bind(l->fd, (struct sockaddr *)&a, alen) != 0 || listen(l->fd, 16) != 0) {
         int e = errno;
         nl_local_listener_close(&l);
         return nl_error_set(err, NL_ERR_IO, "local links: listening on @%s: %s", name, strerror(e));
@@ -234,32 +234,34 @@ nl_status nl_local_connect(const char *name, const char *token, const nl_wire_li
     if (!name || !name[0] || strlen(name) >= NL_LOCAL_NAME_MAX || !token ||
         strlen(token) != NL_LOCAL_TOKEN_HEX)
         return nl_error_set(err, NL_ERR_INVALID, "local link to %s: a bad name or token", who);
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    /* non-blocking: a listener whose queue another user filled (any user
+     * may connect to an abstract name) refuses at once with EAGAIN, and
+     * the caller stays on ZeroMQ, instead of waiting */
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     struct sockaddr_un a;
     socklen_t alen = abstract_addr(&a, name);
     if (fd < 0 || connect(fd, (struct sockaddr *)&a, alen) != 0) {
         int e = errno;
         if (fd >= 0)
             close(fd);
-        return nl_error_set(err, NL_ERR_IO, "local link to %s at @%s: %s", who, name, strerror(e));
+        return nl_error_set(err, NL_ERR_IO, "local link to %s at @%s: %s", who, name,
+                            e == EAGAIN ? "its listener's queue is full" : strerror(e));
     }
     if (!same_uid(fd)) {
         close(fd);
         return nl_error_set(err, NL_ERR_AUTH,
                             "local link to %s at @%s: its listener is another user", who, name);
     }
-    size_t have = 0;
-    while (have < NL_LOCAL_TOKEN_HEX) { /* blocking: 64 bytes into an empty socket */
-        ssize_t w = send(fd, token + have, NL_LOCAL_TOKEN_HEX - have, MSG_NOSIGNAL);
-        if (w < 0 && errno == EINTR)
-            continue;
-        if (w <= 0) {
-            int e = errno;
-            close(fd);
-            return nl_error_set(err, NL_ERR_IO, "local link to %s: sending the token: %s", who,
-                                strerror(e));
-        }
-        have += (size_t)w;
+    /* 64 bytes into an empty socket's buffer: all at once, or not at all */
+    ssize_t w;
+    do
+        w = send(fd, token, NL_LOCAL_TOKEN_HEX, MSG_NOSIGNAL | MSG_DONTWAIT);
+    while (w < 0 && errno == EINTR);
+    if (w != NL_LOCAL_TOKEN_HEX) {
+        int e = errno;
+        close(fd);
+        return nl_error_set(err, NL_ERR_IO, "local link to %s: sending the token: %s", who,
+                            w < 0 ? strerror(e) : "cut short");
     }
     return make(out, fd, lim, max_part, max_msg, who, err);
 }
@@ -320,6 +322,12 @@ static bool outbox_add(nl_local *c, const struct iovec *iov, int n, size_t skip)
     if (c->out_off == c->out_len)
         c->out_off = c->out_len = 0;
     size_t need = c->out_len + (total - skip);
+    if (need > c->out_cap && c->out_off > 0) { /* what was written leaves room at the front */
+        memmove(c->out, c->out + c->out_off, c->out_len - c->out_off);
+        c->out_len -= c->out_off;
+        c->out_off = 0;
+        need = c->out_len + (total - skip);
+    }
     if (need > c->out_cap) {
         size_t cap = c->out_cap ? c->out_cap : 65536;
         while (cap < need)

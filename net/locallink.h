@@ -75,7 +75,9 @@ void nl_local_listener_close(nl_local_listener **lp);
 nl_status nl_local_accept(nl_local_listener *l, const nl_wire_limits *lim, uint64_t max_part,
                           uint64_t max_msg, const char *who, nl_local **out, nl_error *err);
 
-/* Connect to name and present token (hex, as OFFER carried it). */
+/* Connect to name and present token (hex, as OFFER carried it), without
+ * waiting: a listener whose queue is full (another user may fill it) is
+ * NL_ERR_IO at once. */
 nl_status nl_local_connect(const char *name, const char *token, const nl_wire_limits *lim,
                            uint64_t max_part, uint64_t max_msg, const char *who, nl_local **out,
                            nl_error *err);
@@ -100,10 +102,10 @@ nl_status nl_local_flush(nl_local *c, nl_error *err);
 /* Read what the socket holds and decode the next whole message into rx
  * (rx->peer = who): NL_OK, or NL_ERR_TIMEOUT when no whole message is
  * there yet (call again when the descriptor is readable). NL_ERR_IO: the
- * peer closed the link or it broke; a record over the limits or a message
- * the codec refuses: NL_ERR_LIMIT / the codec's error, and the link is
- * closed (a stream cannot skip a bad record). A message the codec
- * refuses is reported (its record is consumed) and the link stays. */
+ * peer closed the link or it broke; a record over the limits: NL_ERR_LIMIT,
+ * and the link is broken for good (a stream cannot skip a record it will
+ * not read). A message the codec refuses: the codec's error, its record
+ * consumed, and the link stays (nl_local_broken tells the two apart). */
 nl_status nl_local_recv(nl_local *c, nl_rx *rx, nl_error *err);
 /* Whether the link is broken for good (closed by the peer, a failed read
  * or write, a record over the limits): every later call says NL_ERR_IO.

@@ -506,9 +506,10 @@ typedef enum nl_local_op {
     NL_LOCAL_SWITCH = 3,  /* each way */
     NL_LOCAL_DECLINE = 4, /* either way: stay on ZeroMQ; reason */
 } nl_local_op;
-/* host, name and token are set in an OFFER and "" in the other ops;
- * reason in a DECLINE only ("" otherwise). host and name are printable
- * ASCII without spaces. */
+/* Every op carries the offer's name: an answer about another offer (one
+ * a new ASSIGN replaced, still in flight) is ignored. host and token are
+ * set in an OFFER and "" in the other ops; reason in a DECLINE only (""
+ * otherwise). host and name are printable ASCII without spaces. */
 typedef struct nl_msg_local_link {
     uint32_t op;        /* nl_local_op */
     const char *host;   /* "<boot id>/<uid>/<network namespace>", 1-127 bytes */

@@ -588,9 +588,12 @@ static nl_status check_local_link(const nl_wire_msg *m, const nl_wire_tdesc *td,
     const nl_msg_local_link *l = &m->u.local_link;
     const bool offer = l->op == NL_LOCAL_OFFER;
     const char *op = l->op <= NL_LOCAL_DECLINE ? ops[l->op] : "?";
+    if (!l->name || !l->name[0]) /* every op names the offer it is about */
+        return nl_error_set(err, NL_ERR_PROTO, "%s.name: %s needs it (the offer's name)", td->name,
+                            op);
     const struct {
         const char *field, *v;
-    } s[] = {{"host", l->host}, {"name", l->name}, {"token", l->token}};
+    } s[] = {{"host", l->host}, {"token", l->token}};
     for (size_t i = 0; i < sizeof s / sizeof s[0]; i++) {
         const bool set = s[i].v && s[i].v[0];
         if (offer && !set)

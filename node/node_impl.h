@@ -117,6 +117,9 @@ typedef struct node {
      * next stage, the links; _tx: hops go on it (after this side's
      * SWITCH), _rx: it is read (after the neighbour's SWITCH) */
     char lk_host[NL_LOCAL_HOST_MAX];
+    /* the name of this side's offer to the next stage, and of the offer
+     * the link from the previous stage was made for */
+    char lk_offer[NL_LOCAL_NAME_MAX], lk_prev_offer[NL_LOCAL_NAME_MAX];
     nl_local_listener *lk_listen;
     nl_local *lk_next, *lk_prev;
     bool lk_next_tx, lk_next_rx, lk_prev_tx, lk_prev_rx;

@@ -88,32 +88,38 @@ static nl_status say(nl_sock *s, const nl_rx *to, nl_msg_local_link l, nl_error 
     return st;
 }
 
-static void answer(nl_sock *s, const nl_rx *to, uint32_t op, const char *reason)
+/* READY, SWITCH or DECLINE about the offer `name`; false (logged) when it
+ * could not go. */
+static bool answer(nl_sock *s, const nl_rx *to, uint32_t op, const char *name, const char *reason)
 {
     nl_error e;
-    if (say(s, to, (nl_msg_local_link){op, "", "", "", reason ? reason : ""}, &e) != NL_OK)
-        NL_WARN("LOCAL_LINK to the %s stage: %s", to ? "previous" : "next", e.msg);
+    if (say(s, to, (nl_msg_local_link){op, "", name, "", reason ? reason : ""}, &e) == NL_OK)
+        return true;
+    NL_WARN("LOCAL_LINK to the %s stage: %s", to ? "previous" : "next", e.msg);
+    return false;
 }
 
 void node_local_offer(node *n)
 {
     nl_error e;
-    char name[NL_LOCAL_NAME_MAX], token[NL_LOCAL_TOKEN_HEX + 1];
+    char token[NL_LOCAL_TOKEN_HEX + 1];
     if (!n->lk_host[0] || !eligible(n, true) || !n->next || n->lk_listen || n->lk_next)
         return;
-    if (nl_local_listen(&n->lk_listen, name, token, &e) != NL_OK) {
+    if (nl_local_listen(&n->lk_listen, n->lk_offer, token, &e) != NL_OK) {
         NL_WARN("no local link offered to the next stage: %s", e.msg);
         return;
     }
-    if (say(n->next, NULL, (nl_msg_local_link){NL_LOCAL_OFFER, n->lk_host, name, token, ""}, &e) !=
-        NL_OK) {
+    if (say(n->next, NULL, (nl_msg_local_link){NL_LOCAL_OFFER, n->lk_host, n->lk_offer, token, ""},
+            &e) != NL_OK) {
         NL_WARN("LOCAL_LINK OFFER to the next stage: %s", e.msg);
         nl_local_listener_close(&n->lk_listen);
     }
 }
 
 /* A LOCAL_LINK on the data socket: from the previous stage, this the
- * downstream side. */
+ * downstream side. Answers name the offer; a SWITCH or DECLINE about
+ * another offer than the one this side connected for (an earlier one, in
+ * flight when a new ASSIGN replaced it) is ignored. */
 void node_local_on_prev_msg(node *n)
 {
     const nl_msg_local_link *l = &n->rx.msg.u.local_link;
@@ -124,6 +130,7 @@ void node_local_on_prev_msg(node *n)
         NL_WARN("dropped a LOCAL_LINK from %.48s, which is not the previous stage", n->rx.peer);
         return;
     }
+    const bool ours = n->lk_prev && strcmp(l->name, n->lk_prev_offer) == 0;
     if (l->op == NL_LOCAL_OFFER) {
         node_local_drop_prev(n); /* an offer replaces an earlier link */
         const char *why = !n->lk_host[0] ? "local links are off here"
@@ -134,37 +141,48 @@ void node_local_on_prev_msg(node *n)
         if (!why && nl_local_connect(l->name, l->token, nl_net_limits(n->net), 0, 0,
                                      peer_name(n, false), &n->lk_prev, &e) != NL_OK)
             why = e.msg;
-        answer(n->data, &n->rx, why ? NL_LOCAL_DECLINE : NL_LOCAL_READY, why);
-        if (why)
+        snprintf(n->lk_prev_offer, sizeof n->lk_prev_offer, "%s", l->name);
+        if (!answer(n->data, &n->rx, why ? NL_LOCAL_DECLINE : NL_LOCAL_READY, l->name, why))
+            node_local_drop_prev(n);
+        else if (why)
             NL_INFO("the previous stage's hops stay on ZeroMQ: %s", why);
-    } else if (l->op == NL_LOCAL_SWITCH && n->lk_prev) {
+    } else if (l->op == NL_LOCAL_SWITCH && ours && !n->lk_prev_rx) {
         n->lk_prev_rx = true; /* what follows its SWITCH comes on the link */
-        answer(n->data, &n->rx, NL_LOCAL_SWITCH, NULL);
-        n->lk_prev_tx = true;
-        NL_INFO("the previous stage's hops come on a local link");
-    } else if (l->op == NL_LOCAL_DECLINE) {
+        /* ours goes back; only then may this side's own hops take the link */
+        n->lk_prev_tx = answer(n->data, &n->rx, NL_LOCAL_SWITCH, l->name, NULL);
+        NL_INFO("the previous stage's hops come on a local link%s",
+                n->lk_prev_tx ? "" : " (this stage's go back on ZeroMQ)");
+    } else if (l->op == NL_LOCAL_DECLINE && ours) {
         NL_INFO("the previous stage declined the local link: %s", l->reason);
         node_local_drop_prev(n);
+    } else if (l->op != NL_LOCAL_OFFER) {
+        NL_DEBUG("ignored a LOCAL_LINK op %u about offer %s", l->op, l->name);
     }
 }
 
 /* A LOCAL_LINK on the next socket: from the next stage, this the upstream
- * side. */
+ * side; only answers about this side's offer count. */
 void node_local_on_next_msg(node *n)
 {
     const nl_msg_local_link *l = &n->rx.msg.u.local_link;
     nl_error e;
-    if (l->op == NL_LOCAL_READY && n->lk_listen && !n->lk_next) {
+    const bool ours = (n->lk_listen || n->lk_next) && strcmp(l->name, n->lk_offer) == 0;
+    if (!ours) {
+        NL_DEBUG("ignored a LOCAL_LINK op %u about offer %s", l->op, l->name);
+    } else if (l->op == NL_LOCAL_READY && n->lk_listen && !n->lk_next) {
         const nl_wire_limits *lim = nl_net_limits(n->net);
         nl_status st =
             nl_local_accept(n->lk_listen, lim, 0, 0, peer_name(n, true), &n->lk_next, &e);
         nl_local_listener_close(&n->lk_listen);
         if (st != NL_OK) {
             NL_WARN("the next stage's hops stay on ZeroMQ: %s", e.msg);
-            answer(n->next, NULL, NL_LOCAL_DECLINE, e.msg);
+            answer(n->next, NULL, NL_LOCAL_DECLINE, l->name, e.msg);
             return;
         }
-        answer(n->next, NULL, NL_LOCAL_SWITCH, NULL);
+        if (!answer(n->next, NULL, NL_LOCAL_SWITCH, l->name, NULL)) { /* it would never read it */
+            node_local_drop_next(n);
+            return;
+        }
         n->lk_next_tx = true;
         NL_INFO("the next stage's hops go on a local link");
     } else if (l->op == NL_LOCAL_SWITCH && n->lk_next) {

@@ -5,9 +5,11 @@
  * peer's close, and that every frame is released once. */
 #define _GNU_SOURCE
 #include <poll.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -112,6 +114,27 @@ static void test_who_may_connect(void)
           "%s", e.msg);
     CHECK(nl_local_connect(name, "abc", NULL, MAX_PART, MAX_MSG, "c", &bad, &e) == NL_ERR_INVALID,
           "short token");
+    /* anyone may connect to an abstract name: a queue filled by others
+     * makes the next connect fail at once, not wait (the stage declines) */
+    int others[64], no = 0;
+    for (; no < 64; no++) {
+        struct sockaddr_un sa = {.sun_family = AF_UNIX};
+        memcpy(sa.sun_path + 1, name, strlen(name));
+        others[no] = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0);
+        if (connect(others[no], (struct sockaddr *)&sa,
+                    (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + strlen(name))) != 0) {
+            close(others[no]);
+            break;
+        }
+    }
+    CHECK(no > 0 && no < 64, "the queue filled after %d connections", no);
+    t0 = now_s();
+    CHECK(nl_local_connect(name, token, NULL, MAX_PART, MAX_MSG, "c", &bad, &e) == NL_ERR_IO &&
+              strstr(e.msg, "queue is full"),
+          "a full queue: %s", e.msg);
+    CHECK(now_s() - t0 < 0.5, "refused at once: %.2f s", now_s() - t0);
+    for (int i = 0; i < no; i++)
+        close(others[i]);
     nl_local_listener_close(&l);
     /* the link works */
     nl_wire_msg m;

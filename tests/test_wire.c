@@ -747,10 +747,10 @@ static void test_local_link(void)
         const char *why; /* NULL: accepted */
     } cases[] = {
         {{NL_LOCAL_OFFER, H, N, LOCAL_TOKEN, ""}, NULL},
-        {{NL_LOCAL_READY, "", "", "", ""}, NULL},
-        {{NL_LOCAL_SWITCH, NULL, NULL, NULL, NULL}, NULL},
-        {{NL_LOCAL_DECLINE, "", "", "", "no local link: --no-local-link \xe2\x9c\x93"}, NULL},
-        {{NL_LOCAL_DECLINE, "", "", "", ""}, NULL},
+        {{NL_LOCAL_READY, "", N, "", ""}, NULL},
+        {{NL_LOCAL_SWITCH, NULL, N, NULL, NULL}, NULL},
+        {{NL_LOCAL_DECLINE, "", N, "", "no local link: --no-local-link \xe2\x9c\x93"}, NULL},
+        {{NL_LOCAL_DECLINE, "", N, "", ""}, NULL},
         {{NL_LOCAL_OFFER, H, N, LOCAL_TOKEN + 1, ""}, "token: 63 hex digits, must be 64"},
         {{NL_LOCAL_OFFER, H, N, "", ""}, "token: an OFFER needs it"},
         {{NL_LOCAL_OFFER, "", N, LOCAL_TOKEN, ""}, "host: an OFFER needs it"},
@@ -761,12 +761,14 @@ static void test_local_link(void)
           ""},
          "token: must be lowercase hex"},
         {{NL_LOCAL_OFFER, H, N, LOCAL_TOKEN, "why"}, "reason: set on an OFFER"},
-        {{NL_LOCAL_SWITCH, "", N, "", ""}, "name: set on a SWITCH"},
-        {{NL_LOCAL_READY, "", "", LOCAL_TOKEN, ""}, "token: set on a READY"},
-        {{NL_LOCAL_DECLINE, H, "", "", "busy"}, "host: set on a DECLINE"},
-        {{NL_LOCAL_READY, "", "", "", "why"}, "reason: set on a READY"},
-        {{0, "", "", "", ""}, "op: 0 is outside [1, 4]"},
-        {{5, "", "", "", ""}, "op: 5 is outside [1, 4]"},
+        {{NL_LOCAL_SWITCH, "", "", "", ""}, "name: a SWITCH needs it"},
+        {{NL_LOCAL_READY, NULL, NULL, NULL, NULL}, "name: a READY needs it"},
+        {{NL_LOCAL_DECLINE, "", "", "", "busy"}, "name: a DECLINE needs it"},
+        {{NL_LOCAL_READY, "", N, LOCAL_TOKEN, ""}, "token: set on a READY"},
+        {{NL_LOCAL_DECLINE, H, N, "", "busy"}, "host: set on a DECLINE"},
+        {{NL_LOCAL_READY, "", N, "", "why"}, "reason: set on a READY"},
+        {{0, "", N, "", ""}, "op: 0 is outside [1, 4]"},
+        {{5, "", N, "", ""}, "op: 5 is outside [1, 4]"},
     };
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         nl_wire_msg_reset(&m, NL_MSG_LOCAL_LINK);
