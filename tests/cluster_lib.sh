@@ -1,7 +1,8 @@
 # Sourced by the shell tests that start local clusters: the tools, the
 # device, a scratch directory that is cleaned up with every cluster in it,
 # the pass/fail counters, the wait for a training log's step (wait_step),
-# and the small model configs they train.
+# for a re-plan after a death (wait_replanned), a tokens file for forward
+# (tokens_file), and the small model configs they train.
 #   N (neuroctl), NODE (neuronode), COORD (neurocoord), PY, DEV (the
 #   --device of the local tools and the nodes: scripts/test.sh runs the
 #   suite once more with NL_TEST_DEVICE=cpu-devsim), W (scratch), check CMD...
@@ -46,6 +47,31 @@ cluster_lib_exit() {
   if [ -n "${NL_TEST_KEEP:-}" ]; then echo "kept $W (NL_TEST_KEEP)" >&2; else rm -rf "$W"; fi
 }
 trap cluster_lib_exit EXIT
+
+# tokens_file FILE B T: a safetensors file of I32 "tokens" [B, T], the
+# ids (37 i + 11) mod 256, for neuroctl forward --tokens
+tokens_file() {
+  $PY - "$1" "$2" "$3" <<'PY'
+import json, struct, sys
+path, b, t = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+toks = [(i * 37 + 11) % 256 for i in range(b * t)]
+h = json.dumps({"tokens": {"dtype": "I32", "shape": [b, t], "data_offsets": [0, 4 * len(toks)]}}).encode()
+h += b" " * (-len(h) % 8)
+open(path, "wb").write(struct.pack("<Q", len(h)) + h + struct.pack("<%di" % len(toks), *toks))
+PY
+}
+
+# wait_replanned C: until cluster C is ready again with a node dead (the
+# coordinator re-planned on the others), looking for up to 60 s; 1 if not
+wait_replanned() {
+  local i st
+  for i in $(seq 1 240); do
+    st=$("$N" status --cluster "$1" 2>/dev/null)
+    if grep -q "^cluster: ready" <<< "$st" && grep -q " dead " <<< "$st"; then return 0; fi
+    sleep 0.25
+  done
+  return 1
+}
 
 # small_config FILE HIDDEN LAYERS FFN MAX_SEQ: 4 heads (2 kv), 4 experts,
 # a byte vocabulary in one chunk

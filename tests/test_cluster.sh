@@ -21,14 +21,7 @@ check grep -q "ready" "$W/status.txt"
 check test "$(grep -c serving "$W/status.txt")" -eq 3
 
 # forward: the cluster against one process, same checkpoint
-$PY - "$W" <<'PY'
-import json, struct, sys
-w = sys.argv[1]
-toks = [(i * 37 + 11) % 256 for i in range(3 * 21)]
-h = json.dumps({"tokens": {"dtype": "I32", "shape": [3, 21], "data_offsets": [0, 4 * len(toks)]}}).encode()
-h += b" " * (-len(h) % 8)
-open(w + "/in.safetensors", "wb").write(struct.pack("<Q", len(h)) + h + struct.pack("<%di" % len(toks), *toks))
-PY
+tokens_file "$W/in.safetensors" 3 21
 check "$N" forward "${DEV[@]}" --model "$W/m.safetensors" --tokens "$W/in.safetensors" --out "$W/local.safetensors" --threads 1
 check "$N" forward --cluster "$C" --tokens "$W/in.safetensors" --out "$W/remote.safetensors"
 cat > "$W/compare.py" <<'PY'
@@ -180,13 +173,7 @@ check grep -q "^generate: 250 tokens" "$W/gen.err"
 check grep -q "replayed [0-9]* tokens; resumed" "$C/coord.log"
 check kill -0 "$(cat "$C/coord.pid")"
 # the coordinator re-plans on the two nodes left; the next request succeeds
-ok=0
-for i in $(seq 1 240); do
-  st=$("$N" status --cluster "$C" 2>/dev/null)
-  if grep -q "^cluster: ready" <<< "$st" && grep -q " dead " <<< "$st"; then ok=1; break; fi
-  sleep 0.25
-done
-check test $ok -eq 1
+check wait_replanned "$C"
 check test "$("$N" status --cluster "$C" | grep -c serving)" -eq 2
 check "$N" forward --cluster "$C" --tokens "$W/in.safetensors" --out "$W/remote2.safetensors"
 check $PY "$W/compare.py" "$W/local.safetensors" "$W/remote2.safetensors"

@@ -47,14 +47,7 @@ check grep -q "plan old: stage 0" "$C/coord.log"
 check grep -q "plan new: stage 1" "$C/coord.log"
 
 # forward through the two stages equals the local forward
-$PY - "$W" <<'PY'
-import json, struct, sys
-w = sys.argv[1]
-toks = [(i * 37 + 11) % 256 for i in range(2 * 17)]
-h = json.dumps({"tokens": {"dtype": "I32", "shape": [2, 17], "data_offsets": [0, 4 * len(toks)]}}).encode()
-h += b" " * (-len(h) % 8)
-open(w + "/in.safetensors", "wb").write(struct.pack("<Q", len(h)) + h + struct.pack("<%di" % len(toks), *toks))
-PY
+tokens_file "$W/in.safetensors" 2 17
 check "$N" forward "${DEV[@]}" --model "$W/m.safetensors" --tokens "$W/in.safetensors" \
   --out "$W/local.safetensors" --threads 1
 check "$N" forward --cluster "$C" --tokens "$W/in.safetensors" --out "$W/remote.safetensors"

@@ -26,14 +26,7 @@ want_greedy=$("$N" generate "${DEV[@]}" --model "$W/m.safetensors" "${PROMPT[@]}
   --threads 1 2>/dev/null)
 want_sampled=$("$N" generate "${DEV[@]}" --model "$W/m.safetensors" "${PROMPT[@]}" \
   --temperature 0.8 --seed 5 --threads 1 2>/dev/null)
-$PY - "$W" <<'PY'
-import json, struct, sys
-w = sys.argv[1]
-toks = [(i * 37 + 11) % 256 for i in range(2 * 16)]
-h = json.dumps({"tokens": {"dtype": "I32", "shape": [2, 16], "data_offsets": [0, 4 * len(toks)]}}).encode()
-h += b" " * (-len(h) % 8)
-open(w + "/in.safetensors", "wb").write(struct.pack("<Q", len(h)) + h + struct.pack("<%di" % len(toks), *toks))
-PY
+tokens_file "$W/in.safetensors" 2 16
 check "$N" forward "${DEV[@]}" --model "$W/m.safetensors" --tokens "$W/in.safetensors" \
   --out "$W/fwd-local.safetensors" --threads 1
 
@@ -77,13 +70,7 @@ victim=$(grep -l "assigned epoch [0-9]*: stage 1 of 3" "$C"/node-*.log | head -1
 victim=${victim%.log}
 check test -n "$victim"
 kill -9 "$(cat "$victim.pid")"
-ok=0
-for i in $(seq 1 240); do
-  st=$("$N" status --cluster "$C" 2>/dev/null)
-  if grep -q "^cluster: ready" <<< "$st" && grep -q " dead " <<< "$st"; then ok=1; break; fi
-  sleep 0.25
-done
-check test $ok -eq 1
+check wait_replanned "$C"
 check test "$("$N" status --cluster "$C" | grep -c serving)" -eq 2
 # the stages reload the trained weights (the job's last checkpoint): the
 # two clusters' generations must agree with each other

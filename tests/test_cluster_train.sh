@@ -121,14 +121,7 @@ check $PY "$W/cmp.py" logs "$W/resume2.jsonl" "$W/remote.jsonl" 6 10
 check "$N" cluster down --dir "$C6"
 
 # ---- PyTorch reads the exported checkpoint: its logits equal neuroctl forward's ----
-$PY - "$W" <<'PY'
-import json, struct, sys
-w = sys.argv[1]
-toks = [(i * 37 + 11) % 256 for i in range(2 * 16)]
-h = json.dumps({"tokens": {"dtype": "I32", "shape": [2, 16], "data_offsets": [0, 4 * len(toks)]}}).encode()
-h += b" " * (-len(h) % 8)
-open(w + "/in.safetensors", "wb").write(struct.pack("<Q", len(h)) + h + struct.pack("<%di" % len(toks), *toks))
-PY
+tokens_file "$W/in.safetensors" 2 16
 check "$N" forward "${DEV[@]}" --model "$W/export10.safetensors" --tokens "$W/in.safetensors" \
   --out "$W/fwd.safetensors" --threads 1
 check $PY - "$W" "$NL_SOURCE_DIR/tests/golden" <<'PY'

@@ -19,14 +19,7 @@ cp "$CORPUS" "$W/data.txt"
 check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
 RUN=(--data "$W/data.txt" --steps 12 --batch 8 --seq 32 --microbatches 4 --lr 3e-3 --seed 1
      --eval-every 6 --eval-batches 2)
-$PY - "$W" <<'PY'
-import json, struct, sys
-w = sys.argv[1]
-toks = [(i * 37 + 11) % 256 for i in range(2 * 16)]
-h = json.dumps({"tokens": {"dtype": "I32", "shape": [2, 16], "data_offsets": [0, 4 * len(toks)]}}).encode()
-h += b" " * (-len(h) % 8)
-open(w + "/in.safetensors", "wb").write(struct.pack("<Q", len(h)) + h + struct.pack("<%di" % len(toks), *toks))
-PY
+tokens_file "$W/in.safetensors" 2 16
 
 # bytes of tensors the nodes of cluster $1 sent in their last training job
 sent_bytes() {
