@@ -9,6 +9,7 @@
 #include <time.h>
 #include <zmq.h>
 
+#include "base/clock.h"
 #include "base/log.h"
 
 #define ZAP_ENDPOINT "inproc://zeromq.zap.01"
@@ -46,13 +47,6 @@ struct nl_auth {
     int64_t deny_log_at;
     uint64_t deny_quiet;
 };
-
-static int64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 nl_auth_policy nl_auth_policy_default(void)
 {
@@ -132,7 +126,7 @@ bool nl_auth_strike(nl_auth *a, const char *peer, const char *why)
     if (!a || !peer || !peer[0])
         return false;
     bool banned = false;
-    int64_t now = now_ms();
+    int64_t now = nl_mono_ms();
     pthread_mutex_lock(&a->mu);
     strike *s = find_strike(a, peer);
     if (!s)
@@ -163,7 +157,7 @@ out:
 bool nl_auth_banned(nl_auth *a, const char *peer)
 {
     pthread_mutex_lock(&a->mu);
-    bool b = banned_locked(a, peer, now_ms());
+    bool b = banned_locked(a, peer, nl_mono_ms());
     pthread_mutex_unlock(&a->mu);
     return b;
 }
@@ -196,7 +190,7 @@ void nl_auth_get_stats(nl_auth *a, nl_auth_stats *out)
  * not admitted (unlisted, banned, or none of the roles the domain takes). */
 static int roles_locked(nl_auth *a, const domain *d, const char *peer)
 {
-    if (!d || !peer || banned_locked(a, peer, now_ms()))
+    if (!d || !peer || banned_locked(a, peer, nl_mono_ms()))
         return 0;
     int roles = 0;
     uint8_t key[NL_KEY_BYTES];
@@ -443,7 +437,7 @@ static bool zap_decide(nl_auth *a, zmq_msg_t *p, int n, char *user, const char *
     }
     pthread_mutex_lock(&a->mu);
     bool ok = allowed_locked(a, dom, user);
-    if (!ok && banned_locked(a, user, now_ms()))
+    if (!ok && banned_locked(a, user, nl_mono_ms()))
         *why = "peer banned";
     pthread_mutex_unlock(&a->mu);
     return ok;
@@ -451,7 +445,7 @@ static bool zap_decide(nl_auth *a, zmq_msg_t *p, int n, char *user, const char *
 
 static void zap_log_denial(nl_auth *a, const char *user, const char *why)
 {
-    int64_t now = now_ms();
+    int64_t now = nl_mono_ms();
     if (now - a->deny_log_at < 1000) { /* at most one line a second */
         a->deny_quiet++;
         return;

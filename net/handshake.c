@@ -9,6 +9,8 @@
 #include <time.h>
 #include <zmq.h>
 
+#include "base/clock.h"
+
 struct nl_handshake {
     void *zsock;     /* the monitored socket (borrowed) */
     void *pair;      /* receives the monitor's events */
@@ -20,13 +22,6 @@ struct nl_handshake {
     (ZMQ_EVENT_CONNECTED | ZMQ_EVENT_CONNECT_RETRIED | ZMQ_EVENT_DISCONNECTED |                    \
      ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL |                        \
      ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
-
-static int64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 nl_status nl_handshake_watch(nl_handshake **out, nl_net *net, nl_sock *s, nl_error *err)
 {
@@ -74,14 +69,14 @@ static int next_event(nl_handshake *h, int timeout_ms, uint32_t *value)
 
 nl_status nl_handshake_wait(nl_handshake *h, const char *endpoint, int timeout_ms, nl_error *err)
 {
-    const int64_t deadline = now_ms() + timeout_ms;
+    const int64_t deadline = nl_mono_ms() + timeout_ms;
     for (;;) {
-        int64_t left = deadline - now_ms();
+        int64_t left = deadline - nl_mono_ms();
         uint32_t value = 0;
         int ev = next_event(h, left > 0 ? (int)left : 0, &value);
         switch (ev) {
         case -1:
-            if (now_ms() >= deadline)
+            if (nl_mono_ms() >= deadline)
                 return nl_error_set(err, NL_ERR_TIMEOUT, "%s: no handshake in %d ms", endpoint,
                                     timeout_ms);
             continue;

@@ -15,6 +15,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "base/clock.h"
 #include "base/log.h"
 
 #define TOKEN_BYTES 32
@@ -52,13 +53,6 @@ struct nl_local {
     reader rd;
     nl_local_stats stats;
 };
-
-static int64_t mono_ms(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
-}
 
 static socklen_t abstract_addr(struct sockaddr_un *a, const char *name)
 {
@@ -185,7 +179,7 @@ static bool read_full(int fd, void *p, size_t n, int64_t deadline)
         }
         if (r == 0 || (errno != EAGAIN && errno != EINTR))
             return false;
-        int64_t left = deadline - mono_ms();
+        int64_t left = deadline - nl_mono_ms();
         struct pollfd pf = {fd, POLLIN, 0};
         if (left <= 0 || poll(&pf, 1, (int)left) < 0)
             return false;
@@ -197,7 +191,7 @@ nl_status nl_local_accept(nl_local_listener *l, const nl_wire_limits *lim, uint6
                           uint64_t max_msg, const char *who, nl_local **out, nl_error *err)
 {
     *out = NULL;
-    const int64_t deadline = mono_ms() + NL_LOCAL_ACCEPT_MS;
+    const int64_t deadline = nl_mono_ms() + NL_LOCAL_ACCEPT_MS;
     int refused = 0;
     for (;;) {
         int fd = accept4(l->fd, NULL, NULL, SOCK_CLOEXEC);
@@ -205,7 +199,7 @@ nl_status nl_local_accept(nl_local_listener *l, const nl_wire_limits *lim, uint6
             if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED)
                 return nl_error_set(err, NL_ERR_IO, "local link from %s: accept: %s", who,
                                     strerror(errno));
-            int64_t left = deadline - mono_ms();
+            int64_t left = deadline - nl_mono_ms();
             struct pollfd pf = {l->fd, POLLIN, 0};
             if (left <= 0 || poll(&pf, 1, (int)left) <= 0)
                 break;
@@ -382,7 +376,7 @@ size_t nl_local_pending(const nl_local *c)
  * bytes (or is empty), up to c->send_timeout_ms. */
 static nl_status wait_room(nl_local *c, size_t total, nl_error *err)
 {
-    const int64_t deadline = mono_ms() + c->send_timeout_ms;
+    const int64_t deadline = nl_mono_ms() + c->send_timeout_ms;
     for (;;) {
         nl_status st = nl_local_flush(c, err);
         if (st != NL_OK)
@@ -390,7 +384,7 @@ static nl_status wait_room(nl_local *c, size_t total, nl_error *err)
         const size_t pending = c->out_len - c->out_off;
         if (pending == 0 || pending + total <= c->out_max)
             return NL_OK;
-        const int64_t left = deadline - mono_ms();
+        const int64_t left = deadline - nl_mono_ms();
         struct pollfd pf = {c->fd, POLLOUT, 0};
         if (left <= 0 || poll(&pf, 1, (int)left) < 0)
             return nl_error_set(

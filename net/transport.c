@@ -11,6 +11,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "base/clock.h"
 #include "base/log.h"
 
 #define SOFTWARE "neurollm"
@@ -41,13 +42,6 @@ struct nl_sock {
 };
 
 /* ===================== the context ===================== */
-
-static int64_t mono_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 nl_net_opts nl_net_opts_default(void)
 {
@@ -540,9 +534,9 @@ static int read_parts(nl_sock *s, nl_rx *rx, bool *over, uint64_t *total)
 static nl_status wait_parts(nl_sock *s, nl_rx *rx, int timeout_ms, bool *over, uint64_t *total,
                             nl_error *err)
 {
-    int64_t deadline = mono_ms() + (timeout_ms > 0 ? timeout_ms : 0);
+    int64_t deadline = nl_mono_ms() + (timeout_ms > 0 ? timeout_ms : 0);
     for (;;) {
-        int left = timeout_ms < 0 ? -1 : (int)(deadline - mono_ms());
+        int left = timeout_ms < 0 ? -1 : (int)(deadline - nl_mono_ms());
         zmq_pollitem_t it = {s->zs, 0, ZMQ_POLLIN, 0};
         int rc = zmq_poll(&it, 1, left < 0 && timeout_ms >= 0 ? 0 : left);
         if (rc < 0 && zmq_errno() != EINTR)
@@ -554,7 +548,7 @@ static nl_status wait_parts(nl_sock *s, nl_rx *rx, int timeout_ms, bool *over, u
             return NL_OK;
         if (zmq_errno() != EAGAIN)
             return nl_error_set(err, NL_ERR_IO, "socket %s: receive: %s", s->name, zerr());
-        if (timeout_ms >= 0 && mono_ms() >= deadline)
+        if (timeout_ms >= 0 && nl_mono_ms() >= deadline)
             return nl_error_set(err, NL_ERR_TIMEOUT, "socket %s: no message within %d ms", s->name,
                                 timeout_ms);
     }
@@ -620,9 +614,9 @@ nl_status nl_sock_hello(nl_sock *s, nl_role role, int timeout_ms, nl_rx *rx, nl_
     nl_status st = nl_sock_send(s, NULL, 0, &m, err);
     if (st != NL_OK)
         return st;
-    int64_t deadline = mono_ms() + timeout_ms;
+    int64_t deadline = nl_mono_ms() + timeout_ms;
     for (;;) {
-        int64_t left = deadline - mono_ms();
+        int64_t left = deadline - nl_mono_ms();
         if (left <= 0)
             return nl_error_set(err, NL_ERR_TIMEOUT, "socket %s: no answer to HELLO in %d ms",
                                 s->name, timeout_ms);

@@ -4,12 +4,7 @@
 #include <stdint.h>
 #include <time.h>
 
-static int64_t mono_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
+#include "base/clock.h"
 
 static void txref_release(void *data, void *hint)
 {
@@ -33,9 +28,9 @@ bool nl_txref_idle(nl_txref *ref)
 
 nl_status nl_txref_wait(nl_txref *ref, int timeout_ms, nl_error *err)
 {
-    int64_t deadline = mono_ms() + timeout_ms;
+    int64_t deadline = nl_mono_ms() + timeout_ms;
     while (!nl_txref_idle(ref)) {
-        if (timeout_ms >= 0 && mono_ms() >= deadline)
+        if (timeout_ms >= 0 && nl_mono_ms() >= deadline)
             return nl_error_set(err, NL_ERR_TIMEOUT, "send buffer still in use after %d ms",
                                 timeout_ms);
         nanosleep(&(struct timespec){0, 50000}, NULL);
