@@ -751,7 +751,7 @@ static void test_local_link(void)
         {{NL_LOCAL_SWITCH, NULL, N, NULL, NULL}, NULL},
         {{NL_LOCAL_DECLINE, "", N, "", "no local link: --no-local-link \xe2\x9c\x93"}, NULL},
         {{NL_LOCAL_DECLINE, "", N, "", ""}, NULL},
-        {{NL_LOCAL_OFFER, H, N, LOCAL_TOKEN + 1, ""}, "token: 63 hex digits, must be 64"},
+        {{NL_LOCAL_OFFER, H, N, &LOCAL_TOKEN[1], ""}, "token: 63 hex digits, must be 64"},
         {{NL_LOCAL_OFFER, H, N, "", ""}, "token: an OFFER needs it"},
         {{NL_LOCAL_OFFER, "", N, LOCAL_TOKEN, ""}, "host: an OFFER needs it"},
         {{NL_LOCAL_OFFER, H, NULL, LOCAL_TOKEN, ""}, "name: an OFFER needs it"},
