@@ -120,6 +120,7 @@ typedef struct node {
     /* the name of this side's offer to the next stage, and of the offer
      * the link from the previous stage was made for */
     char lk_offer[NL_LOCAL_NAME_MAX], lk_prev_offer[NL_LOCAL_NAME_MAX];
+    bool lk_offered; /* this next socket has offered (reset with the socket) */
     nl_local_listener *lk_listen;
     nl_local *lk_next, *lk_prev;
     bool lk_next_tx, lk_next_rx, lk_prev_tx, lk_prev_rx;
@@ -147,7 +148,7 @@ nl_status node_make_socket(node *n, nl_sock **out, int type, bool server, const 
 
 /* node_local.c: local links with co-located neighbours (net/locallink.h) */
 void node_local_init(node *n);
-/* OFFER one to the next stage, on the next socket just made */
+/* OFFER one to the next stage, once per next socket (after its first hop) */
 void node_local_offer(node *n);
 /* a LOCAL_LINK in n->rx: on the data socket, on the next socket */
 void node_local_on_prev_msg(node *n);

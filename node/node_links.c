@@ -113,6 +113,7 @@ static int read_event(void *mon)
 void node_drop_next(node *n)
 {
     node_local_drop_next(n);
+    n->lk_offered = false; /* the next socket offers again */
     unwatch(n->next, &n->next_mon);
     nl_sock_destroy(&n->next); /* linger 0: queued hops are dropped and released */
 }
@@ -140,8 +141,6 @@ static nl_status ensure_next(node *n, nl_error *err)
     st = nl_sock_connect(n->next, relay ? n->relay_ep : n->next_ep, err);
     if (st != NL_OK)
         node_drop_next(n);
-    else
-        node_local_offer(n); /* a co-located next stage takes its hops on a local link */
     return st;
 }
 
@@ -203,10 +202,13 @@ nl_status node_send_next(node *n, nl_wire_msg *m, nl_error *err)
     if (node_local_send(n, true, m, &st, err)) { /* on the local link */
     } else if (n->links & NL_LINK_NEXT_DIALS) /* the next stage dialed in: out of the data ROUTER */
         st = nl_sock_send(n->data, (const uint8_t *)n->next_key, strlen(n->next_key), m, err);
-    else if ((st = ensure_next(n, err)) == NL_OK)
+    else if ((st = ensure_next(n, err)) == NL_OK) {
         st = nl_sock_send(n->next, NULL, 0, m, err);
-    else
+        if (st == NL_OK) /* a co-located next stage takes the next ones on a local link */
+            node_local_offer(n);
+    } else {
         release(m);
+    }
     return st == NL_OK ? st : nl_error_prefix(err, "cannot reach the next stage at %s", n->next_ep);
 }
 

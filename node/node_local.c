@@ -3,7 +3,8 @@
  *
  * A stage that dials its next stage the default way (no NEXT_DIALS or
  * RELAY_NEXT in ASSIGN.links, a next stage of its replica count) OFFERs it
- * a local link at once, on the ZeroMQ link it just made. A next stage on the same host (the same
+ * a local link once per next socket, right after the first hop it sends on
+ * it (the hop goes first: an offer must not delay it). A next stage on the same host (the same
  * boot id, user and network namespace) connects and says READY; this stage takes the connection and
  * says SWITCH, and from then sends the next stage's hops on the local link; the next stage reads
  * the local link from that SWITCH on, says SWITCH back, and sends its gradients there. Each side
@@ -75,15 +76,18 @@ static bool eligible(const node *n, bool next)
 }
 
 /* Send a LOCAL_LINK on s (to the sender of rx where it is a reply), in a
- * message of its own: n->tx may hold the hop this send is made for
- * (node_send_next offers on its first send). */
+ * message of its own (n->tx may hold the hop just sent), without waiting:
+ * the link is an optimisation, and a neighbour's queue that is full (or a
+ * handshake libzmq refused, which leaves the socket no peer) must not
+ * hold the node's loop. */
 static nl_status say(nl_sock *s, const nl_rx *to, nl_msg_local_link l, nl_error *err)
 {
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_LOCAL_LINK);
     m.u.local_link = l;
-    nl_status st = to ? nl_sock_reply(s, to, &m, err) : nl_sock_send(s, NULL, 0, &m, err);
+    nl_status st = to ? nl_sock_send_nowait(s, to->rid, to->rid_len, &m, err)
+                      : nl_sock_send_nowait(s, NULL, 0, &m, err);
     nl_wire_msg_free(&m);
     return st;
 }
@@ -103,8 +107,9 @@ void node_local_offer(node *n)
 {
     nl_error e;
     char token[NL_LOCAL_TOKEN_HEX + 1];
-    if (!n->lk_host[0] || !eligible(n, true) || !n->next || n->lk_listen || n->lk_next)
+    if (n->lk_offered || !n->lk_host[0] || !eligible(n, true) || !n->next)
         return;
+    n->lk_offered = true; /* once per next socket */
     if (nl_local_listen(&n->lk_listen, n->lk_offer, token, &e) != NL_OK) {
         NL_WARN("no local link offered to the next stage: %s", e.msg);
         return;
