@@ -1,6 +1,7 @@
-/* ASSIGN's cross-field check (wire_impl.h): a file of its own, as the
- * message grew with the ways a stage reaches its neighbours (links, the
- * relay, replicas and their ring, neighbours with another replica count). */
+/* The cross-field checks of the messages that say how a stage reaches its
+ * neighbours (wire_impl.h): ASSIGN (links, the relay, replicas and their
+ * ring, neighbours with another replica count) and LOCAL_LINK (the local
+ * link between stages on one host). */
 #include "net/wire_impl.h"
 
 #include <string.h>
@@ -116,4 +117,37 @@ nl_status nl_wire_check_assign(const nl_wire_msg *m, const nl_wire_tdesc *td, nl
                             "%s.relay_port: %u (a port with a RELAY link, else 0)", td->name,
                             a->relay_port);
     return check_peers(a, td, err);
+}
+
+/* LOCAL_LINK: an OFFER names the host, the abstract name and a token of
+ * 64 hex digits, the other ops none of them; only a DECLINE gives a
+ * reason. (The op's range is its field's.) */
+nl_status nl_wire_check_local_link(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err)
+{
+    static const char *const ops[] = {"?", "an OFFER", "a READY", "a SWITCH", "a DECLINE"};
+    const nl_msg_local_link *l = &m->u.local_link;
+    const bool offer = l->op == NL_LOCAL_OFFER;
+    const char *op = l->op <= NL_LOCAL_DECLINE ? ops[l->op] : "?";
+    if (!l->name || !l->name[0]) /* every op names the offer it is about */
+        return nl_error_set(err, NL_ERR_PROTO, "%s.name: %s needs it (the offer's name)", td->name,
+                            op);
+    const struct {
+        const char *field, *v;
+    } s[] = {{"host", l->host}, {"token", l->token}};
+    for (size_t i = 0; i < sizeof s / sizeof s[0]; i++) {
+        const bool set = s[i].v && s[i].v[0];
+        if (offer && !set)
+            return nl_error_set(err, NL_ERR_PROTO, "%s.%s: an OFFER needs it", td->name,
+                                s[i].field);
+        if (!offer && set)
+            return nl_error_set(err, NL_ERR_PROTO, "%s.%s: set on %s (only an OFFER carries it)",
+                                td->name, s[i].field, op);
+    }
+    const size_t t = l->token ? strlen(l->token) : 0;
+    if (offer && t != 64)
+        return nl_error_set(err, NL_ERR_RANGE, "%s.token: %zu hex digits, must be 64", td->name, t);
+    if (l->reason && l->reason[0] && l->op != NL_LOCAL_DECLINE)
+        return nl_error_set(err, NL_ERR_PROTO, "%s.reason: set on %s (only a DECLINE gives one)",
+                            td->name, op);
+    return NL_OK;
 }

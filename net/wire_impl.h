@@ -64,7 +64,8 @@ const nl_wire_tdesc *nl_wire_schema_of(uint32_t type);
 nl_status nl_wire_schema_check(nl_wire_msg *m, const nl_wire_tdesc *td, const nl_wire_limits *lim,
                                bool decoding, nl_error *err);
 
-/* ASSIGN's cross-field check (wire_assign.c). */
+/* The cross-field checks of ASSIGN and LOCAL_LINK (wire_assign.c). */
 nl_status nl_wire_check_assign(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
+nl_status nl_wire_check_local_link(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 
 #endif

@@ -235,7 +235,7 @@ static const nl_wire_field f_reduce[] = {
     F_U64(nl_msg_reduce, offset, U64_ANY),
     F_U64_OPT(nl_msg_reduce, epoch),
 };
-/* which of the strings an op carries: check_local_link */
+/* which of the strings an op carries: nl_wire_check_local_link (wire_assign.c) */
 static const nl_wire_field f_local_link[] = {
     F_U32(nl_msg_local_link, op, NL_LOCAL_OFFER, NL_LOCAL_DECLINE),
     F_STR(nl_msg_local_link, host, NL_WCS_WORD, 0, 127),
@@ -246,7 +246,6 @@ static const nl_wire_field f_local_link[] = {
 
 static nl_status check_join(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_reduce(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
-static nl_status check_local_link(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_verify_req(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_verify_case(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
 static nl_status check_verify_result(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err);
@@ -306,7 +305,7 @@ static const nl_wire_tdesc tdescs[NL_MSG_TYPE_MAX] = {
     /* + one F32 frame [n]: the chunk's elements */
     [NL_MSG_REDUCE] = {"REDUCE", f_reduce, NF(f_reduce), 1, 1, 1, 1, DT(F32), check_reduce},
     [NL_MSG_LOCAL_LINK] = {"LOCAL_LINK", f_local_link, NF(f_local_link), 0, 0, 0, 0, 0,
-                           check_local_link},
+                           nl_wire_check_local_link},
 };
 
 const nl_wire_tdesc *nl_wire_schema_of(uint32_t type)
@@ -576,39 +575,6 @@ static nl_status check_reduce(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_
     const nl_msg_reduce *r = &m->u.reduce;
     if (r->chunk >= r->chunks)
         return nl_error_set(err, NL_ERR_RANGE, "%s: chunk %u of %u", td->name, r->chunk, r->chunks);
-    return NL_OK;
-}
-
-/* LOCAL_LINK: an OFFER names the host, the abstract name and a token of
- * 64 hex digits, the other ops none of them; only a DECLINE gives a
- * reason. (The op's range is its field's.) */
-static nl_status check_local_link(const nl_wire_msg *m, const nl_wire_tdesc *td, nl_error *err)
-{
-    static const char *const ops[] = {"?", "an OFFER", "a READY", "a SWITCH", "a DECLINE"};
-    const nl_msg_local_link *l = &m->u.local_link;
-    const bool offer = l->op == NL_LOCAL_OFFER;
-    const char *op = l->op <= NL_LOCAL_DECLINE ? ops[l->op] : "?";
-    if (!l->name || !l->name[0]) /* every op names the offer it is about */
-        return nl_error_set(err, NL_ERR_PROTO, "%s.name: %s needs it (the offer's name)", td->name,
-                            op);
-    const struct {
-        const char *field, *v;
-    } s[] = {{"host", l->host}, {"token", l->token}};
-    for (size_t i = 0; i < sizeof s / sizeof s[0]; i++) {
-        const bool set = s[i].v && s[i].v[0];
-        if (offer && !set)
-            return nl_error_set(err, NL_ERR_PROTO, "%s.%s: an OFFER needs it", td->name,
-                                s[i].field);
-        if (!offer && set)
-            return nl_error_set(err, NL_ERR_PROTO, "%s.%s: set on %s (only an OFFER carries it)",
-                                td->name, s[i].field, op);
-    }
-    const size_t t = l->token ? strlen(l->token) : 0;
-    if (offer && t != 64)
-        return nl_error_set(err, NL_ERR_RANGE, "%s.token: %zu hex digits, must be 64", td->name, t);
-    if (l->reason && l->reason[0] && l->op != NL_LOCAL_DECLINE)
-        return nl_error_set(err, NL_ERR_PROTO, "%s.reason: set on %s (only a DECLINE gives one)",
-                            td->name, op);
     return NL_OK;
 }
 

@@ -2,7 +2,9 @@
  * connect (the token, the timeout), messages both ways with the codec's
  * samples, a message larger than the socket's buffer through the outbox,
  * records cut anywhere, the limits, a bad message in a good record, the
- * peer's close, and that every frame is released once. */
+ * peer's close, and that every frame is released once; and the
+ * LOCAL_LINK message of the handshake (its strings per op, the decoder's
+ * checks). */
 #define _GNU_SOURCE
 #include <poll.h>
 #include <stddef.h>
@@ -388,6 +390,89 @@ static void test_cut_records_and_bad_input(void)
     CHECK(nl_net_parts_open() == 0, "parts still open: %ld", nl_net_parts_open());
 }
 
+/* LOCAL_LINK: each op round-trips with the strings it carries; an OFFER
+ * without its host, name or a 64-digit token, a string that only an
+ * OFFER carries on another op, a reason on anything but a DECLINE, and an
+ * op outside 1-4 are refused, by the encoder and (patched bytes) by the
+ * decoder, naming the field. */
+static void test_local_link(void)
+{
+    nl_wire_msg m, d;
+    enc e = {0};
+    nl_error err;
+    nl_wire_msg_init(&m);
+    nl_wire_msg_init(&d);
+    char host128[129];
+    memset(host128, 'h', 128);
+    host128[128] = '\0';
+    const char *const H = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0/1000/4026531840", *const N = "nl-1";
+    struct {
+        nl_msg_local_link l;
+        const char *why; /* NULL: accepted */
+    } cases[] = {
+        {{NL_LOCAL_OFFER, H, N, LOCAL_TOKEN, ""}, NULL},
+        {{NL_LOCAL_READY, "", N, "", ""}, NULL},
+        {{NL_LOCAL_SWITCH, NULL, N, NULL, NULL}, NULL},
+        {{NL_LOCAL_DECLINE, "", N, "", "no local link: --no-local-link \xe2\x9c\x93"}, NULL},
+        {{NL_LOCAL_DECLINE, "", N, "", ""}, NULL},
+        {{NL_LOCAL_OFFER, H, N, &LOCAL_TOKEN[1], ""}, "token: 63 hex digits, must be 64"},
+        {{NL_LOCAL_OFFER, H, N, "", ""}, "token: an OFFER needs it"},
+        {{NL_LOCAL_OFFER, "", N, LOCAL_TOKEN, ""}, "host: an OFFER needs it"},
+        {{NL_LOCAL_OFFER, H, NULL, LOCAL_TOKEN, ""}, "name: an OFFER needs it"},
+        {{NL_LOCAL_OFFER, H, "nl 1", LOCAL_TOKEN, ""}, "name: must be printable ASCII without"},
+        {{NL_LOCAL_OFFER, host128, N, LOCAL_TOKEN, ""}, "host: string of 128 bytes"},
+        {{NL_LOCAL_OFFER, H, N, "9F86D081884C7D659A2FEAA0C55AD015A3BF4F1B2B0B822CD15D6C15B0F00A08",
+          ""},
+         "token: must be lowercase hex"},
+        {{NL_LOCAL_OFFER, H, N, LOCAL_TOKEN, "why"}, "reason: set on an OFFER"},
+        {{NL_LOCAL_SWITCH, "", "", "", ""}, "name: a SWITCH needs it"},
+        {{NL_LOCAL_READY, NULL, NULL, NULL, NULL}, "name: a READY needs it"},
+        {{NL_LOCAL_DECLINE, "", "", "", "busy"}, "name: a DECLINE needs it"},
+        {{NL_LOCAL_READY, "", N, LOCAL_TOKEN, ""}, "token: set on a READY"},
+        {{NL_LOCAL_DECLINE, H, N, "", "busy"}, "host: set on a DECLINE"},
+        {{NL_LOCAL_READY, "", N, "", "why"}, "reason: set on a READY"},
+        {{0, "", N, "", ""}, "op: 0 is outside [1, 4]"},
+        {{5, "", N, "", ""}, "op: 5 is outside [1, 4]"},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        nl_wire_msg_reset(&m, NL_MSG_LOCAL_LINK);
+        m.u.local_link = cases[c].l;
+        nl_status st = enc_msg(&m, &e, NULL, &err);
+        if (!cases[c].why) {
+            CHECK(st == NL_OK && (st = dec_parts(&d, &e, NULL, &err)) == NL_OK && same_msg(&m, &d),
+                  "LOCAL_LINK case %zu round-trips: %s", c, st == NL_OK ? "differs" : err.msg);
+        } else {
+            CHECK(st != NL_OK && strstr(err.msg, cases[c].why), "LOCAL_LINK case %zu refused: %s",
+                  c, st != NL_OK ? err.msg : "accepted");
+        }
+    }
+    /* the decoder applies the same checks: an OFFER's op made SWITCH, 0, 5 */
+    sample(&m, NL_MSG_LOCAL_LINK);
+    CHECK_OK(enc_msg(&m, &e, NULL, &err), &err);
+    uint8_t *h = malloc(e.hdr.len);
+    memcpy(h, e.hdr.data, e.hdr.len);
+    uint8_t *at = NULL;
+    for (size_t i = 0; !at && i + 4 <= e.hdr.len; i++)
+        if (memcmp(h + i, "\xa2op\x01", 4) == 0) /* op: 1 */
+            at = h + i;
+    CHECK(at != NULL, "LOCAL_LINK: op not found");
+    static const struct {
+        uint8_t op;
+        const char *why;
+    } patch[] = {{NL_LOCAL_SWITCH, "host: set on a SWITCH"}, {0, "op: 0"}, {5, "op: 5"}};
+    for (size_t k = 0; at && k < sizeof patch / sizeof patch[0]; k++) {
+        at[3] = patch[k].op;
+        nl_status st = dec_copy(&d, h, e.hdr.len, NULL, 0, NULL, &err);
+        CHECK(st != NL_OK && strstr(err.msg, patch[k].why), "LOCAL_LINK op %u decoded: %s",
+              patch[k].op, st != NL_OK ? err.msg : "accepted");
+    }
+    free(h);
+    nl_wire_msg_free(&m);
+    nl_wire_msg_free(&d);
+    nl_wire_wbuf_free(&e.hdr);
+    printf("LOCAL_LINK: ok\n");
+}
+
 /* --write-corpus DIR: fuzz/fuzz_locallink.c's seeds, the bytes a peer
  * writes: records of sample messages, alone and in a row, one cut short,
  * one whose header the codec refuses, and records over the limits. */
@@ -443,6 +528,7 @@ int main(int argc, char **argv)
 {
     if (argc == 3 && strcmp(argv[1], "--write-corpus") == 0)
         return write_corpus(argv[2]);
+    test_local_link();
     test_host();
     test_who_may_connect();
     test_every_type();
