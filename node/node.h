@@ -103,6 +103,9 @@ typedef struct nl_node_opts {
                                    * waits this long first (a slow stage, so a test's session
                                    * is still open when another opens) */
     bool inject_no_train;         /* test hook (NL_TEST_DEVICE_NO_TRAIN): the device cannot train */
+    unsigned inject_local_break;  /* test hook (NL_TEST_LOCAL_BREAK_AFTER=K): the K-th training
+                                   * hop from the previous stage's local link ends that link,
+                                   * as one that broke (0: none) */
     uint64_t inject_mem_free;     /* test hook (NL_TEST_DEVICE_MEM=FREE,TOTAL in MiB): the device */
     uint64_t inject_mem_total;    /* reports this memory, as a GPU would (0: no such hook) */
     volatile sig_atomic_t *stop;  /* set by the signal handler: LEAVE and return */

@@ -70,7 +70,9 @@ static void help(FILE *f, const nl_opt *flags)
                "sleep for its FLOPs' time at G GFLOP/s when it runs instead of computing (its\n"
                "outputs zero; bench/bench_replicas.sh). NL_TEST_LINK_BYTES_S=X reports the\n"
                "replicas' gradient all-reduce as run at X bytes/s (the link speed the\n"
-               "coordinator's --replicas auto plans with; docs/cluster.md).\n");
+               "coordinator's --replicas auto plans with; docs/cluster.md).\n"
+               "NL_TEST_LOCAL_BREAK_AFTER=K ends the previous stage's local link after the K-th\n"
+               "training hop taken on it, as a link that broke (docs/cluster.md).\n");
 #endif
 }
 
@@ -198,6 +200,11 @@ static int read_test_hooks(nl_node_opts *o)
     o->inject_slow_hop_ms = slow_hop ? atof(slow_hop) : 0.0;
     /* NL_TEST_DEVICE_NO_TRAIN=1 makes the device one that cannot train */
     o->inject_no_train = getenv("NL_TEST_DEVICE_NO_TRAIN") != NULL;
+    /* NL_TEST_LOCAL_BREAK_AFTER=K: after the K-th training hop it took
+     * from the previous stage's local link, the node ends that link as
+     * one that broke (the hops after it go on ZeroMQ) */
+    const char *lk_break = getenv("NL_TEST_LOCAL_BREAK_AFTER");
+    o->inject_local_break = lk_break ? (unsigned)atoi(lk_break) : 0;
     /* NL_TEST_DEVICE_MEM=FREE,TOTAL (MiB) gives the device a GPU's memory
      * report, so the offer's arithmetic runs without a GPU */
     const char *mem = getenv("NL_TEST_DEVICE_MEM");

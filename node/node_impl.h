@@ -124,6 +124,7 @@ typedef struct node {
     nl_local_listener *lk_listen;
     nl_local *lk_next, *lk_prev;
     bool lk_next_tx, lk_next_rx, lk_prev_tx, lk_prev_rx;
+    unsigned lk_prev_train_hops; /* taken on the link (the NL_TEST_LOCAL_BREAK_AFTER hook) */
     nl_rx rx;
     nl_wire_msg tx;
 } node;

@@ -153,6 +153,11 @@ void node_local_on_prev_msg(node *n)
             NL_INFO("the previous stage's hops stay on ZeroMQ: %s", why);
     } else if (l->op == NL_LOCAL_SWITCH && ours && !n->lk_prev_rx) {
         n->lk_prev_rx = true; /* what follows its SWITCH comes on the link */
+        /* the previous stage's own socket, the last of its messages on
+         * ZeroMQ: GRADIENTs go back there if the link breaks (training hops
+         * taken on the link set no routing id) */
+        memcpy(n->prev_rid, n->rx.rid, n->rx.rid_len);
+        n->prev_rid_len = n->rx.rid_len;
         /* ours goes back; only then may this side's own hops take the link */
         n->lk_prev_tx = answer(n->data, &n->rx, NL_LOCAL_SWITCH, l->name, NULL);
         NL_INFO("the previous stage's hops come on a local link%s",
@@ -252,9 +257,17 @@ static void drain_link(node *n, bool next, void (*handle)(node *))
         nl_status st = nl_local_recv(c, &n->rx, &e);
         if (st == NL_ERR_TIMEOUT)
             return;
-        if (st == NL_OK)
+        if (st == NL_OK) {
+#ifdef NL_TEST_HOOKS
+            const bool train = !next && node_is_train_hop(&n->rx.msg);
+#endif
             handle(n);
-        else if (nl_local_broken(c)) /* closed, or a record over the limits */
+#ifdef NL_TEST_HOOKS
+            if (train && n->o->inject_local_break && n->lk_prev &&
+                ++n->lk_prev_train_hops == n->o->inject_local_break)
+                broke(n, false, "ended by NL_TEST_LOCAL_BREAK_AFTER");
+#endif
+        } else if (nl_local_broken(c)) /* closed, or a record over the limits */
             broke(n, next, e.msg);
         else
             NL_WARN("%s", e.msg); /* one bad message: its record is consumed */

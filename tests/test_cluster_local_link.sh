@@ -8,7 +8,10 @@
 #  - greedy and seeded generation give the one process's ids on both, a
 #    forward its logits;
 #  - a training job on both ends bit-identical (activations forward and
-#    gradients back over the links);
+#    gradients back over the links), with no resume, though the links into
+#    stages 1 and 2 end after step 2's last microbatch
+#    (NL_TEST_LOCAL_BREAK_AFTER=8, 4 microbatches a step): that step's
+#    gradients and the steps after it go on ZeroMQ;
 #  - when the cluster goes down each link says what it carried;
 #  - a node killed (after the training): its neighbours' links end, the
 #    coordinator re-plans on the two left, which make new links to each
@@ -34,7 +37,8 @@ for mode in local zmq; do
   C="$W/$mode"
   flag=()
   [ "$mode" = zmq ] && flag=(--no-local-link)
-  check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 3 --model "$W/m.safetensors" --memory 64M \
+  # (the hook ends a link into a stage after the 8th training hop on it)
+  check env NL_TEST_LOCAL_BREAK_AFTER=8 "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 3 --model "$W/m.safetensors" --memory 64M \
     --threads 1 --node-timeout-ms 3000 --timeout 60 --verify-rate 0 "${flag[@]}"
   check test "$("$N" status --cluster "$C" 2>/dev/null | grep -c serving)" -eq 3
   got=$("$N" generate --cluster "$C" "${PROMPT[@]}" --temperature 0 2>/dev/null)
@@ -57,6 +61,9 @@ for mode in local zmq; do
   check "$N" train --cluster "$C" "${RUN[@]}" --log "$W/$mode.jsonl" --out "$W/$mode.safetensors" \
     --checkpoint-dir "$W/ck-$mode" 2> "$W/$mode.err"
   check grep -q "on 3 pipeline stages" "$W/$mode.err"
+  check test "$(cat "$C"/node-*.log | grep -c "ended by NL_TEST_LOCAL_BREAK_AFTER")" -eq \
+    "$([ "$mode" = local ] && echo 2 || echo 0)"
+  check test "$(grep -c "resum" "$C/coord.log")" -eq 0
 done
 # the training jobs: bit-identical with and without the links
 check $PY "$NL_SOURCE_DIR/tests/same_tensors.py" "$W/local.safetensors" "$W/zmq.safetensors"
