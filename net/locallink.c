@@ -300,13 +300,6 @@ static nl_status broken(nl_local *c, nl_status st, nl_error *err, const char *fm
     return nl_error_set(err, st, "local link with %s: %s%s", c->who, fmt, what);
 }
 
-static void release_frames(nl_wire_msg *m)
-{
-    for (int i = 0; i < m->nframes && i < NL_WIRE_MAX_FRAMES; i++)
-        if (m->frames[i].free_fn)
-            m->frames[i].free_fn(m->frames[i].t.data, m->frames[i].hint);
-}
-
 /* Copy iov[] past its first skip bytes into the outbox. */
 static bool outbox_add(nl_local *c, const struct iovec *iov, int n, size_t skip)
 {
@@ -455,7 +448,7 @@ nl_status nl_local_send(nl_local *c, nl_wire_msg *m, nl_error *err)
     c->stats.sent++;
     c->stats.bytes_out += total;
 out:
-    release_frames(m); /* m keeps its fields and frame lengths, as after nl_sock_send */
+    nl_wire_release_frames(m, 0); /* m keeps its fields and frame lengths, as after nl_sock_send */
     return st;
 }
 

@@ -309,14 +309,6 @@ void *nl_sock_handle(nl_sock *s)
 
 /* ===================== sending ===================== */
 
-static void release_frames(nl_wire_msg *m, int from)
-{
-    int n = m->nframes < NL_WIRE_MAX_FRAMES ? m->nframes : NL_WIRE_MAX_FRAMES;
-    for (int i = from < 0 ? 0 : from; i < n; i++)
-        if (m->frames[i].free_fn)
-            m->frames[i].free_fn(m->frames[i].t.data, m->frames[i].hint);
-}
-
 static nl_status send_failed(nl_sock *s, const char *what, nl_error *err)
 {
     int e = zmq_errno();
@@ -369,7 +361,7 @@ static nl_status send_msg(nl_sock *s, const uint8_t *to, size_t to_len, nl_wire_
         }
     }
 out:
-    release_frames(m, sent);
+    nl_wire_release_frames(m, sent);
     return st;
 }
 
@@ -396,13 +388,7 @@ nl_status nl_sock_send_error(nl_sock *s, const nl_rx *rx, nl_status code, uint32
 {
     nl_wire_msg m;
     char text[1025];
-    /* keep the message inside the field's limit, cut on a UTF-8 boundary */
-    size_t n = strlen(message);
-    if (n > 1024) {
-        n = 1024;
-        while (n > 0 && ((unsigned char)message[n] & 0xc0) == 0x80)
-            n--;
-    }
+    const size_t n = nl_wire_utf8_fit(message, 1024); /* the field's limit */
     memcpy(text, message, n);
     text[n] = '\0';
     nl_wire_msg_init(&m);

@@ -119,6 +119,25 @@ void nl_wire_msg_free(nl_wire_msg *m)
     memset(m, 0, sizeof *m);
 }
 
+void nl_wire_release_frames(nl_wire_msg *m, int from)
+{
+    const int n = m->nframes < NL_WIRE_MAX_FRAMES ? m->nframes : NL_WIRE_MAX_FRAMES;
+    for (int i = from < 0 ? 0 : from; i < n; i++)
+        if (m->frames[i].free_fn)
+            m->frames[i].free_fn(m->frames[i].t.data, m->frames[i].hint);
+}
+
+size_t nl_wire_utf8_fit(const char *s, size_t max)
+{
+    size_t n = strlen(s);
+    if (n <= max)
+        return n;
+    n = max;
+    while (n > 0 && ((unsigned char)s[n] & 0xc0) == 0x80) /* s[n] continues a character */
+        n--;
+    return n;
+}
+
 void nl_wire_wbuf_free(nl_wire_wbuf *b)
 {
     if (!b)

@@ -643,6 +643,13 @@ void nl_wire_msg_init(nl_wire_msg *m);
 void nl_wire_msg_reset(nl_wire_msg *m, nl_msg_type type);
 /* Free the arena; the message is then as after nl_wire_msg_init. */
 void nl_wire_msg_free(nl_wire_msg *m);
+/* Hand frames [from, nframes) back to their owners (each free_fn that is
+ * set, once): what a transport does with the frames it did not send. The
+ * message keeps its fields and frame lengths. */
+void nl_wire_release_frames(nl_wire_msg *m, int from);
+/* The length of s's longest prefix of at most max bytes that ends on a
+ * UTF-8 character boundary: how much of a text fits a field of max bytes. */
+size_t nl_wire_utf8_fit(const char *s, size_t max);
 
 /* Name of a message type ("ACTIVATION"), or NULL for an unknown code. */
 const char *nl_wire_type_name(uint32_t type);

@@ -94,12 +94,7 @@ void node_fail_job(node *n, uint64_t job, nl_status code, nl_msg_type req_type, 
     NL_WARN("%s of job %llu refused (%s): %s", nl_wire_type_name(req_type), (unsigned long long)job,
             why, text);
     /* the field holds 1024 bytes: cut the text, on a UTF-8 boundary, to fit the status */
-    size_t keep = strlen(text), room = 1024 - 3 - strlen(why);
-    if (keep > room) {
-        keep = room;
-        while (keep > 0 && ((unsigned char)text[keep] & 0xc0) == 0x80)
-            keep--;
-    }
+    const size_t keep = nl_wire_utf8_fit(text, 1024 - 3 - strlen(why));
     char msg[1025];
     snprintf(msg, sizeof msg, "%.*s (%s)", (int)keep, text, why);
     nl_wire_msg_reset(&n->tx, NL_MSG_JOB_STATUS);

@@ -184,9 +184,7 @@ void node_on_next_event(node *n)
 /* Free the frames of a message that is not sent (nl_sock_send would). */
 static void release(nl_wire_msg *m)
 {
-    for (int i = 0; i < m->nframes && i < NL_WIRE_MAX_FRAMES; i++)
-        if (m->frames[i].free_fn)
-            m->frames[i].free_fn(m->frames[i].t.data, m->frames[i].hint);
+    nl_wire_release_frames(m, 0);
     m->nframes = 0;
 }
 

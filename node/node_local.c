@@ -97,7 +97,10 @@ static nl_status say(nl_sock *s, const nl_rx *to, nl_msg_local_link l, nl_error 
 static bool answer(nl_sock *s, const nl_rx *to, uint32_t op, const char *name, const char *reason)
 {
     nl_error e;
-    if (say(s, to, (nl_msg_local_link){op, "", name, "", reason ? reason : ""}, &e) == NL_OK)
+    char why[257]; /* the field's 256 bytes */
+    snprintf(why, sizeof why, "%.*s", reason ? (int)nl_wire_utf8_fit(reason, 256) : 0,
+             reason ? reason : "");
+    if (say(s, to, (nl_msg_local_link){op, "", name, "", why}, &e) == NL_OK)
         return true;
     NL_WARN("LOCAL_LINK to the %s stage: %s", to ? "previous" : "next", e.msg);
     return false;

@@ -726,6 +726,19 @@ static void test_assign_peers(void)
     printf("ASSIGN's neighbours of another replica count: ok\n");
 }
 
+/* nl_wire_utf8_fit: the longest prefix within max bytes that ends between
+ * characters, for 1- to 4-byte characters. */
+static void test_utf8_fit(void)
+{
+    CHECK(nl_wire_utf8_fit("", 0) == 0 && nl_wire_utf8_fit("abc", 3) == 3, "whole texts");
+    CHECK(nl_wire_utf8_fit("abcdef", 4) == 4, "ASCII cut at the limit");
+    const char *s = "a\xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80z"; /* a, é, €, 😀, z: 1+2+3+4+1 */
+    const size_t want[12] = {0, 1, 1, 3, 3, 3, 6, 6, 6, 6, 10, 11};
+    for (size_t max = 0; max < 12; max++)
+        CHECK(nl_wire_utf8_fit(s, max) == want[max], "max %zu: %zu, want %zu", max,
+              nl_wire_utf8_fit(s, max), want[max]);
+}
+
 int main(int argc, char **argv)
 {
     fill_data();
@@ -739,5 +752,6 @@ int main(int argc, char **argv)
     test_mutations();
     test_token_logprobs();
     test_assign_peers();
+    test_utf8_fit();
     return check_done("test_wire");
 }
