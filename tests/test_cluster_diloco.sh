@@ -31,6 +31,7 @@ small_config "$W/cfg.yaml" 32 4 48 64
 cp "$CORPUS" "$W/data.txt"
 check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
 RUN=(--data "$W/data.txt" --steps 10 --batch 8 --seq 32 --microbatches 4 --lr 3e-3 --seed 1)
+RUN7=(--data "$W/data.txt" --steps 7 "${RUN[@]:4}") # 7 steps: not a multiple of H
 
 # every-step sync's weights: one process on the same batches
 check "$N" train "${DEV[@]}" --model "$W/m.safetensors" "${RUN[@]}" --threads 1 \
@@ -111,7 +112,7 @@ PY
 check test $? -eq 0
 
 # ---- refused: steps or checkpoints between outer steps, a resume ----
-out=$("$N" train --cluster "$C" "${RUN[@]/10/7}" --checkpoint-dir "$W/ck3" 2>&1); rc=$?
+out=$("$N" train --cluster "$C" "${RUN7[@]}" --checkpoint-dir "$W/ck3" 2>&1); rc=$?
 echo "$out" | tail -1
 check test $rc -ne 0
 check grep -q "not a multiple of --outer-every 5" <<< "$out"
