@@ -1,8 +1,9 @@
 # Sourced by the shell tests that start local clusters: the tools, the
 # device, a scratch directory that is cleaned up with every cluster in it,
 # the pass/fail counters, the wait for a training log's step (wait_step),
-# for a re-plan after a death (wait_replanned), a tokens file for forward
-# (tokens_file), and the small model configs they train.
+# for a re-plan after a death (wait_replanned), for the coordinator to take
+# keys added to its authorized_keys (reload_keys), a tokens file for
+# forward (tokens_file), and the small model configs they train.
 #   N (neuroctl), NODE (neuronode), COORD (neurocoord), PY, DEV (the
 #   --device of the local tools and the nodes: scripts/test.sh runs the
 #   suite once more with NL_TEST_DEVICE=cpu-devsim), W (scratch), check CMD...
@@ -70,6 +71,22 @@ wait_replanned() {
     if grep -q "^cluster: ready" <<< "$st" && grep -q " dead " <<< "$st"; then return 0; fi
     sleep 0.25
   done
+  return 1
+}
+
+# reload_keys C: SIGHUP to cluster C's coordinator, and wait (up to 60 s)
+# until its log says it reloaded its authorized_keys; 1 if it never did.
+# A key added before is taken only from then on: a node or client that
+# came sooner would be refused, on a busy machine even after a sleep.
+reload_keys() {
+  local i before
+  before=$(grep -c "SIGHUP: reloaded" "$1/coord.log")
+  kill -HUP "$(cat "$1/coord.pid")" || return 1
+  for i in $(seq 1 600); do
+    [ "$(grep -c "SIGHUP: reloaded" "$1/coord.log")" -gt "$before" ] && return 0
+    sleep 0.1
+  done
+  echo "reload_keys: $1/coord.log never said the keys were reloaded" >&2
   return 1
 }
 

@@ -95,8 +95,7 @@ check test "$("$N" generate --cluster "$C" --prompt-tokens 72,101,108 --max-new 
 line=$("$N" keygen --out "$W/plain" --role client 2>/dev/null)
 check test "${line##* }" = client
 echo "$line" >> "$C/coord/authorized_keys"
-kill -HUP "$(cat "$C/coord.pid")"
-sleep 0.5
+check reload_keys "$C"
 EPN=$(cat "$C/coord/endpoint")
 EPC=$(cat "$C/coord/client_endpoint")
 check test "$EPN" != "$EPC"

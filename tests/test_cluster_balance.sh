@@ -73,8 +73,7 @@ check "$N" "${UP[@]}" --nodes 1 --dir "$C"
 g=$(grep -o "gemm [0-9]*^3 [0-9.]* GFLOP/s" "$C"/node-1.log | awk '{print $3}')
 "$N" keygen --out "$W/liar" > /dev/null
 echo "$(cat "$W/liar.pub")  # liar" >> "$C/coord/authorized_keys"
-kill -HUP "$(cat "$C/coord.pid")"
-sleep 0.3
+check reload_keys "$C"
 NL_TEST_GFLOPS=$($PY -c "print(round($g / 3, 1))") "$NODE" join "${DEV[@]}" \
   "$(cat "$C/coord/endpoint")" --key "$W/liar.key" --coordinator-key "$C/coord/coordinator.pub" \
   --memory 96M --threads 1 --name liar --checkpoint-root "$W" > "$W/liar.log" 2>&1 &

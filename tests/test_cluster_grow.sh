@@ -249,8 +249,7 @@ check "$N" forward --cluster "$D" --tokens "$W/ids.safetensors" --out "$W/d_befo
 NODE="$NL_BUILD_DIR/node/neuronode"
 "$N" keygen --out "$W/extra" > /dev/null
 echo "$(cat "$W/extra.pub") node  # extra" >> "$D/coord/authorized_keys"
-kill -HUP "$(cat "$D/coord.pid")"
-sleep 0.5
+check reload_keys "$D"
 "$NODE" join "${DEV[@]}" "$(cat "$D/coord/endpoint")" --key "$W/extra.key" \
   --coordinator-key "$D/coord/coordinator.pub" --memory $MEM --kv-budget 1M --threads 1 \
   --checkpoint-root / --name extra > "$W/extra.log" 2>&1 &

@@ -22,8 +22,7 @@ check test "$("$N" status --cluster "$C" | grep -c serving)" -eq 1
 # a second node, with a key the coordinator is told about (SIGHUP)
 "$N" keygen --out "$W/extra" >/dev/null
 echo "$(cat "$W/extra.pub")  # extra" >> "$C/coord/authorized_keys"
-kill -HUP "$(cat "$C/coord.pid")"
-sleep 0.5
+check reload_keys "$C"
 "$NODE" join "${DEV[@]}" "$(cat "$C/coord/endpoint")" --key "$W/extra.key" \
   --coordinator-key "$C/coord/coordinator.pub" --memory 64M --threads 1 --name extra \
   > "$W/extra.log" 2>&1 &

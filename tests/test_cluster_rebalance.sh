@@ -31,8 +31,7 @@ C="$W/c2"
 check "$N" "${UP[@]}" --nodes 1 --dir "$C"
 "$N" keygen --out "$W/slow" >/dev/null
 echo "$(cat "$W/slow.pub")  # slow" >> "$C/coord/authorized_keys"
-kill -HUP "$(cat "$C/coord.pid")"
-sleep 0.3
+check reload_keys "$C"
 NL_TEST_SLOW_MS=15 "$NODE" join "${DEV[@]}" "$(cat "$C/coord/endpoint")" --key "$W/slow.key" \
   --coordinator-key "$C/coord/coordinator.pub" --memory 64M --threads 1 --name slow \
   --checkpoint-root "$W" > "$W/slow.log" 2>&1 &

@@ -39,7 +39,7 @@ test_cleanup() {
 join_extra() {
   "$N" keygen --out "$W/$2" >/dev/null
   echo "$(cat "$W/$2.pub")  # $2" >> "$1/coord/authorized_keys"
-  kill -HUP "$(cat "$1/coord.pid")"
+  check reload_keys "$1"
   "$NODE" join "${DEV[@]}" "$(cat "$1/coord/endpoint")" --key "$W/$2.key" \
     --coordinator-key "$1/coord/coordinator.pub" --memory 64M --threads 1 --name "$2" \
     --checkpoint-root / > "$W/$2.log" 2>&1 &

@@ -125,7 +125,7 @@ check env NL_TEST_SLOW_MS=40 "$N" cluster up "${DEV[@]}" --model "$W/m.safetenso
   --threads 1 --node-timeout-ms 10000 --timeout 60 --nodes 2 --dir "$C"
 "$N" keygen --out "$W/extra" >/dev/null
 echo "$(cat "$W/extra.pub")  # extra" >> "$C/coord/authorized_keys"
-kill -HUP "$(cat "$C/coord.pid")"
+check reload_keys "$C"
 "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck4" --log "$W/joined.jsonl" \
   --out "$W/joined.safetensors" 2> "$W/joined.err" &
 job=$!
