@@ -63,10 +63,12 @@ typedef struct cnode {
     int probe_fd;       /* --probe-inbound: the connection to its data endpoint (0: none) */
     double probe_until; /* ... given up then (monotonic seconds) */
     uint64_t memory;
-    double gflops;      /* its probe's (JOIN) */
-    double seen_gflops; /* as observed in a training job's stage times (0: not yet) */
-    double load_sum;    /* heartbeats' busy fractions while it trains a stage ... */
-    int load_n;         /* ... and how many, since the last checkpoint */
+    double gflops;       /* its probe's (JOIN) */
+    double seen_gflops;  /* as observed in a training job's stage times (0: not yet) */
+    double pend_gflops;  /* a judgement's figure off by the margin, for the next to confirm */
+    uint64_t pend_epoch; /* ... on that plan (0: none) */
+    double load_sum;     /* heartbeats' busy fractions while it trains a stage ... */
+    int load_n;          /* ... and how many, since the last checkpoint */
     uint32_t threads;
     double joined, last_seen; /* monotonic seconds */
     int stage;                /* index into the plan, -1: standby */
@@ -569,8 +571,10 @@ int coord_replan_worth(nl_coord *c);
 /* At a training checkpoint: each stage's throughput as observed (its
  * nodes' busy fractions since the last checkpoint against the plan's
  * predicted stage times); a node whose figure moved by more than
- * --replan-margin asks for a re-plan (replan_wanted), which plans with the
- * observed figures. The observations start again. */
+ * --replan-margin in this judgement and, the same way, in the one before on
+ * the same plan takes the mean of the two and asks for a re-plan
+ * (replan_wanted), which plans with the observed figures. The
+ * observations start again. */
 void coord_observe_speeds(nl_coord *c);
 /* Whether every stage of a plan of two or more has sent enough heartbeats
  * since the observations started for coord_observe_speeds to judge it. */

@@ -539,12 +539,29 @@ void coord_observe_speeds(nl_coord *c)
         const double was = n->seen_gflops > 0 ? n->seen_gflops : n->gflops;
         const double seen_s = load / loads * pred, pred_s = c->plan->stages[s].seconds;
         const double g = seen_s > 0 ? was * pred_s / seen_s : was;
-        if (fabs(g / was - 1.0) > c->o.replan_margin) {
-            NL_INFO("observed: node %u (stage %d) busy %.0f%% over %d heartbeats, %.2f ms per "
-                    "microbatch against %.2f ms planned: %.1f GFLOP/s instead of %.1f",
-                    n->id, s, 100 * load, n->load_n, seen_s * 1e3, pred_s * 1e3, g, was);
-            n->seen_gflops = g;
+        if (fabs(g / was - 1.0) <= c->o.replan_margin) {
+            n->pend_epoch = 0;
+            continue;
+        }
+        /* a window of a few heartbeats can fall on a burst of other work
+         * on a shared machine (20% and more, one window to the next): the
+         * figure moves when the judgement before, on this plan, saw it off
+         * the same way too, to the mean of the two */
+        const bool confirmed = n->pend_epoch == c->epoch && (n->pend_gflops > was) == (g > was);
+        NL_INFO("observed: node %u (stage %d) busy %.0f%% over %d heartbeats, %.2f ms per "
+                "microbatch against %.2f ms planned: %.1f GFLOP/s instead of %.1f%s",
+                n->id, s, 100 * load, n->load_n, seen_s * 1e3, pred_s * 1e3, g, was,
+                confirmed ? "" : " (to be confirmed by the next judgement)");
+        if (confirmed) {
+            n->seen_gflops = 0.5 * (g + n->pend_gflops);
+            n->pend_epoch = 0;
+            NL_INFO("observed: node %u: %.1f GFLOP/s from now on (the mean of %.1f, the "
+                    "judgement before, and %.1f)",
+                    n->id, n->seen_gflops, n->pend_gflops, g);
             c->replan_wanted |= COORD_REPLAN_SPEEDS;
+        } else {
+            n->pend_gflops = g;
+            n->pend_epoch = c->epoch;
         }
     }
     coord_observe_restart(c);

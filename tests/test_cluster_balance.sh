@@ -10,7 +10,8 @@
 #   the early re-balance (neurocoord --rebalance-after, default 3): after
 #     3 steps and 3 heartbeats of each stage (--heartbeat-ms 100 here), the
 #     stages' measured busy times decide; a split off by more than
-#     --replan-margin is corrected through a checkpoint at that step.
+#     --replan-margin in two judgements in a row (one window can fall on a
+#     burst of other work) is corrected through a checkpoint at that step.
 . "$(dirname "$0")/cluster_lib.sh"
 unset NL_TEST_GFLOPS
 
