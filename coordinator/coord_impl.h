@@ -65,6 +65,7 @@ typedef struct cnode {
     uint64_t memory;
     double gflops;       /* its probe's (JOIN) */
     double seen_gflops;  /* as observed in a training job's stage times (0: not yet) */
+    double plan_gflops;  /* the figure the current plan was made with */
     double pend_gflops;  /* a judgement's figure off by the margin, for the next to confirm */
     uint64_t pend_epoch; /* ... on that plan (0: none) */
     double load_sum;     /* heartbeats' busy fractions while it trains a stage ... */

@@ -501,6 +501,7 @@ static void plan_over(nl_coord *c, nl_plan_node *pn, int n, uint64_t total)
             node->stage = s;
             node->replica = r;
             node->loaded = 0;
+            node->plan_gflops = node->seen_gflops > 0 ? node->seen_gflops : node->gflops;
         }
     snprintf(epoch, sizeof epoch, "%llu", (unsigned long long)c->epoch);
     log_plan(c, plan, epoch);
@@ -520,6 +521,17 @@ static void plan_over(nl_coord *c, nl_plan_node *pn, int n, uint64_t total)
 /* Heartbeats a stage needs since the last checkpoint to be judged. */
 #define OBSERVE_MIN_BEATS 3
 
+/* Stage s's predicted seconds per microbatch at its node's figure now: the
+ * plan's, scaled by the figure it was made with over the one the node has
+ * since a judgement moved it without a re-plan (so a node judged slower
+ * and left where it was is not judged slower again for the same share). */
+static double predicted_now(const nl_coord *c, int s, const cnode *n)
+{
+    const double now = n->seen_gflops > 0 ? n->seen_gflops : n->gflops;
+    const double at = n->plan_gflops > 0 ? n->plan_gflops : now;
+    return now > 0 ? c->plan->stages[s].seconds * at / now : c->plan->stages[s].seconds;
+}
+
 void coord_observe_speeds(nl_coord *c)
 {
     const int S = c->plan ? c->plan->n_stages : 0;
@@ -529,15 +541,15 @@ void coord_observe_speeds(nl_coord *c)
         const cnode *n = coord_stage_node(c, s);
         ok = n && n->load_n >= OBSERVE_MIN_BEATS;
         loads += ok ? n->load_sum / n->load_n : 0;
-        pred += c->plan->stages[s].seconds;
+        pred += ok ? predicted_now(c, s, n) : 0;
     }
     for (int s = 0; s < S && ok && loads > 0.05 * S && pred > 0; s++) {
         /* a stage's share of the busy time against its predicted share:
-         * the plan's per-microbatch seconds rescaled to the observed ones */
+         * the per-microbatch seconds rescaled to the observed ones */
         cnode *n = coord_stage_node(c, s);
         const double load = n->load_sum / n->load_n;
         const double was = n->seen_gflops > 0 ? n->seen_gflops : n->gflops;
-        const double seen_s = load / loads * pred, pred_s = c->plan->stages[s].seconds;
+        const double seen_s = load / loads * pred, pred_s = predicted_now(c, s, n);
         const double g = seen_s > 0 ? was * pred_s / seen_s : was;
         if (fabs(g / was - 1.0) <= c->o.replan_margin) {
             n->pend_epoch = 0;

@@ -2,9 +2,13 @@
 # Identical nodes get equal work (issue 30 item 0): the same job on two
 # identical 1-thread nodes, five times, each on a fresh cluster, with the
 # nodes' real throughput probes (no NL_TEST_GFLOPS) on whatever else this
-# machine is running meanwhile: the plan the job trains on after its early
-# re-balance is [0, 4) + [4, 8) every time, and every run's weights are
-# byte-identical to the others' and equal to one node's.
+# machine is running meanwhile: where the two probes agree within 15%, the
+# plan is [0, 4) + [4, 8) (3 such runs at least); the plan the job ends on,
+# after its early re-balance, and the one at rest after it are within a
+# layer of that; and every run's weights are byte-identical to the others'
+# and equal to one node's. (The two vCPUs of a shared machine can run 40%
+# apart for seconds on end; the probes and the stages' measured times then
+# say so, and what follows from them may move a layer.)
 #   the probe: the median of 5 rounds timed by the node's CPU time over its
 #     threads (other processes on the cores do not count);
 #   the early re-balance (neurocoord --rebalance-after, default 3): after
@@ -28,40 +32,57 @@ check "$N" train --cluster "$W/c1" "${RUN[@]}" --checkpoint-dir "$W/ck1" --out "
   2> /dev/null
 "$N" cluster down --dir "$W/c1" > /dev/null
 
-# the split of the last plan in a coordinator's log: "0-4 4-8"
+# the split of the last plan in a coordinator's log: "0-4 4-8"; with
+# "first", of its first; with "job", of the last before training job 1 ended
 last_plan() {
-  $PY - "$1" <<'PY'
+  $PY - "$1" "${2:-last}" <<'PY'
 import re, sys
 groups = []
-for what, s, a, b in re.findall(r"plan (\S+): stage (\d+) on node \d+: layers \[(\d+), (\d+)\)",
-                                open(sys.argv[1]).read()):
-    if s == "0":
-        groups.append([])
-    groups[-1].append("%s-%s" % (a, b))
-print(" ".join(groups[-1]) if groups else "none")
+for line in open(sys.argv[1]):
+    if sys.argv[2] == "job" and "train job 1: done at step" in line:
+        break
+    m = re.search(r"plan (\S+): stage (\d+) on node \d+: layers \[(\d+), (\d+)\)", line)
+    if m:
+        if m.group(2) == "0":
+            groups.append([])
+        groups[-1].append("%s-%s" % (m.group(3), m.group(4)))
+pick = groups[0] if sys.argv[2] == "first" and groups else groups[-1] if groups else None
+print(" ".join(pick) if pick else "none")
 PY
 }
 
+# the runs: at least 5, and until 3 of them had probes within 15% of each
+# other (the two vCPUs of a shared machine can run 40% apart for seconds
+# on end, and their CPU-time probes then say so), 12 at most
 even=0
-for run in 1 2 3 4 5; do
+for run in $(seq 1 12); do
   C="$W/c2-$run"
   check "$N" "${UP[@]}" --nodes 2 --dir "$C"
   check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck2-$run" \
     --out "$W/run-$run.safetensors" 2> "$W/train-$run.err"
-  first=$(grep -o "GFLOP/s (median of [^)]*)" "$C"/node-*.log | tr '\n' ' ')
+  probes=$(cat "$C"/node-*.log | sed -n 's/.*gemm [0-9]*^3 \([0-9.]*\) GFLOP\/s (median.*/\1/p' | tr '\n' ' ')
+  first=$(last_plan "$C/coord.log" first)
+  job=$(last_plan "$C/coord.log" job)
   plan=$(last_plan "$C/coord.log")
   moved=$(grep -c "measured speeds call for another split" "$C/coord.log")
-  echo "run $run: plan $plan (early re-balance: $moved); probes: $first"
-  [ "$plan" = "0-4 4-8" ] && even=$((even + 1))
-  # even, or one layer off it: on a machine whose load swings within the
-  # job the early re-balance can act on measured times that differ by more
-  # than --replan-margin (seen in a CI run: one run of five ended 0-5 5-8
-  # after three re-plans); never further off than that
-  case "$plan" in "0-4 4-8" | "0-3 3-8" | "0-5 5-8") check true ;; *) check test "$plan" = "0-4 4-8" ;; esac
+  echo "run $run: probes $probes GFLOP/s; plan $first from them, $job at the job's end (early re-balance: $moved), $plan at rest"
+  # probes within 15%: equal work (4 + 4 layers beat 3 + 5 up to 25%)
+  if awk -v p="$probes" 'BEGIN { split(p, g, " "); r = g[1] / g[2]; exit !(r >= 1 / 1.15 && r <= 1.15) }'; then
+    even=$((even + 1))
+    check test "$first" = "0-4 4-8"
+  fi
+  # then even, or one layer off it: measured times on a shared machine can
+  # differ by more than --replan-margin, two judgements in a row (seen in a
+  # CI run: one run of five ended 0-5 5-8 after three re-plans); never
+  # further off than that
+  for p in "$job" "$plan"; do
+    case "$p" in "0-4 4-8" | "0-3 3-8" | "0-5 5-8") check true ;; *) check test "$p" = "0-4 4-8" ;; esac
+  done
   check cmp "$W/run-$run.safetensors" "$W/run-1.safetensors"
   "$N" cluster down --dir "$C" > /dev/null
+  [ "$run" -ge 5 ] && [ "$even" -ge 3 ] && break
 done
-echo "the even split in $even of 5 runs"
+echo "runs with probes within 15%, each planned [0, 4) + [4, 8): $even of $run"
 check test "$even" -ge 3
 
 # ---- a probe that is wrong: the early re-balance corrects it ----
@@ -88,7 +109,7 @@ done
 before=$(last_plan "$C/coord.log")
 check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck3" --out "$W/run-liar.safetensors" \
   2> "$W/train-liar.err"
-after=$(last_plan "$C/coord.log")
+after=$(last_plan "$C/coord.log" job)
 echo "a node that under-reports: plan $before, after the early re-balance $after"
 grep "measured speeds\|re-plan at the checkpoint\|observed:" "$C/coord.log"
 check test "$before" != "0-4 4-8"

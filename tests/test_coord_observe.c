@@ -1,0 +1,149 @@
+/* The coordinator's judgement of the stages' observed speeds
+ * (coord_observe_speeds, coordinator/coord_plan.c), in-process against two
+ * fake nodes of equal probes on a plan of two stages: the busy fractions
+ * the test writes into the nodes' heartbeat sums stand for a window of
+ * training, so no timing is measured.
+ *  - a window that sees a node off by more than --replan-margin changes no
+ *    figure and asks for no re-plan: it waits for the next judgement;
+ *  - the next window off the other way does not confirm it (a burst of
+ *    other work, then another), and becomes the one to confirm;
+ *  - the next window off the same way confirms it: each node's figure
+ *    becomes the mean of the two windows', and a re-plan is asked for;
+ *  - a window within the margin drops what waited, as a new plan does;
+ *  - a figure so moved without a re-plan predicts the stage's share from
+ *    then on: the same shares again judge the node no slower again. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/log.h"
+#include "coordinator/coord.h"
+#include "coordinator/coord_impl.h"
+#include "tests/check.h"
+#include "tests/coord_fake.h"
+
+static char tmpdir[256];
+
+/* Both nodes take their ASSIGN and answer the coordinator's LOAD_DONE;
+ * then the cluster is ready. */
+static int take_plans(void)
+{
+    int ok = 1;
+    for (int i = 0; i < 2 && ok; i++) {
+        nl_rx rx;
+        nl_rx_init(&rx);
+        uint64_t epoch = 0;
+        ok = pump_until(&nodes[i], NL_MSG_ASSIGN, &rx);
+        if (ok)
+            epoch = rx.msg.u.assign.epoch;
+        ok = ok && pump_until(&nodes[i], NL_MSG_LOAD_DONE, &rx);
+        if (ok) {
+            nl_wire_msg m;
+            nl_wire_msg_init(&m);
+            nl_wire_msg_reset(&m, NL_MSG_LOAD_DONE);
+            m.u.load_done = (nl_msg_load_done){epoch, nodes[i].id, 0, 1000};
+            fake_send(&nodes[i], &m);
+        }
+        nl_rx_free(&rx);
+    }
+    return ok && pump_state("ready");
+}
+
+/* A window of 4 heartbeats: stage 0's node busy l0, stage 1's l1; judged. */
+static void window(double l0, double l1)
+{
+    cnode *s0 = coord_stage_node(coord, 0), *s1 = coord_stage_node(coord, 1);
+    s0->load_sum = 4 * l0;
+    s1->load_sum = 4 * l1;
+    s0->load_n = s1->load_n = 4;
+    coord->replan_wanted = 0;
+    coord_observe_speeds(coord);
+}
+
+static double figure(int stage)
+{
+    return coord_stage_node(coord, stage)->seen_gflops;
+}
+
+int main(void)
+{
+    nl_log_set_level(getenv("NL_TEST_VERBOSE") ? NL_LOG_DEBUG : NL_LOG_WARN);
+    nl_error err = {0};
+    CHECK_OK(nl_net_new(&net, NULL, &err), &err);
+    coord_fake_start("coord_observe", tmpdir, sizeof tmpdir, NULL);
+    fake_open(&nodes[0], "obsa", "tcp://127.0.0.1:1");
+    fake_open(&nodes[1], "obsb", "tcp://127.0.0.1:2");
+    join(&nodes[0], 20.0);
+    join(&nodes[1], 20.0);
+    if (!CHECK_PUMP(take_plans()))
+        goto done;
+    CHECK(coord->plan && coord->plan->n_stages == 2 && coord_stage_node(coord, 0) &&
+              coord_stage_node(coord, 1),
+          "a plan of two stages: %d", coord->plan ? coord->plan->n_stages : 0);
+    if (!coord->plan || coord->plan->n_stages != 2)
+        goto done;
+    const double pred0 = coord->plan->stages[0].seconds, pred1 = coord->plan->stages[1].seconds;
+    printf("planned %.3f / %.3f ms per microbatch, margin %.2f\n", pred0 * 1e3, pred1 * 1e3,
+           coord->o.replan_margin);
+
+    /* stage 0 busy 0.9, stage 1 0.5: each far off its planned share; the
+     * first such window only waits */
+    window(0.9, 0.5);
+    CHECK(figure(0) == 0 && figure(1) == 0, "one window moved the figures: %g %g", figure(0),
+          figure(1));
+    CHECK(!(coord->replan_wanted & COORD_REPLAN_SPEEDS), "one window asked for a re-plan");
+    /* the other way round: no confirmation */
+    window(0.5, 0.9);
+    CHECK(figure(0) == 0 && figure(1) == 0, "a window the other way confirmed: %g %g", figure(0),
+          figure(1));
+    CHECK(!(coord->replan_wanted & COORD_REPLAN_SPEEDS), "opposite windows asked for a re-plan");
+    /* 0.5 / 0.9 again: confirmed; the figures are the means of the two
+     * windows' (here equal): stage s's node at 20 x its planned share of
+     * the busy time over its observed share */
+    window(0.5, 0.9);
+    const double tot = pred0 + pred1, w0 = 20 * (pred0 / tot) / (0.5 / 1.4),
+                 w1 = 20 * (pred1 / tot) / (0.9 / 1.4);
+    CHECK(fabs(figure(0) / w0 - 1) < 1e-9 && fabs(figure(1) / w1 - 1) < 1e-9,
+          "confirmed figures %g %g, want %g %g", figure(0), figure(1), w0, w1);
+    CHECK(coord->replan_wanted & COORD_REPLAN_SPEEDS, "two windows the same way asked for none");
+    const double f0 = figure(0), f1 = figure(1);
+
+    /* the plan stays (nothing here re-plans): the same shares again are
+     * what the figures now predict, not a node slower again */
+    window(0.5, 0.9);
+    window(0.5, 0.9);
+    CHECK(figure(0) == f0 && figure(1) == f1, "judged again for the same shares: %g %g (was %g %g)",
+          figure(0), figure(1), f0, f1);
+
+    /* the mean of two windows of one way, each against the shares the
+     * figures now predict (the plan's seconds at 20 GFLOP/s, scaled) */
+    const double p0 = pred0 * 20 / f0, p1 = pred1 * 20 / f1, sh0 = p0 / (p0 + p1);
+    window(0.8, 0.5);
+    window(0.9, 0.5);
+    const double g_a = f0 * sh0 / (0.8 / 1.3), g_b = f0 * sh0 / (0.9 / 1.4);
+    CHECK(fabs(figure(0) / (0.5 * (g_a + g_b)) - 1) < 1e-9, "the mean: %g, want %g", figure(0),
+          0.5 * (g_a + g_b));
+
+    /* a window within the margin drops what waited: off, within (the
+     * shares the figures predict), off is no confirmation */
+    const double h0 = figure(0), h1 = figure(1);
+    const double q0 = pred0 * 20 / h0, q1 = pred1 * 20 / h1;
+    window(0.9, 0.4);
+    window(q0 / (q0 + q1), q1 / (q0 + q1));
+    window(0.9, 0.4);
+    CHECK(figure(0) == h0 && figure(1) == h1, "confirmed across a quiet window: %g %g (was %g %g)",
+          figure(0), figure(1), h0, h1);
+    /* and a new plan drops it too: off, a new epoch, off */
+    coord->epoch++;
+    window(0.9, 0.4);
+    CHECK(figure(0) == h0 && figure(1) == h1, "confirmed across plans: %g %g (was %g %g)",
+          figure(0), figure(1), h0, h1);
+done:
+    nl_sock_destroy(&nodes[0].sock);
+    nl_sock_destroy(&nodes[1].sock);
+    coord_fake_stop(tmpdir);
+    nl_net_destroy(&net);
+    coord_fake_add_counts(&check_pass_count, &check_fail_count);
+    return check_done("test_coord_observe");
+}
