@@ -179,6 +179,34 @@ int pump_state(const char *prefix)
     return 0;
 }
 
+int fake_take_plan(fake *f)
+{
+    nl_rx rx;
+    nl_rx_init(&rx);
+    uint64_t epoch = 0;
+    int ok = pump_until(f, NL_MSG_ASSIGN, &rx);
+    if (ok)
+        epoch = rx.msg.u.assign.epoch;
+    ok = ok && pump_until(f, NL_MSG_LOAD_DONE, &rx);
+    if (ok) {
+        nl_wire_msg m;
+        nl_wire_msg_init(&m);
+        nl_wire_msg_reset(&m, NL_MSG_LOAD_DONE);
+        m.u.load_done = (nl_msg_load_done){epoch, f->id, 0, 1000};
+        fake_send(f, &m);
+    }
+    nl_rx_free(&rx);
+    return ok;
+}
+
+int fakes_take_plan(int count)
+{
+    int ok = 1;
+    for (int i = 0; i < count && ok; i++)
+        ok = fake_take_plan(&nodes[i]);
+    return ok && pump_state("ready");
+}
+
 int check_pump(int ok, const char *what)
 {
     CHECK(ok, "%s", what);

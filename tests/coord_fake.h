@@ -36,6 +36,11 @@ extern fake nodes[3];
 extern int join_hb, join_to;
 
 double now_s(void);
+/* f takes the plan: its ASSIGN, then the coordinator's LOAD_DONE, answered
+ * with its own for the ASSIGN's epoch. Returns 0 on time out. */
+int fake_take_plan(fake *f);
+/* nodes[0 .. count) take the plan; then the coordinator is ready. */
+int fakes_take_plan(int count);
 /* A fake node (with a data endpoint), or a fake client (endpoint ""): on
  * the coordinator's nodes' or clients' socket. */
 void fake_open(fake *f, const char *key, const char *endpoint);

@@ -39,31 +39,6 @@ static void start_coord(void)
     coord_fake_start("coord_link", tmpdir, sizeof tmpdir, link_opts);
 }
 
-/* Both nodes take their ASSIGN and answer the coordinator's LOAD_DONE;
- * then the cluster is ready. */
-static int take_plans(void)
-{
-    int ok = 1;
-    for (int i = 0; i < 2 && ok; i++) {
-        nl_rx rx;
-        nl_rx_init(&rx);
-        uint64_t epoch = 0;
-        ok = pump_until(&nodes[i], NL_MSG_ASSIGN, &rx);
-        if (ok)
-            epoch = rx.msg.u.assign.epoch;
-        ok = ok && pump_until(&nodes[i], NL_MSG_LOAD_DONE, &rx);
-        if (ok) {
-            nl_wire_msg m;
-            nl_wire_msg_init(&m);
-            nl_wire_msg_reset(&m, NL_MSG_LOAD_DONE);
-            m.u.load_done = (nl_msg_load_done){epoch, nodes[i].id, 0, 1000};
-            fake_send(&nodes[i], &m);
-        }
-        nl_rx_free(&rx);
-    }
-    return ok && pump_state("ready");
-}
-
 /* f's counters move by bytes and seconds; the loop turns until the
  * coordinator has read a heartbeat that carries them. */
 static int beat(fake *f, uint64_t bytes, double s)
@@ -99,7 +74,7 @@ int main(void)
     /* slow nodes: compute outweighs a 1 GB/s all-reduce of the small model */
     join(&nodes[0], 0.1);
     join(&nodes[1], 0.1);
-    if (!CHECK_PUMP(take_plans()))
+    if (!CHECK_PUMP(fakes_take_plan(2)))
         goto done;
 
     /* no measurement: 1 x 2 at the assumed speed, said so */
@@ -151,7 +126,7 @@ int main(void)
 
     /* the plan's link moved past the margin: at rest it plans again, now
      * at the measured speed, without replicas */
-    if (!CHECK_PUMP(take_plans()))
+    if (!CHECK_PUMP(fakes_take_plan(2)))
         goto done;
     printf("after: %s\n", coord->plan_why);
     CHECK(coord->plan->n_stages == 2 && stage_replicas() == 1, "after: %d x %d",

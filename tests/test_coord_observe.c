@@ -25,31 +25,6 @@
 
 static char tmpdir[256];
 
-/* Both nodes take their ASSIGN and answer the coordinator's LOAD_DONE;
- * then the cluster is ready. */
-static int take_plans(void)
-{
-    int ok = 1;
-    for (int i = 0; i < 2 && ok; i++) {
-        nl_rx rx;
-        nl_rx_init(&rx);
-        uint64_t epoch = 0;
-        ok = pump_until(&nodes[i], NL_MSG_ASSIGN, &rx);
-        if (ok)
-            epoch = rx.msg.u.assign.epoch;
-        ok = ok && pump_until(&nodes[i], NL_MSG_LOAD_DONE, &rx);
-        if (ok) {
-            nl_wire_msg m;
-            nl_wire_msg_init(&m);
-            nl_wire_msg_reset(&m, NL_MSG_LOAD_DONE);
-            m.u.load_done = (nl_msg_load_done){epoch, nodes[i].id, 0, 1000};
-            fake_send(&nodes[i], &m);
-        }
-        nl_rx_free(&rx);
-    }
-    return ok && pump_state("ready");
-}
-
 /* A window of 4 heartbeats: stage 0's node busy l0, stage 1's l1; judged. */
 static void window(double l0, double l1)
 {
@@ -76,7 +51,7 @@ int main(void)
     fake_open(&nodes[1], "obsb", "tcp://127.0.0.1:2");
     join(&nodes[0], 20.0);
     join(&nodes[1], 20.0);
-    if (!CHECK_PUMP(take_plans()))
+    if (!CHECK_PUMP(fakes_take_plan(2)))
         goto done;
     CHECK(coord->plan && coord->plan->n_stages == 2 && coord_stage_node(coord, 0) &&
               coord_stage_node(coord, 1),

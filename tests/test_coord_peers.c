@@ -552,23 +552,7 @@ static void submit_refused(fake *f, uint32_t kind, nl_wire_param *ps, uint32_t n
 /* One stage (a fake node) takes the plan: ASSIGN, LOAD_DONE both ways. */
 static int one_stage(fake *n)
 {
-    nl_rx rx;
-    nl_rx_init(&rx);
-    uint64_t epoch = 0;
-    int ok = pump_until(n, NL_MSG_ASSIGN, &rx);
-    if (ok)
-        epoch = rx.msg.u.assign.epoch;
-    ok = ok && pump_until(n, NL_MSG_LOAD_DONE, &rx);
-    if (ok) {
-        nl_wire_msg m;
-        nl_wire_msg_init(&m);
-        nl_wire_msg_reset(&m, NL_MSG_LOAD_DONE);
-        m.u.load_done = (nl_msg_load_done){epoch, n->id, 0, 1000};
-        fake_send(n, &m);
-        ok = pump_state("ready");
-    }
-    nl_rx_free(&rx);
-    return ok;
+    return fake_take_plan(n) && pump_state("ready");
 }
 
 /* Issue 31, item 6: a job belongs to the key that submitted it. Another
