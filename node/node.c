@@ -29,13 +29,6 @@
 #define REJOIN_FIRST_MS 250  /* the first pause between JOINs when joining again */
 #define REJOIN_MAX_MS 8000   /* ... doubling up to this */
 
-int64_t node_mono_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 static bool stopping(const node *n)
 {
     return n->dismissed || (n->o->stop && *n->o->stop);
@@ -104,7 +97,7 @@ void node_fail_job(node *n, uint64_t job, nl_status code, nl_msg_type req_type, 
 
 void node_send_heartbeat(node *n)
 {
-    int64_t now = node_mono_ms();
+    int64_t now = nl_mono_ms();
     if (n->rejoining) { /* the coordinator does not know this node: JOIN, not HEARTBEAT */
         n->next_hb_ms = now + n->heartbeat_ms;
         return;
@@ -138,9 +131,9 @@ void node_send_heartbeat(node *n)
 void node_wait_sent(node *n)
 {
     nl_txref *ref = nl_stage_txref(n->stage);
-    int64_t end = node_mono_ms() + SEND_WAIT_MS;
-    while (!nl_txref_idle(ref) && node_mono_ms() < end && !stopping(n)) {
-        if (node_mono_ms() >= n->next_hb_ms)
+    int64_t end = nl_mono_ms() + SEND_WAIT_MS;
+    while (!nl_txref_idle(ref) && nl_mono_ms() < end && !stopping(n)) {
+        if (nl_mono_ms() >= n->next_hb_ms)
             node_send_heartbeat(n);
         nanosleep(&(struct timespec){0, 100000}, NULL);
     }
@@ -169,7 +162,7 @@ nl_status node_make_socket(node *n, nl_sock **out, int type, bool server, const 
 static nl_status connect_control(node *n, nl_error *err)
 {
     const nl_node_opts *o = n->o;
-    int64_t deadline = node_mono_ms() + o->connect_timeout_ms;
+    int64_t deadline = nl_mono_ms() + o->connect_timeout_ms;
     int wait_ms = 500;
     for (int attempt = 1;; attempt++) {
         nl_handshake *hs = NULL; /* a refused key is said at once, not retried */
@@ -185,13 +178,13 @@ static nl_status connect_control(node *n, nl_error *err)
             nl_handshake_destroy(&hs);
             return st;
         }
-        int64_t left = deadline - node_mono_ms(), t0 = node_mono_ms();
+        int64_t left = deadline - nl_mono_ms(), t0 = nl_mono_ms();
         int ms = left < wait_ms ? (int)(left > 0 ? left : 1) : wait_ms;
         if (hs)
             st = nl_handshake_wait(hs, o->coordinator, ms, err);
         nl_handshake_destroy(&hs);
         if (st == NL_ERR_IO) { /* connection refused: the coordinator may not be up yet */
-            int64_t rest = ms - (node_mono_ms() - t0);
+            int64_t rest = ms - (nl_mono_ms() - t0);
             if (rest > 0)
                 nanosleep(&(struct timespec){rest / 1000, (rest % 1000) * 1000000L}, NULL);
             st = NL_ERR_TIMEOUT;
@@ -204,7 +197,7 @@ static nl_status connect_control(node *n, nl_error *err)
         if (stopping(n))
             return nl_error_set(err, NL_ERR_TIMEOUT, "stopped while connecting to %s",
                                 o->coordinator);
-        left = deadline - node_mono_ms();
+        left = deadline - nl_mono_ms();
         if (left <= 0)
             return nl_error_set(err, NL_ERR_TIMEOUT,
                                 "no answer from the coordinator at %s within %d ms (is it "
@@ -236,9 +229,9 @@ static nl_status join(node *n, nl_error *err)
     nl_status st = nl_sock_send(n->ctl, NULL, 0, &n->tx, err);
     if (st != NL_OK)
         return st;
-    int64_t deadline = node_mono_ms() + ACCEPT_WAIT_MS;
+    int64_t deadline = nl_mono_ms() + ACCEPT_WAIT_MS;
     while (!stopping(n)) {
-        int64_t left = deadline - node_mono_ms();
+        int64_t left = deadline - nl_mono_ms();
         if (left <= 0)
             break;
         st = nl_sock_recv(n->ctl, &n->rx, (int)left, err);
@@ -353,7 +346,7 @@ static nl_status start(node *n, nl_error *err)
     }
     NL_INFO("joined %s as node %u (data %s, heartbeat %u ms, timeout %u ms)", o->coordinator,
             n->node_id, nl_sock_endpoint(n->data), n->heartbeat_ms, n->timeout_ms);
-    n->window_ms = node_mono_ms();
+    n->window_ms = nl_mono_ms();
     node_send_heartbeat(n);
     return NL_OK;
 }
@@ -374,14 +367,14 @@ static void start_rejoin(node *n, const char *why)
     if (nl_stage_train_running(n->stage, &job))
         node_end_job(n, job);
     n->rejoining = true;
-    n->rejoin_at_ms = node_mono_ms();
+    n->rejoin_at_ms = nl_mono_ms();
     n->rejoin_wait_ms = REJOIN_FIRST_MS;
 }
 
 /* While joining again: JOIN when its time has come, then wait longer. */
 static void rejoin_tick(node *n)
 {
-    const int64_t now = node_mono_ms();
+    const int64_t now = nl_mono_ms();
     if (!n->rejoining || now < n->rejoin_at_ms)
         return;
     fill_join(n);
@@ -636,7 +629,7 @@ static void drain(node *n, nl_sock *s, void (*handle)(node *))
             NL_DEBUG("%s", e.msg);
         else /* a bad message, already answered and counted by the transport */
             NL_WARN("%s", e.msg);
-        if (node_mono_ms() >= n->next_hb_ms)
+        if (nl_mono_ms() >= n->next_hb_ms)
             node_send_heartbeat(n);
     }
 }
@@ -660,7 +653,7 @@ static void serve(node *n)
             node_run_batch(n);
         rejoin_tick(n);
         node_links_tick(n);
-        int64_t now = node_mono_ms();
+        int64_t now = nl_mono_ms();
         if (now >= n->next_hb_ms)
             node_send_heartbeat(n);
         int64_t wait = n->next_hb_ms - now;

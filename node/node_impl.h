@@ -7,6 +7,7 @@
 
 #include <stdint.h>
 
+#include "base/clock.h"
 #include "kernels/backend.h"
 #include "kernels/comm.h"
 #include "net/locallink.h"
@@ -129,8 +130,7 @@ typedef struct node {
     nl_wire_msg tx;
 } node;
 
-/* node.c: the clock, the sends and the coordinator's socket */
-int64_t node_mono_ms(void);
+/* node.c: the sends and the coordinator's socket (the clock: nl_mono_ms) */
 /* Send tx on the control socket; a failure is logged (the caller goes on). */
 nl_status node_send_ctl(node *n, const char *what);
 /* ERROR {code, req_type, message} to the coordinator, logged as well. */

@@ -245,9 +245,9 @@ void node_handle_activation(node *n, const nl_wire_msg *m)
         return;
     }
     node_wait_sent(n);
-    int64_t t0 = node_mono_ms();
+    int64_t t0 = nl_mono_ms();
     st = nl_stage_forward(n->stage, hop, &m->frames[0], &out, &e);
-    n->busy_ms += (double)(node_mono_ms() - t0);
+    n->busy_ms += (double)(nl_mono_ms() - t0);
     if (st != NL_OK) {
         node_fail_job(n, hop->job_id, st, NL_MSG_ACTIVATION, "%s", e.msg);
         return;
@@ -266,9 +266,9 @@ void node_run_batch(node *n)
         const long long ns = (long long)(n->o->inject_slow_hop_ms * 1e6);
         nanosleep(&(struct timespec){(time_t)(ns / 1000000000LL), (long)(ns % 1000000000LL)}, NULL);
     }
-    int64_t t0 = node_mono_ms();
+    int64_t t0 = nl_mono_ms();
     nl_status st = nl_stage_run_batch(n->stage, &r, &k, &e);
-    n->busy_ms += (double)(node_mono_ms() - t0);
+    n->busy_ms += (double)(nl_mono_ms() - t0);
     for (int i = 0; i < k; i++) {
         const nl_msg_tensor_hop hop = {r[i].job_id,     0,           0, r[i].session_id,
                                        r[i].pos_offset, r[i].out.aux};
@@ -331,7 +331,7 @@ static nl_status train_send(void *ctx, nl_stage_dest to, nl_wire_msg *m, nl_erro
     clock_gettime(CLOCK_MONOTONIC, &a);
     nl_status st = train_send_to(n, to, m, err);
     clock_gettime(CLOCK_MONOTONIC, &b);
-    if (node_mono_ms() >= n->next_hb_ms) /* a long run of queued hops keeps the heartbeat */
+    if (nl_mono_ms() >= n->next_hb_ms) /* a long run of queued hops keeps the heartbeat */
         node_send_heartbeat(n);
     n->train_send_ms += (double)(b.tv_sec - a.tv_sec) * 1e3 + (double)(b.tv_nsec - a.tv_nsec) / 1e6;
     n->train_hops++;
@@ -419,7 +419,7 @@ void node_handle_train(node *n, const nl_wire_msg *m)
     clock_gettime(CLOCK_MONOTONIC, &a);
     const double cpu0 = busy_cpu_ms(n);
     if (!n->train_t0)
-        n->train_t0 = node_mono_ms();
+        n->train_t0 = nl_mono_ms();
     if (!nl_stage_job_holds(n->stage,
                             m)) { /* in flight when its job ended, or from a former plan */
         NL_DEBUG("dropped a %s of a job this stage does not train (or of a former plan)",
@@ -476,7 +476,7 @@ void node_handle_train(node *n, const nl_wire_msg *m)
 /* How the ended job's time went on this node. */
 void node_train_summary(node *n, uint64_t job)
 {
-    const double wall = n->train_t0 ? (double)(node_mono_ms() - n->train_t0) : 0.0;
+    const double wall = n->train_t0 ? (double)(nl_mono_ms() - n->train_t0) : 0.0;
     const double compute = n->train_busy_ms - n->train_send_ms;
     NL_INFO("train job %llu ended: %.1f s, of which computing %.1f s (%.0f%%), sending %llu "
             "messages (%.1f MiB: %llu bytes of %s tensors) %.3f s (%.1f%%), waiting %.1f s "

@@ -241,7 +241,7 @@ static void dial_prev(node *n)
         NL_WARN("cannot dial the previous stage at %s: %s", n->prev_ep, e.msg);
         node_drop_prev(n);
     }
-    n->dial_at_ms = node_mono_ms() + n->dial_wait_ms;
+    n->dial_at_ms = nl_mono_ms() + n->dial_wait_ms;
     n->dial_wait_ms = n->dial_wait_ms * 2 < DIAL_MAX_MS ? n->dial_wait_ms * 2 : DIAL_MAX_MS;
 }
 
@@ -291,7 +291,7 @@ void node_links_assign(node *n, const nl_msg_assign *a)
 static void say_hello(node *n)
 {
     nl_error e;
-    n->hello_at_ms = node_mono_ms() + HELLO_EVERY_MS;
+    n->hello_at_ms = nl_mono_ms() + HELLO_EVERY_MS;
     nl_wire_msg_reset(&n->tx, NL_MSG_HELLO);
     n->tx.u.hello = (nl_msg_hello){NL_ROLE_NODE, "neuronode"};
     if (nl_sock_send(n->prev_link, NULL, 0, &n->tx, &e) != NL_OK)
@@ -337,7 +337,7 @@ bool node_hold_load_done(node *n, const nl_msg_load_done *d)
         return false;
     n->load_done = *d;
     n->load_pending = true;
-    n->load_wait_until = node_mono_ms() + LINK_WAIT_MS;
+    n->load_wait_until = nl_mono_ms() + LINK_WAIT_MS;
     NL_INFO("loaded; LOAD_DONE waits for the link to the previous stage at %s", n->prev_ep);
     return true;
 }
@@ -346,7 +346,7 @@ void node_links_tick(node *n)
 {
     if (!(n->links & NL_NODE_DIALS_PREV))
         return;
-    const int64_t now = node_mono_ms();
+    const int64_t now = nl_mono_ms();
     if (!n->prev_link && now >= n->dial_at_ms)
         dial_prev(n);
     else if (n->prev_link && !n->prev_ready && n->hello_at_ms && now >= n->hello_at_ms)

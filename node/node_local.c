@@ -274,7 +274,7 @@ static void drain_link(node *n, bool next, void (*handle)(node *))
             broke(n, next, e.msg);
         else
             NL_WARN("%s", e.msg); /* one bad message: its record is consumed */
-        if (node_mono_ms() >= n->next_hb_ms)
+        if (nl_mono_ms() >= n->next_hb_ms)
             node_send_heartbeat(n);
     }
 }
