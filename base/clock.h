@@ -12,4 +12,12 @@ static inline int64_t nl_mono_ms(void)
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+/* The same clock with the fraction of a millisecond, for timing work. */
+static inline double nl_mono_ms_f(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
 #endif

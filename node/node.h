@@ -94,6 +94,8 @@ typedef struct nl_node_opts {
     double inject_gflops;         /* test hook (NL_TEST_GFLOPS): reported throughput, if > 0 */
     double inject_slow_ms;        /* test hook (NL_TEST_SLOW_MS): each training message takes
                                    * this much longer here (a node slower than it said) */
+    double inject_slow_x;         /* test hook (NL_TEST_SLOW_X): ... this many times its own
+                                   * work (> 1; the same node slower in any build) */
     double inject_compute_gflops; /* test hook (NL_TEST_COMPUTE_GFLOPS): each training hop
                                    * sleeps for its FLOPs' time at this rate instead of
                                    * computing (bench/bench_replicas.sh; 0: none) */

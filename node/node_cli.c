@@ -71,6 +71,8 @@ static void help(FILE *f, const nl_opt *flags)
                "outputs zero; bench/bench_replicas.sh). NL_TEST_LINK_BYTES_S=X reports the\n"
                "replicas' gradient all-reduce as run at X bytes/s (the link speed the\n"
                "coordinator's --replicas auto plans with; docs/cluster.md).\n"
+               "NL_TEST_SLOW_MS=X and NL_TEST_SLOW_X=F make each training message take X ms\n"
+               "more, or F times its work (CPU time spinning: a node slower than it said).\n"
                "NL_TEST_LOCAL_BREAK_AFTER=K ends the previous stage's local link after the K-th\n"
                "training hop taken on it, as a link that broke (docs/cluster.md).\n");
 #endif
@@ -182,6 +184,11 @@ static int read_test_hooks(nl_node_opts *o)
      * coordinator's observed stage times re-balance the plan) */
     const char *slow = getenv("NL_TEST_SLOW_MS");
     o->inject_slow_ms = slow ? atof(slow) : 0.0;
+    /* NL_TEST_SLOW_X=F: each training message takes F times the work it
+     * did (as above; a fixed X ms is a small part of a message's work in a
+     * sanitizer build, where the same F makes the same slower node) */
+    const char *slow_x = getenv("NL_TEST_SLOW_X");
+    o->inject_slow_x = slow_x ? atof(slow_x) : 0.0;
     /* NL_TEST_COMPUTE_GFLOPS=G: each training hop's work sleeps for the
      * time its FLOPs take at G GFLOP/s when it runs, instead of computing
      * (a compute model: nodes that share a machine's cores each get a

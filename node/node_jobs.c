@@ -443,18 +443,16 @@ void node_handle_train(node *n, const nl_wire_msg *m)
         st = nl_stage_job_input(n->stage, m, train_send, n, &e);
     }
     free(real);
-    if (n->o->inject_slow_ms > 0 && m->type != NL_MSG_CKPT_REQ) {
+    if ((n->o->inject_slow_ms > 0 || n->o->inject_slow_x > 1) && m->type != NL_MSG_CKPT_REQ) {
         /* test hook: this much more work (CPU time, as the busy time is
-         * counted on the CPU) */
-        const double until = busy_cpu_ms(n) + n->o->inject_slow_ms;
-        struct timespec t0, t1;
-        clock_gettime(CLOCK_MONOTONIC, &t0);
-        do
-            clock_gettime(CLOCK_MONOTONIC, &t1);
-        while (cpu0 >= 0 ? busy_cpu_ms(n) < until
-                         : (double)(t1.tv_sec - t0.tv_sec) * 1e3 +
-                                   (double)(t1.tv_nsec - t0.tv_nsec) / 1e6 <
-                               n->o->inject_slow_ms);
+         * counted on the CPU; on a GPU, wall time) */
+        const double a_ms = (double)a.tv_sec * 1e3 + (double)a.tv_nsec / 1e6;
+        const double work = cpu0 >= 0 ? busy_cpu_ms(n) - cpu0 : nl_mono_ms_f() - a_ms;
+        const double more = n->o->inject_slow_ms +
+                            (n->o->inject_slow_x > 1 ? (n->o->inject_slow_x - 1) * work : 0.0);
+        const double until = busy_cpu_ms(n) + more, t0 = nl_mono_ms_f();
+        while (cpu0 >= 0 ? busy_cpu_ms(n) < until : nl_mono_ms_f() - t0 < more)
+            ;
     }
     clock_gettime(CLOCK_MONOTONIC, &b);
     const double ms = (double)(b.tv_sec - a.tv_sec) * 1e3 + (double)(b.tv_nsec - a.tv_nsec) / 1e6;

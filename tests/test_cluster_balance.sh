@@ -8,7 +8,13 @@
 # layer of that; and every run's weights are byte-identical to the others'
 # and equal to one node's. (The two vCPUs of a shared machine can run 40%
 # apart for seconds on end; the probes and the stages' measured times then
-# say so, and what follows from them may move a layer.)
+# say so, and what follows from them may move a layer.) In the Debug build
+# of the sanitizer run, two layers: the planner's cost model counts FLOPs,
+# and there the project's own kernels (norms, softmax and cross-entropy over
+# the vocabulary, attention) run unoptimised beside the BLAS GEMMs, so the
+# stage with the head measures up to twice its planned time and whichever
+# node holds it is judged that much slower (a CI run: 77 against 35 GFLOP/s
+# for identical nodes), and a plan two layers off even is then the right one.
 #   the probe: the median of 5 rounds timed by the node's CPU time over its
 #     threads (other processes on the cores do not count);
 #   the early re-balance (neurocoord --rebalance-after, default 3): after
@@ -33,22 +39,42 @@ check "$N" train --cluster "$W/c1" "${RUN[@]}" --checkpoint-dir "$W/ck1" --out "
 "$N" cluster down --dir "$W/c1" > /dev/null
 
 # the split of the last plan in a coordinator's log: "0-4 4-8"; with
-# "first", of its first; with "job", of the last before training job 1 ended
+# "first", of its first; with "job", of the last before training job 1
+# ended; with "rebalance", of the first re-balance's new plan. With a node
+# id as $3: the layers that node holds in that plan instead (0: none).
 last_plan() {
-  $PY - "$1" "${2:-last}" <<'PY'
+  $PY - "$1" "${2:-last}" "${3:-}" <<'PY'
 import re, sys
-groups = []
+groups, mode, node = [], sys.argv[2], sys.argv[3]
+replanned = False
 for line in open(sys.argv[1]):
-    if sys.argv[2] == "job" and "train job 1: done at step" in line:
+    if mode == "job" and "train job 1: done at step" in line:
         break
-    m = re.search(r"plan (\S+): stage (\d+) on node \d+: layers \[(\d+), (\d+)\)", line)
-    if m:
+    if "re-plan at the checkpoint: bottleneck" in line:
+        replanned = True
+    m = re.search(r"plan (\S+): stage (\d+) on node (\d+): layers \[(\d+), (\d+)\)", line)
+    if m and (mode != "rebalance" or (replanned and m.group(1) == "new")):
         if m.group(2) == "0":
             groups.append([])
-        groups[-1].append("%s-%s" % (m.group(3), m.group(4)))
-pick = groups[0] if sys.argv[2] == "first" and groups else groups[-1] if groups else None
-print(" ".join(pick) if pick else "none")
+        groups[-1].append((m.group(3), int(m.group(4)), int(m.group(5))))
+    if mode == "rebalance" and groups and m is None and replanned:
+        break
+pick = groups[0] if mode in ("first", "rebalance") and groups else groups[-1] if groups else None
+if node:
+    print(sum(b - a for n, a, b in pick if n == node) if pick else 0)
+else:
+    print(" ".join("%d-%d" % (a, b) for n, a, b in pick) if pick else "none")
 PY
+}
+# within NEAR layers of [0, 4) + [4, 8): one in an optimised build, two in
+# the Debug build (above)
+NEAR=1
+grep -q "^CMAKE_BUILD_TYPE:STRING=Debug$" "$NL_BUILD_DIR/CMakeCache.txt" 2>/dev/null && NEAR=2
+near_even() { # $1: a split as last_plan prints it
+  case "$1" in *" "*" "* | none | 0-8) return 1 ;; esac
+  local b=${1%% *}
+  b=${b#0-}
+  [ "$b" -ge $((4 - NEAR)) ] && [ "$b" -le $((4 + NEAR)) ]
 }
 
 # the runs: at least 5, and until 3 of them had probes within 15% of each
@@ -71,12 +97,11 @@ for run in $(seq 1 12); do
     even=$((even + 1))
     check test "$first" = "0-4 4-8"
   fi
-  # then even, or one layer off it: measured times on a shared machine can
-  # differ by more than --replan-margin, two judgements in a row (seen in a
-  # CI run: one run of five ended 0-5 5-8 after three re-plans); never
-  # further off than that
+  # then even, or NEAR layers off it: measured times on a shared machine
+  # can differ by more than --replan-margin, two judgements in a row (seen
+  # in a CI run: one run of five ended 0-5 5-8 after three re-plans)
   for p in "$job" "$plan"; do
-    case "$p" in "0-4 4-8" | "0-3 3-8" | "0-5 5-8") check true ;; *) check test "$p" = "0-4 4-8" ;; esac
+    check near_even "$p"
   done
   check cmp "$W/run-$run.safetensors" "$W/run-1.safetensors"
   "$N" cluster down --dir "$C" > /dev/null
@@ -107,17 +132,23 @@ for i in $(seq 1 600); do
   sleep 0.1
 done
 before=$(last_plan "$C/coord.log")
+held=$(last_plan "$C/coord.log" last 2)
 check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck3" --out "$W/run-liar.safetensors" \
   2> "$W/train-liar.err"
+moved=$(last_plan "$C/coord.log" rebalance)
+given=$(last_plan "$C/coord.log" rebalance 2)
 after=$(last_plan "$C/coord.log" job)
-echo "a node that under-reports: plan $before, after the early re-balance $after"
+echo "a node that under-reports: plan $before ($held layers its), at the first early re-balance" \
+  "$moved ($given), at the job's end $after"
 grep "measured speeds\|re-plan at the checkpoint\|observed:" "$C/coord.log"
-check test "$before" != "0-4 4-8"
-# corrected to even, or within one layer of it (a CI run under load went
-# 0-6 6-8 -> 0-3 3-8 in one re-balance, the job too short for a second)
-case "$after" in "0-4 4-8" | "0-3 3-8" | "0-5 5-8") check test "$after" != "$before" ;;
-  *) check test "$after" = "0-4 4-8" ;; esac
+check test "$held" -lt 4
 check grep -q "measured speeds call for another split after step" "$C/coord.log"
+# the first re-balance gives it more layers, to even or NEAR it (a CI run
+# under load went 0-6 6-8 -> 0-3 3-8 in one re-balance); later ones judge
+# the new plan's measured times, and the job ends NEAR even too
+check test "$given" -gt "$held"
+check near_even "$moved"
+check near_even "$after"
 check cmp "$W/run-liar.safetensors" "$W/run-1.safetensors"
 check $PY "$NL_SOURCE_DIR/tests/same_tensors.py" "$W/run-1.safetensors" "$W/ref.safetensors"
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test hooks exist in test builds only (issue 15, finding 11; issue
 # 31): a build without -DNL_TEST_HOOKS=ON has no trace of them (the node's
-# NL_TEST_INJECT_NAN_*, NL_TEST_GFLOPS, NL_TEST_SLOW_MS, NL_TEST_LINK_BYTES_S,
+# NL_TEST_INJECT_NAN_*, NL_TEST_GFLOPS, NL_TEST_SLOW_*, NL_TEST_LINK_BYTES_S,
 # NL_TEST_LOCAL_BREAK_AFTER, NL_TEST_DEVICE_*
 # and its lying stage, NL_TEST_LIE, node/stage_train_lie.c; neuroctl's
 # NL_TEST_INJECT_NAN_STEP and NL_TEST_SELFTEST_*), and a test build says
@@ -17,7 +17,7 @@ if [ "${1:-0}" = 1 ]; then
   { [ $rc = 2 ] && echo "$out" | grep -q "NL_TEST_LIE=fib:0.5"; } || { echo "FAIL: NL_TEST_LIE=fib:0.5: rc $rc: $out"; fail=1; }
 else
   # issue 31: none of the hooks, in the node or in neuroctl
-  for hook in NL_TEST_INJECT_NAN NL_TEST_GFLOPS NL_TEST_SLOW_MS NL_TEST_LINK_BYTES_S NL_TEST_LOCAL_BREAK NL_TEST_DEVICE_; do
+  for hook in NL_TEST_INJECT_NAN NL_TEST_GFLOPS NL_TEST_SLOW_ NL_TEST_LINK_BYTES_S NL_TEST_LOCAL_BREAK NL_TEST_DEVICE_; do
     if grep -aq "$hook" "$NODE"; then echo "FAIL: a production neuronode reads $hook*"; fail=1; fi
   done
   for hook in NL_TEST_INJECT_NAN NL_TEST_SELFTEST_; do
