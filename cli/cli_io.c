@@ -97,21 +97,14 @@ int nl_cli_parse_ids(const char *s, int32_t **out)
     return n;
 }
 
-double nl_cli_now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 void nl_gen_clock_start(nl_gen_clock *c)
 {
-    *c = (nl_gen_clock){.start = nl_cli_now()};
+    *c = (nl_gen_clock){.start = nl_mono_s()};
 }
 
 void nl_gen_clock_tick(nl_gen_clock *c)
 {
-    c->last = nl_cli_now();
+    c->last = nl_mono_s();
     if (c->count++ == 0)
         c->first = c->last;
 }

@@ -4,6 +4,7 @@
 #define NL_CLI_IO_H
 
 #include "base/args.h"
+#include "base/clock.h"
 #include "core/formats/fileio.h"
 #include "core/formats/safetensors.h"
 #include "core/model/kvcache.h"
@@ -112,9 +113,6 @@ nl_status nl_cli_lock(nl_file_lock **lk, const char *flag, const char *path, con
     "--coordinator tcp://HOST:PORT --key CLIENT.key --coordinator-key COORD.pub [--plaintext], "   \
     "with [--timeout S]; the model is the cluster's and --device, --tf32, --threads are the "      \
     "nodes' (neuroctl " cmd " --cluster x --help lists its flags)"
-
-/* Seconds on the monotonic clock. */
-double nl_cli_now(void);
 
 /* The pace of a generation, as its tokens come: nl_gen_clock_start when
  * the prompt is submitted, nl_gen_clock_tick per token; the report (on

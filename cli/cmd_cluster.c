@@ -516,7 +516,7 @@ static int wait_ready(const up_opts *o, const char *dir, const char *cdir, pid_t
     char state[512] = "", log[4096], path[4096];
     /* a node that cannot start (a device it cannot open) exits at once:
      * say so with its last words rather than wait for the timeout */
-    const double deadline = nl_cli_now() + (double)o->timeout;
+    const double deadline = nl_mono_s() + (double)o->timeout;
     for (;;) {
         if (nl_remote_wait_ready(dir, 1, state, sizeof state) == 0)
             break;
@@ -525,7 +525,7 @@ static int wait_ready(const up_opts *o, const char *dir, const char *cdir, pid_t
             cluster_down(dir, 1);
             return 1;
         }
-        if (nl_cli_now() >= deadline) {
+        if (nl_mono_s() >= deadline) {
             fprintf(stderr, "cluster up: not ready after %lld s: %s (logs in %s)\n", o->timeout,
                     state, dir);
             return 1;

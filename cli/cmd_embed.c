@@ -258,7 +258,7 @@ static nl_status embed_batch(nl_remote *r, const int32_t *ids, const int32_t *le
     if ((st = nl_remote_submit(r, NL_JOB_EMBED, ps, adapter ? 2 : 1, ids, B, T, err)) != NL_OK)
         return st;
     embed_out o = {B, d, emb};
-    return nl_client_await_result(r->s, nl_client_now() + r->timeout_ms / 1e3, take_embeddings, &o,
+    return nl_client_await_result(r->s, nl_mono_s() + r->timeout_ms / 1e3, take_embeddings, &o,
                                   err);
 }
 

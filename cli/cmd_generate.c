@@ -296,7 +296,7 @@ static int bench_decode(nl_model *m, const int32_t *tokens, float *logits, int P
         return 1;
     int32_t next = tokens[P];
     nl_forward_args dec = {.B = 1, .T = 1, .tokens = &next, .kv = *kv, .last_only = 1};
-    double t0 = nl_cli_now();
+    double t0 = nl_mono_s();
     for (long long i = 0; i < *ndec; i++) {
         if (nl_forward(m, *rs1, &dec, NULL, err) != NL_OK)
             return 1;
@@ -308,7 +308,7 @@ static int bench_decode(nl_model *m, const int32_t *tokens, float *logits, int P
             best = logits[v] > logits[best] ? v : best;
         next = best;
     }
-    *dec_s = nl_cli_now() - t0;
+    *dec_s = nl_mono_s() - t0;
     return 0;
 }
 
@@ -330,13 +330,13 @@ static int bench_train(nl_model *m, nl_trainer **tr, int32_t *tokens, long long 
     int32_t *targets = tokens; /* any valid ids serve for timing */
     nl_step_result sr;
     for (long long i = 0; i <= reps; i++) {
-        double ts = nl_cli_now();
+        double ts = nl_mono_s();
         if (nl_trainer_step_local(*tr, tokens, targets, (int)B, (int)T, 1, 1e-4f, 1.0f,
                                   nl_adamw_defaults(), &sr, err) != NL_OK ||
             nl_cli_device_check(be, err) != NL_OK)
             return 1;
         if (i > 0)
-            times[i - 1] = nl_cli_now() - ts;
+            times[i - 1] = nl_mono_s() - ts;
     }
     qsort(times, (size_t)reps, sizeof *times, cmp_double);
     const double train_s = times[reps / 2];
@@ -414,14 +414,14 @@ int nl_cmd_bench(int argc, char **argv)
     if (nl_forward(m, rs, &a, NULL, &err) != NL_OK)
         goto out;
     for (long long i = 0; i < reps; i++) {
-        double t0 = nl_cli_now();
+        double t0 = nl_mono_s();
         if (nl_forward(m, rs, &a, NULL, &err) != NL_OK)
             goto out;
         if (be->sync(be, &err) != NL_OK) {
             nl_error_prefix(&err, "device %s", be->name);
             goto out;
         }
-        times[i] = nl_cli_now() - t0;
+        times[i] = nl_mono_s() - t0;
     }
     qsort(times, (size_t)reps, sizeof *times, cmp_double);
     const double fwd_s = times[reps / 2];

@@ -57,7 +57,7 @@ static nl_status run_grow(nl_remote *r, const nl_wire_param *ps, int np, nl_erro
     nl_rx rx;
     nl_rx_init(&rx);
     nl_status st = nl_remote_submit(r, NL_JOB_GROW, ps, np, NULL, 0, 0, err);
-    const double deadline = nl_client_now() + r->timeout_ms / 1e3;
+    const double deadline = nl_mono_s() + r->timeout_ms / 1e3;
     while (st == NL_OK && (st = nl_remote_recv(r, &rx, deadline, err)) == NL_OK) {
         if (nl_client_job_failed(&rx, err)) {
             st = err->status ? err->status : NL_ERR_STATE;

@@ -101,7 +101,7 @@ int nl_cmd_remote_forward(int argc, char **argv)
         goto out;
     fo.B = B;
     fo.T = T;
-    if (nl_client_await_result(r.s, nl_client_now() + r.timeout_ms / 1e3, take_logits, &fo, &err) !=
+    if (nl_client_await_result(r.s, nl_mono_s() + r.timeout_ms / 1e3, take_logits, &fo, &err) !=
         NL_OK)
         goto out;
     int64_t scalar[1] = {0};
@@ -164,7 +164,7 @@ static void gen_cancel(nl_remote *r, nl_rx *rx, uint64_t job)
     fprintf(stderr, "\ninterrupted: cancelling job %llu\n", (unsigned long long)job);
     if (!job || nl_remote_cancel(r, job, &e) != NL_OK)
         return;
-    const double by = nl_client_now() + 2.0;
+    const double by = nl_mono_s() + 2.0;
     while (nl_remote_recv(r, rx, by, &e) == NL_OK)
         if (rx->msg.type == NL_MSG_JOB_STATUS && rx->msg.u.job_status.job_id == job &&
             rx->msg.u.job_status.state != NL_JOB_RUNNING)
@@ -257,10 +257,10 @@ static int gen_receive(nl_remote *r, nl_rx *rx, nl_tokenizer *tok, int32_t *ids,
                        int *count, nl_gen_clock *clock, nl_error *err)
 {
     uint64_t job = 0; /* once the coordinator names it */
-    double deadline = nl_client_now() + r->timeout_ms / 1e3;
+    double deadline = nl_mono_s() + r->timeout_ms / 1e3;
     for (;;) {
         /* in slices, to see Ctrl-C */
-        const double now = nl_client_now(), slice = now + 0.2 < deadline ? now + 0.2 : deadline;
+        const double now = nl_mono_s(), slice = now + 0.2 < deadline ? now + 0.2 : deadline;
         nl_status st = gen_interrupted ? NL_OK : nl_remote_recv(r, rx, slice, err);
         if (gen_interrupted) {
             gen_cancel(r, rx, job);
@@ -275,12 +275,12 @@ static int gen_receive(nl_remote *r, nl_rx *rx, nl_tokenizer *tok, int32_t *ids,
                 fprintf(stderr, "neuroctl generate: %s\n", rx->msg.u.job_status.message);
             gen_rerun(rx, tok, ids, count);
             job = rx->msg.u.job_status.job_id;
-            deadline = nl_client_now() + r->timeout_ms / 1e3;
+            deadline = nl_mono_s() + r->timeout_ms / 1e3;
         }
         if (rx->msg.type != NL_MSG_TOKEN)
             continue;
         job = rx->msg.u.token.job_id;
-        deadline = nl_client_now() + r->timeout_ms / 1e3; /* progress */
+        deadline = nl_mono_s() + r->timeout_ms / 1e3; /* progress */
         for (uint32_t i = 0; i < rx->msg.u.token.ntokens && *count < max_new; i++) {
             const int32_t id = (int32_t)rx->msg.u.token.tokens[i];
             nl_gen_clock_tick(clock);
@@ -567,9 +567,9 @@ int nl_cmd_status(int argc, char **argv)
 
 int nl_remote_wait_ready(const char *dir, int timeout_s, char *state, size_t cap)
 {
-    const double deadline = nl_client_now() + timeout_s;
+    const double deadline = nl_mono_s() + timeout_s;
     nl_flag flags[] = {{"cluster", 1, "", dir}, {"timeout", 1, "", "5"}, NL_REMOTE_FLAGS, {0}};
-    while (nl_client_now() < deadline) {
+    while (nl_mono_s() < deadline) {
         json_t *st = NULL;
         nl_error err = {0};
         if (nl_remote_status_once(flags, &st, &err) == NL_OK) {

@@ -326,11 +326,11 @@ static int run_steps(train_run *x, const train_opts *o)
 #else
     const char *inject = NULL;
 #endif
-    const double t_begin = nl_train_clock();
+    const double t_begin = nl_mono_s();
     int64_t skipped = 0;
     for (x->step = x->start; x->step < o->r.steps && !interrupted; x->step++) {
         const int64_t step = x->step;
-        double t0 = nl_train_clock();
+        double t0 = nl_mono_s();
         const double lr = nl_lr_at(step, o->r.steps, o->r.warmup, o->r.lr, o->r.min_lr);
         nl_step_result r;
         int64_t valid = 0;
@@ -344,9 +344,8 @@ static int run_steps(train_run *x, const train_opts *o)
             nl_cli_device_check(x->be, err) != NL_OK)
             return 1;
         skipped += r.skipped != 0;
-        nl_train_step rep =
-            nl_local_step_record(o, &r, step, x->start, lr, (double)B * T / (nl_train_clock() - t0),
-                                 t_begin, x->be->name);
+        nl_train_step rep = nl_local_step_record(
+            o, &r, step, x->start, lr, (double)B * T / (nl_mono_s() - t0), t_begin, x->be->name);
         if (rep.has_eval && nl_local_eval_loss(x->tr, x->ds, o, x->obj, &x->m->cfg, x->tokens,
                                                x->targets, x->doc, &rep.eval_loss, err) != NL_OK)
             return 1;

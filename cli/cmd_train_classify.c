@@ -143,9 +143,9 @@ int nl_local_classify(const train_opts *o)
     const nl_adamw_opts adam = nl_adamw_defaults();
     nl_train_progress prog;
     nl_train_progress_init(&prog, o->r.progress_s);
-    const double t_begin = nl_train_clock();
+    const double t_begin = nl_mono_s();
     for (int64_t step = 0; step < o->r.steps; step++) {
-        const double t0 = nl_train_clock();
+        const double t0 = nl_mono_s();
         const double lr = nl_lr_at(step, o->r.steps, o->r.warmup, o->r.lr, o->r.min_lr);
         nl_step_result r;
         if (nl_labelled_batch(ds, 0, (uint64_t)o->r.seed, (uint64_t)step, B, T, tokens, lengths,
@@ -155,7 +155,7 @@ int nl_local_classify(const train_opts *o)
             nl_cli_device_check(be, &err) != NL_OK)
             goto out;
         nl_train_step rep = nl_local_step_record(
-            o, &r, step, 0, lr, (double)B * T / (nl_train_clock() - t0), t_begin, be->name);
+            o, &r, step, 0, lr, (double)B * T / (nl_mono_s() - t0), t_begin, be->name);
         double acc = 0.0;
         if (rep.has_eval && eval_classify(tr, ds, o, cfg.num_classes, tokens, lengths, labels, doc,
                                           probs, &rep.eval_loss, &acc, &err) != NL_OK)

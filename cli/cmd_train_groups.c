@@ -183,19 +183,19 @@ static int groups_outer(groups_run *x, const train_opts *o)
 
 static int groups_steps(groups_run *x, const train_opts *o)
 {
-    const double t_begin = nl_train_clock();
+    const double t_begin = nl_mono_s();
     int64_t skipped = 0;
     for (int64_t step = 0; step < o->r.steps; step++) {
-        const double t0 = nl_train_clock();
+        const double t0 = nl_mono_s();
         const double lr = nl_lr_at(step, o->r.steps, o->r.warmup, o->r.lr, o->r.min_lr);
         nl_step_result r;
         if (groups_step(x, o, step, lr, &r) != 0 ||
             ((step + 1) % o->outer_every == 0 && groups_outer(x, o) != 0))
             return 1;
         skipped += r.skipped != 0;
-        nl_train_step rep = nl_local_step_record(
-            o, &r, step, 0, lr, (double)o->r.batch * o->r.seq / (nl_train_clock() - t0), t_begin,
-            x->be->name);
+        nl_train_step rep = nl_local_step_record(o, &r, step, 0, lr,
+                                                 (double)o->r.batch * o->r.seq / (nl_mono_s() - t0),
+                                                 t_begin, x->be->name);
         if (rep.has_eval &&
             nl_local_eval_loss(x->tr[0], x->ds, o, x->obj, &x->m[0]->cfg, x->tokens, x->targets,
                                x->doc, &rep.eval_loss, &x->err) != NL_OK)

@@ -112,7 +112,7 @@ nl_status nl_remote_recv(nl_remote *r, nl_rx *rx, double deadline, nl_error *err
 
 nl_status nl_remote_status(nl_remote *r, json_t **out, nl_error *err)
 {
-    return nl_client_status(r->s, nl_client_now() + r->timeout_ms / 1e3, out, err);
+    return nl_client_status(r->s, nl_mono_s() + r->timeout_ms / 1e3, out, err);
 }
 
 nl_status nl_remote_status_once(const nl_flag *flags, json_t **out, nl_error *err)

@@ -50,7 +50,7 @@ nl_status nl_remote_open(nl_remote *r, const nl_flag *flags, int default_timeout
 /* Close and wipe the keys; safe on a zeroed or closed nl_remote. */
 void nl_remote_close(nl_remote *r);
 
-/* Wait until deadline (nl_client_now() seconds) for the next message into
+/* Wait until deadline (nl_mono_s() seconds) for the next message into
  * rx; passing the deadline is NL_ERR_TIMEOUT, an ERROR from the
  * coordinator becomes an error with its code and message. */
 nl_status nl_remote_recv(nl_remote *r, nl_rx *rx, double deadline, nl_error *err);

@@ -179,7 +179,7 @@ static void on_start(rtrain_watch *w, const json_t *ev)
     stage_devices(w->devices, sizeof w->devices, ev);
     w->steps = integer(ev, "steps", w->o->r.steps);
     w->start_step = S;
-    w->start_time = nl_train_clock();
+    w->start_time = nl_mono_s();
     w->started = 1;
     if (w->replanned && S > 0) { /* the same job on a new plan: what changed, not the header */
         w->replanned = 0;
@@ -261,7 +261,7 @@ static nl_status on_step(rtrain_watch *w, const json_t *ev, nl_error *err)
                             w->job);
     if (!w->started) { /* no start event: time from the first step seen */
         w->start_step = k - 1;
-        w->start_time = nl_train_clock();
+        w->start_time = nl_mono_s();
         w->started = 1;
     }
     w->steps = integer(ev, "steps", w->steps); /* an attached client learns it here */
@@ -444,10 +444,10 @@ nl_status rtrain_follow(nl_remote *r, rtrain_watch *w, nl_error *err)
     nl_rx rx;
     nl_rx_init(&rx);
     nl_status st = NL_OK;
-    double last = nl_client_now(), cancel_by = 0;
+    double last = nl_mono_s(), cancel_by = 0;
     int cancelled = 0;
     while (!w->ended && st == NL_OK) {
-        const double now = nl_client_now();
+        const double now = nl_mono_s();
         if (rtrain_interrupted && !cancel_by)
             cancel_by = now + CANCEL_WAIT_S;
         if (rtrain_interrupted > 1) {
@@ -478,7 +478,7 @@ nl_status rtrain_follow(nl_remote *r, rtrain_watch *w, nl_error *err)
             nl_error_clear(err); /* not an error: a job that ends well must not report it */
             continue;
         }
-        last = nl_client_now();
+        last = nl_mono_s();
         if (st == NL_OK && rx.msg.type == NL_MSG_JOB_STATUS)
             st = on_status(w, &rx, err);
     }

@@ -51,13 +51,6 @@ typedef struct job {
     char errmsg[NL_ERROR_MSG_MAX];
 } job;
 
-static double now_s(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
 static void job_release_kv(serve_engine *e, job *j)
 {
     if (j->kv) {
@@ -146,7 +139,7 @@ static int plan_step(serve_engine *e, nl_batch_seg *segs, job **who)
 
 static void publish_stats(serve_engine *e, double *last_pub, uint64_t *last_tokens)
 {
-    double t = now_s();
+    double t = nl_mono_s();
     int idle = e->tokens == *last_tokens && e->active == 0 && e->queued == 0 && e->tps == 0.0;
     if (t - *last_pub < (idle ? 10.0 : 1.0)) /* idle: a heartbeat, not a flood */
         return;
@@ -206,7 +199,7 @@ static void *engine_main(void *arg)
     e->smp = calloc((size_t)e->max_batch, sizeof *e->smp);
     e->lg = calloc((size_t)e->max_batch, sizeof *e->lg);
     e->srows = calloc((size_t)e->max_batch, sizeof *e->srows);
-    double last_pub = now_s();
+    double last_pub = nl_mono_s();
     uint64_t last_tokens = 0;
     pthread_mutex_lock(&e->mu);
     while (!e->stop && segs && who && tok && fail && e->smp && e->lg && e->srows) {
@@ -222,13 +215,13 @@ static void *engine_main(void *arg)
         }
         pthread_mutex_unlock(&e->mu);
         nl_error err = {0};
-        double t0 = now_s();
+        double t0 = nl_mono_s();
         pthread_mutex_lock(&e->model_mu);
         nl_status st = nl_batch_forward(e->batch, segs, n, &err);
         if (st == NL_OK)
             engine_sample(e, segs, who, n, tok, fail, &err);
         pthread_mutex_unlock(&e->model_mu);
-        double ms = 1e3 * (now_s() - t0);
+        double ms = 1e3 * (nl_mono_s() - t0);
         int rows = 0;
         pthread_mutex_lock(&e->mu);
         for (int i = 0; i < n; i++) {
@@ -487,7 +480,7 @@ static char *be_status(void *ctx)
         range, "busy", "sessions", "active", e->active, "queued", e->queued, "kv_cache_bytes",
         (json_int_t)e->kv_bytes, "kv_cache", nl_kv_dtype_name(e->kv_dtype), "max_batch",
         e->max_batch, "prefill_chunk", e->chunk, "tokens_generated", (json_int_t)e->tokens,
-        "uptime_s", now_s() - e->t_start, "training");
+        "uptime_s", nl_mono_s() - e->t_start, "training");
     pthread_mutex_unlock(&e->mu);
     char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
@@ -543,7 +536,7 @@ static char *be_metrics(void *ctx)
 void nl_serve_engine_init(serve_engine *e, int max_batch, int chunk, nl_kv_dtype kv_dtype)
 {
     *e = (serve_engine){
-        .max_batch = max_batch, .chunk = chunk, .kv_dtype = kv_dtype, .t_start = now_s()};
+        .max_batch = max_batch, .chunk = chunk, .kv_dtype = kv_dtype, .t_start = nl_mono_s()};
     pthread_mutex_init(&e->mu, NULL);
     pthread_mutex_init(&e->tok_mu, NULL);
     pthread_mutex_init(&e->model_mu, NULL);

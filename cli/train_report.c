@@ -14,13 +14,6 @@
 #include "core/model/lora.h"
 #include "net/trainparams.h"
 
-double nl_train_clock(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 static void fmt_eta(char *buf, size_t n, double s)
 {
     if (!(s >= 0) || s > 1e7)
@@ -124,7 +117,7 @@ void nl_train_report_step(nl_train_progress *p, const nl_train_step *s, FILE *lo
     }
     if (log)
         log_record(s, log);
-    const double now = nl_train_clock();
+    const double now = nl_mono_s();
     if (!p->tty && !line_due(p, s, now))
         return;
     char eta[32], line[256];

@@ -9,6 +9,7 @@
 #include <stdio.h>
 
 #include "base/args.h"
+#include "base/clock.h"
 
 /* The run's options: the same flags, defaults and checks everywhere (the
  * ranges, defaults and batch rule of net/trainparams.h). */
@@ -75,7 +76,7 @@ typedef struct nl_train_step {
     int has_eval;       /* eval_loss is set */
     double eval_loss;   /* mean held-out cross-entropy */
     int64_t start_step; /* steps done before this run began (0, or a resume's step) */
-    double start_time;  /* nl_train_clock() when this run's first step began (for the ETA) */
+    double start_time;  /* nl_mono_s() when this run's first step began (for the ETA) */
     const char *device; /* where it computes: "cpu", "cuda:0"; a cluster's stages joined by
                            ',' in stage order ("cuda:0,cpu"); NULL: not known */
     int tf32;           /* 1: TF32 GEMMs allowed, 0: FP32, -1: not known (a cluster) */
@@ -87,9 +88,6 @@ typedef struct nl_train_step {
     int64_t verify_convicted, verify_outvoted; /* arbitrated: a stage wrong, a verifier wrong */
 } nl_train_step;
 
-/* Monotonic seconds. */
-double nl_train_clock(void);
-
 /* Where the progress goes and what is on screen. On a terminal one line
  * is redrawn in place, cut to the terminal's width; into a file or pipe a
  * line is printed for the first and last steps, a step with an eval loss,
@@ -97,7 +95,7 @@ double nl_train_clock(void);
 typedef struct nl_train_progress {
     int tty;           /* stderr is a terminal */
     double every_s;    /* not a tty: seconds between lines (0: every step) */
-    double last_print; /* nl_train_clock() of the last line printed; 0: none yet */
+    double last_print; /* nl_mono_s() of the last line printed; 0: none yet */
     int open;          /* a redrawn line is on the terminal without its newline */
 } nl_train_progress;
 

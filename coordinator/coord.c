@@ -298,7 +298,7 @@ void nl_coord_destroy(nl_coord **cp)
 
 static void tick(nl_coord *c)
 {
-    const double now = coord_now();
+    const double now = nl_mono_s();
     coord_reap_sources(c, 0);
     cnode *q = c->quarantine ? coord_node_by_id(c, c->quarantine) : NULL;
     c->quarantine = 0;
@@ -543,8 +543,8 @@ nl_status nl_coord_run(nl_coord *c, volatile sig_atomic_t *stop, nl_error *err)
          * their LEAVEs are awaited (nodes that do not answer are left) */
         c->dismissing = 1;
         const int asked = coord_dismiss_nodes(c, "the cluster is going down");
-        const double until = coord_now() + DISMISS_WAIT_S;
-        while (c->n_live > 0 && coord_now() < until)
+        const double until = nl_mono_s() + DISMISS_WAIT_S;
+        while (c->n_live > 0 && nl_mono_s() < until)
             nl_coord_step(c, 100);
         NL_INFO("stopping: asked %d node(s) to leave; %d left, %d did not answer", asked,
                 asked - c->n_live, c->n_live);

@@ -17,13 +17,6 @@
 #include "coordinator/coord_impl.h"
 #include "core/grow/grow.h"
 
-double coord_now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 void coord_set_state(nl_coord *c, const char *fmt, ...)
 {
     char buf[sizeof c->state];
@@ -233,7 +226,7 @@ nl_status coord_send_client(nl_coord *c, const uint8_t *rid, size_t rid_len, nl_
     if (st == NL_OK)
         return st;
     c->client_drops++;
-    const double now = coord_now();
+    const double now = nl_mono_s();
     if (now - c->drop_logged >= 1.0) {
         NL_WARN("%s to a client dropped (%s); %llu dropped so far: a client that does not read "
                 "loses its replies, and stalls no one",

@@ -146,7 +146,7 @@ static void embed_on_message(nl_coord *c, cjob *j, const nl_rx *rx)
         if (!n || n->stage < 0 || n->stage >= c->plan->n_stages || e->acked[n->stage])
             return;
         e->acked[n->stage] = 1;
-        j->last_progress = coord_now();
+        j->last_progress = nl_mono_s();
         if (++e->acks == c->plan->n_stages &&
             coord_send_tokens(c, j, 0, 0, e->ids, e->B, e->T) != NL_OK)
             coord_fail_unreachable_first(c, j);

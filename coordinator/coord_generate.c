@@ -82,7 +82,7 @@ static void note_done(nl_coord *c, const cjob *j)
     gen_done_one *e = &c->gen_done->e[c->gen_done->next];
     c->gen_done->next = (c->gen_done->next + 1) % GEN_DONE_KEPT;
     e->job = j->id;
-    e->t_end = coord_now();
+    e->t_end = nl_mono_s();
     e->n = g->n_served;
     memcpy(e->served, g->served, (size_t)g->n_served * sizeof *e->served);
 }
@@ -150,7 +150,7 @@ void coord_generate_convicted(nl_coord *c, const cnode *n, const char *why)
                            "a node that served it was convicted of computing wrong, and it "
                            "has no resume left (--gen-resumes)");
     }
-    const double now = coord_now();
+    const double now = nl_mono_s();
     for (int i = 0; c->gen_done && i < GEN_DONE_KEPT; i++) {
         const gen_done_one *e = &c->gen_done->e[i];
         if (!e->job || now - e->t_end > GEN_DONE_WINDOW_S || !served_by(e->served, e->n, n->id))
@@ -181,7 +181,7 @@ static void open_session(nl_coord *c, cjob *j)
     cgen *g = j->state;
     j->phase = JOB_RUNNING;
     j->epoch = c->epoch;
-    j->last_progress = coord_now();
+    j->last_progress = nl_mono_s();
     g->opening = 1;
     g->acks = 0;
     memset(g->acked, 0, sizeof g->acked);
@@ -270,7 +270,7 @@ static void on_ack(nl_coord *c, cjob *j, const nl_rx *rx)
         n->stage >= COORD_MAX_NODES || g->acked[n->stage])
         return;
     g->acked[n->stage] = 1;
-    j->last_progress = coord_now();
+    j->last_progress = nl_mono_s();
     if (++g->acks < c->plan->n_stages)
         return;
     g->opening = 0;
@@ -293,7 +293,7 @@ static void on_token(nl_coord *c, cjob *j, const nl_rx *rx)
         coord_job_fail(c, j, why);
         return;
     }
-    j->last_progress = coord_now();
+    j->last_progress = nl_mono_s();
     const int32_t tok = (int32_t)t->tokens[0];
     const int k = g->seen++; /* the session's token k (0-based) */
     if (k < g->produced && g->convicted && tok != g->ids[g->prompt_len + k]) {
@@ -365,7 +365,7 @@ static int generate_stage_lost(nl_coord *c, cjob *j, const char *why)
     g->resumes++;
     g->coord_feeds = 1;
     j->phase = JOB_WAITING;
-    j->last_progress = coord_now();
+    j->last_progress = nl_mono_s();
     char msg[900];
     snprintf(msg, sizeof msg,
              "%s; resuming at token %d once the cluster is planned again (resume %d of %d)", why,

@@ -400,7 +400,7 @@ coord_grow_task *coord_grow_task_new(nl_coord *c, uint64_t job, const char *inpu
         return NULL;
     }
     k->w = (cwork){.run = grow_task_run, .done = done, .free = grow_task_free, .job_id = job};
-    k->t0 = coord_now();
+    k->t0 = nl_mono_s();
     snprintf(k->src, sizeof k->src, "%s", c->src_path);
     return k;
 }
@@ -426,7 +426,7 @@ static void rest_done(nl_coord *c, cwork *w)
         c->grow_sig = 0;
         return;
     }
-    coord_grow_install(c, &k->g, coord_now() - k->t0);
+    coord_grow_install(c, &k->g, nl_mono_s() - k->t0);
     json_t *o = coord_grow_event(c, &k->g);
     char *text = o ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
@@ -504,11 +504,11 @@ static void grow_job_done(nl_coord *c, cwork *w)
     for (int i = 0; i < COORD_MAX_JOBS; i++)
         if (c->jobs[i].phase != JOB_FREE && &c->jobs[i] != j)
             coord_job_fail(c, &c->jobs[i], "the cluster reloads: its model grows");
-    coord_grow_install(c, &k->g, coord_now() - g->t0);
+    coord_grow_install(c, &k->g, nl_mono_s() - g->t0);
     g->event = coord_grow_event(c, &k->g);
     g->phase = 1;
     j->phase = JOB_WAITING;
-    j->last_progress = coord_now();
+    j->last_progress = nl_mono_s();
     grow_report(c, j, NL_JOB_RUNNING, "grown; the stages reload");
 }
 

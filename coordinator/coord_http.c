@@ -46,7 +46,7 @@ nl_status coord_http_open_client(nl_coord_http *h, nl_sock **out, nl_error *err)
 json_t *coord_http_query_status(nl_sock *s, nl_error *err)
 {
     json_t *out = NULL;
-    nl_client_status(s, nl_client_now() + 5.0, &out, err);
+    nl_client_status(s, nl_mono_s() + 5.0, &out, err);
     return out;
 }
 
@@ -138,7 +138,7 @@ static void *poller_main(void *arg)
     nl_coord_http *h = arg;
     nl_sock *s = NULL;
     nl_error e = {0};
-    double last_tick = nl_client_now(), last_stats = 0.0;
+    double last_tick = nl_mono_s(), last_stats = 0.0;
     uint64_t last_tokens = UINT64_MAX; /* the cluster's count at last_tick */
     pthread_mutex_lock(&h->mu);
     while (!h->stop) {
@@ -153,7 +153,7 @@ static void *poller_main(void *arg)
             nl_sock_destroy(&s);
         }
         pthread_mutex_lock(&h->mu);
-        const double t = nl_client_now();
+        const double t = nl_mono_s();
         /* tokens/s of every generation on the cluster, HTTP's and other
          * clients' (neuroctl generate), from the coordinator's count */
         if (last_tokens == UINT64_MAX) {

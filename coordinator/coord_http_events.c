@@ -261,7 +261,7 @@ void coord_http_on_report(void *ctx, uint64_t job, int state, const char *msg, c
     nl_coord_http *h = ctx;
     json_t *o = json ? json_loads(json, 0, NULL) : NULL;
     const char *ev = json_string_value(json_object_get(o, "event"));
-    const double now = nl_client_now();
+    const double now = nl_mono_s();
     if (!ev) { /* a failed training job says why in its message alone */
         pthread_mutex_lock(&h->mu);
         const int ours = h->train.job == job && job != 0 && state == NL_JOB_FAILED &&

@@ -47,7 +47,7 @@ typedef struct card_mark {
 
 /* The last training job the coordinator reported on (its reports'
  * "start", "step", "done" ... events): what the dashboard's job card
- * shows, during the run and after it. Times are nl_client_now()'s. */
+ * shows, during the run and after it. Times are nl_mono_s()'s. */
 typedef struct train_card {
     uint64_t job;       /* 0: no training job seen yet */
     char state[16];     /* running, done, cancelled, failed */
@@ -112,7 +112,7 @@ struct nl_coord_http {
 };
 
 /* A new client connection to the coordinator (the in-memory key;
- * net/client.h speaks the protocol: nl_client_send_ref, nl_client_now). */
+ * net/client.h speaks the protocol: nl_client_send_ref, nl_mono_s). */
 nl_status coord_http_open_client(nl_coord_http *h, nl_sock **out, nl_error *err);
 /* The coordinator's status over s (NULL with err set). */
 json_t *coord_http_query_status(nl_sock *s, nl_error *err);

@@ -110,8 +110,8 @@ static nl_status await_taken(gen *g, nl_error *err)
 {
     nl_rx rx;
     nl_rx_init(&rx);
-    const double by = nl_client_now() + TAKEN_WAIT_S;
-    while (!g->job && !g->failed && nl_client_now() < by) {
+    const double by = nl_mono_s() + TAKEN_WAIT_S;
+    while (!g->job && !g->failed && nl_mono_s() < by) {
         nl_status st = nl_sock_recv(g->s, &rx, 250, err);
         if (st == NL_OK)
             gen_take(g, &rx);
@@ -293,14 +293,14 @@ nl_http_next coord_http_gen_next(void *ctx, void *jp, int32_t *id, const char **
     gen *g = jp;
     nl_rx rx;
     nl_rx_init(&rx);
-    const double by = nl_client_now() + timeout_ms / 1e3;
+    const double by = nl_mono_s() + timeout_ms / 1e3;
     *text = "";
     *len = 0;
     while (g->consumed == g->n && !g->done && !g->failed && g->withdraw < 0) {
         pthread_mutex_lock(&h->mu);
         const int stop = h->stop;
         pthread_mutex_unlock(&h->mu);
-        const double left = by - nl_client_now();
+        const double left = by - nl_mono_s();
         if (stop) {
             g->failed = 1;
             snprintf(g->why, sizeof g->why, "the coordinator is stopping");
@@ -361,14 +361,14 @@ void coord_http_gen_end(void *ctx, void *jp)
     while (!g->done && !g->failed && nl_sock_recv(g->s, &rx, 0, &e) == NL_OK)
         gen_take(g, &rx);
     if (!g->done && !g->failed) {
-        const double by = nl_client_now() + CANCEL_WAIT_S;
+        const double by = nl_mono_s() + CANCEL_WAIT_S;
         /* the coordinator names the job in its first answer */
-        while (!g->job && !g->failed && nl_client_now() < by)
+        while (!g->job && !g->failed && nl_mono_s() < by)
             if (nl_sock_recv(g->s, &rx, 100, &e) == NL_OK)
                 gen_take(g, &rx);
         if (g->job && !g->failed &&
             nl_client_send_ref(g->s, NL_MSG_JOB_CANCEL, g->job, &e) == NL_OK)
-            while (!g->failed && nl_client_now() < by)
+            while (!g->failed && nl_mono_s() < by)
                 if (nl_sock_recv(g->s, &rx, 100, &e) == NL_OK)
                     gen_take(g, &rx);
         if (g->cancelled)
@@ -490,7 +490,7 @@ nl_status coord_http_embed(void *ctx, int model, const char *text, size_t len, c
     if (st == NL_OK)
         st = nl_client_submit(s, NL_JOB_EMBED, ps, adapter ? 2 : 1, p, 1, P, err);
     if (st == NL_OK) {
-        st = nl_client_await_result(s, nl_client_now() + EMBED_WAIT_S, take_embedding, &t, err);
+        st = nl_client_await_result(s, nl_mono_s() + EMBED_WAIT_S, take_embedding, &t, err);
         if (st != NL_OK)
             st = embed_failed(st, err);
     }

@@ -140,7 +140,7 @@ char *coord_http_status(void *ctx)
     model_name_locked(h, served, sizeof served);
     json_t *st = h->status ? json_deep_copy(h->status) : json_pack("{s:s}", "state", "unknown");
     const double tps = h->tps;
-    json_t *train = train_json(&h->train, nl_client_now());
+    json_t *train = train_json(&h->train, nl_mono_s());
     json_object_set_new(st, "sessions", json_pack("{s:i,s:i}", "active", h->active, "queued", 0));
     json_object_set_new(st, "tokens_generated", json_integer((json_int_t)h->coord_tokens));
     json_object_set_new(st, "http_tokens_generated", json_integer((json_int_t)h->tokens));

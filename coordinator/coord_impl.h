@@ -13,6 +13,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 
+#include "base/clock.h"
 #include "coordinator/coord.h"
 #include "core/formats/manifest.h"
 #include "core/formats/safetensors.h"
@@ -335,7 +336,6 @@ void coord_dispatch(nl_coord *c, const nl_rx *rx, int roles);
 /* ---------------------------------------------------------------- coord_base.c
  * Helpers of every layer; they call no job code but through cjob_ops. */
 
-double coord_now(void);
 void coord_set_state(nl_coord *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* The node table (coord_nodes.c). Every lookup of a live node is O(1) in the number of

@@ -66,7 +66,7 @@ cjob *coord_job_new(nl_coord *c, const nl_rx *rx, const cjob_ops *ops)
     j->rid_len = rx->rid_len;
     snprintf(j->owner, sizeof j->owner, "%s", rx->peer);
     j->epoch = c->epoch;
-    j->last_progress = coord_now();
+    j->last_progress = nl_mono_s();
     return j;
 }
 
@@ -285,7 +285,7 @@ void coord_jobs_touch(nl_coord *c)
 {
     for (int i = 0; i < COORD_MAX_JOBS; i++)
         if (c->jobs[i].phase == JOB_WAITING)
-            c->jobs[i].last_progress = coord_now();
+            c->jobs[i].last_progress = nl_mono_s();
 }
 
 void coord_jobs_ready(nl_coord *c)
@@ -391,7 +391,7 @@ static json_t *node_json(nl_coord *c, const cnode *n, bool full, double now)
 static json_t *status_json(nl_coord *c, const nl_rx *rx, bool full)
 {
     json_t *root = json_object(), *nodes = json_array();
-    const double now = coord_now();
+    const double now = nl_mono_s();
     json_object_set_new(root, "state", json_string(c->state));
     json_object_set_new(root, "ready", json_boolean(c->ready));
     if (full)

@@ -258,7 +258,7 @@ void coord_on_join(nl_coord *c, const nl_rx *rx)
     n->memory = j->memory_bytes;
     n->gflops = j->gemm_gflops;
     n->threads = j->threads;
-    n->joined = n->last_seen = coord_now();
+    n->joined = n->last_seen = nl_mono_s();
     coord_node_live(c, n);
     nl_wire_msg m;
     nl_wire_msg_init(&m);
@@ -346,7 +346,7 @@ void coord_on_node_error(nl_coord *c, const nl_rx *rx)
         e->req_type == NL_MSG_ASSIGN) {
         coord_set_state(c, "loading failed: %s", why);
         coord_drop_plan(c);
-        c->last_plan_try = coord_now() + 5.0; /* do not spin on a broken load */
+        c->last_plan_try = nl_mono_s() + 5.0; /* do not spin on a broken load */
         return;
     }
     coord_fail_stage_jobs(c, why); /* the jobs it serves: those running on this plan */

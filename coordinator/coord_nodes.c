@@ -331,7 +331,7 @@ void coord_node_unlive(nl_coord *c, cnode *n, int life)
 
 void coord_node_seen(nl_coord *c, cnode *n)
 {
-    n->last_seen = coord_now();
+    n->last_seen = nl_mono_s();
     if (n->unreachable || n->newer < 0)
         return; /* first, to be declared dead; or already the newest */
     list_unlink(c, n);

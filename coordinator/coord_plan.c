@@ -103,7 +103,7 @@ static void start_load(nl_coord *c, int stage, int r)
 {
     cnode *n = coord_stage_replica(c, stage, r);
     if (n)
-        n->ld = (cload){.active = 1, .epoch = c->epoch, .src = c->src, .t0 = coord_now()};
+        n->ld = (cload){.active = 1, .epoch = c->epoch, .src = c->src, .t0 = nl_mono_s()};
 }
 
 /* One turn of streaming; returns how many stages still load. */
@@ -146,7 +146,7 @@ int coord_stream_loads(nl_coord *c)
             coord_send_node(c, n, &m);
             if (c->src)
                 NL_INFO("stage %d: sent %u tensors (%.1f MiB) to node %u in %.2f s", n->stage,
-                        ld->tensors, (double)ld->bytes / (1 << 20), n->id, coord_now() - ld->t0);
+                        ld->tensors, (double)ld->bytes / (1 << 20), n->id, nl_mono_s() - ld->t0);
         }
     }
     nl_wire_msg_free(&m);
@@ -448,7 +448,7 @@ void coord_try_plan(nl_coord *c)
 static void plan_over(nl_coord *c, nl_plan_node *pn, int n, uint64_t total)
 {
     nl_error e = {0};
-    c->last_plan_try = coord_now();
+    c->last_plan_try = nl_mono_s();
     /* the minimums gate the first plan; later plans use whoever is left */
     const int live = c->n_live;
     if (!c->planned_once && (live < c->o.min_nodes || total < c->o.min_memory)) {
@@ -477,7 +477,7 @@ static void plan_over(nl_coord *c, nl_plan_node *pn, int n, uint64_t total)
     nl_plan *plan = NULL;
     struct timespec cpu0, cpu1;
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &cpu0);
-    const double t0 = coord_now();
+    const double t0 = nl_mono_s();
     if (plan_layers(c, &plan, pn, n, &po, c->plan_why, sizeof c->plan_why, &e) != NL_OK) {
         coord_set_state(c, "not enough capacity: %s", e.msg);
         coord_fail_waiting(c, c->state);
@@ -485,7 +485,7 @@ static void plan_over(nl_coord *c, nl_plan_node *pn, int n, uint64_t total)
     }
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &cpu1);
     NL_INFO("planned over %d live nodes (%d offered to the planner) in %.3f s (%.3f s of CPU)",
-            c->n_live, n > plan_offer(c) ? plan_offer(c) : n, coord_now() - t0,
+            c->n_live, n > plan_offer(c) ? plan_offer(c) : n, nl_mono_s() - t0,
             (double)(cpu1.tv_sec - cpu0.tv_sec) + 1e-9 * (double)(cpu1.tv_nsec - cpu0.tv_nsec));
     c->plan = plan;
     c->plan_link_bytes_s =

@@ -78,7 +78,7 @@ void coord_probe_start(nl_coord *c, cnode *n)
     }
     int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     c->probes++;
-    n->probe_until = coord_now() + PROBE_MS / 1e3;
+    n->probe_until = nl_mono_s() + PROBE_MS / 1e3;
     n->probe_fd = fd;
     if (fd <= 0) { /* 0 is not ours to close: never probed with */
         NL_WARN("node %u: cannot probe its data endpoint: %s", n->id, strerror(errno));
@@ -105,7 +105,7 @@ void coord_probe_stop(nl_coord *c, cnode *n)
 
 int coord_probe_tick(nl_coord *c)
 {
-    const double now = coord_now();
+    const double now = nl_mono_s();
     for (int i = 0; i < c->n_nodes && c->probes > 0; i++) {
         cnode *n = &c->nodes[i];
         if (n->life != NODE_LIVE || n->probe_fd <= 0)

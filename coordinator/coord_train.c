@@ -139,7 +139,7 @@ static void enter_loading(cjob *j)
     t->moments = 0;
     t->adam = 0;
     j->phase = JOB_WAITING;
-    j->last_progress = coord_now();
+    j->last_progress = nl_mono_s();
 }
 
 /* BEGIN: every stage is sent the job (JOB_SUBMIT: its shapes, where it
@@ -160,7 +160,7 @@ static void enter_begin(nl_coord *c, cjob *j)
 static void enter_step(nl_coord *c, cjob *j)
 {
     ctrain *t = j->state;
-    t->t_step = coord_now();
+    t->t_step = nl_mono_s();
     /* until a checkpoint of these weights is the source (fine-tuning
      * leaves the weights as they are) */
     if (!t->ft)
@@ -430,7 +430,7 @@ static void decide(nl_coord *c, cjob *j)
     }
     t->bad_stage = -1;
     t->lr_now = nl_lr_at(t->step, t->steps, t->warmup, t->lr, t->min_lr);
-    t->step_s = coord_now() - t->t_step;
+    t->step_s = nl_mono_s() - t->t_step;
     int lost = 0;
     if (coord_train_send_decision(c, j, scale, &lost) != 0) {
         coord_train_unreachable(c, j, lost);
@@ -442,7 +442,7 @@ static void decide(nl_coord *c, cjob *j)
         c->weights_job = j->id;
         c->weights_step = t->step;
     }
-    j->last_progress = coord_now();
+    j->last_progress = nl_mono_s();
     t->has_eval = 0;
     if (t->eval_every > 0 && (due(t->step, t->eval_every) || t->step == t->steps))
         to(c, j, TR_EVAL);
@@ -548,7 +548,7 @@ static void on_grown(nl_coord *c, cjob *j, const tr_in *in)
         next_step(c, j);
         return;
     }
-    coord_grow_install(c, &k->g, coord_now() - k->t0);
+    coord_grow_install(c, &k->g, nl_mono_s() - k->t0);
     coord_train_report(c, j, NL_JOB_RUNNING, "the model grew", coord_grow_event(c, &k->g));
     coord_close_session(c, j);
     to(c, j, TR_LOADING);
@@ -616,7 +616,7 @@ static void resume(nl_coord *c, cjob *j, const char *why)
     ctrain *t = j->state;
     coord_close_session(c, j); /* the stages left drop the job */
     t->resumes++;
-    t->t_lost = coord_now();
+    t->t_lost = nl_mono_s();
     t->lost_at = t->step;
     to(c, j, TR_LOADING);
     if (roll_back(c, j) >= 0) /* else it failed and has ended */

@@ -89,12 +89,12 @@ static void prep_run(cwork *w)
         return;
     }
     if (p->grow) { /* the data teaches the tokenizer first; it is then tokenized with it */
-        const double t0 = coord_now();
+        const double t0 = nl_mono_s();
         if ((p->st = coord_grow_run(&p->v, &p->err)) != NL_OK) {
             nl_error_prefix(&p->err, "--learn-vocab");
             return;
         }
-        p->grow_s = coord_now() - t0;
+        p->grow_s = nl_mono_s() - t0;
     }
     const char *tok = p->resume ? p->mf.tok : p->grow ? p->v.new_tok : p->tok;
     const int64_t vocab = p->resume ? p->mf.cfg.vocab_size

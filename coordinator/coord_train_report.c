@@ -76,11 +76,11 @@ void coord_train_report_start(nl_coord *c, cjob *j)
                                                 checkpoint that follows one) */
         json_object_set_new(o, "resumes", json_integer(t->resumes));
         json_object_set_new(o, "plan", json_integer((json_int_t)c->epoch));
-        json_object_set_new(o, "since_lost_s", jnum(coord_now() - t->t_lost));
+        json_object_set_new(o, "since_lost_s", jnum(nl_mono_s() - t->t_lost));
         NL_INFO("train job %llu: resumed at step %lld on plan %llu (%d stages), %.2f s after the "
                 "loss (resume %d of %d)",
                 (unsigned long long)j->id, (long long)t->start, (unsigned long long)c->epoch,
-                t->stages, coord_now() - t->t_lost, t->resumes, c->o.train_resumes);
+                t->stages, nl_mono_s() - t->t_lost, t->resumes, c->o.train_resumes);
     }
     coord_train_report(c, j, NL_JOB_RUNNING,
                        t->resumes > 0 && t->t_lost > 0 ? "resumed" : "starting", o);
@@ -120,7 +120,7 @@ void coord_train_report_step(nl_coord *c, cjob *j)
     if (t->t_lost > 0) {
         NL_INFO("train job %llu: step %lld, the first after the resume, done %.2f s after the "
                 "stage was lost at step %lld",
-                (unsigned long long)j->id, (long long)t->step, coord_now() - t->t_lost,
+                (unsigned long long)j->id, (long long)t->step, nl_mono_s() - t->t_lost,
                 (long long)t->lost_at);
         t->t_lost = 0;
     }

@@ -89,7 +89,7 @@ static int on_ack(srep *r)
         (t->took[n->stage] & (1u << n->replica)))
         return 0;
     t->took[n->stage] |= (uint16_t)(1u << n->replica);
-    r->j->last_progress = coord_now();
+    r->j->last_progress = nl_mono_s();
     int all = 0;
     for (int s = 0; s < t->stages; s++)
         all += coord_stage_replicas(r->c, s);
@@ -224,7 +224,7 @@ static int on_grad_norm(srep *r)
         t->bad_stage = (int)g->stage;
     if (take_digests(r, g->stage, rep) != 0)
         return -1;
-    r->j->last_progress = coord_now();
+    r->j->last_progress = nl_mono_s();
     t->got[g->stage] |= (uint16_t)(1u << rep);
     if (counted) { /* DiLoCo: each group's own */
         t->sumsq += g->sumsq;
@@ -255,7 +255,7 @@ static int on_eval_loss(srep *r)
                    "but %.0f were sent: refused",
                    last, (unsigned long long)l->rows, (unsigned long long)correct,
                    (long long)t->step, t->eval_rows);
-    r->j->last_progress = coord_now();
+    r->j->last_progress = nl_mono_s();
     t->eval_loss = l->ce_sum / (t->eval_rows > 0 ? t->eval_rows : 1.0);
     t->eval_acc = t->lds && l->rows ? (double)correct / (double)l->rows : 0.0;
     t->has_eval = 1;
@@ -285,7 +285,7 @@ static int on_loss(srep *r)
                    last, l->ce_sum, l->aux, (long long)t->step + 1);
     if ((!isfinite(l->ce_sum) || !isfinite(l->aux)) && t->bad_stage < 0)
         t->bad_stage = (int)last; /* the step is skipped (decide) */
-    r->j->last_progress = coord_now();
+    r->j->last_progress = nl_mono_s();
     t->ce = l->ce_sum;
     t->aux = l->aux;
     t->lane_ce[rep] = l->ce_sum;
@@ -305,7 +305,7 @@ static int on_ckpt_done(srep *r)
         return 0;
     if (coord_train_shard(r->c, r->j, coord_node_by_rid(r->c, r->rx), d, r->why, r->cap))
         return -1;
-    r->j->last_progress = coord_now();
+    r->j->last_progress = nl_mono_s();
     t->got[d->stage] = 2;
     return ++t->acks == t->stages;
 }

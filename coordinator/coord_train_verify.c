@@ -252,7 +252,7 @@ static int ask_case(nl_coord *c, cjob *j, int s, int64_t step, int64_t mb, cnode
                 .bare = bare,
                 .w = g,
                 .epoch = c->epoch,
-                .t0 = coord_now(),
+                .t0 = nl_mono_s(),
                 .cross = cross,
                 .l0 = (uint32_t)row->l0,
                 .l1 = (uint32_t)row->l1,
@@ -317,7 +317,7 @@ void coord_train_verify_sample(nl_coord *c, cjob *j)
          * stage dropped the job), or whose verifier is gone: unverified */
         const cnode *by = v->verifier ? coord_node_by_id(c, v->verifier) : NULL;
         if ((v->epoch != c->epoch && (!by || by->life != NODE_LIVE)) ||
-            coord_now() - v->t0 > VERIFY_STALE_S) {
+            nl_mono_s() - v->t0 > VERIFY_STALE_S) {
             taint(t, v->step);
             drop(t, i--);
         } else if (!v->verifier && v->step < step) {
@@ -556,7 +556,7 @@ static void on_result(nl_coord *c, cjob *j, const nl_rx *rx, cnode *from)
         }
         const int fwd = same(r->fwd, v->want[0]), bwd = same(r->bwd, v->want[1]);
         from->ver_cases++;
-        from->ver_s += coord_now() - v->sent;
+        from->ver_s += nl_mono_s() - v->sent;
         from->ver_mismatches += !(fwd && bwd);
         if (v->first) { /* the arbiter's: clean only if it outvotes the verifier */
             if (!judge(c, t, j, v, r, from))

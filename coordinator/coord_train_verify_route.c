@@ -192,7 +192,7 @@ int verify_send_case(nl_coord *c, cver *v, cnode *to)
     free(json);
     if (rc == 0) {
         verify_wts_mark(v->w, to->id, 1);
-        v->sent = coord_now();
+        v->sent = nl_mono_s();
         to->ver_bytes += bytes;
     }
     return rc;

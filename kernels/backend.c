@@ -9,6 +9,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "base/clock.h"
+
 void nl_backend_destroy(nl_backend **be)
 {
     if (!be || !*be)
@@ -84,13 +86,6 @@ void nl_host_stage_free(nl_host_stage *st)
 
 /* ---------------------------------------------------------------- probe */
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* The process's CPU time (every thread's) over `threads`, in seconds. */
 static double cpu_s(int threads)
 {
@@ -117,13 +112,13 @@ static double gemm_gflops(nl_backend *be, int M, int N, int K, double seconds, i
      * the CPU time they took */
     int reps = 0;
     const double c0 = threads ? cpu_s(threads) : 0.0;
-    double t0 = now_s(), t = t0;
+    double t0 = nl_mono_s(), t = t0;
     do {
         be->gemm(be, 0, 1, M, N, K, 1.0f, A, K, B, K, 0.0f, C, N);
         if (be->sync(be, NULL) != NL_OK)
             goto out;
         reps++;
-        t = now_s();
+        t = nl_mono_s();
     } while (t - t0 < seconds);
     const double spent = threads ? cpu_s(threads) - c0 : t - t0;
     if (spent > 0)

@@ -8,13 +8,6 @@
 
 #include "net/handshake.h"
 
-double nl_client_now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 nl_status nl_client_connect(nl_sock **out, nl_net *net, const nl_client_opts *o, nl_error *err)
 {
     nl_sock_opts so = {.type = ZMQ_DEALER,
@@ -27,7 +20,7 @@ nl_status nl_client_connect(nl_sock **out, nl_net *net, const nl_client_opts *o,
     nl_rx rx;
     nl_rx_init(&rx);
     nl_handshake *hs = NULL;
-    const double start = nl_client_now();
+    const double start = nl_mono_s();
     int left = o->timeout_ms;
     nl_status st;
     *out = NULL;
@@ -45,7 +38,7 @@ nl_status nl_client_connect(nl_sock **out, nl_net *net, const nl_client_opts *o,
                               o->endpoint);
         if (st != NL_OK && st != NL_ERR_TIMEOUT)
             goto out;
-        left = o->timeout_ms - (int)((nl_client_now() - start) * 1000);
+        left = o->timeout_ms - (int)((nl_mono_s() - start) * 1000);
         left = left > 100 ? left : 100; /* HELLO gets what is left */
     }
     st = nl_sock_hello(*out, NL_ROLE_CLIENT, left, &rx, err);
@@ -92,7 +85,7 @@ nl_status nl_client_submit(nl_sock *s, nl_job_kind kind, const nl_wire_param *ps
 nl_status nl_client_recv(nl_sock *s, nl_rx *rx, double deadline, nl_error *err)
 {
     for (;;) {
-        double left = deadline - nl_client_now();
+        double left = deadline - nl_mono_s();
         if (left <= 0)
             return nl_error_set(err, NL_ERR_TIMEOUT, "no answer from the coordinator in time");
         nl_rx_free(rx);

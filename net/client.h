@@ -14,6 +14,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "base/clock.h"
 #include "base/status.h"
 #include "net/transport.h"
 
@@ -30,9 +31,6 @@ typedef struct nl_client_opts {
     bool watch_handshake;
 } nl_client_opts;
 
-/* Monotonic seconds, for deadlines. */
-double nl_client_now(void);
-
 /* Connect and say HELLO within o->timeout_ms. On failure *out is NULL
  * and err names the coordinator (or, watched, what to check). */
 nl_status nl_client_connect(nl_sock **out, nl_net *net, const nl_client_opts *o, nl_error *err);
@@ -46,7 +44,7 @@ nl_status nl_client_send_ref(nl_sock *s, nl_msg_type type, uint64_t job_id, nl_e
 nl_status nl_client_submit(nl_sock *s, nl_job_kind kind, const nl_wire_param *ps, int np,
                            const int32_t *ids, int B, int T, nl_error *err);
 
-/* Wait until deadline (nl_client_now() seconds) for the next message
+/* Wait until deadline (nl_mono_s() seconds) for the next message
  * into rx; passing the deadline is NL_ERR_TIMEOUT, an ERROR from the
  * coordinator an error with its code and message. */
 nl_status nl_client_recv(nl_sock *s, nl_rx *rx, double deadline, nl_error *err);

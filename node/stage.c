@@ -12,15 +12,6 @@
 #include "base/log.h"
 #include "core/model/memory.h"
 
-double stage_now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-#define now_s stage_now
-
 /* ===================== life ===================== */
 
 nl_status nl_stage_new_replicas(nl_stage **out, nl_backend *const *be, int n, nl_comm *comm,
@@ -243,7 +234,7 @@ nl_status nl_stage_assign(nl_stage *s, const nl_msg_assign *a, nl_error *err)
     s->replicas = a->replicas > 1 ? (int)a->replicas : 1;
     s->fan_prev = a->prev_keys && a->prev_keys[0];
     s->fan_next = a->next_keys && a->next_keys[0];
-    s->t_assign = now_s();
+    s->t_assign = nl_mono_s();
     nl_status st = stage_wait_output(s, "ASSIGN", err);
     stage_verify_forget(s); /* a new plan: what the verifier kept is of the old one */
     if (st == NL_OK) {
@@ -439,7 +430,7 @@ nl_status nl_stage_load_done(nl_stage *s, uint64_t epoch, uint32_t tensors, nl_s
     s->ready = true;
     info->tensors = (uint32_t)m->n_table * (s->have_moments ? 3u : 1u);
     info->bytes = (uint64_t)m->n_params * sizeof(float);
-    info->seconds = now_s() - s->t_assign;
+    info->seconds = nl_mono_s() - s->t_assign;
     return NL_OK;
 }
 
@@ -723,7 +714,7 @@ nl_status nl_stage_forward(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_w
 {
     session *se = NULL;
     memset(out, 0, sizeof *out);
-    const double t0 = now_s();
+    const double t0 = nl_mono_s();
     stage_train_quiesce(s); /* a training job's threads leave replica 0's backend */
     nl_status st = nl_stage_device_status(s, err);
     if (st == NL_OK && hop->session_id && hop->step == 0 && hop->microbatch == 0)
@@ -737,7 +728,7 @@ nl_status nl_stage_forward(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_w
         return dst;
     }
     if (st == NL_OK && se) { /* the session's account of its compute */
-        const double dt = now_s() - t0;
+        const double dt = nl_mono_s() - t0;
         if (out->T == 1) {
             se->steps++;
             se->step_s += dt;

@@ -191,7 +191,7 @@ nl_status nl_stage_enqueue(nl_stage *s, const nl_msg_tensor_hop *hop, const nl_w
     q->T = T;
     q->done = 0;
     q->aux = hop->aux;
-    q->t_in = stage_now();
+    q->t_in = nl_mono_s();
     q->gone = false;
     if (se->last_in > 0.0 && q->T == 1) { /* decode steps: the ring's period for this session */
         const double gap = q->t_in - se->last_in;
@@ -206,7 +206,7 @@ double nl_stage_batch_due(const nl_stage *s)
 {
     if (!s->n_q)
         return -1.0;
-    const double now = stage_now();
+    const double now = nl_mono_s();
     const int wait_ms = s->o.batch_wait_ms ? s->o.batch_wait_ms : DEFAULT_WAIT_MS;
     if (wait_ms < 0)
         return 0.0;
@@ -419,14 +419,14 @@ static void run_adapted(nl_stage *s, int *nres)
         r->out.B = 1;
         r->out.T = q->T;
         r->out.aux = q->aux;
-        const double t0 = stage_now();
+        const double t0 = nl_mono_s();
         nl_status st = NL_OK;
         if (!m->has_head &&
             !reserve((void **)&q->acc, &q->acc_cap, (size_t)q->T * d * sizeof(float)))
             st = nl_error_set(&e, NL_ERR_NOMEM, "out of memory for %d positions", q->T);
         if (st == NL_OK)
             st = stage_forward_adapted(s, se, q->in, q->T, q->acc, &r->out, &e);
-        const double t1 = stage_now();
+        const double t1 = nl_mono_s();
         if (st != NL_OK) {
             r->st = st;
             snprintf(r->msg, sizeof r->msg, "job %llu session %llu: %.400s",
@@ -471,14 +471,14 @@ nl_status nl_stage_run_batch(nl_stage *s, const nl_stage_result **res, int *nres
     }
     *res = s->res;
     nl_error e = {0};
-    const double t0 = stage_now();
+    const double t0 = nl_mono_s();
     const int n = pick(s, nres);
     int rows = 0;
     for (int k = 0; k < n; k++)
         rows += s->segs[k].T;
     if (n > 0)
         st = nl_batch_forward_hidden(s->batch, s->segs, s->seg_x, n, &e);
-    const double t1 = stage_now();
+    const double t1 = nl_mono_s();
     if (n > 0 && st == NL_OK)
         st = finish(s, n, t0, t1, nres, &e);
     if (st != NL_OK) { /* every hop of the batch fails with it */

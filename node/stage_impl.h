@@ -10,6 +10,7 @@
 
 #include <stdatomic.h>
 
+#include "base/clock.h"
 #include "core/model/batch.h"
 #include "core/model/forward.h"
 #include "core/model/sampler.h"
@@ -186,7 +187,6 @@ void stage_sample(session *se, const float *logits, nl_stage_out *o);
 /* The same after the token was sampled elsewhere (on the device; no
  * log-probabilities then): o gets it, counted, last and feed set. */
 void stage_sampled(session *se, int32_t token, nl_stage_out *o);
-double stage_now(void);
 
 /* ---- the stage's jobs (stage_jobs.c) ---- */
 

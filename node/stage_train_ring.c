@@ -52,13 +52,6 @@ static nl_status ring_send(void *p, nl_wire_msg *m, nl_error *err)
     return r->send(r->ctx, NL_STAGE_TO_RING, m, err);
 }
 
-static double mono_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 nl_status stage_train_ring_new(nl_stage *s, stage_train *t, int64_t micro, const nl_trainparams *p,
                                nl_error *err)
 {
@@ -168,7 +161,7 @@ static nl_status grads_done(nl_stage *s, stage_train *t, nl_stage_send_fn send, 
     t->ce = get_double(buf + n);
     t->aux = get_double(buf + n + 2);
     t->reducing = false;
-    const double dt = mono_s() - t->reduce_t0;
+    const double dt = nl_mono_s() - t->reduce_t0;
     t->reduce_s += dt;
     t->reduce_n++;
     /* the link speed the coordinator plans with: the bytes the cost model
@@ -197,7 +190,7 @@ nl_status stage_train_reduce_grads(nl_stage *s, stage_train *t, nl_stage_send_fn
     put_double(buf + n, t->ce);
     put_double(buf + n + 2, t->aux);
     t->reducing = true;
-    t->reduce_t0 = mono_s();
+    t->reduce_t0 = nl_mono_s();
     ring_ctx rc = {send, ctx, nl_stage_epoch(s), &t->ring_bytes};
     bool done = false;
     st = nl_allreduce_begin(t->red[NL_REDUCE_GRADS], t->begun, buf, ring_send, &rc, &done, err);

@@ -457,16 +457,9 @@ static int json_body(struct MHD_Connection *c)
            (t[n] == 0 || t[n] == ';' || t[n] == ' ');
 }
 
-double http_clock(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
 int http_past_deadline(const nl_http *h, double t0)
 {
-    return http_clock() - t0 > (double)h->o.deadline_s;
+    return nl_mono_s() - t0 > (double)h->o.deadline_s;
 }
 
 /* ---------------------------------------------------------------- routing */

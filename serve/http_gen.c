@@ -466,7 +466,7 @@ static enum MHD_Result gen_start(gen_state *g, struct MHD_Connection *c, http_re
 static enum MHD_Result gen_whole(gen_state *g, struct MHD_Connection *c, http_req *rq)
 {
     nl_http *h = g->h;
-    const double t0 = http_clock();
+    const double t0 = nl_mono_s();
     while (!all_done(g) && !http_stopping(h) && !http_past_deadline(h, t0))
         for (int i = 0; i < g->n; i++)
             choice_step(g, &g->ch[i], g->n > 1 ? 50 : 1000);

@@ -10,6 +10,7 @@
 #include <microhttpd.h>
 #include <pthread.h>
 
+#include "base/clock.h"
 #include "serve/http.h"
 
 enum {
@@ -81,9 +82,8 @@ int http_hold_jobs(nl_http *h, struct MHD_Connection *c, http_req *rq, int n, en
 
 /* Whether nl_http_stop has begun (streams end). */
 int http_stopping(nl_http *h);
-/* A monotonic clock (seconds), and whether a non-streaming completion
- * begun at t0 is past its deadline (nl_http_opts.deadline_s). */
-double http_clock(void);
+/* Whether a non-streaming completion begun at t0 (nl_mono_s) is past
+ * its deadline (nl_http_opts.deadline_s). */
 int http_past_deadline(const nl_http *h, double t0);
 
 /* A completion or chat request after its fields were checked. */

@@ -5,6 +5,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "base/clock.h"
 #include "core/formats/fileio.h"
 #include "core/model/config.h"
 #include "core/model/rng.h"
@@ -109,13 +110,6 @@ nl_status nl_dataset_batch(const nl_dataset *ds, int split, uint64_t seed, uint6
     return NL_OK;
 }
 
-static double mono_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 nl_status nl_dataset_load_model(nl_dataset **out, const char *path, const char *tok_text,
                                 int64_t vocab_size, double holdout, const char *model,
                                 nl_dataset_info *info, nl_error *err)
@@ -145,14 +139,14 @@ nl_status nl_dataset_load_model(nl_dataset **out, const char *path, const char *
     }
     if ((st = nl_file_read_all(path, NL_DATA_MAX_BYTES, &text, &len, err)) != NL_OK)
         goto out;
-    double t0 = mono_s();
+    double t0 = nl_mono_s();
     if ((st = nl_tokenizer_encode(tok, text, len, &ids, &n, err)) != NL_OK) {
         nl_error_prefix(err, "%s", path);
         goto out;
     }
     info->tokenized = 1;
     info->text_bytes = len;
-    info->encode_s = mono_s() - t0;
+    info->encode_s = nl_mono_s() - t0;
     /* ids are in [0, vocab) by construction; the dataset keeps uint32 */
     st = nl_dataset_from_ids(out, (uint32_t *)ids, n, holdout, err);
     ids = NULL;
