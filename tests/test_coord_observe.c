@@ -11,7 +11,11 @@
  *    becomes the mean of the two windows', and a re-plan is asked for;
  *  - a window within the margin drops what waited, as a new plan does;
  *  - a figure so moved without a re-plan predicts the stage's share from
- *    then on: the same shares again judge the node no slower again. */
+ *    then on: the same shares again judge the node no slower again.
+ * Then on a plan with replicas (--replicas 2,1 on three nodes): every
+ * replica's node is judged against its own share, so a replica of stage 0
+ * busy twice as long as its sibling is judged at half its speed (replica
+ * 0's alone were judged before). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -41,11 +45,9 @@ static double figure(int stage)
     return coord_stage_node(coord, stage)->seen_gflops;
 }
 
-int main(void)
+/* Part one: two stages, no replicas. */
+static void test_stages(void)
 {
-    nl_log_set_level(getenv("NL_TEST_VERBOSE") ? NL_LOG_DEBUG : NL_LOG_WARN);
-    nl_error err = {0};
-    CHECK_OK(nl_net_new(&net, NULL, &err), &err);
     coord_fake_start("coord_observe", tmpdir, sizeof tmpdir, NULL);
     fake_open(&nodes[0], "obsa", "tcp://127.0.0.1:1");
     fake_open(&nodes[1], "obsb", "tcp://127.0.0.1:2");
@@ -118,6 +120,83 @@ done:
     nl_sock_destroy(&nodes[0].sock);
     nl_sock_destroy(&nodes[1].sock);
     coord_fake_stop(tmpdir);
+}
+
+static void replica_opts(nl_coord_opts *o)
+{
+    o->min_nodes = 3;
+    o->replicas = -1; /* --replicas 2,1 */
+    o->stage_replicas[0] = 2;
+    o->stage_replicas[1] = 1;
+    o->n_stage_replicas = 2;
+}
+
+/* The figure the judgement gives a node busy `load` of a window whose
+ * stages' mean busy fractions sum to `loads`, on a stage predicted `pred`
+ * of the plan's `tot` seconds a microbatch (every node planned at 20 and
+ * not moved since); 0 when that is within the margin (the figure stays). */
+static double judged(double load, double loads, double pred, double tot)
+{
+    const double g = 20 * pred / (load / loads * tot);
+    return fabs(g / 20 - 1) <= coord->o.replan_margin ? 0 : g;
+}
+
+/* Part two: --replicas 2,1. */
+static void test_replicas(void)
+{
+    coord_fake_start("coord_observe_r", tmpdir, sizeof tmpdir, replica_opts);
+    fake_open(&nodes[0], "oba", "tcp://127.0.0.1:1");
+    fake_open(&nodes[1], "obb", "tcp://127.0.0.1:2");
+    fake_open(&nodes[2], "obc", "tcp://127.0.0.1:3");
+    for (int i = 0; i < 3; i++)
+        join(&nodes[i], 20.0);
+    if (!CHECK_PUMP(fakes_take_plan(3)))
+        goto done;
+    cnode *a = coord_stage_replica(coord, 0, 0), *b = coord_stage_replica(coord, 0, 1),
+          *z = coord_stage_node(coord, 1);
+    CHECK(coord->plan && coord->plan->n_stages == 2 && a && b && z,
+          "a plan of two stages, the first of two replicas");
+    if (!(coord->plan && coord->plan->n_stages == 2 && a && b && z))
+        goto done;
+    const double p0 = coord->plan->stages[0].seconds, p1 = coord->plan->stages[1].seconds;
+    printf("replicas: planned %.3f (2 replicas) / %.3f ms per microbatch\n", p0 * 1e3, p1 * 1e3);
+    /* replica 1 busy twice as long as replica 0, twice: judged at half
+     * its sibling's figure (each against the stage's share: the stages
+     * weigh their replicas' mean) */
+    const double la = 0.4, lb = 0.8, lz = 0.45, loads = 0.5 * (la + lb) + lz;
+    for (int w = 0; w < 2; w++) {
+        a->load_sum = 4 * la;
+        b->load_sum = 4 * lb;
+        z->load_sum = 4 * lz;
+        a->load_n = b->load_n = z->load_n = 4;
+        coord->replan_wanted = 0;
+        coord_observe_speeds(coord);
+    }
+    const double ga = judged(la, loads, p0, p0 + p1), gb = judged(lb, loads, p0, p0 + p1),
+                 gz = judged(lz, loads, p1, p0 + p1);
+    CHECK(gb > 0 && fabs(b->seen_gflops / gb - 1) < 1e-9, "replica 1: %g, want %g", b->seen_gflops,
+          gb);
+    CHECK(ga == 0 ? a->seen_gflops == 0 : fabs(a->seen_gflops / ga - 1) < 1e-9,
+          "replica 0: %g, want %g", a->seen_gflops, ga);
+    CHECK(gz == 0 ? z->seen_gflops == 0 : fabs(z->seen_gflops / gz - 1) < 1e-9,
+          "stage 1: %g, want %g", z->seen_gflops, gz);
+    const double fa = a->seen_gflops > 0 ? a->seen_gflops : 20;
+    CHECK(fabs(b->seen_gflops / fa - la / lb) < 0.1,
+          "replica 1 at %g of replica 0's figure, want %g", b->seen_gflops / fa, la / lb);
+    CHECK(coord->replan_wanted & COORD_REPLAN_SPEEDS, "a slow replica asked for no re-plan");
+done:
+    for (int i = 0; i < 3; i++)
+        nl_sock_destroy(&nodes[i].sock);
+    coord_fake_stop(tmpdir);
+}
+
+int main(void)
+{
+    nl_log_set_level(getenv("NL_TEST_VERBOSE") ? NL_LOG_DEBUG : NL_LOG_WARN);
+    nl_error err = {0};
+    CHECK_OK(nl_net_new(&net, NULL, &err), &err);
+    test_stages();
+    test_replicas();
     nl_net_destroy(&net);
     coord_fake_add_counts(&check_pass_count, &check_fail_count);
     return check_done("test_coord_observe");
