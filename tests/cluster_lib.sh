@@ -8,7 +8,8 @@
 #   --device of the local tools and the nodes: scripts/test.sh runs the
 #   suite once more with NL_TEST_DEVICE=cpu-devsim), W (scratch), check CMD...
 # A test that starts processes of its own defines test_cleanup; it runs
-# first at exit. Clusters go down with `cluster down` (every directory
+# first at exit, after the logs' digest of a test with a failed check
+# (failure_digest). Clusters go down with `cluster down` (every directory
 # under W that has a coord.pid), then anything still naming W is killed.
 set -uo pipefail
 N="$NL_BUILD_DIR/cli/neuroctl"
@@ -38,7 +39,30 @@ wait_step() {
   return 1
 }
 
+# failure_digest: what the clusters' logs say, printed when a check failed
+# (a CI run keeps nothing else of W): the clients' last lines (W's *.err),
+# each coordinator's last warnings and errors, and any sanitizer report in
+# a process's log
+failure_digest() {
+  local f
+  for f in "$W"/*.err "$W"/*/*.err; do
+    [ -s "$f" ] || continue
+    echo "--- ${f#"$W"/}, its last lines:"
+    tr '\r' '\n' < "$f" | grep -v "^step" | tail -6
+  done
+  for f in "$W"/*/coord.log; do
+    [ -e "$f" ] || continue
+    echo "--- ${f#"$W"/}, its last warnings and errors:"
+    grep " WARN \| ERROR " "$f" | tail -12
+  done
+  for f in $(grep -l "AddressSanitizer\|LeakSanitizer\|runtime error:" "$W"/*.log "$W"/*/*.log 2>/dev/null); do
+    echo "--- ${f#"$W"/}, a sanitizer's report:"
+    grep -A16 "AddressSanitizer\|LeakSanitizer\|runtime error:" "$f" | head -40
+  done
+}
+
 cluster_lib_exit() {
+  [ "$fail" -gt 0 ] && failure_digest >&2
   declare -F test_cleanup >/dev/null && test_cleanup
   local p
   for p in "$W"/*/coord.pid; do
