@@ -538,8 +538,12 @@ static void on_result(nl_coord *c, cjob *j, const nl_rx *rx, cnode *from)
     const nl_msg_verify_result *r = &rx->msg.u.verify_result;
     for (int i = 0; t->ver && i < t->ver->n; i++) {
         cver *v = &t->ver->p[i];
+        /* the case's own answer: after a rollback the same step, microbatch
+         * and stage come again, with weights of another name, and an
+         * answer to the case before may still be on its way */
         if (v->verifier != from->id || v->step != (int64_t)r->step || v->mb != r->microbatch ||
-            v->stage != (int)r->stage || v->held)
+            v->stage != (int)r->stage || v->held ||
+            (r->weights && r->weights[0] && strcmp(r->weights, v->w->hex) != 0))
             continue;
         if (r->want_weights) { /* it dropped them since: again, with them */
             verify_wts_mark(v->w, from->id, 0);
@@ -582,6 +586,10 @@ static void on_result(nl_coord *c, cjob *j, const nl_rx *rx, cnode *from)
         }
         return;
     }
+    NL_INFO("train job %llu: node %u's answer about step %llu microbatch %u of stage %u is "
+            "to no case awaited now (one of a step redone since, or dropped): ignored",
+            (unsigned long long)j->id, from->id, (unsigned long long)r->step, r->microbatch,
+            r->stage);
 }
 
 void coord_train_verify_msg(nl_coord *c, cjob *j, const nl_rx *rx)

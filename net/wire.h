@@ -464,12 +464,16 @@ typedef struct nl_msg_verify_case {
 /* VERIFY_RESULT: the digests of the ACTIVATION and GRADIENT the stage
  * should have sent (64 hex digits, or "" where it sends none); or, with
  * want_weights 1 (absent: 0), none: the case came without weights and the
- * verifier does not hold those it names (send it again with them). */
+ * verifier does not hold those it names (send it again with them).
+ * weights: the name the case gave its weights (absent: ""), so that the
+ * answer to a case of a step since redone (a rollback) is not taken for
+ * the answer to the case of the same step, microbatch and stage now. */
 typedef struct nl_msg_verify_result {
     uint64_t job_id, step;
     uint32_t microbatch, stage;
     const char *fwd, *bwd;
     uint32_t want_weights;
+    const char *weights;
 } nl_msg_verify_result;
 
 /* REDUCE + one F32 frame [n]: a chunk of a stage's replicas' all-reduce

@@ -223,6 +223,7 @@ static const nl_wire_field f_verify_result[] = {
     F_STR(nl_msg_verify_result, fwd, NL_WCS_HEX, 0, 64),
     F_STR(nl_msg_verify_result, bwd, NL_WCS_HEX, 0, 64),
     F_U32_OPT(nl_msg_verify_result, want_weights),
+    F_STR_OPT(nl_msg_verify_result, weights, NL_WCS_HEX, 64),
 };
 static const nl_wire_field f_reduce[] = {
     F_U64(nl_msg_reduce, job_id, U64_ANY),

@@ -408,7 +408,7 @@ static void accepted_again(node *n, const nl_msg_accept *a)
  * VERIFY_RESULT, or an ERROR that says why a case could not be redone. */
 static void verify_answers(node *n)
 {
-    char hex[2][NL_HOP_DIGEST_HEX + 1];
+    char hex[3][NL_HOP_DIGEST_HEX + 1];
     nl_error e;
     nl_status st;
     while (nl_stage_verify_pop(n->stage, false, &n->tx, hex, &st, &e)) {

@@ -122,10 +122,11 @@ nl_status nl_stage_verify_push(nl_stage *s, const nl_wire_msg *m, nl_error *err)
 /* Readable when an answer may be ready (-1: no verifier thread). */
 int nl_stage_verify_fd(const nl_stage *s);
 /* The oldest case pushed, if redone (wait: once it is): 1 and *st NL_OK
- * with out its VERIFY_RESULT (digests in hex, owned by the caller), or *st
- * and err why it could not be redone; 0: none ready (or none pushed). */
+ * with out its VERIFY_RESULT (its digests and the name of the case's
+ * weights in hex, in the caller's hex), or *st and err why it could not
+ * be redone; 0: none ready (or none pushed). */
 int nl_stage_verify_pop(nl_stage *s, bool wait, nl_wire_msg *out,
-                        char hex[2][NL_HOP_DIGEST_HEX + 1], nl_status *st, nl_error *err);
+                        char hex[3][NL_HOP_DIGEST_HEX + 1], nl_status *st, nl_error *err);
 /* Drop what the verifier keeps: at once when no case is under way, else
  * before its next case (it does not wait). */
 void nl_stage_verify_forget(nl_stage *s);
@@ -141,6 +142,6 @@ void nl_stage_verify_stats(const nl_stage *s, nl_verify_stats *out);
 /* A case answered at once (push, then pop waiting): with no other case
  * under way. */
 nl_status nl_verify_answer(nl_stage *s, const nl_wire_msg *m, nl_wire_msg *out,
-                           char hex[2][NL_HOP_DIGEST_HEX + 1], nl_error *err);
+                           char hex[3][NL_HOP_DIGEST_HEX + 1], nl_error *err);
 
 #endif

@@ -427,14 +427,19 @@ int nl_stage_verify_fd(const nl_stage *s)
 }
 
 /* The answer of j, a case redone, as a VERIFY_RESULT in out. */
-static void answer(nl_stage *s, vjob *j, nl_wire_msg *out, char hex[2][NL_HOP_DIGEST_HEX + 1])
+static void answer(nl_stage *s, vjob *j, nl_wire_msg *out, char hex[3][NL_HOP_DIGEST_HEX + 1])
 {
     const nl_msg_verify_case *v = &j->hdr;
     const double tol = nl_verify_cross_rtol(&j->c);
+    /* the name the case gave its weights, echoed: which case this answers */
+    if (j->has_named)
+        nl_hop_digest_hex(hex[2], j->named);
+    else
+        hex[2][0] = 0;
     if (j->want) { /* no digests: the case again, with its weights */
         nl_wire_msg_reset(out, NL_MSG_VERIFY_RESULT);
         out->u.verify_result =
-            (nl_msg_verify_result){v->job_id, v->step, v->microbatch, v->stage, "", "", 1};
+            (nl_msg_verify_result){v->job_id, v->step, v->microbatch, v->stage, "", "", 1, hex[2]};
         return;
     }
     if (v->outputs)
@@ -452,11 +457,12 @@ static void answer(nl_stage *s, vjob *j, nl_wire_msg *out, char hex[2][NL_HOP_DI
                                                   v->stage,
                                                   v->has_head ? "" : hex[0],
                                                   v->has_embed ? "" : hex[1],
-                                                  0};
+                                                  0,
+                                                  hex[2]};
 }
 
 int nl_stage_verify_pop(nl_stage *s, bool wait, nl_wire_msg *out,
-                        char hex[2][NL_HOP_DIGEST_HEX + 1], nl_status *st, nl_error *err)
+                        char hex[3][NL_HOP_DIGEST_HEX + 1], nl_status *st, nl_error *err)
 {
     verifier *v = s->verifier;
     if (!v)
@@ -495,7 +501,7 @@ void nl_stage_verify_stats(const nl_stage *s, nl_verify_stats *out)
 }
 
 nl_status nl_verify_answer(nl_stage *s, const nl_wire_msg *m, nl_wire_msg *out,
-                           char hex[2][NL_HOP_DIGEST_HEX + 1], nl_error *err)
+                           char hex[3][NL_HOP_DIGEST_HEX + 1], nl_error *err)
 {
     nl_status st = nl_stage_verify_push(s, m, err);
     if (st == NL_OK && !nl_stage_verify_pop(s, true, out, hex, &st, err))

@@ -144,7 +144,7 @@ static inline int cross_answer(uint64_t job, uint64_t step, int s, uint32_t mb, 
     x0 += (float)(by * big);
     memcpy(o, &x0, sizeof x0);
     m.u.verify_case.config_json = cfg_json;
-    char hex[2][NL_HOP_DIGEST_HEX + 1];
+    char hex[3][NL_HOP_DIGEST_HEX + 1];
     nl_status st = nl_verify_answer(verifier, &m, &out, hex, &err);
     CHECK_OK(st, &err);
     ok = st == NL_OK &&
@@ -209,7 +209,7 @@ static inline void verify_wire(uint64_t job, uint64_t step, int M)
         /* its hidden states (the input, or on stage 0 the GRADIENT received) */
         wire_bf16_cases += m.frames[s == 0 ? 2 : 1].t.dtype == NL_DTYPE_BF16;
         m.u.verify_case.config_json = cfg_json; /* the coordinator's part */
-        char hex[2][NL_HOP_DIGEST_HEX + 1], want[2][NL_HOP_DIGEST_HEX + 1];
+        char hex[3][NL_HOP_DIGEST_HEX + 1], want[2][NL_HOP_DIGEST_HEX + 1];
         nl_status st = nl_verify_answer(verifier, &m, &out, hex, &err);
         CHECK_OK(st, &err);
         if (st != NL_OK) {

@@ -28,6 +28,7 @@
 #include "base/log.h"
 #include "coordinator/coord.h"
 #include "coordinator/coord_impl.h"
+#include "coordinator/coord_train_impl.h"
 #include "net/hopdigest.h"
 #include "net/transport.h"
 #include "tests/check.h"
@@ -507,14 +508,30 @@ static void test_train_verify_case(assigned *a)
               rx.msg.u.verify_case.weights && strlen(rx.msg.u.verify_case.weights) == 64,
           "verify: the honest case of microbatch 0 did not reach its verifier with its weights "
           "and their name");
+    char name[NL_HOP_DIGEST_HEX + 1] = "";
+    if (rx.msg.type == NL_MSG_VERIFY_CASE && rx.msg.u.verify_case.weights)
+        snprintf(name, sizeof name, "%s", rx.msg.u.verify_case.weights);
+    /* an answer naming other weights (to the case of this step before a
+     * rollback, say) is not this case's: it does not count, and the case
+     * is still awaited (taken, it would stay unresolved: no third node) */
+    static const char other[] = "0000000000000000000000000000000000000000000000000000000000000000";
+    nl_wire_msg_init(&m);
+    nl_wire_msg_reset(&m, NL_MSG_VERIFY_RESULT);
+    m.u.verify_result = (nl_msg_verify_result){job, 1, 0, 1, other, other, 0, other};
+    fake_send(first, &m);
     /* a verifier that no longer holds them asks: the case again, with them */
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_VERIFY_RESULT);
-    m.u.verify_result = (nl_msg_verify_result){job, 1, 0, 1, "", "", 1};
+    m.u.verify_result = (nl_msg_verify_result){job, 1, 0, 1, "", "", 1, name};
     fake_send(first, &m);
     CHECK(pump_until(first, NL_MSG_VERIFY_CASE, &rx) && rx.msg.u.verify_case.microbatch == 0 &&
               rx.msg.frames[0].t.shape[0] == 4,
           "verify: a verifier that asked for the weights was not sent the case again with them");
+    const cjob *vj = coord_job_find(coord, job);
+    const ctrain *vt = vj ? vj->state : NULL;
+    CHECK(vt && vt->verify_mismatches == 0 && vt->verify_done == 0,
+          "verify: an answer naming other weights was taken for the case's (%lld mismatches)",
+          vt ? (long long)vt->verify_mismatches : -1LL);
     fake_send(last, &cs[1]); /* a layer short of the plan's */
     char report[2048] = "";
     uint32_t state = NL_JOB_RUNNING;

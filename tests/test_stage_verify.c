@@ -87,7 +87,7 @@ static void digest_hex(char hex[NL_HOP_DIGEST_HEX + 1], const float *w, size_t n
 static nl_status answer(nl_stage *v, const nl_wire_msg *m, nl_msg_verify_result *r,
                         char res[2][NL_HOP_DIGEST_HEX + 1], nl_error *err)
 {
-    char hex[2][NL_HOP_DIGEST_HEX + 1];
+    char hex[3][NL_HOP_DIGEST_HEX + 1];
     nl_wire_msg out;
     nl_wire_msg_init(&out);
     nl_status st = nl_verify_answer(v, m, &out, hex, err);

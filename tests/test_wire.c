@@ -306,6 +306,8 @@ static bool added_later(nl_msg_type t, const nl_wire_msg *d, const char *key)
         return !d->u.verify_case.weights || !d->u.verify_case.weights[0];
     if (strcmp(key, "want_weights") == 0 && t == NL_MSG_VERIFY_RESULT)
         return d->u.verify_result.want_weights == 0;
+    if (strcmp(key, "weights") == 0 && t == NL_MSG_VERIFY_RESULT) /* a case that named none */
+        return !d->u.verify_result.weights || !d->u.verify_result.weights[0];
     if (t == NL_MSG_TOKEN) /* with logprobs: top ids and a frame; neither before */
         return strcmp(key, "top_ids") == 0 && d->u.token.ntop == 0;
     if (t == NL_MSG_REDUCE)
@@ -358,7 +360,8 @@ static bool is_added_later(nl_msg_type t, const char *key)
            (t == NL_MSG_VERIFY_REQ && strcmp(key, "flags") == 0) ||
            (t == NL_MSG_VERIFY_CASE &&
             (strcmp(key, "outputs") == 0 || strcmp(key, "weights") == 0)) ||
-           (t == NL_MSG_VERIFY_RESULT && strcmp(key, "want_weights") == 0);
+           (t == NL_MSG_VERIFY_RESULT &&
+            (strcmp(key, "want_weights") == 0 || strcmp(key, "weights") == 0));
 }
 
 static void test_wrong_types(void)

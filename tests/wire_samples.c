@@ -194,8 +194,14 @@ void sample(nl_wire_msg *m, nl_msg_type t)
     }
     case NL_MSG_VERIFY_RESULT:
         m->u.verify_result = (nl_msg_verify_result){
-            11, 250, 3, 1, "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff",
-            "", 0};
+            11,
+            250,
+            3,
+            1,
+            "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff",
+            "",
+            0,
+            "ffeeddccbbaa99887766554433221100ffeeddccbbaa99887766554433221100"};
         break;
     case NL_MSG_REDUCE: {
         m->u.reduce = (nl_msg_reduce){11, 250, NL_REDUCE_COUNTS, NL_REDUCE_RESULT, 3, 1, 4, 64, 9};
@@ -353,7 +359,7 @@ bool same_msg(const nl_wire_msg *a, const nl_wire_msg *b)
         const nl_msg_verify_result *x = &p->verify_result, *y = &q->verify_result;
         return x->job_id == y->job_id && x->step == y->step && x->microbatch == y->microbatch &&
                x->stage == y->stage && seq(x->fwd, y->fwd) && seq(x->bwd, y->bwd) &&
-               x->want_weights == y->want_weights;
+               x->want_weights == y->want_weights && seq(x->weights, y->weights);
     }
     case NL_MSG_REDUCE:
         return memcmp(&p->reduce, &q->reduce, sizeof p->reduce) == 0;
