@@ -63,6 +63,8 @@ static double predicted_now(nl_coord *c, int s, const cnode *n)
 static void judge(nl_coord *c, cnode *n, int s, int r, int R, double loads, double pred)
 {
     const double load = n->load_sum / n->load_n, was = figure_now(n);
+    if (!(was > 0)) /* a node of no figure: nothing to scale */
+        return;
     /* the node's share of the busy time against its predicted share: the
      * per-microbatch seconds rescaled to the observed ones */
     const double seen_s = load / loads * pred, pred_s = predicted_now(c, s, n);
