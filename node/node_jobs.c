@@ -327,13 +327,12 @@ static nl_status train_send_to(node *n, nl_stage_dest to, nl_wire_msg *m, nl_err
 static nl_status train_send(void *ctx, nl_stage_dest to, nl_wire_msg *m, nl_error *err)
 {
     node *n = ctx;
-    struct timespec a, b;
-    clock_gettime(CLOCK_MONOTONIC, &a);
+    const double t0 = nl_mono_ms_f();
     nl_status st = train_send_to(n, to, m, err);
-    clock_gettime(CLOCK_MONOTONIC, &b);
+    const double sent_ms = nl_mono_ms_f() - t0;
     if (nl_mono_ms() >= n->next_hb_ms) /* a long run of queued hops keeps the heartbeat */
         node_send_heartbeat(n);
-    n->train_send_ms += (double)(b.tv_sec - a.tv_sec) * 1e3 + (double)(b.tv_nsec - a.tv_nsec) / 1e6;
+    n->train_send_ms += sent_ms;
     n->train_hops++;
     for (int i = 0; i < m->nframes; i++)
         n->train_bytes += m->frames[i].len;
@@ -415,8 +414,7 @@ void node_handle_train(node *n, const nl_wire_msg *m)
     if (m->type == NL_MSG_CKPT_REQ) /* writing a shard takes a while: be heard first */
         node_send_heartbeat(n);
     nl_error e;
-    struct timespec a, b;
-    clock_gettime(CLOCK_MONOTONIC, &a);
+    const double a_ms = nl_mono_ms_f();
     const double cpu0 = busy_cpu_ms(n);
     if (!n->train_t0)
         n->train_t0 = nl_mono_ms();
@@ -446,7 +444,6 @@ void node_handle_train(node *n, const nl_wire_msg *m)
     if ((n->o->inject_slow_ms > 0 || n->o->inject_slow_x > 1) && m->type != NL_MSG_CKPT_REQ) {
         /* test hook: this much more work (CPU time, as the busy time is
          * counted on the CPU; on a GPU, wall time) */
-        const double a_ms = (double)a.tv_sec * 1e3 + (double)a.tv_nsec / 1e6;
         const double work = cpu0 >= 0 ? busy_cpu_ms(n) - cpu0 : nl_mono_ms_f() - a_ms;
         const double more = n->o->inject_slow_ms +
                             (n->o->inject_slow_x > 1 ? (n->o->inject_slow_x - 1) * work : 0.0);
@@ -454,8 +451,7 @@ void node_handle_train(node *n, const nl_wire_msg *m)
         while (cpu0 >= 0 ? busy_cpu_ms(n) < until : nl_mono_ms_f() - t0 < more)
             ;
     }
-    clock_gettime(CLOCK_MONOTONIC, &b);
-    const double ms = (double)(b.tv_sec - a.tv_sec) * 1e3 + (double)(b.tv_nsec - a.tv_nsec) / 1e6;
+    const double ms = nl_mono_ms_f() - a_ms;
     /* the stage's busy time (heartbeats' load, which the coordinator
      * re-balances by): on the CPU, the CPU time its threads computed, so
      * that other processes on the cores do not make it look slower */
