@@ -20,7 +20,10 @@
 #      fused decode slots against the separate ones, NL_FUSED=0
 #      (decode_fused: tokens/s with and without graphs, launches per token);
 #      and decode with the KV cache in bf16 beside FP32 (decode_kv_bf16:
-#      tokens/s, the ratio, whether the greedy ids agree); and batched
+#      tokens/s, the ratio, whether the greedy ids agree); and seeded top-p
+#      decode (temperature 0.8, top-p 0.95) sampled on the device against
+#      the host (decode_top_p: tokens/s, host syncs per token, the same ids
+#      judged); and batched
 #      decode of 1, 4 and 16 sessions (decode_batch: aggregate tokens/s,
 #      the same ids for session 0 in every batch), with batch-1 decode on
 #      the gemm_rows kernel against cuBLAS (NL_CUDA_ROWS=cublas); and
@@ -302,6 +305,23 @@ print("decode tok/s bf16 KV cache %.1f vs FP32 %.1f (x%.2f); same ids %s"
       % (h["tokens_s"], f["tokens_s"], h["tokens_s"] / f["tokens_s"], d["bf16_kv_same_ids"]))
 PY
 result decode_kv_bf16 $? "$(tail -1 "$OUT/decode_kv_bf16.txt")"
+# seeded top-p decode (temperature 0.8, top-p 0.95: generate's defaults)
+# with the nucleus found on the device (only the id comes back) against
+# NL_HOST_SAMPLING=1 (the logits downloaded, the host's rule): tokens/s,
+# host syncs per token; the ids must agree (judged: one rule, kernels/elem.h)
+$PY - "$OUT/bench_cuda.json" >"$OUT/decode_top_p.txt" 2>&1 <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1])).get("decode")
+if not d or "top_p_device" not in d:
+    sys.exit("no top-p figures in bench_cuda's output")
+f, h = d["top_p_device"], d["top_p_host"]
+print("decode top-p 0.95 tok/s on the device %.1f (%.2f syncs/token) vs on the host %.1f "
+      "(%.2f): x%.2f; greedy %.1f; same ids %s"
+      % (f["tokens_s"], f["host_syncs_per_token"], h["tokens_s"], h["host_syncs_per_token"],
+         f["tokens_s"] / h["tokens_s"], d["device_routing"]["tokens_s"], d["top_p_same_ids"]))
+sys.exit(0 if d["top_p_same_ids"] else 1)
+PY
+result decode_top_p $? "$(tail -1 "$OUT/decode_top_p.txt")"
 # batched decode (a stage's path, core/model/batch.c: every product row
 # invariant, the fused decode slots below 16 rows): 1, 4 and 16 sessions
 # together, aggregate tokens/s and the speed-up over one; session 0's greedy

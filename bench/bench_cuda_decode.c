@@ -22,7 +22,7 @@
 
 /* ---------------------------------------------------------------- decode */
 
-#define DECODE_MODES 6 /* the runs of decode_split */
+#define DECODE_MODES 8 /* the runs of decode_split */
 
 /* The figures of one decode run. */
 typedef struct decode_fig {
@@ -33,7 +33,9 @@ typedef struct decode_fig {
 } decode_fig;
 
 /* One decode run: a 64-token prompt, then `tokens` tokens one at a time,
- * each forward followed by greedy sampling as a stage samples
+ * each forward followed by greedy sampling (or seeded top-p sampling,
+ * temperature 0.8 and top-p 0.95, the defaults of neuroctl generate) as a
+ * stage samples
  * (nl_sampler_next: on the device where the backend has a sample_rows slot, so
  * only the id comes back; with NL_HOST_SAMPLING=1 the logits are
  * downloaded and sampled on the host), the token fed back. The runstate
@@ -44,10 +46,12 @@ typedef struct decode_fig {
  * wait). Returns 0, or -1 with err set. */
 /* How a decode run is made: routing on the host (NL_HOST_ROUTING=1),
  * recorded steps, the fused decode slots (off: NL_FUSED=0), the KV
- * cache's element type (--kv-cache). */
+ * cache's element type (--kv-cache), and sampling: 0 greedy, 1 top-p, 2
+ * top-p on the host (NL_HOST_SAMPLING=1: the logits downloaded). */
 typedef struct decode_mode {
     int host, graphs, fused;
     nl_kv_dtype kv;
+    int top_p;
 } decode_mode;
 
 /* setenv(name, v) for a runstate's allocation, then the old value back */
@@ -90,8 +94,13 @@ static int decode_run(nl_backend *be, nl_model *m, int tokens, const decode_mode
     int32_t prompt[64];
     int rc = -1, cols = 0;
     nl_sampler smp = {0};
-    if (nl_sampler_init(&smp, V, 0.0f, 1.0f, 1, err) != NL_OK)
+    if (nl_sampler_init(&smp, V, dm->top_p ? 0.8f : 0.0f, dm->top_p ? 0.95f : 1.0f, 1, err) !=
+        NL_OK)
         return -1;
+    char keep[16] = "";
+    int had = 0;
+    if (dm->top_p == 2)
+        env_swap("NL_HOST_SAMPLING", "1", keep, sizeof keep, &had);
     for (int i = 0; i < P; i++)
         prompt[i] = (int32_t)((i * 7919) % V);
     if (runstate_for(&rs, m, P, dm, err) != NL_OK ||
@@ -120,6 +129,8 @@ static int decode_run(nl_backend *be, nl_model *m, int tokens, const decode_mode
     f->replays = nl_runstate_graphs(rs).replays;
     rc = be->sync(be, err) == NL_OK ? 0 : -1;
 out:
+    if (dm->top_p == 2)
+        env_swap("NL_HOST_SAMPLING", NULL, keep, sizeof keep, &had);
     nl_sampler_free(&smp);
     nl_kvcache_destroy(&kv);
     nl_runstate_destroy(&rs);
@@ -268,7 +279,7 @@ static int decode_launches(nl_model *m, int fused, long *calls, nl_error *err)
     counting_init(&c, m->be);
     nl_model view = *m;
     view.be = &c.be;
-    const decode_mode dm = {0, 0, fused, NL_KV_FP32};
+    const decode_mode dm = {0, 0, fused, NL_KV_FP32, 0};
     nl_runstate *rs = NULL;
     nl_kvcache *kv = NULL;
     int32_t prompt[4] = {1, 2, 3, 4};
@@ -315,9 +326,10 @@ static int decode_split(nl_backend *be, const nl_config *cf, int tokens,
             nl_error_set(err, NL_ERR_NOMEM, "decode: out of memory");
         goto out;
     }
-    static const decode_mode modes[DECODE_MODES] = {{0, 1, 1, NL_KV_FP32}, {1, 1, 1, NL_KV_FP32},
-                                                    {0, 0, 1, NL_KV_FP32}, {0, 1, 0, NL_KV_FP32},
-                                                    {0, 0, 0, NL_KV_FP32}, {0, 1, 1, NL_KV_BF16}};
+    static const decode_mode modes[DECODE_MODES] = {
+        {0, 1, 1, NL_KV_FP32, 0}, {1, 1, 1, NL_KV_FP32, 0}, {0, 0, 1, NL_KV_FP32, 0},
+        {0, 1, 0, NL_KV_FP32, 0}, {0, 0, 0, NL_KV_FP32, 0}, {0, 1, 1, NL_KV_BF16, 0},
+        {0, 1, 1, NL_KV_FP32, 1}, {0, 1, 1, NL_KV_FP32, 2}};
     for (int k = 0; k < DECODE_MODES; k++)
         if (decode_run(be, m, tokens, &modes[k], host, &fig[k], err) != 0)
             goto out;
@@ -404,15 +416,16 @@ int decode_report(nl_backend *be, const char *device, const nl_backend_opts *o, 
     if (err->status != NL_OK)
         return -1;
     printf(",\n  \"decode\":{\"tokens\":%lld,\"prompt\":64,", tokens);
-    static const char *names[DECODE_MODES] = {"device_routing",     "host_routing",
-                                              "no_graphs",          "no_fused",
-                                              "no_fused_no_graphs", "bf16_kv_cache"};
+    static const char *names[DECODE_MODES] = {
+        "device_routing",     "host_routing",  "no_graphs",    "no_fused",
+        "no_fused_no_graphs", "bf16_kv_cache", "top_p_device", "top_p_host"};
     printf("\"launches_per_token\":{\"fused\":%ld,\"unfused\":%ld},\"fused_same_ids\":%s,",
            launches[0], launches[1], f[0].ids_hash == f[3].ids_hash ? "true" : "false");
     for (int k = 0; k < DECODE_MODES; k++)
         printf("\"%s\":{\"ms_per_token\":%.3f,\"tokens_s\":%.1f,"
                "\"host_syncs_per_token\":%.2f,\"graph_replays\":%" PRIu64 "},",
                names[k], f[k].s_per_tok * 1e3, 1.0 / f[k].s_per_tok, f[k].syncs, f[k].replays);
+    printf("\"top_p_same_ids\":%s,", f[6].ids_hash == f[7].ids_hash ? "true" : "false");
     printf("\"graphs_same_ids\":%s,\"bf16_kv_same_ids\":%s,\"copies_ms\":%.3f,"
            "\"kernels_and_launches_ms\":%.3f}",
            f[0].ids_hash == f[2].ids_hash ? "true" : "false",
@@ -541,7 +554,7 @@ static int batch_report(nl_backend *be, const char *device, const nl_backend_opt
     env_swap("NL_CUDA_ROWS", "cublas", keep, sizeof keep, &had);
     const nl_status st = nl_backend_new(&bc, device, o, err);
     env_swap("NL_CUDA_ROWS", NULL, keep, sizeof keep, &had);
-    static const decode_mode dev_routing = {0, 1, 1, NL_KV_FP32};
+    static const decode_mode dev_routing = {0, 1, 1, NL_KV_FP32, 0};
     if (st != NL_OK || nl_model_new(&mc, bc, cf, 0, cf->num_layers, 1, 1, err) != NL_OK ||
         nl_model_init_random(mc, 1, err) != NL_OK ||
         decode_run(bc, mc, tokens, &dev_routing, host, &cb, err) != 0)

@@ -35,10 +35,10 @@
  *     on any difference), else the weights' error (1e-6) and the aux
  *     loss's |t - r| / r (1e-5); the grouped GEMMs as element-wise ops
  *     against 1e-5 sqrt(K), K being the summed length; router backward 1e-5.
- *   - sample (where both backends have sample_rows): the ids of nine
- *     draws (greedy, two temperatures, three uniforms) on the same
- *     logits, in one call, and the target's each alone again; err counts
- *     the differing ids (tol 0).
+ *   - sample (where both backends have sample_rows): the ids of
+ *     eighteen draws (greedy, two temperatures, three uniforms, over every
+ *     token and in a top-p 0.6 nucleus) on the same logits, in one call, and the target's each
+ * alone again; err counts the differing ids (tol 0).
  *   - the model: expert choices as sets per (layer, token), err counts the
  *     differences away from near-ties (k-th and (k+1)-th probabilities
  *     within 1e-5, reported as notes); greedy ids, err counts differences.

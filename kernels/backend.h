@@ -99,6 +99,7 @@ typedef struct nl_rope_scaling {
 typedef struct nl_sample_row {
     const float *logits; /* device (V) */
     float temperature;   /* 0: greedy */
+    float top_p;         /* the nucleus's mass in (0, 1); 0 or 1: every token */
     double u;            /* uniform in [0, 1) the caller drew (0 when greedy) */
 } nl_sample_row;
 
@@ -106,7 +107,7 @@ typedef struct nl_sample_row {
  * nl_attn_mask, nl_rope_scaling, nl_sample_row or nl_error changes: a
  * backend module built against another version is refused when it is
  * loaded. */
-#define NL_BACKEND_ABI 12
+#define NL_BACKEND_ABI 13
 
 /* the largest vocabulary the sample_rows slot takes (a GPU keeps one block's
  * chunk sums, NL_SAMPLE_CHUNK ids each, in shared memory) */
@@ -442,12 +443,13 @@ struct nl_backend {
      * host): the next token of each of n rows of V logits into ids[i]
      * (host), rows[i] (a host array) naming the row, by the rule of
      * elem.h's nl_elem_sample_row: greedy when its temperature is 0, else
-     * at that temperature with the uniform u in [0, 1) the caller drew.
+     * at that temperature with the uniform u in [0, 1) the caller drew,
+     * inside the nucleus of its top_p where that is in (0, 1).
      * Each row is sampled by itself, so its id is the one it gives alone
      * (n = 1), bit for bit, beside any others. The n ids come to the host
      * in one copy: the call waits once (one host sync, as sumsq), whatever
      * n; n == 0 does nothing. Rows are checked by the caller (temperature
-     * >= 0, u in [0, 1)); V is at most NL_SAMPLE_MAX_VOCAB. On a device
+     * >= 0, top_p in [0, 1], u in [0, 1)); V is at most NL_SAMPLE_MAX_VOCAB. On a device
      * failure every id is -1, and the error is kept for check. */
     void (*sample_rows)(nl_backend *be, int32_t *ids, const nl_sample_row *rows, int n, int V);
     /* One AdamW update of n parameters with gradient g * grad_scale:

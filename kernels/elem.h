@@ -284,10 +284,25 @@ NL_HD float nl_elem_from_bf16(uint16_t h)
  * the same bits); the token is the first id whose running sum exceeds
  * u * total, found by the chunks' running sum and then inside the chunk
  * (the chunk's last id when rounding leaves the scan short; the greedy id
- * when u * total is never exceeded). core/model/sampler.c and every backend's
- * sample_rows slot use these pieces, so a seeded generation gives the same ids
- * wherever it samples. nl_expf, not the device's expf: the same float on
- * both sides. */
+ * when u * total is never exceeded).
+ *
+ * Top-p (nucleus) sampling, top_p in (0, 1): the same draw over the
+ * weights of at least tau only, where tau is the largest float whose
+ * mass, M(tau) = the weights >= tau summed as the total is (chunk by
+ * chunk, in id order), reaches top_p * total. So the nucleus is the most
+ * likely tokens down to the first weight that brings their mass to top_p,
+ * with every token of that weight (a tie at the edge is kept whole, not
+ * cut by id). M falls as tau grows, so tau is found by bisection over the
+ * bits of non-negative floats (their order is their bits' order): 31
+ * evaluations of M, each a sum in a fixed order, so a GPU that evaluates
+ * M with its chunks side by side finds the same tau and the same id. No
+ * sort: the host spends 31 passes over V weights, not a sort of V ids.
+ * top_p 0 or >= 1 keeps every token (tau 0: the bits of plain temperature
+ * sampling).
+ *
+ * core/model/sampler.c and every backend's sample_rows slot use these
+ * pieces, so a seeded generation gives the same ids wherever it samples.
+ * nl_expf, not the device's expf: the same float on both sides. */
 #define NL_SAMPLE_CHUNK 256
 
 /* true when (v, i) beats the best so far (bv, bi) */
@@ -303,26 +318,118 @@ NL_HD float nl_elem_sample_weight(float l, float lmax, float t)
     return x == x ? nl_expf(x) : 0.0f;
 }
 
-/* the weights of ids [i0, i1) summed in id order */
-NL_HD double nl_elem_sample_chunk(const float *l, int i0, int i1, float lmax, float t)
+/* token i's weight: from w where the caller stored the weights (w[i] ==
+ * nl_elem_sample_weight(l[i], lmax, t)), else computed */
+NL_HD float nl_elem_sample_w(const float *l, const float *w, int i, float lmax, float t)
+{
+    return w ? w[i] : nl_elem_sample_weight(l[i], lmax, t);
+}
+
+/* the weights >= tau of ids [i0, i1) summed in id order (tau 0: all) */
+NL_HD double nl_elem_sample_chunk(const float *l, const float *w, int i0, int i1, float lmax,
+                                  float t, float tau)
 {
     double s = 0.0;
-    for (int i = i0; i < i1; i++)
-        s += nl_elem_sample_weight(l[i], lmax, t);
+    for (int i = i0; i < i1; i++) {
+        const float p = nl_elem_sample_w(l, w, i, lmax, t);
+        if (p >= tau)
+            s += p;
+    }
     return s;
 }
 
 /* inside the chunk [i0, i1) whose running sum reaches past target: acc is
  * the sum of the chunks before it */
-NL_HD int nl_elem_sample_scan(const float *l, int i0, int i1, float lmax, float t, double acc,
-                              double target)
+NL_HD int nl_elem_sample_scan(const float *l, const float *w, int i0, int i1, float lmax, float t,
+                              float tau, double acc, double target)
 {
     for (int i = i0; i < i1; i++) {
-        acc += nl_elem_sample_weight(l[i], lmax, t);
-        if (acc > target)
-            return i;
+        const float p = nl_elem_sample_w(l, w, i, lmax, t);
+        if (p >= tau) {
+            acc += p;
+            if (acc > target)
+                return i;
+        }
     }
     return i1 - 1;
+}
+
+NL_HD int nl_elem_sample_end(int i0, int V)
+{
+    return i0 + NL_SAMPLE_CHUNK < V ? i0 + NL_SAMPLE_CHUNK : V;
+}
+
+/* p where p >= tau, else +0, by a mask on p's bits: no branch, which a
+ * pass over weights around tau would mispredict half the time */
+NL_HD float nl_elem_sample_keep(float p, float tau)
+{
+    uint32_t b;
+    memcpy(&b, &p, sizeof b);
+    b &= 0u - (uint32_t)(p >= tau);
+    memcpy(&p, &b, sizeof p);
+    return p;
+}
+
+/* M(tau) over ids [0, V): the chunks' sums in chunk order. With stored
+ * weights four chunks are summed side by side (each still in id order,
+ * so the same bits), which the host's pipelines overlap. */
+NL_HD double nl_elem_sample_mass(const float *l, const float *w, int V, float lmax, float t,
+                                 float tau)
+{
+    double total = 0.0;
+    int i0 = 0;
+    if (w)
+        for (; i0 + 4 * NL_SAMPLE_CHUNK <= V; i0 += 4 * NL_SAMPLE_CHUNK) {
+            const float *a = w + i0, *b = a + NL_SAMPLE_CHUNK, *c = b + NL_SAMPLE_CHUNK,
+                        *d = c + NL_SAMPLE_CHUNK;
+            double sa = 0.0, sb = 0.0, sc = 0.0, sd = 0.0;
+            for (int j = 0; j < NL_SAMPLE_CHUNK; j++) {
+                sa += nl_elem_sample_keep(a[j], tau);
+                sb += nl_elem_sample_keep(b[j], tau);
+                sc += nl_elem_sample_keep(c[j], tau);
+                sd += nl_elem_sample_keep(d[j], tau);
+            }
+            total += sa;
+            total += sb;
+            total += sc;
+            total += sd;
+        }
+    for (; i0 < V; i0 += NL_SAMPLE_CHUNK)
+        total += nl_elem_sample_chunk(l, w, i0, nl_elem_sample_end(i0, V), lmax, t, tau);
+    return total;
+}
+
+/* whether top_p narrows the draw to a nucleus */
+NL_HD int nl_elem_sample_nucleus(float top_p)
+{
+    return top_p > 0.0f && top_p < 1.0f;
+}
+
+/* the float whose bits are b (b below NL_SAMPLE_TAU_HI: non-negative and
+ * finite) */
+NL_HD float nl_elem_sample_tau(uint32_t b)
+{
+    float f;
+    memcpy(&f, &b, sizeof f);
+    return f;
+}
+#define NL_SAMPLE_TAU_HI 0x7F800000u /* +inf's bits: M(inf) = 0 (weights are finite) */
+
+/* the nucleus threshold tau on one thread (see above); total is M(0).
+ * The bisection keeps M(float(lo)) >= top_p * total > M(float(hi)). */
+NL_HD float nl_elem_sample_threshold(const float *l, const float *w, int V, float lmax, float t,
+                                     float top_p, double total)
+{
+    const double want = (double)top_p * total;
+    uint32_t lo = 0, hi = NL_SAMPLE_TAU_HI;
+    while (hi - lo > 1) {
+        const uint32_t mid = lo + (hi - lo) / 2;
+        if (nl_elem_sample_mass(l, w, V, lmax, t, nl_elem_sample_tau(mid)) >= want)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return nl_elem_sample_tau(lo);
 }
 
 /* the greedy id of l[0..V) */
@@ -336,24 +443,35 @@ NL_HD int nl_elem_sample_argmax(const float *l, int V)
     return bi < V ? bi : 0;
 }
 
-/* The whole rule on one thread (the host's): greedy when t == 0. */
-NL_HD int nl_elem_sample_row(const float *l, int V, float t, double u)
+/* The whole rule on one thread (the host's): greedy when t == 0; top_p
+ * in (0, 1) draws inside the nucleus. w: NULL, or room for V floats where
+ * a top-p draw stores the weights once (its 31 passes then read them
+ * instead of computing every exponential again; the same id either
+ * way). */
+NL_HD int nl_elem_sample_row(const float *l, int V, float t, float top_p, double u, float *w)
 {
     const int best = nl_elem_sample_argmax(l, V);
     if (!(t > 0.0f))
         return best;
     const float lmax = l[best];
-    double total = 0.0;
-    for (int i0 = 0; i0 < V; i0 += NL_SAMPLE_CHUNK)
-        total += nl_elem_sample_chunk(l, i0, i0 + NL_SAMPLE_CHUNK < V ? i0 + NL_SAMPLE_CHUNK : V,
-                                      lmax, t);
-    const double target = u * total;
+    float tau = 0.0f;
+    const float *ws = NULL;
+    if (nl_elem_sample_nucleus(top_p)) {
+        if (w) {
+            for (int i = 0; i < V; i++)
+                w[i] = nl_elem_sample_weight(l[i], lmax, t);
+            ws = w;
+        }
+        tau = nl_elem_sample_threshold(l, ws, V, lmax, t, top_p,
+                                       nl_elem_sample_mass(l, ws, V, lmax, t, 0.0f));
+    }
+    const double target = u * nl_elem_sample_mass(l, ws, V, lmax, t, tau);
     double acc = 0.0;
     for (int i0 = 0; i0 < V; i0 += NL_SAMPLE_CHUNK) {
-        const int i1 = i0 + NL_SAMPLE_CHUNK < V ? i0 + NL_SAMPLE_CHUNK : V;
-        const double c = nl_elem_sample_chunk(l, i0, i1, lmax, t);
+        const int i1 = nl_elem_sample_end(i0, V);
+        const double c = nl_elem_sample_chunk(l, ws, i0, i1, lmax, t, tau);
         if (acc + c > target)
-            return nl_elem_sample_scan(l, i0, i1, lmax, t, acc, target);
+            return nl_elem_sample_scan(l, ws, i0, i1, lmax, t, tau, acc, target);
         acc += c;
     }
     return best;

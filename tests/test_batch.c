@@ -462,11 +462,11 @@ static void test_gemm_rows(nl_backend *be)
 /* Sampling each segment's row where it lies (nl_batch_logits_device,
  * the backend's sample_rows slot where it has one: serve and a stage's
  * batch) gives the ids of sampling the host logits, greedy, seeded and
- * top-p (on the host), one session at a time (nl_sampler_next) on even
- * steps and all at once (nl_sampler_next_batch) on odd ones, where the
- * step's device ids cost one host sync and a session left out (NULL) or
- * sampling on the host (top-p) gets -1; the step downloads no logits
- * until nl_batch_logits asks, then all its rows at once. */
+ * top-p, one session at a time (nl_sampler_next) on even steps and all at
+ * once (nl_sampler_next_batch) on odd ones, where the step's device ids
+ * cost one host sync and a session left out (NULL) gets -1; the step
+ * downloads no logits until nl_batch_logits asks, then all its rows at
+ * once. */
 static void test_device_sampling(nl_model *m)
 {
     enum { SEQS = 4, STEPS = 24 };
@@ -512,7 +512,7 @@ static void test_device_sampling(nl_model *m)
             together += be->stats.host_syncs - s0 == (uint64_t)dev;
             on_host = 0;
             for (int i = 0; i < SEQS; i++) {
-                const int here = dev && i != 1 && i != 3; /* 3: top-p, on the host */
+                const int here = dev && i != 1;
                 bad += here ? ids[i] < 0 : ids[i] != -1;
                 on_host |= (!here) << i;
             }
@@ -525,8 +525,7 @@ static void test_device_sampling(nl_model *m)
             const uint64_t s0 = be->stats.host_syncs;
             const float *lg = nl_batch_logits(b, i, &err);
             const uint64_t got = be->stats.host_syncs - s0;
-            /* one download for the step's rows, on the first ask only (the
-             * top-p session's nl_sampler_next downloaded its own row) */
+            /* one download for the step's rows, on the first ask only */
             lazy &= got == (uint64_t)(i == 0);
             bad += !lg || nl_sampler_sample(&sh[i], lg) != ids[i];
             next[i] = ids[i];

@@ -383,8 +383,109 @@ static void test_sample_greedy(void)
     CHECK(nl_elem_sample_argmax(all_nan, 3) == 0, "argmax of NaNs: %d (0)",
           nl_elem_sample_argmax(all_nan, 3));
     const float flat[] = {-INFINITY, 0.5f, 0.5f};
-    CHECK(nl_elem_sample_row(flat, 3, 0.0f, 0.99) == 1, "greedy row of a tie: %d (1)",
-          nl_elem_sample_row(flat, 3, 0.0f, 0.99));
+    CHECK(nl_elem_sample_row(flat, 3, 0.0f, 1.0f, 0.99, NULL) == 1, "greedy row of a tie: %d (1)",
+          nl_elem_sample_row(flat, 3, 0.0f, 1.0f, 0.99, NULL));
+    CHECK(nl_elem_sample_row(flat, 3, 0.0f, 0.5f, 0.99, NULL) == 1,
+          "greedy row of a tie with top-p: %d (1)",
+          nl_elem_sample_row(flat, 3, 0.0f, 0.5f, 0.99, NULL));
+}
+
+/* Top-p (kernels/elem.h): the nucleus is the most likely tokens down to
+ * the first weight that brings their mass to top_p, a tie at that weight
+ * kept whole; the draw is the plain rule's inside it. Checked against a
+ * reference that sorts the weights (what the host did before), with the
+ * weights stored or computed (the same ids), over vocabularies across the
+ * chunks' edges; top-p 0 and 1 give plain temperature sampling's ids. */
+static void test_sample_top_p(void)
+{
+    /* four tokens of weights 1, 0.6, 0.3, 0.1 (about): top-p 0.7 keeps the
+     * first two (1.6 of 2.0; the first alone is 1.0 < 1.4) */
+    const float four[] = {0.0f, logf(0.6f), logf(0.3f), logf(0.1f)};
+    float w[4];
+    const double total4 = nl_elem_sample_mass(four, NULL, 4, 0.0f, 1.0f, 0.0f);
+    const float tau4 = nl_elem_sample_threshold(four, NULL, 4, 0.0f, 1.0f, 0.7f, total4);
+    CHECK(tau4 == nl_elem_sample_weight(four[1], 0.0f, 1.0f), "tau of 1, .6, .3, .1 at 0.7: %g",
+          (double)tau4);
+    int seen[4] = {0};
+    for (int k = 0; k < 1000; k++)
+        seen[nl_elem_sample_row(four, 4, 1.0f, 0.7f, (k + 0.5) / 1000, w)]++;
+    /* the draw's shares: 1 / 1.6 and 0.6 / 1.6 */
+    CHECK(seen[2] == 0 && seen[3] == 0 && abs(seen[0] - 625) <= 1 && abs(seen[1] - 375) <= 1,
+          "draws inside the nucleus of two: %d %d %d %d", seen[0], seen[1], seen[2], seen[3]);
+    /* a tie at the edge is kept whole: weights 1, .5, .5, .5 at top-p 0.5
+     * (2.5 in all; 1 + .5 reaches 1.25): every .5 stays */
+    const float tie[] = {0.0f, logf(0.5f), logf(0.5f), logf(0.5f)};
+    memset(seen, 0, sizeof seen);
+    for (int k = 0; k < 1000; k++)
+        seen[nl_elem_sample_row(tie, 4, 1.0f, 0.5f, (k + 0.5) / 1000, NULL)]++;
+    CHECK(seen[0] && seen[1] && seen[2] && seen[3], "a tie at the edge: %d %d %d %d", seen[0],
+          seen[1], seen[2], seen[3]);
+
+    enum { VMAX = 1100 };
+    static float l[VMAX], ws[VMAX], sorted[VMAX];
+    const int vocabs[] = {1, 2, 255, 257, 1024, 1025, VMAX};
+    const float top_ps[] = {1e-4f, 0.3f, 0.9f, 0.999f};
+    const float temps[] = {0.5f, 1.0f, 4.0f};
+    uint32_t r = 777;
+    int bad_tau = 0, bad_size = 0, bad_id = 0, outside = 0, differ_plain = 0, cases = 0;
+    for (size_t v = 0; v < sizeof vocabs / sizeof *vocabs; v++) {
+        const int V = vocabs[v];
+        for (int i = 0; i < V; i++) {
+            r = r * 1664525u + 1013904223u;
+            l[i] = 10.0f * ((float)(r >> 8) / 16777216.0f - 0.5f);
+        }
+        const int best = nl_elem_sample_argmax(l, V);
+        for (size_t ti = 0; ti < sizeof temps / sizeof *temps; ti++)
+            for (size_t pi = 0; pi < sizeof top_ps / sizeof *top_ps; pi++) {
+                const float t = temps[ti], p = top_ps[pi], lmax = l[best];
+                const double total = nl_elem_sample_mass(l, NULL, V, lmax, t, 0.0f);
+                const float tau = nl_elem_sample_threshold(l, NULL, V, lmax, t, p, total);
+                /* the largest tau whose mass reaches p * total */
+                const double want = (double)p * total;
+                bad_tau +=
+                    !(nl_elem_sample_mass(l, NULL, V, lmax, t, tau) >= want) ||
+                    !(nl_elem_sample_mass(l, NULL, V, lmax, t, nextafterf(tau, INFINITY)) < want);
+                /* the reference: the weights sorted, summed from the largest
+                 * until p * total; every weight >= the last one taken */
+                for (int i = 0; i < V; i++)
+                    sorted[i] = nl_elem_sample_weight(l[i], lmax, t);
+                for (int i = 1; i < V; i++) /* insertion sort, descending */
+                    for (int j = i; j > 0 && sorted[j] > sorted[j - 1]; j--) {
+                        const float x = sorted[j];
+                        sorted[j] = sorted[j - 1];
+                        sorted[j - 1] = x;
+                    }
+                double acc = 0.0;
+                int n = 0;
+                while (n < V && acc < want)
+                    acc += sorted[n++];
+                int in_ref = 0, in_tau = 0;
+                for (int i = 0; i < V; i++) {
+                    const float wi = nl_elem_sample_weight(l[i], lmax, t);
+                    in_ref += wi >= sorted[n - 1];
+                    in_tau += wi >= tau;
+                }
+                bad_size += in_ref != in_tau;
+                for (int k = 0; k < 7; k++) {
+                    const double u = (k + 0.37) / 7;
+                    const int a = nl_elem_sample_row(l, V, t, p, u, ws);
+                    const int b = nl_elem_sample_row(l, V, t, p, u, NULL);
+                    bad_id += a != b;
+                    outside += !(nl_elem_sample_weight(l[a], lmax, t) >= tau);
+                    differ_plain += a != nl_elem_sample_row(l, V, t, 1.0f, u, NULL);
+                    bad_id += nl_elem_sample_row(l, V, t, 1.0f, u, ws) !=
+                              nl_elem_sample_row(l, V, t, 0.0f, u, NULL);
+                    cases++;
+                }
+            }
+    }
+    CHECK(bad_tau == 0, "top-p: %d thresholds not the largest whose mass reaches top-p", bad_tau);
+    CHECK(bad_size == 0, "top-p: %d nuclei of another size than the sorted reference's", bad_size);
+    CHECK(bad_id == 0, "top-p: %d of %d ids differ between stored and computed weights", bad_id,
+          cases);
+    CHECK(outside == 0, "top-p: %d of %d ids outside the nucleus", outside, cases);
+    CHECK(differ_plain > cases / 4, "top-p: only %d of %d ids differ from sampling every token",
+          differ_plain, cases);
 }
 
 /* bf16 rounding keeps the infinities infinite (only a NaN is made quiet) */
@@ -428,6 +529,7 @@ int main(void)
     test_rmsnorm_scale();
     test_adamw();
     test_sample_greedy();
+    test_sample_top_p();
     test_bf16_inf();
     test_topk();
     return check_done("test_elem");

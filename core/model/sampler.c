@@ -1,5 +1,4 @@
 /* Greedy, temperature and top-p sampling. */
-#define _GNU_SOURCE /* qsort_r */
 #include "core/model/sampler.h"
 
 #include <math.h>
@@ -12,7 +11,6 @@ nl_status nl_sampler_init(nl_sampler *s, int vocab, float temperature, float top
                           nl_error *err)
 {
     s->probs = NULL;
-    s->order = NULL;
     if (!(temperature >= 0.0f) || !isfinite(temperature))
         return nl_error_set(err, NL_ERR_INVALID, "temperature: %g must be a finite number >= 0",
                             temperature);
@@ -25,8 +23,7 @@ nl_status nl_sampler_init(nl_sampler *s, int vocab, float temperature, float top
     s->vocab = vocab;
     nl_rng_seed(&s->rng, seed, 0x5A3B1E);
     s->probs = malloc((size_t)vocab * sizeof *s->probs);
-    s->order = malloc((size_t)vocab * sizeof *s->order);
-    if (!s->probs || !s->order) {
+    if (!s->probs) {
         nl_sampler_free(s);
         return nl_error_set(err, NL_ERR_NOMEM, "sampler: out of memory");
     }
@@ -36,49 +33,15 @@ nl_status nl_sampler_init(nl_sampler *s, int vocab, float temperature, float top
 void nl_sampler_free(nl_sampler *s)
 {
     free(s->probs);
-    free(s->order);
     s->probs = NULL;
-    s->order = NULL;
-}
-
-static int by_prob_desc(const void *a, const void *b, void *ctx)
-{
-    const float *probs = ctx;
-    float pa = probs[*(const int32_t *)a], pb = probs[*(const int32_t *)b];
-    if (pa != pb)
-        return pa < pb ? 1 : -1;
-    return *(const int32_t *)a - *(const int32_t *)b;
 }
 
 int32_t nl_sampler_sample(nl_sampler *s, const float *logits)
 {
-    const int V = s->vocab;
     if (s->temperature == 0.0f)
-        return nl_elem_sample_argmax(logits, V);
+        return nl_elem_sample_argmax(logits, s->vocab);
     const double u = nl_rng_uniform(&s->rng);
-    if (s->top_p >= 1.0f)
-        return nl_elem_sample_row(logits, V, s->temperature, u);
-    const int32_t best = nl_elem_sample_argmax(logits, V);
-    double sum = 0.0;
-    for (int i = 0; i < V; i++) {
-        s->probs[i] = nl_elem_sample_weight(logits[i], logits[best], s->temperature);
-        sum += s->probs[i];
-    }
-    /* nucleus: the smallest set of most likely tokens whose mass reaches top_p */
-    for (int i = 0; i < V; i++)
-        s->order[i] = i;
-    qsort_r(s->order, (size_t)V, sizeof *s->order, by_prob_desc, s->probs);
-    double keep = 0.0;
-    int n = 0;
-    while (n < V && keep < s->top_p * sum)
-        keep += s->probs[s->order[n++]];
-    double acc = 0.0, target = u * keep;
-    for (int i = 0; i < n; i++) {
-        acc += s->probs[s->order[i]];
-        if (acc > target)
-            return s->order[i];
-    }
-    return s->order[0];
+    return nl_elem_sample_row(logits, s->vocab, s->temperature, s->top_p, u, s->probs);
 }
 
 /* NL_HOST_SAMPLING=1: never the backend's sample_rows slot (for comparisons) */
@@ -90,8 +53,7 @@ static int host_sampling(void)
 
 int nl_sampler_device(const nl_sampler *s, const nl_backend *be)
 {
-    return be->sample_rows && (s->temperature == 0.0f || s->top_p >= 1.0f) &&
-           s->vocab <= NL_SAMPLE_MAX_VOCAB && !host_sampling();
+    return be->sample_rows && s->vocab <= NL_SAMPLE_MAX_VOCAB && !host_sampling();
 }
 
 nl_status nl_sampler_next_batch(nl_sampler *const *smp, const float *const *logits, int n,
@@ -111,7 +73,8 @@ nl_status nl_sampler_next_batch(nl_sampler *const *smp, const float *const *logi
         V = s->vocab;
         /* the draw nl_sampler_sample makes: none when greedy */
         const double u = s->temperature == 0.0f ? 0.0 : nl_rng_uniform(&s->rng);
-        rows[r++] = (nl_sample_row){.logits = logits[i], .temperature = s->temperature, .u = u};
+        rows[r++] = (nl_sample_row){
+            .logits = logits[i], .temperature = s->temperature, .top_p = s->top_p, .u = u};
     }
     if (st == NL_OK && r > 0)
         be->sample_rows(be, ids, rows, r, V);

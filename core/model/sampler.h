@@ -14,8 +14,7 @@ typedef struct nl_sampler {
     float top_p;       /* in (0, 1]; 1 keeps the whole distribution */
     nl_rng rng;
     int vocab;
-    float *probs;   /* (vocab) scratch */
-    int32_t *order; /* (vocab) scratch for top-p */
+    float *probs; /* (vocab) scratch: a top-p draw's weights */
 } nl_sampler;
 
 /* Check the settings (temperature >= 0 and finite, top_p in (0, 1]) and
@@ -24,18 +23,18 @@ nl_status nl_sampler_init(nl_sampler *s, int vocab, float temperature, float top
                           nl_error *err);
 void nl_sampler_free(nl_sampler *s);
 /* Pick a token id from host logits (vocab): the rule of kernels/elem.h's
- * nl_elem_sample_row for greedy and temperature sampling; top-p below 1
- * sorts the weights by size (ties to the lower id) and samples inside the
- * smallest set whose mass reaches top_p. */
+ * nl_elem_sample_row, greedy, temperature and top-p sampling (top-p below
+ * 1 draws inside the nucleus: the most likely tokens down to the first
+ * weight that brings their mass to top_p, a tie at that weight kept
+ * whole). */
 int32_t nl_sampler_sample(nl_sampler *s, const float *logits);
-/* The same from one row of vocab logits in be's memory: greedy and
- * temperature sampling run on the backend through its sample_rows slot
- * where it has one (only the id comes back: no download of the logits),
- * the same ids as nl_sampler_sample; otherwise (top-p below 1, no slot, a
- * vocabulary over NL_SAMPLE_MAX_VOCAB, NL_HOST_SAMPLING=1 in the
- * environment) the logits are downloaded into host (vocab floats; NULL
- * only where nl_sampler_device says the backend samples) and sampled
- * there. A backend error is returned (and *id left unset). */
+/* The same from one row of vocab logits in be's memory: sampling runs on
+ * the backend through its sample_rows slot where it has one (only the id
+ * comes back: no download of the logits), the same ids as
+ * nl_sampler_sample; otherwise (no slot, a vocabulary over
+ * NL_SAMPLE_MAX_VOCAB, NL_HOST_SAMPLING=1 in the environment) the logits are downloaded into host
+ * (vocab floats; NULL only where nl_sampler_device says the backend samples) and sampled there. A
+ * backend error is returned (and *id left unset). */
 int nl_sampler_device(const nl_sampler *s, const nl_backend *be);
 nl_status nl_sampler_next(nl_sampler *s, nl_backend *be, const float *logits, float *host,
                           int32_t *id, nl_error *err);

@@ -203,21 +203,46 @@ struct sample_launch {
     nl_sample_row r[NL_CUDA_SAMPLE_LAUNCH_ROWS];
 };
 
+/* M(tau) of a row (elem.h's nl_elem_sample_mass) with its chunks side by
+ * side: chunk c's sum by one thread in id order into sums[c], the chunks'
+ * sum by thread 0 in chunk order, the same bits as the host's. Every
+ * thread of the block calls it; the result is thread 0's. */
+__device__ double sample_mass(double *sums, const float *l, const float *w, int V, float lmax,
+                              float t, float tau)
+{
+    const int chunks = (V + NL_SAMPLE_CHUNK - 1) / NL_SAMPLE_CHUNK;
+    for (int c = threadIdx.x; c < chunks; c += SAMPLE_THREADS) {
+        const int i0 = c * NL_SAMPLE_CHUNK;
+        sums[c] = nl_elem_sample_chunk(l, w, i0, nl_elem_sample_end(i0, V), lmax, t, tau);
+    }
+    __syncthreads();
+    double total = 0.0;
+    if (threadIdx.x == 0)
+        for (int c = 0; c < chunks; c++)
+            total += sums[c];
+    return total;
+}
+
 /* One block a row: elem.h's nl_elem_sample_row with its parallel parts
  * side by side. The greedy id by a tree over (value, id) pairs: "better"
  * is a total order, so any tree finds the sequential loop's id; each
  * chunk's sum by one thread in id order, the chunks' running sum and the
  * scan inside the chosen chunk by thread 0, in the host's order: the same
- * id, bit for bit. A block reads its own row only, so a row's id does not
- * depend on the others of its launch. */
+ * id, bit for bit. A top-p row's threshold by the host's bisection, each
+ * of its 31 masses so computed, from its weights stored once in ws (V
+ * floats a block; NULL: computed again each pass, the same bits). A block
+ * reads its own row only, so a row's id does not depend on the others of
+ * its launch. */
 __global__ void __launch_bounds__(SAMPLE_THREADS)
-    sample_kernel(int32_t *ids, const sample_launch rows, int V)
+    sample_kernel(int32_t *ids, const sample_launch rows, int V, float *ws)
 {
     __shared__ float bv[SAMPLE_THREADS];
     __shared__ int bi[SAMPLE_THREADS];
     __shared__ double sums[SAMPLE_MAX_CHUNKS];
+    __shared__ uint32_t bounds[2]; /* the bisection's lo and hi */
+    __shared__ double want;
     const float *l = rows.r[blockIdx.x].logits;
-    const float t = rows.r[blockIdx.x].temperature;
+    const float t = rows.r[blockIdx.x].temperature, top_p = rows.r[blockIdx.x].top_p;
     const double u = rows.r[blockIdx.x].u;
     int32_t *out = ids + blockIdx.x;
     const int tid = threadIdx.x;
@@ -243,26 +268,43 @@ __global__ void __launch_bounds__(SAMPLE_THREADS)
         return;
     }
     const float lmax = l[best];
-    const int chunks = (V + NL_SAMPLE_CHUNK - 1) / NL_SAMPLE_CHUNK;
-    for (int c = tid; c < chunks; c += SAMPLE_THREADS) {
-        const int i0 = c * NL_SAMPLE_CHUNK;
-        sums[c] = nl_elem_sample_chunk(l, i0, i0 + NL_SAMPLE_CHUNK < V ? i0 + NL_SAMPLE_CHUNK : V,
-                                       lmax, t);
+    float tau = 0.0f;
+    float *w = nullptr;
+    if (nl_elem_sample_nucleus(top_p)) {
+        if (ws) {
+            w = ws + (size_t)blockIdx.x * V;
+            for (int i = tid; i < V; i += SAMPLE_THREADS)
+                w[i] = nl_elem_sample_weight(l[i], lmax, t);
+            __syncthreads();
+        }
+        const double total = sample_mass(sums, l, w, V, lmax, t, 0.0f);
+        if (tid == 0) {
+            want = (double)top_p * total;
+            bounds[0] = 0;
+            bounds[1] = NL_SAMPLE_TAU_HI;
+        }
+        __syncthreads();
+        while (bounds[1] - bounds[0] > 1) { /* uniform: every thread reads after a barrier */
+            const uint32_t mid = bounds[0] + (bounds[1] - bounds[0]) / 2;
+            const double m = sample_mass(sums, l, w, V, lmax, t, nl_elem_sample_tau(mid));
+            if (tid == 0)
+                bounds[m >= want ? 0 : 1] = mid;
+            __syncthreads();
+        }
+        tau = nl_elem_sample_tau(bounds[0]);
     }
-    __syncthreads();
+    const double total = sample_mass(sums, l, w, V, lmax, t, tau);
     if (tid != 0)
         return;
-    double total = 0.0;
-    for (int c = 0; c < chunks; c++)
-        total += sums[c];
+    const int chunks = (V + NL_SAMPLE_CHUNK - 1) / NL_SAMPLE_CHUNK;
     const double target = u * total;
     double acc = 0.0;
     int id = best;
     for (int c = 0; c < chunks; c++) {
         if (acc + sums[c] > target) {
             const int i0 = c * NL_SAMPLE_CHUNK;
-            id = nl_elem_sample_scan(l, i0, i0 + NL_SAMPLE_CHUNK < V ? i0 + NL_SAMPLE_CHUNK : V,
-                                     lmax, t, acc, target);
+            id =
+                nl_elem_sample_scan(l, w, i0, nl_elem_sample_end(i0, V), lmax, t, tau, acc, target);
             break;
         }
         acc += sums[c];
@@ -319,19 +361,23 @@ extern "C" int nl_cuda_softmax_forward(void *stream, float *x, int N, int C)
 }
 
 extern "C" int nl_cuda_sample_rows(void *stream, int32_t *ids, const nl_sample_row *rows, int n,
-                                   int V)
+                                   int V, float *w, size_t w_bytes)
 {
     if (n < 0 || V < 1 || V > NL_SAMPLE_MAX_VOCAB)
         return (int)cudaErrorInvalidValue;
     for (int i = 0; i < n; i++)
-        if (!(rows[i].temperature >= 0.0f) || !(rows[i].u >= 0.0 && rows[i].u < 1.0))
+        if (!(rows[i].temperature >= 0.0f) || !(rows[i].top_p >= 0.0f && rows[i].top_p <= 1.0f) ||
+            !(rows[i].u >= 0.0 && rows[i].u < 1.0))
             return (int)cudaErrorInvalidValue;
     for (int i0 = 0; i0 < n; i0 += NL_CUDA_SAMPLE_LAUNCH_ROWS) {
         const int m = n - i0 < NL_CUDA_SAMPLE_LAUNCH_ROWS ? n - i0 : NL_CUDA_SAMPLE_LAUNCH_ROWS;
         sample_launch b = {};
         for (int i = 0; i < m; i++)
             b.r[i] = rows[i0 + i];
-        sample_kernel<<<m, SAMPLE_THREADS, 0, (cudaStream_t)stream>>>(ids + i0, b, V);
+        /* the launch's weights where they fit (the launches run in stream
+         * order, so each may reuse them) */
+        float *ws = w && (size_t)m * (size_t)V * sizeof(float) <= w_bytes ? w : nullptr;
+        sample_kernel<<<m, SAMPLE_THREADS, 0, (cudaStream_t)stream>>>(ids + i0, b, V, ws);
         const int e = launched();
         if (e != 0)
             return e;

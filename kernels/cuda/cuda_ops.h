@@ -30,11 +30,15 @@ int nl_cuda_softmax_forward(void *stream, float *x, int N, int C);
 #define NL_CUDA_SAMPLE_LAUNCH_ROWS 64
 /* The sample_rows slot's kernel: the next token of each of n rows of V
  * logits into ids[0, n) (device), row i by elem.h's nl_elem_sample_row
- * from rows[i] (host: its device logits, temperature and u); one block a
- * row, each reading its own row only. Refuses V outside [1,
- * NL_SAMPLE_MAX_VOCAB], n < 0, and any row with a temperature below 0 or
- * u outside [0, 1) (nothing launched). */
-int nl_cuda_sample_rows(void *stream, int32_t *ids, const nl_sample_row *rows, int n, int V);
+ * from rows[i] (host: its device logits, temperature, top-p and u); one
+ * block a row, each reading its own row only. w: device scratch of
+ * w_bytes (NULL, 0: none) where a top-p row stores its weights once for
+ * its threshold's 31 passes, when a launch's rows fit (V floats each);
+ * else each pass computes them again: the same ids either way. Refuses V
+ * outside [1, NL_SAMPLE_MAX_VOCAB], n < 0, and any row with a temperature
+ * below 0, top-p outside [0, 1] or u outside [0, 1) (nothing launched). */
+int nl_cuda_sample_rows(void *stream, int32_t *ids, const nl_sample_row *rows, int n, int V,
+                        float *w, size_t w_bytes);
 int nl_cuda_swiglu_forward(void *stream, float *out, const float *gu, int N, int F);
 int nl_cuda_gather_rows(void *stream, float *out, const float *src, const int32_t *idx, int n,
                         int C);

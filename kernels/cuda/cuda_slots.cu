@@ -342,8 +342,13 @@ void cu_sample_rows(nl_backend *be, int32_t *ids, const nl_sample_row *rows, int
     }
     be->stats.host_syncs++;
     int32_t *res = (int32_t *)c->scratch;
-    launched_shape(c, nl_cuda_sample_rows(c->stream, res, rows, n, V), "sample_rows (n %d V %d)", n,
-                   V);
+    /* the rest of the scratch, from 256 bytes past the ids, for top-p
+     * rows' weights (where they fit; else computed again, the same ids) */
+    const size_t at = ((size_t)n * sizeof(int32_t) + 255) / 256 * 256;
+    float *w = at < c->scratch_bytes ? (float *)((char *)c->scratch + at) : NULL;
+    launched_shape(
+        c, nl_cuda_sample_rows(c->stream, res, rows, n, V, w, w ? c->scratch_bytes - at : 0),
+        "sample_rows (n %d V %d)", n, V);
     if (report(c, NULL) != NL_OK)
         return;
     cudaError_t e =

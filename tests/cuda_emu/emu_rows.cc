@@ -360,7 +360,7 @@ void e_sample_rows(nl_backend *be, int32_t *ids, const nl_sample_row *rows, int 
     if (n <= 0)
         return;
     be->stats.host_syncs++;
-    EMU_OK(nl_cuda_sample_rows(nullptr, ids, rows, n, V));
+    EMU_OK(nl_cuda_sample_rows(nullptr, ids, rows, n, V, nullptr, 0));
 }
 
 void emu_backend_init(emu_backend *e, nl_backend *cpu)

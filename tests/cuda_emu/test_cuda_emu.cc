@@ -364,18 +364,19 @@ void test_softmax(nl_backend *cpu)
     }
 }
 
-/* One id of the sample kernel: the row alone (n = 1). */
+/* One id of the sample kernel: the row alone (n = 1), its top-p weights
+ * computed on every pass (no scratch). */
 int32_t sample_alone(const nl_sample_row &row, int V)
 {
     int32_t id = -2;
-    check_rc("sample_rows (alone)", nl_cuda_sample_rows(nullptr, &id, &row, 1, V));
+    check_rc("sample_rows (alone)", nl_cuda_sample_rows(nullptr, &id, &row, 1, V, nullptr, 0));
     return id;
 }
 
 /* The sample kernel (the sample_rows slot's) against the CPU backend's
  * slot (elem.h's sequential rule): the same id, for greedy (with tied
- * maxima and NaN) and temperature sampling across chunk edges and a
- * 50,000-id vocabulary; every row of a call the id it gives alone, in
+ * maxima and NaN), temperature and top-p sampling (nuclei of one token to
+ * most of them) across chunk edges and a 50,000-id vocabulary; every row of a call the id it gives alone, in
  * calls of one row, of 25 rows of one vocabulary's draws, and of 150 rows
  * of their own logits (three launches of NL_CUDA_SAMPLE_LAUNCH_ROWS),
  * mixed greedy and seeded temperatures, with a V no multiple of the
@@ -385,8 +386,10 @@ void test_sample(nl_backend *cpu)
     const int vocabs[] = {1, 255, 256, 257, 1000, 50000};
     const float temps[] = {0.0f, 0.05f, 0.7f, 1.3f, 20.0f};
     const double us[] = {0.0, 1e-9, 0.25, 0.5, 0.999999};
-    enum { NT = sizeof temps / sizeof *temps, NU = sizeof us / sizeof *us };
-    int n = 0, bad = 0, apart = 0, past_chunk0 = 0;
+    const float top_ps[] = {0.05f, 0.5f, 0.95f};
+    enum { NT = sizeof temps / sizeof *temps, NU = sizeof us / sizeof *us, NP = 12 };
+    enum { NR = NT * NU + NP };
+    int n = 0, bad = 0, apart = 0, past_chunk0 = 0, top_p_apart = 0;
     for (int V : vocabs) {
         buf l((size_t)V);
         /* its own stream: the other tests' inputs stay as they were */
@@ -400,31 +403,45 @@ void test_sample(nl_backend *cpu)
             l[V - 3] = 6.5f;
             l[3] = NAN;
         }
-        nl_sample_row rows[NT * NU];
+        nl_sample_row rows[NR];
         for (int t = 0; t < NT; t++)
             for (int u = 0; u < NU; u++)
-                rows[t * NU + u] = nl_sample_row{l.p(), temps[t], us[u]};
-        int32_t ids[NT * NU + 1];
-        ids[NT * NU] = 77; /* past the call: untouched */
-        check_rc("sample_rows", nl_cuda_sample_rows(nullptr, ids, rows, NT * NU, V));
-        CHECK(ids[NT * NU] == 77, "sample_rows V %d: wrote past its %d ids", V, NT * NU);
-        for (int i = 0; i < NT * NU; i++) {
+                rows[t * NU + u] = nl_sample_row{l.p(), temps[t], 1.0f, us[u]};
+        for (int i = 0; i < NP; i++) /* top-p: a nucleus of one token to most of them */
+            rows[NT * NU + i] = nl_sample_row{l.p(), i % 2 ? 20.0f : 0.7f, top_ps[i / 4 % 3],
+                                              us[1 + i % 4]};
+        int32_t ids[NR + 1];
+        ids[NR] = 77; /* past the call: untouched */
+        buf ws((size_t)NR * V); /* the rows' top-p weights, stored once */
+        check_rc("sample_rows",
+                 nl_cuda_sample_rows(nullptr, ids, rows, NR, V, ws.p(), ws.n * sizeof(float)));
+        CHECK(ws.intact(), "sample_rows V %d: written past its weights' scratch", V);
+        CHECK(ids[NR] == 77, "sample_rows V %d: wrote past its %d ids", V, NR);
+        for (int i = 0; i < NR; i++) {
             int32_t want = -1;
             cpu->sample_rows(cpu, &want, &rows[i], 1, V);
             n++;
             past_chunk0 += want >= NL_SAMPLE_CHUNK;
+            if (i >= NT * NU) { /* the same draw over every token */
+                nl_sample_row all = rows[i];
+                all.top_p = 1.0f;
+                int32_t wide = -1;
+                cpu->sample_rows(cpu, &wide, &all, 1, V);
+                top_p_apart += wide != want;
+            }
             apart += sample_alone(rows[i], V) != ids[i];
             if (ids[i] != want) {
                 bad++;
-                fprintf(stderr, "sample V %d t %g u %g: %d, the CPU %d\n", V, rows[i].temperature,
-                        rows[i].u, ids[i], want);
+                fprintf(stderr, "sample V %d t %g top-p %g u %g: %d, the CPU %d\n", V,
+                        rows[i].temperature, rows[i].top_p, rows[i].u, ids[i], want);
             }
         }
     }
     CHECK(bad == 0, "sample: %d of %d ids differ from the CPU's", bad, n);
     CHECK(apart == 0, "sample: %d of %d ids in a call of %d differ from the row alone", apart, n,
-          NT * NU);
+          NR);
     CHECK(past_chunk0 >= 10, "sample: only %d of %d ids past the first chunk", past_chunk0, n);
+    CHECK(top_p_apart >= 3, "sample: top-p changed only %d of its rows' ids", top_p_apart);
     /* 150 rows, each its own logits (ties in some), across three launches */
     enum { R = 150, V = 300 };
     static_assert(R > 2 * NL_CUDA_SAMPLE_LAUNCH_ROWS, "three launches");
@@ -440,12 +457,16 @@ void test_sample(nl_backend *cpu)
             l[(size_t)i * V + 11] = l[(size_t)i * V + 250] = 9.0f;
         st = st * 6364136223846793005ull + 1442695040888963407ull;
         rows[i] = nl_sample_row{l.p() + (size_t)i * V, i % 3 == 0 ? 0.0f : 0.4f * (float)(i % 5 + 1),
-                                (double)(st >> 11) / 9007199254740992.0};
+                                i % 4 == 1 ? 0.8f : 1.0f, (double)(st >> 11) / 9007199254740992.0};
         if (rows[i].temperature == 0.0f)
             rows[i].u = 0.0;
     }
     std::vector<int32_t> ids(R + 1, 77);
-    check_rc("sample_rows (150 rows)", nl_cuda_sample_rows(nullptr, ids.data(), rows.data(), R, V));
+    /* room for one launch's weights: its three launches reuse them */
+    buf ws((size_t)NL_CUDA_SAMPLE_LAUNCH_ROWS * V);
+    check_rc("sample_rows (150 rows)", nl_cuda_sample_rows(nullptr, ids.data(), rows.data(), R, V,
+                                                           ws.p(), ws.n * sizeof(float)));
+    CHECK(ws.intact(), "sample_rows (150 rows): written past its weights' scratch");
     int bad2 = 0, apart2 = 0;
     for (int i = 0; i < R; i++) {
         int32_t want = -1;
@@ -463,18 +484,20 @@ void test_sample(nl_backend *cpu)
     for (int i = 0; i < 300; i++)
         all_nan[i] = NAN;
     int32_t id = -1;
-    nl_sample_row nan_row = {all_nan.p(), 0.0f, 0.0};
-    check_rc("sample (NaN)", nl_cuda_sample_rows(nullptr, &id, &nan_row, 1, 300));
+    nl_sample_row nan_row = {all_nan.p(), 0.0f, 1.0f, 0.0};
+    check_rc("sample (NaN)", nl_cuda_sample_rows(nullptr, &id, &nan_row, 1, 300, nullptr, 0));
     CHECK(id == 0, "sample: every logit NaN gives %d, not 0", id);
-    CHECK(nl_cuda_sample_rows(nullptr, &id, &nan_row, 1, 0) != 0, "sample: V 0 accepted");
-    CHECK(nl_cuda_sample_rows(nullptr, &id, &nan_row, -1, 300) != 0, "sample: n -1 accepted");
+    CHECK(nl_cuda_sample_rows(nullptr, &id, &nan_row, 1, 0, nullptr, 0) != 0, "sample: V 0 accepted");
+    CHECK(nl_cuda_sample_rows(nullptr, &id, &nan_row, -1, 300, nullptr, 0) != 0, "sample: n -1 accepted");
     id = 5;
-    CHECK(nl_cuda_sample_rows(nullptr, &id, &nan_row, 0, 300) == 0 && id == 5,
+    CHECK(nl_cuda_sample_rows(nullptr, &id, &nan_row, 0, 300, nullptr, 0) == 0 && id == 5,
           "sample: 0 rows is nothing");
-    nl_sample_row bad_rows[2] = {{all_nan.p(), 0.0f, 0.0}, {all_nan.p(), 1.0f, 1.0}};
-    CHECK(nl_cuda_sample_rows(nullptr, &id, bad_rows, 2, 300) != 0, "sample: u 1 accepted");
-    bad_rows[1] = nl_sample_row{all_nan.p(), -1.0f, 0.5};
-    CHECK(nl_cuda_sample_rows(nullptr, &id, bad_rows, 2, 300) != 0,
+    nl_sample_row bad_rows[2] = {{all_nan.p(), 0.0f, 1.0f, 0.0}, {all_nan.p(), 1.0f, 1.0f, 1.0}};
+    CHECK(nl_cuda_sample_rows(nullptr, &id, bad_rows, 2, 300, nullptr, 0) != 0, "sample: u 1 accepted");
+    bad_rows[1] = nl_sample_row{all_nan.p(), 1.0f, 1.5f, 0.5};
+    CHECK(nl_cuda_sample_rows(nullptr, &id, bad_rows, 2, 300, nullptr, 0) != 0, "sample: top-p 1.5 accepted");
+    bad_rows[1] = nl_sample_row{all_nan.p(), -1.0f, 1.0f, 0.5};
+    CHECK(nl_cuda_sample_rows(nullptr, &id, bad_rows, 2, 300, nullptr, 0) != 0,
           "sample: a temperature below 0 accepted");
     CHECK(id == 5, "sample: a refused call wrote an id");
 }
