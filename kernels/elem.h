@@ -34,12 +34,23 @@
 
 /* ---------------------------------------------------------------- exp */
 
+/* A product rounded on its own, never fused with an add into one FMA:
+ * nvcc fuses a * b + c by default (-fmad=true), the host's ISO C does not,
+ * so a formula that must give the host's float on a GPU (nl_expf, for the
+ * sampling rule) writes its products with NL_MUL. __fmul_rn on a GPU (the
+ * CUDA emulation's hides the product from g++'s contraction likewise). */
+#ifdef __CUDA_ARCH__
+#define NL_MUL(a, b) __fmul_rn((a), (b))
+#else
+#define NL_MUL(a, b) ((a) * (b))
+#endif
+
 /* exp(x) for the CPU's vectorised loops: range reduction by ln 2 in two
  * parts and a degree-6 polynomial (Cephes coefficients), within 2 ulp over
- * [-87.3, 88.3]. Below -87.3 (where exp(x) < 1.2e-38, the smallest normal
- * float) it returns 0, so exp(-inf) = 0; above 88.3 it returns exp(88.3)
- * (about 2.2e38, not inf); NaN gives NaN. Branch-free (clamps and selects)
- * so loops calling it vectorise. */
+ * [-87.3, 88.3]; the same float on a GPU (no fused products, NL_MUL). Below -87.3 (where exp(x)
+ * < 1.2e-38, the smallest normal float) it returns 0, so exp(-inf) = 0; above 88.3 it returns
+ * exp(88.3) (about 2.2e38, not inf); NaN gives NaN. Branch-free (clamps and selects) so loops
+ * calling it vectorise. */
 NL_HD float nl_expf(float x)
 {
     const float x0 = x;
@@ -47,20 +58,20 @@ NL_HD float nl_expf(float x)
     x = x < -87.3f ? -87.3f : x;
     x = x > 88.3f ? 88.3f : x;
     const float shifter = 12582912.0f; /* 1.5 * 2^23 */
-    float t = x * 1.44269504088896341f + shifter;
+    float t = NL_MUL(x, 1.44269504088896341f) + shifter;
     int32_t tb;
     memcpy(&tb, &t, sizeof tb);
     const int32_t n = tb - 0x4B400000; /* the bits of the shifter */
     const float fn = t - shifter;
-    float r = x - fn * 0.693359375f;
-    r -= fn * -2.12194440e-4f;
+    float r = x - NL_MUL(fn, 0.693359375f);
+    r -= NL_MUL(fn, -2.12194440e-4f);
     float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    p = NL_MUL(p, r) + 1.3981999507e-3f;
+    p = NL_MUL(p, r) + 8.3334519073e-3f;
+    p = NL_MUL(p, r) + 4.1665795894e-2f;
+    p = NL_MUL(p, r) + 1.6666665459e-1f;
+    p = NL_MUL(p, r) + 5.0000001201e-1f;
+    p = NL_MUL(NL_MUL(p, r), r) + r + 1.0f;
     /* unsigned: for a NaN input n is garbage, and a signed shift of it
      * would be undefined (the select below returns NaN anyway) */
     const uint32_t bits = (uint32_t)(n + 127) << 23;
@@ -283,8 +294,8 @@ NL_HD float nl_elem_from_bf16(uint16_t h)
  * chunks' sums then in chunk order: a GPU sums the chunks side by side to
  * the same bits); the token is the first id whose running sum exceeds
  * u * total, found by the chunks' running sum and then inside the chunk
- * (the chunk's last id when rounding leaves the scan short; the greedy id
- * when u * total is never exceeded).
+ * (the chunk's last id of weight > 0 when rounding leaves the scan short;
+ * the greedy id when u * total is never exceeded).
  *
  * Top-p (nucleus) sampling, top_p in (0, 1): the same draw over the
  * weights of at least tau only, where tau is the largest float whose
@@ -295,10 +306,12 @@ NL_HD float nl_elem_from_bf16(uint16_t h)
  * cut by id). M falls as tau grows, so tau is found by bisection over the
  * bits of non-negative floats (their order is their bits' order): 31
  * evaluations of M, each a sum in a fixed order, so a GPU that evaluates
- * M with its chunks side by side finds the same tau and the same id. No
- * sort: the host spends 31 passes over V weights, not a sort of V ids.
- * top_p 0 or >= 1 keeps every token (tau 0: the bits of plain temperature
- * sampling).
+ * M with its chunks side by side finds the same tau and the same id. The
+ * host, with the weights stored, guesses tau by a radix select and proves
+ * it with two evaluations of M (nl_elem_sample_guess), bisecting only
+ * where the proof fails: the same tau, about five passes over V weights.
+ * No sort. top_p 0 or >= 1 keeps every token (tau 0: the bits of plain
+ * temperature sampling).
  *
  * core/model/sampler.c and every backend's sample_rows slot use these
  * pieces, so a seeded generation gives the same ids wherever it samples.
@@ -339,19 +352,23 @@ NL_HD double nl_elem_sample_chunk(const float *l, const float *w, int i0, int i1
 }
 
 /* inside the chunk [i0, i1) whose running sum reaches past target: acc is
- * the sum of the chunks before it */
+ * the sum of the chunks before it. When rounding leaves the scan short,
+ * the chunk's last id that can be drawn (weight > 0 and >= tau: never a
+ * NaN logit's, never one outside the nucleus). */
 NL_HD int nl_elem_sample_scan(const float *l, const float *w, int i0, int i1, float lmax, float t,
                               float tau, double acc, double target)
 {
+    int last = i1 - 1;
     for (int i = i0; i < i1; i++) {
         const float p = nl_elem_sample_w(l, w, i, lmax, t);
-        if (p >= tau) {
+        if (p >= tau && p > 0.0f) {
             acc += p;
+            last = i;
             if (acc > target)
                 return i;
         }
     }
-    return i1 - 1;
+    return last;
 }
 
 NL_HD int nl_elem_sample_end(int i0, int V)
@@ -432,6 +449,49 @@ NL_HD float nl_elem_sample_threshold(const float *l, const float *w, int V, floa
     return nl_elem_sample_tau(lo);
 }
 
+/* The host's shortcut to tau: a guess, then the proof. The guess is the
+ * largest weight v whose weights >= v reach want when summed in any order,
+ * found by a radix select on the weights' bits (non-negative floats order
+ * as their bits): three passes over w, each summing the weights that share
+ * the bits chosen so far into 2048 buckets by their next 11, 11 and 9
+ * bits, from the top bucket down to the one whose mass reaches what is
+ * still wanted. v is tau when M(v) >= want and M(next float above v) <
+ * want, two passes of the rule's own sums (M only falls, so no larger
+ * float reaches want). Returns v so proven, or -1 when rounding in the
+ * guess's order put it elsewhere (the caller then bisects). Host only:
+ * 16 KiB of buckets on the stack. */
+NL_HD float nl_elem_sample_guess(const float *w, int V, double want)
+{
+    static const int shift[3] = {20, 9, 0}, width[3] = {11, 11, 9};
+    double mass[2048];
+    uint32_t prefix = 0; /* the bits chosen so far */
+    double above = 0.0;  /* the weights above the chosen bits' */
+    for (int lv = 0; lv < 3; lv++) {
+        const int sh = shift[lv], nb = 1 << width[lv];
+        for (int k = 0; k < nb; k++)
+            mass[k] = 0.0;
+        for (int i = 0; i < V; i++) { /* no branch: a weight of other bits adds +0 */
+            uint32_t b;
+            memcpy(&b, &w[i], sizeof b);
+            const float p =
+                nl_elem_sample_keep(w[i], b >> (sh + width[lv]) == prefix ? 0.0f : INFINITY);
+            mass[b >> sh & (uint32_t)(nb - 1)] += p;
+        }
+        int k = nb - 1;
+        while (k >= 0 && above + mass[k] < want)
+            above += mass[k--];
+        if (k < 0)
+            return -1.0f;
+        prefix = prefix << width[lv] | (uint32_t)k;
+    }
+    const float v = nl_elem_sample_tau(prefix);
+    if (!(v > 0.0f) || prefix >= NL_SAMPLE_TAU_HI ||
+        !(nl_elem_sample_mass(NULL, w, V, 0.0f, 1.0f, v) >= want) ||
+        !(nl_elem_sample_mass(NULL, w, V, 0.0f, 1.0f, nextafterf(v, INFINITY)) < want))
+        return -1.0f;
+    return v;
+}
+
 /* the greedy id of l[0..V) */
 NL_HD int nl_elem_sample_argmax(const float *l, int V)
 {
@@ -445,9 +505,9 @@ NL_HD int nl_elem_sample_argmax(const float *l, int V)
 
 /* The whole rule on one thread (the host's): greedy when t == 0; top_p
  * in (0, 1) draws inside the nucleus. w: NULL, or room for V floats where
- * a top-p draw stores the weights once (its 31 passes then read them
- * instead of computing every exponential again; the same id either
- * way). */
+ * a top-p draw stores the weights once and guesses tau from them
+ * (nl_elem_sample_guess: five passes where it holds, else the 31 of the
+ * bisection over the stored weights; the same id either way). */
 NL_HD int nl_elem_sample_row(const float *l, int V, float t, float top_p, double u, float *w)
 {
     const int best = nl_elem_sample_argmax(l, V);
@@ -462,8 +522,10 @@ NL_HD int nl_elem_sample_row(const float *l, int V, float t, float top_p, double
                 w[i] = nl_elem_sample_weight(l[i], lmax, t);
             ws = w;
         }
-        tau = nl_elem_sample_threshold(l, ws, V, lmax, t, top_p,
-                                       nl_elem_sample_mass(l, ws, V, lmax, t, 0.0f));
+        const double total = nl_elem_sample_mass(l, ws, V, lmax, t, 0.0f);
+        tau = w ? nl_elem_sample_guess(w, V, (double)top_p * total) : -1.0f;
+        if (!(tau >= 0.0f))
+            tau = nl_elem_sample_threshold(l, ws, V, lmax, t, top_p, total);
     }
     const double target = u * nl_elem_sample_mass(l, ws, V, lmax, t, tau);
     double acc = 0.0;

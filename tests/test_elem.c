@@ -390,12 +390,38 @@ static void test_sample_greedy(void)
           nl_elem_sample_row(flat, 3, 0.0f, 0.5f, 0.99, NULL));
 }
 
+/* Temperature sampling over every token as the rule was before top-p
+ * joined it (chunk sums in id order, then the chunks in order): top-p 1
+ * and 0 must keep its ids */
+static int plain_rule(const float *l, int V, float t, double u)
+{
+    const int best = nl_elem_sample_argmax(l, V);
+    const float lmax = l[best];
+    double total = 0.0;
+    for (int i0 = 0; i0 < V; i0 += NL_SAMPLE_CHUNK) {
+        double s = 0.0;
+        for (int i = i0; i < i0 + NL_SAMPLE_CHUNK && i < V; i++)
+            s += nl_elem_sample_weight(l[i], lmax, t);
+        total += s;
+    }
+    const double target = u * total;
+    double acc = 0.0;
+    for (int i = 0; i < V; i++) {
+        acc += nl_elem_sample_weight(l[i], lmax, t);
+        if (acc > target)
+            return i;
+    }
+    return best;
+}
+
 /* Top-p (kernels/elem.h): the nucleus is the most likely tokens down to
  * the first weight that brings their mass to top_p, a tie at that weight
  * kept whole; the draw is the plain rule's inside it. Checked against a
  * reference that sorts the weights (what the host did before), with the
  * weights stored or computed (the same ids), over vocabularies across the
- * chunks' edges; top-p 0 and 1 give plain temperature sampling's ids. */
+ * chunks' edges; the host's guess of the threshold is the bisection's
+ * where it is proven (nearly always); top-p 0 and 1 give plain temperature
+ * sampling's ids. */
 static void test_sample_top_p(void)
 {
     /* four tokens of weights 1, 0.6, 0.3, 0.1 (about): top-p 0.7 keeps the
@@ -428,6 +454,7 @@ static void test_sample_top_p(void)
     const float temps[] = {0.5f, 1.0f, 4.0f};
     uint32_t r = 777;
     int bad_tau = 0, bad_size = 0, bad_id = 0, outside = 0, differ_plain = 0, cases = 0;
+    int bad_guess = 0, guessed = 0, thresholds = 0, bad_plain = 0;
     for (size_t v = 0; v < sizeof vocabs / sizeof *vocabs; v++) {
         const int V = vocabs[v];
         for (int i = 0; i < V; i++) {
@@ -466,6 +493,13 @@ static void test_sample_top_p(void)
                     in_tau += wi >= tau;
                 }
                 bad_size += in_ref != in_tau;
+                /* the host's shortcut: the bisection's tau, or -1 */
+                for (int i = 0; i < V; i++)
+                    ws[i] = nl_elem_sample_weight(l[i], lmax, t);
+                const float g = nl_elem_sample_guess(ws, V, want);
+                bad_guess += g >= 0.0f && g != tau;
+                guessed += g == tau;
+                thresholds++;
                 for (int k = 0; k < 7; k++) {
                     const double u = (k + 0.37) / 7;
                     const int a = nl_elem_sample_row(l, V, t, p, u, ws);
@@ -473,17 +507,23 @@ static void test_sample_top_p(void)
                     bad_id += a != b;
                     outside += !(nl_elem_sample_weight(l[a], lmax, t) >= tau);
                     differ_plain += a != nl_elem_sample_row(l, V, t, 1.0f, u, NULL);
-                    bad_id += nl_elem_sample_row(l, V, t, 1.0f, u, ws) !=
-                              nl_elem_sample_row(l, V, t, 0.0f, u, NULL);
+                    const int plain = plain_rule(l, V, t, u);
+                    bad_plain += nl_elem_sample_row(l, V, t, 1.0f, u, ws) != plain ||
+                                 nl_elem_sample_row(l, V, t, 0.0f, u, NULL) != plain;
                     cases++;
                 }
             }
     }
     CHECK(bad_tau == 0, "top-p: %d thresholds not the largest whose mass reaches top-p", bad_tau);
     CHECK(bad_size == 0, "top-p: %d nuclei of another size than the sorted reference's", bad_size);
+    CHECK(bad_guess == 0 && guessed >= thresholds * 9 / 10,
+          "top-p: the guess was proven and wrong %d times, right %d of %d", bad_guess, guessed,
+          thresholds);
     CHECK(bad_id == 0, "top-p: %d of %d ids differ between stored and computed weights", bad_id,
           cases);
     CHECK(outside == 0, "top-p: %d of %d ids outside the nucleus", outside, cases);
+    CHECK(bad_plain == 0, "top-p 1 and 0: %d of %d ids differ from plain temperature sampling",
+          bad_plain, cases);
     CHECK(differ_plain > cases / 4, "top-p: only %d of %d ids differ from sampling every token",
           differ_plain, cases);
 }

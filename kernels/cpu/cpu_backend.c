@@ -98,8 +98,8 @@ static void cpu_sample_rows(nl_backend *be, int32_t *ids, const nl_sample_row *r
     if (n <= 0)
         return;
     be->stats.host_syncs++; /* results for the host, one wait for all */
-    /* a top-p row's weights, stored once for its threshold's passes (the
-     * same ids without: each pass then computes them again) */
+    /* a top-p row's weights, stored once for the search of its threshold
+     * (the same ids without: each pass then computes them again) */
     float *w = NULL;
     for (int i = 0; i < n && !w; i++)
         if (rows[i].temperature > 0.0f && nl_elem_sample_nucleus(rows[i].top_p))

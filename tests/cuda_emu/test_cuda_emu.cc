@@ -442,6 +442,21 @@ void test_sample(nl_backend *cpu)
           NR);
     CHECK(past_chunk0 >= 10, "sample: only %d of %d ids past the first chunk", past_chunk0, n);
     CHECK(top_p_apart >= 3, "sample: top-p changed only %d of its rows' ids", top_p_apart);
+    /* a weight that nvcc's fused multiply-adds round another way (nl_expf
+     * without NL_MUL: 1.7% of exponents differ by an ulp): tau is a weight,
+     * so top-p puts the nucleus's edge on it (the CPU draws 1; a kernel
+     * whose exponential fuses draws 0) */
+    {
+        buf two(2);
+        two[0] = 0.0f;
+        two[1] = -0.0101345293f;
+        const nl_sample_row edge = {two.p(), 1.0f, 0.502533615f, 0.9};
+        int32_t want = -1;
+        cpu->sample_rows(cpu, &want, &edge, 1, 2);
+        CHECK(want == 1 && sample_alone(edge, 2) == want,
+              "sample: a nucleus's edge on an exponential's last bit: %d, the CPU %d",
+              sample_alone(edge, 2), want);
+    }
     /* 150 rows, each its own logits (ties in some), across three launches */
     enum { R = 150, V = 300 };
     static_assert(R > 2 * NL_CUDA_SAMPLE_LAUNCH_ROWS, "three launches");
