@@ -27,7 +27,8 @@
 #      within 1e-2 of FP32) and with cuDNN's experts (its graphs built or
 #      declined, the routed products right, no host wait);
 #   e. bench/bench_cuda.sh part 2: the decode split (device against host
-#      routing, recorded steps, fused slots, bf16 KV cache, batched decode)
+#      routing, recorded steps, fused slots, bf16 KV cache, batched decode,
+#      top-p sampled on the device against the host)
 #      on bench-large FP32, and batch-1 decode of each DECODE_SPECS against
 #      the memory bound (the fraction of it, host syncs per token);
 #   f. bench/bench_serve.sh: `neuroctl serve --device DEVICE --precision
@@ -282,7 +283,8 @@ if want e; then
         DEVICE="$DEVICE" DECODE_SPECS="$DECODE_SPECS" bash "$SRC/bench/bench_cuda.sh" && true
     [ "$RC" -ne 125 ] && verdict decode "$(grep -hv '^$' "$OUT/bench_cuda_decode/decode_routing.txt" \
         "$OUT/bench_cuda_decode/decode_graphs.txt" "$OUT/bench_cuda_decode/decode_bound.txt" \
-        "$OUT/bench_cuda_decode/decode_batch.txt" 2>/dev/null | tr '\n' ';' | head -c 1500)"
+        "$OUT/bench_cuda_decode/decode_batch.txt" "$OUT/bench_cuda_decode/decode_top_p.txt" \
+        2>/dev/null | tr '\n' ';' | head -c 1800)"
 fi
 
 # ---------------------------------------------------------------- f. serve
