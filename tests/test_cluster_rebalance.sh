@@ -6,7 +6,10 @@
 # the cost model misses there, and the judgement rightly kept the split). The coordinator sees it in the stages'
 # busy fractions (heartbeats) and, at the next checkpoint (the early
 # re-balance's, after a few steps, or the job's own), re-plans with the
-# observed figures beyond --replan-margin: the slow node loses layers (or
+# observed figures beyond --replan-margin (two judgements in a row, each
+# over 3 heartbeats: --heartbeat-ms 200 here, so that they fit in the job on
+# a fast machine too, where its 60 steps last a few seconds; at the default
+# 1000 ms the job could end before the second): the slow node loses layers (or
 # all of them: a standby), the job goes on from that checkpoint, and its
 # final weights are bit-identical to the same job on one node.
 . "$(dirname "$0")/cluster_lib.sh"
@@ -20,7 +23,7 @@ check "$N" init --config "$W/cfg.yaml" --out "$W/m.safetensors" --seed 7
 RUN=(--data "$W/data.txt" --steps 60 --batch 16 --seq 64 --microbatches 2 --lr 3e-3 --seed 1
      --checkpoint-every 30)
 UP=(cluster up "${DEV[@]}" --model "$W/m.safetensors" --memory 64M --threads 1
-    --node-timeout-ms 3000 --timeout 60)
+    --heartbeat-ms 200 --node-timeout-ms 3000 --timeout 60)
 
 # ---- the reference: the same job on one node ----
 check "$N" "${UP[@]}" --nodes 1 --dir "$W/c1"
