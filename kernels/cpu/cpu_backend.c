@@ -98,16 +98,26 @@ static void cpu_sample_rows(nl_backend *be, int32_t *ids, const nl_sample_row *r
     if (n <= 0)
         return;
     be->stats.host_syncs++; /* results for the host, one wait for all */
-    /* a top-p row's weights, stored once for the search of its threshold
-     * (the same ids without: each pass then computes them again) */
+    /* a top-p row's weights, stored once for the search of its threshold,
+     * in a buffer grown once (the same ids without one: each pass then
+     * computes them again) */
+    cpu_ctx *ctx = be->ctx;
     float *w = NULL;
-    for (int i = 0; i < n && !w; i++)
-        if (rows[i].temperature > 0.0f && nl_elem_sample_nucleus(rows[i].top_p))
-            w = malloc((size_t)V * sizeof *w);
+    for (int i = 0; i < n; i++)
+        if (rows[i].temperature > 0.0f && nl_elem_sample_nucleus(rows[i].top_p)) {
+            if (ctx->sample_w_cap < (size_t)V) {
+                float *g = realloc(ctx->sample_w, (size_t)V * sizeof *g);
+                if (g) {
+                    ctx->sample_w = g;
+                    ctx->sample_w_cap = (size_t)V;
+                }
+            }
+            w = ctx->sample_w_cap >= (size_t)V ? ctx->sample_w : NULL;
+            break;
+        }
     for (int i = 0; i < n; i++)
         ids[i] =
             nl_elem_sample_row(rows[i].logits, V, rows[i].temperature, rows[i].top_p, rows[i].u, w);
-    free(w);
 }
 
 static void cpu_zero(nl_backend *be, void *p, size_t bytes)
@@ -408,6 +418,7 @@ static void cpu_destroy(nl_backend *be)
     nl_cpu_bf16_free(be);
     nl_cpu_matmul_free(be);
     free(((cpu_ctx *)be->ctx)->rope);
+    free(((cpu_ctx *)be->ctx)->sample_w);
     free(be->ctx);
     free(be);
 }
