@@ -147,8 +147,17 @@ void heartbeats(void)
  * skipped. Returns 0 on time out. */
 int pump_until(fake *f, nl_msg_type want, nl_rx *rx)
 {
+    if (pump_until_for(f, want, rx, WAIT_S))
+        return 1;
+    fprintf(stderr, "%s: no %s within %.0f s (coordinator: %s)\n", f->key, nl_wire_type_name(want),
+            WAIT_S, nl_coord_state(coord));
+    return 0;
+}
+
+int pump_until_for(fake *f, nl_msg_type want, nl_rx *rx, double seconds)
+{
     const double t0 = now_s();
-    while (now_s() - t0 < WAIT_S) {
+    while (now_s() - t0 < seconds) {
         nl_coord_step(coord, 5);
         heartbeats();
         nl_error err = {0};
@@ -160,8 +169,6 @@ int pump_until(fake *f, nl_msg_type want, nl_rx *rx)
             return 1;
         NL_DEBUG("%s: skipped %s", f->key, nl_wire_type_name(rx->msg.type));
     }
-    fprintf(stderr, "%s: no %s within %.0f s (coordinator: %s)\n", f->key, nl_wire_type_name(want),
-            WAIT_S, nl_coord_state(coord));
     return 0;
 }
 
@@ -220,6 +227,14 @@ int join_hb = HB_MS, join_to = TIMEOUT_MS;
 
 void join(fake *f, double gflops)
 {
+    if (!join_for(f, gflops, WAIT_S))
+        fprintf(stderr, "%s: no ACCEPT within %.0f s (coordinator: %s)\n", f->key, WAIT_S,
+                nl_coord_state(coord));
+}
+
+int join_for(fake *f, double gflops, double seconds)
+{
+    int ok = 0;
     nl_wire_msg m;
     nl_rx rx;
     nl_rx_init(&rx);
@@ -228,7 +243,8 @@ void join(fake *f, double gflops)
     /* slow nodes: compute outweighs the hop, so the planner uses both */
     m.u.join = (nl_msg_join){f->key, "cpu", 1ull << 30, gflops, 1, f->endpoint, 0};
     fake_send(f, &m);
-    if (pump_until(f, NL_MSG_ACCEPT, &rx)) {
+    if (pump_until_for(f, NL_MSG_ACCEPT, &rx, seconds)) {
+        ok = 1;
         f->id = rx.msg.u.accept.node_id;
         CHECK(f->id > 0 && rx.msg.u.accept.heartbeat_ms == (uint32_t)join_hb &&
                   rx.msg.u.accept.timeout_ms == (uint32_t)join_to,
@@ -236,6 +252,7 @@ void join(fake *f, double gflops)
         f->beating = 1;
     }
     nl_rx_free(&rx);
+    return ok;
 }
 
 void coord_fake_add_counts(int *pass, int *fail)

@@ -52,6 +52,8 @@ void heartbeats(void);
  * receives a message of type want into rx; other messages to f are
  * skipped. Returns 0 on time out. */
 int pump_until(fake *f, nl_msg_type want, nl_rx *rx);
+/* The same within seconds, and quiet when none comes. */
+int pump_until_for(fake *f, nl_msg_type want, nl_rx *rx, double seconds);
 /* Turn the loop until the coordinator's state begins with prefix. */
 int pump_state(const char *prefix);
 /* A pump that must succeed: counted as a check. */
@@ -60,6 +62,8 @@ int check_pump(int ok, const char *what);
 /* f JOINs with gflops and checks its ACCEPT (id, join_hb, join_to); it
  * then beats while the test pumps. */
 void join(fake *f, double gflops);
+/* The same within seconds: 1 when ACCEPTed, 0 (quietly) when not. */
+int join_for(fake *f, double gflops, double seconds);
 /* What a test's coordinator has besides the fakes' defaults. */
 typedef struct coord_fake_setup {
     const char *tag;                 /* its state dir: /tmp/nl_test_<tag>_XXXXXX */
