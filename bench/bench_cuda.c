@@ -9,6 +9,11 @@
  *   - memory-bound kernels (rmsnorm, softmax over the vocabulary, swiglu,
  *     gather_rows, copy_rows, moe_combine) at the same sizes: GB/s of the
  *     bytes each must move, and the fraction of the spec bandwidth;
+ *   - the sample_rows slot alone ("sample"): microseconds a call, the ids
+ *     back on the host, for 1 and 16 rows of the config's vocabulary and of
+ *     131072 ids, greedy, temperature 0.8 and top-p 0.95 (kernels/elem.h's
+ *     rule; a top-p row searches its threshold): what sampling adds to a
+ *     decode token, and what the top-p search costs over plain sampling;
  *   - where a decode token's time goes: the model (random init) decodes
  *     --decode-tokens tokens after a 64-token prompt, one at a time, with
  *     routing on the device (each step replayed from a recorded CUDA
@@ -119,13 +124,28 @@ typedef struct job {
     const char *name;
     int kind;          /* 0 gemm, else a memory-bound op */
     int M, N, K;       /* gemm: C[M,N] = A[M,K] B[N,K]^T, as y = x W^T */
-    int rows, cols, k; /* memory ops */
+    int rows, cols, k; /* memory ops; sample: rows of cols ids at a */
     float *a, *b, *c, *w;
     int32_t *idx;
     double bytes;
+    float temperature, top_p; /* sample */
 } job;
 
-enum { GEMM, RMSNORM, SOFTMAX, SWIGLU, GATHER, COPY, COMBINE };
+enum { GEMM, RMSNORM, SOFTMAX, SWIGLU, GATHER, COPY, COMBINE, SAMPLE };
+
+#define SAMPLE_MAX_ROWS 16
+
+static void sample(nl_backend *be, const job *j)
+{
+    nl_sample_row r[SAMPLE_MAX_ROWS];
+    int32_t ids[SAMPLE_MAX_ROWS];
+    for (int i = 0; i < j->rows; i++)
+        r[i] = (nl_sample_row){.logits = j->a + (size_t)i * j->cols,
+                               .temperature = j->temperature,
+                               .top_p = j->top_p,
+                               .u = j->temperature > 0.0f ? (i + 0.5) / (j->rows + 1.0) : 0.0};
+    be->sample_rows(be, ids, r, j->rows, j->cols);
+}
 
 static void run(nl_backend *be, const job *j)
 {
@@ -151,6 +171,9 @@ static void run(nl_backend *be, const job *j)
     case COMBINE:
         be->moe_combine(be, j->c, j->a, j->idx, j->w, j->rows, j->k, j->cols);
         break;
+    case SAMPLE:
+        sample(be, j);
+        break;
     }
 }
 
@@ -174,6 +197,65 @@ static double time_job(nl_backend *be, const job *j, nl_error *err)
     if (be->sync(be, err) != NL_OK)
         return -1.0;
     return (now_s() - t0) / reps;
+}
+
+/* The sample_rows slot alone: SAMPLE_MAX_ROWS rows of V logits (a
+ * spread like a model's: a few far above the rest), 1 and all rows of
+ * each vocabulary, greedy, temperature and top-p; one JSON member each.
+ * 0, or -1 on a device error (the array is closed either way). */
+static int sample_report(nl_backend *be, int config_vocab, nl_error *err)
+{
+    const int vocabs[2] = {config_vocab, 131072};
+    const struct {
+        const char *name;
+        float t, p;
+    } modes[3] = {{"greedy", 0.0f, 0.0f}, {"temperature", 0.8f, 1.0f}, {"top_p", 0.8f, 0.95f}};
+    int rc = 0, first = 1;
+    printf(",\n  \"sample\":[");
+    for (int v = 0; v < 2 && rc == 0; v++) {
+        const int V = vocabs[v];
+        const size_t n = (size_t)SAMPLE_MAX_ROWS * (size_t)V;
+        float *h = malloc(n * sizeof *h), *dl = be->alloc(be, n * sizeof *dl);
+        if (!h || !dl) {
+            free(h);
+            be->free(be, dl);
+            printf("\n  ]");
+            nl_error_set(err, NL_ERR_NOMEM, "sample: %zu logits", n);
+            return -1;
+        }
+        uint64_t x = 0x9E3779B97F4A7C15ull + (uint64_t)V;
+        for (size_t i = 0; i < n; i++) { /* xorshift: the sum of 4 uniforms, x 3, a tail */
+            float g = 0.0f;
+            for (int k = 0; k < 4; k++) {
+                x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+                g += (float)(x >> 40) / (float)(1u << 24);
+            }
+            h[i] = 3.0f * (g - 2.0f) + ((x & 1023) == 0 ? 12.0f : 0.0f);
+        }
+        be->upload(be, dl, h, n * sizeof *h);
+        free(h);
+        for (int rows = 1; rows <= SAMPLE_MAX_ROWS && rc == 0; rows *= SAMPLE_MAX_ROWS)
+            for (int m = 0; m < 3; m++) {
+                const job j = {.name = modes[m].name,
+                               .kind = SAMPLE,
+                               .rows = rows,
+                               .cols = V,
+                               .a = dl,
+                               .temperature = modes[m].t,
+                               .top_p = modes[m].p};
+                const double t = time_job(be, &j, err);
+                if (t < 0) {
+                    rc = -1;
+                    break;
+                }
+                printf("%s\n    {\"mode\":\"%s\",\"rows\":%d,\"vocab\":%d,\"us\":%.1f}",
+                       first ? "" : ",", j.name, rows, V, t * 1e6);
+                first = 0;
+            }
+        be->free(be, dl);
+    }
+    printf("\n  ]");
+    return rc;
 }
 
 /* ---------------------------------------------------------------- jobs */
@@ -389,6 +471,11 @@ int main(int argc, char **argv)
                mj[i].bytes / t / 1e9, s.gbs > 0 ? mj[i].bytes / t / 1e9 / s.gbs : 0.0);
     }
     printf("\n  ]");
+    if (!decode_only && sample_report(be, (int)cf.vocab_size, &err) != 0) {
+        printf("\n}\n");
+        fprintf(stderr, "bench_cuda: sample: %s (%s)\n", err.msg, nl_status_str(err.status));
+        goto out;
+    }
     if (dtok > 0) {
         arena_free(be, &ar); /* room for the model */
         arena_free(be32, &ar32);

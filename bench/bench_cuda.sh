@@ -23,7 +23,9 @@
 #      tokens/s, the ratio, whether the greedy ids agree); and seeded top-p
 #      decode (temperature 0.8, top-p 0.95) sampled on the device against
 #      the host (decode_top_p: tokens/s, host syncs per token, the same ids
-#      judged); and batched
+#      judged); and the sample_rows slot alone (sample: microseconds a call
+#      for greedy, temperature and top-p rows, 1 and 16 of them, the
+#      config's vocabulary and 131072 ids); and batched
 #      decode of 1, 4 and 16 sessions (decode_batch: aggregate tokens/s,
 #      the same ids for session 0 in every batch), with batch-1 decode on
 #      the gemm_rows kernel against cuBLAS (NL_CUDA_ROWS=cublas); and
@@ -322,6 +324,24 @@ print("decode top-p 0.95 tok/s on the device %.1f (%.2f syncs/token) vs on the h
 sys.exit(0 if d["top_p_same_ids"] else 1)
 PY
 result decode_top_p $? "$(tail -1 "$OUT/decode_top_p.txt")"
+# the sample_rows slot alone (bench_cuda's "sample"): microseconds a call,
+# ids back on the host, greedy / temperature 0.8 / top-p 0.95, for 1 and 16
+# rows of the config's vocabulary and of 131072 ids (reported, not judged:
+# what sampling adds to a token, and what the top-p search costs)
+$PY - "$OUT/bench_cuda.json" >"$OUT/sample.txt" 2>&1 <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1])).get("sample")
+if not s:
+    sys.exit("no sample figures in bench_cuda's output")
+us = {(x["vocab"], x["rows"], x["mode"]): x["us"] for x in s}
+parts = []
+for v, r in sorted({(x["vocab"], x["rows"]) for x in s}):
+    parts.append("V %d x %d rows: %s" % (v, r, ", ".join(
+        "%s %.1f" % (m, us[(v, r, m)]) for m in ("greedy", "temperature", "top_p")
+        if (v, r, m) in us)))
+print("sample_rows us per call: " + "; ".join(parts))
+PY
+result sample $? "$(tail -1 "$OUT/sample.txt")"
 # batched decode (a stage's path, core/model/batch.c: every product row
 # invariant, the fused decode slots below 16 rows): 1, 4 and 16 sessions
 # together, aggregate tokens/s and the speed-up over one; session 0's greedy

@@ -28,7 +28,8 @@
 #      declined, the routed products right, no host wait);
 #   e. bench/bench_cuda.sh part 2: the decode split (device against host
 #      routing, recorded steps, fused slots, bf16 KV cache, batched decode,
-#      top-p sampled on the device against the host)
+#      top-p sampled on the device against the host, the sampling slot
+#      alone)
 #      on bench-large FP32, and batch-1 decode of each DECODE_SPECS against
 #      the memory bound (the fraction of it, host syncs per token);
 #   f. bench/bench_serve.sh: `neuroctl serve --device DEVICE --precision
@@ -284,7 +285,7 @@ if want e; then
     [ "$RC" -ne 125 ] && verdict decode "$(grep -hv '^$' "$OUT/bench_cuda_decode/decode_routing.txt" \
         "$OUT/bench_cuda_decode/decode_graphs.txt" "$OUT/bench_cuda_decode/decode_bound.txt" \
         "$OUT/bench_cuda_decode/decode_batch.txt" "$OUT/bench_cuda_decode/decode_top_p.txt" \
-        2>/dev/null | tr '\n' ';' | head -c 1800)"
+        "$OUT/bench_cuda_decode/sample.txt" 2>/dev/null | tr '\n' ';' | head -c 2400)"
 fi
 
 # ---------------------------------------------------------------- f. serve

@@ -492,6 +492,18 @@ NL_HD float nl_elem_sample_guess(const float *w, int V, double want)
     return v;
 }
 
+/* w[i] = token i's weight, i in [0, V): one pass the host's compiler
+ * vectorises (nl_expf is branch-free), before the sums that read them in
+ * id order */
+NL_HD void nl_elem_sample_weights(const float *l, float *w, int V, float lmax, float t)
+{
+#if defined(_OPENMP) && !defined(__CUDACC__)
+#pragma omp simd
+#endif
+    for (int i = 0; i < V; i++)
+        w[i] = nl_elem_sample_weight(l[i], lmax, t);
+}
+
 /* the greedy id of l[0..V) */
 NL_HD int nl_elem_sample_argmax(const float *l, int V)
 {
@@ -505,9 +517,11 @@ NL_HD int nl_elem_sample_argmax(const float *l, int V)
 
 /* The whole rule on one thread (the host's): greedy when t == 0; top_p
  * in (0, 1) draws inside the nucleus. w: NULL, or room for V floats where
- * a top-p draw stores the weights once and guesses tau from them
+ * a draw stores the weights once, in one vectorised pass, for every sum
+ * after it (without: each sum computes them again, scalar; the same id
+ * either way), and a top-p draw guesses tau from them
  * (nl_elem_sample_guess: five passes where it holds, else the 31 of the
- * bisection over the stored weights; the same id either way). */
+ * bisection over the stored weights). */
 NL_HD int nl_elem_sample_row(const float *l, int V, float t, float top_p, double u, float *w)
 {
     const int best = nl_elem_sample_argmax(l, V);
@@ -516,12 +530,11 @@ NL_HD int nl_elem_sample_row(const float *l, int V, float t, float top_p, double
     const float lmax = l[best];
     float tau = 0.0f;
     const float *ws = NULL;
+    if (w) {
+        nl_elem_sample_weights(l, w, V, lmax, t);
+        ws = w;
+    }
     if (nl_elem_sample_nucleus(top_p)) {
-        if (w) {
-            for (int i = 0; i < V; i++)
-                w[i] = nl_elem_sample_weight(l[i], lmax, t);
-            ws = w;
-        }
         const double total = nl_elem_sample_mass(l, ws, V, lmax, t, 0.0f);
         tau = w ? nl_elem_sample_guess(w, V, (double)top_p * total) : -1.0f;
         if (!(tau >= 0.0f))

@@ -454,13 +454,18 @@ static void test_sample_top_p(void)
     const float temps[] = {0.5f, 1.0f, 4.0f};
     uint32_t r = 777;
     int bad_tau = 0, bad_size = 0, bad_id = 0, outside = 0, differ_plain = 0, cases = 0;
-    int bad_guess = 0, guessed = 0, thresholds = 0, bad_plain = 0;
+    int bad_guess = 0, guessed = 0, thresholds = 0, bad_plain = 0, bad_weight = 0;
+    /* logits of every kind among them: NaN, infinities, far below the
+     * best (weights 0) and around exp's clamps */
+    const float odd[] = {NAN, -INFINITY, -1e30f, -200.0f, -87.0f, -70.1f, 3.0f, 4.999f};
     for (size_t v = 0; v < sizeof vocabs / sizeof *vocabs; v++) {
         const int V = vocabs[v];
         for (int i = 0; i < V; i++) {
             r = r * 1664525u + 1013904223u;
             l[i] = 10.0f * ((float)(r >> 8) / 16777216.0f - 0.5f);
         }
+        for (int i = 0; V >= 255 && i < (int)(sizeof odd / sizeof *odd); i++)
+            l[(i * 37 + 11) % V] = odd[i];
         const int best = nl_elem_sample_argmax(l, V);
         for (size_t ti = 0; ti < sizeof temps / sizeof *temps; ti++)
             for (size_t pi = 0; pi < sizeof top_ps / sizeof *top_ps; pi++) {
@@ -493,9 +498,12 @@ static void test_sample_top_p(void)
                     in_tau += wi >= tau;
                 }
                 bad_size += in_ref != in_tau;
-                /* the host's shortcut: the bisection's tau, or -1 */
+                /* the host's shortcut: the bisection's tau, or -1; the
+                 * weights by the vectorised pass, each the scalar's bits */
+                nl_elem_sample_weights(l, ws, V, lmax, t);
                 for (int i = 0; i < V; i++)
-                    ws[i] = nl_elem_sample_weight(l[i], lmax, t);
+                    bad_weight += memcmp(&(float){nl_elem_sample_weight(l[i], lmax, t)}, &ws[i],
+                                         sizeof(float)) != 0;
                 const float g = nl_elem_sample_guess(ws, V, want);
                 bad_guess += g >= 0.0f && g != tau;
                 guessed += g == tau;
@@ -519,6 +527,8 @@ static void test_sample_top_p(void)
     CHECK(bad_guess == 0 && guessed >= thresholds * 9 / 10,
           "top-p: the guess was proven and wrong %d times, right %d of %d", bad_guess, guessed,
           thresholds);
+    CHECK(bad_weight == 0, "%d weights of the vectorised pass differ from the scalar's",
+          bad_weight);
     CHECK(bad_id == 0, "top-p: %d of %d ids differ between stored and computed weights", bad_id,
           cases);
     CHECK(outside == 0, "top-p: %d of %d ids outside the nucleus", outside, cases);

@@ -98,13 +98,13 @@ static void cpu_sample_rows(nl_backend *be, int32_t *ids, const nl_sample_row *r
     if (n <= 0)
         return;
     be->stats.host_syncs++; /* results for the host, one wait for all */
-    /* a top-p row's weights, stored once for the search of its threshold,
-     * in a buffer grown once (the same ids without one: each pass then
-     * computes them again) */
+    /* a sampled row's weights, stored once (elem.h's vectorised pass) for
+     * the sums and a top-p row's threshold, in a buffer grown once (the
+     * same ids without one: each pass then computes them again) */
     cpu_ctx *ctx = be->ctx;
     float *w = NULL;
     for (int i = 0; i < n; i++)
-        if (rows[i].temperature > 0.0f && nl_elem_sample_nucleus(rows[i].top_p)) {
+        if (rows[i].temperature > 0.0f) {
             if (ctx->sample_w_cap < (size_t)V) {
                 float *g = realloc(ctx->sample_w, (size_t)V * sizeof *g);
                 if (g) {

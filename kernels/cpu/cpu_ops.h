@@ -27,7 +27,7 @@ typedef struct nl_cpu_ctx {
     size_t scratch_cap[2]; /* elements at scratch[i] */
     float *rope;           /* RoPE (cos, sin) table of one call (malloc'd, grown on demand) */
     size_t rope_cap;       /* floats at rope */
-    float *sample_w;       /* a top-p row's weights in sample_rows (malloc'd, grown on demand) */
+    float *sample_w;       /* a row's weights in sample_rows (malloc'd, grown on demand) */
     size_t sample_w_cap;   /* floats at sample_w */
     struct nl_cpu_matmul *matmul; /* gemm_rows' primitives (cpu_matmul.c), made on first use */
 } nl_cpu_ctx;
