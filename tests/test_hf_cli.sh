@@ -2,8 +2,8 @@
 # Integration test of the Hugging Face commands as real processes:
 # - usage errors of neuroctl import / export --format;
 # - export --format hf from a training manifest (after verifying its shards)
-#   writes the same files, byte for byte, as from the joined checkpoint, and a
-#   damaged shard is refused with nothing written;
+#   writes the same files, byte for byte, as from the joined checkpoint; a
+#   damaged shard, or one of another step, is refused with nothing written;
 # - a model imported with `neuroctl import --hf` goes onto a cluster as it is:
 #   neurocoord --model IMPORTED places it with no sizing, and the cluster's
 #   forward equals the local one (issue 19, item 3, before `neuroctl serve`);
@@ -87,6 +87,27 @@ check grep -q notes "$W/hf-ckpt/notes.txt"
 for f in "$W"/hf-man/*; do
   check cmp "$f" "$W/hf-ckpt/${f##*/}"
 done
+# a shard of another step beside the others (its size and hash in the
+# manifest made to match): refused, naming it, before anything is written
+mkdir -p "$W/shards1" "$W/mixed"
+check "$N" train --model "$W/init.safetensors" --data "$W/text.txt" --steps 1 --batch 2 --seq 16 \
+  --threads 1 --out "$W/m1.safetensors" --checkpoint-dir "$W/ck1" >/dev/null 2>&1
+check "$NL_BUILD_DIR/tests/make_shards" "$W/m1.safetensors" "$W/shards1" 1,2 >/dev/null
+cp "$W"/shards/* "$W/mixed/"
+cp "$W/shards1/stage-1.safetensors" "$W/mixed/"
+check /usr/bin/python3 - "$W/mixed" <<'EOF'
+import hashlib, json, os, sys
+d = sys.argv[1]
+m = json.load(open(os.path.join(d, "manifest.json")))
+for s in m["shards"]:
+    if s["file"] == "stage-1.safetensors":
+        b = open(os.path.join(d, s["file"]), "rb").read()
+        s["bytes"], s["sha256"] = len(b), hashlib.sha256(b).hexdigest()
+json.dump(m, open(os.path.join(d, "manifest.json"), "w"))
+EOF
+expect 1 "stage-1.safetensors.*step 1, but the manifest says 2" \
+  "$N" export --format hf --manifest "$W/mixed" --out "$W/hf-mixed"
+check test ! -e "$W/hf-mixed"
 # a damaged shard: refused before anything is written
 printf 'X' | dd of="$W/shards/stage-1.safetensors" bs=1 seek=200 conv=notrunc 2>/dev/null
 expect 1 "sha256 mismatch" "$N" export --format hf --manifest "$W/shards" --out "$W/hf-bad"

@@ -485,6 +485,9 @@ static void test_parse_errors(const char *manifest_path)
     expect_edit(b, "config", "num_layers", json_integer(4), NL_ERR_FORMAT, "shards[2].layers");
     expect_edit(b, "", "train", json_pack("[i]", 1), NL_ERR_FORMAT, "train");
     expect_edit(b, "", "tokenizer", json_integer(5), NL_ERR_FORMAT, "tokenizer");
+    /* text that is no tokenizer: refused as the checkpoint joined from the
+     * shards would be when loaded, not carried into one */
+    expect_edit(b, "", "tokenizer", json_string("garbage"), NL_ERR_FORMAT, "tokenizer: tokenizer");
     expect_edit(b, "", "init_seed", json_string("-9"), NL_ERR_FORMAT, "init_seed");
     expect_edit(b, "", "init_seed", json_string("99999999999999999999999"), NL_ERR_FORMAT,
                 "init_seed");

@@ -64,7 +64,8 @@ static nl_status open_ours(hf_conv *c, const char *src, nl_config *cfg, char **t
         if (!(st = nl_manifest_load(&m, src, err)) && !(st = nl_manifest_verify(m, err))) {
             *cfg = m->cfg;
             for (int i = 0; i < m->n_shards && !st; i++)
-                st = hf_src_add(&c->src, m->shards[i].path, err);
+                if (!(st = nl_manifest_check_shard(m, i, err)))
+                    st = hf_src_add(&c->src, m->shards[i].path, err);
             if (!st && ((m->tokenizer && !(*tokenizer = strdup(m->tokenizer))) ||
                         (m->chat_template && !(*chat = strdup(m->chat_template)))))
                 st = nl_error_set(err, NL_ERR_NOMEM, "out of memory");

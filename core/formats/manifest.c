@@ -18,6 +18,7 @@
 #include "core/formats/manifest_impl.h"
 #include "core/grow/grow.h"
 #include "core/tokenizer/chat_template.h"
+#include "core/tokenizer/tokenizer.h"
 
 /* A shard's file name, and a node's free text, are at most this long. */
 #define NAME_MAX_BYTES 255
@@ -298,6 +299,13 @@ static nl_status parse_head(nl_manifest *m, json_t *root, nl_error *err)
         (st = get_str(root, "", "chat_template", 0, &m->chat_template, err)) ||
         (st = nl_chat_template_check(m->chat_template, "chat_template", err)))
         return st;
+    if (m->tokenizer) { /* what a checkpoint joined from the shards will carry: loadable */
+        nl_tokenizer *tk = NULL;
+        st = nl_tokenizer_load_buffer(&tk, m->tokenizer, strlen(m->tokenizer), err);
+        nl_tokenizer_destroy(&tk);
+        if (st != NL_OK)
+            return nl_error_prefix(err, "tokenizer");
+    }
     json_t *g = member(root, "growth", 1);
     if (g && !json_is_array(g))
         return nl_error_set(err, NL_ERR_FORMAT, "growth: expected an array");

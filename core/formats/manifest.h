@@ -132,6 +132,14 @@ nl_status nl_manifest_open_shard(const nl_manifest *m, int i, struct nl_st_file 
  * opened are closed and every entry is NULL). */
 nl_status nl_manifest_open_shards(const nl_manifest *m, struct nl_st_file **files, nl_error *err);
 
+/* Shard i's own metadata against the manifest (its header only): its
+ * config, apart from num_layers and vocab_size, which a growth changes
+ * without rewriting every shard, and its step; NL_ERR_FORMAT naming the
+ * shard where they differ (a shard of another step or model beside the
+ * others). nl_manifest_load_stage checks the same on every shard it
+ * reads; for callers that read the shards' tensors by name instead. */
+nl_status nl_manifest_check_shard(const nl_manifest *m, int i, nl_error *err);
+
 /* Build the stage [l0, l1) (with the embedding and/or head as asked) on
  * backend `be` from the shards of a verified manifest: every tensor from
  * whichever shard holds it (the "re-cut": the range need not match the

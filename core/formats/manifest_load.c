@@ -190,6 +190,19 @@ static nl_status check_shard_meta(const nl_manifest *m, const nl_manifest_shard 
     return NL_OK;
 }
 
+nl_status nl_manifest_check_shard(const nl_manifest *m, int i, nl_error *err)
+{
+    if (i < 0 || i >= m->n_shards || !m->shards[i].path)
+        return nl_error_set(err, NL_ERR_INVALID, "manifest: no shard %d", i);
+    const nl_manifest_shard *sh = &m->shards[i];
+    nl_st_file *f = NULL;
+    nl_status st = nl_st_open(&f, sh->path, err);
+    if (st == NL_OK)
+        st = check_shard_meta(m, sh, f, 0, err);
+    nl_st_close(&f);
+    return st == NL_OK ? st : nl_error_prefix(err, "shard %s (stage %d)", sh->file, sh->stage);
+}
+
 /* Read from shard s every entry of `model` that the plan puts there. */
 static nl_status read_shard(const nl_manifest *m, int s, nl_model *model, const int *own,
                             unsigned char *pick, float *w, float *mm, float *vv, nl_error *err)
