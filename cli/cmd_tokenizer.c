@@ -580,7 +580,7 @@ int nl_cmd_tokenizer(int argc, char **argv)
         rc = cmd_info(&o, &err);
     else
         return usage_error("unknown command '%s'", o.sub);
-    if (rc == 1)
+    if (rc == 1 && err.status != NL_OK) /* else the refusal was said already (out_exists) */
         fprintf(stderr, "neuroctl tokenizer %s: %s (%s)\n", o.sub, err.msg,
                 nl_status_str(err.status));
     return rc;

@@ -154,8 +154,10 @@ mkdir -p "$W/shards"
 "$N" export --manifest "$W/shards" --out "$W/m.orig" >/dev/null 2>&1
 check test $? -eq 1
 check "$N" export --manifest "$W/shards" --out "$W/m.orig" --force
-"$N" tokenizer train --input "$W/data.txt" --vocab-size 300 --out "$W/m.orig" --quiet 2>/dev/null
+out=$("$N" tokenizer train --input "$W/data.txt" --vocab-size 300 --out "$W/m.orig" --quiet 2>&1)
 check test $? -eq 1
+check grep -qF -- "--out $W/m.orig: the file exists" <<< "$out"
+check test "$(wc -l <<< "$out")" -eq 1 # that line alone (no empty error after it)
 check "$N" tokenizer train --input "$W/data.txt" --vocab-size 300 --out "$W/m.orig" --quiet --force
 out=$("$N" train "${DEV[@]}" --model "$W/m.safetensors" "${T[@]}" --steps 1 --out "$W/m.orig" 2>&1); rc=$?
 check test $rc -eq 1
