@@ -69,7 +69,7 @@ static const struct bad {
     {"ffn_dim: 0\n", {"ffn_dim", "at least 1"}},
     {"vocab_chunk: -1\n", {"vocab_chunk"}},
     {"num_experts: 0\n", {"num_experts"}},
-    {"hidden_dim: 512\n", {"num_layers", "outside"}},
+    {"hidden_dim: 512\n", {"num_layers", "missing"}},
     {"hidden_dim: 100000\nnum_layers: 1\n", {"hidden_dim", "outside"}},
     /* Found by fuzz_config: 4 d overflowed an int before validation. */
     {"hidden_dim: 1474836483\nnum_layers: 1\n", {"line 1", "hidden_dim", "outside"}},
@@ -293,9 +293,17 @@ static void test_variants(void)
     }
     free(json);
 
+    /* 0 written out where it is the default that turns a variant off:
+     * the model above, unchanged */
+    CHECK_OK(parse(&a, "attention_window: 0\nnum_classes: 0\nglobal_every: 0\n", &err), &err);
+    CHECK(a.attention_window == 0 && a.num_classes == 0 && a.global_every == 0,
+          "attention_window, num_classes and global_every 0: %d %d %d", a.attention_window,
+          a.num_classes, a.global_every);
     static const struct {
         const char *yaml, *want;
     } bad[] = {
+        {"attention_window: -1\n", "attention_window: -1 must be 0 or more"},
+        {"num_classes: -2\n", "num_classes: -2 must be 0 or more"},
         {"causal: 0\n", "causal: expected true or false"},
         {"ffn_act: relu\n", "ffn_act: expected swiglu or geglu"},
         {"rope_scaling: yarn\n", "rope_scaling: expected a mapping"},
@@ -304,7 +312,7 @@ static void test_variants(void)
         {"rope_scaling:\n  type: yarn\n  factor: 4\n", "original_max_seq_len 0"},
         {"rope_scaling:\n  type: yarn\n  factor: 0.5\n  original_max_seq_len: 8\n", "factor 0.5"},
         {"num_experts: 1\ntop_k: 2\n", "top_k: 2 must be in 1..num_experts"},
-        {"global_every: -1\n", "global_every: -1 must be at least 1"},
+        {"global_every: -1\n", "global_every: -1 must be 0 or more"},
         {"factor: 4\n", "unknown key 'factor'"},
         {"objective: mlm\n", "objective: mlm needs vocab_size above the mask id 258"},
         {"objective: rtd\n", "objective: expected clm or mlm"},

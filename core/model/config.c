@@ -109,7 +109,11 @@ nl_status nl_config_validate(const nl_config *c, int require_size, nl_error *err
     if (c->ffn_dim < 0)
         BAD("ffn_dim: %d must not be negative", c->ffn_dim);
     if (c->hidden_dim == 0 && c->num_layers == 0 && !require_size)
-        return NL_OK; /* to be sized by the coordinator */
+        return NL_OK;                             /* to be sized by the coordinator */
+    if (c->hidden_dim == 0 || c->num_layers == 0) /* not given (YAML refuses an explicit 0) */
+        BAD("%s: missing: the model's size is needed here (hidden_dim and num_layers; a "
+            "coordinator sizes a config without them)",
+            c->hidden_dim == 0 ? "hidden_dim" : "num_layers");
     if (c->hidden_dim < 1 || c->hidden_dim > NL_CONFIG_MAX_DIM)
         BAD("hidden_dim: %d is outside 1..%d", c->hidden_dim, NL_CONFIG_MAX_DIM);
     if (c->num_layers < 1 || c->num_layers > NL_CONFIG_MAX_LAYERS)

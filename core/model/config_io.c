@@ -238,8 +238,15 @@ static nl_status yaml_set(nl_config *cfg, int k, const yaml_event_t *ev, nl_erro
     if (r == -2)
         return nl_error_set(err, NL_ERR_INVALID, "%s: %s is out of range", name, shown);
     /* 0 means "the default" to a user, so it is refused, except where it
-     * is a value of its own: global_every 0 (no global layer) */
-    if (v < 1 && !(v == 0 && keys[k].off == offsetof(nl_config, global_every)))
+     * is a value of its own: global_every 0 (no global layer), and the
+     * default itself where 0 turns a variant off (attention_window 0:
+     * global attention; num_classes 0: no classifier) */
+    const int zero_ok = keys[k].off == offsetof(nl_config, global_every) ||
+                        keys[k].off == offsetof(nl_config, attention_window) ||
+                        keys[k].off == offsetof(nl_config, num_classes);
+    if (v < 0 && zero_ok)
+        return nl_error_set(err, NL_ERR_INVALID, "%s: %lld must be 0 or more", name, v);
+    if (v < 1 && !zero_ok)
         return nl_error_set(err, NL_ERR_INVALID,
                             "%s: %lld must be at least 1 (leave the key out for the default)", name,
                             v);
