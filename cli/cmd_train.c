@@ -636,6 +636,13 @@ static int train_main(int argc, char **argv, int finetune)
         nl_args_help(stderr, usage, flags);
         return 2;
     }
+    if (o.model && o.resume && !finetune) { /* the checkpoint's own model goes on, not --model's */
+        fprintf(stderr,
+                "neuroctl train: give --model or --resume, not both (--resume %s continues "
+                "that checkpoint's model)\n",
+                o.resume);
+        return 2;
+    }
     if ((rc = nl_cli_require("train", usage, flags, "data", "steps", (const char *)NULL)))
         return rc;
     if ((rc = nl_train_run_read(flags, &o.r)) ||

@@ -195,6 +195,10 @@ check test $rc -eq 2
 check test "$(head -1 <<< "$out")" = "neuroctl train: missing --model (or --resume)"
 out=$("$N" train --model "$W/m.safetensors" --steps 2 2>&1)
 check test "$(head -1 <<< "$out")" = "neuroctl train: missing --data"
+out=$("$N" train --model "$W/m.safetensors" --resume "$W/m.safetensors" --data "$W/data.txt" \
+  --steps 2 2>&1); rc=$?
+check test $rc -eq 2
+check grep -qF "give --model or --resume, not both" <<< "$out"
 out=$("$N" forward --model "$W/m.safetensors" 2>&1)
 check test "$(head -1 <<< "$out")" = "neuroctl forward: missing --tokens"
 out=$("$NL_BUILD_DIR/coordinator/neurocoord" --listen 'tcp://127.0.0.1:*' 2>&1); rc=$?
