@@ -143,6 +143,40 @@ int main(void)
     CHECK(back && back->n_table == 7 + 3 * 2 + 2, "stage [1, 2) with the head");
     nl_model_destroy(&back);
 
+    /* a weight that is not finite: refused, naming the tensor (a NaN would
+     * make every output NaN); an infinite moment likewise */
+    for (int i = 0; w && i < m->n_table; i++) {
+        const nl_param *p = &m->table[i];
+        if (strcmp(p->name, "layers.1.ffn_norm.weight") != 0)
+            continue;
+        float *w2 = malloc(m->n_params * sizeof *w2);
+        memcpy(w2, w, m->n_params * sizeof *w2);
+        w2[p->offset + 3] = NAN;
+        be->upload(be, m->params, w2, m->n_params * sizeof *w2);
+        CHECK_OK(nl_checkpoint_save(m, bad, 12, &extra, &err), &err);
+        expect_refused(be, bad, NL_ERR_FORMAT,
+                       "tensor layers.1.ffn_norm.weight: 1 of its 16 values are not finite "
+                       "(the first at 3: nan)",
+                       "a NaN weight");
+        be->upload(be, m->params, w, m->n_params * sizeof *w2);
+        w2[p->offset + 3] = INFINITY; /* as a moment */
+        be->upload(be, mom, w2, m->n_params * sizeof *w2);
+        CHECK_OK(nl_checkpoint_save(m, bad, 12, &extra, &err), &err);
+        nl_model *b2 = NULL;
+        CHECK_OK(nl_checkpoint_load(&b2, be, bad, 0, -1, 1, 1, NULL, &err), &err);
+        float *mm = be->alloc(be, m->n_params * 4), *vv = be->alloc(be, m->n_params * 4);
+        int64_t a2 = 0;
+        nl_status st = b2 ? nl_checkpoint_load_optim(b2, bad, mm, vv, &a2, NULL, &err) : NL_OK;
+        CHECK(st == NL_ERR_FORMAT && strstr(err.msg, "optim.m.layers.1.ffn_norm.weight") &&
+                  strstr(err.msg, "inf"),
+              "an infinite moment: %s '%s'", nl_status_str(st), err.msg);
+        be->upload(be, mom, mom_h, m->n_params * sizeof *w2);
+        be->free(be, mm);
+        be->free(be, vv);
+        nl_model_destroy(&b2);
+        free(w2);
+    }
+
     /* truncations */
     size_t n = 0;
     char *buf = slurp(good, &n);

@@ -157,6 +157,25 @@ nl_status nl_checkpoint_check_meta(const nl_st_file *f, const char *path, nl_con
     return st;
 }
 
+/* A tensor just read must be finite: a NaN or an infinity in a weight (or
+ * a moment) would make every output NaN, or greedy decode id 0 forever,
+ * and no later step says why. NL_ERR_FORMAT naming the tensor, its count
+ * of such values and the first. */
+static nl_status check_finite(const char *name, const float *x, size_t n, nl_error *err)
+{
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++)
+        bad += !(x[i] - x[i] == 0.0f); /* NaN for a NaN or an infinity */
+    if (!bad)
+        return NL_OK;
+    size_t first = 0;
+    while (x[first] - x[first] == 0.0f)
+        first++;
+    return nl_error_set(err, NL_ERR_FORMAT,
+                        "tensor %s: %zu of its %zu values are not finite (the first at %zu: %g)",
+                        name, bad, n, first, (double)x[first]);
+}
+
 nl_status nl_checkpoint_read_tensors(const nl_model *m, const nl_st_file *f,
                                      const unsigned char *pick, float *w, float *mm, float *vv,
                                      nl_error *err)
@@ -165,16 +184,20 @@ nl_status nl_checkpoint_read_tensors(const nl_model *m, const nl_st_file *f,
     nl_status st = NL_OK;
     for (int i = 0; i < m->n_table && st == NL_OK; i++) {
         const nl_param *p = &m->table[i];
+        const size_t n = (size_t)p->shape[0] * (size_t)(p->ndim == 2 ? p->shape[1] : 1);
         if (pick && !pick[i])
             continue;
-        if (w)
-            st = nl_st_read(f, p->name, NL_DTYPE_F32, p->ndim, p->shape, w + p->offset, err);
+        if (w && (st = nl_st_read(f, p->name, NL_DTYPE_F32, p->ndim, p->shape, w + p->offset,
+                                  err)) == NL_OK)
+            st = check_finite(p->name, w + p->offset, n, err);
         for (int j = 0; j < 2 && st == NL_OK; j++) {
             float *dst = j ? vv : mm;
             if (!dst)
                 continue;
             snprintf(name, sizeof name, "optim.%c.%s", j ? 'v' : 'm', p->name);
-            st = nl_st_read(f, name, NL_DTYPE_F32, p->ndim, p->shape, dst + p->offset, err);
+            if ((st = nl_st_read(f, name, NL_DTYPE_F32, p->ndim, p->shape, dst + p->offset, err)) ==
+                NL_OK)
+                st = check_finite(name, dst + p->offset, n, err);
         }
     }
     return st;
