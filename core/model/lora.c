@@ -2,6 +2,7 @@
  * backward as GEMMs around the base maps), files and merging (lora.h). */
 #include "core/model/lora.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -555,13 +556,25 @@ nl_status nl_lora_load(nl_lora **out, nl_model *m, const char *path, int max_row
     char *rend = NULL, *aend = NULL;
     const long r = strtol(rank, &rend, 10);
     const double a = strtod(alpha, &aend);
-    if (rend == rank || *rend || aend == alpha || *aend || r < 1 || r > NL_LORA_MAX_RANK) {
-        st = nl_error_set(err, NL_ERR_FORMAT, "%s: rank '%.40s' or alpha '%.40s' is not a number",
-                          path, rank, alpha);
+    if (rend == rank || *rend || r < 1 || r > NL_LORA_MAX_RANK) {
+        st = nl_error_set(err, NL_ERR_FORMAT, "%s: metadata rank '%.40s' is not a rank in 1..%d",
+                          path, rank, NL_LORA_MAX_RANK);
         goto out;
     }
-    if ((st = nl_lora_parse_targets(tg, &targets, err)) != NL_OK ||
-        (st = nl_lora_new(&lo, m, (int)r, (float)a, targets, max_rows, err)) != NL_OK) {
+    if (aend == alpha || *aend || !isfinite(a)) {
+        st = nl_error_set(err, NL_ERR_FORMAT, "%s: metadata alpha '%.40s' is not a number", path,
+                          alpha);
+        goto out;
+    }
+    if ((st = nl_lora_parse_targets(tg, &targets, err)) != NL_OK) {
+        /* the message names the flag the same parser reads; here the file said it */
+        const char *why = strncmp(err->msg, "--lora-targets: ", 16) == 0 ? err->msg + 16 : err->msg;
+        char copy[sizeof err->msg];
+        snprintf(copy, sizeof copy, "%s", why);
+        st = nl_error_set(err, NL_ERR_FORMAT, "%s: metadata targets: %s", path, copy);
+        goto out;
+    }
+    if ((st = nl_lora_new(&lo, m, (int)r, (float)a, targets, max_rows, err)) != NL_OK) {
         nl_error_prefix(err, "%s", path);
         goto out;
     }
