@@ -84,7 +84,8 @@ int nl_cli_require(const char *cmd, const char *usage, const nl_flag *flags, ...
 int nl_cli_input_file(const char *flag, const char *path);
 
 /* --flag PATH may be written: it does not exist, or --force is given; else
- * "PATH exists (give --force to replace it)", exit 1. */
+ * "PATH exists (give --force to replace it)", exit 1. A directory is
+ * refused even with --force ("is a directory"), before any work. */
 int nl_cli_may_write(const nl_flag *flags, const char *flag, const char *path);
 
 /* --flag PATH can be written where it goes, tried before any work (a file

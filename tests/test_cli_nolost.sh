@@ -195,6 +195,12 @@ check test $rc -eq 2
 check test "$(head -1 <<< "$out")" = "neuroctl train: missing --model (or --resume)"
 out=$("$N" train --model "$W/m.safetensors" --steps 2 2>&1)
 check test "$(head -1 <<< "$out")" = "neuroctl train: missing --data"
+mkdir -p "$W/outdir"
+out=$("$N" train --model "$W/m.safetensors" --data "$W/data.txt" --steps 2 --out "$W/outdir" \
+  --force 2>&1); rc=$?
+check test $rc -eq 1
+check grep -qF -- "--out $W/outdir: is a directory" <<< "$out"
+check test "$(grep -c training <<< "$out")" -eq 0 # refused before any work
 out=$("$N" train --model "$W/m.safetensors" --resume "$W/m.safetensors" --data "$W/data.txt" \
   --steps 2 2>&1); rc=$?
 check test $rc -eq 2
