@@ -286,8 +286,19 @@ static int bench_decode(nl_model *m, const int32_t *tokens, float *logits, int P
 {
     nl_backend *be = m->be;
     const nl_config *cfg = &m->cfg;
-    if (P + *ndec > cfg->max_seq_len)
+    if (cfg->max_seq_len - P < 1) {
+        nl_error_set(err, NL_ERR_INVALID,
+                     "decode: max_seq_len %d leaves no room to decode after the %d-token prompt",
+                     cfg->max_seq_len, P);
+        return 1;
+    }
+    if (P + *ndec > cfg->max_seq_len) {
+        fprintf(stderr,
+                "neuroctl bench: --decode-tokens %lld: %d fit after the %d-token prompt in "
+                "max_seq_len %d; timing those (decode_tokens in the JSON)\n",
+                *ndec, cfg->max_seq_len - P, P, cfg->max_seq_len);
         *ndec = cfg->max_seq_len - P;
+    }
     if (nl_runstate_new(rs1, m, P, err) != NL_OK ||
         nl_kvcache_new(kv, m, 1, (int)(P + *ndec), kv_dtype, err) != NL_OK)
         return 1;
@@ -441,11 +452,12 @@ int nl_cmd_bench(int argc, char **argv)
 
     printf("{\"config\":\"%s\",\"device\":\"%s\",\"batch\":%lld,\"seq\":%lld,\"threads\":%d,"
            "\"params\":%" PRId64 ",\"forward_tok_s\":%.1f,\"forward_gflops\":%.1f,"
-           "\"forward_ms\":%.2f,\"decode_tok_s\":%.1f,\"gemm_peak_gflops\":%.1f,"
+           "\"forward_ms\":%.2f,\"decode_tok_s\":%.1f,\"decode_tokens\":%lld,"
+           "\"gemm_peak_gflops\":%.1f,"
            "\"forward_peak_frac\":%.3f,%s,\"precision\":\"%s\",\"kv_cache\":\"%s\"}\n",
            cfg_path, be->name, B, T, threads ? (int)threads : 0, nl_config_param_count(&cfg),
            (double)(B * T) / fwd_s, fwd_flops / fwd_s / 1e9, fwd_s * 1e3, (double)ndec / dec_s,
-           peak, fwd_flops / fwd_s / 1e9 / peak, train_json, be->bf16 ? "bf16" : "fp32",
+           ndec, peak, fwd_flops / fwd_s / 1e9 / peak, train_json, be->bf16 ? "bf16" : "fp32",
            nl_kv_dtype_name(kv_dtype));
     rc = 0;
 out:

@@ -47,6 +47,13 @@ check grep -q "kv-cache fp8: not fp32 or bf16" <<<"$out"
 out=$("$NEUROCTL" bench "${DEV[@]}" --kv-cache bf16 --config "$W/cfg.yaml" --batch 1 --seq 8 --decode-tokens 4 --repeats 1 2>&1); rc=$?
 check test "$rc" = 0
 check grep -q '"kv_cache":"bf16"' <<<"$out"
+check grep -q '"decode_tokens":4,' <<<"$out"
+# more decode tokens than fit after the 16-token prompt in max_seq_len 128:
+# the ones that fit, said on stderr and in the JSON
+out=$("$NEUROCTL" bench "${DEV[@]}" --config "$W/cfg.yaml" --batch 1 --seq 8 --decode-tokens 500 --repeats 1 2>&1); rc=$?
+check test "$rc" = 0
+check grep -q "decode-tokens 500: 112 fit after the 16-token prompt in max_seq_len 128" <<<"$out"
+check grep -q '"decode_tokens":112,' <<<"$out"
 for cmd in generate serve bench; do
     check grep -q -- "--kv-cache" <<<"$("$NEUROCTL" "$cmd" --help 2>&1)"
 done
