@@ -134,6 +134,9 @@ static int get_num(json_t *o, const char *k, double lo, double hi, int lo_open, 
     double x = json_number_value(j);
     if (!(x <= hi) || (lo_open ? !(x > lo) : !(x >= lo)))
         return bad(fe, k, "%s: %g is outside %s%g, %g]", k, x, lo_open ? "(" : "[", lo, hi);
+    if (lo_open && !((float)x > (float)lo)) /* the sampler takes a float */
+        return bad(fe, k, "%s: %g is outside (%g, %g] as a float (it rounds to %g)", k, x, lo, hi,
+                   (double)(float)x);
     *v = x;
     return 0;
 }

@@ -181,6 +181,7 @@ def test_bad_requests(s):
         (b'{"prompt": [1], "max_tokens": 100000000}', "max_tokens", "max_tokens"),
         (b'{"prompt": [1], "temperature": "hot"}', "temperature", "temperature"),
         (b'{"prompt": [1], "top_p": 0}', "top_p", "top_p"),
+        (b'{"prompt": [1], "top_p": 1e-320}', "is outside (0, 1] as a float (it rounds to 0)", "top_p"),
         (b'{"prompt": [1], "seed": -1}', "seed", "seed"),
         (b'{"prompt": [1], "stream": "yes"}', "stream", "stream"),
         (b'{"prompt": [1], "stop": 3}', "stop", "stop"),
