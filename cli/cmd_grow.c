@@ -82,7 +82,7 @@ static int grow_model(const char *model, const char *out, const char *tok_path, 
     if (nl_backend_new(&be, "cpu", &(nl_backend_opts){.threads = 0}, &err) != NL_OK ||
         nl_checkpoint_load(&m, be, model, 0, -1, 1, 1, &step, &err) != NL_OK ||
         nl_checkpoint_meta(model, "tokenizer", &old_tok, &err) != NL_OK ||
-        nl_checkpoint_meta(model, "init_seed", &init_seed, &err) != NL_OK)
+        nl_checkpoint_init_seed(model, &init_seed, &err) != NL_OK)
         goto out;
     if (tok_path && new_tokenizer(tok_path, old_tok, &spec, &tok_text, &err) != NL_OK)
         goto out;

@@ -252,7 +252,7 @@ static int run_open(train_run *x, const train_opts *o)
     if (nl_cli_backend_new(&x->be, o->device, (int)o->threads, o->tf32, o->bf16, 1, err) != NL_OK ||
         nl_checkpoint_read_config(src, &cfg, NULL, err) != NL_OK ||
         nl_checkpoint_meta(src, "tokenizer", &x->cm.tokenizer, err) != NL_OK ||
-        nl_checkpoint_meta(src, "init_seed", &x->cm.init_seed, err) != NL_OK ||
+        nl_checkpoint_init_seed(src, &x->cm.init_seed, err) != NL_OK ||
         nl_local_objective(o, &cfg, &x->obj, err) != NL_OK ||
         load_data(&x->ds, o, src, x->cm.tokenizer, cfg.vocab_size, err) != NL_OK ||
         nl_checkpoint_load(&x->m, x->be, src, 0, -1, 1, 1, &x->start, err) != NL_OK ||

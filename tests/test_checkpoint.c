@@ -138,6 +138,24 @@ int main(void)
     CHECK_OK(nl_checkpoint_meta(good, "init_seed", &meta, &err), &err);
     CHECK(meta && strcmp(meta, "9") == 0, "init_seed metadata");
     free(meta);
+    meta = NULL;
+    CHECK_OK(nl_checkpoint_init_seed(good, &meta, &err), &err);
+    CHECK(meta && strcmp(meta, "9") == 0, "init_seed, checked");
+    free(meta);
+    /* a seed that is not one: refused where it is read for use (grow's
+     * default seed, train's copy into its checkpoints), as a manifest's is */
+    {
+        nl_ckpt_extra odd = extra;
+        odd.init_seed = "abc";
+        meta = NULL;
+        if (nl_checkpoint_save(m, bad, 12, &odd, &err) == NL_OK) {
+            nl_status st = nl_checkpoint_init_seed(bad, &meta, &err);
+            CHECK(st == NL_ERR_FORMAT && !meta &&
+                      strstr(err.msg, "metadata 'init_seed': expected a decimal seed"),
+                  "a bad init_seed: %s '%s'", nl_status_str(st), err.msg);
+        }
+        free(meta);
+    }
     /* a stage slice loads only its tensors */
     CHECK_OK(nl_checkpoint_load(&back, be, good, 1, 2, 0, 1, NULL, &err), &err);
     CHECK(back && back->n_table == 7 + 3 * 2 + 2, "stage [1, 2) with the head");

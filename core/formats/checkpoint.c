@@ -340,6 +340,30 @@ nl_status nl_checkpoint_meta(const char *path, const char *key, char **out, nl_e
     return st;
 }
 
+nl_status nl_checkpoint_seed_check(const char *s, const char *what, nl_error *err)
+{
+    if (!s)
+        return NL_OK;
+    char *end = NULL;
+    errno = 0;
+    (void)strtoull(s, &end, 10);
+    if (!s[0] || s[0] < '0' || s[0] > '9' || errno || *end)
+        return nl_error_set(err, NL_ERR_FORMAT, "%s: expected a decimal seed of 64 bits", what);
+    return NL_OK;
+}
+
+nl_status nl_checkpoint_init_seed(const char *path, char **out, nl_error *err)
+{
+    nl_status st = nl_checkpoint_meta(path, "init_seed", out, err);
+    if (st == NL_OK &&
+        (st = nl_checkpoint_seed_check(*out, "metadata 'init_seed'", err)) != NL_OK) {
+        free(*out);
+        *out = NULL;
+        nl_error_prefix(err, "%s", path);
+    }
+    return st;
+}
+
 nl_status nl_checkpoint_tokenizer(const char *path, nl_tokenizer **out, nl_error *err)
 {
     char *text = NULL;

@@ -42,6 +42,15 @@ nl_status nl_checkpoint_save(const nl_model *m, const char *path, int64_t step,
  * malloc'd into *out, or *out = NULL when the key is absent. */
 nl_status nl_checkpoint_meta(const char *path, const char *key, char **out, nl_error *err);
 
+/* An init_seed (a checkpoint's or a manifest's metadata): a decimal seed
+ * of 64 bits, else NL_ERR_FORMAT "WHAT: expected a decimal seed of 64
+ * bits". NULL (none) is fine. */
+nl_status nl_checkpoint_seed_check(const char *s, const char *what, nl_error *err);
+
+/* nl_checkpoint_meta of "init_seed", checked as above (*out NULL when the
+ * checkpoint has none). */
+nl_status nl_checkpoint_init_seed(const char *path, char **out, nl_error *err);
+
 /* Read the optimizer state of a checkpoint into the moments (device, the
  * model's layout) of a model loaded from it. NL_ERR_NOTFOUND when the file
  * has none. *train_json (may be NULL) gets a malloc'd copy of the training

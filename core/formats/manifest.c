@@ -14,6 +14,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "core/formats/checkpoint.h"
 #include "core/formats/fileio.h"
 #include "core/formats/manifest_impl.h"
 #include "core/grow/grow.h"
@@ -318,16 +319,7 @@ static nl_status parse_head(nl_manifest *m, json_t *root, nl_error *err)
         if (st != NL_OK)
             return st; /* the message starts with "growth" */
     }
-    if (m->init_seed) { /* decimal, fitting 64 bits */
-        const char *s = m->init_seed;
-        char *end = NULL;
-        errno = 0;
-        (void)strtoull(s, &end, 10);
-        if (!s[0] || s[0] < '0' || s[0] > '9' || errno || *end)
-            return nl_error_set(err, NL_ERR_FORMAT,
-                                "init_seed: expected a decimal seed of 64 bits");
-    }
-    return NL_OK;
+    return nl_checkpoint_seed_check(m->init_seed, "init_seed", err);
 }
 
 nl_status nl_manifest_parse(nl_manifest **out, const char *json, size_t len, const char *dir,
