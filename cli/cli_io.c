@@ -238,6 +238,16 @@ int nl_cli_may_write(const nl_flag *flags, const char *flag, const char *path)
     return 1;
 }
 
+int nl_cli_not_input(const char *out_flag, const char *out, const char *in_flag, const char *in)
+{
+    struct stat so, si;
+    if (!out || !in || stat(out, &so) != 0 || stat(in, &si) != 0 || so.st_dev != si.st_dev ||
+        so.st_ino != si.st_ino)
+        return 0;
+    fprintf(stderr, "--%s %s: that is the --%s input; give another path\n", out_flag, out, in_flag);
+    return 1;
+}
+
 nl_status nl_cli_lock(nl_file_lock **lk, const char *flag, const char *path, const char *suffix,
                       nl_error *err)
 {

@@ -87,6 +87,10 @@ int nl_cli_input_file(const char *flag, const char *path);
  * "PATH exists (give --force to replace it)", exit 1. A directory is
  * refused even with --force ("is a directory"), before any work. */
 int nl_cli_may_write(const nl_flag *flags, const char *flag, const char *path);
+/* An output --out_flag OUT that is the same file as the input --in_flag IN
+ * (both exist: one device and inode) would be overwritten by the command's
+ * own result: "--OUT_FLAG OUT: that is the --IN_FLAG input", exit 1. */
+int nl_cli_not_input(const char *out_flag, const char *out, const char *in_flag, const char *in);
 
 /* --flag PATH can be written where it goes, tried before any work (a file
  * is made and removed there: see nl_file_can_create): in PATH itself when

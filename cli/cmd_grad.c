@@ -34,7 +34,9 @@ int nl_cmd_grad(int argc, char **argv)
         nl_args_help(stderr, usage, flags);
         return 2;
     }
-    if ((rc = nl_args_int(flags, "threads", 0, 1024, &threads)) ||
+    if ((rc = nl_cli_not_input("out", out, "batch", in)) ||
+        (rc = nl_cli_not_input("out", out, "model", model)) ||
+        (rc = nl_args_int(flags, "threads", 0, 1024, &threads)) ||
         (rc = nl_cli_device_flags(flags, &device, &tf32, &bf16)))
         return rc;
     nl_error err = {0};

@@ -117,6 +117,9 @@ int nl_cmd_forward(int argc, char **argv)
                *out = nl_args_get(flags, "out"), *device = NULL;
     if ((rc = nl_cli_require("forward", usage, flags, "model", "tokens", "out",
                              (const char *)NULL)) ||
+        (rc = nl_cli_not_input("out", out, "tokens", in)) ||
+        (rc = nl_cli_not_input("out", out, "model", model)) ||
+        (rc = nl_cli_not_input("out", out, "adapter", nl_args_get(flags, "adapter"))) ||
         (rc = threads_flag(flags, &threads)) ||
         (rc = nl_cli_device_flags(flags, &device, &tf32, &bf16)))
         return rc;

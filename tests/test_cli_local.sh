@@ -111,6 +111,12 @@ check "$NEUROCTL" forward "${DEV[@]}" --model "$W/m.safetensors" --tokens "$W/ba
 out=$("$NEUROCTL" forward "${DEV[@]}" --model "$W/m.safetensors" --tokens "$W/bad_tokens.safetensors" --out "$W/x.safetensors" 2>&1); rc=$?
 check test $rc -eq 1
 check grep -q "token 999" <<< "$out"
+# --out that is the --tokens input: refused before the input is overwritten
+sum_in=$(sha256sum < "$W/batch.safetensors")
+out=$("$NEUROCTL" forward "${DEV[@]}" --model "$W/m.safetensors" --tokens "$W/batch.safetensors" --out "$W/./batch.safetensors" 2>&1); rc=$?
+check test "$rc" -eq 1
+check grep -qF "that is the --tokens input" <<<"$out"
+check test "$(sha256sum < "$W/batch.safetensors")" = "$sum_in"
 out=$("$NEUROCTL" forward "${DEV[@]}" --model "$W/nope.safetensors" --tokens "$W/batch.safetensors" --out "$W/x.safetensors" 2>&1); rc=$?
 check test $rc -eq 1
 check grep -q "nope.safetensors" <<< "$out"
