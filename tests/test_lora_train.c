@@ -306,10 +306,30 @@ static void check_case(nl_backend *be, const lcase *k)
     run_free(&f);
 }
 
+/* --lora-targets (and an adapter file's targets): names from the list,
+ * comma-separated; an unknown one, none, or a stray comma refused */
+static void test_parse_targets(void)
+{
+    nl_error err = {0};
+    int t = 0;
+    CHECK_OK(nl_lora_parse_targets("wq,wv,w_up", &t, &err), &err);
+    CHECK(t == (NL_LORA_WQ | NL_LORA_WV | NL_LORA_W_UP), "wq,wv,w_up: %#x", t);
+    static const char *const bad[][2] = {{"wz", "'wz' is not one of"},
+                                         {"", "none given"},
+                                         {"wq,", "ends in a comma"},
+                                         {"wq,,wv", "'' is not one of"}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        nl_status st = nl_lora_parse_targets(bad[i][0], &t, &err);
+        CHECK(st == NL_ERR_INVALID && strstr(err.msg, bad[i][1]), "'%s': %s '%s'", bad[i][0],
+              nl_status_str(st), err.msg);
+    }
+}
+
 int main(void)
 {
     nl_error err = {0};
     nl_backend *be = NULL;
+    test_parse_targets();
     CHECK_OK(check_backend_new(&be, 2, &err), &err);
     if (!be)
         return check_done("test_lora_train");

@@ -20,6 +20,8 @@ static const char *const target_names[N_TARGETS] = {"wq",     "wk",   "wv",    "
 nl_status nl_lora_parse_targets(const char *s, int *targets, nl_error *err)
 {
     *targets = 0;
+    if (s && *s && s[strlen(s) - 1] == ',')
+        return nl_error_set(err, NL_ERR_INVALID, "--lora-targets: '%.40s' ends in a comma", s);
     while (s && *s) {
         const size_t n = strcspn(s, ",");
         int hit = 0;
