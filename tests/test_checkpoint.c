@@ -230,6 +230,11 @@ int main(void)
     CHECK(edit_header(good, bad, "\\\"num_layers\\\":2", "\\\"num_layers\\\":3") == 0,
           "edit config");
     expect_refused(be, bad, NL_OK, "layers", "config needs more layers than the file holds");
+    /* and fewer: the file's second layer is not silently dropped */
+    CHECK(edit_header(good, bad, "\\\"num_layers\\\":2", "\\\"num_layers\\\":1") == 0,
+          "edit config");
+    expect_refused(be, bad, NL_ERR_FORMAT, "is of layer 1, past its config's num_layers 1",
+                   "a layer past the config's");
     CHECK(edit_header(good, bad, "\\\"ffn_dim\\\":8", "\\\"ffn_dim\\\":4") == 0, "edit ffn");
     expect_refused(be, bad, NL_ERR_SHAPE, "w_gate", "wrong shape");
     /* metadata faults */

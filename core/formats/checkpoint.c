@@ -244,6 +244,22 @@ nl_status nl_checkpoint_load(nl_model **out, nl_backend *be, const char *path, i
         goto out;
     if (l1 < 0)
         l1 = cfg.num_layers;
+    /* a layer past the config's (its weights or moments): the config was
+     * edited, or the file joined from another model's; loading would drop
+     * those layers without a word */
+    for (size_t i = 0; i < nl_st_count(f); i++) {
+        const char *name = nl_st_entry_at(f, i)->name;
+        if (strncmp(name, "optim.", 6) == 0 && strlen(name) > 8)
+            name += 8; /* optim.m. and optim.v. */
+        char *end = NULL;
+        const long l = strncmp(name, "layers.", 7) == 0 ? strtol(name + 7, &end, 10) : -1;
+        if (l >= cfg.num_layers && end && *end == '.') {
+            st = nl_error_set(err, NL_ERR_FORMAT,
+                              "%s: tensor %s is of layer %ld, past its config's num_layers %d",
+                              path, nl_st_entry_at(f, i)->name, l, cfg.num_layers);
+            goto out;
+        }
+    }
     /* a config that asks for more parameters than the file holds is
      * refused before anything that size is allocated */
     uint64_t have = 0;
