@@ -184,7 +184,9 @@ int nl_cmd_grow(int argc, char **argv)
     nl_flag flags[] = {
         {"model", 1, "checkpoint to grow (weights, and optimizer state if it has one)", NULL},
         {"manifest", 1, "sharded checkpoint to grow (its directory or manifest file)", NULL},
-        {"out", 1, "grown checkpoint to write (with --manifest: the directory to write into)",
+        {"out", 1,
+         "grown checkpoint to write (with --manifest: the directory to write into, new or "
+         "without the files it writes; never replaced)",
          NULL},
         {"vocab-size", 1, "new active vocabulary", NULL},
         {"tokenizer", 1, "new tokenizer (must extend the model's): its size is the vocabulary",
@@ -197,8 +199,9 @@ int nl_cmd_grow(int argc, char **argv)
         NL_CLI_FORCE_FLAG,
         {0}};
     const char *usage =
-        "neuroctl grow (--model MODEL --out GROWN | --manifest DIR --out DIR2) [--vocab-size N | "
-        "--tokenizer TOK] [--layers N] [--hidden-dim D] [--ffn-dim F] [--seed S] [--force]\n"
+        "neuroctl grow (--model MODEL --out GROWN [--force] | --manifest DIR --out DIR2) "
+        "[--vocab-size N | --tokenizer TOK] [--layers N] [--hidden-dim D] [--ffn-dim F] "
+        "[--seed S]\n"
         "       neuroctl grow (--cluster DIR | --coordinator EP ...) [--layers N] [--hidden-dim D "
         "[--ffn-dim F]]: the cluster's model (docs/cluster.md, \"Growth\")";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
@@ -212,6 +215,12 @@ int nl_cmd_grow(int argc, char **argv)
     if (!model == !manifest) {
         fprintf(stderr, "neuroctl grow: give one of --model and --manifest\n\n");
         nl_args_help(stderr, usage, flags);
+        return 2;
+    }
+    if (manifest && nl_args_get(flags, "force")) {
+        /* the shards a grown set writes may be named as the source's: never replaced */
+        fprintf(stderr, "neuroctl grow: --force goes with --model; with --manifest, --out is a "
+                        "directory whose files are never replaced: give a new or empty one\n");
         return 2;
     }
     if (nl_args_get(flags, "vocab-size") && tok_path) {

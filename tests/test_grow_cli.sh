@@ -100,6 +100,10 @@ check test ! -e "$W/x.safetensors"
 # a sharded checkpoint grows by manifest: into the same directory, then another
 mkdir -p "$W/shards"
 check "$NL_BUILD_DIR/tests/make_shards" "$W/t.safetensors" "$W/shards" 1
+out=$("$N" grow --manifest "$W/shards" --out "$W/other" --layers 4 --force 2>&1); rc=$?
+check test "$rc" -eq 2 # --force goes with --model: a grown set's files are never replaced
+check grep -qF -- "--force goes with --model" <<<"$out"
+check test ! -e "$W/other"
 out=$("$N" grow --manifest "$W/shards" --out "$W/shards" --layers 4)
 check test $? -eq 0
 check grep -q "wrote $W/shards/manifest-grow1.json" <<< "$out"
