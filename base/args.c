@@ -200,12 +200,24 @@ const char *nl_args_get(const nl_flag *flags, const char *name)
 
 /* The value parsers, shared by the getters and the typed table: 0 and
  * *out set, or "--name: ..." printed and 2. */
+
+/* A number as a user writes one in decimal: an optional sign, then a
+ * digit or a point; no blank before it (strtod and strtoll skip one,
+ * though none after it is taken) and no hexadecimal (strtod reads
+ * "0x10", strtoll in base 10 does not). */
+static int decimal_start(const char *v)
+{
+    const char *p = v + (*v == '-' || *v == '+');
+    return (isdigit((unsigned char)*p) || *p == '.') &&
+           !(p[0] == '0' && (p[1] == 'x' || p[1] == 'X'));
+}
+
 static int parse_ll(const char *name, const char *v, long long lo, long long hi, long long *out)
 {
     char *end = NULL;
     errno = 0;
     long long x = strtoll(v, &end, 10);
-    if (errno || end == v || *end || x < lo || x > hi) {
+    if (!decimal_start(v) || errno || end == v || *end || x < lo || x > hi) {
         fprintf(stderr, "--%s: '%s' is not an integer in %lld..%lld\n", name, v, lo, hi);
         return 2;
     }
@@ -218,8 +230,9 @@ static int parse_double(const char *name, const char *v, double lo, double hi, d
     char *end = NULL;
     errno = 0;
     double x = strtod(v, &end);
-    if (errno || end == v || *end || !isfinite(x) || x < lo || x > hi) {
-        fprintf(stderr, "--%s: '%s' is not a number in %g..%g\n", name, v, lo, hi);
+    if (!decimal_start(v) || errno || end == v || *end || !isfinite(x) || x < lo || x > hi) {
+        fprintf(stderr, "--%s: '%s' is not a number in %g..%g%s\n", name, v, lo, hi,
+                errno == ERANGE ? " (beyond what a double holds)" : "");
         return 2;
     }
     *out = x;
@@ -257,7 +270,7 @@ static int parse_size(const char *name, const char *v, uint64_t *out)
             !(end[1] == 'i' && end[2] == 'B' && !end[3]))
             mult = -1;
     }
-    if (errno || end == v || mult < 0 || !(x > 0) || x * mult > 1e18) {
+    if (!decimal_start(v) || errno || end == v || mult < 0 || !(x > 0) || x * mult > 1e18) {
         fprintf(stderr, "--%s: '%s' is not a size such as 512M or 8G\n", name, v);
         return 2;
     }

@@ -76,6 +76,25 @@ static void test_parse(void)
     long long n = 0;
     CHECK(nl_args_int(g, "max-new", 1, 10, &n) == 0 && n == 5, "max-new %lld", n);
     CHECK(nl_args_int(g, "max-new", 6, 10, &n) == 2, "out of range");
+    /* numbers in decimal, as written: no blank before, no hexadecimal, for
+     * integers, numbers and sizes alike */
+    double x = 0;
+    uint64_t sz = 0;
+    struct {
+        const char *v;
+        int ok_int, ok_num, ok_size;
+    } nums[] = {{"5", 1, 1, 1},   {"+5", 1, 1, 1},   {"0.5", 0, 1, 1},    {".5", 0, 1, 1},
+                {"-1", 1, 1, 0},  {"1e3", 0, 1, 1},  {"8G", 0, 0, 1},     {" 5", 0, 0, 0},
+                {"5 ", 0, 0, 0},  {"0x10", 0, 0, 0}, {"0X1p-1", 0, 0, 0}, {"-0x1", 0, 0, 0},
+                {"inf", 0, 0, 0}, {"nan", 0, 0, 0},  {"", 0, 0, 0},       {"1e-320", 0, 0, 0}};
+    for (size_t i = 0; i < sizeof nums / sizeof nums[0]; i++) {
+        g[2].value = nums[i].v; /* max-new */
+        CHECK((nl_args_int(g, "max-new", -10, 1000, &n) == 0) == nums[i].ok_int, "int '%s'",
+              nums[i].v);
+        CHECK((nl_args_double(g, "max-new", -10, 1e4, &x) == 0) == nums[i].ok_num, "number '%s'",
+              nums[i].v);
+        CHECK((nl_args_size(g, "max-new", &sz) == 0) == nums[i].ok_size, "size '%s'", nums[i].v);
+    }
 
     g = generate_flags();
     char *bad[] = {"generate", "--max-tokens", "5", NULL};
