@@ -590,10 +590,15 @@ void coord_observe_restart(nl_coord *c);
 struct json_t;
 /* A submission's parameters as JSON (without "resume"), or NULL. */
 struct json_t *coord_journal_params(const nl_msg_job_submit *s);
+/* The weights a job starts from, when it does not resume a manifest: the
+ * coordinator's source now ({"path": c->src_path or null for the seed,
+ * "modified": whether the stages hold weights past it}), or NULL. */
+struct json_t *coord_journal_from(const nl_coord *c);
 /* Job j trains with params, its last verified manifest `manifest`
- * (NULL: none yet); its key is kept with it. */
+ * (NULL: none yet), having started from `from` (coord_journal_from, or
+ * NULL when it resumed a manifest); its key is kept with it. */
 void coord_journal_train(nl_coord *c, const cjob *j, const struct json_t *params,
-                         const char *manifest);
+                         const struct json_t *from, const char *manifest);
 /* No training job runs. */
 void coord_journal_clear(nl_coord *c);
 /* At start: a journaled training job is made again, resuming from its

@@ -11,7 +11,14 @@
  * The file:
  *   {"next_job": N, "train": {"id": J, "params": {KEY: VALUE, ...},
  *                             "manifest": PATH or null,
+ *                             "from": {"path": PATH or null, "modified": B} or null,
  *                             "owner": KEY or null} or null}
+ * "from" is the source the job started from when it resumed no manifest:
+ * a job with no checkpoint yet is made again from its start only when
+ * the restarted coordinator's source is that one (its --model or
+ * --resume); weights an earlier job left on the stages ("modified", or
+ * another path) are gone with the old coordinator, and the job is not
+ * made again from other weights: it is dropped, and the log says why.
  * "owner" is the key that submitted the job: the job recovered is that
  * key's again (without it, only an admin may follow or cancel it).
  * A parameter's JSON type gives its wire kind (integer, real, boolean,
@@ -62,11 +69,20 @@ json_t *coord_journal_params(const nl_msg_job_submit *s)
     return o;
 }
 
-void coord_journal_train(nl_coord *c, const cjob *j, const json_t *params, const char *manifest)
+json_t *coord_journal_from(const nl_coord *c)
 {
-    json_t *t = json_pack("{s:I,s:O,s:o,s:o}", "id", (json_int_t)j->id, "params", (json_t *)params,
-                          "manifest", manifest && manifest[0] ? json_string(manifest) : json_null(),
-                          "owner", j->owner[0] ? json_string(j->owner) : json_null());
+    return json_pack("{s:o,s:b}", "path", c->src_path[0] ? json_string(c->src_path) : json_null(),
+                     "modified", c->stages_modified);
+}
+
+void coord_journal_train(nl_coord *c, const cjob *j, const json_t *params, const json_t *from,
+                         const char *manifest)
+{
+    json_t *t =
+        json_pack("{s:I,s:O,s:o,s:O,s:o}", "id", (json_int_t)j->id, "params", (json_t *)params,
+                  "manifest", manifest && manifest[0] ? json_string(manifest) : json_null(), "from",
+                  from ? (json_t *)from : json_null(), "owner",
+                  j->owner[0] ? json_string(j->owner) : json_null());
     journal_write(c, t);
     json_decref(t);
 }
@@ -120,6 +136,24 @@ void coord_journal_recover(nl_coord *c)
     json_t *params = json_object_get(t, "params"), *id = json_object_get(t, "id");
     const char *manifest = json_string_value(json_object_get(t, "manifest"));
     const char *owner = json_string_value(json_object_get(t, "owner"));
+    /* no checkpoint yet: its start must be this coordinator's source */
+    const json_t *from = json_object_get(t, "from");
+    const char *from_path = json_string_value(json_object_get(from, "path"));
+    if (!manifest && json_is_object(from) && json_is_integer(id) &&
+        (json_is_true(json_object_get(from, "modified")) ||
+         strcmp(from_path ? from_path : "", c->src_path) != 0)) {
+        NL_WARN("journal %s: train job %llu was running, with no checkpoint yet, from weights "
+                "this coordinator does not hold (%s%s; its source is %s): it is not made again "
+                "from other weights; submit it again",
+                path, (unsigned long long)json_integer_value(id),
+                from_path ? from_path : "the seed",
+                json_is_true(json_object_get(from, "modified")) ? ", trained further on the stages"
+                                                                : "",
+                c->src_path[0] ? c->src_path : "the seed");
+        json_decref(root);
+        coord_journal_clear(c);
+        return;
+    }
     if (json_is_object(params) && json_is_integer(id) && json_integer_value(id) > 0) {
         nl_wire_param ps[64];
         nl_rx rx;

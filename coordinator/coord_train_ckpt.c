@@ -230,7 +230,8 @@ void coord_train_restore(nl_coord *c, cjob *j, const tr_in *in)
     t->cont = k->cont;
     /* a restart of the coordinator resumes from here (a --model file:
      * the job begins again, at step 0) */
-    coord_journal_train(c, j, t->journal, k->manifest && k->cont ? in->path : NULL);
+    coord_journal_train(c, j, t->journal, t->journal_from,
+                        k->manifest && k->cont ? in->path : NULL);
     snprintf(t->manifest, sizeof t->manifest, "%s", k->manifest && k->cont ? in->path : "");
     t->manifest_step = k->cont ? in->step : 0;
     if (k->manifest && k->cont)
@@ -341,7 +342,7 @@ void coord_train_keep(nl_coord *c, cjob *j, const tr_in *in)
     c->stages_modified = 0; /* the source holds the stages' weights */
     /* a resume of this job goes on from here */
     t->cont = 1;
-    coord_journal_train(c, j, t->journal, k->path);
+    coord_journal_train(c, j, t->journal, t->journal_from, k->path);
     snprintf(t->manifest, sizeof t->manifest, "%s", k->path);
     t->manifest_step = k->mf.step;
     if (coord_train_ckpt_add(t, k->mf.step, k->path, 1, 1) != 0) /* a rollback may go to it */

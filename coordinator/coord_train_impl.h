@@ -153,8 +153,9 @@ typedef struct ctrain {
     int mem_replanned; /* the cluster planned again for its training memory */
     /* the plan on which a stage could not reach its neighbour (0: none) */
     uint64_t verdict_epoch;
-    struct json_t *journal; /* the client's parameters, journaled (coord_journal.c) */
-    cft *ft;                /* a fine-tuning job (coord_finetune.c): its adapters; NULL: training */
+    struct json_t *journal;      /* the client's parameters, journaled (coord_journal.c) */
+    struct json_t *journal_from; /* the source it started from (NULL: it resumed a manifest) */
+    cft *ft;    /* a fine-tuning job (coord_finetune.c): its adapters; NULL: training */
     int cancel; /* cancelled: the step under way ends, a checkpoint keeps it, then the job ends */
 } ctrain;
 

@@ -378,13 +378,14 @@ static const char *start_worker(nl_coord *c, cjob *j, prep_task *p, const nl_msg
         snprintf(why, cap, "train: --learn-vocab: %s", refusal);
         return why;
     }
-    if (!t->ft && !(t->journal = coord_journal_params(s))) {
+    if (!t->ft && (!(t->journal = coord_journal_params(s)) ||
+                   (!resume && !(t->journal_from = coord_journal_from(c))))) {
         prep_free(&p->w);
         snprintf(why, cap, "out of memory");
         return why;
     }
     if (!t->ft) /* a fine-tuning job is not journaled: it ends with the coordinator */
-        coord_journal_train(c, j, t->journal, resume);
+        coord_journal_train(c, j, t->journal, t->journal_from, resume);
     if (coord_work_start(c, &p->w, &e) != NL_OK) {
         snprintf(why, cap, "%s", e.msg);
         return why;
@@ -545,6 +546,7 @@ void coord_train_state_free(ctrain *t)
     coord_train_ckpts_free(t);
     coord_train_free_shards(t->shards, t->stages);
     json_decref(t->journal);
+    json_decref(t->journal_from);
     free(t->ft);
     free(t);
 }

@@ -216,6 +216,31 @@ check grep -q "journal .*: train job 1 was running; it resumes from .*step-0000$
 check grep -q "joined again as node" "$C"/node-1.log
 check $PY "$NL_SOURCE_DIR/tests/same_tensors.py" "$W/restarted.safetensors" "$W/ref.safetensors"
 check grep -q '"train":null' "$C/coord/journal.json"
+# ---- again, but the job had no checkpoint yet and started from weights
+# the job before left on the stages (the step-40 manifest), not from the
+# coordinator's --model: a restarted coordinator (its source that --model)
+# does not make it again from other weights; it drops it and says why ----
+"$N" train --cluster "$C" "${RUN[@]}" --checkpoint-every 1000 --checkpoint-dir "$W/ck8" \
+  --log "$W/nock.jsonl" 2> "$W/nock.err" &
+job=$!
+wait_step "$W/nock.jsonl" 3
+check grep -q '"from":{"path":"[^"]*step-000040/manifest.json","modified":false}' \
+  "$C/coord/journal.json"
+cpid=$(cat "$C/coord.pid")
+kill -9 "$cpid"
+kill "$job" 2>/dev/null
+for i in $(seq 1 1200); do kill -0 "$cpid" 2>/dev/null || break; sleep 0.05; done
+wait "$job" 2>/dev/null
+"$NL_BUILD_DIR/coordinator/neurocoord" --listen "$ep" --client-listen "$cep" --state-dir "$C/coord" --min-nodes 3 \
+  --node-timeout-ms 2000 --model "$W/m.safetensors" --data-root / --checkpoint-root / \
+  >> "$C/coord.log" 2>&1 &
+echo $! > "$C/coord.pid"
+for i in $(seq 1 600); do "$N" status --cluster "$C" > /dev/null 2>&1 && break; sleep 0.1; done
+check grep -q "journal .*: train job 2 was running, with no checkpoint yet, from weights this coordinator does not hold (.*step-000040/manifest.json; its source is .*m.safetensors): it is not made again" \
+  "$C/coord.log"
+check grep -q '"train":null' "$C/coord/journal.json"
+jobs_out=$("$N" jobs --cluster "$C" 2>&1)
+check test "$(grep -c "^2 *train *running" <<< "$jobs_out")" -eq 0
 "$N" cluster down --dir "$C" >/dev/null
 
 # ---- --train-resumes 0: the job fails at the first loss ----
