@@ -7,6 +7,7 @@
  * coord_train_prepared then puts what it made into the cluster and the
  * job. As the job begins, its training memory is held against the plan
  * (coord_train_memory). The job's state is freed here too. */
+#include <dirent.h>
 #include <jansson.h>
 #include <limits.h>
 #include <stdio.h>
@@ -457,6 +458,37 @@ const char *coord_train_replicas_refusal(const nl_coord *c, const ctrain *t, cha
     return NULL;
 }
 
+/* A checkpoint directory that already holds a checkpoint of a step this
+ * job will pass (start, steps]: an earlier run's, whose shards the nodes
+ * refuse to replace. Said before any work, not when the job first writes
+ * a checkpoint (and loses its --out). Its name into why, or NULL. */
+static const char *ckpt_dir_clash(const ctrain *t, char *why, size_t cap)
+{
+    DIR *d = opendir(t->ckpt_dir);
+    if (!d)
+        return NULL; /* made by the job */
+    long long found = -1;
+    for (struct dirent *e; (e = readdir(d));) {
+        char *end = NULL, path[PATH_MAX + 300];
+        if (strncmp(e->d_name, "step-", 5) != 0)
+            continue;
+        const long long s = strtoll(e->d_name + 5, &end, 10);
+        struct stat sb;
+        snprintf(path, sizeof path, "%s/%s/manifest.json", t->ckpt_dir, e->d_name);
+        if (end && !*end && s > t->start && s <= t->steps && (found < 0 || s < found) &&
+            stat(path, &sb) == 0)
+            found = s;
+    }
+    closedir(d);
+    if (found < 0)
+        return NULL;
+    snprintf(why, cap,
+             "--checkpoint-dir %s holds the checkpoint of step %lld (step-%06lld), a step this "
+             "job would write again: give another --checkpoint-dir, or --resume from it",
+             t->ckpt_dir, found, found);
+    return why;
+}
+
 const char *coord_train_take_plan(nl_coord *c, cjob *j, char *why, size_t cap)
 {
     ctrain *t = j->state;
@@ -483,6 +515,8 @@ const char *coord_train_take_plan(nl_coord *c, cjob *j, char *why, size_t cap)
     }
     coord_train_verify_resume(t, t->start); /* the steps after it are redone */
     t->rolled = 0;
+    if (!t->ft && !t->n_ckpts && t->start < t->steps && ckpt_dir_clash(t, why, cap))
+        return why; /* the job's first plan: nothing of it written yet */
     if (!t->ft && coord_train_ckpt_base(c, t) != 0) {
         snprintf(why, cap, "out of memory");
         return why;

@@ -94,6 +94,16 @@ check "$N" export --manifest "$W/ck/step-000010" --out "$W/export10.safetensors"
 check $PY "$W/cmp.py" weights "$W/export10.safetensors" "$W/local.safetensors"
 check "$N" generate "${DEV[@]}" --model "$W/export10.safetensors" --prompt-tokens 72,101 --max-new 4 \
   --temperature 0 --threads 1
+# the same command again: its checkpoint directory holds step 5's, which
+# this job would write again (the nodes refuse to replace a checkpoint's
+# shards): refused before any step, saying so, and --out untouched
+sum_out=$(sha256sum < "$W/remote.safetensors")
+out=$("$N" train --cluster "$C" "${RUN[@]}" --checkpoint-every 5 --checkpoint-dir "$W/ck" \
+  --out "$W/remote.safetensors" --force 2>&1); rc=$?
+check test "$rc" -eq 1
+check grep -q "checkpoint-dir .*/ck holds the checkpoint of step 5 (step-000005), a step this job would write again" <<< "$out"
+check test "$(grep -c '^step' <<< "$(tr '\r' '\n' <<< "$out")")" -eq 0
+check test "$(sha256sum < "$W/remote.safetensors")" = "$sum_out"
 
 # ---- resume from step 5 on 2 nodes ----
 C2="$W/c2"
