@@ -164,8 +164,9 @@ static int cluster_down(const char *dir, int quiet)
     int stopped = 0;
     for (int i = 0; i < n; i++)
         stopped += pids[i] > 0;
-    for (int i = n_nodes; i < n; i++) /* its nodes leave, then it stops (within 10 s) */
-        if (pids[i] > 0 && kill(pids[i], SIGUSR2) == 0 && gone_within(pids[i], "neurocoord", 20000))
+    for (int i = n_nodes; i < n;
+         i++) /* its jobs end, its nodes leave, then it stops (within 18 s) */
+        if (pids[i] > 0 && kill(pids[i], SIGUSR2) == 0 && gone_within(pids[i], "neurocoord", 30000))
             pids[i] = 0;
     for (int i = 0; i < n; i++) {
         if (pids[i] > 0 && kill(pids[i], SIGTERM) == 0 && !gone_within(pids[i], "neuro", 5000)) {

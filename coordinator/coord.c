@@ -25,7 +25,8 @@
 /* The ZAP domains of the nodes' and the clients' sockets */
 #define COORD_NODE_DOMAIN "coord"
 #define COORD_CLIENT_DOMAIN "coord-client"
-#define DISMISS_WAIT_S 10.0 /* NL_COORD_STOP_NODES: how long the nodes' LEAVEs are awaited */
+#define DISMISS_WAIT_S 10.0  /* NL_COORD_STOP_NODES: how long the nodes' LEAVEs are awaited */
+#define DOWN_JOBS_WAIT_S 8.0 /* and, before that, the training jobs' last checkpoints */
 
 void nl_coord_opts_init(nl_coord_opts *o)
 {
@@ -523,6 +524,40 @@ void nl_coord_step(nl_coord *c, int timeout_ms)
     tick(c);
 }
 
+/* The cluster goes down (NL_COORD_STOP_NODES): a training job stops as a
+ * cancelled one does, its step under way kept in a checkpoint and its
+ * client told, within DOWN_JOBS_WAIT_S; any other job, or one that has
+ * not ended by then, fails saying why. So none is left in the journal to
+ * come back, with no client, when the cluster is next brought up. */
+static void end_jobs_for_down(nl_coord *c)
+{
+    int stopping = 0;
+    for (int i = 0; i < COORD_MAX_JOBS; i++) {
+        cjob *j = &c->jobs[i];
+        if (j->phase == JOB_FREE || !j->ops->cancel)
+            continue;
+        nl_rx rx; /* as if its own client asked: it is told on its connection */
+        nl_rx_init(&rx);
+        memcpy(rx.rid, j->rid, j->rid_len);
+        rx.rid_len = j->rid_len;
+        if (j->ops->cancel(c, j, &rx)) {
+            NL_INFO("the cluster is going down: %s job %llu stops after the step under way, "
+                    "with a checkpoint",
+                    j->ops->name, (unsigned long long)j->id);
+            stopping++;
+        }
+        nl_rx_free(&rx);
+    }
+    const double until = nl_mono_s() + DOWN_JOBS_WAIT_S;
+    for (int busy = stopping; busy && nl_mono_s() < until;) {
+        nl_coord_step(c, 100);
+        busy = 0;
+        for (int i = 0; i < COORD_MAX_JOBS; i++)
+            busy += c->jobs[i].phase != JOB_FREE && c->jobs[i].ops->cancel;
+    }
+    coord_fail_jobs(c, "the cluster is going down (neuroctl cluster down)");
+}
+
 nl_status nl_coord_run(nl_coord *c, volatile sig_atomic_t *stop, nl_error *err)
 {
     while (!*stop) {
@@ -541,6 +576,7 @@ nl_status nl_coord_run(nl_coord *c, volatile sig_atomic_t *stop, nl_error *err)
         /* the cluster goes down (neuroctl cluster down): every node that
          * joined, started by cluster up or by hand, is asked to leave, and
          * their LEAVEs are awaited (nodes that do not answer are left) */
+        end_jobs_for_down(c);
         c->dismissing = 1;
         const int asked = coord_dismiss_nodes(c, "the cluster is going down");
         const double until = nl_mono_s() + DISMISS_WAIT_S;

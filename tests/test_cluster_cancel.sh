@@ -111,5 +111,29 @@ check test -z "$(grep "neuroctl train:\|rtrain_" "$W/mid.err")"
 check test "$(ls -d "$W"/ck4/step-* | wc -l)" -eq 1
 "$N" cluster down --dir "$C" >/dev/null
 
+# ---- `cluster down` during a job: it stops as a cancelled one does (the
+# step under way kept in a checkpoint, its client told and gone), and the
+# next `cluster up` there does not bring it back ----
+C="$W/c5"
+check "$N" "${UP[@]}" --nodes 2 --dir "$C"
+"$N" train --cluster "$C" "${RUN[@]}" --checkpoint-dir "$W/ck5" --log "$W/down.jsonl" \
+  --timeout 120 2> "$W/down.err" &
+job=$!
+wait_step "$W/down.jsonl" 5 3000 0.02
+t0=$(date +%s)
+check "$N" cluster down --dir "$C"
+wait $job
+rc=$?
+echo "the client ended (rc $rc) $(($(date +%s) - t0)) s after cluster down"
+tr '\r' '\n' < "$W/down.err" | grep -v "^step" | tail -2
+check test "$rc" -eq 130
+check grep -q "the cluster is going down: train job 1 stops after the step under way" "$C/coord.log"
+check grep -q "interrupted after step [0-9]* of 40: kept $W/ck5/step-0000[0-9]*/manifest.json" "$W/down.err"
+check test "$(ls "$W"/ck5/step-*/manifest.json | wc -l)" -eq 1
+check grep -q '"train":null' "$C/coord/journal.json"
+check "$N" "${UP[@]}" --nodes 2 --dir "$C"
+check test "$("$N" jobs --cluster "$C" 2>&1 | grep -c "train")" -eq 0
+"$N" cluster down --dir "$C" >/dev/null
+
 echo "test_cluster_cancel: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
