@@ -220,7 +220,7 @@ check grep -q '"train":null' "$C/coord/journal.json"
 # the job before left on the stages (the step-40 manifest), not from the
 # coordinator's --model: a restarted coordinator (its source that --model)
 # does not make it again from other weights; it drops it and says why ----
-"$N" train --cluster "$C" "${RUN[@]}" --checkpoint-every 1000 --checkpoint-dir "$W/ck8" \
+"$N" train --cluster "$C" "${RUN[@]}" --checkpoint-every 1000 --checkpoint-dir "$W/ck11" \
   --log "$W/nock.jsonl" 2> "$W/nock.err" &
 job=$!
 wait_step "$W/nock.jsonl" 3
