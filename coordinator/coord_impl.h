@@ -59,6 +59,10 @@ typedef struct cnode {
     size_t rid_len;
     char device[33];
     char endpoint[257];
+    /* the data endpoint of the live node with this key that this one's
+     * JOIN took over ("restarted"), when it differed: that one coming back
+     * means two live processes share the key (coord_on_join) */
+    char took_from[257];
     bool no_inbound;    /* JOIN.flags NO_INBOUND, or --probe-inbound found its data endpoint
                          * closed: it dials its previous stage (ASSIGN.links) */
     int probe_fd;       /* --probe-inbound: the connection to its data endpoint (0: none) */

@@ -236,8 +236,26 @@ void coord_on_join(nl_coord *c, const nl_rx *rx)
      * indexes): the key's old node restarted; a routing id that another
      * connection took over no longer reaches its old node */
     cnode *old = coord_node_by_key(c, j->pubkey);
-    if (old)
+    if (old && old->took_from[0] && strcmp(old->took_from, j->data_endpoint) == 0 &&
+        strcmp(old->endpoint, j->data_endpoint) != 0) {
+        /* the node it took the key over from is alive: two processes run
+         * with one key, each JOIN would take it from the other for ever */
+        char msg[800];
+        snprintf(msg, sizeof msg,
+                 "key %.8s... is in use by live node %u (data %s), which joined with it after "
+                 "this node (data %s): two nodes run with one key; stop one, or give each its "
+                 "own (neuroctl keygen)",
+                 j->pubkey, old->id, old->endpoint, j->data_endpoint);
+        NL_WARN("JOIN refused: %s", msg);
+        nl_sock_send_error(c->ctl, rx, NL_ERR_STATE, NL_MSG_JOIN, msg, &e);
+        return;
+    }
+    char took[sizeof old->took_from] = "";
+    if (old) {
+        if (strcmp(old->endpoint, j->data_endpoint) != 0)
+            snprintf(took, sizeof took, "%s", old->endpoint);
         coord_node_lost(c, old, NODE_LEFT, "joined again (restarted)");
+    }
     if ((old = coord_node_by_rid_raw(c, rx->rid, rx->rid_len)))
         coord_node_lost(c, old, NODE_DEAD,
                         "cannot be reached: another connection took over its routing id");
@@ -254,6 +272,7 @@ void coord_on_join(nl_coord *c, const nl_rx *rx)
     n->rid_len = rx->rid_len;
     snprintf(n->device, sizeof n->device, "%s", j->device);
     snprintf(n->endpoint, sizeof n->endpoint, "%s", j->data_endpoint);
+    snprintf(n->took_from, sizeof n->took_from, "%s", took);
     n->no_inbound = (j->flags & NL_JOIN_NO_INBOUND) != 0;
     n->memory = j->memory_bytes;
     n->gflops = j->gemm_gflops;

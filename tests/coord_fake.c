@@ -232,17 +232,22 @@ void join(fake *f, double gflops)
                 nl_coord_state(coord));
 }
 
-int join_for(fake *f, double gflops, double seconds)
+void fake_send_join(fake *f, double gflops)
 {
-    int ok = 0;
     nl_wire_msg m;
-    nl_rx rx;
-    nl_rx_init(&rx);
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOIN);
     /* slow nodes: compute outweighs the hop, so the planner uses both */
     m.u.join = (nl_msg_join){f->key, "cpu", 1ull << 30, gflops, 1, f->endpoint, 0};
     fake_send(f, &m);
+}
+
+int join_for(fake *f, double gflops, double seconds)
+{
+    int ok = 0;
+    nl_rx rx;
+    nl_rx_init(&rx);
+    fake_send_join(f, gflops);
     if (pump_until_for(f, NL_MSG_ACCEPT, &rx, seconds)) {
         ok = 1;
         f->id = rx.msg.u.accept.node_id;

@@ -64,6 +64,8 @@ int check_pump(int ok, const char *what);
 void join(fake *f, double gflops);
 /* The same within seconds: 1 when ACCEPTed, 0 (quietly) when not. */
 int join_for(fake *f, double gflops, double seconds);
+/* f's JOIN, sent (the answer is the caller's to read). */
+void fake_send_join(fake *f, double gflops);
 /* What a test's coordinator has besides the fakes' defaults. */
 typedef struct coord_fake_setup {
     const char *tag;                 /* its state dir: /tmp/nl_test_<tag>_XXXXXX */

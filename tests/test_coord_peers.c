@@ -475,6 +475,36 @@ static void test_node_index(void)
         open_rid(&b, "ixB", "tcp://127.0.0.1:49999", "ixRID");
     }
     CHECK(a.id > 0 && b.id > 0 && b.id != a.id, "takeover: ids %u and %u", a.id, b.id);
+    /* two live processes with one key: the second's JOIN takes it over (a
+     * restart, as far as the coordinator can tell); the first, alive, JOINs
+     * again from its own endpoint and is refused, naming the key's node,
+     * where before each JOIN took the key from the other for ever */
+    {
+        fake d1, d2;
+        nl_rx drx;
+        fake_open(&d1, "ixDup", "tcp://127.0.0.1:49001");
+        join(&d1, 1.0);
+        fake_open(&d2, "ixDup", "tcp://127.0.0.1:49002");
+        join(&d2, 1.0);
+        CHECK(d1.id > 0 && d2.id > 0 && d2.id != d1.id, "one key twice: ids %u and %u", d1.id,
+              d2.id);
+        nl_rx_init(&drx);
+        fake_send_join(&d1, 1.0);
+        char want[64];
+        snprintf(want, sizeof want, "in use by live node %u (data tcp://127.0.0.1:49002)", d2.id);
+        CHECK(pump_until(&d1, NL_MSG_ERROR, &drx) && drx.msg.u.error.req_type == NL_MSG_JOIN &&
+                  strstr(drx.msg.u.error.message, want) &&
+                  strstr(drx.msg.u.error.message, "two nodes run with one key"),
+              "the first of one key, back: refused naming node %u", d2.id);
+        nl_rx_free(&drx);
+        /* the second keeps the key: its heartbeats are taken */
+        nl_rx_init(&drx);
+        ix_beat(&d2, d2.id);
+        CHECK(!pump_until_for(&d2, NL_MSG_ERROR, &drx, 0.5), "the key's node stays");
+        nl_rx_free(&drx);
+        nl_sock_destroy(&d1.sock);
+        nl_sock_destroy(&d2.sock);
+    }
     nl_rx rx;
     nl_rx_init(&rx);
     ix_beat(&b, b.id);
