@@ -42,6 +42,9 @@ nl_status nl_client_connect(nl_sock **out, nl_net *net, const nl_client_opts *o,
         left = left > 100 ? left : 100; /* HELLO gets what is left */
     }
     st = nl_sock_hello(*out, NL_ROLE_CLIENT, left, &rx, err);
+    if (st == NL_ERR_TIMEOUT) /* the whole wait, handshake and HELLO, not HELLO's share */
+        st = nl_error_set(err, NL_ERR_TIMEOUT, "no answer within %.1f s (--timeout %.1f s)",
+                          nl_mono_s() - start, o->timeout_ms / 1000.0);
 out:
     nl_handshake_destroy(&hs);
     if (st != NL_OK) {
@@ -137,8 +140,13 @@ int nl_client_job_failed(const nl_rx *rx, nl_error *err)
                 strncmp(msg, NL_CLIENT_TOO_MANY_JOBS, strlen(NL_CLIENT_TOO_MANY_JOBS)) == 0
             ? NL_ERR_LIMIT
             : NL_ERR_STATE;
-    /* a message that only repeats the state adds nothing */
-    if (!msg[0] || strcmp(msg, "cancelled") == 0 || strcmp(msg, "failed") == 0)
+    /* a message that only repeats the state adds nothing; job 0 is a
+     * submission refused before it was given an id */
+    const int bare = !msg[0] || strcmp(msg, "cancelled") == 0 || strcmp(msg, "failed") == 0;
+    if (s->job_id == 0 && s->state == NL_JOB_FAILED)
+        nl_error_set(err, st, "the coordinator refused the job%s%s", bare ? "" : ": ",
+                     bare ? "" : msg);
+    else if (bare)
         nl_error_set(err, st, "job %" PRIu64 " %s", s->job_id, what);
     else
         nl_error_set(err, st, "job %" PRIu64 " %s: %s", s->job_id, what, msg);

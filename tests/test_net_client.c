@@ -61,8 +61,9 @@ static void test_job_failed(void)
               strstr(err.msg, "--max-jobs-per-key"),
           "refused for the key's jobs: %s %s", nl_status_str(err.status), err.msg);
     rx.msg.u.job_status.message = "generate: bad params";
-    CHECK(nl_client_job_failed(&rx, &err) && err.status == NL_ERR_STATE,
-          "refused for its params: %s", nl_status_str(err.status));
+    CHECK(nl_client_job_failed(&rx, &err) && err.status == NL_ERR_STATE &&
+              strcmp(err.msg, "the coordinator refused the job: generate: bad params") == 0,
+          "refused for its params (no id, not 'job 0'): %s %s", nl_status_str(err.status), err.msg);
     rx.msg.u.job_status.job_id = 7;
     rx.msg.u.job_status.state = NL_JOB_CANCELLED;
     rx.msg.u.job_status.message = "cancelled";
