@@ -66,6 +66,9 @@ void join(fake *f, double gflops);
 int join_for(fake *f, double gflops, double seconds);
 /* f's JOIN, sent (the answer is the caller's to read). */
 void fake_send_join(fake *f, double gflops);
+/* The status JSON the coordinator answers f's query with (malloc'd), or
+ * NULL. */
+char *fake_status_text(fake *f);
 /* What a test's coordinator has besides the fakes' defaults. */
 typedef struct coord_fake_setup {
     const char *tag;                 /* its state dir: /tmp/nl_test_<tag>_XXXXXX */
