@@ -227,14 +227,15 @@ int nl_cli_can_write(const char *flag, const char *path, int is_dir)
 int nl_cli_may_write(const nl_flag *flags, const char *flag, const char *path)
 {
     struct stat sb;
-    if (!path || stat(path, &sb) != 0 || !S_ISDIR(sb.st_mode)) {
-        if (!path || nl_args_get(flags, "force") || lstat(path, &sb) != 0)
-            return 0;
-        fprintf(stderr, "--%s %s: the file exists (give --force to replace it)\n", flag, path);
+    if (!path)
+        return 0;
+    if (stat(path, &sb) == 0 && S_ISDIR(sb.st_mode)) { /* never replaced, --force or not */
+        fprintf(stderr, "--%s %s: is a directory (give the path of a file)\n", flag, path);
         return 1;
     }
-    /* a directory is never replaced, --force or not: said before any work */
-    fprintf(stderr, "--%s %s: is a directory (give the path of a file)\n", flag, path);
+    if (nl_args_get(flags, "force") || lstat(path, &sb) != 0)
+        return 0;
+    fprintf(stderr, "--%s %s: the file exists (give --force to replace it)\n", flag, path);
     return 1;
 }
 
