@@ -11,9 +11,9 @@
 #  - a lying node in that job: convicted by a verifier and an arbiter,
 #    banned, and the job resumes without it (3 nodes: one stage on 2
 #    replicas), ending with the honest run's weights byte for byte;
-#  - the same two with --wire bf16 on 5 nodes (2 x 2 and a standby, so
-#    that the 4 left after the ban plan 2 x 2 again and the hops are
-#    rounded as in the honest run): the cases carry the bf16 bytes that
+#  - the same two with --wire bf16 on 5 nodes (2 x 2 and a standby that
+#    joins after them, so that the 4 left after the ban plan 2 x 2 again
+#    and the hops are rounded as in the honest run): the cases carry the bf16 bytes that
 #    crossed the wire, the verifier rounds its outputs to bf16, and the
 #    digests agree bit for bit for an honest stage.
 . "$(dirname "$0")/cluster_lib.sh"
@@ -32,11 +32,30 @@ run() { # run NAME NODES RATE [ENV...]: a cluster of NODES with --replicas 2 (or
   env "$@" "$N" cluster up "${DEV[@]}" --dir "$W/$name" --nodes "$nodes" --replicas "${REPLICAS:-2}" \
     --model "$W/${MODEL:-m}.safetensors" --memory 64M --threads 1 --node-timeout-ms 4000 --timeout 60 \
     --verify-rate "$rate" "${extra[@]}" > "$W/$name.up" 2>&1
+  [ -n "${STANDBY:-}" ] && late_standby "$name"
   check "$N" train --cluster "$W/$name" "${RUN[@]}" --log "$W/$name.jsonl" \
     --checkpoint-dir "$W/$name.ck" --out "$W/$name.safetensors" 2> "$W/$name.err"
   check grep -q "replicas on" "$W/$name/coord.log"
   "$N" cluster down --dir "$W/$name" > /dev/null 2>&1
   [ -n "${KEEP:-}" ] && for f in "$W/$name"/*.log; do cp "$f" "$KEEP/$name.$(basename "$f")"; done
+}
+
+late_standby() { # late_standby NAME: a fifth node joins cluster NAME after its 4 are
+  # planned, so that it, and not one of them, is the plan's standby (with 5
+  # nodes from `cluster up` the one that joined last was the standby: on a
+  # loaded machine node-2, the liar, which then never computed)
+  local c="$W/$1" i
+  "$N" keygen --out "$W/$1-standby" > /dev/null
+  echo "$(cat "$W/$1-standby.pub") node  # standby" >> "$c/coord/authorized_keys"
+  check reload_keys "$c"
+  "$NODE" join "${DEV[@]}" "$(cat "$c/coord/endpoint")" --key "$W/$1-standby.key" \
+    --coordinator-key "$c/coord/coordinator.pub" --memory 64M --threads 1 --name standby \
+    --checkpoint-root / > "$c/standby.log" 2>&1 &
+  for i in $(seq 1 600); do # the plan at rest weighed with it, and kept
+    grep -q "re-plan at rest: the plan stays .*; 5 nodes would give" "$c/coord.log" && break
+    sleep 0.1
+  done
+  check grep -q "re-plan at rest: the plan stays .*; 5 nodes would give" "$c/coord.log"
 }
 
 honest() { # honest NAME PLAIN: no accusation, every hop's digests agree, PLAIN's weights
@@ -80,12 +99,13 @@ convicted lie plain
 small_config "$W/cfg2.yaml" 32 2 48 32
 check "$N" init --config "$W/cfg2.yaml" --out "$W/m2.safetensors" --seed 7
 export NL_TEST_GFLOPS=0.05 MODEL=m2 REPLICAS=2,2
-UP_EXTRA="--rebalance-after 0" run plain32 5 0
-UP_EXTRA="--wire bf16 --rebalance-after 0" run plain16 5 0
+export STANDBY=1
+UP_EXTRA="--rebalance-after 0" run plain32 4 0
+UP_EXTRA="--wire bf16 --rebalance-after 0" run plain16 4 0
 check bash -c "! cmp -s '$W/plain32.safetensors' '$W/plain16.safetensors'" # the wire rounds
-UP_EXTRA="--wire bf16 --rebalance-after 0" run honest16 5 1
+UP_EXTRA="--wire bf16 --rebalance-after 0" run honest16 4 1
 honest honest16 plain16
-UP_EXTRA="--wire bf16 --rebalance-after 0" run lie16 5 1 NL_TEST_LIE=bitflip:0.5:5 NL_TEST_LIE_NODE=node-2
+UP_EXTRA="--wire bf16 --rebalance-after 0" run lie16 4 1 NL_TEST_LIE=bitflip:0.5:5 NL_TEST_LIE_NODE=node-2
 convicted lie16 plain16
 
 echo "test_cluster_verify_lanes: $pass passed, $fail failed"
