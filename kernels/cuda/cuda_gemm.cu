@@ -13,6 +13,8 @@
 
 static_assert(NL_CUDA_ROWS_GEMM == NL_BACKEND_FUSED_ROWS,
               "a decode's rows: gemm's rows kernel where the fused slots serve");
+static_assert(NL_CUDA_GROUPED_FEW_ROWS == NL_CUDA_ROWS_GEMM - 1,
+              "the grouped GEMMs' rows kernel below as many rows as gemm's");
 
 namespace nl_cu
 {

@@ -50,8 +50,14 @@ int nl_cuda_gemm_grouped(void *stream, int trans_b, int N, int K, const float *A
 /* The few-row path above with bf16 weights (trans_b): B is the backend's
  * bf16 copy of the expert weights (same strides), each activation rounded
  * to bf16, products summed in FP32: a decode token reads half the bytes.
- * The bf16 backend calls it for max_rows <= NL_CUDA_GROUPED_FEW_ROWS. */
-#define NL_CUDA_GROUPED_FEW_ROWS 8
+ * The bf16 backend calls it for max_rows <= NL_CUDA_GROUPED_FEW_ROWS: every
+ * grouped product of fewer than NL_BACKEND_FUSED_ROWS rows (16, a decode
+ * step's or a short prompt's), as gemm below that many rows runs
+ * gemm_rows, so a row's bits are gemm_grouped_rows' whatever the call
+ * (cuda_gemm.cu checks the two agree; at 8, a prompt of 9 to 15 rows took
+ * the tiles, and its logits were not the batched decoder's: the H200 run
+ * of 2026-11-28). */
+#define NL_CUDA_GROUPED_FEW_ROWS 15
 int nl_cuda_gemm_grouped_few_bf16(void *stream, int N, int K, const float *A, int lda,
                                   const uint16_t *B, int ldb, size_t b_stride, float *C, int ldc,
                                   const int32_t *offsets, int groups);

@@ -214,9 +214,12 @@ groups make_groups(const std::vector<int> &sizes)
     return g;
 }
 
-/* The few-row path (trans_b, max_rows <= 8) sums each row in an order of
- * its own: a group's rows computed together give the bits each gives
- * alone, and the bits of the same rows inside a larger group. */
+/* The few-row path (trans_b, max_rows <= NL_CUDA_GROUPED_FEW_ROWS: every
+ * call below NL_BACKEND_FUSED_ROWS rows) sums each row in an order of its
+ * own: a group's rows computed together give the bits each gives alone,
+ * and the bits of gemm_grouped_rows (gemm_rows' products, which the
+ * batched decoder and the fused decode slots compute), so a short
+ * prompt's products are those of the same rows decoded in a batch. */
 void gemv_rows_case(int rows, int N, int K)
 {
     char what[96];
@@ -232,6 +235,12 @@ void gemv_rows_case(int rows, int N, int K)
     CHECK(nl_cuda_gemm_grouped(nullptr, 1, N, K, A.data(), K, B.data(), K, 0, C.data(), N, all, 1,
                                rows) == 0,
           "%s: launcher", what);
+    std::vector<float> R((size_t)rows * N, NAN);
+    CHECK(nl_cuda_gemm_grouped_rows(nullptr, N, K, A.data(), K, B.data(), K, 0, R.data(), N, all,
+                                    1, 0) == 0,
+          "%s: launcher", what);
+    CHECK(memcmp(R.data(), C.data(), R.size() * sizeof(float)) == 0,
+          "%s: the bits of gemm_grouped_rows", what);
     for (int r = 0; r < rows; r++) {
         const int32_t alone[2] = {0, 1};
         CHECK(nl_cuda_gemm_grouped(nullptr, 1, N, K, A.data() + (size_t)r * K, K, B.data(), K, 0,
@@ -423,6 +432,7 @@ int nl_emu_moe_checks(void)
         grouped_case(cpu, {5, 0}, tb, 9, 1, 8, 0);
     }
     gemv_rows_case(7, 65, 300);
+    gemv_rows_case(15, 33, 96); /* a prompt of 15 rows */
     gemv_bf16_case({1, 0, 0, 1, 0, 0, 0, 0}, 257, 769, 0);
     gemv_bf16_case({2, 3, 0, 8, 1}, 70, 33, 2);
     gemv_bf16_case({0, 0}, 5, 5, 0);
