@@ -21,9 +21,9 @@
 #      so a slot's time is its kernels'; training dominates the run), the
 #      largest in the summary, and the cuBLASLt cache's misses and their
 #      host time; then the same bench without the profile with each choice
-#      of expert GEMMs (default, NL_CUDA_EXPERTS=kernel, NL_CUDA_LT_BUCKET=1,
-#      both per-expert and bucketed, NL_CUDA_EXPERTS=cudnn: train_ab), and
-#      test_bf16 on the device with the fourth (20 bf16 training steps
+#      of expert GEMMs (default, NL_CUDA_LT_BUCKET=0, NL_CUDA_EXPERTS=
+#      forward, kernel, cudnn: train_ab), and
+#      test_bf16 on the device with the default (20 bf16 training steps
 #      within 1e-2 of FP32) and with cuDNN's experts (its graphs built or
 #      declined, the routed products right, no host wait);
 #   e. bench/bench_cuda.sh part 2: the decode split (device against host
@@ -249,14 +249,15 @@ PY
     fi
     # the expert GEMMs' choices side by side, without the profile's syncs:
     # training and forward tokens/s with each (kernels/cuda/cuda_gemm.cu:
-    # the default runs the forward's experts one cuBLASLt GEMM each and the
-    # backward's on the one-launch kernel; kernel: that kernel everywhere;
-    # bucket: per-expert GEMMs share the algorithm of their row count's
-    # bucket; cublaslt: the backward per expert too), then the 20-step bf16
-    # training against FP32 (test_bf16) with the last, on the device
+    # the default runs the experts' forward and backward one cuBLASLt GEMM
+    # each, sharing the algorithm of their row count's bucket; bucket 0:
+    # each expert's exact rows; forward: the backward on the one-launch
+    # kernel; kernel: that kernel everywhere; cudnn: cuDNN's MoE grouped
+    # matmul), then the 20-step bf16 training against FP32 (test_bf16)
+    # with the default, on the device
     ab=()
-    for v in default "NL_CUDA_EXPERTS=kernel" "NL_CUDA_LT_BUCKET=1" \
-        "NL_CUDA_EXPERTS=cublaslt NL_CUDA_LT_BUCKET=1" "NL_CUDA_EXPERTS=cudnn"; do
+    for v in default "NL_CUDA_LT_BUCKET=0" "NL_CUDA_EXPERTS=forward" "NL_CUDA_EXPERTS=kernel" \
+        "NL_CUDA_EXPERTS=cudnn"; do
         n=train_ab_$((${#ab[@]} + 1))
         # shellcheck disable=SC2086 # v is a list of assignments
         run "$n" 60 20 env ${v/default/} "$NEUROCTL" bench --device "$DEVICE" --precision bf16 \
@@ -267,7 +268,7 @@ j = json.load(sys.stdin)
 print("train %.0f, forward %.0f tok/s" % (j["train_tok_s"] or 0, j["forward_tok_s"]))' 2>&1) ($SECS s, rc $RC)")
     done
     [ ${#ab[@]} -gt 0 ] && line PASS train_ab "$cfg T $T bf16: $(printf '%s; ' "${ab[@]}")"
-    run test_bf16_lt 60 15 env NL_CUDA_EXPERTS=cublaslt NL_CUDA_LT_BUCKET=1 NL_TEST_DEVICE="$DEVICE" \
+    run test_bf16_lt 60 15 env NL_TEST_DEVICE="$DEVICE" \
         "$BUILD/tests/test_bf16" && true
     [ "$RC" -ne 125 ] && verdict test_bf16_lt "$(grep -h '20 steps' "$OUT/test_bf16_lt.log"); $(tail -1 "$OUT/test_bf16_lt.log")"
     # cuDNN's MoE grouped matmul: built on this GPU or declined (why), the

@@ -729,12 +729,23 @@ NL_EXPORT nl_status nl_cuda_backend_new(nl_backend **out, int device, const nl_b
         return st;
     }
     be->runtime_bytes = runtime;
+    /* the expert GEMMs (cuda_gemm.cu): per expert through cuBLASLt, forward
+     * and backward, bucketed, unless NL_CUDA_EXPERTS names another choice
+     * (kernel, forward, cudnn) or NL_CUDA_LT_BUCKET=0 */
     const char *ex = getenv("NL_CUDA_EXPERTS");
+    if (ex && strcmp(ex, "kernel") != 0 && strcmp(ex, "forward") != 0 &&
+        strcmp(ex, "cublaslt") != 0 && strcmp(ex, "cudnn") != 0) {
+        cu_destroy(be);
+        return nl_error_set(err, NL_ERR_INVALID,
+                            "%s: NL_CUDA_EXPERTS=%s: expected cublaslt (the default), forward, "
+                            "kernel or cudnn",
+                            name, ex);
+    }
     c->experts_kernel = ex && strcmp(ex, "kernel") == 0;
-    c->experts_lt = ex && strcmp(ex, "cublaslt") == 0;
     c->experts_dnn = c->bf16 && ex && strcmp(ex, "cudnn") == 0;
+    c->experts_lt = !ex || strcmp(ex, "cublaslt") == 0;
     const char *lb = getenv("NL_CUDA_LT_BUCKET");
-    c->lt_bucket = lb && strcmp(lb, "1") == 0;
+    c->lt_bucket = !lb || strcmp(lb, "0") != 0;
     const char *ro = getenv("NL_CUDA_ROWS");
     c->rows_off = ro && strcmp(ro, "cublas") == 0;
     const char *pr = getenv("NL_CUDA_PROFILE");

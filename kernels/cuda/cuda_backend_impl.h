@@ -98,8 +98,8 @@ struct cuda_ctx {
      * and bucketed calls whose algorithm cuBLASLt refused at their M */
     uint64_t lt_hits, lt_misses, lt_refits;
     double lt_miss_s;
-    /* NL_CUDA_LT_BUCKET=1: the forward's per-expert GEMMs take the
-     * algorithm of their row count's bucket (nl_lt_bucket_rows) */
+    /* the per-expert GEMMs take the algorithm of their row count's bucket
+     * (nl_lt_bucket_rows); NL_CUDA_LT_BUCKET=0: of their exact rows */
     int lt_bucket;
     nl_cudnn *cudnn; /* attention and experts through cuDNN (cuda_cudnn.h), or NULL */
     /* the expert groups' row offsets last read to the host (bf16 grouped
@@ -109,7 +109,8 @@ struct cuda_ctx {
     int off_groups;
     int32_t off_host[NL_BACKEND_MAX_EXPERTS + 1];
     int experts_kernel; /* NL_CUDA_EXPERTS=kernel: never per expert (below) */
-    int experts_lt;     /* NL_CUDA_EXPERTS=cublaslt: the backward's per expert too */
+    int experts_lt;     /* the backward's per expert too (the default; NL_CUDA_EXPERTS=
+                         * forward: the forward's only, kernel: none) */
     /* NL_CUDA_EXPERTS=cudnn: the grouped GEMMs of many rows (the forward's
      * and the backward's dgrad) through cuDNN's MoE grouped matmul
      * (cuda_gemm_dnn.cu dnn_grouped), which needs each dispatch's total

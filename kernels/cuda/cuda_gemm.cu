@@ -430,30 +430,24 @@ void cu_wrote(nl_backend *be, const void *p, size_t bytes)
         nl_cuda_bf16_mark(&c->w, p, bytes);
 }
 
-/* The forward's bf16 grouped GEMMs of many rows (prefill, training's
- * forward: trans_b, the weights as stored) run as one cuBLASLt GEMM per
- * expert, sized by the offsets read to the host once per routing (one wait
- * per layer's dispatch, shared by its two calls): on an H100 this took
- * bench-large's forward at T 1024 from 241K to 647K tokens/s (issue 28).
- * Fewer rows (decode) keep the one-launch tensor-core kernel: no host wait
- * per token. So does the backward (dgrad and wgrad): per expert through
- * cuBLASLt it made training at T 256 slower on the same GPU (22K against
- * 49K tokens/s; not yet profiled). Training as a whole measured slower
- * with the forward per expert too (42K against 68K tokens/s at T 1024,
- * other runs): NL_CUDA_EXPERTS=kernel keeps the one-launch kernel for every
- * call, the faster choice for training until a profile says why. The
- * likely why: a forward benchmark repeats its routing, so each expert's
- * (M, N, K) is one cuBLASLt already chose for, while training's routing
- * changes each step, so every per-expert GEMM is a new problem whose
- * heuristic runs on the host just after this slot's wait for the offsets,
- * with the device idle. NL_CUDA_LT_BUCKET=1 lets the rows of a bucket
- * (nl_lt_bucket_rows) share one choice; NL_CUDA_PROFILE reports the
- * cache's misses and their host time. NL_CUDA_EXPERTS=cublaslt runs the
- * backward's grouped GEMMs (dgrad and wgrad) per expert too, as run 3 of
- * issue 28 did (then without buckets). NL_CUDA_EXPERTS=cudnn first offers
- * the many-row calls (forward and dgrad) to cuDNN's MoE grouped matmul,
- * which reads the offsets on the device (cuda_gemm_dnn.cu), and takes the
- * paths here for what it declines. Not yet run on a GPU. */
+/* The bf16 grouped GEMMs of many rows (prefill, training) run as one
+ * cuBLASLt GEMM per expert, sized by the offsets read to the host once per
+ * routing (one wait per layer's dispatch, shared by its calls), forward
+ * (trans_b, the weights as stored), dgrad and wgrad alike, each expert's
+ * rows taking the algorithm of their bucket (nl_lt_bucket_rows): a
+ * routing gives every expert a new row count each step of training, and
+ * without buckets each was a new problem whose heuristic ran on the host
+ * with the device idle. On an H200 (bench-large, T 1024, training
+ * tokens/s; bench/gpu_check.sh's train_ab, 2026-11-28): this 165.8K;
+ * the forward alone per expert, bucketed 79.4K, not 56.4K
+ * (NL_CUDA_EXPERTS=forward, the default until then; NL_CUDA_LT_BUCKET=0);
+ * the one-launch kernel for every call 68.4K (NL_CUDA_EXPERTS=kernel,
+ * whose forward is 245K tokens/s against 702K); cuDNN's MoE grouped
+ * matmul 75.6K (NL_CUDA_EXPERTS=cudnn: the many-row calls, forward and
+ * dgrad, offered to cuDNN, which reads the offsets on the device,
+ * cuda_gemm_dnn.cu; what it declines takes the one-launch kernel, never
+ * a host wait). Fewer rows (decode) keep the one-launch kernels: no host
+ * wait per token. */
 #define NL_CUDA_GROUPED_HOST_ROWS 64
 
 /* The offsets at dev on the host (checked: 0 first, never decreasing,
@@ -520,8 +514,9 @@ void cu_gemm_grouped(nl_backend *be, int trans_b, int N, int K, const float *A, 
     if (c->bf16 && c->experts_dnn && max_rows >= NL_CUDA_GROUPED_HOST_ROWS &&
         dnn_grouped(c, trans_b, N, K, A, lda, B, ldb, b_stride, C, ldc, offsets, groups))
         return;
+    /* what cuDNN declines takes the one-launch kernel: no host wait */
     if (c->bf16 && (trans_b || c->experts_lt) && max_rows >= NL_CUDA_GROUPED_HOST_ROWS &&
-        !c->experts_kernel) {
+        !c->experts_kernel && !c->experts_dnn) {
         /* inside this slot (NL_CUDA_PROFILE counts them here, apart from
          * the dense GEMMs) */
         const int32_t *o = host_offsets(be, c, offsets, groups, max_rows);
@@ -572,7 +567,7 @@ void cu_gemm_grouped_wgrad(nl_backend *be, int M, int N, const float *A, int lda
                            int groups)
 {
     cuda_ctx *c = enter_slot(be, __func__);
-    if (c->bf16 && c->experts_lt) { /* NL_CUDA_EXPERTS=cublaslt: per expert, C_g += A_g^T B_g */
+    if (c->bf16 && c->experts_lt) { /* per expert (the default), C_g += A_g^T B_g */
         const int32_t *o = host_offsets(be, c, offsets, groups, INT32_MAX);
         for (int g = 0; o && g < groups; g++)
             if (o[g + 1] > o[g])
