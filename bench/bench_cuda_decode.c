@@ -110,12 +110,14 @@ static int decode_run(nl_backend *be, nl_model *m, int tokens, const decode_mode
     if (nl_forward(m, rs, &a, NULL, err) != NL_OK)
         goto out;
     a.T = 1;
-    const uint64_t s0 = be->stats.host_syncs;
-    const double t0 = now_s();
     int32_t tok = 0;
     uint64_t h = 1469598103934665603ull;
+    /* the prompt's token, outside the count: each of the tokens is a step
+     * and a sample (the H200 run counted 65 samples over 64 steps: 1.02) */
     if (nl_sampler_next(&smp, be, nl_runstate_output(rs, &cols), logits, &tok, err) != NL_OK)
         goto out;
+    const uint64_t s0 = be->stats.host_syncs;
+    const double t0 = now_s();
     for (int t = 0; t < tokens; t++) {
         h = (h ^ (uint64_t)(uint32_t)tok) * 1099511628211ull;
         a.tokens = &tok;

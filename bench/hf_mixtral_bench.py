@@ -37,8 +37,9 @@ also carries `generated`, the tokens generate returned (an error unless N).
 Modes: eager = the default dynamic KV cache; compile = transformers' static
 KV cache (generation_config.cache_implementation = "static") and
 model.forward = torch.compile(model.forward, mode="reduce-overhead",
-fullgraph=True), as transformers' "Optimizing inference" guide does
-(generate's own compilation of the forward is turned off where it has one,
+fullgraph=True), as transformers' "Optimizing inference" guide does, each
+call marked a new CUDA-graph step and its logits copied out of the graph's
+memory, which the next replay overwrites (generate's own compilation of the forward is turned off where it has one,
 so the forward is compiled once; where fullgraph=True fails on the model's
 graph breaks it is compiled again without it, and the line says
 "fullgraph": false). Where torch has no torch.compile, or transformers no
@@ -267,7 +268,23 @@ def decode_setup(model, torch, mode, fullgraph):
             gc.disable_compile = True
         if not hasattr(model, "_eager_forward"):
             model._eager_forward = model.forward
-        model.forward = torch.compile(model._eager_forward, mode="reduce-overhead", fullgraph=fullgraph)
+        compiled = torch.compile(model._eager_forward, mode="reduce-overhead", fullgraph=fullgraph)
+
+        def forward(*a, **k):
+            # reduce-overhead replays CUDA graphs whose outputs the next replay
+            # overwrites, and generate reads a step's logits after the next step
+            # began ("accessing tensor output of CUDAGraphs that has been
+            # overwritten": the H200 run of 2026-11-28): each call a new step,
+            # its logits copied out of the graph's memory (batch 1: one row)
+            mark = getattr(getattr(torch, "compiler", None), "cudagraph_mark_step_begin", None)
+            if mark is not None:
+                mark()
+            out = compiled(*a, **k)
+            if getattr(out, "logits", None) is not None:
+                out.logits = out.logits.clone()
+            return out
+
+        model.forward = forward
 
 
 def decode_times(model, ids, N, args, torch):
