@@ -518,11 +518,26 @@ static int wait_ready(const up_opts *o, const char *dir, const char *cdir, pid_t
     /* a node that cannot start (a device it cannot open) exits at once:
      * say so with its last words rather than wait for the timeout */
     const double deadline = nl_mono_s() + (double)o->timeout;
+    int short_of = 0; /* polls in a row that found every node joined and too little memory */
     for (;;) {
-        if (nl_remote_wait_ready(dir, 1, state, sizeof state) == 0)
+        int nodes = -1;
+        if (nl_remote_wait_ready(dir, 1, state, sizeof state, &nodes) == 0)
             break;
         snprintf(log, sizeof log, "%s/coord.log", dir);
         if (node_exited(dir, pids, (int)o->nodes) || exited(coord, "the coordinator", log)) {
+            cluster_down(dir, 1);
+            return 1;
+        }
+        /* every node it started joined and the plan still lacks memory:
+         * no more will come, so say so now rather than at the timeout
+         * (twice in a row: the state may predate the last join's plan) */
+        short_of =
+            nodes >= o->nodes && strncmp(state, "not enough capacity", 19) == 0 ? short_of + 1 : 0;
+        if (short_of >= 2) {
+            fprintf(stderr,
+                    "cluster up: the %lld node(s) cannot hold the model: %s; give more --memory "
+                    "or --nodes, or a smaller model (the cluster is taken down; logs in %s)\n",
+                    o->nodes, state, dir);
             cluster_down(dir, 1);
             return 1;
         }
@@ -689,7 +704,8 @@ static void cluster_flags(nl_opt t[MAX_FLAGS], up_opts *o, const char **dir)
                    "up: DiLoCo's outer Nesterov momentum (neurocoord --outer-momentum; default "
                    "0.9)"),
         NL_OPT_LLONG("timeout", &o->timeout, 1, 3600, "120",
-                     "up: seconds to wait for the cluster to be ready"),
+                     "up: seconds to wait for the cluster to be ready (it fails at once when "
+                     "every node joined and they cannot hold the model)"),
         NL_OPT_END};
     _Static_assert(sizeof rows / sizeof rows[0] <= MAX_FLAGS, "MAX_FLAGS: room for the rows");
     memcpy(t, rows, sizeof rows);

@@ -565,15 +565,19 @@ int nl_cmd_status(int argc, char **argv)
 
 /* ---------------------------------------------------------------- readiness */
 
-int nl_remote_wait_ready(const char *dir, int timeout_s, char *state, size_t cap)
+int nl_remote_wait_ready(const char *dir, int timeout_s, char *state, size_t cap, int *nodes)
 {
     const double deadline = nl_mono_s() + timeout_s;
     nl_flag flags[] = {{"cluster", 1, "", dir}, {"timeout", 1, "", "5"}, NL_REMOTE_FLAGS, {0}};
+    if (nodes)
+        *nodes = -1;
     while (nl_mono_s() < deadline) {
         json_t *st = NULL;
         nl_error err = {0};
         if (nl_remote_status_once(flags, &st, &err) == NL_OK) {
             snprintf(state, cap, "%s", json_string_value(json_object_get(st, "state")));
+            if (nodes)
+                *nodes = (int)json_array_size(json_object_get(st, "nodes"));
             int ready = json_is_true(json_object_get(st, "ready"));
             json_decref(st);
             if (ready)

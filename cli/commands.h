@@ -39,8 +39,9 @@ int nl_cmd_remote_tokenizer_learn(int argc, char **argv);
 int nl_cmd_remote_grow(int argc, char **argv);
 
 /* Poll a local cluster's status (cluster up's directory) until it is ready
- * (returns 0) or timeout_s pass (-1); state gets the last state seen. */
+ * (returns 0) or timeout_s pass (-1); state gets the last state seen, and
+ * nodes (may be NULL) the number of nodes it listed (-1: no status). */
 #include <stddef.h>
-int nl_remote_wait_ready(const char *dir, int timeout_s, char *state, size_t cap);
+int nl_remote_wait_ready(const char *dir, int timeout_s, char *state, size_t cap, int *nodes);
 
 #endif

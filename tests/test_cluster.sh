@@ -234,5 +234,17 @@ check test "$got" = "$want"
 check grep -q "^generate: 250 tokens" "$W/b.err"
 check "$N" cluster down --dir "$C3"
 
+# nodes that cannot hold the model: once every node joined and the plan
+# still lacks memory, cluster up says so and takes the cluster down, long
+# before its --timeout (it waited the whole timeout before)
+t0=$(date +%s)
+"$N" cluster up "${DEV[@]}" --dir "$W/short" --nodes 2 --config "$W/cfg.yaml" --memory 2M \
+  --kv-budget 1M --threads 1 --timeout 600 > "$W/short.up" 2>&1
+check test $? -eq 1
+check grep -q "cluster up: the 2 node(s) cannot hold the model: not enough capacity: plan: needs" \
+  "$W/short.up"
+check test $(($(date +%s) - t0)) -lt 300
+check test ! -e "$W/short/coord.pid"
+
 echo "test_cluster: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
