@@ -146,23 +146,42 @@ void cu_moe_combine(nl_backend *be, float *x, const float *y, const int32_t *slo
 
 /* ---------------------------------------------------------------- fused decode */
 
+/* The fused slots' weights in bf16 mode: their bf16 copy where a range
+ * holds them (made again first when stale), else NULL (the kernels round
+ * the FP32 weights as read: the same bits). An expert operand is checked
+ * for its first expert only (the slots are not told E): every range is a
+ * whole model's parameters (core/model/model.c registers nothing else), so
+ * a range that holds a layer's first expert holds all of them. */
+static const uint16_t *fused_copy(cuda_ctx *c, const float *w, int rows, int cols)
+{
+    if (!c->bf16)
+        return NULL;
+    int rc = 0;
+    const uint16_t *copy = nl_cuda_bf16_weight_operand(&c->w, c->stream, w, rows, cols, cols, &rc);
+    launched(c, "fused decode (bf16): weight copy", rc);
+    return copy;
+}
+
 void cu_moe_norm_route(nl_backend *be, float *xn, float *probs, int32_t *choice, float *w,
                        const float *x, const float *norm_w, const float *router, int N, int d,
                        int E, int k, float eps)
 {
     cuda_ctx *c = enter_slot(be, __func__);
+    const uint16_t *r16 = fused_copy(c, router, E, d);
     launched(c, "moe_norm_route",
-             nl_cuda_moe_norm_route(c->stream, xn, probs, choice, w, x, norm_w, router, N, d, E, k,
-                                    eps));
+             nl_cuda_moe_norm_route(c->stream, xn, probs, choice, w, x, norm_w, router, r16,
+                                    c->bf16, N, d, E, k, eps));
 }
 
 void cu_moe_gate_up(nl_backend *be, float *hs, float *gu, const float *xn, const int32_t *choice,
                     const float *experts, size_t expert_stride, int N, int k, int d, int F)
 {
     cuda_ctx *c = enter_slot(be, __func__);
-    launched(
-        c, "moe_gate_up",
-        nl_cuda_moe_gate_up(c->stream, hs, gu, xn, choice, experts, expert_stride, N, k, d, F));
+    const uint16_t *e16 =
+        expert_stride <= INT32_MAX ? fused_copy(c, experts, 1, (int)expert_stride) : NULL;
+    launched(c, "moe_gate_up",
+             nl_cuda_moe_gate_up(c->stream, hs, gu, xn, choice, experts, e16, c->bf16,
+                                 expert_stride, N, k, d, F));
 }
 
 void cu_moe_down_combine(nl_backend *be, float *x, float *ye, const float *hs,
@@ -170,9 +189,11 @@ void cu_moe_down_combine(nl_backend *be, float *x, float *ye, const float *hs,
                          size_t expert_stride, int N, int k, int d, int F)
 {
     cuda_ctx *c = enter_slot(be, __func__);
+    const uint16_t *e16 =
+        expert_stride <= INT32_MAX ? fused_copy(c, experts, 1, (int)expert_stride) : NULL;
     launched(c, "moe_down_combine",
-             nl_cuda_moe_down_combine(c->stream, x, ye, hs, choice, w, experts, expert_stride, N, k,
-                                      d, F));
+             nl_cuda_moe_down_combine(c->stream, x, ye, hs, choice, w, experts, e16, c->bf16,
+                                      expert_stride, N, k, d, F));
 }
 
 /* ---------------------------------------------------------------- routing */
@@ -470,13 +491,11 @@ void fill_op_slots(nl_backend *be)
     be->sumsq = cu_sumsq;
     be->sample_rows = cu_sample_rows;
     be->adamw = cu_adamw;
-    /* the fused decode kernels read the FP32 weights: in bf16 mode the
-     * separate slots run, whose expert GEMMs read the bf16 copies */
-    if (!ctx_of(be)->bf16) {
-        be->moe_norm_route = cu_moe_norm_route;
-        be->moe_gate_up = cu_moe_gate_up;
-        be->moe_down_combine = cu_moe_down_combine;
-    }
+    /* the fused decode slots, in bf16 mode too (reading the weights' bf16
+     * copies, with the separate slots' bf16 products) */
+    be->moe_norm_route = cu_moe_norm_route;
+    be->moe_gate_up = cu_moe_gate_up;
+    be->moe_down_combine = cu_moe_down_combine;
     /* no graphs in bf16 mode (a captured GEMM would keep reading a bf16
      * weight copy that a later write makes stale; the many-row expert
      * GEMMs read offsets on the host) nor under NL_CUDA_PROFILE (which

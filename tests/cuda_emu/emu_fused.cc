@@ -103,14 +103,15 @@ void run_fused(nl_backend *cpu, outs &o, const std::vector<float> &x, const std:
         return;
     }
     CHECK(nl_cuda_moe_norm_route(nullptr, o.xn.data(), o.probs.data(), o.choice.data(),
-                                 o.w.data(), o.x.data(), nw.data(), router.data(), rows, d, E, k,
-                                 1e-5f) == 0,
+                                 o.w.data(), o.x.data(), nw.data(), router.data(), nullptr, 0,
+                                 rows, d, E, k, 1e-5f) == 0,
           "moe_norm_route: launcher");
     CHECK(nl_cuda_moe_gate_up(nullptr, o.hs.data(), gu.data(), o.xn.data(), o.choice.data(),
-                              experts.data(), stride, rows, k, d, F) == 0,
+                              experts.data(), nullptr, 0, stride, rows, k, d, F) == 0,
           "moe_gate_up: launcher");
     CHECK(nl_cuda_moe_down_combine(nullptr, o.x.data(), ye.data(), o.hs.data(), o.choice.data(),
-                                   o.w.data(), experts.data(), stride, rows, k, d, F) == 0,
+                                   o.w.data(), experts.data(), nullptr, 0, stride, rows, k, d,
+                                   F) == 0,
           "moe_down_combine: launcher");
     bool untouched = true; /* the scratch the kernels do not need */
     for (float v : gu)
@@ -154,19 +155,19 @@ void launchers(void)
 {
     float f = 0;
     int32_t i = 0;
-    CHECK(nl_cuda_moe_norm_route(nullptr, &f, &f, &i, &f, &f, &f, &f, 1, 1, 0, 1, 1e-5f) ==
-              (int)cudaErrorInvalidValue,
+    CHECK(nl_cuda_moe_norm_route(nullptr, &f, &f, &i, &f, &f, &f, &f, nullptr, 0, 1, 1, 0, 1,
+                                 1e-5f) == (int)cudaErrorInvalidValue,
           "moe_norm_route: E 0 accepted");
-    CHECK(nl_cuda_moe_norm_route(nullptr, &f, &f, &i, &f, &f, &f, &f, 1, 1,
+    CHECK(nl_cuda_moe_norm_route(nullptr, &f, &f, &i, &f, &f, &f, &f, nullptr, 1, 1, 1,
                                  NL_BACKEND_MAX_EXPERTS + 1, 1, 1e-5f) ==
               (int)cudaErrorInvalidValue,
           "moe_norm_route: too many experts accepted");
-    CHECK(nl_cuda_moe_norm_route(nullptr, &f, &f, &i, &f, &f, &f, &f, 1, 1, 2, 3, 1e-5f) ==
-              (int)cudaErrorInvalidValue,
+    CHECK(nl_cuda_moe_norm_route(nullptr, &f, &f, &i, &f, &f, &f, &f, nullptr, 0, 1, 1, 2, 3,
+                                 1e-5f) == (int)cudaErrorInvalidValue,
           "moe_norm_route: k > E accepted");
-    CHECK(nl_cuda_moe_gate_up(nullptr, &f, &f, &f, &i, &f, 0, 0, 1, 1, 1) == 0,
+    CHECK(nl_cuda_moe_gate_up(nullptr, &f, &f, &f, &i, &f, nullptr, 1, 0, 0, 1, 1, 1) == 0,
           "moe_gate_up: no rows");
-    CHECK(nl_cuda_moe_down_combine(nullptr, &f, &f, &f, &i, &f, &f, 0, 1, 0, 1, 1) ==
+    CHECK(nl_cuda_moe_down_combine(nullptr, &f, &f, &f, &i, &f, &f, nullptr, 0, 0, 1, 0, 1, 1) ==
               (int)cudaErrorInvalidValue,
           "moe_down_combine: k 0 accepted");
 }

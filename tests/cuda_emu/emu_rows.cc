@@ -219,10 +219,12 @@ struct moe_out {
 };
 
 /* The fused kernels, or the separate ones the way core/model/layer.c and
- * batch.c call them on CUDA, over N rows */
+ * batch.c call them on CUDA, over N rows; bf16: the bf16 backend's
+ * products (bf16 x bf16 in FP32), the weights from their bf16 copy (copy)
+ * or rounded as read */
 moe_out run_moe(bool fused, const std::vector<float> &x0, const std::vector<float> &nw,
                 const std::vector<float> &router, const std::vector<float> &experts, int N, int d,
-                int E, int k, int F)
+                int E, int k, int F, int bf16, bool copy)
 {
     const size_t stride = 3 * (size_t)F * d, nk = (size_t)N * k;
     moe_out o;
@@ -231,45 +233,75 @@ moe_out run_moe(bool fused, const std::vector<float> &x0, const std::vector<floa
     o.choice.assign(nk, -1);
     std::vector<float> xn((size_t)N * d, NAN), w(nk, NAN), hs(nk * F, NAN), gu(nk * 2 * F, NAN);
     std::vector<float> ye(nk * d, NAN), xe(nk * d, NAN);
+    std::vector<uint16_t> r16(router.size()), e16(experts.size());
+    for (size_t i = 0; copy && i < router.size(); i++)
+        r16[i] = nl_elem_to_bf16(router[i]);
+    for (size_t i = 0; copy && i < experts.size(); i++)
+        e16[i] = nl_elem_to_bf16(experts[i]);
+    const uint16_t *rc = copy ? r16.data() : nullptr, *ec = copy ? e16.data() : nullptr;
     const float eps = 1e-5f;
     if (fused) {
         nl_cuda_moe_norm_route(nullptr, xn.data(), o.probs.data(), o.choice.data(), w.data(),
-                               o.x.data(), nw.data(), router.data(), N, d, E, k, eps);
+                               o.x.data(), nw.data(), router.data(), rc, bf16, N, d, E, k, eps);
         nl_cuda_moe_gate_up(nullptr, hs.data(), gu.data(), xn.data(), o.choice.data(),
-                            experts.data(), stride, N, k, d, F);
+                            experts.data(), ec, bf16, stride, N, k, d, F);
         nl_cuda_moe_down_combine(nullptr, o.x.data(), ye.data(), hs.data(), o.choice.data(),
-                                 w.data(), experts.data(), stride, N, k, d, F);
+                                 w.data(), experts.data(), ec, bf16, stride, N, k, d, F);
         return o;
     }
     std::vector<int32_t> off(E + 1), perm(nk), slot(nk);
     nl_cuda_rmsnorm_forward(nullptr, xn.data(), nullptr, o.x.data(), nw.data(), N, d, eps);
-    nl_cuda_gemm_rows(nullptr, 1, N, E, d, xn.data(), d, router.data(), d, 0, o.probs.data(), E,
-                      0);
+    if (rc)
+        nl_cuda_gemm_rows_bf16(nullptr, N, E, d, xn.data(), d, rc, d, 0, o.probs.data(), E);
+    else
+        nl_cuda_gemm_rows(nullptr, 1, N, E, d, xn.data(), d, router.data(), d, 0, o.probs.data(),
+                          E, bf16);
     nl_cuda_softmax_forward(nullptr, o.probs.data(), N, E);
     nl_cuda_moe_route(nullptr, o.choice.data(), w.data(), off.data(), perm.data(), slot.data(),
                       o.probs.data(), N, E, k);
     nl_cuda_gather_rows(nullptr, xe.data(), xn.data(), perm.data(), (int)nk, d);
-    nl_cuda_gemm_grouped_rows(nullptr, 2 * F, d, xe.data(), d, experts.data(), d, stride,
-                              gu.data(), 2 * F, off.data(), E, 0);
+    if (ec)
+        nl_cuda_gemm_grouped_few_bf16(nullptr, 2 * F, d, xe.data(), d, ec, d, stride, gu.data(),
+                                      2 * F, off.data(), E);
+    else
+        nl_cuda_gemm_grouped_rows(nullptr, 2 * F, d, xe.data(), d, experts.data(), d, stride,
+                                  gu.data(), 2 * F, off.data(), E, bf16);
     nl_cuda_swiglu_forward(nullptr, hs.data(), gu.data(), (int)nk, F);
-    nl_cuda_gemm_grouped_rows(nullptr, d, F, hs.data(), F, experts.data() + 2 * (size_t)F * d, F,
-                              stride, ye.data(), d, off.data(), E, 0);
+    if (ec)
+        nl_cuda_gemm_grouped_few_bf16(nullptr, d, F, hs.data(), F, ec + 2 * (size_t)F * d, F,
+                                      stride, ye.data(), d, off.data(), E);
+    else
+        nl_cuda_gemm_grouped_rows(nullptr, d, F, hs.data(), F, experts.data() + 2 * (size_t)F * d,
+                                  F, stride, ye.data(), d, off.data(), E, bf16);
     nl_cuda_moe_combine(nullptr, o.x.data(), ye.data(), slot.data(), w.data(), N, k, d);
     return o;
 }
 
+/* The fused kernels give the separate ones' bits: FP32, and bf16 with the
+ * weights from the copy or rounded as read (either against either) */
 void fused_vs_separate(int N, int d, int E, int k, int F)
 {
-    char what[128];
-    snprintf(what, sizeof what, "fused = separate N %d d %d E %d k %d F %d", N, d, E, k, F);
     const std::vector<float> x = rw_vec((size_t)N * d, 1.0f), nw = rw_vec((size_t)d, 1.0f);
     const std::vector<float> router = rw_vec((size_t)E * d, 1.0f);
     const std::vector<float> experts = rw_vec((size_t)E * 3 * F * d, 0.1f);
-    const moe_out f = run_moe(true, x, nw, router, experts, N, d, E, k, F);
-    const moe_out s = run_moe(false, x, nw, router, experts, N, d, E, k, F);
-    CHECK(f.choice == s.choice, "%s: choices differ", what);
-    CHECK(same_bits(f.probs.data(), s.probs.data(), f.probs.size()), "%s: probs differ", what);
-    CHECK(same_bits(f.x.data(), s.x.data(), f.x.size()), "%s: the layer's output differs", what);
+    for (int m = 0; m < 3; m++) { /* FP32; bf16, the fused from the copy; bf16, the separate */
+        const int bf16 = m > 0;
+        char what[128];
+        snprintf(what, sizeof what, "fused = separate%s N %d d %d E %d k %d F %d",
+                 m == 0 ? "" : m == 1 ? " (bf16, fused from the copy)" : " (bf16, separate from the copy)",
+                 N, d, E, k, F);
+        const moe_out f = run_moe(true, x, nw, router, experts, N, d, E, k, F, bf16, m == 1);
+        const moe_out s = run_moe(false, x, nw, router, experts, N, d, E, k, F, bf16, m == 2);
+        CHECK(f.choice == s.choice, "%s: choices differ", what);
+        CHECK(same_bits(f.probs.data(), s.probs.data(), f.probs.size()), "%s: probs differ", what);
+        CHECK(same_bits(f.x.data(), s.x.data(), f.x.size()), "%s: the layer's output differs",
+              what);
+        if (m == 0)
+            continue;
+        const moe_out f32 = run_moe(true, x, nw, router, experts, N, d, E, k, F, 0, false);
+        CHECK(!same_bits(f.x.data(), f32.x.data(), f.x.size()), "%s: no different from FP32",
+              what);
+    }
 }
 
 /* ---------------------------------------------------------------- a batch on CUDA's kernels */
@@ -341,17 +373,19 @@ void e_norm_route(nl_backend *, float *xn, float *probs, int32_t *choice, float 
                   float eps)
 {
     fused_calls++;
-    EMU_OK(nl_cuda_moe_norm_route(nullptr, xn, probs, choice, w, x, nw, router, N, d, E, k, eps));
+    EMU_OK(nl_cuda_moe_norm_route(nullptr, xn, probs, choice, w, x, nw, router, nullptr, 0, N, d,
+                                  E, k, eps));
 }
 void e_gate_up(nl_backend *, float *hs, float *gu, const float *xn, const int32_t *choice,
                const float *ex, size_t es, int N, int k, int d, int F)
 {
-    EMU_OK(nl_cuda_moe_gate_up(nullptr, hs, gu, xn, choice, ex, es, N, k, d, F));
+    EMU_OK(nl_cuda_moe_gate_up(nullptr, hs, gu, xn, choice, ex, nullptr, 0, es, N, k, d, F));
 }
 void e_down_combine(nl_backend *, float *x, float *ye, const float *hs, const int32_t *choice,
                     const float *w, const float *ex, size_t es, int N, int k, int d, int F)
 {
-    EMU_OK(nl_cuda_moe_down_combine(nullptr, x, ye, hs, choice, w, ex, es, N, k, d, F));
+    EMU_OK(
+        nl_cuda_moe_down_combine(nullptr, x, ye, hs, choice, w, ex, nullptr, 0, es, N, k, d, F));
 }
 
 /* CUDA's slot: the kernel for every row, then one copy of the ids */
