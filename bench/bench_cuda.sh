@@ -72,7 +72,9 @@
 # Environment: OUT, NL_BUILD_DIR, DEVICE (cuda:0), CONFIGS ("bench-large
 # bench-xl"), CPU_CONFIGS (those of CONFIGS also run on the CPU for the
 # speed-up: "bench-large"), DECODE_SPECS (part 2's decode runs beside
-# bench-large FP32: "bench-large:bf16 bench-xl:fp32 bench-xl:bf16"), MIXED_CONFIG (bench-medium), TRAIN_CONFIG (bench-small),
+# bench-large FP32: "bench-large:bf16 bench-xl:fp32 bench-xl:bf16"), DECODE_PROFILE (the
+# precisions of part 2's profiled decode: "fp32 bf16"), DECODE_PROFILE_CONFIG
+# (its config: bench-large), MIXED_CONFIG (bench-medium), TRAIN_CONFIG (bench-small),
 # BENCH_CUDA_ARGS (extra flags of bench_cuda), REPLICAS (the two-replica
 # device list of part 6; default cuda:0,1 where two GPUs answer),
 # REPLICA_JOB (its job's size: "--steps 12 --batch 16 --seq 128
@@ -83,8 +85,8 @@
 # A dry run of the script
 # without a GPU:
 #   DEVICE=cpu-devsim CONFIGS=tiny CPU_CONFIGS=tiny MIXED_CONFIG=tiny TRAIN_CONFIG=tiny \
-#   DECODE_SPECS="tiny:fp32 tiny:bf16" BENCH_CUDA_ARGS="--square 256 --rows 64" NL_BUILD_DIR=build \
-#   bench/bench_cuda.sh
+#   DECODE_SPECS="tiny:fp32 tiny:bf16" DECODE_PROFILE_CONFIG=tiny \
+#   BENCH_CUDA_ARGS="--square 256 --rows 64" NL_BUILD_DIR=build bench/bench_cuda.sh
 # and of part 6 alone on two CPU replicas:
 #   ONLY=6 REPLICAS=cpu,cpu TRAIN_CONFIG=tiny REPLICA_JOB="--steps 6 --batch 8 --seq 64 \
 #   --microbatches 4" NL_BUILD_DIR=build bench/bench_cuda.sh
@@ -96,6 +98,8 @@ DEVICE=${DEVICE:-cuda:0}
 CONFIGS=${CONFIGS:-bench-large bench-xl}
 CPU_CONFIGS=${CPU_CONFIGS:-bench-large}
 DECODE_SPECS=${DECODE_SPECS-bench-large:bf16 bench-xl:fp32 bench-xl:bf16}
+DECODE_PROFILE=${DECODE_PROFILE-fp32 bf16}
+DECODE_PROFILE_CONFIG=${DECODE_PROFILE_CONFIG:-bench-large}
 MIXED_CONFIG=${MIXED_CONFIG:-bench-medium}
 TRAIN_CONFIG=${TRAIN_CONFIG:-bench-small}
 read -r -a BENCH_CUDA_ARGS <<<"${BENCH_CUDA_ARGS:-}"
@@ -406,6 +410,19 @@ for m in bad:
 sys.exit(1 if bad else 0)
 PY
 result decode_bound $? "$(tr '\n' ';' <"$OUT/decode_bound.txt" | head -c 900)"
+# where a decode token's time goes (the H200 run: about 0.9 ms a token on
+# bench-large in FP32 and bf16 alike, far from the memory bound): the same
+# decode-only run with NL_CUDA_PROFILE=1 (every slot waited for, so no
+# recorded steps: each launch shows), in DECODE_PROFILE's precisions; the
+# slots' shares, the largest first, in decode_profile_P.txt
+for prec in $DECODE_PROFILE; do
+    step "decode_profile_$prec" 300 env NL_CUDA_PROFILE=1 "$BUILD/bench/bench_cuda" --device "$DEVICE" \
+        --config "$SRC/configs/$DECODE_PROFILE_CONFIG.yaml" --precision "$prec" --decode-only \
+        --decode-tokens 32 "${BENCH_CUDA_ARGS[@]}"
+    rc=$?
+    grep -ho "NL_CUDA_PROFILE: .*\|profile .*" "$OUT/decode_profile_$prec.err" >"$OUT/decode_profile_$prec.txt"
+    result "decode_profile_$prec" $rc "$(head -7 "$OUT/decode_profile_$prec.txt" | tr -s ' ' | tr '\n' ';')"
+done
 
 fi # part 2
 

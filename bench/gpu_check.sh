@@ -30,8 +30,10 @@
 #      routing, recorded steps, fused slots, bf16 KV cache, batched decode,
 #      top-p sampled on the device against the host, the sampling slot
 #      alone)
-#      on bench-large FP32, and batch-1 decode of each DECODE_SPECS against
-#      the memory bound (the fraction of it, host syncs per token);
+#      on bench-large FP32, batch-1 decode of each DECODE_SPECS against
+#      the memory bound (the fraction of it, host syncs per token), and
+#      bench-large's decode with NL_CUDA_PROFILE=1 in FP32 and bf16 (each
+#      slot's share of a token: decode_profile_fp32, decode_profile_bf16);
 #   f. bench/bench_serve.sh: `neuroctl serve --device DEVICE --precision
 #      bf16` on SERVE_CONFIG with SERVE_CLIENTS concurrent streaming clients
 #      (aggregate tokens/s, p99 time to first token, the speed-up of the
@@ -48,11 +50,13 @@
 #      2-stage split (forward, greedy decode, 20 training steps against
 #      cpu + cpu), last, with what is left of the budget.
 # Issue 28's five-minute check (the self-test and the comparison with
-# transformers) is ONLY="b c g". All steps take about 11 minutes on an
-# H100 (estimated): with the default BUDGET_S (540) the last ones are cut
-# or skipped, so a call of ten minutes returns its logs. Two calls of
-# about 5 and 6 minutes (BUDGET_S=330 each) run them all: ONLY="a b c d",
-# then ONLY="e f g h" with another OUT.
+# transformers) is ONLY="b c g". On an H200 (2026-11-28) steps a to d
+# took 152 s and e to g 266 s (h was left out: the budget), with the
+# profiled decode of step e since about a minute more: with the default
+# BUDGET_S (540) the last ones are cut or skipped, so a call of ten minutes
+# returns its logs. Two calls (BUDGET_S=330 each) run them all:
+# ONLY="a b c d", then ONLY="e f g h" with another OUT; tar the OUTs into
+# one archive (a run's output folder comes back as a few files only).
 # It never builds: the binaries must be at NL_BUILD_DIR (as `bash .gpu/run.sh
 # bench/gpu_check.sh` sets it in the unpacked tree of ../shared/tools/
 # gpu-pack.sh), else it exits 2. Models and checkpoints go to a scratch
@@ -64,7 +68,7 @@
 #   BENCH_SPECS ("bench-large:256 bench-large:1024 bench-xl:1024"),
 #   PRECISIONS (bf16; "bf16 fp32" for both), PROFILE_SPEC (bench-large:1024), DECODE_SPECS
 #   ("bench-large:bf16 bench-xl:fp32 bench-xl:bf16"; bench_cuda.sh's),
-#   DECODE_LIMIT_S (150: step e's limit), SERVE_CONFIG (bench-large),
+#   DECODE_LIMIT_S (210: step e's limit), SERVE_CONFIG (bench-large),
 #   SERVE_CLIENTS ("1 16 64"), SERVE_TOKENS (64), HF_DEVICE (cuda),
 #   HF_COMPILE_SPECS ("bench-large:1024 bench-large:16"), HF_NEW_TOKENS
 #   (64), HF_ITERS (3), HF_LIMIT_S (210: step g's limit), MIXED_CONFIG
@@ -72,7 +76,8 @@
 #   PYTHON (python3), ONLY (steps a..h, e.g. "a b").
 # A dry run without a GPU (cpu-devsim; hf_mixtral_bench.py SKIPs without torch):
 #   DEVICE=cpu-devsim BENCH_SPECS="tiny:32" BATCH=2 PROFILE_SPEC=tiny:32 \
-#   DECODE_SPECS="tiny:fp32 tiny:bf16" BENCH_CUDA_ARGS="--square 256 --rows 64 --decode-tokens 16" \
+#   DECODE_SPECS="tiny:fp32 tiny:bf16" DECODE_PROFILE_CONFIG=tiny \
+#   BENCH_CUDA_ARGS="--square 256 --rows 64 --decode-tokens 16" \
 #   SERVE_CONFIG=tiny SERVE_CLIENTS="1 4" \
 #   HF_DEVICE=cpu HF_COMPILE_SPECS= MIXED_CONFIG=tiny TRAIN_CONFIG=tiny \
 #   NL_BUILD_DIR=build bench/gpu_check.sh
@@ -281,12 +286,16 @@ fi
 
 # ---------------------------------------------------------------- e. decode
 if want e; then
-    run decode "${DECODE_LIMIT_S:-150}" 40 env ONLY=2 NO_BUILD=1 OUT="$OUT/bench_cuda_decode" NL_BUILD_DIR="$BUILD" \
+    run decode "${DECODE_LIMIT_S:-210}" 40 env ONLY=2 NO_BUILD=1 OUT="$OUT/bench_cuda_decode" NL_BUILD_DIR="$BUILD" \
         DEVICE="$DEVICE" DECODE_SPECS="$DECODE_SPECS" bash "$SRC/bench/bench_cuda.sh" && true
     [ "$RC" -ne 125 ] && verdict decode "$(grep -hv '^$' "$OUT/bench_cuda_decode/decode_routing.txt" \
         "$OUT/bench_cuda_decode/decode_graphs.txt" "$OUT/bench_cuda_decode/decode_bound.txt" \
         "$OUT/bench_cuda_decode/decode_batch.txt" "$OUT/bench_cuda_decode/decode_top_p.txt" \
         "$OUT/bench_cuda_decode/sample.txt" 2>/dev/null | tr '\n' ';' | head -c 2400)"
+    # the profiled decode's largest slots, a line per precision
+    for f in "$OUT"/bench_cuda_decode/decode_profile_*.txt; do
+        [ -s "$f" ] && line PASS "$(basename "$f" .txt)" "$(head -7 "$f" | tr -s ' ' | tr '\n' ';')"
+    done
 fi
 
 # ---------------------------------------------------------------- f. serve
