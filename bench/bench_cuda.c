@@ -374,9 +374,11 @@ int main(int argc, char **argv)
          "the decode split and its memory bound only (no GEMM, memory-bound or batched decode "
          "parts)",
          NULL},
+        {"decode-batch", 0, "with --decode-only: the batched decode part too", NULL},
         {0}};
     const char *usage = "bench_cuda [--config CFG.yaml] [--rows N] [--device cuda:N] [--square M] "
-                        "[--decode-tokens N] [--precision fp32|bf16] [--decode-only]";
+                        "[--decode-tokens N] [--precision fp32|bf16] [--decode-only "
+                        "[--decode-batch]]";
     int rc = nl_args_parse(argc, argv, flags, usage, NULL, 0, NULL);
     if (rc)
         return rc == 1 ? 0 : rc;
@@ -390,6 +392,7 @@ int main(int argc, char **argv)
     device = device ? device : "cuda:0";
     const char *prec = nl_args_get(flags, "precision");
     const int decode_only = nl_args_get(flags, "decode-only") != NULL;
+    const int decode_batch = !decode_only || nl_args_get(flags, "decode-batch") != NULL;
     if (prec && strcmp(prec, "fp32") != 0 && strcmp(prec, "bf16") != 0) {
         fprintf(stderr, "bench_cuda: --precision %s: not fp32 or bf16\n", prec);
         return 2;
@@ -487,7 +490,7 @@ int main(int argc, char **argv)
                     nl_status_str(err.status));
             goto out;
         }
-        if (decode_report(bd ? bd : be, device, &dec_opts, &cf, dtok, !decode_only, &err) != 0) {
+        if (decode_report(bd ? bd : be, device, &dec_opts, &cf, dtok, decode_batch, &err) != 0) {
             printf("\n}\n");
             fprintf(stderr, "bench_cuda: decode: %s (%s)\n", err.msg, nl_status_str(err.status));
             goto out;

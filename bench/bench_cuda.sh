@@ -73,7 +73,8 @@
 # bench-xl"), CPU_CONFIGS (those of CONFIGS also run on the CPU for the
 # speed-up: "bench-large"), DECODE_SPECS (part 2's decode runs beside
 # bench-large FP32: "bench-large:bf16 bench-xl:fp32 bench-xl:bf16"), DECODE_PROFILE (the
-# precisions of part 2's profiled decode: "fp32 bf16"), DECODE_PROFILE_CONFIG
+# precisions of part 2's profiled decode, -batch: with the batched decode:
+# "fp32 bf16 fp32-batch"), DECODE_PROFILE_CONFIG
 # (its config: bench-large), MIXED_CONFIG (bench-medium), TRAIN_CONFIG (bench-small),
 # BENCH_CUDA_ARGS (extra flags of bench_cuda), REPLICAS (the two-replica
 # device list of part 6; default cuda:0,1 where two GPUs answer),
@@ -98,7 +99,7 @@ DEVICE=${DEVICE:-cuda:0}
 CONFIGS=${CONFIGS:-bench-large bench-xl}
 CPU_CONFIGS=${CPU_CONFIGS:-bench-large}
 DECODE_SPECS=${DECODE_SPECS-bench-large:bf16 bench-xl:fp32 bench-xl:bf16}
-DECODE_PROFILE=${DECODE_PROFILE-fp32 bf16}
+DECODE_PROFILE=${DECODE_PROFILE-fp32 bf16 fp32-batch}
 DECODE_PROFILE_CONFIG=${DECODE_PROFILE_CONFIG:-bench-large}
 MIXED_CONFIG=${MIXED_CONFIG:-bench-medium}
 TRAIN_CONFIG=${TRAIN_CONFIG:-bench-small}
@@ -413,15 +414,19 @@ result decode_bound $? "$(tr '\n' ';' <"$OUT/decode_bound.txt" | head -c 900)"
 # where a decode token's time goes (the H200 run: about 0.9 ms a token on
 # bench-large in FP32 and bf16 alike, far from the memory bound): the same
 # decode-only run with NL_CUDA_PROFILE=1 (every slot waited for, so no
-# recorded steps: each launch shows), in DECODE_PROFILE's precisions; the
-# slots' shares, the largest first, in decode_profile_P.txt
-for prec in $DECODE_PROFILE; do
-    step "decode_profile_$prec" 300 env NL_CUDA_PROFILE=1 "$BUILD/bench/bench_cuda" --device "$DEVICE" \
+# recorded steps: each launch shows), in DECODE_PROFILE's precisions, the
+# last with the batched decode of 1, 4 and 16 sessions too (16 cost 8x one
+# a step on the H200); the slots' shares, the largest first, in
+# decode_profile_SPEC.txt
+for spec in $DECODE_PROFILE; do # PRECISION, or PRECISION-batch: with the batched decode
+    prec=${spec%-batch} batch=()
+    [ "$prec" != "$spec" ] && batch=(--decode-batch)
+    step "decode_profile_$spec" 300 env NL_CUDA_PROFILE=1 "$BUILD/bench/bench_cuda" --device "$DEVICE" \
         --config "$SRC/configs/$DECODE_PROFILE_CONFIG.yaml" --precision "$prec" --decode-only \
-        --decode-tokens 32 "${BENCH_CUDA_ARGS[@]}"
+        "${batch[@]}" --decode-tokens 32 "${BENCH_CUDA_ARGS[@]}"
     rc=$?
-    grep -ho "NL_CUDA_PROFILE: .*\|profile .*" "$OUT/decode_profile_$prec.err" >"$OUT/decode_profile_$prec.txt"
-    result "decode_profile_$prec" $rc "$(head -7 "$OUT/decode_profile_$prec.txt" | tr -s ' ' | tr '\n' ';')"
+    grep -ho "NL_CUDA_PROFILE: .*\|profile .*" "$OUT/decode_profile_$spec.err" >"$OUT/decode_profile_$spec.txt"
+    result "decode_profile_$spec" $rc "$(head -7 "$OUT/decode_profile_$spec.txt" | tr -s ' ' | tr '\n' ';')"
 done
 
 fi # part 2
