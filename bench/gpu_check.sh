@@ -32,8 +32,9 @@
 #      alone)
 #      on bench-large FP32, batch-1 decode of each DECODE_SPECS against
 #      the memory bound (the fraction of it, host syncs per token), and
-#      bench-large's decode with NL_CUDA_PROFILE=1 in FP32 and bf16 (each
-#      slot's share of a token: decode_profile_fp32, decode_profile_bf16);
+#      bench-large's decode with NL_CUDA_PROFILE=1 in FP32, in bf16 and in
+#      FP32 with the batched decode (the decode backend's slots, largest
+#      first: decode_profile_fp32, _bf16, _fp32-batch);
 #   f. bench/bench_serve.sh: `neuroctl serve --device DEVICE --precision
 #      bf16` on SERVE_CONFIG with SERVE_CLIENTS concurrent streaming clients
 #      (aggregate tokens/s, p99 time to first token, the speed-up of the

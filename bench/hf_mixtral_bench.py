@@ -59,6 +59,7 @@ says why), 2 usage, 77 torch or transformers is not installed (the message
 says which).
 """
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -270,6 +271,7 @@ def decode_setup(model, torch, mode, fullgraph):
             model._eager_forward = model.forward
         compiled = torch.compile(model._eager_forward, mode="reduce-overhead", fullgraph=fullgraph)
 
+        @functools.wraps(model._eager_forward)  # generate reads the signature (logits_to_keep)
         def forward(*a, **k):
             # reduce-overhead replays CUDA graphs whose outputs the next replay
             # overwrites, and generate reads a step's logits after the next step

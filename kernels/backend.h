@@ -363,10 +363,10 @@ struct nl_backend {
      * takes them below NL_BACKEND_FUSED_ROWS): no dispatch, each (token,
      * choice) reads its expert's weights directly. Each row's result
      * depends on that row alone, for any N. Where the backend has
-     * gemm_rows (the CPU and CUDA with FP32 GEMMs) they give the separate
-     * calls' bits with the products through gemm_rows and
-     * gemm_grouped_rows, the way core/model/batch.c makes them (CUDA
-     * leaves them NULL in bf16 mode).
+     * gemm_rows (the CPU with FP32 GEMMs, CUDA in FP32 and bf16) they give
+     * the separate calls' bits with the products through gemm_rows and
+     * gemm_grouped_rows, the way core/model/batch.c makes them (CUDA in
+     * bf16: bf16 x bf16 products from the weights' bf16 copies, as there).
      * moe_norm_route: xn = rmsnorm(x, norm_w, eps) (N, d), probs =
      *   softmax(xn router^T) (N, E), and choice, w (N k) as moe_route
      *   writes them (no dispatch tables, no aux loss). E <=

@@ -1,5 +1,6 @@
 /* The batched decoder (core/model/batch.c): its logits follow nl_forward's with
- * the KV cache; 16 seeded sampled generations run together, with chunked
+ * the KV cache; 16 seeded sampled generations run together (7 where a step
+ * of 16 rows leaves gemm_rows: test_alone_vs_together), with chunked
  * prefill interleaved, give the ids each gives alone; a model split in
  * two stages (hidden states from one batch into the next) gives the
  * whole model's logits bit for bit; the embedding is the L2-normalised

@@ -151,8 +151,8 @@ nl_status nl_batch_new(nl_batch **out, nl_model *m, int max_rows, nl_error *err)
     if (be->gemm_grouped_rows)
         b->pad.be.gemm_grouped = pad_grouped;
     /* the fused decode slots compute a row as gemm_rows (and
-     * gemm_grouped_rows) do where the backend has it (the CPU, CUDA in
-     * FP32); elsewhere their bits differ from the padded GEMMs', and a
+     * gemm_grouped_rows) do where the backend has it (the CPU in FP32,
+     * CUDA in FP32 and bf16); elsewhere their bits differ from the padded GEMMs', and a
      * row's would depend on whether the batch has fewer than
      * NL_BACKEND_FUSED_ROWS rows */
     if (!be->gemm_rows) {
