@@ -220,18 +220,23 @@ int check_pump(int ok, const char *what)
     return ok;
 }
 
-/* The status JSON the coordinator answers f's query with (malloc'd). */
-char *fake_status_text(fake *f)
+int fake_query_status(fake *f, nl_rx *rx)
 {
     nl_wire_msg m;
-    nl_rx rx;
-    nl_rx_init(&rx);
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_QUERY);
     m.u.job_ref.job_id = 0;
     fake_send(f, &m);
+    return pump_until(f, NL_MSG_JOB_STATUS, rx);
+}
+
+/* The status JSON the coordinator answers f's query with (malloc'd). */
+char *fake_status_text(fake *f)
+{
+    nl_rx rx;
+    nl_rx_init(&rx);
     char *text = NULL;
-    if (pump_until(f, NL_MSG_JOB_STATUS, &rx) && rx.msg.nframes == 1) {
+    if (fake_query_status(f, &rx) && rx.msg.nframes == 1) {
         const size_t n = (size_t)rx.msg.frames[0].t.shape[0];
         if ((text = malloc(n + 1))) {
             memcpy(text, rx.msg.frames[0].t.data, n);

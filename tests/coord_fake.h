@@ -66,6 +66,9 @@ void join(fake *f, double gflops);
 int join_for(fake *f, double gflops, double seconds);
 /* f's JOIN, sent (the answer is the caller's to read). */
 void fake_send_join(fake *f, double gflops);
+/* f's query of the cluster's status (JOB_QUERY of job 0), sent, and the
+ * JOB_STATUS answer into rx: 1, or 0 when none came. */
+int fake_query_status(fake *f, nl_rx *rx);
 /* The status JSON the coordinator answers f's query with (malloc'd), or
  * NULL. */
 char *fake_status_text(fake *f);

@@ -258,15 +258,10 @@ static void test_generate_bounds(void)
 /* A query to the coordinator is answered (the loop is not blocked). */
 static int answers_query(void)
 {
-    nl_wire_msg m;
     nl_rx rx;
     nl_rx_init(&rx);
-    nl_wire_msg_init(&m);
-    nl_wire_msg_reset(&m, NL_MSG_JOB_QUERY);
-    m.u.job_ref.job_id = 0;
-    fake_send(&client, &m);
-    int ok = pump_until(&client, NL_MSG_JOB_STATUS, &rx) && rx.msg.u.job_status.job_id == 0 &&
-             rx.msg.nframes == 1;
+    int ok =
+        fake_query_status(&client, &rx) && rx.msg.u.job_status.job_id == 0 && rx.msg.nframes == 1;
     nl_rx_free(&rx);
     return ok;
 }
