@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The scripted GPU run of issues 13 and 14, in one go, so it can be run again
 # on any machine with an NVIDIA GPU:
-#   0. test_ops, test_ops_train cuda:0 (every slot against naive loops; again with
+#   0. test_ops, test_ops_moe, test_ops_train cuda:0 (every slot against naive loops; again with
 #      CUDA_LAUNCH_BLOCKING=1, so a fault is reported by the op that made it);
 #   1. neuroctl selftest --device cuda:0 (FP32, then --tf32): every CUDA slot
 #      against the CPU backend (with the model variants' GeGLU, YaRN RoPE and
@@ -219,6 +219,8 @@ step test_ops 600 "$BUILD/tests/test_ops" "$DEVICE"
 result test_ops $? "$(tail -1 "$OUT/test_ops.out")"
 step test_ops_blocking 600 env CUDA_LAUNCH_BLOCKING=1 "$BUILD/tests/test_ops" "$DEVICE"
 result test_ops_blocking $? "$(tail -1 "$OUT/test_ops_blocking.out")"
+step test_ops_moe 600 "$BUILD/tests/test_ops_moe" "$DEVICE"
+result test_ops_moe $? "$(tail -1 "$OUT/test_ops_moe.out")"
 step test_ops_train 600 "$BUILD/tests/test_ops_train" "$DEVICE"
 result test_ops_train $? "$(tail -1 "$OUT/test_ops_train.out")"
 step test_ops_train_blocking 600 env CUDA_LAUNCH_BLOCKING=1 "$BUILD/tests/test_ops_train" "$DEVICE"

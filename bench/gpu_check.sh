@@ -4,7 +4,8 @@
 # `timeout` (and skipped once the run's budget is spent), each step's output
 # in OUT/NAME.log, one line per step in OUT/summary.txt:
 #   PASS|FAIL|SKIP  NAME  figures or why
-#   a. test_ops, test_ops_train on DEVICE (every slot against naive loops);
+#   a. test_ops, test_ops_moe, test_ops_train on DEVICE (every slot against
+#      naive loops; test_ops_moe the fused decode slots in bf16 too);
 #      test_graphs on DEVICE (decode steps replayed from CUDA graphs give
 #      the ids and logits of every op launched; captured again after a
 #      growth and a reload); test_batch on DEVICE (a session's ids and
@@ -108,7 +109,7 @@ TRAIN_CONFIG=${TRAIN_CONFIG:-tiny}
 PY=${PYTHON:-python3}
 NEUROCTL="$BUILD/cli/neuroctl"
 
-for f in "$NEUROCTL" "$BUILD/tests/test_ops" "$BUILD/tests/test_ops_train"; do
+for f in "$NEUROCTL" "$BUILD/tests/test_ops" "$BUILD/tests/test_ops_moe" "$BUILD/tests/test_ops_train"; do
     if [ ! -x "$f" ]; then
         echo "gpu_check.sh: $f is missing: build first (this script never builds), or set NL_BUILD_DIR" >&2
         exit 2
@@ -166,7 +167,7 @@ verdict() { # NAME FIGURES: PASS or FAIL from RC (124: cut)
 
 # ---------------------------------------------------------------- a. op tests
 if want a; then
-    for t in test_ops test_ops_train; do
+    for t in test_ops test_ops_moe test_ops_train; do
         run "$t" 120 20 "$BUILD/tests/$t" "$DEVICE" && true
         [ "$RC" -ne 125 ] && verdict "$t" "$(tail -1 "$OUT/$t.log")"
     done
