@@ -5,12 +5,15 @@
  * token; and it is recorded again after the model grows (same nl_model,
  * new buffers) and after a reload (another model behind the same runstate
  * and cache), where a replay of the old recording would compute with the
- * old weights; keys taking turns stop the recording. On a backend
+ * old weights; weights written in place (same buffers) are read by the
+ * replays that follow, without a new recording; keys taking turns stop
+ * the recording. On a backend
  * without graph slots (the CPU) the same runs must record nothing. The
  * devsim backend's recording refuses a slot that waits for the device.
  * The batched decoder (core/model/batch.h) likewise: three sessions decoded in
  * one batch give the same ids and logits with and without recordings,
- * one recording per membership (a session leaving records again). Run on
+ * one recording per membership (a session leaving records again). All of
+ * it in FP32, then on the device's bf16 backend with bf16 caches. Run on
  * cpu and on cpu-devsim (NL_TEST_DEVICE). */
 #include "core/grow/grow.h"
 #include "core/model/batch.h"
@@ -23,6 +26,11 @@
 #include <string.h>
 
 enum { STEPS = 256, PROMPT = 3, AFTER = 64 /* steps decoded after a growth or a reload */ };
+
+/* The suite runs twice: on the FP32 backend with FP32 caches, then on the
+ * same device's bf16 backend (GEMMs from the weights' bf16 copies) with
+ * bf16 caches. */
+static nl_kv_dtype kv_kind = NL_KV_FP32;
 
 static nl_config test_config(void)
 {
@@ -149,7 +157,7 @@ static void test_same_ids(nl_backend *be, nl_model *m)
             nl_runstate *rs = NULL;
             nl_kvcache *kv = NULL;
             CHECK_OK(nl_runstate_new(&rs, m, B * PROMPT, &err), &err);
-            CHECK_OK(nl_kvcache_new(&kv, m, B, STEPS + PROMPT, NL_KV_FP32, &err), &err);
+            CHECK_OK(nl_kvcache_new(&kv, m, B, STEPS + PROMPT, kv_kind, &err), &err);
             decode_run r = modes[k];
             r.graphs = g == 0;
             if (rs && kv && ids[g] && last[g])
@@ -186,7 +194,7 @@ static void reference(nl_model *m, const decode_run *r, int steps, int32_t *ids)
     nl_runstate *rs = NULL;
     nl_kvcache *kv = NULL;
     CHECK_OK(nl_runstate_new(&rs, m, r->B * PROMPT, &err), &err);
-    CHECK_OK(nl_kvcache_new(&kv, m, r->B, STEPS + PROMPT, NL_KV_FP32, &err), &err);
+    CHECK_OK(nl_kvcache_new(&kv, m, r->B, STEPS + PROMPT, kv_kind, &err), &err);
     decode_run off = *r;
     off.graphs = 0;
     if (rs && kv)
@@ -208,7 +216,7 @@ static void test_reload(nl_backend *be, const nl_config *c, nl_model *a)
     nl_kvcache *kv = NULL;
     int32_t ids_a[16], ids_b[AFTER], ref_b[AFTER];
     CHECK_OK(nl_runstate_new(&rs, a, PROMPT, &err), &err);
-    CHECK_OK(nl_kvcache_new(&kv, a, 1, STEPS + PROMPT, NL_KV_FP32, &err), &err);
+    CHECK_OK(nl_kvcache_new(&kv, a, 1, STEPS + PROMPT, kv_kind, &err), &err);
     if (!b || !rs || !kv)
         goto out;
     decode(a, rs, kv, &r, 16, ids_a, NULL);
@@ -228,6 +236,48 @@ out:
     nl_model_destroy(&b);
 }
 
+/* Weights written in place (the same buffers and generation: a load into
+ * a model's buffers, as a stage's LAYER_LOAD of the same shapes): the
+ * recording is replayed, not made again, and reads the new weights (in
+ * bf16 mode their copies, which the backend makes again before the
+ * replay: a replay that read the old copies gives the old ids). */
+static void test_in_place(nl_backend *be, const nl_config *c)
+{
+    nl_error err = {0};
+    const int has = be->graph_begin != NULL;
+    const decode_run r = {1, 0.0f, 5, 1};
+    nl_model *m = make_model(be, c, 2468);
+    nl_runstate *rs = NULL;
+    nl_kvcache *kv = NULL;
+    int32_t ids_a[16], ids_b[AFTER], ref_b[AFTER];
+    if (m) {
+        CHECK_OK(nl_runstate_new(&rs, m, PROMPT, &err), &err);
+        CHECK_OK(nl_kvcache_new(&kv, m, 1, STEPS + PROMPT, kv_kind, &err), &err);
+    }
+    if (!m || !rs || !kv)
+        goto out;
+    decode(m, rs, kv, &r, 16, ids_a, NULL);
+    const nl_runstate_graph_stats before = nl_runstate_graphs(rs);
+    const uint64_t gen = m->generation;
+    fill_weights(m, 1357);
+    CHECK(m->generation == gen, "new weights in place change the generation");
+    decode(m, rs, kv, &r, AFTER, ids_b, NULL);
+    const nl_runstate_graph_stats after = nl_runstate_graphs(rs);
+    reference(m, &r, AFTER, ref_b);
+    const int d = first_diff(ids_b, ref_b, AFTER);
+    CHECK(d < 0, "in place: ids differ from a decode without graphs from step %d", d);
+    CHECK(first_diff(ids_a, ref_b, 16) >= 0, "in place: the two weights give the same ids");
+    CHECK(after.captures == before.captures &&
+              after.replays == before.replays + (uint64_t)(has * (AFTER - 1)),
+          "in place: recordings %llu then %llu, replays %llu then %llu (graph slots: %d)",
+          (unsigned long long)before.captures, (unsigned long long)after.captures,
+          (unsigned long long)before.replays, (unsigned long long)after.replays, has);
+out:
+    nl_kvcache_destroy(&kv);
+    nl_runstate_destroy(&rs);
+    nl_model_destroy(&m);
+}
+
 /* Growth in place: the same nl_model gains a layer (new buffers, new
  * generation); the runstate stays (its sizes do not depend on depth), the
  * cache is made for the new depth. */
@@ -241,7 +291,7 @@ static void test_growth(nl_backend *be, const nl_config *c)
     nl_kvcache *kv = NULL;
     int32_t ids[2 * AFTER], ref[2 * AFTER];
     CHECK_OK(nl_runstate_new(&rs, m, 2 * PROMPT, &err), &err);
-    CHECK_OK(nl_kvcache_new(&kv, m, 2, STEPS + PROMPT, NL_KV_FP32, &err), &err);
+    CHECK_OK(nl_kvcache_new(&kv, m, 2, STEPS + PROMPT, kv_kind, &err), &err);
     if (!m || !rs || !kv)
         goto out;
     decode(m, rs, kv, &r, 16, ids, NULL);
@@ -254,7 +304,7 @@ static void test_growth(nl_backend *be, const nl_config *c)
      * old buffers and give other ids */
     fill_weights(m, 8765);
     nl_kvcache_destroy(&kv);
-    CHECK_OK(nl_kvcache_new(&kv, m, 2, STEPS + PROMPT, NL_KV_FP32, &err), &err);
+    CHECK_OK(nl_kvcache_new(&kv, m, 2, STEPS + PROMPT, kv_kind, &err), &err);
     if (!kv)
         goto out;
     decode(m, rs, kv, &r, AFTER, ids, NULL);
@@ -284,7 +334,7 @@ static void test_thrash(nl_backend *be, nl_model *m)
     int32_t tok[PROMPT] = {5, 17, 200};
     CHECK_OK(nl_runstate_new(&rs, m, PROMPT, &err), &err);
     for (int i = 0; i < CACHES; i++)
-        CHECK_OK(nl_kvcache_new(&kv[i], m, 1, PROMPT + ROUNDS, NL_KV_FP32, &err), &err);
+        CHECK_OK(nl_kvcache_new(&kv[i], m, 1, PROMPT + ROUNDS, kv_kind, &err), &err);
     for (int r = -1; rs && r < ROUNDS; r++)
         for (int i = 0; i < CACHES && kv[i]; i++) {
             nl_forward_args a = {.B = 1, .T = r < 0 ? PROMPT : 1, .tokens = tok, .kv = kv[i]};
@@ -334,7 +384,7 @@ static void batch_decode(nl_model *m, int graphs, int steps, int32_t *ids, float
     nl_batch_seg segs[S];
     CHECK_OK(nl_batch_new(&b, m, S * PROMPT, &err), &err);
     for (int i = 0; i < S; i++)
-        CHECK_OK(nl_kvcache_new(&kv[i], m, 1, steps + PROMPT, NL_KV_FP32, &err), &err);
+        CHECK_OK(nl_kvcache_new(&kv[i], m, 1, steps + PROMPT, kv_kind, &err), &err);
     if (!b || !kv[S - 1])
         goto out;
     nl_batch_set_graphs(b, graphs);
@@ -399,13 +449,11 @@ out:
     free(last[1]);
 }
 
-int main(void)
+static void suite(nl_backend *be)
 {
-    nl_error err = {0};
-    nl_backend *be = NULL;
-    CHECK_OK(check_backend_new(&be, 2, &err), &err);
-    if (!be)
-        return check_done("test_graphs");
+    printf("test_graphs: %s, %s, %s caches, graph slots: %s\n", be->name,
+           be->bf16 ? "bf16" : "FP32", kv_kind == NL_KV_BF16 ? "bf16" : "FP32",
+           be->graph_begin ? "yes" : "no");
     const nl_config c = test_config();
     nl_model *m = make_model(be, &c, 1234);
     if (m) {
@@ -414,9 +462,35 @@ int main(void)
         test_thrash(be, m);
         test_batch_graphs(be, m);
     }
+    test_in_place(be, &c);
     test_growth(be, &c);
     test_refused(be);
     nl_model_destroy(&m);
+}
+
+int main(void)
+{
+    nl_error err = {0};
+    nl_backend *be = NULL;
+    CHECK_OK(check_backend_new(&be, 2, &err), &err);
+    if (!be)
+        return check_done("test_graphs");
+    suite(be);
     nl_backend_destroy(&be);
+    /* the same device in bf16, where it computes in bf16 (the CPU needs
+     * AVX512-BF16 or AMX, CUDA compute capability 8.0) */
+    nl_backend *b16 = NULL;
+    const nl_status st =
+        nl_backend_new(&b16, check_device(), &(nl_backend_opts){.threads = 2, .bf16 = 1}, &err);
+    if (st == NL_ERR_UNSUPPORTED) {
+        printf("test_graphs: %s has no bf16 mode (%s): the bf16 suite did not run\n",
+               check_device(), err.msg);
+    } else {
+        CHECK_OK(st, &err);
+        kv_kind = NL_KV_BF16;
+        if (b16)
+            suite(b16);
+        nl_backend_destroy(&b16);
+    }
     return check_done("test_graphs");
 }

@@ -403,8 +403,11 @@ void gemm_bf16(cuda_ctx *c, int ta, int tb, int M, int N, int K, float alpha, co
 nl_status cu_bf16_weights(nl_backend *be, const float *p, size_t n, nl_error *err)
 {
     cuda_ctx *c = enter_slot(be, __func__);
+    if (refused_in_capture(c, "bf16_weights"))
+        return nl_error_set(err, NL_ERR_UNSUPPORTED, "%s: bf16 weights while capturing", c->name);
     nl_cuda_bf16_range *r = nl_cuda_bf16_find_base(&c->w, p);
-    if (r) { /* forget (n == 0) or size again */
+    c->w.epoch++; /* recordings that read the old copies are not replayed */
+    if (r) {      /* forget (n == 0) or size again */
         be->free(be, r->copy);
         memset(r, 0, sizeof *r);
     }

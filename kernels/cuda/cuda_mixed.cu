@@ -170,13 +170,31 @@ extern "C" const uint16_t *nl_cuda_bf16_weight_operand(nl_cuda_bf16_table *t, vo
     nl_cuda_bf16_range *r = nl_cuda_bf16_inside(t, x, extent);
     if (!r)
         return NULL;
-    if (r->stale) {
+    if (r->stale && t->capturing) {
+        t->stale_in_capture = 1; /* the capture fails; the range stays stale */
+    } else if (r->stale) {
         *rc = nl_cuda_to_bf16(stream, r->copy, r->base, r->n);
         if (*rc != 0)
             return NULL;
         r->stale = 0;
     }
     return r->copy + (x - r->base);
+}
+
+extern "C" int nl_cuda_bf16_refresh(nl_cuda_bf16_table *t, void *stream)
+{
+    if (t->capturing)
+        return (int)cudaErrorStreamCaptureUnsupported;
+    for (int i = 0; i < NL_CUDA_BF16_RANGES; i++) {
+        nl_cuda_bf16_range *r = &t->r[i];
+        if (!r->base || !r->stale)
+            continue;
+        const int rc = nl_cuda_to_bf16(stream, r->copy, r->base, r->n);
+        if (rc != 0)
+            return rc;
+        r->stale = 0;
+    }
+    return 0;
 }
 
 /* ---------------------------------------------------------------- launchers */

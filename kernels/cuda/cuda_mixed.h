@@ -39,8 +39,23 @@ typedef struct nl_cuda_bf16_range {
     int stale;         /* 1: copy must be made again before it is read */
 } nl_cuda_bf16_range;
 
+/* A captured step (CUDA graph) reads the copies as they are when it is
+ * replayed, not when it was recorded: the backend makes every stale copy
+ * again before it begins a capture and before each replay
+ * (nl_cuda_bf16_refresh), so a write in place between replays (a load, an
+ * upload; AdamW keeps a fresh copy fresh itself) is read by the next one.
+ * `capturing` is set meanwhile: a read of a stale range then converts
+ * nothing (a conversion recorded would run at every replay, and the copy
+ * would be marked fresh by work that has not run) and sets
+ * `stale_in_capture` instead, which makes the capture fail. `epoch` counts
+ * the entries made and forgotten (the backend's bf16_weights): a recording
+ * made at another epoch may read a copy that no longer exists, and is not
+ * replayed. */
 typedef struct nl_cuda_bf16_table {
     nl_cuda_bf16_range r[NL_CUDA_BF16_RANGES];
+    int capturing;
+    int stale_in_capture;
+    unsigned long epoch;
 } nl_cuda_bf16_table;
 
 /* The entry whose base is p, or NULL. */
@@ -58,9 +73,15 @@ uint16_t *nl_cuda_bf16_adamw_copy(nl_cuda_bf16_table *t, float *p, size_t n);
 /* The bf16 form of an operand of `rows` rows of `cols` floats with row
  * stride ld at x, when a range holds it: its place in the copy (same
  * stride), after queueing the range's conversion when it was stale (then
- * no longer). NULL when no range holds it. *rc gets the launch result. */
+ * no longer; while capturing, nothing is queued and stale_in_capture is
+ * set). NULL when no range holds it. *rc gets the launch result. */
 const uint16_t *nl_cuda_bf16_weight_operand(nl_cuda_bf16_table *t, void *stream, const float *x,
                                             int rows, int cols, int ld, int *rc);
+/* Queue the conversion of every stale range (then no longer stale); the
+ * launch result of the first that failed (that range stays stale), else
+ * 0. Not while capturing (cudaErrorStreamCaptureUnsupported, nothing
+ * queued). */
+int nl_cuda_bf16_refresh(nl_cuda_bf16_table *t, void *stream);
 
 /* ---------------------------------------------------------------- kernels */
 

@@ -13,6 +13,8 @@
 #include "kernels/cuda/cuda_moe.h"
 #include "kernels/cuda/cuda_ops.h"
 
+#include <stdlib.h>
+
 namespace nl_cu
 {
 
@@ -407,11 +409,37 @@ void cu_adamw(nl_backend *be, float *p, const float *g, float *m, float *v, size
  * instantiated once, then launched per token: one launch in place of a
  * few hundred. Thread-local capture mode: other threads' CUDA calls are
  * not affected; this thread's calls that would wait for the stream are
- * refused by the slots (refused_in_capture) before CUDA sees them. */
+ * refused by the slots (refused_in_capture) before CUDA sees them.
+ *
+ * bf16 mode: a captured GEMM reads a weight range's bf16 copy by address,
+ * so every stale copy is made again (outside the graph, on the stream)
+ * before the capture begins and before every replay; a recording made
+ * when other ranges existed (the table's epoch) is invalidated (1 from
+ * graph_launch: the caller records again). */
+struct cu_graph {
+    cudaGraphExec_t exec;
+    unsigned long epoch; /* the bf16 table's when recorded */
+};
+
+/* bf16: queue the conversion of every stale weight copy (0, or the
+ * launch's error kept) */
+static int refresh_copies(cuda_ctx *c)
+{
+    if (!c->bf16)
+        return 0;
+    const int rc = nl_cuda_bf16_refresh(&c->w, c->stream);
+    launched(c, "graph: bf16 weight copies", rc);
+    return rc;
+}
+
 void cu_graph_begin(nl_backend *be)
 {
     cuda_ctx *c = enter_slot(be, __func__);
     c->refused = NULL;
+    if (refresh_copies(c) != 0) {
+        c->refused = "the bf16 weight copies could not be made";
+        return;
+    }
     const cudaError_t e = cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal);
     if (e != cudaSuccess) {
         cudaGetLastError(); /* not a device fault: graph_end reports it */
@@ -419,6 +447,8 @@ void cu_graph_begin(nl_backend *be)
         return;
     }
     c->capturing = true;
+    c->w.capturing = 1;
+    c->w.stale_in_capture = 0;
 }
 
 nl_status cu_graph_end(nl_backend *be, void **graph, nl_error *err)
@@ -430,26 +460,44 @@ nl_status cu_graph_end(nl_backend *be, void **graph, nl_error *err)
     if (c->capturing)
         e = cudaStreamEndCapture(c->stream, &g);
     const char *refused = c->refused;
+    if (!refused && c->w.stale_in_capture)
+        refused = "a bf16 weight copy written while recording";
     c->capturing = false;
     c->refused = nullptr;
+    c->w.capturing = 0;
+    c->w.stale_in_capture = 0;
     cudaGraphExec_t x = nullptr;
     if (!refused && e == cudaSuccess && g)
         e = cudaGraphInstantiate(&x, g, 0);
     if (g)
         cudaGraphDestroy(g);
-    if (refused || e != cudaSuccess || !x) {
+    cu_graph *cg = nullptr;
+    if (!refused && e == cudaSuccess && x) {
+        cg = (cu_graph *)malloc(sizeof *cg);
+        if (!cg)
+            refused = "out of host memory";
+    }
+    if (refused || e != cudaSuccess || !x || !cg) {
+        if (x)
+            cudaGraphExecDestroy(x);
         cudaGetLastError(); /* a failed capture leaves the stream usable */
         return nl_error_set(err, NL_ERR_UNSUPPORTED, "%s: step not captured (%s)", c->name,
                             refused ? refused : cudaGetErrorString(e));
     }
-    *graph = (void *)x;
+    *cg = cu_graph{x, c->w.epoch};
+    *graph = (void *)cg;
     return NL_OK;
 }
 
 int cu_graph_launch(nl_backend *be, void *graph)
 {
     cuda_ctx *c = enter_slot(be, __func__);
-    ok(c, "graph_launch", cudaGraphLaunch((cudaGraphExec_t)graph, c->stream));
+    const cu_graph *cg = (const cu_graph *)graph;
+    if (c->bf16 && cg->epoch != c->w.epoch)
+        return 1; /* a copy it reads may be gone: record again */
+    if (refresh_copies(c) != 0)
+        return 0; /* the error is kept (sticky): the caller's check reports it */
+    ok(c, "graph_launch", cudaGraphLaunch(cg->exec, c->stream));
     return 0;
 }
 
@@ -458,7 +506,9 @@ void cu_graph_free(nl_backend *be, void *graph)
     if (!graph)
         return;
     cuda_ctx *c = enter_slot(be, __func__);
-    ok(c, "graph_free", cudaGraphExecDestroy((cudaGraphExec_t)graph));
+    cu_graph *cg = (cu_graph *)graph;
+    ok(c, "graph_free", cudaGraphExecDestroy(cg->exec));
+    free(cg);
 }
 
 void fill_op_slots(nl_backend *be)
@@ -496,11 +546,11 @@ void fill_op_slots(nl_backend *be)
     be->moe_norm_route = cu_moe_norm_route;
     be->moe_gate_up = cu_moe_gate_up;
     be->moe_down_combine = cu_moe_down_combine;
-    /* no graphs in bf16 mode (a captured GEMM would keep reading a bf16
-     * weight copy that a later write makes stale; the many-row expert
-     * GEMMs read offsets on the host) nor under NL_CUDA_PROFILE (which
-     * waits for the stream at every slot) */
-    if (!ctx_of(be)->bf16 && !ctx_of(be)->profile) {
+    /* graphs in FP32 and bf16 (cu_graph: the weight copies are made
+     * before a capture and a replay; a step whose many-row expert GEMMs
+     * read offsets on the host is not captured), not under
+     * NL_CUDA_PROFILE (which waits for the stream at every slot) */
+    if (!ctx_of(be)->profile) {
         be->graph_begin = cu_graph_begin;
         be->graph_end = cu_graph_end;
         be->graph_launch = cu_graph_launch;

@@ -94,6 +94,7 @@ enum cudaError_t {
     cudaErrorInvalidValue = 1,
     cudaErrorInvalidConfiguration = 9,
     cudaErrorLaunchFailure = 719,
+    cudaErrorStreamCaptureUnsupported = 900,
 };
 
 /* The current thread's coordinates, set by the scheduler on every switch. */

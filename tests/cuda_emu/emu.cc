@@ -417,6 +417,8 @@ const char *cudaGetErrorString(cudaError_t e)
         return "invalid argument";
     case cudaErrorInvalidConfiguration:
         return "invalid configuration argument";
+    case cudaErrorStreamCaptureUnsupported:
+        return "operation not permitted when stream is capturing";
     default:
         return "unspecified launch failure";
     }

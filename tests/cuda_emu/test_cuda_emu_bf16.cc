@@ -283,6 +283,70 @@ void test_refresh(void)
     CHECK(taken == NL_CUDA_BF16_RANGES - 1, "table capacity: %d more", taken);
 }
 
+/* ---------------------------------------------------------------- captured steps */
+
+/* A captured step (CUDA graph) reads the copies when it is replayed: the
+ * backend's graph_begin and graph_launch make every stale copy first
+ * (nl_cuda_bf16_refresh); while capturing a read of a stale range queues
+ * nothing, marks nothing fresh and makes the capture fail. */
+void test_capture(void)
+{
+    const size_t n = 1000;
+    std::vector<float> p(n), q(200);
+    std::vector<uint16_t> copy(n, 0), copy2(200, 0);
+    for (auto &x : p)
+        x = frand();
+    for (auto &x : q)
+        x = frand();
+    nl_cuda_bf16_table t;
+    memset(&t, 0, sizeof t);
+    nl_cuda_bf16_range *r = nl_cuda_bf16_free_entry(&t);
+    *r = nl_cuda_bf16_range{p.data(), n, copy.data(), 1};
+    nl_cuda_bf16_range *r2 = nl_cuda_bf16_free_entry(&t);
+    *r2 = nl_cuda_bf16_range{q.data(), q.size(), copy2.data(), 1};
+
+    /* refresh: every stale range, one conversion each */
+    long l0 = emu_launch_count();
+    CHECK(nl_cuda_bf16_refresh(&t, nullptr) == 0 && !r->stale && !r2->stale &&
+              copy_matches(r, 0, n) && copy_matches(r2, 0, q.size()) &&
+              emu_launch_count() == l0 + 2,
+          "refresh: both stale ranges made (%ld launches)", emu_launch_count() - l0);
+    l0 = emu_launch_count();
+    CHECK(nl_cuda_bf16_refresh(&t, nullptr) == 0 && emu_launch_count() == l0,
+          "refresh of fresh ranges: nothing queued");
+
+    /* a write in place between replays: the next refresh makes that range
+     * only, and the read after it converts nothing */
+    p[10] = 123.0f;
+    nl_cuda_bf16_mark(&t, p.data() + 10, sizeof(float));
+    CHECK(r->stale && !r2->stale, "a write marks its range only");
+    l0 = emu_launch_count();
+    CHECK(nl_cuda_bf16_refresh(&t, nullptr) == 0 && !r->stale && copy_matches(r, 0, n) &&
+              emu_launch_count() == l0 + 1,
+          "refresh after a write: the written range, made again");
+
+    /* capturing: a stale read converts nothing and fails the capture */
+    p[20] = -7.0f;
+    nl_cuda_bf16_mark(&t, p.data() + 20, sizeof(float));
+    t.capturing = 1;
+    int rc = -1;
+    l0 = emu_launch_count();
+    const uint16_t *w = nl_cuda_bf16_weight_operand(&t, nullptr, p.data() + 4, 2, 8, 10, &rc);
+    CHECK(rc == 0 && w == copy.data() + 4 && r->stale && t.stale_in_capture &&
+              emu_launch_count() == l0 && copy[20] != ref_bf16(-7.0f),
+          "a stale read while capturing: %ld launches, stale %d, flagged %d",
+          emu_launch_count() - l0, r->stale, t.stale_in_capture);
+    CHECK(nl_cuda_bf16_refresh(&t, nullptr) == (int)cudaErrorStreamCaptureUnsupported && r->stale,
+          "no refresh while capturing");
+    /* a fresh read while capturing is no failure */
+    t.stale_in_capture = 0;
+    w = nl_cuda_bf16_weight_operand(&t, nullptr, q.data(), 1, 5, 5, &rc);
+    CHECK(w == copy2.data() && !t.stale_in_capture, "a fresh read while capturing");
+    t.capturing = 0;
+    CHECK(nl_cuda_bf16_refresh(&t, nullptr) == 0 && !r->stale && copy_matches(r, 0, n),
+          "after the capture: refreshed");
+}
+
 /* ---------------------------------------------------------------- tile map */
 
 void test_tile_map(void)
@@ -485,6 +549,7 @@ int main(void)
 {
     test_conversion();
     test_refresh();
+    test_capture();
     test_tile_map();
     test_grouped();
     return check_done("test_cuda_emu_bf16");
