@@ -95,7 +95,8 @@ static double check_fwd(nl_selftest *c, const cudnn_case *k, int doc, int fp32, 
 {
     char shape[128];
     describe(shape, sizeof shape, k, doc ? " doc" : NULL);
-    const nl_attn_shape s = {k->B, k->T, k->past, k->kv_cap, k->H, k->G, k->hd, NULL, 0};
+    const nl_attn_shape s = {k->B,  k->T, k->past, k->kv_cap, k->H, k->G,
+                             k->hd, NULL, 0,       NULL,      NULL};
     const int qs = k->H * k->hd + 8, ks = k->G * k->hd + 4; /* strides wider than the heads */
     const size_t nq = (size_t)k->B * k->T * qs, nkv = (size_t)k->B * k->kv_cap * ks;
     const size_t no = (size_t)k->B * k->T * k->H * k->hd, nl = (size_t)k->B * k->H * k->T;
@@ -131,7 +132,7 @@ static void check_bwd(nl_selftest *c, const cudnn_case *k)
 {
     char shape[128];
     describe(shape, sizeof shape, k, NULL);
-    const nl_attn_shape s = {k->B, k->T, 0, k->T, k->H, k->G, k->hd, NULL, 0};
+    const nl_attn_shape s = {k->B, k->T, 0, k->T, k->H, k->G, k->hd, NULL, 0, NULL, NULL};
     const int qs = (k->H + 2 * k->G) * k->hd, ko = k->H * k->hd, vo = (k->H + k->G) * k->hd;
     const size_t N = (size_t)k->B * k->T, nq = N * qs, no = N * k->H * k->hd;
     pair *qkv = nl_selftest_dev(c, nl_selftest_rnd(c, nq, -1, 1), nq * 4);

@@ -62,6 +62,16 @@ typedef struct nl_attn_shape {
      * bf16 KV cache keeps them (kv_store_bf16); each is widened to FP32
      * when read and every sum stays FP32. The forward slots only. */
     int kv_bf16;
+    /* Optional (NULL: sequence b's keys and values start at k and v
+     * + b kv_cap kv_stride): device arrays of B device pointers, both
+     * set or both NULL; sequence b's keys start at kseq[b] and its values
+     * at vseq[b] (each sequence in a cache of its own: a batch of
+     * sessions decoded in one call), read when the kernel runs. kv_cap
+     * is then the least capacity of them; k and v are only checked to
+     * be non-NULL. A sequence's results are the bits a call of that
+     * sequence alone gives. The forward slots only. */
+    const void *const *kseq;
+    const void *const *vseq;
 } nl_attn_shape;
 
 /* The masks of DESIGN.md section 6, for the attention_masked_* slots (a

@@ -209,15 +209,43 @@ typedef struct {
 } attention_args;
 static void run_attention(nl_backend *be, const void *p)
 {
+    enum { GROUP = 64 };
     const attention_args *a = p;
-    nl_ds_cpu(be)->attention_masked_forward(nl_ds_cpu(be), a->out, a->lse, a->q, a->q_stride, a->k,
-                                            a->v, a->kv_stride, a->s, a->mask);
+    nl_backend *cpu = nl_ds_cpu(be);
+    const nl_attn_shape s = a->s;
+    if (!s.kseq) {
+        cpu->attention_masked_forward(cpu, a->out, a->lse, a->q, a->q_stride, a->k, a->v,
+                                      a->kv_stride, s, a->mask);
+        return;
+    }
+    /* the sequences' caches, read now as a kernel reads them (untagged),
+     * GROUP sequences a call */
+    const void *ks[GROUP], *vs[GROUP];
+    for (int b0 = 0; b0 < s.B; b0 += GROUP) {
+        nl_attn_shape g = s;
+        nl_attn_mask mk = a->mask;
+        g.B = s.B - b0 < GROUP ? s.B - b0 : GROUP;
+        for (int i = 0; i < g.B; i++) {
+            ks[i] = nl_ds_untag(s.kseq[b0 + i]);
+            vs[i] = nl_ds_untag(s.vseq[b0 + i]);
+        }
+        g.kseq = ks;
+        g.vseq = vs;
+        g.pos = s.pos ? s.pos + (size_t)b0 * s.T : NULL;
+        mk.doc = mk.doc ? mk.doc + (size_t)b0 * s.T : NULL;
+        cpu->attention_masked_forward(cpu, a->out + (size_t)b0 * s.T * s.H * s.hd,
+                                      a->lse ? a->lse + (size_t)b0 * s.H * s.T : NULL,
+                                      a->q + (size_t)b0 * s.T * a->q_stride, a->q_stride, a->k,
+                                      a->v, a->kv_stride, g, mk);
+    }
 }
 static void ds_attention_masked_forward(nl_backend *be, float *out, float *lse, const float *q,
                                         int q_stride, const float *k, const float *v, int kv_stride,
                                         nl_attn_shape s, nl_attn_mask mask)
 {
     s.pos = UI(s.pos);
+    s.kseq = nl_ds_untag((void *)s.kseq); /* the arrays; their entries when it runs */
+    s.vseq = nl_ds_untag((void *)s.vseq);
     mask.doc = UI(mask.doc);
     attention_args a = {UF(out), UF(lse), UF(q), UF(k), UF(v), q_stride, kv_stride, s, mask};
     QUEUE(be, run_attention, a);

@@ -7,7 +7,8 @@
  * mean of the final-normed states; bad input is refused without touching
  * the caches. The backend's row-invariant GEMM (gemm_rows), on which the
  * batch's invariance rests, gives every row the same bits for any M; and
- * the invariance holds through padding too, where a backend has none. */
+ * the invariance holds through padding too, where a backend has none. A
+ * decode step of many sessions makes one attention call a layer. */
 #include "core/model/batch.h"
 #include "core/model/forward.h"
 #include "core/model/sampler.h"
@@ -63,6 +64,11 @@ static void gen_end(gen *g)
     nl_sampler_free(&g->smp);
 }
 
+/* The attention calls the steps should have made (a decode step of two or
+ * more segments: one a layer; any other: one a segment a layer), and how
+ * many steps were such decode steps. */
+static uint64_t attn_expected, multi_steps;
+
 /* Step every unfinished sequence of gs once (a decode step, or the next
  * prefill chunk of at most one sequence still in its prompt, as a server
  * schedules them). Returns how many sequences took part. */
@@ -89,6 +95,12 @@ static int step(nl_batch *b, gen **gs, int n, nl_error *err)
     }
     if (ns == 0)
         return 0;
+    int decode = ns >= 2;
+    for (int i = 0; i < ns; i++)
+        decode &= segs[i].T == 1;
+    const uint64_t L = (uint64_t)(gs[0]->kv->n_layers);
+    attn_expected += decode ? L : L * (uint64_t)ns;
+    multi_steps += (uint64_t)decode;
     nl_status st = nl_batch_forward(b, segs, ns, err);
     CHECK(st == NL_OK, "batch forward: %s", err->msg);
     if (st != NL_OK)
@@ -131,11 +143,23 @@ static void test_alone_vs_together(nl_model *m)
         all[i] = &together[i];
     }
     int steps = 0, widest = 0, s;
+    const uint64_t calls0 = nl_batch_attention_calls(b);
+    const uint64_t replays0 = nl_batch_graphs(b).replays;
+    attn_expected = multi_steps = 0;
     while ((s = step(b, all, nseq, &err)) > 0) {
         steps++;
         widest = s > widest ? s : widest;
     }
     CHECK(widest == nseq, "all %d decoded in one batch at some step (widest %d)", nseq, widest);
+    /* a decode step's attention is one call a layer over all its sessions
+     * (a replayed recording, whose step is one segment's or one such
+     * decode, queues none: a layer's call less each) */
+    const uint64_t replayed = nl_batch_graphs(b).replays - replays0;
+    const uint64_t want = attn_expected - replayed * (uint64_t)m->cfg.num_layers;
+    CHECK(multi_steps >= NEW / 2 && nl_batch_attention_calls(b) - calls0 == want,
+          "together: %llu attention calls, %llu expected (%llu decode steps, %llu replayed)",
+          (unsigned long long)(nl_batch_attention_calls(b) - calls0), (unsigned long long)want,
+          (unsigned long long)multi_steps, (unsigned long long)replayed);
     for (int i = 0; i < nseq; i++) {
         CHECK(together[i].n == NEW, "sequence %d: %d ids", i, together[i].n);
         CHECK(memcmp(solo[i].ids, together[i].ids, sizeof solo[i].ids) == 0,

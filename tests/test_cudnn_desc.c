@@ -18,7 +18,7 @@
 
 static nl_attn_shape shape(int B, int T, int past, int kv_cap, int H, int G, int hd)
 {
-    nl_attn_shape s = {B, T, past, kv_cap, H, G, hd, NULL, 0};
+    nl_attn_shape s = {B, T, past, kv_cap, H, G, hd, NULL, 0, NULL, NULL};
     return s;
 }
 

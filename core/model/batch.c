@@ -1,5 +1,6 @@
 /* Batched decoding of independent sequences (see batch.h): shared GEMMs
- * over every row of the batch, attention per sequence with its own cache,
+ * over every row of the batch, attention per sequence with its own cache
+ * (in a decode step of many sequences one call over all of them),
  * and every GEMM row-invariant (the backend's gemm_rows and
  * gemm_grouped_rows, with the fused decode slots, which compute a row the
  * same way, below NL_BACKEND_FUSED_ROWS rows; or, where the backend has
@@ -114,6 +115,15 @@ struct nl_batch {
     int logit_rows;            /* rows of logits_d the last call wrote */
     int logits_down;           /* 1: logits_h holds them (downloaded on first use) */
     int *seg_row;              /* (max_rows) segment -> its first row of hidden_h */
+    /* a decode step of many segments (multi): each stage layer's caches
+     * as arrays of device pointers, (layers, 2, max_rows), the keys' then
+     * the values'; the device copy is uploaded when its content changes */
+    const void **seq_h;
+    void **seq_d;
+    int seq_layers;
+    int seq_n; /* segments the device copy holds (0: none) */
+    int multi; /* this call: one attention call a layer over every segment */
+    uint64_t attn_calls;
     batch_graph graphs[BATCH_GRAPHS];
     uint64_t tick;
     int graphs_off; /* NL_GRAPHS=0, nl_batch_set_graphs, or a refused recording */
@@ -187,6 +197,12 @@ nl_status nl_batch_new(nl_batch **out, nl_model *m, int max_rows, nl_error *err)
     ok &= (b->hidden_h = calloc(N * d, sizeof(float))) != NULL;
     ok &= (b->logit_row = calloc(N, sizeof(int))) != NULL;
     ok &= (b->seg_row = calloc(N, sizeof(int))) != NULL;
+    b->seq_layers = m->l1 - m->l0;
+    if (b->seq_layers > 0 && max_rows > 1) {
+        const size_t n_ptr = (size_t)b->seq_layers * 2 * N;
+        ok &= (b->seq_h = calloc(n_ptr, sizeof(void *))) != NULL;
+        ok &= (b->seq_d = be->alloc(be, n_ptr * sizeof(void *))) != NULL;
+    }
     for (int i = 0; i < BATCH_GRAPHS; i++)
         ok &= (b->graphs[i].key = calloc(N, sizeof(seg_key))) != NULL;
     const char *g = getenv("NL_GRAPHS");
@@ -212,7 +228,8 @@ void nl_batch_destroy(nl_batch **bp)
         free(b->graphs[i].key);
     }
     nl_layer_acts_free(&b->acts, be);
-    void *dev[] = {b->pad.a_pad, b->pad.c_pad, b->tokens_d, b->pos_d, b->last, b->xnf, b->logits_d};
+    void *dev[] = {b->pad.a_pad, b->pad.c_pad, b->tokens_d, b->pos_d,
+                   b->last,      b->xnf,       b->logits_d, b->seq_d};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         be->free(be, dev[i]);
     free(b->tokens_h);
@@ -221,6 +238,7 @@ void nl_batch_destroy(nl_batch **bp)
     free(b->hidden_h);
     free(b->logit_row);
     free(b->seg_row);
+    free(b->seq_h);
     free(b);
     *bp = NULL;
 }
@@ -293,14 +311,18 @@ static nl_status check_segs(const nl_batch *b, const nl_batch_seg *segs, const f
 }
 
 /* Attention of every segment over its own cache, after the batch's QKV
- * GEMM and RoPE; the same slot call a lone sequence makes. */
+ * GEMM and RoPE: the same slot call a lone sequence makes, or, in a
+ * decode step of many segments (b->multi), one call over all of them,
+ * each sequence's cache from the layer's pointer arrays and its past from
+ * pos_d (upload_inputs wrote both). */
 static void attend_segments(nl_batch *b, int li, const nl_batch_seg *segs, int n)
 {
     nl_backend *be = b->m->be;
     const nl_config *c = &b->m->cfg;
     const int hd = nl_config_head_dim(c), H = c->num_heads, G = c->num_kv_heads;
     const int qkv = (H + 2 * G) * hd;
-    int row = 0;
+    int row = 0, cap = 0;
+    const void *k0 = NULL, *v0 = NULL;
     for (int i = 0; i < n; i++) {
         nl_kvcache *kv = segs[i].kv;
         const int T = segs[i].T, past = kv->len;
@@ -321,9 +343,70 @@ static void attend_segments(nl_batch *b, int li, const nl_batch_seg *segs, int n
         } else {
             nl_kvcache_append(kv, li, q, qkv, H * hd, (H + G) * hd, 1, T, past, &k, &v);
         }
-        be->attention_forward(be, b->acts.att + (size_t)row * H * hd, NULL, q, qkv, k, v,
-                              kv->kv_dim, s);
+        if (!b->multi) {
+            be->attention_forward(be, b->acts.att + (size_t)row * H * hd, NULL, q, qkv, k, v,
+                                  kv->kv_dim, s);
+            b->attn_calls++;
+        } else if (i == 0 || kv->cap < cap) {
+            cap = kv->cap;
+        }
+        if (i == 0) {
+            k0 = k;
+            v0 = v;
+        }
         row += T;
+    }
+    if (b->multi) {
+        const size_t R = (size_t)b->max_rows;
+        void **seq = b->seq_d + (size_t)li * 2 * R;
+        const nl_attn_shape s = {.B = n,
+                                 .T = 1,
+                                 .kv_cap = cap,
+                                 .H = H,
+                                 .G = G,
+                                 .hd = hd,
+                                 .pos = b->pos_d,
+                                 .kv_bf16 = segs[0].kv->dtype == NL_KV_BF16,
+                                 .kseq = (const void *const *)seq,
+                                 .vseq = (const void *const *)(seq + R)};
+        be->attention_forward(be, b->acts.att, NULL, b->acts.qkv, qkv, k0, v0, segs[0].kv->kv_dim,
+                              s);
+        b->attn_calls++;
+    }
+}
+
+/* A decode step of two or more segments whose caches are of one type:
+ * its attention can be one call (attend_segments). */
+static int multi_step(const nl_batch *b, const nl_batch_seg *segs, int n)
+{
+    if (n < 2 || !b->seq_d || b->seq_layers != b->view.l1 - b->view.l0)
+        return 0;
+    for (int i = 0; i < n; i++)
+        if (segs[i].T != 1 || segs[i].kv->dtype != segs[0].kv->dtype)
+            return 0;
+    return 1;
+}
+
+/* The layers' pointer arrays for the segments' caches, uploaded when they
+ * differ from the device's copy (a session joined or left). */
+static void upload_seqs(nl_batch *b, const nl_batch_seg *segs, int n)
+{
+    nl_backend *be = b->m->be;
+    const size_t R = (size_t)b->max_rows;
+    int same = b->seq_n == n;
+    for (int l = 0; l < b->seq_layers; l++) {
+        const void **row = b->seq_h + (size_t)l * 2 * R;
+        for (int i = 0; i < n; i++) {
+            const void *k, *v;
+            nl_kvcache_layer(segs[i].kv, l, &k, &v);
+            same &= row[i] == k && row[R + i] == v;
+            row[i] = k;
+            row[R + i] = v;
+        }
+    }
+    if (!same) {
+        be->upload(be, b->seq_d, b->seq_h, (size_t)b->seq_layers * 2 * R * sizeof(void *));
+        b->seq_n = n;
     }
 }
 
@@ -349,6 +432,9 @@ static void upload_inputs(nl_batch *b, const nl_batch_seg *segs, const float *co
     be->upload(be, b->pos_d, b->pos_h, (size_t)N * sizeof(int32_t));
     if (vm->has_embed)
         be->upload(be, b->tokens_d, b->tokens_h, (size_t)N * sizeof(int32_t));
+    b->multi = multi_step(b, segs, n);
+    if (b->multi)
+        upload_seqs(b, segs, n);
 }
 
 /* Embedding and every layer over the segments' N rows, after
@@ -413,6 +499,11 @@ void nl_batch_set_graphs(nl_batch *b, int on)
 nl_runstate_graph_stats nl_batch_graphs(const nl_batch *b)
 {
     return b->gs;
+}
+
+uint64_t nl_batch_attention_calls(const nl_batch *b)
+{
+    return b->attn_calls;
 }
 
 /* A decode call (every segment one position) on a backend with graph

@@ -8,7 +8,12 @@
  * (T = 1 for a decode step, T = a prefill chunk for a prompt). The rows
  * of every segment share the GEMMs (QKV, output projection, router,
  * experts, head); attention runs per segment with that sequence's cache
- * and `past`, through the backend's ordinary attention slot.
+ * and `past`, through the backend's ordinary attention slot, except in a
+ * decode step of two or more segments (every T 1, caches of one type),
+ * whose attention is one call over all of them (s.kseq / s.vseq: each
+ * sequence read from its own cache, its position from the device), one
+ * launch a layer in place of one a session; a sequence's bits are those
+ * of its own call.
  *
  * Batch invariance: a row's result must not depend on which other rows
  * share its GEMMs, or a seeded generation would give other tokens when
@@ -93,6 +98,10 @@ nl_status nl_batch_forward_hidden(nl_batch *b, const nl_batch_seg *segs, const f
  * nl_batch_set_graphs(b, 0), turns it off; nl_batch_graphs counts. */
 void nl_batch_set_graphs(nl_batch *b, int on);
 nl_runstate_graph_stats nl_batch_graphs(const nl_batch *b);
+/* Attention slot calls this batch has queued (recorded ones counted when
+ * recorded): one a layer for a decode step of many sessions, one a
+ * segment a layer otherwise. */
+uint64_t nl_batch_attention_calls(const nl_batch *b);
 
 /* Host (vocab_size) logits of segment i, valid until the next call; NULL
  * with err set when it has none or the download failed. */

@@ -74,6 +74,14 @@ static void layer_slice(const nl_kvcache *kv, int layer, void **k, void **v)
     *v = (char *)kv->v + off;
 }
 
+void nl_kvcache_layer(const nl_kvcache *kv, int layer, const void **k, const void **v)
+{
+    void *kc, *vc;
+    layer_slice(kv, layer, &kc, &vc);
+    *k = kc;
+    *v = vc;
+}
+
 void nl_kvcache_append(nl_kvcache *kv, int layer, const float *qkv, int stride, int k_col,
                        int v_col, int B, int T, int past, const void **k, const void **v)
 {

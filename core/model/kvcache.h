@@ -54,6 +54,9 @@ size_t nl_kvcache_bytes(const nl_config *cfg, int n_layers, int B, int cap, nl_k
  * (kv->dtype == NL_KV_BF16). */
 void nl_kvcache_append(nl_kvcache *kv, int layer, const float *qkv, int stride, int k_col,
                        int v_col, int B, int T, int past, const void **k, const void **v);
+/* Layer `layer`'s cache (0-based within the stage): *k and *v as
+ * nl_kvcache_append gives them, without writing anything. */
+void nl_kvcache_layer(const nl_kvcache *kv, int layer, const void **k, const void **v);
 /* The same with each row's position read on the device from pos (B T,
  * device) when the work runs, through the backend's kv_store slot (or
  * kv_store_bf16; it must exist): the queued call holds no position. */

@@ -55,11 +55,14 @@ static void attend_tile(float *out, float *lse, const float *q, int q_stride, co
         for (int c = 0; c < hd; c++)
             qs[i][c] = qr[c] * scale;
     }
-    const size_t kv_off = (size_t)b * s->kv_cap * kv_stride + (size_t)g * hd;
-    const float *kb = s->kv_bf16 ? NULL : k + kv_off;
-    const float *vb = s->kv_bf16 ? NULL : v + kv_off;
-    const uint16_t *kb16 = s->kv_bf16 ? (const uint16_t *)(const void *)k + kv_off : NULL;
-    const uint16_t *vb16 = s->kv_bf16 ? (const uint16_t *)(const void *)v + kv_off : NULL;
+    /* sequence b's cache: its own (kseq, vseq) or row b kv_cap of k, v */
+    const size_t kv_off = (s->kseq ? 0 : (size_t)b * s->kv_cap * kv_stride) + (size_t)g * hd;
+    const void *ks = s->kseq ? s->kseq[b] : (const void *)k;
+    const void *vs = s->kseq ? s->vseq[b] : (const void *)v;
+    const float *kb = s->kv_bf16 ? NULL : (const float *)ks + kv_off;
+    const float *vb = s->kv_bf16 ? NULL : (const float *)vs + kv_off;
+    const uint16_t *kb16 = s->kv_bf16 ? (const uint16_t *)ks + kv_off : NULL;
+    const uint16_t *vb16 = s->kv_bf16 ? (const uint16_t *)vs + kv_off : NULL;
     /* keys [kbeg, kend) reach some query of the tile (the causal case:
      * 0 .. past + t0 + nq - 1) */
     const int nkeys = s->past + s->T;

@@ -29,6 +29,11 @@
  * The online-softmax step and merge are kernels/elem.h's, shared with the
  * CPU backend.
  *
+ * Each sequence's keys and values are row b kv_cap of k and v, or, with
+ * s.kseq / s.vseq, wherever its own cache lies (a batch's sessions in one
+ * call); a block reads only its own sequence's, so its bits are those of
+ * the sequence alone.
+ *
  * Both are templated on the cache's element type KV as well: float, or the
  * bits of a bf16 cache (uint16_t, s.kv_bf16), widened to FP32 where a key
  * or value is read (kv_ld) - half the bytes a decode step reads; every sum
@@ -53,6 +58,9 @@ constexpr int BK = 32;           /* keys per tile or chunk: one per lane */
 constexpr int PREFILL_WARPS = 4; /* warps per prefill block */
 constexpr int DECODE_WARPS = 8;  /* warps per decode block */
 constexpr int DECODE_MAX_T = 4;  /* new positions up to which the decode kernel runs */
+/* Decode blocks per SM the register budget of the sequences' own caches
+ * must allow (at most 128 registers a thread; 0 below: ptxas's choice) */
+constexpr int DECODE_SEQ_MIN_BLOCKS = 2;
 /* Prefill blocks per SM the register budget must allow: caps ptxas at 128
  * registers a thread, which every bucket fits without spilling. */
 constexpr int PREFILL_MIN_BLOCKS = 4;
@@ -187,8 +195,10 @@ __device__ __forceinline__ void tile_pv(prefill_rows<QPW, R> &w, const float (*k
 }
 
 /* One block: queries t0 .. t0 + nq - 1 of head h of sequence b. Blocks are
- * numbered tile-major, last tile first, so the longest rows start first. */
-template <int HDB, int BQ, typename KV>
+ * numbered tile-major, last tile first, so the longest rows start first.
+ * SEQ: the sequences' own caches (s.kseq / s.vseq; an instantiation of
+ * its own, so the shared cache's code stays as it was). */
+template <int HDB, int BQ, typename KV, bool SEQ>
 __global__ void __launch_bounds__(PREFILL_WARPS *WARP, PREFILL_MIN_BLOCKS)
     attn_prefill(float *out, float *lse, const float *q, int q_stride, const KV *k, const KV *v,
                  int kv_stride, nl_attn_shape s, nl_attn_mask mk)
@@ -215,9 +225,15 @@ __global__ void __launch_bounds__(PREFILL_WARPS *WARP, PREFILL_MIN_BLOCKS)
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
 
     load_queries<HDB, BQ>(qs, q, q_stride, s, b, h, t0, nq, 1.0f / sqrtf((float)hd));
-    const size_t kv_off = (size_t)b * s.kv_cap * (size_t)kv_stride + (size_t)g * hd;
-    const KV *kb = k + kv_off;
-    const KV *vb = v + kv_off;
+    const KV *kb, *vb;
+    if (SEQ) {
+        kb = static_cast<const KV *>(s.kseq[b]) + (size_t)g * hd;
+        vb = static_cast<const KV *>(s.vseq[b]) + (size_t)g * hd;
+    } else {
+        const size_t kv_off = (size_t)b * s.kv_cap * (size_t)kv_stride + (size_t)g * hd;
+        kb = k + kv_off;
+        vb = v + kv_off;
+    }
 
     const int nkeys = past + s.T;
     const int32_t *doc = mk.doc ? mk.doc + (size_t)b * s.T : nullptr;
@@ -276,9 +292,14 @@ __global__ void __launch_bounds__(PREFILL_WARPS *WARP, PREFILL_MIN_BLOCKS)
 
 /* ---------------------------------------------------------------- decode */
 
-/* One block: query t of head h of sequence b (blocks numbered query-major). */
-template <int HDB, typename KV>
-__global__ void __launch_bounds__(DECODE_WARPS *WARP)
+/* One block: query t of head h of sequence b (blocks numbered query-major).
+ * SEQ: the sequences' own caches (s.kseq / s.vseq), whose two pointers a
+ * thread keeps in registers (the shared cache's are the parameters plus
+ * one offset): a register budget of its own, so the shared cache's
+ * instantiations keep theirs (ptxas's default, 48 to 64 registers) and
+ * SEQ's (more than 64 in the 256 bucket) do not spill. */
+template <int HDB, typename KV, bool SEQ>
+__global__ void __launch_bounds__(DECODE_WARPS *WARP, SEQ ? DECODE_SEQ_MIN_BLOCKS : 0)
     attn_decode(float *out, float *lse, const float *q, int q_stride, const KV *k, const KV *v,
                 int kv_stride, nl_attn_shape s, nl_attn_mask mk)
 {
@@ -305,9 +326,15 @@ __global__ void __launch_bounds__(DECODE_WARPS *WARP)
         qv[r] = c < hd ? qr[c] * scale : 0.0f;
         acc[r] = 0.0f;
     }
-    const size_t kv_off = (size_t)b * s.kv_cap * (size_t)kv_stride + (size_t)g * hd;
-    const KV *kb = k + kv_off;
-    const KV *vb = v + kv_off;
+    const KV *kb, *vb;
+    if (SEQ) {
+        kb = static_cast<const KV *>(s.kseq[b]) + (size_t)g * hd;
+        vb = static_cast<const KV *>(s.vseq[b]) + (size_t)g * hd;
+    } else {
+        const size_t kv_off = (size_t)b * s.kv_cap * (size_t)kv_stride + (size_t)g * hd;
+        kb = k + kv_off;
+        vb = v + kv_off;
+    }
 
     float m = -INFINITY, l = 0.0f;
     int kbeg, kend;                                           /* causal: keys 0 .. past + t */
@@ -391,8 +418,12 @@ void launch_prefill(cudaStream_t st, unsigned blocks, float *out, float *lse, co
                     int q_stride, const KV *k, const KV *v, int kv_stride, nl_attn_shape s,
                     nl_attn_mask mk)
 {
-    attn_prefill<HDB, BQ, KV>
-        <<<blocks, PREFILL_WARPS * WARP, 0, st>>>(out, lse, q, q_stride, k, v, kv_stride, s, mk);
+    if (s.kseq)
+        attn_prefill<HDB, BQ, KV, true><<<blocks, PREFILL_WARPS * WARP, 0, st>>>(
+            out, lse, q, q_stride, k, v, kv_stride, s, mk);
+    else
+        attn_prefill<HDB, BQ, KV, false><<<blocks, PREFILL_WARPS * WARP, 0, st>>>(
+            out, lse, q, q_stride, k, v, kv_stride, s, mk);
 }
 
 template <int HDB, typename KV>
@@ -400,8 +431,12 @@ void launch_decode(cudaStream_t st, unsigned blocks, float *out, float *lse, con
                    int q_stride, const KV *k, const KV *v, int kv_stride, nl_attn_shape s,
                    nl_attn_mask mk)
 {
-    attn_decode<HDB, KV>
-        <<<blocks, DECODE_WARPS * WARP, 0, st>>>(out, lse, q, q_stride, k, v, kv_stride, s, mk);
+    if (s.kseq)
+        attn_decode<HDB, KV, true>
+            <<<blocks, DECODE_WARPS * WARP, 0, st>>>(out, lse, q, q_stride, k, v, kv_stride, s, mk);
+    else
+        attn_decode<HDB, KV, false>
+            <<<blocks, DECODE_WARPS * WARP, 0, st>>>(out, lse, q, q_stride, k, v, kv_stride, s, mk);
 }
 
 /* Query tile per head-dim bucket (shared memory: queries BQ x HDB plus one
@@ -461,6 +496,8 @@ bool shape_ok(const float *out, const float *q, int q_stride, const float *k, co
     if (s.B < 0 || s.T < 0 || s.H < 0 || s.past < 0 || s.G < 1 || s.H % s.G != 0)
         return false;
     if (s.pos && s.past != 0) /* device positions: past comes from pos */
+        return false;
+    if (!s.kseq != !s.vseq) /* the sequences' caches: both arrays or neither */
         return false;
     if (s.hd < 1 || s.hd > NL_BACKEND_MAX_HEAD_DIM)
         return false;

@@ -15,7 +15,9 @@ extern "C" {
  * query head h reads kv head h / (H / G); query t of sequence b sits at
  * absolute position past + t and attends keys 0 .. past + t.
  *   q:   (B, T, q_stride) with head h at column h*hd, q_stride >= H*hd
- *   k,v: (B, kv_cap, kv_stride) with kv head g at column g*hd, kv_stride >= G*hd
+ *   k,v: (B, kv_cap, kv_stride) with kv head g at column g*hd, kv_stride >= G*hd;
+ *        or, with s.kseq and s.vseq (device arrays of B device pointers),
+ *        sequence b's (kv_cap, kv_stride) at kseq[b] and vseq[b]
  *   out: (B, T, H*hd); lse: (B, H, T) = m + log(l) of the scaled scores,
  *        written only when lse != NULL.
  * All pointers are device memory; the work is queued on `stream` (a
@@ -25,7 +27,7 @@ extern "C" {
  * Returns the cudaError_t of the launch as an int (0 on success). A shape
  * it cannot run (hd out of range, G < 1, H % G != 0, negative sizes,
  * kv_cap < past + T, a stride narrower than the heads it holds, a NULL
- * out/q/k/v, more than 2^31 - 1 blocks) launches nothing and returns
+ * out/q/k/v, only one of kseq and vseq, more than 2^31 - 1 blocks) launches nothing and returns
  * cudaErrorInvalidValue (1). An empty problem (B, T or H zero) launches
  * nothing and returns 0. */
 int nl_cuda_attention_forward(void *stream, float *out, float *lse, const float *q, int q_stride,

@@ -48,9 +48,9 @@ void cu_attention_forward(nl_backend *be, float *out, float *lse, const float *q
                           const float *k, const float *v, int kv_stride, nl_attn_shape s)
 {
     cuda_ctx *c = enter_slot(be, __func__);
-    /* device positions (a captured decode step) or a bf16 cache: the
-     * module's kernels */
-    if (!s.pos && !s.kv_bf16 &&
+    /* device positions (a captured decode step), a bf16 cache or the
+     * sequences' own caches: the module's kernels */
+    if (!s.pos && !s.kv_bf16 && !s.kseq &&
         nl_cudnn_attention_forward(c->cudnn, out, lse, q, q_stride, k, v, kv_stride, s, NULL))
         return;
     launched(c, "attention_forward",
@@ -76,7 +76,7 @@ void cu_attention_masked_forward(nl_backend *be, float *out, float *lse, const f
                                  nl_attn_shape s, nl_attn_mask mask)
 {
     cuda_ctx *c = enter_slot(be, __func__);
-    if (!s.pos && !s.kv_bf16 &&
+    if (!s.pos && !s.kv_bf16 && !s.kseq &&
         nl_cudnn_attention_forward(c->cudnn, out, lse, q, q_stride, k, v, kv_stride, s, &mask))
         return;
     launched_shape(c,

@@ -180,7 +180,7 @@ void check_padding(const char *what, const bwd_case &c, bwd_bufs &got)
 
 void run_case(nl_backend *cpu, const bwd_case &c)
 {
-    const nl_attn_shape s = {c.B, c.T, 0, c.T, c.H, c.G, c.hd, nullptr, 0};
+    const nl_attn_shape s = {c.B, c.T, 0, c.T, c.H, c.G, c.hd, nullptr, 0, nullptr, nullptr};
     char what[160];
     snprintf(what, sizeof what,
              "attention_backward B %d T %d H %d G %d hd %d %s q_stride +%d kv_stride +%d", c.B, c.T,
@@ -251,28 +251,28 @@ void check_launcher(void)
     gbuf g(4096);
     float *f = g.p();
     const long before = emu_launch_count();
-    nl_attn_shape s = {0, 3, 0, 3, 2, 1, 8, nullptr, 0};
+    nl_attn_shape s = {0, 3, 0, 3, 2, 1, 8, nullptr, 0, nullptr, nullptr};
     CHECK(nl_cuda_attention_backward(nullptr, f, f, f, f, f, 16, f, f, 8, f, f, f, s) == 0,
           "attention_backward B 0");
-    s = {1, 0, 0, 0, 2, 1, 8, nullptr, 0};
+    s = {1, 0, 0, 0, 2, 1, 8, nullptr, 0, nullptr, nullptr};
     CHECK(nl_cuda_attention_backward(nullptr, f, f, f, f, f, 16, f, f, 8, f, f, f, s) == 0,
           "attention_backward T 0");
     CHECK(nl_cuda_attention_backward_scratch(s) == 0, "scratch of an empty shape");
     const nl_attn_shape bad[] = {
-        {1, 3, 1, 4, 2, 1, 8, nullptr, 0},   /* past != 0 */
-        {1, 3, 0, 4, 2, 1, 8, nullptr, 0},   /* kv_cap != T */
-        {1, 3, 0, 3, 2, 1, 0, nullptr, 0},   /* hd 0 */
-        {1, 3, 0, 3, 2, 1, 257, nullptr, 0}, /* hd past the maximum */
-        {1, 3, 0, 3, 2, 0, 8, nullptr, 0},   /* G 0 */
-        {1, 3, 0, 3, 3, 2, 8, nullptr, 0},   /* H % G != 0 */
-        {-1, 3, 0, 3, 2, 1, 8, nullptr, 0},  /* B < 0 */
+        {1, 3, 1, 4, 2, 1, 8, nullptr, 0, nullptr, nullptr},   /* past != 0 */
+        {1, 3, 0, 4, 2, 1, 8, nullptr, 0, nullptr, nullptr},   /* kv_cap != T */
+        {1, 3, 0, 3, 2, 1, 0, nullptr, 0, nullptr, nullptr},   /* hd 0 */
+        {1, 3, 0, 3, 2, 1, 257, nullptr, 0, nullptr, nullptr}, /* hd past the maximum */
+        {1, 3, 0, 3, 2, 0, 8, nullptr, 0, nullptr, nullptr},   /* G 0 */
+        {1, 3, 0, 3, 3, 2, 8, nullptr, 0, nullptr, nullptr},   /* H % G != 0 */
+        {-1, 3, 0, 3, 2, 1, 8, nullptr, 0, nullptr, nullptr},  /* B < 0 */
     };
     for (const nl_attn_shape &b : bad)
         CHECK(nl_cuda_attention_backward(nullptr, f, f, f, f, f, 16, f, f, 8, f, f, f, b) ==
                   cudaErrorInvalidValue,
               "attention_backward shape B %d T %d past %d cap %d H %d G %d hd %d accepted", b.B,
               b.T, b.past, b.kv_cap, b.H, b.G, b.hd);
-    s = {1, 3, 0, 3, 2, 1, 8, nullptr, 0};
+    s = {1, 3, 0, 3, 2, 1, 8, nullptr, 0, nullptr, nullptr};
     CHECK(nl_cuda_attention_backward(nullptr, f, f, f, f, f, 15, f, f, 8, f, f, f, s) ==
               cudaErrorInvalidValue,
           "attention_backward q_stride < H hd accepted");

@@ -255,7 +255,7 @@ bool key_reached(const mask_case &c, int j)
 void run_masked_forward(nl_backend *cpu, const mask_case &c)
 {
     const int cap = c.past + c.T + 3;
-    const nl_attn_shape s = {c.B, c.T, c.past, cap, c.H, c.G, c.hd, nullptr, 0};
+    const nl_attn_shape s = {c.B, c.T, c.past, cap, c.H, c.G, c.hd, nullptr, 0, nullptr, nullptr};
     const int qs = c.H * c.hd + 2, ks = c.G * c.hd + 1;
     const size_t nq = (size_t)c.B * c.T * qs, nk = (size_t)c.B * cap * ks;
     const size_t no = (size_t)c.B * c.T * c.H * c.hd, nl = (size_t)c.B * c.H * c.T;
@@ -298,7 +298,7 @@ void run_masked_forward(nl_backend *cpu, const mask_case &c)
 
 void run_masked_backward(nl_backend *cpu, const mask_case &c)
 {
-    const nl_attn_shape s = {c.B, c.T, 0, c.T, c.H, c.G, c.hd, nullptr, 0};
+    const nl_attn_shape s = {c.B, c.T, 0, c.T, c.H, c.G, c.hd, nullptr, 0, nullptr, nullptr};
     /* q, k, v as column slices of one buffer (core's qkv), padded */
     const int w = (c.H + 2 * c.G) * c.hd + 3;
     const size_t rows = (size_t)c.B * c.T, n = rows * w;
@@ -400,7 +400,7 @@ void test_masked_attention(nl_backend *cpu)
 
     /* a zeroed mask is the causal kernel, to the bit */
     {
-        const nl_attn_shape s = {1, 37, 5, 42, 2, 1, 16, nullptr, 0};
+        const nl_attn_shape s = {1, 37, 5, 42, 2, 1, 16, nullptr, 0, nullptr, nullptr};
         const size_t nq = 37 * 32, nk = 42 * 16, no = 37 * 32;
         gbuf q(nq), k(nk), v(nk), a(no), b(no);
         for (size_t i = 0; i < nq; i++)
@@ -422,12 +422,12 @@ void test_masked_attention(nl_backend *cpu)
     float *p = f.p();
     int32_t d[8] = {0};
     const long before = emu_launch_count();
-    nl_attn_shape s = {1, 3, 2, 5, 2, 1, 8, nullptr, 0};
+    nl_attn_shape s = {1, 3, 2, 5, 2, 1, 8, nullptr, 0, nullptr, nullptr};
     nl_attn_mask bad = {0, 0, d}; /* documents over a cache */
     CHECK(nl_cuda_attention_masked_forward(nullptr, p, p, p, 16, p, p, 8, s, bad) ==
               cudaErrorInvalidValue,
           "documents with past > 0 accepted");
-    s = {1, 3, 0, 3, 2, 1, 8, nullptr, 0};
+    s = {1, 3, 0, 3, 2, 1, 8, nullptr, 0, nullptr, nullptr};
     bad = {1, -2, nullptr};
     CHECK(nl_cuda_attention_masked_forward(nullptr, p, p, p, 16, p, p, 8, s, bad) ==
               cudaErrorInvalidValue,

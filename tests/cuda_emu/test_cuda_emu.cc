@@ -635,7 +635,7 @@ void test_launchers(void)
     CHECK(nl_cuda_copy_rows(nullptr, f, 1, f, 1, 0, 1) == 0, "copy_rows rows 0");
     CHECK(nl_cuda_moe_combine(nullptr, f, f, i, f, 1, 0, 4) == 0, "moe_combine k 0");
     CHECK(nl_cuda_scale_rows(nullptr, f, 1, 1, 0, 0.0f) == 0, "scale_rows cols 0");
-    nl_attn_shape s = {0, 1, 0, 1, 1, 1, 4, nullptr, 0};
+    nl_attn_shape s = {0, 1, 0, 1, 1, 1, 4, nullptr, 0, nullptr, nullptr};
     CHECK(nl_cuda_attention_forward(nullptr, f, f, f, 4, f, f, 4, s) == 0, "attention B 0");
     CHECK(emu_launch_count() == before, "an empty shape launched %ld kernels",
           emu_launch_count() - before);
@@ -648,18 +648,18 @@ void test_launchers(void)
     CHECK(nl_cuda_scale_rows(nullptr, f, -1, 1, 1, 1.0f) == cudaErrorInvalidValue,
           "scale_rows negative ldc");
     const nl_attn_shape bad[] = {
-        {1, 1, 0, 1, 1, 1, 0, nullptr, 0},   /* hd 0 */
-        {1, 1, 0, 1, 1, 1, 257, nullptr, 0}, /* hd past the maximum */
-        {1, 1, 0, 1, 2, 0, 4, nullptr, 0},   /* G 0 */
-        {1, 1, 0, 1, 3, 2, 4, nullptr, 0},   /* H % G != 0 */
-        {1, 2, 3, 4, 1, 1, 4, nullptr, 0},   /* kv_cap < past + T */
-        {1, 1, -1, 1, 1, 1, 4, nullptr, 0},  /* past < 0 */
+        {1, 1, 0, 1, 1, 1, 0, nullptr, 0, nullptr, nullptr},   /* hd 0 */
+        {1, 1, 0, 1, 1, 1, 257, nullptr, 0, nullptr, nullptr}, /* hd past the maximum */
+        {1, 1, 0, 1, 2, 0, 4, nullptr, 0, nullptr, nullptr},   /* G 0 */
+        {1, 1, 0, 1, 3, 2, 4, nullptr, 0, nullptr, nullptr},   /* H % G != 0 */
+        {1, 2, 3, 4, 1, 1, 4, nullptr, 0, nullptr, nullptr},   /* kv_cap < past + T */
+        {1, 1, -1, 1, 1, 1, 4, nullptr, 0, nullptr, nullptr},  /* past < 0 */
     };
     for (const nl_attn_shape &b : bad)
         CHECK(nl_cuda_attention_forward(nullptr, f, f, f, 4, f, f, 4, b) == cudaErrorInvalidValue,
               "attention shape B %d T %d past %d cap %d H %d G %d hd %d accepted", b.B, b.T, b.past,
               b.kv_cap, b.H, b.G, b.hd);
-    s = {1, 1, 0, 1, 1, 1, 4, nullptr, 0};
+    s = {1, 1, 0, 1, 1, 1, 4, nullptr, 0, nullptr, nullptr};
     CHECK(nl_cuda_attention_forward(nullptr, f, f, f, 3, f, f, 4, s) == cudaErrorInvalidValue,
           "attention q_stride < H hd accepted");
     CHECK(nl_cuda_attention_forward(nullptr, f, f, f, 4, f, f, 3, s) == cudaErrorInvalidValue,
@@ -715,7 +715,7 @@ struct attn_case {
 
 void run_attention(nl_backend *cpu, const attn_case &c)
 {
-    nl_attn_shape s = {c.B, c.T, c.past, c.past + c.T + c.extra_cap, c.H, c.G, c.hd, nullptr, 0};
+    nl_attn_shape s = {c.B, c.T, c.past, c.past + c.T + c.extra_cap, c.H, c.G, c.hd, nullptr, 0, nullptr, nullptr};
     const int qs = c.H * c.hd + c.qpad, ks = c.G * c.hd + c.kvpad;
     const size_t nq = (size_t)c.B * c.T * qs, nk = (size_t)c.B * s.kv_cap * ks;
     const size_t no = (size_t)c.B * c.T * c.H * c.hd, nl = (size_t)c.B * c.H * c.T;
@@ -764,6 +764,44 @@ void run_attention(nl_backend *cpu, const attn_case &c)
                                              sd));
     CHECK(memcmp(o3.p(), o2.p(), no * sizeof(float)) == 0 && o3.intact(),
           "%s: with the past read from pos, other outputs", what);
+    /* each sequence in a cache of its own (s.kseq / s.vseq: a batch's
+     * sessions), in reverse order in memory, the shared cache NaN: the
+     * same bits, with the past given and read from pos */
+    {
+        const size_t per = (size_t)s.kv_cap * ks;
+        std::vector<buf> kown, vown;
+        std::vector<const void *> kseq(c.B), vseq(c.B);
+        kown.reserve(c.B);
+        vown.reserve(c.B);
+        for (int b = 0; b < c.B; b++) {
+            kown.emplace_back(per);
+            vown.emplace_back(per);
+        }
+        for (int b = 0; b < c.B; b++) {
+            buf &kb = kown[c.B - 1 - b], &vb = vown[c.B - 1 - b];
+            memcpy(kb.p(), k.p() + b * per, per * sizeof(float));
+            memcpy(vb.p(), v.p() + b * per, per * sizeof(float));
+            kseq[b] = kb.p();
+            vseq[b] = vb.p();
+        }
+        buf nan_k(per), nan_v(per); /* NaN: the shared cache is not read */
+        for (int dev = 0; dev < 2; dev++) {
+            nl_attn_shape so = dev ? sd : s;
+            so.kseq = kseq.data();
+            so.vseq = vseq.data();
+            buf o4(no);
+            check_rc(what, nl_cuda_attention_forward(nullptr, o4.p(), nullptr, q.p(), qs, nan_k.p(),
+                                                     nan_v.p(), ks, so));
+            CHECK(memcmp(o4.p(), o2.p(), no * sizeof(float)) == 0 && o4.intact(),
+                  "%s: the sequences' own caches (past %s), other outputs", what,
+                  dev ? "from pos" : "given");
+        }
+        nl_attn_shape half = s;
+        half.kseq = kseq.data();
+        CHECK(nl_cuda_attention_forward(nullptr, o3.p(), nullptr, q.p(), qs, k.p(), v.p(), ks,
+                                        half) == cudaErrorInvalidValue,
+              "%s: kseq without vseq accepted", what);
+    }
     if (c.lse) {
         size_t lbad = 0;
         double lfrac = 0;
