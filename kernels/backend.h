@@ -277,6 +277,17 @@ struct nl_backend {
     void (*kv_store_bf16)(nl_backend *be, uint16_t *kc, uint16_t *vc, const float *qkv, int stride,
                           int k_col, int v_col, const int32_t *pos, int past, int B, int T, int cap,
                           int kv_dim);
+    /* Optional (NULL: the caller stores each sequence's rows itself):
+     * kv_store for B sequences each in a cache of its own, of floats, or
+     * with bf16 of bf16 bits rounded as kv_store_bf16 rounds. kseq and
+     * vseq are device arrays of B device pointers, read when it runs; row
+     * n = b T + t goes to row pos[n] of sequence b's cache: for j < kv_dim,
+     *   ((float *)kseq[b])[pos[n] kv_dim + j] = qkv[n stride + k_col + j],
+     *   ((float *)vseq[b])[pos[n] kv_dim + j] = qkv[n stride + v_col + j].
+     * Positions are checked by the caller. */
+    void (*kv_store_seq)(nl_backend *be, void *const *kseq, void *const *vseq, int bf16,
+                         const float *qkv, int stride, int k_col, int v_col, const int32_t *pos,
+                         int B, int T, int kv_dim);
     /* Mixture-of-experts combine: for each token n and each of its k
      * choices i (in order), x[n, :] += w[n*k + i] * y[slot[n*k + i], :].
      * y holds the expert outputs in dispatch order. (N, C) */

@@ -338,6 +338,47 @@ static void ds_kv_store(nl_backend *be, float *kc, float *vc, const float *qkv, 
 }
 
 typedef struct {
+    void *const *kseq, *const *vseq; /* the arrays, untagged; their entries tagged */
+    const float *qkv;
+    const int32_t *pos;
+    int bf16, stride, k_col, v_col, B, T, kv_dim;
+} kv_store_seq_args;
+static void run_kv_store_seq(nl_backend *be, const void *p)
+{
+    enum { GROUP = 64 };
+    const kv_store_seq_args *a = p;
+    nl_backend *cpu = nl_ds_cpu(be);
+    void *ks[GROUP], *vs[GROUP]; /* the sequences' caches, read now: untagged */
+    for (int b0 = 0; b0 < a->B; b0 += GROUP) {
+        const int nb = a->B - b0 < GROUP ? a->B - b0 : GROUP;
+        for (int i = 0; i < nb; i++) {
+            ks[i] = nl_ds_untag(a->kseq[b0 + i]);
+            vs[i] = nl_ds_untag(a->vseq[b0 + i]);
+        }
+        const size_t row0 = (size_t)b0 * a->T;
+        cpu->kv_store_seq(cpu, ks, vs, a->bf16, a->qkv + row0 * a->stride, a->stride, a->k_col,
+                          a->v_col, a->pos + row0, nb, a->T, a->kv_dim);
+    }
+}
+static void ds_kv_store_seq(nl_backend *be, void *const *kseq, void *const *vseq, int bf16,
+                            const float *qkv, int stride, int k_col, int v_col, const int32_t *pos,
+                            int B, int T, int kv_dim)
+{
+    kv_store_seq_args a = {nl_ds_untag(kseq),
+                           nl_ds_untag(vseq),
+                           UF(qkv),
+                           UI(pos),
+                           bf16,
+                           stride,
+                           k_col,
+                           v_col,
+                           B,
+                           T,
+                           kv_dim};
+    QUEUE(be, run_kv_store_seq, a);
+}
+
+typedef struct {
     uint16_t *kc, *vc;
     const float *qkv;
     const int32_t *pos;
@@ -620,6 +661,7 @@ void nl_devsim_fill_graph_slots(nl_backend *be)
     be->gather_rows = ds_gather_rows;
     be->copy_rows = ds_copy_rows;
     be->kv_store = ds_kv_store;
+    be->kv_store_seq = in->kv_store_seq ? ds_kv_store_seq : NULL;
     be->kv_store_bf16 = ds_kv_store_bf16;
     be->moe_combine = ds_moe_combine;
     be->moe_route = ds_moe_route;

@@ -8,7 +8,8 @@
  * the caches. The backend's row-invariant GEMM (gemm_rows), on which the
  * batch's invariance rests, gives every row the same bits for any M; and
  * the invariance holds through padding too, where a backend has none. A
- * decode step of many sessions makes one attention call a layer. */
+ * decode step of many sessions makes one attention call and one cache
+ * write a layer. */
 #include "core/model/batch.h"
 #include "core/model/forward.h"
 #include "core/model/sampler.h"
@@ -37,6 +38,9 @@ static nl_config test_config(void)
     return c;
 }
 
+/* The caches' type (test_alone_vs_together runs with each). */
+static nl_kv_dtype kv_kind = NL_KV_FP32;
+
 /* One sequence's generation state. */
 typedef struct gen {
     int32_t prompt[24];
@@ -54,7 +58,7 @@ static void gen_start(gen *g, nl_model *m, int i, nl_error *err)
     g->P = 3 + (i * 5) % 19; /* 3 .. 21: several prefill chunks */
     for (int t = 0; t < g->P; t++)
         g->prompt[t] = (int32_t)((i * 31 + t * 7) % 300);
-    CHECK_OK(nl_kvcache_new(&g->kv, m, 1, g->P + NEW, NL_KV_FP32, err), err);
+    CHECK_OK(nl_kvcache_new(&g->kv, m, 1, g->P + NEW, kv_kind, err), err);
     CHECK_OK(nl_sampler_init(&g->smp, 300, 0.9f, 0.95f, (uint64_t)(100 + i), err), err);
 }
 
@@ -143,7 +147,7 @@ static void test_alone_vs_together(nl_model *m)
         all[i] = &together[i];
     }
     int steps = 0, widest = 0, s;
-    const uint64_t calls0 = nl_batch_attention_calls(b);
+    const nl_batch_call_stats calls0 = nl_batch_calls(b);
     const uint64_t replays0 = nl_batch_graphs(b).replays;
     attn_expected = multi_steps = 0;
     while ((s = step(b, all, nseq, &err)) > 0) {
@@ -156,10 +160,15 @@ static void test_alone_vs_together(nl_model *m)
      * decode, queues none: a layer's call less each) */
     const uint64_t replayed = nl_batch_graphs(b).replays - replays0;
     const uint64_t want = attn_expected - replayed * (uint64_t)m->cfg.num_layers;
-    CHECK(multi_steps >= NEW / 2 && nl_batch_attention_calls(b) - calls0 == want,
+    const nl_batch_call_stats calls = nl_batch_calls(b);
+    CHECK(multi_steps >= NEW / 2 && calls.attention - calls0.attention == want,
           "together: %llu attention calls, %llu expected (%llu decode steps, %llu replayed)",
-          (unsigned long long)(nl_batch_attention_calls(b) - calls0), (unsigned long long)want,
+          (unsigned long long)(calls.attention - calls0.attention), (unsigned long long)want,
           (unsigned long long)multi_steps, (unsigned long long)replayed);
+    /* and its cache writes one call a layer, where the backend has kv_store_seq */
+    CHECK(!m->be->kv_store_seq || calls.kv_writes - calls0.kv_writes == want,
+          "together: %llu cache writes, %llu expected",
+          (unsigned long long)(calls.kv_writes - calls0.kv_writes), (unsigned long long)want);
     for (int i = 0; i < nseq; i++) {
         CHECK(together[i].n == NEW, "sequence %d: %d ids", i, together[i].n);
         CHECK(memcmp(solo[i].ids, together[i].ids, sizeof solo[i].ids) == 0,
@@ -596,6 +605,11 @@ int main(void)
         test_gemm_rows(be);
         test_matches_forward(m);
         test_alone_vs_together(m);
+        if (be->kv_store_bf16) { /* with bf16 caches (their own cache writes) */
+            kv_kind = NL_KV_BF16;
+            test_alone_vs_together(m);
+            kv_kind = NL_KV_FP32;
+        }
         /* and through padding, as on a backend without gemm_rows: on the
          * CPU, whose sgemm computes a row alike for any M >= 16 (cuBLAS,
          * run here by bench/gpu_check.sh, picks algorithms by M) */

@@ -123,7 +123,7 @@ struct nl_batch {
     int seq_layers;
     int seq_n; /* segments the device copy holds (0: none) */
     int multi; /* this call: one attention call a layer over every segment */
-    uint64_t attn_calls;
+    nl_batch_call_stats calls;
     batch_graph graphs[BATCH_GRAPHS];
     uint64_t tick;
     int graphs_off; /* NL_GRAPHS=0, nl_batch_set_graphs, or a refused recording */
@@ -311,18 +311,28 @@ static nl_status check_segs(const nl_batch *b, const nl_batch_seg *segs, const f
 }
 
 /* Attention of every segment over its own cache, after the batch's QKV
- * GEMM and RoPE: the same slot call a lone sequence makes, or, in a
- * decode step of many segments (b->multi), one call over all of them,
- * each sequence's cache from the layer's pointer arrays and its past from
- * pos_d (upload_inputs wrote both). */
+ * GEMM and RoPE: the same slot calls a lone sequence makes (its rows into
+ * its cache, then its attention), or, in a decode step of many segments
+ * (b->multi), one call over all of them, each sequence's cache from the
+ * layer's pointer arrays and its past from pos_d (upload_inputs wrote
+ * both), after one kv_store_seq of every segment's row where the backend
+ * has it. */
 static void attend_segments(nl_batch *b, int li, const nl_batch_seg *segs, int n)
 {
     nl_backend *be = b->m->be;
     const nl_config *c = &b->m->cfg;
     const int hd = nl_config_head_dim(c), H = c->num_heads, G = c->num_kv_heads;
     const int qkv = (H + 2 * G) * hd;
+    const size_t R = (size_t)b->max_rows;
+    void **seq = b->multi ? b->seq_d + (size_t)li * 2 * R : NULL;
+    const int kv_bf16 = segs[0].kv->dtype == NL_KV_BF16, kv_dim = segs[0].kv->kv_dim;
+    const int one_store = b->multi && be->kv_store_seq;
+    if (one_store) {
+        be->kv_store_seq(be, seq, seq + R, kv_bf16, b->acts.qkv, qkv, H * hd, (H + G) * hd,
+                         b->pos_d, n, 1, kv_dim);
+        b->calls.kv_writes++;
+    }
     int row = 0, cap = 0;
-    const void *k0 = NULL, *v0 = NULL;
     for (int i = 0; i < n; i++) {
         nl_kvcache *kv = segs[i].kv;
         const int T = segs[i].T, past = kv->len;
@@ -336,29 +346,31 @@ static void attend_segments(nl_batch *b, int li, const nl_batch_seg *segs, int n
                            .G = G,
                            .hd = hd,
                            .kv_bf16 = kv->dtype == NL_KV_BF16};
-        if (b->acts.dev_past) { /* a recorded step: the positions are read on the device */
+        if (one_store) {
+            /* written above */
+        } else if (b->acts.dev_past) { /* a recorded step: positions read on the device */
             nl_kvcache_store(kv, li, q, qkv, H * hd, (H + G) * hd, 1, T, b->pos_d + row, &k, &v);
-            s.past = 0;
-            s.pos = b->pos_d + row;
+            b->calls.kv_writes++;
         } else {
             nl_kvcache_append(kv, li, q, qkv, H * hd, (H + G) * hd, 1, T, past, &k, &v);
+            b->calls.kv_writes++;
         }
-        if (!b->multi) {
+        if (b->multi) {
+            cap = i == 0 || kv->cap < cap ? kv->cap : cap;
+        } else {
+            if (b->acts.dev_past) {
+                s.past = 0;
+                s.pos = b->pos_d + row;
+            }
             be->attention_forward(be, b->acts.att + (size_t)row * H * hd, NULL, q, qkv, k, v,
                                   kv->kv_dim, s);
-            b->attn_calls++;
-        } else if (i == 0 || kv->cap < cap) {
-            cap = kv->cap;
-        }
-        if (i == 0) {
-            k0 = k;
-            v0 = v;
+            b->calls.attention++;
         }
         row += T;
     }
     if (b->multi) {
-        const size_t R = (size_t)b->max_rows;
-        void **seq = b->seq_d + (size_t)li * 2 * R;
+        const void *k0, *v0; /* checked non-NULL; the sequences' own are read */
+        nl_kvcache_layer(segs[0].kv, li, &k0, &v0);
         const nl_attn_shape s = {.B = n,
                                  .T = 1,
                                  .kv_cap = cap,
@@ -366,12 +378,11 @@ static void attend_segments(nl_batch *b, int li, const nl_batch_seg *segs, int n
                                  .G = G,
                                  .hd = hd,
                                  .pos = b->pos_d,
-                                 .kv_bf16 = segs[0].kv->dtype == NL_KV_BF16,
+                                 .kv_bf16 = kv_bf16,
                                  .kseq = (const void *const *)seq,
                                  .vseq = (const void *const *)(seq + R)};
-        be->attention_forward(be, b->acts.att, NULL, b->acts.qkv, qkv, k0, v0, segs[0].kv->kv_dim,
-                              s);
-        b->attn_calls++;
+        be->attention_forward(be, b->acts.att, NULL, b->acts.qkv, qkv, k0, v0, kv_dim, s);
+        b->calls.attention++;
     }
 }
 
@@ -501,9 +512,9 @@ nl_runstate_graph_stats nl_batch_graphs(const nl_batch *b)
     return b->gs;
 }
 
-uint64_t nl_batch_attention_calls(const nl_batch *b)
+nl_batch_call_stats nl_batch_calls(const nl_batch *b)
 {
-    return b->attn_calls;
+    return b->calls;
 }
 
 /* A decode call (every segment one position) on a backend with graph

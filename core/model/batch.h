@@ -12,8 +12,9 @@
  * decode step of two or more segments (every T 1, caches of one type),
  * whose attention is one call over all of them (s.kseq / s.vseq: each
  * sequence read from its own cache, its position from the device), one
- * launch a layer in place of one a session; a sequence's bits are those
- * of its own call.
+ * launch a layer in place of one a session, and whose cache writes are
+ * one kv_store_seq a layer where the backend has it; a sequence's bits
+ * are those of its own calls.
  *
  * Batch invariance: a row's result must not depend on which other rows
  * share its GEMMs, or a seeded generation would give other tokens when
@@ -98,10 +99,16 @@ nl_status nl_batch_forward_hidden(nl_batch *b, const nl_batch_seg *segs, const f
  * nl_batch_set_graphs(b, 0), turns it off; nl_batch_graphs counts. */
 void nl_batch_set_graphs(nl_batch *b, int on);
 nl_runstate_graph_stats nl_batch_graphs(const nl_batch *b);
-/* Attention slot calls this batch has queued (recorded ones counted when
- * recorded): one a layer for a decode step of many sessions, one a
- * segment a layer otherwise. */
-uint64_t nl_batch_attention_calls(const nl_batch *b);
+/* The per-layer calls this batch has queued (a recorded step's counted
+ * when recorded, not when replayed): attention slot calls, one a layer
+ * for a decode step of many sessions, one a segment a layer otherwise;
+ * and KV cache writes, likewise (one a layer where the backend has
+ * kv_store_seq). */
+typedef struct nl_batch_call_stats {
+    uint64_t attention;
+    uint64_t kv_writes;
+} nl_batch_call_stats;
+nl_batch_call_stats nl_batch_calls(const nl_batch *b);
 
 /* Host (vocab_size) logits of segment i, valid until the next call; NULL
  * with err set when it has none or the download failed. */

@@ -387,6 +387,28 @@ static void cpu_kv_store_bf16(nl_backend *be, uint16_t *kc, uint16_t *vc, const 
     }
 }
 
+static void cpu_kv_store_seq(nl_backend *be, void *const *kseq, void *const *vseq, int bf16,
+                             const float *qkv, int stride, int k_col, int v_col, const int32_t *pos,
+                             int B, int T, int kv_dim)
+{
+    const int rows = B * T;
+#pragma omp parallel for NL_CPU_TEAM(be) PAR_ROWS(rows)
+    for (int n = 0; n < rows; n++) {
+        const size_t dst = (size_t)pos[n] * kv_dim;
+        const float *src = qkv + (size_t)n * stride;
+        if (bf16) {
+            uint16_t *k = (uint16_t *)kseq[n / T] + dst, *v = (uint16_t *)vseq[n / T] + dst;
+            for (int j = 0; j < kv_dim; j++) {
+                k[j] = nl_elem_to_bf16(src[k_col + j]);
+                v[j] = nl_elem_to_bf16(src[v_col + j]);
+            }
+        } else {
+            memcpy((float *)kseq[n / T] + dst, src + k_col, (size_t)kv_dim * sizeof(float));
+            memcpy((float *)vseq[n / T] + dst, src + v_col, (size_t)kv_dim * sizeof(float));
+        }
+    }
+}
+
 static void cpu_moe_combine(nl_backend *be, float *x, const float *y, const int32_t *slot,
                             const float *w, int N, int k, int C)
 {
@@ -472,6 +494,7 @@ nl_status nl_cpu_backend_new(nl_backend **out, const nl_backend_opts *o, nl_erro
     be->gather_rows = cpu_gather_rows;
     be->copy_rows = cpu_copy_rows;
     be->kv_store = cpu_kv_store;
+    be->kv_store_seq = cpu_kv_store_seq;
     be->kv_store_bf16 = cpu_kv_store_bf16;
     be->moe_combine = cpu_moe_combine;
     be->moe_route = nl_cpu_moe_route;

@@ -159,6 +159,28 @@ __global__ void kv_store_bf16_kernel(uint16_t *kc, uint16_t *vc, const float *qk
     }
 }
 
+/* Row n = b T + t of qkv into row pos[n] of sequence b's own cache
+ * (kseq[b], vseq[b]): floats, or bf16 bits rounded to nearest even. */
+template <bool BF16>
+__global__ void kv_store_seq_kernel(void *const *kseq, void *const *vseq, const float *qkv,
+                                    int stride, int k_col, int v_col, const int32_t *pos, int rows,
+                                    int T, int kv_dim)
+{
+    for (size_t n = blockIdx.x; n < (size_t)rows; n += gridDim.x) {
+        const size_t b = n / (size_t)T, dst = (size_t)pos[n] * (size_t)kv_dim;
+        const float *s = qkv + n * (size_t)stride;
+        for (int c = threadIdx.x; c < kv_dim; c += blockDim.x) {
+            if (BF16) {
+                static_cast<uint16_t *>(kseq[b])[dst + c] = nl_elem_to_bf16(s[k_col + c]);
+                static_cast<uint16_t *>(vseq[b])[dst + c] = nl_elem_to_bf16(s[v_col + c]);
+            } else {
+                static_cast<float *>(kseq[b])[dst + c] = s[k_col + c];
+                static_cast<float *>(vseq[b])[dst + c] = s[v_col + c];
+            }
+        }
+    }
+}
+
 /* x[n, :] += w[n k + i] y[slot[n k + i], :] for i = 0 .. k-1, in that
  * order (the CPU's), each element kept in a register meanwhile. */
 __global__ void moe_combine_kernel(float *x, const float *y, const int32_t *slot, const float *w,
@@ -439,6 +461,26 @@ extern "C" int nl_cuda_kv_store_bf16(void *stream, uint16_t *kc, uint16_t *vc, c
         return (int)cudaErrorInvalidValue;
     kv_store_bf16_kernel<<<row_blocks(B * T), row_threads(kv_dim, 256), 0, (cudaStream_t)stream>>>(
         kc, vc, qkv, stride, k_col, v_col, pos, past, B * T, T, cap, kv_dim);
+    return launched();
+}
+
+extern "C" int nl_cuda_kv_store_seq(void *stream, void *const *kseq, void *const *vseq, int bf16,
+                                    const float *qkv, int stride, int k_col, int v_col,
+                                    const int32_t *pos, int B, int T, int kv_dim)
+{
+    if (B <= 0 || T <= 0 || kv_dim <= 0)
+        return 0;
+    if (!kseq || !vseq || !pos || stride < 0 || k_col < 0 || v_col < 0 ||
+        (long long)B * T > INT_MAX)
+        return (int)cudaErrorInvalidValue;
+    const unsigned blocks = row_blocks(B * T), threads = row_threads(kv_dim, 256);
+    cudaStream_t st = (cudaStream_t)stream;
+    if (bf16)
+        kv_store_seq_kernel<true><<<blocks, threads, 0, st>>>(kseq, vseq, qkv, stride, k_col, v_col,
+                                                              pos, B * T, T, kv_dim);
+    else
+        kv_store_seq_kernel<false><<<blocks, threads, 0, st>>>(kseq, vseq, qkv, stride, k_col,
+                                                               v_col, pos, B * T, T, kv_dim);
     return launched();
 }
 

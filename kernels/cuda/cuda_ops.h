@@ -51,6 +51,12 @@ int nl_cuda_kv_store(void *stream, float *kc, float *vc, const float *qkv, int s
 int nl_cuda_kv_store_bf16(void *stream, uint16_t *kc, uint16_t *vc, const float *qkv, int stride,
                           int k_col, int v_col, const int32_t *pos, int past, int B, int T, int cap,
                           int kv_dim);
+/* The kv_store_seq slot: row n = b T + t of qkv into row pos[n] of
+ * sequence b's own cache (kseq[b], vseq[b], device arrays of device
+ * pointers), floats, or with bf16 bf16 bits as nl_cuda_kv_store_bf16. */
+int nl_cuda_kv_store_seq(void *stream, void *const *kseq, void *const *vseq, int bf16,
+                         const float *qkv, int stride, int k_col, int v_col, const int32_t *pos,
+                         int B, int T, int kv_dim);
 int nl_cuda_moe_combine(void *stream, float *x, const float *y, const int32_t *slot, const float *w,
                         int N, int k, int C);
 /* C[r, 0:cols] = beta == 0 ? 0 : beta * C[r, 0:cols] for r < rows, row

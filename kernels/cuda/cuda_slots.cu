@@ -129,6 +129,16 @@ void cu_kv_store(nl_backend *be, float *kc, float *vc, const float *qkv, int str
         nl_cuda_kv_store(c->stream, kc, vc, qkv, stride, k_col, v_col, pos, B, T, cap, kv_dim));
 }
 
+void cu_kv_store_seq(nl_backend *be, void *const *kseq, void *const *vseq, int bf16,
+                     const float *qkv, int stride, int k_col, int v_col, const int32_t *pos, int B,
+                     int T, int kv_dim)
+{
+    cuda_ctx *c = enter_slot(be, __func__);
+    launched(c, "kv_store_seq",
+             nl_cuda_kv_store_seq(c->stream, kseq, vseq, bf16, qkv, stride, k_col, v_col, pos, B, T,
+                                  kv_dim));
+}
+
 void cu_kv_store_bf16(nl_backend *be, uint16_t *kc, uint16_t *vc, const float *qkv, int stride,
                       int k_col, int v_col, const int32_t *pos, int past, int B, int T, int cap,
                       int kv_dim)
@@ -526,6 +536,7 @@ void fill_op_slots(nl_backend *be)
     be->copy_rows = cu_copy_rows;
     be->kv_store = cu_kv_store;
     be->kv_store_bf16 = cu_kv_store_bf16;
+    be->kv_store_seq = cu_kv_store_seq;
     be->moe_combine = cu_moe_combine;
     be->moe_route = cu_moe_route;
     be->moe_aux = cu_moe_aux;

@@ -573,7 +573,42 @@ void test_kv_store(nl_backend *cpu)
                       kvd);
         check_elem(what, ka, kb, 0, 0);
         check_elem(what, va, vb, 0, 0);
+        /* each sequence in a cache of its own (kv_store_seq), in reverse
+         * order in memory: the same rows; and in bf16, kv_store_bf16's bits */
+        for (int bf16 = 0; bf16 < 2; bf16++) {
+            const size_t per = (size_t)cap * kvd;
+            std::vector<std::vector<float>> ko(B, std::vector<float>(per, 9.0f)), vo(ko);
+            std::vector<std::vector<uint16_t>> k16(B, std::vector<uint16_t>(per, 7)), v16(k16);
+            std::vector<void *> kseq(B), vseq(B);
+            for (int b = 0; b < B; b++) {
+                kseq[b] = bf16 ? (void *)k16[B - 1 - b].data() : (void *)ko[B - 1 - b].data();
+                vseq[b] = bf16 ? (void *)v16[B - 1 - b].data() : (void *)vo[B - 1 - b].data();
+            }
+            check_rc(what, nl_cuda_kv_store_seq(nullptr, kseq.data(), vseq.data(), bf16, qkv.p(),
+                                                stride, k_col, v_col, pos.data(), B, T, kvd));
+            std::vector<uint16_t> kr((size_t)B * per, 7), vr(kr);
+            if (bf16)
+                check_rc(what, nl_cuda_kv_store_bf16(nullptr, kr.data(), vr.data(), qkv.p(), stride,
+                                                     k_col, v_col, pos.data(), 0, B, T, cap, kvd));
+            bool same = true;
+            for (int b = 0; b < B; b++)
+                for (size_t i = 0; i < per; i++) {
+                    const size_t at = (size_t)b * per + i;
+                    if (bf16)
+                        same &= k16[B - 1 - b][i] == kr[at] && v16[B - 1 - b][i] == vr[at];
+                    else
+                        same &= memcmp(&ko[B - 1 - b][i], &kb[at], sizeof(float)) == 0 &&
+                                memcmp(&vo[B - 1 - b][i], &vb[at], sizeof(float)) == 0;
+                }
+            CHECK(same, "%s: the sequences' own caches (%s): other rows", what,
+                  bf16 ? "bf16" : "FP32");
+        }
     }
+    int32_t p0 = 0;
+    float f[4] = {0};
+    CHECK(nl_cuda_kv_store_seq(nullptr, nullptr, nullptr, 0, f, 4, 0, 0, &p0, 1, 1, 1) ==
+              cudaErrorInvalidValue,
+          "kv_store_seq without the caches' arrays accepted");
 }
 
 void test_moe_combine(nl_backend *cpu)
