@@ -238,17 +238,24 @@ if want d; then
     run profile 90 30 env NL_CUDA_PROFILE=1 "$NEUROCTL" bench --device "$DEVICE" --precision bf16 \
         --config "$SRC/configs/$cfg.yaml" --batch "$BATCH" --seq "$T" --repeats 2 --decode-tokens 4 && true
     if [ "$RC" -ne 125 ]; then
-        # "NAME: profile SLOT  CALLS calls  MS ms  PCT%", largest first (cuda_backend.cu)
+        # "NAME: profile SLOT  CALLS calls  MS ms  PCT% (device wait MS ms
+        # PCT%)", largest first (cuda_backend.cu); the waits, largest
+        # first, are where the device's time went (the host's own, e.g.
+        # the bench's initialisation, is in the first figure only)
         figs=$($PY - "$OUT/profile.log" <<'PY' 2>&1
 import re, sys
 text = open(sys.argv[1], errors="replace").read()
-tot = re.search(r"NL_CUDA_PROFILE: ([0-9.]+) s in (\d+) slots", text)
-rows = re.findall(r"profile (\S+) +(\d+) calls +([0-9.]+) ms +([0-9.]+)%", text)
+tot = re.search(r"NL_CUDA_PROFILE: ([0-9.]+) s in (\d+) slots[^,]*,? *([0-9.]+)?", text)
+rows = re.findall(r"profile (\S+) +(\d+) calls +([0-9.]+) ms +([0-9.]+)%"
+                  r"(?: \(device wait +([0-9.]+) ms +([0-9.]+)%\))?", text)
 if not tot:
     sys.exit("no profile in the log (not a CUDA backend?)")
 lt = re.search(r"cuBLASLt cache: [^\n]*", text)
-print("%s s in %s slots: %s%s" % (tot.group(1), tot.group(2),
-      ", ".join("%s %s%% (%s calls)" % (n, p, c) for n, c, ms, p in rows[:8]),
+waits = sorted((r for r in rows if r[5]), key=lambda r: -float(r[4]))
+print("%s s in %s slots: %s; device waits (%s s): %s%s" % (tot.group(1), tot.group(2),
+      ", ".join("%s %s%% (%s calls)" % (n, p, c) for n, c, ms, p, w, wp in rows[:8]),
+      tot.group(3) or "?",
+      ", ".join("%s %s%%" % (n, wp) for n, c, ms, p, w, wp in waits[:8]) or "none",
       "; " + lt.group(0) if lt else ""))
 PY
 ) || case $DEVICE in cuda:*) RC=1 ;; esac # only the CUDA backend profiles

@@ -199,6 +199,7 @@ double prof_now(void)
 /* NL_CUDA_PROFILE: the time since the last slot's entry is that slot's. */
 void prof_mark(cuda_ctx *c, const char *slot)
 {
+    const double t0 = prof_now();
     cudaStreamSynchronize(c->stream);
     const double t = prof_now();
     if (c->prof_prev) {
@@ -208,6 +209,7 @@ void prof_mark(cuda_ctx *c, const char *slot)
         c->prof[i].name = c->prof_prev;
         c->prof[i].calls++;
         c->prof[i].s += t - c->prof_t;
+        c->prof[i].wait_s += t - t0;
     }
     c->prof_prev = slot;
     c->prof_t = t;
@@ -216,14 +218,16 @@ void prof_mark(cuda_ctx *c, const char *slot)
 /* The profile, largest first, into the log (at destroy). */
 void prof_report(cuda_ctx *c)
 {
-    double total = 0;
+    double total = 0, wait = 0;
     int n = 0;
-    while (n < 64 && c->prof[n].name)
-        total += c->prof[n++].s;
+    for (; n < 64 && c->prof[n].name; n++) {
+        total += c->prof[n].s;
+        wait += c->prof[n].wait_s;
+    }
     nl_log_write(NL_LOG_WARN,
                  "%s: NL_CUDA_PROFILE: %.3f s in %d slots (device and host time "
-                 "from each slot's entry to the next's)",
-                 c->name, total, n);
+                 "from each slot's entry to the next's), %.3f s of it waiting for the device",
+                 c->name, total, n, wait);
     for (int k = 0; k < n; k++) {
         int best = k;
         for (int i = k + 1; i < n; i++)
@@ -232,8 +236,12 @@ void prof_report(cuda_ctx *c)
         const auto e = c->prof[best];
         c->prof[best] = c->prof[k];
         c->prof[k] = e;
-        nl_log_write(NL_LOG_WARN, "%s: profile %-24s %8llu calls %9.3f ms %5.1f%%", c->name, e.name,
-                     (unsigned long long)e.calls, e.s * 1e3, total > 0 ? 100.0 * e.s / total : 0.0);
+        nl_log_write(
+            NL_LOG_WARN,
+            "%s: profile %-24s %8llu calls %9.3f ms %5.1f%% (device wait %9.3f ms %5.1f%%)",
+            c->name, e.name, (unsigned long long)e.calls, e.s * 1e3,
+            total > 0 ? 100.0 * e.s / total : 0.0, e.wait_s * 1e3,
+            wait > 0 ? 100.0 * e.wait_s / wait : 0.0);
     }
     /* the bf16 GEMMs' descriptor cache: a miss is host time (cuBLASLt's
      * heuristic) inside its slot's share above */

@@ -135,14 +135,18 @@ struct cuda_ctx {
     const char *refused;
     /* NL_CUDA_PROFILE=1: each slot's time, the device's and the host's
      * until the next slot, measured by waiting for the stream at every
-     * slot's entry (so overlap is gone: a diagnostic, not a speed) */
+     * slot's entry (so overlap is gone: a diagnostic, not a speed); of it,
+     * the wait at the next entry (the slot's device work still running)
+     * apart from the host's time before it (its launch and whatever the
+     * caller did next: a host-side initialisation shows there) */
     int profile;
     const char *prof_prev; /* the slot entered last */
-    double prof_t;         /* when it was entered */
+    double prof_t;         /* when its wait for the stream ended */
     struct {
         const char *name;
         uint64_t calls;
-        double s;
+        double s;      /* host and wait */
+        double wait_s; /* of it, waiting for the stream */
     } prof[64];
 };
 
