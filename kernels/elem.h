@@ -306,7 +306,10 @@ NL_HD float nl_elem_from_bf16(uint16_t h)
  * cut by id). M falls as tau grows, so tau is found by bisection over the
  * bits of non-negative floats (their order is their bits' order): 31
  * evaluations of M, each a sum in a fixed order, so a GPU that evaluates
- * M with its chunks side by side finds the same tau and the same id. The
+ * M with its chunks side by side finds the same tau and the same id (any
+ * search that keeps M(lo) >= top_p * total > M(hi) until lo and hi are
+ * adjacent ends at the same pair: CUDA evaluates 8 points inside (lo, hi)
+ * a pass, 10 passes). The
  * host, with the weights stored, guesses tau by a radix select and proves
  * it with two evaluations of M (nl_elem_sample_guess), bisecting only
  * where the proof fails: the same tau, about five passes over V weights.

@@ -217,7 +217,11 @@ int launched(void)
 /* ---------------------------------------------------------------- sampling */
 
 constexpr int SAMPLE_THREADS = 256;
-constexpr int SAMPLE_MAX_CHUNKS = NL_SAMPLE_MAX_VOCAB / NL_SAMPLE_CHUNK;
+/* the chunk sums a block keeps: K thresholds' sums of up to 32768 / K
+ * chunks (32 KiB of shared memory) */
+constexpr int SAMPLE_SUMS = 4096;
+static_assert(4 * (NL_SAMPLE_MAX_VOCAB / NL_SAMPLE_CHUNK) <= SAMPLE_SUMS,
+              "K = 4 holds the largest vocabulary's chunks");
 
 /* The rows of one launch, passed by value as the kernel's argument (1.5
  * KiB, within the 4 KiB every GPU takes): nothing is uploaded for them. */
@@ -225,24 +229,48 @@ struct sample_launch {
     nl_sample_row r[NL_CUDA_SAMPLE_LAUNCH_ROWS];
 };
 
-/* M(tau) of a row (elem.h's nl_elem_sample_mass) with its chunks side by
- * side: chunk c's sum by one thread in id order into sums[c], the chunks'
- * sum by thread 0 in chunk order, the same bits as the host's. Every
- * thread of the block calls it; the result is thread 0's. */
-__device__ double sample_mass(double *sums, const float *l, const float *w, int V, float lmax,
-                              float t, float tau)
+/* M(tau[j]) (elem.h's nl_elem_sample_mass) of a row for the nt <= K
+ * thresholds tau[0 .. nt), in one pass over its weights: chunk c's nt
+ * sums by one thread, each in id order (a weight below a threshold adds
+ * nothing to its sum, as the rule skips it), into sums[j cap + c]; then
+ * thread j sums threshold j's chunks in chunk order into m[j]: each the
+ * host's bits. Every thread calls it; it ends with a barrier. */
+template <int K>
+__device__ void sample_masses(double *sums, double *m, const float *l, const float *w, int V,
+                              float lmax, float t, const float *tau, int nt)
 {
+    constexpr int cap = SAMPLE_SUMS / K;
     const int chunks = (V + NL_SAMPLE_CHUNK - 1) / NL_SAMPLE_CHUNK;
+    float tv[K];
+#pragma unroll
+    for (int j = 0; j < K; j++)
+        tv[j] = j < nt ? tau[j] : INFINITY; /* never reached: weights are finite */
     for (int c = threadIdx.x; c < chunks; c += SAMPLE_THREADS) {
-        const int i0 = c * NL_SAMPLE_CHUNK;
-        sums[c] = nl_elem_sample_chunk(l, w, i0, nl_elem_sample_end(i0, V), lmax, t, tau);
+        const int i0 = c * NL_SAMPLE_CHUNK, i1 = nl_elem_sample_end(i0, V);
+        double acc[K];
+#pragma unroll
+        for (int j = 0; j < K; j++)
+            acc[j] = 0.0;
+        for (int i = i0; i < i1; i++) {
+            const float p = nl_elem_sample_w(l, w, i, lmax, t);
+#pragma unroll
+            for (int j = 0; j < K; j++)
+                if (p >= tv[j])
+                    acc[j] += p;
+        }
+#pragma unroll
+        for (int j = 0; j < K; j++)
+            if (j < nt)
+                sums[j * cap + c] = acc[j];
     }
     __syncthreads();
-    double total = 0.0;
-    if (threadIdx.x == 0)
+    if ((int)threadIdx.x < nt) {
+        double total = 0.0;
         for (int c = 0; c < chunks; c++)
-            total += sums[c];
-    return total;
+            total += sums[threadIdx.x * cap + c];
+        m[threadIdx.x] = total;
+    }
+    __syncthreads();
 }
 
 /* One block a row: elem.h's nl_elem_sample_row with its parallel parts
@@ -250,18 +278,27 @@ __device__ double sample_mass(double *sums, const float *l, const float *w, int 
  * is a total order, so any tree finds the sequential loop's id; each
  * chunk's sum by one thread in id order, the chunks' running sum and the
  * scan inside the chosen chunk by thread 0, in the host's order: the same
- * id, bit for bit. A top-p row's threshold by the host's bisection, each
- * of its 31 masses so computed, from its weights stored once in ws (V
- * floats a block; NULL: computed again each pass, the same bits). A block
- * reads its own row only, so a row's id does not depend on the others of
- * its launch. */
+ * id, bit for bit. A top-p row's threshold tau is the largest float (by
+ * its bits) whose mass M reaches top_p * total, M falling as tau grows:
+ * the host's bisection keeps lo and hi with M(lo) >= want > M(hi) until
+ * they are adjacent; here each pass evaluates M at K points spread inside
+ * (lo, hi), all in one pass over the weights, and keeps the two around
+ * the edge, so (lo, hi) shrinks (K + 1)-fold a pass (10 passes for K = 8
+ * where bisection takes 31) and ends at the same adjacent pair: the same
+ * tau. Weights stored once in ws (V floats a block; NULL: computed again
+ * each pass, the same bits). A block reads its own row only, so a row's
+ * id does not depend on the others of its launch. */
+template <int K>
 __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_kernel(int32_t *ids, const sample_launch rows, int V, float *ws)
 {
     __shared__ float bv[SAMPLE_THREADS];
     __shared__ int bi[SAMPLE_THREADS];
-    __shared__ double sums[SAMPLE_MAX_CHUNKS];
-    __shared__ uint32_t bounds[2]; /* the bisection's lo and hi */
+    __shared__ double sums[SAMPLE_SUMS];
+    __shared__ double m[K];
+    __shared__ float tau_at[K];
+    __shared__ uint32_t cand[K], bounds[2]; /* the points, and lo and hi */
+    __shared__ int ncand;
     __shared__ double want;
     const float *l = rows.r[blockIdx.x].logits;
     const float t = rows.r[blockIdx.x].temperature, top_p = rows.r[blockIdx.x].top_p;
@@ -290,36 +327,56 @@ __global__ void __launch_bounds__(SAMPLE_THREADS)
         return;
     }
     const float lmax = l[best];
-    float tau = 0.0f;
     float *w = nullptr;
+    if (tid == 0)
+        tau_at[0] = 0.0f;
     if (nl_elem_sample_nucleus(top_p)) {
         if (ws) {
             w = ws + (size_t)blockIdx.x * V;
             for (int i = tid; i < V; i += SAMPLE_THREADS)
                 w[i] = nl_elem_sample_weight(l[i], lmax, t);
-            __syncthreads();
         }
-        const double total = sample_mass(sums, l, w, V, lmax, t, 0.0f);
+        __syncthreads();
+        sample_masses<K>(sums, m, l, w, V, lmax, t, tau_at, 1);
         if (tid == 0) {
-            want = (double)top_p * total;
+            want = (double)top_p * m[0];
             bounds[0] = 0;
             bounds[1] = NL_SAMPLE_TAU_HI;
         }
         __syncthreads();
         while (bounds[1] - bounds[0] > 1) { /* uniform: every thread reads after a barrier */
-            const uint32_t mid = bounds[0] + (bounds[1] - bounds[0]) / 2;
-            const double m = sample_mass(sums, l, w, V, lmax, t, nl_elem_sample_tau(mid));
-            if (tid == 0)
-                bounds[m >= want ? 0 : 1] = mid;
+            if (tid == 0) {
+                const uint32_t lo = bounds[0], d = bounds[1] - lo;
+                const int n = d - 1 < (uint32_t)K ? (int)(d - 1) : K;
+                for (int j = 0; j < n; j++) { /* strictly inside, increasing */
+                    cand[j] = lo + (uint32_t)((uint64_t)(j + 1) * d / (uint64_t)(n + 1));
+                    tau_at[j] = nl_elem_sample_tau(cand[j]);
+                }
+                ncand = n;
+            }
+            __syncthreads();
+            sample_masses<K>(sums, m, l, w, V, lmax, t, tau_at, ncand);
+            if (tid == 0) {
+                int j = ncand - 1; /* the last point still reaching want */
+                while (j >= 0 && !(m[j] >= want))
+                    j--;
+                if (j >= 0)
+                    bounds[0] = cand[j];
+                if (j + 1 < ncand)
+                    bounds[1] = cand[j + 1];
+            }
             __syncthreads();
         }
-        tau = nl_elem_sample_tau(bounds[0]);
+        if (tid == 0)
+            tau_at[0] = nl_elem_sample_tau(bounds[0]);
     }
-    const double total = sample_mass(sums, l, w, V, lmax, t, tau);
+    __syncthreads();
+    const float tau = tau_at[0];
+    sample_masses<K>(sums, m, l, w, V, lmax, t, tau_at, 1);
     if (tid != 0)
         return;
     const int chunks = (V + NL_SAMPLE_CHUNK - 1) / NL_SAMPLE_CHUNK;
-    const double target = u * total;
+    const double target = u * m[0];
     double acc = 0.0;
     int id = best;
     for (int c = 0; c < chunks; c++) {
@@ -399,7 +456,11 @@ extern "C" int nl_cuda_sample_rows(void *stream, int32_t *ids, const nl_sample_r
         /* the launch's weights where they fit (the launches run in stream
          * order, so each may reuse them) */
         float *ws = w && (size_t)m * (size_t)V * sizeof(float) <= w_bytes ? w : nullptr;
-        sample_kernel<<<m, SAMPLE_THREADS, 0, (cudaStream_t)stream>>>(ids + i0, b, V, ws);
+        /* eight points a pass where their sums fit (up to 512 chunks), else four */
+        if ((V + NL_SAMPLE_CHUNK - 1) / NL_SAMPLE_CHUNK <= SAMPLE_SUMS / 8)
+            sample_kernel<8><<<m, SAMPLE_THREADS, 0, (cudaStream_t)stream>>>(ids + i0, b, V, ws);
+        else
+            sample_kernel<4><<<m, SAMPLE_THREADS, 0, (cudaStream_t)stream>>>(ids + i0, b, V, ws);
         const int e = launched();
         if (e != 0)
             return e;
