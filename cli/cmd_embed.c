@@ -141,7 +141,8 @@ int nl_cmd_embed(int argc, char **argv)
     const int T = (int)(seq > 0 && seq < m->cfg.max_seq_len ? seq : m->cfg.max_seq_len);
     const int d = m->cfg.hidden_dim, Bmax = (int)batch;
     const char *adapter = nl_args_get(flags, "adapter");
-    if (adapter && nl_lora_load(&lo, m, adapter, Bmax * T, &err) != NL_OK)
+    if (adapter && (nl_lora_check_base(adapter, model, &err) != NL_OK ||
+                    nl_lora_load(&lo, m, adapter, Bmax * T, &err) != NL_OK))
         goto out;
     if (encode_lines(text, len, tok, T, m->cfg.vocab_size, &ids, &lengths, &n, &err) != NL_OK ||
         nl_runstate_new(&rs, m, Bmax * T, &err) != NL_OK) {

@@ -189,7 +189,8 @@ int nl_cmd_generate(int argc, char **argv)
         nl_checkpoint_load(&m, be, model, 0, -1, 1, 1, NULL, &err) != NL_OK)
         goto out;
     /* a prompt's prefill is the most rows a forward takes here */
-    if (adapter && nl_lora_load(&lo, m, adapter, m->cfg.max_seq_len, &err) != NL_OK)
+    if (adapter && (nl_lora_check_base(adapter, model, &err) != NL_OK ||
+                    nl_lora_load(&lo, m, adapter, m->cfg.max_seq_len, &err) != NL_OK))
         goto out;
     if (nl_tokenizer_vocab_size(tok) < m->cfg.vocab_size && !ptoks) {
         nl_error_set(&err, NL_ERR_NOTFOUND,

@@ -137,7 +137,8 @@ int nl_cmd_forward(int argc, char **argv)
     if (nl_cli_read_ids_file(in, "tokens", &tokens, &B, &T, &err) != NL_OK ||
         nl_cli_backend_new(&be, device, threads, tf32, bf16, 0, &err) != NL_OK ||
         nl_checkpoint_load(&m, be, model, 0, -1, 1, 1, NULL, &err) != NL_OK ||
-        (adapter && nl_lora_load(&lo, m, adapter, B * T, &err) != NL_OK) ||
+        (adapter && (nl_lora_check_base(adapter, model, &err) != NL_OK ||
+                     nl_lora_load(&lo, m, adapter, B * T, &err) != NL_OK)) ||
         nl_runstate_new(&rs, m, B * T, &err) != NL_OK)
         goto out;
     float aux = 0.0f;

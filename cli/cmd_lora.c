@@ -44,6 +44,7 @@ int nl_cmd_lora(int argc, char **argv)
     if (nl_cli_backend_new(&be, "cpu", 0, 0, 0, 0, &err) != NL_OK ||
         nl_checkpoint_load(&m, be, model, 0, -1, 1, 1, &step, &err) != NL_OK ||
         nl_checkpoint_meta(model, "tokenizer", &tok, &err) != NL_OK ||
+        nl_lora_check_base(adapter, model, &err) != NL_OK ||
         nl_lora_load(&lo, m, adapter, 1, &err) != NL_OK || nl_lora_merge(lo, &err) != NL_OK)
         goto out;
     nl_lora_destroy(&lo);

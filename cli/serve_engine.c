@@ -564,7 +564,8 @@ int nl_serve_engine_load(serve_engine *e, nl_backend **be, const char *model, co
     /* the batched engine applies no adapters: the adapter is folded into
      * the weights once (W += alpha/r B A), as `neuroctl lora merge` does */
     if (adapter &&
-        (nl_lora_load(&lo, e->m, adapter, 1, err) != NL_OK || nl_lora_merge(lo, err) != NL_OK)) {
+        (nl_lora_check_base(adapter, model, err) != NL_OK ||
+         nl_lora_load(&lo, e->m, adapter, 1, err) != NL_OK || nl_lora_merge(lo, err) != NL_OK)) {
         nl_error_prefix(err, "--adapter");
         nl_lora_destroy(&lo);
         return 1;

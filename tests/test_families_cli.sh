@@ -127,6 +127,22 @@ out=$("$NEUROCTL" generate "${DEV[@]}" --model "$W/dec.safetensors" --adapter "$
     --prompt-tokens 1,2,3 --max-new 4 --temperature 0 2>&1) || bad "generate --adapter: $out"
 check "$NEUROCTL" embed "${DEV[@]}" --model "$W/dec.safetensors" --adapter "$W/ad.safetensors" \
     --input "$W/lines.txt" --out "$W/e_ad.safetensors" --seq 32
+# an adapter applied to another checkpoint (the merged one: other bytes)
+# is refused, naming both hashes, and writes nothing
+out=$("$NEUROCTL" generate "${DEV[@]}" --model "$W/merged.safetensors" --adapter \
+    "$W/ad.safetensors" --prompt-tokens 1,2,3 --max-new 2 --temperature 0 2>&1)
+check test $? -ne 0
+check grep -q "ad.safetensors: an adapter of the checkpoint with SHA-256 [0-9a-f]\{12\}\.\.\., not of .*merged.safetensors" <<< "$out"
+out=$("$NEUROCTL" forward "${DEV[@]}" --model "$W/merged.safetensors" --adapter "$W/ad.safetensors" \
+    --tokens "$W/toks.safetensors" --out "$W/f_wrong.safetensors" 2>&1)
+check test $? -ne 0
+check grep -q "not of .*merged.safetensors" <<< "$out"
+check test ! -e "$W/f_wrong.safetensors"
+out=$("$NEUROCTL" lora merge --model "$W/merged.safetensors" --adapter "$W/ad.safetensors" \
+    --out "$W/merged2.safetensors" 2>&1)
+check test $? -ne 0
+check grep -q "not of .*merged.safetensors" <<< "$out"
+check test ! -e "$W/merged2.safetensors"
 out=$("$NEUROCTL" finetune --model "$W/dec.safetensors" --data "$W/data.txt" --steps 1 \
     --lora-targets wq,w_in --out "$W/x.safetensors" 2>&1)
 check test $? -eq 2

@@ -2,11 +2,15 @@
  * backward as GEMMs around the base maps), files and merging (lora.h). */
 #include "core/model/lora.h"
 
+#include <ctype.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
+#include <sys/stat.h>
 
+#include "core/formats/manifest.h"
 #include "core/formats/safetensors.h"
 #include "core/model/layer.h"
 #include "core/model/rng.h"
@@ -533,6 +537,35 @@ nl_status nl_lora_save(const nl_lora *lo, const char *path, const char *base_sha
         st = nl_st_writer_write(w, path, err);
     nl_st_writer_destroy(&w);
     free(h);
+    return st;
+}
+
+nl_status nl_lora_check_base(const char *path, const char *base_path, nl_error *err)
+{
+    nl_st_file *f = NULL;
+    nl_status st = nl_st_open(&f, path, err);
+    if (st != NL_OK)
+        return st;
+    const char *want = nl_st_metadata(f, "base_sha256");
+    size_t n = want ? strlen(want) : 0;
+    for (size_t i = 0; want && i < n; i++)
+        n = isxdigit((unsigned char)want[i]) ? n : 0;
+    struct stat sb;
+    if (want && n != 64) {
+        st = nl_error_set(err, NL_ERR_FORMAT,
+                          "%s: metadata base_sha256 '%.70s' is not a SHA-256 (64 hex digits)", path,
+                          want);
+    } else if (want && base_path && stat(base_path, &sb) == 0 && S_ISREG(sb.st_mode)) {
+        char hex[65];
+        uint64_t bytes = 0;
+        st = nl_file_sha256(base_path, hex, &bytes, err);
+        if (st == NL_OK && strcasecmp(hex, want) != 0)
+            st = nl_error_set(err, NL_ERR_INTEGRITY,
+                              "%s: an adapter of the checkpoint with SHA-256 %.12s..., not of %s "
+                              "(SHA-256 %.12s...): apply it to the checkpoint it was trained on",
+                              path, want, base_path, hex);
+    }
+    nl_st_close(&f);
     return st;
 }
 

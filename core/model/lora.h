@@ -87,6 +87,14 @@ nl_status nl_lora_parse_targets(const char *s, int *targets, nl_error *err);
 /* Adapter files: the A and B tensors, metadata format neurollm-lora/1,
  * rank, alpha, targets and base_sha256 (the base checkpoint's SHA-256). */
 nl_status nl_lora_save(const nl_lora *lo, const char *path, const char *base_sha256, nl_error *err);
+/* Whether the adapter file at path may be applied to the checkpoint at
+ * base_path: NL_OK when its base_sha256 is that file's SHA-256, or when it
+ * names no base (an adapter written without one) or base_path is not a
+ * regular file (a checkpoint directory: nothing to compare);
+ * NL_ERR_INTEGRITY naming both hashes when it names another checkpoint;
+ * NL_ERR_FORMAT when base_sha256 is not 64 hex digits; a read error of
+ * either file otherwise. */
+nl_status nl_lora_check_base(const char *path, const char *base_path, nl_error *err);
 /* Load an adapter file onto m (attached); max_rows as nl_lora_new. */
 nl_status nl_lora_load(nl_lora **out, nl_model *m, const char *path, int max_rows, nl_error *err);
 
