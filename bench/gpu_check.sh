@@ -39,7 +39,9 @@
 #   f. bench/bench_serve.sh: `neuroctl serve --device DEVICE --precision
 #      bf16` on SERVE_CONFIG with SERVE_CLIENTS concurrent streaming clients
 #      (aggregate tokens/s, p99 time to first token, the speed-up of the
-#      most clients over one);
+#      most clients over one), then the most clients again with each
+#      NL_CUDA_GROUPED_HOST_ROWS of SERVE_HOST_ROWS_AB (default 64, the
+#      former row count from which the experts wait for the host);
 #   g. bench/hf_mixtral_bench.py: transformers' MixtralForCausalLM from the
 #      same configs in bf16, eager (sdpa) and torch.compile (HF_COMPILE_SPECS
 #      only: compiling costs tens of seconds a shape; CONFIG:16 is the
@@ -71,7 +73,8 @@
 #   PRECISIONS (bf16; "bf16 fp32" for both), PROFILE_SPEC (bench-large:1024), DECODE_SPECS
 #   ("bench-large:bf16 bench-xl:fp32 bench-xl:bf16"; bench_cuda.sh's),
 #   DECODE_LIMIT_S (210: step e's limit), SERVE_CONFIG (bench-large),
-#   SERVE_CLIENTS ("1 16 64"), SERVE_TOKENS (64), HF_DEVICE (cuda),
+#   SERVE_CLIENTS ("1 16 64"), SERVE_TOKENS (64), SERVE_HOST_ROWS_AB (64;
+#   "": none), HF_DEVICE (cuda),
 #   HF_COMPILE_SPECS ("bench-large:1024 bench-large:16"), HF_NEW_TOKENS
 #   (64), HF_ITERS (3), HF_LIMIT_S (210: step g's limit), MIXED_CONFIG
 #   (bench-small), TRAIN_CONFIG (tiny), MIXED_LIMIT_S (150: step h's),
@@ -330,6 +333,18 @@ PY
 )
         verdict serve "$figs"
     fi
+    # the most clients again with the grouped GEMMs' former row count (64:
+    # steps of 64 rows and more then wait for the host's read of the
+    # offsets at every layer and are not captured), against the default's
+    # 256 in the run above (SERVE_HOST_ROWS_AB="": skipped)
+    for hr in ${SERVE_HOST_ROWS_AB-64}; do
+        run "serve_host_rows_$hr" 60 30 env NL_CUDA_GROUPED_HOST_ROWS="$hr" \
+            CONFIG="$SRC/configs/$SERVE_CONFIG.yaml" DEVICE="$DEVICE" PRECISION=bf16 PYTHON="$PY" \
+            CLIENTS="$max" MAX_BATCH="$max" THREADS=4 bash "$SRC/bench/bench_serve.sh" "$BUILD" \
+            "$SERVE_TOKENS" && true
+        [ "$RC" -ne 125 ] && verdict "serve_host_rows_$hr" "$(grep -o '"agg_tok_s": *[0-9.]*' \
+            "$OUT/serve_host_rows_$hr.log" | tail -1) with NL_CUDA_GROUPED_HOST_ROWS=$hr"
+    done
 fi
 
 # ---------------------------------------------------------------- g. transformers

@@ -752,6 +752,17 @@ NL_EXPORT nl_status nl_cuda_backend_new(nl_backend **out, int device, const nl_b
     c->experts_kernel = ex && strcmp(ex, "kernel") == 0;
     c->experts_dnn = c->bf16 && ex && strcmp(ex, "cudnn") == 0;
     c->experts_lt = !ex || strcmp(ex, "cublaslt") == 0;
+    const char *hr = getenv("NL_CUDA_GROUPED_HOST_ROWS");
+    char *hr_end = NULL;
+    const long hrv = hr ? strtol(hr, &hr_end, 10) : NL_CUDA_GROUPED_HOST_ROWS;
+    if (hr && (hr_end == hr || *hr_end || hrv < 1 || hrv > (1L << 30))) {
+        cu_destroy(be);
+        return nl_error_set(err, NL_ERR_INVALID,
+                            "%s: NL_CUDA_GROUPED_HOST_ROWS=%.40s: expected a row count from 1 to "
+                            "%ld",
+                            name, hr, 1L << 30);
+    }
+    c->host_rows = (int)hrv;
     const char *lb = getenv("NL_CUDA_LT_BUCKET");
     c->lt_bucket = !lb || strcmp(lb, "0") != 0;
     const char *ro = getenv("NL_CUDA_ROWS");

@@ -65,6 +65,9 @@ struct lt_entry {
     uint64_t last_use; /* the least recently used entry is replaced */
 };
 
+/* host_rows' default (cuda_gemm.cu, "The bf16 grouped GEMMs of many rows") */
+#define NL_CUDA_GROUPED_HOST_ROWS 256
+
 struct cuda_ctx {
     int device;
     char name[24]; /* "cuda:N", also be->name */
@@ -111,6 +114,10 @@ struct cuda_ctx {
     int experts_kernel; /* NL_CUDA_EXPERTS=kernel: never per expert (below) */
     int experts_lt;     /* the backward's per expert too (the default; NL_CUDA_EXPERTS=
                          * forward: the forward's only, kernel: none) */
+    /* the dispatch's rows (max_rows) from which a bf16 grouped GEMM goes
+     * per expert after reading the offsets on the host, or through cuDNN
+     * (env NL_CUDA_GROUPED_HOST_ROWS, default the macro's; cuda_gemm.cu) */
+    int host_rows;
     /* NL_CUDA_EXPERTS=cudnn: the grouped GEMMs of many rows (the forward's
      * and the backward's dgrad) through cuDNN's MoE grouped matmul
      * (cuda_gemm_dnn.cu dnn_grouped), which needs each dispatch's total

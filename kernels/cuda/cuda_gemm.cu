@@ -449,9 +449,14 @@ void cu_wrote(nl_backend *be, const void *p, size_t bytes)
  * matmul 75.6K (NL_CUDA_EXPERTS=cudnn: the many-row calls, forward and
  * dgrad, offered to cuDNN, which reads the offsets on the device,
  * cuda_gemm_dnn.cu; what it declines takes the one-launch kernel, never
- * a host wait). Fewer rows (decode) keep the one-launch kernels: no host
- * wait per token. */
-#define NL_CUDA_GROUPED_HOST_ROWS 64
+ * a host wait). Dispatches of fewer rows than c->host_rows (decode, a
+ * serve step of many sessions, a short prompt chunk) keep the one-launch
+ * kernels: no host wait, so the step can be captured in a CUDA graph. The
+ * default, 256 rows (NL_CUDA_GROUPED_HOST_ROWS; 64 until 2026-11-28, when
+ * a serve step of 64 sessions or of a 64-row prompt chunk took the host's
+ * wait at every layer and ran uncaptured), leaves each expert under 64
+ * rows on average (top-2 of 8) below it, where a per-expert GEMM is a
+ * launch of little work; not yet measured on a GPU. */
 
 /* The offsets at dev on the host (checked: 0 first, never decreasing,
  * each group at most max_rows), or NULL after a failure (sticky) or
@@ -514,12 +519,12 @@ void cu_gemm_grouped(nl_backend *be, int trans_b, int N, int K, const float *A, 
 {
     cuda_ctx *c = enter_slot(be, __func__);
     /* NL_CUDA_EXPERTS=cudnn: one cuDNN call (cuda_gemm_dnn.cu), else as below */
-    if (c->bf16 && c->experts_dnn && max_rows >= NL_CUDA_GROUPED_HOST_ROWS &&
+    if (c->bf16 && c->experts_dnn && max_rows >= c->host_rows &&
         dnn_grouped(c, trans_b, N, K, A, lda, B, ldb, b_stride, C, ldc, offsets, groups))
         return;
     /* what cuDNN declines takes the one-launch kernel: no host wait */
-    if (c->bf16 && (trans_b || c->experts_lt) && max_rows >= NL_CUDA_GROUPED_HOST_ROWS &&
-        !c->experts_kernel && !c->experts_dnn) {
+    if (c->bf16 && (trans_b || c->experts_lt) && max_rows >= c->host_rows && !c->experts_kernel &&
+        !c->experts_dnn) {
         /* inside this slot (NL_CUDA_PROFILE counts them here, apart from
          * the dense GEMMs) */
         const int32_t *o = host_offsets(be, c, offsets, groups, max_rows);
