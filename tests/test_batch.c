@@ -7,9 +7,9 @@
  * mean of the final-normed states; bad input is refused without touching
  * the caches. The backend's row-invariant GEMM (gemm_rows), on which the
  * batch's invariance rests, gives every row the same bits for any M; and
- * the invariance holds through padding too, where a backend has none. A
- * decode step of many sessions makes one attention call and one cache
- * write a layer. */
+ * the invariance holds through padding too, where a backend has none.
+ * Consecutive sessions decoding one position make one attention call and
+ * one cache write a layer. */
 #include "core/model/batch.h"
 #include "core/model/forward.h"
 #include "core/model/sampler.h"
@@ -68,9 +68,9 @@ static void gen_end(gen *g)
     nl_sampler_free(&g->smp);
 }
 
-/* The attention calls the steps should have made (a decode step of two or
- * more segments: one a layer; any other: one a segment a layer), and how
- * many steps were such decode steps. */
+/* The attention calls the steps should have made (a run of two or more
+ * consecutive segments decoding one position: one a layer; any other
+ * segment: one a layer), and how many steps had such a run. */
 static uint64_t attn_expected, multi_steps;
 
 /* Step every unfinished sequence of gs once (a decode step, or the next
@@ -99,12 +99,19 @@ static int step(nl_batch *b, gen **gs, int n, nl_error *err)
     }
     if (ns == 0)
         return 0;
-    int decode = ns >= 2;
-    for (int i = 0; i < ns; i++)
-        decode &= segs[i].T == 1;
-    const uint64_t L = (uint64_t)(gs[0]->kv->n_layers);
-    attn_expected += decode ? L : L * (uint64_t)ns;
-    multi_steps += (uint64_t)decode;
+    /* a run of two or more consecutive one-position segments is one call a
+     * layer, any other segment one of its own */
+    uint64_t groups = 0, runs = 0;
+    for (int i = 0; i < ns;) {
+        int j = i + 1;
+        while (segs[i].T == 1 && j < ns && segs[j].T == 1)
+            j++;
+        groups++;
+        runs += j - i >= 2;
+        i = j;
+    }
+    attn_expected += (uint64_t)gs[0]->kv->n_layers * groups;
+    multi_steps += runs > 0;
     nl_status st = nl_batch_forward(b, segs, ns, err);
     CHECK(st == NL_OK, "batch forward: %s", err->msg);
     if (st != NL_OK)
@@ -155,9 +162,9 @@ static void test_alone_vs_together(nl_model *m)
         widest = s > widest ? s : widest;
     }
     CHECK(widest == nseq, "all %d decoded in one batch at some step (widest %d)", nseq, widest);
-    /* a decode step's attention is one call a layer over all its sessions
-     * (a replayed recording, whose step is one segment's or one such
-     * decode, queues none: a layer's call less each) */
+    /* the decoding sessions' attention is one call a layer for each run of
+     * them (a replayed recording, whose step is one segment's or one run,
+     * queues none: a layer's call less each) */
     const uint64_t replayed = nl_batch_graphs(b).replays - replays0;
     const uint64_t want = attn_expected - replayed * (uint64_t)m->cfg.num_layers;
     const nl_batch_call_stats calls = nl_batch_calls(b);

@@ -1,6 +1,6 @@
 /* Batched decoding of independent sequences (see batch.h): shared GEMMs
  * over every row of the batch, attention per sequence with its own cache
- * (in a decode step of many sequences one call over all of them),
+ * (one call over each run of consecutive sequences decoding a position),
  * and every GEMM row-invariant (the backend's gemm_rows and
  * gemm_grouped_rows, with the fused decode slots, which compute a row the
  * same way, below NL_BACKEND_FUSED_ROWS rows; or, where the backend has
@@ -310,92 +310,126 @@ static nl_status check_segs(const nl_batch *b, const nl_batch_seg *segs, const f
     return NL_OK;
 }
 
-/* Attention of every segment over its own cache, after the batch's QKV
- * GEMM and RoPE: the same slot calls a lone sequence makes (its rows into
- * its cache, then its attention), or, in a decode step of many segments
- * (b->multi), one call over all of them, each sequence's cache from the
- * layer's pointer arrays and its past from pos_d (upload_inputs wrote
- * both), after one kv_store_seq of every segment's row where the backend
- * has it. */
-static void attend_segments(nl_batch *b, int li, const nl_batch_seg *segs, int n)
+/* One segment's rows into its cache, then its attention: the calls a
+ * lone sequence makes. */
+static void attend_one(nl_batch *b, int li, const nl_batch_seg *sg, int row)
+{
+    nl_backend *be = b->m->be;
+    const nl_config *c = &b->m->cfg;
+    const int hd = nl_config_head_dim(c), H = c->num_heads, G = c->num_kv_heads;
+    const int qkv = (H + 2 * G) * hd;
+    nl_kvcache *kv = sg->kv;
+    const float *q = b->acts.qkv + (size_t)row * qkv;
+    const void *k = NULL, *v = NULL;
+    nl_attn_shape s = {.B = 1,
+                       .T = sg->T,
+                       .past = kv->len,
+                       .kv_cap = kv->cap,
+                       .H = H,
+                       .G = G,
+                       .hd = hd,
+                       .kv_bf16 = kv->dtype == NL_KV_BF16};
+    if (b->acts.dev_past) { /* a recorded step: positions read on the device */
+        nl_kvcache_store(kv, li, q, qkv, H * hd, (H + G) * hd, 1, sg->T, b->pos_d + row, &k, &v);
+        s.past = 0;
+        s.pos = b->pos_d + row;
+    } else {
+        nl_kvcache_append(kv, li, q, qkv, H * hd, (H + G) * hd, 1, sg->T, kv->len, &k, &v);
+    }
+    b->calls.kv_writes++;
+    be->attention_forward(be, b->acts.att + (size_t)row * H * hd, NULL, q, qkv, k, v, kv->kv_dim,
+                          s);
+    b->calls.attention++;
+}
+
+/* n >= 2 consecutive segments that decode one position each, the first
+ * the call's segment i0 at row `row`: their rows into their caches (one
+ * kv_store_seq where the backend has it), then one attention call over
+ * them, each sequence's cache from the layer's pointer arrays and its
+ * past from pos_d (upload_inputs wrote both). */
+static void attend_run(nl_batch *b, int li, const nl_batch_seg *segs, int n, int i0, int row)
 {
     nl_backend *be = b->m->be;
     const nl_config *c = &b->m->cfg;
     const int hd = nl_config_head_dim(c), H = c->num_heads, G = c->num_kv_heads;
     const int qkv = (H + 2 * G) * hd;
     const size_t R = (size_t)b->max_rows;
-    void **seq = b->multi ? b->seq_d + (size_t)li * 2 * R : NULL;
+    void **seq = b->seq_d + (size_t)li * 2 * R + i0;
     const int kv_bf16 = segs[0].kv->dtype == NL_KV_BF16, kv_dim = segs[0].kv->kv_dim;
-    const int one_store = b->multi && be->kv_store_seq;
-    if (one_store) {
-        be->kv_store_seq(be, seq, seq + R, kv_bf16, b->acts.qkv, qkv, H * hd, (H + G) * hd,
-                         b->pos_d, n, 1, kv_dim);
+    const float *q = b->acts.qkv + (size_t)row * qkv;
+    if (be->kv_store_seq) {
+        be->kv_store_seq(be, seq, seq + R, kv_bf16, q, qkv, H * hd, (H + G) * hd, b->pos_d + row, n,
+                         1, kv_dim);
         b->calls.kv_writes++;
     }
-    int row = 0, cap = 0;
+    int cap = segs[0].kv->cap;
     for (int i = 0; i < n; i++) {
         nl_kvcache *kv = segs[i].kv;
-        const int T = segs[i].T, past = kv->len;
-        const float *q = b->acts.qkv + (size_t)row * qkv;
-        const void *k = NULL, *v = NULL;
-        nl_attn_shape s = {.B = 1,
-                           .T = T,
-                           .past = past,
-                           .kv_cap = kv->cap,
-                           .H = H,
-                           .G = G,
-                           .hd = hd,
-                           .kv_bf16 = kv->dtype == NL_KV_BF16};
-        if (one_store) {
-            /* written above */
-        } else if (b->acts.dev_past) { /* a recorded step: positions read on the device */
-            nl_kvcache_store(kv, li, q, qkv, H * hd, (H + G) * hd, 1, T, b->pos_d + row, &k, &v);
-            b->calls.kv_writes++;
-        } else {
-            nl_kvcache_append(kv, li, q, qkv, H * hd, (H + G) * hd, 1, T, past, &k, &v);
-            b->calls.kv_writes++;
-        }
-        if (b->multi) {
-            cap = i == 0 || kv->cap < cap ? kv->cap : cap;
-        } else {
-            if (b->acts.dev_past) {
-                s.past = 0;
-                s.pos = b->pos_d + row;
-            }
-            be->attention_forward(be, b->acts.att + (size_t)row * H * hd, NULL, q, qkv, k, v,
-                                  kv->kv_dim, s);
-            b->calls.attention++;
-        }
-        row += T;
+        const void *k, *v;
+        const float *qi = q + (size_t)i * qkv;
+        cap = kv->cap < cap ? kv->cap : cap;
+        if (be->kv_store_seq)
+            continue;
+        if (b->acts.dev_past)
+            nl_kvcache_store(kv, li, qi, qkv, H * hd, (H + G) * hd, 1, 1, b->pos_d + row + i, &k,
+                             &v);
+        else
+            nl_kvcache_append(kv, li, qi, qkv, H * hd, (H + G) * hd, 1, 1, kv->len, &k, &v);
+        b->calls.kv_writes++;
     }
-    if (b->multi) {
-        const void *k0, *v0; /* checked non-NULL; the sequences' own are read */
-        nl_kvcache_layer(segs[0].kv, li, &k0, &v0);
-        const nl_attn_shape s = {.B = n,
-                                 .T = 1,
-                                 .kv_cap = cap,
-                                 .H = H,
-                                 .G = G,
-                                 .hd = hd,
-                                 .pos = b->pos_d,
-                                 .kv_bf16 = kv_bf16,
-                                 .kseq = (const void *const *)seq,
-                                 .vseq = (const void *const *)(seq + R)};
-        be->attention_forward(be, b->acts.att, NULL, b->acts.qkv, qkv, k0, v0, kv_dim, s);
-        b->calls.attention++;
+    const void *k0, *v0; /* checked non-NULL; the sequences' own are read */
+    nl_kvcache_layer(segs[0].kv, li, &k0, &v0);
+    const nl_attn_shape s = {.B = n,
+                             .T = 1,
+                             .kv_cap = cap,
+                             .H = H,
+                             .G = G,
+                             .hd = hd,
+                             .pos = b->pos_d + row,
+                             .kv_bf16 = kv_bf16,
+                             .kseq = (const void *const *)seq,
+                             .vseq = (const void *const *)(seq + R)};
+    be->attention_forward(be, b->acts.att + (size_t)row * H * hd, NULL, q, qkv, k0, v0, kv_dim, s);
+    b->calls.attention++;
+}
+
+/* Attention of every segment over its own cache, after the batch's QKV
+ * GEMM and RoPE: each run of two or more consecutive segments that
+ * decode one position (b->multi: the pointer arrays are uploaded) in one
+ * call (attend_run), every other segment alone (attend_one). */
+static void attend_segments(nl_batch *b, int li, const nl_batch_seg *segs, int n)
+{
+    int row = 0;
+    for (int i = 0; i < n;) {
+        int j = i + 1;
+        while (b->multi && segs[i].T == 1 && j < n && segs[j].T == 1)
+            j++;
+        if (j - i >= 2) {
+            attend_run(b, li, segs + i, j - i, i, row);
+            row += j - i;
+        } else {
+            attend_one(b, li, &segs[i], row);
+            row += segs[i].T;
+        }
+        i = j;
     }
 }
 
-/* A decode step of two or more segments whose caches are of one type:
- * its attention can be one call (attend_segments). */
+/* A call with a run of two or more consecutive segments that decode one
+ * position, every cache of one type: its runs' attention can be one call
+ * each (attend_segments), through the pointer arrays. */
 static int multi_step(const nl_batch *b, const nl_batch_seg *segs, int n)
 {
     if (n < 2 || !b->seq_d || b->seq_layers != b->view.l1 - b->view.l0)
         return 0;
-    for (int i = 0; i < n; i++)
-        if (segs[i].T != 1 || segs[i].kv->dtype != segs[0].kv->dtype)
+    int run = 0, best = 0;
+    for (int i = 0; i < n; i++) {
+        if (segs[i].kv->dtype != segs[0].kv->dtype)
             return 0;
-    return 1;
+        run = segs[i].T == 1 ? run + 1 : 0;
+        best = run > best ? run : best;
+    }
+    return best >= 2;
 }
 
 /* The layers' pointer arrays for the segments' caches, uploaded when they

@@ -8,13 +8,14 @@
  * (T = 1 for a decode step, T = a prefill chunk for a prompt). The rows
  * of every segment share the GEMMs (QKV, output projection, router,
  * experts, head); attention runs per segment with that sequence's cache
- * and `past`, through the backend's ordinary attention slot, except in a
- * decode step of two or more segments (every T 1, caches of one type),
- * whose attention is one call over all of them (s.kseq / s.vseq: each
- * sequence read from its own cache, its position from the device), one
- * launch a layer in place of one a session, and whose cache writes are
- * one kv_store_seq a layer where the backend has it; a sequence's bits
- * are those of its own calls.
+ * and `past`, through the backend's ordinary attention slot, except for
+ * a run of two or more consecutive segments that decode one position
+ * each (T 1; every cache of the call of one type), whose attention is one
+ * call over the run (s.kseq / s.vseq: each sequence read from its own
+ * cache, its position from the device), one launch a layer in place of
+ * one a session, and whose cache writes are one kv_store_seq a layer
+ * where the backend has it; a sequence's bits are those of its own
+ * calls.
  *
  * Batch invariance: a row's result must not depend on which other rows
  * share its GEMMs, or a seeded generation would give other tokens when
@@ -101,9 +102,9 @@ void nl_batch_set_graphs(nl_batch *b, int on);
 nl_runstate_graph_stats nl_batch_graphs(const nl_batch *b);
 /* The per-layer calls this batch has queued (a recorded step's counted
  * when recorded, not when replayed): attention slot calls, one a layer
- * for a decode step of many sessions, one a segment a layer otherwise;
- * and KV cache writes, likewise (one a layer where the backend has
- * kv_store_seq). */
+ * for each run of consecutive segments decoding one position, one a
+ * segment a layer otherwise; and KV cache writes, likewise (a run's one
+ * a layer where the backend has kv_store_seq). */
 typedef struct nl_batch_call_stats {
     uint64_t attention;
     uint64_t kv_writes;

@@ -107,7 +107,7 @@ void nl_layer_forward(nl_model *m, int li, nl_layer_acts *a, int B, int T, int p
 /* The feed-forward half alone (ffn_norm, router, experts, combine) over
  * a->h1 for N rows, writing a->x_out (its aux loss goes to a->aux_d, unread).
  * The batched decoder (core/model/batch.c) runs its own attention (per
- * sequence, or one call over a decode step's sequences) and then this
+ * sequence, or one call over each run of decoding sequences) and then this
  * over the whole batch. */
 void nl_layer_ffn_forward(nl_model *m, int li, nl_layer_acts *a, int N);
 
