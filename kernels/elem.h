@@ -309,7 +309,7 @@ NL_HD float nl_elem_from_bf16(uint16_t h)
  * M with its chunks side by side finds the same tau and the same id (any
  * search that keeps M(lo) >= top_p * total > M(hi) until lo and hi are
  * adjacent ends at the same pair: CUDA evaluates 8 points inside (lo, hi)
- * a pass, 10 passes). The
+ * a pass, 10 passes, or 4 above 131,072 ids, 14 passes). The
  * host, with the weights stored, guesses tau by a radix select and proves
  * it with two evaluations of M (nl_elem_sample_guess), bisecting only
  * where the proof fails: the same tau, about five passes over V weights.

@@ -207,6 +207,14 @@ static void test_worth_it(void)
     CHECK(!nl_sdpa_worth_it(shape(1, 15, 40, 64, 8, 2, 64)), "15 queries over a cache go to cuDNN");
     CHECK(nl_sdpa_worth_it(shape(1, 16, 40, 64, 8, 2, 64)), "a chunk of 16 does not go to cuDNN");
     CHECK(nl_sdpa_worth_it(shape(8, 1, 0, 1, 8, 2, 64)), "a cacheless call does not go to cuDNN");
+    CHECK(!nl_sdpa_worth_it(shape(1, 1, 0, 64, 8, 2, 64)),
+          "a one-token prompt into a new session's cache goes to cuDNN");
+    CHECK(!nl_sdpa_worth_it(shape(2, 15, 0, 64, 8, 2, 64)),
+          "a 15-token prompt into a new cache goes to cuDNN");
+    CHECK(nl_sdpa_worth_it(shape(2, 16, 0, 64, 8, 2, 64)),
+          "a 16-token prompt into a new cache does not go to cuDNN");
+    CHECK(nl_sdpa_worth_it(shape(2, 5, 0, 5, 8, 2, 64)),
+          "a 5-token cacheless call does not go to cuDNN");
 }
 
 int main(void)

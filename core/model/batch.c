@@ -115,9 +115,10 @@ struct nl_batch {
     int logit_rows;            /* rows of logits_d the last call wrote */
     int logits_down;           /* 1: logits_h holds them (downloaded on first use) */
     int *seg_row;              /* (max_rows) segment -> its first row of hidden_h */
-    /* a decode step of many segments (multi): each stage layer's caches
-     * as arrays of device pointers, (layers, 2, max_rows), the keys' then
-     * the values'; the device copy is uploaded when its content changes */
+    /* a call with runs of segments decoding one position (multi): each
+     * stage layer's caches as arrays of device pointers, (layers, 2, n)
+     * for the call's n segments, the keys' then the values' (room for
+     * max_rows); the device copy is uploaded when its content changes */
     const void **seq_h;
     void **seq_d;
     int seq_layers;
@@ -353,7 +354,7 @@ static void attend_run(nl_batch *b, int li, const nl_batch_seg *segs, int n, int
     const nl_config *c = &b->m->cfg;
     const int hd = nl_config_head_dim(c), H = c->num_heads, G = c->num_kv_heads;
     const int qkv = (H + 2 * G) * hd;
-    const size_t R = (size_t)b->max_rows;
+    const size_t R = (size_t)b->seq_n; /* the call's segments (upload_seqs) */
     void **seq = b->seq_d + (size_t)li * 2 * R + i0;
     const int kv_bf16 = segs[0].kv->dtype == NL_KV_BF16, kv_dim = segs[0].kv->kv_dim;
     const float *q = b->acts.qkv + (size_t)row * qkv;
@@ -420,7 +421,7 @@ static void attend_segments(nl_batch *b, int li, const nl_batch_seg *segs, int n
  * each (attend_segments), through the pointer arrays. */
 static int multi_step(const nl_batch *b, const nl_batch_seg *segs, int n)
 {
-    if (n < 2 || !b->seq_d || b->seq_layers != b->view.l1 - b->view.l0)
+    if (n < 2 || !b->seq_d)
         return 0;
     int run = 0, best = 0;
     for (int i = 0; i < n; i++) {
@@ -432,12 +433,13 @@ static int multi_step(const nl_batch *b, const nl_batch_seg *segs, int n)
     return best >= 2;
 }
 
-/* The layers' pointer arrays for the segments' caches, uploaded when they
- * differ from the device's copy (a session joined or left). */
+/* The layers' pointer arrays for the call's n segments' caches, (layers,
+ * 2, n), uploaded when they differ from the device's copy (a session
+ * joined or left): at most layers x 2 x n pointers. */
 static void upload_seqs(nl_batch *b, const nl_batch_seg *segs, int n)
 {
     nl_backend *be = b->m->be;
-    const size_t R = (size_t)b->max_rows;
+    const size_t R = (size_t)n;
     int same = b->seq_n == n;
     for (int l = 0; l < b->seq_layers; l++) {
         const void **row = b->seq_h + (size_t)l * 2 * R;

@@ -217,8 +217,8 @@ int launched(void)
 /* ---------------------------------------------------------------- sampling */
 
 constexpr int SAMPLE_THREADS = 256;
-/* the chunk sums a block keeps: K thresholds' sums of up to 32768 / K
- * chunks (32 KiB of shared memory) */
+/* the chunk sums a block keeps (32 KiB of shared memory): K thresholds'
+ * sums of up to 4096 / K chunks each */
 constexpr int SAMPLE_SUMS = 4096;
 static_assert(4 * (NL_SAMPLE_MAX_VOCAB / NL_SAMPLE_CHUNK) <= SAMPLE_SUMS,
               "K = 4 holds the largest vocabulary's chunks");
@@ -283,11 +283,11 @@ __device__ void sample_masses(double *sums, double *m, const float *l, const flo
  * the host's bisection keeps lo and hi with M(lo) >= want > M(hi) until
  * they are adjacent; here each pass evaluates M at K points spread inside
  * (lo, hi), all in one pass over the weights, and keeps the two around
- * the edge, so (lo, hi) shrinks (K + 1)-fold a pass (10 passes for K = 8
- * where bisection takes 31) and ends at the same adjacent pair: the same
- * tau. Weights stored once in ws (V floats a block; NULL: computed again
- * each pass, the same bits). A block reads its own row only, so a row's
- * id does not depend on the others of its launch. */
+ * the edge, so (lo, hi) shrinks (K + 1)-fold a pass (10 passes for K = 8,
+ * up to 512 chunks, 14 for K = 4 above, where bisection takes 31) and ends at the same adjacent
+ * pair: the same tau. Weights stored once in ws (V floats a block; NULL: computed again each pass,
+ * the same bits). A block reads its own row only, so a row's id does not depend on the others of
+ * its launch. */
 template <int K>
 __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_kernel(int32_t *ids, const sample_launch rows, int V, float *ws)

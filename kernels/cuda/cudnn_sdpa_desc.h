@@ -65,15 +65,19 @@ typedef struct nl_sdpa_desc {
     float scale;               /* 1 / sqrt(hd) */
 } nl_sdpa_desc;
 
-/* Queries per call below which a call with a cache (past > 0) is left to
- * the module's kernels unless cuDNN is forced: a decode step would convert
- * the whole FP32 cache to bf16 for a few queries (bench-large's decode went
- * from 438 to 55 tokens/s on an H100), where the module's kernel reads the
- * cache in place. The descriptor itself (nl_sdpa_describe) covers them. */
+/* Queries per call below which a call with a cache (past > 0, or a cache
+ * of more rows than the call's: a short prompt read into a new session's
+ * cache) is left to the module's kernels unless cuDNN is forced: a decode
+ * step would convert the whole FP32 cache to bf16 for a few queries
+ * (bench-large's decode went from 438 to 55 tokens/s on an H100), where
+ * the module's kernel reads the cache in place; and a session's first
+ * positions then get the module's bits alone as in a batch's call or a
+ * recorded step (which read positions on the device, so never cuDNN). The
+ * descriptor itself (nl_sdpa_describe) covers them. */
 #define NL_SDPA_MIN_CACHED_T 16
 static inline int nl_sdpa_worth_it(nl_attn_shape s)
 {
-    return s.past == 0 || s.T >= NL_SDPA_MIN_CACHED_T;
+    return (s.past == 0 && s.kv_cap == s.T) || s.T >= NL_SDPA_MIN_CACHED_T;
 }
 
 /* Head dims the cuDNN path takes; others fall back. */

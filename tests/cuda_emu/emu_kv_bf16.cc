@@ -152,6 +152,34 @@ void check_attention(nl_backend *cpu, const kv_case &c)
     }
     CHECK(bad == 0 && omax > 0, "%s: %zu of %zu outputs off, max error %.3g of max |out| %.3g",
           what, bad, no, emax, omax);
+    /* each sequence's bf16 cache its own (s.kseq / s.vseq), in reverse
+     * order in memory, the shared one NaN: the same bits as the shared
+     * cache's call, on the device and on the CPU */
+    const size_t per = (size_t)s.kv_cap * ks;
+    std::vector<std::vector<uint16_t>> kown(c.B), vown(c.B);
+    std::vector<const void *> kseq(c.B), vseq(c.B);
+    for (int b = 0; b < c.B; b++) {
+        kown[c.B - 1 - b].assign(k16.begin() + b * per, k16.begin() + (b + 1) * per);
+        vown[c.B - 1 - b].assign(v16.begin() + b * per, v16.begin() + (b + 1) * per);
+    }
+    for (int b = 0; b < c.B; b++) {
+        kseq[b] = kown[c.B - 1 - b].data();
+        vseq[b] = vown[c.B - 1 - b].data();
+    }
+    std::vector<uint16_t> nan16(per, NAN16);
+    const float *nf = reinterpret_cast<const float *>(nan16.data());
+    nl_attn_shape so = s16;
+    so.kseq = kseq.data();
+    so.vseq = vseq.data();
+    std::vector<float> gpu_own(no, NAN), cpu_own(no, NAN);
+    CHECK(nl_cuda_attention_forward(nullptr, gpu_own.data(), nullptr, q.data(), qs, nf, nf, ks,
+                                    so) == 0,
+          "%s: launch (own caches)", what);
+    cpu->attention_forward(cpu, cpu_own.data(), nullptr, q.data(), qs, nf, nf, ks, so);
+    CHECK(memcmp(gpu_own.data(), gpu.data(), no * sizeof(float)) == 0,
+          "%s: the sequences' own caches give other outputs on the device", what);
+    CHECK(memcmp(cpu_own.data(), cpu16.data(), no * sizeof(float)) == 0,
+          "%s: the sequences' own caches give other outputs on the CPU", what);
 }
 
 } // namespace
