@@ -65,6 +65,25 @@ constexpr int DECODE_SEQ_MIN_BLOCKS = 2;
  * registers a thread, which every bucket fits without spilling. */
 constexpr int PREFILL_MIN_BLOCKS = 4;
 
+/* Sequence b's keys and values from column col: its own cache (SEQ:
+ * kseq[b], vseq[b], read here) or row b kv_cap of the shared one (values,
+ * not the shape's fields by reference: a kernel parameter's address would
+ * move the shape to the stack). */
+template <bool SEQ, typename KV>
+__device__ __forceinline__ void seq_cache(const KV *&kb, const KV *&vb, const KV *k, const KV *v,
+                                          const void *const *kseq, const void *const *vseq,
+                                          int kv_cap, int kv_stride, int b, size_t col)
+{
+    if (SEQ) {
+        kb = static_cast<const KV *>(kseq[b]) + col;
+        vb = static_cast<const KV *>(vseq[b]) + col;
+    } else {
+        const size_t kv_off = (size_t)b * kv_cap * (size_t)kv_stride + col;
+        kb = k + kv_off;
+        vb = v + kv_off;
+    }
+}
+
 /* A key or value of the cache as FP32: a float, or bf16 bits widened. */
 __device__ __forceinline__ float kv_ld(const float *p)
 {
@@ -226,14 +245,7 @@ __global__ void __launch_bounds__(PREFILL_WARPS *WARP, PREFILL_MIN_BLOCKS)
 
     load_queries<HDB, BQ>(qs, q, q_stride, s, b, h, t0, nq, 1.0f / sqrtf((float)hd));
     const KV *kb, *vb;
-    if (SEQ) {
-        kb = static_cast<const KV *>(s.kseq[b]) + (size_t)g * hd;
-        vb = static_cast<const KV *>(s.vseq[b]) + (size_t)g * hd;
-    } else {
-        const size_t kv_off = (size_t)b * s.kv_cap * (size_t)kv_stride + (size_t)g * hd;
-        kb = k + kv_off;
-        vb = v + kv_off;
-    }
+    seq_cache<SEQ>(kb, vb, k, v, s.kseq, s.vseq, s.kv_cap, kv_stride, b, (size_t)g * hd);
 
     const int nkeys = past + s.T;
     const int32_t *doc = mk.doc ? mk.doc + (size_t)b * s.T : nullptr;
@@ -327,14 +339,7 @@ __global__ void __launch_bounds__(DECODE_WARPS *WARP, SEQ ? DECODE_SEQ_MIN_BLOCK
         acc[r] = 0.0f;
     }
     const KV *kb, *vb;
-    if (SEQ) {
-        kb = static_cast<const KV *>(s.kseq[b]) + (size_t)g * hd;
-        vb = static_cast<const KV *>(s.vseq[b]) + (size_t)g * hd;
-    } else {
-        const size_t kv_off = (size_t)b * s.kv_cap * (size_t)kv_stride + (size_t)g * hd;
-        kb = k + kv_off;
-        vb = v + kv_off;
-    }
+    seq_cache<SEQ>(kb, vb, k, v, s.kseq, s.vseq, s.kv_cap, kv_stride, b, (size_t)g * hd);
 
     float m = -INFINITY, l = 0.0f;
     int kbeg, kend;                                           /* causal: keys 0 .. past + t */
