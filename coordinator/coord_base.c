@@ -242,7 +242,7 @@ void coord_status_to(nl_coord *c, const uint8_t *rid, size_t rid_len, uint64_t j
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_STATUS);
-    m.u.job_status = (nl_msg_job_status){job, (uint32_t)state, progress, msg};
+    m.u.job_status = (nl_msg_job_status){job, (uint32_t)state, progress, msg, 0};
     if (json) {
         const int64_t len = (int64_t)strlen(json);
         nl_wire_frame_set(&m.frames[0], json, NL_DTYPE_U8, &len, 1);

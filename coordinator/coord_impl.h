@@ -154,10 +154,10 @@ typedef struct cjob_ops {
      * nothing. */
     void (*node_gone)(nl_coord *c, cjob *j);
     /* Stage node n reports that its work for the job failed (why names
-     * the node): 1 if the job goes on regardless (a training job waits
-     * for the node's death to be told from a live node's), 0 (or NULL):
-     * it fails. */
-    int (*node_failed)(nl_coord *c, cjob *j, const cnode *n, const char *why);
+     * the node; req: the message it could not run, 0 where unknown): 1
+     * if the job goes on regardless (a training job waits for the node's
+     * death to be told from a live node's), 0 (or NULL): it fails. */
+    int (*node_failed)(nl_coord *c, cjob *j, const cnode *n, uint32_t req, const char *why);
     /* The plan is ready: a waiting job goes on. */
     void (*ready)(nl_coord *c, cjob *j);
     /* The job ends before it is done (failed, cancelled): tell the stages

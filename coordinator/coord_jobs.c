@@ -184,7 +184,7 @@ static void on_node_failure(nl_coord *c, const cnode *n, cjob *j, const nl_msg_j
         return;
     }
     snprintf(why, sizeof why, "node %u (stage %d): %s", n->id, n->stage, text);
-    if (j && j->ops->node_failed && j->ops->node_failed(c, j, n, why))
+    if (j && j->ops->node_failed && j->ops->node_failed(c, j, n, s->req_type, why))
         return;
     if (j)
         coord_job_fail(c, j, why);
@@ -502,7 +502,7 @@ void coord_on_query(nl_coord *c, const nl_rx *rx)
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_STATUS);
     m.u.job_status = (nl_msg_job_status){0, c->ready ? NL_JOB_RUNNING : NL_JOB_QUEUED, 0.0,
-                                         c->ready ? "ready" : "not ready"};
+                                         c->ready ? "ready" : "not ready", 0};
     const int64_t len = (int64_t)strlen(text);
     nl_wire_frame_set(&m.frames[0], text, NL_DTYPE_U8, &len, 1);
     m.nframes = 1;

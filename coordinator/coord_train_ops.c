@@ -5,6 +5,7 @@
  * which calls it only by handing those ends to the leaves. */
 #include <stdlib.h>
 
+#include "base/log.h"
 #include "coordinator/coord_train_impl.h"
 
 static void train_free(cjob *j)
@@ -145,15 +146,23 @@ static void train_ready(nl_coord *c, cjob *j)
 
 /* A stage failed the job: 1 if it goes on, waiting for the heartbeat
  * verdict on a lost neighbour (coord_train_stage_failed), or (SALVAGE)
- * the loss being handled already; a stage asked for its shard then ends
- * the save (UNSAVED). */
-static int train_node_failed(nl_coord *c, cjob *j, const cnode *n, const char *why)
+ * the loss being handled already. There a stage asked for its shard ends
+ * the save (UNSAVED) when the shard is what failed (req CKPT_REQ, or
+ * unknown); a failure of its step (a send to the lost node, reported
+ * before the request reached it) leaves its weights whole, and the
+ * request it has yet to answer is awaited (stage_train.c, on_ckpt). */
+static int train_node_failed(nl_coord *c, cjob *j, const cnode *n, uint32_t req, const char *why)
 {
     const ctrain *t = j->state;
     if (t && coord_train_salvaging(t)) { /* a loss is being handled: the step is saved, or not */
         const tr_in in = {.why = why};
-        if (coord_train_shard_awaited(c, t, n))
+        if (!coord_train_shard_awaited(c, t, n))
+            return 1;
+        if (req == 0 || req == NL_MSG_CKPT_REQ)
             coord_train_on(c, j, TE_UNSAVED, &in);
+        else
+            NL_INFO("train job %llu: %s; its shard of the steps done is awaited",
+                    (unsigned long long)j->id, why);
         return 1;
     }
     return t && coord_train_stage_failed(c, j, coord_train_begun(t), why);

@@ -315,7 +315,7 @@ int main(int argc, char **argv)
     submit_tokens(&o, &m, NL_JOB_GENERATE, ids, 3, gp, 2);
     for (int k = 0; k < 2; k++) {
         nl_wire_msg_reset(&m, NL_MSG_JOB_STATUS);
-        m.u.job_status = (nl_msg_job_status){1, NL_JOB_RUNNING, 0.0, "open"};
+        m.u.job_status = (nl_msg_job_status){1, NL_JOB_RUNNING, 0.0, "open", 0};
         rec(&o, 0, N, 0, &m);
     }
     const uint32_t toks[3] = {7, 9, 1000};
@@ -349,7 +349,7 @@ int main(int argc, char **argv)
     m.u.job_submit = (nl_msg_job_submit){NL_JOB_TRAIN, sizeof tp / sizeof tp[0], tp};
     rec(&o, 2, C, 1, &m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_STATUS);
-    m.u.job_status = (nl_msg_job_status){1, NL_JOB_RUNNING, 0.0, "took it"};
+    m.u.job_status = (nl_msg_job_status){1, NL_JOB_RUNNING, 0.0, "took it", 0};
     rec(&o, 0, N, 1, &m);
     nl_wire_msg_reset(&m, NL_MSG_GRAD_NORM);
     m.u.grad_norm = (nl_msg_grad_norm){1, 1, 0, 2.0};
@@ -401,7 +401,7 @@ int main(int argc, char **argv)
     m.u.error = (nl_msg_error){NL_ERR_IO, NL_MSG_ACTIVATION, "bad\nline\x1b[0m"};
     rec(&o, 0, N, 0, &m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_STATUS);
-    m.u.job_status = (nl_msg_job_status){1, NL_JOB_FAILED, 0.0, "no\r\nway"};
+    m.u.job_status = (nl_msg_job_status){1, NL_JOB_FAILED, 0.0, "no\r\nway", 0};
     rec(&o, 0, N, 0, &m);
     nl_wire_msg_reset(&m, NL_MSG_LEAVE);
     m.u.leave = (nl_msg_leave){1, "bye\n"};

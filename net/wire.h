@@ -349,6 +349,9 @@ typedef struct nl_msg_job_status {
     uint32_t state;  /* nl_job_state */
     double progress; /* 0..1 */
     const char *message;
+    /* a node's failure (FAILED): the message it could not run (an
+     * nl_msg_type, e.g. CKPT_REQ), 0 where unknown; absent: 0 */
+    uint32_t req_type;
 } nl_msg_job_status;
 
 typedef struct nl_msg_job_ref { /* JOB_CANCEL, JOB_QUERY (0 = all jobs) */

@@ -150,6 +150,9 @@ static const nl_wire_field f_job_status[] = {
     F_U32(nl_msg_job_status, state, NL_JOB_QUEUED, NL_JOB_CANCELLED),
     F_F64(nl_msg_job_status, progress, 0, 1),
     F_STR(nl_msg_job_status, message, NL_WCS_UTF8, 0, 1024),
+    /* added with the salvage of a step (coord_train_ops.c): absent, 0 */
+    {"req_type", NL_WK_U32, 0, 0, offsetof(nl_msg_job_status, req_type), 0, 0, NL_MSG_TYPE_MAX - 1,
+     0, 0, 1},
 };
 static const nl_wire_field f_job_ref[] = {
     F_U64(nl_msg_job_ref, job_id, U64_ANY),

@@ -91,7 +91,7 @@ void node_fail_job(node *n, uint64_t job, nl_status code, nl_msg_type req_type, 
     char msg[1025];
     snprintf(msg, sizeof msg, "%.*s (%s)", (int)keep, text, why);
     nl_wire_msg_reset(&n->tx, NL_MSG_JOB_STATUS);
-    n->tx.u.job_status = (nl_msg_job_status){job, NL_JOB_FAILED, 0.0, msg};
+    n->tx.u.job_status = (nl_msg_job_status){job, NL_JOB_FAILED, 0.0, msg, (uint32_t)req_type};
     node_send_ctl(n, "JOB_STATUS");
 }
 

@@ -293,7 +293,7 @@ void node_handle_job_submit(node *n, const nl_msg_job_submit *j)
         return;
     }
     nl_wire_msg_reset(&n->tx, NL_MSG_JOB_STATUS);
-    n->tx.u.job_status = (nl_msg_job_status){job, NL_JOB_RUNNING, 0.0, status};
+    n->tx.u.job_status = (nl_msg_job_status){job, NL_JOB_RUNNING, 0.0, status, 0};
     node_send_ctl(n, "JOB_STATUS");
 }
 

@@ -193,7 +193,7 @@ static inline void node_status(fake *f, uint64_t job, uint32_t state, const char
     nl_wire_msg m;
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_STATUS);
-    m.u.job_status = (nl_msg_job_status){job, state, 0.0, msg};
+    m.u.job_status = (nl_msg_job_status){job, state, 0.0, msg, 0};
     fake_send(f, &m);
 }
 

@@ -91,7 +91,7 @@ static int send_status(fake *f, uint64_t job, int state, const char *message, co
     nl_error err = {0};
     nl_wire_msg_init(&m);
     nl_wire_msg_reset(&m, NL_MSG_JOB_STATUS);
-    m.u.job_status = (nl_msg_job_status){job, (uint32_t)state, 0.0, message};
+    m.u.job_status = (nl_msg_job_status){job, (uint32_t)state, 0.0, message, 0};
     if (json) {
         const int64_t len = (int64_t)strlen(json);
         nl_wire_frame_set(&m.frames[0], json, NL_DTYPE_U8, &len, 1);

@@ -70,7 +70,8 @@ static void *fake_coord_main(void *arg)
             m.u.job_status = (nl_msg_job_status){0, NL_JOB_FAILED, 0.0,
                                                  NL_CLIENT_TOO_MANY_JOBS
                                                  " of this key at once: 32 (neurocoord "
-                                                 "--max-jobs-per-key); try again when one ends"};
+                                                 "--max-jobs-per-key); try again when one ends",
+                                                 0};
             nl_sock_send(f->s, rx.rid, rx.rid_len, &m, &err);
             nl_wire_msg_free(&m);
             f->submitted += --f->refuse == 0;

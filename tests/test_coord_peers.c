@@ -365,7 +365,7 @@ static void ownership(const nl_keypair *node, const nl_keypair *alice, const nl_
      * connection, not to bob or the admin */
     CHECK_PUMP(pump_until(&n, NL_MSG_JOB_SUBMIT, &rx));
     nl_wire_msg_reset(&m, NL_MSG_JOB_STATUS);
-    m.u.job_status = (nl_msg_job_status){job, NL_JOB_RUNNING, 0.0, "session open"};
+    m.u.job_status = (nl_msg_job_status){job, NL_JOB_RUNNING, 0.0, "session open", 0};
     fake_send(&n, &m);
     CHECK_PUMP(pump_until(&n, NL_MSG_ACTIVATION, &rx));
     uint32_t tok = 9;

@@ -269,7 +269,7 @@ static void test_salvage_fails(void)
         nl_wire_msg st;
         nl_wire_msg_init(&st);
         nl_wire_msg_reset(&st, NL_MSG_JOB_STATUS);
-        st.u.job_status = (nl_msg_job_status){job, NL_JOB_RUNNING, 0.0, "took it"};
+        st.u.job_status = (nl_msg_job_status){job, NL_JOB_RUNNING, 0.0, "took it", 0};
         fake_send(&nodes[i], &st);
     }
     /* step 1 begins once all took it: a microbatch to each replica of
@@ -299,11 +299,26 @@ static void test_salvage_fails(void)
               "salvage: %s was asked for step %llu in '%s'", k ? "stage 1" : "replica 1",
               ok ? (unsigned long long)rx.msg.u.ckpt_req.step : 0ull, dir);
     }
-    /* stage 1 cannot write it: the job resumes from step 0, the plan goes */
+    /* stage 1's send of step 2 to the lost replica failed, reported
+     * before the request reached it: its weights are whole, its shard is
+     * still awaited */
     nl_wire_msg st;
     nl_wire_msg_init(&st);
     nl_wire_msg_reset(&st, NL_MSG_JOB_STATUS);
-    st.u.job_status = (nl_msg_job_status){job, NL_JOB_FAILED, 0.0, "CKPT_REQ: disk full (io)"};
+    st.u.job_status = (nl_msg_job_status){
+        job, NL_JOB_FAILED, 0.0, "job 1 step 2: cannot reach the previous stage", NL_MSG_GRADIENT};
+    fake_send(&nodes[last], &st);
+    for (const double t0 = now_s(); now_s() - t0 < 0.3;) { /* the coordinator reads it */
+        nl_coord_step(coord, 5);
+        heartbeats();
+    }
+    CHECK(strncmp(coord->state, "saving", 6) == 0 && coord->plan_held,
+          "salvage: a failure of the step, not of the shard, ended the save: %s", coord->state);
+    /* then it cannot write it: the job resumes from step 0, the plan goes */
+    nl_wire_msg_init(&st);
+    nl_wire_msg_reset(&st, NL_MSG_JOB_STATUS);
+    st.u.job_status =
+        (nl_msg_job_status){job, NL_JOB_FAILED, 0.0, "CKPT_REQ: disk full (io)", NL_MSG_CKPT_REQ};
     fake_send(&nodes[last], &st);
     char report[2048] = "";
     CHECK(client_hears("node lost", &j2, report, sizeof report) && j2 == job,

@@ -334,6 +334,8 @@ static bool added_later(nl_msg_type t, const nl_wire_msg *d, const char *key)
                : strcmp(key, "replica") == 0
                    ? d->u.assign.replica == 0
                    : strcmp(key, "replicas") == 0 && d->u.assign.replicas == 0;
+    if (t == NL_MSG_JOB_STATUS) /* the message a stage's failure answers */
+        return strcmp(key, "req_type") == 0 && d->u.job_status.req_type == 0;
     if (t == NL_MSG_JOIN) /* nodes behind NAT: JOIN.flags */
         return strcmp(key, "flags") == 0 && d->u.join.flags == 0;
     return t == NL_MSG_LOSS && strcmp(key, "correct") == 0 && d->u.train_loss.correct == 0;
@@ -356,6 +358,7 @@ static bool is_added_later(nl_msg_type t, const char *key)
              strcmp(key, "prev_keys") == 0 || strcmp(key, "next_endpoints") == 0 ||
              strcmp(key, "next_keys") == 0)) ||
            (t == NL_MSG_JOIN && strcmp(key, "flags") == 0) ||
+           (t == NL_MSG_JOB_STATUS && strcmp(key, "req_type") == 0) ||
            (t == NL_MSG_REDUCE && strcmp(key, "epoch") == 0) ||
            (t == NL_MSG_VERIFY_REQ && strcmp(key, "flags") == 0) ||
            (t == NL_MSG_VERIFY_CASE &&

@@ -128,7 +128,9 @@ void sample(nl_wire_msg *m, nl_msg_type t)
         break;
     }
     case NL_MSG_JOB_STATUS:
-        m->u.job_status = (nl_msg_job_status){11, NL_JOB_RUNNING, 0.25, "step 250 of 1000"};
+        /* a stage's failure names the message it could not run */
+        m->u.job_status = (nl_msg_job_status){
+            11, NL_JOB_FAILED, 0.25, "step 250: cannot reach the next stage", NL_MSG_ACTIVATION};
         break;
     case NL_MSG_JOB_CANCEL:
     case NL_MSG_JOB_QUERY:
@@ -328,7 +330,8 @@ bool same_msg(const nl_wire_msg *a, const nl_wire_msg *b)
         return p->job_status.job_id == q->job_status.job_id &&
                p->job_status.state == q->job_status.state &&
                p->job_status.progress == q->job_status.progress &&
-               seq(p->job_status.message, q->job_status.message);
+               seq(p->job_status.message, q->job_status.message) &&
+               p->job_status.req_type == q->job_status.req_type;
     case NL_MSG_JOB_CANCEL:
     case NL_MSG_JOB_QUERY:
         return p->job_ref.job_id == q->job_ref.job_id;
