@@ -471,6 +471,10 @@ const char *nl_coord_state(const nl_coord *c)
 {
     return c->state;
 }
+const char *nl_coord_model_file(const nl_coord *c)
+{
+    return c->src_path[0] && !c->src_manifest && !c->stages_modified ? c->src_path : NULL;
+}
 int nl_coord_max_jobs_per_key(const nl_coord *c)
 {
     const int k = c->o.max_jobs_per_key;

@@ -105,6 +105,10 @@ void nl_coord_step(nl_coord *c, int timeout_ms);
 const char *nl_coord_endpoint(const nl_coord *c);
 const char *nl_coord_client_endpoint(const nl_coord *c);
 const char *nl_coord_state(const nl_coord *c);
+/* The checkpoint file the stages' weights are (--model, untrained since),
+ * or NULL (a manifest, the seed, or weights a training job changed):
+ * what adapters are checked against (nl_lora_check_base). */
+const char *nl_coord_model_file(const nl_coord *c);
 /* The jobs one client key may hold at once (--max-jobs-per-key, bounded
  * by the job table's size). */
 int nl_coord_max_jobs_per_key(const nl_coord *c);

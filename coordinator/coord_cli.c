@@ -191,7 +191,8 @@ static void coord_flags(nl_opt t[MAX_FLAGS], nl_coord_cli *cli, int *level, int 
                    "NAME=FILE[,NAME=FILE...]: --http also serves model NAME, the cluster's "
                    "weights with the LoRA adapter FILE (under --checkpoint-root, shared with the "
                    "nodes) applied by every stage; /v1/models lists it and a request's \"model\" "
-                   "selects it (docs/serving.md)"),
+                   "selects it; one trained on another checkpoint than --model is refused at "
+                   "start (docs/serving.md)"),
         NL_OPT_CHOICE("log-level", level, NL_LOG_LEVELS, "info", "debug, info, warn, error or off"),
         NL_OPT_SWITCH("probe-inbound", &o->probe_inbound,
                       "try each joining node's data endpoint with a TCP connect (2 s): one that "

@@ -7,6 +7,7 @@
  * they share lives under h->mu. */
 #include "coordinator/coord_http.h"
 #include "coordinator/coord_http_impl.h"
+#include "core/model/lora.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -262,6 +263,14 @@ nl_status nl_coord_http_start(nl_coord_http **out, nl_coord *c, const char *name
     nl_status st;
     if ((st = parse_adapters(h, adapters, err)) != NL_OK)
         goto fail;
+    /* each adapter against the checkpoint the cluster serves, hashed once */
+    const char *base = nl_coord_model_file(c);
+    if (h->n_models && base &&
+        (st = nl_lora_check_bases((const char *const *)h->adapters, h->n_models, base, err)) !=
+            NL_OK) {
+        nl_error_prefix(err, "--http-adapter");
+        goto fail;
+    }
     if (!plaintext && ((st = nl_keys_load_public(h->server_key, path, err)) != NL_OK ||
                        (st = nl_keys_generate(&h->kp, err)) != NL_OK ||
                        (st = nl_coord_admit_key(c, h->kp.public_z85, err)) != NL_OK))

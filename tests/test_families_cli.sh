@@ -143,6 +143,16 @@ out=$("$NEUROCTL" lora merge --model "$W/merged.safetensors" --adapter "$W/ad.sa
 check test $? -ne 0
 check grep -q "not of .*merged.safetensors" <<< "$out"
 check test ! -e "$W/merged2.safetensors"
+# a cluster's --http-adapter too: checked against --model at start (the
+# base hashed once for all of them), the coordinator exits naming the one
+# of another checkpoint and both hashes
+check "$NEUROCTL" finetune "${DEV[@]}" --model "$W/merged.safetensors" --data "$W/data.txt" \
+    --steps 1 --batch 2 --seq 16 --lora-rank 2 --out "$W/ad_ok.safetensors" --threads 2
+out=$(timeout 60 "$NL_BUILD_DIR/coordinator/neurocoord" --listen 'tcp://127.0.0.1:*' \
+    --state-dir "$W/cs" --plaintext --model "$W/merged.safetensors" --http 127.0.0.1:0 \
+    --http-adapter "ok=$W/ad_ok.safetensors,tuned=$W/ad.safetensors" 2>&1)
+check test $? -eq 1
+check grep -q -- "--http-adapter: .*/ad.safetensors: an adapter of the checkpoint with SHA-256 [0-9a-f]\{12\}\.\.\., not of .*merged.safetensors" <<< "$out"
 out=$("$NEUROCTL" finetune --model "$W/dec.safetensors" --data "$W/data.txt" --steps 1 \
     --lora-targets wq,w_in --out "$W/x.safetensors" 2>&1)
 check test $? -eq 2

@@ -540,33 +540,55 @@ nl_status nl_lora_save(const nl_lora *lo, const char *path, const char *base_sha
     return st;
 }
 
-nl_status nl_lora_check_base(const char *path, const char *base_path, nl_error *err)
+/* path's base_sha256 into want (64 hex digits), or "" where it names none */
+static nl_status base_named(const char *path, char want[65], nl_error *err)
 {
     nl_st_file *f = NULL;
+    want[0] = '\0';
     nl_status st = nl_st_open(&f, path, err);
     if (st != NL_OK)
         return st;
-    const char *want = nl_st_metadata(f, "base_sha256");
-    size_t n = want ? strlen(want) : 0;
-    for (size_t i = 0; want && i < n; i++)
-        n = isxdigit((unsigned char)want[i]) ? n : 0;
-    struct stat sb;
-    if (want && n != 64) {
+    const char *w = nl_st_metadata(f, "base_sha256");
+    size_t n = w ? strlen(w) : 0;
+    for (size_t i = 0; w && i < n; i++)
+        n = isxdigit((unsigned char)w[i]) ? n : 0;
+    if (w && n != 64)
         st = nl_error_set(err, NL_ERR_FORMAT,
                           "%s: metadata base_sha256 '%.70s' is not a SHA-256 (64 hex digits)", path,
-                          want);
-    } else if (want && base_path && stat(base_path, &sb) == 0 && S_ISREG(sb.st_mode)) {
-        char hex[65];
-        uint64_t bytes = 0;
-        st = nl_file_sha256(base_path, hex, &bytes, err);
-        if (st == NL_OK && strcasecmp(hex, want) != 0)
-            st = nl_error_set(err, NL_ERR_INTEGRITY,
-                              "%s: an adapter of the checkpoint with SHA-256 %.12s..., not of %s "
-                              "(SHA-256 %.12s...): apply it to the checkpoint it was trained on",
-                              path, want, base_path, hex);
-    }
+                          w);
+    else if (w)
+        memcpy(want, w, 65);
     nl_st_close(&f);
     return st;
+}
+
+nl_status nl_lora_check_bases(const char *const *paths, int n, const char *base_path, nl_error *err)
+{
+    char hex[65] = "";
+    struct stat sb;
+    const int file = base_path && stat(base_path, &sb) == 0 && S_ISREG(sb.st_mode);
+    for (int i = 0; i < n; i++) {
+        char want[65];
+        nl_status st = base_named(paths[i], want, err);
+        if (st != NL_OK)
+            return st;
+        if (!want[0] || !file)
+            continue;
+        uint64_t bytes = 0; /* the base is hashed once, when an adapter names one */
+        if (!hex[0] && (st = nl_file_sha256(base_path, hex, &bytes, err)) != NL_OK)
+            return st;
+        if (strcasecmp(hex, want) != 0)
+            return nl_error_set(err, NL_ERR_INTEGRITY,
+                                "%s: an adapter of the checkpoint with SHA-256 %.12s..., not of %s "
+                                "(SHA-256 %.12s...): apply it to the checkpoint it was trained on",
+                                paths[i], want, base_path, hex);
+    }
+    return NL_OK;
+}
+
+nl_status nl_lora_check_base(const char *path, const char *base_path, nl_error *err)
+{
+    return nl_lora_check_bases(&path, 1, base_path, err);
 }
 
 nl_status nl_lora_load(nl_lora **out, nl_model *m, const char *path, int max_rows, nl_error *err)

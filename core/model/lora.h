@@ -95,6 +95,10 @@ nl_status nl_lora_save(const nl_lora *lo, const char *path, const char *base_sha
  * NL_ERR_FORMAT when base_sha256 is not 64 hex digits; a read error of
  * either file otherwise. */
 nl_status nl_lora_check_base(const char *path, const char *base_path, nl_error *err);
+/* The same for n adapter files, the base hashed at most once (when one of
+ * them names a base); the first that fails is named. */
+nl_status nl_lora_check_bases(const char *const *paths, int n, const char *base_path,
+                              nl_error *err);
 /* Load an adapter file onto m (attached); max_rows as nl_lora_new. */
 nl_status nl_lora_load(nl_lora **out, nl_model *m, const char *path, int max_rows, nl_error *err);
 
