@@ -107,7 +107,7 @@ const char *nl_coord_client_endpoint(const nl_coord *c);
 const char *nl_coord_state(const nl_coord *c);
 /* The checkpoint file the stages' weights are (--model, untrained since),
  * or NULL (a manifest, the seed, or weights a training job changed):
- * what adapters are checked against (nl_lora_check_base). */
+ * what adapters are checked against (nl_lora_check_bases). */
 const char *nl_coord_model_file(const nl_coord *c);
 /* The jobs one client key may hold at once (--max-jobs-per-key, bounded
  * by the job table's size). */

@@ -401,6 +401,10 @@ static void test_one_node(void)
     send_train(&c, p, 300);
     send_ckpt(&c, p, 300, nodir);
     expect_failed(&c, p, 300, NL_ERR_AUTH, "no --checkpoint-root");
+    /* it names the request that failed: the coordinator saving a step
+     * tells a refused shard from a failed step (coord_train_ops.c) */
+    CHECK(c.rx.msg.type == NL_MSG_JOB_STATUS && c.rx.msg.u.job_status.req_type == NL_MSG_CKPT_REQ,
+          "a refused CKPT_REQ is reported as about %u", c.rx.msg.u.job_status.req_type);
     CHECK(access(nodir, F_OK) != 0, "a node without a root wrote %s", nodir);
     send_simple(&c, p, NL_MSG_JOB_CANCEL, 300);
     check_leave(&c, p, pid, 7, log);
