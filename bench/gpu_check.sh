@@ -242,23 +242,27 @@ if want d; then
         --config "$SRC/configs/$cfg.yaml" --batch "$BATCH" --seq "$T" --repeats 2 --decode-tokens 4 && true
     if [ "$RC" -ne 125 ]; then
         # "NAME: profile SLOT  CALLS calls  MS ms  PCT% (device wait MS ms
-        # PCT%)", largest first (cuda_backend.cu); the waits, largest
-        # first, are where the device's time went (the host's own, e.g.
-        # the bench's initialisation, is in the first figure only)
+        # PCT%; longest call MS ms)", largest first (cuda_backend.cu); the
+        # waits, largest first, are where the device's time went (the
+        # host's own, e.g. the bench's initialisation, is in the first
+        # figure only); a longest call far above the mean is a one-time
+        # cost (a cuDNN graph or cuBLASLt plan built at a new shape)
         figs=$($PY - "$OUT/profile.log" <<'PY' 2>&1
 import re, sys
 text = open(sys.argv[1], errors="replace").read()
 tot = re.search(r"NL_CUDA_PROFILE: ([0-9.]+) s in (\d+) slots[^,]*,? *([0-9.]+)?", text)
 rows = re.findall(r"profile (\S+) +(\d+) calls +([0-9.]+) ms +([0-9.]+)%"
-                  r"(?: \(device wait +([0-9.]+) ms +([0-9.]+)%\))?", text)
+                  r"(?: \(device wait +([0-9.]+) ms +([0-9.]+)%"
+                  r"(?:; longest call +([0-9.]+) ms)?\))?", text)
 if not tot:
     sys.exit("no profile in the log (not a CUDA backend?)")
 lt = re.search(r"cuBLASLt cache: [^\n]*", text)
 waits = sorted((r for r in rows if r[5]), key=lambda r: -float(r[4]))
+top = lambda mx: " longest %s ms" % mx if mx else ""
 print("%s s in %s slots: %s; device waits (%s s): %s%s" % (tot.group(1), tot.group(2),
-      ", ".join("%s %s%% (%s calls)" % (n, p, c) for n, c, ms, p, w, wp in rows[:8]),
+      ", ".join("%s %s%% (%s calls%s)" % (n, p, c, top(mx)) for n, c, ms, p, w, wp, mx in rows[:8]),
       tot.group(3) or "?",
-      ", ".join("%s %s%%" % (n, wp) for n, c, ms, p, w, wp in waits[:8]) or "none",
+      ", ".join("%s %s%%" % (n, wp) for n, c, ms, p, w, wp, mx in waits[:8]) or "none",
       "; " + lt.group(0) if lt else ""))
 PY
 ) || case $DEVICE in cuda:*) RC=1 ;; esac # only the CUDA backend profiles

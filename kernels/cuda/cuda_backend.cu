@@ -210,6 +210,8 @@ void prof_mark(cuda_ctx *c, const char *slot)
         c->prof[i].calls++;
         c->prof[i].s += t - c->prof_t;
         c->prof[i].wait_s += t - t0;
+        if (t - c->prof_t > c->prof[i].max_s)
+            c->prof[i].max_s = t - c->prof_t;
     }
     c->prof_prev = slot;
     c->prof_t = t;
@@ -238,10 +240,11 @@ void prof_report(cuda_ctx *c)
         c->prof[k] = e;
         nl_log_write(
             NL_LOG_WARN,
-            "%s: profile %-24s %8llu calls %9.3f ms %5.1f%% (device wait %9.3f ms %5.1f%%)",
+            "%s: profile %-24s %8llu calls %9.3f ms %5.1f%% (device wait %9.3f ms %5.1f%%; "
+            "longest call %.3f ms)",
             c->name, e.name, (unsigned long long)e.calls, e.s * 1e3,
             total > 0 ? 100.0 * e.s / total : 0.0, e.wait_s * 1e3,
-            wait > 0 ? 100.0 * e.wait_s / wait : 0.0);
+            wait > 0 ? 100.0 * e.wait_s / wait : 0.0, e.max_s * 1e3);
     }
     /* the bf16 GEMMs' descriptor cache: a miss is host time (cuBLASLt's
      * heuristic) inside its slot's share above */

@@ -154,6 +154,7 @@ struct cuda_ctx {
         uint64_t calls;
         double s;      /* host and wait */
         double wait_s; /* of it, waiting for the stream */
+        double max_s;  /* its longest call (a graph or plan built at a new shape) */
     } prof[64];
 };
 
