@@ -62,23 +62,25 @@ static void train_rows(nl_opt t[MAX_FLAGS], int *at, nl_coord_cli *cli, int *gro
                    "checkpoint there and goes on from it on the new plan; a plan kept is judged "
                    "again this many steps later, 3 times at most (0: only at the job's "
                    "checkpoints)"),
-        NL_OPT_STR("replicas", &cli->replicas,
-                   "R|R0,R1,...|auto: every pipeline stage on R nodes, microbatch i on replica i "
-                   "mod R, "
-                   "their gradients added in replica order (docs/cluster.md, \"Replicas on "
-                   "different nodes\"; a job's microbatches a multiple of R); auto: the R with the "
-                   "most training tokens/s by the cost model, for steps of --plan-microbatches (a "
-                   "running job's own microbatches when it plans again), each plan's all-reduce "
-                   "at the slowest link speed its replicas measured in their last all-reduces "
-                   "(1 GB/s assumed for a node that has none; a measurement that moves the "
-                   "plan's link by --replan-margin re-plans at the next checkpoint or at rest); "
-                   "neuroctl status lists every R tried and the link speed used, measured or "
-                   "assumed, and auto also weighs plans that give a slow stage more replicas "
-                   "than the others (the depth-only plan's spare nodes to its bottleneck stage). "
-                   "R0,R1,...: a plan of that many stages, stage s on Rs nodes (the fastest "
-                   "first), microbatch i on replica i mod Rs of each; a job's microbatches a "
-                   "multiple of every Rs; no node of such a plan may be --no-inbound unless all "
-                   "counts are equal (default 1)"),
+        NL_OPT_STR(
+            "replicas", &cli->replicas,
+            "R|R0,R1,...|auto: every pipeline stage on R nodes, microbatch i on replica i "
+            "mod R, "
+            "their gradients added in replica order (docs/cluster.md, \"Replicas on "
+            "different nodes\"; a job's microbatches a multiple of R); auto: the R with the "
+            "most training tokens/s by the cost model, for steps of --plan-microbatches (a "
+            "running job's own microbatches when it plans again), each plan's all-reduce "
+            "at the slowest link speed its replicas measured in their last all-reduces "
+            "(1 GB/s assumed for a node that has none; a measurement that moves the "
+            "plan's link by --replan-margin re-plans at the next checkpoint or at rest); "
+            "neuroctl status lists every R tried and the link speed used, measured or "
+            "assumed, and auto also weighs plans that give a slow stage more replicas "
+            "than the others (the depth-only plan's spare nodes to the stage where a step is "
+            "fastest). "
+            "R0,R1,...: a plan of that many stages, stage s on Rs nodes (the fastest "
+            "first), microbatch i on replica i mod Rs of each; a job's microbatches a "
+            "multiple of every Rs; no node of such a plan may be --no-inbound unless all "
+            "counts are equal (default 1)"),
         NL_OPT_INT("plan-microbatches", &o->plan_microbatches, 1, 1 << 20, "8",
                    "the microbatches of a training step --replicas auto plans for"),
         NL_OPT_INT("outer-every", &o->outer_every, 0, INT32_MAX, "0",

@@ -245,7 +245,7 @@ static void auto_why(const nl_coord *c, const nl_plan *p, double t,
     }
     if (uneven && o > 0 && (size_t)o < cap) { /* the slow stages' extra replicas won */
         o += snprintf(why + o, cap - (size_t)o,
-                      "; a plan with the nodes it left out given to its bottleneck stage, "
+                      "; a plan with the nodes it left out given where a step is fastest, "
                       "replicas per stage");
         for (int s = 0; s < p->n_stages && o > 0 && (size_t)o < cap; s++)
             o += snprintf(why + o, cap - (size_t)o, "%s%d", s ? "," : " ", p->stages[s].n_replicas);

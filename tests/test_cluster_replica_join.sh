@@ -13,7 +13,8 @@
 # A fifth node that joins 4 training as 2 stages x 2 replicas (auto, 6
 # microbatches, 10 layers) becomes the third replica of the stage with the
 # head, which takes a layer more (2 + 3: the planner grows the uniform plan
-# at its bottleneck, core/plan/planner.h): at the next checkpoint it loads
+# where a step is fastest, here at its bottleneck, core/plan/planner.h):
+# at the next checkpoint it loads
 # that stage's shard, the job ends with the same losses (1e-6) as one
 # process, and neuroctl status shows the counts 2,3.
 # And a fifth node beside 2 stages x 2 replicas (--replicas 2) at rest can

@@ -1,8 +1,8 @@
 /* Tests of the planner's replicated plans (DESIGN section 8) and their
  * costs: R replicas on every stage, a replica count per stage (forced, and
  * chosen from the nodes' speeds: the slow stage gets more; a node beside a
- * uniform plan joins its bottleneck stage), the step time's model and the
- * link speeds the replicas' all-reduce is costed at.
+ * uniform plan joins the stage where a step is fastest), the step time's
+ * model and the link speeds the replicas' all-reduce is costed at.
  * test_planner.c holds the depth-only planner, test_sizing.c the sizer. */
 #include <inttypes.h>
 #include <stdint.h>
@@ -458,9 +458,9 @@ static int stage_with(const nl_plan *p, int n)
     return -1;
 }
 
-/* Issue 30: a node beside a uniform plan becomes a replica of its
- * bottleneck stage, the layers split again, when that makes a step
- * faster. Five equal nodes, 10 layers, 6 microbatches a step, a 10 GB/s
+/* Issue 30: a node beside a uniform plan becomes a replica of the stage
+ * where the step is fastest, the layers split again, when that makes a
+ * step faster. Five equal nodes, 10 layers, 6 microbatches a step, a 10 GB/s
  * link: the best uniform plan is 2 stages x 2 replicas with the fifth
  * node standby (3 replicas of 1 stage or 5 stages are slower); the grown
  * plan 2 + 3 with more layers on the 3 replicas beats it. */
@@ -548,6 +548,27 @@ static void test_grow_uniform(void)
         CHECK(k == 5 ? s3 >= 0 && p->stages[s3].l1 - p->stages[s3].l0 == 5 && p->n_standby == 0
                      : s3 < 0 && p->n_standby == 1 && p->standby[0] == 5,
               "room for %d layers: %d standby", k, p->n_standby);
+        nl_plan_destroy(&p);
+    }
+    /* which stage takes the fifth node is judged by the step each choice
+     * makes after the layers split again, not by which stage is the
+     * bottleneck now: on 8 and 10 layers the plan is at least as fast as
+     * the better of 2 + 3 and 3 + 2 (nl_plan_layers_staged) */
+    for (int L = 8; L <= 10; L += 2) {
+        nl_config cl = small_cfg(L);
+        double want = 0.0;
+        for (int first = 2; first <= 3; first++) {
+            const int reps[2] = {first, 5 - first};
+            nl_plan *q = NULL;
+            CHECK_OK(nl_plan_layers_staged(&q, &cl, five, 5, &o, reps, 2, &err), &err);
+            const double tq = q ? nl_plan_step_seconds(q, &cl, &o, 6, 1e10) : 0.0;
+            want = first == 2 || tq < want ? tq : want;
+            nl_plan_destroy(&q);
+        }
+        CHECK_OK(nl_plan_choose_stage_replicas(&p, &t, NULL, NULL, &cl, five, 5, &o, 6, 1e10, &err),
+                 &err);
+        CHECK(p && p->n_standby == 0 && want > 0 && t <= want * (1 + 1e-9),
+              "%d layers: %g s a step, the better of 2 + 3 and 3 + 2 %g", L, t, want);
         nl_plan_destroy(&p);
     }
     printf("uniform plans grown: ok\n");

@@ -206,14 +206,17 @@ nl_status nl_plan_layers_staged(nl_plan **out, const nl_config *cfg, const nl_pl
  * replicas placed (the chosen one first; R = 1 is nl_plan_layers over all
  * the nodes), then nl_plan_layers over the k fastest (k < n_nodes, k <=
  * NL_PLAN_EXACT_MAX), each grown the same way: the nodes the plan leaves
- * out, fastest first, go to its bottleneck stage (as many at a time as
- * make that stage's count divide M; at most NL_PLAN_MAX_REPLICAS), the
- * layers split again over the stages in their order (nl_plan_layers_
- * staged's DP; every replica holds its stage in its memory, so a node too
- * small for the stage cannot join it), while a step gets faster. So a node
- * beside 2 stages x 2 replicas joins the slower stage as its third
- * replica, that stage taking more layers, when M is a multiple of 3 and
- * the step gets faster. A grown plan wins only when some stages' counts
+ * out, fastest first, go to the stage where they make a step fastest
+ * (every stage tried, its bottleneck first, which keeps a tie; as many at
+ * a time as make that stage's count divide M; at most
+ * NL_PLAN_MAX_REPLICAS), the layers split again over the stages in their
+ * order (nl_plan_layers_staged's DP; every replica holds its stage in its
+ * memory, so a node too small for the stage cannot join it), while a step
+ * gets faster. So a node beside 2 stages x 2 replicas becomes a third
+ * replica of one stage, that stage taking more layers, when M is a
+ * multiple of 3 and the step gets faster: the slower stage on 10 layers
+ * (2 + 3), the first on 8 (3 + 2: the split the extra replica allows
+ * there is 2.7% faster). A grown plan wins only when some stages' counts
  * differ and it is faster by more than a relative 1e-9; ties keep the
  * uniform plan. *step_s (may be NULL): the chosen plan's seconds a step. */
 nl_status nl_plan_choose_stage_replicas(nl_plan **out, double *step_s,

@@ -474,12 +474,50 @@ static nl_status plan_groups(sgroup *g, char *in_plan, const nl_plan *p, const n
     return NL_OK;
 }
 
+/* Stage b of groups g (S of them) given the next spare nodes from
+ * spare[used..n_spare): as many as make its replica count divide M. The
+ * plan that makes (the layers split again, split_groups) into *out with
+ * its seconds a step *tq and the groups into trial, how many it took in
+ * *k; *out NULL when stage b cannot take them (NL_PLAN_MAX_REPLICAS,
+ * too few spares, a node too small for the stage). */
+static nl_status grow_stage(nl_plan **out, double *tq, int *k, sgroup *trial, const sgroup *g,
+                            int S, int b, const ranked *spare, int used, int n_spare,
+                            const nl_config *cfg, const nl_plan_opts *o, const nl_plan_node *nodes,
+                            int n_nodes, int M, double link, nl_error *err)
+{
+    *out = NULL;
+    int n = 1;
+    while (g[b].R + n <= NL_PLAN_MAX_REPLICAS && M % (g[b].R + n) != 0)
+        n++;
+    if (g[b].R + n > NL_PLAN_MAX_REPLICAS || used + n > n_spare)
+        return NL_OK;
+    memcpy(trial, g, (size_t)S * sizeof *g);
+    for (int r = 0; r < n; r++)
+        trial[b].idx[trial[b].R++] = spare[used + r].index;
+    sgroup_fold(&trial[b], nodes);
+    nl_error e = {0};
+    nl_status st = split_groups(out, cfg, o, trial, S, nodes, n_nodes, &e);
+    if (st == NL_ERR_CAPACITY) /* a smaller node cannot hold the stage */
+        return NL_OK;
+    if (st != NL_OK) {
+        if (err)
+            *err = e;
+        return st;
+    }
+    *tq = plan_step(*out, cfg, o, nodes, n_nodes, M, link);
+    *k = n;
+    return NL_OK;
+}
+
 /* From plan p (any replica counts: a depth-only plan, one of R replicas a
- * stage, ...), give the nodes it leaves out to the bottleneck stage,
- * fastest first, as many at a time as make its replica count divide M,
- * the layers split again over the stages (split_groups), while the step
- * gets faster. *out: the plan reached (NULL when no node was given),
- * *t_out its seconds a step. */
+ * stage, ...), give the nodes it leaves out, fastest first, to the stage
+ * where they make the step fastest (as many at a time as make its
+ * replica count divide M; the layers split again over the stages,
+ * split_groups), while the step gets faster. Every stage is tried, its
+ * bottleneck first, which keeps a tie: the stage that is the bottleneck
+ * now need not be the one a re-split makes best to grow (five equal
+ * nodes on 8 layers in steps of 6: 3 + 2 beats 2 + 3). *out: the plan
+ * reached (NULL when no node was given), *t_out its seconds a step. */
 static nl_status grow_bottleneck(nl_plan **out, double *t_out, const nl_plan *p,
                                  const nl_config *cfg, const nl_plan_opts *o,
                                  const nl_plan_node *nodes, int n_nodes, int M, double link,
@@ -489,9 +527,10 @@ static nl_status grow_bottleneck(nl_plan **out, double *t_out, const nl_plan *p,
     const int S = p->n_stages;
     ranked *spare = malloc((size_t)n_nodes * sizeof *spare);
     sgroup *g = calloc((size_t)S, sizeof *g), *trial = calloc((size_t)S, sizeof *trial);
+    sgroup *pick = calloc((size_t)S, sizeof *pick);
     char *in_plan = calloc((size_t)n_nodes, 1);
     nl_status st = NL_OK;
-    if (!spare || !g || !trial || !in_plan) {
+    if (!spare || !g || !trial || !pick || !in_plan) {
         st = nl_error_set(err, NL_ERR_NOMEM, "plan: out of memory");
         goto done;
     }
@@ -504,43 +543,41 @@ static nl_status grow_bottleneck(nl_plan **out, double *t_out, const nl_plan *p,
     qsort(spare, (size_t)n_spare, sizeof *spare, rank_cmp);
     const nl_plan *cur = p;
     double t = plan_step(p, cfg, o, nodes, n_nodes, M, link);
-    for (int used = 0;;) {
+    for (int used = 0; st == NL_OK;) {
         int b = 0;
         for (int s = 1; s < S; s++)
             if (cur->stages[s].seconds > cur->stages[b].seconds)
                 b = s;
-        int k = 1;
-        while (g[b].R + k <= NL_PLAN_MAX_REPLICAS && M % (g[b].R + k) != 0)
-            k++;
-        if (g[b].R + k > NL_PLAN_MAX_REPLICAS || used + k > n_spare)
-            break;
-        memcpy(trial, g, (size_t)S * sizeof *g);
-        for (int r = 0; r < k; r++)
-            trial[b].idx[trial[b].R++] = spare[used + r].index;
-        sgroup_fold(&trial[b], nodes);
-        nl_plan *q = NULL;
-        nl_error e = {0};
-        st = split_groups(&q, cfg, o, trial, S, nodes, n_nodes, &e);
-        if (st == NL_ERR_CAPACITY) { /* a smaller node cannot hold the stage */
-            st = NL_OK;
-            break;
+        nl_plan *best = NULL;
+        double tb = 0.0;
+        int kb = 0;
+        for (int i = 0; i < S && st == NL_OK; i++) {
+            const int s = i == 0 ? b : i <= b ? i - 1 : i; /* the bottleneck, then the rest */
+            nl_plan *q = NULL;
+            double tq = 0.0;
+            int k = 0;
+            st = grow_stage(&q, &tq, &k, trial, g, S, s, spare, used, n_spare, cfg, o, nodes,
+                            n_nodes, M, link, err);
+            if (q && (!best || tq < tb * (1 - 1e-9))) {
+                nl_plan_destroy(&best);
+                best = q;
+                tb = tq;
+                kb = k;
+                memcpy(pick, trial, (size_t)S * sizeof *g);
+            } else {
+                nl_plan_destroy(&q);
+            }
         }
-        if (st != NL_OK) {
-            if (err)
-                *err = e;
-            break;
-        }
-        const double tq = plan_step(q, cfg, o, nodes, n_nodes, M, link);
-        if (!(tq < t * (1 - 1e-9))) {
-            nl_plan_destroy(&q);
+        if (st != NL_OK || !best || !(tb < t * (1 - 1e-9))) {
+            nl_plan_destroy(&best);
             break;
         }
         nl_plan_destroy(out);
-        *out = q;
-        cur = q;
-        t = tq;
-        used += k;
-        memcpy(g, trial, (size_t)S * sizeof *g);
+        *out = best;
+        cur = best;
+        t = tb;
+        used += kb;
+        memcpy(g, pick, (size_t)S * sizeof *g);
     }
     *t_out = t;
 done:
@@ -549,6 +586,7 @@ done:
     free(spare);
     free(g);
     free(trial);
+    free(pick);
     free(in_plan);
     return st;
 }
