@@ -518,10 +518,9 @@ static nl_status grow_stage(nl_plan **out, double *tq, int *k, sgroup *trial, co
  * now need not be the one a re-split makes best to grow (five equal
  * nodes on 8 layers in steps of 6: 3 + 2 beats 2 + 3). *out: the plan
  * reached (NULL when no node was given), *t_out its seconds a step. */
-static nl_status grow_bottleneck(nl_plan **out, double *t_out, const nl_plan *p,
-                                 const nl_config *cfg, const nl_plan_opts *o,
-                                 const nl_plan_node *nodes, int n_nodes, int M, double link,
-                                 nl_error *err)
+static nl_status grow_spares(nl_plan **out, double *t_out, const nl_plan *p, const nl_config *cfg,
+                             const nl_plan_opts *o, const nl_plan_node *nodes, int n_nodes, int M,
+                             double link, nl_error *err)
 {
     *out = NULL;
     const int S = p->n_stages;
@@ -600,7 +599,7 @@ static int uneven(const nl_plan *p)
     return 0;
 }
 
-/* Grow plan p (grow_bottleneck) when it leaves nodes out; the plan it
+/* Grow plan p (grow_spares) when it leaves nodes out; the plan it
  * reaches replaces *best (p may be *best), *t its seconds a step, when
  * some stages' counts differ and it is faster than *t by more than a
  * relative 1e-9. */
@@ -615,7 +614,7 @@ static nl_status try_grown(nl_plan **best, double *t, const nl_plan *p, const nl
         return NL_OK;
     nl_plan *grown = NULL;
     double tg = 0.0;
-    const nl_status st = grow_bottleneck(&grown, &tg, p, cfg, o, nodes, n_nodes, M, link, err);
+    const nl_status st = grow_spares(&grown, &tg, p, cfg, o, nodes, n_nodes, M, link, err);
     if (st == NL_OK && grown && uneven(grown) && tg < *t * (1 - 1e-9)) {
         nl_plan_destroy(best);
         *best = grown;
