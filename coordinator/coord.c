@@ -535,7 +535,8 @@ void nl_coord_step(nl_coord *c, int timeout_ms)
  * come back, with no client, when the cluster is next brought up. */
 static void end_jobs_for_down(nl_coord *c)
 {
-    int stopping = 0;
+    uint64_t stopping[COORD_MAX_JOBS]; /* the jobs awaited: those that stop with a checkpoint */
+    int n_stopping = 0;
     for (int i = 0; i < COORD_MAX_JOBS; i++) {
         cjob *j = &c->jobs[i];
         if (j->phase == JOB_FREE || !j->ops->cancel)
@@ -548,16 +549,23 @@ static void end_jobs_for_down(nl_coord *c)
             NL_INFO("the cluster is going down: %s job %llu stops after the step under way, "
                     "with a checkpoint",
                     j->ops->name, (unsigned long long)j->id);
-            stopping++;
+            stopping[n_stopping++] = j->id;
         }
         nl_rx_free(&rx);
     }
     const double until = nl_mono_s() + DOWN_JOBS_WAIT_S;
-    for (int busy = stopping; busy && nl_mono_s() < until;) {
+    for (int busy = n_stopping; busy && nl_mono_s() < until;) {
         nl_coord_step(c, 100);
-        busy = 0;
-        for (int i = 0; i < COORD_MAX_JOBS; i++)
-            busy += c->jobs[i].phase != JOB_FREE && c->jobs[i].ops->cancel;
+        busy = 0; /* one not begun (a second fine-tuning job) is not awaited: it fails below */
+        for (int k = 0; k < n_stopping; k++)
+            busy += coord_job_find(c, stopping[k]) != NULL;
+    }
+    for (int k = 0; k < n_stopping; k++) {
+        const cjob *j = coord_job_find(c, stopping[k]);
+        if (j)
+            NL_WARN("the cluster is going down: %s job %llu did not stop within %.0f s; it fails "
+                    "without the checkpoint of its last step",
+                    j->ops->name, (unsigned long long)j->id, DOWN_JOBS_WAIT_S);
     }
     coord_fail_jobs(c, "the cluster is going down (neuroctl cluster down)");
 }

@@ -128,6 +128,7 @@ echo "the client ended (rc $rc) $(($(date +%s) - t0)) s after cluster down"
 tr '\r' '\n' < "$W/down.err" | grep -v "^step" | tail -2
 check test "$rc" -eq 130
 check grep -q "the cluster is going down: train job 1 stops after the step under way" "$C/coord.log"
+check test -z "$(grep "did not stop within" "$C/coord.log")"
 check grep -q "interrupted after step [0-9]* of 40: kept $W/ck5/step-0000[0-9]*/manifest.json" "$W/down.err"
 check test "$(ls "$W"/ck5/step-*/manifest.json | wc -l)" -eq 1
 check grep -q '"train":null' "$C/coord/journal.json"
