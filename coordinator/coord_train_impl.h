@@ -289,8 +289,8 @@ int coord_train_memory(nl_coord *c, cjob *j, char *why, size_t cap);
 const char *coord_train_diloco_refusal(const nl_coord *c, const ctrain *t, int resume, char *why,
                                        size_t cap);
 /* Why the plan's replicas cannot run the job (microbatches that do not
- * divide among a stage's, fine-tuning, DiLoCo without replica groups),
- * in why; or NULL. */
+ * divide among a stage's, DiLoCo without replica groups), in why; or
+ * NULL. */
 const char *coord_train_replicas_refusal(const nl_coord *c, const ctrain *t, char *why, size_t cap);
 /* The job takes the ready plan (its tables sized to the stages, its
  * epoch), at the source's step with its moments when it continues it

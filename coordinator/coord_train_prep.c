@@ -444,10 +444,11 @@ const char *coord_train_replicas_refusal(const nl_coord *c, const ctrain *t, cha
 {
     for (int s = 0; c->plan && s < c->plan->n_stages; s++) { /* DESIGN section 8 */
         const int Rs = coord_stage_replicas(c, s);
-        if (Rs > 1 && (t->ft || t->micro % Rs != 0)) {
-            snprintf(why, cap, "%d replicas of stage %d: %s", Rs, s,
-                     t->ft ? "no fine-tuning yet"
-                           : "a step's microbatches must be a multiple of them");
+        if (Rs > 1 && t->micro % Rs != 0) {
+            snprintf(why, cap,
+                     "%d replicas of stage %d: a step's microbatches must be a multiple "
+                     "of them",
+                     Rs, s);
             return why;
         }
     }

@@ -10,7 +10,8 @@
  *   - the counting pass's route counts, summed before any forward uses
  *     them (the batch's expert shares; exact integers, carried as floats
  *     below 2^24);
- *   - the step's gradients, once this replica's last backward is done,
+ *   - the step's gradients (a fine-tuning job's: its adapters', the base
+ *     being frozen), once this replica's last backward is done,
  *     with the last stage's loss sums riding at the end (each a double cut
  *     into two floats), before the norm and AdamW. Replica 0 then reports
  *     the step (GRAD_NORM, LOSS) as a stage alone does; a STEP that comes
@@ -27,6 +28,7 @@
 #include <time.h>
 
 #include "base/log.h"
+#include "core/model/lora.h"
 #include "net/trainparams.h"
 #include "node/stage_train_impl.h"
 
@@ -52,6 +54,19 @@ static nl_status ring_send(void *p, nl_wire_msg *m, nl_error *err)
     return r->send(r->ctx, NL_STAGE_TO_RING, m, err);
 }
 
+/* What a step trains on this stage, and its gradients (replica 0's
+ * trainer): the adapters of a fine-tuning job (the base is frozen), else
+ * every weight. */
+static size_t trained_n(const nl_model *m)
+{
+    return m->lora ? m->lora->n_params : m->n_params;
+}
+
+static float *trained_grads(const nl_model *m, nl_trainer *tr)
+{
+    return m->lora ? m->lora->grads : nl_trainer_grads(tr);
+}
+
 nl_status stage_train_ring_new(nl_stage *s, stage_train *t, int64_t micro, const nl_trainparams *p,
                                nl_error *err)
 {
@@ -66,6 +81,11 @@ nl_status stage_train_ring_new(nl_stage *s, stage_train *t, int64_t micro, const
         return nl_error_set(err, NL_ERR_INVALID,
                             "outer_every %d (DiLoCo) needs the stage's replicas on other nodes; "
                             "this stage has none",
+                            t->H);
+    if (t->H > 0 && s->model->lora)
+        return nl_error_set(err, NL_ERR_INVALID,
+                            "outer_every %d (DiLoCo): not with fine-tuning, whose replicas add up "
+                            "their adapters' gradients at every step",
                             t->H);
     if (t->xR == 1)
         return NL_OK;
@@ -82,7 +102,7 @@ nl_status stage_train_ring_new(nl_stage *s, stage_train *t, int64_t micro, const
     /* DiLoCo: each group routes by its own counts; the GRADS reducer adds
      * the deltas at a sync */
     const size_t n[NL_REDUCE_KINDS] = {
-        [NL_REDUCE_GRADS] = m->n_params + LOSS_FLOATS,
+        [NL_REDUCE_GRADS] = trained_n(m) + LOSS_FLOATS,
         [NL_REDUCE_COUNTS] = t->H > 0 ? 0 : (size_t)(m->l1 - m->l0) * (size_t)m->cfg.num_experts};
     for (int k = 0; k < NL_REDUCE_KINDS; k++) {
         if (n[k] == 0)
@@ -151,10 +171,10 @@ static double get_double(const float *f)
 static nl_status grads_done(nl_stage *s, stage_train *t, nl_stage_send_fn send, void *ctx,
                             nl_error *err)
 {
-    const size_t n = s->model->n_params;
+    const size_t n = trained_n(s->model);
     const float *buf = t->red_buf[NL_REDUCE_GRADS];
     nl_backend *be = t->rep[0].be;
-    be->upload(be, nl_trainer_grads(t->rep[0].tr), buf, n * sizeof(float));
+    be->upload(be, trained_grads(s->model, t->rep[0].tr), buf, n * sizeof(float));
     nl_status st = nl_backend_check(be, err);
     if (st != NL_OK)
         return st;
@@ -180,10 +200,10 @@ nl_status stage_train_reduce_grads(nl_stage *s, stage_train *t, nl_stage_send_fn
 {
     if (t->H > 0) /* DiLoCo: each group steps with its own gradients */
         return stage_train_report(s, t, send, ctx, err);
-    const size_t n = s->model->n_params;
+    const size_t n = trained_n(s->model);
     float *buf = t->red_buf[NL_REDUCE_GRADS];
     nl_backend *be = t->rep[0].be;
-    be->download(be, buf, nl_trainer_grads(t->rep[0].tr), n * sizeof(float));
+    be->download(be, buf, trained_grads(s->model, t->rep[0].tr), n * sizeof(float));
     nl_status st = nl_backend_check(be, err);
     if (st != NL_OK)
         return st;

@@ -15,6 +15,9 @@
 #    byte-identical;
 #  - neuroctl status shows every node's replica; a generation on the
 #    cluster (replica 0 of each stage) gives one process's tokens;
+#  - a fine-tuning job on the replicas (its adapters' gradients added up
+#    round each stage's ring) equals neuroctl finetune in one process
+#    within 1e-5: every loss, every adapter tensor;
 #  - a job whose microbatches do not divide among the replicas is refused.
 . "$(dirname "$0")/cluster_lib.sh"
 # every node reports the same throughput (neuronode's test hook): the
@@ -47,6 +50,20 @@ check cmp -s "$W/gen.c" "$W/gen.l"
 cat "$W/status.txt"
 check test "$(grep -c ' r[01]/2 ' "$W/status.txt")" -eq 4
 check grep -q "^replicas: 2 per stage" "$W/status.txt"
+# fine-tuning on the replicas: each runs its share of the microbatches and
+# the adapters' gradients are added up round the stage's ring, as one
+# process adds them (the base is the same: nothing has trained it yet)
+FT=(--data "$W/data.txt" --steps 6 --batch 8 --seq 32 --microbatches 4 --lr 3e-3 --seed 2
+    --lora-rank 4 --lora-alpha 8 --lora-targets wq,wo,w_gate,w_down --eval-every 3 --eval-batches 2)
+check "$N" finetune "${DEV[@]}" --model "$W/m.safetensors" "${FT[@]}" --threads 1 \
+  --log "$W/ft_local.jsonl" --out "$W/ft_local.safetensors" 2> "$W/ft_local.err"
+check "$N" finetune --cluster "$C" "${FT[@]}" --checkpoint-dir "$W/ckft" --log "$W/ft_r.jsonl" \
+  --out "$W/ft_r.safetensors" 2> "$W/ft_r.err"
+tail -2 "$W/ft_r.err"
+check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" logs "$W/ft_r.jsonl" "$W/ft_local.jsonl" 1e-5
+check $PY "$NL_SOURCE_DIR/tests/cluster_cmp.py" weights "$W/ft_r.safetensors" "$W/ft_local.safetensors" 1e-5
+# replica 1 of both stages ran its share (the losses above need the sums)
+check test "$(cat "$C"/node-*.log | grep -c "replica 1 of the stage's 2: microbatches 1")" -eq 2
 check "$N" train --cluster "$C" "${RUN[@]}" --checkpoint-every 10 --checkpoint-dir "$W/ck1" \
   --log "$W/r1.jsonl" --out "$W/r1.safetensors" 2> "$W/r1.err"
 tail -3 "$W/r1.err"
