@@ -48,6 +48,8 @@ static void refuse(nl_coord *c, const nl_rx *rx, const char *why)
     coord_status_to(c, rx->rid, rx->rid_len, 0, NL_JOB_FAILED, 0.0, why, NULL);
 }
 
+static void submit_to_stages(nl_coord *c, cjob *j);
+
 /* An embed job (pool), or a forward job with an adapter. */
 static void request_submit(nl_coord *c, const nl_rx *rx, int pool)
 {
@@ -93,11 +95,9 @@ static void request_submit(nl_coord *c, const nl_rx *rx, int pool)
     if (!j)
         return;
     cembed *e = j->state = calloc(1, sizeof *e);
-    if (e) {
+    if (e)
         e->ids = malloc((size_t)B * T * sizeof *e->ids);
-        e->acked = calloc((size_t)c->plan->n_stages, 1);
-    }
-    if (!e || !e->ids || !e->acked) {
+    if (!e || !e->ids) {
         coord_job_fail(c, j, "out of memory");
         return;
     }
@@ -107,7 +107,25 @@ static void request_submit(nl_coord *c, const nl_rx *rx, int pool)
     e->pool = pool;
     snprintf(e->lengths, sizeof e->lengths, "%s", pool ? len->s : "");
     snprintf(e->adapter, sizeof e->adapter, "%s", adapter);
+    if (!coord_adapter_check(c, j, e->adapter)) /* else it goes on from embed_ready */
+        submit_to_stages(c, j);
+}
+
+/* The request to every stage of the plan (each answers JOB_STATUS
+ * running, then the ids go in: embed_on_message). */
+static void submit_to_stages(nl_coord *c, cjob *j)
+{
+    cembed *e = j->state;
+    const int B = e->B, T = e->T, pool = e->pool;
+    free(e->acked); /* the plan's stages (one may have come while its adapter was checked) */
+    e->acks = 0;
+    if (!(e->acked = calloc((size_t)c->plan->n_stages, 1))) {
+        coord_job_fail(c, j, "out of memory");
+        return;
+    }
+    j->phase = JOB_RUNNING;
     j->epoch = c->epoch;
+    j->last_progress = nl_mono_s();
     coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0, "running", NULL);
     nl_wire_param ps[5] = {
         {.key = "job", .kind = NL_WIRE_PARAM_INT, .i = (int64_t)j->id},
@@ -174,6 +192,12 @@ static void embed_abort(nl_coord *c, cjob *j)
     coord_close_session(c, j);
 }
 
+/* Its adapter was checked, and the plan is ready. */
+static void embed_ready(nl_coord *c, cjob *j)
+{
+    submit_to_stages(c, j);
+}
+
 static void embed_submit(nl_coord *c, const nl_rx *rx)
 {
     request_submit(c, rx, 1);
@@ -190,6 +214,7 @@ const cjob_ops coord_embed_ops = {
     .takes = COORD_TAKES(NL_MSG_RESULT) | COORD_TAKES(NL_MSG_JOB_STATUS),
     .submit = embed_submit,
     .on_message = embed_on_message,
+    .ready = embed_ready,
     .abort = embed_abort,
     .free = embed_free,
 };
@@ -201,6 +226,7 @@ const cjob_ops coord_forward_adapted_ops = {
     .takes = COORD_TAKES(NL_MSG_RESULT) | COORD_TAKES(NL_MSG_JOB_STATUS),
     .submit = coord_forward_adapted_submit,
     .on_message = embed_on_message,
+    .ready = embed_ready,
     .abort = embed_abort,
     .free = embed_free,
 };

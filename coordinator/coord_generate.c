@@ -255,6 +255,8 @@ static void generate_submit(nl_coord *c, const nl_rx *rx)
     }
     memcpy(g->ids, rx->msg.frames[0].t.data, (size_t)T * sizeof *g->ids);
     g->prompt_len = T;
+    if (coord_adapter_check(c, j, g->adapter)) /* it goes on from generate_ready */
+        return;
     coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0,
                     "opening a session on every stage", NULL);
     open_session(c, j);
@@ -375,10 +377,16 @@ static int generate_stage_lost(nl_coord *c, cjob *j, const char *why)
     return 1;
 }
 
+/* The plan is ready again, or (a new job) its adapter was checked. */
 static void generate_ready(nl_coord *c, cjob *j)
 {
-    NL_INFO("job %llu: reopening its session on plan %llu, to replay %d tokens",
-            (unsigned long long)j->id, (unsigned long long)c->epoch, ((cgen *)j->state)->produced);
+    const cgen *g = j->state;
+    if (g->coord_feeds)
+        NL_INFO("job %llu: reopening its session on plan %llu, to replay %d tokens",
+                (unsigned long long)j->id, (unsigned long long)c->epoch, g->produced);
+    else
+        coord_status_to(c, j->rid, j->rid_len, j->id, NL_JOB_RUNNING, 0.0,
+                        "opening a session on every stage", NULL);
     open_session(c, j);
 }
 

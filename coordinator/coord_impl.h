@@ -185,8 +185,9 @@ struct cjob {
     char owner[NL_PEER_ID_MAX];
     uint64_t epoch; /* the plan it runs on */
     double last_progress;
-    int working; /* tasks of its own in a worker (coord_work.c): it cannot time out */
-    void *state; /* the kind's, owned by the job */
+    int working;  /* tasks of its own in a worker (coord_work.c): it cannot time out */
+    int checking; /* its adapter's base is being compared (coord_adapter.c): it waits */
+    void *state;  /* the kind's, owned by the job */
 };
 
 /* Node n was convicted of computing wrong (coord_quarantine): every
@@ -271,6 +272,11 @@ struct nl_coord {
     char src_path[4096];
     struct csource *src, *retired;
     int src_manifest; /* the source is a manifest: its shards carry the moments */
+    /* the model file's SHA-256 (nl_coord_model_file), once an adapter a
+     * job named was checked against it (coord_adapter.c), and the file's
+     * size and modification time then; "": not hashed yet */
+    char model_hex[65];
+    int64_t model_hex_size, model_hex_mtime_ns;
     int64_t src_step, src_adam;
     int resumable;   /* the stages hold a manifest's weights and moments, untouched */
     char *tok_text;  /* the model's tokenizer, or NULL */
@@ -608,6 +614,19 @@ void coord_journal_clear(nl_coord *c);
 /* At start: a journaled training job is made again, resuming from its
  * manifest, under its id; job ids go on from the journal's. */
 void coord_journal_recover(nl_coord *c);
+
+/* ---------------------------------------------------------------- coord_adapter.c */
+
+/* Job j (just made) names an adapter file (resolved under
+ * --checkpoint-root): its base_sha256 is compared with the SHA-256 of the
+ * model file the stages hold (nl_coord_model_file; none after a training
+ * job, or for a manifest or the seed: nothing to compare) by a worker, off
+ * the loop; the file is hashed once and kept while its size and time
+ * stay. The job waits meanwhile (JOB_WAITING, `checking`), then fails
+ * naming both hashes, or goes on through its `ready` (at once, or when the
+ * plan is ready). 1: so it goes (or has failed: j is gone); 0: nothing to
+ * check, the caller goes on. */
+int coord_adapter_check(nl_coord *c, cjob *j, const char *adapter);
 
 /* ---------------------------------------------------------------- coord_work.c */
 

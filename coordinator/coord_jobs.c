@@ -291,7 +291,7 @@ void coord_jobs_touch(nl_coord *c)
 void coord_jobs_ready(nl_coord *c)
 {
     for (int i = 0; i < COORD_MAX_JOBS; i++)
-        if (c->jobs[i].phase == JOB_WAITING && c->jobs[i].ops->ready)
+        if (c->jobs[i].phase == JOB_WAITING && !c->jobs[i].checking && c->jobs[i].ops->ready)
             c->jobs[i].ops->ready(c, &c->jobs[i]);
 }
 

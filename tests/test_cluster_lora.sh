@@ -17,6 +17,8 @@
 #    with --adapter; adapter-less generations running at the same time
 #    (batched on the stages, while the adapter's session runs alone) are
 #    unchanged;
+#  - an adapter of another checkpoint is refused by the coordinator, naming
+#    both hashes, for generate, forward and embed;
 #  - embeddings through the cluster (neuroctl embed --cluster) equal local
 #    ones within 1e-5, for a decoder (also with the joined adapter) and for
 #    an encoder (pads kept out of attention on every stage).
@@ -295,6 +297,30 @@ check grep -q "params.adapter" "$W/noad.err"
   --out "$W/never.safetensors" 2> "$W/noad2.err"
 check test $? -ne 0
 check grep -q "params.adapter" "$W/noad2.err"
+
+# an adapter of another checkpoint: the coordinator refuses it before any
+# stage applies it, naming both hashes (generate, forward, embed); it
+# hashed the model file once, for the first job that named an adapter
+check "$N" init --config "$W/cfg.yaml" --out "$W/other.safetensors" --seed 8
+check "$N" finetune "${DEV[@]}" --model "$W/other.safetensors" --data "$W/data.txt" --steps 1 \
+  --batch 2 --seq 16 --threads 1 --out "$W/ck/other-adapter.safetensors" 2> /dev/null
+OTHER="SHA-256 $(sha256sum "$W/other.safetensors" | cut -c1-12)"
+MINE="SHA-256 $(sha256sum "$W/m.safetensors" | cut -c1-12)"
+"$N" generate --cluster "$C" --adapter "$W/ck/other-adapter.safetensors" "${G[@]}" 2> "$W/other1.err"
+check test $? -ne 0
+"$N" forward --cluster "$C" --adapter "$W/ck/other-adapter.safetensors" \
+  --tokens "$W/in.safetensors" --out "$W/never.safetensors" 2> "$W/other2.err"
+check test $? -ne 0
+"$N" embed --cluster "$C" --adapter "$W/ck/other-adapter.safetensors" --input "$W/texts.txt" \
+  --seq 40 --batch 1 --out "$W/never.safetensors" 2> "$W/other3.err"
+check test $? -ne 0
+for k in 1 2 3; do
+  cat "$W/other$k.err"
+  check grep -q "params.adapter: .*other-adapter.safetensors: an adapter of the checkpoint with $OTHER" "$W/other$k.err"
+  check grep -q "not of .*m.safetensors ($MINE" "$W/other$k.err"
+done
+check test ! -e "$W/never.safetensors"
+check test "$(grep -c "adapters named by jobs are checked against .*m.safetensors ($MINE" "$C/coord.log")" -eq 1
 
 # refusals: a bad target, and finetune without --out
 "$N" finetune --cluster "$C" "${RUN[@]}" --lora-targets wz --out "$W/x.safetensors" 2> "$W/bad.err"

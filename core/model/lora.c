@@ -565,6 +565,12 @@ static nl_status base_named(const char *path, char want[65], nl_error *err)
 nl_status nl_lora_check_bases(const char *const *paths, int n, const char *base_path, nl_error *err)
 {
     char hex[65] = "";
+    return nl_lora_check_bases_hex(paths, n, base_path, hex, err);
+}
+
+nl_status nl_lora_check_bases_hex(const char *const *paths, int n, const char *base_path,
+                                  char hex[65], nl_error *err)
+{
     struct stat sb;
     const int file = base_path && stat(base_path, &sb) == 0 && S_ISREG(sb.st_mode);
     for (int i = 0; i < n; i++) {

@@ -99,6 +99,11 @@ nl_status nl_lora_check_base(const char *path, const char *base_path, nl_error *
  * them names a base); the first that fails is named. */
 nl_status nl_lora_check_bases(const char *const *paths, int n, const char *base_path,
                               nl_error *err);
+/* The same, with the base's SHA-256 in hex (lower case) where it is
+ * known; "" there: hashed here when an adapter names a base, and left in
+ * hex (to keep for the next check of the same file). */
+nl_status nl_lora_check_bases_hex(const char *const *paths, int n, const char *base_path,
+                                  char hex[65], nl_error *err);
 /* Load an adapter file onto m (attached); max_rows as nl_lora_new. */
 nl_status nl_lora_load(nl_lora **out, nl_model *m, const char *path, int max_rows, nl_error *err);
 
