@@ -301,16 +301,17 @@ static int up_options(const nl_opt *flags, up_opts *o)
 {
     int rc;
     /* a node whose KV budget takes all it offers keeps nothing for a
-     * stage's weights and activations: say so here, in the units typed
-     * (each node's log says it too, where nobody looks) */
+     * stage's weights and activations, and refuses to start: say so here,
+     * in the units typed, before any process starts */
     const char *mem_s = nl_opts_get(flags, "memory"), *kv_s = nl_opts_get(flags, "kv-budget");
-    const uint64_t kv = o->kv_budget ? o->kv_budget : 256ULL << 20; /* neuronode's default */
-    if (kv >= o->memory && (mem_s || !o->device || strncmp(o->device, "cuda:", 5) != 0)) {
+    if (kv_s && o->kv_budget >= o->memory &&
+        (mem_s || !o->device || strncmp(o->device, "cuda:", 5) != 0)) {
         fprintf(stderr,
-                "cluster up: warning: --memory %s leaves nothing beside the KV budget of %s%s "
-                "for the weights and activations: give more --memory or a smaller --kv-budget\n",
-                mem_s ? mem_s : "1G (the default)", kv_s ? kv_s : "256M",
-                kv_s ? " (--kv-budget)" : " (the default --kv-budget)");
+                "cluster up: --kv-budget %s leaves nothing of --memory %s for a stage's weights "
+                "and activations: give a smaller --kv-budget (default: a quarter of --memory, "
+                "at most 256M) or more --memory\n",
+                kv_s, mem_s ? mem_s : "1G (the default)");
+        return 2;
     }
     if ((rc = node_devices(o->device, (int)o->nodes, o->devices)))
         return rc;
@@ -648,8 +649,8 @@ static void cluster_flags(nl_opt t[MAX_FLAGS], up_opts *o, const char **dir)
         NL_OPT_LLONG("threads", &o->threads, 0, 1024, NULL,
                      "up: threads per node (default: the cores shared evenly)"),
         NL_OPT_SIZE("kv-budget", &o->kv_budget, NULL,
-                    "up: memory of each node for generation sessions' KV caches (default: "
-                    "neuronode's, 256M)"),
+                    "up: memory of each node for generation sessions' KV caches, within "
+                    "--memory (default: neuronode's, a quarter of it, at most 256M)"),
         NL_OPT_LLONG(
             "spin", &o->spin, 0, 100000000, NULL,
             "up: iterations a node's idle OpenMP thread spins before it sleeps "

@@ -267,7 +267,9 @@ static void node_flags(nl_opt t[MAX_FLAGS], nl_node_opts *o, node_args *a)
         NL_OPT_SWITCH("no-local-link", &o->no_local_link,
                       "hops to and from a neighbour stage on this host stay on ZeroMQ (default: "
                       "a local socket read by the stages' own threads, docs/cluster.md)"),
-        NL_OPT_SIZE("kv-budget", &o->kv_budget, "256M", "SIZE: KV caches of generation sessions"),
+        NL_OPT_SIZE("kv-budget", &o->kv_budget, NULL,
+                    "SIZE: KV caches of generation sessions, kept within the memory offered "
+                    "(default: a quarter of it, at most 256M); the plans get the rest"),
         NL_OPT_CHOICE("kv-cache", &o->kv_cache, NL_KV_DTYPE_CHOICES, "fp32",
                       "T: element type of those caches, fp32 or bf16 (half the bytes: twice the "
                       "positions in --kv-budget, half read per decoded token; rounded to nearest "
@@ -314,6 +316,7 @@ static int parse_opts(const nl_opt *flags, const node_args *a, nl_node_opts *o, 
 #endif
     o->tf32 = a->tf32;
     o->has_reserve = nl_opts_get(flags, "reserve") != NULL;
+    o->has_kv_budget = nl_opts_get(flags, "kv-budget") != NULL;
     nl_error derr;
     int replicas = 0;
     if (nl_node_parse_devices(o->device, NULL, &replicas, &derr) != NL_OK) {

@@ -13,6 +13,7 @@
 
 #include "base/log.h"
 #include "core/model/kvcache.h"
+#include "core/model/memory.h"
 
 #ifdef NL_TEST_HOOKS /* test builds only (-DNL_TEST_HOOKS=ON) */
 /* Test hook (NL_TEST_DEVICE_FAIL=K): the backend's check slot fails from
@@ -300,18 +301,23 @@ nl_status node_device_open(nl_node_device *n, const nl_node_opts *o, nl_error *e
         if (r == 0 || offer < n->memory)
             n->memory = offer;
     }
-    if (o->kv_budget >= n->memory)
-        NL_WARN("--kv-budget %llu leaves nothing of the %llu bytes offered for weights and "
-                "activations",
-                (unsigned long long)o->kv_budget, (unsigned long long)n->memory);
+    /* the sessions' caches are kept within the offer: plans get the rest */
+    n->kv_budget = o->has_kv_budget ? o->kv_budget : nl_mem_kv_budget_default(n->memory);
+    if (n->kv_budget >= n->memory)
+        return nl_error_set(err, NL_ERR_CAPACITY,
+                            "--kv-budget %.1f MiB leaves nothing of the %.1f MiB device %s "
+                            "offers for a stage's weights and activations: give a smaller "
+                            "--kv-budget or more --memory",
+                            (double)n->kv_budget / (1 << 20), (double)n->memory / (1 << 20),
+                            be->name);
     NL_INFO("device %s%s, %d threads: gemm %d^3 %.1f GFLOP/s (median of %d rounds%s, %.1f to "
-            "%.1f); offering %.1f MiB (KV budget %.1f MiB, %s caches)",
+            "%.1f); offering %.1f MiB (KV budget %.1f MiB of it, %s caches)",
             o->device,
             o->tf32   ? " (TF32 allowed)"
             : o->bf16 ? " (bf16 GEMMs)"
                       : "",
             n->threads, probe, n->gflops, PROBE_ROUNDS, probe_threads ? " of CPU time" : "", lo, hi,
-            (double)n->memory / (1 << 20), (double)o->kv_budget / (1 << 20),
+            (double)n->memory / (1 << 20), (double)n->kv_budget / (1 << 20),
             nl_kv_dtype_name((nl_kv_dtype)o->kv_cache));
     /* verification's recomputes: one thread at the lowest priority (stage_verify_worker.c) */
     if (strncmp(be->name, "cuda:", 5) != 0 &&

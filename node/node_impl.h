@@ -19,11 +19,12 @@ typedef struct nl_node_device {
     /* one backend per replica (--device D[,D...]), owned by the caller once
      * set, even when the open failed after: node_device_close */
     nl_backend *be[NL_NODE_MAX_REPLICAS];
-    int n;           /* replicas opened */
-    nl_comm *comm;   /* over be when n > 1, made and checked before the memory is measured */
-    double gflops;   /* GEMM throughput of replica 0 at its probe size (or NL_TEST_GFLOPS) */
-    int threads;     /* CPU threads: --threads, or the cores */
-    uint64_t memory; /* offered: the smallest replica's (--memory, or free less the reserve) */
+    int n;              /* replicas opened */
+    nl_comm *comm;      /* over be when n > 1, made and checked before the memory is measured */
+    double gflops;      /* GEMM throughput of replica 0 at its probe size (or NL_TEST_GFLOPS) */
+    int threads;        /* CPU threads: --threads, or the cores */
+    uint64_t memory;    /* offered: the smallest replica's (--memory, or free less the reserve) */
+    uint64_t kv_budget; /* of it, for the sessions' KV caches (--kv-budget, or the default) */
     /* the cases this node redoes for other stages run on their own CPU
      * backend of one thread (node/stage_verify.h); NULL on a GPU node,
      * whose cases run on replica 0's */

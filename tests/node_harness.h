@@ -254,6 +254,10 @@ static inline nl_status coord_send(coord *c, const peer *to, nl_wire_msg *m)
     return st;
 }
 
+/* The KV budget of the next node to JOIN (its --kv-budget; the default is
+ * a quarter of its --memory 256M): its JOIN offers the plans the rest. */
+static uint64_t join_kv_budget = 64ULL << 20;
+
 /* Receive HELLO + JOIN from a new node and ACCEPT it. */
 static inline peer *coord_accept(coord *c, const char *key, uint32_t node_id, char *endpoint,
                                  size_t n)
@@ -264,9 +268,11 @@ static inline peer *coord_accept(coord *c, const char *key, uint32_t node_id, ch
         return NULL;
     const nl_msg_join *j = &c->rx.msg.u.join;
     CHECK(strcmp(j->pubkey, key) == 0 && strcmp(c->rx.peer, key) == 0, "JOIN key %s", j->pubkey);
-    CHECK(strcmp(j->device, check_device()) == 0 && j->memory_bytes == (256ULL << 20) &&
-              j->threads == 1 && j->gemm_gflops > 0,
-          "JOIN fields: %s %llu %u %g", j->device, (unsigned long long)j->memory_bytes, j->threads,
+    CHECK(strcmp(j->device, check_device()) == 0 &&
+              j->memory_bytes == (256ULL << 20) - join_kv_budget && j->threads == 1 &&
+              j->gemm_gflops > 0,
+          "JOIN fields: %s %llu (want 256M less a KV budget of %llu) %u %g", j->device,
+          (unsigned long long)j->memory_bytes, (unsigned long long)join_kv_budget, j->threads,
           j->gemm_gflops);
     CHECK(strncmp(j->data_endpoint, "tcp://127.0.0.1:", 16) == 0 && !strchr(j->data_endpoint, '*'),
           "data endpoint %s", j->data_endpoint);

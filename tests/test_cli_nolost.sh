@@ -281,11 +281,24 @@ check test $rc -eq 1
 check grep -qx "neuroctl train: job [0-9]* was cancelled" <<< "$(grep -v '^warning' <<< "$out")"
 
 # ---- a cluster for 4, 5, 6, 7, 10 ----
+# 10: a KV budget that fills what a node offers: refused on the terminal,
+# in the units typed, before any process starts
+out=$("$N" cluster up --dir "$W/c0" --nodes 1 --model "$W/m.safetensors" --memory 256M \
+  --kv-budget 256M --threads 1 --timeout 60 2>&1); rc=$?
+check test $rc -eq 2
+check grep -qF "cluster up: --kv-budget 256M leaves nothing of --memory 256M" <<< "$out"
+check test ! -e "$W/c0/coord.log"
+# and neuronode refuses it too, naming both (a node started by hand)
+"$N" keygen --out "$W/nk" > /dev/null 2>&1
+"$NODE" join tcp://127.0.0.1:9 --key "$W/nk.key" --coordinator-key "$W/nk.pub" --memory 64M \
+  --kv-budget 64M --threads 1 > "$W/nkv.log" 2>&1
+check test $? -eq 1
+check grep -q "kv-budget 64.0 MiB leaves nothing of the 64.0 MiB device cpu offers" "$W/nkv.log"
 out=$("$N" cluster up --dir "$W/c1" --nodes 1 --model "$W/m.safetensors" --memory 256M --threads 1 \
   --timeout 60 2>&1); rc=$?
 check test $rc -eq 0
-# 10: the KV budget fills what a node offers: said on the terminal, in the units typed
-check grep -qF "warning: --memory 256M leaves nothing beside the KV budget of 256M" <<< "$out"
+# the default budget is a quarter of what a node offers (at most 256M); the plans get the rest
+check grep -q "offering 256.0 MiB (KV budget 64.0 MiB of it" "$W/c1/node-1.log"
 EP=$(cat "$W/c1/coord/client_endpoint") # clients' (neurocoord --client-listen)
 EPN=$(cat "$W/c1/coord/endpoint")      # nodes' (--listen)
 "$N" keygen --out "$W/other" >/dev/null 2>&1

@@ -22,6 +22,7 @@
 # same 2 x 2) no better, and the stages are not reloaded (each stage's
 # time is over its replicas in both plans).
 . "$(dirname "$0")/cluster_lib.sh"
+# every node offers its plans 64M: --memory 80M less a KV budget of 16M
 # equal, fixed throughputs: the plans do not hang on probes disturbed by
 # tests running beside this one
 export NL_TEST_GFLOPS=20
@@ -42,7 +43,7 @@ join_extra() {
   echo "$(cat "$W/$2.pub")  # $2" >> "$1/coord/authorized_keys"
   check reload_keys "$1"
   "$NODE" join "${DEV[@]}" "$(cat "$1/coord/endpoint")" --key "$W/$2.key" \
-    --coordinator-key "$1/coord/coordinator.pub" --memory 64M --threads 1 --name "$2" \
+    --coordinator-key "$1/coord/coordinator.pub" --memory 80M --kv-budget 16M --threads 1 --name "$2" \
     --checkpoint-root / > "$W/$2.log" 2>&1 &
   extras+=($!)
 }
@@ -76,7 +77,7 @@ check "$N" train "${DEV[@]}" --model "$W/m.safetensors" "${RUN[@]}" --threads 1 
 
 C="$W/c"
 check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 2 --replicas auto --plan-microbatches 6 \
-  --model "$W/m.safetensors" --memory 64M --threads 1 --node-timeout-ms 5000 --timeout 60
+  --model "$W/m.safetensors" --memory 80M --kv-budget 16M --threads 1 --node-timeout-ms 5000 --timeout 60
 "$N" status --cluster "$C" > "$W/status-2.txt"
 grep "^replicas" "$W/status-2.txt"
 check grep -q "^replicas: 2 per stage .*1 x 2 [0-9.]* (link 1 GB/s [a-z]*) (chosen)" "$W/status-2.txt"
@@ -124,7 +125,7 @@ check "$N" train "${DEV[@]}" --model "$W/m10.safetensors" "${RUN10[@]}" --thread
 C="$W/c22"
 check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 4 --replicas auto --plan-microbatches 6 \
   --replan-margin 0.03 --rebalance-after 0 --heartbeat-ms 20000 --model "$W/m10.safetensors" \
-  --memory 64M --threads 1 --node-timeout-ms 120000 --timeout 60
+  --memory 80M --kv-budget 16M --threads 1 --node-timeout-ms 120000 --timeout 60
 "$N" status --cluster "$C" > "$W/status-22.txt"
 grep "^replicas" "$W/status-22.txt"
 check grep -q "^replicas: 2 per stage .*2 x 2 [0-9.]* (link 1 GB/s [a-z]*) (chosen)" "$W/status-22.txt"
@@ -148,7 +149,7 @@ check "$N" cluster down --dir "$C"
 # ---- a fifth node beside 2 x 2 at rest: a standby, no reload ----
 C="$W/c5"
 check "$N" cluster up "${DEV[@]}" --dir "$C" --nodes 4 --replicas 2 --model "$W/m.safetensors" \
-  --memory 64M --threads 1 --node-timeout-ms 5000 --timeout 60
+  --memory 80M --kv-budget 16M --threads 1 --node-timeout-ms 5000 --timeout 60
 join_extra "$C" fifth
 for i in $(seq 1 1200); do
   grep -q "re-plan at rest" "$C/coord.log" && break

@@ -320,7 +320,9 @@ static void test_one_node(void)
                           "1M",        "--name",   "solo",
                           "--device",  dev,        NULL};
     pid_t pid = spawn(log, argv);
+    join_kv_budget = 1ULL << 20;
     peer *p = coord_accept(&c, kp.public_z85, 7, ep, sizeof ep);
+    join_kv_budget = 64ULL << 20;
     if (!p) {
         reap(pid, 0);
         dump_log(log);
@@ -440,7 +442,9 @@ static void test_two_nodes(void)
                               "16M",       "--device", check_device(),
                               NULL};
         pid[i] = spawn(log[i], argv);
+        join_kv_budget = 16ULL << 20;
         p[i] = coord_accept(&c, kp[i].public_z85, (uint32_t)i + 1, ep[i], sizeof ep[i]);
+        join_kv_budget = 64ULL << 20;
     }
     if (!p[0] || !p[1] || !ref || !st0 || !st1)
         goto out;

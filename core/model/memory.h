@@ -54,6 +54,15 @@ typedef struct nl_mem_estimate {
  * docs/memory-model.md). */
 #define NL_MEM_RUNTIME_BYTES (32ULL << 20)
 
+/* A node's KV budget (its generation sessions' caches) when --kv-budget is
+ * not given: a quarter of the memory it offers, at most 256 MiB. The
+ * budget is kept within the offer: plans get the rest (neuronode's JOIN). */
+#define NL_MEM_KV_BUDGET_CAP (256ULL << 20)
+static inline uint64_t nl_mem_kv_budget_default(uint64_t offer)
+{
+    return offer / 4 < NL_MEM_KV_BUDGET_CAP ? offer / 4 : NL_MEM_KV_BUDGET_CAP;
+}
+
 /* Parameters of a stage holding n_layers layers and, as flagged, the
  * embedding table and the final norm with the head. */
 int64_t nl_stage_param_count(const nl_config *cfg, int n_layers, int has_embed, int has_head);
