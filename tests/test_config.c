@@ -310,6 +310,9 @@ static void test_variants(void)
         {"rope_scaling:\n  type: ntk\n", "rope_scaling.type: expected yarn"},
         {"rope_scaling:\n  kind: yarn\n", "unknown key 'rope_scaling.kind'"},
         {"rope_scaling:\n  type: yarn\n  factor: 4\n", "original_max_seq_len 0"},
+        /* found by fuzz_config: yarn's fields with type none, lost in the JSON */
+        {"rope_scaling:\n  type: none\n  factor: 4\n", "apply to type yarn only"},
+        {"rope_scaling:\n  beta_slow: 2\n", "apply to type yarn only"},
         {"rope_scaling:\n  type: yarn\n  factor: 0.5\n  original_max_seq_len: 8\n", "factor 0.5"},
         {"num_experts: 1\ntop_k: 2\n", "top_k: 2 must be in 1..num_experts"},
         {"global_every: -1\n", "global_every: -1 must be 0 or more"},

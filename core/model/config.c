@@ -63,8 +63,13 @@ static nl_status validate_variants(const nl_config *c, nl_error *err)
         BAD("objective: mlm needs vocab_size above the mask id %d (<|pad|>), not %lld",
             NL_CONFIG_MASK_ID, (long long)c->vocab_size);
     const nl_rope_scaling *r = &c->rope_scaling;
-    if (r->type == NL_ROPE_NONE)
+    if (r->type == NL_ROPE_NONE) { /* nothing of yarn's: it would be lost unsaid on the way out */
+        if (r->factor != 0.0 || r->original_max_seq_len != 0 || r->beta_fast != 32.0 ||
+            r->beta_slow != 1.0)
+            BAD("rope_scaling: factor, original_max_seq_len, beta_fast and beta_slow apply to "
+                "type yarn only, and the type is none");
         return NL_OK;
+    }
     if (r->type != NL_ROPE_YARN)
         BAD("rope_scaling: type %d is not yarn", r->type);
     if (!(r->factor >= 1.0) || !(r->factor <= 1e6))
