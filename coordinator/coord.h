@@ -109,6 +109,11 @@ const char *nl_coord_state(const nl_coord *c);
  * or NULL (a manifest, the seed, or weights a training job changed):
  * what adapters are checked against (nl_lora_check_bases). */
 const char *nl_coord_model_file(const nl_coord *c);
+/* hex: the SHA-256 of nl_coord_model_file(c) as the caller hashed it
+ * (neurocoord --http-adapter's check at start), kept for the adapters
+ * that jobs name (coordinator/coord_adapter.c) while the file's size and
+ * time stay. */
+void nl_coord_model_hashed(nl_coord *c, const char *hex);
 /* The jobs one client key may hold at once (--max-jobs-per-key, bounded
  * by the job table's size). */
 int nl_coord_max_jobs_per_key(const nl_coord *c);

@@ -157,8 +157,8 @@ static void submit_to_stages(nl_coord *c, cjob *j)
 static void embed_on_message(nl_coord *c, cjob *j, const nl_rx *rx)
 {
     cembed *e = j->state;
-    if (j->epoch != c->epoch)
-        return;
+    if (j->epoch != c->epoch || j->phase != JOB_RUNNING || !e->acked)
+        return; /* another plan's, or not sent yet (its adapter being checked) */
     if (rx->msg.type == NL_MSG_JOB_STATUS) {
         const cnode *n = coord_node_by_rid(c, rx);
         if (!n || n->stage < 0 || n->stage >= c->plan->n_stages || e->acked[n->stage])

@@ -263,14 +263,18 @@ nl_status nl_coord_http_start(nl_coord_http **out, nl_coord *c, const char *name
     nl_status st;
     if ((st = parse_adapters(h, adapters, err)) != NL_OK)
         goto fail;
-    /* each adapter against the checkpoint the cluster serves, hashed once */
+    /* each adapter against the checkpoint the cluster serves, hashed once
+     * (and kept for the jobs that name them) */
     const char *base = nl_coord_model_file(c);
+    char hex[65] = "";
     if (h->n_models && base &&
-        (st = nl_lora_check_bases((const char *const *)h->adapters, h->n_models, base, err)) !=
-            NL_OK) {
+        (st = nl_lora_check_bases_hex((const char *const *)h->adapters, h->n_models, base, hex,
+                                      err)) != NL_OK) {
         nl_error_prefix(err, "--http-adapter");
         goto fail;
     }
+    if (hex[0])
+        nl_coord_model_hashed(c, hex);
     if (!plaintext && ((st = nl_keys_load_public(h->server_key, path, err)) != NL_OK ||
                        (st = nl_keys_generate(&h->kp, err)) != NL_OK ||
                        (st = nl_coord_admit_key(c, h->kp.public_z85, err)) != NL_OK))

@@ -187,7 +187,8 @@ struct cjob {
     double last_progress;
     int working;  /* tasks of its own in a worker (coord_work.c): it cannot time out */
     int checking; /* its adapter's base is being compared (coord_adapter.c): it waits */
-    void *state;  /* the kind's, owned by the job */
+    const char *check_adapter; /* that adapter's path (in the kind's state) */
+    void *state;               /* the kind's, owned by the job */
 };
 
 /* Node n was convicted of computing wrong (coord_quarantine): every
@@ -277,6 +278,7 @@ struct nl_coord {
      * size and modification time then; "": not hashed yet */
     char model_hex[65];
     int64_t model_hex_size, model_hex_mtime_ns;
+    int model_hashing; /* a check that may hash the file runs: others wait for its hash */
     int64_t src_step, src_adam;
     int resumable;   /* the stages hold a manifest's weights and moments, untouched */
     char *tok_text;  /* the model's tokenizer, or NULL */
@@ -621,8 +623,9 @@ void coord_journal_recover(nl_coord *c);
  * --checkpoint-root): its base_sha256 is compared with the SHA-256 of the
  * model file the stages hold (nl_coord_model_file; none after a training
  * job, or for a manifest or the seed: nothing to compare) by a worker, off
- * the loop; the file is hashed once and kept while its size and time
- * stay. The job waits meanwhile (JOB_WAITING, `checking`), then fails
+ * the loop; the file is hashed once (a job that comes while it is being
+ * hashed waits for that hash) and kept while its size and time stay. The
+ * job waits meanwhile (JOB_WAITING, `checking`: it does not time out), then fails
  * naming both hashes, or goes on through its `ready` (at once, or when the
  * plan is ready). 1: so it goes (or has failed: j is gone); 0: nothing to
  * check, the caller goes on. */

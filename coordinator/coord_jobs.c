@@ -308,7 +308,7 @@ void coord_check_jobs(nl_coord *c, double now)
         cjob *j = &c->jobs[i];
         if (j->phase == JOB_FREE)
             continue;
-        if (j->working) { /* a worker's task for it is progress */
+        if (j->working || j->checking) { /* a worker's task for it (or another's) is progress */
             j->last_progress = now;
             continue;
         }

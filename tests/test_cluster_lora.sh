@@ -289,7 +289,8 @@ PY
 for n in "$C"/node-*.log; do
   check test "$(grep -c "adapter .*ckE/lora-job.*loaded" "$n")" -eq 1
 done
-# a file that is not an adapter: the stages refuse it, the job fails saying so
+# a file that is not an adapter: refused (the coordinator reads it first, to
+# compare its base), the job fails saying so
 "$N" generate --cluster "$C" --adapter "$W/data.txt" "${G[@]}" 2> "$W/noad.err"
 check test $? -ne 0
 check grep -q "params.adapter" "$W/noad.err"

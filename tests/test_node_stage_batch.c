@@ -423,6 +423,19 @@ static void test_adapters(nl_model *ref)
     sp.adapter = path;
     CHECK(nl_stage_open_session(s0, &sp, &err) == NL_ERR_AUTH && strstr(err.msg, "params.adapter"),
           "an adapter not there: %s", err.msg);
+    /* a file that is not an adapter (a cluster whose weights are no
+     * file's, a manifest's, leaves this to the stages: no coordinator
+     * check reads it first) */
+    FILE *fp = fopen(path, "w");
+    CHECK(fp != NULL, "%s", path);
+    if (fp) {
+        fputs("plain text, not safetensors\n", fp);
+        fclose(fp);
+    }
+    const nl_status nst = nl_stage_open_session(s0, &sp, &err);
+    CHECK(nst != NL_OK && strstr(err.msg, "params.adapter") && !strstr(err.msg, "not a file"),
+          "not an adapter file: %s (%s)", err.msg, nl_status_str(nst));
+    remove(path);
     CHECK(!nl_stage_session(s0, 3, NULL), "no session opened by a refusal");
     nl_stage_destroy(&s0);
     nl_stage_destroy(&s1);

@@ -375,6 +375,11 @@ def test_adapter(url):
     check(max(abs(a - b) for a, b in zip(want, base)) > 1e-4, "the adapter changes the embedding")
     code, text = post(url + "v1/embeddings", {"input": [104, 105], "model": "nope"})
     check(code == 404, "an unknown model's embedding: 404 (%d)" % code)
+    # every job above named the adapter, and the coordinator compared it with
+    # the model's hash from --http-adapter's check at start: none hashed it again
+    log = open(W + "/c/coord.log").read()
+    check("checked against" not in log, "a job hashed the model again: %s" %
+          [l for l in log.splitlines() if "checked against" in l])
 
 
 def test_not_ready():
