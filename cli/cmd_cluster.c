@@ -287,7 +287,7 @@ static int wait_coordinator(const char *path, pid_t pid, const char *log, int ms
  * up_options). */
 typedef struct up_opts {
     long long nodes, threads, seed, timeout, node_timeout, spin, train_resumes;
-    uint64_t memory, kv_budget; /* kv_budget 0: the node's default */
+    uint64_t memory, kv_budget; /* kv_budget: passed when given, else the node's default */
     const char *model, *config, *resume, *http, *device;
     bool tf32;
     bool no_local_link; /* the nodes' --no-local-link */
@@ -478,7 +478,7 @@ static int start_nodes(const nl_opt *flags, const up_opts *o, char *node_bin, co
             nargv[na++] = "--memory";
             nargv[na++] = s_mem;
         }
-        if (o->kv_budget) {
+        if (nl_opts_get(flags, "kv-budget")) { /* 0 too: no generation sessions */
             nargv[na++] = "--kv-budget";
             nargv[na++] = s_kv;
         }

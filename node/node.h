@@ -72,7 +72,7 @@ typedef struct nl_node_opts {
     uint64_t reserve_bytes;       /* a GPU's memory kept free ... */
     bool has_reserve;             /* ... when set; else max(256 MiB, 5% of the device) */
     uint64_t kv_budget;           /* KV caches of all sessions, within the offer ... */
-    bool has_kv_budget;           /* ... when set; else NL_NODE_KV_BUDGET of the offer */
+    bool has_kv_budget;           /* ... when set; else nl_mem_kv_budget_default(the offer) */
     int kv_cache;                 /* their element type, an nl_kv_dtype (--kv-cache) */
     int batch_decode;             /* session decode steps per batch; 0: the stage's default */
     int prefill_chunk;            /* prompt positions per batch; 0: the stage's default */

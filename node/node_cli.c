@@ -269,7 +269,8 @@ static void node_flags(nl_opt t[MAX_FLAGS], nl_node_opts *o, node_args *a)
                       "a local socket read by the stages' own threads, docs/cluster.md)"),
         NL_OPT_SIZE("kv-budget", &o->kv_budget, NULL,
                     "SIZE: KV caches of generation sessions, kept within the memory offered "
-                    "(default: a quarter of it, at most 256M); the plans get the rest"),
+                    "(default: a quarter of it, at most 256M; 0: no sessions); the plans get "
+                    "the rest"),
         NL_OPT_CHOICE("kv-cache", &o->kv_cache, NL_KV_DTYPE_CHOICES, "fp32",
                       "T: element type of those caches, fp32 or bf16 (half the bytes: twice the "
                       "positions in --kv-budget, half read per decoded token; rounded to nearest "

@@ -305,11 +305,13 @@ nl_status node_device_open(nl_node_device *n, const nl_node_opts *o, nl_error *e
     n->kv_budget = o->has_kv_budget ? o->kv_budget : nl_mem_kv_budget_default(n->memory);
     if (n->kv_budget >= n->memory)
         return nl_error_set(err, NL_ERR_CAPACITY,
-                            "--kv-budget %.1f MiB leaves nothing of the %.1f MiB device %s "
+                            "--kv-budget %.1f MiB%s leaves nothing of the %.1f MiB device %s "
                             "offers for a stage's weights and activations: give a smaller "
-                            "--kv-budget or more --memory",
-                            (double)n->kv_budget / (1 << 20), (double)n->memory / (1 << 20),
-                            be->name);
+                            "--kv-budget or more --memory%s",
+                            (double)n->kv_budget / (1 << 20),
+                            o->has_kv_budget ? "" : " (the default: a quarter)",
+                            (double)n->memory / (1 << 20), be->name,
+                            be->mem_info ? " (or a smaller --reserve)" : "");
     NL_INFO("device %s%s, %d threads: gemm %d^3 %.1f GFLOP/s (median of %d rounds%s, %.1f to "
             "%.1f); offering %.1f MiB (KV budget %.1f MiB of it, %s caches)",
             o->device,

@@ -153,6 +153,11 @@ int nl_stage_max_rows(const nl_stage *s)
 
 /* ===================== assignment ===================== */
 
+uint64_t nl_stage_plan_memory(const nl_stage *s)
+{
+    return s->o.memory_bytes > s->o.kv_budget ? s->o.memory_bytes - s->o.kv_budget : 0;
+}
+
 /* Rows one forward may take: what --memory leaves after the weights, the
  * KV budget and the runtime, at the memory model's cost per row; at least
  * one whole sequence. */
@@ -203,13 +208,13 @@ static nl_status build_model(nl_stage *s, const nl_msg_assign *a, nl_error *err)
                             a->stage, a->num_stages);
     uint64_t weights = 4 * (uint64_t)nl_stage_param_count(&cfg, (int)(a->layer1 - a->layer0),
                                                           a->has_embed, a->has_head);
-    if (weights > s->o.memory_bytes || a->memory_planned > s->o.memory_bytes)
+    const uint64_t offer = nl_stage_plan_memory(s);
+    if (weights > offer || a->memory_planned > offer)
         return nl_error_set(err, NL_ERR_CAPACITY,
                             "ASSIGN: layers [%u, %u) need %llu bytes of weights (%llu planned) "
-                            "but this node offers %llu (--memory)",
+                            "but this node offers %llu (--memory less --kv-budget)",
                             a->layer0, a->layer1, (unsigned long long)weights,
-                            (unsigned long long)a->memory_planned,
-                            (unsigned long long)s->o.memory_bytes);
+                            (unsigned long long)a->memory_planned, (unsigned long long)offer);
     st = nl_model_new(&s->model, s->be, &cfg, (int)a->layer0, (int)a->layer1, a->has_embed,
                       a->has_head, err);
     if (st != NL_OK)

@@ -180,6 +180,10 @@ bool nl_stage_session_evicted(const nl_stage *s, uint64_t id);
  * was in flight when its job ended: stale, to be dropped. */
 bool nl_stage_session_closed(const nl_stage *s, uint64_t id);
 int nl_stage_session_count(const nl_stage *s);
+/* What the plans may fill: the memory offered less the KV budget (the
+ * node's JOIN reports it; an ASSIGN or a training job beyond it is
+ * refused). */
+uint64_t nl_stage_plan_memory(const nl_stage *s);
 size_t nl_stage_kv_used(const nl_stage *s);
 
 /* ---- the forward hop ---- */

@@ -136,13 +136,14 @@ static nl_status check_memory(const nl_stage *s, long long job, int64_t mbB, int
     nl_mem_estimate me = nl_memory_estimate(&m->cfg, m->l1 - m->l0, m->has_embed, m->has_head, &mo);
     if (m->lora) /* fine-tuning: no moments for the frozen base (the adapters' are small) */
         me.total -= me.moments;
-    if (me.total > s->o.memory_bytes)
+    const uint64_t offer = nl_stage_plan_memory(s);
+    if (me.total > offer)
         return nl_error_set(err, NL_ERR_CAPACITY,
                             "train job %lld: layers [%d, %d) with %d microbatches of %lld x %lld "
                             "in flight need %llu bytes (memory model), but this node offers %llu "
-                            "(--memory)%s",
+                            "(--memory less --kv-budget)%s",
                             job, m->l0, m->l1, rslots, (long long)mbB, (long long)T,
-                            (unsigned long long)me.total, (unsigned long long)s->o.memory_bytes,
+                            (unsigned long long)me.total, (unsigned long long)offer,
                             R > 1 ? " on each replica" : "");
     return NL_OK;
 }
