@@ -216,8 +216,7 @@ static void fill_join(node *n)
     nl_wire_msg_reset(&n->tx, NL_MSG_JOIN);
     n->tx.u.join.pubkey = n->o->keys->public_z85;
     n->tx.u.join.device = n->dev.be[0]->name; /* replica 0's: the JOIN names one device */
-    n->tx.u.join.memory_bytes =
-        n->memory - n->dev.kv_budget; /* for the plans: the KV budget kept */
+    n->tx.u.join.memory_bytes = nl_stage_plan_memory(n->stage); /* the KV budget kept */
     n->tx.u.join.gemm_gflops = n->gflops;
     n->tx.u.join.threads = (uint32_t)n->threads;
     n->tx.u.join.data_endpoint = nl_sock_endpoint(n->data);
