@@ -1,10 +1,12 @@
-/* GEMM throughput of oneDNN's dnnl_sgemm against OpenBLAS's cblas_sgemm on
- * the shapes the model runs: square products, the training and prefill
- * shapes (many rows), and single rows (decode); and the CPU backend's
- * row-invariant GEMM (gemm_rows: the dot-product kernel of
- * kernels/cpu/cpu_dot.c) beside them, which a stage's batch runs at every
- * M and a decode at few rows. Prints one JSON line per shape with GFLOP/s
- * of each, so the choice of library rests on a measurement.
+/* GEMM throughput of the CPU backend's own GEMMs against oneDNN's
+ * dnnl_sgemm and OpenBLAS's cblas_sgemm on the shapes the model runs:
+ * square products, the training and prefill shapes (many rows), single
+ * rows (decode) and the backward's transposes. The backend's gemm
+ * (kernels/cpu/cpu_matmul.c's chain GEMM, the dot-product kernel of
+ * cpu_dot.c below 16 rows) and its gemm_rows (the dot kernel at every M
+ * with B transposed, which a stage's batch runs) beside them. Prints one
+ * JSON line per shape with GFLOP/s of each, so the choice rests on a
+ * measurement.
  * Run: build/bench/bench_gemm [threads] */
 #include "kernels/backend.h"
 
@@ -24,21 +26,27 @@ static double now_s(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static nl_backend *be; /* the CPU backend, for its gemm_rows */
+static nl_backend *be; /* the CPU backend, for its gemm and gemm_rows */
 
-/* C[M,N] = A[M,K] B[N,K]^T, as the model's y = x W^T */
-static double run(int lib, int M, int N, int K, const float *A, const float *B, float *C)
+/* C[M,N] = op(A) op(B): lib 0 dnnl_sgemm, 1 OpenBLAS, 2 the backend's
+ * gemm_rows (without trans_a), 3 the backend's gemm. A is (M, K), or
+ * (K, M) with ta; B is (N, K) with tb, else (K, N). */
+static double run(int lib, int ta, int tb, int M, int N, int K, const float *A, const float *B,
+                  float *C)
 {
+    const int lda = ta ? M : K, ldb = tb ? K : N;
     int reps = 0;
     double t0 = now_s(), t;
     do {
-        if (lib == 2)
-            be->gemm_rows(be, 1, M, N, K, A, K, B, K, 0, C, N);
+        if (lib == 3)
+            be->gemm(be, ta, tb, M, N, K, 1.0f, A, lda, B, ldb, 0.0f, C, N);
+        else if (lib == 2)
+            be->gemm_rows(be, tb, M, N, K, A, lda, B, ldb, 0, C, N);
         else if (lib == 0)
-            dnnl_sgemm('N', 'T', M, N, K, 1.0f, A, K, B, K, 0.0f, C, N);
+            dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, 1.0f, A, lda, B, ldb, 0.0f, C, N);
         else
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, A, K, B, K, 0.0f, C,
-                        N);
+            cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans,
+                        tb ? CblasTrans : CblasNoTrans, M, N, K, 1.0f, A, lda, B, ldb, 0.0f, C, N);
         reps++;
         t = now_s();
     } while (t - t0 < 0.5 || reps < 3);
@@ -55,30 +63,43 @@ int main(int argc, char **argv)
         fprintf(stderr, "bench_gemm: %s\n", err.msg);
         return 1;
     }
-    /* bench-large's decode shapes (d 768): QKV, output, experts' gate/up
-     * and down, head; at 1 to 4 rows */
-    static const int shapes[][3] = {
-        {2048, 2048, 2048}, {2048, 384, 256}, {2048, 8192, 256}, {512, 1024, 256}, {512, 256, 512},
-        {1, 1024, 256},     {1, 8192, 256},   {1, 256, 512},     {16, 384, 256},   {1, 1280, 768},
-        {1, 768, 768},      {1, 4096, 768},   {1, 768, 2048},    {1, 8192, 768},   {2, 1280, 768},
-        {4, 1280, 768},     {4, 4096, 768},   {512, 1280, 768}};
+    /* (ta, tb, M, N, K): the model's y = x W^T (0, 1), square and
+     * training/prefill rows, then bench-large's decode shapes (d 768: QKV,
+     * output, experts' gate/up and down, head) at 1 to 4 rows, and its
+     * forward at batch 2 x 256 (QKV, an expert's 128 rows, head); then the
+     * backward's dX = dY W (0, 0) and dW = dY^T X (1, 0) at training
+     * rows */
+    static const int shapes[][5] = {
+        {0, 1, 2048, 2048, 2048}, {0, 1, 2048, 384, 256}, {0, 1, 2048, 8192, 256},
+        {0, 1, 512, 1024, 256},   {0, 1, 512, 256, 512},  {0, 1, 1, 1024, 256},
+        {0, 1, 1, 8192, 256},     {0, 1, 1, 256, 512},    {0, 1, 16, 384, 256},
+        {0, 1, 1, 1280, 768},     {0, 1, 1, 768, 768},    {0, 1, 1, 4096, 768},
+        {0, 1, 1, 768, 2048},     {0, 1, 1, 8192, 768},   {0, 1, 2, 1280, 768},
+        {0, 1, 4, 1280, 768},     {0, 1, 4, 4096, 768},   {0, 1, 512, 1280, 768},
+        {0, 1, 128, 4096, 768},   {0, 1, 128, 768, 2048}, {0, 1, 512, 8192, 768},
+        {0, 0, 2048, 768, 2304},  {0, 0, 2048, 256, 384}, {0, 0, 512, 768, 2048},
+        {1, 0, 2304, 768, 2048},  {1, 0, 384, 256, 2048}, {1, 0, 2048, 768, 512}};
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
-        int M = shapes[i][0], N = shapes[i][1], K = shapes[i][2];
+        const int ta = shapes[i][0], tb = shapes[i][1];
+        const int M = shapes[i][2], N = shapes[i][3], K = shapes[i][4];
         float *A = calloc((size_t)M * K, 4), *B = calloc((size_t)N * K, 4),
               *C = calloc((size_t)M * N, 4);
         for (size_t j = 0; j < (size_t)M * K; j++)
             A[j] = (float)(j % 7) * 0.1f;
         for (size_t j = 0; j < (size_t)N * K; j++)
             B[j] = (float)(j % 5) * 0.1f;
-        run(0, M, N, K, A, B, C); /* warm-up */
-        run(1, M, N, K, A, B, C);
-        run(2, M, N, K, A, B, C);
-        double g0 = run(0, M, N, K, A, B, C), g1 = run(1, M, N, K, A, B, C);
-        double g2 = run(2, M, N, K, A, B, C);
-        printf("{\"M\":%d,\"N\":%d,\"K\":%d,\"threads\":%d,\"dnnl_gflops\":%.1f,"
-               "\"openblas_gflops\":%.1f,\"ratio\":%.2f,\"rows_gflops\":%.1f,"
+        run(0, ta, tb, M, N, K, A, B, C); /* warm-up */
+        run(1, ta, tb, M, N, K, A, B, C);
+        run(3, ta, tb, M, N, K, A, B, C);
+        double g0 = run(0, ta, tb, M, N, K, A, B, C), g1 = run(1, ta, tb, M, N, K, A, B, C);
+        double g3 = run(3, ta, tb, M, N, K, A, B, C);
+        double g2 = ta ? 0.0 : run(2, ta, tb, M, N, K, A, B, C);
+        printf("{\"ta\":%d,\"tb\":%d,\"M\":%d,\"N\":%d,\"K\":%d,\"threads\":%d,"
+               "\"dnnl_gflops\":%.1f,\"openblas_gflops\":%.1f,\"ratio\":%.2f,"
+               "\"gemm_gflops\":%.1f,\"gemm_over_dnnl\":%.2f,\"rows_gflops\":%.1f,"
                "\"rows_over_dnnl\":%.2f}\n",
-               M, N, K, threads, g0, g1, g0 / g1, g2, g2 / g0);
+               ta, tb, M, N, K, threads, g0, g1, g0 / g1, g3, g3 / g0, g2, g2 / g0);
+        fflush(stdout);
         free(A);
         free(B);
         free(C);

@@ -188,8 +188,9 @@ struct nl_backend {
      * same bits alone or among others. row-major, strides as in gemm. On
      * the CPU: with trans_b its own dot-product kernel (kernels/cpu/
      * cpu_dot.c), which gemm also runs below 16 rows, so the two agree bit
-     * for bit there (a decode's rows); without, oneDNN's matmul primitive
-     * (sgemm is not M-invariant below M = 16); NULL there with bf16. On CUDA
+     * for bit there (a decode's rows); without, its chain GEMM
+     * (kernels/cpu/cpu_matmul.c, gemm's too at 16 rows and more, whose
+     * every element is one fixed chain of FMAs); NULL there with bf16. On CUDA
      * (kernels/cuda/cuda_rows.cu) a GEMV-style kernel with a fixed order,
      * which gemm also runs below 16 rows with trans_b, alpha 1 and beta 0
      * or 1; in bf16 mode with bf16 products (the weights read from their
@@ -202,7 +203,7 @@ struct nl_backend {
      * above (CUDA: a GEMV-style kernel against cuBLAS's tensor-core tiles):
      * core/model/batch.c then runs a step of that many rows or more (a
      * prompt's chunk) through gemm, whose rows may depend on M; 0 where it
-     * is as fast at any M (the CPU: oneDNN's matmul primitive). */
+     * is as fast at any M (the CPU: its dot and chain kernels). */
     int gemm_rows_few;
     /* bf16 compute (be->bf16): gemm rounds A and B to bf16 and accumulates
      * in FP32 into C, which stays FP32 like every other buffer. Operands

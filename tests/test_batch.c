@@ -618,7 +618,7 @@ int main(void)
             kv_kind = NL_KV_FP32;
         }
         /* and through padding, as on a backend without gemm_rows: on the
-         * CPU, whose sgemm computes a row alike for any M >= 16 (cuBLAS,
+         * CPU, whose gemm computes a row alike for any M >= 16 (cuBLAS,
          * run here by bench/gpu_check.sh, picks algorithms by M) */
         if (be->gemm_rows && strncmp(be->name, "cpu", 3) == 0) {
             void (*rows)(nl_backend *, int, int, int, int, const float *, int, const float *, int,

@@ -149,7 +149,14 @@ static void parity(int B, int T, int M, int steps, int64_t inject, bool recomput
             free(got);
             free(want);
             wrst = e > wrst ? e : wrst;
-            CHECK(e < 1e-5, "%s: relative error %g", p->name, e);
+            /* one replica adds the microbatches' gradients in the whole
+             * model's order: bit for bit (DESIGN 8). Replicas add their
+             * sums in replica order, which rounds otherwise, and AdamW
+             * amplifies that where a gradient nearly cancels over the
+             * steps (its update is lr m / sqrt(v)); the losses, which
+             * DESIGN holds within 1e-6, are checked above */
+            CHECK(replicas == 1 ? e == 0.0 : e < 1e-4, "%s: relative error %g (%d replicas)",
+                  p->name, e, replicas);
         }
     }
     printf("parity M=%d%s%s, %d replica%s: worst loss rel err %.2e, weights %.2e\n", M,

@@ -29,8 +29,8 @@
  * group of 1 to 15 rows costs only its own rows (CUDA in bf16 mode has no
  * fused slots: the separate ones, through the same row-invariant
  * products in bf16). A backend without gemm_rows (the CPU in bf16 mode)
- * runs gemm, whose small-M paths are not invariant (oneDNN's sgemm
- * computes a row the same way for any M >= 16 but takes other paths
+ * runs gemm, whose small-M paths are not invariant (the CPU's FP32 gemm
+ * computes a row the same way for any M >= 16 but takes its dot kernel
  * below; cuBLAS picks algorithms by M), with every GEMM of fewer than
  * NL_BATCH_MIN_ROWS rows padded to that many and the separate slots. Where
  * gemm_rows is fast only at few rows (gemm_rows_few: CUDA), a call of
@@ -42,7 +42,7 @@
  * CUDA nl_forward's gemm runs the gemm_rows kernel below 16 rows, so a
  * decode step (and a prompt of fewer than 16 positions) gives
  * nl_forward's bits here; a longer prompt, which nl_forward reads through
- * sgemm or cuBLAS, may differ in the last bits.
+ * the CPU's chain GEMM or cuBLAS, may differ in the last bits.
  *
  * Ownership: nl_batch_new borrows the model (which must outlive the
  * batch) and its backend; caches passed in segments stay the caller's.

@@ -1,5 +1,6 @@
-/* The CPU backend: GEMM through oneDNN's dnnl_sgemm (or its bf16 GEMM,
- * cpu_bf16.c), the other ops as
+/* The CPU backend: FP32 GEMM through its own kernels (cpu_dot.c for a
+ * decode's rows, cpu_matmul.c otherwise: bits that depend neither on M nor
+ * on the threads), bf16 GEMM through oneDNN's (cpu_bf16.c), the other ops as
  * plain C loops that the compiler vectorises, threaded with OpenMP. */
 #include "kernels/backend.h"
 #include "kernels/backend_impl.h"
@@ -12,8 +13,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-#include <oneapi/dnnl/dnnl.h>
 
 typedef nl_cpu_ctx cpu_ctx;
 
@@ -141,32 +140,30 @@ static void cpu_gemm(nl_backend *be, int trans_a, int trans_b, int M, int N, int
 {
     if (M <= 0 || N <= 0)
         return;
-    if (K <= 0) {
-        /* dnnl rejects K == 0; the product is empty, so only scale C */
-        for (int i = 0; i < M; i++)
-            for (int j = 0; j < N; j++)
-                C[(size_t)i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[(size_t)i * ldc + j];
-        return;
-    }
     /* a decode's few rows of y = x W^T: the row-invariant dot-product
-     * kernel, as fast as dnnl_sgemm there and giving the bits a stage's
+     * kernel, as fast as a plain GEMM there and giving the bits a stage's
      * batch gives (gemm_rows) */
     if (!be->bf16 && !trans_a && trans_b && alpha == 1.0f && (beta == 0.0f || beta == 1.0f) &&
-        M < NL_CPU_DOT_ROWS) {
+        M < NL_CPU_DOT_ROWS && K > 0) {
         nl_cpu_gemm_dot(be, M, N, K, A, lda, B, ldb, beta != 0.0f, C, ldc);
         return;
     }
-    /* oneDNN's OpenMP runtime sizes its team by omp_get_max_threads(): set
-     * this backend's count for the call only, and put back the caller's */
-    const int want = nl_cpu_threads(be), had = omp_get_max_threads();
-    if (want != had)
-        omp_set_num_threads(want);
-    if (!be->bf16 ||
-        !nl_cpu_gemm_bf16(be, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc))
-        dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb, beta,
-                   C, ldc);
-    if (want != had)
-        omp_set_num_threads(had);
+    if (be->bf16 && K > 0) {
+        /* oneDNN's OpenMP runtime sizes its team by omp_get_max_threads():
+         * this backend's count for the call only, then the caller's again */
+        const int want = nl_cpu_threads(be), had = omp_get_max_threads();
+        if (want != had)
+            omp_set_num_threads(want);
+        const int done =
+            nl_cpu_gemm_bf16(be, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+        if (want != had)
+            omp_set_num_threads(had);
+        if (done)
+            return;
+    }
+    /* every element one chain of FMAs: its bits depend on neither M nor
+     * the threads (cpu_matmul.c) */
+    nl_cpu_gemm_chain(be, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
 /* ---------------------------------------------------------------- elementwise */
@@ -438,7 +435,7 @@ static void cpu_adamw(nl_backend *be, float *p, const float *g, float *m, float 
 static void cpu_destroy(nl_backend *be)
 {
     nl_cpu_bf16_free(be);
-    nl_cpu_matmul_free(be);
+    free(((cpu_ctx *)be->ctx)->gemm_buf);
     free(((cpu_ctx *)be->ctx)->rope);
     free(((cpu_ctx *)be->ctx)->sample_w);
     free(be->ctx);
@@ -456,14 +453,20 @@ nl_status nl_cpu_backend_new(nl_backend **out, const nl_backend_opts *o, nl_erro
     }
     nl_backend *be = calloc(1, sizeof *be);
     cpu_ctx *ctx = calloc(1, sizeof *ctx);
-    if (!be || !ctx) {
+    /* no omp_set_num_threads here: the count goes with every parallel
+     * region (NL_CPU_TEAM) and around oneDNN's bf16 GEMM, not into the
+     * process */
+    const int team = threads > 0 ? threads : omp_get_num_procs();
+    /* the GEMM's packing, made once (a few MiB): no call can run out */
+    float *gb = aligned_alloc(64, nl_cpu_matmul_floats(team) * sizeof(float));
+    if (!be || !ctx || !gb) {
         free(be);
         free(ctx);
+        free(gb);
         return nl_error_set(err, NL_ERR_NOMEM, "cpu backend: out of memory");
     }
-    /* no omp_set_num_threads here: the count goes with every parallel
-     * region (NL_CPU_TEAM) and around dnnl_sgemm, not into the process */
-    ctx->threads = threads > 0 ? threads : omp_get_num_procs();
+    ctx->threads = team;
+    ctx->gemm_buf = gb;
     be->name = "cpu";
     be->ctx = ctx;
     be->destroy = cpu_destroy;

@@ -8,8 +8,8 @@
  *   then C's old value added (when accumulating).
  * So a row's result does not depend on how many rows share the call:
  * the row invariance batch invariance rests on (core/model/batch.h), at the
- * speed of a plain GEMM at one to a few rows (decode), where oneDNN's
- * matmul primitive costs several times dnnl_sgemm. Both the plain gemm
+ * speed of a plain GEMM at one to a few rows (decode), where a blocked
+ * GEMM (cpu_matmul.c's) wastes most of its tiles. Both the plain gemm
  * slot (for few rows) and gemm_rows (every M) run it, so a session
  * decoded alone (`neuroctl generate`) and one decoded in a stage's batch
  * get the same bits.

@@ -1,149 +1,324 @@
-/* The CPU backend's row-invariant GEMM (the gemm_rows slot, backend.h):
- * with B transposed (the model's y = x W^T) the dot-product kernel of
- * cpu_dot.c, which computes every row the same way at every M and, unlike
- * the primitive below, costs what dnnl_sgemm costs at a decode's few rows;
- * otherwise oneDNN's matmul primitive, whose f32 kernel (brgemm on AVX-512 and
- * AVX2) computes every row of C the same way for any number of rows M,
- * where dnnl_sgemm takes other paths (another summation order) for M
- * from 1 to 15 than at M >= 16. tests/test_batch.c checks this row by
- * row for every M from 1 to 20 and more, and core/model/batch.c relies on it
- * for batch invariance.
+/* The CPU backend's FP32 GEMM: the gemm slot at NL_CPU_DOT_ROWS rows and
+ * more (and whenever B is not transposed, or alpha or beta are not 1/0),
+ * and gemm_rows without a transposed B. C = alpha op(A) op(B) + beta C,
+ * row-major, where every element of C is one fixed chain of operations:
  *
- * A primitive is made for one shape (M, N, K, strides, accumulate, the
- * thread count), so the context keeps them in a table of CACHE slots,
- * indexed by a hash of the shape (a shape whose slot is taken replaces
- * the one there), and reuses each with new data pointers. A server's
- * batch meets a few hundred shapes (6 or so GEMMs times every row count
- * up to its rows). Building a primitive costs about 150 us the first time
- * and about 5 us again (oneDNN keeps its own cache of 1024). */
+ *   s = beta == 0 ? 0 : beta == 1 ? C[i][j] : beta * C[i][j]
+ *   for k = 0, 1, ..., K - 1:
+ *       s = fmaf(a, op(B)[k][j], s),  a = op(A)[i][k] (times alpha,
+ *                                      rounded, when alpha is not 1)
+ *   C[i][j] = s
+ *
+ * whatever M, N, the tiling, the number of threads or the vector width
+ * are. So a row's bits depend only on that row of A (and of C) and on
+ * op(B): the GEMM is row invariant (gemm_rows, the batch's padding,
+ * embeddings that do not depend on their batch) and gives the same bits
+ * on any thread count (a verifier's single thread redoes a stage's
+ * microbatch exactly: docs/security.md). oneDNN's dnnl_sgemm, which this
+ * replaced, gives neither on a CPU without AVX-512: its AVX2 path splits
+ * K across threads for some shapes and takes other kernels for other M.
+ * tests/test_cpu_gemm.c checks every element against the chain on 1, 2
+ * and 3 threads, tests/test_batch.c gemm_rows row by row.
+ *
+ * The loops are the usual blocked ones (B packed in blocks of KC x NC,
+ * A in blocks of MC x KC, a 6 x 16 tile of C in 12 AVX2 accumulators);
+ * the chain goes on across K blocks through C itself (stored and loaded
+ * exactly), and a tile at the edge of C runs the same kernel on a copy
+ * padded with zeros; at MS rows or fewer the threads split the columns
+ * instead (few_rows). bf16 GEMMs stay oneDNN's (cpu_bf16.c). */
 #include "kernels/cpu/cpu_ops.h"
 
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include <oneapi/dnnl/dnnl.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define NL_MM_AVX2 1
+#endif
 
-#define CACHE 1024 /* a power of two */
-
-typedef struct mm_key {
-    int trans_b, M, N, K, lda, ldb, ldc, accumulate, threads;
-} mm_key;
-
-typedef struct mm_entry {
-    mm_key key;
-    dnnl_primitive_t prim; /* NULL: the slot is free */
-    dnnl_memory_t src, wei, dst;
-} mm_entry;
-
-struct nl_cpu_matmul {
-    dnnl_engine_t engine;
-    dnnl_stream_t stream;
-    mm_entry e[CACHE];
+enum {
+    MR = 6,    /* rows of a tile */
+    NR = 16,   /* columns of a tile (two AVX2 vectors) */
+    KC = 256,  /* depth of a packed block */
+    MC = 96,   /* rows of a packed block of A (16 tiles) */
+    NC = 2048, /* columns of a packed block of B */
+    MS = 192   /* at most this many rows: the few rows' loop (all of A per block of K) */
 };
 
-static void entry_clear(mm_entry *x)
-{
-    if (x->prim)
-        dnnl_primitive_destroy(x->prim);
-    if (x->src)
-        dnnl_memory_destroy(x->src);
-    if (x->wei)
-        dnnl_memory_destroy(x->wei);
-    if (x->dst)
-        dnnl_memory_destroy(x->dst);
-    memset(x, 0, sizeof *x);
-}
+_Static_assert(MS >= MC && MS % MR == 0, "a thread's block of A holds MS rows, MC's too");
 
-void nl_cpu_matmul_free(nl_backend *be)
-{
-    nl_cpu_ctx *ctx = be->ctx;
-    struct nl_cpu_matmul *mm = ctx->matmul;
-    if (!mm)
-        return;
-    for (int i = 0; i < CACHE; i++)
-        entry_clear(&mm->e[i]);
-    if (mm->stream)
-        dnnl_stream_destroy(mm->stream);
-    if (mm->engine)
-        dnnl_engine_destroy(mm->engine);
-    free(mm);
-    ctx->matmul = NULL;
-}
+/* How a tile's chain starts at the first block of K. */
+enum { START_ZERO, START_C, START_BETA_C };
 
-/* The primitive for key k and its three memory objects (data handles
- * set per call), into x; dnnl_success or the first failure. */
-static dnnl_status_t entry_make(struct nl_cpu_matmul *mm, mm_entry *x, const mm_key *k)
+/* C (MR x NR at c, stride ldc) from its start, then kc steps of the chain
+ * over a packed panel of A (kc x MR) and of B (kc x NR). */
+#ifdef NL_MM_AVX2
+static void kernel(int kc, const float *ap, const float *bp, float *c, int ldc, int start,
+                   float beta)
 {
-    dnnl_memory_desc_t src, wei, dst;
-    const dnnl_dims_t sd = {k->M, k->K}, wd = {k->K, k->N}, dd = {k->M, k->N};
-    const dnnl_dims_t ss = {k->lda, 1}, ds = {k->ldc, 1};
-    dnnl_dims_t ws = {k->ldb, 1}; /* B (K, N) row-major */
-    if (k->trans_b) {             /* B given as (N, K) row-major: weights (K, N) column-major */
-        ws[0] = 1;
-        ws[1] = k->ldb;
-    }
-    dnnl_primitive_attr_t attr = NULL;
-    dnnl_post_ops_t po = NULL;
-    dnnl_primitive_desc_t pd = NULL;
-    dnnl_matmul_desc_t md;
-    dnnl_status_t s;
-    if ((s = dnnl_memory_desc_init_by_strides(&src, 2, sd, dnnl_f32, ss)) ||
-        (s = dnnl_memory_desc_init_by_strides(&wei, 2, wd, dnnl_f32, ws)) ||
-        (s = dnnl_memory_desc_init_by_strides(&dst, 2, dd, dnnl_f32, ds)) ||
-        (s = dnnl_matmul_desc_init(&md, &src, &wei, NULL, &dst)) ||
-        (s = dnnl_primitive_attr_create(&attr)))
-        return s;
-    if (k->accumulate && /* C += A B: the sum post-op adds C's old value */
-        ((s = dnnl_post_ops_create(&po)) || (s = dnnl_post_ops_append_sum(po, 1.0f)) ||
-         (s = dnnl_primitive_attr_set_post_ops(attr, po))))
-        goto out;
-    if ((s = dnnl_primitive_desc_create(&pd, &md, attr, mm->engine, NULL)) ||
-        (s = dnnl_primitive_create(&x->prim, pd)) ||
-        (s = dnnl_memory_create(&x->src, &src, mm->engine, DNNL_MEMORY_NONE)) ||
-        (s = dnnl_memory_create(&x->wei, &wei, mm->engine, DNNL_MEMORY_NONE)) ||
-        (s = dnnl_memory_create(&x->dst, &dst, mm->engine, DNNL_MEMORY_NONE)))
-        goto out;
-    x->key = *k;
-out:
-    if (s != dnnl_success)
-        entry_clear(x);
-    dnnl_primitive_desc_destroy(pd);
-    dnnl_post_ops_destroy(po);
-    dnnl_primitive_attr_destroy(attr);
-    return s;
-}
-
-/* The cached entry for k, made if need be; NULL when oneDNN fails. */
-static mm_entry *entry_get(nl_backend *be, const mm_key *k)
-{
-    nl_cpu_ctx *ctx = be->ctx;
-    struct nl_cpu_matmul *mm = ctx->matmul;
-    if (!mm) {
-        mm = calloc(1, sizeof *mm);
-        if (!mm)
-            return NULL;
-        if (dnnl_engine_create(&mm->engine, dnnl_cpu, 0) != dnnl_success ||
-            dnnl_stream_create(&mm->stream, mm->engine, dnnl_stream_default_flags) !=
-                dnnl_success) {
-            if (mm->engine)
-                dnnl_engine_destroy(mm->engine);
-            free(mm);
-            return NULL;
+    __m256 s[MR][2];
+    if (start == START_ZERO) {
+#pragma GCC unroll 6
+        for (int r = 0; r < MR; r++)
+            s[r][0] = s[r][1] = _mm256_setzero_ps();
+    } else {
+        const __m256 b = _mm256_set1_ps(beta);
+#pragma GCC unroll 6
+        for (int r = 0; r < MR; r++) {
+            s[r][0] = _mm256_loadu_ps(c + (size_t)r * ldc);
+            s[r][1] = _mm256_loadu_ps(c + (size_t)r * ldc + 8);
+            if (start == START_BETA_C) {
+                s[r][0] = _mm256_mul_ps(s[r][0], b);
+                s[r][1] = _mm256_mul_ps(s[r][1], b);
+            }
         }
-        ctx->matmul = mm;
     }
-    const int w[] = {k->trans_b, k->M,   k->N,          k->K,      k->lda,
-                     k->ldb,     k->ldc, k->accumulate, k->threads};
-    uint32_t h = 2166136261u; /* FNV-1a over the key's fields */
-    for (size_t i = 0; i < sizeof w / sizeof w[0]; i++)
-        h = (h ^ (uint32_t)w[i]) * 16777619u;
-    mm_entry *x = &mm->e[h & (CACHE - 1)];
-    if (x->prim && !memcmp(&x->key, k, sizeof *k))
-        return x;
-    entry_clear(x);
-    return entry_make(mm, x, k) == dnnl_success ? x : NULL;
+#pragma GCC unroll 4
+    for (int k = 0; k < kc; k++, ap += MR, bp += NR) {
+        const __m256 b0 = _mm256_load_ps(bp), b1 = _mm256_load_ps(bp + 8);
+#pragma GCC unroll 6
+        for (int r = 0; r < MR; r++) {
+            const __m256 a = _mm256_broadcast_ss(ap + r);
+            s[r][0] = _mm256_fmadd_ps(a, b0, s[r][0]);
+            s[r][1] = _mm256_fmadd_ps(a, b1, s[r][1]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; r++) {
+        _mm256_storeu_ps(c + (size_t)r * ldc, s[r][0]);
+        _mm256_storeu_ps(c + (size_t)r * ldc + 8, s[r][1]);
+    }
+}
+#else
+/* the same chain in portable C (a build without AVX2 and FMA) */
+static void kernel(int kc, const float *ap, const float *bp, float *c, int ldc, int start,
+                   float beta)
+{
+    for (int r = 0; r < MR; r++)
+        for (int j = 0; j < NR; j++) {
+            float s = start == START_ZERO ? 0.0f : c[(size_t)r * ldc + j];
+            if (start == START_BETA_C)
+                s *= beta;
+            for (int k = 0; k < kc; k++)
+                s = fmaf(ap[(size_t)k * MR + r], bp[(size_t)k * NR + j], s);
+            c[(size_t)r * ldc + j] = s;
+        }
+}
+#endif
+
+/* A tile of mr x nr (at most MR x NR) of C: in place when whole, else
+ * through a zero-padded copy, so its elements see the same operations. */
+static void tile(int mr, int nr, int kc, const float *ap, const float *bp, float *c, int ldc,
+                 int start, float beta)
+{
+    if (mr == MR && nr == NR) {
+        kernel(kc, ap, bp, c, ldc, start, beta);
+        return;
+    }
+    float t[MR * NR] __attribute__((aligned(32))) = {0};
+    if (start != START_ZERO)
+        for (int r = 0; r < mr; r++)
+            memcpy(t + r * NR, c + (size_t)r * ldc, (size_t)nr * sizeof(float));
+    kernel(kc, ap, bp, t, NR, start, beta);
+    for (int r = 0; r < mr; r++)
+        memcpy(c + (size_t)r * ldc, t + r * NR, (size_t)nr * sizeof(float));
+}
+
+#ifdef NL_MM_AVX2
+/* dst[q * ldd + r] = src[r * lds + q] for r, q < 8 */
+static inline void transpose8(const float *src, int lds, float *dst, int ldd)
+{
+    __m256 r[8], t[8], u[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++)
+        r[i] = _mm256_loadu_ps(src + (size_t)i * lds);
+#pragma GCC unroll 4
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+#pragma GCC unroll 2
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + (size_t)i * ldd, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (size_t)(i + 4) * ldd, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+    }
+}
+#endif
+
+/* Panel p of NR columns (from column j0) of op(B)'s rows k0 .. k0+kc-1,
+ * as kc rows of NR floats, zero past column N. */
+static void pack_b(float *dst, int trans_b, const float *B, int ldb, int k0, int kc, int j0, int N)
+{
+    const int nr = N - j0 < NR ? N - j0 : NR;
+    if (!trans_b) {
+        for (int k = 0; k < kc; k++, dst += NR) {
+            memcpy(dst, B + (size_t)(k0 + k) * ldb + j0, (size_t)nr * sizeof(float));
+            for (int j = nr; j < NR; j++)
+                dst[j] = 0.0f;
+        }
+        return;
+    }
+    /* B's rows are the columns here: read each along k */
+    int k = 0;
+#ifdef NL_MM_AVX2
+    if (nr == NR) /* 8 x 8 blocks transposed in registers */
+        for (; k + 8 <= kc; k += 8)
+            for (int h = 0; h < NR; h += 8) {
+                const float *b = B + (size_t)(j0 + h) * ldb + k0 + k;
+                transpose8(b, ldb, dst + (size_t)k * NR + h, NR);
+            }
+#endif
+    for (int j = 0; j < NR; j++) {
+        const float *b = B + (size_t)(j0 + j) * ldb + k0;
+        for (int kk = k; kk < kc; kk++)
+            dst[(size_t)kk * NR + j] = j < nr ? b[kk] : 0.0f;
+    }
+}
+
+/* Rows i0 .. i0+mc-1 of op(A), columns k0 .. k0+kc-1, as panels of MR
+ * rows (each kc steps of MR floats), times alpha when it is not 1, zero
+ * past row M. */
+static void pack_a(float *dst, int trans_a, const float *A, int lda, int i0, int mc, int M, int k0,
+                   int kc, float alpha)
+{
+    for (int p = 0; p < mc; p += MR, dst += (size_t)kc * MR) {
+        const int i = i0 + p, mr = M - i < MR ? M - i : MR;
+        if (trans_a) { /* A's rows are k: MR consecutive floats each */
+            for (int k = 0; k < kc; k++) {
+                const float *a = A + (size_t)(k0 + k) * lda + i;
+                for (int r = 0; r < MR; r++)
+                    dst[(size_t)k * MR + r] = r < mr ? (alpha == 1.0f ? a[r] : a[r] * alpha) : 0.0f;
+            }
+            continue;
+        }
+        for (int r = 0; r < MR; r++) {
+            const float *a = A + (size_t)(i + r) * lda + k0;
+            for (int k = 0; k < kc; k++)
+                dst[(size_t)k * MR + r] = r < mr ? (alpha == 1.0f ? a[k] : a[k] * alpha) : 0.0f;
+        }
+    }
+}
+
+/* Each thread's part of the buffer: a block of A (MS rows, which holds
+ * MC's too) and a panel of B (the few rows' loop). */
+#define THREAD_FLOATS ((size_t)MS * KC + (size_t)KC * NR)
+
+size_t nl_cpu_matmul_floats(int threads)
+{
+    return (size_t)KC * NC + THREAD_FLOATS * (size_t)(threads > 0 ? threads : 1);
+}
+
+/* Few rows (M <= MS): the team splits B's panels, each thread packs all
+ * of A's rows once per block of K and each of its panels of B just
+ * before it runs them (in L1 while all of M's tiles use it), with no
+ * shared buffer and no barrier: B, read once from memory, is most of the
+ * work's traffic. The same chains as the blocked loop. */
+static void few_rows(nl_backend *be, int team, int trans_a, int trans_b, int M, int N, int K,
+                     float alpha, const float *A, int lda, const float *B, int ldb, int s0,
+                     float beta, float *C, int ldc)
+{
+    float *buf = ((nl_cpu_ctx *)be->ctx)->gemm_buf + (size_t)KC * NC;
+    const int panels = (N + NR - 1) / NR;
+#pragma omp parallel num_threads(team) if (team > 1)
+    {
+        const int me = omp_get_thread_num(), n = omp_get_num_threads();
+        float *ap = buf + THREAD_FLOATS * (size_t)me, *bpan = ap + (size_t)MS * KC;
+        const int p0 = (int)((int64_t)panels * me / n), p1 = (int)((int64_t)panels * (me + 1) / n);
+        for (int pc = 0; pc < K && p0 < p1; pc += KC) {
+            const int kc = K - pc < KC ? K - pc : KC;
+            const int start = pc == 0 ? s0 : START_C;
+            pack_a(ap, trans_a, A, lda, 0, M, M, pc, kc, alpha);
+            for (int p = p0; p < p1; p++) {
+                const int j0 = p * NR, nr = N - j0 < NR ? N - j0 : NR;
+                pack_b(bpan, trans_b, B, ldb, pc, kc, j0, N);
+                for (int q = 0; q < M; q += MR)
+                    tile(M - q < MR ? M - q : MR, nr, kc, ap + (size_t)q * kc, bpan,
+                         C + (size_t)q * ldc + j0, ldc, start, beta);
+            }
+        }
+    }
+}
+
+void nl_cpu_gemm_chain(nl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                       const float *A, int lda, const float *B, int ldb, float beta, float *C,
+                       int ldc)
+{
+    if (M <= 0 || N <= 0)
+        return;
+    const int s0 = beta == 0.0f ? START_ZERO : beta == 1.0f ? START_C : START_BETA_C;
+    if (K <= 0) { /* the chain's start alone */
+        for (int i = 0; i < M; i++)
+            for (int j = 0; j < N; j++) {
+                float *c = C + (size_t)i * ldc + j;
+                *c = s0 == START_ZERO ? 0.0f : s0 == START_C ? *c : *c * beta;
+            }
+        return;
+    }
+    const int tiles = (M + MR - 1) / MR;
+    /* a team only where each thread gets real work */
+    const int threads = nl_cpu_threads(be);
+    const int team = threads > 1 && (double)M * N * K >= 2.5e5 ? threads : 1;
+    if (M <= MS && (N + NR - 1) / NR >= 2 * team) {
+        few_rows(be, team, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, s0, beta, C, ldc);
+        return;
+    }
+    /* blocks of A of at most MC rows, their tiles shared out evenly, as
+     * many as a multiple of the team where there are tiles enough for it
+     * (else the team splits B's panels too) */
+    int m_blocks = (tiles * MR + MC - 1) / MC;
+    if (tiles >= 4 * team)
+        m_blocks = (m_blocks + team - 1) / team * team;
+    float *bp = ((nl_cpu_ctx *)be->ctx)->gemm_buf;
+#pragma omp parallel num_threads(team) if (team > 1)
+    {
+        const int me = omp_get_thread_num();
+        float *ap = bp + (size_t)KC * NC + THREAD_FLOATS * (size_t)me;
+        for (int jc = 0; jc < N; jc += NC) {
+            const int nc = N - jc < NC ? N - jc : NC;
+            const int panels = (nc + NR - 1) / NR;
+            /* enough tasks for the team: blocks of A times groups of B's panels */
+            int groups = m_blocks >= team ? 1 : (team + m_blocks - 1) / m_blocks;
+            groups = groups > panels ? panels : groups;
+            const int per_group = (panels + groups - 1) / groups;
+            for (int pc = 0; pc < K; pc += KC) {
+                const int kc = K - pc < KC ? K - pc : KC;
+                const int start = pc == 0 ? s0 : START_C;
+#pragma omp for schedule(static)
+                for (int p = 0; p < panels; p++)
+                    pack_b(bp + (size_t)p * kc * NR, trans_b, B, ldb, pc, kc, jc + p * NR, N);
+#pragma omp for schedule(static) collapse(2)
+                for (int mb = 0; mb < m_blocks; mb++)
+                    for (int g = 0; g < groups; g++) {
+                        const int ic = (int)((int64_t)mb * tiles / m_blocks) * MR;
+                        const int i1 = (int)((int64_t)(mb + 1) * tiles / m_blocks) * MR;
+                        const int mc = (i1 < M ? i1 : M) - ic;
+                        const int p0 = g * per_group;
+                        const int p1 = p0 + per_group < panels ? p0 + per_group : panels;
+                        if (p0 >= p1)
+                            continue;
+                        pack_a(ap, trans_a, A, lda, ic, mc, M, pc, kc, alpha);
+                        for (int p = p0; p < p1; p++) {
+                            const int j0 = jc + p * NR, nr = N - j0 < NR ? N - j0 : NR;
+                            for (int q = 0; q < mc; q += MR) {
+                                const int mr = mc - q < MR ? mc - q : MR;
+                                tile(mr, nr, kc, ap + (size_t)q * kc, bp + (size_t)p * kc * NR,
+                                     C + (size_t)(ic + q) * ldc + j0, ldc, start, beta);
+                            }
+                        }
+                    }
+            }
+        }
+    }
 }
 
 void nl_cpu_gemm_rows(nl_backend *be, int trans_b, int M, int N, int K, const float *A, int lda,
@@ -155,30 +330,5 @@ void nl_cpu_gemm_rows(nl_backend *be, int trans_b, int M, int N, int K, const fl
         nl_cpu_gemm_dot(be, M, N, K, A, lda, B, ldb, accumulate, C, ldc);
         return;
     }
-    /* as in cpu_gemm: oneDNN sizes its team (and a primitive its
-     * blocking) by omp_get_max_threads(); this backend's count, for the
-     * call only */
-    const int want = nl_cpu_threads(be), had = omp_get_max_threads();
-    if (want != had)
-        omp_set_num_threads(want);
-    const mm_key k = {trans_b != 0, M, N, K, lda, ldb, ldc, accumulate != 0, want};
-    mm_entry *x = K > 0 ? entry_get(be, &k) : NULL;
-    int done = 0;
-    if (x) {
-        struct nl_cpu_matmul *mm = ((nl_cpu_ctx *)be->ctx)->matmul;
-        dnnl_memory_set_data_handle(x->src, (void *)A);
-        dnnl_memory_set_data_handle(x->wei, (void *)B);
-        dnnl_memory_set_data_handle(x->dst, C);
-        const dnnl_exec_arg_t args[] = {
-            {DNNL_ARG_SRC, x->src}, {DNNL_ARG_WEIGHTS, x->wei}, {DNNL_ARG_DST, x->dst}};
-        done = dnnl_primitive_execute(x->prim, mm->stream, 3, args) == dnnl_success &&
-               dnnl_stream_wait(mm->stream) == dnnl_success;
-    }
-    if (want != had)
-        omp_set_num_threads(had);
-    /* K == 0, or oneDNN could not make or run the primitive (out of
-     * memory): the ordinary GEMM gives the right values, without the
-     * row invariance */
-    if (!done)
-        be->gemm(be, 0, trans_b, M, N, K, 1.0f, A, lda, B, ldb, accumulate ? 1.0f : 0.0f, C, ldc);
+    nl_cpu_gemm_chain(be, 0, 0, M, N, K, 1.0f, A, lda, B, ldb, accumulate ? 1.0f : 0.0f, C, ldc);
 }

@@ -29,7 +29,7 @@ typedef struct nl_cpu_ctx {
     size_t rope_cap;       /* floats at rope */
     float *sample_w;       /* a row's weights in sample_rows (malloc'd, grown on demand) */
     size_t sample_w_cap;   /* floats at sample_w */
-    struct nl_cpu_matmul *matmul; /* gemm_rows' primitives (cpu_matmul.c), made on first use */
+    float *gemm_buf; /* the GEMM's packing (cpu_matmul.c): nl_cpu_matmul_floats, 64-byte aligned */
 } nl_cpu_ctx;
 
 static inline int nl_cpu_threads(const nl_backend *be)
@@ -61,11 +61,12 @@ static inline void nl_cpu_attn_range(const nl_attn_mask *mk, int i, int nkeys, i
 
 /* cpu_dot.c: C (M, N) = A (M, K) B^T (+ C when accumulating), B given as
  * (N, K) row-major, every element computed the same way whatever M is
- * (row invariant); gemm_rows takes it for every M, the plain gemm below
- * NL_CPU_DOT_ROWS rows (a decode's), where dnnl_sgemm's paths depend on M.
- * At NL_CPU_DOT_ROWS and above the plain gemm stays dnnl_sgemm, whose rows
- * there do not depend on M: the batch's padding to NL_BATCH_MIN_ROWS
- * (core/model/batch.h, the same 16) relies on that. */
+ * (row invariant), as fast as a plain GEMM at a decode's few rows;
+ * gemm_rows takes it for every M, the plain gemm below NL_CPU_DOT_ROWS
+ * rows. At NL_CPU_DOT_ROWS and above the plain gemm is the chain GEMM
+ * (cpu_matmul.c), whose rows do not depend on M either: the batch's
+ * padding to NL_BATCH_MIN_ROWS (core/model/batch.h, the same 16) relies
+ * on that where a backend has no gemm_rows. */
 #define NL_CPU_DOT_ROWS 16
 void nl_cpu_gemm_dot(nl_backend *be, int M, int N, int K, const float *A, int lda, const float *B,
                      int ldb, int accumulate, float *C, int ldc);
@@ -75,10 +76,18 @@ void nl_cpu_gemm_dot(nl_backend *be, int M, int N, int K, const float *A, int ld
  * tests and benchmarks (the first product asks for them by itself). */
 int nl_cpu_dot_avx512(int want);
 
-/* cpu_matmul.c: the gemm_rows slot, and freeing its primitives */
+/* cpu_matmul.c: the FP32 GEMM whose every element of C is one fixed chain
+ * of FMAs over k (the file says which), so its bits do not depend on M,
+ * N, the tiling or the threads; C = alpha op(A) op(B) + beta C, row-major.
+ * It packs into ctx->gemm_buf, nl_cpu_matmul_floats(threads) floats made
+ * with the backend. */
+void nl_cpu_gemm_chain(nl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                       const float *A, int lda, const float *B, int ldb, float beta, float *C,
+                       int ldc);
+size_t nl_cpu_matmul_floats(int threads);
+/* the gemm_rows slot: the dot kernel with trans_b, else the chain GEMM */
 void nl_cpu_gemm_rows(nl_backend *be, int trans_b, int M, int N, int K, const float *A, int lda,
                       const float *B, int ldb, int accumulate, float *C, int ldc);
-void nl_cpu_matmul_free(nl_backend *be);
 
 /* cpu_attention.c */
 void nl_cpu_attention_forward(nl_backend *be, float *out, float *lse, const float *q, int q_stride,
