@@ -78,8 +78,7 @@ static void check_shape(nl_backend *const *bes, int nbe, int M, int N, int K)
                             for (int i = 0; i < M; i++)
                                 for (int j = 0; j < N; j++)
                                     C[(size_t)i * ldc + j] = NAN;
-                        bes[t]->gemm(bes[t], ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C,
-                                     ldc);
+                        bes[t]->gemm(bes[t], ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
                         int wrong = 0, outside = 0;
                         for (int i = 0; i < M; i++) {
                             for (int j = 0; j < N; j++) {
@@ -89,8 +88,8 @@ static void check_shape(nl_backend *const *bes, int nbe, int M, int N, int K)
                                 wrong += memcmp(&want, &C[o], sizeof want) != 0;
                             }
                             for (int j = N; j < ldc; j++)
-                                outside += memcmp(&C[(size_t)i * ldc + j],
-                                                  &C0[(size_t)i * ldc + j], sizeof(float)) != 0;
+                                outside += memcmp(&C[(size_t)i * ldc + j], &C0[(size_t)i * ldc + j],
+                                                  sizeof(float)) != 0;
                         }
                         CHECK(!wrong && !outside,
                               "gemm M %d N %d K %d trans %d%d alpha %g beta %g, %d threads: %d "
@@ -121,8 +120,8 @@ int main(void)
     /* (M, N, K): a tile and less, tile edges (6 x 16), K past a block of
      * 256 with a remainder, N past a block of 2048, enough work for a
      * team, a 1-deep product, M below the dot kernel's rows */
-    static const int shapes[][3] = {{16, 16, 1},   {1, 1, 1},     {5, 7, 3},    {6, 16, 256},
-                                    {17, 33, 300}, {40, 50, 513}, {100, 70, 64}, {23, 2100, 20},
+    static const int shapes[][3] = {{16, 16, 1},    {1, 1, 1},     {5, 7, 3},     {6, 16, 256},
+                                    {17, 33, 300},  {40, 50, 513}, {100, 70, 64}, {23, 2100, 20},
                                     {130, 20, 700}, {7, 300, 260}, {64, 64, 64}};
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
         check_shape(bes, 3, shapes[i][0], shapes[i][1], shapes[i][2]);
