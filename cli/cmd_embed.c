@@ -129,7 +129,7 @@ int nl_cmd_embed(int argc, char **argv)
     nl_st_writer *w = NULL;
     char *text = NULL, *tok_text = NULL;
     size_t len = 0;
-    int32_t *ids = NULL, *lengths = NULL, *doc = NULL;
+    int32_t *ids = NULL, *lengths = NULL, *doc = NULL, *run_ids = NULL, *run_len = NULL;
     float *emb = NULL, *states = NULL;
     rc = 1;
     if (nl_cli_backend_new(&be, device, (int)threads, tf32, bf16, 0, &err) != NL_OK ||
@@ -140,31 +140,42 @@ int nl_cmd_embed(int argc, char **argv)
         goto out;
     const int T = (int)(seq > 0 && seq < m->cfg.max_seq_len ? seq : m->cfg.max_seq_len);
     const int d = m->cfg.hidden_dim, Bmax = (int)batch;
+    /* every forward runs at least NL_BACKEND_FUSED_ROWS positions, a
+     * small batch padded with rows of pads: below that the backends
+     * compute y = x W^T with their decode kernel (the CPU's dot kernel),
+     * whose bits differ from the kernel above, so a line's embedding
+     * would depend on its batch where B T is small (--seq 8) */
+    const int Bmin = (NL_BACKEND_FUSED_ROWS + T - 1) / T;
+    const int Brun = Bmax > Bmin ? Bmax : Bmin;
     const char *adapter = nl_args_get(flags, "adapter");
     if (adapter && (nl_lora_check_base(adapter, model, &err) != NL_OK ||
-                    nl_lora_load(&lo, m, adapter, Bmax * T, &err) != NL_OK))
+                    nl_lora_load(&lo, m, adapter, Brun * T, &err) != NL_OK))
         goto out;
     if (encode_lines(text, len, tok, T, m->cfg.vocab_size, &ids, &lengths, &n, &err) != NL_OK ||
-        nl_runstate_new(&rs, m, Bmax * T, &err) != NL_OK) {
+        nl_runstate_new(&rs, m, Brun * T, &err) != NL_OK) {
         nl_error_prefix(&err, "%s", in);
         goto out;
     }
     emb = malloc((size_t)n * d * sizeof *emb);
-    states = malloc((size_t)Bmax * T * d * sizeof *states);
-    doc = malloc((size_t)Bmax * T * sizeof *doc);
-    if (!emb || !states || !doc) {
+    states = malloc((size_t)Brun * T * d * sizeof *states);
+    doc = malloc((size_t)Brun * T * sizeof *doc);
+    run_ids = calloc((size_t)Brun * T, sizeof *run_ids);
+    run_len = malloc((size_t)Brun * sizeof *run_len);
+    if (!emb || !states || !doc || !run_ids || !run_len) {
         nl_error_set(&err, NL_ERR_NOMEM, "out of memory");
         goto out;
     }
     for (int b0 = 0; b0 < n; b0 += Bmax) {
-        const int B = n - b0 < Bmax ? n - b0 : Bmax;
-        nl_embed_doc(doc, lengths + b0, B, T);
+        const int B = n - b0 < Bmax ? n - b0 : Bmax, Br = B > Bmin ? B : Bmin;
+        memcpy(run_ids, ids + (size_t)b0 * T, (size_t)B * T * sizeof *run_ids);
+        memset(run_ids + (size_t)B * T, 0, (size_t)(Br - B) * T * sizeof *run_ids);
+        memcpy(run_len, lengths + b0, (size_t)B * sizeof *run_len);
+        for (int b = B; b < Br; b++)
+            run_len[b] = 1; /* a padding row: one pad, the rest their own */
+        nl_embed_doc(doc, run_len, Br, T);
         /* a decoder's valid positions never see the pads that follow them */
-        nl_forward_args a = {.B = B,
-                             .T = T,
-                             .tokens = ids + (size_t)b0 * T,
-                             .doc = m->cfg.causal ? NULL : doc,
-                             .states = 1};
+        nl_forward_args a = {
+            .B = Br, .T = T, .tokens = run_ids, .doc = m->cfg.causal ? NULL : doc, .states = 1};
         if (nl_forward(m, rs, &a, NULL, &err) != NL_OK)
             goto out;
         be->download(be, states, nl_runstate_output(rs, NULL), (size_t)B * T * d * sizeof *states);
@@ -191,6 +202,8 @@ out:
     free(ids);
     free(lengths);
     free(doc);
+    free(run_ids);
+    free(run_len);
     free(emb);
     free(states);
     nl_tokenizer_destroy(&tok);
