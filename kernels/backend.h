@@ -203,7 +203,9 @@ struct nl_backend {
      * above (CUDA: a GEMV-style kernel against cuBLAS's tensor-core tiles):
      * core/model/batch.c then runs a step of that many rows or more (a
      * prompt's chunk) through gemm, whose rows may depend on M; 0 where it
-     * is as fast at any M (the CPU: its dot and chain kernels). */
+     * is fast enough at any M (the CPU: its chain GEMM without a
+     * transposed B; with one, its dot kernel, about half a blocked GEMM's
+     * speed at many rows, which a batch's prompt chunks pay). */
     int gemm_rows_few;
     /* bf16 compute (be->bf16): gemm rounds A and B to bf16 and accumulates
      * in FP32 into C, which stays FP32 like every other buffer. Operands

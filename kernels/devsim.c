@@ -288,8 +288,9 @@ nl_status nl_devsim_backend_new(nl_backend **out, const nl_backend_opts *o, nl_e
     be->sample_rows = ds_sample_rows;
     be->adamw = ds_adamw;
     /* as CUDA's (cuda_gemm.cu): the batch's steps of 16 rows or more run
-     * gemm (the CPU's oneDNN, whose bits depend on M), so what a GPU's
-     * batch may not promise fails here too (test_batch) */
+     * gemm (whose bits on the CPU switch kernel at 16 rows, as cuBLAS's
+     * depend on M), so what a GPU's batch may not promise fails here too
+     * (test_batch) */
     be->gemm_rows_few = 1;
     nl_devsim_fill_graph_slots(be); /* the op slots a step may record, and the graph slots */
     *out = be;

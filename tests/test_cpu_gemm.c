@@ -118,11 +118,14 @@ int main(void)
             return check_done("test_cpu_gemm");
     }
     /* (M, N, K): a tile and less, tile edges (6 x 16), K past a block of
-     * 256 with a remainder, N past a block of 2048, enough work for a
-     * team, a 1-deep product, M below the dot kernel's rows */
+     * 256 with a remainder, enough work for a team, a 1-deep product, M
+     * below the dot kernel's rows; the few rows' loop (N past 2048 there
+     * too) and, past 192 rows, the blocked one with N past a block of
+     * 2048 and K past one of 256 */
     static const int shapes[][3] = {{16, 16, 1},    {1, 1, 1},     {5, 7, 3},     {6, 16, 256},
                                     {17, 33, 300},  {40, 50, 513}, {100, 70, 64}, {23, 2100, 20},
-                                    {130, 20, 700}, {7, 300, 260}, {64, 64, 64}};
+                                    {130, 20, 700}, {7, 300, 260}, {64, 64, 64},  {194, 2060, 9},
+                                    {200, 40, 300}};
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
         check_shape(bes, 3, shapes[i][0], shapes[i][1], shapes[i][2]);
 

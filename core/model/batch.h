@@ -29,9 +29,9 @@
  * group of 1 to 15 rows costs only its own rows (CUDA in bf16 mode has no
  * fused slots: the separate ones, through the same row-invariant
  * products in bf16). A backend without gemm_rows (the CPU in bf16 mode)
- * runs gemm, whose small-M paths are not invariant (the CPU's FP32 gemm
- * computes a row the same way for any M >= 16 but takes its dot kernel
- * below; cuBLAS picks algorithms by M), with every GEMM of fewer than
+ * runs gemm, whose small-M paths are not invariant (oneDNN's bf16 GEMM,
+ * assumed, not shown, to compute a row alike for any M >= 16, as its
+ * sgemm did on AVX-512; cuBLAS picks algorithms by M), with every GEMM of fewer than
  * NL_BATCH_MIN_ROWS rows padded to that many and the separate slots. Where
  * gemm_rows is fast only at few rows (gemm_rows_few: CUDA), a call of
  * NL_BACKEND_FUSED_ROWS rows or more (a prompt's chunk, or many sessions'

@@ -24,8 +24,9 @@
  * A in blocks of MC x KC, a 6 x 16 tile of C in 12 AVX2 accumulators);
  * the chain goes on across K blocks through C itself (stored and loaded
  * exactly), and a tile at the edge of C runs the same kernel on a copy
- * padded with zeros; at MS rows or fewer the threads split the columns
- * instead (few_rows). bf16 GEMMs stay oneDNN's (cpu_bf16.c). */
+ * padded with zeros; at MS rows or fewer, where there are columns
+ * enough, the threads split the columns instead (few_rows). bf16 GEMMs stay oneDNN's (cpu_bf16.c).
+ */
 #include "kernels/cpu/cpu_ops.h"
 
 #include <math.h>
@@ -179,9 +180,14 @@ static void pack_b(float *dst, int trans_b, const float *B, int ldb, int k0, int
             }
 #endif
     for (int j = 0; j < NR; j++) {
+        if (j >= nr) { /* past N: zeros (no pointer to a column that is not there) */
+            for (int kk = k; kk < kc; kk++)
+                dst[(size_t)kk * NR + j] = 0.0f;
+            continue;
+        }
         const float *b = B + (size_t)(j0 + j) * ldb + k0;
         for (int kk = k; kk < kc; kk++)
-            dst[(size_t)kk * NR + j] = j < nr ? b[kk] : 0.0f;
+            dst[(size_t)kk * NR + j] = b[kk];
     }
 }
 
@@ -202,9 +208,14 @@ static void pack_a(float *dst, int trans_a, const float *A, int lda, int i0, int
             continue;
         }
         for (int r = 0; r < MR; r++) {
+            if (r >= mr) { /* past M: zeros (no pointer to a row that is not there) */
+                for (int k = 0; k < kc; k++)
+                    dst[(size_t)k * MR + r] = 0.0f;
+                continue;
+            }
             const float *a = A + (size_t)(i + r) * lda + k0;
             for (int k = 0; k < kc; k++)
-                dst[(size_t)k * MR + r] = r < mr ? (alpha == 1.0f ? a[k] : a[k] * alpha) : 0.0f;
+                dst[(size_t)k * MR + r] = alpha == 1.0f ? a[k] : a[k] * alpha;
         }
     }
 }

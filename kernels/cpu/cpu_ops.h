@@ -64,9 +64,8 @@ static inline void nl_cpu_attn_range(const nl_attn_mask *mk, int i, int nkeys, i
  * (row invariant), as fast as a plain GEMM at a decode's few rows;
  * gemm_rows takes it for every M, the plain gemm below NL_CPU_DOT_ROWS
  * rows. At NL_CPU_DOT_ROWS and above the plain gemm is the chain GEMM
- * (cpu_matmul.c), whose rows do not depend on M either: the batch's
- * padding to NL_BATCH_MIN_ROWS (core/model/batch.h, the same 16) relies
- * on that where a backend has no gemm_rows. */
+ * (cpu_matmul.c), whose rows do not depend on M either (the switch at 16
+ * is why neuroctl embed pads a small batch to 16 positions). */
 #define NL_CPU_DOT_ROWS 16
 void nl_cpu_gemm_dot(nl_backend *be, int M, int N, int K, const float *A, int lda, const float *B,
                      int ldb, int accumulate, float *C, int ldc);
