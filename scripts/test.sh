@@ -17,26 +17,31 @@ QUICK=0
 
 bash scripts/install-deps.sh
 
-echo "== format (.clang-format) =="
+# each stage's header says when it began (seconds since the installs), so a
+# log shows where the test command's time goes
+SECONDS=0
+stage() { echo "== $* == (at ${SECONDS} s)"; }
+
+stage "format (.clang-format)"
 bash scripts/format.sh
 
-echo "== build (release) =="
+stage "build (release)"
 cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DNL_WERROR=ON -DNL_TEST_HOOKS=ON >/dev/null
 cmake --build build -j "$JOBS"
-echo "== tests (release) =="
+stage "tests (release)"
 (cd build && ctest --output-on-failure -j "$JOBS" --timeout 600)
 # again on the device simulator: device memory behind pointers that fault on
 # any host access, so a read that skips download crashes here, not on a GPU
 # (less the tests that use no backend: the kernels' emulation, PyTorch's check)
-echo "== tests (release, --device cpu-devsim) =="
+stage "tests (release, --device cpu-devsim)"
 (cd build && NL_TEST_DEVICE=cpu-devsim ctest --output-on-failure -j "$JOBS" --timeout 600 \
   -L 'unit|integration' -E '^(test_cuda_emu|check_golden)$')
 
 if [ "$QUICK" -eq 0 ]; then
-  echo "== build (ASan + UBSan) =="
+  stage "build (ASan + UBSan)"
   cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DNL_SANITIZE=ON -DNL_CUDA=OFF -DNL_WERROR=ON -DNL_TEST_HOOKS=ON >/dev/null
   cmake --build build-asan -j "$JOBS"
-  echo "== tests (ASan + UBSan) =="
+  stage "tests (ASan + UBSan)"
   export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1
   export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
   # a leak inside libzmq that is not ours (why, and what catches ours: the file)
@@ -45,10 +50,10 @@ if [ "$QUICK" -eq 0 ]; then
 
   # the C side of these configurations is what differs; the CUDA module
   # was built above with the same flags, so it is left out here
-  echo "== build (Release, compile only) =="
+  stage "build (Release, compile only)"
   cmake -S . -B build-release -DCMAKE_BUILD_TYPE=Release -DNL_CUDA=OFF -DNL_WERROR=ON >/dev/null
   cmake --build build-release -j "$JOBS"
-  echo "== build (libFuzzer, clang) and corpus replay =="
+  stage "build (libFuzzer, clang) and corpus replay"
   cmake -S . -B build-fuzz -DNL_FUZZ=ON -DCMAKE_C_COMPILER=clang -DNL_CUDA=OFF -DNL_WERROR=ON >/dev/null
   cmake --build build-fuzz -j "$JOBS"
   for f in build-fuzz/fuzz/fuzz_*; do
@@ -56,4 +61,4 @@ if [ "$QUICK" -eq 0 ]; then
     "$f" -runs=0 "fuzz/corpus/$name" 2>&1 | tail -1
   done
 fi
-echo "== all tests passed =="
+stage "all tests passed"
