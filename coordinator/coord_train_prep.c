@@ -300,7 +300,7 @@ static int prepare_growth(nl_coord *c, ctrain *t, prep_task *p, const char *resu
         return 0;
     }
     if (n >= 4 && strcmp(t->data + n - 4, ".tok") == 0) {
-        snprintf(why, cap, "%s holds token ids; the tokenizer learns from text", t->data);
+        snprintf(why, cap, "%.512s holds token ids; the tokenizer learns from text", t->data);
         return 0;
     }
     if (coord_grow_refusal(c, why, cap))
