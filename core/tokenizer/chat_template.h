@@ -41,7 +41,9 @@ typedef enum nl_chat_role {
 } nl_chat_role;
 
 typedef struct nl_chat_template {
-    char *family; /* "chatml", "llama2", "mistral", "llama3", "zephyr", or "custom" */
+    char *family; /* a label: "chatml", "llama2", "mistral", "llama3", "zephyr" as
+                     nl_chat_template_from_hf names them, "custom" when the JSON form
+                     has none, else what that form says */
     char *bos;    /* text before the first message ("" for none) */
     char *prefix[NL_CHAT_ROLES], *suffix[NL_CHAT_ROLES];
     char *generation;   /* after the last message when the model is to answer */
