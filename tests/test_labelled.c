@@ -124,6 +124,19 @@ static void test_bad_line(void)
     unlink(path);
     CHECK(st == NL_ERR_FORMAT && strstr(err.msg, ":3: expected label<TAB>text") && !ds,
           "a line without a tab: %s", err.msg);
+    /* a NUL inside a label (fuzz_labelled found it read past the class
+     * name it cut short) */
+    strcpy(path, "/tmp/test_labelled_XXXXXX");
+    fd = mkstemp(path);
+    close(fd);
+    f = fopen(path, "wb");
+    static const char nul[] = "a\tx\nb\0c\ty\n";
+    fwrite(nul, 1, sizeof nul - 1, f);
+    fclose(f);
+    st = nl_labelled_load(&ds, path, NULL, 256, 0.1, 1, &err);
+    unlink(path);
+    CHECK(st == NL_ERR_FORMAT && strstr(err.msg, ":2: the label holds a NUL byte") && !ds,
+          "a label with a NUL byte: %s", err.msg);
 }
 
 int main(void)

@@ -42,6 +42,13 @@ static nl_status parse_lines(char *text, size_t len, const char *path, line **ou
                                     "%s:%zu: expected label<TAB>text with both non-empty", path,
                                     lineno);
             }
+            /* a label is a C string from here on (class names): a NUL in it
+             * would make two labels one */
+            if (memchr(text + i, '\0', (size_t)(tab - (text + i)))) {
+                free(v);
+                return nl_error_set(err, NL_ERR_FORMAT, "%s:%zu: the label holds a NUL byte", path,
+                                    lineno);
+            }
             if (count == cap) {
                 cap = cap ? 2 * cap : 256;
                 line *nv = realloc(v, cap * sizeof *v);
