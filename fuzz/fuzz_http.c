@@ -7,10 +7,9 @@
  * for loopback: a Host header that names this machine, a JSON Content-Type
  * on a POST) and one with a bearer token file (token "fuzz-token-0123456789"). The
  * input's first byte picks the server ('1': the one with tokens, anything
- * else the other); the rest is written to a fresh connection, whose
- * writing side is then shut, and the answer is read until the server
- * closes it, or 300 ms pass without a byte (an event stream, a
- * keep-alive), or 1 MiB came.
+ * else the other); the rest is written to a fresh connection (from 127.0.0.2 to .251 in turn),
+ * whose writing side is then shut, and the answer is read until the server closes it, or 300 ms
+ * pass without a byte (an event stream, a keep-alive), or 1 MiB came.
  *
  * The backend answers at once, from nothing but the request: a generation
  * of up to 6 tokens (bytes "t0", "t1", ...; the logprobs it was asked for),
@@ -25,6 +24,7 @@
  * NL_FUZZ_HTTP_SHOW set, each answer's size and status line go to stderr
  * (what the seeds reach). */
 #include <arpa/inet.h>
+#include <errno.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <stdint.h>
@@ -196,12 +196,30 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     const int s = size > 0 && data[0] == '1';
     if (size > 0)
         data++, size--;
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)ports[s])};
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
-        fprintf(stderr, "fuzz_http: the server accepts no connection\n");
-        abort();
+    /* from 127.0.0.2 to 127.0.0.251 in turn: the connection this side
+     * shuts first stays in TIME_WAIT for a minute, and one address's
+     * 28K ports would run out in a long run (some 300 connections a
+     * second) */
+    static unsigned turn;
+    struct sockaddr_in me = {.sin_family = AF_INET};
+    me.sin_addr.s_addr = htonl(INADDR_LOOPBACK + 1 + turn++ % 250);
+    int fd = -1;
+    for (int tries = 0; fd < 0; tries++) { /* a second of refusals: the server stopped */
+        if ((fd = socket(AF_INET, SOCK_STREAM, 0)) < 0 ||
+            bind(fd, (struct sockaddr *)&me, sizeof me) != 0 ||
+            connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
+            if (tries == 50) {
+                fprintf(stderr, "fuzz_http: the server accepts no connection: %s\n",
+                        strerror(errno));
+                abort();
+            }
+            if (fd >= 0)
+                close(fd);
+            fd = -1;
+            usleep(20000);
+        }
     }
     for (size_t off = 0; off < size;) { /* the server may answer and close before the end */
         ssize_t w = send(fd, data + off, size - off, MSG_NOSIGNAL);
