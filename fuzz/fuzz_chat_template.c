@@ -8,10 +8,12 @@
  *
  * Property: no crash and no sanitizer report; a template that is taken
  * renders a conversation (with and without the generation prompt), and
- * its JSON form parses back into a template with the same JSON form and
- * the same rendering; one made from Jinja, or from a tokenizer_config.json
+ * its JSON form parses back into a template with the same fields, JSON
+ * form and rendering (Jinja is taken as valid UTF-8 only, as it comes out
+ * of a JSON file); one made from Jinja, or from a tokenizer_config.json
  * that is taken, has one of the families the import recognises (a JSON
  * form may name any: the family is a label there). */
+#include <jansson.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -50,6 +52,22 @@ static char *render(const nl_chat_template *t)
     return out;
 }
 
+static int same_str(const char *a, const char *b)
+{
+    return a && b ? strcmp(a, b) == 0 : a == b;
+}
+
+/* every field of t in u (the JSON form loses none) */
+static int same(const nl_chat_template *t, const nl_chat_template *u)
+{
+    int eq = same_str(t->family, u->family) && same_str(t->bos, u->bos) &&
+             same_str(t->generation, u->generation) && same_str(t->source, u->source) &&
+             t->system_in_user == u->system_in_user;
+    for (int r = 0; r < NL_CHAT_ROLES; r++)
+        eq = eq && same_str(t->prefix[r], u->prefix[r]) && same_str(t->suffix[r], u->suffix[r]);
+    return eq;
+}
+
 /* with known, the family must be one the import names (an unrecognised
  * template is the default, family "chatml", its source kept) */
 static void check(const nl_chat_template *t, int known)
@@ -65,7 +83,7 @@ static void check(const nl_chat_template *t, int known)
     nl_chat_template *u = NULL;
     nl_error err = {0};
     if (!json || nl_chat_template_parse(&u, json, strlen(json), &err) != NL_OK ||
-        !(again = nl_chat_template_to_json(u)) || strcmp(json, again) != 0 ||
+        !(again = nl_chat_template_to_json(u)) || strcmp(json, again) != 0 || !same(t, u) ||
         strcmp(r1, r2 = render(u)) != 0) {
         fprintf(stderr, "fuzz_chat_template: the JSON form does not come back: %s\n", err.msg);
         abort();
@@ -74,14 +92,21 @@ static void check(const nl_chat_template *t, int known)
     nl_chat_template_destroy(&u);
 }
 
+static char dir[64];
+
+static void remove_dir(void)
+{
+    rmdir(dir);
+}
+
 /* the input as DIR/tokenizer_config.json, read as an import reads it */
 static void read_dir(const char *text, size_t len)
 {
-    static char dir[64];
     if (!dir[0]) {
         snprintf(dir, sizeof dir, "/tmp/nl_fuzz_chat_XXXXXX");
         if (!mkdtemp(dir))
             abort();
+        atexit(remove_dir);
     }
     char path[128];
     snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
@@ -104,6 +129,15 @@ static void read_dir(const char *text, size_t len)
     unlink(path);
 }
 
+/* Jinja comes out of a JSON file (tokenizer_config.json), so it is valid
+ * UTF-8, as the JSON form's strings must be */
+static int utf8(const char *z)
+{
+    json_t *j = json_string(z);
+    json_decref(j);
+    return j != NULL;
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     if (size == 0)
@@ -122,7 +156,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     nl_error err = {0};
     if (mode == 0 && nl_chat_template_parse(&t, text, n, &err) == NL_OK)
         check(t, 0);
-    else if (mode == 1 && nl_chat_template_from_hf(&t, z, NULL, NULL, &err) == NL_OK)
+    else if (mode == 1 && utf8(z) && nl_chat_template_from_hf(&t, z, NULL, NULL, &err) == NL_OK)
         check(t, 1);
     else if (mode == 2)
         read_dir(text, n);

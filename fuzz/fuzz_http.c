@@ -19,8 +19,10 @@
  * a chat template of its own; a status object and a metrics line.
  *
  * Property: no crash and no sanitizer report; every answer begins with an
- * HTTP status line; and the server accepts the next connection (a server
- * that stopped accepting fails the input that follows). With
+ * HTTP status line; and the server goes on answering: every 8th input is
+ * followed by a GET /v1/models that must be answered 200 (with the token,
+ * which the server without tokens ignores), and a connection refused for
+ * a second fails the input. With
  * NL_FUZZ_HTTP_SHOW set, each answer's size and status line go to stderr
  * (what the seeds reach). */
 #include <arpa/inet.h>
@@ -189,13 +191,11 @@ static void start_servers(void)
     unlink(tokens); /* read at the start */
 }
 
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+/* One connection to server s: the bytes sent, the writing side shut, the
+ * answer read as the header says; its first bytes into head (16), its
+ * size returned. */
+static size_t exchange(int s, const uint8_t *data, size_t size, char *head)
 {
-    if (!servers[0])
-        start_servers();
-    const int s = size > 0 && data[0] == '1';
-    if (size > 0)
-        data++, size--;
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)ports[s])};
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     /* from 127.0.0.2 to 127.0.0.251 in turn: the connection this side
@@ -223,28 +223,62 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     for (size_t off = 0; off < size;) { /* the server may answer and close before the end */
         ssize_t w = send(fd, data + off, size - off, MSG_NOSIGNAL);
+        if (w < 0 && errno == EINTR) /* libFuzzer's timer */
+            continue;
         if (w <= 0)
             break;
         off += (size_t)w;
     }
     shutdown(fd, SHUT_WR);
-    char head[16] = {0}, buf[4096];
+    char buf[4096];
     size_t got = 0;
     struct pollfd p = {.fd = fd, .events = POLLIN};
-    while (got < (1u << 20) && poll(&p, 1, 300) == 1) {
+    for (;;) {
+        const int ready = poll(&p, 1, 300);
+        if (ready < 0 && errno == EINTR)
+            continue;
+        if (ready != 1 || got >= (1u << 20))
+            break;
         ssize_t r = recv(fd, buf, sizeof buf, 0);
+        if (r < 0 && errno == EINTR)
+            continue;
         if (r <= 0)
             break;
-        if (got < sizeof head)
-            memcpy(head + got, buf, (size_t)r < sizeof head - got ? (size_t)r : sizeof head - got);
+        if (got < 16)
+            memcpy(head + got, buf, (size_t)r < 16 - got ? (size_t)r : 16 - got);
         got += (size_t)r;
     }
     close(fd);
+    return got;
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    static unsigned inputs;
+    if (!servers[0])
+        start_servers();
+    const int s = size > 0 && data[0] == '1';
+    if (size > 0)
+        data++, size--;
+    char head[16] = {0};
+    const size_t got = exchange(s, data, size, head);
     if (getenv("NL_FUZZ_HTTP_SHOW")) /* to see what seeds reach */
         fprintf(stderr, "fuzz_http: %zu bytes: %.*s\n", got, (int)(got < 12 ? got : 12), head);
     if (got > 0 && (got < 9 || memcmp(head, "HTTP/1.", 7) != 0)) {
         fprintf(stderr, "fuzz_http: an answer that is not HTTP (%zu bytes)\n", got);
         abort();
+    }
+    /* every 8th input, the server that took it still answers a plain
+     * request (a connection alone the kernel accepts for a hung server) */
+    if (inputs++ % 8 == 0) {
+        static const char ok[] = "GET /v1/models HTTP/1.1\r\nHost: localhost\r\n"
+                                 "Authorization: Bearer fuzz-token-0123456789\r\n\r\n";
+        char h2[16] = {0};
+        if (exchange(s, (const uint8_t *)ok, sizeof ok - 1, h2) < 12 ||
+            memcmp(h2, "HTTP/1.1 200", 12) != 0) {
+            fprintf(stderr, "fuzz_http: the server no longer answers GET /v1/models\n");
+            abort();
+        }
     }
     return 0;
 }

@@ -8,8 +8,8 @@
  * classes in strictly increasing order, every example a class below their
  * number and at least one id, each within the vocabulary; its batches
  * (training, held out, and the held-out split in order) hold ids of the
- * vocabulary, lengths within 1..T and labels of the classes (-1 only on
- * the evaluation's rows past the end). */
+ * vocabulary, lengths within 1..T and labels of the classes, but for the
+ * evaluation's rows past the end of the split: label -1 over one id. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,14 +26,17 @@ static void fail(const char *what)
     abort();
 }
 
+/* rows from count on are the evaluation's rows past the end: label -1
+ * over one pad id */
 static void check_rows(const nl_labelled *ds, int B, int T, const int32_t *tokens,
-                       const int32_t *lengths, const int32_t *labels, int rows_past)
+                       const int32_t *lengths, const int32_t *labels, int count)
 {
     for (int b = 0; b < B; b++) {
         if (lengths[b] < 1 || lengths[b] > T)
             fail("a length outside 1..T");
-        if (labels[b] < (rows_past ? -1 : 0) || labels[b] >= ds->n_classes)
-            fail("a label outside the classes");
+        if (b >= count ? labels[b] != -1 || lengths[b] != 1
+                       : labels[b] < 0 || labels[b] >= ds->n_classes)
+            fail("a label outside the classes, or a row past the end that is not one");
         for (int t = 0; t < T; t++)
             if (tokens[b * T + t] < 0 || tokens[b * T + t] > 255)
                 fail("an id outside the vocabulary");
@@ -45,7 +48,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     static char path[64];
     if (!path[0]) {
         snprintf(path, sizeof path, "/tmp/nl_fuzz_labelled_XXXXXX");
-        int fd = mkstemp(path);
+        int fd = mkstemp(path); /* a name of our own; each input writes it anew */
         if (fd < 0)
             abort();
         close(fd);
@@ -56,7 +59,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     const int B = size ? 1 + data[0] % 4 : 1, T = size ? 1 + (data[0] >> 2) % 16 : 1;
     nl_labelled *ds = NULL;
     nl_error err = {0};
-    if (nl_labelled_load(&ds, path, NULL, 256, 0.25, 7, &err) != NL_OK)
+    const nl_status st = nl_labelled_load(&ds, path, NULL, 256, 0.25, 7, &err);
+    unlink(path);
+    if (st != NL_OK)
         return 0;
     for (int c = 1; c < ds->n_classes; c++)
         if (strcmp(ds->names[c - 1], ds->names[c]) >= 0)
@@ -77,7 +82,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         for (uint64_t index = 0; index < 2; index++)
             if (nl_labelled_batch(ds, split, 3, index, B, T, tokens, lengths, labels, doc, &err) ==
                 NL_OK)
-                check_rows(ds, B, T, tokens, lengths, labels, 0);
+                check_rows(ds, B, T, tokens, lengths, labels, B);
             else if ((split == 0 ? ds->n_train : ds->n - ds->n_train) > 0)
                 fail("no batch from a split that has examples");
     const size_t batches = nl_labelled_eval_batches(ds, B);
@@ -87,7 +92,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         if (nl_labelled_eval_batch(ds, i, B, T, tokens, lengths, labels, doc, &count, &err) !=
             NL_OK)
             fail("an evaluation batch below their number");
-        check_rows(ds, B, T, tokens, lengths, labels, 1);
+        check_rows(ds, B, T, tokens, lengths, labels, count);
         seen += count;
     }
     if ((size_t)seen != ds->n - ds->n_train ||

@@ -5,8 +5,8 @@
 # nodes' real throughput probes (no NL_TEST_GFLOPS) on whatever else this
 # machine is running meanwhile: where the two probes agree within 15%, the
 # plan is [0, 4) + [4, 8) (every such run; one at least, of up to 12 made
-# to find three: on a loaded 2-vCPU machine most runs' probes differ by
-# more, as in two CI runs here, 2 and 1 of 12); the plan the job ends on,
+# to find three, one in the Debug build: on a loaded 2-vCPU machine most
+# runs' probes differ by more, as in two CI runs here, 2 and 1 of 12); the plan the job ends on,
 # after its early re-balance, and the one at rest after it are within a
 # layer of that; and every run's weights are byte-identical to the others'
 # and equal to one node's. (The two vCPUs of a shared machine can run 40%

@@ -30,8 +30,8 @@ typedef struct nl_labelled {
 
 /* Read path. Text goes through the tokenizer whose text is tok_text, or
  * is bytes (ids 0..255) when tok_text is NULL; every id must be below
- * vocab_size. Lines without a tab, with an empty label or an empty text
- * are errors naming the line; blank lines are skipped. holdout in
+ * vocab_size. Lines without a tab, with an empty label or an empty text,
+ * or with a NUL byte in the label are errors naming the line; blank lines are skipped. holdout in
  * [0, 0.5] is the share held out; the examples are shuffled by split_seed
  * first. */
 nl_status nl_labelled_load(nl_labelled **out, const char *path, const char *tok_text,
