@@ -32,10 +32,11 @@ static void widen_block(float (*kt)[KT], float (*vt)[HD_MAX], const uint16_t *kb
 
 /* One (sequence, head, query tile): rows t0 .. t0+nq-1 of the new positions.
  * Each key block is transposed into kt so the score loop runs along keys
- * (contiguous, vectorised); the value loop runs along the head dimension. */
-static void attend_tile(float *out, float *lse, const float *q, int q_stride, const float *k,
-                        const float *v, int kv_stride, const nl_attn_shape *s,
-                        const nl_attn_mask *mk, int b, int h, int t0, int nq)
+ * (contiguous, vectorised); the value loop runs along the head dimension.
+ * Unsanitized (NL_HOT): every row it reads or writes is checked. */
+NL_HOT static void attend_tile(float *out, float *lse, const float *q, int q_stride, const float *k,
+                               const float *v, int kv_stride, const nl_attn_shape *s,
+                               const nl_attn_mask *mk, int b, int h, int t0, int nq)
 {
     const int hd = s->hd;
     const int g = h / (s->H / s->G);
@@ -52,11 +53,16 @@ static void attend_tile(float *out, float *lse, const float *q, int q_stride, co
         l[i] = 0.0f;
         memset(acc[i], 0, (size_t)hd * sizeof(float));
         const float *qr = q + ((size_t)b * s->T + t0 + i) * q_stride + (size_t)h * hd;
+        nl_hot_rows(qr, 1, 0, (size_t)hd * sizeof(float), 0);
         for (int c = 0; c < hd; c++)
             qs[i][c] = qr[c] * scale;
     }
     /* sequence b's cache: its own (kseq, vseq) or row b kv_cap of k, v */
     const size_t kv_off = (s->kseq ? 0 : (size_t)b * s->kv_cap * kv_stride) + (size_t)g * hd;
+    if (s->kseq) {
+        nl_hot_rows(s->kseq + b, 1, 0, sizeof *s->kseq, 0);
+        nl_hot_rows(s->vseq + b, 1, 0, sizeof *s->vseq, 0);
+    }
     const void *ks = s->kseq ? s->kseq[b] : (const void *)k;
     const void *vs = s->kseq ? s->vseq[b] : (const void *)v;
     const float *kb = s->kv_bf16 ? NULL : (const float *)ks + kv_off;
@@ -70,8 +76,21 @@ static void attend_tile(float *out, float *lse, const float *q, int q_stride, co
     int kbeg, kend, unused;
     nl_cpu_attn_range(mk, s->past + t0, nkeys, &kbeg, &unused);
     nl_cpu_attn_range(mk, s->past + t0 + nq - 1, nkeys, &unused, &kend);
+    if (doc)
+        nl_hot_rows(doc + t0, 1, 0, (size_t)nq * sizeof *doc, 0);
     for (int j0 = kbeg; j0 < kend; j0 += KT) {
         const int nk = kend - j0 < KT ? kend - j0 : KT;
+        /* the block's key and value rows, and its keys' documents */
+        const size_t elem = kb16 ? sizeof *kb16 : sizeof *kb;
+        const size_t row = (size_t)kv_stride * elem;
+        nl_hot_rows(kb16 ? (const void *)(kb16 + (size_t)j0 * kv_stride)
+                         : (const void *)(kb + (size_t)j0 * kv_stride),
+                    (size_t)nk, row, (size_t)hd * elem, 0);
+        nl_hot_rows(vb16 ? (const void *)(vb16 + (size_t)j0 * kv_stride)
+                         : (const void *)(vb + (size_t)j0 * kv_stride),
+                    (size_t)nk, row, (size_t)hd * elem, 0);
+        if (doc)
+            nl_hot_rows(doc + j0, 1, 0, (size_t)nk * sizeof *doc, 0);
         if (kb16) /* a bf16 cache: the block's keys and values widened */
             widen_block(kt, vt, kb16, vb16, kv_stride, j0, nk, hd);
         else
@@ -127,11 +146,15 @@ static void attend_tile(float *out, float *lse, const float *q, int q_stride, co
     }
     for (int i = 0; i < nq; i++) {
         float *o = out + ((size_t)b * s->T + t0 + i) * ((size_t)s->H * hd) + (size_t)h * hd;
+        nl_hot_rows(o, 1, 0, (size_t)hd * sizeof(float), 1);
         const float inv = 1.0f / l[i];
         for (int c = 0; c < hd; c++)
             o[c] = acc[i][c] * inv;
-        if (lse)
-            lse[((size_t)b * s->H + h) * s->T + t0 + i] = m[i] + logf(l[i]);
+        if (lse) {
+            float *li = lse + ((size_t)b * s->H + h) * s->T + t0 + i;
+            nl_hot_rows(li, 1, 0, sizeof *li, 1);
+            *li = m[i] + logf(l[i]);
+        }
     }
 }
 

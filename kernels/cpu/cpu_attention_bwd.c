@@ -67,8 +67,10 @@ static void load_block(bwd_block *blk, const bwd_args *a, int b, int g, int j0, 
 }
 
 /* Query rows t0 .. t0+nq-1 of head h against the block at key j0: fill P
- * and dS, and add this block's share to dq. */
-static void block_rows(bwd_block *blk, const bwd_args *a, int b, int h, int t0, int nq, int j0)
+ * and dS, and add this block's share to dq. Unsanitized (NL_HOT), as
+ * block_accumulate: each row they read or write is checked. */
+NL_HOT static void block_rows(bwd_block *blk, const bwd_args *a, int b, int h, int t0, int nq,
+                              int j0)
 {
     const int hd = a->s.hd;
     const size_t ostride = (size_t)a->s.H * hd;
@@ -77,7 +79,12 @@ static void block_rows(bwd_block *blk, const bwd_args *a, int b, int h, int t0, 
         const float *qi = a->q + ((size_t)b * a->s.T + t) * a->q_stride + (size_t)h * hd;
         const float *oi = a->out + ((size_t)b * a->s.T + t) * ostride + (size_t)h * hd;
         const float *doi = a->dout + ((size_t)b * a->s.T + t) * ostride + (size_t)h * hd;
-        const float lse = a->lse[((size_t)b * a->s.H + h) * a->s.T + t];
+        const float *lsei = a->lse + ((size_t)b * a->s.H + h) * a->s.T + t;
+        nl_hot_rows(qi, 1, 0, (size_t)hd * sizeof(float), 0);
+        nl_hot_rows(oi, 1, 0, (size_t)hd * sizeof(float), 0);
+        nl_hot_rows(doi, 1, 0, (size_t)hd * sizeof(float), 0);
+        nl_hot_rows(lsei, 1, 0, sizeof *lsei, 0);
+        const float lse = *lsei;
         float D = 0.0f;
 #pragma omp simd reduction(+ : D)
         for (int c = 0; c < hd; c++)
@@ -97,6 +104,11 @@ static void block_rows(bwd_block *blk, const bwd_args *a, int b, int h, int t0, 
         nl_cpu_attn_range(&a->mask, t, a->s.T, &lo, &hi);
         const int jl = lo - j0, jh = hi - j0;
         const int32_t *doc = a->mask.doc ? a->mask.doc + (size_t)b * a->s.T : NULL;
+        if (doc) { /* the query's document, the block's keys' (those before T) */
+            nl_hot_rows(doc + t, 1, 0, sizeof *doc, 0);
+            nl_hot_rows(doc + j0, 1, 0, (size_t)(a->s.T - j0 < KT ? a->s.T - j0 : KT) * sizeof *doc,
+                        0);
+        }
         for (int j = 0; j < KT; j++) {
             const int vis = j >= jl && j < jh && j0 + j < a->s.T && (!doc || doc[j0 + j] == doc[t]);
             const float p = vis ? nl_elem_expf(a->scale * sc[j] - lse) : 0.0f;
@@ -104,6 +116,7 @@ static void block_rows(bwd_block *blk, const bwd_args *a, int b, int h, int t0, 
             blk->dS[i][j] = a->scale * p * (dp[j] - D);
         }
         float *dqi = a->dq + ((size_t)b * a->s.T + t) * a->q_stride + (size_t)h * hd;
+        nl_hot_rows(dqi, 1, 0, (size_t)hd * sizeof(float), 1);
         for (int c = 0; c < hd; c++) {
             float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
@@ -115,7 +128,7 @@ static void block_rows(bwd_block *blk, const bwd_args *a, int b, int h, int t0, 
 }
 
 /* dv^T[c, :] += sum_i dout_i[c] P[i, :];  dk^T[c, :] += sum_i q_i[c] dS[i, :] */
-static void block_accumulate(bwd_block *blk, const bwd_args *a, int b, int h, int t0, int nq)
+NL_HOT static void block_accumulate(bwd_block *blk, const bwd_args *a, int b, int h, int t0, int nq)
 {
     const int hd = a->s.hd;
     const size_t ostride = (size_t)a->s.H * hd;
@@ -123,6 +136,8 @@ static void block_accumulate(bwd_block *blk, const bwd_args *a, int b, int h, in
     for (int i = 0; i < nq; i++) {
         qrow[i] = a->q + ((size_t)b * a->s.T + t0 + i) * a->q_stride + (size_t)h * hd;
         drow[i] = a->dout + ((size_t)b * a->s.T + t0 + i) * ostride + (size_t)h * hd;
+        nl_hot_rows(qrow[i], 1, 0, (size_t)hd * sizeof(float), 0);
+        nl_hot_rows(drow[i], 1, 0, (size_t)hd * sizeof(float), 0);
     }
     for (int c = 0; c < hd; c++) {
         float dv[KT], dk[KT];

@@ -7,4 +7,53 @@
 
 #include "kernels/elem.h"
 
+#include <stddef.h>
+
+/* NL_HOT marks the innermost loops of the GEMM and of attention (forward
+ * and backward). Under AddressSanitizer (the NL_SANITIZE build, the
+ * libFuzzer build) the sanitizers would check their every load and store,
+ * and keep them from vectorising: half the sanitized tests' time went
+ * there. So these functions are left uninstrumented (ASan and UBSan both),
+ * and each checks instead, with nl_hot_rows, every row of memory it reads
+ * or writes outside its own stack tiles: one check per row where the
+ * instrumentation checks every element, reported as ASan reports any bad
+ * access. The stack tiles, of fixed size, go unchecked; their bounds are
+ * the callers' QT, KT and HD_MAX. Without ASan both are no-ops. */
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define NL_HOT_CHECKED 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__)
+#define NL_HOT_CHECKED 1
+#endif
+
+#ifdef NL_HOT_CHECKED
+#include <sanitizer/asan_interface.h>
+
+#define NL_HOT __attribute__((no_sanitize("address", "undefined")))
+
+/* rows rows of `bytes` bytes each, `stride` bytes apart from p, are all
+ * addressable; else ASan's report on the first bad byte (is_write: the
+ * caller stores there) and the end of the process */
+__attribute__((noinline, unused)) static void nl_hot_rows(const void *p, size_t rows, size_t stride,
+                                                          size_t bytes, int is_write)
+{
+    for (size_t r = 0; r < rows; r++) {
+        void *row = (char *)(uintptr_t)p + r * stride;
+        void *bad = __asan_region_is_poisoned(row, bytes);
+        if (bad)
+            __asan_report_error(__builtin_return_address(0), __builtin_frame_address(0),
+                                __builtin_frame_address(0), bad, is_write, bytes);
+    }
+}
+#else
+#define NL_HOT
+static inline void nl_hot_rows(const void *p, size_t rows, size_t stride, size_t bytes,
+                               int is_write)
+{
+    (void)p, (void)rows, (void)stride, (void)bytes, (void)is_write;
+}
+#endif
+
 #endif

@@ -27,6 +27,7 @@
  * padded with zeros; at MS rows or fewer, where there are columns
  * enough, the threads split the columns instead (few_rows). bf16 GEMMs stay oneDNN's (cpu_bf16.c).
  */
+#include "kernels/cpu/cpu_math.h"
 #include "kernels/cpu/cpu_ops.h"
 
 #include <math.h>
@@ -55,10 +56,11 @@ _Static_assert(MS >= MC && MS % MR == 0, "a thread's block of A holds MS rows, M
 enum { START_ZERO, START_C, START_BETA_C };
 
 /* C (MR x NR at c, stride ldc) from its start, then kc steps of the chain
- * over a packed panel of A (kc x MR) and of B (kc x NR). */
+ * over a packed panel of A (kc x MR) and of B (kc x NR). Unsanitized
+ * (NL_HOT): tile() checks the memory it hands over. */
 #ifdef NL_MM_AVX2
-static void kernel(int kc, const float *ap, const float *bp, float *c, int ldc, int start,
-                   float beta)
+NL_HOT static void kernel(int kc, const float *ap, const float *bp, float *c, int ldc, int start,
+                          float beta)
 {
     __m256 s[MR][2];
     if (start == START_ZERO) {
@@ -95,8 +97,8 @@ static void kernel(int kc, const float *ap, const float *bp, float *c, int ldc, 
 }
 #else
 /* the same chain in portable C (a build without AVX2 and FMA) */
-static void kernel(int kc, const float *ap, const float *bp, float *c, int ldc, int start,
-                   float beta)
+NL_HOT static void kernel(int kc, const float *ap, const float *bp, float *c, int ldc, int start,
+                          float beta)
 {
     for (int r = 0; r < MR; r++)
         for (int j = 0; j < NR; j++) {
@@ -115,7 +117,10 @@ static void kernel(int kc, const float *ap, const float *bp, float *c, int ldc, 
 static void tile(int mr, int nr, int kc, const float *ap, const float *bp, float *c, int ldc,
                  int start, float beta)
 {
+    nl_hot_rows(ap, 1, 0, (size_t)kc * MR * sizeof(float), 0);
+    nl_hot_rows(bp, 1, 0, (size_t)kc * NR * sizeof(float), 0);
     if (mr == MR && nr == NR) {
+        nl_hot_rows(c, MR, (size_t)ldc * sizeof(float), NR * sizeof(float), 1);
         kernel(kc, ap, bp, c, ldc, start, beta);
         return;
     }
