@@ -124,6 +124,12 @@ constexpr size_t STACK_BYTES =
 #endif
 
 std::vector<char *> stacks; /* one per thread slot, reused */
+#if defined(EMU_ASAN) && defined(EMU_ASM_SWITCH)
+/* per stack, the lowest stack pointer a coroutine switched away at since
+ * the stack was last unpoisoned: ASan's poison (the redzones of frames
+ * that never returned) lies above it */
+std::vector<char *> stack_low;
+#endif
 std::vector<thread> th;
 std::vector<warp> warps;
 context main_ctx;
@@ -167,6 +173,14 @@ void switch_to(int from, int to, bool dying)
 #ifdef EMU_ASAN
     void *fake = nullptr;
     __sanitizer_start_switch_fiber(dying ? nullptr : &fake, b.stack_lo, b.stack_size);
+#ifdef EMU_ASM_SWITCH
+    if (from >= 0) { /* this frame, with its redzones, is above %rsp */
+        char *sp;
+        asm volatile("movq %%rsp, %0" : "=r"(sp));
+        if (sp < stack_low[from])
+            stack_low[from] = sp;
+    }
+#endif
 #endif
 #ifdef EMU_ASM_SWITCH
     nl_emu_switch(&a.sp, b.sp);
@@ -334,6 +348,9 @@ char *stack_for(int t)
         }
         mprotect(p, page, PROT_NONE); /* a guard page: overflow faults */
         stacks.push_back(p + page);
+#if defined(EMU_ASAN) && defined(EMU_ASM_SWITCH)
+        stack_low.push_back(p + page + STACK_BYTES); /* fresh: nothing poisoned */
+#endif
     }
     return stacks[t];
 }
@@ -344,8 +361,17 @@ void init_context(int t)
     c.stack_lo = stack_for(t);
     c.stack_size = STACK_BYTES;
 #ifdef EMU_ASAN
-    /* frames an abandoned or finished coroutine left poisoned */
+    /* frames an abandoned or finished coroutine left poisoned: from where
+     * it last switched away to the top (not the whole stack: unpoisoning
+     * 512 KiB per thread and block was half of the emulation's time under
+     * ASan, the shadow's pages released and faulted in again) */
+#ifdef EMU_ASM_SWITCH
+    char *end = c.stack_lo + c.stack_size;
+    ASAN_UNPOISON_MEMORY_REGION(stack_low[t], (size_t)(end - stack_low[t]));
+    stack_low[t] = end;
+#else
     ASAN_UNPOISON_MEMORY_REGION(c.stack_lo, c.stack_size);
+#endif
 #endif
 #ifdef EMU_ASM_SWITCH
     uintptr_t top = ((uintptr_t)c.stack_lo + c.stack_size) & ~(uintptr_t)15;
