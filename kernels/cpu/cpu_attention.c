@@ -169,6 +169,10 @@ void nl_cpu_attention_masked_forward(nl_backend *be, float *out, float *lse, con
                                      int q_stride, const float *k, const float *v, int kv_stride,
                                      nl_attn_shape s, nl_attn_mask mask)
 {
+    /* the model's config check bounds hd; never run off the stack tiles
+     * (attend_tile's, unchecked in a sanitized build: NL_HOT) */
+    if (s.B <= 0 || s.T <= 0 || s.G <= 0 || s.H % s.G != 0 || s.hd <= 0 || s.hd > HD_MAX)
+        return;
     const int tiles = (s.T + QT - 1) / QT;
     const long work = (long)s.B * s.H * tiles;
 #pragma omp parallel for NL_CPU_TEAM(be) schedule(dynamic, 1) if (work > 1)

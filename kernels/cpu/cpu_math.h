@@ -17,8 +17,12 @@
  * and each checks instead, with nl_hot_rows, every row of memory it reads
  * or writes outside its own stack tiles: one check per row where the
  * instrumentation checks every element, reported as ASan reports any bad
- * access. The stack tiles, of fixed size, go unchecked; their bounds are
- * the callers' QT, KT and HD_MAX. Without ASan both are no-ops. */
+ * access. The stack tiles, of fixed size, go unchecked: their indices are
+ * bounded by QT, KT and HD_MAX, and the slots refuse a head dimension above
+ * HD_MAX. UBSan's checks of their index arithmetic are lost. The inline
+ * helpers they call (nl_elem_expf, ...) are not inlined into them in such a
+ * build (the sanitizer attributes differ) and stay instrumented. Without
+ * ASan both are no-ops. */
 #if defined(__has_feature)
 #if __has_feature(address_sanitizer)
 #define NL_HOT_CHECKED 1

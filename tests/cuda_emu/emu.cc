@@ -349,7 +349,9 @@ char *stack_for(int t)
         mprotect(p, page, PROT_NONE); /* a guard page: overflow faults */
         stacks.push_back(p + page);
 #if defined(EMU_ASAN) && defined(EMU_ASM_SWITCH)
-        stack_low.push_back(p + page + STACK_BYTES); /* fresh: nothing poisoned */
+        /* ASan clears an unmapped range's shadow; said here, not assumed */
+        ASAN_UNPOISON_MEMORY_REGION(p + page, STACK_BYTES);
+        stack_low.push_back(p + page + STACK_BYTES);
 #endif
     }
     return stacks[t];
