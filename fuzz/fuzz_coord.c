@@ -20,6 +20,8 @@
  *
  * Built with -DNL_COORD_CORPUS_MAIN it is instead the seed corpus writer
  * (fuzz/corpus/coord): `coord_corpus DIR`. */
+#define _XOPEN_SOURCE 700 /* nftw */
+#include <ftw.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -44,13 +46,28 @@ static const char *const cfg_yaml =
 static char state_dir[256];
 static nl_net *fake_net;
 
-/* Once: a state dir with the config and a data file in its data root. */
+static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
+{
+    (void)st, (void)flag, (void)ftw;
+    remove(path);
+    return 0;
+}
+
+/* at exit: the state dir and what the coordinators wrote there */
+static void remove_state_dir(void)
+{
+    nftw(state_dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+/* Once: a state dir with the config and a data file in its data root,
+ * removed at exit. */
 static int setup(void)
 {
     char path[400];
     snprintf(state_dir, sizeof state_dir, "/tmp/nl_fuzz_coord_XXXXXX");
     if (!mkdtemp(state_dir))
         return -1;
+    atexit(remove_state_dir);
     snprintf(path, sizeof path, "%s/cfg.yaml", state_dir);
     FILE *f = fopen(path, "w");
     if (!f)
