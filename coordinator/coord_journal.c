@@ -27,10 +27,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "base/log.h"
 #include "coordinator/coord_impl.h"
 #include "core/formats/fileio.h"
+
+/* The largest job id read back: 2^53, the largest integer a client's
+ * JSON (the dashboard's JavaScript) holds exactly. */
+#define JOURNAL_MAX_ID ((json_int_t)1 << 53)
 
 static void journal_path(const nl_coord *c, char *buf, size_t cap)
 {
@@ -127,13 +132,26 @@ void coord_journal_recover(nl_coord *c)
     journal_path(c, path, sizeof path);
     json_error_t je;
     json_t *root = json_load_file(path, 0, &je);
-    if (!root) /* no journal: nothing ran */
-        return;
+    if (!root) {
+        if (access(path, F_OK) == 0) /* there, but not a journal: say so, and start anew */
+            NL_WARN("journal %s: %s (line %d): not read; a training job it named is not made "
+                    "again (its checkpoints are still there to --resume from)",
+                    path, je.text, je.line);
+        return; /* none: nothing ran */
+    }
+    if (!json_is_object(root))
+        NL_WARN("journal %s: not a JSON object: not read", path);
     const json_t *nj = json_object_get(root, "next_job");
-    if (json_is_integer(nj) && json_integer_value(nj) > 0)
+    if (json_is_integer(nj) && json_integer_value(nj) > 0 &&
+        json_integer_value(nj) <= JOURNAL_MAX_ID)
         c->next_job = (uint64_t)json_integer_value(nj);
+    else if (nj)
+        NL_WARN("journal %s: \"next_job\" is not an id in 1..2^53: job ids start again at %llu",
+                path, (unsigned long long)c->next_job);
     json_t *t = json_object_get(root, "train");
     json_t *params = json_object_get(t, "params"), *id = json_object_get(t, "id");
+    if (json_is_integer(id) && json_integer_value(id) > JOURNAL_MAX_ID)
+        id = NULL; /* not a job this coordinator gave out */
     const char *manifest = json_string_value(json_object_get(t, "manifest"));
     const char *owner = json_string_value(json_object_get(t, "owner"));
     /* no checkpoint yet: its start must be this coordinator's source */
@@ -154,6 +172,11 @@ void coord_journal_recover(nl_coord *c)
         coord_journal_clear(c);
         return;
     }
+    if (t && !json_is_null(t) &&
+        !(json_is_object(params) && json_is_integer(id) && json_integer_value(id) > 0))
+        NL_WARN("journal %s: \"train\" is not a job (an id in 1..2^53 and its parameters): not "
+                "made again",
+                path);
     if (json_is_object(params) && json_is_integer(id) && json_integer_value(id) > 0) {
         nl_wire_param ps[64];
         nl_rx rx;

@@ -14,10 +14,13 @@
  *    what it was fed is compared with the coordinator's own;
  *  - a verification case's fields (issue 31): one that says other layers
  *    than the plan gave its stage convicts the stage, and goes to no
- *    verifier, while an honest one goes on to its verifier.
+ *    verifier, while an honest one goes on to its verifier;
+ *  - the journal a coordinator starts with, in any state: its job ids go on
+ *    where they are ids, and what it does not read it says.
  *
  * Membership, forward jobs and generations on the same cluster are
  * test_coord.c's. */
+#include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,6 +32,7 @@
 #include "coordinator/coord.h"
 #include "coordinator/coord_impl.h"
 #include "coordinator/coord_train_impl.h"
+#include "core/formats/fileio.h"
 #include "net/hopdigest.h"
 #include "net/transport.h"
 #include "tests/check.h"
@@ -570,11 +574,74 @@ static void test_train_verify_case(assigned *a)
     nl_rx_free(&rx);
 }
 
+/* ---------------------------------------------------------------- the journal */
+
+static const char *journal_text; /* what the next coordinator finds in its journal.json */
+
+static void write_journal(nl_coord_opts *o)
+{
+    char path[600];
+    snprintf(path, sizeof path, "%s/journal.json", o->state_dir);
+    FILE *f = fopen(path, "w");
+    CHECK(f && fputs(journal_text, f) >= 0 && fclose(f) == 0, "write %s", path);
+}
+
+/* A coordinator that starts with journal `text`: its first job id after
+ * (the journal's next, or 1) into *next, and whether its log said
+ * `warning` (NULL: that it said nothing of its journal). */
+static void start_with_journal(const char *text, uint64_t *next, const char *warning)
+{
+    char dir[256], log[300];
+    journal_text = text;
+    snprintf(log, sizeof log, "/tmp/nl_test_journal_log_%d", (int)getpid());
+    fflush(stderr);
+    const int saved = dup(2), fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    CHECK(saved >= 0 && fd >= 0 && dup2(fd, 2) == 2, "stderr to %s", log);
+    coord_fake_start("journal", dir, sizeof dir, write_journal);
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    close(fd);
+    *next = coord->next_job + 1;
+    coord_fake_stop(dir);
+    char *said = NULL;
+    size_t len = 0;
+    nl_error err = {0};
+    CHECK_OK(nl_file_read_all(log, 1 << 20, &said, &len, &err), &err);
+    unlink(log);
+    if (said) {
+        CHECK(warning ? strstr(said, warning) != NULL : strstr(said, "journal.json") == NULL,
+              "journal %.40s: log %s", text, said);
+        free(said);
+    }
+}
+
+/* A journal a crash, a disk or a hand left in any state: the coordinator
+ * starts, goes on from its job ids where they are ids (up to 2^53, what a
+ * client's JSON holds exactly) and says what it did not read. */
+static void test_journal_states(void)
+{
+    uint64_t next = 0;
+    start_with_journal("{\"next_job\":41,\"train\":null}", &next, NULL);
+    CHECK(next == 42, "after a journal's next_job 41: job %llu", (unsigned long long)next);
+    start_with_journal("{\"next_job\":41,\"train\":{\"id\":3,\"par", &next,
+                       "premature end of input near '\"par' (line 1): not read");
+    CHECK(next == 1, "after a truncated journal: job %llu", (unsigned long long)next);
+    start_with_journal("[41]", &next, "not a JSON object: not read");
+    start_with_journal("{\"next_job\":9007199254740993,\"train\":null}", &next,
+                       "\"next_job\" is not an id in 1..2^53: job ids start again at 0");
+    CHECK(next == 1, "after a next_job past 2^53: job %llu", (unsigned long long)next);
+    start_with_journal("{\"next_job\":9,\"train\":{\"id\":9007199254740993,\"params\":{}}}", &next,
+                       "\"train\" is not a job (an id in 1..2^53 and its parameters)");
+    CHECK(next == 10, "after a job id past 2^53: job %llu", (unsigned long long)next);
+}
+
 int main(void)
 {
     nl_log_set_level(getenv("NL_TEST_VERBOSE") ? NL_LOG_DEBUG : NL_LOG_WARN);
     nl_error err = {0};
     CHECK_OK(nl_net_new(&net, NULL, &err), &err);
+    test_journal_states();
     start_coord();
     assigned a[2];
     if (test_join_plan(a)) {
