@@ -60,9 +60,11 @@ else
 
   # the C side of these configurations is what differs; the CUDA module
   # was built above with the same flags, so it is left out here. Release is
-  # built with clang, so every program and test is built by both compilers
-  # (gcc above, at -O2 and in the sanitizer build; the kernels at -O3 in
-  # both), while the libFuzzer build, clang too, builds its targets only.
+  # built with clang, so every C file of the programs and tests is built by
+  # both compilers (gcc above, at -O2 and in the sanitizer build; the
+  # kernels at -O3 in both; the C++ of the emulation and the cuDNN glue by
+  # g++ alone), while the libFuzzer build, clang too, builds its targets
+  # only.
   stage "build (Release with clang, compile only)"
   cmake -S . -B build-release -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_COMPILER=clang -DNL_CUDA=OFF \
     -DNL_WERROR=ON >/dev/null
