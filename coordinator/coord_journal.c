@@ -147,7 +147,7 @@ void coord_journal_recover(nl_coord *c)
         c->next_job = (uint64_t)json_integer_value(nj);
     else if (nj)
         NL_WARN("journal %s: \"next_job\" is not an id in 1..2^53: job ids start again at %llu",
-                path, (unsigned long long)c->next_job);
+                path, (unsigned long long)c->next_job + 1);
     json_t *t = json_object_get(root, "train");
     json_t *params = json_object_get(t, "params"), *id = json_object_get(t, "id");
     if (json_is_integer(id) && json_integer_value(id) > JOURNAL_MAX_ID)

@@ -629,7 +629,7 @@ static void test_journal_states(void)
     CHECK(next == 1, "after a truncated journal: job %llu", (unsigned long long)next);
     start_with_journal("[41]", &next, "not a JSON object: not read");
     start_with_journal("{\"next_job\":9007199254740993,\"train\":null}", &next,
-                       "\"next_job\" is not an id in 1..2^53: job ids start again at 0");
+                       "\"next_job\" is not an id in 1..2^53: job ids start again at 1");
     CHECK(next == 1, "after a next_job past 2^53: job %llu", (unsigned long long)next);
     start_with_journal("{\"next_job\":9,\"train\":{\"id\":9007199254740993,\"params\":{}}}", &next,
                        "\"train\" is not a job (an id in 1..2^53 and its parameters)");
