@@ -19,6 +19,7 @@
 #include "core/formats/checkpoint.h"
 #include "core/formats/fileio.h"
 #include "core/plan/sizing.h"
+#include "net/keys.h"
 
 /* A node is gone (dead or left): fail what it carried (a generation waits
  * to resume) and plan again. */
@@ -91,6 +92,11 @@ static nl_status ban_key(nl_coord *c, const char *key, const char *why, nl_error
         return st;
     const size_t klen = strlen(key);
     const size_t ml = (size_t)snprintf(mark, sizeof mark, "# banned: %.300s: ", why);
+    /* one line whatever WHY holds: a line break in it would end the
+     * comment, and the rest of WHY would be a line of authorized_keys */
+    for (size_t i = 0; i < ml; i++)
+        if ((unsigned char)mark[i] < 0x20 || mark[i] == 0x7f)
+            mark[i] = ' ';
     for (char *line = text, *end; line < text + len; line = end) {
         end = memchr(line, '\n', (size_t)(text + len - line));
         end = end ? end + 1 : text + len;
@@ -120,8 +126,10 @@ static nl_status ban_key(nl_coord *c, const char *key, const char *why, nl_error
 }
 
 /* A "# banned: WHY: KEY ..." line (ban_key's) into b: 1, or 0 when it is
- * not one. WHY may hold ": " itself: the key is the last 40-character
- * Z85 word after one. */
+ * not one. WHY may hold ": " itself, and the banned line may go on with a
+ * comment that names another key ("KEY node # replaces: OTHER"): the key
+ * is the first word after a ": " that is a whole public key (40 Z85
+ * characters that decode). */
 static int parse_ban(const char *line, size_t len, cban *b)
 {
     static const char tag[] = "# banned: ";
@@ -129,15 +137,17 @@ static int parse_ban(const char *line, size_t len, cban *b)
     if (len < tl || memcmp(line, tag, tl) != 0)
         return 0;
     const char *key = NULL, *end = line + len;
-    for (const char *p = line + tl; p + 2 + NL_KEY_Z85_LEN <= end; p++) {
+    for (const char *p = line + tl; !key && p + 2 + NL_KEY_Z85_LEN <= end; p++) {
         const char *k = p + 2;
         if (p[0] != ':' || p[1] != ' ' ||
             (k + NL_KEY_Z85_LEN < end && k[NL_KEY_Z85_LEN] != ' ' && k[NL_KEY_Z85_LEN] != '\t'))
             continue;
-        size_t i = 0;
-        while (i < NL_KEY_Z85_LEN && k[i] > ' ' && k[i] < 0x7f)
-            i++;
-        if (i == NL_KEY_Z85_LEN)
+        char z85[NL_KEY_Z85_LEN + 1];
+        uint8_t raw[NL_KEY_BYTES];
+        nl_error e = {0};
+        memcpy(z85, k, NL_KEY_Z85_LEN);
+        z85[NL_KEY_Z85_LEN] = '\0';
+        if (nl_key_decode(raw, z85, &e) == NL_OK)
             key = k;
     }
     if (!key)

@@ -442,17 +442,23 @@ static void test_ownership(void)
 /* A convicted node's key is banned on every line that lists it (a key may
  * be listed twice or more: its lines' roles add up), each line commented
  * out with the conviction's reason (coord_quarantine): eight lines of one
- * key and a reason of 300 bytes outgrew the buffer the rewrite was made in. */
+ * key and a reason of 300 bytes outgrew the buffer the rewrite was made in.
+ * A line break in the reason stays in its comment (it would have begun a
+ * line of its own, here one that authorizes another key as admin), and the
+ * key recorded as banned is the line's own, not one its comment names. */
 static void test_ban_lines(void)
 {
-    char dir[256], path[400], why[301], keys[1024];
-    nl_keypair node, admin;
+    char dir[256], path[400], why[301], keys[1200];
+    nl_keypair node, admin, evil;
     nl_error err = {0};
     CHECK_OK(nl_keys_generate(&node, &err), &err);
     CHECK_OK(nl_keys_generate(&admin, &err), &err);
+    CHECK_OK(nl_keys_generate(&evil, &err), &err);
     size_t len = (size_t)snprintf(keys, sizeof keys, "%s admin\n", admin.public_z85);
     for (int i = 0; i < 8; i++)
         len += (size_t)snprintf(keys + len, sizeof keys - len, "%s node\n", node.public_z85);
+    len += (size_t)snprintf(keys + len, sizeof keys - len, "%s node # replaces: %s\n",
+                            node.public_z85, admin.public_z85);
     coord_fake_start_with(
         &(coord_fake_setup){.tag = "coord_ban", .authorized_keys = keys, .tweak = members_opts},
         dir, sizeof dir);
@@ -470,23 +476,35 @@ static void test_ban_lines(void)
         cn = coord_node_by_id(coord, rx.msg.u.accept.node_id);
     CHECK(cn != NULL, "the joined node is in the table");
     memset(why, 'w', 300);
-    why[300] = 0;
+    snprintf(why + 250, sizeof why - 250, "\n%s admin", evil.public_z85);
     if (cn)
         coord_quarantine(coord, cn, 1, why);
     snprintf(path, sizeof path, "%s/authorized_keys", dir);
-    int banned = 0, listed = 0;
+    int banned = 0, listed = 0, lines = 0, evil_lines = 0;
     char line[1024];
     FILE *fp = fopen(path, "r");
     if (fp) {
         while (fgets(line, sizeof line, fp)) {
+            lines++;
             listed += strstr(line, node.public_z85) != NULL;
             banned +=
                 strncmp(line, "# banned: www", 13) == 0 && strstr(line, node.public_z85) != NULL;
+            evil_lines += strncmp(line, evil.public_z85, NL_KEY_Z85_LEN) == 0;
         }
         fclose(fp);
     }
-    CHECK(listed == 8 && banned == 8, "the key's 8 lines: %d of %d commented out as banned", banned,
+    CHECK(listed == 9 && banned == 9, "the key's 9 lines: %d of %d commented out as banned", banned,
           listed);
+    CHECK(lines == 10 && evil_lines == 0,
+          "the file's 10 lines stay 10 (%d), none a line of the key in the reason (%d)", lines,
+          evil_lines);
+    int own = 0;
+    for (int i = 0; i < coord->n_bans; i++)
+        own += strcmp(coord->bans[i].key, node.public_z85) == 0 &&
+               strchr(coord->bans[i].why, '\n') == NULL;
+    CHECK(coord->n_bans == 9 && own == 9,
+          "the bans read back: %d, %d of them the node's key with its reason on one line",
+          coord->n_bans, own);
     nl_rx_free(&rx);
     nl_sock_destroy(&n.sock);
     coord_fake_stop(dir);
