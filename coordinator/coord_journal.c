@@ -141,12 +141,14 @@ void coord_journal_recover(nl_coord *c)
     }
     if (!json_is_object(root))
         NL_WARN("journal %s: not a JSON object: not read", path);
+    /* the last id given out (0: none yet), so that the next is at most 2^53 */
     const json_t *nj = json_object_get(root, "next_job");
-    if (json_is_integer(nj) && json_integer_value(nj) > 0 &&
-        json_integer_value(nj) <= JOURNAL_MAX_ID)
+    if (json_is_integer(nj) && json_integer_value(nj) >= 0 &&
+        json_integer_value(nj) < JOURNAL_MAX_ID)
         c->next_job = (uint64_t)json_integer_value(nj);
     else if (nj)
-        NL_WARN("journal %s: \"next_job\" is not an id in 1..2^53: job ids start again at %llu",
+        NL_WARN("journal %s: \"next_job\" is not a count of ids in 0..2^53-1: job ids start "
+                "again at %llu",
                 path, (unsigned long long)c->next_job + 1);
     json_t *t = json_object_get(root, "train");
     json_t *params = json_object_get(t, "params"), *id = json_object_get(t, "id");

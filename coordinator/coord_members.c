@@ -129,7 +129,8 @@ static nl_status ban_key(nl_coord *c, const char *key, const char *why, nl_error
  * not one. WHY may hold ": " itself, and the banned line may go on with a
  * comment that names another key ("KEY node # replaces: OTHER"): the key
  * is the first word after a ": " that is a whole public key (40 Z85
- * characters that decode). */
+ * characters that decode). WHY is the coordinator's own text, which names
+ * no key. */
 static int parse_ban(const char *line, size_t len, cban *b)
 {
     static const char tag[] = "# banned: ";

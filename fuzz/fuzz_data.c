@@ -172,7 +172,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     for (size_t i = 0; i < ds->n; i++)
         if (ds->ids[i] >= (uint64_t)vocab)
             fail("an id outside the vocabulary");
-    if (ds->n_train != ds->n - (size_t)((double)ds->n * holdout) || ds->n_train > ds->n)
+    /* the held-out tail: the holdout's share of the ids, rounded down */
+    const size_t held = ds->n - ds->n_train;
+    if (ds->n_train > ds->n || (double)held > (double)ds->n * holdout ||
+        (double)held + 1.0 <= (double)ds->n * holdout)
         fail("the split is not the holdout's");
     check_batches(ds, B, T);
     check_mask(ds, vocab);

@@ -2,15 +2,15 @@
  * <state-dir>/journal.json, read when a coordinator starts; a file a disk,
  * a crash or a hand may have left in any state).
  *
- * Each input is the journal: written to a state directory with a tiny
- * model's config and a data file, then a coordinator starts there
+ * Each input is the journal: written to a fresh state directory with a
+ * tiny model's config and a data file, then a coordinator starts there
  * (plaintext, min_nodes 1, no nodes), turns its loop a few times (a
  * recovered job's preparation runs on its workers) and stops.
  *
  * Property: no crash and no sanitizer report; the coordinator starts
  * whatever the journal holds; job ids go on from the journal's "next_job"
- * where it is an integer in 1..2^53; a journal the coordinator rewrote is
- * JSON with "next_job" and "train". */
+ * where it is an integer in 1..2^53-1, and none past 2^53 is taken; a journal the coordinator
+ * rewrote is JSON with "next_job" and "train". */
 #define _XOPEN_SOURCE 700 /* nftw */
 #include <ftw.h>
 #include <jansson.h>
@@ -51,15 +51,22 @@ static void remove_state_dir(void)
     nftw(state_dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
 }
 
-/* Once: a state dir with the config and a data file in its data root,
- * removed at exit. */
-static void setup(void)
+/* For each input, a state dir of its own: the config and a data file in
+ * its data root, nothing an earlier coordinator left; removed at exit. */
+static void fresh_state(void)
 {
     char path[400];
-    snprintf(state_dir, sizeof state_dir, "/tmp/nl_fuzz_journal_XXXXXX");
-    if (!mkdtemp(state_dir))
-        fail("no state directory");
-    atexit(remove_state_dir);
+    if (!state_dir[0]) {
+        snprintf(state_dir, sizeof state_dir, "/tmp/nl_fuzz_journal_XXXXXX");
+        if (!mkdtemp(state_dir))
+            fail("no state directory");
+        atexit(remove_state_dir);
+        nl_log_set_level(getenv("NL_FUZZ_VERBOSE") ? NL_LOG_DEBUG : NL_LOG_ERROR);
+    } else {
+        remove_state_dir();
+        if (mkdir(state_dir, 0700) != 0)
+            fail("no state directory");
+    }
     snprintf(path, sizeof path, "%s/cfg.yaml", state_dir);
     FILE *f = fopen(path, "w");
     if (!f)
@@ -74,16 +81,11 @@ static void setup(void)
     for (int i = 0; i < 20; i++)
         fprintf(f, "some words to train on %d\n", i);
     fclose(f);
-    nl_log_set_level(getenv("NL_FUZZ_VERBOSE") ? NL_LOG_DEBUG : NL_LOG_ERROR);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
-    static int ready = 0;
-    if (!ready) {
-        setup();
-        ready = 1;
-    }
+    fresh_state();
     char path[400], cfg[400];
     snprintf(path, sizeof path, "%s/journal.json", state_dir);
     snprintf(cfg, sizeof cfg, "%s/cfg.yaml", state_dir);
@@ -111,8 +113,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     nl_coord *c = NULL;
     if (nl_coord_new(&c, &o, &err) != NL_OK)
         fail("the coordinator did not start");
-    if (next > 0 && next <= (json_int_t)1 << 53 && c->next_job < (uint64_t)next)
+    if (next > 0 && next < (json_int_t)1 << 53 && c->next_job < (uint64_t)next)
         fail("job ids do not go on from the journal's");
+    if (c->next_job > (uint64_t)1 << 53)
+        fail("a job id past 2^53 taken from the journal");
     for (int i = 0; i < 4; i++)
         nl_coord_step(c, 1);
     nl_coord_destroy(&c);
@@ -124,7 +128,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         fail("the journal is gone");
     if (len != size || memcmp(text, data, size) != 0) {
         json_t *now = json_loadb(text, len, 0, &je);
-        if (!json_is_integer(json_object_get(now, "next_job")) || !json_object_get(now, "train"))
+        const json_t *nj2 = json_object_get(now, "next_job");
+        if (!json_is_integer(nj2) || json_integer_value(nj2) < 0 || !json_object_get(now, "train"))
             fail("the coordinator wrote a journal it would not read");
         json_decref(now);
     }

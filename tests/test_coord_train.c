@@ -629,8 +629,11 @@ static void test_journal_states(void)
     CHECK(next == 1, "after a truncated journal: job %llu", (unsigned long long)next);
     start_with_journal("[41]", &next, "not a JSON object: not read");
     start_with_journal("{\"next_job\":9007199254740993,\"train\":null}", &next,
-                       "\"next_job\" is not an id in 1..2^53: job ids start again at 1");
+                       "\"next_job\" is not a count of ids in 0..2^53-1: job ids start "
+                       "again at 1");
     CHECK(next == 1, "after a next_job past 2^53: job %llu", (unsigned long long)next);
+    start_with_journal("{\"next_job\":0,\"train\":null}", &next, NULL); /* none given out yet */
+    CHECK(next == 1, "after a journal's next_job 0: job %llu", (unsigned long long)next);
     start_with_journal("{\"next_job\":9,\"train\":{\"id\":9007199254740993,\"params\":{}}}", &next,
                        "\"train\" is not a job (an id in 1..2^53 and its parameters)");
     CHECK(next == 10, "after a job id past 2^53: job %llu", (unsigned long long)next);
