@@ -96,6 +96,9 @@ m core/tokenizer/tokenizer.c 'if (n < 1 || n > NL_TOKENIZER_MAX_TOKEN_BYTES)' \
   'if (n < 1 || n > NL_TOKENIZER_MAX_TOKEN_BYTES + 1)' '^test_tokenizer$'              # token length bound off by one
 m core/plan/planner.c 'if (!(a->gflops > 0) || !isfinite(a->gflops))' \
   'if (!(a->gflops >= 0) || !isfinite(a->gflops))' '^test_planner$'                    # a 0 GFLOP/s node accepted
+m core/data/data.c 'if ((int64_t)v >= vocab_size) {' 'if ((int64_t)v > vocab_size) {' \
+  '^replay_data$'                                                                      # an id equal to the vocabulary taken
+m core/data/data.c 'if (tok && len % 4 != 0) {' 'if (tok && len % 4 > 2) {' '^replay_data$'  # a .tok file's torn last id taken
 # net
 m net/hopdigest.c 'if (strlen(said) != NL_HOP_DIGEST_HEX || sodium_memcmp(hex, said, NL_HOP_DIGEST_HEX) != 0)' \
   'if (strlen(said) != NL_HOP_DIGEST_HEX)' '^test_stage_train$|^test_wire$'           # hop digest never compared
@@ -120,6 +123,12 @@ m coordinator/coord_generate.c 'gp->limit = gp->max_new < gp->capacity - T ? gp-
   'gp->limit = gp->max_new < gp->capacity - T + 1 ? gp->max_new : gp->capacity - T + 1;' '^test_coord$|^test_serve_cluster_api$' # one past the context
 m coordinator/coord_train_verify.c 'int ok = memcmp(d, v->got[0], NL_HOP_DIGEST_BYTES) == 0;' \
   'int ok = 1;' '^test_coord$|^test_cluster_verify$'                                      # verification always agrees
+m coordinator/coord_members.c 'if ((unsigned char)mark[i] < 0x20 || mark[i] == 0x7f)' \
+  'if (mark[i] == 0x7f)' '^test_coord_peers$'                                          # a ban's reason breaks its line
+m coordinator/coord_members.c 'for (const char *p = line + tl; !key && p + 2 + NL_KEY_Z85_LEN <= end; p++) {' \
+  'for (const char *p = line + tl; p + 2 + NL_KEY_Z85_LEN <= end; p++) {' '^test_coord_peers$' # a banned line's last key taken
+m coordinator/coord_journal.c 'json_integer_value(nj) < JOURNAL_MAX_ID)' 'json_integer_value(nj) > 0)' \
+  '^test_coord_train$|^replay_journal$'                                                # journal ids past 2^53 taken
 # node
 m node/stage_session.c 'if (p->limit < 0 || p->limit > p->capacity)' \
   'if (p->limit < 0 || p->limit > p->capacity + 1)' '^test_node_stage$'                # session limit past its cache
