@@ -21,7 +21,6 @@
  * Built with -DNL_COORD_CORPUS_MAIN it is instead the seed corpus writer
  * (fuzz/corpus/coord): `coord_corpus DIR`. */
 #define _XOPEN_SOURCE 700 /* nftw */
-#include <ftw.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,6 +32,8 @@
 #include "coordinator/coord_impl.h"
 #include "net/transport.h"
 #include "net/wire.h"
+
+#include "fuzz/coord_state.h"
 
 #define PEERS 3
 #define MAX_RECORDS 64
@@ -46,42 +47,22 @@ static const char *const cfg_yaml =
 static char state_dir[256];
 static nl_net *fake_net;
 
-static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
-{
-    (void)st, (void)flag, (void)ftw;
-    remove(path);
-    return 0;
-}
-
 /* at exit: the state dir and what the coordinators wrote there */
 static void remove_state_dir(void)
 {
-    nftw(state_dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+    coord_state_remove(state_dir);
 }
 
 /* Once: a state dir with the config and a data file in its data root,
  * removed at exit. */
 static int setup(void)
 {
-    char path[400];
     snprintf(state_dir, sizeof state_dir, "/tmp/nl_fuzz_coord_XXXXXX");
     if (!mkdtemp(state_dir))
         return -1;
     atexit(remove_state_dir);
-    snprintf(path, sizeof path, "%s/cfg.yaml", state_dir);
-    FILE *f = fopen(path, "w");
-    if (!f)
+    if (coord_state_fill(state_dir, cfg_yaml) != 0)
         return -1;
-    fputs(cfg_yaml, f);
-    fclose(f);
-    snprintf(path, sizeof path, "%s/data", state_dir);
-    mkdir(path, 0700);
-    snprintf(path, sizeof path, "%s/data/d.txt", state_dir);
-    if (!(f = fopen(path, "w")))
-        return -1;
-    for (int i = 0; i < 20; i++)
-        fprintf(f, "some words to train on %d\n", i);
-    fclose(f);
     nl_log_set_level(getenv("NL_FUZZ_VERBOSE") ? NL_LOG_DEBUG : NL_LOG_ERROR);
     nl_error err = {0};
     return nl_net_new(&fake_net, NULL, &err) == NL_OK ? 0 : -1;

@@ -12,7 +12,6 @@
  * where it is an integer in 1..2^53-1, and none past 2^53 is taken; a journal the coordinator
  * rewrote is JSON with "next_job" and "train". */
 #define _XOPEN_SOURCE 700 /* nftw */
-#include <ftw.h>
 #include <jansson.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -24,6 +23,7 @@
 #include "base/log.h"
 #include "coordinator/coord_impl.h"
 #include "core/formats/fileio.h"
+#include "fuzz/coord_state.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -39,23 +39,15 @@ static void fail(const char *what)
     abort();
 }
 
-static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
-{
-    (void)st, (void)flag, (void)ftw;
-    remove(path);
-    return 0;
-}
-
 static void remove_state_dir(void)
 {
-    nftw(state_dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+    coord_state_remove(state_dir);
 }
 
 /* For each input, a state dir of its own: the config and a data file in
  * its data root, nothing an earlier coordinator left; removed at exit. */
 static void fresh_state(void)
 {
-    char path[400];
     if (!state_dir[0]) {
         snprintf(state_dir, sizeof state_dir, "/tmp/nl_fuzz_journal_XXXXXX");
         if (!mkdtemp(state_dir))
@@ -67,20 +59,8 @@ static void fresh_state(void)
         if (mkdir(state_dir, 0700) != 0)
             fail("no state directory");
     }
-    snprintf(path, sizeof path, "%s/cfg.yaml", state_dir);
-    FILE *f = fopen(path, "w");
-    if (!f)
-        fail("no config");
-    fputs(cfg_yaml, f);
-    fclose(f);
-    snprintf(path, sizeof path, "%s/data", state_dir);
-    mkdir(path, 0700);
-    snprintf(path, sizeof path, "%s/data/d.txt", state_dir);
-    if (!(f = fopen(path, "w")))
-        fail("no data file");
-    for (int i = 0; i < 20; i++)
-        fprintf(f, "some words to train on %d\n", i);
-    fclose(f);
+    if (coord_state_fill(state_dir, cfg_yaml) != 0)
+        fail("no config or data file");
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
