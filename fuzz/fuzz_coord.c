@@ -34,6 +34,7 @@
 #include "net/wire.h"
 
 #include "fuzz/coord_state.h"
+#include "fuzz/records.h"
 
 #define PEERS 3
 #define MAX_RECORDS 64
@@ -80,18 +81,6 @@ static void drain(nl_sock **peers)
         }
         nl_rx_free(&rx);
     }
-}
-
-static size_t take_u16(const uint8_t **p, size_t *left)
-{
-    if (*left < 2) {
-        *left = 0;
-        return 0;
-    }
-    size_t v = (size_t)(*p)[0] | (size_t)(*p)[1] << 8;
-    *p += 2;
-    *left -= 2;
-    return v < *left ? v : *left;
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
@@ -158,16 +147,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         left -= 2;
         nl_wire_part parts[4];
         void *bufs[4] = {0};
-        for (int i = 0; i < nparts; i++) {
-            size_t n = take_u16(&p, &left);
-            bufs[i] = malloc(n ? n : 1);
-            if (!bufs[i])
-                abort();
-            memcpy(bufs[i], p, n);
-            parts[i] = (nl_wire_part){bufs[i], n};
-            p += n;
-            left -= n;
-        }
+        fuzz_parts_read(&p, &left, nparts, parts, bufs);
         nl_rx rx;
         nl_rx_init(&rx);
         const int sender = who == 3 ? 0 : who;
@@ -179,8 +159,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         if (nl_wire_decode(&rx.msg, parts, nparts, &lim, &e) == NL_OK)
             coord_dispatch(c, &rx, roles);
         nl_rx_free(&rx);
-        for (int i = 0; i < nparts; i++)
-            free(bufs[i]);
+        fuzz_parts_free(bufs, nparts);
         if (turn)
             nl_coord_step(c, 0);
         drain(peers);
@@ -193,54 +172,18 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 
 #else /* the seed corpus writer */
 
-#include <errno.h>
 #include <math.h>
 #include <sys/stat.h>
 
-typedef struct out {
-    uint8_t buf[1 << 16];
-    size_t len;
-} out;
+typedef fuzz_out out;
 
 /* Append one record: m from sender `who` with `roles`, turning the loop
  * after when `turn`. */
 static void rec(out *o, int who, int roles, int turn, nl_wire_msg *m)
 {
-    nl_wire_wbuf w = {0};
-    nl_error err = {0};
-    const nl_wire_limits lim = nl_wire_limits_default();
-    if (nl_wire_encode(m, &w, &lim, &err) != NL_OK) {
-        fprintf(stderr, "encode: %s\n", err.msg);
-        exit(1);
-    }
-    o->buf[o->len++] = (uint8_t)(who | roles << 2 | turn << 5);
-    o->buf[o->len++] = (uint8_t)m->nframes;
-    o->buf[o->len++] = (uint8_t)(w.len & 0xff);
-    o->buf[o->len++] = (uint8_t)(w.len >> 8);
-    memcpy(o->buf + o->len, w.data, w.len);
-    o->len += w.len;
-    for (int i = 0; i < m->nframes; i++) {
-        const size_t n = m->frames[i].len;
-        o->buf[o->len++] = (uint8_t)(n & 0xff);
-        o->buf[o->len++] = (uint8_t)(n >> 8);
-        memcpy(o->buf + o->len, m->frames[i].t.data, n);
-        o->len += n;
-    }
-    nl_wire_wbuf_free(&w);
+    fuzz_rec(o, (uint8_t)(who | roles << 2 | turn << 5), m);
     nl_wire_msg_free(m);
     nl_wire_msg_init(m);
-}
-
-static void save(const char *dir, const char *name, const out *o)
-{
-    char path[600];
-    snprintf(path, sizeof path, "%s/%s", dir, name);
-    FILE *f = fopen(path, "wb");
-    if (!f || fwrite(o->buf, 1, o->len, f) != o->len) {
-        fprintf(stderr, "%s: %s\n", path, strerror(errno));
-        exit(1);
-    }
-    fclose(f);
 }
 
 #define N NL_KEY_ROLE_NODE
@@ -303,7 +246,7 @@ int main(int argc, char **argv)
     nl_wire_frame_set(&m.frames[0], logits, NL_DTYPE_F32, lshape, 3);
     m.nframes = 1;
     rec(&o, 0, N, 1, &m);
-    save(dir, "forward", &o);
+    fuzz_save(dir, "forward", &o);
 
     /* a generation: the session acked (twice), tokens, one out of range */
     o.len = 0;
@@ -322,7 +265,7 @@ int main(int argc, char **argv)
         m.u.token = (nl_msg_token){1, 1, 1, &toks[k], false, 0, NULL};
         rec(&o, 0, N, 1, &m);
     }
-    save(dir, "generate", &o);
+    fuzz_save(dir, "generate", &o);
 
     /* a training job: acked, reports (one NaN), a checkpoint report */
     o.len = 0;
@@ -367,7 +310,7 @@ int main(int argc, char **argv)
     nl_wire_msg_reset(&m, NL_MSG_GRAD_NORM);
     m.u.grad_norm = (nl_msg_grad_norm){1, 2, 0, NAN};
     rec(&o, 0, N, 1, &m);
-    save(dir, "train", &o);
+    fuzz_save(dir, "train", &o);
 
     /* roles crossed: a client JOINs and reports, a node submits and
      * queries, an admin queries and cancels, a node leaves and errs */
@@ -404,7 +347,7 @@ int main(int argc, char **argv)
     nl_wire_msg_reset(&m, NL_MSG_LEAVE);
     m.u.leave = (nl_msg_leave){1, "bye\n"};
     rec(&o, 0, N, 1, &m);
-    save(dir, "roles", &o);
+    fuzz_save(dir, "roles", &o);
     return 0;
 }
 

@@ -515,7 +515,8 @@ nl_status nl_trainer_backward(nl_trainer *t, int slot, const float *dy, nl_error
     const int32_t *doc_d = set_positions_docs(t, B, T, s->has_doc ? s->doc_h : NULL);
     const float aux_scale = (float)(c->aux_loss_coef * E / (double)t->batch_rows);
     for (int l = t->n_layers - 1; l >= 0; l--) {
-        const nl_layer_acts *la = &s->acts[l];
+        /* with recompute the slot keeps no activations (s->acts is NULL) */
+        const nl_layer_acts *la = t->recompute ? &t->work : &s->acts[l];
         if (t->recompute) {
             const nl_layer_aux la_aux = {
                 .global_frac = t->use_global ? t->global_frac_d + (size_t)l * E : NULL,
@@ -523,7 +524,6 @@ nl_status nl_trainer_backward(nl_trainer *t, int slot, const float *dy, nl_error
             be->copy_rows(be, t->work.x_in, d, s->x_in[l], d, N, d);
             t->work.doc_d = doc_d;
             nl_layer_forward(m, m->l0 + l, &t->work, B, T, 0, NULL, t->pos_d, &la_aux);
-            la = &t->work;
         }
         nl_layer_backward(m, m->l0 + l, la, &t->sc, t->grads, t->dbuf[cur], t->dbuf[1 - cur], B, T,
                           aux_scale, t->frozen);
