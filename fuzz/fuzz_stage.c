@@ -10,14 +10,19 @@
  *               1: first of 2, [0, 2); 2: last of 2, [2, 3); 3: middle of
  *               3, [1, 2)); bit 2: the bf16 wire; bit 3: bf16 KV caches;
  *               bit 4: prompts in chunks of 4 positions; bit 5: two
- *               replicas (run one after the other)
+ *               replicas on this node (run one after the other); bit 6:
+ *               one of the stage's 2 replicas on different nodes (the
+ *               REDUCE ring), replica 0 or (bit 7) 1
  *   records     at most 64, each:
  *     byte 0    bit 0: run a batch of the queued session hops after it
  *     byte 1    the number of frames (0..16; taken modulo 17)
  *     u16 LE + n  the header, then each frame likewise
  * A record that does not decode is skipped, as the transport would. Each
  * part is copied into a heap block of exactly its size (ASan sees reads
- * past its end). At the end the queued hops run until none is left.
+ * past its end). At the end the queued hops run until none is left. As the
+ * node would give them, a CKPT_REQ's directory and a job's params.adapter
+ * are confined to a checkpoint root (a relative one is taken under it, so
+ * that the corpus can name one).
  *
  * Properties: no crash, no sanitizer report, no leak; every output a hop
  * gives is of its kind's shape (hidden states [B, T, 16], logits over the
@@ -79,7 +84,8 @@ static char *model_json(void)
 /* Where each of the 4 positions sits: stage, stages, layers. */
 static const int place[4][4] = {{0, 1, 0, 3}, {0, 2, 0, 2}, {1, 2, 2, 3}, {1, 3, 1, 2}};
 
-static nl_msg_assign assign_of(int pos, int wire_bf16, const char *cfg)
+/* The stage at pos; ring 1 + r: replica r of 2 on different nodes. */
+static nl_msg_assign assign_of(int pos, int wire_bf16, int ring, const char *cfg)
 {
     const int *p = place[pos & 3];
     return (nl_msg_assign){.epoch = 1,
@@ -96,7 +102,12 @@ static nl_msg_assign assign_of(int pos, int wire_bf16, const char *cfg)
                            .prev_key = "",
                            .next_endpoint = "",
                            .next_key = "",
-                           .wire = wire_bf16 ? NL_WIRE_BF16 : NL_WIRE_FP32};
+                           .wire = wire_bf16 ? NL_WIRE_BF16 : NL_WIRE_FP32,
+                           .replica = ring ? (uint32_t)(ring - 1) : 0,
+                           .replicas = ring ? 2 : 0,
+                           .ring_endpoint = ring ? "tcp://127.0.0.1:9" : NULL,
+                           .ring_key = "",
+                           .ring_prev_key = ""};
 }
 
 #ifndef NL_STAGE_CORPUS_MAIN
@@ -227,6 +238,15 @@ static void run_batch(nl_stage *s)
     }
 }
 
+/* A relative path under the root, else as it is (in out, of n bytes). */
+static const char *under_root(const char *path, char *out, size_t n)
+{
+    if (!path || path[0] == '/')
+        return path;
+    snprintf(out, n, "%s/%s", root, path);
+    return out;
+}
+
 /* A training message, as node_handle_train takes it (CKPT_REQ's
  * directory confined to the root first). */
 static void train(nl_stage *s, const nl_wire_msg *m)
@@ -239,11 +259,8 @@ static void train(nl_stage *s, const nl_wire_msg *m)
         return;
     }
     char *real = NULL, dir[4200];
-    /* a relative directory is taken under the root (so that the corpus
-     * can name one); the rest as the node confines it */
-    const char *d = m->u.ckpt_req.dir ? m->u.ckpt_req.dir : "";
-    snprintf(dir, sizeof dir, "%s%s%s", d[0] == '/' ? "" : root, d[0] == '/' ? "" : "/", d);
-    nl_status st = nl_path_confine(root, dir, &real, &err);
+    const char *d = under_root(m->u.ckpt_req.dir ? m->u.ckpt_req.dir : "", dir, sizeof dir);
+    nl_status st = nl_path_confine(root, d, &real, &err);
     if (st == NL_OK) {
         nl_wire_msg req = *m;
         req.u.ckpt_req.dir = real;
@@ -291,13 +308,30 @@ static void verify(nl_stage *s, const nl_wire_msg *m)
     nl_wire_msg_free(&out);
 }
 
+/* JOB_SUBMIT, its params.adapter (a string) under the root. */
+static void submit(nl_stage *s, const nl_msg_job_submit *j)
+{
+    nl_wire_param ps[64 /* the wire's most */];
+    char path[4200];
+    nl_msg_job_submit c = *j;
+    if (j->nparams <= sizeof ps / sizeof ps[0]) {
+        memcpy(ps, j->params, j->nparams * sizeof *ps);
+        for (uint32_t i = 0; i < j->nparams; i++)
+            if (ps[i].kind == NL_WIRE_PARAM_STR && ps[i].key && !strcmp(ps[i].key, "adapter"))
+                ps[i].s = under_root(ps[i].s, path, sizeof path);
+        c.params = ps;
+    }
+    nl_error err;
+    uint64_t job;
+    said("JOB_SUBMIT", nl_stage_job_begin(s, &c, &job, NULL, &err), &err);
+}
+
 /* node.c's on_control and on_data, for what reaches the stage. */
 static void dispatch(nl_stage *s, const nl_wire_msg *m)
 {
     nl_error err;
     bool stale;
     nl_stage_loaded info;
-    uint64_t job;
     switch (m->type) {
     case NL_MSG_ASSIGN:
         said("ASSIGN", nl_stage_assign(s, &m->u.assign, &err), &err);
@@ -331,7 +365,7 @@ static void dispatch(nl_stage *s, const nl_wire_msg *m)
         verify(s, m);
         break;
     case NL_MSG_JOB_SUBMIT:
-        said("JOB_SUBMIT", nl_stage_job_begin(s, &m->u.job_submit, &job, NULL, &err), &err);
+        submit(s, &m->u.job_submit);
         break;
     case NL_MSG_JOB_CANCEL:
         nl_stage_job_end(s, m->u.job_ref.job_id);
@@ -367,7 +401,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         fprintf(stderr, "fuzz_stage: the stage: %s\n", err.msg);
         abort();
     }
-    const nl_msg_assign a = assign_of(how & 3, how & 4, cfg_json);
+    const nl_msg_assign a =
+        assign_of(how & 3, how & 4, how & 64 ? 1 + (how >> 7 & 1) : 0, cfg_json);
     nl_stage_loaded info;
     bool stale;
     if (nl_stage_assign(s, &a, &err) != NL_OK ||
@@ -424,14 +459,15 @@ static void die(const char *what, const nl_error *err)
     exit(1);
 }
 
-static nl_stage *stage_at(int pos)
+/* A loaded stage at pos (ring: as assign_of). */
+static nl_stage *stage_at(int pos, int ring)
 {
     nl_stage *s = NULL;
     nl_error err;
     nl_stage_opts o = {.memory_bytes = 64ull << 20, .kv_budget = 64 << 10, .send_wait_ms = 100};
     if (nl_stage_new(&s, be, &o, &err) != NL_OK)
         die("stage", &err);
-    const nl_msg_assign a = assign_of(pos, 0, cfg_json);
+    const nl_msg_assign a = assign_of(pos, 0, ring, cfg_json);
     nl_stage_loaded info;
     bool stale;
     if (nl_stage_assign(s, &a, &err) != NL_OK ||
@@ -547,6 +583,97 @@ static void pump(nl_stage **st, out *o)
     drop_kept();
 }
 
+/* The adapter a fine-tuning checkpoint wrote (ck/stage-<i>.safetensors,
+ * under the fuzz target's root) used by a session and a forward job of
+ * stage i of 2: tokens into the first, hidden states into the last. */
+static void adapter_uses(out *o, int i)
+{
+    static const int32_t ids[3] = {4, 5, 6};
+    static float hid[3 * HIDDEN];
+    const char *path = i == 0 ? "ck/stage-0.safetensors" : "ck/stage-1.safetensors";
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    nl_wire_param ps[4] = {
+        {.key = "session", .kind = NL_WIRE_PARAM_INT, .i = 12},
+        {.key = "capacity", .kind = NL_WIRE_PARAM_INT, .i = 6},
+        {.key = "temperature", .kind = NL_WIRE_PARAM_FLOAT, .f = 0.0},
+        {.key = "adapter", .kind = NL_WIRE_PARAM_STR, .s = path},
+    };
+    for (int k = 0; k < 2; k++) {
+        if (k == 1) { /* a forward job with the adapter */
+            ps[0] = (nl_wire_param){.key = "job", .kind = NL_WIRE_PARAM_INT, .i = 13};
+            ps[1] = (nl_wire_param){.key = "batch", .kind = NL_WIRE_PARAM_INT, .i = 1};
+            ps[2] = (nl_wire_param){.key = "seq", .kind = NL_WIRE_PARAM_INT, .i = 3};
+        }
+        nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
+        m.u.job_submit =
+            (nl_msg_job_submit){k ? (uint32_t)NL_JOB_FORWARD : (uint32_t)NL_JOB_GENERATE, 4, ps};
+        rec(o, 0, &m);
+        nl_wire_msg_reset(&m, NL_MSG_ACTIVATION);
+        m.u.hop = (nl_msg_tensor_hop){k ? 13u : 12u, 0, 0, k ? 0u : 12u, 0, 0.0};
+        const int64_t sh[3] = {1, 3, HIDDEN};
+        if (i == 0)
+            nl_wire_frame_set(&m.frames[0], ids, NL_DTYPE_I32, sh, 2);
+        else
+            nl_wire_frame_set(&m.frames[0], hid, NL_DTYPE_F32, sh, 3);
+        m.nframes = 1;
+        rec(o, 1, &m);
+    }
+    nl_wire_msg_free(&m);
+}
+
+/* A training step of the stage alone as 2 replicas on different nodes:
+ * microbatch r on replica r, the counting pass's route counts and the
+ * gradients summed round the ring (REDUCE), the step. Each replica's
+ * inputs are recorded (ring-0, ring-1). */
+static void ring_training(const char *dir)
+{
+    static out o[2];
+    nl_stage *st[2] = {stage_at(0, 1), stage_at(0, 2)};
+    nl_wire_msg m;
+    nl_wire_msg_init(&m);
+    const uint64_t job = 6;
+    nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
+    m.u.job_submit = train_job(job, NL_JOB_TRAIN);
+    m.u.job_submit.nparams = 5; /* no recompute, no outputs to verify */
+    for (int i = 0; i < 2; i++) {
+        o[i].len = 0;
+        o[i].buf[o[i].len++] = (uint8_t)(64 | i << 7);
+        uint64_t id;
+        nl_error err;
+        rec(&o[i], 0, &m);
+        if (nl_stage_job_begin(st[i], &m.u.job_submit, &id, NULL, &err) != NL_OK)
+            die("ring job", &err);
+    }
+    const int32_t tok[2][4] = {{1, 2, 3, 4}, {5, 6, 7, 8}},
+                  tgt[2][4] = {{2, 3, 4, 5}, {6, 7, 8, 9}};
+    const int64_t sh[2] = {1, 4};
+    for (int h = 0; h < 3; h++) {
+        for (int i = 0; i < 2; i++) {
+            nl_wire_msg_reset(&m, h == 0 ? NL_MSG_COUNT : h == 1 ? NL_MSG_ACTIVATION : NL_MSG_STEP);
+            if (h < 2) {
+                m.u.hop = (nl_msg_tensor_hop){job, 1, (uint32_t)i, 0, 0, 0.0};
+                nl_wire_frame_set(&m.frames[0], tok[i], NL_DTYPE_I32, sh, 2);
+                nl_wire_frame_set(&m.frames[1], tgt[i], NL_DTYPE_I32, sh, 2);
+                m.nframes = h == 0 ? 1 : 2;
+            } else {
+                m.u.step = (nl_msg_step){job, 1, true, 1.0, 1e-3};
+            }
+            give(st, o, i, 0, &m);
+        }
+        /* each replica's REDUCE goes to the other, until none is left */
+        for (int k = 0; k < nkept; k++)
+            if (kept[k].to == NL_STAGE_TO_RING)
+                give(st, o, 1 - kept[k].stage, 0, &kept[k].m);
+        drop_kept();
+    }
+    for (int i = 0; i < 2; i++)
+        nl_stage_destroy(&st[i]);
+    nl_wire_msg_free(&m);
+    fuzz_save(dir, "ring-0", &o[0]);
+    fuzz_save(dir, "ring-1", &o[1]);
+}
+
 /* A training (or fine-tuning) job's first step on two stages, each
  * recording what reaches it: the hops of 2 microbatches, an evaluation,
  * the gradients, a verification request, the step, a checkpoint. The
@@ -554,7 +681,7 @@ static void pump(nl_stage **st, out *o)
 static void training(const char *dir, int kind, const char *name, out *cases)
 {
     static out o[2];
-    nl_stage *st[2] = {stage_at(1), stage_at(2)};
+    nl_stage *st[2] = {stage_at(1, 0), stage_at(2, 0)};
     o[0].len = o[1].len = 0;
     o[0].buf[o[0].len++] = 1;
     o[1].buf[o[1].len++] = 2;
@@ -623,6 +750,9 @@ static void training(const char *dir, int kind, const char *name, out *cases)
         rec(&o[i], 0, &m);
         nl_stage_destroy(&st[i]);
     }
+    if (kind == NL_JOB_FINETUNE) /* the adapter written, in a session and a forward job */
+        for (int i = 0; i < 2; i++)
+            adapter_uses(&o[i], i);
     nl_wire_msg_free(&m);
     char fn[64];
     snprintf(fn, sizeof fn, "%s-first", name);
@@ -741,15 +871,37 @@ int main(int argc, char **argv)
     fuzz_save(dir, "verify-cases", &cases);
     training(dir, NL_JOB_FINETUNE, "finetune", &cases);
 
+    /* an embedding job on a stage alone: 2 texts of 3 and 2 positions */
+    o.len = 0;
+    o.buf[o.len++] = 0;
+    nl_wire_param ep[4] = {{.key = "job", .kind = NL_WIRE_PARAM_INT, .i = 4},
+                           {.key = "batch", .kind = NL_WIRE_PARAM_INT, .i = 2},
+                           {.key = "seq", .kind = NL_WIRE_PARAM_INT, .i = 3},
+                           {.key = "lengths", .kind = NL_WIRE_PARAM_STR, .s = "3,2"}};
+    nl_wire_msg_reset(&m, NL_MSG_JOB_SUBMIT);
+    m.u.job_submit = (nl_msg_job_submit){NL_JOB_EMBED, 4, ep};
+    rec(&o, 0, &m);
+    nl_wire_msg_reset(&m, NL_MSG_ACTIVATION);
+    m.u.hop = (nl_msg_tensor_hop){4, 0, 0, 0, 0, 0.0};
+    sh[0] = 2;
+    sh[1] = 3;
+    const int32_t eids[6] = {1, 2, 3, 4, 5, 0};
+    nl_wire_frame_set(&m.frames[0], eids, NL_DTYPE_I32, sh, 2);
+    m.nframes = 1;
+    rec(&o, 0, &m);
+    fuzz_save(dir, "embed-alone", &o);
+
+    ring_training(dir);
+
     /* a new plan: the stage alone again at epoch 2, one tensor loaded in
      * two chunks, the load done */
     o.len = 0;
     o.buf[o.len++] = 1;
     nl_wire_msg_reset(&m, NL_MSG_ASSIGN);
-    m.u.assign = assign_of(0, 0, cfg_json);
+    m.u.assign = assign_of(0, 0, 0, cfg_json);
     m.u.assign.epoch = 2;
     rec(&o, 0, &m);
-    nl_stage *alone = stage_at(0); /* its tensors, the first in two chunks */
+    nl_stage *alone = stage_at(0, 0); /* its tensors, the first in two chunks */
     const nl_model *md = nl_stage_model(alone);
     float *w = malloc(md->n_params * sizeof *w);
     be->download(be, w, md->params, md->n_params * sizeof *w);
